@@ -1,0 +1,162 @@
+"""The rollpatch exception tree.
+
+Every error rollpatch raises on purpose derives from :class:`RollpatchError`, carries the
+context that identifies what failed (version, tensor, codec id, object key) and a hint that
+says how to fix it. Layers above map classes, never messages, to behaviour (the sidecar maps
+them to HTTP statuses; the CLI to exit codes)::
+
+    RollpatchError
+    ├── ConfigError                 bad option or argument (also a ValueError)
+    ├── FormatError                 a served format cannot be applied to a tensor
+    ├── ViewError                   a view or safetensors file is malformed or inconsistent
+    ├── PatchError                  anything wrong with a patch
+    │   ├── PatchDecodeError        bytes are not a valid patch: bad magic, checksum, bounds
+    │   ├── CodecError              a codec id is unknown or its payload is inconsistent
+    │   └── VerificationError       digests do not match: wrong base, corrupt result
+    │       ├── BaseMismatchError   the view is not the patch's base (nothing was written)
+    │       └── TargetMismatchError applying gave other bits than the target (rolled back)
+    ├── StoreError                  storage backend failures
+    │   ├── NotFoundError           key absent
+    │   ├── AlreadyExistsError      put-if-absent refused: the key is published already
+    │   ├── ConflictError           compare-and-swap lost a race
+    │   └── TransientStoreError     network/timeout: safe to retry
+    ├── BoardError                  versions, manifests, pointers, plans
+    │   ├── ManifestError           a manifest is malformed or fails verification
+    │   ├── VersionNotFoundError    no such version on the board
+    │   └── NoPathError             no plan reaches the wanted version
+    ├── EngineError                 an engine adapter failed (load, apply, digest)
+    └── NotReadyError               a component is not ready to serve (maps to 503)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "RollpatchError",
+    "ConfigError",
+    "FormatError",
+    "ViewError",
+    "PatchError",
+    "PatchDecodeError",
+    "CodecError",
+    "VerificationError",
+    "BaseMismatchError",
+    "TargetMismatchError",
+    "StoreError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "ConflictError",
+    "TransientStoreError",
+    "BoardError",
+    "ManifestError",
+    "VersionNotFoundError",
+    "NoPathError",
+    "EngineError",
+    "NotReadyError",
+]
+
+
+class RollpatchError(Exception):
+    """Base of every error rollpatch raises on purpose.
+
+    ``context`` holds identifying fields (``tensor=``, ``version=``, ``codec=``, ``key=``...);
+    ``hint`` says what the user can do about it. Both are rendered into ``str(err)``.
+    """
+
+    def __init__(self, message: str, *, hint: str | None = None, **context: Any) -> None:
+        self.message = message
+        self.hint = hint
+        self.context = {k: v for k, v in context.items() if v is not None}
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        text = self.message
+        if self.context:
+            text += " [" + ", ".join(f"{k}={v!r}" for k, v in self.context.items()) + "]"
+        if self.hint:
+            text += f" (hint: {self.hint})"
+        return text
+
+
+class ConfigError(RollpatchError, ValueError):
+    """An option, argument or configuration value is invalid."""
+
+
+class FormatError(RollpatchError):
+    """A served format cannot be computed for a tensor (dtype, shape, policy)."""
+
+
+class ViewError(RollpatchError):
+    """A view or a safetensors file is malformed or inconsistent."""
+
+
+class PatchError(RollpatchError):
+    """Base of all patch problems."""
+
+
+class PatchDecodeError(PatchError):
+    """The bytes are not a valid patch: bad magic, version, checksum, bounds or structure."""
+
+
+class CodecError(PatchError):
+    """A codec id is unknown, or a codec payload is inconsistent with its header."""
+
+
+class VerificationError(PatchError):
+    """A digest did not match."""
+
+
+class BaseMismatchError(VerificationError):
+    """The view given to apply is not the patch's base; nothing was written."""
+
+
+class TargetMismatchError(VerificationError):
+    """Applying the patch did not produce the target digest; the write was rolled back."""
+
+
+class StoreError(RollpatchError):
+    """A storage backend failed."""
+
+
+class NotFoundError(StoreError, KeyError):
+    """The key does not exist in the store."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self._render()
+
+
+class AlreadyExistsError(StoreError):
+    """put-if-absent refused: published objects are immutable."""
+
+
+class ConflictError(StoreError):
+    """A compare-and-swap lost a race (the pointer moved)."""
+
+
+class TransientStoreError(StoreError):
+    """A network or timeout failure: retrying is safe."""
+
+
+class BoardError(RollpatchError):
+    """Problems with versions, manifests, pointers or plans."""
+
+
+class ManifestError(BoardError):
+    """A manifest is malformed or fails verification."""
+
+
+class VersionNotFoundError(BoardError):
+    """The board has no such version."""
+
+
+class NoPathError(BoardError):
+    """No plan from the current version reaches the wanted one."""
+
+
+class EngineError(RollpatchError):
+    """An engine adapter failed to load, apply or digest."""
+
+
+class NotReadyError(RollpatchError):
+    """A component is not ready to serve yet (loading, recovering)."""

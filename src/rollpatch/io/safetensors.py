@@ -1,0 +1,191 @@
+"""Bounded safetensors reading and writing for views (so a keyframe is a loadable checkpoint).
+
+Format (huggingface/safetensors): 8-byte little-endian header length N, N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
+then the data section. Reading validates everything before allocating: header size cap,
+known dtypes, offsets inside the file, non-overlapping, ``prod(shape) * itemsize == end - begin``.
+
+rollpatch records each tensor's element kind in ``__metadata__["rollpatch.kinds"]`` (a JSON
+object, only for kinds that differ from the dtype's default, e.g. packed E2M1 codes in U8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ..errors import ViewError
+from ..kinds import DTYPE_BYTES, get_kind, kind_for_dtype
+from ..view import Tensor, View
+
+__all__ = ["load_view", "save_view", "view_to_bytes", "view_from_bytes", "read_header",
+           "MAX_HEADER_BYTES"]
+
+#: The safetensors reference implementation's cap on the JSON header.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_MAX_DIMS = 16
+_KINDS_KEY = "rollpatch.kinds"
+
+
+def read_header(f: BinaryIO, file_size: int) -> tuple[dict[str, Any], int]:
+    """Read and validate the header; returns (header dict, data section start)."""
+    raw = f.read(8)
+    n = _header_len(raw, file_size)
+    return _parse_json(f.read(n)), 8 + n
+
+
+def _header_len(raw: bytes, file_size: int) -> int:
+    if len(raw) != 8:
+        raise ViewError("file too short for a safetensors header", size=file_size)
+    n = int.from_bytes(raw, "little")
+    if n > MAX_HEADER_BYTES or n + 8 > file_size:
+        raise ViewError("safetensors header length out of bounds", header_len=n, size=file_size)
+    return n
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ViewError(f"safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ViewError("safetensors header must be a JSON object")
+    return header
+
+
+def _entries(header: dict[str, Any], data_len: int) -> list[tuple[str, str, tuple[int, ...],
+                                                                   int, int]]:
+    out = []
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(e, dict) or set(e) - {"dtype", "shape", "data_offsets"}:
+            raise ViewError("malformed safetensors entry", tensor=name)
+        dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if dtype not in DTYPE_BYTES:
+            raise ViewError(f"unsupported dtype {dtype!r}", tensor=name)
+        if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48
+                           for d in shape)):
+            raise ViewError("malformed shape", tensor=name)
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                or not 0 <= offs[0] <= offs[1] <= data_len):
+            raise ViewError("data_offsets out of bounds", tensor=name, data_len=data_len)
+        count = 1
+        for d in shape:
+            count *= d
+        if count * DTYPE_BYTES[dtype] != offs[1] - offs[0]:
+            raise ViewError("shape and dtype do not match the byte span", tensor=name)
+        out.append((name, dtype, tuple(shape), offs[0], offs[1]))
+    out.sort(key=lambda t: t[3])
+    for a, b in zip(out, out[1:]):
+        if b[3] < a[4]:
+            raise ViewError("overlapping tensors in safetensors file", tensor=b[0])
+    return out
+
+
+def _kinds_from_metadata(meta: dict[str, Any]) -> dict[str, str]:
+    raw = meta.get(_KINDS_KEY)
+    if raw is None:
+        return {}
+    try:
+        kinds = json.loads(raw)
+    except (TypeError, json.JSONDecodeError):
+        raise ViewError("malformed rollpatch.kinds metadata") from None
+    if not isinstance(kinds, dict) or not all(isinstance(v, str) for v in kinds.values()):
+        raise ViewError("malformed rollpatch.kinds metadata")
+    return kinds
+
+
+def _build(header: dict[str, Any], data: np.ndarray | memoryview | bytes,
+           data_len: int, copy: bool) -> View:
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ViewError("__metadata__ must map strings to strings")
+    kinds = _kinds_from_metadata(meta)
+    buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    tensors = {}
+    for name, dtype, shape, begin, end in _entries(header, data_len):
+        kind = get_kind(kinds[name]) if name in kinds else kind_for_dtype(dtype)
+        if kind.dtype != dtype:
+            raise ViewError("kind does not match dtype", tensor=name, kind=kind.name,
+                            dtype=dtype)
+        words = buf[begin:end]
+        words = words.copy() if copy else words
+        tensors[name] = Tensor(kind, shape, words.view(kind.word_dtype))
+    view_meta = {k: v for k, v in meta.items() if k != _KINDS_KEY}
+    return View(tensors, view_meta)
+
+
+def load_view(path: str | os.PathLike[str], *, mmap: bool = False) -> View:
+    """Load a safetensors file as a view. ``mmap=True`` maps it copy-on-write."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header, start = read_header(f, size)
+        if mmap:
+            data = np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=(size - start,))
+            return _build(header, data, size - start, copy=False)
+        data = np.fromfile(f, dtype=np.uint8, count=size - start)
+    if data.size != size - start:
+        raise ViewError("safetensors file truncated while reading", path=str(path))
+    return _build(header, data, size - start, copy=False)
+
+
+def view_from_bytes(raw: bytes | memoryview) -> View:
+    """Parse a safetensors blob (copying tensor data out of it)."""
+    mv = memoryview(raw)
+    n = _header_len(bytes(mv[:8]), len(mv))
+    header = _parse_json(bytes(mv[8:8 + n]))
+    return _build(header, mv[8 + n:], len(mv) - 8 - n, copy=True)
+
+
+def _header_bytes(view: View, metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, Any] = {}
+    meta = dict(view.metadata)
+    meta.update(metadata or {})
+    kinds = {name: t.kind.name for name, t in view.items()
+             if kind_for_dtype(t.dtype).name != t.kind.name}
+    if kinds:
+        meta[_KINDS_KEY] = json.dumps(kinds, sort_keys=True)
+    if meta:
+        header["__metadata__"] = meta
+    offset = 0
+    for name in sorted(view):
+        t = view[name]
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data section starts 8-byte aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def save_view(view: View, path: str | os.PathLike[str],
+              metadata: dict[str, str] | None = None) -> None:
+    """Write a view as safetensors, atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_header_bytes(view, metadata))
+            for name in sorted(view):
+                f.write(memoryview(view[name].data.view(np.uint8)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def view_to_bytes(view: View, metadata: dict[str, str] | None = None) -> bytes:
+    """Serialize a view as a safetensors blob in memory."""
+    parts = [_header_bytes(view, metadata)]
+    parts += [view[name].data.tobytes() for name in sorted(view)]
+    return b"".join(parts)

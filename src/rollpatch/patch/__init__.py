@@ -1,0 +1,17 @@
+"""Lossless patches between served views: diff, apply, compose, encode, decode.
+
+``apply(a, decode(encode(diff(a, b), a), a)) == b`` bit for bit, for every kind. See
+docs/patch-format.md for the wire format.
+"""
+
+from .model import Patch, TensorPatch
+from .ops import apply, compose, diff
+from .wire import PatchHeader, decode, encode, inspect
+
+__all__ = ["Patch", "TensorPatch", "diff", "apply", "compose", "encode", "decode", "inspect",
+           "PatchHeader", "apply_bytes"]
+
+
+def apply_bytes(view, blob, *, verify: bool = False):  # type: ignore[no-untyped-def]
+    """Decode ``blob`` against ``view`` and apply it in place; returns the view."""
+    return apply(view, decode(blob, view), verify=verify)

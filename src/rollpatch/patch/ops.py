@@ -1,0 +1,218 @@
+"""diff, apply and compose on decoded patches.
+
+``apply`` never leaves a view with unknown bits: it validates everything and checks the base
+digests before writing, verifies the target digests after, and undoes its writes on mismatch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BaseMismatchError, PatchError, TargetMismatchError
+from ..view import Tensor, View
+from .model import Patch, TensorPatch
+
+__all__ = ["diff", "apply", "compose", "gather", "scatter"]
+
+
+def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
+    """Elements of ``t`` at ``positions`` (nibbles for packed kinds)."""
+    if not t.kind.packed:
+        return t.data[positions]
+    b = t.data[positions >> 1]
+    return np.where(positions & 1, b >> 4, b & 0x0F).astype(np.uint8)
+
+
+def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray) -> None:
+    """Write elements in place (read-modify-write of bytes for packed kinds)."""
+    if not t.kind.packed:
+        t.data[positions] = values
+        return
+    for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
+        sel = (positions & 1) == parity
+        idx = positions[sel] >> 1
+        t.data[idx] = (t.data[idx] & keep) | (values[sel].astype(np.uint8) << shift)
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    return a.kind == b.kind and a.shape == b.shape
+
+
+def diff(a: View, b: View) -> Patch:
+    """The patch that turns view ``a`` into view ``b``, bit for bit."""
+    tensors: dict[str, TensorPatch] = {}
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            ta = a[name]
+            tensors[name] = TensorPatch(name, "drop", ta.kind, ta.shape, a.tensor_digest(name),
+                                        None)
+            continue
+        tb = b[name]
+        if name not in a or not _same_layout(a[name], tb):
+            base = a.tensor_digest(name) if name in a else None
+            tensors[name] = TensorPatch(name, "full", tb.kind, tb.shape, base,
+                                        b.tensor_digest(name), tensor=tb.copy())
+            continue
+        ta = a[name]
+        if ta.kind.packed:
+            ea, eb = ta.elements(), tb.elements()
+        else:
+            ea, eb = ta.data, tb.data
+        pos = np.flatnonzero(ea != eb)
+        if pos.size == 0:
+            continue
+        tensors[name] = TensorPatch(name, "delta", ta.kind, ta.shape, a.tensor_digest(name),
+                                    b.tensor_digest(name), pos.astype(np.int64), ea[pos],
+                                    eb[pos])
+    return Patch(a.digest(), b.digest(), tensors)
+
+
+def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
+    for name, tp in patch.tensors.items():
+        if tp.op in ("delta", "drop") and name not in view:
+            raise BaseMismatchError("the view lacks a tensor the patch changes", tensor=name)
+        if tp.op == "delta":
+            t = view[name]
+            if t.kind != tp.kind or t.shape != tp.shape:
+                raise BaseMismatchError("tensor layout differs from the patch's base",
+                                        tensor=name, kind=t.kind.name, shape=t.shape)
+            assert tp.positions is not None and tp.old is not None
+            if tp.positions.size and (tp.positions[0] < 0
+                                      or tp.positions[-1] >= t.n_elements):
+                raise PatchError("patch position out of range", tensor=name)
+        if tp.op == "full" and tp.base_digest is None and name in view:
+            raise BaseMismatchError("the patch adds a tensor the view already has", tensor=name)
+        if verify and name in view:
+            view.invalidate(name)
+        if name in view and tp.base_digest is not None \
+                and view.tensor_digest(name) != tp.base_digest:
+            raise BaseMismatchError("tensor is not the patch's base", tensor=name,
+                                    hint="the engine is on another version; plan a new path")
+    if view.digest() != patch.base:
+        raise BaseMismatchError("view root digest is not the patch's base",
+                                expected=patch.base[:16], actual=view.digest()[:16])
+    for name, tp in patch.tensors.items():
+        if tp.op == "delta":
+            assert tp.positions is not None and tp.old is not None
+            if not np.array_equal(gather(view[name], tp.positions), tp.old):
+                raise BaseMismatchError("old elements differ from the patch's base",
+                                        tensor=name)
+
+
+def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = False) -> View:
+    """Apply ``patch`` to ``view`` (in place by default, else to a copy) and return it.
+
+    Checks the base (cached digests; ``verify=True`` re-hashes the touched tensors first)
+    before writing anything; verifies every touched tensor and the root after writing; on a
+    mismatch restores the previous bits and raises :class:`TargetMismatchError`.
+    """
+    if not inplace:
+        view = view.copy()
+    _check_applicable(view, patch, verify)
+    undo: list[tuple[str, TensorPatch, Tensor | None, str | None]] = []
+    try:
+        for name, tp in patch.tensors.items():
+            prev = view[name] if name in view else None
+            undo.append((name, tp, prev, view.tensor_digest(name) if prev is not None else None))
+            if tp.op == "delta":
+                assert tp.positions is not None and tp.new is not None
+                scatter(view[name], tp.positions, tp.new)
+                view.invalidate(name)
+            elif tp.op == "full":
+                assert tp.tensor is not None
+                view[name] = tp.tensor.copy()
+            else:
+                del view[name]
+        for name, tp in patch.tensors.items():
+            if tp.op != "drop" and view.tensor_digest(name) != tp.target_digest:
+                raise TargetMismatchError("tensor does not match the target after applying",
+                                          tensor=name)
+        if view.digest() != patch.target:
+            raise TargetMismatchError("view root digest does not match the target")
+    except BaseException:
+        _undo(view, undo)
+        raise
+    return view
+
+
+def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | None]]) -> None:
+    for name, tp, prev, digest in reversed(undo):
+        if tp.op == "delta" and prev is not None:
+            assert tp.positions is not None and tp.old is not None
+            scatter(prev, tp.positions, tp.old)
+        if prev is None:
+            if name in view:
+                del view[name]
+        else:
+            view[name] = prev
+            if digest is not None:
+                view.set_digest(name, digest)
+
+
+def _compose_delta(name: str, p: TensorPatch, q: TensorPatch) -> TensorPatch | None:
+    assert p.positions is not None and q.positions is not None
+    assert p.old is not None and p.new is not None and q.old is not None and q.new is not None
+    if p.kind != q.kind or p.shape != q.shape or p.target_digest != q.base_digest:
+        raise PatchError("patches do not chain for this tensor", tensor=name)
+    pos = np.union1d(p.positions, q.positions)
+    ip = np.searchsorted(pos, p.positions)
+    iq = np.searchsorted(pos, q.positions)
+    in_p = np.zeros(pos.size, dtype=bool)
+    in_p[ip] = True
+    mid = np.empty(pos.size, dtype=p.new.dtype)
+    mid[ip] = p.new
+    shared = in_p[iq]
+    if not np.array_equal(mid[iq[shared]], q.old[shared]):
+        raise PatchError("patches disagree on intermediate elements", tensor=name)
+    old = np.empty(pos.size, dtype=p.old.dtype)
+    old[iq] = q.old
+    old[ip] = p.old
+    new = mid
+    new[iq] = q.new
+    keep = old != new
+    if not keep.any():
+        if p.base_digest != q.target_digest:
+            raise PatchError("composed delta is empty but digests differ", tensor=name)
+        return None
+    return TensorPatch(name, "delta", p.kind, p.shape, p.base_digest, q.target_digest,
+                       pos[keep].astype(np.int64), old[keep], new[keep])
+
+
+def _compose_one(name: str, p: TensorPatch | None, q: TensorPatch | None) -> TensorPatch | None:
+    if p is None:
+        return q
+    if q is None:
+        return p
+    if p.op == "delta" and q.op == "delta":
+        return _compose_delta(name, p, q)
+    if q.op == "drop":
+        return None if p.base_digest is None else TensorPatch(
+            name, "drop", p.kind, p.shape, p.base_digest, None)
+    if q.op == "full":
+        return TensorPatch(name, "full", q.kind, q.shape, p.base_digest, q.target_digest,
+                           tensor=q.tensor)
+    if p.op == "full":  # full then delta: fold the delta into the new tensor
+        assert p.tensor is not None and q.positions is not None and q.new is not None
+        t = p.tensor.copy()
+        scatter(t, q.positions, q.new)
+        return TensorPatch(name, "full", t.kind, t.shape, p.base_digest, q.target_digest,
+                           tensor=t)
+    raise PatchError("patches do not chain: delta after drop", tensor=name)
+
+
+def compose(first: Patch, second: Patch) -> Patch:
+    """One patch equal to applying ``first`` then ``second``; needs no view.
+
+    For delta tensors the result is exactly ``diff(a, c)``.
+    """
+    if first.target != second.base:
+        raise PatchError("patches do not chain: first.target != second.base",
+                         first=first.target[:16], second=second.base[:16])
+    out: dict[str, TensorPatch] = {}
+    for name in sorted(set(first.tensors) | set(second.tensors)):
+        tp = _compose_one(name, first.tensors.get(name), second.tensors.get(name))
+        if tp is not None:
+            out[name] = tp
+    meta = dict(first.meta)
+    meta.update(second.meta)
+    return Patch(first.base, second.target, out, meta)

@@ -1,0 +1,259 @@
+"""The patch container: bytes ↔ :class:`Patch` (normative spec: docs/patch-format.md).
+
+Parsing is bounded and validates in this order — magic, version, flags, lengths, header
+checksum, JSON schema and limits — before any payload is touched; each payload's checksum is
+verified before it is decoded. Hostile input raises :class:`PatchDecodeError` (or
+:class:`CodecError`), never a numpy exception, never an allocation larger than the base view.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import numpy as np
+
+from ..errors import BaseMismatchError, CodecError, PatchDecodeError, RollpatchError
+from ..kinds import KINDS
+from ..view import View, WordSource
+from .codecs import DELTA_CODECS, decode_full, encode_full, get_delta_codec
+from .model import OPS, Patch, TensorPatch
+
+__all__ = ["encode", "decode", "inspect", "PatchHeader", "MAGIC", "MAX_HEADER_BYTES"]
+
+MAGIC = b"\x89RPATCH\n"
+VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+MAX_NAME_BYTES = 1024
+MAX_DIMS = 16
+MAX_ELEMENTS = 1 << 48
+_PREFIX = struct.Struct("<8sHHI")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+#: Above this density the encoder also tries XOR+zstd and keeps the smaller payload.
+_DENSE = 0.05
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Tensors are coded concurrently: numpy releases the GIL in the heavy loops."""
+    return ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
+
+
+def _b3(data: bytes | memoryview) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+def encode(patch: Patch, base: WordSource) -> bytes:
+    """Serialize ``patch``; ``base`` (the patch's base view) drives the context model."""
+    entries: list[dict[str, Any]] = []
+    payloads: list[bytes] = []
+    offset = 0
+    names = sorted(patch.tensors)
+    with _pool() as pool:
+        coded = pool.map(lambda n: _encode_tensor(patch.tensors[n], base), names)
+    for name, (codec, payload) in zip(names, coded):
+        tp = patch.tensors[name]
+        entries.append({
+            "name": name, "op": tp.op, "kind": tp.kind.name, "dtype": tp.kind.dtype,
+            "shape": list(tp.shape), "changed": tp.n_changed, "base": tp.base_digest,
+            "target": tp.target_digest, "codec": codec, "offset": offset,
+            "length": len(payload), "b3": blake3.blake3(payload).hexdigest(),
+        })
+        payloads.append(payload)
+        offset += len(payload)
+    header = {"format": "rollpatch.patch", "version": VERSION, "base": patch.base,
+              "target": patch.target, "payload_bytes": offset, "meta": dict(patch.meta),
+              "tensors": entries}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CodecError("patch header exceeds the format's limit", size=len(raw))
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(raw)) + raw
+    return b"".join([prefix, _b3(prefix), *payloads])
+
+
+def _encode_tensor(tp: TensorPatch, base: WordSource) -> tuple[str, bytes]:
+    if tp.op == "drop":
+        return "none", b""
+    if tp.op == "full":
+        assert tp.tensor is not None
+        return encode_full(tp.tensor)
+    assert tp.positions is not None and tp.old is not None and tp.new is not None
+    t = base[tp.name]
+    best = DELTA_CODECS["rp.ctxgolomb.v1"]
+    payload = best.encode(t, tp.positions, tp.old, tp.new)
+    if tp.positions.size > _DENSE * tp.n_elements:
+        alt = DELTA_CODECS["rp.xorzstd.v1"].encode(t, tp.positions, tp.old, tp.new)
+        if len(alt) < len(payload):
+            return "rp.xorzstd.v1", alt
+    return best.codec_id, payload
+
+
+@dataclass(frozen=True)
+class PatchHeader:
+    """A validated patch header (what ``inspect`` returns)."""
+
+    base: str
+    target: str
+    meta: dict[str, str]
+    tensors: list[dict[str, Any]]
+    payload_start: int
+    payload_bytes: int
+    header_bytes: int
+
+    @property
+    def n_changed(self) -> int:
+        return sum(e["changed"] for e in self.tensors if e["op"] == "delta")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base": self.base, "target": self.target, "meta": self.meta,
+                "payload_bytes": self.payload_bytes, "header_bytes": self.header_bytes,
+                "changed": self.n_changed, "tensors": self.tensors}
+
+
+def inspect(blob: bytes | memoryview) -> PatchHeader:
+    """Validate the container and header (no base view needed)."""
+    mv = memoryview(blob)
+    if len(mv) < _PREFIX.size + 32:
+        raise PatchDecodeError("too short to be a patch", size=len(mv))
+    magic, version, flags, hlen = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise PatchDecodeError("not a rollpatch patch (bad magic)")
+    if version != VERSION:
+        raise PatchDecodeError(f"unsupported patch format version {version}",
+                               hint="upgrade rollpatch")
+    if flags != 0:
+        raise PatchDecodeError("unknown flags set", flags=flags)
+    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen + 32 > len(mv):
+        raise PatchDecodeError("header length out of bounds", header_len=hlen)
+    end = _PREFIX.size + hlen
+    if _b3(mv[:end]) != bytes(mv[end:end + 32]):
+        raise PatchDecodeError("header checksum mismatch: the patch is corrupt")
+    try:
+        header = json.loads(bytes(mv[_PREFIX.size:end]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PatchDecodeError(f"header is not JSON: {e}") from None
+    parsed = _validate_header(header, hlen)
+    if parsed.payload_start + parsed.payload_bytes != len(mv):
+        raise PatchDecodeError("file length does not match the header",
+                               expected=parsed.payload_start + parsed.payload_bytes,
+                               actual=len(mv))
+    return parsed
+
+
+def _need(cond: bool, what: str, **ctx: Any) -> None:
+    if not cond:
+        raise PatchDecodeError(f"invalid patch header: {what}", **ctx)
+
+
+def _is_int(x: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _is_digest(x: Any, nullable: bool) -> bool:
+    return (x is None and nullable) or (isinstance(x, str) and bool(_DIGEST_RE.match(x)))
+
+
+def _validate_header(h: Any, hlen: int) -> PatchHeader:
+    _need(isinstance(h, dict), "not an object")
+    _need(h.get("format") == "rollpatch.patch" and h.get("version") == VERSION,
+          "format/version fields")
+    _need(_is_digest(h.get("base"), False) and _is_digest(h.get("target"), False),
+          "root digests")
+    meta = h.get("meta", {})
+    _need(isinstance(meta, dict) and len(meta) <= 256
+          and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), "meta")
+    payload_bytes = h.get("payload_bytes")
+    _need(_is_int(payload_bytes), "payload_bytes")
+    tensors = h.get("tensors")
+    _need(isinstance(tensors, list) and len(tensors) <= MAX_TENSORS, "tensors list")
+    prev, spans = None, []
+    for e in tensors:
+        _validate_entry(e, payload_bytes)
+        _need(prev is None or e["name"] > prev, "tensors not sorted/unique", tensor=e["name"])
+        prev = e["name"]
+        spans.append((e["offset"], e["offset"] + e["length"]))
+    spans.sort()
+    _need(all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "overlapping payloads")
+    return PatchHeader(h["base"], h["target"], dict(meta), tensors, _PREFIX.size + hlen + 32,
+                       payload_bytes, hlen)
+
+
+def _validate_entry(e: Any, payload_bytes: int) -> None:
+    _need(isinstance(e, dict), "tensor entry")
+    name = e.get("name")
+    _need(isinstance(name, str) and 0 < len(name.encode()) <= MAX_NAME_BYTES, "tensor name")
+    op, kind = e.get("op"), KINDS.get(e.get("kind"))  # type: ignore[arg-type]
+    _need(op in OPS and kind is not None and e.get("dtype") == kind.dtype, "op/kind/dtype",
+          tensor=name)
+    shape = e.get("shape")
+    _need(isinstance(shape, list) and len(shape) <= MAX_DIMS
+          and all(_is_int(d, 0, MAX_ELEMENTS) for d in shape), "shape", tensor=name)
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    _need(count < MAX_ELEMENTS, "element count", tensor=name)
+    n = count * 2 if kind.packed else count
+    changed = e.get("changed")
+    _need(_is_int(changed, 0, n) and (op == "delta" or changed == n), "changed", tensor=name)
+    _need(_is_digest(e.get("base"), op == "full") and _is_digest(e.get("target"), op == "drop")
+          and (op != "drop" or e.get("target") is None), "tensor digests", tensor=name)
+    codec = e.get("codec")
+    ok = {"delta": set(DELTA_CODECS), "full": {"zstd", "raw"}, "drop": {"none"}}[op]
+    _need(codec in ok, f"codec {codec!r} for op {op}", tensor=name)
+    off, length = e.get("offset"), e.get("length")
+    _need(_is_int(off) and _is_int(length) and off + length <= payload_bytes, "payload span",
+          tensor=name)
+    _need(op != "drop" or length == 0, "drop with payload", tensor=name)
+    _need(isinstance(e.get("b3"), str) and bool(_DIGEST_RE.match(e["b3"])), "payload checksum",
+          tensor=name)
+
+
+def decode(blob: bytes | memoryview, base: WordSource, *, check_base: bool = True) -> Patch:
+    """Parse and decode a patch against its ``base`` view (or any word source).
+
+    With ``check_base`` and a :class:`View` base, the root digest is compared first (cached
+    digests make this cheap), so a wrong base fails fast with :class:`BaseMismatchError`.
+    """
+    header = inspect(blob)
+    if check_base and isinstance(base, View) and base.digest() != header.base:
+        raise BaseMismatchError("the view is not this patch's base",
+                                expected=header.base[:16], actual=base.digest()[:16])
+    mv = memoryview(blob)
+
+    def one(e: dict[str, Any]) -> TensorPatch:
+        start = header.payload_start + e["offset"]
+        payload = mv[start:start + e["length"]]
+        if blake3.blake3(payload).hexdigest() != e["b3"]:
+            raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
+        return _decode_tensor(e, payload, base)
+
+    with _pool() as pool:
+        decoded = list(pool.map(one, header.tensors))
+    return Patch(header.base, header.target, {t.name: t for t in decoded}, header.meta)
+
+
+def _decode_tensor(e: dict[str, Any], payload: memoryview, base: WordSource) -> TensorPatch:
+    name, op, kind = e["name"], e["op"], KINDS[e["kind"]]
+    shape = tuple(e["shape"])
+    if op == "drop":
+        return TensorPatch(name, op, kind, shape, e["base"], None)
+    if op == "full":
+        t = decode_full(e["codec"], payload, kind, shape)
+        return TensorPatch(name, op, kind, shape, e["base"], e["target"], tensor=t)
+    if name not in base:
+        raise BaseMismatchError("the base lacks a tensor the patch changes", tensor=name)
+    t = base[name]
+    if t.kind != kind or t.shape != shape:
+        raise BaseMismatchError("base tensor layout differs from the patch", tensor=name,
+                                kind=t.kind.name, shape=t.shape)
+    codec = get_delta_codec(e["codec"])
+    try:
+        positions, old, new = codec.decode(payload, t, e["changed"])
+    except RollpatchError as err:
+        err.context.setdefault("tensor", name)
+        raise
+    return TensorPatch(name, op, kind, shape, e["base"], e["target"], positions, old, new)

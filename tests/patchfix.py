@@ -6,6 +6,7 @@ import json
 import struct
 
 import blake3
+import zstandard
 import ml_dtypes
 import numpy as np
 
@@ -39,8 +40,9 @@ def sample_views(seed: int = 0, n: int = 70_000) -> tuple[View, View]:
 
 def split_blob(blob: bytes) -> tuple[dict, bytes]:
     """(header dict, payload bytes) of a well-formed patch."""
-    hlen = struct.unpack_from("<I", blob, 12)[0]
-    header = json.loads(blob[16:16 + hlen])
+    flags, hlen = struct.unpack_from("<HI", blob, 10)
+    raw = blob[16:16 + hlen]
+    header = json.loads(zstandard.ZstdDecompressor().decompress(raw) if flags & 1 else raw)
     return header, blob[16 + hlen + 32:]
 
 

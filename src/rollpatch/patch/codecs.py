@@ -23,6 +23,7 @@ from .groups import Groups
 from .ops import gather
 
 __all__ = ["DeltaCodec", "DELTA_CODECS", "get_delta_codec", "encode_full", "decode_full",
+           "bounded_decompress",
            "to_key", "from_key"]
 
 
@@ -97,9 +98,16 @@ class DeltaCodec(ABC):
         """Returns (positions, old, new); raises PatchDecodeError on any inconsistency."""
 
 
+def _by_context(pctx: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
+    """Indices of the changed elements of each listed context, in position order."""
+    order = np.argsort(pctx, kind="stable")
+    cuts = np.searchsorted(pctx[order], ids, side="right")
+    return np.split(order, cuts[:-1])
+
+
 @dataclass(frozen=True)
 class CtxGolomb(DeltaCodec):
-    """Context-grouped Golomb codes for positions, outward/big flags and exp-Golomb tails."""
+    """Context-grouped Golomb codes: positions and delta magnitudes modelled per exponent."""
 
     codec_id: str = "rp.ctxgolomb.v1"
 
@@ -110,23 +118,24 @@ class CtxGolomb(DeltaCodec):
         sizes, ranks, ids = groups.split(positions)
         mag, positive = _signed_delta(kind, old, new)
         outward = positive ^ _negative(kind, old)
-        big = mag > np.uint64(1)
-        tail = mag[big] - np.uint64(2)
-        eg = _best_order(tail, kind.bits)
+        members = _by_context(groups.ctx(old), ids) if ids.size else []
+        bigs = [np.flatnonzero(mag[m] > np.uint64(1)) for m in members]
+        tails = [mag[m[b]] - np.uint64(2) for m, b in zip(members, bigs)]
+        orders = [_best_order(t, kind.bits) for t in tails]
         params = bytearray()
         write_varint(params, len(ids))
-        for g, r in zip(ids, ranks):
-            write_varint(params, int(g))
-            write_varint(params, int(r.size))
-        for v in (int(outward.sum()), int(big.sum()), eg):
-            write_varint(params, v)
+        for g, r, b, eg in zip(ids, ranks, bigs, orders):
+            for v in (int(g), int(r.size), int(b.size), eg):
+                write_varint(params, v)
+        write_varint(params, int(outward.sum()))
         uw, fw = UnaryWriter(), FixedWriter()
         for g, r in zip(ids, ranks):
             encode_sequence(r, int(sizes[g]), uw, fw)
-        k = int(positions.size)
-        encode_sequence(np.flatnonzero(outward), k, uw, fw)
-        encode_sequence(np.flatnonzero(big), k, uw, fw)
-        encode_expgolomb(tail, eg, uw, fw)
+        encode_sequence(np.flatnonzero(outward), int(positions.size), uw, fw)
+        for m, b in zip(members, bigs):
+            encode_sequence(b, int(m.size), uw, fw)
+        for t, eg in zip(tails, orders):
+            encode_expgolomb(t, eg, uw, fw)
         unary = uw.getvalue()
         out = bytearray()
         write_varint(out, len(params))
@@ -136,19 +145,8 @@ class CtxGolomb(DeltaCodec):
         out += fw.getvalue()
         return bytes(out)
 
-    def _params(self, params: list[int],
-                ncontexts: int) -> tuple[list[int], list[int], list[int]]:
-        if not params or len(params) != 2 * params[0] + 4:
-            raise PatchDecodeError("wrong number of params", codec=self.codec_id)
-        ids, counts = params[1:1 + 2 * params[0]:2], params[2:2 + 2 * params[0]:2]
-        if any(b <= a for a, b in zip(ids, ids[1:])) or (ids and ids[-1] >= ncontexts) \
-                or any(c < 1 for c in counts):
-            raise PatchDecodeError("invalid context list", codec=self.codec_id)
-        return ids, counts, params[-3:]
-
-    def decode(self, payload: memoryview, base: Tensor,
-               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        kind = base.kind
+    def _params(self, payload: memoryview) -> tuple[list[list[int]], int, int]:
+        """(per-context [c, k_c, b_c, eg_c], k_s, offset of the unary length)."""
         plen, pos = read_varint(payload, 0)
         if pos + plen > len(payload):
             raise PatchDecodeError("params overrun the payload", codec=self.codec_id)
@@ -156,43 +154,53 @@ class CtxGolomb(DeltaCodec):
         while p < pos + plen:
             v, p = read_varint(payload, p)
             params.append(v)
-        if p != pos + plen:
-            raise PatchDecodeError("params overrun their length", codec=self.codec_id)
-        ulen, q = read_varint(payload, pos + plen)
+        if p != pos + plen or not params or len(params) != 4 * params[0] + 2:
+            raise PatchDecodeError("wrong number of params", codec=self.codec_id)
+        rows = [params[1 + 4 * i:5 + 4 * i] for i in range(params[0])]
+        return rows, params[-1], pos + plen
+
+    def decode(self, payload: memoryview, base: Tensor,
+               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        kind = base.kind
+        rows, k_out, upos = self._params(payload)
+        ulen, q = read_varint(payload, upos)
         if q + ulen > len(payload):
             raise PatchDecodeError("unary stream overruns the payload", codec=self.codec_id)
         elements = base.elements()
         groups = Groups(kind, elements)
-        ids, counts, (k_out, k_big, eg) = self._params(params, groups.ncontexts)
-        if sum(counts) != changed:
-            raise PatchDecodeError("group counts do not add up to the changed count",
+        ids = [r[0] for r in rows]
+        if any(y <= x for x, y in zip(ids, ids[1:])) or (ids and ids[-1] >= groups.ncontexts) \
+                or any(not 1 <= k <= changed or b > k or eg > 63 for _, k, b, eg in rows):
+            raise PatchDecodeError("invalid context list", codec=self.codec_id)
+        if sum(r[1] for r in rows) != changed or k_out > changed:
+            raise PatchDecodeError("context counts do not add up to the changed count",
                                    codec=self.codec_id)
-        if k_out > changed or k_big > changed or eg > 63:
-            raise PatchDecodeError("flag counts out of range", codec=self.codec_id)
         sizes, chunk_counts = groups.sizes()
-        if any(c > sizes[g] for g, c in zip(ids, counts)):
+        if any(k > sizes[c] for c, k, _, _ in rows):
             raise PatchDecodeError("more changes than elements in a context",
                                    codec=self.codec_id)
         ur = UnaryReader(payload[q:q + ulen])
         fr = FixedReader(payload[q + ulen:])
-        ranks = [decode_sequence(int(sizes[g]), c, ur, fr) for g, c in zip(ids, counts)]
+        ranks = [decode_sequence(int(sizes[c]), k, ur, fr) for c, k, _, _ in rows]
         positions = groups.join(np.array(ids, dtype=np.int64), ranks, chunk_counts)
+        old = elements[positions]
         outward = np.zeros(changed, dtype=bool)
         outward[decode_sequence(changed, k_out, ur, fr)] = True
-        big = decode_sequence(changed, k_big, ur, fr)
+        members = _by_context(groups.ctx(old), np.array(ids, dtype=np.int64)) if rows else []
+        bigs = [decode_sequence(int(m.size), b, ur, fr) for m, (_, _, b, _) in zip(members, rows)]
         mag = np.ones(changed, dtype=np.uint64)
-        mag[big] = decode_expgolomb(big.size, eg, min(kind.bits, 63), ur, fr) + np.uint64(2)
+        width = min(kind.bits, 63)
+        for m, big, (_, _, _, eg) in zip(members, bigs, rows):
+            mag[m[big]] = decode_expgolomb(big.size, eg, width, ur, fr) + np.uint64(2)
         ur.finish()
         fr.finish()
         s, mask = _consts(kind)
         if (mag > np.uint64(s)).any():
             raise PatchDecodeError("delta magnitude beyond the word range", codec=self.codec_id)
-        old = elements[positions]
         positive = outward ^ _negative(kind, old)
         key_old = to_key(kind, old).astype(np.uint64)
         key_new = np.where(positive, key_old + mag, key_old - mag) & np.uint64(mask)
-        new = from_key(kind, key_new)
-        return positions, old, new
+        return positions, old, from_key(kind, key_new)
 
 
 @dataclass(frozen=True)
@@ -212,7 +220,7 @@ class XorZstd(DeltaCodec):
 
     def decode(self, payload: memoryview, base: Tensor,
                changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        raw = _bounded_decompress(payload, base.nbytes)
+        raw = bounded_decompress(payload, base.nbytes)
         x = Tensor(base.kind, base.shape, np.frombuffer(raw, dtype=base.kind.word_dtype))
         xe = x.elements()
         positions = np.flatnonzero(xe)
@@ -223,12 +231,19 @@ class XorZstd(DeltaCodec):
         return positions, old, old ^ xe[positions]
 
 
-def _bounded_decompress(payload: memoryview, size: int) -> bytes:
-    """zstd-decompress exactly ``size`` bytes, never producing more (no zip bombs)."""
+def bounded_decompress(payload: memoryview | bytes, size: int, exact: bool = True) -> bytes:
+    """zstd-decompress exactly (or at most) ``size`` bytes, never more (no zip bombs)."""
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(bytes(payload))
-        out = reader.read(size)
-        if len(out) != size or reader.read(1):
+        parts, got = [], 0
+        while got < size:
+            part = reader.read(min(size - got, 1 << 24))
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        out = b"".join(parts)
+        if (exact and got != size) or reader.read(1):
             raise PatchDecodeError("zstd payload has the wrong decompressed size",
                                    expected=size)
     except zstandard.ZstdError as e:
@@ -261,7 +276,7 @@ def decode_full(codec: str, payload: memoryview, kind: Kind, shape: tuple[int, .
             raise PatchDecodeError("raw payload has the wrong size", expected=size)
         raw = bytes(payload)
     elif codec == "zstd":
-        raw = _bounded_decompress(payload, size)
+        raw = bounded_decompress(payload, size)
     else:
         raise CodecError(f"unknown full-tensor codec {codec!r}", hint="known: zstd, raw")
     return Tensor(kind, shape, np.frombuffer(raw, dtype=kind.word_dtype).copy())

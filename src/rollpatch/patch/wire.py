@@ -18,11 +18,13 @@ from typing import Any
 
 import blake3
 import numpy as np
+import zstandard
 
 from ..errors import BaseMismatchError, CodecError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
 from ..view import View, WordSource
-from .codecs import DELTA_CODECS, decode_full, encode_full, get_delta_codec
+from .codecs import (DELTA_CODECS, bounded_decompress, decode_full, encode_full,
+                     get_delta_codec)
 from .model import OPS, Patch, TensorPatch
 
 __all__ = ["encode", "decode", "inspect", "PatchHeader", "MAGIC", "MAX_HEADER_BYTES"]
@@ -35,6 +37,8 @@ MAX_NAME_BYTES = 1024
 MAX_DIMS = 16
 MAX_ELEMENTS = 1 << 48
 _PREFIX = struct.Struct("<8sHHI")
+#: Flag bit 0: the header is a zstd frame (hex digests and names compress about 3×).
+FLAG_ZSTD_HEADER = 1
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 #: Above this density the encoder also tries XOR+zstd and keeps the smaller payload.
 _DENSE = 0.05
@@ -73,7 +77,8 @@ def encode(patch: Patch, base: WordSource) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
-    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(raw)) + raw
+    packed = zstandard.ZstdCompressor(level=9).compress(raw)
+    prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_ZSTD_HEADER, len(packed)) + packed
     return b"".join([prefix, _b3(prefix), *payloads])
 
 
@@ -127,15 +132,18 @@ def inspect(blob: bytes | memoryview) -> PatchHeader:
     if version != VERSION:
         raise PatchDecodeError(f"unsupported patch format version {version}",
                                hint="upgrade rollpatch")
-    if flags != 0:
+    if flags & ~FLAG_ZSTD_HEADER:
         raise PatchDecodeError("unknown flags set", flags=flags)
     if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen + 32 > len(mv):
         raise PatchDecodeError("header length out of bounds", header_len=hlen)
     end = _PREFIX.size + hlen
     if _b3(mv[:end]) != bytes(mv[end:end + 32]):
         raise PatchDecodeError("header checksum mismatch: the patch is corrupt")
+    raw = bytes(mv[_PREFIX.size:end])
+    if flags & FLAG_ZSTD_HEADER:
+        raw = bounded_decompress(raw, MAX_HEADER_BYTES, exact=False)
     try:
-        header = json.loads(bytes(mv[_PREFIX.size:end]))
+        header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PatchDecodeError(f"header is not JSON: {e}") from None
     parsed = _validate_header(header, hlen)

@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   — the main job (an end-to-end run on the embedded file:// default)
+#   make test   — the test suite (starts and stops the services its tests use)
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU torch wheel pinned explicitly: a bare "torch" could pull a multi-GB CUDA build
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev,torch,s3,web]" "moto[server]>=5"
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+demo: setup
+	$(BIN)/rollpatch demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/codec.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

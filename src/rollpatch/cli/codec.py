@@ -1,0 +1,142 @@
+"""``rollpatch cast | diff | apply | inspect``: formats and patches on files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..io import load_view, save_view
+from ..io.checkpoint import load_masters
+from ..view import View
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    from ..formats import FORMAT_NAMES
+
+    p = sub.add_parser("cast", help="cast a master checkpoint to a served view (safetensors)")
+    p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
+    _format_args(p, FORMAT_NAMES)
+    p.add_argument("--previous", help="previous view whose scales --scales frozen reuses")
+    p.add_argument("-o", "--output", required=True, help="output view (.safetensors)")
+    p.set_defaults(func=cmd_cast)
+
+    p = sub.add_parser("diff", help="make a patch between two checkpoints (or views)")
+    p.add_argument("old")
+    p.add_argument("new")
+    _format_args(p, FORMAT_NAMES)
+    p.add_argument("--views", action="store_true",
+                   help="OLD and NEW are served views already (no casting)")
+    p.add_argument("-o", "--output", required=True, help="output patch file")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("apply", help="apply a patch to a view; OUT is written only if verified")
+    p.add_argument("view")
+    p.add_argument("patch")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--verify", action="store_true", help="re-hash the base before applying")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("inspect", help="show a patch's tensors, sizes and digests")
+    p.add_argument("patch")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+
+def _format_args(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    p.add_argument("--format", default="bf16", choices=names, help="served format")
+    p.add_argument("--scales", default="bf16", choices=("bf16", "frozen", "fp32"),
+                   help="where quantisation scales come from (docs/formats.md)")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="quantise only tensors matching (repeatable)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="never quantise tensors matching (repeatable)")
+
+
+def _cast(path: str, args: argparse.Namespace, previous: View | None) -> View:
+    from ..formats import QuantPolicy, cast_view
+
+    policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
+    return cast_view(load_masters(path), args.format, policy=policy, scales=args.scales,
+                     previous=previous)
+
+
+def cmd_cast(args: argparse.Namespace) -> int:
+    previous = load_view(args.previous) if args.previous else None
+    view = _cast(args.ckpt, args, previous)
+    save_view(view, args.output)
+    print(f"{args.output}: {len(view)} tensors, {view.nbytes:,} bytes, {args.format}, "
+          f"digest {view.digest()[:16]}")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from ..patch import diff, encode
+
+    if args.views:
+        old, new = load_view(args.old), load_view(args.new)
+    else:
+        old = _cast(args.old, args, None)
+        new = _cast(args.new, args, old if args.scales == "frozen" else None)
+    patch = diff(old, new)
+    blob = encode(patch, old)
+    _write_atomic(Path(args.output), blob)
+    n = sum(t.n_elements for t in old.values())
+    print(f"{args.output}: {patch.n_changed:,} of {n:,} elements changed "
+          f"({100 * patch.n_changed / max(n, 1):.3f}%), {len(blob):,} bytes "
+          f"({100 * len(blob) / max(old.nbytes, 1):.3f}% of the view)")
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from ..patch import apply, decode
+
+    view = load_view(args.view)
+    blob = Path(args.patch).read_bytes()
+    apply(view, decode(blob, view), verify=args.verify)
+    save_view(view, args.output)
+    print(f"{args.output}: verified, digest {view.digest()[:16]}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..patch import inspect
+
+    blob = Path(args.patch).read_bytes()
+    info = inspect(blob)
+    if args.json:
+        json.dump({**info.to_json(), "file_bytes": len(blob)}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"patch {args.patch}: {len(blob):,} bytes (header {info.header_bytes:,}, "
+          f"payload {info.payload_bytes:,})")
+    print(f"base   {info.base}\ntarget {info.target}")
+    for k, v in sorted(info.meta.items()):
+        print(f"meta   {k} = {v}")
+    by_codec: dict[str, int] = {}
+    rows = []
+    for e in info.tensors:
+        by_codec[e["codec"]] = by_codec.get(e["codec"], 0) + e["length"]
+        rows.append((e["name"], e["op"], e["kind"], "x".join(map(str, e["shape"])) or "scalar",
+                     f"{e['changed']:,}", e["codec"], f"{e['length']:,}"))
+    head = ("tensor", "op", "kind", "shape", "changed", "codec", "bytes")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print(f"{len(rows)} tensors, {info.n_changed:,} changed elements; bytes by codec: " +
+          ", ".join(f"{c} {b:,}" for c, b in sorted(by_codec.items())))
+    return 0
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

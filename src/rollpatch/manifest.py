@@ -1,0 +1,190 @@
+"""Version manifests: the JSON document that makes a version real (schema: docs/board.md).
+
+A manifest lists the version's parent, format, target view digest and the objects that reach
+it — patches from earlier versions (the step patch from the parent, optional skip patches from
+further back) and, for keyframes, a full view — each with size and BLAKE3 hash. Parsing is
+strict and bounded: a manifest that fails validation is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ManifestError
+from .types import MAX_VERSION, ObjectRef, check_run
+
+__all__ = ["PatchObject", "KeyframeObject", "Manifest", "SCHEMA", "MAX_MANIFEST_BYTES"]
+
+SCHEMA = "rollpatch.manifest/1"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_OBJECTS = 4096
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_KEY = re.compile(r"^[A-Za-z0-9._/-]{1,1024}$")
+
+
+@dataclass(frozen=True)
+class PatchObject:
+    """A patch object from version ``base`` (its root digest ``base_digest``) to this one."""
+
+    ref: ObjectRef
+    base: int
+    base_digest: str
+    shard: int = 0
+
+
+@dataclass(frozen=True)
+class KeyframeObject:
+    """A full view of this version (safetensors), one object per shard."""
+
+    ref: ObjectRef
+    shard: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a follower needs to know about one version."""
+
+    run: str
+    version: int
+    parent: int | None
+    format: str
+    target: str
+    view_bytes: int
+    created: float
+    publisher: str
+    patches: tuple[PatchObject, ...] = ()
+    keyframes: tuple[KeyframeObject, ...] = ()
+    shards: int = 1
+    meta: dict[str, str] = field(default_factory=dict)
+    signature: str | None = None
+
+    @property
+    def is_keyframe(self) -> bool:
+        return bool(self.keyframes)
+
+    def objects(self) -> list[ObjectRef]:
+        return [p.ref for p in self.patches] + [k.ref for k in self.keyframes]
+
+    def patches_from(self, base: int) -> list[PatchObject]:
+        """The patch objects (one per shard) from version ``base``, sorted by shard."""
+        return sorted((p for p in self.patches if p.base == base), key=lambda p: p.shard)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "schema": SCHEMA, "run": self.run, "version": self.version, "parent": self.parent,
+            "format": self.format, "target": self.target, "view_bytes": self.view_bytes,
+            "created": self.created, "publisher": self.publisher, "shards": self.shards,
+            "patches": [{"key": p.ref.key, "bytes": p.ref.size, "b3": p.ref.b3,
+                         "base": p.base, "base_digest": p.base_digest, "shard": p.shard}
+                        for p in self.patches],
+            "keyframes": [{"key": k.ref.key, "bytes": k.ref.size, "b3": k.ref.b3,
+                           "shard": k.shard} for k in self.keyframes],
+            "meta": dict(self.meta),
+        }
+        if self.signature is not None:
+            d["signature"] = self.signature
+        return d
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    def signed(self, key: bytes) -> Manifest:
+        """A copy carrying an HMAC-SHA256 signature over its canonical bytes."""
+        unsigned = _replace_signature(self, None)
+        sig = hmac.new(key, unsigned.to_bytes(), hashlib.sha256).hexdigest()
+        return _replace_signature(self, sig)
+
+    def verify_signature(self, key: bytes) -> None:
+        """Raise ManifestError unless the signature matches ``key``."""
+        if self.signature is None:
+            raise ManifestError("manifest is not signed", run=self.run, version=self.version)
+        want = hmac.new(key, _replace_signature(self, None).to_bytes(), hashlib.sha256)
+        if not hmac.compare_digest(want.hexdigest(), self.signature):
+            raise ManifestError("manifest signature mismatch", run=self.run,
+                                version=self.version, hint="wrong key, or a forged manifest")
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Manifest:
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError("manifest too large", size=len(raw))
+        try:
+            d = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"manifest is not JSON: {e}") from None
+        return cls.from_json(d)
+
+    @classmethod
+    def from_json(cls, d: Any) -> Manifest:
+        try:
+            return _parse(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"malformed manifest: {e!r}") from None
+
+
+def _replace_signature(m: Manifest, sig: str | None) -> Manifest:
+    from dataclasses import replace
+
+    return replace(m, signature=sig)
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ManifestError(f"invalid manifest: {what}")
+
+
+def _int(x: Any, lo: int = 0, hi: int = MAX_VERSION) -> int:
+    _need(isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi, f"integer {x!r}")
+    return int(x)
+
+
+def _ref(o: Any) -> ObjectRef:
+    _need(isinstance(o, dict), "object entry")
+    key, b3 = o["key"], o["b3"]
+    _need(isinstance(key, str) and bool(_KEY.match(key)) and ".." not in key, "object key")
+    _need(isinstance(b3, str) and bool(_HEX64.match(b3)), "object hash")
+    return ObjectRef(key, _int(o["bytes"], 0, 1 << 50), b3)
+
+
+def _parse(d: Any) -> Manifest:
+    _need(isinstance(d, dict) and d.get("schema") == SCHEMA, "schema")
+    run = check_run(d["run"])
+    version = _int(d["version"])
+    parent = None if d["parent"] is None else _int(d["parent"])
+    _need(parent is None or parent < version, "parent must precede the version")
+    _need(isinstance(d["format"], str) and 0 < len(d["format"]) <= 64, "format")
+    _need(isinstance(d["target"], str) and bool(_HEX64.match(d["target"])), "target digest")
+    _need(isinstance(d["publisher"], str) and len(d["publisher"]) <= 256, "publisher")
+    _need(isinstance(d["created"], (int, float)), "created")
+    shards = _int(d.get("shards", 1), 1, 4096)
+    patches, keyframes = d.get("patches", []), d.get("keyframes", [])
+    _need(isinstance(patches, list) and isinstance(keyframes, list)
+          and len(patches) + len(keyframes) <= MAX_OBJECTS, "object lists")
+    pats = tuple(PatchObject(_ref(p), _int(p["base"], 0, version - 1), _digest(p["base_digest"]),
+                             _int(p.get("shard", 0), 0, shards - 1)) for p in patches)
+    kfs = tuple(KeyframeObject(_ref(k), _int(k.get("shard", 0), 0, shards - 1))
+                for k in keyframes)
+    _need(bool(pats) or bool(kfs), "a version needs a patch or a keyframe")
+    _need(not kfs or len({k.shard for k in kfs}) == shards == len(kfs), "keyframe shards")
+    for base in {p.base for p in pats}:
+        _need(sorted(p.shard for p in pats if p.base == base) == list(range(shards)),
+              f"patch shards from {base}")
+    meta = d.get("meta", {})
+    _need(isinstance(meta, dict) and len(meta) <= 256 and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), "meta")
+    sig = d.get("signature")
+    _need(sig is None or (isinstance(sig, str) and bool(_HEX64.match(sig))), "signature")
+    return Manifest(run, version, parent, d["format"], d["target"], _int(d["view_bytes"], 0,
+                    1 << 50), float(d["created"]), d["publisher"], pats, kfs, shards,
+                    dict(meta), sig)
+
+
+def _digest(x: Any) -> str:
+    _need(isinstance(x, str) and bool(_HEX64.match(x)), "digest")
+    return str(x)

@@ -1,0 +1,150 @@
+"""The board: manifests, the monotonic pointer, planning, retention."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rollpatch.board import Board, version_key
+from rollpatch.errors import (AlreadyExistsError, ConfigError, ManifestError, NoPathError,
+                              VersionNotFoundError)
+from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
+from rollpatch.types import Constraint, ObjectRef, satisfies
+
+D = "a" * 64
+
+
+def _publish(board: Board, run: str, n: int, *, keyframe: bool = False,
+             skips: tuple[int, ...] = (), size: int = 60, kf_size: int = 1400) -> None:
+    pats = []
+    if n > 0:
+        ref = board.put_object(run, f"patch {n} ".encode() * (size // 8), "rpatch")
+        pats.append(PatchObject(ref, n - 1, D))
+    for s in skips:
+        ref = board.put_object(run, f"skip {n}-{s}".encode() * 2, "rpatch")
+        pats.append(PatchObject(ref, n - s, D))
+    kfs = (KeyframeObject(board.put_object(run, f"kf {n}".encode() * (kf_size // 5),
+                                           "safetensors")),) if keyframe else ()
+    board.put_manifest(Manifest(run, n, n - 1 if n else None, "bf16", D, kf_size, time.time(),
+                                "test", tuple(pats), kfs))
+    board.advance(run, n)
+
+
+@pytest.fixture
+def board(request: pytest.FixtureRequest) -> Board:
+    return Board(f"memory://board-{request.node.name}")
+
+
+def test_layout_and_listing(board: Board) -> None:
+    for n in range(6):
+        _publish(board, "r1", n, keyframe=n in (0, 4))
+    assert board.runs() == ["r1"]
+    assert board.versions("r1") == list(range(6))
+    assert board.keyframes("r1") == [0, 4]
+    latest = board.latest("r1")
+    assert latest is not None and latest.version == 5 and latest.target == D
+
+
+def test_pointer_never_moves_backwards(board: Board) -> None:
+    for n in range(4):
+        _publish(board, "r1", n, keyframe=n == 0)
+    assert board.advance("r1", 1).version == 3
+    assert board.latest("r1").version == 3  # type: ignore[union-attr]
+
+
+def test_racing_advances_keep_the_maximum(board: Board) -> None:
+    _publish(board, "r2", 0, keyframe=True)
+    for n in range(1, 30):
+        ref = board.put_object("r2", f"p{n}".encode(), "rpatch")
+        board.put_manifest(Manifest("r2", n, n - 1, "bf16", D, 1, 0.0, "t",
+                                    (PatchObject(ref, n - 1, D),)))
+    threads = [threading.Thread(target=board.advance, args=("r2", n)) for n in range(1, 30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert board.latest("r2").version == 29  # type: ignore[union-attr]
+
+
+def test_manifest_immutable_and_objects_first(board: Board) -> None:
+    _publish(board, "r1", 0, keyframe=True)
+    ref = board.put_object("r1", b"x", "rpatch")
+    other = Manifest("r1", 0, None, "bf16", "b" * 64, 1, 0.0, "t", (), (KeyframeObject(ref),))
+    with pytest.raises(AlreadyExistsError):
+        board.put_manifest(other)
+    ghost = Manifest("r1", 1, 0, "bf16", D, 1, 0.0, "t", (PatchObject(
+        ref.__class__("runs/r1/objects/missing.rpatch", 3, "c" * 64), 0, D),))
+    with pytest.raises(ManifestError, match="not durable"):
+        board.put_manifest(ghost)
+    with pytest.raises(VersionNotFoundError):
+        board.advance("r1", 1)
+
+
+def test_plan_fewest_bytes(board: Board) -> None:
+    for n in range(17):
+        _publish(board, "r1", n, keyframe=n in (0, 16), skips=(8,) if n % 8 == 0 and n else ())
+    p = board.plan("r1", 8, 9)
+    assert [(s.base, s.to) for s in p.steps] == [(8, 9)]
+    p = board.plan("r1", 0, 8)
+    assert [(s.base, s.to) for s in p.steps] == [(0, 8)]          # the skip patch
+    p = board.plan("r1", None, 16)
+    assert [(s.base, s.to) for s in p.steps] == [(None, 16)]     # the keyframe of 16
+    p = board.plan("r1", None, 15)
+    assert p.steps[0].is_keyframe and p.steps[0].to == 0
+    assert board.plan("r1", 3, 3).steps == ()
+    with pytest.raises(NoPathError):
+        board.plan("r1", 5, 4)
+
+
+def test_plan_prefers_keyframe_when_chain_is_bigger(board: Board) -> None:
+    for n in range(6):
+        _publish(board, "r1", n, keyframe=n in (0, 5), size=4000, kf_size=1000)
+    p = board.plan("r1", 1, 5)
+    assert [(s.base, s.to) for s in p.steps] == [(None, 5)]
+
+
+def test_fetch_verifies_hash(board: Board) -> None:
+    _publish(board, "r1", 0, keyframe=True)
+    ref = board.manifest("r1", 0).keyframes[0].ref
+    board.store.put(ref.key, b"tampered", if_absent=False)
+    with pytest.raises(ManifestError, match="corrupt"):
+        board.fetch(ref)
+
+
+def test_malformed_manifests_refused(board: Board) -> None:
+    _publish(board, "r1", 0, keyframe=True)
+    for raw in [b"{", b"[]", b'{"schema": "rollpatch.manifest/1"}', b"x" * 100]:
+        board.store.put(version_key("r1", 7), raw, if_absent=False)
+        board._cache.clear()
+        with pytest.raises(ManifestError):
+            board.manifest("r1", 7)
+
+
+def test_signed_manifest() -> None:
+    m = Manifest("r1", 0, None, "bf16", D, 1, 0.0, "t", (),
+                 (KeyframeObject(ObjectRef("k", 1, D)),)).signed(b"key")
+    m2 = Manifest.from_bytes(m.to_bytes())
+    m2.verify_signature(b"key")
+    with pytest.raises(ManifestError):
+        m2.verify_signature(b"other")
+
+
+def test_bad_run_names() -> None:
+    b = Board("memory://names")
+    for run in ["", "../x", "a/b", "x" * 200]:
+        with pytest.raises(ConfigError):
+            b.latest(run)
+
+
+def test_constraints() -> None:
+    assert satisfies(5, Constraint(min_version=5), latest=9)
+    assert not satisfies(4, Constraint(min_version=5), latest=9)
+    assert satisfies(7, Constraint(max_lag=2), latest=9)
+    assert not satisfies(6, Constraint(max_lag=2), latest=9)
+    assert not satisfies(6, Constraint(exact_version=7), latest=9)
+    with pytest.raises(ConfigError):
+        Constraint(min_version=-1)
+    with pytest.raises(ConfigError):
+        Constraint(exact_version=1, min_version=3)

@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RollpatchError as e:
         print(f"rollpatch: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except OSError as e:  # missing or unreadable files: one clear line, not a traceback
+        print(f"rollpatch: error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130
 

@@ -1,0 +1,111 @@
+"""CLI round trips: cast, diff, apply, inspect (in-process and as a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rollpatch.cli import main
+from rollpatch.formats import cast_view
+from rollpatch.io import load_view, save_view
+from rollpatch.view import Tensor, View
+
+
+def _masters(seed: int, step: float = 0.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = {
+        "model.embed_tokens.weight": rng.standard_normal((64, 128)).astype(np.float32) * 0.02,
+        "model.layers.0.mlp.up_proj.weight":
+            rng.standard_normal((256, 128)).astype(np.float32) * 0.02,
+        "model.layers.0.input_layernorm.weight": np.ones(128, dtype=np.float32),
+    }
+    noise = np.random.default_rng(seed)
+    return {k: v + step * noise.standard_normal(v.shape).astype(np.float32)
+            for k, v in out.items()}
+
+
+def _save_masters(path: Path, masters: dict[str, np.ndarray]) -> None:
+    save_view(View({k: Tensor.from_array(v) for k, v in masters.items()}), path)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3-block128", "nvfp4", "int4-g128"])
+def test_cast_diff_apply_inspect(tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+                                 ) -> None:
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    _save_masters(old, _masters(1))
+    _save_masters(new, _masters(2, step=1e-3))
+    assert main(["cast", str(old), "--format", fmt, "-o", str(tmp_path / "v0.safetensors")]) == 0
+    assert main(["cast", str(new), "--format", fmt, "-o", str(tmp_path / "v1.safetensors")]) == 0
+    patch = tmp_path / "p.rpatch"
+    assert main(["diff", str(old), str(new), "--format", fmt, "-o", str(patch)]) == 0
+    out = tmp_path / "out.safetensors"
+    assert main(["apply", str(tmp_path / "v0.safetensors"), str(patch), "-o", str(out)]) == 0
+    assert load_view(out).digest() == load_view(tmp_path / "v1.safetensors").digest()
+    assert load_view(out).digest() == cast_view(_masters(2, step=1e-3), fmt).digest()
+    capsys.readouterr()
+    assert main(["inspect", str(patch), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["target"] == load_view(out).digest() and info["changed"] > 0
+    assert main(["inspect", str(patch)]) == 0
+    assert "bytes by codec" in capsys.readouterr().out
+
+
+def test_diff_of_views(tmp_path: Path) -> None:
+    a = cast_view(_masters(1), "bf16")
+    b = cast_view(_masters(3, step=1e-3), "bf16")
+    save_view(a, tmp_path / "a.safetensors")
+    save_view(b, tmp_path / "b.safetensors")
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
+                 "--views", "-o", str(tmp_path / "p")]) == 0
+    assert main(["apply", str(tmp_path / "a.safetensors"), str(tmp_path / "p"), "-o",
+                 str(tmp_path / "o.safetensors")]) == 0
+    assert load_view(tmp_path / "o.safetensors").digest() == b.digest()
+
+
+def test_apply_refuses_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    a = cast_view(_masters(1), "bf16")
+    b = cast_view(_masters(4, step=1e-3), "bf16")
+    c = cast_view(_masters(5, step=1e-3), "bf16")
+    for name, v in (("a", a), ("b", b), ("c", c)):
+        save_view(v, tmp_path / f"{name}.safetensors")
+    assert main(["diff", str(tmp_path / "b.safetensors"), str(tmp_path / "c.safetensors"),
+                 "--views", "-o", str(tmp_path / "bc")]) == 0
+    out = tmp_path / "out.safetensors"
+    assert main(["apply", str(tmp_path / "a.safetensors"), str(tmp_path / "bc"), "-o",
+                 str(out)]) == 2
+    assert "not this patch's base" in capsys.readouterr().err
+    assert not out.exists()
+    blob = bytearray((tmp_path / "bc").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (tmp_path / "bad").write_bytes(bytes(blob))
+    assert main(["apply", str(tmp_path / "b.safetensors"), str(tmp_path / "bad"), "-o",
+                 str(out)]) == 2
+    assert not out.exists()
+
+
+def test_torch_checkpoint_input(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch", reason="the torch extra is installed in CI")
+    masters = _masters(1)
+    sd = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in masters.items()}
+    torch.save(sd, tmp_path / "m.pt")
+    assert main(["cast", str(tmp_path / "m.pt"), "-o", str(tmp_path / "v.safetensors")]) == 0
+    bf = {k: v.astype(ml_dtypes.bfloat16) for k, v in masters.items()}
+    assert load_view(tmp_path / "v.safetensors").digest() == cast_view(bf, "bf16").digest()
+
+
+def test_console_script_subprocess(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "rollpatch", "inspect",
+                          str(Path(__file__).parent / "golden" / "step.rpatch")],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "rp.ctxgolomb.v1" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "rollpatch", "inspect", str(tmp_path / "none")],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 2 and "No such file" in res.stderr and "Traceback" not in res.stderr

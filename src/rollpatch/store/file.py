@@ -1,0 +1,307 @@
+"""``file://DIR``: the embedded default store, a directory tree safe for many processes.
+
+Layout: the object ``a/b/c`` is the file ``DIR/a/b/c``. Bookkeeping lives in names starting
+with ``.rp-`` (which keys may not use): ``.rp-tmp-*`` files beside their target while being
+written, and ``DIR/.rp-locks/`` for compare-and-swap.
+
+How each guarantee is kept:
+
+- durable: data is written to a temp file in the target's directory and fsynced; then it is
+  linked into place and the directory is fsynced (new directories' parents too).
+- put-if-absent: ``os.link(tmp, final)`` fails with ``EEXIST`` when ``final`` exists, atomically,
+  in the kernel, so of many racing processes exactly one wins; nobody ever sees a partial file.
+- cas: an exclusive ``flock`` on a per-key lock file, then read-compare, then ``os.replace``
+  (or ``os.link`` when the expectation is "absent", so it cannot clobber a racing ``put``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import AlreadyExistsError, ConflictError, NotFoundError, StoreError
+from .base import RESERVED_SEGMENT_PREFIX, ObjectInfo, Store, check_bounds, validate_key
+
+__all__ = ["FileStore"]
+
+_LOCK_DIR = ".rp-locks"
+_TMP_PREFIX = ".rp-tmp-"
+
+
+@contextlib.contextmanager
+def _os_errors(op: str, key: str, uri: str) -> Iterator[None]:
+    """Turn an unexpected OSError (disk full, permissions, I/O) into a StoreError."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except OSError as e:
+        raise StoreError(f"{op} failed: {e.strerror or e}", key=key, store=uri,
+                         errno=errno.errorcode.get(e.errno or 0)) from e
+
+
+class FileStore(Store):
+    """A store in a local (or shared POSIX) directory.
+
+    ``fsync=False`` skips the fsyncs: faster, for scratch data and tests only, since a power
+    loss may then lose or truncate objects that ``put`` already returned for.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        path = Path(root).expanduser()
+        if not path.is_absolute():
+            path = Path.cwd() / path
+        self.root = Path(os.path.normpath(path))
+        self.fsync = fsync
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the store directory: {e.strerror}",
+                             root=str(self.root)) from e
+        if not self.root.is_dir():
+            raise StoreError("the store root is not a directory", root=str(self.root))
+        self.uri = self.root.as_uri()
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*key.split("/"))
+
+    def _open_read(self, key: str) -> int:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFoundError("no such object", key=key, store=self.uri) from None
+        except OSError as e:
+            raise StoreError(f"cannot open object: {e.strerror}", key=key, store=self.uri) from e
+        if not _is_regular(fd):
+            os.close(fd)
+            raise NotFoundError("no such object (a directory has that name)", key=key,
+                                store=self.uri)
+        return fd
+
+    def _get(self, key: str) -> bytes:
+        with _os_errors("get", key, self.uri):
+            fd = self._open_read(key)
+            try:
+                return _pread_exact(fd, 0, os.fstat(fd).st_size, key)
+            finally:
+                os.close(fd)
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        with _os_errors("get_range", key, self.uri):
+            fd = self._open_read(key)
+            try:
+                check_bounds(key, start, end, os.fstat(fd).st_size)
+                return _pread_exact(fd, start, end - start, key)
+            finally:
+                os.close(fd)
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return ObjectInfo(key=key, size=st.st_size,
+                          etag=f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}")
+
+    def _list(self, prefix: str) -> list[str]:
+        base_key, _, tail = prefix.rpartition("/")
+        base = self._path(base_key) if base_key else self.root
+        if not base.is_dir():
+            return []
+        keys: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            at_base = dirpath == str(base)
+            dirnames[:] = [d for d in dirnames if not d.startswith(RESERVED_SEGMENT_PREFIX)
+                           and (not at_base or d.startswith(tail))]
+            for name in filenames:
+                key = rel + name
+                if key.startswith(prefix) and _is_key(key):
+                    keys.append(key)
+        return sorted(keys)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        with _os_errors("put", key, self.uri):
+            final = self._path(key)
+            tmp = self._write_temp(key, data)
+            try:
+                if if_absent:
+                    self._link_into_place(key, tmp, final, AlreadyExistsError)
+                else:
+                    with self._key_lock(key):
+                        self._replace_into_place(key, tmp, final)
+            finally:
+                _unlink_quietly(tmp)
+            self._sync_dir(final.parent)
+
+    def _delete(self, key: str) -> None:
+        with _os_errors("delete", key, self.uri):
+            path = self._path(key)
+            try:
+                os.unlink(path)
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            except (IsADirectoryError, PermissionError):
+                if path.is_dir():  # a folder of other keys, not an object
+                    return
+                raise
+            self._sync_dir(path.parent)
+
+    def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
+        with _os_errors("cas", key, self.uri):
+            final = self._path(key)
+            with self._key_lock(key):
+                try:
+                    current: bytes | None = self._get(key)
+                except NotFoundError:
+                    current = None
+                if current != expected:
+                    raise ConflictError("compare-and-swap lost: the content is not the "
+                                        "expected one", key=key, store=self.uri,
+                                        absent=current is None,
+                                        hint="re-read the pointer and retry")
+                tmp = self._write_temp(key, memoryview(data))
+                try:
+                    if expected is None:
+                        self._link_into_place(key, tmp, final, ConflictError)
+                    else:
+                        self._replace_into_place(key, tmp, final)
+                finally:
+                    _unlink_quietly(tmp)
+                self._sync_dir(final.parent)
+
+    def _write_temp(self, key: str, data: memoryview) -> Path:
+        folder = self._path(key).parent
+        self._make_dirs(key, folder)
+        tmp = folder / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = data
+            while view:
+                view = view[os.write(fd, view):]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _link_into_place(self, key: str, tmp: Path, final: Path,
+                         exists_error: type[StoreError]) -> None:
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            if final.is_dir():
+                raise _clash(key, self.uri) from None
+            raise exists_error("object exists and published objects are immutable", key=key,
+                               store=self.uri) from None
+        except OSError as e:
+            if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise StoreError("the filesystem does not support hard links, which "
+                                 "put-if-absent needs", key=key, store=self.uri,
+                                 hint="put the store on a POSIX filesystem (ext4, xfs, NFSv4)"
+                                 ) from e
+            raise
+
+    def _replace_into_place(self, key: str, tmp: Path, final: Path) -> None:
+        if final.is_dir():
+            raise _clash(key, self.uri)
+        os.replace(tmp, final)
+
+    def _make_dirs(self, key: str, folder: Path) -> None:
+        """Create missing folders one by one, fsyncing each new folder's parent."""
+        missing: list[Path] = []
+        probe = folder
+        while True:  # one stat per level: another process may create folders meanwhile
+            try:
+                if not stat.S_ISDIR(os.stat(probe).st_mode):
+                    raise _clash(key, self.uri)
+                break
+            except FileNotFoundError:
+                missing.append(probe)
+                probe = probe.parent
+            except NotADirectoryError:
+                raise _clash(key, self.uri) from None
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                if not path.is_dir():
+                    raise _clash(key, self.uri) from None
+                continue
+            except NotADirectoryError:
+                raise _clash(key, self.uri) from None
+            self._sync_dir(path.parent)
+
+    def _sync_dir(self, folder: Path) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _key_lock(self, key: str) -> Iterator[None]:
+        """Hold an exclusive flock on this key's lock file (kept: unlinking would race)."""
+        folder = self.root / _LOCK_DIR
+        folder.mkdir(exist_ok=True)
+        name = hashlib.sha256(key.encode("utf-8")).hexdigest()[:40]
+        fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+
+def _clash(key: str, uri: str) -> StoreError:
+    return StoreError("key clashes with another key: a directory store cannot hold both "
+                      "'a' and 'a/b'", key=key, store=uri,
+                      hint="use key layouts where no key is a prefix-folder of another")
+
+
+def _is_regular(fd: int) -> bool:
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+def _is_key(key: str) -> bool:
+    try:
+        validate_key(key)
+    except ValueError:
+        return False
+    return True
+
+
+def _pread_exact(fd: int, offset: int, size: int, key: str) -> bytes:
+    chunks: list[bytes] = []
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, min(size - done, 1 << 30), offset + done)  # Linux caps ~2 GiB/call
+        if not chunk:
+            raise StoreError("object shrank while being read", key=key)
+        chunks.append(chunk)
+        done += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

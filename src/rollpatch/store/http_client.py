@@ -1,0 +1,225 @@
+"""``http(s)://HOST[:PORT][/PREFIX]``: a read-only client of a rollpatch relay.
+
+The protocol is specified in ``docs/store.md`` ("Relay protocol"); in short::
+
+    GET  {base}/v1/objects/{key}            200 body | 206 with Range | 404 | 416
+    HEAD {base}/v1/objects/{key}            200 Content-Length, ETag | 404
+    GET  {base}/v1/list?prefix=P[&start_after=K]   200 {"keys": [...], "next": K | null}
+
+stdlib only (urllib). Every size read from the wire is checked: bodies must match
+``Content-Length``/``Content-Range``, list bodies are capped, and listed keys are validated.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import json
+import re
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
+from .base import ObjectInfo, Store, check_bounds, validate_key
+from .config import HttpConfig
+
+__all__ = ["HttpStore"]
+
+T = TypeVar("T")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_UNSATISFIED_RANGE = re.compile(r"bytes \*/(\d+)")
+_NETWORK_ERRORS = (urllib.error.URLError, socket.timeout, ConnectionError,
+                   http.client.HTTPException, TimeoutError)
+
+
+class _Transient(Exception):
+    """Internal: a failure worth another attempt."""
+
+
+class HttpStore(Store):
+    """Reads objects from a relay; ``put``, ``delete`` and ``cas`` raise :class:`StoreError`."""
+
+    writable = False
+
+    def __init__(self, base_url: str, config: HttpConfig | None = None) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError("relay URL must be http(s)://host[:port][/prefix]", uri=base_url)
+        if parts.query or parts.fragment:
+            raise ConfigError("relay URL must not have a query or fragment", uri=base_url)
+        self.base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self.uri = self.base
+        self.config = config or HttpConfig()
+
+    # -- transport ----------------------------------------------------------------------------
+
+    def _object_url(self, key: str) -> str:
+        return f"{self.base}/v1/objects/{urllib.parse.quote(key, safe='/')}"
+
+    def _attempts(self, fn: Callable[[], T], key: str | None) -> T:
+        """Run ``fn`` with retries on network errors, 429 and 5xx; map what remains."""
+        delay = self.config.backoff
+        for attempt in range(self.config.retries + 1):
+            try:
+                return fn()
+            except _Transient as e:
+                if attempt == self.config.retries:
+                    raise TransientStoreError(f"relay request failed: {e}", key=key,
+                                              store=self.uri, attempts=attempt + 1) from None
+            time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    def _open(self, url: str, *, method: str = "GET",
+              headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+        request = urllib.request.Request(url, method=method,
+                                         headers={**self.config.headers, **(headers or {})})
+        try:
+            response: http.client.HTTPResponse = urllib.request.urlopen(
+                request, timeout=self.config.timeout)
+            return response
+        except urllib.error.HTTPError as e:
+            with e:
+                if e.code == 429 or e.code >= 500:
+                    raise _Transient(f"HTTP {e.code}") from None
+                raise
+        except _NETWORK_ERRORS as e:
+            raise _Transient(str(e)) from None
+
+    def _read_body(self, response: http.client.HTTPResponse, expected: int | None,
+                   key: str | None) -> bytes:
+        try:
+            body = response.read() if expected is None else response.read(expected + 1)
+        except _NETWORK_ERRORS as e:
+            raise _Transient(f"body read failed: {e}") from None
+        if expected is not None and len(body) != expected:
+            raise _Transient(f"body has {len(body)} bytes, header said {expected}")
+        return body
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _get(self, key: str) -> bytes:
+        def attempt() -> bytes:
+            with self._request(key) as r:
+                return self._read_body(r, _content_length(r, key), key)
+
+        return self._attempts(attempt, key)
+
+    def _request(self, key: str, *, method: str = "GET",
+                 headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+        try:
+            return self._open(self._object_url(key), method=method, headers=headers)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise NotFoundError("no such object on the relay", key=key,
+                                    store=self.uri) from None
+            if e.code == 416:
+                match = _UNSATISFIED_RANGE.fullmatch(e.headers.get("Content-Range") or "")
+                raise ConfigError("byte range is outside the object", key=key,
+                                  size=int(match.group(1)) if match else None) from None
+            raise StoreError(f"relay answered HTTP {e.code}", key=key, store=self.uri) from None
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        if start == end:
+            info = self._head(key)
+            if info is None:
+                raise NotFoundError("no such object on the relay", key=key, store=self.uri)
+            check_bounds(key, start, end, info.size)
+            return b""
+
+        def attempt() -> bytes:
+            with self._request(key, headers={"Range": f"bytes={start}-{end - 1}"}) as r:
+                if r.status == 200:  # the relay ignored Range: take the slice we asked for
+                    body = self._read_body(r, _content_length(r, key), key)
+                    check_bounds(key, start, end, len(body))
+                    return body[start:end]
+                match = _CONTENT_RANGE.fullmatch(r.headers.get("Content-Range") or "")
+                if r.status != 206 or match is None:
+                    raise StoreError("relay sent a bad ranged answer", key=key,
+                                     status=r.status, store=self.uri)
+                check_bounds(key, start, end, int(match.group(3)))
+                if (int(match.group(1)), int(match.group(2))) != (start, end - 1):
+                    raise StoreError("relay answered another range", key=key, store=self.uri,
+                                     content_range=match.group(0))
+                return self._read_body(r, end - start, key)
+
+        return self._attempts(attempt, key)
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        def attempt() -> ObjectInfo | None:
+            try:
+                with self._request(key, method="HEAD") as r:
+                    return ObjectInfo(key=key, size=_content_length(r, key),
+                                      etag=r.headers.get("ETag"))
+            except NotFoundError:
+                return None
+
+        return self._attempts(attempt, key)
+
+    def _list(self, prefix: str) -> list[str]:
+        keys: list[str] = []
+        after: str | None = None
+        while True:
+            page, after = self._attempts(functools.partial(self._list_page, prefix, after), None)
+            keys.extend(page)
+            if after is None:
+                return sorted(keys)
+
+    def _list_page(self, prefix: str, after: str | None) -> tuple[list[str], str | None]:
+        query = {"prefix": prefix} | ({} if after is None else {"start_after": after})
+        url = f"{self.base}/v1/list?{urllib.parse.urlencode(query)}"
+        try:
+            with self._open(url) as r:
+                body = r.read(self.config.max_list_bytes + 1)
+        except urllib.error.HTTPError as e:
+            raise StoreError(f"relay list answered HTTP {e.code}", store=self.uri,
+                             prefix=prefix) from None
+        if len(body) > self.config.max_list_bytes:
+            raise StoreError("relay list answer exceeds max_list_bytes", store=self.uri,
+                             max_list_bytes=self.config.max_list_bytes)
+        return _parse_list(body, prefix, after, self.uri)
+
+    # -- writes: refused ----------------------------------------------------------------------
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        self._require_writable("put", key)
+
+    def _delete(self, key: str) -> None:
+        self._require_writable("delete", key)
+
+    def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
+        self._require_writable("cas", key)
+
+
+def _content_length(r: http.client.HTTPResponse, key: str) -> int:
+    value = r.headers.get("Content-Length")
+    if value is None or not value.isdigit():
+        raise StoreError("relay answer lacks a valid Content-Length", key=key)
+    return int(value)
+
+
+def _parse_list(body: bytes, prefix: str, after: str | None,
+                uri: str) -> tuple[list[str], str | None]:
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(f"relay list answer is not JSON: {e}", store=uri) from None
+    keys, nxt = (doc.get("keys"), doc.get("next")) if isinstance(doc, dict) else (None, None)
+    if not isinstance(keys, list) or not (nxt is None or isinstance(nxt, str)):
+        raise StoreError('relay list answer must be {"keys": [str], "next": str|null}', store=uri)
+    for key in keys:
+        if not isinstance(key, str) or not key.startswith(prefix) or \
+                (after is not None and key <= after):
+            raise StoreError("relay listed a key outside the request", store=uri, key=key)
+        try:
+            validate_key(key)
+        except ConfigError:
+            raise StoreError("relay listed an invalid key", store=uri, key=key) from None
+    if nxt is not None and (after is not None and nxt <= after):
+        raise StoreError("relay list cursor does not advance", store=uri, next=nxt)
+    return keys, nxt

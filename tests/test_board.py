@@ -148,3 +148,36 @@ def test_constraints() -> None:
         Constraint(min_version=-1)
     with pytest.raises(ConfigError):
         Constraint(exact_version=1, min_version=3)
+
+
+def test_gc_keeps_every_plan_working(board: Board) -> None:
+    from rollpatch.retention import collect
+
+    for n in range(30):
+        _publish(board, "r1", n, keyframe=n % 10 == 0, skips=(8,) if n % 8 == 0 and n else ())
+    orphan = board.put_object("r1", b"crashed publisher leftovers", "rpatch")
+    report = collect(board, "r1", keep_last=5, orphan_grace_s=3600)
+    assert report.cutoff == 20 and report.versions_deleted == list(range(20))
+    assert orphan.key not in report.orphans_deleted  # too young: maybe an in-flight publish
+    board._cache.clear()
+    assert board.versions("r1") == list(range(20, 30))
+    for have in [None, *range(20, 30)]:
+        plan = board.plan("r1", have, 29)
+        for step in plan.steps:
+            for ref in step.objects:
+                board.fetch(ref)
+    report = collect(board, "r1", keep_last=5, orphan_grace_s=60, now=time.time() + 120)
+    assert orphan.key in report.orphans_deleted and report.versions_deleted == []
+    assert board.store.head(orphan.key) is None
+
+
+def test_gc_dry_run_and_pins(board: Board) -> None:
+    from rollpatch.retention import collect
+
+    for n in range(12):
+        _publish(board, "r1", n, keyframe=n in (0, 10))
+    report = collect(board, "r1", keep_last=1, pinned=[4], dry_run=True)
+    assert report.cutoff == 0 and report.versions_deleted == []
+    report = collect(board, "r1", keep_last=1, dry_run=True)
+    assert report.cutoff == 10 and report.versions_deleted == list(range(10))
+    assert board.versions("r1") == list(range(12))

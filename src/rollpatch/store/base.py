@@ -36,11 +36,14 @@ class ObjectInfo:
 
     ``etag`` is an opaque token that changes whenever the content is replaced (an S3 ETag, a
     file's inode and mtime, a counter in memory); ``None`` when the backend has none.
+    ``modified`` is the last write time (Unix seconds) where the backend knows it; garbage
+    collection uses it to leave young unreferenced objects (an in-flight publish) alone.
     """
 
     key: str
     size: int
     etag: str | None = None
+    modified: float | None = None
 
 
 def validate_key(key: str) -> str:

@@ -112,7 +112,8 @@ class FileStore(Store):
         if not stat.S_ISREG(st.st_mode):
             return None
         return ObjectInfo(key=key, size=st.st_size,
-                          etag=f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}")
+                          etag=f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}",
+                          modified=st.st_mtime)
 
     def _list(self, prefix: str) -> list[str]:
         base_key, _, tail = prefix.rpartition("/")

@@ -7,6 +7,7 @@ URI to two components and have them see each other's writes. Nothing survives th
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..errors import AlreadyExistsError, ConflictError, NotFoundError
@@ -18,7 +19,7 @@ __all__ = ["MemoryStore"]
 @dataclass
 class _Namespace:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    objects: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # key -> (data, gen)
+    objects: dict[str, tuple[bytes, int, float]] = field(default_factory=dict)  # data, gen, mtime
     generation: int = 0
 
 
@@ -52,7 +53,7 @@ class MemoryStore(Store):
 
     def _store(self, key: str, data: bytes) -> None:
         self._ns.generation += 1
-        self._ns.objects[key] = (data, self._ns.generation)
+        self._ns.objects[key] = (data, self._ns.generation, time.time())
 
     def _get(self, key: str) -> bytes:
         with self._ns.lock:
@@ -85,7 +86,7 @@ class MemoryStore(Store):
             item = self._ns.objects.get(key)
         if item is None:
             return None
-        return ObjectInfo(key=key, size=len(item[0]), etag=f"g{item[1]}")
+        return ObjectInfo(key=key, size=len(item[0]), etag=f"g{item[1]}", modified=item[2])
 
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
         with self._ns.lock:

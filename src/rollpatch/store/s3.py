@@ -184,7 +184,9 @@ class S3Store(Store):
                 r = self._client.head_object(Bucket=self.config.bucket, Key=self._k(key))
         except NotFoundError:
             return None
-        return ObjectInfo(key=key, size=int(r["ContentLength"]), etag=r.get("ETag"))
+        modified = r.get("LastModified")
+        return ObjectInfo(key=key, size=int(r["ContentLength"]), etag=r.get("ETag"),
+                          modified=modified.timestamp() if modified is not None else None)
 
     def _list(self, prefix: str) -> list[str]:
         keys: list[str] = []

@@ -6,9 +6,9 @@ import json
 import struct
 
 import blake3
-import zstandard
 import ml_dtypes
 import numpy as np
+import zstandard
 
 from rollpatch.kinds import KINDS
 from rollpatch.view import Tensor, View

@@ -8,8 +8,13 @@ import time
 import pytest
 
 from rollpatch.board import Board, version_key
-from rollpatch.errors import (AlreadyExistsError, ConfigError, ManifestError, NoPathError,
-                              VersionNotFoundError)
+from rollpatch.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    ManifestError,
+    NoPathError,
+    VersionNotFoundError,
+)
 from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
 from rollpatch.types import Constraint, ObjectRef, satisfies
 

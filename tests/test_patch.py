@@ -99,7 +99,7 @@ def test_big_bf16_context_model_and_exponent_dependence() -> None:
     rng = np.random.default_rng(1)
     w = (rng.standard_normal(1 << 20) * 0.02).astype(np.float32)
     w2 = w + (3e-6 * rng.standard_normal(w.size)).astype(np.float32)
-    to16 = lambda x: Tensor.from_array(x.astype(np.float32)).data  # noqa: E731
+    to16 = lambda x: Tensor.from_array(x.astype(np.float32)).data
     import ml_dtypes
 
     a = View({"w": Tensor.from_array(w.astype(ml_dtypes.bfloat16))})

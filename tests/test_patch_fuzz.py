@@ -99,7 +99,7 @@ def test_hostile_header_structure(mutate) -> None:  # type: ignore[no-untyped-de
 
 
 def test_every_truncation_is_refused() -> None:
-    for cut in list(range(0, 80)) + list(range(80, len(BLOB), max(1, len(BLOB) // 200))):
+    for cut in list(range(80)) + list(range(80, len(BLOB), max(1, len(BLOB) // 200))):
         with pytest.raises(RollpatchError):
             inspect(BLOB[:cut])
         with pytest.raises(RollpatchError):

@@ -11,4 +11,4 @@ from .view import Tensor, View
 
 __version__ = "0.1.0"
 
-__all__ = ["RollpatchError", "KINDS", "Kind", "Tensor", "View", "__version__"]
+__all__ = ["KINDS", "Kind", "RollpatchError", "Tensor", "View", "__version__"]

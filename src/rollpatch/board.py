@@ -22,13 +22,19 @@ from dataclasses import dataclass
 
 import blake3
 
-from .errors import (AlreadyExistsError, ConflictError, ManifestError, NoPathError,
-                     NotFoundError, VersionNotFoundError)
+from .errors import (
+    AlreadyExistsError,
+    ConflictError,
+    ManifestError,
+    NoPathError,
+    NotFoundError,
+    VersionNotFoundError,
+)
 from .manifest import Manifest
 from .store import Store, open_store
 from .types import ObjectRef, Pointer, check_run, pointer_may_advance
 
-__all__ = ["Board", "Plan", "PlanStep", "version_key", "pointer_key"]
+__all__ = ["Board", "Plan", "PlanStep", "pointer_key", "version_key"]
 
 _CAS_RETRIES = 64
 

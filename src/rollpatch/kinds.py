@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import ViewError
 
-__all__ = ["Kind", "KINDS", "kind_for_dtype", "get_kind", "DTYPE_BYTES"]
+__all__ = ["DTYPE_BYTES", "KINDS", "Kind", "get_kind", "kind_for_dtype"]
 
 #: Storage bytes per safetensors dtype code (F4 and the F6 codes are sub-byte and not used as
 #: storage dtypes by rollpatch: packed 4-bit tensors are stored as U8, as engines do).
@@ -31,7 +31,7 @@ DTYPE_BYTES: dict[str, int] = {
     "I64": 8, "U64": 8, "F64": 8,
 }
 
-_WORD_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 @dataclass(frozen=True)

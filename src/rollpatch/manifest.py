@@ -18,7 +18,7 @@ from typing import Any
 from .errors import ManifestError
 from .types import MAX_VERSION, ObjectRef, check_run
 
-__all__ = ["PatchObject", "KeyframeObject", "Manifest", "SCHEMA", "MAX_MANIFEST_BYTES"]
+__all__ = ["MAX_MANIFEST_BYTES", "SCHEMA", "KeyframeObject", "Manifest", "PatchObject"]
 
 SCHEMA = "rollpatch.manifest/1"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024

@@ -10,8 +10,16 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["VersionRef", "ObjectRef", "Constraint", "Pointer", "RUN_RE", "check_run",
-           "pointer_may_advance", "satisfies"]
+__all__ = [
+    "RUN_RE",
+    "Constraint",
+    "ObjectRef",
+    "Pointer",
+    "VersionRef",
+    "check_run",
+    "pointer_may_advance",
+    "satisfies",
+]
 
 #: Run names: what may appear in a store key and a URL path segment.
 RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -21,7 +21,7 @@ import numpy as np
 from .errors import ViewError
 from .kinds import DTYPE_BYTES, Kind, get_kind
 
-__all__ = ["Tensor", "View", "WordSource", "tensor_digest", "root_digest"]
+__all__ = ["Tensor", "View", "WordSource", "root_digest", "tensor_digest"]
 
 _TENSOR_DOMAIN = b"rollpatch.tensor.v1\x00"
 _ROOT_DOMAIN = b"rollpatch.view.v1\x00"
@@ -33,7 +33,7 @@ def tensor_digest(dtype: str, shape: tuple[int, ...], data: np.ndarray) -> str:
     h.update(_TENSOR_DOMAIN)
     h.update(f"{dtype}|{','.join(str(d) for d in shape)}\x00".encode())
     if data.size:
-        h.update(np.ascontiguousarray(data).view(np.uint8))
+        h.update(memoryview(np.ascontiguousarray(data)).cast("B"))  # type: ignore[arg-type]
     return h.hexdigest()
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from ..errors import RollpatchError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 #: Exit status when input is refused (verification failure, corrupt or mismatched data).
 EXIT_REFUSED = 2

@@ -75,7 +75,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             row = (step, f, f"{100 * patch.n_changed / n_el:.3f}", f"{len(blob):,}",
                    f"{100 * len(blob) / cur.nbytes:.3f}", f"{len(blob) / max(xz, 1):.3f}x",
                    f"{1e3 * (t1 - t0):.0f}", f"{1e3 * (t2 - t1):.0f}")
-            print("  ".join(f"{str(c):>12}" for c in row))
+            print("  ".join(f"{c!s:>12}" for c in row))
             total += 1
     for f in formats:  # a replica that slept through every step catches up with one patch
         chain = [diff(a, b) for a, b in zip(views[f], views[f][1:])]

@@ -22,8 +22,14 @@ from ..errors import ViewError
 from ..kinds import DTYPE_BYTES, get_kind, kind_for_dtype
 from ..view import Tensor, View
 
-__all__ = ["load_view", "save_view", "view_to_bytes", "view_from_bytes", "read_header",
-           "MAX_HEADER_BYTES"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "load_view",
+    "read_header",
+    "save_view",
+    "view_from_bytes",
+    "view_to_bytes",
+]
 
 #: The safetensors reference implementation's cap on the JSON header.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -128,6 +134,7 @@ def load_view(path: str | os.PathLike[str], *, mmap: bool = False) -> View:
     size = path.stat().st_size
     with open(path, "rb") as f:
         header, start = read_header(f, size)
+        data: np.ndarray
         if mmap:
             data = np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=(size - start,))
             return _build(header, data, size - start, copy=False)
@@ -175,7 +182,7 @@ def save_view(view: View, path: str | os.PathLike[str],
         with open(tmp, "wb") as f:
             f.write(_header_bytes(view, metadata))
             for name in sorted(view):
-                f.write(memoryview(view[name].data.view(np.uint8)))
+                f.write(memoryview(view[name].data).cast("B"))  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -4,14 +4,25 @@
 docs/patch-format.md for the wire format.
 """
 
+from ..view import View
 from .model import Patch, TensorPatch
 from .ops import apply, compose, diff
 from .wire import PatchHeader, decode, encode, inspect
 
-__all__ = ["Patch", "TensorPatch", "diff", "apply", "compose", "encode", "decode", "inspect",
-           "PatchHeader", "apply_bytes"]
+__all__ = [
+    "Patch",
+    "PatchHeader",
+    "TensorPatch",
+    "apply",
+    "apply_bytes",
+    "compose",
+    "decode",
+    "diff",
+    "encode",
+    "inspect",
+]
 
 
-def apply_bytes(view, blob, *, verify: bool = False):  # type: ignore[no-untyped-def]
+def apply_bytes(view: View, blob: bytes | memoryview, *, verify: bool = False) -> View:
     """Decode ``blob`` against ``view`` and apply it in place; returns the view."""
     return apply(view, decode(blob, view), verify=verify)

@@ -12,9 +12,20 @@ import numpy as np
 
 from ..errors import CodecError, PatchDecodeError
 
-__all__ = ["FixedWriter", "FixedReader", "UnaryWriter", "UnaryReader", "golomb_m",
-           "encode_sequence", "decode_sequence", "encode_expgolomb", "decode_expgolomb",
-           "write_varint", "read_varint", "bitlen"]
+__all__ = [
+    "FixedReader",
+    "FixedWriter",
+    "UnaryReader",
+    "UnaryWriter",
+    "bitlen",
+    "decode_expgolomb",
+    "decode_sequence",
+    "encode_expgolomb",
+    "encode_sequence",
+    "golomb_m",
+    "read_varint",
+    "write_varint",
+]
 
 _MAX_VARINT_BYTES = 9
 
@@ -235,7 +246,7 @@ def encode_sequence(flags_pos: np.ndarray, n: int, uw: UnaryWriter, fw: FixedWri
         flags[flags_pos] = 1
         fw.write_bits(flags)
         return
-    gaps = np.diff(minority.astype(np.int64), prepend=-1) - 1
+    gaps: np.ndarray = np.diff(minority.astype(np.int64), prepend=-1) - 1
     uw.write(gaps // m)
     r = gaps % m
     b = (m - 1).bit_length()

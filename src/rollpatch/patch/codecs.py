@@ -16,15 +16,32 @@ import zstandard
 from ..errors import CodecError, PatchDecodeError
 from ..kinds import Kind
 from ..view import Tensor
-from .bits import (FixedReader, FixedWriter, UnaryReader, UnaryWriter, decode_expgolomb,
-                   decode_sequence, encode_expgolomb, encode_sequence, expgolomb_cost,
-                   read_varint, write_varint)
+from .bits import (
+    FixedReader,
+    FixedWriter,
+    UnaryReader,
+    UnaryWriter,
+    decode_expgolomb,
+    decode_sequence,
+    encode_expgolomb,
+    encode_sequence,
+    expgolomb_cost,
+    read_varint,
+    write_varint,
+)
 from .groups import Groups
 from .ops import gather
 
-__all__ = ["DeltaCodec", "DELTA_CODECS", "get_delta_codec", "encode_full", "decode_full",
-           "bounded_decompress",
-           "to_key", "from_key"]
+__all__ = [
+    "DELTA_CODECS",
+    "DeltaCodec",
+    "bounded_decompress",
+    "decode_full",
+    "encode_full",
+    "from_key",
+    "get_delta_codec",
+    "to_key",
+]
 
 
 def _consts(kind: Kind) -> tuple[int, int]:

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import PatchDecodeError
 from ..kinds import Kind
 
-__all__ = ["Groups", "MIN_CONTEXT_ELEMENTS", "CHUNK"]
+__all__ = ["CHUNK", "MIN_CONTEXT_ELEMENTS", "Groups"]
 
 #: Tensors smaller than this use a single group (context headers would cost more than they save).
 MIN_CONTEXT_ELEMENTS = 65536

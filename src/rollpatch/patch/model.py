@@ -16,7 +16,7 @@ from ..errors import PatchError
 from ..kinds import Kind
 from ..view import Tensor
 
-__all__ = ["TensorPatch", "Patch", "OPS"]
+__all__ = ["OPS", "Patch", "TensorPatch"]
 
 #: Tensor operations: ``delta`` (same kind/shape), ``full`` (new or reshaped), ``drop``.
 OPS = ("delta", "full", "drop")
@@ -78,7 +78,7 @@ class TensorPatch:
                 other.target_digest):
             return False
         if self.op == "delta":
-            return all(np.array_equal(a, b) for a, b in (
+            return all(np.array_equal(a, b) for a, b in (  # type: ignore[arg-type]
                 (self.positions, other.positions), (self.old, other.old),
                 (self.new, other.new)))
         if self.op == "full":

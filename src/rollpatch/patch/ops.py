@@ -12,7 +12,7 @@ from ..errors import BaseMismatchError, PatchError, TargetMismatchError
 from ..view import Tensor, View
 from .model import Patch, TensorPatch
 
-__all__ = ["diff", "apply", "compose", "gather", "scatter"]
+__all__ = ["apply", "compose", "diff", "gather", "scatter"]
 
 
 def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:

@@ -23,11 +23,10 @@ import zstandard
 from ..errors import BaseMismatchError, CodecError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
 from ..view import View, WordSource
-from .codecs import (DELTA_CODECS, bounded_decompress, decode_full, encode_full,
-                     get_delta_codec)
+from .codecs import DELTA_CODECS, bounded_decompress, decode_full, encode_full, get_delta_codec
 from .model import OPS, Patch, TensorPatch
 
-__all__ = ["encode", "decode", "inspect", "PatchHeader", "MAGIC", "MAX_HEADER_BYTES"]
+__all__ = ["MAGIC", "MAX_HEADER_BYTES", "PatchHeader", "decode", "encode", "inspect"]
 
 MAGIC = b"\x89RPATCH\n"
 VERSION = 1
@@ -196,9 +195,9 @@ def _validate_entry(e: Any, payload_bytes: int) -> None:
     _need(isinstance(e, dict), "tensor entry")
     name = e.get("name")
     _need(isinstance(name, str) and 0 < len(name.encode()) <= MAX_NAME_BYTES, "tensor name")
-    op, kind = e.get("op"), KINDS.get(e.get("kind"))  # type: ignore[arg-type]
-    _need(op in OPS and kind is not None and e.get("dtype") == kind.dtype, "op/kind/dtype",
-          tensor=name)
+    op, kind = e.get("op"), KINDS.get(str(e.get("kind")))
+    if op not in OPS or kind is None or e.get("dtype") != kind.dtype:
+        raise PatchDecodeError("invalid patch header: op/kind/dtype", tensor=name)
     shape = e.get("shape")
     _need(isinstance(shape, list) and len(shape) <= MAX_DIMS
           and all(_is_int(d, 0, MAX_ELEMENTS) for d in shape), "shape", tensor=name)

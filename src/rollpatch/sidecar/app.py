@@ -1,0 +1,227 @@
+"""The sidecar's HTTP app: OpenAI routes proxied under version constraints, plus admin routes.
+
+Status codes: 200/4xx pass through from the engine with versions attached; ``409`` when the
+constraint cannot be met (``{served, latest, reason}`` + ``Retry-After``); ``503`` while the
+engine holds no verified version; ``502`` when the engine cannot be reached. Nothing becomes a
+bare 500: rollpatch errors map to statuses by class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..errors import ConfigError, NotReadyError, RollpatchError
+from .protocol import (DEFAULT_WAIT_S, HEADER_END, HEADER_START, annotate_body,
+                       annotate_sse_line, decide, parse_constraint)
+from .service import Sidecar
+
+__all__ = ["create_app"]
+
+_PROXIED = ("/v1/completions", "/v1/chat/completions")
+
+
+def _error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "code": status}, **extra}
+    headers = {"Retry-After": "1"} if status in (409, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(sc: Sidecar) -> FastAPI:
+    """Build the FastAPI app around a running :class:`Sidecar`."""
+    app = FastAPI(title="rollpatch sidecar", docs_url=None, redoc_url=None)
+    client = httpx.AsyncClient(base_url=sc.engine_url, timeout=httpx.Timeout(None, connect=5))
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        await client.aclose()
+
+    @app.exception_handler(RollpatchError)
+    async def _rollpatch_error(_: Request, e: RollpatchError) -> JSONResponse:
+        if isinstance(e, ConfigError):
+            return _error(400, str(e), "invalid_request_error")
+        if isinstance(e, NotReadyError):
+            return _error(503, str(e), "not_ready")
+        return _error(502, str(e), "rollpatch_error")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        v = sc.follower.version
+        if v is None:
+            return _error(503, "no verified version loaded yet", "not_ready")
+        return JSONResponse({"ready": True, "version": v})
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return sc.describe()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(sc.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/admin/sync")
+    async def admin_sync(request: Request) -> JSONResponse:
+        denied = _check_token(sc, request)
+        if denied is not None:
+            return denied
+        v = await asyncio.to_thread(sc.follower.sync)
+        return JSONResponse({"version": v})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        r = await client.get("/v1/models")
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type"))
+
+    for path in _PROXIED:
+        app.add_api_route(path, _make_proxy(sc, client, path), methods=["POST"])
+    return app
+
+
+def _check_token(sc: Sidecar, request: Request) -> JSONResponse | None:
+    if sc.config.admin_token is None:
+        return None
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {sc.config.admin_token}".encode()):
+        return _error(401, "admin routes need the bearer token", "unauthorized")
+    return None
+
+
+def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str):  # type: ignore[no-untyped-def]
+    async def proxy(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return _error(400, "request body must be JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        constraint = parse_constraint(body, request.headers)
+        refused = await _satisfy(sc, constraint)
+        if refused is not None:
+            return refused
+        start = await asyncio.to_thread(sc.gate.enter, sc.config.admit_timeout_s)
+        d = decide(constraint, start, sc.latest())
+        if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
+            sc.gate.exit()
+            sc.metrics.request("conflict")
+            return _conflict(sc, start, d.reason)
+        if body.get("stream"):
+            return await _stream(sc, client, path, body, start)
+        return await _once(sc, client, path, body, start)
+
+    return proxy
+
+
+async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
+    """Wait for catch-up when the constraint allows it; a response when it must refuse."""
+    served = sc.follower.version
+    d = decide(c, served, sc.latest())
+    if d.action == "conflict" and d.need is not None:
+        d = decide(c, served, sc.latest(refresh=True))
+    if d.action == "proxy":
+        return None
+    if d.action == "unavailable":
+        sc.metrics.request("unavailable")
+        return _error(503, d.reason, "not_ready", served=None, latest=sc.latest())
+    if d.action == "wait":
+        wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
+        assert d.need is not None
+        if wait_s > 0 and await asyncio.to_thread(sc.follower.wait_for, d.need, wait_s):
+            return None
+        reason = d.reason + (" (caller asked not to wait)" if wait_s == 0 else
+                             f" did not finish within {wait_s:g}s")
+        sc.metrics.request("conflict")
+        return _conflict(sc, served, reason)
+    sc.metrics.request("conflict")
+    return _conflict(sc, served, d.reason)
+
+
+def _conflict(sc: Sidecar, served: int | None, reason: str) -> JSONResponse:
+    return _error(409, reason, "version_conflict", served=served, latest=sc.latest(),
+                  reason=reason)
+
+
+def _headers(start: int | None, end: int | None) -> dict[str, str]:
+    out = {HEADER_START: str(start)}
+    if end is not None:
+        out[HEADER_END] = str(end)
+    return out
+
+
+async def _once(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                start: int | None) -> Response:
+    t0 = time.perf_counter()
+    try:
+        r = await client.post(path, json=body)
+    except httpx.HTTPError as e:
+        sc.gate.exit()
+        sc.metrics.request("engine_error")
+        return _error(502, f"engine unreachable: {e}", "engine_error")
+    end = sc.gate.exit()
+    sc.metrics.request("proxied", time.perf_counter() - t0)
+    content = annotate_body(r.content, start, end) if r.status_code == 200 else r.content
+    return Response(content, status_code=r.status_code, headers=_headers(start, end),
+                    media_type=r.headers.get("content-type", "application/json"))
+
+
+async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                  start: int | None) -> Response:
+    t0 = time.perf_counter()
+    try:
+        req = client.build_request("POST", path, json=body)
+        r = await client.send(req, stream=True)
+    except httpx.HTTPError as e:
+        sc.gate.exit()
+        sc.metrics.request("engine_error")
+        return _error(502, f"engine unreachable: {e}", "engine_error")
+    if r.status_code != 200:
+        content = await r.aread()
+        await r.aclose()
+        end = sc.gate.exit()
+        sc.metrics.request("proxied", time.perf_counter() - t0)
+        return Response(content, status_code=r.status_code, headers=_headers(start, end),
+                        media_type=r.headers.get("content-type"))
+
+    async def events() -> AsyncIterator[bytes]:
+        held: bytes | None = None   # the last data event, annotated once [DONE] is seen
+        exited = False
+        try:
+            async for line in r.aiter_lines():
+                raw = line.encode()
+                if not raw.startswith(b"data:"):
+                    continue
+                if raw[5:].strip() == b"[DONE]":
+                    end = sc.gate.exit()
+                    exited = True
+                    if held is not None:
+                        yield annotate_sse_line(held, start, end) + b"\n\n"
+                        held = None
+                    yield b"data: [DONE]\n\n"
+                    continue
+                if held is not None:
+                    yield held + b"\n\n"
+                held = raw
+            if held is not None:
+                yield held + b"\n\n"
+        finally:
+            await r.aclose()
+            if not exited:
+                sc.gate.exit()
+            sc.metrics.request("proxied", time.perf_counter() - t0)
+
+    # in drain mode no commit can land while the stream is admitted: end == start is known
+    end_hdr = start if sc.gate.mode == "drain" else None
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers=_headers(start, end_hdr))

@@ -1,0 +1,120 @@
+"""The commit gate: how weight commits and in-flight requests share one engine.
+
+Commit modes:
+
+- ``drain``: stop admitting, let in-flight requests finish, apply, resume admitting. A
+  response's start and end versions are always equal.
+- ``pause``: pause the engine between tokens (in-flight requests keep their place), apply,
+  resume; a response that spans the commit reports ``version_start < version_end``.
+
+Staging (fetch, verify, decode) happens outside the gate, while serving; only the commit
+itself holds it. :class:`GatedEngine` wraps an adapter so the follower commits through it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..engines.base import EngineAdapter
+from ..errors import ConfigError
+from ..patch import Patch
+from ..view import View, WordSource
+
+__all__ = ["CommitGate", "GatedEngine", "COMMIT_MODES"]
+
+COMMIT_MODES = ("drain", "pause")
+T = TypeVar("T")
+
+
+class CommitGate:
+    """Counts in-flight requests and serialises commits against them."""
+
+    def __init__(self, engine: EngineAdapter, mode: str = "drain") -> None:
+        if mode not in COMMIT_MODES:
+            raise ConfigError(f"commit mode must be one of {COMMIT_MODES}", mode=mode)
+        self.engine = engine
+        self.mode = mode
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._committing = False
+        self.last_pause_s: float | None = None
+        self.pauses: list[float] = []
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def enter(self, timeout: float | None = None) -> int | None:
+        """Admit one request (waits while a drain-mode commit runs); returns the version."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._committing, timeout):
+                raise TimeoutError("a weight commit is taking too long")
+            self._inflight += 1
+            return self.engine.version
+
+    def exit(self) -> int | None:
+        """A request finished; returns the version at that moment."""
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+            return self.engine.version
+
+    def commit(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (a weight change) under the mode's rule; records the pause."""
+        if self.mode == "drain":
+            with self._cond:
+                self._cond.wait_for(lambda: not self._committing)
+                self._committing = True
+                self._cond.wait_for(lambda: self._inflight == 0)
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self._record(time.perf_counter() - t0)
+                with self._cond:
+                    self._committing = False
+                    self._cond.notify_all()
+        t0 = time.perf_counter()
+        self.engine.pause()
+        try:
+            return fn()
+        finally:
+            self.engine.resume()
+            self._record(time.perf_counter() - t0)
+
+    def _record(self, seconds: float) -> None:
+        self.last_pause_s = seconds
+        self.pauses.append(seconds)
+        del self.pauses[:-1000]
+
+
+class GatedEngine(EngineAdapter):
+    """An adapter whose weight changes go through a :class:`CommitGate`."""
+
+    def __init__(self, inner: EngineAdapter, gate: CommitGate) -> None:
+        self.inner = inner
+        self.gate = gate
+        self.name = inner.name
+
+    @property
+    def version(self) -> int | None:
+        return self.inner.version
+
+    @property
+    def digest(self) -> str | None:
+        return self.inner.digest
+
+    def load(self, view: View, version: int) -> None:
+        self.gate.commit(lambda: self.inner.load(view, version))
+
+    def words(self) -> WordSource:
+        return self.inner.words()
+
+    def apply(self, patch: Patch, version: int) -> None:
+        self.gate.commit(lambda: self.inner.apply(patch, version))
+
+    def close(self) -> None:
+        self.inner.close()

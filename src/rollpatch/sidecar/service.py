@@ -1,0 +1,99 @@
+"""The sidecar service: one engine, its follower, the commit gate, and what they report."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..board import Board
+from ..engines.base import EngineAdapter
+from ..errors import ConfigError, RollpatchError
+from ..follower import Follower, FollowerConfig
+from .gate import COMMIT_MODES, CommitGate, GatedEngine
+from .metrics import SidecarMetrics
+
+__all__ = ["Sidecar", "SidecarConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SidecarConfig:
+    """Sidecar settings (validated)."""
+
+    #: ``drain`` (finish in-flight requests, then commit) or ``pause`` (pause mid-generation).
+    commit_mode: str = "drain"
+    #: Bearer token required by state-changing admin routes (None: no auth; bind to loopback).
+    admin_token: str | None = None
+    #: How long a request may wait to be admitted while a drain-mode commit runs.
+    admit_timeout_s: float = 120.0
+    #: How old the cached LATEST may be before a request that needs a newer one re-reads it.
+    latest_ttl_s: float = 0.25
+    follower: FollowerConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.commit_mode not in COMMIT_MODES:
+            raise ConfigError(f"commit_mode must be one of {COMMIT_MODES}",
+                              field="commit_mode", value=self.commit_mode)
+        if not 0 < self.admit_timeout_s <= 3600:
+            raise ConfigError("admit_timeout_s must be in (0, 3600]", field="admit_timeout_s")
+        if not 0 <= self.latest_ttl_s <= 60:
+            raise ConfigError("latest_ttl_s must be in [0, 60]", field="latest_ttl_s")
+
+
+class Sidecar:
+    """Owns the follower (through a gated engine) for one engine serving at ``engine_url``."""
+
+    def __init__(self, board: str | Board, run: str, engine: EngineAdapter, engine_url: str,
+                 config: SidecarConfig | None = None) -> None:
+        self.config = config or SidecarConfig()
+        self.board = Board(board) if isinstance(board, str) else board
+        self.run = run
+        self.engine = engine
+        self.engine_url = engine_url
+        self.gate = CommitGate(engine, self.config.commit_mode)
+        self.follower = Follower(self.board, run, GatedEngine(engine, self.gate),
+                                 self.config.follower)
+        self.metrics = SidecarMetrics()
+        self.follower.on_commit.append(self._on_commit)
+        self._latest: tuple[float, int | None] = (0.0, None)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start following LATEST in the background (the engine becomes ready after boot)."""
+        self.follower.start()
+
+    def stop(self) -> None:
+        self.follower.stop()
+
+    def latest(self, refresh: bool = False) -> int | None:
+        """LATEST as seen recently (re-read when older than ``latest_ttl_s`` or asked)."""
+        now = time.monotonic()
+        with self._lock:
+            seen_at, value = self._latest
+        status_latest = self.follower.status().latest
+        if status_latest is not None and (value is None or status_latest > value):
+            value = status_latest
+        if refresh or value is None or now - seen_at > self.config.latest_ttl_s:
+            try:
+                p = self.board.latest(self.run)
+                value = p.version if p is not None else value
+            except RollpatchError:
+                pass  # keep the cached value; the follower reports board errors
+            with self._lock:
+                self._latest = (now, value)
+        return value
+
+    def _on_commit(self, version: int, pause_s: float) -> None:
+        self.metrics.pause.observe(pause_s)
+        self.metrics.update(self.follower.status())
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/version`` reports."""
+        s = self.follower.status()
+        self.metrics.update(s)
+        return {"run": self.run, "served": s.version, "digest": self.engine.digest,
+                "state": s.state.name, "latest": self.latest(), "lag": s.lag,
+                "commit_mode": self.gate.mode, "inflight": self.gate.inflight,
+                "last_error": s.last_error, "bytes_fetched": s.bytes_fetched,
+                "commits": s.commits, "last_pause_s": self.gate.last_pause_s}

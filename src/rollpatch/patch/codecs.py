@@ -254,7 +254,7 @@ def bounded_decompress(payload: memoryview | bytes, size: int, exact: bool = Tru
         reader = zstandard.ZstdDecompressor().stream_reader(bytes(payload))
         parts, got = [], 0
         while got < size:
-            part = reader.read(min(size - got, 1 << 24))
+            part = reader.read(min(size - got, 1 << 20))
             if not part:
                 break
             parts.append(part)

@@ -1,0 +1,99 @@
+"""Follower vocabulary: its states, its configuration and the status it reports."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["FollowerConfig", "FollowerState", "FollowerStatus"]
+
+
+class FollowerState(enum.Enum):
+    """Where the follower is: IDLE → FETCHING → STAGING → COMMITTING → IDLE, or ERROR."""
+
+    IDLE = "idle"
+    FETCHING = "fetching"
+    STAGING = "staging"
+    COMMITTING = "committing"
+    ERROR = "error"
+
+
+def _number(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi)
+    if not ok:
+        bound = f"> {lo}" if lo_open else f">= {lo}"
+        raise ConfigError(f"FollowerConfig.{name} must be a number {bound} and <= {hi}",
+                          field=name, value=value)
+
+
+def _integer(name: str, value: object, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ConfigError(f"FollowerConfig.{name} must be an integer in [{lo}, {hi}]",
+                          field=name, value=value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FollowerConfig:
+    """How a follower polls, fetches and what it accepts. Every field is validated."""
+
+    #: Seconds between two reads of LATEST in the background loop (> 0).
+    poll_s: float = 0.5
+    #: Objects fetched concurrently (1..256).
+    fetch_workers: int = 4
+    #: Extra attempts per object or board read after the first (0..100); a transient store
+    #: failure, a missing object or a corrupt object (hash mismatch) is retried.
+    retries: int = 3
+    #: First wait before a retry, in seconds; doubles on every further attempt (>= 0).
+    backoff_s: float = 0.2
+    #: Seconds one object may take to arrive and verify, all retries included (> 0).
+    timeout_s: float = 60.0
+    #: HMAC key: when set, every manifest a plan uses must carry a valid signature.
+    verify_signature_key: bytes | None = None
+    #: Refuse plans that would fetch more than this many bytes (None: no limit).
+    max_stage_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _number("poll_s", self.poll_s, 0.0, 86400.0, lo_open=True)
+        _integer("fetch_workers", self.fetch_workers, 1, 256)
+        _integer("retries", self.retries, 0, 100)
+        _number("backoff_s", self.backoff_s, 0.0, 3600.0)
+        _number("timeout_s", self.timeout_s, 0.0, 86400.0, lo_open=True)
+        key = self.verify_signature_key
+        if key is not None and (not isinstance(key, bytes) or not key):
+            raise ConfigError("FollowerConfig.verify_signature_key must be non-empty bytes "
+                              "or None", field="verify_signature_key")
+        if self.max_stage_bytes is not None:
+            _integer("max_stage_bytes", self.max_stage_bytes, 1, 1 << 60)
+
+
+@dataclass(frozen=True)
+class FollowerStatus:
+    """A snapshot of a follower.
+
+    ``version`` is the version the engine holds *and* the follower has verified against the
+    board (None while unknown: before the first sync, or after the engine's bits were found
+    not to match any version). ``lag`` is ``latest - version`` when both are known.
+    ``last_error`` (``"ClassName: message"``) and ``error_type`` describe the most recent
+    failure and are cleared by the next successful sync. Counters are cumulative; the
+    ``*_s`` timings are of the most recent sync that got that far (``last_commit_s`` is the
+    engine pause).
+    """
+
+    state: FollowerState
+    version: int | None
+    latest: int | None
+    lag: int | None
+    last_error: str | None
+    error_type: str | None
+    bytes_fetched: int
+    objects_fetched: int
+    commits: int
+    reboots: int
+    retries: int
+    last_commit_s: float | None
+    last_fetch_s: float | None
+    last_stage_s: float | None

@@ -1,0 +1,342 @@
+"""The follower: keeps one engine on the board's versions of a run (docs/follower.md).
+
+``sync`` is one pass of the state machine IDLE → FETCHING → STAGING → COMMITTING → IDLE
+(ERROR on failure); ``start`` runs it in a background thread whenever LATEST moves.
+The follower's version is only ever one the engine holds *and* that the follower checked
+against the board (engine digest == manifest target), so a failed fetch, decode or apply can
+never advance it: the next pass plans again from what the engine verifiably holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ..board import Board, Plan
+from ..engines import EngineAdapter
+from ..errors import (
+    BaseMismatchError,
+    NoPathError,
+    NotReadyError,
+    TargetMismatchError,
+    VerificationError,
+    VersionNotFoundError,
+)
+from ..manifest import Manifest
+from ..types import ObjectRef, check_run
+from .config import FollowerConfig, FollowerState, FollowerStatus
+from .fetch import Retrier, RetryingStore, fetch_objects
+from .stage import Stage
+
+__all__ = ["CommitCallback", "Follower"]
+
+log = logging.getLogger("rollpatch.follower")
+
+#: ``(version, pause_s)`` after every verified commit.
+CommitCallback = Callable[[int, float], None]
+#: Engine bits that are not the plan's base: reboot from a keyframe.
+_WRONG_BITS = (BaseMismatchError, TargetMismatchError)
+
+
+class _PastWanted(NoPathError):
+    """sync(want) below the engine's verified version: refused, not an ERROR."""
+
+    def __init__(self, have: int, want: int, run: str) -> None:
+        super().__init__("the engine is past the wanted version; versions only move forward",
+                         run=run, have=have, want=want)
+
+
+class Follower:
+    """Watches a run on a board and commits its versions into ``engine``, verified.
+
+    Thread-safe: ``sync`` calls are serialised; ``status``, ``version`` and ``wait_for`` may
+    be called from any thread. ``on_commit`` holds callbacks called with ``(version,
+    pause_s)`` after each verified commit, on the syncing thread (an exception in one is
+    logged, not raised; a callback must not call :meth:`sync`).
+    """
+
+    def __init__(self, board: str | Board, run: str, engine: EngineAdapter,
+                 config: FollowerConfig | None = None) -> None:
+        self.board = Board(board) if isinstance(board, str) else board
+        self.run = check_run(run)
+        self.engine = engine
+        self.config = config if config is not None else FollowerConfig()
+        self.on_commit: list[CommitCallback] = []
+        #: The plan of the most recent sync that planned (for reports such as ``pull``).
+        self.last_plan: Plan | None = None
+        self._cond = threading.Condition()
+        self._sync_lock = threading.Lock()
+        self._abort = threading.Event()      # interrupts retry sleeps while stopping
+        self._wake = threading.Event()       # polls LATEST now
+        self._loop_stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._state = FollowerState.IDLE
+        self._version: int | None = None
+        self._latest: int | None = None
+        self._error: BaseException | None = None
+        self._counts = {"bytes": 0, "objects": 0, "commits": 0, "reboots": 0, "retries": 0}
+        self._timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
+        self._retrier = Retrier(self.config, self._abort, self._on_retry)
+        # LATEST, manifests and plans are read through a board whose store retries each read
+        self._reader = Board(RetryingStore(self.board.store, self._retrier))
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The version the engine holds and the follower verified (None: unknown)."""
+        v = self._version
+        return v if v is not None and self.engine.version == v else None
+
+    def status(self) -> FollowerStatus:
+        """A consistent snapshot of state, versions, counters and timings."""
+        with self._cond:
+            v, latest, err, c, t = (self.version, self._latest, self._error, self._counts,
+                                    self._timings)
+            return FollowerStatus(
+                state=self._state, version=v, latest=latest,
+                lag=None if v is None or latest is None else max(0, latest - v),
+                last_error=None if err is None else f"{type(err).__name__}: {err}",
+                error_type=None if err is None else type(err).__name__,
+                bytes_fetched=c["bytes"], objects_fetched=c["objects"], commits=c["commits"],
+                reboots=c["reboots"], retries=c["retries"], last_commit_s=t["commit"],
+                last_fetch_s=t["fetch"], last_stage_s=t["stage"])
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        """Block until the verified version is at least ``version``; False on timeout.
+
+        Wakes the background loop to poll LATEST at once; without it (no :meth:`start`),
+        another thread must be calling :meth:`sync`.
+        """
+        deadline = time.monotonic() + timeout
+        self._wake.set()
+        with self._cond:
+            while (v := self.version) is None or v < version:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.1))  # engine.version may change without us
+            return True
+
+    # -- synchronous catch-up ------------------------------------------------------------------
+
+    def sync(self, want: int | None = None) -> int:
+        """Bring the engine to ``want`` (default: LATEST); returns its verified version.
+
+        Raises (after recording ERROR with the reason) when the version cannot be reached
+        verified; the engine then stays on its last good version. A ``want`` below the
+        engine's verified version raises :class:`NoPathError` (no ERROR: nothing failed).
+        """
+        with self._sync_lock:
+            try:
+                v = self._sync(want)
+            except _PastWanted:
+                raise  # the caller asked for the past; nothing failed
+            except NotReadyError as e:
+                if self._abort.is_set():  # stopping: the engine was not touched
+                    self._set(FollowerState.IDLE)
+                else:
+                    self._fail(e)
+                raise
+            except BaseException as e:
+                self._fail(e)
+                raise
+            self._set(FollowerState.IDLE, error=None)
+            return v
+
+    def _sync(self, want: int | None) -> int:
+        confirmed = self.version
+        if want is not None and confirmed is not None and want < confirmed:
+            raise _PastWanted(confirmed, want, self.run)
+        if want is None:
+            want = self._read_latest()
+            if want is None:
+                raise VersionNotFoundError("nothing is published on this run yet", run=self.run)
+        have = self._verified_have()
+        if have == want:
+            return want
+        if have is not None and have > want:
+            raise _PastWanted(have, want, self.run)
+        try:
+            return self._run_plan(have, want)
+        except _WRONG_BITS as e:
+            plan = self.last_plan
+            if have is None or plan is None or not plan.steps or plan.steps[0].is_keyframe:
+                raise
+            log.warning("%s@%d: engine bits are not the plan's base (%s); rebooting from a "
+                        "keyframe", self.run, have, e)
+            with self._cond:
+                self._version = None
+                self._counts["reboots"] += 1
+            return self._run_plan(None, want)
+
+    def _verified_have(self) -> int | None:
+        """The engine's version if its digest is that version's target on this board."""
+        v, digest = self.engine.version, self.engine.digest
+        if v is None or digest is None:
+            return None
+        try:
+            m = self._manifest(v)
+        except VersionNotFoundError:
+            return None
+        if digest != m.target:
+            log.warning("%s: engine claims version %d but holds other bits; booting from a "
+                        "keyframe", self.run, v)
+            with self._cond:
+                self._version = None
+                self._counts["reboots"] += 1
+            return None
+        with self._cond:
+            self._version = v
+            self._cond.notify_all()
+        return v
+
+    def _run_plan(self, have: int | None, want: int) -> int:
+        plan = self._reader.plan(self.run, have, want)
+        self.last_plan = plan
+        limit = self.config.max_stage_bytes
+        if limit is not None and plan.bytes > limit:
+            raise NoPathError("plan is larger than max_stage_bytes", run=self.run, have=have,
+                              want=want, plan_bytes=plan.bytes, max_stage_bytes=limit)
+        manifests = {n: self._manifest(n) for s in plan.steps
+                     for n in (s.to, s.base) if n is not None}
+        self._set(FollowerState.FETCHING)
+        t0 = time.monotonic()
+        blobs = fetch_objects(self.board, (r for s in plan.steps for r in s.objects),
+                              self._retrier, self._on_fetched)
+        self._timing("fetch", t0)
+        self._set(FollowerState.STAGING)
+        t0 = time.monotonic()
+        stage = Stage(self.engine.words() if have is not None else None)
+        for step in plan.steps:
+            if step.base is None:
+                stage.keyframe(manifests[step.to], blobs)
+            else:
+                stage.step(manifests[step.to], manifests[step.base], blobs)
+        self._timing("stage", t0)
+        del blobs
+        self._set(FollowerState.COMMITTING)
+        return self._commit(stage, want, manifests[want])
+
+    def _commit(self, stage: Stage, want: int, m: Manifest) -> int:
+        before = self.version
+        t0 = time.monotonic()
+        self.engine.pause()
+        try:
+            if stage.view is not None:
+                self.engine.load(stage.view, want)
+            else:
+                assert stage.patch is not None
+                self.engine.apply(stage.patch, want)  # verifies base and target; all or nothing
+        finally:
+            self.engine.resume()
+            pause_s = time.monotonic() - t0
+        if self.engine.version != want or self.engine.digest != m.target:
+            with self._cond:
+                self._version = before if self.engine.version == before else None
+            raise VerificationError("engine does not hold the target digest after the commit",
+                                    run=self.run, version=want, engine=self.engine.name)
+        with self._cond:
+            self._version = want
+            self._counts["commits"] += 1
+            self._timings["commit"] = pause_s
+            self._cond.notify_all()
+        for callback in list(self.on_commit):
+            try:
+                callback(want, pause_s)
+            except Exception:  # a subscriber's bug must not undo a verified commit
+                log.exception("on_commit callback failed for %s@%d", self.run, want)
+        return want
+
+    # -- board reads ---------------------------------------------------------------------------
+
+    def _read_latest(self) -> int | None:
+        p = self._reader.latest(self.run)
+        if p is not None:
+            with self._cond:
+                self._latest = p.version if self._latest is None else max(self._latest,
+                                                                            p.version)
+        return None if p is None else p.version
+
+    def _manifest(self, n: int) -> Manifest:
+        m = self._reader.manifest(self.run, n)
+        if self.config.verify_signature_key is not None:
+            m.verify_signature(self.config.verify_signature_key)
+        return m
+
+    # -- background loop -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Watch LATEST every ``poll_s`` in a daemon thread and sync when it moves."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._abort.clear()
+        stop = self._loop_stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(stop,), daemon=True,
+                                        name=f"rollpatch-follower-{self.run}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background thread (a commit in progress completes first)."""
+        thread, stop = self._thread, self._loop_stop
+        if thread is None or stop is None:
+            return
+        stop.set()
+        self._abort.set()
+        self._wake.set()
+        thread.join(timeout=self.config.timeout_s + 5.0)
+        if thread.is_alive():
+            log.warning("follower thread for %s did not stop within %.0f s", self.run,
+                        self.config.timeout_s + 5.0)
+        self._thread = None
+        self._abort.clear()
+
+    def _loop(self, stop: threading.Event) -> None:
+        failures = 0
+        while not stop.is_set():
+            try:
+                latest = self._read_latest()
+                current = self.version
+                if latest is not None and (current is None or latest > current):
+                    self.sync(latest)
+                elif latest is not None and self._state is FollowerState.ERROR:
+                    self._set(FollowerState.IDLE, error=None)  # caught up again: healthy
+                failures = 0
+            # the thread must outlive any failure; each one is recorded in status and logged
+            except Exception as e:  # noqa: BLE001
+                if self._error is not e:
+                    self._fail(e)
+                failures += 1
+            poll = self.config.poll_s  # back off while failing, up to 30 s (or poll_s)
+            delay = min(poll * 2 ** min(failures, 6), max(poll, 30.0)) if failures else poll
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _set(self, state: FollowerState, **kw: BaseException | None) -> None:
+        with self._cond:
+            self._state = state
+            if "error" in kw:
+                self._error = kw["error"]
+            self._cond.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        log.warning("%s: sync failed: %s: %s", self.run, type(e).__name__, e)
+        self._set(FollowerState.ERROR, error=e)
+
+    def _timing(self, what: str, t0: float) -> None:
+        with self._cond:
+            self._timings[what] = time.monotonic() - t0
+
+    def _on_fetched(self, ref: ObjectRef) -> None:
+        with self._cond:
+            self._counts["bytes"] += ref.size
+            self._counts["objects"] += 1
+
+    def _on_retry(self, e: BaseException) -> None:
+        log.info("%s: retrying after %s: %s", self.run, type(e).__name__, e)
+        with self._cond:
+            self._counts["retries"] += 1

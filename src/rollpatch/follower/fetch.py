@@ -1,0 +1,157 @@
+"""Fetching for the follower: bounded retries with backoff, parallel verified object fetch.
+
+Every object goes through :meth:`Board.fetch`, which checks its size and BLAKE3 hash against
+the manifest entry; a mismatch (corrupt or truncated bytes), a missing object and a transient
+store failure are retried with exponential backoff, within ``timeout_s`` per object. Anything
+else (a read-only store, a bad key) fails at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TypeVar
+
+from ..board import Board
+from ..errors import ManifestError, NotFoundError, NotReadyError, TransientStoreError
+from ..store import ObjectInfo, Store
+from ..types import ObjectRef
+from .config import FollowerConfig
+
+__all__ = ["RETRY_FETCH", "RETRY_READ", "Retrier", "RetryingStore", "fetch_objects"]
+
+T = TypeVar("T")
+
+#: Failures worth fetching an object again for: the network, eventual consistency, bad bytes
+#: from a cache or relay (Board.fetch raises ManifestError on a size or hash mismatch).
+RETRY_FETCH: tuple[type[BaseException], ...] = (TransientStoreError, NotFoundError,
+                                                ManifestError, TimeoutError, ConnectionError)
+#: Failures worth reading LATEST or a manifest again for (a malformed manifest is final).
+RETRY_READ: tuple[type[BaseException], ...] = (TransientStoreError, TimeoutError,
+                                               ConnectionError)
+
+
+class Retrier:
+    """Calls a function up to ``1 + retries`` times, sleeping ``backoff_s · 2^attempt``.
+
+    ``abort`` interrupts the sleeps (the follower is stopping); ``on_retry`` is told about
+    every failure that is retried (for counters and logs).
+    """
+
+    def __init__(self, config: FollowerConfig, abort: threading.Event,
+                 on_retry: Callable[[BaseException], None]) -> None:
+        self.config = config
+        self.abort = abort
+        self.on_retry = on_retry
+
+    def call(self, fn: Callable[[], T], retryable: tuple[type[BaseException], ...],
+             deadline: float | None = None) -> T:
+        """``fn()``, retried on ``retryable`` failures until ``retries`` or ``deadline``."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except retryable as e:
+                delay = self.config.backoff_s * (2 ** attempt)
+                if attempt >= self.config.retries or (
+                        deadline is not None and time.monotonic() + delay >= deadline):
+                    raise
+                self.on_retry(e)
+                if self.abort.wait(delay):
+                    raise NotReadyError("follower is stopping; fetch abandoned") from e
+                attempt += 1
+
+
+class RetryingStore(Store):
+    """A read-only view of ``inner`` whose every read is retried on transient failures.
+
+    The follower reads LATEST and manifests through a :class:`Board` over this store, so one
+    failed request costs one retry of that request, not a re-run of a whole plan.
+    """
+
+    writable = False
+
+    def __init__(self, inner: Store, retrier: Retrier) -> None:
+        self.inner = inner
+        self.retrier = retrier
+        self.uri = inner.uri
+
+    def _get(self, key: str) -> bytes:
+        return self.retrier.call(lambda: self.inner.get(key), RETRY_READ)
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.retrier.call(lambda: self.inner.get_range(key, start, end), RETRY_READ)
+
+    def _list(self, prefix: str) -> list[str]:
+        return self.retrier.call(lambda: self.inner.list(prefix), RETRY_READ)
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        return self.retrier.call(lambda: self.inner.head(key), RETRY_READ)
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        raise AssertionError("unreachable: the store is read-only")
+
+    def _delete(self, key: str) -> None:
+        raise AssertionError("unreachable: the store is read-only")
+
+    def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
+        raise AssertionError("unreachable: the store is read-only")
+
+
+def fetch_objects(board: Board, refs: Iterable[ObjectRef], retrier: Retrier,
+                  on_fetched: Callable[[ObjectRef], None]) -> dict[str, bytes]:
+    """Fetch and verify ``refs`` concurrently; key → bytes, or raise the first failure.
+
+    Each object gets ``timeout_s`` from the moment a worker starts on it, retries included;
+    one that runs over fails the whole fetch with :class:`TransientStoreError`. On failure the
+    remaining objects are cancelled (a store call already in flight cannot be interrupted and
+    is abandoned; its result is dropped).
+    """
+    unique = {r.key: r for r in refs}
+    if not unique:
+        return {}
+    config = retrier.config
+    started: dict[str, float] = {}
+    lock = threading.Lock()
+    failed = threading.Event()  # stops the other workers' retries once the fetch has failed
+
+    def attempt(ref: ObjectRef) -> bytes:
+        if failed.is_set():
+            raise NotReadyError("fetch abandoned: another object failed", key=ref.key)
+        return board.fetch(ref)
+
+    def one(ref: ObjectRef) -> bytes:
+        t0 = time.monotonic()
+        with lock:
+            started[ref.key] = t0
+        data = retrier.call(lambda: attempt(ref), RETRY_FETCH, deadline=t0 + config.timeout_s)
+        on_fetched(ref)
+        return data
+
+    pool = ThreadPoolExecutor(max_workers=min(config.fetch_workers, len(unique)),
+                              thread_name_prefix="rollpatch-fetch")
+    futures: dict[Future[bytes], ObjectRef] = {pool.submit(one, r): r for r in unique.values()}
+    out: dict[str, bytes] = {}
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+            for f in done:
+                out[futures[f].key] = f.result()  # re-raises the worker's failure
+            now = time.monotonic()
+            with lock:
+                late = [k for k, t0 in started.items()
+                        if k not in out and now - t0 > config.timeout_s]
+            if late:
+                raise TransientStoreError("object fetch timed out", key=late[0],
+                                          timeout_s=config.timeout_s,
+                                          hint="raise FollowerConfig.timeout_s or check "
+                                               "the store")
+    except BaseException:
+        failed.set()
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return out

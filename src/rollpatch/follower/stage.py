@@ -1,0 +1,124 @@
+"""Staging: fetched objects → one verified commit (a composed patch, or a booted view).
+
+Two shapes of plan, two ways to stage:
+
+- **patch chain over the engine's words** — step 1 is decoded against ``engine.words()``,
+  step *k* against an :class:`~rollpatch.patch.overlay.Overlay` of the engine's words and the
+  steps composed so far; the steps are composed into one patch, committed with one
+  ``engine.apply`` (one pause). Staging holds patches, never a second model.
+- **keyframe (+ chain)** — the keyframe shards are merged into a view, checked against the
+  manifest's target, then each later step is applied to it in place (verified); the result is
+  handed to ``engine.load``.
+
+Sharded versions carry one patch object per shard (same base, disjoint tensors, patch-level
+digests of the shard's sub-view): each is decoded without a root check, the tensor sets must
+be disjoint, and the union is bound to the manifest's whole-view digests. The engine's apply
+then verifies the whole base before writing and the whole target after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+from ..errors import BaseMismatchError, ManifestError, NoPathError, VerificationError
+from ..io import view_from_bytes
+from ..manifest import Manifest
+from ..patch import Patch, apply, compose, decode
+from ..patch.model import TensorPatch
+from ..patch.overlay import Overlay
+from ..view import Tensor, View, WordSource
+
+__all__ = ["Stage", "decode_step", "keyframe_view"]
+
+
+def keyframe_view(m: Manifest, blobs: MutableMapping[str, bytes]) -> View:
+    """Merge the keyframe shards of ``m`` into one view whose root digest is ``m.target``.
+
+    Each blob is released once parsed (a keyframe is the one place staging holds a model).
+    """
+    tensors: dict[str, Tensor] = {}
+    meta: dict[str, str] = {}
+    for k in sorted(m.keyframes, key=lambda k: k.shard):
+        part = view_from_bytes(blobs.pop(k.ref.key))
+        meta.update(part.metadata)
+        overlap = tensors.keys() & part.keys()
+        if overlap:
+            raise ManifestError("keyframe shards overlap", run=m.run, version=m.version,
+                                tensor=min(overlap))
+        tensors.update(part.items())
+    view = View(tensors, meta)
+    if view.digest() != m.target:
+        raise VerificationError("keyframe does not match its manifest's target digest",
+                                run=m.run, version=m.version, expected=m.target[:16],
+                                actual=view.digest()[:16])
+    return view
+
+
+def decode_step(m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes],
+                source: WordSource) -> Patch:
+    """Decode the patch objects ``base.version`` → ``m.version`` (all shards) against ``source``.
+
+    Returns one patch bound to the whole views: ``base.target`` → ``m.target``.
+    """
+    objs = m.patches_from(base.version)
+    if not objs:
+        raise ManifestError("manifest has no patch from the planned base", run=m.run,
+                            version=m.version, base=base.version)
+    for po in objs:
+        if po.base_digest != base.target:
+            raise ManifestError("patch entry's base digest is not its base version's target",
+                                run=m.run, version=m.version, base=base.version)
+    if isinstance(source, View) and source.digest() != base.target:
+        raise BaseMismatchError("the staging base is not the patch's base", run=m.run,
+                                version=m.version, base=base.version,
+                                expected=base.target[:16], actual=source.digest()[:16])
+    tensors: dict[str, TensorPatch] = {}
+    meta: dict[str, str] = {}
+    for po in objs:
+        part = decode(blobs.pop(po.ref.key), source, check_base=False)
+        if len(objs) == 1 and (part.base, part.target) != (base.target, m.target):
+            raise ManifestError("patch object binds other digests than its manifest",
+                                run=m.run, version=m.version, key=po.ref.key)
+        overlap = tensors.keys() & part.tensors.keys()
+        if overlap:
+            raise ManifestError("patch shards overlap", run=m.run, version=m.version,
+                                shard=po.shard, tensor=min(overlap))
+        tensors.update(part.tensors)
+        meta.update(part.meta)
+    return Patch(base.target, m.target, tensors, meta)
+
+
+class Stage:
+    """Accumulates the steps of one plan into a single commit.
+
+    After the steps, exactly one of ``view`` (keyframe path: load it) and ``patch`` (chain
+    over the engine's words: apply it) is set. ``copied_bytes`` counts the tensor copies the
+    overlays lent while decoding (the staging memory beyond the patches themselves).
+    """
+
+    def __init__(self, words: WordSource | None) -> None:
+        self._words = words
+        self.view: View | None = None
+        self.patch: Patch | None = None
+        self.copied_bytes = 0
+
+    def keyframe(self, m: Manifest, blobs: MutableMapping[str, bytes]) -> None:
+        """Boot from the keyframe of ``m``; earlier staged steps are discarded."""
+        self.view = keyframe_view(m, blobs)
+        self.patch = None
+
+    def step(self, m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes]) -> None:
+        """Stage the patch step ``base.version`` → ``m.version``."""
+        if self.view is not None:
+            apply(self.view, decode_step(m, base, blobs, self.view))  # verified, in place
+            return
+        if self._words is None:
+            raise NoPathError("a patch step needs a loaded engine", run=m.run,
+                              version=m.version, hint="plan from a keyframe (have=None)")
+        if self.patch is None:
+            self.patch = decode_step(m, base, blobs, self._words)
+            return
+        overlay = Overlay(self._words, self.patch)
+        step = decode_step(m, base, blobs, overlay)
+        self.copied_bytes += overlay.copied_bytes
+        self.patch = compose(self.patch, step)

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     codec.register(sub)
     demo.register(sub)
+    __import__(f"{__name__}.relay", fromlist=["register"]).register(sub)
+    __import__(f"{__name__}.pull", fromlist=["register"]).register(sub)
+    __import__(f"{__name__}.publish", fromlist=["register"]).register(sub)
     return parser
 
 

@@ -1,0 +1,386 @@
+"""The :class:`Publisher`: snapshots master weights and publishes them as versions.
+
+Threading model: ``publish()`` copies the state dict to host memory and returns; one worker
+thread takes snapshots in version order and runs the pipeline (cast, diff, encode, upload,
+manifest, LATEST). The queue holds at most ``max_pending`` waiting snapshots; a new one pushes
+out the oldest waiting one. Sharded publishers agree on each version with their peers before
+publishing it (docs/publisher.md, "Sharding protocol").
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..board import Board
+from ..errors import BoardError, ConfigError
+from ..io.checkpoint import to_numpy
+from ..types import MAX_VERSION, check_run
+from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
+from .pipeline import ShardPipeline, ShardResult, assemble_manifest
+from .reconstruct import reconstruct
+from .rounds import Snapshot, agree, resume_point
+from .sharded import open_exchange
+
+__all__ = ["Publisher", "snapshot_state"]
+
+_MASTER_DTYPES = ("float32", "bfloat16", "float16")
+_LIVE: weakref.WeakSet[Publisher] = weakref.WeakSet()
+
+
+def snapshot_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Host copies of every tensor (numpy or torch on any device) that nothing else shares."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise ConfigError("state dict keys must be tensor names (str)", key=repr(name))
+        arr = to_numpy(value)
+        on_device = not isinstance(value, np.ndarray) and value.device.type != "cpu"
+        if arr.dtype.name not in _MASTER_DTYPES:
+            raise ConfigError(f"cannot publish {arr.dtype.name} tensor {name!r}",
+                              hint="publish float32/bfloat16/float16 parameters only; leave "
+                                   "buffers and integer tensors out of the state dict")
+        out[name] = arr if on_device else np.array(arr, copy=True, order="C")
+    return out
+
+
+class Publisher:
+    """Publishes a run's versions to a board, in the background by default.
+
+    ``board``: a :class:`Board` or a store URI. ``asynchronous=False`` publishes inside
+    ``publish()``. Sharding (one shard per rank, disjoint tensor names) is on when ``group`` is
+    given or torch.distributed is initialised with more than one rank, unless
+    ``sharded=False``; every rank must then construct the publisher and publish the same
+    version numbers in the same order. On a run that already has versions, the publisher
+    resumes after the newest one (see :func:`~rollpatch.publisher.reconstruct`).
+    """
+
+    def __init__(self, board: Board | str, run: str, config: PublisherConfig | None = None, *,
+                 asynchronous: bool = True, group: Any = None,
+                 sharded: bool | None = None) -> None:
+        self.config = config if config is not None else PublisherConfig()
+        if not isinstance(self.config, PublisherConfig):
+            raise ConfigError("config must be a PublisherConfig")
+        self.board = board if isinstance(board, Board) else Board(board)
+        self.run = check_run(run)
+        self._x = open_exchange(group, sharded)
+        self._cond = threading.Condition()
+        self._pending: deque[Snapshot] = deque()
+        self._busy = False
+        self._closing = self._closed = False
+        self._error: BaseException | None = None
+        self._error_reported = False
+        self._kf_requested = self._kf_consumed = 0
+        self._stats: deque[VersionStats] = deque(maxlen=MAX_STATS)
+        self._dropped: deque[int] = deque(maxlen=MAX_STATS)
+        self._n_dropped = self._published = self._bytes = 0
+        top, target = resume_point(self.board, self.run, self.config, self._x)
+        self._last_assigned = self._last_durable = self._resume_from = top
+        self._roots: dict[int, str] = {} if top is None else {top: target}
+        self._pipe = ShardPipeline(self.board, self.run, self.config, self._x.rank)
+        self._worker: threading.Thread | None = None
+        if asynchronous:
+            self._worker = threading.Thread(target=self._work, daemon=True,
+                                            name=f"rollpatch-publisher-{self.run}")
+            self._worker.start()
+            _LIVE.add(self)
+
+    # -- public API --------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This publisher's shard index (0 when unsharded)."""
+        return self._x.rank
+
+    @property
+    def shards(self) -> int:
+        """How many ranks publish shards of each version (1 when unsharded)."""
+        return self._x.size
+
+    @property
+    def last_durable(self) -> int | None:
+        """The newest version this publisher knows is durable and named by LATEST (after a
+        resume: the version it resumed from)."""
+        with self._cond:
+            return self._last_durable
+
+    @property
+    def stats(self) -> PublisherStats:
+        """Per-version timings and bytes, dropped versions (a consistent snapshot)."""
+        with self._cond:
+            return PublisherStats(tuple(self._stats), self._bytes, tuple(sorted(self._dropped)),
+                                  self._n_dropped, self._published)
+
+    def publish(self, state_dict: Mapping[str, Any], version: int | None = None, *,
+                step: int | None = None) -> int:
+        """Snapshot ``state_dict`` and publish it as the next version; returns its number.
+
+        The caller may change its tensors as soon as this returns. ``version`` (default: one
+        more than the last assigned) must exceed every version assigned so far. ``step`` is
+        recorded in the manifest's meta (default: the version number).
+        """
+        t0 = time.perf_counter()
+        self._check_usable()
+        masters = snapshot_state(state_dict)
+        snap_s = time.perf_counter() - t0
+        with self._cond:
+            self._check_usable()
+            n = self._assign(version)
+            snap = Snapshot(n, masters, t0, snap_s, step if step is not None else n)
+            if self._worker is None:
+                self._busy = True
+            else:
+                snap.call_return_s = time.perf_counter() - t0
+                self._pending.append(snap)
+                self._trim(self._pending)
+                self._cond.notify_all()
+        if self._worker is None:
+            try:
+                self._round([snap], closing=False, sync=True)
+            except BaseException as e:
+                self._fail(e)
+                self._error_reported = True
+                raise
+            finally:
+                with self._cond:
+                    self._busy = False
+        return n
+
+    def publish_keyframe(self) -> None:
+        """Give the next published version a keyframe too (on every rank if any asks)."""
+        with self._cond:
+            self._kf_requested += 1
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every accepted snapshot is durable (or dropped) and LATEST advanced.
+
+        Raises the worker's first error, or :class:`TimeoutError` after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._pending or self._busy) and self._error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"publisher flush timed out after {timeout} s "
+                                       f"({len(self._pending)} snapshot(s) pending)")
+                self._cond.wait(left)
+            self._raise_error()
+
+    def close(self) -> None:
+        """Publish what is pending, stop the worker; raises an error not raised before."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+        with self._cond:
+            self._closed = True
+            if self._error is not None and not self._error_reported:
+                self._error_reported = True
+                raise self._error
+
+    def __enter__(self) -> Publisher:  # noqa: PYI034 (typing.Self needs 3.11)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        with self._cond:
+            if self._closed or self._closing:
+                raise ConfigError("the publisher is closed", run=self.run)
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            self._error_reported = True
+            raise self._error
+
+    def _assign(self, version: int | None) -> int:
+        last = self._last_assigned
+        if version is None:
+            n = 0 if last is None else last + 1
+        else:
+            if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+                raise ConfigError("version must be a non-negative int", value=version)
+            if last is not None and version <= last:
+                raise ConfigError("version numbers must increase", version=version,
+                                  last_assigned=last, run=self.run)
+            n = version
+        if n > MAX_VERSION:
+            raise ConfigError("version number too large", version=n)
+        self._last_assigned = n
+        return n
+
+    def _trim(self, queue: deque[Snapshot]) -> None:
+        while len(queue) > self.config.max_pending:
+            self._drop(queue.popleft().version)
+
+    def _drop(self, version: int) -> None:
+        self._dropped.append(version)
+        self._n_dropped += 1
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = e
+            self._pending.clear()
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        waiting_for: int | None = None
+        done = False
+        while not done:
+            with self._cond:
+                while not (self._closing or (self._pending and (
+                        waiting_for is None or self._pending[-1].version >= waiting_for))):
+                    self._cond.wait()
+                if self._x.size == 1:
+                    hand = [self._pending.popleft()] if self._pending else []
+                else:
+                    hand = list(self._pending)
+                    self._pending.clear()
+                self._busy = True
+                closing = self._closing
+            try:
+                done, waiting_for = self._round(hand, closing=closing, sync=False)
+            except BaseException as e:  # noqa: BLE001 (kept; raised by flush/publish/close)
+                self._fail(e)  # before busy clears, so a waiting flush() sees the error
+                done = True
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _round(self, hand: list[Snapshot], *, closing: bool, sync: bool
+               ) -> tuple[bool, int | None]:
+        """Agree with the other ranks on a version from ``hand`` and publish it.
+
+        Returns (worker done, version to wait for before the next round).
+        """
+        with self._cond:
+            kf_seq = self._kf_requested
+            kf = kf_seq > self._kf_consumed
+        decision = agree(self._x, hand, closing=closing, keyframe=kf, sync=sync)
+        if decision.action == "exit":
+            return True, None
+        if decision.action == "wait":
+            with self._cond:
+                self._pending.extendleft(reversed(hand))
+                self._trim(self._pending)
+            return False, decision.version
+        target = decision.version
+        assert target is not None
+        snap = next(s for s in hand if s.version == target)
+        with self._cond:
+            for s in hand:
+                if s.version < target:
+                    self._drop(s.version)
+            self._pending.extendleft(reversed([s for s in hand if s.version > target]))
+            self._trim(self._pending)
+        self._publish(snap, decision.keyframe)
+        if decision.keyframe:
+            with self._cond:
+                self._kf_consumed = max(self._kf_consumed, kf_seq)
+        return False, None
+
+    def _publish(self, snap: Snapshot, forced_keyframe: bool) -> None:
+        started = time.perf_counter()
+        parent, n, k = self._last_durable, snap.version, self.config.keyframe_every
+        keyframe = forced_keyframe or parent is None or (k > 0 and n // k != parent // k)
+        resume_s = 0.0
+        res: ShardResult | None = None
+        local: BaseException | None = None
+        try:
+            if self._resume_from is not None and self._pipe.prev is None:
+                t = time.perf_counter()
+                whole = reconstruct(self.board, self.run, self._resume_from,
+                                    signing_key=self.config.signing_key)
+                self._pipe.resume(self._resume_from, whole)
+                resume_s = time.perf_counter() - t
+            res = self._pipe.build(n, snap.masters, keyframe=keyframe)
+            message: dict[str, Any] = res.message()
+        except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
+            local, message = e, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        t_commit = time.perf_counter()
+        messages = self._x.allgather(message)
+        outcome: dict[str, Any] = {}
+        if self._x.rank == 0:
+            outcome, err = self._write_manifest(snap, parent, keyframe, messages)
+            local = local or err
+        outcome = self._x.allgather(outcome)[0]
+        if local is not None:
+            raise local
+        if not outcome.get("ok"):
+            raise BoardError(f"publishing failed on another rank: {outcome.get('error')}",
+                             run=self.run, version=n)
+        assert res is not None
+        self._pipe.commit(res)
+        self._record(snap, res, parent, keyframe, started, resume_s, t_commit, outcome)
+
+    def _write_manifest(self, snap: Snapshot, parent: int | None, keyframe: bool,
+                        messages: list[dict[str, Any]]
+                        ) -> tuple[dict[str, Any], BaseException | None]:
+        bad = [(r, m) for r, m in enumerate(messages) if not m.get("ok")]
+        if bad:
+            return {"ok": False, "error": f"rank {bad[0][0]}: {bad[0][1].get('error')}"}, None
+        try:
+            meta = {"step": str(snap.step), "scales": self.config.scales}
+            m = assemble_manifest(run=self.run, version=snap.version, parent=parent,
+                                  keyframe=keyframe, messages=messages,
+                                  root_digests=self._roots, config=self.config, meta=meta)
+            self.board.put_manifest(m)
+            self.board.advance(self.run, snap.version)
+        except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
+            return {"ok": False, "error": f"rank 0: {type(e).__name__}: {e}"}, e
+        skip_bases = sorted({p.base for p in m.patches} - {parent})
+        return {"ok": True, "target": m.target, "skip_bases": skip_bases,
+                "keyframe": m.is_keyframe}, None
+
+    def _record(self, snap: Snapshot, res: ShardResult, parent: int | None, keyframe: bool,
+                started: float, resume_s: float, t_commit: float,
+                outcome: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        n = snap.version
+        self._roots[n] = outcome["target"]
+        horizon = n - max(self.config.skip_strides, default=1)
+        for v in [v for v in self._roots if v < horizon]:
+            del self._roots[v]
+        stats = VersionStats(
+            version=n, parent=parent, keyframe=bool(outcome["keyframe"]),
+            skip_bases=tuple(outcome["skip_bases"]), snapshot_s=snap.snapshot_s,
+            call_return_s=snap.call_return_s if snap.call_return_s is not None else now - snap.t0,
+            queue_s=max(0.0, started - snap.t0 - snap.snapshot_s), resume_s=resume_s,
+            commit_s=now - t_commit, total_s=now - snap.t0, bytes=res.bytes,
+            patch_bytes=res.patch_bytes, changed=res.changed,
+            **{k: res.timings.get(k, 0.0) for k in ("cast_s", "diff_s", "encode_s",
+                                                   "upload_s")})
+        with self._cond:
+            self._last_durable = n
+            self._published += 1
+            self._bytes += res.bytes
+            self._stats.append(stats)
+            self._cond.notify_all()
+        snap.masters = {}  # free the host copy early
+
+
+@atexit.register
+def _close_all() -> None:
+    """Publish what is pending at interpreter exit; report, never hide, errors."""
+    for pub in list(_LIVE):
+        try:
+            pub.close()
+        except Exception as e:  # noqa: BLE001 (at exit no caller is left to raise to)
+            print(f"rollpatch: publisher for run {pub.run!r} failed: {e}", file=sys.stderr)

@@ -1,0 +1,212 @@
+"""One rank's share of publishing a version, and the manifest that rank 0 writes from all shares.
+
+:class:`ShardPipeline` keeps the rank's previous view and, per skip stride, the patch composed
+since the last multiple of the stride. ``build`` casts, diffs, encodes and uploads the shard's
+objects without changing that state; ``commit`` installs the new view once the manifest is
+durable, so a failed version leaves the pipeline where it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..board import Board
+from ..errors import BoardError, PatchError
+from ..formats import cast_view
+from ..io import view_to_bytes
+from ..manifest import KeyframeObject, Manifest, PatchObject
+from ..patch import Patch, compose, diff, encode
+from ..patch.ops import scatter
+from ..types import ObjectRef
+from ..view import Tensor, View, root_digest
+from .config import PublisherConfig
+
+__all__ = ["ShardPipeline", "ShardResult", "assemble_manifest"]
+
+#: Stride → (base version, patch composed from the base to the current version, or None).
+Accumulators = dict[int, tuple[int, "Patch | None"]]
+
+
+@dataclass
+class ShardResult:
+    """What ``build`` made for one version; ``message()`` is what the rank tells rank 0."""
+
+    version: int
+    view: View
+    patches: list[tuple[int, ObjectRef]] = field(default_factory=list)
+    keyframe: ObjectRef | None = None
+    accumulators: Accumulators = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+    patch_bytes: int = 0
+    changed: int = 0
+
+    def message(self) -> dict[str, Any]:
+        def ref(r: ObjectRef) -> dict[str, Any]:
+            return {"key": r.key, "size": r.size, "b3": r.b3}
+
+        return {"ok": True, "version": self.version, "nbytes": self.view.nbytes,
+                "digests": self.view.tensor_digests(),
+                "patches": [dict(ref(r), base=b) for b, r in self.patches],
+                "keyframe": None if self.keyframe is None else ref(self.keyframe)}
+
+
+class ShardPipeline:
+    """One rank's publishing state: its previous view, version and skip accumulators."""
+
+    def __init__(self, board: Board, run: str, config: PublisherConfig, shard: int) -> None:
+        self.board, self.run, self.config, self.shard = board, run, config, shard
+        self.prev: View | None = None
+        self.prev_version: int | None = None
+        self._whole_prev = False  # prev is the whole resumed view, not yet cut to this shard
+        self._acc: Accumulators = {}
+
+    def resume(self, version: int, whole_view: View) -> None:
+        """Continue after ``version``, whose whole (all shards) view is ``whole_view``."""
+        self.prev, self.prev_version, self._whole_prev = whole_view, version, True
+        self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
+
+    def build(self, version: int, masters: Mapping[str, np.ndarray], *,
+              keyframe: bool) -> ShardResult:
+        """Cast, diff, encode and upload this shard's objects for ``version``."""
+        cfg = self.config
+        t = time.perf_counter()
+        view = cast_view(masters, cfg.format, policy=cfg.policy, scales=cfg.scales,
+                         previous=self.prev)
+        res = ShardResult(version, view)
+        res.timings["cast_s"] = _lap(t)
+        t = time.perf_counter()
+        prev = self._base_view(view)
+        step = None if prev is None else diff(prev, view)
+        res.timings["diff_s"] = _lap(t)
+        t = time.perf_counter()
+        blobs: list[tuple[int | None, str, bytes]] = []
+        if step is not None and prev is not None and self.prev_version is not None:
+            blob = encode(self._with_meta(step, self.prev_version, version), prev)
+            blobs.append((self.prev_version, "rpatch", blob))
+            res.patch_bytes, res.changed = len(blob), step.n_changed
+        res.accumulators, skips = self._advance_accumulators(version, step)
+        for skip_base, composed in skips:
+            skip_blob = self._skip_blob(composed, view, skip_base, version)
+            if skip_blob is not None:
+                blobs.append((skip_base, "rpatch", skip_blob))
+        if keyframe:
+            blobs.append((None, "safetensors", view_to_bytes(view)))
+        res.timings["encode_s"] = _lap(t)
+        t = time.perf_counter()
+        for base, suffix, data in blobs:
+            ref = self.board.put_object(self.run, data, suffix)
+            res.bytes += len(data)
+            if base is None:
+                res.keyframe = ref
+            else:
+                res.patches.append((base, ref))
+        res.timings["upload_s"] = _lap(t)
+        return res
+
+    def commit(self, res: ShardResult) -> None:
+        """The version is durable: its view becomes the base of the next one."""
+        self.prev, self.prev_version, self._whole_prev = res.view, res.version, False
+        self._acc = res.accumulators
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _base_view(self, view: View) -> View | None:
+        """The previous view of this shard (a resumed whole view cut to this shard's names)."""
+        if self.prev is None or not self._whole_prev:
+            return self.prev
+        return View({k: self.prev[k] for k in view if k in self.prev}, self.prev.metadata)
+
+    def _with_meta(self, p: Patch, base: int, version: int) -> Patch:
+        meta = {"run": self.run, "from": str(base), "to": str(version), "shard": str(self.shard)}
+        return Patch(p.base, p.target, p.tensors, meta)
+
+    def _advance_accumulators(self, version: int, step: Patch | None
+                              ) -> tuple[Accumulators, list[tuple[int, Patch]]]:
+        """The accumulators after ``version`` and the skip patches (base, composed) it gets."""
+        new: Accumulators = {}
+        skips: list[tuple[int, Patch]] = []
+        for s in self.config.skip_strides:
+            entry = self._acc.get(s)
+            if entry is not None and step is not None:
+                base, acc = entry
+                try:
+                    composed = step if acc is None else compose(acc, step)
+                except PatchError:
+                    composed = None
+                if composed is not None and version - s == base and base != self.prev_version:
+                    skips.append((base, composed))
+                if composed is not None and version < base + s:
+                    new[s] = (base, composed)
+            if version % s == 0:
+                new[s] = (version, None)
+        return new, skips
+
+    def _skip_blob(self, composed: Patch, view: View, base: int, version: int) -> bytes | None:
+        """The encoded skip patch, against the view of ``base`` rewound from ``view``."""
+        try:
+            inverse = composed.inverse()
+        except PatchError:  # a tensor was added, dropped or reshaped: step patches only
+            return None
+        rewound: dict[str, Tensor] = {}
+        for name, tp in inverse.tensors.items():
+            assert tp.positions is not None and tp.new is not None
+            t = view[name].copy()
+            scatter(t, tp.positions, tp.new)
+            if t.digest() != tp.target_digest:
+                raise BoardError("skip patch does not rewind to its base (internal error)",
+                                 tensor=name, version=version, base=base)
+            rewound[name] = t
+        return encode(self._with_meta(composed, base, version), rewound)
+
+
+def _lap(t: float) -> float:
+    return time.perf_counter() - t
+
+
+def assemble_manifest(*, run: str, version: int, parent: int | None, keyframe: bool,
+                      messages: list[dict[str, Any]], root_digests: Mapping[int, str],
+                      config: PublisherConfig, meta: Mapping[str, str]) -> Manifest:
+    """The manifest of ``version`` from every rank's message (rank 0 calls this).
+
+    Patch bases every shard provided are listed (a base some shard lacks is left out: its
+    objects stay unreferenced); keyframes only if every shard wrote one.
+    """
+    digests: dict[str, str] = {}
+    for rank, msg in enumerate(messages):
+        for name, d in msg["digests"].items():
+            if name in digests:
+                raise BoardError("two ranks publish the same tensor: shards must be disjoint",
+                                 tensor=name, rank=rank, version=version)
+            digests[name] = d
+    bases = set.intersection(*({p["base"] for p in m["patches"]} for m in messages))
+    patches = []
+    for base in sorted(bases):
+        if base not in root_digests:
+            continue
+        for shard, msg in enumerate(messages):
+            p = next(p for p in msg["patches"] if p["base"] == base)
+            patches.append(PatchObject(_ref(p), base, root_digests[base], shard))
+    keyframes: list[KeyframeObject] = []
+    if keyframe and all(m["keyframe"] is not None for m in messages):
+        keyframes = [KeyframeObject(_ref(m["keyframe"]), s) for s, m in enumerate(messages)]
+    if parent is not None and parent not in bases:
+        raise BoardError("a shard has no step patch from the parent", version=version,
+                         parent=parent)
+    if not patches and not keyframes:
+        raise BoardError("a version needs a patch or a keyframe on every shard",
+                         version=version)
+    m = Manifest(run, version, parent, config.format, root_digest(digests),
+                 sum(int(msg["nbytes"]) for msg in messages), time.time(),
+                 config.publisher_id, tuple(patches), tuple(keyframes), len(messages),
+                 dict(meta))
+    return m if config.signing_key is None else m.signed(config.signing_key)
+
+
+def _ref(d: Mapping[str, Any]) -> ObjectRef:
+    return ObjectRef(str(d["key"]), int(d["size"]), str(d["b3"]))

@@ -1,0 +1,97 @@
+"""Rebuild a version's served view from the board: keyframe + patch chain, verified.
+
+The publisher uses this to resume a run; followers may use it to boot. Every object is checked
+against its manifest entry (size and BLAKE3, by :meth:`Board.fetch`), every patch against its
+base and target digests, and the result against the manifest's target digest.
+"""
+
+from __future__ import annotations
+
+from ..board import Board, PlanStep
+from ..errors import ManifestError, VersionNotFoundError
+from ..io import view_from_bytes
+from ..manifest import Manifest
+from ..patch import Patch, TensorPatch, apply, decode
+from ..view import Tensor, View
+
+__all__ = ["apply_step", "load_keyframe", "merge_shard_patches", "reconstruct"]
+
+
+def reconstruct(board: Board | str, run: str, version: int | None = None, *,
+                signing_key: bytes | None = None) -> View:
+    """The served view of ``run`` at ``version`` (None: LATEST), rebuilt and verified.
+
+    Follows :meth:`Board.plan` from nothing (fewest bytes: a keyframe, then patches). With
+    ``signing_key``, every manifest used must carry a valid signature.
+
+    Raises :class:`VersionNotFoundError` (no such version or no LATEST), :class:`NoPathError`,
+    :class:`ManifestError` (an object is missing its size or hash: corrupt or truncated, or
+    shards overlap), or a :class:`VerificationError` when bits do not match their digests.
+    """
+    b = board if isinstance(board, Board) else Board(board)
+    if version is None:
+        pointer = b.latest(run)
+        if pointer is None:
+            raise VersionNotFoundError("the run has no published version", run=run)
+        version = pointer.version
+    view: View | None = None
+    for step in b.plan(run, None, version).steps:
+        view = apply_step(b, run, step, view, signing_key=signing_key)
+    if view is None:  # plan(None, v) always has at least the keyframe step
+        raise VersionNotFoundError("empty plan", run=run, version=version)
+    return view
+
+
+def apply_step(board: Board, run: str, step: PlanStep, view: View | None, *,
+               signing_key: bytes | None = None) -> View:
+    """Take one plan step: load the keyframe of ``step.to``, or patch ``view`` in place."""
+    m = board.manifest(run, step.to)
+    if signing_key is not None:
+        m.verify_signature(signing_key)
+    if step.is_keyframe:
+        return load_keyframe(board, m)
+    if view is None or step.base is None:
+        raise ManifestError("a patch step needs the base view", run=run, version=step.to)
+    return apply(view, merge_shard_patches(board, m, step.base, view))
+
+
+def load_keyframe(board: Board, m: Manifest) -> View:
+    """The view in ``m``'s keyframe objects (one per shard, merged), checked against its target."""
+    if not m.keyframes:
+        raise ManifestError("version has no keyframe", run=m.run, version=m.version)
+    tensors: dict[str, Tensor] = {}
+    metadata: dict[str, str] = {}
+    for kf in sorted(m.keyframes, key=lambda k: k.shard):
+        part = view_from_bytes(board.fetch(kf.ref))
+        if kf.shard == 0:
+            metadata = dict(part.metadata)
+        for name, t in part.items():
+            if name in tensors:
+                raise ManifestError("two keyframe shards hold the same tensor", run=m.run,
+                                    version=m.version, tensor=name)
+            tensors[name] = t
+    view = View(tensors, metadata)
+    if view.digest() != m.target:
+        raise ManifestError("keyframe does not match the manifest's target digest",
+                            run=m.run, version=m.version, target=m.target[:16],
+                            got=view.digest()[:16])
+    return view
+
+
+def merge_shard_patches(board: Board, m: Manifest, base: int, view: View) -> Patch:
+    """One patch from version ``base`` (whose view is ``view``) to ``m``: the shards' patch
+    objects decoded against ``view`` and merged, bound to the manifests' root digests."""
+    objects = m.patches_from(base)
+    if not objects:
+        raise VersionNotFoundError("no patch from that base", run=m.run, version=m.version,
+                                   base=base)
+    tensors: dict[str, TensorPatch] = {}
+    for obj in objects:
+        part = decode(board.fetch(obj.ref), view, check_base=False)
+        for name, tp in part.tensors.items():
+            if name in tensors:
+                raise ManifestError("two patch shards change the same tensor", run=m.run,
+                                    version=m.version, tensor=name)
+            tensors[name] = tp
+    meta = {"run": m.run, "from": str(base), "to": str(m.version)}
+    return Patch(objects[0].base_digest, m.target, tensors, meta)

@@ -1,0 +1,116 @@
+"""Agreement between publisher ranks: which version to publish next, and where a run resumes.
+
+Each rank's queue can coalesce differently (the ranks' trainers and uploads run at their own
+pace), so before every version the ranks all-gather the versions they hold and publish the
+oldest one they all hold; older ones are dropped everywhere. With one rank this reduces to
+"publish the oldest pending snapshot".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..board import Board
+from ..errors import BoardError, ConfigError
+from .config import PublisherConfig
+from .sharded import Exchange
+
+__all__ = ["Decision", "Snapshot", "agree", "resume_point"]
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """Host copies of one accepted state dict, waiting to be published as ``version``."""
+
+    version: int
+    masters: dict[str, np.ndarray]
+    t0: float
+    snapshot_s: float
+    step: int
+    call_return_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``publish`` ``version`` (with a keyframe if asked), ``wait`` until this rank holds
+    ``version`` or newer, or ``exit`` (every rank closed with nothing left)."""
+
+    action: str
+    version: int | None = None
+    keyframe: bool = False
+
+
+def agree(x: Exchange, hand: list[Snapshot], *, closing: bool, keyframe: bool,
+          sync: bool) -> Decision:
+    """Decide with the other ranks what to do with the snapshots in ``hand``.
+
+    A collective: every rank calls it once per round. Raises :class:`BoardError` (on every
+    rank alike) when the ranks' version sequences cannot be reconciled.
+    """
+    msgs = x.allgather({"pending": [s.version for s in hand], "closing": closing,
+                        "keyframe": keyframe})
+    sets = [set(m["pending"]) for m in msgs]
+    common = set.intersection(*sets)
+    if common:
+        return Decision("publish", min(common), any(m["keyframe"] for m in msgs))
+    union = set.union(*sets)
+    if not union and all(m["closing"] for m in msgs):
+        return Decision("exit")
+    newest = max(union) if union else None
+    stuck = [r for r, m in enumerate(msgs) if (sync or m["closing"]) and (
+        not m["pending"] or newest is None or max(m["pending"]) < newest)]
+    if stuck or sync:
+        raise BoardError("publisher ranks hold different versions: every rank must publish "
+                         "the same version numbers in the same order",
+                         pending={r: sorted(s) for r, s in enumerate(sets)},
+                         hint="call publish() (and close()) on every rank, with the same "
+                              "version= if given")
+    return Decision("wait", newest)
+
+
+def resume_point(board: Board, run: str, config: PublisherConfig, x: Exchange
+                 ) -> tuple[int | None, str]:
+    """Where publishing continues: the newest version on the board and its target digest.
+
+    Rank 0 reads the board; a manifest newer than LATEST (a publisher died between writing
+    it and advancing the pointer) is complete, so it re-puts it (restoring its keyframe marker)
+    and rolls LATEST forward to it. Every rank gets the same answer.
+    """
+    message: dict[str, Any] = {}
+    local: BaseException | None = None
+    if x.rank == 0:
+        try:
+            message = _resume_point(board, run, config)
+        except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
+            local, message = e, {"error": f"{type(e).__name__}: {e}"}
+    answer = x.allgather(message)[0]
+    if local is not None:
+        raise local
+    if "error" in answer:
+        raise BoardError(f"cannot resume the run: {answer['error']}", run=run)
+    return answer["top"], answer["target"]
+
+
+def _resume_point(board: Board, run: str, config: PublisherConfig) -> dict[str, Any]:
+    pointer = board.latest(run)
+    versions = board.versions(run)
+    top = max(versions, default=None)
+    if pointer is not None and (top is None or pointer.version > top):
+        raise BoardError("LATEST names a version without a manifest", run=run,
+                         version=pointer.version)
+    if top is None:
+        return {"top": None, "target": ""}
+    m = board.manifest(run, top)
+    if config.signing_key is not None:
+        m.verify_signature(config.signing_key)
+    if m.format != config.format:
+        raise ConfigError("the run is published in another format", run=run,
+                          run_format=m.format, format=config.format,
+                          hint="use the run's format, or publish under a new run name")
+    if pointer is None or pointer.version < top:
+        board.put_manifest(m)
+        board.advance(run, top)
+    return {"top": top, "target": m.target}

@@ -1,0 +1,104 @@
+"""How trainer ranks exchange small JSON messages while publishing a sharded version.
+
+Every rank publishes its own shard's objects, then the ranks all-gather one JSON message each
+(object refs, per-tensor digests, or an error) and rank 0 writes the manifest. Messages travel
+as UTF-8 JSON in ``uint8`` tensors over a dedicated gloo group — never pickled (no
+``gather_object``), and never on the trainer's own groups, so the publisher's background thread
+cannot interleave with the training loop's collectives. torch is imported only here, only when
+sharding is used.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Protocol
+
+from ..errors import ConfigError
+
+__all__ = ["Exchange", "GlooExchange", "LocalExchange", "open_exchange"]
+
+#: Largest message one rank may send in one exchange (per-tensor digests of huge models fit).
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class Exchange(Protocol):
+    """A group of publisher ranks that can all-gather JSON-serialisable messages."""
+
+    rank: int
+    size: int
+
+    def allgather(self, message: Any) -> list[Any]:
+        """Every rank's message, indexed by rank (a collective: every rank must call it)."""
+        ...
+
+
+class LocalExchange:
+    """The trivial group of one rank: an unsharded publisher."""
+
+    rank = 0
+    size = 1
+
+    def allgather(self, message: Any) -> list[Any]:
+        return [json.loads(json.dumps(message))]  # same JSON round trip as the real one
+
+
+class GlooExchange:
+    """All-gather over a dedicated gloo group made from ``group`` (None: the whole world).
+
+    Creating it is a collective: every rank of ``group`` must construct it, in the same order
+    relative to the other groups they create.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if group is None:
+            self._group = dist.new_group(backend="gloo")
+        else:
+            ranks = dist.get_process_group_ranks(group)
+            self._group = dist.new_group(ranks=ranks, backend="gloo",
+                                         use_local_synchronization=True)
+        self.rank = dist.get_rank(self._group)
+        self.size = dist.get_world_size(self._group)
+
+    def allgather(self, message: Any) -> list[Any]:
+        import torch
+        import torch.distributed as dist
+
+        raw = json.dumps(message, separators=(",", ":")).encode()
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise ConfigError("publisher message between ranks is too large", size=len(raw))
+        size = torch.tensor([len(raw)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(sizes, size, group=self._group)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        if raw:
+            buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out = [torch.empty_like(buf) for _ in range(self.size)]
+        dist.all_gather(out, buf, group=self._group)
+        return [json.loads(o[:int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes)]
+
+
+def open_exchange(group: Any, sharded: bool | None) -> Exchange:
+    """The exchange a publisher uses: gloo over ``group`` when sharding, else local.
+
+    ``sharded=None`` shards when ``group`` is given or torch.distributed is initialised with
+    more than one rank (torch is never imported just to find out); ``False`` never shards
+    (e.g. rank 0 publishes a state dict gathered from every rank).
+    """
+    if sharded is False:
+        if group is not None:
+            raise ConfigError("group= was given but sharded=False")
+        return LocalExchange()
+    if group is None:
+        # a trainer that initialised torch.distributed has imported it; never import torch here
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not (dist.is_available() and dist.is_initialized()):
+            if sharded:
+                raise ConfigError("sharded=True needs torch.distributed initialised or group=")
+            return LocalExchange()
+        if dist.get_world_size() == 1 and not sharded:
+            return LocalExchange()
+    return GlooExchange(group)

@@ -58,26 +58,36 @@ class Groups:
             return sizes, ([positions.astype(np.int64)] if positions.size else []), ids
         c = self.ncontexts
         running = np.zeros(c, dtype=np.int64)
-        pctx = self.ctx(self.elements[positions]).astype(np.int64)
-        rank = np.empty(positions.size, dtype=np.int64)
         bounds = np.searchsorted(positions, np.arange(self.nchunks + 1, dtype=np.int64) * CHUNK)
+        mark = np.zeros(CHUNK, dtype=bool)
+        hit_ctx, hit_rank = [], []
         for i in range(self.nchunks):
             ctx = self._chunk(i)
-            counts = np.bincount(ctx, minlength=c)
             lo, hi = bounds[i], bounds[i + 1]
-            if hi > lo:
-                order = np.argsort(ctx, kind="stable")
-                inv = np.empty(order.size, dtype=np.int64)
-                inv[order] = np.arange(order.size)
-                seg = np.cumsum(counts) - counts
-                g = pctx[lo:hi]
-                rank[lo:hi] = running[g] + inv[positions[lo:hi] - i * CHUNK] - seg[g]
+            if hi == lo:
+                running += np.bincount(ctx, minlength=c)
+                continue
+            order = np.argsort(ctx, kind="stable")
+            ends = _segment_ends(ctx, order, c)
+            counts = np.diff(ends, prepend=0)
+            local = positions[lo:hi] - i * CHUNK
+            mark[local] = True
+            # indices into the context-sorted chunk of the changed elements: grouped by
+            # context, ascending — the rank inside the context is the offset in its segment
+            hits = np.flatnonzero(mark[:ctx.size][order])
+            mark[local] = False
+            g = np.searchsorted(ends, hits, side="right")
+            hit_ctx.append(g)
+            hit_rank.append(running[g] + hits - (ends[g] - counts[g]))
             running += counts
-        per_ctx = np.bincount(pctx, minlength=c)
+        if not hit_ctx:
+            return running, [], np.zeros(0, dtype=np.int64)
+        g = np.concatenate(hit_ctx)
+        r = np.concatenate(hit_rank)
+        order = np.argsort(g.astype(np.uint8), kind="stable")
+        per_ctx = np.bincount(g, minlength=c)
         ids = np.flatnonzero(per_ctx)
-        by_ctx = np.argsort(pctx.astype(np.uint8), kind="stable")
-        ranks = np.split(rank[by_ctx], np.cumsum(per_ctx[ids])[:-1])
-        return running, ranks, ids
+        return running, np.split(r[order], np.cumsum(per_ctx[ids])[:-1]), ids
 
     def sizes(self) -> tuple[np.ndarray, np.ndarray]:
         """Decoder side, pass 1: (elements per context, chunks × contexts counts)."""
@@ -118,3 +128,20 @@ class Groups:
             pos[lo:hi] = np.flatnonzero(mark) + i * CHUNK
             mark[hit] = False
         return pos
+
+
+def _segment_ends(ctx: np.ndarray, order: np.ndarray, c: int) -> np.ndarray:
+    """End of each context's segment in the sorted chunk (binary search: no bincount pass)."""
+    n = ctx.size
+    targets = np.arange(1, c + 1)
+    lo = np.zeros(c, dtype=np.int64)
+    hi = np.full(c, n, dtype=np.int64)
+    while True:
+        live = lo < hi
+        if not live.any():
+            return lo
+        mid = (lo + hi) // 2
+        val = ctx[order[np.minimum(mid, n - 1)]].astype(np.int64)
+        below = live & (val < targets)
+        lo = np.where(below, mid + 1, lo)
+        hi = np.where(live & ~below, mid, hi)

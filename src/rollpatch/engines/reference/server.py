@@ -1,0 +1,353 @@
+"""An OpenAI-compatible HTTP app over a :class:`ReferenceRuntime`, plus admin routes.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
+``stream``), ``GET /health``, and the admin routes the adapter/sidecar use on the same host:
+``POST /rollpatch/pause``, ``POST /rollpatch/resume``, ``GET /rollpatch/state``. Every
+response (and the last stream chunk) carries ``"rollpatch": {"version_start", "version_end"}``.
+Errors are OpenAI-style JSON: 400 for bad requests, 404 unknown model/route, 503 not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ...errors import ConfigError, EngineError, NotReadyError, RollpatchError
+from .protocol import (
+    ChatRequest,
+    CompletionRequest,
+    TextStream,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+)
+from .runtime import Generation, ReferenceRuntime, Step
+
+__all__ = ["ServerHandle", "create_app", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+class _UnknownModel(RollpatchError):
+    """The request names a model this server does not serve (404)."""
+
+
+@dataclass
+class _Job:
+    """One request's generation plus everything needed to format its responses."""
+
+    chat: bool
+    gen: Generation
+    text: TextStream
+    k: int | None
+    return_ids: bool
+    include_usage: bool
+    model: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    steps: list[Step] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def run(self) -> Iterator[tuple[Step, int]]:
+        """Drive the generation: yields (step, text offset); stops at a stop string."""
+        try:
+            for step in self.gen:
+                offset = self.text.add(step.token_id)
+                self.steps.append(step)
+                self.offsets.append(offset)
+                yield step, offset
+                if self.text.stopped:
+                    break
+        finally:
+            self.gen.close()
+        self.finish_reason = "stop" if self.text.stopped else self.gen.finish_reason
+
+    def head(self, obj: str) -> dict[str, Any]:
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
+        return {"id": prefix + self.id, "object": obj, "created": self.created,
+                "model": self.model}
+
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.gen.prompt_token_ids), len(self.steps)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def versions(self) -> dict[str, int | None]:
+        return {"version_start": self.gen.version_start, "version_end": self.gen.version_end}
+
+
+def _check_model(runtime: ReferenceRuntime, name: str | None) -> None:
+    if name is not None and name != runtime.model_name:
+        raise _UnknownModel(f"The model `{name}` does not exist.", served=runtime.model_name)
+
+
+def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _Job:
+    """Validate, tokenize and start one generation (raises ConfigError → 400)."""
+    _check_model(runtime, req.model)
+    req.check_common()
+    tok = runtime.tokenizer
+    if isinstance(req, ChatRequest):
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError("this model has no chat template", field="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            rendered = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=False)
+        except (TemplateError, ValueError, TypeError, KeyError) as exc:  # caller's input
+            raise ConfigError(f"chat template failed: {exc}", field="messages") from None
+        ids = list(tok.encode(rendered, add_special_tokens=False))
+        max_tokens, k = req.token_budget(runtime.max_model_len - len(ids)), req.logprobs_k()
+    else:
+        prompt = req.prompt_input()
+        ids = list(tok.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        max_tokens, k = req.max_tokens if req.max_tokens is not None else 16, req.logprobs
+    gen = runtime.generate(ids, max_tokens=max_tokens, temperature=req.temperature,
+                           top_p=req.top_p, seed=req.seed, logprobs=k,
+                           stop=req.stop_token_ids, ignore_eos=req.ignore_eos)
+    include = bool(req.stream_options and req.stream_options.include_usage)
+    return _Job(isinstance(req, ChatRequest), gen, TextStream(tok, req.stops()), k,
+                req.return_token_ids, include, runtime.model_name)
+
+
+def _complete(job: _Job, tok: Any) -> dict[str, Any]:
+    """Run to the end and build the non-streaming response."""
+    for _ in job.run():
+        pass
+    ids = [s.token_id for s in job.steps]
+    choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason}
+    if job.chat:
+        body = job.head("chat.completion")
+        choice["message"] = {"role": "assistant", "content": job.text.text}
+        choice["logprobs"] = None if job.k is None else chat_logprobs(tok, job.steps)
+        if job.return_ids:
+            body["prompt_token_ids"] = job.gen.prompt_token_ids
+            choice["token_ids"] = ids
+    else:
+        body = job.head("text_completion")
+        choice["text"] = job.text.text
+        choice["logprobs"] = (None if job.k is None
+                              else completion_logprobs(tok, job.steps, job.offsets))
+        if job.return_ids:
+            choice["prompt_token_ids"] = job.gen.prompt_token_ids
+            choice["token_ids"] = ids
+    body.update(choices=[choice], usage=job.usage(), rollpatch=job.versions())
+    return body
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _chunk(job: _Job, choice: dict[str, Any]) -> dict[str, Any]:
+    body = job.head("chat.completion.chunk" if job.chat else "text_completion")
+    body["choices"] = [choice]
+    if job.include_usage:
+        body["usage"] = None
+    return body
+
+
+async def _body(chunks: Iterator[str]) -> AsyncIterator[str]:
+    """Drive the sync SSE generator in worker threads; close it when the client hangs up.
+
+    Starlette does not close a sync iterator on disconnect; closing here ends the
+    generation at once (its KV cache and in-flight slot are freed) instead of at GC.
+    """
+    try:
+        while True:
+            chunk = await run_in_threadpool(next, chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+    finally:
+        chunks.close()  # type: ignore[attr-defined]
+
+
+def _stream(job: _Job, tok: Any) -> Iterator[str]:
+    """SSE chunks: one per token, a finish chunk, an optional usage chunk, ``[DONE]``."""
+    try:
+        if job.chat:
+            first = _chunk(job, {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})
+            if job.return_ids:
+                first["prompt_token_ids"] = job.gen.prompt_token_ids
+            yield _sse(first)
+        for i, (step, offset) in enumerate(job.run()):
+            choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+            delta = job.text.delta(final=False)
+            if job.chat:
+                choice["delta"] = {"content": delta}
+                choice["logprobs"] = None if job.k is None else chat_logprobs(tok, [step])
+            else:
+                choice["text"] = delta
+                choice["logprobs"] = (None if job.k is None
+                                      else completion_logprobs(tok, [step], [offset]))
+                if job.return_ids and i == 0:
+                    choice["prompt_token_ids"] = job.gen.prompt_token_ids
+            if job.return_ids:
+                choice["token_ids"] = [step.token_id]
+            yield _sse(_chunk(job, choice))
+        rest = job.text.delta(final=True)
+        last: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason}
+        if job.chat:
+            last.update(delta={"content": rest} if rest else {}, logprobs=None)
+        else:
+            last.update(text=rest, logprobs=None)
+        final = _chunk(job, last)
+        if job.include_usage:
+            yield _sse(final)
+            final = job.head("chat.completion.chunk" if job.chat else "text_completion")
+            final.update(choices=[], usage=job.usage())
+        final["rollpatch"] = job.versions()
+        yield _sse(final)
+    except Exception as exc:  # headers are sent: report in-band (as vLLM does), keep the trace
+        log.exception("generation failed mid-stream")
+        yield _sse(error_body(f"{type(exc).__name__}: {exc}", "engine_error", code=500))
+    yield "data: [DONE]\n\n"
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, status), status_code=status)
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                      "invalid_request_error", loc)
+
+    @app.exception_handler(ConfigError)
+    async def _config(_: Request, exc: ConfigError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error", exc.context.get("field"))
+
+    @app.exception_handler(_UnknownModel)
+    async def _model(_: Request, exc: _UnknownModel) -> JSONResponse:
+        return _error(404, exc.message, "not_found_error", "model")
+
+    @app.exception_handler(NotReadyError)
+    async def _not_ready(_: Request, exc: NotReadyError) -> JSONResponse:
+        return _error(503, str(exc), "not_ready")
+
+    @app.exception_handler(RollpatchError)
+    async def _engine(_: Request, exc: RollpatchError) -> JSONResponse:
+        return _error(500, str(exc), "engine_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in the reference engine")  # a bug: keep the trace
+        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
+def create_app(runtime: ReferenceRuntime) -> FastAPI:
+    """The FastAPI app serving ``runtime``. Handlers are sync: FastAPI runs them in threads."""
+    app = FastAPI(title="rollpatch reference engine")
+    _install_errors(app)
+    tok = runtime.tokenizer
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": runtime.model_name, "object": "model", "created": 0, "owned_by": "rollpatch",
+            "max_model_len": runtime.max_model_len}]}
+
+    @app.post("/v1/completions", response_model=None)
+    def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
+        job = _start(runtime, req)
+        if req.stream:
+            return StreamingResponse(_body(_stream(job, tok)), media_type="text/event-stream")
+        return _complete(job, tok)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    def chat(req: ChatRequest) -> dict[str, Any] | StreamingResponse:
+        job = _start(runtime, req)
+        if req.stream:
+            return StreamingResponse(_body(_stream(job, tok)), media_type="text/event-stream")
+        return _complete(job, tok)
+
+    # Admin routes are async and never block a worker thread: requests held at the gate may
+    # occupy every thread of the pool, and resume must still get through.
+    @app.post("/rollpatch/pause")
+    async def pause(timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not runtime.pause(timeout=0):
+            if time.monotonic() > deadline:
+                raise EngineError("steps still in flight after the timeout",
+                                  timeout=timeout, hint="retry; the gate stays closed")
+            await asyncio.sleep(0.002)
+        return runtime.state()
+
+    @app.post("/rollpatch/resume")
+    async def resume() -> dict[str, Any]:
+        runtime.resume()
+        return runtime.state()
+
+    @app.get("/rollpatch/state")
+    async def state() -> dict[str, Any]:
+        return runtime.state()
+
+    return app
+
+
+class ServerHandle:
+    """A running server: ``url`` (``http://host:port``) and :meth:`stop`."""
+
+    def __init__(self, server: Any, thread: threading.Thread, url: str) -> None:
+        self._server, self._thread, self.url = server, thread, url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask uvicorn to exit and wait for its thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+
+def serve(runtime: ReferenceRuntime, host: str = "127.0.0.1", port: int = 0, *,
+          log_level: str = "warning", start_timeout: float = 30.0) -> ServerHandle:
+    """Run :func:`create_app` under uvicorn in a daemon thread; ``port=0`` picks a free one."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(runtime), log_level=log_level, lifespan="off",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name=f"rollpatch-reference-{bound}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise EngineError("reference server did not start", host=host, port=bound)
+        time.sleep(0.01)
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    return ServerHandle(server, thread, f"http://{shown}:{bound}")

@@ -1,0 +1,246 @@
+"""The relay's disk cache: verified immutable objects, bounded by bytes, LRU, restart-safe.
+
+One file per key, at ``ROOT/{h[:2]}/{h}.blob`` where ``h = sha256(key)``. A file is::
+
+    b"RPRELAY1" | u32 LE header length N | N bytes of JSON {"key", "size", "b3"} | the object
+
+Files are written to ``ROOT/.tmp-*`` and renamed into place, so a reader never sees a partial
+file. No fsync: the cache is a copy of upstream, and whatever a crash leaves behind is caught
+on restart (wrong length: deleted while indexing; wrong bytes: refused by the lazy re-hash that
+every entry found on disk passes before it is served).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import BinaryIO
+
+import blake3
+
+from ..errors import ConfigError
+from ..store import validate_key
+from .config import object_hash
+from .metrics import Metrics
+
+__all__ = ["CacheEntry", "DiskCache"]
+
+_MAGIC = b"RPRELAY1"
+_PREFIX = struct.Struct("<8sI")
+_MAX_HEADER = 16 * 1024
+_HASH_CHUNK = 8 << 20
+_TMP = ".tmp-"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """A cached object: where its bytes lie in which file, and their BLAKE3."""
+
+    key: str
+    path: Path
+    offset: int
+    size: int
+    b3: str
+    #: False for entries found on disk at start-up until their bytes are re-hashed.
+    verified: bool = True
+
+    @property
+    def file_bytes(self) -> int:
+        return self.offset + self.size
+
+    @property
+    def etag(self) -> str:
+        return f'"{self.b3}"'
+
+
+class DiskCache:
+    """Thread-safe LRU of :class:`CacheEntry` by file bytes; renames and unlinks hold the lock,
+    so the index and the directory always agree. Readers keep an open file: evicting a file
+    that is being served unlinks it, and the bytes stay readable until the reader closes it.
+    """
+
+    def __init__(self, root: Path, max_bytes: int, metrics: Metrics | None = None) -> None:
+        if max_bytes < 1:
+            raise ConfigError("cache max_bytes must be >= 1", max_bytes=max_bytes)
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.metrics = metrics or Metrics()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, CacheEntry] = OrderedDict()
+        self._bytes = 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._load()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of cache files currently indexed."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def peek(self, key: str) -> CacheEntry | None:
+        """The entry for ``key``, verified or not, without touching its recency."""
+        with self._lock:
+            return self._index.get(key)
+
+    def lookup(self, key: str) -> CacheEntry | None:
+        """The entry for ``key`` if it is verified (ready to serve)."""
+        entry = self.peek(key)
+        return entry if entry is not None and entry.verified else None
+
+    def open(self, key: str) -> tuple[BinaryIO, CacheEntry] | None:
+        """Open a verified entry for reading and mark it most recently used; None if absent."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or not entry.verified:
+                return None
+            try:
+                f = open(entry.path, "rb")  # noqa: SIM115 (the caller closes it)
+            except FileNotFoundError:  # removed behind our back: forget it
+                self._drop(key)
+                return None
+            self._index.move_to_end(key)
+        try:
+            os.utime(f.fileno())  # recency survives a restart (the index is ordered by mtime)
+        except OSError:
+            pass
+        return f, entry
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def insert(self, key: str, data: bytes | memoryview, b3: str) -> CacheEntry:
+        """Write ``data`` (already verified against ``b3``) and index it; evicts LRU entries."""
+        header = json.dumps({"key": key, "size": len(data), "b3": b3}).encode()
+        path = self._path(key)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP, dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_PREFIX.pack(_MAGIC, len(header)))
+                f.write(header)
+                f.write(data)
+            entry = CacheEntry(key, path, _PREFIX.size + len(header), len(data), b3)
+            with self._lock:
+                path.parent.mkdir(exist_ok=True)
+                os.replace(tmp, path)
+                self._drop(key, unlink=False)
+                self._index[key] = entry
+                self._bytes += entry.file_bytes
+                self._evict()
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return entry
+
+    def verify(self, key: str) -> CacheEntry | None:
+        """Re-hash an entry found on disk; the verified entry, or None (and it is dropped)."""
+        entry = self.peek(key)
+        if entry is None or entry.verified:
+            return entry
+        ok = False
+        try:
+            with open(entry.path, "rb") as f:
+                f.seek(entry.offset)
+                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+                remaining = entry.size
+                while remaining:
+                    chunk = f.read(min(remaining, _HASH_CHUNK))
+                    if not chunk:
+                        break
+                    hasher.update(chunk)
+                    remaining -= len(chunk)
+                ok = remaining == 0 and hasher.hexdigest() == entry.b3
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            if self._index.get(key) is not entry:
+                return None
+            if not ok:
+                self._drop(key)
+                return None
+            entry = replace(entry, verified=True)
+            self._index[key] = entry
+            return entry
+
+    def discard(self, key: str) -> None:
+        """Forget ``key`` and delete its file."""
+        with self._lock:
+            self._drop(key)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        h = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        return self.root / h[:2] / f"{h}.blob"
+
+    def _drop(self, key: str, *, unlink: bool = True) -> None:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return
+        self._bytes -= entry.file_bytes
+        if unlink:
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+
+    def _evict(self) -> None:
+        # the newest entry stays even when it alone exceeds the bound
+        while self._bytes > self.max_bytes and len(self._index) > 1:
+            self._drop(next(iter(self._index)))
+            self.metrics.inc("rollpatch_relay_evictions_total")
+
+    def _load(self) -> None:
+        """Index the files a previous run left (unverified), delete anything else."""
+        for tmp in self.root.glob(f"{_TMP}*"):
+            tmp.unlink(missing_ok=True)
+        found: list[tuple[float, CacheEntry]] = []
+        for path in self.root.glob("??/*.blob"):
+            entry = _read_entry(path)
+            if entry is None or self._path(entry.key) != path:
+                path.unlink(missing_ok=True)
+                continue
+            found.append((path.stat().st_mtime, entry))
+        for _, entry in sorted(found, key=lambda item: item[0]):
+            self._index[entry.key] = entry
+            self._bytes += entry.file_bytes
+        with self._lock:
+            while self._bytes > self.max_bytes and self._index:  # the bound may have shrunk
+                self._drop(next(iter(self._index)))
+
+
+def _read_entry(path: Path) -> CacheEntry | None:
+    """Parse a cache file's header (bounded); None for anything malformed or truncated."""
+    try:
+        with open(path, "rb") as f:
+            magic, n = _PREFIX.unpack(f.read(_PREFIX.size))
+            if magic != _MAGIC or n > _MAX_HEADER:
+                return None
+            doc = json.loads(f.read(n))
+            total = os.fstat(f.fileno()).st_size
+        key, size, b3 = doc["key"], doc["size"], doc["b3"]
+        validate_key(key)
+        if not isinstance(size, int) or isinstance(size, bool) or not isinstance(b3, str) or \
+                len(b3) != 64 or total != _PREFIX.size + n + size:
+            return None
+        expected = object_hash(key)
+        if expected is not None and expected != b3:
+            return None
+        return CacheEntry(key, path, _PREFIX.size + n, size, b3, verified=False)
+    except (OSError, struct.error, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,254 @@
+"""The relay without HTTP: verified, coalesced, cached reads of an upstream store.
+
+Every read goes through one *flight* per key: the first request for an uncached key starts one
+upstream fetch in a worker pool and later requests wait on the same :class:`Future`, so N
+islands asking at once cost one WAN transfer. Results are plain futures, so the HTTP layer
+awaits them without holding a thread per waiting client.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO, Generic, TypeVar
+
+import blake3
+
+from ..errors import ManifestError, StoreError
+from ..manifest import Manifest
+from ..store import ObjectInfo, Store
+from ..store.base import Keys
+from .cache import CacheEntry, DiskCache
+from .config import KeyKind, RelayConfig, classify, manifest_version, object_hash
+from .metrics import Metrics
+
+__all__ = ["Blob", "Relay"]
+
+T = TypeVar("T")
+_MAX_TTL_ENTRIES = 4096
+
+
+@dataclass(frozen=True)
+class Blob:
+    """What the relay serves for a key: bytes in memory (volatile keys) or a cache entry."""
+
+    key: str
+    kind: KeyKind
+    size: int
+    etag: str
+    data: bytes | None = None
+    entry: CacheEntry | None = None
+
+    @classmethod
+    def cached(cls, entry: CacheEntry) -> Blob:
+        return cls(entry.key, classify(entry.key), entry.size, entry.etag, entry=entry)
+
+
+@dataclass(frozen=True)
+class _Timed(Generic[T]):
+    value: T
+    expires: float
+
+
+class _Flights:
+    """At most one running fetch per flight key; everyone else asking waits on its future."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._lock = threading.Lock()
+        self._inflight: dict[Hashable, Future[object]] = {}
+        self._metrics = metrics
+
+    def join(self, flight: Hashable, kind: str, lookup: Callable[[], T | None],
+             fetch: Callable[[], T], pool: ThreadPoolExecutor) -> Future[T]:
+        """A future of ``lookup()`` if it has an answer, else of the one ``fetch()`` in flight.
+
+        ``lookup`` runs under the flights lock: a fetch publishes its result (to the cache)
+        before it leaves the in-flight table, so no request can miss both and fetch twice.
+        """
+        with self._lock:
+            running = self._inflight.get(flight)
+            if running is not None:
+                self._metrics.inc("rollpatch_relay_coalesced_waits_total", kind=kind)
+                return running  # type: ignore[return-value]
+            hit = lookup()
+            if hit is not None:
+                self._metrics.inc("rollpatch_relay_cache_hits_total", kind=kind)
+                done: Future[T] = Future()
+                done.set_result(hit)
+                return done
+            self._metrics.inc("rollpatch_relay_cache_misses_total", kind=kind)
+            future: Future[T] = Future()
+            # running: a waiter that gives up (a client hanging up cancels its asyncio
+            # wrapper, which cancels the source) cannot cancel the fetch the others wait on
+            future.set_running_or_notify_cancel()
+            self._inflight[flight] = future  # type: ignore[assignment]
+        try:
+            pool.submit(self._run, flight, fetch, future)
+        except RuntimeError as e:  # the pool is shut down: the relay is stopping
+            self._finish(flight)
+            future.set_exception(StoreError(f"relay is stopping ({e})"))
+        return future
+
+    def _run(self, flight: Hashable, fetch: Callable[[], T], future: Future[T]) -> None:
+        try:
+            result = fetch()
+        except BaseException as e:  # noqa: BLE001 (every waiter re-raises it from result())
+            self._finish(flight)
+            future.set_exception(e)
+            return
+        self._finish(flight)
+        future.set_result(result)
+
+    def _finish(self, flight: Hashable) -> None:
+        with self._lock:
+            self._inflight.pop(flight, None)
+
+
+class Relay:
+    """Reads of ``upstream`` through a verified disk cache (immutable keys) and short-TTL
+    memory caches (LATEST, listings), with request coalescing. Thread-safe.
+    """
+
+    def __init__(self, upstream: Store, config: RelayConfig, *,
+                 metrics: Metrics | None = None) -> None:
+        self.upstream = upstream
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.cache = DiskCache(config.cache_dir, config.cache_bytes, self.metrics)
+        self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
+        self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
+        self._flights = _Flights(self.metrics)
+        self._bulk = ThreadPoolExecutor(config.upstream_workers, "relay-bulk")
+        self._meta = ThreadPoolExecutor(config.meta_workers, "relay-meta")
+        self._lock = threading.Lock()
+        self._volatile: dict[str, _Timed[Blob]] = {}
+        self._lists: dict[str, _Timed[Keys]] = {}
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def resolve(self, key: str) -> Future[Blob]:
+        """A future of what to serve for a valid ``key``; fails with the store's errors
+        (``NotFoundError``, ``TransientStoreError``...) or ``ManifestError`` for bytes refused.
+        """
+        kind = classify(key)
+        if kind.immutable:
+            def lookup() -> Blob | None:
+                entry = self.cache.lookup(key)
+                return None if entry is None else Blob.cached(entry)
+
+            pool = self._bulk if kind is KeyKind.OBJECT else self._meta
+            return self._flights.join(("get", key), kind.value, lookup,
+                                      lambda: self._fetch_immutable(key, kind), pool)
+        return self._flights.join(("get", key), kind.value,
+                                  lambda: self._fresh(self._volatile, key),
+                                  lambda: self._fetch_volatile(key, kind), self._meta)
+
+    def stat(self, key: str) -> Future[ObjectInfo | None]:
+        """Size and ETag of an immutable key: from the cache, else a HEAD upstream (which does
+        not pull the object across the WAN). Volatile keys: use :meth:`resolve`.
+        """
+        def lookup() -> ObjectInfo | None:
+            entry = self.cache.lookup(key)
+            return None if entry is None else ObjectInfo(key, entry.size, entry.etag)
+
+        return self._flights.join(("head", key), "head", lookup,
+                                  lambda: self._call("head", self.upstream.head, key),
+                                  self._meta)
+
+    def list(self, prefix: str) -> Future[Keys]:
+        """A future of the sorted upstream keys under ``prefix``, at most ``list_ttl`` old."""
+        return self._flights.join(("list", prefix), "list",
+                                  lambda: self._fresh(self._lists, prefix),
+                                  lambda: self._fetch_list(prefix), self._meta)
+
+    def open(self, blob: Blob) -> tuple[BinaryIO, CacheEntry] | None:
+        """Open a cached blob's file (the object starts at ``entry.offset``) and the entry it
+        holds; None when it was evicted since it was resolved (resolve it again).
+        """
+        if blob.entry is None:
+            raise ValueError("blob is held in memory; use blob.data")
+        return self.cache.open(blob.key)
+
+    def close(self) -> None:
+        """Stop the worker pools (fetches in progress finish in the background)."""
+        self._bulk.shutdown(wait=False, cancel_futures=True)
+        self._meta.shutdown(wait=False, cancel_futures=True)
+
+    # -- fetches (run in the pools) -----------------------------------------------------------
+
+    def _fetch_immutable(self, key: str, kind: KeyKind) -> Blob:
+        if self.cache.peek(key) is not None:  # left by a previous run: re-hash before serving
+            entry = self.cache.verify(key)
+            if entry is not None:
+                return Blob.cached(entry)
+        data = self._get(key)
+        b3 = self._check(key, kind, data)
+        return Blob.cached(self.cache.insert(key, data, b3))
+
+    def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
+        started = time.monotonic()
+        data = self._get(key)
+        if len(data) > self.config.max_volatile_bytes:
+            self.metrics.inc("rollpatch_relay_refused_total", reason="too_large")
+            raise StoreError("upstream object is mutable (not in the board layout) and too large"
+                             " to relay", key=key, size=len(data),
+                             hint="raise RelayConfig.max_volatile_bytes, or read the board "
+                                  "directly")
+        blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
+        self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
+        return blob
+
+    def _fetch_list(self, prefix: str) -> Keys:
+        started = time.monotonic()
+        keys = sorted(self._call("list", self.upstream.list, prefix))
+        self._remember(self._lists, prefix, keys, started + self.config.list_ttl)
+        return keys
+
+    def _get(self, key: str) -> bytes:
+        data = self._call("get", self.upstream.get, key)
+        self.metrics.inc("rollpatch_relay_upstream_bytes_total", len(data))
+        return data
+
+    def _call(self, op: str, fn: Callable[[str], T], arg: str) -> T:
+        self.metrics.inc("rollpatch_relay_upstream_requests_total", op=op)
+        return fn(arg)
+
+    def _check(self, key: str, kind: KeyKind, data: bytes) -> str:
+        """Verify bytes before they are cached; return their BLAKE3 (hex)."""
+        b3 = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+        if kind is KeyKind.OBJECT and b3 != object_hash(key):
+            self.metrics.inc("rollpatch_relay_refused_total", reason="hash_mismatch")
+            raise ManifestError("upstream object does not match the BLAKE3 in its key; "
+                                "refused, not cached", key=key, size=len(data),
+                                hint="the upstream copy is corrupt or truncated: republish it")
+        if kind is KeyKind.MANIFEST:
+            try:
+                m = Manifest.from_bytes(data)
+                if (m.run, m.version) != manifest_version(key):
+                    raise ManifestError("manifest names another version",
+                                        names=f"{m.run}@{m.version}")
+            except ManifestError as e:
+                self.metrics.inc("rollpatch_relay_refused_total", reason="invalid_manifest")
+                raise ManifestError(f"upstream manifest refused: {e.message}", key=key,
+                                    hint=e.hint) from None
+        return b3
+
+    # -- TTL caches ---------------------------------------------------------------------------
+
+    def _fresh(self, table: dict[str, _Timed[T]], name: str) -> T | None:
+        with self._lock:
+            item = table.get(name)
+        return item.value if item is not None and time.monotonic() < item.expires else None
+
+    def _remember(self, table: dict[str, _Timed[T]], name: str, value: T,
+                  expires: float) -> None:
+        with self._lock:
+            table[name] = _Timed(value, expires)
+            now = time.monotonic()  # expired values go at once: a blob may be 16 MiB
+            for stale in [k for k, v in table.items() if v.expires <= now]:
+                del table[stale]
+            while len(table) > _MAX_TTL_ENTRIES:  # all fresh: drop the oldest insertions
+                del table[next(iter(table))]

@@ -1,0 +1,301 @@
+"""The relay's HTTP face (protocol v1 of docs/store.md) and :class:`RelayServer`.
+
+FastAPI on uvicorn: handlers are ``async`` and await the relay's futures, so clients waiting
+on a coalesced fetch hold no thread; bodies stream from the cache file in ``chunk_bytes``
+pieces. fastapi and uvicorn are imported here only (the ``web`` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from concurrent.futures import Future
+from typing import Any, BinaryIO, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..errors import ConfigError, NotFoundError, RollpatchError, TransientStoreError
+from ..store import Store, open_store, validate_key, validate_prefix
+from .cache import CacheEntry
+from .config import KeyKind, RelayConfig, classify
+from .core import Blob, Relay
+from .metrics import CONTENT_TYPE
+
+__all__ = ["RelayServer", "create_app", "parse_range"]
+
+T = TypeVar("T")
+_S = TypeVar("_S", bound="RelayServer")
+_RANGE = re.compile(r"bytes=(\d{1,19})-(\d{0,19})")
+_IMMUTABLE = "public, max-age=31536000, immutable"
+_OPEN_ATTEMPTS = 3
+
+
+class RangeNotSatisfiable(Exception):
+    """Internal: answer 416."""
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``(first, last)`` inclusive for a single ``bytes=A-B`` / ``bytes=A-`` range; None to
+    answer the whole object (no header, another unit, or a malformed one, as RFC 9110 allows);
+    raises :class:`RangeNotSatisfiable` for ``A >= size``, suffix and multi-range requests.
+    """
+    if header is None or not header.strip().startswith("bytes="):
+        return None
+    spec = header.strip()
+    if "," in spec or spec.startswith("bytes=-"):
+        raise RangeNotSatisfiable(spec)
+    match = _RANGE.fullmatch(spec)
+    if match is None:
+        return None
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) else size - 1
+    if last < first and match.group(2):
+        return None
+    if first >= size:
+        raise RangeNotSatisfiable(spec)
+    return first, min(last, size - 1)
+
+
+def _status(exc: BaseException) -> int:
+    if isinstance(exc, NotFoundError):
+        return 404
+    if isinstance(exc, (TransientStoreError, OSError)):  # upstream flaky, or our cache disk
+        return 503
+    return 502  # refused bytes, upstream misconfigured: requests are validated before this
+
+
+def _error(status: int, exc: BaseException) -> JSONResponse:
+    hint = exc.hint if isinstance(exc, RollpatchError) else None
+    message = exc.message if isinstance(exc, RollpatchError) else f"{type(exc).__name__}: {exc}"
+    return JSONResponse({"error": message, "hint": hint}, status_code=status)
+
+
+async def _wait(future: Future[T]) -> T:
+    return await asyncio.wrap_future(future)
+
+
+def _route(path: str) -> str:
+    for prefix, name in (("/v1/objects/", "objects"), ("/v1/list", "list"),
+                         ("/metrics", "metrics"), ("/health", "health")):
+        if path.startswith(prefix):
+            return name
+    return "other"
+
+
+class _CountRequests:
+    """ASGI middleware: ``rollpatch_relay_requests_total{route,method,status}``."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], relay: Relay) -> None:
+        self.app = app
+        self.relay = relay
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        counted = False
+
+        def count(status: int) -> None:
+            self.relay.metrics.inc("rollpatch_relay_requests_total", route=_route(scope["path"]),
+                                   method=scope["method"], status=str(status))
+
+        async def send_counted(message: MutableMapping[str, Any]) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start":  # before the client can see it
+                counted = True
+                count(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if not counted:
+                count(500)
+
+
+def create_app(relay: Relay) -> FastAPI:
+    """The ASGI app serving ``relay``: ``/v1/objects/{key}``, ``/v1/list``, ``/metrics``,
+    ``/health``."""
+    app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_CountRequests, relay=relay)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return _error(_status(exc), exc)
+
+    app.add_exception_handler(RollpatchError, on_error)
+    app.add_exception_handler(OSError, on_error)
+
+    @app.api_route("/v1/objects/{key:path}", methods=["GET", "HEAD"])
+    async def objects(key: str, request: Request) -> Response:
+        try:
+            kind = classify(validate_key(key))
+        except ConfigError as e:
+            return _error(400, e)
+        if request.method == "HEAD" and kind.immutable:
+            info = await _wait(relay.stat(key))
+            if info is None:
+                raise NotFoundError("no such object", key=key)
+            return Response(headers=_headers(kind, info.size, info.etag, relay))
+        blob = await _wait(relay.resolve(key))
+        if request.method == "HEAD":  # volatile: small, and held in memory
+            return Response(headers=_headers(kind, blob.size, blob.etag, relay))
+        if blob.data is not None:
+            return _serve(relay, blob, blob.data, request.headers.get("range"))
+        for _ in range(_OPEN_ATTEMPTS):
+            opened = relay.open(blob)
+            if opened is not None:
+                return _serve(relay, blob, opened, request.headers.get("range"))
+            blob = await _wait(relay.resolve(key))  # evicted meanwhile: fetch it again
+        raise TransientStoreError("cache entry kept being evicted before it could be served",
+                                  key=key, hint="raise --cache-bytes")
+
+    @app.get("/v1/list")
+    async def listing(prefix: str = "", start_after: str | None = None) -> Response:
+        try:
+            validate_prefix(prefix)
+        except ConfigError as e:
+            return _error(400, e)
+        keys = await _wait(relay.list(prefix))
+        return JSONResponse(_page(keys, start_after, relay.config.list_page))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(relay.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "upstream": relay.upstream.uri,
+                "cache_bytes": relay.cache.total_bytes, "cache_entries": len(relay.cache)}
+
+    return app
+
+
+def _page(keys: list[str], start_after: str | None, limit: int) -> dict[str, Any]:
+    import bisect
+
+    lo = 0 if start_after is None else bisect.bisect_right(keys, start_after)
+    page = keys[lo:lo + limit]
+    return {"keys": page, "next": page[-1] if lo + limit < len(keys) else None}
+
+
+def _headers(kind: KeyKind, size: int, etag: str | None, relay: Relay) -> dict[str, str]:
+    headers = {"Content-Length": str(size), "Accept-Ranges": "bytes",
+               "Content-Type": "application/octet-stream",
+               "Cache-Control": _IMMUTABLE if kind.immutable else
+               f"max-age={int(relay.config.pointer_ttl)}"}
+    if etag is not None:
+        headers["ETag"] = etag
+    return headers
+
+
+def _serve(relay: Relay, blob: Blob, source: bytes | tuple[BinaryIO, CacheEntry],
+           range_header: str | None) -> Response:
+    """The answer to a GET from memory or an open cache file: whole, one range (206) or 416;
+    file bodies are streamed."""
+    headers = _headers(blob.kind, blob.size, blob.etag, relay)
+    try:
+        span = parse_range(range_header, blob.size)
+    except RangeNotSatisfiable:
+        if not isinstance(source, bytes):
+            source[0].close()
+        return Response(status_code=416, headers={"Content-Range": f"bytes */{blob.size}"})
+    first, last = (0, blob.size - 1) if span is None else span
+    status = 200 if span is None else 206
+    if span is not None:
+        headers["Content-Range"] = f"bytes {first}-{last}/{blob.size}"
+    headers["Content-Length"] = str(last - first + 1)
+    if isinstance(source, bytes):
+        body = source[first:last + 1]
+        relay.metrics.inc("rollpatch_relay_served_bytes_total", len(body))
+        return Response(body, status_code=status, headers=headers)
+    f, entry = source
+    f.seek(entry.offset + first)
+    return StreamingResponse(_stream(relay, f, last - first + 1), status_code=status,
+                             headers=headers)
+
+
+def _stream(relay: Relay, f: BinaryIO, length: int) -> Iterator[bytes]:
+    """Read ``length`` bytes from the open cache file; closes it however the stream ends."""
+    with f:
+        remaining = length
+        while remaining:
+            chunk = f.read(min(remaining, relay.config.chunk_bytes))
+            if not chunk:
+                raise OSError("cache file is shorter than its index says")
+            remaining -= len(chunk)
+            relay.metrics.inc("rollpatch_relay_served_bytes_total", len(chunk))
+            yield chunk
+
+
+class RelayServer:
+    """A relay of the board at ``board`` served over HTTP from a background thread::
+
+        server = RelayServer("file:///srv/board", RelayConfig(cache_dir=Path("/var/cache/rp")))
+        url = server.start()        # http://127.0.0.1:PORT
+        ...
+        server.stop()
+    """
+
+    def __init__(self, board: Store | str, config: RelayConfig, *, host: str = "127.0.0.1",
+                 port: int = 0, log_level: str = "warning", access_log: bool = False) -> None:
+        self._owns_store = isinstance(board, str)
+        upstream = open_store(board) if isinstance(board, str) else board
+        self.relay = Relay(upstream, config)
+        self.host = host
+        self.port = port
+        self._server = uvicorn.Server(uvicorn.Config(
+            create_app(self.relay), host=host, port=port, log_level=log_level,
+            access_log=access_log, lifespan="off", timeout_graceful_shutdown=5))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT`` once started (the real port when ``port=0``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Start serving in a daemon thread; returns :attr:`url` once the socket listens."""
+        if self._thread is not None:
+            raise ConfigError("relay server already started", url=self.url)
+        self._thread = threading.Thread(target=self._server.run, name="relay-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise OSError(f"relay could not listen on {self.host}:{self.port} "
+                              "(port in use? see the log above)")
+            time.sleep(0.01)
+        self.port = int(self._server.servers[0].sockets[0].getsockname()[1])
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving, wait for the thread, release the pools (and the store, if opened here)."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.relay.close()
+        if self._owns_store:
+            self.relay.upstream.close()
+
+    def wait(self) -> None:
+        """Block until the server stops (its thread ends)."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def request_stop(self) -> None:
+        """Ask the server to stop (safe from a signal handler)."""
+        self._server.should_exit = True
+
+    def __enter__(self: _S) -> _S:  # noqa: PYI019 (typing.Self needs 3.11)
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

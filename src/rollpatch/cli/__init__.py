@@ -15,18 +15,15 @@ EXIT_REFUSED = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import codec, demo
+    from . import codec, demo, gc, publish, pull, relay, sidecar
 
     parser = argparse.ArgumentParser(
         prog="rollpatch",
         description="Lossless patches over engine-visible weights for RL rollout fleets.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    codec.register(sub)
-    demo.register(sub)
-    __import__(f"{__name__}.relay", fromlist=["register"]).register(sub)
-    __import__(f"{__name__}.pull", fromlist=["register"]).register(sub)
-    __import__(f"{__name__}.publish", fromlist=["register"]).register(sub)
+    for module in (codec, publish, pull, gc, sidecar, relay, demo):
+        module.register(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -37,12 +38,14 @@ def _error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
 
 def create_app(sc: Sidecar) -> FastAPI:
     """Build the FastAPI app around a running :class:`Sidecar`."""
-    app = FastAPI(title="rollpatch sidecar", docs_url=None, redoc_url=None)
     client = httpx.AsyncClient(base_url=sc.engine_url, timeout=httpx.Timeout(None, connect=5))
 
-    @app.on_event("shutdown")
-    async def _close() -> None:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
         await client.aclose()
+
+    app = FastAPI(title="rollpatch sidecar", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.exception_handler(RollpatchError)
     async def _rollpatch_error(_: Request, e: RollpatchError) -> JSONResponse:
@@ -99,7 +102,7 @@ def _check_token(sc: Sidecar, request: Request) -> JSONResponse | None:
     return None
 
 
-def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str):  # type: ignore[no-untyped-def]
+def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
     async def proxy(request: Request) -> Response:
         try:
             body = json.loads(await request.body())

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -28,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import ConfigError, EngineError, NotReadyError, RollpatchError
+from ...serving import ServerHandle, serve_app
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -314,40 +313,11 @@ def create_app(runtime: ReferenceRuntime) -> FastAPI:
     return app
 
 
-class ServerHandle:
-    """A running server: ``url`` (``http://host:port``) and :meth:`stop`."""
-
-    def __init__(self, server: Any, thread: threading.Thread, url: str) -> None:
-        self._server, self._thread, self.url = server, thread, url
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Ask uvicorn to exit and wait for its thread."""
-        self._server.should_exit = True
-        self._thread.join(timeout)
-
-
 def serve(runtime: ReferenceRuntime, host: str = "127.0.0.1", port: int = 0, *,
           log_level: str = "warning", start_timeout: float = 30.0) -> ServerHandle:
     """Run :func:`create_app` under uvicorn in a daemon thread; ``port=0`` picks a free one."""
-    import uvicorn
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    bound = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(runtime), log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name=f"rollpatch-reference-{bound}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + start_timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            sock.close()
-            raise EngineError("reference server did not start", host=host, port=bound)
-        time.sleep(0.01)
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
-    return ServerHandle(server, thread, f"http://{shown}:{bound}")
+    try:
+        return serve_app(create_app(runtime), host, port, name="reference",
+                         log_level=log_level, start_timeout=start_timeout)
+    except RollpatchError as e:
+        raise EngineError("reference server did not start", host=host, port=port) from e

@@ -1,0 +1,44 @@
+"""``rollpatch gc``: retention — delete what no retained version needs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("gc", help="delete old versions and orphaned objects (plans stay valid)",
+                       description="Keeps LATEST, the last N versions, pinned versions and the "
+                                   "keyframe they need; see docs/board.md.")
+    p.add_argument("--board", required=True, help="store URI")
+    p.add_argument("--run", required=True)
+    p.add_argument("--keep-last", type=int, default=32, metavar="N")
+    p.add_argument("--pin", type=int, action="append", default=[], metavar="V",
+                   help="keep version V and everything after it (repeatable)")
+    p.add_argument("--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="only delete unreferenced objects older than this")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_gc)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ..board import Board
+    from ..retention import collect
+
+    report = collect(Board(args.board), args.run, keep_last=args.keep_last, pinned=args.pin,
+                     orphan_grace_s=args.orphan_grace, dry_run=args.dry_run)
+    if args.json:
+        json.dump(asdict(report), sys.stdout, indent=1)
+        print()
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{args.run}: keeping versions >= {report.cutoff}; {verb} "
+          f"{len(report.versions_deleted)} versions, {len(report.objects_deleted)} objects, "
+          f"{len(report.orphans_deleted)} orphans ({report.bytes_freed:,} bytes)")
+    return 0

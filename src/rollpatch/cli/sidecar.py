@@ -1,0 +1,54 @@
+"""``rollpatch sidecar``: the version-aware HTTP front of one engine."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    from ..sidecar.gate import COMMIT_MODES
+    from ..sidecar.server import ENGINES
+
+    p = sub.add_parser("sidecar", help="serve an engine's OpenAI API under version constraints",
+                       description="Follows RUN on the board, keeps the engine on a verified "
+                                   "version, and proxies OpenAI routes (docs/sidecar.md).")
+    p.add_argument("--board", required=True, help="store URI (file://, s3://, http:// relay)")
+    p.add_argument("--run", required=True)
+    p.add_argument("--engine", choices=ENGINES, default="reference")
+    p.add_argument("--model", help="model directory (reference engine)")
+    p.add_argument("--engine-url", help="engine's OpenAI base URL (vllm)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--commit-mode", choices=COMMIT_MODES, default="drain")
+    p.add_argument("--admin-token-file", help="require this bearer token on admin routes")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between LATEST polls")
+    p.add_argument("--threads", type=int, help="torch threads for the reference engine")
+    p.set_defaults(func=cmd_sidecar)
+
+
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    from ..follower import FollowerConfig
+    from ..sidecar import SidecarConfig
+    from ..sidecar.server import make_engine, start_sidecar
+
+    token = Path(args.admin_token_file).read_text().strip() if args.admin_token_file else None
+    config = SidecarConfig(commit_mode=args.commit_mode, admin_token=token,
+                           follower=FollowerConfig(poll_s=args.poll))
+    engine, url = make_engine(args.engine, model=args.model, engine_url=args.engine_url,
+                              threads=args.threads)
+    running = start_sidecar(args.board, args.run, engine, url, host=args.host, port=args.port,
+                            config=config, log_level="warning")
+    print(f"rollpatch sidecar: {running.url} -> {args.engine} engine at {url}; following "
+          f"{args.run} on {args.board} ({args.commit_mode} commits)", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    running.stop()
+    return 0

@@ -1,0 +1,67 @@
+"""Assemble and run a sidecar: engine + follower + HTTP app (used by the CLI and the demo)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..board import Board
+from ..engines.base import EngineAdapter
+from ..errors import ConfigError
+from ..serving import ServerHandle, serve_app
+from .service import Sidecar, SidecarConfig
+
+__all__ = ["RunningSidecar", "start_sidecar", "make_engine", "ENGINES"]
+
+ENGINES = ("reference", "vllm")
+
+
+def make_engine(kind: str, *, model: str | None = None, engine_url: str | None = None,
+                threads: int | None = None) -> tuple[EngineAdapter, str]:
+    """Build an engine adapter and the URL its OpenAI routes are served at."""
+    if kind == "reference":
+        if model is None:
+            raise ConfigError("--engine reference needs --model DIR")
+        from ..engines.reference import ReferenceEngine
+
+        engine = ReferenceEngine.from_dir(model, threads=threads)
+        return engine, engine.url
+    if kind == "vllm":
+        if engine_url is None:
+            raise ConfigError("--engine vllm needs --engine-url http://HOST:PORT")
+        try:
+            from ..engines.vllm import VllmEngine  # type: ignore[attr-defined]
+        except ImportError as e:
+            raise ConfigError(f"the vLLM adapter is not available: {e}") from None
+        engine = VllmEngine(engine_url)
+        return engine, engine_url
+    raise ConfigError(f"unknown engine {kind!r}", hint=f"one of {', '.join(ENGINES)}")
+
+
+@dataclass
+class RunningSidecar:
+    """A sidecar serving HTTP in this process."""
+
+    sidecar: Sidecar
+    server: ServerHandle
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.sidecar.stop()
+        self.sidecar.engine.close()
+
+
+def start_sidecar(board: str | Board, run: str, engine: EngineAdapter, engine_url: str, *,
+                  host: str = "127.0.0.1", port: int = 0, config: SidecarConfig | None = None,
+                  **serve_kw: Any) -> RunningSidecar:
+    """Start following ``run`` and serve the sidecar's app; returns once listening."""
+    from .app import create_app
+
+    sc = Sidecar(board, run, engine, engine_url, config)
+    sc.start()
+    server = serve_app(create_app(sc), host, port, name="sidecar", **serve_kw)
+    return RunningSidecar(sc, server)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from ..board import Board, PlanStep
 from ..errors import ManifestError, VersionNotFoundError
-from ..io import view_from_bytes
+from ..follower.stage import decode_step, keyframe_view
 from ..manifest import Manifest
-from ..patch import Patch, TensorPatch, apply, decode
-from ..view import Tensor, View
+from ..patch import Patch, apply
+from ..view import View
 
 __all__ = ["apply_step", "load_keyframe", "merge_shard_patches", "reconstruct"]
 
@@ -59,23 +59,7 @@ def load_keyframe(board: Board, m: Manifest) -> View:
     """The view in ``m``'s keyframe objects (one per shard, merged), checked against its target."""
     if not m.keyframes:
         raise ManifestError("version has no keyframe", run=m.run, version=m.version)
-    tensors: dict[str, Tensor] = {}
-    metadata: dict[str, str] = {}
-    for kf in sorted(m.keyframes, key=lambda k: k.shard):
-        part = view_from_bytes(board.fetch(kf.ref))
-        if kf.shard == 0:
-            metadata = dict(part.metadata)
-        for name, t in part.items():
-            if name in tensors:
-                raise ManifestError("two keyframe shards hold the same tensor", run=m.run,
-                                    version=m.version, tensor=name)
-            tensors[name] = t
-    view = View(tensors, metadata)
-    if view.digest() != m.target:
-        raise ManifestError("keyframe does not match the manifest's target digest",
-                            run=m.run, version=m.version, target=m.target[:16],
-                            got=view.digest()[:16])
-    return view
+    return keyframe_view(m, {k.ref.key: board.fetch(k.ref) for k in m.keyframes})
 
 
 def merge_shard_patches(board: Board, m: Manifest, base: int, view: View) -> Patch:
@@ -85,13 +69,5 @@ def merge_shard_patches(board: Board, m: Manifest, base: int, view: View) -> Pat
     if not objects:
         raise VersionNotFoundError("no patch from that base", run=m.run, version=m.version,
                                    base=base)
-    tensors: dict[str, TensorPatch] = {}
-    for obj in objects:
-        part = decode(board.fetch(obj.ref), view, check_base=False)
-        for name, tp in part.tensors.items():
-            if name in tensors:
-                raise ManifestError("two patch shards change the same tensor", run=m.run,
-                                    version=m.version, tensor=name)
-            tensors[name] = tp
-    meta = {"run": m.run, "from": str(base), "to": str(m.version)}
-    return Patch(objects[0].base_digest, m.target, tensors, meta)
+    blobs = {o.ref.key: board.fetch(o.ref) for o in objects}
+    return decode_step(m, board.manifest(m.run, base), blobs, view)

@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU torch wheel pinned explicitly: a bare "torch" could pull a multi-GB CUDA build
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev,torch,s3,web,reference]"
+	$(BIN)/pip install -q -e ".[dev,torch,s3,web,reference,plot]"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 demo: setup

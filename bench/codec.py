@@ -69,6 +69,8 @@ from _util import (
     table,
 )
 
+from rollpatch.analysis import iid_bound_bits, xor_zstd
+from rollpatch.errors import PatchError
 from rollpatch.formats import cast_view
 from rollpatch.patch import Patch, apply, decode, diff, encode
 from rollpatch.sim import AdamSim, SimConfig
@@ -112,53 +114,14 @@ def _pool_size() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-# -- the i.i.d. bound -------------------------------------------------------------------------
-
-def _entropy_bits(counts: np.ndarray) -> float:
-    counts = counts[counts > 0].astype(np.float64)
-    total = counts.sum()
-    return float(-(counts * np.log2(counts / total)).sum()) if total else 0.0
-
-
-def _binary_bits(n: int, k: int) -> float:
-    if k <= 0 or k >= n:
-        return 0.0
-    p = k / n
-    return n * -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
-
-
-def _histogram(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values, counts) of an integer array; a bincount when the range is small (no sort)."""
-    lo, hi = int(d.min()), int(d.max())
-    if hi - lo > 1 << 18:
-        return np.unique(d, return_counts=True)
-    c = np.bincount(d - lo, minlength=hi - lo + 1)
-    u = np.flatnonzero(c)
-    return u + lo, c[u]
-
+# -- the i.i.d. bound (shared with `rollpatch analyze`: rollpatch.analysis.bounds) ----------
 
 def bound_bits(patch: Patch, view: View) -> tuple[int, int, float, float]:
     """(elements, changed, whole-view bound bits, per-tensor-sum bound bits)."""
-    n = sum(t.n_elements for t in view.values())
-    k, per, vals, cnts = 0, 0.0, [], []
-    for name, t in view.items():
-        tp = patch.tensors.get(name)
-        if tp is None:
-            continue
-        if tp.op != "delta":
-            raise RoundTripError(f"unexpected {tp.op!r} op for {name} in a same-layout diff")
-        assert tp.new is not None and tp.old is not None
-        d = tp.new.astype(np.int64) - tp.old.astype(np.int64)
-        u, c = _histogram(d)
-        k += d.size
-        per += _binary_bits(t.n_elements, d.size) + _entropy_bits(c)
-        vals.append(u)
-        cnts.append(c)
-    whole = _binary_bits(n, k)
-    if vals:
-        u, inv = np.unique(np.concatenate(vals), return_inverse=True)
-        whole += _entropy_bits(np.bincount(inv, weights=np.concatenate(cnts)))
-    return n, k, whole, per
+    try:
+        return iid_bound_bits(patch, view)
+    except PatchError as e:
+        raise RoundTripError(f"unexpected op in a same-layout diff: {e}") from None
 
 
 # -- baselines --------------------------------------------------------------------------------
@@ -170,8 +133,7 @@ def _b3(data: np.ndarray) -> bytes:
 def xor_encode(a: View, b: View, pool: ThreadPoolExecutor) -> dict[str, tuple[bytes, bytes]]:
     """Per tensor: (zstd-3 frame of old XOR new bytes, BLAKE3 of the new bytes)."""
     def one(name: str) -> tuple[bytes, bytes]:
-        x = np.bitwise_xor(a[name].data, b[name].data)
-        return zstandard.ZstdCompressor(level=3).compress(x), _b3(b[name].data)
+        return xor_zstd(a[name].data, b[name].data), _b3(b[name].data)
 
     names = sorted(b)
     return dict(zip(names, pool.map(one, names)))

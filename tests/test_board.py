@@ -186,3 +186,17 @@ def test_gc_dry_run_and_pins(board: Board) -> None:
     report = collect(board, "r1", keep_last=1, dry_run=True)
     assert report.cutoff == 10 and report.versions_deleted == list(range(10))
     assert board.versions("r1") == list(range(12))
+
+
+def test_gc_cli(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from rollpatch.cli import main
+
+    b = Board(f"file://{tmp_path}")
+    for n in range(12):
+        _publish(b, "r1", n, keyframe=n in (0, 10))
+    assert main(["gc", "--board", f"file://{tmp_path}", "--run", "r1", "--keep-last", "1",
+                 "--dry-run"]) == 0
+    assert "would delete 10 versions" in capsys.readouterr().out
+    assert b.versions("r1") == list(range(12))
+    assert main(["gc", "--board", f"file://{tmp_path}", "--run", "r1", "--keep-last", "1"]) == 0
+    assert b.versions("r1") == [10, 11]

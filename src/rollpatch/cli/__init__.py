@@ -15,14 +15,14 @@ EXIT_REFUSED = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import codec, demo, gc, publish, pull, relay, sidecar
+    from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar
 
     parser = argparse.ArgumentParser(
         prog="rollpatch",
         description="Lossless patches over engine-visible weights for RL rollout fleets.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (codec, publish, pull, gc, sidecar, relay, demo):
+    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, demo):
         module.register(sub)
     return parser
 

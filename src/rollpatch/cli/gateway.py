@@ -1,0 +1,56 @@
+"""``rollpatch gateway``: one OpenAI-compatible front over several islands, routed by version."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("gateway", help="route OpenAI requests over islands (sidecars) by the "
+                                       "version each serves (docs/gateway.md)",
+                       description="Polls each island's sidecar, routes every request to an "
+                                   "island that satisfies its version constraint, retries "
+                                   "refusals and failures elsewhere (docs/gateway.md).")
+    p.add_argument("--sidecar", action="append", required=True, metavar="[NAME=]URL",
+                   help="an island's sidecar base URL; repeat for each island (the name "
+                        "defaults to host:port)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (0.0.0.0 to serve other machines)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
+    p.add_argument("--poll", type=float, default=0.2,
+                   help="seconds between /version polls of each island (default 0.2)")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="most islands one request is sent to (default 3)")
+    p.add_argument("--connect-timeout", type=float, default=2.0,
+                   help="seconds to connect to a sidecar before trying another (default 2)")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=cmd_gateway)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from ..gateway import GatewayConfig, parse_island
+    from ..gateway.server import start_gateway
+
+    islands = [parse_island(s) for s in args.sidecar]
+    config = GatewayConfig(poll_s=args.poll, max_attempts=args.max_attempts,
+                           connect_timeout_s=args.connect_timeout)
+    running = start_gateway(islands, host=args.host, port=args.port, config=config,
+                            log_level=args.log_level)
+    names = ", ".join(f"{i.name}={i.url}" for i in islands)
+    print(f"rollpatch gateway: {running.url} -> {len(islands)} island(s): {names}", flush=True)
+    done = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: done.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        done.wait()
+    finally:
+        running.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,86 @@
+"""The gateway's HTTP app: OpenAI routes forwarded to islands, plus status routes.
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming passed through),
+``GET /v1/models``, ``/health``, ``/islands``, ``/metrics``. Statuses: whatever the chosen
+sidecar answered; ``409``/``503`` from the last island tried when none could serve; ``503``
+from the gateway when no island could be reached; ``400`` for a malformed request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from ..errors import ConfigError
+from ..sidecar.protocol import parse_constraint
+from ..types import Constraint
+from .core import Gateway
+from .proxy import forward, gateway_error
+
+__all__ = ["create_app"]
+
+_PROXIED = ("/v1/completions", "/v1/chat/completions")
+_FORWARDED_HEADER_PREFIX = "x-rollpatch-"
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    """Build the FastAPI app around a started :class:`Gateway`."""
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=gw.config.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    app = FastAPI(title="rollpatch gateway", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ConfigError)
+    async def _config_error(_: Request, e: ConfigError) -> JSONResponse:
+        return gateway_error(400, str(e), "invalid_request_error")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        views = gw.views()
+        return {"status": "ok", "islands": len(views),
+                "reachable": sum(1 for v in views if v.reachable),
+                "serving": sum(1 for v in views if v.reachable and v.served is not None),
+                "latest": gw.latest()}
+
+    @app.get("/islands")
+    async def islands() -> dict[str, Any]:
+        return {"latest": gw.latest(), "islands": gw.describe()}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(gw.metrics.render(gw.views()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await forward(gw, client, "GET", "/v1/models", None, {}, Constraint(),
+                             annotate=False)
+
+    for path in _PROXIED:
+        app.add_api_route(path, _make_route(gw, client, path), methods=["POST"])
+    return app
+
+
+def _make_route(gw: Gateway, client: httpx.AsyncClient, path: str) -> Any:
+    async def route(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return gateway_error(400, "request body must be JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return gateway_error(400, "request body must be a JSON object",
+                                 "invalid_request_error")
+        # parse a copy: the sidecar needs the rollpatch field (and headers) as sent
+        constraint = parse_constraint(dict(body), request.headers)
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower().startswith(_FORWARDED_HEADER_PREFIX)}
+        headers["content-type"] = "application/json"
+        return await forward(gw, client, "POST", path, raw, headers, constraint,
+                             stream=bool(body.get("stream")))
+
+    return route

@@ -1,0 +1,203 @@
+"""Forwarding one request through the gateway: pick, send, retry elsewhere, annotate.
+
+A request goes to the island :meth:`Gateway.choose` names. ``409`` (cannot satisfy), ``503``
+(not ready), ``502`` (its engine is down) and connection failures are retried on another
+island, up to ``max_attempts``; anything else is the answer. When no island can, the last
+sidecar refusal is returned as it came (or a gateway ``503`` when none could be reached).
+Successful answers say which island served them: header ``X-Rollpatch-Island`` and body field
+``rollpatch.island`` (the final chunk of a stream); the sidecar's versions pass through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..sidecar.protocol import HEADER_END, HEADER_START
+from ..types import Constraint
+from .core import Gateway
+
+__all__ = ["HEADER_ISLAND", "RETRYABLE", "add_island", "forward", "gateway_error"]
+
+HEADER_ISLAND = "X-Rollpatch-Island"
+#: Sidecar statuses that another island may answer better.
+RETRYABLE = frozenset({409, 502, 503})
+_KEPT_HEADERS = ("content-type", "retry-after", HEADER_START.lower(), HEADER_END.lower())
+
+
+@dataclass
+class _Refusal:
+    """How one attempt failed: a sidecar's answer (``status``) or no connection (``0``)."""
+
+    island: str
+    status: int
+    content: bytes = b""
+    headers: dict[str, str] | None = None
+    error: str = ""
+
+
+def gateway_error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
+    """An OpenAI-style error from the gateway itself (Retry-After on 409/503)."""
+    body = {"error": {"message": message, "type": kind, "code": status}, **extra}
+    headers = {"Retry-After": "1"} if status in (409, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def add_island(raw: bytes, island: str) -> bytes:
+    """Add ``rollpatch.island`` to a JSON object body (other bodies pass unchanged)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return raw
+    if not isinstance(body, dict):
+        return raw
+    rp = body.get("rollpatch")
+    body["rollpatch"] = {**(rp if isinstance(rp, dict) else {}), "island": island}
+    return json.dumps(body).encode()
+
+
+def _kept(headers: httpx.Headers, island: str) -> dict[str, str]:
+    out = {k: headers[k] for k in _KEPT_HEADERS if k in headers}
+    out[HEADER_ISLAND] = island
+    return out
+
+
+def _header_int(headers: httpx.Headers, name: str) -> int | None:
+    try:
+        return int(headers[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _learn(gw: Gateway, island: str, r: httpx.Response, content: bytes) -> None:
+    """Fold the versions an answer reports into the gateway's knowledge of the island."""
+    served = _header_int(r.headers, HEADER_END)
+    if served is None:
+        served = _header_int(r.headers, HEADER_START)
+    latest = None
+    if r.status_code in (409, 503):
+        try:
+            body = json.loads(content)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            body = None
+        if isinstance(body, dict):
+            s, lt = body.get("served"), body.get("latest")
+            served = s if isinstance(s, int) and not isinstance(s, bool) else served
+            latest = lt if isinstance(lt, int) and not isinstance(lt, bool) else None
+    gw.observe_response(island, r.status_code, served=served, latest=latest)
+
+
+async def forward(gw: Gateway, client: httpx.AsyncClient, method: str, path: str,
+                  content: bytes | None, headers: dict[str, str], c: Constraint, *,
+                  stream: bool = False, annotate: bool = True) -> Response:
+    """Send a request to the best island, retrying elsewhere on refusal or failure."""
+    t0 = time.perf_counter()
+    tried: list[str] = []
+    last: _Refusal | None = None
+    rotate = gw.rotation()
+    for attempt in range(gw.config.max_attempts):
+        view = gw.choose(c, tried, None if last is None else last.status, rotate)
+        if view is None:
+            break
+        if attempt:
+            gw.metrics.retries.inc()
+            if view.name in tried:  # the only island: give it a moment
+                await asyncio.sleep(gw.config.retry_backoff_s)
+        tried.append(view.name)
+        result = await _attempt(gw, client, view.name, method, f"{view.url}{path}", content,
+                                headers, stream=stream, annotate=annotate)
+        if isinstance(result, Response):
+            gw.metrics.answer(result.status_code, time.perf_counter() - t0)
+            return result
+        last = result
+    answer = _give_up(gw, last, tried)
+    gw.metrics.answer(answer.status_code, time.perf_counter() - t0)
+    return answer
+
+
+def _give_up(gw: Gateway, last: _Refusal | None, tried: list[str]) -> Response:
+    if last is not None and last.status:
+        return Response(last.content, status_code=last.status, headers=last.headers)
+    detail = f": {last.error}" if last is not None else ""
+    return gateway_error(503, f"no island could be reached (tried {', '.join(tried) or 'none'})"
+                         f"{detail}", "not_ready", served=None, latest=gw.latest(),
+                         reason="no island reachable")
+
+
+async def _attempt(gw: Gateway, client: httpx.AsyncClient, island: str, method: str, url: str,
+                   content: bytes | None, headers: dict[str, str], *, stream: bool,
+                   annotate: bool) -> Response | _Refusal:
+    gw.acquire(island)
+    released = False
+    try:
+        req = client.build_request(method, url, content=content, headers=headers)
+        try:
+            r = await client.send(req, stream=stream)
+        except httpx.HTTPError as e:
+            gw.observe_failure(island, f"{type(e).__name__}: {e}")
+            gw.metrics.attempt(island, None)
+            return _Refusal(island, 0, error=f"{island}: {type(e).__name__}: {e}")
+        gw.metrics.attempt(island, r.status_code)
+        if stream and r.status_code == 200:
+            released = True  # the stream releases the island when it ends
+            return StreamingResponse(_events(gw, island, r, annotate),
+                                     media_type="text/event-stream",
+                                     headers=_kept(r.headers, island))
+        body = await r.aread()
+        await r.aclose()
+        _learn(gw, island, r, body)
+        if r.status_code in RETRYABLE:
+            return _Refusal(island, r.status_code, body, _kept(r.headers, island))
+        if annotate and r.status_code == 200:
+            body = add_island(body, island)
+        return Response(body, status_code=r.status_code, headers=_kept(r.headers, island))
+    finally:
+        if not released:
+            gw.release(island)
+
+
+async def _events(gw: Gateway, island: str, r: httpx.Response,
+                  annotate: bool) -> AsyncIterator[bytes]:
+    """Pass a sidecar's SSE stream through; the last data event gets ``rollpatch.island``."""
+    held: bytes | None = None
+    try:
+        _learn(gw, island, r, b"")
+        async for line in r.aiter_lines():
+            raw = line.encode()
+            if not raw.startswith(b"data:"):
+                continue
+            payload = raw[5:].strip()
+            if payload == b"[DONE]":
+                if held is not None:
+                    yield _last_event(held, island, annotate)
+                    held = None
+                yield b"data: [DONE]\n\n"
+                continue
+            if held is not None:
+                yield held + b"\n\n"
+            held = raw
+        if held is not None:
+            yield _last_event(held, island, annotate)
+    except httpx.HTTPError as e:  # the island went away mid-stream: too late to retry
+        gw.observe_failure(island, f"stream: {type(e).__name__}: {e}")
+        if held is not None:
+            yield held + b"\n\n"
+        error = {"error": {"message": f"island {island} failed mid-stream: {e}",
+                           "type": "island_error", "code": 502}}
+        yield b"data: " + json.dumps(error).encode() + b"\n\n"
+    finally:
+        await r.aclose()
+        gw.release(island)
+
+
+def _last_event(line: bytes, island: str, annotate: bool) -> bytes:
+    if not annotate:
+        return line + b"\n\n"
+    return b"data: " + add_island(line[5:].strip(), island) + b"\n\n"

@@ -1,0 +1,111 @@
+"""Which island should serve a request: pure ranking over what the gateway knows of each island.
+
+An island is placed in a :class:`Tier` by the sidecar's own rule (:func:`decide` on its served
+version and the fleet's LATEST), then ordered inside the tier. The gateway tries islands in
+that order; after a refusal it re-ranks with what the refusal taught it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ..sidecar.protocol import decide
+from ..types import Constraint
+
+__all__ = [
+    "RETRY_AFTER_CONFLICT",
+    "RETRY_AFTER_FAILURE",
+    "IslandView",
+    "Tier",
+    "fleet_latest",
+    "rank",
+    "tier_of",
+]
+
+
+class Tier(IntEnum):
+    """How likely an island is to serve a constraint soon (lower is better)."""
+
+    READY = 0       #: serves an acceptable version now
+    CATCH_UP = 1    #: behind, but what it needs is published: its sidecar catches up, then serves
+    FUTURE = 2      #: the version is not published as far as we know; the sidecar re-reads LATEST
+    UNKNOWN = 3     #: not polled yet, or loading (its sidecar answers 503 until ready)
+    DOWN = 4        #: its last poll or request failed; it may be back
+    HOPELESS = 5    #: serves a version newer than ``exact_version``; versions only move forward
+
+
+#: After a 409, only islands that can serve by current knowledge are worth another try.
+RETRY_AFTER_CONFLICT = frozenset({Tier.READY, Tier.CATCH_UP})
+#: After a 503 or a failure, anything but an island that is certain to refuse.
+RETRY_AFTER_FAILURE = frozenset(Tier) - {Tier.HOPELESS}
+
+
+@dataclass(frozen=True)
+class IslandView:
+    """A snapshot of one island as the gateway knows it."""
+
+    name: str
+    url: str
+    #: verified version its engine serves (None: not loaded, or never heard from)
+    served: int | None = None
+    #: LATEST as its sidecar last saw it
+    latest: int | None = None
+    #: follower state (IDLE, FETCHING, STAGING, COMMITTING, ERROR)
+    state: str | None = None
+    #: None until the first poll answers or fails
+    reachable: bool | None = None
+    #: requests this gateway has in flight there
+    inflight: int = 0
+
+
+def fleet_latest(islands: Sequence[IslandView]) -> int | None:
+    """The newest LATEST (or served version) any island has reported."""
+    seen = [v for i in islands for v in (i.latest, i.served) if v is not None]
+    return max(seen) if seen else None
+
+
+def tier_of(island: IslandView, c: Constraint, latest: int | None) -> Tier:
+    """Place ``island`` for constraint ``c`` given the fleet's ``latest``."""
+    if island.reachable is None:
+        return Tier.UNKNOWN
+    if not island.reachable:
+        return Tier.DOWN
+    d = decide(c, island.served, latest)
+    if d.action == "proxy":
+        return Tier.READY
+    if d.action == "wait":
+        return Tier.CATCH_UP
+    if d.action == "unavailable":
+        return Tier.UNKNOWN
+    return Tier.FUTURE if d.need is not None else Tier.HOPELESS
+
+
+def rank(islands: Sequence[IslandView], c: Constraint, latest: int | None, *,
+         exclude: Collection[str] = (), allowed: Collection[Tier] | None = None,
+         rotate: int = 0) -> list[tuple[IslandView, Tier]]:
+    """Islands in the order to try them, with their tiers.
+
+    Ready islands: least in flight first, then the freshest version. Islands that must catch
+    up (or wait for a publish): the highest served version first, since it has the least to
+    fetch. ``rotate`` breaks the remaining ties round-robin, so idle islands share the load.
+    """
+    n = max(len(islands), 1)
+    keyed = []
+    for i, island in enumerate(islands):
+        if island.name in exclude:
+            continue
+        t = tier_of(island, c, latest)
+        if allowed is not None and t not in allowed:
+            continue
+        newest = -(island.served if island.served is not None else -1)
+        if t == Tier.READY:
+            key: tuple[int, ...] = (island.inflight, newest)
+        elif t in (Tier.CATCH_UP, Tier.FUTURE):
+            key = (newest, island.inflight)
+        else:
+            key = (island.inflight,)
+        keyed.append(((int(t), *key, (i - rotate) % n), island, t))
+    keyed.sort(key=lambda k: k[0])
+    return [(island, t) for _, island, t in keyed]

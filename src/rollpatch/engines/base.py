@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from ..patch import Patch
 from ..view import View, WordSource
@@ -41,6 +42,24 @@ class EngineAdapter(ABC):
     @abstractmethod
     def apply(self, patch: Patch, version: int) -> None:
         """Apply a decoded patch in place (verified, rolled back on failure) → ``version``."""
+
+    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
+                       version: int) -> bool:
+        """Optional: commit one step's wire-format patch objects, decoded by the engine itself.
+
+        ``blobs`` are every shard's patch object of one step ``base_digest`` → ``target_digest``
+        (root digests of the whole views). An engine that can decode against its own words
+        (vLLM: inside its workers) overrides this, so the follower need not decode against
+        :meth:`words` (for an out-of-process engine, every touched tensor crossing processes);
+        the contract of :meth:`apply` holds, and it returns True. The default returns False
+        at once, touching nothing: the follower then decodes and calls :meth:`apply`.
+        """
+        return False
+
+    def decodes_itself(self, n_objects: int) -> bool:
+        """Whether :meth:`commit_encoded` would take a step of ``n_objects`` patch objects
+        (asked before pausing, so engines that decline pay no pause)."""
+        return False
 
     def pause(self) -> None:
         """Stop generation for a commit (engines that generate override this)."""

@@ -20,6 +20,7 @@ from ..errors import (
     BaseMismatchError,
     NoPathError,
     NotReadyError,
+    RollpatchError,
     TargetMismatchError,
     VerificationError,
     VersionNotFoundError,
@@ -28,7 +29,7 @@ from ..manifest import Manifest
 from ..types import ObjectRef, check_run
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
-from .stage import Stage
+from .stage import Stage, encoded_step
 
 __all__ = ["CommitCallback", "Follower"]
 
@@ -155,10 +156,11 @@ class Follower:
             if want is None:
                 raise VersionNotFoundError("nothing is published on this run yet", run=self.run)
         have = self._verified_have()
-        if have == want:
+        if have is not None and have >= want:
+            self._confirm(have)
+            if have > want:
+                raise _PastWanted(have, want, self.run)
             return want
-        if have is not None and have > want:
-            raise _PastWanted(have, want, self.run)
         try:
             return self._run_plan(have, want)
         except _WRONG_BITS as e:
@@ -171,9 +173,17 @@ class Follower:
                 self._version = None
                 self._counts["reboots"] += 1
             return self._run_plan(None, want)
+        except BaseException:
+            self._confirm(have)  # the catch-up failed; the engine still holds ``have``
+            raise
 
     def _verified_have(self) -> int | None:
-        """The engine's version if its digest is that version's target on this board."""
+        """The engine's version if its digest is that version's target on this board.
+
+        Not yet reported as the follower's version when nothing was (an engine that booted
+        from an older checkpoint, an elastic join): it becomes ready once caught up, or on
+        ``have`` if the catch-up fails (:meth:`_confirm`).
+        """
         v, digest = self.engine.version, self.engine.digest
         if v is None or digest is None:
             return None
@@ -189,9 +199,23 @@ class Follower:
                 self._counts["reboots"] += 1
             return None
         with self._cond:
-            self._version = v
-            self._cond.notify_all()
+            if self._version is not None:
+                self._version = v
+                self._cond.notify_all()
         return v
+
+    def _confirm(self, have: int | None) -> None:
+        """Report ``have`` as the version if the engine still verifiably holds it."""
+        if have is None or self.engine.version != have:
+            return
+        try:
+            ok = self.engine.digest == self._manifest(have).target
+        except RollpatchError:
+            return
+        if ok:
+            with self._cond:
+                self._version = have
+                self._cond.notify_all()
 
     def _run_plan(self, have: int | None, want: int) -> int:
         plan = self._reader.plan(self.run, have, want)
@@ -208,6 +232,9 @@ class Follower:
                               self._retrier, self._on_fetched)
         self._timing("fetch", t0)
         self._set(FollowerState.STAGING)
+        if have is not None and len(plan.steps) == 1 and self._commit_encoded(
+                manifests[want], manifests[have], blobs):
+            return want
         t0 = time.monotonic()
         stage = Stage(self.engine.words() if have is not None else None)
         for step in plan.steps:
@@ -218,21 +245,43 @@ class Follower:
         self._timing("stage", t0)
         del blobs
         self._set(FollowerState.COMMITTING)
-        return self._commit(stage, want, manifests[want])
 
-    def _commit(self, stage: Stage, want: int, m: Manifest) -> int:
-        before = self.version
-        t0 = time.monotonic()
-        self.engine.pause()
-        try:
+        def commit() -> bool:
             if stage.view is not None:
                 self.engine.load(stage.view, want)
             else:
                 assert stage.patch is not None
                 self.engine.apply(stage.patch, want)  # verifies base and target; all or nothing
+            return True
+
+        self._commit(commit, want, manifests[want])
+        return want
+
+    def _commit_encoded(self, m: Manifest, base: Manifest, blobs: dict[str, bytes]) -> bool:
+        """One step handed over undecoded, when the engine decodes patches itself; False
+        (nothing done, ``blobs`` intact) when it does not."""
+        if not self.engine.decodes_itself(len(m.patches_from(base.version))):
+            return False
+        t0 = time.monotonic()
+        objs = encoded_step(m, base, blobs)
+        self._timing("stage", t0)
+        self._set(FollowerState.COMMITTING)
+        return self._commit(lambda: self.engine.commit_encoded(objs, base.target, m.target,
+                                                               m.version), m.version, m)
+
+    def _commit(self, action: Callable[[], bool], want: int, m: Manifest) -> bool:
+        """Run ``action`` (the engine's commit) paused, then check the engine holds ``m``'s
+        target; False when the engine declined (``action`` returned False)."""
+        before = self.version
+        t0 = time.monotonic()
+        self.engine.pause()
+        try:
+            done = action()
         finally:
             self.engine.resume()
             pause_s = time.monotonic() - t0
+        if not done:
+            return False
         if self.engine.version != want or self.engine.digest != m.target:
             with self._cond:
                 self._version = before if self.engine.version == before else None
@@ -248,7 +297,7 @@ class Follower:
                 callback(want, pause_s)
             except Exception:  # a subscriber's bug must not undo a verified commit
                 log.exception("on_commit callback failed for %s@%d", self.run, want)
-        return want
+        return True
 
     # -- board reads ---------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ Two shapes of plan, two ways to stage:
   manifest's target, then each later step is applied to it in place (verified); the result is
   handed to ``engine.load``.
 
+An engine that decodes patches itself (:meth:`EngineAdapter.commit_encoded`, e.g. vLLM in its
+workers) is handed a single-step plan's objects as they are (:func:`encoded_step`): nothing is
+decoded here, and no words cross to this process.
+
 Sharded versions carry one patch object per shard (same base, disjoint tensors, patch-level
 digests of the shard's sub-view): each is decoded without a root check, the tensor sets must
 be disjoint, and the union is bound to the manifest's whole-view digests. The engine's apply
@@ -18,17 +22,17 @@ then verifies the whole base before writing and the whole target after.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 from ..errors import BaseMismatchError, ManifestError, NoPathError, VerificationError
 from ..io import view_from_bytes
-from ..manifest import Manifest
-from ..patch import Patch, apply, compose, decode
+from ..manifest import Manifest, PatchObject
+from ..patch import Patch, apply, compose, decode, inspect
 from ..patch.model import TensorPatch
 from ..patch.overlay import Overlay
 from ..view import Tensor, View, WordSource
 
-__all__ = ["Stage", "decode_step", "keyframe_view"]
+__all__ = ["Stage", "decode_step", "encoded_step", "keyframe_view"]
 
 
 def keyframe_view(m: Manifest, blobs: MutableMapping[str, bytes]) -> View:
@@ -54,12 +58,9 @@ def keyframe_view(m: Manifest, blobs: MutableMapping[str, bytes]) -> View:
     return view
 
 
-def decode_step(m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes],
-                source: WordSource) -> Patch:
-    """Decode the patch objects ``base.version`` → ``m.version`` (all shards) against ``source``.
-
-    Returns one patch bound to the whole views: ``base.target`` → ``m.target``.
-    """
+def _step_objects(m: Manifest, base: Manifest) -> list[PatchObject]:
+    """The patch objects ``base.version`` → ``m.version`` (one per shard), checked against the
+    base manifest."""
     objs = m.patches_from(base.version)
     if not objs:
         raise ManifestError("manifest has no patch from the planned base", run=m.run,
@@ -68,6 +69,42 @@ def decode_step(m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes],
         if po.base_digest != base.target:
             raise ManifestError("patch entry's base digest is not its base version's target",
                                 run=m.run, version=m.version, base=base.version)
+    return objs
+
+
+def _check_binding(m: Manifest, base: Manifest, n_objects: int, key: str,
+                   digests: tuple[str, str]) -> None:
+    """An unsharded step's patch binds exactly its manifests' root digests."""
+    if n_objects == 1 and digests != (base.target, m.target):
+        raise ManifestError("patch object binds other digests than its manifest",
+                            run=m.run, version=m.version, key=key)
+
+
+def encoded_step(m: Manifest, base: Manifest, blobs: Mapping[str, bytes]) -> list[bytes]:
+    """The wire-format objects of the step ``base.version`` → ``m.version``, in shard order,
+    for an engine that decodes them itself (:meth:`EngineAdapter.commit_encoded`).
+
+    Checks what can be checked without the base words (the containers and headers, and, for
+    an unsharded step, the root digests the patch binds); ``blobs`` is left untouched, so the
+    caller can still decode them if the engine declines.
+    """
+    objs = _step_objects(m, base)
+    out = []
+    for po in objs:
+        blob = blobs[po.ref.key]
+        header = inspect(blob)
+        _check_binding(m, base, len(objs), po.ref.key, (header.base, header.target))
+        out.append(blob)
+    return out
+
+
+def decode_step(m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes],
+                source: WordSource) -> Patch:
+    """Decode the patch objects ``base.version`` → ``m.version`` (all shards) against ``source``.
+
+    Returns one patch bound to the whole views: ``base.target`` → ``m.target``.
+    """
+    objs = _step_objects(m, base)
     if isinstance(source, View) and source.digest() != base.target:
         raise BaseMismatchError("the staging base is not the patch's base", run=m.run,
                                 version=m.version, base=base.version,
@@ -76,9 +113,7 @@ def decode_step(m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes],
     meta: dict[str, str] = {}
     for po in objs:
         part = decode(blobs.pop(po.ref.key), source, check_base=False)
-        if len(objs) == 1 and (part.base, part.target) != (base.target, m.target):
-            raise ManifestError("patch object binds other digests than its manifest",
-                                run=m.run, version=m.version, key=po.ref.key)
+        _check_binding(m, base, len(objs), po.ref.key, (part.base, part.target))
         overlap = tensors.keys() & part.tensors.keys()
         if overlap:
             raise ManifestError("patch shards overlap", run=m.run, version=m.version,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..engines.base import EngineAdapter
@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..patch import Patch
 from ..view import View, WordSource
 
-__all__ = ["CommitGate", "GatedEngine", "COMMIT_MODES"]
+__all__ = ["COMMIT_MODES", "CommitGate", "GatedEngine"]
 
 COMMIT_MODES = ("drain", "pause")
 T = TypeVar("T")
@@ -115,6 +115,16 @@ class GatedEngine(EngineAdapter):
 
     def apply(self, patch: Patch, version: int) -> None:
         self.gate.commit(lambda: self.inner.apply(patch, version))
+
+    def decodes_itself(self, n_objects: int) -> bool:
+        return self.inner.decodes_itself(n_objects)
+
+    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
+                       version: int) -> bool:
+        if not self.inner.decodes_itself(len(blobs)):
+            return False  # no gate, no pause
+        return self.gate.commit(lambda: self.inner.commit_encoded(blobs, base_digest,
+                                                                  target_digest, version))
 
     def close(self) -> None:
         self.inner.close()

@@ -24,17 +24,14 @@ def make_engine(kind: str, *, model: str | None = None, engine_url: str | None =
             raise ConfigError("--engine reference needs --model DIR")
         from ..engines.reference import ReferenceEngine
 
-        engine = ReferenceEngine.from_dir(model, threads=threads)
-        return engine, engine.url
+        ref = ReferenceEngine.from_dir(model, threads=threads)
+        return ref, ref.url
     if kind == "vllm":
         if engine_url is None:
             raise ConfigError("--engine vllm needs --engine-url http://HOST:PORT")
-        try:
-            from ..engines.vllm import VllmEngine  # type: ignore[attr-defined]
-        except ImportError as e:
-            raise ConfigError(f"the vLLM adapter is not available: {e}") from None
-        engine = VllmEngine(engine_url)
-        return engine, engine_url
+        from ..engines.vllm import VllmEngine
+
+        return VllmEngine(engine_url), engine_url
     raise ConfigError(f"unknown engine {kind!r}", hint=f"one of {', '.join(ENGINES)}")
 
 

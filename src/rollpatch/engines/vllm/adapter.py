@@ -13,7 +13,7 @@ import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,17 @@ class VllmEngine(EngineAdapter):
                              lambda res: self._matches(res, targets, patch.target), patch)
             finally:
                 path.unlink(missing_ok=True)
+
+    def decodes_itself(self, n_objects: int) -> bool:
+        return n_objects == 1
+
+    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
+                       version: int) -> bool:
+        """One-shard steps are decoded inside the workers; sharded ones take the decode path."""
+        if len(blobs) != 1 or self.digest != base_digest:
+            return False
+        self.apply_encoded(blobs[0], version)
+        return True
 
     def apply_encoded(self, blob: bytes | memoryview, version: int) -> None:
         """Commit a wire-format patch, decoded inside the workers against their own words."""

@@ -71,7 +71,7 @@ def create_app(sc: Sidecar) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
-        return sc.describe()
+        return await asyncio.to_thread(sc.describe)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -118,7 +118,7 @@ def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
         if refused is not None:
             return refused
         start = await asyncio.to_thread(sc.gate.enter, sc.config.admit_timeout_s)
-        d = decide(constraint, start, sc.latest())
+        d = decide(constraint, start, await asyncio.to_thread(sc.latest))
         if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
             sc.gate.exit()
             sc.metrics.request("conflict")
@@ -133,14 +133,24 @@ def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
 async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
     """Wait for catch-up when the constraint allows it; a response when it must refuse."""
     served = sc.follower.version
-    d = decide(c, served, sc.latest())
+    if served is None and sc.gate.busy:  # mid-commit an engine may report no version
+        await asyncio.to_thread(sc.gate.wait_commit, sc.config.admit_timeout_s)
+        for _ in range(100):  # the follower records the verified version just after
+            served = sc.follower.version
+            if served is not None:
+                break
+            await asyncio.sleep(0.01)
+    # LATEST may be read through a slow relay: never block the event loop on it
+    latest = await asyncio.to_thread(sc.latest)
+    d = decide(c, served, latest)
     if d.action == "conflict" and d.need is not None:
-        d = decide(c, served, sc.latest(refresh=True))
+        latest = await asyncio.to_thread(sc.latest, True)
+        d = decide(c, served, latest)
     if d.action == "proxy":
         return None
     if d.action == "unavailable":
         sc.metrics.request("unavailable")
-        return _error(503, d.reason, "not_ready", served=None, latest=sc.latest())
+        return _error(503, d.reason, "not_ready", served=None, latest=latest)
     if d.action == "wait":
         wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
         assert d.need is not None
@@ -155,7 +165,7 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
 
 
 def _conflict(sc: Sidecar, served: int | None, reason: str) -> JSONResponse:
-    return _error(409, reason, "version_conflict", served=served, latest=sc.latest(),
+    return _error(409, reason, "version_conflict", served=served, latest=sc.latest_seen(),
                   reason=reason)
 
 

@@ -39,7 +39,8 @@ class CommitGate:
         self.mode = mode
         self._cond = threading.Condition()
         self._inflight = 0
-        self._committing = False
+        self._committing = False   # drain mode: admission closed
+        self._busy = 0             # any mode: a weight change is running
         self.last_pause_s: float | None = None
         self.pauses: list[float] = []
 
@@ -62,8 +63,27 @@ class CommitGate:
             self._cond.notify_all()
             return self.engine.version
 
+    def wait_commit(self, timeout: float) -> bool:
+        """Wait until no weight change runs (an engine may report no version meanwhile)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy == 0, timeout)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy > 0
+
     def commit(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (a weight change) under the mode's rule; records the pause."""
+        with self._cond:
+            self._busy += 1
+        try:
+            return self._commit(fn)
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def _commit(self, fn: Callable[[], T]) -> T:
         if self.mode == "drain":
             with self._cond:
                 self._cond.wait_for(lambda: not self._committing)

@@ -84,6 +84,15 @@ class Sidecar:
                 self._latest = (now, value)
         return value
 
+    def latest_seen(self) -> int | None:
+        """The most recent LATEST known, without reading the board (safe on the event loop)."""
+        with self._lock:
+            value = self._latest[1]
+        status_latest = self.follower.status().latest
+        if status_latest is not None and (value is None or status_latest > value):
+            return status_latest
+        return value
+
     def _on_commit(self, version: int, pause_s: float) -> None:
         self.metrics.pause.observe(pause_s)
         self.metrics.update(self.follower.status())

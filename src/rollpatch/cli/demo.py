@@ -1,9 +1,12 @@
-"""``rollpatch demo``: an end-to-end run of the codec on simulated AdamW steps.
+"""``rollpatch demo``: cross-region asynchronous RL on one machine (docs/demo.md).
 
-A trainer-side loop (the simulator) takes RL-sized AdamW steps; each step is cast to the served
-formats, diffed against the previous version, encoded, decoded on a "replica" that holds only
-its own view, applied in place and verified bit for bit against a fresh cast. A lagging
-replica catches up with one composed patch. Patches and the keyframe go to ``--out``.
+By default: a trainer runs GRPO on a tiny model made locally and publishes a version after
+every step; three rollout islands (one reading the board directly, two through relays behind
+an *emulated* WAN) serve its rollouts through a gateway under a staleness bound; the run is
+shown live, checked (labels vs weights, LATEST, catch-up, verified bytes) and reported.
+
+``--codec-only``: the older codec walk-through — simulated AdamW steps cast to the served
+formats, diffed, encoded, decoded on a replica and verified bit for bit (no processes).
 """
 
 from __future__ import annotations
@@ -17,29 +20,94 @@ import zstandard
 
 __all__ = ["register"]
 
+_DESCRIPTION = """\
+Cross-region asynchronous RL on one machine (docs/demo.md): a trainer runs GRPO on a tiny
+model made locally and publishes a version after every step; three rollout islands (one
+reading the board directly, two through relays behind an EMULATED WAN) serve its rollouts
+through a gateway under a staleness bound; the run is shown live, checked (labels vs weights,
+LATEST, catch-up, verified bytes) and reported in OUT/summary.json with plots.
+
+--codec-only: the older codec walk-through on simulated AdamW steps (no processes)."""
+_RL_STEPS, _CODEC_STEPS = 50, 4
+_RL_LR, _CODEC_LR = 2e-4, 3e-6
+
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="end-to-end codec run on simulated AdamW steps")
-    p.add_argument("--params", type=float, default=20e6, help="model size (parameters)")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-6)
-    p.add_argument("--formats", default="bf16,fp8-e4m3-block128,nvfp4")
+    p = sub.add_parser("demo", help="cross-region async RL on one machine (emulated WAN)",
+                       description=_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, help=f"training steps (default {_RL_STEPS}; "
+                                             f"--codec-only: {_CODEC_STEPS})")
+    p.add_argument("--max-lag", type=int, default=2,
+                   help="staleness bound K: requests carry max_lag=K, older rollouts are dropped")
+    p.add_argument("--format", default="bf16", help="served format the trainer publishes")
+    p.add_argument("--wan-mbps", type=float, default=10.0,
+                   help="emulated WAN bandwidth board -> each remote relay (Mbit/s)")
+    p.add_argument("--wan-latency-ms", type=float, default=100.0,
+                   help="emulated WAN round trip added to each upstream request (ms)")
+    p.add_argument("--out", help="output directory, reset on every run (default out/demo; "
+                                 "--codec-only: out/demo-codec)")
+    p.add_argument("--json", dest="json_path", help="also write the JSON report here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out/demo", help="directory for keyframes and patches")
+    p.add_argument("--no-live", action="store_true",
+                   help="print one line per step instead of a live status block")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="rollout engine of the islands")
+    p.add_argument("--engine-urls", default="",
+                   help="--engine vllm: three comma-separated OpenAI base URLs (local,eu,us)")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="GRPO groups per step")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
+    p.add_argument("--lr", type=float, help=f"learning rate (default {_RL_LR:g}; "
+                                            f"--codec-only: {_CODEC_LR:g})")
+    p.add_argument("--hidden", type=int, default=128, help="tiny model hidden size")
+    p.add_argument("--verify-samples", type=int, default=0,
+                   help="rollouts to re-generate for the label check (0: all)")
+    codec = p.add_argument_group("--codec-only")
+    codec.add_argument("--codec-only", action="store_true",
+                       help="run the codec walk-through on simulated AdamW steps instead")
+    codec.add_argument("--params", type=float, default=20e6, help="model size (parameters)")
+    codec.add_argument("--formats", default="bf16,fp8-e4m3-block128,nvfp4")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.codec_only:
+        return cmd_codec(args)
+    from ..demo import DemoConfig, DemoFailed, run_demo
+
+    cfg = DemoConfig(
+        steps=args.steps if args.steps is not None else _RL_STEPS, max_lag=args.max_lag,
+        format=args.format, wan_mbps=args.wan_mbps, wan_latency_ms=args.wan_latency_ms,
+        out=args.out or "out/demo", json_path=args.json_path, seed=args.seed, live=not args.no_live,
+        engine=args.engine,
+        engine_urls=tuple(u.strip() for u in args.engine_urls.split(",") if u.strip()),
+        prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+        lr=args.lr if args.lr is not None else _RL_LR, hidden=args.hidden,
+        verify_samples=args.verify_samples)
+    try:
+        run_demo(cfg)
+    except DemoFailed as e:
+        print(f"rollpatch demo: FAILED: {e}")
+        return 1
+    except KeyboardInterrupt:
+        print("\nrollpatch demo: interrupted; every process it started has been stopped")
+        return 130
+    return 0
+
+
+def cmd_codec(args: argparse.Namespace) -> int:
     from ..errors import ConfigError, TargetMismatchError
     from ..formats import cast_view
     from ..io import save_view
     from ..patch import apply, compose, decode, diff, encode
     from ..sim import AdamSim, SimConfig
 
+    args.steps = args.steps if args.steps is not None else _CODEC_STEPS
+    args.lr = args.lr if args.lr is not None else _CODEC_LR
     if args.steps < 1:
         raise ConfigError("--steps must be at least 1")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    out = Path(args.out)
+    out = Path(args.out or "out/demo-codec")
     out.mkdir(parents=True, exist_ok=True)
     sim = AdamSim(SimConfig(n_params=int(args.params), lr=args.lr, seed=args.seed))
     print(f"rollpatch demo: {sim.n_params / 1e6:.1f}M-parameter Llama-like model, AdamW "

@@ -20,13 +20,15 @@ from .config import HttpConfig, S3Config
 from .file import FileStore
 from .http_client import HttpStore
 from .memory import MemoryStore
+from .throttle import ThrottledStore
 from .uri import open_store
 
 if TYPE_CHECKING:
     from .s3 import S3Store
 
 __all__ = ["MAX_KEY_BYTES", "FileStore", "HttpConfig", "HttpStore", "MemoryStore", "ObjectInfo",
-           "S3Config", "S3Store", "Store", "open_store", "validate_key", "validate_prefix"]
+           "S3Config", "S3Store", "Store", "ThrottledStore", "open_store", "validate_key",
+           "validate_prefix"]
 
 
 def __getattr__(name: str) -> Any:

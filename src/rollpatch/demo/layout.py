@@ -1,0 +1,73 @@
+"""Where the demo keeps things under its output directory, and how that directory is reset."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+__all__ = ["Layout"]
+
+_MARKER = ".rollpatch-demo"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths of one demo run, all under ``root``."""
+
+    root: Path
+
+    @property
+    def board(self) -> Path:
+        """The bulletin board (a file store): what the trainer publishes to."""
+        return self.root / "board"
+
+    @property
+    def board_uri(self) -> str:
+        return self.board.resolve().as_uri()
+
+    @property
+    def model(self) -> Path:
+        """The tiny model (config, tokenizer, random BF16 weights); reused across runs."""
+        return self.root / "model"
+
+    def cache(self, region: str) -> Path:
+        """A regional relay's disk cache."""
+        return self.root / "relay-cache" / region
+
+    @property
+    def logs(self) -> Path:
+        """One log file per child process (their stderr and non-event output)."""
+        return self.root / "logs"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    def plot(self, name: str) -> Path:
+        return self.root / f"{name}.png"
+
+    def prepare(self) -> None:
+        """Create ``root``, or reset a previous demo run there (its model is kept).
+
+        Refuses a non-empty directory that a demo did not create, so that ``--out`` can never
+        delete someone's files.
+        """
+        root = self.root
+        if root.exists() and any(root.iterdir()) and not (root / _MARKER).exists():
+            raise ConfigError("the output directory is not empty and was not made by "
+                              "`rollpatch demo`", path=str(root),
+                              hint="pass --out with a new or empty directory")
+        root.mkdir(parents=True, exist_ok=True)
+        (root / _MARKER).write_text("made by rollpatch demo; reset on every run\n")
+        for stale in (self.board, self.root / "relay-cache", self.logs):
+            if stale.exists():
+                shutil.rmtree(stale)
+        for png in root.glob("*.png"):
+            png.unlink()
+        if self.summary.exists():
+            self.summary.unlink()
+        self.board.mkdir()
+        self.logs.mkdir()

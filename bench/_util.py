@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = ["best_of", "current_rss", "fmt_size", "log", "machine", "machine_line", "parse_size",
            "peak_rss", "reset_peak_rss", "table"]
 
@@ -144,3 +146,38 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
 def log(msg: str) -> None:
     """Progress to stderr (stdout carries only the result table)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class WarmAdamW:
+    """AdamW steps over given FP32 masters (updated in place) whose optimizer state is warm
+    analytically, so step 1 looks like a step late in a long RL run. Shared by the sidecar
+    and vLLM benches; the simulator (rollpatch.sim) is the calibrated, model-sized version."""
+
+    def __init__(self, masters: dict[str, np.ndarray], lr: float, seed: int = 0) -> None:
+        self.masters, self.lr, self.t = masters, lr, 0
+        self.rng = np.random.default_rng(seed)
+        self.adam = {n: self._warm(m) for n, m in masters.items()}
+
+    def _warm(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        scale = float(self.rng.lognormal(-7.0, 0.5))
+        direction = self.rng.standard_normal(m.shape, dtype=np.float32)
+        noise = self.rng.standard_normal(m.shape, dtype=np.float32)
+        exp_avg = (scale * (0.15 * direction + np.sqrt(0.1 / 1.9) * noise)).astype(np.float32)
+        exp_avg_sq = (scale * scale * (1 + 0.0225 * direction * direction)).astype(np.float32)
+        return direction, exp_avg, exp_avg_sq, scale
+
+    def step(self) -> None:
+        """One AdamW step of every master (synthetic gradients: persistent direction + noise)."""
+        self.t += 1
+        b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
+        n = 1000 + self.t  # Adam state is warm: bias corrections of a long run
+        bc1, bc2 = 1 - b1 ** n, 1 - b2 ** n
+        for name, w in self.masters.items():
+            direction, m, v, scale = self.adam[name]
+            s = scale * float(np.exp(0.2 * self.rng.standard_normal()))
+            g = s * (0.15 * direction + self.rng.standard_normal(w.shape, dtype=np.float32))
+            w *= np.float32(1 - self.lr * wd)
+            m += np.float32(1 - b1) * (g - m)
+            v *= np.float32(b2)
+            v += np.float32(1 - b2) * g * g
+            w -= np.float32(self.lr / bc1) * m / (np.sqrt(v / np.float32(bc2)) + np.float32(eps))

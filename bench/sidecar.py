@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _util import log, machine, machine_line, table
+from _util import WarmAdamW, log, machine, machine_line, table
 
 from rollpatch.board import Board
 from rollpatch.follower import Follower, FollowerConfig
@@ -215,37 +215,15 @@ class World:
         self.board = f"file://{self.board_dir}"
         self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0),
                                    asynchronous=False)
-        self.lr, self.t = lr, 0
-        self.rng = np.random.default_rng(0)
-        self.adam = {n: self._warm(m) for n, m in self.masters.items()}
+        self.adam = WarmAdamW(self.masters, lr)
         self.digests: dict[int, str] = {}
         self.changed: list[float] = []
         self.view = self.prev_view = cast_view(self.masters, "bf16")
         self._publish()
 
-    def _warm(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        scale = float(self.rng.lognormal(-7.0, 0.5))
-        direction = self.rng.standard_normal(m.shape, dtype=np.float32)
-        noise = self.rng.standard_normal(m.shape, dtype=np.float32)
-        exp_avg = (scale * (0.15 * direction + np.sqrt(0.1 / 1.9) * noise)).astype(np.float32)
-        exp_avg_sq = (scale * scale * (1 + 0.0225 * direction * direction)).astype(np.float32)
-        return direction, exp_avg, exp_avg_sq, scale
-
     def step(self) -> int:
         """One AdamW step of every master, then publish it; returns the version."""
-        self.t += 1
-        b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
-        n = 1000 + self.t  # Adam state is warm: bias corrections of a long run
-        bc1, bc2 = 1 - b1 ** n, 1 - b2 ** n
-        for name, w in self.masters.items():
-            direction, m, v, scale = self.adam[name]
-            s = scale * float(np.exp(0.2 * self.rng.standard_normal()))
-            g = s * (0.15 * direction + self.rng.standard_normal(w.shape, dtype=np.float32))
-            w *= np.float32(1 - self.lr * wd)
-            m += np.float32(1 - b1) * (g - m)
-            v *= np.float32(b2)
-            v += np.float32(1 - b2) * g * g
-            w -= np.float32(self.lr / bc1) * m / (np.sqrt(v / np.float32(bc2)) + np.float32(eps))
+        self.adam.step()
         before = self.prev_view = self.view
         self.view = cast_view(self.masters, "bf16")
         changed = sum(int(np.count_nonzero(before[k].data != t.data)) for k, t in self.view.items())

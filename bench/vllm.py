@@ -71,7 +71,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _util import current_rss, log, machine, machine_line, peak_rss, reset_peak_rss, table
+from _util import (
+    WarmAdamW,
+    current_rss,
+    log,
+    machine,
+    machine_line,
+    peak_rss,
+    reset_peak_rss,
+    table,
+)
 
 from rollpatch.board import Board
 from rollpatch.formats import cast_view
@@ -244,9 +253,7 @@ class World:
         self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0,
                                                                     skip_strides=()),
                                    asynchronous=False)
-        self.lr, self.t = lr, 0
-        self.rng = np.random.default_rng(0)
-        self.adam = {n: self._warm(m) for n, m in self.masters.items()}
+        self.adam = WarmAdamW(self.masters, lr)
         self.digests: list[str] = []
         self.changed: list[float] = [0.0]
         self.patch_bytes: list[int] = [0]
@@ -257,29 +264,9 @@ class World:
         for _ in range(versions):
             self.step()
 
-    def _warm(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        scale = float(self.rng.lognormal(-7.0, 0.5))
-        direction = self.rng.standard_normal(m.shape, dtype=np.float32)
-        noise = self.rng.standard_normal(m.shape, dtype=np.float32)
-        exp_avg = (scale * (0.15 * direction + np.sqrt(0.1 / 1.9) * noise)).astype(np.float32)
-        exp_avg_sq = (scale * scale * (1 + 0.0225 * direction * direction)).astype(np.float32)
-        return direction, exp_avg, exp_avg_sq, scale
-
     def step(self) -> None:
         """One AdamW step of every master, then publish it."""
-        self.t += 1
-        b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
-        n = 1000 + self.t  # Adam state is warm: bias corrections of a long run
-        bc1, bc2 = 1 - b1 ** n, 1 - b2 ** n
-        for name, w in self.masters.items():
-            direction, m, v, scale = self.adam[name]
-            s = scale * float(np.exp(0.2 * self.rng.standard_normal()))
-            g = s * (0.15 * direction + self.rng.standard_normal(w.shape, dtype=np.float32))
-            w *= np.float32(1 - self.lr * wd)
-            m += np.float32(1 - b1) * (g - m)
-            v *= np.float32(b2)
-            v += np.float32(1 - b2) * g * g
-            w -= np.float32(self.lr / bc1) * m / (np.sqrt(v / np.float32(bc2)) + np.float32(eps))
+        self.adam.step()
         before, self.view = self.view, cast_view(self.masters, "bf16")
         changed = sum(int(np.count_nonzero(before[k].data != t.data))
                       for k, t in self.view.items())

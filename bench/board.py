@@ -1,7 +1,9 @@
 """Board benchmark: publish latency, replica catch-up and peak memory, per store.
 
-Run: ``python bench/board.py`` (1B parameters), ``python bench/board.py --params 5e7`` (quick,
-about 2 minutes), or e.g. ``--stores file --versions 9 --lags 1,8 --json out.json``.
+Run: ``python bench/board.py`` (1B parameters: 24 min and 21 GB peak system memory on the
+2-core, 23.5 GiB development machine when it is quiet; over twice that under load, most of it
+in the publisher's encode), ``python bench/board.py --params 5e7`` (quick, about 2 minutes),
+or e.g. ``--stores file --versions 9 --lags 1,8 --json out.json``.
 
 **Data.** One :mod:`rollpatch.sim` simulator (AdamW, Adam state warm at step 1000, seed 0,
 ``--lr`` 1e-6: ~1.2% of BF16 values change per step, the PULSE anchor) makes ``--versions``

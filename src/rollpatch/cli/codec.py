@@ -21,7 +21,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("cast", help="cast a master checkpoint to a served view (safetensors)")
     p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
-    _format_args(p, FORMAT_NAMES)
+    format_args(p, FORMAT_NAMES)
     p.add_argument("--previous", help="previous view whose scales --scales frozen reuses")
     p.add_argument("-o", "--output", required=True, help="output view (.safetensors)")
     p.set_defaults(func=cmd_cast)
@@ -29,7 +29,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("diff", help="make a patch between two checkpoints (or views)")
     p.add_argument("old")
     p.add_argument("new")
-    _format_args(p, FORMAT_NAMES)
+    format_args(p, FORMAT_NAMES)
     p.add_argument("--views", action="store_true",
                    help="OLD and NEW are served views already (no casting)")
     p.add_argument("-o", "--output", required=True, help="output patch file")
@@ -48,7 +48,7 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
-def _format_args(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+def format_args(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     p.add_argument("--format", default="bf16", choices=names, help="served format")
     p.add_argument("--scales", default="bf16", choices=("bf16", "frozen", "fp32"),
                    help="where quantisation scales come from (docs/formats.md)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, VersionNotFoundError
+from .codec import format_args
 
 __all__ = ["register"]
 
@@ -22,13 +23,7 @@ def register(sub: Any) -> None:
     p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
     p.add_argument("--board", required=True, help="store URI (file:///dir, s3://bucket/prefix)")
     p.add_argument("--run", required=True, help="run name")
-    p.add_argument("--format", default="bf16", choices=FORMAT_NAMES, help="served format")
-    p.add_argument("--scales", default="bf16", choices=("bf16", "frozen", "fp32"),
-                   help="where quantisation scales come from (docs/formats.md)")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="quantise only tensors matching (repeatable)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="never quantise tensors matching (repeatable)")
+    format_args(p, FORMAT_NAMES)
     p.add_argument("--version", type=int, dest="number", metavar="N",
                    help="version number (default: LATEST + 1)")
     p.add_argument("--step", type=int, help="trainer step recorded in the manifest")

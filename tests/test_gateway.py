@@ -222,6 +222,26 @@ def test_bad_requests(gateway: RunningGateway) -> None:
     assert r.status_code == 400 and "min_version" in r.json()["error"]["message"]
 
 
+def test_hostile_bodies_are_refused_and_islands_keep_serving(
+        gateway: RunningGateway, islands: dict[str, RunningSidecar], world: World) -> None:
+    """Issue 11: 4 NaN bodies through the gateway froze both islands. Now each is a 400 (a
+    413 when too large) from the gateway, and every island still serves."""
+    url = f"{gateway.url}/v1/completions"
+    json_ct = {"content-type": "application/json"}
+    for raw in [b'{"prompt": "x", "max_tokens": 1, "temperature": NaN}'] * 4 + [
+            b'{"prompt": "x", "max_tokens": 1, "temperature": Infinity}',
+            b'{"prompt": "x", "n": 1e400}',
+            b'{"prompt": ' + b'[' * 100 + b']' * 100 + b'}']:
+        r = httpx.post(url, content=raw, headers=json_ct, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url, content=b'{"prompt": "' + b"x" * (16 << 20) + b'"}', headers=json_ct,
+                   timeout=60)
+    assert r.status_code == 413
+    assert all(i.sidecar.gate.inflight == 0 for i in islands.values())
+    body, _ = _complete(_client(gateway), max_lag=0, wait_s=30)
+    _check(world, body)
+
+
 def _dead_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

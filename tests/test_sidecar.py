@@ -189,6 +189,63 @@ def test_bad_requests(sidecar: RunningSidecar) -> None:
     assert r.status_code == 400 and "min_version" in r.json()["error"]["message"]
 
 
+def test_hostile_bodies_never_wedge_the_island(sidecar: RunningSidecar, world: World) -> None:
+    """Issue 11: NaN/Infinity bodies leaked an admission slot; the next drain commit then
+    waited forever and every later request hung. Now: 400/413, and the island keeps serving."""
+    url = f"{sidecar.url}/v1/completions"
+    json_ct = {"content-type": "application/json"}
+    hostile = [b'{"prompt": "x", "max_tokens": 1, "temperature": NaN}',
+               b'{"prompt": "x", "max_tokens": 1, "temperature": Infinity}',
+               b'{"prompt": "x", "max_tokens": 1, "top_p": -Infinity, "stream": true}',
+               b'{"prompt": "x", "rollpatch": {"min_version": 1e400}}',
+               b'{"prompt": "x", "logit_bias": ' + b'[' * 5000 + b']' * 5000 + b'}',
+               b'{"prompt": "\\udc00"}']
+    for _ in range(3):
+        for raw in hostile:
+            r = httpx.post(url, content=raw, headers=json_ct, timeout=30)
+            assert r.status_code == 400, (raw[:60], r.status_code, r.text[:200])
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    big = httpx.post(url, content=b'{"prompt": "' + b"x" * (16 << 20) + b'"}',
+                     headers=json_ct, timeout=60)
+    assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
+    assert sidecar.sidecar.gate.inflight == 0
+    v = world.publish()  # catching up needs a drain commit: it must not wait on a leaked slot
+    body, _ = _complete(_client(sidecar), min_version=v, wait_s=30)
+    assert body["rollpatch"]["version_start"] == body["rollpatch"]["version_end"] == v
+    world.check(body["choices"][0], v)
+    assert httpx.get(f"{sidecar.url}/ready").status_code == 200
+    assert sidecar.sidecar.gate.inflight == 0
+
+
+def test_ready_reflects_a_wedged_gate_and_a_dead_engine(sidecar: RunningSidecar) -> None:
+    sc = sidecar.sidecar
+    assert httpx.get(f"{sidecar.url}/ready").json()["ready"] is True
+    sc.gate._busy_since = 0.0  # a weight change "running" since boot: far past admit_timeout_s
+    try:
+        r = httpx.get(f"{sidecar.url}/ready")
+        assert r.status_code == 503 and "weight commit" in r.json()["error"]["message"]
+    finally:
+        sc.gate._busy_since = None
+    assert httpx.get(f"{sidecar.url}/ready").status_code == 200
+
+
+def test_ready_is_503_when_the_engine_is_unreachable(world: World) -> None:
+    engine = ReferenceEngine.from_dir(world.model, threads=1)
+    # the follower commits through the adapter, but generation is served at a dead address
+    sc = start_sidecar(world.board, "r1", engine, "http://127.0.0.1:9",
+                       config=SidecarConfig(follower=FollowerConfig(poll_s=0.05),
+                                            ready_probe_s=1.0))
+    try:
+        deadline = time.monotonic() + 60
+        while sc.sidecar.follower.version is None:
+            assert time.monotonic() < deadline, "never loaded a version"
+            time.sleep(0.05)
+        r = httpx.get(f"{sc.url}/ready")
+        assert r.status_code == 503 and "engine unreachable" in r.json()["error"]["message"]
+    finally:
+        sc.stop()
+
+
 def test_admin_token(sidecar: RunningSidecar) -> None:
     assert httpx.post(f"{sidecar.url}/admin/sync").status_code == 401
     r = httpx.post(f"{sidecar.url}/admin/sync", headers={"Authorization": "Bearer s3cret"},

@@ -60,3 +60,87 @@ def test_annotate_trusts_engine_within_bounds() -> None:
     assert annotate_sse_line(b"data: [DONE]", 1, 1) == b"data: [DONE]"
     line = annotate_sse_line(b'data: {"x": 1}', 2, 3)
     assert json.loads(line[6:])["rollpatch"]["version_end"] == 3
+
+
+# -- admission and request bodies (issue 11: one request must not wedge an island) ----------
+
+
+def test_admission_is_released_on_every_path() -> None:
+    import threading
+
+    from rollpatch.engines import ViewEngine
+    from rollpatch.errors import NotReadyError
+    from rollpatch.sidecar.gate import CommitGate
+
+    gate = CommitGate(ViewEngine(), "drain")
+    with pytest.raises(RuntimeError), gate.admit(1.0):
+        raise RuntimeError("the engine call blew up after admission")
+    with gate.admit(1.0) as slot:
+        slot.release()
+        slot.release()  # idempotent
+    with gate.admit(1.0) as slot:
+        owned = slot.hand_off()  # a stream takes it over ...
+    assert gate.inflight == 1
+    owned.release()  # ... and gives it back when it ends
+    assert gate.inflight == 0
+    assert gate.commit(lambda: "committed") == "committed"  # a drain commit is not held
+    # admission that stays closed is a typed 503, never a bare TimeoutError
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_commit() -> None:
+        entered.set()
+        release.wait(10)
+
+    t = threading.Thread(target=gate.commit, args=(slow_commit,))
+    t.start()
+    entered.wait(10)
+    try:
+        assert not gate.admitting and gate.busy_for() >= 0
+        with pytest.raises(NotReadyError):
+            gate.admit(0.01)
+    finally:
+        release.set()
+        t.join(10)
+    assert gate.admitting and gate.busy_for() == 0 and gate.inflight == 0
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b'{"prompt": "x", "temperature": NaN}', 400),
+    (b'{"prompt": "x", "temperature": -Infinity}', 400),
+    (b'{"prompt": "x", "temperature": 1e400}', 400),
+    (b'{"prompt": "x", "prompt": "y"}', 400),
+    (b'{"prompt": "\\ud800"}', 400),
+    (b'{"a": ' * 65 + b'1' + b'}' * 65, 400),
+    (b"[" * 1000, 400),
+    (b"[1, 2]", 400),
+    (b"\xff\xfe", 400),
+    (b'{"prompt": "' + b"x" * 2000 + b'"}', 413),
+])
+def test_body_limits(raw: bytes, status: int) -> None:
+    import asyncio
+
+    from rollpatch.errors import ConfigError as Refused
+    from rollpatch.sidecar.body import BodyLimits, parse_json_object, read_body, refusal_status
+
+    class FakeRequest:
+        def __init__(self) -> None:
+            self.headers: dict[str, str] = {}
+
+        async def stream(self):  # type: ignore[no-untyped-def]
+            for i in range(0, len(raw), 512):
+                yield raw[i:i + 512]
+
+    limits = BodyLimits(max_bytes=1024, max_depth=64)
+    with pytest.raises(Refused) as e:
+        data = asyncio.run(read_body(FakeRequest(), limits))  # type: ignore[arg-type]
+        parse_json_object(data, limits)
+    assert refusal_status(e.value) == status
+    assert parse_json_object(b'{"a": [1.5, "\\ud83d\\ude00"]}', limits) == {"a": [1.5, "😀"]}
+
+
+def test_body_limits_config_is_validated() -> None:
+    from rollpatch.sidecar.body import BodyLimits
+
+    for bad in ({"max_bytes": 0}, {"max_depth": 0}, {"timeout_s": float("nan")}):
+        with pytest.raises(ConfigError):
+            BodyLimits(**bad)

@@ -7,6 +7,7 @@ them to HTTP statuses; the CLI to exit codes)::
 
     RollpatchError
     ├── ConfigError                 bad option or argument (also a ValueError)
+    │   └── LimitError              input over a size, depth or time bound (HTTP 413/408)
     ├── FormatError                 a served format cannot be applied to a tensor
     ├── ViewError                   a view or safetensors file is malformed or inconsistent
     ├── PatchError                  anything wrong with a patch
@@ -41,6 +42,7 @@ __all__ = [
     "ConflictError",
     "EngineError",
     "FormatError",
+    "LimitError",
     "ManifestError",
     "NoPathError",
     "NotFoundError",
@@ -81,6 +83,10 @@ class RollpatchError(Exception):
 
 class ConfigError(RollpatchError, ValueError):
     """An option, argument or configuration value is invalid."""
+
+
+class LimitError(ConfigError):
+    """Input exceeds a bound: too large, nested too deep, or sent too slowly."""
 
 
 class FormatError(RollpatchError):

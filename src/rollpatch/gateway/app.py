@@ -8,7 +8,7 @@ from the gateway when no island could be reached; ``400`` for a malformed reques
 
 from __future__ import annotations
 
-import json
+import logging
 from typing import Any
 
 import httpx
@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..errors import ConfigError
+from ..sidecar.body import read_json_object, refusal_status
 from ..sidecar.protocol import parse_constraint
 from ..types import Constraint
 from .core import Gateway
@@ -25,6 +26,7 @@ __all__ = ["create_app"]
 
 _PROXIED = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED_HEADER_PREFIX = "x-rollpatch-"
+log = logging.getLogger("rollpatch.gateway")
 
 
 def create_app(gw: Gateway) -> FastAPI:
@@ -36,7 +38,12 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(ConfigError)
     async def _config_error(_: Request, e: ConfigError) -> JSONResponse:
-        return gateway_error(400, str(e), "invalid_request_error")
+        return gateway_error(refusal_status(e), str(e), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("gateway: unexpected error")
+        return gateway_error(500, f"internal error: {type(e).__name__}", "internal_error")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -67,14 +74,8 @@ def create_app(gw: Gateway) -> FastAPI:
 
 def _make_route(gw: Gateway, client: httpx.AsyncClient, path: str) -> Any:
     async def route(request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return gateway_error(400, "request body must be JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return gateway_error(400, "request body must be a JSON object",
-                                 "invalid_request_error")
+        # strict and bounded: a body no island would accept is refused here, not 3 times there
+        raw, body = await read_json_object(request, gw.config.body)
         # parse a copy: the sidecar needs the rollpatch field (and headers) as sent
         constraint = parse_constraint(dict(body), request.headers)
         headers = {k: v for k, v in request.headers.items()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from ..sidecar.body import BodyLimits
 
 __all__ = ["GatewayConfig", "IslandSpec", "parse_island"]
 
@@ -53,6 +54,8 @@ class GatewayConfig:
     max_attempts: int = 3
     #: Pause before re-sending to the same island, which happens only when it is the only one.
     retry_backoff_s: float = 0.25
+    #: Bounds on request bodies: size (413), JSON nesting depth (400), receive time (408).
+    body: BodyLimits = field(default_factory=BodyLimits)
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.poll_s <= 60:
@@ -67,3 +70,5 @@ class GatewayConfig:
                               field="max_attempts", value=self.max_attempts)
         if not 0 <= self.retry_backoff_s <= 10:
             raise ConfigError("retry_backoff_s must be in [0, 10]", field="retry_backoff_s")
+        if not isinstance(self.body, BodyLimits):
+            raise ConfigError("body must be a BodyLimits", field="body")

@@ -5,11 +5,12 @@ sidecar catches its engine up through its follower, answers 409 when it cannot s
 caller and 503 until ready. See docs/sidecar.md.
 """
 
-from .gate import COMMIT_MODES, CommitGate, GatedEngine
+from .body import BodyLimits
+from .gate import COMMIT_MODES, Admission, CommitGate, GatedEngine
 from .protocol import decide, parse_constraint
 from .service import Sidecar, SidecarConfig
 
-__all__ = ["COMMIT_MODES", "CommitGate", "GatedEngine", "Sidecar", "SidecarConfig", "decide",
+__all__ = ["COMMIT_MODES", "Admission", "BodyLimits", "CommitGate", "GatedEngine", "Sidecar", "SidecarConfig", "decide",
            "parse_constraint", "create_app"]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,11 +21,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..errors import ConfigError, NotReadyError, RollpatchError
+from .body import read_json_object, refusal_status
+from .gate import Admission, CommitGate
 from .protocol import (DEFAULT_WAIT_S, HEADER_END, HEADER_START, annotate_body,
                        annotate_sse_line, decide, parse_constraint)
 from .service import Sidecar
 
 __all__ = ["create_app"]
+
+log = logging.getLogger("rollpatch.sidecar")
 
 _PROXIED = ("/v1/completions", "/v1/chat/completions")
 
@@ -53,10 +57,15 @@ def create_app(sc: Sidecar) -> FastAPI:
     @app.exception_handler(RollpatchError)
     async def _rollpatch_error(_: Request, e: RollpatchError) -> JSONResponse:
         if isinstance(e, ConfigError):
-            return _error(400, str(e), "invalid_request_error")
+            return _error(refusal_status(e), str(e), "invalid_request_error")
         if isinstance(e, NotReadyError):
             return _error(503, str(e), "not_ready")
         return _error(502, str(e), "rollpatch_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("sidecar: unexpected error")
+        return _error(500, f"internal error: {type(e).__name__}", "internal_error")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -64,10 +73,12 @@ def create_app(sc: Sidecar) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        v = sc.follower.version
-        if v is None:
-            return _error(503, "no verified version loaded yet", "not_ready")
-        return JSONResponse({"ready": True, "version": v})
+        reason = sc.not_ready_reason()
+        if reason is None:
+            reason = await _probe_engine(client, sc.config.ready_probe_s)
+        if reason is not None:
+            return _error(503, reason, "not_ready")
+        return JSONResponse({"ready": True, "version": sc.follower.version})
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
@@ -105,27 +116,46 @@ def _check_token(sc: Sidecar, request: Request) -> JSONResponse | None:
     return None
 
 
+async def _probe_engine(client: httpx.AsyncClient, timeout: float) -> str | None:
+    """None when the engine answers HTTP at all (any status), else why not."""
+    try:
+        await client.get("/health", timeout=timeout)
+    except httpx.HTTPError as e:
+        return f"engine unreachable: {type(e).__name__}: {e}"
+    return None
+
+
+async def _admit(gate: CommitGate, timeout: float) -> Admission:
+    """Admission without blocking the event loop; a caller that goes away while it waits
+    (cancellation) still gets its slot released when the admission completes."""
+    fut = asyncio.get_running_loop().run_in_executor(None, gate.admit, timeout)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_release_late)
+        raise
+
+
+def _release_late(fut: asyncio.Future[Admission]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().release()
+
+
 def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
     async def proxy(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return _error(400, "request body must be JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        _, body = await read_json_object(request, sc.config.body)
         constraint = parse_constraint(body, request.headers)
         refused = await _satisfy(sc, constraint)
         if refused is not None:
             return refused
-        start = await asyncio.to_thread(sc.gate.enter, sc.config.admit_timeout_s)
-        d = decide(constraint, start, await asyncio.to_thread(sc.latest))
-        if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
-            sc.gate.exit()
-            sc.metrics.request("conflict")
-            return _conflict(sc, start, d.reason)
-        if body.get("stream"):
-            return await _stream(sc, client, path, body, start)
-        return await _once(sc, client, path, body, start)
+        with await _admit(sc.gate, sc.config.admit_timeout_s) as slot:
+            d = decide(constraint, slot.start, await asyncio.to_thread(sc.latest))
+            if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
+                sc.metrics.request("conflict")
+                return _conflict(sc, slot.start, d.reason)
+            if body.get("stream"):
+                return await _stream(sc, client, path, body, slot)
+            return await _once(sc, client, path, body, slot)
 
     return proxy
 
@@ -177,7 +207,9 @@ def _headers(start: int | None, end: int | None) -> dict[str, str]:
 
 
 async def _once(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                start: int | None) -> Response:
+                slot: Admission) -> Response:
+    """One non-streaming answer; the caller's ``with`` releases ``slot`` on every path."""
+    start = slot.start
     t0 = time.perf_counter()
     try:
         try:
@@ -187,45 +219,66 @@ async def _once(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[st
             # side-effect free, so one retry on a fresh connection is safe
             r = await client.post(path, json=body)
     except httpx.HTTPError as e:
-        sc.gate.exit()
         sc.metrics.request("engine_error")
         return _error(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
-    end = sc.gate.exit()
+    end = slot.release()
     sc.metrics.request("proxied", time.perf_counter() - t0)
     content = annotate_body(r.content, start, end) if r.status_code == 200 else r.content
     return Response(content, status_code=r.status_code, headers=_headers(start, end),
                     media_type=r.headers.get("content-type", "application/json"))
 
 
+class _AdmittedStream(StreamingResponse):
+    """A stream that owns an admission: whatever happens to the response (sent in full, the
+    client gone before the first byte, an error), the slot and the engine stream are freed."""
+
+    def __init__(self, content: AsyncIterator[bytes], slot: Admission,
+                 upstream: httpx.Response, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._slot = slot
+        self._upstream = upstream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+            await self._upstream.aclose()
+
+
 async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                  start: int | None) -> Response:
+                  slot: Admission) -> Response:
+    """A streamed answer; on success the stream takes ``slot`` over (:meth:`hand_off`)."""
+    start = slot.start
     t0 = time.perf_counter()
     try:
         req = client.build_request("POST", path, json=body)
         r = await client.send(req, stream=True)
     except httpx.HTTPError as e:
-        sc.gate.exit()
         sc.metrics.request("engine_error")
         return _error(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
     if r.status_code != 200:
-        content = await r.aread()
-        await r.aclose()
-        end = sc.gate.exit()
+        try:
+            content = await r.aread()
+        except httpx.HTTPError as e:
+            sc.metrics.request("engine_error")
+            return _error(502, f"engine failed: {type(e).__name__}: {e}", "engine_error")
+        finally:
+            await r.aclose()
+        end = slot.release()
         sc.metrics.request("proxied", time.perf_counter() - t0)
         return Response(content, status_code=r.status_code, headers=_headers(start, end),
                         media_type=r.headers.get("content-type"))
 
     async def events() -> AsyncIterator[bytes]:
         held: bytes | None = None   # the last data event, annotated once [DONE] is seen
-        exited = False
         try:
             async for line in r.aiter_lines():
                 raw = line.encode()
                 if not raw.startswith(b"data:"):
                     continue
                 if raw[5:].strip() == b"[DONE]":
-                    end = sc.gate.exit()
-                    exited = True
+                    end = slot.release()
                     if held is not None:
                         yield annotate_sse_line(held, start, end) + b"\n\n"
                         held = None
@@ -238,11 +291,10 @@ async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[
                 yield held + b"\n\n"
         finally:
             await r.aclose()
-            if not exited:
-                sc.gate.exit()
+            slot.release()
             sc.metrics.request("proxied", time.perf_counter() - t0)
 
     # in drain mode no commit can land while the stream is admitted: end == start is known
     end_hdr = start if sc.gate.mode == "drain" else None
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers=_headers(start, end_hdr))
+    return _AdmittedStream(events(), slot.hand_off(), r, media_type="text/event-stream",
+                           headers=_headers(start, end_hdr))

@@ -16,17 +16,61 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import TypeVar
 
 from ..engines.base import EngineAdapter
-from ..errors import ConfigError
+from ..errors import ConfigError, NotReadyError
 from ..patch import Patch
 from ..view import View, WordSource
 
-__all__ = ["COMMIT_MODES", "CommitGate", "GatedEngine"]
+__all__ = ["COMMIT_MODES", "Admission", "CommitGate", "GatedEngine"]
 
 COMMIT_MODES = ("drain", "pause")
 T = TypeVar("T")
+
+
+class Admission:
+    """One admitted request's place in the gate: a context manager that releases the slot on
+    every way out, exceptions included (a leaked slot would hold every later drain commit).
+
+    ``start`` is the version when admitted. :meth:`release` is idempotent and returns the
+    version at the (first) release; a stream that outlives its handler calls
+    :meth:`hand_off` and then releases when it ends.
+    """
+
+    def __init__(self, gate: CommitGate, start: int | None) -> None:
+        self._gate = gate
+        self.start = start
+        self._lock = threading.Lock()
+        self._end: int | None = None
+        self._released = False
+        self._handed_off = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> int | None:
+        """Give the slot back (once); the engine's version at that moment."""
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self._end = self._gate._exit()
+            return self._end
+
+    def hand_off(self) -> Admission:
+        """Leaving the ``with`` block no longer releases: the new owner must :meth:`release`."""
+        self._handed_off = True
+        return self
+
+    def __enter__(self) -> Admission:  # noqa: PYI034 (typing.Self needs 3.11)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None or not self._handed_off:
+            self.release()
 
 
 class CommitGate:
@@ -41,6 +85,7 @@ class CommitGate:
         self._inflight = 0
         self._committing = False   # drain mode: admission closed
         self._busy = 0             # any mode: a weight change is running
+        self._busy_since: float | None = None  # monotonic start of the running weight change
         self.last_pause_s: float | None = None
         self.pauses: list[float] = []
 
@@ -48,16 +93,27 @@ class CommitGate:
     def inflight(self) -> int:
         return self._inflight
 
-    def enter(self, timeout: float | None = None) -> int | None:
-        """Admit one request (waits while a drain-mode commit runs); returns the version."""
+    @property
+    def admitting(self) -> bool:
+        """False while a drain-mode commit holds admission closed."""
+        return not self._committing
+
+    def busy_for(self) -> float:
+        """Seconds the running weight change (drain wait included) has taken; 0 when none."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def admit(self, timeout: float | None = None) -> Admission:
+        """Admit one request (waits while a drain-mode commit runs); use it as a context
+        manager. :class:`NotReadyError` when admission stays closed past ``timeout``."""
         with self._cond:
             if not self._cond.wait_for(lambda: not self._committing, timeout):
-                raise TimeoutError("a weight commit is taking too long")
+                raise NotReadyError("a weight commit is taking too long; not admitting",
+                                    hint="retry shortly; see /version for the commit state")
             self._inflight += 1
-            return self.engine.version
+            return Admission(self, self.engine.version)
 
-    def exit(self) -> int | None:
-        """A request finished; returns the version at that moment."""
+    def _exit(self) -> int | None:
         with self._cond:
             self._inflight -= 1
             self._cond.notify_all()
@@ -76,11 +132,15 @@ class CommitGate:
         """Run ``fn`` (a weight change) under the mode's rule; records the pause."""
         with self._cond:
             self._busy += 1
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
         try:
             return self._commit(fn)
         finally:
             with self._cond:
                 self._busy -= 1
+                if self._busy == 0:
+                    self._busy_since = None
                 self._cond.notify_all()
 
     def _commit(self, fn: Callable[[], T]) -> T:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..board import Board
 from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
 from ..follower import Follower, FollowerConfig
+from .body import BodyLimits
 from .gate import COMMIT_MODES, CommitGate, GatedEngine
 from .metrics import SidecarMetrics
 
@@ -29,6 +30,11 @@ class SidecarConfig:
     admit_timeout_s: float = 120.0
     #: How old the cached LATEST may be before a request that needs a newer one re-reads it.
     latest_ttl_s: float = 0.25
+    #: Bounds on request bodies: size (413), JSON nesting depth (400), receive time (408).
+    body: BodyLimits = field(default_factory=BodyLimits)
+    #: Timeout of the engine probe behind ``/ready`` (an engine that does not answer within
+    #: it makes the sidecar not ready).
+    ready_probe_s: float = 2.0
     follower: FollowerConfig | None = None
 
     def __post_init__(self) -> None:
@@ -39,6 +45,10 @@ class SidecarConfig:
             raise ConfigError("admit_timeout_s must be in (0, 3600]", field="admit_timeout_s")
         if not 0 <= self.latest_ttl_s <= 60:
             raise ConfigError("latest_ttl_s must be in [0, 60]", field="latest_ttl_s")
+        if not isinstance(self.body, BodyLimits):
+            raise ConfigError("body must be a BodyLimits", field="body")
+        if not 0 < self.ready_probe_s <= 60:
+            raise ConfigError("ready_probe_s must be in (0, 60]", field="ready_probe_s")
 
 
 class Sidecar:
@@ -96,6 +106,23 @@ class Sidecar:
     def _on_commit(self, version: int, pause_s: float) -> None:
         self.metrics.pause.observe(pause_s)
         self.metrics.update(self.follower.status())
+
+    def not_ready_reason(self) -> str | None:
+        """Why the island cannot serve now (None: it can, as far as the sidecar knows).
+
+        Not ready while no verified version is loaded, or while one weight change has held
+        the gate longer than ``admit_timeout_s`` (requests would be refused meanwhile; a
+        slot that is never given back shows up here instead of hanging every caller).
+        The engine probe is the HTTP app's part (``/ready``).
+        """
+        if self.follower.version is None:
+            return "no verified version loaded yet"
+        stuck = self.gate.busy_for()
+        if stuck > self.config.admit_timeout_s:
+            what = "admission closed" if not self.gate.admitting else "engine paused"
+            return (f"a weight commit has run for {stuck:.0f} s ({what}, "
+                    f"{self.gate.inflight} in flight)")
+        return None
 
     def describe(self) -> dict[str, Any]:
         """What ``/version`` reports."""

@@ -1,0 +1,60 @@
+"""The compiled core of the codec and of view digests (C, built by ``pip install``).
+
+``rollpatch.native.core`` is the extension module, or ``None`` when it is not built (or when
+``ROLLPATCH_NATIVE=0``): callers then use the numpy reference implementation, which produces
+the same bytes. ``require()`` raises a clear error where the native core is mandatory.
+Why C and the CPython API: no build dependency beyond setuptools and the system compiler,
+plain buffers in (numpy arrays, bytes, torch CPU tensors via ``.numpy()``), the GIL released
+around every loop, and one pure-C core that a libFuzzer harness links directly
+(docs/patch-format.md §8).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from ..errors import BaseMismatchError, ConfigError, PatchDecodeError
+from ..kinds import Kind
+
+__all__ = ["CHUNK", "core", "kind_tuple", "require"]
+
+#: Elements per independently coded chunk of ``rp.ctxgolomb.v2`` (fixed by the format).
+CHUNK = 1 << 20
+
+_ORDERS = {"signmag": 0, "twos": 1, "unsigned": 2}
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("ROLLPATCH_NATIVE", "1") == "0":
+        return None
+    try:
+        from . import _rpcore  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    _rpcore.set_errors(PatchDecodeError, BaseMismatchError)
+    if _rpcore.CHUNK != CHUNK:
+        raise ImportError("rollpatch native core was built for another chunk size")
+    return _rpcore
+
+
+core: ModuleType | None = _load()
+
+
+def require() -> ModuleType:
+    """The native core, or a ConfigError that says how to build it."""
+    if core is None:
+        raise ConfigError("the native codec core is not built",
+                          hint="reinstall with `pip install -e .` (needs a C compiler), "
+                               "or unset ROLLPATCH_NATIVE=0")
+    return core
+
+
+def kind_tuple(kind: Kind, n_elements: int) -> tuple[int, int, int, int]:
+    """(bits, order, ctx_shift, ctx_bits) as the core takes them; one context for small
+    tensors (docs/patch-format.md §4)."""
+    from ..patch.groups import MIN_CONTEXT_ELEMENTS
+
+    single = kind.ctx_bits == 0 or n_elements < MIN_CONTEXT_ELEMENTS
+    return (kind.bits, _ORDERS[kind.order], 0 if single else kind.ctx_shift,
+            0 if single else kind.ctx_bits)

@@ -1,0 +1,374 @@
+/* CPython binding of the native core (rpcore.c): buffers in (numpy arrays, bytes, memoryviews;
+ * torch CPU tensors through .numpy()), no copies of tensors, the GIL released around every
+ * loop so Python threads can run chunks of one tensor and different tensors in parallel. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "rpcore.h"
+
+static PyObject *CorruptError; /* set from Python: rollpatch.errors.PatchDecodeError etc. */
+static PyObject *BaseError;
+
+static int kind_arg(PyObject *t, rp_kind *k) {
+    if (!PyArg_ParseTuple(t, "iiii", &k->bits, &k->order, &k->shift, &k->cbits)) return -1;
+    return 0;
+}
+
+static PyObject *raise_rc(int rc, const char *msg) {
+    if (rc == RP_ENOMEM) return PyErr_NoMemory();
+    PyObject *cls = rc == RP_EBASE ? BaseError : rc == RP_ECORRUPT ? CorruptError : PyExc_ValueError;
+    if (!cls) cls = PyExc_ValueError;
+    PyErr_SetString(cls, msg ? msg : "native codec error");
+    return NULL;
+}
+
+static int elem_count(const rp_kind *k, Py_ssize_t nbytes, int64_t *n) {
+    if (k->bits == 4) { *n = (int64_t)nbytes * 2; return 0; }
+    Py_ssize_t w = k->bits / 8;
+    if (nbytes % w) { PyErr_SetString(PyExc_ValueError, "buffer is not a whole number of words"); return -1; }
+    *n = (int64_t)(nbytes / w);
+    return 0;
+}
+
+/* encode_range(kind, old, new, first_chunk, last_chunk) -> [(body, changed), ...] */
+static PyObject *py_encode_range(PyObject *self, PyObject *args) {
+    PyObject *kt;
+    Py_buffer a = {0}, b = {0};
+    Py_ssize_t c0, c1;
+    rp_kind k;
+    int64_t n;
+    if (!PyArg_ParseTuple(args, "Oy*y*nn", &kt, &a, &b, &c0, &c1)) return NULL;
+    PyObject *res = NULL;
+    uint8_t **bodies = NULL;
+    size_t *lens = NULL;
+    int64_t *counts = NULL;
+    Py_ssize_t m = c1 - c0;
+    if (kind_arg(kt, &k) || elem_count(&k, a.len, &n)) goto out;
+    if (a.len != b.len || c0 < 0 || m < 0 || c1 > (n + RP_CHUNK - 1) / RP_CHUNK) {
+        PyErr_SetString(PyExc_ValueError, "buffers differ in size or chunk range is out of bounds");
+        goto out;
+    }
+    bodies = calloc(m + 1, sizeof *bodies);
+    lens = calloc(m + 1, sizeof *lens);
+    counts = calloc(m + 1, sizeof *counts);
+    if (!bodies || !lens || !counts) { PyErr_NoMemory(); goto out; }
+    int rc = RP_OK;
+    const char *err = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m && rc == RP_OK; i++) {
+        int64_t s = (c0 + i) * RP_CHUNK, len = n - s < RP_CHUNK ? n - s : RP_CHUNK;
+        rc = rp_encode_chunk(&k, a.buf, b.buf, s, len, &bodies[i], &lens[i], &counts[i], &err);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = PyList_New(m);
+    for (Py_ssize_t i = 0; res && i < m; i++) {
+        PyObject *t = Py_BuildValue("(y#L)", bodies[i] ? (const char *)bodies[i] : "",
+                                    (Py_ssize_t)lens[i], (long long)counts[i]);
+        if (!t) { Py_CLEAR(res); break; }
+        PyList_SET_ITEM(res, i, t);
+    }
+out:
+    if (bodies) for (Py_ssize_t i = 0; i < m; i++) free(bodies[i]);
+    free(bodies); free(lens); free(counts);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return res;
+}
+
+/* encode_sparse(kind, base, start, n, pos:int64, old:uint64, new:uint64) -> body */
+static PyObject *py_encode_sparse(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer base = {0}, pos = {0}, ov = {0}, nv = {0};
+    long long start, n;
+    rp_kind k;
+    int64_t total;
+    if (!PyArg_ParseTuple(args, "Oy*LLy*y*y*", &kt, &base, &start, &n, &pos, &ov, &nv)) return NULL;
+    if (kind_arg(kt, &k) || elem_count(&k, base.len, &total)) goto out;
+    Py_ssize_t cnt = pos.len / 8;
+    if (pos.len % 8 || ov.len != pos.len || nv.len != pos.len || start < 0 || n < 0
+        || start + n > total) {
+        PyErr_SetString(PyExc_ValueError, "bad sparse arrays or range");
+        goto out;
+    }
+    uint8_t *body = NULL;
+    size_t blen = 0;
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_encode_chunk_sparse(&k, base.buf, start, n, pos.buf, ov.buf, nv.buf, cnt, &body,
+                                &blen, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = PyBytes_FromStringAndSize(body ? (const char *)body : "", (Py_ssize_t)blen);
+    free(body);
+out:
+    PyBuffer_Release(&base); PyBuffer_Release(&pos); PyBuffer_Release(&ov); PyBuffer_Release(&nv);
+    return res;
+}
+
+/* Parse the chunk table of a delta payload: varint length + body per chunk. */
+static int parse_table(const uint8_t *p, size_t len, int64_t nchunks, size_t *offs, size_t *lens) {
+    size_t q = 0;
+    for (int64_t i = 0; i < nchunks; i++) {
+        uint64_t v = 0;
+        int ok = 0;
+        for (int s = 0; s < 9; s++) {
+            if (q >= len) return -1;
+            uint8_t c = p[q++];
+            v |= (uint64_t)(c & 0x7F) << (7 * s);
+            if (!(c & 0x80)) { ok = 1; break; }
+        }
+        if (!ok || v > len - q) return -1;
+        offs[i] = q;
+        lens[i] = (size_t)v;
+        q += v;
+    }
+    return q == len ? 0 : -1;
+}
+
+/* table(kind, payload, n_elements) -> list of changed counts per chunk (validated params) */
+static PyObject *py_table(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer pl = {0};
+    long long n;
+    rp_kind k;
+    if (!PyArg_ParseTuple(args, "Oy*L", &kt, &pl, &n)) return NULL;
+    size_t *offs = NULL, *lens = NULL;
+    if (kind_arg(kt, &k)) goto out;
+    if (n <= 0 || n >= (1LL << 48)) { PyErr_SetString(PyExc_ValueError, "bad element count"); goto out; }
+    int64_t nch = (n + RP_CHUNK - 1) / RP_CHUNK;
+    if (nch > (int64_t)pl.len) { raise_rc(RP_ECORRUPT, "payload shorter than its chunk table"); goto out; }
+    offs = malloc(nch * sizeof *offs);
+    lens = malloc(nch * sizeof *lens);
+    if (!offs || !lens) { PyErr_NoMemory(); goto out; }
+    if (parse_table(pl.buf, (size_t)pl.len, nch, offs, lens)) {
+        raise_rc(RP_ECORRUPT, "corrupt chunk table");
+        goto out;
+    }
+    res = PyList_New(nch);
+    for (int64_t i = 0; res && i < nch; i++) {
+        int64_t cnt;
+        const char *err = NULL;
+        int64_t len = n - i * RP_CHUNK < RP_CHUNK ? n - i * RP_CHUNK : RP_CHUNK;
+        int rc = rp_chunk_count(&k, (const uint8_t *)pl.buf + offs[i], lens[i], len, &cnt, &err);
+        if (rc) { Py_CLEAR(res); raise_rc(rc, err); break; }
+        PyList_SET_ITEM(res, i, PyLong_FromLongLong(cnt));
+    }
+out:
+    free(offs); free(lens);
+    PyBuffer_Release(&pl);
+    return res;
+}
+
+/* decode_range(kind, base, payload, first, last, counts_offset_list, pos_out, old_out, new_out)
+ * decodes chunks [first, last) writing chunk i's outputs at offsets[i - first]. */
+static PyObject *py_decode_range(PyObject *self, PyObject *args) {
+    PyObject *kt, *offl, *cntl;
+    Py_buffer base = {0}, pl = {0}, po = {0}, oo = {0}, no = {0};
+    Py_ssize_t c0, c1;
+    rp_kind k;
+    int64_t n;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "Oy*y*nnOOw*w*w*", &kt, &base, &pl, &c0, &c1, &cntl, &offl, &po,
+                          &oo, &no))
+        return NULL;
+    size_t *offs = NULL, *lens = NULL;
+    int64_t *cnt = NULL, *oo_ = NULL;
+    if (kind_arg(kt, &k) || elem_count(&k, base.len, &n)) goto out;
+    int64_t nch = (n + RP_CHUNK - 1) / RP_CHUNK;
+    Py_ssize_t m = c1 - c0;
+    int ow = k.bits == 4 ? 1 : k.bits / 8;
+    if (c0 < 0 || m <= 0 || c1 > nch || !PyList_Check(offl) || !PyList_Check(cntl)
+        || PyList_GET_SIZE(offl) != m || PyList_GET_SIZE(cntl) != m) {
+        PyErr_SetString(PyExc_ValueError, "bad chunk range");
+        goto out;
+    }
+    offs = malloc(nch * sizeof *offs);
+    lens = malloc(nch * sizeof *lens);
+    cnt = malloc(m * sizeof *cnt);
+    oo_ = malloc(m * sizeof *oo_);
+    if (!offs || !lens || !cnt || !oo_) { PyErr_NoMemory(); goto out; }
+    if (parse_table(pl.buf, (size_t)pl.len, nch, offs, lens)) { raise_rc(RP_ECORRUPT, "corrupt chunk table"); goto out; }
+    int64_t total = po.len / 8;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        cnt[i] = PyLong_AsLongLong(PyList_GET_ITEM(cntl, i));
+        oo_[i] = PyLong_AsLongLong(PyList_GET_ITEM(offl, i));
+        if (PyErr_Occurred()) goto out;
+        if (cnt[i] < 0 || oo_[i] < 0 || oo_[i] + cnt[i] > total) {
+            PyErr_SetString(PyExc_ValueError, "outputs too small");
+            goto out;
+        }
+    }
+    if (oo.len != total * ow || no.len != total * ow) {
+        PyErr_SetString(PyExc_ValueError, "output arrays differ in length");
+        goto out;
+    }
+    int rc = RP_OK;
+    const char *err = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t g = 0; g < m && rc == RP_OK; g += 4) {
+        int q = (int)(m - g < 4 ? m - g : 4);
+        const uint8_t *bodies[4];
+        size_t bl[4];
+        int64_t st[4], nn[4], cc[4], of[4];
+        for (int j = 0; j < q; j++) {
+            int64_t ci = c0 + g + j;
+            bodies[j] = (const uint8_t *)pl.buf + offs[ci];
+            bl[j] = lens[ci];
+            st[j] = ci * RP_CHUNK;
+            nn[j] = n - st[j] < RP_CHUNK ? n - st[j] : RP_CHUNK;
+            cc[j] = cnt[g + j];
+            of[j] = oo_[g + j];
+        }
+        rc = rp_decode_chunks(&k, base.buf, q, bodies, bl, st, nn, cc, of, po.buf, oo.buf,
+                              no.buf, ow, &err);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = Py_None;
+    Py_INCREF(res);
+out:
+    free(offs); free(lens); free(cnt); free(oo_);
+    PyBuffer_Release(&base); PyBuffer_Release(&pl); PyBuffer_Release(&po);
+    PyBuffer_Release(&oo); PyBuffer_Release(&no);
+    return res;
+}
+
+/* sum128(data, w0, nwords) -> (a, b) */
+static PyObject *py_sum128(PyObject *self, PyObject *args) {
+    Py_buffer d = {0};
+    unsigned long long w0, nw;
+    if (!PyArg_ParseTuple(args, "y*KK", &d, &w0, &nw)) return NULL;
+    uint64_t out[2];
+    uint64_t words = ((uint64_t)d.len + 7) / 8;
+    if (w0 > words || nw > words - w0) {
+        PyBuffer_Release(&d);
+        PyErr_SetString(PyExc_ValueError, "word range out of bounds");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rp_sum128(d.buf, (size_t)d.len, w0, nw, out);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    return Py_BuildValue("(KK)", (unsigned long long)out[0], (unsigned long long)out[1]);
+}
+
+/* apply(kind, data(writable), pos:int64, old, new) -> (da, db); old/new in element width */
+static PyObject *py_apply(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer d = {0}, pos = {0}, ov = {0}, nv = {0};
+    rp_kind k;
+    if (!PyArg_ParseTuple(args, "Ow*y*y*y*", &kt, &d, &pos, &ov, &nv)) return NULL;
+    if (kind_arg(kt, &k)) goto out;
+    Py_ssize_t cnt = pos.len / 8;
+    int iw = k.bits == 4 ? 1 : k.bits / 8;
+    if (pos.len % 8 || ov.len != cnt * iw || nv.len != cnt * iw) {
+        PyErr_SetString(PyExc_ValueError, "positions/old/new lengths differ");
+        goto out;
+    }
+    uint64_t delta[2] = {0, 0};
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_apply(&k, d.buf, (size_t)d.len, pos.buf, ov.buf, nv.buf, cnt, iw, delta, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = Py_BuildValue("(KK)", (unsigned long long)delta[0], (unsigned long long)delta[1]);
+out:
+    PyBuffer_Release(&d); PyBuffer_Release(&pos); PyBuffer_Release(&ov); PyBuffer_Release(&nv);
+    return res;
+}
+
+/* gather(kind, data, pos:int64, out(writable, element width)) */
+static PyObject *py_gather(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer d = {0}, pos = {0}, o = {0};
+    rp_kind k;
+    int64_t n;
+    if (!PyArg_ParseTuple(args, "Oy*y*w*", &kt, &d, &pos, &o)) return NULL;
+    if (kind_arg(kt, &k) || elem_count(&k, d.len, &n)) goto out;
+    int ow = k.bits == 4 ? 1 : k.bits / 8;
+    Py_ssize_t cnt = pos.len / 8;
+    if (pos.len % 8 || o.len != cnt * ow) { PyErr_SetString(PyExc_ValueError, "bad output size"); goto out; }
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_gather(&k, d.buf, n, pos.buf, cnt, o.buf, ow, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = Py_None;
+    Py_INCREF(res);
+out:
+    PyBuffer_Release(&d); PyBuffer_Release(&pos); PyBuffer_Release(&o);
+    return res;
+}
+
+/* diff(kind, a, b, start, n) -> bytes of int64 positions where a and b differ */
+static PyObject *py_diff(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer a = {0}, b = {0};
+    long long start, n;
+    rp_kind k;
+    int64_t total;
+    if (!PyArg_ParseTuple(args, "Oy*y*LL", &kt, &a, &b, &start, &n)) return NULL;
+    if (kind_arg(kt, &k) || elem_count(&k, a.len, &total)) goto out;
+    if (a.len != b.len || start < 0 || n < 0 || start + n > total) {
+        PyErr_SetString(PyExc_ValueError, "bad diff range");
+        goto out;
+    }
+    int64_t cap = n / 32 + 1024, found = 0;
+    int64_t *pos = NULL;
+    for (;;) {
+        int64_t *np_ = realloc(pos, (size_t)cap * 8);
+        if (!np_) { free(pos); PyErr_NoMemory(); goto out; }
+        pos = np_;
+        Py_BEGIN_ALLOW_THREADS
+        rp_diff(&k, a.buf, b.buf, start, n, pos, cap, &found);
+        Py_END_ALLOW_THREADS
+        if (found <= cap) break;
+        cap = found;
+    }
+    res = PyBytes_FromStringAndSize((const char *)pos, (Py_ssize_t)found * 8);
+    free(pos);
+out:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return res;
+}
+
+static PyObject *py_set_errors(PyObject *self, PyObject *args) {
+    PyObject *c, *b;
+    if (!PyArg_ParseTuple(args, "OO", &c, &b)) return NULL;
+    Py_XDECREF(CorruptError);
+    Py_XDECREF(BaseError);
+    Py_INCREF(c);
+    Py_INCREF(b);
+    CorruptError = c;
+    BaseError = b;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"encode_range", py_encode_range, METH_VARARGS, "Encode chunks [first, last) of a tensor."},
+    {"encode_sparse", py_encode_sparse, METH_VARARGS, "Encode one chunk from its changes."},
+    {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},
+    {"decode_range", py_decode_range, METH_VARARGS, "Decode chunks [first, last)."},
+    {"sum128", py_sum128, METH_VARARGS, "rp.sum128 state of a word range."},
+    {"apply", py_apply, METH_VARARGS, "Check old, write new; returns the sum128 change."},
+    {"gather", py_gather, METH_VARARGS, "Gather elements at positions."},
+    {"diff", py_diff, METH_VARARGS, "Positions where two buffers differ."},
+    {"set_errors", py_set_errors, METH_VARARGS, "Exception classes for corrupt/base errors."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_rpcore", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__rpcore(void) {
+    PyObject *m = PyModule_Create(&moddef);
+    if (m) PyModule_AddIntConstant(m, "CHUNK", (long)RP_CHUNK);
+    return m;
+}

@@ -1,0 +1,1025 @@
+/* rollpatch native core: codec rp.ctxgolomb.v2 and the rp.sum128 digest. See rpcore.h and
+ * docs/patch-format.md §4b. The numpy module rollpatch.patch.ctxv2 is the executable
+ * reference: tests require byte-identical payloads and identical decodes from both. */
+#include "rpcore.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define NCTX 256
+#define FAIL(code, msg)    \
+    do {                   \
+        *err = (msg);      \
+        rc = (code);       \
+        goto done;         \
+    } while (0)
+
+/* ------------------------------------------------------------------ elements and keys */
+
+static inline uint64_t elem_get(const uint8_t *b, int bits, int64_t i) {
+    switch (bits) {
+    case 4: return (b[i >> 1] >> ((i & 1) << 2)) & 15u;
+    case 8: return b[i];
+    case 16: { uint16_t v; memcpy(&v, b + 2 * i, 2); return v; }
+    case 32: { uint32_t v; memcpy(&v, b + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, b + 8 * i, 8); return v; }
+    }
+}
+
+static inline void elem_put(uint8_t *b, int bits, int64_t i, uint64_t v) {
+    switch (bits) {
+    case 4: {
+        int sh = (int)(i & 1) << 2;
+        b[i >> 1] = (uint8_t)((b[i >> 1] & ~(15u << sh)) | ((v & 15u) << sh));
+        return;
+    }
+    case 8: b[i] = (uint8_t)v; return;
+    case 16: { uint16_t x = (uint16_t)v; memcpy(b + 2 * i, &x, 2); return; }
+    case 32: { uint32_t x = (uint32_t)v; memcpy(b + 4 * i, &x, 4); return; }
+    default: memcpy(b + 8 * i, &v, 8); return;
+    }
+}
+
+static inline uint64_t arr_get(const void *a, int w, int64_t i) {
+    switch (w) {
+    case 1: return ((const uint8_t *)a)[i];
+    case 2: return ((const uint16_t *)a)[i];
+    case 4: return ((const uint32_t *)a)[i];
+    default: return ((const uint64_t *)a)[i];
+    }
+}
+
+static inline void arr_put(void *a, int w, int64_t i, uint64_t v) {
+    switch (w) {
+    case 1: ((uint8_t *)a)[i] = (uint8_t)v; return;
+    case 2: ((uint16_t *)a)[i] = (uint16_t)v; return;
+    case 4: ((uint32_t *)a)[i] = (uint32_t)v; return;
+    default: ((uint64_t *)a)[i] = v; return;
+    }
+}
+
+static inline uint64_t kmask(int bits) { return bits >= 64 ? ~0ULL : (1ULL << bits) - 1; }
+static inline uint64_t ksign(int bits) { return 1ULL << (bits - 1); }
+
+static inline uint64_t to_key(const rp_kind *k, uint64_t x) {
+    uint64_t s = ksign(k->bits), m = kmask(k->bits);
+    if (k->order == RP_SIGNMAG) return (x & s) ? (~x & m) : (x | s);
+    if (k->order == RP_TWOS) return x ^ s;
+    return x;
+}
+
+static inline uint64_t from_key(const rp_kind *k, uint64_t y) {
+    uint64_t s = ksign(k->bits), m = kmask(k->bits);
+    if (k->order == RP_SIGNMAG) return (y & s) ? (y ^ s) : (~y & m);
+    if (k->order == RP_TWOS) return y ^ s;
+    return y;
+}
+
+static inline unsigned ctx_of(const rp_kind *k, uint64_t x) {
+    return k->cbits ? (unsigned)((x >> k->shift) & ((1u << k->cbits) - 1)) : 0u;
+}
+
+static inline int bitlen64(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
+
+static uint64_t golomb_m(uint64_t n, uint64_t c) {
+    unsigned __int128 num = (unsigned __int128)(n - c) * 693147u + (unsigned __int128)500000u * c;
+    uint64_t m = (uint64_t)(num / ((unsigned __int128)1000000u * c));
+    return m ? m : 1;
+}
+
+static int kind_ok(const rp_kind *k) {
+    if (!(k->bits == 4 || k->bits == 8 || k->bits == 16 || k->bits == 32 || k->bits == 64))
+        return 0;
+    if (k->order < 0 || k->order > 2 || k->cbits < 0 || k->cbits > 8) return 0;
+    return k->shift >= 0 && k->shift + k->cbits <= k->bits;
+}
+
+/* ------------------------------------------------------------------ bit streams */
+
+typedef struct {
+    uint8_t *b;
+    size_t len, cap;
+    uint64_t acc;
+    unsigned nacc;
+    int oom;
+} bw_t;
+
+static void bw_byte(bw_t *w, uint8_t v) {
+    if (w->len == w->cap) {
+        size_t cap = w->cap ? 2 * w->cap : 256;
+        uint8_t *nb = realloc(w->b, cap);
+        if (!nb) { w->oom = 1; return; }
+        w->b = nb;
+        w->cap = cap;
+    }
+    w->b[w->len++] = v;
+}
+
+static inline void bw_put32(bw_t *w, uint64_t v, unsigned n) { /* n <= 32 */
+    if (!n) return;
+    w->acc = (w->acc << n) | (v & ((1ULL << n) - 1));
+    w->nacc += n;
+    while (w->nacc >= 8) {
+        w->nacc -= 8;
+        bw_byte(w, (uint8_t)(w->acc >> w->nacc));
+    }
+    w->acc &= (1ULL << w->nacc) - 1;
+}
+
+static void bw_put(bw_t *w, uint64_t v, unsigned n) { /* n <= 64 */
+    if (n > 32) {
+        bw_put32(w, v >> 32, n - 32);
+        bw_put32(w, v & 0xFFFFFFFFu, 32);
+    } else {
+        bw_put32(w, v, n);
+    }
+}
+
+static void bw_unary(bw_t *w, uint64_t q) {
+    while (q >= 32) { bw_put32(w, 0xFFFFFFFFu, 32); q -= 32; }
+    bw_put32(w, ((1ULL << q) - 1) << 1, (unsigned)q + 1);
+}
+
+static void bw_pad(bw_t *w, int ones) {
+    if (w->nacc) bw_put32(w, ones ? (1ULL << (8 - w->nacc)) - 1 : 0, 8 - w->nacc);
+}
+
+static void varint(bw_t *w, uint64_t v) {
+    while (v >= 0x80) { bw_byte(w, (uint8_t)(v | 0x80)); v >>= 7; }
+    bw_byte(w, (uint8_t)v);
+}
+
+typedef struct {
+    const uint8_t *b;
+    size_t nbits, pos;
+} br_t;
+
+static inline uint64_t br_peek(const br_t *r) { /* next bits MSB-aligned; zeros past the end */
+    size_t byte = r->pos >> 3, nb = (r->nbits >> 3) - byte;
+    uint64_t x = 0;
+    if (nb >= 8) {
+        memcpy(&x, r->b + byte, 8);
+        x = __builtin_bswap64(x);
+    } else {
+        for (size_t i = 0; i < nb; i++) x |= (uint64_t)r->b[byte + i] << (56 - 8 * i);
+    }
+    return x << (r->pos & 7);
+}
+
+static inline int br_get(br_t *r, unsigned n, uint64_t *v) { /* n <= 64 */
+    if (n > r->nbits - r->pos) return -1;
+    if (!n) { *v = 0; return 0; }
+    if (n > 56) {
+        uint64_t hi = 0, lo = 0;
+        br_get(r, n - 32, &hi);
+        br_get(r, 32, &lo);
+        *v = (hi << 32) | lo;
+        return 0;
+    }
+    *v = br_peek(r) >> (64 - n);
+    r->pos += n;
+    return 0;
+}
+
+/* One unary code: ones up to a zero; refuses codes longer than `limit` ones. */
+static inline int br_unary(br_t *r, uint64_t limit, uint64_t *q) {
+    uint64_t total = 0;
+    for (;;) {
+        size_t rest = r->nbits - r->pos;
+        if (!rest) return -1;
+        unsigned avail = 64 - (unsigned)(r->pos & 7);
+        if (avail > rest) avail = (unsigned)rest;
+        uint64_t x = br_peek(r);
+        unsigned ones = (~x) ? (unsigned)__builtin_clzll(~x) : 64;
+        if (ones < avail) {
+            total += ones;
+            r->pos += ones + 1;
+            if (total > limit) return -1;
+            *q = total;
+            return 0;
+        }
+        total += avail;
+        r->pos += avail;
+        if (total > limit) return -1;
+    }
+}
+
+/* Streams end with fewer than 8 padding bits: ones (unary) or zeros (fixed). */
+static int br_finish(const br_t *r, int ones) {
+    size_t rest = r->nbits - r->pos;
+    if (rest >= 8) return -1;
+    if (!rest) return 0;
+    uint64_t v = br_peek(r) >> (64 - rest);
+    return v == (ones ? (1ULL << rest) - 1 : 0) ? 0 : -1;
+}
+
+static int rd_varint(const uint8_t *b, size_t len, size_t *p, uint64_t *v) {
+    uint64_t x = 0;
+    for (int i = 0; i < 9; i++) {
+        if (*p >= len) return -1;
+        uint8_t c = b[(*p)++];
+        x |= (uint64_t)(c & 0x7F) << (7 * i);
+        if (!(c & 0x80)) {
+            if (x >> 63) return -1;
+            *v = x;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* ------------------------------------------------------------------ binary sequences */
+
+/* BS(n, j): code the j sorted set slots `set` among n (docs/patch-format.md §4). */
+static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t n,
+                     uint32_t *scratch) {
+    if (j == 0 || j == n) return 0;
+    int comp = 2 * j > n;
+    uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
+    if (m == 1) {
+        uint64_t s = 0;
+        for (uint64_t p = 0; p < n; p++) {
+            int hit = s < j && set[s] == p;
+            s += hit;
+            bw_put32(f, (uint64_t)hit, 1);
+        }
+        return 0;
+    }
+    int b = bitlen64(m - 1);
+    uint64_t uu = (1ULL << b) - m;
+    int64_t prev = -1;
+    uint64_t i = 0, s = 0;
+    for (uint64_t p = 0; i < c; p++) { /* minority slots in order */
+        int in_set = s < j && set[s] == p;
+        s += in_set;
+        if (in_set == comp) continue;
+        uint64_t g = (uint64_t)((int64_t)p - prev - 1);
+        prev = (int64_t)p;
+        bw_unary(u, g / m);
+        scratch[i++] = (uint32_t)(g % m);
+        if (!comp) { /* jump to the next set slot directly */
+            if (i < c) p = set[i] - 1;
+        }
+    }
+    for (i = 0; i < c; i++) {
+        uint64_t r = scratch[i];
+        bw_put(f, r < uu ? r : (r + uu) >> 1, (unsigned)(b - 1));
+    }
+    for (i = 0; i < c; i++) {
+        uint64_t r = scratch[i];
+        if (r >= uu) bw_put32(f, (r + uu) & 1, 1);
+    }
+    return 0;
+}
+
+/* Inverse of bs_encode: writes the j set slots (sorted) into out. scratch holds n/2+1. */
+static int bs_decode(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
+                     uint32_t *scratch) {
+    if (j > n) return -1;
+    if (j == 0) return 0;
+    if (j == n) {
+        for (uint64_t p = 0; p < n; p++) out[p] = (uint32_t)p;
+        return 0;
+    }
+    int comp = 2 * j > n;
+    uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
+    if (m == 1) {
+        if (n > f->nbits - f->pos) return -1;
+        uint64_t s = 0, v = 0;
+        for (uint64_t p = 0; p < n; p++) {
+            br_get(f, 1, &v);
+            if (v) {
+                if (s == j) return -1;
+                out[s++] = (uint32_t)p;
+            }
+        }
+        return s == j ? 0 : -1;
+    }
+    int b = bitlen64(m - 1);
+    uint64_t uu = (1ULL << b) - m, t = 0, e = 0;
+    uint32_t *mino = comp ? scratch : out;
+    for (uint64_t i = 0; i < c; i++) {
+        uint64_t q;
+        if (br_unary(u, n / m + 1, &q)) return -1;
+        mino[i] = (uint32_t)q; /* q <= n/m + 1 < 2^32 */
+    }
+    size_t fstart = f->pos;
+    uint64_t nlong = 0;
+    for (uint64_t i = 0; i < c; i++) {
+        if (br_get(f, (unsigned)(b - 1), &t)) return -1;
+        nlong += t >= uu;
+    }
+    if (nlong > f->nbits - f->pos) return -1;
+    size_t epos = f->pos;
+    f->pos = fstart;
+    int64_t prev = -1;
+    for (uint64_t i = 0; i < c; i++) {
+        br_get(f, (unsigned)(b - 1), &t);
+        uint64_t r = t;
+        if (t >= uu) {
+            size_t save = f->pos;
+            f->pos = epos;
+            br_get(f, 1, &e);
+            epos = f->pos;
+            f->pos = save;
+            r = 2 * t + e - uu;
+        }
+        if (r >= m) return -1;
+        uint64_t g = (uint64_t)mino[i] * m + r;
+        if (g >= n) return -1;
+        int64_t p = prev + 1 + (int64_t)g;
+        if (p >= (int64_t)n) return -1;
+        mino[i] = (uint32_t)p;
+        prev = p;
+    }
+    f->pos = epos;
+    if (comp) { /* the set slots are the complement of the minority */
+        uint64_t s = 0, i = 0;
+        for (uint64_t p = 0; p < n; p++) {
+            if (i < c && mino[i] == p) { i++; continue; }
+            out[s++] = (uint32_t)p;
+        }
+    }
+    return 0;
+}
+
+/* Exp-Golomb of order eg: the length prefix to the unary stream, the low bits to the fixed. */
+static void eg_encode(bw_t *u, bw_t *f, uint64_t x, int eg) {
+    uint64_t v = x + (1ULL << eg);
+    int len = bitlen64(v);
+    bw_unary(u, (uint64_t)(len - 1 - eg));
+    bw_put(f, v - (1ULL << (len - 1)), (unsigned)(len - 1));
+}
+
+static uint64_t eg_cost(const uint64_t *x, uint64_t count, int eg) {
+    uint64_t cost = 0;
+    for (uint64_t i = 0; i < count; i++) cost += 2 * (uint64_t)bitlen64(x[i] + (1ULL << eg)) - 1 - eg;
+    return cost;
+}
+
+static int best_order(const uint64_t *x, uint64_t count, int bits) {
+    int best = 0, top = bits < 63 ? bits : 63;
+    uint64_t cost = eg_cost(x, count, 0);
+    for (int e = 1; e < top; e++) {
+        uint64_t c = eg_cost(x, count, e);
+        if (c >= cost) break;
+        best = e;
+        cost = c;
+    }
+    return best;
+}
+
+/* ------------------------------------------------------------------ encoder */
+
+typedef struct {
+    uint32_t *pos;  /* relative position */
+    uint32_t *rank; /* rank inside its context */
+    uint8_t *ctx;
+    uint64_t *oldv, *newv;
+    int64_t k, cap;
+} recs_t;
+
+static int recs_grow(recs_t *r) {
+    int64_t cap = r->cap ? 2 * r->cap : 1024;
+    void *a = realloc(r->pos, cap * 4), *b = a ? realloc(r->rank, cap * 4) : NULL;
+    if (a) r->pos = a;
+    if (b) r->rank = b;
+    void *c = b ? realloc(r->ctx, cap) : NULL;
+    if (c) r->ctx = c;
+    void *d = c ? realloc(r->oldv, cap * 8) : NULL;
+    if (d) r->oldv = d;
+    void *e = d ? realloc(r->newv, cap * 8) : NULL;
+    if (e) r->newv = e;
+    if (!e) return -1;
+    r->cap = cap;
+    return 0;
+}
+
+static void recs_free(recs_t *r) {
+    free(r->pos); free(r->rank); free(r->ctx); free(r->oldv); free(r->newv);
+}
+
+/* Code the records (position order) of one chunk whose context sizes are ncnt. */
+static int code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const recs_t *r,
+                      uint8_t **out, size_t *outlen, const char **err) {
+    int rc = RP_OK;
+    int64_t k = r->k;
+    uint64_t kc[NCTX] = {0}, bc[NCTX] = {0}, first[NCTX];
+    int egc[NCTX] = {0};
+    uint32_t *order = NULL, *buf = NULL, *scratch = NULL;
+    uint64_t *mag = NULL, *tails = NULL;
+    uint8_t *outw = NULL;
+    bw_t pw = {0}, uw = {0}, fw = {0}, ow = {0};
+    *out = NULL;
+    *outlen = 0;
+    if (k == 0) return RP_OK;
+    order = malloc(k * 4);
+    buf = malloc(k * 4);
+    scratch = malloc((k > n / 2 + 1 ? k : n / 2 + 1) * 4);
+    mag = malloc(k * 8);
+    tails = malloc(k * 8);
+    outw = malloc(k);
+    if (!order || !buf || !scratch || !mag || !tails || !outw) FAIL(RP_ENOMEM, "out of memory");
+    uint64_t s = ksign(kd->bits), msk = kmask(kd->bits), k_s = 0;
+    for (int64_t i = 0; i < k; i++) {
+        kc[r->ctx[i]]++;
+        uint64_t d = (to_key(kd, r->newv[i]) - to_key(kd, r->oldv[i])) & msk;
+        int positive = d < s;
+        mag[i] = positive ? d : (0 - d) & msk;
+        int neg = kd->order != RP_UNSIGNED && (r->oldv[i] & s);
+        outw[i] = (uint8_t)(positive ^ neg);
+        k_s += outw[i];
+    }
+    uint64_t acc = 0; /* stable counting sort of the records by context */
+    for (int c = 0; c < NCTX; c++) { first[c] = acc; acc += kc[c]; }
+    {
+        uint64_t fill[NCTX];
+        memcpy(fill, first, sizeof fill);
+        for (int64_t i = 0; i < k; i++) order[fill[r->ctx[i]]++] = (uint32_t)i;
+    }
+    for (int c = 0; c < NCTX; c++) {
+        uint64_t nt = 0;
+        for (uint64_t i = first[c]; i < first[c] + kc[c]; i++)
+            if (mag[order[i]] > 1) tails[first[c] + nt++] = mag[order[i]] - 2;
+        bc[c] = nt;
+        egc[c] = best_order(tails + first[c], nt, kd->bits);
+    }
+    int g = 0;
+    for (int c = 0; c < NCTX; c++) g += kc[c] > 0;
+    varint(&pw, (uint64_t)g);
+    for (int c = 0; c < NCTX; c++) {
+        if (!kc[c]) continue;
+        varint(&pw, (uint64_t)c);
+        varint(&pw, ncnt[c]);
+        varint(&pw, kc[c]);
+        varint(&pw, bc[c]);
+        varint(&pw, (uint64_t)egc[c]);
+    }
+    varint(&pw, k_s);
+    for (int c = 0; c < NCTX; c++) { /* (1) changed ranks per context */
+        if (!kc[c]) continue;
+        for (uint64_t i = 0; i < kc[c]; i++) buf[i] = r->rank[order[first[c] + i]];
+        bs_encode(&uw, &fw, buf, kc[c], ncnt[c], scratch);
+    }
+    {   /* (2) outward flags over all changes in position order */
+        uint64_t j = 0;
+        for (int64_t i = 0; i < k; i++) if (outw[i]) buf[j++] = (uint32_t)i;
+        bs_encode(&uw, &fw, buf, j, (uint64_t)k, scratch);
+    }
+    for (int c = 0; c < NCTX; c++) { /* (3) which have |step| > 1, per context */
+        if (!kc[c]) continue;
+        uint64_t j = 0;
+        for (uint64_t i = 0; i < kc[c]; i++) if (mag[order[first[c] + i]] > 1) buf[j++] = (uint32_t)i;
+        bs_encode(&uw, &fw, buf, j, kc[c], scratch);
+    }
+    for (int c = 0; c < NCTX; c++) /* (4) their magnitudes */
+        for (uint64_t i = 0; i < bc[c]; i++) eg_encode(&uw, &fw, tails[first[c] + i], egc[c]);
+    bw_pad(&uw, 1);
+    bw_pad(&fw, 0);
+    varint(&ow, pw.len);
+    for (size_t i = 0; i < pw.len; i++) bw_byte(&ow, pw.b[i]);
+    varint(&ow, uw.len);
+    for (size_t i = 0; i < uw.len; i++) bw_byte(&ow, uw.b[i]);
+    for (size_t i = 0; i < fw.len; i++) bw_byte(&ow, fw.b[i]);
+    if (pw.oom || uw.oom || fw.oom || ow.oom) FAIL(RP_ENOMEM, "out of memory");
+    *out = ow.b;
+    *outlen = ow.len;
+    ow.b = NULL;
+done:
+    free(order); free(buf); free(scratch); free(mag); free(tails); free(outw);
+    free(pw.b); free(uw.b); free(fw.b); free(ow.b);
+    return rc;
+}
+
+/* Running context counts with four interleaved tables (no store-to-load chains); the rank of
+ * element i is the sum of the four tables' counts before it. */
+#define COUNT_LOOP(GET)                                                                     \
+    do {                                                                                    \
+        int64_t i = 0;                                                                      \
+        for (; i + 4 <= n; i += 4) {                                                        \
+            for (int l = 0; l < 4; l++) {                                                   \
+                uint64_t x = GET(i + l);                                                    \
+                unsigned c = ctx_of(kd, x);                                                 \
+                if (__builtin_expect(ISCHANGED(i + l, x), 0)) {                             \
+                    RECORD(i + l, c, x);                                                    \
+                }                                                                           \
+                t[l][c]++;                                                                  \
+            }                                                                               \
+        }                                                                                   \
+        for (; i < n; i++) {                                                                \
+            uint64_t x = GET(i);                                                            \
+            unsigned c = ctx_of(kd, x);                                                     \
+            if (ISCHANGED(i, x)) { RECORD(i, c, x); }                                       \
+            t[0][c]++;                                                                      \
+        }                                                                                   \
+    } while (0)
+
+#define RANK(c) (t[0][c] + t[1][c] + t[2][c] + t[3][c])
+
+int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, int64_t start,
+                    int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
+                    const char **err) {
+    int rc = RP_OK;
+    recs_t r = {0};
+    uint32_t (*t)[NCTX] = calloc(4, sizeof *t);
+    uint64_t ncnt[NCTX];
+    *out = NULL;
+    *outlen = 0;
+    *changed = 0;
+    if (!t) FAIL(RP_ENOMEM, "out of memory");
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) FAIL(RP_EARG, "bad kind or chunk size");
+#define RECORD(i, c, x)                                                                     \
+    do {                                                                                    \
+        if (r.k == r.cap && recs_grow(&r)) FAIL(RP_ENOMEM, "out of memory");                \
+        r.pos[r.k] = (uint32_t)(i); r.rank[r.k] = RANK(c); r.ctx[r.k] = (uint8_t)(c);       \
+        r.oldv[r.k] = (x); r.newv[r.k] = NEWGET(i); r.k++;                                  \
+    } while (0)
+#define ISCHANGED(i, x) ((x) != NEWGET(i))
+    switch (kd->bits) {
+    case 16: {
+        const uint16_t *a = (const uint16_t *)old + start, *b = (const uint16_t *)new_ + start;
+#define GET(i) ((uint64_t)a[i])
+#define NEWGET(i) ((uint64_t)b[i])
+        COUNT_LOOP(GET);
+#undef GET
+#undef NEWGET
+        break;
+    }
+    case 8: {
+        const uint8_t *a = old + start, *b = new_ + start;
+#define GET(i) ((uint64_t)a[i])
+#define NEWGET(i) ((uint64_t)b[i])
+        COUNT_LOOP(GET);
+#undef GET
+#undef NEWGET
+        break;
+    }
+    default: {
+#define GET(i) elem_get(old, kd->bits, start + (i))
+#define NEWGET(i) elem_get(new_, kd->bits, start + (i))
+        COUNT_LOOP(GET);
+#undef GET
+#undef NEWGET
+        break;
+    }
+    }
+#undef RECORD
+#undef ISCHANGED
+    for (int c = 0; c < NCTX; c++) ncnt[c] = RANK(c);
+    rc = code_chunk(kd, n, ncnt, &r, out, outlen, err);
+    *changed = r.k;
+done:
+    free(t);
+    recs_free(&r);
+    return rc;
+}
+
+int rp_encode_chunk_sparse(const rp_kind *kd, const uint8_t *base, int64_t start, int64_t n,
+                           const int64_t *pos, const uint64_t *oldv, const uint64_t *newv,
+                           int64_t count, uint8_t **out, size_t *outlen, const char **err) {
+    int rc = RP_OK;
+    recs_t r = {0};
+    uint32_t (*t)[NCTX] = calloc(4, sizeof *t);
+    uint64_t ncnt[NCTX];
+    int64_t j = 0;
+    *out = NULL;
+    *outlen = 0;
+    if (!t) FAIL(RP_ENOMEM, "out of memory");
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK || count < 0 || count > n)
+        FAIL(RP_EARG, "bad kind, chunk size or count");
+    for (int64_t i = 0; i < count; i++)
+        if (pos[i] < 0 || pos[i] >= n || (i && pos[i] <= pos[i - 1]))
+            FAIL(RP_EARG, "positions must be strictly increasing inside the chunk");
+#define RECORD(i, c, x)                                                                     \
+    do {                                                                                    \
+        if (r.k == r.cap && recs_grow(&r)) FAIL(RP_ENOMEM, "out of memory");                \
+        if (oldv[j] != (x) || newv[j] == (x)) FAIL(RP_EARG, "old elements differ from base"); \
+        r.pos[r.k] = (uint32_t)(i); r.rank[r.k] = RANK(c); r.ctx[r.k] = (uint8_t)(c);       \
+        r.oldv[r.k] = (x); r.newv[r.k] = newv[j]; r.k++; j++;                               \
+    } while (0)
+#define ISCHANGED(i, x) (j < count && pos[j] == (i))
+#define GET(i) elem_get(base, kd->bits, start + (i))
+    COUNT_LOOP(GET);
+#undef GET
+#undef RECORD
+#undef ISCHANGED
+    for (int c = 0; c < NCTX; c++) ncnt[c] = RANK(c);
+    rc = code_chunk(kd, n, ncnt, &r, out, outlen, err);
+done:
+    free(t);
+    recs_free(&r);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ decoder */
+
+typedef struct {
+    int g;
+    uint8_t cid[NCTX];
+    uint64_t nc[NCTX], kc[NCTX], bc[NCTX];
+    int eg[NCTX];
+    uint64_t ks, k;
+    size_t ustart, ulen, fstart, end;
+} params_t;
+
+static int parse_params(const rp_kind *kd, const uint8_t *b, size_t len, int64_t n,
+                        params_t *pp, const char **err) {
+    size_t p = 0, pend;
+    uint64_t plen, v, ulen;
+    int ncontexts = kd->cbits ? 1 << kd->cbits : 1;
+    if (rd_varint(b, len, &p, &plen) || plen > len - p) { *err = "params overrun the chunk"; return RP_ECORRUPT; }
+    pend = p + plen;
+    if (rd_varint(b, pend, &p, &v) || v < 1 || v > (uint64_t)ncontexts) { *err = "invalid context count"; return RP_ECORRUPT; }
+    pp->g = (int)v;
+    uint64_t sum_n = 0, sum_k = 0;
+    int prev = -1;
+    for (int i = 0; i < pp->g; i++) {
+        uint64_t c, nc, kc, bc, eg;
+        if (rd_varint(b, pend, &p, &c) || rd_varint(b, pend, &p, &nc) || rd_varint(b, pend, &p, &kc)
+            || rd_varint(b, pend, &p, &bc) || rd_varint(b, pend, &p, &eg)) { *err = "truncated params"; return RP_ECORRUPT; }
+        if ((int64_t)c <= prev || c >= (uint64_t)ncontexts || nc > (uint64_t)n || kc < 1 || kc > nc
+            || bc > kc || eg > 63 || eg >= (uint64_t)(kd->bits < 63 ? kd->bits : 63)) {
+            *err = "invalid context parameters"; return RP_ECORRUPT;
+        }
+        prev = (int)c;
+        pp->cid[i] = (uint8_t)c;
+        pp->nc[i] = nc; pp->kc[i] = kc; pp->bc[i] = bc; pp->eg[i] = (int)eg;
+        sum_n += nc;
+        sum_k += kc;
+    }
+    if (sum_n > (uint64_t)n || (!kd->cbits && sum_n != (uint64_t)n)) { *err = "context sizes exceed the chunk"; return RP_ECORRUPT; }
+    if (rd_varint(b, pend, &p, &pp->ks) || pp->ks > sum_k) { *err = "invalid outward count"; return RP_ECORRUPT; }
+    if (p != pend) { *err = "extra params"; return RP_ECORRUPT; }
+    if (rd_varint(b, len, &p, &ulen) || ulen > len - p) { *err = "unary stream overruns the chunk"; return RP_ECORRUPT; }
+    pp->k = sum_k;
+    pp->ustart = p;
+    pp->ulen = ulen;
+    pp->fstart = p + ulen;
+    pp->end = len;
+    return RP_OK;
+}
+
+int rp_chunk_count(const rp_kind *kd, const uint8_t *body, size_t len, int64_t n,
+                   int64_t *count, const char **err) {
+    params_t pp;
+    *count = 0;
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) { *err = "bad kind or chunk size"; return RP_EARG; }
+    if (len == 0) return RP_OK;
+    int rc = parse_params(kd, body, len, n, &pp, err);
+    if (rc == RP_OK) *count = (int64_t)pp.k;
+    return rc;
+}
+
+typedef struct {
+    params_t pp;
+    br_t u, f;
+    uint32_t *ranks;     /* per listed context, concatenated */
+    uint32_t *rpos;      /* decoded positions (relative), position order */
+    uint8_t *rctx;       /* their contexts */
+    uint32_t *scratch;
+    uint64_t ofs[NCTX];  /* start of each listed context's ranks */
+    uint32_t cnt[NCTX], tgt[NCTX];
+    uint64_t cur[NCTX], endr[NCTX];
+    int64_t emitted;
+} lane_t;
+
+static void lane_free(lane_t *l) {
+    free(l->ranks); free(l->rpos); free(l->rctx); free(l->scratch);
+}
+
+/* Phase A: params, then the changed ranks of every listed context. */
+static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len, int64_t n,
+                     int64_t expect, const char **err) {
+    int rc = parse_params(kd, b, len, n, &l->pp, err);
+    if (rc) return rc;
+    if ((int64_t)l->pp.k != expect) { *err = "chunk count differs from its table"; return RP_ECORRUPT; }
+    uint64_t k = l->pp.k;
+    l->ranks = malloc(k * 4 + 4);
+    l->rpos = malloc(k * 4 + 4);
+    l->rctx = malloc(k + 1);
+    l->scratch = malloc(((uint64_t)n / 2 + 2 > k ? (uint64_t)n / 2 + 2 : k + 1) * 4);
+    if (!l->ranks || !l->rpos || !l->rctx || !l->scratch) { *err = "out of memory"; return RP_ENOMEM; }
+    l->u = (br_t){b + l->pp.ustart, l->pp.ulen * 8, 0};
+    l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
+    for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
+    memset(l->cnt, 0, sizeof l->cnt);
+    uint64_t o = 0;
+    for (int i = 0; i < l->pp.g; i++) {
+        int c = l->pp.cid[i];
+        if (bs_decode(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch)) {
+            *err = "corrupt position stream"; return RP_ECORRUPT;
+        }
+        l->ofs[i] = o;
+        l->cur[c] = o;
+        l->endr[c] = o + l->pp.kc[i];
+        l->tgt[c] = l->ranks[o];
+        o += l->pp.kc[i];
+    }
+    l->emitted = 0;
+    return RP_OK;
+}
+
+#define JOIN_STEP(l, i, x)                                                                  \
+    do {                                                                                    \
+        unsigned c_ = ctx_of(kd, (x));                                                      \
+        if (__builtin_expect((l)->cnt[c_]++ == (l)->tgt[c_], 0)) {                          \
+            (l)->rpos[(l)->emitted] = (uint32_t)(i);                                        \
+            (l)->rctx[(l)->emitted++] = (uint8_t)c_;                                        \
+            uint64_t nx_ = ++(l)->cur[c_];                                                  \
+            (l)->tgt[c_] = nx_ < (l)->endr[c_] ? (l)->ranks[nx_] : UINT32_MAX;              \
+        }                                                                                   \
+    } while (0)
+
+/* Phase B: walk the base once per lane, turning per-context ranks into positions. Up to
+ * four lanes advance together so their table updates overlap. */
+static void join_lanes(const rp_kind *kd, const uint8_t *base, lane_t **ls, const int64_t *start,
+                       const int64_t *n, int m) {
+    int64_t common = n[0];
+    for (int q = 1; q < m; q++) if (n[q] < common) common = n[q];
+    if (kd->bits == 16) {
+        const uint16_t *p[4];
+        for (int q = 0; q < m; q++) p[q] = (const uint16_t *)base + start[q];
+        int64_t i = 0;
+        if (m == 4) {
+            for (; i < common; i++) {
+                JOIN_STEP(ls[0], i, p[0][i]);
+                JOIN_STEP(ls[1], i, p[1][i]);
+                JOIN_STEP(ls[2], i, p[2][i]);
+                JOIN_STEP(ls[3], i, p[3][i]);
+            }
+        } else if (m >= 2) {
+            for (; i < common; i++)
+                for (int q = 0; q < m; q++) JOIN_STEP(ls[q], i, p[q][i]);
+        }
+        for (int q = 0; q < m; q++)
+            for (int64_t j = i; j < n[q]; j++) JOIN_STEP(ls[q], j, p[q][j]);
+        return;
+    }
+    if (kd->bits == 8) {
+        for (int q = 0; q < m; q++) {
+            const uint8_t *p = base + start[q];
+            for (int64_t j = 0; j < n[q]; j++) JOIN_STEP(ls[q], j, p[j]);
+        }
+        return;
+    }
+    for (int q = 0; q < m; q++)
+        for (int64_t j = 0; j < n[q]; j++)
+            JOIN_STEP(ls[q], j, elem_get(base, kd->bits, start[q] + j));
+}
+
+/* Phase C: the rest of the streams, then old/new elements. */
+static int lane_finish(const rp_kind *kd, lane_t *l, const uint8_t *base, int64_t start,
+                       int64_t n, int64_t *pos_out, void *old_out, void *new_out, int ow,
+                       const char **err) {
+    uint64_t k = l->pp.k;
+    int rc = RP_OK;
+    uint32_t *order = NULL, *idx = NULL;
+    uint8_t *outw = NULL;
+    uint64_t *mag = NULL;
+    if (kd->cbits) {
+        for (int i = 0; i < l->pp.g; i++) {
+            int c = l->pp.cid[i];
+            if (l->cnt[c] != l->pp.nc[i] || l->cur[c] != l->endr[c])
+                FAIL(RP_EBASE, "context sizes differ from the base: not the patch's base");
+        }
+        if ((uint64_t)l->emitted != k) FAIL(RP_EBASE, "positions do not match the base");
+    } else { /* one context: ranks are the positions */
+        memcpy(l->rpos, l->ranks, k * 4);
+        memset(l->rctx, 0, k);
+    }
+    order = malloc(k * 4 + 4);
+    idx = malloc(k * 4 + 4);
+    outw = calloc(k + 1, 1);
+    mag = malloc(k * 8 + 8);
+    if (!order || !idx || !outw || !mag) FAIL(RP_ENOMEM, "out of memory");
+    if (bs_decode(&l->u, &l->f, k, l->pp.ks, idx, l->scratch)) FAIL(RP_ECORRUPT, "corrupt sign stream");
+    for (uint64_t i = 0; i < l->pp.ks; i++) outw[idx[i]] = 1;
+    uint64_t fill[NCTX] = {0}, acc = 0;
+    for (int i = 0; i < l->pp.g; i++) { fill[l->pp.cid[i]] = acc; acc += l->pp.kc[i]; }
+    for (uint64_t i = 0; i < k; i++) order[fill[l->rctx[i]]++] = (uint32_t)i;
+    for (uint64_t i = 0; i < k; i++) mag[i] = 1;
+    uint64_t o = 0;
+    uint32_t *bigs = idx; /* reuse: per-context big flags, then their values */
+    uint64_t *bo = malloc(l->pp.g * sizeof(uint64_t) + 8);
+    if (!bo) FAIL(RP_ENOMEM, "out of memory");
+    for (int i = 0; i < l->pp.g; i++) {
+        if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], bigs + o, l->scratch)) {
+            free(bo);
+            FAIL(RP_ECORRUPT, "corrupt magnitude flags");
+        }
+        bo[i] = o;
+        o += l->pp.bc[i];
+    }
+    uint64_t s = ksign(kd->bits), msk = kmask(kd->bits);
+    int width = kd->bits < 63 ? kd->bits : 63;
+    uint64_t cbase = 0;
+    for (int i = 0; i < l->pp.g; i++) {
+        int eg = l->pp.eg[i];
+        for (uint64_t j = 0; j < l->pp.bc[i]; j++) {
+            uint64_t q, low;
+            if (br_unary(&l->u, 64, &q) || q + eg > (uint64_t)width
+                || br_get(&l->f, (unsigned)(q + eg), &low)) {
+                free(bo);
+                FAIL(RP_ECORRUPT, "corrupt magnitude stream");
+            }
+            uint64_t w = q + eg;
+            uint64_t a = ((w >= 64 ? 0 : (1ULL << w)) + low - (1ULL << eg)) + 2;
+            if (a > s || a < 2) { free(bo); FAIL(RP_ECORRUPT, "delta magnitude beyond the word range"); }
+            mag[order[cbase + bigs[bo[i] + j]]] = a;
+        }
+        cbase += l->pp.kc[i];
+    }
+    free(bo);
+    if (br_finish(&l->u, 1) || br_finish(&l->f, 0)) FAIL(RP_ECORRUPT, "unused bits after the last code");
+    for (uint64_t i = 0; i < k; i++) {
+        int64_t p = start + l->rpos[i];
+        uint64_t x = elem_get(base, kd->bits, p);
+        int neg = kd->order != RP_UNSIGNED && (x & s);
+        int positive = outw[i] ^ neg;
+        uint64_t key = to_key(kd, x);
+        uint64_t kn = (positive ? key + mag[i] : key - mag[i]) & msk;
+        pos_out[i] = p;
+        arr_put(old_out, ow, (int64_t)i, x);
+        arr_put(new_out, ow, (int64_t)i, from_key(kd, kn));
+    }
+    (void)n;
+done:
+    free(order); free(idx); free(outw); free(mag);
+    return rc;
+}
+
+int rp_decode_chunks(const rp_kind *kd, const uint8_t *base, int m, const uint8_t *const *body,
+                     const size_t *len, const int64_t *start, const int64_t *n,
+                     const int64_t *count, const int64_t *off, int64_t *pos_out,
+                     void *old_out, void *new_out, int ow, const char **err) {
+    lane_t lanes[4];
+    lane_t *act[4];
+    int64_t st[4], nn[4], na = 0;
+    int rc = RP_OK;
+    memset(lanes, 0, sizeof lanes);
+    if (!kind_ok(kd) || m < 1 || m > 4) { *err = "bad kind or lane count"; return RP_EARG; }
+    for (int q = 0; q < m; q++) {
+        if (n[q] < 0 || n[q] > RP_CHUNK) { *err = "bad chunk size"; return RP_EARG; }
+        if (len[q] == 0) {
+            if (count[q]) { *err = "empty chunk with changes"; return RP_ECORRUPT; }
+            continue;
+        }
+        rc = lane_init(kd, &lanes[q], body[q], len[q], n[q], count[q], err);
+        if (rc) goto done;
+        if (kd->cbits) { act[na] = &lanes[q]; st[na] = start[q]; nn[na] = n[q]; na++; }
+    }
+    if (na) join_lanes(kd, base, act, st, nn, (int)na);
+    for (int q = 0; q < m; q++) {
+        if (len[q] == 0) continue;
+        rc = lane_finish(kd, &lanes[q], base, start[q], n[q], pos_out + off[q],
+                         (uint8_t *)old_out + off[q] * ow, (uint8_t *)new_out + off[q] * ow,
+                         ow, err);
+        if (rc) goto done;
+    }
+done:
+    for (int q = 0; q < m; q++) lane_free(&lanes[q]);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ gather / apply / diff */
+
+int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_t *pos,
+              int64_t count, void *out, int ow, const char **err) {
+    for (int64_t i = 0; i < count; i++) {
+        if (pos[i] < 0 || pos[i] >= n_el) { *err = "position out of range"; return RP_EARG; }
+        arr_put(out, ow, i, elem_get(data, kd->bits, pos[i]));
+    }
+    return RP_OK;
+}
+
+static const uint64_t SUM_K[2] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
+static const uint64_t SUM_S[2] = {0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL};
+
+static inline uint64_t rotl(uint64_t w, int r) { return (w << r) | (w >> (64 - r)); }
+
+static inline uint64_t sum_term(int lane, uint64_t w, uint64_t j) {
+    uint64_t x = w ^ (SUM_S[lane] + j * SUM_K[lane]);
+    return (x & 0xFFFFFFFFu) * (x >> 32) + rotl(w, lane ? 17 : 32);
+}
+
+static inline uint64_t word_at(const uint8_t *d, size_t len, uint64_t j) {
+    uint64_t w = 0;
+    size_t o = (size_t)j * 8;
+    if (o + 8 <= len) memcpy(&w, d + o, 8);
+    else if (o < len) memcpy(&w, d + o, len - o);
+    return w;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static void sum_avx2(const uint8_t *d, uint64_t j0,
+                                                      uint64_t nw, uint64_t acc[2]) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    __m256i k0 = _mm256_set_epi64x((long long)(SUM_S[0] + (j0 + 3) * SUM_K[0]),
+                                   (long long)(SUM_S[0] + (j0 + 2) * SUM_K[0]),
+                                   (long long)(SUM_S[0] + (j0 + 1) * SUM_K[0]),
+                                   (long long)(SUM_S[0] + j0 * SUM_K[0]));
+    __m256i k1 = _mm256_set_epi64x((long long)(SUM_S[1] + (j0 + 3) * SUM_K[1]),
+                                   (long long)(SUM_S[1] + (j0 + 2) * SUM_K[1]),
+                                   (long long)(SUM_S[1] + (j0 + 1) * SUM_K[1]),
+                                   (long long)(SUM_S[1] + j0 * SUM_K[1]));
+    const __m256i s0 = _mm256_set1_epi64x((long long)(4 * SUM_K[0]));
+    const __m256i s1 = _mm256_set1_epi64x((long long)(4 * SUM_K[1]));
+    for (uint64_t i = 0; i < nw; i += 4) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(d + 8 * i));
+        __m256i x0 = _mm256_xor_si256(w, k0), x1 = _mm256_xor_si256(w, k1);
+        __m256i p0 = _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32));
+        __m256i p1 = _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32));
+        __m256i r0 = _mm256_or_si256(_mm256_slli_epi64(w, 32), _mm256_srli_epi64(w, 32));
+        __m256i r1 = _mm256_or_si256(_mm256_slli_epi64(w, 17), _mm256_srli_epi64(w, 47));
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(p0, r0));
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(p1, r1));
+        k0 = _mm256_add_epi64(k0, s0);
+        k1 = _mm256_add_epi64(k1, s1);
+    }
+    uint64_t t0[4], t1[4];
+    _mm256_storeu_si256((__m256i *)t0, a0);
+    _mm256_storeu_si256((__m256i *)t1, a1);
+    acc[0] += t0[0] + t0[1] + t0[2] + t0[3];
+    acc[1] += t1[0] + t1[1] + t1[2] + t1[3];
+}
+#endif
+
+void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t out[2]) {
+    uint64_t acc[2] = {0, 0}, j = w0, end = w0 + nw;
+    uint64_t full = len / 8; /* words that lie wholly inside the data */
+    uint64_t fast_end = end < full ? end : full;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (fast_end > j && __builtin_cpu_supports("avx2")) {
+        uint64_t cnt = (fast_end - j) & ~3ULL;
+        if (cnt) {
+            sum_avx2(d + 8 * j, j, cnt, acc);
+            j += cnt;
+        }
+    }
+#endif
+    for (; j < end; j++) {
+        uint64_t w = word_at(d, len, j);
+        acc[0] += sum_term(0, w, j);
+        acc[1] += sum_term(1, w, j);
+    }
+    out[0] = acc[0];
+    out[1] = acc[1];
+}
+
+int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos,
+             const void *old, const void *new_, int64_t count, int iw, uint64_t delta[2],
+             const char **err) {
+    int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
+    for (int64_t i = 0; i < count; i++) {
+        if (pos[i] < 0 || pos[i] >= n_el || (i && pos[i] <= pos[i - 1])) {
+            *err = "positions out of range or not increasing"; return RP_EARG;
+        }
+        if (elem_get(data, kd->bits, pos[i]) != arr_get(old, iw, i)) {
+            *err = "old elements differ from the patch's base"; return RP_EBASE;
+        }
+    }
+    int bpe = kd->bits == 4 ? 0 : kd->bits / 8;
+    uint64_t d0 = 0, d1 = 0;
+    int64_t i = 0;
+    while (i < count) {
+        uint64_t j = bpe ? (uint64_t)pos[i] * bpe / 8 : (uint64_t)pos[i] / 16;
+        uint64_t before = word_at(data, nbytes, j);
+        for (; i < count; i++) {
+            uint64_t jj = bpe ? (uint64_t)pos[i] * bpe / 8 : (uint64_t)pos[i] / 16;
+            if (jj != j) break;
+            elem_put(data, kd->bits, pos[i], arr_get(new_, iw, i));
+        }
+        uint64_t after = word_at(data, nbytes, j);
+        d0 += sum_term(0, after, j) - sum_term(0, before, j);
+        d1 += sum_term(1, after, j) - sum_term(1, before, j);
+    }
+    delta[0] += d0;
+    delta[1] += d1;
+    return RP_OK;
+}
+
+int rp_diff(const rp_kind *kd, const uint8_t *a, const uint8_t *b, int64_t start, int64_t n,
+            int64_t *pos, int64_t cap, int64_t *found) {
+    int64_t f = 0;
+    if (kd->bits == 4) {
+        for (int64_t i = start; i < start + n; i++)
+            if (elem_get(a, 4, i) != elem_get(b, 4, i)) { if (f < cap) pos[f] = i; f++; }
+        *found = f;
+        return RP_OK;
+    }
+    size_t w = (size_t)kd->bits / 8, lo = (size_t)start * w, hi = (size_t)(start + n) * w;
+    size_t o = lo;
+    for (; o + 32 <= hi; o += 32) { /* skip equal 32-byte blocks fast */
+        uint64_t x[4], y[4];
+        memcpy(x, a + o, 32);
+        memcpy(y, b + o, 32);
+        if (((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0) continue;
+        for (size_t e = o; e < o + 32; e += w)
+            if (memcmp(a + e, b + e, w)) { if (f < cap) pos[f] = (int64_t)(e / w); f++; }
+    }
+    for (size_t e = o; e < hi; e += w)
+        if (memcmp(a + e, b + e, w)) { if (f < cap) pos[f] = (int64_t)(e / w); f++; }
+    *found = f;
+    return RP_OK;
+}

@@ -1,0 +1,69 @@
+/* rollpatch native core: the hot loops of codec rp.ctxgolomb.v2 and of the rp.sum128 view
+ * digest (docs/patch-format.md §4b, §7). Pure C99 + GCC builtins, no Python: the CPython
+ * binding (module.c) and the libFuzzer harness (fuzz/fuzz_decode.c) both build on it.
+ *
+ * Every length, count and width read from a payload is bounded before it is used; every
+ * allocation is bounded by the chunk size (RP_CHUNK elements) or by counts already checked
+ * against it. Functions return 0 or a negative RP_E* code and set *err to a static message. */
+#ifndef RPCORE_H
+#define RPCORE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define RP_CHUNK_LOG2 20
+#define RP_CHUNK ((int64_t)1 << RP_CHUNK_LOG2) /* elements per independently coded chunk */
+
+enum { RP_SIGNMAG = 0, RP_TWOS = 1, RP_UNSIGNED = 2 };
+enum { RP_OK = 0, RP_ENOMEM = -1, RP_ECORRUPT = -2, RP_EBASE = -3, RP_EARG = -4 };
+
+typedef struct {
+    int bits;  /* element width: 4 (two per byte, low nibble first), 8, 16, 32 or 64 */
+    int order; /* RP_SIGNMAG, RP_TWOS or RP_UNSIGNED: how words map to ordered keys */
+    int shift; /* context = (old >> shift) & ((1 << cbits) - 1) */
+    int cbits; /* 0: one context for every element */
+} rp_kind;
+
+/* Elements [start, start + n) of a tensor, n <= RP_CHUNK. Encodes the chunk body (possibly
+ * empty when nothing changed) into a malloc'd buffer the caller frees. */
+int rp_encode_chunk(const rp_kind *k, const uint8_t *old, const uint8_t *new_, int64_t start,
+                    int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
+                    const char **err);
+
+/* The same from the changed elements only: positions relative to start (strictly
+ * increasing), old and new element values (uint64), and the base words for contexts. */
+int rp_encode_chunk_sparse(const rp_kind *k, const uint8_t *base, int64_t start, int64_t n,
+                           const int64_t *pos, const uint64_t *oldv, const uint64_t *newv,
+                           int64_t count, uint8_t **out, size_t *outlen, const char **err);
+
+/* Number of changed elements a chunk body declares (params only; validated). */
+int rp_chunk_count(const rp_kind *k, const uint8_t *body, size_t len, int64_t n,
+                   int64_t *count, const char **err);
+
+/* Decode `m` (<= 4) chunks at once (their joins interleave). For chunk i: body[i]/len[i],
+ * elements [start[i], start[i] + n[i]) of `base`, and count[i] outputs written at
+ * pos_out + off[i] (absolute positions), old_out/new_out (element values, width `ow` bytes). */
+int rp_decode_chunks(const rp_kind *k, const uint8_t *base, int m, const uint8_t *const *body,
+                     const size_t *len, const int64_t *start, const int64_t *n,
+                     const int64_t *count, const int64_t *off, int64_t *pos_out,
+                     void *old_out, void *new_out, int ow, const char **err);
+
+/* rp.sum128: additive 128-bit state over the 8-byte words [w0, w0 + nwords) of `data`
+ * (whose total length is `len` bytes; the last word is zero-padded). */
+void rp_sum128(const uint8_t *data, size_t len, uint64_t w0, uint64_t nwords, uint64_t out[2]);
+
+/* Gather elements at positions (must be < n_elements, checked) into `out` (width ow). */
+int rp_gather(const rp_kind *k, const uint8_t *data, int64_t n_elements, const int64_t *pos,
+              int64_t count, void *out, int ow, const char **err);
+
+/* Check that data holds `old` at `pos`, then write `new_` there; adds the rp.sum128 change
+ * to delta[2] (mod 2^64). Nothing is written unless every old element matches. */
+int rp_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const int64_t *pos,
+             const void *old, const void *new_, int64_t count, int iw, uint64_t delta[2],
+             const char **err);
+
+/* Positions where a and b differ, over elements [start, start + n): writes at most `cap`
+ * positions; returns the number found in *found (which may exceed cap: call again). */
+int rp_diff(const rp_kind *k, const uint8_t *a, const uint8_t *b, int64_t start, int64_t n,
+            int64_t *pos, int64_t cap, int64_t *found);
+
+#endif

@@ -1,0 +1,122 @@
+"""``rp.ctxgolomb.v2``: the default delta codec, native when built, numpy otherwise.
+
+Both paths write the same bytes (docs/patch-format.md §4b). Large tensors are coded and
+decoded in chunk ranges on a thread pool; the native core releases the GIL.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import native
+from ..errors import PatchDecodeError
+from ..view import Tensor
+from .bits import write_varint
+from .ctxv2 import CHUNK, decode_ref, encode_ref
+
+__all__ = ["CtxGolombV2", "threads"]
+
+
+def threads() -> int:
+    """Threads for one tensor's chunks (``ROLLPATCH_THREADS`` overrides the core count)."""
+    env = os.environ.get("ROLLPATCH_THREADS")
+    return max(1, int(env)) if env else max(1, os.cpu_count() or 1)
+
+
+def _single(base: Tensor) -> bool:
+    from .groups import MIN_CONTEXT_ELEMENTS
+
+    return base.kind.ctx_bits == 0 or base.n_elements < MIN_CONTEXT_ELEMENTS
+
+
+def _ranges(nchunks: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-nchunks // max(1, parts))
+    step = max(4, -(-step // 4) * 4)  # whole groups of four: the decoder interleaves them
+    return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
+
+
+def _map(fn, items: list) -> list:  # type: ignore[no-untyped-def, type-arg]
+    if len(items) <= 1 or threads() <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(threads(), len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+@dataclass(frozen=True)
+class CtxGolombV2:
+    """Chunked context-modelled Golomb codes (v1's model, one pass to decode)."""
+
+    codec_id: str = "rp.ctxgolomb.v2"
+    reference: bool = False  # force the numpy reference (tests compare the two)
+
+    def _native(self) -> bool:
+        return native.core is not None and not self.reference
+
+    def encode(self, base: Tensor, positions: np.ndarray, old: np.ndarray,
+               new: np.ndarray) -> bytes:
+        if not self._native():
+            return encode_ref(base.kind, base.elements(), _single(base), positions, old, new)
+        core = native.require()
+        kt = native.kind_tuple(base.kind, base.n_elements)
+        n = base.n_elements
+        bounds = np.searchsorted(positions, np.arange(0, n + CHUNK, CHUNK)).tolist()
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        o64 = np.ascontiguousarray(old, dtype=np.uint64)
+        n64 = np.ascontiguousarray(new, dtype=np.uint64)
+
+        def one(i: int) -> bytes:
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo == hi:
+                return b""
+            s = i * CHUNK
+            return core.encode_sparse(kt, base.data, s, min(CHUNK, n - s), pos[lo:hi] - s,
+                                      o64[lo:hi], n64[lo:hi])
+
+        bodies = _map(one, list(range(-(-n // CHUNK))))
+        return _join(bodies)
+
+    def encode_dense(self, base: Tensor, target: Tensor) -> tuple[bytes, int]:
+        """Payload and changed count straight from two tensors (one fused native pass)."""
+        core = native.require()
+        kt = native.kind_tuple(base.kind, base.n_elements)
+        nch = -(-base.n_elements // CHUNK)
+        parts = _map(lambda r: core.encode_range(kt, base.data, target.data, r[0], r[1]),
+                     _ranges(nch, threads()))
+        flat = [x for part in parts for x in part]
+        return _join([b for b, _ in flat]), sum(k for _, k in flat)
+
+    def decode(self, payload: memoryview, base: Tensor,
+               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self._native():
+            return decode_ref(base.kind, base.elements(), _single(base), payload, changed)
+        core = native.require()
+        kt = native.kind_tuple(base.kind, base.n_elements)
+        counts = core.table(kt, payload, base.n_elements)
+        if sum(counts) != changed:
+            raise PatchDecodeError("changed count does not match the header",
+                                   codec=self.codec_id)
+        offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        pos = np.empty(changed, dtype=np.int64)
+        old = np.empty(changed, dtype=base.kind.elem_dtype)
+        new = np.empty(changed, dtype=base.kind.elem_dtype)
+
+        def one(r: tuple[int, int]) -> None:
+            a, b = r
+            live = [i for i in range(a, b)]
+            core.decode_range(kt, base.data, payload, a, b, [counts[i] for i in live],
+                              [offs[i] for i in live], pos, old, new)
+
+        _map(one, _ranges(len(counts), threads()))
+        return pos, old, new
+
+
+def _join(bodies: list[bytes]) -> bytes:
+    out = bytearray()
+    for b in bodies:
+        write_varint(out, len(b))
+        out += b
+    return bytes(out)

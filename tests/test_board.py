@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 
-from rollpatch.board import Board, version_key
+from rollpatch.board import Board, pointer_key, version_key
 from rollpatch.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -200,3 +201,97 @@ def test_gc_cli(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert b.versions("r1") == list(range(12))
     assert main(["gc", "--board", f"file://{tmp_path}", "--run", "r1", "--keep-last", "1"]) == 0
     assert b.versions("r1") == [10, 11]
+
+
+# -- bounded planning and strict LATEST (issue 11) ----------------------------------------------
+
+
+class _CountingGets:
+    """Counts the store reads a call makes (wraps the board's store in place)."""
+
+    def __init__(self, board: Board) -> None:
+        self.gets = 0
+        inner = board.store.get
+
+        def get(key: str) -> bytes:
+            self.gets += 1
+            return inner(key)
+
+        board.store.get = get  # type: ignore[method-assign]
+
+
+def _pointer(run: str, version: object, **over: object) -> bytes:
+    doc = {"run": run, "version": version, "manifest": version_key(run, version)  # type: ignore[arg-type]
+           if isinstance(version, int) else "x", "target": D, **over}
+    return json.dumps(doc).encode()
+
+
+def test_plan_to_a_huge_latest_reads_nothing_it_does_not_list(board: Board) -> None:
+    for n in range(4):
+        _publish(board, "r1", n, keyframe=n == 0)
+    board.store.put(pointer_key("r1"), _pointer("r1", 10**12), if_absent=False)
+    assert board.latest("r1").version == 10**12  # type: ignore[union-attr]
+    counter = _CountingGets(board)
+    with pytest.raises(VersionNotFoundError):
+        board.plan("r1", None, 10**12)
+    with pytest.raises(VersionNotFoundError):
+        board.plan("r1", 2, 10**12)
+    assert counter.gets == 0  # refused from one listing, no per-version reads
+    with pytest.raises(ConfigError):
+        board.plan("r1", None, 2**60)
+    assert board.plan("r1", None, 3).want == 3
+
+
+def test_plan_reads_at_most_max_plan_versions(board: Board) -> None:
+    for n in range(8):
+        _publish(board, "r1", n, keyframe=n == 0)
+    small = Board(board.store, max_plan_versions=3)
+    counter = _CountingGets(small)
+    with pytest.raises(NoPathError):  # the only keyframe is outside the window of 3
+        small.plan("r1", None, 7)
+    assert counter.gets <= 3
+    plan = small.plan("r1", 5, 7)
+    assert [s.to for s in plan.steps] == [6, 7]
+    with pytest.raises(ConfigError, match="max_plan_versions"):
+        Board(board.store, max_plan_versions=0)
+
+
+_BAD_LATEST = [
+    b'{"run": "r1", "version": 1e400, "manifest": "x", "target": "' + b"a" * 64 + b'"}',
+    b'{"run": "r1", "version": NaN}',
+    b'{"run": "r1", "version": "3"}',
+    b'{"run": "r1", "version": true}',
+    b'{"run": "r1", "version": -1}',
+    b'{"run": "r1", "version": 9007199254740992}',
+    b'{"run": "r1", "version": 3.0}',
+    b'{"run": "r1", "version": {"n": 3}}',
+    b'{"run": {"r1": 1}, "version": 3}',
+    b'{"run": "r1", "version": [' * 5000 + b']' * 5000 + b'}',
+    b'[' * 100_000,
+    b'"\\ud800"',
+    b'\xff',
+    b'{"run": "r1", "version": 3, "manifest": "runs/r1/versions/000000000002.json"}',
+    (b'{"run": "r1", "version": 3, "manifest": "runs/r1/versions/000000000003.json", '
+     b'"target": {"a": 1}}'),
+    b" " * (1 << 20),
+]
+
+
+@pytest.mark.parametrize("raw", _BAD_LATEST, ids=[f"bad{i}" for i in range(len(_BAD_LATEST))])
+def test_bad_latest_is_refused_clearly_and_repair_is_honoured(board: Board,
+                                                               raw: bytes) -> None:
+    for n in range(4):
+        _publish(board, "r1", n, keyframe=n == 0)
+    board.store.put(pointer_key("r1"), raw, if_absent=False)
+    with pytest.raises(ManifestError, match="LATEST"):
+        board.latest("r1")
+    board.store.put(pointer_key("r1"), _pointer("r1", 3), if_absent=False)
+    assert board.latest("r1").version == 3  # type: ignore[union-attr]
+
+
+def test_listing_ignores_keys_that_are_not_version_numbers(board: Board) -> None:
+    _publish(board, "r1", 0, keyframe=True)
+    for odd in ("versions/²³.json", "versions/12.txt", "versions/-1.json", "keyframes/x",
+                "keyframes/٣"):
+        board.store.put(f"runs/r1/{odd}", b"")
+    assert board.versions("r1") == [0] and board.keyframes("r1") == [0]

@@ -579,3 +579,61 @@ def test_cli_pull_refuses_with_exit_2(board: Board, tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
     assert len(err) == 1 and err[0].startswith("rollpatch: error:") and "corrupt" in err[0]
+
+
+# -- a bad LATEST (issue 11) ---------------------------------------------------------------------
+
+
+def _set_latest(board: Board, raw: bytes | int) -> None:
+    from rollpatch.board import pointer_key, version_key
+
+    if isinstance(raw, int):
+        raw = (f'{{"run": "{RUN}", "version": {raw}, "manifest": "{version_key(RUN, raw)}", '
+               f'"target": "{"a" * 64}"}}').encode()
+    board.store.put(pointer_key(RUN), raw, if_absent=False)
+
+
+def _until(cond: object, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_bad_latest_is_refused_and_a_repaired_one_honoured(board: Board,
+                                                           published: Published) -> None:
+    from rollpatch.errors import VersionNotFoundError
+
+    follower = Follower(board, RUN, ViewEngine(), FAST)
+    _set_latest(board, 10**12)  # no manifest: refused from the listing, no walk
+    with pytest.raises(VersionNotFoundError):
+        follower.sync()
+    assert follower.status().latest == 10**12
+    for raw in (b'{"run": "rl", "version": 1e400}', b"[" * 10_000, b'{"version": "7"}'):
+        _set_latest(board, raw)
+        with pytest.raises(ManifestError, match="LATEST"):
+            follower.sync()
+    _set_latest(board, 20)  # repaired (by hand: below the bad maximum)
+    assert follower.sync() == 20 and follower.status().latest == 20
+    # the background loop: a bad maximum is an ERROR, and it does not stick
+    _set_latest(board, 10**12)
+    follower.start()
+    try:
+        _until(lambda: follower.status().state is FollowerState.ERROR, "the bad LATEST")
+        _set_latest(board, LAST)
+        _until(lambda: follower.version == LAST, "the repaired LATEST")
+        _until(lambda: follower.status().state is FollowerState.IDLE, "recovery")
+        assert follower.status().latest == LAST
+    finally:
+        follower.stop()
+    assert follower.engine.digest == published.views[LAST].digest()
+
+
+def test_cli_pull_bad_latest_exits_2_with_one_line(board: Board, tmp_path, capsys) -> None:
+    out = tmp_path / "v.safetensors"
+    for raw in (10**12, b'{"run": "rl", "version": 1e400}', b"[" * 100_000):
+        _set_latest(board, raw)
+        code = main(["pull", "--board", board.store.uri, "--run", RUN, "-o", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and not out.exists()
+        assert len(err) == 1 and err[0].startswith("rollpatch: error:"), err

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import blake3
 
+from . import jsonsafe
 from .errors import (
     AlreadyExistsError,
+    ConfigError,
     ConflictError,
     ManifestError,
     NoPathError,
@@ -32,11 +35,17 @@ from .errors import (
 )
 from .manifest import Manifest
 from .store import Store, open_store
-from .types import ObjectRef, Pointer, check_run, pointer_may_advance
+from .types import MAX_VERSION, ObjectRef, Pointer, check_run, pointer_may_advance
 
 __all__ = ["Board", "Plan", "PlanStep", "pointer_key", "version_key"]
 
 _CAS_RETRIES = 64
+#: A LATEST pointer is a few hundred bytes; anything much larger is not one.
+MAX_POINTER_BYTES = 64 * 1024
+#: Default bound on the manifests one plan reads (the newest ones up to the wanted version).
+MAX_PLAN_VERSIONS = 10_000
+_VERSION_STEM = re.compile(r"[0-9]{1,16}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _run_prefix(run: str) -> str:
@@ -91,12 +100,23 @@ class Plan:
 
 
 class Board:
-    """Versions of runs in a store. Thread-safe; manifests are cached (they are immutable)."""
+    """Versions of runs in a store. Thread-safe; manifests are cached (they are immutable).
 
-    def __init__(self, store: Store | str, *, cache_manifests: int = 4096) -> None:
+    ``max_plan_versions`` bounds the manifests one :meth:`plan` reads: planning looks only at
+    versions that exist (one listing), and at most at the newest ``max_plan_versions`` of them
+    up to the wanted version, so no pointer value can make it walk version numbers.
+    """
+
+    def __init__(self, store: Store | str, *, cache_manifests: int = 4096,
+                 max_plan_versions: int = MAX_PLAN_VERSIONS) -> None:
+        if isinstance(max_plan_versions, bool) or not isinstance(max_plan_versions, int) \
+                or max_plan_versions < 2:
+            raise ConfigError("max_plan_versions must be an integer >= 2",
+                              field="max_plan_versions", value=max_plan_versions)
         self.store = open_store(store) if isinstance(store, str) else store
         self._cache: OrderedDict[tuple[str, int], Manifest] = OrderedDict()
         self._cache_size = cache_manifests
+        self.max_plan_versions = max_plan_versions
         self._lock = threading.Lock()
 
     # -- reading -----------------------------------------------------------------------------
@@ -109,17 +129,12 @@ class Board:
     def versions(self, run: str) -> list[int]:
         """Published manifests of ``run`` (ascending)."""
         prefix = f"{_run_prefix(run)}versions/"
-        out = []
-        for k in self.store.list(prefix):
-            stem = k[len(prefix):].removesuffix(".json")
-            if stem.isdigit():
-                out.append(int(stem))
-        return sorted(out)
+        return _numbered(self.store.list(prefix), prefix, ".json")
 
     def keyframes(self, run: str) -> list[int]:
+        """Versions of ``run`` that have a keyframe marker (ascending)."""
         prefix = f"{_run_prefix(run)}keyframes/"
-        return sorted(int(k[len(prefix):]) for k in self.store.list(prefix)
-                      if k[len(prefix):].isdigit())
+        return _numbered(self.store.list(prefix), prefix, "")
 
     def latest(self, run: str) -> Pointer | None:
         """The LATEST pointer, or None before the first publish."""
@@ -224,25 +239,52 @@ class Board:
     # -- planning ----------------------------------------------------------------------------
 
     def plan(self, run: str, have: int | None, want: int) -> Plan:
-        """Fewest bytes from ``have`` (None: nothing loaded) to ``want``."""
+        """Fewest bytes from ``have`` (None: nothing loaded) to ``want``.
+
+        Reads only manifests that exist (listed), from the newest keyframe at or below
+        ``want`` (or ``have``, if older) up to ``want``, and at most the newest
+        ``max_plan_versions`` of those.
+        """
+        for name, v in (("have", have), ("want", want)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                                  or not 0 <= v <= MAX_VERSION):
+                raise ConfigError(f"{name} must be a version number", run=run, value=v)
         if have is not None and have > want:
             raise NoPathError("patches only move forward", run=run, have=have, want=want)
         if have == want:
             return Plan(run, have, want, ())
+        listed = [v for v in self.versions(run) if v <= want]
+        if not listed or listed[-1] != want:
+            raise VersionNotFoundError("no such version on the board", run=run, version=want)
         kfs = [k for k in self.keyframes(run) if k <= want]
-        lo_candidates = [k for k in kfs[-1:]] + ([have] if have is not None else [])
+        lo_candidates = kfs[-1:] + ([have] if have is not None else [])
         if not lo_candidates:
             raise NoPathError("no keyframe to boot from", run=run, want=want)
         lo = min(lo_candidates)
+        window = [v for v in listed if v >= lo][-self.max_plan_versions:]
         manifests = {}
-        for v in range(lo, want + 1):
+        for v in window:
             try:
                 manifests[v] = self.manifest(run, v)
-            except VersionNotFoundError:
+            except VersionNotFoundError:  # listed, then deleted (retention): plan without it
                 continue
         if want not in manifests:
             raise VersionNotFoundError("no such version on the board", run=run, version=want)
         return _dijkstra(run, have, want, manifests)
+
+
+def _numbered(keys: list[str], prefix: str, suffix: str) -> list[int]:
+    """The version numbers in ``prefix{n}{suffix}`` keys (anything else is ignored)."""
+    out = []
+    for k in keys:
+        stem = k[len(prefix):]
+        if suffix:
+            if not stem.endswith(suffix):
+                continue
+            stem = stem[:-len(suffix)]
+        if _VERSION_STEM.fullmatch(stem):
+            out.append(int(stem))
+    return sorted(out)
 
 
 def _dijkstra(run: str, have: int | None, want: int, manifests: dict[int, Manifest]) -> Plan:
@@ -289,11 +331,30 @@ def _dijkstra(run: str, have: int | None, want: int, manifests: dict[int, Manife
 
 
 def _parse_pointer(raw: bytes, run: str) -> Pointer:
-    try:
-        d = json.loads(raw)
-        p = Pointer(d["run"], int(d["version"]), str(d["manifest"]), str(d["target"]))
-    except (ValueError, KeyError, TypeError):
-        raise ManifestError("LATEST pointer is malformed", run=run) from None
-    if p.run != run:
+    """A LATEST pointer, strictly: bounded JSON, a version number in range, naming this run's
+    manifest key for that version; ManifestError otherwise (never a traceback)."""
+    d = jsonsafe.loads(raw, what="LATEST pointer", error=ManifestError,
+                       max_bytes=MAX_POINTER_BYTES, max_depth=2, run=run,
+                       hint="repair it: LATEST must name a published version")
+    if not isinstance(d, dict):
+        raise ManifestError("LATEST pointer is malformed: not a JSON object", run=run)
+    version, manifest, target = d.get("version"), d.get("manifest"), d.get("target")
+    if d.get("run") != run:
         raise ManifestError("LATEST pointer names another run", run=run)
-    return p
+    if isinstance(version, bool) or not isinstance(version, int) \
+            or not 0 <= version <= MAX_VERSION:
+        raise ManifestError("LATEST pointer is malformed: version is not a version number",
+                            run=run, version=_short(version),
+                            hint="repair it: LATEST must name a published version")
+    if manifest != version_key(run, version):
+        raise ManifestError("LATEST pointer is malformed: manifest is not the version's key",
+                            run=run, version=version, manifest=_short(manifest))
+    if not isinstance(target, str) or not _HEX64.fullmatch(target):
+        raise ManifestError("LATEST pointer is malformed: target is not a digest", run=run,
+                            version=version)
+    return Pointer(run, version, manifest, target)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -302,11 +302,11 @@ class Follower:
     # -- board reads ---------------------------------------------------------------------------
 
     def _read_latest(self) -> int | None:
+        # LATEST as it reads now, not the highest ever seen: a bad value that was repaired
+        # (a pointer far ahead of any manifest) must not stay the follower's target
         p = self._reader.latest(self.run)
-        if p is not None:
-            with self._cond:
-                self._latest = p.version if self._latest is None else max(self._latest,
-                                                                            p.version)
+        with self._cond:
+            self._latest = None if p is None else p.version
         return None if p is None else p.version
 
     def _manifest(self, n: int) -> Manifest:

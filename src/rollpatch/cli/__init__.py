@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -12,6 +14,9 @@ __all__ = ["build_parser", "main"]
 
 #: Exit status when input is refused (verification failure, corrupt or mismatched data).
 EXIT_REFUSED = 2
+#: Exit status when stdout's reader went away (128 + SIGPIPE, what a shell reports for tools
+#: that SIGPIPE killed).
+EXIT_SIGPIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,10 +39,32 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: runs a subcommand; a RollpatchError prints one clear line, exit 2."""
+    """Entry point: runs a subcommand; a RollpatchError prints one clear line, exit 2.
+
+    When the reader of stdout goes away (``rollpatch ... --json | head``), the command stops
+    quietly with status 141 (128 + SIGPIPE), as Unix tools killed by SIGPIPE do.
+    """
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        return _stdout_gone()
+    except SystemExit:  # --help, usage errors: their text may be waiting in stdout's buffer
+        if not _flush_stdout():
+            raise SystemExit(EXIT_SIGPIPE) from None
+        raise
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe must surface here, not at interpreter exit
+        return code
+    except BrokenPipeError as e:
+        if _stdout_broken():
+            raise
+        print(f"rollpatch: error: {e}", file=sys.stderr)  # a socket, not our reader
+        return EXIT_REFUSED
     except RollpatchError as e:
         print(f"rollpatch: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -46,6 +73,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_broken() -> bool:
+    """Whether stdout is a pipe whose reader has gone away (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor, or no poll on this OS
+        return False
+
+
+def _flush_stdout() -> bool:
+    """Flush stdout; False (and stdout silenced) when its reader has gone away."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_gone()
+        return False
+    return True
+
+
+def _stdout_gone() -> int:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (captured in tests): nothing to do
+        pass
+    return EXIT_SIGPIPE
 
 
 if __name__ == "__main__":

@@ -95,12 +95,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _codec_vocab(n_params: int) -> int:
+    """Vocabulary of the simulated model: Llama's 32,000 when the model is big enough to hold
+    its embeddings (16.4M parameters and up), else smaller, so that embedding and lm_head stay
+    at most about half the model, as in small real models (32,000 x 64 x 2 alone is 4.1M)."""
+    return min(32000, max(256, n_params // 512 // 64 * 64))
+
+
+def _sim_config(args: argparse.Namespace) -> Any:
+    from ..errors import ConfigError
+    from ..sim import SimConfig
+
+    n_params = int(args.params)
+    try:
+        return SimConfig(n_params=n_params, lr=args.lr, seed=args.seed,
+                         vocab=_codec_vocab(n_params))
+    except ValueError as e:  # SimConfig names its field; say which option that is
+        raise ConfigError(f"--params/--lr/--seed: {e}", hint="e.g. --params 2e6 (at least "
+                          "100,000), --lr in (0, 1), --seed >= 0") from None
+
+
 def cmd_codec(args: argparse.Namespace) -> int:
     from ..errors import ConfigError, TargetMismatchError
     from ..formats import cast_view
     from ..io import save_view
     from ..patch import apply, compose, decode, diff, encode
-    from ..sim import AdamSim, SimConfig
+    from ..sim import AdamSim
 
     args.steps = args.steps if args.steps is not None else _CODEC_STEPS
     args.lr = args.lr if args.lr is not None else _CODEC_LR
@@ -109,7 +129,7 @@ def cmd_codec(args: argparse.Namespace) -> int:
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     out = Path(args.out or "out/demo-codec")
     out.mkdir(parents=True, exist_ok=True)
-    sim = AdamSim(SimConfig(n_params=int(args.params), lr=args.lr, seed=args.seed))
+    sim = AdamSim(_sim_config(args))
     print(f"rollpatch demo: {sim.n_params / 1e6:.1f}M-parameter Llama-like model, AdamW "
           f"lr={args.lr:g}, {args.steps} steps, formats {', '.join(formats)}")
     views = {f: [cast_view(sim.masters(), f)] for f in formats}

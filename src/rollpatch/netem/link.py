@@ -19,8 +19,10 @@ _CONTROL_TIMEOUT_S = 30.0
 class Link:
     """A TCP link emulator listening on loopback and forwarding to ``upstream``.
 
-    >>> with Link(upstream=("127.0.0.1", 8000), latency_ms=25, mbps=1000) as link:  # doctest: +SKIP
-    ...     url = f"http://127.0.0.1:{link.port}/"
+    ::
+
+        with Link(upstream=("127.0.0.1", 8000), latency_ms=25, mbps=1000) as link:
+            url = f"http://127.0.0.1:{link.port}/"
 
     Takes a :class:`LinkConfig`, or its fields as keywords. ``start()`` (or ``with``) listens;
     ``close()`` stops accepting and closes every connection through the link. The event loop

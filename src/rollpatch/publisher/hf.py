@@ -1,10 +1,11 @@
-"""Publishing from a transformers (or TRL) training loop: :class:`RollpatchCallback`.
+"""Publishing from a transformers (or TRL) training loop: :class:`RollpatchCallback`::
 
->>> from rollpatch.publisher import Publisher, PublisherConfig  # doctest: +SKIP
->>> from rollpatch.publisher.hf import RollpatchCallback
->>> pub = Publisher("s3://bucket/rollpatch", "grpo-run-7", PublisherConfig(format="bf16"))
->>> trainer = GRPOTrainer(..., callbacks=[RollpatchCallback(pub)])
->>> trainer.train()     # one version per optimizer step; the publisher is closed at the end
+    from rollpatch.publisher import Publisher, PublisherConfig
+    from rollpatch.publisher.hf import RollpatchCallback
+
+    pub = Publisher("s3://bucket/rollpatch", "grpo-run-7", PublisherConfig(format="bf16"))
+    trainer = GRPOTrainer(..., callbacks=[RollpatchCallback(pub)])
+    trainer.train()     # one version per optimizer step; the publisher is closed at the end
 
 This module imports transformers (its ``TrainerCallback`` is the base class); ``import
 rollpatch`` and ``import rollpatch.publisher`` never do.

@@ -397,3 +397,61 @@ def test_cli_serves_until_terminated(board: Board, objects: list[ObjectRef],
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0 and f"at http://127.0.0.1:{port}" in out, out
+
+
+# -- hostile input (issue 11) -------------------------------------------------------------------
+
+
+def test_hostile_list_prefixes_links_and_fifos_are_refused(tmp_path: Path, serve) -> None:
+    root = tmp_path / "board"
+    board = Board(f"file://{root}")
+    publish(board, 0, keyframe=True)
+    secret = tmp_path / "passwd"
+    secret.write_bytes(b"root:x:0:0")
+    os.symlink(secret, root / "runs" / RUN / "objects" / "passwd")
+    os.symlink(tmp_path, root / "runs" / RUN / "up")
+    os.mkfifo(root / "runs" / RUN / "fifo")
+    relay = serve(f"file://{root}")
+    with httpx.Client(timeout=30) as h:
+        for prefix in ("../../..", "..", "runs/../..", "runs/..", "./runs", "runs//x",
+                       "..\\..\\etc", "/etc", "runs/\x00", "runs/\n"):
+            r = h.get(f"{relay.url}/v1/list", params={"prefix": prefix})
+            assert r.status_code == 400 and r.json()["error"], prefix
+        for key in (f"runs/{RUN}/objects/passwd", f"runs/{RUN}/up/passwd", f"runs/{RUN}/fifo"):
+            r = h.get(f"{relay.url}/v1/objects/{key}")
+            assert r.status_code == 404 and b"root:" not in r.content, key
+        listed = h.get(f"{relay.url}/v1/list", params={"prefix": "runs/"}).json()["keys"]
+    assert listed == board.store.list("runs/")
+    assert not any(k.endswith(("passwd", "fifo")) for k in listed)
+
+
+def test_corrupt_cache_files_do_not_stop_the_relay(board: Board, objects: list[ObjectRef],
+                                                  serve, tmp_path: Path) -> None:
+    import struct
+
+    first = serve(board.store, cache="c")
+    for ref in objects:
+        client(first).get(ref.key)
+    first.stop()
+    cache = tmp_path / "c"
+    files = sorted(cache.glob("??/*.blob"))
+
+    def header(doc: bytes) -> bytes:
+        return struct.pack("<8sI", b"RPRELAY1", len(doc)) + doc
+
+    files[0].write_bytes(header(b"[" * 10_000) + b"x")                  # RecursionError before
+    files[1].write_bytes(header(b'{"key": "\\ud800", "size": 1, "b3": "' + b"a" * 64 + b'"}'))
+    files[2].write_bytes(header(b'{"key": "k", "size": 1e400, "b3": 1}') + b"x")
+    (cache / "zz").mkdir()
+    (cache / "zz" / "folder.blob").mkdir()
+    os.mkfifo(cache / "zz" / "fifo.blob")
+    os.symlink(files[3], cache / "zz" / "link.blob")
+    upstream = Counting(board.store)
+    second = serve(upstream, cache="c")  # starts: every unusable file is discarded and logged
+    assert len(second.relay.cache) == len(objects) - 3
+    assert second.relay.metrics.value("rollpatch_relay_cache_discarded_total") == 6
+    assert sorted(p.name for p in (cache / "zz").iterdir()) == []
+    c = client(second)
+    for ref in objects:
+        assert c.get(ref.key) == board.store.get(ref.key)
+    assert len({k for (op, k), n in upstream.reads.items() if op == "get"}) == 3

@@ -390,3 +390,57 @@ def test_file_processes_race_cas_no_lost_update(tmp_path: Path) -> None:
     assert FileStore(tmp_path / "st").get("counter") == b"100"
     transitions = sorted(v for _, seen in results for v in seen)
     assert transitions == list(range(100))  # every old value was swapped out exactly once
+
+
+# -- hostile trees (issue 11) -------------------------------------------------------------------
+
+HOSTILE_PREFIXES = ["../../..", "..", "a/../b", "a/..", "./a", "a/./", "a//b", "/etc",
+                    "a\\..\\b", "..\\x", "a\x00b", "a\nb", "\ud800", ".rp-locks/"]
+
+
+@pytest.mark.parametrize("prefix", HOSTILE_PREFIXES, ids=range(len(HOSTILE_PREFIXES)))
+def test_list_prefixes_are_validated_like_keys(tmp_path: Path, prefix: str) -> None:
+    store = FileStore(tmp_path / "board", fsync=False)
+    with pytest.raises(ConfigError):
+        store.list(prefix)
+    with pytest.raises(ConfigError):
+        store.get(prefix.rstrip("/") or "x/..")
+    assert store.list("a/") == [] and store.list("a/b") == []  # partial segments are fine
+
+
+def _read_in_thread(call: Any) -> BaseException | None:
+    """Run ``call`` in a thread so a store that blocks (a FIFO) fails the test, not hangs it."""
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert out, "the read blocked"
+    return out[0]
+
+
+def test_file_store_refuses_links_and_special_files(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root:x:0:0")
+    root = tmp_path / "board"
+    store = FileStore(root, fsync=False)
+    store.put("runs/r1/ok", b"fine")
+    os.symlink(secret, root / "runs" / "r1" / "link")             # a file outside the board
+    os.symlink(tmp_path, root / "runs" / "r1" / "dirlink")        # a folder outside it
+    os.symlink(root / "runs" / "r1" / "ok", root / "runs" / "r1" / "inside")  # even inside
+    os.mkfifo(root / "runs" / "r1" / "fifo")
+    for key in ("runs/r1/link", "runs/r1/dirlink/secret", "runs/r1/inside", "runs/r1/fifo"):
+        for call in (lambda k=key: store.get(k), lambda k=key: store.get_range(k, 0, 1)):
+            err = _read_in_thread(call)
+            assert isinstance(err, NotFoundError), (key, err)
+        assert store.head(key) is None, key
+    assert store.list("") == store.list("runs/") == ["runs/r1/ok"]
+    assert store.list("runs/r1/dirlink/") == [] and store.list("runs/r1/l") == []
+    assert store.get("runs/r1/ok") == b"fine" and store.head("runs/r1/ok") is not None

@@ -7,14 +7,21 @@ One file per key, at ``ROOT/{h[:2]}/{h}.blob`` where ``h = sha256(key)``. A file
 Files are written to ``ROOT/.tmp-*`` and renamed into place, so a reader never sees a partial
 file. No fsync: the cache is a copy of upstream, and whatever a crash leaves behind is caught
 on restart (wrong length: deleted while indexing; wrong bytes: refused by the lazy re-hash that
-every entry found on disk passes before it is served).
+every entry found on disk passes before it is served). Whatever else is found there — a
+malformed header, a folder, a link, a FIFO — is discarded and logged, never fatal: the cache is
+only a copy, so the relay starts and fetches the object again. Cache files are opened without
+following links and never when they are not regular files.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
+import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -25,7 +32,8 @@ from typing import BinaryIO
 
 import blake3
 
-from ..errors import ConfigError
+from .. import jsonsafe
+from ..errors import ConfigError, RollpatchError
 from ..store import validate_key
 from .config import object_hash
 from .metrics import Metrics
@@ -37,6 +45,8 @@ _PREFIX = struct.Struct("<8sI")
 _MAX_HEADER = 16 * 1024
 _HASH_CHUNK = 8 << 20
 _TMP = ".tmp-"
+
+log = logging.getLogger("rollpatch.relay")
 
 
 @dataclass(frozen=True)
@@ -108,8 +118,8 @@ class DiskCache:
             if entry is None or not entry.verified:
                 return None
             try:
-                f = open(entry.path, "rb")  # noqa: SIM115 (the caller closes it)
-            except FileNotFoundError:  # removed behind our back: forget it
+                f = _open_regular(entry.path)
+            except OSError:  # removed or replaced behind our back: forget it
                 self._drop(key)
                 return None
             self._index.move_to_end(key)
@@ -154,7 +164,7 @@ class DiskCache:
             return entry
         ok = False
         try:
-            with open(entry.path, "rb") as f:
+            with _open_regular(entry.path) as f:
                 f.seek(entry.offset)
                 hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
                 remaining = entry.size
@@ -165,8 +175,9 @@ class DiskCache:
                     hasher.update(chunk)
                     remaining -= len(chunk)
                 ok = remaining == 0 and hasher.hexdigest() == entry.b3
-        except FileNotFoundError:
-            pass
+        except OSError as e:
+            log.warning("relay cache: cannot re-read %s (%s); fetching %s again", entry.path,
+                        e, key)
         with self._lock:
             if self._index.get(key) is not entry:
                 return None
@@ -206,16 +217,19 @@ class DiskCache:
             self.metrics.inc("rollpatch_relay_evictions_total")
 
     def _load(self) -> None:
-        """Index the files a previous run left (unverified), delete anything else."""
+        """Index the files a previous run left (unverified), discard anything else."""
         for tmp in self.root.glob(f"{_TMP}*"):
-            tmp.unlink(missing_ok=True)
+            _discard(tmp, "a partial write")
         found: list[tuple[float, CacheEntry]] = []
         for path in self.root.glob("??/*.blob"):
-            entry = _read_entry(path)
-            if entry is None or self._path(entry.key) != path:
-                path.unlink(missing_ok=True)
+            item, why = _read_entry(path)
+            if item is not None and self._path(item[1].key) != path:
+                item, why = None, "its key belongs to another file name"
+            if item is None:
+                _discard(path, why)
+                self.metrics.inc("rollpatch_relay_cache_discarded_total")
                 continue
-            found.append((path.stat().st_mtime, entry))
+            found.append(item)
         for _, entry in sorted(found, key=lambda item: item[0]):
             self._index[entry.key] = entry
             self._bytes += entry.file_bytes
@@ -224,23 +238,54 @@ class DiskCache:
                 self._drop(next(iter(self._index)))
 
 
-def _read_entry(path: Path) -> CacheEntry | None:
-    """Parse a cache file's header (bounded); None for anything malformed or truncated."""
+def _open_regular(path: Path) -> BinaryIO:
+    """Open a cache file for reading: no link followed, never a FIFO or device (they block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _discard(path: Path, why: str) -> None:
+    """Remove something the cache cannot use; logged, never raised (start-up must go on)."""
+    log.warning("relay cache: discarding %s (%s)", path, why)
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("relay cache: cannot remove %s: %s", path, e)
+
+
+def _read_entry(path: Path) -> tuple[tuple[float, CacheEntry] | None, str]:
+    """Parse a cache file's header (bounded): ``((mtime, entry), "")``, or ``(None, why)``
+    for anything malformed, truncated, or not a regular file."""
+    try:
+        with _open_regular(path) as f:
             magic, n = _PREFIX.unpack(f.read(_PREFIX.size))
             if magic != _MAGIC or n > _MAX_HEADER:
-                return None
-            doc = json.loads(f.read(n))
-            total = os.fstat(f.fileno()).st_size
-        key, size, b3 = doc["key"], doc["size"], doc["b3"]
+                return None, "bad magic or header length"
+            doc = jsonsafe.loads(f.read(n), what="cache header", error=ConfigError,
+                                 max_bytes=_MAX_HEADER, max_depth=2)
+            st = os.fstat(f.fileno())
+        if not isinstance(doc, dict):
+            return None, "header is not an object"
+        key, size, b3 = doc.get("key"), doc.get("size"), doc.get("b3")
+        if not isinstance(key, str):
+            return None, "header has no key"
         validate_key(key)
         if not isinstance(size, int) or isinstance(size, bool) or not isinstance(b3, str) or \
-                len(b3) != 64 or total != _PREFIX.size + n + size:
-            return None
+                len(b3) != 64 or st.st_size != _PREFIX.size + n + size:
+            return None, "header does not match the file"
         expected = object_hash(key)
         if expected is not None and expected != b3:
-            return None
-        return CacheEntry(key, path, _PREFIX.size + n, size, b3, verified=False)
-    except (OSError, struct.error, ValueError, KeyError, TypeError):
-        return None
+            return None, "hash does not match the key"
+        return (st.st_mtime, CacheEntry(key, path, _PREFIX.size + n, size, b3,
+                                        verified=False)), ""
+    except (OSError, struct.error, RollpatchError) as e:
+        return None, f"{type(e).__name__}: {e}"

@@ -29,6 +29,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "rollpatch_relay_refused_total": (
         "counter", "Upstream answers refused (hash mismatch, invalid manifest, too large)."),
     "rollpatch_relay_evictions_total": ("counter", "Cache files evicted to stay in bounds."),
+    "rollpatch_relay_cache_discarded_total": (
+        "counter", "Unusable files found in the cache directory at start-up and removed."),
     "rollpatch_relay_cache_bytes": ("gauge", "Bytes of cache files on disk."),
     "rollpatch_relay_cache_entries": ("gauge", "Objects in the disk cache."),
 }

@@ -49,8 +49,9 @@ class ObjectInfo:
 def validate_key(key: str) -> str:
     """Return ``key`` if it is a valid object key, else raise :class:`ConfigError`.
 
-    Valid: a non-empty ``str`` of at most 1024 UTF-8 bytes, printable characters only, no
-    leading ``/``, no empty, ``.`` or ``..`` segments, no segment starting with ``.rp-``.
+    Valid: a non-empty ``str`` of at most 1024 UTF-8 bytes, printable characters only (no NUL,
+    no lone surrogates), no backslash, no leading ``/``, no empty, ``.`` or ``..`` segments, no
+    segment starting with ``.rp-``.
     """
     if not isinstance(key, str):
         raise ConfigError("object key must be a str", key=key)
@@ -58,33 +59,51 @@ def validate_key(key: str) -> str:
         raise ConfigError("object key must not be empty")
     _check_text(key, "object key")
     for segment in key.split("/"):
-        if segment in ("", ".", ".."):
-            raise ConfigError("object key has an empty, '.' or '..' segment", key=key,
-                              hint="keys are relative: 'a/b/c', no leading, trailing or "
-                                   "doubled '/'")
-        if segment.startswith(RESERVED_SEGMENT_PREFIX):
-            raise ConfigError(f"object key segments starting with {RESERVED_SEGMENT_PREFIX!r} "
-                              "are reserved for backend bookkeeping", key=key)
+        _check_segment(segment, key, "object key")
     return key
 
 
 def validate_prefix(prefix: str) -> str:
-    """Return ``prefix`` if it can start a key (``""`` lists everything), else ConfigError."""
+    """Return ``prefix`` if it can start a key (``""`` lists everything), else ConfigError.
+
+    The same rules as keys (:func:`validate_key`), except that the last segment may be partial
+    (``runs/r1/ver``) or empty (``runs/r1/``); ``.`` and ``..`` are refused there too.
+    """
     if not isinstance(prefix, str):
         raise ConfigError("list prefix must be a str", prefix=prefix)
     if prefix:
         _check_text(prefix, "list prefix")
-        if prefix.startswith("/"):
-            raise ConfigError("list prefix must not start with '/'", prefix=prefix)
+        *segments, last = prefix.split("/")
+        for segment in segments:
+            _check_segment(segment, prefix, "list prefix")
+        if last in (".", ".."):
+            raise ConfigError("list prefix has a '.' or '..' segment", prefix=prefix)
     return prefix
 
 
+def _check_segment(segment: str, text: str, what: str) -> None:
+    if segment in ("", ".", ".."):
+        raise ConfigError(f"{what} has an empty, '.' or '..' segment", key=text,
+                          hint="keys are relative: 'a/b/c', no leading, trailing or "
+                               "doubled '/'")
+    if segment.startswith(RESERVED_SEGMENT_PREFIX):
+        raise ConfigError(f"{what} segments starting with {RESERVED_SEGMENT_PREFIX!r} "
+                          "are reserved for backend bookkeeping", key=text)
+
+
 def _check_text(text: str, what: str) -> None:
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
-        raise ConfigError(f"{what} is longer than {MAX_KEY_BYTES} UTF-8 bytes",
-                          length=len(text.encode("utf-8", "surrogatepass")))
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ConfigError(f"{what} is not valid Unicode (a lone surrogate)",
+                          key=text.encode("utf-8", "backslashreplace").decode()) from None
+    if size > MAX_KEY_BYTES:
+        raise ConfigError(f"{what} is longer than {MAX_KEY_BYTES} UTF-8 bytes", length=size)
     if not text.isprintable():
         raise ConfigError(f"{what} has non-printable characters", key=text)
+    if "\\" in text:
+        raise ConfigError(f"{what} has a backslash", key=text,
+                          hint="separate segments with '/'")
     if text.startswith("/"):
         raise ConfigError(f"{what} must not start with '/'", key=text)
 

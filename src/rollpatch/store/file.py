@@ -12,6 +12,11 @@ How each guarantee is kept:
   in the kernel, so of many racing processes exactly one wins; nobody ever sees a partial file.
 - cas: an exclusive ``flock`` on a per-key lock file, then read-compare, then ``os.replace``
   (or ``os.link`` when the expectation is "absent", so it cannot clobber a racing ``put``).
+- only regular files are objects: reads, ``head`` and ``list`` walk the key's path one
+  segment at a time without following symbolic links (``O_NOFOLLOW`` relative to the parent
+  folder's descriptor), and never open a FIFO, socket or device; such names read as absent and
+  are not listed. So a link planted in the board cannot serve ``/etc/passwd``, and a FIFO
+  cannot hang a reader. (The root itself may be a link: the operator chose it.)
 """
 
 from __future__ import annotations
@@ -74,17 +79,57 @@ class FileStore(Store):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*key.split("/"))
 
-    def _open_read(self, key: str) -> int:
+    def _open_dir(self, parts: list[str]) -> int:
+        """A descriptor of the folder ``root/parts...``, no link followed below the root."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError("no such object", key=key, store=self.uri) from None
-        except OSError as e:
-            raise StoreError(f"cannot open object: {e.strerror}", key=key, store=self.uri) from e
-        if not _is_regular(fd):
+            for segment in parts:
+                nxt = os.open(segment, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+        except BaseException:
             os.close(fd)
-            raise NotFoundError("no such object (a directory has that name)", key=key,
-                                store=self.uri)
+            raise
+        return fd
+
+    def _lstat(self, key: str) -> os.stat_result | None:
+        """``lstat`` of the key's file reached without following links; None if absent."""
+        *folders, name = key.split("/")
+        try:
+            fd = self._open_dir(folders)
+        except OSError as e:
+            if e.errno in _ABSENT:
+                return None
+            raise
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError as e:
+            if e.errno in _ABSENT:
+                return None
+            raise
+        finally:
+            os.close(fd)
+
+    def _open_read(self, key: str) -> int:
+        *folders, name = key.split("/")
+        try:
+            folder = self._open_dir(folders)
+            try:
+                st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):  # never open a FIFO or device: it may block
+                    raise _not_object(key, self.uri, st.st_mode)
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+            finally:
+                os.close(folder)
+        except OSError as e:
+            if e.errno in _ABSENT:
+                raise NotFoundError("no such object", key=key, store=self.uri) from None
+            if e.errno == errno.ELOOP:
+                raise _not_object(key, self.uri, stat.S_IFLNK) from None
+            raise StoreError(f"cannot open object: {e.strerror}", key=key, store=self.uri) from e
+        if not _is_regular(fd):  # swapped between the stat and the open
+            os.close(fd)
+            raise _not_object(key, self.uri, 0)
         return fd
 
     def _get(self, key: str) -> bytes:
@@ -105,11 +150,9 @@ class FileStore(Store):
                 os.close(fd)
 
     def _head(self, key: str) -> ObjectInfo | None:
-        try:
-            st = os.stat(self._path(key))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        if not stat.S_ISREG(st.st_mode):
+        with _os_errors("head", key, self.uri):
+            st = self._lstat(key)
+        if st is None or not stat.S_ISREG(st.st_mode):
             return None
         return ObjectInfo(key=key, size=st.st_size,
                           etag=f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}",
@@ -117,20 +160,35 @@ class FileStore(Store):
 
     def _list(self, prefix: str) -> list[str]:
         base_key, _, tail = prefix.rpartition("/")
-        base = self._path(base_key) if base_key else self.root
-        if not base.is_dir():
-            return []
+        base = base_key.split("/") if base_key else []
+        pending = [base]
         keys: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(base):
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            at_base = dirpath == str(base)
-            dirnames[:] = [d for d in dirnames if not d.startswith(RESERVED_SEGMENT_PREFIX)
-                           and (not at_base or d.startswith(tail))]
-            for name in filenames:
-                key = rel + name
-                if key.startswith(prefix) and _is_key(key):
-                    keys.append(key)
+        while pending:  # iterative: one folder open at a time, links never entered
+            parts = pending.pop()
+            at_base = parts == base  # folders below the base have longer paths
+            try:
+                fd = self._open_dir(parts)
+            except OSError as e:
+                if e.errno in _ABSENT or e.errno == errno.ELOOP:
+                    continue
+                raise StoreError(f"list failed: {e.strerror}", prefix=prefix,
+                                 store=self.uri) from e
+            rel = "".join(f"{p}/" for p in parts)
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        name = entry.name
+                        if at_base and not name.startswith(tail):
+                            continue
+                        if entry.is_dir(follow_symlinks=False):
+                            if not name.startswith(RESERVED_SEGMENT_PREFIX):
+                                pending.append([*parts, name])
+                        elif entry.is_file(follow_symlinks=False):
+                            key = rel + name
+                            if key.startswith(prefix) and _is_key(key):
+                                keys.append(key)
+            finally:
+                os.close(fd)
         return sorted(keys)
 
     # -- writes -------------------------------------------------------------------------------
@@ -271,6 +329,18 @@ class FileStore(Store):
             yield
         finally:
             os.close(fd)  # closing releases the flock
+
+
+#: errno values that mean "no such object here".
+_ABSENT = (errno.ENOENT, errno.ENOTDIR)
+
+
+def _not_object(key: str, uri: str, mode: int) -> NotFoundError:
+    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
+            or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    return NotFoundError(f"no such object ({kind} has that name; only regular files are "
+                         "objects)", key=key, store=uri)
 
 
 def _clash(key: str, uri: str) -> StoreError:

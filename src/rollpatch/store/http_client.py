@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import http.client
-import json
 import re
 import socket
 import time
@@ -24,6 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
 
+from .. import jsonsafe
 from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
@@ -205,10 +205,8 @@ def _content_length(r: http.client.HTTPResponse, key: str) -> int:
 
 def _parse_list(body: bytes, prefix: str, after: str | None,
                 uri: str) -> tuple[list[str], str | None]:
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StoreError(f"relay list answer is not JSON: {e}", store=uri) from None
+    doc = jsonsafe.loads(body, what="relay list answer", error=StoreError,
+                         max_bytes=len(body), max_depth=4, store=uri)
     keys, nxt = (doc.get("keys"), doc.get("next")) if isinstance(doc, dict) else (None, None)
     if not isinstance(keys, list) or not (nxt is None or isinstance(nxt, str)):
         raise StoreError('relay list answer must be {"keys": [str], "next": str|null}', store=uri)

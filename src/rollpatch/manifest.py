@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import jsonsafe
 from .errors import ManifestError
 from .types import MAX_VERSION, ObjectRef, check_run
 
@@ -22,6 +23,8 @@ __all__ = ["MAX_MANIFEST_BYTES", "SCHEMA", "KeyframeObject", "Manifest", "PatchO
 
 SCHEMA = "rollpatch.manifest/1"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+#: A manifest nests 3 deep (document → object list → entry); anything far deeper is hostile.
+MAX_MANIFEST_DEPTH = 8
 MAX_OBJECTS = 4096
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _KEY = re.compile(r"^[A-Za-z0-9._/-]{1,1024}$")
@@ -112,10 +115,8 @@ class Manifest:
     def from_bytes(cls, raw: bytes) -> Manifest:
         if len(raw) > MAX_MANIFEST_BYTES:
             raise ManifestError("manifest too large", size=len(raw))
-        try:
-            d = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"manifest is not JSON: {e}") from None
+        d = jsonsafe.loads(raw, what="manifest", error=ManifestError,
+                           max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH)
         return cls.from_json(d)
 
     @classmethod

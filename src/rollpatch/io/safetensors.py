@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .. import jsonsafe
 from ..errors import ViewError
 from ..kinds import DTYPE_BYTES, get_kind, kind_for_dtype
 from ..view import Tensor, View
@@ -34,6 +35,8 @@ __all__ = [
 #: The safetensors reference implementation's cap on the JSON header.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _MAX_DIMS = 16
+#: header → entry → shape list: 3 levels; the spec allows no deeper structure.
+_MAX_DEPTH = 8
 _KINDS_KEY = "rollpatch.kinds"
 
 
@@ -54,10 +57,9 @@ def _header_len(raw: bytes, file_size: int) -> int:
 
 
 def _parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ViewError(f"safetensors header is not valid JSON: {e}") from None
+    # strict and bounded: no NaN, no duplicate names, no lone surrogates, no deep nesting
+    header = jsonsafe.loads(raw, what="safetensors header", error=ViewError,
+                            max_bytes=MAX_HEADER_BYTES, max_depth=_MAX_DEPTH)
     if not isinstance(header, dict):
         raise ViewError("safetensors header must be a JSON object")
     return header
@@ -72,7 +74,7 @@ def _entries(header: dict[str, Any], data_len: int) -> list[tuple[str, str, tupl
         if not isinstance(e, dict) or set(e) - {"dtype", "shape", "data_offsets"}:
             raise ViewError("malformed safetensors entry", tensor=name)
         dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise ViewError(f"unsupported dtype {dtype!r}", tensor=name)
         if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48
@@ -99,10 +101,10 @@ def _kinds_from_metadata(meta: dict[str, Any]) -> dict[str, str]:
     raw = meta.get(_KINDS_KEY)
     if raw is None:
         return {}
-    try:
-        kinds = json.loads(raw)
-    except (TypeError, json.JSONDecodeError):
-        raise ViewError("malformed rollpatch.kinds metadata") from None
+    if not isinstance(raw, str):
+        raise ViewError("malformed rollpatch.kinds metadata")
+    kinds = jsonsafe.loads(raw, what="rollpatch.kinds metadata", error=ViewError,
+                           max_bytes=MAX_HEADER_BYTES, max_depth=2)
     if not isinstance(kinds, dict) or not all(isinstance(v, str) for v in kinds.values()):
         raise ViewError("malformed rollpatch.kinds metadata")
     return kinds

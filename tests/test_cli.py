@@ -102,10 +102,82 @@ def test_torch_checkpoint_input(tmp_path: Path) -> None:
 
 def test_console_script_subprocess(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "rollpatch", "inspect",
-                          str(Path(__file__).parent / "golden" / "step.rpatch")],
+                          str(Path(__file__).parent / "golden" / "v1" / "step.rpatch")],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert "rp.ctxgolomb.v1" in res.stdout
     res = subprocess.run([sys.executable, "-m", "rollpatch", "inspect", str(tmp_path / "none")],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 2 and "No such file" in res.stderr and "Traceback" not in res.stderr
+
+
+# -- hostile input (issue 11) -------------------------------------------------------------------
+
+
+def test_inspect_escapes_control_characters_in_names(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    evil = "w\x1b]0;pwned\x07\x1b[2J\u2028"
+    a = cast_view({evil: _masters(1)["model.embed_tokens.weight"]}, "bf16")
+    b = cast_view({evil: _masters(6, step=1e-2)["model.embed_tokens.weight"]}, "bf16")
+    save_view(a, tmp_path / "a.safetensors")
+    save_view(b, tmp_path / "b.safetensors")
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
+                 "--views", "-o", str(tmp_path / "p")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u2028" not in out
+    assert "w\\x1b]0;pwned\\x07\\x1b[2J\\u2028" in out
+    assert main(["inspect", str(tmp_path / "p"), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and json.loads(out)["tensors"][0]["name"] == evil
+
+
+def test_key_files_are_read_the_same_way_everywhere(tmp_path: Path) -> None:
+    from rollpatch.cli.secrets import read_secret, read_token
+    from rollpatch.errors import ConfigError
+
+    for name, raw in (("plain", b"s3cret"), ("newline", b"s3cret\n"), ("crlf", b"  s3cret\r\n")):
+        (tmp_path / name).write_bytes(raw)
+        assert read_secret(str(tmp_path / name)) == b"s3cret"
+        assert read_token(str(tmp_path / name)) == "s3cret"
+    (tmp_path / "empty").write_bytes(b" \n")
+    (tmp_path / "binary").write_bytes(b"\xff\x00tok")
+    for bad, call in (("empty", read_secret), ("missing", read_secret), ("binary", read_token)):
+        with pytest.raises(ConfigError):
+            call(str(tmp_path / bad))
+
+
+def test_pull_and_publish_share_the_key_file_rule(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "m.safetensors"
+    _save_masters(ckpt, _masters(1))
+    key = tmp_path / "key"
+    key.write_bytes(b"a-board-signing-key\n")  # publish strips the newline; pull must too
+    board = f"file://{tmp_path / 'board'}"
+    assert main(["publish", str(ckpt), "--board", board, "--run", "r1",
+                 "--signing-key-file", str(key)]) == 0
+    assert main(["pull", "--board", board, "--run", "r1", "--key-file", str(key),
+                 "-o", str(tmp_path / "out.safetensors")]) == 0
+    capsys.readouterr()
+    key.write_bytes(b"\n")
+    assert main(["pull", "--board", board, "--run", "r1", "--key-file", str(key),
+                 "-o", str(tmp_path / "out2.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "key file is empty" in err[0]
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000, b'{"w": {"dtype": {"a": 1}}}',
+                                    b'{"\\ud800": 1}', b'{"a": NaN}'])
+def test_bad_safetensors_input_exits_2_with_one_line(tmp_path: Path, header: bytes,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(len(header).to_bytes(8, "little") + header)
+    good = tmp_path / "good.safetensors"
+    save_view(cast_view(_masters(1), "bf16"), good)
+    for argv in (["diff", str(bad), str(good), "--views", "-o", str(tmp_path / "p")],
+                 ["cast", str(bad), "-o", str(tmp_path / "v")],
+                 ["publish", str(bad), "--board", f"file://{tmp_path / 'b'}", "--run", "r1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("rollpatch: error:"), (argv, err)

@@ -113,17 +113,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         json.dump({**info.to_json(), "file_bytes": len(blob)}, sys.stdout, indent=1)
         print()
         return 0
-    print(f"patch {args.patch}: {len(blob):,} bytes (header {info.header_bytes:,}, "
+    print(f"patch {_shown(args.patch)}: {len(blob):,} bytes (header {info.header_bytes:,}, "
           f"payload {info.payload_bytes:,})")
-    print(f"base   {info.base}\ntarget {info.target}")
+    print(f"base   {_shown(info.base)}\ntarget {_shown(info.target)}")
     for k, v in sorted(info.meta.items()):
-        print(f"meta   {k} = {v}")
+        print(f"meta   {_shown(k)} = {_shown(v)}")
     by_codec: dict[str, int] = {}
     rows = []
     for e in info.tensors:
-        by_codec[e["codec"]] = by_codec.get(e["codec"], 0) + e["length"]
-        rows.append((e["name"], e["op"], e["kind"], "x".join(map(str, e["shape"])) or "scalar",
-                     f"{e['changed']:,}", e["codec"], f"{e['length']:,}"))
+        codec = _shown(e["codec"])
+        by_codec[codec] = by_codec.get(codec, 0) + e["length"]
+        rows.append((_shown(e["name"]), _shown(e["op"]), _shown(e["kind"]),
+                     "x".join(map(str, e["shape"])) or "scalar",
+                     f"{e['changed']:,}", codec, f"{e['length']:,}"))
     head = ("tensor", "op", "kind", "shape", "changed", "codec", "bytes")
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
@@ -131,6 +133,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{len(rows)} tensors, {info.n_changed:,} changed elements; bytes by codec: " +
           ", ".join(f"{c} {b:,}" for c, b in sorted(by_codec.items())))
     return 0
+
+
+def _shown(value: object) -> str:
+    """Text from a file, safe for a terminal: control characters (escape sequences), other
+    non-printables and lone surrogates are shown escaped (``\\x1b``), never emitted raw."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace")
+                   .decode("ascii") for c in text)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

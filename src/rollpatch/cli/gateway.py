@@ -28,6 +28,8 @@ def register(sub: Any) -> None:
                    help="most islands one request is sent to (default 3)")
     p.add_argument("--connect-timeout", type=float, default=2.0,
                    help="seconds to connect to a sidecar before trying another (default 2)")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="N",
+                   help="largest request body accepted (413 above it)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_gateway)
@@ -36,10 +38,12 @@ def register(sub: Any) -> None:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from ..gateway import GatewayConfig, parse_island
     from ..gateway.server import start_gateway
+    from ..sidecar.body import BodyLimits
 
     islands = [parse_island(s) for s in args.sidecar]
     config = GatewayConfig(poll_s=args.poll, max_attempts=args.max_attempts,
-                           connect_timeout_s=args.connect_timeout)
+                           connect_timeout_s=args.connect_timeout,
+                           body=BodyLimits(max_bytes=args.max_body_bytes))
     running = start_gateway(islands, host=args.host, port=args.port, config=config,
                             log_level=args.log_level)
     names = ", ".join(f"{i.name}={i.url}" for i in islands)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, VersionNotFoundError
 from .codec import format_args
+from .secrets import read_secret
 
 __all__ = ["register"]
 
@@ -45,12 +45,7 @@ def register(sub: Any) -> None:
 
 
 def _signing_key(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(f"cannot read the signing key file: {e.strerror}", path=path) from None
+    return None if path is None else read_secret(path, "signing key file")
 
 
 def cmd_publish(args: argparse.Namespace) -> int:

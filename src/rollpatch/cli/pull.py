@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 __all__ = ["cmd_pull", "register"]
@@ -33,9 +32,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from ..errors import VerificationError
     from ..follower import Follower, FollowerConfig
     from ..io import save_view
+    from .secrets import read_secret
 
     _logging(args.verbose)
-    key = Path(args.key_file).read_bytes() if args.key_file else None
+    key = read_secret(args.key_file) if args.key_file else None
     config = FollowerConfig(fetch_workers=args.workers, retries=args.retries,
                             timeout_s=args.timeout, verify_signature_key=key)
     engine = ViewEngine()

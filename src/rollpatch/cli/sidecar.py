@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-from pathlib import Path
 from typing import Any
 
 __all__ = ["register"]
@@ -28,6 +27,8 @@ def register(sub: Any) -> None:
     p.add_argument("--commit-mode", choices=COMMIT_MODES, default="drain")
     p.add_argument("--admin-token-file", help="require this bearer token on admin routes")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between LATEST polls")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="N",
+                   help="largest request body accepted (413 above it)")
     p.add_argument("--threads", type=int, help="torch threads for the reference engine")
     p.set_defaults(func=cmd_sidecar)
 
@@ -35,10 +36,13 @@ def register(sub: Any) -> None:
 def cmd_sidecar(args: argparse.Namespace) -> int:
     from ..follower import FollowerConfig
     from ..sidecar import SidecarConfig
+    from ..sidecar.body import BodyLimits
     from ..sidecar.server import make_engine, start_sidecar
+    from .secrets import read_token
 
-    token = Path(args.admin_token_file).read_text().strip() if args.admin_token_file else None
+    token = read_token(args.admin_token_file) if args.admin_token_file else None
     config = SidecarConfig(commit_mode=args.commit_mode, admin_token=token,
+                           body=BodyLimits(max_bytes=args.max_body_bytes),
                            follower=FollowerConfig(poll_s=args.poll))
     engine, url = make_engine(args.engine, model=args.model, engine_url=args.engine_url,
                               threads=args.threads)

@@ -56,5 +56,7 @@ def reseal(header: dict, payload: bytes, fix_payload_checksums: bool = True) -> 
             except (KeyError, TypeError):
                 pass
     raw = json.dumps(header).encode()
-    prefix = b"\x89RPATCH\n" + struct.pack("<HHI", 1, 0, len(raw)) + raw
+    version = header.get("version") if isinstance(header, dict) else 1
+    version = version if isinstance(version, int) and 0 <= version < 1 << 16 else 1
+    prefix = b"\x89RPATCH\n" + struct.pack("<HHI", version, 0, len(raw)) + raw
     return prefix + blake3.blake3(prefix).digest() + payload

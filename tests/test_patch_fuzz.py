@@ -115,12 +115,13 @@ def test_zip_bomb_full_tensor_is_bounded() -> None:
     import zstandard
 
     bomb = zstandard.ZstdCompressor(level=19).compress(bytes(64 << 20))
-    header = {"format": "rollpatch.patch", "version": 1, "base": A.digest(),
+    header = {"format": "rollpatch.patch", "version": 2, "digest": "rp.sum128.v1",
+              "base": A.digest(),
               "target": A.digest(), "payload_bytes": len(bomb), "meta": {},
               "tensors": [{"name": "zz", "op": "full", "kind": "u8", "dtype": "U8",
                            "shape": [16], "changed": 16, "base": None, "target": "0" * 64,
                            "codec": "zstd", "offset": 0, "length": len(bomb), "b3": ""}]}
-    with pytest.raises(RollpatchError, match="decompressed size"):
+    with pytest.raises(RollpatchError, match="declares the wrong size"):
         decode(reseal(header, bomb), A)
 
 

@@ -3,44 +3,100 @@
 A :class:`Tensor` is a flat, contiguous array of fixed-width unsigned words plus the
 safetensors dtype and shape it is served as, and a :class:`~rollpatch.kinds.Kind` that says
 how the codec reads its elements. A :class:`View` maps checkpoint names to tensors and keeps
-per-tensor digests and one root digest (BLAKE3, hex).
+per-tensor digests and one root digest (64 hex characters).
 
 Digests cover the dtype, the shape and the bytes — what an engine can recompute from what it
 holds — never Python objects. The root digest binds the sorted (name, tensor digest) pairs.
+Two algorithms (docs/patch-format.md §7): ``rp.sum128.v1`` (the default: a 128-bit additive
+checksum at memory speed, finalised with BLAKE3 over its state; it guards against faults, not
+forgers — objects on the board carry BLAKE3 for that) and ``rp.blake3.v1`` (patch format 1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import blake3
 import numpy as np
 
+from . import native
 from .errors import ViewError
 from .kinds import DTYPE_BYTES, Kind, get_kind
 
-__all__ = ["Tensor", "View", "WordSource", "root_digest", "tensor_digest"]
+__all__ = ["DEFAULT_DIGEST", "DigestAlgo", "Tensor", "View", "WordSource", "root_digest",
+           "sum128", "tensor_digest"]
 
-_TENSOR_DOMAIN = b"rollpatch.tensor.v1\x00"
-_ROOT_DOMAIN = b"rollpatch.view.v1\x00"
+DigestAlgo = Literal["rp.sum128.v1", "rp.blake3.v1"]
+DEFAULT_DIGEST: DigestAlgo = "rp.sum128.v1"
+_TENSOR_DOMAIN = {"rp.blake3.v1": b"rollpatch.tensor.v1\x00",
+                  "rp.sum128.v1": b"rollpatch.tensor.sum128.v1\x00"}
+_ROOT_DOMAIN = {"rp.blake3.v1": b"rollpatch.view.v1\x00", "rp.sum128.v1": b"rollpatch.view.v2\x00"}
+_SUM_K = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
+_SUM_S = (0x243F6A8885A308D3, 0x13198A2E03707344)
+_SUM_ROT = (32, 17)
+_M64 = (1 << 64) - 1
+#: Words per thread task when hashing one large tensor (the sum is additive over ranges).
+_SUM_SPLIT = 1 << 23
 
 
-def tensor_digest(dtype: str, shape: tuple[int, ...], data: np.ndarray) -> str:
-    """BLAKE3 digest (hex) of one served tensor: dtype, shape and raw little-endian bytes."""
+def _sum128_numpy(raw: np.ndarray) -> tuple[int, int]:
+    """Reference rp.sum128 state of bytes ``raw`` (uint8), zero-padded to 8-byte words."""
+    pad = (-raw.size) % 8
+    w = np.concatenate([raw, np.zeros(pad, np.uint8)]).view("<u8") if pad else raw.view("<u8")
+    j = np.arange(w.size, dtype=np.uint64)
+    out = []
+    with np.errstate(over="ignore"):
+        for lane in (0, 1):
+            x = w ^ (np.uint64(_SUM_S[lane]) + j * np.uint64(_SUM_K[lane]))
+            r = np.uint64(_SUM_ROT[lane])
+            term = (x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) \
+                + ((w << r) | (w >> (np.uint64(64) - r)))
+            out.append(int(term.sum(dtype=np.uint64)))
+    return out[0], out[1]
+
+
+def sum128(data: np.ndarray) -> tuple[int, int]:
+    """The rp.sum128 state (two 64-bit sums) of a contiguous array's bytes."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    core = native.core
+    if core is None:
+        return _sum128_numpy(raw)
+    words = (raw.size + 7) // 8
+    if words <= _SUM_SPLIT:
+        return tuple(core.sum128(raw, 0, words))  # type: ignore[return-value]
+    from .patch.codec_v2 import _map
+
+    parts = _map(lambda w0: core.sum128(raw, w0, min(_SUM_SPLIT, words - w0)),
+                 list(range(0, words, _SUM_SPLIT)))
+    return sum(a for a, _ in parts) & _M64, sum(b for _, b in parts) & _M64
+
+
+def _header(algo: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    return _TENSOR_DOMAIN[algo] + f"{dtype}|{','.join(str(d) for d in shape)}\x00".encode()
+
+
+def tensor_digest(dtype: str, shape: tuple[int, ...], data: np.ndarray,
+                  algo: DigestAlgo = DEFAULT_DIGEST) -> str:
+    """Digest (64 hex) of one served tensor: dtype, shape and raw little-endian bytes."""
+    if algo == "rp.sum128.v1":
+        a, b = sum128(data)
+        h = blake3.blake3(_header(algo, dtype, shape))
+        h.update(int(data.nbytes).to_bytes(8, "little") + a.to_bytes(8, "little")
+                 + b.to_bytes(8, "little"))
+        return h.hexdigest()
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update(_TENSOR_DOMAIN)
-    h.update(f"{dtype}|{','.join(str(d) for d in shape)}\x00".encode())
+    h.update(_header(algo, dtype, shape))
     if data.size:
         h.update(memoryview(np.ascontiguousarray(data)).cast("B"))  # type: ignore[arg-type]
     return h.hexdigest()
 
 
-def root_digest(tensor_digests: Mapping[str, str]) -> str:
+def root_digest(tensor_digests: Mapping[str, str], algo: DigestAlgo = DEFAULT_DIGEST) -> str:
     """Root digest (hex) of a view from its per-tensor digests."""
     h = blake3.blake3()
-    h.update(_ROOT_DOMAIN)
+    h.update(_ROOT_DOMAIN[algo])
     for name in sorted(tensor_digests):
         raw = name.encode()
         h.update(len(raw).to_bytes(4, "little"))
@@ -94,8 +150,8 @@ class Tensor:
         out[1::2] = self.data >> 4
         return out
 
-    def digest(self) -> str:
-        return tensor_digest(self.dtype, self.shape, self.data)
+    def digest(self, algo: DigestAlgo = DEFAULT_DIGEST) -> str:
+        return tensor_digest(self.dtype, self.shape, self.data, algo)
 
     def copy(self) -> Tensor:
         return Tensor(self.kind, self.shape, self.data.copy())
@@ -137,6 +193,7 @@ class View(Mapping[str, Tensor]):
                  metadata: Mapping[str, str] | None = None) -> None:
         self._tensors: dict[str, Tensor] = dict(tensors or {})
         self._digests: dict[str, str] = {}
+        self._legacy: dict[str, str] = {}  # rp.blake3.v1 digests (patch format 1)
         self.metadata: dict[str, str] = dict(metadata or {})
 
     def __getitem__(self, name: str) -> Tensor:
@@ -150,44 +207,51 @@ class View(Mapping[str, Tensor]):
 
     def __setitem__(self, name: str, tensor: Tensor) -> None:
         self._tensors[name] = tensor
-        self._digests.pop(name, None)
+        self.invalidate(name)
 
     def __delitem__(self, name: str) -> None:
         del self._tensors[name]
-        self._digests.pop(name, None)
+        self.invalidate(name)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._tensors.values())
 
-    def tensor_digest(self, name: str) -> str:
+    def _cache(self, algo: DigestAlgo) -> dict[str, str]:
+        return self._digests if algo == DEFAULT_DIGEST else self._legacy
+
+    def tensor_digest(self, name: str, algo: DigestAlgo = DEFAULT_DIGEST) -> str:
         """The (cached) digest of one tensor."""
-        d = self._digests.get(name)
+        cache = self._cache(algo)
+        d = cache.get(name)
         if d is None:
-            d = self._digests[name] = self._tensors[name].digest()
+            d = cache[name] = self._tensors[name].digest(algo)
         return d
 
-    def tensor_digests(self) -> dict[str, str]:
-        return {name: self.tensor_digest(name) for name in self._tensors}
+    def tensor_digests(self, algo: DigestAlgo = DEFAULT_DIGEST) -> dict[str, str]:
+        return {name: self.tensor_digest(name, algo) for name in self._tensors}
 
-    def digest(self) -> str:
+    def digest(self, algo: DigestAlgo = DEFAULT_DIGEST) -> str:
         """The root digest of the view."""
-        return root_digest(self.tensor_digests())
+        return root_digest(self.tensor_digests(algo), algo)
 
     def invalidate(self, name: str | None = None) -> None:
         """Forget cached digests (of one tensor, or all) after changing words directly."""
         if name is None:
             self._digests.clear()
+            self._legacy.clear()
         else:
             self._digests.pop(name, None)
+            self._legacy.pop(name, None)
 
-    def set_digest(self, name: str, digest: str) -> None:
+    def set_digest(self, name: str, digest: str, algo: DigestAlgo = DEFAULT_DIGEST) -> None:
         """Record a digest already verified for the current words of ``name``."""
-        self._digests[name] = digest
+        self._cache(algo)[name] = digest
 
     def copy(self) -> View:
         out = View({k: t.copy() for k, t in self._tensors.items()}, self.metadata)
         out._digests = dict(self._digests)
+        out._legacy = dict(self._legacy)
         return out
 
 

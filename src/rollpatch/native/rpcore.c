@@ -5,6 +5,9 @@
 
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #define NCTX 256
 #define FAIL(code, msg)    \
@@ -598,9 +601,21 @@ int rp_encode_chunk_sparse(const rp_kind *kd, const uint8_t *base, int64_t start
         r.oldv[r.k] = (x); r.newv[r.k] = newv[j]; r.k++; j++;                               \
     } while (0)
 #define ISCHANGED(i, x) (j < count && pos[j] == (i))
-#define GET(i) elem_get(base, kd->bits, start + (i))
-    COUNT_LOOP(GET);
+    if (kd->bits == 16) {
+        const uint16_t *a = (const uint16_t *)base + start;
+#define GET(i) ((uint64_t)a[i])
+        COUNT_LOOP(GET);
 #undef GET
+    } else if (kd->bits == 8) {
+        const uint8_t *a = base + start;
+#define GET(i) ((uint64_t)a[i])
+        COUNT_LOOP(GET);
+#undef GET
+    } else {
+#define GET(i) elem_get(base, kd->bits, start + (i))
+        COUNT_LOOP(GET);
+#undef GET
+    }
 #undef RECORD
 #undef ISCHANGED
     for (int c = 0; c < NCTX; c++) ncnt[c] = RANK(c);
@@ -730,41 +745,123 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
         }                                                                                   \
     } while (0)
 
-/* Phase B: walk the base once per lane, turning per-context ranks into positions. Up to
- * four lanes advance together so their table updates overlap. */
+/* Phase B: walk the base once, turning per-context ranks into positions, 64 elements per
+ * block. The HOT most populous listed contexts are counted with byte compares and popcounts
+ * (no per-element table update: a chain of store-to-load forwards when neighbours share a
+ * context, which they mostly do); the rest go through the per-context table one by one. */
+#define HOT 8
+
+static inline void block_ctx(const rp_kind *kd, const uint8_t *base, int64_t s, int len,
+                             uint8_t *cb) {
+    const unsigned sh = (unsigned)kd->shift, mk = (1u << kd->cbits) - 1;
+    if (kd->bits == 16) {
+        const uint16_t *p = (const uint16_t *)base + s;
+        for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
+    } else if (kd->bits == 8) {
+        const uint8_t *p = base + s;
+        for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
+    } else {
+        for (int i = 0; i < len; i++) cb[i] = (uint8_t)ctx_of(kd, elem_get(base, kd->bits, s + i));
+    }
+}
+
+#define JOIN_BODY(EQMASK)                                                                   \
+    int hot[HOT], H = 0;                                                                    \
+    uint32_t hcnt[HOT], htgt[HOT];                                                          \
+    uint64_t hcur[HOT], hend[HOT];                                                          \
+    uint8_t cb[64];                                                                         \
+    {                                                                                       \
+        int used[NCTX] = {0};                                                               \
+        for (; H < HOT && H < l->pp.g; H++) {                                               \
+            int best = -1;                                                                  \
+            for (int i = 0; i < l->pp.g; i++)                                               \
+                if (!used[i] && (best < 0 || l->pp.nc[i] > l->pp.nc[best])) best = i;       \
+            used[best] = 1;                                                                 \
+            int c = l->pp.cid[best];                                                        \
+            hot[H] = c; hcnt[H] = 0; htgt[H] = l->tgt[c];                                   \
+            hcur[H] = l->cur[c]; hend[H] = l->endr[c];                                      \
+        }                                                                                   \
+    }                                                                                       \
+    for (int64_t b0 = 0; b0 < n; b0 += 64) {                                                \
+        int len = n - b0 < 64 ? (int)(n - b0) : 64;                                         \
+        block_ctx(kd, base, start + b0, len, cb);                                           \
+        uint64_t valid = len == 64 ? ~0ULL : (1ULL << len) - 1, hits = 0, cold = valid;     \
+        for (int t = 0; t < H; t++) {                                                       \
+            uint64_t m = EQMASK(cb, len, hot[t]) & valid;                                   \
+            cold &= ~m;                                                                     \
+            uint32_t pc = (uint32_t)__builtin_popcountll(m);                                \
+            while (hcnt[t] + pc > htgt[t]) {                                                \
+                uint32_t r = htgt[t] - hcnt[t];                                             \
+                uint64_t mm = m;                                                            \
+                while (r--) mm &= mm - 1;                                                   \
+                hits |= mm & (0 - mm);                                                      \
+                uint64_t nx = ++hcur[t];                                                    \
+                htgt[t] = nx < hend[t] ? l->ranks[nx] : UINT32_MAX;                         \
+            }                                                                               \
+            hcnt[t] += pc;                                                                  \
+        }                                                                                   \
+        while (cold) {                                                                      \
+            int i = __builtin_ctzll(cold);                                                  \
+            cold &= cold - 1;                                                               \
+            unsigned c = cb[i];                                                             \
+            if (__builtin_expect(l->cnt[c]++ == l->tgt[c], 0)) {                            \
+                hits |= 1ULL << i;                                                          \
+                uint64_t nx = ++l->cur[c];                                                  \
+                l->tgt[c] = nx < l->endr[c] ? l->ranks[nx] : UINT32_MAX;                    \
+            }                                                                               \
+        }                                                                                   \
+        while (hits) {                                                                      \
+            int i = __builtin_ctzll(hits);                                                  \
+            hits &= hits - 1;                                                               \
+            l->rpos[l->emitted] = (uint32_t)(b0 + i);                                       \
+            l->rctx[l->emitted++] = cb[i];                                                  \
+        }                                                                                   \
+    }                                                                                       \
+    for (int t = 0; t < H; t++) {                                                           \
+        l->cnt[hot[t]] = hcnt[t];                                                           \
+        l->cur[hot[t]] = hcur[t];                                                           \
+    }
+
+static inline uint64_t eqmask_scalar(const uint8_t *cb, int len, int h) {
+    uint64_t m = 0;
+    for (int i = 0; i < len; i++) m |= (uint64_t)(cb[i] == h) << i;
+    return m;
+}
+
+static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
+                        int64_t n) {
+    JOIN_BODY(eqmask_scalar)
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static inline uint64_t eqmask_avx2(const uint8_t *cb, int len,
+                                                                    int h) {
+    (void)len; /* cb always holds 64 bytes; bits past len are masked by the caller */
+    __m256i v = _mm256_set1_epi8((char)h);
+    uint32_t lo = (uint32_t)_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)cb), v));
+    uint32_t hi = (uint32_t)_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(cb + 32)), v));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+__attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const uint8_t *base,
+                                                       lane_t *l, int64_t start, int64_t n) {
+    JOIN_BODY(eqmask_avx2)
+}
+#endif
+
 static void join_lanes(const rp_kind *kd, const uint8_t *base, lane_t **ls, const int64_t *start,
                        const int64_t *n, int m) {
-    int64_t common = n[0];
-    for (int q = 1; q < m; q++) if (n[q] < common) common = n[q];
-    if (kd->bits == 16) {
-        const uint16_t *p[4];
-        for (int q = 0; q < m; q++) p[q] = (const uint16_t *)base + start[q];
-        int64_t i = 0;
-        if (m == 4) {
-            for (; i < common; i++) {
-                JOIN_STEP(ls[0], i, p[0][i]);
-                JOIN_STEP(ls[1], i, p[1][i]);
-                JOIN_STEP(ls[2], i, p[2][i]);
-                JOIN_STEP(ls[3], i, p[3][i]);
-            }
-        } else if (m >= 2) {
-            for (; i < common; i++)
-                for (int q = 0; q < m; q++) JOIN_STEP(ls[q], i, p[q][i]);
+    for (int q = 0; q < m; q++) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (__builtin_cpu_supports("avx2")) {
+            join_avx2(kd, base, ls[q], start[q], n[q]);
+            continue;
         }
-        for (int q = 0; q < m; q++)
-            for (int64_t j = i; j < n[q]; j++) JOIN_STEP(ls[q], j, p[q][j]);
-        return;
+#endif
+        join_scalar(kd, base, ls[q], start[q], n[q]);
     }
-    if (kd->bits == 8) {
-        for (int q = 0; q < m; q++) {
-            const uint8_t *p = base + start[q];
-            for (int64_t j = 0; j < n[q]; j++) JOIN_STEP(ls[q], j, p[j]);
-        }
-        return;
-    }
-    for (int q = 0; q < m; q++)
-        for (int64_t j = 0; j < n[q]; j++)
-            JOIN_STEP(ls[q], j, elem_get(base, kd->bits, start[q] + j));
 }
 
 /* Phase C: the rest of the streams, then old/new elements. */
@@ -911,7 +1008,6 @@ static inline uint64_t word_at(const uint8_t *d, size_t len, uint64_t j) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
 __attribute__((target("avx2"))) static void sum_avx2(const uint8_t *d, uint64_t j0,
                                                       uint64_t nw, uint64_t acc[2]) {
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();

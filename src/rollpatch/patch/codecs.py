@@ -251,6 +251,13 @@ class XorZstd(DeltaCodec):
 def bounded_decompress(payload: memoryview | bytes, size: int, exact: bool = True) -> bytes:
     """zstd-decompress exactly (or at most) ``size`` bytes, never more (no zip bombs)."""
     try:
+        declared = zstandard.frame_content_size(bytes(payload[:18]))
+    except zstandard.ZstdError as e:
+        raise PatchDecodeError(f"zstd payload is corrupt: {e}") from None
+    if declared >= 0 and (declared > size or (exact and declared != size)):
+        raise PatchDecodeError("zstd frame declares the wrong size", expected=size,
+                               declared=declared)
+    try:
         reader = zstandard.ZstdDecompressor().stream_reader(bytes(payload))
         parts, got = [], 0
         while got < size:
@@ -268,7 +275,13 @@ def bounded_decompress(payload: memoryview | bytes, size: int, exact: bool = Tru
     return out
 
 
-DELTA_CODECS: dict[str, DeltaCodec] = {c.codec_id: c for c in (CtxGolomb(), XorZstd())}
+def _registry() -> dict[str, DeltaCodec]:
+    from .codec_v2 import CtxGolombV2
+
+    return {c.codec_id: c for c in (CtxGolomb(), XorZstd(), CtxGolombV2())}  # type: ignore[misc]
+
+
+DELTA_CODECS: dict[str, DeltaCodec] = _registry()
 
 
 def get_delta_codec(codec_id: str) -> DeltaCodec:

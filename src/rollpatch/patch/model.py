@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import PatchError
 from ..kinds import Kind
-from ..view import Tensor
+from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor
 
 __all__ = ["OPS", "Patch", "TensorPatch"]
 
@@ -95,6 +95,8 @@ class Patch:
     target: str
     tensors: Mapping[str, TensorPatch]
     meta: Mapping[str, str] = field(default_factory=dict)
+    #: The view digest algorithm of ``base``, ``target`` and every tensor digest.
+    digest: DigestAlgo = DEFAULT_DIGEST
 
     @property
     def n_changed(self) -> int:
@@ -104,6 +106,7 @@ class Patch:
     def equals(self, other: Patch) -> bool:
         """Bitwise equality of two decoded patches (ignores ``meta``)."""
         return (self.base == other.base and self.target == other.target
+                and self.digest == other.digest
                 and sorted(self.tensors) == sorted(other.tensors)
                 and all(t.equals(other.tensors[n]) for n, t in self.tensors.items()))
 
@@ -116,4 +119,4 @@ class Patch:
                                  tensor=name)
             out[name] = TensorPatch(name, "delta", t.kind, t.shape, t.target_digest,
                                     t.base_digest, t.positions, t.new, t.old)
-        return Patch(self.target, self.base, out, dict(self.meta))
+        return Patch(self.target, self.base, out, dict(self.meta), self.digest)

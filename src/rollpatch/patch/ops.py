@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import native
 from ..errors import BaseMismatchError, PatchError, TargetMismatchError
-from ..view import Tensor, View
+from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View
 from .model import Patch, TensorPatch
 
 __all__ = ["apply", "compose", "diff", "gather", "scatter"]
@@ -17,14 +18,30 @@ __all__ = ["apply", "compose", "diff", "gather", "scatter"]
 
 def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
     """Elements of ``t`` at ``positions`` (nibbles for packed kinds)."""
+    core = native.core
+    if core is not None and positions.dtype == np.int64 and positions.flags.c_contiguous:
+        out = np.empty(positions.size, dtype=t.kind.elem_dtype)
+        core.gather(native.kind_tuple(t.kind, 0), t.data, positions, out)
+        return out
     if not t.kind.packed:
         return t.data[positions]
     b = t.data[positions >> 1]
     return np.where(positions & 1, b >> 4, b & 0x0F).astype(np.uint8)
 
 
-def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray) -> None:
-    """Write elements in place (read-modify-write of bytes for packed kinds)."""
+def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray,
+            old: np.ndarray | None = None) -> None:
+    """Write elements in place (read-modify-write of bytes for packed kinds).
+
+    With ``old`` and the native core, the old elements are checked first (nothing is
+    written unless all match) and the writes run without the GIL.
+    """
+    core = native.core
+    if core is not None and old is not None and positions.dtype == np.int64:
+        core.apply(native.kind_tuple(t.kind, 0), t.data, positions,
+                   np.ascontiguousarray(old, dtype=t.kind.elem_dtype),
+                   np.ascontiguousarray(values, dtype=t.kind.elem_dtype))
+        return
     if not t.kind.packed:
         t.data[positions] = values
         return
@@ -38,36 +55,44 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
     return a.kind == b.kind and a.shape == b.shape
 
 
-def diff(a: View, b: View) -> Patch:
+def changed_positions(a: Tensor, b: Tensor) -> np.ndarray:
+    """Sorted int64 positions of the elements where two same-layout tensors differ."""
+    core = native.core
+    if core is not None:
+        n = a.n_elements
+        return np.frombuffer(core.diff(native.kind_tuple(a.kind, 0), a.data, b.data, 0, n),
+                             dtype=np.int64)
+    ea, eb = (a.elements(), b.elements()) if a.kind.packed else (a.data, b.data)
+    return np.flatnonzero(ea != eb).astype(np.int64)
+
+
+def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
     """The patch that turns view ``a`` into view ``b``, bit for bit."""
     tensors: dict[str, TensorPatch] = {}
     for name in sorted(set(a) | set(b)):
         if name not in b:
             ta = a[name]
-            tensors[name] = TensorPatch(name, "drop", ta.kind, ta.shape, a.tensor_digest(name),
-                                        None)
+            tensors[name] = TensorPatch(name, "drop", ta.kind, ta.shape,
+                                        a.tensor_digest(name, digest), None)
             continue
         tb = b[name]
         if name not in a or not _same_layout(a[name], tb):
-            base = a.tensor_digest(name) if name in a else None
+            base = a.tensor_digest(name, digest) if name in a else None
             tensors[name] = TensorPatch(name, "full", tb.kind, tb.shape, base,
-                                        b.tensor_digest(name), tensor=tb.copy())
+                                        b.tensor_digest(name, digest), tensor=tb.copy())
             continue
         ta = a[name]
-        if ta.kind.packed:
-            ea, eb = ta.elements(), tb.elements()
-        else:
-            ea, eb = ta.data, tb.data
-        pos = np.flatnonzero(ea != eb)
+        pos = changed_positions(ta, tb)
         if pos.size == 0:
             continue
-        tensors[name] = TensorPatch(name, "delta", ta.kind, ta.shape, a.tensor_digest(name),
-                                    b.tensor_digest(name), pos.astype(np.int64), ea[pos],
-                                    eb[pos])
-    return Patch(a.digest(), b.digest(), tensors)
+        tensors[name] = TensorPatch(name, "delta", ta.kind, ta.shape,
+                                    a.tensor_digest(name, digest), b.tensor_digest(name, digest),
+                                    pos, gather(ta, pos), gather(tb, pos))
+    return Patch(a.digest(digest), b.digest(digest), tensors, digest=digest)
 
 
 def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
+    algo = patch.digest
     for name, tp in patch.tensors.items():
         if tp.op in ("delta", "drop") and name not in view:
             raise BaseMismatchError("the view lacks a tensor the patch changes", tensor=name)
@@ -85,12 +110,12 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
         if verify and name in view:
             view.invalidate(name)
         if name in view and tp.base_digest is not None \
-                and view.tensor_digest(name) != tp.base_digest:
+                and view.tensor_digest(name, algo) != tp.base_digest:
             raise BaseMismatchError("tensor is not the patch's base", tensor=name,
                                     hint="the engine is on another version; plan a new path")
-    if view.digest() != patch.base:
+    if view.digest(algo) != patch.base:
         raise BaseMismatchError("view root digest is not the patch's base",
-                                expected=patch.base[:16], actual=view.digest()[:16])
+                                expected=patch.base[:16], actual=view.digest(algo)[:16])
     for name, tp in patch.tensors.items():
         if tp.op == "delta":
             assert tp.positions is not None and tp.old is not None
@@ -109,14 +134,16 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
     if not inplace:
         view = view.copy()
     _check_applicable(view, patch, verify)
+    algo = patch.digest
     undo: list[tuple[str, TensorPatch, Tensor | None, str | None]] = []
     try:
         for name, tp in patch.tensors.items():
             prev = view[name] if name in view else None
-            undo.append((name, tp, prev, view.tensor_digest(name) if prev is not None else None))
+            undo.append((name, tp, prev,
+                         view.tensor_digest(name, algo) if prev is not None else None))
             if tp.op == "delta":
                 assert tp.positions is not None and tp.new is not None
-                scatter(view[name], tp.positions, tp.new)
+                scatter(view[name], tp.positions, tp.new, tp.old)
                 view.invalidate(name)
             elif tp.op == "full":
                 assert tp.tensor is not None
@@ -124,18 +151,19 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
             else:
                 del view[name]
         for name, tp in patch.tensors.items():
-            if tp.op != "drop" and view.tensor_digest(name) != tp.target_digest:
+            if tp.op != "drop" and view.tensor_digest(name, algo) != tp.target_digest:
                 raise TargetMismatchError("tensor does not match the target after applying",
                                           tensor=name)
-        if view.digest() != patch.target:
+        if view.digest(algo) != patch.target:
             raise TargetMismatchError("view root digest does not match the target")
     except BaseException:
-        _undo(view, undo)
+        _undo(view, undo, algo)
         raise
     return view
 
 
-def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | None]]) -> None:
+def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | None]],
+          algo: DigestAlgo) -> None:
     for name, tp, prev, digest in reversed(undo):
         if tp.op == "delta" and prev is not None:
             assert tp.positions is not None and tp.old is not None
@@ -146,7 +174,7 @@ def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | No
         else:
             view[name] = prev
             if digest is not None:
-                view.set_digest(name, digest)
+                view.set_digest(name, digest, algo)
 
 
 def _compose_delta(name: str, p: TensorPatch, q: TensorPatch) -> TensorPatch | None:
@@ -207,6 +235,9 @@ def compose(first: Patch, second: Patch) -> Patch:
 
     For delta tensors the result is exactly ``diff(a, c)``.
     """
+    if first.digest != second.digest:
+        raise PatchError("patches use different digest algorithms",
+                         first=first.digest, second=second.digest)
     if first.target != second.base:
         raise PatchError("patches do not chain: first.target != second.base",
                          first=first.target[:16], second=second.base[:16])
@@ -217,4 +248,4 @@ def compose(first: Patch, second: Patch) -> Patch:
             out[name] = tp
     meta = dict(first.meta)
     meta.update(second.meta)
-    return Patch(first.base, second.target, out, meta)
+    return Patch(first.base, second.target, out, meta, first.digest)

@@ -22,14 +22,22 @@ import zstandard
 
 from ..errors import BaseMismatchError, CodecError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
-from ..view import View, WordSource
+from ..view import DigestAlgo, View, WordSource
 from .codecs import DELTA_CODECS, bounded_decompress, decode_full, encode_full, get_delta_codec
 from .model import OPS, Patch, TensorPatch
 
 __all__ = ["MAGIC", "MAX_HEADER_BYTES", "PatchHeader", "decode", "encode", "inspect"]
 
 MAGIC = b"\x89RPATCH\n"
-VERSION = 1
+#: Format version written by default; 1 is still read (and written on request).
+VERSION = 2
+VERSIONS = (1, 2)
+#: Per format version: the view digest algorithm and the delta codecs it allows.
+DIGESTS: dict[int, DigestAlgo] = {1: "rp.blake3.v1", 2: "rp.sum128.v1"}
+_DELTA_BY_VERSION = {1: ("rp.ctxgolomb.v1", "rp.xorzstd.v1"),
+                     2: ("rp.ctxgolomb.v2", "rp.xorzstd.v1")}
+#: A ``full`` tensor may not decompress beyond max(base view bytes, this) unless allowed.
+MIN_FULL_BOUND = 256 * 1024 * 1024
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_NAME_BYTES = 1024
@@ -52,14 +60,20 @@ def _b3(data: bytes | memoryview) -> bytes:
     return blake3.blake3(data).digest()
 
 
-def encode(patch: Patch, base: WordSource) -> bytes:
-    """Serialize ``patch``; ``base`` (the patch's base view) drives the context model."""
+def encode(patch: Patch, base: WordSource, *, version: int = VERSION) -> bytes:
+    """Serialize ``patch``; ``base`` (the patch's base view) drives the context model.
+
+    ``version`` 2 (default) needs ``rp.sum128.v1`` digests, version 1 ``rp.blake3.v1``.
+    """
+    if version not in VERSIONS or patch.digest != DIGESTS[version]:
+        raise CodecError(f"patch format {version} carries {DIGESTS.get(version)} digests",
+                         digest=patch.digest, hint="diff(a, b, digest=...) to match")
     entries: list[dict[str, Any]] = []
     payloads: list[bytes] = []
     offset = 0
     names = sorted(patch.tensors)
     with _pool() as pool:
-        coded = pool.map(lambda n: _encode_tensor(patch.tensors[n], base), names)
+        coded = pool.map(lambda n: _encode_tensor(patch.tensors[n], base, version), names)
     for name, (codec, payload) in zip(names, coded):
         tp = patch.tensors[name]
         entries.append({
@@ -70,18 +84,20 @@ def encode(patch: Patch, base: WordSource) -> bytes:
         })
         payloads.append(payload)
         offset += len(payload)
-    header = {"format": "rollpatch.patch", "version": VERSION, "base": patch.base,
-              "target": patch.target, "payload_bytes": offset, "meta": dict(patch.meta),
-              "tensors": entries}
+    header: dict[str, Any] = {"format": "rollpatch.patch", "version": version}
+    if version >= 2:
+        header["digest"] = patch.digest
+    header.update({"base": patch.base, "target": patch.target, "payload_bytes": offset,
+                   "meta": dict(patch.meta), "tensors": entries})
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
     packed = zstandard.ZstdCompressor(level=9).compress(raw)
-    prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_ZSTD_HEADER, len(packed)) + packed
+    prefix = _PREFIX.pack(MAGIC, version, FLAG_ZSTD_HEADER, len(packed)) + packed
     return b"".join([prefix, _b3(prefix), *payloads])
 
 
-def _encode_tensor(tp: TensorPatch, base: WordSource) -> tuple[str, bytes]:
+def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str, bytes]:
     if tp.op == "drop":
         return "none", b""
     if tp.op == "full":
@@ -89,7 +105,7 @@ def _encode_tensor(tp: TensorPatch, base: WordSource) -> tuple[str, bytes]:
         return encode_full(tp.tensor)
     assert tp.positions is not None and tp.old is not None and tp.new is not None
     t = base[tp.name]
-    best = DELTA_CODECS["rp.ctxgolomb.v1"]
+    best = DELTA_CODECS[_DELTA_BY_VERSION[version][0]]
     payload = best.encode(t, tp.positions, tp.old, tp.new)
     if tp.positions.size > _DENSE * tp.n_elements:
         alt = DELTA_CODECS["rp.xorzstd.v1"].encode(t, tp.positions, tp.old, tp.new)
@@ -109,13 +125,20 @@ class PatchHeader:
     payload_start: int
     payload_bytes: int
     header_bytes: int
+    version: int = VERSION
+
+    @property
+    def digest(self) -> DigestAlgo:
+        """The view digest algorithm of every digest in the header."""
+        return DIGESTS[self.version]
 
     @property
     def n_changed(self) -> int:
         return sum(e["changed"] for e in self.tensors if e["op"] == "delta")
 
     def to_json(self) -> dict[str, Any]:
-        return {"base": self.base, "target": self.target, "meta": self.meta,
+        return {"version": self.version, "digest": self.digest,
+                "base": self.base, "target": self.target, "meta": self.meta,
                 "payload_bytes": self.payload_bytes, "header_bytes": self.header_bytes,
                 "changed": self.n_changed, "tensors": self.tensors}
 
@@ -128,7 +151,7 @@ def inspect(blob: bytes | memoryview) -> PatchHeader:
     magic, version, flags, hlen = _PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
         raise PatchDecodeError("not a rollpatch patch (bad magic)")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise PatchDecodeError(f"unsupported patch format version {version}",
                                hint="upgrade rollpatch")
     if flags & ~FLAG_ZSTD_HEADER:
@@ -140,17 +163,23 @@ def inspect(blob: bytes | memoryview) -> PatchHeader:
         raise PatchDecodeError("header checksum mismatch: the patch is corrupt")
     raw = bytes(mv[_PREFIX.size:end])
     if flags & FLAG_ZSTD_HEADER:
-        raw = bounded_decompress(raw, MAX_HEADER_BYTES, exact=False)
+        # headers compress ~3x: a frame that expands far beyond that is refused early
+        raw = bounded_decompress(raw, min(MAX_HEADER_BYTES, max(1 << 20, 64 * hlen)),
+                                 exact=False)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PatchDecodeError(f"header is not JSON: {e}") from None
-    parsed = _validate_header(header, hlen)
+        header = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise PatchDecodeError(f"header is not valid JSON: {str(e)[:200]}") from None
+    parsed = _validate_header(header, hlen, version)
     if parsed.payload_start + parsed.payload_bytes != len(mv):
         raise PatchDecodeError("file length does not match the header",
                                expected=parsed.payload_start + parsed.payload_bytes,
                                actual=len(mv))
     return parsed
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a patch header")
 
 
 def _need(cond: bool, what: str, **ctx: Any) -> None:
@@ -166,10 +195,11 @@ def _is_digest(x: Any, nullable: bool) -> bool:
     return (x is None and nullable) or (isinstance(x, str) and bool(_DIGEST_RE.match(x)))
 
 
-def _validate_header(h: Any, hlen: int) -> PatchHeader:
+def _validate_header(h: Any, hlen: int, version: int) -> PatchHeader:
     _need(isinstance(h, dict), "not an object")
-    _need(h.get("format") == "rollpatch.patch" and h.get("version") == VERSION,
+    _need(h.get("format") == "rollpatch.patch" and h.get("version") == version,
           "format/version fields")
+    _need(version < 2 or h.get("digest") == DIGESTS[version], "digest algorithm")
     _need(_is_digest(h.get("base"), False) and _is_digest(h.get("target"), False),
           "root digests")
     meta = h.get("meta", {})
@@ -181,17 +211,17 @@ def _validate_header(h: Any, hlen: int) -> PatchHeader:
     _need(isinstance(tensors, list) and len(tensors) <= MAX_TENSORS, "tensors list")
     prev, spans = None, []
     for e in tensors:
-        _validate_entry(e, payload_bytes)
+        _validate_entry(e, payload_bytes, version)
         _need(prev is None or e["name"] > prev, "tensors not sorted/unique", tensor=e["name"])
         prev = e["name"]
         spans.append((e["offset"], e["offset"] + e["length"]))
     spans.sort()
     _need(all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "overlapping payloads")
     return PatchHeader(h["base"], h["target"], dict(meta), tensors, _PREFIX.size + hlen + 32,
-                       payload_bytes, hlen)
+                       payload_bytes, hlen, version)
 
 
-def _validate_entry(e: Any, payload_bytes: int) -> None:
+def _validate_entry(e: Any, payload_bytes: int, version: int) -> None:
     _need(isinstance(e, dict), "tensor entry")
     name = e.get("name")
     _need(isinstance(name, str) and 0 < len(name.encode()) <= MAX_NAME_BYTES, "tensor name")
@@ -209,8 +239,10 @@ def _validate_entry(e: Any, payload_bytes: int) -> None:
     _need(_is_digest(e.get("base"), op == "full") and _is_digest(e.get("target"), op == "drop")
           and (op != "drop" or e.get("target") is None), "tensor digests", tensor=name)
     codec = e.get("codec")
-    ok = {"delta": set(DELTA_CODECS), "full": {"zstd", "raw"}, "drop": {"none"}}[op]
-    _need(codec in ok, f"codec {codec!r} for op {op}", tensor=name)
+    ok = {"delta": set(_DELTA_BY_VERSION[version]), "full": {"zstd", "raw"},
+          "drop": {"none"}}[op]
+    _need(isinstance(codec, str) and codec in ok, f"codec {str(codec)[:40]!r} for op {op}",
+          tensor=name)
     off, length = e.get("offset"), e.get("length")
     _need(_is_int(off) and _is_int(length) and off + length <= payload_bytes, "payload span",
           tensor=name)
@@ -219,16 +251,23 @@ def _validate_entry(e: Any, payload_bytes: int) -> None:
           tensor=name)
 
 
-def decode(blob: bytes | memoryview, base: WordSource, *, check_base: bool = True) -> Patch:
+def decode(blob: bytes | memoryview, base: WordSource, *, check_base: bool = True,
+           max_full_bytes: int | None = None) -> Patch:
     """Parse and decode a patch against its ``base`` view (or any word source).
 
     With ``check_base`` and a :class:`View` base, the root digest is compared first (cached
     digests make this cheap), so a wrong base fails fast with :class:`BaseMismatchError`.
+    ``max_full_bytes`` bounds each ``full`` tensor before it is decompressed (default: the
+    larger of the base view's size and 256 MiB; any other word source: 256 MiB).
     """
     header = inspect(blob)
-    if check_base and isinstance(base, View) and base.digest() != header.base:
+    if check_base and isinstance(base, View) and base.digest(header.digest) != header.base:
         raise BaseMismatchError("the view is not this patch's base",
-                                expected=header.base[:16], actual=base.digest()[:16])
+                                expected=header.base[:16],
+                                actual=base.digest(header.digest)[:16])
+    if max_full_bytes is None:
+        max_full_bytes = max(MIN_FULL_BOUND, base.nbytes if isinstance(base, View) else 0)
+    limit = max_full_bytes
     mv = memoryview(blob)
 
     def one(e: dict[str, Any]) -> TensorPatch:
@@ -236,19 +275,26 @@ def decode(blob: bytes | memoryview, base: WordSource, *, check_base: bool = Tru
         payload = mv[start:start + e["length"]]
         if blake3.blake3(payload).hexdigest() != e["b3"]:
             raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
-        return _decode_tensor(e, payload, base)
+        return _decode_tensor(e, payload, base, limit)
 
     with _pool() as pool:
         decoded = list(pool.map(one, header.tensors))
-    return Patch(header.base, header.target, {t.name: t for t in decoded}, header.meta)
+    return Patch(header.base, header.target, {t.name: t for t in decoded}, header.meta,
+                 header.digest)
 
 
-def _decode_tensor(e: dict[str, Any], payload: memoryview, base: WordSource) -> TensorPatch:
+def _decode_tensor(e: dict[str, Any], payload: memoryview, base: WordSource,
+                   limit: int) -> TensorPatch:
     name, op, kind = e["name"], e["op"], KINDS[e["kind"]]
     shape = tuple(e["shape"])
     if op == "drop":
         return TensorPatch(name, op, kind, shape, e["base"], None)
     if op == "full":
+        size = int(np.prod(shape, dtype=np.int64)) * kind.word_dtype.itemsize
+        if size > limit:
+            raise PatchDecodeError("a full tensor is larger than the decoder's bound",
+                                   tensor=name, size=size, bound=limit,
+                                   hint="pass max_full_bytes= to allow larger new tensors")
         t = decode_full(e["codec"], payload, kind, shape)
         return TensorPatch(name, op, kind, shape, e["base"], e["target"], tensor=t)
     if name not in base:

@@ -242,6 +242,39 @@ def test_hostile_bodies_are_refused_and_islands_keep_serving(
     _check(world, body)
 
 
+def test_a_hostile_island_answer_does_not_kill_the_poller() -> None:
+    import http.server
+
+    answers = [b"[" * 100_000, b'{"served": NaN}', b'{"served": 3, "latest": 3, "run": "r1"}']
+    state = {"answer": answers[0]}
+
+    class Island(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = state["answer"]
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Island)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gw = Gateway([f"evil=http://127.0.0.1:{server.server_address[1]}"], FAST)
+    gw.start()
+    try:
+        for answer, why in zip(answers[:2], ("nested", "NaN")):
+            state["answer"] = answer
+            _until(lambda why=why: why in str(gw.describe()[0]["last_error"]), "a refusal")
+        state["answer"] = answers[2]
+        _until(lambda: gw.views()[0].served == 3, "the poller to survive and read a good answer")
+    finally:
+        gw.stop()
+        server.shutdown()
+
+
 def _dead_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .. import jsonsafe
 from ..errors import ConfigError
 from ..types import Constraint
 from .config import GatewayConfig, IslandSpec, parse_island
@@ -21,6 +22,9 @@ from .metrics import GatewayMetrics
 from .routing import RETRY_AFTER_CONFLICT, RETRY_AFTER_FAILURE, IslandView, Tier, fleet_latest, rank
 
 __all__ = ["Gateway"]
+
+#: A ``/version`` answer is a few hundred bytes.
+_MAX_VERSION_BYTES = 1 << 20
 
 
 @dataclass
@@ -96,7 +100,10 @@ class Gateway:
                 try:
                     r = client.get(f"{spec.url}/version")
                     r.raise_for_status()
-                    body = r.json()
+                    # islands run on hosts we do not control: bounded, strict JSON only
+                    body = jsonsafe.loads(r.content, what="/version answer",
+                                          max_bytes=_MAX_VERSION_BYTES, max_depth=8,
+                                          island=spec.name)
                     if not isinstance(body, dict):
                         raise TypeError("/version did not answer a JSON object")
                 except (httpx.HTTPError, ValueError, TypeError) as e:

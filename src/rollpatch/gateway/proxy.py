@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .. import jsonsafe
+from ..errors import ConfigError
 from ..sidecar.protocol import HEADER_END, HEADER_START
 from ..types import Constraint
 from .core import Gateway
@@ -29,6 +31,8 @@ __all__ = ["HEADER_ISLAND", "RETRYABLE", "add_island", "forward", "gateway_error
 HEADER_ISLAND = "X-Rollpatch-Island"
 #: Sidecar statuses that another island may answer better.
 RETRYABLE = frozenset({409, 502, 503})
+#: Completion answers nest a few levels (choices → logprobs → top tokens); far deeper is hostile.
+_MAX_ANSWER_DEPTH = 64
 _KEPT_HEADERS = ("content-type", "retry-after", HEADER_START.lower(), HEADER_END.lower())
 
 
@@ -52,9 +56,13 @@ def gateway_error(status: int, message: str, kind: str, **extra: Any) -> JSONRes
 
 def add_island(raw: bytes, island: str) -> bytes:
     """Add ``rollpatch.island`` to a JSON object body (other bodies pass unchanged)."""
+    # engines legitimately answer -Infinity logprobs, so not jsonsafe's strict parse; but the
+    # depth is bounded first, so a hostile island cannot make the gateway recurse
+    if jsonsafe.nesting_depth(raw) > _MAX_ANSWER_DEPTH:
+        return raw
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError included
         return raw
     if not isinstance(body, dict):
         return raw
@@ -84,8 +92,9 @@ def _learn(gw: Gateway, island: str, r: httpx.Response, content: bytes) -> None:
     latest = None
     if r.status_code in (409, 503):
         try:
-            body = json.loads(content)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            body = jsonsafe.loads(content, what="island refusal", max_bytes=1 << 20,
+                                  max_depth=_MAX_ANSWER_DEPTH)
+        except ConfigError:
             body = None
         if isinstance(body, dict):
             s, lt = body.get("served"), body.get("latest")

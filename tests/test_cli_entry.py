@@ -47,7 +47,7 @@ def test_json_piped_into_head_ends_quietly(big_json_patch: Path) -> None:
     err = producer.stderr.read().decode()
     producer.stderr.close()
     code = producer.wait(timeout=120)
-    assert head.stdout == b'{\n "base":'
+    assert head.stdout.startswith(b'{\n "') and len(head.stdout) == 10
     assert err == ""                      # no traceback, no "Broken pipe" line
     assert code in (0, EXIT_SIGPIPE)      # 0 only if it finished writing before head left
 

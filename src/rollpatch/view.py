@@ -26,7 +26,7 @@ from .errors import ViewError
 from .kinds import DTYPE_BYTES, Kind, get_kind
 
 __all__ = ["DEFAULT_DIGEST", "DigestAlgo", "Tensor", "View", "WordSource", "root_digest",
-           "sum128", "tensor_digest"]
+           "sum128", "sum128_digest", "tensor_digest"]
 
 DigestAlgo = Literal["rp.sum128.v1", "rp.blake3.v1"]
 DEFAULT_DIGEST: DigestAlgo = "rp.sum128.v1"
@@ -77,15 +77,20 @@ def _header(algo: str, dtype: str, shape: tuple[int, ...]) -> bytes:
     return _TENSOR_DOMAIN[algo] + f"{dtype}|{','.join(str(d) for d in shape)}\x00".encode()
 
 
+def sum128_digest(dtype: str, shape: tuple[int, ...], nbytes: int,
+                  state: tuple[int, int]) -> str:
+    """The rp.sum128.v1 digest of a tensor from its sum state (docs/patch-format.md §7)."""
+    h = blake3.blake3(_header("rp.sum128.v1", dtype, shape))
+    h.update(nbytes.to_bytes(8, "little") + state[0].to_bytes(8, "little")
+             + state[1].to_bytes(8, "little"))
+    return h.hexdigest()
+
+
 def tensor_digest(dtype: str, shape: tuple[int, ...], data: np.ndarray,
                   algo: DigestAlgo = DEFAULT_DIGEST) -> str:
     """Digest (64 hex) of one served tensor: dtype, shape and raw little-endian bytes."""
     if algo == "rp.sum128.v1":
-        a, b = sum128(data)
-        h = blake3.blake3(_header(algo, dtype, shape))
-        h.update(int(data.nbytes).to_bytes(8, "little") + a.to_bytes(8, "little")
-                 + b.to_bytes(8, "little"))
-        return h.hexdigest()
+        return sum128_digest(dtype, shape, int(data.nbytes), sum128(data))
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update(_header(algo, dtype, shape))
     if data.size:
@@ -194,6 +199,7 @@ class View(Mapping[str, Tensor]):
         self._tensors: dict[str, Tensor] = dict(tensors or {})
         self._digests: dict[str, str] = {}
         self._legacy: dict[str, str] = {}  # rp.blake3.v1 digests (patch format 1)
+        self._sums: dict[str, tuple[int, int]] = {}  # rp.sum128 states, for O(change) updates
         self.metadata: dict[str, str] = dict(metadata or {})
 
     def __getitem__(self, name: str) -> Tensor:
@@ -225,8 +231,26 @@ class View(Mapping[str, Tensor]):
         cache = self._cache(algo)
         d = cache.get(name)
         if d is None:
-            d = cache[name] = self._tensors[name].digest(algo)
+            t = self._tensors[name]
+            if algo == "rp.sum128.v1":
+                d = sum128_digest(t.dtype, t.shape, t.nbytes, self.sum_state(name))
+            else:
+                d = t.digest(algo)
+            cache[name] = d
         return d
+
+    def sum_state(self, name: str) -> tuple[int, int]:
+        """The (cached) rp.sum128 state of one tensor."""
+        st = self._sums.get(name)
+        if st is None:
+            st = self._sums[name] = sum128(self._tensors[name].data)
+        return st
+
+    def update_sum_state(self, name: str, state: tuple[int, int]) -> None:
+        """Record the sum state after a change whose effect on the sums was computed from the
+        words before and after it (``rollpatch.patch.apply``); the digest follows from it."""
+        self.invalidate(name)
+        self._sums[name] = state
 
     def tensor_digests(self, algo: DigestAlgo = DEFAULT_DIGEST) -> dict[str, str]:
         return {name: self.tensor_digest(name, algo) for name in self._tensors}
@@ -240,9 +264,11 @@ class View(Mapping[str, Tensor]):
         if name is None:
             self._digests.clear()
             self._legacy.clear()
+            self._sums.clear()
         else:
             self._digests.pop(name, None)
             self._legacy.pop(name, None)
+            self._sums.pop(name, None)
 
     def set_digest(self, name: str, digest: str, algo: DigestAlgo = DEFAULT_DIGEST) -> None:
         """Record a digest already verified for the current words of ``name``."""
@@ -252,6 +278,7 @@ class View(Mapping[str, Tensor]):
         out = View({k: t.copy() for k, t in self._tensors.items()}, self.metadata)
         out._digests = dict(self._digests)
         out._legacy = dict(self._legacy)
+        out._sums = dict(self._sums)
         return out
 
 

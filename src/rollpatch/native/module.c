@@ -110,6 +110,39 @@ out:
     return res;
 }
 
+/* encode_records(kind, n, ncnt:uint64[256], pos:int64, ctx:uint8, rank:uint32, old:uint64,
+ * new:uint64) -> body */
+static PyObject *py_encode_records(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer nc = {0}, pos = {0}, cx = {0}, rk = {0}, ov = {0}, nv = {0};
+    long long n;
+    rp_kind k;
+    if (!PyArg_ParseTuple(args, "OLy*y*y*y*y*y*", &kt, &n, &nc, &pos, &cx, &rk, &ov, &nv))
+        return NULL;
+    if (kind_arg(kt, &k)) goto out;
+    Py_ssize_t cnt = pos.len / 8;
+    if (nc.len != 256 * 8 || pos.len % 8 || cx.len != cnt || rk.len != cnt * 4
+        || ov.len != cnt * 8 || nv.len != cnt * 8) {
+        PyErr_SetString(PyExc_ValueError, "record arrays differ in length or dtype");
+        goto out;
+    }
+    uint8_t *body = NULL;
+    size_t blen = 0;
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_encode_records(&k, n, nc.buf, pos.buf, cx.buf, rk.buf, ov.buf, nv.buf, cnt, &body,
+                           &blen, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = PyBytes_FromStringAndSize(body ? (const char *)body : "", (Py_ssize_t)blen);
+    free(body);
+out:
+    PyBuffer_Release(&nc); PyBuffer_Release(&pos); PyBuffer_Release(&cx);
+    PyBuffer_Release(&rk); PyBuffer_Release(&ov); PyBuffer_Release(&nv);
+    return res;
+}
+
 /* Parse the chunk table of a delta payload: varint length + body per chunk. */
 static int parse_table(const uint8_t *p, size_t len, int64_t nchunks, size_t *offs, size_t *lens) {
     size_t q = 0;
@@ -355,6 +388,7 @@ static PyObject *py_set_errors(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"encode_range", py_encode_range, METH_VARARGS, "Encode chunks [first, last) of a tensor."},
     {"encode_sparse", py_encode_sparse, METH_VARARGS, "Encode one chunk from its changes."},
+    {"encode_records", py_encode_records, METH_VARARGS, "Encode one chunk from records."},
     {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},
     {"decode_range", py_decode_range, METH_VARARGS, "Decode chunks [first, last)."},
     {"sum128", py_sum128, METH_VARARGS, "rp.sum128 state of a word range."},

@@ -418,7 +418,7 @@ static int code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const 
     if (k == 0) return RP_OK;
     order = malloc(k * 4);
     buf = malloc(k * 4);
-    scratch = malloc((k > n / 2 + 1 ? k : n / 2 + 1) * 4);
+    scratch = malloc((k + 1) * 4); /* a minority is never larger than k */
     mag = malloc(k * 8);
     tails = malloc(k * 8);
     outw = malloc(k);
@@ -494,6 +494,141 @@ done:
     return rc;
 }
 
+#define HOT 8
+
+static inline void block_ctx(const rp_kind *kd, const uint8_t *base, int64_t s, int len,
+                             uint8_t *cb) {
+    const unsigned sh = (unsigned)kd->shift, mk = (1u << kd->cbits) - 1;
+    if (kd->bits == 16) {
+        const uint16_t *p = (const uint16_t *)base + s;
+        for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
+    } else if (kd->bits == 8) {
+        const uint8_t *p = base + s;
+        for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
+    } else {
+        for (int i = 0; i < len; i++) cb[i] = (uint8_t)ctx_of(kd, elem_get(base, kd->bits, s + i));
+    }
+}
+
+static inline uint64_t eqmask_scalar(const uint8_t *cb, int len, int h) {
+    uint64_t m = 0;
+    for (int i = 0; i < len; i++) m |= (uint64_t)(cb[i] == h) << i;
+    return m;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static inline uint64_t eqmask_avx2(const uint8_t *cb, int len,
+                                                                    int h) {
+    (void)len; /* cb always holds 64 bytes; bits past len are masked by the caller */
+    __m256i v = _mm256_set1_epi8((char)h);
+    uint32_t lo = (uint32_t)_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)cb), v));
+    uint32_t hi = (uint32_t)_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(cb + 32)), v));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+#endif
+
+
+/* The encoder's pass, 64 elements per block: changed flags, contexts, ranks. The HOT
+ * contexts (the most populous in a sample of the chunk's start) are counted with byte
+ * compares and popcounts; the others one by one through a table. */
+static inline uint64_t block_changed(const rp_kind *kd, const uint8_t *a, const uint8_t *b,
+                                     int64_t s, int len, uint8_t *d) {
+    if (kd->bits == 16) {
+        const uint16_t *x = (const uint16_t *)a + s, *y = (const uint16_t *)b + s;
+        for (int i = 0; i < len; i++) d[i] = x[i] != y[i];
+    } else if (kd->bits == 8) {
+        const uint8_t *x = a + s, *y = b + s;
+        for (int i = 0; i < len; i++) d[i] = x[i] != y[i];
+    } else {
+        for (int i = 0; i < len; i++)
+            d[i] = elem_get(a, kd->bits, s + i) != elem_get(b, kd->bits, s + i);
+    }
+    uint64_t any = 0;
+    for (int i = 0; i < len; i++) any |= d[i];
+    return any;
+}
+
+#define ENC_BODY(EQMASK)                                                                    \
+    int hot[HOT], H = 0;                                                                    \
+    uint32_t hcnt[HOT] = {0};                                                               \
+    uint8_t cb[64], dbytes[64];                                                             \
+    uint32_t rk[64];                                                                        \
+    if (kd->cbits) {                                                                        \
+        uint32_t sample[NCTX] = {0};                                                        \
+        int64_t sn = n < 8192 ? n : 8192;                                                   \
+        for (int64_t b0 = 0; b0 < sn; b0 += 64) {                                           \
+            int len = sn - b0 < 64 ? (int)(sn - b0) : 64;                                   \
+            block_ctx(kd, old, start + b0, len, cb);                                        \
+            for (int i = 0; i < len; i++) sample[cb[i]]++;                                  \
+        }                                                                                   \
+        for (; H < HOT; H++) {                                                              \
+            int best = -1;                                                                  \
+            for (int c = 0; c < NCTX; c++)                                                  \
+                if (sample[c] && (best < 0 || sample[c] > sample[best])) best = c;          \
+            if (best < 0) break;                                                            \
+            hot[H] = best;                                                                  \
+            sample[best] = 0;                                                               \
+        }                                                                                   \
+    } else {                                                                                \
+        hot[0] = 0;                                                                         \
+        H = 1;                                                                              \
+    }                                                                                       \
+    memset(cb, 0, sizeof cb);                                                               \
+    memset(dbytes, 0, sizeof dbytes);                                                       \
+    for (int64_t b0 = 0; b0 < n; b0 += 64) {                                                \
+        int len = n - b0 < 64 ? (int)(n - b0) : 64;                                         \
+        uint64_t valid = len == 64 ? ~0ULL : (1ULL << len) - 1, cold = valid;               \
+        uint64_t dm = 0;                                                                    \
+        if (kd->cbits) block_ctx(kd, old, start + b0, len, cb);                             \
+        if (block_changed(kd, old, new_, start + b0, len, dbytes))                          \
+            dm = EQMASK(dbytes, len, 1) & valid;                                            \
+        for (int t = 0; t < H; t++) {                                                       \
+            uint64_t m = (kd->cbits ? EQMASK(cb, len, hot[t]) : ~0ULL) & valid;             \
+            cold &= ~m;                                                                     \
+            uint64_t ch = m & dm;                                                           \
+            while (ch) {                                                                    \
+                int i = __builtin_ctzll(ch);                                                \
+                ch &= ch - 1;                                                               \
+                rk[i] = hcnt[t] + (uint32_t)__builtin_popcountll(m & ((1ULL << i) - 1));    \
+            }                                                                               \
+            hcnt[t] += (uint32_t)__builtin_popcountll(m);                                   \
+        }                                                                                   \
+        while (cold) {                                                                      \
+            int i = __builtin_ctzll(cold);                                                  \
+            cold &= cold - 1;                                                               \
+            rk[i] = tab[cb[i]]++;                                                           \
+        }                                                                                   \
+        while (dm) {                                                                        \
+            int i = __builtin_ctzll(dm);                                                    \
+            dm &= dm - 1;                                                                   \
+            if (r->k == r->cap && recs_grow(r)) return -1;                                  \
+            r->pos[r->k] = (uint32_t)(b0 + i);                                              \
+            r->rank[r->k] = rk[i];                                                          \
+            r->ctx[r->k] = cb[i];                                                           \
+            r->oldv[r->k] = elem_get(old, kd->bits, start + b0 + i);                        \
+            r->newv[r->k] = elem_get(new_, kd->bits, start + b0 + i);                       \
+            r->k++;                                                                         \
+        }                                                                                   \
+    }                                                                                       \
+    for (int t = 0; t < H; t++) tab[hot[t]] += hcnt[t];                                     \
+    return 0;
+
+static int enc_pass_scalar(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                           int64_t start, int64_t n, recs_t *r, uint32_t *tab) {
+    ENC_BODY(eqmask_scalar)
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, const uint8_t *old,
+                                                          const uint8_t *new_, int64_t start,
+                                                          int64_t n, recs_t *r, uint32_t *tab) {
+    ENC_BODY(eqmask_avx2)
+}
+#endif
+
 /* Running context counts with four interleaved tables (no store-to-load chains); the rank of
  * element i is the sum of the four tables' counts before it. */
 #define COUNT_LOOP(GET)                                                                     \
@@ -524,55 +659,22 @@ int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, 
                     const char **err) {
     int rc = RP_OK;
     recs_t r = {0};
-    uint32_t (*t)[NCTX] = calloc(4, sizeof *t);
+    uint32_t tab[NCTX] = {0};
     uint64_t ncnt[NCTX];
     *out = NULL;
     *outlen = 0;
     *changed = 0;
-    if (!t) FAIL(RP_ENOMEM, "out of memory");
     if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) FAIL(RP_EARG, "bad kind or chunk size");
-#define RECORD(i, c, x)                                                                     \
-    do {                                                                                    \
-        if (r.k == r.cap && recs_grow(&r)) FAIL(RP_ENOMEM, "out of memory");                \
-        r.pos[r.k] = (uint32_t)(i); r.rank[r.k] = RANK(c); r.ctx[r.k] = (uint8_t)(c);       \
-        r.oldv[r.k] = (x); r.newv[r.k] = NEWGET(i); r.k++;                                  \
-    } while (0)
-#define ISCHANGED(i, x) ((x) != NEWGET(i))
-    switch (kd->bits) {
-    case 16: {
-        const uint16_t *a = (const uint16_t *)old + start, *b = (const uint16_t *)new_ + start;
-#define GET(i) ((uint64_t)a[i])
-#define NEWGET(i) ((uint64_t)b[i])
-        COUNT_LOOP(GET);
-#undef GET
-#undef NEWGET
-        break;
-    }
-    case 8: {
-        const uint8_t *a = old + start, *b = new_ + start;
-#define GET(i) ((uint64_t)a[i])
-#define NEWGET(i) ((uint64_t)b[i])
-        COUNT_LOOP(GET);
-#undef GET
-#undef NEWGET
-        break;
-    }
-    default: {
-#define GET(i) elem_get(old, kd->bits, start + (i))
-#define NEWGET(i) elem_get(new_, kd->bits, start + (i))
-        COUNT_LOOP(GET);
-#undef GET
-#undef NEWGET
-        break;
-    }
-    }
-#undef RECORD
-#undef ISCHANGED
-    for (int c = 0; c < NCTX; c++) ncnt[c] = RANK(c);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) {
+        if (enc_pass_avx2(kd, old, new_, start, n, &r, tab)) FAIL(RP_ENOMEM, "out of memory");
+    } else
+#endif
+    if (enc_pass_scalar(kd, old, new_, start, n, &r, tab)) FAIL(RP_ENOMEM, "out of memory");
+    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
     rc = code_chunk(kd, n, ncnt, &r, out, outlen, err);
     *changed = r.k;
 done:
-    free(t);
     recs_free(&r);
     return rc;
 }
@@ -622,6 +724,45 @@ int rp_encode_chunk_sparse(const rp_kind *kd, const uint8_t *base, int64_t start
     rc = code_chunk(kd, n, ncnt, &r, out, outlen, err);
 done:
     free(t);
+    recs_free(&r);
+    return rc;
+}
+
+int rp_encode_records(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const int64_t *pos,
+                      const uint8_t *ctx, const uint32_t *rank, const uint64_t *oldv,
+                      const uint64_t *newv, int64_t count, uint8_t **out, size_t *outlen,
+                      const char **err) {
+    int rc = RP_OK;
+    recs_t r = {0};
+    uint64_t total = 0;
+    int64_t last[NCTX];
+    int ncontexts = kd->cbits ? 1 << kd->cbits : 1;
+    *out = NULL;
+    *outlen = 0;
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK || count < 0 || count > n)
+        FAIL(RP_EARG, "bad kind, chunk size or count");
+    for (int c = 0; c < NCTX; c++) {
+        if (c >= ncontexts && ncnt[c]) FAIL(RP_EARG, "context sizes beyond the kind's contexts");
+        total += ncnt[c];
+        last[c] = -1;
+    }
+    if (total != (uint64_t)n) FAIL(RP_EARG, "context sizes do not add up to the chunk");
+    r.pos = malloc(count * 4 + 4); r.rank = malloc(count * 4 + 4); r.ctx = malloc(count + 1);
+    r.oldv = malloc(count * 8 + 8); r.newv = malloc(count * 8 + 8);
+    if (!r.pos || !r.rank || !r.ctx || !r.oldv || !r.newv) FAIL(RP_ENOMEM, "out of memory");
+    for (int64_t i = 0; i < count; i++) {
+        unsigned c = ctx[i];
+        if (pos[i] < 0 || pos[i] >= n || (i && pos[i] <= pos[i - 1]) || c >= (unsigned)ncontexts
+            || rank[i] >= ncnt[c] || (int64_t)rank[i] <= last[c] || oldv[i] == newv[i]
+            || ((oldv[i] | newv[i]) & ~kmask(kd->bits)))
+            FAIL(RP_EARG, "records are not sorted, in range and consistent");
+        last[c] = rank[i];
+        r.pos[i] = (uint32_t)pos[i]; r.rank[i] = rank[i]; r.ctx[i] = (uint8_t)c;
+        r.oldv[i] = oldv[i]; r.newv[i] = newv[i];
+    }
+    r.k = r.cap = count;
+    rc = code_chunk(kd, n, ncnt, &r, out, outlen, err);
+done:
     recs_free(&r);
     return rc;
 }
@@ -712,7 +853,7 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     l->ranks = malloc(k * 4 + 4);
     l->rpos = malloc(k * 4 + 4);
     l->rctx = malloc(k + 1);
-    l->scratch = malloc(((uint64_t)n / 2 + 2 > k ? (uint64_t)n / 2 + 2 : k + 1) * 4);
+    l->scratch = malloc((k + 1) * 4); /* a minority is never larger than k */
     if (!l->ranks || !l->rpos || !l->rctx || !l->scratch) { *err = "out of memory"; return RP_ENOMEM; }
     l->u = (br_t){b + l->pp.ustart, l->pp.ulen * 8, 0};
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
@@ -749,22 +890,6 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
  * block. The HOT most populous listed contexts are counted with byte compares and popcounts
  * (no per-element table update: a chain of store-to-load forwards when neighbours share a
  * context, which they mostly do); the rest go through the per-context table one by one. */
-#define HOT 8
-
-static inline void block_ctx(const rp_kind *kd, const uint8_t *base, int64_t s, int len,
-                             uint8_t *cb) {
-    const unsigned sh = (unsigned)kd->shift, mk = (1u << kd->cbits) - 1;
-    if (kd->bits == 16) {
-        const uint16_t *p = (const uint16_t *)base + s;
-        for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
-    } else if (kd->bits == 8) {
-        const uint8_t *p = base + s;
-        for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
-    } else {
-        for (int i = 0; i < len; i++) cb[i] = (uint8_t)ctx_of(kd, elem_get(base, kd->bits, s + i));
-    }
-}
-
 #define JOIN_BODY(EQMASK)                                                                   \
     int hot[HOT], H = 0;                                                                    \
     uint32_t hcnt[HOT], htgt[HOT];                                                          \
@@ -822,29 +947,12 @@ static inline void block_ctx(const rp_kind *kd, const uint8_t *base, int64_t s, 
         l->cur[hot[t]] = hcur[t];                                                           \
     }
 
-static inline uint64_t eqmask_scalar(const uint8_t *cb, int len, int h) {
-    uint64_t m = 0;
-    for (int i = 0; i < len; i++) m |= (uint64_t)(cb[i] == h) << i;
-    return m;
-}
-
 static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                         int64_t n) {
     JOIN_BODY(eqmask_scalar)
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) static inline uint64_t eqmask_avx2(const uint8_t *cb, int len,
-                                                                    int h) {
-    (void)len; /* cb always holds 64 bytes; bits past len are masked by the caller */
-    __m256i v = _mm256_set1_epi8((char)h);
-    uint32_t lo = (uint32_t)_mm256_movemask_epi8(
-        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)cb), v));
-    uint32_t hi = (uint32_t)_mm256_movemask_epi8(
-        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(cb + 32)), v));
-    return ((uint64_t)hi << 32) | lo;
-}
-
 __attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const uint8_t *base,
                                                        lane_t *l, int64_t start, int64_t n) {
     JOIN_BODY(eqmask_avx2)
@@ -928,17 +1036,35 @@ static int lane_finish(const rp_kind *kd, lane_t *l, const uint8_t *base, int64_
     }
     free(bo);
     if (br_finish(&l->u, 1) || br_finish(&l->f, 0)) FAIL(RP_ECORRUPT, "unused bits after the last code");
-    for (uint64_t i = 0; i < k; i++) {
-        int64_t p = start + l->rpos[i];
-        uint64_t x = elem_get(base, kd->bits, p);
-        int neg = kd->order != RP_UNSIGNED && (x & s);
-        int positive = outw[i] ^ neg;
-        uint64_t key = to_key(kd, x);
-        uint64_t kn = (positive ? key + mag[i] : key - mag[i]) & msk;
-        pos_out[i] = p;
-        arr_put(old_out, ow, (int64_t)i, x);
-        arr_put(new_out, ow, (int64_t)i, from_key(kd, kn));
+#define FINAL_LOOP(T, GETX)                                                                 \
+    for (uint64_t i = 0; i < k; i++) {                                                      \
+        int64_t p = start + l->rpos[i];                                                     \
+        uint64_t x = GETX;                                                                  \
+        int neg = kd->order != RP_UNSIGNED && (x & s);                                      \
+        uint64_t key = to_key(kd, x);                                                       \
+        uint64_t kn = ((outw[i] ^ neg) ? key + mag[i] : key - mag[i]) & msk;                \
+        pos_out[i] = p;                                                                     \
+        ((T *)old_out)[i] = (T)x;                                                           \
+        ((T *)new_out)[i] = (T)from_key(kd, kn);                                            \
     }
+    if (kd->bits == 16 && ow == 2) {
+        const uint16_t *b16 = (const uint16_t *)base;
+        FINAL_LOOP(uint16_t, b16[p])
+    } else if (kd->bits == 8 && ow == 1) {
+        FINAL_LOOP(uint8_t, base[p])
+    } else {
+        for (uint64_t i = 0; i < k; i++) {
+            int64_t p = start + l->rpos[i];
+            uint64_t x = elem_get(base, kd->bits, p);
+            int neg = kd->order != RP_UNSIGNED && (x & s);
+            uint64_t key = to_key(kd, x);
+            uint64_t kn = ((outw[i] ^ neg) ? key + mag[i] : key - mag[i]) & msk;
+            pos_out[i] = p;
+            arr_put(old_out, ow, (int64_t)i, x);
+            arr_put(new_out, ow, (int64_t)i, from_key(kd, kn));
+        }
+    }
+#undef FINAL_LOOP
     (void)n;
 done:
     free(order); free(idx); free(outw); free(mag);

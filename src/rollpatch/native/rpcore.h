@@ -35,6 +35,14 @@ int rp_encode_chunk_sparse(const rp_kind *k, const uint8_t *base, int64_t start,
                            const int64_t *pos, const uint64_t *oldv, const uint64_t *newv,
                            int64_t count, uint8_t **out, size_t *outlen, const char **err);
 
+/* The same from records computed elsewhere (e.g. on the trainer's device): context sizes
+ * ncnt[256] of the chunk, and per change its position (relative, increasing), context,
+ * rank inside the context, old and new element. Everything is validated. */
+int rp_encode_records(const rp_kind *k, int64_t n, const uint64_t *ncnt, const int64_t *pos,
+                      const uint8_t *ctx, const uint32_t *rank, const uint64_t *oldv,
+                      const uint64_t *newv, int64_t count, uint8_t **out, size_t *outlen,
+                      const char **err);
+
 /* Number of changed elements a chunk body declares (params only; validated). */
 int rp_chunk_count(const rp_kind *k, const uint8_t *body, size_t len, int64_t n,
                    int64_t *count, const char **err);

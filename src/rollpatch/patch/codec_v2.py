@@ -14,11 +14,31 @@ import numpy as np
 
 from .. import native
 from ..errors import PatchDecodeError
+from ..kinds import Kind
 from ..view import Tensor
 from .bits import write_varint
 from .ctxv2 import CHUNK, decode_ref, encode_ref
 
-__all__ = ["CtxGolombV2", "threads"]
+__all__ = ["ChunkRecords", "CtxGolombV2", "threads"]
+
+
+@dataclass(frozen=True)
+class ChunkRecords:
+    """One chunk's changes as the coder needs them (docs/patch-format.md §4b).
+
+    ``sizes``: 256 counts, elements of the chunk per context (context = ``(old >> ctx_shift)
+    & (2^ctx_bits - 1)``, or 0 for single-context tensors: see ``native.kind_tuple``);
+    ``positions``: changed elements relative to the chunk start, increasing; ``contexts``,
+    ``ranks`` (index of the element among the chunk's elements of its context), ``old`` and
+    ``new`` (element values) per change.
+    """
+
+    sizes: np.ndarray
+    positions: np.ndarray
+    contexts: np.ndarray
+    ranks: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
 
 
 def threads() -> int:
@@ -88,6 +108,33 @@ class CtxGolombV2:
                      _ranges(nch, threads()))
         flat = [x for part in parts for x in part]
         return _join([b for b, _ in flat]), sum(k for _, k in flat)
+
+    def encode_records(self, base_kind: Kind, n_elements: int,
+                       chunks: list[ChunkRecords | None]) -> bytes:
+        """Payload from per-chunk records computed elsewhere (the trainer's device).
+
+        ``chunks[i]`` covers elements ``[i*CHUNK, min((i+1)*CHUNK, n))``, or is None when
+        nothing changed there. The native core validates every record.
+        """
+        core = native.require()
+        kt = native.kind_tuple(base_kind, n_elements)
+        if len(chunks) != -(-n_elements // CHUNK):
+            raise ValueError("one record set (or None) per chunk")
+
+        def one(i: int) -> bytes:
+            r = chunks[i]
+            if r is None or r.positions.size == 0:
+                return b""
+            n = min(CHUNK, n_elements - i * CHUNK)
+            return core.encode_records(
+                kt, n, np.ascontiguousarray(r.sizes, dtype=np.uint64),
+                np.ascontiguousarray(r.positions, dtype=np.int64),
+                np.ascontiguousarray(r.contexts, dtype=np.uint8),
+                np.ascontiguousarray(r.ranks, dtype=np.uint32),
+                np.ascontiguousarray(r.old, dtype=np.uint64),
+                np.ascontiguousarray(r.new, dtype=np.uint64))
+
+        return _join(_map(one, list(range(len(chunks)))))
 
     def decode(self, payload: memoryview, base: Tensor,
                changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

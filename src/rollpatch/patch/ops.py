@@ -29,19 +29,24 @@ def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
     return np.where(positions & 1, b >> 4, b & 0x0F).astype(np.uint8)
 
 
+_M64 = (1 << 64) - 1
+
+
 def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray,
-            old: np.ndarray | None = None) -> None:
+            old: np.ndarray | None = None) -> tuple[int, int] | None:
     """Write elements in place (read-modify-write of bytes for packed kinds).
 
     With ``old`` and the native core, the old elements are checked first (nothing is
-    written unless all match) and the writes run without the GIL.
+    written unless all match), the writes run without the GIL, and the change of the
+    tensor's rp.sum128 state is returned (computed from the words before and after).
     """
     core = native.core
     if core is not None and old is not None and positions.dtype == np.int64:
-        core.apply(native.kind_tuple(t.kind, 0), t.data, positions,
-                   np.ascontiguousarray(old, dtype=t.kind.elem_dtype),
-                   np.ascontiguousarray(values, dtype=t.kind.elem_dtype))
-        return
+        da, db = core.apply(native.kind_tuple(t.kind, 0), t.data,
+                            np.ascontiguousarray(positions),
+                            np.ascontiguousarray(old, dtype=t.kind.elem_dtype),
+                            np.ascontiguousarray(values, dtype=t.kind.elem_dtype))
+        return int(da), int(db)
     if not t.kind.packed:
         t.data[positions] = values
         return
@@ -135,6 +140,9 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
         view = view.copy()
     _check_applicable(view, patch, verify)
     algo = patch.digest
+    # rp.sum128 states update in O(change): exact for the words in memory, given the base
+    # state was (verify=True re-reads every touched tensor instead)
+    incremental = algo == "rp.sum128.v1" and not verify and native.core is not None
     undo: list[tuple[str, TensorPatch, Tensor | None, str | None]] = []
     try:
         for name, tp in patch.tensors.items():
@@ -143,8 +151,13 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
                          view.tensor_digest(name, algo) if prev is not None else None))
             if tp.op == "delta":
                 assert tp.positions is not None and tp.new is not None
-                scatter(view[name], tp.positions, tp.new, tp.old)
-                view.invalidate(name)
+                state = view.sum_state(name) if incremental else None
+                delta = scatter(view[name], tp.positions, tp.new, tp.old)
+                if state is not None and delta is not None:
+                    view.update_sum_state(name, ((state[0] + delta[0]) & _M64,
+                                                 (state[1] + delta[1]) & _M64))
+                else:
+                    view.invalidate(name)
             elif tp.op == "full":
                 assert tp.tensor is not None
                 view[name] = tp.tensor.copy()

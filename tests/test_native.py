@@ -1,0 +1,200 @@
+"""The native core against its numpy reference: same bytes, same decodes, same digests.
+
+``rp.ctxgolomb.v2`` has two implementations (rollpatch.native in C, rollpatch.patch.ctxv2 in
+numpy); the format is what both write, so every property here is an equality between them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollpatch import native
+from rollpatch.errors import BaseMismatchError, PatchDecodeError, RollpatchError
+from rollpatch.kinds import KINDS
+from rollpatch.patch.codec_v2 import CtxGolombV2
+from rollpatch.patch.ctxv2 import CHUNK
+from rollpatch.patch.ops import changed_positions, gather
+from rollpatch.view import Tensor, _sum128_numpy, sum128
+
+from .test_patch import SPECIAL_BF16, _perturb, _words
+
+NATIVE, REF = CtxGolombV2(), CtxGolombV2(reference=True)
+
+
+
+def test_native_core_is_built() -> None:
+    """CI builds the extension from a clean checkout; a silent numpy fallback would hide it."""
+    assert native.core is not None, "rollpatch.native._rpcore is not built: pip install -e ."
+
+
+def _both(t: Tensor, u: Tensor) -> bytes:
+    ea, eb = t.elements(), u.elements()
+    pos = np.flatnonzero(ea != eb).astype(np.int64)
+    a = NATIVE.encode(t, pos, ea[pos], eb[pos])
+    b = REF.encode(t, pos, ea[pos], eb[pos])
+    assert a == b, "native and numpy payloads differ"
+    if pos.size:
+        dense, k = NATIVE.encode_dense(t, u)
+        assert (dense, k) == (a, pos.size), "fused native encoder differs"
+        for codec in (NATIVE, REF):
+            p, o, n = codec.decode(memoryview(a), t, int(pos.size))
+            assert np.array_equal(p, pos) and np.array_equal(o, ea[pos])
+            assert np.array_equal(n, eb[pos]) and n.dtype == t.kind.elem_dtype
+    return a
+
+
+SIZES = [(n, d) for n in (1, 7, 1000, 65_536 + 17) for d in (0.0, 0.002, 0.4, 0.97, 1.0)]
+
+
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+@pytest.mark.parametrize(("n", "density"), SIZES + [(CHUNK + 3, 0.002), (CHUNK + 3, 0.4)])
+def test_same_bytes_every_kind(kind_name: str, n: int, density: float) -> None:
+    rng = np.random.default_rng(n + int(1000 * density))
+    kind = KINDS[kind_name]
+    words = n // 2 if kind.packed else n
+    a = _words(rng, kind_name, max(words, 1))
+    b = _perturb(rng, kind_name, a, density) if density < 1 else ~a
+    _both(Tensor(kind, (a.size,), a), Tensor(kind, (b.size,), b.astype(kind.word_dtype)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(old=st.lists(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF), min_size=1,
+                    max_size=400), data=st.data())
+def test_bf16_specials_same_bytes(old: list[int], data: st.DataObject) -> None:
+    """NaN payloads, ±0, subnormals, infinities: identical payloads and decodes."""
+    new = [data.draw(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF) | st.just(x))
+           for x in old]
+    kind = KINDS["bf16"]
+    t = Tensor(kind, (len(old),), np.array(old, dtype=np.uint16))
+    _both(t, Tensor(kind, (len(new),), np.array(new, dtype=np.uint16)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind_name=st.sampled_from(sorted(KINDS)), seed=st.integers(0, 2**32 - 1),
+       n=st.integers(1, 3000), density=st.floats(0, 1))
+def test_random_transitions_same_bytes(kind_name: str, seed: int, n: int,
+                                       density: float) -> None:
+    rng = np.random.default_rng(seed)
+    kind = KINDS[kind_name]
+    a = _words(rng, kind_name, n)
+    b = _perturb(rng, kind_name, a, density)
+    _both(Tensor(kind, (n,), a), Tensor(kind, (n,), b))
+
+
+def test_context_model_on_big_bf16_is_identical() -> None:
+    """65,536+ elements: contexts (exponents) are used; ranks cross the chunk boundary."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal(CHUNK + 50_000) * 0.02).astype(np.float32)
+    w2 = w + (2e-5 * rng.standard_normal(w.size)).astype(np.float32)
+    kind = KINDS["bf16"]
+    a = Tensor(kind, (w.size,), (w.view(np.uint32) >> 16).astype(np.uint16))
+    b = Tensor(kind, (w.size,), (w2.view(np.uint32) >> 16).astype(np.uint16))
+    blob = _both(a, b)
+    assert len(blob) < 0.5 * int((a.data != b.data).sum()) * 2  # < 4 bits per change
+
+
+def test_wrong_base_is_refused_by_both() -> None:
+    rng = np.random.default_rng(5)
+    kind = KINDS["bf16"]
+    w = (rng.standard_normal(200_000) * 0.02).astype(np.float32)
+    a = Tensor(kind, (w.size,), (w.view(np.uint32) >> 16).astype(np.uint16))
+    b = Tensor(kind, (w.size,), _perturb(rng, "bf16", a.data, 0.01))
+    pos = changed_positions(a, b)
+    blob = NATIVE.encode(a, pos, gather(a, pos), gather(b, pos))
+    other = Tensor(kind, (w.size,), _perturb(rng, "bf16", a.data, 0.2))
+    for codec in (NATIVE, REF):
+        with pytest.raises((BaseMismatchError, PatchDecodeError)):
+            codec.decode(memoryview(blob), other, int(pos.size))
+
+
+def test_corrupt_payloads_are_refused_cleanly() -> None:
+    """Every truncation and many bit flips: a RollpatchError, never a crash or other error."""
+    rng = np.random.default_rng(9)
+    kind = KINDS["bf16"]
+    w = (rng.standard_normal(70_000) * 0.02).astype(np.float32)
+    a = Tensor(kind, (w.size,), (w.view(np.uint32) >> 16).astype(np.uint16))
+    b = Tensor(kind, (w.size,), _perturb(rng, "bf16", a.data, 0.02))
+    pos = changed_positions(a, b)
+    blob = NATIVE.encode(a, pos, gather(a, pos), gather(b, pos))
+    bad = [blob[:i] for i in range(0, len(blob), max(1, len(blob) // 300))]
+    for _ in range(300):
+        x = bytearray(blob)
+        x[int(rng.integers(len(x)))] ^= 1 << int(rng.integers(8))
+        bad.append(bytes(x))
+    for x in bad:
+        results = []
+        for codec in (NATIVE, REF):
+            try:
+                p, o, n = codec.decode(memoryview(x), a, int(pos.size))
+                results.append((p.tobytes(), n.tobytes()))
+            except RollpatchError:
+                results.append(None)
+        assert results[0] == results[1], "native and numpy disagree on a corrupt payload"
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 33, 4096 + 5, (1 << 23) * 8 + 24])
+def test_sum128_native_equals_numpy(nbytes: int) -> None:
+    raw = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    assert sum128(raw) == _sum128_numpy(raw)
+
+
+def test_sum128_detects_every_single_bit_flip_in_a_word() -> None:
+    raw = np.random.default_rng(1).integers(0, 256, 64, dtype=np.uint8)
+    base = sum128(raw)
+    for bit in range(64 * 8):
+        x = raw.copy()
+        x[bit // 8] ^= 1 << (bit % 8)
+        assert sum128(x) != base
+
+
+def test_native_apply_checks_old_and_reports_the_digest_change() -> None:
+    core = native.require()
+    rng = np.random.default_rng(2)
+    for kind_name in ("bf16", "e2m1x2", "u8", "f32"):
+        kind = KINDS[kind_name]
+        a = _words(rng, kind_name, 5000)
+        b = _perturb(rng, kind_name, a, 0.05)
+        ta, tb = Tensor(kind, (a.size,), a.copy()), Tensor(kind, (b.size,), b)
+        pos = changed_positions(ta, tb)
+        old, new = gather(ta, pos), gather(tb, pos)
+        before = sum128(ta.data)
+        with pytest.raises(BaseMismatchError):
+            core.apply(native.kind_tuple(kind, 0), ta.data, pos, new, new)
+        assert np.array_equal(ta.data, a), "a refused apply wrote something"
+        da, db = core.apply(native.kind_tuple(kind, 0), ta.data, pos, old, new)
+        assert np.array_equal(ta.data, b)
+        m = (1 << 64) - 1
+        assert sum128(ta.data) == ((before[0] + da) & m, (before[1] + db) & m)
+
+
+def test_records_path_gives_the_same_bytes() -> None:
+    """Records computed elsewhere (as a trainer's device would) code to the same payload."""
+    from rollpatch.patch.codec_v2 import ChunkRecords
+
+    rng = np.random.default_rng(11)
+    kind = KINDS["bf16"]
+    w = (rng.standard_normal(CHUNK + 70_000) * 0.02).astype(np.float32)
+    a = Tensor(kind, (w.size,), (w.view(np.uint32) >> 16).astype(np.uint16))
+    b = Tensor(kind, (w.size,), _perturb(rng, "bf16", a.data, 0.01))
+    chunks: list[ChunkRecords | None] = []
+    for s in range(0, w.size, CHUNK):
+        old, new = a.data[s:s + CHUNK], b.data[s:s + CHUNK]
+        ctx = ((old >> 7) & 0xFF).astype(np.uint8)
+        order = np.argsort(ctx, kind="stable")
+        inv = np.empty(ctx.size, np.int64)
+        inv[order] = np.arange(ctx.size)
+        sizes = np.bincount(ctx, minlength=256)
+        pos = np.flatnonzero(old != new)
+        ranks = inv[pos] - (np.cumsum(sizes) - sizes)[ctx[pos]]
+        chunks.append(ChunkRecords(sizes, pos, ctx[pos], ranks, old[pos], new[pos]))
+    got = NATIVE.encode_records(kind, w.size, chunks)
+    assert got == NATIVE.encode_dense(a, b)[0]
+    bad = chunks[0]
+    assert bad is not None
+    broken = ChunkRecords(bad.sizes, bad.positions, bad.contexts, bad.ranks[::-1].copy(),
+                          bad.old, bad.new)
+    with pytest.raises(ValueError):
+        NATIVE.encode_records(kind, w.size, [broken] + chunks[1:])

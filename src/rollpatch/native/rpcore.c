@@ -1108,9 +1108,17 @@ done:
 
 int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_t *pos,
               int64_t count, void *out, int ow, const char **err) {
-    for (int64_t i = 0; i < count; i++) {
+    for (int64_t i = 0; i < count; i++)
         if (pos[i] < 0 || pos[i] >= n_el) { *err = "position out of range"; return RP_EARG; }
-        arr_put(out, ow, i, elem_get(data, kd->bits, pos[i]));
+    if (kd->bits == 16 && ow == 2) {
+        const uint16_t *d = (const uint16_t *)data;
+        uint16_t *o = out;
+        for (int64_t i = 0; i < count; i++) o[i] = d[pos[i]];
+    } else if (kd->bits == 8 && ow == 1) {
+        uint8_t *o = out;
+        for (int64_t i = 0; i < count; i++) o[i] = data[pos[i]];
+    } else {
+        for (int64_t i = 0; i < count; i++) arr_put(out, ow, i, elem_get(data, kd->bits, pos[i]));
     }
     return RP_OK;
 }
@@ -1189,32 +1197,61 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
     out[1] = acc[1];
 }
 
+/* Typed fast path: T elements, 8 / sizeof(T) per 64-bit word. */
+#define APPLY_TYPED(T, LOG)                                                                 \
+    do {                                                                                    \
+        T *d = (T *)data;                                                                   \
+        const T *o = (const T *)old, *nw = (const T *)new_;                                 \
+        int64_t i = 0, bad = -1;                                                            \
+        while (i < count && bad < 0) {                                                      \
+            uint64_t j = (uint64_t)pos[i] >> (3 - LOG);                                     \
+            uint64_t before = word_at(data, nbytes, j);                                     \
+            for (; i < count && ((uint64_t)pos[i] >> (3 - LOG)) == j; i++) {                \
+                if (pos[i] < 0 || pos[i] >= n_el || (i && pos[i] <= pos[i - 1])            \
+                    || d[pos[i]] != o[i]) { bad = i; break; }                               \
+                d[pos[i]] = nw[i];                                                          \
+            }                                                                               \
+            uint64_t after = word_at(data, nbytes, j);                                      \
+            d0 += sum_term(0, after, j) - sum_term(0, before, j);                           \
+            d1 += sum_term(1, after, j) - sum_term(1, before, j);                           \
+        }                                                                                   \
+        if (bad >= 0) { /* all or nothing: put back what this call wrote */                 \
+            for (int64_t q = 0; q < bad; q++) d[pos[q]] = o[q];                             \
+            if (pos[bad] < 0 || pos[bad] >= n_el || (bad && pos[bad] <= pos[bad - 1])) {    \
+                *err = "positions out of range or not increasing"; return RP_EARG;          \
+            }                                                                               \
+            *err = "old elements differ from the patch's base"; return RP_EBASE;            \
+        }                                                                                   \
+    } while (0)
+
 int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos,
              const void *old, const void *new_, int64_t count, int iw, uint64_t delta[2],
              const char **err) {
     int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
-    for (int64_t i = 0; i < count; i++) {
-        if (pos[i] < 0 || pos[i] >= n_el || (i && pos[i] <= pos[i - 1])) {
-            *err = "positions out of range or not increasing"; return RP_EARG;
-        }
-        if (elem_get(data, kd->bits, pos[i]) != arr_get(old, iw, i)) {
-            *err = "old elements differ from the patch's base"; return RP_EBASE;
-        }
-    }
-    int bpe = kd->bits == 4 ? 0 : kd->bits / 8;
     uint64_t d0 = 0, d1 = 0;
-    int64_t i = 0;
-    while (i < count) {
-        uint64_t j = bpe ? (uint64_t)pos[i] * bpe / 8 : (uint64_t)pos[i] / 16;
-        uint64_t before = word_at(data, nbytes, j);
-        for (; i < count; i++) {
-            uint64_t jj = bpe ? (uint64_t)pos[i] * bpe / 8 : (uint64_t)pos[i] / 16;
-            if (jj != j) break;
-            elem_put(data, kd->bits, pos[i], arr_get(new_, iw, i));
+    if (kd->bits == 16 && iw == 2) APPLY_TYPED(uint16_t, 1);
+    else if (kd->bits == 8 && iw == 1) APPLY_TYPED(uint8_t, 0);
+    else if (kd->bits == 32 && iw == 4) APPLY_TYPED(uint32_t, 2);
+    else if (kd->bits == 64 && iw == 8) APPLY_TYPED(uint64_t, 3);
+    else {
+        for (int64_t i = 0; i < count; i++) {
+            if (pos[i] < 0 || pos[i] >= n_el || (i && pos[i] <= pos[i - 1])) {
+                *err = "positions out of range or not increasing"; return RP_EARG;
+            }
+            if (elem_get(data, kd->bits, pos[i]) != arr_get(old, iw, i)) {
+                *err = "old elements differ from the patch's base"; return RP_EBASE;
+            }
         }
-        uint64_t after = word_at(data, nbytes, j);
-        d0 += sum_term(0, after, j) - sum_term(0, before, j);
-        d1 += sum_term(1, after, j) - sum_term(1, before, j);
+        int64_t i = 0;
+        while (i < count) {
+            uint64_t j = (uint64_t)pos[i] / 16; /* 16 nibbles per word */
+            uint64_t before = word_at(data, nbytes, j);
+            for (; i < count && (uint64_t)pos[i] / 16 == j; i++)
+                elem_put(data, kd->bits, pos[i], arr_get(new_, iw, i));
+            uint64_t after = word_at(data, nbytes, j);
+            d0 += sum_term(0, after, j) - sum_term(0, before, j);
+            d1 += sum_term(1, after, j) - sum_term(1, before, j);
+        }
     }
     delta[0] += d0;
     delta[1] += d1;

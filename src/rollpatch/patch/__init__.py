@@ -7,7 +7,7 @@ docs/patch-format.md for the wire format.
 from ..view import View
 from .model import Patch, TensorPatch
 from .ops import apply, compose, diff
-from .wire import PatchHeader, decode, encode, inspect
+from .wire import PatchHeader, decode, encode, encode_views, inspect
 
 __all__ = [
     "Patch",
@@ -19,6 +19,7 @@ __all__ = [
     "decode",
     "diff",
     "encode",
+    "encode_views",
     "inspect",
 ]
 

@@ -121,6 +121,8 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
     if view.digest(algo) != patch.base:
         raise BaseMismatchError("view root digest is not the patch's base",
                                 expected=patch.base[:16], actual=view.digest(algo)[:16])
+    if native.core is not None:
+        return  # the native scatter checks every old element as it writes, all or nothing
     for name, tp in patch.tensors.items():
         if tp.op == "delta":
             assert tp.positions is not None and tp.old is not None
@@ -147,12 +149,12 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
     try:
         for name, tp in patch.tensors.items():
             prev = view[name] if name in view else None
-            undo.append((name, tp, prev,
-                         view.tensor_digest(name, algo) if prev is not None else None))
+            entry = (name, tp, prev, view.tensor_digest(name, algo) if prev is not None else None)
             if tp.op == "delta":
                 assert tp.positions is not None and tp.new is not None
                 state = view.sum_state(name) if incremental else None
-                delta = scatter(view[name], tp.positions, tp.new, tp.old)
+                delta = scatter(view[name], tp.positions, tp.new, tp.old)  # all or nothing
+                undo.append(entry)
                 if state is not None and delta is not None:
                     view.update_sum_state(name, ((state[0] + delta[0]) & _M64,
                                                  (state[1] + delta[1]) & _M64))
@@ -160,8 +162,10 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
                     view.invalidate(name)
             elif tp.op == "full":
                 assert tp.tensor is not None
+                undo.append(entry)
                 view[name] = tp.tensor.copy()
             else:
+                undo.append(entry)
                 del view[name]
         for name, tp in patch.tensors.items():
             if tp.op != "drop" and view.tensor_digest(name, algo) != tp.target_digest:

@@ -20,13 +20,15 @@ import blake3
 import numpy as np
 import zstandard
 
+from .. import native
 from ..errors import BaseMismatchError, CodecError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
 from ..view import DigestAlgo, View, WordSource
 from .codecs import DELTA_CODECS, bounded_decompress, decode_full, encode_full, get_delta_codec
 from .model import OPS, Patch, TensorPatch
 
-__all__ = ["MAGIC", "MAX_HEADER_BYTES", "PatchHeader", "decode", "encode", "inspect"]
+__all__ = ["MAGIC", "MAX_HEADER_BYTES", "PatchHeader", "decode", "encode", "encode_views",
+           "inspect"]
 
 MAGIC = b"\x89RPATCH\n"
 #: Format version written by default; 1 is still read (and written on request).
@@ -52,8 +54,10 @@ _DENSE = 0.05
 
 
 def _pool() -> ThreadPoolExecutor:
-    """Tensors are coded concurrently: numpy releases the GIL in the heavy loops."""
-    return ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
+    """Tensors are coded concurrently: the native core and numpy release the GIL."""
+    from .codec_v2 import threads
+
+    return ThreadPoolExecutor(max_workers=max(1, min(4, threads())))
 
 
 def _b3(data: bytes | memoryview) -> bytes:
@@ -68,33 +72,85 @@ def encode(patch: Patch, base: WordSource, *, version: int = VERSION) -> bytes:
     if version not in VERSIONS or patch.digest != DIGESTS[version]:
         raise CodecError(f"patch format {version} carries {DIGESTS.get(version)} digests",
                          digest=patch.digest, hint="diff(a, b, digest=...) to match")
-    entries: list[dict[str, Any]] = []
-    payloads: list[bytes] = []
-    offset = 0
     names = sorted(patch.tensors)
     with _pool() as pool:
-        coded = pool.map(lambda n: _encode_tensor(patch.tensors[n], base, version), names)
+        coded = list(pool.map(lambda n: _encode_tensor(patch.tensors[n], base, version), names))
+    parts = []
     for name, (codec, payload) in zip(names, coded):
         tp = patch.tensors[name]
-        entries.append({
-            "name": name, "op": tp.op, "kind": tp.kind.name, "dtype": tp.kind.dtype,
-            "shape": list(tp.shape), "changed": tp.n_changed, "base": tp.base_digest,
-            "target": tp.target_digest, "codec": codec, "offset": offset,
-            "length": len(payload), "b3": blake3.blake3(payload).hexdigest(),
-        })
-        payloads.append(payload)
+        parts.append((_entry(name, tp.op, tp.kind, tp.shape, tp.n_changed, tp.base_digest,
+                             tp.target_digest, codec), payload))
+    return _assemble(patch.base, patch.target, patch.meta, patch.digest, parts, version)
+
+
+def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> bytes:
+    """``encode(diff(a, b), a)`` in one native pass per tensor, byte for byte.
+
+    No decoded patch is built: memory beyond the two views is the patch plus one chunk's
+    records per thread (and one XOR temporary for dense tensors, which may ship as XOR+zstd).
+    """
+    from .codec_v2 import CtxGolombV2
+    from .codecs import XorZstd
+
+    native.require()
+    codec = CtxGolombV2()
+    names = sorted(set(a) | set(b))
+
+    def one(name: str) -> tuple[dict[str, Any], bytes] | None:
+        if name not in b:
+            ta = a[name]
+            return _entry(name, "drop", ta.kind, ta.shape, ta.n_elements,
+                          a.tensor_digest(name), None, "none"), b""
+        tb = b[name]
+        if name not in a or a[name].kind != tb.kind or a[name].shape != tb.shape:
+            codec_id, payload = encode_full(tb)
+            base = a.tensor_digest(name) if name in a else None
+            return _entry(name, "full", tb.kind, tb.shape, tb.n_elements, base,
+                          b.tensor_digest(name), codec_id), payload
+        ta = a[name]
+        payload, k = codec.encode_dense(ta, tb)
+        if k == 0:
+            return None
+        codec_id = codec.codec_id
+        if k > _DENSE * ta.n_elements:
+            alt = zstandard.ZstdCompressor(level=XorZstd.level).compress(
+                np.bitwise_xor(ta.data, tb.data).tobytes())
+            if len(alt) < len(payload):
+                codec_id, payload = "rp.xorzstd.v1", alt
+        return _entry(name, "delta", ta.kind, ta.shape, k, a.tensor_digest(name),
+                      b.tensor_digest(name), codec_id), payload
+
+    with _pool() as pool:
+        coded = [x for x in pool.map(one, names) if x is not None]
+    return _assemble(a.digest(), b.digest(), meta or {}, "rp.sum128.v1", coded, VERSION)
+
+
+def _entry(name: str, op: str, kind: Any, shape: tuple[int, ...], changed: int,
+           base: str | None, target: str | None, codec: str) -> dict[str, Any]:
+    return {"name": name, "op": op, "kind": kind.name, "dtype": kind.dtype,
+            "shape": list(shape), "changed": changed, "base": base, "target": target,
+            "codec": codec}
+
+
+def _assemble(base: str, target: str, meta: Any, digest: str,
+              parts: list[tuple[dict[str, Any], bytes]], version: int) -> bytes:
+    entries, offset = [], 0
+    for entry, payload in parts:
+        entry.update({"offset": offset, "length": len(payload),
+                      "b3": blake3.blake3(payload).hexdigest()})
+        entries.append(entry)
         offset += len(payload)
     header: dict[str, Any] = {"format": "rollpatch.patch", "version": version}
     if version >= 2:
-        header["digest"] = patch.digest
-    header.update({"base": patch.base, "target": patch.target, "payload_bytes": offset,
-                   "meta": dict(patch.meta), "tensors": entries})
+        header["digest"] = digest
+    header.update({"base": base, "target": target, "payload_bytes": offset,
+                   "meta": dict(meta), "tensors": entries})
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
     packed = zstandard.ZstdCompressor(level=9).compress(raw)
     prefix = _PREFIX.pack(MAGIC, version, FLAG_ZSTD_HEADER, len(packed)) + packed
-    return b"".join([prefix, _b3(prefix), *payloads])
+    return b"".join([prefix, _b3(prefix), *(p for _, p in parts)])
 
 
 def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str, bytes]:

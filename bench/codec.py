@@ -195,7 +195,7 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
             t_dec = math.inf
             for _ in range(reps):
                 _restore(work, a)
-                t, _ = best_of(lambda: apply(work, decode(blob, work)), 1)
+                t, _ = best_of(lambda: apply(work, decode(blob, work)), 1)  # noqa: B023
                 t_dec = min(t_dec, t)
                 _check_equal(work, b, "rollpatch native")
             if work.digest() != b.digest():
@@ -212,21 +212,20 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
                     if nblob != blob:
                         raise RoundTripError("numpy reference and native bytes differ")
                     _restore(work, a)
-                    t_ndec, _ = best_of(lambda: apply(work, decode(blob, work)), 1)
+                    t_ndec, _ = best_of(lambda: apply(work, decode(blob, work)), 1)  # noqa: B023
                     _check_equal(work, b, "rollpatch numpy")
                 finally:
                     native.core = core
             xs: dict[int, tuple[float, float, int]] = {}
             for level in (1, 3):
-                t_xe, frames = best_of(lambda: xor_encode(a, b, pool, level), reps)
+                t_xe, frames = best_of(lambda: xor_encode(a, b, pool, level), reps)  # noqa: B023
                 t_xd = math.inf
                 for _ in range(reps):
                     _restore(work, a)
-                    t, _ = best_of(lambda: xor_apply(work, frames, pool), 1)
+                    t, _ = best_of(lambda: xor_apply(work, frames, pool), 1)  # noqa: B023
                     t_xd = min(t_xd, t)
                     _check_equal(work, b, f"XOR+zstd-{level}")
                 xs[level] = (t_xe, t_xd, sum(len(f) for f, _ in frames.values()))
-                del frames
         row.transitions += 1
         row.view_bytes += a.nbytes
         row.patch_bytes += len(blob)
@@ -251,7 +250,6 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
         row.elements += n
         row.changed += k
         row.bound_bits += whole
-    del patch, work, scratch
 
 
 def run_group(size: str, n_params: int, lr: float, formats: Sequence[str], steps: int,

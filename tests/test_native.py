@@ -128,7 +128,7 @@ def test_corrupt_payloads_are_refused_cleanly() -> None:
         results = []
         for codec in (NATIVE, REF):
             try:
-                p, o, n = codec.decode(memoryview(x), a, int(pos.size))
+                p, _, n = codec.decode(memoryview(x), a, int(pos.size))
                 results.append((p.tobytes(), n.tobytes()))
             except RollpatchError:
                 results.append(None)

@@ -65,7 +65,7 @@ def sum128(data: np.ndarray) -> tuple[int, int]:
         return _sum128_numpy(raw)
     words = (raw.size + 7) // 8
     if words <= _SUM_SPLIT:
-        return tuple(core.sum128(raw, 0, words))  # type: ignore[return-value]
+        return tuple(core.sum128(raw, 0, words))
     from .patch.codec_v2 import _map
 
     parts = _map(lambda w0: core.sum128(raw, w0, min(_SUM_SPLIT, words - w0)),

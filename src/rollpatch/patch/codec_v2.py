@@ -7,8 +7,10 @@ decoded in chunk ranges on a thread pool; the native core releases the GIL.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +61,7 @@ def _ranges(nchunks: int, parts: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
 
 
-def _map(fn, items: list) -> list:  # type: ignore[no-untyped-def, type-arg]
+def _map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     if len(items) <= 1 or threads() <= 1:
         return [fn(x) for x in items]
     with ThreadPoolExecutor(max_workers=min(threads(), len(items))) as pool:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -186,7 +187,7 @@ class CtxGolomb(DeltaCodec):
         elements = base.elements()
         groups = Groups(kind, elements)
         ids = [r[0] for r in rows]
-        if any(y <= x for x, y in zip(ids, ids[1:])) or (ids and ids[-1] >= groups.ncontexts) \
+        if any(y <= x for x, y in itertools.pairwise(ids)) or (ids and ids[-1] >= groups.ncontexts) \
                 or any(not 1 <= k <= changed or b > k or eg > 63 for _, k, b, eg in rows):
             raise PatchDecodeError("invalid context list", codec=self.codec_id)
         if sum(r[1] for r in rows) != changed or k_out > changed:

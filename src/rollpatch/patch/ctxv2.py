@@ -10,6 +10,8 @@ bytes; tests hold the two to that on every kind.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..errors import PatchDecodeError
@@ -164,7 +166,7 @@ def _params(body: memoryview, kind: Kind, single: bool, n: int) -> tuple[list[li
     rows = [vals[1 + 5 * i:6 + 5 * i] for i in range(vals[0])]
     top = min(kind.bits, 63)
     ids = [r[0] for r in rows]
-    if any(b <= a for a, b in zip(ids, ids[1:])) or ids[-1] >= ncontexts \
+    if any(b <= a for a, b in itertools.pairwise(ids)) or ids[-1] >= ncontexts \
             or any(not (nc <= n and 1 <= k <= nc and b <= k and eg < top)
                    for _, nc, k, b, eg in rows):
         raise _fail("invalid context parameters")

@@ -49,11 +49,12 @@ def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray,
         return int(da), int(db)
     if not t.kind.packed:
         t.data[positions] = values
-        return
+        return None
     for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
         sel = (positions & 1) == parity
         idx = positions[sel] >> 1
         t.data[idx] = (t.data[idx] & keep) | (values[sel].astype(np.uint8) << shift)
+    return None
 
 
 def _same_layout(a: Tensor, b: Tensor) -> bool:
@@ -148,7 +149,7 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
     undo: list[tuple[str, TensorPatch, Tensor | None, str | None]] = []
     try:
         for name, tp in patch.tensors.items():
-            prev = view[name] if name in view else None
+            prev = view.get(name)
             entry = (name, tp, prev, view.tensor_digest(name, algo) if prev is not None else None)
             if tp.op == "delta":
                 assert tp.positions is not None and tp.new is not None

@@ -8,8 +8,8 @@ verified before it is decoded. Hostile input raises :class:`PatchDecodeError` (o
 
 from __future__ import annotations
 
+import itertools
 import json
-import os
 import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -272,7 +272,7 @@ def _validate_header(h: Any, hlen: int, version: int) -> PatchHeader:
         prev = e["name"]
         spans.append((e["offset"], e["offset"] + e["length"]))
     spans.sort()
-    _need(all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "overlapping payloads")
+    _need(all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "overlapping payloads")
     return PatchHeader(h["base"], h["target"], dict(meta), tensors, _PREFIX.size + hlen + 32,
                        payload_bytes, hlen, version)
 

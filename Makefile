@@ -10,7 +10,10 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# the native codec core (C) is compiled by `pip install -e .`; rebuild when its sources change
+NATIVE := setup.py $(wildcard src/rollpatch/native/*.c src/rollpatch/native/*.h)
+
+$(STAMP): pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU torch wheel pinned explicitly: a bare "torch" could pull a multi-GB CUDA build

@@ -116,8 +116,9 @@ def test_import_rollpatch_does_not_import_transformers() -> None:
 
 
 def test_trl_sft_trainer_publishes_every_step(tmp_path: Path) -> None:
-    import trl  # a dev dependency: the test fails, never skips, without it
     import datasets
+    import trl  # a dev dependency: the test fails, never skips, without it
+
     from rollpatch.engines.reference import make_tokenizer
 
     tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=384, seed=0)

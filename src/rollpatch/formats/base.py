@@ -137,10 +137,26 @@ class Format(ABC):
             raise ConfigError(f"unknown scale mode {scales!r}",
                               hint=f"use one of {', '.join(SCALE_MODES)}")
         m = check_master(name, master)
-        chosen = policy if policy is not None else _DEFAULT_POLICY
-        if self._blockable(m.shape) and chosen.quantise(name, m.shape):
+        if self.quantises(name, m.shape, policy):
             return self._quantise(name, m, ScaleSource(scales, frozen or {}))
         return {name: plain_tensor(m, self._plain_kind)}
+
+    @property
+    def plain_kind(self) -> str:
+        """Kind of the tensors this format serves unquantised (``bf16``, or ``f16``)."""
+        return self._plain_kind
+
+    @property
+    def scale_suffixes(self) -> tuple[str, ...]:
+        """Suffixes (appended to the master name) of the scale tensors a quantised weight has."""
+        return self._scale_suffixes
+
+    def quantises(self, name: str, shape: tuple[int, ...],
+                  policy: QuantPolicy | None = None) -> bool:
+        """True if master ``name`` of ``shape`` is quantised (else served as ``plain_kind``,
+        under its own name)."""
+        chosen = policy if policy is not None else _DEFAULT_POLICY
+        return self._blockable(tuple(shape)) and chosen.quantise(name, tuple(shape))
 
     @abstractmethod
     def _blockable(self, shape: tuple[int, ...]) -> bool:

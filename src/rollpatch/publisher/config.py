@@ -5,12 +5,17 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..errors import ConfigError
 from ..formats import QuantPolicy, get_format
 from ..formats.base import SCALE_MODES
 
-__all__ = ["PublisherConfig", "PublisherStats", "VersionStats", "default_publisher_id"]
+__all__ = ["DiffOn", "PublisherConfig", "PublisherStats", "VersionStats", "default_publisher_id"]
+
+#: Where a publisher's O(N) work runs (see ``PublisherConfig.diff_on``).
+DiffOn = Literal["host", "device", "auto"]
+DIFF_ON: tuple[str, ...] = ("host", "device", "auto")
 
 #: Per-version statistics kept in memory (the oldest are forgotten first).
 MAX_STATS = 10_000
@@ -46,6 +51,14 @@ class PublisherConfig:
     signing_key: bytes | None = None
     """When set, manifests carry an HMAC-SHA256 signature with this key, and resuming verifies
     the signatures of the manifests it reads."""
+    diff_on: DiffOn = "host"
+    """Where the O(N) work runs. ``host``: masters are copied to host memory in ``publish()``
+    and cast, compared and hashed there with numpy and the native core. ``device``: they are
+    copied on their own torch device, the previous served view stays there, and the cast
+    (BF16 in torch; other kinds on the host, tensor by tensor), compare, coder records and
+    digests run there; only O(changed) bytes reach the host (needs torch and the native
+    core; the same bytes on the board). ``auto``: ``device`` when the first published state
+    dict holds a torch tensor off the CPU, else ``host``."""
 
     def __post_init__(self) -> None:
         try:
@@ -72,6 +85,9 @@ class PublisherConfig:
         if not isinstance(self.publisher_id, str) or not 0 < len(self.publisher_id) <= 256:
             raise ConfigError("PublisherConfig.publisher_id must be 1-256 characters",
                               value=self.publisher_id)
+        if self.diff_on not in DIFF_ON:
+            raise ConfigError(f"PublisherConfig.diff_on must be one of {', '.join(DIFF_ON)}",
+                              value=self.diff_on)
         key = self.signing_key
         if key is not None and (not isinstance(key, bytes) or len(key) < 16):
             raise ConfigError("PublisherConfig.signing_key must be bytes, at least 16 long",
@@ -82,7 +98,8 @@ class PublisherConfig:
         return (f"PublisherConfig(format={self.format!r}, scales={self.scales!r}, "
                 f"policy={self.policy!r}, keyframe_every={self.keyframe_every}, "
                 f"skip_strides={self.skip_strides}, max_pending={self.max_pending}, "
-                f"publisher_id={self.publisher_id!r}, signing_key={key})")
+                f"publisher_id={self.publisher_id!r}, signing_key={key}, "
+                f"diff_on={self.diff_on!r})")
 
 
 def _is_int(x: object) -> bool:
@@ -121,6 +138,9 @@ class VersionStats:
     """Bytes of the step patch (this rank's shard); 0 for a run's first version."""
     changed: int
     """Served elements the step changed (this rank's shard)."""
+    host_bytes: int = 0
+    """``diff_on="device"``: bytes of change records (and new tensors) copied from the device
+    to the host for the step patch; 0 on the host path."""
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,9 @@ class Publisher:
         self._last_assigned = self._last_durable = self._resume_from = top
         self._roots: dict[int, str] = {} if top is None else {top: target}
         self._pipe = ShardPipeline(self.board, self.run, self.config, self._x.rank)
+        self._on_device: bool | None = {"host": False, "device": True}.get(self.config.diff_on)
+        if self._on_device:
+            self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
         self._worker: threading.Thread | None = None
         if asynchronous:
             self._worker = threading.Thread(target=self._work, daemon=True,
@@ -129,7 +132,7 @@ class Publisher:
         """
         t0 = time.perf_counter()
         self._check_usable()
-        masters = snapshot_state(state_dict)
+        masters = self._snapshot(state_dict)
         snap_s = time.perf_counter() - t0
         with self._cond:
             self._check_usable()
@@ -207,6 +210,21 @@ class Publisher:
         if self._error is not None:
             self._error_reported = True
             raise self._error
+
+    def _snapshot(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Host copies (host path) or copies on the masters' devices (device path)."""
+        with self._cond:
+            if self._on_device is None:  # diff_on="auto": the first state dict decides
+                self._on_device = any(type(v).__module__.startswith("torch")
+                                      and v.device.type != "cpu" for v in state_dict.values())
+                if self._on_device:
+                    self._pipe = _device_pipeline(self.board, self.run, self.config,
+                                                  self._x.rank)
+        if self._on_device:
+            from .devpipe import snapshot_device
+
+            return snapshot_device(state_dict)
+        return snapshot_state(state_dict)
 
     def _assign(self, version: int | None) -> int:
         last = self._last_assigned
@@ -364,7 +382,7 @@ class Publisher:
             call_return_s=snap.call_return_s if snap.call_return_s is not None else now - snap.t0,
             queue_s=max(0.0, started - snap.t0 - snap.snapshot_s), resume_s=resume_s,
             commit_s=now - t_commit, total_s=now - snap.t0, bytes=res.bytes,
-            patch_bytes=res.patch_bytes, changed=res.changed,
+            patch_bytes=res.patch_bytes, changed=res.changed, host_bytes=res.host_bytes,
             **{k: res.timings.get(k, 0.0) for k in ("cast_s", "diff_s", "encode_s",
                                                    "upload_s")})
         with self._cond:
@@ -374,6 +392,16 @@ class Publisher:
             self._stats.append(stats)
             self._cond.notify_all()
         snap.masters = {}  # free the host copy early
+
+
+def _device_pipeline(board: Board, run: str, config: PublisherConfig,
+                     shard: int) -> ShardPipeline:
+    try:
+        from .devpipe import DeviceShardPipeline
+    except ImportError as e:
+        raise ConfigError("PublisherConfig(diff_on='device') needs torch",
+                          hint="pip install 'rollpatch[torch]', or use diff_on='host'") from e
+    return DeviceShardPipeline(board, run, config, shard)
 
 
 @atexit.register

@@ -11,9 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import Any, Protocol
 
 from ..board import Board
 from ..errors import BoardError, PatchError
@@ -26,7 +24,17 @@ from ..types import ObjectRef
 from ..view import Tensor, View, root_digest
 from .config import PublisherConfig
 
-__all__ = ["ShardPipeline", "ShardResult", "assemble_manifest"]
+__all__ = ["ServedView", "ShardPipeline", "ShardResult", "assemble_manifest"]
+
+
+class ServedView(Protocol):
+    """What a version's message needs of its view: a host :class:`View`, or the device path's
+    ``DeviceView``."""
+
+    @property
+    def nbytes(self) -> int: ...
+    def tensor_digests(self) -> dict[str, str]: ...
+
 
 #: Stride → (base version, patch composed from the base to the current version, or None).
 Accumulators = dict[int, tuple[int, "Patch | None"]]
@@ -37,7 +45,7 @@ class ShardResult:
     """What ``build`` made for one version; ``message()`` is what the rank tells rank 0."""
 
     version: int
-    view: View
+    view: ServedView
     patches: list[tuple[int, ObjectRef]] = field(default_factory=list)
     keyframe: ObjectRef | None = None
     accumulators: Accumulators = field(default_factory=dict)
@@ -45,6 +53,7 @@ class ShardResult:
     bytes: int = 0
     patch_bytes: int = 0
     changed: int = 0
+    host_bytes: int = 0
 
     def message(self) -> dict[str, Any]:
         def ref(r: ObjectRef) -> dict[str, Any]:
@@ -61,7 +70,7 @@ class ShardPipeline:
 
     def __init__(self, board: Board, run: str, config: PublisherConfig, shard: int) -> None:
         self.board, self.run, self.config, self.shard = board, run, config, shard
-        self.prev: View | None = None
+        self.prev: Any = None  # View (host path), or DeviceView (device path)
         self.prev_version: int | None = None
         self._whole_prev = False  # prev is the whole resumed view, not yet cut to this shard
         self._acc: Accumulators = {}
@@ -71,7 +80,7 @@ class ShardPipeline:
         self.prev, self.prev_version, self._whole_prev = whole_view, version, True
         self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
 
-    def build(self, version: int, masters: Mapping[str, np.ndarray], *,
+    def build(self, version: int, masters: Mapping[str, Any], *,
               keyframe: bool) -> ShardResult:
         """Cast, diff, encode and upload this shard's objects for ``version``."""
         cfg = self.config
@@ -98,6 +107,11 @@ class ShardPipeline:
         if keyframe:
             blobs.append((None, "safetensors", view_to_bytes(view)))
         res.timings["encode_s"] = _lap(t)
+        self._upload(res, blobs)
+        return res
+
+    def _upload(self, res: ShardResult, blobs: list[tuple[int | None, str, bytes]]) -> None:
+        """Put the version's objects (patches by base; base None: the keyframe)."""
         t = time.perf_counter()
         for base, suffix, data in blobs:
             ref = self.board.put_object(self.run, data, suffix)
@@ -107,7 +121,6 @@ class ShardPipeline:
             else:
                 res.patches.append((base, ref))
         res.timings["upload_s"] = _lap(t)
-        return res
 
     def commit(self, res: ShardResult) -> None:
         """The version is durable: its view becomes the base of the next one."""
@@ -120,7 +133,8 @@ class ShardPipeline:
         """The previous view of this shard (a resumed whole view cut to this shard's names)."""
         if self.prev is None or not self._whole_prev:
             return self.prev
-        return View({k: self.prev[k] for k in view if k in self.prev}, self.prev.metadata)
+        prev: View = self.prev
+        return View({k: prev[k] for k in view if k in prev}, prev.metadata)
 
     def _with_meta(self, p: Patch, base: int, version: int) -> Patch:
         meta = {"run": self.run, "from": str(base), "to": str(version), "shard": str(self.shard)}

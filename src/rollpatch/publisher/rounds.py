@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..board import Board
 from ..errors import BoardError, ConfigError
 from .config import PublisherConfig
@@ -23,10 +21,11 @@ __all__ = ["Decision", "Snapshot", "agree", "resume_point"]
 
 @dataclass(eq=False)
 class Snapshot:
-    """Host copies of one accepted state dict, waiting to be published as ``version``."""
+    """Copies of one accepted state dict (numpy on the host, or torch on the masters' devices
+    with ``diff_on="device"``), waiting to be published as ``version``."""
 
     version: int
-    masters: dict[str, np.ndarray]
+    masters: dict[str, Any]
     t0: float
     snapshot_s: float
     step: int

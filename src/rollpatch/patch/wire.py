@@ -27,8 +27,8 @@ from ..view import DigestAlgo, View, WordSource
 from .codecs import DELTA_CODECS, bounded_decompress, decode_full, encode_full, get_delta_codec
 from .model import OPS, Patch, TensorPatch
 
-__all__ = ["MAGIC", "MAX_HEADER_BYTES", "PatchHeader", "decode", "encode", "encode_views",
-           "inspect"]
+__all__ = ["DENSE", "MAGIC", "MAX_HEADER_BYTES", "PatchHeader", "assemble", "decode", "encode",
+           "encode_views", "entry", "inspect"]
 
 MAGIC = b"\x89RPATCH\n"
 #: Format version written by default; 1 is still read (and written on request).
@@ -49,8 +49,8 @@ _PREFIX = struct.Struct("<8sHHI")
 #: Flag bit 0: the header is a zstd frame (hex digests and names compress about 3×).
 FLAG_ZSTD_HEADER = 1
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-#: Above this density the encoder also tries XOR+zstd and keeps the smaller payload.
-_DENSE = 0.05
+#: Above this density the encoders also try XOR+zstd and keep the smaller payload.
+DENSE = 0.05
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -78,9 +78,9 @@ def encode(patch: Patch, base: WordSource, *, version: int = VERSION) -> bytes:
     parts = []
     for name, (codec, payload) in zip(names, coded):
         tp = patch.tensors[name]
-        parts.append((_entry(name, tp.op, tp.kind, tp.shape, tp.n_changed, tp.base_digest,
+        parts.append((entry(name, tp.op, tp.kind, tp.shape, tp.n_changed, tp.base_digest,
                              tp.target_digest, codec), payload))
-    return _assemble(patch.base, patch.target, patch.meta, patch.digest, parts, version)
+    return assemble(patch.base, patch.target, patch.meta, patch.digest, parts, version)
 
 
 def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> bytes:
@@ -99,46 +99,48 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
     def one(name: str) -> tuple[dict[str, Any], bytes] | None:
         if name not in b:
             ta = a[name]
-            return _entry(name, "drop", ta.kind, ta.shape, ta.n_elements,
+            return entry(name, "drop", ta.kind, ta.shape, ta.n_elements,
                           a.tensor_digest(name), None, "none"), b""
         tb = b[name]
         if name not in a or a[name].kind != tb.kind or a[name].shape != tb.shape:
             codec_id, payload = encode_full(tb)
             base = a.tensor_digest(name) if name in a else None
-            return _entry(name, "full", tb.kind, tb.shape, tb.n_elements, base,
+            return entry(name, "full", tb.kind, tb.shape, tb.n_elements, base,
                           b.tensor_digest(name), codec_id), payload
         ta = a[name]
         payload, k = codec.encode_dense(ta, tb)
         if k == 0:
             return None
         codec_id = codec.codec_id
-        if k > _DENSE * ta.n_elements:
+        if k > DENSE * ta.n_elements:
             alt = zstandard.ZstdCompressor(level=XorZstd.level).compress(
                 np.bitwise_xor(ta.data, tb.data).tobytes())
             if len(alt) < len(payload):
                 codec_id, payload = "rp.xorzstd.v1", alt
-        return _entry(name, "delta", ta.kind, ta.shape, k, a.tensor_digest(name),
+        return entry(name, "delta", ta.kind, ta.shape, k, a.tensor_digest(name),
                       b.tensor_digest(name), codec_id), payload
 
     with _pool() as pool:
         coded = [x for x in pool.map(one, names) if x is not None]
-    return _assemble(a.digest(), b.digest(), meta or {}, "rp.sum128.v1", coded, VERSION)
+    return assemble(a.digest(), b.digest(), meta or {}, "rp.sum128.v1", coded, VERSION)
 
 
-def _entry(name: str, op: str, kind: Any, shape: tuple[int, ...], changed: int,
-           base: str | None, target: str | None, codec: str) -> dict[str, Any]:
+def entry(name: str, op: str, kind: Any, shape: tuple[int, ...], changed: int,
+          base: str | None, target: str | None, codec: str) -> dict[str, Any]:
+    """One tensor's header entry (offset, length and checksum are added by assemble)."""
     return {"name": name, "op": op, "kind": kind.name, "dtype": kind.dtype,
             "shape": list(shape), "changed": changed, "base": base, "target": target,
             "codec": codec}
 
 
-def _assemble(base: str, target: str, meta: Any, digest: str,
-              parts: list[tuple[dict[str, Any], bytes]], version: int) -> bytes:
+def assemble(base: str, target: str, meta: Any, digest: str,
+             parts: list[tuple[dict[str, Any], bytes]], version: int) -> bytes:
+    """The container (§1-§2) around per-tensor (entry, payload) parts in name order."""
     entries, offset = [], 0
-    for entry, payload in parts:
-        entry.update({"offset": offset, "length": len(payload),
-                      "b3": blake3.blake3(payload).hexdigest()})
-        entries.append(entry)
+    for e, payload in parts:
+        e.update({"offset": offset, "length": len(payload),
+                  "b3": blake3.blake3(payload).hexdigest()})
+        entries.append(e)
         offset += len(payload)
     header: dict[str, Any] = {"format": "rollpatch.patch", "version": version}
     if version >= 2:
@@ -163,7 +165,7 @@ def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str
     t = base[tp.name]
     best = DELTA_CODECS[_DELTA_BY_VERSION[version][0]]
     payload = best.encode(t, tp.positions, tp.old, tp.new)
-    if tp.positions.size > _DENSE * tp.n_elements:
+    if tp.positions.size > DENSE * tp.n_elements:
         alt = DELTA_CODECS["rp.xorzstd.v1"].encode(t, tp.positions, tp.old, tp.new)
         if len(alt) < len(payload):
             return "rp.xorzstd.v1", alt

@@ -11,13 +11,10 @@ tensor and serialised; nothing else of the view is kept on the host.
 
 from __future__ import annotations
 
-import json
-import struct
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import blake3
 import numpy as np
 import torch
 import zstandard
@@ -28,11 +25,10 @@ from ..formats import get_format
 from ..io import view_to_bytes
 from ..io.checkpoint import to_numpy
 from ..kinds import KINDS
-from ..patch import Patch, TensorPatch
+from ..patch import Patch, TensorPatch, wire
 from ..patch.codec_v2 import CtxGolombV2
 from ..patch.codecs import XorZstd, encode_full
-from ..patch.wire import MAGIC, MAX_HEADER_BYTES, VERSION
-from ..view import DEFAULT_DIGEST, Tensor, View, root_digest
+from ..view import Tensor, View, root_digest
 from .device import (
     DeviceTensor,
     TensorRecords,
@@ -47,9 +43,6 @@ from .pipeline import ShardPipeline, ShardResult, _lap
 
 __all__ = ["DeviceShardPipeline", "DeviceView", "snapshot_device"]
 
-_PREFIX = struct.Struct("<8sHHI")  # wire.py: magic, version, flags, header length
-_FLAG_ZSTD_HEADER = 1
-_DENSE = 0.05  # wire.py: above this density XOR+zstd is tried too
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -257,7 +250,7 @@ def _delta_payload(kind: Any, n: int, rec: TensorRecords) -> tuple[str, bytes]:
     """What ``wire.encode`` writes for a delta tensor: ctxgolomb v2, or XOR+zstd if dense and
     smaller (XOR+zstd needs only the positions and the old and new elements)."""
     payload = CtxGolombV2().encode_records(kind, n, rec.chunks)
-    if rec.positions.size > _DENSE * n:
+    if rec.positions.size > wire.DENSE * n:
         x = np.zeros(n, dtype=kind.elem_dtype)
         x[rec.positions] = rec.old ^ rec.new
         if kind.packed:
@@ -269,30 +262,12 @@ def _delta_payload(kind: Any, n: int, rec: TensorRecords) -> tuple[str, bytes]:
 
 
 def _container(patch: Patch, coded: Mapping[str, tuple[str, bytes]]) -> bytes:
-    """The patch container around payloads coded elsewhere, byte for byte as
-    ``wire.encode`` writes it (tests hold the two equal)."""
-    entries: list[dict[str, Any]] = []
-    payloads: list[bytes] = []
-    offset = 0
+    """The patch container around payloads coded elsewhere (the wire module's writer)."""
+    parts = []
     for name in sorted(patch.tensors):
         tp = patch.tensors[name]
         codec, payload = coded[name]
-        entries.append({
-            "name": name, "op": tp.op, "kind": tp.kind.name, "dtype": tp.kind.dtype,
-            "shape": list(tp.shape), "changed": tp.n_changed, "base": tp.base_digest,
-            "target": tp.target_digest, "codec": codec, "offset": offset,
-            "length": len(payload), "b3": blake3.blake3(payload).hexdigest(),
-        })
-        payloads.append(payload)
-        offset += len(payload)
-    header: dict[str, Any] = {"format": "rollpatch.patch", "version": VERSION,
-                              "digest": DEFAULT_DIGEST, "base": patch.base,
-                              "target": patch.target, "payload_bytes": offset,
-                              "meta": dict(patch.meta), "tensors": entries}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    if len(raw) > MAX_HEADER_BYTES:
-        raise BoardError("patch header exceeds the format's limit", size=len(raw))
-    packed = zstandard.ZstdCompressor(level=9).compress(raw)
-    prefix = _PREFIX.pack(MAGIC, VERSION, _FLAG_ZSTD_HEADER, len(packed)) + packed
-    return b"".join([prefix, blake3.blake3(prefix).digest(), *payloads])
-
+        parts.append((wire.entry(name, tp.op, tp.kind, tp.shape, tp.n_changed, tp.base_digest,
+                                 tp.target_digest, codec), payload))
+    return wire.assemble(patch.base, patch.target, patch.meta, patch.digest, parts,
+                         wire.VERSION)

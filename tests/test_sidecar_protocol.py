@@ -104,6 +104,56 @@ def test_admission_is_released_on_every_path() -> None:
     assert gate.admitting and gate.busy_for() == 0 and gate.inflight == 0
 
 
+def test_pause_mode_labels_never_say_none_during_a_commit() -> None:
+    """An adapter reports no version while its bits change (vLLM's does); a response that
+    starts or ends meanwhile is labelled with the version the engine held (pause mode: no
+    token is made until the commit resumes the engine), never with none."""
+    import threading
+
+    from rollpatch.engines import ViewEngine
+    from rollpatch.sidecar.gate import CommitGate
+
+    class Flipping(ViewEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.v: int | None = 3
+
+        @property
+        def version(self) -> int | None:
+            return self.v
+
+        def pause(self) -> None:
+            pass
+
+        def resume(self) -> None:
+            pass
+
+    engine = Flipping()
+    gate = CommitGate(engine, "pause")
+    slot = gate.admit(1.0)
+    inside, done = threading.Event(), threading.Event()
+
+    def commit() -> None:
+        engine.v = None  # bits changing
+        inside.set()
+        done.wait(10)
+        engine.v = 4
+
+    t = threading.Thread(target=gate.commit, args=(commit,))
+    t.start()
+    inside.wait(10)
+    try:
+        assert slot.release() == 3  # a stream ending mid-commit: made by version 3
+        with gate.admit(1.0) as late:
+            assert late.start == 3
+    finally:
+        done.set()
+        t.join(10)
+    assert gate.served() == 4 and gate.admit(1.0).release() == 4
+    engine.v = None  # a failed commit that left the engine not ready: none, once idle
+    assert gate.served() is None
+
+
 @pytest.mark.parametrize("raw, status", [
     (b'{"prompt": "x", "temperature": NaN}', 400),
     (b'{"prompt": "x", "temperature": -Infinity}', 400),

@@ -86,6 +86,7 @@ class CommitGate:
         self._committing = False   # drain mode: admission closed
         self._busy = 0             # any mode: a weight change is running
         self._busy_since: float | None = None  # monotonic start of the running weight change
+        self._held: int | None = None  # the verified version when the weight change began
         self.last_pause_s: float | None = None
         self.pauses: list[float] = []
 
@@ -111,13 +112,21 @@ class CommitGate:
                 raise NotReadyError("a weight commit is taking too long; not admitting",
                                     hint="retry shortly; see /version for the commit state")
             self._inflight += 1
-            return Admission(self, self.engine.version)
+            return Admission(self, self.served())
+
+    def served(self) -> int | None:
+        """The version whose weights produce tokens now. While a weight change runs, an
+        adapter may report none (its bits are changing), but in pause mode the engine makes
+        no token until it resumes: what it produced up to now came from the version it held
+        when the change began (a failed change restores that version or reports none)."""
+        v = self.engine.version
+        return self._held if v is None and self._busy else v
 
     def _exit(self) -> int | None:
         with self._cond:
             self._inflight -= 1
             self._cond.notify_all()
-            return self.engine.version
+            return self.served()
 
     def wait_commit(self, timeout: float) -> bool:
         """Wait until no weight change runs (an engine may report no version meanwhile)."""
@@ -131,6 +140,8 @@ class CommitGate:
     def commit(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (a weight change) under the mode's rule; records the pause."""
         with self._cond:
+            if self._busy == 0:
+                self._held = self.engine.version
             self._busy += 1
             if self._busy_since is None:
                 self._busy_since = time.monotonic()
@@ -141,6 +152,7 @@ class CommitGate:
                 self._busy -= 1
                 if self._busy == 0:
                     self._busy_since = None
+                    self._held = None
                 self._cond.notify_all()
 
     def _commit(self, fn: Callable[[], T]) -> T:

@@ -1,0 +1,181 @@
+/* libFuzzer target: encoder/decoder round trip, a differential check (docs/patch-format.md §8).
+ *
+ * Input: an 8-byte header (kind, size, base seed: fuzz_common.h); byte 8 a density of random
+ * changes (byte 9 their style), then 8-byte edits (3 bytes position, 1 byte op, 4 bytes value)
+ * that set chosen elements to chosen words: sign flips, extreme keys, NaN payloads, ±0.
+ * Per chunk the three encoders must write the same bytes: the fused dense pass with AVX2 and
+ * with scalar loops (rp_encode_chunk), the sparse one from rp_diff's positions
+ * (rp_encode_chunk_sparse) and the one from records (rp_encode_records). The payload must
+ * decode to exactly the diff; rp_apply must turn the base into the target with a consistent
+ * rp.sum128 change, and refuse, writing nothing, a base that differs at one changed position;
+ * rp_gather must read the new elements back; rp.sum128 must add up over any split of words. */
+#include "fuzz_common.h"
+
+static uint64_t to_key(const rp_kind *k, uint64_t x) {
+    uint64_t s = 1ULL << (k->bits - 1), m = fz_mask(k->bits);
+    if (k->order == RP_SIGNMAG) return (x & s) ? (~x & m) : (x | s);
+    return k->order == RP_TWOS ? x ^ s : x;
+}
+
+static uint64_t from_key(const rp_kind *k, uint64_t y) {
+    uint64_t s = 1ULL << (k->bits - 1), m = fz_mask(k->bits);
+    if (k->order == RP_SIGNMAG) return (y & s) ? (y ^ s) : (~y & m);
+    return k->order == RP_TWOS ? y ^ s : y;
+}
+
+/* The target: the base with random changes (density from byte 0 of `ed`) and explicit edits. */
+static uint8_t *perturb(fz_case *c, const uint8_t *ed, size_t len) {
+    const rp_kind *k = &c->k;
+    uint8_t *t = malloc(c->nbytes);
+    uint64_t m = fz_mask(k->bits);
+    if (!t) fz_fail("out of memory for the target");
+    memcpy(t, fz_base(c), c->nbytes);
+    if (len >= 2 && ed[0]) {
+        /* up to ~99% changed; at most 0.4% across the chunk boundary, as real steps are
+         * (a dense 2-chunk case costs seconds under the sanitizers) */
+        uint64_t thr = c->n > RP_CHUNK / 2 ? ed[0] : (uint64_t)ed[0] * ed[0], style = ed[1];
+        for (int64_t i = 0; i < c->n; i++) {
+            uint64_t z = fz_mix(c->seed ^ 0x5851F42D4C957F2DULL ^ (uint64_t)i * 0x2545F4914F6CDD1DULL);
+            if ((z & 0xFFFF) >= thr) continue;
+            uint64_t x = fz_get(t, k->bits, i), step = 1 + ((z >> 16) & ((1ULL << (style & 15)) - 1));
+            uint64_t y = (style & 0x80) ? (z >> 20) & m
+                                        : from_key(k, (to_key(k, x) + ((z >> 63) ? step : 0 - step)) & m);
+            fz_put(t, k->bits, i, y);
+        }
+    }
+    for (size_t o = 2; o + 8 <= len; o += 8) {
+        const uint8_t *e = ed + o;
+        int64_t i = (int64_t)((e[0] | e[1] << 8 | (uint64_t)e[2] << 16) % (uint64_t)c->n);
+        uint32_t v32 = (uint32_t)e[4] | (uint32_t)e[5] << 8 | (uint32_t)e[6] << 16 | (uint32_t)e[7] << 24;
+        uint64_t v = (uint64_t)v32 * 0x100000001ULL, x = fz_get(t, k->bits, i), y;
+        switch (e[3] & 7) {
+        case 0: y = x ^ v; break;                                        /* flip chosen bits */
+        case 1: y = v; break;                                            /* set a word */
+        case 2: y = from_key(k, (to_key(k, x) + (uint64_t)(int64_t)(int32_t)v32) & m); break;
+        case 3: y = x ^ (1ULL << (k->bits - 1)); break;                  /* sign flip: ±0 too */
+        case 4: y = from_key(k, (to_key(k, x) + (1ULL << (k->bits - 1))) & m); break; /* farthest */
+        case 5: y = e[3] & 8 ? m : 0; break;                             /* all ones (NaN) / zero */
+        case 6: y = from_key(k, v32 & 1 ? m : 0); break;                 /* extreme keys */
+        default: y = x + 1; break;
+        }
+        fz_put(t, k->bits, i, y & m);
+    }
+    return t;
+}
+
+/* rp_encode_chunk_sparse and rp_encode_records on chunk i must write `body`. */
+static void other_encoders(const fz_case *c, const uint8_t *t, int64_t i, const uint8_t *body,
+                           size_t blen, int64_t changed) {
+    const rp_kind *k = &c->k;
+    int64_t s = i * RP_CHUNK, n = fz_chunk_n(c, i), found = 0;
+    int64_t *pos = malloc((size_t)n * 8 + 8);
+    uint64_t *ov = malloc((size_t)n * 8 + 8), *nv = malloc((size_t)n * 8 + 8);
+    uint32_t *rank = malloc((size_t)n * 4 + 4);
+    uint8_t *ctx = malloc((size_t)n + 1), *out = NULL;
+    uint64_t ncnt[256] = {0};
+    size_t olen = 0;
+    const char *err = NULL;
+    if (!pos || !ov || !nv || !rank || !ctx) fz_fail("out of memory");
+    rp_diff(k, c->base, t, s, n, pos, n, &found);
+    if (found != changed) fz_fail("rp_diff and rp_encode_chunk count different changes");
+    int64_t j = 0;
+    for (int64_t e = 0; e < n; e++) { /* contexts and ranks of the changes, the slow way */
+        uint64_t x = fz_get(c->base, k->bits, s + e);
+        unsigned cx = k->cbits ? (unsigned)((x >> k->shift) & ((1u << k->cbits) - 1)) : 0;
+        if (j < found && pos[j] == s + e) {
+            ctx[j] = (uint8_t)cx;
+            rank[j] = (uint32_t)ncnt[cx];
+            ov[j] = x;
+            nv[j] = fz_get(t, k->bits, s + e);
+            j++;
+        }
+        ncnt[cx]++;
+    }
+    for (j = 0; j < found; j++) pos[j] -= s;
+    if (rp_encode_chunk_sparse(k, c->base, s, n, pos, ov, nv, found, &out, &olen, &err))
+        fz_fail("rp_encode_chunk_sparse failed");
+    if (olen != blen || (blen && memcmp(out, body, blen))) fz_fail("sparse encoder bytes differ");
+    free(out);
+    out = NULL;
+    if (rp_encode_records(k, n, ncnt, pos, ctx, rank, ov, nv, found, &out, &olen, &err))
+        fz_fail("rp_encode_records failed");
+    if (olen != blen || (blen && memcmp(out, body, blen))) fz_fail("records encoder bytes differ");
+    free(out);
+    free(pos); free(ov); free(nv); free(rank); free(ctx);
+}
+
+/* rp_gather reads back the new elements; rp_apply onto a base that differs at one changed
+ * position refuses with RP_EBASE and leaves every byte as it was (all or nothing). */
+static void check_gather_refuse(fz_case *c, const uint8_t *t, const fz_out *o, uint64_t pick) {
+    int ow = fz_ow(&c->k);
+    uint8_t *got = malloc((size_t)o->total * ow + 8), *w = malloc(c->nbytes), *snap = malloc(c->nbytes);
+    uint64_t delta[2] = {0, 0};
+    const char *err = NULL;
+    if (!got || !w || !snap) fz_fail("out of memory");
+    if (rp_gather(&c->k, t, c->n, o->pos, o->total, got, ow, &err)
+        || memcmp(got, o->newv, (size_t)o->total * ow))
+        fz_fail("rp_gather of the target differs from the decoded new elements");
+    if (o->total) {
+        int64_t j = (int64_t)(pick % (uint64_t)o->total);
+        memcpy(w, c->base, c->nbytes);
+        fz_put(w, c->k.bits, o->pos[j], fz_get(w, c->k.bits, o->pos[j]) ^ 1);
+        memcpy(snap, w, c->nbytes);
+        if (rp_apply(&c->k, w, c->nbytes, o->pos, o->oldv, o->newv, o->total, ow, delta, &err)
+            != RP_EBASE)
+            fz_fail("rp_apply accepted a base that differs at a changed position");
+        if (memcmp(w, snap, c->nbytes) || delta[0] || delta[1])
+            fz_fail("rp_apply changed a base it refused");
+    }
+    free(got); free(w); free(snap);
+}
+
+static void check_sum_split(const uint8_t *d, size_t len, uint64_t w) {
+    uint64_t nw = ((uint64_t)len + 7) / 8, all[2], lo[2], hi[2];
+    w = nw ? w % (nw + 1) : 0;
+    rp_sum128(d, len, 0, nw, all);
+    rp_sum128(d, len, 0, w, lo);
+    rp_sum128(d, len, w, nw - w, hi);
+    if (lo[0] + hi[0] != all[0] || lo[1] + hi[1] != all[1]) fz_fail("rp_sum128 is not additive");
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    fz_case c;
+    fz_out o;
+    if (fz_derive(data, size, &c)) return 0;
+    uint8_t *t = perturb(&c, c.rest, c.rest_len);
+    int64_t nch = fz_chunks(&c), changed[FZ_MAXCH], changed2[FZ_MAXCH], total = 0;
+    size_t plen, plen2;
+    fz_simd = 1;
+    uint8_t *pl = fz_encode(&c, t, &plen, changed);
+    fz_simd = 0;
+    uint8_t *pl2 = fz_encode(&c, t, &plen2, changed2);
+    fz_simd = 1;
+    if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("AVX2 and scalar encoders differ");
+    size_t q = 0; /* walk the joined table to compare each body with the other encoders */
+    for (int64_t i = 0; i < nch; i++) {
+        uint64_t len = 0;
+        for (int s = 0;; s++) {
+            uint8_t b = pl[q++];
+            len |= (uint64_t)(b & 0x7F) << (7 * s);
+            if (!(b & 0x80)) break;
+        }
+        other_encoders(&c, t, i, pl + q, (size_t)len, changed[i]);
+        q += len;
+        total += changed[i];
+    }
+    fz_decode(&c, pl, plen, FZ_MAXCH, &o);
+    if (o.rc) fz_fail("a fresh payload does not decode");
+    if (o.total != total) fz_fail("decoded count differs from the encoder's");
+    fz_check_decoded(&c, &o);
+    for (int64_t i = 0; i < o.total; i++)
+        if (fz_arr(o.newv, fz_ow(&c.k), i) != fz_get(t, c.k.bits, o.pos[i]))
+            fz_fail("decoded new element is not the target's");
+    uint8_t *applied = fz_apply(&c, &o);
+    if (memcmp(applied, t, c.nbytes)) fz_fail("base + decoded patch != target");
+    check_sum_split(t, c.nbytes, c.seed ^ (uint64_t)size);
+    check_gather_refuse(&c, t, &o, c.seed + (uint64_t)size);
+    free(applied);
+    fz_out_free(&o);
+    free(pl); free(pl2); free(t);
+    return 0;
+}

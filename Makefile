@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench setup clean vllm-env
+.PHONY: demo test bench setup clean vllm-env fuzz-env fuzz
 
 setup: $(STAMP)
 
@@ -28,8 +28,15 @@ demo: setup
 vllm-env:
 	scripts/vllm-env
 
-test: setup vllm-env
+# clang + libFuzzer for the native core's fuzzers (scripts/fuzz-env: apt-get, once)
+fuzz-env:
+	scripts/fuzz-env
+
+test: setup vllm-env fuzz-env
 	$(BIN)/python -m pytest -q
+
+fuzz: setup fuzz-env
+	$(BIN)/python bench/fuzz_codec.py
 
 bench: setup
 	$(BIN)/python bench/codec.py

@@ -79,10 +79,6 @@ def _rss_kb() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-@pytest.mark.xfail(strict=True, reason="rpcore.c join_lanes keeps 1.1 MiB of __thread buffers "
-                   "that are never freed when a thread exits (seen in libFuzzer's -trace_malloc "
-                   "output: allocations outliving every input); codec_v2 decodes on a fresh "
-                   "ThreadPoolExecutor per tensor, so each decode leaks ~1.1 MiB per thread")
 def test_decode_threads_do_not_leak() -> None:
     import threading
 

@@ -3,6 +3,7 @@
  * reference: tests require byte-identical payloads and identical decodes from both. */
 #include "rpcore.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -875,91 +876,7 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     return RP_OK;
 }
 
-#define JOIN_STEP(l, i, x)                                                                  \
-    do {                                                                                    \
-        unsigned c_ = ctx_of(kd, (x));                                                      \
-        if (__builtin_expect((l)->cnt[c_]++ == (l)->tgt[c_], 0)) {                          \
-            (l)->rpos[(l)->emitted] = (uint32_t)(i);                                        \
-            (l)->rctx[(l)->emitted++] = (uint8_t)c_;                                        \
-            uint64_t nx_ = ++(l)->cur[c_];                                                  \
-            (l)->tgt[c_] = nx_ < (l)->endr[c_] ? (l)->ranks[nx_] : UINT32_MAX;              \
-        }                                                                                   \
-    } while (0)
-
-/* Phase B: walk the base once, turning per-context ranks into positions, 64 elements per
- * block. The HOT most populous listed contexts are counted with byte compares and popcounts
- * (no per-element table update: a chain of store-to-load forwards when neighbours share a
- * context, which they mostly do); the rest go through the per-context table one by one. */
-#define JOIN_BODY(EQMASK)                                                                   \
-    int hot[HOT], H = 0;                                                                    \
-    uint32_t hcnt[HOT], htgt[HOT];                                                          \
-    uint64_t hcur[HOT], hend[HOT];                                                          \
-    uint8_t cb[64];                                                                         \
-    {                                                                                       \
-        int used[NCTX] = {0};                                                               \
-        for (; H < HOT && H < l->pp.g; H++) {                                               \
-            int best = -1;                                                                  \
-            for (int i = 0; i < l->pp.g; i++)                                               \
-                if (!used[i] && (best < 0 || l->pp.nc[i] > l->pp.nc[best])) best = i;       \
-            used[best] = 1;                                                                 \
-            int c = l->pp.cid[best];                                                        \
-            hot[H] = c; hcnt[H] = 0; htgt[H] = l->tgt[c];                                   \
-            hcur[H] = l->cur[c]; hend[H] = l->endr[c];                                      \
-        }                                                                                   \
-    }                                                                                       \
-    for (int64_t b0 = 0; b0 < n; b0 += 64) {                                                \
-        int len = n - b0 < 64 ? (int)(n - b0) : 64;                                         \
-        block_ctx(kd, base, start + b0, len, cb);                                           \
-        uint64_t valid = len == 64 ? ~0ULL : (1ULL << len) - 1, hits = 0, cold = valid;     \
-        for (int t = 0; t < H; t++) {                                                       \
-            uint64_t m = EQMASK(cb, len, hot[t]) & valid;                                   \
-            cold &= ~m;                                                                     \
-            uint32_t pc = (uint32_t)__builtin_popcountll(m);                                \
-            while (hcnt[t] + pc > htgt[t]) {                                                \
-                uint32_t r = htgt[t] - hcnt[t];                                             \
-                uint64_t mm = m;                                                            \
-                while (r--) mm &= mm - 1;                                                   \
-                hits |= mm & (0 - mm);                                                      \
-                uint64_t nx = ++hcur[t];                                                    \
-                htgt[t] = nx < hend[t] ? l->ranks[nx] : UINT32_MAX;                         \
-            }                                                                               \
-            hcnt[t] += pc;                                                                  \
-        }                                                                                   \
-        while (cold) {                                                                      \
-            int i = __builtin_ctzll(cold);                                                  \
-            cold &= cold - 1;                                                               \
-            unsigned c = cb[i];                                                             \
-            if (__builtin_expect(l->cnt[c]++ == l->tgt[c], 0)) {                            \
-                hits |= 1ULL << i;                                                          \
-                uint64_t nx = ++l->cur[c];                                                  \
-                l->tgt[c] = nx < l->endr[c] ? l->ranks[nx] : UINT32_MAX;                    \
-            }                                                                               \
-        }                                                                                   \
-        while (hits) {                                                                      \
-            int i = __builtin_ctzll(hits);                                                  \
-            hits &= hits - 1;                                                               \
-            l->rpos[l->emitted] = (uint32_t)(b0 + i);                                       \
-            l->rctx[l->emitted++] = cb[i];                                                  \
-        }                                                                                   \
-    }                                                                                       \
-    for (int t = 0; t < H; t++) {                                                           \
-        l->cnt[hot[t]] = hcnt[t];                                                           \
-        l->cur[hot[t]] = hcur[t];                                                           \
-    }
-
-static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
-                        int64_t n) {
-    JOIN_BODY(eqmask_scalar)
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const uint8_t *base,
-                                                       lane_t *l, int64_t start, int64_t n) {
-    JOIN_BODY(eqmask_avx2)
-}
-#endif
-
-/* Join, second form: the chunk's contexts as bytes once, then one tight scan per listed
+/* Phase B, the join: the chunk's contexts as bytes once, then one tight scan per listed
  * context of the densest window of W <= 8 consecutive contexts (compare, popcount), one
  * scan through the per-context table for the elements outside the window, and the found
  * positions collected from a bitmap in order. */
@@ -1059,15 +976,35 @@ __attribute__((target("avx2"))) static void ctx_bytes_avx2(const rp_kind *kd, co
 }
 #endif
 
+static pthread_key_t bufs_key;
+static pthread_once_t bufs_once = PTHREAD_ONCE_INIT;
+
+static void bufs_free(void *p) {
+    jbuf_t *b = p;
+    if (b) { free(b->cb); free(b->bits); free(b); }
+}
+
+static void bufs_init(void) { (void)pthread_key_create(&bufs_key, bufs_free); }
+
+static jbuf_t *thread_bufs(void) {
+    (void)pthread_once(&bufs_once, bufs_init);
+    jbuf_t *b = pthread_getspecific(bufs_key);
+    if (b) return b;
+    b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->cb = malloc(RP_CHUNK + 64);
+    b->bits = malloc((RP_CHUNK / 64 + 1) * 8);
+    if (!b->cb || !b->bits || pthread_setspecific(bufs_key, b)) { bufs_free(b); return NULL; }
+    return b;
+}
+
 static int join_lanes(const rp_kind *kd, const uint8_t *base, lane_t **ls, const int64_t *start,
                       const int64_t *n, int m) {
-    /* one pair of buffers per thread, kept (1.1 MiB): no page faults per chunk */
-    static __thread uint8_t *tl_cb;
-    static __thread uint64_t *tl_bits;
-    if (!tl_cb) tl_cb = malloc(RP_CHUNK + 64);
-    if (!tl_bits) tl_bits = malloc((RP_CHUNK / 64 + 1) * 8);
-    if (!tl_cb || !tl_bits) return -1;
-    jbuf_t jb = {tl_cb, tl_bits};
+    /* one pair of buffers per thread (1.1 MiB), kept while the thread lives (no page faults
+     * per chunk) and freed by a thread-exit destructor */
+    jbuf_t *tl = thread_bufs();
+    if (!tl) return -1;
+    jbuf_t jb = *tl;
 #if defined(__x86_64__) && defined(__GNUC__)
     int avx2 = __builtin_cpu_supports("avx2");
 #else

@@ -15,9 +15,8 @@ for every format; one table row per (size, lr, format, threads) aggregates them.
 - *rollpatch native*: ``encode_views(a, b)`` — the fused one-pass native encoder; it hashes
   the new view (rp.sum128, every byte) and holds the base view's digests from the previous
   step, as a publisher does. Decode+apply: ``apply(view, decode(blob, view))`` — the native
-  one-pass decoder, then the in-place scatter that checks every old element and updates
-  the view's rp.sum128 state from the words before and after (O(change)), then checks every
-  touched tensor's target digest and the root digest.
+  one-pass decoder, then the in-place scatter that checks every old element, then a re-hash
+  (rp.sum128) of every touched tensor checked against its target digest, and the root.
 - *rollpatch numpy*: the executable reference (``rollpatch.native.core`` off): ``diff`` +
   ``encode`` and ``decode`` + ``apply`` in numpy; same bytes (checked). Timed at sizes below
   ``--numpy-max`` only (it is the slow reference; "-" above).

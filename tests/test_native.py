@@ -215,3 +215,33 @@ def test_encode_views_equals_encode_of_diff(seed: int) -> None:
     a["model.dense"] = Tensor(KINDS["u8"], (70_000,), np.zeros(70_000, dtype=np.uint8))
     a["model.gone"] = Tensor(KINDS["bf16"], (3,), np.ones(3, dtype=np.uint16))
     assert encode_views(a, b) == encode(diff(a, b), a)
+
+
+def test_apply_rehashes_by_default_and_incremental_is_exact_for_what_it_wrote() -> None:
+    """Default apply re-hashes touched tensors: a flip outside the patch is caught and rolled
+    back. ``incremental=True`` updates digests in O(change): the same digests when memory is
+    intact, blind to the flip (that is what a background audit is for)."""
+    from rollpatch.errors import TargetMismatchError
+    from rollpatch.patch import apply, diff
+
+    from .patchfix import sample_views
+
+    a, b = sample_views(seed=4, n=200_000)
+    p = diff(a, b)
+    x = a.copy()
+    apply(x, p, incremental=True)
+    assert x.digest() == b.digest()
+    x.invalidate()
+    assert x.digest() == b.digest()
+    tp = p.tensors["model.w"]
+    assert tp.positions is not None
+    spot = int(np.setdiff1d(np.arange(100), tp.positions)[0])
+    y = a.copy()
+    y["model.w"].data[spot] ^= 1  # behind the cached digests' back
+    with pytest.raises(TargetMismatchError):
+        apply(y, p)
+    z = a.copy()
+    z["model.w"].data[spot] ^= 1
+    apply(z, p, incremental=True)  # not detected here: the audit's job
+    z.invalidate()
+    assert z.digest() != b.digest()

@@ -132,20 +132,26 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
                                         tensor=name)
 
 
-def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = False) -> View:
+def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = False,
+          incremental: bool = False) -> View:
     """Apply ``patch`` to ``view`` (in place by default, else to a copy) and return it.
 
     Checks the base (cached digests; ``verify=True`` re-hashes the touched tensors first)
-    before writing anything; verifies every touched tensor and the root after writing; on a
-    mismatch restores the previous bits and raises :class:`TargetMismatchError`.
+    before writing anything; re-hashes every touched tensor after writing (rp.sum128, at
+    memory speed) and checks it and the root against the target; on a mismatch restores the
+    previous bits and raises :class:`TargetMismatchError`.
+
+    ``incremental=True`` instead updates the touched tensors' rp.sum128 states from the
+    words before and after each write, in O(change): exact for what the patch wrote, blind to
+    words that changed elsewhere behind the view's back. Only for callers that audit the live
+    words in the background.
     """
     if not inplace:
         view = view.copy()
     _check_applicable(view, patch, verify)
     algo = patch.digest
-    # rp.sum128 states update in O(change): exact for the words in memory, given the base
-    # state was (verify=True re-reads every touched tensor instead)
-    incremental = algo == "rp.sum128.v1" and not verify and native.core is not None
+    incremental = (incremental and algo == "rp.sum128.v1" and not verify
+                   and native.core is not None)
     undo: list[tuple[str, TensorPatch, Tensor | None, str | None]] = []
     try:
         for name, tp in patch.tensors.items():

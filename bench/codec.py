@@ -65,7 +65,8 @@ from _util import (
 )
 
 from rollpatch import native
-from rollpatch.analysis.bounds import binary_bits, entropy_bits, histogram
+from rollpatch.analysis.bounds import BoundAccumulator
+from rollpatch.errors import PatchError
 from rollpatch.formats import cast_view
 from rollpatch.patch import apply, decode, diff, encode, encode_views
 from rollpatch.sim import AdamSim, SimConfig
@@ -111,24 +112,14 @@ class Row:
 def bound_bits(a: View, b: View) -> tuple[int, int, float]:
     """(elements, changed, whole-view i.i.d. bound bits), one tensor's diff at a time (the
     whole decoded patch at 1B, lr 1e-5 would not fit beside the simulator)."""
-    n = sum(t.n_elements for t in a.values())
-    k, vals, cnts = 0, [], []
+    acc = BoundAccumulator()
     for name in a:
         p = diff(View({name: a[name]}), View({name: b[name]}))
-        tp = p.tensors.get(name)
-        if tp is None:
-            continue
-        if tp.op != "delta" or tp.new is None or tp.old is None:
-            raise RoundTripError(f"unexpected op {tp.op} in a same-layout diff")
-        u, c = histogram(tp.new.astype(np.int64) - tp.old.astype(np.int64))
-        k += int(c.sum())
-        vals.append(u)
-        cnts.append(c)
-    whole = binary_bits(n, k)
-    if vals:
-        u, inv = np.unique(np.concatenate(vals), return_inverse=True)
-        whole += entropy_bits(np.bincount(inv, weights=np.concatenate(cnts)))
-    return n, k, whole
+        try:
+            acc.add(name, a[name].n_elements, p.tensors.get(name))
+        except PatchError as e:
+            raise RoundTripError(f"unexpected op in a same-layout diff: {e}") from None
+    return acc.n, acc.k, acc.whole_bits()
 
 
 # -- baselines --------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ import numpy as np
 import zstandard
 
 from ..errors import PatchError
-from ..patch import Patch
+from ..patch import Patch, TensorPatch
 from ..view import View
 
-__all__ = ["binary_bits", "entropy_bits", "histogram", "iid_bound_bits", "xor_zstd"]
+__all__ = ["BoundAccumulator", "binary_bits", "entropy_bits", "histogram", "iid_bound_bits",
+           "xor_zstd"]
 
 #: zstd level of the XOR baseline.
 XOR_ZSTD_LEVEL = 3
@@ -53,32 +54,49 @@ def histogram(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return u + lo, c[u]
 
 
+class BoundAccumulator:
+    """The i.i.d. bound summed tensor by tensor (so a caller never holds a whole patch)."""
+
+    def __init__(self) -> None:
+        self.n = self.k = 0
+        self.per = 0.0
+        self._vals: list[np.ndarray] = []
+        self._cnts: list[np.ndarray] = []
+
+    def add(self, name: str, n_elements: int, tp: TensorPatch | None) -> None:
+        """One tensor of ``n_elements`` and its same-layout diff (None: unchanged)."""
+        self.n += n_elements
+        if tp is None:
+            return
+        if tp.op != "delta" or tp.new is None or tp.old is None:
+            raise PatchError("the i.i.d. bound needs a same-layout diff (delta ops only)",
+                             tensor=name, op=tp.op)
+        d = tp.new.astype(np.int64) - tp.old.astype(np.int64)
+        u, c = histogram(d)
+        self.k += d.size
+        self.per += binary_bits(n_elements, d.size) + entropy_bits(c)
+        self._vals.append(u)
+        self._cnts.append(c)
+
+    def whole_bits(self) -> float:
+        """The bound over all tensors added (one density, one delta histogram)."""
+        whole = binary_bits(self.n, self.k)
+        if self._vals:
+            _, inv = np.unique(np.concatenate(self._vals), return_inverse=True)
+            whole += entropy_bits(np.bincount(inv, weights=np.concatenate(self._cnts)))
+        return whole
+
+
 def iid_bound_bits(patch: Patch, view: View) -> tuple[int, int, float, float]:
     """(elements, changed, whole-view bound bits, per-tensor-sum bound bits).
 
     ``patch`` must be a same-layout diff of ``view`` (delta ops only): the bound is defined
     over a fixed set of positions.
     """
-    n = sum(t.n_elements for t in view.values())
-    k, per, vals, cnts = 0, 0.0, [], []
+    acc = BoundAccumulator()
     for name, t in view.items():
-        tp = patch.tensors.get(name)
-        if tp is None:
-            continue
-        if tp.op != "delta" or tp.new is None or tp.old is None:
-            raise PatchError("the i.i.d. bound needs a same-layout diff (delta ops only)",
-                             tensor=name, op=tp.op)
-        d = tp.new.astype(np.int64) - tp.old.astype(np.int64)
-        u, c = histogram(d)
-        k += d.size
-        per += binary_bits(t.n_elements, d.size) + entropy_bits(c)
-        vals.append(u)
-        cnts.append(c)
-    whole = binary_bits(n, k)
-    if vals:
-        u, inv = np.unique(np.concatenate(vals), return_inverse=True)
-        whole += entropy_bits(np.bincount(inv, weights=np.concatenate(cnts)))
-    return n, k, whole, per
+        acc.add(name, t.n_elements, patch.tensors.get(name))
+    return acc.n, acc.k, acc.whole_bits(), acc.per
 
 
 def xor_zstd(old: np.ndarray, new: np.ndarray, level: int = XOR_ZSTD_LEVEL) -> bytes:

@@ -19,17 +19,12 @@ from ..kinds import Kind
 from ..view import Tensor
 from .bits import (
     FixedReader,
-    FixedWriter,
     UnaryReader,
-    UnaryWriter,
     decode_expgolomb,
     decode_sequence,
-    encode_expgolomb,
-    encode_sequence,
-    expgolomb_cost,
     read_varint,
-    write_varint,
 )
+from .ctxv2 import code_streams, signed_delta
 from .groups import Groups
 from .ops import gather
 
@@ -74,27 +69,6 @@ def from_key(kind: Kind, key: np.ndarray) -> np.ndarray:
     return key
 
 
-def _signed_delta(kind: Kind, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(magnitude a ≥ 1 as uint64, positive?) of key(new) − key(old) mod 2^W, in [−S, S)."""
-    s, mask = _consts(kind)
-    dt = kind.elem_dtype.type
-    diff = (to_key(kind, new) - to_key(kind, old)) & dt(mask)
-    positive = diff < dt(s)
-    mag = np.where(positive, diff, (dt(0) - diff) & dt(mask))
-    return mag.astype(np.uint64), positive
-
-
-def _best_order(tail: np.ndarray, bits: int) -> int:
-    """Exp-Golomb order with the fewest bits (the cost is convex in the order)."""
-    best, cost = 0, expgolomb_cost(tail, 0)
-    for k in range(1, min(bits, 63)):
-        c = expgolomb_cost(tail, k)
-        if c >= cost:
-            break
-        best, cost = k, c
-    return best
-
-
 def _negative(kind: Kind, old: np.ndarray) -> np.ndarray:
     if kind.order == "unsigned":
         return np.zeros(old.shape, dtype=bool)
@@ -134,34 +108,10 @@ class CtxGolomb(DeltaCodec):
         kind = base.kind
         groups = Groups(kind, base.elements())
         sizes, ranks, ids = groups.split(positions)
-        mag, positive = _signed_delta(kind, old, new)
-        outward = positive ^ _negative(kind, old)
+        mag, outward = signed_delta(kind, old, new)
         members = _by_context(groups.ctx(old), ids) if ids.size else []
-        bigs = [np.flatnonzero(mag[m] > np.uint64(1)) for m in members]
-        tails = [mag[m[b]] - np.uint64(2) for m, b in zip(members, bigs)]
-        orders = [_best_order(t, kind.bits) for t in tails]
-        params = bytearray()
-        write_varint(params, len(ids))
-        for g, r, b, eg in zip(ids, ranks, bigs, orders):
-            for v in (int(g), int(r.size), int(b.size), eg):
-                write_varint(params, v)
-        write_varint(params, int(outward.sum()))
-        uw, fw = UnaryWriter(), FixedWriter()
-        for g, r in zip(ids, ranks):
-            encode_sequence(r, int(sizes[g]), uw, fw)
-        encode_sequence(np.flatnonzero(outward), int(positions.size), uw, fw)
-        for m, b in zip(members, bigs):
-            encode_sequence(b, int(m.size), uw, fw)
-        for t, eg in zip(tails, orders):
-            encode_expgolomb(t, eg, uw, fw)
-        unary = uw.getvalue()
-        out = bytearray()
-        write_varint(out, len(params))
-        out += params
-        write_varint(out, len(unary))
-        out += unary
-        out += fw.getvalue()
-        return bytes(out)
+        return code_streams(kind, [int(g) for g in ids], [int(sizes[g]) for g in ids], ranks,
+                            members, mag, outward, with_sizes=False)
 
     def _params(self, payload: memoryview) -> tuple[list[list[int]], int, int]:
         """(per-context [c, k_c, b_c, eg_c], k_s, offset of the unary length)."""

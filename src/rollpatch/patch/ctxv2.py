@@ -11,6 +11,7 @@ bytes; tests hold the two to that on every kind.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from .bits import (
     write_varint,
 )
 
-__all__ = ["CHUNK", "decode_ref", "encode_ref", "signed_delta"]
+__all__ = ["CHUNK", "code_streams", "decode_ref", "encode_ref", "signed_delta"]
 
 CHUNK = 1 << 20
 _CODEC = "rp.ctxgolomb.v2"
@@ -106,19 +107,36 @@ def _encode_chunk(kind: Kind, ctx: np.ndarray, pos: np.ndarray, old: np.ndarray,
     mag, outward = signed_delta(kind, old, new)
     ids = np.flatnonzero(np.bincount(pctx, minlength=256))
     members = [np.flatnonzero(pctx == c) for c in ids]
+    return code_streams(kind, [int(c) for c in ids], [int(sizes[c]) for c in ids],
+                        [ranks[m] for m in members],
+                        members, mag, outward, with_sizes=True)
+
+
+def code_streams(kind: Kind, ids: Sequence[int], sizes: Sequence[int],
+                 ranks: Sequence[np.ndarray], members: Sequence[np.ndarray], mag: np.ndarray,
+                 outward: np.ndarray, *, with_sizes: bool) -> bytes:
+    """Params, unary and fixed streams of docs/patch-format.md §4 (v1) or §4b (v2, whose
+    params also list each context's size ``n_c``), in that order of coding.
+
+    ``ids``: the listed contexts, increasing; per context its size, the sorted ranks of its
+    changes and ``members`` (indices of its changes among all, position order); ``mag`` and
+    ``outward`` per change (:func:`signed_delta`).
+    """
     bigs = [np.flatnonzero(mag[m] > np.uint64(1)) for m in members]
     tails = [mag[m[b]] - np.uint64(2) for m, b in zip(members, bigs)]
     orders = [_best_order(t, kind.bits) for t in tails]
     params = bytearray()
     write_varint(params, len(ids))
-    for c, m, b, eg in zip(ids, members, bigs, orders):
-        for v in (int(c), int(sizes[c]), int(m.size), int(b.size), eg):
+    for c, n_c, m, b, eg in zip(ids, sizes, members, bigs, orders):
+        row = (int(c), n_c, int(m.size), int(b.size), eg) if with_sizes else \
+            (int(c), int(m.size), int(b.size), eg)
+        for v in row:
             write_varint(params, v)
     write_varint(params, int(outward.sum()))
     uw, fw = UnaryWriter(), FixedWriter()
-    for c, m in zip(ids, members):
-        encode_sequence(ranks[m], int(sizes[c]), uw, fw)
-    encode_sequence(np.flatnonzero(outward), int(pos.size), uw, fw)
+    for r, n_c in zip(ranks, sizes):
+        encode_sequence(r, n_c, uw, fw)
+    encode_sequence(np.flatnonzero(outward), int(mag.size), uw, fw)
     for m, b in zip(members, bigs):
         encode_sequence(b, int(m.size), uw, fw)
     for t, eg in zip(tails, orders):

@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench setup clean vllm-env fuzz-env fuzz
+.PHONY: demo test lint bench setup clean vllm-env fuzz-env fuzz
 
 setup: $(STAMP)
 
@@ -32,7 +32,11 @@ vllm-env:
 fuzz-env:
 	scripts/fuzz-env
 
-test: setup vllm-env fuzz-env
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy src/rollpatch
+
+test: setup lint vllm-env fuzz-env
 	$(BIN)/python -m pytest -q
 
 fuzz: setup fuzz-env

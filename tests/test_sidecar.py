@@ -17,15 +17,15 @@ import pytest
 pytest.importorskip("openai", reason="the dev extra installs openai")
 pytest.importorskip("transformers", reason="the reference extra installs transformers")
 
-import httpx  # noqa: E402
-import openai  # noqa: E402
+import httpx
+import openai
 
-from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime, make_tiny_model  # noqa: E402
-from rollpatch.follower import FollowerConfig  # noqa: E402
-from rollpatch.formats import cast_view  # noqa: E402
-from rollpatch.publisher import Publisher, PublisherConfig  # noqa: E402
-from rollpatch.sidecar import SidecarConfig  # noqa: E402
-from rollpatch.sidecar.server import RunningSidecar, start_sidecar  # noqa: E402
+from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime, make_tiny_model
+from rollpatch.follower import FollowerConfig
+from rollpatch.formats import cast_view
+from rollpatch.publisher import Publisher, PublisherConfig
+from rollpatch.sidecar import SidecarConfig
+from rollpatch.sidecar.server import RunningSidecar, start_sidecar
 
 PROMPT = "12 + 7 ="
 MAX_TOKENS = 6
@@ -53,7 +53,7 @@ class World:
         """Publish the next version (a visible weight change) and record its greedy output."""
         with self.lock:
             if self.expected:
-                for name, m in self.masters.items():
+                for m in self.masters.values():
                     if m.ndim == 2:
                         m += (0.01 * self.rng.standard_normal(m.shape)).astype(np.float32)
             view = cast_view(self.masters, "bf16")

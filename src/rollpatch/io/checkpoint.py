@@ -60,7 +60,7 @@ def _load_torch(p: Path) -> dict[str, np.ndarray]:
                           ) from None
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises many types for malformed files
+    except Exception as e:  # noqa: BLE001 - torch raises many types for malformed files
         raise ViewError(f"cannot read torch checkpoint {p}: {e}") from None
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]

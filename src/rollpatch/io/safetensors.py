@@ -11,6 +11,7 @@ object, only for kinds that differ from the dtype's default, e.g. packed E2M1 co
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -91,7 +92,7 @@ def _entries(header: dict[str, Any], data_len: int) -> list[tuple[str, str, tupl
             raise ViewError("shape and dtype do not match the byte span", tensor=name)
         out.append((name, dtype, tuple(shape), offs[0], offs[1]))
     out.sort(key=lambda t: t[3])
-    for a, b in zip(out, out[1:]):
+    for a, b in itertools.pairwise(out):
         if b[3] < a[4]:
             raise ViewError("overlapping tensors in safetensors file", tensor=b[0])
     return out
@@ -183,8 +184,7 @@ def save_view(view: View, path: str | os.PathLike[str],
     try:
         with open(tmp, "wb") as f:
             f.write(_header_bytes(view, metadata))
-            for name in sorted(view):
-                f.write(memoryview(view[name].data).cast("B"))  # type: ignore[arg-type]
+            f.writelines(memoryview(view[name].data).cast("B") for name in sorted(view))  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -10,8 +10,18 @@ from .gate import COMMIT_MODES, Admission, CommitGate, GatedEngine
 from .protocol import decide, parse_constraint
 from .service import Sidecar, SidecarConfig
 
-__all__ = ["COMMIT_MODES", "Admission", "BodyLimits", "CommitGate", "GatedEngine", "Sidecar", "SidecarConfig", "decide",
-           "parse_constraint", "create_app"]
+__all__ = [
+    "COMMIT_MODES",
+    "Admission",
+    "BodyLimits",
+    "CommitGate",
+    "GatedEngine",
+    "Sidecar",
+    "SidecarConfig",
+    "create_app",
+    "decide",
+    "parse_constraint",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -23,8 +23,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ..errors import ConfigError, NotReadyError, RollpatchError
 from .body import read_json_object, refusal_status
 from .gate import Admission, CommitGate
-from .protocol import (DEFAULT_WAIT_S, HEADER_END, HEADER_START, annotate_body,
-                       annotate_sse_line, decide, parse_constraint)
+from .protocol import (
+    DEFAULT_WAIT_S,
+    HEADER_END,
+    HEADER_START,
+    annotate_body,
+    annotate_sse_line,
+    decide,
+    parse_constraint,
+)
 from .service import Sidecar
 
 __all__ = ["create_app"]

@@ -17,8 +17,16 @@ from typing import Any
 from ..errors import ConfigError
 from ..types import Constraint
 
-__all__ = ["parse_constraint", "annotate_body", "annotate_sse_line", "HEADER_START",
-           "HEADER_END", "DEFAULT_WAIT_S", "Decision", "decide"]
+__all__ = [
+    "DEFAULT_WAIT_S",
+    "HEADER_END",
+    "HEADER_START",
+    "Decision",
+    "annotate_body",
+    "annotate_sse_line",
+    "decide",
+    "parse_constraint",
+]
 
 HEADER_START = "X-Rollpatch-Version-Start"
 HEADER_END = "X-Rollpatch-Version-End"

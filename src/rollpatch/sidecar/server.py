@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..serving import ServerHandle, serve_app
 from .service import Sidecar, SidecarConfig
 
-__all__ = ["RunningSidecar", "start_sidecar", "make_engine", "ENGINES"]
+__all__ = ["ENGINES", "RunningSidecar", "make_engine", "start_sidecar"]
 
 ENGINES = ("reference", "vllm")
 

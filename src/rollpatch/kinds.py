@@ -20,7 +20,8 @@ import numpy as np
 
 from .errors import ViewError
 
-__all__ = ["DTYPE_BYTES", "KINDS", "Kind", "get_kind", "kind_for_dtype"]
+__all__ = ["DTYPE_BYTES", "KINDS", "MIN_CONTEXT_ELEMENTS", "Kind", "get_kind", "kind_for_dtype",
+           "single_context"]
 
 #: Storage bytes per safetensors dtype code (F4 and the F6 codes are sub-byte and not used as
 #: storage dtypes by rollpatch: packed 4-bit tensors are stored as U8, as engines do).
@@ -30,6 +31,10 @@ DTYPE_BYTES: dict[str, int] = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }
+
+#: Tensors smaller than this use a single coding context (docs/patch-format.md §4): context
+#: headers would cost more than they save.
+MIN_CONTEXT_ELEMENTS = 65536
 
 _WORD_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -114,6 +119,11 @@ def kind_for_dtype(dtype: str) -> Kind:
         raise ViewError(f"unsupported safetensors dtype {dtype!r}",
                         hint="rollpatch stores 4-bit tensors packed as U8")
     return KINDS[name]
+
+
+def single_context(kind: Kind, n_elements: int) -> bool:
+    """Whether a tensor of this kind and size codes every element in one context."""
+    return kind.ctx_bits == 0 or n_elements < MIN_CONTEXT_ELEMENTS
 
 
 def get_kind(name: str) -> Kind:

@@ -66,9 +66,7 @@ def sum128(data: np.ndarray) -> tuple[int, int]:
     words = (raw.size + 7) // 8
     if words <= _SUM_SPLIT:
         return tuple(core.sum128(raw, 0, words))
-    from .patch.codec_v2 import _map
-
-    parts = _map(lambda w0: core.sum128(raw, w0, min(_SUM_SPLIT, words - w0)),
+    parts = native.parallel_map(lambda w0: core.sum128(raw, w0, min(_SUM_SPLIT, words - w0)),
                  list(range(0, words, _SUM_SPLIT)))
     return sum(a for a, _ in parts) & _M64, sum(b for _, b in parts) & _M64
 

@@ -12,12 +12,15 @@ around every loop, and one pure-C core that a libFuzzer harness links directly
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
+from typing import Any
 
 from ..errors import BaseMismatchError, ConfigError, PatchDecodeError
-from ..kinds import Kind
+from ..kinds import Kind, single_context
 
-__all__ = ["CHUNK", "core", "kind_tuple", "require"]
+__all__ = ["CHUNK", "core", "kind_tuple", "parallel_map", "require", "threads"]
 
 #: Elements per independently coded chunk of ``rp.ctxgolomb.v2`` (fixed by the format).
 CHUNK = 1 << 20
@@ -53,8 +56,20 @@ def require() -> ModuleType:
 def kind_tuple(kind: Kind, n_elements: int) -> tuple[int, int, int, int]:
     """(bits, order, ctx_shift, ctx_bits) as the core takes them; one context for small
     tensors (docs/patch-format.md §4)."""
-    from ..patch.groups import MIN_CONTEXT_ELEMENTS
-
-    single = kind.ctx_bits == 0 or n_elements < MIN_CONTEXT_ELEMENTS
+    single = single_context(kind, n_elements)
     return (kind.bits, _ORDERS[kind.order], 0 if single else kind.ctx_shift,
             0 if single else kind.ctx_bits)
+
+
+def threads() -> int:
+    """Threads for one tensor's chunks (``ROLLPATCH_THREADS`` overrides the core count)."""
+    env = os.environ.get("ROLLPATCH_THREADS")
+    return max(1, int(env)) if env else max(1, os.cpu_count() or 1)
+
+
+def parallel_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[fn(x) for x in items]`` on up to :func:`threads` threads (the core drops the GIL)."""
+    if len(items) <= 1 or threads() <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(threads(), len(items))) as pool:
+        return list(pool.map(fn, items))

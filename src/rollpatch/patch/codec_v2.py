@@ -6,22 +6,19 @@ decoded in chunk ranges on a thread pool; the native core releases the GIL.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .. import native
 from ..errors import PatchDecodeError
-from ..kinds import Kind
+from ..kinds import Kind, single_context
+from ..native import parallel_map, threads
 from ..view import Tensor
 from .bits import write_varint
 from .ctxv2 import CHUNK, decode_ref, encode_ref
 
-__all__ = ["ChunkRecords", "CtxGolombV2", "threads"]
+__all__ = ["ChunkRecords", "CtxGolombV2"]
 
 
 @dataclass(frozen=True)
@@ -43,29 +40,14 @@ class ChunkRecords:
     new: np.ndarray
 
 
-def threads() -> int:
-    """Threads for one tensor's chunks (``ROLLPATCH_THREADS`` overrides the core count)."""
-    env = os.environ.get("ROLLPATCH_THREADS")
-    return max(1, int(env)) if env else max(1, os.cpu_count() or 1)
-
-
 def _single(base: Tensor) -> bool:
-    from .groups import MIN_CONTEXT_ELEMENTS
-
-    return base.kind.ctx_bits == 0 or base.n_elements < MIN_CONTEXT_ELEMENTS
+    return single_context(base.kind, base.n_elements)
 
 
 def _ranges(nchunks: int, parts: int) -> list[tuple[int, int]]:
     step = -(-nchunks // max(1, parts))
     step = max(4, -(-step // 4) * 4)  # whole groups of four: the decoder interleaves them
     return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
-
-
-def _map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    if len(items) <= 1 or threads() <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(threads(), len(items))) as pool:
-        return list(pool.map(fn, items))
 
 
 @dataclass(frozen=True)
@@ -98,7 +80,7 @@ class CtxGolombV2:
             return core.encode_sparse(kt, base.data, s, min(CHUNK, n - s), pos[lo:hi] - s,
                                       o64[lo:hi], n64[lo:hi])
 
-        bodies = _map(one, list(range(-(-n // CHUNK))))
+        bodies = parallel_map(one, list(range(-(-n // CHUNK))))
         return _join(bodies)
 
     def encode_dense(self, base: Tensor, target: Tensor) -> tuple[bytes, int]:
@@ -106,7 +88,7 @@ class CtxGolombV2:
         core = native.require()
         kt = native.kind_tuple(base.kind, base.n_elements)
         nch = -(-base.n_elements // CHUNK)
-        parts = _map(lambda r: core.encode_range(kt, base.data, target.data, r[0], r[1]),
+        parts = parallel_map(lambda r: core.encode_range(kt, base.data, target.data, r[0], r[1]),
                      _ranges(nch, threads()))
         flat = [x for part in parts for x in part]
         return _join([b for b, _ in flat]), sum(k for _, k in flat)
@@ -136,7 +118,7 @@ class CtxGolombV2:
                 np.ascontiguousarray(r.old, dtype=np.uint64),
                 np.ascontiguousarray(r.new, dtype=np.uint64))
 
-        return _join(_map(one, list(range(len(chunks)))))
+        return _join(parallel_map(one, list(range(len(chunks)))))
 
     def decode(self, payload: memoryview, base: Tensor,
                changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -159,7 +141,7 @@ class CtxGolombV2:
             core.decode_range(kt, base.data, payload, a, b, [counts[i] for i in live],
                               [offs[i] for i in live], pos, old, new)
 
-        _map(one, _ranges(len(counts), threads()))
+        parallel_map(one, _ranges(len(counts), threads()))
         return pos, old, new
 
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PatchDecodeError
-from ..kinds import Kind
+from ..kinds import MIN_CONTEXT_ELEMENTS, Kind, single_context
 
 __all__ = ["CHUNK", "MIN_CONTEXT_ELEMENTS", "Groups"]
 
-#: Tensors smaller than this use a single group (context headers would cost more than they save).
-MIN_CONTEXT_ELEMENTS = 65536
 #: Elements per chunk (cache-friendly for the radix argsort).
 CHUNK = 1 << 18
 
@@ -30,7 +28,7 @@ class Groups:
     def __init__(self, kind: Kind, elements: np.ndarray) -> None:
         self.elements = elements
         self.n = int(elements.size)
-        self.single = kind.ctx_bits == 0 or self.n < MIN_CONTEXT_ELEMENTS
+        self.single = single_context(kind, self.n)
         self.ncontexts = 1 if self.single else 1 << kind.ctx_bits
         dt = elements.dtype
         self._shift = dt.type(kind.ctx_shift)

@@ -55,9 +55,7 @@ DENSE = 0.05
 
 def _pool() -> ThreadPoolExecutor:
     """Tensors are coded concurrently: the native core and numpy release the GIL."""
-    from .codec_v2 import threads
-
-    return ThreadPoolExecutor(max_workers=max(1, min(4, threads())))
+    return ThreadPoolExecutor(max_workers=max(1, min(4, native.threads())))
 
 
 def _b3(data: bytes | memoryview) -> bytes:

@@ -50,8 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import xxhash
-import zstandard
+from _baselines import RoundTripError, memcpy, xor_apply, xor_encode, xor_undo
 from _util import (
     best_of,
     current_rss,
@@ -74,10 +73,6 @@ from rollpatch.view import View
 
 DEFAULT_FORMATS = "bf16,fp8-e4m3-block128,nvfp4"
 ONE_RUN_ABOVE = 1 << 30     # views larger than this are timed once
-
-
-class RoundTripError(SystemExit):
-    """A decode+apply did not reproduce the target bit for bit."""
 
 
 METHODS = ("native", "numpy", "xor1", "xor3", "memcpy")
@@ -122,43 +117,6 @@ def bound_bits(a: View, b: View) -> tuple[int, int, float]:
     return acc.n, acc.k, acc.whole_bits()
 
 
-# -- baselines --------------------------------------------------------------------------------
-
-def xor_encode(a: View, b: View, pool: ThreadPoolExecutor, level: int
-               ) -> dict[str, tuple[bytes, bytes]]:
-    """Per tensor: (zstd frame of old XOR new words, xxh3-128 of the new words)."""
-    def one(name: str) -> tuple[bytes, bytes]:
-        new = b[name].data
-        frame = zstandard.ZstdCompressor(level=level).compress(np.bitwise_xor(a[name].data, new))
-        return frame, xxhash.xxh3_128_digest(new)
-
-    names = sorted(b)
-    return dict(zip(names, pool.map(one, names)))
-
-
-def xor_apply(view: View, frames: dict[str, tuple[bytes, bytes]],
-              pool: ThreadPoolExecutor) -> None:
-    """Decompress and XOR into ``view`` in place, then check each xxh3-128."""
-    def one(name: str) -> None:
-        frame, digest = frames[name]
-        data = view[name].data
-        x = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=data.dtype)
-        np.bitwise_xor(data, x, out=data)
-        if xxhash.xxh3_128_digest(data) != digest:
-            raise RoundTripError(f"XOR+zstd checksum mismatch on {name}")
-
-    for _ in pool.map(one, sorted(frames)):
-        pass
-
-
-def memcpy(src: View, dst: dict[str, np.ndarray], pool: ThreadPoolExecutor) -> None:
-    def one(name: str) -> None:
-        np.copyto(dst[name], src[name].data)
-
-    for _ in pool.map(one, sorted(src)):
-        pass
-
-
 # -- one transition ---------------------------------------------------------------------------
 
 def _check_equal(got: View, want: View, what: str) -> None:
@@ -176,14 +134,6 @@ def _restore(work: View, base: View) -> View:
     for n in base:  # the receiver holds the digests of its current version
         work.update_sum_state(n, base.sum_state(n))
     return work
-
-
-def xor_undo(view: View, frames: dict[str, tuple[bytes, bytes]]) -> None:
-    """XOR is its own inverse: put the base back after an in-place XOR apply."""
-    for name, (frame, _) in frames.items():
-        data = view[name].data
-        np.bitwise_xor(data, np.frombuffer(zstandard.ZstdDecompressor().decompress(frame),
-                                           dtype=data.dtype), out=data)
 
 
 def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: bool) -> None:

@@ -1,0 +1,62 @@
+"""The baselines bench/codec.py measures rollpatch against, per tensor on a thread pool.
+
+XOR+zstd (the Stitch encoder's method, modal-projects/miles ``disk_delta.py``: numpy XOR of
+old and new words, zstd, xxh3-128 of the new tensor) and memcpy (the physical yardstick).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import xxhash
+import zstandard
+
+from rollpatch.view import View
+
+
+class RoundTripError(SystemExit):
+    """A decode+apply did not reproduce the target bit for bit."""
+
+
+def xor_encode(a: View, b: View, pool: ThreadPoolExecutor, level: int
+               ) -> dict[str, tuple[bytes, bytes]]:
+    """Per tensor: (zstd frame of old XOR new words, xxh3-128 of the new words)."""
+    def one(name: str) -> tuple[bytes, bytes]:
+        new = b[name].data
+        frame = zstandard.ZstdCompressor(level=level).compress(np.bitwise_xor(a[name].data, new))
+        return frame, xxhash.xxh3_128_digest(new)
+
+    names = sorted(b)
+    return dict(zip(names, pool.map(one, names)))
+
+
+def xor_apply(view: View, frames: dict[str, tuple[bytes, bytes]],
+              pool: ThreadPoolExecutor) -> None:
+    """Decompress and XOR into ``view`` in place, then check each xxh3-128."""
+    def one(name: str) -> None:
+        frame, digest = frames[name]
+        data = view[name].data
+        x = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=data.dtype)
+        np.bitwise_xor(data, x, out=data)
+        if xxhash.xxh3_128_digest(data) != digest:
+            raise RoundTripError(f"XOR+zstd checksum mismatch on {name}")
+
+    for _ in pool.map(one, sorted(frames)):
+        pass
+
+
+def memcpy(src: View, dst: dict[str, np.ndarray], pool: ThreadPoolExecutor) -> None:
+    def one(name: str) -> None:
+        np.copyto(dst[name], src[name].data)
+
+    for _ in pool.map(one, sorted(src)):
+        pass
+
+
+def xor_undo(view: View, frames: dict[str, tuple[bytes, bytes]]) -> None:
+    """XOR is its own inverse: put the base back after an in-place XOR apply."""
+    for name, (frame, _) in frames.items():
+        data = view[name].data
+        np.bitwise_xor(data, np.frombuffer(zstandard.ZstdDecompressor().decompress(frame),
+                                           dtype=data.dtype), out=data)

@@ -108,26 +108,44 @@ typedef struct {
     int oom;
 } bw_t;
 
-static void bw_byte(bw_t *w, uint8_t v) {
-    if (w->len == w->cap) {
-        size_t cap = w->cap ? 2 * w->cap : 256;
-        uint8_t *nb = realloc(w->b, cap);
-        if (!nb) { w->oom = 1; return; }
-        w->b = nb;
-        w->cap = cap;
-    }
+/* Room for `extra` more bytes (amortised doubling); sets oom and fails when out of memory. */
+static int bw_reserve(bw_t *w, size_t extra) {
+    if (w->len + extra <= w->cap) return 0;
+    if (w->oom) return -1;
+    size_t cap = w->cap ? w->cap : 256;
+    while (cap < w->len + extra) cap *= 2;
+    uint8_t *nb = realloc(w->b, cap);
+    if (!nb) { w->oom = 1; return -1; }
+    w->b = nb;
+    w->cap = cap;
+    return 0;
+}
+
+static void bw_byte(bw_t *w, uint8_t v) { /* only with no pending bits */
+    if (bw_reserve(w, 1)) return;
     w->b[w->len++] = v;
 }
 
+static void bw_bytes(bw_t *w, const uint8_t *p, size_t n) { /* only with no pending bits */
+    if (!n || bw_reserve(w, n)) return;
+    memcpy(w->b + w->len, p, n);
+    w->len += n;
+}
+
+/* Bits accumulate MSB first in acc (fewer than 32 pending between calls); whole 32-bit words
+ * are flushed big-endian, so the bytes are those of a bit-at-a-time writer. */
 static inline void bw_put32(bw_t *w, uint64_t v, unsigned n) { /* n <= 32 */
     if (!n) return;
     w->acc = (w->acc << n) | (v & ((1ULL << n) - 1));
     w->nacc += n;
-    while (w->nacc >= 8) {
-        w->nacc -= 8;
-        bw_byte(w, (uint8_t)(w->acc >> w->nacc));
+    if (w->nacc >= 32) {
+        w->nacc -= 32;
+        if (bw_reserve(w, 4)) return;
+        uint32_t x = __builtin_bswap32((uint32_t)(w->acc >> w->nacc));
+        memcpy(w->b + w->len, &x, 4);
+        w->len += 4;
+        w->acc &= (1ULL << w->nacc) - 1;
     }
-    w->acc &= (1ULL << w->nacc) - 1;
 }
 
 static void bw_put(bw_t *w, uint64_t v, unsigned n) { /* n <= 64 */
@@ -140,12 +158,20 @@ static void bw_put(bw_t *w, uint64_t v, unsigned n) { /* n <= 64 */
 }
 
 static void bw_unary(bw_t *w, uint64_t q) {
-    while (q >= 32) { bw_put32(w, 0xFFFFFFFFu, 32); q -= 32; }
+    while (q >= 31) { bw_put32(w, 0xFFFFFFFFu, 31); q -= 31; }
     bw_put32(w, ((1ULL << q) - 1) << 1, (unsigned)q + 1);
 }
 
+/* Pads to a byte boundary with ones (unary) or zeros (fixed) and flushes every pending bit. */
 static void bw_pad(bw_t *w, int ones) {
-    if (w->nacc) bw_put32(w, ones ? (1ULL << (8 - w->nacc)) - 1 : 0, 8 - w->nacc);
+    unsigned r = w->nacc & 7;
+    if (r) bw_put32(w, ones ? (1ULL << (8 - r)) - 1 : 0, 8 - r);
+    while (w->nacc >= 8) {
+        w->nacc -= 8;
+        if (bw_reserve(w, 1)) return;
+        w->b[w->len++] = (uint8_t)(w->acc >> w->nacc);
+    }
+    w->acc = 0;
 }
 
 static void varint(bw_t *w, uint64_t v) {
@@ -240,12 +266,13 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
     if (j == 0 || j == n) return 0;
     int comp = 2 * j > n;
     uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
-    if (m == 1) {
+    if (m == 1) { /* one bit per slot, 32 slots per word */
         uint64_t s = 0;
-        for (uint64_t p = 0; p < n; p++) {
-            int hit = s < j && set[s] == p;
-            s += hit;
-            bw_put32(f, (uint64_t)hit, 1);
+        for (uint64_t p = 0; p < n; p += 32) {
+            unsigned take = n - p < 32 ? (unsigned)(n - p) : 32;
+            uint32_t word = 0;
+            for (; s < j && set[s] < p + take; s++) word |= 1u << (take - 1 - (set[s] - p));
+            bw_put32(f, word, take);
         }
         return 0;
     }
@@ -290,11 +317,15 @@ static int bs_decode(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     if (m == 1) {
         if (n > f->nbits - f->pos) return -1;
         uint64_t s = 0, v = 0;
-        for (uint64_t p = 0; p < n; p++) {
-            br_get(f, 1, &v);
-            if (v) {
+        for (uint64_t p = 0; p < n; p += 56) { /* 56 slots per read, set bits by clz */
+            unsigned take = n - p < 56 ? (unsigned)(n - p) : 56;
+            br_get(f, take, &v);
+            v <<= 64 - take;
+            while (v) {
+                int z = __builtin_clzll(v);
                 if (s == j) return -1;
-                out[s++] = (uint32_t)p;
+                out[s++] = (uint32_t)(p + (uint64_t)z);
+                v &= ~(1ULL << (63 - z));
             }
         }
         return s == j ? 0 : -1;
@@ -481,10 +512,10 @@ static int code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const 
     bw_pad(&uw, 1);
     bw_pad(&fw, 0);
     varint(&ow, pw.len);
-    for (size_t i = 0; i < pw.len; i++) bw_byte(&ow, pw.b[i]);
+    bw_bytes(&ow, pw.b, pw.len);
     varint(&ow, uw.len);
-    for (size_t i = 0; i < uw.len; i++) bw_byte(&ow, uw.b[i]);
-    for (size_t i = 0; i < fw.len; i++) bw_byte(&ow, fw.b[i]);
+    bw_bytes(&ow, uw.b, uw.len);
+    bw_bytes(&ow, fw.b, fw.len);
     if (pw.oom || uw.oom || fw.oom || ow.oom) FAIL(RP_ENOMEM, "out of memory");
     *out = ow.b;
     *outlen = ow.len;
@@ -506,6 +537,14 @@ static inline void block_ctx(const rp_kind *kd, const uint8_t *base, int64_t s, 
     } else if (kd->bits == 8) {
         const uint8_t *p = base + s;
         for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
+    } else if (kd->bits == 4 && !(s & 1)) { /* two codes per byte, low nibble first */
+        const uint8_t *p = base + (s >> 1);
+        int h = len >> 1;
+        for (int i = 0; i < h; i++) {
+            cb[2 * i] = (uint8_t)((p[i] >> sh) & mk);
+            cb[2 * i + 1] = (uint8_t)((p[i] >> (4 + sh)) & mk);
+        }
+        if (len & 1) cb[len - 1] = (uint8_t)((p[h] >> sh) & mk);
     } else {
         for (int i = 0; i < len; i++) cb[i] = (uint8_t)ctx_of(kd, elem_get(base, kd->bits, s + i));
     }
@@ -876,103 +915,187 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     return RP_OK;
 }
 
-/* Phase B, the join: the chunk's contexts as bytes once, then one tight scan per listed
- * context of the densest window of W <= 8 consecutive contexts (compare, popcount), one
- * scan through the per-context table for the elements outside the window, and the found
- * positions collected from a bitmap in order. */
-#define WIN 8
+/* Phase B, the join: blocks of JB elements; each block's contexts are computed once into an
+ * L1 buffer from the base; every listed context inside the densest window of W consecutive
+ * contexts is counted per block with byte compares (no branch per element or per vector), and
+ * only a block where a context reaches its next changed rank is scanned again for that
+ * context to find the positions. Listed contexts outside the window (rare: a window of 16
+ * holds every context of 8-bit and 4-bit kinds, and >99.9% of BF16 weights) go through a
+ * table, element by element. Found positions are collected from a bitmap in order. */
+#define WIN 16
+#define JB 256
 
 typedef struct {
-    uint8_t *cb;     /* n context bytes, padded to a multiple of 32 */
-    uint64_t *bits;  /* found positions */
+    uint64_t *bits;  /* found positions of one chunk */
 } jbuf_t;
 
-#define SCAN_BODY(CMPMASK, OUTMASK)                                                         \
-    int64_t nv = (n + 31) / 32;                                                             \
-    uint32_t last = n % 32 ? (1u << (n % 32)) - 1 : ~0u;                                    \
-    int lo = 0;                                                                             \
-    int64_t best = -1;                                                                      \
-    for (int w0 = 0; w0 < NCTX; w0++) { /* densest window of listed contexts */             \
-        uint64_t sum = 0;                                                                   \
-        for (int i = 0; i < l->pp.g; i++)                                                   \
-            if (l->pp.cid[i] >= w0 && l->pp.cid[i] < w0 + WIN) sum += l->pp.nc[i];          \
-        if (best < 0 || sum > (uint64_t)best) { best = (int64_t)sum; lo = w0; }             \
-    }                                                                                       \
+static int pick_window(const lane_t *l) {
+    int lo = 0;
+    int64_t best = -1;
+    for (int w0 = 0; w0 + WIN <= NCTX; w0++) { /* the window never wraps */
+        uint64_t sum = 0;
+        for (int i = 0; i < l->pp.g; i++)
+            if (l->pp.cid[i] >= w0 && l->pp.cid[i] < w0 + WIN) sum += l->pp.nc[i];
+        if (best < 0 || sum > (uint64_t)best) { best = (int64_t)sum; lo = w0; }
+    }
+    return lo;
+}
+
+#define JOIN_BODY(BLKCNT, EQ32, OUT32)                                                      \
+    uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
+    uint8_t listed[NCTX];                                                                   \
+    int vc[WIN], nvc = 0, outside = 0;                                                      \
+    uint32_t cnt[WIN], tgt[WIN], bcs[WIN];                                                  \
+    uint64_t cur[WIN], endr[WIN];                                                           \
+    int lo = pick_window(l);                                                                \
+    memset(listed, 0, sizeof listed);                                                       \
     for (int i = 0; i < l->pp.g; i++) {                                                     \
         int c = l->pp.cid[i];                                                               \
-        if (c < lo || c >= lo + WIN) continue;                                              \
-        uint32_t cnt = 0, tgt = l->tgt[c];                                                  \
-        uint64_t cur = l->cur[c], endr = l->endr[c];                                        \
-        for (int64_t v = 0; v < nv; v++) {                                                  \
-            uint32_t m = CMPMASK(jb->cb + 32 * v, c) & (v == nv - 1 ? last : ~0u);          \
-            uint32_t pc = (uint32_t)__builtin_popcount(m);                                  \
-            while (__builtin_expect(cnt + pc > tgt, 0)) {                                   \
-                uint32_t r = tgt - cnt, mm = m;                                             \
-                while (r--) mm &= mm - 1;                                                   \
-                int64_t e = 32 * v + __builtin_ctz(mm);                                     \
-                jb->bits[e >> 6] |= 1ULL << (e & 63);                                       \
-                tgt = ++cur < endr ? l->ranks[cur] : UINT32_MAX;                            \
-            }                                                                               \
-            cnt += pc;                                                                      \
+        listed[c] = 1;                                                                      \
+        if (c >= lo && c < lo + WIN) {                                                      \
+            cnt[nvc] = l->cnt[c]; tgt[nvc] = l->tgt[c];                                     \
+            cur[nvc] = l->cur[c]; endr[nvc] = l->endr[c];                                   \
+            vc[nvc++] = c;                                                                  \
+        } else {                                                                            \
+            outside = 1;                                                                    \
         }                                                                                   \
-        l->cnt[c] = cnt;                                                                    \
-        l->cur[c] = cur;                                                                    \
-        l->tgt[c] = tgt;                                                                    \
     }                                                                                       \
-    int outside = 0;                                                                        \
-    for (int i = 0; i < l->pp.g; i++)                                                       \
-        outside |= l->pp.cid[i] < lo || l->pp.cid[i] >= lo + WIN;                           \
-    if (outside) {                                                                          \
-        for (int64_t v = 0; v < nv; v++) {                                                  \
-            uint32_t m = OUTMASK(jb->cb + 32 * v, lo) & (v == nv - 1 ? last : ~0u);         \
-            while (m) {                                                                     \
-                int b = __builtin_ctz(m);                                                   \
-                m &= m - 1;                                                                 \
-                int64_t e = 32 * v + b;                                                     \
-                unsigned c = jb->cb[e];                                                     \
-                if (__builtin_expect(l->cnt[c]++ == l->tgt[c], 0)) {                        \
-                    jb->bits[e >> 6] |= 1ULL << (e & 63);                                   \
-                    uint64_t nx = ++l->cur[c];                                              \
-                    l->tgt[c] = nx < l->endr[c] ? l->ranks[nx] : UINT32_MAX;                \
+    uint8_t pad = (uint8_t)(lo + WIN < NCTX ? lo + WIN : lo - 1); /* in no window */       \
+    for (int64_t b0 = 0; b0 < n; b0 += JB) {                                                \
+        int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
+        BLOCKCTX(kd, base, start + b0, len, cbuf);                                          \
+        if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
+        uint32_t hit = 0;                                                                   \
+        for (int t = 0; t < nvc; t++) { /* no branch per context */                         \
+            bcs[t] = BLKCNT(cbuf, vc[t]);                                                   \
+            hit |= (uint32_t)(cnt[t] + bcs[t] > tgt[t]) << t;                               \
+        }                                                                                   \
+        while (hit) { /* the contexts with a changed rank inside this block */             \
+            int t = __builtin_ctz(hit);                                                     \
+            hit &= hit - 1;                                                                 \
+            int c = vc[t];                                                                  \
+            uint32_t acc = cnt[t], g = tgt[t];                                              \
+            uint64_t cu = cur[t];                                                           \
+            for (int v = 0; v < JB / 64; v++) {                                             \
+                uint64_t w = (uint64_t)EQ32(cbuf + 64 * v, c)                               \
+                             | (uint64_t)EQ32(cbuf + 64 * v + 32, c) << 32;                 \
+                uint32_t pc = (uint32_t)__builtin_popcountll(w);                            \
+                while (g < acc + pc) {                                                      \
+                    uint32_t r = g - acc;                                                   \
+                    uint64_t mm = w;                                                        \
+                    while (r--) mm &= mm - 1;                                               \
+                    int64_t e = b0 + 64 * v + __builtin_ctzll(mm);                          \
+                    bits[e >> 6] |= 1ULL << (e & 63);                                       \
+                    g = ++cu < endr[t] ? l->ranks[cu] : UINT32_MAX;                         \
+                }                                                                           \
+                acc += pc;                                                                  \
+            }                                                                               \
+            tgt[t] = g;                                                                     \
+            cur[t] = cu;                                                                    \
+        }                                                                                   \
+        for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
+        if (__builtin_expect(outside, 0)) {                                                 \
+            for (int v = 0; v * 32 < len; v++) {                                            \
+                uint32_t m = OUT32(cbuf + 32 * v, lo);                                      \
+                if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                     \
+                while (m) {                                                                 \
+                    int e = 32 * v + __builtin_ctz(m);                                      \
+                    m &= m - 1;                                                             \
+                    unsigned c = cbuf[e];                                                   \
+                    if (!listed[c]) continue;                                               \
+                    if (l->cnt[c]++ == l->tgt[c]) {                                         \
+                        int64_t x = b0 + e;                                                 \
+                        bits[x >> 6] |= 1ULL << (x & 63);                                   \
+                        uint64_t nx = ++l->cur[c];                                          \
+                        l->tgt[c] = nx < l->endr[c] ? l->ranks[nx] : UINT32_MAX;            \
+                    }                                                                       \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
+    }                                                                                       \
+    for (int t = 0; t < nvc; t++) {                                                         \
+        int c = vc[t];                                                                      \
+        l->cnt[c] = cnt[t]; l->tgt[c] = tgt[t]; l->cur[c] = cur[t];                         \
     }
 
-static inline uint32_t cmp_scalar(const uint8_t *p, int c) {
+static inline uint32_t blkcnt_scalar(const uint8_t *p, int c) {
+    uint32_t k = 0;
+    for (int i = 0; i < JB; i++) k += p[i] == c;
+    return k;
+}
+
+static inline uint32_t eq32_scalar(const uint8_t *p, int c) {
     uint32_t m = 0;
     for (int i = 0; i < 32; i++) m |= (uint32_t)(p[i] == c) << i;
     return m;
 }
 
-static inline uint32_t out_scalar(const uint8_t *p, int lo) {
+static inline uint32_t out32_scalar(const uint8_t *p, int lo) {
     uint32_t m = 0;
-    for (int i = 0; i < 32; i++) m |= (uint32_t)((uint8_t)(p[i] - lo) >= WIN) << i;
+    for (int i = 0; i < 32; i++) m |= (uint32_t)((unsigned)(p[i] - lo) >= WIN) << i;
     return m;
 }
 
-static void scan_scalar(lane_t *l, jbuf_t *jb, int64_t n) { SCAN_BODY(cmp_scalar, out_scalar) }
+#define BLOCKCTX block_ctx
+static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
+                        int64_t n, uint64_t *bits) {
+    JOIN_BODY(blkcnt_scalar, eq32_scalar, out32_scalar)
+}
+#undef BLOCKCTX
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) static inline uint32_t cmp_avx2(const uint8_t *p, int c) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+__attribute__((target("avx2"))) static inline uint32_t blkcnt_avx2(const uint8_t *p, int c) {
+    __m256i cc = _mm256_set1_epi8((char)c), acc = _mm256_setzero_si256();
+    for (int v = 0; v < JB / 32; v++) /* each byte lane counts at most JB/32 < 256 */
+        acc = _mm256_sub_epi8(acc, _mm256_cmpeq_epi8(_mm256_load_si256((const __m256i *)(p + 32 * v)), cc));
+    __m256i s = _mm256_sad_epu8(acc, _mm256_setzero_si256());
+    __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return (uint32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1));
+}
+
+__attribute__((target("avx2"))) static inline uint32_t eq32_avx2(const uint8_t *p, int c) {
+    __m256i v = _mm256_load_si256((const __m256i *)p);
     return (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_set1_epi8((char)c)));
 }
 
-__attribute__((target("avx2"))) static inline uint32_t out_avx2(const uint8_t *p, int lo) {
-    __m256i v = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)lo));
+__attribute__((target("avx2"))) static inline uint32_t out32_avx2(const uint8_t *p, int lo) {
+    __m256i v = _mm256_sub_epi8(_mm256_load_si256((const __m256i *)p), _mm256_set1_epi8((char)lo));
     __m256i top = _mm256_set1_epi8(WIN - 1);
     __m256i in = _mm256_cmpeq_epi8(_mm256_max_epu8(v, top), top);
     return ~(uint32_t)_mm256_movemask_epi8(in);
 }
 
-__attribute__((target("avx2"))) static void scan_avx2(lane_t *l, jbuf_t *jb, int64_t n) {
-    SCAN_BODY(cmp_avx2, out_avx2)
+/* block_ctx for 16-bit kinds, JB elements (the base may end mid-block: the caller pads) */
+__attribute__((target("avx2"))) static inline void block_ctx16_avx2(const uint16_t *p, int len,
+                                                                     int sh, int mk,
+                                                                     uint8_t *cb) {
+    if (len < JB) {
+        for (int i = 0; i < len; i++) cb[i] = (uint8_t)((p[i] >> sh) & mk);
+        return;
+    }
+    __m128i shc = _mm_cvtsi32_si128(sh);
+    __m256i m = _mm256_set1_epi16((short)mk);
+    for (int i = 0; i < JB; i += 32) {
+        __m256i a = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + i)), shc), m);
+        __m256i b = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 16)), shc), m);
+        __m256i x = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+        _mm256_store_si256((__m256i *)(cb + i), x);
+    }
 }
 
-__attribute__((target("avx2"))) static void ctx_bytes_avx2(const rp_kind *kd, const uint8_t *base,
-                                                            int64_t s, int64_t n, uint8_t *cb) {
-    block_ctx(kd, base, s, (int)n, cb); /* same loop, vectorised for AVX2 by the compiler */
+__attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const uint8_t *base,
+                                                       lane_t *l, int64_t start, int64_t n,
+                                                       uint64_t *bits) {
+#define BLOCKCTX(KD, BASE, S, LEN, CB)                                                      \
+    do {                                                                                    \
+        if ((KD)->bits == 16)                                                               \
+            block_ctx16_avx2((const uint16_t *)(BASE) + (S), (LEN), (KD)->shift,            \
+                             (1 << (KD)->cbits) - 1, (CB));                                 \
+        else                                                                                \
+            block_ctx((KD), (BASE), (S), (LEN), (CB));                                      \
+    } while (0)
+    JOIN_BODY(blkcnt_avx2, eq32_avx2, out32_avx2)
+#undef BLOCKCTX
 }
 #endif
 
@@ -981,7 +1104,7 @@ static pthread_once_t bufs_once = PTHREAD_ONCE_INIT;
 
 static void bufs_free(void *p) {
     jbuf_t *b = p;
-    if (b) { free(b->cb); free(b->bits); free(b); }
+    if (b) { free(b->bits); free(b); }
 }
 
 static void bufs_init(void) { (void)pthread_key_create(&bufs_key, bufs_free); }
@@ -992,19 +1115,18 @@ static jbuf_t *thread_bufs(void) {
     if (b) return b;
     b = calloc(1, sizeof *b);
     if (!b) return NULL;
-    b->cb = malloc(RP_CHUNK + 64);
     b->bits = malloc((RP_CHUNK / 64 + 1) * 8);
-    if (!b->cb || !b->bits || pthread_setspecific(bufs_key, b)) { bufs_free(b); return NULL; }
+    if (!b->bits || pthread_setspecific(bufs_key, b)) { bufs_free(b); return NULL; }
     return b;
 }
 
 static int join_lanes(const rp_kind *kd, const uint8_t *base, lane_t **ls, const int64_t *start,
                       const int64_t *n, int m) {
-    /* one pair of buffers per thread (1.1 MiB), kept while the thread lives (no page faults
-     * per chunk) and freed by a thread-exit destructor */
+    /* one bitmap per thread (128 KiB), kept while the thread lives (no page faults per chunk)
+     * and freed by a thread-exit destructor */
     jbuf_t *tl = thread_bufs();
     if (!tl) return -1;
-    jbuf_t jb = *tl;
+    uint64_t *bits = tl->bits;
 #if defined(__x86_64__) && defined(__GNUC__)
     int avx2 = __builtin_cpu_supports("avx2");
 #else
@@ -1012,27 +1134,22 @@ static int join_lanes(const rp_kind *kd, const uint8_t *base, lane_t **ls, const
 #endif
     for (int q = 0; q < m; q++) {
         lane_t *l = ls[q];
-        int64_t nn = n[q], nv = (nn + 31) / 32;
-        memset(jb.bits, 0, (size_t)((nn + 63) / 64) * 8);
+        int64_t nn = n[q], s = start[q];
+        memset(bits, 0, (size_t)((nn + 63) / 64) * 8);
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (avx2) ctx_bytes_avx2(kd, base, start[q], nn, jb.cb);
+        if (avx2) join_avx2(kd, base, l, s, nn, bits);
         else
 #endif
-        block_ctx(kd, base, start[q], (int)nn, jb.cb);
-        memset(jb.cb + nn, 0, (size_t)(32 * nv - nn)); /* masked off in the scans */
-#if defined(__x86_64__) && defined(__GNUC__)
-        if (avx2) scan_avx2(l, &jb, nn);
-        else
-#endif
-        scan_scalar(l, &jb, nn);
+        join_scalar(kd, base, l, s, nn, bits);
         for (int64_t w = 0; w < (nn + 63) / 64; w++) {
-            uint64_t x = jb.bits[w];
+            uint64_t x = bits[w];
             while (x) {
                 int b = __builtin_ctzll(x);
                 x &= x - 1;
                 int64_t e = 64 * w + b;
+                if ((uint64_t)l->emitted >= l->pp.k) return 0; /* refused in phase C */
                 l->rpos[l->emitted] = (uint32_t)e;
-                l->rctx[l->emitted++] = jb.cb[e];
+                l->rctx[l->emitted++] = (uint8_t)ctx_of(kd, elem_get(base, kd->bits, s + e));
             }
         }
     }

@@ -263,7 +263,7 @@ def payload(kind_i: int, h: bytes, density: float, rng: np.random.Generator,
     b[hit] = np.where(wild[hit], rng.integers(0, 1 << min(bits, 63), hit.sum(), dtype=np.uint64),
                       a[hit] ^ step[hit]) & mask
     nch = -(-n // CHUNK)
-    bodies = core.encode_range(kind, pack(bits, a), pack(bits, b), 0, nch)
+    bodies, _, _ = core.encode_range(kind, pack(bits, a), pack(bits, b), 0, nch)
     return b"".join(varint(len(body)) + body for body, _ in bodies)
 
 

@@ -93,7 +93,7 @@ def test_decode_threads_do_not_leak() -> None:
     b = a.copy()
     b[::997] ^= 1
     kt = native.kind_tuple(KINDS["bf16"], n)
-    [(body, k)] = core.encode_range(kt, a, b, 0, 1)
+    [(body, k)], _, _ = core.encode_range(kt, a, b, 0, 1)
     head, v = bytearray(), len(body)
     while v >= 0x80:
         head.append(v & 0x7F | 0x80)

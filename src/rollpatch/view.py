@@ -57,6 +57,11 @@ def _sum128_numpy(raw: np.ndarray) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def sum_add(state: tuple[int, int], change: tuple[int, int]) -> tuple[int, int]:
+    """An rp.sum128 state plus a change (each lane modulo 2^64): the state is additive."""
+    return (state[0] + change[0]) & _M64, (state[1] + change[1]) & _M64
+
+
 def sum128(data: np.ndarray) -> tuple[int, int]:
     """The rp.sum128 state (two 64-bit sums) of a contiguous array's bytes."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -243,6 +248,10 @@ class View(Mapping[str, Tensor]):
         if st is None:
             st = self._sums[name] = sum128(self._tensors[name].data)
         return st
+
+    def cached_sum_state(self, name: str) -> tuple[int, int] | None:
+        """The rp.sum128 state of one tensor if it is known, without hashing."""
+        return self._sums.get(name)
 
     def update_sum_state(self, name: str, state: tuple[int, int]) -> None:
         """Record the sum state after a change whose effect on the sums was computed from the

@@ -33,7 +33,8 @@ static int elem_count(const rp_kind *k, Py_ssize_t nbytes, int64_t *n) {
     return 0;
 }
 
-/* encode_range(kind, old, new, first_chunk, last_chunk) -> [(body, changed), ...] */
+/* encode_range(kind, old, new, first_chunk, last_chunk)
+ *     -> ([(body, changed), ...], sum128 change a, b) */
 static PyObject *py_encode_range(PyObject *self, PyObject *args) {
     PyObject *kt;
     Py_buffer a = {0}, b = {0};
@@ -57,19 +58,24 @@ static PyObject *py_encode_range(PyObject *self, PyObject *args) {
     if (!bodies || !lens || !counts) { PyErr_NoMemory(); goto out; }
     int rc = RP_OK;
     const char *err = NULL;
+    uint64_t sd[2] = {0, 0};
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < m && rc == RP_OK; i++) {
         int64_t s = (c0 + i) * RP_CHUNK, len = n - s < RP_CHUNK ? n - s : RP_CHUNK;
-        rc = rp_encode_chunk(&k, a.buf, b.buf, s, len, &bodies[i], &lens[i], &counts[i], &err);
+        rc = rp_encode_chunk(&k, a.buf, b.buf, (size_t)a.len, s, len, &bodies[i], &lens[i],
+                             &counts[i], sd, &err);
     }
     Py_END_ALLOW_THREADS
     if (rc) { raise_rc(rc, err); goto out; }
-    res = PyList_New(m);
-    for (Py_ssize_t i = 0; res && i < m; i++) {
+    PyObject *lst = PyList_New(m);
+    for (Py_ssize_t i = 0; lst && i < m; i++) {
         PyObject *t = Py_BuildValue("(y#L)", bodies[i] ? (const char *)bodies[i] : "",
                                     (Py_ssize_t)lens[i], (long long)counts[i]);
-        if (!t) { Py_CLEAR(res); break; }
-        PyList_SET_ITEM(res, i, t);
+        if (!t) { Py_CLEAR(lst); break; }
+        PyList_SET_ITEM(lst, i, t);
+    }
+    if (lst) {
+        res = Py_BuildValue("(NKK)", lst, (unsigned long long)sd[0], (unsigned long long)sd[1]);
     }
 out:
     if (bodies) for (Py_ssize_t i = 0; i < m; i++) free(bodies[i]);

@@ -526,7 +526,6 @@ done:
     return rc;
 }
 
-#define HOT 8
 
 static inline void block_ctx(const rp_kind *kd, const uint8_t *base, int64_t s, int len,
                              uint8_t *cb) {
@@ -550,124 +549,8 @@ static inline void block_ctx(const rp_kind *kd, const uint8_t *base, int64_t s, 
     }
 }
 
-static inline uint64_t eqmask_scalar(const uint8_t *cb, int len, int h) {
-    uint64_t m = 0;
-    for (int i = 0; i < len; i++) m |= (uint64_t)(cb[i] == h) << i;
-    return m;
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) static inline uint64_t eqmask_avx2(const uint8_t *cb, int len,
-                                                                    int h) {
-    (void)len; /* cb always holds 64 bytes; bits past len are masked by the caller */
-    __m256i v = _mm256_set1_epi8((char)h);
-    uint32_t lo = (uint32_t)_mm256_movemask_epi8(
-        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)cb), v));
-    uint32_t hi = (uint32_t)_mm256_movemask_epi8(
-        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(cb + 32)), v));
-    return ((uint64_t)hi << 32) | lo;
-}
-
-#endif
 
 
-/* The encoder's pass, 64 elements per block: changed flags, contexts, ranks. The HOT
- * contexts (the most populous in a sample of the chunk's start) are counted with byte
- * compares and popcounts; the others one by one through a table. */
-static inline uint64_t block_changed(const rp_kind *kd, const uint8_t *a, const uint8_t *b,
-                                     int64_t s, int len, uint8_t *d) {
-    if (kd->bits == 16) {
-        const uint16_t *x = (const uint16_t *)a + s, *y = (const uint16_t *)b + s;
-        for (int i = 0; i < len; i++) d[i] = x[i] != y[i];
-    } else if (kd->bits == 8) {
-        const uint8_t *x = a + s, *y = b + s;
-        for (int i = 0; i < len; i++) d[i] = x[i] != y[i];
-    } else {
-        for (int i = 0; i < len; i++)
-            d[i] = elem_get(a, kd->bits, s + i) != elem_get(b, kd->bits, s + i);
-    }
-    uint64_t any = 0;
-    for (int i = 0; i < len; i++) any |= d[i];
-    return any;
-}
-
-#define ENC_BODY(EQMASK)                                                                    \
-    int hot[HOT], H = 0;                                                                    \
-    uint32_t hcnt[HOT] = {0};                                                               \
-    uint8_t cb[64], dbytes[64];                                                             \
-    uint32_t rk[64];                                                                        \
-    if (kd->cbits) {                                                                        \
-        uint32_t sample[NCTX] = {0};                                                        \
-        int64_t sn = n < 8192 ? n : 8192;                                                   \
-        for (int64_t b0 = 0; b0 < sn; b0 += 64) {                                           \
-            int len = sn - b0 < 64 ? (int)(sn - b0) : 64;                                   \
-            block_ctx(kd, old, start + b0, len, cb);                                        \
-            for (int i = 0; i < len; i++) sample[cb[i]]++;                                  \
-        }                                                                                   \
-        for (; H < HOT; H++) {                                                              \
-            int best = -1;                                                                  \
-            for (int c = 0; c < NCTX; c++)                                                  \
-                if (sample[c] && (best < 0 || sample[c] > sample[best])) best = c;          \
-            if (best < 0) break;                                                            \
-            hot[H] = best;                                                                  \
-            sample[best] = 0;                                                               \
-        }                                                                                   \
-    } else {                                                                                \
-        hot[0] = 0;                                                                         \
-        H = 1;                                                                              \
-    }                                                                                       \
-    memset(cb, 0, sizeof cb);                                                               \
-    memset(dbytes, 0, sizeof dbytes);                                                       \
-    for (int64_t b0 = 0; b0 < n; b0 += 64) {                                                \
-        int len = n - b0 < 64 ? (int)(n - b0) : 64;                                         \
-        uint64_t valid = len == 64 ? ~0ULL : (1ULL << len) - 1, cold = valid;               \
-        uint64_t dm = 0;                                                                    \
-        if (kd->cbits) block_ctx(kd, old, start + b0, len, cb);                             \
-        if (block_changed(kd, old, new_, start + b0, len, dbytes))                          \
-            dm = EQMASK(dbytes, len, 1) & valid;                                            \
-        for (int t = 0; t < H; t++) {                                                       \
-            uint64_t m = (kd->cbits ? EQMASK(cb, len, hot[t]) : ~0ULL) & valid;             \
-            cold &= ~m;                                                                     \
-            uint64_t ch = m & dm;                                                           \
-            while (ch) {                                                                    \
-                int i = __builtin_ctzll(ch);                                                \
-                ch &= ch - 1;                                                               \
-                rk[i] = hcnt[t] + (uint32_t)__builtin_popcountll(m & ((1ULL << i) - 1));    \
-            }                                                                               \
-            hcnt[t] += (uint32_t)__builtin_popcountll(m);                                   \
-        }                                                                                   \
-        while (cold) {                                                                      \
-            int i = __builtin_ctzll(cold);                                                  \
-            cold &= cold - 1;                                                               \
-            rk[i] = tab[cb[i]]++;                                                           \
-        }                                                                                   \
-        while (dm) {                                                                        \
-            int i = __builtin_ctzll(dm);                                                    \
-            dm &= dm - 1;                                                                   \
-            if (r->k == r->cap && recs_grow(r)) return -1;                                  \
-            r->pos[r->k] = (uint32_t)(b0 + i);                                              \
-            r->rank[r->k] = rk[i];                                                          \
-            r->ctx[r->k] = cb[i];                                                           \
-            r->oldv[r->k] = elem_get(old, kd->bits, start + b0 + i);                        \
-            r->newv[r->k] = elem_get(new_, kd->bits, start + b0 + i);                       \
-            r->k++;                                                                         \
-        }                                                                                   \
-    }                                                                                       \
-    for (int t = 0; t < H; t++) tab[hot[t]] += hcnt[t];                                     \
-    return 0;
-
-static int enc_pass_scalar(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
-                           int64_t start, int64_t n, recs_t *r, uint32_t *tab) {
-    ENC_BODY(eqmask_scalar)
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, const uint8_t *old,
-                                                          const uint8_t *new_, int64_t start,
-                                                          int64_t n, recs_t *r, uint32_t *tab) {
-    ENC_BODY(eqmask_avx2)
-}
-#endif
 
 /* Running context counts with four interleaved tables (no store-to-load chains); the rank of
  * element i is the sum of the four tables' counts before it. */
@@ -693,31 +576,6 @@ __attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, cons
     } while (0)
 
 #define RANK(c) (t[0][c] + t[1][c] + t[2][c] + t[3][c])
-
-int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, int64_t start,
-                    int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
-                    const char **err) {
-    int rc = RP_OK;
-    recs_t r = {0};
-    uint32_t tab[NCTX] = {0};
-    uint64_t ncnt[NCTX];
-    *out = NULL;
-    *outlen = 0;
-    *changed = 0;
-    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) FAIL(RP_EARG, "bad kind or chunk size");
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) {
-        if (enc_pass_avx2(kd, old, new_, start, n, &r, tab)) FAIL(RP_ENOMEM, "out of memory");
-    } else
-#endif
-    if (enc_pass_scalar(kd, old, new_, start, n, &r, tab)) FAIL(RP_ENOMEM, "out of memory");
-    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
-    rc = code_chunk(kd, n, ncnt, &r, out, outlen, err);
-    *changed = r.k;
-done:
-    recs_free(&r);
-    return rc;
-}
 
 int rp_encode_chunk_sparse(const rp_kind *kd, const uint8_t *base, int64_t start, int64_t n,
                            const int64_t *pos, const uint64_t *oldv, const uint64_t *newv,
@@ -1156,6 +1014,270 @@ static int join_lanes(const rp_kind *kd, const uint8_t *base, lane_t **ls, const
     return 0;
 }
 
+
+/* ------------------------------------------------------------------ rp.sum128 terms */
+
+static const uint64_t SUM_K[2] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
+static const uint64_t SUM_S[2] = {0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL};
+
+static inline uint64_t rotl(uint64_t w, int r) { return (w << r) | (w >> (64 - r)); }
+
+static inline uint64_t sum_term(int lane, uint64_t w, uint64_t j) {
+    uint64_t x = w ^ (SUM_S[lane] + j * SUM_K[lane]);
+    return (x & 0xFFFFFFFFu) * (x >> 32) + rotl(w, lane ? 17 : 32);
+}
+
+static inline uint64_t word_at(const uint8_t *d, size_t len, uint64_t j) {
+    uint64_t w = 0;
+    size_t o = (size_t)j * 8;
+    if (o + 8 <= len) memcpy(&w, d + o, 8);
+    else if (o < len) memcpy(&w, d + o, len - o);
+    return w;
+}
+
+/* ------------------------------------------------------------------ encoder pass */
+
+/* The encoder's pass, JB elements per block: change masks from word compares; the block's
+ * contexts into an L1 buffer; the "hot" contexts (those of a window of WIN consecutive
+ * contexts seen in a sample of the chunk's start) counted per block with byte compares; the
+ * others ("cold") one by one through a table; the rank of a changed element is its
+ * context's count before the block plus a popcount inside it. The rp.sum128 change of the
+ * new words over the old ones is summed over the words that hold changes. */
+
+static void changed_generic(const rp_kind *kd, const uint8_t *a, const uint8_t *b, int64_t s,
+                            int len, uint64_t *dm) {
+    memset(dm, 0, (JB / 64) * 8);
+    if (kd->bits == 16) {
+        const uint16_t *x = (const uint16_t *)a + s, *y = (const uint16_t *)b + s;
+        for (int i = 0; i < len; i++) dm[i >> 6] |= (uint64_t)(x[i] != y[i]) << (i & 63);
+    } else if (kd->bits == 8) {
+        const uint8_t *x = a + s, *y = b + s;
+        for (int i = 0; i < len; i++) dm[i >> 6] |= (uint64_t)(x[i] != y[i]) << (i & 63);
+    } else {
+        for (int i = 0; i < len; i++)
+            dm[i >> 6] |= (uint64_t)(elem_get(a, kd->bits, s + i) != elem_get(b, kd->bits, s + i))
+                          << (i & 63);
+    }
+}
+
+static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *hot) {
+    uint32_t m = 0;
+    for (int i = 0; i < 32; i++) {
+        unsigned t = (unsigned)(p[i] - lo);
+        m |= (uint32_t)!(t < WIN && hot[t]) << i;
+    }
+    return m;
+}
+
+#define ENC_BODY(BLKCNT, EQ32, COLD32, BLOCKCTX, CHANGED)                                  \
+    uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
+    uint32_t rk[JB];                                                                        \
+    uint64_t dm[JB / 64];                                                                   \
+    uint8_t hot[WIN];                                                                       \
+    uint32_t cnt[WIN], bcs[WIN];                                                            \
+    int vc[WIN], slot[NCTX], nvc = 0, lo = 0;                                               \
+    int ncontexts = kd->cbits ? 1 << kd->cbits : 1;                                         \
+    memset(hot, 0, sizeof hot);                                                             \
+    for (int c = 0; c < NCTX; c++) slot[c] = -1;                                            \
+    {                                                                                       \
+        uint32_t sample[NCTX] = {0};                                                        \
+        int64_t sn = n < 8192 ? n : 8192;                                                   \
+        for (int64_t b0 = 0; b0 < sn; b0 += JB) {                                           \
+            int len = sn - b0 < JB ? (int)(sn - b0) : JB;                                   \
+            block_ctx(kd, old, start + b0, len, cbuf);                                      \
+            for (int i = 0; i < len; i++) sample[cbuf[i]]++;                                \
+        }                                                                                   \
+        int w = ncontexts < WIN ? ncontexts : WIN;                                          \
+        int64_t best = -1;                                                                  \
+        for (int w0 = 0; w0 + w <= ncontexts; w0++) {                                       \
+            int64_t sum = 0;                                                                \
+            for (int c = w0; c < w0 + w; c++) sum += sample[c];                             \
+            if (sum > best) { best = sum; lo = w0; }                                        \
+        }                                                                                   \
+        for (int c = lo; c < lo + w; c++) /* counted by byte compares when not rare */     \
+            if (!kd->cbits || (int64_t)sample[c] * 512 >= sn) {                             \
+                hot[c - lo] = 0xFF;                                                         \
+                slot[c] = nvc;                                                              \
+                cnt[nvc] = 0;                                                               \
+                vc[nvc++] = c;                                                              \
+            }                                                                               \
+    }                                                                                       \
+    uint8_t pad = (uint8_t)(lo + WIN < NCTX ? lo + WIN : lo - 1); /* in no window */       \
+    int64_t cw = -1; /* the last word whose sum change is counted */                        \
+    for (int64_t b0 = 0; b0 < n; b0 += JB) {                                                \
+        int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
+        BLOCKCTX(kd, old, start + b0, len, cbuf);                                           \
+        if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
+        CHANGED(kd, old, new_, start + b0, len, dm);                                        \
+        for (int t = 0; t < nvc; t++) bcs[t] = BLKCNT(cbuf, vc[t]);                         \
+        for (int v = 0; v * 32 < len; v++) { /* cold elements: ranks through the table */   \
+            uint32_t m = COLD32(cbuf + 32 * v, lo, hot);                                    \
+            if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                         \
+            while (m) {                                                                     \
+                int i = 32 * v + __builtin_ctz(m);                                          \
+                m &= m - 1;                                                                 \
+                rk[i] = tab[cbuf[i]]++;                                                     \
+            }                                                                               \
+        }                                                                                   \
+        for (int v = 0; v < JB / 64; v++) {                                                 \
+            uint64_t ch = dm[v];                                                            \
+            while (ch) {                                                                    \
+                int i = 64 * v + __builtin_ctzll(ch);                                       \
+                ch &= ch - 1;                                                               \
+                unsigned c = cbuf[i];                                                       \
+                uint32_t rank;                                                              \
+                int t = slot[c];                                                            \
+                if (t >= 0) {                                                               \
+                    rank = cnt[t];                                                          \
+                    for (int u = 0; u <= v; u++) {                                          \
+                        uint64_t e = (uint64_t)EQ32(cbuf + 64 * u, (int)c)                  \
+                                     | (uint64_t)EQ32(cbuf + 64 * u + 32, (int)c) << 32;    \
+                        if (u == v) e &= (1ULL << (i & 63)) - 1;                            \
+                        rank += (uint32_t)__builtin_popcountll(e);                          \
+                    }                                                                       \
+                } else {                                                                    \
+                    rank = rk[i];                                                           \
+                }                                                                           \
+                if (r->k == r->cap && recs_grow(r)) return -1;                              \
+                uint64_t x = elem_get(old, kd->bits, start + b0 + i);                       \
+                uint64_t y = elem_get(new_, kd->bits, start + b0 + i);                      \
+                r->pos[r->k] = (uint32_t)(b0 + i);                                          \
+                r->rank[r->k] = rank;                                                       \
+                r->ctx[r->k] = (uint8_t)c;                                                  \
+                r->oldv[r->k] = x;                                                          \
+                r->newv[r->k] = y;                                                          \
+                r->k++;                                                                     \
+                int64_t j = (int64_t)((uint64_t)(start + b0 + i) * (uint64_t)kd->bits / 64);\
+                if (j != cw) {                                                              \
+                    uint64_t wa = word_at(old, nbytes, (uint64_t)j);                        \
+                    uint64_t wb = word_at(new_, nbytes, (uint64_t)j);                       \
+                    sd[0] += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j);   \
+                    sd[1] += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j);   \
+                    cw = j;                                                                 \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
+    }                                                                                       \
+    for (int t = 0; t < nvc; t++) tab[vc[t]] += cnt[t];                                     \
+    return 0;
+
+#define BLOCKCTX_PLAIN block_ctx
+static int enc_pass_scalar(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                           size_t nbytes, int64_t start, int64_t n, recs_t *r, uint32_t *tab,
+                           uint64_t sd[2]) {
+    ENC_BODY(blkcnt_scalar, eq32_scalar, cold32_scalar, BLOCKCTX_PLAIN, changed_generic)
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static inline uint32_t cold32_avx2(const uint8_t *p, int lo,
+                                                                    const uint8_t *hot) {
+    __m256i idx = _mm256_sub_epi8(_mm256_load_si256((const __m256i *)p), _mm256_set1_epi8((char)lo));
+    __m256i top = _mm256_set1_epi8(WIN - 1);
+    __m256i in = _mm256_cmpeq_epi8(_mm256_max_epu8(idx, top), top);
+    __m128i t = _mm_loadu_si128((const __m128i *)hot);
+    __m256i tab = _mm256_broadcastsi128_si256(t);
+    __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(tab, _mm256_and_si256(idx, _mm256_set1_epi8(15))), in);
+    return ~(uint32_t)_mm256_movemask_epi8(h);
+}
+
+/* Change masks of a whole block (JB elements); partial blocks take the generic path. */
+__attribute__((target("avx2"))) static inline void changed_avx2(const rp_kind *kd,
+                                                                 const uint8_t *a,
+                                                                 const uint8_t *b, int64_t s,
+                                                                 int len, uint64_t *dm) {
+    if (len < JB || !(kd->bits == 16 || kd->bits == 8 || (kd->bits == 4 && !(s & 1)))) {
+        changed_generic(kd, a, b, s, len, dm);
+        return;
+    }
+    if (kd->bits == 16) {
+        const uint16_t *x = (const uint16_t *)a + s, *y = (const uint16_t *)b + s;
+        for (int v = 0; v < JB / 64; v++) {
+            uint64_t m = 0;
+            for (int h = 0; h < 2; h++) {
+                const uint16_t *px = x + 64 * v + 32 * h, *py = y + 64 * v + 32 * h;
+                __m256i e0 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)px),
+                                                _mm256_loadu_si256((const __m256i *)py));
+                __m256i e1 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(px + 16)),
+                                                _mm256_loadu_si256((const __m256i *)(py + 16)));
+                __m256i e = _mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), 0xD8);
+                m |= (uint64_t)(uint32_t)~_mm256_movemask_epi8(e) << (32 * h);
+            }
+            dm[v] = m;
+        }
+    } else if (kd->bits == 8) {
+        const uint8_t *x = a + s, *y = b + s;
+        for (int v = 0; v < JB / 64; v++) {
+            uint32_t lo0 = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(
+                _mm256_loadu_si256((const __m256i *)(x + 64 * v)),
+                _mm256_loadu_si256((const __m256i *)(y + 64 * v))));
+            uint32_t hi0 = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(
+                _mm256_loadu_si256((const __m256i *)(x + 64 * v + 32)),
+                _mm256_loadu_si256((const __m256i *)(y + 64 * v + 32))));
+            dm[v] = (uint64_t)hi0 << 32 | lo0;
+        }
+    } else { /* two codes per byte: changed bytes first, then their nibbles */
+        const uint8_t *x = a + (s >> 1), *y = b + (s >> 1);
+        for (int v = 0; v < JB / 64; v++) {
+            uint32_t m = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(
+                _mm256_loadu_si256((const __m256i *)(x + 32 * v)),
+                _mm256_loadu_si256((const __m256i *)(y + 32 * v))));
+            uint64_t d = 0;
+            while (m) {
+                int i = __builtin_ctz(m);
+                m &= m - 1;
+                unsigned z = (unsigned)(x[32 * v + i] ^ y[32 * v + i]);
+                d |= (uint64_t)((z & 15u) != 0) << (2 * i) | (uint64_t)((z >> 4) != 0) << (2 * i + 1);
+            }
+            dm[v] = d;
+        }
+    }
+}
+
+__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, const uint8_t *old,
+                                                          const uint8_t *new_, size_t nbytes,
+                                                          int64_t start, int64_t n, recs_t *r,
+                                                          uint32_t *tab, uint64_t sd[2]) {
+#define BLOCKCTX(KD, BASE, S, LEN, CB)                                                      \
+    do {                                                                                    \
+        if ((KD)->bits == 16)                                                               \
+            block_ctx16_avx2((const uint16_t *)(BASE) + (S), (LEN), (KD)->shift,            \
+                             (1 << (KD)->cbits) - 1, (CB));                                 \
+        else                                                                                \
+            block_ctx((KD), (BASE), (S), (LEN), (CB));                                      \
+    } while (0)
+    ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2)
+#undef BLOCKCTX
+}
+#endif
+
+int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                    int64_t start, int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
+                    uint64_t sdelta[2], const char **err) {
+    int rc = RP_OK;
+    recs_t r = {0};
+    uint32_t tab[NCTX] = {0};
+    uint64_t ncnt[NCTX], sd[2] = {0, 0};
+    *out = NULL;
+    *outlen = 0;
+    *changed = 0;
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) FAIL(RP_EARG, "bad kind or chunk size");
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) {
+        if (enc_pass_avx2(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
+    } else
+#endif
+    if (enc_pass_scalar(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
+    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
+    rc = code_chunk(kd, n, ncnt, &r, out, outlen, err);
+    *changed = r.k;
+    sdelta[0] += sd[0];
+    sdelta[1] += sd[1];
+done:
+    recs_free(&r);
+    return rc;
+}
+
 /* Phase C: the rest of the streams, then old/new elements. */
 static int lane_finish(const rp_kind *kd, lane_t *l, const uint8_t *base, int64_t start,
                        int64_t n, int64_t *pos_out, void *old_out, void *new_out, int ow,
@@ -1305,24 +1427,6 @@ int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_
         for (int64_t i = 0; i < count; i++) arr_put(out, ow, i, elem_get(data, kd->bits, pos[i]));
     }
     return RP_OK;
-}
-
-static const uint64_t SUM_K[2] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
-static const uint64_t SUM_S[2] = {0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL};
-
-static inline uint64_t rotl(uint64_t w, int r) { return (w << r) | (w >> (64 - r)); }
-
-static inline uint64_t sum_term(int lane, uint64_t w, uint64_t j) {
-    uint64_t x = w ^ (SUM_S[lane] + j * SUM_K[lane]);
-    return (x & 0xFFFFFFFFu) * (x >> 32) + rotl(w, lane ? 17 : 32);
-}
-
-static inline uint64_t word_at(const uint8_t *d, size_t len, uint64_t j) {
-    uint64_t w = 0;
-    size_t o = (size_t)j * 8;
-    if (o + 8 <= len) memcpy(&w, d + o, 8);
-    else if (o < len) memcpy(&w, d + o, len - o);
-    return w;
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)

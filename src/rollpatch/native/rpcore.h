@@ -23,11 +23,13 @@ typedef struct {
     int cbits; /* 0: one context for every element */
 } rp_kind;
 
-/* Elements [start, start + n) of a tensor, n <= RP_CHUNK. Encodes the chunk body (possibly
- * empty when nothing changed) into a malloc'd buffer the caller frees. */
-int rp_encode_chunk(const rp_kind *k, const uint8_t *old, const uint8_t *new_, int64_t start,
-                    int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
-                    const char **err);
+/* Elements [start, start + n) of a tensor of `nbytes` bytes, n <= RP_CHUNK. Encodes the
+ * chunk body (possibly empty when nothing changed) into a malloc'd buffer the caller frees,
+ * and adds to sdelta the rp.sum128 change of the new words over the old ones (the words
+ * that hold changes; the chunk's words are its own: chunks start on word boundaries). */
+int rp_encode_chunk(const rp_kind *k, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                    int64_t start, int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
+                    uint64_t sdelta[2], const char **err);
 
 /* The same from the changed elements only: positions relative to start (strictly
  * increasing), old and new element values (uint64), and the base words for contexts. */

@@ -14,7 +14,7 @@ from .. import native
 from ..errors import PatchDecodeError
 from ..kinds import Kind, single_context
 from ..native import parallel_map, threads
-from ..view import Tensor
+from ..view import Tensor, sum_add
 from .bits import write_varint
 from .ctxv2 import CHUNK, decode_ref, encode_ref
 
@@ -85,13 +85,24 @@ class CtxGolombV2:
 
     def encode_dense(self, base: Tensor, target: Tensor) -> tuple[bytes, int]:
         """Payload and changed count straight from two tensors (one fused native pass)."""
+        payload, k, _ = self.encode_dense_sum(base, target)
+        return payload, k
+
+    def encode_dense_sum(self, base: Tensor, target: Tensor
+                         ) -> tuple[bytes, int, tuple[int, int]]:
+        """:meth:`encode_dense`, plus the rp.sum128 change of ``target``'s words over
+        ``base``'s (summed over the words that hold changes: the pass compared every word, so
+        ``sum128(target) = sum128(base) + change`` exactly)."""
         core = native.require()
         kt = native.kind_tuple(base.kind, base.n_elements)
         nch = -(-base.n_elements // CHUNK)
         parts = parallel_map(lambda r: core.encode_range(kt, base.data, target.data, r[0], r[1]),
-                     _ranges(nch, threads()))
-        flat = [x for part in parts for x in part]
-        return _join([b for b, _ in flat]), sum(k for _, k in flat)
+                             _ranges(nch, threads()))
+        flat = [x for part, _, _ in parts for x in part]
+        change = (0, 0)
+        for _, d0, d1 in parts:
+            change = sum_add(change, (d0, d1))
+        return _join([b for b, _ in flat]), sum(k for _, k in flat), change
 
     def encode_records(self, base_kind: Kind, n_elements: int,
                        chunks: list[ChunkRecords | None]) -> bytes:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import native
 from ..errors import BaseMismatchError, PatchError, TargetMismatchError
-from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View
+from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View, sum_add
 from .model import Patch, TensorPatch
 
 __all__ = ["apply", "compose", "diff", "gather", "scatter"]
@@ -29,7 +29,6 @@ def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
     return np.where(positions & 1, b >> 4, b & 0x0F).astype(np.uint8)
 
 
-_M64 = (1 << 64) - 1
 
 
 def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray,
@@ -163,8 +162,7 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
                 delta = scatter(view[name], tp.positions, tp.new, tp.old)  # all or nothing
                 undo.append(entry)
                 if state is not None and delta is not None:
-                    view.update_sum_state(name, ((state[0] + delta[0]) & _M64,
-                                                 (state[1] + delta[1]) & _M64))
+                    view.update_sum_state(name, sum_add(state, delta))
                 else:
                     view.invalidate(name)
             elif tp.op == "full":

@@ -23,7 +23,7 @@ import zstandard
 from .. import native
 from ..errors import BaseMismatchError, CodecError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
-from ..view import DigestAlgo, View, WordSource
+from ..view import DigestAlgo, View, WordSource, sum_add
 from .codecs import DELTA_CODECS, bounded_decompress, decode_full, encode_full, get_delta_codec
 from .model import OPS, Patch, TensorPatch
 
@@ -106,9 +106,13 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
             return entry(name, "full", tb.kind, tb.shape, tb.n_elements, base,
                           b.tensor_digest(name), codec_id), payload
         ta = a[name]
-        payload, k = codec.encode_dense(ta, tb)
+        payload, k, change = codec.encode_dense_sum(ta, tb)
         if k == 0:
             return None
+        st = a.cached_sum_state(name)
+        if st is not None and b.cached_sum_state(name) is None:
+            # every word was compared: b's state is a's plus the change of the changed words
+            b.update_sum_state(name, sum_add(st, change))
         codec_id = codec.codec_id
         if k > DENSE * ta.n_elements:
             alt = zstandard.ZstdCompressor(level=XorZstd.level).compress(

@@ -330,13 +330,19 @@ static uint8_t *fz_encode(fz_case *c, const uint8_t *target, size_t *plen, int64
     uint8_t *bodies[FZ_MAXCH] = {0};
     size_t lens[FZ_MAXCH] = {0}, total = 0, q = 0;
     const char *err = NULL;
+    uint64_t sd[2] = {0, 0}, sa[2], sb[2];
     for (int64_t i = 0; i < nch; i++) {
-        if (rp_encode_chunk(&c->k, fz_base(c), target, i * RP_CHUNK, fz_chunk_n(c, i), &bodies[i],
-                            &lens[i], &changed[i], &err))
+        if (rp_encode_chunk(&c->k, fz_base(c), target, c->nbytes, i * RP_CHUNK, fz_chunk_n(c, i),
+                            &bodies[i], &lens[i], &changed[i], sd, &err))
             fz_fail("rp_encode_chunk failed");
         if ((lens[i] == 0) != (changed[i] == 0)) fz_fail("rp_encode_chunk: empty body iff no change");
         total += lens[i] + 10;
     }
+    /* the encoder's sum128 change over the changed words is exactly sum(target) - sum(base) */
+    rp_sum128(fz_base(c), c->nbytes, 0, (c->nbytes + 7) / 8, sa);
+    rp_sum128(target, c->nbytes, 0, (c->nbytes + 7) / 8, sb);
+    if (sb[0] - sa[0] != sd[0] || sb[1] - sa[1] != sd[1])
+        fz_fail("rp_encode_chunk: sum128 change differs from the re-hash");
     uint8_t *pl = malloc(total + 1);
     if (!pl) fz_fail("out of memory for a payload");
     for (int64_t i = 0; i < nch; i++) {

@@ -203,8 +203,11 @@ out:
     return res;
 }
 
-/* decode_range(kind, base, payload, first, last, counts_offset_list, pos_out, old_out, new_out)
- * decodes chunks [first, last) writing chunk i's outputs at offsets[i - first]. */
+/* decode_range(kind, base, payload, first, last, counts, offsets, pos_out, old_out, new_out
+ *              [, write]) decodes chunks [first, last) writing chunk i's outputs at
+ * offsets[i - first]. With write, each chunk's new elements are also written into base
+ * (writable) right after it is decoded, and the rp.sum128 change (a, b) is returned; on an
+ * error the chunks written by this call are put back first. */
 static PyObject *py_decode_range(PyObject *self, PyObject *args) {
     PyObject *kt, *offl, *cntl;
     Py_buffer base = {0}, pl = {0}, po = {0}, oo = {0}, no = {0};
@@ -212,9 +215,16 @@ static PyObject *py_decode_range(PyObject *self, PyObject *args) {
     rp_kind k;
     int64_t n;
     PyObject *res = NULL;
-    if (!PyArg_ParseTuple(args, "Oy*y*nnOOw*w*w*", &kt, &base, &pl, &c0, &c1, &cntl, &offl, &po,
-                          &oo, &no))
+    int write = 0;
+    if (!PyArg_ParseTuple(args, "Oy*y*nnOOw*w*w*|p", &kt, &base, &pl, &c0, &c1, &cntl, &offl,
+                          &po, &oo, &no, &write))
         return NULL;
+    if (write && base.readonly) {
+        PyErr_SetString(PyExc_ValueError, "write=True needs a writable base");
+        PyBuffer_Release(&base); PyBuffer_Release(&pl); PyBuffer_Release(&po);
+        PyBuffer_Release(&oo); PyBuffer_Release(&no);
+        return NULL;
+    }
     size_t *offs = NULL, *lens = NULL;
     int64_t *cnt = NULL, *oo_ = NULL;
     if (kind_arg(kt, &k) || elem_count(&k, base.len, &n)) goto out;
@@ -248,9 +258,11 @@ static PyObject *py_decode_range(PyObject *self, PyObject *args) {
     }
     int rc = RP_OK;
     const char *err = NULL;
+    uint64_t delta[2] = {0, 0};
+    Py_ssize_t written = 0; /* with write: chunks [0, written) of the range are applied */
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t g = 0; g < m && rc == RP_OK; g += 4) {
-        int q = (int)(m - g < 4 ? m - g : 4);
+    for (Py_ssize_t g = 0; g < m && rc == RP_OK; g += write ? 1 : 4) {
+        int q = write ? 1 : (int)(m - g < 4 ? m - g : 4);
         const uint8_t *bodies[4];
         size_t bl[4];
         int64_t st[4], nn[4], cc[4], of[4];
@@ -265,11 +277,28 @@ static PyObject *py_decode_range(PyObject *self, PyObject *args) {
         }
         rc = rp_decode_chunks(&k, base.buf, q, bodies, bl, st, nn, cc, of, po.buf, oo.buf,
                               no.buf, ow, &err);
+        if (write && rc == RP_OK) { /* decoded and written while the chunk is in cache */
+            rc = rp_apply(&k, base.buf, (size_t)base.len, (const int64_t *)po.buf + of[0],
+                          (const uint8_t *)oo.buf + of[0] * ow,
+                          (const uint8_t *)no.buf + of[0] * ow, cc[0], ow, delta, &err);
+            if (rc == RP_OK) written++;
+        }
+    }
+    if (rc && written) { /* all or nothing: put back the chunks this call wrote */
+        const char *e2 = NULL;
+        for (Py_ssize_t g = written - 1; g >= 0; g--)
+            (void)rp_apply(&k, base.buf, (size_t)base.len, (const int64_t *)po.buf + oo_[g],
+                           (const uint8_t *)no.buf + oo_[g] * ow,
+                           (const uint8_t *)oo.buf + oo_[g] * ow, cnt[g], ow, delta, &e2);
     }
     Py_END_ALLOW_THREADS
     if (rc) { raise_rc(rc, err); goto out; }
-    res = Py_None;
-    Py_INCREF(res);
+    if (write) {
+        res = Py_BuildValue("(KK)", (unsigned long long)delta[0], (unsigned long long)delta[1]);
+    } else {
+        res = Py_None;
+        Py_INCREF(res);
+    }
 out:
     free(offs); free(lens); free(cnt); free(oo_);
     PyBuffer_Release(&base); PyBuffer_Release(&pl); PyBuffer_Release(&po);

@@ -5,6 +5,7 @@ docs/patch-format.md for the wire format.
 """
 
 from ..view import View
+from .inplace import apply_encoded
 from .model import Patch, TensorPatch
 from .ops import apply, compose, diff
 from .wire import PatchHeader, decode, encode, encode_views, inspect
@@ -15,6 +16,7 @@ __all__ = [
     "TensorPatch",
     "apply",
     "apply_bytes",
+    "apply_encoded",
     "compose",
     "decode",
     "diff",
@@ -26,4 +28,6 @@ __all__ = [
 
 def apply_bytes(view: View, blob: bytes | memoryview, *, verify: bool = False) -> View:
     """Decode ``blob`` against ``view`` and apply it in place; returns the view."""
-    return apply(view, decode(blob, view), verify=verify)
+    if verify:
+        return apply(view, decode(blob, view), verify=True)
+    return apply_encoded(view, blob)

@@ -148,12 +148,53 @@ class CtxGolombV2:
 
         def one(r: tuple[int, int]) -> None:
             a, b = r
-            live = [i for i in range(a, b)]
-            core.decode_range(kt, base.data, payload, a, b, [counts[i] for i in live],
-                              [offs[i] for i in live], pos, old, new)
+            core.decode_range(kt, base.data, payload, a, b, counts[a:b], offs[a:b], pos, old,
+                              new)
 
         parallel_map(one, _ranges(len(counts), threads()))
         return pos, old, new
+
+    def decode_into(self, payload: memoryview, base: Tensor, changed: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
+        """:meth:`decode`, writing each chunk's new elements into ``base`` in place right
+        after decoding it (while its words are in cache); also returns the rp.sum128 change.
+
+        All or nothing: on any error the tensor is left as it was and the error raised.
+        The old elements are those the decoder read from ``base`` itself.
+        """
+        core = native.require()
+        kt = native.kind_tuple(base.kind, base.n_elements)
+        counts = core.table(kt, payload, base.n_elements)
+        if sum(counts) != changed:
+            raise PatchDecodeError("changed count does not match the header",
+                                   codec=self.codec_id)
+        offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        pos = np.empty(changed, dtype=np.int64)
+        old = np.empty(changed, dtype=base.kind.elem_dtype)
+        new = np.empty(changed, dtype=base.kind.elem_dtype)
+        ranges = _ranges(len(counts), threads())
+
+        def one(r: tuple[int, int]) -> tuple[int, int] | BaseException:
+            a, b = r
+            try:
+                return core.decode_range(kt, base.data, payload, a, b, counts[a:b], offs[a:b],
+                                         pos, old, new, True)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the undo
+                return e
+
+        results = parallel_map(one, ranges)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # the failing ranges put themselves back; undo the others
+            for (a, b), res in zip(ranges, results, strict=True):
+                if not isinstance(res, BaseException):
+                    lo, hi = offs[a], offs[b]
+                    core.apply(kt, base.data, pos[lo:hi], new[lo:hi], old[lo:hi])
+            raise failed[0]
+        change = (0, 0)
+        for res in results:
+            assert not isinstance(res, BaseException)
+            change = sum_add(change, res)
+        return pos, old, new, change
 
 
 def _join(bodies: list[bytes]) -> bytes:

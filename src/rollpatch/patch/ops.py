@@ -6,6 +6,8 @@ digests before writing, verifies the target digests after, and undoes its writes
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from .. import native
@@ -13,7 +15,7 @@ from ..errors import BaseMismatchError, PatchError, TargetMismatchError
 from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View, sum_add
 from .model import Patch, TensorPatch
 
-__all__ = ["apply", "compose", "diff", "gather", "scatter"]
+__all__ = ["InPlaceDelta", "apply", "compose", "diff", "gather", "scatter", "write_verified"]
 
 
 def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
@@ -131,6 +133,18 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
                                         tensor=name)
 
 
+class InPlaceDelta(Protocol):
+    """A delta that decodes and writes itself into a view tensor in one pass (the native
+    v2 decoder): all or nothing per tensor; returns the decoded patch and the rp.sum128
+    change of the tensor (None when unknown)."""
+
+    name: str
+    base_digest: str | None
+    target_digest: str | None
+
+    def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]: ...
+
+
 def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = False,
           incremental: bool = False) -> View:
     """Apply ``patch`` to ``view`` (in place by default, else to a copy) and return it.
@@ -148,40 +162,62 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
     if not inplace:
         view = view.copy()
     _check_applicable(view, patch, verify)
-    algo = patch.digest
-    incremental = (incremental and algo == "rp.sum128.v1" and not verify
-                   and native.core is not None)
+    write_verified(view, list(patch.tensors.values()), patch.target, patch.digest,
+                   incremental=incremental and not verify)
+    return view
+
+
+def write_verified(view: View, items: list[TensorPatch | InPlaceDelta], target: str,
+                   algo: DigestAlgo, *, incremental: bool) -> None:
+    """Write checked transitions into ``view``, then verify every touched tensor and the
+    root against the target; on any error put every written tensor back and re-raise.
+
+    Callers have checked the base (layouts, base digests, root) before."""
+    incremental = incremental and algo == "rp.sum128.v1" and native.core is not None
     undo: list[tuple[str, TensorPatch, Tensor | None, str | None]] = []
+    done: list[TensorPatch] = []
     try:
-        for name, tp in patch.tensors.items():
+        for item in items:
+            name = item.name
             prev = view.get(name)
-            entry = (name, tp, prev, view.tensor_digest(name, algo) if prev is not None else None)
+            digest = view.tensor_digest(name, algo) if prev is not None else None
+            is_delta = not isinstance(item, TensorPatch) or item.op == "delta"
+            state = (view.sum_state(name) if incremental and is_delta and prev is not None
+                     else None)
+            delta: tuple[int, int] | None = None
+            if not isinstance(item, TensorPatch):
+                assert prev is not None
+                tp, delta = item.write(prev)  # all or nothing
+                undo.append((name, tp, prev, digest))
+            elif item.op == "delta":
+                tp = item
+                assert tp.positions is not None and tp.new is not None and prev is not None
+                delta = scatter(prev, tp.positions, tp.new, tp.old)  # all or nothing
+                undo.append((name, tp, prev, digest))
+            elif item.op == "full":
+                tp = item
+                assert tp.tensor is not None
+                undo.append((name, tp, prev, digest))
+                view[name] = tp.tensor.copy()
+            else:
+                tp = item
+                undo.append((name, tp, prev, digest))
+                del view[name]
+            done.append(tp)
             if tp.op == "delta":
-                assert tp.positions is not None and tp.new is not None
-                state = view.sum_state(name) if incremental else None
-                delta = scatter(view[name], tp.positions, tp.new, tp.old)  # all or nothing
-                undo.append(entry)
                 if state is not None and delta is not None:
                     view.update_sum_state(name, sum_add(state, delta))
                 else:
                     view.invalidate(name)
-            elif tp.op == "full":
-                assert tp.tensor is not None
-                undo.append(entry)
-                view[name] = tp.tensor.copy()
-            else:
-                undo.append(entry)
-                del view[name]
-        for name, tp in patch.tensors.items():
-            if tp.op != "drop" and view.tensor_digest(name, algo) != tp.target_digest:
+        for tp in done:
+            if tp.op != "drop" and view.tensor_digest(tp.name, algo) != tp.target_digest:
                 raise TargetMismatchError("tensor does not match the target after applying",
-                                          tensor=name)
-        if view.digest(algo) != patch.target:
+                                          tensor=tp.name)
+        if view.digest(algo) != target:
             raise TargetMismatchError("view root digest does not match the target")
     except BaseException:
         _undo(view, undo, algo)
         raise
-    return view
 
 
 def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | None]],

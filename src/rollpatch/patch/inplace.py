@@ -1,0 +1,94 @@
+"""Decode and apply an encoded patch in one pass: ``apply_encoded(view, blob)``.
+
+The same checks and result as ``apply(view, decode(blob, view))``, bit for bit and error for
+error class, but each rp.ctxgolomb.v2 chunk is written into the view right after the native
+decoder read it from there, while its words are still in cache, and no second pass checks
+the old elements (the decoder took them from the very words it overwrites). Every other op
+and codec goes through :func:`decode` and :func:`apply`'s writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from .. import native
+from ..errors import BaseMismatchError, PatchDecodeError, RollpatchError
+from ..kinds import KINDS
+from ..view import Tensor, View
+from .codec_v2 import CtxGolombV2
+from .model import TensorPatch
+from .ops import InPlaceDelta, write_verified
+from .wire import MIN_FULL_BOUND, decode_entry, inspect
+
+__all__ = ["apply_encoded"]
+
+_V2 = CtxGolombV2()
+
+
+@dataclass
+class _FusedDelta:
+    """One rp.ctxgolomb.v2 delta, decoded straight into its tensor (ops.InPlaceDelta)."""
+
+    name: str
+    base_digest: str | None
+    target_digest: str | None
+    payload: memoryview
+    changed: int
+
+    def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]:
+        try:
+            pos, old, new, change = _V2.decode_into(self.payload, t, self.changed)
+        except RollpatchError as err:
+            err.context.setdefault("tensor", self.name)
+            raise
+        return TensorPatch(self.name, "delta", t.kind, t.shape, self.base_digest,
+                           self.target_digest, pos, old, new), change
+
+
+def apply_encoded(view: View, blob: bytes | memoryview, *, incremental: bool = False,
+                  max_full_bytes: int | None = None) -> View:
+    """Decode ``blob`` against ``view`` and apply it in place; returns the view.
+
+    ``incremental`` as in :func:`rollpatch.patch.apply`. ``max_full_bytes`` as in
+    :func:`rollpatch.patch.decode`. All or nothing: on any error the view keeps its words.
+    """
+    header = inspect(blob)
+    algo = header.digest
+    if view.digest(algo) != header.base:
+        raise BaseMismatchError("the view is not this patch's base", expected=header.base[:16],
+                                actual=view.digest(algo)[:16])
+    limit = max(MIN_FULL_BOUND, view.nbytes) if max_full_bytes is None else max_full_bytes
+    mv = memoryview(blob)
+    items: list[TensorPatch | InPlaceDelta] = []
+    for e in header.tensors:
+        _check_entry(view, e, algo)
+        start = header.payload_start + e["offset"]
+        payload = mv[start:start + e["length"]]
+        if blake3.blake3(payload).hexdigest() != e["b3"]:
+            raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
+        if e["op"] == "delta" and e["codec"] == _V2.codec_id and native.core is not None:
+            items.append(_FusedDelta(e["name"], e["base"], e["target"], payload, e["changed"]))
+        else:
+            items.append(decode_entry(e, payload, view, limit))
+    write_verified(view, items, header.target, algo, incremental=incremental)
+    return view
+
+
+def _check_entry(view: View, e: dict[str, Any], algo: Any) -> None:
+    """What ``apply`` checks before writing, from the header alone."""
+    name, op = e["name"], e["op"]
+    if op in ("delta", "drop") and name not in view:
+        raise BaseMismatchError("the view lacks a tensor the patch changes", tensor=name)
+    if op == "delta":
+        t = view[name]
+        if t.kind != KINDS[e["kind"]] or t.shape != tuple(e["shape"]):
+            raise BaseMismatchError("base tensor layout differs from the patch", tensor=name,
+                                    kind=t.kind.name, shape=t.shape)
+    if op == "full" and e["base"] is None and name in view:
+        raise BaseMismatchError("the patch adds a tensor the view already has", tensor=name)
+    if name in view and e["base"] is not None and view.tensor_digest(name, algo) != e["base"]:
+        raise BaseMismatchError("tensor is not the patch's base", tensor=name,
+                                hint="the engine is on another version; plan a new path")

@@ -1,0 +1,112 @@
+"""The fused decode+apply (``apply_encoded``) against ``apply(view, decode(blob, view))``:
+the same words, digests and error classes, and all or nothing on every failure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollpatch.errors import BaseMismatchError, RollpatchError
+from rollpatch.kinds import KINDS
+from rollpatch.patch import apply, apply_encoded, decode, diff, encode, encode_views
+from rollpatch.patch.ctxv2 import CHUNK
+from rollpatch.view import Tensor, View, sum128
+
+from .patchfix import reseal, sample_views, split_blob
+
+
+def _views(seed: int) -> tuple[View, View]:
+    a, b = sample_views(seed=seed, n=3_158_000)  # several chunks per tensor
+    assert a["model.w"].n_elements > 3 * CHUNK
+    a, b = View(dict(a)), View(dict(b))
+    a["model.gone"] = Tensor(KINDS["bf16"], (3,), np.ones(3, dtype=np.uint16))
+    b["model.new"] = Tensor(KINDS["int4x2"], (4, 4), np.arange(16, dtype=np.uint8))
+    return a, b
+
+
+def _same_words(x: View, y: View) -> bool:
+    return set(x) == set(y) and all(np.array_equal(x[n].data, y[n].data) for n in x)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("incremental", [False, True])
+def test_same_result_as_apply_of_decode(seed: int, incremental: bool) -> None:
+    a, b = _views(seed)
+    blob = encode_views(a, b)
+    x, y = a.copy(), a.copy()
+    apply(x, decode(blob, x), incremental=incremental)
+    apply_encoded(y, blob, incremental=incremental)
+    assert _same_words(x, b) and _same_words(y, b)
+    assert y.digest() == b.digest()
+    y.invalidate()
+    assert y.digest() == b.digest()
+
+
+def test_version_1_patches_go_through_the_decoder() -> None:
+    a, b = _views(2)
+    blob = encode(diff(a, b, digest="rp.blake3.v1"), a, version=1)
+    y = a.copy()
+    apply_encoded(y, blob)
+    assert _same_words(y, b)
+
+
+def test_wrong_base_is_refused_before_anything_is_written() -> None:
+    a, b = _views(3)
+    blob = encode_views(a, b)
+    c = b.copy()
+    with pytest.raises(BaseMismatchError):
+        apply_encoded(c, blob)
+    assert _same_words(c, b)
+
+
+def test_a_corrupt_later_chunk_leaves_every_word_in_place() -> None:
+    """The first chunks of a tensor decode and are written; a later one is corrupt: the
+    written chunks are put back (and so is every earlier tensor)."""
+    a, b = _views(4)
+    blob = encode_views(a, b)
+    header, payload = split_blob(blob)
+    e = next(t for t in header["tensors"] if t["name"] == "model.w")
+    body = bytearray(payload)
+    end = e["offset"] + e["length"]
+    body[end - 3] ^= 0x5A  # inside the last chunk's streams
+    bad = reseal(header, bytes(body))
+    for fn in (lambda v, blob: apply(v, decode(blob, v)), apply_encoded):
+        v = a.copy()
+        before = a.digest()
+        with pytest.raises(RollpatchError):
+            fn(v, bad)
+        assert _same_words(v, a)
+        v.invalidate()
+        assert v.digest() == before
+
+
+def test_a_flip_behind_the_digests_back_is_caught_by_the_full_check_only() -> None:
+    a, b = _views(5)
+    blob = encode_views(a, b)
+    p = decode(blob, a)
+    tp = p.tensors["model.w"]
+    assert tp.positions is not None
+    spot = int(np.setdiff1d(np.arange(1000), tp.positions)[0])
+    v = a.copy()
+    v["model.w"].data[spot] ^= 1  # memory changed, cached digests not
+    with pytest.raises(RollpatchError):
+        apply_encoded(v, blob)
+    assert v["model.w"].data[spot] == a["model.w"].data[spot] ^ 1  # nothing else written
+    w = a.copy()
+    w["model.w"].data[spot] ^= 1
+    apply_encoded(w, blob, incremental=True)  # O(change) digests cannot see it: the audit's job
+    w.invalidate()
+    assert w.digest() != b.digest()
+
+
+def test_encode_views_derives_the_new_digests_from_the_old_state_exactly() -> None:
+    """The encoder compares every word, so sum128(b) = sum128(a) + the change it summed over
+    the changed words; equal to a full re-hash of b for every kind."""
+    a, b = _views(6)
+    a.digest()
+    b.invalidate()
+    encode_views(a, b)
+    for name in b:
+        st = b.cached_sum_state(name)
+        if name in a and st is not None:
+            assert st == sum128(b[name].data), name

@@ -12,11 +12,12 @@ for every format; one table row per (size, lr, format, threads) aggregates them.
 
 **What is compared** (the same transition, the same process, the same thread count T):
 
-- *rollpatch native*: ``encode_views(a, b)`` — the fused one-pass native encoder; it hashes
-  the new view (rp.sum128, every byte) and holds the base view's digests from the previous
-  step, as a publisher does. Decode+apply: ``apply(view, decode(blob, view))`` — the native
-  one-pass decoder, then the in-place scatter that checks every old element, then a re-hash
-  (rp.sum128) of every touched tensor checked against its target digest, and the root.
+- *rollpatch native*: ``encode_views(a, b)`` — the fused one-pass native encoder; it holds
+  the base view's digests from the previous step, as a publisher does, and derives the new
+  view's rp.sum128 from them plus the change of the words it found changed (it compared
+  every word). Decode+apply: ``apply_encoded(view, blob)`` — each chunk decoded and written
+  in place in one pass, then a re-hash (rp.sum128) of every touched tensor checked against
+  its target digest, and the root; "rp inc": the same with O(change) digest updates.
 - *rollpatch numpy*: the executable reference (``rollpatch.native.core`` off): ``diff`` +
   ``encode`` and ``decode`` + ``apply`` in numpy; same bytes (checked). Timed at sizes below
   ``--numpy-max`` only (it is the slow reference; "-" above).
@@ -67,7 +68,7 @@ from rollpatch import native
 from rollpatch.analysis.bounds import BoundAccumulator
 from rollpatch.errors import PatchError
 from rollpatch.formats import cast_view
-from rollpatch.patch import apply, decode, diff, encode, encode_views
+from rollpatch.patch import apply, apply_encoded, decode, diff, encode, encode_views
 from rollpatch.sim import AdamSim, SimConfig
 from rollpatch.view import View
 
@@ -75,7 +76,7 @@ DEFAULT_FORMATS = "bf16,fp8-e4m3-block128,nvfp4"
 ONE_RUN_ABOVE = 1 << 30     # views larger than this are timed once
 
 
-METHODS = ("native", "numpy", "xor1", "xor3", "memcpy")
+METHODS = ("native", "inc", "numpy", "xor1", "xor3", "memcpy")
 
 
 @dataclass
@@ -166,16 +167,20 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
             rss0 = current_rss()
             t_enc, blob = best_of(enc, reps)
             extra = max(0, peak_rss() - rss0)
-            t_dec = math.inf
+            t_dec = t_inc = math.inf
             for _ in range(reps):
-                _restore(work, a)
-                t, _ = best_of(lambda: apply(work, decode(blob, work)), 1)  # noqa: B023
-                t_dec = min(t_dec, t)
-                _check_equal(work, b, "rollpatch native")
-                if work.digest() != b.digest():
-                    raise RoundTripError("rollpatch: root digest differs after apply")
-                if big:
-                    apply(work, decode(inverse, work))
+                for inc in (False, True):
+                    _restore(work, a)
+                    t, _ = best_of(lambda: apply_encoded(work, blob, incremental=inc), 1)  # noqa: B023
+                    if inc:
+                        t_inc = min(t_inc, t)
+                    else:
+                        t_dec = min(t_dec, t)
+                    _check_equal(work, b, "rollpatch native")
+                    if work.digest() != b.digest():
+                        raise RoundTripError("rollpatch: root digest differs after apply")
+                    if big:
+                        apply_encoded(work, inverse)
             t_nenc = t_ndec = math.nan
             if numpy_ref:
                 core, native.core = native.core, None
@@ -212,7 +217,8 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
         row.patch_bytes += len(blob)
         row.xor1_bytes += xs[1][2]
         row.xor3_bytes += xs[3][2]
-        for m, e, d in (("native", t_enc, t_dec), ("numpy", t_nenc, t_ndec),
+        for m, e, d in (("native", t_enc, t_dec), ("inc", math.nan, t_inc),
+                        ("numpy", t_nenc, t_ndec),
                         ("xor1", xs[1][0], xs[1][1]), ("xor3", xs[3][0], xs[3][1]),
                         ("memcpy", t_mc, t_mc)):
             row.enc_s[m] += e
@@ -222,7 +228,8 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
                              "xor1_bytes": xs[1][2], "xor3_bytes": xs[3][2],
                              "enc_s": {"native": t_enc, "numpy": t_nenc, "xor1": xs[1][0],
                                        "xor3": xs[3][0]},
-                             "dec_s": {"native": t_dec, "numpy": t_ndec, "xor1": xs[1][1],
+                             "dec_s": {"native": t_dec, "inc": t_inc, "numpy": t_ndec,
+                                       "xor1": xs[1][1],
                                        "xor3": xs[3][1]},
                              "memcpy_s": t_mc, "enc_extra_bytes": extra})
     n, k, whole = bound_bits(a, b)
@@ -281,8 +288,8 @@ def _x(a: float, b: float) -> str:
 
 def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, float]) -> str:
     headers = ["size", "lr", "format", "T", "view", "chg %", "patch %", "/bound", "xor1 x",
-               "enc ms: rp", "numpy", "xor1", "xor3", "rp/xor1", "dec+ap ms: rp", "numpy",
-               "xor1", "xor3", "rp/xor1", "memcpy ms", "enc mem"]
+               "enc ms: rp", "numpy", "xor1", "xor3", "rp/xor1", "dec+ap ms: rp", "rp inc",
+               "numpy", "xor1", "xor3", "rp/xor1", "inc/xor1", "memcpy ms", "enc mem"]
     body = []
     for r in rows:
         n = r.transitions
@@ -295,11 +302,12 @@ def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, fl
             f"{r.xor1_bytes / r.patch_bytes:.2f}",
             _ms(e["native"], n), _ms(e["numpy"], n), _ms(e["xor1"], n), _ms(e["xor3"], n),
             _x(e["native"], e["xor1"]),
-            _ms(d["native"], n), _ms(d["numpy"], n), _ms(d["xor1"], n), _ms(d["xor3"], n),
-            _x(d["native"], d["xor1"]), _ms(e["memcpy"], n),
+            _ms(d["native"], n), _ms(d["inc"], n), _ms(d["numpy"], n), _ms(d["xor1"], n),
+            _ms(d["xor3"], n), _x(d["native"], d["xor1"]), _x(d["inc"], d["xor1"]),
+            _ms(e["memcpy"], n),
             f"{r.enc_extra / (r.patch_bytes / n):.1f}x",
         ])
-    right = [False, True, False] + [True] * 18
+    right = [False, True, False] + [True] * 20
     n_steps = sorted({r.transitions for r in rows})
     foot = [
         "",
@@ -311,12 +319,15 @@ def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, fl
         "patch %  rollpatch patch bytes (format 2, header included) / view bytes",
         "/bound   patch bits / i.i.d. bound n*H(k/n) + k*H(d) over the whole view",
         "xor1 x   XOR+zstd-1 bytes / rollpatch bytes",
-        ("enc ms   per transition: rp = native encode_views (hashes the new view); numpy = "
-         "reference diff+encode;"),
+        ("enc ms   per transition: rp = native encode_views (compares every word; the new "
+         "view's sum128 = the old's + the change); numpy = reference diff+encode;"),
         ("         xor1/xor3 = XOR + zstd-1/-3 + xxh3-128 of the new tensor (Stitch's "
          "method); rp/xor1 = the ratio"),
-        ("dec+ap   decode + apply with every check (rollpatch: old elements, target and root "
-         "digests; XOR: xxh3-128)"),
+        ("dec+ap   decode + apply with every check (rollpatch: apply_encoded, one pass per chunk; "
+         "base, target and root digests, the touched tensors re-hashed; XOR: xxh3-128)"),
+        ("rp inc   the same with O(change) digests: sum128(new) = sum128(old) + the change of "
+         "the written words (exact for what the patch wrote; blind to bits flipped behind the "
+         "view's back, which the engines' background audit catches: docs/engines.md)"),
         "memcpy   copying the view with T threads (the physical yardstick)",
         ("enc mem  peak RSS growth during the native encode / patch bytes (the two views are "
          "resident before)"),

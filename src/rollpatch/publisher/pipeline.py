@@ -13,12 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .. import native
 from ..board import Board
 from ..errors import BoardError, PatchError
 from ..formats import cast_view
 from ..io import view_to_bytes
 from ..manifest import KeyframeObject, Manifest, PatchObject
-from ..patch import Patch, compose, diff, encode
+from ..patch import Patch, compose, diff, encode, encode_views, inspect
 from ..patch.ops import scatter
 from ..types import ObjectRef
 from ..view import Tensor, View, root_digest
@@ -91,14 +92,24 @@ class ShardPipeline:
         res.timings["cast_s"] = _lap(t)
         t = time.perf_counter()
         prev = self._base_view(view)
-        step = None if prev is None else diff(prev, view)
-        res.timings["diff_s"] = _lap(t)
-        t = time.perf_counter()
         blobs: list[tuple[int | None, str, bytes]] = []
-        if step is not None and prev is not None and self.prev_version is not None:
-            blob = encode(self._with_meta(step, self.prev_version, version), prev)
+        step: Patch | None = None
+        if prev is not None and self.prev_version is not None and not cfg.skip_strides \
+                and native.core is not None:
+            # no skip patch to compose: one fused pass, no decoded patch held
+            res.timings["diff_s"] = _lap(t)
+            t = time.perf_counter()
+            blob = encode_views(prev, view, meta=self._meta(self.prev_version, version))
             blobs.append((self.prev_version, "rpatch", blob))
-            res.patch_bytes, res.changed = len(blob), step.n_changed
+            res.patch_bytes, res.changed = len(blob), inspect(blob).n_changed
+        else:
+            step = None if prev is None else diff(prev, view)
+            res.timings["diff_s"] = _lap(t)
+            t = time.perf_counter()
+            if step is not None and prev is not None and self.prev_version is not None:
+                blob = encode(self._with_meta(step, self.prev_version, version), prev)
+                blobs.append((self.prev_version, "rpatch", blob))
+                res.patch_bytes, res.changed = len(blob), step.n_changed
         res.accumulators, skips = self._advance_accumulators(version, step)
         for skip_base, composed in skips:
             skip_blob = self._skip_blob(composed, view, skip_base, version)
@@ -136,9 +147,11 @@ class ShardPipeline:
         prev: View = self.prev
         return View({k: prev[k] for k in view if k in prev}, prev.metadata)
 
+    def _meta(self, base: int, version: int) -> dict[str, str]:
+        return {"run": self.run, "from": str(base), "to": str(version), "shard": str(self.shard)}
+
     def _with_meta(self, p: Patch, base: int, version: int) -> Patch:
-        meta = {"run": self.run, "from": str(base), "to": str(version), "shard": str(self.shard)}
-        return Patch(p.base, p.target, p.tensors, meta)
+        return Patch(p.base, p.target, p.tensors, self._meta(base, version))
 
     def _advance_accumulators(self, version: int, step: Patch | None
                               ) -> tuple[Accumulators, list[tuple[int, Patch]]]:

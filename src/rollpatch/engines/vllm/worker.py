@@ -18,7 +18,9 @@ type checker) it does nothing. Every method returns a JSON-able dict (``ok`` plu
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,10 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, RollpatchError
+from ...errors import BaseMismatchError, EngineError, ManifestError, RollpatchError
 from ...io.safetensors import load_view, save_view
-from ...patch import decode, inspect
+from ...patch import Patch, compose, decode, inspect
+from ...patch.overlay import Overlay
 from ...view import View
+from ..staged import StagedUpdate
 from .layout import storage_offsets
 from .transfer import read_decoded
 from .weights import Access, RuntimeWeights
@@ -109,20 +113,41 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
         host = words(p).cpu().contiguous().numpy()
         return host.view(_WORDS[p.element_size()][1]).reshape(shape2(p))
 
-    def write(name: str, offsets: np.ndarray, values: np.ndarray) -> None:
+    def flat(name: str) -> tuple[np.ndarray, list[int]]:
+        a = views[name]
+        elem = [s // a.itemsize for s in a.strides]
+        span = 1 + sum((n - 1) * s for n, s in zip(a.shape, elem))
+        return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,)), elem
+
+    def prepare(name: str, offsets: np.ndarray) -> np.ndarray:
+        """CPU: storage offsets (stride-aware), computed before the pause."""
+        if not cpu:
+            return offsets
+        return storage_offsets(offsets, views[name].shape, flat(name)[1])
+
+    def device_index(p: Any, offsets: np.ndarray) -> tuple[Any, Any]:
+        r, c = np.divmod(offsets, shape2(p)[1])
+        return torch.from_numpy(r).to(p.device), torch.from_numpy(c).to(p.device)
+
+    def scatter(name: str, prepared: np.ndarray, values: np.ndarray) -> None:
         p = params[name]
-        signed = values.view(_WORDS[p.element_size()][0])
         if cpu:
-            a = views[name]
-            elem = [s // a.itemsize for s in a.strides]
-            span = 1 + sum((n - 1) * s for n, s in zip(a.shape, elem))
-            flat = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
-            flat[storage_offsets(offsets, a.shape, elem)] = values
+            flat(name)[0][prepared] = values
             return
+        signed = values.view(_WORDS[p.element_size()][0])
         w = words(p).view(shape2(p))  # a view (never a copy); indexing it is stride-aware
-        r, c = np.divmod(offsets, w.shape[1])
-        idx = (torch.from_numpy(r).to(p.device), torch.from_numpy(c).to(p.device))
-        w.index_put_(idx, torch.from_numpy(np.ascontiguousarray(signed)).to(p.device))
+        w.index_put_(device_index(p, prepared),
+                     torch.from_numpy(np.ascontiguousarray(signed)).to(p.device))
+
+    def read_at(name: str, prepared: np.ndarray) -> np.ndarray:
+        p = params[name]
+        if cpu:
+            return flat(name)[0][prepared]
+        got = words(p).view(shape2(p))[device_index(p, prepared)].cpu().numpy()
+        return got.view(_WORDS[p.element_size()][1])
+
+    def write(name: str, offsets: np.ndarray, values: np.ndarray) -> None:
+        scatter(name, prepare(name, offsets), values)
 
     def write_block(name: str, index: tuple[slice, slice], block: np.ndarray) -> None:
         p = params[name]
@@ -148,7 +173,8 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
         return [c.cpu().numpy().view(local.dtype).reshape(local.shape)
                 for c in out.chunk(tp)]
 
-    return Access(read, write, write_block, repack, gather if tp > 1 else None, aliases=cpu)
+    return Access(read, write, write_block, repack, gather if tp > 1 else None, aliases=cpu,
+                  prepare=prepare, scatter=scatter, read_at=read_at)
 
 
 def weights_of(model: Any) -> RuntimeWeights:
@@ -169,16 +195,129 @@ def weights_of(model: Any) -> RuntimeWeights:
     return state
 
 
-def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
-    blob = Path(path).read_bytes()
-    header = inspect(blob)  # the container and header, validated; no payload touched yet
-    if w.root() != header.base:  # decoding against another base would read wrong contexts
+_MAX_STEPS = 4096
+_MAX_JOBS = 8
+
+
+def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
+    """Decode a chain of steps against the held words and compose it (step *k* is decoded
+    against an :class:`Overlay` of the words and steps 1..k-1: a tensor copy at a time)."""
+    if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts
         raise BaseMismatchError("engine root digest is not the patch's base",
-                                expected=header.base[:16], actual=w.root()[:16],
+                                expected=str(steps[0]["base"])[:16], actual=w.root()[:16],
                                 hint="the engine is on another version; plan a new path")
-    names = sorted(e["name"] for e in header.tensors)
-    source = View({n: w[n] for n in names if n in w})  # read in order: a collective at TP > 1
-    return {"digests": w.commit(decode(blob, source, check_base=False)), "root": w.root()}
+    patch: Patch | None = None
+    for step in steps:
+        parts = [Path(p).read_bytes() for p in step["paths"]]
+        names = sorted({e["name"] for blob in parts for e in inspect(blob).tensors})
+        base: Any = w if patch is None else Overlay(w, patch)
+        if w.tp > 1:  # reading a tensor is a collective: read them in one order on every rank
+            base = View({n: base[n] for n in names if n in base})
+        tensors: dict[str, Any] = {}
+        digest = None
+        for blob in parts:
+            part = decode(blob, base, check_base=False)
+            if len(parts) == 1 and (part.base, part.target) != (step["base"], step["target"]):
+                raise ManifestError("patch object binds other digests than its step")
+            if tensors.keys() & part.tensors.keys():
+                raise ManifestError("patch shards overlap")
+            tensors.update(part.tensors)
+            digest = part.digest
+        one = Patch(step["base"], step["target"], tensors, digest=digest or "rp.sum128.v1")
+        patch = one if patch is None else compose(patch, one)
+    assert patch is not None
+    return patch
+
+
+def _read_spec(path: str) -> tuple[str, list[dict[str, Any]]]:
+    try:
+        spec = json.loads(Path(path).read_text())
+        token, steps = spec["token"], spec["steps"]
+        ok = (isinstance(token, str) and 0 < len(token) <= 64 and isinstance(steps, list)
+              and 0 < len(steps) <= _MAX_STEPS
+              and all(isinstance(st, dict) and isinstance(st.get("base"), str)
+                      and isinstance(st.get("target"), str) and isinstance(st.get("paths"), list)
+                      and 0 < len(st["paths"]) <= _MAX_STEPS
+                      and all(isinstance(p, str) for p in st["paths"]) for st in steps))
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise EngineError("invalid staging request", path=path)
+    return token, steps
+
+
+class _Job:
+    """One staging run; in a thread at TP = 1 (the engine keeps serving), inline otherwise."""
+
+    def __init__(self, w: RuntimeWeights, steps: list[dict[str, Any]]) -> None:
+        self.staged: StagedUpdate | None = None
+        self.error: dict[str, Any] | None = None
+        self.ms = 0.0
+        self.done = threading.Event()
+        self._w, self._steps = w, steps
+
+    def run(self) -> None:
+        res = run_op_on(self._w, lambda w: self._stage(w))
+        self.ms = res["ms"]
+        if not res["ok"]:
+            self.error = res["error"]
+        self.done.set()
+
+    def _stage(self, w: RuntimeWeights) -> dict[str, Any]:
+        self.staged = w.stage(_chain(w, self._steps))
+        return {}
+
+
+def _stage(w: RuntimeWeights, path: str) -> dict[str, Any]:
+    token, steps = _read_spec(path)
+    while len(w.jobs) >= _MAX_JOBS:
+        w.jobs.pop(next(iter(w.jobs)))
+    job = w.jobs[token] = _Job(w, steps)
+    if w.tp > 1:
+        job.run()
+    else:
+        threading.Thread(target=job.run, daemon=True, name="rollpatch-stage").start()
+    return {"token": token, "background": w.tp == 1}
+
+
+def _job(w: RuntimeWeights, token: str) -> _Job:
+    job = w.jobs.get(token)
+    if job is None:
+        raise EngineError("no staged update with this token", token=token)
+    return job
+
+
+def _staged(w: RuntimeWeights, token: str) -> dict[str, Any]:
+    job = _job(w, token)
+    if not job.done.is_set():
+        return {"state": "staging"}
+    if job.error is not None:
+        w.jobs.pop(token, None)
+        return {"state": "failed", "failure": job.error}
+    st = job.staged
+    assert st is not None
+    return {"state": "ready", "base": st.base, "target": st.target, "changed": st.changed,
+            "nbytes": st.nbytes, "digests": st.digests, "stage_ms": job.ms}
+
+
+def _commit(w: RuntimeWeights, token: str) -> dict[str, Any]:
+    job = _job(w, token)
+    if not job.done.is_set() or job.staged is None:
+        raise EngineError("the update is not staged", token=token)
+    w.jobs.pop(token, None)
+    return {"digests": w.commit_staged(job.staged), "root": w.root()}
+
+
+def _audit(w: RuntimeWeights, budget: str) -> dict[str, Any]:
+    r = w.audit(int(budget))
+    return {"tensors": r.tensors, "bytes": r.nbytes, "mismatched": list(r.mismatched),
+            "wrapped": r.wrapped, "tainted": w.tainted}
+
+
+def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
+    header = inspect(Path(path).read_bytes())
+    patch = _chain(w, [{"base": header.base, "target": header.target, "paths": [path]}])
+    return {"digests": w.commit(patch), "root": w.root()}
 
 
 def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:
@@ -190,9 +329,15 @@ def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:
 
 _OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
     "apply_encoded": lambda w, path, _: _apply_encoded(w, path),
+    "stage": lambda w, path, _: _stage(w, path),
+    "staged": lambda w, token, _: _staged(w, token),
+    "commit": lambda w, token, _: _commit(w, token),
+    "discard": lambda w, token, _: {"discarded": w.jobs.pop(token, None) is not None},
+    "audit": lambda w, budget, _: _audit(w, budget),
     "apply": lambda w, path, _: {"digests": w.commit(read_decoded(path)), "root": w.root()},
     "load": lambda w, path, _: {"root": w.load(load_view(path, mmap=True))},
-    "digest": lambda w, fresh, _: {"digests": w.digests(fresh=fresh == "1"), "root": w.root()},
+    "digest": lambda w, fresh, _: {"digests": w.digests(fresh=fresh == "1"), "root": w.root(),
+                                   "tainted": w.tainted},
     "export": lambda w, name, path: _export(w, name, path),
     "info": lambda w, _a, _b: {"rank": w.rank, "tp": w.tp, "aliases": w.access.aliases,
                                "tensors": {n: [w.kind_of(n).name, list(w.placement(n).shape)]
@@ -202,12 +347,21 @@ _OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
 
 def run_op(model: Any, op: str, arg: str = "", arg2: str = "") -> dict[str, Any]:
     """Run one extension operation; never raises (errors become ``{"ok": False, ...}``)."""
+    fn = _OPS.get(op)
+    if fn is None:
+        return run_op_on(None, lambda _: _unknown(op))
+    return run_op_on(None, lambda _: fn(weights_of(model), arg, arg2))
+
+
+def _unknown(op: str) -> dict[str, Any]:
+    raise EngineError(f"unknown rollpatch operation {op!r}", known=",".join(sorted(_OPS)))
+
+
+def run_op_on(w: Any, fn: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``fn(w)`` as a JSON-able result: ``ok`` plus its dict, or ``error``; with ``ms``."""
     t0 = time.perf_counter()
     try:
-        fn = _OPS.get(op)
-        if fn is None:
-            raise EngineError(f"unknown rollpatch operation {op!r}", known=",".join(sorted(_OPS)))
-        out = {"ok": True, **fn(weights_of(model), arg, arg2)}
+        out = {"ok": True, **fn(w)}
     except RollpatchError as err:
         out = {"ok": False, "error": {"type": type(err).__name__, "message": err.message,
                                       "hint": err.hint, "context": _jsonable(err.context)}}
@@ -248,6 +402,27 @@ class WorkerExtension:
     def rollpatch_apply_encoded(self, path: str) -> dict[str, Any]:
         """Decode the wire-format patch at ``path`` against the held words, commit it."""
         return run_op(self.get_model(), "apply_encoded", path)  # type: ignore[attr-defined]
+
+    def rollpatch_stage(self, path: str) -> dict[str, Any]:
+        """Start staging the steps named by the JSON spec at ``path`` (decode, compose, prove,
+        lay out per runtime parameter) in a background thread; poll :meth:`rollpatch_staged`."""
+        return run_op(self.get_model(), "stage", path)  # type: ignore[attr-defined]
+
+    def rollpatch_staged(self, token: str) -> dict[str, Any]:
+        """``state``: ``staging``, ``ready`` (with the proven target digests) or ``failed``."""
+        return run_op(self.get_model(), "staged", token)  # type: ignore[attr-defined]
+
+    def rollpatch_commit(self, token: str) -> dict[str, Any]:
+        """Write the staged update ``token`` (under the caller's pause): writes and read-back."""
+        return run_op(self.get_model(), "commit", token)  # type: ignore[attr-defined]
+
+    def rollpatch_discard(self, token: str) -> dict[str, Any]:
+        """Forget a staged update."""
+        return run_op(self.get_model(), "discard", token)  # type: ignore[attr-defined]
+
+    def rollpatch_audit(self, budget: str) -> dict[str, Any]:
+        """Re-hash up to ``budget`` bytes of live weights against the held digests."""
+        return run_op(self.get_model(), "audit", budget)  # type: ignore[attr-defined]
 
     def rollpatch_apply(self, path: str) -> dict[str, Any]:
         """Commit the decoded patch at ``path`` (:mod:`.transfer` format)."""

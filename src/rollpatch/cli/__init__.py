@@ -20,14 +20,14 @@ EXIT_SIGPIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar
+    from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar, trust
 
     parser = argparse.ArgumentParser(
         prog="rollpatch",
         description="Lossless patches over engine-visible weights for RL rollout fleets.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, demo):
+    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, demo, trust):
         module.register(sub)
     return parser
 

@@ -51,8 +51,6 @@ class FollowerConfig:
     backoff_s: float = 0.2
     #: Seconds one object may take to arrive and verify, all retries included (> 0).
     timeout_s: float = 60.0
-    #: HMAC key: when set, every manifest a plan uses must carry a valid signature.
-    verify_signature_key: bytes | None = None
     #: Refuse plans that would fetch more than this many bytes (None: no limit).
     max_stage_bytes: int | None = None
     #: Background audit (follower/audit.py): live bytes re-hashed per second while the engine
@@ -67,10 +65,6 @@ class FollowerConfig:
         _integer("retries", self.retries, 0, 100)
         _number("backoff_s", self.backoff_s, 0.0, 3600.0)
         _number("timeout_s", self.timeout_s, 0.0, 86400.0, lo_open=True)
-        key = self.verify_signature_key
-        if key is not None and (not isinstance(key, bytes) or not key):
-            raise ConfigError("FollowerConfig.verify_signature_key must be non-empty bytes "
-                              "or None", field="verify_signature_key")
         if self.max_stage_bytes is not None:
             _integer("max_stage_bytes", self.max_stage_bytes, 1, 1 << 60)
         if self.audit_bytes_per_s is not None:

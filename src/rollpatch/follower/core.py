@@ -27,6 +27,7 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..manifest import Manifest
+from ..trust import Trust, warn_unverified
 from ..types import ObjectRef, check_run
 from .audit import Auditor
 from .commit import CommitGate
@@ -62,9 +63,15 @@ class Follower:
     """
 
     def __init__(self, board: str | Board, run: str, engine: EngineAdapter,
-                 config: FollowerConfig | None = None, *, gate: CommitGate | None = None
-                 ) -> None:
-        self.board = Board(board) if isinstance(board, str) else board
+                 config: FollowerConfig | None = None, *, gate: CommitGate | None = None,
+                 trust: Trust | None = None) -> None:
+        # trust: verifies what is read (default: the board's own, if any; without one,
+        # unsigned boards are accepted and one warning line says so; docs/trust.md)
+        self.board = Board(board, trust=trust) if isinstance(board, str) else board
+        if trust is not None and self.board.trust is not trust:
+            self.board = Board(self.board.store, trust=trust)
+        if self.board.trust is None:
+            warn_unverified(f"follower of {run!r}")
         self.run = check_run(run)
         self.engine = engine
         self.config = config if config is not None else FollowerConfig()
@@ -93,7 +100,8 @@ class Follower:
         self._timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
         # LATEST, manifests and plans are read through a board whose store retries each read
-        self._reader = Board(RetryingStore(self.board.store, self._retrier))
+        self._reader = Board(RetryingStore(self.board.store, self._retrier),
+                             trust=self.board.trust)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -251,8 +259,9 @@ class Follower:
                 [EncodedStep(tuple(encoded_step(manifests[s.to], manifests[s.base], blobs)),
                              manifests[s.base].target, manifests[s.to].target)
                  for s in plan.steps if s.base is not None], want)
-        stage = Stage(self.engine.words() if have is not None else None)
+        stage = Stage(None)
         if staged is None:
+            stage = Stage(self.engine.words() if have is not None else None)
             for step in plan.steps:
                 if step.base is None:
                     stage.keyframe(manifests[step.to], blobs)
@@ -324,10 +333,7 @@ class Follower:
         return None if p is None else p.version
 
     def _manifest(self, n: int) -> Manifest:
-        m = self._reader.manifest(self.run, n)
-        if self.config.verify_signature_key is not None:
-            m.verify_signature(self.config.verify_signature_key)
-        return m
+        return self._reader.manifest(self.run, n)
 
     # -- background loop -----------------------------------------------------------------------
 

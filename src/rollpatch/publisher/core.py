@@ -70,6 +70,9 @@ class Publisher:
         if not isinstance(self.config, PublisherConfig):
             raise ConfigError("config must be a PublisherConfig")
         self.board = board if isinstance(board, Board) else Board(board)
+        if self.config.signer is not None and self.board.signer is not self.config.signer:
+            # the publisher signs through its own view of the store; ``board`` is not changed
+            self.board = Board(self.board.store, signer=self.config.signer)
         self.run = check_run(run)
         self._x = open_exchange(group, sharded)
         self._cond = threading.Condition()
@@ -324,8 +327,9 @@ class Publisher:
         try:
             if self._resume_from is not None and self._pipe.prev is None:
                 t = time.perf_counter()
+                signer = self.config.signer
                 whole = reconstruct(self.board, self.run, self._resume_from,
-                                    signing_key=self.config.signing_key)
+                                    trust=None if signer is None else signer.self_trust())
                 self._pipe.resume(self._resume_from, whole)
                 resume_s = time.perf_counter() - t
             res = self._pipe.build(n, snap.masters, keyframe=keyframe)

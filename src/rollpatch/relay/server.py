@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..errors import ConfigError, NotFoundError, RollpatchError, TransientStoreError
 from ..serving import ServeOptions, ServerHandle, serve_app
 from ..store import Store, open_store, validate_key, validate_prefix
+from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
 from .core import Blob, Relay
@@ -240,15 +241,16 @@ class RelayServer:
         server.stop()
 
     ``options`` adds TLS (``https://`` URL), a bearer token on reads (``/v1/``) and the
-    slow-client bounds (:class:`~rollpatch.serving.ServeOptions`).
+    slow-client bounds (:class:`~rollpatch.serving.ServeOptions`). ``trust`` makes the relay
+    verify manifests, LATEST and roots before it caches or serves them (docs/trust.md).
     """
 
     def __init__(self, board: Store | str, config: RelayConfig, *, host: str = "127.0.0.1",
                  port: int = 0, log_level: str = "warning", access_log: bool = False,
-                 options: ServeOptions | None = None) -> None:
+                 options: ServeOptions | None = None, trust: Trust | None = None) -> None:
         self._owns_store = isinstance(board, str)
         upstream = open_store(board) if isinstance(board, str) else board
-        self.relay = Relay(upstream, config)
+        self.relay = Relay(upstream, config, trust=trust)
         self.host = host
         self.port = port
         self.options = options or ServeOptions()

@@ -7,6 +7,7 @@ import os
 import select
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ..errors import RollpatchError
 
@@ -19,10 +20,17 @@ EXIT_REFUSED = 2
 EXIT_SIGPIPE = 141
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``rollpatch CMD: error: ...``), exit 2, like every refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_REFUSED, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar, trust
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rollpatch",
         description="Lossless patches over engine-visible weights for RL rollout fleets.")
     parser.add_argument("--version", action="version", version=_version())

@@ -129,11 +129,12 @@ def verify_next_root(trusted: Root, raw: bytes) -> Root:
     if root.version != trusted.version + 1:
         raise TrustError("root version does not follow the trusted root", reason="root",
                          trusted=trusted.version, got=root.version)
-    try:
-        verify_threshold(env, trusted.keys, trusted.threshold, signed_by="previous root")
-        verify_threshold(env, root.keys, root.threshold, signed_by="its own keys")
-    except TrustError as e:
-        raise TrustError(f"root {root.version} refused: {e.message}", reason="root",
-                         hint="a new root must be signed by the previous root's keys and its "
-                              "own") from None
+    hint = "a new root must be signed by the previous root's threshold and its own"
+    for keys, threshold, whose in ((trusted.keys, trusted.threshold, "the previous root's"),
+                                   (root.keys, root.threshold, "its own")):
+        try:
+            verify_threshold(env, keys, threshold)
+        except TrustError as e:
+            raise TrustError(f"root {root.version} is not signed by {whose} keys: {e.message}",
+                             reason="root", hint=hint) from None
     return root

@@ -375,3 +375,23 @@ def test_seal_needs_a_key_and_signer_hides_secrets() -> None:
         Signer(keys=(k,), latest_ttl_s=0)
     with pytest.raises(ConfigError, match="twice"):
         Signer(keys=(k, k))
+
+
+def test_an_idle_signing_publisher_keeps_latest_fresh(tmp_path: Path) -> None:
+    """The publisher re-signs LATEST between versions; a follower never sees it expire."""
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    pub = Pub(0, ttl=1.0)
+    masters = {"w": np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)}
+    with Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer),
+                   asynchronous=False) as p:
+        assert p.publish(masters) == 0
+        f = _follower(pub, pub.trust(tmp_path))
+        assert f.sync() == 0
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # three lifetimes of LATEST, nothing published
+            assert f.sync() == 0
+            time.sleep(0.1)
+    time.sleep(1.2)  # closed: nobody re-signs, and the pointer goes stale
+    with pytest.raises(TrustError, match="expired"):
+        f.sync()

@@ -25,6 +25,7 @@ from ..errors import BoardError, ConfigError
 from ..io.checkpoint import to_numpy
 from ..types import MAX_VERSION, check_run
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
+from .heartbeat import LatestHeartbeat
 from .pipeline import ShardPipeline, ShardResult, assemble_manifest
 from .reconstruct import reconstruct
 from .rounds import Snapshot, agree, resume_point
@@ -92,6 +93,11 @@ class Publisher:
         self._on_device: bool | None = {"host": False, "device": True}.get(self.config.diff_on)
         if self._on_device:
             self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
+        self._heartbeat: LatestHeartbeat | None = None
+        signer = self.config.signer
+        if signer is not None and self._x.rank == 0:
+            self._heartbeat = LatestHeartbeat(self.board, self.run, self._durable,
+                                              signer.latest_ttl_s / 4)
         self._worker: threading.Thread | None = None
         if asynchronous:
             self._worker = threading.Thread(target=self._work, daemon=True,
@@ -189,6 +195,8 @@ class Publisher:
             self._cond.notify_all()
         if self._worker is not None:
             self._worker.join()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         with self._cond:
             self._closed = True
             if self._error is not None and not self._error_reported:
@@ -202,6 +210,10 @@ class Publisher:
         self.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _durable(self) -> int | None:
+        with self._cond:
+            return self._last_durable
 
     def _check_usable(self) -> None:
         with self._cond:

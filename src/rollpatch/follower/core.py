@@ -259,8 +259,9 @@ class Follower:
                 [EncodedStep(tuple(encoded_step(manifests[s.to], manifests[s.base], blobs)),
                              manifests[s.base].target, manifests[s.to].target)
                  for s in plan.steps if s.base is not None], want)
-        stage = Stage(self.engine.words() if have is not None else None)
+        stage = Stage(None)
         if staged is None:
+            stage = Stage(self.engine.words() if have is not None else None)
             for step in plan.steps:
                 if step.base is None:
                     stage.keyframe(manifests[step.to], blobs)

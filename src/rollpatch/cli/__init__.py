@@ -28,6 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..netem import cli as netem
     from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar, trust
 
     parser = _Parser(
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless patches over engine-visible weights for RL rollout fleets.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, demo, trust):
+    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, netem, demo,
+                   trust):
         module.register(sub)
     return parser
 

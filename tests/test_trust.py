@@ -395,3 +395,22 @@ def test_an_idle_signing_publisher_keeps_latest_fresh(tmp_path: Path) -> None:
     time.sleep(1.2)  # closed: nobody re-signs, and the pointer goes stale
     with pytest.raises(TrustError, match="expired"):
         f.sync()
+
+
+def test_a_squatted_version_and_a_forged_latest_do_not_stop_the_publisher(tmp_path: Path
+                                                                          ) -> None:
+    """An attacker takes the next version number and moves LATEST far ahead (own key): the
+    signing publisher replaces both, and the follower goes from refusing to the honest one."""
+    pub = Pub(2)
+    f = _follower(pub, pub.trust(tmp_path))
+    assert f.sync() == 1
+    mallory = Board(pub.store, signer=Signer(keys=(SigningKey.generate(),)))
+    pub.publish(2, board=mallory)
+    _put(pub, pointer_key(RUN), encode_latest(
+        Pointer(RUN, 10**9, version_key(RUN, 10**9), "f" * 64), mallory.signer, time.time()))
+    _refused(f, "bad_signature")
+    honest = pub.publish(2)  # the honest publisher's own version 2
+    assert pub.board.signer is not None
+    assert pub.board.signer.signed(pub.store.get(version_key(RUN, 2)), MANIFEST_TYPE)
+    assert pub.board.latest(RUN) is not None and pub.board.latest(RUN).version == 2
+    assert f.sync() == 2 and f.engine.digest == honest.target

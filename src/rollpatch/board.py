@@ -20,6 +20,7 @@ given a :class:`~rollpatch.trust.Signer` writes signed manifests and LATEST (doc
 from __future__ import annotations
 
 import heapq
+import logging
 import re
 import threading
 import time
@@ -41,13 +42,22 @@ from .errors import (
 from .latest import MAX_POINTER_BYTES, encode_latest, read_latest
 from .manifest import MAX_ENVELOPE_BYTES, MAX_MANIFEST_DEPTH, Manifest, open_manifest
 from .store import Store, open_store
-from .trust import Root, Signer, Trust, looks_like_envelope, verify_initial_root
+from .trust import (
+    LATEST_TYPE,
+    MANIFEST_TYPE,
+    Root,
+    Signer,
+    Trust,
+    looks_like_envelope,
+    verify_initial_root,
+)
 from .types import MAX_VERSION, ObjectRef, Pointer, check_run, pointer_may_advance
 
 __all__ = ["MAX_POINTER_BYTES", "Board", "Plan", "PlanStep", "pointer_key", "root_key",
            "version_key"]
 
 _CAS_RETRIES = 64
+log = logging.getLogger("rollpatch.board")
 #: Default bound on the manifests one plan reads (the newest ones up to the wanted version).
 MAX_PLAN_VERSIONS = 10_000
 _VERSION_STEM = re.compile(r"[0-9]{1,16}")
@@ -253,7 +263,11 @@ class Board:
         return ref
 
     def put_manifest(self, m: Manifest) -> None:
-        """Publish a manifest (immutable). Idempotent for the identical manifest."""
+        """Publish a manifest (immutable). Idempotent for the identical manifest.
+
+        A signing board replaces what none of its keys signed at that key (an attacker who
+        can write to the store squatted the version number; verifying readers never cached
+        it), and logs that it did."""
         for ref in m.objects():
             info = self.store.head(ref.key)
             if info is None or info.size != ref.size:
@@ -264,7 +278,14 @@ class Board:
             self.store.put(version_key(m.run, m.version), raw)
         except AlreadyExistsError:
             there = self.store.get(version_key(m.run, m.version))
-            if there != raw and _payload(there, m) != m.to_bytes():
+            if there != raw and self.signer is not None \
+                    and not self.signer.signed(there, MANIFEST_TYPE):
+                log.warning("%s@%d: replacing a manifest none of the publisher's keys signed",
+                            m.run, m.version)
+                self.store.put(version_key(m.run, m.version), raw, if_absent=False)
+                with self._lock:
+                    self._cache.pop((m.run, m.version), None)
+            elif there != raw and _payload(there, m) != m.to_bytes():
                 raise AlreadyExistsError("version already published with other content",
                                          run=m.run, version=m.version,
                                          hint="versions are immutable; publish a new one")
@@ -286,7 +307,7 @@ class Board:
         new = Pointer(run, n, version_key(run, n), m.target)
         for _ in range(_CAS_RETRIES):
             raw = self._pointer_raw(run)
-            cur = None if raw is None else self._open_pointer(raw, run, None)[0]
+            cur = None if raw is None else self._own_pointer(raw, run)
             same = refresh and cur is not None and cur == new
             if not same and not pointer_may_advance(cur, new):
                 assert cur is not None
@@ -298,6 +319,20 @@ class Board:
             except ConflictError:
                 continue
         raise ConflictError("LATEST kept moving; gave up", run=run, version=n)
+
+    def _own_pointer(self, raw: bytes, run: str) -> Pointer | None:
+        """LATEST as a writer sees it: with a signer, a pointer none of its keys signed is
+        someone else's (a forgery, or garbage) and is replaced, so it cannot hold LATEST."""
+        try:
+            p = self._open_pointer(raw, run, None)[0]
+        except ManifestError:
+            if self.signer is None:
+                raise
+            return None
+        if self.signer is not None and not self.signer.signed(raw, LATEST_TYPE):
+            log.warning("%s: replacing a LATEST none of the publisher's keys signed", run)
+            return None
+        return p
 
     def _pointer_raw(self, run: str) -> bytes | None:
         try:

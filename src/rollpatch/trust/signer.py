@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
-from .envelope import PayloadType, seal
+from ..errors import ConfigError, RollpatchError
+from .envelope import PayloadType, load_envelope, seal, verify_threshold
 from .keys import PublicKey, SigningKey, read_signing_key
 from .root import Root, sign_root
 from .verifier import Trust
@@ -57,6 +57,15 @@ class Signer:
         what a resuming publisher builds on."""
         root = Root.new(self.public_keys, threshold=1)
         return Trust(sign_root(root, self.keys), follow_rotation=False)
+
+    def signed(self, raw: bytes, payload_type: PayloadType) -> bool:
+        """Whether ``raw`` is an envelope of ``payload_type`` one of these keys signed."""
+        try:
+            env = load_envelope(raw, expect=payload_type, max_bytes=1 << 26)
+            verify_threshold(env, {k.keyid: k for k in self.public_keys}, 1)
+        except RollpatchError:
+            return False
+        return True
 
     def seal(self, payload_type: PayloadType, payload: bytes) -> bytes:
         """The envelope bytes of ``payload`` signed by every key."""

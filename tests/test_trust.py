@@ -414,3 +414,60 @@ def test_a_squatted_version_and_a_forged_latest_do_not_stop_the_publisher(tmp_pa
     assert pub.board.signer.signed(pub.store.get(version_key(RUN, 2)), MANIFEST_TYPE)
     assert pub.board.latest(RUN) is not None and pub.board.latest(RUN).version == 2
     assert f.sync() == 2 and f.engine.digest == honest.target
+
+
+def _mutations(raw: bytes, rng: np.random.Generator, n: int) -> list[bytes]:
+    out = []
+    for _ in range(n):
+        b = bytearray(raw)
+        op = rng.integers(0, 5)
+        i = int(rng.integers(0, len(b)))
+        if op == 0:
+            b[i] ^= 1 << int(rng.integers(0, 8))
+        elif op == 1:
+            del b[i:i + int(rng.integers(1, 40))]
+        elif op == 2:
+            b[i:i] = bytes(rng.choice(list(b'[]{}",:\\0eE-+.\xff\xc3'), int(rng.integers(1, 8))))
+        elif op == 3:
+            b = b[:i]
+        else:
+            b[i:i] = b[int(rng.integers(0, len(b))):][:int(rng.integers(1, 60))]
+        out.append(bytes(b))
+    return out
+
+
+def test_mutated_envelopes_are_refused_cleanly_or_read_unchanged(tmp_path: Path) -> None:
+    """3,000 mutations of a signed manifest, LATEST and root: only typed rollpatch errors,
+    and nothing accepted that differs from what was signed."""
+    from rollpatch.errors import RollpatchError
+    from rollpatch.latest import read_latest
+    from rollpatch.manifest import open_manifest
+    from rollpatch.trust import verify_initial_root
+
+    pub = Pub(2)
+    trust = pub.trust()
+    rng = np.random.default_rng(11)
+    m_raw, p_raw = pub.store.get(version_key(RUN, 1)), pub.store.get(pointer_key(RUN))
+    m_good = open_manifest(m_raw, RUN, 1, trust)
+    p_good = read_latest(p_raw, RUN, trust)[0]
+    r_good = verify_initial_root(pub.root)
+    accepted = 0
+    for raw in _mutations(m_raw, rng, 1000):
+        try:
+            assert open_manifest(raw, RUN, 1, trust) == m_good
+            accepted += 1
+        except RollpatchError:
+            pass
+    for raw in _mutations(p_raw, rng, 1000):
+        try:
+            assert read_latest(raw, RUN, trust)[0] == p_good
+            accepted += 1
+        except RollpatchError:
+            pass
+    for raw in _mutations(pub.root, rng, 1000):
+        try:
+            assert verify_initial_root(raw) == r_good
+            accepted += 1
+        except RollpatchError:
+            pass
+    assert accepted < 300  # the few accepted ones are whitespace-like edits outside the payload

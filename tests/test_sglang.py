@@ -18,6 +18,7 @@ Without the venv the live tests are SKIPPED, loudly, saying how to build it.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -56,16 +57,15 @@ LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
 def test_command_payload_is_torchs_own_bytes() -> None:
     """The hand-written payload equals torch's ForkingPickler output for the same list."""
     torch = pytest.importorskip("torch")
+    import base64
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401 - registers torch's reductions
-
+    importlib.import_module("torch.multiprocessing")  # registers torch's reductions
     for cmd in ({"op": "start", "socket": "/tmp/x.sock"}, {"op": "commit", "token": "ab" * 8,
                                                            "reply": "/tmp/é/r.json"}):
         name = json.dumps(cmd, separators=(",", ":"), sort_keys=True)
         buf = io.BytesIO()
         ForkingPickler(buf, 2).dump([(name, torch.empty(0, dtype=torch.uint8))])
-        import base64
         assert base64.b64decode(command_payload(cmd)) == buf.getvalue()
 
 
@@ -139,7 +139,7 @@ def test_refusals_leave_the_words_untouched() -> None:
 
 
 def test_audit_finds_a_flipped_word() -> None:
-    w, params, ck = _held()
+    w, params, _ = _held()
     w.digests()
     assert not any(w.audit(1 << 30)["mismatched"])
     params["down_proj.weight"][3, 5] ^= 0x40
@@ -318,7 +318,7 @@ def test_bad_patches_are_refused_and_sglang_keeps_serving(server: vllm_env.Serve
         blob[len(blob) // 2] ^= 0x55  # corrupted in transit
         wrong_base = encode(diff(world.views[0], world.views[1]), world.views[0])
         tampered = diff(a, b)
-        name = sorted(tampered.tensors)[0]
+        name = min(tampered.tensors)
         tp = tampered.tensors[name]
         assert tp.new is not None
         tp.new[0] ^= np.uint16(0x8000)  # the decoded words are not the target's

@@ -471,3 +471,24 @@ def test_mutated_envelopes_are_refused_cleanly_or_read_unchanged(tmp_path: Path)
         except RollpatchError:
             pass
     assert accepted < 300  # the few accepted ones are whitespace-like edits outside the payload
+
+
+def test_publisher_warns_when_what_it_publishes_will_not_verify(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    pub = Pub(0)
+    masters = {"w": np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)}
+    other = Signer(keys=(SigningKey.generate(),))
+    for config, words in [(PublisherConfig(), "UNSIGNED"), (PublisherConfig(signer=other),
+                                                            "0 of this publisher's keys")]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rollpatch.publisher"):
+            Publisher(Board(pub.store), RUN, config, asynchronous=False).close()
+        assert any(words in r.getMessage() for r in caplog.records), caplog.records
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rollpatch.publisher"):
+        with Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer),
+                       asynchronous=False) as p:
+            p.publish(masters)
+    assert not caplog.records

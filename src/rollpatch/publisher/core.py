@@ -25,11 +25,11 @@ from ..errors import BoardError, ConfigError
 from ..io.checkpoint import to_numpy
 from ..types import MAX_VERSION, check_run
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
-from .heartbeat import LatestHeartbeat
 from .pipeline import ShardPipeline, ShardResult, assemble_manifest
 from .reconstruct import reconstruct
 from .rounds import Snapshot, agree, resume_point
 from .sharded import open_exchange
+from .signing import LatestHeartbeat, check_signing
 
 __all__ = ["Publisher", "snapshot_state"]
 
@@ -95,6 +95,8 @@ class Publisher:
             self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
         self._heartbeat: LatestHeartbeat | None = None
         signer = self.config.signer
+        if self._x.rank == 0:
+            check_signing(self.board, signer)
         if signer is not None and self._x.rank == 0:
             self._heartbeat = LatestHeartbeat(self.board, self.run, self._durable,
                                               signer.latest_ttl_s / 4)

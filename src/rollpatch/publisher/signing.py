@@ -1,4 +1,5 @@
-"""Re-signing LATEST while a signing publisher is idle, so followers can tell alive from frozen.
+"""The publisher's signing chores: a start-up check of its keys against the board's root, and
+re-signing LATEST while idle, so followers can tell alive from frozen (docs/trust.md).
 
 A signed LATEST expires ``signer.latest_ttl_s`` after it was signed (docs/trust.md). Between
 versions, a daemon thread re-signs the pointer for the version already there every
@@ -14,10 +15,39 @@ from collections.abc import Callable
 
 from ..board import Board
 from ..errors import RollpatchError
+from ..trust import Signer, verify_initial_root
 
-__all__ = ["LatestHeartbeat"]
+__all__ = ["LatestHeartbeat", "check_signing"]
 
 log = logging.getLogger("rollpatch.publisher")
+
+
+def check_signing(board: Board, signer: Signer | None) -> None:
+    """Warn (once, at start) when what is about to be published will not verify: an unsigned
+    publisher on a board that has a root of trust, or keys the board's newest root does not
+    list in threshold. Only a warning: the board is untrusted, so it must not stop publishing.
+    """
+    try:
+        roots = board.roots()
+        raw = board.root_raw(roots[-1]) if roots else None
+        root = None if raw is None else verify_initial_root(raw)
+    except RollpatchError as e:
+        log.warning("cannot read the board's root of trust: %s", e)
+        return
+    if root is None:
+        if signer is not None:
+            log.warning("signing, but the board has no root of trust yet: followers need one "
+                        "(`rollpatch root`) to verify")
+        return
+    if signer is None:
+        log.warning("publishing UNSIGNED to a board with a root of trust (version %d): "
+                    "followers with --trust will refuse it; pass a signer", root.version)
+        return
+    mine = {k.keyid for k in signer.keys} & set(root.keys)
+    if len(mine) < root.threshold:
+        log.warning("the board's root of trust (version %d) lists %d of this publisher's "
+                    "keys, %d are needed: followers will refuse what it publishes",
+                    root.version, len(mine), root.threshold)
 
 
 class LatestHeartbeat:

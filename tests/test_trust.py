@@ -487,8 +487,7 @@ def test_publisher_warns_when_what_it_publishes_will_not_verify(
             Publisher(Board(pub.store), RUN, config, asynchronous=False).close()
         assert any(words in r.getMessage() for r in caplog.records), caplog.records
     caplog.clear()
-    with caplog.at_level("WARNING", logger="rollpatch.publisher"):
-        with Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer),
-                       asynchronous=False) as p:
-            p.publish(masters)
+    with caplog.at_level("WARNING", logger="rollpatch.publisher"), Publisher(
+            pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p:
+        p.publish(masters)
     assert not caplog.records

@@ -121,7 +121,7 @@ class _CountRequests:
 def create_app(relay: Relay) -> FastAPI:
     """The ASGI app serving ``relay``: ``/v1/objects/{key}``, ``/v1/list``, ``/metrics``,
     ``/health``."""
-    app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None)  # /openapi.json
     app.add_middleware(_CountRequests, relay=relay)
 
     async def on_error(request: Request, exc: Exception) -> Response:

@@ -263,7 +263,9 @@ class VllmEngine(EngineAdapter):
         drained), so nothing it produces meanwhile comes from other weights; a failure
         reports the previous version if the workers still hold it, else none."""
         with self._lock:
-            official = self.transport == "weight-transfer"
+            # a staged commit is one worker call: collective_rpc (the official routes would add
+            # three HTTP round trips inside the pause); the version is tagged either way
+            official = self.transport == "weight-transfer" and op != "commit"
             before = (self._version, self._digest)
             started = done = False
             try:

@@ -60,6 +60,11 @@ class Access:
     prepare: Callable[[str, np.ndarray], np.ndarray] | None = None
     scatter: Callable[[str, np.ndarray, np.ndarray], None] | None = None
     read_at: Callable[[str, np.ndarray], np.ndarray] | None = None
+    #: Optional (CPU): derived buffers built before the pause from the staged words
+    #: (``prebuild({param: (prepared, new)})``), swapped in under it (``install(prebuilt)``
+    #: → the modules installed), so the pause does not re-pack whole modules.
+    prebuild: Callable[[dict[str, tuple[np.ndarray, np.ndarray]]], Any] | None = None
+    install: Callable[[Any], set[str]] | None = None
 
 
 @dataclass
@@ -99,6 +104,10 @@ class RuntimeWeights:
         #: Set when an audit found live words that differ from the held digests: the engine
         #: holds unknown bits until a keyframe is loaded (patches are refused meanwhile).
         self.tainted: str | None = None
+        #: Build derived buffers (CPU packed weights) while staging, swap them under the
+        #: pause (memory: + the touched modules' packed size until the commit); False:
+        #: re-pack the touched modules inside the pause.
+        self.prebuild = True
         #: Staging jobs by token (the worker glue's; see :mod:`.worker`).
         self.jobs: dict[str, Any] = {}
 
@@ -216,6 +225,10 @@ class RuntimeWeights:
         for param, chunks in parts.items():
             offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
             staged.payload[param] = _ParamWrites(prepare(param, offsets), old, new)
+        if self.access.prebuild is not None and self.prebuild:
+            staged.payload["prebuilt"] = self.access.prebuild(
+                {p: (w.prepared, w.new) for p, w in staged.payload.items()
+                 if isinstance(w, _ParamWrites)})
         # the writes now live per parameter; keep only the proven states per tensor
         empty = np.empty(0, np.int64)
         staged.tensors = {n: replace(st, positions=empty, old=st.old[:0], new=st.new[:0])
@@ -241,7 +254,11 @@ class RuntimeWeights:
             for param, w in writes.items():
                 scatter(param, w.prepared, w.new)
                 done.append(param)
-            acc.repack(set(writes))
+            prebuilt = staged.payload.get("prebuilt")
+            if prebuilt is not None and acc.install is not None:
+                acc.install(prebuilt)  # the kernels were built from exactly these words
+            else:
+                acc.repack(set(writes))
             for param, w in writes.items():
                 if not np.array_equal(read_at(param, w.prepared), w.new):
                     raise TargetMismatchError("read-back of written weights differs",

@@ -19,6 +19,7 @@ type checker) it does nothing. Every method returns a JSON-able dict (``ok`` plu
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -154,6 +155,43 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
                 if rebuild is not None:
                     rebuild(mod, remove_weight=False)
 
+    def prebuild(writes: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+        """Before the pause: each touched packed module's new ``cpu_linear``, built from a
+        copy of its parameters with the staged words written in (one module at a time)."""
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for mod_name in sorted({p.rpartition(".")[0] for p in writes}):
+                mod = model.get_submodule(mod_name) if mod_name else model
+                rebuild = getattr(mod, "_rollpatch_repack", None)
+                if rebuild is None:
+                    continue
+                shadow = types.SimpleNamespace()
+                for attr in ("weight", "bias"):
+                    p = getattr(mod, attr, None)
+                    if p is None:
+                        setattr(shadow, attr, None)
+                        continue
+                    copy = p.detach().clone()  # same strides: storage offsets carry over
+                    key = f"{mod_name}.{attr}" if mod_name else attr
+                    if key in writes:
+                        prepared, new = writes[key]
+                        a = words(copy).numpy().view(_WORDS[copy.element_size()][1])
+                        flat = np.lib.stride_tricks.as_strided(
+                            a, shape=(int(prepared.max()) + 1 if prepared.size else 0,),
+                            strides=(a.itemsize,))
+                        flat[prepared] = new
+                    setattr(shadow, attr, torch.nn.Parameter(copy, requires_grad=False))
+                rebuild(shadow, remove_weight=False)
+                out[mod_name] = shadow.cpu_linear
+        return out
+
+    def install(prebuilt: dict[str, Any]) -> set[str]:
+        """Under the pause: swap the prebuilt kernels in (O(1) per module); returns the
+        modules installed."""
+        for mod_name, linear in prebuilt.items():
+            (model.get_submodule(mod_name) if mod_name else model).cpu_linear = linear
+        return set(prebuilt)
+
     def gather(name: str, local: np.ndarray) -> list[np.ndarray]:
         from vllm.distributed import get_tp_group
 
@@ -164,7 +202,8 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
                 for c in out.chunk(tp)]
 
     return Access(read, write, write_block, repack, gather if tp > 1 else None, aliases=cpu,
-                  prepare=prepare, scatter=scatter, read_at=read_at)
+                  prepare=prepare, scatter=scatter, read_at=read_at,
+                  prebuild=prebuild if cpu and tp == 1 else None, install=install)
 
 
 def weights_of(model: Any) -> RuntimeWeights:

@@ -255,10 +255,9 @@ class RuntimeWeights:
                 scatter(param, w.prepared, w.new)
                 done.append(param)
             prebuilt = staged.payload.get("prebuilt")
-            if prebuilt is not None and acc.install is not None:
-                acc.install(prebuilt)  # the kernels were built from exactly these words
-            else:
-                acc.repack(set(writes))
+            installed = (acc.install(prebuilt)  # kernels built from exactly these words
+                         if prebuilt is not None and acc.install is not None else set())
+            acc.repack({p for p in writes if p.rpartition(".")[0] not in installed})
             for param, w in writes.items():
                 if not np.array_equal(read_at(param, w.prepared), w.new):
                     raise TargetMismatchError("read-back of written weights differs",

@@ -182,7 +182,8 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
                         flat[prepared] = new
                     setattr(shadow, attr, torch.nn.Parameter(copy, requires_grad=False))
                 rebuild(shadow, remove_weight=False)
-                out[mod_name] = shadow.cpu_linear
+                if hasattr(shadow, "cpu_linear"):  # else: re-packed inside the pause
+                    out[mod_name] = shadow.cpu_linear
         return out
 
     def install(prebuilt: dict[str, Any]) -> set[str]:

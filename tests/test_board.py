@@ -129,12 +129,21 @@ def test_malformed_manifests_refused(board: Board) -> None:
 
 
 def test_signed_manifest() -> None:
+    from rollpatch.errors import TrustError
+    from rollpatch.manifest import open_manifest
+    from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
+
+    key, other = SigningKey.generate(), SigningKey.generate()
     m = Manifest("r1", 0, None, "bf16", D, 1, 0.0, "t", (),
-                 (KeyframeObject(ObjectRef("k", 1, D)),)).signed(b"key")
-    m2 = Manifest.from_bytes(m.to_bytes())
-    m2.verify_signature(b"key")
-    with pytest.raises(ManifestError):
-        m2.verify_signature(b"other")
+                 (KeyframeObject(ObjectRef("k", 1, D)),))
+    raw = m.stored_bytes(Signer(keys=(key,)))
+    assert open_manifest(raw, "r1", 0, Trust(sign_root(Root.new([key.public]), [key]))) == m
+    with pytest.raises(TrustError, match="bad_signature"):
+        open_manifest(raw, "r1", 0, Trust(sign_root(Root.new([other.public]), [other])))
+    assert open_manifest(raw, "r1", 0, None) == m  # no trust root: read, not verified
+    # a manifest from before signed envelopes (an HMAC "signature" field) still reads
+    old = m.to_json() | {"signature": "ab" * 32}
+    assert Manifest.from_json(old) == m
 
 
 def test_bad_run_names() -> None:

@@ -152,19 +152,24 @@ def test_pull_and_publish_share_the_key_file_rule(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tmp_path / "m.safetensors"
     _save_masters(ckpt, _masters(1))
-    key = tmp_path / "key"
-    key.write_bytes(b"a-board-signing-key\n")  # publish strips the newline; pull must too
     board = f"file://{tmp_path / 'board'}"
+    assert main(["keygen", "-o", str(tmp_path / "pub")]) == 0
+    key, root = tmp_path / "pub.key", tmp_path / "root.json"
+    assert main(["root", "--board", board, "--key", str(tmp_path / "pub.pub"),
+                 "--sign", str(key), "-o", str(root)]) == 0
+    key.write_bytes(b"\n  " + key.read_bytes() + b"\r\n")  # surrounding whitespace: ignored
+    root.write_bytes(root.read_bytes() + b"\n\n")
     assert main(["publish", str(ckpt), "--board", board, "--run", "r1",
-                 "--signing-key-file", str(key)]) == 0
-    assert main(["pull", "--board", board, "--run", "r1", "--key-file", str(key),
+                 "--signing-key", str(key)]) == 0
+    assert main(["pull", "--board", board, "--run", "r1", "--trust", str(root),
+                 "--trust-state", str(tmp_path / "state.json"),
                  "-o", str(tmp_path / "out.safetensors")]) == 0
     capsys.readouterr()
-    key.write_bytes(b"\n")
-    assert main(["pull", "--board", board, "--run", "r1", "--key-file", str(key),
+    root.write_bytes(b"\n")
+    assert main(["pull", "--board", board, "--run", "r1", "--trust", str(root),
                  "-o", str(tmp_path / "out2.safetensors")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "key file is empty" in err[0]
+    assert len(err) == 1 and "trust root" in err[0], err
 
 
 @pytest.mark.parametrize("header", [b"[" * 100_000, b'{"w": {"dtype": {"a": 1}}}',

@@ -261,6 +261,15 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         assert (out / f"{png}.png").stat().st_size > 0
     assert "EMULATED" in proc.stdout
     assert not _children_of(str(out)), "a demo process outlived the demo"
+    # signed by default: every manifest is an envelope, and it verifies under the run's root
+    from rollpatch.board import Board
+    from rollpatch.trust import Trust
+
+    assert r["config"]["sign"] is True
+    board = Board((out / "board").as_uri(), trust=Trust((out / "trust" / "root.json")
+                                                        .read_bytes()))
+    assert all(board.signed("demo", n) for n in range(5))
+    assert board.latest("demo").version == 4 and board.manifest("demo", 4).version == 4
 
 
 @pytest.mark.slow

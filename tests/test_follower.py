@@ -36,10 +36,12 @@ from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
 from rollpatch.patch import Patch, compose, decode, diff, encode
 from rollpatch.patch.overlay import Overlay
 from rollpatch.store import MemoryStore, ObjectInfo, Store
+from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 from rollpatch.view import Tensor, View
 
 RUN = "rl"
-KEY = b"board-secret"
+KEY = SigningKey.generate()
+ROOT = sign_root(Root.new([KEY.public]), [KEY])
 LAST = 23
 SHARDED = {20: True, 21: False}          # version -> has a (sharded) keyframe
 SKIPS = {8: 4, 12: 8}                    # version -> skip-patch base
@@ -76,7 +78,7 @@ def _shards(view: View, n: int) -> list[View]:
 
 
 def publish(board: Board, version: int, views: dict[int, View], *, bases: tuple[int, ...],
-            keyframe: bool, shards: int = 1, key: bytes | None = None) -> None:
+            keyframe: bool, shards: int = 1) -> None:
     """Publish ``views[version]``: patches from each of ``bases`` and/or a keyframe."""
     view = views[version]
     patches, kfs = [], []
@@ -91,7 +93,7 @@ def publish(board: Board, version: int, views: dict[int, View], *, bases: tuple[
             kfs.append(KeyframeObject(ref, s))
     m = Manifest(RUN, version, version - 1 if version else None, "bf16", view.digest(),
                  view.nbytes, time.time(), "test", tuple(patches), tuple(kfs), shards)
-    board.put_manifest(m.signed(key) if key else m)
+    board.put_manifest(m)
     board.advance(RUN, version)
 
 
@@ -101,17 +103,17 @@ class Published:
     views: dict[int, View] = field(default_factory=dict)
 
 
-def _build(last: int, key: bytes | None, seed: int) -> Published:
+def _build(last: int, key: SigningKey | None, seed: int) -> Published:
     rng = np.random.default_rng(seed)
     pub = Published(MemoryStore(f"follower-{uuid.uuid4().hex}"))
-    board = Board(pub.store)
+    board = Board(pub.store, signer=None if key is None else Signer(keys=(key,)))
     pub.views[0] = _first_view(rng)
-    publish(board, 0, pub.views, bases=(), keyframe=True, key=key)
+    publish(board, 0, pub.views, bases=(), keyframe=True)
     for v in range(1, last + 1):
         pub.views[v] = _next_view(rng, pub.views[v - 1])
         bases = (v - 1, SKIPS[v]) if v in SKIPS else (v - 1,)
         publish(board, v, pub.views, bases=bases, keyframe=SHARDED.get(v, False),
-                shards=2 if v in SHARDED else 1, key=key)
+                shards=2 if v in SHARDED else 1)
     return pub
 
 
@@ -438,12 +440,14 @@ def test_keyframe_failure_leaves_version_unknown(board: Board, published: Publis
 # -- signatures, limits, config ------------------------------------------------------------
 
 def test_signature_required_and_checked(signed: Published, published: Published) -> None:
-    ok = Follower(_copy(signed), RUN, ViewEngine(), FollowerConfig(verify_signature_key=KEY))
+    ok = Follower(_copy(signed), RUN, ViewEngine(), trust=Trust(ROOT))
     assert ok.sync() == 5
     assert_holds(ok.engine, signed.views[5])  # type: ignore[arg-type]
-    for pub, key, msg in [(signed, b"wrong-key", "mismatch"), (published, KEY, "not signed")]:
+    other = SigningKey.generate()
+    wrong = sign_root(Root.new([other.public]), [other])
+    for pub, root, msg in [(signed, wrong, "valid signature"), (published, ROOT, "not signed")]:
         engine = ViewEngine()
-        f = Follower(_copy(pub), RUN, engine, FollowerConfig(verify_signature_key=key))
+        f = Follower(_copy(pub), RUN, engine, trust=Trust(root))
         with pytest.raises(ManifestError, match=msg):
             f.sync()
         assert engine.version is None and f.status().state is FollowerState.ERROR
@@ -459,8 +463,8 @@ def test_max_stage_bytes_refuses_large_plans(board: Board, published: Published)
 
 @pytest.mark.parametrize("field,value", [
     ("poll_s", 0), ("poll_s", float("nan")), ("fetch_workers", 0), ("retries", -1),
-    ("retries", 1.5), ("backoff_s", -1), ("timeout_s", 0), ("verify_signature_key", b""),
-    ("verify_signature_key", "text"), ("max_stage_bytes", 0), ("fetch_workers", True)])
+    ("retries", 1.5), ("backoff_s", -1), ("timeout_s", 0), ("max_stage_bytes", 0),
+    ("fetch_workers", True)])
 def test_config_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         FollowerConfig(**{field: value})  # type: ignore[arg-type]

@@ -312,7 +312,7 @@ def test_sync_error_raises_from_publish(board: Board) -> None:
 
 @pytest.mark.parametrize("field,value", [
     ("format", "fp7"), ("scales", "fp64"), ("keyframe_every", -1), ("skip_strides", (1,)),
-    ("skip_strides", "8"), ("max_pending", 0), ("publisher_id", ""), ("signing_key", b"short"),
+    ("skip_strides", "8"), ("max_pending", 0), ("publisher_id", ""), ("signer", b"k" * 32),
     ("policy", "attn"),
 ])
 def test_config_validation_names_the_field(field: str, value: Any) -> None:
@@ -321,7 +321,11 @@ def test_config_validation_names_the_field(field: str, value: Any) -> None:
 
 
 def test_config_repr_hides_the_key() -> None:
-    assert "secret" not in repr(PublisherConfig(signing_key=b"secret-secret-secret"))
+    from rollpatch.trust import Signer, SigningKey
+
+    key = SigningKey.generate()
+    text = repr(PublisherConfig(signer=Signer(keys=(key,))))
+    assert "PRIVATE" not in text and key.to_pem().decode().splitlines()[1] not in text
     assert PublisherConfig(skip_strides=(8, 4, 8)).skip_strides == (4, 8)
 
 
@@ -385,21 +389,27 @@ def test_resume_restores_a_missing_keyframe_marker(board: Board) -> None:
 # -- signing ---------------------------------------------------------------------------------------
 
 def test_signed_manifests(board: Board) -> None:
-    key = b"k" * 32
+    from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
+
+    key, other = SigningKey.generate(), SigningKey.generate()
+    signer = Signer(keys=(key,))
     masters = _random_masters(10, n=1)
-    with Publisher(board, RUN, PublisherConfig(signing_key=key), asynchronous=False) as pub:
+    with Publisher(board, RUN, PublisherConfig(signer=signer), asynchronous=False) as pub:
         pub.publish(masters)
         _nudge(masters, 0)
         pub.publish(masters)
+    trust = Trust(sign_root(Root.new([key.public]), [key]))
     for n in (0, 1):
-        board.manifest(RUN, n).verify_signature(key)
-    assert reconstruct(board, RUN, signing_key=key).digest() == cast_view(masters,
-                                                                          "bf16").digest()
+        assert board.signed(RUN, n)
+        Board(board.store, trust=trust).manifest(RUN, n)  # verifies
+    assert reconstruct(board, RUN, trust=trust).digest() == cast_view(masters,
+                                                                      "bf16").digest()
+    wrong = Trust(sign_root(Root.new([other.public]), [other]))
     with pytest.raises(ManifestError, match="signature"):
-        reconstruct(board, RUN, signing_key=b"x" * 32)
-    with pytest.raises(ManifestError, match="signature"):
-        Publisher(board, RUN, PublisherConfig(signing_key=b"x" * 32))
-    with Publisher(board, RUN, PublisherConfig(signing_key=key), asynchronous=False) as pub:
+        reconstruct(board, RUN, trust=wrong)
+    with pytest.raises(ManifestError, match="signature"):  # resuming builds on its own keys only
+        Publisher(board, RUN, PublisherConfig(signer=Signer(keys=(other,))))
+    with Publisher(board, RUN, PublisherConfig(signer=signer), asynchronous=False) as pub:
         assert pub.publish(masters) == 2
 
 

@@ -396,3 +396,132 @@ def test_pause_drains_and_resume_continues(engine: Any) -> None:
         rt.step_hook = None
     worker.join(60)
     assert len(out) == 300
+
+
+# ---- staged commits and the background audit (issue 10) -------------------------------
+
+def test_stage_while_serving_then_commit_only_writes(engine: Any, base: View, target: View,
+                                                     restore: None) -> None:
+    """Staging proves the target digests from the changed words alone, while generation runs;
+    the commit writes, reads back, and leaves digests that a full re-hash confirms."""
+    from rollpatch.follower.commit import CommitGate
+
+    rt = engine.runtime
+    patch = diff(base, target)
+    ids = rt.tokenizer.encode(PROMPT)
+    gen = rt.generate(ids, max_tokens=40, temperature=0, ignore_eos=True)
+    next(gen)  # a generation is in flight and keeps stepping while we stage
+    staged = engine.stage(patch, 2)
+    assert list(gen) and engine.version == 1  # staging wrote nothing
+    assert set(staged.digests) == set(patch.tensors) and staged.target == target.digest()
+    assert staged.changed == patch.n_changed and staged.nbytes == 12 * staged.changed
+    gate = CommitGate(engine, "pause")
+    gate.run(lambda: engine.commit_staged(staged, 2))
+    assert engine.version == 2 and engine.digest == target.digest()
+    assert gate.last is not None and gate.last.pause_s == gate.last_pause_s
+    fresh = View({n: t for n, t in rt.view.items()})  # no cached digests: a full re-hash
+    assert fresh.digest() == target.digest()
+    with pytest.raises(BaseMismatchError):  # staged against version 1: refused on version 2
+        engine.commit_staged(staged, 3)
+    assert engine.version == 2
+
+
+def test_stage_refuses_a_patch_that_would_miss_its_target(engine: Any, base: View,
+                                                          target: View) -> None:
+    from rollpatch.patch import TensorPatch
+
+    patch = diff(base, target)
+    name = min(patch.tensors)
+    tp = patch.tensors[name]
+    assert tp.new is not None
+    bad_new = tp.new.copy()
+    bad_new[0] ^= 1
+    bad = Patch(patch.base, patch.target, {**patch.tensors, name: TensorPatch(
+        name, "delta", tp.kind, tp.shape, tp.base_digest, tp.target_digest, tp.positions,
+        tp.old, bad_new)})
+    with pytest.raises(TargetMismatchError):
+        engine.stage(bad, 2)
+    assert engine.version == 1 and engine.digest == base.digest()
+
+
+def test_sum_delta_matches_a_full_hash() -> None:
+    from rollpatch.engines.staged import sum_delta
+    from rollpatch.view import sum128
+
+    rng = np.random.default_rng(3)
+    m = (1 << 64) - 1
+    for dtype, n in ((np.uint16, 1), (np.uint16, 1003), (np.uint32, 77), (np.uint8, 13),
+                     (np.uint64, 9)):
+        a = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype)
+        pos = np.unique(rng.integers(0, n, max(1, n // 4))).astype(np.int64)
+        new = rng.integers(0, np.iinfo(dtype).max, pos.size, dtype=dtype)
+        s, d = sum128(a), sum_delta(a, pos, new)
+        b = a.copy()
+        b[pos] = new
+        assert ((s[0] + d[0]) & m, (s[1] + d[1]) & m) == sum128(b)
+
+
+def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """Flip one bit of a live weight behind the sidecar's back: the audit finds it within its
+    period, /ready answers 503 (out of rotation), and the follower re-syncs from a keyframe
+    by itself, back on a verified version whose full re-hash is the published digest."""
+    from rollpatch.engines.reference import ReferenceEngine
+    from rollpatch.follower import FollowerConfig
+    from rollpatch.publisher import Publisher, PublisherConfig
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    board = f"file://{tmp_path / 'board'}"
+    eng = ReferenceEngine.from_dir(model_dir, threads=1)
+    masters = {n: t.to_array().astype(np.float32) for n, t in eng.runtime.view.items()}
+    pub = Publisher(board, "r1", PublisherConfig(keyframe_every=4), asynchronous=False)
+    for step in range(3):
+        if step:
+            for m in masters.values():
+                m *= np.float32(1.01)
+        latest = pub.publish(masters)
+    pub.flush()
+    period = 0.05
+    cfg = SidecarConfig(commit_mode="pause", follower=FollowerConfig(
+        poll_s=0.05, audit_bytes_per_s=64 * 2**20 / period, audit_period_s=period))
+    sc = start_sidecar(board, "r1", eng, eng.url, config=cfg)
+    try:
+        deadline = time.monotonic() + 60
+        while sc.sidecar.follower.version != latest:
+            assert time.monotonic() < deadline, "never caught up"
+            time.sleep(0.02)
+        assert httpx.get(sc.url + "/ready").status_code == 200
+        name = min(eng.runtime.view)
+        seen, loaded = threading.Event(), []
+        load = eng.load
+
+        def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
+            seen.wait(30)
+            loaded.append(version)
+            load(view, version)
+
+        eng.load = held_load  # type: ignore[method-assign]
+        auditor = sc.sidecar.follower.auditor
+        assert auditor is not None
+        hashed_before = auditor.bytes
+        t0 = time.monotonic()
+        with eng.runtime.commit() as view:  # a stray write: nothing updates any digest
+            view[name].data[5] ^= np.uint16(1 << 3)
+        while httpx.get(sc.url + "/ready").status_code != 503:
+            assert time.monotonic() - t0 < 30, "the audit never found the flipped bit"
+            time.sleep(0.01)
+        hashed = auditor.bytes - hashed_before
+        seen.set()
+        while not (httpx.get(sc.url + "/ready").status_code == 200
+                   and sc.sidecar.follower.version == latest):
+            assert time.monotonic() - t0 < 60, "never came back on a verified version"
+            time.sleep(0.02)
+        # found within one pass over the model (plus the slice that was running)
+        assert 0 < hashed <= eng.runtime.view.nbytes + auditor.budget, hashed
+        assert loaded == [latest] and sc.sidecar.follower.status().audits == 1
+        fresh = View({n: t for n, t in eng.runtime.view.items()})
+        assert fresh.digest() == sc.sidecar.board.manifest("r1", latest).target
+        assert httpx.get(sc.url + "/version").json()["audit_mismatches"] == 1
+    finally:
+        sc.stop()

@@ -83,7 +83,7 @@ def test_admission_is_released_on_every_path() -> None:
     assert gate.inflight == 1
     owned.release()  # ... and gives it back when it ends
     assert gate.inflight == 0
-    assert gate.commit(lambda: "committed") == "committed"  # a drain commit is not held
+    assert gate.run(lambda: "committed") == "committed"  # a drain commit is not held
     # admission that stays closed is a typed 503, never a bare TimeoutError
     entered, release = threading.Event(), threading.Event()
 
@@ -91,7 +91,7 @@ def test_admission_is_released_on_every_path() -> None:
         entered.set()
         release.wait(10)
 
-    t = threading.Thread(target=gate.commit, args=(slow_commit,))
+    t = threading.Thread(target=gate.run, args=(slow_commit,))
     t.start()
     entered.wait(10)
     try:
@@ -139,7 +139,7 @@ def test_pause_mode_labels_never_say_none_during_a_commit() -> None:
         done.wait(10)
         engine.v = 4
 
-    t = threading.Thread(target=gate.commit, args=(commit,))
+    t = threading.Thread(target=gate.run, args=(commit,))
     t.start()
     inside.wait(10)
     try:
@@ -152,6 +152,85 @@ def test_pause_mode_labels_never_say_none_during_a_commit() -> None:
     assert gate.served() == 4 and gate.admit(1.0).release() == 4
     engine.v = None  # a failed commit that left the engine not ready: none, once idle
     assert gate.served() is None
+
+
+def test_served_is_read_atomically_with_the_commit_state() -> None:
+    """Issue 10's `409 served:null`: an adapter read None mid-commit, the commit ended before
+    the gate looked at its busy flag, and the request was labelled none. The version and the
+    busy state are now read under one lock, so a commit cannot end between the two reads."""
+    import threading
+
+    from rollpatch.engines import ViewEngine
+    from rollpatch.sidecar.gate import CommitGate
+
+    finish = threading.Event()
+
+    class Racing(ViewEngine):
+        v: int | None = 3
+        race = False
+
+        @property
+        def version(self) -> int | None:
+            v = self.v
+            if self.race and v is None:  # let the commit try to end between the two reads
+                finish.set()
+                threading.Event().wait(0.2)
+            return v
+
+    engine = Racing()
+    gate = CommitGate(engine, "pause")
+    inside = threading.Event()
+
+    def commit() -> None:
+        engine.v = None
+        inside.set()
+        finish.wait(10)
+        engine.v = 4
+
+    t = threading.Thread(target=gate.run, args=(commit,))
+    t.start()
+    inside.wait(10)
+    engine.race = True
+    try:
+        assert gate.served() == 3
+    finally:
+        engine.race = False
+        finish.set()
+        t.join(10)
+    assert gate.served() == 4
+
+
+def test_drain_commit_has_a_deadline_then_pauses() -> None:
+    """A drain commit waits at most drain_timeout_s for in-flight requests, then pauses the
+    engine for the write instead; the gate counts it and records one pause figure."""
+    from rollpatch.engines import ViewEngine
+    from rollpatch.sidecar.gate import CommitGate
+
+    class Pausing(ViewEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def pause(self) -> None:
+            self.calls.append("pause")
+
+        def resume(self) -> None:
+            self.calls.append("resume")
+
+    engine = Pausing()
+    gate = CommitGate(engine, "drain", drain_timeout_s=0.05)
+    slot = gate.admit(1.0)  # a long generation that never ends in time
+    assert gate.run(lambda: engine.calls.append("write")) is None
+    assert engine.calls == ["pause", "write", "resume"]
+    assert gate.drain_timeouts == 1 and gate.last is not None
+    assert gate.last.mode == "pause" and gate.last.drain_s >= 0.05 and gate.last.ok
+    assert gate.last_pause_s == gate.last.pause_s == gate.pauses[-1]
+    slot.release()
+    engine.calls.clear()
+    gate.run(lambda: engine.calls.append("write"))  # nothing in flight: a plain drain
+    assert engine.calls == ["write"] and gate.last.mode == "drain" and gate.drain_timeouts == 1
+    with pytest.raises(ConfigError):
+        CommitGate(engine, "drain", drain_timeout_s=-1)
 
 
 @pytest.mark.parametrize("raw, status", [

@@ -12,6 +12,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -160,7 +161,12 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
     model.tw = torch.nn.Parameter(torch.randn(5, 3).to(torch.bfloat16).t(),
                                   requires_grad=False)  # (3, 5), column-major storage
     calls: list[object] = []
-    model.lin._rollpatch_repack = lambda mod, remove_weight: calls.append((mod, remove_weight))
+
+    def repack(mod: Any, remove_weight: bool) -> None:  # as vLLM's: a kernel from the weight
+        calls.append((mod, remove_weight))
+        mod.cpu_linear = ("kernel", mod.weight.detach().view(torch.int16).clone())
+
+    model.lin._rollpatch_repack = repack
     specs = [ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),))
              for n, p in model.named_parameters()]
     kinds = {s.param: get_kind("bf16") for s in specs}
@@ -178,7 +184,12 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
     w.commit(diff(v0, v1))
     for n, p in model.named_parameters():
         assert np.array_equal(words(p).reshape(-1), v1[n].data), n
-    assert calls == [(model.lin, False)]
+    # CPU: the kernel is built while staging from a copy with the new words, swapped in under
+    # the pause; elsewhere (no prebuild) it is rebuilt from the written weight in the pause
+    assert len(calls) == 1 and calls[0][1] is False
+    assert (calls[0][0] is model.lin) is (not alias)
+    assert np.array_equal(model.lin.cpu_linear[1].numpy().view(np.uint16).reshape(-1),
+                          v1["lin.weight"].data)
     assert not model.tw.is_contiguous()
     assert w.load(v0) == v0.digest() and w.digests(fresh=True) == v0.tensor_digests()
 

@@ -1,9 +1,9 @@
 """vLLM behind the sidecar, and the follower's encoded path (engines that decode themselves).
 
-Offline (no vLLM): the follower hands a single-step plan's patch objects to an engine that
-decodes them itself (:meth:`EngineAdapter.commit_encoded`, or an adapter's single-object
-``commit_encoded``, such as VllmEngine) and decodes against ``words()`` otherwise; a replica
-whose engine booted on an older version reports no version until it has caught up.
+Offline (no vLLM): the follower hands a plan's patch objects, every step and shard, to an
+engine that stages them itself (:meth:`EngineAdapter.stage_encoded`, as VllmEngine's workers
+do) and decodes against ``words()`` otherwise; a replica whose engine booted on an older
+version reports no version until it has caught up.
 
 Live (the venv from ``scripts/vllm-env``; one vLLM server for the whole module, booted from
 version 0's view saved as its model directory): an elastic join (the sidecar is not ready
@@ -31,10 +31,13 @@ import pytest
 
 from rollpatch.board import Board
 from rollpatch.engines import ViewEngine
+from rollpatch.engines.staged import EncodedStep, StagedUpdate, stage_patch
 from rollpatch.errors import BaseMismatchError
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.formats import cast_view
-from rollpatch.patch import Patch, apply, decode
+from rollpatch.patch import Patch, compose, decode
+from rollpatch.patch.ops import scatter
+from rollpatch.patch.overlay import Overlay
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.store import ObjectInfo, Store
 from rollpatch.view import View
@@ -46,57 +49,45 @@ FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
 
 # -- offline: the follower's encoded path ------------------------------------------------------
 
-class SelfDecoding(ViewEngine):
-    """Decodes wire-format patches itself (as an out-of-process engine would in its workers)."""
+class SelfStaging(ViewEngine):
+    """Stages published steps itself, as VllmEngine's workers do: decodes every shard of every
+    step against its own words (step k over an Overlay of steps 1..k-1), composes, proves the
+    target in O(changed); the commit only scatters."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.encoded: list[tuple[int, int]] = []  # (objects, version) per commit_encoded
+        self.staged: list[tuple[list[int], int]] = []  # (objects per step, version) per call
         self.words_calls = 0
 
     def words(self) -> Any:
         self.words_calls += 1
         return super().words()
 
-    def decodes_itself(self, n_objects: int) -> bool:
-        return True
-
-    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
-                       version: int) -> bool:
+    def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate:
         view = self.view
-        if view.digest() != base_digest:
-            raise BaseMismatchError("not on the patch's base", engine=self.name)
-        parts = [decode(b, view, check_base=False) for b in blobs]
-        apply(view, Patch(base_digest, target_digest,
-                          {n: t for p in parts for n, t in p.tensors.items()}, {}))
-        self.encoded.append((len(blobs), version))
+        if view.digest() != steps[0].base:
+            raise BaseMismatchError("not on the chain's base", engine=self.name)
+        patch: Patch | None = None
+        for st in steps:
+            base = view if patch is None else Overlay(view, patch)
+            parts = [decode(b, base, check_base=False) for b in st.blobs]
+            one = Patch(st.base, st.target, {n: t for p in parts for n, t in p.tensors.items()})
+            patch = one if patch is None else compose(patch, one)
+        assert patch is not None
+        self.staged.append(([len(st.blobs) for st in steps], version))
+        return stage_patch(patch, view.__getitem__, view.tensor_digests(), view.sum_state)
+
+    def commit_staged(self, staged: StagedUpdate, version: int) -> None:
+        view = self.view
+        assert view.digest() == staged.base
+        for name, st in staged.tensors.items():
+            scatter(view[name], st.positions, st.new, st.old)
+            if st.target_state is not None:
+                view.update_sum_state(name, st.target_state)
+            else:  # packed kinds: the proof hashed a staged copy; re-hash the written words
+                view.invalidate(name)
+                assert view.tensor_digest(name) == st.target_digest
         self._version = version
-        return True
-
-
-class SingleObject(ViewEngine):
-    """VllmEngine's shape: decodes one unsharded patch object itself, declines sharded steps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoded: list[int] = []
-        self.words_calls = 0
-
-    def words(self) -> Any:
-        self.words_calls += 1
-        return super().words()
-
-    def decodes_itself(self, n_objects: int) -> bool:
-        return n_objects == 1
-
-    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
-                       version: int) -> bool:
-        if len(blobs) != 1:
-            return False
-        apply(self.view, decode(blobs[0], self.view))  # checks the base root, verifies targets
-        self.encoded.append(version)
-        self._version = version
-        return True
 
 
 def _masters(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -126,33 +117,32 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[View]
     return board, views
 
 
-@pytest.mark.parametrize("kind", [SelfDecoding, SingleObject])
-def test_single_steps_go_to_engines_that_decode(small_run: tuple[str, list[View]],
-                                                kind: type[ViewEngine]) -> None:
+def test_engines_that_stage_get_whole_chains_undecoded(small_run: tuple[str, list[View]]
+                                                       ) -> None:
+    """A catch-up of any length is one stage_encoded call (nothing decoded in the follower,
+    no words crossing), then one commit; its result is bit-exact."""
     board, views = small_run
-    engine = kind()
+    engine = SelfStaging()
     engine.load(views[0].copy(), 0)
     f = Follower(board, RUN, engine, FAST)
     assert f.sync(1) == 1 and engine.digest == views[1].digest()
-    assert engine.words_calls == 0  # type: ignore[attr-defined]
-    assert engine.encoded in ([(1, 1)], [1])  # type: ignore[attr-defined]
-    assert f.sync(3) == 3 and engine.digest == views[3].digest()  # two steps: decoded here
-    assert engine.words_calls == 1 and len(engine.encoded) == 1  # type: ignore[attr-defined]
+    assert f.sync(4) == 4 and engine.digest == views[4].digest()
+    assert engine.staged == [([1], 1), ([1, 1, 1], 4)] and engine.words_calls == 0
+    assert View({n: t for n, t in engine.view.items()}).digest() == views[4].digest()
     assert f.status().commits == 2
 
 
-def test_sharded_step_goes_whole_or_is_decoded() -> None:
-    """A 2-shard step: every shard's object to an engine that takes several; decoded for an
-    adapter that takes one object only (its blob binds a shard's digests, not the view's)."""
+def test_sharded_steps_are_staged_whole() -> None:
+    """A 2-shard step: every shard's object goes to the engine, which binds their union to
+    the manifest's whole-view digests."""
     from tests.test_follower import _build  # the follower tests' run: v21 has 2 patch shards
 
     pub = _build(21, None, 0)
-    for kind, words in ((SelfDecoding, 0), (SingleObject, 1)):
-        engine = kind()
-        engine.load(pub.views[20].copy(), 20)
-        assert Follower(Board(pub.store), "rl", engine, FAST).sync(21) == 21
-        assert engine.digest == pub.views[21].digest() and engine.words_calls == words
-    assert isinstance(engine, SingleObject) and engine.encoded == []
+    engine = SelfStaging()
+    engine.load(pub.views[19].copy(), 19)
+    assert Follower(Board(pub.store), "rl", engine, FAST).sync(21) == 21
+    assert engine.digest == pub.views[21].digest() and engine.words_calls == 0
+    assert engine.staged[0][0][-1] == 2
 
 
 class GatedStore(Store):
@@ -276,8 +266,13 @@ def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
 
 @pytest.fixture(scope="module")
 def server(vllm_python: Path, world: World) -> Iterator[vllm_env.Server]:
-    srv = vllm_env.start_server(vllm_python, world.model, world.model.parent / "vllm.log",
-                                extra=["--weight-transfer-config", '{"backend": "rollpatch"}'])
+    os.environ["ROLLPATCH_FAULT_INJECTION"] = "1"  # rollpatch_flip, for the audit test
+    try:
+        srv = vllm_env.start_server(vllm_python, world.model, world.model.parent / "vllm.log",
+                                    extra=["--weight-transfer-config",
+                                           '{"backend": "rollpatch"}'])
+    finally:
+        os.environ.pop("ROLLPATCH_FAULT_INJECTION", None)
     try:
         srv.wait_ready(300)
         srv.post("/v1/completions", {"model": str(world.model), "prompt": "warm up",
@@ -504,8 +499,8 @@ def _count_words(engine: Any) -> Any:
 
 
 def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: World) -> None:
-    """The follower gives vLLM a single step undecoded (decoded in the workers, nothing but
-    the patch crosses processes); a multi-step plan is decoded against words()."""
+    """The follower gives vLLM every step undecoded: the workers decode, compose and prove a
+    catch-up of any length while serving (nothing but the patches crosses processes)."""
     from rollpatch.engines.vllm import VllmEngine
 
     engine = _count_words(VllmEngine(server.url))
@@ -519,7 +514,63 @@ def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: Wo
         assert server.get("/weight_info") == {"weight_version": str(v)}
         world.publish()
         v = world.publish()
-        assert f.sync() == v and engine.words_calls == 1
+        assert f.sync() == v and engine.words_calls == 0  # two steps, composed in the worker
         assert engine.held(fresh=True)[1] == world.views[v].digest()
+        assert f.status().commits == 2 and f.gate.last is not None and f.gate.last.ok
     finally:
         engine.close()
+
+
+def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World) -> None:
+    """One bit of a live vLLM weight flipped behind the sidecar's back (the fault-injection
+    worker method): the audit finds it within one pass, /ready answers 503, and the follower
+    re-syncs from a keyframe by itself, back on a version a full re-hash confirms."""
+    import httpx
+
+    from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    engine = VllmEngine(server.url)
+    engine.load(world.views[world.latest], world.latest)
+    period = 0.05
+    cfg = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0,
+                         audit_bytes_per_s=2 * 2**20 / period, audit_period_s=period)
+    sc = start_sidecar(world.board, RUN, engine, server.url,
+                       config=SidecarConfig(commit_mode="pause", follower=cfg))
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{sc.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.02)
+        seen, loaded, load = threading.Event(), [], engine.load
+
+        def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
+            seen.wait(30)
+            loaded.append(version)
+            load(view, version)
+
+        engine.load = held_load  # type: ignore[method-assign]
+        auditor = sc.sidecar.follower.auditor
+        assert auditor is not None
+        before = auditor.bytes
+        names = sorted(engine.tensors())
+        name = names[len(names) // 2]
+        out = server.post("/collective_rpc", {"method": "rollpatch_flip", "args": [name, "7"]})
+        assert out["results"][0]["ok"] and out["results"][0]["flipped"] == 1
+        while httpx.get(f"{sc.url}/ready").status_code != 503:
+            assert time.monotonic() < deadline + 60, "the audit never found the flipped bit"
+            time.sleep(0.01)
+        hashed = auditor.bytes - before
+        seen.set()
+        while not (httpx.get(f"{sc.url}/ready").status_code == 200
+                   and sc.sidecar.follower.version == world.latest):
+            assert time.monotonic() < deadline + 120, "never came back on a verified version"
+            time.sleep(0.02)
+        model_bytes = world.views[world.latest].nbytes
+        assert 0 < hashed <= model_bytes + auditor.budget, hashed  # within one pass
+        assert loaded == [world.latest] and sc.sidecar.follower.status().audits == 1
+        assert engine.held(fresh=True)[1] == world.views[world.latest].digest()
+        assert server.get("/weight_info") == {"weight_version": str(world.latest)}
+    finally:
+        sc.stop()

@@ -6,18 +6,24 @@ Layout (docs/board.md)::
     runs/{run}/versions/{n:012d}.json      manifest (put-if-absent: immutable)
     runs/{run}/keyframes/{n:012d}          marker: version n has a keyframe (cheap listing)
     runs/{run}/objects/{b3}.{rpatch|safetensors}   content-addressed objects
+    root/{n:012d}.json                     root of trust, version n (signed boards; immutable)
 
 Publishing order is objects → manifest (→ keyframe marker) → pointer, so anything a pointer or
 manifest names is already durable. :meth:`Board.plan` picks the fewest bytes among patch
 chains, skip patches and keyframe + chain (Dijkstra over versions, tie → fewer objects).
+
+A board given a :class:`~rollpatch.trust.Trust` verifies every manifest and LATEST it reads
+(signatures under the root, LATEST's expiry and rollback) and follows root rotations; one
+given a :class:`~rollpatch.trust.Signer` writes signed manifests and LATEST (docs/trust.md).
 """
 
 from __future__ import annotations
 
 import heapq
-import json
+import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -33,19 +39,29 @@ from .errors import (
     NotFoundError,
     VersionNotFoundError,
 )
-from .manifest import Manifest
+from .latest import MAX_POINTER_BYTES, encode_latest, read_latest
+from .manifest import MAX_ENVELOPE_BYTES, MAX_MANIFEST_DEPTH, Manifest, open_manifest
 from .store import Store, open_store
+from .trust import (
+    LATEST_TYPE,
+    MANIFEST_TYPE,
+    Root,
+    Signer,
+    Trust,
+    looks_like_envelope,
+    verify_initial_root,
+)
 from .types import MAX_VERSION, ObjectRef, Pointer, check_run, pointer_may_advance
 
-__all__ = ["Board", "Plan", "PlanStep", "pointer_key", "version_key"]
+__all__ = ["MAX_POINTER_BYTES", "Board", "Plan", "PlanStep", "pointer_key", "root_key",
+           "version_key"]
 
 _CAS_RETRIES = 64
-#: A LATEST pointer is a few hundred bytes; anything much larger is not one.
-MAX_POINTER_BYTES = 64 * 1024
+log = logging.getLogger("rollpatch.board")
 #: Default bound on the manifests one plan reads (the newest ones up to the wanted version).
 MAX_PLAN_VERSIONS = 10_000
 _VERSION_STEM = re.compile(r"[0-9]{1,16}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+_ROOT_PREFIX = "root/"
 
 
 def _run_prefix(run: str) -> str:
@@ -58,6 +74,11 @@ def version_key(run: str, n: int) -> str:
 
 def pointer_key(run: str) -> str:
     return f"{_run_prefix(run)}LATEST"
+
+
+def root_key(n: int) -> str:
+    """The key of root-of-trust version ``n`` (board-wide: every run shares the root)."""
+    return f"{_ROOT_PREFIX}{n:012d}.json"
 
 
 def _keyframe_marker(run: str, n: int) -> str:
@@ -108,7 +129,8 @@ class Board:
     """
 
     def __init__(self, store: Store | str, *, cache_manifests: int = 4096,
-                 max_plan_versions: int = MAX_PLAN_VERSIONS) -> None:
+                 max_plan_versions: int = MAX_PLAN_VERSIONS, trust: Trust | None = None,
+                 signer: Signer | None = None) -> None:
         if isinstance(max_plan_versions, bool) or not isinstance(max_plan_versions, int) \
                 or max_plan_versions < 2:
             raise ConfigError("max_plan_versions must be an integer >= 2",
@@ -117,6 +139,10 @@ class Board:
         self._cache: OrderedDict[tuple[str, int], Manifest] = OrderedDict()
         self._cache_size = cache_manifests
         self.max_plan_versions = max_plan_versions
+        #: Verifies what is read (None: verification off, unsigned boards readable).
+        self.trust = trust
+        #: Signs what is written (None: bare manifests and LATEST).
+        self.signer = signer
         self._lock = threading.Lock()
 
     # -- reading -----------------------------------------------------------------------------
@@ -137,9 +163,51 @@ class Board:
         return _numbered(self.store.list(prefix), prefix, "")
 
     def latest(self, run: str) -> Pointer | None:
-        """The LATEST pointer, or None before the first publish."""
+        """The LATEST pointer, or None before the first publish (verified under the trust
+        root, if the board has one: TrustError when unsigned, forged, expired or older)."""
+        if self.trust is not None and self.trust.roots_due():
+            self.refresh_root()
         raw = self._pointer_raw(run)
-        return None if raw is None else _parse_pointer(raw, run)
+        return None if raw is None else self._open_pointer(raw, run, self.trust)[0]
+
+    def _open_pointer(self, raw: bytes, run: str, trust: Trust | None
+                      ) -> tuple[Pointer, float | None]:
+        p, expires = read_latest(raw, run, trust, self.refresh_root)
+        if p.manifest != version_key(run, p.version):
+            raise ManifestError("LATEST pointer is malformed: manifest is not the version's key",
+                                run=run, version=p.version)
+        return p, expires
+
+    # -- the root of trust --------------------------------------------------------------------
+
+    def roots(self) -> list[int]:
+        """Root-of-trust versions on the board (ascending)."""
+        return _numbered(self.store.list(_ROOT_PREFIX), _ROOT_PREFIX, ".json")
+
+    def root_raw(self, n: int) -> bytes | None:
+        """The envelope bytes of root ``n``, or None when there is none."""
+        try:
+            return self.store.get(root_key(n))
+        except NotFoundError:
+            return None
+
+    def put_root(self, raw: bytes) -> Root:
+        """Publish a root envelope (immutable) at its version; it must be self-signed.
+
+        Chaining to the previous root is checked by whoever verifies (and by ``rollpatch
+        root`` before it calls this)."""
+        root = verify_initial_root(raw)
+        try:
+            self.store.put(root_key(root.version), raw)
+        except AlreadyExistsError:
+            if self.store.get(root_key(root.version)) != raw:
+                raise AlreadyExistsError("another root has this version", version=root.version,
+                                         hint="roots are immutable; make the next version")
+        return root
+
+    def refresh_root(self) -> Root | None:
+        """Follow root rotations on the board (each verified by the one before)."""
+        return None if self.trust is None else self.trust.update_root(self.root_raw)
 
     def manifest(self, run: str, n: int) -> Manifest:
         """The manifest of version ``n`` (validated; cached)."""
@@ -153,15 +221,23 @@ class Board:
         except NotFoundError:
             raise VersionNotFoundError("no such version on the board", run=run,
                                        version=n) from None
-        m = Manifest.from_bytes(raw)
-        if (m.run, m.version) != (run, n):
-            raise ManifestError("manifest names another version", run=run, version=n,
-                                names=f"{m.run}@{m.version}")
+        m = open_manifest(raw, run, n, self.trust, self.refresh_root)
         with self._lock:
             self._cache[(run, n)] = m
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return m
+
+    def signed(self, run: str, n: int) -> bool:
+        """Whether version ``n``'s manifest is stored as a signed envelope (not verified)."""
+        try:
+            raw = self.store.get(version_key(run, n))
+        except NotFoundError:
+            raise VersionNotFoundError("no such version on the board", run=run,
+                                       version=n) from None
+        return raw[:1] == b"{" and looks_like_envelope(
+            jsonsafe.loads(raw, what="manifest", error=ManifestError, run=run, version=n,
+                           max_bytes=MAX_ENVELOPE_BYTES, max_depth=MAX_MANIFEST_DEPTH))
 
     def fetch(self, ref: ObjectRef) -> bytes:
         """Get an object and verify its size and BLAKE3 hash (ManifestError if corrupt)."""
@@ -187,17 +263,29 @@ class Board:
         return ref
 
     def put_manifest(self, m: Manifest) -> None:
-        """Publish a manifest (immutable). Idempotent for the identical manifest."""
+        """Publish a manifest (immutable). Idempotent for the identical manifest.
+
+        A signing board replaces what none of its keys signed at that key (an attacker who
+        can write to the store squatted the version number; verifying readers never cached
+        it), and logs that it did."""
         for ref in m.objects():
             info = self.store.head(ref.key)
             if info is None or info.size != ref.size:
                 raise ManifestError("manifest names an object that is not durable",
                                     key=ref.key, hint="upload objects before the manifest")
-        raw = m.to_bytes()
+        raw = m.stored_bytes(self.signer)
         try:
             self.store.put(version_key(m.run, m.version), raw)
         except AlreadyExistsError:
-            if self.store.get(version_key(m.run, m.version)) != raw:
+            there = self.store.get(version_key(m.run, m.version))
+            if there != raw and self.signer is not None \
+                    and not self.signer.signed(there, MANIFEST_TYPE):
+                log.warning("%s@%d: replacing a manifest none of the publisher's keys signed",
+                            m.run, m.version)
+                self.store.put(version_key(m.run, m.version), raw, if_absent=False)
+                with self._lock:
+                    self._cache.pop((m.run, m.version), None)
+            elif there != raw and _payload(there, m) != m.to_bytes():
                 raise AlreadyExistsError("version already published with other content",
                                          run=m.run, version=m.version,
                                          hint="versions are immutable; publish a new one")
@@ -207,28 +295,44 @@ class Board:
             except AlreadyExistsError:
                 pass
 
-    def advance(self, run: str, n: int) -> Pointer:
+    def advance(self, run: str, n: int, *, refresh: bool = False) -> Pointer:
         """Move LATEST to version ``n`` if that is forward; returns the pointer now in force.
 
         The manifest must exist. Racing publishers cannot move it backwards: a lost
-        compare-and-swap re-reads and retries; an older ``n`` leaves LATEST as it is.
+        compare-and-swap re-reads and retries; an older ``n`` leaves LATEST as it is. With a
+        signer, LATEST is signed and valid for ``signer.latest_ttl_s``; ``refresh`` re-signs
+        it when it already names ``n`` (a heartbeat, so followers can tell it is not frozen).
         """
         m = self.manifest(run, n)
         new = Pointer(run, n, version_key(run, n), m.target)
-        raw_new = json.dumps({"run": run, "version": n, "manifest": new.manifest,
-                              "target": m.target}, sort_keys=True).encode()
         for _ in range(_CAS_RETRIES):
             raw = self._pointer_raw(run)
-            cur = None if raw is None else _parse_pointer(raw, run)
-            if not pointer_may_advance(cur, new):
+            cur = None if raw is None else self._own_pointer(raw, run)
+            same = refresh and cur is not None and cur == new
+            if not same and not pointer_may_advance(cur, new):
                 assert cur is not None
                 return cur
+            raw_new = encode_latest(new, self.signer, time.time())
             try:
                 self.store.cas(pointer_key(run), raw_new, expected=raw)
                 return new
             except ConflictError:
                 continue
         raise ConflictError("LATEST kept moving; gave up", run=run, version=n)
+
+    def _own_pointer(self, raw: bytes, run: str) -> Pointer | None:
+        """LATEST as a writer sees it: with a signer, a pointer none of its keys signed is
+        someone else's (a forgery, or garbage) and is replaced, so it cannot hold LATEST."""
+        try:
+            p = self._open_pointer(raw, run, None)[0]
+        except ManifestError:
+            if self.signer is None:
+                raise
+            return None
+        if self.signer is not None and not self.signer.signed(raw, LATEST_TYPE):
+            log.warning("%s: replacing a LATEST none of the publisher's keys signed", run)
+            return None
+        return p
 
     def _pointer_raw(self, run: str) -> bytes | None:
         try:
@@ -330,31 +434,9 @@ def _dijkstra(run: str, have: int | None, want: int, manifests: dict[int, Manife
     return Plan(run, have, want, tuple(reversed(steps)))
 
 
-def _parse_pointer(raw: bytes, run: str) -> Pointer:
-    """A LATEST pointer, strictly: bounded JSON, a version number in range, naming this run's
-    manifest key for that version; ManifestError otherwise (never a traceback)."""
-    d = jsonsafe.loads(raw, what="LATEST pointer", error=ManifestError,
-                       max_bytes=MAX_POINTER_BYTES, max_depth=2, run=run,
-                       hint="repair it: LATEST must name a published version")
-    if not isinstance(d, dict):
-        raise ManifestError("LATEST pointer is malformed: not a JSON object", run=run)
-    version, manifest, target = d.get("version"), d.get("manifest"), d.get("target")
-    if d.get("run") != run:
-        raise ManifestError("LATEST pointer names another run", run=run)
-    if isinstance(version, bool) or not isinstance(version, int) \
-            or not 0 <= version <= MAX_VERSION:
-        raise ManifestError("LATEST pointer is malformed: version is not a version number",
-                            run=run, version=_short(version),
-                            hint="repair it: LATEST must name a published version")
-    if manifest != version_key(run, version):
-        raise ManifestError("LATEST pointer is malformed: manifest is not the version's key",
-                            run=run, version=version, manifest=_short(manifest))
-    if not isinstance(target, str) or not _HEX64.fullmatch(target):
-        raise ManifestError("LATEST pointer is malformed: target is not a digest", run=run,
-                            version=version)
-    return Pointer(run, version, manifest, target)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+def _payload(raw: bytes, m: Manifest) -> bytes | None:
+    """The manifest payload of stored bytes (signed or bare), unverified; None if unreadable."""
+    try:
+        return open_manifest(raw, m.run, m.version, None).to_bytes()
+    except ManifestError:
+        return None

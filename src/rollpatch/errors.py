@@ -23,6 +23,7 @@ them to HTTP statuses; the CLI to exit codes)::
     │   └── TransientStoreError     network/timeout: safe to retry
     ├── BoardError                  versions, manifests, pointers, plans
     │   ├── ManifestError           a manifest is malformed or fails verification
+    │   │   └── TrustError          unsigned, badly signed, expired or rolled-back metadata
     │   ├── VersionNotFoundError    no such version on the board
     │   └── NoPathError             no plan reaches the wanted version
     ├── EngineError                 an engine adapter failed (load, apply, digest)
@@ -53,6 +54,7 @@ __all__ = [
     "StoreError",
     "TargetMismatchError",
     "TransientStoreError",
+    "TrustError",
     "VerificationError",
     "VersionNotFoundError",
     "ViewError",
@@ -150,6 +152,20 @@ class BoardError(RollpatchError):
 
 class ManifestError(BoardError):
     """A manifest is malformed or fails verification."""
+
+
+class TrustError(ManifestError):
+    """Signed metadata was refused under the trust root (docs/trust.md).
+
+    ``reason`` says why, as a stable label for logs and metrics: ``unsigned``,
+    ``bad_signature``, ``expired``, ``rollback``, ``root`` (the root chain cannot be
+    verified) or ``malformed`` (not a valid envelope).
+    """
+
+    def __init__(self, message: str, *, reason: str, hint: str | None = None,
+                 **context: Any) -> None:
+        self.reason = reason
+        super().__init__(message, hint=hint, reason=reason, **context)
 
 
 class VersionNotFoundError(BoardError):

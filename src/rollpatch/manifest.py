@@ -4,25 +4,33 @@ A manifest lists the version's parent, format, target view digest and the object
 it — patches from earlier versions (the step patch from the parent, optional skip patches from
 further back) and, for keyframes, a full view — each with size and BLAKE3 hash. Parsing is
 strict and bounded: a manifest that fails validation is never used.
+
+On a signed board the stored bytes are an envelope (:mod:`rollpatch.trust`) whose payload is
+:meth:`Manifest.to_bytes`: the signature binds run, version, parent, format, target digest
+and every object's key, size, BLAKE3, base and base digest, so no field can be swapped for
+another version's (:func:`open_manifest`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import jsonsafe
-from .errors import ManifestError
+from .errors import ManifestError, TrustError
+from .trust import MANIFEST_TYPE, Signer, Trust, looks_like_envelope, parse_envelope
 from .types import MAX_VERSION, ObjectRef, check_run
 
-__all__ = ["MAX_MANIFEST_BYTES", "SCHEMA", "KeyframeObject", "Manifest", "PatchObject"]
+__all__ = ["MAX_ENVELOPE_BYTES", "MAX_MANIFEST_BYTES", "SCHEMA", "KeyframeObject", "Manifest",
+           "PatchObject", "open_manifest"]
 
 SCHEMA = "rollpatch.manifest/1"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+#: A signed manifest: base64 of the payload (4/3) plus signatures.
+MAX_ENVELOPE_BYTES = MAX_MANIFEST_BYTES * 4 // 3 + 64 * 1024
 #: A manifest nests 3 deep (document → object list → entry); anything far deeper is hostile.
 MAX_MANIFEST_DEPTH = 8
 MAX_OBJECTS = 4096
@@ -64,7 +72,6 @@ class Manifest:
     keyframes: tuple[KeyframeObject, ...] = ()
     shards: int = 1
     meta: dict[str, str] = field(default_factory=dict)
-    signature: str | None = None
 
     @property
     def is_keyframe(self) -> bool:
@@ -89,27 +96,16 @@ class Manifest:
                            "shard": k.shard} for k in self.keyframes],
             "meta": dict(self.meta),
         }
-        if self.signature is not None:
-            d["signature"] = self.signature
         return d
 
     def to_bytes(self) -> bytes:
+        """Canonical JSON (sorted keys, no spaces): the bytes a signature covers."""
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
 
-    def signed(self, key: bytes) -> Manifest:
-        """A copy carrying an HMAC-SHA256 signature over its canonical bytes."""
-        unsigned = _replace_signature(self, None)
-        sig = hmac.new(key, unsigned.to_bytes(), hashlib.sha256).hexdigest()
-        return _replace_signature(self, sig)
-
-    def verify_signature(self, key: bytes) -> None:
-        """Raise ManifestError unless the signature matches ``key``."""
-        if self.signature is None:
-            raise ManifestError("manifest is not signed", run=self.run, version=self.version)
-        want = hmac.new(key, _replace_signature(self, None).to_bytes(), hashlib.sha256)
-        if not hmac.compare_digest(want.hexdigest(), self.signature):
-            raise ManifestError("manifest signature mismatch", run=self.run,
-                                version=self.version, hint="wrong key, or a forged manifest")
+    def stored_bytes(self, signer: Signer | None) -> bytes:
+        """What the board stores: the envelope signed by ``signer``, or the bare JSON."""
+        payload = self.to_bytes()
+        return payload if signer is None else signer.seal(MANIFEST_TYPE, payload)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Manifest:
@@ -129,10 +125,41 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {e!r}") from None
 
 
-def _replace_signature(m: Manifest, sig: str | None) -> Manifest:
-    from dataclasses import replace
+def open_manifest(raw: bytes, run: str, version: int, trust: Trust | None,
+                  refresh_root: Callable[[], object] | None = None) -> Manifest:
+    """The manifest stored for ``run``@``version``: verified under ``trust`` when given
+    (TrustError if unsigned or not signed by the root's threshold), checked to name exactly
+    that run and version (a manifest moved to another version's key is refused).
 
-    return replace(m, signature=sig)
+    ``refresh_root`` is called once when no trusted key signed it (the root may have rotated).
+    """
+    if len(raw) > MAX_ENVELOPE_BYTES:
+        raise ManifestError("manifest too large", size=len(raw))
+    doc = jsonsafe.loads(raw, what="manifest", error=ManifestError,
+                         max_bytes=MAX_ENVELOPE_BYTES, max_depth=MAX_MANIFEST_DEPTH,
+                         run=run, version=version)
+    if looks_like_envelope(doc):
+        env = parse_envelope(doc, expect=MANIFEST_TYPE, max_payload=MAX_MANIFEST_BYTES,
+                             run=run, version=version, what_doc="manifest")
+        if trust is not None:
+            try:
+                trust.verify(env, run=run, version=version, what_doc="manifest")
+            except TrustError as e:
+                if e.reason != "bad_signature" or refresh_root is None:
+                    raise
+                refresh_root()
+                trust.verify(env, run=run, version=version, what_doc="manifest")
+        m = Manifest.from_bytes(env.payload)
+    elif trust is not None:
+        raise TrustError("manifest is not signed", reason="unsigned", run=run, version=version,
+                         hint="the trust root requires signed boards: publish with "
+                              "--signing-key")
+    else:
+        m = Manifest.from_json(doc)
+    if (m.run, m.version) != (run, version):
+        raise ManifestError("manifest names another version", run=run, version=version,
+                            names=f"{m.run}@{m.version}")
+    return m
 
 
 def _need(cond: bool, what: str) -> None:
@@ -179,11 +206,10 @@ def _parse(d: Any) -> Manifest:
     meta = d.get("meta", {})
     _need(isinstance(meta, dict) and len(meta) <= 256 and all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), "meta")
-    sig = d.get("signature")
-    _need(sig is None or (isinstance(sig, str) and bool(_HEX64.match(sig))), "signature")
+    # a "signature" field (HMAC, before signed envelopes) is ignored: only envelopes verify
     return Manifest(run, version, parent, d["format"], d["target"], _int(d["view_bytes"], 0,
                     1 << 50), float(d["created"]), d["publisher"], pats, kfs, shards,
-                    dict(meta), sig)
+                    dict(meta))
 
 
 def _digest(x: Any) -> str:

@@ -1,19 +1,188 @@
-"""Run an ASGI app under uvicorn in a background thread (engines, sidecars, relays, tests)."""
+"""Run an ASGI app under uvicorn in a background thread (engines, sidecars, relays, gateways).
+
+One owner for how a rollpatch service faces its clients (:class:`ServeOptions`):
+
+- **TLS** (``tls_cert``/``tls_key``): loaded, and refused with a clear :class:`ConfigError`,
+  before the server starts; TLS 1.2 at least.
+- **Slow clients**: a connection must deliver a complete request head within
+  ``header_timeout_s`` of connecting (or of its first byte after a keep-alive pause), else it
+  gets ``408`` and is closed; heads over ``max_header_bytes`` are refused. Bodies have their own
+  bound where they are read (:class:`~rollpatch.sidecar.body.BodyLimits`). Past
+  ``max_connections`` open connections, requests get ``503`` instead of queueing.
+- **Bearer token** (``token``): requests to the protected route prefixes (``/v1/``: inference,
+  relay reads) need ``Authorization: Bearer TOKEN`` (``401`` otherwise, compared in constant
+  time); health, readiness and metrics stay open.
+
+uvicorn is imported only when a server starts (the ``web`` extra).
+"""
 
 from __future__ import annotations
 
+import hmac
+import json
+import math
 import socket
+import ssl
 import threading
 import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from .errors import RollpatchError
+from .errors import ConfigError, RollpatchError
 
-__all__ = ["ServerHandle", "serve_app"]
+__all__ = ["PROTECTED", "ServeOptions", "ServerHandle", "serve_app", "tls_context"]
+
+#: Route prefixes a bearer token protects by default (inference; relay reads).
+PROTECTED = ("/v1/",)
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+                b"content-length: 32\r\nconnection: close\r\n\r\nrequest head not received in time")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    """How a service faces its clients (validated; see the module docstring)."""
+
+    #: PEM certificate chain and private key; both or neither (then plain HTTP).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Bearer token required on the protected routes (None: open).
+    token: str | None = None
+    #: Seconds a client may take to send a complete request head.
+    header_timeout_s: float = 10.0
+    #: Seconds an idle keep-alive connection is kept.
+    keep_alive_s: float = 5.0
+    #: Largest request head in bytes.
+    max_header_bytes: int = 64 * 1024
+    #: Open connections above which requests are answered 503 (None: no bound).
+    max_connections: int | None = 2048
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together", field="tls_cert",
+                              hint="--tls-cert FILE --tls-key FILE")
+        for name in ("header_timeout_s", "keep_alive_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not 0 < v <= 3600:
+                raise ConfigError(f"{name} must be in (0, 3600] seconds", field=name, value=v)
+        if isinstance(self.max_header_bytes, bool) or not isinstance(self.max_header_bytes, int) \
+                or not 1024 <= self.max_header_bytes <= 1 << 24:
+            raise ConfigError("max_header_bytes must be an integer in [1 KiB, 16 MiB]",
+                              field="max_header_bytes", value=self.max_header_bytes)
+        if self.max_connections is not None and (
+                isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int)
+                or self.max_connections < 1):
+            raise ConfigError("max_connections must be a positive integer or None",
+                              field="max_connections", value=self.max_connections)
+        if self.token is not None and (not self.token or not self.token.isascii()
+                                       or not self.token.isprintable() or " " in self.token):
+            raise ConfigError("token must be non-empty printable ASCII without spaces",
+                              field="token")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
+
+
+def tls_context(options: ServeOptions) -> ssl.SSLContext | None:
+    """The server's TLS context (None without TLS); ConfigError when the files do not load."""
+    if options.tls_cert is None or options.tls_key is None:
+        return None
+    for name, path in (("tls_cert", options.tls_cert), ("tls_key", options.tls_key)):
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{name}: no such file", field=name, path=path)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(options.tls_cert, options.tls_key)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the TLS certificate and key: {e}", field="tls_cert",
+                          hint="PEM files: a certificate (chain) and its private key") from None
+    return ctx
+
+
+class _BearerGuard:
+    """ASGI middleware: the protected prefixes need ``Authorization: Bearer TOKEN``."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], token: str,
+                 prefixes: tuple[str, ...]) -> None:
+        self.app, self.prefixes = app, prefixes
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith(self.prefixes):
+            given = b""
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    given = value
+                    break
+            if not hmac.compare_digest(given, self.expected):
+                body = json.dumps({"error": {"message": "this route needs the bearer token "
+                                                        "(Authorization: Bearer TOKEN)",
+                                             "type": "unauthorized", "code": 401}}).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _guarded_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline on each request head (slowloris)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11(H11Protocol):
+        _head_timer: Any = None
+
+        def _arm(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(header_timeout_s, self._head_late)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.conn.their_state is h11.IDLE:
+                self._arm()
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # answered before the body was read (a refusal): a body still trickling in would
+            # hold the connection, so it is closed instead of being drained
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                self.transport.close()
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                if self.cycle is None or self.cycle.response_complete:
+                    self.transport.write(_TIMEOUT_408)
+                self.transport.close()
+
+    return GuardedH11
 
 
 class ServerHandle:
-    """A running server: ``url`` (``http://host:port``) and :meth:`stop`."""
+    """A running server: ``url`` (``http(s)://host:port``), :meth:`stop`, :meth:`wait`."""
 
     def __init__(self, server: Any, thread: threading.Thread, url: str) -> None:
         self._server, self._thread, self.url = server, thread, url
@@ -21,6 +190,15 @@ class ServerHandle:
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
+
+    def request_stop(self) -> None:
+        """Ask uvicorn to exit (safe from a signal handler)."""
+        self._server.should_exit = True
+
+    def wait(self) -> None:
+        """Block until the server's thread ends."""
+        while self._thread.is_alive():
+            self._thread.join(0.5)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask uvicorn to exit and wait for its thread."""
@@ -30,17 +208,38 @@ class ServerHandle:
 
 def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, *, name: str = "server",
               log_level: str = "warning", start_timeout: float = 30.0,
-              lifespan: Literal["auto", "on", "off"] = "off") -> ServerHandle:
-    """Serve ``app`` in a daemon thread; ``port=0`` picks a free port. Returns once listening."""
+              lifespan: Literal["auto", "on", "off"] = "off",
+              options: ServeOptions | None = None, protect: tuple[str, ...] = PROTECTED,
+              access_log: bool = False) -> ServerHandle:
+    """Serve ``app`` in a daemon thread; ``port=0`` picks a free port. Returns once listening.
+
+    ``options`` adds TLS, the bearer token on ``protect``-ed prefixes and the slow-client
+    bounds; a bad certificate or key raises :class:`ConfigError` before anything listens.
+    """
     import uvicorn
 
+    opts = options or ServeOptions()
+    ctx = tls_context(opts)
+    if opts.token is not None:
+        app = _BearerGuard(app, opts.token, protect)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=log_level, lifespan=lifespan,
-                            timeout_graceful_shutdown=2)
+    tls: dict[str, Any] = {} if ctx is None else {
+        "ssl_certfile": opts.tls_cert, "ssl_keyfile": opts.tls_key,
+        "ssl_context_factory": lambda _config, _default: ctx}
+    config = uvicorn.Config(app, log_level=log_level, lifespan=lifespan, access_log=access_log,
+                            timeout_graceful_shutdown=2, http=_guarded_protocol(
+                                opts.header_timeout_s),
+                            timeout_keep_alive=int(max(1, round(opts.keep_alive_s))),
+                            h11_max_incomplete_event_size=opts.max_header_bytes,
+                            limit_concurrency=opts.max_connections, **tls)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name=f"rollpatch-{name}-{bound}", daemon=True)
@@ -53,4 +252,4 @@ def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, *, name: str = "
             raise RollpatchError(f"{name} server did not start", host=host, port=bound)
         time.sleep(0.01)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
-    return ServerHandle(server, thread, f"http://{shown}:{bound}")
+    return ServerHandle(server, thread, f"{opts.scheme}://{shown}:{bound}")

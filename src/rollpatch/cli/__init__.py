@@ -7,6 +7,7 @@ import os
 import select
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ..errors import RollpatchError
 
@@ -19,15 +20,24 @@ EXIT_REFUSED = 2
 EXIT_SIGPIPE = 141
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``rollpatch CMD: error: ...``), exit 2, like every refusal."""
 
-    parser = argparse.ArgumentParser(
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_REFUSED, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..netem import cli as netem
+    from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar, trust
+
+    parser = _Parser(
         prog="rollpatch",
         description="Lossless patches over engine-visible weights for RL rollout fleets.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, demo):
+    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, netem, demo,
+                   trust):
         module.register(sub)
     return parser
 

@@ -67,6 +67,9 @@ def register(sub: Any) -> None:
                        help="run the codec walk-through on simulated AdamW steps instead")
     codec.add_argument("--params", type=float, default=20e6, help="model size (parameters)")
     codec.add_argument("--formats", default="bf16,fp8-e4m3-block128,nvfp4")
+    p.add_argument("--no-sign", action="store_true",
+                   help="publish an unsigned board (default: a key and a trust root are made "
+                        "for the run; relays and islands verify every manifest and LATEST)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -83,7 +86,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         engine_urls=tuple(u.strip() for u in args.engine_urls.split(",") if u.strip()),
         prompts_per_step=args.prompts_per_step, group_size=args.group_size,
         lr=args.lr if args.lr is not None else _RL_LR, hidden=args.hidden,
-        verify_samples=args.verify_samples)
+        verify_samples=args.verify_samples, sign=not args.no_sign)
     try:
         run_demo(cfg)
     except DemoFailed as e:

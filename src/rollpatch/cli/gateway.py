@@ -11,6 +11,8 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
+    from .serving import add_serving_args
+
     p = sub.add_parser("gateway", help="route OpenAI requests over islands (sidecars) by the "
                                        "version each serves (docs/gateway.md)",
                        description="Polls each island's sidecar, routes every request to an "
@@ -32,6 +34,9 @@ def register(sub: Any) -> None:
                    help="largest request body accepted (413 above it)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--island-token-file", metavar="FILE",
+                   help="bearer token the islands' sidecars require on inference routes")
+    add_serving_args(p)
     p.set_defaults(func=cmd_gateway)
 
 
@@ -39,13 +44,18 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from ..gateway import GatewayConfig, parse_island
     from ..gateway.server import start_gateway
     from ..sidecar.body import BodyLimits
+    from .secrets import read_token
+    from .serving import serve_options
 
     islands = [parse_island(s) for s in args.sidecar]
+    island_token = read_token(args.island_token_file, "island token file") \
+        if args.island_token_file else None
     config = GatewayConfig(poll_s=args.poll, max_attempts=args.max_attempts,
-                           connect_timeout_s=args.connect_timeout,
-                           body=BodyLimits(max_bytes=args.max_body_bytes))
+                           connect_timeout_s=args.connect_timeout, island_token=island_token,
+                           body=BodyLimits(max_bytes=args.max_body_bytes,
+                                           timeout_s=args.body_timeout))
     running = start_gateway(islands, host=args.host, port=args.port, config=config,
-                            log_level=args.log_level)
+                            log_level=args.log_level, options=serve_options(args))
     names = ", ".join(f"{i.name}={i.url}" for i in islands)
     print(f"rollpatch gateway: {running.url} -> {len(islands)} island(s): {names}", flush=True)
     done = threading.Event()

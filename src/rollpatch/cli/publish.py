@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ConfigError, VersionNotFoundError
 from .codec import format_args
-from .secrets import read_secret
+from .trust import load_signer, signing_args
 
 __all__ = ["register"]
 
@@ -30,8 +30,7 @@ def register(sub: Any) -> None:
     p.add_argument("--keyframe", action="store_true", help="also write a keyframe")
     p.add_argument("--keyframe-every", type=int, default=50, metavar="K",
                    help="keyframe when the version crosses a multiple of K (0: first only)")
-    p.add_argument("--signing-key-file", metavar="PATH",
-                   help="sign the manifest with the key in this file (HMAC-SHA256)")
+    signing_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_publish)
 
@@ -44,10 +43,6 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_status)
 
 
-def _signing_key(path: str | None) -> bytes | None:
-    return None if path is None else read_secret(path, "signing key file")
-
-
 def cmd_publish(args: argparse.Namespace) -> int:
     from ..formats import QuantPolicy
     from ..io.checkpoint import load_masters
@@ -58,7 +53,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
     config = PublisherConfig(format=args.format, scales=args.scales, policy=policy,
                              keyframe_every=args.keyframe_every, skip_strides=(),
-                             signing_key=_signing_key(args.signing_key_file))
+                             signer=load_signer(args))
     masters = load_masters(args.ckpt)
     with Publisher(args.board, args.run, config, asynchronous=False, sharded=False) as pub:
         if args.keyframe:
@@ -133,7 +128,7 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
                      "keyframe_bytes": sum(k.ref.size for k in m.keyframes),
                      "patch_bytes": sum(p.ref.size for p in m.patches),
                      "bases": sorted({p.base for p in m.patches}),
-                     "signed": m.signature is not None})
+                     "signed": board.signed(run, n)})
     shown = rows if limit == 0 else rows[-limit:]
     return {"run": run, "latest": None if pointer is None else pointer.version,
             "latest_target": None if pointer is None else pointer.target,

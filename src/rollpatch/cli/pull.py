@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Any
 
+from .trust import load_trust, trust_args
+
 __all__ = ["cmd_pull", "register"]
 
 
@@ -22,7 +24,7 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=4, help="objects fetched concurrently")
     p.add_argument("--retries", type=int, default=3, help="retries per object")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per object")
-    p.add_argument("--key-file", help="HMAC key file: refuse unsigned or mis-signed manifests")
+    trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
     p.add_argument("-v", "--verbose", action="store_true", help="log retries and failures")
     p.set_defaults(func=cmd_pull)
 
@@ -32,14 +34,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from ..errors import VerificationError
     from ..follower import Follower, FollowerConfig
     from ..io import save_view
-    from .secrets import read_secret
-
     _logging(args.verbose)
-    key = read_secret(args.key_file) if args.key_file else None
+    trust = load_trust(args, args.board)
     config = FollowerConfig(fetch_workers=args.workers, retries=args.retries,
-                            timeout_s=args.timeout, verify_signature_key=key)
+                            timeout_s=args.timeout)
     engine = ViewEngine()
-    follower = Follower(args.board, args.run, engine, config)
+    follower = Follower(args.board, args.run, engine, config, trust=trust)
     t0 = time.monotonic()
     version = follower.sync(args.want)
     plan = follower.last_plan

@@ -26,6 +26,8 @@ def parse_size(text: str) -> int:
 
 
 def register(sub: Any) -> None:
+    from .serving import add_serving_args
+
     p = sub.add_parser("relay", help="serve a board read-only to a region, with a verified "
                                      "disk cache (docs/relay.md)")
     p.add_argument("--board", required=True,
@@ -45,17 +47,28 @@ def register(sub: Any) -> None:
                    help="concurrent upstream object fetches (default 16)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    from .trust import trust_args
+
+    trust_args(p, default_state="CACHE/trust-state.json")
+    p.add_argument("--board-token-file", metavar="FILE",
+                   help="bearer token to send to an upstream relay that requires one")
+    add_serving_args(p, bodies=False)
     p.set_defaults(func=cmd_relay)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
     from ..relay import RelayConfig, RelayServer
+    from .serving import serve_options, upstream_store
+    from .trust import load_trust
 
+    trust = load_trust(args, args.board, state=Path(args.cache) / "trust-state.json")
     config = RelayConfig(cache_dir=Path(args.cache), cache_bytes=args.cache_bytes,
                          pointer_ttl=args.pointer_ttl, list_ttl=args.list_ttl,
                          upstream_workers=args.workers)
-    server = RelayServer(args.board, config, host=args.host, port=args.port,
-                         log_level=args.log_level, access_log=args.log_level == "debug")
+    server = RelayServer(upstream_store(args.board, args.board_token_file), config,
+                         options=serve_options(args), host=args.host, port=args.port,
+                         log_level=args.log_level, access_log=args.log_level == "debug",
+                         trust=trust)
     url = server.start()
     print(f"rollpatch relay: serving {args.board} at {url} (cache {args.cache}, "
           f"{config.cache_bytes:,} bytes)", flush=True)

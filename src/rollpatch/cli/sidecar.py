@@ -7,12 +7,15 @@ import signal
 import threading
 from typing import Any
 
+from .trust import load_trust, trust_args
+
 __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
     from ..sidecar.gate import COMMIT_MODES
     from ..sidecar.server import ENGINES
+    from .serving import add_serving_args
 
     p = sub.add_parser("sidecar", help="serve an engine's OpenAI API under version constraints",
                        description="Follows RUN on the board, keeps the engine on a verified "
@@ -30,24 +33,34 @@ def register(sub: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="N",
                    help="largest request body accepted (413 above it)")
     p.add_argument("--threads", type=int, help="torch threads for the reference engine")
+    p.add_argument("--board-token-file", metavar="FILE",
+                   help="bearer token to send to a relay board that requires one")
+    add_serving_args(p)
+    trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
     p.set_defaults(func=cmd_sidecar)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
+    from ..board import Board
     from ..follower import FollowerConfig
     from ..sidecar import SidecarConfig
     from ..sidecar.body import BodyLimits
     from ..sidecar.server import make_engine, start_sidecar
     from .secrets import read_token
+    from .serving import serve_options, upstream_store
 
     token = read_token(args.admin_token_file) if args.admin_token_file else None
+    trust = load_trust(args, args.board)
+    board = Board(upstream_store(args.board, args.board_token_file), trust=trust)
     config = SidecarConfig(commit_mode=args.commit_mode, admin_token=token,
-                           body=BodyLimits(max_bytes=args.max_body_bytes),
+                           body=BodyLimits(max_bytes=args.max_body_bytes,
+                                           timeout_s=args.body_timeout),
                            follower=FollowerConfig(poll_s=args.poll))
+    options = serve_options(args)
     engine, url = make_engine(args.engine, model=args.model, engine_url=args.engine_url,
                               threads=args.threads)
-    running = start_sidecar(args.board, args.run, engine, url, host=args.host, port=args.port,
-                            config=config, log_level="warning")
+    running = start_sidecar(board, args.run, engine, url, host=args.host, port=args.port,
+                            config=config, log_level="warning", options=options)
     print(f"rollpatch sidecar: {running.url} -> {args.engine} engine at {url}; following "
           f"{args.run} on {args.board} ({args.commit_mode} commits)", flush=True)
     done = threading.Event()

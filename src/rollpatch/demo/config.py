@@ -80,6 +80,9 @@ class DemoConfig:
     poll_s: float = 0.1
     #: Longest wait for every island to reach LATEST after the last step, seconds.
     catchup_timeout_s: float = 120.0
+    #: Sign the board (an Ed25519 key and a root of trust made for the run; relays and islands
+    #: verify under it, docs/trust.md). False: an unsigned board, verification off.
+    sign: bool = True
 
     def __post_init__(self) -> None:
         from ..formats import FORMAT_NAMES
@@ -120,6 +123,8 @@ class DemoConfig:
         _int("verify_samples", self.verify_samples, 0, 10_000_000)
         _num("poll_s", self.poll_s, 0.0, 60.0, lo_open=True)
         _num("catchup_timeout_s", self.catchup_timeout_s, 0.0, 3600.0, lo_open=True)
+        if not isinstance(self.sign, bool):
+            raise ConfigError("DemoConfig.sign must be true or false", field="sign")
 
     @property
     def batch_rollouts(self) -> int:

@@ -14,9 +14,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..trust import Trust
 from .events import emit, watch_parent
 
 __all__ = ["main", "make_island_engine"]
@@ -38,6 +40,7 @@ def make_island_engine(kind: str, *, model: str, fmt: str, engine_url: str | Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ..board import Board
     from ..follower import FollowerConfig
     from ..serving import serve_app
     from ..sidecar import Sidecar, SidecarConfig
@@ -53,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--engine", default="reference")
     p.add_argument("--engine-url")
     p.add_argument("--poll", type=float, default=0.1)
+    p.add_argument("--trust", help="trust root file: verify every manifest and LATEST")
+    p.add_argument("--trust-state", help="rollback-protection state file")
     args = p.parse_args(argv)
 
     stop = threading.Event()
@@ -66,7 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit("error", where=f"island {args.name}", message=f"{type(e).__name__}: {e}")
         return 2
     config = SidecarConfig(commit_mode="drain", follower=FollowerConfig(poll_s=args.poll))
-    sc = Sidecar(args.board, args.run, engine, url, config)
+    trust = None if args.trust is None else Trust.from_file(
+        args.trust, state_path=None if args.trust_state is None else Path(args.trust_state))
+    sc = Sidecar(Board(args.board, trust=trust), args.run, engine, url, config)
 
     def on_commit(version: int, pause_s: float) -> None:
         emit("commit", island=args.name, version=version, t=time.time(),

@@ -38,6 +38,31 @@ class Layout:
         return self.root / "relay-cache" / region
 
     @property
+    def key(self) -> Path:
+        """The trainer's Ed25519 signing key (made for each run when the demo signs)."""
+        return self.root / "trust" / "publisher.key"
+
+    @property
+    def trust_root(self) -> Path:
+        """The root of trust the relays and islands verify under (``--trust``)."""
+        return self.root / "trust" / "root.json"
+
+    def trust_state(self, name: str) -> Path:
+        """Rollback state of one verifying process (an island, a relay)."""
+        return self.root / "trust" / f"state-{name}.json"
+
+    def make_trust(self) -> None:
+        """A fresh publisher key and root 1 (on the board and in :attr:`trust_root`)."""
+        from ..board import Board
+        from ..trust import Root, sign_root, write_keypair
+
+        self.key.parent.mkdir(parents=True, exist_ok=True)
+        _, _, key = write_keypair(self.key.with_suffix(""))
+        raw = sign_root(Root.new([key.public]), [key])
+        Board(self.board_uri).put_root(raw)
+        self.trust_root.write_bytes(raw)
+
+    @property
     def logs(self) -> Path:
         """One log file per child process (their stderr and non-event output)."""
         return self.root / "logs"
@@ -62,7 +87,7 @@ class Layout:
                               hint="pass --out with a new or empty directory")
         root.mkdir(parents=True, exist_ok=True)
         (root / _MARKER).write_text("made by rollpatch demo; reset on every run\n")
-        for stale in (self.board, self.root / "relay-cache", self.logs):
+        for stale in (self.board, self.root / "relay-cache", self.logs, self.root / "trust"):
             if stale.exists():
                 shutil.rmtree(stale)
         for png in root.glob("*.png"):

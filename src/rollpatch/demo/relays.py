@@ -25,6 +25,7 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     from ..relay import RelayConfig, RelayServer
     from ..store import ThrottledStore, open_store
+    from ..trust import Trust
 
     p = argparse.ArgumentParser(prog="python -m rollpatch.demo.relays")
     p.add_argument("--board", required=True, help="upstream board URI")
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, required=True,
                    help="emulated WAN round trip per upstream request, ms")
     p.add_argument("--ttl", type=float, default=0.2, help="LATEST / listing TTL, seconds")
+    p.add_argument("--trust", help="trust root file: verify before caching")
     args = p.parse_args(argv)
 
     stop = threading.Event()
@@ -48,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   args.latency_ms / 1000)
             config = RelayConfig(cache_dir=Path(args.cache_root) / region,
                                  pointer_ttl=args.ttl, list_ttl=args.ttl)
-            server = RelayServer(link, config)
+            trust = None if args.trust is None else Trust.from_file(
+                args.trust, state_path=config.cache_dir / "trust-state.json")
+            server = RelayServer(link, config, trust=trust)
             servers.append(server)
             links[region] = link
             emit("listening", relay=region, url=server.start())

@@ -68,10 +68,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                  f"the WAN between the board and the remote relays is EMULATED "
                  f"({cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms per request)")
         regions = [r for _, r in ISLANDS if r is not None]
+        if cfg.sign:
+            layout.make_trust()
+        trust = ["--trust", str(layout.trust_root)] if cfg.sign else []
         procs.spawn("relays", "relays", "--board", layout.board_uri,
                              "--regions", ",".join(regions),
                              "--cache-root", str(layout.root / "relay-cache"),
-                             "--mbps", str(cfg.wan_mbps), "--latency-ms", str(cfg.wan_latency_ms))
+                             "--mbps", str(cfg.wan_mbps), "--latency-ms", str(cfg.wan_latency_ms),
+                             *trust)
         trainer = procs.spawn("trainer", "trainer", "--config", cfg.to_json(),
                               "--out", str(layout.root))
         for _ in regions:
@@ -144,6 +148,9 @@ def _start_islands(cfg: DemoConfig, layout: Layout, procs: ProcessGroup,
         args = ["--name", name, "--board", str(board), "--run", RUN,
                 "--model", str(layout.model), "--format", cfg.format, "--engine", cfg.engine,
                 "--poll", str(cfg.poll_s)]
+        if cfg.sign:
+            args += ["--trust", str(layout.trust_root),
+                     "--trust-state", str(layout.trust_state(f"island-{name}"))]
         if cfg.engine == "vllm":
             args += ["--engine-url", cfg.engine_urls[i]]
         procs.spawn(f"island-{name}", "island", *args)

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..board import Board
 from ..publisher import Publisher, PublisherConfig
+from ..trust import Signer
 from .config import RUN, DemoConfig
 from .events import emit, watch_parent
 from .grpo import Rollout, split_by_lag
@@ -117,7 +118,9 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
     task = DigitTask.from_tokenizer(tok)
     digit_mass = warm_up(model, task, cfg)
     full = cast_view(snapshot_state(model.state_dict()), cfg.format)
-    pub = Publisher(layout.board_uri, RUN, PublisherConfig(format=cfg.format, max_pending=100_000))
+    signer = Signer.from_files([layout.key]) if cfg.sign else None
+    pub = Publisher(layout.board_uri, RUN, PublisherConfig(format=cfg.format, max_pending=100_000,
+                                                           signer=signer))
     published = _Published(pub)
     published.publish(model.state_dict())
     pub.flush()

@@ -5,8 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from ..errors import EngineError
 from ..patch import Patch
 from ..view import View, WordSource
+from .staged import AuditReport, EncodedStep, StagedUpdate
 
 __all__ = ["EngineAdapter"]
 
@@ -43,23 +45,29 @@ class EngineAdapter(ABC):
     def apply(self, patch: Patch, version: int) -> None:
         """Apply a decoded patch in place (verified, rolled back on failure) → ``version``."""
 
-    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
-                       version: int) -> bool:
-        """Optional: commit one step's wire-format patch objects, decoded by the engine itself.
+    def stage(self, patch: Patch, version: int) -> StagedUpdate | None:
+        """Optional: prove a decoded ``patch`` against the held words while the engine serves
+        (:mod:`rollpatch.engines.staged`), so that :meth:`commit_staged` only writes. None:
+        the engine does not stage (the follower then commits with :meth:`apply`)."""
+        return None
 
-        ``blobs`` are every shard's patch object of one step ``base_digest`` → ``target_digest``
-        (root digests of the whole views). An engine that can decode against its own words
-        (vLLM: inside its workers) overrides this, so the follower need not decode against
-        :meth:`words` (for an out-of-process engine, every touched tensor crossing processes);
-        the contract of :meth:`apply` holds, and it returns True. The default returns False
-        at once, touching nothing: the follower then decodes and calls :meth:`apply`.
-        """
-        return False
+    def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
+        """Optional: stage a chain of wire-format steps that the engine decodes and composes
+        against its own words (vLLM: inside its workers; nothing of the model crosses
+        processes). ``steps[0]`` starts at the held version. None: not supported."""
+        return None
 
-    def decodes_itself(self, n_objects: int) -> bool:
-        """Whether :meth:`commit_encoded` would take a step of ``n_objects`` patch objects
-        (asked before pausing, so engines that decline pay no pause)."""
-        return False
+    def commit_staged(self, staged: StagedUpdate, version: int) -> None:
+        """Write a staged update (called under the commit gate: writes only, then a read-back
+        of the written positions); ``version`` moves only if it verifies. Raises
+        :class:`~rollpatch.errors.BaseMismatchError` if the held view is no longer the
+        staged base."""
+        raise EngineError("this engine does not stage commits", engine=self.name)
+
+    def audit(self, budget_bytes: int) -> AuditReport | None:
+        """Optional: re-hash up to ``budget_bytes`` of live weights (round-robin over tensors)
+        and compare with the digests of the version held. None: the engine cannot audit."""
+        return None
 
     def pause(self) -> None:
         """Stop generation for a commit (engines that generate override this)."""

@@ -8,7 +8,10 @@
 See docs/follower.md for the state machine, the guarantees and the memory bound.
 """
 
+from .audit import Auditor
+from .commit import CommitGate, CommitMode, CommitRecord
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .core import CommitCallback, Follower
 
-__all__ = ["CommitCallback", "Follower", "FollowerConfig", "FollowerState", "FollowerStatus"]
+__all__ = ["Auditor", "CommitCallback", "CommitGate", "CommitMode", "CommitRecord", "Follower",
+           "FollowerConfig", "FollowerState", "FollowerStatus"]

@@ -51,10 +51,13 @@ class FollowerConfig:
     backoff_s: float = 0.2
     #: Seconds one object may take to arrive and verify, all retries included (> 0).
     timeout_s: float = 60.0
-    #: HMAC key: when set, every manifest a plan uses must carry a valid signature.
-    verify_signature_key: bytes | None = None
     #: Refuse plans that would fetch more than this many bytes (None: no limit).
     max_stage_bytes: int | None = None
+    #: Background audit (follower/audit.py): live bytes re-hashed per second while the engine
+    #: serves (None: no audit). The whole model is covered every model bytes / rate seconds.
+    audit_bytes_per_s: float | None = 64 * 2**20
+    #: Seconds between two audit slices (> 0); a slice hashes rate × period bytes.
+    audit_period_s: float = 1.0
 
     def __post_init__(self) -> None:
         _number("poll_s", self.poll_s, 0.0, 86400.0, lo_open=True)
@@ -62,12 +65,11 @@ class FollowerConfig:
         _integer("retries", self.retries, 0, 100)
         _number("backoff_s", self.backoff_s, 0.0, 3600.0)
         _number("timeout_s", self.timeout_s, 0.0, 86400.0, lo_open=True)
-        key = self.verify_signature_key
-        if key is not None and (not isinstance(key, bytes) or not key):
-            raise ConfigError("FollowerConfig.verify_signature_key must be non-empty bytes "
-                              "or None", field="verify_signature_key")
         if self.max_stage_bytes is not None:
             _integer("max_stage_bytes", self.max_stage_bytes, 1, 1 << 60)
+        if self.audit_bytes_per_s is not None:
+            _number("audit_bytes_per_s", self.audit_bytes_per_s, 0.0, 1e13, lo_open=True)
+        _number("audit_period_s", self.audit_period_s, 0.0, 3600.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ class FollowerStatus:
     ``last_error`` (``"ClassName: message"``) and ``error_type`` describe the most recent
     failure and are cleared by the next successful sync. Counters are cumulative; the
     ``*_s`` timings are of the most recent sync that got that far (``last_commit_s`` is the
-    engine pause).
+    engine pause as the commit gate measured it: the one pause figure; ``last_stage_s`` the
+    staging done while the engine served). ``audits`` counts audit mismatches.
     """
 
     state: FollowerState
@@ -97,3 +100,4 @@ class FollowerStatus:
     last_commit_s: float | None
     last_fetch_s: float | None
     last_stage_s: float | None
+    audits: int = 0

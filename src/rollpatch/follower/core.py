@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ..board import Board, Plan
 from ..engines import EngineAdapter
+from ..engines.staged import AuditReport, EncodedStep, StagedUpdate
 from ..errors import (
     BaseMismatchError,
     NoPathError,
@@ -26,7 +27,10 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..manifest import Manifest
+from ..trust import Trust, warn_unverified
 from ..types import ObjectRef, check_run
+from .audit import Auditor
+from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
 from .stage import Stage, encoded_step
@@ -59,11 +63,25 @@ class Follower:
     """
 
     def __init__(self, board: str | Board, run: str, engine: EngineAdapter,
-                 config: FollowerConfig | None = None) -> None:
-        self.board = Board(board) if isinstance(board, str) else board
+                 config: FollowerConfig | None = None, *, gate: CommitGate | None = None,
+                 trust: Trust | None = None) -> None:
+        # trust: verifies what is read (default: the board's own, if any; without one,
+        # unsigned boards are accepted and one warning line says so; docs/trust.md)
+        self.board = Board(board, trust=trust) if isinstance(board, str) else board
+        if trust is not None and self.board.trust is not trust:
+            self.board = Board(self.board.store, trust=trust)
+        if self.board.trust is None:
+            warn_unverified(f"follower of {run!r}")
         self.run = check_run(run)
         self.engine = engine
         self.config = config if config is not None else FollowerConfig()
+        #: The one owner of the commit sequence (pause mode unless the caller's gate says
+        #: otherwise); the sidecar passes the gate it admits requests through.
+        self.gate = gate if gate is not None else CommitGate(engine, "pause")
+        rate = self.config.audit_bytes_per_s
+        self.auditor = None if rate is None else Auditor(
+            engine, rate_bytes_per_s=rate, period_s=self.config.audit_period_s,
+            on_mismatch=self._on_audit_mismatch, busy=lambda: self.gate.busy)
         self.on_commit: list[CommitCallback] = []
         #: The plan of the most recent sync that planned (for reports such as ``pull``).
         self.last_plan: Plan | None = None
@@ -77,11 +95,13 @@ class Follower:
         self._version: int | None = None
         self._latest: int | None = None
         self._error: BaseException | None = None
-        self._counts = {"bytes": 0, "objects": 0, "commits": 0, "reboots": 0, "retries": 0}
+        self._counts = {"bytes": 0, "objects": 0, "commits": 0, "reboots": 0, "retries": 0,
+                        "audits": 0}
         self._timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
         # LATEST, manifests and plans are read through a board whose store retries each read
-        self._reader = Board(RetryingStore(self.board.store, self._retrier))
+        self._reader = Board(RetryingStore(self.board.store, self._retrier),
+                             trust=self.board.trust)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -103,7 +123,7 @@ class Follower:
                 error_type=None if err is None else type(err).__name__,
                 bytes_fetched=c["bytes"], objects_fetched=c["objects"], commits=c["commits"],
                 reboots=c["reboots"], retries=c["retries"], last_commit_s=t["commit"],
-                last_fetch_s=t["fetch"], last_stage_s=t["stage"])
+                last_fetch_s=t["fetch"], last_stage_s=t["stage"], audits=c["audits"])
 
     def wait_for(self, version: int, timeout: float) -> bool:
         """Block until the verified version is at least ``version``; False on timeout.
@@ -232,63 +252,59 @@ class Follower:
                               self._retrier, self._on_fetched)
         self._timing("fetch", t0)
         self._set(FollowerState.STAGING)
-        if have is not None and len(plan.steps) == 1 and self._commit_encoded(
-                manifests[want], manifests[have], blobs):
-            return want
         t0 = time.monotonic()
-        stage = Stage(self.engine.words() if have is not None else None)
-        for step in plan.steps:
-            if step.base is None:
-                stage.keyframe(manifests[step.to], blobs)
-            else:
-                stage.step(manifests[step.to], manifests[step.base], blobs)
+        staged: StagedUpdate | None = None
+        if have is not None and all(s.base is not None for s in plan.steps):
+            staged = self.engine.stage_encoded(
+                [EncodedStep(tuple(encoded_step(manifests[s.to], manifests[s.base], blobs)),
+                             manifests[s.base].target, manifests[s.to].target)
+                 for s in plan.steps if s.base is not None], want)
+        stage = Stage(None)
+        if staged is None:
+            stage = Stage(self.engine.words() if have is not None else None)
+            for step in plan.steps:
+                if step.base is None:
+                    stage.keyframe(manifests[step.to], blobs)
+                else:
+                    stage.step(manifests[step.to], manifests[step.base], blobs)
+            if stage.patch is not None:
+                staged = self.engine.stage(stage.patch, want)
         self._timing("stage", t0)
         del blobs
         self._set(FollowerState.COMMITTING)
 
-        def commit() -> bool:
-            if stage.view is not None:
+        def write() -> None:
+            if staged is not None:
+                self.engine.commit_staged(staged, want)
+            elif stage.view is not None:
                 self.engine.load(stage.view, want)
             else:
                 assert stage.patch is not None
                 self.engine.apply(stage.patch, want)  # verifies base and target; all or nothing
-            return True
 
-        self._commit(commit, want, manifests[want])
+        self._commit(write, want, manifests[want])
         return want
 
-    def _commit_encoded(self, m: Manifest, base: Manifest, blobs: dict[str, bytes]) -> bool:
-        """One step handed over undecoded, when the engine decodes patches itself; False
-        (nothing done, ``blobs`` intact) when it does not."""
-        if not self.engine.decodes_itself(len(m.patches_from(base.version))):
-            return False
-        t0 = time.monotonic()
-        objs = encoded_step(m, base, blobs)
-        self._timing("stage", t0)
-        self._set(FollowerState.COMMITTING)
-        return self._commit(lambda: self.engine.commit_encoded(objs, base.target, m.target,
-                                                               m.version), m.version, m)
-
-    def _commit(self, action: Callable[[], bool], want: int, m: Manifest) -> bool:
-        """Run ``action`` (the engine's commit) paused, then check the engine holds ``m``'s
-        target; False when the engine declined (``action`` returned False)."""
+    def _commit(self, write: Callable[[], None], want: int, m: Manifest) -> None:
+        """Run ``write`` through the commit gate (the one owner of the pause), check that the
+        engine holds ``m``'s target, and record the version before the gate lets go."""
         before = self.version
-        t0 = time.monotonic()
-        self.engine.pause()
-        try:
-            done = action()
-        finally:
-            self.engine.resume()
-            pause_s = time.monotonic() - t0
-        if not done:
-            return False
-        if self.engine.version != want or self.engine.digest != m.target:
+
+        def run() -> None:
+            write()
+            if self.engine.version != want or self.engine.digest != m.target:
+                with self._cond:
+                    self._version = before if self.engine.version == before else None
+                raise VerificationError("engine does not hold the target digest after the "
+                                        "commit", run=self.run, version=want,
+                                        engine=self.engine.name)
             with self._cond:
-                self._version = before if self.engine.version == before else None
-            raise VerificationError("engine does not hold the target digest after the commit",
-                                    run=self.run, version=want, engine=self.engine.name)
+                self._version = want
+                self._cond.notify_all()
+
+        self.gate.run(run)
+        pause_s = self.gate.last_pause_s or 0.0
         with self._cond:
-            self._version = want
             self._counts["commits"] += 1
             self._timings["commit"] = pause_s
             self._cond.notify_all()
@@ -297,7 +313,14 @@ class Follower:
                 callback(want, pause_s)
             except Exception:  # a subscriber's bug must not undo a verified commit
                 log.exception("on_commit callback failed for %s@%d", self.run, want)
-        return True
+
+    def _on_audit_mismatch(self, report: AuditReport) -> None:
+        """Live words differ from the held version: not ready, re-sync from a keyframe."""
+        with self._cond:
+            self._version = None
+            self._counts["audits"] += 1
+            self._cond.notify_all()
+        self._wake.set()
 
     # -- board reads ---------------------------------------------------------------------------
 
@@ -310,10 +333,7 @@ class Follower:
         return None if p is None else p.version
 
     def _manifest(self, n: int) -> Manifest:
-        m = self._reader.manifest(self.run, n)
-        if self.config.verify_signature_key is not None:
-            m.verify_signature(self.config.verify_signature_key)
-        return m
+        return self._reader.manifest(self.run, n)
 
     # -- background loop -----------------------------------------------------------------------
 
@@ -326,9 +346,13 @@ class Follower:
         self._thread = threading.Thread(target=self._loop, args=(stop,), daemon=True,
                                         name=f"rollpatch-follower-{self.run}")
         self._thread.start()
+        if self.auditor is not None:
+            self.auditor.start()
 
     def stop(self) -> None:
-        """Stop the background thread (a commit in progress completes first)."""
+        """Stop the background threads (a commit in progress completes first)."""
+        if self.auditor is not None:
+            self.auditor.stop()
         thread, stop = self._thread, self._loop_stop
         if thread is None or stop is None:
             return

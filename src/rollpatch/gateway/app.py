@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ..errors import ConfigError
 from ..sidecar.body import read_json_object, refusal_status
 from ..sidecar.protocol import parse_constraint
+from ..sidecar.schema import openapi_body, validate_body
 from ..types import Constraint
 from .core import Gateway
 from .proxy import forward, gateway_error
@@ -31,8 +32,10 @@ log = logging.getLogger("rollpatch.gateway")
 
 def create_app(gw: Gateway) -> FastAPI:
     """Build the FastAPI app around a started :class:`Gateway`."""
+    auth = {} if gw.config.island_token is None else {
+        "authorization": f"Bearer {gw.config.island_token}"}
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=gw.config.connect_timeout_s),
+        headers=auth, timeout=httpx.Timeout(None, connect=gw.config.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     app = FastAPI(title="rollpatch gateway", docs_url=None, redoc_url=None)
 
@@ -68,7 +71,8 @@ def create_app(gw: Gateway) -> FastAPI:
                              annotate=False)
 
     for path in _PROXIED:
-        app.add_api_route(path, _make_route(gw, client, path), methods=["POST"])
+        app.add_api_route(path, _make_route(gw, client, path), methods=["POST"],
+                          openapi_extra=openapi_body(path))
     return app
 
 
@@ -76,12 +80,13 @@ def _make_route(gw: Gateway, client: httpx.AsyncClient, path: str) -> Any:
     async def route(request: Request) -> Response:
         # strict and bounded: a body no island would accept is refused here, not 3 times there
         raw, body = await read_json_object(request, gw.config.body)
+        typed = validate_body(path, body)
         # parse a copy: the sidecar needs the rollpatch field (and headers) as sent
         constraint = parse_constraint(dict(body), request.headers)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower().startswith(_FORWARDED_HEADER_PREFIX)}
         headers["content-type"] = "application/json"
         return await forward(gw, client, "POST", path, raw, headers, constraint,
-                             stream=bool(body.get("stream")))
+                             stream=bool(typed.stream))
 
     return route

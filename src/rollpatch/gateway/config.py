@@ -56,6 +56,9 @@ class GatewayConfig:
     retry_backoff_s: float = 0.25
     #: Bounds on request bodies: size (413), JSON nesting depth (400), receive time (408).
     body: BodyLimits = field(default_factory=BodyLimits)
+    #: Bearer token the islands' sidecars require on inference routes (None: they are open).
+    #: Islands served over https are verified against the system CAs, or ``SSL_CERT_FILE``.
+    island_token: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.poll_s <= 60:
@@ -72,3 +75,7 @@ class GatewayConfig:
             raise ConfigError("retry_backoff_s must be in [0, 10]", field="retry_backoff_s")
         if not isinstance(self.body, BodyLimits):
             raise ConfigError("body must be a BodyLimits", field="body")
+        if self.island_token is not None and (not self.island_token.isascii()
+                                              or not self.island_token.isprintable()
+                                              or not self.island_token.strip()):
+            raise ConfigError("island_token must be printable ASCII", field="island_token")

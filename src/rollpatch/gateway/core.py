@@ -116,13 +116,16 @@ class Gateway:
     # knowledge ---------------------------------------------------------------------------
 
     def observe_version(self, name: str, body: dict[str, Any]) -> None:
-        """Fold in a ``/version`` answer (authoritative, except that versions never go back)."""
+        """Fold in a ``/version`` answer: authoritative, except that a served version never
+        goes back. The island's LATEST is taken as reported (not the maximum ever seen): a bad
+        LATEST it read once, then repaired, must not stick (routing never trusts one island's
+        LATEST for the fleet anyway, see :func:`~rollpatch.gateway.routing.fleet_latest`)."""
         served = _int_or_none(body.get("served"))
         with self._lock:
             rec = self._records[name]
             v = rec.view
             rec.view = replace(v, served=None if served is None else _newer(v.served, served),
-                               latest=_newer(v.latest, _int_or_none(body.get("latest"))),
+                               latest=_int_or_none(body.get("latest")),
                                state=str(body.get("state")) if body.get("state") else None,
                                reachable=True)
             rec.lag = _int_or_none(body.get("lag"))
@@ -168,7 +171,8 @@ class Gateway:
             return [self._records[s.name].view for s in self.specs]
 
     def latest(self) -> int | None:
-        """The newest LATEST any island reported."""
+        """The fleet's LATEST (:func:`~rollpatch.gateway.routing.fleet_latest`: no single island
+        can inflate it)."""
         return fleet_latest(self.views())
 
     def describe(self) -> list[dict[str, Any]]:
@@ -179,7 +183,7 @@ class Gateway:
             for s in self.specs:
                 rec = self._records[s.name]
                 v = rec.view
-                # behind the newest version anyone reported: a sidecar's own lag comes from
+                # behind the fleet's LATEST: a sidecar's own lag comes from
                 # its follower, stale while that follower is stopped or slow to poll
                 lag = max(newest - v.served, 0) if newest is not None \
                     and v.served is not None else rec.lag

@@ -61,25 +61,47 @@ class IslandView:
 
 
 def fleet_latest(islands: Sequence[IslandView]) -> int | None:
-    """The newest LATEST (or served version) any island has reported."""
-    seen = [v for i in islands for v in (i.latest, i.served) if v is not None]
-    return max(seen) if seen else None
+    """The newest version the fleet vouches for: the lower median of what the reachable
+    islands report (each its LATEST, or its served version when that is newer).
+
+    One island cannot inflate it: an island on a tampered board, or a hostile one, that says
+    LATEST is 10^12 would otherwise make every ``max_lag`` request chase a version that does
+    not exist. An underestimate is harmless (each sidecar enforces the constraint with its own
+    LATEST; a refusal is retried elsewhere); with two islands the lower report wins.
+    """
+    up = [i for i in islands if i.reachable] or list(islands)
+    seen = sorted(max(v for v in (i.latest, i.served) if v is not None)
+                  for i in up if i.latest is not None or i.served is not None)
+    return seen[(len(seen) - 1) // 2] if seen else None
+
+
+def _tier(d_action: str, need: int | None) -> Tier:
+    if d_action == "proxy":
+        return Tier.READY
+    if d_action == "wait":
+        return Tier.CATCH_UP
+    if d_action == "unavailable":
+        return Tier.UNKNOWN
+    return Tier.FUTURE if need is not None else Tier.HOPELESS
 
 
 def tier_of(island: IslandView, c: Constraint, latest: int | None) -> Tier:
-    """Place ``island`` for constraint ``c`` given the fleet's ``latest``."""
+    """Place ``island`` for constraint ``c`` given the fleet's ``latest``.
+
+    The worse of two views: the fleet's (is its version acceptable?) and the island's own
+    sidecar's, which decides with the LATEST it reads itself (will it answer at once, or wait
+    to catch up first?).
+    """
     if island.reachable is None:
         return Tier.UNKNOWN
     if not island.reachable:
         return Tier.DOWN
     d = decide(c, island.served, latest)
-    if d.action == "proxy":
-        return Tier.READY
-    if d.action == "wait":
-        return Tier.CATCH_UP
-    if d.action == "unavailable":
-        return Tier.UNKNOWN
-    return Tier.FUTURE if d.need is not None else Tier.HOPELESS
+    fleet = _tier(d.action, d.need)
+    if island.latest is None or island.latest == latest:
+        return fleet
+    own = decide(c, island.served, island.latest)
+    return max(fleet, _tier(own.action, own.need))
 
 
 def rank(islands: Sequence[IslandView], c: Constraint, latest: int | None, *,

@@ -10,6 +10,7 @@ from typing import Literal
 from ..errors import ConfigError
 from ..formats import QuantPolicy, get_format
 from ..formats.base import SCALE_MODES
+from ..trust import Signer
 
 __all__ = ["DiffOn", "PublisherConfig", "PublisherStats", "VersionStats", "default_publisher_id"]
 
@@ -48,9 +49,10 @@ class PublisherConfig:
     queue is full, the oldest waiting one is dropped (its version is never published)."""
     publisher_id: str = field(default_factory=default_publisher_id)
     """Recorded in each manifest (at most 256 characters)."""
-    signing_key: bytes | None = None
-    """When set, manifests carry an HMAC-SHA256 signature with this key, and resuming verifies
-    the signatures of the manifests it reads."""
+    signer: Signer | None = None
+    """When set, every manifest and LATEST is signed with its Ed25519 keys (LATEST valid for
+    ``signer.latest_ttl_s``), and resuming refuses manifests that none of its keys signed
+    (docs/trust.md)."""
     diff_on: DiffOn = "host"
     """Where the O(N) work runs. ``host``: masters are copied to host memory in ``publish()``
     and cast, compared and hashed there with numpy and the native core. ``device``: they are
@@ -88,18 +90,9 @@ class PublisherConfig:
         if self.diff_on not in DIFF_ON:
             raise ConfigError(f"PublisherConfig.diff_on must be one of {', '.join(DIFF_ON)}",
                               value=self.diff_on)
-        key = self.signing_key
-        if key is not None and (not isinstance(key, bytes) or len(key) < 16):
-            raise ConfigError("PublisherConfig.signing_key must be bytes, at least 16 long",
-                              hint="e.g. secrets.token_bytes(32)")
-
-    def __repr__(self) -> str:  # never print the key
-        key = None if self.signing_key is None else "<set>"
-        return (f"PublisherConfig(format={self.format!r}, scales={self.scales!r}, "
-                f"policy={self.policy!r}, keyframe_every={self.keyframe_every}, "
-                f"skip_strides={self.skip_strides}, max_pending={self.max_pending}, "
-                f"publisher_id={self.publisher_id!r}, signing_key={key}, "
-                f"diff_on={self.diff_on!r})")
+        if self.signer is not None and not isinstance(self.signer, Signer):
+            raise ConfigError("PublisherConfig.signer must be a rollpatch.trust.Signer or None",
+                              field="signer", hint="Signer.from_files(['publisher.key'])")
 
 
 def _is_int(x: object) -> bool:

@@ -29,6 +29,7 @@ from .pipeline import ShardPipeline, ShardResult, assemble_manifest
 from .reconstruct import reconstruct
 from .rounds import Snapshot, agree, resume_point
 from .sharded import open_exchange
+from .signing import LatestHeartbeat, check_signing
 
 __all__ = ["Publisher", "snapshot_state"]
 
@@ -70,6 +71,9 @@ class Publisher:
         if not isinstance(self.config, PublisherConfig):
             raise ConfigError("config must be a PublisherConfig")
         self.board = board if isinstance(board, Board) else Board(board)
+        if self.config.signer is not None and self.board.signer is not self.config.signer:
+            # the publisher signs through its own view of the store; ``board`` is not changed
+            self.board = Board(self.board.store, signer=self.config.signer)
         self.run = check_run(run)
         self._x = open_exchange(group, sharded)
         self._cond = threading.Condition()
@@ -89,6 +93,13 @@ class Publisher:
         self._on_device: bool | None = {"host": False, "device": True}.get(self.config.diff_on)
         if self._on_device:
             self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
+        self._heartbeat: LatestHeartbeat | None = None
+        signer = self.config.signer
+        if self._x.rank == 0:
+            check_signing(self.board, signer)
+        if signer is not None and self._x.rank == 0:
+            self._heartbeat = LatestHeartbeat(self.board, self.run, self._durable,
+                                              signer.latest_ttl_s / 4)
         self._worker: threading.Thread | None = None
         if asynchronous:
             self._worker = threading.Thread(target=self._work, daemon=True,
@@ -186,6 +197,8 @@ class Publisher:
             self._cond.notify_all()
         if self._worker is not None:
             self._worker.join()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         with self._cond:
             self._closed = True
             if self._error is not None and not self._error_reported:
@@ -199,6 +212,10 @@ class Publisher:
         self.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _durable(self) -> int | None:
+        with self._cond:
+            return self._last_durable
 
     def _check_usable(self) -> None:
         with self._cond:
@@ -324,8 +341,9 @@ class Publisher:
         try:
             if self._resume_from is not None and self._pipe.prev is None:
                 t = time.perf_counter()
+                signer = self.config.signer
                 whole = reconstruct(self.board, self.run, self._resume_from,
-                                    signing_key=self.config.signing_key)
+                                    trust=None if signer is None else signer.self_trust())
                 self._pipe.resume(self._resume_from, whole)
                 resume_s = time.perf_counter() - t
             res = self._pipe.build(n, snap.masters, keyframe=keyframe)

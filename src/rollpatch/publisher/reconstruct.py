@@ -12,23 +12,27 @@ from ..errors import ManifestError, VersionNotFoundError
 from ..follower.stage import decode_step, keyframe_view
 from ..manifest import Manifest
 from ..patch import Patch, apply
+from ..trust import Trust
 from ..view import View
 
 __all__ = ["apply_step", "load_keyframe", "merge_shard_patches", "reconstruct"]
 
 
 def reconstruct(board: Board | str, run: str, version: int | None = None, *,
-                signing_key: bytes | None = None) -> View:
+                trust: Trust | None = None) -> View:
     """The served view of ``run`` at ``version`` (None: LATEST), rebuilt and verified.
 
     Follows :meth:`Board.plan` from nothing (fewest bytes: a keyframe, then patches). With
-    ``signing_key``, every manifest used must carry a valid signature.
+    ``trust`` (or a board that has one), every manifest used, and LATEST, must be signed under
+    that trust root.
 
     Raises :class:`VersionNotFoundError` (no such version or no LATEST), :class:`NoPathError`,
     :class:`ManifestError` (an object is missing its size or hash: corrupt or truncated, or
     shards overlap), or a :class:`VerificationError` when bits do not match their digests.
     """
     b = board if isinstance(board, Board) else Board(board)
+    if trust is not None:
+        b = Board(b.store, trust=trust)
     if version is None:
         pointer = b.latest(run)
         if pointer is None:
@@ -36,18 +40,16 @@ def reconstruct(board: Board | str, run: str, version: int | None = None, *,
         version = pointer.version
     view: View | None = None
     for step in b.plan(run, None, version).steps:
-        view = apply_step(b, run, step, view, signing_key=signing_key)
+        view = apply_step(b, run, step, view)
     if view is None:  # plan(None, v) always has at least the keyframe step
         raise VersionNotFoundError("empty plan", run=run, version=version)
     return view
 
 
-def apply_step(board: Board, run: str, step: PlanStep, view: View | None, *,
-               signing_key: bytes | None = None) -> View:
-    """Take one plan step: load the keyframe of ``step.to``, or patch ``view`` in place."""
+def apply_step(board: Board, run: str, step: PlanStep, view: View | None) -> View:
+    """Take one plan step: load the keyframe of ``step.to``, or patch ``view`` in place
+    (manifests verified under ``board.trust``, if it has one)."""
     m = board.manifest(run, step.to)
-    if signing_key is not None:
-        m.verify_signature(signing_key)
     if step.is_keyframe:
         return load_keyframe(board, m)
     if view is None or step.base is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 __all__ = ["GiB", "KeyKind", "MiB", "RelayConfig", "classify", "manifest_version",
-           "object_hash"]
+           "object_hash", "pointer_run", "root_version"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -19,7 +19,8 @@ GiB = 1 << 30
 _OBJECT = re.compile(r"runs/[^/]+/objects/([0-9a-f]{64})\.[A-Za-z0-9_-]+")
 _MANIFEST = re.compile(r"runs/([^/]+)/versions/([0-9]{12})\.json")
 _MARKER = re.compile(r"runs/[^/]+/keyframes/[0-9]+")
-_POINTER = re.compile(r"runs/[^/]+/LATEST")
+_POINTER = re.compile(r"runs/([^/]+)/LATEST")
+_ROOT = re.compile(r"root/([0-9]{12})\.json")
 
 
 class KeyKind(enum.Enum):
@@ -37,18 +38,21 @@ class KeyKind(enum.Enum):
     MARKER = "marker"
     #: ``runs/R/LATEST``: the pointer moves; short TTL only.
     POINTER = "pointer"
+    #: ``root/{n:012d}.json``: a root of trust, immutable; verified as a chain with a trust root.
+    ROOT = "root"
     #: Anything else: unknown, so assumed mutable; short TTL, size-capped.
     OTHER = "other"
 
     @property
     def immutable(self) -> bool:
-        return self in (KeyKind.OBJECT, KeyKind.MANIFEST, KeyKind.MARKER)
+        return self in (KeyKind.OBJECT, KeyKind.MANIFEST, KeyKind.MARKER, KeyKind.ROOT)
 
 
 def classify(key: str) -> KeyKind:
     """The :class:`KeyKind` of a (valid) store key."""
     for pattern, kind in ((_OBJECT, KeyKind.OBJECT), (_MANIFEST, KeyKind.MANIFEST),
-                          (_MARKER, KeyKind.MARKER), (_POINTER, KeyKind.POINTER)):
+                          (_MARKER, KeyKind.MARKER), (_POINTER, KeyKind.POINTER),
+                          (_ROOT, KeyKind.ROOT)):
         if pattern.fullmatch(key):
             return kind
     return KeyKind.OTHER
@@ -64,6 +68,18 @@ def manifest_version(key: str) -> tuple[str, int] | None:
     """``(run, n)`` named by a manifest key, else ``None``."""
     match = _MANIFEST.fullmatch(key)
     return (match.group(1), int(match.group(2))) if match else None
+
+
+def pointer_run(key: str) -> str | None:
+    """The run named by a LATEST key, else ``None``."""
+    match = _POINTER.fullmatch(key)
+    return match.group(1) if match else None
+
+
+def root_version(key: str) -> int | None:
+    """The version named by a root-of-trust key, else ``None``."""
+    match = _ROOT.fullmatch(key)
+    return int(match.group(1)) if match else None
 
 
 def _seconds(name: str, value: object) -> None:

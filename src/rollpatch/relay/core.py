@@ -4,10 +4,16 @@ Every read goes through one *flight* per key: the first request for an uncached 
 upstream fetch in a worker pool and later requests wait on the same :class:`Future`, so N
 islands asking at once cost one WAN transfer. Results are plain futures, so the HTTP layer
 awaits them without holding a thread per waiting client.
+
+With a trust root, the relay verifies before it caches or serves: manifests must be signed
+under the root, LATEST must be signed, fresh and not older than what it verified before (its
+rollback state lies next to the cache), and roots must chain from its trust root. Manifests
+and roots a previous run left in the cache are verified again before they are served.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -17,17 +23,29 @@ from typing import BinaryIO, Generic, TypeVar
 
 import blake3
 
-from ..errors import ManifestError, StoreError
-from ..manifest import Manifest
+from ..board import root_key, version_key
+from ..errors import ManifestError, NotFoundError, StoreError, TrustError
+from ..latest import read_latest
+from ..manifest import open_manifest
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
+from ..trust import Trust, verify_initial_root, warn_unverified
 from .cache import CacheEntry, DiskCache
-from .config import KeyKind, RelayConfig, classify, manifest_version, object_hash
+from .config import (
+    KeyKind,
+    RelayConfig,
+    classify,
+    manifest_version,
+    object_hash,
+    pointer_run,
+    root_version,
+)
 from .metrics import Metrics
 
 __all__ = ["Blob", "Relay"]
 
 T = TypeVar("T")
+log = logging.getLogger("rollpatch.relay")
 _MAX_TTL_ENTRIES = 4096
 
 
@@ -113,9 +131,13 @@ class Relay:
     """
 
     def __init__(self, upstream: Store, config: RelayConfig, *,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, trust: Trust | None = None) -> None:
         self.upstream = upstream
         self.config = config
+        #: Verifies manifests, LATEST and roots before they are cached or served (None: off).
+        self.trust = trust
+        if trust is None:
+            warn_unverified("relay")
         self.metrics = metrics or Metrics()
         self.cache = DiskCache(config.cache_dir, config.cache_bytes, self.metrics)
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
@@ -182,7 +204,7 @@ class Relay:
     def _fetch_immutable(self, key: str, kind: KeyKind) -> Blob:
         if self.cache.peek(key) is not None:  # left by a previous run: re-hash before serving
             entry = self.cache.verify(key)
-            if entry is not None:
+            if entry is not None and self._still_valid(entry, kind):
                 return Blob.cached(entry)
         data = self._get(key)
         b3 = self._check(key, kind, data)
@@ -197,6 +219,8 @@ class Relay:
                              " to relay", key=key, size=len(data),
                              hint="raise RelayConfig.max_volatile_bytes, or read the board "
                                   "directly")
+        if kind is KeyKind.POINTER:
+            self._check_pointer(key, data)
         blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
         self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
         return blob
@@ -224,17 +248,88 @@ class Relay:
             raise ManifestError("upstream object does not match the BLAKE3 in its key; "
                                 "refused, not cached", key=key, size=len(data),
                                 hint="the upstream copy is corrupt or truncated: republish it")
-        if kind is KeyKind.MANIFEST:
+        named = manifest_version(key)
+        if kind is KeyKind.MANIFEST and named is not None:
             try:
-                m = Manifest.from_bytes(data)
-                if (m.run, m.version) != manifest_version(key):
-                    raise ManifestError("manifest names another version",
-                                        names=f"{m.run}@{m.version}")
+                open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
             except ManifestError as e:
-                self.metrics.inc("rollpatch_relay_refused_total", reason="invalid_manifest")
+                self._refused(e, "invalid_manifest")
                 raise ManifestError(f"upstream manifest refused: {e.message}", key=key,
                                     hint=e.hint) from None
+        n = root_version(key)
+        if kind is KeyKind.ROOT and n is not None:
+            try:
+                self._check_root(n, data, b3)
+            except ManifestError as e:
+                self._refused(e, "invalid_root")
+                raise ManifestError(f"upstream root refused: {e.message}", key=key,
+                                    hint=e.hint) from None
         return b3
+
+    # -- trust --------------------------------------------------------------------------------
+
+    def _refused(self, e: ManifestError, reason: str) -> None:
+        if isinstance(e, TrustError):
+            reason = f"trust_{e.reason}"
+        self.metrics.inc("rollpatch_relay_refused_total", reason=reason)
+
+    def _upstream_root(self, n: int) -> bytes | None:
+        try:
+            return self._get(root_key(n))
+        except NotFoundError:
+            return None
+
+    def _refresh_root(self) -> None:
+        if self.trust is not None:
+            self.trust.update_root(self._upstream_root)
+
+    def _check_root(self, n: int, data: bytes, b3: str) -> None:
+        """A root is cached only when it is the one this relay's chain verified as ``n``."""
+        if verify_initial_root(data).version != n:
+            raise ManifestError("root names another version", version=n)
+        if self.trust is None:
+            return
+        if n > self.trust.root.version:
+            self._refresh_root()
+        if self.trust.verified_root(n) != b3:
+            raise TrustError("root is not in the chain this relay verified from its trust "
+                             "root", reason="root", version=n)
+
+    def _check_pointer(self, key: str, data: bytes) -> None:
+        run = pointer_run(key)
+        if run is None:
+            return
+        try:
+            if self.trust is not None and self.trust.roots_due():
+                self._refresh_root()
+            p, _ = read_latest(data, run, self.trust, self._refresh_root)
+            if p.manifest != version_key(run, p.version):
+                raise ManifestError("LATEST names another key than its version's manifest",
+                                    run=run, version=p.version)
+        except ManifestError as e:
+            self._refused(e, "invalid_pointer")
+            raise ManifestError(f"upstream LATEST refused: {e.message}", key=key,
+                                hint=e.hint) from None
+
+    def _still_valid(self, entry: CacheEntry, kind: KeyKind) -> bool:
+        """Whether a manifest or root found in the cache at start-up passes today's checks
+        (a relay restarted with a trust root must not serve what it cached without one)."""
+        if kind not in (KeyKind.MANIFEST, KeyKind.ROOT):
+            return True
+        opened = self.cache.open(entry.key)
+        if opened is None:
+            return False
+        f, _ = opened
+        with f:
+            f.seek(entry.offset)
+            data = f.read(entry.size)
+        try:
+            self._check(entry.key, kind, data)
+        except ManifestError as e:
+            log.warning("relay cache: dropping %s: %s", entry.key, e)
+            self.cache.discard(entry.key)
+            return False
+        return True
 
     # -- TTL caches ---------------------------------------------------------------------------
 

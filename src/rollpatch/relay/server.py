@@ -2,25 +2,25 @@
 
 FastAPI on uvicorn: handlers are ``async`` and await the relay's futures, so clients waiting
 on a coalesced fetch hold no thread; bodies stream from the cache file in ``chunk_bytes``
-pieces. fastapi and uvicorn are imported here only (the ``web`` extra).
+pieces. fastapi is imported here only, uvicorn by :mod:`rollpatch.serving` (the ``web``
+extra).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from concurrent.futures import Future
 from typing import Any, BinaryIO, TypeVar
 
-import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import ConfigError, NotFoundError, RollpatchError, TransientStoreError
+from ..serving import ServeOptions, ServerHandle, serve_app
 from ..store import Store, open_store, validate_key, validate_prefix
+from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
 from .core import Blob, Relay
@@ -121,7 +121,7 @@ class _CountRequests:
 def create_app(relay: Relay) -> FastAPI:
     """The ASGI app serving ``relay``: ``/v1/objects/{key}``, ``/v1/list``, ``/metrics``,
     ``/health``."""
-    app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None)  # /openapi.json
     app.add_middleware(_CountRequests, relay=relay)
 
     async def on_error(request: Request, exc: Exception) -> Response:
@@ -239,59 +239,65 @@ class RelayServer:
         url = server.start()        # http://127.0.0.1:PORT
         ...
         server.stop()
+
+    ``options`` adds TLS (``https://`` URL), a bearer token on reads (``/v1/``) and the
+    slow-client bounds (:class:`~rollpatch.serving.ServeOptions`). ``trust`` makes the relay
+    verify manifests, LATEST and roots before it caches or serves them (docs/trust.md).
     """
 
     def __init__(self, board: Store | str, config: RelayConfig, *, host: str = "127.0.0.1",
-                 port: int = 0, log_level: str = "warning", access_log: bool = False) -> None:
+                 port: int = 0, log_level: str = "warning", access_log: bool = False,
+                 options: ServeOptions | None = None, trust: Trust | None = None) -> None:
         self._owns_store = isinstance(board, str)
         upstream = open_store(board) if isinstance(board, str) else board
-        self.relay = Relay(upstream, config)
+        self.relay = Relay(upstream, config, trust=trust)
         self.host = host
         self.port = port
-        self._server = uvicorn.Server(uvicorn.Config(
-            create_app(self.relay), host=host, port=port, log_level=log_level,
-            access_log=access_log, lifespan="off", timeout_graceful_shutdown=5))
-        self._thread: threading.Thread | None = None
+        self.options = options or ServeOptions()
+        self._log = (log_level, access_log)
+        self._handle: ServerHandle | None = None
 
     @property
     def url(self) -> str:
-        """``http://HOST:PORT`` once started (the real port when ``port=0``)."""
+        """``http(s)://HOST:PORT`` once started (the real port when ``port=0``)."""
+        if self._handle is not None:
+            return self._handle.url
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.options.scheme}://{host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> str:
         """Start serving in a daemon thread; returns :attr:`url` once the socket listens."""
-        if self._thread is not None:
+        if self._handle is not None:
             raise ConfigError("relay server already started", url=self.url)
-        self._thread = threading.Thread(target=self._server.run, name="relay-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise OSError(f"relay could not listen on {self.host}:{self.port} "
-                              "(port in use? see the log above)")
-            time.sleep(0.01)
-        self.port = int(self._server.servers[0].sockets[0].getsockname()[1])
+        try:
+            self._handle = serve_app(create_app(self.relay), self.host, self.port, name="relay",
+                                     log_level=self._log[0], access_log=self._log[1],
+                                     start_timeout=timeout, options=self.options)
+        except ConfigError:
+            raise
+        except RollpatchError:
+            raise OSError(f"relay could not listen on {self.host}:{self.port} "
+                          "(see the log above)") from None
+        self.port = self._handle.port
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving, wait for the thread, release the pools (and the store, if opened here)."""
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._handle is not None:
+            self._handle.stop(timeout)
         self.relay.close()
         if self._owns_store:
             self.relay.upstream.close()
 
     def wait(self) -> None:
         """Block until the server stops (its thread ends)."""
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join(0.5)
+        if self._handle is not None:
+            self._handle.wait()
 
     def request_stop(self) -> None:
         """Ask the server to stop (safe from a signal handler)."""
-        self._server.should_exit = True
+        if self._handle is not None:
+            self._handle.request_stop()
 
     def __enter__(self: _S) -> _S:  # noqa: PYI019 (typing.Self needs 3.11)
         self.start()

@@ -32,6 +32,7 @@ from .protocol import (
     decide,
     parse_constraint,
 )
+from .schema import openapi_body, validate_body
 from .service import Sidecar
 
 __all__ = ["create_app"]
@@ -110,7 +111,8 @@ def create_app(sc: Sidecar) -> FastAPI:
                         media_type=r.headers.get("content-type"))
 
     for path in _PROXIED:
-        app.add_api_route(path, _make_proxy(sc, client, path), methods=["POST"])
+        app.add_api_route(path, _make_proxy(sc, client, path), methods=["POST"],
+                          openapi_extra=openapi_body(path))
     return app
 
 
@@ -151,6 +153,7 @@ def _release_late(fut: asyncio.Future[Admission]) -> None:
 def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
     async def proxy(request: Request) -> Response:
         _, body = await read_json_object(request, sc.config.body)
+        typed = validate_body(path, body)
         constraint = parse_constraint(body, request.headers)
         refused = await _satisfy(sc, constraint)
         if refused is not None:
@@ -160,7 +163,7 @@ def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
             if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
                 sc.metrics.request("conflict")
                 return _conflict(sc, slot.start, d.reason)
-            if body.get("stream"):
+            if typed.stream:
                 return await _stream(sc, client, path, body, slot)
             return await _once(sc, client, path, body, slot)
 

@@ -24,6 +24,11 @@ class SidecarMetrics:
         self.commits = Gauge("rollpatch_commits", "verified commits (cumulative)", registry=r)
         self.pause = Histogram("rollpatch_commit_pause_seconds", "engine pause per commit",
                                buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 30), registry=r)
+        self.drain = Histogram("rollpatch_commit_drain_seconds", "admission closed before a "
+                               "drain-mode commit's write", buckets=(.001, .01, .1, 1, 5, 30, 120),
+                               registry=r)
+        self.drain_timeouts = Gauge("rollpatch_drain_timeouts", "drain commits that hit the "
+                                    "drain deadline and paused instead (cumulative)", registry=r)
         self.requests = Counter("rollpatch_requests", "requests by outcome", ["outcome"],
                                 registry=r)
         self.latency = Histogram("rollpatch_proxy_seconds", "proxied request duration",

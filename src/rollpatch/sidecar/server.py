@@ -13,7 +13,7 @@ from .service import Sidecar, SidecarConfig
 
 __all__ = ["ENGINES", "RunningSidecar", "make_engine", "start_sidecar"]
 
-ENGINES = ("reference", "vllm")
+ENGINES = ("reference", "vllm", "sglang")
 
 
 def make_engine(kind: str, *, model: str | None = None, engine_url: str | None = None,
@@ -32,6 +32,12 @@ def make_engine(kind: str, *, model: str | None = None, engine_url: str | None =
         from ..engines.vllm import VllmEngine
 
         return VllmEngine(engine_url), engine_url
+    if kind == "sglang":
+        if engine_url is None:
+            raise ConfigError("--engine sglang needs --engine-url http://HOST:PORT")
+        from ..engines.sglang import SglangEngine
+
+        return SglangEngine(engine_url), engine_url
     raise ConfigError(f"unknown engine {kind!r}", hint=f"one of {', '.join(ENGINES)}")
 
 

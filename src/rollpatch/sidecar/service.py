@@ -12,7 +12,7 @@ from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
 from ..follower import Follower, FollowerConfig
 from .body import BodyLimits
-from .gate import COMMIT_MODES, CommitGate, GatedEngine
+from .gate import COMMIT_MODES, CommitGate, CommitMode
 from .metrics import SidecarMetrics
 
 __all__ = ["Sidecar", "SidecarConfig"]
@@ -23,7 +23,10 @@ class SidecarConfig:
     """Sidecar settings (validated)."""
 
     #: ``drain`` (finish in-flight requests, then commit) or ``pause`` (pause mid-generation).
-    commit_mode: str = "drain"
+    commit_mode: CommitMode = "drain"
+    #: Drain mode: how long a commit waits for in-flight requests before it pauses the engine
+    #: instead (None: no bound). Counted in ``rollpatch_drain_timeouts``.
+    drain_timeout_s: float | None = 30.0
     #: Bearer token required by state-changing admin routes (None: no auth; bind to loopback).
     admin_token: str | None = None
     #: How long a request may wait to be admitted while a drain-mode commit runs.
@@ -41,6 +44,9 @@ class SidecarConfig:
         if self.commit_mode not in COMMIT_MODES:
             raise ConfigError(f"commit_mode must be one of {COMMIT_MODES}",
                               field="commit_mode", value=self.commit_mode)
+        if self.drain_timeout_s is not None and not 0 <= self.drain_timeout_s <= 86400:
+            raise ConfigError("drain_timeout_s must be in [0, 86400] or None",
+                              field="drain_timeout_s")
         if not 0 < self.admit_timeout_s <= 3600:
             raise ConfigError("admit_timeout_s must be in (0, 3600]", field="admit_timeout_s")
         if not 0 <= self.latest_ttl_s <= 60:
@@ -61,9 +67,9 @@ class Sidecar:
         self.run = run
         self.engine = engine
         self.engine_url = engine_url
-        self.gate = CommitGate(engine, self.config.commit_mode)
-        self.follower = Follower(self.board, run, GatedEngine(engine, self.gate),
-                                 self.config.follower)
+        self.gate = CommitGate(engine, self.config.commit_mode,
+                               drain_timeout_s=self.config.drain_timeout_s)
+        self.follower = Follower(self.board, run, engine, self.config.follower, gate=self.gate)
         self.metrics = SidecarMetrics()
         self.follower.on_commit.append(self._on_commit)
         self._latest: tuple[float, int | None] = (0.0, None)
@@ -105,6 +111,10 @@ class Sidecar:
 
     def _on_commit(self, version: int, pause_s: float) -> None:
         self.metrics.pause.observe(pause_s)
+        last = self.gate.last
+        if last is not None:
+            self.metrics.drain.observe(last.drain_s)
+        self.metrics.drain_timeouts.set(self.gate.drain_timeouts)
         self.metrics.update(self.follower.status())
 
     def not_ready_reason(self) -> str | None:
@@ -116,6 +126,8 @@ class Sidecar:
         The engine probe is the HTTP app's part (``/ready``).
         """
         if self.follower.version is None:
+            if self.follower.status().audits and self.engine.version is None:
+                return "the audit found live weights that differ from the version; re-syncing"
             return "no verified version loaded yet"
         stuck = self.gate.busy_for()
         if stuck > self.config.admit_timeout_s:
@@ -132,4 +144,7 @@ class Sidecar:
                 "state": s.state.name, "latest": self.latest(), "lag": s.lag,
                 "commit_mode": self.gate.mode, "inflight": self.gate.inflight,
                 "last_error": s.last_error, "bytes_fetched": s.bytes_fetched,
-                "commits": s.commits, "last_pause_s": self.gate.last_pause_s}
+                "commits": s.commits, "last_pause_s": self.gate.last_pause_s,
+                "last_drain_s": None if self.gate.last is None else self.gate.last.drain_s,
+                "drain_timeouts": self.gate.drain_timeouts, "audit_mismatches": s.audits,
+                "last_stage_s": s.last_stage_s}

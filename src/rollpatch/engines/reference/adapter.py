@@ -11,38 +11,30 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError
-from ...patch import Patch, apply
-from ...view import Tensor, View, WordSource
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from ...patch import Patch
+from ...patch.ops import gather, scatter
+from ...view import View, WordSource, sum128, sum128_digest
 from ..base import EngineAdapter
+from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
 from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
 __all__ = ["ReferenceEngine"]
 
 
-def _check_layout(view: View, patch: Patch) -> None:
-    """A model's tensor set is fixed: refuse drops, new tensors and layout changes up front."""
-    for name, tp in patch.tensors.items():
-        if tp.op == "drop" or name not in view:
-            raise BaseMismatchError("patch adds or drops a tensor; the model cannot change shape",
-                                    tensor=name, op=tp.op,
-                                    hint="self-heal from a keyframe of this architecture")
-        t = view[name]
-        if tp.op == "full" and tp.tensor is not None and (
-                tp.tensor.dtype != t.dtype or tp.tensor.shape != t.shape):
-            raise BaseMismatchError("patch changes a tensor's layout", tensor=name,
-                                    dtype=tp.tensor.dtype, shape=tp.tensor.shape)
-
-
 class ReferenceEngine(EngineAdapter):
     """:class:`EngineAdapter` over a :class:`ReferenceRuntime` in this process.
 
-    ``apply`` runs :func:`rollpatch.patch.apply` on the in-place view under the forward lock
-    (between forward passes, or while paused): verified, rolled back on failure, and the
-    runtime's ``version`` moves only on success. There are no prefix or KV caches shared
-    across requests, so a commit has nothing to flush; a request in flight during a paused
-    commit keeps its own KV cache and reports ``version_start != version_end``.
+    A commit is staged while the engine serves (:meth:`stage`: base checks, old elements,
+    target digests proven in O(changed); :mod:`rollpatch.engines.staged`), then written under
+    the forward lock (:meth:`commit_staged`: one scatter per tensor, a read-back of the
+    written positions, the proven digests recorded) — between forward passes, or while
+    paused. The runtime's ``version`` moves only on success; on failure the written
+    elements are put back. There are no prefix or KV caches shared across requests, so a
+    commit has nothing to flush; a request in flight during a paused commit keeps its own KV
+    cache and reports ``version_start != version_end``. :meth:`audit` re-hashes live weights
+    a slice at a time and takes the engine out of rotation (``version`` None) on a mismatch.
     """
 
     name = "reference"
@@ -51,6 +43,7 @@ class ReferenceEngine(EngineAdapter):
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.runtime = runtime
         self._server: ServerHandle | None = serve(runtime, host, port) if serve_http else None
+        self._cursor = AuditCursor()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, dtype: str = "bfloat16",
@@ -83,24 +76,62 @@ class ReferenceEngine(EngineAdapter):
         return self.runtime.view
 
     def apply(self, patch: Patch, version: int) -> None:
+        """Stage and write under the forward lock (the contract's one-call commit)."""
+        with self.runtime.commit():
+            self.commit_staged(self.stage(patch, version), version)
+
+    def stage(self, patch: Patch, version: int) -> StagedUpdate:
+        """Prove ``patch`` against the parameters while generation runs (reads only touched
+        positions and cached digests; only commits write the parameters)."""
+        view = self.runtime.view
+        return stage_patch(patch, view.__getitem__, view.tensor_digests(), view.sum_state)
+
+    def commit_staged(self, staged: StagedUpdate, version: int) -> None:
+        """Write ``staged`` under the forward lock: scatter, read back, record the digests."""
         with self.runtime.commit() as view:
-            _check_layout(view, patch)
-            bound: dict[str, Tensor] = {n: view[n] for n in patch.tensors}
-            apply(view, patch)  # verified; on failure the words are restored and it raises
-            self._rebind(view, patch, bound)
+            if view.digest() != staged.base:
+                raise BaseMismatchError("the engine moved since the update was staged",
+                                        engine=self.name, expected=staged.base[:16])
+            written: list[str] = []
+            try:
+                for name, st in staged.tensors.items():
+                    t = view[name]
+                    scatter(t, st.positions, st.new, st.old)  # checks old, all or nothing
+                    written.append(name)
+                    if not np.array_equal(gather(t, st.positions), st.new):
+                        raise TargetMismatchError("read-back of written weights differs",
+                                                  tensor=name, engine=self.name)
+            except BaseException:
+                for name in written:
+                    st = staged.tensors[name]
+                    scatter(view[name], st.positions, st.old)
+                raise
+            for name, st in staged.tensors.items():
+                if st.target_state is not None:
+                    view.update_sum_state(name, st.target_state)
+                else:
+                    view.invalidate(name)
+            for name, d in staged.digests.items():
+                if name not in staged.tensors or staged.tensors[name].target_state is not None:
+                    view.set_digest(name, d)
             self.runtime.version = version
 
-    def _rebind(self, view: View, patch: Patch, bound: dict[str, Tensor]) -> None:
-        """``full`` ops replace Tensor objects; copy them back into the parameter memory."""
-        for name, tp in patch.tensors.items():
-            if view[name] is bound[name]:
-                continue
-            np.copyto(bound[name].data, view[name].data)
-            view[name] = bound[name]
-            if view.tensor_digest(name) != tp.target_digest:
-                self.runtime.version = None  # unknown bits: not ready, never a wrong version
-                raise EngineError("parameter differs from the target after copying",
-                                  tensor=name, engine=self.name)
+    def audit(self, budget_bytes: int) -> AuditReport:
+        """Re-hash up to ``budget_bytes`` of live parameters (one tensor at a time, under the
+        forward lock) against the held version's digests; a mismatch sets ``version`` None."""
+        view = self.runtime.view
+        names, wrapped = self._cursor.take(sorted(view), lambda n: view[n].nbytes, budget_bytes)
+        bad: list[str] = []
+        nbytes = 0
+        for name in names:
+            with self.runtime.commit():
+                t = view[name]
+                live = sum128_digest(t.dtype, t.shape, t.nbytes, sum128(t.data))
+                if live != view.tensor_digest(name):
+                    bad.append(name)
+                    self.runtime.version = None  # unknown bits: out of rotation until re-synced
+            nbytes += t.nbytes
+        return AuditReport(len(names), nbytes, tuple(bad), wrapped)
 
     def pause(self) -> None:
         self.runtime.pause()

@@ -9,10 +9,12 @@ then tags the server's ``weight_version`` and flushes the prefix cache. See docs
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from ...io.safetensors import load_view, save_view
 from ...patch import Patch, inspect
 from ...view import Tensor, View, WordSource
 from ..base import EngineAdapter
+from ..staged import AuditReport, EncodedStep, StagedUpdate
 from .client import Http
 from .transfer import write_decoded
 
@@ -164,16 +167,75 @@ class VllmEngine(EngineAdapter):
             finally:
                 path.unlink(missing_ok=True)
 
-    def decodes_itself(self, n_objects: int) -> bool:
-        return n_objects == 1
+    def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate:
+        """Stage a chain of published steps inside the workers while vLLM serves: the blobs go
+        through the shared directory; the workers decode, compose and prove them against
+        their own words in a background thread (docs/vllm.md). Nothing is written."""
+        self._require_loaded()
+        if not steps or steps[0].base != self._digest:
+            raise BaseMismatchError("the chain does not start at the held version",
+                                    engine=self.name, version=version)
+        token = secrets.token_hex(8)
+        files: list[Path] = []
+        spec: list[dict[str, Any]] = []
+        try:
+            for step in steps:
+                paths = []
+                for blob in step.blobs:
+                    files.append(self._scratch("step"))
+                    files[-1].write_bytes(blob)
+                    paths.append(str(files[-1]))
+                spec.append({"base": step.base, "target": step.target, "paths": paths})
+            files.append(self._scratch("stage"))
+            files[-1].write_text(json.dumps({"token": token, "steps": spec}))
+            self._call("stage", str(files[-1]))
+            res = self._wait_staged(token)
+        finally:
+            for f in files:
+                f.unlink(missing_ok=True)
+        if res["base"] != steps[0].base or res["target"] != steps[-1].target:
+            self._call("discard", token)
+            raise TargetMismatchError("the workers staged another transition", engine=self.name)
+        return StagedUpdate(res["base"], res["target"], {}, dict(res["digests"]),
+                            {"token": token, "changed": int(res["changed"]),
+                             "nbytes": int(res["nbytes"]), "stage_ms": float(res["stage_ms"])})
 
-    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
-                       version: int) -> bool:
-        """One-shard steps are decoded inside the workers; sharded ones take the decode path."""
-        if len(blobs) != 1 or self.digest != base_digest:
-            return False
-        self.apply_encoded(blobs[0], version)
-        return True
+    def _wait_staged(self, token: str) -> dict[str, Any]:
+        delay = 0.002
+        while True:
+            res = self._call("staged", token)
+            if res["state"] == "ready":
+                return res
+            if res["state"] == "failed":
+                raise _error(res.get("failure") or {})
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def commit_staged(self, staged: StagedUpdate, version: int) -> None:
+        """Write a staged update: under the caller's pause (the commit gate's; nested pauses
+        cost nothing) the workers scatter, repack the touched modules, read back."""
+        token = staged.payload.get("token")
+        if not isinstance(token, str):
+            raise EngineError("not an update staged by this engine", engine=self.name)
+        with self._paused():
+            self._commit("commit", token, version,
+                         lambda res: self._matches(res, staged.digests, staged.target))
+
+    def audit(self, budget_bytes: int) -> AuditReport:
+        """Re-hash up to ``budget_bytes`` of live weights in the workers (on vLLM's engine
+        loop: a stall of about budget / memory bandwidth); a mismatch makes the adapter not
+        ready (``version`` None) until a keyframe is loaded."""
+        with self._lock:
+            res = self._call("audit", str(int(budget_bytes)))
+            if res["mismatched"] or res.get("tainted"):
+                self._set(None, None)
+                with contextlib.suppress(RollpatchError):
+                    self.http.post("/update_weight_version",
+                                   {"new_version": "rollpatch:not-ready"})
+        return AuditReport(int(res["tensors"]), int(res["bytes"]),
+                           tuple(res["mismatched"]) or ((str(res["tainted"]),)
+                                                        if res.get("tainted") else ()),
+                           bool(res["wrapped"]))
 
     def apply_encoded(self, blob: bytes | memoryview, version: int) -> None:
         """Commit a wire-format patch, decoded inside the workers against their own words."""
@@ -193,13 +255,18 @@ class VllmEngine(EngineAdapter):
     def _matches(res: Mapping[str, Any], targets: Mapping[str, str | None], root: str) -> bool:
         return res["root"] == root and all(res["digests"].get(n) == d for n, d in targets.items())
 
-    def _commit(self, op: str, path: Path, version: int, verified: Any,
+    def _commit(self, op: str, path: Path | str, version: int, verified: Any,
                 patch: Patch | None = None) -> dict[str, Any]:
-        """Run ``op`` on the workers; the version moves only if ``verified(result)``."""
+        """Run ``op`` on the workers; the version moves only if ``verified(result)``.
+
+        The held version stays reported while the bits change: the engine is paused (or
+        drained), so nothing it produces meanwhile comes from other weights; a failure
+        reports the previous version if the workers still hold it, else none."""
         with self._lock:
-            official = self.transport == "weight-transfer"
+            # a staged commit is one worker call: collective_rpc (the official routes would add
+            # three HTTP round trips inside the pause); the version is tagged either way
+            official = self.transport == "weight-transfer" and op != "commit"
             before = (self._version, self._digest)
-            self._set(None, None)  # not ready while bits change
             started = done = False
             try:
                 if official:
@@ -213,6 +280,7 @@ class VllmEngine(EngineAdapter):
                 self._set(version, res["root"])
                 done = True
             except BaseException:
+                self._set(None, None)
                 self._reconcile(before)
                 raise
             finally:
@@ -225,7 +293,7 @@ class VllmEngine(EngineAdapter):
             self.http.post("/reset_prefix_cache")
             return res
 
-    def _run(self, op: str, path: Path, official: bool) -> dict[str, Any]:
+    def _run(self, op: str, path: Path | str, official: bool) -> dict[str, Any]:
         if not official:
             return self._call(op, str(path))
         token = secrets.token_hex(8)

@@ -33,7 +33,7 @@ from .worker import run_op
 __all__ = ["RollpatchInitInfo", "RollpatchTransferEngine", "RollpatchUpdateInfo"]
 
 _KEEP_RESULTS = 16
-_OPS = ("apply_encoded", "apply", "load")
+_OPS = ("apply_encoded", "apply", "load", "commit")
 
 
 @dataclass

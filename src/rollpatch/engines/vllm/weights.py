@@ -3,16 +3,18 @@
 :class:`RuntimeWeights` is the engine-independent core of the vLLM worker extension: given the
 layout (:mod:`.layout`) and an :class:`Access` to the parameters' words, it lends checkpoint
 tensors (zero-copy where a rank holds a whole tensor as one contiguous block), keeps
-per-tensor digests, and commits patches all-or-nothing:
+per-tensor digests and rp.sum128 states, and commits patches in two halves:
 
-1. validate every tensor of the patch (known name, kind, shape, sorted in-range positions,
-   element dtypes) and the base digests — nothing is written before all pass;
-2. check the old elements against what the engine holds;
-3. write the new elements of every tensor (only the positions this rank holds), then let the
-   engine rebuild derived buffers of the touched parameters (CPU: oneDNN packed weights);
-4. re-read the touched tensors in checkpoint coordinates, hash them, compare with the target
-   digests and the root; on a mismatch write the old elements back, rebuild, re-verify the base,
-   and raise :class:`~rollpatch.errors.TargetMismatchError`.
+1. :meth:`RuntimeWeights.stage` (while the engine serves; nothing written): validate every
+   tensor of the patch (known name, kind, shape, sorted in-range positions, element dtypes),
+   the base digests and the old elements against what the engine holds; prove the target
+   digests from the changed words alone (:mod:`rollpatch.engines.staged`); lay the writes out
+   per runtime parameter (storage offsets, old and new words);
+2. :meth:`RuntimeWeights.commit_staged` (under the pause): one scatter per runtime parameter,
+   rebuild of the touched modules' derived buffers (CPU: oneDNN packed weights), read-back of
+   the written positions; on any failure the old words are written back. Nothing in it
+   reads an unchanged weight. :meth:`RuntimeWeights.audit` re-hashes live tensors a slice at
+   a time, to catch what the read-back cannot (a word changed where no patch wrote).
 
 With tensor parallelism every rank runs the same steps on the same patch; reading a checkpoint
 tensor is then a collective (``Access.gather``), so tensors are always read in sorted order.
@@ -21,14 +23,16 @@ tensor is then a collective (``Access.gather``), so tensors are always read in s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, PatchError, TargetMismatchError, ViewError
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError, ViewError
 from ...kinds import Kind
-from ...patch import Patch, TensorPatch
-from ...view import Tensor, View, root_digest, tensor_digest
+from ...patch import Patch
+from ...view import Tensor, View, root_digest, sum128, sum128_digest
+from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
 from .layout import ParamSpec, Placement, assemble, blocks, extract, locate, placements
 
 __all__ = ["Access", "RuntimeWeights"]
@@ -53,6 +57,23 @@ class Access:
     repack: Callable[[set[str]], None] = lambda params: None
     gather: Callable[[str, np.ndarray], list[np.ndarray]] | None = None
     aliases: bool = False
+    prepare: Callable[[str, np.ndarray], np.ndarray] | None = None
+    scatter: Callable[[str, np.ndarray, np.ndarray], None] | None = None
+    read_at: Callable[[str, np.ndarray], np.ndarray] | None = None
+    #: Optional (CPU): derived buffers built before the pause from the staged words
+    #: (``prebuild({param: (prepared, new)})``), swapped in under it (``install(prebuilt)``
+    #: → the modules installed), so the pause does not re-pack whole modules.
+    prebuild: Callable[[dict[str, tuple[np.ndarray, np.ndarray]]], Any] | None = None
+    install: Callable[[Any], set[str]] | None = None
+
+
+@dataclass
+class _ParamWrites:
+    """One runtime parameter's staged writes (every checkpoint tensor fused into it)."""
+
+    prepared: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
 
 
 @dataclass
@@ -78,6 +99,17 @@ class RuntimeWeights:
                 self._entries[pl.name] = _Entry(kinds[spec.param], spec, pl,
                                                 [every[r][i] for r in range(tp)])
         self._digests: dict[str, str] = {}
+        self._states: dict[str, tuple[int, int]] = {}
+        self._cursor = AuditCursor()
+        #: Set when an audit found live words that differ from the held digests: the engine
+        #: holds unknown bits until a keyframe is loaded (patches are refused meanwhile).
+        self.tainted: str | None = None
+        #: Build derived buffers (CPU packed weights) while staging, swap them under the
+        #: pause (memory: + the touched modules' packed size until the commit); False:
+        #: re-pack the touched modules inside the pause.
+        self.prebuild = True
+        #: Staging jobs by token (the worker glue's; see :mod:`.worker`).
+        self.jobs: dict[str, Any] = {}
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -112,10 +144,18 @@ class RuntimeWeights:
             flat = assemble(e.ranks, self.access.gather(e.mine.param, local))
         return Tensor(e.kind, e.mine.shape, flat.reshape(-1))
 
+    def state_of(self, name: str) -> tuple[int, int]:
+        """The held tensor's rp.sum128 state (cached; updated in O(changed) by commits)."""
+        if name not in self._states:
+            self.digest_of(name)
+        return self._states[name]
+
     def digest_of(self, name: str, *, fresh: bool = False) -> str:
         if fresh or name not in self._digests:
             t = self[name]
-            self._digests[name] = tensor_digest(t.dtype, t.shape, t.data)
+            st = sum128(t.data)
+            self._states[name] = st
+            self._digests[name] = sum128_digest(t.dtype, t.shape, t.nbytes, st)
         return self._digests[name]
 
     def digests(self, *, fresh: bool = False) -> dict[str, str]:
@@ -126,95 +166,12 @@ class RuntimeWeights:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def _write(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
-        pl = self._entries[name].mine
-        held, offsets = locate(pl, positions)
-        if offsets.size:
-            self.access.write(pl.param, offsets, values[held])
-
     def _touch(self, names: Iterable[str]) -> None:
         self.access.repack({self._entries[n].mine.param for n in names})
 
-    def _check_delta(self, tp: TensorPatch) -> None:
-        e = self._entry(tp.name)
-        if tp.kind != e.kind or tp.shape != e.mine.shape:
-            raise BaseMismatchError("tensor layout differs from the engine's", tensor=tp.name,
-                                    kind=tp.kind.name, shape=tp.shape,
-                                    engine_kind=e.kind.name, engine_shape=e.mine.shape)
-        pos, old, new = tp.positions, tp.old, tp.new
-        assert pos is not None and old is not None and new is not None
-        if pos.dtype != np.int64 or pos.ndim != 1 or old.dtype != e.kind.elem_dtype \
-                or new.dtype != e.kind.elem_dtype:
-            raise PatchError("positions must be int64 and elements the kind's words",
-                             tensor=tp.name)
-        if pos.size and (pos[0] < 0 or pos[-1] >= e.mine.n_elements
-                         or (pos.size > 1 and not (np.diff(pos) > 0).all())):
-            raise PatchError("positions out of range or not strictly increasing",
-                             tensor=tp.name)
-
-    def _as_delta(self, tp: TensorPatch) -> TensorPatch:
-        """A ``full`` op of an existing tensor, as the delta against what the engine holds."""
-        if tp.op == "drop" or tp.name not in self._entries:
-            raise BaseMismatchError("patch adds or drops a tensor; the model cannot change",
-                                    tensor=tp.name, op=tp.op,
-                                    hint="self-heal from a keyframe of this architecture")
-        if tp.op == "delta":
-            return tp
-        assert tp.tensor is not None
-        if tp.tensor.kind != self._entries[tp.name].kind or tp.tensor.shape != tp.shape:
-            raise BaseMismatchError("full tensor's layout differs from the engine's",
-                                    tensor=tp.name)
-        cur, new = self[tp.name].data, tp.tensor.data
-        if new.shape != cur.shape:
-            raise BaseMismatchError("full tensor's size differs", tensor=tp.name)
-        pos = np.flatnonzero(cur != new).astype(np.int64)
-        return TensorPatch(tp.name, "delta", tp.kind, tp.shape, tp.base_digest,
-                           tp.target_digest, pos, cur[pos].copy(), new[pos].copy())
-
     def commit(self, patch: Patch) -> dict[str, str]:
-        """Apply ``patch`` all-or-nothing (module docstring); returns the touched digests."""
-        if self.root() != patch.base:
-            raise BaseMismatchError("engine root digest is not the patch's base",
-                                    expected=patch.base[:16], actual=self.root()[:16],
-                                    hint="the engine is on another version; plan a new path")
-        deltas = [self._as_delta(patch.tensors[n]) for n in sorted(patch.tensors)]
-        for tp in deltas:
-            self._check_delta(tp)
-            if tp.base_digest != self.digest_of(tp.name):
-                raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
-        for tp in deltas:
-            assert tp.positions is not None and tp.old is not None
-            if not np.array_equal(self[tp.name].data[tp.positions], tp.old):
-                raise BaseMismatchError("old elements differ from the patch's base",
-                                        tensor=tp.name)
-        base = {tp.name: self._digests[tp.name] for tp in deltas}
-        try:
-            for tp in deltas:
-                assert tp.positions is not None and tp.new is not None
-                self._write(tp.name, tp.positions, tp.new)
-                self._digests.pop(tp.name, None)
-            self._touch(base)
-            got = {tp.name: self.digest_of(tp.name) for tp in deltas}
-            bad = [tp.name for tp in deltas if got[tp.name] != tp.target_digest]
-            if bad or self.root() != patch.target:
-                raise TargetMismatchError("engine does not hold the target after writing",
-                                          tensor=bad[0] if bad else None, mismatched=len(bad))
-        except BaseException:
-            self._undo(deltas, base)
-            raise
-        return got
-
-    def _undo(self, deltas: list[TensorPatch], base: dict[str, str]) -> None:
-        for tp in deltas:
-            assert tp.positions is not None and tp.old is not None
-            self._write(tp.name, tp.positions, tp.old)
-            self._digests.pop(tp.name, None)
-        self._touch(base)
-        lost = sorted(n for n, d in base.items() if self.digest_of(n) != d)
-        if lost:
-            raise EngineError("could not restore the base after a failed commit: the engine "
-                              "holds unknown bits", tensor=lost[0], restored=False,
-                              hint="reload a keyframe")
+        """Stage and write ``patch`` at once (:meth:`stage`, :meth:`commit_staged`)."""
+        return self.commit_staged(self.stage(patch))
 
     def load(self, view: View) -> str:
         """Overwrite every tensor with ``view`` (validated whole first); returns the root."""
@@ -231,6 +188,8 @@ class RuntimeWeights:
                                 kind=t.kind.name, shape=t.shape, engine_kind=e.kind.name,
                                 engine_shape=e.mine.shape)
         self._digests.clear()
+        self._states.clear()
+        self.tainted = None
         for name in sorted(names):
             pl = self._entries[name].mine
             src, dst = blocks(pl)
@@ -241,3 +200,95 @@ class RuntimeWeights:
         for name in sorted(names):
             self.digest_of(name)
         return self.root()
+
+    def _forget(self, name: str) -> None:
+        self._digests.pop(name, None)
+        self._states.pop(name, None)
+
+    # -- staged commits (docs/vllm.md, *Staging and the pause*) ---------------------------
+
+    def stage(self, patch: Patch) -> StagedUpdate:
+        """Prove ``patch`` against the held words (O(changed) digests) and lay its writes out
+        per runtime parameter, in the form the pause scatters (no word is written)."""
+        if self.tainted is not None:
+            raise BaseMismatchError("the engine holds unknown bits (audit)", tensor=self.tainted,
+                                    hint="load a keyframe")
+        prepare = self.access.prepare or (lambda param, offsets: offsets)
+        staged = stage_patch(patch, self.__getitem__, self.digests(), self.state_of)
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for name, st in staged.tensors.items():
+            pl = self._entries[name].mine
+            held, offsets = locate(pl, st.positions)
+            if offsets.size:
+                parts.setdefault(pl.param, []).append((offsets, st.old[held], st.new[held]))
+        staged.payload["changed"] = staged.changed
+        for param, chunks in parts.items():
+            offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
+            staged.payload[param] = _ParamWrites(prepare(param, offsets), old, new)
+        if self.access.prebuild is not None and self.prebuild:
+            staged.payload["prebuilt"] = self.access.prebuild(
+                {p: (w.prepared, w.new) for p, w in staged.payload.items()
+                 if isinstance(w, _ParamWrites)})
+        # the writes now live per parameter; keep only the proven states per tensor
+        empty = np.empty(0, np.int64)
+        staged.tensors = {n: replace(st, positions=empty, old=st.old[:0], new=st.new[:0])
+                          for n, st in staged.tensors.items()}
+        staged.payload["nbytes"] = sum(w.prepared.nbytes + w.old.nbytes + w.new.nbytes
+                                       for w in staged.payload.values()
+                                       if isinstance(w, _ParamWrites))
+        return staged
+
+    def commit_staged(self, staged: StagedUpdate) -> dict[str, str]:
+        """Write ``staged`` (one scatter per runtime parameter), rebuild the touched modules'
+        derived buffers, read the written positions back, record the proven digests.
+        Reads no unchanged weight. On any failure the old words are written back."""
+        if self.root() != staged.base:
+            raise BaseMismatchError("the engine moved since the update was staged",
+                                    expected=staged.base[:16], actual=self.root()[:16])
+        acc = self.access
+        writes = {p: w for p, w in staged.payload.items() if isinstance(w, _ParamWrites)}
+        scatter = acc.scatter or (lambda param, off, values: acc.write(param, off, values))
+        read_at = acc.read_at or (lambda param, off: acc.read(param).reshape(-1)[off])
+        done: list[str] = []
+        try:
+            for param, w in writes.items():
+                scatter(param, w.prepared, w.new)
+                done.append(param)
+            prebuilt = staged.payload.get("prebuilt")
+            installed = (acc.install(prebuilt)  # kernels built from exactly these words
+                         if prebuilt is not None and acc.install is not None else set())
+            acc.repack({p for p in writes if p.rpartition(".")[0] not in installed})
+            for param, w in writes.items():
+                if not np.array_equal(read_at(param, w.prepared), w.new):
+                    raise TargetMismatchError("read-back of written weights differs",
+                                              param=param)
+        except BaseException:
+            for param in done:
+                scatter(param, writes[param].prepared, writes[param].old)
+            acc.repack(set(done))
+            raise
+        for name, d in staged.digests.items():
+            st = staged.tensors.get(name)
+            if st is not None and st.target_state is None:
+                self._forget(name)  # not an rp.sum128 patch: re-hashed on the next read
+                continue
+            self._digests[name] = d
+            if st is not None and st.target_state is not None:
+                self._states[name] = st.target_state
+        return dict(staged.digests)
+
+    def audit(self, budget: int) -> AuditReport:
+        """Re-hash up to ``budget`` bytes of live tensors, round-robin, against the held
+        digests; a mismatch marks the engine :attr:`tainted` (a collective at TP > 1)."""
+        names, wrapped = self._cursor.take(self.names(), lambda n: self._entry(n).mine.n_elements
+                                           * self._entry(n).kind.elem_dtype.itemsize, budget)
+        bad, nbytes = [], 0
+        for name in names:
+            t = self[name]
+            nbytes += t.nbytes
+            live = sum128_digest(t.dtype, t.shape, t.nbytes, sum128(t.data))
+            if name in self._digests and live != self._digests[name]:
+                bad.append(name)
+        if bad and self.tainted is None:
+            self.tainted = bad[0]
+        return AuditReport(len(names), nbytes, tuple(bad), wrapped)

@@ -19,19 +19,14 @@ type checker) it does nothing. Every method returns a JSON-able dict (``ok`` plu
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
+import types
 from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, RollpatchError
-from ...io.safetensors import load_view, save_view
-from ...patch import decode, inspect
-from ...view import View
+from ...errors import EngineError
 from .layout import storage_offsets
-from .transfer import read_decoded
+from .ops import OPS, run_op_on
 from .weights import Access, RuntimeWeights
 
 __all__ = ["BACKEND", "WorkerExtension", "run_op"]
@@ -109,20 +104,41 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
         host = words(p).cpu().contiguous().numpy()
         return host.view(_WORDS[p.element_size()][1]).reshape(shape2(p))
 
-    def write(name: str, offsets: np.ndarray, values: np.ndarray) -> None:
+    def flat(name: str) -> tuple[np.ndarray, list[int]]:
+        a = views[name]
+        elem = [s // a.itemsize for s in a.strides]
+        span = 1 + sum((n - 1) * s for n, s in zip(a.shape, elem))
+        return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,)), elem
+
+    def prepare(name: str, offsets: np.ndarray) -> np.ndarray:
+        """CPU: storage offsets (stride-aware), computed before the pause."""
+        if not cpu:
+            return offsets
+        return storage_offsets(offsets, views[name].shape, flat(name)[1])
+
+    def device_index(p: Any, offsets: np.ndarray) -> tuple[Any, Any]:
+        r, c = np.divmod(offsets, shape2(p)[1])
+        return torch.from_numpy(r).to(p.device), torch.from_numpy(c).to(p.device)
+
+    def scatter(name: str, prepared: np.ndarray, values: np.ndarray) -> None:
         p = params[name]
-        signed = values.view(_WORDS[p.element_size()][0])
         if cpu:
-            a = views[name]
-            elem = [s // a.itemsize for s in a.strides]
-            span = 1 + sum((n - 1) * s for n, s in zip(a.shape, elem))
-            flat = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
-            flat[storage_offsets(offsets, a.shape, elem)] = values
+            flat(name)[0][prepared] = values
             return
+        signed = values.view(_WORDS[p.element_size()][0])
         w = words(p).view(shape2(p))  # a view (never a copy); indexing it is stride-aware
-        r, c = np.divmod(offsets, w.shape[1])
-        idx = (torch.from_numpy(r).to(p.device), torch.from_numpy(c).to(p.device))
-        w.index_put_(idx, torch.from_numpy(np.ascontiguousarray(signed)).to(p.device))
+        w.index_put_(device_index(p, prepared),
+                     torch.from_numpy(np.ascontiguousarray(signed)).to(p.device))
+
+    def read_at(name: str, prepared: np.ndarray) -> np.ndarray:
+        p = params[name]
+        if cpu:
+            return flat(name)[0][prepared]
+        got = words(p).view(shape2(p))[device_index(p, prepared)].cpu().numpy()
+        return got.view(_WORDS[p.element_size()][1])
+
+    def write(name: str, offsets: np.ndarray, values: np.ndarray) -> None:
+        scatter(name, prepare(name, offsets), values)
 
     def write_block(name: str, index: tuple[slice, slice], block: np.ndarray) -> None:
         p = params[name]
@@ -139,6 +155,44 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
                 if rebuild is not None:
                     rebuild(mod, remove_weight=False)
 
+    def prebuild(writes: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+        """Before the pause: each touched packed module's new ``cpu_linear``, built from a
+        copy of its parameters with the staged words written in (one module at a time)."""
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for mod_name in sorted({p.rpartition(".")[0] for p in writes}):
+                mod = model.get_submodule(mod_name) if mod_name else model
+                rebuild = getattr(mod, "_rollpatch_repack", None)
+                if rebuild is None:
+                    continue
+                shadow = types.SimpleNamespace()
+                for attr in ("weight", "bias"):
+                    p = getattr(mod, attr, None)
+                    if p is None:
+                        setattr(shadow, attr, None)
+                        continue
+                    copy = p.detach().clone()  # same strides: storage offsets carry over
+                    key = f"{mod_name}.{attr}" if mod_name else attr
+                    if key in writes:
+                        prepared, new = writes[key]
+                        a = words(copy).numpy().view(_WORDS[copy.element_size()][1])
+                        flat = np.lib.stride_tricks.as_strided(
+                            a, shape=(int(prepared.max()) + 1 if prepared.size else 0,),
+                            strides=(a.itemsize,))
+                        flat[prepared] = new
+                    setattr(shadow, attr, torch.nn.Parameter(copy, requires_grad=False))
+                rebuild(shadow, remove_weight=False)
+                if hasattr(shadow, "cpu_linear"):  # else: re-packed inside the pause
+                    out[mod_name] = shadow.cpu_linear
+        return out
+
+    def install(prebuilt: dict[str, Any]) -> set[str]:
+        """Under the pause: swap the prebuilt kernels in (O(1) per module); returns the
+        modules installed."""
+        for mod_name, linear in prebuilt.items():
+            (model.get_submodule(mod_name) if mod_name else model).cpu_linear = linear
+        return set(prebuilt)
+
     def gather(name: str, local: np.ndarray) -> list[np.ndarray]:
         from vllm.distributed import get_tp_group
 
@@ -148,7 +202,9 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
         return [c.cpu().numpy().view(local.dtype).reshape(local.shape)
                 for c in out.chunk(tp)]
 
-    return Access(read, write, write_block, repack, gather if tp > 1 else None, aliases=cpu)
+    return Access(read, write, write_block, repack, gather if tp > 1 else None, aliases=cpu,
+                  prepare=prepare, scatter=scatter, read_at=read_at,
+                  prebuild=prebuild if cpu and tp == 1 else None, install=install)
 
 
 def weights_of(model: Any) -> RuntimeWeights:
@@ -169,58 +225,16 @@ def weights_of(model: Any) -> RuntimeWeights:
     return state
 
 
-def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
-    blob = Path(path).read_bytes()
-    header = inspect(blob)  # the container and header, validated; no payload touched yet
-    if w.root() != header.base:  # decoding against another base would read wrong contexts
-        raise BaseMismatchError("engine root digest is not the patch's base",
-                                expected=header.base[:16], actual=w.root()[:16],
-                                hint="the engine is on another version; plan a new path")
-    names = sorted(e["name"] for e in header.tensors)
-    source = View({n: w[n] for n in names if n in w})  # read in order: a collective at TP > 1
-    return {"digests": w.commit(decode(blob, source, check_base=False)), "root": w.root()}
-
-
-def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:
-    t = w[name]
-    if w.rank == 0:
-        save_view(View({name: t}), path)
-    return {"bytes": t.nbytes}
-
-
-_OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
-    "apply_encoded": lambda w, path, _: _apply_encoded(w, path),
-    "apply": lambda w, path, _: {"digests": w.commit(read_decoded(path)), "root": w.root()},
-    "load": lambda w, path, _: {"root": w.load(load_view(path, mmap=True))},
-    "digest": lambda w, fresh, _: {"digests": w.digests(fresh=fresh == "1"), "root": w.root()},
-    "export": lambda w, name, path: _export(w, name, path),
-    "info": lambda w, _a, _b: {"rank": w.rank, "tp": w.tp, "aliases": w.access.aliases,
-                               "tensors": {n: [w.kind_of(n).name, list(w.placement(n).shape)]
-                                           for n in w.names()}},
-}
-
-
 def run_op(model: Any, op: str, arg: str = "", arg2: str = "") -> dict[str, Any]:
     """Run one extension operation; never raises (errors become ``{"ok": False, ...}``)."""
-    t0 = time.perf_counter()
-    try:
-        fn = _OPS.get(op)
-        if fn is None:
-            raise EngineError(f"unknown rollpatch operation {op!r}", known=",".join(sorted(_OPS)))
-        out = {"ok": True, **fn(weights_of(model), arg, arg2)}
-    except RollpatchError as err:
-        out = {"ok": False, "error": {"type": type(err).__name__, "message": err.message,
-                                      "hint": err.hint, "context": _jsonable(err.context)}}
-    except Exception as err:  # noqa: BLE001 - reported to the adapter, which raises EngineError
-        out = {"ok": False, "error": {"type": "InternalError",
-                                      "message": f"{type(err).__name__}: {err}"}}
-    out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-    return out
+    fn = OPS.get(op)
+    if fn is None:
+        return run_op_on(None, lambda _: _unknown(op))
+    return run_op_on(None, lambda _: fn(weights_of(model), arg, arg2))
 
 
-def _jsonable(ctx: dict[str, Any]) -> dict[str, Any]:
-    return {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
-            for k, v in ctx.items()}
+def _unknown(op: str) -> dict[str, Any]:
+    raise EngineError(f"unknown rollpatch operation {op!r}", known=",".join(sorted(OPS)))
 
 
 class WorkerExtension:
@@ -248,6 +262,33 @@ class WorkerExtension:
     def rollpatch_apply_encoded(self, path: str) -> dict[str, Any]:
         """Decode the wire-format patch at ``path`` against the held words, commit it."""
         return run_op(self.get_model(), "apply_encoded", path)  # type: ignore[attr-defined]
+
+    def rollpatch_stage(self, path: str) -> dict[str, Any]:
+        """Start staging the steps named by the JSON spec at ``path`` (decode, compose, prove,
+        lay out per runtime parameter) in a background thread; poll :meth:`rollpatch_staged`."""
+        return run_op(self.get_model(), "stage", path)  # type: ignore[attr-defined]
+
+    def rollpatch_staged(self, token: str) -> dict[str, Any]:
+        """``state``: ``staging``, ``ready`` (with the proven target digests) or ``failed``."""
+        return run_op(self.get_model(), "staged", token)  # type: ignore[attr-defined]
+
+    def rollpatch_commit(self, token: str) -> dict[str, Any]:
+        """Write the staged update ``token`` (under the caller's pause): writes and read-back."""
+        return run_op(self.get_model(), "commit", token)  # type: ignore[attr-defined]
+
+    def rollpatch_discard(self, token: str) -> dict[str, Any]:
+        """Forget a staged update."""
+        return run_op(self.get_model(), "discard", token)  # type: ignore[attr-defined]
+
+    def rollpatch_audit(self, budget: str) -> dict[str, Any]:
+        """Re-hash up to ``budget`` bytes of live weights against the held digests."""
+        return run_op(self.get_model(), "audit", budget)  # type: ignore[attr-defined]
+
+    def rollpatch_flip(self, name: str, position: str) -> dict[str, Any]:
+        """Fault injection for drills and tests: flip the lowest bit of one element of a
+        checkpoint tensor in place, behind every digest. Refused unless the server was
+        started with ``ROLLPATCH_FAULT_INJECTION=1``."""
+        return run_op(self.get_model(), "flip", name, position)  # type: ignore[attr-defined]
 
     def rollpatch_apply(self, path: str) -> dict[str, Any]:
         """Commit the decoded patch at ``path`` (:mod:`.transfer` format)."""

@@ -1,0 +1,160 @@
+"""bench/sidecar.py's load generator: closed-loop completions from a subprocess.
+
+Run as ``python bench/_sidecar_load.py JOB`` (JSON): ``url``, ``c`` in flight, ``n`` requests
+(None: until stdin closes), ``warmup``, ``bodies``, ``stream`` (SSE; the last data chunk
+carries the labels, ``stream_options.include_usage`` the token count). Prints the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from _util import log
+
+MAX_TOKENS = 8
+PROMPTS = [f"What is {a} + {b}?" for a, b in ((12, 7), (305, 18), (4, 990), (77, 77),
+                                              (123, 456), (8, 1), (640, 64), (99, 2))]
+
+
+class BenchError(SystemExit):
+    """A response, a commit or a replica is not what it must be."""
+
+
+async def _streamed(client: Any, req: dict[str, Any]) -> tuple[int, Any]:
+    """One SSE completion, reassembled: text of every chunk, labels and usage of the last."""
+    text, last = [], None
+    async with client.stream("POST", "/v1/completions", json=req) as r:
+        if r.status_code != 200:
+            return r.status_code, (await r.aread()).decode(errors="replace")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            last = json.loads(line[5:])
+            text += [c.get("text", "") for c in last.get("choices") or []]
+    body = dict(last or {})
+    body["choices"] = [{"text": "".join(text)}]
+    return 200, body
+
+
+async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
+    """Send ``job["n"]`` requests (or until ``stop``) with ``job["c"]`` in flight."""
+    import httpx
+
+    c, n, bodies = job["c"], job.get("n"), job["bodies"]
+    out: dict[str, Any] = {"lat": [], "errors": [], "texts": {}, "labels": {}, "bad_tokens": 0}
+    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    async with httpx.AsyncClient(base_url=job["url"], limits=limits,
+                                 timeout=httpx.Timeout(600.0)) as client:
+        async def one(i: int, record: bool) -> None:
+            t0 = time.perf_counter()
+            req = bodies[i % len(bodies)]
+            try:
+                if req.get("stream"):
+                    status, body = await _streamed(client, req)
+                else:
+                    r = await client.post("/v1/completions", json=req)
+                    status, body = r.status_code, (r.json() if r.status_code == 200 else r.text)
+            except httpx.HTTPError as e:  # counted; the parent decides
+                out["errors"].append(f"{type(e).__name__} after {time.perf_counter() - t0:.3f}"
+                                     f" s: {e}")
+                return
+            dt = time.perf_counter() - t0
+            if status != 200:
+                out["errors"].append(f"{status}: {str(body)[:200]}")
+                return
+            if not record:
+                return
+            out["lat"].append(dt)
+            out["texts"].setdefault(str(i % len(bodies)), []).append(body["choices"][0]["text"])
+            rp = body.get("rollpatch") or {}
+            key = f"{rp.get('version_start')}-{rp.get('version_end')}"
+            out["labels"][key] = out["labels"].get(key, 0) + 1
+            out["bad_tokens"] += body["usage"]["completion_tokens"] != MAX_TOKENS
+
+        async def worker(counter: list[int], total: int | None, record: bool) -> None:
+            while not stop.is_set() and (total is None or counter[0] < total):
+                counter[0] += 1
+                await one(counter[0], record)
+
+        warm = [0]
+        await asyncio.gather(*(worker(warm, job.get("warmup", 0), False) for _ in range(c)))
+        sent = [0]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(sent, n, True) for _ in range(c)))
+        out["wall"] = time.perf_counter() - t0
+    out["texts"] = {k: sorted(set(v)) for k, v in out["texts"].items()}
+    return out
+
+
+def load_worker_main(job_json: str) -> int:
+    """``--load-worker JOB``: drive the load, print the result as JSON on stdout. A job
+    without ``n`` runs until stdin closes (background load)."""
+    job = json.loads(job_json)
+    stop = threading.Event()
+    if job.get("n") is None:
+        def watch() -> None:
+            sys.stdin.read()
+            stop.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+    sys.stdout.write(json.dumps(asyncio.run(_drive(job, stop))))
+    return 0
+
+
+def bodies(model: str = "model", stream: bool = False) -> list[dict[str, Any]]:
+    extra: dict[str, Any] = ({"stream": True, "stream_options": {"include_usage": True}}
+                             if stream else {})
+    return [{"model": model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+             "ignore_eos": True, **extra} for p in PROMPTS]
+
+
+def _worker_cmd(job: dict[str, Any]) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), json.dumps(job)]
+
+
+def check_errors(what: str, out: dict[str, Any]) -> None:
+    """Wrong answers abort; failed requests are reported, and abort above 1%."""
+    n_err = len(out["errors"])
+    if out["bad_tokens"] or n_err > 0.01 * (n_err + len(out["lat"])):
+        raise BenchError(f"{what}: {n_err} failed requests, {out['bad_tokens']} with != "
+                         f"{MAX_TOKENS} tokens: {out['errors'][:3]}")
+    if n_err:
+        log(f"{what}: {n_err} failed request(s): {out['errors'][:3]}")
+
+
+def run_load(url: str, c: int, n: int, warmup: int, body: list[dict[str, Any]] | None = None
+             ) -> dict[str, Any]:
+    """A bounded load from a fresh subprocess."""
+    job = {"url": url, "c": c, "n": n, "warmup": warmup, "bodies": body or bodies()}
+    done = subprocess.run(_worker_cmd(job), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"load worker failed: {done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    check_errors(f"{url} c={c}", out)
+    return out
+
+
+class BackgroundLoad:
+    """``c`` requests kept in flight against ``url`` until :meth:`stop`."""
+
+    def __init__(self, url: str, c: int) -> None:
+        job = {"url": url, "c": c, "n": None, "warmup": 0, "bodies": bodies()}
+        self.proc = subprocess.Popen(_worker_cmd(job), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stop(self) -> dict[str, Any]:
+        stdout, stderr = self.proc.communicate(input="", timeout=600)
+        if self.proc.returncode != 0:
+            raise BenchError(f"background load failed: {stderr[-2000:]}")
+        return json.loads(stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(load_worker_main(sys.argv[1]))

@@ -1,0 +1,150 @@
+"""bench/vllm.py's vLLM server: start, stop, find the worker process, read its memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+VLLM_VERSION = "0.32.0"
+MAX_TOKENS = 8
+
+
+class BenchError(SystemExit):
+    """A commit, a reload or the server is not what it must be."""
+
+
+def vllm_python() -> Path:
+    """The python of the venv ``scripts/vllm-env`` builds (same lookup as the tests)."""
+    env = os.environ.get("ROLLPATCH_VLLM_VENV")
+    venv = Path(env) if env else Path.home() / ".cache" / "rollpatch" / f"vllm-venv-{VLLM_VERSION}"
+    python, stamp = venv / "bin" / "python", venv / ".stamp-vllm"
+    if not python.exists() or not stamp.exists() or VLLM_VERSION not in stamp.read_text():
+        raise BenchError(f"no vLLM venv at {venv}: build it with scripts/vllm-env")
+    return python
+
+
+class Server:
+    """One vLLM OpenAI server with rollpatch's extension, in its own process group."""
+
+    def __init__(self, python: Path, model: Path, log_path: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        repo = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="auto",
+                   HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=str(repo / "src"), VLLM_LOGGING_LEVEL="WARNING")
+        env.pop("VIRTUAL_ENV", None)
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+               "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+               "--worker-extension-cls", "rollpatch.engines.vllm.WorkerExtension",
+               "--weight-transfer-config", '{"backend": "rollpatch"}']
+        self.log_path = log_path
+        with open(log_path, "wb") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model
+
+    def wait_ready(self, timeout: float = 400.0) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise BenchError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise BenchError(f"vLLM not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def worker_pid(self) -> int:
+        """The process holding the weights: vLLM 0.32 on CPU runs its worker in a child of
+        the EngineCore (``VLLM::Worker``); else the EngineCore (a uniprocess executor), else
+        the largest descendant."""
+        kids = _descendants(self.proc.pid)
+        for name in ("VLLM::Worker", "VLLM::EngineCor"):
+            for pid in kids:
+                if _read(f"/proc/{pid}/comm").startswith(name):
+                    return pid
+        if not kids:
+            raise BenchError("the vLLM server has no child process")
+        return max(kids, key=lambda p: status_kb(p, "VmRSS"))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _descendants(root: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _read(f"/proc/{entry}/stat")
+            if stat:
+                parent[int(entry)] = int(stat.rpartition(")")[2].split()[1])
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def status_kb(pid: int, field: str) -> int:
+    for line in _read(f"/proc/{pid}/status").splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise BenchError(f"no {field} for pid {pid}")
+
+
+def reset_peak(pid: int) -> bool:
+    """VmHWM := VmRSS (Linux ``clear_refs`` 5); False where not allowed."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def greedy(http: Any, model: Path, prompt_ids: list[int]) -> tuple[list[str], list[float]]:
+    r = http.post("/v1/completions", {
+        "model": str(model), "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    lp = r["choices"][0]["logprobs"]
+    return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
+
+
+def memory(pid: int) -> dict[str, int]:
+    return {k: status_kb(pid, f) for k, f in (("rss_kb", "VmRSS"), ("hwm_kb", "VmHWM"),
+                                              ("anon_kb", "RssAnon"), ("file_kb", "RssFile"))}

@@ -1,0 +1,93 @@
+"""bench/vllm.py's run: a model, FP32 masters under AdamW, a board, one checkpoint a version."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+from _util import WarmAdamW
+from _vllm_server import BenchError
+
+from rollpatch.board import Board
+from rollpatch.formats import cast_view
+from rollpatch.publisher import Publisher, PublisherConfig
+
+RUN = "bench"
+VOCAB = 4096
+
+
+def model_dims(hidden: int, layers: int) -> dict[str, int]:
+    """Llama-shaped: 64-wide heads, half as many KV heads, ff ≈ 2.75 x hidden (multiple of 64)."""
+    heads = max(1, hidden // 64)
+    return {"hidden_size": hidden, "layers": layers, "heads": heads,
+            "kv_heads": max(1, heads // 2), "intermediate": 64 * round(2.75 * hidden / 64),
+            "vocab_size": VOCAB}
+
+
+class World:
+    """The model, FP32 masters with warm AdamW state, the board, one checkpoint per version."""
+
+    def __init__(self, root: Path, lr: float, versions: int, dims: dict[str, int]) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from rollpatch.engines.reference import make_tiny_model
+        from rollpatch.io.safetensors import load_view
+
+        hf_logging.disable_progress_bar()
+        self.root = root
+        self.dims = dims
+        self.model = make_tiny_model(root / "model", seed=0, **dims)
+        self.masters = {n: t.to_array().astype(np.float32)
+                        for n, t in load_view(self.model / "model.safetensors").items()}
+        self.board = f"file://{root / 'board'}"
+        self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0,
+                                                                    skip_strides=()),
+                                   asynchronous=False)
+        self.adam = WarmAdamW(self.masters, lr)
+        self.digests: list[str] = []
+        self.changed: list[float] = [0.0]
+        self.patch_bytes: list[int] = [0]
+        self.ckpt_bytes: list[int] = []
+        self.view = cast_view(self.masters, "bf16")
+        self.params = sum(t.n_elements for t in self.view.values())
+        self._publish()
+        for _ in range(versions):
+            self.step()
+
+    def step(self) -> None:
+        """One AdamW step of every master, then publish it."""
+        self.adam.step()
+        before, self.view = self.view, cast_view(self.masters, "bf16")
+        changed = sum(int(np.count_nonzero(before[k].data != t.data))
+                      for k, t in self.view.items())
+        self.changed.append(changed / self.params)
+        self._publish()
+
+    def _publish(self) -> None:
+        from rollpatch.io.safetensors import save_view
+
+        v = self.publisher.publish(self.masters)
+        if v != len(self.digests):
+            raise BenchError(f"published v{v}, expected v{len(self.digests)}")
+        self.digests.append(self.view.digest())
+        m = Board(self.board).manifest(RUN, v)
+        if m.target != self.digests[v]:
+            raise BenchError(f"manifest target of v{v} is not cast_view(masters).digest()")
+        if v:
+            self.patch_bytes.append(sum(p.ref.size for p in m.patches_from(v - 1)))
+        ckpt = self.checkpoint(v)
+        ckpt.mkdir()
+        for p in self.model.iterdir():
+            if p.suffix != ".safetensors":
+                shutil.copy(p, ckpt / p.name)
+        save_view(self.view, ckpt / "model.safetensors")
+        self.ckpt_bytes.append((ckpt / "model.safetensors").stat().st_size)
+
+    def checkpoint(self, v: int) -> Path:
+        return self.root / f"ckpt-{v:04d}"
+
+    def patch_blob(self, v: int) -> bytes:
+        board = Board(self.board)
+        (po,) = board.manifest(RUN, v).patches_from(v - 1)
+        return board.fetch(po.ref)

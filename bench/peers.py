@@ -1,0 +1,467 @@
+"""Peers side by side: rollpatch, shardcast and XOR+zstd-1 over the same emulated WAN.
+
+Run: ``python bench/peers.py`` (100M parameters, 10 versions, 1 Gbit/s, 50 ms RTT: about
+15 minutes on 2 shared cores, most of it preparing versions and shardcast's transfers), or
+``--params 20M --versions 4`` for a quick look. ``--json F`` writes every measurement.
+
+**Versions.** :mod:`rollpatch.sim` (AdamW, warm Adam state, ``--lr`` 1e-6: ~1.2% of BF16
+values change per step) makes v0..vN once (cached in ``--work``); each version is its BF16
+view on disk (the safetensors checkpoint shardcast broadcasts) and its root digest. Before
+each step the trainer loads that version's masters (the BF16 words widened to FP32, whose
+cast is exactly the view), untimed.
+
+**Topology, the same for every method.** Trainer region: the trainer (this process) and its
+origin (rollpatch's board on ``file://`` served by a relay; shardcast's ``OriginServer``).
+One emulated WAN link (``rollpatch.netem`` in its own process: ``--mbps`` shared per
+direction, ``--rtt-ms`` round trip, real loopback TCP). Island region: one relay (rollpatch's
+relay; shardcast's middle node) and ``--islands`` islands, each its own process, on loopback
+behind it. Islands start holding v0 (untimed).
+
+**Methods.** ``rollpatch``: ``Publisher`` (bf16, async) → board → relays → ``Follower`` into a
+view engine. ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
+method; ``bench/_peers_xor.py``), published asynchronously on the same board, fetched through
+the same relays; only the codec differs. ``shardcast``: the trainer writes the BF16
+checkpoint and calls ``OriginServer.broadcast`` (BLAKE3 + 50 MB shards); the middle node
+(polling every ``--poll-s``, the CLI's minimum is 1 s) pulls the shards over the link;
+islands run shardcast's ``ClientNode.download_version`` from the middle and load the file.
+
+**Per version** (published one at a time: the next step starts when every island serves the
+previous one): bytes through the link (both directions, all traffic: polling included),
+seconds from the trainer's call to each island serving it, seconds the trainer was blocked.
+Peak RSS per island (VmHWM after it loaded v0) and of the region's relay / middle node. Every
+island's final view is checked bit for bit against the simulator's digest; a mismatch fails
+the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _peers_xor import XorPublisher
+from _util import fmt_size, log, machine, machine_line, parse_size, table
+
+from rollpatch.board import Board
+from rollpatch.formats import cast_view
+from rollpatch.io.safetensors import load_view, save_view
+from rollpatch.publisher import Publisher, PublisherConfig
+from rollpatch.sim import AdamSim, SimConfig
+from rollpatch.store import open_store
+
+HERE = Path(__file__).resolve().parent
+RUN = "bench"
+METHODS = ("rollpatch", "xor", "shardcast")
+
+
+class BenchError(SystemExit):
+    """A process failed, an island timed out, or a replica is not bit-exact."""
+
+
+# -- versions ---------------------------------------------------------------------------------
+
+def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """v0..vN views on disk and their digests (reused when ``work`` already holds them)."""
+    key = {"params": args.params, "lr": args.lr, "versions": args.versions, "seed": 0}
+    meta_path = work / "versions.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta["key"] == key and all((work / f"v{v}.safetensors").exists()
+                                      for v in range(args.versions + 1)):
+            log(f"reusing versions in {work}")
+            return dict(meta)
+    t0 = time.perf_counter()
+    sim = AdamSim(SimConfig(n_params=args.params, lr=args.lr, seed=0))
+    log(f"simulator: {sim.n_params:,} params ({time.perf_counter() - t0:.0f}s)")
+    prev, digests, changed = None, {}, {}
+    for v in range(args.versions + 1):
+        if v:
+            sim.step()
+        view = cast_view(sim.masters(), "bf16")
+        save_view(view, work / f"v{v}.safetensors")
+        digests[str(v)] = view.digest()
+        if prev is not None:
+            changed[str(v)] = sum(int(np.count_nonzero(prev[n].data != view[n].data))
+                                  for n in view) / sum(t.n_elements for t in view.values())
+            log(f"v{v}: {100 * changed[str(v)]:.2f}% of BF16 values changed")
+        prev = view
+    meta = {"key": key, "n_params": sim.n_params, "view_bytes": prev.nbytes if prev else 0,
+            "digests": digests, "changed": changed}
+    meta_path.write_text(json.dumps(meta))
+    return meta
+
+
+def load_masters(work: Path, v: int) -> dict[str, np.ndarray]:
+    """FP32 masters whose BF16 cast is exactly version ``v``'s view."""
+    view = load_view(work / f"v{v}.safetensors")
+    return {n: (t.data.astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+            for n, t in view.items()}
+
+
+# -- processes --------------------------------------------------------------------------------
+
+class Child:
+    """A subprocess speaking JSON lines on stdout (``bench/_peers_island.py``)."""
+
+    def __init__(self, name: str, job: dict[str, Any], logdir: Path) -> None:
+        self.name = name
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.serving: dict[int, float] = {}
+        self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "_peers_island.py"),
+                                      json.dumps(job)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            ev = json.loads(line)
+            if ev["event"] == "serving":
+                self.serving[int(ev["version"])] = float(ev["t"])
+            self.events.put(ev)
+        self.events.put({"event": "exit", "rc": self.proc.wait()})
+
+    def expect(self, event: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ev = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise BenchError(f"{self.name}: no '{event}' within {timeout:.0f}s "
+                                 f"(log: {self._err.name})") from None
+            if ev["event"] == event:
+                return ev
+            if ev["event"] == "exit":
+                raise BenchError(f"{self.name} exited with status {ev['rc']} "
+                                 f"(log: {self._err.name})")
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def close(self, timeout: float = 120.0) -> dict[str, Any] | None:
+        """Close stdin (the child stops) and return its ``done`` event."""
+        done = None
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            done = self.expect("done", timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.wait(timeout=30)
+            self._err.close()
+        return done
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vm_hwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Relay:
+    """``rollpatch relay`` in its own process."""
+
+    def __init__(self, board: str, cache: Path, logdir: Path, name: str, pointer_ttl: float,
+                 list_ttl: float) -> None:
+        self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollpatch", "relay", "--board", board, "--cache",
+             str(cache), "--port", "0", "--pointer-ttl", str(pointer_ttl), "--list-ttl",
+             str(list_ttl), "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=self._err, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if " at http" not in line:
+            raise BenchError(f"relay {name} did not start (log: {self._err.name})")
+        self.url = line.split(" at ", 1)[1].split()[0]
+        self.port = int(self.url.rsplit(":", 1)[1].rstrip("/"))
+
+    def close(self) -> int:
+        peak = vm_hwm(self.proc.pid)
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self._err.close()
+        return peak
+
+
+# -- one method -------------------------------------------------------------------------------
+
+def run_method(method: str, args: argparse.Namespace, work: Path, meta: dict[str, Any]
+               ) -> dict[str, Any]:
+    root = work / method
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "logs").mkdir(parents=True)
+    logs = root / "logs"
+    closers: list[Callable[[], Any]] = []
+    islands: list[Child] = []
+    expected = meta["digests"]
+    island_job = {"mode": method, "run": RUN, "v0": str(work / "v0.safetensors"),
+                  "poll_s": args.poll_s, "last": args.versions, "expected": expected}
+    out: dict[str, Any] = {"method": method, "versions": []}
+    try:
+        if method in ("rollpatch", "xor"):
+            board_uri = f"file://{root / 'board'}"
+            masters = load_masters(work, 0)
+            if method == "rollpatch":
+                pub = Publisher(board_uri, RUN, PublisherConfig(format="bf16"))
+                pub.publish(masters)
+                pub.flush()
+
+                def publish(m: dict[str, np.ndarray], v: int) -> float:
+                    t0 = time.perf_counter()
+                    pub.publish(m, v)
+                    return time.perf_counter() - t0
+
+                def durable(v: int) -> float:
+                    return next(s.total_s for s in pub.stats.versions if s.version == v)
+                closers.append(pub.close)
+            else:
+                xpub = XorPublisher(Board(open_store(board_uri)), RUN)
+                xpub.publish(masters, 0)
+                board = Board(open_store(board_uri))
+                while board.latest(RUN) is None:
+                    time.sleep(0.05)
+                publish = xpub.publish
+
+                def durable(v: int) -> float:
+                    return xpub.stats[v]["total_s"]
+                closers.append(xpub.close)
+            del masters
+            origin = Relay(board_uri, root / "origin-cache", logs, "origin-relay", 0.0, 0.0)
+            closers.append(origin.close)
+            link = Child("link", {"mode": "link", "upstream": ["127.0.0.1", origin.port],
+                                  "latency_ms": args.rtt_ms / 2, "mbps": args.mbps}, logs)
+            closers.append(link.close)
+            lport = link.expect("ready", 60)["port"]
+            region = Relay(f"http://127.0.0.1:{lport}", root / "region-cache", logs,
+                           "region-relay", args.poll_s, args.poll_s)
+            region_close = region.close
+            for i in range(args.islands):
+                islands.append(Child(f"island{i}", {**island_job, "board": region.url}, logs))
+                islands[-1].expect("ready", 300)
+        else:
+            from shardcast import OriginServer, logger
+
+            logger.setLevel("WARNING")
+
+            for d in ("origin", "middle"):
+                (root / d).mkdir()
+                (root / d / "data1.bin").write_bytes(b"\0")  # the clients' first probe
+            origin_sc = OriginServer(str(root / "origin"), free_port())
+            closers.append(origin_sc.shutdown)
+            link = Child("link", {"mode": "link", "upstream": ["127.0.0.1", origin_sc.port],
+                                  "latency_ms": args.rtt_ms / 2, "mbps": args.mbps}, logs)
+            closers.append(link.close)
+            lport = link.expect("ready", 60)["port"]
+            mport = free_port()
+            mid = Child("middle", {"mode": "middle", "upstream": f"http://127.0.0.1:{lport}",
+                                   "dir": str(root / "middle"), "port": mport,
+                                   "check_interval": args.poll_s}, logs)
+            mid.expect("ready", 60)
+
+            def region_close() -> int:
+                done = mid.close()
+                return int(done["peak"]) if done else 0
+            for i in range(args.islands):
+                d = root / f"island{i}"
+                d.mkdir()
+                islands.append(Child(f"island{i}", {
+                    **island_job, "server": f"http://127.0.0.1:{mport}", "dir": str(d),
+                    "middle_dir": str(root / "middle")}, logs))
+                islands[-1].expect("ready", 300)
+            ckpt = root / "checkpoint.safetensors"
+
+            def publish(m: dict[str, np.ndarray], v: int) -> float:
+                t0 = time.perf_counter()
+                save_view(cast_view(m, "bf16"), ckpt)
+                name = origin_sc.broadcast(str(ckpt))
+                if name != f"v{v}":
+                    raise BenchError(f"shardcast named version {v} {name!r}")
+                blocked = time.perf_counter() - t0
+                ckpt.unlink()
+                sc_blocked[v] = blocked
+                return blocked
+
+            sc_blocked: dict[int, float] = {}
+            durable = sc_blocked.__getitem__
+        out["versions"] = steps(args, work, publish, durable, link, islands)
+        for isl in islands:
+            done = isl.close()
+            if done is None or not done["bit_exact"]:
+                raise BenchError(f"{method} {isl.name}: final view not bit-exact ({done})")
+            out.setdefault("island_peaks", []).append(int(done["peak"]))
+        islands.clear()
+        out["region_peak"] = region_close()
+    finally:
+        for isl in islands:
+            isl.proc.kill()
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 (cleanup must reach every process)
+                log(f"{method}: cleanup: {e}")
+    return out
+
+
+def steps(args: argparse.Namespace, work: Path, publish: Callable[..., float],
+          durable: Callable[[int], float], link: Child, islands: list[Child]
+          ) -> list[dict[str, Any]]:
+    def wan() -> int:
+        link.send("stats")
+        s = link.expect("stats", 30)
+        return int(s["bytes_up"]) + int(s["bytes_down"])
+
+    rows: list[dict[str, Any]] = []
+    before = wan()
+    for v in range(1, args.versions + 1):
+        masters = load_masters(work, v)
+        t0 = time.time()
+        blocked = publish(masters, v)
+        del masters
+        deadline = time.monotonic() + args.timeout_s
+        while not all(v in isl.serving for isl in islands):
+            if time.monotonic() > deadline:
+                raise BenchError(f"v{v}: not every island served it within {args.timeout_s}s")
+            for isl in islands:
+                if isl.proc.poll() is not None:
+                    raise BenchError(f"{isl.name} exited with status {isl.proc.returncode}")
+            time.sleep(0.01)
+        lat = [isl.serving[v] - t0 for isl in islands]
+        time.sleep(args.settle_s)   # trailing polls of this version count towards it
+        now = wan()
+        rows.append({"version": v, "blocked_s": blocked, "published_s": durable(v),
+                     "island_s": lat, "all_s": max(lat), "wan_bytes": now - before})
+        before = now
+        log(f"  v{v}: blocked {blocked:.2f}s, all islands {max(lat):.2f}s, "
+            f"WAN {rows[-1]['wan_bytes'] / 1e6:.2f} MB")
+    return rows
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def summarize(r: dict[str, Any]) -> dict[str, float]:
+    vs = r["versions"]
+    alls = [x["all_s"] for x in vs]
+    return {"wan": statistics.mean(x["wan_bytes"] for x in vs),
+            "p50": statistics.median(alls), "max": max(alls),
+            "blocked_p50": statistics.median(x["blocked_s"] for x in vs),
+            "blocked_max": max(x["blocked_s"] for x in vs),
+            "published_p50": statistics.median(x["published_s"] for x in vs),
+            "island_peak": max(r["island_peaks"]), "region_peak": r["region_peak"]}
+
+
+def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    s = {m: summarize(r) for m, r in results.items()}
+    ref = s.get("shardcast")
+    xor = s.get("xor")
+    rows = []
+    for m, x in s.items():
+        rows.append([m, f"{x['wan'] / 1e6:.2f}", f"{100 * x['wan'] / meta['view_bytes']:.2f}%",
+                     f"{ref['wan'] / x['wan']:.1f}x" if ref else "-",
+                     f"{x['wan'] / xor['wan']:.2f}" if xor else "-",
+                     f"{x['p50']:.2f}", f"{x['max']:.2f}",
+                     f"{ref['p50'] / x['p50']:.1f}x" if ref else "-",
+                     f"{x['p50'] / xor['p50']:.2f}" if xor else "-",
+                     f"{x['blocked_p50']:.2f}/{x['blocked_max']:.2f}",
+                     f"{x['published_p50']:.2f}",
+                     f"{x['island_peak'] / 2**20:.0f}", f"{x['region_peak'] / 2**20:.0f}"])
+    return table(["method", "WAN MB/ver", "of view", "bytes sc/this", "bytes this/xor",
+                  "all islands p50 s", "max s", "time sc/this", "time this/xor",
+                  "blocked p50/max s", "published p50 s", "island MiB", "relay MiB"],
+                 rows, right=[False] + [True] * 12)
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    s = {m: summarize(r) for m, r in results.items()}
+    if "rollpatch" not in s:
+        return []
+    rp, out = s["rollpatch"], []
+    checks = []
+    if "shardcast" in s:
+        sc = s["shardcast"]
+        checks += [("bytes <= 1/50 of shardcast", rp["wan"] * 50 <= sc["wan"],
+                    f"{sc['wan'] / rp['wan']:.1f}x fewer"),
+                   ("every island >= 20x sooner than shardcast (p50)",
+                    rp["p50"] * 20 <= sc["p50"], f"{sc['p50'] / rp['p50']:.1f}x sooner")]
+    if "xor" in s:
+        xo = s["xor"]
+        checks += [("sooner than XOR+zstd-1 (p50)", rp["p50"] < xo["p50"],
+                    f"{rp['p50']:.2f}s vs {xo['p50']:.2f}s"),
+                   ("bytes <= 0.4x XOR+zstd-1", rp["wan"] <= 0.4 * xo["wan"],
+                    f"{rp['wan'] / xo['wan']:.2f}x")]
+    for what, ok, got in checks:
+        out.append(f"target {'met    ' if ok else 'NOT MET'}  {what}: {got}")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=parse_size, default=parse_size("100M"))
+    p.add_argument("--versions", type=int, default=10, help="versions after v0 (>= 1)")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--islands", type=int, default=3)
+    p.add_argument("--mbps", type=float, default=1000.0, help="WAN cap, Mbit/s per direction")
+    p.add_argument("--rtt-ms", type=float, default=50.0, help="WAN round trip added")
+    p.add_argument("--poll-s", type=float, default=0.2,
+                   help="polling period of islands, relay pointer TTL and the middle node")
+    p.add_argument("--settle-s", type=float, default=0.5)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--work", default=None, help="work directory (default: a temp dir)")
+    p.add_argument("--json", help="write every measurement here")
+    args = p.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or args.versions < 1 or args.islands < 1:
+        p.error(f"--methods from {','.join(METHODS)}; --versions, --islands >= 1")
+    work = Path(args.work or f"/tmp/rollpatch-peers-{os.getuid()}")
+    work.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    meta = prepare(args, work)
+    results = {}
+    for m in methods:
+        log(f"{m}: {args.islands} islands, {args.versions} versions, {args.mbps:g} Mbit/s, "
+            f"{args.rtt_ms:g} ms RTT")
+        results[m] = run_method(m, args, work, meta)
+    changed = statistics.mean(meta["changed"].values())
+    print(f"{fmt_size(meta['n_params'])} params (BF16 view {meta['view_bytes'] / 1e6:.0f} MB), "
+          f"lr {args.lr:g}: {100 * changed:.2f}% of values change per step; "
+          f"{args.versions} versions to {args.islands} islands over one link "
+          f"({args.mbps:g} Mbit/s shared, {args.rtt_ms:g} ms RTT)")
+    print(render(results, meta))
+    for line in targets(results):
+        print(line)
+    print(machine_line(info))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args),
+                                               "meta": meta, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Command-line options every rollpatch service shares: TLS, bearer tokens, slow-client bounds.
+
+``add_serving_args(p)`` registers them; ``serve_options(args)`` turns them into a validated
+:class:`~rollpatch.serving.ServeOptions` (a bad file or value is a :class:`ConfigError`: one
+line, exit 2). ``upstream_store(board, token_file)`` opens a board, sending a bearer token when
+it is a relay that requires one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from .secrets import read_token
+
+if TYPE_CHECKING:
+    from ..serving import ServeOptions
+    from ..store import Store
+
+__all__ = ["add_serving_args", "serve_options", "upstream_store"]
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds: {text!r}")
+    return value
+
+
+def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None:
+    """``--tls-cert/--tls-key``, ``--token-file``, ``--header-timeout`` (and
+    ``--body-timeout`` for services that read request bodies)."""
+    g = p.add_argument_group("serving (TLS, access, slow clients)")
+    g.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
+    g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    g.add_argument("--token-file", metavar="FILE",
+                   help="require 'Authorization: Bearer TOKEN' (the file's content) on /v1/ "
+                        "routes; health, readiness and metrics stay open")
+    g.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="seconds a client may take to send a request head (default 10)")
+    if bodies:
+        g.add_argument("--body-timeout", type=_seconds, default=60.0, metavar="S",
+                       help="seconds a client may take to send a request body (default 60)")
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The validated :class:`ServeOptions` the arguments describe."""
+    from ..serving import ServeOptions, tls_context
+
+    token = read_token(args.token_file) if args.token_file else None
+    options = ServeOptions(tls_cert=args.tls_cert, tls_key=args.tls_key, token=token,
+                           header_timeout_s=args.header_timeout)
+    tls_context(options)  # a bad certificate or key is refused before anything starts
+    return options
+
+
+def upstream_store(board: str, token_file: str | None) -> Store | str:
+    """``board`` itself, or a relay client that sends the bearer token in ``token_file``."""
+    if token_file is None:
+        return board
+    from ..store import open_store
+
+    if not board.startswith(("http://", "https://")):
+        raise ConfigError("a board token is for a relay (http:// or https:// board)",
+                          value=board)
+    token = read_token(token_file, "board token file")
+    options: dict[str, Any] = {"headers": {"Authorization": f"Bearer {token}"}}
+    return open_store(board, **options)

@@ -1,0 +1,447 @@
+"""The SGLang engine adapter: stages patches while SGLang serves, scatters them under its pause.
+
+Runs in the sidecar's process and imports neither torch nor SGLang (stdlib HTTP and a UNIX
+socket). A commit (docs/sglang.md):
+
+1. **stage, while SGLang generates** — the patch goes to a file in a private directory; the
+   control thread inside SGLang (:mod:`.loader`) decodes it against the live words, validates
+   it and proves that it turns them into the target digests (:mod:`.staged`);
+2. **under the pause** — ``POST /pause_generation`` (``retract``: running requests go back to
+   the queue and recompute their cache after the commit), the ``commit`` command through
+   SGLang's weight-update route (scatter + read-back, O(changed)), SGLang flushes its prefix
+   cache, the adapter checks the result, then names the version (``/update_weight_version``)
+   — only after verification — and ``POST /continue_generation``.
+
+On any failure the adapter asks the engine for its root: the previous version's → it stays
+there (the error keeps its class for the follower); otherwise ``version`` becomes None and
+SGLang's ``weight_version`` reads ``rollpatch:not-ready``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ... import errors
+from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
+from ...io.safetensors import load_view, save_view
+from ...patch import Patch, inspect
+from ...view import Tensor, View, WordSource
+from ..base import EngineAdapter
+from ..vllm.transfer import write_decoded
+from .wire import command_payload, request
+
+if TYPE_CHECKING:
+    from ..staged import AuditReport, EncodedStep, StagedUpdate
+
+__all__ = ["LOADER", "NOT_READY", "PauseMode", "RemoteWords", "SglangEngine"]
+
+#: What ``--custom-weight-loader`` must name (and the ``load_format`` of every command).
+LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
+#: SGLang's ``weight_version`` while the engine holds bits no version vouches for.
+NOT_READY = "rollpatch:not-ready"
+#: SGLang's pause modes the adapter may use (``abort`` would drop requests: not offered).
+PauseMode = Literal["retract", "in_place"]
+_PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
+                 "CodecError", "ViewError", "VerificationError", "EngineError"}
+_MAX_BODY = 64 * 1024 * 1024
+
+
+class RemoteWords:
+    """A :class:`WordSource` over the engine's tensors, exported one at a time (each access
+    copies one tensor through a file). :meth:`SglangEngine.apply_encoded` needs none."""
+
+    def __init__(self, engine: SglangEngine) -> None:
+        self.engine = engine
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.engine.tensors()
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self:
+            raise KeyError(name)
+        path = self.engine._scratch("words")
+        try:
+            self.engine._control("export", name=name, path=str(path))
+            return load_view(path)[name]
+        finally:
+            path.unlink(missing_ok=True)
+
+
+class SglangEngine(EngineAdapter):
+    """:class:`EngineAdapter` over an SGLang server launched with rollpatch's loader.
+
+    ``url``: the server (``http://127.0.0.1:30000``, same host: files and a UNIX socket are
+    shared). ``shared_dir``: a directory SGLang can read (default: a fresh private one).
+    ``pause_mode``: how SGLang pauses for a commit (``retract`` lets it flush its prefix cache
+    with requests in flight). ``timeout``: seconds per call.
+    """
+
+    name = "sglang"
+
+    def __init__(self, url: str, *, shared_dir: str | Path | None = None,
+                 pause_mode: PauseMode = "retract", timeout: float = 600.0) -> None:
+        if pause_mode not in ("retract", "in_place"):
+            raise errors.ConfigError(f"unknown pause_mode {pause_mode!r}",
+                                     hint="use retract or in_place")
+        self.base_url = url.rstrip("/")
+        self.timeout = timeout
+        self.pause_mode = pause_mode
+        self._own_dir = shared_dir is None
+        self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-sglang-"))
+        self.socket = self.shared_dir / f"control-{secrets.token_hex(4)}.sock"
+        self._started = False
+        self._version: int | None = None
+        self._digest: str | None = None
+        self._tensors: dict[str, Any] | None = None
+        self._pauses = 0
+        self._lock = threading.RLock()
+        self.last_timings: dict[str, float] = {}
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Base URL of SGLang's OpenAI-compatible server (proxied by the sidecar)."""
+        return self.base_url
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def digest(self) -> str | None:
+        return self._digest
+
+    def info(self) -> dict[str, Any]:
+        """``rank``, ``tp``, ``pid`` of SGLang's scheduler, ``tensors`` (name → [kind, shape])."""
+        return self._control("info")
+
+    def tensors(self) -> dict[str, Any]:
+        if self._tensors is None:
+            self._tensors = dict(self.info()["tensors"])
+        return self._tensors
+
+    def held(self, *, fresh: bool = False) -> tuple[dict[str, str], str]:
+        """Per-tensor digests and root of the live words (``fresh``: re-hash everything)."""
+        r = self._control("digest", fresh=fresh)
+        return r["digests"], r["root"]
+
+    def weight_version(self) -> str | None:
+        """SGLang's own ``weight_version`` tag (``GET /model_info``)."""
+        return self._http("GET", "/model_info").get("weight_version")
+
+    def adopt(self, version: int, digest: str) -> None:
+        """Take over a server that booted from a checkpoint: verified against ``digest``."""
+        with self._lock:
+            _, root = self.held(fresh=True)
+            if root != digest:
+                raise BaseMismatchError("the server does not hold the expected view",
+                                        engine=self.name, expected=digest[:16],
+                                        actual=root[:16])
+            self._set(version, root)
+            self._tag(str(version))
+
+    # -- commits -----------------------------------------------------------------------------
+
+    def load(self, view: View, version: int) -> None:
+        """Write a keyframe in place (validated whole first), verified by a full re-hash."""
+        with self._lock:
+            path = self._scratch("keyframe")
+            try:
+                save_view(view, path)
+                target = view.digest()
+                self._write({"op": "load", "path": str(path)}, version,
+                            lambda res: res["root"] == target, target)
+            finally:
+                path.unlink(missing_ok=True)
+
+    def words(self) -> WordSource:
+        return RemoteWords(self)
+
+    def apply(self, patch: Patch, version: int) -> None:
+        """Commit a decoded patch: staged while SGLang serves, scattered under the pause."""
+        with self._lock:
+            self.commit_staged(self._must(self.stage(patch, version)), version)
+
+    def stage(self, patch: Patch, version: int) -> StagedUpdate | None:
+        """Prove a decoded patch inside SGLang (while it serves); :meth:`commit_staged`
+        writes it. The decoded patch crosses processes as a file (12 bytes per BF16 change)."""
+        targets = {n: tp.target_digest for n, tp in patch.tensors.items()}
+        with self._lock:
+            self._require_loaded()
+            path = self._scratch("patch")
+            try:
+                write_decoded(patch, path)
+                return self._stage("stage_decoded", path, targets, patch.base, patch.target)
+            finally:
+                path.unlink(missing_ok=True)
+
+    def stage_encoded(self, steps: Sequence[EncodedStep], version: int
+                      ) -> StagedUpdate | None:
+        """Decode one step's patch objects inside SGLang against its own words and prove
+        them (nothing of the model crosses processes). Chains of several steps: None (the
+        follower decodes them against :meth:`words` and calls :meth:`stage`)."""
+        if len(steps) != 1 or not steps[0].blobs:
+            return None
+        step = steps[0]
+        targets: dict[str, str | None] = {}
+        for blob in step.blobs:
+            targets.update({e["name"]: e["target"] for e in inspect(blob).tensors})
+        with self._lock:
+            self._require_loaded()
+            paths = [self._scratch("blob") for _ in step.blobs]
+            try:
+                for path, blob in zip(paths, step.blobs):
+                    path.write_bytes(blob)
+                return self._stage("stage_encoded", paths, targets, step.base, step.target)
+            finally:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+
+    def commit_staged(self, staged: StagedUpdate, version: int) -> None:
+        """Under the pause: scatter the staged writes inside SGLang, read them back."""
+        token = staged.payload.get("sglang_token")
+        if not isinstance(token, str):
+            raise EngineError("this update was not staged by the SGLang adapter",
+                              engine=self.name)
+        with self._lock:
+            self._require_loaded()
+            self._write({"op": "commit", "token": token}, version,
+                        lambda res: res["target"] == staged.target
+                        and res["root"] == staged.target, staged.target)
+
+    def decodes_itself(self, n_objects: int) -> bool:
+        return True
+
+    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
+                       version: int) -> bool:
+        """One step's patch objects, decoded inside SGLang (staged, then scattered)."""
+        if self.digest != base_digest:
+            return False
+        self.apply_encoded(blobs, base_digest, target_digest, version)
+        return True
+
+    def apply_encoded(self, blobs: Sequence[bytes], base: str, target: str, version: int
+                      ) -> None:
+        """Commit one step's wire-format patch objects (``base`` → ``target`` roots)."""
+        from ..staged import EncodedStep
+
+        with self._lock:
+            staged = self.stage_encoded([EncodedStep(tuple(blobs), base, target)], version)
+            self.commit_staged(self._must(staged), version)
+
+    def audit(self, budget_bytes: int) -> AuditReport | None:
+        """Re-hash up to ``budget_bytes`` of live weights inside SGLang (round-robin) while
+        it serves, against the verified digests of the version held."""
+        from ..staged import AuditReport
+
+        with self._lock:
+            if self._version is None:
+                return None
+            r = self._control("audit", budget=int(budget_bytes))
+        return AuditReport(int(r["tensors"]), int(r["nbytes"]), tuple(r["mismatched"]),
+                           bool(r["wrapped"]))
+
+    def _stage(self, op: str, path: Path | list[Path], targets: Mapping[str, str | None],
+               base: str, target: str) -> StagedUpdate:
+        from ..staged import StagedUpdate
+
+        t0 = time.perf_counter()
+        paths = [str(p) for p in (path if isinstance(path, list) else [path])]
+        r = self._control(op, paths=paths, base=base, target=target)  # SGLang serves on
+        if r["base"] != base or r["target"] != target or any(
+                r["digests"].get(n) != d for n, d in targets.items()):
+            self._control("drop")
+            raise TargetMismatchError("the staged update is not the patch's", engine=self.name)
+        self.last_timings["stage_s"] = time.perf_counter() - t0
+        return StagedUpdate(base, target, {}, dict(r["digests"]), {
+            "sglang_token": r["token"], "changed": int(r["changed"]),
+            "nbytes": int(r["nbytes"])})
+
+    @staticmethod
+    def _must(staged: StagedUpdate | None) -> StagedUpdate:
+        if staged is None:
+            raise EngineError("the SGLang adapter could not stage this update",
+                              engine="sglang", hint="one step at a time")
+        return staged
+
+    def _write(self, cmd: dict[str, Any], version: int, verified: Any, target: str
+               ) -> dict[str, Any]:
+        """Run a writing command under the pause; the version moves only if ``verified``."""
+        before = (self._version, self._digest)
+        with self._paused():
+            t0 = time.perf_counter()
+            try:
+                res = self._command(cmd, flush=True)
+                if not verified(res):
+                    raise TargetMismatchError("the engine reports another root than the "
+                                              "target", engine=self.name, version=version,
+                                              expected=target[:16], actual=str(res["root"])[:16])
+                self._set(version, target)
+                self._tag(str(version))  # named only now: after the read-back checked out
+            except BaseException:
+                self._reconcile(before)
+                raise
+            finally:
+                self.last_timings["pause_s"] = time.perf_counter() - t0
+        return res
+
+    def _reconcile(self, before: tuple[int | None, str | None]) -> None:
+        """After a failed commit: the previous version if the engine still holds its bits,
+        else not ready (never a version over unknown bits)."""
+        with contextlib.suppress(RollpatchError):
+            if before[1] is not None and self.held()[1] == before[1]:
+                self._set(*before)
+                self._tag(str(before[0]))
+                return
+        self._set(None, None)
+        with contextlib.suppress(RollpatchError):
+            self._tag(NOT_READY)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _set(self, version: int | None, digest: str | None) -> None:
+        self._version, self._digest = version, digest
+
+    def _require_loaded(self) -> None:
+        if self._version is None:
+            raise EngineError("the engine holds no verified version", engine=self.name,
+                              hint="load a keyframe (or adopt a booted checkpoint) first")
+
+    def _scratch(self, what: str) -> Path:
+        return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+
+    def _tag(self, tag: str) -> None:
+        self._http("POST", "/update_weight_version", {"new_version": tag})
+
+    def _start(self) -> None:
+        if not self._started:
+            info = self._http("GET", "/server_info")
+            if LOADER not in (info.get("custom_weight_loader") or []):
+                raise EngineError("SGLang was not launched with rollpatch's weight loader",
+                                  engine=self.name, url=self.base_url,
+                                  hint=f"add --custom-weight-loader {LOADER} (docs/sglang.md)")
+            self._command({"op": "start", "socket": str(self.socket)}, flush=False)
+            self._started = True
+
+    def _control(self, op: str, **args: Any) -> dict[str, Any]:
+        """A read-only operation on SGLang's control thread (generation goes on)."""
+        self._start()
+        return _result(request(self.socket, {"op": op, **args}, self.timeout))
+
+    def _command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
+        """A command through SGLang's weight-update route (run between forward passes)."""
+        reply_path = self._scratch("reply")
+        body = {"serialized_named_tensors": [command_payload({**cmd, "reply": str(reply_path)})],
+                "load_format": LOADER, "flush_cache": flush}
+        self._session("/begin_weight_update")
+        try:
+            reply = self._http("POST", "/update_weights_from_tensor", body, check=False)
+        finally:
+            self._session("/end_weight_update")
+        try:
+            raw = reply_path.read_bytes()
+        except OSError:
+            raise EngineError("SGLang did not run rollpatch's command", engine=self.name,
+                              op=cmd["op"], detail=str(reply.get("message"))[:500],
+                              hint=f"launch SGLang with --custom-weight-loader {LOADER}"
+                              ) from None
+        finally:
+            reply_path.unlink(missing_ok=True)
+        try:
+            res = _result(json.loads(raw))
+        except (json.JSONDecodeError, AttributeError):
+            raise EngineError("rollpatch's command answer is not JSON", engine=self.name,
+                              op=cmd["op"]) from None
+        if not reply.get("success"):  # our command ran; SGLang's own step after it failed
+            raise EngineError("SGLang's weight-update route failed after the command",
+                              engine=self.name, detail=str(reply.get("message"))[:500])
+        return res
+
+    def _session(self, route: str) -> None:
+        """SGLang's weight-update session bracket (no-ops for unpacked CPU weights)."""
+        reply = self._http("POST", route, {}, check=False)
+        if not reply.get("success") and route == "/begin_weight_update":
+            self._http("POST", "/end_weight_update", {}, check=False)  # a session left open
+            reply = self._http("POST", route, {}, check=False)
+        if not reply.get("success"):
+            raise EngineError(f"SGLang refused {route}", engine=self.name,
+                              detail=str(reply.get("message"))[:500])
+
+    def _http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read(_MAX_BODY + 1)
+        except urllib.error.HTTPError as err:
+            raw = err.read(_MAX_BODY + 1)
+            if check or err.code != 400:
+                raise EngineError(f"SGLang answered {err.code} to {method} {path}",
+                                  engine=self.name, detail=raw[:500].decode(errors="replace")
+                                  ) from None
+        except (urllib.error.URLError, OSError) as err:
+            raise EngineError(f"SGLang is not reachable: {err}", engine=self.name,
+                              url=self.base_url, path=path,
+                              hint="is the server up? (GET /health)") from None
+        if len(raw) > _MAX_BODY:
+            raise EngineError("SGLang's answer is too large", engine=self.name, path=path)
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            raise EngineError("SGLang's answer is not JSON", engine=self.name, path=path) \
+                from None
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        with self._lock:
+            self.pause()
+            try:
+                yield
+            finally:
+                self.resume()
+
+    def pause(self) -> None:
+        """Stop SGLang generating (``pause_mode``; nested calls count)."""
+        with self._lock:
+            if self._pauses == 0:
+                self._http("POST", "/pause_generation", {"mode": self.pause_mode})
+            self._pauses += 1
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._pauses == 1:
+                self._http("POST", "/continue_generation", {})
+            self._pauses = max(0, self._pauses - 1)
+
+    def close(self) -> None:
+        """Forget the scratch directory (the server is not ours to stop)."""
+        if self._own_dir:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+
+
+def _result(r: Mapping[str, Any]) -> dict[str, Any]:
+    """An answer from inside SGLang as a dict, or its error as a rollpatch exception."""
+    if not r.get("ok"):
+        e = r.get("error") or {}
+        name = str(e.get("type", "EngineError"))
+        ctx = dict(e.get("context") or {})
+        ctx.setdefault("engine", "sglang")
+        cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
+        if cls is None:
+            raise EngineError(f"SGLang extension failed ({name}): {e.get('message')}",
+                              hint=e.get("hint"), **ctx)
+        raise cls(str(e.get("message")), hint=e.get("hint"), **ctx)
+    return dict(r)

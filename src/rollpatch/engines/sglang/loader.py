@@ -1,0 +1,205 @@
+"""Inside SGLang: rollpatch's custom weight loader and its control thread.
+
+Start SGLang with ``--custom-weight-loader rollpatch.engines.sglang.loader.rollpatch_weight_loader``.
+SGLang imports this module in its scheduler process the first time the adapter names the
+loader in ``POST /update_weights_from_tensor`` and calls :func:`rollpatch_weight_loader`
+there, between two forward passes, with the command the adapter sent (:mod:`.wire`):
+
+- ``start``: build the rank's :class:`~.staged.HeldWeights` from the model's own metadata
+  (:mod:`.describe`) and start the control thread on the given UNIX socket;
+- ``commit``: scatter a staged update and read it back (the only work under the pause);
+- ``load``: overwrite every tensor with a keyframe file, verified.
+
+The control thread serves, *while SGLang generates*, what only reads: ``info``, ``digest``,
+``stage_encoded`` (decode a wire-format patch against the live words and prove it),
+``stage_decoded`` (a decoded-patch file, :mod:`rollpatch.engines.vllm.transfer`), ``export``
+(one tensor to a file), ``audit`` (re-hash a slice of the weights), ``drop`` (a staged
+update).
+Every answer is a JSON dict: ``ok`` plus results, or ``error`` with the rollpatch exception
+class, message and context. The loader itself never raises into SGLang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import socketserver
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ...errors import BaseMismatchError, EngineError, PatchError, RollpatchError
+from ...io.safetensors import load_view, save_view
+from ...patch import Patch, TensorPatch, decode, inspect
+from ...view import View
+from ..vllm.transfer import read_decoded
+from .staged import HeldWeights
+from .wire import read_line
+
+__all__ = ["rollpatch_weight_loader", "run_op"]
+
+
+class _State:
+    """This process's weights, control server and last command results."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.weights: HeldWeights | None = None
+        self.server: socketserver.UnixStreamServer | None = None
+
+
+_STATE = _State()
+
+
+def _build(model: Any) -> HeldWeights:
+    from sglang.srt.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    from .describe import describe, param_words
+
+    rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    specs, kinds, params = describe(model, tp)
+    words = {n: param_words(p) for n, p in params.items()}
+    return HeldWeights(words, specs, kinds, rank=rank, tp=tp)
+
+
+def _weights() -> HeldWeights:
+    if _STATE.weights is None:
+        raise EngineError("the SGLang extension is not started", hint="the adapter starts it")
+    return _STATE.weights
+
+
+def _stage_encoded(w: HeldWeights, paths: list[str], base: str, target: str
+                   ) -> dict[str, Any]:
+    """Decode one step's patch objects (its shards) against the live words, prove them."""
+    if w.root() != base:  # decoding against another base would read wrong contexts
+        raise BaseMismatchError("engine root digest is not the step's base",
+                                expected=base[:16], actual=w.root()[:16],
+                                hint="the engine is on another version; plan a new path")
+    tensors: dict[str, TensorPatch] = {}
+    for path in paths:
+        blob = Path(path).read_bytes()
+        header = inspect(blob)  # the container and header, validated; no payload touched yet
+        names = sorted(e["name"] for e in header.tensors if e["name"] in w)
+        part = decode(blob, w.view(names), check_base=False)
+        if set(part.tensors) & set(tensors):
+            raise PatchError("two patch objects of one step touch the same tensor")
+        tensors.update(part.tensors)
+    return w.stage(Patch(base, target, tensors, {})).summary()
+
+
+def _export(w: HeldWeights, name: str, path: str) -> dict[str, Any]:
+    t = w[name]
+    save_view(View({name: t}), path)
+    return {"bytes": t.nbytes, "digest": w.digest_of(name)}
+
+
+def _drop(w: HeldWeights) -> dict[str, Any]:
+    n = len(w.staged)
+    w.staged.clear()
+    return {"dropped": n}
+
+
+def _info(w: HeldWeights) -> dict[str, Any]:
+    return {"rank": w.rank, "tp": w.tp, "pid": os.getpid(),
+            "tensors": {n: [w.kind_of(n).name, list(w[n].shape)] for n in w.names()},
+            "params": len(w.params)}
+
+
+_CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
+    "info": lambda w, r: _info(w),
+    "digest": lambda w, r: {"digests": w.digests(fresh=bool(r.get("fresh"))),
+                            "root": w.root()},
+    "stage_encoded": lambda w, r: _stage_encoded(w, [str(p) for p in r["paths"]],
+                                                 str(r["base"]), str(r["target"])),
+    "stage_decoded": lambda w, r: w.stage(read_decoded(str(r["paths"][0]))).summary(),
+    "export": lambda w, r: _export(w, str(r["name"]), str(r["path"])),
+    "audit": lambda w, r: w.audit(int(r["budget"])),
+    "drop": lambda w, r: _drop(w),
+}
+
+
+def run_op(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one operation under the state lock; never raises (errors become ``ok: False``)."""
+    t0 = time.perf_counter()
+    try:
+        with _STATE.lock:
+            out = {"ok": True, **fn()}
+    except RollpatchError as err:
+        out = {"ok": False, "error": {"type": type(err).__name__, "message": err.message,
+                                      "hint": err.hint, "context": _jsonable(err.context)}}
+    except Exception as err:  # noqa: BLE001 - reported to the adapter, which raises EngineError
+        out = {"ok": False, "error": {"type": "InternalError",
+                                      "message": f"{type(err).__name__}: {err}"}}
+    out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+    return out
+
+
+def _jsonable(ctx: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+            for k, v in ctx.items()}
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        try:
+            req = json.loads(read_line(self.request))
+            op = req.get("op") if isinstance(req, dict) else None
+        except (RollpatchError, json.JSONDecodeError, OSError):
+            return
+        if op in _CONTROL:
+            out = run_op(lambda: _CONTROL[op](_weights(), req))
+        else:
+            out = {"ok": False, "error": {"type": "EngineError",
+                                          "message": f"unknown control operation {op!r}"}}
+        self.request.sendall(json.dumps(out, separators=(",", ":")).encode() + b"\n")
+
+
+def _start(model: Any, sock: str) -> dict[str, Any]:
+    if _STATE.weights is None:
+        _STATE.weights = _build(model)
+    if _STATE.server is None or _STATE.server.server_address != sock:
+        if _STATE.server is not None:
+            _STATE.server.shutdown()
+        Path(sock).unlink(missing_ok=True)
+        server = socketserver.UnixStreamServer(sock, _Handler)
+        os.chmod(sock, 0o600)
+        threading.Thread(target=server.serve_forever, name="rollpatch-control",
+                         daemon=True).start()
+        _STATE.server = server
+    return {"socket": sock, "pid": os.getpid()}
+
+
+def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    op = cmd.get("op")
+    if op == "start":
+        return _start(model, str(cmd["socket"]))
+    w = _weights()
+    if op == "commit":
+        staged = w.commit(str(cmd["token"]))
+        return {"target": staged.target, "changed": staged.changed, "root": w.root()}
+    if op == "load":
+        return {"root": w.load(load_view(str(cmd["path"]), mmap=True))}
+    raise EngineError(f"unknown rollpatch command {op!r}")
+
+
+def rollpatch_weight_loader(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
+    """SGLang's custom-loader entry point: run each command (the names) and write its result
+    to the command's ``reply`` file (atomically: written aside, then renamed)."""
+    for name, _ in named_tensors:
+        try:
+            cmd = json.loads(name)
+            reply = Path(str(cmd["reply"]))
+        except (json.JSONDecodeError, TypeError, KeyError):
+            continue  # not ours: nothing to answer to
+        out = run_op(functools.partial(_command, model, cmd))
+        with contextlib.suppress(OSError):
+            tmp = reply.with_name(reply.name + ".tmp")
+            tmp.write_text(json.dumps(out, separators=(",", ":")))
+            tmp.replace(reply)

@@ -1,0 +1,307 @@
+"""One SGLang rank's parameters in checkpoint coordinates: stage while serving, scatter under
+the pause (numpy only; no torch, no SGLang).
+
+:class:`HeldWeights` lends every checkpoint tensor as a zero-copy numpy view of the runtime
+parameter that holds it (fused ``qkv_proj`` / ``gate_up_proj`` rows, a rank's TP slice; the
+arithmetic is :mod:`rollpatch.engines.vllm.layout`'s, shared because SGLang's parallel layers
+split tensors exactly as vLLM's do) and keeps per-tensor digests of what it verified.
+
+A commit is two phases:
+
+1. :meth:`HeldWeights.stage` — **while SGLang serves** (no write, reads only): validate every
+   tensor of the patch (known name, kind, shape, strictly increasing in-range int64
+   positions, the kind's words), check the base digests, check the old elements against the
+   live words, turn checkpoint positions into runtime offsets, and *prove* the update: hash
+   each touched tensor as it will be after the write (a copy of one tensor at a time) and
+   compare with the patch's target digests and target root. The result, a :class:`Staged`
+   update, holds per runtime parameter the offsets, old and new words, ready to scatter.
+2. :meth:`HeldWeights.commit` — **under the pause**, O(changed): the old words at the offsets
+   must still be there, scatter the new words, read the written offsets back and compare. On a
+   mismatch the old words are written back and read back; the digests move to the targets only
+   when every read-back matched.
+
+Nothing writes the parameters but :meth:`commit` and :meth:`load`, so the cached digests stay
+true between commits; :meth:`audit` re-hashes everything (for a background check).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import BaseMismatchError, EngineError, PatchError, TargetMismatchError, ViewError
+from ...kinds import Kind
+from ...patch import Patch, TensorPatch
+from ...view import Tensor, View, root_digest, tensor_digest
+from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
+
+__all__ = ["HeldWeights", "Staged"]
+
+
+@dataclass
+class _Write:
+    """One runtime parameter's part of a staged update (flat row-major offsets)."""
+
+    offsets: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+
+
+@dataclass
+class Staged:
+    """A verified, ready-to-scatter update from root ``base`` to root ``target``."""
+
+    token: str
+    base: str
+    target: str
+    digests: dict[str, str]
+    writes: dict[str, _Write] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> int:
+        return sum(int(w.offsets.size) for w in self.writes.values())
+
+    def summary(self) -> dict[str, object]:
+        return {"token": self.token, "base": self.base, "target": self.target,
+                "changed": self.changed, "params": len(self.writes),
+                "nbytes": sum(w.offsets.nbytes + w.old.nbytes + w.new.nbytes
+                              for w in self.writes.values()),
+                "digests": dict(self.digests)}
+
+
+class HeldWeights:
+    """A rank's runtime parameters as a checkpoint-coordinate view (module docstring).
+
+    ``params``: runtime parameter name → its words, a writable 2-D numpy array *sharing the
+    parameter's memory* (C-contiguous rows). ``specs`` / ``kinds``: the layout and element kind
+    of each runtime parameter. ``rank`` / ``tp``: this rank's place (every tensor must be whole
+    on this rank: TP > 1 needs a gather, which is not built).
+    """
+
+    def __init__(self, params: Mapping[str, np.ndarray], specs: Sequence[ParamSpec],
+                 kinds: Mapping[str, Kind], *, rank: int = 0, tp: int = 1) -> None:
+        self.params, self.rank, self.tp = dict(params), rank, tp
+        self._place: dict[str, Placement] = {}
+        self._kind: dict[str, Kind] = {}
+        for spec in specs:
+            for pl in placements(spec, rank, tp):
+                if not pl.whole:
+                    raise EngineError("tensor is split over tensor-parallel ranks; reading it "
+                                      "needs a gather, which the SGLang extension does not "
+                                      "build yet", tensor=pl.name, tp=tp,
+                                      hint="serve with --tp-size 1 (docs/sglang.md, status)")
+                a = self.params[spec.param]
+                if a.shape != pl.param_shape or not a.flags.c_contiguous:
+                    raise EngineError("runtime parameter differs from its derived layout",
+                                      param=spec.param, shape=a.shape,
+                                      derived=pl.param_shape)
+                self._place[pl.name] = pl
+                self._kind[pl.name] = kinds[spec.param]
+        self._digests: dict[str, str] = {}
+        self._cursor = 0
+        self.staged: dict[str, Staged] = {}
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return sorted(self._place)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._place
+
+    def _pl(self, name: str) -> Placement:
+        try:
+            return self._place[name]
+        except KeyError:
+            raise EngineError("the engine holds no such checkpoint tensor", tensor=name,
+                              hint="the served view and the model disagree on names") from None
+
+    def kind_of(self, name: str) -> Kind:
+        self._pl(name)
+        return self._kind[name]
+
+    def __getitem__(self, name: str) -> Tensor:
+        """The tensor's live words (a view of the parameter where the block is contiguous)."""
+        pl = self._pl(name)
+        block = extract(pl, self.params[pl.param])
+        flat = block.reshape(-1) if block.flags.c_contiguous else np.ascontiguousarray(block)
+        return Tensor(self._kind[name], pl.shape, flat.reshape(-1))
+
+    def view(self, names: Sequence[str] | None = None) -> View:
+        """A :class:`View` of the live words (of ``names``), with the verified digests."""
+        v = View({n: self[n] for n in (self.names() if names is None else names)})
+        for n in v:
+            if n in self._digests:
+                v.set_digest(n, self._digests[n])
+        return v
+
+    def digest_of(self, name: str, *, fresh: bool = False) -> str:
+        if fresh or name not in self._digests:
+            t = self[name]
+            self._digests[name] = tensor_digest(t.dtype, t.shape, t.data)
+        return self._digests[name]
+
+    def digests(self, *, fresh: bool = False) -> dict[str, str]:
+        return {n: self.digest_of(n, fresh=fresh) for n in self.names()}
+
+    def root(self) -> str:
+        return root_digest(self.digests())
+
+    def audit(self, budget: int) -> dict[str, object]:
+        """Re-hash up to ``budget`` bytes of live words (at least one tensor, round-robin)
+        and compare with the verified digests; the names that differ are ``mismatched``."""
+        names = self.names()
+        out: list[str] = []
+        spent, wrapped = 0, False
+        while len(out) < len(names) and (not out or spent + self[names[self._cursor]].nbytes
+                                          <= budget):
+            out.append(names[self._cursor])
+            spent += self[out[-1]].nbytes
+            self._cursor = (self._cursor + 1) % len(names)
+            wrapped = wrapped or self._cursor == 0
+        bad = [n for n in out if n in self._digests and self._digests[n] != tensor_digest(
+            self[n].dtype, self[n].shape, self[n].data)]
+        return {"tensors": len(out), "nbytes": spent, "mismatched": bad, "wrapped": wrapped}
+
+    # -- staging (reads only) ----------------------------------------------------------------
+
+    def _check(self, tp: TensorPatch) -> TensorPatch:
+        """The tensor patch as a validated delta against the live words."""
+        if tp.op == "drop" or tp.name not in self._place:
+            raise BaseMismatchError("patch adds or drops a tensor; the model cannot change",
+                                    tensor=tp.name, op=tp.op,
+                                    hint="self-heal from a keyframe of this architecture")
+        pl, kind = self._place[tp.name], self._kind[tp.name]
+        if tp.kind != kind or tp.shape != pl.shape:
+            raise BaseMismatchError("tensor layout differs from the engine's", tensor=tp.name,
+                                    kind=tp.kind.name, shape=tp.shape, engine_kind=kind.name,
+                                    engine_shape=pl.shape)
+        live = self[tp.name].data
+        if tp.op == "full":
+            assert tp.tensor is not None
+            if tp.tensor.kind != kind or tp.tensor.data.shape != live.shape:
+                raise BaseMismatchError("full tensor's layout differs from the engine's",
+                                        tensor=tp.name)
+            changed = np.flatnonzero(live != tp.tensor.data).astype(np.int64)
+            return TensorPatch(tp.name, "delta", kind, tp.shape, tp.base_digest,
+                               tp.target_digest, changed, live[changed].copy(),
+                               tp.tensor.data[changed].copy())
+        pos, old, new = tp.positions, tp.old, tp.new
+        assert pos is not None and old is not None and new is not None
+        if pos.dtype != np.int64 or pos.ndim != 1 or old.dtype != kind.elem_dtype \
+                or new.dtype != kind.elem_dtype or old.shape != pos.shape \
+                or new.shape != pos.shape:
+            raise PatchError("positions must be int64 and elements the kind's words",
+                             tensor=tp.name)
+        if pos.size and (pos[0] < 0 or pos[-1] >= pl.n_elements
+                         or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))):
+            raise PatchError("positions out of range or not strictly increasing",
+                             tensor=tp.name)
+        if not np.array_equal(live[pos], old):
+            raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
+        return tp
+
+    def stage(self, patch: Patch) -> Staged:
+        """Validate and prove ``patch`` against the live words; nothing is written."""
+        if self.root() != patch.base:
+            raise BaseMismatchError("engine root digest is not the patch's base",
+                                    expected=patch.base[:16], actual=self.root()[:16],
+                                    hint="the engine is on another version; plan a new path")
+        deltas = [self._check(patch.tensors[n]) for n in sorted(patch.tensors)]
+        digests = dict(self.digests())
+        per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for tp in deltas:
+            assert tp.positions is not None and tp.old is not None and tp.new is not None
+            if tp.base_digest != digests[tp.name]:
+                raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
+            live = self[tp.name]
+            after = live.data.copy()  # one tensor at a time, outside the pause
+            after[tp.positions] = tp.new
+            got = tensor_digest(live.dtype, live.shape, after)
+            del after
+            if got != tp.target_digest:
+                raise TargetMismatchError("the staged update does not give the target tensor",
+                                          tensor=tp.name)
+            digests[tp.name] = got
+            pl = self._place[tp.name]
+            held, offsets = locate(pl, tp.positions)
+            per_param.setdefault(pl.param, []).append((offsets, tp.old[held], tp.new[held]))
+        if root_digest(digests) != patch.target:
+            raise TargetMismatchError("the staged update does not give the target root")
+        staged = Staged(secrets.token_hex(8), patch.base, patch.target,
+                        {tp.name: digests[tp.name] for tp in deltas})
+        for param, parts in per_param.items():
+            offs = np.concatenate([p[0] for p in parts])
+            order = np.argsort(offs, kind="stable")
+            staged.writes[param] = _Write(np.ascontiguousarray(offs[order]),
+                                          np.concatenate([p[1] for p in parts])[order],
+                                          np.concatenate([p[2] for p in parts])[order])
+        self.staged = {staged.token: staged}  # one staged update at a time
+        return staged
+
+    # -- writing (under the pause) -----------------------------------------------------------
+
+    def commit(self, token: str, repack: Callable[[set[str]], None] = lambda p: None
+               ) -> Staged:
+        """Scatter a staged update, read it back; O(changed). Raises, restored, on mismatch."""
+        staged = self.staged.pop(token, None)
+        if staged is None:
+            raise EngineError("no staged update with this token", token=token,
+                              hint="stage the patch again")
+        if self.root() != staged.base:
+            raise BaseMismatchError("the engine moved since the update was staged",
+                                    expected=staged.base[:16], actual=self.root()[:16])
+        flat = {p: self.params[p].reshape(-1) for p in staged.writes}
+        for p, w in staged.writes.items():
+            if not np.array_equal(flat[p][w.offsets], w.old):
+                raise BaseMismatchError("live words differ from the staged base", param=p)
+        try:
+            for p, w in staged.writes.items():
+                flat[p][w.offsets] = w.new
+            repack(set(staged.writes))
+            bad = [p for p, w in staged.writes.items()
+                   if not np.array_equal(flat[p][w.offsets], w.new)]
+            if bad:
+                raise TargetMismatchError("written words do not read back", param=bad[0],
+                                          mismatched=len(bad))
+        except BaseException:
+            for p, w in staged.writes.items():
+                flat[p][w.offsets] = w.old
+            repack(set(staged.writes))
+            lost = [p for p, w in staged.writes.items()
+                    if not np.array_equal(flat[p][w.offsets], w.old)]
+            if lost:
+                self._digests.clear()
+                raise EngineError("could not restore the base after a failed commit: the "
+                                  "engine holds unknown bits", param=lost[0], restored=False,
+                                  hint="reload a keyframe") from None
+            raise
+        self._digests.update(staged.digests)
+        return staged
+
+    def load(self, view: View, repack: Callable[[set[str]], None] = lambda p: None) -> str:
+        """Overwrite every tensor with ``view`` (validated whole first); returns the root."""
+        names = set(view)
+        if names != set(self._place):
+            missing, extra = sorted(set(self._place) - names), sorted(names - set(self._place))
+            raise ViewError("keyframe tensor names differ from the engine's",
+                            missing=missing[:3] or None, unexpected=extra[:3] or None,
+                            n_missing=len(missing), n_unexpected=len(extra))
+        for name in sorted(names):
+            t, pl = view[name], self._place[name]
+            if t.kind != self._kind[name] or t.shape != pl.shape:
+                raise ViewError("keyframe tensor layout differs from the engine's", tensor=name,
+                                kind=t.kind.name, shape=t.shape,
+                                engine_kind=self._kind[name].name, engine_shape=pl.shape)
+        self.staged.clear()
+        self._digests.clear()
+        for name in sorted(names):
+            pl = self._place[name]
+            src, dst = blocks(pl)
+            if pl.length:
+                self.params[pl.param][dst] = view[name].data.reshape(pl.rows, pl.cols)[src]
+        repack({self._place[n].param for n in names})
+        return root_digest(self.digests(fresh=True))

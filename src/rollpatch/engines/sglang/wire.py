@@ -1,0 +1,87 @@
+"""The two channels between the adapter and rollpatch's code inside SGLang (stdlib only).
+
+**Commands on SGLang's weight-update route.** ``POST /update_weights_from_tensor`` with
+``load_format`` naming rollpatch's custom weight loader (registered at launch with
+``--custom-weight-loader``) makes SGLang's scheduler call the loader *between two forward
+passes* with a list of (name, tensor). rollpatch sends one entry: the name is a JSON command,
+the tensor an empty ``uint8`` tensor. SGLang's route takes each rank's list serialized the way
+``torch.multiprocessing`` pickles it (read back by SGLang's allow-listing unpickler); for an
+empty tensor those bytes are a fixed shape around the name, so :func:`command_payload` writes
+them without importing torch: no storage, no shared memory, no file descriptor crosses.
+Nothing rollpatch reads is ever unpickled.
+
+**The control socket.** Reads and staging must not stall generation, so the loader also
+starts a small server thread inside SGLang's process on a UNIX socket in the adapter's private
+directory (mode 0700). One request per connection: one JSON line in (at most
+:data:`MAX_LINE` bytes), one JSON line out. Bulk data (patches, keyframes, exported tensors)
+travel as files in the same directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+from ...errors import EngineError
+
+__all__ = ["MAX_LINE", "command_payload", "read_line", "request"]
+
+MAX_LINE = 1 << 24  # a digest list of a very large model stays far below this
+
+# What ``ForkingPickler(protocol=2).dump([(NAME, torch.empty(0, dtype=torch.uint8))])`` writes
+# (torch 2.x): before the name, and after it. tests/test_sglang.py checks them against torch.
+_HEAD = b"\x80\x02]q\x00X"
+_TAIL = (b"q\x01ctorch.multiprocessing.reductions\nrebuild_tensor\nq\x02ctorch\nTensor\nq\x03"
+         b"ctorch.multiprocessing.reductions\nrebuild_typed_storage\nq\x04"
+         b"ctorch.multiprocessing.reductions\nrebuild_storage_empty\nq\x05"
+         b"ctorch.storage\nUntypedStorage\nq\x06\x85q\x07Rq\x08ctorch\nuint8\nq\t\x86q\nRq\x0b"
+         b"(K\x00ctorch\nSize\nq\x0cK\x00\x85q\r\x85q\x0eRq\x0fK\x01\x85q\x10\x89tq\x11\x87q\x12"
+         b"Rq\x13\x86q\x14a.")
+
+
+def command_payload(command: dict[str, Any]) -> str:
+    """One rank's ``serialized_named_tensors`` entry (base64) carrying ``command``."""
+    name = json.dumps(command, separators=(",", ":"), sort_keys=True).encode()
+    return base64.b64encode(_HEAD + struct.pack("<I", len(name)) + name + _TAIL).decode()
+
+
+def read_line(sock: socket.socket) -> bytes:
+    """One newline-terminated line (without it), at most :data:`MAX_LINE` bytes."""
+    chunks, size = [], 0
+    while True:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise EngineError("the SGLang control socket closed mid-message")
+        end = chunk.find(b"\n")
+        if end >= 0:
+            chunks.append(chunk[:end])
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_LINE:
+            raise EngineError("the SGLang control message is too large", limit=MAX_LINE)
+
+
+def request(path: str | Path, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send one request to the control socket at ``path``; returns the decoded answer."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(str(path))
+            s.sendall(json.dumps(body, separators=(",", ":")).encode() + b"\n")
+            raw = read_line(s)
+    except OSError as err:
+        raise EngineError(f"the SGLang control socket is not reachable: {err}", path=str(path),
+                          op=body.get("op"), hint="is SGLang up, started with rollpatch's "
+                          "--custom-weight-loader? (docs/sglang.md)") from None
+    try:
+        out = json.loads(raw)
+    except json.JSONDecodeError:
+        raise EngineError("the SGLang control answer is not JSON", op=body.get("op")) from None
+    if not isinstance(out, dict):
+        raise EngineError("the SGLang control answer is not an object", op=body.get("op"))
+    return out

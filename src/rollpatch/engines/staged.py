@@ -1,0 +1,237 @@
+"""Staged updates: a patch turned, while the engine serves, into writes proven to reach the target.
+
+A commit has two halves (docs/engines.md, *Staging and the pause*):
+
+1. **stage** (no pause; reads only the tensors the patch touches):
+   :func:`stage_patch` checks the patch's base against the digests the engine holds, turns
+   ``full`` ops into deltas against the held words, checks every old element against the held
+   words, and computes each touched tensor's target rp.sum128 state **from the changed words
+   alone** (:func:`sum_delta`, O(changed)), then compares the target digests and the target
+   root with the patch's. The result, a :class:`StagedUpdate`, is a set of sparse writes
+   (positions, old and new words per tensor) that provably turn the held words into the
+   target.
+2. **commit** (under the pause; writes only): each engine scatters the new words, reads the
+   written positions back (O(changed)), and records the proven target states. Nothing under
+   the pause reads an unchanged weight.
+
+What this cannot see — a word that changed behind the engine's back at a position no patch
+touches — is the background audit's job (:class:`rollpatch.follower.audit.Auditor`).
+Non-packed kinds are staged in O(changed); packed kinds (nibbles) and patches whose digests
+are not rp.sum128 fall back to hashing a staged copy of each touched tensor (outside the
+pause, one tensor at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import BaseMismatchError, PatchError, TargetMismatchError
+from ..patch import Patch, TensorPatch
+from ..patch.ops import gather, scatter
+from ..view import _SUM_K, _SUM_ROT, _SUM_S, Tensor, root_digest, sum128_digest, tensor_digest
+
+__all__ = ["AuditCursor", "AuditReport", "EncodedStep", "StagedTensor", "StagedUpdate",
+           "stage_patch", "sum_delta"]
+
+_M64 = (1 << 64) - 1
+SumState = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class EncodedStep:
+    """One step of a plan as published: every shard's wire-format patch object, bound to the
+    whole views ``base`` → ``target`` (root digests)."""
+
+    blobs: tuple[bytes, ...]
+    base: str
+    target: str
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """One audit slice: tensors re-hashed, their bytes, and the names whose live digest
+    differs from the held version's (empty: all good). ``wrapped``: a full pass ended."""
+
+    tensors: int
+    nbytes: int
+    mismatched: tuple[str, ...]
+    wrapped: bool
+
+
+class AuditCursor:
+    """Round-robin over tensor names, ``budget`` bytes at a time (at least one tensor)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def take(self, names: list[str], size: Callable[[str], int], budget: int
+             ) -> tuple[list[str], bool]:
+        if not names:
+            return [], True
+        out: list[str] = []
+        spent, wrapped = 0, False
+        while len(out) < len(names) and (not out or spent + size(names[self._next % len(names)])
+                                          <= budget):
+            name = names[self._next % len(names)]
+            out.append(name)
+            spent += size(name)
+            self._next = (self._next + 1) % len(names)
+            wrapped = wrapped or self._next == 0
+        return out, wrapped
+
+
+def _terms(words: np.ndarray, j: np.ndarray, lane: int) -> int:
+    """Σ over 8-byte words of rp.sum128's per-word term (lane 0 or 1), mod 2^64."""
+    with np.errstate(over="ignore"):
+        x = words ^ (np.uint64(_SUM_S[lane]) + j * np.uint64(_SUM_K[lane]))
+        r = np.uint64(_SUM_ROT[lane])
+        t = (x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) \
+            + ((words << r) | (words >> (np.uint64(64) - r)))
+        return int(t.sum(dtype=np.uint64))
+
+
+def sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray) -> SumState:
+    """How the rp.sum128 state of ``data`` (flat, contiguous words) changes when the words at
+    ``positions`` (sorted int64) become ``new``: reads only the 8-byte words they fall in."""
+    isz = data.itemsize
+    if positions.size == 0:
+        return 0, 0
+    per = 8 // isz
+    widx = positions // per
+    first = np.r_[True, widx[1:] != widx[:-1]]
+    u = widx[first]
+    row = np.cumsum(first) - 1
+    idx = u[:, None] * per + np.arange(per)
+    ok = idx < data.size
+    old_buf = np.zeros((u.size, per), dtype=data.dtype)
+    old_buf[ok] = data[idx[ok]]
+    new_buf = old_buf.copy()
+    new_buf[row, positions % per] = new
+    j = u.astype(np.uint64)
+    ow, nw = old_buf.view("<u8").reshape(-1), new_buf.view("<u8").reshape(-1)
+    return tuple((_terms(nw, j, lane) - _terms(ow, j, lane)) & _M64  # type: ignore[return-value]
+                 for lane in (0, 1))
+
+
+@dataclass(frozen=True, eq=False)
+class StagedTensor:
+    """One tensor's proven writes: ``positions`` (int64, increasing, checkpoint element
+    indices), the ``old`` and ``new`` elements, and the state/digest they lead to."""
+
+    name: str
+    positions: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+    target_digest: str
+    target_state: SumState | None  # None: not an rp.sum128 digest (re-hash after writing)
+
+    @property
+    def changed(self) -> int:
+        return int(self.positions.size)
+
+
+@dataclass(eq=False)
+class StagedUpdate:
+    """A patch staged against an engine's held words: ``base`` → ``target`` (root digests).
+
+    ``tensors`` holds only tensors with at least one changed element; ``digests`` are every
+    touched tensor's target digest (empty deltas included). ``payload`` is where an engine
+    keeps its own form of the writes (vLLM: runtime-parameter offsets).
+    """
+
+    base: str
+    target: str
+    tensors: dict[str, StagedTensor]
+    digests: dict[str, str]
+    payload: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> int:
+        """Changed elements (as the engine that staged it counted them)."""
+        n = self.payload.get("changed")
+        return n if isinstance(n, int) else sum(t.changed for t in self.tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the staged writes hold (positions + old + new words)."""
+        n = self.payload.get("nbytes")
+        return n if isinstance(n, int) else sum(t.positions.nbytes + t.old.nbytes
+                                                + t.new.nbytes for t in self.tensors.values())
+
+
+def _as_delta(tp: TensorPatch, held: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if tp.op == "delta":
+        assert tp.positions is not None and tp.old is not None and tp.new is not None
+        return tp.positions, tp.old, tp.new
+    assert tp.tensor is not None
+    if tp.tensor.kind != held.kind or tp.tensor.shape != held.shape:
+        raise BaseMismatchError("full tensor's layout differs from the engine's", tensor=tp.name)
+    cur, new = held.elements(), tp.tensor.elements()
+    pos = np.flatnonzero(cur != new).astype(np.int64)
+    return pos, cur[pos].copy(), new[pos].copy()
+
+
+def stage_patch(patch: Patch, held: Callable[[str], Tensor], digests: Mapping[str, str],
+                state: Callable[[str], SumState]) -> StagedUpdate:
+    """Prove ``patch`` against the engine's held words (module docstring, step 1).
+
+    ``held(name)``: the tensor's current words (read only at touched positions for non-packed
+    kinds); ``digests``: every held tensor's digest (cached by the engine); ``state(name)``:
+    a held tensor's rp.sum128 state. Raises :class:`BaseMismatchError` /
+    :class:`PatchError` / :class:`TargetMismatchError`; touches nothing.
+    """
+    if root_digest(digests, patch.digest) != patch.base:
+        raise BaseMismatchError("engine root digest is not the patch's base",
+                                expected=patch.base[:16],
+                                hint="the engine is on another version; plan a new path")
+    after = dict(digests)
+    out: dict[str, StagedTensor] = {}
+    for name in sorted(patch.tensors):
+        tp = patch.tensors[name]
+        if tp.op == "drop" or name not in digests:
+            raise BaseMismatchError("patch adds or drops a tensor; the model cannot change",
+                                    tensor=name, op=tp.op,
+                                    hint="self-heal from a keyframe of this architecture")
+        t = held(name)
+        if tp.kind != t.kind or tp.shape != t.shape:
+            raise BaseMismatchError("tensor layout differs from the engine's", tensor=name,
+                                    kind=tp.kind.name, shape=tp.shape)
+        if tp.base_digest != digests[name]:
+            raise BaseMismatchError("tensor is not the patch's base", tensor=name)
+        pos, old, new = _as_delta(tp, t)
+        if pos.dtype != np.int64 or pos.ndim != 1 or old.dtype != t.kind.elem_dtype \
+                or new.dtype != t.kind.elem_dtype or old.shape != pos.shape \
+                or new.shape != pos.shape:
+            raise PatchError("positions must be int64 and elements the kind's words",
+                             tensor=name)
+        if pos.size and (pos[0] < 0 or pos[-1] >= t.n_elements
+                         or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))):
+            raise PatchError("positions out of range or not strictly increasing", tensor=name)
+        if not np.array_equal(gather(t, pos), old):
+            raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
+        digest, st = _target(patch, t, name, pos, new, state)
+        if digest != tp.target_digest:
+            raise TargetMismatchError("staged writes do not reach the tensor's target",
+                                      tensor=name)
+        after[name] = digest
+        if pos.size:
+            out[name] = StagedTensor(name, pos, old, new, digest, st)
+    if root_digest(after, patch.digest) != patch.target:
+        raise TargetMismatchError("staged writes do not reach the target root")
+    return StagedUpdate(patch.base, patch.target, out,
+                        {n: after[n] for n in patch.tensors})
+
+
+def _target(patch: Patch, t: Tensor, name: str, pos: np.ndarray, new: np.ndarray,
+            state: Callable[[str], SumState]) -> tuple[str, SumState | None]:
+    if patch.digest == "rp.sum128.v1" and not t.kind.packed:
+        d0, d1 = sum_delta(t.data, pos, new)
+        s0, s1 = state(name)
+        st = ((s0 + d0) & _M64, (s1 + d1) & _M64)
+        return sum128_digest(t.dtype, t.shape, t.nbytes, st), st
+    copy = t.copy()  # fallback: one staged copy of this tensor, hashed outside the pause
+    scatter(copy, pos, new)
+    return tensor_digest(copy.dtype, copy.shape, copy.data, patch.digest), None

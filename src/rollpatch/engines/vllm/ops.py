@@ -1,0 +1,217 @@
+"""The worker extension's operations on a :class:`RuntimeWeights` (numpy only, no torch).
+
+Each takes string arguments (only strings cross ``/collective_rpc``) and returns a JSON-able
+dict; :func:`run_op_on` turns errors into ``{"ok": False, "error": ...}``. Staging
+(``stage``/``staged``/``commit``/``discard``) decodes, composes and proves a chain of
+published steps against the held words in a background thread at TP = 1, so vLLM keeps
+serving; the commit, under the caller's pause, only writes (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import BaseMismatchError, EngineError, ManifestError, RollpatchError
+from ...io.safetensors import load_view, save_view
+from ...patch import Patch, compose, decode, inspect
+from ...patch.overlay import Overlay
+from ...view import View
+from ..staged import StagedUpdate
+from .layout import locate
+from .transfer import read_decoded
+from .weights import RuntimeWeights
+
+__all__ = ["OPS", "run_op_on"]
+
+_MAX_STEPS = 4096
+_MAX_JOBS = 8
+
+
+def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
+    """Decode a chain of steps against the held words and compose it (step *k* is decoded
+    against an :class:`Overlay` of the words and steps 1..k-1: a tensor copy at a time)."""
+    if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts
+        raise BaseMismatchError("engine root digest is not the patch's base",
+                                expected=str(steps[0]["base"])[:16], actual=w.root()[:16],
+                                hint="the engine is on another version; plan a new path")
+    patch: Patch | None = None
+    for step in steps:
+        parts = [Path(p).read_bytes() for p in step["paths"]]
+        names = sorted({e["name"] for blob in parts for e in inspect(blob).tensors})
+        base: Any = w if patch is None else Overlay(w, patch)
+        if w.tp > 1:  # reading a tensor is a collective: read them in one order on every rank
+            base = View({n: base[n] for n in names if n in base})
+        tensors: dict[str, Any] = {}
+        digest = None
+        for blob in parts:
+            part = decode(blob, base, check_base=False)
+            if len(parts) == 1 and (part.base, part.target) != (step["base"], step["target"]):
+                raise ManifestError("patch object binds other digests than its step")
+            if tensors.keys() & part.tensors.keys():
+                raise ManifestError("patch shards overlap")
+            tensors.update(part.tensors)
+            digest = part.digest
+        one = Patch(step["base"], step["target"], tensors, digest=digest or "rp.sum128.v1")
+        patch = one if patch is None else compose(patch, one)
+    assert patch is not None
+    return patch
+
+
+def _read_spec(path: str) -> tuple[str, list[dict[str, Any]]]:
+    try:
+        spec = json.loads(Path(path).read_text())
+        token, steps = spec["token"], spec["steps"]
+        ok = (isinstance(token, str) and 0 < len(token) <= 64 and isinstance(steps, list)
+              and 0 < len(steps) <= _MAX_STEPS
+              and all(isinstance(st, dict) and isinstance(st.get("base"), str)
+                      and isinstance(st.get("target"), str) and isinstance(st.get("paths"), list)
+                      and 0 < len(st["paths"]) <= _MAX_STEPS
+                      and all(isinstance(p, str) for p in st["paths"]) for st in steps))
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise EngineError("invalid staging request", path=path)
+    return token, steps
+
+
+class _Job:
+    """One staging run; in a thread at TP = 1 (the engine keeps serving), inline otherwise."""
+
+    def __init__(self, w: RuntimeWeights, steps: list[dict[str, Any]]) -> None:
+        self.staged: StagedUpdate | None = None
+        self.error: dict[str, Any] | None = None
+        self.ms = 0.0
+        self.done = threading.Event()
+        self._w, self._steps = w, steps
+
+    def run(self) -> None:
+        res = run_op_on(self._w, lambda w: self._stage(w))
+        self.ms = res["ms"]
+        if not res["ok"]:
+            self.error = res["error"]
+        self.done.set()
+
+    def _stage(self, w: RuntimeWeights) -> dict[str, Any]:
+        self.staged = w.stage(_chain(w, self._steps))
+        return {}
+
+
+def _stage(w: RuntimeWeights, path: str) -> dict[str, Any]:
+    token, steps = _read_spec(path)
+    while len(w.jobs) >= _MAX_JOBS:
+        w.jobs.pop(next(iter(w.jobs)))
+    job = w.jobs[token] = _Job(w, steps)
+    if w.tp > 1:
+        job.run()
+    else:
+        threading.Thread(target=job.run, daemon=True, name="rollpatch-stage").start()
+    return {"token": token, "background": w.tp == 1}
+
+
+def _job(w: RuntimeWeights, token: str) -> _Job:
+    job = w.jobs.get(token)
+    if job is None:
+        raise EngineError("no staged update with this token", token=token)
+    return job
+
+
+def _staged(w: RuntimeWeights, token: str) -> dict[str, Any]:
+    job = _job(w, token)
+    if not job.done.is_set():
+        return {"state": "staging"}
+    if job.error is not None:
+        w.jobs.pop(token, None)
+        return {"state": "failed", "failure": job.error}
+    st = job.staged
+    assert st is not None
+    return {"state": "ready", "base": st.base, "target": st.target, "changed": st.changed,
+            "nbytes": st.nbytes, "digests": st.digests, "stage_ms": job.ms}
+
+
+def _commit(w: RuntimeWeights, token: str) -> dict[str, Any]:
+    job = _job(w, token)
+    if not job.done.is_set() or job.staged is None:
+        raise EngineError("the update is not staged", token=token)
+    w.jobs.pop(token, None)
+    return {"digests": w.commit_staged(job.staged), "root": w.root()}
+
+
+def _audit(w: RuntimeWeights, budget: str) -> dict[str, Any]:
+    r = w.audit(int(budget))
+    return {"tensors": r.tensors, "bytes": r.nbytes, "mismatched": list(r.mismatched),
+            "wrapped": r.wrapped, "tainted": w.tainted}
+
+
+def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
+    if os.environ.get("ROLLPATCH_FAULT_INJECTION") != "1":
+        raise EngineError("fault injection is off", hint="start vLLM with "
+                          "ROLLPATCH_FAULT_INJECTION=1 (drills and tests only)")
+    pl = w.placement(name)
+    _, offsets = locate(pl, np.array([position], np.int64))
+    if offsets.size:
+        acc = w.access
+        assert acc.prepare is not None and acc.read_at is not None and acc.scatter is not None
+        prepared = acc.prepare(pl.param, offsets)
+        acc.scatter(pl.param, prepared, acc.read_at(pl.param, prepared) ^ 1)
+        acc.repack({pl.param})
+    return {"flipped": int(offsets.size)}
+
+
+def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
+    header = inspect(Path(path).read_bytes())
+    patch = _chain(w, [{"base": header.base, "target": header.target, "paths": [path]}])
+    return {"digests": w.commit(patch), "root": w.root()}
+
+
+def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:
+    t = w[name]
+    if w.rank == 0:
+        save_view(View({name: t}), path)
+    return {"bytes": t.nbytes}
+
+
+OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
+    "apply_encoded": lambda w, path, _: _apply_encoded(w, path),
+    "stage": lambda w, path, _: _stage(w, path),
+    "staged": lambda w, token, _: _staged(w, token),
+    "commit": lambda w, token, _: _commit(w, token),
+    "discard": lambda w, token, _: {"discarded": w.jobs.pop(token, None) is not None},
+    "audit": lambda w, budget, _: _audit(w, budget),
+    "flip": lambda w, name, position: _flip(w, name, int(position)),
+    "apply": lambda w, path, _: {"digests": w.commit(read_decoded(path)), "root": w.root()},
+    "load": lambda w, path, _: {"root": w.load(load_view(path, mmap=True))},
+    "digest": lambda w, fresh, _: {"digests": w.digests(fresh=fresh == "1"), "root": w.root(),
+                                   "tainted": w.tainted},
+    "export": lambda w, name, path: _export(w, name, path),
+    "info": lambda w, _a, _b: {"rank": w.rank, "tp": w.tp, "aliases": w.access.aliases,
+                               "tensors": {n: [w.kind_of(n).name, list(w.placement(n).shape)]
+                                           for n in w.names()}},
+}
+
+
+def run_op_on(w: Any, fn: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``fn(w)`` as a JSON-able result: ``ok`` plus its dict, or ``error``; with ``ms``."""
+    t0 = time.perf_counter()
+    try:
+        out = {"ok": True, **fn(w)}
+    except RollpatchError as err:
+        out = {"ok": False, "error": {"type": type(err).__name__, "message": err.message,
+                                      "hint": err.hint, "context": _jsonable(err.context)}}
+    except Exception as err:  # noqa: BLE001 - reported to the adapter, which raises EngineError
+        out = {"ok": False, "error": {"type": "InternalError",
+                                      "message": f"{type(err).__name__}: {err}"}}
+    out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+    return out
+
+
+def _jsonable(ctx: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+            for k, v in ctx.items()}

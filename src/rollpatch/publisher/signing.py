@@ -1,0 +1,82 @@
+"""The publisher's signing chores: a start-up check of its keys against the board's root, and
+re-signing LATEST while idle, so followers can tell alive from frozen (docs/trust.md).
+
+A signed LATEST expires ``signer.latest_ttl_s`` after it was signed (docs/trust.md). Between
+versions, a daemon thread re-signs the pointer for the version already there every
+``ttl / 4`` (the board's compare-and-swap keeps it from ever moving LATEST back: when a newer
+version landed meanwhile, the refresh leaves it alone).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from ..board import Board
+from ..errors import RollpatchError
+from ..trust import Signer, verify_initial_root
+
+__all__ = ["LatestHeartbeat", "check_signing"]
+
+log = logging.getLogger("rollpatch.publisher")
+
+
+def check_signing(board: Board, signer: Signer | None) -> None:
+    """Warn (once, at start) when what is about to be published will not verify: an unsigned
+    publisher on a board that has a root of trust, or keys the board's newest root does not
+    list in threshold. Only a warning: the board is untrusted, so it must not stop publishing.
+    """
+    try:
+        roots = board.roots()
+        raw = board.root_raw(roots[-1]) if roots else None
+        root = None if raw is None else verify_initial_root(raw)
+    except RollpatchError as e:
+        log.warning("cannot read the board's root of trust: %s", e)
+        return
+    if root is None:
+        if signer is not None:
+            log.warning("signing, but the board has no root of trust yet: followers need one "
+                        "(`rollpatch root`) to verify")
+        return
+    if signer is None:
+        log.warning("publishing UNSIGNED to a board with a root of trust (version %d): "
+                    "followers with --trust will refuse it; pass a signer", root.version)
+        return
+    mine = {k.keyid for k in signer.keys} & set(root.keys)
+    if len(mine) < root.threshold:
+        log.warning("the board's root of trust (version %d) lists %d of this publisher's "
+                    "keys, %d are needed: followers will refuse what it publishes",
+                    root.version, len(mine), root.threshold)
+
+
+class LatestHeartbeat:
+    """Re-signs LATEST of ``run`` for ``version()`` every ``period_s`` until :meth:`stop`."""
+
+    def __init__(self, board: Board, run: str, version: Callable[[], int | None],
+                 period_s: float) -> None:
+        self.board, self.run, self.version, self.period_s = board, run, version, period_s
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"rollpatch-heartbeat-{run}")
+        self._thread.start()
+
+    def beat(self) -> None:
+        """Re-sign LATEST now (if the publisher has a durable version)."""
+        n = self.version()
+        if n is None:
+            return
+        self.board.advance(self.run, n, refresh=True)
+        self.beats += 1
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.beat()
+            except RollpatchError as e:  # the store is down: try again next period
+                log.warning("%s: re-signing LATEST failed: %s", self.run, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)

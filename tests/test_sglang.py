@@ -1,0 +1,352 @@
+"""SGLang as a rollout engine: the in-place extension offline, then against a real SGLang.
+
+Offline (numpy, torch): the command payload is byte for byte what torch's own pickler writes
+for an empty tensor; staging proves a patch without writing, commits scatter and read back,
+and every refusal leaves the words untouched (fused qkv / gate_up and vocabulary layouts).
+
+Live (the venv from ``scripts/sglang-env``; one SGLang server for the module, booted from
+version 0's view): over 6 published versions of a tiny Llama, each commit is staged while
+SGLang serves and scattered under its pause; after each, SGLang's weights hash to the
+published digest, its greedy tokens and logprobs agree with Hugging Face transformers on that
+version's weights and are bit-identical to SGLang's own full reload of that version
+(``/update_weights_from_disk``), and SGLang's ``weight_version`` names it. The reverse
+transition restores the outputs bit for bit; corrupted, tampered and wrong-base patches are
+refused with SGLang serving its last good version. SGLang's CPU engine runs with an
+``sgl_kernel`` import shim (scripts/sglang-env): the module fails if SGLang ever called it.
+Without the venv the live tests are SKIPPED, loudly, saying how to build it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.engines.sglang.staged import HeldWeights
+from rollpatch.engines.sglang.wire import command_payload
+from rollpatch.errors import (
+    BaseMismatchError,
+    EngineError,
+    PatchDecodeError,
+    PatchError,
+    TargetMismatchError,
+    ViewError,
+)
+from rollpatch.kinds import get_kind
+from rollpatch.patch import Patch, TensorPatch, diff, encode
+from rollpatch.view import View
+from tests import vllm_env
+
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_VERSION = "0.5.23"
+BUILD_HINT = "build it with `scripts/sglang-env` (≈2 min, ≈2.8 GB; cached)"
+LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
+
+
+# -- offline ----------------------------------------------------------------------------------
+
+def test_command_payload_is_torchs_own_bytes() -> None:
+    """The hand-written payload equals torch's ForkingPickler output for the same list."""
+    torch = pytest.importorskip("torch")
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    importlib.import_module("torch.multiprocessing")  # registers torch's reductions
+    for cmd in ({"op": "start", "socket": "/tmp/x.sock"}, {"op": "commit", "token": "ab" * 8,
+                                                           "reply": "/tmp/é/r.json"}):
+        name = json.dumps(cmd, separators=(",", ":"), sort_keys=True)
+        buf = io.BytesIO()
+        ForkingPickler(buf, 2).dump([(name, torch.empty(0, dtype=torch.uint8))])
+        assert base64.b64decode(command_payload(cmd)) == buf.getvalue()
+
+
+def _held(seed: int = 0) -> tuple[HeldWeights, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A one-layer fused layout (qkv, gate_up, vocab...) at TP 1 over numpy parameters."""
+    specs = vllm_env.layer_specs(1)
+    ck = vllm_env.checkpoint(seed)
+    params = {s.param: vllm_env.vllm_load(ck, 1, 0)[s.param].reshape(
+        vllm_env.param_shape(s, 1)).copy() for s in specs}
+    kinds = {s.param: get_kind("bf16") for s in specs}
+    return HeldWeights(params, specs, kinds), params, ck
+
+
+def test_staged_commit_scatters_only_after_proof() -> None:
+    w, params, ck = _held()
+    a = vllm_env.words_view(ck)
+    assert w.root() == a.digest() and w["q_proj.weight"].data.base is not None  # zero-copy
+    b = vllm_env.words_view(vllm_env.random_step(ck, 1))
+    before = {p: v.copy() for p, v in params.items()}
+    staged = w.stage(diff(a, b))
+    assert all(np.array_equal(before[p], params[p]) for p in params)  # staging writes nothing
+    assert staged.changed > 0 and w.root() == a.digest()
+    w.commit(staged.token)
+    assert w.root() == b.digest() and w.digests(fresh=True) == b.tensor_digests()
+    with pytest.raises(EngineError, match="no staged update"):
+        w.commit(staged.token)  # one commit per staged update
+    w.commit(w.stage(diff(b, a)).token)  # and back
+    assert all(np.array_equal(before[p], params[p]) for p in params)
+
+
+def test_refusals_leave_the_words_untouched() -> None:
+    w, params, ck = _held()
+    a = vllm_env.words_view(ck)
+    b = vllm_env.words_view(vllm_env.random_step(ck, 2))
+    snap = {p: v.copy() for p, v in params.items()}
+    good = diff(a, b)
+
+    def tampered(**change: Any) -> Patch:
+        name = "gate_proj.weight"
+        tp = good.tensors[name]
+        fields = {"name": tp.name, "op": tp.op, "kind": tp.kind, "shape": tp.shape,
+                  "base_digest": tp.base_digest, "target_digest": tp.target_digest,
+                  "positions": tp.positions, "old": tp.old, "new": tp.new, **change}
+        return Patch(good.base, good.target, {**good.tensors, name: TensorPatch(**fields)}, {})
+
+    new = good.tensors["gate_proj.weight"].new
+    assert new is not None
+    cases = [
+        (tampered(new=new ^ np.uint16(1)), TargetMismatchError),   # other bits than the target
+        (tampered(target_digest="0" * 64), TargetMismatchError),
+        (tampered(old=new), BaseMismatchError),                    # old words are not held
+        (tampered(positions=good.tensors["gate_proj.weight"].positions[::-1].copy()),
+         PatchError),                                              # unsorted positions
+        (diff(b, a), BaseMismatchError),                           # another base
+    ]
+    for patch, err in cases:
+        with pytest.raises(err):
+            w.stage(patch)
+        assert all(np.array_equal(snap[p], params[p]) for p in params)
+        assert w.root() == a.digest()
+    staged = w.stage(good)
+    params["norm.weight"][0, 0] ^= 1  # the engine moved behind the staged update's back
+    w._digests.pop("norm.weight")
+    with pytest.raises(BaseMismatchError):
+        w.commit(staged.token)
+    params["norm.weight"][0, 0] ^= 1
+    w._digests.pop("norm.weight")
+    with pytest.raises(ViewError):
+        w.load(View({n: t for n, t in a.items() if n != "norm.weight"}))
+    assert w.load(b) == b.digest() and w.digests(fresh=True) == b.tensor_digests()
+
+
+def test_audit_finds_a_flipped_word() -> None:
+    w, params, _ = _held()
+    w.digests()
+    assert not any(w.audit(1 << 30)["mismatched"])
+    params["down_proj.weight"][3, 5] ^= 0x40
+    seen: list[str] = []
+    for _ in range(len(w.names())):
+        seen += w.audit(1)["mismatched"]  # one tensor per slice
+    assert seen == ["down_proj.weight"]
+
+
+# -- live: a real SGLang ----------------------------------------------------------------------
+
+N_VERSIONS = 6  # published versions 0..5
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 17]]
+MAX_TOKENS = 8
+
+
+def venv_dir() -> Path:
+    env = os.environ.get("ROLLPATCH_SGLANG_VENV")
+    if env is not None and env != "":
+        return Path(env)
+    return Path.home() / ".cache" / "rollpatch" / f"sglang-venv-{SGLANG_VERSION}"
+
+
+def sglang_python() -> Path | None:
+    """The SGLang venv's python, or None when scripts/sglang-env has not completed there."""
+    venv = venv_dir()
+    python, stamp = venv / "bin" / "python", venv / ".stamp-sglang"
+    if not python.exists() or not stamp.exists() or SGLANG_VERSION not in stamp.read_text() \
+            or not (venv / "sgl-kernel-shim" / "sgl_kernel" / "__init__.py").exists():
+        return None
+    return python
+
+
+def start_server(python: Path, model: Path, log: Path, shim_log: Path) -> vllm_env.Server:
+    """SGLang's CPU engine on 127.0.0.1 with rollpatch's loader and the sgl_kernel shim."""
+    port = vllm_env.free_port()
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "ROLLPATCH_SGL_SHIM_LOG": str(shim_log),
+                "PYTHONPATH": f"{venv_dir() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}"})
+    cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model),
+           "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+           "--attention-backend", "torch_native", "--disable-cuda-graph",
+           "--skip-server-warmup", "--mem-fraction-static", "0.05", "--max-total-tokens",
+           "4096", "--context-length", "512", "--random-seed", "0",
+           "--custom-weight-loader", LOADER]
+    out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=log.parent)
+    out.close()
+    return vllm_env.Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+class World:
+    """The tiny model, 6 versions (an RL-sized step each), their views and model dirs."""
+
+    def __init__(self, root: Path) -> None:
+        from rollpatch.engines.reference import make_tiny_model
+        from rollpatch.formats import cast_view
+        from rollpatch.io.safetensors import load_view, save_view
+
+        tiny = make_tiny_model(root / "tiny", hidden_size=256, heads=4, kv_heads=2,
+                               intermediate=512, vocab_size=2048)
+        masters = {n: t.to_array().astype(np.float32)
+                   for n, t in load_view(tiny / "model.safetensors").items()}
+        rng = np.random.default_rng(16)
+        self.views: list[View] = []
+        self.dirs: list[Path] = []
+        for v in range(N_VERSIONS):
+            view = cast_view(masters, "bf16")
+            self.views.append(view)
+            d = root / f"v{v}"
+            d.mkdir()
+            for p in tiny.iterdir():
+                if p.suffix != ".safetensors":
+                    shutil.copy(p, d / p.name)
+            save_view(view, d / "model.safetensors")
+            self.dirs.append(d)
+            for m in masters.values():
+                m += (1e-2 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def sglang_py() -> Path:
+    python = sglang_python()
+    if python is None:
+        pytest.skip(f"SKIPPED LIVE SGLANG TESTS: no SGLang venv at {venv_dir()}: {BUILD_HINT}")
+    return python
+
+
+@pytest.fixture(scope="module")
+def world(sglang_py: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
+    pytest.importorskip("transformers")
+    return World(tmp_path_factory.mktemp("sglang"))
+
+
+@pytest.fixture(scope="module")
+def server(sglang_py: Path, world: World) -> Iterator[vllm_env.Server]:
+    shim_log = world.dirs[0].parent / "sgl-kernel-shim.log"
+    srv = start_server(sglang_py, world.dirs[0], world.dirs[0].parent / "sglang.log", shim_log)
+    try:
+        srv.wait_ready(300)
+        yield srv
+    finally:
+        srv.stop()
+        # the CPU engine runs with an import shim: not one of its functions may have run
+        calls = shim_log.read_text() if shim_log.exists() else ""
+        assert calls == "", f"SGLang called the sgl_kernel shim:\n{calls}"
+
+
+def greedy(srv: vllm_env.Server) -> tuple[list[tuple[list[int], list[float]]], set[str]]:
+    """Greedy tokens and logprobs per prompt (SGLang's native route) and the weight versions."""
+    outs, tags = [], set()
+    for ids in PROMPTS:
+        r = srv.post("/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}})
+        outs.append((list(r["output_ids"]),
+                     [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]]))
+        tags.add(str(r["meta_info"]["weight_version"]))
+    return outs, tags
+
+
+def test_versions_forward_and_back(server: vllm_env.Server, world: World) -> None:
+    from rollpatch.engines.sglang import SglangEngine
+
+    check = vllm_env.hf_checker(world.dirs[0])
+    engine = SglangEngine(server.url)
+    try:
+        engine.adopt(0, world.views[0].digest())  # booted from version 0's view: verified
+        assert engine.weight_version() == "0"
+        seen = [greedy(server)]
+        assert seen[0][1] == {"0"}
+        exact = check(world.views[0], PROMPTS, seen[0][0])
+        for v in range(1, N_VERSIONS):
+            a, b = world.views[v - 1], world.views[v]
+            engine.apply_encoded([encode(diff(a, b), a)], a.digest(), b.digest(), v)
+            assert engine.version == v and engine.digest == b.digest()
+            assert engine.held(fresh=True) == (b.tensor_digests(), b.digest())
+            assert engine.last_timings["stage_s"] > 0 and engine.last_timings["pause_s"] > 0
+            out, tags = greedy(server)
+            assert tags == {str(v)}, "SGLang's weight_version must name the committed version"
+            assert out != seen[-1][0], f"version {v} answers like version {v - 1}"
+            exact += check(b, PROMPTS, out)  # HF transformers on this version's weights
+            seen.append((out, tags))
+        assert exact >= 0.9 * N_VERSIONS * len(PROMPTS) * MAX_TOKENS
+        # back by decoded inverse patches (staged from the sidecar's decode path), bit-exact
+        for v in range(N_VERSIONS - 2, -1, -1):
+            engine.apply(diff(world.views[v + 1], world.views[v]), v)
+            assert engine.held(fresh=True)[1] == world.views[v].digest()
+            assert greedy(server) == (seen[v][0], {str(v)})
+        # SGLang's own full reload of each version serves exactly what the patches served
+        for v in (1, N_VERSIONS - 1):
+            r = server.post("/update_weights_from_disk", {"model_path": str(world.dirs[v]),
+                                                          "weight_version": f"disk-{v}"})
+            assert r["success"], r
+            out, tags = greedy(server)
+            assert out == seen[v][0] and tags == {f"disk-{v}"}
+        engine.adopt(N_VERSIONS - 1, world.views[-1].digest())  # re-hashed after the reload
+    finally:
+        engine.close()
+
+
+def test_bad_patches_are_refused_and_sglang_keeps_serving(server: vllm_env.Server,
+                                                          world: World) -> None:
+    from rollpatch.engines.sglang import SglangEngine
+
+    engine = SglangEngine(server.url)
+    try:
+        last = N_VERSIONS - 1
+        engine.load(world.views[last], last)  # a keyframe, written in place, verified
+        assert engine.held(fresh=True)[1] == world.views[last].digest()
+        good = greedy(server)
+        a, b = world.views[last], world.views[last - 1]
+        blob = bytearray(encode(diff(a, b), a))
+        blob[len(blob) // 2] ^= 0x55  # corrupted in transit
+        wrong_base = encode(diff(world.views[0], world.views[1]), world.views[0])
+        tampered = diff(a, b)
+        name = min(tampered.tensors)
+        tp = tampered.tensors[name]
+        assert tp.new is not None
+        tp.new[0] ^= np.uint16(0x8000)  # the decoded words are not the target's
+        attempts: list[tuple[Any, type[Exception]]] = [
+            (lambda: engine.apply_encoded([bytes(blob)], a.digest(), b.digest(), 99),
+             PatchDecodeError),
+            (lambda: engine.apply_encoded([wrong_base], world.views[0].digest(),
+                                          world.views[1].digest(), 99), BaseMismatchError),
+            (lambda: engine.apply(tampered, 99), TargetMismatchError),
+        ]
+        for attempt, err in attempts:
+            with pytest.raises(err):
+                attempt()
+            assert engine.version == last and engine.digest == a.digest()
+            assert engine.held(fresh=True)[1] == a.digest()
+            assert greedy(server) == good  # still serving the last good version, tagged so
+            assert engine.weight_version() == str(last)
+        audit = engine.audit(1 << 30)
+        assert audit is not None and audit.mismatched == () and audit.wrapped
+    finally:
+        engine.close()
+
+
+def test_an_engine_without_the_loader_is_refused_clearly(tmp_path: Path) -> None:
+    """A plain OpenAI server is not mistaken for a patched SGLang (no traceback, a hint)."""
+    from rollpatch.engines.sglang import SglangEngine
+
+    engine = SglangEngine("http://127.0.0.1:9", timeout=2)
+    with pytest.raises(EngineError, match="not reachable"):
+        engine.adopt(0, "0" * 64)
+    engine.close()

@@ -1,0 +1,256 @@
+"""Relays with a trust root verify before they cache (issue 11), and the trust CLI.
+
+Relays are real uvicorn servers on loopback, read through the ``http://`` store client, as
+followers read them; boards are ``memory://`` stores written by a signing :class:`Board`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollpatch.board import Board, pointer_key, root_key, version_key
+from rollpatch.cli import main
+from rollpatch.engines import ViewEngine
+from rollpatch.errors import TransientStoreError
+from rollpatch.follower import Follower, FollowerConfig
+from rollpatch.relay import RelayConfig, RelayServer
+from rollpatch.store import Store, open_store
+from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
+from tests.test_trust import RUN, Pub
+
+FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=1, timeout_s=10.0)
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[object]:
+    servers: list[RelayServer] = []
+
+    def start(upstream: Store, cache: str = "cache", trust: Trust | None = None
+              ) -> RelayServer:
+        server = RelayServer(upstream, RelayConfig(cache_dir=tmp_path / cache, pointer_ttl=0,
+                                                   list_ttl=0), trust=trust)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def client(server: RelayServer) -> Store:
+    return open_store(server.url, retries=0, timeout=10)
+
+
+def _forge(pub: Pub, n: int) -> bytes:
+    """Version ``n`` published by an attacker who can write to the store (own key)."""
+    pub.publish(n, board=Board(pub.store, signer=Signer(keys=(SigningKey.generate(),))))
+    return pub.store.get(version_key(RUN, n))
+
+
+def test_relay_refuses_forged_manifests_and_latest_before_caching(serve, tmp_path: Path
+                                                                  ) -> None:
+    pub = Pub(2)
+    relay = serve(pub.store, trust=pub.trust(tmp_path))
+    c = client(relay)
+    assert c.get(version_key(RUN, 1)) == pub.store.get(version_key(RUN, 1))
+    _forge(pub, 2)
+    for key in (version_key(RUN, 2), pointer_key(RUN)):
+        with pytest.raises(TransientStoreError):  # 502: refused bytes
+            c.get(key)
+        with httpx.Client() as h:
+            r = h.get(f"{relay.url}/v1/objects/{key}")
+            assert r.status_code == 502 and "valid signature" in r.json()["error"]
+    assert version_key(RUN, 2) not in relay.relay.cache
+    m = relay.relay.metrics
+    assert m.value("rollpatch_relay_refused_total", reason="trust_bad_signature") == 4
+    # the upstream copy is repaired (the honest version 2 replaces the forgery): served
+    good = Pub.manifest_for(pub, 2)
+    pub.store.delete(version_key(RUN, 2))
+    pub.board.put_manifest(good)
+    pub.board.advance(RUN, 2, refresh=True)
+    assert c.get(version_key(RUN, 2)) == pub.store.get(version_key(RUN, 2))
+    # a follower reading through the relay (with its own trust) reaches version 2
+    f = Follower(Board(c), RUN, ViewEngine(), FAST, trust=pub.trust(tmp_path / "f"))
+    assert f.sync() == 2 and f.engine.digest == pub.views[2].digest()
+
+
+def test_relay_drops_a_forged_manifest_it_cached_without_trust(serve, tmp_path: Path) -> None:
+    """A relay kept a forged manifest after the upstream copy was repaired."""
+    pub = Pub(2)
+    forged = _forge(pub, 2)
+    first = serve(pub.store, cache="warm")  # no trust root: it caches what parses
+    assert client(first).get(version_key(RUN, 2)) == forged
+    first.stop()
+    pub.store.delete(version_key(RUN, 2))  # upstream repaired
+    honest = pub.manifest_for(2)
+    pub.board.put_manifest(honest)
+    pub.board.advance(RUN, 2, refresh=True)
+    second = serve(pub.store, cache="warm", trust=pub.trust(tmp_path))
+    got = client(second).get(version_key(RUN, 2))
+    assert got == pub.store.get(version_key(RUN, 2)) and got != forged
+    assert second.relay.metrics.value("rollpatch_relay_refused_total",
+                                      reason="trust_bad_signature") == 1
+
+
+def test_relay_refuses_rollback_and_expired_latest(serve, tmp_path: Path) -> None:
+    pub = Pub(2, ttl=60.0)
+    old = pub.store.get(pointer_key(RUN))
+    pub.publish(2)
+    now = [time.time()]
+    relay = serve(pub.store, trust=pub.trust(tmp_path, clock=lambda: now[0]))
+    c = client(relay)
+    c.get(pointer_key(RUN))
+    pub.store.put(pointer_key(RUN), old, if_absent=False)  # pointed back to version 1
+    with pytest.raises(TransientStoreError):
+        c.get(pointer_key(RUN))
+    assert relay.relay.metrics.value("rollpatch_relay_refused_total",
+                                     reason="trust_rollback") == 1
+    pub.board.advance(RUN, 2, refresh=True)
+    c.get(pointer_key(RUN))
+    now[0] += 3600  # nobody re-signs: frozen
+    with pytest.raises(TransientStoreError):
+        c.get(pointer_key(RUN))
+    assert relay.relay.metrics.value("rollpatch_relay_refused_total",
+                                     reason="trust_expired") == 1
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["latest"] == {RUN: 2}
+
+
+def test_relay_serves_only_roots_that_chain(serve, tmp_path: Path) -> None:
+    pub = Pub(1)
+    relay = serve(pub.store, trust=pub.trust(tmp_path))
+    c = client(relay)
+    assert c.get(root_key(1)) == pub.root
+    new = SigningKey.generate()
+    good = sign_root(Root.new([new.public], version=2), [pub.keys[0], new])
+    pub.store.put(root_key(2), good)
+    assert c.get(root_key(2)) == good and root_key(2) in relay.relay.cache
+    mallory = SigningKey.generate()
+    pub.store.put(root_key(3), sign_root(Root.new([mallory.public], version=3), [mallory]))
+    with pytest.raises(TransientStoreError):
+        c.get(root_key(3))
+    assert root_key(3) not in relay.relay.cache
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def _keygen(tmp: Path, name: str) -> tuple[Path, Path]:
+    assert main(["keygen", "-o", str(tmp / name)]) == 0
+    return tmp / f"{name}.key", tmp / f"{name}.pub"
+
+
+def test_cli_keygen_root_publish_pull_and_a_forgery(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_cli import _masters, _save_masters
+
+    board = f"file://{tmp_path / 'board'}"
+    key, pub = _keygen(tmp_path, "trainer")
+    assert (key.stat().st_mode & 0o777) == 0o600 and pub.read_text().startswith("ed25519:")
+    assert main(["keygen", "-o", str(tmp_path / "trainer")]) == 2  # never overwrites
+    root = tmp_path / "root.json"
+    assert main(["root", "--board", board, "--key", str(pub), "--sign", str(key),
+                 "-o", str(root)]) == 0
+    ckpt = tmp_path / "m.safetensors"
+    _save_masters(ckpt, _masters(1))
+    assert main(["publish", str(ckpt), "--board", board, "--run", "r1",
+                 "--signing-key", str(key)]) == 0
+    state = tmp_path / "state.json"
+    pull = ["pull", "--board", board, "--run", "r1", "--trust", str(root),
+            "--trust-state", str(state)]
+    assert main([*pull, "-o", str(tmp_path / "a.safetensors")]) == 0
+    capsys.readouterr()
+    # an attacker with write access to the board publishes version 1 with their own key
+    evil, _ = _keygen(tmp_path, "evil")
+    assert main(["publish", str(ckpt), "--board", board, "--run", "r1",
+                 "--signing-key", str(evil)]) == 2  # the publisher resumes on its keys only
+    capsys.readouterr()
+    b = Board(board)
+    m = b.manifest("r1", 0)
+    Board(b.store, signer=Signer.from_files([evil])).put_manifest(
+        type(m)("r1", 1, 0, m.format, m.target, m.view_bytes, m.created, "evil",
+                (), m.keyframes))
+    Board(b.store, signer=Signer.from_files([evil])).advance("r1", 1)
+    code = main([*pull, "-o", str(tmp_path / "b.safetensors")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not (tmp_path / "b.safetensors").exists()
+    assert len(err) == 1 and err[0].startswith("rollpatch: error:") and "bad_signature" in err[0]
+    # status shows which manifests are stored signed
+    assert main(["status", "--board", board, "--run", "r1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["runs"][0]["versions"]
+    assert [r["signed"] for r in rows] == [True, True]
+
+
+def test_cli_root_rotation_needs_the_previous_keys(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    board = f"file://{tmp_path / 'board'}"
+    k1, p1 = _keygen(tmp_path, "one")
+    k2, p2 = _keygen(tmp_path, "two")
+    assert main(["root", "--board", board, "--key", str(p1), "--sign", str(k1)]) == 0
+    capsys.readouterr()
+    assert main(["root", "--board", board, "--key", str(p2), "--sign", str(k2)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "previous root" in err[0]
+    assert main(["root", "--board", board, "--key", str(p2), "--sign", str(k1),
+                 "--sign", str(k2)]) == 0
+    assert Board(board).roots() == [1, 2]
+    assert main(["root", "--key", str(p1), "--threshold", "2", "--sign", str(k1),
+                 "-o", str(tmp_path / "r.json")]) == 2  # threshold above the keys
+
+
+@pytest.mark.parametrize("cmd", ["pull", "sidecar", "relay"])
+def test_cli_bad_trust_root_exits_2_with_one_line(tmp_path: Path, cmd: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "root.json"
+    bad.write_text('{"payload": "", "payloadType": "x", "signatures": []}')
+    args = {"pull": ["pull", "--board", "memory://x", "--run", "r", "-o", str(tmp_path / "o")],
+            "sidecar": ["sidecar", "--board", "memory://x", "--run", "r", "--port", "0"],
+            "relay": ["relay", "--board", "memory://x", "--cache", str(tmp_path / "c"),
+                      "--port", "0"]}[cmd]
+    assert main([*args, "--trust", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trust root" in err[0], err
+    assert main([*args, "--trust", str(tmp_path / "missing.json")]) == 2
+
+
+def test_cli_relay_process_with_trust_refuses_a_forgery(tmp_path: Path) -> None:
+    """``rollpatch relay --trust``: a real process, a follower reading through it."""
+    pub = Pub(2)
+    root = tmp_path / "root.json"
+    root.write_bytes(pub.root)
+    board = f"file://{tmp_path / 'board'}"
+    files = Board(board)
+    for k in pub.store.list(""):
+        files.store.put(k, pub.store.get(k))
+    proc = subprocess.Popen([sys.executable, "-m", "rollpatch", "relay", "--board", board,
+                             "--cache", str(tmp_path / "cache"), "--port", "0",
+                             "--pointer-ttl", "0", "--list-ttl", "0", "--trust", str(root),
+                             "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        url = line.split(" at ")[1].split(" ")[0]
+        c = open_store(url, retries=0, timeout=10)
+        f = Follower(Board(c), RUN, ViewEngine(), FAST, trust=pub.trust(tmp_path / "f"))
+        assert f.sync() == 1
+        mallory = Board(files.store, signer=Signer(keys=(SigningKey.generate(),)))
+        pub.store = files.store  # type: ignore[assignment]
+        pub.board = Board(files.store, signer=pub.signer)
+        pub.publish(2, board=mallory)
+        with pytest.raises(TransientStoreError):  # the relay answers 502 (refused bytes)
+            f.sync(2)
+        assert f.version == 1
+        with pytest.raises(TransientStoreError):
+            c.get(version_key(RUN, 2))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""

@@ -3,7 +3,6 @@
  * reference: tests require byte-identical payloads and identical decodes from both. */
 #include "rpcore.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -730,6 +729,7 @@ typedef struct {
     uint32_t *ranks;     /* per listed context, concatenated */
     uint32_t *rpos;      /* decoded positions (relative), position order */
     uint8_t *rctx;       /* their contexts */
+    uint64_t *rold;      /* their old elements (read while the join had them in cache) */
     uint32_t *scratch;
     uint64_t ofs[NCTX];  /* start of each listed context's ranks */
     uint32_t cnt[NCTX], tgt[NCTX];
@@ -738,7 +738,7 @@ typedef struct {
 } lane_t;
 
 static void lane_free(lane_t *l) {
-    free(l->ranks); free(l->rpos); free(l->rctx); free(l->scratch);
+    free(l->ranks); free(l->rpos); free(l->rctx); free(l->rold); free(l->scratch);
 }
 
 /* Phase A: params, then the changed ranks of every listed context. */
@@ -751,8 +751,9 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     l->ranks = malloc(k * 4 + 4);
     l->rpos = malloc(k * 4 + 4);
     l->rctx = malloc(k + 1);
+    l->rold = malloc(k * 8 + 8);
     l->scratch = malloc((k + 1) * 4); /* a minority is never larger than k */
-    if (!l->ranks || !l->rpos || !l->rctx || !l->scratch) { *err = "out of memory"; return RP_ENOMEM; }
+    if (!l->ranks || !l->rpos || !l->rctx || !l->rold || !l->scratch) { *err = "out of memory"; return RP_ENOMEM; }
     l->u = (br_t){b + l->pp.ustart, l->pp.ulen * 8, 0};
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
     for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
@@ -782,10 +783,6 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
  * table, element by element. Found positions are collected from a bitmap in order. */
 #define WIN 16
 #define JB 256
-
-typedef struct {
-    uint64_t *bits;  /* found positions of one chunk */
-} jbuf_t;
 
 static int pick_window(const lane_t *l) {
     int lo = 0;
@@ -821,6 +818,7 @@ static int pick_window(const lane_t *l) {
     uint8_t pad = (uint8_t)(lo + WIN < NCTX ? lo + WIN : lo - 1); /* in no window */       \
     for (int64_t b0 = 0; b0 < n; b0 += JB) {                                                \
         int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
+        uint64_t bb[JB / 64] = {0}; /* positions found in this block */                     \
         BLOCKCTX(kd, base, start + b0, len, cbuf);                                          \
         if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
         uint32_t hit = 0;                                                                   \
@@ -842,8 +840,7 @@ static int pick_window(const lane_t *l) {
                     uint32_t r = g - acc;                                                   \
                     uint64_t mm = w;                                                        \
                     while (r--) mm &= mm - 1;                                               \
-                    int64_t e = b0 + 64 * v + __builtin_ctzll(mm);                          \
-                    bits[e >> 6] |= 1ULL << (e & 63);                                       \
+                    bb[v] |= 1ULL << __builtin_ctzll(mm);                                   \
                     g = ++cu < endr[t] ? l->ranks[cu] : UINT32_MAX;                         \
                 }                                                                           \
                 acc += pc;                                                                  \
@@ -862,12 +859,22 @@ static int pick_window(const lane_t *l) {
                     unsigned c = cbuf[e];                                                   \
                     if (!listed[c]) continue;                                               \
                     if (l->cnt[c]++ == l->tgt[c]) {                                         \
-                        int64_t x = b0 + e;                                                 \
-                        bits[x >> 6] |= 1ULL << (x & 63);                                   \
+                        bb[e >> 6] |= 1ULL << (e & 63);                                     \
                         uint64_t nx = ++l->cur[c];                                          \
                         l->tgt[c] = nx < l->endr[c] ? l->ranks[nx] : UINT32_MAX;            \
                     }                                                                       \
                 }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int w = 0; w < JB / 64; w++) { /* in position order, old words still in L1 */  \
+            uint64_t x = bb[w];                                                             \
+            while (x) {                                                                     \
+                int e = 64 * w + __builtin_ctzll(x);                                        \
+                x &= x - 1;                                                                 \
+                if ((uint64_t)l->emitted >= l->pp.k) break; /* refused in phase C */        \
+                l->rpos[l->emitted] = (uint32_t)(b0 + e);                                   \
+                l->rctx[l->emitted] = cbuf[e];                                              \
+                l->rold[l->emitted++] = elem_get(base, kd->bits, start + b0 + e);           \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
@@ -896,7 +903,7 @@ static inline uint32_t out32_scalar(const uint8_t *p, int lo) {
 
 #define BLOCKCTX block_ctx
 static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
-                        int64_t n, uint64_t *bits) {
+                        int64_t n) {
     JOIN_BODY(blkcnt_scalar, eq32_scalar, out32_scalar)
 }
 #undef BLOCKCTX
@@ -942,8 +949,7 @@ __attribute__((target("avx2"))) static inline void block_ctx16_avx2(const uint16
 }
 
 __attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const uint8_t *base,
-                                                       lane_t *l, int64_t start, int64_t n,
-                                                       uint64_t *bits) {
+                                                       lane_t *l, int64_t start, int64_t n) {
 #define BLOCKCTX(KD, BASE, S, LEN, CB)                                                      \
     do {                                                                                    \
         if ((KD)->bits == 16)                                                               \
@@ -957,63 +963,16 @@ __attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const u
 }
 #endif
 
-static pthread_key_t bufs_key;
-static pthread_once_t bufs_once = PTHREAD_ONCE_INIT;
-
-static void bufs_free(void *p) {
-    jbuf_t *b = p;
-    if (b) { free(b->bits); free(b); }
-}
-
-static void bufs_init(void) { (void)pthread_key_create(&bufs_key, bufs_free); }
-
-static jbuf_t *thread_bufs(void) {
-    (void)pthread_once(&bufs_once, bufs_init);
-    jbuf_t *b = pthread_getspecific(bufs_key);
-    if (b) return b;
-    b = calloc(1, sizeof *b);
-    if (!b) return NULL;
-    b->bits = malloc((RP_CHUNK / 64 + 1) * 8);
-    if (!b->bits || pthread_setspecific(bufs_key, b)) { bufs_free(b); return NULL; }
-    return b;
-}
-
-static int join_lanes(const rp_kind *kd, const uint8_t *base, lane_t **ls, const int64_t *start,
-                      const int64_t *n, int m) {
-    /* one bitmap per thread (128 KiB), kept while the thread lives (no page faults per chunk)
-     * and freed by a thread-exit destructor */
-    jbuf_t *tl = thread_bufs();
-    if (!tl) return -1;
-    uint64_t *bits = tl->bits;
+static void join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
+                      int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    int avx2 = __builtin_cpu_supports("avx2");
-#else
-    int avx2 = 0;
-#endif
-    for (int q = 0; q < m; q++) {
-        lane_t *l = ls[q];
-        int64_t nn = n[q], s = start[q];
-        memset(bits, 0, (size_t)((nn + 63) / 64) * 8);
-#if defined(__x86_64__) && defined(__GNUC__)
-        if (avx2) join_avx2(kd, base, l, s, nn, bits);
-        else
-#endif
-        join_scalar(kd, base, l, s, nn, bits);
-        for (int64_t w = 0; w < (nn + 63) / 64; w++) {
-            uint64_t x = bits[w];
-            while (x) {
-                int b = __builtin_ctzll(x);
-                x &= x - 1;
-                int64_t e = 64 * w + b;
-                if ((uint64_t)l->emitted >= l->pp.k) return 0; /* refused in phase C */
-                l->rpos[l->emitted] = (uint32_t)e;
-                l->rctx[l->emitted++] = (uint8_t)ctx_of(kd, elem_get(base, kd->bits, s + e));
-            }
-        }
+    if (__builtin_cpu_supports("avx2")) {
+        join_avx2(kd, base, l, start, n);
+        return;
     }
-    return 0;
+#endif
+    join_scalar(kd, base, l, start, n);
 }
-
 
 /* ------------------------------------------------------------------ rp.sum128 terms */
 
@@ -1297,6 +1256,7 @@ static int lane_finish(const rp_kind *kd, lane_t *l, const uint8_t *base, int64_
     } else { /* one context: ranks are the positions */
         memcpy(l->rpos, l->ranks, k * 4);
         memset(l->rctx, 0, k);
+        for (uint64_t i = 0; i < k; i++) l->rold[i] = elem_get(base, kd->bits, start + l->rpos[i]);
     }
     order = malloc(k * 4 + 4);
     idx = malloc(k * 4 + 4);
@@ -1354,14 +1314,13 @@ static int lane_finish(const rp_kind *kd, lane_t *l, const uint8_t *base, int64_
         ((T *)new_out)[i] = (T)from_key(kd, kn);                                            \
     }
     if (kd->bits == 16 && ow == 2) {
-        const uint16_t *b16 = (const uint16_t *)base;
-        FINAL_LOOP(uint16_t, b16[p])
+        FINAL_LOOP(uint16_t, l->rold[i])
     } else if (kd->bits == 8 && ow == 1) {
-        FINAL_LOOP(uint8_t, base[p])
+        FINAL_LOOP(uint8_t, l->rold[i])
     } else {
         for (uint64_t i = 0; i < k; i++) {
             int64_t p = start + l->rpos[i];
-            uint64_t x = elem_get(base, kd->bits, p);
+            uint64_t x = l->rold[i];
             int neg = kd->order != RP_UNSIGNED && (x & s);
             uint64_t key = to_key(kd, x);
             uint64_t kn = ((outw[i] ^ neg) ? key + mag[i] : key - mag[i]) & msk;
@@ -1382,8 +1341,6 @@ int rp_decode_chunks(const rp_kind *kd, const uint8_t *base, int m, const uint8_
                      const int64_t *count, const int64_t *off, int64_t *pos_out,
                      void *old_out, void *new_out, int ow, const char **err) {
     lane_t lanes[4];
-    lane_t *act[4];
-    int64_t st[4], nn[4], na = 0;
     int rc = RP_OK;
     memset(lanes, 0, sizeof lanes);
     if (!kind_ok(kd) || m < 1 || m > 4) { *err = "bad kind or lane count"; return RP_EARG; }
@@ -1395,11 +1352,7 @@ int rp_decode_chunks(const rp_kind *kd, const uint8_t *base, int m, const uint8_
         }
         rc = lane_init(kd, &lanes[q], body[q], len[q], n[q], count[q], err);
         if (rc) goto done;
-        if (kd->cbits) { act[na] = &lanes[q]; st[na] = start[q]; nn[na] = n[q]; na++; }
-    }
-    if (na && join_lanes(kd, base, act, st, nn, (int)na)) { *err = "out of memory"; rc = RP_ENOMEM; goto done; }
-    for (int q = 0; q < m; q++) {
-        if (len[q] == 0) continue;
+        if (kd->cbits) join_lane(kd, base, &lanes[q], start[q], n[q]);
         rc = lane_finish(kd, &lanes[q], base, start[q], n[q], pos_out + off[q],
                          (uint8_t *)old_out + off[q] * ow, (uint8_t *)new_out + off[q] * ow,
                          ow, err);

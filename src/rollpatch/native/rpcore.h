@@ -49,7 +49,7 @@ int rp_encode_records(const rp_kind *k, int64_t n, const uint64_t *ncnt, const i
 int rp_chunk_count(const rp_kind *k, const uint8_t *body, size_t len, int64_t n,
                    int64_t *count, const char **err);
 
-/* Decode `m` (<= 4) chunks at once (their joins interleave). For chunk i: body[i]/len[i],
+/* Decode `m` (<= 4) chunks, one after the other. For chunk i: body[i]/len[i],
  * elements [start[i], start[i] + n[i]) of `base`, and count[i] outputs written at
  * pos_out + off[i] (absolute positions), old_out/new_out (element values, width `ow` bytes). */
 int rp_decode_chunks(const rp_kind *k, const uint8_t *base, int m, const uint8_t *const *body,

@@ -147,7 +147,7 @@ static inline void bw_put32(bw_t *w, uint64_t v, unsigned n) { /* n <= 32 */
     }
 }
 
-static void bw_put(bw_t *w, uint64_t v, unsigned n) { /* n <= 64 */
+static inline void bw_put(bw_t *w, uint64_t v, unsigned n) { /* n <= 64 */
     if (n > 32) {
         bw_put32(w, v >> 32, n - 32);
         bw_put32(w, v & 0xFFFFFFFFu, 32);
@@ -156,7 +156,7 @@ static void bw_put(bw_t *w, uint64_t v, unsigned n) { /* n <= 64 */
     }
 }
 
-static void bw_unary(bw_t *w, uint64_t q) {
+static inline void bw_unary(bw_t *w, uint64_t q) {
     while (q >= 31) { bw_put32(w, 0xFFFFFFFFu, 31); q -= 31; }
     bw_put32(w, ((1ULL << q) - 1) << 1, (unsigned)q + 1);
 }

@@ -255,6 +255,9 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         assert island["bytes_fetched"] > 0
     for relay in r["relays"].values():
         assert relay["upstream_bytes"] > 0 and relay["refused"] == 0
+        # the WAN is real TCP through rollpatch.netem: payload plus HTTP framing crossed it
+        assert relay["link"]["connections"] > 0
+        assert relay["link"]["bytes_down"] >= relay["upstream_bytes"]
     assert len(r["reward_curve"]) == 4
     assert sum(r["rollouts"]["used_by_lag"].values()) >= 4 * 32
     for png in ("reward", "versions", "bytes"):

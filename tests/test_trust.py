@@ -491,3 +491,14 @@ def test_publisher_warns_when_what_it_publishes_will_not_verify(
             pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p:
         p.publish(masters)
     assert not caplog.records
+
+
+def test_retention_on_a_signed_board_keeps_it_verifiable(tmp_path: Path) -> None:
+    from rollpatch.retention import collect
+
+    pub = Pub(6)
+    collect(pub.board, RUN, keep_last=2)
+    assert pub.board.versions(RUN)[-1] == 5
+    f = _follower(pub, pub.trust(tmp_path))
+    assert f.sync() == 5 and f.engine.digest == pub.views[5].digest()
+    assert pub.board.roots() == [1]  # the root of trust is never collected

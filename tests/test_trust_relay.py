@@ -211,8 +211,11 @@ def test_cli_bad_trust_root_exits_2_with_one_line(tmp_path: Path, cmd: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "root.json"
     bad.write_text('{"payload": "", "payloadType": "x", "signatures": []}')
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # past the CLI's model preflight
     args = {"pull": ["pull", "--board", "memory://x", "--run", "r", "-o", str(tmp_path / "o")],
-            "sidecar": ["sidecar", "--board", "memory://x", "--run", "r", "--port", "0"],
+            "sidecar": ["sidecar", "--board", "memory://x", "--run", "r", "--port", "0",
+                        "--model", str(tmp_path / "model")],
             "relay": ["relay", "--board", "memory://x", "--cache", str(tmp_path / "c"),
                       "--port", "0"]}[cmd]
     assert main([*args, "--trust", str(bad)]) == 2

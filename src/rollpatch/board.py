@@ -19,13 +19,11 @@ given a :class:`~rollpatch.trust.Signer` writes signed manifests and LATEST (doc
 
 from __future__ import annotations
 
-import heapq
 import logging
 import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import blake3
 
@@ -41,6 +39,7 @@ from .errors import (
 )
 from .latest import MAX_POINTER_BYTES, encode_latest, read_latest
 from .manifest import MAX_ENVELOPE_BYTES, MAX_MANIFEST_DEPTH, Manifest, open_manifest
+from .planning import Plan, PlanStep, cheapest_plan
 from .store import Store, open_store
 from .trust import (
     LATEST_TYPE,
@@ -83,41 +82,6 @@ def root_key(n: int) -> str:
 
 def _keyframe_marker(run: str, n: int) -> str:
     return f"{_run_prefix(run)}keyframes/{n:012d}"
-
-
-@dataclass(frozen=True)
-class PlanStep:
-    """One hop: a keyframe of ``to`` (``base`` None) or the patch objects ``base`` → ``to``."""
-
-    base: int | None
-    to: int
-    objects: tuple[ObjectRef, ...]
-
-    @property
-    def bytes(self) -> int:
-        return sum(o.size for o in self.objects)
-
-    @property
-    def is_keyframe(self) -> bool:
-        return self.base is None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The objects to fetch, in order, to go from ``have`` to ``want``."""
-
-    run: str
-    have: int | None
-    want: int
-    steps: tuple[PlanStep, ...]
-
-    @property
-    def bytes(self) -> int:
-        return sum(s.bytes for s in self.steps)
-
-    @property
-    def n_objects(self) -> int:
-        return sum(len(s.objects) for s in self.steps)
 
 
 class Board:
@@ -374,7 +338,7 @@ class Board:
                 continue
         if want not in manifests:
             raise VersionNotFoundError("no such version on the board", run=run, version=want)
-        return _dijkstra(run, have, want, manifests)
+        return cheapest_plan(run, have, want, manifests)
 
 
 def _numbered(keys: list[str], prefix: str, suffix: str) -> list[int]:
@@ -389,49 +353,6 @@ def _numbered(keys: list[str], prefix: str, suffix: str) -> list[int]:
         if _VERSION_STEM.fullmatch(stem):
             out.append(int(stem))
     return sorted(out)
-
-
-def _dijkstra(run: str, have: int | None, want: int, manifests: dict[int, Manifest]) -> Plan:
-    # edges into v: patches from base b (all shards), or a keyframe of v from the source (-1)
-    src = -1 if have is None else have
-    best: dict[int, tuple[int, int]] = {src: (0, 0)}
-    prev: dict[int, PlanStep] = {}
-    heap = [(0, 0, src)]
-    incoming: dict[int, list[PlanStep]] = {}
-    for v, m in manifests.items():
-        if m.is_keyframe:
-            refs = tuple(k.ref for k in sorted(m.keyframes, key=lambda k: k.shard))
-            incoming.setdefault(-1, []).append(PlanStep(None, v, refs))
-        for base in sorted({p.base for p in m.patches}):
-            refs = tuple(p.ref for p in m.patches_from(base))
-            incoming.setdefault(base, []).append(PlanStep(base, v, refs))
-    if have is not None:  # a loaded replica may still reboot from a keyframe if cheaper
-        for step in incoming.get(-1, []):
-            incoming.setdefault(have, []).append(step)
-    while heap:
-        cost, nobj, u = heapq.heappop(heap)
-        if (cost, nobj) > best.get(u, (cost, nobj)):
-            continue
-        if u == want:
-            break
-        for step in incoming.get(u, []):
-            if step.to > want or (u >= 0 and step.to <= u):
-                continue
-            cand = (cost + step.bytes, nobj + len(step.objects))
-            if cand < best.get(step.to, (1 << 62, 0)):
-                best[step.to] = cand
-                prev[step.to] = step
-                heapq.heappush(heap, (*cand, step.to))
-    if want not in prev:
-        raise NoPathError("no chain of patches or keyframe reaches the version", run=run,
-                          have=have, want=want)
-    steps = []
-    v = want
-    while v != src:
-        step = prev[v]
-        steps.append(step)
-        v = src if step.base is None else step.base
-    return Plan(run, have, want, tuple(reversed(steps)))
 
 
 def _payload(raw: bytes, m: Manifest) -> bytes | None:

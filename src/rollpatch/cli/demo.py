@@ -44,7 +44,8 @@ def register(sub: Any) -> None:
     p.add_argument("--wan-mbps", type=float, default=10.0,
                    help="emulated WAN bandwidth board -> each remote relay (Mbit/s)")
     p.add_argument("--wan-latency-ms", type=float, default=100.0,
-                   help="emulated WAN round trip added to each upstream request (ms)")
+                   help="emulated WAN round trip added (ms; half each way, real TCP through "
+                        "rollpatch.netem)")
     p.add_argument("--out", help="output directory, reset on every run (default out/demo; "
                                  "--codec-only: out/demo-codec)")
     p.add_argument("--json", dest="json_path", help="also write the JSON report here")

@@ -7,6 +7,8 @@ import signal
 import threading
 from typing import Any
 
+from ..logs import add_log_args
+
 __all__ = ["register"]
 
 
@@ -37,10 +39,18 @@ def register(sub: Any) -> None:
     p.add_argument("--island-token-file", metavar="FILE",
                    help="bearer token the islands' sidecars require on inference routes")
     add_serving_args(p)
+    add_log_args(p, default_level=None)
     p.set_defaults(func=cmd_gateway)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from . import preflight
+
+    preflight.require_extra("web", "rollpatch gateway")
+    preflight.port_free(args.host, args.port)
+    from ..logs import configure
+
+    configure(args.log_level, args.log_format)
     from ..gateway import GatewayConfig, parse_island
     from ..gateway.server import start_gateway
     from ..sidecar.body import BodyLimits

@@ -30,7 +30,9 @@ def register(sub: Any) -> None:
 def cmd_gc(args: argparse.Namespace) -> int:
     from ..board import Board
     from ..retention import collect
+    from .preflight import board_uri
 
+    board_uri(args.board, existing=True)
     report = collect(Board(args.board), args.run, keep_last=args.keep_last, pinned=args.pin,
                      orphan_grace_s=args.orphan_grace, dry_run=args.dry_run)
     if args.json:

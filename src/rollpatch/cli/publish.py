@@ -82,6 +82,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if args.limit < 0:
         raise ConfigError("--limit must be >= 0")
+    from .preflight import board_uri
+
+    board_uri(args.board, existing=True)  # reading must not create a board directory
     board = Board(args.board)
     runs = [args.run] if args.run else board.runs()
     report = [_run_status(board, run, args.limit) for run in runs]

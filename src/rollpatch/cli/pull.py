@@ -30,6 +30,9 @@ def register(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from .preflight import board_uri
+
+    board_uri(args.board, existing=True)
     from ..engines import ViewEngine
     from ..errors import VerificationError
     from ..follower import Follower, FollowerConfig

@@ -8,6 +8,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from ..logs import add_log_args
+
 __all__ = ["parse_size", "register"]
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
@@ -53,10 +55,19 @@ def register(sub: Any) -> None:
     p.add_argument("--board-token-file", metavar="FILE",
                    help="bearer token to send to an upstream relay that requires one")
     add_serving_args(p, bodies=False)
+    add_log_args(p, default_level=None)
     p.set_defaults(func=cmd_relay)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
+    from . import preflight
+
+    preflight.require_extra("web", "rollpatch relay")
+    preflight.board_uri(args.board)
+    preflight.port_free(args.host, args.port)
+    from ..logs import configure
+
+    configure(args.log_level, args.log_format)
     from ..relay import RelayConfig, RelayServer
     from .serving import serve_options, upstream_store
     from .trust import load_trust

@@ -7,6 +7,7 @@ import signal
 import threading
 from typing import Any
 
+from ..logs import add_log_args
 from .trust import load_trust, trust_args
 
 __all__ = ["register"]
@@ -36,11 +37,25 @@ def register(sub: Any) -> None:
     p.add_argument("--board-token-file", metavar="FILE",
                    help="bearer token to send to a relay board that requires one")
     add_serving_args(p)
+    add_log_args(p)
     trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
     p.set_defaults(func=cmd_sidecar)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
+    from . import preflight
+
+    # cheap mistakes first: nothing heavy (torch, a model, the web stack) is loaded yet
+    preflight.require_extra("reference" if args.engine == "reference" else "web",
+                            f"rollpatch sidecar --engine {args.engine}")
+    preflight.board_uri(args.board, existing=True)
+    preflight.port_free(args.host, args.port)
+    if args.engine == "reference":
+        preflight.model_dir(args.model)
+    preflight.offline()
+    from ..logs import configure
+
+    configure(args.log_level, args.log_format)
     from ..board import Board
     from ..follower import FollowerConfig
     from ..sidecar import SidecarConfig

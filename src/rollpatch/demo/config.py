@@ -14,7 +14,7 @@ __all__ = ["ISLANDS", "RUN", "DemoConfig"]
 #: The run name on the demo's board.
 RUN = "demo"
 #: The three rollout islands: name → region. ``local`` reads the board directly; the others
-#: read through their region's relay, whose upstream link is emulated (ThrottledStore).
+#: read through their region's relay, whose upstream link is emulated (rollpatch.netem).
 ISLANDS: tuple[tuple[str, str | None], ...] = (("local", None), ("eu", "eu"), ("us", "us"))
 
 

@@ -61,7 +61,7 @@ def status_block(m: Monitor) -> list[str]:
     reward = f"{last['reward']:.2f}" if last else "-"
     lines = [
         (f"rollpatch demo · async GRPO over 3 islands · WAN EMULATED on this machine: "
-         f"{cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms per request"),
+         f"{cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms RTT"),
         (f"trainer  step {last.get('step', 0):>3}/{cfg.steps}  reward {reward}  "
          f"{sparkline([s['reward'] for s in steps])}"),
         (f"         LATEST v{latest if latest is not None else '-'}   rollouts used {lags}   "

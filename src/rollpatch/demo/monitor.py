@@ -98,7 +98,8 @@ class Monitor:
                 isl.commits.append((v, float(ev["t"]), ev.get("digest")))
             elif kind == "link":
                 self.relay(ev["relay"]).link = {k: ev[k] for k in
-                                                ("calls", "bytes_down", "bytes_up", "delay_s")}
+                                                ("connections", "bytes_down", "bytes_up",
+                                                 "lost_segments")}
             elif kind == "ready":
                 self.ready = ev
             elif kind == "trained":

@@ -105,8 +105,11 @@ def build_report(m: Monitor, invariants: dict[str, dict[str, Any]],
     return {
         "config": json.loads(cfg.to_json()),
         "emulated_wan": {"mbps": cfg.wan_mbps, "latency_ms": cfg.wan_latency_ms,
-                         "note": "emulated in-process by rollpatch.store.ThrottledStore "
-                                 "between the board and each relay; no real network"},
+                         "note": "emulated on loopback by rollpatch.netem (real TCP through a "
+                                 "userspace link emulator: latency_ms is the added round trip, "
+                                 "half each way, mbps a cap per region and direction) between "
+                                 "the board's origin relay and each regional relay; no real "
+                                 "network"},
         "timings_s": timings,
         "model": {"params": m.ready.get("params"), "full_view_bytes": full,
                   "served_elements": m.ready.get("n_elements"),

@@ -3,7 +3,7 @@
 Processes (all on 127.0.0.1, free ports)::
 
     trainer ──publish──> board (file://OUT/board) ──────────────> island "local"
-                           │ ThrottledStore (emulated WAN)
+                           │ origin relay ── rollpatch.netem link (emulated WAN, real TCP)
                            ├──> relay "eu" ──> island "eu"
                            └──> relay "us" ──> island "us"
     trainer's rollout workers ──> gateway (this process) ──> the islands' sidecars
@@ -66,7 +66,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     try:
         view.say(f"rollpatch demo: output in {layout.root}/ (logs in {layout.logs}/); "
                  f"the WAN between the board and the remote relays is EMULATED "
-                 f"({cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms per request)")
+                 f"({cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms round trip; real TCP "
+                 "through rollpatch.netem on loopback)")
         regions = [r for _, r in ISLANDS if r is not None]
         if cfg.sign:
             layout.make_trust()

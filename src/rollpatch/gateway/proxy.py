@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import jsonsafe
 from ..errors import ConfigError
+from ..logs import event
 from ..sidecar.protocol import HEADER_END, HEADER_START
 from ..types import Constraint
 from .core import Gateway
@@ -31,6 +33,7 @@ __all__ = ["HEADER_ISLAND", "RETRYABLE", "add_island", "forward", "gateway_error
 HEADER_ISLAND = "X-Rollpatch-Island"
 #: Sidecar statuses that another island may answer better.
 RETRYABLE = frozenset({409, 502, 503})
+log = logging.getLogger("rollpatch.gateway")
 #: Completion answers nest a few levels (choices → logprobs → top tokens); far deeper is hostile.
 _MAX_ANSWER_DEPTH = 64
 _KEPT_HEADERS = ("content-type", "retry-after", HEADER_START.lower(), HEADER_END.lower())
@@ -127,6 +130,8 @@ async def forward(gw: Gateway, client: httpx.AsyncClient, method: str, path: str
             return result
         last = result
     answer = _give_up(gw, last, tried)
+    event(log, "refused", status=answer.status_code, path=path, tried=",".join(tried),
+          error=None if last is None else last.error)
     gw.metrics.answer(answer.status_code, time.perf_counter() - t0)
     return answer
 

@@ -26,6 +26,7 @@ import blake3
 from ..board import root_key, version_key
 from ..errors import ManifestError, NotFoundError, StoreError, TrustError
 from ..latest import read_latest
+from ..logs import event
 from ..manifest import open_manifest
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
@@ -206,9 +207,13 @@ class Relay:
             entry = self.cache.verify(key)
             if entry is not None and self._still_valid(entry, kind):
                 return Blob.cached(entry)
+        started = time.monotonic()
         data = self._get(key)
         b3 = self._check(key, kind, data)
-        return Blob.cached(self.cache.insert(key, data, b3))
+        blob = Blob.cached(self.cache.insert(key, data, b3))
+        event(log, "fetched", key=key, kind=kind.value, bytes=len(data),
+              seconds=round(time.monotonic() - started, 4))
+        return blob
 
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
         started = time.monotonic()
@@ -245,6 +250,7 @@ class Relay:
         b3 = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
         if kind is KeyKind.OBJECT and b3 != object_hash(key):
             self.metrics.inc("rollpatch_relay_refused_total", reason="hash_mismatch")
+            event(log, "refused", logging.WARNING, key=key, reason="hash_mismatch")
             raise ManifestError("upstream object does not match the BLAKE3 in its key; "
                                 "refused, not cached", key=key, size=len(data),
                                 hint="the upstream copy is corrupt or truncated: republish it")
@@ -272,6 +278,7 @@ class Relay:
         if isinstance(e, TrustError):
             reason = f"trust_{e.reason}"
         self.metrics.inc("rollpatch_relay_refused_total", reason=reason)
+        event(log, "refused", logging.WARNING, reason=reason, error=e.message)
 
     def _upstream_root(self, n: int) -> bytes | None:
         try:

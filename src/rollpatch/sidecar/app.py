@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..errors import ConfigError, NotReadyError, RollpatchError
+from ..logs import event
 from .body import read_json_object, refusal_status
 from .gate import Admission, CommitGate
 from .protocol import (
@@ -190,10 +191,13 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
         return None
     if d.action == "unavailable":
         sc.metrics.request("unavailable")
+        event(log, "refused", status=503, reason=d.reason, served=None, latest=latest)
         return _error(503, d.reason, "not_ready", served=None, latest=latest)
     if d.action == "wait":
         wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
         assert d.need is not None
+        if wait_s > 0:
+            event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
         if wait_s > 0 and await asyncio.to_thread(sc.follower.wait_for, d.need, wait_s):
             return None
         reason = d.reason + (" (caller asked not to wait)" if wait_s == 0 else
@@ -205,6 +209,7 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
 
 
 def _conflict(sc: Sidecar, served: int | None, reason: str) -> JSONResponse:
+    event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
     return _error(409, reason, "version_conflict", served=served, latest=sc.latest_seen(),
                   reason=reason)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,11 +12,14 @@ from ..board import Board
 from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
 from ..follower import Follower, FollowerConfig
+from ..logs import event
 from .body import BodyLimits
 from .gate import COMMIT_MODES, CommitGate, CommitMode
 from .metrics import SidecarMetrics
 
 __all__ = ["Sidecar", "SidecarConfig"]
+
+log = logging.getLogger("rollpatch.sidecar")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +114,9 @@ class Sidecar:
         return value
 
     def _on_commit(self, version: int, pause_s: float) -> None:
+        st = self.follower.status()
+        event(log, "commit", run=self.run, version=version, pause_s=round(pause_s, 6),
+              fetch_s=st.last_fetch_s, stage_s=st.last_stage_s, bytes_fetched=st.bytes_fetched)
         self.metrics.pause.observe(pause_s)
         last = self.gate.last
         if last is not None:

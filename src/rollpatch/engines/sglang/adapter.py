@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from ... import errors
 from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
@@ -44,14 +44,12 @@ from .wire import command_payload, request
 if TYPE_CHECKING:
     from ..staged import AuditReport, EncodedStep, StagedUpdate
 
-__all__ = ["LOADER", "NOT_READY", "PauseMode", "RemoteWords", "SglangEngine"]
+__all__ = ["LOADER", "NOT_READY", "RemoteWords", "SglangEngine"]
 
 #: What ``--custom-weight-loader`` must name (and the ``load_format`` of every command).
 LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
 #: SGLang's ``weight_version`` while the engine holds bits no version vouches for.
 NOT_READY = "rollpatch:not-ready"
-#: SGLang's pause modes the adapter may use (``abort`` would drop requests: not offered).
-PauseMode = Literal["retract", "in_place"]
 _PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
                  "CodecError", "ViewError", "VerificationError", "EngineError"}
 _MAX_BODY = 64 * 1024 * 1024
@@ -83,20 +81,21 @@ class SglangEngine(EngineAdapter):
 
     ``url``: the server (``http://127.0.0.1:30000``, same host: files and a UNIX socket are
     shared). ``shared_dir``: a directory SGLang can read (default: a fresh private one).
-    ``pause_mode``: how SGLang pauses for a commit (``retract`` lets it flush its prefix cache
-    with requests in flight). ``timeout``: seconds per call.
+    ``timeout``: seconds per call.
+
+    Pausing is SGLang's ``retract`` mode: running requests go back to the queue, so SGLang
+    can flush its prefix cache (whose keys do not include the weights) and recompute their
+    cache with the new weights after the commit. ``in_place`` would keep their cache, but
+    SGLang then refuses to flush, leaving old-weight prefixes to later requests; ``abort``
+    would drop them.
     """
 
     name = "sglang"
 
     def __init__(self, url: str, *, shared_dir: str | Path | None = None,
-                 pause_mode: PauseMode = "retract", timeout: float = 600.0) -> None:
-        if pause_mode not in ("retract", "in_place"):
-            raise errors.ConfigError(f"unknown pause_mode {pause_mode!r}",
-                                     hint="use retract or in_place")
+                 timeout: float = 600.0) -> None:
         self.base_url = url.rstrip("/")
         self.timeout = timeout
-        self.pause_mode = pause_mode
         self._own_dir = shared_dir is None
         self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-sglang-"))
         self.socket = self.shared_dir / f"control-{secrets.token_hex(4)}.sock"
@@ -279,6 +278,7 @@ class SglangEngine(EngineAdapter):
     def _write(self, cmd: dict[str, Any], version: int, verified: Any, target: str
                ) -> dict[str, Any]:
         """Run a writing command under the pause; the version moves only if ``verified``."""
+        self._start()
         before = (self._version, self._digest)
         with self._paused():
             t0 = time.perf_counter()
@@ -323,7 +323,9 @@ class SglangEngine(EngineAdapter):
         return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
 
     def _tag(self, tag: str) -> None:
-        self._http("POST", "/update_weight_version", {"new_version": tag})
+        # SGLang's default for this route aborts every request in flight: not ours to abort
+        self._http("POST", "/update_weight_version", {"new_version": tag,
+                                                      "abort_all_requests": False})
 
     def _start(self) -> None:
         if not self._started:
@@ -414,10 +416,10 @@ class SglangEngine(EngineAdapter):
                 self.resume()
 
     def pause(self) -> None:
-        """Stop SGLang generating (``pause_mode``; nested calls count)."""
+        """Stop SGLang generating (``retract``, see the class docstring; nested calls count)."""
         with self._lock:
             if self._pauses == 0:
-                self._http("POST", "/pause_generation", {"mode": self.pause_mode})
+                self._http("POST", "/pause_generation", {"mode": "retract"})
             self._pauses += 1
 
     def resume(self) -> None:

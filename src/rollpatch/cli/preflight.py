@@ -1,0 +1,119 @@
+"""Cheap checks every command runs before it loads anything heavy (docs: README "Install").
+
+A typo must cost milliseconds, not a model load: each check raises a :class:`ConfigError`
+(one line, exit 2, printed by :func:`rollpatch.cli.main`) that names the option, the value and
+the fix. Nothing here imports torch, transformers, the web stack or a cloud client; missing
+extras are found with :func:`importlib.util.find_spec`, which imports nothing.
+
+- :func:`require_extra`: the optional packages a command needs, or one line naming the extra;
+- :func:`board_uri`: a known scheme with its parts, and (``existing=True``, for commands that
+  only read) a local board directory that exists: ``status --board typo`` must not create one;
+- :func:`port_free`: the listening port can be bound (names it when it cannot);
+- :func:`model_dir`: a local model directory with a ``config.json``;
+- :func:`offline`: the Hugging Face libraries never contact the model hub.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+
+__all__ = ["EXTRAS", "board_uri", "model_dir", "offline", "port_free", "require_extra"]
+
+#: The modules behind each extra of ``pyproject.toml`` that commands import.
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "web": ("fastapi", "uvicorn", "httpx", "pydantic", "prometheus_client"),
+    "reference": ("torch", "transformers", "tokenizers", "fastapi", "uvicorn", "httpx"),
+    "s3": ("boto3",),
+    "plot": ("matplotlib",),
+}
+_SCHEMES = ("file", "s3", "http", "https", "memory")
+
+
+def require_extra(extra: str, what: str) -> None:
+    """Raise one line naming ``extra`` when a module it provides cannot be found."""
+    missing = [m for m in EXTRAS[extra] if not _importable(m)]
+    if missing:
+        raise ConfigError(f"{what} needs the '{extra}' extra ({', '.join(missing)} not "
+                          "installed)", hint=f"pip install 'rollpatch[{extra}]'")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> None:
+    """Check a board URI's scheme and parts; with ``existing``, a local board must exist."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(f"{option} is empty", hint="a path, file://, s3://, http(s)://")
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower() if "://" in uri else ""
+    if scheme and scheme not in _SCHEMES:
+        raise ConfigError(f"{option}: unknown board scheme '{scheme}://'", value=uri,
+                          hint="use a path, file://, s3://BUCKET/PREFIX, http(s)://RELAY")
+    if scheme == "s3" and not parts.netloc:
+        raise ConfigError(f"{option}: an s3:// board needs a bucket", value=uri,
+                          hint="s3://BUCKET/PREFIX")
+    if scheme in ("http", "https") and not parts.hostname:
+        raise ConfigError(f"{option}: an http(s):// board needs a host", value=uri,
+                          hint="http://RELAY-HOST:8470")
+    if scheme == "s3":
+        require_extra("s3", "an s3:// board")
+    if existing and scheme in ("", "file"):
+        path = Path(parts.path if scheme == "file" else uri).expanduser()
+        if not path.exists():
+            raise ConfigError(f"{option}: no board at {path} (the directory does not exist)",
+                              hint="check the path; a board is created by its first publish "
+                                   "(create the directory to start a reader first)")
+        if not path.is_dir():
+            raise ConfigError(f"{option}: {path} is not a directory", value=uri)
+
+
+def port_free(host: str, port: int, *, option: str = "--port") -> None:
+    """Raise naming the port when ``host:port`` cannot be listened on (port 0 always can)."""
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"{option} must be a port number 0-65535", value=port)
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = ("is already in use" if e.errno == errno.EADDRINUSE
+                   else f"cannot be bound: {e.strerror or e}")
+            raise ConfigError(f"{option}: port {port} on {host} {why}",
+                              hint=f"stop what holds it, or pick another {option} "
+                                   "(0: any free port)") from None
+
+
+def model_dir(path: str | None, *, option: str = "--model") -> Path:
+    """A local model directory holding ``config.json`` (no model hub names)."""
+    if not path:
+        raise ConfigError(f"{option} is required", hint="a local model directory")
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"{option}: no model directory at {p}",
+                          hint="a local directory with config.json and weights; model hub "
+                               "names are not used (rollpatch never downloads models)")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{option}: {p} has no config.json", value=str(p),
+                          hint="point at a saved transformers model directory")
+    return p
+
+
+def offline() -> None:
+    """Keep transformers and huggingface_hub off the network (local files only)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(name, "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

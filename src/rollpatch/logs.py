@@ -1,0 +1,104 @@
+"""Structured logs for the services (sidecar, relay, gateway): the one owner of their shape.
+
+Every service logs *events* to the ``rollpatch.*`` loggers with :func:`event`: a name
+(``commit``, ``refused``, ``catch_up``, ``error``, ...) and flat fields. :func:`configure`
+installs one handler on stderr that writes them either as text::
+
+    2026-12-01T10:00:00.123Z INFO rollpatch.sidecar commit run=grpo version=41 pause_s=0.003
+
+or as one JSON object per line (``--log-format json``), for log shippers::
+
+    {"ts": "2026-12-01T10:00:00.123Z", "level": "info", "logger": "rollpatch.sidecar",
+     "event": "commit", "run": "grpo", "version": 41, "pause_s": 0.003}
+
+Plain ``log.info("...")`` records from any module come out the same way with
+``"event": "log"`` and the text in ``"message"``. Exceptions add ``error`` (``Type: message``);
+the traceback only at ``debug`` level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import IO, Any, Literal, get_args
+
+__all__ = ["LEVELS", "LogFormat", "add_log_args", "configure", "event"]
+
+LogFormat = Literal["text", "json"]
+LEVELS = ("critical", "error", "warning", "info", "debug")
+_EVENT = "rp_event"
+_FIELDS = "rp_fields"
+_HANDLER = "rollpatch-structured"
+
+
+def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log event ``name`` with ``fields`` (JSON-serialisable scalars)."""
+    if logger.isEnabledFor(level):
+        logger.log(level, name, extra={_EVENT: name, _FIELDS: fields})
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, fmt: LogFormat, debug: bool) -> None:
+        super().__init__()
+        self.fmt, self.debug = fmt, debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        ts += f".{int(record.msecs):03d}Z"
+        name = getattr(record, _EVENT, None)
+        fields: dict[str, Any] = dict(getattr(record, _FIELDS, None) or {})
+        if name is None:
+            name, fields = "log", {"message": record.getMessage()}
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            fields["error"] = f"{type(exc).__name__}: {exc}"
+            if self.debug:
+                fields["traceback"] = self.formatException(record.exc_info)
+        level = record.levelname.lower()
+        if self.fmt == "json":
+            return json.dumps({"ts": ts, "level": level, "logger": record.name, "event": name,
+                               **fields}, default=str)
+        text = " ".join(f"{k}={_text(v)}" for k, v in fields.items())
+        return f"{ts} {level.upper()} {record.name} {name}" + (f" {text}" if text else "")
+
+
+def _text(v: Any) -> str:
+    s = str(v)
+    return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
+
+
+def configure(level: str = "info", fmt: LogFormat = "text",
+              stream: IO[str] | None = None) -> logging.Logger:
+    """Send the ``rollpatch`` loggers to ``stream`` (stderr) at ``level`` in ``fmt``.
+
+    Idempotent: calling it again replaces the handler it installed before.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)} (got {level!r})")
+    if fmt not in get_args(LogFormat):
+        raise ValueError(f"log format must be text or json (got {fmt!r})")
+    root = logging.getLogger("rollpatch")
+    for h in list(root.handlers):
+        if h.get_name() == _HANDLER:
+            root.removeHandler(h)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.set_name(_HANDLER)
+    handler.setFormatter(_Formatter(fmt, level == "debug"))
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    root.propagate = False
+    return root
+
+
+def add_log_args(p: argparse.ArgumentParser, *, default_level: str | None = "info") -> None:
+    """``--log-level`` (unless ``default_level`` is None: the parser has one) and
+    ``--log-format`` (text or json), for every service."""
+    g = p.add_argument_group("logging")
+    if default_level is not None:
+        g.add_argument("--log-level", default=default_level, choices=LEVELS,
+                       help=f"least severe event logged (default {default_level})")
+    g.add_argument("--log-format", default="text", choices=get_args(LogFormat),
+                   help="text lines, or one JSON object per line (default text)")

@@ -1,0 +1,189 @@
+"""Cheap mistakes fail fast and clearly (one line, exit 2, before anything heavy loads), and
+the services' structured logs (``rollpatch.logs``: text or JSON, ``--log-level``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollpatch.board import Board
+from rollpatch.cli import EXIT_REFUSED
+from rollpatch.logs import configure, event
+from rollpatch.publisher import Publisher, PublisherConfig
+from rollpatch.store import open_store
+
+
+def _rollpatch(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a fresh interpreter; ``pre`` runs first (e.g. to hide a module)."""
+    code = f"import sys\n{pre}\nfrom rollpatch.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def _one_line_error(r: subprocess.CompletedProcess[str]) -> str:
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rollpatch: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+@pytest.fixture
+def board_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "board"
+    d.mkdir()
+    return d
+
+
+def test_status_of_a_typo_board_creates_nothing_and_fails(tmp_path: Path) -> None:
+    typo = tmp_path / "bord"
+    line = _one_line_error(_rollpatch("status", "--board", str(typo)))
+    assert f"no board at {typo}" in line
+    assert not typo.exists()
+    line = _one_line_error(_rollpatch("status", "--board", typo.as_uri()))
+    assert not typo.exists()
+    for cmd in (("pull", "--board", str(typo), "--run", "r", "-o", str(tmp_path / "v")),
+                ("gc", "--board", str(typo), "--run", "r", "--keep-last", "2")):
+        assert "no board at" in _one_line_error(_rollpatch(*cmd))
+        assert not typo.exists()
+
+
+def test_unknown_board_scheme_is_named(board_dir: Path) -> None:
+    for cmd in (("status", "--board", "fle:///data/board"),
+                ("sidecar", "--board", "ftp://host/b", "--run", "r", "--model", "m"),
+                ("relay", "--board", "sftp://x", "--cache", str(board_dir / "c"))):
+        line = _one_line_error(_rollpatch(*cmd))
+        assert "unknown board scheme" in line
+    assert "needs a bucket" in _one_line_error(_rollpatch("status", "--board", "s3:///x"))
+
+
+def test_port_in_use_is_named_before_the_model_loads(board_dir: Path, busy_port: int,
+                                                     tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()  # not a loadable model: the port must be refused before any load
+    t0 = time.monotonic()
+    line = _one_line_error(_rollpatch("sidecar", "--board", str(board_dir), "--run", "r",
+                                      "--model", str(model), "--port", str(busy_port)))
+    assert f"port {busy_port} on 127.0.0.1 is already in use" in line
+    for cmd in (("relay", "--board", str(board_dir), "--cache", str(tmp_path / "c"),
+                 "--port", str(busy_port)),
+                ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", str(busy_port))):
+        assert f"port {busy_port}" in _one_line_error(_rollpatch(*cmd))
+    assert time.monotonic() - t0 < 60  # three interpreters; no model, no hub, no server
+
+
+def test_model_must_be_a_local_directory(board_dir: Path, tmp_path: Path) -> None:
+    # a hub-style name that is not a local directory: refused, the hub is never asked
+    hub = "Qwen/Qwen3-0.6B"
+    line = _one_line_error(_rollpatch("sidecar", "--board", str(board_dir), "--run", "r",
+                                      "--model", hub, "--port", "0"))
+    assert f"no model directory at {hub}" in line and "never downloads" in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _one_line_error(_rollpatch("sidecar", "--board", str(board_dir), "--run", "r",
+                                      "--model", str(empty), "--port", "0"))
+    assert "has no config.json" in line
+
+
+@pytest.mark.parametrize(("hidden", "cmd", "extra"), [
+    ("fastapi", ("sidecar", "--run", "r", "--model", "m"), "reference"),
+    ("torch", ("sidecar", "--run", "r", "--model", "m"), "reference"),
+    ("uvicorn", ("relay", "--cache", "c"), "web"),
+    ("fastapi", ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", "0"), "web"),
+    ("boto3", ("status", "--board", "s3://bucket/prefix"), "s3"),
+])
+def test_missing_extra_is_one_line_naming_it(board_dir: Path, hidden: str,
+                                             cmd: tuple[str, ...], extra: str) -> None:
+    if "--board" not in cmd and cmd[0] != "gateway":
+        cmd = (*cmd, "--board", str(board_dir))
+    # find_spec consults a finder; hiding the module from it is what "not installed" means
+    pre = ("import importlib.util as u; _f = u.find_spec\n"
+           f"u.find_spec = lambda n, *a: None if n == {hidden!r} else _f(n, *a)\n"
+           f"sys.modules[{hidden!r}] = None")
+    line = _one_line_error(_rollpatch(*cmd, pre=pre))
+    assert f"needs the '{extra}' extra" in line
+    assert f"pip install 'rollpatch[{extra}]'" in line
+
+
+def test_netem_is_a_subcommand() -> None:
+    r = _rollpatch("netem", "--help")
+    assert r.returncode == 0 and "--latency-ms" in r.stdout and "--mbps" in r.stdout
+    assert "--upstream must be HOST:PORT" in _one_line_error(
+        _rollpatch("netem", "--upstream", "nowhere"))
+
+
+# -- structured logs ---------------------------------------------------------------------------
+
+def test_events_as_json_lines_and_text() -> None:
+    out = io.StringIO()
+    configure("info", "json", stream=out)
+    log = logging.getLogger("rollpatch.sidecar")
+    event(log, "commit", run="grpo", version=41, pause_s=0.003)
+    event(log, "detail", logging.DEBUG, x=1)            # below the level: not written
+    log.warning("plain %s", "text")
+    try:
+        raise ValueError("bad bits")
+    except ValueError:
+        log.exception("sync failed")
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [x["event"] for x in lines] == ["commit", "log", "log"]
+    assert lines[0] | {"ts": None} == {"ts": None, "level": "info", "logger": "rollpatch.sidecar",
+                                       "event": "commit", "run": "grpo", "version": 41,
+                                       "pause_s": 0.003}
+    assert lines[1]["message"] == "plain text" and lines[1]["level"] == "warning"
+    assert lines[2]["error"] == "ValueError: bad bits" and "traceback" not in lines[2]
+
+    out = io.StringIO()
+    configure("debug", "text", stream=out)              # replaces the JSON handler
+    event(log, "refused", status=409, reason="older than served")
+    text = out.getvalue()
+    assert text.count("\n") == 1
+    assert ' INFO rollpatch.sidecar refused status=409 reason="older than served"' in text
+    configure("warning", "text", stream=io.StringIO())
+    with pytest.raises(ValueError, match="log format"):
+        configure("info", "xml")  # type: ignore[arg-type]
+
+
+def test_relay_logs_fetches_as_json(tmp_path: Path) -> None:
+    """A real relay process with ``--log-format json``: each upstream fetch is one event."""
+    board_uri = (tmp_path / "board").as_uri()
+    rng = np.random.default_rng(0)
+    masters = {"w": rng.standard_normal((64, 64)).astype(np.float32)}
+    with Publisher(board_uri, "r", PublisherConfig(format="bf16")) as pub:
+        pub.publish(masters)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollpatch", "relay", "--board", board_uri, "--cache",
+         str(tmp_path / "cache"), "--port", "0", "--log-level", "info", "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = line.split(" at ", 1)[1].split()[0]
+        board = Board(open_store(url))
+        ref = board.manifest("r", 0).keyframes[0].ref
+        assert len(board.fetch(ref)) == ref.size
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+    fetched = [e for e in events if e["event"] == "fetched" and e["key"] == ref.key]
+    assert len(fetched) == 1 and fetched[0]["bytes"] == ref.size
+    assert fetched[0]["logger"] == "rollpatch.relay" and fetched[0]["kind"] == "object"

@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 from _soak_procs import MAX_TOKENS, PROMPT, base_masters, masters_for
 
-#: How long a sidecar may not yet know a LATEST the publisher wrote (polls, relay TTL).
-STALE_S = 2.0
+#: How old a sidecar's LATEST may be (``SidecarConfig.latest_max_age_s``; past it, max_lag
+#: requests are refused): an answer is checked against LATEST as it was this long before the
+#: request was sent.
+STALE_S = 5.0
 WAIT_S = 5.0
 
 

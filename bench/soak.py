@@ -21,8 +21,8 @@ mismatch is a *wrong-version* response; a label older than what ``max_lag`` allo
 request was sent (LATEST taken 5 s earlier: ``SidecarConfig.latest_max_age_s``, how
 stale a LATEST an island may act on) is *unacceptable*. Both must be 0. Recovery after a
 fault: until every island serves within ``max_lag`` of LATEST and a probe request succeeds.
-RSS and open files of every service process: first sample of the process (5 s after it
-started) against the last. Exit status non-zero on any wrong or unacceptable answer, 500, or
+RSS and open files of every service process: first sample of the process (5 s after it was
+ready) against the last. Exit status non-zero on any wrong or unacceptable answer, 500, or
 a fault not recovered from.
 """
 

@@ -329,3 +329,41 @@ def test_options_are_validated() -> None:
                 {"token": ""}, {"tls_key": "k.pem"}):
         with pytest.raises(ConfigError):
             ServeOptions(**bad)  # type: ignore[arg-type]
+
+
+# -- a stale LATEST ------------------------------------------------------------------------------
+
+def test_max_lag_is_refused_while_latest_cannot_be_read(board: Board, tmp_path: Path) -> None:
+    """Found by bench/soak.py: with its relay down, an island kept answering ``max_lag``
+    requests from a LATEST it could no longer read, 11 versions behind the real one."""
+    import numpy as np
+
+    from rollpatch.follower import FollowerConfig
+    from rollpatch.publisher import Publisher
+
+    pub = Publisher(board, RUN, asynchronous=False)
+    pub.publish({"w": np.ones((4, 4), np.float32)})
+    pub.flush()
+    relay = RelayServer(board.store, RelayConfig(cache_dir=tmp_path / "c"))
+    relay.start()
+    sc = start_sidecar(relay.url, RUN, ViewEngine(), _dead_url(),  # generation: unreachable
+                       config=SidecarConfig(latest_max_age_s=1.0,
+                                            follower=FollowerConfig(poll_s=0.05)))
+    try:
+        deadline = time.monotonic() + 30
+        while sc.sidecar.follower.version != 0:
+            assert time.monotonic() < deadline, "never loaded version 0"
+            time.sleep(0.05)
+        lagged = {"prompt": "x", "rollpatch": {"max_lag": 2, "wait_s": 0}}
+        newer = {"prompt": "x", "rollpatch": {"min_version": 0}}
+        url = f"{sc.url}/v1/completions"
+        assert httpx.post(url, json=lagged, timeout=30).status_code == 502  # admitted
+        relay.stop()
+        time.sleep(1.5)
+        r = httpx.post(url, json=lagged, timeout=60)
+        assert r.status_code == 503 and "max_lag cannot be checked" in r.text, r.text
+        assert r.json()["served"] == 0
+        assert httpx.post(url, json=newer, timeout=60).status_code == 502  # still admitted
+    finally:
+        sc.stop()
+        relay.stop()

@@ -183,6 +183,13 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
             await asyncio.sleep(0.01)
     # LATEST may be read through a slow relay: never block the event loop on it
     latest = await asyncio.to_thread(sc.latest)
+    age = sc.latest_age()
+    if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
+        # the board is unreachable: how far behind this island is cannot be known
+        sc.metrics.request("unavailable")
+        return _error(503, f"LATEST has not been read for {age:.0f} s (the board is "
+                      "unreachable): max_lag cannot be checked", "not_ready", served=served,
+                      latest=latest)
     d = decide(c, served, latest)
     if d.action == "conflict" and d.need is not None:
         latest = await asyncio.to_thread(sc.latest, True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ class SidecarConfig:
     admit_timeout_s: float = 120.0
     #: How old the cached LATEST may be before a request that needs a newer one re-reads it.
     latest_ttl_s: float = 0.25
+    #: Requests with ``max_lag`` are refused (503, another island may answer) while LATEST
+    #: has not been read from the board for this long: a stale LATEST would pass them on an
+    #: island that cannot see how far behind it is.
+    latest_max_age_s: float = 5.0
     #: Bounds on request bodies: size (413), JSON nesting depth (400), receive time (408).
     body: BodyLimits = field(default_factory=BodyLimits)
     #: Timeout of the engine probe behind ``/ready`` (an engine that does not answer within
@@ -55,6 +60,9 @@ class SidecarConfig:
             raise ConfigError("admit_timeout_s must be in (0, 3600]", field="admit_timeout_s")
         if not 0 <= self.latest_ttl_s <= 60:
             raise ConfigError("latest_ttl_s must be in [0, 60]", field="latest_ttl_s")
+        if not self.latest_ttl_s < self.latest_max_age_s <= 3600:
+            raise ConfigError("latest_max_age_s must be in (latest_ttl_s, 3600]",
+                              field="latest_max_age_s")
         if not isinstance(self.body, BodyLimits):
             raise ConfigError("body must be a BodyLimits", field="body")
         if not 0 < self.ready_probe_s <= 60:
@@ -77,6 +85,7 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self.follower.on_commit.append(self._on_commit)
         self._latest: tuple[float, int | None] = (0.0, None)
+        self._latest_read_at: float | None = None  # the last successful read of LATEST
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -98,11 +107,19 @@ class Sidecar:
             try:
                 p = self.board.latest(self.run)
                 value = p.version if p is not None else value
+                with self._lock:
+                    self._latest_read_at = now
             except RollpatchError:
                 pass  # keep the cached value; the follower reports board errors
             with self._lock:
                 self._latest = (now, value)
         return value
+
+    def latest_age(self) -> float:
+        """Seconds since LATEST was last read from the board (inf: never)."""
+        with self._lock:
+            read_at = self._latest_read_at
+        return math.inf if read_at is None else time.monotonic() - read_at
 
     def latest_seen(self) -> int | None:
         """The most recent LATEST known, without reading the board (safe on the event loop)."""

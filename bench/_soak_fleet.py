@@ -1,0 +1,262 @@
+"""The soak's fleet: processes, the board they share, and the faults injected into them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _soak_procs import RUN, Proc, S3Board, free_port, rollpatch
+
+HERE = Path(__file__).resolve().parent
+FAULTS = ("relay-restart", "store-outage", "forged", "corrupt", "sidecar-kill", "publisher-kill")
+RECOVERY_LIMIT_S = 120.0
+OUTAGE_S = 5.0
+
+
+class Fleet:
+    """Publisher, relay, islands ``a`` (store) and ``b`` (relay), gateway: all processes."""
+
+    def __init__(self, workdir: Path, *, lag: int) -> None:
+        self.workdir, self.lag = workdir, lag
+        self.procs: dict[str, Proc] = {}
+        self.samples: dict[str, list[tuple[float, int, int, int]]] = {}
+        self.latest_log: list[tuple[float, int]] = []
+        self.first_version: int | None = None
+        self._stop = threading.Event()
+        self.board: S3Board | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        from rollpatch.engines.reference import make_tiny_model
+        from rollpatch.trust import Root, sign_root, write_keypair
+
+        w = self.workdir
+        self.model = make_tiny_model(w / "model", seed=0)
+        self.model_name = "model"
+        key_path, _pub_path, key = write_keypair(w / "publisher")
+        self.root = w / "root.json"
+        self.root.write_bytes(sign_root(Root.new([key.public]), [key]))
+        self.board = S3Board(w)
+        env = self.board.env
+        ports = {n: free_port() for n in ("relay", "a", "b", "gateway")}
+        url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+        self.gateway_url = url["gateway"]
+        self.procs["publisher"] = Proc("publisher", [
+            sys.executable, str(HERE / "_soak_procs.py"),
+            self.board.uri, str(self.model), str(key_path), "1.0"], w, env, None)
+        self.procs["relay"] = Proc("relay", rollpatch(
+            "relay", "--board", self.board.uri, "--cache", str(w / "relay-cache"),
+            "--port", str(ports["relay"]), "--trust", str(self.root), "--pointer-ttl", "0.2",
+            "--list-ttl", "0.5", "--log-level", "warning"), w, env, f"{url['relay']}/health")
+        for name, board in (("a", self.board.uri), ("b", url["relay"])):
+            self.procs[name] = Proc(name, rollpatch(
+                "sidecar", "--board", board, "--run", RUN, "--engine", "reference",
+                "--model", str(self.model), "--port", str(ports[name]), "--poll", "0.2",
+                "--threads", "1", "--trust", str(self.root),
+                "--trust-state", str(w / f"trust-{name}.json")), w, env, f"{url[name]}/health")
+        self.procs["gateway"] = Proc("gateway", rollpatch(
+            "gateway", "--sidecar", f"a={url['a']}", "--sidecar", f"b={url['b']}",
+            "--port", str(ports["gateway"]), "--poll", "0.2"), w, env,
+            f"{url['gateway']}/health")
+        self.procs["publisher"].start()
+        threading.Thread(target=self._watch_latest, daemon=True).start()
+        self._until(lambda: self.latest() is not None, "the first version", 120)
+        self.procs["publisher"].ready_at = time.monotonic()
+        self.first_version = self.latest()
+        for name in ("relay", "a", "b", "gateway"):
+            self.procs[name].start()
+        self._until(self.recovered, "the fleet to serve", 180)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for name in ("gateway", "a", "b", "relay", "publisher"):
+            if name in self.procs:
+                self.procs[name].stop()
+        if self.board is not None:
+            self.board.stop()
+
+    # -- observation ---------------------------------------------------------------------------
+
+    def _watch_latest(self) -> None:
+        """LATEST as the trainer's side sees it, read directly (verified), every 0.1 s."""
+        from rollpatch.board import Board
+        from rollpatch.errors import RollpatchError
+        from rollpatch.store import open_store
+        from rollpatch.trust import Trust
+
+        assert self.board is not None
+        store = open_store(self.board.uri, endpoint_url=f"http://127.0.0.1:{self.board.port}",
+                           access_key_id="soak", secret_access_key="soak", region="us-east-1")
+        board = Board(store, trust=Trust(self.root.read_bytes()))
+        while not self._stop.is_set():
+            try:
+                p = board.latest(RUN)
+                if p is not None and (not self.latest_log or p.version > self.latest_log[-1][1]):
+                    self.latest_log.append((time.monotonic(), p.version))
+            except RollpatchError:
+                pass  # a forged LATEST: refused (the publisher replaces it)
+            self._stop.wait(0.1)
+
+    def latest(self) -> int | None:
+        return self.latest_log[-1][1] if self.latest_log else None
+
+    def sample_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            for name, proc in self.procs.items():
+                s = proc.sample()
+                # from 5 s after the process became ready: start-up is not growth
+                if s is not None and proc.pid is not None and proc.ready_at is not None \
+                        and time.monotonic() > proc.ready_at + 5:
+                    self.samples.setdefault(name, []).append((time.monotonic(), proc.pid, *s))
+            stop.wait(2.0)
+
+    def recovered(self) -> bool:
+        """Every island serves within ``lag`` of LATEST, and a probe through the gateway is
+        answered."""
+        latest = self.latest()
+        try:
+            islands = httpx.get(f"{self.gateway_url}/islands", timeout=5).json()["islands"]
+            if latest is None or not all(
+                    i["reachable"] and i["served"] is not None and i["served"] >= latest - self.lag
+                    for i in islands):
+                return False
+            r = httpx.post(f"{self.gateway_url}/v1/completions", timeout=30, json={
+                "model": self.model_name, "prompt": "1 + 1 =", "max_tokens": 1,
+                "rollpatch": {"max_lag": self.lag, "wait_s": 0}})
+            return r.status_code == 200
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    def _until(self, cond: Any, what: str, limit: float) -> float | None:
+        t0 = time.monotonic()
+        while not cond():
+            if time.monotonic() - t0 > limit:
+                return None
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def inject(self, fault: str, load: Any) -> dict[str, Any]:
+        """Inject ``fault``; recovery is counted from when the fault ends (the service is
+        restarted or the store is back), until :meth:`recovered` (and, after the publisher's
+        crash, until it has published again)."""
+        at = time.monotonic()
+        before = self.latest() or 0
+        note = getattr(self, "_" + fault.replace("-", "_"))()
+        held = time.monotonic() - at
+
+        def done() -> bool:
+            moved = fault != "publisher-kill" or (self.latest() or 0) > before
+            return moved and self.recovered()
+
+        recovery = self._until(done, f"recovery from {fault}", RECOVERY_LIMIT_S)
+        if fault == "publisher-kill":
+            self.procs["publisher"].ready_at = time.monotonic()
+        end = time.monotonic()
+        return {"fault": fault, "at": at, "held_s": held, "end": end,
+                "recovery_s": None if recovery is None else round(recovery, 1), "note": note}
+
+    def _relay_restart(self) -> str:
+        relay = self.procs["relay"]
+        relay.stop()
+        time.sleep(2.0)
+        relay.start()
+        return "SIGTERM, 2 s down, same port, warm cache"
+
+    def _store_outage(self) -> str:
+        assert self.board is not None
+        self.board.proxy.down()
+        time.sleep(OUTAGE_S)
+        self.board.proxy.up()
+        return f"connections refused and cut for {OUTAGE_S:.0f} s"
+
+    def _publisher_kill(self) -> str:
+        pub = self.procs["publisher"]
+        before = self.latest()
+        pub.kill9()
+        time.sleep(1.0)
+        pub.start()
+        return f"kill -9 at LATEST {before}; restarted, resumes from the board"
+
+    def _sidecar_kill(self) -> str:
+        b = self.procs["b"]
+        b.kill9()
+        b.start()
+        return "kill -9 of island b (relay), restarted"
+
+    def _keys(self, prefix: str) -> list[str]:
+        assert self.board is not None
+        s3 = self.board.client()
+        keys: list[str] = []
+        for page in s3.get_paginator("list_objects_v2").paginate(
+                Bucket="soak-board", Prefix=f"board/runs/{RUN}/{prefix}"):
+            keys += [o["Key"] for o in page.get("Contents", [])]
+        return keys
+
+    def _corrupt(self) -> str:
+        """Overwrite (bypassing put-if-absent, as an attacker can) the objects of the newest
+        keyframe and of the newest patches with garbage of the same size."""
+        assert self.board is not None
+        s3 = self.board.client()
+        latest = self.latest() or 0
+        marks = sorted(int(k.rsplit("/", 1)[1]) for k in self._keys("keyframes/"))
+        versions = {v for v in (marks[-1] if marks else None,) if v is not None}
+        versions |= set(range(max(latest - 2, 0), latest + 1))
+        hit = 0
+        for v in sorted(versions):
+            doc = json.loads(s3.get_object(Bucket="soak-board",
+                                           Key=f"board/runs/{RUN}/versions/{v:012d}.json")
+                             ["Body"].read())
+            payload = doc
+            if "payload" in doc:  # a signed envelope
+                import base64
+
+                payload = json.loads(base64.b64decode(doc["payload"]))
+            for ref in _object_keys(payload):
+                key = f"board/{ref}"
+                size = s3.head_object(Bucket="soak-board", Key=key)["ContentLength"]
+                s3.put_object(Bucket="soak-board", Key=key, Body=b"\x5a" * size)
+                hit += 1
+        return f"{hit} objects of versions {sorted(versions)} overwritten"
+
+    def _forged(self) -> str:
+        """An attacker's unsigned manifest far ahead, and an unsigned LATEST naming it; removed
+        again after 5 s (the publisher replaces LATEST on its own)."""
+        assert self.board is not None
+        s3 = self.board.client()
+        latest = self.latest() or 0
+        v = latest + 100_000
+        key = f"board/runs/{RUN}/versions/{v:012d}.json"
+        real = s3.get_object(Bucket="soak-board",
+                             Key=f"board/runs/{RUN}/versions/{latest:012d}.json")["Body"].read()
+        doc = json.loads(real)
+        if "payload" in doc:
+            import base64
+
+            doc = json.loads(base64.b64decode(doc["payload"]))
+        doc["version"], doc["parent"] = v, latest
+        s3.put_object(Bucket="soak-board", Key=key, Body=json.dumps(doc).encode())
+        pointer = {"schema": "rollpatch.latest/1", "run": RUN, "version": v, "manifest": f"runs/{RUN}/versions/{v:012d}.json",
+                   "target": doc.get("target", "0" * 64)}
+        s3.put_object(Bucket="soak-board", Key=f"board/runs/{RUN}/LATEST",
+                      Body=json.dumps(pointer).encode())
+        time.sleep(5.0)
+        s3.delete_object(Bucket="soak-board", Key=key)
+        return f"unsigned manifest and LATEST for version {v}"
+
+
+def _object_keys(manifest: dict[str, Any]) -> list[str]:
+    """Every object key a manifest names (patches and keyframe shards)."""
+    out = []
+    for field in ("patches", "keyframes"):
+        for o in manifest.get(field) or []:
+            if isinstance(o, dict) and isinstance(o.get("key"), str):
+                out.append(o["key"])
+    return out

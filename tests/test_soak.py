@@ -1,0 +1,40 @@
+"""The soak with faults, CI size (``python bench/soak.py --minutes 30`` is the long one):
+a fleet of processes under 64 concurrent clients while a version is published every second,
+through a relay restart, a store outage, a forged manifest, corrupted objects and kill -9 of a
+sidecar and of the publisher. Every answer is re-generated under the version it was labelled
+with: 0 wrong-version and 0 unacceptable answers, and recovery from every fault."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.s3server import moto_available
+
+pytest.importorskip("openai", reason="the dev extra installs openai")
+pytest.importorskip("transformers", reason="the reference extra installs transformers")
+pytest.importorskip("boto3", reason="the s3 extra installs boto3")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not moto_available(), reason="the dev extra installs moto[server]")
+def test_soak_with_faults_ci_size(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "soak.py"), "--seconds", "45",
+                           "--workdir", str(tmp_path / "soak"), "--json", str(out)],
+                          check=False, capture_output=True, text=True, timeout=1500, cwd=BENCH)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["served"] > 0 and s["versions_checked"] > 1
+    assert s["wrong_version"] == 0 and s["unacceptable"] == 0 and s["other"] == 0
+    faults = {f["fault"]: f for f in report["faults"]}
+    assert set(faults) == {"relay-restart", "store-outage", "forged", "corrupt",
+                           "sidecar-kill", "publisher-kill"}
+    assert all(f["recovery_s"] is not None for f in faults.values()), faults

@@ -198,8 +198,10 @@ class CtxGolombV2:
 
 
 def _join(bodies: list[bytes]) -> bytes:
-    out = bytearray()
+    """varint(len) + body per chunk, allocated once (the payload is held once more, briefly)."""
+    parts: list[bytes] = []
     for b in bodies:
-        write_varint(out, len(b))
-        out += b
-    return bytes(out)
+        head = bytearray()
+        write_varint(head, len(b))
+        parts += (bytes(head), b)
+    return b"".join(parts)

@@ -830,20 +830,19 @@ static int pick_window(const lane_t *l) {
             int t = __builtin_ctz(hit);                                                     \
             hit &= hit - 1;                                                                 \
             int c = vc[t];                                                                  \
-            uint32_t acc = cnt[t], g = tgt[t];                                              \
-            uint64_t cu = cur[t];                                                           \
-            for (int v = 0; v < JB / 64; v++) {                                             \
-                uint64_t w = (uint64_t)EQ32(cbuf + 64 * v, c)                               \
-                             | (uint64_t)EQ32(cbuf + 64 * v + 32, c) << 32;                 \
-                uint32_t pc = (uint32_t)__builtin_popcountll(w);                            \
-                while (g < acc + pc) {                                                      \
-                    uint32_t r = g - acc;                                                   \
-                    uint64_t mm = w;                                                        \
-                    while (r--) mm &= mm - 1;                                               \
-                    bb[v] |= 1ULL << __builtin_ctzll(mm);                                   \
-                    g = ++cu < endr[t] ? l->ranks[cu] : UINT32_MAX;                         \
-                }                                                                           \
-                acc += pc;                                                                  \
+            uint32_t g = tgt[t], endc = cnt[t] + bcs[t], pre[JB / 64];                      \
+            uint64_t cu = cur[t], w[JB / 64];                                               \
+            uint32_t acc = cnt[t];                                                          \
+            for (int v = 0; v < JB / 64; v++) { /* the context's masks, prefix counts */    \
+                w[v] = (uint64_t)EQ32(cbuf + 64 * v, c)                                     \
+                       | (uint64_t)EQ32(cbuf + 64 * v + 32, c) << 32;                       \
+                pre[v] = acc;                                                               \
+                acc += (uint32_t)__builtin_popcountll(w[v]);                                \
+            }                                                                               \
+            while (g < endc) { /* each changed rank: its word, then its bit */              \
+                int v = (g >= pre[1]) + (g >= pre[2]) + (g >= pre[3]);                      \
+                bb[v] |= 1ULL << SELECT64(w[v], g - pre[v]);                                \
+                g = ++cu < endr[t] ? l->ranks[cu] : UINT32_MAX;                             \
             }                                                                               \
             tgt[t] = g;                                                                     \
             cur[t] = cu;                                                                    \
@@ -883,6 +882,12 @@ static int pick_window(const lane_t *l) {
         l->cnt[c] = cnt[t]; l->tgt[c] = tgt[t]; l->cur[c] = cur[t];                         \
     }
 
+/* Position of the r-th (from 0) set bit of x; r < popcount(x). */
+static inline int select64_loop(uint64_t x, uint32_t r) {
+    while (r--) x &= x - 1;
+    return __builtin_ctzll(x);
+}
+
 static inline uint32_t blkcnt_scalar(const uint8_t *p, int c) {
     uint32_t k = 0;
     for (int i = 0; i < JB; i++) k += p[i] == c;
@@ -902,10 +907,12 @@ static inline uint32_t out32_scalar(const uint8_t *p, int lo) {
 }
 
 #define BLOCKCTX block_ctx
+#define SELECT64 select64_loop
 static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                         int64_t n) {
     JOIN_BODY(blkcnt_scalar, eq32_scalar, out32_scalar)
 }
+#undef SELECT64
 #undef BLOCKCTX
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -948,9 +955,7 @@ __attribute__((target("avx2"))) static inline void block_ctx16_avx2(const uint16
     }
 }
 
-__attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const uint8_t *base,
-                                                       lane_t *l, int64_t start, int64_t n) {
-#define BLOCKCTX(KD, BASE, S, LEN, CB)                                                      \
+#define BLOCKCTX16(KD, BASE, S, LEN, CB)                                                    \
     do {                                                                                    \
         if ((KD)->bits == 16)                                                               \
             block_ctx16_avx2((const uint16_t *)(BASE) + (S), (LEN), (KD)->shift,            \
@@ -958,7 +963,29 @@ __attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const u
         else                                                                                \
             block_ctx((KD), (BASE), (S), (LEN), (CB));                                      \
     } while (0)
+
+__attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const uint8_t *base,
+                                                       lane_t *l, int64_t start, int64_t n) {
+#define BLOCKCTX BLOCKCTX16
+#define SELECT64 select64_loop
     JOIN_BODY(blkcnt_avx2, eq32_avx2, out32_avx2)
+#undef SELECT64
+#undef BLOCKCTX
+}
+
+__attribute__((target("avx2,bmi2"))) static inline int select64_pdep(uint64_t x, uint32_t r) {
+    return __builtin_ctzll(_pdep_u64(1ULL << r, x));
+}
+
+/* The same with PDEP for the bit select: only where PDEP is fast (not AMD before Zen 3). */
+__attribute__((target("avx2,bmi2"))) static void join_avx2_pdep(const rp_kind *kd,
+                                                                 const uint8_t *base,
+                                                                 lane_t *l, int64_t start,
+                                                                 int64_t n) {
+#define BLOCKCTX BLOCKCTX16
+#define SELECT64 select64_pdep
+    JOIN_BODY(blkcnt_avx2, eq32_avx2, out32_avx2)
+#undef SELECT64
 #undef BLOCKCTX
 }
 #endif
@@ -967,7 +994,11 @@ static void join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t
                       int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (__builtin_cpu_supports("avx2")) {
-        join_avx2(kd, base, l, start, n);
+        if (__builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1")
+            && !__builtin_cpu_is("znver2"))
+            join_avx2_pdep(kd, base, l, start, n);
+        else
+            join_avx2(kd, base, l, start, n);
         return;
     }
 #endif
@@ -1197,14 +1228,7 @@ __attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, cons
                                                           const uint8_t *new_, size_t nbytes,
                                                           int64_t start, int64_t n, recs_t *r,
                                                           uint32_t *tab, uint64_t sd[2]) {
-#define BLOCKCTX(KD, BASE, S, LEN, CB)                                                      \
-    do {                                                                                    \
-        if ((KD)->bits == 16)                                                               \
-            block_ctx16_avx2((const uint16_t *)(BASE) + (S), (LEN), (KD)->shift,            \
-                             (1 << (KD)->cbits) - 1, (CB));                                 \
-        else                                                                                \
-            block_ctx((KD), (BASE), (S), (LEN), (CB));                                      \
-    } while (0)
+#define BLOCKCTX BLOCKCTX16
     ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2)
 #undef BLOCKCTX
 }

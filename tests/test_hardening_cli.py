@@ -26,6 +26,7 @@ def _one_line_refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> st
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "board").mkdir()  # readers refuse a board that does not exist
     (tmp_path / "empty").write_text("\n")
     (tmp_path / "junk.pem").write_text("not a certificate")
     (tmp_path / "token").write_text("tok\n")

@@ -200,6 +200,21 @@ def test_pick_sample_spreads_over_islands_and_versions() -> None:
     assert pick_sample(rs, 0) == rs
 
 
+def test_density_beside_the_reward(tmp_path: Path) -> None:
+    """The live view and the step lines show, for the newest published step, the share of
+    served values it changed and its patch's size relative to the full view."""
+    from rollpatch.demo.live import density
+    from rollpatch.demo.monitor import Monitor
+
+    m = Monitor(DemoConfig(out=str(tmp_path)), (tmp_path / "board").as_uri(), [])
+    assert density(m) == "changed -  patch -"
+    m.ready = {"n_elements": 1000, "full_view_bytes": 2000}
+    m.published = {0: {"changed": 0, "patch_bytes": 0},
+                   1: {"changed": 25, "patch_bytes": 30},
+                   2: {"changed": 20, "patch_bytes": 18}}
+    assert density(m) == "v2 changed 2.0% patch 0.9%"
+
+
 def test_config_validates_and_round_trips() -> None:
     cfg = DemoConfig(steps=3, wan_mbps=2.5, engine_urls=())
     assert DemoConfig.from_json(cfg.to_json()) == cfg

@@ -100,6 +100,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         t_catch = time.monotonic()
         _catch_up(cfg, procs, monitor, view)
         timings["catchup_s"] = time.monotonic() - t_catch
+        if cfg.engine == "reference" and monitor.verified is None:
+            n = (monitor.trained or {}).get("rollouts", 0)
+            check = "all" if cfg.verify_samples == 0 else f"{cfg.verify_samples} of the"
+            view.say(f"verifying: re-generating {check} {n} rollouts, each under the version "
+                     "it was labelled with, on one CPU thread (a minute or so) ...")
         _pump_until(procs, monitor, view, lambda: monitor.verified is not None)
         timings["verify_s"] = float(monitor.verified.get("verify_s", 0.0)) \
             if monitor.verified else 0.0

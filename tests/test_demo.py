@@ -224,6 +224,32 @@ def test_config_validates_and_round_trips() -> None:
         DemoConfig(format="nvfp4")  # the reference engine cannot serve it
     with pytest.raises(ConfigError):
         DemoConfig(engine="vllm")   # needs one URL per island
+    real = DemoConfig(regime="real", lr=2e-6)
+    assert DemoConfig.from_json(real.to_json()) == real
+    with pytest.raises(ConfigError, match="regime"):
+        DemoConfig(regime="slow")  # type: ignore[arg-type]
+
+
+def test_real_regime_warm_up_is_supervised_on_the_task(tmp_path: Path) -> None:
+    """The real regime's unpublished warm-up leaves a partly skilled policy (RL refines it);
+    the fast regime's format warm-up leaves the right answer at chance."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from rollpatch.demo.policy import _last_logprobs, ensure_model, load_policy, warm_up
+    from rollpatch.demo.task import DigitTask
+
+    skill = {}
+    for regime in ("fast", "real"):
+        cfg = DemoConfig(out=str(tmp_path), regime=regime)
+        torch.manual_seed(0)
+        model, tok = load_policy(ensure_model(cfg, tmp_path / "model"))
+        task = DigitTask.from_tokenizer(tok)
+        assert warm_up(model, task, cfg) > 0.9  # both answer with a digit
+        with torch.no_grad():
+            lp = _last_logprobs(model, [task.prompt(d) for d in range(10)])
+        skill[regime] = float(np.mean([lp[d, task.answer(d)].exp() for d in range(10)]))
+    assert skill["fast"] < 0.2 and 0.3 < skill["real"] < 0.7, skill
 
 
 # -- end to end --------------------------------------------------------------------------------

@@ -264,12 +264,15 @@ def render(ctx: dict[str, Any]) -> str:
         (f"model: make_tiny_model hidden {d['hidden_size']}, {d['layers']} layers, "
          f"{d['heads']}/{d['kv_heads']} heads, ff {d['intermediate']}, vocab {d['vocab_size']}"
          f" = {w['params'] / 1e6:.1f}M params, {w['ckpt_bytes'][0] / 1e6:.1f} MB bf16; vLLM "
-         f"{VLLM_VERSION} CPU, TP 1, --enforce-eager; AdamW lr {ctx['args']['lr']:g}; ms"),
+         f"{VLLM_VERSION} CPU, TP 1, --enforce-eager; AdamW lr {ctx['args']['lr']:g}; "
+         f"packed weights built "
+         f"{'while staging' if ctx['args']['prepack'] == 'stage' else 'in the pause'}; ms"),
         ("stage = the follower's staging (worker decode/compose/prove while serving); pause = "
          "the commit gate's figure; visible->serving = Follower.sync (fetch+stage+pause)"),
         (f"memory: vLLM worker ({m['proc']}) RSS {_mb(m['start_kb'] * 1024)} at the staged "
          f"phase start, peak +{_mb(m['peak_kb'] * 1024)} over it; largest staged update "
-         f"{_mb(biggest)} (positions, storage offsets, old and new words)"),
+         f"{_mb(biggest)} (positions, storage offsets, old and new words; the prebuilt "
+         "packed kernels are not counted in it)"),
         ("verified: every commit's digest = published; greedy tokens+logprobs after each "
          "staged commit = after the reload of that version; reloaded roots re-hashed = "
          "published"),
@@ -285,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
     ap.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
     ap.add_argument("--layers", type=int, default=4, help="model depth (default 4)")
+    ap.add_argument("--prepack", choices=("stage", "pause"), default="stage",
+                    help="CPU packed weights: built while staging (default) or in the pause")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 1:
@@ -307,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = None
         try:
             start_s = server.wait_ready()
-            engine = VllmEngine(server.url)
+            engine = VllmEngine(server.url, prepack=args.prepack)
             engine.http.post("/v1/completions", {"model": str(server.model), "prompt": "warm",
                                                  "max_tokens": 2}, timeout=600)
             engine.adopt(0, world.digests[0])

@@ -200,6 +200,21 @@ def test_pick_sample_spreads_over_islands_and_versions() -> None:
     assert pick_sample(rs, 0) == rs
 
 
+def test_density_beside_the_reward(tmp_path: Path) -> None:
+    """The live view and the step lines show, for the newest published step, the share of
+    served values it changed and its patch's size relative to the full view."""
+    from rollpatch.demo.live import density
+    from rollpatch.demo.monitor import Monitor
+
+    m = Monitor(DemoConfig(out=str(tmp_path)), (tmp_path / "board").as_uri(), [])
+    assert density(m) == "changed -  patch -"
+    m.ready = {"n_elements": 1000, "full_view_bytes": 2000}
+    m.published = {0: {"changed": 0, "patch_bytes": 0},
+                   1: {"changed": 25, "patch_bytes": 30},
+                   2: {"changed": 20, "patch_bytes": 18}}
+    assert density(m) == "v2 changed 2.0% patch 0.9%"
+
+
 def test_config_validates_and_round_trips() -> None:
     cfg = DemoConfig(steps=3, wan_mbps=2.5, engine_urls=())
     assert DemoConfig.from_json(cfg.to_json()) == cfg
@@ -209,6 +224,32 @@ def test_config_validates_and_round_trips() -> None:
         DemoConfig(format="nvfp4")  # the reference engine cannot serve it
     with pytest.raises(ConfigError):
         DemoConfig(engine="vllm")   # needs one URL per island
+    real = DemoConfig(regime="real", lr=2e-6)
+    assert DemoConfig.from_json(real.to_json()) == real
+    with pytest.raises(ConfigError, match="regime"):
+        DemoConfig(regime="slow")  # type: ignore[arg-type]
+
+
+def test_real_regime_warm_up_is_supervised_on_the_task(tmp_path: Path) -> None:
+    """The real regime's unpublished warm-up leaves a partly skilled policy (RL refines it);
+    the fast regime's format warm-up leaves the right answer at chance."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from rollpatch.demo.policy import _last_logprobs, ensure_model, load_policy, warm_up
+    from rollpatch.demo.task import DigitTask
+
+    skill = {}
+    for regime in ("fast", "real"):
+        cfg = DemoConfig(out=str(tmp_path), regime=regime)
+        torch.manual_seed(0)
+        model, tok = load_policy(ensure_model(cfg, tmp_path / "model"))
+        task = DigitTask.from_tokenizer(tok)
+        assert warm_up(model, task, cfg) > 0.9  # both answer with a digit
+        with torch.no_grad():
+            lp = _last_logprobs(model, [task.prompt(d) for d in range(10)])
+        skill[regime] = float(np.mean([lp[d, task.answer(d)].exp() for d in range(10)]))
+    assert skill["fast"] < 0.2 and 0.3 < skill["real"] < 0.7, skill
 
 
 # -- end to end --------------------------------------------------------------------------------

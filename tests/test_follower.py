@@ -12,7 +12,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -179,7 +179,46 @@ def test_catch_up_is_bit_exact_in_one_commit(board: Board, published: Published,
         FollowerState.IDLE, LAST, LAST, 0, 1)
     assert st.objects_fetched == f.last_plan.n_objects and st.bytes_fetched == f.last_plan.bytes
     assert st.last_fetch_s is not None and st.last_stage_s is not None
+    # one pause figure: the gate's, reported by on_commit and the status alike
+    assert f.gate.last is not None and f.gate.last.ok and f.gate.last.mode == "pause"
+    assert commits[0][1] == st.last_commit_s == f.gate.last.pause_s == f.gate.pauses[-1]
     assert f.sync() == LAST and f.status().commits == 1  # nothing to do
+
+
+def test_a_staging_engine_is_written_under_the_gate_only(board: Board, published: Published
+                                                         ) -> None:
+    """An engine that stages is asked to stage before the gate closes, and only to write
+    (commit_staged) inside it; the commit is bit-exact and its digests need no re-hash."""
+    from rollpatch.engines.staged import stage_patch
+    from rollpatch.patch.ops import scatter
+
+    events: list[str] = []
+
+    class Staging(ViewEngine):
+        def stage(self, patch: Any, version: int) -> Any:
+            events.append(f"stage paused={f.gate.busy}")
+            v = self.view
+            return stage_patch(patch, v.__getitem__, v.tensor_digests(), v.sum_state)
+
+        def commit_staged(self, staged: Any, version: int) -> None:
+            events.append(f"write paused={f.gate.busy}")
+            for name, st in staged.tensors.items():
+                scatter(self.view[name], st.positions, st.new, st.old)
+                if st.target_state is not None:
+                    self.view.update_sum_state(name, st.target_state)
+                else:
+                    self.view.invalidate(name)
+            self._version = version
+
+        def apply(self, patch: Any, version: int) -> None:
+            raise AssertionError("a staging engine is not asked to apply")
+
+    engine = Staging()
+    engine.load(published.views[LAST - 3].copy(), LAST - 3)
+    f = Follower(board, RUN, engine, FAST)
+    assert f.sync() == LAST
+    assert events == ["stage paused=False", "write paused=True"]
+    assert_holds(engine, published.views[LAST])
 
 
 @pytest.mark.parametrize("want,first", [(LAST, 20), (20, 20), (5, 0)])

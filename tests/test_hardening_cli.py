@@ -26,6 +26,7 @@ def _one_line_refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> st
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "board").mkdir()  # readers refuse a board that does not exist
     (tmp_path / "empty").write_text("\n")
     (tmp_path / "junk.pem").write_text("not a certificate")
     (tmp_path / "token").write_text("tok\n")
@@ -39,7 +40,8 @@ def test_bad_service_options_exit_2_with_one_line(files: dict[str, str],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     relay = ["relay", "--board", files["board"], "--cache", files["cache"], "--port", "0"]
     gateway = ["gateway", "--sidecar", "a=http://127.0.0.1:9", "--port", "0"]
-    sidecar = ["sidecar", "--board", files["board"], "--run", "r1", "--port", "0"]
+    sidecar = ["sidecar", "--board", files["board"], "--run", "r1", "--port", "0",
+               "--engine", "vllm", "--engine-url", "http://127.0.0.1:9"]
     cases = [
         (relay + ["--tls-cert", files["missing"], "--tls-key", files["missing"]], "no such"),
         (relay + ["--tls-cert", files["junk.pem"], "--tls-key", files["junk.pem"]], "TLS"),

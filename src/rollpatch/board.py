@@ -36,6 +36,7 @@ from .errors import (
     NoPathError,
     NotFoundError,
     VersionNotFoundError,
+    ViewError,
 )
 from .latest import MAX_POINTER_BYTES, encode_latest, read_latest
 from .manifest import MAX_ENVELOPE_BYTES, MAX_MANIFEST_DEPTH, Manifest, open_manifest
@@ -51,6 +52,7 @@ from .trust import (
     verify_initial_root,
 )
 from .types import MAX_VERSION, ObjectRef, Pointer, check_run, pointer_may_advance
+from .view import View
 
 __all__ = ["MAX_POINTER_BYTES", "Board", "Plan", "PlanStep", "pointer_key", "root_key",
            "version_key"]
@@ -212,6 +214,32 @@ class Board:
                                 got_bytes=len(data))
         return data
 
+    def fetch_view(self, ref: ObjectRef, *, chunk_bytes: int | None = None) -> View:
+        """A safetensors object (a keyframe shard) read tensor by tensor through ranged reads:
+        memory is the view plus one chunk. Size and BLAKE3 are checked over every byte before
+        the view is returned (ManifestError if corrupt); nothing of it is usable before."""
+        from .io.safetensors import STREAM_CHUNK_BYTES, read_view_ranges
+
+        info = self.store.head(ref.key)
+        if info is None:
+            raise NotFoundError("object not found", key=ref.key, store=self.store.uri)
+        if info.size != ref.size:
+            raise ManifestError("object does not match its manifest entry (corrupt or "
+                                "truncated)", key=ref.key, expected_bytes=ref.size,
+                                got_bytes=info.size)
+        h = blake3.blake3()
+        try:
+            view = read_view_ranges(lambda a, b: self.store.get_range(ref.key, a, b), ref.size,
+                                    on_bytes=h.update,
+                                    chunk_bytes=chunk_bytes or STREAM_CHUNK_BYTES)
+        except ViewError as e:
+            raise ManifestError(f"object is not a valid keyframe: {e.message}", key=ref.key,
+                                hint="the stored copy is corrupt: republish it") from e
+        if h.hexdigest() != ref.b3:
+            raise ManifestError("object does not match its manifest entry (corrupt or "
+                                "truncated)", key=ref.key, expected_bytes=ref.size)
+        return view
+
     # -- writing (publisher side) ------------------------------------------------------------
 
     def put_object(self, run: str, data: bytes, suffix: str) -> ObjectRef:
@@ -223,6 +251,26 @@ class Board:
         except AlreadyExistsError:
             info = self.store.head(ref.key)
             if info is None or info.size != len(data):
+                raise
+        return ref
+
+    def put_view_object(self, run: str, view: View) -> ObjectRef:
+        """Store ``view`` as a content-addressed safetensors object (a keyframe shard),
+        streamed: hashed in one pass over the tensors, uploaded in a second (multipart on S3);
+        never serialized whole in memory. Idempotent like :meth:`put_object`."""
+        from .io.safetensors import view_chunks
+
+        size, pieces = view_chunks(view)
+        h = blake3.blake3()
+        for p in pieces():
+            h.update(p)
+        b3 = h.hexdigest()
+        ref = ObjectRef(f"{_run_prefix(run)}objects/{b3}.safetensors", size, b3)
+        try:
+            self.store.put_stream(ref.key, pieces(), size=size)
+        except AlreadyExistsError:
+            info = self.store.head(ref.key)
+            if info is None or info.size != size:
                 raise
         return ref
 

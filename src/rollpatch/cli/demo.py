@@ -29,7 +29,7 @@ LATEST, catch-up, verified bytes) and reported in OUT/summary.json with plots.
 
 --codec-only: the older codec walk-through on simulated AdamW steps (no processes)."""
 _RL_STEPS, _CODEC_STEPS = 50, 4
-_RL_LR, _CODEC_LR = 2e-4, 3e-6
+_RL_LR, _CODEC_LR = {"fast": 2e-4, "real": 1.5e-6}, 3e-6
 
 
 def register(sub: Any) -> None:
@@ -58,8 +58,14 @@ def register(sub: Any) -> None:
                    help="--engine vllm: three comma-separated OpenAI base URLs (local,eu,us)")
     p.add_argument("--prompts-per-step", type=int, default=16, help="GRPO groups per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
-    p.add_argument("--lr", type=float, help=f"learning rate (default {_RL_LR:g}; "
-                                            f"--codec-only: {_CODEC_LR:g})")
+    p.add_argument("--regime", choices=("fast", "real"), default="fast",
+                   help="fast: format warm-up only, high learning rate, reward climbs within "
+                        "~50 steps, ~50%% of the BF16 values change per step; real: an "
+                        "unpublished supervised warm-up, then RL at a post-training learning "
+                        "rate (a few %% change per step; the reward moves slowly: docs/demo.md)")
+    p.add_argument("--lr", type=float,
+                   help=f"learning rate (default fast {_RL_LR['fast']:g}, real "
+                        f"{_RL_LR['real']:g}; --codec-only: {_CODEC_LR:g})")
     p.add_argument("--hidden", type=int, default=128, help="tiny model hidden size")
     p.add_argument("--verify-samples", type=int, default=0,
                    help="rollouts to re-generate for the label check (0: all)")
@@ -86,7 +92,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         engine=args.engine,
         engine_urls=tuple(u.strip() for u in args.engine_urls.split(",") if u.strip()),
         prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-        lr=args.lr if args.lr is not None else _RL_LR, hidden=args.hidden,
+        regime=args.regime, lr=args.lr if args.lr is not None else _RL_LR[args.regime],
+        hidden=args.hidden,
         verify_samples=args.verify_samples, sign=not args.no_sign)
     try:
         run_demo(cfg)

@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
 
-__all__ = ["ISLANDS", "RUN", "DemoConfig"]
+__all__ = ["ISLANDS", "RUN", "DemoConfig", "Regime"]
+
+#: The RL phase's regime (docs/demo.md): ``fast``, a policy that only learned the answer
+#: format, trained at a high learning rate so the reward climbs within ~50 steps (each step
+#: changes ~50% of the served BF16 values); ``real``, the learning rate of RL post-training
+#: on a policy warmed up by an unpublished supervised phase (a few % change per step).
+Regime = Literal["fast", "real"]
 
 #: The run name on the demo's board.
 RUN = "demo"
@@ -62,7 +68,10 @@ class DemoConfig:
     #: Prompts per step (GRPO groups) and samples per prompt (the group size G).
     prompts_per_step: int = 16
     group_size: int = 8
-    #: AdamW learning rate (see docs/demo.md: far above RL post-training rates, on purpose).
+    #: Regime of the RL phase (see :data:`Regime`); decides the warm-up.
+    regime: Regime = "fast"
+    #: AdamW learning rate of the RL phase (fast: 2e-4, far above RL post-training rates on
+    #: purpose; real: 1.5e-6; see docs/demo.md).
     lr: float = 2e-4
     #: PPO/GRPO ratio clip epsilon.
     clip: float = 0.2
@@ -110,6 +119,9 @@ class DemoConfig:
                               field="format", hint="use --engine vllm for quantised formats")
         _int("prompts_per_step", self.prompts_per_step, 1, 4096)
         _int("group_size", self.group_size, 2, 256)
+        if self.regime not in get_args(Regime):
+            raise ConfigError("DemoConfig.regime must be fast or real", field="regime",
+                              value=self.regime)
         _num("lr", self.lr, 0.0, 1.0, lo_open=True)
         _num("clip", self.clip, 0.0, 1.0, lo_open=True)
         _int("hidden", self.hidden, 16, 4096)

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from .monitor import Monitor
 
-__all__ = ["LiveView", "fmt_bytes", "sparkline", "status_block", "step_line"]
+__all__ = ["LiveView", "density", "fmt_bytes", "sparkline", "status_block", "step_line"]
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -40,6 +40,19 @@ def sparkline(values: list[float], width: int = 25) -> str:
     return "".join(_BARS[min(max(int(v * len(_BARS)), 0), len(_BARS) - 1)] for v in values)
 
 
+def density(m: Monitor) -> str:
+    """``v7 changed 1.9% patch 0.8%`` for the newest published step: the share of served
+    values it changed, and its patch's size as a share of the full view."""
+    with m.lock:
+        v = max((v for v in m.published if v >= 1), default=None)
+        pub = None if v is None else m.published[v]
+        n, full = m.ready.get("n_elements"), m.ready.get("full_view_bytes")
+    if pub is None or not n or not full:
+        return "changed -  patch -"
+    return (f"v{v} changed {100 * pub['changed'] / n:.1f}% "
+            f"patch {100 * pub['patch_bytes'] / full:.1f}%")
+
+
 def status_block(m: Monitor) -> list[str]:
     """The lines of the live view."""
     cfg = m.cfg
@@ -63,7 +76,7 @@ def status_block(m: Monitor) -> list[str]:
         (f"rollpatch demo · async GRPO over 3 islands · WAN EMULATED on this machine: "
          f"{cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms RTT"),
         (f"trainer  step {last.get('step', 0):>3}/{cfg.steps}  reward {reward}  "
-         f"{sparkline([s['reward'] for s in steps])}"),
+         f"{sparkline([s['reward'] for s in steps])}  {density(m)}"),
         (f"         LATEST v{latest if latest is not None else '-'}   rollouts used {lags}   "
          f"dropped (lag>{cfg.max_lag}) {dropped}"),
         (f"{'island':<7} {'reads from':<26} {'serving':>7} {'lag':>4} {'fetched':>9} "
@@ -92,7 +105,7 @@ def status_block(m: Monitor) -> list[str]:
 def step_line(m: Monitor, step: dict[str, Any]) -> str:
     """One plain log line for a finished step."""
     parts = [f"step {step['step']:>3}/{m.cfg.steps}", f"reward {float(step['reward']):.3f}",
-             f"LATEST v{step['version']}"]
+             density(m), f"LATEST v{step['version']}"]
     for isl in m.islands.values():
         parts.append(f"{isl.name} v{isl.served if isl.served is not None else '-'}")
     return "  ".join(parts)

@@ -188,26 +188,40 @@ def write_plots(r: dict[str, Any], m: Monitor, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, (ax, dens) = plt.subplots(2, 1, figsize=(6, 5.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 2]})
     ax.plot(range(1, len(r["reward_curve"]) + 1), r["reward_curve"], marker=".")
     ax.axhline(0.1, ls=":", c="gray", label="chance (10%)")
-    ax.set(xlabel="step", ylabel="mean reward of the batch", ylim=(0, 1),
+    ax.set(ylabel="mean reward of the batch", ylim=(0, 1),
            title="GRPO reward (1+d → units digit)")
     ax.legend()
+    n, full = r["model"].get("served_elements"), r["model"]["full_view_bytes"]
+    vs = [p for p in r["versions"] if p["version"] >= 1]
+    if n and full and vs:  # version n is published after step n
+        dens.plot([p["version"] for p in vs], [100 * p["changed"] / n for p in vs], marker=".",
+                  label="BF16 values changed")
+        dens.plot([p["version"] for p in vs], [100 * p["patch_bytes"] / full for p in vs],
+                  marker="s", ms=3, label="patch size / full view")
+    dens.set(xlabel="step (= version published after it)", ylabel="% per step", ylim=(0, None))
+    dens.legend(fontsize=7)
     paths.append(_save(fig, out / "reward.png"))
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 6))
-    for isl in m.islands.values():
+    # islands usually serve the same versions: offset each line a little so all stay visible
+    styles = [("-", "o", -0.15), ("--", "s", 0.0), (":", "^", 0.15)]
+    for i, isl in enumerate(m.islands.values()):
+        ls, mk, dy = styles[i % len(styles)]
         pts = [(t - m.t0, v) for v, t, _ in isl.commits]
-        top.step([t for t, _ in pts], [v for _, v in pts], where="post",
-                 label=f"{isl.name} ({isl.link})")
+        top.step([t for t, _ in pts], [v + dy for _, v in pts], where="post", ls=ls, lw=1.5,
+                 label=f"{isl.name} ({isl.link}){f', {dy:+.2f}' if dy else ''}")
         ttv = [(p["version"], p["time_to_version"][isl.name]["seconds"]) for p in r["versions"]
                if p["version"] >= 1 and isl.name in p["time_to_version"]]
-        bottom.plot([v for v, _ in ttv], [s for _, s in ttv], marker=".", label=isl.name)
+        bottom.plot([v for v, _ in ttv], [s for _, s in ttv], ls=ls, marker=mk, ms=4,
+                    label=isl.name)
     pub = sorted((p["t_latest"], p["version"]) for p in r["versions"])
     top.step([t for t, _ in pub], [v for _, v in pub], where="post", c="k", ls="--", lw=1,
              label="LATEST")
-    top.set(xlabel="seconds since start", ylabel="version served",
+    top.set(xlabel="seconds since start", ylabel="version served (lines offset ±0.15)",
             title="each island's version over time")
     top.legend(fontsize=7)
     bottom.set(xlabel="version", ylabel="seconds", ylim=(0, None),
@@ -217,9 +231,12 @@ def write_plots(r: dict[str, Any], m: Monitor, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     vs = [p for p in r["versions"] if p["version"] >= 1]
-    ax.bar([p["version"] for p in vs], [p["patch_bytes"] for p in vs], label="patch")
-    ax.axhline(r["model"]["full_view_bytes"], c="r", ls="--", label="full view (checkpoint)")
-    ax.set(xlabel="version", ylabel="bytes", title="bytes per version vs a full checkpoint")
+    ax.bar([p["version"] for p in vs], [p["patch_bytes"] / 1e3 for p in vs], label="patch")
+    ax.axhline(r["model"]["full_view_bytes"] / 1e3, c="r", ls="--",
+               label="full view (checkpoint)")
+    ax.set_yscale("log")  # real-regime patches are ~1% of the view: keep both readable
+    ax.set(xlabel="version", ylabel="kB per version (10³ bytes, log scale)",
+           title="bytes per version vs a full checkpoint")
     ax.legend()
     paths.append(_save(fig, out / "bytes.png"))
     return paths

@@ -41,6 +41,18 @@ class DemoFailed(RollpatchError):
     """The demo ran, but an invariant failed (details in the report)."""
 
 
+#: What each regime is, said at the start of every run (docs/demo.md).
+_REGIMES = {
+    "fast": ("regime fast (lr {lr:g}): a from-scratch policy that only learned the answer "
+             "format, at a learning rate ~100x RL post-training's, so the reward climbs within "
+             "a few minutes; the price is dense steps (~50% of the BF16 values change, patches "
+             "~16% of the view). --regime real shows post-training density."),
+    "real": ("regime real (lr {lr:g}): RL at a post-training learning rate on a policy "
+             "warmed up by an unpublished supervised phase: a few % of the BF16 values change "
+             "per step and patches are a few % of the view; on this 0.4M-parameter model the "
+             "reward moves slowly (real models are far wider). --regime fast climbs quickly."),
+}
+
 def _interrupt(_: int, __: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -82,7 +94,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         for _ in regions:
             ev = procs.wait_for("relays", "listening", _SETUP_TIMEOUT_S)
             monitor.relay(ev["relay"]).url = ev["url"]
-        view.say("making the tiny model, warming up its answer format, publishing v0 ...")
+        view.say(_REGIMES[cfg.regime].format(lr=cfg.lr))
+        view.say("making the tiny model, warming it up (unpublished), publishing v0 ...")
         ready = procs.wait_for("trainer", "ready", _SETUP_TIMEOUT_S, monitor.on_event)
         monitor.on_event("trainer", ready)
         view.say(f"model: {ready['params']:,} parameters, served view "
@@ -100,6 +113,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         t_catch = time.monotonic()
         _catch_up(cfg, procs, monitor, view)
         timings["catchup_s"] = time.monotonic() - t_catch
+        if cfg.engine == "reference" and monitor.verified is None:
+            n = (monitor.trained or {}).get("rollouts", 0)
+            check = "all" if cfg.verify_samples == 0 else f"{cfg.verify_samples} of the"
+            view.say(f"verifying: re-generating {check} {n} rollouts, each under the version "
+                     "it was labelled with, on one CPU thread (a minute or so) ...")
         _pump_until(procs, monitor, view, lambda: monitor.verified is not None)
         timings["verify_s"] = float(monitor.verified.get("verify_s", 0.0)) \
             if monitor.verified else 0.0

@@ -29,6 +29,7 @@ from ..errors import (
 from ..manifest import Manifest
 from ..trust import Trust, warn_unverified
 from ..types import ObjectRef, check_run
+from ..view import View
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
@@ -248,7 +249,9 @@ class Follower:
                      for n in (s.to, s.base) if n is not None}
         self._set(FollowerState.FETCHING)
         t0 = time.monotonic()
-        blobs = fetch_objects(self.board, (r for s in plan.steps for r in s.objects),
+        # keyframe objects are streamed while staging (tensor by tensor), not fetched whole
+        blobs = fetch_objects(self.board, (r for s in plan.steps if not s.is_keyframe
+                                           for r in s.objects),
                               self._retrier, self._on_fetched)
         self._timing("fetch", t0)
         self._set(FollowerState.STAGING)
@@ -264,7 +267,7 @@ class Follower:
             stage = Stage(self.engine.words() if have is not None else None)
             for step in plan.steps:
                 if step.base is None:
-                    stage.keyframe(manifests[step.to], blobs)
+                    stage.keyframe(manifests[step.to], self._fetch_view)
                 else:
                     stage.step(manifests[step.to], manifests[step.base], blobs)
             if stage.patch is not None:
@@ -403,6 +406,12 @@ class Follower:
     def _timing(self, what: str, t0: float) -> None:
         with self._cond:
             self._timings[what] = time.monotonic() - t0
+
+    def _fetch_view(self, ref: ObjectRef) -> View:
+        """A keyframe shard read tensor by tensor (each ranged read retried), verified."""
+        view = self._reader.fetch_view(ref)
+        self._on_fetched(ref)
+        return view
 
     def _on_fetched(self, ref: ObjectRef) -> None:
         with self._cond:

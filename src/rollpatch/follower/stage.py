@@ -22,7 +22,7 @@ then verifies the whole base before writing and the whole target after.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 from ..errors import BaseMismatchError, ManifestError, NoPathError, VerificationError
 from ..io import view_from_bytes
@@ -30,20 +30,24 @@ from ..manifest import Manifest, PatchObject
 from ..patch import Patch, apply, compose, decode, inspect
 from ..patch.model import TensorPatch
 from ..patch.overlay import Overlay
+from ..types import ObjectRef
 from ..view import Tensor, View, WordSource
 
 __all__ = ["Stage", "decode_step", "encoded_step", "keyframe_view"]
 
 
-def keyframe_view(m: Manifest, blobs: MutableMapping[str, bytes]) -> View:
+def keyframe_view(m: Manifest, source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]
+                  ) -> View:
     """Merge the keyframe shards of ``m`` into one view whose root digest is ``m.target``.
 
-    Each blob is released once parsed (a keyframe is the one place staging holds a model).
+    ``source``: fetched blobs (each released once parsed), or a function that reads one shard
+    as a verified view (``Board.fetch_view``: tensor by tensor, the view plus one chunk).
     """
     tensors: dict[str, Tensor] = {}
     meta: dict[str, str] = {}
     for k in sorted(m.keyframes, key=lambda k: k.shard):
-        part = view_from_bytes(blobs.pop(k.ref.key))
+        part = (source(k.ref) if callable(source)
+                else view_from_bytes(source.pop(k.ref.key)))
         meta.update(part.metadata)
         overlap = tensors.keys() & part.keys()
         if overlap:
@@ -137,9 +141,11 @@ class Stage:
         self.patch: Patch | None = None
         self.copied_bytes = 0
 
-    def keyframe(self, m: Manifest, blobs: MutableMapping[str, bytes]) -> None:
-        """Boot from the keyframe of ``m``; earlier staged steps are discarded."""
-        self.view = keyframe_view(m, blobs)
+    def keyframe(self, m: Manifest,
+                 source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]) -> None:
+        """Boot from the keyframe of ``m`` (``source``: see :func:`keyframe_view`); earlier
+        staged steps are discarded."""
+        self.view = keyframe_view(m, source)
         self.patch = None
 
     def step(self, m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes]) -> None:

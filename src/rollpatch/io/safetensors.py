@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,9 +27,12 @@ from ..view import Tensor, View
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "STREAM_CHUNK_BYTES",
     "load_view",
     "read_header",
+    "read_view_ranges",
     "save_view",
+    "view_chunks",
     "view_from_bytes",
     "view_to_bytes",
 ]
@@ -39,6 +43,8 @@ _MAX_DIMS = 16
 #: header → entry → shape list: 3 levels; the spec allows no deeper structure.
 _MAX_DEPTH = 8
 _KINDS_KEY = "rollpatch.kinds"
+#: Largest single read of :func:`read_view_ranges` (a tensor is read in pieces of this size).
+STREAM_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def read_header(f: BinaryIO, file_size: int) -> tuple[dict[str, Any], int]:
@@ -111,23 +117,79 @@ def _kinds_from_metadata(meta: dict[str, Any]) -> dict[str, str]:
     return kinds
 
 
-def _build(header: dict[str, Any], data: np.ndarray | memoryview | bytes,
-           data_len: int, copy: bool) -> View:
+def _metadata(header: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """(view metadata, rollpatch kinds by tensor) of a parsed header."""
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ViewError("__metadata__ must map strings to strings")
-    kinds = _kinds_from_metadata(meta)
+    return {k: v for k, v in meta.items() if k != _KINDS_KEY}, _kinds_from_metadata(meta)
+
+
+def _kind(kinds: dict[str, str], name: str, dtype: str) -> Any:
+    kind = get_kind(kinds[name]) if name in kinds else kind_for_dtype(dtype)
+    if kind.dtype != dtype:
+        raise ViewError("kind does not match dtype", tensor=name, kind=kind.name, dtype=dtype)
+    return kind
+
+
+def _build(header: dict[str, Any], data: np.ndarray | memoryview | bytes,
+           data_len: int, copy: bool) -> View:
+    view_meta, kinds = _metadata(header)
     buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
     tensors = {}
     for name, dtype, shape, begin, end in _entries(header, data_len):
-        kind = get_kind(kinds[name]) if name in kinds else kind_for_dtype(dtype)
-        if kind.dtype != dtype:
-            raise ViewError("kind does not match dtype", tensor=name, kind=kind.name,
-                            dtype=dtype)
+        kind = _kind(kinds, name, dtype)
         words = buf[begin:end]
         words = words.copy() if copy else words
         tensors[name] = Tensor(kind, shape, words.view(kind.word_dtype))
-    view_meta = {k: v for k, v in meta.items() if k != _KINDS_KEY}
+    return View(tensors, view_meta)
+
+
+def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
+                     on_bytes: Callable[[bytes], object] | None = None,
+                     chunk_bytes: int = STREAM_CHUNK_BYTES) -> View:
+    """Read a safetensors object of ``size`` bytes through ranged reads.
+
+    ``read(start, end)`` returns bytes ``[start, end)``. The header is validated before any
+    tensor is allocated; then the data section is read front to back in windows of at most
+    ``chunk_bytes`` (small tensors share a read, large ones take several), each copied into
+    its tensors' words: memory is the view plus one window, never a second copy. Every byte
+    of the object, in order, is passed to ``on_bytes`` (e.g. a running hash that the caller
+    checks before using the view).
+    """
+    feed = on_bytes or (lambda _b: None)
+    chunk_bytes = max(int(chunk_bytes), 1)
+
+    def take(start: int, end: int) -> bytes:
+        got = read(start, end)
+        if len(got) != end - start:
+            raise ViewError("short read while streaming a safetensors object", start=start,
+                            end=end, got=len(got))
+        feed(got)
+        return got
+
+    n = _header_len(take(0, 8) if size >= 8 else b"", size)
+    header = _parse_json(take(8, 8 + n))
+    start, data_len = 8 + n, size - 8 - n
+    view_meta, kinds = _metadata(header)
+    entries = _entries(header, data_len)
+    words = {name: np.empty(end - begin, dtype=np.uint8)
+             for name, _, _, begin, end in entries}
+    k = 0
+    for a in range(0, data_len, chunk_bytes):
+        b = min(a + chunk_bytes, data_len)
+        window = np.frombuffer(take(start + a, start + b), dtype=np.uint8)
+        while k < len(entries) and entries[k][4] <= a:
+            k += 1
+        for name, _, _, begin, end in entries[k:]:
+            if begin >= b:
+                break
+            lo, hi = max(begin, a), min(end, b)
+            words[name][lo - begin:hi - begin] = window[lo - a:hi - a]
+    tensors = {}
+    for name, dtype, shape, _, _ in entries:
+        kind = _kind(kinds, name, dtype)
+        tensors[name] = Tensor(kind, shape, words.pop(name).view(kind.word_dtype))
     return View(tensors, view_meta)
 
 
@@ -176,6 +238,23 @@ def _header_bytes(view: View, metadata: dict[str, str] | None) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
+def view_chunks(view: View, metadata: dict[str, str] | None = None
+                ) -> tuple[int, Callable[[], Iterator[memoryview]]]:
+    """The safetensors serialization of ``view`` as (size, a function that yields its pieces
+    in order: the header, then each tensor's words without a copy). Call the function once per
+    pass (e.g. hash, then upload); nothing but the header is allocated."""
+    head = _header_bytes(view, metadata)
+    names = sorted(view)
+    size = len(head) + sum(view[n].nbytes for n in names)
+
+    def pieces() -> Iterator[memoryview]:
+        yield memoryview(head)
+        for name in names:
+            yield memoryview(np.ascontiguousarray(view[name].data)).cast("B")  # type: ignore[arg-type]
+
+    return size, pieces
+
+
 def save_view(view: View, path: str | os.PathLike[str],
               metadata: dict[str, str] | None = None) -> None:
     """Write a view as safetensors, atomically (temp file, fsync, rename)."""
@@ -183,8 +262,7 @@ def save_view(view: View, path: str | os.PathLike[str],
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(_header_bytes(view, metadata))
-            f.writelines(memoryview(view[name].data).cast("B") for name in sorted(view))  # type: ignore[arg-type]
+            f.writelines(view_chunks(view, metadata)[1]())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -17,7 +17,6 @@ from .. import native
 from ..board import Board
 from ..errors import BoardError, PatchError
 from ..formats import cast_view
-from ..io import view_to_bytes
 from ..manifest import KeyframeObject, Manifest, PatchObject
 from ..patch import Patch, compose, diff, encode, encode_views, inspect
 from ..patch.ops import scatter
@@ -115,10 +114,13 @@ class ShardPipeline:
             skip_blob = self._skip_blob(composed, view, skip_base, version)
             if skip_blob is not None:
                 blobs.append((skip_base, "rpatch", skip_blob))
-        if keyframe:
-            blobs.append((None, "safetensors", view_to_bytes(view)))
         res.timings["encode_s"] = _lap(t)
         self._upload(res, blobs)
+        if keyframe:  # streamed tensor by tensor: never serialized whole in memory
+            t = time.perf_counter()
+            res.keyframe = self.board.put_view_object(self.run, view)
+            res.bytes += res.keyframe.size
+            res.timings["upload_s"] += _lap(t)
         return res
 
     def _upload(self, res: ShardResult, blobs: list[tuple[int | None, str, bytes]]) -> None:

@@ -61,7 +61,7 @@ def load_keyframe(board: Board, m: Manifest) -> View:
     """The view in ``m``'s keyframe objects (one per shard, merged), checked against its target."""
     if not m.keyframes:
         raise ManifestError("version has no keyframe", run=m.run, version=m.version)
-    return keyframe_view(m, {k.ref.key: board.fetch(k.ref) for k in m.keyframes})
+    return keyframe_view(m, board.fetch_view)  # streamed: the view plus one chunk
 
 
 def merge_shard_patches(board: Board, m: Manifest, base: int, view: View) -> Patch:

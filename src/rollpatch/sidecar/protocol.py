@@ -4,7 +4,9 @@ Request: body field ``"rollpatch": {"min_version", "exact_version", "max_lag", "
 headers ``X-Rollpatch-Min-Version``, ``-Exact-Version``, ``-Max-Lag``, ``-Wait-S`` (the body
 wins field by field). The field is stripped before the request reaches the engine.
 Response: body field ``"rollpatch": {"version_start", "version_end"}`` (the final chunk of a
-stream) and headers ``X-Rollpatch-Version-Start`` / ``-End``.
+stream) and headers ``X-Rollpatch-Version-Start`` / ``-End``; an MoE engine's ``spans`` (the
+version of each run of ``routed_experts`` rows) are kept when its versions are trusted, and
+``routed_experts`` itself passes through unaltered.
 """
 
 from __future__ import annotations
@@ -90,12 +92,18 @@ def annotate_body(raw: bytes, start: int | None, end: int | None) -> bytes:
     return json.dumps(body).encode()
 
 
-def _merge(engine: Any, start: int | None, end: int | None) -> dict[str, int | None]:
+def _merge(engine: Any, start: int | None, end: int | None) -> dict[str, Any]:
     if isinstance(engine, dict):
         s, e = engine.get("version_start"), engine.get("version_end")
         if isinstance(s, int) and isinstance(e, int) and start is not None and end is not None \
                 and start <= s <= e <= end:
-            return _versions(s, e)
+            out: dict[str, Any] = _versions(s, e)
+            spans = engine.get("spans")  # which version routed which routed_experts rows
+            if isinstance(spans, list) and all(
+                    isinstance(x, dict) and isinstance(x.get("version"), int)
+                    and s <= x["version"] <= e for x in spans):
+                out["spans"] = spans
+            return out
     return _versions(start, end)
 
 

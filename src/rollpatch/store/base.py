@@ -9,6 +9,7 @@ backend implements, so the key and range rules cannot drift between backends.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -165,6 +166,20 @@ class Store(ABC):
         self._require_writable("put", key)
         self._put(key, memoryview(data).cast("B"), if_absent=if_absent)
 
+    def put_stream(self, key: str, chunks: Iterable[BytesLike], *, size: int,
+                   if_absent: bool = True) -> None:
+        """Store the concatenation of ``chunks`` (exactly ``size`` bytes) like :meth:`put`,
+        without holding it whole where the backend can stream: ``file://`` keeps one chunk,
+        ``s3://`` a few parts (multipart upload); other backends join the chunks.
+
+        A total other than ``size`` is a :class:`ConfigError` and stores nothing.
+        """
+        validate_key(key)
+        self._require_writable("put", key)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ConfigError("put_stream size must be an int >= 0", key=key, size=size)
+        self._put_stream(key, _exactly(chunks, size, key), size=size, if_absent=if_absent)
+
     def list(self, prefix: str = "") -> Keys:
         """Return the sorted keys that start with ``prefix`` (a string prefix, not a folder)."""
         return self._list(validate_prefix(prefix))
@@ -229,3 +244,26 @@ class Store(ABC):
 
     @abstractmethod
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None: ...
+
+    def _put_stream(self, key: str, chunks: Iterator[memoryview], *, size: int,
+                    if_absent: bool) -> None:
+        """Default: join, then ``_put`` (backends that can stream override this)."""
+        buf = bytearray()
+        for c in chunks:
+            buf += c
+        self._put(key, memoryview(buf), if_absent=if_absent)
+
+
+def _exactly(chunks: Iterable[BytesLike], size: int, key: str) -> Iterator[memoryview]:
+    """The chunks as byte memoryviews; ConfigError (before the last one is consumed, so the
+    backend never commits) when they do not add up to ``size``."""
+    seen = 0
+    for c in chunks:
+        mv = memoryview(c).cast("B")
+        seen += len(mv)
+        if seen > size:
+            raise ConfigError("put_stream got more bytes than its size", key=key, size=size)
+        yield mv
+    if seen != size:
+        raise ConfigError("put_stream got fewer bytes than its size", key=key, size=size,
+                          got=seen)

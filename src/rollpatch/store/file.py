@@ -194,9 +194,13 @@ class FileStore(Store):
     # -- writes -------------------------------------------------------------------------------
 
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        self._put_stream(key, iter((data,)), size=len(data), if_absent=if_absent)
+
+    def _put_stream(self, key: str, chunks: Iterator[memoryview], *, size: int,
+                    if_absent: bool) -> None:
         with _os_errors("put", key, self.uri):
             final = self._path(key)
-            tmp = self._write_temp(key, data)
+            tmp = self._write_temp(key, chunks)
             try:
                 if if_absent:
                     self._link_into_place(key, tmp, final, AlreadyExistsError)
@@ -233,7 +237,7 @@ class FileStore(Store):
                                         "expected one", key=key, store=self.uri,
                                         absent=current is None,
                                         hint="re-read the pointer and retry")
-                tmp = self._write_temp(key, memoryview(data))
+                tmp = self._write_temp(key, iter((memoryview(data),)))
                 try:
                     if expected is None:
                         self._link_into_place(key, tmp, final, ConflictError)
@@ -243,15 +247,15 @@ class FileStore(Store):
                     _unlink_quietly(tmp)
                 self._sync_dir(final.parent)
 
-    def _write_temp(self, key: str, data: memoryview) -> Path:
+    def _write_temp(self, key: str, chunks: Iterator[memoryview]) -> Path:
         folder = self._path(key).parent
         self._make_dirs(key, folder)
         tmp = folder / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = data
-            while view:
-                view = view[os.write(fd, view):]
+            for view in chunks:
+                while view:
+                    view = view[os.write(fd, view):]
             if self.fsync:
                 os.fsync(fd)
         except BaseException:

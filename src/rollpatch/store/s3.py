@@ -20,7 +20,7 @@ import contextlib
 import re
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import boto3
@@ -257,6 +257,63 @@ class S3Store(Store):
                     Bucket=bucket, Key=k, UploadId=upload_id, MultipartUpload={"Parts": parts},
                     **({"IfNoneMatch": "*"} if if_absent else {}))
         except BaseException:
+            with contextlib.suppress(ClientError, BotoCoreError):
+                self._client.abort_multipart_upload(Bucket=bucket, Key=k, UploadId=upload_id)
+            raise
+
+    def _put_stream(self, key: str, chunks: Iterator[memoryview], *, size: int,
+                    if_absent: bool) -> None:
+        """Multipart upload fed part by part: at most ``max_workers + 1`` parts in memory."""
+        part = self.config.part_size
+        if size <= self.config.multipart_threshold:
+            super()._put_stream(key, chunks, size=size, if_absent=if_absent)
+            return
+        if -(-size // part) > _MAX_PARTS:
+            raise ConfigError("object needs more than 10000 parts", key=key, size=size,
+                              part_size=part, hint="raise part_size")
+        if if_absent and self._head(key) is not None:  # cheap early refusal; not the guard
+            raise AlreadyExistsError("object exists and published objects are immutable",
+                                     key=key, store=self.uri)
+        bucket, k = self.config.bucket, self._k(key)
+        with self._calling("put", key):
+            upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]
+
+        def upload(i: int, body: bytes) -> dict[str, Any]:
+            with self._calling("put", key):
+                r = self._client.upload_part(Bucket=bucket, Key=k, UploadId=upload_id,
+                                             PartNumber=i + 1, Body=body)
+            return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+        pending: list[Future[dict[str, Any]]] = []
+        parts: list[dict[str, Any]] = []
+
+        def submit(body: bytes) -> None:
+            pending.append(self._executor().submit(upload, len(parts) + len(pending), body))
+            while len(pending) > self.config.max_workers:
+                parts.append(pending.pop(0).result())
+
+        try:
+            buf = bytearray()
+            for c in chunks:
+                off = 0
+                while off < len(c):
+                    take = c[off:off + part - len(buf)]
+                    buf += take
+                    off += len(take)
+                    if len(buf) == part:
+                        submit(bytes(buf))
+                        buf = bytearray()
+            if buf:
+                submit(bytes(buf))
+            parts += [f.result() for f in pending]
+            with self._calling("put", key, on_precondition=AlreadyExistsError,
+                               on_conflict=TransientStoreError):
+                self._client.complete_multipart_upload(
+                    Bucket=bucket, Key=k, UploadId=upload_id, MultipartUpload={"Parts": parts},
+                    **({"IfNoneMatch": "*"} if if_absent else {}))
+        except BaseException:
+            for f in pending:
+                f.cancel()
             with contextlib.suppress(ClientError, BotoCoreError):
                 self._client.abort_multipart_upload(Bucket=bucket, Key=k, UploadId=upload_id)
             raise

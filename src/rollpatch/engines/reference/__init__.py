@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .adapter import ReferenceEngine
-    from .model import make_tiny_model, make_tokenizer
+    from .model import make_tiny_model, make_tiny_moe_model, make_tokenizer
     from .runtime import Generation, ReferenceRuntime, Step, bind_view
     from .server import ServerHandle, create_app, serve
 
@@ -30,6 +30,7 @@ __all__ = [
     "bind_view",
     "create_app",
     "make_tiny_model",
+    "make_tiny_moe_model",
     "make_tokenizer",
     "serve",
 ]
@@ -37,6 +38,7 @@ __all__ = [
 _WHERE = {
     "ReferenceEngine": "adapter",
     "make_tiny_model": "model",
+    "make_tiny_moe_model": "model",
     "make_tokenizer": "model",
     "Generation": "runtime",
     "ReferenceRuntime": "runtime",

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ...errors import ConfigError
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "make_tiny_model", "make_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "make_tiny_model", "make_tiny_moe_model",
+           "make_tokenizer"]
 
 #: Special tokens of the tiny tokenizer; ``<|eos|>`` also ends each chat turn.
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -105,4 +106,43 @@ def make_tiny_model(path: str | Path, *, vocab_size: int = 2048, hidden_size: in
     model = model.bfloat16()
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)  # safetensors by default
+    return out
+
+
+def make_tiny_moe_model(path: str | Path, *, vocab_size: int = 2048, hidden_size: int = 128,
+                        layers: int = 2, heads: int = 4, kv_heads: int = 2, experts: int = 8,
+                        top_k: int = 2, moe_intermediate: int = 64, seed: int = 0) -> Path:
+    """Save a random BF16 ``Qwen3MoeForCausalLM`` (every layer sparse, ``experts`` experts,
+    ``top_k`` routed per token, untied lm_head) and its tokenizer to ``path``.
+
+    The checkpoint holds one tensor per expert (``...mlp.experts.{e}.gate_proj.weight``), as
+    published Qwen3-MoE checkpoints do; vLLM and the built-in engine both load it.
+    Deterministic by ``seed``. Returns ``path``.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if hidden_size % heads or heads % kv_heads:
+        raise ConfigError("hidden_size must divide by heads and heads by kv_heads",
+                          hidden_size=hidden_size, heads=heads, kv_heads=kv_heads)
+    if not 1 <= top_k <= experts:
+        raise ConfigError("top_k must be in [1, experts]", top_k=top_k, experts=experts)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out, vocab_size=vocab_size, seed=seed)
+    tok = AutoTokenizer.from_pretrained(out)
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a Qwen3 config field
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        moe_intermediate_size=moe_intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden_size // heads,
+        num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=4096,
+        tie_word_embeddings=False, dtype="bfloat16", bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
+    model = model.bfloat16()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
     return out

@@ -20,6 +20,7 @@ __all__ = [
     "TextStream",
     "chat_logprobs",
     "completion_logprobs",
+    "encode_routed_experts",
     "error_body",
 ]
 
@@ -45,6 +46,8 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    #: vLLM's: skip the first N prompt tokens of the returned ``routed_experts`` (MoE).
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
 
     def stops(self) -> list[str]:
         """Stop strings as a list (empty strings dropped)."""
@@ -118,6 +121,19 @@ class ChatRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ConfigError("top_logprobs requires logprobs=true", field="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def encode_routed_experts(rows: Any) -> str:
+    """vLLM's wire form of ``routed_experts``: base64 of the array's ``.npy`` bytes (no
+    pickle); decode with ``np.load(io.BytesIO(base64.b64decode(s)))``."""
+    import base64
+    import io
+
+    import numpy as np
+
+    with io.BytesIO() as buf:
+        np.save(buf, rows, allow_pickle=False)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

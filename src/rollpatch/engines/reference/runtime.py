@@ -15,7 +15,7 @@ import secrets
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,11 @@ def bind_view(model: torch.nn.Module) -> View:
 
     Non-persistent buffers (rotary tables) are not in ``state_dict`` and are skipped; a tied
     alias keeps only its first (checkpoint) name so no word is reachable under two names.
+    Fused MoE expert parameters (transformers stacks them per layer) are exposed as the
+    checkpoint's per-expert tensors, each a view of its contiguous slice (:mod:`.experts`).
     """
+    from .experts import split_experts
+
     tensors: dict[str, Tensor] = {}
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
@@ -76,7 +80,11 @@ def bind_view(model: torch.nn.Module) -> View:
         if ptr in seen and t.numel():
             continue
         seen.add(ptr)
-        tensors[name] = _words_of(t, name)
+        split = split_experts(model, name, t)
+        if split is None:
+            tensors[name] = _words_of(t, name)
+        else:
+            tensors.update((n, _words_of(part, n)) for n, part in split)
     return View(tensors)
 
 
@@ -87,6 +95,9 @@ class _Progress:
     version_start: int | None = None
     version_end: int | None = None
     finish_reason: str | None = None
+    #: MoE only: each forward pass's routing ``[tokens, layers, top_k]`` and (rows, version).
+    routes: list[np.ndarray] = field(default_factory=list)
+    route_versions: list[tuple[int, int | None]] = field(default_factory=list)
 
 
 class Generation:
@@ -115,6 +126,28 @@ class Generation:
     def finish_reason(self) -> str | None:
         return self._progress.finish_reason
 
+    def routed_experts(self, prompt_start: int = 0) -> np.ndarray | None:
+        """The experts every forward pass routed each token to, as vLLM returns them:
+        ``[prompt + generated - 1 - prompt_start, layers, top_k]`` (the last token was never
+        forwarded), skipping the first ``prompt_start`` prompt tokens. None unless MoE."""
+        g = self._progress
+        if not g.routes:
+            return None
+        return np.concatenate(g.routes, axis=0)[prompt_start:]
+
+    def routed_spans(self, prompt_start: int = 0) -> list[dict[str, int | None]]:
+        """Row spans of :meth:`routed_experts` with the weight version that routed them:
+        ``[{start, end, version}]`` (one span unless a commit landed mid-generation)."""
+        from .experts import spans
+
+        out = []
+        for sp in spans(self._progress.route_versions):
+            start, end = max(0, int(sp["start"] or 0) - prompt_start), \
+                int(sp["end"] or 0) - prompt_start
+            if end > start:
+                out.append({"start": start, "end": end, "version": sp["version"]})
+        return out
+
     def __iter__(self) -> Iterator[Step]:
         return self
 
@@ -135,7 +168,8 @@ class ReferenceRuntime:
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16",
-                 threads: int | None = None, model_name: str | None = None) -> None:
+                 threads: int | None = None, model_name: str | None = None,
+                 routed_experts: bool | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in _DTYPES:
@@ -163,6 +197,15 @@ class ReferenceRuntime:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = "logits_to_keep" in params
         self.view = bind_view(self.model)
+        from .experts import RouterTap
+
+        moe = bool(getattr(self.model.config, "num_experts_per_tok", 0))
+        if routed_experts and not moe:
+            raise ConfigError("routed_experts needs a mixture-of-experts model",
+                              model_type=self.model.config.model_type)
+        #: Records each forward pass's routing (MoE models; ``routed_experts`` None = on).
+        self.router: RouterTap | None = (
+            RouterTap(self.model) if moe and routed_experts is not False else None)
         self.version: int | None = None
         self.step_hook: Callable[[int], None] | None = None
         self.tokens_generated = 0
@@ -255,8 +298,8 @@ class ReferenceRuntime:
 
     # ---- generation ----------------------------------------------------------------------
 
-    def _step(self, ids: torch.Tensor, cache: Any,
-              pick: Callable[[torch.Tensor], Step]) -> tuple[Step, Any, int | None]:
+    def _step(self, ids: torch.Tensor, cache: Any, pick: Callable[[torch.Tensor], Step]
+              ) -> tuple[Step, Any, int | None, np.ndarray | None]:
         """One token: pass the gate, forward under the lock, pick. Counts as in flight."""
         with self._cond:
             self._cond.wait_for(lambda: not self._paused)
@@ -267,12 +310,15 @@ class ReferenceRuntime:
                 kwargs: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
                 if self._keep_arg:
                     kwargs["logits_to_keep"] = 1
+                if self.router is not None:
+                    self.router.start()
                 out = self.model(input_ids=ids, **kwargs)
                 version = self.version
+                routes = self.router.take() if self.router is not None else None
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
             step = pick(out.logits[0, -1].float())
             produced = True
-            return step, cache, version
+            return step, cache, version, routes
         finally:
             with self._cond:
                 self._forwards -= 1
@@ -328,10 +374,13 @@ class ReferenceRuntime:
             try:
                 ids, cache = torch.tensor([prompt], dtype=torch.long), None
                 for i in range(max_tokens):
-                    step, cache, version = self._step(ids, cache, pick)
+                    step, cache, version, routes = self._step(ids, cache, pick)
                     if i == 0:
                         g.version_start = version
                     g.version_end = version
+                    if routes is not None:
+                        g.routes.append(routes)
+                        g.route_versions.append((len(routes), version))
                     if self.step_hook is not None:
                         self.step_hook(i)
                     done = step.token_id in stops

@@ -33,6 +33,7 @@ from .protocol import (
     TextStream,
     chat_logprobs,
     completion_logprobs,
+    encode_routed_experts,
     error_body,
 )
 from .runtime import Generation, ReferenceRuntime, Step
@@ -57,6 +58,8 @@ class _Job:
     return_ids: bool
     include_usage: bool
     model: str
+    #: MoE: return routing (``routed_experts``) from this prompt position; None = dense.
+    prompt_start: int | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     steps: list[Step] = field(default_factory=list)
@@ -86,8 +89,18 @@ class _Job:
         p, c = len(self.gen.prompt_token_ids), len(self.steps)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def versions(self) -> dict[str, int | None]:
-        return {"version_start": self.gen.version_start, "version_end": self.gen.version_end}
+    def versions(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version_start": self.gen.version_start,
+                               "version_end": self.gen.version_end}
+        if self.prompt_start is not None:  # which version routed which rows (pause mode)
+            out["spans"] = self.gen.routed_spans(self.prompt_start)
+        return out
+
+    def routing(self, choice: dict[str, Any]) -> None:
+        """Add ``routed_experts`` to a (final) choice, as vLLM does (MoE models only)."""
+        if self.prompt_start is not None:
+            rows = self.gen.routed_experts(self.prompt_start)
+            choice["routed_experts"] = None if rows is None else encode_routed_experts(rows)
 
 
 def _check_model(runtime: ReferenceRuntime, name: str | None) -> None:
@@ -115,12 +128,17 @@ def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _
         prompt = req.prompt_input()
         ids = list(tok.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         max_tokens, k = req.max_tokens if req.max_tokens is not None else 16, req.logprobs
+    start = req.routed_experts_prompt_start
+    if start > len(ids):
+        raise ConfigError("routed_experts_prompt_start must be between 0 and the prompt "
+                          "length", field="routed_experts_prompt_start", prompt_tokens=len(ids))
     gen = runtime.generate(ids, max_tokens=max_tokens, temperature=req.temperature,
                            top_p=req.top_p, seed=req.seed, logprobs=k,
                            stop=req.stop_token_ids, ignore_eos=req.ignore_eos)
     include = bool(req.stream_options and req.stream_options.include_usage)
     return _Job(isinstance(req, ChatRequest), gen, TextStream(tok, req.stops()), k,
-                req.return_token_ids, include, runtime.model_name)
+                req.return_token_ids, include, runtime.model_name,
+                start if runtime.router is not None else None)
 
 
 def _complete(job: _Job, tok: Any) -> dict[str, Any]:
@@ -144,6 +162,7 @@ def _complete(job: _Job, tok: Any) -> dict[str, Any]:
         if job.return_ids:
             choice["prompt_token_ids"] = job.gen.prompt_token_ids
             choice["token_ids"] = ids
+    job.routing(choice)
     body.update(choices=[choice], usage=job.usage(), rollpatch=job.versions())
     return body
 
@@ -206,6 +225,7 @@ def _stream(job: _Job, tok: Any) -> Iterator[str]:
             last.update(delta={"content": rest} if rest else {}, logprobs=None)
         else:
             last.update(text=rest, logprobs=None)
+        job.routing(last)  # vLLM does not stream routing; here it rides the finish chunk
         final = _chunk(job, last)
         if job.include_usage:
             yield _sse(final)

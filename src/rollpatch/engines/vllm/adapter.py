@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ... import errors
 from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
@@ -35,6 +35,9 @@ __all__ = ["TRANSPORTS", "RemoteWords", "VllmEngine"]
 #: '{"backend": "rollpatch"}'``); ``rpc``: ``/collective_rpc`` only; ``auto``: the first when
 #: the server was started with the backend, else the second.
 TRANSPORTS = ("auto", "weight-transfer", "rpc")
+#: CPU packed weights of the touched modules: built while staging and swapped in under the
+#: pause (``stage``), or re-packed inside the pause (``pause``: less memory, longer pause).
+Prepack = Literal["stage", "pause"]
 #: Worker error classes re-raised as themselves (the follower treats wrong bits specially).
 _PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
                  "CodecError", "ViewError", "VerificationError", "EngineError"}
@@ -71,15 +74,22 @@ class VllmEngine(EngineAdapter):
     ``url``: the server (``http://127.0.0.1:8000``). ``shared_dir``: a directory the server
     can read (default: a private temporary directory, so the server must run on this host).
     ``transport``: one of :data:`TRANSPORTS`. ``timeout``: seconds per HTTP call.
+    ``prepack``: see :data:`Prepack`.
     """
 
     name = "vllm"
 
     def __init__(self, url: str, *, shared_dir: str | Path | None = None,
-                 transport: str = "auto", timeout: float = 600.0) -> None:
+                 transport: str = "auto", timeout: float = 600.0,
+                 prepack: Prepack = "stage") -> None:
         if transport not in TRANSPORTS:
             raise errors.ConfigError(f"unknown transport {transport!r}",
                                      hint=f"use one of {', '.join(TRANSPORTS)}")
+        if prepack not in ("stage", "pause"):
+            raise errors.ConfigError(f"unknown prepack {prepack!r}", field="prepack",
+                                     hint="stage (faster pause, + packed copies of the touched "
+                                     "modules while staged) or pause (re-pack in the pause)")
+        self.prepack = prepack
         self.http = Http(url, timeout)
         self._own_dir = shared_dir is None
         self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-vllm-"))
@@ -187,7 +197,8 @@ class VllmEngine(EngineAdapter):
                     paths.append(str(files[-1]))
                 spec.append({"base": step.base, "target": step.target, "paths": paths})
             files.append(self._scratch("stage"))
-            files[-1].write_text(json.dumps({"token": token, "steps": spec}))
+            files[-1].write_text(json.dumps({"token": token, "steps": spec,
+                                             "prepack": self.prepack}))
             self._call("stage", str(files[-1]))
             res = self._wait_staged(token)
         finally:

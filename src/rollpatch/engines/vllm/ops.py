@@ -65,11 +65,11 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
     return patch
 
 
-def _read_spec(path: str) -> tuple[str, list[dict[str, Any]]]:
+def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool]:
     try:
         spec = json.loads(Path(path).read_text())
-        token, steps = spec["token"], spec["steps"]
-        ok = (isinstance(token, str) and 0 < len(token) <= 64 and isinstance(steps, list)
+        token, steps, prepack = spec["token"], spec["steps"], spec.get("prepack", "stage")
+        ok = (prepack in ("stage", "pause") and isinstance(token, str) and 0 < len(token) <= 64 and isinstance(steps, list)
               and 0 < len(steps) <= _MAX_STEPS
               and all(isinstance(st, dict) and isinstance(st.get("base"), str)
                       and isinstance(st.get("target"), str) and isinstance(st.get("paths"), list)
@@ -79,18 +79,18 @@ def _read_spec(path: str) -> tuple[str, list[dict[str, Any]]]:
         ok = False
     if not ok:
         raise EngineError("invalid staging request", path=path)
-    return token, steps
+    return token, steps, prepack == "stage"
 
 
 class _Job:
     """One staging run; in a thread at TP = 1 (the engine keeps serving), inline otherwise."""
 
-    def __init__(self, w: RuntimeWeights, steps: list[dict[str, Any]]) -> None:
+    def __init__(self, w: RuntimeWeights, steps: list[dict[str, Any]], prebuild: bool) -> None:
         self.staged: StagedUpdate | None = None
         self.error: dict[str, Any] | None = None
         self.ms = 0.0
         self.done = threading.Event()
-        self._w, self._steps = w, steps
+        self._w, self._steps, self._prebuild = w, steps, prebuild
 
     def run(self) -> None:
         res = run_op_on(self._w, lambda w: self._stage(w))
@@ -100,15 +100,15 @@ class _Job:
         self.done.set()
 
     def _stage(self, w: RuntimeWeights) -> dict[str, Any]:
-        self.staged = w.stage(_chain(w, self._steps))
+        self.staged = w.stage(_chain(w, self._steps), prebuild=self._prebuild)
         return {}
 
 
 def _stage(w: RuntimeWeights, path: str) -> dict[str, Any]:
-    token, steps = _read_spec(path)
+    token, steps, prebuild = _read_spec(path)
     while len(w.jobs) >= _MAX_JOBS:
         w.jobs.pop(next(iter(w.jobs)))
-    job = w.jobs[token] = _Job(w, steps)
+    job = w.jobs[token] = _Job(w, steps, prebuild)
     if w.tp > 1:
         job.run()
     else:

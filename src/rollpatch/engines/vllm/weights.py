@@ -33,7 +33,7 @@ from ...kinds import Kind
 from ...patch import Patch
 from ...view import Tensor, View, root_digest, sum128, sum128_digest
 from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
-from .layout import ParamSpec, Placement, assemble, blocks, extract, locate, placements
+from .layout import ParamSpec, Placement, assemble, extract, locate, placements, write_blocks
 
 __all__ = ["Access", "RuntimeWeights"]
 
@@ -104,10 +104,6 @@ class RuntimeWeights:
         #: Set when an audit found live words that differ from the held digests: the engine
         #: holds unknown bits until a keyframe is loaded (patches are refused meanwhile).
         self.tainted: str | None = None
-        #: Build derived buffers (CPU packed weights) while staging, swap them under the
-        #: pause (memory: + the touched modules' packed size until the commit); False:
-        #: re-pack the touched modules inside the pause.
-        self.prebuild = True
         #: Staging jobs by token (the worker glue's; see :mod:`.worker`).
         self.jobs: dict[str, Any] = {}
 
@@ -192,9 +188,7 @@ class RuntimeWeights:
         self.tainted = None
         for name in sorted(names):
             pl = self._entries[name].mine
-            src, dst = blocks(pl)
-            if pl.length:
-                block = view[name].data.reshape(pl.rows, pl.cols)[src]
+            for dst, block in write_blocks(pl, view[name].data):  # experts: slot-relative
                 self.access.write_block(pl.param, dst, block)
         self._touch(names)
         for name in sorted(names):
@@ -207,9 +201,13 @@ class RuntimeWeights:
 
     # -- staged commits (docs/vllm.md, *Staging and the pause*) ---------------------------
 
-    def stage(self, patch: Patch) -> StagedUpdate:
+    def stage(self, patch: Patch, *, prebuild: bool = True) -> StagedUpdate:
         """Prove ``patch`` against the held words (O(changed) digests) and lay its writes out
-        per runtime parameter, in the form the pause scatters (no word is written)."""
+        per runtime parameter, in the form the pause scatters (no word is written).
+
+        ``prebuild``: also build the touched modules' derived buffers (CPU packed weights)
+        now, to be swapped in under the pause (memory: + their packed size until the commit);
+        False: they are re-packed inside the pause."""
         if self.tainted is not None:
             raise BaseMismatchError("the engine holds unknown bits (audit)", tensor=self.tainted,
                                     hint="load a keyframe")
@@ -225,7 +223,7 @@ class RuntimeWeights:
         for param, chunks in parts.items():
             offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
             staged.payload[param] = _ParamWrites(prepare(param, offsets), old, new)
-        if self.access.prebuild is not None and self.prebuild:
+        if self.access.prebuild is not None and prebuild:
             staged.payload["prebuilt"] = self.access.prebuild(
                 {p: (w.prepared, w.new) for p, w in staged.payload.items()
                  if isinstance(w, _ParamWrites)})

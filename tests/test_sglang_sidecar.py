@@ -1,0 +1,290 @@
+"""A real SGLang behind the sidecar: elastic join, both commit modes, labels SGLang confirms.
+
+One SGLang server for the module (the venv from ``scripts/sglang-env``), booted from version
+0's view of a run whose LATEST is already 5: the sidecar is not ready until the follower has
+patched SGLang up to LATEST (the join plan is five steps, decoded against ``words()`` and
+staged inside SGLang), then serves while versions keep coming, in drain mode and in pause mode
+(SGLang's ``/pause_generation`` ``retract`` … ``/continue_generation``). Every response carries
+the sidecar's label in body and headers, and SGLang's own per-response ``weight_version`` (and
+per-token ``weight_versions`` spans) must say the same; every single-version answer is then
+checked against what SGLang answers when set to that version. Skipped, loudly, without the
+SGLang venv.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.board import Board
+from rollpatch.follower import FollowerConfig
+from rollpatch.formats import cast_view
+from rollpatch.publisher import Publisher, PublisherConfig
+from rollpatch.view import View
+from tests import vllm_env
+from tests.test_sglang import sglang_python, start_server, venv_dir
+
+RUN = "rl"
+FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
+PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
+MAX_TOKENS = 8
+LONG = 400
+BOOT_LATEST = 5
+N_VERSIONS = 16
+
+
+class World:
+    """The tiny model, FP32 masters with RL-sized steps, a board with versions 0..5."""
+
+    def __init__(self, root: Path) -> None:
+        from rollpatch.engines.reference import make_tiny_model
+        from rollpatch.io.safetensors import load_view, save_view
+
+        tiny = make_tiny_model(root / "tiny", hidden_size=256, heads=4, kv_heads=2,
+                               intermediate=512, vocab_size=2048)
+        masters = {n: t.to_array().astype(np.float32)
+                   for n, t in load_view(tiny / "model.safetensors").items()}
+        rng = np.random.default_rng(23)
+        self.masters: list[dict[str, np.ndarray]] = []
+        for _ in range(N_VERSIONS):
+            self.masters.append({n: m.copy() for n, m in masters.items()})
+            for m in masters.values():
+                m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
+        self.views: list[View] = [cast_view(m, "bf16") for m in self.masters]
+        self.model = root / "boot"  # what SGLang boots from: version 0 (an older keyframe)
+        self.model.mkdir()
+        for p in tiny.iterdir():
+            if p.suffix != ".safetensors":
+                shutil.copy(p, self.model / p.name)
+        save_view(self.views[0], self.model / "model.safetensors")
+        self.board = f"file://{root / 'board'}"
+        self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0,
+                                                                    skip_strides=()),
+                                   asynchronous=False)
+        self.latest = -1
+        self.lock = threading.Lock()
+        while self.latest < BOOT_LATEST:
+            self.publish()
+
+    def publish(self) -> int:
+        with self.lock:
+            v = self.publisher.publish(self.masters[self.latest + 1])
+            assert v == self.latest + 1
+            self.latest = v
+            return v
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    if sglang_python() is None:
+        pytest.skip(f"SKIPPED LIVE SGLANG SIDECAR TESTS: no SGLang venv at {venv_dir()}: "
+                    "build it with `scripts/sglang-env` (≈2 min, ≈2.8 GB; cached)")
+    pytest.importorskip("transformers")
+    pytest.importorskip("openai")
+    return World(tmp_path_factory.mktemp("sglang-sidecar"))
+
+
+@pytest.fixture(scope="module")
+def server(world: World) -> Iterator[vllm_env.Server]:
+    python = sglang_python()
+    assert python is not None
+    shim_log = world.model.parent / "sgl-kernel-shim.log"
+    srv = start_server(python, world.model, world.model.parent / "sglang.log", shim_log)
+    try:
+        srv.wait_ready(300)
+        yield srv
+    finally:
+        srv.stop()
+        calls = shim_log.read_text() if shim_log.exists() else ""
+        assert calls == "", f"SGLang called the sgl_kernel shim:\n{calls}"
+
+
+def _client(url: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _complete(client: Any, world: World, prompt: int, max_tokens: int = MAX_TOKENS,
+              **rollpatch: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    extra: dict[str, Any] = {"ignore_eos": True}
+    if rollpatch:
+        extra["rollpatch"] = rollpatch
+    raw = client.completions.with_raw_response.create(
+        model=str(world.model), prompt=PROMPTS[prompt], max_tokens=max_tokens, temperature=0,
+        logprobs=1, extra_body=extra)
+    return raw.http_response.json(), {k.lower(): v for k, v in raw.headers.items()}
+
+
+class Labelled:
+    """Responses through the sidecar, by the version that labels them; every label must be
+    the one SGLang reports itself (``metadata.weight_version``, and its spans)."""
+
+    def __init__(self) -> None:
+        self.by_version: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, prompt: int, body: dict[str, Any], headers: Mapping[str, str]) -> None:
+        rp = body["rollpatch"]
+        start, end = rp["version_start"], rp["version_end"]
+        assert isinstance(start, int) and isinstance(end, int) and start <= end
+        assert headers["x-rollpatch-version-start"] == str(start)
+        assert headers["x-rollpatch-version-end"] == str(end)
+        meta = body["metadata"]
+        assert meta["weight_version"] == str(end), (rp, meta)  # SGLang agrees
+        spans = [s["version"] if isinstance(s, dict) else s[0]
+                 for s in meta.get("weight_versions") or []]
+        if spans:
+            assert spans[0] == str(start) and spans[-1] == str(end), (rp, meta)
+        self.spans.append((start, end))
+        if start == end:
+            self.by_version.setdefault(start, []).append((prompt, body))
+
+
+def _answer(body: Mapping[str, Any]) -> Any:
+    c = body["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"]
+
+
+def check_labels(url: str, world: World, labelled: Labelled) -> None:
+    """Set SGLang to each labelled version (a keyframe, in place) and ask it directly."""
+    from rollpatch.engines.sglang import SglangEngine
+
+    engine, client = SglangEngine(url), _client(url)
+    answers: dict[int, list[Any]] = {}
+    wanted = {w for v in labelled.by_version for w in (v - 1, v, v + 1)
+              if 0 <= w <= world.latest}
+    try:
+        for v in sorted(wanted):
+            engine.load(world.views[v], v)
+            answers[v] = [_answer(_complete(client, world, p)[0]) for p in range(len(PROMPTS))]
+    finally:
+        engine.close()
+    for v, seen in labelled.by_version.items():
+        for prompt, body in seen:
+            assert _answer(body) == answers[v][prompt], \
+                f"a response labelled {v} is not what version {v} answers"
+        for w in (v - 1, v + 1):
+            if w in answers:
+                assert answers[w] != answers[v], f"versions {v} and {w} answer alike"
+
+
+def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> None:
+    import httpx
+
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import make_engine, start_sidecar
+
+    engine, url = make_engine("sglang", engine_url=server.url)
+    engine.adopt(0, world.views[0].digest())  # type: ignore[attr-defined]
+    assert Board(world.board).latest(RUN).version == BOOT_LATEST  # type: ignore[union-attr]
+    sc = start_sidecar(world.board, RUN, engine, url,
+                       config=SidecarConfig(commit_mode="drain", follower=FAST))
+    try:
+        polls = []
+        deadline = time.monotonic() + 120
+        while (r := httpx.get(f"{sc.url}/ready")).status_code != 200:
+            assert r.status_code == 503, r.text
+            polls.append(httpx.get(f"{sc.url}/version").json()["served"])
+            assert time.monotonic() < deadline, "the joining replica never became ready"
+            time.sleep(0.02)
+        assert set(polls) <= {None, BOOT_LATEST}, f"ready before it had caught up: {polls}"
+        assert httpx.get(f"{sc.url}/version").json()["served"] == BOOT_LATEST
+        plan = sc.sidecar.follower.last_plan
+        assert plan is not None and plan.have == 0 and len(plan.steps) == BOOT_LATEST
+        assert not any(s.is_keyframe for s in plan.steps)  # through patches, no keyframe
+        assert engine.digest == world.views[BOOT_LATEST].digest()
+        assert engine.weight_version() == str(BOOT_LATEST)  # type: ignore[attr-defined]
+
+        client, labelled = _client(sc.url), Labelled()
+        for p in range(len(PROMPTS)):
+            labelled.add(p, *_complete(client, world, p))
+        for _ in range(2):
+            v = world.publish()  # one step: decoded and staged inside SGLang
+            labelled.add(0, *_complete(client, world, 0, min_version=v, wait_s=60))
+            assert labelled.spans[-1] == (v, v)
+            labelled.add(1, *_complete(client, world, 1))
+        publisher = threading.Thread(target=world.publish)  # lands between requests
+        publisher.start()
+        deadline, n = time.monotonic() + 60, 0
+        while publisher.is_alive() or sc.sidecar.follower.version != world.latest:
+            assert time.monotonic() < deadline, "the sidecar did not catch up"
+            n += 1
+            labelled.add(n % 2, *_complete(client, world, n % 2))
+        publisher.join()
+        assert all(s == e for s, e in labelled.spans)  # drain: no answer spans a commit
+        assert len(labelled.by_version) >= 3
+        held = engine.held(fresh=True)  # type: ignore[attr-defined]
+        assert held[1] == world.views[world.latest].digest()
+    finally:
+        sc.stop()
+    check_labels(server.url, world, labelled)
+
+
+def _long(url: str, world: World, out: dict[str, Any]) -> None:
+    import httpx
+
+    body = {"model": str(world.model), "prompt": PROMPTS[1], "max_tokens": LONG,
+            "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+        out["status"], out["headers"], out["body"] = r.status_code, dict(r.headers), r.json()
+    except BaseException as e:  # noqa: BLE001 - re-raised by the test
+        out["error"] = e
+
+
+def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None:
+    """Pause mode: a generation in flight is retracted by SGLang's pause, recomputed after
+    the commit with the new weights, and labelled with both versions — as SGLang's own
+    per-token spans say."""
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import make_engine, start_sidecar
+
+    engine, url = make_engine("sglang", engine_url=server.url)
+    have = world.latest
+    engine.load(world.views[have], have)  # the label checks left the server elsewhere
+    sc = start_sidecar(world.board, RUN, engine, url,
+                       config=SidecarConfig(commit_mode="pause", follower=FAST))
+    labelled = Labelled()
+    try:
+        client, follower = _client(sc.url), sc.sidecar.follower
+        labelled.add(0, *_complete(client, world, 0, min_version=have, wait_s=60))
+        spanned = rounds = 0
+        while rounds < 2 or (spanned == 0 and rounds < 5):
+            rounds += 1
+            follower.stop()  # the next version waits until a generation is in flight
+            v = world.publish()
+            out: dict[str, Any] = {}
+            t = threading.Thread(target=_long, args=(sc.url, world, out))
+            t.start()
+            time.sleep(0.5 + 0.5 * rounds)
+            assert follower.sync() == v  # staged while generating, scattered under the pause
+            follower.start()
+            t.join(180)
+            assert out.get("status") == 200 and "error" not in out, out
+            body = out["body"]
+            c = body["choices"][0]
+            assert len(c["logprobs"]["tokens"]) == LONG, (  # kept, not aborted
+                len(c["text"]), c["finish_reason"], body.get("usage"), body.get("metadata"),
+                {k: str(x)[:200] for k, x in c["logprobs"].items()})
+            labelled.add(1, body, out["headers"])
+            label = body["rollpatch"]
+            assert label in ({"version_start": v - 1, "version_end": v},
+                             {"version_start": v - 1, "version_end": v - 1}), label
+            spanned += label["version_end"] == v
+            labelled.add(0, *_complete(client, world, 0))
+            assert labelled.spans[-1] == (v, v)
+        assert spanned >= 1, "no commit landed mid-generation in 5 rounds"
+        assert engine.weight_version() == str(world.latest)  # type: ignore[attr-defined]
+    finally:
+        sc.stop()
+    labelled.by_version = {v: [(p, b) for p, b in seen if p == 0]
+                           for v, seen in labelled.by_version.items()}
+    check_labels(server.url, world, labelled)

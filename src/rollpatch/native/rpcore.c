@@ -473,8 +473,11 @@ static int code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const 
     }
     for (int c = 0; c < NCTX; c++) {
         uint64_t nt = 0;
-        for (uint64_t i = first[c]; i < first[c] + kc[c]; i++)
-            if (mag[order[i]] > 1) tails[first[c] + nt++] = mag[order[i]] - 2;
+        for (uint64_t i = first[c]; i < first[c] + kc[c]; i++) { /* no branch per record */
+            uint64_t mg = mag[order[i]];
+            tails[first[c] + nt] = mg - 2;
+            nt += mg > 1;
+        }
         bc[c] = nt;
         egc[c] = best_order(tails + first[c], nt, kd->bits);
     }
@@ -497,13 +500,16 @@ static int code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const 
     }
     {   /* (2) outward flags over all changes in position order */
         uint64_t j = 0;
-        for (int64_t i = 0; i < k; i++) if (outw[i]) buf[j++] = (uint32_t)i;
+        for (int64_t i = 0; i < k; i++) { buf[j] = (uint32_t)i; j += outw[i]; }
         bs_encode(&uw, &fw, buf, j, (uint64_t)k, scratch);
     }
     for (int c = 0; c < NCTX; c++) { /* (3) which have |step| > 1, per context */
         if (!kc[c]) continue;
         uint64_t j = 0;
-        for (uint64_t i = 0; i < kc[c]; i++) if (mag[order[first[c] + i]] > 1) buf[j++] = (uint32_t)i;
+        for (uint64_t i = 0; i < kc[c]; i++) {
+            buf[j] = (uint32_t)i;
+            j += mag[order[first[c] + i]] > 1;
+        }
         bs_encode(&uw, &fw, buf, j, kc[c], scratch);
     }
     for (int c = 0; c < NCTX; c++) /* (4) their magnitudes */

@@ -9,7 +9,6 @@ import logging
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,7 +78,6 @@ def test_port_in_use_is_named_before_the_model_loads(board_dir: Path, busy_port:
                                                      tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()  # not a loadable model: the port must be refused before any load
-    t0 = time.monotonic()
     line = _one_line_error(_rollpatch("sidecar", "--board", str(board_dir), "--run", "r",
                                       "--model", str(model), "--port", str(busy_port)))
     assert f"port {busy_port} on 127.0.0.1 is already in use" in line
@@ -87,7 +85,6 @@ def test_port_in_use_is_named_before_the_model_loads(board_dir: Path, busy_port:
                  "--port", str(busy_port)),
                 ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", str(busy_port))):
         assert f"port {busy_port}" in _one_line_error(_rollpatch(*cmd))
-    assert time.monotonic() - t0 < 60  # three interpreters; no model, no hub, no server
 
 
 def test_model_must_be_a_local_directory(board_dir: Path, tmp_path: Path) -> None:
@@ -132,6 +129,19 @@ def test_netem_is_a_subcommand() -> None:
 
 # -- structured logs ---------------------------------------------------------------------------
 
+@pytest.fixture
+def rollpatch_logger() -> Iterator[None]:
+    """configure() changes the process-wide ``rollpatch`` logger: put it back afterwards
+    (other tests capture its records through the root logger)."""
+    root = logging.getLogger("rollpatch")
+    saved = (list(root.handlers), root.level, root.propagate)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    root.propagate = saved[2]
+
+
+@pytest.mark.usefixtures("rollpatch_logger")
 def test_events_as_json_lines_and_text() -> None:
     out = io.StringIO()
     configure("info", "json", stream=out)

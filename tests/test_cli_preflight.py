@@ -106,10 +106,11 @@ def test_model_must_be_a_local_directory(board_dir: Path, tmp_path: Path) -> Non
     ("uvicorn", ("relay", "--cache", "c"), "web"),
     ("fastapi", ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", "0"), "web"),
     ("boto3", ("status", "--board", "s3://bucket/prefix"), "s3"),
+    ("transformers", ("demo", "--steps", "1", "--out", "unused"), "reference"),
 ])
 def test_missing_extra_is_one_line_naming_it(board_dir: Path, hidden: str,
                                              cmd: tuple[str, ...], extra: str) -> None:
-    if "--board" not in cmd and cmd[0] != "gateway":
+    if "--board" not in cmd and cmd[0] not in ("gateway", "demo"):
         cmd = (*cmd, "--board", str(board_dir))
     # find_spec consults a finder; hiding the module from it is what "not installed" means
     pre = ("import importlib.util as u; _f = u.find_spec\n"

@@ -286,9 +286,12 @@ def probe(model):
         refused = ""
     except EngineError as e:
         refused = str(e)
-    mod.quant_method.moe_kernel.fused_experts = None  # the names and shapes, past the refusal
-    w13 = d._experts(mod, name, "w13_weight", mod.w13_weight, 0, 1)
-    w2 = d._experts(mod, name, "w2_weight", mod.w2_weight, 0, 1)
+    kept, mod.quant_method.moe_kernel = mod.quant_method.moe_kernel, None  # past the refusal
+    try:
+        w13 = d._experts(mod, name, "w13_weight", mod.w13_weight, 0, 1)
+        w2 = d._experts(mod, name, "w2_weight", mod.w2_weight, 0, 1)
+    finally:
+        mod.quant_method.moe_kernel = kept
     return {"kernel": kernel, "refused": refused, "names": [s.name for s in w13.shards],
             "w2_names": [s.name for s in w2.shards],
             "shapes": [list(w13.shards[0].shape), list(w2.shards[0].shape)],

@@ -23,9 +23,9 @@ stale a LATEST an island may act on) is *unacceptable*. Both must be 0. Recovery
 fault (counted from its end): until every island is reachable and has committed a newer
 version than it served when the fault ended, and a ``max_lag`` probe through the gateway is
 answered.
-RSS and open files of every service process: first sample of the process (20 s into the load,
-or 5 s after it was ready) against the last. Exit status non-zero on any wrong or unacceptable answer, 500, or
-a fault not recovered from.
+RSS and open files of every service process: first sample of the process (20 s into the
+load, or 5 s after it was ready) against the last. Exit status non-zero on any wrong or
+unacceptable answer, 500, or a fault not recovered from.
 """
 
 from __future__ import annotations

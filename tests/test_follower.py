@@ -413,26 +413,32 @@ def test_commit_not_matching_target_is_an_error(board: Board, published: Publish
     assert st.version is None and f.version is None  # never the unverified version
 
 
-class SlowStore(FlakyStore):
-    """Objects take ``delay`` seconds to arrive."""
+class StalledStore(FlakyStore):
+    """Object gets stall until ``release`` is set (a store that stops answering)."""
 
-    def __init__(self, inner: Store, delay: float) -> None:
+    def __init__(self, inner: Store) -> None:
         super().__init__(inner, failures=0)
-        self.delay = delay
+        self.release = threading.Event()
+        self.started = self.finished = 0
 
     def _get(self, key: str) -> bytes:
         if "/objects/" in key:
-            time.sleep(self.delay)
+            self.started += 1
+            self.release.wait(60)
+            self.finished += 1
         return super()._get(key)
 
 
 def test_fetch_timeout(board: Board, published: Published) -> None:
-    slow = Board(SlowStore(board.store, delay=1.0))
-    f = Follower(slow, RUN, engine_at(published, 19), FollowerConfig(timeout_s=0.1))
-    t0 = time.monotonic()
-    with pytest.raises(TransientStoreError, match="timed out"):
-        f.sync()
-    assert time.monotonic() - t0 < 0.8  # the slow get was abandoned, not awaited
+    stalled = StalledStore(board.store)
+    f = Follower(Board(stalled), RUN, engine_at(published, 19), FollowerConfig(timeout_s=0.1))
+    try:
+        with pytest.raises(TransientStoreError, match="timed out"):
+            f.sync()
+        # the stalled gets were abandoned, not awaited: none had returned when sync gave up
+        assert stalled.started >= 1 and stalled.finished == 0
+    finally:
+        stalled.release.set()
     assert f.status().state is FollowerState.ERROR and f.version == 19
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +25,7 @@ from rollpatch.errors import BoardError
 from rollpatch.formats import cast_view
 from rollpatch.publisher import reconstruct
 from rollpatch.publisher.rounds import Snapshot, agree
+from tests.conftest import free_port
 
 RUN = "sharded"
 FORMAT = "fp8-e4m3"
@@ -122,18 +122,12 @@ def _phases(rank: int, board_dir: str, report: dict[str, Any]) -> None:
         report["E"] = [pub.publish(shard_of(full_masters(v), rank)) for v in range(2)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_gloo_ranks_publish_shards(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     board_dir, out_dir = tmp_path / "board", tmp_path / "out"
     out_dir.mkdir()
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir)))
              for r in range(WORLD)]
     for p in procs:

@@ -186,6 +186,7 @@ def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
                 break
             lo, hi = max(begin, a), min(end, b)
             words[name][lo - begin:hi - begin] = window[lo - a:hi - a]
+        del window  # before the next read: one window alive, not two
     tensors = {}
     for name, dtype, shape, _, _ in entries:
         kind = _kind(kinds, name, dtype)

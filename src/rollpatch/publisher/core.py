@@ -60,13 +60,17 @@ class Publisher:
     ``publish()``. Sharding (one shard per rank, disjoint tensor names) is on when ``group`` is
     given or torch.distributed is initialised with more than one rank, unless
     ``sharded=False``; every rank must then construct the publisher and publish the same
-    version numbers in the same order. On a run that already has versions, the publisher
+    version numbers in the same order. A rank whose process dies makes the others raise
+    :class:`BoardError` at once; ``collective_timeout_s`` bounds how long a rank waits for a
+    hung one (None: gloo's 30 minutes; it must exceed the longest gap between two publishes,
+    since ranks wait in the exchange for their peers' trainers). On a run that already has versions, the publisher
     resumes after the newest one (see :func:`~rollpatch.publisher.reconstruct`).
     """
 
     def __init__(self, board: Board | str, run: str, config: PublisherConfig | None = None, *,
                  asynchronous: bool = True, group: Any = None,
-                 sharded: bool | None = None) -> None:
+                 sharded: bool | None = None,
+                 collective_timeout_s: float | None = None) -> None:
         self.config = config if config is not None else PublisherConfig()
         if not isinstance(self.config, PublisherConfig):
             raise ConfigError("config must be a PublisherConfig")
@@ -75,7 +79,10 @@ class Publisher:
             # the publisher signs through its own view of the store; ``board`` is not changed
             self.board = Board(self.board.store, signer=self.config.signer)
         self.run = check_run(run)
-        self._x = open_exchange(group, sharded)
+        if collective_timeout_s is not None and not collective_timeout_s > 0:
+            raise ConfigError("collective_timeout_s must be > 0 seconds",
+                              collective_timeout_s=collective_timeout_s)
+        self._x = open_exchange(group, sharded, collective_timeout_s)
         self._cond = threading.Condition()
         self._pending: deque[Snapshot] = deque()
         self._busy = False

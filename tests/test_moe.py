@@ -234,6 +234,21 @@ def test_routed_experts_replay_under_every_version(stack: Any, world: World) -> 
     assert any(not np.array_equal(seen[0], s) for s in seen[1:]), "routing never changed"
 
 
+def test_chat_carries_routed_experts(stack: Any, world: World) -> None:
+    gw = stack[2]
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=120)
+    body = client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}).model_dump()
+    rows = _decode(body["choices"][0]["routed_experts"])
+    n = len(body["prompt_token_ids"]) + len(body["choices"][0]["token_ids"]) - 1
+    assert rows.shape == (n, LAYERS, TOP_K)
+    v = body["rollpatch"]["version_start"]
+    assert body["rollpatch"]["spans"] == [{"start": 0, "end": n, "version": v}]
+    hf_rows, _ = world.hf_routing(v, body["prompt_token_ids"] + body["choices"][0]["token_ids"][:-1])
+    assert np.array_equal(rows, hf_rows)
+
+
 def test_bad_prompt_start_is_a_clear_400(stack: Any) -> None:
     gw = stack[2]
     for start in (10_000, -1):

@@ -13,7 +13,9 @@ import httpx
 from _soak_procs import RUN, Proc, S3Board, free_port, rollpatch
 
 HERE = Path(__file__).resolve().parent
-FAULTS = ("relay-restart", "store-outage", "forged", "corrupt", "sidecar-kill", "publisher-kill")
+#: In order; ``corrupt`` last: a follower that cannot route around a corrupted object stays
+#: behind, and would mask how the fleet recovers from the others.
+FAULTS = ("relay-restart", "store-outage", "forged", "sidecar-kill", "publisher-kill", "corrupt")
 RECOVERY_LIMIT_S = 120.0
 OUTAGE_S = 5.0
 

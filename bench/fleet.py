@@ -165,7 +165,8 @@ def main() -> int:
         from _fleet_memory import render as render_memory
         from _fleet_memory import run as run_memory
         mem = run_memory(args.work, args.memory)
-        print(f"\nmemory budgets (measured: peak RSS above each phase's baseline; BF16 view "
+        print(f"\nmemory budgets (measured per phase in child processes: peak of live "
+              f"allocations above the phase's start (tracemalloc), and peak-RSS growth; BF16 view "
               f"{fmt_bytes(mem['view_bytes'])}, {mem['n_params'] / 1e6:.0f}M params; one "
               f"publisher rank = the largest shard; the publisher's baseline includes the "
               f"trainer's FP32 masters, the follower's step baseline the engine's weights)")

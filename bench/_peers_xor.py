@@ -134,8 +134,10 @@ class XorPublisher:
             patches, keyframes = (PatchObject(ref, version - 1, self._prev.digest()),), ()
             nbytes = ref.size
             self.stats.setdefault(version, {})["encode_s"] = t2 - t1
-        m = Manifest(self.run, version, None if self._prev is None else version - 1, "bf16",
-                     target, view.nbytes, t_call, "bench-xor", patches, keyframes,
+        m = Manifest(run=self.run, version=version,
+                     parent=None if self._prev is None else version - 1, format="bf16",
+                     target=target, view_bytes=view.nbytes, created=t_call,
+                     publisher="bench-xor", patches=patches, keyframes=keyframes,
                      meta={"codec": f"xor+zstd-{LEVEL}, xxh3-128 per tensor"})
         self.board.put_manifest(m)
         self.board.advance(self.run, version)

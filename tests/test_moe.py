@@ -148,6 +148,40 @@ def test_view_has_checkpoint_names_and_aliases_the_fused_experts(world: World) -
     assert rt.router is not None and (rt.router.layers, rt.router.top_k) == (LAYERS, TOP_K)
 
 
+def test_mixtral_names_and_routing(tmp_path: Path) -> None:
+    """Another MoE family (Mixtral: ``block_sparse_moe``, experts ``w1/w3/w2``): the view has
+    the checkpoint's names and bits, and the recorded routing is transformers' own."""
+    from safetensors import safe_open
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from rollpatch.engines.reference import make_tokenizer
+
+    out = make_tokenizer(tmp_path / "mixtral", vocab_size=512)
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).bfloat16().save_pretrained(out)
+    rt = ReferenceRuntime(out, threads=1)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert set(rt.view) == names
+        for k in names:
+            want = f.get_tensor(k).view(torch.int16).numpy().view(np.uint16).reshape(-1)
+            assert np.array_equal(rt.view[k].data, want), k
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in rt.view
+    prompt = [5, 17, 99, 3, 250]
+    gen = rt.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+    tokens = [s.token_id for s in gen]
+    rows = gen.routed_experts()
+    model = MixtralForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens[:-1]]), output_router_logits=True)
+    want = np.stack([torch.topk(torch.softmax(x.float(), -1), 2, -1).indices.numpy()
+                     for x in logits.router_logits], 1)
+    assert rows is not None and np.array_equal(rows, want)
+
+
 def test_routing_recorded_in_vllm_shape(world: World) -> None:
     rt = ReferenceRuntime(world.model, threads=1)
     rt.load_view(world.views[min(world.views)], min(world.views))

@@ -32,12 +32,13 @@ from rollpatch.errors import (
 from rollpatch.follower import Follower, FollowerConfig, FollowerState
 from rollpatch.io import load_view, view_to_bytes
 from rollpatch.kinds import KINDS
-from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
+from rollpatch.manifest import KeyframeObject, PatchObject
 from rollpatch.patch import Patch, compose, decode, diff, encode
 from rollpatch.patch.overlay import Overlay
 from rollpatch.store import MemoryStore, ObjectInfo, Store
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 from rollpatch.view import Tensor, View
+from tests.conftest import make_manifest
 
 RUN = "rl"
 KEY = SigningKey.generate()
@@ -91,8 +92,8 @@ def publish(board: Board, version: int, views: dict[int, View], *, bases: tuple[
         for s, part in enumerate(_shards(view, shards)):
             ref = board.put_object(RUN, view_to_bytes(part), "safetensors")
             kfs.append(KeyframeObject(ref, s))
-    m = Manifest(RUN, version, version - 1 if version else None, "bf16", view.digest(),
-                 view.nbytes, time.time(), "test", tuple(patches), tuple(kfs), shards)
+    m = make_manifest(RUN, version, target=view.digest(), view_bytes=view.nbytes,
+                      patches=tuple(patches), keyframes=tuple(kfs), shards=shards)
     board.put_manifest(m)
     board.advance(RUN, version)
 

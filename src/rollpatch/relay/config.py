@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..layout import is_keyframe_marker, manifest_version, object_hash, pointer_run, root_version
+from ..validate import check_int, check_number
 
 __all__ = ["GiB", "KeyKind", "MiB", "RelayConfig", "classify", "manifest_version",
            "object_hash", "pointer_run", "root_version"]
@@ -57,16 +57,11 @@ def classify(key: str) -> KeyKind:
 
 
 def _seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value < 0:
-        raise ConfigError(f"RelayConfig.{name} must be a finite number of seconds >= 0",
-                          field=name, value=value)
+    check_number("RelayConfig", name, value, 0.0)
 
 
 def _integer(name: str, value: object, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"RelayConfig.{name} must be an integer >= {lo}", field=name,
-                          value=value)
+    check_int("RelayConfig", name, value, lo)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,13 +23,9 @@ from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
 from rollpatch.store import FileStore, Store
 from rollpatch.types import ObjectRef
 from rollpatch.view import View
+from tests.conftest_s3 import MiB, make_s3_store, pair, relay, store
 
-try:  # tests/ may or may not be a package; the fixtures are used by name
-    from .conftest_s3 import MiB, make_s3_store, pair, relay, s3_server, store
-except ImportError:
-    from conftest_s3 import MiB, make_s3_store, pair, relay, s3_server, store  # type: ignore
-
-_FIXTURES = (pair, relay, s3_server, store)
+_FIXTURES = (pair, relay, store)  # used by name (s3_server: tests/conftest.py)
 
 
 def masters(n_params: int, seed: int = 0, *, tensors: int = 8) -> dict[str, np.ndarray]:

@@ -214,17 +214,6 @@ class SglangEngine(EngineAdapter):
                         lambda res: res["target"] == staged.target
                         and res["root"] == staged.target, staged.target)
 
-    def decodes_itself(self, n_objects: int) -> bool:
-        return True
-
-    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
-                       version: int) -> bool:
-        """One step's patch objects, decoded inside SGLang (staged, then scattered)."""
-        if self.digest != base_digest:
-            return False
-        self.apply_encoded(blobs, base_digest, target_digest, version)
-        return True
-
     def apply_encoded(self, blobs: Sequence[bytes], base: str, target: str, version: int
                       ) -> None:
         """Commit one step's wire-format patch objects (``base`` → ``target`` roots)."""

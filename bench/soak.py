@@ -135,7 +135,8 @@ def main() -> int:
     for example in summary["examples"]:
         print(f"  {example}")
     print(f"\n{'FAIL' if bad else 'ok'}: {summary['wrong_version']} wrong-version and "
-          f"{summary['unacceptable']} unacceptable answers; statuses {summary['statuses']}")
+          f"{summary['unacceptable']} unacceptable answers ({summary['spanning']} labelled with "
+          f"two versions); statuses {summary['statuses']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"summary": summary, "faults": records,

@@ -81,7 +81,8 @@ class XorPublisher:
     def __init__(self, board: Board, run: str, *, threads: int = 2) -> None:
         self.board, self.run = board, run
         self._pool = ThreadPoolExecutor(threads)
-        self._queue: queue.Queue[tuple[int, dict[str, np.ndarray], float] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, dict[str, np.ndarray], float, float] | None] = \
+            queue.Queue()
         self._prev: View | None = None
         self._error: BaseException | None = None
         self.stats: dict[int, dict[str, float]] = {}
@@ -89,12 +90,13 @@ class XorPublisher:
         self._worker.start()
 
     def publish(self, masters: Mapping[str, np.ndarray], version: int) -> float:
-        """Snapshot to host memory and enqueue; returns the seconds the caller was blocked."""
+        """Snapshot to host memory and enqueue; returns the seconds the caller was blocked.
+        ``stats[version]["total_s"]`` counts from this call to LATEST naming the version."""
         if self._error is not None:
             raise RuntimeError(f"XOR publisher failed: {self._error}") from self._error
         t0 = time.perf_counter()
         snap = {k: np.array(v, copy=True) for k, v in masters.items()}
-        self._queue.put((version, snap, time.time()))
+        self._queue.put((version, snap, time.time(), t0))
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -113,7 +115,8 @@ class XorPublisher:
             except BaseException as e:  # noqa: BLE001 (reported by the next publish() or close())
                 self._error = e
 
-    def _one(self, version: int, masters: dict[str, np.ndarray], t_call: float) -> None:
+    def _one(self, version: int, masters: dict[str, np.ndarray], t_call: float,
+             t_call_perf: float) -> None:
         t0 = time.perf_counter()
         view = cast_view(masters, "bf16")
         del masters
@@ -131,11 +134,13 @@ class XorPublisher:
             patches, keyframes = (PatchObject(ref, version - 1, self._prev.digest()),), ()
             nbytes = ref.size
             self.stats.setdefault(version, {})["encode_s"] = t2 - t1
-        m = Manifest(self.run, version, None if self._prev is None else version - 1, "bf16",
-                     target, view.nbytes, t_call, "bench-xor", patches, keyframes,
+        m = Manifest(run=self.run, version=version,
+                     parent=None if self._prev is None else version - 1, format="bf16",
+                     target=target, view_bytes=view.nbytes, created=t_call,
+                     publisher="bench-xor", patches=patches, keyframes=keyframes,
                      meta={"codec": f"xor+zstd-{LEVEL}, xxh3-128 per tensor"})
         self.board.put_manifest(m)
         self.board.advance(self.run, version)
         self.stats.setdefault(version, {}).update(
-            cast_s=t1 - t0, total_s=time.perf_counter() - t0, bytes=float(nbytes))
+            cast_s=t1 - t0, total_s=time.perf_counter() - t_call_perf, bytes=float(nbytes))
         self._prev = view

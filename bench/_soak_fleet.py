@@ -13,7 +13,9 @@ import httpx
 from _soak_procs import RUN, Proc, S3Board, free_port, rollpatch
 
 HERE = Path(__file__).resolve().parent
-FAULTS = ("relay-restart", "store-outage", "forged", "corrupt", "sidecar-kill", "publisher-kill")
+#: In order; ``corrupt`` last: a follower that cannot route around a corrupted object stays
+#: behind, and would mask how the fleet recovers from the others.
+FAULTS = ("relay-restart", "store-outage", "forged", "sidecar-kill", "publisher-kill", "corrupt")
 RECOVERY_LIMIT_S = 120.0
 OUTAGE_S = 5.0
 
@@ -106,7 +108,10 @@ class Fleet:
     def latest(self) -> int | None:
         return self.latest_log[-1][1] if self.latest_log else None
 
-    def sample_loop(self, stop: threading.Event) -> None:
+    def sample_loop(self, stop: threading.Event, warmup_s: float = 20.0) -> None:
+        """RSS and open files of every process every 2 s, from ``warmup_s`` into the load
+        (its client connections are open by then: not growth)."""
+        stop.wait(warmup_s)
         while not stop.is_set():
             for name, proc in self.procs.items():
                 s = proc.sample()
@@ -116,22 +121,31 @@ class Fleet:
                     self.samples.setdefault(name, []).append((time.monotonic(), proc.pid, *s))
             stop.wait(2.0)
 
-    def recovered(self) -> bool:
-        """Every island serves within ``lag`` of LATEST, and a probe through the gateway is
-        answered."""
-        latest = self.latest()
+    def islands(self) -> dict[str, dict[str, Any]] | None:
         try:
-            islands = httpx.get(f"{self.gateway_url}/islands", timeout=5).json()["islands"]
-            if latest is None or not all(
-                    i["reachable"] and i["served"] is not None and i["served"] >= latest - self.lag
-                    for i in islands):
-                return False
+            body = httpx.get(f"{self.gateway_url}/islands", timeout=5).json()
+            return {i["name"]: i for i in body["islands"]}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def recovered(self, since: dict[str, int] | None = None) -> bool:
+        """Every island is reachable and serving, has committed a version newer than it
+        served in ``since`` (its follower works again; an overloaded machine may keep it a few
+        versions behind LATEST), and a ``max_lag`` probe through the gateway is answered."""
+        islands = self.islands()
+        if islands is None or not all(i["reachable"] and i["served"] is not None
+                                      for i in islands.values()):
+            return False
+        if since is not None and any(islands[n]["served"] <= v for n, v in since.items()
+                                     if n in islands):
+            return False
+        try:
             r = httpx.post(f"{self.gateway_url}/v1/completions", timeout=30, json={
                 "model": self.model_name, "prompt": "1 + 1 =", "max_tokens": 1,
-                "rollpatch": {"max_lag": self.lag, "wait_s": 0}})
-            return r.status_code == 200
-        except (httpx.HTTPError, ValueError, KeyError):
+                "rollpatch": {"max_lag": self.lag, "wait_s": 5}})
+        except httpx.HTTPError:
             return False
+        return r.status_code == 200
 
     def _until(self, cond: Any, what: str, limit: float) -> float | None:
         t0 = time.monotonic()
@@ -152,9 +166,12 @@ class Fleet:
         note = getattr(self, "_" + fault.replace("-", "_"))()
         held = time.monotonic() - at
 
+        after = self.islands() or {}
+        since = {n: (i["served"] or -1) for n, i in after.items()}
+
         def done() -> bool:
             moved = fault != "publisher-kill" or (self.latest() or 0) > before
-            return moved and self.recovered()
+            return moved and self.recovered(since)
 
         recovery = self._until(done, f"recovery from {fault}", RECOVERY_LIMIT_S)
         if fault == "publisher-kill":

@@ -31,7 +31,7 @@ from _fleet_metrics import Summary, summarize
 from _fleet_model import METHODS, Costs, Scenario, load_costs, measure_blake3
 from _fleet_scenarios import frontier
 from _fleet_sim import simulate
-from _util import machine, machine_line, table
+from _util import machine, machine_line, parse_size, table
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_COSTS = [HERE / "out" / "codec.json", HERE / "out" / "codec-1b.json"]
@@ -83,6 +83,10 @@ def main() -> int:
     p.add_argument("--inter-gbps", type=float, default=10.0)
     p.add_argument("--validate", type=Path, default=None,
                    help="a `rollpatch demo` summary.json to validate the model against")
+    p.add_argument("--memory", type=parse_size, default=None, metavar="PARAMS",
+                   help="also measure memory budgets on a model of PARAMS (e.g. 100M)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/rollpatch-fleet"),
+                   help="work directory of --memory (versions are cached there)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     t_start = time.perf_counter()
@@ -156,6 +160,17 @@ def main() -> int:
                  for n, r in val["islands"].items()]
         print(table(["island", "measured ttv s", "predicted ttv s", "error", "row"], vrows,
                     [False, True, True, True, False]))
+    mem = None
+    if args.memory is not None:
+        from _fleet_memory import render as render_memory
+        from _fleet_memory import run as run_memory
+        mem = run_memory(args.work, args.memory)
+        print(f"\nmemory budgets (measured per phase in child processes: peak of live "
+              f"allocations above the phase's start (tracemalloc), and peak-RSS growth; BF16 view "
+              f"{fmt_bytes(mem['view_bytes'])}, {mem['n_params'] / 1e6:.0f}M params; one "
+              f"publisher rank = the largest shard; the publisher's baseline includes the "
+              f"trainer's FP32 masters, the follower's step baseline the engine's weights)")
+        print(render_memory(mem))
     wall = time.perf_counter() - t_start
     print(f"\nsimulator wall time {wall:.1f} s")
     if args.json:
@@ -166,7 +181,7 @@ def main() -> int:
                          "sim_s": sim_s["frontier"]},
             "rows": [{"scenario": label, **dataclasses.asdict(s)} for label, _, s in rows],
             "targets": [{"target": n, "met": ok, "value": g} for n, ok, g in targets],
-            "validation": val, "wall_s": wall}
+            "validation": val, "memory": mem, "wall_s": wall}
         args.json.write_text(json.dumps(doc, indent=1, default=str))
         print(f"wrote {args.json}")
     return 0

@@ -31,6 +31,21 @@ seconds from the trainer's call to each island serving it, seconds the trainer w
 Peak RSS per island (VmHWM after it loaded v0) and of the region's relay / middle node. Every
 island's final view is checked bit for bit against the simulator's digest; a mismatch fails
 the run.
+
+**Columns.** ``WAN MB/ver``: mean bytes through the link per version; ``all islands p50 s``
+/ ``max s``: over versions, the time from the trainer's call until the *last* island serves
+it; ``blocked``: the trainer's call (rollpatch and XOR: the host snapshot of the masters;
+shardcast: writing the checkpoint and ``broadcast``); ``published``: from the call until the
+version is on the board with LATEST moved (shardcast: ``broadcast`` returned). Ratios are
+against shardcast (``sc/this``: how many times more bytes / time shardcast needs) and against
+XOR+zstd-1 (``this/xor``), all measured in the same run.
+
+**Fairness notes.** shardcast's clients start once the middle node holds every shard (the
+bench peeks at its directory): real clients poll the middle's distribution file, which it
+writes *before* its shards arrive, and retry 404s after 2 s, so this is shardcast's best
+case. shardcast writes a temp file next to its package that concurrent clients on one machine
+would race on; each island here gets its own. Its origin and middle serve one request at a
+time (``http.server.HTTPServer``), as shipped.
 """
 
 from __future__ import annotations

@@ -175,8 +175,11 @@ def commit_rows(modes: list[dict[str, Any]], reload: dict[str, list[float]]
     med = statistics.median
     ram, disk, cold = med(reload["ram"]), med(reload["disk"]), med(reload["cold"])
     idle = med(reload["apply"])
+    stage = med(reload["stage"])
     rows = [_row("commit", "idle, no server", "swap p50", _ms(idle), _ms(ram),
-                 f"{(idle - ram) * 1e3:+.1f} ms", idle / ram, "reload, view in RAM")]
+                 f"{(idle - ram) * 1e3:+.1f} ms", idle / ram, "reload, view in RAM"),
+            _row("commit", "idle, no server", "staging p50", _ms(stage), "-", "-", float("nan"),
+                 "stage(): prove, serving")]
     for m in modes:
         swap = [r["swap_s"] for r in m["commits"]]
         stall = [r["stall_s"] for r in m["commits"]]
@@ -256,8 +259,8 @@ def render(ctx: dict[str, Any]) -> str:
          "re-hash under the lock); reload from disk ="),
         ("           read + parse the keyframe .safetensors (page cache warm) + load_view; cold "
          "= ReferenceRuntime(model_dir); baselines on a separate"),
-        ("           runtime, idle, after each mode; idle swap = ReferenceEngine.apply of the "
-         "last step's patch on that runtime, alternated with the"),
+        ("           runtime, idle, after each mode; idle swap = ReferenceEngine.commit_staged of "
+         "the last step's patch (staged first, timed apart), alternated with the"),
         (f"           RAM reload; medians of {len(ctx['reload']['ram'])} "
          f"({len(ctx['reload']['cold'])} cold)"),
         "           staging = fetch + decode before the commit, while the engine keeps serving",
@@ -284,12 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--versions", type=int, default=None,
                     help="versions published per commit mode (default 12, quick 4)")
     ap.add_argument("--engines", default="reference",
-                    help="proxy part: engines in their own process, comma-separated "
+                    help="proxy part: engines in their own process, comma-separated, or none "
+                    "to skip the part "
                     "(reference, vllm; default reference)")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
-    if not set(args.engines.split(",")) <= {"reference", "vllm"}:
-        ap.error("--engines: reference and/or vllm")
+    engines = [] if args.engines == "none" else args.engines.split(",")
+    if not set(engines) <= {"reference", "vllm"}:
+        ap.error("--engines: reference and/or vllm, or none")
     versions = args.versions or (4 if args.quick else 12)
     levels = [(1, 40), (16, 96), (64, 128)] if args.quick else [(1, 200), (16, 640), (64, 640)]
     mach = machine()
@@ -300,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("building the model and publishing v0")
         world = World(root, args.lr)
         log("1/3 proxy overhead (engine in its own process)")
-        proxy = [row for kind in args.engines.split(",")
+        proxy = [row for kind in engines
                  for row in bench_proxy(world, kind, levels, 1 if args.quick else 2)]
         log("2/3 commits vs reloads")
         commits: list[dict[str, Any]] = []

@@ -20,10 +20,12 @@ holding the version the answer was labelled with (tokens and logprobs, bit for b
 mismatch is a *wrong-version* response; a label older than what ``max_lag`` allowed when the
 request was sent (LATEST taken 5 s earlier: ``SidecarConfig.latest_max_age_s``, how
 stale a LATEST an island may act on) is *unacceptable*. Both must be 0. Recovery after a
-fault: until every island serves within ``max_lag`` of LATEST and a probe request succeeds.
-RSS and open files of every service process: first sample of the process (5 s after it was
-ready) against the last. Exit status non-zero on any wrong or unacceptable answer, 500, or
-a fault not recovered from.
+fault (counted from its end): until every island is reachable and has committed a newer
+version than it served when the fault ended, and a ``max_lag`` probe through the gateway is
+answered.
+RSS and open files of every service process: first sample of the process (20 s into the
+load, or 5 s after it was ready) against the last. Exit status non-zero on any wrong or
+unacceptable answer, 500, or a fault not recovered from.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ def main() -> int:
     for example in summary["examples"]:
         print(f"  {example}")
     print(f"\n{'FAIL' if bad else 'ok'}: {summary['wrong_version']} wrong-version and "
-          f"{summary['unacceptable']} unacceptable answers; statuses {summary['statuses']}")
+          f"{summary['unacceptable']} unacceptable answers ({summary['spanning']} labelled with "
+          f"two versions); statuses {summary['statuses']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"summary": summary, "faults": records,

@@ -40,11 +40,13 @@ D = "d" * 64
 def _manifest(board: Board, n: int, objects: int) -> Manifest:
     if n == 0:
         ref = board.put_object(RUN, b"keyframe", "safetensors")
-        return Manifest(RUN, 0, None, "bf16", D, 8, time.time(), "bench", (),
-                        (KeyframeObject(ref),))
+        return Manifest(run=RUN, version=0, parent=None, format="bf16", target=D,
+                        view_bytes=8, created=time.time(), publisher="bench",
+                        keyframes=(KeyframeObject(ref),))
     pats = tuple(PatchObject(board.put_object(RUN, f"{n}:{s}".encode(), "rpatch"), n - 1, D, s)
                  for s in range(objects))
-    return Manifest(RUN, n, n - 1, "bf16", D, 8, time.time(), "bench", pats, (), objects)
+    return Manifest(run=RUN, version=n, parent=n - 1, format="bf16", target=D, view_bytes=8,
+                    created=time.time(), publisher="bench", patches=pats, shards=objects)
 
 
 def measure(versions: int, objects: int, signed: bool) -> dict[str, float]:

@@ -25,13 +25,9 @@ from typing import Any
 
 import pytest
 
-try:  # tests/ may or may not be a package
-    from .s3server import S3Server, moto_available, run_moto_server
-except ImportError:
-    from s3server import S3Server, moto_available, run_moto_server  # type: ignore
-
 from rollpatch.store import FileStore, HttpStore, MemoryStore, Store, open_store
 from rollpatch.store.config import HttpConfig
+from tests.s3server import S3Server, moto_available, run_moto_server
 
 __all__ = [
     "BUCKET",

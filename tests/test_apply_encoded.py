@@ -11,8 +11,7 @@ from rollpatch.kinds import KINDS
 from rollpatch.patch import apply, apply_encoded, decode, diff, encode, encode_views
 from rollpatch.patch.ctxv2 import CHUNK
 from rollpatch.view import Tensor, View, sum128
-
-from .patchfix import reseal, sample_views, split_blob
+from tests.patchfix import reseal, sample_views, split_blob
 
 
 def _views(seed: int) -> tuple[View, View]:

@@ -18,8 +18,8 @@ from rollpatch.errors import (
 )
 from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
 from rollpatch.types import Constraint, ObjectRef, satisfies
-
-D = "a" * 64
+from tests.conftest import DIGEST as D
+from tests.conftest import make_manifest
 
 
 def _publish(board: Board, run: str, n: int, *, keyframe: bool = False,
@@ -33,14 +33,14 @@ def _publish(board: Board, run: str, n: int, *, keyframe: bool = False,
         pats.append(PatchObject(ref, n - s, D))
     kfs = (KeyframeObject(board.put_object(run, f"kf {n}".encode() * (kf_size // 5),
                                            "safetensors")),) if keyframe else ()
-    board.put_manifest(Manifest(run, n, n - 1 if n else None, "bf16", D, kf_size, time.time(),
-                                "test", tuple(pats), kfs))
+    board.put_manifest(make_manifest(run, n, view_bytes=kf_size, patches=tuple(pats),
+                                     keyframes=kfs))
     board.advance(run, n)
 
 
 @pytest.fixture
-def board(request: pytest.FixtureRequest) -> Board:
-    return Board(f"memory://board-{request.node.name}")
+def board(memory_board: Board) -> Board:
+    return memory_board
 
 
 def test_layout_and_listing(board: Board) -> None:
@@ -64,8 +64,8 @@ def test_racing_advances_keep_the_maximum(board: Board) -> None:
     _publish(board, "r2", 0, keyframe=True)
     for n in range(1, 30):
         ref = board.put_object("r2", f"p{n}".encode(), "rpatch")
-        board.put_manifest(Manifest("r2", n, n - 1, "bf16", D, 1, 0.0, "t",
-                                    (PatchObject(ref, n - 1, D),)))
+        board.put_manifest(make_manifest("r2", n, created=0.0, publisher="t",
+                                         patches=(PatchObject(ref, n - 1, D),)))
     threads = [threading.Thread(target=board.advance, args=("r2", n)) for n in range(1, 30)]
     for t in threads:
         t.start()
@@ -77,10 +77,11 @@ def test_racing_advances_keep_the_maximum(board: Board) -> None:
 def test_manifest_immutable_and_objects_first(board: Board) -> None:
     _publish(board, "r1", 0, keyframe=True)
     ref = board.put_object("r1", b"x", "rpatch")
-    other = Manifest("r1", 0, None, "bf16", "b" * 64, 1, 0.0, "t", (), (KeyframeObject(ref),))
+    other = make_manifest("r1", 0, target="b" * 64, created=0.0, publisher="t",
+                          keyframes=(KeyframeObject(ref),))
     with pytest.raises(AlreadyExistsError):
         board.put_manifest(other)
-    ghost = Manifest("r1", 1, 0, "bf16", D, 1, 0.0, "t", (PatchObject(
+    ghost = make_manifest("r1", 1, created=0.0, publisher="t", patches=(PatchObject(
         ref.__class__("runs/r1/objects/missing.rpatch", 3, "c" * 64), 0, D),))
     with pytest.raises(ManifestError, match="not durable"):
         board.put_manifest(ghost)
@@ -134,8 +135,8 @@ def test_signed_manifest() -> None:
     from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 
     key, other = SigningKey.generate(), SigningKey.generate()
-    m = Manifest("r1", 0, None, "bf16", D, 1, 0.0, "t", (),
-                 (KeyframeObject(ObjectRef("k", 1, D)),))
+    m = make_manifest("r1", 0, created=0.0, publisher="t",
+                      keyframes=(KeyframeObject(ObjectRef("k", 1, D)),))
     raw = m.stored_bytes(Signer(keys=(key,)))
     assert open_manifest(raw, "r1", 0, Trust(sign_root(Root.new([key.public]), [key]))) == m
     with pytest.raises(TrustError, match="bad_signature"):
@@ -196,6 +197,30 @@ def test_gc_dry_run_and_pins(board: Board) -> None:
     report = collect(board, "r1", keep_last=1, dry_run=True)
     assert report.cutoff == 10 and report.versions_deleted == list(range(10))
     assert board.versions("r1") == list(range(12))
+
+
+def test_gc_reports_an_unreadable_manifest_and_keeps_its_objects(any_board: Board) -> None:
+    """A corrupt manifest below the cutoff is deleted and reported with its reason; the
+    objects it may name are not guessed at: the orphan rule takes them once past the grace."""
+    from rollpatch.retention import collect
+
+    board = any_board
+    for n in range(12):
+        _publish(board, "r1", n, keyframe=n in (0, 10))
+    lost = board.manifest("r1", 3).patches[0].ref.key
+    board.store.put(version_key("r1", 3), b"{not json", if_absent=False)
+    board._cache.clear()
+    report = collect(board, "r1", keep_last=1)
+    assert report.cutoff == 10 and report.versions_deleted == list(range(10))
+    assert [v for v, _ in report.unreadable] == [3] and "manifest" in report.unreadable[0][1]
+    assert lost not in report.objects_deleted and board.store.head(lost) is not None
+    assert len(set(report.objects_deleted)) == len(report.objects_deleted)
+    assert board.versions("r1") == [10, 11] and board.keyframes("r1") == [10]
+    later = collect(board, "r1", keep_last=1, orphan_grace_s=60, now=time.time() + 7200)
+    assert later.orphans_deleted == [lost] and later.unreadable == []
+    assert board.store.head(lost) is None
+    for have in (None, 10):
+        assert board.plan("r1", have, 11).steps
 
 
 def test_gc_cli(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,6 @@ import logging
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,24 +16,27 @@ import numpy as np
 import pytest
 
 from rollpatch.board import Board
-from rollpatch.cli import EXIT_REFUSED
+from rollpatch.cli import EXIT_REFUSED, main, preflight
 from rollpatch.logs import configure, event
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.store import open_store
 
 
 def _rollpatch(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
-    """Run the CLI in a fresh interpreter; ``pre`` runs first (e.g. to hide a module)."""
-    code = f"import sys\n{pre}\nfrom rollpatch.cli import main\nsys.exit(main(sys.argv[1:]))"
+    """Run the CLI in a fresh interpreter; ``pre`` runs first, then ``post`` after main."""
+    code = (f"import sys\n{pre}\nfrom rollpatch.cli import main\nrc = main(sys.argv[1:])\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') "
+            "if m in sys.modules)\nprint('HEAVY', heavy, file=sys.stderr)\nsys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=120, check=False)
 
 
-def _one_line_error(r: subprocess.CompletedProcess[str]) -> str:
-    assert r.returncode == EXIT_REFUSED, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rollpatch: error: "), r.stderr
-    assert "Traceback" not in r.stderr
+def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run the CLI in this process; it must refuse with one line and exit 2."""
+    assert main(list(args)) == EXIT_REFUSED
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rollpatch: error: "), err
     return lines[0]
 
 
@@ -53,53 +55,56 @@ def board_dir(tmp_path: Path) -> Path:
     return d
 
 
-def test_status_of_a_typo_board_creates_nothing_and_fails(tmp_path: Path) -> None:
+def test_status_of_a_typo_board_creates_nothing_and_fails(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
     typo = tmp_path / "bord"
-    line = _one_line_error(_rollpatch("status", "--board", str(typo)))
-    assert f"no board at {typo}" in line
-    assert not typo.exists()
-    line = _one_line_error(_rollpatch("status", "--board", typo.as_uri()))
-    assert not typo.exists()
+    assert f"no board at {typo}" in _refused(capsys, "status", "--board", str(typo))
+    assert "no board at" in _refused(capsys, "status", "--board", typo.as_uri())
     for cmd in (("pull", "--board", str(typo), "--run", "r", "-o", str(tmp_path / "v")),
                 ("gc", "--board", str(typo), "--run", "r", "--keep-last", "2")):
-        assert "no board at" in _one_line_error(_rollpatch(*cmd))
-        assert not typo.exists()
+        assert "no board at" in _refused(capsys, *cmd)
+    assert not typo.exists()
 
 
-def test_unknown_board_scheme_is_named(board_dir: Path) -> None:
+def test_unknown_board_scheme_is_named(board_dir: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     for cmd in (("status", "--board", "fle:///data/board"),
                 ("sidecar", "--board", "ftp://host/b", "--run", "r", "--model", "m"),
                 ("relay", "--board", "sftp://x", "--cache", str(board_dir / "c"))):
-        line = _one_line_error(_rollpatch(*cmd))
-        assert "unknown board scheme" in line
-    assert "needs a bucket" in _one_line_error(_rollpatch("status", "--board", "s3:///x"))
+        assert "unknown board scheme" in _refused(capsys, *cmd)
+    assert "needs a bucket" in _refused(capsys, "status", "--board", "s3:///x")
 
 
-def test_port_in_use_is_named_before_the_model_loads(board_dir: Path, busy_port: int,
-                                                     tmp_path: Path) -> None:
+def test_port_in_use_is_named_before_anything_heavy_loads(board_dir: Path, busy_port: int,
+                                                          tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
     model = tmp_path / "model"
     model.mkdir()  # not a loadable model: the port must be refused before any load
-    t0 = time.monotonic()
-    line = _one_line_error(_rollpatch("sidecar", "--board", str(board_dir), "--run", "r",
-                                      "--model", str(model), "--port", str(busy_port)))
-    assert f"port {busy_port} on 127.0.0.1 is already in use" in line
+    # a fresh interpreter: the refusal comes before torch, transformers or the web stack
+    r = _rollpatch("sidecar", "--board", str(board_dir), "--run", "r", "--model", str(model),
+                   "--port", str(busy_port))
+    assert r.returncode == EXIT_REFUSED
+    assert f"port {busy_port} on 127.0.0.1 is already in use" in r.stderr
+    assert "HEAVY []" in r.stderr and "Traceback" not in r.stderr
     for cmd in (("relay", "--board", str(board_dir), "--cache", str(tmp_path / "c"),
                  "--port", str(busy_port)),
                 ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", str(busy_port))):
-        assert f"port {busy_port}" in _one_line_error(_rollpatch(*cmd))
-    assert time.monotonic() - t0 < 60  # three interpreters; no model, no hub, no server
+        assert f"port {busy_port}" in _refused(capsys, *cmd)
 
 
-def test_model_must_be_a_local_directory(board_dir: Path, tmp_path: Path) -> None:
+def test_model_must_be_a_local_directory(board_dir: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     # a hub-style name that is not a local directory: refused, the hub is never asked
     hub = "Qwen/Qwen3-0.6B"
-    line = _one_line_error(_rollpatch("sidecar", "--board", str(board_dir), "--run", "r",
-                                      "--model", hub, "--port", "0"))
+    line = _refused(capsys, "sidecar", "--board", str(board_dir), "--run", "r", "--model",
+                    hub, "--port", "0")
     assert f"no model directory at {hub}" in line and "never downloads" in line
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = _one_line_error(_rollpatch("sidecar", "--board", str(board_dir), "--run", "r",
-                                      "--model", str(empty), "--port", "0"))
+    line = _refused(capsys, "sidecar", "--board", str(board_dir), "--run", "r", "--model",
+                    str(empty), "--port", "0")
     assert "has no config.json" in line
 
 
@@ -109,29 +114,51 @@ def test_model_must_be_a_local_directory(board_dir: Path, tmp_path: Path) -> Non
     ("uvicorn", ("relay", "--cache", "c"), "web"),
     ("fastapi", ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", "0"), "web"),
     ("boto3", ("status", "--board", "s3://bucket/prefix"), "s3"),
+    ("transformers", ("demo", "--steps", "1", "--out", "unused"), "reference"),
 ])
 def test_missing_extra_is_one_line_naming_it(board_dir: Path, hidden: str,
-                                             cmd: tuple[str, ...], extra: str) -> None:
-    if "--board" not in cmd and cmd[0] != "gateway":
+                                             cmd: tuple[str, ...], extra: str,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    if "--board" not in cmd and cmd[0] not in ("gateway", "demo"):
         cmd = (*cmd, "--board", str(board_dir))
-    # find_spec consults a finder; hiding the module from it is what "not installed" means
-    pre = ("import importlib.util as u; _f = u.find_spec\n"
-           f"u.find_spec = lambda n, *a: None if n == {hidden!r} else _f(n, *a)\n"
-           f"sys.modules[{hidden!r}] = None")
-    line = _one_line_error(_rollpatch(*cmd, pre=pre))
+    # what "not installed" means to the check: the import system cannot find the module
+    monkeypatch.setattr(preflight, "_importable", lambda m: m != hidden)
+    line = _refused(capsys, *cmd)
     assert f"needs the '{extra}' extra" in line
     assert f"pip install 'rollpatch[{extra}]'" in line
 
 
-def test_netem_is_a_subcommand() -> None:
-    r = _rollpatch("netem", "--help")
-    assert r.returncode == 0 and "--latency-ms" in r.stdout and "--mbps" in r.stdout
-    assert "--upstream must be HOST:PORT" in _one_line_error(
-        _rollpatch("netem", "--upstream", "nowhere"))
+def test_missing_extra_in_a_fresh_interpreter(board_dir: Path) -> None:
+    r = _rollpatch("sidecar", "--board", str(board_dir), "--run", "r", "--model", "m",
+                   pre="sys.modules['fastapi'] = None")
+    assert r.returncode == EXIT_REFUSED and "Traceback" not in r.stderr
+    assert "pip install 'rollpatch[reference]'" in r.stderr
+
+
+def test_netem_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["netem", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--latency-ms" in out and "--mbps" in out
+    assert "--upstream must be HOST:PORT" in _refused(capsys, "netem", "--upstream", "nowhere")
 
 
 # -- structured logs ---------------------------------------------------------------------------
 
+@pytest.fixture
+def rollpatch_logger() -> Iterator[None]:
+    """configure() changes the process-wide ``rollpatch`` logger: put it back afterwards
+    (other tests capture its records through the root logger)."""
+    root = logging.getLogger("rollpatch")
+    saved = (list(root.handlers), root.level, root.propagate)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    root.propagate = saved[2]
+
+
+@pytest.mark.usefixtures("rollpatch_logger")
 def test_events_as_json_lines_and_text() -> None:
     out = io.StringIO()
     configure("info", "json", stream=out)

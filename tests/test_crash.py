@@ -24,11 +24,7 @@ from rollpatch.errors import ManifestError
 from rollpatch.formats import cast_view
 from rollpatch.publisher import Publisher, reconstruct
 from rollpatch.store import FileStore
-
-try:
-    from .crash_worker import CONFIG, masters_for
-except ImportError:  # tests/ run as plain directory
-    from crash_worker import CONFIG, masters_for  # type: ignore[no-redef]
+from tests.crash_worker import CONFIG, masters_for
 
 RUN = "crashy"
 WORKER = Path(__file__).with_name("crash_worker.py")

@@ -32,12 +32,13 @@ from rollpatch.errors import (
 from rollpatch.follower import Follower, FollowerConfig, FollowerState
 from rollpatch.io import load_view, view_to_bytes
 from rollpatch.kinds import KINDS
-from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
+from rollpatch.manifest import KeyframeObject, PatchObject
 from rollpatch.patch import Patch, compose, decode, diff, encode
 from rollpatch.patch.overlay import Overlay
 from rollpatch.store import MemoryStore, ObjectInfo, Store
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 from rollpatch.view import Tensor, View
+from tests.conftest import make_manifest
 
 RUN = "rl"
 KEY = SigningKey.generate()
@@ -91,8 +92,8 @@ def publish(board: Board, version: int, views: dict[int, View], *, bases: tuple[
         for s, part in enumerate(_shards(view, shards)):
             ref = board.put_object(RUN, view_to_bytes(part), "safetensors")
             kfs.append(KeyframeObject(ref, s))
-    m = Manifest(RUN, version, version - 1 if version else None, "bf16", view.digest(),
-                 view.nbytes, time.time(), "test", tuple(patches), tuple(kfs), shards)
+    m = make_manifest(RUN, version, target=view.digest(), view_bytes=view.nbytes,
+                      patches=tuple(patches), keyframes=tuple(kfs), shards=shards)
     board.put_manifest(m)
     board.advance(RUN, version)
 
@@ -413,26 +414,32 @@ def test_commit_not_matching_target_is_an_error(board: Board, published: Publish
     assert st.version is None and f.version is None  # never the unverified version
 
 
-class SlowStore(FlakyStore):
-    """Objects take ``delay`` seconds to arrive."""
+class StalledStore(FlakyStore):
+    """Object gets stall until ``release`` is set (a store that stops answering)."""
 
-    def __init__(self, inner: Store, delay: float) -> None:
+    def __init__(self, inner: Store) -> None:
         super().__init__(inner, failures=0)
-        self.delay = delay
+        self.release = threading.Event()
+        self.started = self.finished = 0
 
     def _get(self, key: str) -> bytes:
         if "/objects/" in key:
-            time.sleep(self.delay)
+            self.started += 1
+            self.release.wait(60)
+            self.finished += 1
         return super()._get(key)
 
 
 def test_fetch_timeout(board: Board, published: Published) -> None:
-    slow = Board(SlowStore(board.store, delay=1.0))
-    f = Follower(slow, RUN, engine_at(published, 19), FollowerConfig(timeout_s=0.1))
-    t0 = time.monotonic()
-    with pytest.raises(TransientStoreError, match="timed out"):
-        f.sync()
-    assert time.monotonic() - t0 < 0.8  # the slow get was abandoned, not awaited
+    stalled = StalledStore(board.store)
+    f = Follower(Board(stalled), RUN, engine_at(published, 19), FollowerConfig(timeout_s=0.1))
+    try:
+        with pytest.raises(TransientStoreError, match="timed out"):
+            f.sync()
+        # the stalled gets were abandoned, not awaited: none had returned when sync gave up
+        assert stalled.started >= 1 and stalled.finished == 0
+    finally:
+        stalled.release.set()
     assert f.status().state is FollowerState.ERROR and f.version == 19
 
 

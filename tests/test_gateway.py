@@ -7,10 +7,8 @@ request routed to the wrong island (or mislabelled) fails. The ranking is also t
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +34,14 @@ pytest.importorskip("transformers", reason="the reference extra installs transfo
 import httpx
 import openai
 
-from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime, make_tiny_model
+from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime
 from rollpatch.follower import FollowerConfig
 from rollpatch.formats import cast_view
 from rollpatch.gateway.server import RunningGateway, start_gateway
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.sidecar import SidecarConfig
 from rollpatch.sidecar.server import RunningSidecar, start_sidecar
+from tests.conftest import dead_url, until
 
 PROMPT = "12 + 7 ="
 MAX_TOKENS = 6
@@ -53,9 +52,9 @@ FAST = GatewayConfig(poll_s=0.05, retry_backoff_s=0.05)
 class World:
     """A board whose versions visibly change the tiny model's greedy output."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, model: Path) -> None:
         self.root = root
-        self.model = make_tiny_model(root / "model", seed=0)
+        self.model = model
         self.oracle = ReferenceRuntime(self.model, threads=1)
         self.masters = {n: t.to_array().astype(np.float32) for n, t in self.oracle.view.items()}
         self.board = f"file://{root / 'board'}"
@@ -88,13 +87,6 @@ class World:
                              config=SidecarConfig(follower=FollowerConfig(poll_s=0.05)))
 
 
-def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _served(gw: RunningGateway) -> dict[str, int | None]:
     return {i["name"]: i["served"] for i in httpx.get(f"{gw.url}/islands").json()["islands"]}
 
@@ -105,8 +97,8 @@ def _sample(gw: RunningGateway, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return World(tmp_path_factory.mktemp("gateway"))
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> World:
+    return World(tmp_path_factory.mktemp("gateway"), tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +113,7 @@ def islands(world: World) -> Iterator[dict[str, RunningSidecar]]:
 def gateway(islands: dict[str, RunningSidecar], world: World) -> Iterator[RunningGateway]:
     gw = start_gateway([f"{n}={sc.url}" for n, sc in islands.items()], config=FAST)
     latest = max(world.expected)
-    _until(lambda: set(_served(gw).values()) == {latest}, "every island to load")
+    until(lambda: set(_served(gw).values()) == {latest}, "every island to load")
     yield gw
     gw.stop()
 
@@ -171,12 +163,12 @@ def test_routes_by_served_version(gateway: RunningGateway, islands: dict[str, Ru
                                   world: World) -> None:
     client = _client(gateway)
     old = world.publish()  # so that an older version (old - 1) exists too
-    _until(lambda: set(_served(gateway).values()) == {old}, "every island to move")
+    until(lambda: set(_served(gateway).values()) == {old}, "every island to move")
     follower = islands["b"].sidecar.follower
     follower.stop()  # hold island b on the old version
     try:
         new = world.publish()
-        _until(lambda: _served(gateway) == {"a": new, "b": old, "c": new}, "a and c to move")
+        until(lambda: _served(gateway) == {"a": new, "b": old, "c": new}, "a and c to move")
         info = {i["name"]: i for i in httpx.get(f"{gateway.url}/islands").json()["islands"]}
         assert info["b"]["lag"] == 1 and info["b"]["reachable"] and info["a"]["lag"] == 0
         retries = _sample(gateway, "rollpatch_gateway_retries_total")
@@ -195,7 +187,7 @@ def test_routes_by_served_version(gateway: RunningGateway, islands: dict[str, Ru
         assert _sample(gateway, "rollpatch_gateway_conflicts_total") >= 1
     finally:
         follower.start()
-    _until(lambda: _served(gateway)["b"] == new, "b to catch up")
+    until(lambda: _served(gateway)["b"] == new, "b to catch up")
 
 
 def test_streaming_through_gateway(gateway: RunningGateway, world: World) -> None:
@@ -267,24 +259,18 @@ def test_a_hostile_island_answer_does_not_kill_the_poller() -> None:
     try:
         for answer, why in zip(answers[:2], ("nested", "NaN")):
             state["answer"] = answer
-            _until(lambda why=why: why in str(gw.describe()[0]["last_error"]), "a refusal")
+            until(lambda why=why: why in str(gw.describe()[0]["last_error"]), "a refusal")
         state["answer"] = answers[2]
-        _until(lambda: gw.views()[0].served == 3, "the poller to survive and read a good answer")
+        until(lambda: gw.views()[0].served == 3, "the poller to survive and read a good answer")
     finally:
         gw.stop()
         server.shutdown()
 
 
-def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
 def test_island_down_retried_then_all_down(islands: dict[str, RunningSidecar],
                                            world: World) -> None:
     doomed = world.sidecar()
-    _until(lambda: doomed.sidecar.follower.version == max(world.expected), "the island to load")
+    until(lambda: doomed.sidecar.follower.version == max(world.expected), "the island to load")
     # slow polls: the gateway still believes the island is up when it dies
     gw = start_gateway([f"doomed={doomed.url}", f"a={islands['a'].url}"],
                        config=GatewayConfig(poll_s=30))
@@ -300,7 +286,7 @@ def test_island_down_retried_then_all_down(islands: dict[str, RunningSidecar],
         assert info[0]["name"] == "doomed" and info[0]["reachable"] is False
     finally:
         gw.stop()
-    gw = start_gateway([f"doomed={doomed.url}", _dead_url()], config=FAST)
+    gw = start_gateway([f"doomed={doomed.url}", dead_url()], config=FAST)
     try:
         r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"]

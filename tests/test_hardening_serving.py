@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import ssl
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,21 +29,16 @@ from rollpatch.sidecar import SidecarConfig
 from rollpatch.sidecar.body import BodyLimits
 from rollpatch.sidecar.server import RunningSidecar, start_sidecar
 from rollpatch.store import open_store
+from tests.conftest import dead_url
 from tests.tlsfix import self_signed
 
 RUN = "r1"
 TOKEN = "t0ken-xyz"
 
 
-def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
 @pytest.fixture
-def board() -> Board:
-    return Board(f"memory://hardening-{uuid.uuid4().hex}")
+def board(memory_board: Board) -> Board:
+    return memory_board
 
 
 @pytest.fixture
@@ -59,7 +53,7 @@ def relay(board: Board, tmp_path: Path) -> Iterator[RelayServer]:
 def _sidecar(tmp_path: Path, options: ServeOptions | None = None,
              **config: object) -> RunningSidecar:
     """A sidecar of a run that has nothing published (its engine is never reached)."""
-    return start_sidecar(f"file://{tmp_path / 'board'}", RUN, ViewEngine(), _dead_url(),
+    return start_sidecar(f"file://{tmp_path / 'board'}", RUN, ViewEngine(), dead_url(),
                          config=SidecarConfig(**config), options=options)  # type: ignore[arg-type]
 
 
@@ -123,7 +117,7 @@ def test_a_complete_head_is_not_cut_and_keep_alive_works(relay: RelayServer) -> 
 
 
 def test_slow_body_gets_408_and_frees_the_connection() -> None:
-    gw = _gateway([f"a={_dead_url()}"], body=BodyLimits(timeout_s=1.0),
+    gw = _gateway([f"a={dead_url()}"], body=BodyLimits(timeout_s=1.0),
                   options=ServeOptions(header_timeout_s=5.0))
     try:
         s = socket.create_connection(("127.0.0.1", _port(gw.url)))
@@ -346,7 +340,7 @@ def test_max_lag_is_refused_while_latest_cannot_be_read(board: Board, tmp_path: 
     pub.flush()
     relay = RelayServer(board.store, RelayConfig(cache_dir=tmp_path / "c"))
     relay.start()
-    sc = start_sidecar(relay.url, RUN, ViewEngine(), _dead_url(),  # generation: unreachable
+    sc = start_sidecar(relay.url, RUN, ViewEngine(), dead_url(),  # generation: unreachable
                        config=SidecarConfig(latest_max_age_s=1.0,
                                             follower=FollowerConfig(poll_s=0.05)))
     try:

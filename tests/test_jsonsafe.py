@@ -19,6 +19,7 @@ from rollpatch.io import view_from_bytes, view_to_bytes
 from rollpatch.manifest import KeyframeObject, Manifest
 from rollpatch.types import ObjectRef
 from rollpatch.view import Tensor, View
+from tests.conftest import make_manifest
 
 D = "a" * 64
 
@@ -65,8 +66,8 @@ def test_bounds_and_what_is_accepted() -> None:
 
 
 def _manifest_doc() -> dict:
-    m = Manifest("r1", 1, 0, "bf16", D, 10, 0.0, "t", (),
-                 (KeyframeObject(ObjectRef("runs/r1/objects/k", 1, D)),))
+    m = make_manifest("r1", 1, target=D, view_bytes=10, created=0.0, publisher="t",
+                      keyframes=(KeyframeObject(ObjectRef("runs/r1/objects/k", 1, D)),))
     return m.to_json()
 
 

@@ -23,13 +23,9 @@ from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
 from rollpatch.store import FileStore, Store
 from rollpatch.types import ObjectRef
 from rollpatch.view import View
+from tests.conftest_s3 import MiB, make_s3_store, pair, relay, store
 
-try:  # tests/ may or may not be a package; the fixtures are used by name
-    from .conftest_s3 import MiB, make_s3_store, pair, relay, s3_server, store
-except ImportError:
-    from conftest_s3 import MiB, make_s3_store, pair, relay, s3_server, store  # type: ignore
-
-_FIXTURES = (pair, relay, s3_server, store)
+_FIXTURES = (pair, relay, store)  # used by name (s3_server: tests/conftest.py)
 
 
 def masters(n_params: int, seed: int = 0, *, tensors: int = 8) -> dict[str, np.ndarray]:
@@ -181,3 +177,23 @@ def test_published_keyframes_are_streamed_and_boot(tmp_path: Path) -> None:
     want = cast_view(masters(1 << 14, seed=2), "bf16")
     assert view_from_bytes(board.fetch(m.keyframes[0].ref)).digest() == want.digest()
     assert reconstruct(board, "r1", 2).digest() == want.digest() == m.target
+
+
+def test_shard_resume_needs_the_same_layout(tmp_path: Path) -> None:
+    """reconstruct_shard rebuilds one rank's part only when the board has that shard; else
+    None (the publisher then rebuilds the whole view). shard_matches guards the names."""
+    from rollpatch.publisher.keyframe import reconstruct_shard, shard_matches
+
+    uri = f"file://{tmp_path / 'board'}"
+    cfg = PublisherConfig(format="nvfp4", keyframe_every=2, skip_strides=())
+    with Publisher(uri, "r1", cfg, asynchronous=False) as pub:
+        for seed in range(4):
+            pub.publish(masters(1 << 14, seed=seed))
+    board = Board(uri)
+    whole = reconstruct_shard(board, "r1", 3, 0, 1)       # one shard: the whole view
+    assert whole is not None and whole.digest() == board.manifest("r1", 3).target
+    assert reconstruct_shard(board, "r1", 3, 0, 2) is None   # published by one rank, not two
+    names = set(masters(1 << 14))
+    assert shard_matches(whole, names, "nvfp4")
+    assert not shard_matches(whole, names - {"norm"}, "nvfp4")
+    assert not shard_matches(whole, names | {"extra"}, "nvfp4")

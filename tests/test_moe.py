@@ -148,6 +148,40 @@ def test_view_has_checkpoint_names_and_aliases_the_fused_experts(world: World) -
     assert rt.router is not None and (rt.router.layers, rt.router.top_k) == (LAYERS, TOP_K)
 
 
+def test_mixtral_names_and_routing(tmp_path: Path) -> None:
+    """Another MoE family (Mixtral: ``block_sparse_moe``, experts ``w1/w3/w2``): the view has
+    the checkpoint's names and bits, and the recorded routing is transformers' own."""
+    from safetensors import safe_open
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from rollpatch.engines.reference import make_tokenizer
+
+    out = make_tokenizer(tmp_path / "mixtral", vocab_size=512)
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).bfloat16().save_pretrained(out)
+    rt = ReferenceRuntime(out, threads=1)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert set(rt.view) == names
+        for k in names:
+            want = f.get_tensor(k).view(torch.int16).numpy().view(np.uint16).reshape(-1)
+            assert np.array_equal(rt.view[k].data, want), k
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in rt.view
+    prompt = [5, 17, 99, 3, 250]
+    gen = rt.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+    tokens = [s.token_id for s in gen]
+    rows = gen.routed_experts()
+    model = MixtralForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens[:-1]]), output_router_logits=True)
+    want = np.stack([torch.topk(torch.softmax(x.float(), -1), 2, -1).indices.numpy()
+                     for x in logits.router_logits], 1)
+    assert rows is not None and np.array_equal(rows, want)
+
+
 def test_routing_recorded_in_vllm_shape(world: World) -> None:
     rt = ReferenceRuntime(world.model, threads=1)
     rt.load_view(world.views[min(world.views)], min(world.views))
@@ -234,6 +268,21 @@ def test_routed_experts_replay_under_every_version(stack: Any, world: World) -> 
     assert any(not np.array_equal(seen[0], s) for s in seen[1:]), "routing never changed"
 
 
+def test_chat_carries_routed_experts(stack: Any, world: World) -> None:
+    gw = stack[2]
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=120)
+    body = client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}).model_dump()
+    rows = _decode(body["choices"][0]["routed_experts"])
+    n = len(body["prompt_token_ids"]) + len(body["choices"][0]["token_ids"]) - 1
+    assert rows.shape == (n, LAYERS, TOP_K)
+    v = body["rollpatch"]["version_start"]
+    assert body["rollpatch"]["spans"] == [{"start": 0, "end": n, "version": v}]
+    hf_rows, _ = world.hf_routing(v, body["prompt_token_ids"] + body["choices"][0]["token_ids"][:-1])
+    assert np.array_equal(rows, hf_rows)
+
+
 def test_bad_prompt_start_is_a_clear_400(stack: Any) -> None:
     gw = stack[2]
     for start in (10_000, -1):
@@ -242,6 +291,60 @@ def test_bad_prompt_start_is_a_clear_400(stack: Any) -> None:
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert "routed_experts_prompt_start" in json.dumps(err) and "Traceback" not in r.text
+
+
+# ---- a version published mid-stream, behind a sidecar in each commit mode ------------------
+
+@pytest.mark.parametrize("mode", ["drain", "pause"])
+def test_publish_mid_stream_through_the_sidecar(world: World, mode: str) -> None:
+    """Drain: the commit waits for the stream, so its routing has one version (by
+    construction). Pause: the commit lands mid-stream and the spans say where."""
+    engine = ReferenceEngine.from_dir(world.model, threads=1)
+    sc = start_sidecar(world.board, "moe", engine, engine.url,
+                       config=SidecarConfig(commit_mode=mode,  # type: ignore[arg-type]
+                                            follower=FollowerConfig(poll_s=0.05)))
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{sc.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "sidecar never became ready"
+            time.sleep(0.05)
+        old = max(world.views)
+        hold_at, published = 4, []
+
+        def hook(i: int) -> None:  # in the engine's generating thread, outside every lock
+            if i != hold_at:
+                return
+            published.append(world.publish())
+            end = time.monotonic() + (30 if mode == "pause" else 1.0)
+            while time.monotonic() < end and engine.runtime.version != published[0]:
+                time.sleep(0.02)
+
+        engine.runtime.step_hook = hook
+        last, rp = _stream_choice(f"{sc.url}/v1", old)
+        engine.runtime.step_hook = None
+        new = published[0]
+        n = len(world.prompt_ids) + MAX_TOKENS - 1
+        rows = _decode(last["routed_experts"])
+        assert rows.shape == (n, LAYERS, TOP_K)
+        if mode == "drain":
+            assert rp["version_start"] == rp["version_end"] == old
+            assert rp["spans"] == [{"start": 0, "end": n, "version": old}]
+            hf_rows, _ = world.hf_routing(old, world.prompt_ids + last["token_ids"][:-1])
+            assert np.array_equal(rows, hf_rows)  # the whole response replays under ``old``
+        else:
+            cut = len(world.prompt_ids) + hold_at
+            assert (rp["version_start"], rp["version_end"]) == (old, new)
+            assert rp["spans"] == [{"start": 0, "end": cut, "version": old},
+                                   {"start": cut, "end": n, "version": new}]
+            hf_rows, _ = world.hf_routing(old, (world.prompt_ids + last["token_ids"])[:cut])
+            assert np.array_equal(rows[:cut], hf_rows)
+        after = httpx.post(f"{sc.url}/v1/completions", timeout=120, json={
+            "prompt": PROMPT, "max_tokens": 2, "rollpatch": {"exact_version": new,
+                                                              "wait_s": 60}}).json()
+        assert after["rollpatch"]["spans"][0]["version"] == new
+    finally:
+        engine.runtime.step_hook = None
+        sc.stop()
 
 
 # ---- pause mode: a commit mid-generation is labelled per span -----------------------------

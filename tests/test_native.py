@@ -18,8 +18,7 @@ from rollpatch.patch.codec_v2 import CtxGolombV2
 from rollpatch.patch.ctxv2 import CHUNK
 from rollpatch.patch.ops import changed_positions, gather
 from rollpatch.view import Tensor, _sum128_numpy, sum128
-
-from .test_patch import SPECIAL_BF16, _perturb, _words
+from tests.test_patch import SPECIAL_BF16, _perturb, _words
 
 NATIVE, REF = CtxGolombV2(), CtxGolombV2(reference=True)
 
@@ -205,8 +204,7 @@ def test_encode_views_equals_encode_of_diff(seed: int) -> None:
     """The fused one-pass encoder writes the same bytes as diff + encode, ops of every kind."""
     from rollpatch.patch import diff, encode, encode_views
     from rollpatch.view import View
-
-    from .patchfix import sample_views
+    from tests.patchfix import sample_views
 
     a, b = sample_views(seed=seed, n=200_000)
     b = View(dict(b))
@@ -223,8 +221,7 @@ def test_apply_rehashes_by_default_and_incremental_is_exact_for_what_it_wrote() 
     intact, blind to the flip (that is what a background audit is for)."""
     from rollpatch.errors import TargetMismatchError
     from rollpatch.patch import apply, diff
-
-    from .patchfix import sample_views
+    from tests.patchfix import sample_views
 
     a, b = sample_views(seed=4, n=200_000)
     p = diff(a, b)

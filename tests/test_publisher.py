@@ -7,7 +7,6 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +77,8 @@ class FailingStore(MemoryStore):
 
 
 @pytest.fixture
-def board() -> Iterator[Board]:
-    name = f"pub-{uuid.uuid4().hex[:12]}"
-    yield Board(f"memory://{name}")
-    MemoryStore.reset(name)
+def board(memory_board: Board) -> Board:
+    return memory_board
 
 
 def _check_all(board: Board, expected: dict[int, dict[str, np.ndarray]], fmt: str = "bf16"

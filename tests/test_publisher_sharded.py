@@ -3,7 +3,7 @@
 One pair of spawned processes runs every phase (spawning and importing torch dominates the
 cost): asynchronous publishing with keyframes and skip patches, a resume in synchronous mode,
 coalescing with ranks whose uploads run at different speeds, an error on one rank, and an
-explicit ``group=``. The parent then reconstructs every version as a follower would and
+explicit ``group=``. Resumes rebuild each rank's own shard only (``resume_scope``). The parent then reconstructs every version as a follower would and
 compares it with the cast of the full, unsharded state dict.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +25,7 @@ from rollpatch.errors import BoardError
 from rollpatch.formats import cast_view
 from rollpatch.publisher import reconstruct
 from rollpatch.publisher.rounds import Snapshot, agree
+from tests.conftest import free_port
 
 RUN = "sharded"
 FORMAT = "fp8-e4m3"
@@ -93,6 +93,7 @@ def _phases(rank: int, board_dir: str, report: dict[str, Any]) -> None:
         for v in (7, 8):
             assert pub.publish(shard_of(full_masters(v), rank)) == v
         report["B"] = [s.version for s in pub.stats.versions]
+        report["B_scope"] = pub.resume_scope  # rebuilt its own shard, not the whole view
     slow = Board(SlowFileStore(board_dir, fsync=False))
     coalesce = PublisherConfig(format=FORMAT, keyframe_every=0, skip_strides=(), max_pending=1)
     with Publisher(slow, RUN, coalesce) as pub:  # C: ranks coalesce at different paces
@@ -103,6 +104,7 @@ def _phases(rank: int, board_dir: str, report: dict[str, Any]) -> None:
             time.sleep(0.005 if rank == 0 else 0.02)  # rank 1's trainer lags behind
         pub.flush()
         report["C"] = [s.version for s in pub.stats.versions]
+        report["C_scope"] = pub.resume_scope
         report["C_dropped"] = list(pub.stats.dropped)
     pub = Publisher(uri, RUN, cfg)  # D: rank 1 fails; every rank sees an error
     bad = shard_of(full_masters(21), rank)
@@ -122,18 +124,12 @@ def _phases(rank: int, board_dir: str, report: dict[str, Any]) -> None:
         report["E"] = [pub.publish(shard_of(full_masters(v), rank)) for v in range(2)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_gloo_ranks_publish_shards(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     board_dir, out_dir = tmp_path / "board", tmp_path / "out"
     out_dir.mkdir()
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir)))
              for r in range(WORLD)]
     for p in procs:
@@ -150,6 +146,8 @@ def test_two_gloo_ranks_publish_shards(tmp_path: Path) -> None:
 
     assert reports[0]["A"] == reports[1]["A"] == list(range(7))
     assert reports[0]["B"] == reports[1]["B"] == [7, 8]
+    # resumes rebuild each rank's own shard (its keyframe shard + its patch objects) only
+    assert [r["B_scope"] for r in reports] == [r["C_scope"] for r in reports] == ["shard"] * 2
     assert reports[0]["C"] == reports[1]["C"], "ranks must publish the same versions"
     assert reports[0]["C"][-1] == 20
     assert "FormatError" in reports[1]["D"] and "NaN" in reports[1]["D"]

@@ -35,10 +35,8 @@ PROMPT = "What is 12 + 7? The answer is"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rollpatch.engines.reference import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +116,7 @@ def test_make_tiny_model_is_deterministic(model_dir: Path, tmp_path: Path) -> No
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                    add_generation_prompt=True, tokenize=False)
     assert isinstance(chat, str) and chat.endswith("<|assistant|>\n")
-    t0 = time.perf_counter()
     again = make_tiny_model(tmp_path / "again")
-    assert time.perf_counter() - t0 < 10
     weights = (again / "model.safetensors").read_bytes()
     assert weights == (model_dir / "model.safetensors").read_bytes()
     other = make_tiny_model(tmp_path / "other", seed=1, layers=1)

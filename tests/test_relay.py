@@ -10,13 +10,11 @@ from __future__ import annotations
 import collections
 import http.client
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,11 +23,12 @@ import pytest
 
 from rollpatch.board import Board, version_key
 from rollpatch.errors import ConfigError, NotFoundError, StoreError, TransientStoreError
-from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
+from rollpatch.manifest import KeyframeObject, PatchObject
 from rollpatch.relay import KeyKind, RelayConfig, RelayServer, classify
 from rollpatch.relay.server import RangeNotSatisfiable, parse_range
 from rollpatch.store import ObjectInfo, Store, open_store
 from rollpatch.types import ObjectRef
+from tests.conftest import free_port, make_manifest
 
 D = "d" * 64
 RUN = "r1"
@@ -87,16 +86,16 @@ def publish(board: Board, n: int, *, keyframe: bool = False, size: int = 3000) -
         pats.append(PatchObject(board.put_object(RUN, os.urandom(size), "rpatch"), n - 1, D))
     if keyframe:
         kfs.append(KeyframeObject(board.put_object(RUN, os.urandom(size * 4), "safetensors")))
-    m = Manifest(RUN, n, n - 1 if n else None, "bf16", D, size * 4, time.time(), "test",
-                 tuple(pats), tuple(kfs))
+    m = make_manifest(RUN, n, target=D, view_bytes=size * 4, patches=tuple(pats),
+                      keyframes=tuple(kfs))
     board.put_manifest(m)
     board.advance(RUN, n)
     return m.objects()
 
 
 @pytest.fixture
-def board() -> Board:
-    return Board(f"memory://relay-{uuid.uuid4().hex}")
+def board(memory_board: Board) -> Board:
+    return memory_board
 
 
 @pytest.fixture
@@ -364,18 +363,12 @@ def test_config_and_ranges_are_validated(tmp_path: Path) -> None:
         parse_range("bytes=0-0", 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_cli_serves_until_terminated(board: Board, objects: list[ObjectRef],
                                      tmp_path: Path) -> None:
     root = tmp_path / "board"
     disk = Board(f"file://{root}")
     refs = [disk.put_object(RUN, board.store.get(ref.key), "rpatch") for ref in objects[:2]]
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollpatch", "relay", "--board", f"file://{root}",
          "--port", str(port), "--cache", str(tmp_path / "cli-cache"), "--cache-bytes", "64M",

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rollpatch.board import Board
 from rollpatch.engines.sglang.staged import HeldWeights
 from rollpatch.engines.sglang.wire import command_payload
 from rollpatch.errors import (
@@ -152,6 +153,7 @@ def test_audit_finds_a_flipped_word() -> None:
 # -- live: a real SGLang ----------------------------------------------------------------------
 
 N_VERSIONS = 6  # published versions 0..5
+RUN = "rl"
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 17]]
 MAX_TOKENS = 8
 
@@ -195,12 +197,14 @@ def start_server(python: Path, model: Path, log: Path, shim_log: Path) -> vllm_e
 
 
 class World:
-    """The tiny model, 6 versions (an RL-sized step each), their views and model dirs."""
+    """The tiny model, 6 versions published to a board (an RL-sized step each), their views
+    and model dirs."""
 
     def __init__(self, root: Path) -> None:
         from rollpatch.engines.reference import make_tiny_model
         from rollpatch.formats import cast_view
         from rollpatch.io.safetensors import load_view, save_view
+        from rollpatch.publisher import Publisher, PublisherConfig
 
         tiny = make_tiny_model(root / "tiny", hidden_size=256, heads=4, kv_heads=2,
                                intermediate=512, vocab_size=2048)
@@ -209,8 +213,13 @@ class World:
         rng = np.random.default_rng(16)
         self.views: list[View] = []
         self.dirs: list[Path] = []
+        self.board = Board(f"file://{root / 'board'}")
+        publisher = Publisher(self.board.store.uri, RUN, PublisherConfig(
+            keyframe_every=0, skip_strides=()), asynchronous=False)
         for v in range(N_VERSIONS):
+            assert publisher.publish(masters) == v
             view = cast_view(masters, "bf16")
+            assert self.board.manifest(RUN, v).target == view.digest()  # what was published
             self.views.append(view)
             d = root / f"v{v}"
             d.mkdir()
@@ -221,6 +230,12 @@ class World:
             self.dirs.append(d)
             for m in masters.values():
                 m += (1e-2 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
+        publisher.close()
+
+    def patch_object(self, v: int) -> bytes:
+        """Version ``v``'s published patch object (from ``v - 1``), as the board holds it."""
+        (po,) = self.board.manifest(RUN, v).patches_from(v - 1)
+        return self.board.fetch(po.ref)
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +291,7 @@ def test_versions_forward_and_back(server: vllm_env.Server, world: World) -> Non
         exact = check(world.views[0], PROMPTS, seen[0][0])
         for v in range(1, N_VERSIONS):
             a, b = world.views[v - 1], world.views[v]
-            engine.apply_encoded([encode(diff(a, b), a)], a.digest(), b.digest(), v)
+            engine.apply_encoded([world.patch_object(v)], a.digest(), b.digest(), v)
             assert engine.version == v and engine.digest == b.digest()
             assert engine.held(fresh=True) == (b.tensor_digests(), b.digest())
             assert engine.last_timings["stage_s"] > 0 and engine.last_timings["pause_s"] > 0

@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="the reference extra installs transfo
 import httpx
 import openai
 
-from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime, make_tiny_model
+from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime
 from rollpatch.follower import FollowerConfig
 from rollpatch.formats import cast_view
 from rollpatch.publisher import Publisher, PublisherConfig
@@ -35,8 +35,8 @@ MODEL = "model"  # the reference engine serves its directory name
 class World:
     """A board with a run whose versions visibly change the model's greedy output."""
 
-    def __init__(self, root: Path) -> None:
-        self.model = make_tiny_model(root / "model", seed=0)
+    def __init__(self, root: Path, model: Path) -> None:
+        self.model = model
         self.oracle = ReferenceRuntime(self.model, threads=1)
         self.masters = {n: t.to_array().astype(np.float32) for n, t in self.oracle.view.items()}
         self.board = f"file://{root / 'board'}"
@@ -74,8 +74,8 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return World(tmp_path_factory.mktemp("sidecar"))
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> World:
+    return World(tmp_path_factory.mktemp("sidecar"), tiny_model)
 
 
 def _start(world: World, mode: str = "drain", token: str | None = None,

@@ -25,16 +25,10 @@ from rollpatch.errors import (
 )
 from rollpatch.store import FileStore, HttpStore, Store, open_store
 from rollpatch.store.config import HttpConfig, s3_config_from
+from tests.conftest_s3 import BUCKET, Interloper, MiB, make_s3_store, pair, relay, store
+from tests.s3server import S3Server, free_port
 
-try:  # tests/ may or may not be a package; the fixtures are used by name
-    from .conftest_s3 import BUCKET, Interloper, MiB, make_s3_store, pair, relay, s3_server, store
-    from .s3server import S3Server, free_port
-except ImportError:
-    from conftest_s3 import BUCKET, Interloper, MiB, make_s3_store, pair, relay, s3_server, store  # type: ignore
-    from s3server import S3Server, free_port  # type: ignore
-
-
-_FIXTURES = (pair, relay, s3_server, store)  # used by name in the tests below
+_FIXTURES = (pair, relay, store)  # used by name in the tests below (s3_server: tests/conftest.py)
 
 
 # -- the contract -----------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from rollpatch.trust import (
 )
 from rollpatch.types import Pointer
 from rollpatch.view import Tensor, View
+from tests.conftest import make_manifest
 
 RUN = "rl"
 FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=1, timeout_s=10.0)
@@ -78,12 +79,12 @@ class Pub:
         view = self.views[n]
         if n == 0:
             ref = self.board.put_object(RUN, _safetensors(view), "safetensors")
-            return Manifest(RUN, 0, None, "bf16", view.digest(), view.nbytes, time.time(),
-                            "test", (), (KeyframeObject(ref),))
+            return make_manifest(RUN, 0, target=view.digest(), view_bytes=view.nbytes,
+                                 keyframes=(KeyframeObject(ref),))
         base = self.views[n - 1]
         ref = self.board.put_object(RUN, encode(diff(base, view), base), "rpatch")
-        return Manifest(RUN, n, n - 1, "bf16", view.digest(), view.nbytes, time.time(), "test",
-                        (PatchObject(ref, n - 1, base.digest()),))
+        return make_manifest(RUN, n, target=view.digest(), view_bytes=view.nbytes,
+                             patches=(PatchObject(ref, n - 1, base.digest()),))
 
     def publish(self, n: int, board: Board | None = None) -> Manifest:
         self.views[n] = _view(0) if n == 0 else _step(self.views[n - 1], n)

@@ -24,6 +24,7 @@ from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.store import Store, open_store
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
+from tests.conftest import make_manifest
 from tests.test_trust import RUN, Pub
 
 FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=1, timeout_s=10.0)
@@ -176,8 +177,8 @@ def test_cli_keygen_root_publish_pull_and_a_forgery(tmp_path: Path,
     b = Board(board)
     m = b.manifest("r1", 0)
     Board(b.store, signer=Signer.from_files([evil])).put_manifest(
-        type(m)("r1", 1, 0, m.format, m.target, m.view_bytes, m.created, "evil",
-                (), m.keyframes))
+        make_manifest("r1", 1, fmt=m.format, target=m.target, view_bytes=m.view_bytes,
+                      created=m.created, publisher="evil", keyframes=m.keyframes))
     Board(b.store, signer=Signer.from_files([evil])).advance("r1", 1)
     code = main([*pull, "-o", str(tmp_path / "b.safetensors")])
     err = capsys.readouterr().err.strip().splitlines()

@@ -8,10 +8,8 @@ the board is repaired. Responses come through the real ``openai`` client.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,24 +22,12 @@ import httpx
 import openai
 
 from rollpatch.board import Board
-from rollpatch.engines.reference import ReferenceRuntime, make_tiny_model
+from rollpatch.engines.reference import ReferenceRuntime
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.trust import Root, Signer, SigningKey, sign_root
+from tests.conftest import free_port, make_manifest, until
 
 RUN = "r1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _until(cond: object, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _served(url: str) -> int | None:
@@ -51,8 +37,9 @@ def _served(url: str) -> int | None:
     return int(raw.headers["x-rollpatch-version-end"])
 
 
-def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path) -> None:
-    model = make_tiny_model(tmp_path / "model", seed=0)
+def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path,
+                                                              tiny_model: Path) -> None:
+    model = tiny_model
     masters = {n: t.to_array().astype(np.float32)
                for n, t in ReferenceRuntime(model, threads=1).view.items()}
     key = SigningKey.generate()
@@ -68,7 +55,7 @@ def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path) ->
         return pub.publish(masters)
 
     assert pub.publish(masters) == 0 and step() == 1
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollpatch", "sidecar", "--board", board, "--run", RUN,
@@ -85,13 +72,14 @@ def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path) ->
                 return False
             return r.status_code == 200 and r.json()["version"] == 1
 
-        _until(ready, "the sidecar to serve version 1")
+        until(ready, "the sidecar to serve version 1", timeout=90)
         assert _served(url) == 1
         # the attacker: version 2 signed with their own key, LATEST moved to it
         evil = Board(board, signer=Signer(keys=(SigningKey.generate(),)))
         m1 = evil.manifest(RUN, 1)
-        forged = type(m1)(RUN, 2, 1, m1.format, m1.target, m1.view_bytes, time.time(), "evil",
-                          m1.patches, m1.keyframes)
+        forged = make_manifest(RUN, 2, fmt=m1.format, target=m1.target,
+                               view_bytes=m1.view_bytes, publisher="evil", patches=m1.patches,
+                               keyframes=m1.keyframes)
         evil.put_manifest(forged)
         evil.advance(RUN, 2)
 
@@ -99,7 +87,7 @@ def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path) ->
             info = httpx.get(f"{url}/version", timeout=5).json()
             return "TrustError" in str(info)
 
-        _until(refused, "the sidecar to report the forgery")
+        until(refused, "the sidecar to report the forgery", timeout=90)
         assert _served(url) == 1  # still the last good version
         r = httpx.post(f"{url}/v1/completions", json={
             "model": "model", "prompt": "1 + 1 =", "max_tokens": 2,
@@ -112,7 +100,7 @@ def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path) ->
         def at_two() -> bool:
             return bool(_served(url) == 2)
 
-        _until(at_two, "the honest version 2")
+        until(at_two, "the honest version 2", timeout=90)
         assert list((tmp_path / "state" / "rollpatch").glob("trust-*.json"))
     finally:
         proc.terminate()

@@ -1,12 +1,7 @@
 """The bulletin board: versions laid out in a store, the LATEST pointer, and planning.
 
-Layout (docs/board.md)::
-
-    runs/{run}/LATEST                      pointer JSON (compare-and-swap, never backwards)
-    runs/{run}/versions/{n:012d}.json      manifest (put-if-absent: immutable)
-    runs/{run}/keyframes/{n:012d}          marker: version n has a keyframe (cheap listing)
-    runs/{run}/objects/{b3}.{rpatch|safetensors}   content-addressed objects
-    root/{n:012d}.json                     root of trust, version n (signed boards; immutable)
+The key layout (LATEST, manifests, keyframe markers, objects, roots) is spelled in
+:mod:`rollpatch.layout` only (docs/board.md).
 
 Publishing order is objects → manifest (→ keyframe marker) → pointer, so anything a pointer or
 manifest names is already durable. :meth:`Board.plan` picks the fewest bytes among patch
@@ -20,7 +15,6 @@ given a :class:`~rollpatch.trust.Signer` writes signed manifests and LATEST (doc
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +33,19 @@ from .errors import (
     ViewError,
 )
 from .latest import MAX_POINTER_BYTES, encode_latest, read_latest
+from .layout import (
+    ROOT_PREFIX,
+    RUNS_PREFIX,
+    keyframe_marker_key,
+    keyframes_prefix,
+    numbered,
+    object_key,
+    pointer_key,
+    root_key,
+    runs_with_pointer,
+    version_key,
+    versions_prefix,
+)
 from .manifest import MAX_ENVELOPE_BYTES, MAX_MANIFEST_DEPTH, Manifest, open_manifest
 from .planning import Plan, PlanStep, cheapest_plan
 from .store import Store, open_store
@@ -51,7 +58,7 @@ from .trust import (
     looks_like_envelope,
     verify_initial_root,
 )
-from .types import MAX_VERSION, ObjectRef, Pointer, check_run, pointer_may_advance
+from .types import MAX_VERSION, ObjectRef, Pointer, pointer_may_advance
 from .view import View
 
 __all__ = ["MAX_POINTER_BYTES", "Board", "Plan", "PlanStep", "pointer_key", "root_key",
@@ -61,29 +68,6 @@ _CAS_RETRIES = 64
 log = logging.getLogger("rollpatch.board")
 #: Default bound on the manifests one plan reads (the newest ones up to the wanted version).
 MAX_PLAN_VERSIONS = 10_000
-_VERSION_STEM = re.compile(r"[0-9]{1,16}")
-_ROOT_PREFIX = "root/"
-
-
-def _run_prefix(run: str) -> str:
-    return f"runs/{check_run(run)}/"
-
-
-def version_key(run: str, n: int) -> str:
-    return f"{_run_prefix(run)}versions/{n:012d}.json"
-
-
-def pointer_key(run: str) -> str:
-    return f"{_run_prefix(run)}LATEST"
-
-
-def root_key(n: int) -> str:
-    """The key of root-of-trust version ``n`` (board-wide: every run shares the root)."""
-    return f"{_ROOT_PREFIX}{n:012d}.json"
-
-
-def _keyframe_marker(run: str, n: int) -> str:
-    return f"{_run_prefix(run)}keyframes/{n:012d}"
 
 
 class Board:
@@ -115,18 +99,17 @@ class Board:
 
     def runs(self) -> list[str]:
         """Runs that have a LATEST pointer."""
-        keys = self.store.list("runs/")
-        return sorted({k.split("/")[1] for k in keys if k.endswith("/LATEST")})
+        return runs_with_pointer(self.store.list(RUNS_PREFIX))
 
     def versions(self, run: str) -> list[int]:
         """Published manifests of ``run`` (ascending)."""
-        prefix = f"{_run_prefix(run)}versions/"
-        return _numbered(self.store.list(prefix), prefix, ".json")
+        prefix = versions_prefix(run)
+        return numbered(self.store.list(prefix), prefix, ".json")
 
     def keyframes(self, run: str) -> list[int]:
         """Versions of ``run`` that have a keyframe marker (ascending)."""
-        prefix = f"{_run_prefix(run)}keyframes/"
-        return _numbered(self.store.list(prefix), prefix, "")
+        prefix = keyframes_prefix(run)
+        return numbered(self.store.list(prefix), prefix, "")
 
     def latest(self, run: str) -> Pointer | None:
         """The LATEST pointer, or None before the first publish (verified under the trust
@@ -148,7 +131,7 @@ class Board:
 
     def roots(self) -> list[int]:
         """Root-of-trust versions on the board (ascending)."""
-        return _numbered(self.store.list(_ROOT_PREFIX), _ROOT_PREFIX, ".json")
+        return numbered(self.store.list(ROOT_PREFIX), ROOT_PREFIX, ".json")
 
     def root_raw(self, n: int) -> bytes | None:
         """The envelope bytes of root ``n``, or None when there is none."""
@@ -245,7 +228,7 @@ class Board:
     def put_object(self, run: str, data: bytes, suffix: str) -> ObjectRef:
         """Store content-addressed bytes; re-putting identical content is a no-op."""
         b3 = blake3.blake3(data).hexdigest()
-        ref = ObjectRef(f"{_run_prefix(run)}objects/{b3}.{suffix}", len(data), b3)
+        ref = ObjectRef(object_key(run, b3, suffix), len(data), b3)
         try:
             self.store.put(ref.key, data)
         except AlreadyExistsError:
@@ -265,7 +248,7 @@ class Board:
         for p in pieces():
             h.update(p)
         b3 = h.hexdigest()
-        ref = ObjectRef(f"{_run_prefix(run)}objects/{b3}.safetensors", size, b3)
+        ref = ObjectRef(object_key(run, b3, "safetensors"), size, b3)
         try:
             self.store.put_stream(ref.key, pieces(), size=size)
         except AlreadyExistsError:
@@ -303,7 +286,7 @@ class Board:
                                          hint="versions are immutable; publish a new one")
         if m.is_keyframe:
             try:
-                self.store.put(_keyframe_marker(m.run, m.version), b"")
+                self.store.put(keyframe_marker_key(m.run, m.version), b"")
             except AlreadyExistsError:
                 pass
 
@@ -387,20 +370,6 @@ class Board:
         if want not in manifests:
             raise VersionNotFoundError("no such version on the board", run=run, version=want)
         return cheapest_plan(run, have, want, manifests)
-
-
-def _numbered(keys: list[str], prefix: str, suffix: str) -> list[int]:
-    """The version numbers in ``prefix{n}{suffix}`` keys (anything else is ignored)."""
-    out = []
-    for k in keys:
-        stem = k[len(prefix):]
-        if suffix:
-            if not stem.endswith(suffix):
-                continue
-            stem = stem[:-len(suffix)]
-        if _VERSION_STEM.fullmatch(stem):
-            out.append(int(stem))
-    return sorted(out)
 
 
 def _payload(raw: bytes, m: Manifest) -> bytes | None:

@@ -56,9 +56,10 @@ class KeyframeObject:
     shard: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """Everything a follower needs to know about one version."""
+    """Everything a follower needs to know about one version (built by keyword only: twelve
+    fields, several of the same type, must never be matched by position)."""
 
     run: str
     version: int
@@ -207,9 +208,10 @@ def _parse(d: Any) -> Manifest:
     _need(isinstance(meta, dict) and len(meta) <= 256 and all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), "meta")
     # a "signature" field (HMAC, before signed envelopes) is ignored: only envelopes verify
-    return Manifest(run, version, parent, d["format"], d["target"], _int(d["view_bytes"], 0,
-                    1 << 50), float(d["created"]), d["publisher"], pats, kfs, shards,
-                    dict(meta))
+    return Manifest(run=run, version=version, parent=parent, format=d["format"],
+                    target=d["target"], view_bytes=_int(d["view_bytes"], 0, 1 << 50),
+                    created=float(d["created"]), publisher=d["publisher"], patches=pats,
+                    keyframes=kfs, shards=shards, meta=dict(meta))
 
 
 def _digest(x: Any) -> str:

@@ -6,6 +6,10 @@ every retained version — and a new replica booting from a keyframe — still p
 Deletion order is marker → manifest → objects, so no surviving manifest ever names a deleted
 object. Objects no manifest names (a publisher crashed between upload and manifest) are
 deleted once older than ``orphan_grace_s``, which protects an in-flight publish.
+
+A version below the cutoff whose manifest cannot be read (corrupt, forged, unparseable) is
+still deleted, but the objects it may name are left to the orphan rule, and the version is
+reported in :attr:`GcReport.unreadable` with the reason: nothing is skipped silently.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .board import Board, version_key
+from .board import Board
 from .errors import ConfigError, ManifestError
+from .layout import keyframe_marker_key, objects_prefix, version_key
 
 __all__ = ["GcReport", "collect"]
 
@@ -30,6 +35,9 @@ class GcReport:
     objects_deleted: list[str] = field(default_factory=list)
     orphans_deleted: list[str] = field(default_factory=list)
     bytes_freed: int = 0
+    #: Versions below the cutoff whose manifest could not be read: ``(version, reason)``.
+    #: Their objects were not deleted with them; unreferenced, they go as orphans later.
+    unreadable: list[tuple[int, str]] = field(default_factory=list)
 
 
 def collect(board: Board, run: str, *, keep_last: int = 32, pinned: Iterable[int] = (),
@@ -49,27 +57,30 @@ def collect(board: Board, run: str, *, keep_last: int = 32, pinned: Iterable[int
         report.cutoff = cutoff
         keep = [v for v in versions if v >= cutoff]
         referenced = _referenced(board, run, keep)
+        deleted: set[str] = set()
         for v in versions:
             if v >= cutoff:
                 continue
             try:
                 doomed = board.manifest(run, v).objects()
-            except ManifestError:
+            except ManifestError as e:
+                report.unreadable.append((v, str(e)))
                 doomed = []
             report.versions_deleted.append(v)
             if not dry_run:
-                board.store.delete(f"runs/{run}/keyframes/{v:012d}")
+                board.store.delete(keyframe_marker_key(run, v))
                 board.store.delete(version_key(run, v))
             for ref in doomed:
-                if ref.key not in referenced and ref.key not in report.objects_deleted:
+                if ref.key not in referenced and ref.key not in deleted:
+                    deleted.add(ref.key)
                     report.objects_deleted.append(ref.key)
                     report.bytes_freed += ref.size
                     if not dry_run:
                         board.store.delete(ref.key)
-        named = referenced | set(report.objects_deleted)
+        named = referenced | deleted
     else:
         named = _referenced(board, run, versions)
-    for key in board.store.list(f"runs/{run}/objects/"):
+    for key in board.store.list(objects_prefix(run)):
         if key in named:
             continue
         info = board.store.head(key)

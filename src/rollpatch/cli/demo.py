@@ -83,6 +83,10 @@ def register(sub: Any) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.codec_only:
         return cmd_codec(args)
+    from . import preflight
+
+    preflight.require_extra("reference", "rollpatch demo")  # before any process starts
+    preflight.offline()  # the tiny model is made locally; nothing asks the model hub
     from ..demo import DemoConfig, DemoFailed, run_demo
 
     cfg = DemoConfig(

@@ -43,4 +43,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(f"{args.run}: keeping versions >= {report.cutoff}; {verb} "
           f"{len(report.versions_deleted)} versions, {len(report.objects_deleted)} objects, "
           f"{len(report.orphans_deleted)} orphans ({report.bytes_freed:,} bytes)")
+    for v, why in report.unreadable:
+        print(f"{args.run}@{v}: manifest unreadable ({why}); its objects are left to the "
+              f"orphan rule (--orphan-grace)", file=sys.stderr)
     return 0

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
+from functools import partial
 
-from ..errors import ConfigError
+from ..validate import check_int, check_number
 
 __all__ = ["FollowerConfig", "FollowerState", "FollowerStatus"]
 
@@ -21,19 +21,8 @@ class FollowerState(enum.Enum):
     ERROR = "error"
 
 
-def _number(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi)
-    if not ok:
-        bound = f"> {lo}" if lo_open else f">= {lo}"
-        raise ConfigError(f"FollowerConfig.{name} must be a number {bound} and <= {hi}",
-                          field=name, value=value)
-
-
-def _integer(name: str, value: object, lo: int, hi: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ConfigError(f"FollowerConfig.{name} must be an integer in [{lo}, {hi}]",
-                          field=name, value=value)
+_number = partial(check_number, "FollowerConfig")
+_integer = partial(check_int, "FollowerConfig")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..manifest import Manifest
+from ..replay import encoded_step
 from ..trust import Trust, warn_unverified
 from ..types import ObjectRef, check_run
 from ..view import View
@@ -34,7 +35,7 @@ from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
-from .stage import Stage, encoded_step
+from .stage import Stage
 
 __all__ = ["CommitCallback", "Follower"]
 

@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..errors import ConfigError
+from ..protocol import parse_constraint
 from ..sidecar.body import read_json_object, refusal_status
-from ..sidecar.protocol import parse_constraint
 from ..sidecar.schema import openapi_body, validate_body
 from ..types import Constraint
 from .core import Gateway

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .. import jsonsafe
 from ..errors import ConfigError
 from ..logs import event
-from ..sidecar.protocol import HEADER_END, HEADER_START
+from ..protocol import HEADER_END, HEADER_START
 from ..types import Constraint
 from .core import Gateway
 

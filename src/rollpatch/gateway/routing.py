@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ..sidecar.protocol import decide
+from ..protocol import Action, decide
 from ..types import Constraint
 
 __all__ = [
@@ -75,7 +75,7 @@ def fleet_latest(islands: Sequence[IslandView]) -> int | None:
     return seen[(len(seen) - 1) // 2] if seen else None
 
 
-def _tier(d_action: str, need: int | None) -> Tier:
+def _tier(d_action: Action, need: int | None) -> Tier:
     if d_action == "proxy":
         return Tier.READY
     if d_action == "wait":

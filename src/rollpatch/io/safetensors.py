@@ -45,6 +45,8 @@ _MAX_DEPTH = 8
 _KINDS_KEY = "rollpatch.kinds"
 #: Largest single read of :func:`read_view_ranges` (a tensor is read in pieces of this size).
 STREAM_CHUNK_BYTES = 64 * 1024 * 1024
+#: Smallest window of :func:`read_view_ranges` (views of tiny tensors: few requests).
+MIN_WINDOW_BYTES = 1024 * 1024
 
 
 def read_header(f: BinaryIO, file_size: int) -> tuple[dict[str, Any], int]:
@@ -152,8 +154,9 @@ def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
 
     ``read(start, end)`` returns bytes ``[start, end)``. The header is validated before any
     tensor is allocated; then the data section is read front to back in windows of at most
-    ``chunk_bytes`` (small tensors share a read, large ones take several), each copied into
-    its tensors' words: memory is the view plus one window, never a second copy. Every byte
+    ``chunk_bytes`` and at most the largest tensor (but at least 1 MiB; small tensors share a
+    read, large ones take several), each copied into its tensors' words: memory is the view
+    plus one window (≤ one tensor, or 1 MiB), never a second copy. Every byte
     of the object, in order, is passed to ``on_bytes`` (e.g. a running hash that the caller
     checks before using the view).
     """
@@ -173,6 +176,9 @@ def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
     start, data_len = 8 + n, size - 8 - n
     view_meta, kinds = _metadata(header)
     entries = _entries(header, data_len)
+    # a window never larger than the largest tensor (the view plus one tensor), but not tiny
+    largest = max((end - begin for *_, begin, end in entries), default=0)
+    chunk_bytes = min(chunk_bytes, max(largest, MIN_WINDOW_BYTES))
     words = {name: np.empty(end - begin, dtype=np.uint8)
              for name, _, _, begin, end in entries}
     k = 0
@@ -186,6 +192,7 @@ def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
                 break
             lo, hi = max(begin, a), min(end, b)
             words[name][lo - begin:hi - begin] = window[lo - a:hi - a]
+        del window  # before the next read: one window alive, not two
     tensors = {}
     for name, dtype, shape, _, _ in entries:
         kind = _kind(kinds, name, dtype)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..validate import check_int, check_number
 
 __all__ = ["MSS", "LinkConfig", "LinkStats", "parse_hostport"]
 
@@ -142,11 +142,8 @@ def _is_int(x: object) -> bool:
 
 
 def _check_float(name: str, value: object, *, lo: float, hi: float) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or not lo <= float(value) <= hi:  # type: ignore[arg-type]
-        raise ConfigError(f"LinkConfig.{name} must be a number in [{lo:g}, {hi:g}]", value=value)
+    check_number("LinkConfig", name, value, lo, hi)
 
 
 def _check_int(name: str, value: object, *, lo: int, hi: int = _MAX_BYTES) -> None:
-    if not _is_int(value) or not lo <= value <= hi:  # type: ignore[operator]
-        raise ConfigError(f"LinkConfig.{name} must be an int in [{lo}, {hi}]", value=value)
+    check_int("LinkConfig", name, value, lo, hi)

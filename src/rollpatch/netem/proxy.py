@@ -225,8 +225,11 @@ class _Direction:
             delay = at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            # counted as they are handed to the socket, not after: write() may send at once,
+            # and the peer read them (and read the stats, from another thread) before the
+            # next statement runs here
+            self._link._bytes[self._name] += len(data)
             self._writer.write(data)
             await self._writer.drain()
             self._queued -= len(data)
-            self._link._bytes[self._name] += len(data)
             self._space.set()

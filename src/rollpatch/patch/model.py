@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -16,10 +17,20 @@ from ..errors import PatchError
 from ..kinds import Kind
 from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor
 
-__all__ = ["OPS", "Patch", "TensorPatch"]
+__all__ = ["OPS", "Changes", "Patch", "TensorOp", "TensorPatch"]
 
 #: Tensor operations: ``delta`` (same kind/shape), ``full`` (new or reshaped), ``drop``.
-OPS = ("delta", "full", "drop")
+#: A closed set: the type checker rejects any other spelling where an op is built or compared.
+TensorOp = Literal["delta", "full", "drop"]
+OPS: tuple[TensorOp, ...] = ("delta", "full", "drop")
+
+
+class Changes(NamedTuple):
+    """A ``delta`` op's payload: changed positions with their old and new elements."""
+
+    positions: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,7 +44,7 @@ class TensorPatch:
     """
 
     name: str
-    op: str
+    op: TensorOp
     kind: Kind
     shape: tuple[int, ...]
     base_digest: str | None
@@ -54,15 +65,26 @@ class TensorPatch:
         if self.op == "full" and self.tensor is None:
             raise PatchError("full op needs a tensor", tensor=self.name)
 
+    def changes(self) -> Changes:
+        """The payload of a ``delta`` op, typed (PatchError for another op)."""
+        if self.op != "delta" or self.positions is None or self.old is None \
+                or self.new is None:
+            raise PatchError(f"a {self.op} op has no changed positions", tensor=self.name)
+        return Changes(self.positions, self.old, self.new)
+
+    def full_tensor(self) -> Tensor:
+        """The new tensor of a ``full`` op, typed (PatchError for another op)."""
+        if self.op != "full" or self.tensor is None:
+            raise PatchError(f"a {self.op} op carries no tensor", tensor=self.name)
+        return self.tensor
+
     @property
     def n_changed(self) -> int:
         """Changed elements (delta), or the element count of the new/old tensor."""
         if self.op == "delta":
-            assert self.positions is not None
-            return int(self.positions.size)
+            return int(self.changes().positions.size)
         if self.op == "full":
-            assert self.tensor is not None
-            return self.tensor.n_elements
+            return self.full_tensor().n_elements
         n = int(np.prod(self.shape, dtype=np.int64))
         return n * 2 if self.kind.packed else n
 
@@ -78,12 +100,9 @@ class TensorPatch:
                 other.target_digest):
             return False
         if self.op == "delta":
-            return all(np.array_equal(a, b) for a, b in (  # type: ignore[arg-type]
-                (self.positions, other.positions), (self.old, other.old),
-                (self.new, other.new)))
+            return all(np.array_equal(a, b) for a, b in zip(self.changes(), other.changes()))
         if self.op == "full":
-            assert self.tensor is not None and other.tensor is not None
-            return np.array_equal(self.tensor.data, other.tensor.data)
+            return np.array_equal(self.full_tensor().data, other.full_tensor().data)
         return True
 
 

@@ -108,9 +108,8 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
             if t.kind != tp.kind or t.shape != tp.shape:
                 raise BaseMismatchError("tensor layout differs from the patch's base",
                                         tensor=name, kind=t.kind.name, shape=t.shape)
-            assert tp.positions is not None and tp.old is not None
-            if tp.positions.size and (tp.positions[0] < 0
-                                      or tp.positions[-1] >= t.n_elements):
+            positions = tp.changes().positions
+            if positions.size and (positions[0] < 0 or positions[-1] >= t.n_elements):
                 raise PatchError("patch position out of range", tensor=name)
         if tp.op == "full" and tp.base_digest is None and name in view:
             raise BaseMismatchError("the patch adds a tensor the view already has", tensor=name)
@@ -127,8 +126,8 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
         return  # the native scatter checks every old element as it writes, all or nothing
     for name, tp in patch.tensors.items():
         if tp.op == "delta":
-            assert tp.positions is not None and tp.old is not None
-            if not np.array_equal(gather(view[name], tp.positions), tp.old):
+            ch = tp.changes()
+            if not np.array_equal(gather(view[name], ch.positions), ch.old):
                 raise BaseMismatchError("old elements differ from the patch's base",
                                         tensor=name)
 
@@ -191,14 +190,14 @@ def write_verified(view: View, items: list[TensorPatch | InPlaceDelta], target: 
                 undo.append((name, tp, prev, digest))
             elif item.op == "delta":
                 tp = item
-                assert tp.positions is not None and tp.new is not None and prev is not None
-                delta = scatter(prev, tp.positions, tp.new, tp.old)  # all or nothing
+                assert prev is not None
+                ch = tp.changes()
+                delta = scatter(prev, ch.positions, ch.new, ch.old)  # all or nothing
                 undo.append((name, tp, prev, digest))
             elif item.op == "full":
                 tp = item
-                assert tp.tensor is not None
                 undo.append((name, tp, prev, digest))
-                view[name] = tp.tensor.copy()
+                view[name] = tp.full_tensor().copy()
             else:
                 tp = item
                 undo.append((name, tp, prev, digest))
@@ -224,8 +223,8 @@ def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | No
           algo: DigestAlgo) -> None:
     for name, tp, prev, digest in reversed(undo):
         if tp.op == "delta" and prev is not None:
-            assert tp.positions is not None and tp.old is not None
-            scatter(prev, tp.positions, tp.old)
+            ch = tp.changes()
+            scatter(prev, ch.positions, ch.old)
         if prev is None:
             if name in view:
                 del view[name]
@@ -236,27 +235,26 @@ def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | No
 
 
 def _compose_delta(name: str, p: TensorPatch, q: TensorPatch) -> TensorPatch | None:
-    assert p.positions is not None and q.positions is not None
-    assert p.old is not None and p.new is not None and q.old is not None and q.new is not None
+    pc, qc = p.changes(), q.changes()
     if p.kind != q.kind or p.shape != q.shape or p.target_digest != q.base_digest:
         raise PatchError("patches do not chain for this tensor", tensor=name)
-    pos = np.concatenate([p.positions, q.positions])  # sort-merge: np.union1d is ~100x slower
+    pos = np.concatenate([pc.positions, qc.positions])  # sort-merge: np.union1d is ~100x slower
     pos.sort(kind="stable")
     pos = pos[np.r_[True, pos[1:] != pos[:-1]]]
-    ip = np.searchsorted(pos, p.positions)
-    iq = np.searchsorted(pos, q.positions)
+    ip = np.searchsorted(pos, pc.positions)
+    iq = np.searchsorted(pos, qc.positions)
     in_p = np.zeros(pos.size, dtype=bool)
     in_p[ip] = True
-    mid = np.empty(pos.size, dtype=p.new.dtype)
-    mid[ip] = p.new
+    mid = np.empty(pos.size, dtype=pc.new.dtype)
+    mid[ip] = pc.new
     shared = in_p[iq]
-    if not np.array_equal(mid[iq[shared]], q.old[shared]):
+    if not np.array_equal(mid[iq[shared]], qc.old[shared]):
         raise PatchError("patches disagree on intermediate elements", tensor=name)
-    old = np.empty(pos.size, dtype=p.old.dtype)
-    old[iq] = q.old
-    old[ip] = p.old
+    old = np.empty(pos.size, dtype=pc.old.dtype)
+    old[iq] = qc.old
+    old[ip] = pc.old
     new = mid
-    new[iq] = q.new
+    new[iq] = qc.new
     keep = old != new
     if not keep.any():
         if p.base_digest != q.target_digest:
@@ -280,9 +278,9 @@ def _compose_one(name: str, p: TensorPatch | None, q: TensorPatch | None) -> Ten
         return TensorPatch(name, "full", q.kind, q.shape, p.base_digest, q.target_digest,
                            tensor=q.tensor)
     if p.op == "full":  # full then delta: fold the delta into the new tensor
-        assert p.tensor is not None and q.positions is not None and q.new is not None
-        t = p.tensor.copy()
-        scatter(t, q.positions, q.new)
+        qc = q.changes()
+        t = p.full_tensor().copy()
+        scatter(t, qc.positions, qc.new)
         return TensorPatch(name, "full", t.kind, t.shape, p.base_digest, q.target_digest,
                            tensor=t)
     raise PatchError("patches do not chain: delta after drop", tensor=name)

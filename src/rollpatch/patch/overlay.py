@@ -55,18 +55,17 @@ class Overlay:
         if tp.op == "drop":
             raise KeyError(name)
         if tp.op == "full":
-            assert tp.tensor is not None
-            return tp.tensor
-        assert tp.positions is not None and tp.old is not None and tp.new is not None
+            return tp.full_tensor()
+        ch = tp.changes()
         src = self.base[name]
         if src.kind != tp.kind or src.shape != tp.shape:
             raise BaseMismatchError("overlay base tensor layout differs from the patch",
                                     tensor=name, kind=src.kind.name, shape=src.shape)
-        if not np.array_equal(gather(src, tp.positions), tp.old):
+        if not np.array_equal(gather(src, ch.positions), ch.old):
             raise BaseMismatchError("overlay base differs from the patch's old elements",
                                     tensor=name, hint="the engine is not on the plan's base")
         out = src.copy()
-        scatter(out, tp.positions, tp.new)
+        scatter(out, ch.positions, ch.new)
         with self._lock:
             self.copied_bytes += out.nbytes
             self.copied_tensors += 1

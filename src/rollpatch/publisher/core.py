@@ -24,7 +24,9 @@ from ..board import Board
 from ..errors import BoardError, ConfigError
 from ..io.checkpoint import to_numpy
 from ..types import MAX_VERSION, check_run
+from ..view import View
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
+from .keyframe import reconstruct_shard, shard_matches
 from .pipeline import ShardPipeline, ShardResult, assemble_manifest
 from .reconstruct import reconstruct
 from .rounds import Snapshot, agree, resume_point
@@ -60,13 +62,17 @@ class Publisher:
     ``publish()``. Sharding (one shard per rank, disjoint tensor names) is on when ``group`` is
     given or torch.distributed is initialised with more than one rank, unless
     ``sharded=False``; every rank must then construct the publisher and publish the same
-    version numbers in the same order. On a run that already has versions, the publisher
+    version numbers in the same order. A rank whose process dies makes the others raise
+    :class:`BoardError` at once; ``collective_timeout_s`` bounds how long a rank waits for a
+    hung one (None: gloo's 30 minutes; it must exceed the longest gap between two publishes,
+    since ranks wait in the exchange for their peers' trainers). On a run that already has versions, the publisher
     resumes after the newest one (see :func:`~rollpatch.publisher.reconstruct`).
     """
 
     def __init__(self, board: Board | str, run: str, config: PublisherConfig | None = None, *,
                  asynchronous: bool = True, group: Any = None,
-                 sharded: bool | None = None) -> None:
+                 sharded: bool | None = None,
+                 collective_timeout_s: float | None = None) -> None:
         self.config = config if config is not None else PublisherConfig()
         if not isinstance(self.config, PublisherConfig):
             raise ConfigError("config must be a PublisherConfig")
@@ -75,7 +81,10 @@ class Publisher:
             # the publisher signs through its own view of the store; ``board`` is not changed
             self.board = Board(self.board.store, signer=self.config.signer)
         self.run = check_run(run)
-        self._x = open_exchange(group, sharded)
+        if collective_timeout_s is not None and not collective_timeout_s > 0:
+            raise ConfigError("collective_timeout_s must be > 0 seconds",
+                              collective_timeout_s=collective_timeout_s)
+        self._x = open_exchange(group, sharded, collective_timeout_s)
         self._cond = threading.Condition()
         self._pending: deque[Snapshot] = deque()
         self._busy = False
@@ -93,6 +102,9 @@ class Publisher:
         self._on_device: bool | None = {"host": False, "device": True}.get(self.config.diff_on)
         if self._on_device:
             self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
+        #: How the last resume rebuilt this rank's base: "shard" (its own objects only),
+        #: "whole" (every shard), or None (no resume yet).
+        self.resume_scope: str | None = None
         self._heartbeat: LatestHeartbeat | None = None
         signer = self.config.signer
         if self._x.rank == 0:
@@ -341,10 +353,7 @@ class Publisher:
         try:
             if self._resume_from is not None and self._pipe.prev is None:
                 t = time.perf_counter()
-                signer = self.config.signer
-                whole = reconstruct(self.board, self.run, self._resume_from,
-                                    trust=None if signer is None else signer.self_trust())
-                self._pipe.resume(self._resume_from, whole)
+                self._pipe.resume(self._resume_from, self._resumed_view(snap))
                 resume_s = time.perf_counter() - t
             res = self._pipe.build(n, snap.masters, keyframe=keyframe)
             message: dict[str, Any] = res.message()
@@ -365,6 +374,21 @@ class Publisher:
         assert res is not None
         self._pipe.commit(res)
         self._record(snap, res, parent, keyframe, started, resume_s, t_commit, outcome)
+
+    def _resumed_view(self, snap: Snapshot) -> View:
+        """The resumed version's view as this rank's base: its own shard only when the board
+        has it in the same layout (``keyframe.reconstruct_shard``), else the whole view."""
+        assert self._resume_from is not None
+        signer = self.config.signer
+        trust = None if signer is None else signer.self_trust()
+        if self._x.size > 1:
+            part = reconstruct_shard(self.board, self.run, self._resume_from, self._x.rank,
+                                     self._x.size, trust=trust)
+            if part is not None and shard_matches(part, snap.masters, self.config.format):
+                self.resume_scope = "shard"
+                return part
+        self.resume_scope = "whole"
+        return reconstruct(self.board, self.run, self._resume_from, trust=trust)
 
     def _write_manifest(self, snap: Snapshot, parent: int | None, keyframe: bool,
                         messages: list[dict[str, Any]]

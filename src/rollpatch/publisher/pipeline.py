@@ -230,10 +230,11 @@ def assemble_manifest(*, run: str, version: int, parent: int | None, keyframe: b
     if not patches and not keyframes:
         raise BoardError("a version needs a patch or a keyframe on every shard",
                          version=version)
-    m = Manifest(run, version, parent, config.format, root_digest(digests),
-                 sum(int(msg["nbytes"]) for msg in messages), time.time(),
-                 config.publisher_id, tuple(patches), tuple(keyframes), len(messages),
-                 dict(meta))
+    m = Manifest(run=run, version=version, parent=parent, format=config.format,
+                 target=root_digest(digests),
+                 view_bytes=sum(int(msg["nbytes"]) for msg in messages), created=time.time(),
+                 publisher=config.publisher_id, patches=tuple(patches),
+                 keyframes=tuple(keyframes), shards=len(messages), meta=dict(meta))
     return m
 
 

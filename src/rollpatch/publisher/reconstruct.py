@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from ..board import Board, PlanStep
 from ..errors import ManifestError, VersionNotFoundError
-from ..follower.stage import decode_step, keyframe_view
 from ..manifest import Manifest
 from ..patch import Patch, apply
+from ..replay import decode_step, keyframe_view
 from ..trust import Trust
 from ..view import View
 

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any, Protocol
 
-from ..errors import ConfigError
+from ..errors import BoardError, ConfigError
 
 __all__ = ["Exchange", "GlooExchange", "LocalExchange", "open_exchange"]
 
@@ -50,25 +50,40 @@ class GlooExchange:
     relative to the other groups they create.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout_s: float | None = None) -> None:
+        import datetime
+
         import torch.distributed as dist
 
+        extra: dict[str, Any] = {}
+        if timeout_s is not None:
+            extra["timeout"] = datetime.timedelta(seconds=timeout_s)
         if group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", **extra)
         else:
             ranks = dist.get_process_group_ranks(group)
             self._group = dist.new_group(ranks=ranks, backend="gloo",
-                                         use_local_synchronization=True)
+                                         use_local_synchronization=True, **extra)
         self.rank = dist.get_rank(self._group)
         self.size = dist.get_world_size(self._group)
 
     def allgather(self, message: Any) -> list[Any]:
-        import torch
-        import torch.distributed as dist
-
         raw = json.dumps(message, separators=(",", ":")).encode()
         if len(raw) > MAX_MESSAGE_BYTES:
             raise ConfigError("publisher message between ranks is too large", size=len(raw))
+        try:
+            return self._allgather(raw)
+        except RuntimeError as e:  # gloo: a peer's connection closed (it died) or timed out
+            raise BoardError("a publisher rank stopped answering (its process died, or it "
+                             "timed out): nothing of this version is pointed at", rank=self.rank,
+                             shards=self.size, cause=str(e).splitlines()[0][:200],
+                             hint="restart every rank; the publisher resumes from LATEST"
+                             ) from e
+
+    def _allgather(self, raw: bytes) -> list[Any]:
+        import torch
+        import torch.distributed as dist
+
         size = torch.tensor([len(raw)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         dist.all_gather(sizes, size, group=self._group)
@@ -81,8 +96,11 @@ class GlooExchange:
         return [json.loads(o[:int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
-def open_exchange(group: Any, sharded: bool | None) -> Exchange:
+def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = None
+                  ) -> Exchange:
     """The exchange a publisher uses: gloo over ``group`` when sharding, else local.
+    ``timeout_s``: how long a rank waits in one exchange for the others (None: gloo's
+    default, 30 minutes); a rank whose process dies is noticed at once either way.
 
     ``sharded=None`` shards when ``group`` is given or torch.distributed is initialised with
     more than one rank (torch is never imported just to find out); ``False`` never shards
@@ -101,4 +119,4 @@ def open_exchange(group: Any, sharded: bool | None) -> Exchange:
             return LocalExchange()
         if dist.get_world_size() == 1 and not sharded:
             return LocalExchange()
-    return GlooExchange(group)
+    return GlooExchange(group, timeout_s)

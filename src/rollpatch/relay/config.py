@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import enum
-import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..layout import is_keyframe_marker, manifest_version, object_hash, pointer_run, root_version
+from ..validate import check_int, check_number
 
 __all__ = ["GiB", "KeyKind", "MiB", "RelayConfig", "classify", "manifest_version",
            "object_hash", "pointer_run", "root_version"]
@@ -16,15 +16,8 @@ __all__ = ["GiB", "KeyKind", "MiB", "RelayConfig", "classify", "manifest_version
 MiB = 1 << 20
 GiB = 1 << 30
 
-_OBJECT = re.compile(r"runs/[^/]+/objects/([0-9a-f]{64})\.[A-Za-z0-9_-]+")
-_MANIFEST = re.compile(r"runs/([^/]+)/versions/([0-9]{12})\.json")
-_MARKER = re.compile(r"runs/[^/]+/keyframes/[0-9]+")
-_POINTER = re.compile(r"runs/([^/]+)/LATEST")
-_ROOT = re.compile(r"root/([0-9]{12})\.json")
-
-
 class KeyKind(enum.Enum):
-    """How the relay treats a key of the board layout (docs/board.md).
+    """How the relay treats a key of the board layout (:mod:`rollpatch.layout`).
 
     Immutable kinds are cached on disk forever; volatile kinds are kept in memory for a short
     TTL only, because they may change upstream.
@@ -50,49 +43,25 @@ class KeyKind(enum.Enum):
 
 def classify(key: str) -> KeyKind:
     """The :class:`KeyKind` of a (valid) store key."""
-    for pattern, kind in ((_OBJECT, KeyKind.OBJECT), (_MANIFEST, KeyKind.MANIFEST),
-                          (_MARKER, KeyKind.MARKER), (_POINTER, KeyKind.POINTER),
-                          (_ROOT, KeyKind.ROOT)):
-        if pattern.fullmatch(key):
-            return kind
+    if object_hash(key) is not None:
+        return KeyKind.OBJECT
+    if manifest_version(key) is not None:
+        return KeyKind.MANIFEST
+    if is_keyframe_marker(key):
+        return KeyKind.MARKER
+    if pointer_run(key) is not None:
+        return KeyKind.POINTER
+    if root_version(key) is not None:
+        return KeyKind.ROOT
     return KeyKind.OTHER
 
 
-def object_hash(key: str) -> str | None:
-    """The BLAKE3 hex named by a content-addressed object key, else ``None``."""
-    match = _OBJECT.fullmatch(key)
-    return match.group(1) if match else None
-
-
-def manifest_version(key: str) -> tuple[str, int] | None:
-    """``(run, n)`` named by a manifest key, else ``None``."""
-    match = _MANIFEST.fullmatch(key)
-    return (match.group(1), int(match.group(2))) if match else None
-
-
-def pointer_run(key: str) -> str | None:
-    """The run named by a LATEST key, else ``None``."""
-    match = _POINTER.fullmatch(key)
-    return match.group(1) if match else None
-
-
-def root_version(key: str) -> int | None:
-    """The version named by a root-of-trust key, else ``None``."""
-    match = _ROOT.fullmatch(key)
-    return int(match.group(1)) if match else None
-
-
 def _seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value < 0:
-        raise ConfigError(f"RelayConfig.{name} must be a finite number of seconds >= 0",
-                          field=name, value=value)
+    check_number("RelayConfig", name, value, 0.0)
 
 
 def _integer(name: str, value: object, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"RelayConfig.{name} must be an integer >= {lo}", field=name,
-                          value=value)
+    check_int("RelayConfig", name, value, lo)
 
 
 @dataclass(frozen=True, kw_only=True)

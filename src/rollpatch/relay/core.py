@@ -23,9 +23,9 @@ from typing import BinaryIO, Generic, TypeVar
 
 import blake3
 
-from ..board import root_key, version_key
 from ..errors import ManifestError, NotFoundError, StoreError, TrustError
 from ..latest import read_latest
+from ..layout import root_key, version_key
 from ..logs import event
 from ..manifest import open_manifest
 from ..store import ObjectInfo, Store

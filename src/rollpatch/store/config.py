@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..validate import check_choice, check_int, check_number
 
 __all__ = ["ENV_VARS", "HttpConfig", "MiB", "S3Config", "http_config_from", "s3_config_from"]
 
@@ -73,21 +74,14 @@ class S3Config:
             raise ConfigError("S3Config.bucket must be a bucket name", bucket=self.bucket)
         if self.prefix and (not self.prefix.endswith("/") or self.prefix.startswith("/")):
             raise ConfigError("S3Config.prefix must be '' or 'a/b/'", prefix=self.prefix)
-        if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ConfigError("S3Config.addressing_style must be auto, path or virtual",
-                              addressing_style=self.addressing_style)
-        if self.checksums not in ("when_required", "when_supported"):
-            raise ConfigError("S3Config.checksums must be when_required or when_supported",
-                              checksums=self.checksums)
-        if not _MIN_PART <= self.part_size <= _MAX_PART:
-            raise ConfigError("S3Config.part_size must be within [5 MiB, 5 GiB]",
-                              part_size=self.part_size)
+        check_choice("S3Config", "addressing_style", self.addressing_style,
+                     ("auto", "path", "virtual"))
+        check_choice("S3Config", "checksums", self.checksums, ("when_required", "when_supported"))
+        check_int("S3Config", "part_size", self.part_size, _MIN_PART, _MAX_PART)  # 5 MiB..5 GiB
         for name in ("multipart_threshold", "max_workers", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"S3Config.{name} must be >= 1", **{name: getattr(self, name)})
+            check_int("S3Config", name, getattr(self, name), 1)
         for name in ("connect_timeout", "read_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"S3Config.{name} must be > 0", **{name: getattr(self, name)})
+            check_number("S3Config", name, getattr(self, name), 0.0, lo_open=True)
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("S3Config.access_key_id and secret_access_key go together",
                               hint="give both, or neither to use the default AWS chain")
@@ -109,15 +103,10 @@ class HttpConfig:
     max_list_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise ConfigError("HttpConfig.timeout must be > 0", timeout=self.timeout)
-        if self.retries < 0:
-            raise ConfigError("HttpConfig.retries must be >= 0", retries=self.retries)
-        if self.backoff < 0:
-            raise ConfigError("HttpConfig.backoff must be >= 0", backoff=self.backoff)
-        if self.max_list_bytes < 1:
-            raise ConfigError("HttpConfig.max_list_bytes must be >= 1",
-                              max_list_bytes=self.max_list_bytes)
+        check_number("HttpConfig", "timeout", self.timeout, 0.0, lo_open=True)
+        check_int("HttpConfig", "retries", self.retries, 0)
+        check_number("HttpConfig", "backoff", self.backoff, 0.0)
+        check_int("HttpConfig", "max_list_bytes", self.max_list_bytes, 1)
 
 
 def _check_options(cls: type, options: Mapping[str, Any], reserved: tuple[str, ...]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ...errors import ConfigError
 
-__all__ = ["RouterTap", "expert_names", "split_experts"]
+__all__ = ["RouterTap", "checkpoint_name", "expert_names", "split_experts"]
 
 #: Checkpoint layout families (transformers' ``conversion_mapping`` names them):
 #: (gate name, up name, down name, runtime block name, checkpoint block name).
@@ -38,6 +38,14 @@ def _family(model: Any) -> tuple[str, str, str, str, str] | None:
     except ImportError:  # older transformers hold experts per expert already
         pattern = {}
     return _FAMILIES.get(pattern.get(model_type, model_type))
+
+
+def checkpoint_name(model: Any, name: str) -> str:
+    """The checkpoint's name of a runtime tensor (Mixtral's block is ``block_sparse_moe``)."""
+    fam = _family(model)
+    if fam is None or fam[3] == fam[4] or fam[3] not in name:
+        return name
+    return name.replace(fam[3], fam[4], 1)
 
 
 def expert_names(model: Any, name: str, experts: int) -> list[tuple[str, str, str]] | None:

@@ -71,7 +71,7 @@ def bind_view(model: torch.nn.Module) -> View:
     Fused MoE expert parameters (transformers stacks them per layer) are exposed as the
     checkpoint's per-expert tensors, each a view of its contiguous slice (:mod:`.experts`).
     """
-    from .experts import split_experts
+    from .experts import checkpoint_name, split_experts
 
     tensors: dict[str, Tensor] = {}
     seen: set[int] = set()
@@ -82,7 +82,7 @@ def bind_view(model: torch.nn.Module) -> View:
         seen.add(ptr)
         split = split_experts(model, name, t)
         if split is None:
-            tensors[name] = _words_of(t, name)
+            tensors[checkpoint_name(model, name)] = _words_of(t, name)
         else:
             tensors.update((n, _words_of(part, n)) for n, part in split)
     return View(tensors)

@@ -26,20 +26,17 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ... import errors
 from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
 from ...io.safetensors import load_view, save_view
 from ...patch import Patch, inspect
 from ...view import Tensor, View, WordSource
 from ..base import EngineAdapter
 from ..vllm.transfer import write_decoded
-from .wire import command_payload, request
+from .wire import command_payload, http_json, request, result
 
 if TYPE_CHECKING:
     from ..staged import AuditReport, EncodedStep, StagedUpdate
@@ -50,9 +47,6 @@ __all__ = ["LOADER", "NOT_READY", "RemoteWords", "SglangEngine"]
 LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
 #: SGLang's ``weight_version`` while the engine holds bits no version vouches for.
 NOT_READY = "rollpatch:not-ready"
-_PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
-                 "CodecError", "ViewError", "VerificationError", "EngineError"}
-_MAX_BODY = 64 * 1024 * 1024
 
 
 class RemoteWords:
@@ -220,17 +214,6 @@ class SglangEngine(EngineAdapter):
                         lambda res: res["target"] == staged.target
                         and res["root"] == staged.target, staged.target)
 
-    def decodes_itself(self, n_objects: int) -> bool:
-        return True
-
-    def commit_encoded(self, blobs: Sequence[bytes], base_digest: str, target_digest: str,
-                       version: int) -> bool:
-        """One step's patch objects, decoded inside SGLang (staged, then scattered)."""
-        if self.digest != base_digest:
-            return False
-        self.apply_encoded(blobs, base_digest, target_digest, version)
-        return True
-
     def apply_encoded(self, blobs: Sequence[bytes], base: str, target: str, version: int
                       ) -> None:
         """Commit one step's wire-format patch objects (``base`` → ``target`` roots)."""
@@ -340,7 +323,7 @@ class SglangEngine(EngineAdapter):
     def _control(self, op: str, **args: Any) -> dict[str, Any]:
         """A read-only operation on SGLang's control thread (generation goes on)."""
         self._start()
-        return _result(request(self.socket, {"op": op, **args}, self.timeout))
+        return result(request(self.socket, {"op": op, **args}, self.timeout))
 
     def _command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
         """A command through SGLang's weight-update route (run between forward passes)."""
@@ -362,7 +345,7 @@ class SglangEngine(EngineAdapter):
         finally:
             reply_path.unlink(missing_ok=True)
         try:
-            res = _result(json.loads(raw))
+            res = result(json.loads(raw))
         except (json.JSONDecodeError, AttributeError):
             raise EngineError("rollpatch's command answer is not JSON", engine=self.name,
                               op=cmd["op"]) from None
@@ -382,29 +365,7 @@ class SglangEngine(EngineAdapter):
                               detail=str(reply.get("message"))[:500])
 
     def _http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read(_MAX_BODY + 1)
-        except urllib.error.HTTPError as err:
-            raw = err.read(_MAX_BODY + 1)
-            if check or err.code != 400:
-                raise EngineError(f"SGLang answered {err.code} to {method} {path}",
-                                  engine=self.name, detail=raw[:500].decode(errors="replace")
-                                  ) from None
-        except (urllib.error.URLError, OSError) as err:
-            raise EngineError(f"SGLang is not reachable: {err}", engine=self.name,
-                              url=self.base_url, path=path,
-                              hint="is the server up? (GET /health)") from None
-        if len(raw) > _MAX_BODY:
-            raise EngineError("SGLang's answer is too large", engine=self.name, path=path)
-        try:
-            return json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError:
-            raise EngineError("SGLang's answer is not JSON", engine=self.name, path=path) \
-                from None
+        return http_json(self.base_url, method, path, body, timeout=self.timeout, check=check)
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
@@ -432,18 +393,3 @@ class SglangEngine(EngineAdapter):
         """Forget the scratch directory (the server is not ours to stop)."""
         if self._own_dir:
             shutil.rmtree(self.shared_dir, ignore_errors=True)
-
-
-def _result(r: Mapping[str, Any]) -> dict[str, Any]:
-    """An answer from inside SGLang as a dict, or its error as a rollpatch exception."""
-    if not r.get("ok"):
-        e = r.get("error") or {}
-        name = str(e.get("type", "EngineError"))
-        ctx = dict(e.get("context") or {})
-        ctx.setdefault("engine", "sglang")
-        cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
-        if cls is None:
-            raise EngineError(f"SGLang extension failed ({name}): {e.get('message')}",
-                              hint=e.get("hint"), **ctx)
-        raise cls(str(e.get("message")), hint=e.get("hint"), **ctx)
-    return dict(r)

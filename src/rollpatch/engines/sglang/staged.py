@@ -11,9 +11,10 @@ A commit is two phases:
 1. :meth:`HeldWeights.stage` — **while SGLang serves** (no write, reads only): validate every
    tensor of the patch (known name, kind, shape, strictly increasing in-range int64
    positions, the kind's words), check the base digests, check the old elements against the
-   live words, turn checkpoint positions into runtime offsets, and *prove* the update: hash
-   each touched tensor as it will be after the write (a copy of one tensor at a time) and
-   compare with the patch's target digests and target root. The result, a :class:`Staged`
+   live words, turn checkpoint positions into runtime offsets, and *prove* the update: each
+   touched tensor's rp.sum128 state after the write follows from the changed words alone
+   (:func:`rollpatch.engines.staged.sum_delta`, O(changed)) and must give the patch's target
+   digest; the target root is checked too. The result, a :class:`Staged`
    update, holds per runtime parameter the offsets, old and new words, ready to scatter.
 2. :meth:`HeldWeights.commit` — **under the pause**, O(changed): the old words at the offsets
    must still be there, scatter the new words, read the written offsets back and compare. On a
@@ -35,10 +36,13 @@ import numpy as np
 from ...errors import BaseMismatchError, EngineError, PatchError, TargetMismatchError, ViewError
 from ...kinds import Kind
 from ...patch import Patch, TensorPatch
-from ...view import Tensor, View, root_digest, tensor_digest
+from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
+from ..staged import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
 
 __all__ = ["HeldWeights", "Staged"]
+
+_M64 = (1 << 64) - 1
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Staged:
     base: str
     target: str
     digests: dict[str, str]
+    states: dict[str, tuple[int, int]]
     writes: dict[str, _Write] = field(default_factory=dict)
 
     @property
@@ -101,6 +106,7 @@ class HeldWeights:
                 self._place[pl.name] = pl
                 self._kind[pl.name] = kinds[spec.param]
         self._digests: dict[str, str] = {}
+        self._sums: dict[str, tuple[int, int]] = {}  # rp.sum128 states behind _digests
         self._cursor = 0
         self.staged: dict[str, Staged] = {}
 
@@ -141,7 +147,8 @@ class HeldWeights:
     def digest_of(self, name: str, *, fresh: bool = False) -> str:
         if fresh or name not in self._digests:
             t = self[name]
-            self._digests[name] = tensor_digest(t.dtype, t.shape, t.data)
+            self._sums[name] = sum128(t.data)
+            self._digests[name] = sum128_digest(t.dtype, t.shape, t.nbytes, self._sums[name])
         return self._digests[name]
 
     def digests(self, *, fresh: bool = False) -> dict[str, str]:
@@ -212,16 +219,23 @@ class HeldWeights:
                                     hint="the engine is on another version; plan a new path")
         deltas = [self._check(patch.tensors[n]) for n in sorted(patch.tensors)]
         digests = dict(self.digests())
+        states: dict[str, tuple[int, int]] = {}
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for tp in deltas:
             assert tp.positions is not None and tp.old is not None and tp.new is not None
             if tp.base_digest != digests[tp.name]:
                 raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
             live = self[tp.name]
-            after = live.data.copy()  # one tensor at a time, outside the pause
-            after[tp.positions] = tp.new
-            got = tensor_digest(live.dtype, live.shape, after)
-            del after
+            if patch.digest == DEFAULT_DIGEST:  # the target state from the changed words alone
+                d0, d1 = sum_delta(live.data, tp.positions, tp.new)
+                s0, s1 = self._sums[tp.name]
+                state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
+                got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
+                states[tp.name] = state
+            else:
+                raise BaseMismatchError("the patch's digests are not rp.sum128",
+                                        digest=patch.digest, hint="a patch-format 1 board: "
+                                        "load a keyframe (docs/patch-format.md)")
             if got != tp.target_digest:
                 raise TargetMismatchError("the staged update does not give the target tensor",
                                           tensor=tp.name)
@@ -232,7 +246,7 @@ class HeldWeights:
         if root_digest(digests) != patch.target:
             raise TargetMismatchError("the staged update does not give the target root")
         staged = Staged(secrets.token_hex(8), patch.base, patch.target,
-                        {tp.name: digests[tp.name] for tp in deltas})
+                        {tp.name: digests[tp.name] for tp in deltas}, states)
         for param, parts in per_param.items():
             offs = np.concatenate([p[0] for p in parts])
             order = np.argsort(offs, kind="stable")
@@ -275,11 +289,13 @@ class HeldWeights:
                     if not np.array_equal(flat[p][w.offsets], w.old)]
             if lost:
                 self._digests.clear()
+                self._sums.clear()
                 raise EngineError("could not restore the base after a failed commit: the "
                                   "engine holds unknown bits", param=lost[0], restored=False,
                                   hint="reload a keyframe") from None
             raise
         self._digests.update(staged.digests)
+        self._sums.update(staged.states)
         return staged
 
     def load(self, view: View, repack: Callable[[set[str]], None] = lambda p: None) -> str:
@@ -298,6 +314,7 @@ class HeldWeights:
                                 engine_kind=self._kind[name].name, engine_shape=pl.shape)
         self.staged.clear()
         self._digests.clear()
+        self._sums.clear()
         for name in sorted(names):
             pl = self._place[name]
             src, dst = blocks(pl)

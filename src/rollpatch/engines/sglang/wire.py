@@ -1,4 +1,5 @@
-"""The two channels between the adapter and rollpatch's code inside SGLang (stdlib only).
+"""The channels between the adapter and SGLang (stdlib only): SGLang's HTTP routes
+(:func:`http_json`), commands to rollpatch's loader through them, and the control socket.
 
 **Commands on SGLang's weight-update route.** ``POST /update_weights_from_tensor`` with
 ``load_format`` naming rollpatch's custom weight loader (registered at launch with
@@ -23,12 +24,22 @@ import base64
 import json
 import socket
 import struct
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ... import errors
 from ...errors import EngineError
 
-__all__ = ["MAX_LINE", "command_payload", "read_line", "request"]
+__all__ = ["MAX_LINE", "command_payload", "http_json", "read_line", "request", "result"]
+
+_MAX_BODY = 64 * 1024 * 1024
+#: Error classes from inside SGLang re-raised as themselves (the follower treats wrong bits
+#: specially); anything else becomes an EngineError.
+_PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
+                 "CodecError", "ViewError", "VerificationError", "EngineError"}
 
 MAX_LINE = 1 << 24  # a digest list of a very large model stays far below this
 
@@ -85,3 +96,45 @@ def request(path: str | Path, body: dict[str, Any], timeout: float) -> dict[str,
     if not isinstance(out, dict):
         raise EngineError("the SGLang control answer is not an object", op=body.get("op"))
     return out
+
+
+def http_json(base_url: str, method: str, path: str, body: Any = None, *, timeout: float,
+              check: bool = True) -> Any:
+    """One JSON call to SGLang's HTTP server; with ``check=False`` a 400 answer (SGLang's
+    "did not succeed") is returned like a 200 one. Every other failure is an EngineError."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base_url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read(_MAX_BODY + 1)
+    except urllib.error.HTTPError as err:
+        raw = err.read(_MAX_BODY + 1)
+        if check or err.code != 400:
+            raise EngineError(f"SGLang answered {err.code} to {method} {path}",
+                              engine="sglang", detail=raw[:500].decode(errors="replace")
+                              ) from None
+    except (urllib.error.URLError, OSError) as err:
+        raise EngineError(f"SGLang is not reachable: {err}", engine="sglang", url=base_url,
+                          path=path, hint="is the server up? (GET /health)") from None
+    if len(raw) > _MAX_BODY:
+        raise EngineError("SGLang's answer is too large", engine="sglang", path=path)
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        raise EngineError("SGLang's answer is not JSON", engine="sglang", path=path) from None
+
+
+def result(r: Mapping[str, Any]) -> dict[str, Any]:
+    """An answer from inside SGLang as a dict, or its error as a rollpatch exception."""
+    if not r.get("ok"):
+        e = r.get("error") or {}
+        name = str(e.get("type", "EngineError"))
+        ctx = dict(e.get("context") or {})
+        ctx.setdefault("engine", "sglang")
+        cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
+        if cls is None:
+            raise EngineError(f"SGLang extension failed ({name}): {e.get('message')}",
+                              hint=e.get("hint"), **ctx)
+        raise cls(str(e.get("message")), hint=e.get("hint"), **ctx)
+    return dict(r)

@@ -19,8 +19,14 @@ Split kinds, as vLLM's parallel layers load them:
   checkpoint rows ``[min(r·p, V), min((r+1)·p, V))`` at parameter rows ``0..``, ``p = padded/tp``
   (the remaining parameter rows are padding, outside the checkpoint).
 
+- ``experts``: a fused MoE parameter (``w13_weight`` ``[E_local, 2·I/t, H]`` stacking each
+  expert's gate and up rows, ``w2_weight`` ``[E_local, H, I/t]``): each checkpoint tensor lands
+  in its expert's slot, column- (gate, up) or row- (down) split over ``t`` ranks, or whole on
+  the rank that holds the expert under expert parallelism (:mod:`.moe`).
+
 Positions are row-major element indices (the view's flat order). Tensors of any rank are read
-as 2-D ``(shape[0], prod(shape[1:]))``; a 0-d tensor as ``(1, 1)``.
+as 2-D ``(shape[0], prod(shape[1:]))``; a 0-d tensor as ``(1, 1)``. An expert's placement
+addresses its slot (row ``slot`` of the parameter read as 2-D) as a ``sub`` 2-D block.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ import numpy as np
 from ...errors import EngineError
 
 __all__ = ["KINDS", "ParamSpec", "Placement", "Shard", "assemble", "blocks", "check_coverage",
-           "extract", "locate", "param_shape", "placements", "storage_offsets"]
+           "extract", "locate", "param_shape", "placements", "storage_offsets", "write_blocks"]
 
 #: The split kinds a :class:`ParamSpec` may have.
-KINDS = ("replicated", "column", "row", "vocab")
+KINDS = ("replicated", "column", "row", "vocab", "experts")
 
 
 @dataclass(frozen=True)
@@ -65,18 +71,26 @@ class Shard:
 class ParamSpec:
     """A runtime parameter, rank-independently: its name, split kind and checkpoint shards.
 
-    ``padded``: the padded vocabulary size (``vocab`` only).
+    ``padded``: the padded vocabulary size (``vocab`` only). ``experts`` only: ``expert_map``
+    (per rank, global expert → local slot or -1), ``expert_tp`` (ranks the intermediate
+    dimension is split over: ``tp``, or 1 under expert parallelism), ``expert_dim`` (the
+    checkpoint dimension split: 0 gate/up rows, 1 down columns); shards are each expert's
+    tensors in order (gate, up for ``w13``; down for ``w2``).
     """
 
     param: str
     kind: str
     shards: tuple[Shard, ...]
     padded: int = 0
+    expert_map: tuple[tuple[int, ...], ...] = ()
+    expert_tp: int = 1
+    expert_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise EngineError(f"unknown split kind {self.kind!r}", param=self.param)
-        if not self.shards or (self.kind != "column" and len(self.shards) != 1):
+        if not self.shards or (self.kind not in ("column", "experts")
+                               and len(self.shards) != 1):
             raise EngineError("only column-parallel parameters fuse several tensors",
                               param=self.param, kind=self.kind)
         if len({s.cols for s in self.shards}) != 1:
@@ -100,6 +114,10 @@ class Placement:
     src_start: int
     dst_start: int
     length: int
+    #: Experts: the local slot (row of ``param_shape``) and the slot's 2-D shape, in which
+    #: ``dim``/``dst_start`` are read; ``slot == -1``: no slot (the tensor is not here).
+    slot: int = -1
+    sub: tuple[int, int] | None = None
 
     @property
     def rows(self) -> int:
@@ -144,6 +162,10 @@ def _column_rows(spec: ParamSpec, shard: Shard, tp: int) -> int:
 
 def param_shape(spec: ParamSpec, tp: int) -> tuple[int, int]:
     """The 2-D shape of the parameter on every rank (the same on all of them)."""
+    if spec.kind == "experts":
+        from .moe import expert_param_shape
+
+        return expert_param_shape(spec, tp)
     s = spec.shards[0]
     if spec.kind == "replicated":
         return (s.rows, s.cols)
@@ -160,6 +182,10 @@ def param_shape(spec: ParamSpec, tp: int) -> tuple[int, int]:
 def placements(spec: ParamSpec, rank: int, tp: int) -> list[Placement]:
     """The placement of each shard of ``spec`` on ``rank`` of ``tp`` ranks."""
     _check_rank(rank, tp)
+    if spec.kind == "experts":
+        from .moe import expert_placements
+
+        return expert_placements(spec, rank, tp)
     pshape = param_shape(spec, tp)
     out: list[Placement] = []
     if spec.kind == "column":
@@ -192,10 +218,13 @@ def locate(pl: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray
     idx = r if pl.dim == 0 else c
     held = (idx >= pl.src_start) & (idx < pl.src_start + pl.length)
     moved = idx[held] - pl.src_start + pl.dst_start
+    width = pl.param_shape[1] if pl.sub is None else pl.sub[1]
     if pl.dim == 0:
-        offsets = moved * pl.param_shape[1] + c[held]
+        offsets = moved * width + c[held]
     else:
-        offsets = r[held] * pl.param_shape[1] + moved
+        offsets = r[held] * width + moved
+    if pl.sub is not None:
+        offsets = offsets + max(pl.slot, 0) * pl.param_shape[1]
     return held, offsets
 
 
@@ -220,8 +249,35 @@ def blocks(pl: Placement) -> tuple[tuple[slice, slice], tuple[slice, slice]]:
 
 
 def extract(pl: Placement, param: np.ndarray) -> np.ndarray:
-    """The block of ``param`` (2-D, this rank's) that holds checkpoint elements: a view."""
-    return param.reshape(pl.param_shape)[blocks(pl)[1]]
+    """The block of ``param`` (2-D, this rank's) that holds checkpoint elements: a view.
+
+    For an expert, the block of its slot (``blocks`` gives slot coordinates)."""
+    whole = param.reshape(pl.param_shape)
+    if pl.sub is None:
+        return whole[blocks(pl)[1]]
+    if pl.slot < 0:
+        return whole[:0, :0].reshape((0, pl.cols) if pl.dim == 0 else (pl.rows, 0))
+    return whole[pl.slot].reshape(pl.sub)[blocks(pl)[1]]
+
+
+def write_blocks(pl: Placement, data: np.ndarray
+                 ) -> list[tuple[tuple[slice, slice], np.ndarray]]:
+    """``[(parameter 2-D slices, block)]`` writing the tensor ``data`` (flat, whole) to the
+    elements this rank holds, in ``param_shape`` coordinates (one block, or for an expert
+    split by columns one per row of its slot)."""
+    if not pl.length:
+        return []
+    src, dst = blocks(pl)
+    block = data.reshape(pl.rows, pl.cols)[src]
+    if pl.sub is None:
+        return [(dst, block)]
+    width = pl.sub[1]
+    row = slice(pl.slot, pl.slot + 1)
+    if pl.dim == 0 or pl.length == width:  # a contiguous run of the slot's row
+        first = pl.dst_start * (width if pl.dim == 0 else 1)
+        return [((row, slice(first, first + block.size)), block.reshape(1, -1))]
+    return [((row, slice(i * width + pl.dst_start, i * width + pl.dst_start + pl.length)),
+             block[i:i + 1]) for i in range(pl.rows)]
 
 
 def assemble(per_rank: Sequence[Placement], params: Sequence[np.ndarray]) -> np.ndarray:
@@ -255,6 +311,11 @@ def check_coverage(specs: Sequence[ParamSpec], tp: int) -> dict[str, tuple[int, 
             if sh.name in names:
                 raise EngineError("checkpoint tensor mapped twice", tensor=sh.name)
             names[sh.name] = sh.shape
+        if spec.kind == "experts":
+            from .moe import check_expert_coverage
+
+            check_expert_coverage(spec, tp)
+            continue
         for rank in range(tp):
             used = np.zeros(param_shape(spec, tp), dtype=np.int8)
             for pl in placements(spec, rank, tp):

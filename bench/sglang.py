@@ -1,0 +1,260 @@
+"""SGLang weight updates in place: the pause rollpatch costs SGLang, against SGLang's own reload.
+
+Run: ``python bench/sglang.py`` (16M parameters; needs the SGLang venv from
+``scripts/sglang-env``); ``--hidden 1024 --layers 8`` for a 103M model; ``--versions N``;
+``--json PATH`` keeps every sample (``pause_s`` of each under its path's name: ``staged``,
+``reloads``).
+
+**Model and versions**: bench/vllm.py's (``_vllm_world.World``): a random BF16 Llama, FP32
+masters under warm AdamW (``--lr`` 5e-6), each version published as ``bf16`` to a ``file://``
+board and written as a checkpoint directory, all before any timing. One SGLang 0.5.23 CPU
+server (TP 1, ``torch_native`` attention, the ``sgl_kernel`` import shim: the run aborts if it
+was ever called) with rollpatch's custom weight loader.
+
+Paths, each over the same versions (v1..vN, from v0):
+
+- **staged** (rollpatch): the version's wire-format patch object as published;
+  ``stage_encoded`` while SGLang serves (decode against the live words, validate, prove the
+  target digests), then ``pause`` … ``commit_staged`` … ``resume``. *pause* = from the
+  pause request to the answer of ``/continue_generation`` (SGLang's ``retract`` pause, begin/
+  update/end of the weight-update session with the scatter and read-back, prefix-cache flush,
+  ``/update_weight_version``); *visible→serving* = stage + pause.
+- **reloads** (SGLang's own): the same pause, then ``/update_weights_from_disk`` of the
+  version's checkpoint directory (read once before: page cache warm), then
+  ``/continue_generation``.
+
+**Bytes moved** per version: rollpatch's patch object (what crosses the wire and the
+processes) against the checkpoint a reload reads. **Checks** (the run aborts otherwise): each
+commit leaves the published digest; greedy tokens and logprobs after each staged commit equal
+those after SGLang's reload of the same version; after each reload the live words, re-hashed
+in SGLang, are the published version's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _util import log, machine, machine_line, table
+from _vllm_server import BenchError
+from _vllm_world import World, model_dims
+
+SGLANG_VERSION = "0.5.23"
+LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
+PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def venv() -> Path:
+    env = os.environ.get("ROLLPATCH_SGLANG_VENV")
+    return Path(env) if env else Path.home() / ".cache" / "rollpatch" / \
+        f"sglang-venv-{SGLANG_VERSION}"
+
+
+class Server:
+    """SGLang's CPU server on 127.0.0.1 (our child, its own process group)."""
+
+    def __init__(self, model: Path, log_path: Path, port: int = 31977) -> None:
+        python = venv() / "bin" / "python"
+        if not (venv() / ".stamp-sglang").exists():
+            raise BenchError(f"no SGLang venv at {venv()}: run scripts/sglang-env")
+        self.shim_log = log_path.with_suffix(".shim")
+        env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
+                   ROLLPATCH_SGL_SHIM_LOG=str(self.shim_log),
+                   PYTHONPATH=f"{venv() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}")
+        env.pop("VIRTUAL_ENV", None)
+        cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model),
+               "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype",
+               "bfloat16", "--attention-backend", "torch_native", "--disable-cuda-graph",
+               "--skip-server-warmup", "--mem-fraction-static", "0.3", "--max-total-tokens",
+               "4096", "--context-length", "512", "--custom-weight-loader", LOADER]
+        with open(log_path, "wb") as out:
+            # cwd: not bench/, whose sglang.py would shadow the sglang package
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         cwd=log_path.parent)
+        self.url, self.log_path, self.t0 = f"http://127.0.0.1:{port}", log_path, time.monotonic()
+
+    def wait_ready(self, timeout: float = 600.0) -> float:
+        import urllib.request
+
+        while time.monotonic() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise BenchError(f"SGLang exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.t0
+            except OSError:
+                time.sleep(0.5)
+        raise BenchError("SGLang did not become healthy")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        calls = self.shim_log.read_text() if self.shim_log.exists() else ""
+        if calls:
+            raise BenchError(f"SGLang called the sgl_kernel import shim:\n{calls}")
+
+
+def greedy(engine: Any) -> tuple[list[int], list[float]]:
+    r = engine._http("POST", "/generate", {
+        "input_ids": PROMPT_IDS, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    return list(r["output_ids"]), [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]]
+
+
+def phase_staged(world: World, engine: Any, n: int) -> tuple[list[dict[str, float]], list[Any]]:
+    from rollpatch.engines.staged import EncodedStep
+
+    runs, served = [], []
+    for v in range(1, n + 1):
+        blob = world.patch_blob(v)
+        t0 = time.perf_counter()
+        staged = engine.stage_encoded([EncodedStep((blob,), world.digests[v - 1],
+                                                   world.digests[v])], v)
+        t1 = time.perf_counter()
+        engine.pause()
+        try:
+            engine.commit_staged(staged, v)
+        finally:
+            engine.resume()
+        t2 = time.perf_counter()
+        if engine.digest != world.digests[v] or engine.held()[1] != world.digests[v]:
+            raise BenchError(f"v{v}: the engine does not hold the published digest")
+        runs.append({"stage_s": t1 - t0, "pause_s": t2 - t1, "visible_s": t2 - t0,
+                     "bytes": len(blob), "changed": staged.changed,
+                     "staged_bytes": staged.nbytes})
+        served.append(greedy(engine))
+    return runs, served
+
+
+def phase_reloads(world: World, engine: Any, n: int, served: list[Any]
+                  ) -> list[dict[str, float]]:
+    runs = []
+    for v in range(1, n + 1):
+        ckpt = world.checkpoint(v)
+        for f in ckpt.iterdir():
+            f.read_bytes()  # page cache warm
+        t0 = time.perf_counter()
+        engine.pause()
+        try:
+            r = engine._http("POST", "/update_weights_from_disk", {
+                "model_path": str(ckpt), "weight_version": f"reload-{v}"}, check=False)
+        finally:
+            engine.resume()
+        t1 = time.perf_counter()
+        if not r.get("success"):
+            raise BenchError(f"SGLang's reload of v{v} failed: {r}")
+        if greedy(engine) != served[v - 1]:
+            raise BenchError(f"v{v}: outputs after the patch differ from the reload's")
+        if engine.held(fresh=True)[1] != world.digests[v]:
+            raise BenchError(f"v{v}: SGLang's reload does not hold the published digest")
+        runs.append({"pause_s": t1 - t0, "bytes": world.ckpt_bytes[v]})
+    return runs
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s >= 0.1 else f"{s * 1e3:.1f} ms"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def render(ctx: dict[str, Any]) -> str:
+    st, rl, w = ctx["staged"], ctx["reloads"], ctx["world"]
+
+    def med(runs: list[dict[str, float]], k: str) -> float:
+        return statistics.median(r[k] for r in runs)
+
+    p_st, p_rl = med(st, "pause_s"), med(rl, "pause_s")
+    rows = [
+        ["rollpatch staged", _ms(p_st), _ms(max(r["pause_s"] for r in st)),
+         _ms(med(st, "stage_s")), _ms(med(st, "visible_s")), _mb(med(st, "bytes")),
+         f"{p_st / p_rl:.3f}"],
+        ["SGLang update_weights_from_disk", _ms(p_rl), _ms(max(r["pause_s"] for r in rl)),
+         "-", _ms(p_rl), _mb(med(rl, "bytes")), "1.000"],
+    ]
+    head = (f"SGLang {SGLANG_VERSION} CPU, {w['params'] / 1e6:.1f}M params "
+            f"(hidden {w['dims']['hidden_size']}, {w['dims']['layers']} layers), BF16, "
+            f"{len(st)} versions, lr {ctx['args']['lr']}, changed/step median "
+            f"{100 * statistics.median(w['changed'][1:]):.2f}%; server start "
+            f"{ctx['start_s']:.0f} s; load avg {ctx['load'][0]:.1f} -> {ctx['load'][1]:.1f}\n"
+            f"{machine_line(ctx['machine'])}")
+    t = table(["path", "pause p50", "pause max", "stage p50", "visible->serving p50",
+               "bytes moved / version", "pause / reload"], rows,
+              [False, True, True, True, True, True, True])
+    return f"{head}\n{t}\n(staged update held in SGLang: median {_mb(med(st, 'staged_bytes'))}" \
+           f", {int(med(st, 'changed'))} changed elements per version)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--versions", type=int, default=5, help="versions after v0 (default 5)")
+    ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
+    ap.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
+    ap.add_argument("--layers", type=int, default=4, help="model depth (default 4)")
+    ap.add_argument("--json", default=None, help="also write every measurement here")
+    args = ap.parse_args(argv)
+    if args.versions < 1:
+        ap.error("--versions must be >= 1")
+    from rollpatch.engines.sglang import SglangEngine
+
+    mach, load0, t_start = machine(), os.getloadavg()[0], time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rp-bench-sglang-") as tmp:
+        root = Path(tmp)
+        log(f"building the model and publishing v0..v{args.versions}")
+        world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers))
+        log("starting SGLang on v0's checkpoint")
+        server = Server(world.checkpoint(0), root / "sglang.log")
+        engine = None
+        try:
+            start_s = server.wait_ready()
+            engine = SglangEngine(server.url)
+            engine.adopt(0, world.digests[0])
+            greedy(engine)  # warm-up
+            log("staged: stage_encoded while serving, commit_staged under the pause")
+            staged, served = phase_staged(world, engine, args.versions)
+            log("reloads: SGLang's update_weights_from_disk of each version")
+            engine.load(_view(world, 0), 0)
+            reloads = phase_reloads(world, engine, args.versions, served)
+        finally:
+            if engine is not None:
+                engine.close()
+            server.stop()
+        ctx = {"args": vars(args), "machine": mach, "start_s": start_s,
+               "load": (load0, os.getloadavg()[0]), "wall_s": time.perf_counter() - t_start,
+               "world": {"dims": world.dims, "changed": world.changed, "params": world.params,
+                         "patch_bytes": world.patch_bytes, "ckpt_bytes": world.ckpt_bytes},
+               "staged": staged, "reloads": reloads}
+    print(render(ctx))
+    if args.json:
+        Path(args.json).write_text(json.dumps(ctx, indent=1, default=str))
+    return 0
+
+
+def _view(world: World, v: int) -> Any:
+    from rollpatch.io.safetensors import load_view
+
+    return load_view(world.checkpoint(v) / "model.safetensors")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Shared test scaffolding: one home for the helpers several test modules need.
+
+Test modules import helpers one way, as ``from tests.conftest import ...`` (or
+``from tests.<helper module> import ...`` for the heavier, opt-in helpers: ``conftest_s3``
+for the store backends, ``patchfix`` for codec fixtures, ``tlsfix``, ``vllm_env``).
+
+Fixtures (found by name, nothing to import):
+
+- ``tiny_model``: the reference engine's tiny Llama (seed 0), saved once per session in a
+  directory named ``model`` (the name the reference engine serves);
+- ``memory_board``, ``file_board``: an empty board on each local backend;
+  ``any_board``: the same test on a memory, a file and an S3 board (moto's standalone server
+  as a real process, from ``conftest_s3``; the S3 case follows its ROLLPATCH_SKIP_S3 rule);
+- ``s3_server``: that moto server (session-scoped; it starts only when a test asks for it).
+
+Helpers: :func:`free_port`, :func:`dead_url`, :func:`until` (wait for a condition, failing
+with what was awaited) and :func:`make_manifest` (a manifest with test defaults, built
+keyword-only like the real publisher builds it).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rollpatch.board import Board
+from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
+from rollpatch.store import MemoryStore
+from tests.conftest_s3 import make_s3_store, s3_server
+from tests.s3server import free_port
+
+__all__ = ["DIGEST", "dead_url", "free_port", "make_manifest", "s3_server", "until"]
+
+#: A well-formed target digest for manifests whose objects are opaque test bytes.
+DIGEST = "a" * 64
+
+
+def dead_url() -> str:
+    """An http:// URL on a loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def until(cond: Callable[[], object], what: str, timeout: float = 30.0,
+          poll: float = 0.02) -> None:
+    """Wait until ``cond()`` is true; fail naming ``what`` after ``timeout`` seconds.
+
+    The timeout is a liveness bound (a hung test fails instead of hanging CI), never a speed
+    assertion: speed belongs to bench/.
+    """
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def make_manifest(run: str, version: int, *, target: str = DIGEST, view_bytes: int = 1,
+                  patches: tuple[PatchObject, ...] = (),
+                  keyframes: tuple[KeyframeObject, ...] = (), shards: int = 1,
+                  parent: int | None | str = "previous", fmt: str = "bf16",
+                  created: float | None = None, publisher: str = "test") -> Manifest:
+    """A manifest for ``run``/``version`` with test defaults.
+
+    ``parent`` defaults to ``version - 1`` (``None`` for version 0); ``created`` to now.
+    """
+    par = (version - 1 if version else None) if parent == "previous" else parent
+    assert par is None or isinstance(par, int)
+    return Manifest(run=run, version=version, parent=par, format=fmt, target=target,
+                    view_bytes=view_bytes, created=time.time() if created is None else created,
+                    publisher=publisher, patches=patches, keyframes=keyframes, shards=shards)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference engine's tiny Llama (seed 0), made once per session; read-only."""
+    pytest.importorskip("torch")
+    from rollpatch.engines.reference import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture
+def memory_board() -> Iterator[Board]:
+    """An empty board on a fresh memory:// store, dropped afterwards."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield Board(f"memory://{name}")
+    MemoryStore.reset(name)
+
+
+@pytest.fixture
+def file_board(tmp_path: Path) -> Board:
+    """An empty board in a fresh directory (file://)."""
+    return Board(f"file://{tmp_path / 'board'}")
+
+
+@pytest.fixture(params=["memory", "file", "s3"])
+def any_board(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Board]:
+    """An empty board on each backend a board is kept on: memory, file and S3 (moto)."""
+    if request.param == "memory":
+        yield request.getfixturevalue("memory_board")
+    elif request.param == "file":
+        yield Board(f"file://{tmp_path / 'board'}")
+    else:
+        store = make_s3_store(request)
+        with store:
+            yield Board(store)

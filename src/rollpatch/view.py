@@ -41,20 +41,26 @@ _M64 = (1 << 64) - 1
 _SUM_SPLIT = 1 << 23
 
 
+def sum128_terms(words: np.ndarray, index: np.ndarray) -> tuple[int, int]:
+    """rp.sum128 state contribution of 8-byte ``words`` (uint64) standing at word ``index``
+    (uint64, same length): Σ of both lanes' per-word terms, mod 2^64 (§7.1). Sums over any
+    words add up, so the change of a write is terms(after) - terms(before) of its words."""
+    out = []
+    with np.errstate(over="ignore"):
+        for lane in (0, 1):
+            x = words ^ (np.uint64(_SUM_S[lane]) + index * np.uint64(_SUM_K[lane]))
+            r = np.uint64(_SUM_ROT[lane])
+            term = (x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) \
+                + ((words << r) | (words >> (np.uint64(64) - r)))
+            out.append(int(term.sum(dtype=np.uint64)))
+    return out[0], out[1]
+
+
 def _sum128_numpy(raw: np.ndarray) -> tuple[int, int]:
     """Reference rp.sum128 state of bytes ``raw`` (uint8), zero-padded to 8-byte words."""
     pad = (-raw.size) % 8
     w = np.concatenate([raw, np.zeros(pad, np.uint8)]).view("<u8") if pad else raw.view("<u8")
-    j = np.arange(w.size, dtype=np.uint64)
-    out = []
-    with np.errstate(over="ignore"):
-        for lane in (0, 1):
-            x = w ^ (np.uint64(_SUM_S[lane]) + j * np.uint64(_SUM_K[lane]))
-            r = np.uint64(_SUM_ROT[lane])
-            term = (x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) \
-                + ((w << r) | (w >> (np.uint64(64) - r)))
-            out.append(int(term.sum(dtype=np.uint64)))
-    return out[0], out[1]
+    return sum128_terms(w, np.arange(w.size, dtype=np.uint64))
 
 
 def sum_add(state: tuple[int, int], change: tuple[int, int]) -> tuple[int, int]:

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import BaseMismatchError, PatchError, TargetMismatchError
 from ..patch import Patch, TensorPatch
 from ..patch.ops import gather, scatter
-from ..view import _SUM_K, _SUM_ROT, _SUM_S, Tensor, root_digest, sum128_digest, tensor_digest
+from ..view import Tensor, root_digest, sum128_digest, sum128_terms, tensor_digest
 
 __all__ = ["AuditCursor", "AuditReport", "EncodedStep", "StagedTensor", "StagedUpdate",
            "stage_patch", "sum_delta"]
@@ -83,16 +83,6 @@ class AuditCursor:
         return out, wrapped
 
 
-def _terms(words: np.ndarray, j: np.ndarray, lane: int) -> int:
-    """Σ over 8-byte words of rp.sum128's per-word term (lane 0 or 1), mod 2^64."""
-    with np.errstate(over="ignore"):
-        x = words ^ (np.uint64(_SUM_S[lane]) + j * np.uint64(_SUM_K[lane]))
-        r = np.uint64(_SUM_ROT[lane])
-        t = (x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) \
-            + ((words << r) | (words >> (np.uint64(64) - r)))
-        return int(t.sum(dtype=np.uint64))
-
-
 def sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray) -> SumState:
     """How the rp.sum128 state of ``data`` (flat, contiguous words) changes when the words at
     ``positions`` (sorted int64) become ``new``: reads only the 8-byte words they fall in."""
@@ -112,8 +102,8 @@ def sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray) -> SumSt
     new_buf[row, positions % per] = new
     j = u.astype(np.uint64)
     ow, nw = old_buf.view("<u8").reshape(-1), new_buf.view("<u8").reshape(-1)
-    return tuple((_terms(nw, j, lane) - _terms(ow, j, lane)) & _M64  # type: ignore[return-value]
-                 for lane in (0, 1))
+    (a0, a1), (b0, b1) = sum128_terms(nw, j), sum128_terms(ow, j)
+    return (a0 - b0) & _M64, (a1 - b1) & _M64
 
 
 @dataclass(frozen=True, eq=False)

@@ -29,6 +29,7 @@ from .errors import (
     ManifestError,
     NoPathError,
     NotFoundError,
+    ObjectIntegrityError,
     VersionNotFoundError,
     ViewError,
 )
@@ -189,26 +190,26 @@ class Board:
                            max_bytes=MAX_ENVELOPE_BYTES, max_depth=MAX_MANIFEST_DEPTH))
 
     def fetch(self, ref: ObjectRef) -> bytes:
-        """Get an object and verify its size and BLAKE3 hash (ManifestError if corrupt)."""
+        """Get an object and verify its size and BLAKE3 hash (ObjectIntegrityError if corrupt)."""
         data = self.store.get(ref.key)
         if len(data) != ref.size or blake3.blake3(data).hexdigest() != ref.b3:
-            raise ManifestError("object does not match its manifest entry (corrupt or "
-                                "truncated)", key=ref.key, expected_bytes=ref.size,
+            raise ObjectIntegrityError("object does not match its manifest entry (corrupt or "
+                                       "truncated)", key=ref.key, expected_bytes=ref.size,
                                 got_bytes=len(data))
         return data
 
     def fetch_view(self, ref: ObjectRef, *, chunk_bytes: int | None = None) -> View:
         """A safetensors object (a keyframe shard) read tensor by tensor through ranged reads:
         memory is the view plus one chunk. Size and BLAKE3 are checked over every byte before
-        the view is returned (ManifestError if corrupt); nothing of it is usable before."""
+        the view is returned (ObjectIntegrityError if corrupt); nothing of it is usable before."""
         from .io.safetensors import STREAM_CHUNK_BYTES, read_view_ranges
 
         info = self.store.head(ref.key)
         if info is None:
             raise NotFoundError("object not found", key=ref.key, store=self.store.uri)
         if info.size != ref.size:
-            raise ManifestError("object does not match its manifest entry (corrupt or "
-                                "truncated)", key=ref.key, expected_bytes=ref.size,
+            raise ObjectIntegrityError("object does not match its manifest entry (corrupt or "
+                                       "truncated)", key=ref.key, expected_bytes=ref.size,
                                 got_bytes=info.size)
         h = blake3.blake3()
         try:
@@ -216,11 +217,11 @@ class Board:
                                     on_bytes=h.update,
                                     chunk_bytes=chunk_bytes or STREAM_CHUNK_BYTES)
         except ViewError as e:
-            raise ManifestError(f"object is not a valid keyframe: {e.message}", key=ref.key,
+            raise ObjectIntegrityError(f"object is not a valid keyframe: {e.message}", key=ref.key,
                                 hint="the stored copy is corrupt: republish it") from e
         if h.hexdigest() != ref.b3:
-            raise ManifestError("object does not match its manifest entry (corrupt or "
-                                "truncated)", key=ref.key, expected_bytes=ref.size)
+            raise ObjectIntegrityError("object does not match its manifest entry (corrupt or "
+                                       "truncated)", key=ref.key, expected_bytes=ref.size)
         return view
 
     # -- writing (publisher side) ------------------------------------------------------------
@@ -337,12 +338,14 @@ class Board:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def plan(self, run: str, have: int | None, want: int) -> Plan:
+    def plan(self, run: str, have: int | None, want: int, *,
+             avoid: frozenset[str] = frozenset()) -> Plan:
         """Fewest bytes from ``have`` (None: nothing loaded) to ``want``.
 
         Reads only manifests that exist (listed), from the newest keyframe at or below
         ``want`` (or ``have``, if older) up to ``want``, and at most the newest
-        ``max_plan_versions`` of those.
+        ``max_plan_versions`` of those. No step uses an object whose key is in ``avoid``
+        (objects that failed verification).
         """
         for name, v in (("have", have), ("want", want)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)
@@ -356,20 +359,30 @@ class Board:
         if not listed or listed[-1] != want:
             raise VersionNotFoundError("no such version on the board", run=run, version=want)
         kfs = [k for k in self.keyframes(run) if k <= want]
-        lo_candidates = kfs[-1:] + ([have] if have is not None else [])
-        if not lo_candidates:
+        if not kfs and have is None:
             raise NoPathError("no keyframe to boot from", run=run, want=want)
-        lo = min(lo_candidates)
-        window = [v for v in listed if v >= lo][-self.max_plan_versions:]
-        manifests = {}
-        for v in window:
+        # from the newest keyframe; with objects to avoid, older keyframes too if needed
+        tries: list[int | None] = list(kfs[::-1][:4 if avoid else 1]) or [None]
+        manifests: dict[int, Manifest] = {}
+        for i, kf in enumerate(tries):
+            lo = min(x for x in (kf, have) if x is not None)
+            window = [v for v in listed if v >= lo][-self.max_plan_versions:]
+            for v in window:
+                if v in manifests:
+                    continue
+                try:
+                    manifests[v] = self.manifest(run, v)
+                except VersionNotFoundError:  # listed, then deleted (retention): without it
+                    continue
+            if want not in manifests:
+                raise VersionNotFoundError("no such version on the board", run=run,
+                                           version=want)
             try:
-                manifests[v] = self.manifest(run, v)
-            except VersionNotFoundError:  # listed, then deleted (retention): plan without it
-                continue
-        if want not in manifests:
-            raise VersionNotFoundError("no such version on the board", run=run, version=want)
-        return cheapest_plan(run, have, want, manifests)
+                return cheapest_plan(run, have, want, manifests, avoid=avoid)
+            except NoPathError:
+                if i == len(tries) - 1:
+                    raise
+        raise AssertionError("unreachable")
 
 
 def _payload(raw: bytes, m: Manifest) -> bytes | None:

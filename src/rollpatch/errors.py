@@ -48,6 +48,7 @@ __all__ = [
     "NoPathError",
     "NotFoundError",
     "NotReadyError",
+    "ObjectIntegrityError",
     "PatchDecodeError",
     "PatchError",
     "RollpatchError",
@@ -152,6 +153,11 @@ class BoardError(RollpatchError):
 
 class ManifestError(BoardError):
     """A manifest is malformed or fails verification."""
+
+
+class ObjectIntegrityError(ManifestError):
+    """A stored object does not match its manifest entry (size or BLAKE3): corrupt or
+    truncated. ``key`` in the context names it, so a follower can plan around it."""
 
 
 class TrustError(ManifestError):

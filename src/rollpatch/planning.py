@@ -50,9 +50,10 @@ class Plan:
         return sum(len(s.objects) for s in self.steps)
 
 
-def cheapest_plan(run: str, have: int | None, want: int, manifests: dict[int, Manifest]) -> Plan:
+def cheapest_plan(run: str, have: int | None, want: int, manifests: dict[int, Manifest], *,
+                  avoid: frozenset[str] = frozenset()) -> Plan:
     """The cheapest plan from ``have`` (None: nothing loaded) to ``want`` over ``manifests``
-    (NoPathError when none reaches it)."""
+    (NoPathError when none reaches it), using no object whose key is in ``avoid``."""
     # edges into v: patches from base b (all shards), or a keyframe of v from the source (-1)
     src = -1 if have is None else have
     best: dict[int, tuple[int, int]] = {src: (0, 0)}
@@ -77,6 +78,8 @@ def cheapest_plan(run: str, have: int | None, want: int, manifests: dict[int, Ma
             break
         for step in incoming.get(u, []):
             if step.to > want or (u >= 0 and step.to <= u):
+                continue
+            if avoid and any(o.key in avoid for o in step.objects):
                 continue
             cand = (cost + step.bytes, nobj + len(step.objects))
             if cand < best.get(step.to, (1 << 62, 0)):

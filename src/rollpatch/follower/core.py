@@ -21,6 +21,7 @@ from ..errors import (
     BaseMismatchError,
     NoPathError,
     NotReadyError,
+    ObjectIntegrityError,
     RollpatchError,
     TargetMismatchError,
     VerificationError,
@@ -32,6 +33,7 @@ from ..trust import Trust, warn_unverified
 from ..types import ObjectRef, check_run
 from ..view import View
 from .audit import Auditor
+from .avoid import BadObjects
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
@@ -101,6 +103,7 @@ class Follower:
                         "audits": 0}
         self._timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
+        self._bad = BadObjects()  # corrupt objects: plans go around them
         # LATEST, manifests and plans are read through a board whose store retries each read
         self._reader = Board(RetryingStore(self.board.store, self._retrier),
                              trust=self.board.trust)
@@ -184,7 +187,7 @@ class Follower:
                 raise _PastWanted(have, want, self.run)
             return want
         try:
-            return self._run_plan(have, want)
+            return self._plan_around_corrupt(have, want)
         except _WRONG_BITS as e:
             plan = self.last_plan
             if have is None or plan is None or not plan.steps or plan.steps[0].is_keyframe:
@@ -198,6 +201,32 @@ class Follower:
         except BaseException:
             self._confirm(have)  # the catch-up failed; the engine still holds ``have``
             raise
+
+    def _plan_around_corrupt(self, have: int | None, want: int) -> int:
+        """Run a plan that avoids objects found corrupt; when one of its objects is corrupt,
+        remember it and plan around it. With no way around, the objects remembered from
+        earlier syncs are tried again (they may have been repaired), and an object found
+        corrupt in this sync is the error."""
+        avoid = self._bad.keys()
+        corrupt: ObjectIntegrityError | None = None
+        for _ in range(4):
+            try:
+                return self._run_plan(have, want, avoid)
+            except ObjectIntegrityError as e:
+                key = e.context.get("key")
+                if not isinstance(key, str) or key in avoid:
+                    raise
+                self._bad.add(key)
+                avoid, corrupt = avoid | {key}, e
+                log.warning("%s: object %s is corrupt; planning around it", self.run, key)
+            except NoPathError as e:
+                if corrupt is not None:
+                    raise corrupt from e  # no way around: the corruption is the cause
+                if not avoid:
+                    raise
+                avoid = frozenset()
+        assert corrupt is not None
+        raise corrupt
 
     def _verified_have(self) -> int | None:
         """The engine's version if its digest is that version's target on this board.
@@ -239,8 +268,9 @@ class Follower:
                 self._version = have
                 self._cond.notify_all()
 
-    def _run_plan(self, have: int | None, want: int) -> int:
-        plan = self._reader.plan(self.run, have, want)
+    def _run_plan(self, have: int | None, want: int,
+                  avoid: frozenset[str] = frozenset()) -> int:
+        plan = self._reader.plan(self.run, have, want, avoid=avoid)
         self.last_plan = plan
         limit = self.config.max_stage_bytes
         if limit is not None and plan.bytes > limit:

@@ -1,0 +1,41 @@
+"""Objects a follower found corrupt, remembered so that its next plans go around them.
+
+Objects are content-addressed and re-putting identical bytes is a no-op, so a corrupt stored
+copy stays corrupt until someone deletes it; a follower that kept planning through it would
+never move again (found by bench/soak.py). Entries expire after ``ttl_s`` (an operator may
+have repaired the object) and the memory is bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["BadObjects"]
+
+
+class BadObjects:
+    """Keys of objects that failed verification, each for ``ttl_s`` seconds."""
+
+    def __init__(self, *, ttl_s: float = 600.0, max_keys: int = 1024) -> None:
+        self.ttl_s, self.max_keys = ttl_s, max_keys
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> bool:
+        """Remember ``key``; False if it was already remembered (and still is)."""
+        now = time.monotonic()
+        with self._lock:
+            fresh = self._until.get(key, 0.0) <= now
+            self._until[key] = now + self.ttl_s
+            if len(self._until) > self.max_keys:  # forget the oldest
+                oldest = min(self._until, key=self._until.__getitem__)
+                del self._until[oldest]
+            return fresh
+
+    def keys(self) -> frozenset[str]:
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, t in self._until.items() if t <= now]:
+                del self._until[k]
+            return frozenset(self._until)

@@ -316,7 +316,8 @@ async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[
             slot.release()
             sc.metrics.request("proxied", time.perf_counter() - t0)
 
-    # in drain mode no commit can land while the stream is admitted: end == start is known
-    end_hdr = start if sc.gate.mode == "drain" else None
+    # in drain mode without a drain deadline no commit can land while the stream is admitted
+    # (end == start is known); past a deadline the commit pauses instead, so it may
+    end_hdr = start if sc.gate.mode == "drain" and sc.gate.drain_timeout_s is None else None
     return _AdmittedStream(events(), slot.hand_off(), r, media_type="text/event-stream",
                            headers=_headers(start, end_hdr))

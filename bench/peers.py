@@ -3,6 +3,7 @@
 Run: ``python bench/peers.py`` (100M parameters, 10 versions, 1 Gbit/s, 50 ms RTT: about
 15 minutes on 2 shared cores, most of it preparing versions and shardcast's transfers), or
 ``--params 20M --versions 4`` for a quick look. ``--json F`` writes every measurement.
+shardcast comes with the ``bench`` extra: ``pip install -e '.[bench]'``.
 
 **Versions.** :mod:`rollpatch.sim` (AdamW, warm Adam state, ``--lr`` 1e-6: ~1.2% of BF16
 values change per step) makes v0..vN once (cached in ``--work``); each version is its BF16

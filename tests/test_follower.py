@@ -647,7 +647,10 @@ def test_cli_pull_refuses_with_exit_2(board: Board, tmp_path, capsys) -> None:
                  "-o", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
-    assert len(err) == 1 and err[0].startswith("rollpatch: error:") and "corrupt" in err[0]
+    # one line per corrupt object it planned around (warnings), then the error, no traceback
+    assert err[-1].startswith("rollpatch: error:") and "corrupt" in err[-1]
+    assert all("corrupt; planning around it" in line for line in err[:-1])
+    assert not any("Traceback" in line for line in err)
 
 
 # -- a bad LATEST (issue 11) ---------------------------------------------------------------------

@@ -70,6 +70,20 @@ def _text(v: Any) -> str:
     return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is at each record, not as it was when configured: a
+    process that swaps stderr (test captures, redirections) never leaves the handler on a
+    closed stream."""
+
+    @property
+    def stream(self) -> IO[str]:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: IO[str]) -> None:
+        pass
+
+
 def configure(level: str = "info", fmt: LogFormat = "text",
               stream: IO[str] | None = None) -> logging.Logger:
     """Send the ``rollpatch`` loggers to ``stream`` (stderr) at ``level`` in ``fmt``.
@@ -84,7 +98,7 @@ def configure(level: str = "info", fmt: LogFormat = "text",
     for h in list(root.handlers):
         if h.get_name() == _HANDLER:
             root.removeHandler(h)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.set_name(_HANDLER)
     handler.setFormatter(_Formatter(fmt, level == "debug"))
     root.addHandler(handler)

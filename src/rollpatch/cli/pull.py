@@ -33,11 +33,21 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from .preflight import board_uri
 
     board_uri(args.board, existing=True)
+    logger = logging.getLogger("rollpatch.follower")
+    propagate = logger.propagate
+    _logging(args.verbose)
+    try:
+        return _pull(args)
+    finally:
+        logger.propagate = propagate  # a process that calls main() twice (tests) gets it back
+
+
+def _pull(args: argparse.Namespace) -> int:
     from ..engines import ViewEngine
     from ..errors import VerificationError
     from ..follower import Follower, FollowerConfig
     from ..io import save_view
-    _logging(args.verbose)
+
     trust = load_trust(args, args.board)
     config = FollowerConfig(fetch_workers=args.workers, retries=args.retries,
                             timeout_s=args.timeout)
@@ -76,5 +86,7 @@ def _logging(verbose: bool) -> None:
     logger = logging.getLogger("rollpatch.follower")
     if verbose:
         logging.basicConfig(level=logging.INFO, format="rollpatch: %(levelname)s %(message)s")
-    elif not logger.handlers:
-        logger.addHandler(logging.NullHandler())  # errors surface as one line from main()
+    else:  # errors surface as one line from main(), whatever else configured logging
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())
+        logger.propagate = False

@@ -39,6 +39,7 @@ fuzz-env:
 
 lint: setup
 	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy src/rollpatch
 
 test: setup lint vllm-env sglang-env fuzz-env

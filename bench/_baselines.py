@@ -19,9 +19,11 @@ class RoundTripError(SystemExit):
     """A decode+apply did not reproduce the target bit for bit."""
 
 
-def xor_encode(a: View, b: View, pool: ThreadPoolExecutor, level: int
-               ) -> dict[str, tuple[bytes, bytes]]:
+def xor_encode(
+    a: View, b: View, pool: ThreadPoolExecutor, level: int
+) -> dict[str, tuple[bytes, bytes]]:
     """Per tensor: (zstd frame of old XOR new words, xxh3-128 of the new words)."""
+
     def one(name: str) -> tuple[bytes, bytes]:
         new = b[name].data
         frame = zstandard.ZstdCompressor(level=level).compress(np.bitwise_xor(a[name].data, new))
@@ -31,9 +33,9 @@ def xor_encode(a: View, b: View, pool: ThreadPoolExecutor, level: int
     return dict(zip(names, pool.map(one, names)))
 
 
-def xor_apply(view: View, frames: dict[str, tuple[bytes, bytes]],
-              pool: ThreadPoolExecutor) -> None:
+def xor_apply(view: View, frames: dict[str, tuple[bytes, bytes]], pool: ThreadPoolExecutor) -> None:
     """Decompress and XOR into ``view`` in place, then check each xxh3-128."""
+
     def one(name: str) -> None:
         frame, digest = frames[name]
         data = view[name].data
@@ -58,5 +60,8 @@ def xor_undo(view: View, frames: dict[str, tuple[bytes, bytes]]) -> None:
     """XOR is its own inverse: put the base back after an in-place XOR apply."""
     for name, (frame, _) in frames.items():
         data = view[name].data
-        np.bitwise_xor(data, np.frombuffer(zstandard.ZstdDecompressor().decompress(frame),
-                                           dtype=data.dtype), out=data)
+        np.bitwise_xor(
+            data,
+            np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=data.dtype),
+            out=data,
+        )

@@ -77,8 +77,10 @@ def describe(plan: Plan) -> str:
 def check(view: View, expected: str, what: str) -> None:
     got = fresh_digest(view)
     if got != expected:
-        raise SystemExit(f"NOT BIT-EXACT: {what}: replica digest {got[:16]} != publisher's "
-                         f"view digest {expected[:16]}")
+        raise SystemExit(
+            f"NOT BIT-EXACT: {what}: replica digest {got[:16]} != publisher's "
+            f"view digest {expected[:16]}"
+        )
 
 
 def _sync(follower: Follower, want: int, times: dict[str, float]) -> None:
@@ -87,8 +89,11 @@ def _sync(follower: Follower, want: int, times: dict[str, float]) -> None:
         raise SystemExit(f"follower did not reach v{want}")
     times["sync"] += time.perf_counter() - t0
     st = follower.status()
-    for k, v in (("fetch", st.last_fetch_s), ("stage", st.last_stage_s),
-                 ("commit", st.last_commit_s)):
+    for k, v in (
+        ("fetch", st.last_fetch_s),
+        ("stage", st.last_stage_s),
+        ("commit", st.last_commit_s),
+    ):
         times[k] += v or 0.0
 
 
@@ -132,13 +137,26 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     board.store.close()
     steps = tuple(s for p in plans for s in p.steps)
     return {
-        "ok": True, "path": path, "have": have, "want": want,
-        "plan": describe(Plan(run_name, have, want, steps)), "hops": len(steps),
-        "commits": st.commits, "plan_bytes": sum(s.bytes for s in steps),
-        "objects": st.objects_fetched, "bytes": st.bytes_fetched, "sync_s": times["sync"],
-        "fetch_s": times["fetch"], "stage_s": times["stage"], "commit_s": times["commit"],
-        "setup_s": setup_s, "verify_s": verify_s, "rss_before": rss_before,
-        "peak_reset": reset, "peak": peak, "view_bytes": engine.view.nbytes,
+        "ok": True,
+        "path": path,
+        "have": have,
+        "want": want,
+        "plan": describe(Plan(run_name, have, want, steps)),
+        "hops": len(steps),
+        "commits": st.commits,
+        "plan_bytes": sum(s.bytes for s in steps),
+        "objects": st.objects_fetched,
+        "bytes": st.bytes_fetched,
+        "sync_s": times["sync"],
+        "fetch_s": times["fetch"],
+        "stage_s": times["stage"],
+        "commit_s": times["commit"],
+        "setup_s": setup_s,
+        "verify_s": verify_s,
+        "rss_before": rss_before,
+        "peak_reset": reset,
+        "peak": peak,
+        "view_bytes": engine.view.nbytes,
     }
 
 

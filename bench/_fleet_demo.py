@@ -39,37 +39,81 @@ def validate(summary_path: Path, costs: Costs, seeds: int = 30) -> dict[str, Any
     view = float(model.get("full_view_bytes", 0) or 0)
     for r in rows:
         t = r["t_latest"] - t0 + 10.0
-        versions.append(Version(r["version"], t, t, r["patch_bytes"] / view if view else 0.0,
-                                float(r["patch_bytes"]), bool(r["keyframe"])))
-    measured = {name: float(np.mean([r["time_to_version"][name]["seconds"] for r in rows
-                                     if name in r["time_to_version"]]))
-                for name in d["islands"]}
+        versions.append(
+            Version(
+                r["version"],
+                t,
+                t,
+                r["patch_bytes"] / view if view else 0.0,
+                float(r["patch_bytes"]),
+                bool(r["keyframe"]),
+            )
+        )
+    measured = {
+        name: float(
+            np.mean(
+                [
+                    r["time_to_version"][name]["seconds"]
+                    for r in rows
+                    if name in r["time_to_version"]
+                ]
+            )
+        )
+        for name in d["islands"]
+    }
     poll = float(cfg["poll_s"])
     local_cost = measured["local"] - poll / 2
     wan = Link(bps=float(cfg["wan_mbps"]) * 1e6, rtt_s=float(cfg["wan_latency_ms"]) / 1e3)
-    regions = (Region(name="local", islands=1, home=True, relayed=False,
-                      upstream=Link(bps=8e9, rtt_s=0.0)),
-               Region(name="eu", islands=1, upstream=wan),
-               Region(name="us", islands=1, upstream=wan))
+    regions = (
+        Region(
+            name="local", islands=1, home=True, relayed=False, upstream=Link(bps=8e9, rtt_s=0.0)
+        ),
+        Region(name="eu", islands=1, upstream=wan),
+        Region(name="us", islands=1, upstream=wan),
+    )
     predicted: dict[str, list[float]] = {n: [] for n in measured}
     for seed in range(seeds):
-        sc = Scenario(name="demo", regions=regions, view_bytes=max(view, 1.0),
-                      format=costs.format, patch_frac=(1e-6, 1e-6), step_s=1.0,
-                      steps=len(rows), keyframe_every=0, ranks=1, poll_s=poll,
-                      pointer_ttl_s=DEMO_RELAY_TTL_S, list_ttl_s=DEMO_RELAY_TTL_S,
-                      relay_bps=8e9, island_bps=8e9, lan_rtt_s=LOOPBACK_RTT_S,
-                      apply_cores=1 << 20, commit_s=local_cost, seed=seed)
+        sc = Scenario(
+            name="demo",
+            regions=regions,
+            view_bytes=max(view, 1.0),
+            format=costs.format,
+            patch_frac=(1e-6, 1e-6),
+            step_s=1.0,
+            steps=len(rows),
+            keyframe_every=0,
+            ranks=1,
+            poll_s=poll,
+            pointer_ttl_s=DEMO_RELAY_TTL_S,
+            list_ttl_s=DEMO_RELAY_TTL_S,
+            relay_bps=8e9,
+            island_bps=8e9,
+            lan_rtt_s=LOOPBACK_RTT_S,
+            apply_cores=1 << 20,
+            commit_s=local_cost,
+            seed=seed,
+        )
         res = simulate(sc, costs, "rollpatch", versions=versions)
         for isl in res.islands:
-            ttv = [next(t for t, n in isl.commits if n >= v.n) - v.t_latest
-                   for v in versions[1:]]
+            ttv = [next(t for t, n in isl.commits if n >= v.n) - v.t_latest for v in versions[1:]]
             predicted[isl.region].append(float(np.mean(ttv)))
     out = {}
     for name, m in measured.items():
         p = float(np.mean(predicted[name]))
-        out[name] = {"measured_s": m, "predicted_s": p, "error": p / m - 1,
-                     "calibration": name == "local"}
-    return {"summary": str(summary_path), "versions": len(rows), "view_bytes": view,
-            "patch_bytes_mean": float(np.mean([r["patch_bytes"] for r in rows])),
-            "wan_mbps": cfg["wan_mbps"], "wan_latency_ms": cfg["wan_latency_ms"],
-            "poll_s": poll, "local_cost_s": local_cost, "islands": out}
+        out[name] = {
+            "measured_s": m,
+            "predicted_s": p,
+            "error": p / m - 1,
+            "calibration": name == "local",
+        }
+    return {
+        "summary": str(summary_path),
+        "versions": len(rows),
+        "view_bytes": view,
+        "patch_bytes_mean": float(np.mean([r["patch_bytes"] for r in rows])),
+        "wan_mbps": cfg["wan_mbps"],
+        "wan_latency_ms": cfg["wan_latency_ms"],
+        "poll_s": poll,
+        "local_cost_s": local_cost,
+        "islands": out,
+    }

@@ -103,8 +103,14 @@ def child_publisher(work: Path, board: str, versions: int) -> list[dict[str, Any
             _masters_into(work, v, masters)
         _, peak, secs = _phase(lambda p=pub: p.publish(masters))
         st = pub.stats.versions[-1]
-        rows.append({"phase": f"publish v{v}" + (" (keyframe)" if st.keyframe else ""),
-                     "peak": peak, "seconds": secs, "patch_bytes": st.patch_bytes})
+        rows.append(
+            {
+                "phase": f"publish v{v}" + (" (keyframe)" if st.keyframe else ""),
+                "peak": peak,
+                "seconds": secs,
+                "patch_bytes": st.patch_bytes,
+            }
+        )
     pub.close()
     del pub
     view = cast_view(masters, "bf16")
@@ -130,20 +136,38 @@ def child_follower(board: str, versions: int) -> list[dict[str, Any]]:
     del got
     got, peak, secs = _phase(lambda: b.fetch_view(kf))
     largest = max(t.nbytes for t in got.values())
-    rows.append({"phase": "keyframe read, streamed", "peak": peak, "seconds": secs,
-                 "largest_tensor": largest})
+    rows.append(
+        {
+            "phase": "keyframe read, streamed",
+            "peak": peak,
+            "seconds": secs,
+            "largest_tensor": largest,
+        }
+    )
     del got
     engine = ViewEngine()
     f = Follower(b, RUN, engine, FollowerConfig(audit_bytes_per_s=None))
     _, peak, secs = _phase(lambda: f.sync(0))
-    rows.append({"phase": "follower boot v0 (keyframe)", "peak": peak, "seconds": secs,
-                 "largest_tensor": largest})
+    rows.append(
+        {
+            "phase": "follower boot v0 (keyframe)",
+            "peak": peak,
+            "seconds": secs,
+            "largest_tensor": largest,
+        }
+    )
     for v in range(1, versions):
         m = b.manifest(RUN, v)
         patch = sum(p.ref.size for p in m.patches_from(v - 1))
         _, peak, secs = _phase(lambda v=v: f.sync(v))
-        rows.append({"phase": f"follower step v{v - 1}→v{v}", "peak": peak, "seconds": secs,
-                     "patch_bytes": patch})
+        rows.append(
+            {
+                "phase": f"follower step v{v - 1}→v{v}",
+                "peak": peak,
+                "seconds": secs,
+                "patch_bytes": patch,
+            }
+        )
     return rows
 
 
@@ -157,8 +181,14 @@ def run(work: Path, n_params: int, versions: int = 4) -> dict[str, Any]:
     board = f"file://{board_dir}"
     out: dict[str, Any] = {"view_bytes": meta["view_bytes"], "n_params": meta["n_params"]}
     for role in ("publisher", "follower"):
-        cmd = [sys.executable, str(HERE / "_fleet_memory.py"), role, str(work / "versions"),
-               board, str(versions)]
+        cmd = [
+            sys.executable,
+            str(HERE / "_fleet_memory.py"),
+            role,
+            str(work / "versions"),
+            board,
+            str(versions),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600)
         if r.returncode != 0:
             raise SystemExit(f"memory child {role} failed:\n{r.stderr[-4000:]}")
@@ -168,8 +198,11 @@ def run(work: Path, n_params: int, versions: int = 4) -> dict[str, Any]:
 
 if __name__ == "__main__":
     role, work_dir, board_uri, n = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    res = (child_publisher(work_dir, board_uri, n) if role == "publisher"
-           else child_follower(board_uri, n))
+    res = (
+        child_publisher(work_dir, board_uri, n)
+        if role == "publisher"
+        else child_follower(board_uri, n)
+    )
     print(json.dumps(res))
 
 
@@ -192,14 +225,37 @@ def render(res: dict[str, Any]) -> str:
             ok = ""
             peak = r["peak"]["traced"]
             if budget:
-                lim = {"≤ 1.5× shard": 1.5 * view,
-                       "≤ 2× patch": 2 * r.get("patch_bytes", 0),
-                       "≤ view + 1 tensor": view + r.get("largest_tensor", 0) + 2**20,
-                       }[target]
+                lim = {
+                    "≤ 1.5× shard": 1.5 * view,
+                    "≤ 2× patch": 2 * r.get("patch_bytes", 0),
+                    "≤ view + 1 tensor": view + r.get("largest_tensor", 0) + 2**20,
+                }[target]
                 ok = "MET" if peak <= lim else "MISSED"
-            rows.append([role, r["phase"], f"{peak / 1e6:.1f} MB", f"{peak / view:.2f}x",
-                         f"{r['peak']['rss'] / 1e6:.1f} MB", target, budget, ok,
-                         f"{r['seconds']:.2f}"])
-    return table(["side", "phase", "live peak above baseline", "× view", "RSS growth",
-                  "target", "budget", "", "s"], rows,
-                 [False, False, True, True, True, False, True, False, True])
+            rows.append(
+                [
+                    role,
+                    r["phase"],
+                    f"{peak / 1e6:.1f} MB",
+                    f"{peak / view:.2f}x",
+                    f"{r['peak']['rss'] / 1e6:.1f} MB",
+                    target,
+                    budget,
+                    ok,
+                    f"{r['seconds']:.2f}",
+                ]
+            )
+    return table(
+        [
+            "side",
+            "phase",
+            "live peak above baseline",
+            "× view",
+            "RSS growth",
+            "target",
+            "budget",
+            "",
+            "s",
+        ],
+        rows,
+        [False, False, True, True, True, False, True, False, True],
+    )

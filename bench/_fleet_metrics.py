@@ -59,8 +59,9 @@ def lag_shares(sc: Scenario, res: RunResult, isl: IslandRun) -> Counter[int]:
     """Seconds at each lag over [first call, last call + step)."""
     lat = [v.t_latest for v in res.versions]
     t0, t1 = res.versions[1].t_call, res.versions[-1].t_call + sc.step_s
-    points = sorted({t0, t1, *(t for t in lat if t0 < t < t1),
-                     *(t for t, _ in isl.commits if t0 < t < t1)})
+    points = sorted(
+        {t0, t1, *(t for t in lat if t0 < t < t1), *(t for t, _ in isl.commits if t0 < t < t1)}
+    )
     acc: Counter[int] = Counter()
     for a, b in itertools.pairwise(points):
         latest = max(bisect.bisect_right(lat, a) - 1, 0)
@@ -83,10 +84,16 @@ def summarize(sc: Scenario, res: RunResult) -> Summary:
     skipped = np.mean([sc.steps - (len({n for _, n in i.commits}) - 1) for i in res.islands])
     return Summary(
         method=res.method,
-        ttv_p50_s=float(np.percentile(t, 50)), ttv_p95_s=float(np.percentile(t, 95)),
-        ttv_max_s=float(t.max()), publish_s=float(np.mean(res.publish_s)),
-        payload_bytes=payload, egress_per_step=egress,
+        ttv_p50_s=float(np.percentile(t, 50)),
+        ttv_p95_s=float(np.percentile(t, 95)),
+        ttv_max_s=float(t.max()),
+        publish_s=float(np.mean(res.publish_s)),
+        payload_bytes=payload,
+        egress_per_step=egress,
         egress_ratio=egress / (payload * len(remote)) if remote else float("nan"),
-        relay_hit=hit, lag={k: s / total for k, s in sorted(lags.items())},
-        dropped=over * sc.requests_per_s, dropped_frac=over / total if total else 0.0,
-        skipped=float(skipped))
+        relay_hit=hit,
+        lag={k: s / total for k, s in sorted(lags.items())},
+        dropped=over * sc.requests_per_s,
+        dropped_frac=over / total if total else 0.0,
+        skipped=float(skipped),
+    )

@@ -169,6 +169,7 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 def measure_blake3(nbytes: int = 64 << 20) -> float:
     """BLAKE3 bytes per second of one core on ``nbytes`` (best of 3)."""
     import blake3
+
     data = bytes(nbytes)
     best = math.inf
     for _ in range(3):
@@ -189,8 +190,11 @@ def load_costs(paths: list[Path], fmt: str, *, blake3_Bps: float) -> Costs:
     for p in paths:
         if not p.exists():
             continue
-        rows = [r for r in json.loads(p.read_text()).get("rows", [])
-                if r.get("format") == fmt and r.get("threads") == 1]
+        rows = [
+            r
+            for r in json.loads(p.read_text()).get("rows", [])
+            if r.get("format") == fmt and r.get("threads") == 1
+        ]
         for r in rows:
             view, n = float(r["view_bytes"]), max(int(r.get("transitions", 1)), 1)
             frac = r["patch_bytes"] / n / view
@@ -202,8 +206,17 @@ def load_costs(paths: list[Path], fmt: str, *, blake3_Bps: float) -> Costs:
         if rows:
             used.append(f"{p} ({len(rows)} rows)")
     if not enc:
-        raise SystemExit(f"no one-thread rows for format {fmt!r} in {[str(p) for p in paths]}: "
-                         "run bench/codec.py --json bench/out/codec.json first")
-    return Costs(format=fmt, enc=_fit(enc), dec=_fit(dec), xor_enc=_fit(xenc),
-                 xor_dec=_fit(xdec), xor_ratio=sum(ratios) / len(ratios),
-                 blake3_Bps=blake3_Bps, source=used)
+        raise SystemExit(
+            f"no one-thread rows for format {fmt!r} in {[str(p) for p in paths]}: "
+            "run bench/codec.py --json bench/out/codec.json first"
+        )
+    return Costs(
+        format=fmt,
+        enc=_fit(enc),
+        dec=_fit(dec),
+        xor_enc=_fit(xenc),
+        xor_dec=_fit(xdec),
+        xor_ratio=sum(ratios) / len(ratios),
+        blake3_Bps=blake3_Bps,
+        source=used,
+    )

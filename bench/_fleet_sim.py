@@ -50,7 +50,7 @@ class Version:
     t_call: float
     t_latest: float
     frac: float
-    bytes: float            # payload of this version's step (patch, delta or checkpoint)
+    bytes: float  # payload of this version's step (patch, delta or checkpoint)
     keyframe: bool
 
 
@@ -83,7 +83,7 @@ class _TtlCache:
 
     def __init__(self, ttl: float, rtt: float) -> None:
         self.ttl, self.rtt = ttl, rtt
-        self.seen_at = -1.0          # origin time the cached value reflects
+        self.seen_at = -1.0  # origin time the cached value reflects
         self.expires = -1.0
         self.flight_end = -1.0
         self.flight_seen = -1.0
@@ -99,8 +99,9 @@ class _TtlCache:
         return self.flight_end, self.flight_seen
 
 
-def publish_timeline(sc: Scenario, costs: Costs, method: Method) -> tuple[list[Version],
-                                                                           list[float]]:
+def publish_timeline(
+    sc: Scenario, costs: Costs, method: Method
+) -> tuple[list[Version], list[float]]:
     """When each version is published (LATEST / checkpoint ready) and how big its step is."""
     rng = random.Random(sc.seed)
     up = sc.rank_upload_bps / 8
@@ -123,7 +124,7 @@ def publish_timeline(sc: Scenario, costs: Costs, method: Method) -> tuple[list[V
             work = enc + size / sc.ranks / up + sc.origin_rtt_s
             if key:
                 work += shard / up
-            work += 2 * sc.origin_rtt_s          # manifest, then LATEST
+            work += 2 * sc.origin_rtt_s  # manifest, then LATEST
         free = start + work
         spent.append(free - t_call)
         out.append(Version(k, t_call, free, frac, size, key))
@@ -149,8 +150,9 @@ def _pipeline(start: float, avail: np.ndarray, sizes: np.ndarray, rate: float) -
 class _Region:
     """Per-region state of the patch methods: relay caches, upstream link, objects held."""
 
-    def __init__(self, sc: Scenario, costs: Costs, region: Region, versions: list[Version],
-                 method: Method) -> None:
+    def __init__(
+        self, sc: Scenario, costs: Costs, region: Region, versions: list[Version], method: Method
+    ) -> None:
         self.sc, self.costs, self.region, self.vs, self.method = sc, costs, region, versions, method
         self.t_latest = [v.t_latest for v in versions]
         rtt = region.upstream.rtt_s
@@ -183,7 +185,7 @@ class _Region:
         if v in self.objects_at and self.region.relayed:
             return self.objects_at[v]
         link = self.region.upstream
-        if not self.region.relayed:        # each island reads the origin itself
+        if not self.region.relayed:  # each island reads the origin itself
             return np.full(len(sizes), x + link.rtt_s)
         start = max(x + link.rtt_s, self.link_free)
         arrive = start + np.cumsum(sizes) / link.rate
@@ -206,9 +208,14 @@ def _plan(sc: Scenario, versions: list[Version], have: int, want: int) -> tuple[
     return chain, False
 
 
-def _simulate_patch_region(sc: Scenario, costs: Costs, region: Region, versions: list[Version],
-                           method: Method, rng: random.Random) -> tuple[list[IslandRun],
-                                                                          RegionRun]:
+def _simulate_patch_region(
+    sc: Scenario,
+    costs: Costs,
+    region: Region,
+    versions: list[Version],
+    method: Method,
+    rng: random.Random,
+) -> tuple[list[IslandRun], RegionRun]:
     st = _Region(sc, costs, region, versions, method)
     n_obj = sc.ranks
     final = versions[-1].n
@@ -237,10 +244,10 @@ def _simulate_patch_region(sc: Scenario, costs: Costs, region: Region, versions:
         if region.relayed and st.listing.expires != before:
             st._upstream(LIST_ENTRY_BYTES * len(versions))
         done = done_l + sc.lan_rtt_s
-        if st.latest_at(listed_t) < want:        # stale listing: plan refuses, retry later
+        if st.latest_at(listed_t) < want:  # stale listing: plan refuses, retry later
             heapq.heappush(heap, (done + sc.poll_s, i))
             continue
-        done = st.kf_listing.read(done)[0] + sc.lan_rtt_s   # plan lists keyframes too
+        done = st.kf_listing.read(done)[0] + sc.lan_rtt_s  # plan lists keyframes too
         chain, from_kf = _plan(sc, versions, served[i], want)
         done = st.manifests(done, chain)
         avail, sizes = [], []
@@ -254,14 +261,17 @@ def _simulate_patch_region(sc: Scenario, costs: Costs, region: Region, versions:
         got = _pipeline(done + sc.lan_rtt_s, a, s, share)
         islands[i].fetched += float(s.sum())
         st.run.served_bytes += float(s.sum())
-        apply_s = sum(costs.seconds(dec, sc.view_bytes, versions[v].frac, sc.apply_cores)
-                      for v in chain if not (from_kf and v == chain[0]))
+        apply_s = sum(
+            costs.seconds(dec, sc.view_bytes, versions[v].frac, sc.apply_cores)
+            for v in chain
+            if not (from_kf and v == chain[0])
+        )
         if from_kf:
             apply_s += sc.view_bytes / sc.load_Bps
-        if sc.overlap_apply:      # what-if: each shard object decoded as soon as it arrived
+        if sc.overlap_apply:  # what-if: each shard object decoded as soon as it arrived
             per = np.full(len(got), apply_s / len(got))
             t = float(_pipeline(float(got[0]), got, per, 1.0)[-1]) + sc.commit_s
-        else:                     # today's follower: decode after every object arrived
+        else:  # today's follower: decode after every object arrived
             t = float(got[-1]) + apply_s + sc.commit_s
         served[i] = want
         islands[i].commits.append((t, want))
@@ -269,8 +279,9 @@ def _simulate_patch_region(sc: Scenario, costs: Costs, region: Region, versions:
     return islands, st.run
 
 
-def _simulate_full_region(sc: Scenario, region: Region, versions: list[Version],
-                          rng: random.Random) -> tuple[list[IslandRun], RegionRun]:
+def _simulate_full_region(
+    sc: Scenario, region: Region, versions: list[Version], rng: random.Random
+) -> tuple[list[IslandRun], RegionRun]:
     run = RegionRun(region.name, region.home)
     ready = [v.t_latest for v in versions]
     final = versions[-1].n
@@ -307,8 +318,9 @@ def _simulate_full_region(sc: Scenario, region: Region, versions: list[Version],
     return islands, run
 
 
-def simulate(sc: Scenario, costs: Costs, method: Method,
-             versions: list[Version] | None = None) -> RunResult:
+def simulate(
+    sc: Scenario, costs: Costs, method: Method, versions: list[Version] | None = None
+) -> RunResult:
     """Run ``sc`` under ``method``: every island from v0 to the last version. ``versions``:
     a measured publish timeline instead of the modelled one (validation)."""
     if versions is None:

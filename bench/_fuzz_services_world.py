@@ -33,8 +33,11 @@ def check_case(case: Any, response: Any) -> str | None:
     status = response.status_code
     if status == 500 or status >= 600:
         return f"status {status}"
-    if 400 <= status < 500 and case.operation.path.startswith("/v1/") \
-            and "json" in response.headers.get("content-type", ""):
+    if (
+        400 <= status < 500
+        and case.operation.path.startswith("/v1/")
+        and "json" in response.headers.get("content-type", "")
+    ):
         try:
             body = response.json()
         except ValueError:
@@ -72,8 +75,13 @@ class World:
         self.version = pub.publish(masters)
         pub.flush()
         engine = ReferenceEngine.from_dir(model, threads=1)
-        self.sidecar = start_sidecar(board, RUN, engine, engine.url,
-                                     config=SidecarConfig(follower=FollowerConfig(poll_s=0.2)))
+        self.sidecar = start_sidecar(
+            board,
+            RUN,
+            engine,
+            engine.url,
+            config=SidecarConfig(follower=FollowerConfig(poll_s=0.2)),
+        )
         self._stop.append(self.sidecar.stop)
         self.gateway = start_gateway([f"a={self.sidecar.url}"], config=GatewayConfig())
         self._stop.append(self.gateway.stop)
@@ -93,11 +101,9 @@ class World:
         logging.getLogger().removeHandler(self.errors)
 
     def services(self) -> dict[str, str]:
-        return {"sidecar": self.sidecar.url, "gateway": self.gateway.url,
-                "relay": self.relay.url}
+        return {"sidecar": self.sidecar.url, "gateway": self.gateway.url, "relay": self.relay.url}
 
-    def fuzz(self, url: str, cases: int, check: Check
-             ) -> Iterator[tuple[str, str, int, int, int]]:
+    def fuzz(self, url: str, cases: int, check: Check) -> Iterator[tuple[str, str, int, int, int]]:
         """Per operation and mode: ``(operation, mode, cases sent, failures, hangs)``."""
         import requests
         import schemathesis
@@ -115,22 +121,37 @@ class World:
                     attack()
                 except Unsatisfiable:
                     pass  # no negative case exists (an operation without inputs)
-                yield (f"{op.method.upper()} {op.path}", mode.value, tally["sent"],
-                       tally["failures"], tally["hangs"])
+                yield (
+                    f"{op.method.upper()} {op.path}",
+                    mode.value,
+                    tally["sent"],
+                    tally["failures"],
+                    tally["hangs"],
+                )
 
     @staticmethod
-    def _attack(op: Any, mode: Any, url: str, cases: int, check: Check, session: Any,
-                tally: dict[str, int]) -> Callable[[], None]:
+    def _attack(
+        op: Any, mode: Any, url: str, cases: int, check: Check, session: Any, tally: dict[str, int]
+    ) -> Callable[[], None]:
         import requests
         from hypothesis import HealthCheck, Phase, given, settings
         from schemathesis import GenerationMode
 
-        @settings(max_examples=cases, database=None, deadline=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=cases,
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(op.as_strategy(generation_mode=mode))
         def attack(case: Any) -> None:
-            if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) \
-                    and op.path.startswith("/v1/") and op.method.upper() == "POST":
+            if (
+                mode == GenerationMode.POSITIVE
+                and isinstance(case.body, dict)
+                and op.path.startswith("/v1/")
+                and op.method.upper() == "POST"
+            ):
                 # valid requests do generate: keep each short (the engine's speed is not
                 # what this measures); invalid ones are sent exactly as generated
                 case.body["max_tokens"] = min(int(case.body.get("max_tokens") or 4), 4)
@@ -157,12 +178,22 @@ class World:
         """A real completion through the gateway; what the servers logged at ERROR."""
         import httpx
 
-        r = httpx.post(f"{self.gateway.url}/v1/completions", timeout=120,
-                       json={"prompt": "12 + 7 =", "max_tokens": 4, "temperature": 0,
-                             "rollpatch": {"min_version": self.version}})
+        r = httpx.post(
+            f"{self.gateway.url}/v1/completions",
+            timeout=120,
+            json={
+                "prompt": "12 + 7 =",
+                "max_tokens": 4,
+                "temperature": 0,
+                "rollpatch": {"min_version": self.version},
+            },
+        )
         rp = r.json().get("rollpatch", {}) if r.status_code == 200 else {}
         for line in self.errors.records[:20]:
             print(f"ERROR RECORD {line}")
-        return {"served": r.status_code == 200 and rp.get("version_start") == self.version,
-                "version": rp.get("version_start"), "errors": len(self.errors.records),
-                "inflight": self.sidecar.sidecar.gate.inflight}
+        return {
+            "served": r.status_code == 200 and rp.get("version_start") == self.version,
+            "version": rp.get("version_start"),
+            "errors": len(self.errors.records),
+            "inflight": self.sidecar.sidecar.gate.inflight,
+        }

@@ -18,8 +18,16 @@ from typing import Any
 import numpy as np
 
 RUN = "fz"
-TARGET_NAMES = ("manifest", "latest", "latest-unsigned", "root", "safetensors", "relay-cache",
-                "request", "island-answer")
+TARGET_NAMES = (
+    "manifest",
+    "latest",
+    "latest-unsigned",
+    "root",
+    "safetensors",
+    "relay-cache",
+    "request",
+    "island-answer",
+)
 Target = Callable[[bytes], None]
 
 
@@ -38,10 +46,13 @@ class Env:
         self.trust = Trust(self.root_bytes)
         self.board = Board("memory://fuzz-services", trust=self.trust)
         rng = np.random.default_rng(0)
-        masters = {"layer.w": rng.standard_normal((16, 16)).astype(np.float32),
-                   "layer.b": rng.standard_normal(16).astype(np.float32)}
-        pub = Publisher(self.board, RUN, PublisherConfig(signer=Signer(keys=(key,))),
-                        asynchronous=False)
+        masters = {
+            "layer.w": rng.standard_normal((16, 16)).astype(np.float32),
+            "layer.b": rng.standard_normal(16).astype(np.float32),
+        }
+        pub = Publisher(
+            self.board, RUN, PublisherConfig(signer=Signer(keys=(key,))), asynchronous=False
+        )
         for _ in range(2):
             pub.publish(masters)
             masters["layer.w"] += 0.05
@@ -73,11 +84,22 @@ def _payload(envelope: bytes) -> bytes:
 
 
 REQUESTS = [
-    {"model": "m", "prompt": "12 + 7 =", "max_tokens": 4, "temperature": 0, "logprobs": 1,
-     "return_token_ids": True, "rollpatch": {"min_version": 1, "wait_s": 0}},
+    {
+        "model": "m",
+        "prompt": "12 + 7 =",
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "rollpatch": {"min_version": 1, "wait_s": 0},
+    },
     {"prompt": [[1, 2, 3]], "stream": True, "stop": ["\n"], "n": 1, "seed": 7},
-    {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
-     "rollpatch": {"max_lag": 2, "exact_version": 3}},
+    {
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "rollpatch": {"max_lag": 2, "exact_version": 3},
+    },
 ]
 
 
@@ -106,6 +128,7 @@ def targets(env: Env) -> dict[str, tuple[Target, list[bytes]]]:
                 fn(data)
             except RollpatchError:
                 pass  # a typed refusal is the right answer to hostile bytes
+
         return run
 
     def manifest(data: bytes) -> None:
@@ -123,6 +146,7 @@ def targets(env: Env) -> dict[str, tuple[Target, list[bytes]]]:
         add_island(data, "a")
         annotate_body(data, 1, 2)
         from rollpatch import jsonsafe
+
         doc = jsonsafe.loads(data, max_bytes=1 << 20, max_depth=8)
         if isinstance(doc, dict):
             gw.observe_version("a", doc)
@@ -136,8 +160,7 @@ def targets(env: Env) -> dict[str, tuple[Target, list[bytes]]]:
     return {
         "manifest": (refusing(manifest), [*env.manifests, env.bare_manifest]),
         "latest": (refusing(lambda d: read_latest(d, RUN, env.trust)), [env.latest]),
-        "latest-unsigned": (refusing(lambda d: read_latest(d, RUN, None)),
-                            [_payload(env.latest)]),
+        "latest-unsigned": (refusing(lambda d: read_latest(d, RUN, None)), [_payload(env.latest)]),
         "root": (refusing(verify_initial_root), [env.root_bytes]),
         "safetensors": (refusing(view_from_bytes), [env.safetensors]),
         "relay-cache": (cache_entry, [env.cache_file]),

@@ -67,6 +67,7 @@ def _done(view: Any, job: dict[str, Any], have: int, **extra: Any) -> None:
 
 # -- islands -----------------------------------------------------------------------------------
 
+
 def island_rollpatch(job: dict[str, Any]) -> None:
     from rollpatch.engines.view_engine import ViewEngine
     from rollpatch.follower import Follower, FollowerConfig
@@ -74,10 +75,12 @@ def island_rollpatch(job: dict[str, Any]) -> None:
 
     engine = ViewEngine()
     engine.load(load_view(job["v0"]), 0)
-    follower = Follower(job["board"], job["run"], engine,
-                        FollowerConfig(poll_s=job["poll_s"], timeout_s=600.0))
-    follower.on_commit.append(lambda v, pause: emit("serving", version=v, t=time.time(),
-                                                    pause_s=pause))
+    follower = Follower(
+        job["board"], job["run"], engine, FollowerConfig(poll_s=job["poll_s"], timeout_s=600.0)
+    )
+    follower.on_commit.append(
+        lambda v, pause: emit("serving", version=v, t=time.time(), pause_s=pause)
+    )
     if follower.sync(0) != 0:
         raise SystemExit("rollpatch island: v0 not verified")
     reset_peak_rss()
@@ -86,8 +89,13 @@ def island_rollpatch(job: dict[str, Any]) -> None:
     _stop.wait()
     follower.stop()
     st = follower.status()
-    _done(engine.view, job, follower.version or -1, bytes_fetched=st.bytes_fetched,
-          error=st.last_error)
+    _done(
+        engine.view,
+        job,
+        follower.version or -1,
+        bytes_fetched=st.bytes_fetched,
+        error=st.last_error,
+    )
 
 
 def island_xor(job: dict[str, Any]) -> None:
@@ -134,8 +142,9 @@ def island_shardcast(job: dict[str, Any]) -> None:
         # shardcast writes this temp file next to its package, shared by every client on the
         # machine; clients on separate machines do not race on it, so each island has its own
         tmp = str(work / "distribution.txt")
-        if dl.download_file(SHARDCAST_DISTRIBUTION_FILE, tmp, update_metrics=False,
-                            log_error_on_failure=False):
+        if dl.download_file(
+            SHARDCAST_DISTRIBUTION_FILE, tmp, update_metrics=False, log_error_on_failure=False
+        ):
             text = Path(tmp).read_text()
             os.unlink(tmp)
             return text
@@ -178,17 +187,24 @@ def _middle_complete(middle: Path, name: str) -> bool:
         if v.strip() == name:
             count = int(info.strip().partition("|")[2] or 0)
             return count > 0 and all(
-                (middle / name / f"shard_{i + 1:05d}.bin").exists() for i in range(count))
+                (middle / name / f"shard_{i + 1:05d}.bin").exists() for i in range(count)
+            )
     return False
 
 
 # -- infrastructure ----------------------------------------------------------------------------
 
+
 def link(job: dict[str, Any]) -> None:
     from rollpatch.netem import Link, LinkConfig
 
-    cfg = LinkConfig(upstream=tuple(job["upstream"]), latency_ms=job["latency_ms"],
-                     mbps=job["mbps"], loss=job.get("loss", 0.0), seed=0)
+    cfg = LinkConfig(
+        upstream=tuple(job["upstream"]),
+        latency_ms=job["latency_ms"],
+        mbps=job["mbps"],
+        loss=job.get("loss", 0.0),
+        seed=0,
+    )
     with Link(cfg) as lk:
         emit("ready", port=lk.port)
         seen = 0
@@ -200,16 +216,22 @@ def link(job: dict[str, Any]) -> None:
                     break
                 seen = len(_lines)
             s = lk.stats()
-            emit("stats", bytes_up=s.bytes_up, bytes_down=s.bytes_down,
-                 connections=s.connections, t=time.time())
+            emit(
+                "stats",
+                bytes_up=s.bytes_up,
+                bytes_down=s.bytes_down,
+                connections=s.connections,
+                t=time.time(),
+            )
     emit("done", peak=peak_rss())
 
 
 def middle(job: dict[str, Any]) -> None:
     from shardcast.middle_node import MiddleNode
 
-    node = MiddleNode([job["upstream"]], job["dir"], job["port"],
-                      check_interval=job["check_interval"])
+    node = MiddleNode(
+        [job["upstream"]], job["dir"], job["port"], check_interval=job["check_interval"]
+    )
     reset_peak_rss()
     emit("ready", port=job["port"])
     _stop.wait()
@@ -217,8 +239,13 @@ def middle(job: dict[str, Any]) -> None:
     emit("done", peak=peak_rss())
 
 
-MODES = {"rollpatch": island_rollpatch, "xor": island_xor, "shardcast": island_shardcast,
-         "link": link, "middle": middle}
+MODES = {
+    "rollpatch": island_rollpatch,
+    "xor": island_xor,
+    "shardcast": island_shardcast,
+    "link": link,
+    "middle": middle,
+}
 
 
 def main() -> int:

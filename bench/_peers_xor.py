@@ -46,8 +46,9 @@ def encode_blob(frames: Mapping[str, tuple[bytes, bytes]]) -> bytes:
         entries.append([name, off, len(frame), digest.hex()])
         off += len(frame)
     header = json.dumps({"tensors": entries}).encode()
-    return b"".join([MAGIC, struct.pack("<I", len(header)), header,
-                     *(frames[n][0] for n in sorted(frames))])
+    return b"".join(
+        [MAGIC, struct.pack("<I", len(header)), header, *(frames[n][0] for n in sorted(frames))]
+    )
 
 
 def decode_blob(blob: bytes) -> dict[str, tuple[bytes, bytes]]:
@@ -57,12 +58,12 @@ def decode_blob(blob: bytes) -> dict[str, tuple[bytes, bytes]]:
     (n,) = struct.unpack("<I", blob[4:8])
     if n > min(_MAX_HEADER, len(blob) - 8):
         raise ValueError("XZ1 header length out of bounds")
-    body = memoryview(blob)[8 + n:]
+    body = memoryview(blob)[8 + n :]
     out = {}
-    for name, off, length, digest in json.loads(blob[8:8 + n])["tensors"]:
+    for name, off, length, digest in json.loads(blob[8 : 8 + n])["tensors"]:
         if not (0 <= off and 0 <= length and off + length <= len(body)):
             raise ValueError(f"XZ1 frame of {name} out of bounds")
-        out[name] = (bytes(body[off:off + length]), bytes.fromhex(digest))
+        out[name] = (bytes(body[off : off + length]), bytes.fromhex(digest))
     return out
 
 
@@ -81,8 +82,9 @@ class XorPublisher:
     def __init__(self, board: Board, run: str, *, threads: int = 2) -> None:
         self.board, self.run = board, run
         self._pool = ThreadPoolExecutor(threads)
-        self._queue: queue.Queue[tuple[int, dict[str, np.ndarray], float, float] | None] = \
+        self._queue: queue.Queue[tuple[int, dict[str, np.ndarray], float, float] | None] = (
             queue.Queue()
+        )
         self._prev: View | None = None
         self._error: BaseException | None = None
         self.stats: dict[int, dict[str, float]] = {}
@@ -115,8 +117,9 @@ class XorPublisher:
             except BaseException as e:  # noqa: BLE001 (reported by the next publish() or close())
                 self._error = e
 
-    def _one(self, version: int, masters: dict[str, np.ndarray], t_call: float,
-             t_call_perf: float) -> None:
+    def _one(
+        self, version: int, masters: dict[str, np.ndarray], t_call: float, t_call_perf: float
+    ) -> None:
         t0 = time.perf_counter()
         view = cast_view(masters, "bf16")
         del masters
@@ -134,13 +137,22 @@ class XorPublisher:
             patches, keyframes = (PatchObject(ref, version - 1, self._prev.digest()),), ()
             nbytes = ref.size
             self.stats.setdefault(version, {})["encode_s"] = t2 - t1
-        m = Manifest(run=self.run, version=version,
-                     parent=None if self._prev is None else version - 1, format="bf16",
-                     target=target, view_bytes=view.nbytes, created=t_call,
-                     publisher="bench-xor", patches=patches, keyframes=keyframes,
-                     meta={"codec": f"xor+zstd-{LEVEL}, xxh3-128 per tensor"})
+        m = Manifest(
+            run=self.run,
+            version=version,
+            parent=None if self._prev is None else version - 1,
+            format="bf16",
+            target=target,
+            view_bytes=view.nbytes,
+            created=t_call,
+            publisher="bench-xor",
+            patches=patches,
+            keyframes=keyframes,
+            meta={"codec": f"xor+zstd-{LEVEL}, xxh3-128 per tensor"},
+        )
         self.board.put_manifest(m)
         self.board.advance(self.run, version)
         self.stats.setdefault(version, {}).update(
-            cast_s=t1 - t0, total_s=time.perf_counter() - t_call_perf, bytes=float(nbytes))
+            cast_s=t1 - t0, total_s=time.perf_counter() - t_call_perf, bytes=float(nbytes)
+        )
         self._prev = view

@@ -60,13 +60,20 @@ def engine_process(world: Any, kind: str) -> tuple[Any, Any, str, int, Any]:
         srv = Server(vllm_python(), world.model, world.root / "vllm.log")
         srv.wait_ready()
         eng = VllmEngine(srv.url)
-        eng.http.post("/v1/completions", {"model": str(world.model), "prompt": "warm",
-                                          "max_tokens": 2}, timeout=600)
+        eng.http.post(
+            "/v1/completions",
+            {"model": str(world.model), "prompt": "warm", "max_tokens": 2},
+            timeout=600,
+        )
         eng.adopt(0, world.digests[0])
         return eng, str(world.model), srv.url, srv.worker_pid(), srv.stop
     here = Path(__file__).resolve().parent
-    proc = subprocess.Popen([sys.executable, str(here / "_sidecar_engine.py"), str(world.model)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(here / "_sidecar_engine.py"), str(world.model)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdin is not None
     url = proc.stdout.readline().strip()
     if not url.startswith("http"):

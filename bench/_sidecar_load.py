@@ -19,8 +19,10 @@ from typing import Any
 from _util import log
 
 MAX_TOKENS = 8
-PROMPTS = [f"What is {a} + {b}?" for a, b in ((12, 7), (305, 18), (4, 990), (77, 77),
-                                              (123, 456), (8, 1), (640, 64), (99, 2))]
+PROMPTS = [
+    f"What is {a} + {b}?"
+    for a, b in ((12, 7), (305, 18), (4, 990), (77, 77), (123, 456), (8, 1), (640, 64), (99, 2))
+]
 
 
 class BenchError(SystemExit):
@@ -50,8 +52,10 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
     c, n, bodies = job["c"], job.get("n"), job["bodies"]
     out: dict[str, Any] = {"lat": [], "errors": [], "texts": {}, "labels": {}, "bad_tokens": 0}
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
-    async with httpx.AsyncClient(base_url=job["url"], limits=limits,
-                                 timeout=httpx.Timeout(600.0)) as client:
+    async with httpx.AsyncClient(
+        base_url=job["url"], limits=limits, timeout=httpx.Timeout(600.0)
+    ) as client:
+
         async def one(i: int, record: bool) -> None:
             t0 = time.perf_counter()
             req = bodies[i % len(bodies)]
@@ -62,8 +66,9 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
                     r = await client.post("/v1/completions", json=req)
                     status, body = r.status_code, (r.json() if r.status_code == 200 else r.text)
             except httpx.HTTPError as e:  # counted; the parent decides
-                out["errors"].append(f"{type(e).__name__} after {time.perf_counter() - t0:.3f}"
-                                     f" s: {e}")
+                out["errors"].append(
+                    f"{type(e).__name__} after {time.perf_counter() - t0:.3f} s: {e}"
+                )
                 return
             dt = time.perf_counter() - t0
             if status != 200:
@@ -99,6 +104,7 @@ def load_worker_main(job_json: str) -> int:
     job = json.loads(job_json)
     stop = threading.Event()
     if job.get("n") is None:
+
         def watch() -> None:
             sys.stdin.read()
             stop.set()
@@ -109,10 +115,20 @@ def load_worker_main(job_json: str) -> int:
 
 
 def bodies(model: str = "model", stream: bool = False) -> list[dict[str, Any]]:
-    extra: dict[str, Any] = ({"stream": True, "stream_options": {"include_usage": True}}
-                             if stream else {})
-    return [{"model": model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-             "ignore_eos": True, **extra} for p in PROMPTS]
+    extra: dict[str, Any] = (
+        {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    )
+    return [
+        {
+            "model": model,
+            "prompt": p,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        }
+        for p in PROMPTS
+    ]
 
 
 def _worker_cmd(job: dict[str, Any]) -> list[str]:
@@ -123,14 +139,17 @@ def check_errors(what: str, out: dict[str, Any]) -> None:
     """Wrong answers abort; failed requests are reported, and abort above 1%."""
     n_err = len(out["errors"])
     if out["bad_tokens"] or n_err > 0.01 * (n_err + len(out["lat"])):
-        raise BenchError(f"{what}: {n_err} failed requests, {out['bad_tokens']} with != "
-                         f"{MAX_TOKENS} tokens: {out['errors'][:3]}")
+        raise BenchError(
+            f"{what}: {n_err} failed requests, {out['bad_tokens']} with != "
+            f"{MAX_TOKENS} tokens: {out['errors'][:3]}"
+        )
     if n_err:
         log(f"{what}: {n_err} failed request(s): {out['errors'][:3]}")
 
 
-def run_load(url: str, c: int, n: int, warmup: int, body: list[dict[str, Any]] | None = None
-             ) -> dict[str, Any]:
+def run_load(
+    url: str, c: int, n: int, warmup: int, body: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """A bounded load from a fresh subprocess."""
     job = {"url": url, "c": c, "n": n, "warmup": warmup, "bodies": body or bodies()}
     done = subprocess.run(_worker_cmd(job), capture_output=True, text=True, check=False)
@@ -146,8 +165,13 @@ class BackgroundLoad:
 
     def __init__(self, url: str, c: int) -> None:
         job = {"url": url, "c": c, "n": None, "warmup": 0, "bodies": bodies()}
-        self.proc = subprocess.Popen(_worker_cmd(job), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            _worker_cmd(job),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def stop(self) -> dict[str, Any]:
         stdout, stderr = self.proc.communicate(input="", timeout=600)

@@ -104,8 +104,11 @@ def bench_relay(world: World, root: Path) -> dict[str, Any]:
     finally:
         relay.stop()
     if metric != upstream.counts["bytes"]:
-        raise BenchError(f"relay metric says {metric} upstream bytes, the store saw "
-                         f"{upstream.counts['bytes']}")
-    log(f"relay: upstream {direct.counts['bytes']:,} B direct vs {upstream.counts['bytes']:,} B "
-        "through the relay")
+        raise BenchError(
+            f"relay metric says {metric} upstream bytes, the store saw {upstream.counts['bytes']}"
+        )
+    log(
+        f"relay: upstream {direct.counts['bytes']:,} B direct vs {upstream.counts['bytes']:,} B "
+        "through the relay"
+    )
     return {"direct": plain, "relay": relayed, "relay_metric_bytes": metric}

@@ -37,8 +37,9 @@ class World:
         self.masters = {n: t.to_array().astype(np.float32) for n, t in self.runtime.view.items()}
         self.board_dir = root / "board"
         self.board = f"file://{self.board_dir}"
-        self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0),
-                                   asynchronous=False)
+        self.publisher = Publisher(
+            self.board, RUN, PublisherConfig(keyframe_every=0), asynchronous=False
+        )
         self.adam = WarmAdamW(self.masters, lr)
         self.digests: dict[int, str] = {}
         self.changed: list[float] = []
@@ -73,13 +74,18 @@ def _start(world: World, mode: str, poll_s: float = 0.05) -> Any:
     from rollpatch.sidecar.server import start_sidecar
 
     engine = ReferenceEngine.from_dir(world.model, threads=1)
-    sc = start_sidecar(world.board, RUN, engine, engine.url,
-                       config=SidecarConfig(commit_mode=mode,
-                                            follower=FollowerConfig(poll_s=poll_s)))
+    sc = start_sidecar(
+        world.board,
+        RUN,
+        engine,
+        engine.url,
+        config=SidecarConfig(commit_mode=mode, follower=FollowerConfig(poll_s=poll_s)),
+    )
     want = max(world.digests)
     if not sc.sidecar.follower.wait_for(want, 120):
-        raise BenchError(f"{mode} sidecar never reached v{want}: "
-                         f"{sc.sidecar.follower.status().last_error}")
+        raise BenchError(
+            f"{mode} sidecar never reached v{want}: {sc.sidecar.follower.status().last_error}"
+        )
     return sc
 
 
@@ -96,9 +102,15 @@ def bench_commits(world: World, mode: str, versions: int) -> dict[str, Any]:
         st = follower.status()
         last = gate.last
         assert last is not None
-        records.append({"version": version, "swap_s": pause_s,
-                        "stall_s": last.drain_s + last.pause_s,
-                        "fetch_s": st.last_fetch_s, "stage_s": st.last_stage_s})
+        records.append(
+            {
+                "version": version,
+                "swap_s": pause_s,
+                "stall_s": last.drain_s + last.pause_s,
+                "fetch_s": st.last_fetch_s,
+                "stage_s": st.last_stage_s,
+            }
+        )
 
     boot_s = gate.pauses[-1] if gate.pauses else None
     follower.on_commit.append(on_commit)
@@ -119,16 +131,25 @@ def bench_commits(world: World, mode: str, versions: int) -> dict[str, Any]:
         traffic = load.stop()
         sc.stop()
     check_errors(f"{mode} mode under commits", traffic)
-    spans = sum(k for label, k in traffic["labels"].items()
-                if label.split("-")[0] != label.split("-")[1])
+    spans = sum(
+        k for label, k in traffic["labels"].items() if label.split("-")[0] != label.split("-")[1]
+    )
     if mode == "drain" and spans:
         raise BenchError(f"drain mode: {spans} responses span a commit")
-    log(f"{mode}: {len(records)} commits, swap p50 "
+    log(
+        f"{mode}: {len(records)} commits, swap p50 "
         f"{statistics.median(r['swap_s'] for r in records) * 1e3:.1f} ms, {spans} of "
-        f"{len(traffic['lat'])} responses span a commit")
-    return {"mode": mode, "commits": records, "boot_load_s": boot_s, "requests": len(
-        traffic["lat"]), "spanning": spans, "req_p50": _pct(traffic["lat"], 50),
-        "errors": traffic["errors"]}
+        f"{len(traffic['lat'])} responses span a commit"
+    )
+    return {
+        "mode": mode,
+        "commits": records,
+        "boot_load_s": boot_s,
+        "requests": len(traffic["lat"]),
+        "spanning": spans,
+        "req_p50": _pct(traffic["lat"], 50),
+        "errors": traffic["errors"],
+    }
 
 
 def bench_reload(world: World, repeats: int, cold: bool) -> dict[str, list[float]]:
@@ -142,8 +163,7 @@ def bench_reload(world: World, repeats: int, cold: bool) -> dict[str, list[float
     engine = ReferenceEngine(world.runtime, serve_http=False)
     prev = world.prev_view
     prev.digest()  # known digests: load_view's lock covers the copy and the re-hash only
-    out: dict[str, list[float]] = {"ram": [], "stage": [], "apply": [], "disk": [],
-                                   "cold": []}
+    out: dict[str, list[float]] = {"ram": [], "stage": [], "apply": [], "disk": [], "cold": []}
     for i in range(repeats + 1):  # round 0 warms caches and is not kept
         times = {"ram": _timed(lambda: world.runtime.load_view(prev, v - 1))}
         patch = decode(blob, world.runtime.view)
@@ -153,8 +173,7 @@ def bench_reload(world: World, repeats: int, cold: bool) -> dict[str, list[float
         times["apply"] = _timed(lambda st=staged: engine.commit_staged(st, v))
         if engine.digest != world.digests[v]:
             raise BenchError(f"idle apply of v{v} does not give the publisher's view")
-        times["disk"] = _timed(lambda: world.runtime.load_view(load_view(world.keyframe_path()),
-                                                                0))
+        times["disk"] = _timed(lambda: world.runtime.load_view(load_view(world.keyframe_path()), 0))
         if world.runtime.digest() != world.digests[0]:
             raise BenchError("reload from the keyframe file is not v0")
         if cold:

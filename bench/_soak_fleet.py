@@ -49,23 +49,88 @@ class Fleet:
         ports = {n: free_port() for n in ("relay", "a", "b", "gateway")}
         url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
         self.gateway_url = url["gateway"]
-        self.procs["publisher"] = Proc("publisher", [
-            sys.executable, str(HERE / "_soak_procs.py"),
-            self.board.uri, str(self.model), str(key_path), "1.0"], w, env, None)
-        self.procs["relay"] = Proc("relay", rollpatch(
-            "relay", "--board", self.board.uri, "--cache", str(w / "relay-cache"),
-            "--port", str(ports["relay"]), "--trust", str(self.root), "--pointer-ttl", "0.2",
-            "--list-ttl", "0.5", "--log-level", "warning"), w, env, f"{url['relay']}/health")
+        self.procs["publisher"] = Proc(
+            "publisher",
+            [
+                sys.executable,
+                str(HERE / "_soak_procs.py"),
+                self.board.uri,
+                str(self.model),
+                str(key_path),
+                "1.0",
+            ],
+            w,
+            env,
+            None,
+        )
+        self.procs["relay"] = Proc(
+            "relay",
+            rollpatch(
+                "relay",
+                "--board",
+                self.board.uri,
+                "--cache",
+                str(w / "relay-cache"),
+                "--port",
+                str(ports["relay"]),
+                "--trust",
+                str(self.root),
+                "--pointer-ttl",
+                "0.2",
+                "--list-ttl",
+                "0.5",
+                "--log-level",
+                "warning",
+            ),
+            w,
+            env,
+            f"{url['relay']}/health",
+        )
         for name, board in (("a", self.board.uri), ("b", url["relay"])):
-            self.procs[name] = Proc(name, rollpatch(
-                "sidecar", "--board", board, "--run", RUN, "--engine", "reference",
-                "--model", str(self.model), "--port", str(ports[name]), "--poll", "0.2",
-                "--threads", "1", "--trust", str(self.root),
-                "--trust-state", str(w / f"trust-{name}.json")), w, env, f"{url[name]}/health")
-        self.procs["gateway"] = Proc("gateway", rollpatch(
-            "gateway", "--sidecar", f"a={url['a']}", "--sidecar", f"b={url['b']}",
-            "--port", str(ports["gateway"]), "--poll", "0.2"), w, env,
-            f"{url['gateway']}/health")
+            self.procs[name] = Proc(
+                name,
+                rollpatch(
+                    "sidecar",
+                    "--board",
+                    board,
+                    "--run",
+                    RUN,
+                    "--engine",
+                    "reference",
+                    "--model",
+                    str(self.model),
+                    "--port",
+                    str(ports[name]),
+                    "--poll",
+                    "0.2",
+                    "--threads",
+                    "1",
+                    "--trust",
+                    str(self.root),
+                    "--trust-state",
+                    str(w / f"trust-{name}.json"),
+                ),
+                w,
+                env,
+                f"{url[name]}/health",
+            )
+        self.procs["gateway"] = Proc(
+            "gateway",
+            rollpatch(
+                "gateway",
+                "--sidecar",
+                f"a={url['a']}",
+                "--sidecar",
+                f"b={url['b']}",
+                "--port",
+                str(ports["gateway"]),
+                "--poll",
+                "0.2",
+            ),
+            w,
+            env,
+            f"{url['gateway']}/health",
+        )
         self.procs["publisher"].start()
         threading.Thread(target=self._watch_latest, daemon=True).start()
         self._until(lambda: self.latest() is not None, "the first version", 120)
@@ -93,8 +158,13 @@ class Fleet:
         from rollpatch.trust import Trust
 
         assert self.board is not None
-        store = open_store(self.board.uri, endpoint_url=f"http://127.0.0.1:{self.board.port}",
-                           access_key_id="soak", secret_access_key="soak", region="us-east-1")
+        store = open_store(
+            self.board.uri,
+            endpoint_url=f"http://127.0.0.1:{self.board.port}",
+            access_key_id="soak",
+            secret_access_key="soak",
+            region="us-east-1",
+        )
         board = Board(store, trust=Trust(self.root.read_bytes()))
         while not self._stop.is_set():
             try:
@@ -116,8 +186,12 @@ class Fleet:
             for name, proc in self.procs.items():
                 s = proc.sample()
                 # from 5 s after the process became ready: start-up is not growth
-                if s is not None and proc.pid is not None and proc.ready_at is not None \
-                        and time.monotonic() > proc.ready_at + 5:
+                if (
+                    s is not None
+                    and proc.pid is not None
+                    and proc.ready_at is not None
+                    and time.monotonic() > proc.ready_at + 5
+                ):
                     self.samples.setdefault(name, []).append((time.monotonic(), proc.pid, *s))
             stop.wait(2.0)
 
@@ -133,16 +207,25 @@ class Fleet:
         served in ``since`` (its follower works again; an overloaded machine may keep it a few
         versions behind LATEST), and a ``max_lag`` probe through the gateway is answered."""
         islands = self.islands()
-        if islands is None or not all(i["reachable"] and i["served"] is not None
-                                      for i in islands.values()):
+        if islands is None or not all(
+            i["reachable"] and i["served"] is not None for i in islands.values()
+        ):
             return False
-        if since is not None and any(islands[n]["served"] <= v for n, v in since.items()
-                                     if n in islands):
+        if since is not None and any(
+            islands[n]["served"] <= v for n, v in since.items() if n in islands
+        ):
             return False
         try:
-            r = httpx.post(f"{self.gateway_url}/v1/completions", timeout=30, json={
-                "model": self.model_name, "prompt": "1 + 1 =", "max_tokens": 1,
-                "rollpatch": {"max_lag": self.lag, "wait_s": 5}})
+            r = httpx.post(
+                f"{self.gateway_url}/v1/completions",
+                timeout=30,
+                json={
+                    "model": self.model_name,
+                    "prompt": "1 + 1 =",
+                    "max_tokens": 1,
+                    "rollpatch": {"max_lag": self.lag, "wait_s": 5},
+                },
+            )
         except httpx.HTTPError:
             return False
         return r.status_code == 200
@@ -177,8 +260,14 @@ class Fleet:
         if fault == "publisher-kill":
             self.procs["publisher"].ready_at = time.monotonic()
         end = time.monotonic()
-        return {"fault": fault, "at": at, "held_s": held, "end": end,
-                "recovery_s": None if recovery is None else round(recovery, 1), "note": note}
+        return {
+            "fault": fault,
+            "at": at,
+            "held_s": held,
+            "end": end,
+            "recovery_s": None if recovery is None else round(recovery, 1),
+            "note": note,
+        }
 
     def _relay_restart(self) -> str:
         relay = self.procs["relay"]
@@ -213,7 +302,8 @@ class Fleet:
         s3 = self.board.client()
         keys: list[str] = []
         for page in s3.get_paginator("list_objects_v2").paginate(
-                Bucket="soak-board", Prefix=f"board/runs/{RUN}/{prefix}"):
+            Bucket="soak-board", Prefix=f"board/runs/{RUN}/{prefix}"
+        ):
             keys += [o["Key"] for o in page.get("Contents", [])]
         return keys
 
@@ -228,9 +318,11 @@ class Fleet:
         versions |= set(range(max(latest - 2, 0), latest + 1))
         hit = 0
         for v in sorted(versions):
-            doc = json.loads(s3.get_object(Bucket="soak-board",
-                                           Key=f"board/runs/{RUN}/versions/{v:012d}.json")
-                             ["Body"].read())
+            doc = json.loads(
+                s3.get_object(Bucket="soak-board", Key=f"board/runs/{RUN}/versions/{v:012d}.json")[
+                    "Body"
+                ].read()
+            )
             payload = doc
             if "payload" in doc:  # a signed envelope
                 import base64
@@ -251,8 +343,9 @@ class Fleet:
         latest = self.latest() or 0
         v = latest + 100_000
         key = f"board/runs/{RUN}/versions/{v:012d}.json"
-        real = s3.get_object(Bucket="soak-board",
-                             Key=f"board/runs/{RUN}/versions/{latest:012d}.json")["Body"].read()
+        real = s3.get_object(
+            Bucket="soak-board", Key=f"board/runs/{RUN}/versions/{latest:012d}.json"
+        )["Body"].read()
         doc = json.loads(real)
         if "payload" in doc:
             import base64
@@ -260,10 +353,16 @@ class Fleet:
             doc = json.loads(base64.b64decode(doc["payload"]))
         doc["version"], doc["parent"] = v, latest
         s3.put_object(Bucket="soak-board", Key=key, Body=json.dumps(doc).encode())
-        pointer = {"schema": "rollpatch.latest/1", "run": RUN, "version": v, "manifest": f"runs/{RUN}/versions/{v:012d}.json",
-                   "target": doc.get("target", "0" * 64)}
-        s3.put_object(Bucket="soak-board", Key=f"board/runs/{RUN}/LATEST",
-                      Body=json.dumps(pointer).encode())
+        pointer = {
+            "schema": "rollpatch.latest/1",
+            "run": RUN,
+            "version": v,
+            "manifest": f"runs/{RUN}/versions/{v:012d}.json",
+            "target": doc.get("target", "0" * 64),
+        }
+        s3.put_object(
+            Bucket="soak-board", Key=f"board/runs/{RUN}/LATEST", Body=json.dumps(pointer).encode()
+        )
         time.sleep(5.0)
         s3.delete_object(Bucket="soak-board", Key=key)
         return f"unsigned manifest and LATEST for version {v}"

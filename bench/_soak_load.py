@@ -40,8 +40,9 @@ class Load:
         self.url, self.clients, self.lag, self.model = url, clients, lag, model
         self.results: list[Result] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True,
-                                        name="soak-load")
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._main()), daemon=True, name="soak-load"
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -56,8 +57,9 @@ class Load:
     async def _main(self) -> None:
         import openai
 
-        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="soak", max_retries=0,
-                                    timeout=60)
+        client = openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="soak", max_retries=0, timeout=60
+        )
         await asyncio.gather(*(self._client(client) for _ in range(self.clients)))
         await client.close()
 
@@ -68,26 +70,42 @@ class Load:
             sent = time.monotonic()
             try:
                 raw = await client.completions.with_raw_response.create(
-                    model=self.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                    logprobs=1, extra_body={"return_token_ids": True, "rollpatch": {
-                        "max_lag": self.lag, "wait_s": WAIT_S}})
+                    model=self.model,
+                    prompt=PROMPT,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    logprobs=1,
+                    extra_body={
+                        "return_token_ids": True,
+                        "rollpatch": {"max_lag": self.lag, "wait_s": WAIT_S},
+                    },
+                )
                 body = raw.parse().model_dump()
                 rp, choice = body.get("rollpatch") or {}, body["choices"][0]
-                self.results.append(Result(
-                    sent, time.monotonic(), 200, rp.get("version_start"), rp.get("version_end"),
-                    list(choice.get("token_ids") or []),
-                    list((choice.get("logprobs") or {}).get("token_logprobs") or [])))
+                self.results.append(
+                    Result(
+                        sent,
+                        time.monotonic(),
+                        200,
+                        rp.get("version_start"),
+                        rp.get("version_end"),
+                        list(choice.get("token_ids") or []),
+                        list((choice.get("logprobs") or {}).get("token_logprobs") or []),
+                    )
+                )
             except openai.APIStatusError as e:
-                self.results.append(Result(sent, time.monotonic(), e.status_code,
-                                           error=str(e)[:200]))
+                self.results.append(
+                    Result(sent, time.monotonic(), e.status_code, error=str(e)[:200])
+                )
                 await asyncio.sleep(0.2)  # what Retry-After asks, roughly
             except (openai.APIConnectionError, openai.APITimeoutError) as e:
                 self.results.append(Result(sent, time.monotonic(), 0, error=str(e)[:200]))
                 await asyncio.sleep(0.2)
 
 
-def verify(results: list[Result], latest_log: list[tuple[float, int]], model: Path,
-           lag: int) -> dict[str, Any]:
+def verify(
+    results: list[Result], latest_log: list[tuple[float, int]], model: Path, lag: int
+) -> dict[str, Any]:
     """Count answers by kind; re-generate every labelled version with the reference model."""
     from rollpatch.engines.reference import ReferenceRuntime
     from rollpatch.formats import cast_view
@@ -107,18 +125,18 @@ def verify(results: list[Result], latest_log: list[tuple[float, int]], model: Pa
     for r in served:
         if r.start is None or r.end is None or r.end < r.start:
             wrong += 1
-            examples.append(f"unlabelled answer at {r.sent - t_first:.1f} s: "
-                            f"{r.start}..{r.end}")
+            examples.append(f"unlabelled answer at {r.sent - t_first:.1f} s: {r.start}..{r.end}")
             continue
         if r.start != r.end:  # a commit landed mid-generation (a drain past its deadline):
-            spanning += 1     # labelled honestly, but no single version can re-generate it
+            spanning += 1  # labelled honestly, but no single version can re-generate it
             continue
         if r.start not in expected:
             oracle.load_view(cast_view(masters_for(base, r.start), "bf16"))
-            steps = list(oracle.generate(prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         logprobs=1))
-            expected[r.start] = ([s.token_id for s in steps],
-                                 np.array([s.logprob for s in steps], np.float32))
+            steps = list(oracle.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1))
+            expected[r.start] = (
+                [s.token_id for s in steps],
+                np.array([s.logprob for s in steps], np.float32),
+            )
         tokens, logprobs = expected[r.start]
         if r.tokens != tokens or not np.array_equal(np.array(r.logprobs, np.float32), logprobs):
             wrong += 1
@@ -126,14 +144,24 @@ def verify(results: list[Result], latest_log: list[tuple[float, int]], model: Pa
         i = bisect.bisect_right(times, r.sent - STALE_S) - 1
         if i >= 0 and r.start < latest_log[i][1] - lag:
             unacceptable += 1
-            examples.append(f"unacceptable at {r.sent - t_first:.1f} s (answered after "
-                            f"{r.done - r.sent:.1f} s): version {r.start}, LATEST was "
-                            f"{latest_log[i][1]} {STALE_S:g} s before it was sent")
+            examples.append(
+                f"unacceptable at {r.sent - t_first:.1f} s (answered after "
+                f"{r.done - r.sent:.1f} s): version {r.start}, LATEST was "
+                f"{latest_log[i][1]} {STALE_S:g} s before it was sent"
+            )
     lat = sorted(1000 * (r.done - r.sent) for r in served) or [0.0]
-    return {"requests": len(results), "served": len(served),
-            "refused": sum(statuses.get(s, 0) for s in (409, 502, 503)),
-            "other": sum(n for s, n in statuses.items() if s not in (0, 200, 409, 502, 503)),
-            "client_errors": statuses.get(0, 0), "statuses": statuses,
-            "wrong_version": wrong, "unacceptable": unacceptable,
-            "versions_checked": len(expected), "spanning": spanning, "examples": examples[:12],
-            "p50_ms": lat[len(lat) // 2], "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))]}
+    return {
+        "requests": len(results),
+        "served": len(served),
+        "refused": sum(statuses.get(s, 0) for s in (409, 502, 503)),
+        "other": sum(n for s, n in statuses.items() if s not in (0, 200, 409, 502, 503)),
+        "client_errors": statuses.get(0, 0),
+        "statuses": statuses,
+        "wrong_version": wrong,
+        "unacceptable": unacceptable,
+        "versions_checked": len(expected),
+        "spanning": spanning,
+        "examples": examples[:12],
+        "p50_ms": lat[len(lat) // 2],
+        "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+    }

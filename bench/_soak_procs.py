@@ -61,6 +61,7 @@ def base_masters(model: Path) -> dict[str, np.ndarray]:
 
 # -- the store and its outage ------------------------------------------------------------------
 
+
 class FaultProxy:
     """A TCP proxy on a fixed loopback port; ``down()`` refuses and cuts every connection."""
 
@@ -78,8 +79,10 @@ class FaultProxy:
 
     def up(self) -> None:
         async def start() -> None:
-            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port,
-                                                      reuse_address=True)
+            self._server = await asyncio.start_server(
+                self._handle, "127.0.0.1", self.port, reuse_address=True
+            )
+
         self._call(start())
 
     def down(self) -> None:
@@ -89,6 +92,7 @@ class FaultProxy:
                 self._server = None
             for w in list(self._conns):
                 w.transport.abort()
+
         self._call(stop())
 
     def close(self) -> None:
@@ -124,24 +128,34 @@ class S3Board:
         self.port = free_port()
         self.log = open(workdir / "moto.log", "wb")  # noqa: SIM115 (closed in stop)
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "soak", "AWS_SECRET_ACCESS_KEY": "soak"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                      "-p", str(self.port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         wait_http(f"http://127.0.0.1:{self.port}/moto-api/", 60, self.proc)
         self.proxy = FaultProxy(("127.0.0.1", self.port))
         self.uri = f"s3://{BUCKET}/board/"
-        self.env = {"ROLLPATCH_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy.port}",
-                    "ROLLPATCH_S3_ACCESS_KEY_ID": "soak", "ROLLPATCH_S3_SECRET_ACCESS_KEY": "soak",
-                    "ROLLPATCH_S3_REGION": "us-east-1"}
+        self.env = {
+            "ROLLPATCH_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy.port}",
+            "ROLLPATCH_S3_ACCESS_KEY_ID": "soak",
+            "ROLLPATCH_S3_SECRET_ACCESS_KEY": "soak",
+            "ROLLPATCH_S3_REGION": "us-east-1",
+        }
         self.client().create_bucket(Bucket=BUCKET)
 
     def client(self) -> Any:
         """An attacker's (or operator's) direct S3 client: no rollpatch rules apply."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.port}",
-                            aws_access_key_id="soak", aws_secret_access_key="soak",
-                            region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{self.port}",
+            aws_access_key_id="soak",
+            aws_secret_access_key="soak",
+            region_name="us-east-1",
+        )
 
     def stop(self) -> None:
         self.proxy.close()
@@ -172,11 +186,13 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = N
 
 # -- service processes -------------------------------------------------------------------------
 
+
 class Proc:
     """One service process, restartable on the same command line (and port)."""
 
-    def __init__(self, name: str, argv: list[str], workdir: Path, env: dict[str, str],
-                 health: str | None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], workdir: Path, env: dict[str, str], health: str | None
+    ) -> None:
         self.name, self.argv, self.workdir, self.env, self.health = name, argv, workdir, env, health
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -186,8 +202,13 @@ class Proc:
     def start(self, wait_s: float = 120.0) -> None:
         self.starts += 1
         log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 (the child owns it)
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, cwd=self.workdir)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            cwd=self.workdir,
+        )
         log.close()
         self.ready_at = None
         if self.health is not None:
@@ -231,6 +252,7 @@ def rollpatch(*args: str) -> list[str]:
 
 # -- the publisher role ------------------------------------------------------------------------
 
+
 def publisher_main(board: str, model: Path, key: Path, every: float) -> None:
     """Publish version v = last durable + 1 (weights :func:`masters_for`) every ``every``
     seconds, forever; a failure (store outage) is logged, and publishing resumes from the
@@ -240,8 +262,7 @@ def publisher_main(board: str, model: Path, key: Path, every: float) -> None:
     from rollpatch.trust import Signer
 
     base = base_masters(model)
-    config = PublisherConfig(signer=Signer.from_files([key], latest_ttl_s=3600),
-                             keyframe_every=10)
+    config = PublisherConfig(signer=Signer.from_files([key], latest_ttl_s=3600), keyframe_every=10)
     pub: Publisher | None = None
     next_at = time.monotonic()
     while True:

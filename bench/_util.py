@@ -16,8 +16,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["best_of", "current_rss", "fmt_size", "log", "machine", "machine_line", "parse_size",
-           "peak_rss", "reset_peak_rss", "table"]
+__all__ = [
+    "best_of",
+    "current_rss",
+    "fmt_size",
+    "log",
+    "machine",
+    "machine_line",
+    "parse_size",
+    "peak_rss",
+    "reset_peak_rss",
+    "table",
+]
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -38,8 +48,9 @@ def fmt_size(n: int) -> str:
     return str(n)
 
 
-def best_of(fn: Callable[..., Any], repeats: int, setup: Callable[[], Any] | None = None
-            ) -> tuple[float, Any]:
+def best_of(
+    fn: Callable[..., Any], repeats: int, setup: Callable[[], Any] | None = None
+) -> tuple[float, Any]:
     """Best wall time (``time.perf_counter``) of ``repeats`` calls, and the last result.
 
     ``setup`` runs untimed before each call; its result is passed to ``fn`` if not None.
@@ -98,7 +109,8 @@ def machine() -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        "usable_cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
         "cpu_model": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -124,20 +136,25 @@ def machine() -> dict[str, Any]:
 def machine_line(info: dict[str, Any]) -> str:
     """One line naming the machine, for table footers."""
     mem = f", {info['mem_total_gib']} GiB RAM" if "mem_total_gib" in info else ""
-    return (f"{info['usable_cores']} usable cores ({info['cpu_model']}){mem}; "
-            f"python {info['python']}, numpy {info['numpy']}")
+    return (
+        f"{info['usable_cores']} usable cores ({info['cpu_model']}){mem}; "
+        f"python {info['python']}, numpy {info['numpy']}"
+    )
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
-          right: Sequence[bool] | None = None) -> str:
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] | None = None
+) -> str:
     """Fixed-width text table; numbers right-aligned where ``right`` says so."""
     right = list(right) if right is not None else [True] * len(headers)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if r else c.ljust(w)
-                         for c, w, r in zip(cells, widths, right)).rstrip()
+        return "  ".join(
+            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)
+        ).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
@@ -171,7 +188,7 @@ class WarmAdamW:
         self.t += 1
         b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
         n = 1000 + self.t  # Adam state is warm: bias corrections of a long run
-        bc1, bc2 = 1 - b1 ** n, 1 - b2 ** n
+        bc1, bc2 = 1 - b1**n, 1 - b2**n
         for name, w in self.masters.items():
             direction, m, v, scale = self.adam[name]
             s = scale * float(np.exp(0.2 * self.rng.standard_normal()))

@@ -38,19 +38,49 @@ class Server:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
         repo = Path(__file__).resolve().parents[1]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="auto",
-                   HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false",
-                   PYTHONPATH=str(repo / "src"), VLLM_LOGGING_LEVEL="WARNING")
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND="auto",
+            HF_HUB_OFFLINE="1",
+            VLLM_SERVER_DEV_MODE="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=str(repo / "src"),
+            VLLM_LOGGING_LEVEL="WARNING",
+        )
         env.pop("VIRTUAL_ENV", None)
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-               "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-               "--worker-extension-cls", "rollpatch.engines.vllm.WorkerExtension",
-               "--weight-transfer-config", '{"backend": "rollpatch"}']
+        cmd = [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--worker-extension-cls",
+            "rollpatch.engines.vllm.WorkerExtension",
+            "--weight-transfer-config",
+            '{"backend": "rollpatch"}',
+        ]
         self.log_path = log_path
         with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.url = f"http://127.0.0.1:{port}"
         self.model = model
 
@@ -138,13 +168,29 @@ def reset_peak(pid: int) -> bool:
 
 
 def greedy(http: Any, model: Path, prompt_ids: list[int]) -> tuple[list[str], list[float]]:
-    r = http.post("/v1/completions", {
-        "model": str(model), "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    r = http.post(
+        "/v1/completions",
+        {
+            "model": str(model),
+            "prompt": prompt_ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     lp = r["choices"][0]["logprobs"]
     return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
 
 
 def memory(pid: int) -> dict[str, int]:
-    return {k: status_kb(pid, f) for k, f in (("rss_kb", "VmRSS"), ("hwm_kb", "VmHWM"),
-                                              ("anon_kb", "RssAnon"), ("file_kb", "RssFile"))}
+    return {
+        k: status_kb(pid, f)
+        for k, f in (
+            ("rss_kb", "VmRSS"),
+            ("hwm_kb", "VmHWM"),
+            ("anon_kb", "RssAnon"),
+            ("file_kb", "RssFile"),
+        )
+    }

@@ -20,9 +20,14 @@ VOCAB = 4096
 def model_dims(hidden: int, layers: int) -> dict[str, int]:
     """Llama-shaped: 64-wide heads, half as many KV heads, ff ≈ 2.75 x hidden (multiple of 64)."""
     heads = max(1, hidden // 64)
-    return {"hidden_size": hidden, "layers": layers, "heads": heads,
-            "kv_heads": max(1, heads // 2), "intermediate": 64 * round(2.75 * hidden / 64),
-            "vocab_size": VOCAB}
+    return {
+        "hidden_size": hidden,
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": max(1, heads // 2),
+        "intermediate": 64 * round(2.75 * hidden / 64),
+        "vocab_size": VOCAB,
+    }
 
 
 class World:
@@ -38,12 +43,14 @@ class World:
         self.root = root
         self.dims = dims
         self.model = make_tiny_model(root / "model", seed=0, **dims)
-        self.masters = {n: t.to_array().astype(np.float32)
-                        for n, t in load_view(self.model / "model.safetensors").items()}
+        self.masters = {
+            n: t.to_array().astype(np.float32)
+            for n, t in load_view(self.model / "model.safetensors").items()
+        }
         self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0,
-                                                                    skip_strides=()),
-                                   asynchronous=False)
+        self.publisher = Publisher(
+            self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
+        )
         self.adam = WarmAdamW(self.masters, lr)
         self.digests: list[str] = []
         self.changed: list[float] = [0.0]
@@ -59,8 +66,7 @@ class World:
         """One AdamW step of every master, then publish it."""
         self.adam.step()
         before, self.view = self.view, cast_view(self.masters, "bf16")
-        changed = sum(int(np.count_nonzero(before[k].data != t.data))
-                      for k, t in self.view.items())
+        changed = sum(int(np.count_nonzero(before[k].data != t.data)) for k, t in self.view.items())
         self.changed.append(changed / self.params)
         self._publish()
 

@@ -99,6 +99,7 @@ class BenchError(SystemExit):
 
 # -- helpers ------------------------------------------------------------------------------------
 
+
 def parse_count(text: str) -> int:
     """``1e9``, ``5e7``, ``1B``, ``50M``."""
     try:
@@ -128,8 +129,9 @@ def med(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def simulate(args: argparse.Namespace, n_params: int, work: Path, n: int,
-             bases: dict[int, Path]) -> tuple[dict[str, Any], dict[int, str]]:
+def simulate(
+    args: argparse.Namespace, n_params: int, work: Path, n: int, bases: dict[int, Path]
+) -> tuple[dict[str, Any], dict[int, str]]:
     """Phase 1: run the simulator; write v0's view, the changed words of every step and the
     views of ``bases``; return simulator facts and every version's view digest.
 
@@ -138,9 +140,14 @@ def simulate(args: argparse.Namespace, n_params: int, work: Path, n: int,
     """
     t0 = time.perf_counter()
     sim = AdamSim(SimConfig(n_params=n_params, lr=args.lr, seed=0))
-    info: dict[str, Any] = {"n_params": sim.n_params, "dims": asdict(sim.dims),
-                            "init_s": time.perf_counter() - t0, "rss": current_rss(),
-                            "steps_s": [], "changed": []}
+    info: dict[str, Any] = {
+        "n_params": sim.n_params,
+        "dims": asdict(sim.dims),
+        "init_s": time.perf_counter() - t0,
+        "rss": current_rss(),
+        "steps_s": [],
+        "changed": [],
+    }
     log(f"simulator: {sim.n_params:,} params, {gib(info['rss'])} RSS, {info['init_s']:.0f}s")
     digests: dict[int, str] = {}
     view = cast_view(sim.masters(), FORMAT)
@@ -161,8 +168,9 @@ def simulate(args: argparse.Namespace, n_params: int, work: Path, n: int,
                 view[name] = new
             np.savez(work / f"d{v}.npz", **arrays)
             info["changed"].append(sum(a.size for k, a in arrays.items() if k[0] == "p"))
-            log(f"sim v{v}: step {info['steps_s'][-1]:.1f}s, {info['changed'][-1]:,} values "
-                "changed")
+            log(
+                f"sim v{v}: step {info['steps_s'][-1]:.1f}s, {info['changed'][-1]:,} values changed"
+            )
         digests[v] = view.digest()
         if v in bases:
             save_view(view, bases[v])
@@ -183,13 +191,12 @@ class Replay:
         view = load_view(work / "v0.safetensors", mmap=True)
         self.names = sorted(view)
         total = sum(view[n].n_elements for n in self.names)
-        self._file = np.memmap(work / "masters.f32", dtype=np.float32, mode="w+",
-                               shape=(total,))
+        self._file = np.memmap(work / "masters.f32", dtype=np.float32, mode="w+", shape=(total,))
         self.masters: dict[str, np.ndarray] = {}
         start = 0
         for name in self.names:
             t = view[name]
-            flat = self._file[start:start + t.n_elements]
+            flat = self._file[start : start + t.n_elements]
             flat[:] = _widen(t.data)
             self.masters[name] = flat.reshape(t.shape)
             start += t.n_elements
@@ -213,8 +220,11 @@ def child_peak_rss(needle: str) -> int | None:
     """VmHWM of this process's child whose command line contains ``needle`` (Linux)."""
     proc = Path("/proc")
     try:
-        kids = [int(k) for t in (proc / str(os.getpid()) / "task").iterdir()
-                for k in (t / "children").read_text().split()]
+        kids = [
+            int(k)
+            for t in (proc / str(os.getpid()) / "task").iterdir()
+            for k in (t / "children").read_text().split()
+        ]
         for k in kids:
             cmd = (proc / str(k) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             if needle in cmd:
@@ -233,22 +243,29 @@ def s3_server() -> Iterator[Any]:
     from s3server import moto_available, run_moto_server  # type: ignore[import-not-found]
 
     if not moto_available():
-        raise SystemExit("--stores s3 needs moto's standalone server: pip install "
-                         "'moto[server]' boto3 (or use --stores file)")
+        raise SystemExit(
+            "--stores s3 needs moto's standalone server: pip install "
+            "'moto[server]' boto3 (or use --stores file)"
+        )
     import boto3
 
     with run_moto_server() as server:
-        boto3.client("s3", endpoint_url=server.endpoint_url, region_name=server.region,
-                     aws_access_key_id=server.access_key_id,
-                     aws_secret_access_key=server.secret_access_key,
-                     ).create_bucket(Bucket=BUCKET)
+        boto3.client(
+            "s3",
+            endpoint_url=server.endpoint_url,
+            region_name=server.region,
+            aws_access_key_id=server.access_key_id,
+            aws_secret_access_key=server.secret_access_key,
+        ).create_bucket(Bucket=BUCKET)
         yield server
 
 
 # -- publishing ---------------------------------------------------------------------------------
 
-def publish_run(replay: Replay, pub: Publisher, n: int, digests: dict[int, str], store: str
-                ) -> tuple[list[dict[str, Any]], list[int]]:
+
+def publish_run(
+    replay: Replay, pub: Publisher, n: int, digests: dict[int, str], store: str
+) -> tuple[list[dict[str, Any]], list[int]]:
     """Phase 2: publish versions 0..n-1 of ``replay``, each flushed before the next.
 
     Returns per-version records and the peak RSS of [the keyframe version, the others].
@@ -267,19 +284,24 @@ def publish_run(replay: Replay, pub: Publisher, n: int, digests: dict[int, str],
         flushed = time.perf_counter() - t0
         st = pub.stats.versions[-1]
         if st.version != v or v != replay.version:
-            raise BenchError(f"{store}: published v{v}, stats v{st.version}, replay "
-                             f"v{replay.version}")
+            raise BenchError(
+                f"{store}: published v{v}, stats v{st.version}, replay v{replay.version}"
+            )
         if i == 0:
             peaks.append(peak_rss())
             reset_peak_rss()
         target = pub.board.manifest(RUN, v).target
         if target != digests[v]:
-            raise BenchError(f"{store}: manifest v{v} target {target[:16]} != the simulator's "
-                             f"view digest {digests[v][:16]}")
+            raise BenchError(
+                f"{store}: manifest v{v} target {target[:16]} != the simulator's "
+                f"view digest {digests[v][:16]}"
+            )
         recs.append({**asdict(st), "return_s": ret, "flush_s": flushed})
-        log(f"{store} v{v}: return {ret:.2f}s, durable {st.total_s:.2f}s "
+        log(
+            f"{store} v{v}: return {ret:.2f}s, durable {st.total_s:.2f}s "
             f"(cast {st.cast_s:.1f} diff {st.diff_s:.1f} encode {st.encode_s:.1f} upload "
-            f"{st.upload_s:.1f}), {fmt_bytes(st.bytes)}, {st.changed:,} changed")
+            f"{st.upload_s:.1f}), {fmt_bytes(st.bytes)}, {st.changed:,} changed"
+        )
     peaks.append(peak_rss() if n > 1 else 0)
     return recs, peaks
 
@@ -299,22 +321,31 @@ def mirror(src: Store, dst: Store, run: str) -> tuple[int, int, float]:
 
 # -- catch-up -----------------------------------------------------------------------------------
 
+
 def catch_up(job: dict[str, Any]) -> dict[str, Any]:
     """One follower subprocess; raises BenchError with its stderr if it fails."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(HERE / "_board_follower.py")],
-                          input=json.dumps(job), capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_board_follower.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
-        raise BenchError(f"follower subprocess failed ({job['path']}, have {job['have']}): "
-                         f"{proc.stderr.strip().splitlines()[-1] if proc.stderr else ''}")
+        raise BenchError(
+            f"follower subprocess failed ({job['path']}, have {job['have']}): "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr else ''}"
+        )
     out = json.loads(proc.stdout)
     out["process_s"] = time.perf_counter() - t0
     return out
 
 
-def catch_up_jobs(last: int, lags: Sequence[int], composed: Sequence[int]
-                  ) -> list[tuple[str, int | None, str]]:
+def catch_up_jobs(
+    last: int, lags: Sequence[int], composed: Sequence[int]
+) -> list[tuple[str, int | None, str]]:
     """(label, have, path) for every replica: chain, (composed,) folded per lag, a boot."""
     jobs: list[tuple[str, int | None, str]] = []
     for lag in lags:
@@ -332,130 +363,227 @@ def catch_up_jobs(last: int, lags: Sequence[int], composed: Sequence[int]
 
 # -- report -------------------------------------------------------------------------------------
 
-def publish_rows(store: str, recs: list[dict[str, Any]], peaks: list[int], base_rss: int
-                 ) -> list[list[str]]:
+
+def publish_rows(
+    store: str, recs: list[dict[str, Any]], peaks: list[int], base_rss: int
+) -> list[list[str]]:
     rows = []
     kf, patch = recs[0], recs[1:]
     if patch:
         span = f"v{patch[0]['version']}..v{patch[-1]['version']} ({len(patch)})"
         ret = [r["call_return_s"] for r in patch]
         snap = [r["snapshot_s"] for r in patch]
-        rows.append([store, "publish() return", span, "-", "-", fmt_s(med(ret)),
-                     fmt_s(max(ret)), f"snapshot {fmt_s(med(snap))}", "-"])
+        rows.append(
+            [
+                store,
+                "publish() return",
+                span,
+                "-",
+                "-",
+                fmt_s(med(ret)),
+                fmt_s(max(ret)),
+                f"snapshot {fmt_s(med(snap))}",
+                "-",
+            ]
+        )
         tot = [r["total_s"] for r in patch]
         objs = statistics.mean(1 + len(r["skip_bases"]) for r in patch)
-        parts = " ".join(f"{k} {fmt_s(med([r[k + '_s'] for r in patch]))}"
-                         for k in ("cast", "diff", "encode", "upload", "commit"))
-        rows.append([store, "publish durable", span, f"{objs:.2f}",
-                     fmt_bytes(statistics.mean(r["bytes"] for r in patch)), fmt_s(med(tot)),
-                     fmt_s(max(tot)), parts,
-                     f"{gib(peaks[1])} (+{(peaks[1] - base_rss) / GiB:.1f})"])
-    parts = " ".join(f"{k} {fmt_s(kf[k + '_s'])}"
-                     for k in ("call_return", "cast", "encode", "upload", "commit"))
-    rows.append([store, "publish durable", f"v{kf['version']} keyframe", "1",
-                 fmt_bytes(kf["bytes"]), fmt_s(kf["total_s"]), "-",
-                 parts.replace("call_return", "return"),
-                 f"{gib(peaks[0])} (+{(peaks[0] - base_rss) / GiB:.1f})"])
+        parts = " ".join(
+            f"{k} {fmt_s(med([r[k + '_s'] for r in patch]))}"
+            for k in ("cast", "diff", "encode", "upload", "commit")
+        )
+        rows.append(
+            [
+                store,
+                "publish durable",
+                span,
+                f"{objs:.2f}",
+                fmt_bytes(statistics.mean(r["bytes"] for r in patch)),
+                fmt_s(med(tot)),
+                fmt_s(max(tot)),
+                parts,
+                f"{gib(peaks[1])} (+{(peaks[1] - base_rss) / GiB:.1f})",
+            ]
+        )
+    parts = " ".join(
+        f"{k} {fmt_s(kf[k + '_s'])}" for k in ("call_return", "cast", "encode", "upload", "commit")
+    )
+    rows.append(
+        [
+            store,
+            "publish durable",
+            f"v{kf['version']} keyframe",
+            "1",
+            fmt_bytes(kf["bytes"]),
+            fmt_s(kf["total_s"]),
+            "-",
+            parts.replace("call_return", "return"),
+            f"{gib(peaks[0])} (+{(peaks[0] - base_rss) / GiB:.1f})",
+        ]
+    )
     return rows
 
 
 def catch_up_rows(store: str, results: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in results:
-        path = {"chain": f"chain x{r['commits']}", "composed": "chain, 1 commit",
-                "folded": "folded", "keyframe": "keyframe"}[r["path"]]
+        path = {
+            "chain": f"chain x{r['commits']}",
+            "composed": "chain, 1 commit",
+            "folded": "folded",
+            "keyframe": "keyframe",
+        }[r["path"]]
         if r["label"] == "1 behind":
             path = "step (=all)"
-        rows.append([store, f"catch-up {r['label']}", f"{path} {r['plan']}",
-                     str(r["objects"]), fmt_bytes(r["bytes"]), fmt_s(r["sync_s"]), "-",
-                     (f"fetch {fmt_s(r['fetch_s'])} stage {fmt_s(r['stage_s'])} commit "
-                      f"{fmt_s(r['commit_s'])}"), gib(r["peak"])])
+        rows.append(
+            [
+                store,
+                f"catch-up {r['label']}",
+                f"{path} {r['plan']}",
+                str(r["objects"]),
+                fmt_bytes(r["bytes"]),
+                fmt_s(r["sync_s"]),
+                "-",
+                (
+                    f"fetch {fmt_s(r['fetch_s'])} stage {fmt_s(r['stage_s'])} commit "
+                    f"{fmt_s(r['commit_s'])}"
+                ),
+                gib(r["peak"]),
+            ]
+        )
     return rows
 
 
 def render(rows: list[list[str]], ctx: dict[str, Any]) -> str:
-    headers = ["store", "measure", "versions / plan", "objs", "bytes", "time s", "max s",
-               "breakdown, s (median for publish rows)", "peak RSS"]
+    headers = [
+        "store",
+        "measure",
+        "versions / plan",
+        "objs",
+        "bytes",
+        "time s",
+        "max s",
+        "breakdown, s (median for publish rows)",
+        "peak RSS",
+    ]
     right = [False, False, False, True, True, True, True, False, True]
     a, sim, s3 = ctx["args"], ctx["sim"], ctx.get("s3")
     changed = 100 * med(sim["changed"]) / sim["n_params"] if sim["changed"] else 0.0
     foot = [
         "",
-        (f"machine: {machine_line(ctx['machine'])}; load avg {ctx['load'][0]:.1f} at start, "
-         f"{ctx['load'][1]:.1f} at end (shared machine: times are noisy, compare rows of this "
-         f"run); {ctx['wall_s'] / 60:.1f} min wall"),
-        (f"sim: {sim['n_params']:,} params (hidden {sim['dims']['hidden']}, "
-         f"{sim['dims']['layers']} layers), lr {a['lr']:g}, served {FORMAT} view "
-         f"{fmt_bytes(sim['view_bytes'])}, {changed:.2f}% of its values change per step "
-         f"(median); phase 1 (simulator alone, {gib(sim['rss'])} RSS): built in "
-         f"{sim['init_s']:.0f}s, sim step {med(sim['steps_s']):.1f}s median, "
-         f"{ctx['phase1_s']:.0f}s in all"),
-        (f"publisher: keyframe_every {a['keyframe_every']} (only v0 is a keyframe), "
-         f"skip_strides {tuple(a['skip_strides'])}, max_pending 1; phase 2 (simulator freed): "
-         "per version, rebuild FP32 masters whose bf16 cast is the simulator's view, "
-         "publish(masters), flush() - nothing overlaps"),
-        (f"file: {a['versions']} versions v0..v{a['versions'] - 1} published live to file:// "
-         "(fsync on, temp dir); catch-up reads them back (warm page cache)"),
+        (
+            f"machine: {machine_line(ctx['machine'])}; load avg {ctx['load'][0]:.1f} at start, "
+            f"{ctx['load'][1]:.1f} at end (shared machine: times are noisy, compare rows of this "
+            f"run); {ctx['wall_s'] / 60:.1f} min wall"
+        ),
+        (
+            f"sim: {sim['n_params']:,} params (hidden {sim['dims']['hidden']}, "
+            f"{sim['dims']['layers']} layers), lr {a['lr']:g}, served {FORMAT} view "
+            f"{fmt_bytes(sim['view_bytes'])}, {changed:.2f}% of its values change per step "
+            f"(median); phase 1 (simulator alone, {gib(sim['rss'])} RSS): built in "
+            f"{sim['init_s']:.0f}s, sim step {med(sim['steps_s']):.1f}s median, "
+            f"{ctx['phase1_s']:.0f}s in all"
+        ),
+        (
+            f"publisher: keyframe_every {a['keyframe_every']} (only v0 is a keyframe), "
+            f"skip_strides {tuple(a['skip_strides'])}, max_pending 1; phase 2 (simulator freed): "
+            "per version, rebuild FP32 masters whose bf16 cast is the simulator's view, "
+            "publish(masters), flush() - nothing overlaps"
+        ),
+        (
+            f"file: {a['versions']} versions v0..v{a['versions'] - 1} published live to file:// "
+            "(fsync on, temp dir); catch-up reads them back (warm page cache)"
+        ),
     ]
     if s3:
         foot += [
-            (f"s3: moto standalone server process on loopback; publish rows: v0..v"
-             f"{a['s3_versions'] - 1} of the same run published live again, to S3; catch-up "
-             f"(paths {a['s3_paths']} and 1 behind) "
-             f"reads a byte-identical mirror of the file run ({s3['mirror_keys']} keys, "
-             f"{fmt_bytes(s3['mirror_bytes'])}, copied in {s3['mirror_s']:.0f}s); moto peak "
-             f"RSS {gib(s3['moto_peak']) if s3['moto_peak'] else 'unknown'}"),
+            (
+                f"s3: moto standalone server process on loopback; publish rows: v0..v"
+                f"{a['s3_versions'] - 1} of the same run published live again, to S3; catch-up "
+                f"(paths {a['s3_paths']} and 1 behind) "
+                f"reads a byte-identical mirror of the file run ({s3['mirror_keys']} keys, "
+                f"{fmt_bytes(s3['mirror_bytes'])}, copied in {s3['mirror_s']:.0f}s); moto peak "
+                f"RSS {gib(s3['moto_peak']) if s3['moto_peak'] else 'unknown'}"
+            ),
         ]
     foot += [
-        ("publish() return: wall time the caller is blocked (host snapshot of the masters + "
-         "enqueue); publish durable: publish() call -> manifest written and LATEST advanced "
-         "(PublisherStats.total_s)"),
-        ("  objs/bytes: objects and bytes uploaded per version (step patch + skip patches, "
-         "mean); breakdown: cast, diff, encode (incl. composing and encoding skip patches), "
-         "upload, commit (manifest + LATEST)"),
-        ("catch-up k behind: a replica holding last-k brought to last, one run each; chain xk "
-         "= the k step patches, one Follower.sync and one commit each; chain, 1 commit = the "
-         "step patches composed by the follower into one commit; folded = one sync with the "
-         "board's fewest-bytes plan (skip patches), one commit; step (=all) = 1 behind, where "
-         "every path is the same one patch; boot = empty engine: keyframe, then fewest-bytes "
-         "patches"),
-        ("  objs/bytes: objects and bytes the follower fetched; time: wall of the sync(s) "
-         "(plan, fetch, verify, stage, commit); breakdown: sums of Follower.status() "
-         "timings"),
-        ("peak RSS: publish rows = VmHWM of the bench process while publishing the keyframe "
-         f"/ the patch versions; (+x) = above its {gib(ctx['base_rss'])} before the first "
-         "publish (interpreter, libraries, resident pages of the file-backed FP32 masters); catch-up "
-         "rows = VmHWM of the follower subprocess during the sync (reset after its untimed "
-         "setup, so the resident base view is included)"),
-        (f"verified: {ctx['n_checked']} replicas (start and end) and {ctx['n_manifests']} "
-         "manifest targets bit-exact against cast_view(simulator masters).digest() from "
-         "phase 1"),
+        (
+            "publish() return: wall time the caller is blocked (host snapshot of the masters + "
+            "enqueue); publish durable: publish() call -> manifest written and LATEST advanced "
+            "(PublisherStats.total_s)"
+        ),
+        (
+            "  objs/bytes: objects and bytes uploaded per version (step patch + skip patches, "
+            "mean); breakdown: cast, diff, encode (incl. composing and encoding skip patches), "
+            "upload, commit (manifest + LATEST)"
+        ),
+        (
+            "catch-up k behind: a replica holding last-k brought to last, one run each; chain xk "
+            "= the k step patches, one Follower.sync and one commit each; chain, 1 commit = the "
+            "step patches composed by the follower into one commit; folded = one sync with the "
+            "board's fewest-bytes plan (skip patches), one commit; step (=all) = 1 behind, where "
+            "every path is the same one patch; boot = empty engine: keyframe, then fewest-bytes "
+            "patches"
+        ),
+        (
+            "  objs/bytes: objects and bytes the follower fetched; time: wall of the sync(s) "
+            "(plan, fetch, verify, stage, commit); breakdown: sums of Follower.status() "
+            "timings"
+        ),
+        (
+            "peak RSS: publish rows = VmHWM of the bench process while publishing the keyframe "
+            f"/ the patch versions; (+x) = above its {gib(ctx['base_rss'])} before the first "
+            "publish (interpreter, libraries, resident pages of the file-backed FP32 masters); catch-up "
+            "rows = VmHWM of the follower subprocess during the sync (reset after its untimed "
+            "setup, so the resident base view is included)"
+        ),
+        (
+            f"verified: {ctx['n_checked']} replicas (start and end) and {ctx['n_manifests']} "
+            "manifest targets bit-exact against cast_view(simulator masters).digest() from "
+            "phase 1"
+        ),
     ]
     return table(headers, rows, right) + "\n" + "\n".join(foot)
 
 
 # -- main ---------------------------------------------------------------------------------------
 
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="1e9", help="simulator parameters (1e9, 5e7, 1B...)")
-    ap.add_argument("--versions", type=int, default=17,
-                    help="versions of the file run (v0 keyframe + patches)")
-    ap.add_argument("--s3-versions", type=int, default=3,
-                    help="versions of the live S3 run (v0 keyframe + patches)")
+    ap.add_argument(
+        "--versions", type=int, default=17, help="versions of the file run (v0 keyframe + patches)"
+    )
+    ap.add_argument(
+        "--s3-versions",
+        type=int,
+        default=3,
+        help="versions of the live S3 run (v0 keyframe + patches)",
+    )
     ap.add_argument("--stores", default="file,s3", help="file, s3 or both")
     ap.add_argument("--lags", default="1,4,16", help="replica lags to catch up from")
-    ap.add_argument("--composed-lags", default="",
-                    help="lags also caught up over step patches in ONE commit (the follower "
-                         "composing them), e.g. 4")
-    ap.add_argument("--s3-paths", default="folded,keyframe",
-                    help="catch-up paths also measured on S3 (chain, composed, folded, "
-                         "keyframe); staging costs the same on both stores, so by default "
-                         "S3 skips the slow chains")
+    ap.add_argument(
+        "--composed-lags",
+        default="",
+        help="lags also caught up over step patches in ONE commit (the follower "
+        "composing them), e.g. 4",
+    )
+    ap.add_argument(
+        "--s3-paths",
+        default="folded,keyframe",
+        help="catch-up paths also measured on S3 (chain, composed, folded, "
+        "keyframe); staging costs the same on both stores, so by default "
+        "S3 skips the slow chains",
+    )
     ap.add_argument("--lr", type=float, default=1e-6, help="simulator learning rate")
     ap.add_argument("--skip-strides", default="4,16", help="PublisherConfig.skip_strides")
-    ap.add_argument("--keyframe-every", type=int, default=1000,
-                    help="PublisherConfig.keyframe_every (> versions: only v0 is a keyframe)")
+    ap.add_argument(
+        "--keyframe-every",
+        type=int,
+        default=1000,
+        help="PublisherConfig.keyframe_every (> versions: only v0 is a keyframe)",
+    )
     ap.add_argument("--workdir", default=None, help="where the file board goes (temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the file board")
     ap.add_argument("--json", default=None, help="also write every measurement here")
@@ -478,8 +606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mach = machine()
     load0 = mach["loadavg_1m"] or 0.0
     t_start = time.perf_counter()
-    config = PublisherConfig(format=FORMAT, keyframe_every=args.keyframe_every,
-                             skip_strides=strides)
+    config = PublisherConfig(
+        format=FORMAT, keyframe_every=args.keyframe_every, skip_strides=strides
+    )
     ctx: dict[str, Any] = {"args": vars(args), "machine": mach}
     rows: list[list[str]] = []
     catch: dict[str, list[dict[str, Any]]] = {}
@@ -542,16 +671,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             for label, have, path in catch_up_jobs(last, lags, composed):
                 if store == "s3" and path not in s3_paths and label != "1 behind":
                     continue
-                job = {"run": RUN, "want": last, "have": have, "path": path, "board": uri,
-                       "board_options": opts,
-                       "base_view": None if have is None else str(bases[have]),
-                       "expected": {str(k): v for k, v in digests.items()}}
+                job = {
+                    "run": RUN,
+                    "want": last,
+                    "have": have,
+                    "path": path,
+                    "board": uri,
+                    "board_options": opts,
+                    "base_view": None if have is None else str(bases[have]),
+                    "expected": {str(k): v for k, v in digests.items()},
+                }
                 r = catch_up(job)
                 r["label"] = label
                 n_checked += 1 + (have is not None)
                 catch[store].append(r)
-                log(f"{store} {label} {path} {r['plan']}: {fmt_bytes(r['bytes'])} in "
-                    f"{r['sync_s']:.2f}s (setup {r['setup_s']:.1f}s), peak {gib(r['peak'])}")
+                log(
+                    f"{store} {label} {path} {r['plan']}: {fmt_bytes(r['bytes'])} in "
+                    f"{r['sync_s']:.2f}s (setup {r['setup_s']:.1f}s), peak {gib(r['peak'])}"
+                )
         if server is not None:
             ctx["s3"]["moto_peak"] = child_peak_rss("moto.server")
 

@@ -73,7 +73,7 @@ from rollpatch.sim import AdamSim, SimConfig
 from rollpatch.view import View
 
 DEFAULT_FORMATS = "bf16,fp8-e4m3-block128,nvfp4"
-ONE_RUN_ABOVE = 1 << 30     # views larger than this are timed once
+ONE_RUN_ABOVE = 1 << 30  # views larger than this are timed once
 
 
 METHODS = ("native", "inc", "numpy", "xor1", "xor3", "memcpy")
@@ -105,6 +105,7 @@ class Row:
 
 # -- the i.i.d. bound (shared with `rollpatch analyze`: rollpatch.analysis.bounds) ----------
 
+
 def bound_bits(a: View, b: View) -> tuple[int, int, float]:
     """(elements, changed, whole-view i.i.d. bound bits), one tensor's diff at a time (the
     whole decoded patch at 1B, lr 1e-5 would not fit beside the simulator)."""
@@ -120,9 +121,11 @@ def bound_bits(a: View, b: View) -> tuple[int, int, float]:
 
 # -- one transition ---------------------------------------------------------------------------
 
+
 def _check_equal(got: View, want: View, what: str) -> None:
     if sorted(got) != sorted(want) or any(
-            not np.array_equal(got[n].data, want[n].data) for n in want):
+        not np.array_equal(got[n].data, want[n].data) for n in want
+    ):
         raise RoundTripError(f"{what}: decode+apply is not bit-exact")
 
 
@@ -152,9 +155,11 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
         os.environ["ROLLPATCH_THREADS"] = str(threads)
         with ThreadPoolExecutor(threads) as pool:
             if scratch is None:  # one tensor-sized buffer at a time
+
                 def mc() -> None:
                     for n in sorted(a):
                         np.copyto(np.empty_like(a[n].data), a[n].data)
+
                 t_mc, _ = best_of(mc, reps)
             else:
                 t_mc, _ = best_of(lambda: memcpy(a, scratch, pool), reps)
@@ -185,6 +190,7 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
             if numpy_ref:
                 core, native.core = native.core, None
                 try:
+
                     def nenc() -> bytes:
                         b.invalidate()
                         return encode(diff(a, b), a)
@@ -217,21 +223,35 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
         row.patch_bytes += len(blob)
         row.xor1_bytes += xs[1][2]
         row.xor3_bytes += xs[3][2]
-        for m, e, d in (("native", t_enc, t_dec), ("inc", math.nan, t_inc),
-                        ("numpy", t_nenc, t_ndec),
-                        ("xor1", xs[1][0], xs[1][1]), ("xor3", xs[3][0], xs[3][1]),
-                        ("memcpy", t_mc, t_mc)):
+        for m, e, d in (
+            ("native", t_enc, t_dec),
+            ("inc", math.nan, t_inc),
+            ("numpy", t_nenc, t_ndec),
+            ("xor1", xs[1][0], xs[1][1]),
+            ("xor3", xs[3][0], xs[3][1]),
+            ("memcpy", t_mc, t_mc),
+        ):
             row.enc_s[m] += e
             row.dec_s[m] += d
         row.enc_extra = max(row.enc_extra, extra)
-        row.per_step.append({"view_bytes": a.nbytes, "patch_bytes": len(blob),
-                             "xor1_bytes": xs[1][2], "xor3_bytes": xs[3][2],
-                             "enc_s": {"native": t_enc, "numpy": t_nenc, "xor1": xs[1][0],
-                                       "xor3": xs[3][0]},
-                             "dec_s": {"native": t_dec, "inc": t_inc, "numpy": t_ndec,
-                                       "xor1": xs[1][1],
-                                       "xor3": xs[3][1]},
-                             "memcpy_s": t_mc, "enc_extra_bytes": extra})
+        row.per_step.append(
+            {
+                "view_bytes": a.nbytes,
+                "patch_bytes": len(blob),
+                "xor1_bytes": xs[1][2],
+                "xor3_bytes": xs[3][2],
+                "enc_s": {"native": t_enc, "numpy": t_nenc, "xor1": xs[1][0], "xor3": xs[3][0]},
+                "dec_s": {
+                    "native": t_dec,
+                    "inc": t_inc,
+                    "numpy": t_ndec,
+                    "xor1": xs[1][1],
+                    "xor3": xs[3][1],
+                },
+                "memcpy_s": t_mc,
+                "enc_extra_bytes": extra,
+            }
+        )
     n, k, whole = bound_bits(a, b)
     for row in rows.values():
         row.elements += n
@@ -239,16 +259,29 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
         row.bound_bits += whole
 
 
-def run_group(size: str, n_params: int, lr: float, formats: Sequence[str], steps: int,
-              repeats: int, threads: Sequence[int], numpy_ref: bool
-              ) -> tuple[list[Row], dict[str, Any]]:
+def run_group(
+    size: str,
+    n_params: int,
+    lr: float,
+    formats: Sequence[str],
+    steps: int,
+    repeats: int,
+    threads: Sequence[int],
+    numpy_ref: bool,
+) -> tuple[list[Row], dict[str, Any]]:
     """Fresh simulator at (size, lr); ``steps`` transitions for every format."""
 
     t0 = time.perf_counter()
     sim = AdamSim(SimConfig(n_params=n_params, lr=lr, seed=0))
-    info: dict[str, Any] = {"size": size, "lr": lr, "n_params": sim.n_params,
-                            "dims": asdict(sim.dims), "init_s": time.perf_counter() - t0,
-                            "step_s": [], "cast_s": {}}
+    info: dict[str, Any] = {
+        "size": size,
+        "lr": lr,
+        "n_params": sim.n_params,
+        "dims": asdict(sim.dims),
+        "init_s": time.perf_counter() - t0,
+        "step_s": [],
+        "cast_s": {},
+    }
     log(f"{size} lr={lr:g}: simulator {sim.n_params:,} params in {info['init_s']:.1f}s")
     rows = {f: {t: Row(size, sim.n_params, lr, f, t) for t in threads} for f in formats}
     base = {}
@@ -266,8 +299,10 @@ def run_group(size: str, n_params: int, lr: float, formats: Sequence[str], steps
             transition(base[f], target, rows[f], repeats, numpy_ref)
             base[f] = target
             r = rows[f][threads[0]]
-            log(f"  {f}: {100 * r.changed / r.elements:.3f}% changed, patch "
-                f"{100 * r.patch_bytes / r.view_bytes:.3f}% of the view")
+            log(
+                f"  {f}: {100 * r.changed / r.elements:.3f}% changed, patch "
+                f"{100 * r.patch_bytes / r.view_bytes:.3f}% of the view"
+            )
     peak = peak_rss()
     out = [r for f in formats for r in rows[f].values()]
     for r in out:
@@ -278,6 +313,7 @@ def run_group(size: str, n_params: int, lr: float, formats: Sequence[str], steps
 
 # -- report -----------------------------------------------------------------------------------
 
+
 def _ms(seconds: float, n: int) -> str:
     return "-" if math.isnan(seconds) else f"{1e3 * seconds / n:.0f}"
 
@@ -287,50 +323,100 @@ def _x(a: float, b: float) -> str:
 
 
 def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, float]) -> str:
-    headers = ["size", "lr", "format", "T", "view", "chg %", "patch %", "/bound", "xor1 x",
-               "enc ms: rp", "numpy", "xor1", "xor3", "rp/xor1", "dec+ap ms: rp", "rp inc",
-               "numpy", "xor1", "xor3", "rp/xor1", "inc/xor1", "memcpy ms", "enc mem"]
+    headers = [
+        "size",
+        "lr",
+        "format",
+        "T",
+        "view",
+        "chg %",
+        "patch %",
+        "/bound",
+        "xor1 x",
+        "enc ms: rp",
+        "numpy",
+        "xor1",
+        "xor3",
+        "rp/xor1",
+        "dec+ap ms: rp",
+        "rp inc",
+        "numpy",
+        "xor1",
+        "xor3",
+        "rp/xor1",
+        "inc/xor1",
+        "memcpy ms",
+        "enc mem",
+    ]
     body = []
     for r in rows:
         n = r.transitions
         e, d = r.enc_s, r.dec_s
-        body.append([
-            r.size, f"{r.lr:.0e}", r.format, str(r.threads),
-            f"{r.view_bytes / n / 1e9:.2f} GB", f"{100 * r.changed / r.elements:.3f}",
-            f"{100 * r.patch_bytes / r.view_bytes:.3f}",
-            f"{8 * r.patch_bytes / r.bound_bits:.3f}" if r.bound_bits else "-",
-            f"{r.xor1_bytes / r.patch_bytes:.2f}",
-            _ms(e["native"], n), _ms(e["numpy"], n), _ms(e["xor1"], n), _ms(e["xor3"], n),
-            _x(e["native"], e["xor1"]),
-            _ms(d["native"], n), _ms(d["inc"], n), _ms(d["numpy"], n), _ms(d["xor1"], n),
-            _ms(d["xor3"], n), _x(d["native"], d["xor1"]), _x(d["inc"], d["xor1"]),
-            _ms(e["memcpy"], n),
-            f"{r.enc_extra / (r.patch_bytes / n):.1f}x",
-        ])
+        body.append(
+            [
+                r.size,
+                f"{r.lr:.0e}",
+                r.format,
+                str(r.threads),
+                f"{r.view_bytes / n / 1e9:.2f} GB",
+                f"{100 * r.changed / r.elements:.3f}",
+                f"{100 * r.patch_bytes / r.view_bytes:.3f}",
+                f"{8 * r.patch_bytes / r.bound_bits:.3f}" if r.bound_bits else "-",
+                f"{r.xor1_bytes / r.patch_bytes:.2f}",
+                _ms(e["native"], n),
+                _ms(e["numpy"], n),
+                _ms(e["xor1"], n),
+                _ms(e["xor3"], n),
+                _x(e["native"], e["xor1"]),
+                _ms(d["native"], n),
+                _ms(d["inc"], n),
+                _ms(d["numpy"], n),
+                _ms(d["xor1"], n),
+                _ms(d["xor3"], n),
+                _x(d["native"], d["xor1"]),
+                _x(d["inc"], d["xor1"]),
+                _ms(e["memcpy"], n),
+                f"{r.enc_extra / (r.patch_bytes / n):.1f}x",
+            ]
+        )
     right = [False, True, False] + [True] * 20
     n_steps = sorted({r.transitions for r in rows})
     foot = [
         "",
-        (f"machine: {machine_line(mach)}; load avg {load[0]:.1f} at start, {load[1]:.1f} at "
-         f"end; {wall_s / 60:.1f} min wall"),
-        (f"each row: {'/'.join(map(str, n_steps))} consecutive AdamW steps of rollpatch.sim "
-         "(Adam state warm at step 1000), views cast with scales=bf16; T = threads"),
+        (
+            f"machine: {machine_line(mach)}; load avg {load[0]:.1f} at start, {load[1]:.1f} at "
+            f"end; {wall_s / 60:.1f} min wall"
+        ),
+        (
+            f"each row: {'/'.join(map(str, n_steps))} consecutive AdamW steps of rollpatch.sim "
+            "(Adam state warm at step 1000), views cast with scales=bf16; T = threads"
+        ),
         "chg %    changed elements / all elements of the served view (4-bit codes count one each)",
         "patch %  rollpatch patch bytes (format 2, header included) / view bytes",
         "/bound   patch bits / i.i.d. bound n*H(k/n) + k*H(d) over the whole view",
         "xor1 x   XOR+zstd-1 bytes / rollpatch bytes",
-        ("enc ms   per transition: rp = native encode_views (compares every word; the new "
-         "view's sum128 = the old's + the change); numpy = reference diff+encode;"),
-        ("         xor1/xor3 = XOR + zstd-1/-3 + xxh3-128 of the new tensor (Stitch's "
-         "method); rp/xor1 = the ratio"),
-        ("dec+ap   decode + apply with every check (rollpatch: apply_encoded, one pass per chunk; "
-         "base, target and root digests, the touched tensors re-hashed; XOR: xxh3-128)"),
-        ("rp inc   the same with O(change) digests: sum128(new) = sum128(old) + the change of "
-         "the written words (exact for what the patch wrote; blind to bits flipped behind the "
-         "view's back, which the engines' background audit catches: docs/engines.md)"),
+        (
+            "enc ms   per transition: rp = native encode_views (compares every word; the new "
+            "view's sum128 = the old's + the change); numpy = reference diff+encode;"
+        ),
+        (
+            "         xor1/xor3 = XOR + zstd-1/-3 + xxh3-128 of the new tensor (Stitch's "
+            "method); rp/xor1 = the ratio"
+        ),
+        (
+            "dec+ap   decode + apply with every check (rollpatch: apply_encoded, one pass per chunk; "
+            "base, target and root digests, the touched tensors re-hashed; XOR: xxh3-128)"
+        ),
+        (
+            "rp inc   the same with O(change) digests: sum128(new) = sum128(old) + the change of "
+            "the written words (exact for what the patch wrote; blind to bits flipped behind the "
+            "view's back, which the engines' background audit catches: docs/engines.md)"
+        ),
         "memcpy   copying the view with T threads (the physical yardstick)",
-        ("enc mem  peak RSS growth during the native encode / patch bytes (the two views are "
-         "resident before)"),
+        (
+            "enc mem  peak RSS growth during the native encode / patch bytes (the two views are "
+            "resident before)"
+        ),
         "every round trip of every method verified bit-exact; numpy bytes == native bytes",
     ]
     return table(headers, body, right) + "\n" + "\n".join(foot)
@@ -350,12 +436,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100M,1B", help="parameter counts, e.g. 20M,100M,1B")
     ap.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="AdamW learning rates")
     ap.add_argument("--formats", default=DEFAULT_FORMATS, help="served formats")
-    ap.add_argument("--steps", default="2,1",
-                    help="transitions per (size, lr): one int, or one per size")
+    ap.add_argument(
+        "--steps", default="2,1", help="transitions per (size, lr): one int, or one per size"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats for views < 1 GB")
     ap.add_argument("--threads", default="1,2", help="thread counts to measure")
-    ap.add_argument("--numpy-max", default="200M",
-                    help="time the numpy reference only up to this many params")
+    ap.add_argument(
+        "--numpy-max", default="200M", help="time the numpy reference only up to this many params"
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
 
@@ -374,23 +462,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     for size, n_steps in zip(sizes, steps):
         for lr in lrs:
             n = parse_size(size)
-            got, info = run_group(size, n, lr, formats, n_steps, args.repeats, threads,
-                                  n <= parse_size(args.numpy_max))
+            got, info = run_group(
+                size,
+                n,
+                lr,
+                formats,
+                n_steps,
+                args.repeats,
+                threads,
+                n <= parse_size(args.numpy_max),
+            )
             rows += got
             sims.append(info)
-            log("rows so far:\n" + render(rows, mach, time.perf_counter() - t_start,
-                                            (load0, load0)))
+            log(
+                "rows so far:\n" + render(rows, mach, time.perf_counter() - t_start, (load0, load0))
+            )
             if args.json:  # written after every group: a long run keeps what it measured
                 with open(args.json, "w") as f:
-                    json.dump({"args": vars(args), "machine": mach, "partial": True,
-                               "rows": [asdict(r) for r in rows]}, f, indent=1)
+                    json.dump(
+                        {
+                            "args": vars(args),
+                            "machine": mach,
+                            "partial": True,
+                            "rows": [asdict(r) for r in rows],
+                        },
+                        f,
+                        indent=1,
+                    )
     wall = time.perf_counter() - t_start
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     print(render(rows, mach, wall, (load0, load1)))
     if args.json:
-        out = {"args": vars(args), "machine": mach, "wall_s": wall, "loadavg_end": load1,
-               "simulators": sims, "rows": [asdict(r) for r in rows],
-               "process_peak_rss": peak_rss()}
+        out = {
+            "args": vars(args),
+            "machine": mach,
+            "wall_s": wall,
+            "loadavg_end": load1,
+            "simulators": sims,
+            "rows": [asdict(r) for r in rows],
+            "process_peak_rss": peak_rss(),
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

@@ -48,8 +48,9 @@ def fmt_s(s: float) -> str:
     return "inf" if s == float("inf") else f"{s:.1f}"
 
 
-def run_rows(label: str, sc: Scenario, costs: Costs, methods: tuple[str, ...]
-             ) -> list[tuple[str, Scenario, Summary]]:
+def run_rows(
+    label: str, sc: Scenario, costs: Costs, methods: tuple[str, ...]
+) -> list[tuple[str, Scenario, Summary]]:
     out = []
     for m in methods:
         out.append((label, sc, summarize(sc, simulate(sc, costs, m))))  # type: ignore[arg-type]
@@ -57,36 +58,79 @@ def run_rows(label: str, sc: Scenario, costs: Costs, methods: tuple[str, ...]
 
 
 def render(rows: list[tuple[str, Scenario, Summary]], base: dict[str, Summary]) -> str:
-    head = ["scenario", "method", "payload/step", "publish s", "ttv p50 s", "ttv p95 s",
-            "ttv max s", "egress/step", "egress/(payload×regions)", "egress vs rollpatch",
-            "relay hit", "lag 0", "lag>K dropped", "skipped/island"]
+    head = [
+        "scenario",
+        "method",
+        "payload/step",
+        "publish s",
+        "ttv p50 s",
+        "ttv p95 s",
+        "ttv max s",
+        "egress/step",
+        "egress/(payload×regions)",
+        "egress vs rollpatch",
+        "relay hit",
+        "lag 0",
+        "lag>K dropped",
+        "skipped/island",
+    ]
     body = []
     for label, sc, s in rows:
         ref = base[label]
-        body.append([label, s.method, fmt_bytes(s.payload_bytes), f"{s.publish_s:.1f}",
-                     fmt_s(s.ttv_p50_s), fmt_s(s.ttv_p95_s), fmt_s(s.ttv_max_s),
-                     fmt_bytes(s.egress_per_step), f"{s.egress_ratio:.3f}",
-                     f"{s.egress_per_step / ref.egress_per_step:.2f}x",
-                     f"{s.relay_hit:.3f}", f"{s.lag.get(0, 0.0):.3f}",
-                     f"{s.dropped_frac:.3f} (K={sc.max_lag})", f"{s.skipped:.1f}"])
+        body.append(
+            [
+                label,
+                s.method,
+                fmt_bytes(s.payload_bytes),
+                f"{s.publish_s:.1f}",
+                fmt_s(s.ttv_p50_s),
+                fmt_s(s.ttv_p95_s),
+                fmt_s(s.ttv_max_s),
+                fmt_bytes(s.egress_per_step),
+                f"{s.egress_ratio:.3f}",
+                f"{s.egress_per_step / ref.egress_per_step:.2f}x",
+                f"{s.relay_hit:.3f}",
+                f"{s.lag.get(0, 0.0):.3f}",
+                f"{s.dropped_frac:.3f} (K={sc.max_lag})",
+                f"{s.skipped:.1f}",
+            ]
+        )
     right = [False, False] + [True] * (len(head) - 2)
     return table(head, body, right)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--costs", nargs="*", type=Path, default=DEFAULT_COSTS,
-                   help="bench/codec.py JSON files to fit the codec costs from")
+    p.add_argument(
+        "--costs",
+        nargs="*",
+        type=Path,
+        default=DEFAULT_COSTS,
+        help="bench/codec.py JSON files to fit the codec costs from",
+    )
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--islands", type=int, default=100)
     p.add_argument("--regions", type=int, default=5)
     p.add_argument("--inter-gbps", type=float, default=10.0)
-    p.add_argument("--validate", type=Path, default=None,
-                   help="a `rollpatch demo` summary.json to validate the model against")
-    p.add_argument("--memory", type=parse_size, default=None, metavar="PARAMS",
-                   help="also measure memory budgets on a model of PARAMS (e.g. 100M)")
-    p.add_argument("--work", type=Path, default=Path("/tmp/rollpatch-fleet"),
-                   help="work directory of --memory (versions are cached there)")
+    p.add_argument(
+        "--validate",
+        type=Path,
+        default=None,
+        help="a `rollpatch demo` summary.json to validate the model against",
+    )
+    p.add_argument(
+        "--memory",
+        type=parse_size,
+        default=None,
+        metavar="PARAMS",
+        help="also measure memory budgets on a model of PARAMS (e.g. 100M)",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/rollpatch-fleet"),
+        help="work directory of --memory (versions are cached there)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     t_start = time.perf_counter()
@@ -94,28 +138,44 @@ def main() -> int:
     print(machine_line(info))
     fmt = "fp8-e4m3-block128"
     costs = load_costs(list(args.costs), fmt, blake3_Bps=measure_blake3())
-    print(f"costs ({fmt}, per core, s per byte of view = a + b·patch_frac; fitted from "
-          f"{', '.join(costs.source)}): encode a={costs.enc[0]:.3e} b={costs.enc[1]:.3e}; "
-          f"decode+apply a={costs.dec[0]:.3e} b={costs.dec[1]:.3e}; XOR+zstd-1 encode "
-          f"a={costs.xor_enc[0]:.3e} b={costs.xor_enc[1]:.3e}, decode a={costs.xor_dec[0]:.3e} "
-          f"b={costs.xor_dec[1]:.3e}, size {costs.xor_ratio:.2f}x rollpatch's; "
-          f"BLAKE3 {costs.blake3_Bps / 1e9:.2f} GB/s (measured now)")
+    print(
+        f"costs ({fmt}, per core, s per byte of view = a + b·patch_frac; fitted from "
+        f"{', '.join(costs.source)}): encode a={costs.enc[0]:.3e} b={costs.enc[1]:.3e}; "
+        f"decode+apply a={costs.dec[0]:.3e} b={costs.dec[1]:.3e}; XOR+zstd-1 encode "
+        f"a={costs.xor_enc[0]:.3e} b={costs.xor_enc[1]:.3e}, decode a={costs.xor_dec[0]:.3e} "
+        f"b={costs.xor_dec[1]:.3e}, size {costs.xor_ratio:.2f}x rollpatch's; "
+        f"BLAKE3 {costs.blake3_Bps / 1e9:.2f} GB/s (measured now)"
+    )
     kw = {"islands": args.islands, "regions": args.regions, "inter_bps": args.inter_gbps * 1e9}
     front = frontier(steps=args.steps, **kw)  # type: ignore[arg-type]
     scenarios = [
         ("frontier", front, METHODS),
         ("frontier, patch 2%", dataclasses.replace(front, patch_frac=(0.02, 0.02)), ("rollpatch",)),
-        ("frontier, patch 0.5%", dataclasses.replace(front, patch_frac=(0.005, 0.005)),
-         ("rollpatch",)),
-        ("frontier, 256 apply cores/island", dataclasses.replace(front, apply_cores=256),
-         ("rollpatch",)),
-        ("frontier, what-if: decode overlapped with fetch",
-         dataclasses.replace(front, overlap_apply=True), ("rollpatch", "xor")),
-        ("frontier, loss 1e-4, 64 streams",
-         frontier(steps=args.steps, loss=1e-4, streams=64, **kw), ("rollpatch", "xor")),  # type: ignore[arg-type]
-        ("frontier, 1 Gbit/s links", frontier(steps=args.steps, islands=args.islands,
-                                              regions=args.regions, inter_bps=1e9),
-         ("rollpatch", "xor")),
+        (
+            "frontier, patch 0.5%",
+            dataclasses.replace(front, patch_frac=(0.005, 0.005)),
+            ("rollpatch",),
+        ),
+        (
+            "frontier, 256 apply cores/island",
+            dataclasses.replace(front, apply_cores=256),
+            ("rollpatch",),
+        ),
+        (
+            "frontier, what-if: decode overlapped with fetch",
+            dataclasses.replace(front, overlap_apply=True),
+            ("rollpatch", "xor"),
+        ),
+        (
+            "frontier, loss 1e-4, 64 streams",
+            frontier(steps=args.steps, loss=1e-4, streams=64, **kw),
+            ("rollpatch", "xor"),
+        ),  # type: ignore[arg-type]
+        (
+            "frontier, 1 Gbit/s links",
+            frontier(steps=args.steps, islands=args.islands, regions=args.regions, inter_bps=1e9),
+            ("rollpatch", "xor"),
+        ),
     ]
     rows: list[tuple[str, Scenario, Summary]] = []
     sim_s: dict[str, float] = {}
@@ -125,24 +185,34 @@ def main() -> int:
         sim_s[label] = time.perf_counter() - t
     base = {label: s for label, _, s in rows if s.method == "rollpatch"}
     n_remote = sum(not r.home for r in front.regions)
-    print(f"\nfrontier: {fmt_bytes(front.view_bytes)} view ({fmt}), {sum(r.islands for r in front.regions)} "
-          f"islands in {len(front.regions)} regions ({n_remote} remote, "
-          f"{args.inter_gbps:g} Gbit/s, RTT {', '.join(f'{r.upstream.rtt_s * 1e3:.0f}' for r in front.regions if not r.home)} ms), "
-          f"a step every {front.step_s:g} s, {front.steps} steps, patch {front.patch_frac[0]:.1%}–"
-          f"{front.patch_frac[1]:.1%} of the view, keyframe every {front.keyframe_every}; "
-          f"{front.ranks} trainer ranks × {front.rank_cores} cores; islands decode on "
-          f"{front.apply_cores} cores; max_lag K={front.max_lag}")
-    print("ttv: seconds from the trainer's publish() call to an island serving that version "
-          "(or newer), over every island and version; egress: bytes leaving the trainer's "
-          "region per step\n")
+    print(
+        f"\nfrontier: {fmt_bytes(front.view_bytes)} view ({fmt}), {sum(r.islands for r in front.regions)} "
+        f"islands in {len(front.regions)} regions ({n_remote} remote, "
+        f"{args.inter_gbps:g} Gbit/s, RTT {', '.join(f'{r.upstream.rtt_s * 1e3:.0f}' for r in front.regions if not r.home)} ms), "
+        f"a step every {front.step_s:g} s, {front.steps} steps, patch {front.patch_frac[0]:.1%}–"
+        f"{front.patch_frac[1]:.1%} of the view, keyframe every {front.keyframe_every}; "
+        f"{front.ranks} trainer ranks × {front.rank_cores} cores; islands decode on "
+        f"{front.apply_cores} cores; max_lag K={front.max_lag}"
+    )
+    print(
+        "ttv: seconds from the trainer's publish() call to an island serving that version "
+        "(or newer), over every island and version; egress: bytes leaving the trainer's "
+        "region per step\n"
+    )
     print(render(rows, base))
     f = base["frontier"]
     targets = [
-        ("frontier egress ≤ 1.2× (patch × regions)", f.egress_ratio <= 1.2,
-         f"{f.egress_ratio:.3f}"),
+        (
+            "frontier egress ≤ 1.2× (patch × regions)",
+            f.egress_ratio <= 1.2,
+            f"{f.egress_ratio:.3f}",
+        ),
         ("frontier ttv p95 ≤ 30 s", f.ttv_p95_s <= 30.0, f"{f.ttv_p95_s:.1f} s"),
-        ("simulator run for the frontier scenario < 60 s", sim_s["frontier"] < 60,
-         f"{sim_s['frontier']:.1f} s (3 methods)"),
+        (
+            "simulator run for the frontier scenario < 60 s",
+            sim_s["frontier"] < 60,
+            f"{sim_s['frontier']:.1f} s (3 methods)",
+        ),
     ]
     print("\ntargets:")
     for name, ok, got in targets:
@@ -150,38 +220,62 @@ def main() -> int:
     val = None
     if args.validate is not None:
         val = validate(args.validate, costs)
-        print(f"\nvalidation against a real demo run ({val['summary']}: {val['versions']} "
-              f"versions, view {fmt_bytes(val['view_bytes'])}, patch {fmt_bytes(val['patch_bytes_mean'])} "
-              f"mean, emulated WAN {val['wan_mbps']} Mbit/s + {val['wan_latency_ms']} ms, "
-              f"poll {val['poll_s']} s; island-local cost calibrated on 'local': "
-              f"{val['local_cost_s']:.3f} s)")
-        vrows = [[n, f"{r['measured_s']:.3f}", f"{r['predicted_s']:.3f}",
-                  f"{r['error']:+.1%}", "calibration" if r["calibration"] else "prediction"]
-                 for n, r in val["islands"].items()]
-        print(table(["island", "measured ttv s", "predicted ttv s", "error", "row"], vrows,
-                    [False, True, True, True, False]))
+        print(
+            f"\nvalidation against a real demo run ({val['summary']}: {val['versions']} "
+            f"versions, view {fmt_bytes(val['view_bytes'])}, patch {fmt_bytes(val['patch_bytes_mean'])} "
+            f"mean, emulated WAN {val['wan_mbps']} Mbit/s + {val['wan_latency_ms']} ms, "
+            f"poll {val['poll_s']} s; island-local cost calibrated on 'local': "
+            f"{val['local_cost_s']:.3f} s)"
+        )
+        vrows = [
+            [
+                n,
+                f"{r['measured_s']:.3f}",
+                f"{r['predicted_s']:.3f}",
+                f"{r['error']:+.1%}",
+                "calibration" if r["calibration"] else "prediction",
+            ]
+            for n, r in val["islands"].items()
+        ]
+        print(
+            table(
+                ["island", "measured ttv s", "predicted ttv s", "error", "row"],
+                vrows,
+                [False, True, True, True, False],
+            )
+        )
     mem = None
     if args.memory is not None:
         from _fleet_memory import render as render_memory
         from _fleet_memory import run as run_memory
+
         mem = run_memory(args.work, args.memory)
-        print(f"\nmemory budgets (measured per phase in child processes: peak of live "
-              f"allocations above the phase's start (tracemalloc), and peak-RSS growth; BF16 view "
-              f"{fmt_bytes(mem['view_bytes'])}, {mem['n_params'] / 1e6:.0f}M params; one "
-              f"publisher rank = the largest shard; the publisher's baseline includes the "
-              f"trainer's FP32 masters, the follower's step baseline the engine's weights)")
+        print(
+            f"\nmemory budgets (measured per phase in child processes: peak of live "
+            f"allocations above the phase's start (tracemalloc), and peak-RSS growth; BF16 view "
+            f"{fmt_bytes(mem['view_bytes'])}, {mem['n_params'] / 1e6:.0f}M params; one "
+            f"publisher rank = the largest shard; the publisher's baseline includes the "
+            f"trainer's FP32 masters, the follower's step baseline the engine's weights)"
+        )
         print(render_memory(mem))
     wall = time.perf_counter() - t_start
     print(f"\nsimulator wall time {wall:.1f} s")
     if args.json:
         doc: dict[str, Any] = {
-            "machine": info, "args": {k: str(v) for k, v in vars(args).items()},
+            "machine": info,
+            "args": {k: str(v) for k, v in vars(args).items()},
             "costs": dataclasses.asdict(costs),
-            "frontier": {"ttv_p95_s": f.ttv_p95_s, "egress_ratio": f.egress_ratio,
-                         "sim_s": sim_s["frontier"]},
+            "frontier": {
+                "ttv_p95_s": f.ttv_p95_s,
+                "egress_ratio": f.egress_ratio,
+                "sim_s": sim_s["frontier"],
+            },
             "rows": [{"scenario": label, **dataclasses.asdict(s)} for label, _, s in rows],
             "targets": [{"target": n, "met": ok, "value": g} for n, ok, g in targets],
-            "validation": val, "memory": mem, "wall_s": wall}
+            "validation": val,
+            "memory": mem,
+            "wall_s": wall,
+        }
         args.json.write_text(json.dumps(doc, indent=1, default=str))
         print(f"wrote {args.json}")
     return 0

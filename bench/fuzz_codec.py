@@ -45,8 +45,13 @@ FUZZ = NATIVE / "fuzz"
 SEEDS = FUZZ / "corpus"
 WORK = ROOT / "build" / "fuzz"
 TARGETS = ("decode", "roundtrip")
-CFLAGS = ["-g", "-O1", "-std=gnu11", "-fsanitize=fuzzer,address,undefined",
-          "-fno-sanitize-recover=undefined"]
+CFLAGS = [
+    "-g",
+    "-O1",
+    "-std=gnu11",
+    "-fsanitize=fuzzer,address,undefined",
+    "-fno-sanitize-recover=undefined",
+]
 # The round trip's input is never parsed by the core, so comparison tracing (what lets
 # libFuzzer solve a parser's compares) buys nothing there and costs 2.5x in the coder's loops.
 EXTRA = {"decode": [], "roundtrip": ["-fno-sanitize-coverage=trace-cmp"]}
@@ -82,59 +87,104 @@ def build(work: Path = WORK) -> dict[str, Path]:
     """Compile both targets (and rpcore.c once) into ``work``; returns target -> binary."""
     clang = shutil.which("clang")
     if clang is None:
-        raise FuzzSetupError("clang not found: run scripts/fuzz-env (installs clang with "
-                             "libFuzzer), or install clang and libclang-rt-dev yourself")
+        raise FuzzSetupError(
+            "clang not found: run scripts/fuzz-env (installs clang with "
+            "libFuzzer), or install clang and libclang-rt-dev yourself"
+        )
     work.mkdir(parents=True, exist_ok=True)
     out = {}
     for t in TARGETS:
         flags = [*CFLAGS, *EXTRA[t]]
         core = work / f"rpcore_{t}.o"
-        _cc([clang, *flags, "-include", str(FUZZ / "cpu_switch.h"), "-c",
-             str(NATIVE / "rpcore.c"), "-o", str(core)])
+        _cc(
+            [
+                clang,
+                *flags,
+                "-include",
+                str(FUZZ / "cpu_switch.h"),
+                "-c",
+                str(NATIVE / "rpcore.c"),
+                "-o",
+                str(core),
+            ]
+        )
         out[t] = work / f"fuzz_{t}"
-        _cc([clang, *flags, "-Wall", "-Wno-unused-function", str(FUZZ / f"fuzz_{t}.c"),
-             str(core), "-o", str(out[t])])
+        _cc(
+            [
+                clang,
+                *flags,
+                "-Wall",
+                "-Wno-unused-function",
+                str(FUZZ / f"fuzz_{t}.c"),
+                str(core),
+                "-o",
+                str(out[t]),
+            ]
+        )
     return out
 
 
 def _cc(cmd: list[str]) -> None:
     p = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if p.returncode:
-        hint = (" (libFuzzer is missing: install libclang-rt-dev, or run scripts/fuzz-env)"
-                if "libclang_rt.fuzzer" in p.stderr else "")
+        hint = (
+            " (libFuzzer is missing: install libclang-rt-dev, or run scripts/fuzz-env)"
+            if "libclang_rt.fuzzer" in p.stderr
+            else ""
+        )
         raise FuzzSetupError(f"build failed{hint}: {' '.join(cmd)}\n{p.stderr.strip()}")
 
 
 # ------------------------------------------------------------------ run
 
 
-def run(target: str, binary: Path, seconds: int, work: Path = WORK,
-        max_len: int = 65536) -> Result:
+def run(target: str, binary: Path, seconds: int, work: Path = WORK, max_len: int = 65536) -> Result:
     """Fuzz one target for ``seconds`` (one process); parse libFuzzer's final stats."""
     corpus = work / f"corpus-{target}"
     arts = work / "artifacts" / target
     corpus.mkdir(parents=True, exist_ok=True)
     arts.mkdir(parents=True, exist_ok=True)
     before = set(arts.iterdir())
-    cmd = [str(binary), str(corpus), str(SEEDS / target), f"-max_total_time={seconds}",
-           "-print_final_stats=1", f"-max_len={max_len}", "-timeout=30", "-rss_limit_mb=2048",
-           f"-artifact_prefix={arts}/"]
+    cmd = [
+        str(binary),
+        str(corpus),
+        str(SEEDS / target),
+        f"-max_total_time={seconds}",
+        "-print_final_stats=1",
+        f"-max_len={max_len}",
+        "-timeout=30",
+        "-rss_limit_mb=2048",
+        f"-artifact_prefix={arts}/",
+    ]
     log(f"fuzz {target}: {seconds} s ({' '.join(cmd)})")
     t0 = time.monotonic()
-    p = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace",
-                       timeout=seconds + 300)
+    p = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, errors="replace", timeout=seconds + 300
+    )
     wall = time.monotonic() - t0
     (work / f"{target}.log").write_text(p.stderr)
-    new = sorted(str(a) for a in set(arts.iterdir()) - before  # slow-unit-*: not a failure
-                 if a.name.startswith(("crash-", "leak-", "timeout-", "oom-")))
+    new = sorted(
+        str(a)
+        for a in set(arts.iterdir()) - before  # slow-unit-*: not a failure
+        if a.name.startswith(("crash-", "leak-", "timeout-", "oom-"))
+    )
     crashed = p.returncode != 0 or bool(new)
     if crashed:
         tail = "\n".join(p.stderr.splitlines()[-40:])
-        print(f"--- fuzz_{target} exited {p.returncode}; last lines of {work / target}.log:\n"
-              f"{tail}", file=sys.stderr)
-    return Result(target, round(wall, 1), _stat(p.stderr, "number_of_executed_units"),
-                  _stat(p.stderr, "average_exec_per_sec"), *_cov(p.stderr),
-                  sum(1 for _ in corpus.iterdir()), len(new) or int(crashed), new)
+        print(
+            f"--- fuzz_{target} exited {p.returncode}; last lines of {work / target}.log:\n{tail}",
+            file=sys.stderr,
+        )
+    return Result(
+        target,
+        round(wall, 1),
+        _stat(p.stderr, "number_of_executed_units"),
+        _stat(p.stderr, "average_exec_per_sec"),
+        *_cov(p.stderr),
+        sum(1 for _ in corpus.iterdir()),
+        len(new) or int(crashed),
+        new,
+    )
 
 
 def _stat(text: str, name: str) -> int:
@@ -157,26 +207,58 @@ def source_coverage(work: Path = WORK) -> str:
     if not all(tools):
         raise FuzzSetupError("source coverage needs clang, llvm-profdata and llvm-cov (llvm)")
     clang, profdata, cov = (str(t) for t in tools)
-    flags = ["-g", "-O1", "-std=gnu11", "-fsanitize=fuzzer", "-fprofile-instr-generate",
-             "-fcoverage-mapping"]
+    flags = [
+        "-g",
+        "-O1",
+        "-std=gnu11",
+        "-fsanitize=fuzzer",
+        "-fprofile-instr-generate",
+        "-fcoverage-mapping",
+    ]
     raws, bins = [], []
     for t in TARGETS:
         b, core = work / f"cov_{t}", work / "cov_rpcore.o"
-        _cc([clang, *flags, "-include", str(FUZZ / "cpu_switch.h"), "-c",
-             str(NATIVE / "rpcore.c"), "-o", str(core)])
+        _cc(
+            [
+                clang,
+                *flags,
+                "-include",
+                str(FUZZ / "cpu_switch.h"),
+                "-c",
+                str(NATIVE / "rpcore.c"),
+                "-o",
+                str(core),
+            ]
+        )
         _cc([clang, *flags, str(FUZZ / f"fuzz_{t}.c"), str(core), "-o", str(b)])
         dirs = [d for d in (work / f"corpus-{t}", SEEDS / t) if d.is_dir()]
         files = [str(f) for d in dirs for f in sorted(d.iterdir())]
         raw = work / f"cov_{t}.profraw"
         for i in range(0, len(files), 200):  # one process per batch: argv stays short
-            subprocess.run([str(b), "-runs=0", *files[i:i + 200]], check=False,
-                           capture_output=True, env={"LLVM_PROFILE_FILE": f"{raw}.{i}"})
+            subprocess.run(
+                [str(b), "-runs=0", *files[i : i + 200]],
+                check=False,
+                capture_output=True,
+                env={"LLVM_PROFILE_FILE": f"{raw}.{i}"},
+            )
         raws += [str(r) for r in work.glob(f"cov_{t}.profraw.*")]
         bins.append(str(b))
     data = work / "cov.profdata"
     _cc([profdata, "merge", "-sparse", *raws, "-o", str(data)])
-    p = subprocess.run([cov, "report", bins[0], "-object", bins[1], f"-instr-profile={data}",
-                        str(NATIVE / "rpcore.c")], check=False, capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            cov,
+            "report",
+            bins[0],
+            "-object",
+            bins[1],
+            f"-instr-profile={data}",
+            str(NATIVE / "rpcore.c"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     for r in raws:
         Path(r).unlink()
     return p.stdout.strip()
@@ -188,16 +270,19 @@ def source_coverage(work: Path = WORK) -> str:
 def c_kinds() -> list[tuple[int, int, int, int]]:
     """fuzz_common.h's KINDS table (one source for the harness and the corpus)."""
     text = (FUZZ / "fuzz_common.h").read_text()
-    body = text[text.index("KINDS[] = {"):text.index("};", text.index("KINDS[] = {"))]
-    return [(int(a), int(b), int(c), int(d))
-            for a, b, c, d in re.findall(r"\{(\d+), (\d+), (\d+), (\d+)\}", body)]
+    body = text[text.index("KINDS[] = {") : text.index("};", text.index("KINDS[] = {"))]
+    return [
+        (int(a), int(b), int(c), int(d))
+        for a, b, c, d in re.findall(r"\{(\d+), (\d+), (\d+), (\d+)\}", body)
+    ]
 
 
 def header(kind: int, size_class: int, value: int, seed: int, spread: int = 0) -> bytes:
     """fuzz_common.h's 8-byte header (size class 8: class 7 with bit 6, two chunks)."""
     cls = 7 | 64 if size_class == 8 else size_class
-    return bytes([kind, cls | spread << 3]) + value.to_bytes(2, "little") + \
-        seed.to_bytes(4, "little")
+    return (
+        bytes([kind, cls | spread << 3]) + value.to_bytes(2, "little") + seed.to_bytes(4, "little")
+    )
 
 
 def elements(h: bytes, bits: int) -> int:
@@ -243,8 +328,7 @@ def varint(v: int) -> bytes:
     return bytes(out)
 
 
-def payload(kind_i: int, h: bytes, density: float, rng: np.random.Generator,
-            lo: int = 0) -> bytes:
+def payload(kind_i: int, h: bytes, density: float, rng: np.random.Generator, lo: int = 0) -> bytes:
     """A real rp.ctxgolomb.v2 payload (the native encoder) of a perturbation of h's base
     (elements from ``lo`` on)."""
     from rollpatch import native
@@ -260,8 +344,14 @@ def payload(kind_i: int, h: bytes, density: float, rng: np.random.Generator,
     step = rng.integers(1, 4, n, dtype=np.uint64)
     wild = rng.random(n) < 0.1  # mostly small steps, as optimizer updates make, some far
     mask = np.uint64((1 << bits) - 1)
-    b[hit] = np.where(wild[hit], rng.integers(0, 1 << min(bits, 63), hit.sum(), dtype=np.uint64),
-                      a[hit] ^ step[hit]) & mask
+    b[hit] = (
+        np.where(
+            wild[hit],
+            rng.integers(0, 1 << min(bits, 63), hit.sum(), dtype=np.uint64),
+            a[hit] ^ step[hit],
+        )
+        & mask
+    )
     nch = -(-n // CHUNK)
     bodies, _, _ = core.encode_range(kind, pack(bits, a), pack(bits, b), 0, nch)
     return b"".join(varint(len(body)) + body for body, _ in bodies)
@@ -304,17 +394,21 @@ def make_corpus(out: Path = SEEDS) -> None:
     for name, data in seeds.items():
         (out / "decode" / name).write_bytes(data)
     for i in range(len(kinds)):  # round trip: density, style, then 8-byte edits (each op)
-        edits = b"".join(bytes([(37 * j + i) & 0xFF, j, 0, op | 8 * (j & 1)])
-                         + rng.integers(0, 256, 4, dtype=np.uint8).tobytes()
-                         for j, op in enumerate(range(8)))
+        edits = b"".join(
+            bytes([(37 * j + i) & 0xFF, j, 0, op | 8 * (j & 1)])
+            + rng.integers(0, 256, 4, dtype=np.uint8).tobytes()
+            for j, op in enumerate(range(8))
+        )
         cls = (0, 4, 6)[i % 3]
         rt = header(i, cls, 500 + i, 7000 + i, spread=i % 4)
         (out / "roundtrip" / f"k{i:02d}").write_bytes(rt + bytes([40 + i, i * 11]) + edits)
     (out / "roundtrip" / "k00-2chunks").write_bytes(header(0, 8, 40000, 8000, 2) + b"\x03\x02")
     (out / "roundtrip" / "k06-dense").write_bytes(header(6, 0, 900, 8100) + b"\xf0\x81")
     total = sum(f.stat().st_size for t in TARGETS for f in (out / t).iterdir())
-    log(f"seed corpus: {sum(1 for t in TARGETS for _ in (out / t).iterdir())} files, "
-        f"{total} bytes in {out}")
+    log(
+        f"seed corpus: {sum(1 for t in TARGETS for _ in (out / t).iterdir())} files, "
+        f"{total} bytes in {out}"
+    )
 
 
 # ------------------------------------------------------------------ main
@@ -322,15 +416,26 @@ def make_corpus(out: Path = SEEDS) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=int, default=600,
-                    help="per target (default 600; 0: build only, e.g. with --source-coverage)")
+    ap.add_argument(
+        "--seconds",
+        type=int,
+        default=600,
+        help="per target (default 600; 0: build only, e.g. with --source-coverage)",
+    )
     ap.add_argument("--targets", default=",".join(TARGETS), help="comma-separated")
     ap.add_argument("--make-corpus", action="store_true", help="rewrite the seed corpus, exit")
     ap.add_argument("--json", type=Path, help="write the results here too")
-    ap.add_argument("--source-coverage", action="store_true",
-                    help="after the runs, rpcore.c's line/region coverage of the corpora")
-    ap.add_argument("--work", type=Path, default=WORK,
-                    help="binaries, the growing corpus, artifacts, logs (default build/fuzz)")
+    ap.add_argument(
+        "--source-coverage",
+        action="store_true",
+        help="after the runs, rpcore.c's line/region coverage of the corpora",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=WORK,
+        help="binaries, the growing corpus, artifacts, logs (default build/fuzz)",
+    )
     args = ap.parse_args(argv)
     if args.make_corpus:
         make_corpus()
@@ -344,10 +449,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fuzz_codec: {e}", file=sys.stderr)
         return 2
     results = [run(t, bins[t], args.seconds, args.work) for t in targets if args.seconds > 0]
-    print(table(["target", "seconds", "executions", "exec/s", "cov", "ft", "corpus", "crashes"],
-                [[r.target, f"{r.seconds:.0f}", str(r.executions), str(r.exec_per_s),
-                  str(r.cov), str(r.ft), str(r.corpus), str(r.crashes)] for r in results],
-                right=[False] + [True] * 7))
+    print(
+        table(
+            ["target", "seconds", "executions", "exec/s", "cov", "ft", "corpus", "crashes"],
+            [
+                [
+                    r.target,
+                    f"{r.seconds:.0f}",
+                    str(r.executions),
+                    str(r.exec_per_s),
+                    str(r.cov),
+                    str(r.ft),
+                    str(r.corpus),
+                    str(r.crashes),
+                ]
+                for r in results
+            ],
+            right=[False] + [True] * 7,
+        )
+    )
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     if args.source_coverage:

@@ -55,6 +55,7 @@ class Row:
 
 # -- atheris ---------------------------------------------------------------------------------
 
+
 def _child(name: str, seconds: int, workdir: Path) -> None:
     """Runs inside the fuzzing process (never returns: libFuzzer exits)."""
     import atheris
@@ -77,9 +78,19 @@ def _child(name: str, seconds: int, workdir: Path) -> None:
     corpus.mkdir(parents=True, exist_ok=True)
     for i, seed in enumerate(seeds):
         (corpus / f"seed-{i}").write_bytes(seed)
-    atheris.Setup([sys.argv[0], f"-max_total_time={seconds}", "-timeout=10",
-                   "-rss_limit_mb=3072", "-max_len=65536", "-print_final_stats=1",
-                   f"-artifact_prefix={workdir}/{name}-", str(corpus)], fn)
+    atheris.Setup(
+        [
+            sys.argv[0],
+            f"-max_total_time={seconds}",
+            "-timeout=10",
+            "-rss_limit_mb=3072",
+            "-max_len=65536",
+            "-print_final_stats=1",
+            f"-artifact_prefix={workdir}/{name}-",
+            str(corpus),
+        ],
+        fn,
+    )
     atheris.Fuzz()
 
 
@@ -93,14 +104,22 @@ def run_atheris(names: list[str], seconds: int) -> list[Row]:
     rows = []
     for name in names:
         log(f"atheris: {name} for {seconds} s")
-        proc = subprocess.run([sys.executable, __file__, "--child", name, "--seconds",
-                               str(seconds)], check=False, capture_output=True, text=True,
-                              timeout=seconds + 300, cwd=HERE)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", name, "--seconds", str(seconds)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=seconds + 300,
+            cwd=HERE,
+        )
         text = proc.stderr
         cov = re.findall(r"cov: (\d+) ft: (\d+) corp: (\d+)", text)
-        row = Row("atheris", name, inputs=_stat(text, "number_of_executed_units"),
-                  extra={"cov": int(cov[-1][0]) if cov else 0,
-                         "corpus": int(cov[-1][2]) if cov else 0})
+        row = Row(
+            "atheris",
+            name,
+            inputs=_stat(text, "number_of_executed_units"),
+            extra={"cov": int(cov[-1][0]) if cov else 0, "corpus": int(cov[-1][2]) if cov else 0},
+        )
         if proc.returncode != 0:
             hang = "timeout" in text.lower() and "Uncaught Python exception" not in text
             row.hangs, row.crashes = (1, 0) if hang else (0, 1)
@@ -113,6 +132,7 @@ def run_atheris(names: list[str], seconds: int) -> list[Row]:
 
 # -- schemathesis ----------------------------------------------------------------------------
 
+
 def run_schemathesis(cases: int) -> list[Row]:
     from _fuzz_services_world import World, check_case
 
@@ -124,23 +144,38 @@ def run_schemathesis(cases: int) -> list[Row]:
                 row.inputs += n
                 row.crashes += failures
                 row.hangs += hangs
-                log(f"schemathesis: {service} {op} {mode}: {n} cases, {failures} failures, "
-                    f"{hangs} hangs")
+                log(
+                    f"schemathesis: {service} {op} {mode}: {n} cases, {failures} failures, "
+                    f"{hangs} hangs"
+                )
             rows.append(row)
         after = world.after_campaign()
-        rows.append(Row("schemathesis", "ERROR log records (tracebacks)",
-                        inputs=sum(r.inputs for r in rows), crashes=after["errors"]))
-        rows.append(Row("schemathesis", "served after the campaign", inputs=1,
-                        crashes=0 if after["served"] else 1,
-                        detail=f"version {after['version']}, slots held {after['inflight']}"))
+        rows.append(
+            Row(
+                "schemathesis",
+                "ERROR log records (tracebacks)",
+                inputs=sum(r.inputs for r in rows),
+                crashes=after["errors"],
+            )
+        )
+        rows.append(
+            Row(
+                "schemathesis",
+                "served after the campaign",
+                inputs=1,
+                crashes=0 if after["served"] else 1,
+                detail=f"version {after['version']}, slots held {after['inflight']}",
+            )
+        )
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=int, default=60, help="atheris seconds per target")
-    ap.add_argument("--cases", type=int, default=1500,
-                    help="schemathesis cases per operation, mode and service")
+    ap.add_argument(
+        "--cases", type=int, default=1500, help="schemathesis cases per operation, mode and service"
+    )
     ap.add_argument("--only", choices=("atheris", "schemathesis"))
     ap.add_argument("--targets", help="comma-separated atheris targets (default: all)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -158,18 +193,35 @@ def main() -> int:
         rows += run_atheris(names, args.seconds)
     if args.only in (None, "schemathesis"):
         rows += run_schemathesis(args.cases)
-    print(table(["campaign", "target", "inputs", "crashes/failures", "hangs", "coverage",
-                 "note"],
-                [[r.campaign, r.target, f"{r.inputs:,}", str(r.crashes), str(r.hangs),
-                  f"cov {r.extra['cov']}, corpus {r.extra['corpus']}" if r.extra else "",
-                  r.detail] for r in rows],
-                right=[False, False, True, True, True, False, False]))
-    hostile = sum(r.inputs for r in rows if r.target not in (
-        "ERROR log records (tracebacks)", "served after the campaign"))
+    print(
+        table(
+            ["campaign", "target", "inputs", "crashes/failures", "hangs", "coverage", "note"],
+            [
+                [
+                    r.campaign,
+                    r.target,
+                    f"{r.inputs:,}",
+                    str(r.crashes),
+                    str(r.hangs),
+                    f"cov {r.extra['cov']}, corpus {r.extra['corpus']}" if r.extra else "",
+                    r.detail,
+                ]
+                for r in rows
+            ],
+            right=[False, False, True, True, True, False, False],
+        )
+    )
+    hostile = sum(
+        r.inputs
+        for r in rows
+        if r.target not in ("ERROR log records (tracebacks)", "served after the campaign")
+    )
     bad = [r for r in rows if not r.ok]
-    print(f"\n{hostile:,} hostile inputs in {time.time() - t0:.0f} s; "
-          f"{sum(r.crashes for r in rows)} crashes/failures, {sum(r.hangs for r in rows)} hangs"
-          f" -> {'FAIL' if bad else 'ok'}")
+    print(
+        f"\n{hostile:,} hostile inputs in {time.time() - t0:.0f} s; "
+        f"{sum(r.crashes for r in rows)} crashes/failures, {sum(r.hangs for r in rows)} hangs"
+        f" -> {'FAIL' if bad else 'ok'}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -59,7 +59,7 @@ class _Source:
             f = conn.makefile("rb")
             while line := f.readline():
                 n = int(line)
-                if n == 0:         # ping
+                if n == 0:  # ping
                     conn.sendall(b".")
                     continue
                 while n > 0:
@@ -90,7 +90,7 @@ def _rtts(port: int, count: int = 20) -> list[float]:
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(b"0\n")
-        s.recv(1)                      # the handshake round trip is not part of the RTT
+        s.recv(1)  # the handshake round trip is not part of the RTT
         for _ in range(count):
             t0 = time.perf_counter()
             s.sendall(b"0\n")
@@ -101,8 +101,9 @@ def _rtts(port: int, count: int = 20) -> list[float]:
 
 def _concurrent(port: int, n: int, conns: int) -> float:
     times: list[float] = []
-    threads = [threading.Thread(target=lambda: times.append(_download(port, n)))
-               for _ in range(conns)]
+    threads = [
+        threading.Thread(target=lambda: times.append(_download(port, n))) for _ in range(conns)
+    ]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -125,26 +126,54 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             with Link(cfg) as link:
                 log(f"{mbps:g} Mbit/s, {args.latency_ms:g} ms: rtt")
                 rtt = _rtts(link.port)
-                rows.append({**base, "scenario": "rtt", "conns": 1, "bytes": 0,
-                             "rtt_p50_ms": 1e3 * statistics.median(rtt),
-                             "rtt_min_ms": 1e3 * min(rtt)})
+                rows.append(
+                    {
+                        **base,
+                        "scenario": "rtt",
+                        "conns": 1,
+                        "bytes": 0,
+                        "rtt_p50_ms": 1e3 * statistics.median(rtt),
+                        "rtt_min_ms": 1e3 * min(rtt),
+                    }
+                )
                 for conns in (1, 3):
                     log(f"{mbps:g} Mbit/s: {conns} x {args.mb:g} MB")
                     s = _concurrent(link.port, n, conns)
-                    rows.append({**base, "scenario": f"{conns} conn" + "s" * (conns > 1),
-                                 "conns": conns, "bytes": conns * n, "seconds": s,
-                                 "ideal_s": ideal + (conns - 1) * n * 8 / (mbps * 1e6),
-                                 "achieved_mbps": conns * n * 8 / s / 1e6})
+                    rows.append(
+                        {
+                            **base,
+                            "scenario": f"{conns} conn" + "s" * (conns > 1),
+                            "conns": conns,
+                            "bytes": conns * n,
+                            "seconds": s,
+                            "ideal_s": ideal + (conns - 1) * n * 8 / (mbps * 1e6),
+                            "achieved_mbps": conns * n * 8 / s / 1e6,
+                        }
+                    )
             if args.loss > 0:
-                cfg = LinkConfig(upstream=src.address, latency_ms=args.latency_ms, mbps=mbps,
-                                 loss=args.loss, seed=0)
+                cfg = LinkConfig(
+                    upstream=src.address,
+                    latency_ms=args.latency_ms,
+                    mbps=mbps,
+                    loss=args.loss,
+                    seed=0,
+                )
                 with Link(cfg) as link:
                     log(f"{mbps:g} Mbit/s: loss {args.loss:g}")
                     s = _download(link.port, n)
                     lost = link.stats().lost_segments
-                rows.append({**base, "scenario": f"loss {args.loss:g}", "conns": 1, "bytes": n,
-                             "seconds": s, "ideal_s": ideal, "achieved_mbps": n * 8 / s / 1e6,
-                             "lost_segments": lost})
+                rows.append(
+                    {
+                        **base,
+                        "scenario": f"loss {args.loss:g}",
+                        "conns": 1,
+                        "bytes": n,
+                        "seconds": s,
+                        "ideal_s": ideal,
+                        "achieved_mbps": n * 8 / s / 1e6,
+                        "lost_segments": lost,
+                    }
+                )
     finally:
         src.close()
     return rows
@@ -154,23 +183,55 @@ def render(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         if r["scenario"] == "rtt":
-            cells = [f"{r['mbps']:g}", f"{r['latency_ms']:g}", "rtt", "1", "-",
-                     f"p50 {r['rtt_p50_ms']:.1f} ms", f"{2 * r['latency_ms']:.1f} ms",
-                     f"min {r['rtt_min_ms']:.1f} ms", "-"]
+            cells = [
+                f"{r['mbps']:g}",
+                f"{r['latency_ms']:g}",
+                "rtt",
+                "1",
+                "-",
+                f"p50 {r['rtt_p50_ms']:.1f} ms",
+                f"{2 * r['latency_ms']:.1f} ms",
+                f"min {r['rtt_min_ms']:.1f} ms",
+                "-",
+            ]
         else:
-            cells = [f"{r['mbps']:g}", f"{r['latency_ms']:g}", r["scenario"], str(r["conns"]),
-                     f"{r['bytes'] / 1e6:.0f}", f"{r['seconds']:.2f}", f"{r['ideal_s']:.2f}",
-                     f"{r['achieved_mbps']:.0f}", f"{r['achieved_mbps'] / r['mbps']:.2f}"]
+            cells = [
+                f"{r['mbps']:g}",
+                f"{r['latency_ms']:g}",
+                r["scenario"],
+                str(r["conns"]),
+                f"{r['bytes'] / 1e6:.0f}",
+                f"{r['seconds']:.2f}",
+                f"{r['ideal_s']:.2f}",
+                f"{r['achieved_mbps']:.0f}",
+                f"{r['achieved_mbps'] / r['mbps']:.2f}",
+            ]
         out.append(cells)
-    return table(["cap Mbit/s", "latency ms", "scenario", "conns", "MB", "seconds", "ideal s",
-                  "Mbit/s", "x cap"], out, right=[True, True, False] + [True] * 6)
+    return table(
+        [
+            "cap Mbit/s",
+            "latency ms",
+            "scenario",
+            "conns",
+            "MB",
+            "seconds",
+            "ideal s",
+            "Mbit/s",
+            "x cap",
+        ],
+        out,
+        right=[True, True, False] + [True] * 6,
+    )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mbps", default="100,1000",
-                   type=lambda s: [float(x) for x in s.split(",")],
-                   help="caps to measure, Mbit/s (comma-separated)")
+    p.add_argument(
+        "--mbps",
+        default="100,1000",
+        type=lambda s: [float(x) for x in s.split(",")],
+        help="caps to measure, Mbit/s (comma-separated)",
+    )
     p.add_argument("--latency-ms", type=float, default=25.0, help="one-way latency")
     p.add_argument("--mb", type=float, default=40.0, help="MB per download")
     p.add_argument("--loss", type=float, default=1e-4, help="segment loss of the loss row")

@@ -88,14 +88,16 @@ class BenchError(SystemExit):
 
 # -- versions ---------------------------------------------------------------------------------
 
+
 def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """v0..vN views on disk and their digests (reused when ``work`` already holds them)."""
     key = {"params": args.params, "lr": args.lr, "versions": args.versions, "seed": 0}
     meta_path = work / "versions.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if meta["key"] == key and all((work / f"v{v}.safetensors").exists()
-                                      for v in range(args.versions + 1)):
+        if meta["key"] == key and all(
+            (work / f"v{v}.safetensors").exists() for v in range(args.versions + 1)
+        ):
             log(f"reusing versions in {work}")
             return dict(meta)
     t0 = time.perf_counter()
@@ -109,12 +111,18 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         save_view(view, work / f"v{v}.safetensors")
         digests[str(v)] = view.digest()
         if prev is not None:
-            changed[str(v)] = sum(int(np.count_nonzero(prev[n].data != view[n].data))
-                                  for n in view) / sum(t.n_elements for t in view.values())
+            changed[str(v)] = sum(
+                int(np.count_nonzero(prev[n].data != view[n].data)) for n in view
+            ) / sum(t.n_elements for t in view.values())
             log(f"v{v}: {100 * changed[str(v)]:.2f}% of BF16 values changed")
         prev = view
-    meta = {"key": key, "n_params": sim.n_params, "view_bytes": prev.nbytes if prev else 0,
-            "digests": digests, "changed": changed}
+    meta = {
+        "key": key,
+        "n_params": sim.n_params,
+        "view_bytes": prev.nbytes if prev else 0,
+        "digests": digests,
+        "changed": changed,
+    }
     meta_path.write_text(json.dumps(meta))
     return meta
 
@@ -122,11 +130,14 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def load_masters(work: Path, v: int) -> dict[str, np.ndarray]:
     """FP32 masters whose BF16 cast is exactly version ``v``'s view."""
     view = load_view(work / f"v{v}.safetensors")
-    return {n: (t.data.astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
-            for n, t in view.items()}
+    return {
+        n: (t.data.astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+        for n, t in view.items()
+    }
 
 
 # -- processes --------------------------------------------------------------------------------
+
 
 class Child:
     """A subprocess speaking JSON lines on stdout (``bench/_peers_island.py``)."""
@@ -136,9 +147,13 @@ class Child:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.serving: dict[int, float] = {}
         self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_peers_island.py"),
-                                      json.dumps(job)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "_peers_island.py"), json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -156,13 +171,15 @@ class Child:
             try:
                 ev = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise BenchError(f"{self.name}: no '{event}' within {timeout:.0f}s "
-                                 f"(log: {self._err.name})") from None
+                raise BenchError(
+                    f"{self.name}: no '{event}' within {timeout:.0f}s (log: {self._err.name})"
+                ) from None
             if ev["event"] == event:
                 return ev
             if ev["event"] == "exit":
-                raise BenchError(f"{self.name} exited with status {ev['rc']} "
-                                 f"(log: {self._err.name})")
+                raise BenchError(
+                    f"{self.name} exited with status {ev['rc']} (log: {self._err.name})"
+                )
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -202,14 +219,33 @@ def vm_hwm(pid: int) -> int:
 class Relay:
     """``rollpatch relay`` in its own process."""
 
-    def __init__(self, board: str, cache: Path, logdir: Path, name: str, pointer_ttl: float,
-                 list_ttl: float) -> None:
+    def __init__(
+        self, board: str, cache: Path, logdir: Path, name: str, pointer_ttl: float, list_ttl: float
+    ) -> None:
         self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollpatch", "relay", "--board", board, "--cache",
-             str(cache), "--port", "0", "--pointer-ttl", str(pointer_ttl), "--list-ttl",
-             str(list_ttl), "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=self._err, text=True)
+            [
+                sys.executable,
+                "-m",
+                "rollpatch",
+                "relay",
+                "--board",
+                board,
+                "--cache",
+                str(cache),
+                "--port",
+                "0",
+                "--pointer-ttl",
+                str(pointer_ttl),
+                "--list-ttl",
+                str(list_ttl),
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if " at http" not in line:
@@ -227,8 +263,10 @@ class Relay:
 
 # -- one method -------------------------------------------------------------------------------
 
-def run_method(method: str, args: argparse.Namespace, work: Path, meta: dict[str, Any]
-               ) -> dict[str, Any]:
+
+def run_method(
+    method: str, args: argparse.Namespace, work: Path, meta: dict[str, Any]
+) -> dict[str, Any]:
     root = work / method
     shutil.rmtree(root, ignore_errors=True)
     (root / "logs").mkdir(parents=True)
@@ -236,8 +274,14 @@ def run_method(method: str, args: argparse.Namespace, work: Path, meta: dict[str
     closers: list[Callable[[], Any]] = []
     islands: list[Child] = []
     expected = meta["digests"]
-    island_job = {"mode": method, "run": RUN, "v0": str(work / "v0.safetensors"),
-                  "poll_s": args.poll_s, "last": args.versions, "expected": expected}
+    island_job = {
+        "mode": method,
+        "run": RUN,
+        "v0": str(work / "v0.safetensors"),
+        "poll_s": args.poll_s,
+        "last": args.versions,
+        "expected": expected,
+    }
     out: dict[str, Any] = {"method": method, "versions": []}
     try:
         if method in ("rollpatch", "xor"):
@@ -255,6 +299,7 @@ def run_method(method: str, args: argparse.Namespace, work: Path, meta: dict[str
 
                 def durable(v: int) -> float:
                     return next(s.total_s for s in pub.stats.versions if s.version == v)
+
                 closers.append(pub.close)
             else:
                 xpub = XorPublisher(Board(open_store(board_uri)), RUN)
@@ -266,16 +311,31 @@ def run_method(method: str, args: argparse.Namespace, work: Path, meta: dict[str
 
                 def durable(v: int) -> float:
                     return xpub.stats[v]["total_s"]
+
                 closers.append(xpub.close)
             del masters
             origin = Relay(board_uri, root / "origin-cache", logs, "origin-relay", 0.0, 0.0)
             closers.append(origin.close)
-            link = Child("link", {"mode": "link", "upstream": ["127.0.0.1", origin.port],
-                                  "latency_ms": args.rtt_ms / 2, "mbps": args.mbps}, logs)
+            link = Child(
+                "link",
+                {
+                    "mode": "link",
+                    "upstream": ["127.0.0.1", origin.port],
+                    "latency_ms": args.rtt_ms / 2,
+                    "mbps": args.mbps,
+                },
+                logs,
+            )
             closers.append(link.close)
             lport = link.expect("ready", 60)["port"]
-            region = Relay(f"http://127.0.0.1:{lport}", root / "region-cache", logs,
-                           "region-relay", args.poll_s, args.poll_s)
+            region = Relay(
+                f"http://127.0.0.1:{lport}",
+                root / "region-cache",
+                logs,
+                "region-relay",
+                args.poll_s,
+                args.poll_s,
+            )
             region_close = region.close
             for i in range(args.islands):
                 islands.append(Child(f"island{i}", {**island_job, "board": region.url}, logs))
@@ -290,25 +350,51 @@ def run_method(method: str, args: argparse.Namespace, work: Path, meta: dict[str
                 (root / d / "data1.bin").write_bytes(b"\0")  # the clients' first probe
             origin_sc = OriginServer(str(root / "origin"), free_port())
             closers.append(origin_sc.shutdown)
-            link = Child("link", {"mode": "link", "upstream": ["127.0.0.1", origin_sc.port],
-                                  "latency_ms": args.rtt_ms / 2, "mbps": args.mbps}, logs)
+            link = Child(
+                "link",
+                {
+                    "mode": "link",
+                    "upstream": ["127.0.0.1", origin_sc.port],
+                    "latency_ms": args.rtt_ms / 2,
+                    "mbps": args.mbps,
+                },
+                logs,
+            )
             closers.append(link.close)
             lport = link.expect("ready", 60)["port"]
             mport = free_port()
-            mid = Child("middle", {"mode": "middle", "upstream": f"http://127.0.0.1:{lport}",
-                                   "dir": str(root / "middle"), "port": mport,
-                                   "check_interval": args.poll_s}, logs)
+            mid = Child(
+                "middle",
+                {
+                    "mode": "middle",
+                    "upstream": f"http://127.0.0.1:{lport}",
+                    "dir": str(root / "middle"),
+                    "port": mport,
+                    "check_interval": args.poll_s,
+                },
+                logs,
+            )
             mid.expect("ready", 60)
 
             def region_close() -> int:
                 done = mid.close()
                 return int(done["peak"]) if done else 0
+
             for i in range(args.islands):
                 d = root / f"island{i}"
                 d.mkdir()
-                islands.append(Child(f"island{i}", {
-                    **island_job, "server": f"http://127.0.0.1:{mport}", "dir": str(d),
-                    "middle_dir": str(root / "middle")}, logs))
+                islands.append(
+                    Child(
+                        f"island{i}",
+                        {
+                            **island_job,
+                            "server": f"http://127.0.0.1:{mport}",
+                            "dir": str(d),
+                            "middle_dir": str(root / "middle"),
+                        },
+                        logs,
+                    )
+                )
                 islands[-1].expect("ready", 300)
             ckpt = root / "checkpoint.safetensors"
 
@@ -344,9 +430,14 @@ def run_method(method: str, args: argparse.Namespace, work: Path, meta: dict[str
     return out
 
 
-def steps(args: argparse.Namespace, work: Path, publish: Callable[..., float],
-          durable: Callable[[int], float], link: Child, islands: list[Child]
-          ) -> list[dict[str, Any]]:
+def steps(
+    args: argparse.Namespace,
+    work: Path,
+    publish: Callable[..., float],
+    durable: Callable[[int], float],
+    link: Child,
+    islands: list[Child],
+) -> list[dict[str, Any]]:
     def wan() -> int:
         link.send("stats")
         s = link.expect("stats", 30)
@@ -368,27 +459,42 @@ def steps(args: argparse.Namespace, work: Path, publish: Callable[..., float],
                     raise BenchError(f"{isl.name} exited with status {isl.proc.returncode}")
             time.sleep(0.01)
         lat = [isl.serving[v] - t0 for isl in islands]
-        time.sleep(args.settle_s)   # trailing polls of this version count towards it
+        time.sleep(args.settle_s)  # trailing polls of this version count towards it
         now = wan()
-        rows.append({"version": v, "blocked_s": blocked, "published_s": durable(v),
-                     "island_s": lat, "all_s": max(lat), "wan_bytes": now - before})
+        rows.append(
+            {
+                "version": v,
+                "blocked_s": blocked,
+                "published_s": durable(v),
+                "island_s": lat,
+                "all_s": max(lat),
+                "wan_bytes": now - before,
+            }
+        )
         before = now
-        log(f"  v{v}: blocked {blocked:.2f}s, all islands {max(lat):.2f}s, "
-            f"WAN {rows[-1]['wan_bytes'] / 1e6:.2f} MB")
+        log(
+            f"  v{v}: blocked {blocked:.2f}s, all islands {max(lat):.2f}s, "
+            f"WAN {rows[-1]['wan_bytes'] / 1e6:.2f} MB"
+        )
     return rows
 
 
 # -- report -----------------------------------------------------------------------------------
 
+
 def summarize(r: dict[str, Any]) -> dict[str, float]:
     vs = r["versions"]
     alls = [x["all_s"] for x in vs]
-    return {"wan": statistics.mean(x["wan_bytes"] for x in vs),
-            "p50": statistics.median(alls), "max": max(alls),
-            "blocked_p50": statistics.median(x["blocked_s"] for x in vs),
-            "blocked_max": max(x["blocked_s"] for x in vs),
-            "published_p50": statistics.median(x["published_s"] for x in vs),
-            "island_peak": max(r["island_peaks"]), "region_peak": r["region_peak"]}
+    return {
+        "wan": statistics.mean(x["wan_bytes"] for x in vs),
+        "p50": statistics.median(alls),
+        "max": max(alls),
+        "blocked_p50": statistics.median(x["blocked_s"] for x in vs),
+        "blocked_max": max(x["blocked_s"] for x in vs),
+        "published_p50": statistics.median(x["published_s"] for x in vs),
+        "island_peak": max(r["island_peaks"]),
+        "region_peak": r["region_peak"],
+    }
 
 
 def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -397,19 +503,42 @@ def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     xor = s.get("xor")
     rows = []
     for m, x in s.items():
-        rows.append([m, f"{x['wan'] / 1e6:.2f}", f"{100 * x['wan'] / meta['view_bytes']:.2f}%",
-                     f"{ref['wan'] / x['wan']:.1f}x" if ref else "-",
-                     f"{x['wan'] / xor['wan']:.2f}" if xor else "-",
-                     f"{x['p50']:.2f}", f"{x['max']:.2f}",
-                     f"{ref['p50'] / x['p50']:.1f}x" if ref else "-",
-                     f"{x['p50'] / xor['p50']:.2f}" if xor else "-",
-                     f"{x['blocked_p50']:.2f}/{x['blocked_max']:.2f}",
-                     f"{x['published_p50']:.2f}",
-                     f"{x['island_peak'] / 2**20:.0f}", f"{x['region_peak'] / 2**20:.0f}"])
-    return table(["method", "WAN MB/ver", "of view", "bytes sc/this", "bytes this/xor",
-                  "all islands p50 s", "max s", "time sc/this", "time this/xor",
-                  "blocked p50/max s", "published p50 s", "island MiB", "relay MiB"],
-                 rows, right=[False] + [True] * 12)
+        rows.append(
+            [
+                m,
+                f"{x['wan'] / 1e6:.2f}",
+                f"{100 * x['wan'] / meta['view_bytes']:.2f}%",
+                f"{ref['wan'] / x['wan']:.1f}x" if ref else "-",
+                f"{x['wan'] / xor['wan']:.2f}" if xor else "-",
+                f"{x['p50']:.2f}",
+                f"{x['max']:.2f}",
+                f"{ref['p50'] / x['p50']:.1f}x" if ref else "-",
+                f"{x['p50'] / xor['p50']:.2f}" if xor else "-",
+                f"{x['blocked_p50']:.2f}/{x['blocked_max']:.2f}",
+                f"{x['published_p50']:.2f}",
+                f"{x['island_peak'] / 2**20:.0f}",
+                f"{x['region_peak'] / 2**20:.0f}",
+            ]
+        )
+    return table(
+        [
+            "method",
+            "WAN MB/ver",
+            "of view",
+            "bytes sc/this",
+            "bytes this/xor",
+            "all islands p50 s",
+            "max s",
+            "time sc/this",
+            "time this/xor",
+            "blocked p50/max s",
+            "published p50 s",
+            "island MiB",
+            "relay MiB",
+        ],
+        rows,
+        right=[False] + [True] * 12,
+    )
 
 
 def targets(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -420,16 +549,32 @@ def targets(results: dict[str, dict[str, Any]]) -> list[str]:
     checks = []
     if "shardcast" in s:
         sc = s["shardcast"]
-        checks += [("bytes <= 1/50 of shardcast", rp["wan"] * 50 <= sc["wan"],
-                    f"{sc['wan'] / rp['wan']:.1f}x fewer"),
-                   ("every island >= 20x sooner than shardcast (p50)",
-                    rp["p50"] * 20 <= sc["p50"], f"{sc['p50'] / rp['p50']:.1f}x sooner")]
+        checks += [
+            (
+                "bytes <= 1/50 of shardcast",
+                rp["wan"] * 50 <= sc["wan"],
+                f"{sc['wan'] / rp['wan']:.1f}x fewer",
+            ),
+            (
+                "every island >= 20x sooner than shardcast (p50)",
+                rp["p50"] * 20 <= sc["p50"],
+                f"{sc['p50'] / rp['p50']:.1f}x sooner",
+            ),
+        ]
     if "xor" in s:
         xo = s["xor"]
-        checks += [("sooner than XOR+zstd-1 (p50)", rp["p50"] < xo["p50"],
-                    f"{rp['p50']:.2f}s vs {xo['p50']:.2f}s"),
-                   ("bytes <= 0.4x XOR+zstd-1", rp["wan"] <= 0.4 * xo["wan"],
-                    f"{rp['wan'] / xo['wan']:.2f}x")]
+        checks += [
+            (
+                "sooner than XOR+zstd-1 (p50)",
+                rp["p50"] < xo["p50"],
+                f"{rp['p50']:.2f}s vs {xo['p50']:.2f}s",
+            ),
+            (
+                "bytes <= 0.4x XOR+zstd-1",
+                rp["wan"] <= 0.4 * xo["wan"],
+                f"{rp['wan'] / xo['wan']:.2f}x",
+            ),
+        ]
     for what, ok, got in checks:
         out.append(f"target {'met    ' if ok else 'NOT MET'}  {what}: {got}")
     return out
@@ -443,8 +588,12 @@ def main() -> int:
     p.add_argument("--islands", type=int, default=3)
     p.add_argument("--mbps", type=float, default=1000.0, help="WAN cap, Mbit/s per direction")
     p.add_argument("--rtt-ms", type=float, default=50.0, help="WAN round trip added")
-    p.add_argument("--poll-s", type=float, default=0.2,
-                   help="polling period of islands, relay pointer TTL and the middle node")
+    p.add_argument(
+        "--poll-s",
+        type=float,
+        default=0.2,
+        help="polling period of islands, relay pointer TTL and the middle node",
+    )
     p.add_argument("--settle-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--methods", default=",".join(METHODS))
@@ -461,21 +610,28 @@ def main() -> int:
     meta = prepare(args, work)
     results = {}
     for m in methods:
-        log(f"{m}: {args.islands} islands, {args.versions} versions, {args.mbps:g} Mbit/s, "
-            f"{args.rtt_ms:g} ms RTT")
+        log(
+            f"{m}: {args.islands} islands, {args.versions} versions, {args.mbps:g} Mbit/s, "
+            f"{args.rtt_ms:g} ms RTT"
+        )
         results[m] = run_method(m, args, work, meta)
     changed = statistics.mean(meta["changed"].values())
-    print(f"{fmt_size(meta['n_params'])} params (BF16 view {meta['view_bytes'] / 1e6:.0f} MB), "
-          f"lr {args.lr:g}: {100 * changed:.2f}% of values change per step; "
-          f"{args.versions} versions to {args.islands} islands over one link "
-          f"({args.mbps:g} Mbit/s shared, {args.rtt_ms:g} ms RTT)")
+    print(
+        f"{fmt_size(meta['n_params'])} params (BF16 view {meta['view_bytes'] / 1e6:.0f} MB), "
+        f"lr {args.lr:g}: {100 * changed:.2f}% of values change per step; "
+        f"{args.versions} versions to {args.islands} islands over one link "
+        f"({args.mbps:g} Mbit/s shared, {args.rtt_ms:g} ms RTT)"
+    )
     print(render(results, meta))
     for line in targets(results):
         print(line)
     print(machine_line(info))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args),
-                                               "meta": meta, "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": info, "args": vars(args), "meta": meta, "results": results}, indent=1
+            )
+        )
     return 0
 
 

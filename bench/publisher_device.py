@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default="100M", help="simulated parameters (default 100M)")
     ap.add_argument("--versions", type=int, default=4, help="versions published (v0 keyframe)")
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch and native threads (default: all cores)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch and native threads (default: all cores)"
+    )
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -56,15 +57,27 @@ def main(argv: list[str] | None = None) -> int:
     n = _util.parse_size(args.params)
     sim = AdamSim(SimConfig(n_params=n, lr=args.lr))
     tag = uuid.uuid4().hex[:8]
-    common: dict[str, Any] = {"format": "bf16", "keyframe_every": 1_000_000,
-                              "skip_strides": (), "publisher_id": "bench"}
-    host = Publisher(f"memory://bench-host-{tag}", "run", PublisherConfig(**common),
-                     asynchronous=False)
-    dev = Publisher(f"memory://bench-dev-{tag}", "run",
-                    PublisherConfig(diff_on="device", **common), asynchronous=False)
+    common: dict[str, Any] = {
+        "format": "bf16",
+        "keyframe_every": 1_000_000,
+        "skip_strides": (),
+        "publisher_id": "bench",
+    }
+    host = Publisher(
+        f"memory://bench-host-{tag}", "run", PublisherConfig(**common), asynchronous=False
+    )
+    dev = Publisher(
+        f"memory://bench-dev-{tag}",
+        "run",
+        PublisherConfig(diff_on="device", **common),
+        asynchronous=False,
+    )
     print(f"# {_util.machine_line(_util.machine())}", file=sys.stderr)
-    print(f"# {_util.fmt_size(sim.n_params)} params, lr {args.lr}, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} torch threads", file=sys.stderr)
+    print(
+        f"# {_util.fmt_size(sim.n_params)} params, lr {args.lr}, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} torch threads",
+        file=sys.stderr,
+    )
     rows = []
     for v in range(args.versions):
         if v:
@@ -72,22 +85,52 @@ def main(argv: list[str] | None = None) -> int:
         masters = sim.masters()
         snap_bytes = sum(int(a.nbytes) for a in masters.values())
         for label, pub, sd in (
-                ("host", host, masters),
-                ("device", dev, {k: torch.from_numpy(a) for k, a in masters.items()})):
+            ("host", host, masters),
+            ("device", dev, {k: torch.from_numpy(a) for k, a in masters.items()}),
+        ):
             cpu, wall = _publish(pub, sd)
             s = pub.stats.versions[-1]
             crossed = snap_bytes if label == "host" else s.host_bytes
-            rows.append([label, str(v), "kf" if s.keyframe else "patch", f"{wall:.2f}", f"{cpu:.2f}",
-                         f"{s.snapshot_s:.2f}", f"{s.cast_s:.2f}", f"{s.diff_s:.2f}",
-                         f"{s.encode_s:.2f}", f"{s.changed / n:.2%}", f"{s.patch_bytes:,}",
-                         f"{crossed:,}"])
+            rows.append(
+                [
+                    label,
+                    str(v),
+                    "kf" if s.keyframe else "patch",
+                    f"{wall:.2f}",
+                    f"{cpu:.2f}",
+                    f"{s.snapshot_s:.2f}",
+                    f"{s.cast_s:.2f}",
+                    f"{s.diff_s:.2f}",
+                    f"{s.encode_s:.2f}",
+                    f"{s.changed / n:.2%}",
+                    f"{s.patch_bytes:,}",
+                    f"{crossed:,}",
+                ]
+            )
         hm, dm = host.board.manifest("run", v), dev.board.manifest("run", v)
         if hm.target != dm.target or [p.ref for p in hm.patches] != [p.ref for p in dm.patches]:
             raise SystemExit(f"version {v}: the device path published other bytes")
     host.close()
     dev.close()
-    print(_util.table(["path", "v", "kind", "wall s", "cpu s", "snap s", "cast s", "diff s",
-                       "encode s", "changed", "patch B", "to host B"], rows))
+    print(
+        _util.table(
+            [
+                "path",
+                "v",
+                "kind",
+                "wall s",
+                "cpu s",
+                "snap s",
+                "cast s",
+                "diff s",
+                "encode s",
+                "changed",
+                "patch B",
+                "to host B",
+            ],
+            rows,
+        )
+    )
     for label in ("host", "device"):
         pat = [r for r in rows if r[0] == label and r[2] == "patch"]
         if pat:

@@ -56,8 +56,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def venv() -> Path:
     env = os.environ.get("ROLLPATCH_SGLANG_VENV")
-    return Path(env) if env else Path.home() / ".cache" / "rollpatch" / \
-        f"sglang-venv-{SGLANG_VERSION}"
+    return (
+        Path(env) if env else Path.home() / ".cache" / "rollpatch" / f"sglang-venv-{SGLANG_VERSION}"
+    )
 
 
 class Server:
@@ -68,20 +69,52 @@ class Server:
         if not (venv() / ".stamp-sglang").exists():
             raise BenchError(f"no SGLang venv at {venv()}: run scripts/sglang-env")
         self.shim_log = log_path.with_suffix(".shim")
-        env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
-                   ROLLPATCH_SGL_SHIM_LOG=str(self.shim_log),
-                   PYTHONPATH=f"{venv() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}")
+        env = dict(
+            os.environ,
+            SGLANG_USE_CPU_ENGINE="1",
+            HF_HUB_OFFLINE="1",
+            ROLLPATCH_SGL_SHIM_LOG=str(self.shim_log),
+            PYTHONPATH=f"{venv() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}",
+        )
         env.pop("VIRTUAL_ENV", None)
-        cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model),
-               "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype",
-               "bfloat16", "--attention-backend", "torch_native", "--disable-cuda-graph",
-               "--skip-server-warmup", "--mem-fraction-static", "0.3", "--max-total-tokens",
-               "4096", "--context-length", "512", "--custom-weight-loader", LOADER]
+        cmd = [
+            str(python),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model),
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--attention-backend",
+            "torch_native",
+            "--disable-cuda-graph",
+            "--skip-server-warmup",
+            "--mem-fraction-static",
+            "0.3",
+            "--max-total-tokens",
+            "4096",
+            "--context-length",
+            "512",
+            "--custom-weight-loader",
+            LOADER,
+        ]
         with open(log_path, "wb") as out:
             # cwd: not bench/, whose sglang.py would shadow the sglang package
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         cwd=log_path.parent)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=log_path.parent,
+            )
         self.url, self.log_path, self.t0 = f"http://127.0.0.1:{port}", log_path, time.monotonic()
 
     def wait_ready(self, timeout: float = 600.0) -> float:
@@ -114,9 +147,15 @@ class Server:
 
 
 def greedy(engine: Any) -> tuple[list[int], list[float]]:
-    r = engine._http("POST", "/generate", {
-        "input_ids": PROMPT_IDS, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    r = engine._http(
+        "POST",
+        "/generate",
+        {
+            "input_ids": PROMPT_IDS,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        },
+    )
     return list(r["output_ids"]), [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]]
 
 
@@ -127,8 +166,9 @@ def phase_staged(world: World, engine: Any, n: int) -> tuple[list[dict[str, floa
     for v in range(1, n + 1):
         blob = world.patch_blob(v)
         t0 = time.perf_counter()
-        staged = engine.stage_encoded([EncodedStep((blob,), world.digests[v - 1],
-                                                   world.digests[v])], v)
+        staged = engine.stage_encoded(
+            [EncodedStep((blob,), world.digests[v - 1], world.digests[v])], v
+        )
         t1 = time.perf_counter()
         engine.pause()
         try:
@@ -138,15 +178,21 @@ def phase_staged(world: World, engine: Any, n: int) -> tuple[list[dict[str, floa
         t2 = time.perf_counter()
         if engine.digest != world.digests[v] or engine.held()[1] != world.digests[v]:
             raise BenchError(f"v{v}: the engine does not hold the published digest")
-        runs.append({"stage_s": t1 - t0, "pause_s": t2 - t1, "visible_s": t2 - t0,
-                     "bytes": len(blob), "changed": staged.changed,
-                     "staged_bytes": staged.nbytes})
+        runs.append(
+            {
+                "stage_s": t1 - t0,
+                "pause_s": t2 - t1,
+                "visible_s": t2 - t0,
+                "bytes": len(blob),
+                "changed": staged.changed,
+                "staged_bytes": staged.nbytes,
+            }
+        )
         served.append(greedy(engine))
     return runs, served
 
 
-def phase_reloads(world: World, engine: Any, n: int, served: list[Any]
-                  ) -> list[dict[str, float]]:
+def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[dict[str, float]]:
     runs = []
     for v in range(1, n + 1):
         ckpt = world.checkpoint(v)
@@ -155,8 +201,12 @@ def phase_reloads(world: World, engine: Any, n: int, served: list[Any]
         t0 = time.perf_counter()
         engine.pause()
         try:
-            r = engine._http("POST", "/update_weights_from_disk", {
-                "model_path": str(ckpt), "weight_version": f"reload-{v}"}, check=False)
+            r = engine._http(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": str(ckpt), "weight_version": f"reload-{v}"},
+                check=False,
+            )
         finally:
             engine.resume()
         t1 = time.perf_counter()
@@ -186,23 +236,50 @@ def render(ctx: dict[str, Any]) -> str:
 
     p_st, p_rl = med(st, "pause_s"), med(rl, "pause_s")
     rows = [
-        ["rollpatch staged", _ms(p_st), _ms(max(r["pause_s"] for r in st)),
-         _ms(med(st, "stage_s")), _ms(med(st, "visible_s")), _mb(med(st, "bytes")),
-         f"{p_st / p_rl:.3f}"],
-        ["SGLang update_weights_from_disk", _ms(p_rl), _ms(max(r["pause_s"] for r in rl)),
-         "-", _ms(p_rl), _mb(med(rl, "bytes")), "1.000"],
+        [
+            "rollpatch staged",
+            _ms(p_st),
+            _ms(max(r["pause_s"] for r in st)),
+            _ms(med(st, "stage_s")),
+            _ms(med(st, "visible_s")),
+            _mb(med(st, "bytes")),
+            f"{p_st / p_rl:.3f}",
+        ],
+        [
+            "SGLang update_weights_from_disk",
+            _ms(p_rl),
+            _ms(max(r["pause_s"] for r in rl)),
+            "-",
+            _ms(p_rl),
+            _mb(med(rl, "bytes")),
+            "1.000",
+        ],
     ]
-    head = (f"SGLang {SGLANG_VERSION} CPU, {w['params'] / 1e6:.1f}M params "
-            f"(hidden {w['dims']['hidden_size']}, {w['dims']['layers']} layers), BF16, "
-            f"{len(st)} versions, lr {ctx['args']['lr']}, changed/step median "
-            f"{100 * statistics.median(w['changed'][1:]):.2f}%; server start "
-            f"{ctx['start_s']:.0f} s; load avg {ctx['load'][0]:.1f} -> {ctx['load'][1]:.1f}\n"
-            f"{machine_line(ctx['machine'])}")
-    t = table(["path", "pause p50", "pause max", "stage p50", "visible->serving p50",
-               "bytes moved / version", "pause / reload"], rows,
-              [False, True, True, True, True, True, True])
-    return f"{head}\n{t}\n(staged update held in SGLang: median {_mb(med(st, 'staged_bytes'))}" \
-           f", {int(med(st, 'changed'))} changed elements per version)"
+    head = (
+        f"SGLang {SGLANG_VERSION} CPU, {w['params'] / 1e6:.1f}M params "
+        f"(hidden {w['dims']['hidden_size']}, {w['dims']['layers']} layers), BF16, "
+        f"{len(st)} versions, lr {ctx['args']['lr']}, changed/step median "
+        f"{100 * statistics.median(w['changed'][1:]):.2f}%; server start "
+        f"{ctx['start_s']:.0f} s; load avg {ctx['load'][0]:.1f} -> {ctx['load'][1]:.1f}\n"
+        f"{machine_line(ctx['machine'])}"
+    )
+    t = table(
+        [
+            "path",
+            "pause p50",
+            "pause max",
+            "stage p50",
+            "visible->serving p50",
+            "bytes moved / version",
+            "pause / reload",
+        ],
+        rows,
+        [False, True, True, True, True, True, True],
+    )
+    return (
+        f"{head}\n{t}\n(staged update held in SGLang: median {_mb(med(st, 'staged_bytes'))}"
+        f", {int(med(st, 'changed'))} changed elements per version)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -239,11 +316,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             if engine is not None:
                 engine.close()
             server.stop()
-        ctx = {"args": vars(args), "machine": mach, "start_s": start_s,
-               "load": (load0, os.getloadavg()[0]), "wall_s": time.perf_counter() - t_start,
-               "world": {"dims": world.dims, "changed": world.changed, "params": world.params,
-                         "patch_bytes": world.patch_bytes, "ckpt_bytes": world.ckpt_bytes},
-               "staged": staged, "reloads": reloads}
+        ctx = {
+            "args": vars(args),
+            "machine": mach,
+            "start_s": start_s,
+            "load": (load0, os.getloadavg()[0]),
+            "wall_s": time.perf_counter() - t_start,
+            "world": {
+                "dims": world.dims,
+                "changed": world.changed,
+                "params": world.params,
+                "patch_bytes": world.patch_bytes,
+                "ckpt_bytes": world.ckpt_bytes,
+            },
+            "staged": staged,
+            "reloads": reloads,
+        }
     print(render(ctx))
     if args.json:
         Path(args.json).write_text(json.dumps(ctx, indent=1, default=str))

@@ -55,9 +55,19 @@ def _rows_processes(fleet: Fleet) -> list[list[str]]:
         pid = samples[-1][1]
         mine = [s for s in samples if s[1] == pid]
         (t0, _, rss0, fd0), (t1, _, rss1, fd1) = mine[0], mine[-1]
-        rows.append([name, str(fleet.procs[name].starts), f"{t1 - t0:.0f}",
-                     f"{rss0 / 2**20:.0f}", f"{rss1 / 2**20:.0f}",
-                     f"{(rss1 - rss0) / 2**20:+.1f}", str(fd0), str(fd1), f"{fd1 - fd0:+d}"])
+        rows.append(
+            [
+                name,
+                str(fleet.procs[name].starts),
+                f"{t1 - t0:.0f}",
+                f"{rss0 / 2**20:.0f}",
+                f"{rss1 / 2**20:.0f}",
+                f"{(rss1 - rss0) / 2**20:+.1f}",
+                str(fd0),
+                str(fd1),
+                f"{fd1 - fd0:+d}",
+            ]
+        )
     return rows
 
 
@@ -66,8 +76,11 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=None)
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--faults", default=",".join(FAULTS),
-                    help=f"comma-separated, in order (default: {','.join(FAULTS)}); '' for none")
+    ap.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"comma-separated, in order (default: {','.join(FAULTS)}); '' for none",
+    )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollpatch-soak"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -83,8 +96,10 @@ def main() -> int:
     load: Load | None = None
     try:
         fleet.start()
-        log(f"fleet up (LATEST {fleet.latest()}); {args.clients} clients for {duration:.0f} s, "
-            f"faults: {', '.join(faults) or 'none'}")
+        log(
+            f"fleet up (LATEST {fleet.latest()}); {args.clients} clients for {duration:.0f} s, "
+            f"faults: {', '.join(faults) or 'none'}"
+        )
         load = Load(fleet.gateway_url, args.clients, LAG, fleet.model_name)
         load.start()
         t0 = time.monotonic()
@@ -108,41 +123,115 @@ def main() -> int:
 
     log("verifying every answer against the reference model of its labelled version")
     summary = verify(load.results, fleet.latest_log, fleet.model, LAG)
-    print(table(["run", "clients", "versions", "requests", "served (200)", "refused 409/502/503",
-                 "other", "client errors", "wrong version", "unacceptable", "req/s",
-                 "p50 ms", "p99 ms"],
-                [[f"{elapsed:.0f} s", str(args.clients), f"{fleet.first_version}..{published}",
-                  f"{summary['requests']:,}", f"{summary['served']:,}",
-                  f"{summary['refused']:,}", str(summary["other"]),
-                  str(summary["client_errors"]), str(summary["wrong_version"]),
-                  str(summary["unacceptable"]), f"{summary['served'] / elapsed:.1f}",
-                  f"{summary['p50_ms']:.0f}", f"{summary['p99_ms']:.0f}"]]))
+    print(
+        table(
+            [
+                "run",
+                "clients",
+                "versions",
+                "requests",
+                "served (200)",
+                "refused 409/502/503",
+                "other",
+                "client errors",
+                "wrong version",
+                "unacceptable",
+                "req/s",
+                "p50 ms",
+                "p99 ms",
+            ],
+            [
+                [
+                    f"{elapsed:.0f} s",
+                    str(args.clients),
+                    f"{fleet.first_version}..{published}",
+                    f"{summary['requests']:,}",
+                    f"{summary['served']:,}",
+                    f"{summary['refused']:,}",
+                    str(summary["other"]),
+                    str(summary["client_errors"]),
+                    str(summary["wrong_version"]),
+                    str(summary["unacceptable"]),
+                    f"{summary['served'] / elapsed:.1f}",
+                    f"{summary['p50_ms']:.0f}",
+                    f"{summary['p99_ms']:.0f}",
+                ]
+            ],
+        )
+    )
     print()
-    print(table(["fault", "at s", "held s", "recovered after s", "served meanwhile",
-                 "refused meanwhile", "note"],
-                [[r["fault"], f"{r['at'] - t0:.0f}", f"{r['held_s']:.1f}",
-                  "NOT RECOVERED" if r["recovery_s"] is None else f"{r['recovery_s']:.1f}",
-                  str(load.count(r["at"], r["end"], 200)),
-                  str(sum(load.count(r["at"], r["end"], s) for s in (409, 502, 503))),
-                  r["note"]] for r in records],
-                right=[False, True, True, True, True, True, False]))
+    print(
+        table(
+            [
+                "fault",
+                "at s",
+                "held s",
+                "recovered after s",
+                "served meanwhile",
+                "refused meanwhile",
+                "note",
+            ],
+            [
+                [
+                    r["fault"],
+                    f"{r['at'] - t0:.0f}",
+                    f"{r['held_s']:.1f}",
+                    "NOT RECOVERED" if r["recovery_s"] is None else f"{r['recovery_s']:.1f}",
+                    str(load.count(r["at"], r["end"], 200)),
+                    str(sum(load.count(r["at"], r["end"], s) for s in (409, 502, 503))),
+                    r["note"],
+                ]
+                for r in records
+            ],
+            right=[False, True, True, True, True, True, False],
+        )
+    )
     print()
-    print(table(["process", "starts", "sampled s", "RSS MiB first", "last", "growth",
-                 "open files first", "last", "growth"], _rows_processes(fleet),
-                right=[False] + [True] * 8))
-    bad = (summary["wrong_version"] or summary["unacceptable"] or summary["other"]
-           or any(r["recovery_s"] is None for r in records) or summary["served"] == 0)
+    print(
+        table(
+            [
+                "process",
+                "starts",
+                "sampled s",
+                "RSS MiB first",
+                "last",
+                "growth",
+                "open files first",
+                "last",
+                "growth",
+            ],
+            _rows_processes(fleet),
+            right=[False] + [True] * 8,
+        )
+    )
+    bad = (
+        summary["wrong_version"]
+        or summary["unacceptable"]
+        or summary["other"]
+        or any(r["recovery_s"] is None for r in records)
+        or summary["served"] == 0
+    )
     for example in summary["examples"]:
         print(f"  {example}")
-    print(f"\n{'FAIL' if bad else 'ok'}: {summary['wrong_version']} wrong-version and "
-          f"{summary['unacceptable']} unacceptable answers ({summary['spanning']} labelled with "
-          f"two versions); statuses {summary['statuses']}")
+    print(
+        f"\n{'FAIL' if bad else 'ok'}: {summary['wrong_version']} wrong-version and "
+        f"{summary['unacceptable']} unacceptable answers ({summary['spanning']} labelled with "
+        f"two versions); statuses {summary['statuses']}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"summary": summary, "faults": records,
-                                         "elapsed_s": elapsed,
-                                         "processes": _rows_processes(fleet)}, indent=1,
-                                        default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "summary": summary,
+                    "faults": records,
+                    "elapsed_s": elapsed,
+                    "processes": _rows_processes(fleet),
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 1 if bad else 0
 
 

@@ -40,13 +40,33 @@ D = "d" * 64
 def _manifest(board: Board, n: int, objects: int) -> Manifest:
     if n == 0:
         ref = board.put_object(RUN, b"keyframe", "safetensors")
-        return Manifest(run=RUN, version=0, parent=None, format="bf16", target=D,
-                        view_bytes=8, created=time.time(), publisher="bench",
-                        keyframes=(KeyframeObject(ref),))
-    pats = tuple(PatchObject(board.put_object(RUN, f"{n}:{s}".encode(), "rpatch"), n - 1, D, s)
-                 for s in range(objects))
-    return Manifest(run=RUN, version=n, parent=n - 1, format="bf16", target=D, view_bytes=8,
-                    created=time.time(), publisher="bench", patches=pats, shards=objects)
+        return Manifest(
+            run=RUN,
+            version=0,
+            parent=None,
+            format="bf16",
+            target=D,
+            view_bytes=8,
+            created=time.time(),
+            publisher="bench",
+            keyframes=(KeyframeObject(ref),),
+        )
+    pats = tuple(
+        PatchObject(board.put_object(RUN, f"{n}:{s}".encode(), "rpatch"), n - 1, D, s)
+        for s in range(objects)
+    )
+    return Manifest(
+        run=RUN,
+        version=n,
+        parent=n - 1,
+        format="bf16",
+        target=D,
+        view_bytes=8,
+        created=time.time(),
+        publisher="bench",
+        patches=pats,
+        shards=objects,
+    )
 
 
 def measure(versions: int, objects: int, signed: bool) -> dict[str, float]:
@@ -94,19 +114,28 @@ def main() -> int:
     for _ in range(args.repeats):  # interleaved, so load on the machine hits both alike
         for mode in ("unsigned", "signed"):
             runs[mode].append(measure(args.versions, args.objects, mode == "signed"))
-    med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-           for mode, rs in runs.items()}
-    rows = [("publish (put_manifest + advance)", "publish"), ("poll (Board.latest)", "poll"),
-            ("manifest read, 1 object", "manifest"),
-            (f"manifest read, {args.objects} objects", "manifest_n")]
-    print(f"trust bench: {args.versions} versions x {args.repeats} repeats, memory:// store, "
-          f"Ed25519 threshold 1; medians")
-    print(f"{'operation':<36} {'unsigned':>11} {'signed':>11} {'signed/unsigned':>16} "
-          f"{'added':>10}")
+    med = {
+        mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()
+    }
+    rows = [
+        ("publish (put_manifest + advance)", "publish"),
+        ("poll (Board.latest)", "poll"),
+        ("manifest read, 1 object", "manifest"),
+        (f"manifest read, {args.objects} objects", "manifest_n"),
+    ]
+    print(
+        f"trust bench: {args.versions} versions x {args.repeats} repeats, memory:// store, "
+        f"Ed25519 threshold 1; medians"
+    )
+    print(
+        f"{'operation':<36} {'unsigned':>11} {'signed':>11} {'signed/unsigned':>16} {'added':>10}"
+    )
     for label, k in rows:
         u, s = med["unsigned"][k], med["signed"][k]
-        print(f"{label:<36} {u * 1e6:>9.0f}us {s * 1e6:>9.0f}us {s / u:>15.2f}x "
-              f"{(s - u) * 1e6:>8.0f}us")
+        print(
+            f"{label:<36} {u * 1e6:>9.0f}us {s * 1e6:>9.0f}us {s / u:>15.2f}x "
+            f"{(s - u) * 1e6:>8.0f}us"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "median_s": med}, indent=1))
     return 0

@@ -72,14 +72,24 @@ CATCHUP = 5
 
 
 def greedy(http: Any, model: Path, prompt_ids: list[int]) -> tuple[list[str], list[float]]:
-    r = http.post("/v1/completions", {
-        "model": str(model), "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    r = http.post(
+        "/v1/completions",
+        {
+            "model": str(model),
+            "prompt": prompt_ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     lp = r["choices"][0]["logprobs"]
     return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
 
 
 # -- the paths -----------------------------------------------------------------------------------
+
 
 def follower(world: World, engine: Any) -> Any:
     from rollpatch.follower import Follower, FollowerConfig
@@ -107,12 +117,17 @@ def sync_to(f: Any, world: World, v: int) -> dict[str, float]:
         raise BenchError(f"v{v}: the engine does not hold the published digest")
     total = time.perf_counter() - t0
     st, last = f.status(), f.gate.last
-    return {"pause_s": last.pause_s, "stage_s": st.last_stage_s, "fetch_s": st.last_fetch_s,
-            "visible_to_serving_s": total}
+    return {
+        "pause_s": last.pause_s,
+        "stage_s": st.last_stage_s,
+        "fetch_s": st.last_fetch_s,
+        "visible_to_serving_s": total,
+    }
 
 
-def phase_staged(world: World, engine: Any, server: Server, prompt_ids: list[int],
-                 sizes: list[int]) -> tuple[list[dict[str, float]], dict[int, Any]]:
+def phase_staged(
+    world: World, engine: Any, server: Server, prompt_ids: list[int], sizes: list[int]
+) -> tuple[list[dict[str, float]], dict[int, Any]]:
     f, out, served = follower(world, engine), [], {}
     _record_staging(engine, sizes)
     for v in range(1, len(world.digests)):
@@ -121,8 +136,10 @@ def phase_staged(world: World, engine: Any, server: Server, prompt_ids: list[int
         rec["staged_bytes"] = sizes[-1]
         out.append(rec)
         served[v] = greedy(engine.http, server.model, prompt_ids)
-        log(f"  staged v{v}: stage {rec['stage_s'] * 1e3:.0f} ms, pause "
-            f"{rec['pause_s'] * 1e3:.1f} ms")
+        log(
+            f"  staged v{v}: stage {rec['stage_s'] * 1e3:.0f} ms, pause "
+            f"{rec['pause_s'] * 1e3:.1f} ms"
+        )
     del engine.stage_encoded
     return out, served
 
@@ -142,8 +159,10 @@ def phase_inline(world: World, engine: Any) -> list[dict[str, float]]:
 
 
 def reload(http: Any, path: Path) -> None:
-    http.post("/collective_rpc", {"method": "reload_weights",
-                                  "kwargs": {"weights_path": str(path)}, "timeout": 600})
+    http.post(
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": 600},
+    )
 
 
 def back_to_v0(world: World, engine: Any) -> None:
@@ -151,8 +170,9 @@ def back_to_v0(world: World, engine: Any) -> None:
     engine.adopt(0, world.digests[0])
 
 
-def phase_reloads(world: World, engine: Any, server: Server, prompt_ids: list[int],
-                  served: dict[int, Any]) -> list[dict[str, float]]:
+def phase_reloads(
+    world: World, engine: Any, server: Server, prompt_ids: list[int], served: dict[int, Any]
+) -> list[dict[str, float]]:
     http, out = engine.http, []
     for v in range(1, len(world.digests)):
         t0 = time.perf_counter()
@@ -199,6 +219,7 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
 
 # -- report --------------------------------------------------------------------------------------
 
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
 
@@ -213,39 +234,79 @@ def _med(runs: list[dict[str, float]], key: str) -> float:
 
 def render(ctx: dict[str, Any]) -> str:
     w, st, il, re_ = ctx["world"], ctx["staged"], ctx["inline"], ctx["reloads"]
-    headers = ["version", "changed", "patch", "stage", "pause", "visible->serving",
-               "inline pause", "reload pause", "pause/reload"]
-    rows = [[f"v{i}", f"{100 * w['changed'][i]:.2f}%", f"{w['patch_bytes'][i] / 1e3:.0f} kB",
-             _ms(st[i - 1]["stage_s"]), _ms(st[i - 1]["pause_s"]),
-             _ms(st[i - 1]["visible_to_serving_s"]), _ms(il[i - 1]["pause_s"]),
-             _ms(re_[i - 1]["pause_s"]),
-             f"{100 * st[i - 1]['pause_s'] / re_[i - 1]['pause_s']:.1f}%"]
-            for i in range(1, len(st) + 1)]
-    rows.append(["median", f"{100 * statistics.median(w['changed'][1:]):.2f}%",
-                 f"{statistics.median(w['patch_bytes'][1:]) / 1e3:.0f} kB",
-                 _ms(_med(st, "stage_s")), _ms(_med(st, "pause_s")),
-                 _ms(_med(st, "visible_to_serving_s")), _ms(_med(il, "pause_s")),
-                 _ms(_med(re_, "pause_s")),
-                 f"{100 * _med(st, 'pause_s') / _med(re_, 'pause_s'):.1f}%"])
+    headers = [
+        "version",
+        "changed",
+        "patch",
+        "stage",
+        "pause",
+        "visible->serving",
+        "inline pause",
+        "reload pause",
+        "pause/reload",
+    ]
+    rows = [
+        [
+            f"v{i}",
+            f"{100 * w['changed'][i]:.2f}%",
+            f"{w['patch_bytes'][i] / 1e3:.0f} kB",
+            _ms(st[i - 1]["stage_s"]),
+            _ms(st[i - 1]["pause_s"]),
+            _ms(st[i - 1]["visible_to_serving_s"]),
+            _ms(il[i - 1]["pause_s"]),
+            _ms(re_[i - 1]["pause_s"]),
+            f"{100 * st[i - 1]['pause_s'] / re_[i - 1]['pause_s']:.1f}%",
+        ]
+        for i in range(1, len(st) + 1)
+    ]
+    rows.append(
+        [
+            "median",
+            f"{100 * statistics.median(w['changed'][1:]):.2f}%",
+            f"{statistics.median(w['patch_bytes'][1:]) / 1e3:.0f} kB",
+            _ms(_med(st, "stage_s")),
+            _ms(_med(st, "pause_s")),
+            _ms(_med(st, "visible_to_serving_s")),
+            _ms(_med(il, "pause_s")),
+            _ms(_med(re_, "pause_s")),
+            f"{100 * _med(st, 'pause_s') / _med(re_, 'pause_s'):.1f}%",
+        ]
+    )
     per_version = table(headers, rows, [False] + [True] * (len(headers) - 1))
 
     def row(name: str, runs: list[dict[str, float]], base: float) -> list[str]:
         p = [r["pause_s"] for r in runs]
         vis = [r.get("visible_to_serving_s") for r in runs]
-        return [name, str(len(runs)), _ms(statistics.median(p)), _ms(max(p)),
-                _ms(statistics.median(v for v in vis if v is not None)) if vis[0] else "-",
-                f"{100 * statistics.median(p) / base:.1f}%"]
+        return [
+            name,
+            str(len(runs)),
+            _ms(statistics.median(p)),
+            _ms(max(p)),
+            _ms(statistics.median(v for v in vis if v is not None)) if vis[0] else "-",
+            f"{100 * statistics.median(p) / base:.1f}%",
+        ]
 
     rv, rl = _med(re_, "pause_s"), _med(ctx["reference_loads"], "pause_s")
-    summary = table(["engine / path", "n", "pause p50", "pause max", "visible->serving p50",
-                     "pause / full reload"], [
-        row("vLLM staged, 1 behind", st, rv), row("vLLM inline (decode in pause)", il, rv),
-        row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
-        row("vLLM reload_weights", re_, rv),
-        row("built-in staged, 1 behind", ctx["reference"], rl),
-        row(f"built-in staged, {ctx['catchup_n']} behind", ctx["reference_catchup"], rl),
-        row("built-in full load (keyframe)", ctx["reference_loads"], rl)],
-        [False] + [True] * 5)
+    summary = table(
+        [
+            "engine / path",
+            "n",
+            "pause p50",
+            "pause max",
+            "visible->serving p50",
+            "pause / full reload",
+        ],
+        [
+            row("vLLM staged, 1 behind", st, rv),
+            row("vLLM inline (decode in pause)", il, rv),
+            row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
+            row("vLLM reload_weights", re_, rv),
+            row("built-in staged, 1 behind", ctx["reference"], rl),
+            row(f"built-in staged, {ctx['catchup_n']} behind", ctx["reference_catchup"], rl),
+            row("built-in full load (keyframe)", ctx["reference_loads"], rl),
+        ],
+        [False] + [True] * 5,
+    )
     m, d = ctx["memory"], w["dims"]
     one, five = _med(st, "visible_to_serving_s"), ctx["catchup"][0]["visible_to_serving_s"]
     rone = _med(ctx["reference"], "visible_to_serving_s")
@@ -253,34 +314,47 @@ def render(ctx: dict[str, Any]) -> str:
     biggest = max(r["staged_bytes"] for r in st)
     foot = [
         "",
-        (f"targets: vLLM pause 1 behind / reload pause = {100 * _med(st, 'pause_s') / rv:.1f}%"
-         f" (<= 5% wanted at >= 100M); catch-up {ctx['catchup_n']} behind / 1 behind, "
-         f"visible->serving: vLLM {five / one:.2f}x, built-in {rfive / rone:.2f}x (<= 2x); "
-         f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} vs 2 x largest "
-         f"staged update {_mb(2 * biggest)} (<= wanted)"),
-        (f"machine: {machine_line(ctx['machine'])}; load avg {ctx['load'][0]:.1f} at start, "
-         f"{ctx['load'][1]:.1f} at end (shared: compare rows of this run only); "
-         f"{ctx['wall_s'] / 60:.1f} min wall, vLLM start {ctx['start_s']:.0f} s"),
-        (f"model: make_tiny_model hidden {d['hidden_size']}, {d['layers']} layers, "
-         f"{d['heads']}/{d['kv_heads']} heads, ff {d['intermediate']}, vocab {d['vocab_size']}"
-         f" = {w['params'] / 1e6:.1f}M params, {w['ckpt_bytes'][0] / 1e6:.1f} MB bf16; vLLM "
-         f"{VLLM_VERSION} CPU, TP 1, --enforce-eager; AdamW lr {ctx['args']['lr']:g}; "
-         f"packed weights built "
-         f"{'while staging' if ctx['args']['prepack'] == 'stage' else 'in the pause'}; ms"),
-        ("stage = the follower's staging (worker decode/compose/prove while serving); pause = "
-         "the commit gate's figure; visible->serving = Follower.sync (fetch+stage+pause)"),
-        (f"memory: vLLM worker ({m['proc']}) RSS {_mb(m['start_kb'] * 1024)} at the staged "
-         f"phase start, peak +{_mb(m['peak_kb'] * 1024)} over it; largest staged update "
-         f"{_mb(biggest)} (positions, storage offsets, old and new words; the prebuilt "
-         "packed kernels are not counted in it)"),
-        ("verified: every commit's digest = published; greedy tokens+logprobs after each "
-         "staged commit = after the reload of that version; reloaded roots re-hashed = "
-         "published"),
+        (
+            f"targets: vLLM pause 1 behind / reload pause = {100 * _med(st, 'pause_s') / rv:.1f}%"
+            f" (<= 5% wanted at >= 100M); catch-up {ctx['catchup_n']} behind / 1 behind, "
+            f"visible->serving: vLLM {five / one:.2f}x, built-in {rfive / rone:.2f}x (<= 2x); "
+            f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} vs 2 x largest "
+            f"staged update {_mb(2 * biggest)} (<= wanted)"
+        ),
+        (
+            f"machine: {machine_line(ctx['machine'])}; load avg {ctx['load'][0]:.1f} at start, "
+            f"{ctx['load'][1]:.1f} at end (shared: compare rows of this run only); "
+            f"{ctx['wall_s'] / 60:.1f} min wall, vLLM start {ctx['start_s']:.0f} s"
+        ),
+        (
+            f"model: make_tiny_model hidden {d['hidden_size']}, {d['layers']} layers, "
+            f"{d['heads']}/{d['kv_heads']} heads, ff {d['intermediate']}, vocab {d['vocab_size']}"
+            f" = {w['params'] / 1e6:.1f}M params, {w['ckpt_bytes'][0] / 1e6:.1f} MB bf16; vLLM "
+            f"{VLLM_VERSION} CPU, TP 1, --enforce-eager; AdamW lr {ctx['args']['lr']:g}; "
+            f"packed weights built "
+            f"{'while staging' if ctx['args']['prepack'] == 'stage' else 'in the pause'}; ms"
+        ),
+        (
+            "stage = the follower's staging (worker decode/compose/prove while serving); pause = "
+            "the commit gate's figure; visible->serving = Follower.sync (fetch+stage+pause)"
+        ),
+        (
+            f"memory: vLLM worker ({m['proc']}) RSS {_mb(m['start_kb'] * 1024)} at the staged "
+            f"phase start, peak +{_mb(m['peak_kb'] * 1024)} over it; largest staged update "
+            f"{_mb(biggest)} (positions, storage offsets, old and new words; the prebuilt "
+            "packed kernels are not counted in it)"
+        ),
+        (
+            "verified: every commit's digest = published; greedy tokens+logprobs after each "
+            "staged commit = after the reload of that version; reloaded roots re-hashed = "
+            "published"
+        ),
     ]
     return per_version + "\n\n" + summary + "\n" + "\n".join(foot)
 
 
 # -- main ----------------------------------------------------------------------------------------
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -288,8 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
     ap.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
     ap.add_argument("--layers", type=int, default=4, help="model depth (default 4)")
-    ap.add_argument("--prepack", choices=("stage", "pause"), default="stage",
-                    help="CPU packed weights: built while staging (default) or in the pause")
+    ap.add_argument(
+        "--prepack",
+        choices=("stage", "pause"),
+        default="stage",
+        help="CPU packed weights: built while staging (default) or in the pause",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 1:
@@ -313,8 +391,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             start_s = server.wait_ready()
             engine = VllmEngine(server.url, prepack=args.prepack)
-            engine.http.post("/v1/completions", {"model": str(server.model), "prompt": "warm",
-                                                 "max_tokens": 2}, timeout=600)
+            engine.http.post(
+                "/v1/completions",
+                {"model": str(server.model), "prompt": "warm", "max_tokens": 2},
+                timeout=600,
+            )
             engine.adopt(0, world.digests[0])
             from transformers import AutoTokenizer
 
@@ -343,15 +424,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 engine.close()
             server.stop()
         ctx = {
-            "args": vars(args), "machine": mach, "start_s": start_s,
-            "load": (load0, os.getloadavg()[0]), "wall_s": time.perf_counter() - t_start,
-            "world": {"dims": world.dims, "changed": world.changed,
-                      "patch_bytes": world.patch_bytes, "ckpt_bytes": world.ckpt_bytes,
-                      "params": world.params},
-            "staged": staged, "inline": inline, "catchup": catchup, "catchup_n": catch_n,
-            "reloads": reloads, **ref,
-            "memory": {"proc": proc, "start_kb": mem0["rss_kb"],
-                       "peak_kb": mem1["hwm_kb"] - mem0["rss_kb"], "after": mem1},
+            "args": vars(args),
+            "machine": mach,
+            "start_s": start_s,
+            "load": (load0, os.getloadavg()[0]),
+            "wall_s": time.perf_counter() - t_start,
+            "world": {
+                "dims": world.dims,
+                "changed": world.changed,
+                "patch_bytes": world.patch_bytes,
+                "ckpt_bytes": world.ckpt_bytes,
+                "params": world.params,
+            },
+            "staged": staged,
+            "inline": inline,
+            "catchup": catchup,
+            "catchup_n": catch_n,
+            "reloads": reloads,
+            **ref,
+            "memory": {
+                "proc": proc,
+                "start_kb": mem0["rss_kb"],
+                "peak_kb": mem1["hwm_kb"] - mem0["rss_kb"],
+                "after": mem1,
+            },
         }
     print(render(ctx))
     if args.json:

@@ -47,8 +47,7 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def until(cond: Callable[[], object], what: str, timeout: float = 30.0,
-          poll: float = 0.02) -> None:
+def until(cond: Callable[[], object], what: str, timeout: float = 30.0, poll: float = 0.02) -> None:
     """Wait until ``cond()`` is true; fail naming ``what`` after ``timeout`` seconds.
 
     The timeout is a liveness bound (a hung test fails instead of hanging CI), never a speed
@@ -60,20 +59,39 @@ def until(cond: Callable[[], object], what: str, timeout: float = 30.0,
         time.sleep(poll)
 
 
-def make_manifest(run: str, version: int, *, target: str = DIGEST, view_bytes: int = 1,
-                  patches: tuple[PatchObject, ...] = (),
-                  keyframes: tuple[KeyframeObject, ...] = (), shards: int = 1,
-                  parent: int | None | str = "previous", fmt: str = "bf16",
-                  created: float | None = None, publisher: str = "test") -> Manifest:
+def make_manifest(
+    run: str,
+    version: int,
+    *,
+    target: str = DIGEST,
+    view_bytes: int = 1,
+    patches: tuple[PatchObject, ...] = (),
+    keyframes: tuple[KeyframeObject, ...] = (),
+    shards: int = 1,
+    parent: int | None | str = "previous",
+    fmt: str = "bf16",
+    created: float | None = None,
+    publisher: str = "test",
+) -> Manifest:
     """A manifest for ``run``/``version`` with test defaults.
 
     ``parent`` defaults to ``version - 1`` (``None`` for version 0); ``created`` to now.
     """
     par = (version - 1 if version else None) if parent == "previous" else parent
     assert par is None or isinstance(par, int)
-    return Manifest(run=run, version=version, parent=par, format=fmt, target=target,
-                    view_bytes=view_bytes, created=time.time() if created is None else created,
-                    publisher=publisher, patches=patches, keyframes=keyframes, shards=shards)
+    return Manifest(
+        run=run,
+        version=version,
+        parent=par,
+        format=fmt,
+        target=target,
+        view_bytes=view_bytes,
+        created=time.time() if created is None else created,
+        publisher=publisher,
+        patches=patches,
+        keyframes=keyframes,
+        shards=shards,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -42,8 +42,14 @@ __all__ = [
 
 MiB = 1024 * 1024
 BUCKET = "rollpatch-test"
-S3_SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_workers": 4,
-                  "max_attempts": 3, "connect_timeout": 5.0, "read_timeout": 30.0}
+S3_SMALL_PARTS = {
+    "part_size": 5 * MiB,
+    "multipart_threshold": 5 * MiB,
+    "max_workers": 4,
+    "max_attempts": 3,
+    "connect_timeout": 5.0,
+    "read_timeout": 30.0,
+}
 
 
 @pytest.fixture(scope="session")
@@ -52,24 +58,31 @@ def s3_server() -> Iterator[S3Server]:
     if os.environ.get("ROLLPATCH_SKIP_S3") == "1":
         pytest.skip("S3 backend tests skipped on request (ROLLPATCH_SKIP_S3=1)")
     if not moto_available():
-        pytest.fail("the S3 backend tests need moto's standalone server: "
-                    "pip install 'moto[server]' boto3 (or set ROLLPATCH_SKIP_S3=1 to skip them "
-                    "explicitly)", pytrace=False)
+        pytest.fail(
+            "the S3 backend tests need moto's standalone server: "
+            "pip install 'moto[server]' boto3 (or set ROLLPATCH_SKIP_S3=1 to skip them "
+            "explicitly)",
+            pytrace=False,
+        )
     import boto3
 
     with run_moto_server() as server:
-        boto3.client("s3", endpoint_url=server.endpoint_url, region_name=server.region,
-                     aws_access_key_id=server.access_key_id,
-                     aws_secret_access_key=server.secret_access_key,
-                     ).create_bucket(Bucket=BUCKET)
+        boto3.client(
+            "s3",
+            endpoint_url=server.endpoint_url,
+            region_name=server.region,
+            aws_access_key_id=server.access_key_id,
+            aws_secret_access_key=server.secret_access_key,
+        ).create_bucket(Bucket=BUCKET)
         yield server
 
 
 def make_s3_store(request: pytest.FixtureRequest, **extra: Any) -> Store:
     """A store under a fresh prefix of the test bucket, with small multipart parts."""
     server: S3Server = request.getfixturevalue("s3_server")
-    return open_store(f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}",
-                      **server.options(**{**S3_SMALL_PARTS, **extra}))
+    return open_store(
+        f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}", **server.options(**{**S3_SMALL_PARTS, **extra})
+    )
 
 
 class _Relay(http.server.BaseHTTPRequestHandler):
@@ -91,7 +104,7 @@ class _Relay(http.server.BaseHTTPRequestHandler):
             after = q.get("start_after", [""])[0]
             keys = [k for k in self.store.list(q.get("prefix", [""])[0]) if k > after]
             nxt = keys[self.page - 1] if len(keys) > self.page else None
-            return self._send(200, json.dumps({"keys": keys[:self.page], "next": nxt}).encode())
+            return self._send(200, json.dumps({"keys": keys[: self.page], "next": nxt}).encode())
         key = urllib.parse.unquote(url.path.removeprefix("/relay/v1/objects/"))
         info = self.store.head(key) if url.path.startswith("/relay/v1/objects/") else None
         if info is None:
@@ -103,11 +116,19 @@ class _Relay(http.server.BaseHTTPRequestHandler):
         if a >= info.size:
             return self._send(416, b"", {"Content-Range": f"bytes */{info.size}"})
         b = min(b, info.size - 1)
-        self._send(206, self.store.get_range(key, a, b + 1),
-                   {"Content-Range": f"bytes {a}-{b}/{info.size}"})
+        self._send(
+            206,
+            self.store.get_range(key, a, b + 1),
+            {"Content-Range": f"bytes {a}-{b}/{info.size}"},
+        )
 
-    def _send(self, status: int, data: bytes, headers: dict[str, str] | None = None,
-              size: int | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        data: bytes,
+        headers: dict[str, str] | None = None,
+        size: int | None = None,
+    ) -> None:
         self.send_response(status)
         for name, value in (headers or {}).items():
             self.send_header(name, value)
@@ -126,8 +147,12 @@ def relay(tmp_path: Path) -> Iterator[tuple[Store, HttpStore]]:
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
-        yield backing, HttpStore(f"http://127.0.0.1:{server.server_port}/relay",
-                                 HttpConfig(retries=0, timeout=5))
+        yield (
+            backing,
+            HttpStore(
+                f"http://127.0.0.1:{server.server_port}/relay", HttpConfig(retries=0, timeout=5)
+            ),
+        )
     finally:
         server.shutdown()
         server.server_close()

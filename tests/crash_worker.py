@@ -24,16 +24,22 @@ from rollpatch.store import FileStore
 
 #: The publisher configuration every trial uses (the test resumes with the same one).
 CONFIG = PublisherConfig(keyframe_every=4, skip_strides=(2,), max_pending=1)
-SHAPES = {"model.layers.0.mlp.up_proj.weight": (64, 96),
-          "model.layers.0.mlp.down_proj.weight": (96, 64), "model.norm.weight": (64,)}
+SHAPES = {
+    "model.layers.0.mlp.up_proj.weight": (64, 96),
+    "model.layers.0.mlp.down_proj.weight": (96, 64),
+    "model.norm.weight": (64,),
+}
 
 
 def masters_for(version: int) -> dict[str, np.ndarray]:
     """The deterministic master state dict published as ``version``."""
     base, step = np.random.default_rng(0), np.random.default_rng(version + 1)
-    return {name: (base.standard_normal(shape) * 0.02
-                   + version * 2e-4 * step.standard_normal(shape)).astype(np.float32)
-            for name, shape in SHAPES.items()}
+    return {
+        name: (
+            base.standard_normal(shape) * 0.02 + version * 2e-4 * step.standard_normal(shape)
+        ).astype(np.float32)
+        for name, shape in SHAPES.items()
+    }
 
 
 class SleepyFileStore(FileStore):

@@ -28,12 +28,14 @@ def sample_views(seed: int = 0, n: int = 70_000) -> tuple[View, View]:
     nib2[::53] ^= 0x01
 
     def view(weights: np.ndarray, e4m3: np.ndarray, packed: np.ndarray) -> View:
-        return View({
-            "model.w": Tensor.from_array(weights.astype(ml_dtypes.bfloat16).reshape(-1, 100)),
-            "model.q": Tensor(KINDS["e4m3"], (64, 64), e4m3),
-            "model.p": Tensor(KINDS["e2m1x2"], (16, 32), packed),
-            "model.s": Tensor.from_array(np.array([0.5, -0.25], dtype=np.float32)),
-        })
+        return View(
+            {
+                "model.w": Tensor.from_array(weights.astype(ml_dtypes.bfloat16).reshape(-1, 100)),
+                "model.q": Tensor(KINDS["e4m3"], (64, 64), e4m3),
+                "model.p": Tensor(KINDS["e2m1x2"], (16, 32), packed),
+                "model.s": Tensor.from_array(np.array([0.5, -0.25], dtype=np.float32)),
+            }
+        )
 
     return view(w, q, nib), view(w2, q2, nib2)
 
@@ -41,9 +43,9 @@ def sample_views(seed: int = 0, n: int = 70_000) -> tuple[View, View]:
 def split_blob(blob: bytes) -> tuple[dict, bytes]:
     """(header dict, payload bytes) of a well-formed patch."""
     flags, hlen = struct.unpack_from("<HI", blob, 10)
-    raw = blob[16:16 + hlen]
+    raw = blob[16 : 16 + hlen]
     header = json.loads(zstandard.ZstdDecompressor().decompress(raw) if flags & 1 else raw)
-    return header, blob[16 + hlen + 32:]
+    return header, blob[16 + hlen + 32 :]
 
 
 def reseal(header: dict, payload: bytes, fix_payload_checksums: bool = True) -> bytes:
@@ -51,7 +53,7 @@ def reseal(header: dict, payload: bytes, fix_payload_checksums: bool = True) -> 
     if fix_payload_checksums:
         for e in header.get("tensors", []):
             try:
-                chunk = payload[e["offset"]:e["offset"] + e["length"]]
+                chunk = payload[e["offset"] : e["offset"] + e["length"]]
                 e["b3"] = blake3.blake3(chunk).hexdigest()
             except (KeyError, TypeError):
                 pass

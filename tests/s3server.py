@@ -36,14 +36,21 @@ class S3Server:
 
     def options(self, **extra: object) -> dict[str, object]:
         """``open_store`` options that point an ``s3://`` store at this server."""
-        return {"endpoint_url": self.endpoint_url, "access_key_id": self.access_key_id,
-                "secret_access_key": self.secret_access_key, "region": self.region, **extra}
+        return {
+            "endpoint_url": self.endpoint_url,
+            "access_key_id": self.access_key_id,
+            "secret_access_key": self.secret_access_key,
+            "region": self.region,
+            **extra,
+        }
 
 
 def moto_available() -> bool:
     """True when ``moto.server`` (the ``moto[server]`` extra) can be imported."""
-    return (importlib.util.find_spec("moto") is not None
-            and importlib.util.find_spec("flask") is not None)
+    return (
+        importlib.util.find_spec("moto") is not None
+        and importlib.util.find_spec("flask") is not None
+    )
 
 
 def free_port() -> int:
@@ -60,8 +67,12 @@ def run_moto_server(timeout: float = 30.0) -> Iterator[S3Server]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                 "-p", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         try:
             _wait_ready(proc, url, timeout, log)
             yield S3Server(url)
@@ -74,8 +85,7 @@ def run_moto_server(timeout: float = 30.0) -> Iterator[S3Server]:
                 proc.wait()
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float,
-                log: IO[bytes]) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: IO[bytes]) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

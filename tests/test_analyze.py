@@ -38,8 +38,9 @@ FORMATS = ("bf16", "nvfp4")
 
 
 def _save(path: Path, masters: dict[str, np.ndarray]) -> None:
-    save_view(View({k: Tensor.from_array(np.ascontiguousarray(v)) for k, v in masters.items()}),
-              path)
+    save_view(
+        View({k: Tensor.from_array(np.ascontiguousarray(v)) for k, v in masters.items()}), path
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,9 @@ def _views(paths: list[Path], fmt: str) -> list[View]:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_transition_numbers_match_direct_computation(run: list[Path], result: Analysis,
-                                                     fmt: str) -> None:
+def test_transition_numbers_match_direct_computation(
+    run: list[Path], result: Analysis, fmt: str
+) -> None:
     views = _views(run, fmt)
     assert len(result.pairs) == N_CKPTS - 1
     for i, p in enumerate(result.pairs):
@@ -87,15 +89,17 @@ def test_transition_numbers_match_direct_computation(run: list[Path], result: An
         assert sum(g.elements for g in s.groups.values()) == n
         assert sum(g.changed for g in s.groups.values()) == s.changed
         for g, gs in s.groups.items():
-            assert gs.changed == sum(tp.n_changed for name, tp in patch.tensors.items()
-                                     if tensor_group(name) == g)
+            assert gs.changed == sum(
+                tp.n_changed for name, tp in patch.tensors.items() if tensor_group(name) == g
+            )
         assert {"embeddings", "attention", "mlp", "norms", "lm_head"} <= set(s.groups)
         assert sum(g.payload_bytes for g in s.groups.values()) < s.patch_bytes
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_lag_curve_matches_direct_patches_and_is_sublinear(run: list[Path], result: Analysis,
-                                                           fmt: str) -> None:
+def test_lag_curve_matches_direct_patches_and_is_sublinear(
+    run: list[Path], result: Analysis, fmt: str
+) -> None:
     views = _views(run, fmt)
     pts = result.lags[fmt]
     assert [pt.k for pt in pts] == [1, 2, 4]
@@ -103,26 +107,25 @@ def test_lag_curve_matches_direct_patches_and_is_sublinear(run: list[Path], resu
         patch = diff(views[0], views[pt.k])
         assert pt.changed == patch.n_changed
         assert pt.patch_bytes == len(encode(patch, views[0]))
-        assert pt.steps_changed == sum(p.formats[fmt].changed for p in result.pairs[:pt.k])
-        assert pt.steps_patch_bytes == sum(p.formats[fmt].patch_bytes
-                                           for p in result.pairs[:pt.k])
+        assert pt.steps_changed == sum(p.formats[fmt].changed for p in result.pairs[: pt.k])
+        assert pt.steps_patch_bytes == sum(p.formats[fmt].patch_bytes for p in result.pairs[: pt.k])
         # a value changed over 0→k changed in at least one step
         assert pt.changed <= pt.steps_changed
-    assert all(x.changed < y.changed and x.patch_bytes < y.patch_bytes
-               for x, y in itertools.pairwise(pts))
-    assert pts[-1].changed < pts[-1].steps_changed          # sub-linear accumulation
+    assert all(
+        x.changed < y.changed and x.patch_bytes < y.patch_bytes for x, y in itertools.pairwise(pts)
+    )
+    assert pts[-1].changed < pts[-1].steps_changed  # sub-linear accumulation
 
 
 def _bf16_ratio(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """r = |new − old| / BF16 ulp at bf16(old), independently of the implementation."""
     served = np.abs(old.astype(ml_dtypes.bfloat16).astype(np.float64))
-    _, e = np.frexp(served)                     # served = m·2^e, m in [0.5, 1)
-    ulp = np.where(served >= 2.0 ** -126, np.ldexp(1.0, e - 8), 2.0 ** -133)
+    _, e = np.frexp(served)  # served = m·2^e, m in [0.5, 1)
+    ulp = np.where(served >= 2.0**-126, np.ldexp(1.0, e - 8), 2.0**-133)
     return np.abs(new.astype(np.float64) - old.astype(np.float64)) / ulp
 
 
-def test_update_over_gap_matches_direct_computation(run: list[Path], result: Analysis
-                                                    ) -> None:
+def test_update_over_gap_matches_direct_computation(run: list[Path], result: Analysis) -> None:
     for i, p in enumerate(result.pairs):
         old, new = load_masters(run[i]), load_masters(run[i + 1])
         r = np.concatenate([_bf16_ratio(old[k], new[k]).ravel() for k in old])
@@ -142,21 +145,24 @@ def test_update_over_gap_matches_direct_computation(run: list[Path], result: Ana
 
 def test_gap_stats_edge_cases() -> None:
     s = GapStats("bf16")
-    s.add(np.array([1.0, 1.0, np.inf, 0.0], np.float32),
-          np.array([1.0, 1.0 + 2 ** -7, np.inf, 2.0 ** -133], np.float32))
+    s.add(
+        np.array([1.0, 1.0, np.inf, 0.0], np.float32),
+        np.array([1.0, 1.0 + 2**-7, np.inf, 2.0**-133], np.float32),
+    )
     out = s.summary()
     assert out["elements"] == 3 and out["nonfinite_skipped"] == 1 and out["zero_updates"] == 1
     assert out["max"] == 1.0 and out["frac_gt_half"] == pytest.approx(2 / 3)
     assert GapStats("fp16").summary()["frac_gt_half"] is None
 
 
-def test_torch_checkpoints_give_the_same_numbers(run: list[Path], result: Analysis,
-                                                 tmp_path: Path) -> None:
+def test_torch_checkpoints_give_the_same_numbers(
+    run: list[Path], result: Analysis, tmp_path: Path
+) -> None:
     torch = pytest.importorskip("torch")
     pts = []
     for i, p in enumerate(run[:3]):
         state = {k: torch.from_numpy(np.array(v)) for k, v in load_masters(p).items()}
-        state["rotary.position_ids"] = torch.arange(16)     # a non-float buffer: left out
+        state["rotary.position_ids"] = torch.arange(16)  # a non-float buffer: left out
         pts.append(tmp_path / f"step{i}.pt")
         torch.save(state, pts[-1])
     got = analyze_run(pts, formats=("bf16",), progress=False)
@@ -167,15 +173,16 @@ def test_torch_checkpoints_give_the_same_numbers(run: list[Path], result: Analys
     assert "left out (not served): rotary.position_ids" in render(got)
 
 
-def test_sharded_folders_give_the_same_numbers(run: list[Path], result: Analysis,
-                                                tmp_path: Path) -> None:
+def test_sharded_folders_give_the_same_numbers(
+    run: list[Path], result: Analysis, tmp_path: Path
+) -> None:
     folders = []
     for i, p in enumerate(run[:2]):
         masters = load_masters(p)
         names = sorted(masters)
         folder = tmp_path / f"step{i}"
         folder.mkdir()
-        (folder / "model.safetensors.index.json").write_text("{}")   # ignored
+        (folder / "model.safetensors.index.json").write_text("{}")  # ignored
         _save(folder / "model-00001-of-00002.safetensors", {k: masters[k] for k in names[::2]})
         _save(folder / "model-00002-of-00002.safetensors", {k: masters[k] for k in names[1::2]})
         folders.append(folder)
@@ -192,8 +199,18 @@ def test_sharded_folders_give_the_same_numbers(run: list[Path], result: Analysis
 
 
 def test_cli_json_shape(run: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["analyze", *map(str, run), "--format", "bf16", "--format", "fp8-e4m3-block128",
-            "--format", "bf16", "--json", "--no-progress"]
+    argv = [
+        "analyze",
+        *map(str, run),
+        "--format",
+        "bf16",
+        "--format",
+        "fp8-e4m3-block128",
+        "--format",
+        "bf16",
+        "--json",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["formats"] == ["bf16", "fp8-e4m3-block128"]
@@ -203,8 +220,17 @@ def test_cli_json_shape(run: list[Path], capsys: pytest.CaptureFixture[str]) -> 
     assert (pair["from"], pair["to"]) == (0, 1)
     for f in out["formats"]:
         s = pair["formats"][f]
-        for key in ("elements", "changed", "changed_frac", "patch_bytes", "view_bytes",
-                    "bound_bytes", "patch_to_bound", "xor_zstd3_bytes", "patch_to_xor"):
+        for key in (
+            "elements",
+            "changed",
+            "changed_frac",
+            "patch_bytes",
+            "view_bytes",
+            "bound_bytes",
+            "patch_to_bound",
+            "xor_zstd3_bytes",
+            "patch_to_xor",
+        ):
             assert key in s
         assert 0 < s["changed_frac"] < 1 and s["patch_bytes"] < s["view_bytes"]
         assert set(s["groups"]) <= set(GROUPS)
@@ -215,21 +241,30 @@ def test_cli_json_shape(run: list[Path], capsys: pytest.CaptureFixture[str]) -> 
     assert sum(out["model"]["group_params"].values()) == out["model"]["params"]
 
 
-def test_cli_text_and_plot(run: list[Path], tmp_path: Path,
-                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_text_and_plot(
+    run: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "run.png"
     assert main(["analyze", *map(str, run[:3]), "--plot", str(png), "--no-progress"]) == 0
     text = capsys.readouterr().out
-    for section in ("Changed values and patch size per transition", "Changed % by tensor group",
-                    "Update size vs rounding gap", "Lag curve, bf16", "Summary"):
+    for section in (
+        "Changed values and patch size per transition",
+        "Changed % by tensor group",
+        "Update size vs rounding gap",
+        "Lag curve, bf16",
+        "Summary",
+    ):
         assert section in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plot_without_matplotlib_is_a_clear_error(run: list[Path], tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_without_matplotlib_is_a_clear_error(
+    run: list[Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     png = tmp_path / "x.png"
     assert main(["analyze", *map(str, run[:2]), "--plot", str(png), "--no-progress"]) == 2
@@ -258,34 +293,39 @@ def test_errors(run: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[s
     name = "model.norm.weight"
     reshaped[name] = np.concatenate([masters[name], masters[name]])
     _save(tmp_path / "reshaped.safetensors", reshaped)
-    assert main(["analyze", str(run[0]), str(tmp_path / "reshaped.safetensors"),
-                 "--no-progress"]) == 2
+    assert (
+        main(["analyze", str(run[0]), str(tmp_path / "reshaped.safetensors"), "--no-progress"]) == 2
+    )
     assert "shapes differ" in capsys.readouterr().err
-    assert main(["analyze", str(run[0]), str(tmp_path / "missing.safetensors"),
-                 "--no-progress"]) == 2
+    assert (
+        main(["analyze", str(run[0]), str(tmp_path / "missing.safetensors"), "--no-progress"]) == 2
+    )
     assert "not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name,group", [
-    ("model.embed_tokens.weight", "embeddings"),
-    ("transformer.wte.weight", "embeddings"),
-    ("model.layers.3.self_attn.q_proj.weight", "attention"),
-    ("model.layers.3.self_attn.o_proj.weight_scale_inv", "attention"),
-    ("layers.0.attention.wq.weight", "attention"),
-    ("transformer.h.0.attn.c_attn.bias", "attention"),
-    ("model.layers.3.self_attn.q_norm.weight", "norms"),
-    ("model.layers.3.post_attention_layernorm.weight", "norms"),
-    ("transformer.ln_f.weight", "norms"),
-    ("model.norm.weight", "norms"),
-    ("model.layers.3.mlp.down_proj.weight", "mlp"),
-    ("model.layers.3.mlp.experts.7.up_proj.weight_scale", "mlp"),
-    ("layers.0.feed_forward.w1.weight", "mlp"),
-    ("lm_head.weight", "lm_head"),
-    ("output.weight", "lm_head"),
-    ("gpt_neox.embed_out.weight", "lm_head"),
-    ("model.rotary_emb.inv_freq", "other"),
-    ("score.weight", "other"),
-])
+@pytest.mark.parametrize(
+    "name,group",
+    [
+        ("model.embed_tokens.weight", "embeddings"),
+        ("transformer.wte.weight", "embeddings"),
+        ("model.layers.3.self_attn.q_proj.weight", "attention"),
+        ("model.layers.3.self_attn.o_proj.weight_scale_inv", "attention"),
+        ("layers.0.attention.wq.weight", "attention"),
+        ("transformer.h.0.attn.c_attn.bias", "attention"),
+        ("model.layers.3.self_attn.q_norm.weight", "norms"),
+        ("model.layers.3.post_attention_layernorm.weight", "norms"),
+        ("transformer.ln_f.weight", "norms"),
+        ("model.norm.weight", "norms"),
+        ("model.layers.3.mlp.down_proj.weight", "mlp"),
+        ("model.layers.3.mlp.experts.7.up_proj.weight_scale", "mlp"),
+        ("layers.0.feed_forward.w1.weight", "mlp"),
+        ("lm_head.weight", "lm_head"),
+        ("output.weight", "lm_head"),
+        ("gpt_neox.embed_out.weight", "lm_head"),
+        ("model.rotary_emb.inv_freq", "other"),
+        ("score.weight", "other"),
+    ],
+)
 def test_tensor_groups(name: str, group: str) -> None:
     assert tensor_group(name) == group
 
@@ -307,6 +347,6 @@ def test_progress_fallback_bar(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "0/4" in stream.getvalue() and "step 1" in stream.getvalue()
     assert "1/4" in stream.getvalue() and "4/4" in stream.getvalue()
     quiet = io.StringIO()
-    with Progress(4, "analyze", stream=quiet) as bar:      # not a terminal: silent
+    with Progress(4, "analyze", stream=quiet) as bar:  # not a terminal: silent
         bar.update()
     assert quiet.getvalue() == ""

@@ -22,8 +22,16 @@ from tests.conftest import DIGEST as D
 from tests.conftest import make_manifest
 
 
-def _publish(board: Board, run: str, n: int, *, keyframe: bool = False,
-             skips: tuple[int, ...] = (), size: int = 60, kf_size: int = 1400) -> None:
+def _publish(
+    board: Board,
+    run: str,
+    n: int,
+    *,
+    keyframe: bool = False,
+    skips: tuple[int, ...] = (),
+    size: int = 60,
+    kf_size: int = 1400,
+) -> None:
     pats = []
     if n > 0:
         ref = board.put_object(run, f"patch {n} ".encode() * (size // 8), "rpatch")
@@ -31,10 +39,14 @@ def _publish(board: Board, run: str, n: int, *, keyframe: bool = False,
     for s in skips:
         ref = board.put_object(run, f"skip {n}-{s}".encode() * 2, "rpatch")
         pats.append(PatchObject(ref, n - s, D))
-    kfs = (KeyframeObject(board.put_object(run, f"kf {n}".encode() * (kf_size // 5),
-                                           "safetensors")),) if keyframe else ()
-    board.put_manifest(make_manifest(run, n, view_bytes=kf_size, patches=tuple(pats),
-                                     keyframes=kfs))
+    kfs = (
+        (KeyframeObject(board.put_object(run, f"kf {n}".encode() * (kf_size // 5), "safetensors")),)
+        if keyframe
+        else ()
+    )
+    board.put_manifest(
+        make_manifest(run, n, view_bytes=kf_size, patches=tuple(pats), keyframes=kfs)
+    )
     board.advance(run, n)
 
 
@@ -64,8 +76,11 @@ def test_racing_advances_keep_the_maximum(board: Board) -> None:
     _publish(board, "r2", 0, keyframe=True)
     for n in range(1, 30):
         ref = board.put_object("r2", f"p{n}".encode(), "rpatch")
-        board.put_manifest(make_manifest("r2", n, created=0.0, publisher="t",
-                                         patches=(PatchObject(ref, n - 1, D),)))
+        board.put_manifest(
+            make_manifest(
+                "r2", n, created=0.0, publisher="t", patches=(PatchObject(ref, n - 1, D),)
+            )
+        )
     threads = [threading.Thread(target=board.advance, args=("r2", n)) for n in range(1, 30)]
     for t in threads:
         t.start()
@@ -77,12 +92,18 @@ def test_racing_advances_keep_the_maximum(board: Board) -> None:
 def test_manifest_immutable_and_objects_first(board: Board) -> None:
     _publish(board, "r1", 0, keyframe=True)
     ref = board.put_object("r1", b"x", "rpatch")
-    other = make_manifest("r1", 0, target="b" * 64, created=0.0, publisher="t",
-                          keyframes=(KeyframeObject(ref),))
+    other = make_manifest(
+        "r1", 0, target="b" * 64, created=0.0, publisher="t", keyframes=(KeyframeObject(ref),)
+    )
     with pytest.raises(AlreadyExistsError):
         board.put_manifest(other)
-    ghost = make_manifest("r1", 1, created=0.0, publisher="t", patches=(PatchObject(
-        ref.__class__("runs/r1/objects/missing.rpatch", 3, "c" * 64), 0, D),))
+    ghost = make_manifest(
+        "r1",
+        1,
+        created=0.0,
+        publisher="t",
+        patches=(PatchObject(ref.__class__("runs/r1/objects/missing.rpatch", 3, "c" * 64), 0, D),),
+    )
     with pytest.raises(ManifestError, match="not durable"):
         board.put_manifest(ghost)
     with pytest.raises(VersionNotFoundError):
@@ -95,9 +116,9 @@ def test_plan_fewest_bytes(board: Board) -> None:
     p = board.plan("r1", 8, 9)
     assert [(s.base, s.to) for s in p.steps] == [(8, 9)]
     p = board.plan("r1", 0, 8)
-    assert [(s.base, s.to) for s in p.steps] == [(0, 8)]          # the skip patch
+    assert [(s.base, s.to) for s in p.steps] == [(0, 8)]  # the skip patch
     p = board.plan("r1", None, 16)
-    assert [(s.base, s.to) for s in p.steps] == [(None, 16)]     # the keyframe of 16
+    assert [(s.base, s.to) for s in p.steps] == [(None, 16)]  # the keyframe of 16
     p = board.plan("r1", None, 15)
     assert p.steps[0].is_keyframe and p.steps[0].to == 0
     assert board.plan("r1", 3, 3).steps == ()
@@ -135,8 +156,9 @@ def test_signed_manifest() -> None:
     from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 
     key, other = SigningKey.generate(), SigningKey.generate()
-    m = make_manifest("r1", 0, created=0.0, publisher="t",
-                      keyframes=(KeyframeObject(ObjectRef("k", 1, D)),))
+    m = make_manifest(
+        "r1", 0, created=0.0, publisher="t", keyframes=(KeyframeObject(ObjectRef("k", 1, D)),)
+    )
     raw = m.stored_bytes(Signer(keys=(key,)))
     assert open_manifest(raw, "r1", 0, Trust(sign_root(Root.new([key.public]), [key]))) == m
     with pytest.raises(TrustError, match="bad_signature"):
@@ -229,8 +251,12 @@ def test_gc_cli(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     b = Board(f"file://{tmp_path}")
     for n in range(12):
         _publish(b, "r1", n, keyframe=n in (0, 10))
-    assert main(["gc", "--board", f"file://{tmp_path}", "--run", "r1", "--keep-last", "1",
-                 "--dry-run"]) == 0
+    assert (
+        main(
+            ["gc", "--board", f"file://{tmp_path}", "--run", "r1", "--keep-last", "1", "--dry-run"]
+        )
+        == 0
+    )
     assert "would delete 10 versions" in capsys.readouterr().out
     assert b.versions("r1") == list(range(12))
     assert main(["gc", "--board", f"file://{tmp_path}", "--run", "r1", "--keep-last", "1"]) == 0
@@ -255,8 +281,15 @@ class _CountingGets:
 
 
 def _pointer(run: str, version: object, **over: object) -> bytes:
-    doc = {"run": run, "version": version, "manifest": version_key(run, version)  # type: ignore[arg-type]
-           if isinstance(version, int) else "x", "target": D, **over}
+    doc = {
+        "run": run,
+        "version": version,
+        "manifest": version_key(run, version)  # type: ignore[arg-type]
+        if isinstance(version, int)
+        else "x",
+        "target": D,
+        **over,
+    }
     return json.dumps(doc).encode()
 
 
@@ -300,20 +333,21 @@ _BAD_LATEST = [
     b'{"run": "r1", "version": 3.0}',
     b'{"run": "r1", "version": {"n": 3}}',
     b'{"run": {"r1": 1}, "version": 3}',
-    b'{"run": "r1", "version": [' * 5000 + b']' * 5000 + b'}',
-    b'[' * 100_000,
+    b'{"run": "r1", "version": [' * 5000 + b"]" * 5000 + b"}",
+    b"[" * 100_000,
     b'"\\ud800"',
-    b'\xff',
+    b"\xff",
     b'{"run": "r1", "version": 3, "manifest": "runs/r1/versions/000000000002.json"}',
-    (b'{"run": "r1", "version": 3, "manifest": "runs/r1/versions/000000000003.json", '
-     b'"target": {"a": 1}}'),
+    (
+        b'{"run": "r1", "version": 3, "manifest": "runs/r1/versions/000000000003.json", '
+        b'"target": {"a": 1}}'
+    ),
     b" " * (1 << 20),
 ]
 
 
 @pytest.mark.parametrize("raw", _BAD_LATEST, ids=[f"bad{i}" for i in range(len(_BAD_LATEST))])
-def test_bad_latest_is_refused_clearly_and_repair_is_honoured(board: Board,
-                                                               raw: bytes) -> None:
+def test_bad_latest_is_refused_clearly_and_repair_is_honoured(board: Board, raw: bytes) -> None:
     for n in range(4):
         _publish(board, "r1", n, keyframe=n == 0)
     board.store.put(pointer_key("r1"), raw, if_absent=False)
@@ -325,7 +359,12 @@ def test_bad_latest_is_refused_clearly_and_repair_is_honoured(board: Board,
 
 def test_listing_ignores_keys_that_are_not_version_numbers(board: Board) -> None:
     _publish(board, "r1", 0, keyframe=True)
-    for odd in ("versions/²³.json", "versions/12.txt", "versions/-1.json", "keyframes/x",
-                "keyframes/٣"):
+    for odd in (
+        "versions/²³.json",
+        "versions/12.txt",
+        "versions/-1.json",
+        "keyframes/x",
+        "keyframes/٣",
+    ):
         board.store.put(f"runs/r1/{odd}", b"")
     assert board.versions("r1") == [0] and board.keyframes("r1") == [0]

@@ -21,13 +21,12 @@ def _masters(seed: int, step: float = 0.0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     out = {
         "model.embed_tokens.weight": rng.standard_normal((64, 128)).astype(np.float32) * 0.02,
-        "model.layers.0.mlp.up_proj.weight":
-            rng.standard_normal((256, 128)).astype(np.float32) * 0.02,
+        "model.layers.0.mlp.up_proj.weight": rng.standard_normal((256, 128)).astype(np.float32)
+        * 0.02,
         "model.layers.0.input_layernorm.weight": np.ones(128, dtype=np.float32),
     }
     noise = np.random.default_rng(seed)
-    return {k: v + step * noise.standard_normal(v.shape).astype(np.float32)
-            for k, v in out.items()}
+    return {k: v + step * noise.standard_normal(v.shape).astype(np.float32) for k, v in out.items()}
 
 
 def _save_masters(path: Path, masters: dict[str, np.ndarray]) -> None:
@@ -35,8 +34,9 @@ def _save_masters(path: Path, masters: dict[str, np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3-block128", "nvfp4", "int4-g128"])
-def test_cast_diff_apply_inspect(tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
-                                 ) -> None:
+def test_cast_diff_apply_inspect(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
     _save_masters(old, _masters(1))
     _save_masters(new, _masters(2, step=1e-3))
@@ -61,32 +61,67 @@ def test_diff_of_views(tmp_path: Path) -> None:
     b = cast_view(_masters(3, step=1e-3), "bf16")
     save_view(a, tmp_path / "a.safetensors")
     save_view(b, tmp_path / "b.safetensors")
-    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
-                 "--views", "-o", str(tmp_path / "p")]) == 0
-    assert main(["apply", str(tmp_path / "a.safetensors"), str(tmp_path / "p"), "-o",
-                 str(tmp_path / "o.safetensors")]) == 0
+    assert (
+        main(
+            [
+                "diff",
+                str(tmp_path / "a.safetensors"),
+                str(tmp_path / "b.safetensors"),
+                "--views",
+                "-o",
+                str(tmp_path / "p"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "apply",
+                str(tmp_path / "a.safetensors"),
+                str(tmp_path / "p"),
+                "-o",
+                str(tmp_path / "o.safetensors"),
+            ]
+        )
+        == 0
+    )
     assert load_view(tmp_path / "o.safetensors").digest() == b.digest()
 
 
-def test_apply_refuses_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                          ) -> None:
+def test_apply_refuses_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a = cast_view(_masters(1), "bf16")
     b = cast_view(_masters(4, step=1e-3), "bf16")
     c = cast_view(_masters(5, step=1e-3), "bf16")
     for name, v in (("a", a), ("b", b), ("c", c)):
         save_view(v, tmp_path / f"{name}.safetensors")
-    assert main(["diff", str(tmp_path / "b.safetensors"), str(tmp_path / "c.safetensors"),
-                 "--views", "-o", str(tmp_path / "bc")]) == 0
+    assert (
+        main(
+            [
+                "diff",
+                str(tmp_path / "b.safetensors"),
+                str(tmp_path / "c.safetensors"),
+                "--views",
+                "-o",
+                str(tmp_path / "bc"),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "out.safetensors"
-    assert main(["apply", str(tmp_path / "a.safetensors"), str(tmp_path / "bc"), "-o",
-                 str(out)]) == 2
+    assert (
+        main(["apply", str(tmp_path / "a.safetensors"), str(tmp_path / "bc"), "-o", str(out)]) == 2
+    )
     assert "not this patch's base" in capsys.readouterr().err
     assert not out.exists()
     blob = bytearray((tmp_path / "bc").read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     (tmp_path / "bad").write_bytes(bytes(blob))
-    assert main(["apply", str(tmp_path / "b.safetensors"), str(tmp_path / "bad"), "-o",
-                 str(out)]) == 2
+    assert (
+        main(["apply", str(tmp_path / "b.safetensors"), str(tmp_path / "bad"), "-o", str(out)]) == 2
+    )
     assert not out.exists()
 
 
@@ -101,28 +136,53 @@ def test_torch_checkpoint_input(tmp_path: Path) -> None:
 
 
 def test_console_script_subprocess(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "rollpatch", "inspect",
-                          str(Path(__file__).parent / "golden" / "v1" / "step.rpatch")],
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollpatch",
+            "inspect",
+            str(Path(__file__).parent / "golden" / "v1" / "step.rpatch"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert "rp.ctxgolomb.v1" in res.stdout
-    res = subprocess.run([sys.executable, "-m", "rollpatch", "inspect", str(tmp_path / "none")],
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "rollpatch", "inspect", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert res.returncode == 2 and "No such file" in res.stderr and "Traceback" not in res.stderr
 
 
 # -- hostile input (issue 11) -------------------------------------------------------------------
 
 
-def test_inspect_escapes_control_characters_in_names(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_escapes_control_characters_in_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     evil = "w\x1b]0;pwned\x07\x1b[2J\u2028"
     a = cast_view({evil: _masters(1)["model.embed_tokens.weight"]}, "bf16")
     b = cast_view({evil: _masters(6, step=1e-2)["model.embed_tokens.weight"]}, "bf16")
     save_view(a, tmp_path / "a.safetensors")
     save_view(b, tmp_path / "b.safetensors")
-    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
-                 "--views", "-o", str(tmp_path / "p")]) == 0
+    assert (
+        main(
+            [
+                "diff",
+                str(tmp_path / "a.safetensors"),
+                str(tmp_path / "b.safetensors"),
+                "--views",
+                "-o",
+                str(tmp_path / "p"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
@@ -148,41 +208,91 @@ def test_key_files_are_read_the_same_way_everywhere(tmp_path: Path) -> None:
             call(str(tmp_path / bad))
 
 
-def test_pull_and_publish_share_the_key_file_rule(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_pull_and_publish_share_the_key_file_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ckpt = tmp_path / "m.safetensors"
     _save_masters(ckpt, _masters(1))
     board = f"file://{tmp_path / 'board'}"
     assert main(["keygen", "-o", str(tmp_path / "pub")]) == 0
     key, root = tmp_path / "pub.key", tmp_path / "root.json"
-    assert main(["root", "--board", board, "--key", str(tmp_path / "pub.pub"),
-                 "--sign", str(key), "-o", str(root)]) == 0
+    assert (
+        main(
+            [
+                "root",
+                "--board",
+                board,
+                "--key",
+                str(tmp_path / "pub.pub"),
+                "--sign",
+                str(key),
+                "-o",
+                str(root),
+            ]
+        )
+        == 0
+    )
     key.write_bytes(b"\n  " + key.read_bytes() + b"\r\n")  # surrounding whitespace: ignored
     root.write_bytes(root.read_bytes() + b"\n\n")
-    assert main(["publish", str(ckpt), "--board", board, "--run", "r1",
-                 "--signing-key", str(key)]) == 0
-    assert main(["pull", "--board", board, "--run", "r1", "--trust", str(root),
-                 "--trust-state", str(tmp_path / "state.json"),
-                 "-o", str(tmp_path / "out.safetensors")]) == 0
+    assert (
+        main(["publish", str(ckpt), "--board", board, "--run", "r1", "--signing-key", str(key)])
+        == 0
+    )
+    assert (
+        main(
+            [
+                "pull",
+                "--board",
+                board,
+                "--run",
+                "r1",
+                "--trust",
+                str(root),
+                "--trust-state",
+                str(tmp_path / "state.json"),
+                "-o",
+                str(tmp_path / "out.safetensors"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     root.write_bytes(b"\n")
-    assert main(["pull", "--board", board, "--run", "r1", "--trust", str(root),
-                 "-o", str(tmp_path / "out2.safetensors")]) == 2
+    assert (
+        main(
+            [
+                "pull",
+                "--board",
+                board,
+                "--run",
+                "r1",
+                "--trust",
+                str(root),
+                "-o",
+                str(tmp_path / "out2.safetensors"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trust root" in err[0], err
 
 
-@pytest.mark.parametrize("header", [b"[" * 100_000, b'{"w": {"dtype": {"a": 1}}}',
-                                    b'{"\\ud800": 1}', b'{"a": NaN}'])
-def test_bad_safetensors_input_exits_2_with_one_line(tmp_path: Path, header: bytes,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "header", [b"[" * 100_000, b'{"w": {"dtype": {"a": 1}}}', b'{"\\ud800": 1}', b'{"a": NaN}']
+)
+def test_bad_safetensors_input_exits_2_with_one_line(
+    tmp_path: Path, header: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(len(header).to_bytes(8, "little") + header)
     good = tmp_path / "good.safetensors"
     save_view(cast_view(_masters(1), "bf16"), good)
-    for argv in (["diff", str(bad), str(good), "--views", "-o", str(tmp_path / "p")],
-                 ["cast", str(bad), "-o", str(tmp_path / "v")],
-                 ["publish", str(bad), "--board", f"file://{tmp_path / 'b'}", "--run", "r1"]):
+    for argv in (
+        ["diff", str(bad), str(good), "--views", "-o", str(tmp_path / "p")],
+        ["cast", str(bad), "-o", str(tmp_path / "v")],
+        ["publish", str(bad), "--board", f"file://{tmp_path / 'b'}", "--run", "r1"],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("rollpatch: error:"), (argv, err)

@@ -24,11 +24,18 @@ from rollpatch.store import open_store
 
 def _rollpatch(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
     """Run the CLI in a fresh interpreter; ``pre`` runs first, then ``post`` after main."""
-    code = (f"import sys\n{pre}\nfrom rollpatch.cli import main\nrc = main(sys.argv[1:])\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') "
-            "if m in sys.modules)\nprint('HEAVY', heavy, file=sys.stderr)\nsys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=120, check=False)
+    code = (
+        f"import sys\n{pre}\nfrom rollpatch.cli import main\nrc = main(sys.argv[1:])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') "
+        "if m in sys.modules)\nprint('HEAVY', heavy, file=sys.stderr)\nsys.exit(rc)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -55,71 +62,110 @@ def board_dir(tmp_path: Path) -> Path:
     return d
 
 
-def test_status_of_a_typo_board_creates_nothing_and_fails(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]
-                                                          ) -> None:
+def test_status_of_a_typo_board_creates_nothing_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     typo = tmp_path / "bord"
     assert f"no board at {typo}" in _refused(capsys, "status", "--board", str(typo))
     assert "no board at" in _refused(capsys, "status", "--board", typo.as_uri())
-    for cmd in (("pull", "--board", str(typo), "--run", "r", "-o", str(tmp_path / "v")),
-                ("gc", "--board", str(typo), "--run", "r", "--keep-last", "2")):
+    for cmd in (
+        ("pull", "--board", str(typo), "--run", "r", "-o", str(tmp_path / "v")),
+        ("gc", "--board", str(typo), "--run", "r", "--keep-last", "2"),
+    ):
         assert "no board at" in _refused(capsys, *cmd)
     assert not typo.exists()
 
 
-def test_unknown_board_scheme_is_named(board_dir: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    for cmd in (("status", "--board", "fle:///data/board"),
-                ("sidecar", "--board", "ftp://host/b", "--run", "r", "--model", "m"),
-                ("relay", "--board", "sftp://x", "--cache", str(board_dir / "c"))):
+def test_unknown_board_scheme_is_named(board_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in (
+        ("status", "--board", "fle:///data/board"),
+        ("sidecar", "--board", "ftp://host/b", "--run", "r", "--model", "m"),
+        ("relay", "--board", "sftp://x", "--cache", str(board_dir / "c")),
+    ):
         assert "unknown board scheme" in _refused(capsys, *cmd)
     assert "needs a bucket" in _refused(capsys, "status", "--board", "s3:///x")
 
 
-def test_port_in_use_is_named_before_anything_heavy_loads(board_dir: Path, busy_port: int,
-                                                          tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]
-                                                          ) -> None:
+def test_port_in_use_is_named_before_anything_heavy_loads(
+    board_dir: Path, busy_port: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = tmp_path / "model"
     model.mkdir()  # not a loadable model: the port must be refused before any load
     # a fresh interpreter: the refusal comes before torch, transformers or the web stack
-    r = _rollpatch("sidecar", "--board", str(board_dir), "--run", "r", "--model", str(model),
-                   "--port", str(busy_port))
+    r = _rollpatch(
+        "sidecar",
+        "--board",
+        str(board_dir),
+        "--run",
+        "r",
+        "--model",
+        str(model),
+        "--port",
+        str(busy_port),
+    )
     assert r.returncode == EXIT_REFUSED
     assert f"port {busy_port} on 127.0.0.1 is already in use" in r.stderr
     assert "HEAVY []" in r.stderr and "Traceback" not in r.stderr
-    for cmd in (("relay", "--board", str(board_dir), "--cache", str(tmp_path / "c"),
-                 "--port", str(busy_port)),
-                ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", str(busy_port))):
+    for cmd in (
+        (
+            "relay",
+            "--board",
+            str(board_dir),
+            "--cache",
+            str(tmp_path / "c"),
+            "--port",
+            str(busy_port),
+        ),
+        ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", str(busy_port)),
+    ):
         assert f"port {busy_port}" in _refused(capsys, *cmd)
 
 
-def test_model_must_be_a_local_directory(board_dir: Path, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_must_be_a_local_directory(
+    board_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # a hub-style name that is not a local directory: refused, the hub is never asked
     hub = "Qwen/Qwen3-0.6B"
-    line = _refused(capsys, "sidecar", "--board", str(board_dir), "--run", "r", "--model",
-                    hub, "--port", "0")
+    line = _refused(
+        capsys, "sidecar", "--board", str(board_dir), "--run", "r", "--model", hub, "--port", "0"
+    )
     assert f"no model directory at {hub}" in line and "never downloads" in line
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = _refused(capsys, "sidecar", "--board", str(board_dir), "--run", "r", "--model",
-                    str(empty), "--port", "0")
+    line = _refused(
+        capsys,
+        "sidecar",
+        "--board",
+        str(board_dir),
+        "--run",
+        "r",
+        "--model",
+        str(empty),
+        "--port",
+        "0",
+    )
     assert "has no config.json" in line
 
 
-@pytest.mark.parametrize(("hidden", "cmd", "extra"), [
-    ("fastapi", ("sidecar", "--run", "r", "--model", "m"), "reference"),
-    ("torch", ("sidecar", "--run", "r", "--model", "m"), "reference"),
-    ("uvicorn", ("relay", "--cache", "c"), "web"),
-    ("fastapi", ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", "0"), "web"),
-    ("boto3", ("status", "--board", "s3://bucket/prefix"), "s3"),
-    ("transformers", ("demo", "--steps", "1", "--out", "unused"), "reference"),
-])
-def test_missing_extra_is_one_line_naming_it(board_dir: Path, hidden: str,
-                                             cmd: tuple[str, ...], extra: str,
-                                             monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("hidden", "cmd", "extra"),
+    [
+        ("fastapi", ("sidecar", "--run", "r", "--model", "m"), "reference"),
+        ("torch", ("sidecar", "--run", "r", "--model", "m"), "reference"),
+        ("uvicorn", ("relay", "--cache", "c"), "web"),
+        ("fastapi", ("gateway", "--sidecar", "http://127.0.0.1:9", "--port", "0"), "web"),
+        ("boto3", ("status", "--board", "s3://bucket/prefix"), "s3"),
+        ("transformers", ("demo", "--steps", "1", "--out", "unused"), "reference"),
+    ],
+)
+def test_missing_extra_is_one_line_naming_it(
+    board_dir: Path,
+    hidden: str,
+    cmd: tuple[str, ...],
+    extra: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     if "--board" not in cmd and cmd[0] not in ("gateway", "demo"):
         cmd = (*cmd, "--board", str(board_dir))
     # what "not installed" means to the check: the import system cannot find the module
@@ -130,8 +176,16 @@ def test_missing_extra_is_one_line_naming_it(board_dir: Path, hidden: str,
 
 
 def test_missing_extra_in_a_fresh_interpreter(board_dir: Path) -> None:
-    r = _rollpatch("sidecar", "--board", str(board_dir), "--run", "r", "--model", "m",
-                   pre="sys.modules['fastapi'] = None")
+    r = _rollpatch(
+        "sidecar",
+        "--board",
+        str(board_dir),
+        "--run",
+        "r",
+        "--model",
+        "m",
+        pre="sys.modules['fastapi'] = None",
+    )
     assert r.returncode == EXIT_REFUSED and "Traceback" not in r.stderr
     assert "pip install 'rollpatch[reference]'" in r.stderr
 
@@ -145,6 +199,7 @@ def test_netem_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # -- structured logs ---------------------------------------------------------------------------
+
 
 @pytest.fixture
 def rollpatch_logger() -> Iterator[None]:
@@ -164,7 +219,7 @@ def test_events_as_json_lines_and_text() -> None:
     configure("info", "json", stream=out)
     log = logging.getLogger("rollpatch.sidecar")
     event(log, "commit", run="grpo", version=41, pause_s=0.003)
-    event(log, "detail", logging.DEBUG, x=1)            # below the level: not written
+    event(log, "detail", logging.DEBUG, x=1)  # below the level: not written
     log.warning("plain %s", "text")
     try:
         raise ValueError("bad bits")
@@ -172,14 +227,20 @@ def test_events_as_json_lines_and_text() -> None:
         log.exception("sync failed")
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [x["event"] for x in lines] == ["commit", "log", "log"]
-    assert lines[0] | {"ts": None} == {"ts": None, "level": "info", "logger": "rollpatch.sidecar",
-                                       "event": "commit", "run": "grpo", "version": 41,
-                                       "pause_s": 0.003}
+    assert lines[0] | {"ts": None} == {
+        "ts": None,
+        "level": "info",
+        "logger": "rollpatch.sidecar",
+        "event": "commit",
+        "run": "grpo",
+        "version": 41,
+        "pause_s": 0.003,
+    }
     assert lines[1]["message"] == "plain text" and lines[1]["level"] == "warning"
     assert lines[2]["error"] == "ValueError: bad bits" and "traceback" not in lines[2]
 
     out = io.StringIO()
-    configure("debug", "text", stream=out)              # replaces the JSON handler
+    configure("debug", "text", stream=out)  # replaces the JSON handler
     event(log, "refused", status=409, reason="older than served")
     text = out.getvalue()
     assert text.count("\n") == 1
@@ -197,9 +258,26 @@ def test_relay_logs_fetches_as_json(tmp_path: Path) -> None:
     with Publisher(board_uri, "r", PublisherConfig(format="bf16")) as pub:
         pub.publish(masters)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollpatch", "relay", "--board", board_uri, "--cache",
-         str(tmp_path / "cache"), "--port", "0", "--log-level", "info", "--log-format", "json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "rollpatch",
+            "relay",
+            "--board",
+            board_uri,
+            "--cache",
+            str(tmp_path / "cache"),
+            "--port",
+            "0",
+            "--log-level",
+            "info",
+            "--log-format",
+            "json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

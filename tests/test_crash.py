@@ -35,8 +35,12 @@ def _kill_worker(board_dir: Path, rng: random.Random, trial: int) -> None:
     env = dict(os.environ, ROLLPATCH_CRASH_STAGE_SLEEP="0.01" if trial % 2 else "0")
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(board_dir), RUN], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(board_dir), RUN],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         if trial % 5 == 0:  # anywhere from interpreter start through resume
             time.sleep(rng.uniform(0.0, 0.6))
@@ -68,8 +72,9 @@ def _check_board(board_dir: Path, verified: set[int]) -> tuple[int | None, bool]
         return None, bool(ahead)
     m = board.manifest(RUN, latest.version)
     assert m.target == latest.target
-    assert {v for v in versions if board.manifest(RUN, v).is_keyframe
-            and v <= latest.version} <= set(board.keyframes(RUN))
+    assert {
+        v for v in versions if board.manifest(RUN, v).is_keyframe and v <= latest.version
+    } <= set(board.keyframes(RUN))
     view = reconstruct(board, RUN, latest.version)
     assert view.digest() == latest.target
     assert view.digest() == cast_view(masters_for(latest.version), "bf16").digest()
@@ -103,8 +108,10 @@ def test_kill_9_anywhere_leaves_a_consistent_board(tmp_path: Path) -> None:
         progress.append((latest or -1) - (last if last is not None else -1))
         last = _resume_and_publish(board_dir)
     assert sum(p > 0 for p in progress) >= TRIALS // 5, "the workers hardly published"
-    print(f"{TRIALS} kills: {len(verified)} versions verified, {ahead_seen} rolled forward, "
-          f"{sum(p > 0 for p in progress)} trials published")
+    print(
+        f"{TRIALS} kills: {len(verified)} versions verified, {ahead_seen} rolled forward, "
+        f"{sum(p > 0 for p in progress)} trials published"
+    )
 
 
 def test_corrupt_or_truncated_objects_are_refused(tmp_path: Path) -> None:

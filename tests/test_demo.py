@@ -49,14 +49,16 @@ class FakeClock:
             self.now += seconds
 
 
-def _throttled(name: str, bps: float | None, latency: float,
-               clock: FakeClock) -> tuple[MemoryStore, ThrottledStore]:
+def _throttled(
+    name: str, bps: float | None, latency: float, clock: FakeClock
+) -> tuple[MemoryStore, ThrottledStore]:
     MemoryStore.reset(name)
     inner = MemoryStore(name)
     return inner, ThrottledStore(inner, bps, latency, clock=clock.clock, sleep=clock.sleep)
 
 
 # -- ThrottledStore ------------------------------------------------------------------------------
+
 
 def test_throttle_latency_only() -> None:
     clock = FakeClock()
@@ -89,14 +91,14 @@ def test_fair_link_shares_bandwidth() -> None:
     assert link.done(1) and link.done(2)
 
     link.add(3, 1e6, 10.0)
-    link.add(4, 1e6, 10.5)                     # 3 has 0.5 MB left when 4 arrives
+    link.add(4, 1e6, 10.5)  # 3 has 0.5 MB left when 4 arrives
     assert link.eta(3) == pytest.approx(1.0)
     link.advance(11.5)
     assert link.done(3) and not link.done(4)
-    assert link.eta(4) == pytest.approx(0.5)   # alone again: full rate
+    assert link.eta(4) == pytest.approx(0.5)  # alone again: full rate
 
     link.add(5, 1e6, 20.0)
-    link.add(6, 1_000, 20.1)                   # a small read is not stuck behind a big one
+    link.add(6, 1_000, 20.1)  # a small read is not stuck behind a big one
     assert link.eta(6) == pytest.approx(0.002)
     link.advance(20.102)
     assert link.done(6) and not link.done(5)
@@ -105,11 +107,11 @@ def test_fair_link_shares_bandwidth() -> None:
 def test_throttle_writes_lists_and_failures() -> None:
     clock = FakeClock()
     inner, link = _throttled("thr-misc", 8e6, 0.01, clock)
-    link.put("k/1", bytes(100_000))          # 0.01 + 0.1 s
+    link.put("k/1", bytes(100_000))  # 0.01 + 0.1 s
     assert inner.get("k/1") == bytes(100_000)
-    assert link.list("k/") == ["k/1"]        # 4 bytes of keys: latency dominates
+    assert link.list("k/") == ["k/1"]  # 4 bytes of keys: latency dominates
     with pytest.raises(NotFoundError):
-        link.get("k/missing")                # a failure still pays its round trip
+        link.get("k/missing")  # a failure still pays its round trip
     assert link.head("k/1") is not None
     s = link.stats
     assert (s.calls, s.bytes_up, s.bytes_down) == (4, 100_000, 4)
@@ -127,14 +129,16 @@ def test_throttle_real_clock_holds_at_least_the_latency() -> None:
     assert time.monotonic() - t0 >= 0.02  # a lower bound only: sleeps never end early
 
 
-@pytest.mark.parametrize("bps, latency", [(0, 0.1), (-1, 0.1), (1e6, -0.1),
-                                          (float("nan"), 0.0), (True, 0.0)])
+@pytest.mark.parametrize(
+    "bps, latency", [(0, 0.1), (-1, 0.1), (1e6, -0.1), (float("nan"), 0.0), (True, 0.0)]
+)
 def test_throttle_rejects_bad_settings(bps: float, latency: float) -> None:
     with pytest.raises(ConfigError):
         ThrottledStore(MemoryStore("thr-bad"), bps, latency)
 
 
 # -- GRPO math ---------------------------------------------------------------------------------
+
 
 def test_group_advantages() -> None:
     adv = group_advantages([1, 0, 0, 0], eps=0.0)
@@ -171,8 +175,18 @@ def test_clipped_surrogate_torch_gradients() -> None:
 
 
 def _rollout(group: int, version: int, island: str = "local", reward: float = 0.0) -> Rollout:
-    return Rollout(group=group, digit=1, prompt=(0, 1), seed=group, token=5, logprob=-2.3,
-                   version_start=version, version_end=version, island=island, reward=reward)
+    return Rollout(
+        group=group,
+        digit=1,
+        prompt=(0, 1),
+        seed=group,
+        token=5,
+        logprob=-2.3,
+        version_start=version,
+        version_end=version,
+        island=island,
+        reward=reward,
+    )
 
 
 def test_split_by_lag_keeps_or_drops_whole_groups() -> None:
@@ -192,11 +206,16 @@ def test_request_seeds_are_distinct_and_reproducible() -> None:
 
 
 def test_pick_sample_spreads_over_islands_and_versions() -> None:
-    rs = [_rollout(i, v, isl) for i, (v, isl) in enumerate(
-        [(v, isl) for v in range(4) for isl in ("local", "eu") for _ in range(5)])]
+    rs = [
+        _rollout(i, v, isl)
+        for i, (v, isl) in enumerate(
+            [(v, isl) for v in range(4) for isl in ("local", "eu") for _ in range(5)]
+        )
+    ]
     sample = pick_sample(rs, 8)
-    assert {(r.island, r.version) for r in sample} == {(i, v) for i in ("local", "eu")
-                                                       for v in range(4)}
+    assert {(r.island, r.version) for r in sample} == {
+        (i, v) for i in ("local", "eu") for v in range(4)
+    }
     assert pick_sample(rs, 0) == rs
 
 
@@ -209,9 +228,11 @@ def test_density_beside_the_reward(tmp_path: Path) -> None:
     m = Monitor(DemoConfig(out=str(tmp_path)), (tmp_path / "board").as_uri(), [])
     assert density(m) == "changed -  patch -"
     m.ready = {"n_elements": 1000, "full_view_bytes": 2000}
-    m.published = {0: {"changed": 0, "patch_bytes": 0},
-                   1: {"changed": 25, "patch_bytes": 30},
-                   2: {"changed": 20, "patch_bytes": 18}}
+    m.published = {
+        0: {"changed": 0, "patch_bytes": 0},
+        1: {"changed": 25, "patch_bytes": 30},
+        2: {"changed": 20, "patch_bytes": 18},
+    }
     assert density(m) == "v2 changed 2.0% patch 0.9%"
 
 
@@ -223,7 +244,7 @@ def test_config_validates_and_round_trips() -> None:
     with pytest.raises(ConfigError):
         DemoConfig(format="nvfp4")  # the reference engine cannot serve it
     with pytest.raises(ConfigError):
-        DemoConfig(engine="vllm")   # needs one URL per island
+        DemoConfig(engine="vllm")  # needs one URL per island
     real = DemoConfig(regime="real", lr=2e-6)
     assert DemoConfig.from_json(real.to_json()) == real
     with pytest.raises(ConfigError, match="regime"):
@@ -254,10 +275,28 @@ def test_real_regime_warm_up_is_supervised_on_the_task(tmp_path: Path) -> None:
 
 # -- end to end --------------------------------------------------------------------------------
 
+
 def _demo_argv(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rollpatch", "demo", "--no-live", "--out", str(out),
-            "--hidden", "64", "--prompts-per-step", "8", "--group-size", "4",
-            "--wan-mbps", "20", "--wan-latency-ms", "50", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "rollpatch",
+        "demo",
+        "--no-live",
+        "--out",
+        str(out),
+        "--hidden",
+        "64",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--wan-mbps",
+        "20",
+        "--wan-latency-ms",
+        "50",
+        *extra,
+    ]
 
 
 def _children_of(marker: str) -> list[int]:
@@ -279,8 +318,13 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "demo"
     report_path = tmp_path / "report.json"
-    proc = subprocess.run(_demo_argv(out, "--steps", "4", "--json", str(report_path)),
-                          capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        _demo_argv(out, "--steps", "4", "--json", str(report_path)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(report_path.read_text())
     assert r["ok"] is True
@@ -310,8 +354,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     from rollpatch.trust import Trust
 
     assert r["config"]["sign"] is True
-    board = Board((out / "board").as_uri(), trust=Trust((out / "trust" / "root.json")
-                                                        .read_bytes()))
+    board = Board((out / "board").as_uri(), trust=Trust((out / "trust" / "root.json").read_bytes()))
     assert all(board.signed("demo", n) for n in range(5))
     assert board.latest("demo").version == 4 and board.manifest("demo", 4).version == 4
 
@@ -320,8 +363,12 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 def test_demo_interrupt_stops_every_process(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "demo-int"
-    proc = subprocess.Popen(_demo_argv(out, "--steps", "200"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        _demo_argv(out, "--steps", "200"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # interrupt in the middle of training

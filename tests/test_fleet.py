@@ -17,8 +17,15 @@ from _fleet_model import Costs, Link, load_costs
 from _fleet_scenarios import frontier
 from _fleet_sim import _pipeline, _TtlCache, simulate
 
-COSTS = Costs(format="fp8-e4m3-block128", enc=(1e-9, 1e-7), dec=(1e-9, 1e-7),
-              xor_enc=(1e-9, 5e-8), xor_dec=(1e-9, 1e-8), xor_ratio=3.0, blake3_Bps=1e9)
+COSTS = Costs(
+    format="fp8-e4m3-block128",
+    enc=(1e-9, 1e-7),
+    dec=(1e-9, 1e-7),
+    xor_enc=(1e-9, 5e-8),
+    xor_dec=(1e-9, 1e-8),
+    xor_ratio=3.0,
+    blake3_Bps=1e9,
+)
 
 
 def small(**kw: object):
@@ -45,10 +52,10 @@ def test_pipeline_matches_a_loop() -> None:
 
 def test_ttl_cache_joins_flights_and_expires() -> None:
     c = _TtlCache(ttl=0.5, rtt=0.2)
-    assert c.read(1.0) == pytest.approx((1.2, 1.1))      # miss: one round trip
-    assert c.read(1.1) == pytest.approx((1.2, 1.1))      # joins the flight
-    assert c.read(1.3) == pytest.approx((1.3, 1.1))      # hit, value as of the fetch
-    assert c.read(1.6)[1] == pytest.approx(1.7)          # expired (started + ttl): refetch
+    assert c.read(1.0) == pytest.approx((1.2, 1.1))  # miss: one round trip
+    assert c.read(1.1) == pytest.approx((1.2, 1.1))  # joins the flight
+    assert c.read(1.3) == pytest.approx((1.3, 1.1))  # hit, value as of the fetch
+    assert c.read(1.6)[1] == pytest.approx(1.7)  # expired (started + ttl): refetch
 
 
 def test_patch_run_invariants() -> None:
@@ -86,10 +93,19 @@ def test_full_broadcast_moves_whole_views() -> None:
 
 
 def test_costs_are_fitted_from_codec_rows(tmp_path: Path) -> None:
-    rows = [{"format": "bf16", "threads": 1, "transitions": 1, "view_bytes": 1000,
-             "patch_bytes": p, "xor1_bytes": 3 * p,
-             "enc_s": {"native": 1e-6 * (1 + p / 10), "xor1": 1e-6},
-             "dec_s": {"native": 2e-6, "xor1": 1e-6}} for p in (10, 20, 40)]
+    rows = [
+        {
+            "format": "bf16",
+            "threads": 1,
+            "transitions": 1,
+            "view_bytes": 1000,
+            "patch_bytes": p,
+            "xor1_bytes": 3 * p,
+            "enc_s": {"native": 1e-6 * (1 + p / 10), "xor1": 1e-6},
+            "dec_s": {"native": 2e-6, "xor1": 1e-6},
+        }
+        for p in (10, 20, 40)
+    ]
     path = tmp_path / "codec.json"
     path.write_text(__import__("json").dumps({"rows": rows}))
     c = load_costs([path], "bf16", blake3_Bps=1.0)

@@ -45,19 +45,21 @@ RUN = "rl"
 KEY = SigningKey.generate()
 ROOT = sign_root(Root.new([KEY.public]), [KEY])
 LAST = 23
-SHARDED = {20: True, 21: False}          # version -> has a (sharded) keyframe
-SKIPS = {8: 4, 12: 8}                    # version -> skip-patch base
+SHARDED = {20: True, 21: False}  # version -> has a (sharded) keyframe
+SKIPS = {8: 4, 12: 8}  # version -> skip-patch base
 FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=3, timeout_s=10.0)
 
 
 # -- publishing helper ---------------------------------------------------------------------
 
+
 def _first_view(rng: np.random.Generator) -> View:
     t = {}
     for i in range(6):
         w = (rng.standard_normal(4096) * 0.02).astype(np.float32)
-        t[f"layers.{i}.w"] = Tensor(KINDS["bf16"], (32, 128), (w.view(np.uint32) >> 16)
-                                    .astype(np.uint16))
+        t[f"layers.{i}.w"] = Tensor(
+            KINDS["bf16"], (32, 128), (w.view(np.uint32) >> 16).astype(np.uint16)
+        )
     t["layers.q"] = Tensor(KINDS["e4m3"], (64, 64), rng.integers(0, 120, 4096, dtype=np.uint8))
     t["layers.p"] = Tensor(KINDS["e2m1x2"], (16, 64), rng.integers(0, 256, 1024, dtype=np.uint8))
     return View(t)
@@ -79,22 +81,37 @@ def _shards(view: View, n: int) -> list[View]:
     return [View({k: view[k] for k in names[s::n]}) for s in range(n)]
 
 
-def publish(board: Board, version: int, views: dict[int, View], *, bases: tuple[int, ...],
-            keyframe: bool, shards: int = 1) -> None:
+def publish(
+    board: Board,
+    version: int,
+    views: dict[int, View],
+    *,
+    bases: tuple[int, ...],
+    keyframe: bool,
+    shards: int = 1,
+) -> None:
     """Publish ``views[version]``: patches from each of ``bases`` and/or a keyframe."""
     view = views[version]
     patches, kfs = [], []
     for b in bases:
         for s, (sb, st) in enumerate(zip(_shards(views[b], shards), _shards(view, shards))):
             blob = encode(diff(sb, st), sb)
-            patches.append(PatchObject(board.put_object(RUN, blob, "rpatch"), b,
-                                       views[b].digest(), s))
+            patches.append(
+                PatchObject(board.put_object(RUN, blob, "rpatch"), b, views[b].digest(), s)
+            )
     if keyframe:
         for s, part in enumerate(_shards(view, shards)):
             ref = board.put_object(RUN, view_to_bytes(part), "safetensors")
             kfs.append(KeyframeObject(ref, s))
-    m = make_manifest(RUN, version, target=view.digest(), view_bytes=view.nbytes,
-                      patches=tuple(patches), keyframes=tuple(kfs), shards=shards)
+    m = make_manifest(
+        RUN,
+        version,
+        target=view.digest(),
+        view_bytes=view.nbytes,
+        patches=tuple(patches),
+        keyframes=tuple(kfs),
+        shards=shards,
+    )
     board.put_manifest(m)
     board.advance(RUN, version)
 
@@ -114,8 +131,14 @@ def _build(last: int, key: SigningKey | None, seed: int) -> Published:
     for v in range(1, last + 1):
         pub.views[v] = _next_view(rng, pub.views[v - 1])
         bases = (v - 1, SKIPS[v]) if v in SKIPS else (v - 1,)
-        publish(board, v, pub.views, bases=bases, keyframe=SHARDED.get(v, False),
-                shards=2 if v in SHARDED else 1)
+        publish(
+            board,
+            v,
+            pub.views,
+            bases=bases,
+            keyframe=SHARDED.get(v, False),
+            shards=2 if v in SHARDED else 1,
+        )
     return pub
 
 
@@ -165,9 +188,11 @@ def _step_objects(board: Board, have: int | None, want: int, step: int) -> list[
 
 # -- catch-up, keyframes, skips, shards ------------------------------------------------------
 
+
 @pytest.mark.parametrize("behind", [1, 4, 16])
-def test_catch_up_is_bit_exact_in_one_commit(board: Board, published: Published,
-                                             behind: int) -> None:
+def test_catch_up_is_bit_exact_in_one_commit(
+    board: Board, published: Published, behind: int
+) -> None:
     engine = engine_at(published, LAST - behind)
     f = Follower(board, RUN, engine, FAST)
     commits: list[tuple[int, float]] = []
@@ -178,7 +203,12 @@ def test_catch_up_is_bit_exact_in_one_commit(board: Board, published: Published,
     assert [c[0] for c in commits] == [LAST]  # composed: one apply, one pause
     st = f.status()
     assert (st.state, st.version, st.latest, st.lag, st.commits) == (
-        FollowerState.IDLE, LAST, LAST, 0, 1)
+        FollowerState.IDLE,
+        LAST,
+        LAST,
+        0,
+        1,
+    )
     assert st.objects_fetched == f.last_plan.n_objects and st.bytes_fetched == f.last_plan.bytes
     assert st.last_fetch_s is not None and st.last_stage_s is not None
     # one pause figure: the gate's, reported by on_commit and the status alike
@@ -187,8 +217,9 @@ def test_catch_up_is_bit_exact_in_one_commit(board: Board, published: Published,
     assert f.sync() == LAST and f.status().commits == 1  # nothing to do
 
 
-def test_a_staging_engine_is_written_under_the_gate_only(board: Board, published: Published
-                                                         ) -> None:
+def test_a_staging_engine_is_written_under_the_gate_only(
+    board: Board, published: Published
+) -> None:
     """An engine that stages is asked to stage before the gate closes, and only to write
     (commit_staged) inside it; the commit is bit-exact and its digests need no re-hash."""
     from rollpatch.engines.staged import stage_patch
@@ -240,8 +271,7 @@ def test_skip_patches_used_when_cheaper(board: Board, published: Published) -> N
     assert f.sync(12) == 12
     assert f.last_plan is not None
     assert [(s.base, s.to) for s in f.last_plan.steps] == [(4, 8), (8, 12)]
-    chain = board.plan(RUN, 4, 5).bytes + sum(board.plan(RUN, v, v + 1).bytes
-                                                 for v in range(5, 12))
+    chain = board.plan(RUN, 4, 5).bytes + sum(board.plan(RUN, v, v + 1).bytes for v in range(5, 12))
     assert f.last_plan.bytes < chain
     assert_holds(f.engine, published.views[12])  # type: ignore[arg-type]
 
@@ -287,11 +317,14 @@ def test_background_follows_new_versions(board: Board, published: Published) -> 
 
 # -- self-healing --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("damage,error", [("flip", ObjectIntegrityError),
-                                          ("truncate", ObjectIntegrityError),
-                                          ("delete", NotFoundError)])
-def test_damaged_object_refused_then_recovered(board: Board, published: Published,
-                                               damage: str, error: type) -> None:
+
+@pytest.mark.parametrize(
+    "damage,error",
+    [("flip", ObjectIntegrityError), ("truncate", ObjectIntegrityError), ("delete", NotFoundError)],
+)
+def test_damaged_object_refused_then_recovered(
+    board: Board, published: Published, damage: str, error: type
+) -> None:
     engine = engine_at(published, 19)
     f = Follower(board, RUN, engine, FAST)
     key = _step_objects(board, 19, LAST, 1)[0]
@@ -385,8 +418,7 @@ def test_transient_store_failures_are_retried(board: Board, published: Published
     assert g.status().state is FollowerState.ERROR and g.engine.version == 7
 
 
-def test_engine_with_wrong_bits_reboots_from_keyframe(board: Board,
-                                                      published: Published) -> None:
+def test_engine_with_wrong_bits_reboots_from_keyframe(board: Board, published: Published) -> None:
     engine = engine_at(published, 19)
     engine.view["layers.0.w"].data[3] ^= 1  # behind the engine's back, digest recomputed
     engine.view.invalidate("layers.0.w")
@@ -398,7 +430,8 @@ def test_engine_with_wrong_bits_reboots_from_keyframe(board: Board,
 
 
 def test_stale_engine_digest_target_mismatch_rolls_back_then_reboots(
-        board: Board, published: Published) -> None:
+    board: Board, published: Published
+) -> None:
     engine = engine_at(published, 19)
     change = diff(published.views[19], published.views[LAST])
     name, tp = next((n, t) for n, t in change.tensors.items() if t.op == "delta")
@@ -503,6 +536,7 @@ def test_keyframe_failure_leaves_version_unknown(board: Board, published: Publis
 
 # -- signatures, limits, config ------------------------------------------------------------
 
+
 def test_signature_required_and_checked(signed: Published, published: Published) -> None:
     ok = Follower(_copy(signed), RUN, ViewEngine(), trust=Trust(ROOT))
     assert ok.sync() == 5
@@ -525,10 +559,20 @@ def test_max_stage_bytes_refuses_large_plans(board: Board, published: Published)
     assert f.status().objects_fetched == 0
 
 
-@pytest.mark.parametrize("field,value", [
-    ("poll_s", 0), ("poll_s", float("nan")), ("fetch_workers", 0), ("retries", -1),
-    ("retries", 1.5), ("backoff_s", -1), ("timeout_s", 0), ("max_stage_bytes", 0),
-    ("fetch_workers", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("poll_s", 0),
+        ("poll_s", float("nan")),
+        ("fetch_workers", 0),
+        ("retries", -1),
+        ("retries", 1.5),
+        ("backoff_s", -1),
+        ("timeout_s", 0),
+        ("max_stage_bytes", 0),
+        ("fetch_workers", True),
+    ],
+)
 def test_config_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         FollowerConfig(**{field: value})  # type: ignore[arg-type]
@@ -536,9 +580,12 @@ def test_config_validation_names_the_field(field: str, value: object) -> None:
 
 # -- overlay and memory --------------------------------------------------------------------
 
+
 def test_overlay_copies_only_touched_tensors(published: Published) -> None:
     views = published.views
-    v = next(i for i in range(LAST - 1) if len(diff(views[i], views[i + 1]).tensors) < len(views[i]))
+    v = next(
+        i for i in range(LAST - 1) if len(diff(views[i], views[i + 1]).tensors) < len(views[i])
+    )
     v0, v1, v2 = views[v], views[v + 1], views[v + 2]
     p1 = diff(v0, v1)
     ov = Overlay(v0, p1)
@@ -563,10 +610,18 @@ def test_overlay_copies_only_touched_tensors(published: Published) -> None:
 
 
 def test_overlay_drop_full_and_wrong_base() -> None:
-    a = View({"x": Tensor.from_array(np.arange(8, dtype=np.uint16), "u16"),
-              "y": Tensor.from_array(np.arange(4, dtype=np.uint16), "u16")})
-    b = View({"x": Tensor.from_array(np.arange(8, dtype=np.uint16) + 1, "u16"),
-              "z": Tensor.from_array(np.arange(3, dtype=np.uint32), "u32")})
+    a = View(
+        {
+            "x": Tensor.from_array(np.arange(8, dtype=np.uint16), "u16"),
+            "y": Tensor.from_array(np.arange(4, dtype=np.uint16), "u16"),
+        }
+    )
+    b = View(
+        {
+            "x": Tensor.from_array(np.arange(8, dtype=np.uint16) + 1, "u16"),
+            "z": Tensor.from_array(np.arange(3, dtype=np.uint32), "u32"),
+        }
+    )
     ov = Overlay(a, diff(a, b))
     assert "y" not in ov and "z" in ov and ov["z"].shape == (3,)
     with pytest.raises(KeyError):
@@ -604,8 +659,9 @@ class TrackingOverlay(Overlay):
             TrackingOverlay.live -= 1
 
 
-def test_catch_up_holds_patches_not_a_model_copy(board: Board, published: Published,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_catch_up_holds_patches_not_a_model_copy(
+    board: Board, published: Published, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rollpatch.follower import stage
 
     monkeypatch.setattr(stage, "Overlay", TrackingOverlay)
@@ -623,6 +679,7 @@ def test_catch_up_holds_patches_not_a_model_copy(board: Board, published: Publis
 
 
 # -- CLI -----------------------------------------------------------------------------------
+
 
 def test_cli_pull_round_trip(board: Board, published: Published, tmp_path, capsys) -> None:
     uri = board.store.uri
@@ -643,8 +700,9 @@ def test_cli_pull_refuses_with_exit_2(board: Board, tmp_path, capsys) -> None:
             data[-1] ^= 1
             board.store.put(obj.ref.key, bytes(data), if_absent=False)
     out = tmp_path / "v.safetensors"
-    code = main(["pull", "--board", board.store.uri, "--run", RUN, "--retries", "0",
-                 "-o", str(out)])
+    code = main(
+        ["pull", "--board", board.store.uri, "--run", RUN, "--retries", "0", "-o", str(out)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
     # one line per corrupt object it planned around (warnings), then the error, no traceback
@@ -660,8 +718,10 @@ def _set_latest(board: Board, raw: bytes | int) -> None:
     from rollpatch.board import pointer_key, version_key
 
     if isinstance(raw, int):
-        raw = (f'{{"run": "{RUN}", "version": {raw}, "manifest": "{version_key(RUN, raw)}", '
-               f'"target": "{"a" * 64}"}}').encode()
+        raw = (
+            f'{{"run": "{RUN}", "version": {raw}, "manifest": "{version_key(RUN, raw)}", '
+            f'"target": "{"a" * 64}"}}'
+        ).encode()
     board.store.put(pointer_key(RUN), raw, if_absent=False)
 
 
@@ -672,8 +732,9 @@ def _until(cond: object, what: str) -> None:
         time.sleep(0.01)
 
 
-def test_bad_latest_is_refused_and_a_repaired_one_honoured(board: Board,
-                                                           published: Published) -> None:
+def test_bad_latest_is_refused_and_a_repaired_one_honoured(
+    board: Board, published: Published
+) -> None:
     from rollpatch.errors import VersionNotFoundError
 
     follower = Follower(board, RUN, ViewEngine(), FAST)

@@ -28,11 +28,15 @@ SECONDS = int(os.environ.get("ROLLPATCH_FUZZ_SECONDS", "20"))
 @pytest.fixture(scope="module")
 def fuzzers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """clang installed (scripts/fuzz-env) and both targets built; the work directory."""
-    env = subprocess.run([str(ROOT / "scripts" / "fuzz-env")], check=False, capture_output=True,
-                         text=True)
+    env = subprocess.run(
+        [str(ROOT / "scripts" / "fuzz-env")], check=False, capture_output=True, text=True
+    )
     if env.returncode:
-        pytest.fail(f"clang with libFuzzer is not available and scripts/fuzz-env could not "
-                    f"install it:\n{env.stderr.strip()}", pytrace=False)
+        pytest.fail(
+            f"clang with libFuzzer is not available and scripts/fuzz-env could not "
+            f"install it:\n{env.stderr.strip()}",
+            pytrace=False,
+        )
     work = tmp_path_factory.mktemp("fuzz")
     sys.path.insert(0, str(BENCH.parent))
     try:
@@ -45,18 +49,27 @@ def fuzzers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_seed_corpus_is_small_and_decodes(fuzzers: Path) -> None:
     files = sorted((SEEDS / "decode").iterdir())
-    assert sum(f.stat().st_size for t in ("decode", "roundtrip")
-               for f in (SEEDS / t).iterdir()) < 200_000
-    p = subprocess.run([str(fuzzers / "fuzz_decode"), *map(str, files)], check=False,
-                       capture_output=True, text=True, env={**os.environ, "FZ_VERBOSE": "1"})
+    assert (
+        sum(f.stat().st_size for t in ("decode", "roundtrip") for f in (SEEDS / t).iterdir())
+        < 200_000
+    )
+    p = subprocess.run(
+        [str(fuzzers / "fuzz_decode"), *map(str, files)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FZ_VERBOSE": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     outcomes = re.findall(r"Running: (\S+)\n(?:.*\n)*?fz: .* rc=(-?\d+) changed=(\d+)", p.stderr)
     got = {Path(name).name: (int(rc), int(k)) for name, rc, k in outcomes}
     assert set(got) == {f.name for f in files}
     for name, (rc, k) in got.items():
         if name.startswith("k"):  # real payloads: decode, with changes
-            assert rc == 0 and k > 0, f"seed {name} no longer decodes (rc={rc}): regenerate " \
-                                      f"with `python bench/fuzz_codec.py --make-corpus`"
+            assert rc == 0 and k > 0, (
+                f"seed {name} no longer decodes (rc={rc}): regenerate "
+                f"with `python bench/fuzz_codec.py --make-corpus`"
+            )
     assert got["edge-truncated"][0] == got["edge-no-payload"][0] == -2  # corrupt, refused
     assert got["edge-empty-chunk"] == (0, 0)
 
@@ -64,9 +77,21 @@ def test_seed_corpus_is_small_and_decodes(fuzzers: Path) -> None:
 def test_short_fuzz_campaign(fuzzers: Path) -> None:
     """~20 s per target: no crash, leak, timeout or sanitizer report; real coverage."""
     out = fuzzers / "result.json"
-    p = subprocess.run([sys.executable, str(BENCH), "--seconds", str(SECONDS), "--work",
-                        str(fuzzers), "--json", str(out)], check=False, capture_output=True,
-                       text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--seconds",
+            str(SECONDS),
+            "--work",
+            str(fuzzers),
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, f"fuzzing found a bug:\n{p.stdout}\n{p.stderr[-6000:]}"
     results = {r["target"]: r for r in json.loads(out.read_text())}
     assert set(results) == {"decode", "roundtrip"}

@@ -58,8 +58,9 @@ class World:
         self.oracle = ReferenceRuntime(self.model, threads=1)
         self.masters = {n: t.to_array().astype(np.float32) for n, t in self.oracle.view.items()}
         self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(self.board, "r1", PublisherConfig(keyframe_every=4),
-                                   asynchronous=False)
+        self.publisher = Publisher(
+            self.board, "r1", PublisherConfig(keyframe_every=4), asynchronous=False
+        )
         self.expected: dict[int, list[int]] = {}
         self.rng = np.random.default_rng(1)
         self.prompt_ids = self.oracle.tokenizer(PROMPT)["input_ids"]
@@ -74,8 +75,7 @@ class World:
                     noise = 0.05 * self.rng.standard_normal(int(mask.sum()))
                     m[mask] += noise.astype(np.float32)
         self.oracle.load_view(cast_view(self.masters, "bf16"))
-        steps = list(self.oracle.generate(self.prompt_ids, max_tokens=MAX_TOKENS,
-                                          temperature=0))
+        steps = list(self.oracle.generate(self.prompt_ids, max_tokens=MAX_TOKENS, temperature=0))
         v = self.publisher.publish(self.masters)
         self.publisher.flush()
         self.expected[v] = [s.token_id for s in steps]
@@ -83,8 +83,13 @@ class World:
 
     def sidecar(self) -> RunningSidecar:
         engine = ReferenceEngine.from_dir(self.model, threads=1)
-        return start_sidecar(self.board, "r1", engine, engine.url,
-                             config=SidecarConfig(follower=FollowerConfig(poll_s=0.05)))
+        return start_sidecar(
+            self.board,
+            "r1",
+            engine,
+            engine.url,
+            config=SidecarConfig(follower=FollowerConfig(poll_s=0.05)),
+        )
 
 
 def _served(gw: RunningGateway) -> dict[str, int | None]:
@@ -127,7 +132,8 @@ def _complete(client: openai.OpenAI, **rollpatch: Any) -> tuple[dict[str, Any], 
     if rollpatch:
         extra["rollpatch"] = rollpatch
     raw = client.completions.with_raw_response.create(
-        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra)
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+    )
     return raw.parse().model_dump(), dict(raw.headers)
 
 
@@ -140,6 +146,7 @@ def _check(world: World, body: dict[str, Any]) -> int:
 
 
 # ---- end to end -----------------------------------------------------------------------------
+
 
 def test_openai_client_and_island_report(gateway: RunningGateway, world: World) -> None:
     client = _client(gateway)
@@ -159,8 +166,9 @@ def test_openai_client_and_island_report(gateway: RunningGateway, world: World) 
     assert 'rollpatch_gateway_island_served_version{island="b"}' in text
 
 
-def test_routes_by_served_version(gateway: RunningGateway, islands: dict[str, RunningSidecar],
-                                  world: World) -> None:
+def test_routes_by_served_version(
+    gateway: RunningGateway, islands: dict[str, RunningSidecar], world: World
+) -> None:
     client = _client(gateway)
     old = world.publish()  # so that an older version (old - 1) exists too
     until(lambda: set(_served(gateway).values()) == {old}, "every island to move")
@@ -192,14 +200,22 @@ def test_routes_by_served_version(gateway: RunningGateway, islands: dict[str, Ru
 
 def test_streaming_through_gateway(gateway: RunningGateway, world: World) -> None:
     stream = _client(gateway).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
-        temperature=0, stream=True, extra_body={"rollpatch": {"max_lag": 0}})
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"rollpatch": {"max_lag": 0}},
+    )
     chunks = [c.model_dump() for c in stream]
     last = chunks[-1]["rollpatch"]
     assert last["island"] in ("a", "b", "c") and last["version_start"] == max(world.expected)
     assert all("rollpatch" not in c for c in chunks[:-1])
-    with httpx.stream("POST", f"{gateway.url}/v1/completions",
-                      json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{gateway.url}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 3, "stream": True},
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
         assert r.status_code == 200 and r.headers["x-rollpatch-island"] in ("a", "b", "c")
         assert r.headers["x-rollpatch-version-start"]
@@ -209,25 +225,29 @@ def test_streaming_through_gateway(gateway: RunningGateway, world: World) -> Non
 def test_bad_requests(gateway: RunningGateway) -> None:
     r = httpx.post(f"{gateway.url}/v1/completions", content=b"{nope")
     assert r.status_code == 400
-    r = httpx.post(f"{gateway.url}/v1/completions",
-                   json={"prompt": "x", "rollpatch": {"min_version": "soon"}})
+    r = httpx.post(
+        f"{gateway.url}/v1/completions", json={"prompt": "x", "rollpatch": {"min_version": "soon"}}
+    )
     assert r.status_code == 400 and "min_version" in r.json()["error"]["message"]
 
 
 def test_hostile_bodies_are_refused_and_islands_keep_serving(
-        gateway: RunningGateway, islands: dict[str, RunningSidecar], world: World) -> None:
+    gateway: RunningGateway, islands: dict[str, RunningSidecar], world: World
+) -> None:
     """Issue 11: 4 NaN bodies through the gateway froze both islands. Now each is a 400 (a
     413 when too large) from the gateway, and every island still serves."""
     url = f"{gateway.url}/v1/completions"
     json_ct = {"content-type": "application/json"}
     for raw in [b'{"prompt": "x", "max_tokens": 1, "temperature": NaN}'] * 4 + [
-            b'{"prompt": "x", "max_tokens": 1, "temperature": Infinity}',
-            b'{"prompt": "x", "n": 1e400}',
-            b'{"prompt": ' + b'[' * 100 + b']' * 100 + b'}']:
+        b'{"prompt": "x", "max_tokens": 1, "temperature": Infinity}',
+        b'{"prompt": "x", "n": 1e400}',
+        b'{"prompt": ' + b"[" * 100 + b"]" * 100 + b"}",
+    ]:
         r = httpx.post(url, content=raw, headers=json_ct, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(url, content=b'{"prompt": "' + b"x" * (16 << 20) + b'"}', headers=json_ct,
-                   timeout=60)
+    r = httpx.post(
+        url, content=b'{"prompt": "' + b"x" * (16 << 20) + b'"}', headers=json_ct, timeout=60
+    )
     assert r.status_code == 413
     assert all(i.sidecar.gate.inflight == 0 for i in islands.values())
     body, _ = _complete(_client(gateway), max_lag=0, wait_s=30)
@@ -267,21 +287,25 @@ def test_a_hostile_island_answer_does_not_kill_the_poller() -> None:
         server.shutdown()
 
 
-def test_island_down_retried_then_all_down(islands: dict[str, RunningSidecar],
-                                           world: World) -> None:
+def test_island_down_retried_then_all_down(
+    islands: dict[str, RunningSidecar], world: World
+) -> None:
     doomed = world.sidecar()
     until(lambda: doomed.sidecar.follower.version == max(world.expected), "the island to load")
     # slow polls: the gateway still believes the island is up when it dies
-    gw = start_gateway([f"doomed={doomed.url}", f"a={islands['a'].url}"],
-                       config=GatewayConfig(poll_s=30))
+    gw = start_gateway(
+        [f"doomed={doomed.url}", f"a={islands['a'].url}"], config=GatewayConfig(poll_s=30)
+    )
     try:
         doomed.stop()
         body, headers = _complete(_client(gw))
         assert headers["x-rollpatch-island"] == "a" and body["rollpatch"]["island"] == "a"
         _check(world, body)
         assert _sample(gw, "rollpatch_gateway_retries_total") == 1
-        assert _sample(gw, "rollpatch_gateway_requests_total", island="doomed",
-                       outcome="unreachable") == 1
+        assert (
+            _sample(gw, "rollpatch_gateway_requests_total", island="doomed", outcome="unreachable")
+            == 1
+        )
         info = httpx.get(f"{gw.url}/islands").json()["islands"]
         assert info[0]["name"] == "doomed" and info[0]["reachable"] is False
     finally:
@@ -335,9 +359,9 @@ def test_concurrent_requests_spread(gateway: RunningGateway, world: World) -> No
 
 # ---- pure parts -------------------------------------------------------------------------------
 
+
 def test_parse_island() -> None:
-    assert parse_island("east=http://10.0.0.5:8100/") == IslandSpec("east",
-                                                                    "http://10.0.0.5:8100")
+    assert parse_island("east=http://10.0.0.5:8100/") == IslandSpec("east", "http://10.0.0.5:8100")
     assert parse_island("http://h:81").name == "h:81"
     with pytest.raises(ConfigError):
         parse_island("nope")
@@ -347,10 +371,21 @@ def test_parse_island() -> None:
         GatewayConfig(max_attempts=0)
 
 
-def _view(name: str, served: int | None, inflight: int = 0, reachable: bool | None = True,
-          latest: int | None = 10) -> IslandView:
-    return IslandView(name, f"http://{name}:1", served=served, latest=latest,
-                      reachable=reachable, inflight=inflight)
+def _view(
+    name: str,
+    served: int | None,
+    inflight: int = 0,
+    reachable: bool | None = True,
+    latest: int | None = 10,
+) -> IslandView:
+    return IslandView(
+        name,
+        f"http://{name}:1",
+        served=served,
+        latest=latest,
+        reachable=reachable,
+        inflight=inflight,
+    )
 
 
 def test_tiers() -> None:
@@ -366,8 +401,13 @@ def test_tiers() -> None:
 
 
 def test_rank_prefers_ready_then_load_then_freshness() -> None:
-    views = [_view("old", 8), _view("busy", 10, inflight=3), _view("idle", 10, inflight=1),
-             _view("older", 7), _view("down", 10, reachable=False)]
+    views = [
+        _view("old", 8),
+        _view("busy", 10, inflight=3),
+        _view("idle", 10, inflight=1),
+        _view("older", 7),
+        _view("down", 10, reachable=False),
+    ]
     order = [v.name for v, _ in rank(views, Constraint(min_version=10), 10)]
     assert order == ["idle", "busy", "old", "older", "down"]
     order = [v.name for v, _ in rank(views, Constraint(), 10)]
@@ -383,8 +423,8 @@ def test_choose_never_repeats_and_stops_after_conflict() -> None:
         gw.observe_version(name, {"served": served, "latest": 10, "state": "IDLE"})
     exact9 = Constraint(exact_version=9)
     assert gw.choose(exact9, [], None).name == "b"  # type: ignore[union-attr]
-    assert gw.choose(exact9, ["b"], 409) is None     # a and c can never serve 9
-    assert gw.choose(exact9, ["b"], 503) is None     # ... nor after a failure
+    assert gw.choose(exact9, ["b"], 409) is None  # a and c can never serve 9
+    assert gw.choose(exact9, ["b"], 503) is None  # ... nor after a failure
     first = gw.choose(Constraint(), [], None)
     assert first is not None and first.name == "a"
     assert gw.choose(Constraint(), ["a"], 0).name == "c"  # type: ignore[union-attr]

@@ -22,9 +22,23 @@ sys.path.insert(0, str(BENCH))
 @pytest.mark.slow
 def test_fuzz_services_short(tmp_path: Path) -> None:
     out = tmp_path / "fuzz.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "fuzz_services.py"), "--seconds", "3",
-                           "--cases", "8", "--json", str(out)],
-                          check=False, capture_output=True, text=True, timeout=900, cwd=BENCH)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "fuzz_services.py"),
+            "--seconds",
+            "3",
+            "--cases",
+            "8",
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=BENCH,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = json.loads(out.read_text())
     by = {(r["campaign"], r["target"]): r for r in rows}

@@ -32,16 +32,30 @@ def files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "token").write_text("tok\n")
     (tmp_path / "binary").write_bytes(b"\x00\xff\x1b[2J")
     return {k: str(tmp_path / k) for k in ("empty", "junk.pem", "token", "binary")} | {
-        "missing": str(tmp_path / "missing.pem"), "cache": str(tmp_path / "cache"),
-        "board": f"file://{tmp_path / 'board'}"}
+        "missing": str(tmp_path / "missing.pem"),
+        "cache": str(tmp_path / "cache"),
+        "board": f"file://{tmp_path / 'board'}",
+    }
 
 
-def test_bad_service_options_exit_2_with_one_line(files: dict[str, str],
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_service_options_exit_2_with_one_line(
+    files: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
     relay = ["relay", "--board", files["board"], "--cache", files["cache"], "--port", "0"]
     gateway = ["gateway", "--sidecar", "a=http://127.0.0.1:9", "--port", "0"]
-    sidecar = ["sidecar", "--board", files["board"], "--run", "r1", "--port", "0",
-               "--engine", "vllm", "--engine-url", "http://127.0.0.1:9"]
+    sidecar = [
+        "sidecar",
+        "--board",
+        files["board"],
+        "--run",
+        "r1",
+        "--port",
+        "0",
+        "--engine",
+        "vllm",
+        "--engine-url",
+        "http://127.0.0.1:9",
+    ]
     cases = [
         (relay + ["--tls-cert", files["missing"], "--tls-key", files["missing"]], "no such"),
         (relay + ["--tls-cert", files["junk.pem"], "--tls-key", files["junk.pem"]], "TLS"),

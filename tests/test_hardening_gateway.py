@@ -21,10 +21,10 @@ from rollpatch.types import Constraint
 HUGE = 10**12
 
 
-def _view(name: str, served: int | None, latest: int | None,
-          reachable: bool | None = True) -> IslandView:
-    return IslandView(name, f"http://{name}:1", served=served, latest=latest,
-                      reachable=reachable)
+def _view(
+    name: str, served: int | None, latest: int | None, reachable: bool | None = True
+) -> IslandView:
+    return IslandView(name, f"http://{name}:1", served=served, latest=latest, reachable=reachable)
 
 
 def test_fleet_latest_is_the_lower_median_of_reachable_islands() -> None:
@@ -94,10 +94,12 @@ def islands() -> Iterator[Callable[[dict[str, object]], str]]:
 
 def test_polled_liar_does_not_move_the_fleet(islands: Callable[[dict[str, object]], str]) -> None:
     honest = {"served": 3, "latest": 3, "state": "IDLE", "run": "r1"}
-    urls = [islands(honest), islands(honest),
-            islands({"served": 3, "latest": HUGE, "state": "ERROR", "run": "r1"})]
-    gw = Gateway([f"a={urls[0]}", f"b={urls[1]}", f"liar={urls[2]}"],
-                 GatewayConfig(poll_s=0.05))
+    urls = [
+        islands(honest),
+        islands(honest),
+        islands({"served": 3, "latest": HUGE, "state": "ERROR", "run": "r1"}),
+    ]
+    gw = Gateway([f"a={urls[0]}", f"b={urls[1]}", f"liar={urls[2]}"], GatewayConfig(poll_s=0.05))
     gw.start()
     try:
         deadline = time.monotonic() + 30

@@ -43,27 +43,42 @@ def board(memory_board: Board) -> Board:
 
 @pytest.fixture
 def relay(board: Board, tmp_path: Path) -> Iterator[RelayServer]:
-    server = RelayServer(board.store, RelayConfig(cache_dir=tmp_path / "cache"),
-                         options=ServeOptions(header_timeout_s=1.0))
+    server = RelayServer(
+        board.store,
+        RelayConfig(cache_dir=tmp_path / "cache"),
+        options=ServeOptions(header_timeout_s=1.0),
+    )
     server.start()
     yield server
     server.stop()
 
 
-def _sidecar(tmp_path: Path, options: ServeOptions | None = None,
-             **config: object) -> RunningSidecar:
+def _sidecar(
+    tmp_path: Path, options: ServeOptions | None = None, **config: object
+) -> RunningSidecar:
     """A sidecar of a run that has nothing published (its engine is never reached)."""
-    return start_sidecar(f"file://{tmp_path / 'board'}", RUN, ViewEngine(), dead_url(),
-                         config=SidecarConfig(**config), options=options)  # type: ignore[arg-type]
+    return start_sidecar(
+        f"file://{tmp_path / 'board'}",
+        RUN,
+        ViewEngine(),
+        dead_url(),
+        config=SidecarConfig(**config),
+        options=options,
+    )  # type: ignore[arg-type]
 
 
-def _gateway(islands: list[str], options: ServeOptions | None = None,
-             **config: object) -> RunningGateway:
-    return start_gateway(islands, config=GatewayConfig(poll_s=0.05, **config),  # type: ignore[arg-type]
-                         options=options)
+def _gateway(
+    islands: list[str], options: ServeOptions | None = None, **config: object
+) -> RunningGateway:
+    return start_gateway(
+        islands,
+        config=GatewayConfig(poll_s=0.05, **config),  # type: ignore[arg-type]
+        options=options,
+    )
 
 
 # -- slow clients ----------------------------------------------------------------------------
+
 
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
@@ -96,7 +111,7 @@ def test_slowloris_connections_are_cut_and_others_still_served(relay: RelayServe
             for i, s in enumerate(slow):
                 if i % 2:
                     try:
-                        s.sendall(head[5 + step:6 + step])
+                        s.sendall(head[5 + step : 6 + step])
                     except OSError:
                         pass  # already cut
             assert httpx.get(f"{relay.url}/health", timeout=10).status_code == 200
@@ -117,13 +132,18 @@ def test_a_complete_head_is_not_cut_and_keep_alive_works(relay: RelayServer) -> 
 
 
 def test_slow_body_gets_408_and_frees_the_connection() -> None:
-    gw = _gateway([f"a={dead_url()}"], body=BodyLimits(timeout_s=1.0),
-                  options=ServeOptions(header_timeout_s=5.0))
+    gw = _gateway(
+        [f"a={dead_url()}"],
+        body=BodyLimits(timeout_s=1.0),
+        options=ServeOptions(header_timeout_s=5.0),
+    )
     try:
         s = socket.create_connection(("127.0.0.1", _port(gw.url)))
         try:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                      b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"pro")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"pro'
+            )
             said = _closed_by_server(s)
         finally:
             s.close()
@@ -152,6 +172,7 @@ def test_oversized_request_head_is_refused(relay: RelayServer) -> None:
 
 # -- TLS -------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ServeOptions:
     cert, key = self_signed(tmp_path / "tls")
@@ -164,8 +185,10 @@ def _handshake(url: str, cert: str) -> dict[str, object]:
     """A real TLS handshake: the certificate the server presented, verified against ours."""
     host, port = url.removeprefix("https://").rsplit(":", 1)
     ctx = ssl.create_default_context(cafile=cert)
-    with socket.create_connection((host, int(port)), timeout=10) as raw, \
-            ctx.wrap_socket(raw, server_hostname=host) as s:
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as s,
+    ):
         assert s.version() in ("TLSv1.2", "TLSv1.3")
         peer = s.getpeercert()
         assert peer is not None
@@ -214,9 +237,11 @@ def test_bad_tls_files_are_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="go together"):
         ServeOptions(tls_cert=str(tmp_path / "junk.pem"))
     for cert in (tmp_path / "missing.pem", tmp_path / "junk.pem"):
-        server = RelayServer("memory://x", RelayConfig(cache_dir=tmp_path / "c"),
-                             options=ServeOptions(tls_cert=str(cert),
-                                                  tls_key=str(tmp_path / "junk.pem")))
+        server = RelayServer(
+            "memory://x",
+            RelayConfig(cache_dir=tmp_path / "c"),
+            options=ServeOptions(tls_cert=str(cert), tls_key=str(tmp_path / "junk.pem")),
+        )
         with pytest.raises(ConfigError, match="tls_cert|TLS"):
             server.start()
         server.stop()
@@ -224,10 +249,12 @@ def test_bad_tls_files_are_a_config_error(tmp_path: Path) -> None:
 
 # -- bearer tokens ---------------------------------------------------------------------------
 
+
 def test_relay_reads_need_the_token(board: Board, tmp_path: Path) -> None:
     ref = board.put_object(RUN, b"secret weights", "rpatch")
-    server = RelayServer(board.store, RelayConfig(cache_dir=tmp_path / "c"),
-                         options=ServeOptions(token=TOKEN))
+    server = RelayServer(
+        board.store, RelayConfig(cache_dir=tmp_path / "c"), options=ServeOptions(token=TOKEN)
+    )
     server.start()
     try:
         for path in (f"/v1/objects/{ref.key}", "/v1/list?prefix=runs/"):
@@ -250,20 +277,29 @@ def test_inference_needs_the_token_and_the_gateway_sends_it(tmp_path: Path) -> N
     try:
         body = {"prompt": "x", "max_tokens": 1}
         assert httpx.post(f"{sc.url}/v1/completions", json=body).status_code == 401
-        r = httpx.post(f"{sc.url}/v1/completions", json=body,
-                       headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+        r = httpx.post(
+            f"{sc.url}/v1/completions",
+            json=body,
+            headers={"authorization": f"Bearer {TOKEN}"},
+            timeout=30,
+        )
         assert r.status_code == 503  # authorized: refused only because nothing is loaded
         assert httpx.get(f"{sc.url}/version").status_code == 200  # status routes stay open
         without = _gateway([f"a={sc.url}"])
         gws.append(without)
         r = httpx.post(f"{without.url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 401  # the island refused the gateway: not retried, passed on
-        with_token = _gateway([f"a={sc.url}"], island_token=TOKEN,
-                              options=ServeOptions(token="gw-token"))
+        with_token = _gateway(
+            [f"a={sc.url}"], island_token=TOKEN, options=ServeOptions(token="gw-token")
+        )
         gws.append(with_token)
         assert httpx.post(f"{with_token.url}/v1/completions", json=body).status_code == 401
-        r = httpx.post(f"{with_token.url}/v1/completions", json=body, timeout=30,
-                       headers={"authorization": "Bearer gw-token"})
+        r = httpx.post(
+            f"{with_token.url}/v1/completions",
+            json=body,
+            timeout=30,
+            headers={"authorization": "Bearer gw-token"},
+        )
         assert r.status_code == 503 and r.headers["x-rollpatch-island"] == "a"
     finally:
         for gw in gws:
@@ -298,13 +334,20 @@ def test_bodies_are_validated_into_typed_models(tmp_path: Path) -> None:
                 assert r.status_code == 400, (url, body, r.status_code, r.text[:200])
                 message = r.json()["error"]["message"]
                 assert field in message, (body, message)
-            for body in ({"messages": []}, {"messages": [{"content": "hi"}]},
-                         {"messages": [{"role": "user"}], "logprobs": 3}):
+            for body in (
+                {"messages": []},
+                {"messages": [{"content": "hi"}]},
+                {"messages": [{"role": "user"}], "logprobs": 3},
+            ):
                 r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
                 assert r.status_code == 400, (body, r.text[:200])
             # well-typed, with engine-specific extras passed through: only "not loaded" now
-            ok = {"prompt": [[1, 2], [3]], "max_tokens": 2, "return_token_ids": True,
-                  "rollpatch": {"min_version": 0, "wait_s": 0}}
+            ok = {
+                "prompt": [[1, 2], [3]],
+                "max_tokens": 2,
+                "return_token_ids": True,
+                "rollpatch": {"min_version": 0, "wait_s": 0},
+            }
             assert httpx.post(f"{url}/v1/completions", json=ok, timeout=30).status_code == 503
         assert sc.sidecar.gate.inflight == 0
         schema = httpx.get(f"{sc.url}/openapi.json").json()
@@ -318,14 +361,21 @@ def test_bodies_are_validated_into_typed_models(tmp_path: Path) -> None:
 
 
 def test_options_are_validated() -> None:
-    for bad in ({"header_timeout_s": 0}, {"header_timeout_s": float("nan")},
-                {"max_header_bytes": 10}, {"max_connections": 0}, {"token": "two words"},
-                {"token": ""}, {"tls_key": "k.pem"}):
+    for bad in (
+        {"header_timeout_s": 0},
+        {"header_timeout_s": float("nan")},
+        {"max_header_bytes": 10},
+        {"max_connections": 0},
+        {"token": "two words"},
+        {"token": ""},
+        {"tls_key": "k.pem"},
+    ):
         with pytest.raises(ConfigError):
             ServeOptions(**bad)  # type: ignore[arg-type]
 
 
 # -- a stale LATEST ------------------------------------------------------------------------------
+
 
 def test_max_lag_is_refused_while_latest_cannot_be_read(board: Board, tmp_path: Path) -> None:
     """Found by bench/soak.py: with its relay down, an island kept answering ``max_lag``
@@ -340,9 +390,13 @@ def test_max_lag_is_refused_while_latest_cannot_be_read(board: Board, tmp_path: 
     pub.flush()
     relay = RelayServer(board.store, RelayConfig(cache_dir=tmp_path / "c"))
     relay.start()
-    sc = start_sidecar(relay.url, RUN, ViewEngine(), dead_url(),  # generation: unreachable
-                       config=SidecarConfig(latest_max_age_s=1.0,
-                                            follower=FollowerConfig(poll_s=0.05)))
+    sc = start_sidecar(
+        relay.url,
+        RUN,
+        ViewEngine(),
+        dead_url(),  # generation: unreachable
+        config=SidecarConfig(latest_max_age_s=1.0, follower=FollowerConfig(poll_s=0.05)),
+    )
     try:
         deadline = time.monotonic() + 30
         while sc.sidecar.follower.version != 0:

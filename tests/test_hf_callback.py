@@ -28,9 +28,15 @@ RUN = "hf-run"
 
 def _tiny_llama() -> Any:
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        tie_word_embeddings=False)
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -49,9 +55,19 @@ class _Tokens(Dataset):
 
 def _args(out: Path, steps: int, **extra: Any) -> Any:
     return transformers.TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=2,
-        learning_rate=1e-2, report_to=[], save_strategy="no", logging_strategy="no",
-        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0, **extra)
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **extra,
+    )
 
 
 def _served(model: Any) -> str:
@@ -60,14 +76,18 @@ def _served(model: Any) -> str:
 
 def test_trainer_publishes_one_version_per_optimizer_step(tmp_path: Path) -> None:
     board = f"file://{tmp_path / 'board'}"
-    pub = Publisher(board, RUN, PublisherConfig(format="bf16", keyframe_every=0),
-                    asynchronous=False)
+    pub = Publisher(
+        board, RUN, PublisherConfig(format="bf16", keyframe_every=0), asynchronous=False
+    )
     cb = RollpatchCallback(pub)
     model = _tiny_llama()
     # Two micro-batches per optimizer step: a version is a parameter update, not a micro-batch.
-    trainer = transformers.Trainer(model=model, args=_args(tmp_path / "out", 3,
-                                                           gradient_accumulation_steps=2),
-                                   train_dataset=_Tokens(16), callbacks=[cb])
+    trainer = transformers.Trainer(
+        model=model,
+        args=_args(tmp_path / "out", 3, gradient_accumulation_steps=2),
+        train_dataset=_Tokens(16),
+        callbacks=[cb],
+    )
     trainer.train()
     b = Board(board)
     assert b.versions(RUN) == [0, 1, 2]
@@ -87,7 +107,7 @@ def test_only_the_main_process_publishes_with_an_unsharded_publisher(tmp_path: P
     other_rank = SimpleNamespace(is_world_process_zero=False, global_step=2)
     cb.on_step_end(None, other_rank, None, model=model)
     main_rank = SimpleNamespace(is_world_process_zero=True, global_step=1)
-    cb.on_step_end(None, main_rank, None, model=model)    # not a multiple of `every`
+    cb.on_step_end(None, main_rank, None, model=model)  # not a multiple of `every`
     assert cb.n_published == 0
     main_rank.global_step = 2
     cb.on_step_end(None, main_rank, None, model=model)
@@ -108,10 +128,13 @@ def test_callback_refuses_what_is_not_a_publisher() -> None:
 
 
 def test_import_rollpatch_does_not_import_transformers() -> None:
-    code = ("import sys, rollpatch, rollpatch.publisher, rollpatch.cli; "
-            "print('transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
+    code = (
+        "import sys, rollpatch, rollpatch.publisher, rollpatch.cli; "
+        "print('transformers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -124,26 +147,48 @@ def test_trl_sft_trainer_publishes_every_step(tmp_path: Path) -> None:
     tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=384, seed=0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     texts = [f"the answer to {a} plus {b} is {a + b}" for a in range(4) for b in range(3)]
     board = f"file://{tmp_path / 'board'}"
     pub = Publisher(board, RUN, PublisherConfig(format="bf16", keyframe_every=0))
     cb = RollpatchCallback(pub, publish_initial=True, flush_every_step=True)
-    sft = trl.SFTConfig(output_dir=str(tmp_path / "out"), max_steps=3,
-                        per_device_train_batch_size=4, learning_rate=1e-2, report_to=[],
-                        save_strategy="no", logging_strategy="no", use_cpu=True,
-                        disable_tqdm=True, dataloader_num_workers=0, max_length=64, seed=0)
-    trainer = trl.SFTTrainer(model=model, args=sft, processing_class=tokenizer,
-                             train_dataset=datasets.Dataset.from_dict({"text": texts}),
-                             callbacks=[cb])
+    sft = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_length=64,
+        seed=0,
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=sft,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_dict({"text": texts}),
+        callbacks=[cb],
+    )
     trainer.train()
     b = Board(board)
-    assert b.versions(RUN) == [0, 1, 2, 3]        # the initial weights, then one per step
+    assert b.versions(RUN) == [0, 1, 2, 3]  # the initial weights, then one per step
     assert b.manifest(RUN, 0).meta["step"] == "0"
     assert reconstruct(board, RUN).digest() == _served(trainer.model)
     assert reconstruct(board, RUN, 0).digest() != reconstruct(board, RUN, 3).digest()

@@ -66,16 +66,34 @@ def test_bounds_and_what_is_accepted() -> None:
 
 
 def _manifest_doc() -> dict:
-    m = make_manifest("r1", 1, target=D, view_bytes=10, created=0.0, publisher="t",
-                      keyframes=(KeyframeObject(ObjectRef("runs/r1/objects/k", 1, D)),))
+    m = make_manifest(
+        "r1",
+        1,
+        target=D,
+        view_bytes=10,
+        created=0.0,
+        publisher="t",
+        keyframes=(KeyframeObject(ObjectRef("runs/r1/objects/k", 1, D)),),
+    )
     return m.to_json()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("format", {"codec": "x"}), ("format", ["bf16"]), ("run", {"a": 1}), ("version", 1.5),
-    ("version", "1"), ("created", None), ("publisher", 7), ("meta", {"k": 1}),
-    ("keyframes", {"key": "x"}), ("target", 12), ("shards", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("format", {"codec": "x"}),
+        ("format", ["bf16"]),
+        ("run", {"a": 1}),
+        ("version", 1.5),
+        ("version", "1"),
+        ("created", None),
+        ("publisher", 7),
+        ("meta", {"k": 1}),
+        ("keyframes", {"key": "x"}),
+        ("target", 12),
+        ("shards", True),
+    ],
+)
 def test_manifest_wrong_types_are_manifest_errors(field: str, value: object) -> None:
     doc = _manifest_doc()
     doc[field] = value
@@ -92,11 +110,13 @@ def test_manifest_hostile_json(raw: bytes) -> None:
 def test_manifest_hostile_values_inside_a_valid_shape() -> None:
     good = json.dumps(_manifest_doc()).encode()
     assert Manifest.from_bytes(good).version == 1
-    for old, new in ((b'"created": 0.0', b'"created": 1e400'),
-                     (b'"created": 0.0', b'"created": NaN'),
-                     (b'"publisher": "t"', b'"publisher": "\\ud800"'),
-                     (b'"meta": {}', b'"meta": {"k": "v", "k": "w"}'),
-                     (b'"meta": {}', b'"meta": ' + b"[" * 5000 + b"]" * 5000)):
+    for old, new in (
+        (b'"created": 0.0', b'"created": 1e400'),
+        (b'"created": 0.0', b'"created": NaN'),
+        (b'"publisher": "t"', b'"publisher": "\\ud800"'),
+        (b'"meta": {}', b'"meta": {"k": "v", "k": "w"}'),
+        (b'"meta": {}', b'"meta": ' + b"[" * 5000 + b"]" * 5000),
+    ):
         assert old in good
         with pytest.raises(ManifestError):
             Manifest.from_bytes(good.replace(old, new))
@@ -117,24 +137,43 @@ def test_safetensors_round_trip_still_works() -> None:
     assert back.digest() == view.digest()
 
 
-@pytest.mark.parametrize("header", [
-    *HOSTILE.values(),
-    b'{"w": {"dtype": {"x": 1}, "shape": [4], "data_offsets": [0, 8]}}',     # unhashable dtype
-    b'{"w": {"dtype": ["BF16"], "shape": [4], "data_offsets": [0, 8]}}',
-    b'{"\\ud800": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}',  # lone surrogate
-    b'{"w": {"dtype": "BF16", "shape": [1e400], "data_offsets": [0, 8]}}',
-    b'{"w": {"dtype": "BF16", "shape": [4.0], "data_offsets": [0, 8]}}',
-    (b'{"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}, '
-     b'"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}'),        # duplicate name
-    b'{"__metadata__": {"rollpatch.kinds": "' + b"[" * 5000 + b'"}}',
-    b'{"__metadata__": {"rollpatch.kinds": "{\\"w\\": {\\"a\\": 1}}"}}',
-    (b'{"__metadata__": {"rollpatch.kinds": "{\\"w\\": \\"no-such-kind\\"}"}, '
-     b'"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}'),
-    b'{"__metadata__": {"k": {"nested": "x"}}}',
-    b'{"__metadata__": {"k": NaN}}',
-], ids=[*HOSTILE.keys(), "dtype_dict", "dtype_list", "surrogate_name", "huge_dim", "float_dim",
-        "duplicate_name", "kinds_deep", "kinds_dict", "kinds_unknown", "meta_nested",
-        "meta_nan"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        *HOSTILE.values(),
+        b'{"w": {"dtype": {"x": 1}, "shape": [4], "data_offsets": [0, 8]}}',  # unhashable dtype
+        b'{"w": {"dtype": ["BF16"], "shape": [4], "data_offsets": [0, 8]}}',
+        b'{"\\ud800": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}',  # lone surrogate
+        b'{"w": {"dtype": "BF16", "shape": [1e400], "data_offsets": [0, 8]}}',
+        b'{"w": {"dtype": "BF16", "shape": [4.0], "data_offsets": [0, 8]}}',
+        (
+            b'{"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}, '
+            b'"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}'
+        ),  # duplicate name
+        b'{"__metadata__": {"rollpatch.kinds": "' + b"[" * 5000 + b'"}}',
+        b'{"__metadata__": {"rollpatch.kinds": "{\\"w\\": {\\"a\\": 1}}"}}',
+        (
+            b'{"__metadata__": {"rollpatch.kinds": "{\\"w\\": \\"no-such-kind\\"}"}, '
+            b'"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}'
+        ),
+        b'{"__metadata__": {"k": {"nested": "x"}}}',
+        b'{"__metadata__": {"k": NaN}}',
+    ],
+    ids=[
+        *HOSTILE.keys(),
+        "dtype_dict",
+        "dtype_list",
+        "surrogate_name",
+        "huge_dim",
+        "float_dim",
+        "duplicate_name",
+        "kinds_deep",
+        "kinds_dict",
+        "kinds_unknown",
+        "meta_nested",
+        "meta_nan",
+    ],
+)
 def test_safetensors_hostile_headers_are_view_errors(header: bytes) -> None:
     with pytest.raises(ViewError):
         view_from_bytes(_safetensors(header))

@@ -31,8 +31,10 @@ _FIXTURES = (pair, relay, store)  # used by name (s3_server: tests/conftest.py)
 def masters(n_params: int, seed: int = 0, *, tensors: int = 8) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     per = n_params // tensors
-    out = {f"layers.{i}.w": rng.standard_normal((per // 64, 64)).astype(np.float32) * 0.02
-           for i in range(tensors)}
+    out = {
+        f"layers.{i}.w": rng.standard_normal((per // 64, 64)).astype(np.float32) * 0.02
+        for i in range(tensors)
+    }
     out["norm"] = np.ones(64, np.float32)
     out["empty"] = np.zeros((0, 4), np.float32)
     return out
@@ -60,24 +62,29 @@ def test_chunks_and_ranges_round_trip(fmt: str, chunk: int) -> None:
     view = view_of(fmt, 1 << 12 if chunk < 16 else 1 << 16)
     size, pieces = view_chunks(view)
     blob = b"".join(bytes(p) for p in pieces())
-    assert blob == view_to_bytes(view) and size == len(blob)     # the same serialization
+    assert blob == view_to_bytes(view) and size == len(blob)  # the same serialization
     h = blake3.blake3()
     got = read_view_ranges(lambda a, b: blob[a:b], size, on_bytes=h.update, chunk_bytes=chunk)
-    assert h.hexdigest() == blake3.blake3(blob).hexdigest()      # every byte, in order
+    assert h.hexdigest() == blake3.blake3(blob).hexdigest()  # every byte, in order
     assert got.digest() == view.digest() and got.metadata == view.metadata
-    assert {n: (t.kind.name, t.shape) for n, t in got.items()} == \
-        {n: (t.kind.name, t.shape) for n, t in view.items()}
+    assert {n: (t.kind.name, t.shape) for n, t in got.items()} == {
+        n: (t.kind.name, t.shape) for n, t in view.items()
+    }
 
 
 def test_gaps_between_tensors_are_read_and_hashed() -> None:
     """Another writer's file may leave gaps; the reader covers every byte."""
     import json
+
     a, b = np.arange(6, dtype=np.uint16), np.arange(4, dtype=np.uint16)
-    header = {"a": {"dtype": "BF16", "shape": [6], "data_offsets": [0, 12]},
-              "b": {"dtype": "BF16", "shape": [4], "data_offsets": [20, 28]}}
+    header = {
+        "a": {"dtype": "BF16", "shape": [6], "data_offsets": [0, 12]},
+        "b": {"dtype": "BF16", "shape": [4], "data_offsets": [20, 28]},
+    }
     raw = json.dumps(header).encode()
-    blob = len(raw).to_bytes(8, "little") + raw + a.tobytes() + b"\xee" * 8 + b.tobytes() + \
-        b"\xff" * 3
+    blob = (
+        len(raw).to_bytes(8, "little") + raw + a.tobytes() + b"\xee" * 8 + b.tobytes() + b"\xff" * 3
+    )
     seen = bytearray()
     v = read_view_ranges(lambda s, e: blob[s:e], len(blob), on_bytes=seen.extend, chunk_bytes=5)
     assert bytes(seen) == blob
@@ -86,13 +93,13 @@ def test_gaps_between_tensors_are_read_and_hashed() -> None:
 
 def test_board_streams_a_view_through_every_backend(pair: tuple[Store, Store]) -> None:
     writer, reader = pair
-    view = view_of("bf16", 3 * MiB)                   # > 5 MiB: multipart on S3
+    view = view_of("bf16", 3 * MiB)  # > 5 MiB: multipart on S3
     ref = Board(writer).put_view_object("r1", view)
     blob = view_to_bytes(view)
     assert ref.size == len(blob) and ref.b3 == blake3.blake3(blob).hexdigest()
     assert ref.key == f"runs/r1/objects/{ref.b3}.safetensors"
     assert writer.get(ref.key) == blob
-    assert Board(writer).put_view_object("r1", view) == ref          # idempotent
+    assert Board(writer).put_view_object("r1", view) == ref  # idempotent
     got = Board(reader).fetch_view(ref, chunk_bytes=MiB)
     assert got.digest() == view.digest()
 
@@ -110,10 +117,11 @@ def test_put_stream_refuses_a_wrong_size_and_stores_nothing(store: Store) -> Non
 def test_s3_streamed_multipart_is_put_if_absent(request: pytest.FixtureRequest) -> None:
     s3 = make_s3_store(request)
     data = np.random.default_rng(1).integers(0, 256, 12 * MiB + 5, dtype=np.uint8).tobytes()
-    pieces = [memoryview(data)[i:i + 3 * MiB + 1] for i in range(0, len(data), 3 * MiB + 1)]
+    pieces = [memoryview(data)[i : i + 3 * MiB + 1] for i in range(0, len(data), 3 * MiB + 1)]
     s3.put_stream("big", pieces, size=len(data))
     assert s3.get("big") == data
     from rollpatch.errors import AlreadyExistsError
+
     with pytest.raises(AlreadyExistsError):
         s3.put_stream("big", [data[::-1]], size=len(data))
     assert s3.get("big") == data
@@ -128,12 +136,15 @@ def _corrupt(tmp_path: Path, edit: Callable[[bytearray], bytes]) -> tuple[Board,
     return board, ref
 
 
-@pytest.mark.parametrize("edit", [
-    pytest.param(lambda b: bytes(b[:-1]) + bytes([b[-1] ^ 1]), id="flipped-bit"),
-    pytest.param(lambda b: bytes(b[:-10]), id="truncated"),
-    pytest.param(lambda b: bytes(b[:8]) + b"[" + bytes(b[9:]), id="bad-header"),
-    pytest.param(lambda b: (2**40).to_bytes(8, "little") + bytes(b[8:]), id="huge-header"),
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda b: bytes(b[:-1]) + bytes([b[-1] ^ 1]), id="flipped-bit"),
+        pytest.param(lambda b: bytes(b[:-10]), id="truncated"),
+        pytest.param(lambda b: bytes(b[:8]) + b"[" + bytes(b[9:]), id="bad-header"),
+        pytest.param(lambda b: (2**40).to_bytes(8, "little") + bytes(b[8:]), id="huge-header"),
+    ],
+)
 def test_a_corrupt_keyframe_is_refused(tmp_path: Path, edit: Any) -> None:
     board, ref = _corrupt(tmp_path, edit)
     with pytest.raises(ManifestError):
@@ -142,7 +153,7 @@ def test_a_corrupt_keyframe_is_refused(tmp_path: Path, edit: Any) -> None:
 
 def test_reading_holds_the_view_plus_one_chunk(tmp_path: Path) -> None:
     """Streamed: peak ≈ the view + one window. Whole-object fetch: ≥ 2 × the view."""
-    view = view_of("bf16", 4 * MiB, tensors=16)       # 8 MiB view, 16 tensors of 512 KiB
+    view = view_of("bf16", 4 * MiB, tensors=16)  # 8 MiB view, 16 tensors of 512 KiB
     board = Board(FileStore(tmp_path / "b"))
     ref = board.put_view_object("r1", view)
     chunk = 256 * 1024
@@ -190,9 +201,9 @@ def test_shard_resume_needs_the_same_layout(tmp_path: Path) -> None:
         for seed in range(4):
             pub.publish(masters(1 << 14, seed=seed))
     board = Board(uri)
-    whole = reconstruct_shard(board, "r1", 3, 0, 1)       # one shard: the whole view
+    whole = reconstruct_shard(board, "r1", 3, 0, 1)  # one shard: the whole view
     assert whole is not None and whole.digest() == board.manifest("r1", 3).target
-    assert reconstruct_shard(board, "r1", 3, 0, 2) is None   # published by one rank, not two
+    assert reconstruct_shard(board, "r1", 3, 0, 2) is None  # published by one rank, not two
     names = set(masters(1 << 14))
     assert shard_matches(whole, names, "nvfp4")
     assert not shard_matches(whole, names - {"norm"}, "nvfp4")

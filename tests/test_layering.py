@@ -20,23 +20,48 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "rollpatch"
 #: Layer of each unit, lowest first (the picture in docs/architecture.md).
 LAYERS: dict[str, int] = {
     # 0 vocabulary: no I/O, imports nothing of ours but errors
-    "errors": 0, "types": 0, "jsonsafe": 0, "logs": 0, "validate": 0, "kinds": 0,
+    "errors": 0,
+    "types": 0,
+    "jsonsafe": 0,
+    "logs": 0,
+    "validate": 0,
+    "kinds": 0,
     # 1 pure rules and the compiled core
-    "native": 1, "view": 1, "layout": 1, "protocol": 1,
+    "native": 1,
+    "view": 1,
+    "layout": 1,
+    "protocol": 1,
     # 2 bits: formats, the patch codec, files, trust, simulated training
-    "formats": 2, "patch": 2, "io": 2, "trust": 2, "sim": 2,
+    "formats": 2,
+    "patch": 2,
+    "io": 2,
+    "trust": 2,
+    "sim": 2,
     # 3 documents and bytes: LATEST, manifests, stores, the HTTP server wrapper
-    "latest": 3, "manifest": 3, "store": 3, "serving": 3,
+    "latest": 3,
+    "manifest": 3,
+    "store": 3,
+    "serving": 3,
     # 4 the board: layout in a store, planning, replay
-    "planning": 4, "board": 4, "replay": 4,
+    "planning": 4,
+    "board": 4,
+    "replay": 4,
     # 5 what uses a board or a view: retention, engine adapters, analysis
-    "retention": 5, "engines": 5, "analysis": 5,
+    "retention": 5,
+    "engines": 5,
+    "analysis": 5,
     # 6 the two sides of the board
-    "publisher": 6, "follower": 6,
+    "publisher": 6,
+    "follower": 6,
     # 7 network services
-    "sidecar": 7, "relay": 7, "gateway": 7, "netem": 7,
+    "sidecar": 7,
+    "relay": 7,
+    "gateway": 7,
+    "netem": 7,
     # 8 applications
-    "demo": 8, "cli": 8, "__main__": 8,
+    "demo": 8,
+    "cli": 8,
+    "__main__": 8,
 }
 
 
@@ -58,18 +83,20 @@ def _imports() -> dict[str, set[tuple[str, str]]]:
             targets: list[list[str]] = []
             if isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = package[:len(package) - (node.level - 1)]
+                    base = package[: len(package) - (node.level - 1)]
                     mod = base + (node.module.split(".") if node.module else [])
                     targets = [mod] if node.module else [mod + [a.name] for a in node.names]
                 elif node.module and node.module.split(".")[0] == "rollpatch":
                     targets = [node.module.split(".")[1:]]
             elif isinstance(node, ast.Import):
-                targets = [a.name.split(".")[1:] for a in node.names
-                           if a.name.split(".")[0] == "rollpatch"]
+                targets = [
+                    a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == "rollpatch"
+                ]
             for t in targets:
                 if t and t[0] != unit and t[0] in _units():
                     edges.setdefault(unit, set()).add(
-                        (t[0], f"{f.relative_to(SRC.parent)}:{node.lineno}"))
+                        (t[0], f"{f.relative_to(SRC.parent)}:{node.lineno}")
+                    )
     return edges
 
 
@@ -83,9 +110,12 @@ def test_no_unit_imports_upward() -> None:
     # the scanner sees relative, absolute and function-level imports
     assert {"board", "replay"} <= {dep for dep, _ in edges["publisher"]}
     assert "io" in {dep for dep, _ in edges["board"]}  # lazy, inside Board.fetch_view
-    upward = sorted(f"{where}: {unit} (layer {LAYERS[unit]}) imports {dep} (layer {LAYERS[dep]})"
-                    for unit, deps in edges.items() for dep, where in deps
-                    if LAYERS[dep] > LAYERS[unit])
+    upward = sorted(
+        f"{where}: {unit} (layer {LAYERS[unit]}) imports {dep} (layer {LAYERS[dep]})"
+        for unit, deps in edges.items()
+        for dep, where in deps
+        if LAYERS[dep] > LAYERS[unit]
+    )
     assert upward == []
 
 
@@ -111,14 +141,22 @@ def test_only_layout_spells_board_keys() -> None:
         if f == SRC / "layout.py":
             continue
         tree = ast.parse(f.read_text())
-        docs = {id(n.body[0].value) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                  ast.AsyncFunctionDef))
-                and n.body and isinstance(n.body[0], ast.Expr)
-                and isinstance(n.body[0].value, ast.Constant)}
-        found += [f"{f.relative_to(SRC.parent)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
-                  if isinstance(n, ast.Constant) and isinstance(n.value, str)
-                  and id(n) not in docs and _KEY_SPELLING.search(n.value)]
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        found += [
+            f"{f.relative_to(SRC.parent)}:{n.lineno} {n.value!r}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)
+            and id(n) not in docs
+            and _KEY_SPELLING.search(n.value)
+        ]
     assert found == []
 
 
@@ -128,10 +166,13 @@ _CODEC = ("rollpatch.patch", "rollpatch.follower", "rollpatch.engines", "rollpat
 
 
 def _loaded_by(module: str) -> list[str]:
-    code = (f"import sys, {module}; "
-            f"print('\\n'.join(m for m in sys.modules if m.startswith({_CODEC!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    code = (
+        f"import sys, {module}; "
+        f"print('\\n'.join(m for m in sys.modules if m.startswith({_CODEC!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     return sorted(out.split())
 
 
@@ -140,9 +181,13 @@ def test_the_protocol_and_layout_load_no_codec() -> None:
     assert _loaded_by("rollpatch.layout") == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway/config.py and gateway/app.py import sidecar.body and sidecar.schema (the HTTP "
-    "edge), and sidecar/__init__ loads the follower and the codec; passes once the HTTP edge "
-    "kit leaves the sidecar package (issue 13, 'One HTTP edge kit'), then drop this marker"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "gateway/config.py and gateway/app.py import sidecar.body and sidecar.schema (the HTTP "
+        "edge), and sidecar/__init__ loads the follower and the codec; passes once the HTTP edge "
+        "kit leaves the sidecar package (issue 13, 'One HTTP edge kit'), then drop this marker"
+    ),
+)
 def test_importing_the_gateway_loads_no_codec() -> None:
     assert _loaded_by("rollpatch.gateway") == []

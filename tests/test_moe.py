@@ -57,15 +57,17 @@ class World:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.model = make_tiny_moe_model(root / "model", experts=EXPERTS, top_k=TOP_K,
-                                         layers=LAYERS, seed=0)
+        self.model = make_tiny_moe_model(
+            root / "model", experts=EXPERTS, top_k=TOP_K, layers=LAYERS, seed=0
+        )
         base = ReferenceRuntime(self.model, threads=1)
         self.prompt_ids = list(base.tokenizer(PROMPT)["input_ids"])
         self.masters = {n: t.to_array().astype(np.float32) for n, t in base.view.items()}
         del base
         self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(self.board, "moe", PublisherConfig(keyframe_every=8),
-                                   asynchronous=False)
+        self.publisher = Publisher(
+            self.board, "moe", PublisherConfig(keyframe_every=8), asynchronous=False
+        )
         self.views: dict[int, View] = {}
         self.rng = np.random.default_rng(7)
         self.publish()
@@ -91,8 +93,12 @@ class World:
             ckpt.mkdir()
             for f in ("config.json", "generation_config.json"):
                 shutil.copy(self.model / f, ckpt / f)
-            state = {n: torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16)
-                     .reshape(t.shape) for n, t in self.views[version].items()}
+            state = {
+                n: torch.from_numpy(t.data.view(np.int16).copy())
+                .view(torch.bfloat16)
+                .reshape(t.shape)
+                for n, t in self.views[version].items()
+            }
             save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
         with torch.inference_mode():
@@ -111,8 +117,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 def stack(world: World) -> Any:
     """Built-in engine → sidecar (drain mode) → gateway, all real HTTP servers."""
     engine = ReferenceEngine.from_dir(world.model, threads=1)
-    sc = start_sidecar(world.board, "moe", engine, engine.url,
-                       config=SidecarConfig(follower=FollowerConfig(poll_s=0.05)))
+    sc = start_sidecar(
+        world.board,
+        "moe",
+        engine,
+        engine.url,
+        config=SidecarConfig(follower=FollowerConfig(poll_s=0.05)),
+    )
     gw = None
     try:
         deadline = time.monotonic() + 60
@@ -128,6 +139,7 @@ def stack(world: World) -> Any:
 
 
 # ---- the model and its view ---------------------------------------------------------------
+
 
 def test_view_has_checkpoint_names_and_aliases_the_fused_experts(world: World) -> None:
     from safetensors import safe_open
@@ -157,9 +169,17 @@ def test_mixtral_names_and_routing(tmp_path: Path) -> None:
     from rollpatch.engines.reference import make_tokenizer
 
     out = make_tokenizer(tmp_path / "mixtral", vocab_size=512)
-    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    cfg = MixtralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     MixtralForCausalLM(cfg).bfloat16().save_pretrained(out)
     rt = ReferenceRuntime(out, threads=1)
@@ -177,8 +197,13 @@ def test_mixtral_names_and_routing(tmp_path: Path) -> None:
     model = MixtralForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + tokens[:-1]]), output_router_logits=True)
-    want = np.stack([torch.topk(torch.softmax(x.float(), -1), 2, -1).indices.numpy()
-                     for x in logits.router_logits], 1)
+    want = np.stack(
+        [
+            torch.topk(torch.softmax(x.float(), -1), 2, -1).indices.numpy()
+            for x in logits.router_logits
+        ],
+        1,
+    )
     assert rows is not None and np.array_equal(rows, want)
 
 
@@ -198,15 +223,24 @@ def test_routing_recorded_in_vllm_shape(world: World) -> None:
 
 # ---- router replay through the sidecar and the gateway ------------------------------------
 
+
 def _stream_choice(base_url: str, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
     client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
     last: dict[str, Any] = {}
     rp: dict[str, Any] = {}
     ids: list[int] = []
     for chunk in client.completions.create(
-            model="model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True,
-                        "rollpatch": {"exact_version": version, "wait_s": 60}}):
+        model="model",
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "rollpatch": {"exact_version": version, "wait_s": 60},
+        },
+    ):
         d = chunk.model_dump()
         for c in d["choices"]:
             ids += c.get("token_ids") or []
@@ -224,20 +258,29 @@ def test_routed_experts_replay_under_every_version(stack: Any, world: World) -> 
         v = max(world.views) if round_ == 0 else world.publish()
         before = world.views.get(v - 1)
         if before is not None:  # the patch into v moves router and expert bits
-            moved = {n for n, t in world.views[v].items()
-                     if not np.array_equal(t.data, before[n].data)}
+            moved = {
+                n for n, t in world.views[v].items() if not np.array_equal(t.data, before[n].data)
+            }
             assert any(".mlp.experts." in n for n in moved) and any(
-                n.endswith(".mlp.gate.weight") for n in moved)
-        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0,
-                               timeout=120)
+                n.endswith(".mlp.gate.weight") for n in moved
+            )
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=120)
         body = client.completions.create(
-            model="model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"return_token_ids": True, "ignore_eos": True,
-                        "rollpatch": {"exact_version": v, "wait_s": 60}}).model_dump()
+            model="model",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={
+                "return_token_ids": True,
+                "ignore_eos": True,
+                "rollpatch": {"exact_version": v, "wait_s": 60},
+            },
+        ).model_dump()
         rp, choice = body["rollpatch"], body["choices"][0]
         assert rp["version_start"] == rp["version_end"] == v and rp["island"] == "island"
-        assert rp["spans"] == [{"start": 0, "end": len(world.prompt_ids) + MAX_TOKENS - 1,
-                                "version": v}]
+        assert rp["spans"] == [
+            {"start": 0, "end": len(world.prompt_ids) + MAX_TOKENS - 1, "version": v}
+        ]
         tokens = world.prompt_ids + choice["token_ids"]
         rows = _decode(choice["routed_experts"])
         hf_rows, hf_logits = world.hf_routing(v, tokens[:-1])
@@ -246,9 +289,10 @@ def test_routed_experts_replay_under_every_version(stack: Any, world: World) -> 
             assert np.array_equal(rows[i], hf_rows[i]), f"version {v}, token {i}"
         # each greedy token is a top logit of transformers' pass too (bf16 logits of a
         # random model tie often; a batched pass may break a tie the other way)
-        picked = hf_logits[np.arange(len(world.prompt_ids) - 1, len(tokens) - 1),
-                           choice["token_ids"]]
-        top = hf_logits[len(world.prompt_ids) - 1:].max(-1)
+        picked = hf_logits[
+            np.arange(len(world.prompt_ids) - 1, len(tokens) - 1), choice["token_ids"]
+        ]
+        top = hf_logits[len(world.prompt_ids) - 1 :].max(-1)
         assert np.allclose(picked, top, rtol=0, atol=0.02 * np.abs(top).max()), (picked, top)
         # streamed through the gateway: the same routing, on the finish chunk
         last, srp = _stream_choice(f"{gw.url}/v1", v)
@@ -256,14 +300,21 @@ def test_routed_experts_replay_under_every_version(stack: Any, world: World) -> 
         assert last["routed_experts"] == choice["routed_experts"]  # byte-identical string
         assert srp["version_start"] == srp["version_end"] == v and srp["spans"] == rp["spans"]
         # straight from the sidecar, with the prompt rows skipped (vLLM's field)
-        direct = httpx.post(f"{sc.url}/v1/completions", timeout=120, json={
-            "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "routed_experts_prompt_start": len(world.prompt_ids),
-            "rollpatch": {"exact_version": v}}).json()
+        direct = httpx.post(
+            f"{sc.url}/v1/completions",
+            timeout=120,
+            json={
+                "prompt": PROMPT,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "routed_experts_prompt_start": len(world.prompt_ids),
+                "rollpatch": {"exact_version": v},
+            },
+        ).json()
         tail = _decode(direct["choices"][0]["routed_experts"])
-        assert np.array_equal(tail, rows[len(world.prompt_ids):])
-        assert direct["rollpatch"]["spans"] == [{"start": 0, "end": MAX_TOKENS - 1,
-                                                 "version": v}]
+        assert np.array_equal(tail, rows[len(world.prompt_ids) :])
+        assert direct["rollpatch"]["spans"] == [{"start": 0, "end": MAX_TOKENS - 1, "version": v}]
         seen.append(rows)
     assert any(not np.array_equal(seen[0], s) for s in seen[1:]), "routing never changed"
 
@@ -272,22 +323,31 @@ def test_chat_carries_routed_experts(stack: Any, world: World) -> None:
     gw = stack[2]
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=120)
     body = client.chat.completions.create(
-        model="model", messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}).model_dump()
+        model="model",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ).model_dump()
     rows = _decode(body["choices"][0]["routed_experts"])
     n = len(body["prompt_token_ids"]) + len(body["choices"][0]["token_ids"]) - 1
     assert rows.shape == (n, LAYERS, TOP_K)
     v = body["rollpatch"]["version_start"]
     assert body["rollpatch"]["spans"] == [{"start": 0, "end": n, "version": v}]
-    hf_rows, _ = world.hf_routing(v, body["prompt_token_ids"] + body["choices"][0]["token_ids"][:-1])
+    hf_rows, _ = world.hf_routing(
+        v, body["prompt_token_ids"] + body["choices"][0]["token_ids"][:-1]
+    )
     assert np.array_equal(rows, hf_rows)
 
 
 def test_bad_prompt_start_is_a_clear_400(stack: Any) -> None:
     gw = stack[2]
     for start in (10_000, -1):
-        r = httpx.post(f"{gw.url}/v1/completions", timeout=60, json={
-            "prompt": PROMPT, "max_tokens": 2, "routed_experts_prompt_start": start})
+        r = httpx.post(
+            f"{gw.url}/v1/completions",
+            timeout=60,
+            json={"prompt": PROMPT, "max_tokens": 2, "routed_experts_prompt_start": start},
+        )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert "routed_experts_prompt_start" in json.dumps(err) and "Traceback" not in r.text
@@ -295,14 +355,22 @@ def test_bad_prompt_start_is_a_clear_400(stack: Any) -> None:
 
 # ---- a version published mid-stream, behind a sidecar in each commit mode ------------------
 
+
 @pytest.mark.parametrize("mode", ["drain", "pause"])
 def test_publish_mid_stream_through_the_sidecar(world: World, mode: str) -> None:
     """Drain: the commit waits for the stream, so its routing has one version (by
     construction). Pause: the commit lands mid-stream and the spans say where."""
     engine = ReferenceEngine.from_dir(world.model, threads=1)
-    sc = start_sidecar(world.board, "moe", engine, engine.url,
-                       config=SidecarConfig(commit_mode=mode,  # type: ignore[arg-type]
-                                            follower=FollowerConfig(poll_s=0.05)))
+    sc = start_sidecar(
+        world.board,
+        "moe",
+        engine,
+        engine.url,
+        config=SidecarConfig(
+            commit_mode=mode,  # type: ignore[arg-type]
+            follower=FollowerConfig(poll_s=0.05),
+        ),
+    )
     try:
         deadline = time.monotonic() + 60
         while httpx.get(f"{sc.url}/ready").status_code != 200:
@@ -334,13 +402,21 @@ def test_publish_mid_stream_through_the_sidecar(world: World, mode: str) -> None
         else:
             cut = len(world.prompt_ids) + hold_at
             assert (rp["version_start"], rp["version_end"]) == (old, new)
-            assert rp["spans"] == [{"start": 0, "end": cut, "version": old},
-                                   {"start": cut, "end": n, "version": new}]
+            assert rp["spans"] == [
+                {"start": 0, "end": cut, "version": old},
+                {"start": cut, "end": n, "version": new},
+            ]
             hf_rows, _ = world.hf_routing(old, (world.prompt_ids + last["token_ids"])[:cut])
             assert np.array_equal(rows[:cut], hf_rows)
-        after = httpx.post(f"{sc.url}/v1/completions", timeout=120, json={
-            "prompt": PROMPT, "max_tokens": 2, "rollpatch": {"exact_version": new,
-                                                              "wait_s": 60}}).json()
+        after = httpx.post(
+            f"{sc.url}/v1/completions",
+            timeout=120,
+            json={
+                "prompt": PROMPT,
+                "max_tokens": 2,
+                "rollpatch": {"exact_version": new, "wait_s": 60},
+            },
+        ).json()
         assert after["rollpatch"]["spans"][0]["version"] == new
     finally:
         engine.runtime.step_hook = None
@@ -348,6 +424,7 @@ def test_publish_mid_stream_through_the_sidecar(world: World, mode: str) -> None
 
 
 # ---- pause mode: a commit mid-generation is labelled per span -----------------------------
+
 
 def test_commit_mid_generation_labels_the_spans(world: World) -> None:
     """Pause mode: rows routed before the commit carry the old version and equal HF's
@@ -370,8 +447,10 @@ def test_commit_mid_generation_labels_the_spans(world: World) -> None:
     rows = gen.routed_experts()
     assert rows is not None
     cut = len(world.prompt_ids) + switch_at  # forwards 0..switch_at ran under ``old``
-    assert gen.routed_spans() == [{"start": 0, "end": cut, "version": old},
-                                  {"start": cut, "end": len(rows), "version": new}]
+    assert gen.routed_spans() == [
+        {"start": 0, "end": cut, "version": old},
+        {"start": cut, "end": len(rows), "version": new},
+    ]
     assert (gen.version_start, gen.version_end) == (old, new)
     hf_rows, _ = world.hf_routing(old, (world.prompt_ids + tokens)[:cut])
     assert np.array_equal(rows[:cut], hf_rows)

@@ -33,14 +33,21 @@ from . import vllm_env
 
 E, INTER, HID = 8, 12, 6
 #: (name, ranks, expert parallel, placement strategy)
-CASES = [("tp1", 1, False, "linear"), ("tp2", 2, False, "linear"), ("tp3", 3, False, "linear"),
-         ("ep2", 2, True, "linear"), ("ep4rr", 4, True, "round_robin")]
+CASES = [
+    ("tp1", 1, False, "linear"),
+    ("tp2", 2, False, "linear"),
+    ("tp3", 3, False, "linear"),
+    ("ep2", 2, True, "linear"),
+    ("ep4rr", 4, True, "round_robin"),
+]
 PREFIX = "model.layers.0.mlp"
 
 
 def _names(e: int) -> dict[str, str]:
-    return {s: f"{PREFIX}.experts.{e}.{p}.weight"
-            for s, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+    return {
+        s: f"{PREFIX}.experts.{e}.{p}.weight"
+        for s, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    }
 
 
 def _checkpoint(seed: int) -> dict[str, np.ndarray]:
@@ -54,7 +61,7 @@ def _checkpoint(seed: int) -> dict[str, np.ndarray]:
 
 
 # What vLLM does: its own weight_loader on a stand-in RoutedExperts (no model, no config).
-_LOADER = r'''
+_LOADER = r"""
 import inspect, json, sys, types
 import numpy as np, torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -96,7 +103,7 @@ for ck_id in ("a", "b"):
             out[f"{name}/{r}/{ck_id}/w13"] = w13.numpy()
             out[f"{name}/{r}/{ck_id}/w2"] = w2.numpy()
 np.savez(dst, **out)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +112,19 @@ def vllm_loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarra
         pytest.skip("ROLLPATCH_SKIP_VLLM=1: the vLLM tests are skipped on request")
     python = vllm_env.vllm_python()
     if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}",
-                    pytrace=False)
+        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
     tmp = tmp_path_factory.mktemp("moe-vllm")
     for ck_id, seed in (("a", 0), ("b", 1)):
         np.savez(tmp / f"{ck_id}.npz", **_checkpoint(seed))
     arg = json.dumps([E, INTER, HID, CASES, str(tmp), str(tmp / "out.npz")])
-    r = subprocess.run([str(python), "-c", _LOADER, arg], capture_output=True, text=True, check=False,
-                       timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    r = subprocess.run(
+        [str(python), "-c", _LOADER, arg],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     with np.load(tmp / "out.npz", allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
@@ -123,18 +135,27 @@ def _specs(loaded: dict[str, np.ndarray], name: str, ranks: int, ep: bool) -> li
     maps = [[int(x) for x in loaded[f"{name}/{r}/map"]] for r in range(ranks)]
     t = 1 if ep else ranks
     return [
-        expert_spec(f"{PREFIX}.experts.routed_experts.w13_weight",
-                    [[_names(e)["w1"], _names(e)["w3"]] for e in range(E)], (INTER, HID), maps,
-                    expert_tp=t, dim=0),
-        expert_spec(f"{PREFIX}.experts.routed_experts.w2_weight",
-                    [[_names(e)["w2"]] for e in range(E)], (HID, INTER), maps, expert_tp=t,
-                    dim=1),
+        expert_spec(
+            f"{PREFIX}.experts.routed_experts.w13_weight",
+            [[_names(e)["w1"], _names(e)["w3"]] for e in range(E)],
+            (INTER, HID),
+            maps,
+            expert_tp=t,
+            dim=0,
+        ),
+        expert_spec(
+            f"{PREFIX}.experts.routed_experts.w2_weight",
+            [[_names(e)["w2"]] for e in range(E)],
+            (HID, INTER),
+            maps,
+            expert_tp=t,
+            dim=1,
+        ),
     ]
 
 
 def _view(ck: dict[str, np.ndarray]) -> View:
-    return View({n: Tensor(get_kind("bf16"), a.shape, a.reshape(-1).copy())
-                 for n, a in ck.items()})
+    return View({n: Tensor(get_kind("bf16"), a.shape, a.reshape(-1).copy()) for n, a in ck.items()})
 
 
 class MoeRanks:
@@ -143,13 +164,16 @@ class MoeRanks:
 
     def __init__(self, specs: list[ParamSpec], ranks: int) -> None:
         self.tp = ranks
-        self.params = [{s.param: np.zeros(param_shape(s, ranks), np.uint16) for s in specs}
-                       for _ in range(ranks)]
+        self.params = [
+            {s.param: np.zeros(param_shape(s, ranks), np.uint16) for s in specs}
+            for _ in range(ranks)
+        ]
         self.slots: list[np.ndarray | None] = [None] * ranks
         self.barrier = threading.Barrier(ranks)
         kinds = {s.param: get_kind("bf16") for s in specs}
-        self.weights = [RuntimeWeights(specs, kinds, self._access(r), rank=r, tp=ranks)
-                        for r in range(ranks)]
+        self.weights = [
+            RuntimeWeights(specs, kinds, self._access(r), rank=r, tp=ranks) for r in range(ranks)
+        ]
 
     def _access(self, r: int) -> Access:
         ps = self.params[r]
@@ -169,8 +193,14 @@ class MoeRanks:
             self.barrier.wait()
             return out
 
-        return Access(lambda p: ps[p], write, block, lambda names: None,
-                      gather if self.tp > 1 else None, aliases=True)
+        return Access(
+            lambda p: ps[p],
+            write,
+            block,
+            lambda names: None,
+            gather if self.tp > 1 else None,
+            aliases=True,
+        )
 
     def run(self, fn: Callable[[RuntimeWeights], Any]) -> list[Any]:
         out: list[Any] = [None] * self.tp
@@ -180,6 +210,7 @@ class MoeRanks:
                 out[r] = fn(self.weights[r])
             except Exception as e:  # noqa: BLE001 - compared by the test
                 out[r] = e
+
         threads = [threading.Thread(target=one, args=(r,)) for r in range(self.tp)]
         for t in threads:
             t.start()
@@ -188,20 +219,24 @@ class MoeRanks:
         return out
 
 
-def _same_as_vllm(ranks: MoeRanks, loaded: dict[str, np.ndarray], name: str, ck_id: str
-                  ) -> None:
+def _same_as_vllm(ranks: MoeRanks, loaded: dict[str, np.ndarray], name: str, ck_id: str) -> None:
     for r in range(ranks.tp):
         for part in ("w13", "w2"):
             want = loaded[f"{name}/{r}/{ck_id}/{part}"]
             got = ranks.params[r][f"{PREFIX}.experts.routed_experts.{part}_weight"]
             assert (want >= 0).all(), "vLLM's loader left a slot unwritten"
-            assert np.array_equal(got.reshape(want.shape), want.astype(np.uint16)), \
-                (name, r, part, ck_id)
+            assert np.array_equal(got.reshape(want.shape), want.astype(np.uint16)), (
+                name,
+                r,
+                part,
+                ck_id,
+            )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_expert_placement_equals_vllms_loader(vllm_loaded: dict[str, np.ndarray],
-                                              case: tuple[str, int, bool, str]) -> None:
+def test_expert_placement_equals_vllms_loader(
+    vllm_loaded: dict[str, np.ndarray], case: tuple[str, int, bool, str]
+) -> None:
     name, ranks, ep, _ = case
     specs = _specs(vllm_loaded, name, ranks, ep)
     assert set(check_coverage(specs, ranks)) == set(_checkpoint(0))
@@ -235,8 +270,7 @@ def test_bad_expert_layouts_are_refused() -> None:
     with pytest.raises(EngineError, match="slots"):
         expert_spec("w13", names, (INTER, HID), [[0] * E, [0] * E], expert_tp=2, dim=0)
     with pytest.raises(EngineError, match="same tensors"):
-        expert_spec("w13", names[:-1] + [names[0][:1]], (INTER, HID), every, expert_tp=2,
-                    dim=0)
+        expert_spec("w13", names[:-1] + [names[0][:1]], (INTER, HID), every, expert_tp=2, dim=0)
     spec = expert_spec("w13", names, (INTER, HID), half, expert_tp=1, dim=0)
     assert param_shape(spec, 2) == (4, 2 * INTER * HID)
 
@@ -249,27 +283,37 @@ def test_describe_reads_a_real_layer(tmp_path: Path) -> None:
         pytest.skip("ROLLPATCH_SKIP_VLLM=1: the vLLM tests are skipped on request")
     python = vllm_env.vllm_python()
     if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}",
-                    pytrace=False)
+        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
     from rollpatch.engines.reference import make_tiny_moe_model
 
     model = make_tiny_moe_model(tmp_path / "moe", layers=1, experts=4, top_k=2)
     script = _DESCRIBE.replace("MODEL", str(model))
-    env = {**vllm_env.server_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": str(vllm_env.REPO / "src")}
-    r = subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=False,
-                       timeout=600, env=env)
+    env = {
+        **vllm_env.server_env(),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONPATH": str(vllm_env.REPO / "src"),
+    }
+    r = subprocess.run(
+        [str(python), "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["kernel"] == "CPUUnquantizedExperts"
     assert "CPU MoE kernel prepacks" in res["refused"], res
-    assert res["names"][:2] == [f"{PREFIX}.experts.0.gate_proj.weight",
-                                f"{PREFIX}.experts.0.up_proj.weight"], res
+    assert res["names"][:2] == [
+        f"{PREFIX}.experts.0.gate_proj.weight",
+        f"{PREFIX}.experts.0.up_proj.weight",
+    ], res
     assert res["w2_names"][0] == f"{PREFIX}.experts.0.down_proj.weight"
     assert res["shapes"] == [[64, 128], [128, 64]] and res["param_shape"] == [4, 128 * 128]
 
 
-_DESCRIBE = r'''
+_DESCRIBE = r"""
 import json
 from vllm import LLM
 
@@ -301,4 +345,4 @@ def probe(model):
 if __name__ == "__main__":
     llm = LLM(model="MODEL", dtype="bfloat16", enforce_eager=True, max_model_len=128)
     print(json.dumps(llm.apply_model(probe)[0]))
-'''
+"""

@@ -23,7 +23,6 @@ from tests.test_patch import SPECIAL_BF16, _perturb, _words
 NATIVE, REF = CtxGolombV2(), CtxGolombV2(reference=True)
 
 
-
 def test_native_core_is_built() -> None:
     """CI builds the extension from a clean checkout; a silent numpy fallback would hide it."""
     assert native.core is not None, "rollpatch.native._rpcore is not built: pip install -e ."
@@ -60,22 +59,28 @@ def test_same_bytes_every_kind(kind_name: str, n: int, density: float) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(old=st.lists(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF), min_size=1,
-                    max_size=400), data=st.data())
+@given(
+    old=st.lists(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF), min_size=1, max_size=400),
+    data=st.data(),
+)
 def test_bf16_specials_same_bytes(old: list[int], data: st.DataObject) -> None:
     """NaN payloads, ±0, subnormals, infinities: identical payloads and decodes."""
-    new = [data.draw(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF) | st.just(x))
-           for x in old]
+    new = [
+        data.draw(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF) | st.just(x)) for x in old
+    ]
     kind = KINDS["bf16"]
     t = Tensor(kind, (len(old),), np.array(old, dtype=np.uint16))
     _both(t, Tensor(kind, (len(new),), np.array(new, dtype=np.uint16)))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind_name=st.sampled_from(sorted(KINDS)), seed=st.integers(0, 2**32 - 1),
-       n=st.integers(1, 3000), density=st.floats(0, 1))
-def test_random_transitions_same_bytes(kind_name: str, seed: int, n: int,
-                                       density: float) -> None:
+@given(
+    kind_name=st.sampled_from(sorted(KINDS)),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 3000),
+    density=st.floats(0, 1),
+)
+def test_random_transitions_same_bytes(kind_name: str, seed: int, n: int, density: float) -> None:
     rng = np.random.default_rng(seed)
     kind = KINDS[kind_name]
     a = _words(rng, kind_name, n)
@@ -180,7 +185,7 @@ def test_records_path_gives_the_same_bytes() -> None:
     b = Tensor(kind, (w.size,), _perturb(rng, "bf16", a.data, 0.01))
     chunks: list[ChunkRecords | None] = []
     for s in range(0, w.size, CHUNK):
-        old, new = a.data[s:s + CHUNK], b.data[s:s + CHUNK]
+        old, new = a.data[s : s + CHUNK], b.data[s : s + CHUNK]
         ctx = ((old >> 7) & 0xFF).astype(np.uint8)
         order = np.argsort(ctx, kind="stable")
         inv = np.empty(ctx.size, np.int64)
@@ -193,8 +198,9 @@ def test_records_path_gives_the_same_bytes() -> None:
     assert got == NATIVE.encode_dense(a, b)[0]
     bad = chunks[0]
     assert bad is not None
-    broken = ChunkRecords(bad.sizes, bad.positions, bad.contexts, bad.ranks[::-1].copy(),
-                          bad.old, bad.new)
+    broken = ChunkRecords(
+        bad.sizes, bad.positions, bad.contexts, bad.ranks[::-1].copy(), bad.old, bad.new
+    )
     with pytest.raises(ValueError):
         NATIVE.encode_records(kind, w.size, [broken] + chunks[1:])
 

@@ -131,7 +131,7 @@ def test_added_latency_is_at_least_the_configured_one(echo: _Server) -> None:
         t0 = time.perf_counter()
         s.sendall(b"first")
         assert _recv_exactly(s, 5) == b"first"
-        first = time.perf_counter() - t0       # handshake round trip + one round trip
+        first = time.perf_counter() - t0  # handshake round trip + one round trip
         rtts = []
         for i in range(3):
             t0 = time.perf_counter()
@@ -144,7 +144,7 @@ def test_added_latency_is_at_least_the_configured_one(echo: _Server) -> None:
 
 def test_bandwidth_cap_is_shared_by_concurrent_connections() -> None:
     srv = _Server(_count)
-    each, rate = 400_000, 1e6               # 8 Mbit/s = 1 MB/s per direction, for the link
+    each, rate = 400_000, 1e6  # 8 Mbit/s = 1 MB/s per direction, for the link
     cfg = LinkConfig(upstream=srv.address, mbps=8, burst_bytes=0, handshake=False)
     results: list[bytes] = []
 
@@ -239,8 +239,8 @@ def test_listening_on_a_busy_port_names_it(echo: _Server) -> None:
 def test_token_bucket_paces_and_bursts() -> None:
     b = TokenBucket(1000.0)
     assert b.reserve(500, 0.0) == pytest.approx(0.5)
-    assert b.reserve(500, 0.0) == pytest.approx(1.0)   # shared: books after the first
-    assert b.reserve(100, 5.0) == pytest.approx(5.1)   # idle time is not saved up without burst
+    assert b.reserve(500, 0.0) == pytest.approx(1.0)  # shared: books after the first
+    assert b.reserve(100, 5.0) == pytest.approx(5.1)  # idle time is not saved up without burst
     burst = TokenBucket(1000.0, burst=200)
     assert burst.reserve(200, 10.0) == pytest.approx(10.0)
     assert burst.reserve(100, 10.0) == pytest.approx(10.1)
@@ -248,11 +248,21 @@ def test_token_bucket_paces_and_bursts() -> None:
     assert TokenBucket(None).reserve(10**9, 3.0) == 3.0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("latency_ms", -1), ("mbps", 0), ("loss", 0.9), ("loss", float("nan")),
-    ("chunk_bytes", 100), ("window_bytes", 10), ("max_connections", 0), ("upstream", ("h", 0)),
-    ("listen", ("127.0.0.1", 70000)), ("handshake", 1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("latency_ms", -1),
+        ("mbps", 0),
+        ("loss", 0.9),
+        ("loss", float("nan")),
+        ("chunk_bytes", 100),
+        ("window_bytes", 10),
+        ("max_connections", 0),
+        ("upstream", ("h", 0)),
+        ("listen", ("127.0.0.1", 70000)),
+        ("handshake", 1),
+    ],
+)
 def test_config_names_the_bad_field(field: str, value: object) -> None:
     fields: dict[str, object] = {"upstream": ("127.0.0.1", 80), field: value}
     with pytest.raises(ConfigError, match=f"LinkConfig.{field}"):
@@ -276,9 +286,22 @@ def test_parse_hostport() -> None:
 def test_command_line_serves_until_sigterm(echo: _Server) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollpatch.netem", "--upstream", f"{echo.address[0]}:{echo.address[1]}",
-         "--latency-ms", "5", "--mbps", "100"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "rollpatch.netem",
+            "--upstream",
+            f"{echo.address[0]}:{echo.address[1]}",
+            "--latency-ms",
+            "5",
+            "--mbps",
+            "100",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -297,7 +320,12 @@ def test_command_line_serves_until_sigterm(echo: _Server) -> None:
 
 
 def test_command_line_refuses_a_bad_address() -> None:
-    proc = subprocess.run([sys.executable, "-m", "rollpatch.netem", "--upstream", "nowhere"],
-                          check=False, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollpatch.netem", "--upstream", "nowhere"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "--upstream must be HOST:PORT" in proc.stderr

@@ -13,8 +13,22 @@ from rollpatch.patch import apply, apply_bytes, compose, decode, diff, encode, i
 from rollpatch.patch.groups import MIN_CONTEXT_ELEMENTS
 from rollpatch.view import Tensor, View
 
-SPECIAL_BF16 = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001, 0x8001,
-                0x007F, 0x3F80, 0xBF80, 0x7F7F, 0xFF7F]
+SPECIAL_BF16 = [
+    0x0000,
+    0x8000,
+    0x7F80,
+    0xFF80,
+    0x7FC0,
+    0xFFC1,
+    0x7F81,
+    0x0001,
+    0x8001,
+    0x007F,
+    0x3F80,
+    0xBF80,
+    0x7F7F,
+    0xFF7F,
+]
 
 
 def _words(rng: np.random.Generator, kind_name: str, n: int) -> np.ndarray:
@@ -31,8 +45,9 @@ def _words(rng: np.random.Generator, kind_name: str, n: int) -> np.ndarray:
     return raw.view(kind.word_dtype)
 
 
-def _perturb(rng: np.random.Generator, kind_name: str, words: np.ndarray,
-             density: float) -> np.ndarray:
+def _perturb(
+    rng: np.random.Generator, kind_name: str, words: np.ndarray, density: float
+) -> np.ndarray:
     kind = KINDS[kind_name]
     out = words.copy()
     n = words.size
@@ -71,20 +86,26 @@ def test_roundtrip_every_kind(kind_name: str, n: int, density: float) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(old=st.lists(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF), max_size=300),
-       data=st.data())
+@given(
+    old=st.lists(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF), max_size=300),
+    data=st.data(),
+)
 def test_bf16_specials_property(old: list[int], data: st.DataObject) -> None:
     """NaN payloads, ±0, subnormals and infinities survive any transition bit for bit."""
-    new = [data.draw(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF) | st.just(x))
-           for x in old]
+    new = [
+        data.draw(st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF) | st.just(x)) for x in old
+    ]
     a = _view("bf16", np.array(old, dtype=np.uint16))
     b = _view("bf16", np.array(new, dtype=np.uint16))
     _roundtrip(a, b)
 
 
 @settings(max_examples=40, deadline=None)
-@given(kind_name=st.sampled_from(sorted(KINDS)), seed=st.integers(0, 2**32 - 1),
-       shape=st.lists(st.integers(0, 9), min_size=0, max_size=3))
+@given(
+    kind_name=st.sampled_from(sorted(KINDS)),
+    seed=st.integers(0, 2**32 - 1),
+    shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
+)
 def test_odd_shapes_property(kind_name: str, seed: int, shape: list[int]) -> None:
     rng = np.random.default_rng(seed)
     kind = KINDS[kind_name]
@@ -110,15 +131,27 @@ def test_big_bf16_context_model_and_exponent_dependence() -> None:
 
 def test_structural_changes_full_and_drop() -> None:
     rng = np.random.default_rng(2)
-    a = View({"keep": Tensor(KINDS["bf16"], (10,), _words(rng, "bf16", 10)),
-              "gone": Tensor(KINDS["f32"], (3,), _words(rng, "f32", 3)),
-              "reshaped": Tensor(KINDS["u8"], (4,), _words(rng, "u8", 4))})
-    b = View({"keep": Tensor(KINDS["bf16"], (10,), _perturb(rng, "bf16", a["keep"].data, 0.3)),
-              "new": Tensor(KINDS["e4m3"], (2, 3), _words(rng, "e4m3", 6)),
-              "reshaped": Tensor(KINDS["u8"], (2, 3), _words(rng, "u8", 6))})
+    a = View(
+        {
+            "keep": Tensor(KINDS["bf16"], (10,), _words(rng, "bf16", 10)),
+            "gone": Tensor(KINDS["f32"], (3,), _words(rng, "f32", 3)),
+            "reshaped": Tensor(KINDS["u8"], (4,), _words(rng, "u8", 4)),
+        }
+    )
+    b = View(
+        {
+            "keep": Tensor(KINDS["bf16"], (10,), _perturb(rng, "bf16", a["keep"].data, 0.3)),
+            "new": Tensor(KINDS["e4m3"], (2, 3), _words(rng, "e4m3", 6)),
+            "reshaped": Tensor(KINDS["u8"], (2, 3), _words(rng, "u8", 6)),
+        }
+    )
     p = diff(a, b)
     assert {n: t.op for n, t in p.tensors.items()} == {
-        "keep": "delta", "gone": "drop", "new": "full", "reshaped": "full"}
+        "keep": "delta",
+        "gone": "drop",
+        "new": "full",
+        "reshaped": "full",
+    }
     _roundtrip(a, b)
 
 
@@ -128,9 +161,15 @@ def _chain(seed: int) -> list[View]:
     views = [w]
     for _ in range(3):
         views.append(_perturb(rng, "bf16", views[-1], 0.01))
-    return [View({"w": Tensor(KINDS["bf16"], (v.size,), v),
-                  "s": Tensor(KINDS["e2m1x2"], (50,), (v[:50] & 0xFF).astype(np.uint8))})
-            for v in views]
+    return [
+        View(
+            {
+                "w": Tensor(KINDS["bf16"], (v.size,), v),
+                "s": Tensor(KINDS["e2m1x2"], (50,), (v[:50] & 0xFF).astype(np.uint8)),
+            }
+        )
+        for v in views
+    ]
 
 
 def test_compose_equals_direct_diff() -> None:
@@ -174,9 +213,24 @@ def test_target_mismatch_rolls_back() -> None:
     assert tp.new is not None
     bad_new = tp.new.copy()
     bad_new[0] ^= 1
-    bad = type(p)(p.base, p.target, {**p.tensors, "w": type(tp)(
-        tp.name, tp.op, tp.kind, tp.shape, tp.base_digest, tp.target_digest, tp.positions,
-        tp.old, bad_new)})
+    bad = type(p)(
+        p.base,
+        p.target,
+        {
+            **p.tensors,
+            "w": type(tp)(
+                tp.name,
+                tp.op,
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                tp.positions,
+                tp.old,
+                bad_new,
+            ),
+        },
+    )
     before = {n: t.data.copy() for n, t in a.items()}
     digest = a.digest()
     with pytest.raises(TargetMismatchError):

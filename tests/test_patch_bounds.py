@@ -42,10 +42,22 @@ def test_full_op_of_a_huge_declared_shape_is_refused_before_decompressing() -> N
     frame = zstandard.ZstdCompressor(level=19).compress(bytes(1 << 20))  # 1 MiB of zeros
     h = copy.deepcopy(HEADER)
     h["payload_bytes"] = len(frame)
-    h["tensors"] = [{"name": "zz", "op": "full", "kind": "u8", "dtype": "U8",
-                     "shape": [1 << 40], "changed": 1 << 40, "base": None,
-                     "target": "0" * 64, "codec": "zstd", "offset": 0,
-                     "length": len(frame), "b3": ""}]
+    h["tensors"] = [
+        {
+            "name": "zz",
+            "op": "full",
+            "kind": "u8",
+            "dtype": "U8",
+            "shape": [1 << 40],
+            "changed": 1 << 40,
+            "base": None,
+            "target": "0" * 64,
+            "codec": "zstd",
+            "offset": 0,
+            "length": len(frame),
+            "b3": "",
+        }
+    ]
     err = _bounded(reseal(h, frame))
     assert "bound" in str(err)
 
@@ -54,9 +66,22 @@ def test_full_op_whose_frame_declares_another_size_is_refused() -> None:
     frame = zstandard.ZstdCompressor(level=19).compress(bytes(8 << 20))
     h = copy.deepcopy(HEADER)
     h["payload_bytes"] = len(frame)
-    h["tensors"] = [{"name": "zz", "op": "full", "kind": "u8", "dtype": "U8", "shape": [16],
-                     "changed": 16, "base": None, "target": "0" * 64, "codec": "zstd",
-                     "offset": 0, "length": len(frame), "b3": ""}]
+    h["tensors"] = [
+        {
+            "name": "zz",
+            "op": "full",
+            "kind": "u8",
+            "dtype": "U8",
+            "shape": [16],
+            "changed": 16,
+            "base": None,
+            "target": "0" * 64,
+            "codec": "zstd",
+            "offset": 0,
+            "length": len(frame),
+            "b3": "",
+        }
+    ]
     assert "declares" in str(_bounded(reseal(h, frame)))
 
 
@@ -73,15 +98,15 @@ def test_a_header_that_expands_far_beyond_its_size_is_refused() -> None:
     _bounded(blob, limit=16 << 20)
 
 
-@pytest.mark.parametrize("doc", [b"[" * 200_000 + b"]" * 200_000,
-                                 b'{"a": NaN}', b'{"a": Infinity}', b'{"a": -Infinity}'])
+@pytest.mark.parametrize(
+    "doc", [b"[" * 200_000 + b"]" * 200_000, b'{"a": NaN}', b'{"a": Infinity}', b'{"a": -Infinity}']
+)
 def test_deep_or_non_strict_json_headers_are_refused(doc: bytes) -> None:
     err = _bounded(_seal_raw_header(doc))
     assert isinstance(err, PatchDecodeError)
 
 
-@pytest.mark.parametrize("mutate", ["count_too_big", "table_short", "table_long",
-                                    "nc_overflow"])
+@pytest.mark.parametrize("mutate", ["count_too_big", "table_short", "table_long", "nc_overflow"])
 def test_hostile_v2_chunk_tables_and_params(mutate: str) -> None:
     h = copy.deepcopy(HEADER)
     entry = next(e for e in h["tensors"] if e["codec"] == "rp.ctxgolomb.v2")

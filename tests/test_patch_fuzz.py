@@ -43,8 +43,11 @@ def _must_not_apply(blob: bytes) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(flips=st.lists(st.tuples(st.integers(0, len(BLOB) - 1), st.integers(1, 255)),
-                      min_size=1, max_size=4))
+@given(
+    flips=st.lists(
+        st.tuples(st.integers(0, len(BLOB) - 1), st.integers(1, 255)), min_size=1, max_size=4
+    )
+)
 def test_random_byte_flips(flips: list[tuple[int, int]]) -> None:
     blob = bytearray(BLOB)
     for pos, x in flips:
@@ -53,8 +56,11 @@ def test_random_byte_flips(flips: list[tuple[int, int]]) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(flips=st.lists(st.tuples(st.integers(0, len(PAYLOAD) - 1), st.integers(1, 255)),
-                      min_size=1, max_size=6))
+@given(
+    flips=st.lists(
+        st.tuples(st.integers(0, len(PAYLOAD) - 1), st.integers(1, 255)), min_size=1, max_size=6
+    )
+)
 def test_hostile_payloads_with_valid_checksums(flips: list[tuple[int, int]]) -> None:
     payload = bytearray(PAYLOAD)
     for pos, x in flips:
@@ -63,12 +69,29 @@ def test_hostile_payloads_with_valid_checksums(flips: list[tuple[int, int]]) -> 
 
 
 FIELD_ATTACKS = [
-    ("shape", [2**47, 2**47]), ("shape", [-1]), ("shape", [1] * 40), ("changed", 10**12),
-    ("changed", -1), ("offset", 10**15), ("length", 10**15), ("kind", "nope"),
-    ("kind", "f32"), ("dtype", "F4"), ("op", "explode"), ("codec", "pickle"),
-    ("codec", "rp.xorzstd.v1"), ("name", ""), ("name", "x" * 5000), ("base", "00"),
-    ("target", None), ("op", "drop"), ("op", "full"), ("changed", 0), ("changed", "7"),
-    ("shape", "big"), ("offset", True),
+    ("shape", [2**47, 2**47]),
+    ("shape", [-1]),
+    ("shape", [1] * 40),
+    ("changed", 10**12),
+    ("changed", -1),
+    ("offset", 10**15),
+    ("length", 10**15),
+    ("kind", "nope"),
+    ("kind", "f32"),
+    ("dtype", "F4"),
+    ("op", "explode"),
+    ("codec", "pickle"),
+    ("codec", "rp.xorzstd.v1"),
+    ("name", ""),
+    ("name", "x" * 5000),
+    ("base", "00"),
+    ("target", None),
+    ("op", "drop"),
+    ("op", "full"),
+    ("changed", 0),
+    ("changed", "7"),
+    ("shape", "big"),
+    ("offset", True),
 ]
 
 
@@ -77,21 +100,25 @@ FIELD_ATTACKS = [
 def test_hostile_header_fields(field: str, value: object, index: int) -> None:
     header = copy.deepcopy(HEADER)
     header["tensors"][index][field] = value
-    _must_not_apply(reseal(header, PAYLOAD, fix_payload_checksums=field not in
-                           ("offset", "length")))
+    _must_not_apply(
+        reseal(header, PAYLOAD, fix_payload_checksums=field not in ("offset", "length"))
+    )
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda h: h.update(tensors=h["tensors"][::-1]),
-    lambda h: h.update(tensors=h["tensors"] + [h["tensors"][0]]),
-    lambda h: h.update(payload_bytes=h["payload_bytes"] + 1),
-    lambda h: h.update(version=2),
-    lambda h: h.update(base="f" * 64),
-    lambda h: h.update(target="0" * 64),
-    lambda h: h.update(meta={"a": 1}),
-    lambda h: h.update(tensors="all"),
-    lambda h: h.pop("tensors"),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda h: h.update(tensors=h["tensors"][::-1]),
+        lambda h: h.update(tensors=h["tensors"] + [h["tensors"][0]]),
+        lambda h: h.update(payload_bytes=h["payload_bytes"] + 1),
+        lambda h: h.update(version=2),
+        lambda h: h.update(base="f" * 64),
+        lambda h: h.update(target="0" * 64),
+        lambda h: h.update(meta={"a": 1}),
+        lambda h: h.update(tensors="all"),
+        lambda h: h.pop("tensors"),
+    ],
+)
 def test_hostile_header_structure(mutate) -> None:  # type: ignore[no-untyped-def]
     header = copy.deepcopy(HEADER)
     mutate(header)
@@ -115,12 +142,31 @@ def test_zip_bomb_full_tensor_is_bounded() -> None:
     import zstandard
 
     bomb = zstandard.ZstdCompressor(level=19).compress(bytes(64 << 20))
-    header = {"format": "rollpatch.patch", "version": 2, "digest": "rp.sum128.v1",
-              "base": A.digest(),
-              "target": A.digest(), "payload_bytes": len(bomb), "meta": {},
-              "tensors": [{"name": "zz", "op": "full", "kind": "u8", "dtype": "U8",
-                           "shape": [16], "changed": 16, "base": None, "target": "0" * 64,
-                           "codec": "zstd", "offset": 0, "length": len(bomb), "b3": ""}]}
+    header = {
+        "format": "rollpatch.patch",
+        "version": 2,
+        "digest": "rp.sum128.v1",
+        "base": A.digest(),
+        "target": A.digest(),
+        "payload_bytes": len(bomb),
+        "meta": {},
+        "tensors": [
+            {
+                "name": "zz",
+                "op": "full",
+                "kind": "u8",
+                "dtype": "U8",
+                "shape": [16],
+                "changed": 16,
+                "base": None,
+                "target": "0" * 64,
+                "codec": "zstd",
+                "offset": 0,
+                "length": len(bomb),
+                "b3": "",
+            }
+        ],
+    }
     with pytest.raises(RollpatchError, match="declares the wrong size"):
         decode(reseal(header, bomb), A)
 

@@ -22,8 +22,10 @@ from rollpatch.formats import cast_view
 def _views() -> tuple[object, object]:
     rng = np.random.default_rng(0)
     a = {f"t{i}": rng.standard_normal((64, 33)).astype(np.float32) for i in range(3)}
-    b = {k: v + np.float32(1e-3) * rng.standard_normal(v.shape).astype(np.float32)
-         for k, v in a.items()}
+    b = {
+        k: v + np.float32(1e-3) * rng.standard_normal(v.shape).astype(np.float32)
+        for k, v in a.items()
+    }
     return cast_view(a, "bf16"), cast_view(b, "bf16")
 
 
@@ -43,7 +45,7 @@ def test_xz1_detects_corruption_and_malformed_input() -> None:
         frames = xor_encode(a, b, pool, 1)
         name = min(frames)
         frame, _ = frames[name]
-        frames[name] = (frame, bytes(16))      # a wrong xxh3-128
+        frames[name] = (frame, bytes(16))  # a wrong xxh3-128
         with pytest.raises(RoundTripError, match="checksum"):
             apply_blob(a.copy(), encode_blob(frames), pool)
     with pytest.raises(ValueError, match="not an XZ1"):

@@ -38,8 +38,12 @@ def _copy(masters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _random_masters(seed: int, n: int = 3) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    out = {f"model.layers.{i}.mlp.up_proj.weight":
-           (rng.standard_normal((64, 128)) * 0.02).astype(np.float32) for i in range(n)}
+    out = {
+        f"model.layers.{i}.mlp.up_proj.weight": (rng.standard_normal((64, 128)) * 0.02).astype(
+            np.float32
+        )
+        for i in range(n)
+    }
     out["model.norm.weight"] = np.ones(128, np.float32)
     return out
 
@@ -81,8 +85,7 @@ def board(memory_board: Board) -> Board:
     return memory_board
 
 
-def _check_all(board: Board, expected: dict[int, dict[str, np.ndarray]], fmt: str = "bf16"
-               ) -> None:
+def _check_all(board: Board, expected: dict[int, dict[str, np.ndarray]], fmt: str = "bf16") -> None:
     """Every published version reconstructs to the cast of its masters, bit for bit."""
     for n in board.versions(RUN):
         view = reconstruct(board, RUN, n)
@@ -93,6 +96,7 @@ def _check_all(board: Board, expected: dict[int, dict[str, np.ndarray]], fmt: st
 
 
 # -- publishing and reconstructing -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("asynchronous", [True, False])
 @pytest.mark.parametrize("uri", ["memory", "file"])
@@ -146,8 +150,9 @@ def test_quantised_format_and_meta(board: Board) -> None:
 
 def test_keyframe_cadence_and_publish_keyframe(board: Board) -> None:
     masters = _random_masters(1, n=1)
-    with Publisher(board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()),
-                   asynchronous=False) as pub:
+    with Publisher(
+        board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
+    ) as pub:
         for i in range(3):
             if i == 2:
                 pub.publish_keyframe()
@@ -160,14 +165,16 @@ def test_keyframe_cadence_and_publish_keyframe(board: Board) -> None:
     assert board.keyframes(RUN) == [0, 2]
     assert board.versions(RUN) == [0, 1, 2, 10, 11]
     assert board.manifest(RUN, 10).parent == 2
-    with Publisher(board, "r2", PublisherConfig(keyframe_every=5, skip_strides=()),
-                   asynchronous=False) as pub:
+    with Publisher(
+        board, "r2", PublisherConfig(keyframe_every=5, skip_strides=()), asynchronous=False
+    ) as pub:
         for n in (3, 4, 6, 9, 10, 12):  # a keyframe whenever a multiple of 5 is crossed
             pub.publish(masters, version=n)
     assert board.keyframes("r2") == [3, 6, 10]
 
 
 # -- coalescing --------------------------------------------------------------------------------
+
 
 def test_coalescing_under_slow_store_never_half_publishes() -> None:
     name = f"slow-{uuid.uuid4().hex[:12]}"
@@ -226,6 +233,7 @@ def test_flush_timeout() -> None:
 
 # -- snapshots of torch state dicts ----------------------------------------------------------
 
+
 def test_torch_state_dict_snapshot_survives_mutation() -> None:
     torch = pytest.importorskip("torch")
     name = f"slow-{uuid.uuid4().hex[:12]}"
@@ -237,8 +245,10 @@ def test_torch_state_dict_snapshot_survives_mutation() -> None:
         for i in range(3):
             sd = model.state_dict()
             n = pub.publish(sd)
-            expected[n] = {k: v.detach().float().numpy().copy() if v.dtype == torch.float32
-                           else _bf16(v) for k, v in sd.items()}
+            expected[n] = {
+                k: v.detach().float().numpy().copy() if v.dtype == torch.float32 else _bf16(v)
+                for k, v in sd.items()
+            }
             with torch.no_grad():  # the trainer keeps going right away
                 for p in model.parameters():
                     p.add_(0.5)
@@ -262,6 +272,7 @@ def _bf16(t: Any) -> np.ndarray:
 
 
 # -- errors ------------------------------------------------------------------------------------
+
 
 def test_worker_error_surfaces_on_flush_and_publish(board: Board) -> None:
     pub = Publisher(board, RUN, PublisherConfig(format="fp8-e4m3"))
@@ -307,11 +318,20 @@ def test_sync_error_raises_from_publish(board: Board) -> None:
     pub.close()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("format", "fp7"), ("scales", "fp64"), ("keyframe_every", -1), ("skip_strides", (1,)),
-    ("skip_strides", "8"), ("max_pending", 0), ("publisher_id", ""), ("signer", b"k" * 32),
-    ("policy", "attn"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("format", "fp7"),
+        ("scales", "fp64"),
+        ("keyframe_every", -1),
+        ("skip_strides", (1,)),
+        ("skip_strides", "8"),
+        ("max_pending", 0),
+        ("publisher_id", ""),
+        ("signer", b"k" * 32),
+        ("policy", "attn"),
+    ],
+)
 def test_config_validation_names_the_field(field: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=f"PublisherConfig.{field}"):
         PublisherConfig(**{field: value})
@@ -327,6 +347,7 @@ def test_config_repr_hides_the_key() -> None:
 
 
 # -- resume --------------------------------------------------------------------------------------
+
 
 def test_resume_after_close(board: Board) -> None:
     masters = _random_masters(7)
@@ -359,8 +380,15 @@ def test_resume_rolls_forward_a_manifest_without_pointer(board: Board) -> None:
             pub.publish(masters)
             _nudge(masters, i)
     # a publisher died after writing manifest 2 but before advancing LATEST
-    raw = json.dumps({"run": RUN, "version": 1, "manifest": version_key(RUN, 1),
-                      "target": board.manifest(RUN, 1).target}, sort_keys=True).encode()
+    raw = json.dumps(
+        {
+            "run": RUN,
+            "version": 1,
+            "manifest": version_key(RUN, 1),
+            "target": board.manifest(RUN, 1).target,
+        },
+        sort_keys=True,
+    ).encode()
     board.store.put(pointer_key(RUN), raw, if_absent=False)
     assert board.latest(RUN).version == 1  # type: ignore[union-attr]
     with Publisher(board, RUN, asynchronous=False) as pub:
@@ -385,6 +413,7 @@ def test_resume_restores_a_missing_keyframe_marker(board: Board) -> None:
 
 # -- signing ---------------------------------------------------------------------------------------
 
+
 def test_signed_manifests(board: Board) -> None:
     from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 
@@ -399,8 +428,7 @@ def test_signed_manifests(board: Board) -> None:
     for n in (0, 1):
         assert board.signed(RUN, n)
         Board(board.store, trust=trust).manifest(RUN, n)  # verifies
-    assert reconstruct(board, RUN, trust=trust).digest() == cast_view(masters,
-                                                                      "bf16").digest()
+    assert reconstruct(board, RUN, trust=trust).digest() == cast_view(masters, "bf16").digest()
     wrong = Trust(sign_root(Root.new([other.public]), [other]))
     with pytest.raises(ManifestError, match="signature"):
         reconstruct(board, RUN, trust=wrong)
@@ -412,8 +440,8 @@ def test_signed_manifests(board: Board) -> None:
 
 # -- CLI ---------------------------------------------------------------------------------------------
 
-def test_cli_publish_status_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                       ) -> None:
+
+def test_cli_publish_status_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     uri = (tmp_path / "board").as_uri()
     ckpts = []
     masters = _random_masters(11)
@@ -428,14 +456,30 @@ def test_cli_publish_status_round_trip(tmp_path: Path, capsys: pytest.CaptureFix
     out = json.loads(capsys.readouterr().out)
     assert out["version"] == 1 and out["parent"] == 0 and out["bytes"] > 0
     assert set(out["timings"]) >= {"cast_s", "encode_s", "upload_s", "total_s"}
-    assert main(["publish", "--board", uri, "--run", RUN, str(ckpts[2][0]), "--version", "5",
-                 "--keyframe", "--step", "77"]) == 0
+    assert (
+        main(
+            [
+                "publish",
+                "--board",
+                uri,
+                "--run",
+                RUN,
+                str(ckpts[2][0]),
+                "--version",
+                "5",
+                "--keyframe",
+                "--step",
+                "77",
+            ]
+        )
+        == 0
+    )
     assert "r1@5: parent 1, keyframe" in capsys.readouterr().out
-    assert main(["publish", "--board", uri, "--run", RUN, str(ckpts[2][0]), "--version",
-                 "5"]) == 2
+    assert main(["publish", "--board", uri, "--run", RUN, str(ckpts[2][0]), "--version", "5"]) == 2
     assert "must increase" in capsys.readouterr().err
-    assert main(["publish", "--board", uri, "--run", RUN, str(ckpts[2][0]), "--format",
-                 "fp16"]) == 2
+    assert (
+        main(["publish", "--board", uri, "--run", RUN, str(ckpts[2][0]), "--format", "fp16"]) == 2
+    )
     assert "another format" in capsys.readouterr().err
 
     assert main(["status", "--board", uri]) == 0
@@ -448,8 +492,9 @@ def test_cli_publish_status_round_trip(tmp_path: Path, capsys: pytest.CaptureFix
     assert st["versions"][1]["patch_bytes"] > 0 and st["versions"][1]["bases"] == [0]
     board = Board(uri)
     assert st["total_bytes"] == sum(
-        r.size for r in {r.key: r for n in (0, 1, 5) for r in board.manifest(RUN, n).objects()
-                         }.values())
+        r.size
+        for r in {r.key: r for n in (0, 1, 5) for r in board.manifest(RUN, n).objects()}.values()
+    )
     assert board.manifest(RUN, 5).meta["step"] == "77"
     for n, (_, m) in zip((0, 1, 5), ckpts):
         assert reconstruct(board, RUN, n).digest() == cast_view(m, "bf16").digest()

@@ -34,22 +34,43 @@ def _f32(bits: list[int]) -> np.ndarray:
 
 
 SPECIAL = [
-    0x00000000, 0x80000000,                          # ±0
-    0x00000001, 0x807FFFFF, 0x00400000, 0x00008000,  # f32 subnormals (round to 0 / bf16 subn.)
-    0x00018000, 0x00028000, 0x00010000,              # bf16 subnormal ties (odd/even) and exact
-    0x3F808000, 0x3F818000, 0x3F80C000, 0x3F807FFF,  # ties to even both ways, near-ties
-    0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF,              # overflow to ±inf, largest finite
-    0x7F800000, 0xFF800000,                          # ±inf
-    0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF,  # NaN: quiet, negative, signalling, payload
-    0x7FFFFFFF, 0x7F80FFFF,
+    0x00000000,
+    0x80000000,  # ±0
+    0x00000001,
+    0x807FFFFF,
+    0x00400000,
+    0x00008000,  # f32 subnormals (round to 0 / bf16 subn.)
+    0x00018000,
+    0x00028000,
+    0x00010000,  # bf16 subnormal ties (odd/even) and exact
+    0x3F808000,
+    0x3F818000,
+    0x3F80C000,
+    0x3F807FFF,  # ties to even both ways, near-ties
+    0x7F7FFFFF,
+    0xFF7F8000,
+    0x7F7F7FFF,  # overflow to ±inf, largest finite
+    0x7F800000,
+    0xFF800000,  # ±inf
+    0x7FC00000,
+    0xFFC00000,
+    0x7F800001,
+    0xFFBFFFFF,  # NaN: quiet, negative, signalling, payload
+    0x7FFFFFFF,
+    0x7F80FFFF,
 ]
 
 
 def test_bf16_cast_on_device_is_bit_exact() -> None:
     """torch's cast plus the pinned NaN rule equals formats' BF16 cast on every special."""
     rng = np.random.default_rng(0)
-    x = np.concatenate([_f32(SPECIAL), rng.standard_normal(300_000).astype(np.float32) * 0.02,
-                        rng.integers(0, 2**32, 100_000, dtype=np.uint32).view(np.float32)])
+    x = np.concatenate(
+        [
+            _f32(SPECIAL),
+            rng.standard_normal(300_000).astype(np.float32) * 0.02,
+            rng.integers(0, 2**32, 100_000, dtype=np.uint32).view(np.float32),
+        ]
+    )
     got = device.bf16_words(torch.from_numpy(x)).numpy().view(np.uint16)
     assert np.array_equal(got, f32_to_bf16_bits(x))
     # a BF16 master keeps every bit, NaN payloads included; an FP16 master rounds once
@@ -94,8 +115,9 @@ def _perturb(rng: np.random.Generator, k: Kind, a: np.ndarray, frac: float) -> n
         t = Tensor(k, (a.size,), b)
         from rollpatch.patch.ops import gather, scatter
 
-        scatter(t, np.sort(pos).astype(np.int64),
-                (gather(t, np.sort(pos).astype(np.int64)) + 1) & 0x0F)
+        scatter(
+            t, np.sort(pos).astype(np.int64), (gather(t, np.sort(pos).astype(np.int64)) + 1) & 0x0F
+        )
         return b
     b[pos] = b[pos] + 1
     return b
@@ -107,13 +129,14 @@ def _reference_records(k: Kind, a: Tensor, b: Tensor) -> list[tuple[Any, ...] | 
     _, _, shift, bits = native.kind_tuple(k, ea.size)
     out: list[tuple[Any, ...] | None] = []
     for s in range(0, ea.size, CHUNK):
-        old, new = ea[s:s + CHUNK], eb[s:s + CHUNK]
+        old, new = ea[s : s + CHUNK], eb[s : s + CHUNK]
         pos = np.flatnonzero(old != new)
         if pos.size == 0:
             out.append(None)
             continue
-        ctx = ((old.astype(np.uint64) >> np.uint64(shift)) & np.uint64((1 << bits) - 1)
-               ).astype(np.uint8)
+        ctx = ((old.astype(np.uint64) >> np.uint64(shift)) & np.uint64((1 << bits) - 1)).astype(
+            np.uint8
+        )
         order = np.argsort(ctx, kind="stable")
         inv = np.empty(ctx.size, np.int64)
         inv[order] = np.arange(ctx.size)
@@ -123,11 +146,19 @@ def _reference_records(k: Kind, a: Tensor, b: Tensor) -> list[tuple[Any, ...] | 
     return out
 
 
-@pytest.mark.parametrize("kind,n,frac", [
-    ("bf16", 2 * CHUNK + 70_001, 0.01), ("bf16", 1_000, 0.05), ("bf16", 200_000, 0.3),
-    ("e2m1x2", CHUNK // 2 + 5_000, 0.02), ("int4x2", 90_000, 0.01), ("e4m3_u8", 300_000, 0.01),
-    ("f32", 70_000, 0.02), ("u8", 100_000, 0.01),
-])
+@pytest.mark.parametrize(
+    "kind,n,frac",
+    [
+        ("bf16", 2 * CHUNK + 70_001, 0.01),
+        ("bf16", 1_000, 0.05),
+        ("bf16", 200_000, 0.3),
+        ("e2m1x2", CHUNK // 2 + 5_000, 0.02),
+        ("int4x2", 90_000, 0.01),
+        ("e4m3_u8", 300_000, 0.01),
+        ("f32", 70_000, 0.02),
+        ("u8", 100_000, 0.01),
+    ],
+)
 def test_records_equal_the_numpy_reference(kind: str, n: int, frac: float) -> None:
     k = KINDS[kind]
     rng = np.random.default_rng(n)
@@ -135,12 +166,12 @@ def test_records_equal_the_numpy_reference(kind: str, n: int, frac: float) -> No
         w = (rng.standard_normal(n) * 0.02).astype(np.float32)
         a_words = f32_to_bf16_bits(w)
     else:
-        a_words = rng.integers(0, np.iinfo(k.word_dtype).max, n, dtype=k.word_dtype,
-                               endpoint=True)
+        a_words = rng.integers(0, np.iinfo(k.word_dtype).max, n, dtype=k.word_dtype, endpoint=True)
     a = Tensor(k, (n,), a_words)
     b = Tensor(k, (n,), _perturb(rng, k, a_words, frac))
-    rec = device.records(k, device.from_host(a.data, "cpu"), device.from_host(b.data, "cpu"),
-                         sum128(a.data))
+    rec = device.records(
+        k, device.from_host(a.data, "cpu"), device.from_host(b.data, "cpu"), sum128(a.data)
+    )
     ref = _reference_records(k, a, b)
     assert len(rec.chunks) == len(ref)
     for got, want in zip(rec.chunks, ref):
@@ -164,8 +195,9 @@ def test_container_matches_wire_encode() -> None:
     b_words = _perturb(rng, k, a_words, 0.2)  # dense: XOR+zstd is tried too
     ta, tb = Tensor(k, (300, 500), a_words), Tensor(k, (300, 500), b_words)
     rec = device.records(k, device.from_host(a_words, "cpu"), device.from_host(b_words, "cpu"))
-    tp = TensorPatch("w", "delta", k, ta.shape, ta.digest(), tb.digest(), rec.positions,
-                     rec.old, rec.new)
+    tp = TensorPatch(
+        "w", "delta", k, ta.shape, ta.digest(), tb.digest(), rec.positions, rec.old, rec.new
+    )
     p = Patch("a" * 64, "b" * 64, {"w": tp}, {"run": "x"})
     coded = {"w": _delta_payload(k, ta.n_elements, rec)}
     assert _container(p, coded) == encode(p, View({"w": ta}))
@@ -178,17 +210,18 @@ def _versions(steps: int) -> list[dict[str, np.ndarray]]:
         sim.step()
         m = {k: v.copy() for k, v in sim.masters().items()}
         if i == 1:
-            m["extra.norm.weight"] = np.ones(77, np.float32)    # a new tensor (full op) ...
+            m["extra.norm.weight"] = np.ones(77, np.float32)  # a new tensor (full op) ...
         if i in (1, 2, 3):
             m["extra.norm.weight"] = np.full(77, 1 + i / 8, np.float32)
-        if i == 2:                                              # ... NaNs (BF16 keeps them)
+        if i == 2:  # ... NaNs (BF16 keeps them)
             m["model.norm.weight"][:3] = [np.nan, -np.nan, np.inf]
-        out.append(m)                                           # dropped again at i == 4
+        out.append(m)  # dropped again at i == 4
     return out
 
 
-def _publish(uri: str, cfg: PublisherConfig, versions: list[dict[str, np.ndarray]],
-             as_torch: bool) -> Publisher:
+def _publish(
+    uri: str, cfg: PublisherConfig, versions: list[dict[str, np.ndarray]], as_torch: bool
+) -> Publisher:
     pub = Publisher(uri, RUN, cfg, asynchronous=False)
     for m in versions:
         sd = {k: torch.from_numpy(v.copy()) for k, v in m.items()} if as_torch else m
@@ -197,8 +230,9 @@ def _publish(uri: str, cfg: PublisherConfig, versions: list[dict[str, np.ndarray
 
 
 def _board_bytes(board: Board) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
-    objects = {k.rsplit("/", 1)[-1]: board.store.get(k)
-               for k in board.store.list("") if "/objects/" in k}
+    objects = {
+        k.rsplit("/", 1)[-1]: board.store.get(k) for k in board.store.list("") if "/objects/" in k
+    }
     manifests = []
     for v in board.versions(RUN):
         d = board.manifest(RUN, v).to_json()
@@ -216,12 +250,17 @@ def test_device_path_publishes_the_same_bytes(fmt: str) -> None:
     if fmt != "bf16":
         for m in versions:
             m.pop("model.norm.weight")  # NaNs are a FormatError in quantised formats
-    common: dict[str, Any] = {"format": fmt, "keyframe_every": 4, "skip_strides": (2, 4),
-                              "publisher_id": "test"}
+    common: dict[str, Any] = {
+        "format": fmt,
+        "keyframe_every": 4,
+        "skip_strides": (2, 4),
+        "publisher_id": "test",
+    }
     tag = uuid.uuid4().hex[:8]
     host = _publish(f"memory://host-{tag}", PublisherConfig(**common), versions, False)
-    dev = _publish(f"memory://dev-{tag}", PublisherConfig(diff_on="device", **common),
-                   versions, True)
+    dev = _publish(
+        f"memory://dev-{tag}", PublisherConfig(diff_on="device", **common), versions, True
+    )
     h_objects, h_manifests = _board_bytes(host.board)
     d_objects, d_manifests = _board_bytes(dev.board)
     assert len(h_manifests) == 7
@@ -243,9 +282,13 @@ def test_device_path_resumes_with_frozen_scales() -> None:
     versions = _versions(5)
     for m in versions:
         m.pop("model.norm.weight")
-    common: dict[str, Any] = {"format": "fp8-e4m3-block128", "scales": "frozen",
-                              "keyframe_every": 100, "skip_strides": (4,),
-                              "publisher_id": "test"}
+    common: dict[str, Any] = {
+        "format": "fp8-e4m3-block128",
+        "scales": "frozen",
+        "keyframe_every": 100,
+        "skip_strides": (4,),
+        "publisher_id": "test",
+    }
     tag = uuid.uuid4().hex[:8]
     boards = []
     for label, diff_on in (("host", "host"), ("dev", "device")):
@@ -265,8 +308,7 @@ def test_device_path_keeps_no_host_copy_of_the_view() -> None:
     pub = _publish(f"memory://keep-{uuid.uuid4().hex[:8]}", cfg, versions, True)
     prev = pub._pipe.prev
     assert isinstance(prev, DeviceView)
-    assert all(isinstance(t.words, torch.Tensor) and t.state is not None
-               for t in prev.values())
+    assert all(isinstance(t.words, torch.Tensor) and t.state is not None for t in prev.values())
     n_view = prev.nbytes
 
     def host_arrays(x: Any, seen: set[int]) -> int:
@@ -294,7 +336,6 @@ def test_device_path_keeps_no_host_copy_of_the_view() -> None:
 
 def test_auto_stays_on_the_host_for_cpu_tensors() -> None:
     cfg = PublisherConfig(diff_on="auto", publisher_id="t")
-    with Publisher(f"memory://auto-{uuid.uuid4().hex[:8]}", RUN, cfg,
-                   asynchronous=False) as pub:
+    with Publisher(f"memory://auto-{uuid.uuid4().hex[:8]}", RUN, cfg, asynchronous=False) as pub:
         pub.publish({"w": torch.ones(4, 4)})
         assert not isinstance(pub._pipe.prev, DeviceView)

@@ -50,8 +50,11 @@ def shard_of(masters: dict[str, np.ndarray], rank: int) -> dict[str, Any]:
     """This rank's tensors, as torch tensors (what an FSDP/TP rank would hold)."""
     import torch
 
-    return {k: torch.from_numpy(v.copy()) for i, (k, v) in enumerate(sorted(masters.items()))
-            if i % WORLD == rank}
+    return {
+        k: torch.from_numpy(v.copy())
+        for i, (k, v) in enumerate(sorted(masters.items()))
+        if i % WORLD == rank
+    }
 
 
 def _rank_main(rank: int, port: int, board_dir: str, out_dir: str) -> None:
@@ -130,8 +133,10 @@ def test_two_gloo_ranks_publish_shards(tmp_path: Path) -> None:
     out_dir.mkdir()
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir)))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir)))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -160,20 +165,27 @@ def test_two_gloo_ranks_publish_shards(tmp_path: Path) -> None:
     assert board.keyframes(RUN) == [0, 3, 6]
     m4 = board.manifest(RUN, 4)
     assert m4.shards == 2 and {(p.base, p.shard) for p in m4.patches} == {
-        (3, 0), (3, 1), (2, 0), (2, 1)}
+        (3, 0),
+        (3, 1),
+        (2, 0),
+        (2, 1),
+    }
     assert len(board.manifest(RUN, 6).keyframes) == 2
     for v in published:
         want = cast_view(full_masters(v), FORMAT)
-        assert reconstruct(board, RUN, v).digest() == want.digest() == \
-            board.manifest(RUN, v).target, v
+        assert (
+            reconstruct(board, RUN, v).digest() == want.digest() == board.manifest(RUN, v).target
+        ), v
     assert [s.to for s in board.plan(RUN, 2, 8).steps] == [4, 6, 8]  # skip 6->8 after resume
     assert reports[0]["E"] == reports[1]["E"] == [0, 1]
     for v in (0, 1):
-        assert reconstruct(board, "grouped", v).digest() == cast_view(full_masters(v),
-                                                                      FORMAT).digest()
+        assert (
+            reconstruct(board, "grouped", v).digest() == cast_view(full_masters(v), FORMAT).digest()
+        )
 
 
 # -- the agreement rule, against a scripted peer ---------------------------------------------
+
 
 class ScriptedPeer:
     """Rank 0 of two; rank 1's message is scripted."""
@@ -195,17 +207,22 @@ def _peer(*pending: int, closing: bool = False, keyframe: bool = False) -> Scrip
     return ScriptedPeer({"pending": list(pending), "closing": closing, "keyframe": keyframe})
 
 
-@pytest.mark.parametrize("mine,theirs,closing,expect", [
-    ((8, 9), (9, 10), False, ("publish", 9)),      # oldest version both hold
-    ((8,), (8,), False, ("publish", 8)),
-    ((8,), (10,), False, ("wait", 10)),           # this rank must catch up to 10
-    ((10,), (8,), False, ("wait", 10)),           # the peer must catch up; join again
-    ((), (), True, ("exit", None)),
-])
-def test_agree(mine: tuple[int, ...], theirs: tuple[int, ...], closing: bool,
-               expect: tuple[str, int | None]) -> None:
-    d = agree(_peer(*theirs, closing=closing), _hand(*mine), closing=closing, keyframe=False,
-              sync=False)
+@pytest.mark.parametrize(
+    "mine,theirs,closing,expect",
+    [
+        ((8, 9), (9, 10), False, ("publish", 9)),  # oldest version both hold
+        ((8,), (8,), False, ("publish", 8)),
+        ((8,), (10,), False, ("wait", 10)),  # this rank must catch up to 10
+        ((10,), (8,), False, ("wait", 10)),  # the peer must catch up; join again
+        ((), (), True, ("exit", None)),
+    ],
+)
+def test_agree(
+    mine: tuple[int, ...], theirs: tuple[int, ...], closing: bool, expect: tuple[str, int | None]
+) -> None:
+    d = agree(
+        _peer(*theirs, closing=closing), _hand(*mine), closing=closing, keyframe=False, sync=False
+    )
     assert (d.action, d.version) == expect
 
 
@@ -214,13 +231,22 @@ def test_agree_keyframe_if_any_rank_asks() -> None:
     assert d.keyframe and d.version == 3
 
 
-@pytest.mark.parametrize("mine,theirs,closing_peer,sync", [
-    ((8,), (), True, False),      # the peer closed without ever publishing 8
-    ((9,), (8,), True, False),    # the peer closed holding an older version only
-    ((8,), (9,), False, True),    # synchronous ranks publishing different numbers
-])
-def test_agree_refuses_divergent_sequences(mine: tuple[int, ...], theirs: tuple[int, ...],
-                                           closing_peer: bool, sync: bool) -> None:
+@pytest.mark.parametrize(
+    "mine,theirs,closing_peer,sync",
+    [
+        ((8,), (), True, False),  # the peer closed without ever publishing 8
+        ((9,), (8,), True, False),  # the peer closed holding an older version only
+        ((8,), (9,), False, True),  # synchronous ranks publishing different numbers
+    ],
+)
+def test_agree_refuses_divergent_sequences(
+    mine: tuple[int, ...], theirs: tuple[int, ...], closing_peer: bool, sync: bool
+) -> None:
     with pytest.raises(BoardError, match="same version numbers"):
-        agree(_peer(*theirs, closing=closing_peer), _hand(*mine), closing=False,
-              keyframe=False, sync=sync)
+        agree(
+            _peer(*theirs, closing=closing_peer),
+            _hand(*mine),
+            closing=False,
+            keyframe=False,
+            sync=sync,
+        )

@@ -62,8 +62,11 @@ def _rank_main(rank: int, port: int, board_dir: str, out_dir: str, hang: bool = 
         pub = Publisher(board, RUN, cfg, collective_timeout_s=8.0 if hang else None)
         for v in range(3):
             dying["version"] = v
-            shard = {n: torch.from_numpy(a) for i, (n, a) in
-                     enumerate(sorted(full_masters(v).items())) if i % WORLD == rank}
+            shard = {
+                n: torch.from_numpy(a)
+                for i, (n, a) in enumerate(sorted(full_masters(v).items()))
+                if i % WORLD == rank
+            }
             pub.publish(shard)
             if v < 2:
                 pub.flush()
@@ -89,8 +92,10 @@ def _run_pair(tmp_path: Path, hang: bool) -> tuple[list[Any], Path, Path]:
     out_dir.mkdir()
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir), hang))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir), hang))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     procs[0].join(timeout=120)

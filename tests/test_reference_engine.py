@@ -102,6 +102,7 @@ def _greedy(runtime: Any, n: int = 24) -> list[tuple[int, float | None, Any]]:
 
 # ---- model maker and memory -------------------------------------------------------------
 
+
 def test_make_tiny_model_is_deterministic(model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -113,8 +114,9 @@ def test_make_tiny_model_is_deterministic(model_dir: Path, tmp_path: Path) -> No
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert len(tok) == cfg.vocab_size
     assert tok.decode(tok.encode(PROMPT)) == PROMPT
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                   add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert isinstance(chat, str) and chat.endswith("<|assistant|>\n")
     again = make_tiny_model(tmp_path / "again")
     weights = (again / "model.safetensors").read_bytes()
@@ -124,9 +126,11 @@ def test_make_tiny_model_is_deterministic(model_dir: Path, tmp_path: Path) -> No
 
 
 def test_importing_rollpatch_does_not_import_torch() -> None:
-    code = ("import sys, rollpatch, rollpatch.engines, rollpatch.engines.reference as r; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
-            "assert 'make_tiny_model' in r.__all__")
+    code = (
+        "import sys, rollpatch, rollpatch.engines, rollpatch.engines.reference as r; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
+        "assert 'make_tiny_model' in r.__all__"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -142,7 +146,8 @@ def test_view_shares_memory_with_parameters(engine: Any, model_dir: Path) -> Non
         assert t.kind.name == "bf16" and t.shape == tuple(params[name].shape)
         assert t.data.__array_interface__["data"][0] == params[name].data_ptr()  # no copy
     assert sum(t.nbytes for t in rt.view.values()) == sum(
-        p.numel() * p.element_size() for p in params.values())
+        p.numel() * p.element_size() for p in params.values()
+    )
     w, p = rt.view["lm_head.weight"].data, params["lm_head.weight"].detach().view(torch.int16)
     w[5] ^= 0x0100  # a write through the view is a write to the parameter
     assert int(p.reshape(-1)[5]) & 0xFFFF == int(w[5])
@@ -153,8 +158,10 @@ def test_view_shares_memory_with_parameters(engine: Any, model_dir: Path) -> Non
 
 # ---- patches in place ---------------------------------------------------------------------
 
-def test_patch_in_place_equals_fresh_target_model(engine: Any, base: View, target: View,
-                                                  target_dir: Path, restore: None) -> None:
+
+def test_patch_in_place_equals_fresh_target_model(
+    engine: Any, base: View, target: View, target_dir: Path, restore: None
+) -> None:
     from rollpatch.engines.reference import ReferenceRuntime
 
     rt = engine.runtime
@@ -190,8 +197,7 @@ def test_failed_patches_leave_weights_untouched(engine: Any, base: View, target:
     assert rt.digest() == base.digest()
 
 
-def test_load_keyframe_checks_layout(engine: Any, base: View, target: View,
-                                     restore: None) -> None:
+def test_load_keyframe_checks_layout(engine: Any, base: View, target: View, restore: None) -> None:
     engine.load(target, 5)
     assert engine.version == 5 and engine.digest == target.digest()
     bad, missing = target.copy(), target.copy()
@@ -206,11 +212,17 @@ def test_load_keyframe_checks_layout(engine: Any, base: View, target: View,
 
 # ---- OpenAI-compatible server -------------------------------------------------------------
 
+
 def test_completions_with_openai_client(engine: Any, client: Any) -> None:
     rt, want = engine.runtime, _greedy(engine.runtime, 12)
-    r = client.completions.create(model=rt.model_name, prompt=PROMPT, max_tokens=12,
-                                  temperature=0, logprobs=3,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.completions.create(
+        model=rt.model_name,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     c, extra = r.choices[0], r.choices[0].model_extra
     assert extra["token_ids"] == [t for t, _, _ in want]
     assert extra["prompt_token_ids"] == rt.tokenizer.encode(PROMPT)
@@ -219,13 +231,29 @@ def test_completions_with_openai_client(engine: Any, client: Any) -> None:
     assert c.logprobs.text_offset[0] == 0 and c.finish_reason == "length"
     assert all(len(t) <= 3 for t in c.logprobs.top_logprobs)  # 3 unless two pieces decode alike
     assert r.model_extra["rollpatch"] == {"version_start": 1, "version_end": 1}
-    assert client.completions.create(model=rt.model_name, prompt=extra["prompt_token_ids"],
-                                     max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
-                                     ).choices[0].text == c.text
-    chunks = list(client.completions.create(
-        model=rt.model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True, "ignore_eos": True}))
+    assert (
+        client.completions.create(
+            model=rt.model_name,
+            prompt=extra["prompt_token_ids"],
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+        == c.text
+    )
+    chunks = list(
+        client.completions.create(
+            model=rt.model_name,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
     ids = [i for ch in chunks if ch.choices for i in ch.choices[0].model_extra.get("token_ids", [])]
     assert ids == extra["token_ids"]
@@ -233,13 +261,19 @@ def test_completions_with_openai_client(engine: Any, client: Any) -> None:
     assert chunks[-1].model_extra["rollpatch"] == {"version_start": 1, "version_end": 1}
 
     text = c.text
-    stop = next(ch for ch in text[len(text) // 2:] if not ch.isspace())
+    stop = next(ch for ch in text[len(text) // 2 :] if not ch.isspace())
     for stream in (False, True):
-        s = client.completions.create(model=rt.model_name, prompt=PROMPT, max_tokens=12,
-                                      temperature=0, stop=[stop], stream=stream,
-                                      extra_body={"ignore_eos": True})
+        s = client.completions.create(
+            model=rt.model_name,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
         parts = list(s) if stream else [s]
-        assert "".join(p.choices[0].text for p in parts) == text[:text.find(stop)]
+        assert "".join(p.choices[0].text for p in parts) == text[: text.find(stop)]
         assert parts[-1].choices[0].finish_reason == "stop"
 
 
@@ -248,16 +282,29 @@ def test_concurrency_disconnects_and_sse_format(engine: Any) -> None:
     want = [t for t, _, _ in _greedy(rt, 20)]
 
     def one(n: int) -> list[int]:
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
-            "prompt": PROMPT, "max_tokens": 14 + 2 * n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={
+                "prompt": PROMPT,
+                "max_tokens": 14 + 2 * n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         return list(r.json()["choices"][0]["token_ids"])
 
     with ThreadPoolExecutor(4) as pool:
         out = list(pool.map(one, range(4)))
-    assert all(out[n] == want[:14 + 2 * n] for n in range(4))  # interleaving changes nothing
-    body = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    assert all(out[n] == want[: 14 + 2 * n] for n in range(4))  # interleaving changes nothing
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 3000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
@@ -272,7 +319,7 @@ def test_concurrency_disconnects_and_sse_format(engine: Any) -> None:
         raw = r.read().decode()
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
-    last = json.loads(events[-2][len("data: "):])
+    last = json.loads(events[-2][len("data: ") :])
     assert last["choices"][0]["finish_reason"] == "length" and "rollpatch" in last
 
 
@@ -280,37 +327,71 @@ def test_chat_with_openai_client(engine: Any, client: Any) -> None:
     rt = engine.runtime
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
     r = client.chat.completions.create(
-        model=rt.model_name, messages=messages, max_tokens=10, temperature=0, logprobs=True,
-        top_logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+        model=rt.model_name,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     c = r.choices[0]
-    assert len(c.logprobs.content) == 10 and all(len(e.top_logprobs) == 2
-                                                  for e in c.logprobs.content)
+    assert len(c.logprobs.content) == 10 and all(
+        len(e.top_logprobs) == 2 for e in c.logprobs.content
+    )
     assert c.logprobs.content[0].logprob == c.logprobs.content[0].top_logprobs[0].logprob
     assert len(c.model_extra["token_ids"]) == 10 and r.model_extra["prompt_token_ids"]
     assert r.model_extra["rollpatch"] == {"version_start": 1, "version_end": 1}
     assert c.message.role == "assistant"
-    chunks = list(client.chat.completions.create(
-        model=rt.model_name, messages=messages, max_tokens=10, temperature=0, stream=True,
-        logprobs=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=rt.model_name,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == c.message.content
     assert chunks[-1].usage.total_tokens == r.usage.total_tokens
     assert chunks[-1].model_extra["rollpatch"]["version_end"] == 1
-    sampled = [client.chat.completions.create(
-        model=rt.model_name, messages=messages, max_tokens=8, temperature=0.9, top_p=0.9,
-        seed=11, extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
-        for _ in range(2)]
+    sampled = [
+        client.chat.completions.create(
+            model=rt.model_name,
+            messages=messages,
+            max_tokens=8,
+            temperature=0.9,
+            top_p=0.9,
+            seed=11,
+            extra_body={"return_token_ids": True},
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "hi", "n": 2}, "n"), ({"prompt": "hi", "echo": True}, "echo"),
-    ({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": [5, 99_999]}, "prompt"),
-    ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens"), ({"max_tokens": 3}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "echo": True}, "echo"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [5, 99_999]}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ],
+)
 def test_bad_completion_requests_are_400(engine: Any, body: dict[str, Any], param: str) -> None:
     r = httpx.post(engine.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
@@ -320,11 +401,18 @@ def test_bad_completion_requests_are_400(engine: Any, body: dict[str, Any], para
 
 def test_other_errors_are_json(engine: Any, client: Any) -> None:
     url = engine.url
-    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "error" in r.json()
-    r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-        "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
     assert r.status_code == 400
@@ -333,15 +421,21 @@ def test_other_errors_are_json(engine: Any, client: Any) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="hi", max_tokens=1)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=engine.runtime.model_name, max_tokens=2, n=3,
-                                       messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(
+            model=engine.runtime.model_name,
+            max_tokens=2,
+            n=3,
+            messages=[{"role": "user", "content": "x"}],
+        )
     assert [m.id for m in client.models.list().data] == [engine.runtime.model_name]
 
 
 # ---- pause, resume, commit mid-generation ---------------------------------------------
 
+
 def test_pause_holds_generation_and_commit_changes_version(
-        engine: Any, client: Any, base: View, target: View, restore: None) -> None:
+    engine: Any, client: Any, base: View, target: View, restore: None
+) -> None:
     rt, url = engine.runtime, engine.url
     reached, go = threading.Event(), threading.Event()
 
@@ -352,9 +446,18 @@ def test_pause_holds_generation_and_commit_changes_version(
 
     rt.step_hook = hook
     chunks: list[Any] = []
-    worker = threading.Thread(target=lambda: chunks.extend(client.completions.create(
-        model=rt.model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True})))
+    worker = threading.Thread(
+        target=lambda: chunks.extend(
+            client.completions.create(
+                model=rt.model_name,
+                prompt=PROMPT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+        )
+    )
     worker.start()
     assert reached.wait(30)
     state = httpx.post(url + "/rollpatch/pause", timeout=30).json()
@@ -378,8 +481,9 @@ def test_pause_drains_and_resume_continues(engine: Any) -> None:
     rt.step_hook = lambda i: started.set()
     out: list[Any] = []
     ids = rt.tokenizer.encode(PROMPT)
-    worker = threading.Thread(target=lambda: out.extend(
-        rt.generate(ids, max_tokens=300, temperature=0, ignore_eos=True)))
+    worker = threading.Thread(
+        target=lambda: out.extend(rt.generate(ids, max_tokens=300, temperature=0, ignore_eos=True))
+    )
     try:
         worker.start()
         assert started.wait(30)
@@ -396,8 +500,10 @@ def test_pause_drains_and_resume_continues(engine: Any) -> None:
 
 # ---- staged commits and the background audit (issue 10) -------------------------------
 
-def test_stage_while_serving_then_commit_only_writes(engine: Any, base: View, target: View,
-                                                     restore: None) -> None:
+
+def test_stage_while_serving_then_commit_only_writes(
+    engine: Any, base: View, target: View, restore: None
+) -> None:
     """Staging proves the target digests from the changed words alone, while generation runs;
     the commit writes, reads back, and leaves digests that a full re-hash confirms."""
     from rollpatch.follower.commit import CommitGate
@@ -422,8 +528,9 @@ def test_stage_while_serving_then_commit_only_writes(engine: Any, base: View, ta
     assert engine.version == 2
 
 
-def test_stage_refuses_a_patch_that_would_miss_its_target(engine: Any, base: View,
-                                                          target: View) -> None:
+def test_stage_refuses_a_patch_that_would_miss_its_target(
+    engine: Any, base: View, target: View
+) -> None:
     from rollpatch.patch import TensorPatch
 
     patch = diff(base, target)
@@ -432,9 +539,24 @@ def test_stage_refuses_a_patch_that_would_miss_its_target(engine: Any, base: Vie
     assert tp.new is not None
     bad_new = tp.new.copy()
     bad_new[0] ^= 1
-    bad = Patch(patch.base, patch.target, {**patch.tensors, name: TensorPatch(
-        name, "delta", tp.kind, tp.shape, tp.base_digest, tp.target_digest, tp.positions,
-        tp.old, bad_new)})
+    bad = Patch(
+        patch.base,
+        patch.target,
+        {
+            **patch.tensors,
+            name: TensorPatch(
+                name,
+                "delta",
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                tp.positions,
+                tp.old,
+                bad_new,
+            ),
+        },
+    )
     with pytest.raises(TargetMismatchError):
         engine.stage(bad, 2)
     assert engine.version == 1 and engine.digest == base.digest()
@@ -446,8 +568,13 @@ def test_sum_delta_matches_a_full_hash() -> None:
 
     rng = np.random.default_rng(3)
     m = (1 << 64) - 1
-    for dtype, n in ((np.uint16, 1), (np.uint16, 1003), (np.uint32, 77), (np.uint8, 13),
-                     (np.uint64, 9)):
+    for dtype, n in (
+        (np.uint16, 1),
+        (np.uint16, 1003),
+        (np.uint32, 77),
+        (np.uint8, 13),
+        (np.uint64, 9),
+    ):
         a = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype)
         pos = np.unique(rng.integers(0, n, max(1, n // 4))).astype(np.int64)
         new = rng.integers(0, np.iinfo(dtype).max, pos.size, dtype=dtype)
@@ -457,8 +584,7 @@ def test_sum_delta_matches_a_full_hash() -> None:
         assert ((s[0] + d[0]) & m, (s[1] + d[1]) & m) == sum128(b)
 
 
-def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path,
-                                                           tmp_path: Path) -> None:
+def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path, tmp_path: Path) -> None:
     """Flip one bit of a live weight behind the sidecar's back: the audit finds it within its
     period, /ready answers 503 (out of rotation), and the follower re-syncs from a keyframe
     by itself, back on a verified version whose full re-hash is the published digest."""
@@ -479,8 +605,12 @@ def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path,
         latest = pub.publish(masters)
     pub.flush()
     period = 0.05
-    cfg = SidecarConfig(commit_mode="pause", follower=FollowerConfig(
-        poll_s=0.05, audit_bytes_per_s=64 * 2**20 / period, audit_period_s=period))
+    cfg = SidecarConfig(
+        commit_mode="pause",
+        follower=FollowerConfig(
+            poll_s=0.05, audit_bytes_per_s=64 * 2**20 / period, audit_period_s=period
+        ),
+    )
     sc = start_sidecar(board, "r1", eng, eng.url, config=cfg)
     try:
         deadline = time.monotonic() + 60
@@ -509,8 +639,10 @@ def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path,
             time.sleep(0.01)
         hashed = auditor.bytes - hashed_before
         seen.set()
-        while not (httpx.get(sc.url + "/ready").status_code == 200
-                   and sc.sidecar.follower.version == latest):
+        while not (
+            httpx.get(sc.url + "/ready").status_code == 200
+            and sc.sidecar.follower.version == latest
+        ):
             assert time.monotonic() - t0 < 60, "never came back on a verified version"
             time.sleep(0.02)
         # found within one pass over the model (plus the slice that was running)

@@ -86,8 +86,9 @@ def publish(board: Board, n: int, *, keyframe: bool = False, size: int = 3000) -
         pats.append(PatchObject(board.put_object(RUN, os.urandom(size), "rpatch"), n - 1, D))
     if keyframe:
         kfs.append(KeyframeObject(board.put_object(RUN, os.urandom(size * 4), "safetensors")))
-    m = make_manifest(RUN, n, target=D, view_bytes=size * 4, patches=tuple(pats),
-                      keyframes=tuple(kfs))
+    m = make_manifest(
+        RUN, n, target=D, view_bytes=size * 4, patches=tuple(pats), keyframes=tuple(kfs)
+    )
     board.put_manifest(m)
     board.advance(RUN, n)
     return m.objects()
@@ -219,8 +220,9 @@ def test_concurrent_requests_coalesce(board: Board, objects: list[ObjectRef], se
     assert metrics.total("rollpatch_relay_upstream_bytes_total") == sum(r.size for r in wanted)
 
 
-def test_a_waiter_giving_up_leaves_the_flight_alone(board: Board, objects: list[ObjectRef],
-                                                    serve) -> None:
+def test_a_waiter_giving_up_leaves_the_flight_alone(
+    board: Board, objects: list[ObjectRef], serve
+) -> None:
     upstream = Counting(board.store, delay=0.5)
     relay = serve(upstream)
     ref = objects[0]
@@ -231,8 +233,9 @@ def test_a_waiter_giving_up_leaves_the_flight_alone(board: Board, objects: list[
     assert upstream.gets(ref.key) == 1 and upstream.gets(objects[1].key) == 1
 
 
-def test_corrupt_upstream_is_refused_never_cached(board: Board, objects: list[ObjectRef],
-                                                  serve) -> None:
+def test_corrupt_upstream_is_refused_never_cached(
+    board: Board, objects: list[ObjectRef], serve
+) -> None:
     relay = serve(board.store)
     c = client(relay)
     ref = objects[0]
@@ -279,8 +282,9 @@ def test_cache_is_bounded_lru(board: Board, serve) -> None:
     assert relay.relay.open(blob) is None and c.get(big.key) == board.store.get(big.key)
 
 
-def test_restart_serves_from_the_warm_cache(board: Board, objects: list[ObjectRef], serve,
-                                            tmp_path: Path) -> None:
+def test_restart_serves_from_the_warm_cache(
+    board: Board, objects: list[ObjectRef], serve, tmp_path: Path
+) -> None:
     first = serve(board.store, cache="warm")
     for ref in objects:
         client(first).get(ref.key)
@@ -322,8 +326,9 @@ def test_chained_relays_fetch_once(board: Board, objects: list[ObjectRef], serve
     assert near_board.relay.metrics.value("rollpatch_relay_cache_hits_total", kind="object") == 0
 
 
-def test_board_plans_and_fetches_through_a_relay(board: Board, objects: list[ObjectRef],
-                                                 serve) -> None:
+def test_board_plans_and_fetches_through_a_relay(
+    board: Board, objects: list[ObjectRef], serve
+) -> None:
     relay = serve(board.store)
     follower = Board(client(relay))
     for have in (None, 1, 3):
@@ -340,19 +345,27 @@ def test_metrics_text(board: Board, objects: list[ObjectRef], serve) -> None:
     relay = serve(board.store)
     client(relay).get(objects[0].key)
     text = urllib.request.urlopen(f"{relay.url}/metrics", timeout=10).read().decode()
-    for line in ('rollpatch_relay_requests_total{method="GET",route="objects",status="200"} 1',
-                 'rollpatch_relay_cache_misses_total{kind="object"} 1',
-                 f"rollpatch_relay_served_bytes_total {objects[0].size}",
-                 f"rollpatch_relay_upstream_bytes_total {objects[0].size}",
-                 "rollpatch_relay_cache_entries 1", "# TYPE rollpatch_relay_cache_bytes gauge"):
+    for line in (
+        'rollpatch_relay_requests_total{method="GET",route="objects",status="200"} 1',
+        'rollpatch_relay_cache_misses_total{kind="object"} 1',
+        f"rollpatch_relay_served_bytes_total {objects[0].size}",
+        f"rollpatch_relay_upstream_bytes_total {objects[0].size}",
+        "rollpatch_relay_cache_entries 1",
+        "# TYPE rollpatch_relay_cache_bytes gauge",
+    ):
         assert line in text.splitlines(), line
 
 
 def test_config_and_ranges_are_validated(tmp_path: Path) -> None:
     from rollpatch.cli.relay import parse_size
 
-    for bad in ({"cache_bytes": 0}, {"pointer_ttl": -1}, {"list_ttl": float("nan")},
-                {"upstream_workers": 0}, {"cache_bytes": True}):
+    for bad in (
+        {"cache_bytes": 0},
+        {"pointer_ttl": -1},
+        {"list_ttl": float("nan")},
+        {"upstream_workers": 0},
+        {"cache_bytes": True},
+    ):
         with pytest.raises(ConfigError):
             RelayConfig(cache_dir=tmp_path, **bad)  # type: ignore[arg-type]
     assert [parse_size(s) for s in ("10G", "512MiB", "1000")] == [10 << 30, 512 << 20, 1000]
@@ -363,17 +376,34 @@ def test_config_and_ranges_are_validated(tmp_path: Path) -> None:
         parse_range("bytes=0-0", 0)
 
 
-def test_cli_serves_until_terminated(board: Board, objects: list[ObjectRef],
-                                     tmp_path: Path) -> None:
+def test_cli_serves_until_terminated(
+    board: Board, objects: list[ObjectRef], tmp_path: Path
+) -> None:
     root = tmp_path / "board"
     disk = Board(f"file://{root}")
     refs = [disk.put_object(RUN, board.store.get(ref.key), "rpatch") for ref in objects[:2]]
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollpatch", "relay", "--board", f"file://{root}",
-         "--port", str(port), "--cache", str(tmp_path / "cli-cache"), "--cache-bytes", "64M",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "rollpatch",
+            "relay",
+            "--board",
+            f"file://{root}",
+            "--port",
+            str(port),
+            "--cache",
+            str(tmp_path / "cli-cache"),
+            "--cache-bytes",
+            "64M",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -406,8 +436,18 @@ def test_hostile_list_prefixes_links_and_fifos_are_refused(tmp_path: Path, serve
     os.mkfifo(root / "runs" / RUN / "fifo")
     relay = serve(f"file://{root}")
     with httpx.Client(timeout=30) as h:
-        for prefix in ("../../..", "..", "runs/../..", "runs/..", "./runs", "runs//x",
-                       "..\\..\\etc", "/etc", "runs/\x00", "runs/\n"):
+        for prefix in (
+            "../../..",
+            "..",
+            "runs/../..",
+            "runs/..",
+            "./runs",
+            "runs//x",
+            "..\\..\\etc",
+            "/etc",
+            "runs/\x00",
+            "runs/\n",
+        ):
             r = h.get(f"{relay.url}/v1/list", params={"prefix": prefix})
             assert r.status_code == 400 and r.json()["error"], prefix
         for key in (f"runs/{RUN}/objects/passwd", f"runs/{RUN}/up/passwd", f"runs/{RUN}/fifo"):
@@ -418,8 +458,9 @@ def test_hostile_list_prefixes_links_and_fifos_are_refused(tmp_path: Path, serve
     assert not any(k.endswith(("passwd", "fifo")) for k in listed)
 
 
-def test_corrupt_cache_files_do_not_stop_the_relay(board: Board, objects: list[ObjectRef],
-                                                  serve, tmp_path: Path) -> None:
+def test_corrupt_cache_files_do_not_stop_the_relay(
+    board: Board, objects: list[ObjectRef], serve, tmp_path: Path
+) -> None:
     import struct
 
     first = serve(board.store, cache="c")
@@ -432,7 +473,7 @@ def test_corrupt_cache_files_do_not_stop_the_relay(board: Board, objects: list[O
     def header(doc: bytes) -> bytes:
         return struct.pack("<8sI", b"RPRELAY1", len(doc)) + doc
 
-    files[0].write_bytes(header(b"[" * 10_000) + b"x")                  # RecursionError before
+    files[0].write_bytes(header(b"[" * 10_000) + b"x")  # RecursionError before
     files[1].write_bytes(header(b'{"key": "\\ud800", "size": 1, "b3": "' + b"a" * 64 + b'"}'))
     files[2].write_bytes(header(b'{"key": "k", "size": 1e400, "b3": 1}') + b"x")
     (cache / "zz").mkdir()

@@ -55,6 +55,7 @@ LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
 
 # -- offline ----------------------------------------------------------------------------------
 
+
 def test_command_payload_is_torchs_own_bytes() -> None:
     """The hand-written payload equals torch's ForkingPickler output for the same list."""
     torch = pytest.importorskip("torch")
@@ -62,8 +63,10 @@ def test_command_payload_is_torchs_own_bytes() -> None:
     from multiprocessing.reduction import ForkingPickler
 
     importlib.import_module("torch.multiprocessing")  # registers torch's reductions
-    for cmd in ({"op": "start", "socket": "/tmp/x.sock"}, {"op": "commit", "token": "ab" * 8,
-                                                           "reply": "/tmp/é/r.json"}):
+    for cmd in (
+        {"op": "start", "socket": "/tmp/x.sock"},
+        {"op": "commit", "token": "ab" * 8, "reply": "/tmp/é/r.json"},
+    ):
         name = json.dumps(cmd, separators=(",", ":"), sort_keys=True)
         buf = io.BytesIO()
         ForkingPickler(buf, 2).dump([(name, torch.empty(0, dtype=torch.uint8))])
@@ -74,8 +77,10 @@ def _held(seed: int = 0) -> tuple[HeldWeights, dict[str, np.ndarray], dict[str, 
     """A one-layer fused layout (qkv, gate_up, vocab...) at TP 1 over numpy parameters."""
     specs = vllm_env.layer_specs(1)
     ck = vllm_env.checkpoint(seed)
-    params = {s.param: vllm_env.vllm_load(ck, 1, 0)[s.param].reshape(
-        vllm_env.param_shape(s, 1)).copy() for s in specs}
+    params = {
+        s.param: vllm_env.vllm_load(ck, 1, 0)[s.param].reshape(vllm_env.param_shape(s, 1)).copy()
+        for s in specs
+    }
     kinds = {s.param: get_kind("bf16") for s in specs}
     return HeldWeights(params, specs, kinds), params, ck
 
@@ -107,20 +112,31 @@ def test_refusals_leave_the_words_untouched() -> None:
     def tampered(**change: Any) -> Patch:
         name = "gate_proj.weight"
         tp = good.tensors[name]
-        fields = {"name": tp.name, "op": tp.op, "kind": tp.kind, "shape": tp.shape,
-                  "base_digest": tp.base_digest, "target_digest": tp.target_digest,
-                  "positions": tp.positions, "old": tp.old, "new": tp.new, **change}
+        fields = {
+            "name": tp.name,
+            "op": tp.op,
+            "kind": tp.kind,
+            "shape": tp.shape,
+            "base_digest": tp.base_digest,
+            "target_digest": tp.target_digest,
+            "positions": tp.positions,
+            "old": tp.old,
+            "new": tp.new,
+            **change,
+        }
         return Patch(good.base, good.target, {**good.tensors, name: TensorPatch(**fields)}, {})
 
     new = good.tensors["gate_proj.weight"].new
     assert new is not None
     cases = [
-        (tampered(new=new ^ np.uint16(1)), TargetMismatchError),   # other bits than the target
+        (tampered(new=new ^ np.uint16(1)), TargetMismatchError),  # other bits than the target
         (tampered(target_digest="0" * 64), TargetMismatchError),
-        (tampered(old=new), BaseMismatchError),                    # old words are not held
-        (tampered(positions=good.tensors["gate_proj.weight"].positions[::-1].copy()),
-         PatchError),                                              # unsorted positions
-        (diff(b, a), BaseMismatchError),                           # another base
+        (tampered(old=new), BaseMismatchError),  # old words are not held
+        (
+            tampered(positions=good.tensors["gate_proj.weight"].positions[::-1].copy()),
+            PatchError,
+        ),  # unsorted positions
+        (diff(b, a), BaseMismatchError),  # another base
     ]
     for patch, err in cases:
         with pytest.raises(err):
@@ -169,8 +185,12 @@ def sglang_python() -> Path | None:
     """The SGLang venv's python, or None when scripts/sglang-env has not completed there."""
     venv = venv_dir()
     python, stamp = venv / "bin" / "python", venv / ".stamp-sglang"
-    if not python.exists() or not stamp.exists() or SGLANG_VERSION not in stamp.read_text() \
-            or not (venv / "sgl-kernel-shim" / "sgl_kernel" / "__init__.py").exists():
+    if (
+        not python.exists()
+        or not stamp.exists()
+        or SGLANG_VERSION not in stamp.read_text()
+        or not (venv / "sgl-kernel-shim" / "sgl_kernel" / "__init__.py").exists()
+    ):
         return None
     return python
 
@@ -180,18 +200,54 @@ def start_server(python: Path, model: Path, log: Path, shim_log: Path) -> vllm_e
     port = vllm_env.free_port()
     env = dict(os.environ)
     env.pop("VIRTUAL_ENV", None)
-    env.update({"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "ROLLPATCH_SGL_SHIM_LOG": str(shim_log),
-                "PYTHONPATH": f"{venv_dir() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}"})
-    cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model),
-           "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-           "--attention-backend", "torch_native", "--disable-cuda-graph",
-           "--skip-server-warmup", "--mem-fraction-static", "0.05", "--max-total-tokens",
-           "4096", "--context-length", "512", "--random-seed", "0",
-           "--custom-weight-loader", LOADER]
+    env.update(
+        {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "ROLLPATCH_SGL_SHIM_LOG": str(shim_log),
+            "PYTHONPATH": f"{venv_dir() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}",
+        }
+    )
+    cmd = [
+        str(python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        "torch_native",
+        "--disable-cuda-graph",
+        "--skip-server-warmup",
+        "--mem-fraction-static",
+        "0.05",
+        "--max-total-tokens",
+        "4096",
+        "--context-length",
+        "512",
+        "--random-seed",
+        "0",
+        "--custom-weight-loader",
+        LOADER,
+    ]
     out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=log.parent)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=log.parent,
+    )
     out.close()
     return vllm_env.Server(proc, f"http://127.0.0.1:{port}", log)
 
@@ -206,16 +262,23 @@ class World:
         from rollpatch.io.safetensors import load_view, save_view
         from rollpatch.publisher import Publisher, PublisherConfig
 
-        tiny = make_tiny_model(root / "tiny", hidden_size=256, heads=4, kv_heads=2,
-                               intermediate=512, vocab_size=2048)
-        masters = {n: t.to_array().astype(np.float32)
-                   for n, t in load_view(tiny / "model.safetensors").items()}
+        tiny = make_tiny_model(
+            root / "tiny", hidden_size=256, heads=4, kv_heads=2, intermediate=512, vocab_size=2048
+        )
+        masters = {
+            n: t.to_array().astype(np.float32)
+            for n, t in load_view(tiny / "model.safetensors").items()
+        }
         rng = np.random.default_rng(16)
         self.views: list[View] = []
         self.dirs: list[Path] = []
         self.board = Board(f"file://{root / 'board'}")
-        publisher = Publisher(self.board.store.uri, RUN, PublisherConfig(
-            keyframe_every=0, skip_strides=()), asynchronous=False)
+        publisher = Publisher(
+            self.board.store.uri,
+            RUN,
+            PublisherConfig(keyframe_every=0, skip_strides=()),
+            asynchronous=False,
+        )
         for v in range(N_VERSIONS):
             assert publisher.publish(masters) == v
             view = cast_view(masters, "bf16")
@@ -270,10 +333,21 @@ def greedy(srv: vllm_env.Server) -> tuple[list[tuple[list[int], list[float]]], s
     """Greedy tokens and logprobs per prompt (SGLang's native route) and the weight versions."""
     outs, tags = [], set()
     for ids in PROMPTS:
-        r = srv.post("/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
-            "max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}})
-        outs.append((list(r["output_ids"]),
-                     [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]]))
+        r = srv.post(
+            "/generate",
+            {
+                "input_ids": ids,
+                "return_logprob": True,
+                "sampling_params": {
+                    "max_new_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            },
+        )
+        outs.append(
+            (list(r["output_ids"]), [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]])
+        )
         tags.add(str(r["meta_info"]["weight_version"]))
     return outs, tags
 
@@ -308,8 +382,10 @@ def test_versions_forward_and_back(server: vllm_env.Server, world: World) -> Non
             assert greedy(server) == (seen[v][0], {str(v)})
         # SGLang's own full reload of each version serves exactly what the patches served
         for v in (1, N_VERSIONS - 1):
-            r = server.post("/update_weights_from_disk", {"model_path": str(world.dirs[v]),
-                                                          "weight_version": f"disk-{v}"})
+            r = server.post(
+                "/update_weights_from_disk",
+                {"model_path": str(world.dirs[v]), "weight_version": f"disk-{v}"},
+            )
             assert r["success"], r
             out, tags = greedy(server)
             assert out == seen[v][0] and tags == {f"disk-{v}"}
@@ -318,8 +394,9 @@ def test_versions_forward_and_back(server: vllm_env.Server, world: World) -> Non
         engine.close()
 
 
-def test_bad_patches_are_refused_and_sglang_keeps_serving(server: vllm_env.Server,
-                                                          world: World) -> None:
+def test_bad_patches_are_refused_and_sglang_keeps_serving(
+    server: vllm_env.Server, world: World
+) -> None:
     from rollpatch.engines.sglang import SglangEngine
 
     engine = SglangEngine(server.url)
@@ -338,10 +415,16 @@ def test_bad_patches_are_refused_and_sglang_keeps_serving(server: vllm_env.Serve
         assert tp.new is not None
         tp.new[0] ^= np.uint16(0x8000)  # the decoded words are not the target's
         attempts: list[tuple[Any, type[Exception]]] = [
-            (lambda: engine.apply_encoded([bytes(blob)], a.digest(), b.digest(), 99),
-             PatchDecodeError),
-            (lambda: engine.apply_encoded([wrong_base], world.views[0].digest(),
-                                          world.views[1].digest(), 99), BaseMismatchError),
+            (
+                lambda: engine.apply_encoded([bytes(blob)], a.digest(), b.digest(), 99),
+                PatchDecodeError,
+            ),
+            (
+                lambda: engine.apply_encoded(
+                    [wrong_base], world.views[0].digest(), world.views[1].digest(), 99
+                ),
+                BaseMismatchError,
+            ),
             (lambda: engine.apply(tampered, 99), TargetMismatchError),
         ]
         for attempt, err in attempts:

@@ -47,10 +47,13 @@ class World:
         from rollpatch.engines.reference import make_tiny_model
         from rollpatch.io.safetensors import load_view, save_view
 
-        tiny = make_tiny_model(root / "tiny", hidden_size=256, heads=4, kv_heads=2,
-                               intermediate=512, vocab_size=2048)
-        masters = {n: t.to_array().astype(np.float32)
-                   for n, t in load_view(tiny / "model.safetensors").items()}
+        tiny = make_tiny_model(
+            root / "tiny", hidden_size=256, heads=4, kv_heads=2, intermediate=512, vocab_size=2048
+        )
+        masters = {
+            n: t.to_array().astype(np.float32)
+            for n, t in load_view(tiny / "model.safetensors").items()
+        }
         rng = np.random.default_rng(23)
         self.masters: list[dict[str, np.ndarray]] = []
         for _ in range(N_VERSIONS):
@@ -65,9 +68,9 @@ class World:
                 shutil.copy(p, self.model / p.name)
         save_view(self.views[0], self.model / "model.safetensors")
         self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0,
-                                                                    skip_strides=()),
-                                   asynchronous=False)
+        self.publisher = Publisher(
+            self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
+        )
         self.latest = -1
         self.lock = threading.Lock()
         while self.latest < BOOT_LATEST:
@@ -84,8 +87,10 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     if sglang_python() is None:
-        pytest.skip(f"SKIPPED LIVE SGLANG SIDECAR TESTS: no SGLang venv at {venv_dir()}: "
-                    "build it with `scripts/sglang-env` (≈2 min, ≈2.8 GB; cached)")
+        pytest.skip(
+            f"SKIPPED LIVE SGLANG SIDECAR TESTS: no SGLang venv at {venv_dir()}: "
+            "build it with `scripts/sglang-env` (≈2 min, ≈2.8 GB; cached)"
+        )
     pytest.importorskip("transformers")
     pytest.importorskip("openai")
     return World(tmp_path_factory.mktemp("sglang-sidecar"))
@@ -112,14 +117,20 @@ def _client(url: str) -> Any:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _complete(client: Any, world: World, prompt: int, max_tokens: int = MAX_TOKENS,
-              **rollpatch: Any) -> tuple[dict[str, Any], dict[str, str]]:
+def _complete(
+    client: Any, world: World, prompt: int, max_tokens: int = MAX_TOKENS, **rollpatch: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
     extra: dict[str, Any] = {"ignore_eos": True}
     if rollpatch:
         extra["rollpatch"] = rollpatch
     raw = client.completions.with_raw_response.create(
-        model=str(world.model), prompt=PROMPTS[prompt], max_tokens=max_tokens, temperature=0,
-        logprobs=1, extra_body=extra)
+        model=str(world.model),
+        prompt=PROMPTS[prompt],
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        extra_body=extra,
+    )
     return raw.http_response.json(), {k.lower(): v for k, v in raw.headers.items()}
 
 
@@ -139,8 +150,9 @@ class Labelled:
         assert headers["x-rollpatch-version-end"] == str(end)
         meta = body["metadata"]
         assert meta["weight_version"] == str(end), (rp, meta)  # SGLang agrees
-        spans = [s["version"] if isinstance(s, dict) else s[0]
-                 for s in meta.get("weight_versions") or []]
+        spans = [
+            s["version"] if isinstance(s, dict) else s[0] for s in meta.get("weight_versions") or []
+        ]
         if spans:
             assert spans[0] == str(start) and spans[-1] == str(end), (rp, meta)
         self.spans.append((start, end))
@@ -159,8 +171,7 @@ def check_labels(url: str, world: World, labelled: Labelled) -> None:
 
     engine, client = SglangEngine(url), _client(url)
     answers: dict[int, list[Any]] = {}
-    wanted = {w for v in labelled.by_version for w in (v - 1, v, v + 1)
-              if 0 <= w <= world.latest}
+    wanted = {w for v in labelled.by_version for w in (v - 1, v, v + 1) if 0 <= w <= world.latest}
     try:
         for v in sorted(wanted):
             engine.load(world.views[v], v)
@@ -169,8 +180,9 @@ def check_labels(url: str, world: World, labelled: Labelled) -> None:
         engine.close()
     for v, seen in labelled.by_version.items():
         for prompt, body in seen:
-            assert _answer(body) == answers[v][prompt], \
+            assert _answer(body) == answers[v][prompt], (
                 f"a response labelled {v} is not what version {v} answers"
+            )
         for w in (v - 1, v + 1):
             if w in answers:
                 assert answers[w] != answers[v], f"versions {v} and {w} answer alike"
@@ -185,8 +197,9 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
     engine, url = make_engine("sglang", engine_url=server.url)
     engine.adopt(0, world.views[0].digest())  # type: ignore[attr-defined]
     assert Board(world.board).latest(RUN).version == BOOT_LATEST  # type: ignore[union-attr]
-    sc = start_sidecar(world.board, RUN, engine, url,
-                       config=SidecarConfig(commit_mode="drain", follower=FAST))
+    sc = start_sidecar(
+        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="drain", follower=FAST)
+    )
     try:
         polls = []
         deadline = time.monotonic() + 120
@@ -231,8 +244,14 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
 def _long(url: str, world: World, out: dict[str, Any]) -> None:
     import httpx
 
-    body = {"model": str(world.model), "prompt": PROMPTS[1], "max_tokens": LONG,
-            "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    body = {
+        "model": str(world.model),
+        "prompt": PROMPTS[1],
+        "max_tokens": LONG,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+    }
     try:
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
         out["status"], out["headers"], out["body"] = r.status_code, dict(r.headers), r.json()
@@ -250,8 +269,9 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
     engine, url = make_engine("sglang", engine_url=server.url)
     have = world.latest
     engine.load(world.views[have], have)  # the label checks left the server elsewhere
-    sc = start_sidecar(world.board, RUN, engine, url,
-                       config=SidecarConfig(commit_mode="pause", follower=FAST))
+    sc = start_sidecar(
+        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="pause", follower=FAST)
+    )
     labelled = Labelled()
     try:
         client, follower = _client(sc.url), sc.sidecar.follower
@@ -272,12 +292,18 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
             body = out["body"]
             c = body["choices"][0]
             assert len(c["logprobs"]["tokens"]) == LONG, (  # kept, not aborted
-                len(c["text"]), c["finish_reason"], body.get("usage"), body.get("metadata"),
-                {k: str(x)[:200] for k, x in c["logprobs"].items()})
+                len(c["text"]),
+                c["finish_reason"],
+                body.get("usage"),
+                body.get("metadata"),
+                {k: str(x)[:200] for k, x in c["logprobs"].items()},
+            )
             labelled.add(1, body, out["headers"])
             label = body["rollpatch"]
-            assert label in ({"version_start": v - 1, "version_end": v},
-                             {"version_start": v - 1, "version_end": v - 1}), label
+            assert label in (
+                {"version_start": v - 1, "version_end": v},
+                {"version_start": v - 1, "version_end": v - 1},
+            ), label
             spanned += label["version_end"] == v
             labelled.add(0, *_complete(client, world, 0))
             assert labelled.spans[-1] == (v, v)
@@ -285,6 +311,7 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
         assert engine.weight_version() == str(world.latest)  # type: ignore[attr-defined]
     finally:
         sc.stop()
-    labelled.by_version = {v: [(p, b) for p, b in seen if p == 0]
-                           for v, seen in labelled.by_version.items()}
+    labelled.by_version = {
+        v: [(p, b) for p, b in seen if p == 0] for v, seen in labelled.by_version.items()
+    }
     check_labels(server.url, world, labelled)

@@ -40,9 +40,12 @@ class World:
         self.oracle = ReferenceRuntime(self.model, threads=1)
         self.masters = {n: t.to_array().astype(np.float32) for n, t in self.oracle.view.items()}
         self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(self.board, "r1", PublisherConfig(keyframe_every=4,
-                                                                      skip_strides=(2,)),
-                                   asynchronous=False)
+        self.publisher = Publisher(
+            self.board,
+            "r1",
+            PublisherConfig(keyframe_every=4, skip_strides=(2,)),
+            asynchronous=False,
+        )
         self.expected: dict[int, tuple[list[int], list[float]]] = {}
         self.rng = np.random.default_rng(1)
         self.lock = threading.Lock()
@@ -58,8 +61,9 @@ class World:
                         m += (0.01 * self.rng.standard_normal(m.shape)).astype(np.float32)
             view = cast_view(self.masters, "bf16")
             self.oracle.load_view(view)
-            gen = self.oracle.generate(self.prompt_ids, max_tokens=MAX_TOKENS, temperature=0,
-                                       logprobs=1)
+            gen = self.oracle.generate(
+                self.prompt_ids, max_tokens=MAX_TOKENS, temperature=0, logprobs=1
+            )
             steps = list(gen)
             v = self.publisher.publish(self.masters)
             self.publisher.flush()
@@ -78,12 +82,19 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> World:
     return World(tmp_path_factory.mktemp("sidecar"), tiny_model)
 
 
-def _start(world: World, mode: str = "drain", token: str | None = None,
-           run: str = "r1") -> RunningSidecar:
+def _start(
+    world: World, mode: str = "drain", token: str | None = None, run: str = "r1"
+) -> RunningSidecar:
     engine = ReferenceEngine.from_dir(world.model, threads=1)
-    return start_sidecar(world.board, run, engine, engine.url,
-                         config=SidecarConfig(commit_mode=mode, admin_token=token,
-                                              follower=FollowerConfig(poll_s=0.05)))
+    return start_sidecar(
+        world.board,
+        run,
+        engine,
+        engine.url,
+        config=SidecarConfig(
+            commit_mode=mode, admin_token=token, follower=FollowerConfig(poll_s=0.05)
+        ),
+    )
 
 
 def _wait_ready(sc: RunningSidecar) -> None:
@@ -110,8 +121,13 @@ def _complete(client: openai.OpenAI, **rollpatch: Any) -> tuple[dict[str, Any], 
     if rollpatch:
         extra["rollpatch"] = rollpatch
     raw = client.completions.with_raw_response.create(
-        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-        extra_body=extra)
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=1,
+        extra_body=extra,
+    )
     return raw.parse().model_dump(), dict(raw.headers)
 
 
@@ -145,8 +161,9 @@ def test_conflicts(sidecar: RunningSidecar, world: World) -> None:
     with pytest.raises(openai.ConflictError) as e:
         _complete(client, min_version=latest + 5)
     body = e.value.response.json()
-    assert body["served"] == latest and body["latest"] == latest and "not published" in body[
-        "reason"]
+    assert (
+        body["served"] == latest and body["latest"] == latest and "not published" in body["reason"]
+    )
     assert e.value.response.headers["retry-after"]
     with pytest.raises(openai.ConflictError) as e:
         _complete(client, exact_version=0)
@@ -166,17 +183,23 @@ def test_conflicts(sidecar: RunningSidecar, world: World) -> None:
 
 def test_max_lag_header(sidecar: RunningSidecar, world: World) -> None:
     latest = max(world.expected)
-    r = httpx.post(f"{sidecar.url}/v1/completions",
-                   headers={"X-Rollpatch-Max-Lag": "0", "X-Rollpatch-Wait-S": "30"},
-                   json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    r = httpx.post(
+        f"{sidecar.url}/v1/completions",
+        headers={"X-Rollpatch-Max-Lag": "0", "X-Rollpatch-Wait-S": "30"},
+        json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+    )
     assert r.status_code == 200 and int(r.headers["x-rollpatch-version-start"]) >= latest
 
 
 def test_streaming_carries_versions(sidecar: RunningSidecar, world: World) -> None:
     client = _client(sidecar)
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0,
-        stream=True)
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
     chunks = [c.model_dump() for c in stream]
     assert "rollpatch" in chunks[-1] and chunks[-1]["rollpatch"]["version_start"] is not None
 
@@ -184,8 +207,9 @@ def test_streaming_carries_versions(sidecar: RunningSidecar, world: World) -> No
 def test_bad_requests(sidecar: RunningSidecar) -> None:
     r = httpx.post(f"{sidecar.url}/v1/completions", content=b"{nope")
     assert r.status_code == 400
-    r = httpx.post(f"{sidecar.url}/v1/completions",
-                   json={"prompt": "x", "rollpatch": {"min_version": "soon"}})
+    r = httpx.post(
+        f"{sidecar.url}/v1/completions", json={"prompt": "x", "rollpatch": {"min_version": "soon"}}
+    )
     assert r.status_code == 400 and "min_version" in r.json()["error"]["message"]
 
 
@@ -194,19 +218,22 @@ def test_hostile_bodies_never_wedge_the_island(sidecar: RunningSidecar, world: W
     waited forever and every later request hung. Now: 400/413, and the island keeps serving."""
     url = f"{sidecar.url}/v1/completions"
     json_ct = {"content-type": "application/json"}
-    hostile = [b'{"prompt": "x", "max_tokens": 1, "temperature": NaN}',
-               b'{"prompt": "x", "max_tokens": 1, "temperature": Infinity}',
-               b'{"prompt": "x", "max_tokens": 1, "top_p": -Infinity, "stream": true}',
-               b'{"prompt": "x", "rollpatch": {"min_version": 1e400}}',
-               b'{"prompt": "x", "logit_bias": ' + b'[' * 5000 + b']' * 5000 + b'}',
-               b'{"prompt": "\\udc00"}']
+    hostile = [
+        b'{"prompt": "x", "max_tokens": 1, "temperature": NaN}',
+        b'{"prompt": "x", "max_tokens": 1, "temperature": Infinity}',
+        b'{"prompt": "x", "max_tokens": 1, "top_p": -Infinity, "stream": true}',
+        b'{"prompt": "x", "rollpatch": {"min_version": 1e400}}',
+        b'{"prompt": "x", "logit_bias": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"prompt": "\\udc00"}',
+    ]
     for _ in range(3):
         for raw in hostile:
             r = httpx.post(url, content=raw, headers=json_ct, timeout=30)
             assert r.status_code == 400, (raw[:60], r.status_code, r.text[:200])
             assert r.json()["error"]["type"] == "invalid_request_error"
-    big = httpx.post(url, content=b'{"prompt": "' + b"x" * (16 << 20) + b'"}',
-                     headers=json_ct, timeout=60)
+    big = httpx.post(
+        url, content=b'{"prompt": "' + b"x" * (16 << 20) + b'"}', headers=json_ct, timeout=60
+    )
     assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
     assert sidecar.sidecar.gate.inflight == 0
     v = world.publish()  # catching up needs a drain commit: it must not wait on a leaked slot
@@ -232,9 +259,13 @@ def test_ready_reflects_a_wedged_gate_and_a_dead_engine(sidecar: RunningSidecar)
 def test_ready_is_503_when_the_engine_is_unreachable(world: World) -> None:
     engine = ReferenceEngine.from_dir(world.model, threads=1)
     # the follower commits through the adapter, but generation is served at a dead address
-    sc = start_sidecar(world.board, "r1", engine, "http://127.0.0.1:9",
-                       config=SidecarConfig(follower=FollowerConfig(poll_s=0.05),
-                                            ready_probe_s=1.0))
+    sc = start_sidecar(
+        world.board,
+        "r1",
+        engine,
+        "http://127.0.0.1:9",
+        config=SidecarConfig(follower=FollowerConfig(poll_s=0.05), ready_probe_s=1.0),
+    )
     try:
         deadline = time.monotonic() + 60
         while sc.sidecar.follower.version is None:
@@ -248,8 +279,9 @@ def test_ready_is_503_when_the_engine_is_unreachable(world: World) -> None:
 
 def test_admin_token(sidecar: RunningSidecar) -> None:
     assert httpx.post(f"{sidecar.url}/admin/sync").status_code == 401
-    r = httpx.post(f"{sidecar.url}/admin/sync", headers={"Authorization": "Bearer s3cret"},
-                   timeout=60)
+    r = httpx.post(
+        f"{sidecar.url}/admin/sync", headers={"Authorization": "Bearer s3cret"}, timeout=60
+    )
     assert r.status_code == 200 and isinstance(r.json()["version"], int)
 
 
@@ -306,9 +338,13 @@ def test_pause_mode_reports_spanning_versions(world: World) -> None:
             out: dict[str, Any] = {}
 
             def long_request(out: dict[str, Any] = out) -> None:
-                raw = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400,
-                                                temperature=0,
-                                                extra_body={"ignore_eos": True})
+                raw = client.completions.create(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    max_tokens=400,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
                 out["rp"] = raw.model_dump()["rollpatch"]
 
             t = threading.Thread(target=long_request)

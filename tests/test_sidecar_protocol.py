@@ -19,32 +19,41 @@ def test_parse_body_and_headers() -> None:
     assert parse_constraint({}, {}) == Constraint()
 
 
-@pytest.mark.parametrize("bad", [{"rollpatch": 3}, {"rollpatch": {"nope": 1}},
-                                 {"rollpatch": {"min_version": "x"}},
-                                 {"rollpatch": {"min_version": -1}},
-                                 {"rollpatch": {"min_version": 1.5}},
-                                 {"rollpatch": {"wait_s": 99999}},
-                                 {"rollpatch": {"exact_version": True}}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rollpatch": 3},
+        {"rollpatch": {"nope": 1}},
+        {"rollpatch": {"min_version": "x"}},
+        {"rollpatch": {"min_version": -1}},
+        {"rollpatch": {"min_version": 1.5}},
+        {"rollpatch": {"wait_s": 99999}},
+        {"rollpatch": {"exact_version": True}},
+    ],
+)
 def test_parse_rejects(bad: dict) -> None:
     with pytest.raises(ConfigError):
         parse_constraint(bad, {})
 
 
-@pytest.mark.parametrize("c,served,latest,action", [
-    (Constraint(), None, 5, "unavailable"),
-    (Constraint(), 0, 5, "proxy"),
-    (Constraint(min_version=5), 4, 5, "wait"),
-    (Constraint(min_version=6), 4, 5, "conflict"),
-    (Constraint(min_version=4), 5, 5, "proxy"),
-    (Constraint(exact_version=5), 5, 9, "proxy"),
-    (Constraint(exact_version=5), 6, 9, "conflict"),
-    (Constraint(exact_version=7), 6, 9, "wait"),
-    (Constraint(exact_version=10), 6, 9, "conflict"),
-    (Constraint(max_lag=1), 7, 9, "wait"),
-    (Constraint(max_lag=2), 7, 9, "proxy"),
-    (Constraint(max_lag=0), 9, 9, "proxy"),
-    (Constraint(max_lag=0), 3, None, "proxy"),
-])
+@pytest.mark.parametrize(
+    "c,served,latest,action",
+    [
+        (Constraint(), None, 5, "unavailable"),
+        (Constraint(), 0, 5, "proxy"),
+        (Constraint(min_version=5), 4, 5, "wait"),
+        (Constraint(min_version=6), 4, 5, "conflict"),
+        (Constraint(min_version=4), 5, 5, "proxy"),
+        (Constraint(exact_version=5), 5, 9, "proxy"),
+        (Constraint(exact_version=5), 6, 9, "conflict"),
+        (Constraint(exact_version=7), 6, 9, "wait"),
+        (Constraint(exact_version=10), 6, 9, "conflict"),
+        (Constraint(max_lag=1), 7, 9, "wait"),
+        (Constraint(max_lag=2), 7, 9, "proxy"),
+        (Constraint(max_lag=0), 9, 9, "proxy"),
+        (Constraint(max_lag=0), 3, None, "proxy"),
+    ],
+)
 def test_decide(c: Constraint, served: int | None, latest: int | None, action: str) -> None:
     assert decide(c, served, latest).action == action
 
@@ -233,18 +242,21 @@ def test_drain_commit_has_a_deadline_then_pauses() -> None:
         CommitGate(engine, "drain", drain_timeout_s=-1)
 
 
-@pytest.mark.parametrize("raw, status", [
-    (b'{"prompt": "x", "temperature": NaN}', 400),
-    (b'{"prompt": "x", "temperature": -Infinity}', 400),
-    (b'{"prompt": "x", "temperature": 1e400}', 400),
-    (b'{"prompt": "x", "prompt": "y"}', 400),
-    (b'{"prompt": "\\ud800"}', 400),
-    (b'{"a": ' * 65 + b'1' + b'}' * 65, 400),
-    (b"[" * 1000, 400),
-    (b"[1, 2]", 400),
-    (b"\xff\xfe", 400),
-    (b'{"prompt": "' + b"x" * 2000 + b'"}', 413),
-])
+@pytest.mark.parametrize(
+    "raw, status",
+    [
+        (b'{"prompt": "x", "temperature": NaN}', 400),
+        (b'{"prompt": "x", "temperature": -Infinity}', 400),
+        (b'{"prompt": "x", "temperature": 1e400}', 400),
+        (b'{"prompt": "x", "prompt": "y"}', 400),
+        (b'{"prompt": "\\ud800"}', 400),
+        (b'{"a": ' * 65 + b"1" + b"}" * 65, 400),
+        (b"[" * 1000, 400),
+        (b"[1, 2]", 400),
+        (b"\xff\xfe", 400),
+        (b'{"prompt": "' + b"x" * 2000 + b'"}', 413),
+    ],
+)
 def test_body_limits(raw: bytes, status: int) -> None:
     import asyncio
 
@@ -257,7 +269,7 @@ def test_body_limits(raw: bytes, status: int) -> None:
 
         async def stream(self):  # type: ignore[no-untyped-def]
             for i in range(0, len(raw), 512):
-                yield raw[i:i + 512]
+                yield raw[i : i + 512]
 
     limits = BodyLimits(max_bytes=1024, max_depth=64)
     with pytest.raises(Refused) as e:

@@ -24,11 +24,24 @@ def _bf16_words(a: np.ndarray) -> np.ndarray:
     return a.astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("n_params", 10), ("seed", -1), ("lr", 0.0), ("lr", 2.0), ("betas", (0.9,)),
-    ("betas", (0.9, 1.0)), ("eps", 0.0), ("weight_decay", -0.1), ("warm_steps", -1),
-    ("vocab", 3), ("batch_tokens", 0), ("zipf_exponent", 0.0), ("threads", 0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n_params", 10),
+        ("seed", -1),
+        ("lr", 0.0),
+        ("lr", 2.0),
+        ("betas", (0.9,)),
+        ("betas", (0.9, 1.0)),
+        ("eps", 0.0),
+        ("weight_decay", -0.1),
+        ("warm_steps", -1),
+        ("vocab", 3),
+        ("batch_tokens", 0),
+        ("zipf_exponent", 0.0),
+        ("threads", 0),
+    ],
+)
 def test_config_rejects_bad_fields_by_name(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SimConfig(**{field: value})  # type: ignore[arg-type]
@@ -122,12 +135,15 @@ def test_adamw_matches_torch(warm_steps: int) -> None:
     w0 = sim.masters()[name].copy()
     m0, v0 = (a.copy() for a in sim.adam_state(name))
     param = torch.nn.Parameter(torch.from_numpy(w0.copy()))
-    opt = torch.optim.AdamW([param], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        [param], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
     if warm_steps:
-        opt.state[param] = {"step": torch.tensor(float(warm_steps)),
-                            "exp_avg": torch.from_numpy(m0.copy()),
-                            "exp_avg_sq": torch.from_numpy(v0.copy())}
+        opt.state[param] = {
+            "step": torch.tensor(float(warm_steps)),
+            "exp_avg": torch.from_numpy(m0.copy()),
+            "exp_avg_sq": torch.from_numpy(v0.copy()),
+        }
     rng = np.random.default_rng(1)
     for _ in range(3):
         g = (rng.standard_normal(w0.shape) * 1e-4).astype(np.float32)
@@ -140,10 +156,12 @@ def test_adamw_matches_torch(warm_steps: int) -> None:
     # agree to float32 rounding (m cancels near zero, hence the absolute floor) and the
     # weights to a ten-thousandth of one update.
     for ours, theirs in ((m, st["exp_avg"].numpy()), (v, st["exp_avg_sq"].numpy())):
-        np.testing.assert_allclose(ours, theirs, rtol=4e-7,
-                                   atol=4e-7 * float(np.sqrt(np.mean(theirs**2))))
-    np.testing.assert_allclose(sim.masters()[name], param.detach().numpy(), rtol=0,
-                               atol=1e-4 * cfg.lr)
+        np.testing.assert_allclose(
+            ours, theirs, rtol=4e-7, atol=4e-7 * float(np.sqrt(np.mean(theirs**2)))
+        )
+    np.testing.assert_allclose(
+        sim.masters()[name], param.detach().numpy(), rtol=0, atol=1e-4 * cfg.lr
+    )
     assert np.mean(sim.masters()[name] == param.detach().numpy()) > 0.8
     assert float(st["step"]) == warm_steps + 3
     assert not np.array_equal(sim.masters()[name], w0)
@@ -177,10 +195,19 @@ def test_warm_state_matches_a_real_warmup_dense() -> None:
     Pooled over tensors: each tensor's gradient scale jitters step to step, so one tensor's
     |update| law at one step moves by ~10% in both the real run and the warm state.
     """
-    names = [f"model.layers.{i}.{t}" for i in (0, 1) for t in (
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight")]
+    names = [
+        f"model.layers.{i}.{t}"
+        for i in (0, 1)
+        for t in (
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    ]
     warm, real = _warm_vs_real(small(warm_steps=1000), names)
     qs = [0.25, 0.5, 0.9, 0.99]
     np.testing.assert_allclose(np.quantile(warm, qs), np.quantile(real, qs), rtol=0.1)
@@ -189,13 +216,15 @@ def test_warm_state_matches_a_real_warmup_dense() -> None:
 
 def test_warm_state_matches_a_real_warmup_embedding() -> None:
     """Same for the sparsely touched embedding rows (rare tokens: no state, or a big one)."""
-    pairs = [_warm_vs_real(small(warm_steps=1000, seed=s),
-                           ["model.embed_tokens.weight"]) for s in range(3)]
+    pairs = [
+        _warm_vs_real(small(warm_steps=1000, seed=s), ["model.embed_tokens.weight"])
+        for s in range(3)
+    ]
     warm = np.concatenate([w for w, _ in pairs])
     real = np.concatenate([r for _, r in pairs])
     qs = [0.5, 0.9, 0.99]
     np.testing.assert_allclose(np.quantile(warm, qs), np.quantile(real, qs), rtol=0.15)
-    assert abs(np.mean(warm == 0) - np.mean(real == 0)) < 0.02   # never-seen tokens
+    assert abs(np.mean(warm == 0) - np.mean(real == 0)) < 0.02  # never-seen tokens
 
 
 def _bf16_change(lr: float, steps: int = 2) -> tuple[np.ndarray, np.ndarray]:
@@ -215,7 +244,7 @@ def _bf16_change(lr: float, steps: int = 2) -> tuple[np.ndarray, np.ndarray]:
 def test_bf16_change_fraction_is_realistic(lr: float) -> None:
     changed, _ = _bf16_change(lr)
     frac = changed.mean()
-    assert 5e-4 < frac < 0.08, frac   # PULSE: ~1% per step; slime: ~3%; Stitch: 0.25%
+    assert 5e-4 < frac < 0.08, frac  # PULSE: ~1% per step; slime: ~3%; Stitch: 0.25%
 
 
 def test_bf16_change_grows_with_lr_and_shrinks_with_exponent() -> None:
@@ -224,7 +253,7 @@ def test_bf16_change_grows_with_lr_and_shrinks_with_exponent() -> None:
     assert changed.mean() > 2 * lo.mean()
     exp = np.floor(np.log2(np.maximum(mag, 1e-30))).astype(int)
     probs = []
-    for e in range(-12, -4):   # |w| from 2^-12 to 2^-4: the bulk of linear weights
+    for e in range(-12, -4):  # |w| from 2^-12 to 2^-4: the bulk of linear weights
         sel = exp == e
         assert sel.sum() > 10_000
         probs.append(changed[sel].mean())

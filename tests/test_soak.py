@@ -26,17 +26,36 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.mark.skipif(not moto_available(), reason="the dev extra installs moto[server]")
 def test_soak_with_faults_ci_size(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "soak.py"), "--seconds", "45",
-                           "--workdir", str(tmp_path / "soak"), "--json", str(out)],
-                          check=False, capture_output=True, text=True, timeout=1500, cwd=BENCH)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "soak.py"),
+            "--seconds",
+            "45",
+            "--workdir",
+            str(tmp_path / "soak"),
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=BENCH,
+    )
     report = json.loads(out.read_text())
     s = report["summary"]
     assert s["served"] > 0 and s["versions_checked"] > 1
     assert s["wrong_version"] == 0 and s["unacceptable"] == 0 and s["other"] == 0
     faults = {f["fault"]: f for f in report["faults"]}
-    assert set(faults) == {"relay-restart", "store-outage", "forged", "corrupt",
-                           "sidecar-kill", "publisher-kill"}
+    assert set(faults) == {
+        "relay-restart",
+        "store-outage",
+        "forged",
+        "corrupt",
+        "sidecar-kill",
+        "publisher-kill",
+    }
     # every fault recovers, corrupted objects included: followers plan around them
-    assert all(f["recovery_s"] is not None for f in faults.values()), (faults,
-                                                                       proc.stdout[-6000:])
+    assert all(f["recovery_s"] is not None for f in faults.values()), (faults, proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

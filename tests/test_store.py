@@ -33,6 +33,7 @@ _FIXTURES = (pair, relay, store)  # used by name in the tests below (s3_server: 
 
 # -- the contract -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("data", [b"", b"x", bytes(range(256)) * 41])
 def test_put_get_roundtrip(pair: tuple[Store, Store], data: bytes) -> None:
     writer, reader = pair
@@ -145,21 +146,42 @@ def test_large_object(store: Store) -> None:
     if store.uri.startswith("s3://"):
         assert info.etag is not None and info.etag.strip('"').endswith("-3")  # 3 parts
     with pytest.raises(AlreadyExistsError):
-        store.put("big/obj", data[:6 * MiB])
-    store.put("big/obj", data[:6 * MiB], if_absent=False)
-    assert store.get("big/obj") == data[:6 * MiB]
+        store.put("big/obj", data[: 6 * MiB])
+    store.put("big/obj", data[: 6 * MiB], if_absent=False)
+    assert store.get("big/obj") == data[: 6 * MiB]
 
 
-BAD_KEYS = ["", "/a", "a/", "a//b", "..", "../a", "a/../b", "./a", "a/.", "a\nb", "a\x00b",
-            "tab\tkey", "x" * 1025, "é" * 513, ".rp-tmp-1", "a/.rp-locks/b"]
+BAD_KEYS = [
+    "",
+    "/a",
+    "a/",
+    "a//b",
+    "..",
+    "../a",
+    "a/../b",
+    "./a",
+    "a/.",
+    "a\nb",
+    "a\x00b",
+    "tab\tkey",
+    "x" * 1025,
+    "é" * 513,
+    ".rp-tmp-1",
+    "a/.rp-locks/b",
+]
 
 
 @pytest.mark.parametrize("key", BAD_KEYS, ids=range(len(BAD_KEYS)))
 def test_invalid_keys(pair: tuple[Store, Store], key: str) -> None:
     writer, reader = pair
-    for call in (lambda: reader.get(key), lambda: reader.get_range(key, 0, 1),
-                 lambda: reader.head(key), lambda: writer.put(key, b"x"),
-                 lambda: writer.delete(key), lambda: writer.cas(key, b"x", expected=None)):
+    for call in (
+        lambda: reader.get(key),
+        lambda: reader.get_range(key, 0, 1),
+        lambda: reader.head(key),
+        lambda: writer.put(key, b"x"),
+        lambda: writer.delete(key),
+        lambda: writer.cas(key, b"x", expected=None),
+    ):
         with pytest.raises(ConfigError):
             call()
     for prefix in ["/a", "a\nb", "x" * 1025]:
@@ -178,11 +200,15 @@ def test_odd_but_valid_keys(pair: tuple[Store, Store]) -> None:
 
 # -- backend specifics ------------------------------------------------------------------------
 
+
 def test_http_store_is_read_only(relay: tuple[Store, HttpStore]) -> None:
     backing, reader = relay
     backing.put("k", b"v")
-    for call in (lambda: reader.put("k2", b"v"), lambda: reader.delete("k"),
-                 lambda: reader.cas("k", b"w", expected=b"v")):
+    for call in (
+        lambda: reader.put("k2", b"v"),
+        lambda: reader.delete("k"),
+        lambda: reader.cas("k", b"w", expected=b"v"),
+    ):
         with pytest.raises(StoreError, match="read-only") as err:
             call()
         assert type(err.value) is StoreError
@@ -194,9 +220,14 @@ def test_unreachable_remotes_are_transient() -> None:
     with pytest.raises(TransientStoreError):
         HttpStore(f"http://127.0.0.1:{port}", HttpConfig(retries=1, backoff=0)).get("k")
     pytest.importorskip("boto3")
-    s3 = open_store(f"s3://{BUCKET}/p", endpoint_url=f"http://127.0.0.1:{port}",
-                    access_key_id="a", secret_access_key="b", max_attempts=1,
-                    connect_timeout=1.0)
+    s3 = open_store(
+        f"s3://{BUCKET}/p",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        access_key_id="a",
+        secret_access_key="b",
+        max_attempts=1,
+        connect_timeout=1.0,
+    )
     with pytest.raises(TransientStoreError):
         s3.get("k")
 
@@ -231,8 +262,9 @@ def test_s3_cas_loses_to_a_write_between_read_and_swap(request: pytest.FixtureRe
     s3: Any = make_s3_store(request)
     s3.put("LATEST", b"1")
     real = s3._client
-    s3._client = Interloper(real, lambda: real.put_object(
-        Bucket=BUCKET, Key=s3.config.prefix + "LATEST", Body=b"7"))
+    s3._client = Interloper(
+        real, lambda: real.put_object(Bucket=BUCKET, Key=s3.config.prefix + "LATEST", Body=b"7")
+    )
     with pytest.raises(ConflictError):
         s3.cas("LATEST", b"2", expected=b"1")  # read 1, then If-Match on the stale ETag
     s3._client = real
@@ -265,18 +297,30 @@ def test_open_store_uris(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     m1.put("k", b"v", if_absent=False)
     assert m2.get("k") == b"v"
     assert open_store("http://h:1/relay/").uri == "http://h:1/relay"
-    for uri, options in [("ftp://x", {}), ("memory://", {}), ("file://host/x", {}),
-                         ("s3:///p", {}), ("s3://b/../x", {}), ("memory://x", {"a": 1}),
-                         ("/tmp/x", {"bogus": 1}), ("http://h/x?q=1", {}),
-                         ("http://h", {"timeout": 0}), ("s3://b", {"part_size": 1}),
-                         ("s3://b", {"bogus": 1})]:
+    for uri, options in [
+        ("ftp://x", {}),
+        ("memory://", {}),
+        ("file://host/x", {}),
+        ("s3:///p", {}),
+        ("s3://b/../x", {}),
+        ("memory://x", {"a": 1}),
+        ("/tmp/x", {"bogus": 1}),
+        ("http://h/x?q=1", {}),
+        ("http://h", {"timeout": 0}),
+        ("s3://b", {"part_size": 1}),
+        ("s3://b", {"bogus": 1}),
+    ]:
         with pytest.raises(ConfigError):
             open_store(uri, **options)
 
 
 def test_s3_config_reads_environment_in_one_place() -> None:
-    env = {"AWS_ENDPOINT_URL": "http://aws-env", "ROLLPATCH_S3_ENDPOINT_URL": "http://rp-env",
-           "AWS_REGION": "", "AWS_DEFAULT_REGION": "eu-west-1"}
+    env = {
+        "AWS_ENDPOINT_URL": "http://aws-env",
+        "ROLLPATCH_S3_ENDPOINT_URL": "http://rp-env",
+        "AWS_REGION": "",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
     c = s3_config_from("b", "p/", {}, env)
     assert (c.endpoint_url, c.region, c.prefix) == ("http://rp-env", "eu-west-1", "p/")
     c = s3_config_from("b", "", {"endpoint_url": "http://explicit", "part_size": 8 * MiB}, env)
@@ -288,6 +332,7 @@ def test_s3_config_reads_environment_in_one_place() -> None:
 
 
 # -- concurrency ------------------------------------------------------------------------------
+
 
 def test_threads_race_put_if_absent(store: Store) -> None:
     winners: list[int] = []
@@ -351,8 +396,9 @@ def _worker(body: str, root: str, arg: int, worker: int, barrier: Any, out: Any)
 def _run_procs(body: str, root: Path, n: int, arg: int) -> list[tuple[int, list[int]]]:
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(body, str(root), arg, i, barrier, out))
-             for i in range(n)]
+    procs = [
+        ctx.Process(target=_worker, args=(body, str(root), arg, i, barrier, out)) for i in range(n)
+    ]
     for p in procs:
         p.start()
     results = [out.get(timeout=60) for _ in procs]
@@ -388,8 +434,22 @@ def test_file_processes_race_cas_no_lost_update(tmp_path: Path) -> None:
 
 # -- hostile trees (issue 11) -------------------------------------------------------------------
 
-HOSTILE_PREFIXES = ["../../..", "..", "a/../b", "a/..", "./a", "a/./", "a//b", "/etc",
-                    "a\\..\\b", "..\\x", "a\x00b", "a\nb", "\ud800", ".rp-locks/"]
+HOSTILE_PREFIXES = [
+    "../../..",
+    "..",
+    "a/../b",
+    "a/..",
+    "./a",
+    "a/./",
+    "a//b",
+    "/etc",
+    "a\\..\\b",
+    "..\\x",
+    "a\x00b",
+    "a\nb",
+    "\ud800",
+    ".rp-locks/",
+]
 
 
 @pytest.mark.parametrize("prefix", HOSTILE_PREFIXES, ids=range(len(HOSTILE_PREFIXES)))
@@ -426,8 +486,8 @@ def test_file_store_refuses_links_and_special_files(tmp_path: Path) -> None:
     root = tmp_path / "board"
     store = FileStore(root, fsync=False)
     store.put("runs/r1/ok", b"fine")
-    os.symlink(secret, root / "runs" / "r1" / "link")             # a file outside the board
-    os.symlink(tmp_path, root / "runs" / "r1" / "dirlink")        # a folder outside it
+    os.symlink(secret, root / "runs" / "r1" / "link")  # a file outside the board
+    os.symlink(tmp_path, root / "runs" / "r1" / "dirlink")  # a folder outside it
     os.symlink(root / "runs" / "r1" / "ok", root / "runs" / "r1" / "inside")  # even inside
     os.mkfifo(root / "runs" / "r1" / "fifo")
     for key in ("runs/r1/link", "runs/r1/dirlink/secret", "runs/r1/inside", "runs/r1/fifo"):

@@ -48,8 +48,9 @@ FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=1, timeout_s=10.0)
 def _view(seed: int) -> View:
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal(2048) * 0.02).astype(np.float32)
-    return View({"w": Tensor(KINDS["bf16"], (16, 128), (w.view(np.uint32) >> 16)
-                             .astype(np.uint16))})
+    return View(
+        {"w": Tensor(KINDS["bf16"], (16, 128), (w.view(np.uint32) >> 16).astype(np.uint16))}
+    )
 
 
 def _step(v: View, seed: int) -> View:
@@ -62,14 +63,16 @@ def _step(v: View, seed: int) -> View:
 class Pub:
     """A signed board: keys, root 1 and versions 0..n, each view kept for checks."""
 
-    def __init__(self, versions: int = 3, *, threshold: int = 1, nkeys: int = 1,
-                 ttl: float = 3600.0) -> None:
+    def __init__(
+        self, versions: int = 3, *, threshold: int = 1, nkeys: int = 1, ttl: float = 3600.0
+    ) -> None:
         self.store = MemoryStore(f"trust-{uuid.uuid4().hex}")
         self.keys = [SigningKey.generate() for _ in range(nkeys)]
         self.signer = Signer(keys=tuple(self.keys), latest_ttl_s=ttl)
         self.board = Board(self.store, signer=self.signer)
-        self.root = sign_root(Root.new([k.public for k in self.keys], threshold=threshold),
-                              self.keys)
+        self.root = sign_root(
+            Root.new([k.public for k in self.keys], threshold=threshold), self.keys
+        )
         self.board.put_root(self.root)
         self.views: dict[int, View] = {}
         for n in range(versions):
@@ -79,12 +82,22 @@ class Pub:
         view = self.views[n]
         if n == 0:
             ref = self.board.put_object(RUN, _safetensors(view), "safetensors")
-            return make_manifest(RUN, 0, target=view.digest(), view_bytes=view.nbytes,
-                                 keyframes=(KeyframeObject(ref),))
+            return make_manifest(
+                RUN,
+                0,
+                target=view.digest(),
+                view_bytes=view.nbytes,
+                keyframes=(KeyframeObject(ref),),
+            )
         base = self.views[n - 1]
         ref = self.board.put_object(RUN, encode(diff(base, view), base), "rpatch")
-        return make_manifest(RUN, n, target=view.digest(), view_bytes=view.nbytes,
-                             patches=(PatchObject(ref, n - 1, base.digest()),))
+        return make_manifest(
+            RUN,
+            n,
+            target=view.digest(),
+            view_bytes=view.nbytes,
+            patches=(PatchObject(ref, n - 1, base.digest()),),
+        )
 
     def publish(self, n: int, board: Board | None = None) -> Manifest:
         self.views[n] = _view(0) if n == 0 else _step(self.views[n - 1], n)
@@ -129,8 +142,7 @@ def test_signed_board_is_followed_bit_exactly(tmp_path: Path) -> None:
     f = _follower(pub, pub.trust(tmp_path))
     assert f.sync() == 3
     assert f.engine.digest == pub.views[3].digest()
-    env = load_envelope(pub.store.get(version_key(RUN, 3)), expect=MANIFEST_TYPE,
-                        max_bytes=1 << 20)
+    env = load_envelope(pub.store.get(version_key(RUN, 3)), expect=MANIFEST_TYPE, max_bytes=1 << 20)
     assert json.loads(env.payload)["target"] == pub.views[3].digest()
 
 
@@ -157,8 +169,13 @@ def test_unsigned_manifest_and_latest_on_a_signed_run_are_refused(tmp_path: Path
     assert f.sync() == 1
     pub.publish(2, board=Board(pub.store))  # a bare manifest and a bare LATEST
     assert "LATEST is not signed" in str(_refused(f, "unsigned"))
-    _put(pub, pointer_key(RUN), encode_latest(
-        Pointer(RUN, 2, version_key(RUN, 2), pub.views[2].digest()), pub.signer, time.time()))
+    _put(
+        pub,
+        pointer_key(RUN),
+        encode_latest(
+            Pointer(RUN, 2, version_key(RUN, 2), pub.views[2].digest()), pub.signer, time.time()
+        ),
+    )
     err = _refused(f, "unsigned")
     assert "manifest is not signed" in str(err)
     assert f.engine.digest == pub.views[1].digest()
@@ -233,13 +250,11 @@ def test_frozen_latest_expires(tmp_path: Path) -> None:
 
 def test_heartbeat_resigns_the_same_version() -> None:
     pub = Pub(1, ttl=60.0)
-    first = load_envelope(pub.store.get(pointer_key(RUN)), expect=LATEST_TYPE,
-                          max_bytes=1 << 16)
+    first = load_envelope(pub.store.get(pointer_key(RUN)), expect=LATEST_TYPE, max_bytes=1 << 16)
     time.sleep(0.01)
     p = pub.board.advance(RUN, 0, refresh=True)
     assert p.version == 0
-    second = load_envelope(pub.store.get(pointer_key(RUN)), expect=LATEST_TYPE,
-                           max_bytes=1 << 16)
+    second = load_envelope(pub.store.get(pointer_key(RUN)), expect=LATEST_TYPE, max_bytes=1 << 16)
     e1, e2 = (json.loads(e.payload)["expires"] for e in (first, second))
     assert e2 > e1
     raw = pub.store.get(pointer_key(RUN))
@@ -270,10 +285,12 @@ def test_threshold_needs_distinct_keys(tmp_path: Path) -> None:
     _refused(f, "bad_signature")
 
 
-def _rotate(pub: Pub, new: list[SigningKey], signers: list[SigningKey], version: int = 2,
-            threshold: int = 1) -> bytes:
-    raw = sign_root(Root.new([k.public for k in new], threshold=threshold, version=version),
-                    signers)
+def _rotate(
+    pub: Pub, new: list[SigningKey], signers: list[SigningKey], version: int = 2, threshold: int = 1
+) -> bytes:
+    raw = sign_root(
+        Root.new([k.public for k in new], threshold=threshold, version=version), signers
+    )
     _put(pub, root_key(version), raw)
     return raw
 
@@ -326,11 +343,23 @@ def test_initial_root_must_be_self_signed() -> None:
         Trust(raw)
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[" * 10_000, b'{"payload": 1}',
-                                 b'{"payload": "!!", "payloadType": "x", "signatures": []}',
-                                 json.dumps({"payload": "", "payloadType": LATEST_TYPE,
-                                             "signatures": [{"keyid": "a" * 64,
-                                                             "sig": "%%"}]}).encode()])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"{",
+        b"[" * 10_000,
+        b'{"payload": 1}',
+        b'{"payload": "!!", "payloadType": "x", "signatures": []}',
+        json.dumps(
+            {
+                "payload": "",
+                "payloadType": LATEST_TYPE,
+                "signatures": [{"keyid": "a" * 64, "sig": "%%"}],
+            }
+        ).encode(),
+    ],
+)
 def test_hostile_latest_envelopes_are_refused_cleanly(tmp_path: Path, raw: bytes) -> None:
     pub = Pub(1)
     f = _follower(pub, pub.trust(tmp_path))
@@ -355,7 +384,8 @@ def test_state_file_damage_is_an_error_not_a_reset(tmp_path: Path) -> None:
 
 
 def test_without_trust_a_signed_board_still_reads_with_one_warning(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     pub = Pub(2)
     run = f"r-{uuid.uuid4().hex[:8]}"  # the warning is once per service and process
     with caplog.at_level("WARNING", logger="rollpatch.trust"):
@@ -384,8 +414,7 @@ def test_an_idle_signing_publisher_keeps_latest_fresh(tmp_path: Path) -> None:
 
     pub = Pub(0, ttl=1.0)
     masters = {"w": np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)}
-    with Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer),
-                   asynchronous=False) as p:
+    with Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p:
         assert p.publish(masters) == 0
         f = _follower(pub, pub.trust(tmp_path))
         assert f.sync() == 0
@@ -398,8 +427,7 @@ def test_an_idle_signing_publisher_keeps_latest_fresh(tmp_path: Path) -> None:
         f.sync()
 
 
-def test_a_squatted_version_and_a_forged_latest_do_not_stop_the_publisher(tmp_path: Path
-                                                                          ) -> None:
+def test_a_squatted_version_and_a_forged_latest_do_not_stop_the_publisher(tmp_path: Path) -> None:
     """An attacker takes the next version number and moves LATEST far ahead (own key): the
     signing publisher replaces both, and the follower goes from refusing to the honest one."""
     pub = Pub(2)
@@ -407,8 +435,13 @@ def test_a_squatted_version_and_a_forged_latest_do_not_stop_the_publisher(tmp_pa
     assert f.sync() == 1
     mallory = Board(pub.store, signer=Signer(keys=(SigningKey.generate(),)))
     pub.publish(2, board=mallory)
-    _put(pub, pointer_key(RUN), encode_latest(
-        Pointer(RUN, 10**9, version_key(RUN, 10**9), "f" * 64), mallory.signer, time.time()))
+    _put(
+        pub,
+        pointer_key(RUN),
+        encode_latest(
+            Pointer(RUN, 10**9, version_key(RUN, 10**9), "f" * 64), mallory.signer, time.time()
+        ),
+    )
     _refused(f, "bad_signature")
     honest = pub.publish(2)  # the honest publisher's own version 2
     assert pub.board.signer is not None
@@ -426,13 +459,13 @@ def _mutations(raw: bytes, rng: np.random.Generator, n: int) -> list[bytes]:
         if op == 0:
             b[i] ^= 1 << int(rng.integers(0, 8))
         elif op == 1:
-            del b[i:i + int(rng.integers(1, 40))]
+            del b[i : i + int(rng.integers(1, 40))]
         elif op == 2:
             b[i:i] = bytes(rng.choice(list(b'[]{}",:\\0eE-+.\xff\xc3'), int(rng.integers(1, 8))))
         elif op == 3:
             b = b[:i]
         else:
-            b[i:i] = b[int(rng.integers(0, len(b))):][:int(rng.integers(1, 60))]
+            b[i:i] = b[int(rng.integers(0, len(b))) :][: int(rng.integers(1, 60))]
         out.append(bytes(b))
     return out
 
@@ -475,21 +508,26 @@ def test_mutated_envelopes_are_refused_cleanly_or_read_unchanged(tmp_path: Path)
 
 
 def test_publisher_warns_when_what_it_publishes_will_not_verify(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from rollpatch.publisher import Publisher, PublisherConfig
 
     pub = Pub(0)
     masters = {"w": np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)}
     other = Signer(keys=(SigningKey.generate(),))
-    for config, words in [(PublisherConfig(), "UNSIGNED"), (PublisherConfig(signer=other),
-                                                            "0 of this publisher's keys")]:
+    for config, words in [
+        (PublisherConfig(), "UNSIGNED"),
+        (PublisherConfig(signer=other), "0 of this publisher's keys"),
+    ]:
         caplog.clear()
         with caplog.at_level("WARNING", logger="rollpatch.publisher"):
             Publisher(Board(pub.store), RUN, config, asynchronous=False).close()
         assert any(words in r.getMessage() for r in caplog.records), caplog.records
     caplog.clear()
-    with caplog.at_level("WARNING", logger="rollpatch.publisher"), Publisher(
-            pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p:
+    with (
+        caplog.at_level("WARNING", logger="rollpatch.publisher"),
+        Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p,
+    ):
         p.publish(masters)
     assert not caplog.records
 

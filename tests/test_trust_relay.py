@@ -34,10 +34,12 @@ FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=1, timeout_s=10.0)
 def serve(tmp_path: Path) -> Iterator[object]:
     servers: list[RelayServer] = []
 
-    def start(upstream: Store, cache: str = "cache", trust: Trust | None = None
-              ) -> RelayServer:
-        server = RelayServer(upstream, RelayConfig(cache_dir=tmp_path / cache, pointer_ttl=0,
-                                                   list_ttl=0), trust=trust)
+    def start(upstream: Store, cache: str = "cache", trust: Trust | None = None) -> RelayServer:
+        server = RelayServer(
+            upstream,
+            RelayConfig(cache_dir=tmp_path / cache, pointer_ttl=0, list_ttl=0),
+            trust=trust,
+        )
         server.start()
         servers.append(server)
         return server
@@ -57,8 +59,7 @@ def _forge(pub: Pub, n: int) -> bytes:
     return pub.store.get(version_key(RUN, n))
 
 
-def test_relay_refuses_forged_manifests_and_latest_before_caching(serve, tmp_path: Path
-                                                                  ) -> None:
+def test_relay_refuses_forged_manifests_and_latest_before_caching(serve, tmp_path: Path) -> None:
     pub = Pub(2)
     relay = serve(pub.store, trust=pub.trust(tmp_path))
     c = client(relay)
@@ -98,8 +99,10 @@ def test_relay_drops_a_forged_manifest_it_cached_without_trust(serve, tmp_path: 
     second = serve(pub.store, cache="warm", trust=pub.trust(tmp_path))
     got = client(second).get(version_key(RUN, 2))
     assert got == pub.store.get(version_key(RUN, 2)) and got != forged
-    assert second.relay.metrics.value("rollpatch_relay_refused_total",
-                                      reason="trust_bad_signature") == 1
+    assert (
+        second.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_bad_signature")
+        == 1
+    )
 
 
 def test_relay_refuses_rollback_and_expired_latest(serve, tmp_path: Path) -> None:
@@ -113,15 +116,13 @@ def test_relay_refuses_rollback_and_expired_latest(serve, tmp_path: Path) -> Non
     pub.store.put(pointer_key(RUN), old, if_absent=False)  # pointed back to version 1
     with pytest.raises(TransientStoreError):
         c.get(pointer_key(RUN))
-    assert relay.relay.metrics.value("rollpatch_relay_refused_total",
-                                     reason="trust_rollback") == 1
+    assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_rollback") == 1
     pub.board.advance(RUN, 2, refresh=True)
     c.get(pointer_key(RUN))
     now[0] += 3600  # nobody re-signs: frozen
     with pytest.raises(TransientStoreError):
         c.get(pointer_key(RUN))
-    assert relay.relay.metrics.value("rollpatch_relay_refused_total",
-                                     reason="trust_expired") == 1
+    assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_expired") == 1
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["latest"] == {RUN: 2}
 
@@ -144,13 +145,15 @@ def test_relay_serves_only_roots_that_chain(serve, tmp_path: Path) -> None:
 
 # -- the command line ---------------------------------------------------------------------------
 
+
 def _keygen(tmp: Path, name: str) -> tuple[Path, Path]:
     assert main(["keygen", "-o", str(tmp / name)]) == 0
     return tmp / f"{name}.key", tmp / f"{name}.pub"
 
 
-def test_cli_keygen_root_publish_pull_and_a_forgery(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_keygen_root_publish_pull_and_a_forgery(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tests.test_cli import _masters, _save_masters
 
     board = f"file://{tmp_path / 'board'}"
@@ -158,27 +161,51 @@ def test_cli_keygen_root_publish_pull_and_a_forgery(tmp_path: Path,
     assert (key.stat().st_mode & 0o777) == 0o600 and pub.read_text().startswith("ed25519:")
     assert main(["keygen", "-o", str(tmp_path / "trainer")]) == 2  # never overwrites
     root = tmp_path / "root.json"
-    assert main(["root", "--board", board, "--key", str(pub), "--sign", str(key),
-                 "-o", str(root)]) == 0
+    assert (
+        main(["root", "--board", board, "--key", str(pub), "--sign", str(key), "-o", str(root)])
+        == 0
+    )
     ckpt = tmp_path / "m.safetensors"
     _save_masters(ckpt, _masters(1))
-    assert main(["publish", str(ckpt), "--board", board, "--run", "r1",
-                 "--signing-key", str(key)]) == 0
+    assert (
+        main(["publish", str(ckpt), "--board", board, "--run", "r1", "--signing-key", str(key)])
+        == 0
+    )
     state = tmp_path / "state.json"
-    pull = ["pull", "--board", board, "--run", "r1", "--trust", str(root),
-            "--trust-state", str(state)]
+    pull = [
+        "pull",
+        "--board",
+        board,
+        "--run",
+        "r1",
+        "--trust",
+        str(root),
+        "--trust-state",
+        str(state),
+    ]
     assert main([*pull, "-o", str(tmp_path / "a.safetensors")]) == 0
     capsys.readouterr()
     # an attacker with write access to the board publishes version 1 with their own key
     evil, _ = _keygen(tmp_path, "evil")
-    assert main(["publish", str(ckpt), "--board", board, "--run", "r1",
-                 "--signing-key", str(evil)]) == 2  # the publisher resumes on its keys only
+    assert (
+        main(["publish", str(ckpt), "--board", board, "--run", "r1", "--signing-key", str(evil)])
+        == 2
+    )  # the publisher resumes on its keys only
     capsys.readouterr()
     b = Board(board)
     m = b.manifest("r1", 0)
     Board(b.store, signer=Signer.from_files([evil])).put_manifest(
-        make_manifest("r1", 1, fmt=m.format, target=m.target, view_bytes=m.view_bytes,
-                      created=m.created, publisher="evil", keyframes=m.keyframes))
+        make_manifest(
+            "r1",
+            1,
+            fmt=m.format,
+            target=m.target,
+            view_bytes=m.view_bytes,
+            created=m.created,
+            publisher="evil",
+            keyframes=m.keyframes,
+        )
+    )
     Board(b.store, signer=Signer.from_files([evil])).advance("r1", 1)
     code = main([*pull, "-o", str(tmp_path / "b.safetensors")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -190,8 +217,9 @@ def test_cli_keygen_root_publish_pull_and_a_forgery(tmp_path: Path,
     assert [r["signed"] for r in rows] == [True, True]
 
 
-def test_cli_root_rotation_needs_the_previous_keys(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_root_rotation_needs_the_previous_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     board = f"file://{tmp_path / 'board'}"
     k1, p1 = _keygen(tmp_path, "one")
     k2, p2 = _keygen(tmp_path, "two")
@@ -200,25 +228,52 @@ def test_cli_root_rotation_needs_the_previous_keys(tmp_path: Path,
     assert main(["root", "--board", board, "--key", str(p2), "--sign", str(k2)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "previous root" in err[0]
-    assert main(["root", "--board", board, "--key", str(p2), "--sign", str(k1),
-                 "--sign", str(k2)]) == 0
+    assert (
+        main(["root", "--board", board, "--key", str(p2), "--sign", str(k1), "--sign", str(k2)])
+        == 0
+    )
     assert Board(board).roots() == [1, 2]
-    assert main(["root", "--key", str(p1), "--threshold", "2", "--sign", str(k1),
-                 "-o", str(tmp_path / "r.json")]) == 2  # threshold above the keys
+    assert (
+        main(
+            [
+                "root",
+                "--key",
+                str(p1),
+                "--threshold",
+                "2",
+                "--sign",
+                str(k1),
+                "-o",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 2
+    )  # threshold above the keys
 
 
 @pytest.mark.parametrize("cmd", ["pull", "sidecar", "relay"])
-def test_cli_bad_trust_root_exits_2_with_one_line(tmp_path: Path, cmd: str,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bad_trust_root_exits_2_with_one_line(
+    tmp_path: Path, cmd: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "root.json"
     bad.write_text('{"payload": "", "payloadType": "x", "signatures": []}')
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")  # past the CLI's model preflight
-    args = {"pull": ["pull", "--board", "memory://x", "--run", "r", "-o", str(tmp_path / "o")],
-            "sidecar": ["sidecar", "--board", "memory://x", "--run", "r", "--port", "0",
-                        "--model", str(tmp_path / "model")],
-            "relay": ["relay", "--board", "memory://x", "--cache", str(tmp_path / "c"),
-                      "--port", "0"]}[cmd]
+    args = {
+        "pull": ["pull", "--board", "memory://x", "--run", "r", "-o", str(tmp_path / "o")],
+        "sidecar": [
+            "sidecar",
+            "--board",
+            "memory://x",
+            "--run",
+            "r",
+            "--port",
+            "0",
+            "--model",
+            str(tmp_path / "model"),
+        ],
+        "relay": ["relay", "--board", "memory://x", "--cache", str(tmp_path / "c"), "--port", "0"],
+    }[cmd]
     assert main([*args, "--trust", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trust root" in err[0], err
@@ -234,11 +289,31 @@ def test_cli_relay_process_with_trust_refuses_a_forgery(tmp_path: Path) -> None:
     files = Board(board)
     for k in pub.store.list(""):
         files.store.put(k, pub.store.get(k))
-    proc = subprocess.Popen([sys.executable, "-m", "rollpatch", "relay", "--board", board,
-                             "--cache", str(tmp_path / "cache"), "--port", "0",
-                             "--pointer-ttl", "0", "--list-ttl", "0", "--trust", str(root),
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollpatch",
+            "relay",
+            "--board",
+            board,
+            "--cache",
+            str(tmp_path / "cache"),
+            "--port",
+            "0",
+            "--pointer-ttl",
+            "0",
+            "--list-ttl",
+            "0",
+            "--trust",
+            str(root),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         url = line.split(" at ")[1].split(" ")[0]

@@ -32,16 +32,20 @@ RUN = "r1"
 
 def _served(url: str) -> int | None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
-    raw = client.completions.with_raw_response.create(model="model", prompt="1 + 1 =",
-                                                      max_tokens=2, temperature=0)
+    raw = client.completions.with_raw_response.create(
+        model="model", prompt="1 + 1 =", max_tokens=2, temperature=0
+    )
     return int(raw.headers["x-rollpatch-version-end"])
 
 
-def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path,
-                                                              tiny_model: Path) -> None:
+def test_sidecar_with_trust_keeps_its_version_under_a_forgery(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     model = tiny_model
-    masters = {n: t.to_array().astype(np.float32)
-               for n, t in ReferenceRuntime(model, threads=1).view.items()}
+    masters = {
+        n: t.to_array().astype(np.float32)
+        for n, t in ReferenceRuntime(model, threads=1).view.items()
+    }
     key = SigningKey.generate()
     (tmp_path / "root.json").write_bytes(sign_root(Root.new([key.public]), [key]))
     board = f"file://{tmp_path / 'board'}"
@@ -58,12 +62,36 @@ def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path,
     port = free_port()
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollpatch", "sidecar", "--board", board, "--run", RUN,
-         "--engine", "reference", "--model", str(model), "--port", str(port), "--threads", "1",
-         "--poll", "0.05", "--trust", str(tmp_path / "root.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "rollpatch",
+            "sidecar",
+            "--board",
+            board,
+            "--run",
+            RUN,
+            "--engine",
+            "reference",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--poll",
+            "0.05",
+            "--trust",
+            str(tmp_path / "root.json"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def ready() -> bool:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
@@ -77,9 +105,16 @@ def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path,
         # the attacker: version 2 signed with their own key, LATEST moved to it
         evil = Board(board, signer=Signer(keys=(SigningKey.generate(),)))
         m1 = evil.manifest(RUN, 1)
-        forged = make_manifest(RUN, 2, fmt=m1.format, target=m1.target,
-                               view_bytes=m1.view_bytes, publisher="evil", patches=m1.patches,
-                               keyframes=m1.keyframes)
+        forged = make_manifest(
+            RUN,
+            2,
+            fmt=m1.format,
+            target=m1.target,
+            view_bytes=m1.view_bytes,
+            publisher="evil",
+            patches=m1.patches,
+            keyframes=m1.keyframes,
+        )
         evil.put_manifest(forged)
         evil.advance(RUN, 2)
 
@@ -89,9 +124,16 @@ def test_sidecar_with_trust_keeps_its_version_under_a_forgery(tmp_path: Path,
 
         until(refused, "the sidecar to report the forgery", timeout=90)
         assert _served(url) == 1  # still the last good version
-        r = httpx.post(f"{url}/v1/completions", json={
-            "model": "model", "prompt": "1 + 1 =", "max_tokens": 2,
-            "rollpatch": {"min_version": 2, "wait_s": 0}}, timeout=30)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": "model",
+                "prompt": "1 + 1 =",
+                "max_tokens": 2,
+                "rollpatch": {"min_version": 2, "wait_s": 0},
+            },
+            timeout=30,
+        )
         assert r.status_code == 409
         # the honest publisher goes on: it replaces the squatted version 2 and the forged
         # LATEST (none of its keys signed them), and the island takes version 2

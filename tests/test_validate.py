@@ -53,10 +53,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("make, owner, field, bad",
-                         [(m, o, f, b) for m, o, f, bads in CASES for b in bads])
-def test_a_bad_field_is_one_kind_of_error(make: Any, owner: str, field: str, bad: object
-                                          ) -> None:
+@pytest.mark.parametrize(
+    "make, owner, field, bad", [(m, o, f, b) for m, o, f, bads in CASES for b in bads]
+)
+def test_a_bad_field_is_one_kind_of_error(make: Any, owner: str, field: str, bad: object) -> None:
     with pytest.raises(ConfigError, match=rf"^{owner}\.{field} must be ") as e:
         make(**{field: bad})
     assert e.value.context["field"] == field

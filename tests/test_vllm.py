@@ -70,8 +70,13 @@ def test_layout_refuses_bad_specs() -> None:
     with pytest.raises(EngineError, match="per-rank"):
         layout.param_shape(ParamSpec("w", "column", (Shard("w", (8, 4), 3),)), 2)
     with pytest.raises(EngineError, match="mapped twice"):
-        layout.check_coverage([ParamSpec("a", "replicated", (Shard("x", (2,)),)),
-                        ParamSpec("b", "replicated", (Shard("x", (2,)),))], 1)
+        layout.check_coverage(
+            [
+                ParamSpec("a", "replicated", (Shard("x", (2,)),)),
+                ParamSpec("b", "replicated", (Shard("x", (2,)),)),
+            ],
+            1,
+        )
     with pytest.raises(EngineError, match="fuse"):
         ParamSpec("w", "row", (Shard("a", (2, 2)), Shard("b", (2, 2))))
 
@@ -115,9 +120,24 @@ def test_failed_commit_restores_every_rank() -> None:
     assert tp.new is not None
     bad_new = tp.new.copy()
     bad_new[-1] ^= 1  # written, then caught by the target digest
-    bad = Patch(good.base, good.target, {**good.tensors, name: TensorPatch(
-        name, "delta", tp.kind, tp.shape, tp.base_digest, tp.target_digest, tp.positions,
-        tp.old, bad_new)})
+    bad = Patch(
+        good.base,
+        good.target,
+        {
+            **good.tensors,
+            name: TensorPatch(
+                name,
+                "delta",
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                tp.positions,
+                tp.old,
+                bad_new,
+            ),
+        },
+    )
     out = ranks.run(lambda w: w.commit(bad))
     assert all(isinstance(e, TargetMismatchError) for e in out), out
     assert ranks.run(lambda w: w.root()) == [v0.digest()] * 2
@@ -125,9 +145,23 @@ def test_failed_commit_restores_every_rank() -> None:
     out = ranks.run(lambda w: w.commit(diff(v1, v0)))  # not on that base
     assert all(isinstance(e, BaseMismatchError) for e in out)
     ranks.repacked.clear()
-    oob = Patch(good.base, good.target, {name: TensorPatch(
-        name, "delta", tp.kind, tp.shape, tp.base_digest, tp.target_digest,
-        tp.positions + vllm_env.HID * vllm_env.HEADS * vllm_env.HD, tp.old, tp.new)})  # type: ignore
+    oob = Patch(
+        good.base,
+        good.target,
+        {
+            name: TensorPatch(
+                name,
+                "delta",
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                tp.positions + vllm_env.HID * vllm_env.HEADS * vllm_env.HD,
+                tp.old,
+                tp.new,
+            )
+        },
+    )  # type: ignore
     out = ranks.run(lambda w: w.commit(oob))
     assert all(isinstance(e, PatchError) for e in out) and ranks.repacked == []
 
@@ -140,8 +174,13 @@ def test_decoded_file_roundtrip_and_hostile(tmp_path: pytest.TempPathFactory) ->
     write_decoded(patch, path)
     assert read_decoded(path).equals(patch)
     raw = path.read_bytes()
-    for bad in (raw[:-1], raw[:100], b"\x00" * 16, raw.replace(b'delta', b'drop!', 1),
-                raw.replace(b"t0.new", b"t0.nex", 1)):
+    for bad in (
+        raw[:-1],
+        raw[:100],
+        b"\x00" * 16,
+        raw.replace(b"delta", b"drop!", 1),
+        raw.replace(b"t0.new", b"t0.nex", 1),
+    ):
         assert bad != raw
         path.write_bytes(bad)
         with pytest.raises(PatchDecodeError):
@@ -158,8 +197,9 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.lin = torch.nn.Linear(6, 4).to(torch.bfloat16).requires_grad_(False)
-    model.tw = torch.nn.Parameter(torch.randn(5, 3).to(torch.bfloat16).t(),
-                                  requires_grad=False)  # (3, 5), column-major storage
+    model.tw = torch.nn.Parameter(
+        torch.randn(5, 3).to(torch.bfloat16).t(), requires_grad=False
+    )  # (3, 5), column-major storage
     calls: list[object] = []
 
     def repack(mod: Any, remove_weight: bool) -> None:  # as vLLM's: a kernel from the weight
@@ -167,8 +207,9 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
         mod.cpu_linear = ("kernel", mod.weight.detach().view(torch.int16).clone())
 
     model.lin._rollpatch_repack = repack
-    specs = [ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),))
-             for n, p in model.named_parameters()]
+    specs = [
+        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
+    ]
     kinds = {s.param: get_kind("bf16") for s in specs}
     w = RuntimeWeights(specs, kinds, _access(model, 1, alias=alias))
 
@@ -188,8 +229,9 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
     # the pause; elsewhere (no prebuild) it is rebuilt from the written weight in the pause
     assert len(calls) == 1 and calls[0][1] is False
     assert (calls[0][0] is model.lin) is (not alias)
-    assert np.array_equal(model.lin.cpu_linear[1].numpy().view(np.uint16).reshape(-1),
-                          v1["lin.weight"].data)
+    assert np.array_equal(
+        model.lin.cpu_linear[1].numpy().view(np.uint16).reshape(-1), v1["lin.weight"].data
+    )
     assert not model.tw.is_contiguous()
     assert w.load(v0) == v0.digest() and w.digests(fresh=True) == v0.tensor_digests()
 
@@ -197,7 +239,10 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
 def test_adapter_commit_protocol_offline() -> None:
     """The adapter against a scripted server: call order, version tags, and what it reports
     after failures (previous version when the engine still holds it, else not ready)."""
-    v0, v1 = vllm_env.words_view(vllm_env.checkpoint()), vllm_env.words_view(vllm_env.random_step(vllm_env.checkpoint(), 4))
+    v0, v1 = (
+        vllm_env.words_view(vllm_env.checkpoint()),
+        vllm_env.words_view(vllm_env.random_step(vllm_env.checkpoint(), 4)),
+    )
     fake = vllm_env.FakeVllm(v0.digest())
     eng = VllmEngine("http://127.0.0.1:9", transport="weight-transfer")
     eng.http = fake  # type: ignore[assignment]
@@ -208,16 +253,25 @@ def test_adapter_commit_protocol_offline() -> None:
     eng.apply(diff(v0, v1), 1)
     assert (eng.version, eng.digest) == (1, v1.digest())
     assert [c[0] for c in fake.calls[-7:]] == [
-        "/pause?mode=keep", "/start_weight_update", "/update_weights", "rollpatch_result",
-        "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+        "/pause?mode=keep",
+        "/start_weight_update",
+        "/update_weights",
+        "rollpatch_result",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
     assert fake.calls[-3][1] == {"weight_version": "1"}
     fake.script(False, error={"type": "TargetMismatchError", "message": "undone"})
     with pytest.raises(TargetMismatchError, match="undone"):
         eng.apply(diff(v1, v0), 0)
     assert (eng.version, eng.digest) == (1, v1.digest())  # the engine still holds v1
     assert ("/finish_weight_update", {"weight_version": None}) in fake.calls[-4:]
-    fake.script(False, error={"type": "EngineError", "message": "lost",
-                              "context": {"restored": False}}, root="0" * 64)
+    fake.script(
+        False,
+        error={"type": "EngineError", "message": "lost", "context": {"restored": False}},
+        root="0" * 64,
+    )
     with pytest.raises(EngineError, match="lost"):
         eng.apply(diff(v1, v0), 0)
     assert (eng.version, eng.digest) == (None, None)
@@ -226,8 +280,11 @@ def test_adapter_commit_protocol_offline() -> None:
 
 # -- live: a stock vLLM server with the worker extension -------------------------------------
 
-PROMPTS = ["What is 12 + 7? The answer is", "The policy weights of the engine",
-           "ka lo mi ne ru sa ti vo ze po qua rix tem bal dor"]
+PROMPTS = [
+    "What is 12 + 7? The answer is",
+    "The policy weights of the engine",
+    "ka lo mi ne ru sa ti vo ze po qua rix tem bal dor",
+]
 N_VERSIONS = 5
 
 
@@ -237,8 +294,7 @@ def vllm_python() -> Path:
         pytest.skip("ROLLPATCH_SKIP_VLLM=1: the live vLLM tests are skipped on request")
     python = vllm_env.vllm_python()
     if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}",
-                    pytrace=False)
+        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
     return python
 
 
@@ -247,8 +303,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     from rollpatch.engines.reference import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", hidden_size=256, heads=4,
-                           kv_heads=2, intermediate=512, vocab_size=2048)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("vllm") / "tiny",
+        hidden_size=256,
+        heads=4,
+        kv_heads=2,
+        intermediate=512,
+        vocab_size=2048,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -268,12 +330,19 @@ def versions(model_dir: Path) -> list[View]:
 
 @pytest.fixture(scope="module")
 def server(vllm_python: Path, model_dir: Path) -> Iterator[vllm_env.Server]:
-    srv = vllm_env.start_server(vllm_python, model_dir, model_dir.parent / "vllm.log",
-                                extra=["--weight-transfer-config", '{"backend": "rollpatch"}'])
+    srv = vllm_env.start_server(
+        vllm_python,
+        model_dir,
+        model_dir.parent / "vllm.log",
+        extra=["--weight-transfer-config", '{"backend": "rollpatch"}'],
+    )
     try:
         srv.wait_ready(300)
-        srv.post("/v1/completions", {"model": str(model_dir), "prompt": "warm up",
-                                     "max_tokens": 2}, timeout=300)  # first request compiles
+        srv.post(
+            "/v1/completions",
+            {"model": str(model_dir), "prompt": "warm up", "max_tokens": 2},
+            timeout=300,
+        )  # first request compiles
         yield srv
     finally:
         srv.stop()
@@ -301,9 +370,14 @@ def hf_check(model_dir: Path) -> Callable[[View, list[list[int]], vllm_env.Outpu
     return vllm_env.hf_checker(model_dir)
 
 
-def test_vllm_sequence_of_versions(engine: VllmEngine, server: vllm_env.Server,
-                                   model_dir: Path, versions: list[View],
-                                   prompt_ids: list[list[int]], hf_check: Callable) -> None:
+def test_vllm_sequence_of_versions(
+    engine: VllmEngine,
+    server: vllm_env.Server,
+    model_dir: Path,
+    versions: list[View],
+    prompt_ids: list[list[int]],
+    hf_check: Callable,
+) -> None:
     """v0 → v5 by encoded patches (official weight-update routes, decoded in the worker), then
     v5 → v0 by inverse decoded patches (collective_rpc): digests, HF agreement, exact reversal."""
     assert engine.transport == "weight-transfer"
@@ -332,9 +406,13 @@ def test_vllm_sequence_of_versions(engine: VllmEngine, server: vllm_env.Server,
     engine.adopt(0, versions[0].digest())
 
 
-def test_vllm_keyframe_load_equals_patched(engine: VllmEngine, server: vllm_env.Server,
-                                           model_dir: Path, versions: list[View],
-                                           prompt_ids: list[list[int]]) -> None:
+def test_vllm_keyframe_load_equals_patched(
+    engine: VllmEngine,
+    server: vllm_env.Server,
+    model_dir: Path,
+    versions: list[View],
+    prompt_ids: list[list[int]],
+) -> None:
     """A keyframe loaded in place serves exactly what the patch chain serves."""
     engine.load(versions[3], 3)
     assert (engine.version, engine.held(fresh=True)[1]) == (3, versions[3].digest())
@@ -347,10 +425,13 @@ def test_vllm_keyframe_load_equals_patched(engine: VllmEngine, server: vllm_env.
     assert engine.digest == versions[0].digest()
 
 
-def test_vllm_refuses_bad_patches_and_keeps_serving(engine: VllmEngine,
-                                                    server: vllm_env.Server, model_dir: Path,
-                                                    versions: list[View],
-                                                    prompt_ids: list[list[int]]) -> None:
+def test_vllm_refuses_bad_patches_and_keeps_serving(
+    engine: VllmEngine,
+    server: vllm_env.Server,
+    model_dir: Path,
+    versions: list[View],
+    prompt_ids: list[list[int]],
+) -> None:
     v1, v2, v3 = versions[1:4]
     engine.load(v1, 1)
     before = server.greedy(model_dir, prompt_ids)
@@ -372,12 +453,36 @@ def test_vllm_refuses_bad_patches_and_keeps_serving(engine: VllmEngine,
     assert tp.new is not None and tp.positions is not None
     wrong = tp.new.copy()
     wrong[0] ^= 0x0100  # written in place, caught by the target digest, undone
-    for bad_tp, err in ((TensorPatch(name, "delta", tp.kind, tp.shape, tp.base_digest,
-                                     tp.target_digest, tp.positions, tp.old, wrong),
-                         TargetMismatchError),
-                        (TensorPatch(name, "delta", tp.kind, tp.shape, tp.base_digest,
-                                     tp.target_digest, tp.positions + (1 << 20), tp.old,
-                                     tp.new), PatchError)):
+    for bad_tp, err in (
+        (
+            TensorPatch(
+                name,
+                "delta",
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                tp.positions,
+                tp.old,
+                wrong,
+            ),
+            TargetMismatchError,
+        ),
+        (
+            TensorPatch(
+                name,
+                "delta",
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                tp.positions + (1 << 20),
+                tp.old,
+                tp.new,
+            ),
+            PatchError,
+        ),
+    ):
         with pytest.raises(err):
             engine.apply(Patch(good.base, good.target, {**good.tensors, name: bad_tp}), 2)
         unchanged()
@@ -393,8 +498,12 @@ def test_vllm_words_are_the_held_tensors(engine: VllmEngine, versions: list[View
     engine.load(versions[4], 4)
     words = engine.words()
     assert "lm_head.weight" in words and "nope" not in words
-    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
-                 "model.embed_tokens.weight", "model.norm.weight"):
+    for name in (
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ):
         assert np.array_equal(words[name].data, versions[4][name].data)
     blob = encode(diff(versions[4], versions[5]), versions[4])
     assert decode(blob, words).equals(decode(blob, versions[4]))

@@ -49,6 +49,7 @@ FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
 
 # -- offline: the follower's encoded path ------------------------------------------------------
 
+
 class SelfStaging(ViewEngine):
     """Stages published steps itself, as VllmEngine's workers do: decodes every shard of every
     step against its own words (step k over an Overlay of steps 1..k-1), composes, proves the
@@ -91,14 +92,16 @@ class SelfStaging(ViewEngine):
 
 
 def _masters(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return {f"layers.{i}.w": (rng.standard_normal((32, 64)) * 0.02).astype(np.float32)
-            for i in range(4)}
+    return {
+        f"layers.{i}.w": (rng.standard_normal((32, 64)) * 0.02).astype(np.float32) for i in range(4)
+    }
 
 
-def _step(masters: Mapping[str, np.ndarray], rng: np.random.Generator
-          ) -> dict[str, np.ndarray]:
-    return {n: m + (0.01 * float(m.std()) * rng.standard_normal(m.shape)).astype(np.float32)
-            for n, m in masters.items()}
+def _step(masters: Mapping[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        n: m + (0.01 * float(m.std()) * rng.standard_normal(m.shape)).astype(np.float32)
+        for n, m in masters.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +109,9 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[View]
     """Versions 0..4 of a small run (one keyframe at 0, step patches) on a file:// board."""
     rng = np.random.default_rng(5)
     board = f"file://{tmp_path_factory.mktemp('encoded') / 'board'}"
-    pub = Publisher(board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()),
-                    asynchronous=False)
+    pub = Publisher(
+        board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
+    )
     masters, views = _masters(rng), []
     for _ in range(5):
         pub.publish(masters)
@@ -117,8 +121,7 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[View]
     return board, views
 
 
-def test_engines_that_stage_get_whole_chains_undecoded(small_run: tuple[str, list[View]]
-                                                       ) -> None:
+def test_engines_that_stage_get_whole_chains_undecoded(small_run: tuple[str, list[View]]) -> None:
     """A catch-up of any length is one stage_encoded call (nothing decoded in the follower,
     no words crossing), then one commit; its result is bit-exact."""
     board, views = small_run
@@ -178,8 +181,7 @@ class GatedStore(Store):
         raise AssertionError("read-only")
 
 
-def test_an_older_engine_is_not_ready_until_caught_up(small_run: tuple[str, list[View]]
-                                                      ) -> None:
+def test_an_older_engine_is_not_ready_until_caught_up(small_run: tuple[str, list[View]]) -> None:
     board, views = small_run
     gated = GatedStore(Board(board).store)
     engine = ViewEngine()
@@ -199,9 +201,9 @@ def test_an_older_engine_is_not_ready_until_caught_up(small_run: tuple[str, list
 
 PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
 MAX_TOKENS = 8
-LONG = 400            # tokens of a generation that spans a commit (max-model-len 512)
-BOOT_LATEST = 5       # published before the joining replica starts (it boots on version 0)
-N_VERSIONS = 20       # views prepared; the tests publish more as they go
+LONG = 400  # tokens of a generation that spans a commit (max-model-len 512)
+BOOT_LATEST = 5  # published before the joining replica starts (it boots on version 0)
+N_VERSIONS = 20  # views prepared; the tests publish more as they go
 
 
 class World:
@@ -211,10 +213,13 @@ class World:
         from rollpatch.engines.reference import make_tiny_model
         from rollpatch.io.safetensors import load_view, save_view
 
-        tiny = make_tiny_model(root / "tiny", hidden_size=256, heads=4, kv_heads=2,
-                               intermediate=512, vocab_size=2048)
-        masters = {n: t.to_array().astype(np.float32)
-                   for n, t in load_view(tiny / "model.safetensors").items()}
+        tiny = make_tiny_model(
+            root / "tiny", hidden_size=256, heads=4, kv_heads=2, intermediate=512, vocab_size=2048
+        )
+        masters = {
+            n: t.to_array().astype(np.float32)
+            for n, t in load_view(tiny / "model.safetensors").items()
+        }
         rng = np.random.default_rng(11)
         self.masters: list[dict[str, np.ndarray]] = []
         for _ in range(N_VERSIONS):
@@ -230,9 +235,9 @@ class World:
                 shutil.copy(p, self.model / p.name)
         save_view(self.views[0], self.model / "model.safetensors")
         self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(self.board, RUN, PublisherConfig(keyframe_every=0,
-                                                                    skip_strides=()),
-                                   asynchronous=False)
+        self.publisher = Publisher(
+            self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
+        )
         self.latest = -1
         self.lock = threading.Lock()
         while self.latest < BOOT_LATEST:
@@ -252,8 +257,7 @@ def vllm_python() -> Path:
         pytest.skip("ROLLPATCH_SKIP_VLLM=1: the live vLLM tests are skipped on request")
     python = vllm_env.vllm_python()
     if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}",
-                    pytrace=False)
+        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
     return python
 
 
@@ -268,15 +272,21 @@ def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
 def server(vllm_python: Path, world: World) -> Iterator[vllm_env.Server]:
     os.environ["ROLLPATCH_FAULT_INJECTION"] = "1"  # rollpatch_flip, for the audit test
     try:
-        srv = vllm_env.start_server(vllm_python, world.model, world.model.parent / "vllm.log",
-                                    extra=["--weight-transfer-config",
-                                           '{"backend": "rollpatch"}'])
+        srv = vllm_env.start_server(
+            vllm_python,
+            world.model,
+            world.model.parent / "vllm.log",
+            extra=["--weight-transfer-config", '{"backend": "rollpatch"}'],
+        )
     finally:
         os.environ.pop("ROLLPATCH_FAULT_INJECTION", None)
     try:
         srv.wait_ready(300)
-        srv.post("/v1/completions", {"model": str(world.model), "prompt": "warm up",
-                                     "max_tokens": 2}, timeout=300)  # first request compiles
+        srv.post(
+            "/v1/completions",
+            {"model": str(world.model), "prompt": "warm up", "max_tokens": 2},
+            timeout=300,
+        )  # first request compiles
         yield srv
     finally:
         srv.stop()
@@ -288,15 +298,21 @@ def _client(url: str) -> Any:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _complete(client: Any, world: World, prompt: int, **rollpatch: Any
-              ) -> tuple[dict[str, Any], dict[str, str]]:
+def _complete(
+    client: Any, world: World, prompt: int, **rollpatch: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
     """One greedy completion; the raw JSON body and the headers."""
     extra: dict[str, Any] = {"ignore_eos": True, "return_tokens_as_token_ids": True}
     if rollpatch:
         extra["rollpatch"] = rollpatch
     raw = client.completions.with_raw_response.create(
-        model=str(world.model), prompt=PROMPTS[prompt], max_tokens=MAX_TOKENS, temperature=0,
-        logprobs=1, extra_body=extra)
+        model=str(world.model),
+        prompt=PROMPTS[prompt],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=1,
+        extra_body=extra,
+    )
     return raw.http_response.json(), {k.lower(): v for k, v in raw.headers.items()}
 
 
@@ -331,8 +347,7 @@ def check_labels(url: str, world: World, labelled: Labelled) -> None:
 
     engine, client = VllmEngine(url), _client(url)
     answers: dict[int, list[dict[str, Any]]] = {}
-    wanted = {w for v in labelled.by_version for w in (v - 1, v, v + 1)
-              if 0 <= w <= world.latest}
+    wanted = {w for v in labelled.by_version for w in (v - 1, v, v + 1) if 0 <= w <= world.latest}
     try:
         for v in sorted(wanted):
             engine.load(world.views[v], v)
@@ -342,8 +357,9 @@ def check_labels(url: str, world: World, labelled: Labelled) -> None:
     for v, seen in labelled.by_version.items():
         for prompt, body in seen:
             assert "rollpatch" in body
-            assert _strip(body, "rollpatch") == answers[v][prompt], \
+            assert _strip(body, "rollpatch") == answers[v][prompt], (
                 f"a response labelled {v} is not what version {v} answers"
+            )
         for w in (v - 1, v + 1):
             if w in answers:
                 assert answers[w] != answers[v], f"versions {v} and {w} answer alike"
@@ -361,8 +377,9 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
     engine, url = make_engine("vllm", engine_url=server.url)
     engine.adopt(0, world.views[0].digest())  # type: ignore[attr-defined]
     assert Board(world.board).latest(RUN).version == BOOT_LATEST  # type: ignore[union-attr]
-    sc = start_sidecar(world.board, RUN, engine, url,
-                       config=SidecarConfig(commit_mode="drain", follower=FAST))
+    sc = start_sidecar(
+        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="drain", follower=FAST)
+    )
     try:
         polls = []
         deadline = time.monotonic() + 120
@@ -371,8 +388,9 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
             polls.append(httpx.get(f"{sc.url}/version").json()["served"])
             assert time.monotonic() < deadline, "the joining replica never became ready"
             time.sleep(0.02)
-        assert None in polls and set(polls) <= {None, BOOT_LATEST}, \
+        assert None in polls and set(polls) <= {None, BOOT_LATEST}, (
             f"ready (or serving) before it had caught up: {polls}"
+        )
         assert r.json()["version"] == BOOT_LATEST
         assert httpx.get(f"{sc.url}/version").json()["served"] == BOOT_LATEST
         plan = sc.sidecar.follower.last_plan
@@ -407,14 +425,26 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
     check_labels(server.url, world, labelled)
 
 
-def _long_stream(url: str, world: World, chunks: list[dict[str, Any]],
-                 first: threading.Event, out: dict[str, Any]) -> None:
+def _long_stream(
+    url: str,
+    world: World,
+    chunks: list[dict[str, Any]],
+    first: threading.Event,
+    out: dict[str, Any],
+) -> None:
     """A streamed greedy generation of ``LONG`` tokens through the sidecar (in a thread)."""
     import httpx
 
-    body = {"model": str(world.model), "prompt": PROMPTS[1], "max_tokens": LONG,
-            "temperature": 0, "logprobs": 1, "ignore_eos": True,
-            "return_tokens_as_token_ids": True, "stream": True}
+    body = {
+        "model": str(world.model),
+        "prompt": PROMPTS[1],
+        "max_tokens": LONG,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+        "stream": True,
+    }
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             out["status"], out["headers"] = r.status_code, dict(r.headers)
@@ -438,8 +468,9 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
     engine, url = make_engine("vllm", engine_url=server.url)
     have = world.latest
     engine.load(world.views[have], have)  # the label checks left the server elsewhere
-    sc = start_sidecar(world.board, RUN, engine, url,
-                       config=SidecarConfig(commit_mode="pause", follower=FAST))
+    sc = start_sidecar(
+        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="pause", follower=FAST)
+    )
     labelled = Labelled()
     try:
         client, follower = _client(sc.url), sc.sidecar.follower
@@ -472,8 +503,10 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
             # the sockets), so the label is checked against the two possible truths, and at
             # least one round must span the commit (below).
             label = chunks[-1]["rollpatch"]
-            assert label in ({"version_start": v - 1, "version_end": v},
-                             {"version_start": v - 1, "version_end": v - 1}), label
+            assert label in (
+                {"version_start": v - 1, "version_end": v},
+                {"version_start": v - 1, "version_end": v - 1},
+            ), label
             spanned += label["version_end"] == v
             labelled.add(0, *_complete(client, world, 0))  # alone again: checked below
             assert labelled.spans[-1] == (v, v)
@@ -509,8 +542,7 @@ def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: Wo
     try:
         v = world.publish()
         assert f.sync() == v and engine.words_calls == 0
-        assert engine.held(fresh=True) == (world.views[v].tensor_digests(),
-                                           world.views[v].digest())
+        assert engine.held(fresh=True) == (world.views[v].tensor_digests(), world.views[v].digest())
         assert server.get("/weight_info") == {"weight_version": str(v)}
         world.publish()
         v = world.publish()
@@ -534,10 +566,20 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
     engine = VllmEngine(server.url)
     engine.load(world.views[world.latest], world.latest)
     period = 0.05
-    cfg = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0,
-                         audit_bytes_per_s=2 * 2**20 / period, audit_period_s=period)
-    sc = start_sidecar(world.board, RUN, engine, server.url,
-                       config=SidecarConfig(commit_mode="pause", follower=cfg))
+    cfg = FollowerConfig(
+        poll_s=0.05,
+        backoff_s=0.01,
+        timeout_s=60.0,
+        audit_bytes_per_s=2 * 2**20 / period,
+        audit_period_s=period,
+    )
+    sc = start_sidecar(
+        world.board,
+        RUN,
+        engine,
+        server.url,
+        config=SidecarConfig(commit_mode="pause", follower=cfg),
+    )
     try:
         deadline = time.monotonic() + 60
         while httpx.get(f"{sc.url}/ready").status_code != 200:
@@ -563,8 +605,10 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
             time.sleep(0.01)
         hashed = auditor.bytes - before
         seen.set()
-        while not (httpx.get(f"{sc.url}/ready").status_code == 200
-                   and sc.sidecar.follower.version == world.latest):
+        while not (
+            httpx.get(f"{sc.url}/ready").status_code == 200
+            and sc.sidecar.follower.version == world.latest
+        ):
             assert time.monotonic() < deadline + 120, "never came back on a verified version"
             time.sleep(0.02)
         model_bytes = world.views[world.latest].nbytes

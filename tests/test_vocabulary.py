@@ -51,11 +51,19 @@ def test_each_op_payload_comes_from_its_accessor_only() -> None:
 
 @pytest.mark.parametrize("served", [None, 0, 3, 5, 9])
 @pytest.mark.parametrize("latest", [None, 5, 9])
-@pytest.mark.parametrize("c", [Constraint(), Constraint(min_version=5),
-                               Constraint(exact_version=5), Constraint(max_lag=1),
-                               Constraint(min_version=7)])
-def test_every_decision_is_a_declared_action(c: Constraint, served: int | None,
-                                             latest: int | None) -> None:
+@pytest.mark.parametrize(
+    "c",
+    [
+        Constraint(),
+        Constraint(min_version=5),
+        Constraint(exact_version=5),
+        Constraint(max_lag=1),
+        Constraint(min_version=7),
+    ],
+)
+def test_every_decision_is_a_declared_action(
+    c: Constraint, served: int | None, latest: int | None
+) -> None:
     d = decide(c, served, latest)
     assert isinstance(d, Decision) and d.action in ACTIONS
     assert typing.get_args(Action) == ACTIONS

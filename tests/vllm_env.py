@@ -34,8 +34,10 @@ from rollpatch.view import Tensor, View
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
-BUILD_HINT = "build it with `scripts/vllm-env` (≈2 min, ≈2.5 GB; cached), or set " \
-             "ROLLPATCH_SKIP_VLLM=1 to skip the vLLM tests"
+BUILD_HINT = (
+    "build it with `scripts/vllm-env` (≈2 min, ≈2.5 GB; cached), or set "
+    "ROLLPATCH_SKIP_VLLM=1 to skip the vLLM tests"
+)
 
 
 def venv_dir() -> Path:
@@ -65,11 +67,17 @@ def free_port() -> int:
 def server_env() -> dict[str, str]:
     """The environment vLLM's CPU build needs (docs/vllm.md)."""
     env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto",
-        "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": str(REPO / "src"), "VLLM_LOGGING_LEVEL": "WARNING",
-    })
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(REPO / "src"),
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+    )
     env.pop("VIRTUAL_ENV", None)
     return env
 
@@ -109,8 +117,11 @@ class Server:
         raise RuntimeError(f"vLLM not healthy after {timeout:.0f} s:\n{self.tail()}")
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
@@ -122,12 +133,25 @@ class Server:
         """Greedy tokens and their logprobs for each prompt (token ids in, ids out)."""
         out = []
         for ids in prompt_ids:
-            r = self.post("/v1/completions", {
-                "model": str(model), "prompt": ids, "max_tokens": n, "temperature": 0,
-                "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True})
+            r = self.post(
+                "/v1/completions",
+                {
+                    "model": str(model),
+                    "prompt": ids,
+                    "max_tokens": n,
+                    "temperature": 0,
+                    "logprobs": 1,
+                    "return_tokens_as_token_ids": True,
+                    "ignore_eos": True,
+                },
+            )
             lp = r["choices"][0]["logprobs"]
-            out.append(([int(t.split(":")[1]) for t in lp["tokens"]],
-                        [float(x) for x in lp["token_logprobs"]]))
+            out.append(
+                (
+                    [int(t.split(":")[1]) for t in lp["tokens"]],
+                    [float(x) for x in lp["token_logprobs"]],
+                )
+            )
         return out
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -143,18 +167,47 @@ class Server:
             self.proc.wait(10)
 
 
-def start_server(python: Path, model_dir: Path, log: Path, *, extra: list[str] | None = None,
-                 port: int | None = None) -> Server:
+def start_server(
+    python: Path,
+    model_dir: Path,
+    log: Path,
+    *,
+    extra: list[str] | None = None,
+    port: int | None = None,
+) -> Server:
     """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the extension."""
     port = port or free_port()
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-           "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-           "--worker-extension-cls", "rollpatch.engines.vllm.WorkerExtension",
-           *(extra or [])]
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--worker-extension-cls",
+        "rollpatch.engines.vllm.WorkerExtension",
+        *(extra or []),
+    ]
     out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
-    proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=log.parent)
+    proc = subprocess.Popen(
+        cmd,
+        env=server_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=log.parent,
+    )
     out.close()
     return Server(proc, f"http://127.0.0.1:{port}", log)
 
@@ -169,8 +222,13 @@ class FakeVllm:
         self.result: dict[str, Any] = {}
         self.timeout = 30.0
 
-    def script(self, ok: bool, digests: dict[str, str] | None = None, root: str | None = None,
-               error: dict[str, Any] | None = None) -> None:
+    def script(
+        self,
+        ok: bool,
+        digests: dict[str, str] | None = None,
+        root: str | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
         """The next commit's worker result; the engine then holds ``root`` (if given)."""
         self.result = {"ok": ok, "digests": digests, "root": root, "error": error}
         self.next_root = root
@@ -206,19 +264,22 @@ def hf_checker(model_dir: Path) -> Callable[[View, list[list[int]], Outputs], in
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
     def check(view: View, prompt_ids: list[list[int]], outs: Outputs) -> int:
-        sd = {n: torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16)
-              .reshape(t.shape) for n, t in view.items()}
+        sd = {
+            n: torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
+            for n, t in view.items()
+        }
         model.load_state_dict(sd, strict=True)
         exact = 0
         for ids, (toks, lps) in zip(prompt_ids, outs):
             with torch.no_grad():
                 logits = model(torch.tensor([ids + toks])).logits[0].float()
-            logp = torch.log_softmax(logits[len(ids) - 1:-1], -1)
+            logp = torch.log_softmax(logits[len(ids) - 1 : -1], -1)
             hf = logp[torch.arange(len(toks)), torch.tensor(toks)]
             assert np.allclose(hf.numpy(), lps, atol=0.03), (hf, lps)
             assert bool((hf >= logp.max(-1).values - 0.03).all())
             exact += int((logp.argmax(-1) == torch.tensor(toks)).sum())
         return exact
+
     return check
 
 
@@ -232,34 +293,56 @@ def layer_specs(tp: int, kv_heads: int = 2) -> list[ParamSpec]:
     rep = max(1, tp // kv_heads)
     padded = -(-VOCAB // 64) * 64
     return [
-        ParamSpec("qkv_proj.weight", "column", (
-            Shard("q_proj.weight", (HEADS * HD, HID), heads * HD),
-            Shard("k_proj.weight", (kv_heads * HD, HID), kv * HD, rep),
-            Shard("v_proj.weight", (kv_heads * HD, HID), kv * HD, rep))),
-        ParamSpec("qkv_proj.bias", "column", (
-            Shard("q_proj.bias", (HEADS * HD,), heads * HD),
-            Shard("k_proj.bias", (kv_heads * HD,), kv * HD, rep),
-            Shard("v_proj.bias", (kv_heads * HD,), kv * HD, rep))),
+        ParamSpec(
+            "qkv_proj.weight",
+            "column",
+            (
+                Shard("q_proj.weight", (HEADS * HD, HID), heads * HD),
+                Shard("k_proj.weight", (kv_heads * HD, HID), kv * HD, rep),
+                Shard("v_proj.weight", (kv_heads * HD, HID), kv * HD, rep),
+            ),
+        ),
+        ParamSpec(
+            "qkv_proj.bias",
+            "column",
+            (
+                Shard("q_proj.bias", (HEADS * HD,), heads * HD),
+                Shard("k_proj.bias", (kv_heads * HD,), kv * HD, rep),
+                Shard("v_proj.bias", (kv_heads * HD,), kv * HD, rep),
+            ),
+        ),
         ParamSpec("o_proj.weight", "row", (Shard("o_proj.weight", (HID, HEADS * HD)),)),
-        ParamSpec("gate_up_proj.weight", "column", (Shard("gate_proj.weight", (FF, HID)),
-                                                    Shard("up_proj.weight", (FF, HID)))),
+        ParamSpec(
+            "gate_up_proj.weight",
+            "column",
+            (Shard("gate_proj.weight", (FF, HID)), Shard("up_proj.weight", (FF, HID))),
+        ),
         ParamSpec("down_proj.weight", "row", (Shard("down_proj.weight", (HID, FF)),)),
-        ParamSpec("embed_tokens.weight", "vocab", (Shard("embed_tokens.weight", (VOCAB, HID)),),
-                  padded=padded),
-        ParamSpec("lm_head.weight", "vocab", (Shard("lm_head.weight", (VOCAB, HID)),),
-                  padded=padded),
+        ParamSpec(
+            "embed_tokens.weight",
+            "vocab",
+            (Shard("embed_tokens.weight", (VOCAB, HID)),),
+            padded=padded,
+        ),
+        ParamSpec(
+            "lm_head.weight", "vocab", (Shard("lm_head.weight", (VOCAB, HID)),), padded=padded
+        ),
         ParamSpec("norm.weight", "replicated", (Shard("norm.weight", (HID,)),)),
     ]
 
 
 def checkpoint(seed: int = 0, kv_heads: int = 2) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {sh.name: rng.integers(0, 1 << 16, sh.shape, dtype=np.uint16)
-            for spec in layer_specs(1, kv_heads) for sh in spec.shards}
+    return {
+        sh.name: rng.integers(0, 1 << 16, sh.shape, dtype=np.uint16)
+        for spec in layer_specs(1, kv_heads)
+        for sh in spec.shards
+    }
 
 
-def vllm_load(ck: dict[str, np.ndarray], tp: int, rank: int, kv_heads: int = 2
-              ) -> dict[str, np.ndarray]:
+def vllm_load(
+    ck: dict[str, np.ndarray], tp: int, rank: int, kv_heads: int = 2
+) -> dict[str, np.ndarray]:
     """What vLLM's weight loaders put in each parameter of ``rank`` — written independently of
     the layout module, after QKVParallelLinear / MergedColumnParallelLinear /
     RowParallelLinear / VocabParallelEmbedding.weight_loader."""
@@ -268,25 +351,34 @@ def vllm_load(ck: dict[str, np.ndarray], tp: int, rank: int, kv_heads: int = 2
     q0, k0 = rank * heads * HD, kv_rank * kv * HD
 
     def qkv(s: str) -> np.ndarray:
-        return np.concatenate([ck[f"q_proj.{s}"][q0:q0 + heads * HD],
-                               ck[f"k_proj.{s}"][k0:k0 + kv * HD],
-                               ck[f"v_proj.{s}"][k0:k0 + kv * HD]])
+        return np.concatenate(
+            [
+                ck[f"q_proj.{s}"][q0 : q0 + heads * HD],
+                ck[f"k_proj.{s}"][k0 : k0 + kv * HD],
+                ck[f"v_proj.{s}"][k0 : k0 + kv * HD],
+            ]
+        )
+
     f0, c0, o0 = rank * FF // tp, rank * FF // tp, rank * HEADS * HD // tp
     per = -(-VOCAB // 64) * 64 // tp
 
     def vocab(name: str) -> np.ndarray:
         out = np.zeros((per, HID), np.uint16)
         lo, hi = min(rank * per, VOCAB), min((rank + 1) * per, VOCAB)
-        out[:hi - lo] = ck[name][lo:hi]
+        out[: hi - lo] = ck[name][lo:hi]
         return out
+
     return {
-        "qkv_proj.weight": qkv("weight"), "qkv_proj.bias": qkv("bias"),
-        "o_proj.weight": ck["o_proj.weight"][:, o0:o0 + HEADS * HD // tp],
-        "gate_up_proj.weight": np.concatenate([ck["gate_proj.weight"][f0:f0 + FF // tp],
-                                               ck["up_proj.weight"][f0:f0 + FF // tp]]),
-        "down_proj.weight": ck["down_proj.weight"][:, c0:c0 + FF // tp],
+        "qkv_proj.weight": qkv("weight"),
+        "qkv_proj.bias": qkv("bias"),
+        "o_proj.weight": ck["o_proj.weight"][:, o0 : o0 + HEADS * HD // tp],
+        "gate_up_proj.weight": np.concatenate(
+            [ck["gate_proj.weight"][f0 : f0 + FF // tp], ck["up_proj.weight"][f0 : f0 + FF // tp]]
+        ),
+        "down_proj.weight": ck["down_proj.weight"][:, c0 : c0 + FF // tp],
         "embed_tokens.weight": vocab("embed_tokens.weight"),
-        "lm_head.weight": vocab("lm_head.weight"), "norm.weight": ck["norm.weight"],
+        "lm_head.weight": vocab("lm_head.weight"),
+        "norm.weight": ck["norm.weight"],
     }
 
 
@@ -308,8 +400,10 @@ class SimulatedRanks:
         self.barrier = threading.Barrier(tp)
         self.repacked: list[set[str]] = []
         kinds = {s.param: get_kind("bf16") for s in layer_specs(tp)}
-        self.weights = [RuntimeWeights(layer_specs(tp), kinds, self._access(r), rank=r, tp=tp)
-                        for r in range(tp)]
+        self.weights = [
+            RuntimeWeights(layer_specs(tp), kinds, self._access(r), rank=r, tp=tp)
+            for r in range(tp)
+        ]
 
     def _access(self, r: int) -> Access:
         ps = self.params[r]
@@ -330,8 +424,14 @@ class SimulatedRanks:
             self.barrier.wait()
             return out
 
-        return Access(lambda p: ps[p], write, block, self.repacked.append,
-                      gather if self.tp > 1 else None, aliases=True)
+        return Access(
+            lambda p: ps[p],
+            write,
+            block,
+            self.repacked.append,
+            gather if self.tp > 1 else None,
+            aliases=True,
+        )
 
     def run(self, fn: Callable[[RuntimeWeights], object]) -> list[object]:
         out: list[object] = [None] * self.tp
@@ -341,6 +441,7 @@ class SimulatedRanks:
                 out[r] = fn(self.weights[r])
             except Exception as e:  # noqa: BLE001 - compared by the test
                 out[r] = e
+
         threads = [threading.Thread(target=one, args=(r,)) for r in range(self.tp)]
         for t in threads:
             t.start()
@@ -350,8 +451,7 @@ class SimulatedRanks:
 
 
 def words_view(ck: dict[str, np.ndarray]) -> View:
-    return View({n: Tensor(get_kind("bf16"), a.shape, a.reshape(-1).copy())
-                 for n, a in ck.items()})
+    return View({n: Tensor(get_kind("bf16"), a.shape, a.reshape(-1).copy()) for n, a in ck.items()})
 
 
 def random_step(ck: dict[str, np.ndarray], seed: int, share: float = 0.05) -> dict[str, np.ndarray]:

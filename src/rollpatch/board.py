@@ -62,8 +62,15 @@ from .trust import (
 from .types import MAX_VERSION, ObjectRef, Pointer, pointer_may_advance
 from .view import View
 
-__all__ = ["MAX_POINTER_BYTES", "Board", "Plan", "PlanStep", "pointer_key", "root_key",
-           "version_key"]
+__all__ = [
+    "MAX_POINTER_BYTES",
+    "Board",
+    "Plan",
+    "PlanStep",
+    "pointer_key",
+    "root_key",
+    "version_key",
+]
 
 _CAS_RETRIES = 64
 log = logging.getLogger("rollpatch.board")
@@ -79,13 +86,25 @@ class Board:
     up to the wanted version, so no pointer value can make it walk version numbers.
     """
 
-    def __init__(self, store: Store | str, *, cache_manifests: int = 4096,
-                 max_plan_versions: int = MAX_PLAN_VERSIONS, trust: Trust | None = None,
-                 signer: Signer | None = None) -> None:
-        if isinstance(max_plan_versions, bool) or not isinstance(max_plan_versions, int) \
-                or max_plan_versions < 2:
-            raise ConfigError("max_plan_versions must be an integer >= 2",
-                              field="max_plan_versions", value=max_plan_versions)
+    def __init__(
+        self,
+        store: Store | str,
+        *,
+        cache_manifests: int = 4096,
+        max_plan_versions: int = MAX_PLAN_VERSIONS,
+        trust: Trust | None = None,
+        signer: Signer | None = None,
+    ) -> None:
+        if (
+            isinstance(max_plan_versions, bool)
+            or not isinstance(max_plan_versions, int)
+            or max_plan_versions < 2
+        ):
+            raise ConfigError(
+                "max_plan_versions must be an integer >= 2",
+                field="max_plan_versions",
+                value=max_plan_versions,
+            )
         self.store = open_store(store) if isinstance(store, str) else store
         self._cache: OrderedDict[tuple[str, int], Manifest] = OrderedDict()
         self._cache_size = cache_manifests
@@ -120,12 +139,16 @@ class Board:
         raw = self._pointer_raw(run)
         return None if raw is None else self._open_pointer(raw, run, self.trust)[0]
 
-    def _open_pointer(self, raw: bytes, run: str, trust: Trust | None
-                      ) -> tuple[Pointer, float | None]:
+    def _open_pointer(
+        self, raw: bytes, run: str, trust: Trust | None
+    ) -> tuple[Pointer, float | None]:
         p, expires = read_latest(raw, run, trust, self.refresh_root)
         if p.manifest != version_key(run, p.version):
-            raise ManifestError("LATEST pointer is malformed: manifest is not the version's key",
-                                run=run, version=p.version)
+            raise ManifestError(
+                "LATEST pointer is malformed: manifest is not the version's key",
+                run=run,
+                version=p.version,
+            )
         return p, expires
 
     # -- the root of trust --------------------------------------------------------------------
@@ -151,8 +174,11 @@ class Board:
             self.store.put(root_key(root.version), raw)
         except AlreadyExistsError:
             if self.store.get(root_key(root.version)) != raw:
-                raise AlreadyExistsError("another root has this version", version=root.version,
-                                         hint="roots are immutable; make the next version")
+                raise AlreadyExistsError(
+                    "another root has this version",
+                    version=root.version,
+                    hint="roots are immutable; make the next version",
+                )
         return root
 
     def refresh_root(self) -> Root | None:
@@ -169,8 +195,7 @@ class Board:
         try:
             raw = self.store.get(version_key(run, n))
         except NotFoundError:
-            raise VersionNotFoundError("no such version on the board", run=run,
-                                       version=n) from None
+            raise VersionNotFoundError("no such version on the board", run=run, version=n) from None
         m = open_manifest(raw, run, n, self.trust, self.refresh_root)
         with self._lock:
             self._cache[(run, n)] = m
@@ -183,19 +208,29 @@ class Board:
         try:
             raw = self.store.get(version_key(run, n))
         except NotFoundError:
-            raise VersionNotFoundError("no such version on the board", run=run,
-                                       version=n) from None
+            raise VersionNotFoundError("no such version on the board", run=run, version=n) from None
         return raw[:1] == b"{" and looks_like_envelope(
-            jsonsafe.loads(raw, what="manifest", error=ManifestError, run=run, version=n,
-                           max_bytes=MAX_ENVELOPE_BYTES, max_depth=MAX_MANIFEST_DEPTH))
+            jsonsafe.loads(
+                raw,
+                what="manifest",
+                error=ManifestError,
+                run=run,
+                version=n,
+                max_bytes=MAX_ENVELOPE_BYTES,
+                max_depth=MAX_MANIFEST_DEPTH,
+            )
+        )
 
     def fetch(self, ref: ObjectRef) -> bytes:
         """Get an object and verify its size and BLAKE3 hash (ObjectIntegrityError if corrupt)."""
         data = self.store.get(ref.key)
         if len(data) != ref.size or blake3.blake3(data).hexdigest() != ref.b3:
-            raise ObjectIntegrityError("object does not match its manifest entry (corrupt or "
-                                       "truncated)", key=ref.key, expected_bytes=ref.size,
-                                got_bytes=len(data))
+            raise ObjectIntegrityError(
+                "object does not match its manifest entry (corrupt or truncated)",
+                key=ref.key,
+                expected_bytes=ref.size,
+                got_bytes=len(data),
+            )
         return data
 
     def fetch_view(self, ref: ObjectRef, *, chunk_bytes: int | None = None) -> View:
@@ -208,20 +243,32 @@ class Board:
         if info is None:
             raise NotFoundError("object not found", key=ref.key, store=self.store.uri)
         if info.size != ref.size:
-            raise ObjectIntegrityError("object does not match its manifest entry (corrupt or "
-                                       "truncated)", key=ref.key, expected_bytes=ref.size,
-                                got_bytes=info.size)
+            raise ObjectIntegrityError(
+                "object does not match its manifest entry (corrupt or truncated)",
+                key=ref.key,
+                expected_bytes=ref.size,
+                got_bytes=info.size,
+            )
         h = blake3.blake3()
         try:
-            view = read_view_ranges(lambda a, b: self.store.get_range(ref.key, a, b), ref.size,
-                                    on_bytes=h.update,
-                                    chunk_bytes=chunk_bytes or STREAM_CHUNK_BYTES)
+            view = read_view_ranges(
+                lambda a, b: self.store.get_range(ref.key, a, b),
+                ref.size,
+                on_bytes=h.update,
+                chunk_bytes=chunk_bytes or STREAM_CHUNK_BYTES,
+            )
         except ViewError as e:
-            raise ObjectIntegrityError(f"object is not a valid keyframe: {e.message}", key=ref.key,
-                                hint="the stored copy is corrupt: republish it") from e
+            raise ObjectIntegrityError(
+                f"object is not a valid keyframe: {e.message}",
+                key=ref.key,
+                hint="the stored copy is corrupt: republish it",
+            ) from e
         if h.hexdigest() != ref.b3:
-            raise ObjectIntegrityError("object does not match its manifest entry (corrupt or "
-                                       "truncated)", key=ref.key, expected_bytes=ref.size)
+            raise ObjectIntegrityError(
+                "object does not match its manifest entry (corrupt or truncated)",
+                key=ref.key,
+                expected_bytes=ref.size,
+            )
         return view
 
     # -- writing (publisher side) ------------------------------------------------------------
@@ -267,24 +314,36 @@ class Board:
         for ref in m.objects():
             info = self.store.head(ref.key)
             if info is None or info.size != ref.size:
-                raise ManifestError("manifest names an object that is not durable",
-                                    key=ref.key, hint="upload objects before the manifest")
+                raise ManifestError(
+                    "manifest names an object that is not durable",
+                    key=ref.key,
+                    hint="upload objects before the manifest",
+                )
         raw = m.stored_bytes(self.signer)
         try:
             self.store.put(version_key(m.run, m.version), raw)
         except AlreadyExistsError:
             there = self.store.get(version_key(m.run, m.version))
-            if there != raw and self.signer is not None \
-                    and not self.signer.signed(there, MANIFEST_TYPE):
-                log.warning("%s@%d: replacing a manifest none of the publisher's keys signed",
-                            m.run, m.version)
+            if (
+                there != raw
+                and self.signer is not None
+                and not self.signer.signed(there, MANIFEST_TYPE)
+            ):
+                log.warning(
+                    "%s@%d: replacing a manifest none of the publisher's keys signed",
+                    m.run,
+                    m.version,
+                )
                 self.store.put(version_key(m.run, m.version), raw, if_absent=False)
                 with self._lock:
                     self._cache.pop((m.run, m.version), None)
             elif there != raw and _payload(there, m) != m.to_bytes():
-                raise AlreadyExistsError("version already published with other content",
-                                         run=m.run, version=m.version,
-                                         hint="versions are immutable; publish a new one")
+                raise AlreadyExistsError(
+                    "version already published with other content",
+                    run=m.run,
+                    version=m.version,
+                    hint="versions are immutable; publish a new one",
+                )
         if m.is_keyframe:
             try:
                 self.store.put(keyframe_marker_key(m.run, m.version), b"")
@@ -338,8 +397,9 @@ class Board:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def plan(self, run: str, have: int | None, want: int, *,
-             avoid: frozenset[str] = frozenset()) -> Plan:
+    def plan(
+        self, run: str, have: int | None, want: int, *, avoid: frozenset[str] = frozenset()
+    ) -> Plan:
         """Fewest bytes from ``have`` (None: nothing loaded) to ``want``.
 
         Reads only manifests that exist (listed), from the newest keyframe at or below
@@ -348,8 +408,9 @@ class Board:
         (objects that failed verification).
         """
         for name, v in (("have", have), ("want", want)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                                  or not 0 <= v <= MAX_VERSION):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION
+            ):
                 raise ConfigError(f"{name} must be a version number", run=run, value=v)
         if have is not None and have > want:
             raise NoPathError("patches only move forward", run=run, have=have, want=want)
@@ -362,11 +423,11 @@ class Board:
         if not kfs and have is None:
             raise NoPathError("no keyframe to boot from", run=run, want=want)
         # from the newest keyframe; with objects to avoid, older keyframes too if needed
-        tries: list[int | None] = list(kfs[::-1][:4 if avoid else 1]) or [None]
+        tries: list[int | None] = list(kfs[::-1][: 4 if avoid else 1]) or [None]
         manifests: dict[int, Manifest] = {}
         for i, kf in enumerate(tries):
             lo = min(x for x in (kf, have) if x is not None)
-            window = [v for v in listed if v >= lo][-self.max_plan_versions:]
+            window = [v for v in listed if v >= lo][-self.max_plan_versions :]
             for v in window:
                 if v in manifests:
                     continue
@@ -375,8 +436,7 @@ class Board:
                 except VersionNotFoundError:  # listed, then deleted (retention): without it
                     continue
             if want not in manifests:
-                raise VersionNotFoundError("no such version on the board", run=run,
-                                           version=want)
+                raise VersionNotFoundError("no such version on the board", run=run, version=want)
             try:
                 return cheapest_plan(run, have, want, manifests, avoid=avoid)
             except NoPathError:

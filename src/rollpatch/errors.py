@@ -168,8 +168,9 @@ class TrustError(ManifestError):
     verified) or ``malformed`` (not a valid envelope).
     """
 
-    def __init__(self, message: str, *, reason: str, hint: str | None = None,
-                 **context: Any) -> None:
+    def __init__(
+        self, message: str, *, reason: str, hint: str | None = None, **context: Any
+    ) -> None:
         self.reason = reason
         super().__init__(message, hint=hint, reason=reason, **context)
 

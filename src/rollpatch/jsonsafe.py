@@ -23,8 +23,14 @@ import numpy as np
 
 from .errors import ConfigError, RollpatchError
 
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "MAX_INT_DIGITS", "JsonLimitError",
-           "loads", "nesting_depth"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_DEPTH",
+    "MAX_INT_DIGITS",
+    "JsonLimitError",
+    "loads",
+    "nesting_depth",
+]
 
 #: Default cap on a document's size in bytes.
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -91,8 +97,9 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _parse(raw: bytes | bytearray | memoryview | str, max_bytes: int, max_depth: int) -> Any:
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
     if len(data) > max_bytes:
-        raise JsonLimitError(f"{len(data):,} bytes is over the limit of {max_bytes:,}",
-                             too_large=True)
+        raise JsonLimitError(
+            f"{len(data):,} bytes is over the limit of {max_bytes:,}", too_large=True
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -101,11 +108,17 @@ def _parse(raw: bytes | bytearray | memoryview | str, max_bytes: int, max_depth:
     if depth > max_depth:
         raise JsonLimitError(f"nested {depth} deep, over the limit of {max_depth}")
     try:
-        doc = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int,
-                         object_pairs_hook=_object)
+        doc = json.loads(
+            text,
+            parse_constant=_constant,
+            parse_float=_float,
+            parse_int=_int,
+            object_pairs_hook=_object,
+        )
     except json.JSONDecodeError as e:
-        raise JsonLimitError(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-                             ) from None
+        raise JsonLimitError(
+            f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
     except (ValueError, RecursionError) as e:  # RecursionError: depth check is the guard
         raise JsonLimitError(f"not valid JSON: {e}") from None
     if _SURROGATE_ESCAPE.search(data):  # rare: only then re-encode to find lone surrogates
@@ -116,9 +129,15 @@ def _parse(raw: bytes | bytearray | memoryview | str, max_bytes: int, max_depth:
     return doc
 
 
-def loads(raw: bytes | bytearray | memoryview | str, *, what: str = "JSON document",
-          error: type[RollpatchError] = ConfigError, max_bytes: int = DEFAULT_MAX_BYTES,
-          max_depth: int = DEFAULT_MAX_DEPTH, **context: Any) -> Any:
+def loads(
+    raw: bytes | bytearray | memoryview | str,
+    *,
+    what: str = "JSON document",
+    error: type[RollpatchError] = ConfigError,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    **context: Any,
+) -> Any:
     """Parse untrusted JSON strictly and within bounds, or raise ``error`` (with ``context``).
 
     The raised error's context has ``limit="size"`` when the document is too large (so an

@@ -20,23 +20,47 @@ import numpy as np
 
 from .errors import ViewError
 
-__all__ = ["DTYPE_BYTES", "KINDS", "MIN_CONTEXT_ELEMENTS", "Kind", "get_kind", "kind_for_dtype",
-           "single_context"]
+__all__ = [
+    "DTYPE_BYTES",
+    "KINDS",
+    "MIN_CONTEXT_ELEMENTS",
+    "Kind",
+    "get_kind",
+    "kind_for_dtype",
+    "single_context",
+]
 
 #: Storage bytes per safetensors dtype code (F4 and the F6 codes are sub-byte and not used as
 #: storage dtypes by rollpatch: packed 4-bit tensors are stored as U8, as engines do).
 DTYPE_BYTES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 #: Tensors smaller than this use a single coding context (docs/patch-format.md §4): context
 #: headers would cost more than they save.
 MIN_CONTEXT_ELEMENTS = 65536
 
-_WORD_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD_DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<u1"),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
 
 
 @dataclass(frozen=True)
@@ -75,40 +99,68 @@ class Kind:
         return nbytes * 2 if self.packed else nbytes // DTYPE_BYTES[self.dtype]
 
 
-def _k(name: str, dtype: str, order: str, ctx_shift: int = 0, ctx_bits: int = 0,
-       bits: int | None = None) -> Kind:
-    return Kind(name, dtype, bits if bits is not None else DTYPE_BYTES[dtype] * 8, order,
-                ctx_shift, ctx_bits)
+def _k(
+    name: str,
+    dtype: str,
+    order: str,
+    ctx_shift: int = 0,
+    ctx_bits: int = 0,
+    bits: int | None = None,
+) -> Kind:
+    return Kind(
+        name,
+        dtype,
+        bits if bits is not None else DTYPE_BYTES[dtype] * 8,
+        order,
+        ctx_shift,
+        ctx_bits,
+    )
 
 
 #: Every kind rollpatch knows, by stable name (names are written into patches and views).
-KINDS: dict[str, Kind] = {k.name: k for k in [
-    _k("bf16", "BF16", "signmag", 7, 8),
-    _k("f16", "F16", "signmag", 10, 5),
-    _k("f32", "F32", "signmag", 23, 8),
-    _k("f64", "F64", "signmag", 55, 8),
-    _k("e4m3", "F8_E4M3", "signmag", 3, 4),
-    _k("e5m2", "F8_E5M2", "signmag", 2, 5),
-    _k("e8m0", "F8_E8M0", "unsigned"),
-    _k("e4m3_u8", "U8", "signmag", 3, 4),   # E4M3 bits stored under a U8 dtype
-    _k("e8m0_u8", "U8", "unsigned"),          # E8M0 exponents stored as U8 (MXFP4 scales)
-    _k("e2m1x2", "U8", "signmag", 0, 3, bits=4),  # two E2M1 codes per byte, low nibble first
-    _k("int4x2", "U8", "twos", 0, 3, bits=4),     # two int4 codes per byte, low nibble first
-    _k("u8", "U8", "unsigned"),
-    _k("i8", "I8", "twos"),
-    _k("bool", "BOOL", "unsigned"),
-    _k("u16", "U16", "unsigned"),
-    _k("i16", "I16", "twos"),
-    _k("u32", "U32", "unsigned"),
-    _k("i32", "I32", "twos"),
-    _k("u64", "U64", "unsigned"),
-    _k("i64", "I64", "twos"),
-]}
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in [
+        _k("bf16", "BF16", "signmag", 7, 8),
+        _k("f16", "F16", "signmag", 10, 5),
+        _k("f32", "F32", "signmag", 23, 8),
+        _k("f64", "F64", "signmag", 55, 8),
+        _k("e4m3", "F8_E4M3", "signmag", 3, 4),
+        _k("e5m2", "F8_E5M2", "signmag", 2, 5),
+        _k("e8m0", "F8_E8M0", "unsigned"),
+        _k("e4m3_u8", "U8", "signmag", 3, 4),  # E4M3 bits stored under a U8 dtype
+        _k("e8m0_u8", "U8", "unsigned"),  # E8M0 exponents stored as U8 (MXFP4 scales)
+        _k("e2m1x2", "U8", "signmag", 0, 3, bits=4),  # two E2M1 codes per byte, low nibble first
+        _k("int4x2", "U8", "twos", 0, 3, bits=4),  # two int4 codes per byte, low nibble first
+        _k("u8", "U8", "unsigned"),
+        _k("i8", "I8", "twos"),
+        _k("bool", "BOOL", "unsigned"),
+        _k("u16", "U16", "unsigned"),
+        _k("i16", "I16", "twos"),
+        _k("u32", "U32", "unsigned"),
+        _k("i32", "I32", "twos"),
+        _k("u64", "U64", "unsigned"),
+        _k("i64", "I64", "twos"),
+    ]
+}
 
 _DEFAULT_FOR_DTYPE = {
-    "BF16": "bf16", "F16": "f16", "F32": "f32", "F64": "f64", "F8_E4M3": "e4m3",
-    "F8_E5M2": "e5m2", "F8_E8M0": "e8m0", "U8": "u8", "I8": "i8", "BOOL": "bool",
-    "U16": "u16", "I16": "i16", "U32": "u32", "I32": "i32", "U64": "u64", "I64": "i64",
+    "BF16": "bf16",
+    "F16": "f16",
+    "F32": "f32",
+    "F64": "f64",
+    "F8_E4M3": "e4m3",
+    "F8_E5M2": "e5m2",
+    "F8_E8M0": "e8m0",
+    "U8": "u8",
+    "I8": "i8",
+    "BOOL": "bool",
+    "U16": "u16",
+    "I16": "i16",
+    "U32": "u32",
+    "I32": "i32",
+    "U64": "u64",
+    "I64": "i64",
 }
 
 
@@ -116,8 +168,10 @@ def kind_for_dtype(dtype: str) -> Kind:
     """The default kind of a safetensors dtype (used when a file names no kind)."""
     name = _DEFAULT_FOR_DTYPE.get(dtype)
     if name is None:
-        raise ViewError(f"unsupported safetensors dtype {dtype!r}",
-                        hint="rollpatch stores 4-bit tensors packed as U8")
+        raise ViewError(
+            f"unsupported safetensors dtype {dtype!r}",
+            hint="rollpatch stores 4-bit tensors packed as U8",
+        )
     return KINDS[name]
 
 
@@ -131,5 +185,6 @@ def get_kind(name: str) -> Kind:
     try:
         return KINDS[name]
     except KeyError:
-        raise ViewError(f"unknown element kind {name!r}",
-                        hint=f"known kinds: {', '.join(sorted(KINDS))}") from None
+        raise ViewError(
+            f"unknown element kind {name!r}", hint=f"known kinds: {', '.join(sorted(KINDS))}"
+        ) from None

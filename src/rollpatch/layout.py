@@ -21,10 +21,26 @@ import re
 
 from .types import check_run
 
-__all__ = ["ROOT_PREFIX", "RUNS_PREFIX", "is_keyframe_marker", "keyframe_marker_key",
-           "keyframes_prefix", "manifest_version", "numbered", "object_hash", "object_key",
-           "objects_prefix", "pointer_key", "pointer_run", "root_key", "root_version",
-           "run_prefix", "runs_with_pointer", "version_key", "versions_prefix"]
+__all__ = [
+    "ROOT_PREFIX",
+    "RUNS_PREFIX",
+    "is_keyframe_marker",
+    "keyframe_marker_key",
+    "keyframes_prefix",
+    "manifest_version",
+    "numbered",
+    "object_hash",
+    "object_key",
+    "objects_prefix",
+    "pointer_key",
+    "pointer_run",
+    "root_key",
+    "root_version",
+    "run_prefix",
+    "runs_with_pointer",
+    "version_key",
+    "versions_prefix",
+]
 
 RUNS_PREFIX = "runs/"
 ROOT_PREFIX = "root/"
@@ -39,6 +55,7 @@ _VERSION_STEM = re.compile(r"[0-9]{1,16}")
 
 
 # -- builders ----------------------------------------------------------------------------------
+
 
 def run_prefix(run: str) -> str:
     """``runs/{run}/``: everything of one run (the run name is checked)."""
@@ -87,6 +104,7 @@ def root_key(n: int) -> str:
 
 # -- parsers -----------------------------------------------------------------------------------
 
+
 def object_hash(key: str) -> str | None:
     """The BLAKE3 hex named by a content-addressed object key, else ``None``."""
     match = _OBJECT.fullmatch(key)
@@ -125,11 +143,11 @@ def numbered(keys: list[str], prefix: str, suffix: str) -> list[int]:
     """The version numbers in ``prefix{n}{suffix}`` keys, ascending (others are ignored)."""
     out = []
     for k in keys:
-        stem = k[len(prefix):]
+        stem = k[len(prefix) :]
         if suffix:
             if not stem.endswith(suffix):
                 continue
-            stem = stem[:-len(suffix)]
+            stem = stem[: -len(suffix)]
         if _VERSION_STEM.fullmatch(stem):
             out.append(int(stem))
     return sorted(out)

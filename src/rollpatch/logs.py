@@ -59,8 +59,10 @@ class _Formatter(logging.Formatter):
                 fields["traceback"] = self.formatException(record.exc_info)
         level = record.levelname.lower()
         if self.fmt == "json":
-            return json.dumps({"ts": ts, "level": level, "logger": record.name, "event": name,
-                               **fields}, default=str)
+            return json.dumps(
+                {"ts": ts, "level": level, "logger": record.name, "event": name, **fields},
+                default=str,
+            )
         text = " ".join(f"{k}={_text(v)}" for k, v in fields.items())
         return f"{ts} {level.upper()} {record.name} {name}" + (f" {text}" if text else "")
 
@@ -84,8 +86,9 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def configure(level: str = "info", fmt: LogFormat = "text",
-              stream: IO[str] | None = None) -> logging.Logger:
+def configure(
+    level: str = "info", fmt: LogFormat = "text", stream: IO[str] | None = None
+) -> logging.Logger:
     """Send the ``rollpatch`` loggers to ``stream`` (stderr) at ``level`` in ``fmt``.
 
     Idempotent: calling it again replaces the handler it installed before.
@@ -112,7 +115,15 @@ def add_log_args(p: argparse.ArgumentParser, *, default_level: str | None = "inf
     ``--log-format`` (text or json), for every service."""
     g = p.add_argument_group("logging")
     if default_level is not None:
-        g.add_argument("--log-level", default=default_level, choices=LEVELS,
-                       help=f"least severe event logged (default {default_level})")
-    g.add_argument("--log-format", default="text", choices=get_args(LogFormat),
-                   help="text lines, or one JSON object per line (default text)")
+        g.add_argument(
+            "--log-level",
+            default=default_level,
+            choices=LEVELS,
+            help=f"least severe event logged (default {default_level})",
+        )
+    g.add_argument(
+        "--log-format",
+        default="text",
+        choices=get_args(LogFormat),
+        help="text lines, or one JSON object per line (default text)",
+    )

@@ -24,8 +24,15 @@ from .errors import ManifestError, TrustError
 from .trust import MANIFEST_TYPE, Signer, Trust, looks_like_envelope, parse_envelope
 from .types import MAX_VERSION, ObjectRef, check_run
 
-__all__ = ["MAX_ENVELOPE_BYTES", "MAX_MANIFEST_BYTES", "SCHEMA", "KeyframeObject", "Manifest",
-           "PatchObject", "open_manifest"]
+__all__ = [
+    "MAX_ENVELOPE_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "SCHEMA",
+    "KeyframeObject",
+    "Manifest",
+    "PatchObject",
+    "open_manifest",
+]
 
 SCHEMA = "rollpatch.manifest/1"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -87,14 +94,31 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "schema": SCHEMA, "run": self.run, "version": self.version, "parent": self.parent,
-            "format": self.format, "target": self.target, "view_bytes": self.view_bytes,
-            "created": self.created, "publisher": self.publisher, "shards": self.shards,
-            "patches": [{"key": p.ref.key, "bytes": p.ref.size, "b3": p.ref.b3,
-                         "base": p.base, "base_digest": p.base_digest, "shard": p.shard}
-                        for p in self.patches],
-            "keyframes": [{"key": k.ref.key, "bytes": k.ref.size, "b3": k.ref.b3,
-                           "shard": k.shard} for k in self.keyframes],
+            "schema": SCHEMA,
+            "run": self.run,
+            "version": self.version,
+            "parent": self.parent,
+            "format": self.format,
+            "target": self.target,
+            "view_bytes": self.view_bytes,
+            "created": self.created,
+            "publisher": self.publisher,
+            "shards": self.shards,
+            "patches": [
+                {
+                    "key": p.ref.key,
+                    "bytes": p.ref.size,
+                    "b3": p.ref.b3,
+                    "base": p.base,
+                    "base_digest": p.base_digest,
+                    "shard": p.shard,
+                }
+                for p in self.patches
+            ],
+            "keyframes": [
+                {"key": k.ref.key, "bytes": k.ref.size, "b3": k.ref.b3, "shard": k.shard}
+                for k in self.keyframes
+            ],
             "meta": dict(self.meta),
         }
         return d
@@ -112,8 +136,13 @@ class Manifest:
     def from_bytes(cls, raw: bytes) -> Manifest:
         if len(raw) > MAX_MANIFEST_BYTES:
             raise ManifestError("manifest too large", size=len(raw))
-        d = jsonsafe.loads(raw, what="manifest", error=ManifestError,
-                           max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH)
+        d = jsonsafe.loads(
+            raw,
+            what="manifest",
+            error=ManifestError,
+            max_bytes=MAX_MANIFEST_BYTES,
+            max_depth=MAX_MANIFEST_DEPTH,
+        )
         return cls.from_json(d)
 
     @classmethod
@@ -126,8 +155,13 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {e!r}") from None
 
 
-def open_manifest(raw: bytes, run: str, version: int, trust: Trust | None,
-                  refresh_root: Callable[[], object] | None = None) -> Manifest:
+def open_manifest(
+    raw: bytes,
+    run: str,
+    version: int,
+    trust: Trust | None,
+    refresh_root: Callable[[], object] | None = None,
+) -> Manifest:
     """The manifest stored for ``run``@``version``: verified under ``trust`` when given
     (TrustError if unsigned or not signed by the root's threshold), checked to name exactly
     that run and version (a manifest moved to another version's key is refused).
@@ -136,12 +170,24 @@ def open_manifest(raw: bytes, run: str, version: int, trust: Trust | None,
     """
     if len(raw) > MAX_ENVELOPE_BYTES:
         raise ManifestError("manifest too large", size=len(raw))
-    doc = jsonsafe.loads(raw, what="manifest", error=ManifestError,
-                         max_bytes=MAX_ENVELOPE_BYTES, max_depth=MAX_MANIFEST_DEPTH,
-                         run=run, version=version)
+    doc = jsonsafe.loads(
+        raw,
+        what="manifest",
+        error=ManifestError,
+        max_bytes=MAX_ENVELOPE_BYTES,
+        max_depth=MAX_MANIFEST_DEPTH,
+        run=run,
+        version=version,
+    )
     if looks_like_envelope(doc):
-        env = parse_envelope(doc, expect=MANIFEST_TYPE, max_payload=MAX_MANIFEST_BYTES,
-                             run=run, version=version, what_doc="manifest")
+        env = parse_envelope(
+            doc,
+            expect=MANIFEST_TYPE,
+            max_payload=MAX_MANIFEST_BYTES,
+            run=run,
+            version=version,
+            what_doc="manifest",
+        )
         if trust is not None:
             try:
                 trust.verify(env, run=run, version=version, what_doc="manifest")
@@ -152,14 +198,19 @@ def open_manifest(raw: bytes, run: str, version: int, trust: Trust | None,
                 trust.verify(env, run=run, version=version, what_doc="manifest")
         m = Manifest.from_bytes(env.payload)
     elif trust is not None:
-        raise TrustError("manifest is not signed", reason="unsigned", run=run, version=version,
-                         hint="the trust root requires signed boards: publish with "
-                              "--signing-key")
+        raise TrustError(
+            "manifest is not signed",
+            reason="unsigned",
+            run=run,
+            version=version,
+            hint="the trust root requires signed boards: publish with --signing-key",
+        )
     else:
         m = Manifest.from_json(doc)
     if (m.run, m.version) != (run, version):
-        raise ManifestError("manifest names another version", run=run, version=version,
-                            names=f"{m.run}@{m.version}")
+        raise ManifestError(
+            "manifest names another version", run=run, version=version, names=f"{m.run}@{m.version}"
+        )
     return m
 
 
@@ -193,25 +244,51 @@ def _parse(d: Any) -> Manifest:
     _need(isinstance(d["created"], (int, float)), "created")
     shards = _int(d.get("shards", 1), 1, 4096)
     patches, keyframes = d.get("patches", []), d.get("keyframes", [])
-    _need(isinstance(patches, list) and isinstance(keyframes, list)
-          and len(patches) + len(keyframes) <= MAX_OBJECTS, "object lists")
-    pats = tuple(PatchObject(_ref(p), _int(p["base"], 0, version - 1), _digest(p["base_digest"]),
-                             _int(p.get("shard", 0), 0, shards - 1)) for p in patches)
-    kfs = tuple(KeyframeObject(_ref(k), _int(k.get("shard", 0), 0, shards - 1))
-                for k in keyframes)
+    _need(
+        isinstance(patches, list)
+        and isinstance(keyframes, list)
+        and len(patches) + len(keyframes) <= MAX_OBJECTS,
+        "object lists",
+    )
+    pats = tuple(
+        PatchObject(
+            _ref(p),
+            _int(p["base"], 0, version - 1),
+            _digest(p["base_digest"]),
+            _int(p.get("shard", 0), 0, shards - 1),
+        )
+        for p in patches
+    )
+    kfs = tuple(KeyframeObject(_ref(k), _int(k.get("shard", 0), 0, shards - 1)) for k in keyframes)
     _need(bool(pats) or bool(kfs), "a version needs a patch or a keyframe")
     _need(not kfs or len({k.shard for k in kfs}) == shards == len(kfs), "keyframe shards")
     for base in {p.base for p in pats}:
-        _need(sorted(p.shard for p in pats if p.base == base) == list(range(shards)),
-              f"patch shards from {base}")
+        _need(
+            sorted(p.shard for p in pats if p.base == base) == list(range(shards)),
+            f"patch shards from {base}",
+        )
     meta = d.get("meta", {})
-    _need(isinstance(meta, dict) and len(meta) <= 256 and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), "meta")
+    _need(
+        isinstance(meta, dict)
+        and len(meta) <= 256
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()),
+        "meta",
+    )
     # a "signature" field (HMAC, before signed envelopes) is ignored: only envelopes verify
-    return Manifest(run=run, version=version, parent=parent, format=d["format"],
-                    target=d["target"], view_bytes=_int(d["view_bytes"], 0, 1 << 50),
-                    created=float(d["created"]), publisher=d["publisher"], patches=pats,
-                    keyframes=kfs, shards=shards, meta=dict(meta))
+    return Manifest(
+        run=run,
+        version=version,
+        parent=parent,
+        format=d["format"],
+        target=d["target"],
+        view_bytes=_int(d["view_bytes"], 0, 1 << 50),
+        created=float(d["created"]),
+        publisher=d["publisher"],
+        patches=pats,
+        keyframes=kfs,
+        shards=shards,
+        meta=dict(meta),
+    )
 
 
 def _digest(x: Any) -> str:

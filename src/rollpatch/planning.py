@@ -50,8 +50,14 @@ class Plan:
         return sum(len(s.objects) for s in self.steps)
 
 
-def cheapest_plan(run: str, have: int | None, want: int, manifests: dict[int, Manifest], *,
-                  avoid: frozenset[str] = frozenset()) -> Plan:
+def cheapest_plan(
+    run: str,
+    have: int | None,
+    want: int,
+    manifests: dict[int, Manifest],
+    *,
+    avoid: frozenset[str] = frozenset(),
+) -> Plan:
     """The cheapest plan from ``have`` (None: nothing loaded) to ``want`` over ``manifests``
     (NoPathError when none reaches it), using no object whose key is in ``avoid``."""
     # edges into v: patches from base b (all shards), or a keyframe of v from the source (-1)
@@ -87,8 +93,9 @@ def cheapest_plan(run: str, have: int | None, want: int, manifests: dict[int, Ma
                 prev[step.to] = step
                 heapq.heappush(heap, (*cand, step.to))
     if want not in prev:
-        raise NoPathError("no chain of patches or keyframe reaches the version", run=run,
-                          have=have, want=want)
+        raise NoPathError(
+            "no chain of patches or keyframe reaches the version", run=run, have=have, want=want
+        )
     steps = []
     v = want
     while v != src:

@@ -43,9 +43,12 @@ HEADER_START = "X-Rollpatch-Version-Start"
 HEADER_END = "X-Rollpatch-Version-End"
 #: How long a request may wait for catch-up when it names no ``wait_s``.
 DEFAULT_WAIT_S = 30.0
-_HEADERS = {"min_version": "x-rollpatch-min-version",
-            "exact_version": "x-rollpatch-exact-version",
-            "max_lag": "x-rollpatch-max-lag", "wait_s": "x-rollpatch-wait-s"}
+_HEADERS = {
+    "min_version": "x-rollpatch-min-version",
+    "exact_version": "x-rollpatch-exact-version",
+    "max_lag": "x-rollpatch-max-lag",
+    "wait_s": "x-rollpatch-wait-s",
+}
 
 
 def _number(field: str, value: Any) -> int | float | None:
@@ -71,8 +74,9 @@ def parse_constraint(body: dict[str, Any], headers: Mapping[str, str]) -> Constr
     if raw is None:
         raw = {}
     if not isinstance(raw, dict) or set(raw) - set(_HEADERS):
-        raise ConfigError("the rollpatch field must be an object with min_version, "
-                          "exact_version, max_lag, wait_s")
+        raise ConfigError(
+            "the rollpatch field must be an object with min_version, exact_version, max_lag, wait_s"
+        )
     lower = {k.lower(): v for k, v in headers.items()}
     values = {}
     for field, header in _HEADERS.items():
@@ -104,13 +108,19 @@ def annotate_body(raw: bytes, start: int | None, end: int | None) -> bytes:
 def _merge(engine: Any, start: int | None, end: int | None) -> dict[str, Any]:
     if isinstance(engine, dict):
         s, e = engine.get("version_start"), engine.get("version_end")
-        if isinstance(s, int) and isinstance(e, int) and start is not None and end is not None \
-                and start <= s <= e <= end:
+        if (
+            isinstance(s, int)
+            and isinstance(e, int)
+            and start is not None
+            and end is not None
+            and start <= s <= e <= end
+        ):
             out: dict[str, Any] = _versions(s, e)
             spans = engine.get("spans")  # which version routed which routed_experts rows
             if isinstance(spans, list) and all(
-                    isinstance(x, dict) and isinstance(x.get("version"), int)
-                    and s <= x["version"] <= e for x in spans):
+                isinstance(x, dict) and isinstance(x.get("version"), int) and s <= x["version"] <= e
+                for x in spans
+            ):
                 out["spans"] = spans
             return out
     return _versions(start, end)
@@ -144,11 +154,15 @@ def decide(c: Constraint, served: int | None, latest: int | None) -> Decision:
         if served == c.exact_version:
             return Decision("proxy")
         if served > c.exact_version:
-            return Decision("conflict", reason=f"exact version {c.exact_version} is older than "
-                            f"the served version {served}; versions only move forward")
+            return Decision(
+                "conflict",
+                reason=f"exact version {c.exact_version} is older than "
+                f"the served version {served}; versions only move forward",
+            )
     elif served >= need:
         return Decision("proxy")
     if latest is None or need > latest:
-        return Decision("conflict", need,
-                        f"version {need} is not published yet (latest is {latest})")
+        return Decision(
+            "conflict", need, f"version {need} is not published yet (latest is {latest})"
+        )
     return Decision("wait", need, f"catching up from {served} to {need}")

@@ -31,8 +31,9 @@ from .view import Tensor, View, WordSource
 __all__ = ["decode_step", "encoded_step", "keyframe_view"]
 
 
-def keyframe_view(m: Manifest, source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]
-                  ) -> View:
+def keyframe_view(
+    m: Manifest, source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]
+) -> View:
     """Merge the keyframe shards of ``m`` into one view whose root digest is ``m.target``.
 
     ``source``: fetched blobs (each released once parsed), or a function that reads one shard
@@ -41,19 +42,23 @@ def keyframe_view(m: Manifest, source: MutableMapping[str, bytes] | Callable[[Ob
     tensors: dict[str, Tensor] = {}
     meta: dict[str, str] = {}
     for k in sorted(m.keyframes, key=lambda k: k.shard):
-        part = (source(k.ref) if callable(source)
-                else view_from_bytes(source.pop(k.ref.key)))
+        part = source(k.ref) if callable(source) else view_from_bytes(source.pop(k.ref.key))
         meta.update(part.metadata)
         overlap = tensors.keys() & part.keys()
         if overlap:
-            raise ManifestError("keyframe shards overlap", run=m.run, version=m.version,
-                                tensor=min(overlap))
+            raise ManifestError(
+                "keyframe shards overlap", run=m.run, version=m.version, tensor=min(overlap)
+            )
         tensors.update(part.items())
     view = View(tensors, meta)
     if view.digest() != m.target:
-        raise VerificationError("keyframe does not match its manifest's target digest",
-                                run=m.run, version=m.version, expected=m.target[:16],
-                                actual=view.digest()[:16])
+        raise VerificationError(
+            "keyframe does not match its manifest's target digest",
+            run=m.run,
+            version=m.version,
+            expected=m.target[:16],
+            actual=view.digest()[:16],
+        )
     return view
 
 
@@ -62,21 +67,34 @@ def _step_objects(m: Manifest, base: Manifest) -> list[PatchObject]:
     base manifest."""
     objs = m.patches_from(base.version)
     if not objs:
-        raise ManifestError("manifest has no patch from the planned base", run=m.run,
-                            version=m.version, base=base.version)
+        raise ManifestError(
+            "manifest has no patch from the planned base",
+            run=m.run,
+            version=m.version,
+            base=base.version,
+        )
     for po in objs:
         if po.base_digest != base.target:
-            raise ManifestError("patch entry's base digest is not its base version's target",
-                                run=m.run, version=m.version, base=base.version)
+            raise ManifestError(
+                "patch entry's base digest is not its base version's target",
+                run=m.run,
+                version=m.version,
+                base=base.version,
+            )
     return objs
 
 
-def _check_binding(m: Manifest, base: Manifest, n_objects: int, key: str,
-                   digests: tuple[str, str]) -> None:
+def _check_binding(
+    m: Manifest, base: Manifest, n_objects: int, key: str, digests: tuple[str, str]
+) -> None:
     """An unsharded step's patch binds exactly its manifests' root digests."""
     if n_objects == 1 and digests != (base.target, m.target):
-        raise ManifestError("patch object binds other digests than its manifest",
-                            run=m.run, version=m.version, key=key)
+        raise ManifestError(
+            "patch object binds other digests than its manifest",
+            run=m.run,
+            version=m.version,
+            key=key,
+        )
 
 
 def encoded_step(m: Manifest, base: Manifest, blobs: Mapping[str, bytes]) -> list[bytes]:
@@ -97,17 +115,23 @@ def encoded_step(m: Manifest, base: Manifest, blobs: Mapping[str, bytes]) -> lis
     return out
 
 
-def decode_step(m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes],
-                source: WordSource) -> Patch:
+def decode_step(
+    m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes], source: WordSource
+) -> Patch:
     """Decode the patch objects ``base.version`` → ``m.version`` (all shards) against ``source``.
 
     Returns one patch bound to the whole views: ``base.target`` → ``m.target``.
     """
     objs = _step_objects(m, base)
     if isinstance(source, View) and source.digest() != base.target:
-        raise BaseMismatchError("the staging base is not the patch's base", run=m.run,
-                                version=m.version, base=base.version,
-                                expected=base.target[:16], actual=source.digest()[:16])
+        raise BaseMismatchError(
+            "the staging base is not the patch's base",
+            run=m.run,
+            version=m.version,
+            base=base.version,
+            expected=base.target[:16],
+            actual=source.digest()[:16],
+        )
     tensors: dict[str, TensorPatch] = {}
     meta: dict[str, str] = {}
     for po in objs:
@@ -115,8 +139,13 @@ def decode_step(m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes],
         _check_binding(m, base, len(objs), po.ref.key, (part.base, part.target))
         overlap = tensors.keys() & part.tensors.keys()
         if overlap:
-            raise ManifestError("patch shards overlap", run=m.run, version=m.version,
-                                shard=po.shard, tensor=min(overlap))
+            raise ManifestError(
+                "patch shards overlap",
+                run=m.run,
+                version=m.version,
+                shard=po.shard,
+                tensor=min(overlap),
+            )
         tensors.update(part.tensors)
         meta.update(part.meta)
     return Patch(base.target, m.target, tensors, meta)

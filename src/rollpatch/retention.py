@@ -40,9 +40,16 @@ class GcReport:
     unreadable: list[tuple[int, str]] = field(default_factory=list)
 
 
-def collect(board: Board, run: str, *, keep_last: int = 32, pinned: Iterable[int] = (),
-            orphan_grace_s: float = 3600.0, dry_run: bool = False,
-            now: float | None = None) -> GcReport:
+def collect(
+    board: Board,
+    run: str,
+    *,
+    keep_last: int = 32,
+    pinned: Iterable[int] = (),
+    orphan_grace_s: float = 3600.0,
+    dry_run: bool = False,
+    now: float | None = None,
+) -> GcReport:
     """Delete what no retained version needs. See the module docstring for the rule."""
     if keep_last < 0 or orphan_grace_s < 0:
         raise ConfigError("keep_last and orphan_grace_s must be non-negative")

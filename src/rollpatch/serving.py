@@ -36,8 +36,10 @@ __all__ = ["PROTECTED", "ServeOptions", "ServerHandle", "serve_app", "tls_contex
 
 #: Route prefixes a bearer token protects by default (inference; relay reads).
 PROTECTED = ("/v1/",)
-_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
-                b"content-length: 32\r\nconnection: close\r\n\r\nrequest head not received in time")
+_TIMEOUT_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+    b"content-length: 32\r\nconnection: close\r\n\r\nrequest head not received in time"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,26 +62,49 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together", field="tls_cert",
-                              hint="--tls-cert FILE --tls-key FILE")
+            raise ConfigError(
+                "tls_cert and tls_key go together",
+                field="tls_cert",
+                hint="--tls-cert FILE --tls-key FILE",
+            )
         for name in ("header_timeout_s", "keep_alive_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or not 0 < v <= 3600:
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or not 0 < v <= 3600
+            ):
                 raise ConfigError(f"{name} must be in (0, 3600] seconds", field=name, value=v)
-        if isinstance(self.max_header_bytes, bool) or not isinstance(self.max_header_bytes, int) \
-                or not 1024 <= self.max_header_bytes <= 1 << 24:
-            raise ConfigError("max_header_bytes must be an integer in [1 KiB, 16 MiB]",
-                              field="max_header_bytes", value=self.max_header_bytes)
+        if (
+            isinstance(self.max_header_bytes, bool)
+            or not isinstance(self.max_header_bytes, int)
+            or not 1024 <= self.max_header_bytes <= 1 << 24
+        ):
+            raise ConfigError(
+                "max_header_bytes must be an integer in [1 KiB, 16 MiB]",
+                field="max_header_bytes",
+                value=self.max_header_bytes,
+            )
         if self.max_connections is not None and (
-                isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int)
-                or self.max_connections < 1):
-            raise ConfigError("max_connections must be a positive integer or None",
-                              field="max_connections", value=self.max_connections)
-        if self.token is not None and (not self.token or not self.token.isascii()
-                                       or not self.token.isprintable() or " " in self.token):
-            raise ConfigError("token must be non-empty printable ASCII without spaces",
-                              field="token")
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
+            raise ConfigError(
+                "max_connections must be a positive integer or None",
+                field="max_connections",
+                value=self.max_connections,
+            )
+        if self.token is not None and (
+            not self.token
+            or not self.token.isascii()
+            or not self.token.isprintable()
+            or " " in self.token
+        ):
+            raise ConfigError(
+                "token must be non-empty printable ASCII without spaces", field="token"
+            )
 
     @property
     def scheme(self) -> str:
@@ -99,16 +124,20 @@ def tls_context(options: ServeOptions) -> ssl.SSLContext | None:
     try:
         ctx.load_cert_chain(options.tls_cert, options.tls_key)
     except (ssl.SSLError, OSError, ValueError) as e:
-        raise ConfigError(f"cannot load the TLS certificate and key: {e}", field="tls_cert",
-                          hint="PEM files: a certificate (chain) and its private key") from None
+        raise ConfigError(
+            f"cannot load the TLS certificate and key: {e}",
+            field="tls_cert",
+            hint="PEM files: a certificate (chain) and its private key",
+        ) from None
     return ctx
 
 
 class _BearerGuard:
     """ASGI middleware: the protected prefixes need ``Authorization: Bearer TOKEN``."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], token: str,
-                 prefixes: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: Callable[..., Awaitable[None]], token: str, prefixes: tuple[str, ...]
+    ) -> None:
         self.app, self.prefixes = app, prefixes
         self.expected = f"Bearer {token}".encode()
 
@@ -120,13 +149,27 @@ class _BearerGuard:
                     given = value
                     break
             if not hmac.compare_digest(given, self.expected):
-                body = json.dumps({"error": {"message": "this route needs the bearer token "
-                                                        "(Authorization: Bearer TOKEN)",
-                                             "type": "unauthorized", "code": 401}}).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()),
-                                        (b"www-authenticate", b"Bearer")]})
+                body = json.dumps(
+                    {
+                        "error": {
+                            "message": "this route needs the bearer token "
+                            "(Authorization: Bearer TOKEN)",
+                            "type": "unauthorized",
+                            "code": 401,
+                        }
+                    }
+                ).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", b"Bearer"),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
@@ -206,11 +249,19 @@ class ServerHandle:
         self._thread.join(timeout)
 
 
-def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, *, name: str = "server",
-              log_level: str = "warning", start_timeout: float = 30.0,
-              lifespan: Literal["auto", "on", "off"] = "off",
-              options: ServeOptions | None = None, protect: tuple[str, ...] = PROTECTED,
-              access_log: bool = False) -> ServerHandle:
+def serve_app(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    name: str = "server",
+    log_level: str = "warning",
+    start_timeout: float = 30.0,
+    lifespan: Literal["auto", "on", "off"] = "off",
+    options: ServeOptions | None = None,
+    protect: tuple[str, ...] = PROTECTED,
+    access_log: bool = False,
+) -> ServerHandle:
     """Serve ``app`` in a daemon thread; ``port=0`` picks a free port. Returns once listening.
 
     ``options`` adds TLS, the bearer token on ``protect``-ed prefixes and the slow-client
@@ -231,18 +282,31 @@ def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, *, name: str = "
         sock.close()
         raise
     bound = sock.getsockname()[1]
-    tls: dict[str, Any] = {} if ctx is None else {
-        "ssl_certfile": opts.tls_cert, "ssl_keyfile": opts.tls_key,
-        "ssl_context_factory": lambda _config, _default: ctx}
-    config = uvicorn.Config(app, log_level=log_level, lifespan=lifespan, access_log=access_log,
-                            timeout_graceful_shutdown=2, http=_guarded_protocol(
-                                opts.header_timeout_s),
-                            timeout_keep_alive=int(max(1, round(opts.keep_alive_s))),
-                            h11_max_incomplete_event_size=opts.max_header_bytes,
-                            limit_concurrency=opts.max_connections, **tls)
+    tls: dict[str, Any] = (
+        {}
+        if ctx is None
+        else {
+            "ssl_certfile": opts.tls_cert,
+            "ssl_keyfile": opts.tls_key,
+            "ssl_context_factory": lambda _config, _default: ctx,
+        }
+    )
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan=lifespan,
+        access_log=access_log,
+        timeout_graceful_shutdown=2,
+        http=_guarded_protocol(opts.header_timeout_s),
+        timeout_keep_alive=int(max(1, round(opts.keep_alive_s))),
+        h11_max_incomplete_event_size=opts.max_header_bytes,
+        limit_concurrency=opts.max_connections,
+        **tls,
+    )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name=f"rollpatch-{name}-{bound}", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"rollpatch-{name}-{bound}", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + start_timeout
     while not server.started:

@@ -85,13 +85,22 @@ import numpy as np
 __all__ = ["AdamSim", "ModelDims", "SimConfig", "llama_dims", "simulate"]
 
 _F32 = np.float32
-CHUNK_ELEMS = 1 << 22      # elements per work unit: 16 MiB of float32
-_RANK_P, _ALPHA_P = 2, 0.15 # persistent low-rank direction
+CHUNK_ELEMS = 1 << 22  # elements per work unit: 16 MiB of float32
+_RANK_P, _ALPHA_P = 2, 0.15  # persistent low-rank direction
 _RANK_T, _ALPHA_T = 4, 0.5  # fresh low-rank batch structure
-_SIGMA_S = 0.2             # step-to-step jitter of a tensor's gradient scale
-_WARM_WINDOW = 64          # embedding touches sampled explicitly for the warm state
-_ROLE_SIGMA = {"q": 0.025, "k": 0.03, "v": 0.012, "o": 0.012, "gate": 0.02, "up": 0.018,
-               "down": 0.016, "embed": 0.018, "lm_head": 0.02}
+_SIGMA_S = 0.2  # step-to-step jitter of a tensor's gradient scale
+_WARM_WINDOW = 64  # embedding touches sampled explicitly for the warm state
+_ROLE_SIGMA = {
+    "q": 0.025,
+    "k": 0.03,
+    "v": 0.012,
+    "o": 0.012,
+    "gate": 0.02,
+    "up": 0.018,
+    "down": 0.016,
+    "embed": 0.018,
+    "lm_head": 0.02,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +140,11 @@ class SimConfig:
             raise bad("seed", "must be a non-negative int")
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
             raise bad("lr", "must be in (0, 1)")
-        if (not isinstance(self.betas, tuple) or len(self.betas) != 2
-                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)):
+        if (
+            not isinstance(self.betas, tuple)
+            or len(self.betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)
+        ):
             raise bad("betas", "must be a pair of floats in [0, 1)")
         if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
             raise bad("eps", "must be in (0, 1)")
@@ -164,18 +176,28 @@ class ModelDims:
 
     def layout(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint names → shapes, in Hugging Face Llama naming and order."""
-        d, q, kv, ff = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, \
-            self.intermediate
+        d, q, kv, ff = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, d)}
         for i in range(self.layers):
             pre = f"model.layers.{i}."
-            out.update({
-                pre + "self_attn.q_proj.weight": (q, d), pre + "self_attn.k_proj.weight": (kv, d),
-                pre + "self_attn.v_proj.weight": (kv, d), pre + "self_attn.o_proj.weight": (d, q),
-                pre + "mlp.gate_proj.weight": (ff, d), pre + "mlp.up_proj.weight": (ff, d),
-                pre + "mlp.down_proj.weight": (d, ff), pre + "input_layernorm.weight": (d,),
-                pre + "post_attention_layernorm.weight": (d,),
-            })
+            out.update(
+                {
+                    pre + "self_attn.q_proj.weight": (q, d),
+                    pre + "self_attn.k_proj.weight": (kv, d),
+                    pre + "self_attn.v_proj.weight": (kv, d),
+                    pre + "self_attn.o_proj.weight": (d, q),
+                    pre + "mlp.gate_proj.weight": (ff, d),
+                    pre + "mlp.up_proj.weight": (ff, d),
+                    pre + "mlp.down_proj.weight": (d, ff),
+                    pre + "input_layernorm.weight": (d,),
+                    pre + "post_attention_layernorm.weight": (d,),
+                }
+            )
         out["model.norm.weight"] = (d,)
         out["lm_head.weight"] = (self.vocab, d)
         return out
@@ -221,9 +243,13 @@ def _quantile_tables() -> dict[str, np.ndarray]:
     nd = statistics.NormalDist()
     q = np.array([nd.inv_cdf((i + 0.5) / 65536) for i in range(65536)], dtype=np.float64)
     q /= q.std()
-    unit = (lambda x: (x / x.std()).astype(_F32))
-    return {"gauss": q.astype(_F32), "gauss_sq": (q * q).astype(_F32),
-            "grad": unit(q + 0.1 * q**3), "weight": unit(q + 0.03 * q**3)}
+    unit = lambda x: (x / x.std()).astype(_F32)
+    return {
+        "gauss": q.astype(_F32),
+        "gauss_sq": (q * q).astype(_F32),
+        "grad": unit(q + 0.1 * q**3),
+        "weight": unit(q + 0.03 * q**3),
+    }
 
 
 def _draw(rng: np.random.Generator, table: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -241,7 +267,7 @@ def _role(name: str) -> str:
         return "lm_head"
     if name.endswith("norm.weight"):
         return "norm"
-    return name.rsplit(".", 2)[-2].split("_")[0]   # q, k, v, o, gate, up, down
+    return name.rsplit(".", 2)[-2].split("_")[0]  # q, k, v, o, gate, up, down
 
 
 class _Param:
@@ -258,13 +284,13 @@ class _Param:
         self.m = np.empty_like(self.w)
         self.v = np.empty_like(self.w)
         self.g_scale = 1.0
-        self.row = np.ones(self.rows, _F32)   # gradient row scale ρ
-        self.col = np.ones(self.cols, _F32)   # gradient column scale γ
+        self.row = np.ones(self.rows, _F32)  # gradient row scale ρ
+        self.col = np.ones(self.cols, _F32)  # gradient column scale γ
         self.u0 = np.zeros((self.rows, _RANK_P), _F32)  # persistent direction, α_p folded in
         self.v0 = np.zeros((self.cols, _RANK_P), _F32)
         self.sparse = self.role == "embed"
-        self.w_mu = 1.0                       # weight scale σ (norms: mean μ)
-        self.w_row = self.w_col = self.row    # weight row/column scales (init only)
+        self.w_mu = 1.0  # weight scale σ (norms: mean μ)
+        self.w_row = self.w_col = self.row  # weight row/column scales (init only)
         self.warm: tuple[np.ndarray, ...] = ()  # per-row warm-state coefficients
 
 
@@ -333,23 +359,36 @@ class AdamSim:
             if name not in self._params:
                 raise ValueError(f"grads names an unknown tensor {name!r}")
             if tuple(np.shape(g)) != self._params[name].shape:
-                raise ValueError(f"gradient for {name!r} has shape {np.shape(g)}, "
-                                 f"expected {self._params[name].shape}")
+                raise ValueError(
+                    f"gradient for {name!r} has shape {np.shape(g)}, "
+                    f"expected {self._params[name].shape}"
+                )
         t = self.step_count + 1
         cfg = self.config
         b1, b2 = cfg.betas
         n = cfg.warm_steps + t
         bc1, bc2 = 1 - b1**n, 1 - b2**n
-        scal = (_F32(1 - cfg.lr * cfg.weight_decay), _F32(1 - b1), _F32(b2), _F32(1 - b2),
-                _F32(bc2**0.5), _F32(cfg.eps), _F32(-(cfg.lr / bc1)))
+        scal = (
+            _F32(1 - cfg.lr * cfg.weight_decay),
+            _F32(1 - b1),
+            _F32(b2),
+            _F32(1 - b2),
+            _F32(bc2**0.5),
+            _F32(cfg.eps),
+            _F32(-(cfg.lr / bc1)),
+        )
         synth = [p for n_, p in self._params.items() if n_ not in grads]
         ctx = self._step_context(t, synth)
-        flat = {k: np.asarray(g, dtype=_F32).reshape(self._params[k].rows, -1)
-                for k, g in grads.items()}
+        flat = {
+            k: np.asarray(g, dtype=_F32).reshape(self._params[k].rows, -1) for k, g in grads.items()
+        }
 
         def work(p: _Param, ci: int, r0: int, r1: int) -> None:
-            g = (flat[p.name][r0:r1].copy() if p.name in flat
-                 else self._grad_chunk(p, t, ci, r0, r1, ctx))
+            g = (
+                flat[p.name][r0:r1].copy()
+                if p.name in flat
+                else self._grad_chunk(p, t, ci, r0, r1, ctx)
+            )
             _adamw(p.w[r0:r1], p.m[r0:r1], p.v[r0:r1], g, scal)
 
         self._run(work)
@@ -362,9 +401,10 @@ class AdamSim:
         return np.random.Generator(np.random.PCG64(ss))
 
     def _run(self, fn: Callable[[_Param, int, int, int], None]) -> None:
-        tasks = [(p, ci, r0, r1) for p in self._params.values()
-                 for ci, (r0, r1) in enumerate(p.chunks)]
-        tasks.sort(key=lambda t: -(t[3] - t[2]) * t[0].cols)   # big first: better balance
+        tasks = [
+            (p, ci, r0, r1) for p in self._params.values() for ci, (r0, r1) in enumerate(p.chunks)
+        ]
+        tasks.sort(key=lambda t: -(t[3] - t[2]) * t[0].cols)  # big first: better balance
         if self._threads == 1:
             for task in tasks:
                 fn(*task)
@@ -382,7 +422,7 @@ class AdamSim:
         rank[np.argsort(key, kind="stable")] = np.arange(v)
         freq = (rank + 2.7) ** -self.config.zipf_exponent
         freq[rng.random(v) < 0.3] *= 1e-3
-        self._lam = freq / freq.sum() * self.config.batch_tokens   # E[count] per step
+        self._lam = freq / freq.sum() * self.config.batch_tokens  # E[count] per step
 
     def _hidden_profile(self) -> np.ndarray:
         d = self.dims.hidden
@@ -402,8 +442,9 @@ class AdamSim:
             reads_hidden = p.cols == self.dims.hidden and p.role != "o"
             base = hidden if reads_hidden else np.exp(0.4 * rng.standard_normal(p.cols))
             p.col = (base * np.exp(0.1 * rng.standard_normal(p.cols))).astype(_F32)
-        p.u0 = (rng.standard_normal((p.rows, _RANK_P)) * (_ALPHA_P / math.sqrt(_RANK_P))
-                ).astype(_F32)
+        p.u0 = (rng.standard_normal((p.rows, _RANK_P)) * (_ALPHA_P / math.sqrt(_RANK_P))).astype(
+            _F32
+        )
         p.v0 = rng.standard_normal((p.cols, _RANK_P)).astype(_F32)
         if p.role == "norm":
             p.w_mu = float(np.exp(0.15 * rng.standard_normal()))
@@ -448,7 +489,7 @@ class AdamSim:
             gam[hit] = rng.gamma(shape[hit]) / shape[hit]
             vb += n_old * w.mean() * gam
             # m keeps a trace of the latest old touch (β1^64 ≈ 1e-3: tiny, but not zero).
-            first = 1 - rng.random(p.rows) ** (1 / np.maximum(n_old, 1))   # min of n uniforms
+            first = 1 - rng.random(p.rows) ** (1 / np.maximum(n_old, 1))  # min of n uniforms
             last = k + np.floor(first * (big_t - k))
             mb += hit * (1 - b1) * b1**last
             mc += hit * (1 - b1) ** 2 * b1 ** (2 * last)
@@ -479,11 +520,10 @@ class AdamSim:
             v.fill(0)
             return
         mb, mc, vb, jit, cscale = (a[r0:r1] for a in p.warm)
-        var = 1 + _ALPHA_T**2                                    # E[g²] / (s ρ γ)²
-        rs = p.g_scale * p.row[r0:r1].astype(np.float64) * np.sqrt(cscale)   # s ρ per row
+        var = 1 + _ALPHA_T**2  # E[g²] / (s ρ γ)²
+        rs = p.g_scale * p.row[r0:r1].astype(np.float64) * np.sqrt(cscale)  # s ρ per row
         # m = s ρ γ · (mb · P + √(mc · var) · z), row and column factors folded in
-        np.matmul((p.u0[r0:r1] * (mb * rs)[:, None]).astype(_F32),
-                  (p.v0 * p.col[:, None]).T, out=m)
+        np.matmul((p.u0[r0:r1] * (mb * rs)[:, None]).astype(_F32), (p.v0 * p.col[:, None]).T, out=m)
         noise = _draw(rng, "gauss", m.shape)
         noise *= (np.sqrt(mc * var) * rs).astype(_F32)[:, None]
         noise *= p.col
@@ -508,8 +548,7 @@ class AdamSim:
                 ctx["counts"] = self._rng(0, 6, t).poisson(self._lam)
         return ctx
 
-    def _grad_chunk(self, p: _Param, t: int, ci: int, r0: int, r1: int, ctx: dict
-                    ) -> np.ndarray:
+    def _grad_chunk(self, p: _Param, t: int, ci: int, r0: int, r1: int, ctx: dict) -> np.ndarray:
         rng = self._rng(p.tid, 7, t, ci)
         s, vt = ctx[p.name]
         if not p.sparse:
@@ -518,13 +557,21 @@ class AdamSim:
         rows = np.flatnonzero(counts)
         g = np.zeros((r1 - r0, p.cols), _F32)
         if rows.size:
-            g[rows] = _synth_rows(p, rng, rows + r0, rows.size, s, vt,
-                                  np.sqrt(counts[rows]).astype(_F32))
+            g[rows] = _synth_rows(
+                p, rng, rows + r0, rows.size, s, vt, np.sqrt(counts[rows]).astype(_F32)
+            )
         return g
 
 
-def _synth_rows(p: _Param, rng: np.random.Generator, rows: slice | np.ndarray, n: int,
-                s: float, vt: np.ndarray, row_mul: np.ndarray | None) -> np.ndarray:
+def _synth_rows(
+    p: _Param,
+    rng: np.random.Generator,
+    rows: slice | np.ndarray,
+    n: int,
+    s: float,
+    vt: np.ndarray,
+    row_mul: np.ndarray | None,
+) -> np.ndarray:
     g = _draw(rng, "grad", (n, p.cols))
     ut = rng.standard_normal((n, _RANK_T), dtype=_F32)
     ut *= _F32(_ALPHA_T / math.sqrt(_RANK_T))
@@ -545,21 +592,22 @@ def _adamw(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, scal: tup
     w *= decay
     tmp = np.subtract(g, m)
     tmp *= one_b1
-    m += tmp                                   # exp_avg.lerp_(grad, 1 - beta1)
+    m += tmp  # exp_avg.lerp_(grad, 1 - beta1)
     v *= b2
     np.multiply(g, one_b2, out=tmp)
     tmp *= g
-    v += tmp                                   # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
+    v += tmp  # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
     np.sqrt(v, out=g)
     g /= bc2_sqrt
-    g += eps                                   # denom
+    g += eps  # denom
     np.multiply(m, neg_step, out=tmp)
     tmp /= g
-    w += tmp                                   # param.addcdiv_(exp_avg, denom, -step_size)
+    w += tmp  # param.addcdiv_(exp_avg, denom, -step_size)
 
 
-def simulate(config: SimConfig, steps: int, *, copy: bool = False
-             ) -> Iterator[dict[str, np.ndarray]]:
+def simulate(
+    config: SimConfig, steps: int, *, copy: bool = False
+) -> Iterator[dict[str, np.ndarray]]:
     """Yield the masters after each of ``steps`` AdamW steps (views unless ``copy``)."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0 (got {steps!r})")

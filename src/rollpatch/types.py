@@ -29,9 +29,11 @@ MAX_VERSION = (1 << 53) - 1  # JSON-safe integer
 def check_run(run: str) -> str:
     """Validate a run name (ConfigError names the rule)."""
     if not isinstance(run, str) or not RUN_RE.match(run):
-        raise ConfigError(f"invalid run name {run!r}",
-                          hint="1-128 characters of letters, digits, '.', '_', '-'; "
-                               "starting with a letter or digit")
+        raise ConfigError(
+            f"invalid run name {run!r}",
+            hint="1-128 characters of letters, digits, '.', '_', '-'; "
+            "starting with a letter or digit",
+        )
     return run
 
 
@@ -44,7 +46,11 @@ class VersionRef:
 
     def __post_init__(self) -> None:
         check_run(self.run)
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 0 <= self.n <= MAX_VERSION:
+        if (
+            not isinstance(self.n, int)
+            or isinstance(self.n, bool)
+            or not 0 <= self.n <= MAX_VERSION
+        ):
             raise ConfigError(f"invalid version number {self.n!r}", run=self.run)
 
     def __str__(self) -> str:
@@ -100,8 +106,11 @@ class Constraint:
                 raise ConfigError(f"{field} must be a non-negative integer", value=v)
         if self.wait_s is not None and not 0 <= self.wait_s <= 3600:
             raise ConfigError("wait_s must be between 0 and 3600 seconds", value=self.wait_s)
-        if (self.exact_version is not None and self.min_version is not None
-                and self.exact_version < self.min_version):
+        if (
+            self.exact_version is not None
+            and self.min_version is not None
+            and self.exact_version < self.min_version
+        ):
             raise ConfigError("exact_version is below min_version")
 
     def lowest_acceptable(self, latest: int | None) -> int:

@@ -29,24 +29,33 @@ def check_int(owner: str, name: str, value: object, lo: int, hi: int | None = No
     raise ConfigError(f"{owner}.{name} must be an integer {bound}", field=name, value=value)
 
 
-def check_number(owner: str, name: str, value: object, lo: float, hi: float | None = None, *,
-                 lo_open: bool = False) -> None:
+def check_number(
+    owner: str,
+    name: str,
+    value: object,
+    lo: float,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+) -> None:
     """``value`` is a finite int or float ``>= lo`` (``> lo`` with ``lo_open``) and ``<= hi``."""
-    ok = ((_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
-          and (value > lo if lo_open else value >= lo)  # type: ignore[operator]
-          and (hi is None or value <= hi))  # type: ignore[operator]
+    try:
+        x = float(value) if _is_int(value) or isinstance(value, float) else math.nan  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond any float: not finite
+        x = math.nan
+    ok = math.isfinite(x) and (x > lo if lo_open else x >= lo) and (hi is None or x <= hi)
     if ok:
         return
     bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
     if hi is not None:
         bound += f" and <= {hi:g}"
-    raise ConfigError(f"{owner}.{name} must be a finite number {bound}", field=name,
-                      value=value)
+    raise ConfigError(f"{owner}.{name} must be a finite number {bound}", field=name, value=value)
 
 
 def check_choice(owner: str, name: str, value: object, choices: Collection[str]) -> None:
     """``value`` is one of ``choices`` (a mode spelled as a string, e.g. a ``Literal``)."""
     if isinstance(value, str) and value in choices:
         return
-    raise ConfigError(f"{owner}.{name} must be one of {', '.join(choices)}", field=name,
-                      value=value)
+    raise ConfigError(
+        f"{owner}.{name} must be one of {', '.join(choices)}", field=name, value=value
+    )

@@ -25,13 +25,24 @@ from . import native
 from .errors import ViewError
 from .kinds import DTYPE_BYTES, Kind, get_kind
 
-__all__ = ["DEFAULT_DIGEST", "DigestAlgo", "Tensor", "View", "WordSource", "root_digest",
-           "sum128", "sum128_digest", "tensor_digest"]
+__all__ = [
+    "DEFAULT_DIGEST",
+    "DigestAlgo",
+    "Tensor",
+    "View",
+    "WordSource",
+    "root_digest",
+    "sum128",
+    "sum128_digest",
+    "tensor_digest",
+]
 
 DigestAlgo = Literal["rp.sum128.v1", "rp.blake3.v1"]
 DEFAULT_DIGEST: DigestAlgo = "rp.sum128.v1"
-_TENSOR_DOMAIN = {"rp.blake3.v1": b"rollpatch.tensor.v1\x00",
-                  "rp.sum128.v1": b"rollpatch.tensor.sum128.v1\x00"}
+_TENSOR_DOMAIN = {
+    "rp.blake3.v1": b"rollpatch.tensor.v1\x00",
+    "rp.sum128.v1": b"rollpatch.tensor.sum128.v1\x00",
+}
 _ROOT_DOMAIN = {"rp.blake3.v1": b"rollpatch.view.v1\x00", "rp.sum128.v1": b"rollpatch.view.v2\x00"}
 _SUM_K = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
 _SUM_S = (0x243F6A8885A308D3, 0x13198A2E03707344)
@@ -50,8 +61,9 @@ def sum128_terms(words: np.ndarray, index: np.ndarray) -> tuple[int, int]:
         for lane in (0, 1):
             x = words ^ (np.uint64(_SUM_S[lane]) + index * np.uint64(_SUM_K[lane]))
             r = np.uint64(_SUM_ROT[lane])
-            term = (x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) \
-                + ((words << r) | (words >> (np.uint64(64) - r)))
+            term = (x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) + (
+                (words << r) | (words >> (np.uint64(64) - r))
+            )
             out.append(int(term.sum(dtype=np.uint64)))
     return out[0], out[1]
 
@@ -77,8 +89,10 @@ def sum128(data: np.ndarray) -> tuple[int, int]:
     words = (raw.size + 7) // 8
     if words <= _SUM_SPLIT:
         return tuple(core.sum128(raw, 0, words))
-    parts = native.parallel_map(lambda w0: core.sum128(raw, w0, min(_SUM_SPLIT, words - w0)),
-                 list(range(0, words, _SUM_SPLIT)))
+    parts = native.parallel_map(
+        lambda w0: core.sum128(raw, w0, min(_SUM_SPLIT, words - w0)),
+        list(range(0, words, _SUM_SPLIT)),
+    )
     return sum(a for a, _ in parts) & _M64, sum(b for _, b in parts) & _M64
 
 
@@ -86,17 +100,20 @@ def _header(algo: str, dtype: str, shape: tuple[int, ...]) -> bytes:
     return _TENSOR_DOMAIN[algo] + f"{dtype}|{','.join(str(d) for d in shape)}\x00".encode()
 
 
-def sum128_digest(dtype: str, shape: tuple[int, ...], nbytes: int,
-                  state: tuple[int, int]) -> str:
+def sum128_digest(dtype: str, shape: tuple[int, ...], nbytes: int, state: tuple[int, int]) -> str:
     """The rp.sum128.v1 digest of a tensor from its sum state (docs/patch-format.md §7)."""
     h = blake3.blake3(_header("rp.sum128.v1", dtype, shape))
-    h.update(nbytes.to_bytes(8, "little") + state[0].to_bytes(8, "little")
-             + state[1].to_bytes(8, "little"))
+    h.update(
+        nbytes.to_bytes(8, "little")
+        + state[0].to_bytes(8, "little")
+        + state[1].to_bytes(8, "little")
+    )
     return h.hexdigest()
 
 
-def tensor_digest(dtype: str, shape: tuple[int, ...], data: np.ndarray,
-                  algo: DigestAlgo = DEFAULT_DIGEST) -> str:
+def tensor_digest(
+    dtype: str, shape: tuple[int, ...], data: np.ndarray, algo: DigestAlgo = DEFAULT_DIGEST
+) -> str:
     """Digest (64 hex) of one served tensor: dtype, shape and raw little-endian bytes."""
     if algo == "rp.sum128.v1":
         return sum128_digest(dtype, shape, int(data.nbytes), sum128(data))
@@ -132,12 +149,18 @@ class Tensor:
         if any(d < 0 for d in self.shape):
             raise ViewError("negative dimension in shape", shape=self.shape)
         if self.data.dtype != self.kind.word_dtype or self.data.ndim != 1:
-            raise ViewError("tensor data must be a flat array of the kind's word dtype",
-                            kind=self.kind.name, dtype=str(self.data.dtype))
+            raise ViewError(
+                "tensor data must be a flat array of the kind's word dtype",
+                kind=self.kind.name,
+                dtype=str(self.data.dtype),
+            )
         count = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
         if count != self.data.size:
-            raise ViewError("shape does not match the number of stored words",
-                            shape=self.shape, words=self.data.size)
+            raise ViewError(
+                "shape does not match the number of stored words",
+                shape=self.shape,
+                words=self.data.size,
+            )
         if not self.data.flags.c_contiguous:
             raise ViewError("tensor data must be contiguous", kind=self.kind.name)
 
@@ -179,8 +202,9 @@ class Tensor:
         k = _kind_of(array, kind)
         nbytes = DTYPE_BYTES[k.dtype]
         if array.dtype.itemsize != nbytes:
-            raise ViewError("array itemsize does not match the kind", kind=k.name,
-                            itemsize=array.dtype.itemsize)
+            raise ViewError(
+                "array itemsize does not match the kind", kind=k.name, itemsize=array.dtype.itemsize
+            )
         data = np.ascontiguousarray(array).reshape(-1).view(k.word_dtype)
         return cls(k, tuple(array.shape), data)
 
@@ -203,8 +227,9 @@ class View(Mapping[str, Tensor]):
     :func:`rollpatch.patch.apply` (which updates them) or after :meth:`invalidate`.
     """
 
-    def __init__(self, tensors: Mapping[str, Tensor] | None = None,
-                 metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, tensors: Mapping[str, Tensor] | None = None, metadata: Mapping[str, str] | None = None
+    ) -> None:
         self._tensors: dict[str, Tensor] = dict(tensors or {})
         self._digests: dict[str, str] = {}
         self._legacy: dict[str, str] = {}  # rp.blake3.v1 digests (patch format 1)
@@ -299,11 +324,22 @@ def _numpy_dtype(dtype: str) -> np.dtype:
     import ml_dtypes
 
     table = {
-        "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-        "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-        "F8_E8M0": ml_dtypes.float8_e8m0fnu, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_,
-        "U16": np.uint16, "I16": np.int16, "U32": np.uint32, "I32": np.int32,
-        "U64": np.uint64, "I64": np.int64,
+        "BF16": ml_dtypes.bfloat16,
+        "F16": np.float16,
+        "F32": np.float32,
+        "F64": np.float64,
+        "F8_E4M3": ml_dtypes.float8_e4m3fn,
+        "F8_E5M2": ml_dtypes.float8_e5m2,
+        "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+        "U8": np.uint8,
+        "I8": np.int8,
+        "BOOL": np.bool_,
+        "U16": np.uint16,
+        "I16": np.int16,
+        "U32": np.uint32,
+        "I32": np.int32,
+        "U64": np.uint64,
+        "I64": np.int64,
     }
     return np.dtype(table[dtype])
 
@@ -314,12 +350,25 @@ def _kind_of(array: np.ndarray, kind: str | Kind | None) -> Kind:
     if kind is not None:
         return get_kind(kind)
     name = {
-        "bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64",
-        "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e8m0fnu": "e8m0",
-        "uint8": "u8", "int8": "i8", "bool": "bool", "uint16": "u16", "int16": "i16",
-        "uint32": "u32", "int32": "i32", "uint64": "u64", "int64": "i64",
+        "bfloat16": "bf16",
+        "float16": "f16",
+        "float32": "f32",
+        "float64": "f64",
+        "float8_e4m3fn": "e4m3",
+        "float8_e5m2": "e5m2",
+        "float8_e8m0fnu": "e8m0",
+        "uint8": "u8",
+        "int8": "i8",
+        "bool": "bool",
+        "uint16": "u16",
+        "int16": "i16",
+        "uint32": "u32",
+        "int32": "i32",
+        "uint64": "u64",
+        "int64": "i64",
     }.get(array.dtype.name)
     if name is None:
-        raise ViewError(f"no served kind for numpy dtype {array.dtype}",
-                        hint="pass kind= explicitly")
+        raise ViewError(
+            f"no served kind for numpy dtype {array.dtype}", hint="pass kind= explicitly"
+        )
     return get_kind(name)

@@ -59,8 +59,11 @@ def main(version: int) -> None:
         base = a
         blob = encode(diff(a, b, digest=algo), a, version=version)
         (here / f"{name}.rpatch").write_bytes(blob)
-        out[name] = {"target": b.digest(algo), "b3": blake3.blake3(blob).hexdigest(),
-                     "bytes": len(blob)}
+        out[name] = {
+            "target": b.digest(algo),
+            "b3": blake3.blake3(blob).hexdigest(),
+            "bytes": len(blob),
+        }
     assert base is not None
     save_view(base, here / "base.safetensors")
     out["base"] = {"root": base.digest(algo)}

@@ -22,8 +22,14 @@ from ..errors import PatchError
 from ..patch import Patch, TensorPatch
 from ..view import View
 
-__all__ = ["BoundAccumulator", "binary_bits", "entropy_bits", "histogram", "iid_bound_bits",
-           "xor_zstd"]
+__all__ = [
+    "BoundAccumulator",
+    "binary_bits",
+    "entropy_bits",
+    "histogram",
+    "iid_bound_bits",
+    "xor_zstd",
+]
 
 #: zstd level of the XOR baseline.
 XOR_ZSTD_LEVEL = 3
@@ -69,8 +75,9 @@ class BoundAccumulator:
         if tp is None:
             return
         if tp.op != "delta" or tp.new is None or tp.old is None:
-            raise PatchError("the i.i.d. bound needs a same-layout diff (delta ops only)",
-                             tensor=name, op=tp.op)
+            raise PatchError(
+                "the i.i.d. bound needs a same-layout diff (delta ops only)", tensor=name, op=tp.op
+            )
         d = tp.new.astype(np.int64) - tp.old.astype(np.int64)
         u, c = histogram(d)
         self.k += d.size

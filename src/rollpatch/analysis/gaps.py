@@ -31,7 +31,7 @@ GRIDS: dict[str, tuple[int, int, int]] = {"bf16": (7, 0xFF, 127 + 7), "fp16": (1
 QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99, 0.999)
 
 _PER_BINADE = 16
-_LO, _HI = -48, 24                      # log2(r) range of the histogram; outside is clipped
+_LO, _HI = -48, 24  # log2(r) range of the histogram; outside is clipped
 _NBINS = (_HI - _LO) * _PER_BINADE
 _CHUNK = 1 << 20
 
@@ -59,7 +59,7 @@ class GapStats:
         o, n = to_float32(old).reshape(-1), to_float32(new).reshape(-1)
         shift, mask, offset = GRIDS[self.grid]
         for s in range(0, o.size, _CHUNK):
-            oc, nc = o[s:s + _CHUNK], n[s:s + _CHUNK]
+            oc, nc = o[s : s + _CHUNK], n[s : s + _CHUNK]
             e = (_served_bits(self.grid, oc) >> shift) & mask
             with np.errstate(invalid="ignore", over="ignore"):
                 d = np.abs(nc.astype(np.float64) - oc.astype(np.float64))
@@ -81,8 +81,7 @@ class GapStats:
         self.p_change += float(np.minimum(pos, 1.0).sum())
         self.max = max(self.max, float(pos.max()))
         b = np.floor((np.log2(pos) - _LO) * _PER_BINADE)
-        self.counts += np.bincount(np.clip(b, 0, _NBINS - 1).astype(np.int64),
-                                   minlength=_NBINS)
+        self.counts += np.bincount(np.clip(b, 0, _NBINS - 1).astype(np.int64), minlength=_NBINS)
 
     def merge(self, other: GapStats) -> None:
         self.elements += other.elements
@@ -115,10 +114,13 @@ class GapStats:
             return x / n if n else None
 
         return {
-            "grid": self.grid, "elements": n, "zero_updates": self.zero,
+            "grid": self.grid,
+            "elements": n,
+            "zero_updates": self.zero,
             "nonfinite_skipped": self.nonfinite,
             "quantiles": {f"p{100 * q:g}": self.quantile(q) for q in QUANTILES},
             "max": self.max,
-            "frac_gt_half": frac(self.over_half), "frac_gt_one": frac(self.over_one),
+            "frac_gt_half": frac(self.over_half),
+            "frac_gt_one": frac(self.over_one),
             "expected_changed": frac(self.p_change),
         }

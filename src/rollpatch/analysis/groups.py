@@ -29,17 +29,41 @@ __all__ = ["GROUPS", "tensor_group"]
 GROUPS: tuple[str, ...] = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 
 _LN = re.compile(r"^ln(_?[0-9a-z])?$")
-_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "wq", "wk",
-         "wv", "wo", "query", "key", "value"}
-_MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3", "fc1", "fc2",
-        "c_fc", "dense_h_to_4h", "dense_4h_to_h"}
+_ATTN = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "query_key_value",
+    "wq",
+    "wk",
+    "wv",
+    "wo",
+    "query",
+    "key",
+    "value",
+}
+_MLP = {
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+    "w1",
+    "w2",
+    "w3",
+    "fc1",
+    "fc2",
+    "c_fc",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+}
 
 
 def tensor_group(name: str) -> str:
     """The group (one of :data:`GROUPS`) a tensor belongs to, by its name (module doc)."""
     segs = name.lower().split(".")
-    if any(s in ("lm_head", "embed_out") for s in segs) or (segs[0] == "output"
-                                                           and len(segs) == 2):
+    if any(s in ("lm_head", "embed_out") for s in segs) or (segs[0] == "output" and len(segs) == 2):
         return "lm_head"
     if any("norm" in s or _LN.match(s) for s in segs):
         return "norms"
@@ -47,7 +71,8 @@ def tensor_group(name: str) -> str:
         return "embeddings"
     if any("attn" in s or "attention" in s or s in _ATTN for s in segs):
         return "attention"
-    if any("mlp" in s or "ffn" in s or "feed_forward" in s or "expert" in s or s in _MLP
-           for s in segs):
+    if any(
+        "mlp" in s or "ffn" in s or "feed_forward" in s or "expert" in s or s in _MLP for s in segs
+    ):
         return "mlp"
     return "other"

@@ -20,9 +20,10 @@ def require_matplotlib() -> Any:
     try:
         from matplotlib import figure
     except ImportError:
-        raise ConfigError("--plot needs matplotlib, which is not installed",
-                          hint="pip install 'rollpatch[plot]' (or pip install matplotlib), "
-                               "or drop --plot") from None
+        raise ConfigError(
+            "--plot needs matplotlib, which is not installed",
+            hint="pip install 'rollpatch[plot]' (or pip install matplotlib), or drop --plot",
+        ) from None
     return figure
 
 
@@ -37,30 +38,77 @@ def write_plot(a: Analysis, path: str | os.PathLike[str]) -> None:
     steps = [p.index + 1 for p in a.pairs]
     labels = [f"{p.index}→{p.index + 1}" for p in a.pairs]
     for f in a.formats:
-        line, = ax_chg.plot(steps, [100 * (p.formats[f].changed_frac or 0) for p in a.pairs],
-                            "o-", label=f)
+        (line,) = ax_chg.plot(
+            steps, [100 * (p.formats[f].changed_frac or 0) for p in a.pairs], "o-", label=f
+        )
         if f in a.pairs[0].gaps:
-            ax_chg.plot(steps, [100 * (p.gaps[f]["expected_changed"] or 0) for p in a.pairs],
-                        ":", color=line.get_color(), label=f"{f}: rounding model")
-        ax_bytes.plot(steps, [p.formats[f].patch_bytes for p in a.pairs], "o-",
-                      color=line.get_color(), label=f"{f} patch")
-        ax_bytes.plot(steps, [p.formats[f].xor_bytes for p in a.pairs], "s--",
-                      color=line.get_color(), alpha=0.6, label=f"{f} XOR+zstd-3")
+            ax_chg.plot(
+                steps,
+                [100 * (p.gaps[f]["expected_changed"] or 0) for p in a.pairs],
+                ":",
+                color=line.get_color(),
+                label=f"{f}: rounding model",
+            )
+        ax_bytes.plot(
+            steps,
+            [p.formats[f].patch_bytes for p in a.pairs],
+            "o-",
+            color=line.get_color(),
+            label=f"{f} patch",
+        )
+        ax_bytes.plot(
+            steps,
+            [p.formats[f].xor_bytes for p in a.pairs],
+            "s--",
+            color=line.get_color(),
+            alpha=0.6,
+            label=f"{f} XOR+zstd-3",
+        )
         ax_bytes.axhline(a.view_bytes[f], color=line.get_color(), lw=0.8, alpha=0.5)
-        ax_bytes.annotate(f"full {f} view", (steps[0], a.view_bytes[f]), fontsize=8,
-                          va="bottom", color=line.get_color())
+        ax_bytes.annotate(
+            f"full {f} view",
+            (steps[0], a.view_bytes[f]),
+            fontsize=8,
+            va="bottom",
+            color=line.get_color(),
+        )
         ks = [pt.k for pt in a.lags[f]]
-        ax_lag.plot(ks, [100 * pt.changed / pt.elements for pt in a.lags[f]], "o-",
-                    color=line.get_color(), label=f"{f}: one patch 0→k")
-        ax_lag.plot(ks, [100 * pt.steps_changed / pt.elements for pt in a.lags[f]], "--",
-                    color=line.get_color(), label=f"{f}: sum of k steps")
-        ax_lagb.plot(ks, [pt.patch_bytes for pt in a.lags[f]], "o-", color=line.get_color(),
-                     label=f"{f}: one patch 0→k")
-        ax_lagb.plot(ks, [pt.steps_patch_bytes for pt in a.lags[f]], "--",
-                     color=line.get_color(), label=f"{f}: k single patches")
+        ax_lag.plot(
+            ks,
+            [100 * pt.changed / pt.elements for pt in a.lags[f]],
+            "o-",
+            color=line.get_color(),
+            label=f"{f}: one patch 0→k",
+        )
+        ax_lag.plot(
+            ks,
+            [100 * pt.steps_changed / pt.elements for pt in a.lags[f]],
+            "--",
+            color=line.get_color(),
+            label=f"{f}: sum of k steps",
+        )
+        ax_lagb.plot(
+            ks,
+            [pt.patch_bytes for pt in a.lags[f]],
+            "o-",
+            color=line.get_color(),
+            label=f"{f}: one patch 0→k",
+        )
+        ax_lagb.plot(
+            ks,
+            [pt.steps_patch_bytes for pt in a.lags[f]],
+            "--",
+            color=line.get_color(),
+            label=f"{f}: k single patches",
+        )
         ax_lagb.axhline(a.view_bytes[f], color=line.get_color(), lw=0.8, alpha=0.5)
-        ax_lagb.annotate(f"full {f} view", (ks[0], a.view_bytes[f]), fontsize=8,
-                         va="bottom", color=line.get_color())
+        ax_lagb.annotate(
+            f"full {f} view",
+            (ks[0], a.view_bytes[f]),
+            fontsize=8,
+            va="bottom",
+            color=line.get_color(),
+        )
     for ax in (ax_chg, ax_bytes):
         ax.set_xticks(steps, labels, rotation=45 if len(steps) > 12 else 0)
         ax.set_xlabel("transition")

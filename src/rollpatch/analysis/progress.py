@@ -18,8 +18,9 @@ _P = TypeVar("_P", bound="Progress")
 class Progress:
     """``with Progress(total, "analyze") as bar: bar.stage("what"); ...; bar.update()``."""
 
-    def __init__(self, total: int, desc: str, *, enabled: bool | None = None,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total: int, desc: str, *, enabled: bool | None = None, stream: TextIO | None = None
+    ) -> None:
         self.total, self.desc, self.done = total, desc, 0
         self.stream = stream if stream is not None else sys.stderr
         if enabled is None:
@@ -34,8 +35,14 @@ class Progress:
             except ImportError:
                 pass
             else:
-                self._tqdm = tqdm(total=total, desc=desc, file=self.stream, unit="step",
-                                  dynamic_ncols=True, leave=False)
+                self._tqdm = tqdm(
+                    total=total,
+                    desc=desc,
+                    file=self.stream,
+                    unit="step",
+                    dynamic_ncols=True,
+                    leave=False,
+                )
 
     def __enter__(self: _P) -> _P:  # noqa: PYI019 (typing.Self needs 3.11)
         return self
@@ -63,8 +70,10 @@ class Progress:
         width = 24
         filled = width * min(self.done, self.total) // max(self.total, 1)
         elapsed = time.monotonic() - self._t0
-        self.stream.write(f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] "
-                          f"{self.done}/{self.total} {elapsed:5.0f}s {self._note[:40]:<40}")
+        self.stream.write(
+            f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] "
+            f"{self.done}/{self.total} {elapsed:5.0f}s {self._note[:40]:<40}"
+        )
         self.stream.flush()
 
     def close(self) -> None:

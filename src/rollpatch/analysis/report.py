@@ -9,8 +9,14 @@ from .results import Analysis, ratio
 
 __all__ = ["human_bytes", "render"]
 
-_GROUP_LABELS = {"embeddings": "embed", "attention": "attn", "mlp": "mlp", "norms": "norms",
-                 "lm_head": "lm_head", "other": "other"}
+_GROUP_LABELS = {
+    "embeddings": "embed",
+    "attention": "attn",
+    "mlp": "mlp",
+    "norms": "norms",
+    "lm_head": "lm_head",
+    "other": "other",
+}
 
 
 def human_bytes(n: float | None) -> str:
@@ -34,12 +40,14 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
     """Fixed-width table; the first ``left`` columns left-aligned, the rest right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return [line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
@@ -50,15 +58,27 @@ def render(a: Analysis) -> str:
     out += ["", "Changed values and patch size per transition"]
     out += _steps(a)
     for f in a.formats:
-        out += ["", (f"Changed % by tensor group, {f} (last rows: each group's share of the "
-                     "view and of the patch)")]
+        out += [
+            "",
+            (
+                f"Changed % by tensor group, {f} (last rows: each group's share of the "
+                "view and of the patch)"
+            ),
+        ]
         out += _groups(a, f)
-    out += ["", ("Update size vs rounding gap: r = |master_new - master_old| / ulp of the "
-                 "served old value")]
+    out += [
+        "",
+        (
+            "Update size vs rounding gap: r = |master_new - master_old| / ulp of the "
+            "served old value"
+        ),
+    ]
     out += _gaps(a)
     for f in a.formats:
-        out += ["", (f"Lag curve, {f}: one patch 0→k vs the k single-step patches "
-                     "(ratio < 1: sub-linear)")]
+        out += [
+            "",
+            (f"Lag curve, {f}: one patch 0→k vs the k single-step patches (ratio < 1: sub-linear)"),
+        ]
         out += _lag(a, f)
     out += ["", "Summary"]
     out += [_summary(a, f) for f in a.formats]
@@ -66,12 +86,17 @@ def render(a: Analysis) -> str:
 
 
 def _head(a: Analysis) -> list[str]:
-    out = [(f"rollpatch analyze: {len(a.checkpoints)} checkpoints ({len(a.pairs)} "
+    out = [
+        (
+            f"rollpatch analyze: {len(a.checkpoints)} checkpoints ({len(a.pairs)} "
             f"transitions), {a.params:,} parameters in {a.tensors} tensors, "
-            f"scales={a.scales}, {a.seconds:.1f}s")]
+            f"scales={a.scales}, {a.seconds:.1f}s"
+        )
+    ]
     out += [f"  [{i}] {p}" for i, p in enumerate(a.checkpoints)]
-    out.append("served view: " + ", ".join(f"{f} {human_bytes(a.view_bytes[f])}"
-                                            for f in a.formats))
+    out.append(
+        "served view: " + ", ".join(f"{f} {human_bytes(a.view_bytes[f])}" for f in a.formats)
+    )
     if a.skipped:
         names = sorted(a.skipped)
         shown = ", ".join(f"{n} ({a.skipped[n]})" for n in names[:5])
@@ -85,24 +110,53 @@ def _steps(a: Analysis) -> list[str]:
     for p in a.pairs:
         for f in a.formats:
             s = p.formats[f]
-            rows.append([f"{p.index}→{p.index + 1}", f, _pct(s.changed_frac),
-                         human_bytes(s.patch_bytes), _pct(ratio(s.patch_bytes, s.view_bytes)),
-                         _num(ratio(8 * s.patch_bytes, s.bound_bits)),
-                         _num(ratio(s.xor_bytes, s.patch_bytes), ".2f"),
-                         human_bytes(s.xor_bytes), f"{s.seconds:.1f}s"])
+            rows.append(
+                [
+                    f"{p.index}→{p.index + 1}",
+                    f,
+                    _pct(s.changed_frac),
+                    human_bytes(s.patch_bytes),
+                    _pct(ratio(s.patch_bytes, s.view_bytes)),
+                    _num(ratio(8 * s.patch_bytes, s.bound_bits)),
+                    _num(ratio(s.xor_bytes, s.patch_bytes), ".2f"),
+                    human_bytes(s.xor_bytes),
+                    f"{s.seconds:.1f}s",
+                ]
+            )
     for f in a.formats:
         t = a.totals(f)
-        rows.append(["mean", f, _pct(t["mean_changed_frac"]), human_bytes(t["mean_patch_bytes"]),
-                     _pct(t["mean_patch_frac_of_view"]), _num(t["patch_to_bound"]),
-                     _num(ratio(1, t["patch_to_xor"] or 0), ".2f"),
-                     human_bytes(t["mean_xor_zstd3_bytes"]), ""])
-    out = _table(["step", "format", "changed %", "patch", "% of view", "patch/bound",
-                  "xor/patch", "xor+zstd3", "time"], rows, left=2)
+        rows.append(
+            [
+                "mean",
+                f,
+                _pct(t["mean_changed_frac"]),
+                human_bytes(t["mean_patch_bytes"]),
+                _pct(t["mean_patch_frac_of_view"]),
+                _num(t["patch_to_bound"]),
+                _num(ratio(1, t["patch_to_xor"] or 0), ".2f"),
+                human_bytes(t["mean_xor_zstd3_bytes"]),
+                "",
+            ]
+        )
+    out = _table(
+        [
+            "step",
+            "format",
+            "changed %",
+            "patch",
+            "% of view",
+            "patch/bound",
+            "xor/patch",
+            "xor+zstd3",
+            "time",
+        ],
+        rows,
+        left=2,
+    )
     out += [
         "changed %    served values (elements; 4-bit codes count one each) that differ",
         "patch        len(rollpatch.patch.encode(diff(old, new), old)), header included",
-        ("patch/bound  patch bits / i.i.d. bound n*H(k/n) + k*H(d) (< 1: the context model "
-         "wins)"),
+        ("patch/bound  patch bits / i.i.d. bound n*H(k/n) + k*H(d) (< 1: the context model wins)"),
         "xor/patch    how many times larger the XOR+zstd-3 baseline (Stitch, slime) is",
     ]
     return out
@@ -113,11 +167,15 @@ def _groups(a: Analysis, fmt: str) -> list[str]:
     rows = []
     for p in a.pairs:
         s = p.formats[fmt]
-        rows.append([f"{p.index}→{p.index + 1}", _pct(s.changed_frac)]
-                    + [_pct(ratio(s.groups[g].changed, s.groups[g].elements)) for g in present])
+        rows.append(
+            [f"{p.index}→{p.index + 1}", _pct(s.changed_frac)]
+            + [_pct(ratio(s.groups[g].changed, s.groups[g].elements)) for g in present]
+        )
     first = a.pairs[0].formats[fmt]
-    rows.append(["elements %", "100"] + [_pct(ratio(first.groups[g].elements, first.elements), 2)
-                                         for g in present])
+    rows.append(
+        ["elements %", "100"]
+        + [_pct(ratio(first.groups[g].elements, first.elements), 2) for g in present]
+    )
     payload = {g: sum(p.formats[fmt].groups[g].payload_bytes for p in a.pairs) for g in present}
     total = sum(payload.values())
     rows.append(["payload %", "100"] + [_pct(ratio(payload[g], total), 2) for g in present])
@@ -132,13 +190,20 @@ def _gaps(a: Analysis) -> list[str]:
         for grid in grids:
             g = p.gaps[grid]
             measured = p.formats[grid].changed_frac if grid in p.formats else None
-            rows.append([f"{p.index}→{p.index + 1}", grid]
-                        + [_num(g["quantiles"][q], ".3g") for q in qs]
-                        + [_num(g["max"], ".3g"), _pct(g["frac_gt_half"], 2),
-                           _pct(g["frac_gt_one"], 2), _pct(g["expected_changed"]),
-                           _pct(measured)])
-    out = _table(["step", "grid", *qs, "max", "r>0.5 %", "r>1 %", "model chg %",
-                  "measured %"], rows, left=2)
+            rows.append(
+                [f"{p.index}→{p.index + 1}", grid]
+                + [_num(g["quantiles"][q], ".3g") for q in qs]
+                + [
+                    _num(g["max"], ".3g"),
+                    _pct(g["frac_gt_half"], 2),
+                    _pct(g["frac_gt_one"], 2),
+                    _pct(g["expected_changed"]),
+                    _pct(measured),
+                ]
+            )
+    out = _table(
+        ["step", "grid", *qs, "max", "r>0.5 %", "r>1 %", "model chg %", "measured %"], rows, left=2
+    )
     out += [
         "r < 1 for most values: the update is smaller than the gap, so the served value",
         "moves only if the master sits within r of a rounding boundary: probability min(r, 1)",
@@ -152,23 +217,30 @@ def _gaps(a: Analysis) -> list[str]:
 def _lag(a: Analysis, fmt: str) -> list[str]:
     rows = []
     for pt in a.lags[fmt]:
-        rows.append([str(pt.k), _pct(ratio(pt.changed, pt.elements)),
-                     _pct(ratio(pt.steps_changed, pt.elements)),
-                     _num(ratio(pt.changed, pt.steps_changed)), human_bytes(pt.patch_bytes),
-                     human_bytes(pt.steps_patch_bytes),
-                     _num(ratio(pt.patch_bytes, pt.steps_patch_bytes))])
-    return _table(["k", "changed %", "k steps %", "ratio", "patch 0→k", "k patches", "ratio"],
-                  rows)
+        rows.append(
+            [
+                str(pt.k),
+                _pct(ratio(pt.changed, pt.elements)),
+                _pct(ratio(pt.steps_changed, pt.elements)),
+                _num(ratio(pt.changed, pt.steps_changed)),
+                human_bytes(pt.patch_bytes),
+                human_bytes(pt.steps_patch_bytes),
+                _num(ratio(pt.patch_bytes, pt.steps_patch_bytes)),
+            ]
+        )
+    return _table(["k", "changed %", "k steps %", "ratio", "patch 0→k", "k patches", "ratio"], rows)
 
 
 def _summary(a: Analysis, fmt: str) -> str:
     t = a.totals(fmt)
     lag = a.lags[fmt][-1]
-    return (f"{fmt}: a transition changes {_pct(t['mean_changed_frac'])}% of served values on "
-            f"average; rollpatch ships {human_bytes(t['mean_patch_bytes'])} per transition "
-            f"({_pct(t['mean_patch_frac_of_view'])}% of the {human_bytes(t['view_bytes'])} "
-            f"view, {_num(t['patch_to_bound'])}x the i.i.d. bound); XOR+zstd-3 would ship "
-            f"{human_bytes(t['mean_xor_zstd3_bytes'])} "
-            f"({_num(ratio(1, t['patch_to_xor'] or 0), '.2f')}x). A follower {lag.k} versions "
-            f"behind needs {human_bytes(lag.patch_bytes)} as one patch, "
-            f"{human_bytes(lag.steps_patch_bytes)} as a chain.")
+    return (
+        f"{fmt}: a transition changes {_pct(t['mean_changed_frac'])}% of served values on "
+        f"average; rollpatch ships {human_bytes(t['mean_patch_bytes'])} per transition "
+        f"({_pct(t['mean_patch_frac_of_view'])}% of the {human_bytes(t['view_bytes'])} "
+        f"view, {_num(t['patch_to_bound'])}x the i.i.d. bound); XOR+zstd-3 would ship "
+        f"{human_bytes(t['mean_xor_zstd3_bytes'])} "
+        f"({_num(ratio(1, t['patch_to_xor'] or 0), '.2f')}x). A follower {lag.k} versions "
+        f"behind needs {human_bytes(lag.patch_bytes)} as one patch, "
+        f"{human_bytes(lag.steps_patch_bytes)} as a chain."
+    )

@@ -26,9 +26,12 @@ class GroupStep:
     payload_bytes: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"elements": self.elements, "changed": self.changed,
-                "changed_frac": ratio(self.changed, self.elements),
-                "payload_bytes": self.payload_bytes}
+        return {
+            "elements": self.elements,
+            "changed": self.changed,
+            "changed_frac": ratio(self.changed, self.elements),
+            "payload_bytes": self.payload_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,14 @@ class FormatStep:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "elements": self.elements, "changed": self.changed,
-            "changed_frac": self.changed_frac, "view_bytes": self.view_bytes,
+            "elements": self.elements,
+            "changed": self.changed,
+            "changed_frac": self.changed_frac,
+            "view_bytes": self.view_bytes,
             "patch_bytes": self.patch_bytes,
             "patch_frac_of_view": ratio(self.patch_bytes, self.view_bytes),
-            "bound_bytes": self.bound_bits / 8, "bound_tensor_bytes": self.bound_tensor_bits / 8,
+            "bound_bytes": self.bound_bits / 8,
+            "bound_tensor_bytes": self.bound_tensor_bits / 8,
             "patch_to_bound": ratio(8 * self.patch_bytes, self.bound_bits),
             "xor_zstd3_bytes": self.xor_bytes,
             "patch_to_xor": ratio(self.patch_bytes, self.xor_bytes),
@@ -76,12 +82,15 @@ class PairResult:
 
     index: int
     formats: dict[str, FormatStep]
-    gaps: dict[str, dict[str, Any]]          # grid → GapStats.summary(), plus "groups"
+    gaps: dict[str, dict[str, Any]]  # grid → GapStats.summary(), plus "groups"
 
     def to_json(self) -> dict[str, Any]:
-        return {"from": self.index, "to": self.index + 1,
-                "formats": {f: s.to_json() for f, s in self.formats.items()},
-                "update_over_gap": self.gaps}
+        return {
+            "from": self.index,
+            "to": self.index + 1,
+            "formats": {f: s.to_json() for f, s in self.formats.items()},
+            "update_over_gap": self.gaps,
+        }
 
 
 @dataclass(frozen=True)
@@ -92,18 +101,23 @@ class LagPoint:
     elements: int
     changed: int
     patch_bytes: int
-    steps_changed: int        # sum of the changed counts of transitions 0 .. k-1
-    steps_patch_bytes: int    # sum of their patch bytes
+    steps_changed: int  # sum of the changed counts of transitions 0 .. k-1
+    steps_patch_bytes: int  # sum of their patch bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {"k": self.k, "to": self.k, "elements": self.elements, "changed": self.changed,
-                "changed_frac": ratio(self.changed, self.elements),
-                "patch_bytes": self.patch_bytes,
-                "sum_of_steps_changed": self.steps_changed,
-                "sum_of_steps_changed_frac": ratio(self.steps_changed, self.elements),
-                "sum_of_steps_patch_bytes": self.steps_patch_bytes,
-                "changed_to_sum": ratio(self.changed, self.steps_changed),
-                "patch_bytes_to_sum": ratio(self.patch_bytes, self.steps_patch_bytes)}
+        return {
+            "k": self.k,
+            "to": self.k,
+            "elements": self.elements,
+            "changed": self.changed,
+            "changed_frac": ratio(self.changed, self.elements),
+            "patch_bytes": self.patch_bytes,
+            "sum_of_steps_changed": self.steps_changed,
+            "sum_of_steps_changed_frac": ratio(self.steps_changed, self.elements),
+            "sum_of_steps_patch_bytes": self.steps_patch_bytes,
+            "changed_to_sum": ratio(self.changed, self.steps_changed),
+            "patch_bytes_to_sum": ratio(self.patch_bytes, self.steps_patch_bytes),
+        }
 
 
 @dataclass
@@ -116,10 +130,10 @@ class Analysis:
     tensors: int
     params: int
     group_params: dict[str, int]
-    skipped: dict[str, str] = field(default_factory=dict)     # name → why it was left out
+    skipped: dict[str, str] = field(default_factory=dict)  # name → why it was left out
     view_bytes: dict[str, int] = field(default_factory=dict)  # format → served view bytes
     pairs: list[PairResult] = field(default_factory=list)
-    lags: dict[str, list[LagPoint]] = field(default_factory=dict)   # format → k = 1, 2, 4...
+    lags: dict[str, list[LagPoint]] = field(default_factory=dict)  # format → k = 1, 2, 4...
     seconds: float = 0.0
 
     def totals(self, fmt: str) -> dict[str, Any]:
@@ -131,17 +145,28 @@ class Analysis:
         bound = sum(s.bound_bits for s in steps)
         changed = sum(s.changed for s in steps)
         elements = sum(s.elements for s in steps)
-        return {"transitions": n, "mean_changed_frac": ratio(changed, elements),
-                "mean_patch_bytes": ratio(patch, n), "mean_xor_zstd3_bytes": ratio(xor, n),
-                "view_bytes": self.view_bytes.get(fmt),
-                "mean_patch_frac_of_view": ratio(patch, n * self.view_bytes.get(fmt, 0)),
-                "patch_to_bound": ratio(8 * patch, bound), "patch_to_xor": ratio(patch, xor)}
+        return {
+            "transitions": n,
+            "mean_changed_frac": ratio(changed, elements),
+            "mean_patch_bytes": ratio(patch, n),
+            "mean_xor_zstd3_bytes": ratio(xor, n),
+            "view_bytes": self.view_bytes.get(fmt),
+            "mean_patch_frac_of_view": ratio(patch, n * self.view_bytes.get(fmt, 0)),
+            "patch_to_bound": ratio(8 * patch, bound),
+            "patch_to_xor": ratio(patch, xor),
+        }
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "checkpoints": self.checkpoints, "formats": self.formats, "scales": self.scales,
-            "model": {"tensors": self.tensors, "params": self.params,
-                      "group_params": self.group_params, "skipped": self.skipped},
+            "checkpoints": self.checkpoints,
+            "formats": self.formats,
+            "scales": self.scales,
+            "model": {
+                "tensors": self.tensors,
+                "params": self.params,
+                "group_params": self.group_params,
+                "skipped": self.skipped,
+            },
             "view_bytes": self.view_bytes,
             "pairs": [p.to_json() for p in self.pairs],
             "lag": {f: [pt.to_json() for pt in pts] for f, pts in self.lags.items()},

@@ -44,9 +44,14 @@ def lag_points(transitions: int) -> list[int]:
     return ks
 
 
-def analyze_run(checkpoints: Sequence[str | os.PathLike[str]], *,
-                formats: Sequence[str] = ("bf16",), scales: str = "bf16",
-                policy: QuantPolicy | None = None, progress: bool | None = None) -> Analysis:
+def analyze_run(
+    checkpoints: Sequence[str | os.PathLike[str]],
+    *,
+    formats: Sequence[str] = ("bf16",),
+    scales: str = "bf16",
+    policy: QuantPolicy | None = None,
+    progress: bool | None = None,
+) -> Analysis:
     """Measure every consecutive transition of ``checkpoints`` under each format.
 
     A checkpoint is a safetensors or torch state-dict file, or a folder of shards (see
@@ -60,21 +65,27 @@ def analyze_run(checkpoints: Sequence[str | os.PathLike[str]], *,
     """
     paths = [str(p) for p in checkpoints]
     if len(paths) < 2:
-        raise ConfigError("analyze needs at least two checkpoints", count=len(paths),
-                          hint="pass consecutive checkpoints of one run, oldest first")
+        raise ConfigError(
+            "analyze needs at least two checkpoints",
+            count=len(paths),
+            hint="pass consecutive checkpoints of one run, oldest first",
+        )
     fmts = list(dict.fromkeys(formats))
     if not fmts:
         raise ConfigError("analyze needs at least one format", hint="e.g. formats=('bf16',)")
     for f in fmts:
         get_format(f)
     if scales not in SCALE_MODES:
-        raise ConfigError(f"unknown scale mode {scales!r}",
-                          hint=f"use one of {', '.join(SCALE_MODES)}")
+        raise ConfigError(
+            f"unknown scale mode {scales!r}", hint=f"use one of {', '.join(SCALE_MODES)}"
+        )
     walk = _Walk(paths, fmts, scales, policy)
     t_start = time.perf_counter()
     workers = max(1, min(4, os.cpu_count() or 1))
-    with Progress(walk.units, "analyze", enabled=progress) as bar, \
-            ThreadPoolExecutor(workers) as pool:
+    with (
+        Progress(walk.units, "analyze", enabled=progress) as bar,
+        ThreadPoolExecutor(workers) as pool,
+    ):
         out = walk.start(bar)
         for i in range(1, len(paths)):
             walk.transition(i, out, bar, pool)
@@ -85,8 +96,9 @@ def analyze_run(checkpoints: Sequence[str | os.PathLike[str]], *,
 class _Walk:
     """The state carried from one transition to the next (see the module docstring)."""
 
-    def __init__(self, paths: list[str], fmts: list[str], scales: str,
-                 policy: QuantPolicy | None) -> None:
+    def __init__(
+        self, paths: list[str], fmts: list[str], scales: str, policy: QuantPolicy | None
+    ) -> None:
         self.paths, self.fmts, self.scales = paths, fmts, scales
         self.cast = {f: _caster(f, scales, policy) for f in fmts}
         self.lags = [k for k in lag_points(len(paths) - 1) if k > 1]
@@ -103,8 +115,7 @@ class _Walk:
         bar.stage(f"load + cast {os.path.basename(self.paths[0])}")
         self.prev_m, skipped = _floats(load_checkpoint(self.paths[0]))
         if not self.prev_m:
-            raise ConfigError("the checkpoint has no float tensors to serve",
-                              path=self.paths[0])
+            raise ConfigError("the checkpoint has no float tensors to serve", path=self.paths[0])
         self.layout = {n: a.shape for n, a in self.prev_m.items()}
         group_params = {g: 0 for g in GROUPS}
         for n, a in self.prev_m.items():
@@ -112,14 +123,19 @@ class _Walk:
         self.first = {f: self.cast[f](self.prev_m, None) for f in self.fmts}
         self.prev_v = dict(self.first)
         bar.update()
-        return Analysis(checkpoints=self.paths, formats=self.fmts, scales=self.scales,
-                        tensors=len(self.layout), params=sum(group_params.values()),
-                        group_params=group_params, skipped=skipped,
-                        view_bytes={f: v.nbytes for f, v in self.first.items()},
-                        lags={f: [] for f in self.fmts})
+        return Analysis(
+            checkpoints=self.paths,
+            formats=self.fmts,
+            scales=self.scales,
+            tensors=len(self.layout),
+            params=sum(group_params.values()),
+            group_params=group_params,
+            skipped=skipped,
+            view_bytes={f: v.nbytes for f, v in self.first.items()},
+            lags={f: [] for f in self.fmts},
+        )
 
-    def transition(self, i: int, out: Analysis, bar: Progress, pool: ThreadPoolExecutor
-                   ) -> None:
+    def transition(self, i: int, out: Analysis, bar: Progress, pool: ThreadPoolExecutor) -> None:
         """Measure checkpoint i-1 → i (and the lag point 0 → i when i is one)."""
         bar.stage(f"{i - 1}→{i}: load {os.path.basename(self.paths[i])}, update/gap")
         cur_m, _ = _floats(load_checkpoint(self.paths[i]))
@@ -134,8 +150,9 @@ class _Walk:
             bar.update()
             if i == 1:
                 s = steps[f]
-                out.lags[f].append(LagPoint(1, s.elements, s.changed, s.patch_bytes,
-                                            s.changed, s.patch_bytes))
+                out.lags[f].append(
+                    LagPoint(1, s.elements, s.changed, s.patch_bytes, s.changed, s.patch_bytes)
+                )
             elif i in self.lags:
                 bar.stage(f"lag 0→{i}: {f} diff, encode")
                 out.lags[f].append(_lag(self.first[f], cur_v, i, out.pairs, steps[f]))
@@ -145,10 +162,12 @@ class _Walk:
         self.prev_m = cur_m
 
 
-def _caster(fmt: str, scales: str, policy: QuantPolicy | None
-            ) -> Callable[[Mapping[str, np.ndarray], View | None], View]:
+def _caster(
+    fmt: str, scales: str, policy: QuantPolicy | None
+) -> Callable[[Mapping[str, np.ndarray], View | None], View]:
     def cast(masters: Mapping[str, np.ndarray], previous: View | None) -> View:
         return cast_view(masters, fmt, policy=policy, scales=scales, previous=previous)
+
     return cast
 
 
@@ -162,8 +181,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     if not shards:
         shards = sorted(f for f in p.iterdir() if f.suffix in _TORCH_SUFFIXES and f.is_file())
     if not shards:
-        raise ConfigError("the folder holds no .safetensors or torch checkpoint files",
-                          path=str(p))
+        raise ConfigError("the folder holds no .safetensors or torch checkpoint files", path=str(p))
     out: dict[str, np.ndarray] = {}
     for shard in shards:
         for name, a in load_masters(shard).items():
@@ -186,19 +204,29 @@ def _floats(masters: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict
     return keep, skipped
 
 
-def _check_layout(layout: Mapping[str, tuple[int, ...]], masters: Mapping[str, np.ndarray],
-                  first: str, path: str) -> None:
+def _check_layout(
+    layout: Mapping[str, tuple[int, ...]], masters: Mapping[str, np.ndarray], first: str, path: str
+) -> None:
     missing = sorted(set(layout) - set(masters))
     extra = sorted(set(masters) - set(layout))
     if missing or extra:
-        raise ConfigError("checkpoints hold different tensor sets", path=path, first=first,
-                          missing=_few(missing) or None, extra=_few(extra) or None,
-                          hint="pass checkpoints of one run (same model, same naming)")
+        raise ConfigError(
+            "checkpoints hold different tensor sets",
+            path=path,
+            first=first,
+            missing=_few(missing) or None,
+            extra=_few(extra) or None,
+            hint="pass checkpoints of one run (same model, same naming)",
+        )
     reshaped = sorted(n for n, a in masters.items() if a.shape != layout[n])
     if reshaped:
-        raise ConfigError("tensor shapes differ between checkpoints", path=path, first=first,
-                          tensors=_few(reshaped),
-                          hint="pass checkpoints of one run (same model, same naming)")
+        raise ConfigError(
+            "tensor shapes differ between checkpoints",
+            path=path,
+            first=first,
+            tensors=_few(reshaped),
+            hint="pass checkpoints of one run (same model, same naming)",
+        )
 
 
 def _few(names: list[str], limit: int = 5) -> str:
@@ -206,8 +234,9 @@ def _few(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _gaps(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray],
-          grids: Sequence[str]) -> dict[str, dict]:
+def _gaps(
+    old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], grids: Sequence[str]
+) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for grid in grids:
         by_group = {g: GapStats(grid) for g in GROUPS}
@@ -216,8 +245,10 @@ def _gaps(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray],
         whole = GapStats(grid)
         for s in by_group.values():
             whole.merge(s)
-        out[grid] = {**whole.summary(),
-                     "groups": {g: s.summary() for g, s in by_group.items() if s.elements}}
+        out[grid] = {
+            **whole.summary(),
+            "groups": {g: s.summary() for g, s in by_group.items() if s.elements},
+        }
     return out
 
 
@@ -240,10 +271,18 @@ def measure(fmt: str, old: View, new: View, pool: ThreadPoolExecutor) -> FormatS
     names = sorted(new)
     xor = sum(pool.map(lambda m: len(xor_zstd(old[m].data, new[m].data)), names))
     groups = {g: GroupStep(elements[g], changed[g], payload[g]) for g in GROUPS if elements[g]}
-    return FormatStep(format=fmt, elements=n,
-                      changed=k, view_bytes=old.nbytes, patch_bytes=len(blob),
-                      bound_bits=whole, bound_tensor_bits=per, xor_bytes=xor, groups=groups,
-                      seconds=time.perf_counter() - t0)
+    return FormatStep(
+        format=fmt,
+        elements=n,
+        changed=k,
+        view_bytes=old.nbytes,
+        patch_bytes=len(blob),
+        bound_bits=whole,
+        bound_tensor_bits=per,
+        xor_bytes=xor,
+        groups=groups,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _lag(first: View, cur: View, k: int, pairs: list[PairResult], last: FormatStep) -> LagPoint:
@@ -251,5 +290,11 @@ def _lag(first: View, cur: View, k: int, pairs: list[PairResult], last: FormatSt
     blob = encode(patch, first)
     fmt = last.format
     steps = [p.formats[fmt] for p in pairs] + [last]
-    return LagPoint(k, sum(t.n_elements for t in first.values()), patch.n_changed, len(blob),
-                    sum(s.changed for s in steps[:k]), sum(s.patch_bytes for s in steps[:k]))
+    return LagPoint(
+        k,
+        sum(t.n_elements for t in first.values()),
+        patch.n_changed,
+        len(blob),
+        sum(s.changed for s in steps[:k]),
+        sum(s.patch_bytes for s in steps[:k]),
+    )

@@ -33,11 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="rollpatch",
-        description="Lossless patches over engine-visible weights for RL rollout fleets.")
+        description="Lossless patches over engine-visible weights for RL rollout fleets.",
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, netem, demo,
-                   trust):
+    for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, netem, demo, trust):
         module.register(sub)
     return parser
 

@@ -17,28 +17,56 @@ def register(sub: Any) -> None:
     from ..formats import FORMAT_NAMES
 
     p = sub.add_parser(
-        "analyze", help="measure changed values, patch sizes and the lag curve over a run",
+        "analyze",
+        help="measure changed values, patch sizes and the lag curve over a run",
         description="Per consecutive pair of master checkpoints (oldest first) and per served "
-                    "format: changed values (whole model and by tensor group), the real patch "
-                    "size against the i.i.d. bound and XOR+zstd-3, master updates against the "
-                    "rounding gap, and the lag curve. See docs/analyze.md.")
-    p.add_argument("ckpts", nargs="+", metavar="CKPT",
-                   help="master checkpoints of one run, oldest first: .safetensors, torch "
-                        "state dicts (.pt/.pth/.bin/.ckpt, needs torch), or folders of "
-                        "such shards")
-    p.add_argument("--format", action="append", choices=FORMAT_NAMES, dest="formats",
-                   metavar="FORMAT",
-                   help=f"served format (repeatable; default bf16): {', '.join(FORMAT_NAMES)}")
-    p.add_argument("--scales", default="bf16", choices=("bf16", "frozen", "fp32"),
-                   help="where quantisation scales come from (docs/formats.md)")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="quantise only tensors matching (repeatable)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="never quantise tensors matching (repeatable)")
+        "format: changed values (whole model and by tensor group), the real patch "
+        "size against the i.i.d. bound and XOR+zstd-3, master updates against the "
+        "rounding gap, and the lag curve. See docs/analyze.md.",
+    )
+    p.add_argument(
+        "ckpts",
+        nargs="+",
+        metavar="CKPT",
+        help="master checkpoints of one run, oldest first: .safetensors, torch "
+        "state dicts (.pt/.pth/.bin/.ckpt, needs torch), or folders of "
+        "such shards",
+    )
+    p.add_argument(
+        "--format",
+        action="append",
+        choices=FORMAT_NAMES,
+        dest="formats",
+        metavar="FORMAT",
+        help=f"served format (repeatable; default bf16): {', '.join(FORMAT_NAMES)}",
+    )
+    p.add_argument(
+        "--scales",
+        default="bf16",
+        choices=("bf16", "frozen", "fp32"),
+        help="where quantisation scales come from (docs/formats.md)",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="quantise only tensors matching (repeatable)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="never quantise tensors matching (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     p.add_argument("--plot", metavar="PNG", help="also write a figure (needs matplotlib)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (it is shown on stderr only when that is a terminal)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is shown on stderr only when that is a terminal)",
+    )
     p.set_defaults(func=cmd_analyze)
 
 
@@ -48,16 +76,24 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from ..formats import QuantPolicy
 
     if len(args.ckpts) < 2:
-        raise ConfigError("analyze needs at least two checkpoints", count=len(args.ckpts),
-                          hint="pass consecutive checkpoints of one run, oldest first")
+        raise ConfigError(
+            "analyze needs at least two checkpoints",
+            count=len(args.ckpts),
+            hint="pass consecutive checkpoints of one run, oldest first",
+        )
     if args.plot:
-        require_matplotlib()       # fail before the long part, not after it
+        require_matplotlib()  # fail before the long part, not after it
         parent = Path(args.plot).resolve().parent
         if not parent.is_dir():
             raise ConfigError("--plot: the output folder does not exist", path=str(parent))
     policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
-    result = analyze_run(args.ckpts, formats=args.formats or ["bf16"], scales=args.scales,
-                         policy=policy, progress=False if args.no_progress else None)
+    result = analyze_run(
+        args.ckpts,
+        formats=args.formats or ["bf16"],
+        scales=args.scales,
+        policy=policy,
+        progress=False if args.no_progress else None,
+    )
     if args.plot:
         write_plot(result, args.plot)
     if args.json:

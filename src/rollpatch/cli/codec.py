@@ -30,8 +30,9 @@ def register(sub: Any) -> None:
     p.add_argument("old")
     p.add_argument("new")
     format_args(p, FORMAT_NAMES)
-    p.add_argument("--views", action="store_true",
-                   help="OLD and NEW are served views already (no casting)")
+    p.add_argument(
+        "--views", action="store_true", help="OLD and NEW are served views already (no casting)"
+    )
     p.add_argument("-o", "--output", required=True, help="output patch file")
     p.set_defaults(func=cmd_diff)
 
@@ -50,28 +51,45 @@ def register(sub: Any) -> None:
 
 def format_args(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     p.add_argument("--format", default="bf16", choices=names, help="served format")
-    p.add_argument("--scales", default="bf16", choices=("bf16", "frozen", "fp32"),
-                   help="where quantisation scales come from (docs/formats.md)")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="quantise only tensors matching (repeatable)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="never quantise tensors matching (repeatable)")
+    p.add_argument(
+        "--scales",
+        default="bf16",
+        choices=("bf16", "frozen", "fp32"),
+        help="where quantisation scales come from (docs/formats.md)",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="quantise only tensors matching (repeatable)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="never quantise tensors matching (repeatable)",
+    )
 
 
 def _cast(path: str, args: argparse.Namespace, previous: View | None) -> View:
     from ..formats import QuantPolicy, cast_view
 
     policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
-    return cast_view(load_masters(path), args.format, policy=policy, scales=args.scales,
-                     previous=previous)
+    return cast_view(
+        load_masters(path), args.format, policy=policy, scales=args.scales, previous=previous
+    )
 
 
 def cmd_cast(args: argparse.Namespace) -> int:
     previous = load_view(args.previous) if args.previous else None
     view = _cast(args.ckpt, args, previous)
     save_view(view, args.output)
-    print(f"{args.output}: {len(view)} tensors, {view.nbytes:,} bytes, {args.format}, "
-          f"digest {view.digest()[:16]}")
+    print(
+        f"{args.output}: {len(view)} tensors, {view.nbytes:,} bytes, {args.format}, "
+        f"digest {view.digest()[:16]}"
+    )
     return 0
 
 
@@ -87,9 +105,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     blob = encode(patch, old)
     _write_atomic(Path(args.output), blob)
     n = sum(t.n_elements for t in old.values())
-    print(f"{args.output}: {patch.n_changed:,} of {n:,} elements changed "
-          f"({100 * patch.n_changed / max(n, 1):.3f}%), {len(blob):,} bytes "
-          f"({100 * len(blob) / max(old.nbytes, 1):.3f}% of the view)")
+    print(
+        f"{args.output}: {patch.n_changed:,} of {n:,} elements changed "
+        f"({100 * patch.n_changed / max(n, 1):.3f}%), {len(blob):,} bytes "
+        f"({100 * len(blob) / max(old.nbytes, 1):.3f}% of the view)"
+    )
     return 0
 
 
@@ -113,8 +133,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         json.dump({**info.to_json(), "file_bytes": len(blob)}, sys.stdout, indent=1)
         print()
         return 0
-    print(f"patch {_shown(args.patch)}: {len(blob):,} bytes (header {info.header_bytes:,}, "
-          f"payload {info.payload_bytes:,})")
+    print(
+        f"patch {_shown(args.patch)}: {len(blob):,} bytes (header {info.header_bytes:,}, "
+        f"payload {info.payload_bytes:,})"
+    )
     print(f"base   {_shown(info.base)}\ntarget {_shown(info.target)}")
     for k, v in sorted(info.meta.items()):
         print(f"meta   {_shown(k)} = {_shown(v)}")
@@ -123,15 +145,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for e in info.tensors:
         codec = _shown(e["codec"])
         by_codec[codec] = by_codec.get(codec, 0) + e["length"]
-        rows.append((_shown(e["name"]), _shown(e["op"]), _shown(e["kind"]),
-                     "x".join(map(str, e["shape"])) or "scalar",
-                     f"{e['changed']:,}", codec, f"{e['length']:,}"))
+        rows.append(
+            (
+                _shown(e["name"]),
+                _shown(e["op"]),
+                _shown(e["kind"]),
+                "x".join(map(str, e["shape"])) or "scalar",
+                f"{e['changed']:,}",
+                codec,
+                f"{e['length']:,}",
+            )
+        )
     head = ("tensor", "op", "kind", "shape", "changed", "codec", "bytes")
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    print(f"{len(rows)} tensors, {info.n_changed:,} changed elements; bytes by codec: " +
-          ", ".join(f"{c} {b:,}" for c, b in sorted(by_codec.items())))
+    print(
+        f"{len(rows)} tensors, {info.n_changed:,} changed elements; bytes by codec: "
+        + ", ".join(f"{c} {b:,}" for c, b in sorted(by_codec.items()))
+    )
     return 0
 
 
@@ -141,8 +173,10 @@ def _shown(value: object) -> str:
     text = str(value)
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace")
-                   .decode("ascii") for c in text)
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+        for c in text
+    )
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

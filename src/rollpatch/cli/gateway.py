@@ -15,29 +15,59 @@ __all__ = ["register"]
 def register(sub: Any) -> None:
     from .serving import add_serving_args
 
-    p = sub.add_parser("gateway", help="route OpenAI requests over islands (sidecars) by the "
-                                       "version each serves (docs/gateway.md)",
-                       description="Polls each island's sidecar, routes every request to an "
-                                   "island that satisfies its version constraint, retries "
-                                   "refusals and failures elsewhere (docs/gateway.md).")
-    p.add_argument("--sidecar", action="append", required=True, metavar="[NAME=]URL",
-                   help="an island's sidecar base URL; repeat for each island (the name "
-                        "defaults to host:port)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (0.0.0.0 to serve other machines)")
+    p = sub.add_parser(
+        "gateway",
+        help="route OpenAI requests over islands (sidecars) by the "
+        "version each serves (docs/gateway.md)",
+        description="Polls each island's sidecar, routes every request to an "
+        "island that satisfies its version constraint, retries "
+        "refusals and failures elsewhere (docs/gateway.md).",
+    )
+    p.add_argument(
+        "--sidecar",
+        action="append",
+        required=True,
+        metavar="[NAME=]URL",
+        help="an island's sidecar base URL; repeat for each island (the name "
+        "defaults to host:port)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve other machines)"
+    )
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
-    p.add_argument("--poll", type=float, default=0.2,
-                   help="seconds between /version polls of each island (default 0.2)")
-    p.add_argument("--max-attempts", type=int, default=3,
-                   help="most islands one request is sent to (default 3)")
-    p.add_argument("--connect-timeout", type=float, default=2.0,
-                   help="seconds to connect to a sidecar before trying another (default 2)")
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="N",
-                   help="largest request body accepted (413 above it)")
-    p.add_argument("--log-level", default="warning",
-                   choices=("critical", "error", "warning", "info", "debug"))
-    p.add_argument("--island-token-file", metavar="FILE",
-                   help="bearer token the islands' sidecars require on inference routes")
+    p.add_argument(
+        "--poll",
+        type=float,
+        default=0.2,
+        help="seconds between /version polls of each island (default 0.2)",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="most islands one request is sent to (default 3)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=2.0,
+        help="seconds to connect to a sidecar before trying another (default 2)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 << 20,
+        metavar="N",
+        help="largest request body accepted (413 above it)",
+    )
+    p.add_argument(
+        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug")
+    )
+    p.add_argument(
+        "--island-token-file",
+        metavar="FILE",
+        help="bearer token the islands' sidecars require on inference routes",
+    )
     add_serving_args(p)
     add_log_args(p, default_level=None)
     p.set_defaults(func=cmd_gateway)
@@ -58,19 +88,30 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from .serving import serve_options
 
     islands = [parse_island(s) for s in args.sidecar]
-    island_token = read_token(args.island_token_file, "island token file") \
-        if args.island_token_file else None
-    config = GatewayConfig(poll_s=args.poll, max_attempts=args.max_attempts,
-                           connect_timeout_s=args.connect_timeout, island_token=island_token,
-                           body=BodyLimits(max_bytes=args.max_body_bytes,
-                                           timeout_s=args.body_timeout))
-    running = start_gateway(islands, host=args.host, port=args.port, config=config,
-                            log_level=args.log_level, options=serve_options(args))
+    island_token = (
+        read_token(args.island_token_file, "island token file") if args.island_token_file else None
+    )
+    config = GatewayConfig(
+        poll_s=args.poll,
+        max_attempts=args.max_attempts,
+        connect_timeout_s=args.connect_timeout,
+        island_token=island_token,
+        body=BodyLimits(max_bytes=args.max_body_bytes, timeout_s=args.body_timeout),
+    )
+    running = start_gateway(
+        islands,
+        host=args.host,
+        port=args.port,
+        config=config,
+        log_level=args.log_level,
+        options=serve_options(args),
+    )
     names = ", ".join(f"{i.name}={i.url}" for i in islands)
     print(f"rollpatch gateway: {running.url} -> {len(islands)} island(s): {names}", flush=True)
     done = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: done.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         done.wait()
     finally:

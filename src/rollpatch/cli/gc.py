@@ -12,16 +12,30 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("gc", help="delete old versions and orphaned objects (plans stay valid)",
-                       description="Keeps LATEST, the last N versions, pinned versions and the "
-                                   "keyframe they need; see docs/board.md.")
+    p = sub.add_parser(
+        "gc",
+        help="delete old versions and orphaned objects (plans stay valid)",
+        description="Keeps LATEST, the last N versions, pinned versions and the "
+        "keyframe they need; see docs/board.md.",
+    )
     p.add_argument("--board", required=True, help="store URI")
     p.add_argument("--run", required=True)
     p.add_argument("--keep-last", type=int, default=32, metavar="N")
-    p.add_argument("--pin", type=int, action="append", default=[], metavar="V",
-                   help="keep version V and everything after it (repeatable)")
-    p.add_argument("--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
-                   help="only delete unreferenced objects older than this")
+    p.add_argument(
+        "--pin",
+        type=int,
+        action="append",
+        default=[],
+        metavar="V",
+        help="keep version V and everything after it (repeatable)",
+    )
+    p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="only delete unreferenced objects older than this",
+    )
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)
@@ -33,17 +47,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .preflight import board_uri
 
     board_uri(args.board, existing=True)
-    report = collect(Board(args.board), args.run, keep_last=args.keep_last, pinned=args.pin,
-                     orphan_grace_s=args.orphan_grace, dry_run=args.dry_run)
+    report = collect(
+        Board(args.board),
+        args.run,
+        keep_last=args.keep_last,
+        pinned=args.pin,
+        orphan_grace_s=args.orphan_grace,
+        dry_run=args.dry_run,
+    )
     if args.json:
         json.dump(asdict(report), sys.stdout, indent=1)
         print()
         return 0
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"{args.run}: keeping versions >= {report.cutoff}; {verb} "
-          f"{len(report.versions_deleted)} versions, {len(report.objects_deleted)} objects, "
-          f"{len(report.orphans_deleted)} orphans ({report.bytes_freed:,} bytes)")
+    print(
+        f"{args.run}: keeping versions >= {report.cutoff}; {verb} "
+        f"{len(report.versions_deleted)} versions, {len(report.objects_deleted)} objects, "
+        f"{len(report.orphans_deleted)} orphans ({report.bytes_freed:,} bytes)"
+    )
     for v, why in report.unreadable:
-        print(f"{args.run}@{v}: manifest unreadable ({why}); its objects are left to the "
-              f"orphan rule (--orphan-grace)", file=sys.stderr)
+        print(
+            f"{args.run}@{v}: manifest unreadable ({why}); its objects are left to the "
+            f"orphan rule (--orphan-grace)",
+            file=sys.stderr,
+        )
     return 0

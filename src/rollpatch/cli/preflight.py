@@ -40,8 +40,10 @@ def require_extra(extra: str, what: str) -> None:
     """Raise one line naming ``extra`` when a module it provides cannot be found."""
     missing = [m for m in EXTRAS[extra] if not _importable(m)]
     if missing:
-        raise ConfigError(f"{what} needs the '{extra}' extra ({', '.join(missing)} not "
-                          "installed)", hint=f"pip install 'rollpatch[{extra}]'")
+        raise ConfigError(
+            f"{what} needs the '{extra}' extra ({', '.join(missing)} not installed)",
+            hint=f"pip install 'rollpatch[{extra}]'",
+        )
 
 
 def _importable(module: str) -> bool:
@@ -58,22 +60,29 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
     parts = urlsplit(uri)
     scheme = parts.scheme.lower() if "://" in uri else ""
     if scheme and scheme not in _SCHEMES:
-        raise ConfigError(f"{option}: unknown board scheme '{scheme}://'", value=uri,
-                          hint="use a path, file://, s3://BUCKET/PREFIX, http(s)://RELAY")
+        raise ConfigError(
+            f"{option}: unknown board scheme '{scheme}://'",
+            value=uri,
+            hint="use a path, file://, s3://BUCKET/PREFIX, http(s)://RELAY",
+        )
     if scheme == "s3" and not parts.netloc:
-        raise ConfigError(f"{option}: an s3:// board needs a bucket", value=uri,
-                          hint="s3://BUCKET/PREFIX")
+        raise ConfigError(
+            f"{option}: an s3:// board needs a bucket", value=uri, hint="s3://BUCKET/PREFIX"
+        )
     if scheme in ("http", "https") and not parts.hostname:
-        raise ConfigError(f"{option}: an http(s):// board needs a host", value=uri,
-                          hint="http://RELAY-HOST:8470")
+        raise ConfigError(
+            f"{option}: an http(s):// board needs a host", value=uri, hint="http://RELAY-HOST:8470"
+        )
     if scheme == "s3":
         require_extra("s3", "an s3:// board")
     if existing and scheme in ("", "file"):
         path = Path(parts.path if scheme == "file" else uri).expanduser()
         if not path.exists():
-            raise ConfigError(f"{option}: no board at {path} (the directory does not exist)",
-                              hint="check the path; a board is created by its first publish "
-                                   "(create the directory to start a reader first)")
+            raise ConfigError(
+                f"{option}: no board at {path} (the directory does not exist)",
+                hint="check the path; a board is created by its first publish "
+                "(create the directory to start a reader first)",
+            )
         if not path.is_dir():
             raise ConfigError(f"{option}: {path} is not a directory", value=uri)
 
@@ -90,11 +99,15 @@ def port_free(host: str, port: int, *, option: str = "--port") -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            why = ("is already in use" if e.errno == errno.EADDRINUSE
-                   else f"cannot be bound: {e.strerror or e}")
-            raise ConfigError(f"{option}: port {port} on {host} {why}",
-                              hint=f"stop what holds it, or pick another {option} "
-                                   "(0: any free port)") from None
+            why = (
+                "is already in use"
+                if e.errno == errno.EADDRINUSE
+                else f"cannot be bound: {e.strerror or e}"
+            )
+            raise ConfigError(
+                f"{option}: port {port} on {host} {why}",
+                hint=f"stop what holds it, or pick another {option} (0: any free port)",
+            ) from None
 
 
 def model_dir(path: str | None, *, option: str = "--model") -> Path:
@@ -103,12 +116,17 @@ def model_dir(path: str | None, *, option: str = "--model") -> Path:
         raise ConfigError(f"{option} is required", hint="a local model directory")
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ConfigError(f"{option}: no model directory at {p}",
-                          hint="a local directory with config.json and weights; model hub "
-                               "names are not used (rollpatch never downloads models)")
+        raise ConfigError(
+            f"{option}: no model directory at {p}",
+            hint="a local directory with config.json and weights; model hub "
+            "names are not used (rollpatch never downloads models)",
+        )
     if not (p / "config.json").is_file():
-        raise ConfigError(f"{option}: {p} has no config.json", value=str(p),
-                          hint="point at a saved transformers model directory")
+        raise ConfigError(
+            f"{option}: {p} has no config.json",
+            value=str(p),
+            hint="point at a saved transformers model directory",
+        )
     return p
 
 

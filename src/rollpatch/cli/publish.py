@@ -17,19 +17,32 @@ __all__ = ["register"]
 def register(sub: Any) -> None:
     from ..formats import FORMAT_NAMES
 
-    p = sub.add_parser("publish", help="publish a master checkpoint as the run's next version",
-                       description="Publish one version from a checkpoint: resumes the run "
-                                   "from the board, writes objects, manifest, then LATEST.")
+    p = sub.add_parser(
+        "publish",
+        help="publish a master checkpoint as the run's next version",
+        description="Publish one version from a checkpoint: resumes the run "
+        "from the board, writes objects, manifest, then LATEST.",
+    )
     p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
     p.add_argument("--board", required=True, help="store URI (file:///dir, s3://bucket/prefix)")
     p.add_argument("--run", required=True, help="run name")
     format_args(p, FORMAT_NAMES)
-    p.add_argument("--version", type=int, dest="number", metavar="N",
-                   help="version number (default: LATEST + 1)")
+    p.add_argument(
+        "--version",
+        type=int,
+        dest="number",
+        metavar="N",
+        help="version number (default: LATEST + 1)",
+    )
     p.add_argument("--step", type=int, help="trainer step recorded in the manifest")
     p.add_argument("--keyframe", action="store_true", help="also write a keyframe")
-    p.add_argument("--keyframe-every", type=int, default=50, metavar="K",
-                   help="keyframe when the version crosses a multiple of K (0: first only)")
+    p.add_argument(
+        "--keyframe-every",
+        type=int,
+        default=50,
+        metavar="K",
+        help="keyframe when the version crosses a multiple of K (0: first only)",
+    )
     signing_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_publish)
@@ -37,8 +50,13 @@ def register(sub: Any) -> None:
     p = sub.add_parser("status", help="list a board's runs and versions")
     p.add_argument("--board", required=True, help="store URI")
     p.add_argument("--run", help="only this run")
-    p.add_argument("--limit", type=int, default=20, metavar="N",
-                   help="show the newest N versions per run (0: all)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=20,
+        metavar="N",
+        help="show the newest N versions per run (0: all)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 
@@ -51,9 +69,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
     policy = None
     if args.include or args.exclude:
         policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
-    config = PublisherConfig(format=args.format, scales=args.scales, policy=policy,
-                             keyframe_every=args.keyframe_every, skip_strides=(),
-                             signer=load_signer(args))
+    config = PublisherConfig(
+        format=args.format,
+        scales=args.scales,
+        policy=policy,
+        keyframe_every=args.keyframe_every,
+        skip_strides=(),
+        signer=load_signer(args),
+    )
     masters = load_masters(args.ckpt)
     with Publisher(args.board, args.run, config, asynchronous=False, sharded=False) as pub:
         if args.keyframe:
@@ -61,15 +84,28 @@ def cmd_publish(args: argparse.Namespace) -> int:
         n = pub.publish(masters, args.number, step=args.step)
         s = pub.stats.versions[-1]
     if args.json:
-        json.dump({"run": args.run, "version": n, "parent": s.parent, "keyframe": s.keyframe,
-                   "bytes": s.bytes, "patch_bytes": s.patch_bytes, "changed": s.changed,
-                   "timings": {k: getattr(s, k) for k in _TIMINGS}}, sys.stdout, indent=1)
+        json.dump(
+            {
+                "run": args.run,
+                "version": n,
+                "parent": s.parent,
+                "keyframe": s.keyframe,
+                "bytes": s.bytes,
+                "patch_bytes": s.patch_bytes,
+                "changed": s.changed,
+                "timings": {k: getattr(s, k) for k in _TIMINGS},
+            },
+            sys.stdout,
+            indent=1,
+        )
         print()
         return 0
     parent = "none" if s.parent is None else str(s.parent)
-    print(f"{args.run}@{n}: parent {parent}, {'keyframe, ' if s.keyframe else ''}"
-          f"{s.bytes:,} bytes uploaded (step patch {s.patch_bytes:,} bytes, "
-          f"{s.changed:,} elements changed)")
+    print(
+        f"{args.run}@{n}: parent {parent}, {'keyframe, ' if s.keyframe else ''}"
+        f"{s.bytes:,} bytes uploaded (step patch {s.patch_bytes:,} bytes, "
+        f"{s.changed:,} elements changed)"
+    )
     print("timings: " + ", ".join(f"{k[:-2]} {1000 * getattr(s, k):.1f} ms" for k in _TIMINGS))
     return 0
 
@@ -96,18 +132,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{args.board}: no runs")
     for r in report:
         latest = "none" if r["latest"] is None else str(r["latest"])
-        print(f"run {r['run']}: LATEST {latest}, {r['n_versions']} versions, "
-              f"{r['n_keyframes']} keyframes, {r['total_bytes']:,} bytes in objects")
+        print(
+            f"run {r['run']}: LATEST {latest}, {r['n_versions']} versions, "
+            f"{r['n_keyframes']} keyframes, {r['total_bytes']:,} bytes in objects"
+        )
         if r["versions"]:
-            print(f"  {'version':>8} {'parent':>8} {'patch bytes':>12} {'keyframe':>12} "
-                  f"{'skips from':>12}  target")
+            print(
+                f"  {'version':>8} {'parent':>8} {'patch bytes':>12} {'keyframe':>12} "
+                f"{'skips from':>12}  target"
+            )
         for v in r["versions"]:
             kf = f"{v['keyframe_bytes']:,}" if v["keyframe"] else "-"
             parent = "-" if v["parent"] is None else v["parent"]
             skips = ",".join(str(b) for b in v["bases"] if b != v["parent"]) or "-"
             mark = "  <- LATEST" if v["version"] == r["latest"] else ""
-            print(f"  {v['version']:>8} {parent:>8} {v['patch_bytes']:>12,} {kf:>12} "
-                  f"{skips:>12}  {v['target'][:16]}{mark}")
+            print(
+                f"  {v['version']:>8} {parent:>8} {v['patch_bytes']:>12,} {kf:>12} "
+                f"{skips:>12}  {v['target'][:16]}{mark}"
+            )
         if r["n_versions"] > len(r["versions"]):
             print(f"  ... {r['n_versions'] - len(r['versions'])} older versions not shown")
     return 0
@@ -125,15 +167,29 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
             if ref.key not in seen:
                 seen.add(ref.key)
                 total += ref.size
-        rows.append({"version": n, "parent": m.parent, "format": m.format, "target": m.target,
-                     "created": m.created, "publisher": m.publisher, "shards": m.shards,
-                     "keyframe": m.is_keyframe,
-                     "keyframe_bytes": sum(k.ref.size for k in m.keyframes),
-                     "patch_bytes": sum(p.ref.size for p in m.patches),
-                     "bases": sorted({p.base for p in m.patches}),
-                     "signed": board.signed(run, n)})
+        rows.append(
+            {
+                "version": n,
+                "parent": m.parent,
+                "format": m.format,
+                "target": m.target,
+                "created": m.created,
+                "publisher": m.publisher,
+                "shards": m.shards,
+                "keyframe": m.is_keyframe,
+                "keyframe_bytes": sum(k.ref.size for k in m.keyframes),
+                "patch_bytes": sum(p.ref.size for p in m.patches),
+                "bases": sorted({p.base for p in m.patches}),
+                "signed": board.signed(run, n),
+            }
+        )
     shown = rows if limit == 0 else rows[-limit:]
-    return {"run": run, "latest": None if pointer is None else pointer.version,
-            "latest_target": None if pointer is None else pointer.target,
-            "n_versions": len(rows), "n_keyframes": sum(r["keyframe"] for r in rows),
-            "total_bytes": total, "versions": shown}
+    return {
+        "run": run,
+        "latest": None if pointer is None else pointer.version,
+        "latest_target": None if pointer is None else pointer.target,
+        "n_versions": len(rows),
+        "n_keyframes": sum(r["keyframe"] for r in rows),
+        "total_bytes": total,
+        "versions": shown,
+    }

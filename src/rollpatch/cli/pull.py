@@ -13,13 +13,25 @@ __all__ = ["cmd_pull", "register"]
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("pull", help="reconstruct a version's view from a board (verified); "
-                                    "OUT is written only if its digest matches the manifest")
-    p.add_argument("--board", required=True,
-                   help="board store URI: a path, file://, s3://BUCKET/PREFIX, http(s):// relay")
+    p = sub.add_parser(
+        "pull",
+        help="reconstruct a version's view from a board (verified); "
+        "OUT is written only if its digest matches the manifest",
+    )
+    p.add_argument(
+        "--board",
+        required=True,
+        help="board store URI: a path, file://, s3://BUCKET/PREFIX, http(s):// relay",
+    )
     p.add_argument("--run", required=True, help="run name")
-    p.add_argument("--version", type=int, default=None, dest="want", metavar="N",
-                   help="version to reconstruct (default: LATEST)")
+    p.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        dest="want",
+        metavar="N",
+        help="version to reconstruct (default: LATEST)",
+    )
     p.add_argument("-o", "--output", required=True, help="output view (.safetensors)")
     p.add_argument("--workers", type=int, default=4, help="objects fetched concurrently")
     p.add_argument("--retries", type=int, default=3, help="retries per object")
@@ -49,8 +61,9 @@ def _pull(args: argparse.Namespace) -> int:
     from ..io import save_view
 
     trust = load_trust(args, args.board)
-    config = FollowerConfig(fetch_workers=args.workers, retries=args.retries,
-                            timeout_s=args.timeout)
+    config = FollowerConfig(
+        fetch_workers=args.workers, retries=args.retries, timeout_s=args.timeout
+    )
     engine = ViewEngine()
     follower = Follower(args.board, args.run, engine, config, trust=trust)
     t0 = time.monotonic()
@@ -58,8 +71,10 @@ def _pull(args: argparse.Namespace) -> int:
     plan = follower.last_plan
     if plan is not None:
         start = "nothing" if plan.have is None else plan.have
-        print(f"plan {args.run}: {start} -> {plan.want}: {len(plan.steps)} steps, "
-              f"{plan.n_objects} objects, {plan.bytes:,} bytes")
+        print(
+            f"plan {args.run}: {start} -> {plan.want}: {len(plan.steps)} steps, "
+            f"{plan.n_objects} objects, {plan.bytes:,} bytes"
+        )
         for s in plan.steps:
             hop = f"keyframe {s.to}" if s.base is None else f"patch {s.base} -> {s.to}"
             print(f"  {hop:<24} {len(s.objects)} object(s) {s.bytes:>14,} bytes")
@@ -68,17 +83,25 @@ def _pull(args: argparse.Namespace) -> int:
     digest = view.digest()
     target = follower.board.manifest(args.run, version).target
     if digest != target:
-        raise VerificationError("reconstructed view does not match the manifest's target",
-                                run=args.run, version=version, expected=target[:16],
-                                actual=digest[:16])
+        raise VerificationError(
+            "reconstructed view does not match the manifest's target",
+            run=args.run,
+            version=version,
+            expected=target[:16],
+            actual=digest[:16],
+        )
     t_verify = time.monotonic()
     save_view(view, args.output)
     st = follower.status()
-    print(f"fetched {st.objects_fetched} objects ({st.bytes_fetched:,} bytes) in "
-          f"{st.last_fetch_s or 0.0:.3f} s; staged in {st.last_stage_s or 0.0:.3f} s; "
-          f"committed in {st.last_commit_s or 0.0:.3f} s; total {t_verify - t0:.3f} s")
-    print(f"{args.output}: {args.run}@{version}, {len(view)} tensors, {view.nbytes:,} bytes, "
-          f"digest {digest[:16]} (verified)")
+    print(
+        f"fetched {st.objects_fetched} objects ({st.bytes_fetched:,} bytes) in "
+        f"{st.last_fetch_s or 0.0:.3f} s; staged in {st.last_stage_s or 0.0:.3f} s; "
+        f"committed in {st.last_commit_s or 0.0:.3f} s; total {t_verify - t0:.3f} s"
+    )
+    print(
+        f"{args.output}: {args.run}@{version}, {len(view)} tensors, {view.nbytes:,} bytes, "
+        f"digest {digest[:16]} (verified)"
+    )
     return 0
 
 

@@ -30,30 +30,46 @@ def parse_size(text: str) -> int:
 def register(sub: Any) -> None:
     from .serving import add_serving_args
 
-    p = sub.add_parser("relay", help="serve a board read-only to a region, with a verified "
-                                     "disk cache (docs/relay.md)")
-    p.add_argument("--board", required=True,
-                   help="upstream board URI: a path, file://, s3://, or http(s):// of another "
-                        "relay")
+    p = sub.add_parser(
+        "relay",
+        help="serve a board read-only to a region, with a verified disk cache (docs/relay.md)",
+    )
+    p.add_argument(
+        "--board",
+        required=True,
+        help="upstream board URI: a path, file://, s3://, or http(s):// of another relay",
+    )
     p.add_argument("--cache", required=True, help="cache directory (kept across restarts)")
     p.add_argument("--port", type=int, default=8470, help="TCP port; 0 picks a free one")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (0.0.0.0 to serve other machines)")
-    p.add_argument("--cache-bytes", type=parse_size, default=10 << 30,
-                   help="disk cache bound, e.g. 200G (default 10G)")
-    p.add_argument("--pointer-ttl", type=float, default=0.5,
-                   help="seconds LATEST may be reused (default 0.5)")
-    p.add_argument("--list-ttl", type=float, default=1.0,
-                   help="seconds a listing may be reused (default 1)")
-    p.add_argument("--workers", type=int, default=16,
-                   help="concurrent upstream object fetches (default 16)")
-    p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve other machines)"
+    )
+    p.add_argument(
+        "--cache-bytes",
+        type=parse_size,
+        default=10 << 30,
+        help="disk cache bound, e.g. 200G (default 10G)",
+    )
+    p.add_argument(
+        "--pointer-ttl", type=float, default=0.5, help="seconds LATEST may be reused (default 0.5)"
+    )
+    p.add_argument(
+        "--list-ttl", type=float, default=1.0, help="seconds a listing may be reused (default 1)"
+    )
+    p.add_argument(
+        "--workers", type=int, default=16, help="concurrent upstream object fetches (default 16)"
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
     from .trust import trust_args
 
     trust_args(p, default_state="CACHE/trust-state.json")
-    p.add_argument("--board-token-file", metavar="FILE",
-                   help="bearer token to send to an upstream relay that requires one")
+    p.add_argument(
+        "--board-token-file",
+        metavar="FILE",
+        help="bearer token to send to an upstream relay that requires one",
+    )
     add_serving_args(p, bodies=False)
     add_log_args(p, default_level=None)
     p.set_defaults(func=cmd_relay)
@@ -73,16 +89,30 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from .trust import load_trust
 
     trust = load_trust(args, args.board, state=Path(args.cache) / "trust-state.json")
-    config = RelayConfig(cache_dir=Path(args.cache), cache_bytes=args.cache_bytes,
-                         pointer_ttl=args.pointer_ttl, list_ttl=args.list_ttl,
-                         upstream_workers=args.workers)
-    server = RelayServer(upstream_store(args.board, args.board_token_file), config,
-                         options=serve_options(args), host=args.host, port=args.port,
-                         log_level=args.log_level, access_log=args.log_level == "debug",
-                         trust=trust)
+    config = RelayConfig(
+        cache_dir=Path(args.cache),
+        cache_bytes=args.cache_bytes,
+        pointer_ttl=args.pointer_ttl,
+        list_ttl=args.list_ttl,
+        upstream_workers=args.workers,
+    )
+    server = RelayServer(
+        upstream_store(args.board, args.board_token_file),
+        config,
+        options=serve_options(args),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        trust=trust,
+    )
     url = server.start()
-    print(f"rollpatch relay: serving {args.board} at {url} (cache {args.cache}, "
-          f"{config.cache_bytes:,} bytes)", flush=True)
+    print(
+        f"rollpatch relay: serving {args.board} at {url} (cache {args.cache}, "
+        f"{config.cache_bytes:,} bytes)",
+        flush=True,
+    )
+
     def stop(*_: object) -> None:
         server.request_stop()
 

@@ -35,6 +35,7 @@ def read_token(path: str, what: str = "token file") -> str:
     """A bearer token: :func:`read_secret`, which must be printable ASCII (an HTTP header)."""
     raw = read_secret(path, what)
     if not raw.isascii() or not raw.decode("ascii").isprintable():
-        raise ConfigError(f"the {what} must hold printable ASCII (it is sent in a header)",
-                          path=path)
+        raise ConfigError(
+            f"the {what} must hold printable ASCII (it is sent in a header)", path=path
+        )
     return raw.decode("ascii")

@@ -38,14 +38,27 @@ def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None
     g = p.add_argument_group("serving (TLS, access, slow clients)")
     g.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
-    g.add_argument("--token-file", metavar="FILE",
-                   help="require 'Authorization: Bearer TOKEN' (the file's content) on /v1/ "
-                        "routes; health, readiness and metrics stay open")
-    g.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
-                   help="seconds a client may take to send a request head (default 10)")
+    g.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="require 'Authorization: Bearer TOKEN' (the file's content) on /v1/ "
+        "routes; health, readiness and metrics stay open",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds a client may take to send a request head (default 10)",
+    )
     if bodies:
-        g.add_argument("--body-timeout", type=_seconds, default=60.0, metavar="S",
-                       help="seconds a client may take to send a request body (default 60)")
+        g.add_argument(
+            "--body-timeout",
+            type=_seconds,
+            default=60.0,
+            metavar="S",
+            help="seconds a client may take to send a request body (default 60)",
+        )
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
@@ -53,8 +66,12 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     from ..serving import ServeOptions, tls_context
 
     token = read_token(args.token_file) if args.token_file else None
-    options = ServeOptions(tls_cert=args.tls_cert, tls_key=args.tls_key, token=token,
-                           header_timeout_s=args.header_timeout)
+    options = ServeOptions(
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        token=token,
+        header_timeout_s=args.header_timeout,
+    )
     tls_context(options)  # a bad certificate or key is refused before anything starts
     return options
 
@@ -66,8 +83,7 @@ def upstream_store(board: str, token_file: str | None) -> Store | str:
     from ..store import open_store
 
     if not board.startswith(("http://", "https://")):
-        raise ConfigError("a board token is for a relay (http:// or https:// board)",
-                          value=board)
+        raise ConfigError("a board token is for a relay (http:// or https:// board)", value=board)
     token = read_token(token_file, "board token file")
     options: dict[str, Any] = {"headers": {"Authorization": f"Bearer {token}"}}
     return open_store(board, **options)

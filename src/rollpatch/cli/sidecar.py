@@ -18,9 +18,12 @@ def register(sub: Any) -> None:
     from ..sidecar.server import ENGINES
     from .serving import add_serving_args
 
-    p = sub.add_parser("sidecar", help="serve an engine's OpenAI API under version constraints",
-                       description="Follows RUN on the board, keeps the engine on a verified "
-                                   "version, and proxies OpenAI routes (docs/sidecar.md).")
+    p = sub.add_parser(
+        "sidecar",
+        help="serve an engine's OpenAI API under version constraints",
+        description="Follows RUN on the board, keeps the engine on a verified "
+        "version, and proxies OpenAI routes (docs/sidecar.md).",
+    )
     p.add_argument("--board", required=True, help="store URI (file://, s3://, http:// relay)")
     p.add_argument("--run", required=True)
     p.add_argument("--engine", choices=ENGINES, default="reference")
@@ -31,11 +34,19 @@ def register(sub: Any) -> None:
     p.add_argument("--commit-mode", choices=COMMIT_MODES, default="drain")
     p.add_argument("--admin-token-file", help="require this bearer token on admin routes")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between LATEST polls")
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="N",
-                   help="largest request body accepted (413 above it)")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 << 20,
+        metavar="N",
+        help="largest request body accepted (413 above it)",
+    )
     p.add_argument("--threads", type=int, help="torch threads for the reference engine")
-    p.add_argument("--board-token-file", metavar="FILE",
-                   help="bearer token to send to a relay board that requires one")
+    p.add_argument(
+        "--board-token-file",
+        metavar="FILE",
+        help="bearer token to send to a relay board that requires one",
+    )
     add_serving_args(p)
     add_log_args(p)
     trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
@@ -46,8 +57,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from . import preflight
 
     # cheap mistakes first: nothing heavy (torch, a model, the web stack) is loaded yet
-    preflight.require_extra("reference" if args.engine == "reference" else "web",
-                            f"rollpatch sidecar --engine {args.engine}")
+    preflight.require_extra(
+        "reference" if args.engine == "reference" else "web",
+        f"rollpatch sidecar --engine {args.engine}",
+    )
     preflight.board_uri(args.board, existing=True)
     preflight.port_free(args.host, args.port)
     if args.engine == "reference":
@@ -67,17 +80,32 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     token = read_token(args.admin_token_file) if args.admin_token_file else None
     trust = load_trust(args, args.board)
     board = Board(upstream_store(args.board, args.board_token_file), trust=trust)
-    config = SidecarConfig(commit_mode=args.commit_mode, admin_token=token,
-                           body=BodyLimits(max_bytes=args.max_body_bytes,
-                                           timeout_s=args.body_timeout),
-                           follower=FollowerConfig(poll_s=args.poll))
+    config = SidecarConfig(
+        commit_mode=args.commit_mode,
+        admin_token=token,
+        body=BodyLimits(max_bytes=args.max_body_bytes, timeout_s=args.body_timeout),
+        follower=FollowerConfig(poll_s=args.poll),
+    )
     options = serve_options(args)
-    engine, url = make_engine(args.engine, model=args.model, engine_url=args.engine_url,
-                              threads=args.threads)
-    running = start_sidecar(board, args.run, engine, url, host=args.host, port=args.port,
-                            config=config, log_level="warning", options=options)
-    print(f"rollpatch sidecar: {running.url} -> {args.engine} engine at {url}; following "
-          f"{args.run} on {args.board} ({args.commit_mode} commits)", flush=True)
+    engine, url = make_engine(
+        args.engine, model=args.model, engine_url=args.engine_url, threads=args.threads
+    )
+    running = start_sidecar(
+        board,
+        args.run,
+        engine,
+        url,
+        host=args.host,
+        port=args.port,
+        config=config,
+        log_level="warning",
+        options=options,
+    )
+    print(
+        f"rollpatch sidecar: {running.url} -> {args.engine} engine at {url}; following "
+        f"{args.run} on {args.board} ({args.commit_mode} commits)",
+        flush=True,
+    )
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

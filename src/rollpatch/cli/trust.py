@@ -16,53 +16,94 @@ __all__ = ["load_signer", "load_trust", "register", "signing_args", "trust_args"
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("keygen", help="make an Ed25519 publisher key pair (PREFIX.key, "
-                                      "PREFIX.pub)",
-                       description="Writes PREFIX.key (PEM, mode 0600; keep it secret, on the "
-                                   "trainer) and PREFIX.pub (ed25519:<hex>; goes in the root). "
-                                   "Never overwrites (docs/trust.md).")
-    p.add_argument("-o", "--output", required=True, metavar="PREFIX",
-                   help="path prefix of the two files")
+    p = sub.add_parser(
+        "keygen",
+        help="make an Ed25519 publisher key pair (PREFIX.key, PREFIX.pub)",
+        description="Writes PREFIX.key (PEM, mode 0600; keep it secret, on the "
+        "trainer) and PREFIX.pub (ed25519:<hex>; goes in the root). "
+        "Never overwrites (docs/trust.md).",
+    )
+    p.add_argument(
+        "-o", "--output", required=True, metavar="PREFIX", help="path prefix of the two files"
+    )
     p.set_defaults(func=cmd_keygen)
 
-    p = sub.add_parser("root", help="make the next root of trust (keys, threshold), sign it "
-                                    "and publish it to a board",
-                       description="Root 1 must be signed by THRESHOLD of its own keys; root "
-                                   "n+1 also by THRESHOLD of root n's keys (rotation). Followers "
-                                   "get a root file once (--trust) and follow rotations.")
+    p = sub.add_parser(
+        "root",
+        help="make the next root of trust (keys, threshold), sign it and publish it to a board",
+        description="Root 1 must be signed by THRESHOLD of its own keys; root "
+        "n+1 also by THRESHOLD of root n's keys (rotation). Followers "
+        "get a root file once (--trust) and follow rotations.",
+    )
     p.add_argument("--board", help="board URI to publish the root to (its next version)")
-    p.add_argument("--key", action="append", required=True, metavar="PUB",
-                   help="a publisher public key file (.pub, or a .key); repeat for several")
-    p.add_argument("--threshold", type=int, default=1,
-                   help="signatures needed on every manifest and LATEST (default 1)")
-    p.add_argument("--sign", action="append", required=True, metavar="KEY",
-                   help="private key file to sign the root with; repeat for several")
-    p.add_argument("--expires-days", type=float, default=365.0,
-                   help="the root expires after this many days (0: never; default 365)")
-    p.add_argument("--version", type=int, dest="root_version",
-                   help="root version (default: the board's newest + 1, or 1)")
+    p.add_argument(
+        "--key",
+        action="append",
+        required=True,
+        metavar="PUB",
+        help="a publisher public key file (.pub, or a .key); repeat for several",
+    )
+    p.add_argument(
+        "--threshold",
+        type=int,
+        default=1,
+        help="signatures needed on every manifest and LATEST (default 1)",
+    )
+    p.add_argument(
+        "--sign",
+        action="append",
+        required=True,
+        metavar="KEY",
+        help="private key file to sign the root with; repeat for several",
+    )
+    p.add_argument(
+        "--expires-days",
+        type=float,
+        default=365.0,
+        help="the root expires after this many days (0: never; default 365)",
+    )
+    p.add_argument(
+        "--version",
+        type=int,
+        dest="root_version",
+        help="root version (default: the board's newest + 1, or 1)",
+    )
     p.add_argument("-o", "--output", help="also write the signed root to this file")
     p.set_defaults(func=cmd_root)
 
 
 def trust_args(p: argparse.ArgumentParser, *, default_state: str) -> None:
     """``--trust ROOT`` and ``--trust-state PATH`` for a command that reads a board."""
-    p.add_argument("--trust", metavar="ROOT",
-                   help="trust root file (from `rollpatch root`): refuse what is unsigned, "
-                        "badly signed, expired or older than verified before")
-    p.add_argument("--trust-state", metavar="PATH",
-                   help=f"rollback-protection state file (default: {default_state})")
+    p.add_argument(
+        "--trust",
+        metavar="ROOT",
+        help="trust root file (from `rollpatch root`): refuse what is unsigned, "
+        "badly signed, expired or older than verified before",
+    )
+    p.add_argument(
+        "--trust-state",
+        metavar="PATH",
+        help=f"rollback-protection state file (default: {default_state})",
+    )
 
 
 def signing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--signing-key", action="append", metavar="KEY",
-                   help="sign manifests and LATEST with this Ed25519 key (repeat for several)")
-    p.add_argument("--latest-ttl", type=float, default=None, metavar="SECONDS",
-                   help="how long a signed LATEST stays valid (default 3600)")
+    p.add_argument(
+        "--signing-key",
+        action="append",
+        metavar="KEY",
+        help="sign manifests and LATEST with this Ed25519 key (repeat for several)",
+    )
+    p.add_argument(
+        "--latest-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a signed LATEST stays valid (default 3600)",
+    )
 
 
-def load_trust(args: argparse.Namespace, board: str, *, state: Path | None = None
-               ) -> Trust | None:
+def load_trust(args: argparse.Namespace, board: str, *, state: Path | None = None) -> Trust | None:
     """The :class:`Trust` of ``--trust`` (None without it); state file from
     ``--trust-state``, else ``state``, else the per-(root, board) default."""
     from ..trust import Trust
@@ -90,8 +131,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     from ..trust import write_keypair
 
     private, public, key = write_keypair(args.output)
-    print(f"{private}: private key (keep it secret)\n{public}: public key\n"
-          f"key id {key.keyid}")
+    print(f"{private}: private key (keep it secret)\n{public}: public key\nkey id {key.keyid}")
     return 0
 
 
@@ -106,8 +146,9 @@ def cmd_root(args: argparse.Namespace) -> int:
     signers = [read_signing_key(p) for p in args.sign]
     if args.expires_days < 0:
         raise ConfigError("--expires-days must be >= 0")
-    expires = None if args.expires_days == 0 else float(int(time.time() + 86400 *
-                                                            args.expires_days))
+    expires = (
+        None if args.expires_days == 0 else float(int(time.time() + 86400 * args.expires_days))
+    )
     board = None if args.board is None else Board(args.board)
     previous = None
     if args.root_version is not None:
@@ -133,6 +174,8 @@ def cmd_root(args: argparse.Namespace) -> int:
         Path(args.output).write_bytes(raw + b"\n")
     where = f" on {args.board}" if board is not None else ""
     out = f", written to {args.output}" if args.output else ""
-    print(f"root {version}{where}: {len(keys)} key(s), threshold {args.threshold}, "
-          f"signed by {len(signers)}{out}")
+    print(
+        f"root {version}{where}: {len(keys)} key(s), threshold {args.threshold}, "
+        f"signed by {len(signers)}{out}"
+    )
     return 0

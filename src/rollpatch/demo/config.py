@@ -26,16 +26,25 @@ ISLANDS: tuple[tuple[str, str | None], ...] = (("local", None), ("eu", "eu"), ("
 
 def _int(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"DemoConfig.{name} must be an integer in [{lo}, {hi}]",
-                          field=name, value=value)
+        raise ConfigError(
+            f"DemoConfig.{name} must be an integer in [{lo}, {hi}]", field=name, value=value
+        )
 
 
 def _num(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > lo if lo_open else value >= lo)
+        and value <= hi
+    )
     if not ok:
-        raise ConfigError(f"DemoConfig.{name} must be a number in {'(' if lo_open else '['}"
-                          f"{lo:g}, {hi:g}]", field=name, value=value)
+        raise ConfigError(
+            f"DemoConfig.{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]",
+            field=name,
+            value=value,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,35 +108,49 @@ class DemoConfig:
         _int("steps", self.steps, 1, 100_000)
         _int("max_lag", self.max_lag, 0, 1000)
         if self.format not in FORMAT_NAMES:
-            raise ConfigError("DemoConfig.format is not a known format", field="format",
-                              value=self.format, hint=f"one of {', '.join(FORMAT_NAMES)}")
+            raise ConfigError(
+                "DemoConfig.format is not a known format",
+                field="format",
+                value=self.format,
+                hint=f"one of {', '.join(FORMAT_NAMES)}",
+            )
         _num("wan_mbps", self.wan_mbps, 0.0, 1e6, lo_open=True)
         _num("wan_latency_ms", self.wan_latency_ms, 0.0, 60_000.0)
         if not isinstance(self.out, str) or not self.out:
             raise ConfigError("DemoConfig.out must be a directory path", field="out")
         _int("seed", self.seed, 0, 2**31 - 1)
         if self.engine not in ("reference", "vllm"):
-            raise ConfigError("DemoConfig.engine must be reference or vllm", field="engine",
-                              value=self.engine)
+            raise ConfigError(
+                "DemoConfig.engine must be reference or vllm", field="engine", value=self.engine
+            )
         object.__setattr__(self, "engine_urls", tuple(self.engine_urls))
         if self.engine == "vllm" and len(self.engine_urls) != len(ISLANDS):
-            raise ConfigError(f"--engine vllm needs {len(ISLANDS)} engine URLs (one per "
-                              "island: local, eu, us)", field="engine_urls",
-                              hint="--engine-urls http://H:P1,http://H:P2,http://H:P3")
+            raise ConfigError(
+                f"--engine vllm needs {len(ISLANDS)} engine URLs (one per island: local, eu, us)",
+                field="engine_urls",
+                hint="--engine-urls http://H:P1,http://H:P2,http://H:P3",
+            )
         if self.engine == "reference" and self.format not in ("bf16", "fp16"):
-            raise ConfigError(f"the reference engine serves bf16 or fp16, not {self.format}",
-                              field="format", hint="use --engine vllm for quantised formats")
+            raise ConfigError(
+                f"the reference engine serves bf16 or fp16, not {self.format}",
+                field="format",
+                hint="use --engine vllm for quantised formats",
+            )
         _int("prompts_per_step", self.prompts_per_step, 1, 4096)
         _int("group_size", self.group_size, 2, 256)
         if self.regime not in get_args(Regime):
-            raise ConfigError("DemoConfig.regime must be fast or real", field="regime",
-                              value=self.regime)
+            raise ConfigError(
+                "DemoConfig.regime must be fast or real", field="regime", value=self.regime
+            )
         _num("lr", self.lr, 0.0, 1.0, lo_open=True)
         _num("clip", self.clip, 0.0, 1.0, lo_open=True)
         _int("hidden", self.hidden, 16, 4096)
         if self.hidden % 4:
-            raise ConfigError("DemoConfig.hidden must be a multiple of 4 (4 heads)",
-                              field="hidden", value=self.hidden)
+            raise ConfigError(
+                "DemoConfig.hidden must be a multiple of 4 (4 heads)",
+                field="hidden",
+                value=self.hidden,
+            )
         _int("layers", self.layers, 1, 64)
         _int("vocab", self.vocab, 300, 65_536)
         _int("warmup_steps", self.warmup_steps, 0, 10_000)

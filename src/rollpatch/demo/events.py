@@ -38,14 +38,15 @@ def parse_event(line: str) -> dict[str, Any] | None:
     if not line.startswith(MARK):
         return None
     try:
-        ev = json.loads(line[len(MARK):])
+        ev = json.loads(line[len(MARK) :])
     except json.JSONDecodeError:
         return None
     return ev if isinstance(ev, dict) and isinstance(ev.get("ev"), str) else None
 
 
-def watch_parent(on_command: Callable[[dict[str, Any]], None] | None,
-                 on_eof: Callable[[], None]) -> threading.Thread:
+def watch_parent(
+    on_command: Callable[[dict[str, Any]], None] | None, on_eof: Callable[[], None]
+) -> threading.Thread:
     """Read JSON commands from stdin in a daemon thread; call ``on_eof`` when stdin closes."""
 
     def loop() -> None:

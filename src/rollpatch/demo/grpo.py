@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Rollout", "clipped_surrogate", "group_advantages", "importance_ratio",
-           "split_by_lag"]
+__all__ = ["Rollout", "clipped_surrogate", "group_advantages", "importance_ratio", "split_by_lag"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,9 @@ class Rollout:
         return self.version_start
 
 
-def group_advantages(rewards: Sequence[float] | np.ndarray, *, eps: float = 1e-4,
-                     normalize: bool = True) -> np.ndarray:
+def group_advantages(
+    rewards: Sequence[float] | np.ndarray, *, eps: float = 1e-4, normalize: bool = True
+) -> np.ndarray:
     """Group-relative advantages: reward minus the group mean, divided by the group std.
 
     ``std`` is the unbiased sample std (as GRPO implementations use); with ``normalize`` off
@@ -71,8 +71,9 @@ def importance_ratio(logp_current: Any, logp_behaviour: Any) -> Any:
     return diff.exp()
 
 
-def clipped_surrogate(logp_current: Any, logp_behaviour: Any, advantages: Any,
-                      clip: float) -> tuple[Any, dict[str, float]]:
+def clipped_surrogate(
+    logp_current: Any, logp_behaviour: Any, advantages: Any, clip: float
+) -> tuple[Any, dict[str, float]]:
     """The loss to minimise, ``-mean(min(rho * A, clip(rho) * A))``, and diagnostics.
 
     Works on torch tensors (differentiable through ``logp_current``) and on numpy arrays.
@@ -90,13 +91,15 @@ def clipped_surrogate(logp_current: Any, logp_behaviour: Any, advantages: Any,
     clipped_obj = clipped * advantages
     loss = -(unclipped_obj.minimum(clipped_obj)).mean()
     with_grad_off = (unclipped_obj > clipped_obj).float().mean()
-    return loss, {"ratio_mean": float(rho.detach().mean()),
-                  "clip_frac": float(with_grad_off.detach())}
+    return loss, {
+        "ratio_mean": float(rho.detach().mean()),
+        "clip_frac": float(with_grad_off.detach()),
+    }
 
 
-def split_by_lag(groups: Sequence[Sequence[Rollout]], current: int, max_lag: int
-                 ) -> tuple[list[Sequence[Rollout]], list[Sequence[Rollout]], Counter[int],
-                            Counter[int]]:
+def split_by_lag(
+    groups: Sequence[Sequence[Rollout]], current: int, max_lag: int
+) -> tuple[list[Sequence[Rollout]], list[Sequence[Rollout]], Counter[int], Counter[int]]:
     """Keep groups whose every rollout is at most ``max_lag`` versions behind ``current``.
 
     Returns (kept groups, dropped groups, rollouts used per lag, rollouts dropped per lag).

@@ -24,8 +24,9 @@ from .events import emit, watch_parent
 __all__ = ["main", "make_island_engine"]
 
 
-def make_island_engine(kind: str, *, model: str, fmt: str, engine_url: str | None
-                       ) -> tuple[Any, str]:
+def make_island_engine(
+    kind: str, *, model: str, fmt: str, engine_url: str | None
+) -> tuple[Any, str]:
     """The engine adapter and its OpenAI URL (``make_engine``, with the served dtype)."""
     from ..sidecar.server import make_engine
 
@@ -65,19 +66,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        engine, url = make_island_engine(args.engine, model=args.model, fmt=args.format,
-                                         engine_url=args.engine_url)
+        engine, url = make_island_engine(
+            args.engine, model=args.model, fmt=args.format, engine_url=args.engine_url
+        )
     except Exception as e:  # noqa: BLE001 (told to the orchestrator, then the process ends)
         emit("error", where=f"island {args.name}", message=f"{type(e).__name__}: {e}")
         return 2
     config = SidecarConfig(commit_mode="drain", follower=FollowerConfig(poll_s=args.poll))
-    trust = None if args.trust is None else Trust.from_file(
-        args.trust, state_path=None if args.trust_state is None else Path(args.trust_state))
+    trust = (
+        None
+        if args.trust is None
+        else Trust.from_file(
+            args.trust, state_path=None if args.trust_state is None else Path(args.trust_state)
+        )
+    )
     sc = Sidecar(Board(args.board, trust=trust), args.run, engine, url, config)
 
     def on_commit(version: int, pause_s: float) -> None:
-        emit("commit", island=args.name, version=version, t=time.time(),
-             digest=engine.digest, pause_s=pause_s)
+        emit(
+            "commit",
+            island=args.name,
+            version=version,
+            t=time.time(),
+            digest=engine.digest,
+            pause_s=pause_s,
+        )
 
     sc.follower.on_commit.append(on_commit)  # before start: the boot commit is reported too
     sc.start()

@@ -82,9 +82,11 @@ class Layout:
         """
         root = self.root
         if root.exists() and any(root.iterdir()) and not (root / _MARKER).exists():
-            raise ConfigError("the output directory is not empty and was not made by "
-                              "`rollpatch demo`", path=str(root),
-                              hint="pass --out with a new or empty directory")
+            raise ConfigError(
+                "the output directory is not empty and was not made by `rollpatch demo`",
+                path=str(root),
+                hint="pass --out with a new or empty directory",
+            )
         root.mkdir(parents=True, exist_ok=True)
         (root / _MARKER).write_text("made by rollpatch demo; reset on every run\n")
         for stale in (self.board, self.root / "relay-cache", self.logs, self.root / "trust"):

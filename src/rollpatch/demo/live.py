@@ -49,8 +49,9 @@ def density(m: Monitor) -> str:
         n, full = m.ready.get("n_elements"), m.ready.get("full_view_bytes")
     if pub is None or not n or not full:
         return "changed -  patch -"
-    return (f"v{v} changed {100 * pub['changed'] / n:.1f}% "
-            f"patch {100 * pub['patch_bytes'] / full:.1f}%")
+    return (
+        f"v{v} changed {100 * pub['changed'] / n:.1f}% patch {100 * pub['patch_bytes'] / full:.1f}%"
+    )
 
 
 def status_block(m: Monitor) -> list[str]:
@@ -73,39 +74,64 @@ def status_block(m: Monitor) -> list[str]:
     lags = " ".join(f"lag{k}:{used[k]}" for k in sorted(used, key=int)) or "-"
     reward = f"{last['reward']:.2f}" if last else "-"
     lines = [
-        (f"rollpatch demo · async GRPO over 3 islands · WAN EMULATED on this machine: "
-         f"{cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms RTT"),
-        (f"trainer  step {last.get('step', 0):>3}/{cfg.steps}  reward {reward}  "
-         f"{sparkline([s['reward'] for s in steps])}  {density(m)}"),
-        (f"         LATEST v{latest if latest is not None else '-'}   rollouts used {lags}   "
-         f"dropped (lag>{cfg.max_lag}) {dropped}"),
-        (f"{'island':<7} {'reads from':<26} {'serving':>7} {'lag':>4} {'fetched':>9} "
-         f"{'ttv last':>9} {'ttv mean':>9} {'answers':>8}"),
+        (
+            f"rollpatch demo · async GRPO over 3 islands · WAN EMULATED on this machine: "
+            f"{cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms RTT"
+        ),
+        (
+            f"trainer  step {last.get('step', 0):>3}/{cfg.steps}  reward {reward}  "
+            f"{sparkline([s['reward'] for s in steps])}  {density(m)}"
+        ),
+        (
+            f"         LATEST v{latest if latest is not None else '-'}   rollouts used {lags}   "
+            f"dropped (lag>{cfg.max_lag}) {dropped}"
+        ),
+        (
+            f"{'island':<7} {'reads from':<26} {'serving':>7} {'lag':>4} {'fetched':>9} "
+            f"{'ttv last':>9} {'ttv mean':>9} {'answers':>8}"
+        ),
     ]
     for isl in islands:
         ttv = m.time_to_version()
-        last_ttv = next((r[isl.name]["seconds"] for v, r in sorted(ttv.items(), reverse=True)
-                         if v >= 1 and isl.name in r), None)
+        last_ttv = next(
+            (
+                r[isl.name]["seconds"]
+                for v, r in sorted(ttv.items(), reverse=True)
+                if v >= 1 and isl.name in r
+            ),
+            None,
+        )
         served = f"v{isl.served}" if isl.served is not None else "-"
         lag = m.lag(isl.name)
-        lines.append(f"{isl.name:<7} {isl.link:<26} {served:>7} "
-                     f"{lag if lag is not None else '-':>4} {fmt_bytes(isl.bytes_fetched):>9} "
-                     f"{_secs(last_ttv):>9} {_secs(m.mean_ttv(isl.name)):>9} "
-                     f"{isl.requests:>8}")
+        lines.append(
+            f"{isl.name:<7} {isl.link:<26} {served:>7} "
+            f"{lag if lag is not None else '-':>4} {fmt_bytes(isl.bytes_fetched):>9} "
+            f"{_secs(last_ttv):>9} {_secs(m.mean_ttv(isl.name)):>9} "
+            f"{isl.requests:>8}"
+        )
     up = sum(r.upstream_bytes for r in relays)
     down = sum(r.served_bytes for r in relays)
     mean_patch = sum(patch) / len(patch) if patch else None
-    share = f" = {100 * mean_patch / full:.0f}% of the {fmt_bytes(full)} view" \
-        if mean_patch and full else ""
-    lines.append(f"bytes    board→relays {fmt_bytes(up)} (emulated WAN)   relays→islands "
-                 f"{fmt_bytes(down)}   patch/version {fmt_bytes(mean_patch)}{share}")
+    share = (
+        f" = {100 * mean_patch / full:.0f}% of the {fmt_bytes(full)} view"
+        if mean_patch and full
+        else ""
+    )
+    lines.append(
+        f"bytes    board→relays {fmt_bytes(up)} (emulated WAN)   relays→islands "
+        f"{fmt_bytes(down)}   patch/version {fmt_bytes(mean_patch)}{share}"
+    )
     return lines
 
 
 def step_line(m: Monitor, step: dict[str, Any]) -> str:
     """One plain log line for a finished step."""
-    parts = [f"step {step['step']:>3}/{m.cfg.steps}", f"reward {float(step['reward']):.3f}",
-             density(m), f"LATEST v{step['version']}"]
+    parts = [
+        f"step {step['step']:>3}/{m.cfg.steps}",
+        f"reward {float(step['reward']):.3f}",
+        density(m),
+        f"LATEST v{step['version']}",
+    ]
     for isl in m.islands.values():
         parts.append(f"{isl.name} v{isl.served if isl.served is not None else '-'}")
     return "  ".join(parts)
@@ -135,7 +161,7 @@ class LiveView:
             self._drawn = len(lines)
             return
         with self.m.lock:
-            new = self.m.steps[self._steps_logged:]
+            new = self.m.steps[self._steps_logged :]
         for step in new:
             print(step_line(self.m, step), file=self.stream, flush=True)
         self._steps_logged += len(new)

@@ -58,8 +58,7 @@ class RelayState:
 class Monitor:
     """Aggregates events and polls into the state the live view and the report read."""
 
-    def __init__(self, cfg: DemoConfig, board_uri: str,
-                 islands: list[tuple[str, str]]) -> None:
+    def __init__(self, cfg: DemoConfig, board_uri: str, islands: list[tuple[str, str]]) -> None:
         self.cfg = cfg
         self.t0 = time.time()
         self.board = Board(board_uri)
@@ -94,12 +93,13 @@ class Monitor:
                 v = int(ev["version"])
                 if isl.commits and v <= isl.commits[-1][0]:
                     self.commit_order_errors.append(
-                        f"{isl.name} committed v{v} after v{isl.commits[-1][0]}")
+                        f"{isl.name} committed v{v} after v{isl.commits[-1][0]}"
+                    )
                 isl.commits.append((v, float(ev["t"]), ev.get("digest")))
             elif kind == "link":
-                self.relay(ev["relay"]).link = {k: ev[k] for k in
-                                                ("connections", "bytes_down", "bytes_up",
-                                                 "lost_segments")}
+                self.relay(ev["relay"]).link = {
+                    k: ev[k] for k in ("connections", "bytes_down", "bytes_up", "lost_segments")
+                }
             elif kind == "ready":
                 self.ready = ev
             elif kind == "trained":
@@ -187,15 +187,20 @@ class Monitor:
                 for isl in self.islands.values():
                     hit = next(((cv, t) for cv, t, _ in isl.commits if cv >= v), None)
                     if hit is not None:
-                        row[isl.name] = {"seconds": max(hit[1] - float(pub["t_latest"]), 0.0),
-                                         "exact": hit[0] == v}
+                        row[isl.name] = {
+                            "seconds": max(hit[1] - float(pub["t_latest"]), 0.0),
+                            "exact": hit[0] == v,
+                        }
                 out[v] = row
         return out
 
     def mean_ttv(self, island: str, last: int | None = None) -> float | None:
         """Mean time-to-version of ``island`` over versions >= 1 (the last ``last`` ones)."""
-        rows = [(v, r[island]["seconds"]) for v, r in self.time_to_version().items()
-                if v >= 1 and island in r]
+        rows = [
+            (v, r[island]["seconds"])
+            for v, r in self.time_to_version().items()
+            if v >= 1 and island in r
+        ]
         if last is not None:
             rows = rows[-last:]
         return sum(s for _, s in rows) / len(rows) if rows else None

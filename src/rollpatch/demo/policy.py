@@ -20,8 +20,15 @@ _WARMUP_BATCH = 64
 
 
 def _shape(cfg: DemoConfig) -> dict[str, int]:
-    return {"vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "layers": cfg.layers,
-            "heads": 4, "kv_heads": 2, "intermediate": 2 * cfg.hidden, "seed": cfg.seed}
+    return {
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.hidden,
+        "layers": cfg.layers,
+        "heads": 4,
+        "kv_heads": 2,
+        "intermediate": 2 * cfg.hidden,
+        "seed": cfg.seed,
+    }
 
 
 def ensure_model(cfg: DemoConfig, model_dir: Path) -> Path:
@@ -79,8 +86,9 @@ def _supervised(model: Any, task: DigitTask, cfg: DemoConfig, *, right: float) -
         ds = rng.integers(0, 10, _WARMUP_BATCH)
         keep = rng.random(_WARMUP_BATCH) < right
         noise = rng.integers(0, 10, _WARMUP_BATCH)
-        targets = torch.tensor([task.answer(int(d)) if k else task.digits[int(x)]
-                                for d, k, x in zip(ds, keep, noise)])
+        targets = torch.tensor(
+            [task.answer(int(d)) if k else task.digits[int(x)] for d, k, x in zip(ds, keep, noise)]
+        )
         lp = _last_logprobs(model, [task.prompt(int(d)) for d in ds])
         loss = -lp[torch.arange(_WARMUP_BATCH), targets].mean()
         opt.zero_grad()
@@ -127,8 +135,9 @@ def _format_warm_up(model: Any, task: DigitTask, cfg: DemoConfig) -> float:
         return float(lp[:, digits].exp().sum(-1).mean())
 
 
-def grpo_step(model: Any, opt: Any, groups: Sequence[Sequence[Rollout]], clip: float
-              ) -> dict[str, float]:
+def grpo_step(
+    model: Any, opt: Any, groups: Sequence[Sequence[Rollout]], clip: float
+) -> dict[str, float]:
     """One optimizer step on complete groups: group advantages, clipped importance ratios."""
     import torch
 
@@ -138,8 +147,9 @@ def grpo_step(model: Any, opt: Any, groups: Sequence[Sequence[Rollout]], clip: f
     tokens = torch.tensor([r.token for r in rollouts])
     logp_current = lp[torch.arange(len(rollouts)), tokens]
     logp_behaviour = torch.tensor([r.logprob for r in rollouts], dtype=torch.float32)
-    loss, stats = clipped_surrogate(logp_current, logp_behaviour,
-                                    torch.tensor(adv, dtype=torch.float32), clip)
+    loss, stats = clipped_surrogate(
+        logp_current, logp_behaviour, torch.tensor(adv, dtype=torch.float32), clip
+    )
     opt.zero_grad()
     loss.backward()
     opt.step()

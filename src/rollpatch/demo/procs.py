@@ -37,19 +37,36 @@ class ChildError(RollpatchError):
 class Child:
     """One running child process and the events it has sent."""
 
-    def __init__(self, name: str, argv: Sequence[str], log: Path,
-                 events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        events: queue.Queue[tuple[str, dict[str, Any]]],
+    ) -> None:
         self.name = name
         self._log: IO[str] = log.open("a", encoding="utf-8", buffering=1)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "TQDM_DISABLE": "1",
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, text=True, bufsize=1, env=env, start_new_session=True)
+            [sys.executable, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+        )
         self._events = events
-        self._reader = threading.Thread(target=self._read, name=f"demo-read-{name}",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"demo-read-{name}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
@@ -85,8 +102,11 @@ class Child:
                 self.proc.stdin.close()
             except (BrokenPipeError, OSError):
                 pass
-            for action, grace in ((None, _STOP_GRACE_S), (self.proc.terminate, _TERM_GRACE_S),
-                                  (self.proc.kill, _TERM_GRACE_S)):
+            for action, grace in (
+                (None, _STOP_GRACE_S),
+                (self.proc.terminate, _TERM_GRACE_S),
+                (self.proc.kill, _TERM_GRACE_S),
+            ):
                 if action is not None:
                     action()
                 try:
@@ -112,8 +132,9 @@ class ProcessGroup:
 
     def spawn(self, name: str, module: str, *args: str) -> Child:
         """Start ``python -m rollpatch.demo.<module> args...``."""
-        child = Child(name, ["-m", f"rollpatch.demo.{module}", *args],
-                      self.logs / f"{name}.log", self.events)
+        child = Child(
+            name, ["-m", f"rollpatch.demo.{module}", *args], self.logs / f"{name}.log", self.events
+        )
         self.children[name] = child
         return child
 
@@ -126,8 +147,9 @@ class ProcessGroup:
         except queue.Empty:
             return None
 
-    def wait_for(self, name: str, kind: str, timeout: float,
-                 on_other: Any = None) -> dict[str, Any]:
+    def wait_for(
+        self, name: str, kind: str, timeout: float, on_other: Any = None
+    ) -> dict[str, Any]:
         """Wait for event ``kind`` from child ``name``; other events are passed to
         ``on_other(child, event)``, or held for :meth:`next_event` and later waits when
         ``on_other`` is None or they are ``kind`` events of other children.
@@ -141,8 +163,11 @@ class ProcessGroup:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ChildError(f"{name} did not report {kind!r} in time",
-                                     timeout_s=timeout, log=str(self.logs / f"{name}.log"))
+                    raise ChildError(
+                        f"{name} did not report {kind!r} in time",
+                        timeout_s=timeout,
+                        log=str(self.logs / f"{name}.log"),
+                    )
                 item = self.next_event(min(left, 0.5))
                 if item is None:
                     continue
@@ -151,8 +176,10 @@ class ProcessGroup:
                 if who == name and ev["ev"] == kind:
                     return ev
                 if who == name and ev["ev"] == "exit":
-                    raise ChildError(f"{name} exited before reporting {kind!r}",
-                                     log=str(self.logs / f"{name}.log"))
+                    raise ChildError(
+                        f"{name} exited before reporting {kind!r}",
+                        log=str(self.logs / f"{name}.log"),
+                    )
                 if on_other is not None and ev["ev"] != kind:
                     on_other(who, ev)
                 else:  # the same event from another child is someone else's to wait for
@@ -163,11 +190,14 @@ class ProcessGroup:
     def check(self, who: str, ev: dict[str, Any]) -> None:
         """Raise :class:`ChildError` for an ``error`` event or an unexpected exit."""
         if ev["ev"] == "error":
-            raise ChildError(f"{ev.get('where', who)} failed: {ev.get('message')}",
-                             log=str(self.logs / f"{who}.log"))
+            raise ChildError(
+                f"{ev.get('where', who)} failed: {ev.get('message')}",
+                log=str(self.logs / f"{who}.log"),
+            )
         if ev["ev"] == "exit" and ev.get("status") not in (0, None) and not self._stopping:
-            raise ChildError(f"{who} exited with status {ev.get('status')}",
-                             log=str(self.logs / f"{who}.log"))
+            raise ChildError(
+                f"{who} exited with status {ev.get('status')}", log=str(self.logs / f"{who}.log")
+            )
 
     def stop_all(self) -> dict[str, int | None]:
         """Stop every child, newest first; returns their exit statuses."""

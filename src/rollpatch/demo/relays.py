@@ -37,8 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--regions", required=True, help="comma-separated region names")
     p.add_argument("--cache-root", required=True)
     p.add_argument("--mbps", type=float, required=True, help="emulated WAN bandwidth, Mbit/s")
-    p.add_argument("--latency-ms", type=float, required=True,
-                   help="emulated WAN round trip (half of it each way), ms")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        required=True,
+        help="emulated WAN round trip (half of it each way), ms",
+    )
     p.add_argument("--ttl", type=float, default=0.2, help="LATEST / listing TTL, seconds")
     p.add_argument("--trust", help="trust root file: verify before caching")
     args = p.parse_args(argv)
@@ -51,18 +55,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers: list[RelayServer] = []
     try:
         # the trainer's side: the board over HTTP, always fresh (no TTL on LATEST or lists)
-        origin = RelayServer(args.board, RelayConfig(cache_dir=Path(args.cache_root) / "origin",
-                                                     pointer_ttl=0.0, list_ttl=0.0))
+        origin = RelayServer(
+            args.board,
+            RelayConfig(cache_dir=Path(args.cache_root) / "origin", pointer_ttl=0.0, list_ttl=0.0),
+        )
         servers.append(origin)
         origin_port = int(origin.start().rstrip("/").rsplit(":", 1)[1])
         for region in [r for r in args.regions.split(",") if r]:
-            link = Link(LinkConfig(upstream=("127.0.0.1", origin_port),
-                                   latency_ms=args.latency_ms / 2, mbps=args.mbps)).start()
+            link = Link(
+                LinkConfig(
+                    upstream=("127.0.0.1", origin_port),
+                    latency_ms=args.latency_ms / 2,
+                    mbps=args.mbps,
+                )
+            ).start()
             links[region] = link
-            config = RelayConfig(cache_dir=Path(args.cache_root) / region,
-                                 pointer_ttl=args.ttl, list_ttl=args.ttl)
-            trust = None if args.trust is None else Trust.from_file(
-                args.trust, state_path=config.cache_dir / "trust-state.json")
+            config = RelayConfig(
+                cache_dir=Path(args.cache_root) / region, pointer_ttl=args.ttl, list_ttl=args.ttl
+            )
+            trust = (
+                None
+                if args.trust is None
+                else Trust.from_file(args.trust, state_path=config.cache_dir / "trust-state.json")
+            )
             server = RelayServer(link.url, config, trust=trust)
             servers.append(server)
             emit("listening", relay=region, url=server.start())
@@ -84,8 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _counters(link: Link) -> dict[str, int]:
     s = link.stats()
-    return {"connections": s.connections, "bytes_down": s.bytes_down, "bytes_up": s.bytes_up,
-            "lost_segments": s.lost_segments}
+    return {
+        "connections": s.connections,
+        "bytes_down": s.bytes_down,
+        "bytes_up": s.bytes_up,
+        "lost_segments": s.lost_segments,
+    }
 
 
 if __name__ == "__main__":

@@ -67,16 +67,21 @@ class RolloutPool:
         self.rollouts: list[Rollout] = []
         self.served: Counter[tuple[str, int]] = Counter()  # (island, version) -> answers
         self.refusals = 0
-        self._client = httpx.Client(base_url=gateway_url, timeout=httpx.Timeout(60.0),
-                                    limits=httpx.Limits(max_connections=cfg.concurrency + 4))
+        self._client = httpx.Client(
+            base_url=gateway_url,
+            timeout=httpx.Timeout(60.0),
+            limits=httpx.Limits(max_connections=cfg.concurrency + 4),
+        )
         self._requests = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-req")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._next_group = 0
         self._error: BaseException | None = None
         n_workers = max(2, -(-cfg.concurrency // cfg.group_size) + 1)
-        self._workers = [threading.Thread(target=self._work, name=f"rollout-{i}", daemon=True)
-                         for i in range(n_workers)]
+        self._workers = [
+            threading.Thread(target=self._work, name=f"rollout-{i}", daemon=True)
+            for i in range(n_workers)
+        ]
 
     def start(self) -> None:
         """Start the worker threads."""
@@ -101,8 +106,7 @@ class RolloutPool:
                 return self.buffer.get(timeout=0.2)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise RolloutError("no rollouts arrived in time", timeout_s=timeout) \
-                        from None
+                    raise RolloutError("no rollouts arrived in time", timeout_s=timeout) from None
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -131,31 +135,50 @@ class RolloutPool:
         rng = np.random.default_rng([self.cfg.seed, gid])
         digit = self.task.sample(rng)
         prompt = tuple(self.task.prompt(digit))
-        futures = [self._requests.submit(self._one, gid, digit, prompt, m)
-                   for m in range(self.cfg.group_size)]
+        futures = [
+            self._requests.submit(self._one, gid, digit, prompt, m)
+            for m in range(self.cfg.group_size)
+        ]
         results = [f.result() for f in futures]
         if any(r is None for r in results):
             return None  # stopping
         return [r for r in results if r is not None]
 
-    def _one(self, gid: int, digit: int, prompt: tuple[int, ...], member: int
-             ) -> Rollout | None:
+    def _one(self, gid: int, digit: int, prompt: tuple[int, ...], member: int) -> Rollout | None:
         seed = request_seed(self.cfg.seed, gid, member)
-        body = {"prompt": list(prompt), "max_tokens": 1, "temperature": 1.0, "top_p": 1.0,
-                "seed": seed, "logprobs": 0, "return_token_ids": True,
-                "rollpatch": {"max_lag": self.cfg.max_lag, "wait_s": _WAIT_S}}
+        body = {
+            "prompt": list(prompt),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "seed": seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "rollpatch": {"max_lag": self.cfg.max_lag, "wait_s": _WAIT_S},
+        }
         deadline = time.monotonic() + _GIVE_UP_S
         while not self._stop.is_set():
             r = self._client.post("/v1/completions", json=body)
             if r.status_code == 200:
-                token, logprob, start, end, island = _parse(r.json(),
-                                                            r.headers.get("x-rollpatch-island"))
-                return Rollout(group=gid, digit=digit, prompt=prompt, seed=seed, token=token,
-                               logprob=logprob, version_start=start, version_end=end,
-                               island=island, reward=self.task.reward(digit, token))
+                token, logprob, start, end, island = _parse(
+                    r.json(), r.headers.get("x-rollpatch-island")
+                )
+                return Rollout(
+                    group=gid,
+                    digit=digit,
+                    prompt=prompt,
+                    seed=seed,
+                    token=token,
+                    logprob=logprob,
+                    version_start=start,
+                    version_end=end,
+                    island=island,
+                    reward=self.task.reward(digit, token),
+                )
             if r.status_code not in (409, 503) or time.monotonic() > deadline:
-                raise RolloutError("the gateway refused a rollout", status=r.status_code,
-                                   body=r.text[:300])
+                raise RolloutError(
+                    "the gateway refused a rollout", status=r.status_code, body=r.text[:300]
+                )
             with self._lock:
                 self.refusals += 1
             time.sleep(0.1)

@@ -43,15 +43,20 @@ class DemoFailed(RollpatchError):
 
 #: What each regime is, said at the start of every run (docs/demo.md).
 _REGIMES = {
-    "fast": ("regime fast (lr {lr:g}): a from-scratch policy that only learned the answer "
-             "format, at a learning rate ~100x RL post-training's, so the reward climbs within "
-             "a few minutes; the price is dense steps (~50% of the BF16 values change, patches "
-             "~16% of the view). --regime real shows post-training density."),
-    "real": ("regime real (lr {lr:g}): RL at a post-training learning rate on a policy "
-             "warmed up by an unpublished supervised phase: a few % of the BF16 values change "
-             "per step and patches are a few % of the view; on this 0.4M-parameter model the "
-             "reward moves slowly (real models are far wider). --regime fast climbs quickly."),
+    "fast": (
+        "regime fast (lr {lr:g}): a from-scratch policy that only learned the answer "
+        "format, at a learning rate ~100x RL post-training's, so the reward climbs within "
+        "a few minutes; the price is dense steps (~50% of the BF16 values change, patches "
+        "~16% of the view). --regime real shows post-training density."
+    ),
+    "real": (
+        "regime real (lr {lr:g}): RL at a post-training learning rate on a policy "
+        "warmed up by an unpublished supervised phase: a few % of the BF16 values change "
+        "per step and patches are a few % of the view; on this 0.4M-parameter model the "
+        "reward moves slowly (real models are far wider). --regime fast climbs quickly."
+    ),
 }
+
 
 def _interrupt(_: int, __: FrameType | None) -> None:
     raise KeyboardInterrupt
@@ -64,8 +69,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     layout = Layout(Path(cfg.out))
     layout.prepare()
     procs = ProcessGroup(layout.logs)
-    links = [(name, "board (file://, direct)" if region is None
-              else f"relay {region} ← emulated WAN") for name, region in ISLANDS]
+    links = [
+        (name, "board (file://, direct)" if region is None else f"relay {region} ← emulated WAN")
+        for name, region in ISLANDS
+    ]
     monitor = Monitor(cfg, layout.board_uri, links)
     view = LiveView(monitor, cfg.live)
     # Ctrl-C and SIGTERM unwind through the finally below, which stops every child (SIGINT
@@ -76,21 +83,34 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     try:
-        view.say(f"rollpatch demo: output in {layout.root}/ (logs in {layout.logs}/); "
-                 f"the WAN between the board and the remote relays is EMULATED "
-                 f"({cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms round trip; real TCP "
-                 "through rollpatch.netem on loopback)")
+        view.say(
+            f"rollpatch demo: output in {layout.root}/ (logs in {layout.logs}/); "
+            f"the WAN between the board and the remote relays is EMULATED "
+            f"({cfg.wan_mbps:g} Mbit/s, +{cfg.wan_latency_ms:g} ms round trip; real TCP "
+            "through rollpatch.netem on loopback)"
+        )
         regions = [r for _, r in ISLANDS if r is not None]
         if cfg.sign:
             layout.make_trust()
         trust = ["--trust", str(layout.trust_root)] if cfg.sign else []
-        procs.spawn("relays", "relays", "--board", layout.board_uri,
-                             "--regions", ",".join(regions),
-                             "--cache-root", str(layout.root / "relay-cache"),
-                             "--mbps", str(cfg.wan_mbps), "--latency-ms", str(cfg.wan_latency_ms),
-                             *trust)
-        trainer = procs.spawn("trainer", "trainer", "--config", cfg.to_json(),
-                              "--out", str(layout.root))
+        procs.spawn(
+            "relays",
+            "relays",
+            "--board",
+            layout.board_uri,
+            "--regions",
+            ",".join(regions),
+            "--cache-root",
+            str(layout.root / "relay-cache"),
+            "--mbps",
+            str(cfg.wan_mbps),
+            "--latency-ms",
+            str(cfg.wan_latency_ms),
+            *trust,
+        )
+        trainer = procs.spawn(
+            "trainer", "trainer", "--config", cfg.to_json(), "--out", str(layout.root)
+        )
         for _ in regions:
             ev = procs.wait_for("relays", "listening", _SETUP_TIMEOUT_S)
             monitor.relay(ev["relay"]).url = ev["url"]
@@ -98,14 +118,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         view.say("making the tiny model, warming it up (unpublished), publishing v0 ...")
         ready = procs.wait_for("trainer", "ready", _SETUP_TIMEOUT_S, monitor.on_event)
         monitor.on_event("trainer", ready)
-        view.say(f"model: {ready['params']:,} parameters, served view "
-                 f"{ready['full_view_bytes']:,} bytes ({cfg.format}); starting 3 islands ...")
+        view.say(
+            f"model: {ready['params']:,} parameters, served view "
+            f"{ready['full_view_bytes']:,} bytes ({cfg.format}); starting 3 islands ..."
+        )
         _start_islands(cfg, layout, procs, monitor)
         gateway = _start_gateway(monitor)
         stop_polls = monitor.start_polling()
         timings["setup_s"] = time.monotonic() - t0
-        view.say(f"gateway {gateway.url} over {len(ISLANDS)} islands; training "
-                 f"{cfg.steps} steps (max_lag {cfg.max_lag}) ...")
+        view.say(
+            f"gateway {gateway.url} over {len(ISLANDS)} islands; training "
+            f"{cfg.steps} steps (max_lag {cfg.max_lag}) ..."
+        )
         trainer.send(cmd="go", gateway=gateway.url)
         t_train = time.monotonic()
         _pump_until(procs, monitor, view, lambda: monitor.trained is not None)
@@ -116,11 +140,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if cfg.engine == "reference" and monitor.verified is None:
             n = (monitor.trained or {}).get("rollouts", 0)
             check = "all" if cfg.verify_samples == 0 else f"{cfg.verify_samples} of the"
-            view.say(f"verifying: re-generating {check} {n} rollouts, each under the version "
-                     "it was labelled with, on one CPU thread (a minute or so) ...")
+            view.say(
+                f"verifying: re-generating {check} {n} rollouts, each under the version "
+                "it was labelled with, on one CPU thread (a minute or so) ..."
+            )
         _pump_until(procs, monitor, view, lambda: monitor.verified is not None)
-        timings["verify_s"] = float(monitor.verified.get("verify_s", 0.0)) \
-            if monitor.verified else 0.0
+        timings["verify_s"] = (
+            float(monitor.verified.get("verify_s", 0.0)) if monitor.verified else 0.0
+        )
         monitor.poll(_client())  # final counters
         view.close()
     finally:
@@ -139,8 +166,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     _write(report, monitor, layout, cfg, view)
     if not report["ok"]:
         failed = [k for k, v in invariants.items() if v["ok"] is False]
-        raise DemoFailed("demo invariants failed: " + ", ".join(failed),
-                         report=str(layout.summary))
+        raise DemoFailed("demo invariants failed: " + ", ".join(failed), report=str(layout.summary))
     return report
 
 
@@ -155,21 +181,39 @@ def _preflight(cfg: DemoConfig) -> None:
 
         mod = importlib.import_module("rollpatch.engines.vllm")
         if not hasattr(mod, "VllmEngine"):
-            raise RollpatchError("--engine vllm: the vLLM adapter (rollpatch.engines.vllm."
-                                 "VllmEngine) is not available in this build",
-                                 hint="use --engine reference")
+            raise RollpatchError(
+                "--engine vllm: the vLLM adapter (rollpatch.engines.vllm."
+                "VllmEngine) is not available in this build",
+                hint="use --engine reference",
+            )
 
 
-def _start_islands(cfg: DemoConfig, layout: Layout, procs: ProcessGroup,
-                   monitor: Monitor) -> None:
+def _start_islands(cfg: DemoConfig, layout: Layout, procs: ProcessGroup, monitor: Monitor) -> None:
     for i, (name, region) in enumerate(ISLANDS):
         board = layout.board_uri if region is None else monitor.relay(region).url
-        args = ["--name", name, "--board", str(board), "--run", RUN,
-                "--model", str(layout.model), "--format", cfg.format, "--engine", cfg.engine,
-                "--poll", str(cfg.poll_s)]
+        args = [
+            "--name",
+            name,
+            "--board",
+            str(board),
+            "--run",
+            RUN,
+            "--model",
+            str(layout.model),
+            "--format",
+            cfg.format,
+            "--engine",
+            cfg.engine,
+            "--poll",
+            str(cfg.poll_s),
+        ]
         if cfg.sign:
-            args += ["--trust", str(layout.trust_root),
-                     "--trust-state", str(layout.trust_state(f"island-{name}"))]
+            args += [
+                "--trust",
+                str(layout.trust_root),
+                "--trust-state",
+                str(layout.trust_state(f"island-{name}")),
+            ]
         if cfg.engine == "vllm":
             args += ["--engine-url", cfg.engine_urls[i]]
         procs.spawn(f"island-{name}", "island", *args)
@@ -185,9 +229,10 @@ def _start_islands(cfg: DemoConfig, layout: Layout, procs: ProcessGroup,
             error = _last_error(client, url)
             waited = time.monotonic() - t0
             if waited > _SETUP_TIMEOUT_S or (error and waited > _BOOT_ERROR_GRACE_S):
-                raise ChildError(f"island {name} could not load version 0: "
-                                 f"{error or 'timed out'}",
-                                 log=str(procs.logs / f"island-{name}.log"))
+                raise ChildError(
+                    f"island {name} could not load version 0: {error or 'timed out'}",
+                    log=str(procs.logs / f"island-{name}.log"),
+                )
             item = procs.next_event(0.2)
             if item is not None:
                 procs.check(*item)
@@ -216,8 +261,9 @@ def _last_error(client: Any, url: str) -> str | None:
 def _start_gateway(monitor: Monitor) -> Any:
     from ..gateway import start_gateway
 
-    return start_gateway([f"{i.name}={i.url}" for i in monitor.islands.values()],
-                         log_level="warning")
+    return start_gateway(
+        [f"{i.name}={i.url}" for i in monitor.islands.values()], log_level="warning"
+    )
 
 
 def _client() -> Any:
@@ -226,8 +272,13 @@ def _client() -> Any:
     return httpx.Client(timeout=5.0)
 
 
-def _pump_until(procs: ProcessGroup, monitor: Monitor, view: LiveView, done: Any,
-                timeout: float = _TRAIN_IDLE_TIMEOUT_S) -> None:
+def _pump_until(
+    procs: ProcessGroup,
+    monitor: Monitor,
+    view: LiveView,
+    done: Any,
+    timeout: float = _TRAIN_IDLE_TIMEOUT_S,
+) -> None:
     """Fold events into the monitor and redraw, until ``done()``; fail if nothing happens
     for ``timeout`` seconds."""
     last_event = time.monotonic()
@@ -254,14 +305,16 @@ def _catch_up(cfg: DemoConfig, procs: ProcessGroup, monitor: Monitor, view: Live
     deadline = time.monotonic() + cfg.catchup_timeout_s
 
     def caught_up() -> bool:
-        return all(i.served == final for i in monitor.islands.values()) \
-            or time.monotonic() > deadline
+        return (
+            all(i.served == final for i in monitor.islands.values()) or time.monotonic() > deadline
+        )
 
     _pump_until(procs, monitor, view, caught_up)
 
 
-def _write(report: dict[str, Any], monitor: Monitor, layout: Layout, cfg: DemoConfig,
-           view: LiveView) -> None:
+def _write(
+    report: dict[str, Any], monitor: Monitor, layout: Layout, cfg: DemoConfig, view: LiveView
+) -> None:
     text = json.dumps(report, indent=1)
     layout.summary.write_text(text)
     if cfg.json_path:
@@ -273,5 +326,8 @@ def _write(report: dict[str, Any], monitor: Monitor, layout: Layout, cfg: DemoCo
     except ImportError:
         plot_note = "plots skipped: matplotlib is not installed (pip install matplotlib)"
     view.say(summary_table(report))
-    view.say(f"\nreport: {layout.summary}" + (f" and {cfg.json_path}" if cfg.json_path else "")
-             + f"\n{plot_note}")
+    view.say(
+        f"\nreport: {layout.summary}"
+        + (f" and {cfg.json_path}" if cfg.json_path else "")
+        + f"\n{plot_note}"
+    )

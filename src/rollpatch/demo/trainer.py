@@ -56,11 +56,18 @@ class _Published:
         """Emit events for versions published since the last report."""
         with self._lock:
             stats = self.pub.stats
-            for s in stats.versions[self._seen:]:
-                emit("published", version=s.version,
-                     t_latest=self.called_at[s.version] + s.total_s, bytes=s.bytes,
-                     patch_bytes=s.patch_bytes, changed=s.changed, keyframe=s.keyframe,
-                     skip_bases=list(s.skip_bases), publish_s=s.total_s)
+            for s in stats.versions[self._seen :]:
+                emit(
+                    "published",
+                    version=s.version,
+                    t_latest=self.called_at[s.version] + s.total_s,
+                    bytes=s.bytes,
+                    patch_bytes=s.patch_bytes,
+                    changed=s.changed,
+                    keyframe=s.keyframe,
+                    skip_bases=list(s.skip_bases),
+                    publish_s=s.total_s,
+                )
             self._seen = len(stats.versions)
 
     def close(self) -> None:
@@ -82,8 +89,9 @@ def _wait_command(commands: queue.Queue[dict[str, Any]], want: str) -> dict[str,
             raise SystemExit(0)
 
 
-def _take_batch(pool: Any, cfg: DemoConfig, current: int
-                ) -> tuple[list[Sequence[Rollout]], int, Counter[int], Counter[int]]:
+def _take_batch(
+    pool: Any, cfg: DemoConfig, current: int
+) -> tuple[list[Sequence[Rollout]], int, Counter[int], Counter[int]]:
     """``prompts_per_step`` fresh-enough groups; stale ones are dropped and replaced."""
     kept: list[Sequence[Rollout]] = []
     used: Counter[int] = Counter()
@@ -119,15 +127,24 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
     digit_mass = warm_up(model, task, cfg)
     full = cast_view(snapshot_state(model.state_dict()), cfg.format)
     signer = Signer.from_files([layout.key]) if cfg.sign else None
-    pub = Publisher(layout.board_uri, RUN, PublisherConfig(format=cfg.format, max_pending=100_000,
-                                                           signer=signer))
+    pub = Publisher(
+        layout.board_uri,
+        RUN,
+        PublisherConfig(format=cfg.format, max_pending=100_000, signer=signer),
+    )
     published = _Published(pub)
     published.publish(model.state_dict())
     pub.flush()
     published.report()
-    emit("ready", model_dir=str(layout.model), full_view_bytes=full.nbytes,
-         n_elements=sum(t.n_elements for t in full.values()), digit_mass=digit_mass,
-         params=sum(p.numel() for p in model.parameters()), setup_s=time.monotonic() - t0)
+    emit(
+        "ready",
+        model_dir=str(layout.model),
+        full_view_bytes=full.nbytes,
+        n_elements=sum(t.n_elements for t in full.values()),
+        digit_mass=digit_mass,
+        params=sum(p.numel() for p in model.parameters()),
+        setup_s=time.monotonic() - t0,
+    )
     go = _wait_command(commands, "go")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # PyTorch defaults otherwise
     pool = RolloutPool(go["gateway"], task, cfg)
@@ -143,10 +160,20 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
             version = published.publish(model.state_dict())
             rewards = [r.reward for g in groups for r in g]
             islands = Counter(r.island for g in groups for r in g)
-            emit("step", step=step, version=version, reward=sum(rewards) / len(rewards),
-                 used_by_lag=dict(used), dropped_by_lag=dict(dropped),
-                 groups_taken=taken, islands=dict(islands), wait_s=t_wait,
-                 step_s=time.monotonic() - t_step, refusals=pool.refusals, **stats)
+            emit(
+                "step",
+                step=step,
+                version=version,
+                reward=sum(rewards) / len(rewards),
+                used_by_lag=dict(used),
+                dropped_by_lag=dict(dropped),
+                groups_taken=taken,
+                islands=dict(islands),
+                wait_s=t_wait,
+                step_s=time.monotonic() - t_step,
+                refusals=pool.refusals,
+                **stats,
+            )
             if not commands.empty() and commands.get().get("cmd") == "stop":
                 return 130
     finally:
@@ -156,19 +183,31 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
     served: dict[str, dict[str, int]] = {}
     for (island, v), n in sorted(pool.served.items()):
         served.setdefault(island, {})[str(v)] = n
-    emit("trained", latest=pub.last_durable, train_s=time.monotonic() - t_train,
-         rollouts=len(pool.rollouts), served=served, dropped_versions=pub.stats.n_dropped)
+    emit(
+        "trained",
+        latest=pub.last_durable,
+        train_s=time.monotonic() - t_train,
+        rollouts=len(pool.rollouts),
+        served=served,
+        dropped_versions=pub.stats.n_dropped,
+    )
     t_verify = time.monotonic()
     if cfg.engine == "reference":
         sample = pick_sample(pool.rollouts, cfg.verify_samples)
         dtype = "bfloat16" if cfg.format == "bf16" else "float16"
-        report = verify_rollouts(layout.model, Board(layout.board_uri), RUN, sample,
-                                 dtype=dtype)
-        emit("verified", of=len(pool.rollouts), verify_s=time.monotonic() - t_verify,
-             **report.to_json())
+        report = verify_rollouts(layout.model, Board(layout.board_uri), RUN, sample, dtype=dtype)
+        emit(
+            "verified",
+            of=len(pool.rollouts),
+            verify_s=time.monotonic() - t_verify,
+            **report.to_json(),
+        )
     else:
-        emit("verified", skipped=f"engine {cfg.engine}: its kernels are not the reference "
-                                 "runtime's, so outputs cannot be compared bit for bit")
+        emit(
+            "verified",
+            skipped=f"engine {cfg.engine}: its kernels are not the reference "
+            "runtime's, so outputs cannot be compared bit for bit",
+        )
     pub.close()
     return 0
 

@@ -65,10 +65,15 @@ class VerifyReport:
     controls_differ: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"checked": self.checked, "mismatches": len(self.mismatches),
-                "first_mismatches": self.mismatches[:5], "checked_by_island": self.by_island,
-                "versions_checked": self.versions, "control_rollouts": self.controls,
-                "control_detected": self.controls_differ}
+        return {
+            "checked": self.checked,
+            "mismatches": len(self.mismatches),
+            "first_mismatches": self.mismatches[:5],
+            "checked_by_island": self.by_island,
+            "versions_checked": self.versions,
+            "control_rollouts": self.controls,
+            "control_detected": self.controls_differ,
+        }
 
 
 def pick_sample(rollouts: Sequence[Rollout], limit: int) -> list[Rollout]:
@@ -92,8 +97,14 @@ def pick_sample(rollouts: Sequence[Rollout], limit: int) -> list[Rollout]:
     return out
 
 
-def verify_rollouts(model_dir: str | Path, board: Board, run: str,
-                    rollouts: Sequence[Rollout], *, dtype: str = "bfloat16") -> VerifyReport:
+def verify_rollouts(
+    model_dir: str | Path,
+    board: Board,
+    run: str,
+    rollouts: Sequence[Rollout],
+    *,
+    dtype: str = "bfloat16",
+) -> VerifyReport:
     """Regenerate ``rollouts`` under their labelled versions; report every difference."""
     from ..engines.reference import ReferenceRuntime
 
@@ -113,8 +124,9 @@ def verify_rollouts(model_dir: str | Path, board: Board, run: str,
             report.checked += 1
             report.by_island[r.island] = report.by_island.get(r.island, 0) + 1
             if token != r.token or logprob != r.logprob:
-                report.mismatches.append(_describe(r, "differs from its labelled version",
-                                                   (token, logprob)))
+                report.mismatches.append(
+                    _describe(r, "differs from its labelled version", (token, logprob))
+                )
     report.versions = len(by_version)
     controls = [r for v in sorted(by_version) if v > 0 for r in by_version[v][:1]][-_CONTROLS:]
     for r in controls:
@@ -126,8 +138,9 @@ def verify_rollouts(model_dir: str | Path, board: Board, run: str,
 
 
 def _regenerate(runtime: Any, r: Rollout) -> tuple[int, float | None]:
-    gen = runtime.generate(list(r.prompt), max_tokens=1, temperature=1.0, top_p=1.0,
-                           seed=r.seed, logprobs=0)
+    gen = runtime.generate(
+        list(r.prompt), max_tokens=1, temperature=1.0, top_p=1.0, seed=r.seed, logprobs=0
+    )
     try:
         step = next(gen)
     finally:
@@ -136,9 +149,15 @@ def _regenerate(runtime: Any, r: Rollout) -> tuple[int, float | None]:
 
 
 def _describe(r: Rollout, what: str, got: tuple[int, float | None] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"problem": what, "island": r.island, "version": r.version,
-                           "versions": [r.version_start, r.version_end], "seed": r.seed,
-                           "token": r.token, "logprob": r.logprob}
+    out: dict[str, Any] = {
+        "problem": what,
+        "island": r.island,
+        "version": r.version,
+        "versions": [r.version_start, r.version_end],
+        "seed": r.seed,
+        "token": r.token,
+        "logprob": r.logprob,
+    }
     if got is not None:
         out.update(regenerated_token=got[0], regenerated_logprob=got[1])
     return out

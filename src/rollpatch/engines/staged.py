@@ -33,8 +33,15 @@ from ..patch import Patch, TensorPatch
 from ..patch.ops import gather, scatter
 from ..view import Tensor, root_digest, sum128_digest, sum128_terms, tensor_digest
 
-__all__ = ["AuditCursor", "AuditReport", "EncodedStep", "StagedTensor", "StagedUpdate",
-           "stage_patch", "sum_delta"]
+__all__ = [
+    "AuditCursor",
+    "AuditReport",
+    "EncodedStep",
+    "StagedTensor",
+    "StagedUpdate",
+    "stage_patch",
+    "sum_delta",
+]
 
 _M64 = (1 << 64) - 1
 SumState = tuple[int, int]
@@ -67,14 +74,16 @@ class AuditCursor:
     def __init__(self) -> None:
         self._next = 0
 
-    def take(self, names: list[str], size: Callable[[str], int], budget: int
-             ) -> tuple[list[str], bool]:
+    def take(
+        self, names: list[str], size: Callable[[str], int], budget: int
+    ) -> tuple[list[str], bool]:
         if not names:
             return [], True
         out: list[str] = []
         spent, wrapped = 0, False
-        while len(out) < len(names) and (not out or spent + size(names[self._next % len(names)])
-                                          <= budget):
+        while len(out) < len(names) and (
+            not out or spent + size(names[self._next % len(names)]) <= budget
+        ):
             name = names[self._next % len(names)]
             out.append(name)
             spent += size(name)
@@ -148,8 +157,13 @@ class StagedUpdate:
     def nbytes(self) -> int:
         """Bytes the staged writes hold (positions + old + new words)."""
         n = self.payload.get("nbytes")
-        return n if isinstance(n, int) else sum(t.positions.nbytes + t.old.nbytes
-                                                + t.new.nbytes for t in self.tensors.values())
+        return (
+            n
+            if isinstance(n, int)
+            else sum(
+                t.positions.nbytes + t.old.nbytes + t.new.nbytes for t in self.tensors.values()
+            )
+        )
 
 
 def _as_delta(tp: TensorPatch, held: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -164,8 +178,12 @@ def _as_delta(tp: TensorPatch, held: Tensor) -> tuple[np.ndarray, np.ndarray, np
     return pos, cur[pos].copy(), new[pos].copy()
 
 
-def stage_patch(patch: Patch, held: Callable[[str], Tensor], digests: Mapping[str, str],
-                state: Callable[[str], SumState]) -> StagedUpdate:
+def stage_patch(
+    patch: Patch,
+    held: Callable[[str], Tensor],
+    digests: Mapping[str, str],
+    state: Callable[[str], SumState],
+) -> StagedUpdate:
     """Prove ``patch`` against the engine's held words (module docstring, step 1).
 
     ``held(name)``: the tensor's current words (read only at touched positions for non-packed
@@ -174,49 +192,69 @@ def stage_patch(patch: Patch, held: Callable[[str], Tensor], digests: Mapping[st
     :class:`PatchError` / :class:`TargetMismatchError`; touches nothing.
     """
     if root_digest(digests, patch.digest) != patch.base:
-        raise BaseMismatchError("engine root digest is not the patch's base",
-                                expected=patch.base[:16],
-                                hint="the engine is on another version; plan a new path")
+        raise BaseMismatchError(
+            "engine root digest is not the patch's base",
+            expected=patch.base[:16],
+            hint="the engine is on another version; plan a new path",
+        )
     after = dict(digests)
     out: dict[str, StagedTensor] = {}
     for name in sorted(patch.tensors):
         tp = patch.tensors[name]
         if tp.op == "drop" or name not in digests:
-            raise BaseMismatchError("patch adds or drops a tensor; the model cannot change",
-                                    tensor=name, op=tp.op,
-                                    hint="self-heal from a keyframe of this architecture")
+            raise BaseMismatchError(
+                "patch adds or drops a tensor; the model cannot change",
+                tensor=name,
+                op=tp.op,
+                hint="self-heal from a keyframe of this architecture",
+            )
         t = held(name)
         if tp.kind != t.kind or tp.shape != t.shape:
-            raise BaseMismatchError("tensor layout differs from the engine's", tensor=name,
-                                    kind=tp.kind.name, shape=tp.shape)
+            raise BaseMismatchError(
+                "tensor layout differs from the engine's",
+                tensor=name,
+                kind=tp.kind.name,
+                shape=tp.shape,
+            )
         if tp.base_digest != digests[name]:
             raise BaseMismatchError("tensor is not the patch's base", tensor=name)
         pos, old, new = _as_delta(tp, t)
-        if pos.dtype != np.int64 or pos.ndim != 1 or old.dtype != t.kind.elem_dtype \
-                or new.dtype != t.kind.elem_dtype or old.shape != pos.shape \
-                or new.shape != pos.shape:
-            raise PatchError("positions must be int64 and elements the kind's words",
-                             tensor=name)
-        if pos.size and (pos[0] < 0 or pos[-1] >= t.n_elements
-                         or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))):
+        if (
+            pos.dtype != np.int64
+            or pos.ndim != 1
+            or old.dtype != t.kind.elem_dtype
+            or new.dtype != t.kind.elem_dtype
+            or old.shape != pos.shape
+            or new.shape != pos.shape
+        ):
+            raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
+        if pos.size and (
+            pos[0] < 0
+            or pos[-1] >= t.n_elements
+            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+        ):
             raise PatchError("positions out of range or not strictly increasing", tensor=name)
         if not np.array_equal(gather(t, pos), old):
             raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
         digest, st = _target(patch, t, name, pos, new, state)
         if digest != tp.target_digest:
-            raise TargetMismatchError("staged writes do not reach the tensor's target",
-                                      tensor=name)
+            raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
         after[name] = digest
         if pos.size:
             out[name] = StagedTensor(name, pos, old, new, digest, st)
     if root_digest(after, patch.digest) != patch.target:
         raise TargetMismatchError("staged writes do not reach the target root")
-    return StagedUpdate(patch.base, patch.target, out,
-                        {n: after[n] for n in patch.tensors})
+    return StagedUpdate(patch.base, patch.target, out, {n: after[n] for n in patch.tensors})
 
 
-def _target(patch: Patch, t: Tensor, name: str, pos: np.ndarray, new: np.ndarray,
-            state: Callable[[str], SumState]) -> tuple[str, SumState | None]:
+def _target(
+    patch: Patch,
+    t: Tensor,
+    name: str,
+    pos: np.ndarray,
+    new: np.ndarray,
+    state: Callable[[str], SumState],
+) -> tuple[str, SumState | None]:
     if patch.digest == "rp.sum128.v1" and not t.kind.packed:
         d0, d1 = sum_delta(t.data, pos, new)
         s0, s1 = state(name)

@@ -13,5 +13,14 @@ from .commit import CommitGate, CommitMode, CommitRecord
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .core import CommitCallback, Follower
 
-__all__ = ["Auditor", "CommitCallback", "CommitGate", "CommitMode", "CommitRecord", "Follower",
-           "FollowerConfig", "FollowerState", "FollowerStatus"]
+__all__ = [
+    "Auditor",
+    "CommitCallback",
+    "CommitGate",
+    "CommitMode",
+    "CommitRecord",
+    "Follower",
+    "FollowerConfig",
+    "FollowerState",
+    "FollowerStatus",
+]

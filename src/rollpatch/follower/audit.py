@@ -31,9 +31,15 @@ class Auditor:
     Counters: ``passes`` (full rounds), ``bytes`` (hashed), ``mismatches``.
     """
 
-    def __init__(self, engine: EngineAdapter, *, rate_bytes_per_s: float, period_s: float,
-                 on_mismatch: Callable[[AuditReport], None],
-                 busy: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        engine: EngineAdapter,
+        *,
+        rate_bytes_per_s: float,
+        period_s: float,
+        on_mismatch: Callable[[AuditReport], None],
+        busy: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.engine = engine
         self.budget = max(1, int(rate_bytes_per_s * period_s))
         self.period_s = period_s
@@ -58,8 +64,11 @@ class Auditor:
         self.passes += report.wrapped
         if report.mismatched:
             self.mismatches += 1
-            log.warning("audit: live weights differ from the held version (%s); out of "
-                        "rotation until re-synced", ", ".join(report.mismatched[:3]))
+            log.warning(
+                "audit: live weights differ from the held version (%s); out of "
+                "rotation until re-synced",
+                ", ".join(report.mismatched[:3]),
+            )
             self.on_mismatch(report)
         return report
 

@@ -89,8 +89,12 @@ class Admission:
     def __enter__(self) -> Admission:  # noqa: PYI034 (typing.Self needs 3.11)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is not None or not self._handed_off:
             self.release()
 
@@ -102,21 +106,29 @@ class CommitGate:
     switches to pause mode (None: no bound).
     """
 
-    def __init__(self, engine: EngineAdapter, mode: CommitMode = "pause", *,
-                 drain_timeout_s: float | None = 30.0) -> None:
+    def __init__(
+        self,
+        engine: EngineAdapter,
+        mode: CommitMode = "pause",
+        *,
+        drain_timeout_s: float | None = 30.0,
+    ) -> None:
         if mode not in COMMIT_MODES:
             raise ConfigError(f"commit mode must be one of {COMMIT_MODES}", mode=mode)
         if drain_timeout_s is not None and not 0 <= drain_timeout_s <= 86400:
-            raise ConfigError("drain_timeout_s must be in [0, 86400] or None",
-                              field="drain_timeout_s", value=drain_timeout_s)
+            raise ConfigError(
+                "drain_timeout_s must be in [0, 86400] or None",
+                field="drain_timeout_s",
+                value=drain_timeout_s,
+            )
         self.engine = engine
         self.mode: CommitMode = mode
         self.drain_timeout_s = drain_timeout_s
         self._cond = threading.Condition()
         self._run_lock = threading.Lock()  # one weight change at a time
         self._inflight = 0
-        self._committing = False   # drain mode: admission closed
-        self._busy = 0             # any mode: a weight change is running
+        self._committing = False  # drain mode: admission closed
+        self._busy = 0  # any mode: a weight change is running
         self._busy_since: float | None = None
         self._held: int | None = None  # the verified version when the weight change began
         self.last: CommitRecord | None = None
@@ -149,8 +161,10 @@ class CommitGate:
         manager. :class:`NotReadyError` when admission stays closed past ``timeout``."""
         with self._cond:
             if not self._cond.wait_for(lambda: not self._committing, timeout):
-                raise NotReadyError("a weight commit is taking too long; not admitting",
-                                    hint="retry shortly; see /version for the commit state")
+                raise NotReadyError(
+                    "a weight commit is taking too long; not admitting",
+                    hint="retry shortly; see /version for the commit state",
+                )
             self._inflight += 1
             return Admission(self, self._served())
 
@@ -208,8 +222,7 @@ class CommitGate:
         if mode == "drain":
             with self._cond:
                 self._committing = True
-                drained = self._cond.wait_for(lambda: self._inflight == 0,
-                                              self.drain_timeout_s)
+                drained = self._cond.wait_for(lambda: self._inflight == 0, self.drain_timeout_s)
             if not drained:
                 mode = "pause"
                 self.drain_timeouts += 1

@@ -53,8 +53,12 @@ class _PastWanted(NoPathError):
     """sync(want) below the engine's verified version: refused, not an ERROR."""
 
     def __init__(self, have: int, want: int, run: str) -> None:
-        super().__init__("the engine is past the wanted version; versions only move forward",
-                         run=run, have=have, want=want)
+        super().__init__(
+            "the engine is past the wanted version; versions only move forward",
+            run=run,
+            have=have,
+            want=want,
+        )
 
 
 class Follower:
@@ -66,9 +70,16 @@ class Follower:
     logged, not raised; a callback must not call :meth:`sync`).
     """
 
-    def __init__(self, board: str | Board, run: str, engine: EngineAdapter,
-                 config: FollowerConfig | None = None, *, gate: CommitGate | None = None,
-                 trust: Trust | None = None) -> None:
+    def __init__(
+        self,
+        board: str | Board,
+        run: str,
+        engine: EngineAdapter,
+        config: FollowerConfig | None = None,
+        *,
+        gate: CommitGate | None = None,
+        trust: Trust | None = None,
+    ) -> None:
         # trust: verifies what is read (default: the board's own, if any; without one,
         # unsigned boards are accepted and one warning line says so; docs/trust.md)
         self.board = Board(board, trust=trust) if isinstance(board, str) else board
@@ -83,30 +94,43 @@ class Follower:
         #: otherwise); the sidecar passes the gate it admits requests through.
         self.gate = gate if gate is not None else CommitGate(engine, "pause")
         rate = self.config.audit_bytes_per_s
-        self.auditor = None if rate is None else Auditor(
-            engine, rate_bytes_per_s=rate, period_s=self.config.audit_period_s,
-            on_mismatch=self._on_audit_mismatch, busy=lambda: self.gate.busy)
+        self.auditor = (
+            None
+            if rate is None
+            else Auditor(
+                engine,
+                rate_bytes_per_s=rate,
+                period_s=self.config.audit_period_s,
+                on_mismatch=self._on_audit_mismatch,
+                busy=lambda: self.gate.busy,
+            )
+        )
         self.on_commit: list[CommitCallback] = []
         #: The plan of the most recent sync that planned (for reports such as ``pull``).
         self.last_plan: Plan | None = None
         self._cond = threading.Condition()
         self._sync_lock = threading.Lock()
-        self._abort = threading.Event()      # interrupts retry sleeps while stopping
-        self._wake = threading.Event()       # polls LATEST now
+        self._abort = threading.Event()  # interrupts retry sleeps while stopping
+        self._wake = threading.Event()  # polls LATEST now
         self._loop_stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self._state = FollowerState.IDLE
         self._version: int | None = None
         self._latest: int | None = None
         self._error: BaseException | None = None
-        self._counts = {"bytes": 0, "objects": 0, "commits": 0, "reboots": 0, "retries": 0,
-                        "audits": 0}
+        self._counts = {
+            "bytes": 0,
+            "objects": 0,
+            "commits": 0,
+            "reboots": 0,
+            "retries": 0,
+            "audits": 0,
+        }
         self._timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
         self._bad = BadObjects()  # corrupt objects: plans go around them
         # LATEST, manifests and plans are read through a board whose store retries each read
-        self._reader = Board(RetryingStore(self.board.store, self._retrier),
-                             trust=self.board.trust)
+        self._reader = Board(RetryingStore(self.board.store, self._retrier), trust=self.board.trust)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -119,16 +143,30 @@ class Follower:
     def status(self) -> FollowerStatus:
         """A consistent snapshot of state, versions, counters and timings."""
         with self._cond:
-            v, latest, err, c, t = (self.version, self._latest, self._error, self._counts,
-                                    self._timings)
+            v, latest, err, c, t = (
+                self.version,
+                self._latest,
+                self._error,
+                self._counts,
+                self._timings,
+            )
             return FollowerStatus(
-                state=self._state, version=v, latest=latest,
+                state=self._state,
+                version=v,
+                latest=latest,
                 lag=None if v is None or latest is None else max(0, latest - v),
                 last_error=None if err is None else f"{type(err).__name__}: {err}",
                 error_type=None if err is None else type(err).__name__,
-                bytes_fetched=c["bytes"], objects_fetched=c["objects"], commits=c["commits"],
-                reboots=c["reboots"], retries=c["retries"], last_commit_s=t["commit"],
-                last_fetch_s=t["fetch"], last_stage_s=t["stage"], audits=c["audits"])
+                bytes_fetched=c["bytes"],
+                objects_fetched=c["objects"],
+                commits=c["commits"],
+                reboots=c["reboots"],
+                retries=c["retries"],
+                last_commit_s=t["commit"],
+                last_fetch_s=t["fetch"],
+                last_stage_s=t["stage"],
+                audits=c["audits"],
+            )
 
     def wait_for(self, version: int, timeout: float) -> bool:
         """Block until the verified version is at least ``version``; False on timeout.
@@ -192,8 +230,12 @@ class Follower:
             plan = self.last_plan
             if have is None or plan is None or not plan.steps or plan.steps[0].is_keyframe:
                 raise
-            log.warning("%s@%d: engine bits are not the plan's base (%s); rebooting from a "
-                        "keyframe", self.run, have, e)
+            log.warning(
+                "%s@%d: engine bits are not the plan's base (%s); rebooting from a keyframe",
+                self.run,
+                have,
+                e,
+            )
             with self._cond:
                 self._version = None
                 self._counts["reboots"] += 1
@@ -243,8 +285,11 @@ class Follower:
         except VersionNotFoundError:
             return None
         if digest != m.target:
-            log.warning("%s: engine claims version %d but holds other bits; booting from a "
-                        "keyframe", self.run, v)
+            log.warning(
+                "%s: engine claims version %d but holds other bits; booting from a keyframe",
+                self.run,
+                v,
+            )
             with self._cond:
                 self._version = None
                 self._counts["reboots"] += 1
@@ -268,31 +313,48 @@ class Follower:
                 self._version = have
                 self._cond.notify_all()
 
-    def _run_plan(self, have: int | None, want: int,
-                  avoid: frozenset[str] = frozenset()) -> int:
+    def _run_plan(self, have: int | None, want: int, avoid: frozenset[str] = frozenset()) -> int:
         plan = self._reader.plan(self.run, have, want, avoid=avoid)
         self.last_plan = plan
         limit = self.config.max_stage_bytes
         if limit is not None and plan.bytes > limit:
-            raise NoPathError("plan is larger than max_stage_bytes", run=self.run, have=have,
-                              want=want, plan_bytes=plan.bytes, max_stage_bytes=limit)
-        manifests = {n: self._manifest(n) for s in plan.steps
-                     for n in (s.to, s.base) if n is not None}
+            raise NoPathError(
+                "plan is larger than max_stage_bytes",
+                run=self.run,
+                have=have,
+                want=want,
+                plan_bytes=plan.bytes,
+                max_stage_bytes=limit,
+            )
+        manifests = {
+            n: self._manifest(n) for s in plan.steps for n in (s.to, s.base) if n is not None
+        }
         self._set(FollowerState.FETCHING)
         t0 = time.monotonic()
         # keyframe objects are streamed while staging (tensor by tensor), not fetched whole
-        blobs = fetch_objects(self.board, (r for s in plan.steps if not s.is_keyframe
-                                           for r in s.objects),
-                              self._retrier, self._on_fetched)
+        blobs = fetch_objects(
+            self.board,
+            (r for s in plan.steps if not s.is_keyframe for r in s.objects),
+            self._retrier,
+            self._on_fetched,
+        )
         self._timing("fetch", t0)
         self._set(FollowerState.STAGING)
         t0 = time.monotonic()
         staged: StagedUpdate | None = None
         if have is not None and all(s.base is not None for s in plan.steps):
             staged = self.engine.stage_encoded(
-                [EncodedStep(tuple(encoded_step(manifests[s.to], manifests[s.base], blobs)),
-                             manifests[s.base].target, manifests[s.to].target)
-                 for s in plan.steps if s.base is not None], want)
+                [
+                    EncodedStep(
+                        tuple(encoded_step(manifests[s.to], manifests[s.base], blobs)),
+                        manifests[s.base].target,
+                        manifests[s.to].target,
+                    )
+                    for s in plan.steps
+                    if s.base is not None
+                ],
+                want,
+            )
         stage = Stage(None)
         if staged is None:
             stage = Stage(self.engine.words() if have is not None else None)
@@ -329,9 +391,12 @@ class Follower:
             if self.engine.version != want or self.engine.digest != m.target:
                 with self._cond:
                     self._version = before if self.engine.version == before else None
-                raise VerificationError("engine does not hold the target digest after the "
-                                        "commit", run=self.run, version=want,
-                                        engine=self.engine.name)
+                raise VerificationError(
+                    "engine does not hold the target digest after the commit",
+                    run=self.run,
+                    version=want,
+                    engine=self.engine.name,
+                )
             with self._cond:
                 self._version = want
                 self._cond.notify_all()
@@ -377,8 +442,9 @@ class Follower:
             return
         self._abort.clear()
         stop = self._loop_stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(stop,), daemon=True,
-                                        name=f"rollpatch-follower-{self.run}")
+        self._thread = threading.Thread(
+            target=self._loop, args=(stop,), daemon=True, name=f"rollpatch-follower-{self.run}"
+        )
         self._thread.start()
         if self.auditor is not None:
             self.auditor.start()
@@ -395,8 +461,11 @@ class Follower:
         self._wake.set()
         thread.join(timeout=self.config.timeout_s + 5.0)
         if thread.is_alive():
-            log.warning("follower thread for %s did not stop within %.0f s", self.run,
-                        self.config.timeout_s + 5.0)
+            log.warning(
+                "follower thread for %s did not stop within %.0f s",
+                self.run,
+                self.config.timeout_s + 5.0,
+            )
         self._thread = None
         self._abort.clear()
 

@@ -26,11 +26,15 @@ T = TypeVar("T")
 
 #: Failures worth fetching an object again for: the network, eventual consistency, bad bytes
 #: from a cache or relay (Board.fetch raises ManifestError on a size or hash mismatch).
-RETRY_FETCH: tuple[type[BaseException], ...] = (TransientStoreError, NotFoundError,
-                                                ManifestError, TimeoutError, ConnectionError)
+RETRY_FETCH: tuple[type[BaseException], ...] = (
+    TransientStoreError,
+    NotFoundError,
+    ManifestError,
+    TimeoutError,
+    ConnectionError,
+)
 #: Failures worth reading LATEST or a manifest again for (a malformed manifest is final).
-RETRY_READ: tuple[type[BaseException], ...] = (TransientStoreError, TimeoutError,
-                                               ConnectionError)
+RETRY_READ: tuple[type[BaseException], ...] = (TransientStoreError, TimeoutError, ConnectionError)
 
 
 class Retrier:
@@ -40,23 +44,32 @@ class Retrier:
     every failure that is retried (for counters and logs).
     """
 
-    def __init__(self, config: FollowerConfig, abort: threading.Event,
-                 on_retry: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        config: FollowerConfig,
+        abort: threading.Event,
+        on_retry: Callable[[BaseException], None],
+    ) -> None:
         self.config = config
         self.abort = abort
         self.on_retry = on_retry
 
-    def call(self, fn: Callable[[], T], retryable: tuple[type[BaseException], ...],
-             deadline: float | None = None) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        retryable: tuple[type[BaseException], ...],
+        deadline: float | None = None,
+    ) -> T:
         """``fn()``, retried on ``retryable`` failures until ``retries`` or ``deadline``."""
         attempt = 0
         while True:
             try:
                 return fn()
             except retryable as e:
-                delay = self.config.backoff_s * (2 ** attempt)
+                delay = self.config.backoff_s * (2**attempt)
                 if attempt >= self.config.retries or (
-                        deadline is not None and time.monotonic() + delay >= deadline):
+                    deadline is not None and time.monotonic() + delay >= deadline
+                ):
                     raise
                 self.on_retry(e)
                 if self.abort.wait(delay):
@@ -100,8 +113,12 @@ class RetryingStore(Store):
         raise AssertionError("unreachable: the store is read-only")
 
 
-def fetch_objects(board: Board, refs: Iterable[ObjectRef], retrier: Retrier,
-                  on_fetched: Callable[[ObjectRef], None]) -> dict[str, bytes]:
+def fetch_objects(
+    board: Board,
+    refs: Iterable[ObjectRef],
+    retrier: Retrier,
+    on_fetched: Callable[[ObjectRef], None],
+) -> dict[str, bytes]:
     """Fetch and verify ``refs`` concurrently; key → bytes, or raise the first failure.
 
     Each object gets ``timeout_s`` from the moment a worker starts on it, retries included;
@@ -130,8 +147,9 @@ def fetch_objects(board: Board, refs: Iterable[ObjectRef], retrier: Retrier,
         on_fetched(ref)
         return data
 
-    pool = ThreadPoolExecutor(max_workers=min(config.fetch_workers, len(unique)),
-                              thread_name_prefix="rollpatch-fetch")
+    pool = ThreadPoolExecutor(
+        max_workers=min(config.fetch_workers, len(unique)), thread_name_prefix="rollpatch-fetch"
+    )
     futures: dict[Future[bytes], ObjectRef] = {pool.submit(one, r): r for r in unique.values()}
     out: dict[str, bytes] = {}
     try:
@@ -142,13 +160,16 @@ def fetch_objects(board: Board, refs: Iterable[ObjectRef], retrier: Retrier,
                 out[futures[f].key] = f.result()  # re-raises the worker's failure
             now = time.monotonic()
             with lock:
-                late = [k for k, t0 in started.items()
-                        if k not in out and now - t0 > config.timeout_s]
+                late = [
+                    k for k, t0 in started.items() if k not in out and now - t0 > config.timeout_s
+                ]
             if late:
-                raise TransientStoreError("object fetch timed out", key=late[0],
-                                          timeout_s=config.timeout_s,
-                                          hint="raise FollowerConfig.timeout_s or check "
-                                               "the store")
+                raise TransientStoreError(
+                    "object fetch timed out",
+                    key=late[0],
+                    timeout_s=config.timeout_s,
+                    hint="raise FollowerConfig.timeout_s or check the store",
+                )
     except BaseException:
         failed.set()
         raise

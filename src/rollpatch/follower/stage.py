@@ -48,8 +48,9 @@ class Stage:
         self.patch: Patch | None = None
         self.copied_bytes = 0
 
-    def keyframe(self, m: Manifest,
-                 source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]) -> None:
+    def keyframe(
+        self, m: Manifest, source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]
+    ) -> None:
         """Boot from the keyframe of ``m`` (``source``: see :func:`keyframe_view`); earlier
         staged steps are discarded."""
         self.view = keyframe_view(m, source)
@@ -61,8 +62,12 @@ class Stage:
             apply(self.view, decode_step(m, base, blobs, self.view))  # verified, in place
             return
         if self._words is None:
-            raise NoPathError("a patch step needs a loaded engine", run=m.run,
-                              version=m.version, hint="plan from a keyframe (have=None)")
+            raise NoPathError(
+                "a patch step needs a loaded engine",
+                run=m.run,
+                version=m.version,
+                hint="plan from a keyframe (have=None)",
+            )
         if self.patch is None:
             self.patch = decode_step(m, base, blobs, self._words)
             return

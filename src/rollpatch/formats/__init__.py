@@ -25,10 +25,20 @@ from .policy import QuantPolicy
 
 __all__ = ["FORMAT_NAMES", "Format", "QuantPolicy", "cast_view", "get_format"]
 
-_FORMATS: dict[str, Format] = {f.name: f for f in (
-    Bf16(), Fp16(), Fp8Tensor(), Fp8Channel(), Fp8Block128(), Fp8E5M2(), Nvfp4(), Mxfp4(),
-    Int4G128(),
-)}
+_FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Bf16(),
+        Fp16(),
+        Fp8Tensor(),
+        Fp8Channel(),
+        Fp8Block128(),
+        Fp8E5M2(),
+        Nvfp4(),
+        Mxfp4(),
+        Int4G128(),
+    )
+}
 
 #: Every format's CLI name.
 FORMAT_NAMES: tuple[str, ...] = tuple(_FORMATS)
@@ -41,14 +51,20 @@ def get_format(name: str) -> Format:
     """The format registered under CLI name ``name``; ConfigError listing valid names if none."""
     fmt = _FORMATS.get(name) if isinstance(name, str) else None
     if fmt is None:
-        raise ConfigError(f"unknown format {name!r}",
-                          hint=f"valid formats: {', '.join(FORMAT_NAMES)}")
+        raise ConfigError(
+            f"unknown format {name!r}", hint=f"valid formats: {', '.join(FORMAT_NAMES)}"
+        )
     return fmt
 
 
-def cast_view(masters: Mapping[str, np.ndarray], fmt: str | Format, *,
-              policy: QuantPolicy | None = None, scales: str = "bf16",
-              previous: View | None = None) -> View:
+def cast_view(
+    masters: Mapping[str, np.ndarray],
+    fmt: str | Format,
+    *,
+    policy: QuantPolicy | None = None,
+    scales: str = "bf16",
+    previous: View | None = None,
+) -> View:
     """The served view of ``masters`` under format ``fmt``.
 
     ``policy`` picks the tensors a quantised format quantises (default :class:`QuantPolicy`);
@@ -64,25 +80,33 @@ def cast_view(masters: Mapping[str, np.ndarray], fmt: str | Format, *,
     """
     f = fmt if isinstance(fmt, Format) else get_format(fmt)
     if scales not in SCALE_MODES:
-        raise ConfigError(f"unknown scale mode {scales!r}",
-                          hint=f"use one of {', '.join(SCALE_MODES)}")
+        raise ConfigError(
+            f"unknown scale mode {scales!r}", hint=f"use one of {', '.join(SCALE_MODES)}"
+        )
     prev = previous if scales == "frozen" else None
     if prev is not None:
         prev_fmt = prev.metadata.get(_META_FORMAT, f.name)
         if prev_fmt != f.name:
-            raise ConfigError("frozen scales need a previous view of the same format",
-                              format=f.name, previous_format=prev_fmt,
-                              hint="use scales='bf16' when changing formats")
+            raise ConfigError(
+                "frozen scales need a previous view of the same format",
+                format=f.name,
+                previous_format=prev_fmt,
+                hint="use scales='bf16' when changing formats",
+            )
     out: dict[str, Tensor] = {}
     for name, master in masters.items():
         frozen = None
         if prev is not None:
             frozen = {name + s: prev[name + s] for s in f._scale_suffixes if name + s in prev}
-        for served, tensor in f.cast_tensor(name, master, frozen=frozen, scales=scales,
-                                            policy=policy).items():
+        for served, tensor in f.cast_tensor(
+            name, master, frozen=frozen, scales=scales, policy=policy
+        ).items():
             if served in out:
-                raise FormatError("two master tensors produce the same served name",
-                                  tensor=served, format=f.name,
-                                  hint="rename the master, or exclude one from quantisation")
+                raise FormatError(
+                    "two master tensors produce the same served name",
+                    tensor=served,
+                    format=f.name,
+                    hint="rename the master, or exclude one from quantisation",
+                )
             out[served] = tensor
     return View(out, {_META_FORMAT: f.name, _META_SCALES: scales})

@@ -32,7 +32,7 @@ SCALE_MODES = ("bf16", "fp32", "frozen")
 
 #: Smallest float scale a format computes (float32 epsilon, compressed-tensors' clamp): keeps
 #: the scale of an all-zero block positive and finite.
-SCALE_FLOOR = np.float32(2.0 ** -23)
+SCALE_FLOOR = np.float32(2.0**-23)
 
 _MASTER_DTYPES = ("float32", "bfloat16", "float16")
 _DEFAULT_POLICY = QuantPolicy()
@@ -41,9 +41,12 @@ _DEFAULT_POLICY = QuantPolicy()
 def check_master(name: str, master: np.ndarray) -> np.ndarray:
     """The master as a C-contiguous, native-endian float32/bfloat16/float16 array."""
     if not isinstance(master, np.ndarray) or master.dtype.name not in _MASTER_DTYPES:
-        raise FormatError("master tensors must be float32, bfloat16 or float16 numpy arrays",
-                          tensor=name, dtype=str(getattr(master, "dtype", type(master))),
-                          hint="convert with numpy/ml_dtypes first (float64 would round twice)")
+        raise FormatError(
+            "master tensors must be float32, bfloat16 or float16 numpy arrays",
+            tensor=name,
+            dtype=str(getattr(master, "dtype", type(master))),
+            hint="convert with numpy/ml_dtypes first (float64 would round twice)",
+        )
     if not master.dtype.isnative:
         master = master.astype(master.dtype.newbyteorder("="))
     return master if master.flags.c_contiguous else np.ascontiguousarray(master)
@@ -53,7 +56,7 @@ def plain_tensor(master: np.ndarray, kind: str) -> Tensor:
     """``master`` cast to BF16 (``kind='bf16'``) or FP16 (``'f16'``), as torch casts it."""
     native = "bfloat16" if kind == "bf16" else "float16"
     if master.dtype.name == native:
-        words = master.view(np.uint16).reshape(-1).copy()   # a no-op cast keeps every bit
+        words = master.view(np.uint16).reshape(-1).copy()  # a no-op cast keeps every bit
     elif kind == "bf16":
         words = f32_to_bf16_bits(to_float32(master))
     else:
@@ -64,10 +67,13 @@ def plain_tensor(master: np.ndarray, kind: str) -> Tensor:
 def require_finite(name: str, fmt: str, amax: np.ndarray) -> None:
     """Reject NaN/inf (found through the block maxima, which propagate them)."""
     if amax.size and not np.isfinite(amax).all():
-        raise FormatError("the master has NaN or infinite values, which this format cannot "
-                          "represent", tensor=name, format=fmt,
-                          hint="fix the master, or serve the tensor as BF16 with "
-                               f"QuantPolicy(exclude=({name!r},))")
+        raise FormatError(
+            "the master has NaN or infinite values, which this format cannot represent",
+            tensor=name,
+            format=fmt,
+            hint="fix the master, or serve the tensor as BF16 with "
+            f"QuantPolicy(exclude=({name!r},))",
+        )
 
 
 @dataclass
@@ -89,22 +95,29 @@ class ScaleSource:
         if old is None:
             return None
         if old.kind.name != kind or old.shape != shape:
-            raise FormatError("frozen scale does not match this tensor's layout",
-                              tensor=served, kind=old.kind.name, shape=old.shape,
-                              expected=(kind, shape),
-                              hint="the previous view must come from the same format and "
-                                   "master shapes; use scales='bf16' to recompute")
+            raise FormatError(
+                "frozen scale does not match this tensor's layout",
+                tensor=served,
+                kind=old.kind.name,
+                shape=old.shape,
+                expected=(kind, shape),
+                hint="the previous view must come from the same format and "
+                "master shapes; use scales='bf16' to recompute",
+            )
         words = old.data.reshape(shape)
         if kind == "e4m3":
-            bad = (words == 0) | (words >= 0x7F)          # zero, NaN or negative
+            bad = (words == 0) | (words >= 0x7F)  # zero, NaN or negative
         elif kind == "e8m0_u8":
-            bad = words == 0xFF                            # E8M0 NaN
+            bad = words == 0xFF  # E8M0 NaN
         else:
             values = old.to_array().astype(np.float32)
             bad = ~(np.isfinite(values) & (values > 0))
         if bad.any():
-            raise FormatError("frozen scale holds zero, negative or non-finite values",
-                              tensor=served, hint="recompute scales with scales='bf16'")
+            raise FormatError(
+                "frozen scale holds zero, negative or non-finite values",
+                tensor=served,
+                hint="recompute scales with scales='bf16'",
+            )
         return words.copy()
 
 
@@ -121,9 +134,15 @@ class Format(ABC):
     #: Suffixes of the scale tensors, appended to the master name.
     _scale_suffixes: ClassVar[tuple[str, ...]] = ()
 
-    def cast_tensor(self, name: str, master: np.ndarray, *,
-                    frozen: Mapping[str, Tensor] | None = None, scales: str = "bf16",
-                    policy: QuantPolicy | None = None) -> dict[str, Tensor]:
+    def cast_tensor(
+        self,
+        name: str,
+        master: np.ndarray,
+        *,
+        frozen: Mapping[str, Tensor] | None = None,
+        scales: str = "bf16",
+        policy: QuantPolicy | None = None,
+    ) -> dict[str, Tensor]:
         """Served tensors (by served name) of one master tensor.
 
         ``frozen``: previous served tensors of this weight; the scale tensors found there are
@@ -134,8 +153,9 @@ class Format(ABC):
         :class:`~rollpatch.errors.FormatError`.
         """
         if scales not in SCALE_MODES:
-            raise ConfigError(f"unknown scale mode {scales!r}",
-                              hint=f"use one of {', '.join(SCALE_MODES)}")
+            raise ConfigError(
+                f"unknown scale mode {scales!r}", hint=f"use one of {', '.join(SCALE_MODES)}"
+            )
         m = check_master(name, master)
         if self.quantises(name, m.shape, policy):
             return self._quantise(name, m, ScaleSource(scales, frozen or {}))
@@ -151,8 +171,9 @@ class Format(ABC):
         """Suffixes (appended to the master name) of the scale tensors a quantised weight has."""
         return self._scale_suffixes
 
-    def quantises(self, name: str, shape: tuple[int, ...],
-                  policy: QuantPolicy | None = None) -> bool:
+    def quantises(
+        self, name: str, shape: tuple[int, ...], policy: QuantPolicy | None = None
+    ) -> bool:
         """True if master ``name`` of ``shape`` is quantised (else served as ``plain_kind``,
         under its own name)."""
         chosen = policy if policy is not None else _DEFAULT_POLICY

@@ -33,15 +33,17 @@ class Blocking:
     def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
         """Number of blocks along each dimension (partial edge blocks included)."""
         br, bc = self.size(shape)
-        return (1 if self.rows == 0 else -(-shape[0] // br),
-                1 if self.cols == 0 else -(-shape[1] // bc))
+        return (
+            1 if self.rows == 0 else -(-shape[0] // br),
+            1 if self.cols == 0 else -(-shape[1] // bc),
+        )
 
 
 def _row_chunks(master: np.ndarray, granule: int) -> Iterator[tuple[int, np.ndarray]]:
     n, k = master.shape
     rows = max(granule, (CHUNK // max(k, 1)) // granule * granule)
     for r0 in range(0, n, rows):
-        yield r0, to_float32(master[r0:r0 + rows])
+        yield r0, to_float32(master[r0 : r0 + rows])
 
 
 def _col_max(a: np.ndarray, bc: int) -> np.ndarray:
@@ -67,31 +69,38 @@ def block_amax(master: np.ndarray, blocking: Blocking) -> np.ndarray:
         if br >= shape[0]:
             np.maximum(out[0], cols.max(axis=0), out=out[0])
         elif br == 1:
-            out[r0:r0 + cols.shape[0]] = cols
+            out[r0 : r0 + cols.shape[0]] = cols
         else:
             rows = np.maximum.reduceat(cols, np.arange(0, cols.shape[0], br), axis=0)
-            out[r0 // br:r0 // br + rows.shape[0]] = rows
+            out[r0 // br : r0 // br + rows.shape[0]] = rows
     return out
 
 
-def _divisor_for(divisor: np.ndarray, blocking: Blocking, shape: tuple[int, int],
-                 r0: int, rows: int) -> np.ndarray:
+def _divisor_for(
+    divisor: np.ndarray, blocking: Blocking, shape: tuple[int, int], r0: int, rows: int
+) -> np.ndarray:
     """The divisors of the chunk rows [r0, r0+rows), broadcastable to [rows, K]."""
     br, bc = blocking.size(shape)
     k = shape[1]
     if br >= shape[0]:
         d = divisor[0:1]
     elif br == 1:
-        d = divisor[r0:r0 + rows]
-    else:                                   # chunks are whole row blocks
-        d = np.repeat(divisor[r0 // br:-(-(r0 + rows) // br)], br, axis=0)[:rows]
+        d = divisor[r0 : r0 + rows]
+    else:  # chunks are whole row blocks
+        d = np.repeat(divisor[r0 // br : -(-(r0 + rows) // br)], br, axis=0)[:rows]
     if bc >= k:
         return d[:, :1]
     return np.repeat(d, bc, axis=1)[:, :k]
 
 
-def quantise_blocks(master: np.ndarray, blocking: Blocking, divisor: np.ndarray,
-                    encode: Callable[[np.ndarray], np.ndarray], *, packed: bool) -> np.ndarray:
+def quantise_blocks(
+    master: np.ndarray,
+    blocking: Blocking,
+    divisor: np.ndarray,
+    encode: Callable[[np.ndarray], np.ndarray],
+    *,
+    packed: bool,
+) -> np.ndarray:
     """Codes of ``encode(w / divisor_of_its_block)``: uint8 [N, K], or [N, K/2] when packed.
 
     ``divisor`` is float32 [grid]; ``encode`` maps a float32 chunk to uint8 codes (it may
@@ -103,13 +112,14 @@ def quantise_blocks(master: np.ndarray, blocking: Blocking, divisor: np.ndarray,
     granule = br if br < n else 1
     for r0, chunk in _row_chunks(master, granule):
         rows = chunk.shape[0]
-        scaled = np.divide(chunk, _divisor_for(divisor, blocking, master.shape, r0, rows),
-                           dtype=np.float32)
+        scaled = np.divide(
+            chunk, _divisor_for(divisor, blocking, master.shape, r0, rows), dtype=np.float32
+        )
         codes = encode(scaled)
         if packed:
-            pack_nibbles(codes, out=out[r0:r0 + rows])
+            pack_nibbles(codes, out=out[r0 : r0 + rows])
         else:
-            out[r0:r0 + rows] = codes
+            out[r0 : r0 + rows] = codes
     return out
 
 

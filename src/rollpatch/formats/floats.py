@@ -51,9 +51,9 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     out = np.empty(flat.size, dtype=np.uint16)
     tmp = np.empty(min(CHUNK, flat.size), dtype=np.uint32)
     for start in range(0, flat.size, CHUNK):
-        chunk = flat[start:start + CHUNK]
-        dst = out[start:start + chunk.size]
-        _bf16_chunk(chunk.view(np.uint32), dst, tmp[:chunk.size])
+        chunk = flat[start : start + CHUNK]
+        dst = out[start : start + chunk.size]
+        _bf16_chunk(chunk.view(np.uint32), dst, tmp[: chunk.size])
         if np.isnan(chunk.max()):
             dst[np.isnan(chunk)] = BF16_NAN
     return out
@@ -65,8 +65,8 @@ def f32_to_f16_bits(x: np.ndarray) -> np.ndarray:
     out = np.empty(flat.size, dtype=np.uint16)
     with np.errstate(all="ignore"):
         for start in range(0, flat.size, CHUNK):
-            chunk = flat[start:start + CHUNK]
-            dst = out[start:start + chunk.size]
+            chunk = flat[start : start + CHUNK]
+            dst = out[start : start + chunk.size]
             dst[...] = chunk.astype(np.float16).view(np.uint16)
             if np.isnan(chunk.max()):
                 nan = np.isnan(chunk)

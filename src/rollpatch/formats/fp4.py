@@ -25,7 +25,7 @@ from .minifloat import E2M1, E4M3, encode
 __all__ = ["Mxfp4", "Nvfp4", "e8m0_to_f32"]
 
 _NV_GLOBAL = np.float32(448.0 * 6.0)
-_E4M3_EIGHTH = np.uint8(0x20)          # 0.125: compressed-tensors' replacement for a 0 scale
+_E4M3_EIGHTH = np.uint8(0x20)  # 0.125: compressed-tensors' replacement for a 0 scale
 
 
 def _encode_e2m1(scaled: np.ndarray) -> np.ndarray:
@@ -63,8 +63,7 @@ class Nvfp4(Format):
         require_finite(name, self.name, amax)
         grid = (n, k // self._group)
         g_words = src.reuse(name + "_global_scale", "f32", (1,))
-        g = (g_words.view(np.float32)[0] if g_words is not None
-             else self._global_scale(amax, src))
+        g = g_words.view(np.float32)[0] if g_words is not None else self._global_scale(amax, src)
         s_codes = src.reuse(name + "_scale", "e4m3", grid)
         if s_codes is None:
             raw = np.minimum(src.amax(amax) / np.float32(6.0) * g, np.float32(448.0))
@@ -102,8 +101,9 @@ class Mxfp4(Format):
             field = (src.amax(amax).view(np.uint32) >> 23).astype(np.int32)
             codes = (np.clip(field - 129, -127, 127) + 127).astype(np.uint8)
         with np.errstate(over="ignore"):
-            packed = quantise_blocks(master, blocking, e8m0_to_f32(codes), _encode_e2m1,
-                                     packed=True)
+            packed = quantise_blocks(
+                master, blocking, e8m0_to_f32(codes), _encode_e2m1, packed=True
+            )
         return {
             name + "_packed": Tensor(KINDS["e2m1x2"], (n, k // 2), packed.reshape(-1)),
             name + "_scale": Tensor(KINDS["e8m0_u8"], grid, codes.reshape(-1)),

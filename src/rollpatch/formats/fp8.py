@@ -61,8 +61,7 @@ class _Fp8(Format):
             codes = quantise_blocks(master, self._blocking, scale, self._encode, packed=False)
         return {
             name: Tensor(KINDS[self._spec.name], shape, codes.reshape(-1)),
-            served: Tensor.from_array(np.ascontiguousarray(scale, np.float32)
-                                      .reshape(scale_shape)),
+            served: Tensor.from_array(np.ascontiguousarray(scale, np.float32).reshape(scale_shape)),
         }
 
 

@@ -15,7 +15,7 @@ class _Plain(Format):
         return False
 
     def _quantise(self, name: str, master: np.ndarray, src: ScaleSource) -> dict[str, Tensor]:
-        raise AssertionError("plain formats never quantise")   # unreachable: not blockable
+        raise AssertionError("plain formats never quantise")  # unreachable: not blockable
 
 
 class Bf16(_Plain):

@@ -31,8 +31,11 @@ class QuantPolicy:
         for field in ("include", "exclude"):
             value = getattr(self, field)
             if isinstance(value, str) or not all(isinstance(p, str) for p in value):
-                raise ConfigError(f"QuantPolicy.{field} must be a tuple of fnmatch patterns",
-                                  hint=f"e.g. {field}=('*.mlp.*',)", value=value)
+                raise ConfigError(
+                    f"QuantPolicy.{field} must be a tuple of fnmatch patterns",
+                    hint=f"e.g. {field}=('*.mlp.*',)",
+                    value=value,
+                )
             object.__setattr__(self, field, tuple(value))
 
     def quantise(self, name: str, shape: tuple[int, ...]) -> bool:
@@ -42,5 +45,8 @@ class QuantPolicy:
         if self.include:
             return any(fnmatchcase(name, p) for p in self.include)
         lowered = name.lower()
-        return (len(shape) == 2 and name.endswith(".weight")
-                and not any(word in lowered for word in _DEFAULT_SKIP))
+        return (
+            len(shape) == 2
+            and name.endswith(".weight")
+            and not any(word in lowered for word in _DEFAULT_SKIP)
+        )

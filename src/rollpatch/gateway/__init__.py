@@ -25,8 +25,20 @@ if TYPE_CHECKING:
     from .app import create_app
     from .server import RunningGateway, start_gateway
 
-__all__ = ["Gateway", "GatewayConfig", "IslandSpec", "IslandView", "RunningGateway", "Tier",
-           "create_app", "fleet_latest", "parse_island", "rank", "start_gateway", "tier_of"]
+__all__ = [
+    "Gateway",
+    "GatewayConfig",
+    "IslandSpec",
+    "IslandView",
+    "RunningGateway",
+    "Tier",
+    "create_app",
+    "fleet_latest",
+    "parse_island",
+    "rank",
+    "start_gateway",
+    "tier_of",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -32,11 +32,16 @@ log = logging.getLogger("rollpatch.gateway")
 
 def create_app(gw: Gateway) -> FastAPI:
     """Build the FastAPI app around a started :class:`Gateway`."""
-    auth = {} if gw.config.island_token is None else {
-        "authorization": f"Bearer {gw.config.island_token}"}
+    auth = (
+        {}
+        if gw.config.island_token is None
+        else {"authorization": f"Bearer {gw.config.island_token}"}
+    )
     client = httpx.AsyncClient(
-        headers=auth, timeout=httpx.Timeout(None, connect=gw.config.connect_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        headers=auth,
+        timeout=httpx.Timeout(None, connect=gw.config.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+    )
     app = FastAPI(title="rollpatch gateway", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ConfigError)
@@ -51,10 +56,13 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         views = gw.views()
-        return {"status": "ok", "islands": len(views),
-                "reachable": sum(1 for v in views if v.reachable),
-                "serving": sum(1 for v in views if v.reachable and v.served is not None),
-                "latest": gw.latest()}
+        return {
+            "status": "ok",
+            "islands": len(views),
+            "reachable": sum(1 for v in views if v.reachable),
+            "serving": sum(1 for v in views if v.reachable and v.served is not None),
+            "latest": gw.latest(),
+        }
 
     @app.get("/islands")
     async def islands() -> dict[str, Any]:
@@ -62,17 +70,20 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(gw.metrics.render(gw.views()),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            gw.metrics.render(gw.views()), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return await forward(gw, client, "GET", "/v1/models", None, {}, Constraint(),
-                             annotate=False)
+        return await forward(
+            gw, client, "GET", "/v1/models", None, {}, Constraint(), annotate=False
+        )
 
     for path in _PROXIED:
-        app.add_api_route(path, _make_route(gw, client, path), methods=["POST"],
-                          openapi_extra=openapi_body(path))
+        app.add_api_route(
+            path, _make_route(gw, client, path), methods=["POST"], openapi_extra=openapi_body(path)
+        )
     return app
 
 
@@ -83,10 +94,14 @@ def _make_route(gw: Gateway, client: httpx.AsyncClient, path: str) -> Any:
         typed = validate_body(path, body)
         # parse a copy: the sidecar needs the rollpatch field (and headers) as sent
         constraint = parse_constraint(dict(body), request.headers)
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower().startswith(_FORWARDED_HEADER_PREFIX)}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower().startswith(_FORWARDED_HEADER_PREFIX)
+        }
         headers["content-type"] = "application/json"
-        return await forward(gw, client, "POST", path, raw, headers, constraint,
-                             stream=bool(typed.stream))
+        return await forward(
+            gw, client, "POST", path, raw, headers, constraint, stream=bool(typed.stream)
+        )
 
     return route

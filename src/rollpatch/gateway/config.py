@@ -21,11 +21,13 @@ class IslandSpec:
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"island {self.name!r} needs an http(s) sidecar URL",
-                              value=self.url, hint="e.g. http://10.0.0.5:8100")
+            raise ConfigError(
+                f"island {self.name!r} needs an http(s) sidecar URL",
+                value=self.url,
+                hint="e.g. http://10.0.0.5:8100",
+            )
         if not self.name or any(c.isspace() for c in self.name):
-            raise ConfigError("island names must be non-empty and without spaces",
-                              value=self.name)
+            raise ConfigError("island names must be non-empty and without spaces", value=self.name)
 
 
 def parse_island(text: str) -> IslandSpec:
@@ -67,15 +69,23 @@ class GatewayConfig:
             raise ConfigError("poll_timeout_s must be in (0, 60]", field="poll_timeout_s")
         if not 0 < self.connect_timeout_s <= 60:
             raise ConfigError("connect_timeout_s must be in (0, 60]", field="connect_timeout_s")
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
-                or not 1 <= self.max_attempts <= 16:
-            raise ConfigError("max_attempts must be an integer in [1, 16]",
-                              field="max_attempts", value=self.max_attempts)
+        if (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or not 1 <= self.max_attempts <= 16
+        ):
+            raise ConfigError(
+                "max_attempts must be an integer in [1, 16]",
+                field="max_attempts",
+                value=self.max_attempts,
+            )
         if not 0 <= self.retry_backoff_s <= 10:
             raise ConfigError("retry_backoff_s must be in [0, 10]", field="retry_backoff_s")
         if not isinstance(self.body, BodyLimits):
             raise ConfigError("body must be a BodyLimits", field="body")
-        if self.island_token is not None and (not self.island_token.isascii()
-                                              or not self.island_token.isprintable()
-                                              or not self.island_token.strip()):
+        if self.island_token is not None and (
+            not self.island_token.isascii()
+            or not self.island_token.isprintable()
+            or not self.island_token.strip()
+        ):
             raise ConfigError("island_token must be printable ASCII", field="island_token")

@@ -52,15 +52,17 @@ def _newer(old: int | None, new: int | None) -> int | None:
 class Gateway:
     """Routes requests over islands (sidecars) by the versions they serve."""
 
-    def __init__(self, islands: Sequence[IslandSpec | str],
-                 config: GatewayConfig | None = None) -> None:
+    def __init__(
+        self, islands: Sequence[IslandSpec | str], config: GatewayConfig | None = None
+    ) -> None:
         specs = [parse_island(i) if isinstance(i, str) else i for i in islands]
         if not specs:
             raise ConfigError("a gateway needs at least one island", hint="--sidecar URL")
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
-            raise ConfigError("island names must be unique", value=names,
-                              hint="name them: --sidecar NAME=URL")
+            raise ConfigError(
+                "island names must be unique", value=names, hint="name them: --sidecar NAME=URL"
+            )
         self.config = config or GatewayConfig()
         self.specs = specs
         self.metrics = GatewayMetrics()
@@ -76,12 +78,19 @@ class Gateway:
         """Start polling; returns once every island answered (or failed) a first poll."""
         first = [threading.Event() for _ in self.specs]
         for spec, ev in zip(self.specs, first):
-            t = threading.Thread(target=self._poll_loop, args=(spec, ev), daemon=True,
-                                 name=f"rollpatch-gateway-poll-{spec.name}")
+            t = threading.Thread(
+                target=self._poll_loop,
+                args=(spec, ev),
+                daemon=True,
+                name=f"rollpatch-gateway-poll-{spec.name}",
+            )
             t.start()
             self._threads.append(t)
-        deadline = time.monotonic() + (first_poll_timeout_s if first_poll_timeout_s is not None
-                                       else self.config.poll_timeout_s + 1.0)
+        deadline = time.monotonic() + (
+            first_poll_timeout_s
+            if first_poll_timeout_s is not None
+            else self.config.poll_timeout_s + 1.0
+        )
         for ev in first:
             ev.wait(max(deadline - time.monotonic(), 0))
 
@@ -101,9 +110,13 @@ class Gateway:
                     r = client.get(f"{spec.url}/version")
                     r.raise_for_status()
                     # islands run on hosts we do not control: bounded, strict JSON only
-                    body = jsonsafe.loads(r.content, what="/version answer",
-                                          max_bytes=_MAX_VERSION_BYTES, max_depth=8,
-                                          island=spec.name)
+                    body = jsonsafe.loads(
+                        r.content,
+                        what="/version answer",
+                        max_bytes=_MAX_VERSION_BYTES,
+                        max_depth=8,
+                        island=spec.name,
+                    )
                     if not isinstance(body, dict):
                         raise TypeError("/version did not answer a JSON object")
                 except (httpx.HTTPError, ValueError, TypeError) as e:
@@ -124,28 +137,36 @@ class Gateway:
         with self._lock:
             rec = self._records[name]
             v = rec.view
-            rec.view = replace(v, served=None if served is None else _newer(v.served, served),
-                               latest=_int_or_none(body.get("latest")),
-                               state=str(body.get("state")) if body.get("state") else None,
-                               reachable=True)
+            rec.view = replace(
+                v,
+                served=None if served is None else _newer(v.served, served),
+                latest=_int_or_none(body.get("latest")),
+                state=str(body.get("state")) if body.get("state") else None,
+                reachable=True,
+            )
             rec.lag = _int_or_none(body.get("lag"))
             rec.run = body.get("run") if isinstance(body.get("run"), str) else None
-            rec.last_error = body.get("last_error") if isinstance(body.get("last_error"),
-                                                                  str) else None
+            rec.last_error = (
+                body.get("last_error") if isinstance(body.get("last_error"), str) else None
+            )
             rec.polled_at = time.time()
 
-    def observe_response(self, name: str, status: int, *, served: int | None = None,
-                         latest: int | None = None) -> None:
+    def observe_response(
+        self, name: str, status: int, *, served: int | None = None, latest: int | None = None
+    ) -> None:
         """Fold in what a forwarded request taught: versions from headers or a 409 body."""
         with self._lock:
             rec = self._records[name]
             v = rec.view
             if status == 503:  # loading or recovering: it serves nothing verified right now
-                rec.view = replace(v, served=None, latest=_newer(v.latest, latest),
-                                   reachable=True)
+                rec.view = replace(v, served=None, latest=_newer(v.latest, latest), reachable=True)
             else:
-                rec.view = replace(v, served=_newer(v.served, served),
-                                   latest=_newer(v.latest, latest), reachable=True)
+                rec.view = replace(
+                    v,
+                    served=_newer(v.served, served),
+                    latest=_newer(v.latest, latest),
+                    reachable=True,
+                )
 
     def observe_failure(self, name: str, error: str) -> None:
         """The island could not be reached (poll or request)."""
@@ -185,13 +206,27 @@ class Gateway:
                 v = rec.view
                 # behind the fleet's LATEST: a sidecar's own lag comes from
                 # its follower, stale while that follower is stopped or slow to poll
-                lag = max(newest - v.served, 0) if newest is not None \
-                    and v.served is not None else rec.lag
+                lag = (
+                    max(newest - v.served, 0)
+                    if newest is not None and v.served is not None
+                    else rec.lag
+                )
                 age = None if rec.polled_at is None else round(time.time() - rec.polled_at, 3)
-                out.append({"name": v.name, "url": v.url, "served": v.served,
-                            "latest": v.latest, "lag": lag, "state": v.state,
-                            "reachable": v.reachable, "inflight": v.inflight, "run": rec.run,
-                            "last_error": rec.last_error, "polled_age_s": age})
+                out.append(
+                    {
+                        "name": v.name,
+                        "url": v.url,
+                        "served": v.served,
+                        "latest": v.latest,
+                        "lag": lag,
+                        "state": v.state,
+                        "reachable": v.reachable,
+                        "inflight": v.inflight,
+                        "run": rec.run,
+                        "last_error": rec.last_error,
+                        "polled_age_s": age,
+                    }
+                )
             return out
 
     # routing -----------------------------------------------------------------------------
@@ -200,8 +235,9 @@ class Gateway:
         """A fresh round-robin offset for one request's tie-breaks."""
         return next(self._rotation)
 
-    def choose(self, c: Constraint, tried: Sequence[str], last_status: int | None,
-               rotate: int = 0) -> IslandView | None:
+    def choose(
+        self, c: Constraint, tried: Sequence[str], last_status: int | None, rotate: int = 0
+    ) -> IslandView | None:
         """The next island for a request, or None when no other island is worth a try.
 
         ``last_status`` is how the previous attempt ended (None: first attempt; 0: could not

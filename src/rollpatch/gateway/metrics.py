@@ -9,8 +9,7 @@ from .routing import IslandView, fleet_latest
 __all__ = ["OUTCOMES", "GatewayMetrics"]
 
 #: Outcomes of one attempt at one island.
-OUTCOMES = ("ok", "conflict", "unavailable", "unreachable", "engine_error", "client_error",
-            "error")
+OUTCOMES = ("ok", "conflict", "unavailable", "unreachable", "engine_error", "client_error", "error")
 
 
 class GatewayMetrics:
@@ -20,26 +19,52 @@ class GatewayMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
-        self.attempts = Counter("rollpatch_gateway_requests", "requests sent to an island, by "
-                                "outcome", ["island", "outcome"], registry=r)
-        self.retries = Counter("rollpatch_gateway_retries", "attempts after the first one",
-                               registry=r)
-        self.answers = Counter("rollpatch_gateway_responses", "responses to callers by status",
-                               ["code"], registry=r)
-        self.conflicts = Counter("rollpatch_gateway_conflicts", "409s answered to callers "
-                                 "(no island could satisfy the constraint)", registry=r)
-        self.latency = Histogram("rollpatch_gateway_request_seconds", "time to the response "
-                                 "head, retries included", registry=r)
-        self.served = Gauge("rollpatch_gateway_island_served_version", "version the island "
-                            "serves (-1: none)", ["island"], registry=r)
-        self.latest = Gauge("rollpatch_gateway_island_latest_version", "LATEST the island "
-                            "last reported (-1: unknown)", ["island"], registry=r)
-        self.lag = Gauge("rollpatch_gateway_island_lag_versions", "latest - served",
-                         ["island"], registry=r)
-        self.reachable = Gauge("rollpatch_gateway_island_reachable", "1 when the last poll or "
-                               "request reached the island", ["island"], registry=r)
-        self.inflight = Gauge("rollpatch_gateway_island_inflight", "requests in flight there",
-                              ["island"], registry=r)
+        self.attempts = Counter(
+            "rollpatch_gateway_requests",
+            "requests sent to an island, by outcome",
+            ["island", "outcome"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "rollpatch_gateway_retries", "attempts after the first one", registry=r
+        )
+        self.answers = Counter(
+            "rollpatch_gateway_responses", "responses to callers by status", ["code"], registry=r
+        )
+        self.conflicts = Counter(
+            "rollpatch_gateway_conflicts",
+            "409s answered to callers (no island could satisfy the constraint)",
+            registry=r,
+        )
+        self.latency = Histogram(
+            "rollpatch_gateway_request_seconds",
+            "time to the response head, retries included",
+            registry=r,
+        )
+        self.served = Gauge(
+            "rollpatch_gateway_island_served_version",
+            "version the island serves (-1: none)",
+            ["island"],
+            registry=r,
+        )
+        self.latest = Gauge(
+            "rollpatch_gateway_island_latest_version",
+            "LATEST the island last reported (-1: unknown)",
+            ["island"],
+            registry=r,
+        )
+        self.lag = Gauge(
+            "rollpatch_gateway_island_lag_versions", "latest - served", ["island"], registry=r
+        )
+        self.reachable = Gauge(
+            "rollpatch_gateway_island_reachable",
+            "1 when the last poll or request reached the island",
+            ["island"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "rollpatch_gateway_island_inflight", "requests in flight there", ["island"], registry=r
+        )
 
     def attempt(self, island: str, status: int | None) -> None:
         """Count one attempt (``status`` None: the island could not be reached)."""

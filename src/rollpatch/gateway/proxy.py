@@ -95,8 +95,9 @@ def _learn(gw: Gateway, island: str, r: httpx.Response, content: bytes) -> None:
     latest = None
     if r.status_code in (409, 503):
         try:
-            body = jsonsafe.loads(content, what="island refusal", max_bytes=1 << 20,
-                                  max_depth=_MAX_ANSWER_DEPTH)
+            body = jsonsafe.loads(
+                content, what="island refusal", max_bytes=1 << 20, max_depth=_MAX_ANSWER_DEPTH
+            )
         except ConfigError:
             body = None
         if isinstance(body, dict):
@@ -106,9 +107,18 @@ def _learn(gw: Gateway, island: str, r: httpx.Response, content: bytes) -> None:
     gw.observe_response(island, r.status_code, served=served, latest=latest)
 
 
-async def forward(gw: Gateway, client: httpx.AsyncClient, method: str, path: str,
-                  content: bytes | None, headers: dict[str, str], c: Constraint, *,
-                  stream: bool = False, annotate: bool = True) -> Response:
+async def forward(
+    gw: Gateway,
+    client: httpx.AsyncClient,
+    method: str,
+    path: str,
+    content: bytes | None,
+    headers: dict[str, str],
+    c: Constraint,
+    *,
+    stream: bool = False,
+    annotate: bool = True,
+) -> Response:
     """Send a request to the best island, retrying elsewhere on refusal or failure."""
     t0 = time.perf_counter()
     tried: list[str] = []
@@ -123,15 +133,30 @@ async def forward(gw: Gateway, client: httpx.AsyncClient, method: str, path: str
             if view.name in tried:  # the only island: give it a moment
                 await asyncio.sleep(gw.config.retry_backoff_s)
         tried.append(view.name)
-        result = await _attempt(gw, client, view.name, method, f"{view.url}{path}", content,
-                                headers, stream=stream, annotate=annotate)
+        result = await _attempt(
+            gw,
+            client,
+            view.name,
+            method,
+            f"{view.url}{path}",
+            content,
+            headers,
+            stream=stream,
+            annotate=annotate,
+        )
         if isinstance(result, Response):
             gw.metrics.answer(result.status_code, time.perf_counter() - t0)
             return result
         last = result
     answer = _give_up(gw, last, tried)
-    event(log, "refused", status=answer.status_code, path=path, tried=",".join(tried),
-          error=None if last is None else last.error)
+    event(
+        log,
+        "refused",
+        status=answer.status_code,
+        path=path,
+        tried=",".join(tried),
+        error=None if last is None else last.error,
+    )
     gw.metrics.answer(answer.status_code, time.perf_counter() - t0)
     return answer
 
@@ -140,14 +165,28 @@ def _give_up(gw: Gateway, last: _Refusal | None, tried: list[str]) -> Response:
     if last is not None and last.status:
         return Response(last.content, status_code=last.status, headers=last.headers)
     detail = f": {last.error}" if last is not None else ""
-    return gateway_error(503, f"no island could be reached (tried {', '.join(tried) or 'none'})"
-                         f"{detail}", "not_ready", served=None, latest=gw.latest(),
-                         reason="no island reachable")
+    return gateway_error(
+        503,
+        f"no island could be reached (tried {', '.join(tried) or 'none'}){detail}",
+        "not_ready",
+        served=None,
+        latest=gw.latest(),
+        reason="no island reachable",
+    )
 
 
-async def _attempt(gw: Gateway, client: httpx.AsyncClient, island: str, method: str, url: str,
-                   content: bytes | None, headers: dict[str, str], *, stream: bool,
-                   annotate: bool) -> Response | _Refusal:
+async def _attempt(
+    gw: Gateway,
+    client: httpx.AsyncClient,
+    island: str,
+    method: str,
+    url: str,
+    content: bytes | None,
+    headers: dict[str, str],
+    *,
+    stream: bool,
+    annotate: bool,
+) -> Response | _Refusal:
     gw.acquire(island)
     released = False
     try:
@@ -161,9 +200,11 @@ async def _attempt(gw: Gateway, client: httpx.AsyncClient, island: str, method: 
         gw.metrics.attempt(island, r.status_code)
         if stream and r.status_code == 200:
             released = True  # the stream releases the island when it ends
-            return StreamingResponse(_events(gw, island, r, annotate),
-                                     media_type="text/event-stream",
-                                     headers=_kept(r.headers, island))
+            return StreamingResponse(
+                _events(gw, island, r, annotate),
+                media_type="text/event-stream",
+                headers=_kept(r.headers, island),
+            )
         body = await r.aread()
         await r.aclose()
         _learn(gw, island, r, body)
@@ -177,8 +218,9 @@ async def _attempt(gw: Gateway, client: httpx.AsyncClient, island: str, method: 
             gw.release(island)
 
 
-async def _events(gw: Gateway, island: str, r: httpx.Response,
-                  annotate: bool) -> AsyncIterator[bytes]:
+async def _events(
+    gw: Gateway, island: str, r: httpx.Response, annotate: bool
+) -> AsyncIterator[bytes]:
     """Pass a sidecar's SSE stream through; the last data event gets ``rollpatch.island``."""
     held: bytes | None = None
     try:
@@ -203,8 +245,13 @@ async def _events(gw: Gateway, island: str, r: httpx.Response,
         gw.observe_failure(island, f"stream: {type(e).__name__}: {e}")
         if held is not None:
             yield held + b"\n\n"
-        error = {"error": {"message": f"island {island} failed mid-stream: {e}",
-                           "type": "island_error", "code": 502}}
+        error = {
+            "error": {
+                "message": f"island {island} failed mid-stream: {e}",
+                "type": "island_error",
+                "code": 502,
+            }
+        }
         yield b"data: " + json.dumps(error).encode() + b"\n\n"
     finally:
         await r.aclose()

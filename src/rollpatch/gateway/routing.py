@@ -28,12 +28,12 @@ __all__ = [
 class Tier(IntEnum):
     """How likely an island is to serve a constraint soon (lower is better)."""
 
-    READY = 0       #: serves an acceptable version now
-    CATCH_UP = 1    #: behind, but what it needs is published: its sidecar catches up, then serves
-    FUTURE = 2      #: the version is not published as far as we know; the sidecar re-reads LATEST
-    UNKNOWN = 3     #: not polled yet, or loading (its sidecar answers 503 until ready)
-    DOWN = 4        #: its last poll or request failed; it may be back
-    HOPELESS = 5    #: serves a version newer than ``exact_version``; versions only move forward
+    READY = 0  #: serves an acceptable version now
+    CATCH_UP = 1  #: behind, but what it needs is published: its sidecar catches up, then serves
+    FUTURE = 2  #: the version is not published as far as we know; the sidecar re-reads LATEST
+    UNKNOWN = 3  #: not polled yet, or loading (its sidecar answers 503 until ready)
+    DOWN = 4  #: its last poll or request failed; it may be back
+    HOPELESS = 5  #: serves a version newer than ``exact_version``; versions only move forward
 
 
 #: After a 409, only islands that can serve by current knowledge are worth another try.
@@ -70,8 +70,11 @@ def fleet_latest(islands: Sequence[IslandView]) -> int | None:
     LATEST; a refusal is retried elsewhere); with two islands the lower report wins.
     """
     up = [i for i in islands if i.reachable] or list(islands)
-    seen = sorted(max(v for v in (i.latest, i.served) if v is not None)
-                  for i in up if i.latest is not None or i.served is not None)
+    seen = sorted(
+        max(v for v in (i.latest, i.served) if v is not None)
+        for i in up
+        if i.latest is not None or i.served is not None
+    )
     return seen[(len(seen) - 1) // 2] if seen else None
 
 
@@ -104,9 +107,15 @@ def tier_of(island: IslandView, c: Constraint, latest: int | None) -> Tier:
     return max(fleet, _tier(own.action, own.need))
 
 
-def rank(islands: Sequence[IslandView], c: Constraint, latest: int | None, *,
-         exclude: Collection[str] = (), allowed: Collection[Tier] | None = None,
-         rotate: int = 0) -> list[tuple[IslandView, Tier]]:
+def rank(
+    islands: Sequence[IslandView],
+    c: Constraint,
+    latest: int | None,
+    *,
+    exclude: Collection[str] = (),
+    allowed: Collection[Tier] | None = None,
+    rotate: int = 0,
+) -> list[tuple[IslandView, Tier]]:
     """Islands in the order to try them, with their tiers.
 
     Ready islands: least in flight first, then the freshest version. Islands that must catch

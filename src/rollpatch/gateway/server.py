@@ -30,9 +30,14 @@ class RunningGateway:
         self.gateway.stop()
 
 
-def start_gateway(islands: Sequence[IslandSpec | str], *, host: str = "127.0.0.1",
-                  port: int = 0, config: GatewayConfig | None = None,
-                  **serve_kw: Any) -> RunningGateway:
+def start_gateway(
+    islands: Sequence[IslandSpec | str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: GatewayConfig | None = None,
+    **serve_kw: Any,
+) -> RunningGateway:
     """Poll ``islands`` (``NAME=URL``, URLs or specs) and serve the gateway; returns once
     listening and every island answered (or failed) its first poll."""
     from .app import create_app

@@ -9,5 +9,11 @@ from .safetensors import (
     view_to_bytes,
 )
 
-__all__ = ["load_view", "read_view_ranges", "save_view", "view_chunks", "view_from_bytes",
-           "view_to_bytes"]
+__all__ = [
+    "load_view",
+    "read_view_ranges",
+    "save_view",
+    "view_chunks",
+    "view_from_bytes",
+    "view_to_bytes",
+]

@@ -37,8 +37,10 @@ def to_numpy(value: Any) -> np.ndarray:
         if t.dtype == torch.bfloat16:
             return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.contiguous().numpy()
-    raise ConfigError(f"cannot read a tensor of type {type(value).__name__}",
-                      hint="pass numpy arrays or torch tensors")
+    raise ConfigError(
+        f"cannot read a tensor of type {type(value).__name__}",
+        hint="pass numpy arrays or torch tensors",
+    )
 
 
 def load_masters(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
@@ -56,8 +58,9 @@ def _load_torch(p: Path) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise ConfigError("reading torch files needs torch", hint="pip install 'rollpatch[torch]'"
-                          ) from None
+        raise ConfigError(
+            "reading torch files needs torch", hint="pip install 'rollpatch[torch]'"
+        ) from None
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for malformed files

@@ -67,15 +67,21 @@ def _header_len(raw: bytes, file_size: int) -> int:
 
 def _parse_json(raw: bytes) -> dict[str, Any]:
     # strict and bounded: no NaN, no duplicate names, no lone surrogates, no deep nesting
-    header = jsonsafe.loads(raw, what="safetensors header", error=ViewError,
-                            max_bytes=MAX_HEADER_BYTES, max_depth=_MAX_DEPTH)
+    header = jsonsafe.loads(
+        raw,
+        what="safetensors header",
+        error=ViewError,
+        max_bytes=MAX_HEADER_BYTES,
+        max_depth=_MAX_DEPTH,
+    )
     if not isinstance(header, dict):
         raise ViewError("safetensors header must be a JSON object")
     return header
 
 
-def _entries(header: dict[str, Any], data_len: int) -> list[tuple[str, str, tuple[int, ...],
-                                                                   int, int]]:
+def _entries(
+    header: dict[str, Any], data_len: int
+) -> list[tuple[str, str, tuple[int, ...], int, int]]:
     out = []
     for name, e in header.items():
         if name == "__metadata__":
@@ -85,13 +91,20 @@ def _entries(header: dict[str, Any], data_len: int) -> list[tuple[str, str, tupl
         dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise ViewError(f"unsupported dtype {dtype!r}", tensor=name)
-        if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48
-                           for d in shape)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_DIMS
+            or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape
+            )
+        ):
             raise ViewError("malformed shape", tensor=name)
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-                or not 0 <= offs[0] <= offs[1] <= data_len):
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1] <= data_len
+        ):
             raise ViewError("data_offsets out of bounds", tensor=name, data_len=data_len)
         count = 1
         for d in shape:
@@ -112,8 +125,13 @@ def _kinds_from_metadata(meta: dict[str, Any]) -> dict[str, str]:
         return {}
     if not isinstance(raw, str):
         raise ViewError("malformed rollpatch.kinds metadata")
-    kinds = jsonsafe.loads(raw, what="rollpatch.kinds metadata", error=ViewError,
-                           max_bytes=MAX_HEADER_BYTES, max_depth=2)
+    kinds = jsonsafe.loads(
+        raw,
+        what="rollpatch.kinds metadata",
+        error=ViewError,
+        max_bytes=MAX_HEADER_BYTES,
+        max_depth=2,
+    )
     if not isinstance(kinds, dict) or not all(isinstance(v, str) for v in kinds.values()):
         raise ViewError("malformed rollpatch.kinds metadata")
     return kinds
@@ -134,8 +152,9 @@ def _kind(kinds: dict[str, str], name: str, dtype: str) -> Any:
     return kind
 
 
-def _build(header: dict[str, Any], data: np.ndarray | memoryview | bytes,
-           data_len: int, copy: bool) -> View:
+def _build(
+    header: dict[str, Any], data: np.ndarray | memoryview | bytes, data_len: int, copy: bool
+) -> View:
     view_meta, kinds = _metadata(header)
     buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
     tensors = {}
@@ -147,9 +166,13 @@ def _build(header: dict[str, Any], data: np.ndarray | memoryview | bytes,
     return View(tensors, view_meta)
 
 
-def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
-                     on_bytes: Callable[[bytes], object] | None = None,
-                     chunk_bytes: int = STREAM_CHUNK_BYTES) -> View:
+def read_view_ranges(
+    read: Callable[[int, int], bytes],
+    size: int,
+    *,
+    on_bytes: Callable[[bytes], object] | None = None,
+    chunk_bytes: int = STREAM_CHUNK_BYTES,
+) -> View:
     """Read a safetensors object of ``size`` bytes through ranged reads.
 
     ``read(start, end)`` returns bytes ``[start, end)``. The header is validated before any
@@ -166,8 +189,12 @@ def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
     def take(start: int, end: int) -> bytes:
         got = read(start, end)
         if len(got) != end - start:
-            raise ViewError("short read while streaming a safetensors object", start=start,
-                            end=end, got=len(got))
+            raise ViewError(
+                "short read while streaming a safetensors object",
+                start=start,
+                end=end,
+                got=len(got),
+            )
         feed(got)
         return got
 
@@ -179,8 +206,7 @@ def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
     # a window never larger than the largest tensor (the view plus one tensor), but not tiny
     largest = max((end - begin for *_, begin, end in entries), default=0)
     chunk_bytes = min(chunk_bytes, max(largest, MIN_WINDOW_BYTES))
-    words = {name: np.empty(end - begin, dtype=np.uint8)
-             for name, _, _, begin, end in entries}
+    words = {name: np.empty(end - begin, dtype=np.uint8) for name, _, _, begin, end in entries}
     k = 0
     for a in range(0, data_len, chunk_bytes):
         b = min(a + chunk_bytes, data_len)
@@ -191,7 +217,7 @@ def read_view_ranges(read: Callable[[int, int], bytes], size: int, *,
             if begin >= b:
                 break
             lo, hi = max(begin, a), min(end, b)
-            words[name][lo - begin:hi - begin] = window[lo - a:hi - a]
+            words[name][lo - begin : hi - begin] = window[lo - a : hi - a]
         del window  # before the next read: one window alive, not two
     tensors = {}
     for name, dtype, shape, _, _ in entries:
@@ -220,16 +246,17 @@ def view_from_bytes(raw: bytes | memoryview) -> View:
     """Parse a safetensors blob (copying tensor data out of it)."""
     mv = memoryview(raw)
     n = _header_len(bytes(mv[:8]), len(mv))
-    header = _parse_json(bytes(mv[8:8 + n]))
-    return _build(header, mv[8 + n:], len(mv) - 8 - n, copy=True)
+    header = _parse_json(bytes(mv[8 : 8 + n]))
+    return _build(header, mv[8 + n :], len(mv) - 8 - n, copy=True)
 
 
 def _header_bytes(view: View, metadata: dict[str, str] | None) -> bytes:
     header: dict[str, Any] = {}
     meta = dict(view.metadata)
     meta.update(metadata or {})
-    kinds = {name: t.kind.name for name, t in view.items()
-             if kind_for_dtype(t.dtype).name != t.kind.name}
+    kinds = {
+        name: t.kind.name for name, t in view.items() if kind_for_dtype(t.dtype).name != t.kind.name
+    }
     if kinds:
         meta[_KINDS_KEY] = json.dumps(kinds, sort_keys=True)
     if meta:
@@ -237,16 +264,20 @@ def _header_bytes(view: View, metadata: dict[str, str] | None) -> bytes:
     offset = 0
     for name in sorted(view):
         t = view[name]
-        header[name] = {"dtype": t.dtype, "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
+        header[name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(len(raw) + 8) % 8)  # data section starts 8-byte aligned
     return len(raw).to_bytes(8, "little") + raw
 
 
-def view_chunks(view: View, metadata: dict[str, str] | None = None
-                ) -> tuple[int, Callable[[], Iterator[memoryview]]]:
+def view_chunks(
+    view: View, metadata: dict[str, str] | None = None
+) -> tuple[int, Callable[[], Iterator[memoryview]]]:
     """The safetensors serialization of ``view`` as (size, a function that yields its pieces
     in order: the header, then each tensor's words without a copy). Call the function once per
     pass (e.g. hash, then upload); nothing but the header is allocated."""
@@ -262,8 +293,9 @@ def view_chunks(view: View, metadata: dict[str, str] | None = None
     return size, pieces
 
 
-def save_view(view: View, path: str | os.PathLike[str],
-              metadata: dict[str, str] | None = None) -> None:
+def save_view(
+    view: View, path: str | os.PathLike[str], metadata: dict[str, str] | None = None
+) -> None:
     """Write a view as safetensors, atomically (temp file, fsync, rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -47,9 +47,11 @@ core: ModuleType | None = _load()
 def require() -> ModuleType:
     """The native core, or a ConfigError that says how to build it."""
     if core is None:
-        raise ConfigError("the native codec core is not built",
-                          hint="reinstall with `pip install -e .` (needs a C compiler), "
-                               "or unset ROLLPATCH_NATIVE=0")
+        raise ConfigError(
+            "the native codec core is not built",
+            hint="reinstall with `pip install -e .` (needs a C compiler), "
+            "or unset ROLLPATCH_NATIVE=0",
+        )
     return core
 
 
@@ -57,8 +59,12 @@ def kind_tuple(kind: Kind, n_elements: int) -> tuple[int, int, int, int]:
     """(bits, order, ctx_shift, ctx_bits) as the core takes them; one context for small
     tensors (docs/patch-format.md §4)."""
     single = single_context(kind, n_elements)
-    return (kind.bits, _ORDERS[kind.order], 0 if single else kind.ctx_shift,
-            0 if single else kind.ctx_bits)
+    return (
+        kind.bits,
+        _ORDERS[kind.order],
+        0 if single else kind.ctx_shift,
+        0 if single else kind.ctx_bits,
+    )
 
 
 def threads() -> int:

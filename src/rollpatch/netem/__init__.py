@@ -17,5 +17,14 @@ from .config import MSS, LinkConfig, LinkStats, parse_hostport
 from .link import Link
 from .proxy import AsyncLink
 
-__all__ = ["MSS", "AsyncLink", "Link", "LinkConfig", "LinkStats", "TokenBucket", "main",
-           "parse_hostport", "register"]
+__all__ = [
+    "MSS",
+    "AsyncLink",
+    "Link",
+    "LinkConfig",
+    "LinkStats",
+    "TokenBucket",
+    "main",
+    "parse_hostport",
+    "register",
+]

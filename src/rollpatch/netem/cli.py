@@ -27,23 +27,48 @@ optional loss (as retransmission delay) to both directions (docs/netem.md)."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The emulator's options."""
-    p.add_argument("--listen", default="127.0.0.1:0",
-                   help="HOST:PORT to listen on (port 0: any free port; default %(default)s)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        help="HOST:PORT to listen on (port 0: any free port; default %(default)s)",
+    )
     p.add_argument("--upstream", required=True, help="HOST:PORT to forward connections to")
-    p.add_argument("--latency-ms", type=float, default=0.0,
-                   help="one-way delay per direction, ms (a round trip adds twice this)")
-    p.add_argument("--mbps", type=float, default=None,
-                   help="bandwidth cap per direction, Mbit/s, shared by all connections "
-                        "(default: unlimited)")
-    p.add_argument("--loss", type=float, default=0.0,
-                   help="probability a 1448-byte segment is lost (costs a round trip)")
-    p.add_argument("--max-connections", type=int, default=256,
-                   help="connections open at once; more are closed at once")
-    p.add_argument("--window-kb", type=int, default=None,
-                   help="per-connection, per-direction bytes in flight (KiB; default: twice "
-                        "the bandwidth-delay product)")
-    p.add_argument("--no-handshake", action="store_true",
-                   help="do not charge new connections a round trip before their first byte")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay per direction, ms (a round trip adds twice this)",
+    )
+    p.add_argument(
+        "--mbps",
+        type=float,
+        default=None,
+        help="bandwidth cap per direction, Mbit/s, shared by all connections (default: unlimited)",
+    )
+    p.add_argument(
+        "--loss",
+        type=float,
+        default=0.0,
+        help="probability a 1448-byte segment is lost (costs a round trip)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=256,
+        help="connections open at once; more are closed at once",
+    )
+    p.add_argument(
+        "--window-kb",
+        type=int,
+        default=None,
+        help="per-connection, per-direction bytes in flight (KiB; default: twice "
+        "the bandwidth-delay product)",
+    )
+    p.add_argument(
+        "--no-handshake",
+        action="store_true",
+        help="do not charge new connections a round trip before their first byte",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed of the loss draws")
 
 
@@ -52,10 +77,14 @@ def config_from_args(args: argparse.Namespace) -> LinkConfig:
     return LinkConfig(
         upstream=parse_hostport(args.upstream, option="--upstream"),
         listen=parse_hostport(args.listen, option="--listen"),
-        latency_ms=args.latency_ms, mbps=args.mbps, loss=args.loss,
+        latency_ms=args.latency_ms,
+        mbps=args.mbps,
+        loss=args.loss,
         max_connections=args.max_connections,
         window_bytes=None if args.window_kb is None else args.window_kb * 1024,
-        handshake=not args.no_handshake, seed=args.seed)
+        handshake=not args.no_handshake,
+        seed=args.seed,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,18 +95,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Link(cfg) as link:
             host, port = link.address
-            print(f"rollpatch netem: listening on {host}:{port} -> "
-                  f"{cfg.upstream[0]}:{cfg.upstream[1]} (latency {cfg.latency_ms:g} ms one-way, "
-                  f"{'unlimited' if cfg.mbps is None else f'{cfg.mbps:g} Mbit/s'}, "
-                  f"loss {cfg.loss:g})", flush=True)
+            print(
+                f"rollpatch netem: listening on {host}:{port} -> "
+                f"{cfg.upstream[0]}:{cfg.upstream[1]} (latency {cfg.latency_ms:g} ms one-way, "
+                f"{'unlimited' if cfg.mbps is None else f'{cfg.mbps:g} Mbit/s'}, "
+                f"loss {cfg.loss:g})",
+                flush=True,
+            )
             try:
                 while not stop.wait(0.5):
                     pass
             except KeyboardInterrupt:
                 pass
             s = link.stats()
-        print(f"rollpatch netem: stopped after {s.connections} connection(s), "
-              f"{s.bytes_up:,} bytes up, {s.bytes_down:,} bytes down", flush=True)
+        print(
+            f"rollpatch netem: stopped after {s.connections} connection(s), "
+            f"{s.bytes_up:,} bytes up, {s.bytes_down:,} bytes down",
+            flush=True,
+        )
     finally:
         signal.signal(signal.SIGTERM, old)
     return 0
@@ -85,8 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add ``netem`` to a subparsers object (``sub.add_parser``)."""
-    p = sub.add_parser("netem", help="emulate a WAN link on loopback (latency, bandwidth, loss)",
-                       description=_DESCRIPTION)
+    p = sub.add_parser(
+        "netem",
+        help="emulate a WAN link on loopback (latency, bandwidth, loss)",
+        description=_DESCRIPTION,
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 

@@ -72,15 +72,26 @@ class LinkConfig:
 
     def __post_init__(self) -> None:
         up = self.upstream
-        if (not isinstance(up, tuple) or len(up) != 2 or not isinstance(up[0], str) or not up[0]
-                or not _is_int(up[1]) or not 0 < up[1] <= 65535):
-            raise ConfigError("LinkConfig.upstream must be (host, port) with port 1-65535",
-                              value=up)
+        if (
+            not isinstance(up, tuple)
+            or len(up) != 2
+            or not isinstance(up[0], str)
+            or not up[0]
+            or not _is_int(up[1])
+            or not 0 < up[1] <= 65535
+        ):
+            raise ConfigError(
+                "LinkConfig.upstream must be (host, port) with port 1-65535", value=up
+            )
         ls = self.listen
-        if (not isinstance(ls, tuple) or len(ls) != 2 or not isinstance(ls[0], str)
-                or not _is_int(ls[1]) or not 0 <= ls[1] <= 65535):
-            raise ConfigError("LinkConfig.listen must be (host, port) with port 0-65535",
-                              value=ls)
+        if (
+            not isinstance(ls, tuple)
+            or len(ls) != 2
+            or not isinstance(ls[0], str)
+            or not _is_int(ls[1])
+            or not 0 <= ls[1] <= 65535
+        ):
+            raise ConfigError("LinkConfig.listen must be (host, port) with port 0-65535", value=ls)
         _check_float("latency_ms", self.latency_ms, lo=0.0, hi=600_000.0)
         if self.mbps is not None:
             _check_float("mbps", self.mbps, lo=1e-3, hi=1e7)

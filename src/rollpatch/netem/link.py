@@ -31,8 +31,9 @@ class Link:
 
     def __init__(self, config: LinkConfig | None = None, **fields: Any) -> None:
         if config is not None and fields:
-            raise ConfigError("give Link a LinkConfig or its fields, not both",
-                              fields=sorted(fields))
+            raise ConfigError(
+                "give Link a LinkConfig or its fields, not both", fields=sorted(fields)
+            )
         self.config = config if config is not None else LinkConfig(**fields)
         if not isinstance(self.config, LinkConfig):
             raise ConfigError("Link needs a LinkConfig", value=type(self.config).__name__)
@@ -71,12 +72,16 @@ class Link:
             if self._loop is not None:
                 return self
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, daemon=True,
-                                      name=f"rollpatch-netem-{self.config.upstream[1]}")
+            thread = threading.Thread(
+                target=loop.run_forever,
+                daemon=True,
+                name=f"rollpatch-netem-{self.config.upstream[1]}",
+            )
             thread.start()
             try:
                 asyncio.run_coroutine_threadsafe(self._core.start(), loop).result(
-                    _CONTROL_TIMEOUT_S)
+                    _CONTROL_TIMEOUT_S
+                )
             except BaseException:
                 _stop(loop, thread)
                 raise
@@ -92,7 +97,8 @@ class Link:
             self._loop = self._thread = None
             try:
                 asyncio.run_coroutine_threadsafe(self._core.aclose(), loop).result(
-                    _CONTROL_TIMEOUT_S)
+                    _CONTROL_TIMEOUT_S
+                )
             finally:
                 _stop(loop, thread)
 
@@ -105,8 +111,10 @@ class Link:
     def __repr__(self) -> str:
         c = self.config
         where = f"{self.address[0]}:{self.address[1]}" if self._loop is not None else "closed"
-        return (f"Link({where} -> {c.upstream[0]}:{c.upstream[1]}, latency_ms={c.latency_ms:g}, "
-                f"mbps={c.mbps}, loss={c.loss:g})")
+        return (
+            f"Link({where} -> {c.upstream[0]}:{c.upstream[1]}, latency_ms={c.latency_ms:g}, "
+            f"mbps={c.mbps}, loss={c.loss:g})"
+        )
 
 
 def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:

@@ -39,8 +39,10 @@ class AsyncLink:
             raise ConfigError("AsyncLink needs a LinkConfig", value=type(config).__name__)
         self.config = config
         rate = config.rate_bytes_per_s
-        self._buckets = {"up": TokenBucket(rate, config.burst_bytes),
-                         "down": TokenBucket(rate, config.burst_bytes)}
+        self._buckets = {
+            "up": TokenBucket(rate, config.burst_bytes),
+            "down": TokenBucket(rate, config.burst_bytes),
+        }
         self._rng = np.random.default_rng(config.seed)
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -58,20 +60,31 @@ class AsyncLink:
 
     def stats(self) -> LinkStats:
         """Counters since the link started."""
-        return LinkStats(self._connections, len(self._tasks), self._refused,
-                         self._bytes["up"], self._bytes["down"], self._lost)
+        return LinkStats(
+            self._connections,
+            len(self._tasks),
+            self._refused,
+            self._bytes["up"],
+            self._bytes["down"],
+            self._lost,
+        )
 
     async def start(self) -> None:
         """Listen; :class:`ConfigError` names the address when that is impossible."""
         host, port = self.config.listen
         try:
-            self._server = await asyncio.start_server(self._handle, host, port,
-                                                      limit=self.config.chunk_bytes,
-                                                      backlog=min(self.config.max_connections,
-                                                                  1024))
+            self._server = await asyncio.start_server(
+                self._handle,
+                host,
+                port,
+                limit=self.config.chunk_bytes,
+                backlog=min(self.config.max_connections, 1024),
+            )
         except OSError as e:
-            raise ConfigError(f"the link cannot listen on {host}:{port}: {e.strerror or e}",
-                              hint="pick a free port, or port 0 for any") from None
+            raise ConfigError(
+                f"the link cannot listen on {host}:{port}: {e.strerror or e}",
+                hint="pick a free port, or port 0 for any",
+            ) from None
 
     async def aclose(self) -> None:
         """Stop accepting, close every connection (both sockets), wait until they are gone."""
@@ -102,8 +115,7 @@ class AsyncLink:
         self._lost += lost
         return lost
 
-    async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter
-                      ) -> None:
+    async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         cfg = self.config
         if self._closing or len(self._tasks) >= cfg.max_connections:
             self._refused += 1
@@ -120,7 +132,8 @@ class AsyncLink:
             try:
                 ureader, upstream = await asyncio.wait_for(
                     asyncio.open_connection(*cfg.upstream, limit=cfg.chunk_bytes),
-                    cfg.connect_timeout_s)
+                    cfg.connect_timeout_s,
+                )
             except (OSError, asyncio.TimeoutError) as e:
                 self._refused += 1
                 log.warning("upstream %s:%d unreachable: %s", *cfg.upstream, e)
@@ -160,8 +173,14 @@ async def _run_both(up: _Direction, down: _Direction) -> None:
 class _Direction:
     """One direction of one connection (see the module docstring)."""
 
-    def __init__(self, link: AsyncLink, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, name: str, ready_at: float) -> None:
+    def __init__(
+        self,
+        link: AsyncLink,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        name: str,
+        ready_at: float,
+    ) -> None:
         self._link, self._reader, self._writer, self._name = link, reader, writer, name
         self._bucket = link._buckets[name]
         cfg = link.config
@@ -170,8 +189,8 @@ class _Direction:
         self._window, self._chunk = cfg.window, cfg.chunk_bytes
         self._queue: deque[tuple[float, bytes] | None] = deque()
         self._queued = 0
-        self._ready = ready_at           # nothing leaves before the handshake is done
-        self._last = ready_at            # in-order delivery: never before the previous chunk
+        self._ready = ready_at  # nothing leaves before the handshake is done
+        self._last = ready_at  # in-order delivery: never before the previous chunk
         self._space, self._data = asyncio.Event(), asyncio.Event()
 
     async def run(self) -> None:
@@ -179,8 +198,7 @@ class _Direction:
         reader = asyncio.ensure_future(self._read())
         deliver = asyncio.ensure_future(self._deliver())
         try:
-            done, _ = await asyncio.wait({reader, deliver},
-                                         return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait({reader, deliver}, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
                 t.result()
             await reader

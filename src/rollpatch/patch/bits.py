@@ -79,9 +79,8 @@ def _container(width: int) -> np.dtype:
 def _to_bits(values: np.ndarray, width: int) -> np.ndarray:
     """(count, width) MSB-first bit matrix of ``values`` (uint8 0/1)."""
     dt = _container(width)
-    raw = np.unpackbits(values.astype(dt).view(np.uint8).reshape(values.size, dt.itemsize),
-                        axis=1)
-    return raw[:, dt.itemsize * 8 - width:]
+    raw = np.unpackbits(values.astype(dt).view(np.uint8).reshape(values.size, dt.itemsize), axis=1)
+    return raw[:, dt.itemsize * 8 - width :]
 
 
 def _from_bits(block: np.ndarray, width: int) -> np.ndarray:
@@ -139,7 +138,7 @@ class FixedReader:
         end = self._pos + count * width
         if end > self._bits.size:
             raise PatchDecodeError("fixed stream exhausted")
-        block = self._bits[self._pos:end].reshape(count, width)
+        block = self._bits[self._pos : end].reshape(count, width)
         self._pos = end
         return _from_bits(block, width)
 
@@ -147,7 +146,7 @@ class FixedReader:
         """Read ``count`` raw bits (uint8 0/1)."""
         if self._pos + count > self._bits.size:
             raise PatchDecodeError("fixed stream exhausted")
-        out = self._bits[self._pos:self._pos + count]
+        out = self._bits[self._pos : self._pos + count]
         self._pos += count
         return out
 
@@ -164,13 +163,13 @@ class FixedReader:
             return np.zeros(widths.size, dtype=np.uint64)
         keep = np.arange(wmax)[None, :] >= (wmax - widths)[:, None]
         block = np.zeros((widths.size, wmax), dtype=np.uint8)
-        block[keep] = self._bits[self._pos:self._pos + total]
+        block[keep] = self._bits[self._pos : self._pos + total]
         self._pos += total
         return _from_bits(block, wmax)
 
     def finish(self) -> None:
         """Reject unused bits beyond zero padding."""
-        rest = self._bits[self._pos:]
+        rest = self._bits[self._pos :]
         if rest.size >= 8 or rest.any():
             raise PatchDecodeError("fixed stream has unused bits")
 
@@ -214,7 +213,7 @@ class UnaryReader:
         end = self._pos + count
         if end > self._q.size:
             raise PatchDecodeError("unary stream exhausted")
-        out = self._q[self._pos:end]
+        out = self._q[self._pos : end]
         self._pos = end
         return out
 
@@ -307,8 +306,9 @@ def encode_expgolomb(x: np.ndarray, order: int, uw: UnaryWriter, fw: FixedWriter
     fw.write(low, length - 1)
 
 
-def decode_expgolomb(count: int, order: int, max_bits: int, ur: UnaryReader,
-                     fr: FixedReader) -> np.ndarray:
+def decode_expgolomb(
+    count: int, order: int, max_bits: int, ur: UnaryReader, fr: FixedReader
+) -> np.ndarray:
     """Inverse of :func:`encode_expgolomb`; rejects values wider than ``max_bits``."""
     if count == 0:
         return np.zeros(0, dtype=np.uint64)

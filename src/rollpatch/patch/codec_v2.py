@@ -60,8 +60,9 @@ class CtxGolombV2:
     def _native(self) -> bool:
         return native.core is not None and not self.reference
 
-    def encode(self, base: Tensor, positions: np.ndarray, old: np.ndarray,
-               new: np.ndarray) -> bytes:
+    def encode(
+        self, base: Tensor, positions: np.ndarray, old: np.ndarray, new: np.ndarray
+    ) -> bytes:
         if not self._native():
             return encode_ref(base.kind, base.elements(), _single(base), positions, old, new)
         core = native.require()
@@ -77,8 +78,9 @@ class CtxGolombV2:
             if lo == hi:
                 return b""
             s = i * CHUNK
-            return core.encode_sparse(kt, base.data, s, min(CHUNK, n - s), pos[lo:hi] - s,
-                                      o64[lo:hi], n64[lo:hi])
+            return core.encode_sparse(
+                kt, base.data, s, min(CHUNK, n - s), pos[lo:hi] - s, o64[lo:hi], n64[lo:hi]
+            )
 
         bodies = parallel_map(one, list(range(-(-n // CHUNK))))
         return _join(bodies)
@@ -88,24 +90,26 @@ class CtxGolombV2:
         payload, k, _ = self.encode_dense_sum(base, target)
         return payload, k
 
-    def encode_dense_sum(self, base: Tensor, target: Tensor
-                         ) -> tuple[bytes, int, tuple[int, int]]:
+    def encode_dense_sum(self, base: Tensor, target: Tensor) -> tuple[bytes, int, tuple[int, int]]:
         """:meth:`encode_dense`, plus the rp.sum128 change of ``target``'s words over
         ``base``'s (summed over the words that hold changes: the pass compared every word, so
         ``sum128(target) = sum128(base) + change`` exactly)."""
         core = native.require()
         kt = native.kind_tuple(base.kind, base.n_elements)
         nch = -(-base.n_elements // CHUNK)
-        parts = parallel_map(lambda r: core.encode_range(kt, base.data, target.data, r[0], r[1]),
-                             _ranges(nch, threads()))
+        parts = parallel_map(
+            lambda r: core.encode_range(kt, base.data, target.data, r[0], r[1]),
+            _ranges(nch, threads()),
+        )
         flat = [x for part, _, _ in parts for x in part]
         change = (0, 0)
         for _, d0, d1 in parts:
             change = sum_add(change, (d0, d1))
         return _join([b for b, _ in flat]), sum(k for _, k in flat), change
 
-    def encode_records(self, base_kind: Kind, n_elements: int,
-                       chunks: list[ChunkRecords | None]) -> bytes:
+    def encode_records(
+        self, base_kind: Kind, n_elements: int, chunks: list[ChunkRecords | None]
+    ) -> bytes:
         """Payload from per-chunk records computed elsewhere (the trainer's device).
 
         ``chunks[i]`` covers elements ``[i*CHUNK, min((i+1)*CHUNK, n))``, or is None when
@@ -122,25 +126,28 @@ class CtxGolombV2:
                 return b""
             n = min(CHUNK, n_elements - i * CHUNK)
             return core.encode_records(
-                kt, n, np.ascontiguousarray(r.sizes, dtype=np.uint64),
+                kt,
+                n,
+                np.ascontiguousarray(r.sizes, dtype=np.uint64),
                 np.ascontiguousarray(r.positions, dtype=np.int64),
                 np.ascontiguousarray(r.contexts, dtype=np.uint8),
                 np.ascontiguousarray(r.ranks, dtype=np.uint32),
                 np.ascontiguousarray(r.old, dtype=np.uint64),
-                np.ascontiguousarray(r.new, dtype=np.uint64))
+                np.ascontiguousarray(r.new, dtype=np.uint64),
+            )
 
         return _join(parallel_map(one, list(range(len(chunks)))))
 
-    def decode(self, payload: memoryview, base: Tensor,
-               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def decode(
+        self, payload: memoryview, base: Tensor, changed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self._native():
             return decode_ref(base.kind, base.elements(), _single(base), payload, changed)
         core = native.require()
         kt = native.kind_tuple(base.kind, base.n_elements)
         counts = core.table(kt, payload, base.n_elements)
         if sum(counts) != changed:
-            raise PatchDecodeError("changed count does not match the header",
-                                   codec=self.codec_id)
+            raise PatchDecodeError("changed count does not match the header", codec=self.codec_id)
         offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
         pos = np.empty(changed, dtype=np.int64)
         old = np.empty(changed, dtype=base.kind.elem_dtype)
@@ -148,14 +155,14 @@ class CtxGolombV2:
 
         def one(r: tuple[int, int]) -> None:
             a, b = r
-            core.decode_range(kt, base.data, payload, a, b, counts[a:b], offs[a:b], pos, old,
-                              new)
+            core.decode_range(kt, base.data, payload, a, b, counts[a:b], offs[a:b], pos, old, new)
 
         parallel_map(one, _ranges(len(counts), threads()))
         return pos, old, new
 
-    def decode_into(self, payload: memoryview, base: Tensor, changed: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
+    def decode_into(
+        self, payload: memoryview, base: Tensor, changed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
         """:meth:`decode`, writing each chunk's new elements into ``base`` in place right
         after decoding it (while its words are in cache); also returns the rp.sum128 change.
 
@@ -166,8 +173,7 @@ class CtxGolombV2:
         kt = native.kind_tuple(base.kind, base.n_elements)
         counts = core.table(kt, payload, base.n_elements)
         if sum(counts) != changed:
-            raise PatchDecodeError("changed count does not match the header",
-                                   codec=self.codec_id)
+            raise PatchDecodeError("changed count does not match the header", codec=self.codec_id)
         offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
         pos = np.empty(changed, dtype=np.int64)
         old = np.empty(changed, dtype=base.kind.elem_dtype)
@@ -177,8 +183,9 @@ class CtxGolombV2:
         def one(r: tuple[int, int]) -> tuple[int, int] | BaseException:
             a, b = r
             try:
-                return core.decode_range(kt, base.data, payload, a, b, counts[a:b], offs[a:b],
-                                         pos, old, new, True)
+                return core.decode_range(
+                    kt, base.data, payload, a, b, counts[a:b], offs[a:b], pos, old, new, True
+                )
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the undo
                 return e
 

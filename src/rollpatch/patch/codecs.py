@@ -81,12 +81,14 @@ class DeltaCodec(ABC):
     codec_id: str
 
     @abstractmethod
-    def encode(self, base: Tensor, positions: np.ndarray, old: np.ndarray,
-               new: np.ndarray) -> bytes: ...
+    def encode(
+        self, base: Tensor, positions: np.ndarray, old: np.ndarray, new: np.ndarray
+    ) -> bytes: ...
 
     @abstractmethod
-    def decode(self, payload: memoryview, base: Tensor,
-               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def decode(
+        self, payload: memoryview, base: Tensor, changed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Returns (positions, old, new); raises PatchDecodeError on any inconsistency."""
 
 
@@ -103,15 +105,24 @@ class CtxGolomb(DeltaCodec):
 
     codec_id: str = "rp.ctxgolomb.v1"
 
-    def encode(self, base: Tensor, positions: np.ndarray, old: np.ndarray,
-               new: np.ndarray) -> bytes:
+    def encode(
+        self, base: Tensor, positions: np.ndarray, old: np.ndarray, new: np.ndarray
+    ) -> bytes:
         kind = base.kind
         groups = Groups(kind, base.elements())
         sizes, ranks, ids = groups.split(positions)
         mag, outward = signed_delta(kind, old, new)
         members = _by_context(groups.ctx(old), ids) if ids.size else []
-        return code_streams(kind, [int(g) for g in ids], [int(sizes[g]) for g in ids], ranks,
-                            members, mag, outward, with_sizes=False)
+        return code_streams(
+            kind,
+            [int(g) for g in ids],
+            [int(sizes[g]) for g in ids],
+            ranks,
+            members,
+            mag,
+            outward,
+            with_sizes=False,
+        )
 
     def _params(self, payload: memoryview) -> tuple[list[list[int]], int, int]:
         """(per-context [c, k_c, b_c, eg_c], k_s, offset of the unary length)."""
@@ -124,11 +135,12 @@ class CtxGolomb(DeltaCodec):
             params.append(v)
         if p != pos + plen or not params or len(params) != 4 * params[0] + 2:
             raise PatchDecodeError("wrong number of params", codec=self.codec_id)
-        rows = [params[1 + 4 * i:5 + 4 * i] for i in range(params[0])]
+        rows = [params[1 + 4 * i : 5 + 4 * i] for i in range(params[0])]
         return rows, params[-1], pos + plen
 
-    def decode(self, payload: memoryview, base: Tensor,
-               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def decode(
+        self, payload: memoryview, base: Tensor, changed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         kind = base.kind
         rows, k_out, upos = self._params(payload)
         ulen, q = read_varint(payload, upos)
@@ -137,18 +149,21 @@ class CtxGolomb(DeltaCodec):
         elements = base.elements()
         groups = Groups(kind, elements)
         ids = [r[0] for r in rows]
-        if any(y <= x for x, y in itertools.pairwise(ids)) or (ids and ids[-1] >= groups.ncontexts) \
-                or any(not 1 <= k <= changed or b > k or eg > 63 for _, k, b, eg in rows):
+        if (
+            any(y <= x for x, y in itertools.pairwise(ids))
+            or (ids and ids[-1] >= groups.ncontexts)
+            or any(not 1 <= k <= changed or b > k or eg > 63 for _, k, b, eg in rows)
+        ):
             raise PatchDecodeError("invalid context list", codec=self.codec_id)
         if sum(r[1] for r in rows) != changed or k_out > changed:
-            raise PatchDecodeError("context counts do not add up to the changed count",
-                                   codec=self.codec_id)
+            raise PatchDecodeError(
+                "context counts do not add up to the changed count", codec=self.codec_id
+            )
         sizes, chunk_counts = groups.sizes()
         if any(k > sizes[c] for c, k, _, _ in rows):
-            raise PatchDecodeError("more changes than elements in a context",
-                                   codec=self.codec_id)
-        ur = UnaryReader(payload[q:q + ulen])
-        fr = FixedReader(payload[q + ulen:])
+            raise PatchDecodeError("more changes than elements in a context", codec=self.codec_id)
+        ur = UnaryReader(payload[q : q + ulen])
+        fr = FixedReader(payload[q + ulen :])
         ranks = [decode_sequence(int(sizes[c]), k, ur, fr) for c, k, _, _ in rows]
         positions = groups.join(np.array(ids, dtype=np.int64), ranks, chunk_counts)
         old = elements[positions]
@@ -178,23 +193,26 @@ class XorZstd(DeltaCodec):
     codec_id: str = "rp.xorzstd.v1"
     level: int = 3
 
-    def encode(self, base: Tensor, positions: np.ndarray, old: np.ndarray,
-               new: np.ndarray) -> bytes:
+    def encode(
+        self, base: Tensor, positions: np.ndarray, old: np.ndarray, new: np.ndarray
+    ) -> bytes:
         x = np.zeros(base.n_elements, dtype=base.kind.elem_dtype)
         x[positions] = old ^ new
         if base.kind.packed:
             x = (x[0::2] | (x[1::2] << 4)).astype(np.uint8)
         return zstandard.ZstdCompressor(level=self.level).compress(x.tobytes())
 
-    def decode(self, payload: memoryview, base: Tensor,
-               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def decode(
+        self, payload: memoryview, base: Tensor, changed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raw = bounded_decompress(payload, base.nbytes)
         x = Tensor(base.kind, base.shape, np.frombuffer(raw, dtype=base.kind.word_dtype))
         xe = x.elements()
         positions = np.flatnonzero(xe)
         if positions.size != changed:
-            raise PatchDecodeError("changed count does not match the XOR payload",
-                                   codec=self.codec_id)
+            raise PatchDecodeError(
+                "changed count does not match the XOR payload", codec=self.codec_id
+            )
         old = gather(base, positions)
         return positions, old, old ^ xe[positions]
 
@@ -206,8 +224,9 @@ def bounded_decompress(payload: memoryview | bytes, size: int, exact: bool = Tru
     except zstandard.ZstdError as e:
         raise PatchDecodeError(f"zstd payload is corrupt: {e}") from None
     if declared >= 0 and (declared > size or (exact and declared != size)):
-        raise PatchDecodeError("zstd frame declares the wrong size", expected=size,
-                               declared=declared)
+        raise PatchDecodeError(
+            "zstd frame declares the wrong size", expected=size, declared=declared
+        )
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(bytes(payload))
         parts, got = [], 0
@@ -219,8 +238,7 @@ def bounded_decompress(payload: memoryview | bytes, size: int, exact: bool = Tru
             got += len(part)
         out = b"".join(parts)
         if (exact and got != size) or reader.read(1):
-            raise PatchDecodeError("zstd payload has the wrong decompressed size",
-                                   expected=size)
+            raise PatchDecodeError("zstd payload has the wrong decompressed size", expected=size)
     except zstandard.ZstdError as e:
         raise PatchDecodeError(f"zstd payload is corrupt: {e}") from None
     return out
@@ -239,8 +257,9 @@ def get_delta_codec(codec_id: str) -> DeltaCodec:
     try:
         return DELTA_CODECS[codec_id]
     except KeyError:
-        raise CodecError(f"unknown delta codec {codec_id!r}",
-                         hint=f"known: {', '.join(DELTA_CODECS)}") from None
+        raise CodecError(
+            f"unknown delta codec {codec_id!r}", hint=f"known: {', '.join(DELTA_CODECS)}"
+        ) from None
 
 
 def encode_full(t: Tensor) -> tuple[str, bytes]:

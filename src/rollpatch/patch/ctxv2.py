@@ -80,7 +80,8 @@ def _contexts(kind: Kind, elems: np.ndarray, single: bool) -> np.ndarray:
         return np.zeros(elems.size, dtype=np.uint8)
     mask = (1 << kind.ctx_bits) - 1
     return ((elems.astype(np.uint64) >> np.uint64(kind.ctx_shift)) & np.uint64(mask)).astype(
-        np.uint8)
+        np.uint8
+    )
 
 
 def _best_order(tail: np.ndarray, bits: int) -> int:
@@ -93,8 +94,9 @@ def _best_order(tail: np.ndarray, bits: int) -> int:
     return best
 
 
-def _encode_chunk(kind: Kind, ctx: np.ndarray, pos: np.ndarray, old: np.ndarray,
-                  new: np.ndarray) -> bytes:
+def _encode_chunk(
+    kind: Kind, ctx: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray
+) -> bytes:
     if pos.size == 0:
         return b""
     sizes = np.bincount(ctx, minlength=256)
@@ -107,14 +109,29 @@ def _encode_chunk(kind: Kind, ctx: np.ndarray, pos: np.ndarray, old: np.ndarray,
     mag, outward = signed_delta(kind, old, new)
     ids = np.flatnonzero(np.bincount(pctx, minlength=256))
     members = [np.flatnonzero(pctx == c) for c in ids]
-    return code_streams(kind, [int(c) for c in ids], [int(sizes[c]) for c in ids],
-                        [ranks[m] for m in members],
-                        members, mag, outward, with_sizes=True)
+    return code_streams(
+        kind,
+        [int(c) for c in ids],
+        [int(sizes[c]) for c in ids],
+        [ranks[m] for m in members],
+        members,
+        mag,
+        outward,
+        with_sizes=True,
+    )
 
 
-def code_streams(kind: Kind, ids: Sequence[int], sizes: Sequence[int],
-                 ranks: Sequence[np.ndarray], members: Sequence[np.ndarray], mag: np.ndarray,
-                 outward: np.ndarray, *, with_sizes: bool) -> bytes:
+def code_streams(
+    kind: Kind,
+    ids: Sequence[int],
+    sizes: Sequence[int],
+    ranks: Sequence[np.ndarray],
+    members: Sequence[np.ndarray],
+    mag: np.ndarray,
+    outward: np.ndarray,
+    *,
+    with_sizes: bool,
+) -> bytes:
     """Params, unary and fixed streams of docs/patch-format.md §4 (v1) or §4b (v2, whose
     params also list each context's size ``n_c``), in that order of coding.
 
@@ -128,8 +145,11 @@ def code_streams(kind: Kind, ids: Sequence[int], sizes: Sequence[int],
     params = bytearray()
     write_varint(params, len(ids))
     for c, n_c, m, b, eg in zip(ids, sizes, members, bigs, orders):
-        row = (int(c), n_c, int(m.size), int(b.size), eg) if with_sizes else \
-            (int(c), int(m.size), int(b.size), eg)
+        row = (
+            (int(c), n_c, int(m.size), int(b.size), eg)
+            if with_sizes
+            else (int(c), int(m.size), int(b.size), eg)
+        )
         for v in row:
             write_varint(params, v)
     write_varint(params, int(outward.sum()))
@@ -151,15 +171,21 @@ def code_streams(kind: Kind, ids: Sequence[int], sizes: Sequence[int],
     return bytes(out)
 
 
-def encode_ref(kind: Kind, base: np.ndarray, single: bool, positions: np.ndarray,
-               old: np.ndarray, new: np.ndarray) -> bytes:
+def encode_ref(
+    kind: Kind,
+    base: np.ndarray,
+    single: bool,
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> bytes:
     """Payload of one delta tensor: per chunk, a varint length and the chunk body."""
     out = bytearray()
     n = base.size
     bounds = np.searchsorted(positions, np.arange(0, n + CHUNK, CHUNK))
     for i, start in enumerate(range(0, n, CHUNK)):
         lo, hi = bounds[i], bounds[i + 1]
-        ctx = _contexts(kind, base[start:start + CHUNK], single)
+        ctx = _contexts(kind, base[start : start + CHUNK], single)
         body = _encode_chunk(kind, ctx, positions[lo:hi] - start, old[lo:hi], new[lo:hi])
         write_varint(out, len(body))
         out += body
@@ -181,12 +207,14 @@ def _params(body: memoryview, kind: Kind, single: bool, n: int) -> tuple[list[li
     ncontexts = 1 if single else 1 << kind.ctx_bits
     if p != end or not vals or not 1 <= vals[0] <= ncontexts or len(vals) != 5 * vals[0] + 2:
         raise _fail("wrong number of params")
-    rows = [vals[1 + 5 * i:6 + 5 * i] for i in range(vals[0])]
+    rows = [vals[1 + 5 * i : 6 + 5 * i] for i in range(vals[0])]
     top = min(kind.bits, 63)
     ids = [r[0] for r in rows]
-    if any(b <= a for a, b in itertools.pairwise(ids)) or ids[-1] >= ncontexts \
-            or any(not (nc <= n and 1 <= k <= nc and b <= k and eg < top)
-                   for _, nc, k, b, eg in rows):
+    if (
+        any(b <= a for a, b in itertools.pairwise(ids))
+        or ids[-1] >= ncontexts
+        or any(not (nc <= n and 1 <= k <= nc and b <= k and eg < top) for _, nc, k, b, eg in rows)
+    ):
         raise _fail("invalid context parameters")
     total = sum(r[1] for r in rows)
     if total > n or (single and total != n) or vals[-1] > sum(r[2] for r in rows):
@@ -194,23 +222,26 @@ def _params(body: memoryview, kind: Kind, single: bool, n: int) -> tuple[list[li
     return rows, vals[-1], end
 
 
-def _decode_chunk(kind: Kind, elems: np.ndarray, single: bool, body: memoryview
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _decode_chunk(
+    kind: Kind, elems: np.ndarray, single: bool, body: memoryview
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = elems.size
     rows, k_out, upos = _params(body, kind, single, n)
     ulen, q = read_varint(body, upos)
     if q + ulen > len(body):
         raise _fail("unary stream overruns the chunk")
-    ur, fr = UnaryReader(body[q:q + ulen]), FixedReader(body[q + ulen:])
+    ur, fr = UnaryReader(body[q : q + ulen]), FixedReader(body[q + ulen :])
     ctx = _contexts(kind, elems, single)
     sizes = np.bincount(ctx, minlength=256)
     if any(sizes[c] != nc for c, nc, _, _, _ in rows):
-        raise PatchDecodeError("context sizes differ from the base: not the patch's base",
-                               codec=_CODEC)
+        raise PatchDecodeError(
+            "context sizes differ from the base: not the patch's base", codec=_CODEC
+        )
     order = np.argsort(ctx, kind="stable")
     starts = np.cumsum(sizes) - sizes
-    per = [order[starts[c]:starts[c] + nc][decode_sequence(nc, k, ur, fr)]
-           for c, nc, k, _, _ in rows]
+    per = [
+        order[starts[c] : starts[c] + nc][decode_sequence(nc, k, ur, fr)] for c, nc, k, _, _ in rows
+    ]
     positions = np.sort(np.concatenate(per)) if per else np.zeros(0, np.int64)
     k = positions.size
     outward = np.zeros(k, dtype=bool)
@@ -234,8 +265,9 @@ def _decode_chunk(kind: Kind, elems: np.ndarray, single: bool, body: memoryview
     return positions.astype(np.int64), old, _unkey(kind, key_new).astype(elems.dtype)
 
 
-def decode_ref(kind: Kind, elems: np.ndarray, single: bool, payload: memoryview,
-               changed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_ref(
+    kind: Kind, elems: np.ndarray, single: bool, payload: memoryview, changed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Inverse of :func:`encode_ref` against the base elements."""
     n, p = elems.size, 0
     parts = []
@@ -244,8 +276,9 @@ def decode_ref(kind: Kind, elems: np.ndarray, single: bool, payload: memoryview,
         if p + blen > len(payload):
             raise _fail("chunk overruns the payload")
         if blen:
-            pos, old, new = _decode_chunk(kind, elems[start:start + CHUNK], single,
-                                          payload[p:p + blen])
+            pos, old, new = _decode_chunk(
+                kind, elems[start : start + CHUNK], single, payload[p : p + blen]
+            )
             parts.append((pos + start, old, new))
         p += blen
     if p != len(payload):

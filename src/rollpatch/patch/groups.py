@@ -42,7 +42,7 @@ class Groups:
         return ((values >> self._shift) & self._mask).astype(np.uint8)
 
     def _chunk(self, i: int) -> np.ndarray:
-        return self.ctx(self.elements[i * CHUNK:(i + 1) * CHUNK])
+        return self.ctx(self.elements[i * CHUNK : (i + 1) * CHUNK])
 
     def split(self, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
         """Encoder side, one pass: (context sizes, per-context sorted ranks, their contexts).
@@ -72,7 +72,7 @@ class Groups:
             mark[local] = True
             # indices into the context-sorted chunk of the changed elements: grouped by
             # context, ascending — the rank inside the context is the offset in its segment
-            hits = np.flatnonzero(mark[:ctx.size][order])
+            hits = np.flatnonzero(mark[: ctx.size][order])
             mark[local] = False
             g = np.searchsorted(ends, hits, side="right")
             hit_ctx.append(g)
@@ -122,7 +122,7 @@ class Groups:
             lo, hi = bounds[i], bounds[i + 1]
             order = np.argsort(self._chunk(int(i)), kind="stable")
             hit = order[idx[lo:hi]]
-            mark[hit] = True        # sort the chunk's positions by marking them
+            mark[hit] = True  # sort the chunk's positions by marking them
             pos[lo:hi] = np.flatnonzero(mark) + i * CHUNK
             mark[hit] = False
         return pos

@@ -44,12 +44,18 @@ class _FusedDelta:
         except RollpatchError as err:
             err.context.setdefault("tensor", self.name)
             raise
-        return TensorPatch(self.name, "delta", t.kind, t.shape, self.base_digest,
-                           self.target_digest, pos, old, new), change
+        return TensorPatch(
+            self.name, "delta", t.kind, t.shape, self.base_digest, self.target_digest, pos, old, new
+        ), change
 
 
-def apply_encoded(view: View, blob: bytes | memoryview, *, incremental: bool = False,
-                  max_full_bytes: int | None = None) -> View:
+def apply_encoded(
+    view: View,
+    blob: bytes | memoryview,
+    *,
+    incremental: bool = False,
+    max_full_bytes: int | None = None,
+) -> View:
     """Decode ``blob`` against ``view`` and apply it in place; returns the view.
 
     ``incremental`` as in :func:`rollpatch.patch.apply`. ``max_full_bytes`` as in
@@ -58,15 +64,18 @@ def apply_encoded(view: View, blob: bytes | memoryview, *, incremental: bool = F
     header = inspect(blob)
     algo = header.digest
     if view.digest(algo) != header.base:
-        raise BaseMismatchError("the view is not this patch's base", expected=header.base[:16],
-                                actual=view.digest(algo)[:16])
+        raise BaseMismatchError(
+            "the view is not this patch's base",
+            expected=header.base[:16],
+            actual=view.digest(algo)[:16],
+        )
     limit = max(MIN_FULL_BOUND, view.nbytes) if max_full_bytes is None else max_full_bytes
     mv = memoryview(blob)
     items: list[TensorPatch | InPlaceDelta] = []
     for e in header.tensors:
         _check_entry(view, e, algo)
         start = header.payload_start + e["offset"]
-        payload = mv[start:start + e["length"]]
+        payload = mv[start : start + e["length"]]
         if blake3.blake3(payload).hexdigest() != e["b3"]:
             raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
         if e["op"] == "delta" and e["codec"] == _V2.codec_id and native.core is not None:
@@ -85,10 +94,17 @@ def _check_entry(view: View, e: dict[str, Any], algo: Any) -> None:
     if op == "delta":
         t = view[name]
         if t.kind != KINDS[e["kind"]] or t.shape != tuple(e["shape"]):
-            raise BaseMismatchError("base tensor layout differs from the patch", tensor=name,
-                                    kind=t.kind.name, shape=t.shape)
+            raise BaseMismatchError(
+                "base tensor layout differs from the patch",
+                tensor=name,
+                kind=t.kind.name,
+                shape=t.shape,
+            )
     if op == "full" and e["base"] is None and name in view:
         raise BaseMismatchError("the patch adds a tensor the view already has", tensor=name)
     if name in view and e["base"] is not None and view.tensor_digest(name, algo) != e["base"]:
-        raise BaseMismatchError("tensor is not the patch's base", tensor=name,
-                                hint="the engine is on another version; plan a new path")
+        raise BaseMismatchError(
+            "tensor is not the patch's base",
+            tensor=name,
+            hint="the engine is on another version; plan a new path",
+        )

@@ -67,8 +67,7 @@ class TensorPatch:
 
     def changes(self) -> Changes:
         """The payload of a ``delta`` op, typed (PatchError for another op)."""
-        if self.op != "delta" or self.positions is None or self.old is None \
-                or self.new is None:
+        if self.op != "delta" or self.positions is None or self.old is None or self.new is None:
             raise PatchError(f"a {self.op} op has no changed positions", tensor=self.name)
         return Changes(self.positions, self.old, self.new)
 
@@ -96,8 +95,13 @@ class TensorPatch:
     def equals(self, other: TensorPatch) -> bool:
         """Structural, bitwise equality (used by tests and compose checks)."""
         if (self.name, self.op, self.kind, self.shape, self.base_digest, self.target_digest) != (
-                other.name, other.op, other.kind, other.shape, other.base_digest,
-                other.target_digest):
+            other.name,
+            other.op,
+            other.kind,
+            other.shape,
+            other.base_digest,
+            other.target_digest,
+        ):
             return False
         if self.op == "delta":
             return all(np.array_equal(a, b) for a, b in zip(self.changes(), other.changes()))
@@ -124,18 +128,31 @@ class Patch:
 
     def equals(self, other: Patch) -> bool:
         """Bitwise equality of two decoded patches (ignores ``meta``)."""
-        return (self.base == other.base and self.target == other.target
-                and self.digest == other.digest
-                and sorted(self.tensors) == sorted(other.tensors)
-                and all(t.equals(other.tensors[n]) for n, t in self.tensors.items()))
+        return (
+            self.base == other.base
+            and self.target == other.target
+            and self.digest == other.digest
+            and sorted(self.tensors) == sorted(other.tensors)
+            and all(t.equals(other.tensors[n]) for n, t in self.tensors.items())
+        )
 
     def inverse(self) -> Patch:
         """The reverse transition target → base (delta tensors only swap old and new)."""
         out = {}
         for name, t in self.tensors.items():
             if t.op != "delta":
-                raise PatchError("only delta patches can be inverted without the base view",
-                                 tensor=name)
-            out[name] = TensorPatch(name, "delta", t.kind, t.shape, t.target_digest,
-                                    t.base_digest, t.positions, t.new, t.old)
+                raise PatchError(
+                    "only delta patches can be inverted without the base view", tensor=name
+                )
+            out[name] = TensorPatch(
+                name,
+                "delta",
+                t.kind,
+                t.shape,
+                t.target_digest,
+                t.base_digest,
+                t.positions,
+                t.new,
+                t.old,
+            )
         return Patch(self.target, self.base, out, dict(self.meta), self.digest)

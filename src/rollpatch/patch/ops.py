@@ -31,10 +31,9 @@ def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
     return np.where(positions & 1, b >> 4, b & 0x0F).astype(np.uint8)
 
 
-
-
-def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray,
-            old: np.ndarray | None = None) -> tuple[int, int] | None:
+def scatter(
+    t: Tensor, positions: np.ndarray, values: np.ndarray, old: np.ndarray | None = None
+) -> tuple[int, int] | None:
     """Write elements in place (read-modify-write of bytes for packed kinds).
 
     With ``old`` and the native core, the old elements are checked first (nothing is
@@ -43,10 +42,13 @@ def scatter(t: Tensor, positions: np.ndarray, values: np.ndarray,
     """
     core = native.core
     if core is not None and old is not None and positions.dtype == np.int64:
-        da, db = core.apply(native.kind_tuple(t.kind, 0), t.data,
-                            np.ascontiguousarray(positions),
-                            np.ascontiguousarray(old, dtype=t.kind.elem_dtype),
-                            np.ascontiguousarray(values, dtype=t.kind.elem_dtype))
+        da, db = core.apply(
+            native.kind_tuple(t.kind, 0),
+            t.data,
+            np.ascontiguousarray(positions),
+            np.ascontiguousarray(old, dtype=t.kind.elem_dtype),
+            np.ascontiguousarray(values, dtype=t.kind.elem_dtype),
+        )
         return int(da), int(db)
     if not t.kind.packed:
         t.data[positions] = values
@@ -67,8 +69,9 @@ def changed_positions(a: Tensor, b: Tensor) -> np.ndarray:
     core = native.core
     if core is not None:
         n = a.n_elements
-        return np.frombuffer(core.diff(native.kind_tuple(a.kind, 0), a.data, b.data, 0, n),
-                             dtype=np.int64)
+        return np.frombuffer(
+            core.diff(native.kind_tuple(a.kind, 0), a.data, b.data, 0, n), dtype=np.int64
+        )
     ea, eb = (a.elements(), b.elements()) if a.kind.packed else (a.data, b.data)
     return np.flatnonzero(ea != eb).astype(np.int64)
 
@@ -79,22 +82,38 @@ def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
     for name in sorted(set(a) | set(b)):
         if name not in b:
             ta = a[name]
-            tensors[name] = TensorPatch(name, "drop", ta.kind, ta.shape,
-                                        a.tensor_digest(name, digest), None)
+            tensors[name] = TensorPatch(
+                name, "drop", ta.kind, ta.shape, a.tensor_digest(name, digest), None
+            )
             continue
         tb = b[name]
         if name not in a or not _same_layout(a[name], tb):
             base = a.tensor_digest(name, digest) if name in a else None
-            tensors[name] = TensorPatch(name, "full", tb.kind, tb.shape, base,
-                                        b.tensor_digest(name, digest), tensor=tb.copy())
+            tensors[name] = TensorPatch(
+                name,
+                "full",
+                tb.kind,
+                tb.shape,
+                base,
+                b.tensor_digest(name, digest),
+                tensor=tb.copy(),
+            )
             continue
         ta = a[name]
         pos = changed_positions(ta, tb)
         if pos.size == 0:
             continue
-        tensors[name] = TensorPatch(name, "delta", ta.kind, ta.shape,
-                                    a.tensor_digest(name, digest), b.tensor_digest(name, digest),
-                                    pos, gather(ta, pos), gather(tb, pos))
+        tensors[name] = TensorPatch(
+            name,
+            "delta",
+            ta.kind,
+            ta.shape,
+            a.tensor_digest(name, digest),
+            b.tensor_digest(name, digest),
+            pos,
+            gather(ta, pos),
+            gather(tb, pos),
+        )
     return Patch(a.digest(digest), b.digest(digest), tensors, digest=digest)
 
 
@@ -106,8 +125,12 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
         if tp.op == "delta":
             t = view[name]
             if t.kind != tp.kind or t.shape != tp.shape:
-                raise BaseMismatchError("tensor layout differs from the patch's base",
-                                        tensor=name, kind=t.kind.name, shape=t.shape)
+                raise BaseMismatchError(
+                    "tensor layout differs from the patch's base",
+                    tensor=name,
+                    kind=t.kind.name,
+                    shape=t.shape,
+                )
             positions = tp.changes().positions
             if positions.size and (positions[0] < 0 or positions[-1] >= t.n_elements):
                 raise PatchError("patch position out of range", tensor=name)
@@ -115,21 +138,29 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
             raise BaseMismatchError("the patch adds a tensor the view already has", tensor=name)
         if verify and name in view:
             view.invalidate(name)
-        if name in view and tp.base_digest is not None \
-                and view.tensor_digest(name, algo) != tp.base_digest:
-            raise BaseMismatchError("tensor is not the patch's base", tensor=name,
-                                    hint="the engine is on another version; plan a new path")
+        if (
+            name in view
+            and tp.base_digest is not None
+            and view.tensor_digest(name, algo) != tp.base_digest
+        ):
+            raise BaseMismatchError(
+                "tensor is not the patch's base",
+                tensor=name,
+                hint="the engine is on another version; plan a new path",
+            )
     if view.digest(algo) != patch.base:
-        raise BaseMismatchError("view root digest is not the patch's base",
-                                expected=patch.base[:16], actual=view.digest(algo)[:16])
+        raise BaseMismatchError(
+            "view root digest is not the patch's base",
+            expected=patch.base[:16],
+            actual=view.digest(algo)[:16],
+        )
     if native.core is not None:
         return  # the native scatter checks every old element as it writes, all or nothing
     for name, tp in patch.tensors.items():
         if tp.op == "delta":
             ch = tp.changes()
             if not np.array_equal(gather(view[name], ch.positions), ch.old):
-                raise BaseMismatchError("old elements differ from the patch's base",
-                                        tensor=name)
+                raise BaseMismatchError("old elements differ from the patch's base", tensor=name)
 
 
 class InPlaceDelta(Protocol):
@@ -144,8 +175,14 @@ class InPlaceDelta(Protocol):
     def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]: ...
 
 
-def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = False,
-          incremental: bool = False) -> View:
+def apply(
+    view: View,
+    patch: Patch,
+    *,
+    inplace: bool = True,
+    verify: bool = False,
+    incremental: bool = False,
+) -> View:
     """Apply ``patch`` to ``view`` (in place by default, else to a copy) and return it.
 
     Checks the base (cached digests; ``verify=True`` re-hashes the touched tensors first)
@@ -161,13 +198,24 @@ def apply(view: View, patch: Patch, *, inplace: bool = True, verify: bool = Fals
     if not inplace:
         view = view.copy()
     _check_applicable(view, patch, verify)
-    write_verified(view, list(patch.tensors.values()), patch.target, patch.digest,
-                   incremental=incremental and not verify)
+    write_verified(
+        view,
+        list(patch.tensors.values()),
+        patch.target,
+        patch.digest,
+        incremental=incremental and not verify,
+    )
     return view
 
 
-def write_verified(view: View, items: list[TensorPatch | InPlaceDelta], target: str,
-                   algo: DigestAlgo, *, incremental: bool) -> None:
+def write_verified(
+    view: View,
+    items: list[TensorPatch | InPlaceDelta],
+    target: str,
+    algo: DigestAlgo,
+    *,
+    incremental: bool,
+) -> None:
     """Write checked transitions into ``view``, then verify every touched tensor and the
     root against the target; on any error put every written tensor back and re-raise.
 
@@ -181,8 +229,7 @@ def write_verified(view: View, items: list[TensorPatch | InPlaceDelta], target: 
             prev = view.get(name)
             digest = view.tensor_digest(name, algo) if prev is not None else None
             is_delta = not isinstance(item, TensorPatch) or item.op == "delta"
-            state = (view.sum_state(name) if incremental and is_delta and prev is not None
-                     else None)
+            state = view.sum_state(name) if incremental and is_delta and prev is not None else None
             delta: tuple[int, int] | None = None
             if not isinstance(item, TensorPatch):
                 assert prev is not None
@@ -210,8 +257,9 @@ def write_verified(view: View, items: list[TensorPatch | InPlaceDelta], target: 
                     view.invalidate(name)
         for tp in done:
             if tp.op != "drop" and view.tensor_digest(tp.name, algo) != tp.target_digest:
-                raise TargetMismatchError("tensor does not match the target after applying",
-                                          tensor=tp.name)
+                raise TargetMismatchError(
+                    "tensor does not match the target after applying", tensor=tp.name
+                )
         if view.digest(algo) != target:
             raise TargetMismatchError("view root digest does not match the target")
     except BaseException:
@@ -219,8 +267,9 @@ def write_verified(view: View, items: list[TensorPatch | InPlaceDelta], target: 
         raise
 
 
-def _undo(view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | None]],
-          algo: DigestAlgo) -> None:
+def _undo(
+    view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | None]], algo: DigestAlgo
+) -> None:
     for name, tp, prev, digest in reversed(undo):
         if tp.op == "delta" and prev is not None:
             ch = tp.changes()
@@ -260,8 +309,17 @@ def _compose_delta(name: str, p: TensorPatch, q: TensorPatch) -> TensorPatch | N
         if p.base_digest != q.target_digest:
             raise PatchError("composed delta is empty but digests differ", tensor=name)
         return None
-    return TensorPatch(name, "delta", p.kind, p.shape, p.base_digest, q.target_digest,
-                       pos[keep].astype(np.int64), old[keep], new[keep])
+    return TensorPatch(
+        name,
+        "delta",
+        p.kind,
+        p.shape,
+        p.base_digest,
+        q.target_digest,
+        pos[keep].astype(np.int64),
+        old[keep],
+        new[keep],
+    )
 
 
 def _compose_one(name: str, p: TensorPatch | None, q: TensorPatch | None) -> TensorPatch | None:
@@ -272,17 +330,20 @@ def _compose_one(name: str, p: TensorPatch | None, q: TensorPatch | None) -> Ten
     if p.op == "delta" and q.op == "delta":
         return _compose_delta(name, p, q)
     if q.op == "drop":
-        return None if p.base_digest is None else TensorPatch(
-            name, "drop", p.kind, p.shape, p.base_digest, None)
+        return (
+            None
+            if p.base_digest is None
+            else TensorPatch(name, "drop", p.kind, p.shape, p.base_digest, None)
+        )
     if q.op == "full":
-        return TensorPatch(name, "full", q.kind, q.shape, p.base_digest, q.target_digest,
-                           tensor=q.tensor)
+        return TensorPatch(
+            name, "full", q.kind, q.shape, p.base_digest, q.target_digest, tensor=q.tensor
+        )
     if p.op == "full":  # full then delta: fold the delta into the new tensor
         qc = q.changes()
         t = p.full_tensor().copy()
         scatter(t, qc.positions, qc.new)
-        return TensorPatch(name, "full", t.kind, t.shape, p.base_digest, q.target_digest,
-                           tensor=t)
+        return TensorPatch(name, "full", t.kind, t.shape, p.base_digest, q.target_digest, tensor=t)
     raise PatchError("patches do not chain: delta after drop", tensor=name)
 
 
@@ -292,11 +353,15 @@ def compose(first: Patch, second: Patch) -> Patch:
     For delta tensors the result is exactly ``diff(a, c)``.
     """
     if first.digest != second.digest:
-        raise PatchError("patches use different digest algorithms",
-                         first=first.digest, second=second.digest)
+        raise PatchError(
+            "patches use different digest algorithms", first=first.digest, second=second.digest
+        )
     if first.target != second.base:
-        raise PatchError("patches do not chain: first.target != second.base",
-                         first=first.target[:16], second=second.base[:16])
+        raise PatchError(
+            "patches do not chain: first.target != second.base",
+            first=first.target[:16],
+            second=second.base[:16],
+        )
     out: dict[str, TensorPatch] = {}
     for name in sorted(set(first.tensors) | set(second.tensors)):
         tp = _compose_one(name, first.tensors.get(name), second.tensors.get(name))

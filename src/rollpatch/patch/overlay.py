@@ -59,11 +59,18 @@ class Overlay:
         ch = tp.changes()
         src = self.base[name]
         if src.kind != tp.kind or src.shape != tp.shape:
-            raise BaseMismatchError("overlay base tensor layout differs from the patch",
-                                    tensor=name, kind=src.kind.name, shape=src.shape)
+            raise BaseMismatchError(
+                "overlay base tensor layout differs from the patch",
+                tensor=name,
+                kind=src.kind.name,
+                shape=src.shape,
+            )
         if not np.array_equal(gather(src, ch.positions), ch.old):
-            raise BaseMismatchError("overlay base differs from the patch's old elements",
-                                    tensor=name, hint="the engine is not on the plan's base")
+            raise BaseMismatchError(
+                "overlay base differs from the patch's old elements",
+                tensor=name,
+                hint="the engine is not on the plan's base",
+            )
         out = src.copy()
         scatter(out, ch.positions, ch.new)
         with self._lock:

@@ -68,31 +68,44 @@ class PublisherConfig:
         except ConfigError as e:
             raise ConfigError(f"PublisherConfig.format: {e.message}", hint=e.hint) from None
         if self.scales not in SCALE_MODES:
-            raise ConfigError(f"PublisherConfig.scales must be one of {', '.join(SCALE_MODES)}",
-                              value=self.scales)
+            raise ConfigError(
+                f"PublisherConfig.scales must be one of {', '.join(SCALE_MODES)}", value=self.scales
+            )
         if self.policy is not None and not isinstance(self.policy, QuantPolicy):
-            raise ConfigError("PublisherConfig.policy must be a QuantPolicy or None",
-                              value=type(self.policy).__name__)
+            raise ConfigError(
+                "PublisherConfig.policy must be a QuantPolicy or None",
+                value=type(self.policy).__name__,
+            )
         if not _is_int(self.keyframe_every) or self.keyframe_every < 0:
-            raise ConfigError("PublisherConfig.keyframe_every must be an int >= 0",
-                              value=self.keyframe_every)
+            raise ConfigError(
+                "PublisherConfig.keyframe_every must be an int >= 0", value=self.keyframe_every
+            )
         strides = self.skip_strides
         if isinstance(strides, (str, bytes)) or not all(_is_int(s) and s >= 2 for s in strides):
-            raise ConfigError("PublisherConfig.skip_strides must be a tuple of ints >= 2",
-                              value=strides, hint="e.g. skip_strides=(8, 64)")
+            raise ConfigError(
+                "PublisherConfig.skip_strides must be a tuple of ints >= 2",
+                value=strides,
+                hint="e.g. skip_strides=(8, 64)",
+            )
         object.__setattr__(self, "skip_strides", tuple(sorted(set(strides))))
         if not _is_int(self.max_pending) or self.max_pending < 1:
-            raise ConfigError("PublisherConfig.max_pending must be an int >= 1",
-                              value=self.max_pending)
+            raise ConfigError(
+                "PublisherConfig.max_pending must be an int >= 1", value=self.max_pending
+            )
         if not isinstance(self.publisher_id, str) or not 0 < len(self.publisher_id) <= 256:
-            raise ConfigError("PublisherConfig.publisher_id must be 1-256 characters",
-                              value=self.publisher_id)
+            raise ConfigError(
+                "PublisherConfig.publisher_id must be 1-256 characters", value=self.publisher_id
+            )
         if self.diff_on not in DIFF_ON:
-            raise ConfigError(f"PublisherConfig.diff_on must be one of {', '.join(DIFF_ON)}",
-                              value=self.diff_on)
+            raise ConfigError(
+                f"PublisherConfig.diff_on must be one of {', '.join(DIFF_ON)}", value=self.diff_on
+            )
         if self.signer is not None and not isinstance(self.signer, Signer):
-            raise ConfigError("PublisherConfig.signer must be a rollpatch.trust.Signer or None",
-                              field="signer", hint="Signer.from_files(['publisher.key'])")
+            raise ConfigError(
+                "PublisherConfig.signer must be a rollpatch.trust.Signer or None",
+                field="signer",
+                hint="Signer.from_files(['publisher.key'])",
+            )
 
 
 def _is_int(x: object) -> bool:

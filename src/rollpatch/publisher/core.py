@@ -48,9 +48,11 @@ def snapshot_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
         arr = to_numpy(value)
         on_device = not isinstance(value, np.ndarray) and value.device.type != "cpu"
         if arr.dtype.name not in _MASTER_DTYPES:
-            raise ConfigError(f"cannot publish {arr.dtype.name} tensor {name!r}",
-                              hint="publish float32/bfloat16/float16 parameters only; leave "
-                                   "buffers and integer tensors out of the state dict")
+            raise ConfigError(
+                f"cannot publish {arr.dtype.name} tensor {name!r}",
+                hint="publish float32/bfloat16/float16 parameters only; leave "
+                "buffers and integer tensors out of the state dict",
+            )
         out[name] = arr if on_device else np.array(arr, copy=True, order="C")
     return out
 
@@ -69,10 +71,17 @@ class Publisher:
     resumes after the newest one (see :func:`~rollpatch.publisher.reconstruct`).
     """
 
-    def __init__(self, board: Board | str, run: str, config: PublisherConfig | None = None, *,
-                 asynchronous: bool = True, group: Any = None,
-                 sharded: bool | None = None,
-                 collective_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        board: Board | str,
+        run: str,
+        config: PublisherConfig | None = None,
+        *,
+        asynchronous: bool = True,
+        group: Any = None,
+        sharded: bool | None = None,
+        collective_timeout_s: float | None = None,
+    ) -> None:
         self.config = config if config is not None else PublisherConfig()
         if not isinstance(self.config, PublisherConfig):
             raise ConfigError("config must be a PublisherConfig")
@@ -82,8 +91,10 @@ class Publisher:
             self.board = Board(self.board.store, signer=self.config.signer)
         self.run = check_run(run)
         if collective_timeout_s is not None and not collective_timeout_s > 0:
-            raise ConfigError("collective_timeout_s must be > 0 seconds",
-                              collective_timeout_s=collective_timeout_s)
+            raise ConfigError(
+                "collective_timeout_s must be > 0 seconds",
+                collective_timeout_s=collective_timeout_s,
+            )
         self._x = open_exchange(group, sharded, collective_timeout_s)
         self._cond = threading.Condition()
         self._pending: deque[Snapshot] = deque()
@@ -110,12 +121,14 @@ class Publisher:
         if self._x.rank == 0:
             check_signing(self.board, signer)
         if signer is not None and self._x.rank == 0:
-            self._heartbeat = LatestHeartbeat(self.board, self.run, self._durable,
-                                              signer.latest_ttl_s / 4)
+            self._heartbeat = LatestHeartbeat(
+                self.board, self.run, self._durable, signer.latest_ttl_s / 4
+            )
         self._worker: threading.Thread | None = None
         if asynchronous:
-            self._worker = threading.Thread(target=self._work, daemon=True,
-                                            name=f"rollpatch-publisher-{self.run}")
+            self._worker = threading.Thread(
+                target=self._work, daemon=True, name=f"rollpatch-publisher-{self.run}"
+            )
             self._worker.start()
             _LIVE.add(self)
 
@@ -142,11 +155,17 @@ class Publisher:
     def stats(self) -> PublisherStats:
         """Per-version timings and bytes, dropped versions (a consistent snapshot)."""
         with self._cond:
-            return PublisherStats(tuple(self._stats), self._bytes, tuple(sorted(self._dropped)),
-                                  self._n_dropped, self._published)
+            return PublisherStats(
+                tuple(self._stats),
+                self._bytes,
+                tuple(sorted(self._dropped)),
+                self._n_dropped,
+                self._published,
+            )
 
-    def publish(self, state_dict: Mapping[str, Any], version: int | None = None, *,
-                step: int | None = None) -> int:
+    def publish(
+        self, state_dict: Mapping[str, Any], version: int | None = None, *, step: int | None = None
+    ) -> int:
         """Snapshot ``state_dict`` and publish it as the next version; returns its number.
 
         The caller may change its tensors as soon as this returns. ``version`` (default: one
@@ -195,8 +214,10 @@ class Publisher:
             while (self._pending or self._busy) and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"publisher flush timed out after {timeout} s "
-                                       f"({len(self._pending)} snapshot(s) pending)")
+                    raise TimeoutError(
+                        f"publisher flush timed out after {timeout} s "
+                        f"({len(self._pending)} snapshot(s) pending)"
+                    )
                 self._cond.wait(left)
             self._raise_error()
 
@@ -244,11 +265,12 @@ class Publisher:
         """Host copies (host path) or copies on the masters' devices (device path)."""
         with self._cond:
             if self._on_device is None:  # diff_on="auto": the first state dict decides
-                self._on_device = any(type(v).__module__.startswith("torch")
-                                      and v.device.type != "cpu" for v in state_dict.values())
+                self._on_device = any(
+                    type(v).__module__.startswith("torch") and v.device.type != "cpu"
+                    for v in state_dict.values()
+                )
                 if self._on_device:
-                    self._pipe = _device_pipeline(self.board, self.run, self.config,
-                                                  self._x.rank)
+                    self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
         if self._on_device:
             from .devpipe import snapshot_device
 
@@ -263,8 +285,12 @@ class Publisher:
             if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                 raise ConfigError("version must be a non-negative int", value=version)
             if last is not None and version <= last:
-                raise ConfigError("version numbers must increase", version=version,
-                                  last_assigned=last, run=self.run)
+                raise ConfigError(
+                    "version numbers must increase",
+                    version=version,
+                    last_assigned=last,
+                    run=self.run,
+                )
             n = version
         if n > MAX_VERSION:
             raise ConfigError("version number too large", version=n)
@@ -291,8 +317,13 @@ class Publisher:
         done = False
         while not done:
             with self._cond:
-                while not (self._closing or (self._pending and (
-                        waiting_for is None or self._pending[-1].version >= waiting_for))):
+                while not (
+                    self._closing
+                    or (
+                        self._pending
+                        and (waiting_for is None or self._pending[-1].version >= waiting_for)
+                    )
+                ):
                     self._cond.wait()
                 if self._x.size == 1:
                     hand = [self._pending.popleft()] if self._pending else []
@@ -311,8 +342,7 @@ class Publisher:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _round(self, hand: list[Snapshot], *, closing: bool, sync: bool
-               ) -> tuple[bool, int | None]:
+    def _round(self, hand: list[Snapshot], *, closing: bool, sync: bool) -> tuple[bool, int | None]:
         """Agree with the other ranks on a version from ``hand`` and publish it.
 
         Returns (worker done, version to wait for before the next round).
@@ -369,8 +399,11 @@ class Publisher:
         if local is not None:
             raise local
         if not outcome.get("ok"):
-            raise BoardError(f"publishing failed on another rank: {outcome.get('error')}",
-                             run=self.run, version=n)
+            raise BoardError(
+                f"publishing failed on another rank: {outcome.get('error')}",
+                run=self.run,
+                version=n,
+            )
         assert res is not None
         self._pipe.commit(res)
         self._record(snap, res, parent, keyframe, started, resume_s, t_commit, outcome)
@@ -382,36 +415,56 @@ class Publisher:
         signer = self.config.signer
         trust = None if signer is None else signer.self_trust()
         if self._x.size > 1:
-            part = reconstruct_shard(self.board, self.run, self._resume_from, self._x.rank,
-                                     self._x.size, trust=trust)
+            part = reconstruct_shard(
+                self.board, self.run, self._resume_from, self._x.rank, self._x.size, trust=trust
+            )
             if part is not None and shard_matches(part, snap.masters, self.config.format):
                 self.resume_scope = "shard"
                 return part
         self.resume_scope = "whole"
         return reconstruct(self.board, self.run, self._resume_from, trust=trust)
 
-    def _write_manifest(self, snap: Snapshot, parent: int | None, keyframe: bool,
-                        messages: list[dict[str, Any]]
-                        ) -> tuple[dict[str, Any], BaseException | None]:
+    def _write_manifest(
+        self, snap: Snapshot, parent: int | None, keyframe: bool, messages: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], BaseException | None]:
         bad = [(r, m) for r, m in enumerate(messages) if not m.get("ok")]
         if bad:
             return {"ok": False, "error": f"rank {bad[0][0]}: {bad[0][1].get('error')}"}, None
         try:
             meta = {"step": str(snap.step), "scales": self.config.scales}
-            m = assemble_manifest(run=self.run, version=snap.version, parent=parent,
-                                  keyframe=keyframe, messages=messages,
-                                  root_digests=self._roots, config=self.config, meta=meta)
+            m = assemble_manifest(
+                run=self.run,
+                version=snap.version,
+                parent=parent,
+                keyframe=keyframe,
+                messages=messages,
+                root_digests=self._roots,
+                config=self.config,
+                meta=meta,
+            )
             self.board.put_manifest(m)
             self.board.advance(self.run, snap.version)
         except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
             return {"ok": False, "error": f"rank 0: {type(e).__name__}: {e}"}, e
         skip_bases = sorted({p.base for p in m.patches} - {parent})
-        return {"ok": True, "target": m.target, "skip_bases": skip_bases,
-                "keyframe": m.is_keyframe}, None
+        return {
+            "ok": True,
+            "target": m.target,
+            "skip_bases": skip_bases,
+            "keyframe": m.is_keyframe,
+        }, None
 
-    def _record(self, snap: Snapshot, res: ShardResult, parent: int | None, keyframe: bool,
-                started: float, resume_s: float, t_commit: float,
-                outcome: dict[str, Any]) -> None:
+    def _record(
+        self,
+        snap: Snapshot,
+        res: ShardResult,
+        parent: int | None,
+        keyframe: bool,
+        started: float,
+        resume_s: float,
+        t_commit: float,
+        outcome: dict[str, Any],
+    ) -> None:
         now = time.perf_counter()
         n = snap.version
         self._roots[n] = outcome["target"]
@@ -419,14 +472,22 @@ class Publisher:
         for v in [v for v in self._roots if v < horizon]:
             del self._roots[v]
         stats = VersionStats(
-            version=n, parent=parent, keyframe=bool(outcome["keyframe"]),
-            skip_bases=tuple(outcome["skip_bases"]), snapshot_s=snap.snapshot_s,
+            version=n,
+            parent=parent,
+            keyframe=bool(outcome["keyframe"]),
+            skip_bases=tuple(outcome["skip_bases"]),
+            snapshot_s=snap.snapshot_s,
             call_return_s=snap.call_return_s if snap.call_return_s is not None else now - snap.t0,
-            queue_s=max(0.0, started - snap.t0 - snap.snapshot_s), resume_s=resume_s,
-            commit_s=now - t_commit, total_s=now - snap.t0, bytes=res.bytes,
-            patch_bytes=res.patch_bytes, changed=res.changed, host_bytes=res.host_bytes,
-            **{k: res.timings.get(k, 0.0) for k in ("cast_s", "diff_s", "encode_s",
-                                                   "upload_s")})
+            queue_s=max(0.0, started - snap.t0 - snap.snapshot_s),
+            resume_s=resume_s,
+            commit_s=now - t_commit,
+            total_s=now - snap.t0,
+            bytes=res.bytes,
+            patch_bytes=res.patch_bytes,
+            changed=res.changed,
+            host_bytes=res.host_bytes,
+            **{k: res.timings.get(k, 0.0) for k in ("cast_s", "diff_s", "encode_s", "upload_s")},
+        )
         with self._cond:
             self._last_durable = n
             self._published += 1
@@ -436,13 +497,14 @@ class Publisher:
         snap.masters = {}  # free the host copy early
 
 
-def _device_pipeline(board: Board, run: str, config: PublisherConfig,
-                     shard: int) -> ShardPipeline:
+def _device_pipeline(board: Board, run: str, config: PublisherConfig, shard: int) -> ShardPipeline:
     try:
         from .devpipe import DeviceShardPipeline
     except ImportError as e:
-        raise ConfigError("PublisherConfig(diff_on='device') needs torch",
-                          hint="pip install 'rollpatch[torch]', or use diff_on='host'") from e
+        raise ConfigError(
+            "PublisherConfig(diff_on='device') needs torch",
+            hint="pip install 'rollpatch[torch]', or use diff_on='host'",
+        ) from e
     return DeviceShardPipeline(board, run, config, shard)
 
 

@@ -155,7 +155,7 @@ def sum128_state(words: torch.Tensor) -> tuple[int, int]:
     w = raw.view(torch.int64)
     sums = [0, 0]
     for start in range(0, w.numel(), _SUM_SPLIT):
-        ws = w[start:start + _SUM_SPLIT]
+        ws = w[start : start + _SUM_SPLIT]
         j = torch.arange(start, start + ws.numel(), dtype=torch.int64, device=w.device)
         for lane in (0, 1):
             sums[lane] += int(_terms(ws, j, lane).sum())
@@ -173,8 +173,13 @@ def _words_at(raw: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     return (b << shifts).sum(dim=1)
 
 
-def sum128_update(state: tuple[int, int], before: torch.Tensor, after: torch.Tensor,
-                  positions: torch.Tensor, kind: Kind) -> tuple[int, int]:
+def sum128_update(
+    state: tuple[int, int],
+    before: torch.Tensor,
+    after: torch.Tensor,
+    positions: torch.Tensor,
+    kind: Kind,
+) -> tuple[int, int]:
     """The rp.sum128 state of ``after`` from that of ``before`` (same layout) when they differ
     only at element ``positions`` (device int64): O(changed) work, exact in the ring."""
     if positions.numel() == 0:
@@ -196,8 +201,8 @@ def _elements(words: torch.Tensor, kind: Kind, start: int, stop: int) -> torch.T
     """Elements ``[start, stop)`` of a tensor (nibbles, low first, for packed kinds)."""
     if not kind.packed:
         return words[start:stop]
-    b = words[start // 2:(stop + 1) // 2]
-    return torch.stack([b & 0x0F, b >> 4], dim=1).reshape(-1)[start % 2:start % 2 + stop - start]
+    b = words[start // 2 : (stop + 1) // 2]
+    return torch.stack([b & 0x0F, b >> 4], dim=1).reshape(-1)[start % 2 : start % 2 + stop - start]
 
 
 @dataclass
@@ -217,12 +222,20 @@ class TensorRecords:
     def nbytes(self) -> int:
         """Bytes that crossed from the device for these records."""
         per = [c for c in self.chunks if c is not None]
-        return sum(c.sizes.nbytes + c.positions.nbytes + c.contexts.nbytes + c.ranks.nbytes
-                   + c.old.nbytes + c.new.nbytes for c in per)
+        return sum(
+            c.sizes.nbytes
+            + c.positions.nbytes
+            + c.contexts.nbytes
+            + c.ranks.nbytes
+            + c.old.nbytes
+            + c.new.nbytes
+            for c in per
+        )
 
 
-def records(kind: Kind, old: torch.Tensor, new: torch.Tensor,
-            state: tuple[int, int] | None = None) -> TensorRecords:
+def records(
+    kind: Kind, old: torch.Tensor, new: torch.Tensor, state: tuple[int, int] | None = None
+) -> TensorRecords:
     """Compare two same-layout word tensors on their device; the changes and coder records.
 
     With ``state`` (the rp.sum128 state of ``old``), the new tensor's state is updated from
@@ -238,8 +251,11 @@ def records(kind: Kind, old: torch.Tensor, new: torch.Tensor,
     _, _, shift, bits = native.kind_tuple(kind, n)
     mask = (1 << bits) - 1
     dev = old.device
-    found: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                      torch.Tensor, torch.Tensor]] = []
+    found: list[
+        tuple[
+            int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+        ]
+    ] = []
     for ci, s in enumerate(range(0, n, CHUNK)):
         e = min(s + CHUNK, n)
         eo, en = _elements(old, kind, s, e), _elements(new, kind, s, e)
@@ -259,8 +275,9 @@ def records(kind: Kind, old: torch.Tensor, new: torch.Tensor,
         at = torch.searchsorted(keys, (pctx.to(torch.int32) << _POS_BITS) | pos.to(torch.int32))
         starts = torch.cumsum(sizes, 0) - sizes
         ranks = at - starts[pctx.long()]
-        found.append((ci, sizes, pos.to(torch.int32), pctx, ranks.to(torch.int32),
-                      eo[pos], en[pos]))
+        found.append(
+            (ci, sizes, pos.to(torch.int32), pctx, ranks.to(torch.int32), eo[pos], en[pos])
+        )
     out = _to_host(kind, n, found)
     if state is not None:
         where = [f[2].long() + f[0] * CHUNK for f in found]
@@ -278,8 +295,7 @@ def _to_host(kind: Kind, n: int, found: list[tuple[Any, ...]]) -> TensorRecords:
     counts = [int(f[2].numel()) for f in found]
     cols = [torch.cat([f[i] for f in found]) for i in range(2, 7)]
     sizes = to_host(torch.stack([f[1] for f in found]), np.int64)
-    pos, ctx, ranks = (to_host(c, dt) for c, dt in zip(cols[:3], (np.int32, np.uint8,
-                                                                    np.int32)))
+    pos, ctx, ranks = (to_host(c, dt) for c, dt in zip(cols[:3], (np.int32, np.uint8, np.int32)))
     old, new = to_host(cols[3], edt), to_host(cols[4], edt)
     offsets = np.repeat(np.array([f[0] * CHUNK for f in found], dtype=np.int64), counts)
     positions = pos.astype(np.int64) + offsets
@@ -291,16 +307,19 @@ def _to_host(kind: Kind, n: int, found: list[tuple[Any, ...]]) -> TensorRecords:
     return TensorRecords(positions, old, new, chunks)
 
 
-def scatter_elements(words: torch.Tensor, kind: Kind, positions: np.ndarray,
-                     values: np.ndarray) -> None:
+def scatter_elements(
+    words: torch.Tensor, kind: Kind, positions: np.ndarray, values: np.ndarray
+) -> None:
     """Write host ``values`` at element ``positions`` of device ``words``, in place
     (read-modify-write of bytes, one parity at a time, for packed kinds)."""
     dev = words.device
     pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
     wdt = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[words.element_size()]
-    val = torch.from_numpy(np.ascontiguousarray(values).view(wdt)
-                           if not kind.packed else
-                           np.ascontiguousarray(values, dtype=np.uint8)).to(dev)
+    val = torch.from_numpy(
+        np.ascontiguousarray(values).view(wdt)
+        if not kind.packed
+        else np.ascontiguousarray(values, dtype=np.uint8)
+    ).to(dev)
     if not kind.packed:
         words[pos] = val
         return

@@ -49,8 +49,7 @@ _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class DeviceView(Mapping[str, DeviceTensor]):
     """A served view whose words live on torch devices; digests from the tensors' states."""
 
-    def __init__(self, tensors: Mapping[str, DeviceTensor], metadata: Mapping[str, str]
-                 ) -> None:
+    def __init__(self, tensors: Mapping[str, DeviceTensor], metadata: Mapping[str, str]) -> None:
         self._tensors = dict(tensors)
         self.metadata = dict(metadata)
 
@@ -93,9 +92,11 @@ def snapshot_device(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             else:
                 t = torch.from_numpy(np.array(arr, copy=True, order="C"))
         if t.dtype not in _MASTER_DTYPES:
-            raise ConfigError(f"cannot publish {t.dtype} tensor {name!r}",
-                              hint="publish float32/bfloat16/float16 parameters only; leave "
-                                   "buffers and integer tensors out of the state dict")
+            raise ConfigError(
+                f"cannot publish {t.dtype} tensor {name!r}",
+                hint="publish float32/bfloat16/float16 parameters only; leave "
+                "buffers and integer tensors out of the state dict",
+            )
         out[name] = t
     return out
 
@@ -109,8 +110,7 @@ class DeviceShardPipeline(ShardPipeline):
         self._host_bytes = 0
         self._code_s = 0.0
 
-    def build(self, version: int, masters: Mapping[str, Any], *,
-              keyframe: bool) -> ShardResult:
+    def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
         t = time.perf_counter()
         view = self._cast(masters)
         res = ShardResult(version, view)
@@ -158,16 +158,23 @@ class DeviceShardPipeline(ShardPipeline):
             else:  # no torch twin of this format's arithmetic: numpy on the host, per tensor
                 frozen = None
                 if cfg.scales == "frozen" and prev is not None:
-                    frozen = {name + s: _host(prev[name + s]) for s in f.scale_suffixes
-                              if name + s in prev}
-                host = f.cast_tensor(name, to_numpy(m), frozen=frozen, scales=cfg.scales,
-                                     policy=cfg.policy)
-                served = {s: DeviceTensor(t.kind, t.shape, from_host(t.data, m.device), None)
-                          for s, t in host.items()}
+                    frozen = {
+                        name + s: _host(prev[name + s])
+                        for s in f.scale_suffixes
+                        if name + s in prev
+                    }
+                host = f.cast_tensor(
+                    name, to_numpy(m), frozen=frozen, scales=cfg.scales, policy=cfg.policy
+                )
+                served = {
+                    s: DeviceTensor(t.kind, t.shape, from_host(t.data, m.device), None)
+                    for s, t in host.items()
+                }
             for s, dt in served.items():
                 if s in out:
-                    raise FormatError("two master tensors produce the same served name",
-                                      tensor=s, format=f.name)
+                    raise FormatError(
+                        "two master tensors produce the same served name", tensor=s, format=f.name
+                    )
                 out[s] = dt
         return DeviceView(out, {"rollpatch.format": f.name, "rollpatch.scales": cfg.scales})
 
@@ -179,12 +186,14 @@ class DeviceShardPipeline(ShardPipeline):
         moved = {}
         for name in (n for n in view if n in host):
             t = host[name]
-            moved[name] = DeviceTensor(t.kind, t.shape, from_host(t.data, view[name].words.device),
-                                       host.sum_state(name))
+            moved[name] = DeviceTensor(
+                t.kind, t.shape, from_host(t.data, view[name].words.device), host.sum_state(name)
+            )
         return DeviceView(moved, host.metadata)
 
-    def _diff(self, prev: DeviceView, view: DeviceView
-              ) -> tuple[Patch, dict[str, tuple[str, bytes]]]:
+    def _diff(
+        self, prev: DeviceView, view: DeviceView
+    ) -> tuple[Patch, dict[str, tuple[str, bytes]]]:
         """The step patch's tensors (digests filled in by the caller) and their payloads."""
         tensors: dict[str, TensorPatch] = {}
         coded: dict[str, tuple[str, bytes]] = {}
@@ -200,8 +209,9 @@ class DeviceShardPipeline(ShardPipeline):
                 nb.state = sum128_state(nb.words)
                 full = nb.host().copy()
                 base = prev[name].digest() if name in prev else None
-                tensors[name] = TensorPatch(name, "full", nb.kind, nb.shape, base, nb.digest(),
-                                            tensor=full)
+                tensors[name] = TensorPatch(
+                    name, "full", nb.kind, nb.shape, base, nb.digest(), tensor=full
+                )
                 coded[name] = encode_full(full)
                 self._host_bytes += full.nbytes
                 continue
@@ -211,15 +221,25 @@ class DeviceShardPipeline(ShardPipeline):
             self._host_bytes += rec.nbytes
             if rec.positions.size == 0:
                 continue
-            tensors[name] = TensorPatch(name, "delta", nb.kind, nb.shape, pa.digest(),
-                                        nb.digest(), rec.positions, rec.old, rec.new)
+            tensors[name] = TensorPatch(
+                name,
+                "delta",
+                nb.kind,
+                nb.shape,
+                pa.digest(),
+                nb.digest(),
+                rec.positions,
+                rec.old,
+                rec.new,
+            )
             t = time.perf_counter()
             coded[name] = _delta_payload(nb.kind, nb.n_elements, rec)
             self._code_s += time.perf_counter() - t
         return Patch("", "", tensors), coded
 
-    def _skip_device(self, composed: Patch, view: DeviceView, base: int,
-                     version: int) -> bytes | None:
+    def _skip_device(
+        self, composed: Patch, view: DeviceView, base: int, version: int
+    ) -> bytes | None:
         """The skip patch from ``base``: each tensor rewound on the device, then coded."""
         try:
             composed.inverse()
@@ -235,8 +255,12 @@ class DeviceShardPipeline(ShardPipeline):
             dev_pos = torch.from_numpy(tp.positions).to(rewound.device)
             state = sum128_update(nb.state, nb.words, rewound, dev_pos, nb.kind)
             if DeviceTensor(nb.kind, nb.shape, rewound, state).digest() != tp.base_digest:
-                raise BoardError("skip patch does not rewind to its base (internal error)",
-                                 tensor=name, version=version, base=base)
+                raise BoardError(
+                    "skip patch does not rewind to its base (internal error)",
+                    tensor=name,
+                    version=version,
+                    base=base,
+                )
             rec = records(nb.kind, rewound, nb.words)
             coded[name] = _delta_payload(nb.kind, nb.n_elements, rec)
         return _container(self._with_meta(composed, base, version), coded)
@@ -267,7 +291,19 @@ def _container(patch: Patch, coded: Mapping[str, tuple[str, bytes]]) -> bytes:
     for name in sorted(patch.tensors):
         tp = patch.tensors[name]
         codec, payload = coded[name]
-        parts.append((wire.entry(name, tp.op, tp.kind, tp.shape, tp.n_changed, tp.base_digest,
-                                 tp.target_digest, codec), payload))
-    return wire.assemble(patch.base, patch.target, patch.meta, patch.digest, parts,
-                         wire.VERSION)
+        parts.append(
+            (
+                wire.entry(
+                    name,
+                    tp.op,
+                    tp.kind,
+                    tp.shape,
+                    tp.n_changed,
+                    tp.base_digest,
+                    tp.target_digest,
+                    codec,
+                ),
+                payload,
+            )
+        )
+    return wire.assemble(patch.base, patch.target, patch.meta, patch.digest, parts, wire.VERSION)

@@ -22,8 +22,10 @@ from .core import Publisher
 try:
     from transformers import TrainerCallback
 except ImportError as e:  # one line naming the extra, not a bare ModuleNotFoundError
-    raise ImportError("rollpatch.publisher.hf needs transformers: "
-                      "pip install 'rollpatch[reference]' (or pip install transformers)") from e
+    raise ImportError(
+        "rollpatch.publisher.hf needs transformers: "
+        "pip install 'rollpatch[reference]' (or pip install transformers)"
+    ) from e
 
 __all__ = ["RollpatchCallback", "float_state_dict"]
 
@@ -60,22 +62,35 @@ class RollpatchCallback(TrainerCallback):
     ``on_train_end`` (raising the first publishing error, if any nobody saw yet).
     """
 
-    def __init__(self, publisher: Publisher | None, *, every: int = 1,
-                 state_dict_fn: StateFn | None = None, publish_initial: bool = False,
-                 flush_every_step: bool = False, close_on_end: bool = True) -> None:
+    def __init__(
+        self,
+        publisher: Publisher | None,
+        *,
+        every: int = 1,
+        state_dict_fn: StateFn | None = None,
+        publish_initial: bool = False,
+        flush_every_step: bool = False,
+        close_on_end: bool = True,
+    ) -> None:
         if publisher is not None and not isinstance(publisher, Publisher):
-            raise ConfigError("RollpatchCallback needs a rollpatch Publisher (or None on ranks "
-                              "that do not publish)", value=type(publisher).__name__)
+            raise ConfigError(
+                "RollpatchCallback needs a rollpatch Publisher (or None on ranks "
+                "that do not publish)",
+                value=type(publisher).__name__,
+            )
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ConfigError("RollpatchCallback.every must be an int >= 1", value=every)
         if publisher is not None and publisher.shards > 1 and state_dict_fn is None:
-            raise ConfigError("a sharded publisher needs state_dict_fn",
-                              hint="return this rank's own (disjoint) tensors under their full "
-                                   "checkpoint names", shards=publisher.shards)
+            raise ConfigError(
+                "a sharded publisher needs state_dict_fn",
+                hint="return this rank's own (disjoint) tensors under their full checkpoint names",
+                shards=publisher.shards,
+            )
         self.publisher = publisher
         self.every = every
-        self.state_dict_fn: StateFn = state_dict_fn if state_dict_fn is not None \
-            else float_state_dict
+        self.state_dict_fn: StateFn = (
+            state_dict_fn if state_dict_fn is not None else float_state_dict
+        )
         self.publish_initial = publish_initial
         self.flush_every_step = flush_every_step
         self.close_on_end = close_on_end
@@ -93,21 +108,24 @@ class RollpatchCallback(TrainerCallback):
         if self.publisher is None:  # narrowed for the type checker; _publishes checked it
             return
         if model is None:
-            raise ConfigError("the trainer passed no model to RollpatchCallback",
-                              step=state.global_step)
+            raise ConfigError(
+                "the trainer passed no model to RollpatchCallback", step=state.global_step
+            )
         version = self.publisher.publish(self.state_dict_fn(model), step=state.global_step)
         self.last_version = version
         self.n_published += 1
         if self.flush_every_step:
             self.publisher.flush()
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         if self.publish_initial and self._publishes(state):
             self._publish(state, model)
 
-    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
-                    **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         if self._publishes(state) and state.global_step % self.every == 0:
             self._publish(state, model)
 

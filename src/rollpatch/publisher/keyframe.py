@@ -20,8 +20,9 @@ from ..view import View
 __all__ = ["reconstruct_shard", "shard_matches"]
 
 
-def reconstruct_shard(board: Board, run: str, version: int, shard: int, shards: int, *,
-                      trust: Trust | None = None) -> View | None:
+def reconstruct_shard(
+    board: Board, run: str, version: int, shard: int, shards: int, *, trust: Trust | None = None
+) -> View | None:
     """Shard ``shard`` of ``version``'s view, or None when the board does not allow it (a
     manifest on the path was published by another number of ranks, or lacks this shard's
     keyframe or patch): the caller then falls back to the whole view (``reconstruct``)."""
@@ -37,8 +38,11 @@ def reconstruct_shard(board: Board, run: str, version: int, shard: int, shards: 
                 return None
             view = b.fetch_view(kfs[0].ref)
             continue
-        objs = [p for p in m.patches_from(step.base) if p.shard == shard] \
-            if step.base is not None else []
+        objs = (
+            [p for p in m.patches_from(step.base) if p.shard == shard]
+            if step.base is not None
+            else []
+        )
         if view is None or len(objs) != 1:
             return None
         apply_encoded(view, b.fetch(objs[0].ref))
@@ -52,5 +56,6 @@ def shard_matches(part: View, masters: Collection[str], fmt: str) -> bool:
     suffixes = get_format(fmt).scale_suffixes
     if not names <= set(part):
         return False
-    return all(p in names or any(p.endswith(s) and p[:-len(s)] in names for s in suffixes)
-               for p in part)
+    return all(
+        p in names or any(p.endswith(s) and p[: -len(s)] in names for s in suffixes) for p in part
+    )

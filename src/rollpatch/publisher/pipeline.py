@@ -59,10 +59,14 @@ class ShardResult:
         def ref(r: ObjectRef) -> dict[str, Any]:
             return {"key": r.key, "size": r.size, "b3": r.b3}
 
-        return {"ok": True, "version": self.version, "nbytes": self.view.nbytes,
-                "digests": self.view.tensor_digests(),
-                "patches": [dict(ref(r), base=b) for b, r in self.patches],
-                "keyframe": None if self.keyframe is None else ref(self.keyframe)}
+        return {
+            "ok": True,
+            "version": self.version,
+            "nbytes": self.view.nbytes,
+            "digests": self.view.tensor_digests(),
+            "patches": [dict(ref(r), base=b) for b, r in self.patches],
+            "keyframe": None if self.keyframe is None else ref(self.keyframe),
+        }
 
 
 class ShardPipeline:
@@ -80,21 +84,25 @@ class ShardPipeline:
         self.prev, self.prev_version, self._whole_prev = whole_view, version, True
         self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
 
-    def build(self, version: int, masters: Mapping[str, Any], *,
-              keyframe: bool) -> ShardResult:
+    def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
         """Cast, diff, encode and upload this shard's objects for ``version``."""
         cfg = self.config
         t = time.perf_counter()
-        view = cast_view(masters, cfg.format, policy=cfg.policy, scales=cfg.scales,
-                         previous=self.prev)
+        view = cast_view(
+            masters, cfg.format, policy=cfg.policy, scales=cfg.scales, previous=self.prev
+        )
         res = ShardResult(version, view)
         res.timings["cast_s"] = _lap(t)
         t = time.perf_counter()
         prev = self._base_view(view)
         blobs: list[tuple[int | None, str, bytes]] = []
         step: Patch | None = None
-        if prev is not None and self.prev_version is not None and not cfg.skip_strides \
-                and native.core is not None:
+        if (
+            prev is not None
+            and self.prev_version is not None
+            and not cfg.skip_strides
+            and native.core is not None
+        ):
             # no skip patch to compose: one fused pass, no decoded patch held
             res.timings["diff_s"] = _lap(t)
             t = time.perf_counter()
@@ -155,8 +163,9 @@ class ShardPipeline:
     def _with_meta(self, p: Patch, base: int, version: int) -> Patch:
         return Patch(p.base, p.target, p.tensors, self._meta(base, version))
 
-    def _advance_accumulators(self, version: int, step: Patch | None
-                              ) -> tuple[Accumulators, list[tuple[int, Patch]]]:
+    def _advance_accumulators(
+        self, version: int, step: Patch | None
+    ) -> tuple[Accumulators, list[tuple[int, Patch]]]:
         """The accumulators after ``version`` and the skip patches (base, composed) it gets."""
         new: Accumulators = {}
         skips: list[tuple[int, Patch]] = []
@@ -188,8 +197,12 @@ class ShardPipeline:
             t = view[name].copy()
             scatter(t, tp.positions, tp.new)
             if t.digest() != tp.target_digest:
-                raise BoardError("skip patch does not rewind to its base (internal error)",
-                                 tensor=name, version=version, base=base)
+                raise BoardError(
+                    "skip patch does not rewind to its base (internal error)",
+                    tensor=name,
+                    version=version,
+                    base=base,
+                )
             rewound[name] = t
         return encode(self._with_meta(composed, base, version), rewound)
 
@@ -198,9 +211,17 @@ def _lap(t: float) -> float:
     return time.perf_counter() - t
 
 
-def assemble_manifest(*, run: str, version: int, parent: int | None, keyframe: bool,
-                      messages: list[dict[str, Any]], root_digests: Mapping[int, str],
-                      config: PublisherConfig, meta: Mapping[str, str]) -> Manifest:
+def assemble_manifest(
+    *,
+    run: str,
+    version: int,
+    parent: int | None,
+    keyframe: bool,
+    messages: list[dict[str, Any]],
+    root_digests: Mapping[int, str],
+    config: PublisherConfig,
+    meta: Mapping[str, str],
+) -> Manifest:
     """The manifest of ``version`` from every rank's message (rank 0 calls this).
 
     Patch bases every shard provided are listed (a base some shard lacks is left out: its
@@ -210,8 +231,12 @@ def assemble_manifest(*, run: str, version: int, parent: int | None, keyframe: b
     for rank, msg in enumerate(messages):
         for name, d in msg["digests"].items():
             if name in digests:
-                raise BoardError("two ranks publish the same tensor: shards must be disjoint",
-                                 tensor=name, rank=rank, version=version)
+                raise BoardError(
+                    "two ranks publish the same tensor: shards must be disjoint",
+                    tensor=name,
+                    rank=rank,
+                    version=version,
+                )
             digests[name] = d
     bases = set.intersection(*({p["base"] for p in m["patches"]} for m in messages))
     patches = []
@@ -225,16 +250,25 @@ def assemble_manifest(*, run: str, version: int, parent: int | None, keyframe: b
     if keyframe and all(m["keyframe"] is not None for m in messages):
         keyframes = [KeyframeObject(_ref(m["keyframe"]), s) for s, m in enumerate(messages)]
     if parent is not None and parent not in bases:
-        raise BoardError("a shard has no step patch from the parent", version=version,
-                         parent=parent)
+        raise BoardError(
+            "a shard has no step patch from the parent", version=version, parent=parent
+        )
     if not patches and not keyframes:
-        raise BoardError("a version needs a patch or a keyframe on every shard",
-                         version=version)
-    m = Manifest(run=run, version=version, parent=parent, format=config.format,
-                 target=root_digest(digests),
-                 view_bytes=sum(int(msg["nbytes"]) for msg in messages), created=time.time(),
-                 publisher=config.publisher_id, patches=tuple(patches),
-                 keyframes=tuple(keyframes), shards=len(messages), meta=dict(meta))
+        raise BoardError("a version needs a patch or a keyframe on every shard", version=version)
+    m = Manifest(
+        run=run,
+        version=version,
+        parent=parent,
+        format=config.format,
+        target=root_digest(digests),
+        view_bytes=sum(int(msg["nbytes"]) for msg in messages),
+        created=time.time(),
+        publisher=config.publisher_id,
+        patches=tuple(patches),
+        keyframes=tuple(keyframes),
+        shards=len(messages),
+        meta=dict(meta),
+    )
     return m
 
 

@@ -18,8 +18,9 @@ from ..view import View
 __all__ = ["apply_step", "load_keyframe", "merge_shard_patches", "reconstruct"]
 
 
-def reconstruct(board: Board | str, run: str, version: int | None = None, *,
-                trust: Trust | None = None) -> View:
+def reconstruct(
+    board: Board | str, run: str, version: int | None = None, *, trust: Trust | None = None
+) -> View:
     """The served view of ``run`` at ``version`` (None: LATEST), rebuilt and verified.
 
     Follows :meth:`Board.plan` from nothing (fewest bytes: a keyframe, then patches). With
@@ -69,7 +70,8 @@ def merge_shard_patches(board: Board, m: Manifest, base: int, view: View) -> Pat
     objects decoded against ``view`` and merged, bound to the manifests' root digests."""
     objects = m.patches_from(base)
     if not objects:
-        raise VersionNotFoundError("no patch from that base", run=m.run, version=m.version,
-                                   base=base)
+        raise VersionNotFoundError(
+            "no patch from that base", run=m.run, version=m.version, base=base
+        )
     blobs = {o.ref.key: board.fetch(o.ref) for o in objects}
     return decode_step(m, board.manifest(m.run, base), blobs, view)

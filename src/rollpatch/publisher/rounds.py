@@ -42,15 +42,17 @@ class Decision:
     keyframe: bool = False
 
 
-def agree(x: Exchange, hand: list[Snapshot], *, closing: bool, keyframe: bool,
-          sync: bool) -> Decision:
+def agree(
+    x: Exchange, hand: list[Snapshot], *, closing: bool, keyframe: bool, sync: bool
+) -> Decision:
     """Decide with the other ranks what to do with the snapshots in ``hand``.
 
     A collective: every rank calls it once per round. Raises :class:`BoardError` (on every
     rank alike) when the ranks' version sequences cannot be reconciled.
     """
-    msgs = x.allgather({"pending": [s.version for s in hand], "closing": closing,
-                        "keyframe": keyframe})
+    msgs = x.allgather(
+        {"pending": [s.version for s in hand], "closing": closing, "keyframe": keyframe}
+    )
     sets = [set(m["pending"]) for m in msgs]
     common = set.intersection(*sets)
     if common:
@@ -59,19 +61,25 @@ def agree(x: Exchange, hand: list[Snapshot], *, closing: bool, keyframe: bool,
     if not union and all(m["closing"] for m in msgs):
         return Decision("exit")
     newest = max(union) if union else None
-    stuck = [r for r, m in enumerate(msgs) if (sync or m["closing"]) and (
-        not m["pending"] or newest is None or max(m["pending"]) < newest)]
+    stuck = [
+        r
+        for r, m in enumerate(msgs)
+        if (sync or m["closing"])
+        and (not m["pending"] or newest is None or max(m["pending"]) < newest)
+    ]
     if stuck or sync:
-        raise BoardError("publisher ranks hold different versions: every rank must publish "
-                         "the same version numbers in the same order",
-                         pending={r: sorted(s) for r, s in enumerate(sets)},
-                         hint="call publish() (and close()) on every rank, with the same "
-                              "version= if given")
+        raise BoardError(
+            "publisher ranks hold different versions: every rank must publish "
+            "the same version numbers in the same order",
+            pending={r: sorted(s) for r, s in enumerate(sets)},
+            hint="call publish() (and close()) on every rank, with the same version= if given",
+        )
     return Decision("wait", newest)
 
 
-def resume_point(board: Board, run: str, config: PublisherConfig, x: Exchange
-                 ) -> tuple[int | None, str]:
+def resume_point(
+    board: Board, run: str, config: PublisherConfig, x: Exchange
+) -> tuple[int | None, str]:
     """Where publishing continues: the newest version on the board and its target digest.
 
     Rank 0 reads the board; a manifest newer than LATEST (a publisher died between writing
@@ -106,15 +114,20 @@ def _resume_point(board: Board, run: str, config: PublisherConfig) -> dict[str, 
     versions = board.versions(run)
     top = max(versions, default=None)
     if pointer is not None and (top is None or pointer.version > top):
-        raise BoardError("LATEST names a version without a manifest", run=run,
-                         version=pointer.version)
+        raise BoardError(
+            "LATEST names a version without a manifest", run=run, version=pointer.version
+        )
     if top is None:
         return {"top": None, "target": ""}
     m = _reader(board, config).manifest(run, top)
     if m.format != config.format:
-        raise ConfigError("the run is published in another format", run=run,
-                          run_format=m.format, format=config.format,
-                          hint="use the run's format, or publish under a new run name")
+        raise ConfigError(
+            "the run is published in another format",
+            run=run,
+            run_format=m.format,
+            format=config.format,
+            hint="use the run's format, or publish under a new run name",
+        )
     if pointer is None or pointer.version < top:
         board.put_manifest(m)
         board.advance(run, top)

@@ -62,8 +62,9 @@ class GlooExchange:
             self._group = dist.new_group(backend="gloo", **extra)
         else:
             ranks = dist.get_process_group_ranks(group)
-            self._group = dist.new_group(ranks=ranks, backend="gloo",
-                                         use_local_synchronization=True, **extra)
+            self._group = dist.new_group(
+                ranks=ranks, backend="gloo", use_local_synchronization=True, **extra
+            )
         self.rank = dist.get_rank(self._group)
         self.size = dist.get_world_size(self._group)
 
@@ -74,11 +75,14 @@ class GlooExchange:
         try:
             return self._allgather(raw)
         except RuntimeError as e:  # gloo: a peer's connection closed (it died) or timed out
-            raise BoardError("a publisher rank stopped answering (its process died, or it "
-                             "timed out): nothing of this version is pointed at", rank=self.rank,
-                             shards=self.size, cause=str(e).splitlines()[0][:200],
-                             hint="restart every rank; the publisher resumes from LATEST"
-                             ) from e
+            raise BoardError(
+                "a publisher rank stopped answering (its process died, or it "
+                "timed out): nothing of this version is pointed at",
+                rank=self.rank,
+                shards=self.size,
+                cause=str(e).splitlines()[0][:200],
+                hint="restart every rank; the publisher resumes from LATEST",
+            ) from e
 
     def _allgather(self, raw: bytes) -> list[Any]:
         import torch
@@ -90,14 +94,13 @@ class GlooExchange:
         longest = max(int(s.item()) for s in sizes)
         buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
         if raw:
-            buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         out = [torch.empty_like(buf) for _ in range(self.size)]
         dist.all_gather(out, buf, group=self._group)
-        return [json.loads(o[:int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes)]
+        return [json.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
-def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = None
-                  ) -> Exchange:
+def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = None) -> Exchange:
     """The exchange a publisher uses: gloo over ``group`` when sharding, else local.
     ``timeout_s``: how long a rank waits in one exchange for the others (None: gloo's
     default, 30 minutes); a rank whose process dies is noticed at once either way.

@@ -36,30 +36,41 @@ def check_signing(board: Board, signer: Signer | None) -> None:
         return
     if root is None:
         if signer is not None:
-            log.warning("signing, but the board has no root of trust yet: followers need one "
-                        "(`rollpatch root`) to verify")
+            log.warning(
+                "signing, but the board has no root of trust yet: followers need one "
+                "(`rollpatch root`) to verify"
+            )
         return
     if signer is None:
-        log.warning("publishing UNSIGNED to a board with a root of trust (version %d): "
-                    "followers with --trust will refuse it; pass a signer", root.version)
+        log.warning(
+            "publishing UNSIGNED to a board with a root of trust (version %d): "
+            "followers with --trust will refuse it; pass a signer",
+            root.version,
+        )
         return
     mine = {k.keyid for k in signer.keys} & set(root.keys)
     if len(mine) < root.threshold:
-        log.warning("the board's root of trust (version %d) lists %d of this publisher's "
-                    "keys, %d are needed: followers will refuse what it publishes",
-                    root.version, len(mine), root.threshold)
+        log.warning(
+            "the board's root of trust (version %d) lists %d of this publisher's "
+            "keys, %d are needed: followers will refuse what it publishes",
+            root.version,
+            len(mine),
+            root.threshold,
+        )
 
 
 class LatestHeartbeat:
     """Re-signs LATEST of ``run`` for ``version()`` every ``period_s`` until :meth:`stop`."""
 
-    def __init__(self, board: Board, run: str, version: Callable[[], int | None],
-                 period_s: float) -> None:
+    def __init__(
+        self, board: Board, run: str, version: Callable[[], int | None], period_s: float
+    ) -> None:
         self.board, self.run, self.version, self.period_s = board, run, version, period_s
         self.beats = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"rollpatch-heartbeat-{run}")
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"rollpatch-heartbeat-{run}"
+        )
         self._thread.start()
 
     def beat(self) -> None:

@@ -26,8 +26,18 @@ from .metrics import Metrics
 if TYPE_CHECKING:
     from .server import RelayServer, create_app
 
-__all__ = ["Blob", "CacheEntry", "DiskCache", "KeyKind", "Metrics", "Relay", "RelayConfig",
-           "RelayServer", "classify", "create_app"]
+__all__ = [
+    "Blob",
+    "CacheEntry",
+    "DiskCache",
+    "KeyKind",
+    "Metrics",
+    "Relay",
+    "RelayConfig",
+    "RelayServer",
+    "classify",
+    "create_app",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -176,8 +176,9 @@ class DiskCache:
                     remaining -= len(chunk)
                 ok = remaining == 0 and hasher.hexdigest() == entry.b3
         except OSError as e:
-            log.warning("relay cache: cannot re-read %s (%s); fetching %s again", entry.path,
-                        e, key)
+            log.warning(
+                "relay cache: cannot re-read %s (%s); fetching %s again", entry.path, e, key
+            )
         with self._lock:
             if self._index.get(key) is not entry:
                 return None
@@ -270,8 +271,13 @@ def _read_entry(path: Path) -> tuple[tuple[float, CacheEntry] | None, str]:
             magic, n = _PREFIX.unpack(f.read(_PREFIX.size))
             if magic != _MAGIC or n > _MAX_HEADER:
                 return None, "bad magic or header length"
-            doc = jsonsafe.loads(f.read(n), what="cache header", error=ConfigError,
-                                 max_bytes=_MAX_HEADER, max_depth=2)
+            doc = jsonsafe.loads(
+                f.read(n),
+                what="cache header",
+                error=ConfigError,
+                max_bytes=_MAX_HEADER,
+                max_depth=2,
+            )
             st = os.fstat(f.fileno())
         if not isinstance(doc, dict):
             return None, "header is not an object"
@@ -279,13 +285,17 @@ def _read_entry(path: Path) -> tuple[tuple[float, CacheEntry] | None, str]:
         if not isinstance(key, str):
             return None, "header has no key"
         validate_key(key)
-        if not isinstance(size, int) or isinstance(size, bool) or not isinstance(b3, str) or \
-                len(b3) != 64 or st.st_size != _PREFIX.size + n + size:
+        if (
+            not isinstance(size, int)
+            or isinstance(size, bool)
+            or not isinstance(b3, str)
+            or len(b3) != 64
+            or st.st_size != _PREFIX.size + n + size
+        ):
             return None, "header does not match the file"
         expected = object_hash(key)
         if expected is not None and expected != b3:
             return None, "hash does not match the key"
-        return (st.st_mtime, CacheEntry(key, path, _PREFIX.size + n, size, b3,
-                                        verified=False)), ""
+        return (st.st_mtime, CacheEntry(key, path, _PREFIX.size + n, size, b3, verified=False)), ""
     except (OSError, struct.error, RollpatchError) as e:
         return None, f"{type(e).__name__}: {e}"

@@ -10,11 +10,21 @@ from ..errors import ConfigError
 from ..layout import is_keyframe_marker, manifest_version, object_hash, pointer_run, root_version
 from ..validate import check_int, check_number
 
-__all__ = ["GiB", "KeyKind", "MiB", "RelayConfig", "classify", "manifest_version",
-           "object_hash", "pointer_run", "root_version"]
+__all__ = [
+    "GiB",
+    "KeyKind",
+    "MiB",
+    "RelayConfig",
+    "classify",
+    "manifest_version",
+    "object_hash",
+    "pointer_run",
+    "root_version",
+]
 
 MiB = 1 << 20
 GiB = 1 << 30
+
 
 class KeyKind(enum.Enum):
     """How the relay treats a key of the board layout (:mod:`rollpatch.layout`).
@@ -91,12 +101,20 @@ class RelayConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_dir, (str, Path)) or not str(self.cache_dir):
-            raise ConfigError("RelayConfig.cache_dir must be a directory path",
-                              field="cache_dir", value=self.cache_dir)
+            raise ConfigError(
+                "RelayConfig.cache_dir must be a directory path",
+                field="cache_dir",
+                value=self.cache_dir,
+            )
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         _integer("cache_bytes", self.cache_bytes, 1)
         _seconds("pointer_ttl", self.pointer_ttl)
         _seconds("list_ttl", self.list_ttl)
-        for name in ("upstream_workers", "meta_workers", "list_page", "max_volatile_bytes",
-                     "chunk_bytes"):
+        for name in (
+            "upstream_workers",
+            "meta_workers",
+            "list_page",
+            "max_volatile_bytes",
+            "chunk_bytes",
+        ):
             _integer(name, getattr(self, name), 1)

@@ -80,8 +80,14 @@ class _Flights:
         self._inflight: dict[Hashable, Future[object]] = {}
         self._metrics = metrics
 
-    def join(self, flight: Hashable, kind: str, lookup: Callable[[], T | None],
-             fetch: Callable[[], T], pool: ThreadPoolExecutor) -> Future[T]:
+    def join(
+        self,
+        flight: Hashable,
+        kind: str,
+        lookup: Callable[[], T | None],
+        fetch: Callable[[], T],
+        pool: ThreadPoolExecutor,
+    ) -> Future[T]:
         """A future of ``lookup()`` if it has an answer, else of the one ``fetch()`` in flight.
 
         ``lookup`` runs under the flights lock: a fetch publishes its result (to the cache)
@@ -131,8 +137,14 @@ class Relay:
     memory caches (LATEST, listings), with request coalescing. Thread-safe.
     """
 
-    def __init__(self, upstream: Store, config: RelayConfig, *,
-                 metrics: Metrics | None = None, trust: Trust | None = None) -> None:
+    def __init__(
+        self,
+        upstream: Store,
+        config: RelayConfig,
+        *,
+        metrics: Metrics | None = None,
+        trust: Trust | None = None,
+    ) -> None:
         self.upstream = upstream
         self.config = config
         #: Verifies manifests, LATEST and roots before they are cached or served (None: off).
@@ -158,34 +170,49 @@ class Relay:
         """
         kind = classify(key)
         if kind.immutable:
+
             def lookup() -> Blob | None:
                 entry = self.cache.lookup(key)
                 return None if entry is None else Blob.cached(entry)
 
             pool = self._bulk if kind is KeyKind.OBJECT else self._meta
-            return self._flights.join(("get", key), kind.value, lookup,
-                                      lambda: self._fetch_immutable(key, kind), pool)
-        return self._flights.join(("get", key), kind.value,
-                                  lambda: self._fresh(self._volatile, key),
-                                  lambda: self._fetch_volatile(key, kind), self._meta)
+            return self._flights.join(
+                ("get", key), kind.value, lookup, lambda: self._fetch_immutable(key, kind), pool
+            )
+        return self._flights.join(
+            ("get", key),
+            kind.value,
+            lambda: self._fresh(self._volatile, key),
+            lambda: self._fetch_volatile(key, kind),
+            self._meta,
+        )
 
     def stat(self, key: str) -> Future[ObjectInfo | None]:
         """Size and ETag of an immutable key: from the cache, else a HEAD upstream (which does
         not pull the object across the WAN). Volatile keys: use :meth:`resolve`.
         """
+
         def lookup() -> ObjectInfo | None:
             entry = self.cache.lookup(key)
             return None if entry is None else ObjectInfo(key, entry.size, entry.etag)
 
-        return self._flights.join(("head", key), "head", lookup,
-                                  lambda: self._call("head", self.upstream.head, key),
-                                  self._meta)
+        return self._flights.join(
+            ("head", key),
+            "head",
+            lookup,
+            lambda: self._call("head", self.upstream.head, key),
+            self._meta,
+        )
 
     def list(self, prefix: str) -> Future[Keys]:
         """A future of the sorted upstream keys under ``prefix``, at most ``list_ttl`` old."""
-        return self._flights.join(("list", prefix), "list",
-                                  lambda: self._fresh(self._lists, prefix),
-                                  lambda: self._fetch_list(prefix), self._meta)
+        return self._flights.join(
+            ("list", prefix),
+            "list",
+            lambda: self._fresh(self._lists, prefix),
+            lambda: self._fetch_list(prefix),
+            self._meta,
+        )
 
     def open(self, blob: Blob) -> tuple[BinaryIO, CacheEntry] | None:
         """Open a cached blob's file (the object starts at ``entry.offset``) and the entry it
@@ -211,8 +238,14 @@ class Relay:
         data = self._get(key)
         b3 = self._check(key, kind, data)
         blob = Blob.cached(self.cache.insert(key, data, b3))
-        event(log, "fetched", key=key, kind=kind.value, bytes=len(data),
-              seconds=round(time.monotonic() - started, 4))
+        event(
+            log,
+            "fetched",
+            key=key,
+            kind=kind.value,
+            bytes=len(data),
+            seconds=round(time.monotonic() - started, 4),
+        )
         return blob
 
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
@@ -220,10 +253,12 @@ class Relay:
         data = self._get(key)
         if len(data) > self.config.max_volatile_bytes:
             self.metrics.inc("rollpatch_relay_refused_total", reason="too_large")
-            raise StoreError("upstream object is mutable (not in the board layout) and too large"
-                             " to relay", key=key, size=len(data),
-                             hint="raise RelayConfig.max_volatile_bytes, or read the board "
-                                  "directly")
+            raise StoreError(
+                "upstream object is mutable (not in the board layout) and too large to relay",
+                key=key,
+                size=len(data),
+                hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
+            )
         if kind is KeyKind.POINTER:
             self._check_pointer(key, data)
         blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
@@ -251,25 +286,30 @@ class Relay:
         if kind is KeyKind.OBJECT and b3 != object_hash(key):
             self.metrics.inc("rollpatch_relay_refused_total", reason="hash_mismatch")
             event(log, "refused", logging.WARNING, key=key, reason="hash_mismatch")
-            raise ManifestError("upstream object does not match the BLAKE3 in its key; "
-                                "refused, not cached", key=key, size=len(data),
-                                hint="the upstream copy is corrupt or truncated: republish it")
+            raise ManifestError(
+                "upstream object does not match the BLAKE3 in its key; refused, not cached",
+                key=key,
+                size=len(data),
+                hint="the upstream copy is corrupt or truncated: republish it",
+            )
         named = manifest_version(key)
         if kind is KeyKind.MANIFEST and named is not None:
             try:
                 open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
             except ManifestError as e:
                 self._refused(e, "invalid_manifest")
-                raise ManifestError(f"upstream manifest refused: {e.message}", key=key,
-                                    hint=e.hint) from None
+                raise ManifestError(
+                    f"upstream manifest refused: {e.message}", key=key, hint=e.hint
+                ) from None
         n = root_version(key)
         if kind is KeyKind.ROOT and n is not None:
             try:
                 self._check_root(n, data, b3)
             except ManifestError as e:
                 self._refused(e, "invalid_root")
-                raise ManifestError(f"upstream root refused: {e.message}", key=key,
-                                    hint=e.hint) from None
+                raise ManifestError(
+                    f"upstream root refused: {e.message}", key=key, hint=e.hint
+                ) from None
         return b3
 
     # -- trust --------------------------------------------------------------------------------
@@ -299,8 +339,11 @@ class Relay:
         if n > self.trust.root.version:
             self._refresh_root()
         if self.trust.verified_root(n) != b3:
-            raise TrustError("root is not in the chain this relay verified from its trust "
-                             "root", reason="root", version=n)
+            raise TrustError(
+                "root is not in the chain this relay verified from its trust root",
+                reason="root",
+                version=n,
+            )
 
     def _check_pointer(self, key: str, data: bytes) -> None:
         run = pointer_run(key)
@@ -311,12 +354,16 @@ class Relay:
                 self._refresh_root()
             p, _ = read_latest(data, run, self.trust, self._refresh_root)
             if p.manifest != version_key(run, p.version):
-                raise ManifestError("LATEST names another key than its version's manifest",
-                                    run=run, version=p.version)
+                raise ManifestError(
+                    "LATEST names another key than its version's manifest",
+                    run=run,
+                    version=p.version,
+                )
         except ManifestError as e:
             self._refused(e, "invalid_pointer")
-            raise ManifestError(f"upstream LATEST refused: {e.message}", key=key,
-                                hint=e.hint) from None
+            raise ManifestError(
+                f"upstream LATEST refused: {e.message}", key=key, hint=e.hint
+            ) from None
 
     def _still_valid(self, entry: CacheEntry, kind: KeyKind) -> bool:
         """Whether a manifest or root found in the cache at start-up passes today's checks
@@ -345,8 +392,7 @@ class Relay:
             item = table.get(name)
         return item.value if item is not None and time.monotonic() < item.expires else None
 
-    def _remember(self, table: dict[str, _Timed[T]], name: str, value: T,
-                  expires: float) -> None:
+    def _remember(self, table: dict[str, _Timed[T]], name: str, value: T, expires: float) -> None:
         with self._lock:
             table[name] = _Timed(value, expires)
             now = time.monotonic()  # expired values go at once: a blob may be 16 MiB

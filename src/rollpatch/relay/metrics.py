@@ -22,15 +22,21 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "rollpatch_relay_cache_hits_total": ("counter", "Reads answered from the relay's caches."),
     "rollpatch_relay_cache_misses_total": ("counter", "Reads that needed the upstream store."),
     "rollpatch_relay_coalesced_waits_total": (
-        "counter", "Reads that waited on another request's upstream fetch instead of fetching."),
+        "counter",
+        "Reads that waited on another request's upstream fetch instead of fetching.",
+    ),
     "rollpatch_relay_upstream_requests_total": ("counter", "Calls made to the upstream store."),
     "rollpatch_relay_upstream_bytes_total": ("counter", "Object bytes read from upstream."),
     "rollpatch_relay_served_bytes_total": ("counter", "Object bytes sent to clients."),
     "rollpatch_relay_refused_total": (
-        "counter", "Upstream answers refused (hash mismatch, invalid manifest, too large)."),
+        "counter",
+        "Upstream answers refused (hash mismatch, invalid manifest, too large).",
+    ),
     "rollpatch_relay_evictions_total": ("counter", "Cache files evicted to stay in bounds."),
     "rollpatch_relay_cache_discarded_total": (
-        "counter", "Unusable files found in the cache directory at start-up and removed."),
+        "counter",
+        "Unusable files found in the cache directory at start-up and removed.",
+    ),
     "rollpatch_relay_cache_bytes": ("gauge", "Bytes of cache files on disk."),
     "rollpatch_relay_cache_entries": ("gauge", "Objects in the disk cache."),
 }

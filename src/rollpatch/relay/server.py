@@ -80,8 +80,12 @@ async def _wait(future: Future[T]) -> T:
 
 
 def _route(path: str) -> str:
-    for prefix, name in (("/v1/objects/", "objects"), ("/v1/list", "list"),
-                         ("/metrics", "metrics"), ("/health", "health")):
+    for prefix, name in (
+        ("/v1/objects/", "objects"),
+        ("/v1/list", "list"),
+        ("/metrics", "metrics"),
+        ("/health", "health"),
+    ):
         if path.startswith(prefix):
             return name
     return "other"
@@ -101,8 +105,12 @@ class _CountRequests:
         counted = False
 
         def count(status: int) -> None:
-            self.relay.metrics.inc("rollpatch_relay_requests_total", route=_route(scope["path"]),
-                                   method=scope["method"], status=str(status))
+            self.relay.metrics.inc(
+                "rollpatch_relay_requests_total",
+                route=_route(scope["path"]),
+                method=scope["method"],
+                status=str(status),
+            )
 
         async def send_counted(message: MutableMapping[str, Any]) -> None:
             nonlocal counted
@@ -151,8 +159,11 @@ def create_app(relay: Relay) -> FastAPI:
             if opened is not None:
                 return _serve(relay, blob, opened, request.headers.get("range"))
             blob = await _wait(relay.resolve(key))  # evicted meanwhile: fetch it again
-        raise TransientStoreError("cache entry kept being evicted before it could be served",
-                                  key=key, hint="raise --cache-bytes")
+        raise TransientStoreError(
+            "cache entry kept being evicted before it could be served",
+            key=key,
+            hint="raise --cache-bytes",
+        )
 
     @app.get("/v1/list")
     async def listing(prefix: str = "", start_after: str | None = None) -> Response:
@@ -169,8 +180,12 @@ def create_app(relay: Relay) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "upstream": relay.upstream.uri,
-                "cache_bytes": relay.cache.total_bytes, "cache_entries": len(relay.cache)}
+        return {
+            "status": "ok",
+            "upstream": relay.upstream.uri,
+            "cache_bytes": relay.cache.total_bytes,
+            "cache_entries": len(relay.cache),
+        }
 
     return app
 
@@ -179,22 +194,27 @@ def _page(keys: list[str], start_after: str | None, limit: int) -> dict[str, Any
     import bisect
 
     lo = 0 if start_after is None else bisect.bisect_right(keys, start_after)
-    page = keys[lo:lo + limit]
+    page = keys[lo : lo + limit]
     return {"keys": page, "next": page[-1] if lo + limit < len(keys) else None}
 
 
 def _headers(kind: KeyKind, size: int, etag: str | None, relay: Relay) -> dict[str, str]:
-    headers = {"Content-Length": str(size), "Accept-Ranges": "bytes",
-               "Content-Type": "application/octet-stream",
-               "Cache-Control": _IMMUTABLE if kind.immutable else
-               f"max-age={int(relay.config.pointer_ttl)}"}
+    headers = {
+        "Content-Length": str(size),
+        "Accept-Ranges": "bytes",
+        "Content-Type": "application/octet-stream",
+        "Cache-Control": _IMMUTABLE
+        if kind.immutable
+        else f"max-age={int(relay.config.pointer_ttl)}",
+    }
     if etag is not None:
         headers["ETag"] = etag
     return headers
 
 
-def _serve(relay: Relay, blob: Blob, source: bytes | tuple[BinaryIO, CacheEntry],
-           range_header: str | None) -> Response:
+def _serve(
+    relay: Relay, blob: Blob, source: bytes | tuple[BinaryIO, CacheEntry], range_header: str | None
+) -> Response:
     """The answer to a GET from memory or an open cache file: whole, one range (206) or 416;
     file bodies are streamed."""
     headers = _headers(blob.kind, blob.size, blob.etag, relay)
@@ -210,13 +230,14 @@ def _serve(relay: Relay, blob: Blob, source: bytes | tuple[BinaryIO, CacheEntry]
         headers["Content-Range"] = f"bytes {first}-{last}/{blob.size}"
     headers["Content-Length"] = str(last - first + 1)
     if isinstance(source, bytes):
-        body = source[first:last + 1]
+        body = source[first : last + 1]
         relay.metrics.inc("rollpatch_relay_served_bytes_total", len(body))
         return Response(body, status_code=status, headers=headers)
     f, entry = source
     f.seek(entry.offset + first)
-    return StreamingResponse(_stream(relay, f, last - first + 1), status_code=status,
-                             headers=headers)
+    return StreamingResponse(
+        _stream(relay, f, last - first + 1), status_code=status, headers=headers
+    )
 
 
 def _stream(relay: Relay, f: BinaryIO, length: int) -> Iterator[bytes]:
@@ -245,9 +266,18 @@ class RelayServer:
     verify manifests, LATEST and roots before it caches or serves them (docs/trust.md).
     """
 
-    def __init__(self, board: Store | str, config: RelayConfig, *, host: str = "127.0.0.1",
-                 port: int = 0, log_level: str = "warning", access_log: bool = False,
-                 options: ServeOptions | None = None, trust: Trust | None = None) -> None:
+    def __init__(
+        self,
+        board: Store | str,
+        config: RelayConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        access_log: bool = False,
+        options: ServeOptions | None = None,
+        trust: Trust | None = None,
+    ) -> None:
         self._owns_store = isinstance(board, str)
         upstream = open_store(board) if isinstance(board, str) else board
         self.relay = Relay(upstream, config, trust=trust)
@@ -270,14 +300,22 @@ class RelayServer:
         if self._handle is not None:
             raise ConfigError("relay server already started", url=self.url)
         try:
-            self._handle = serve_app(create_app(self.relay), self.host, self.port, name="relay",
-                                     log_level=self._log[0], access_log=self._log[1],
-                                     start_timeout=timeout, options=self.options)
+            self._handle = serve_app(
+                create_app(self.relay),
+                self.host,
+                self.port,
+                name="relay",
+                log_level=self._log[0],
+                access_log=self._log[1],
+                start_timeout=timeout,
+                options=self.options,
+            )
         except ConfigError:
             raise
         except RollpatchError:
-            raise OSError(f"relay could not listen on {self.host}:{self.port} "
-                          "(see the log above)") from None
+            raise OSError(
+                f"relay could not listen on {self.host}:{self.port} (see the log above)"
+            ) from None
         self.port = self._handle.port
         return self.url
 

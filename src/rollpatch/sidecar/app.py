@@ -52,9 +52,11 @@ def _error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
 def create_app(sc: Sidecar) -> FastAPI:
     """Build the FastAPI app around a running :class:`Sidecar`."""
     # keep-alive shorter than uvicorn's 5 s so the engine never closes a connection we reuse
-    client = httpx.AsyncClient(base_url=sc.engine_url, timeout=httpx.Timeout(None, connect=5),
-                               limits=httpx.Limits(max_keepalive_connections=64,
-                                                   keepalive_expiry=2.0))
+    client = httpx.AsyncClient(
+        base_url=sc.engine_url,
+        timeout=httpx.Timeout(None, connect=5),
+        limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=2.0),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -108,12 +110,14 @@ def create_app(sc: Sidecar) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         r = await client.get("/v1/models")
-        return Response(r.content, status_code=r.status_code,
-                        media_type=r.headers.get("content-type"))
+        return Response(
+            r.content, status_code=r.status_code, media_type=r.headers.get("content-type")
+        )
 
     for path in _PROXIED:
-        app.add_api_route(path, _make_proxy(sc, client, path), methods=["POST"],
-                          openapi_extra=openapi_body(path))
+        app.add_api_route(
+            path, _make_proxy(sc, client, path), methods=["POST"], openapi_extra=openapi_body(path)
+        )
     return app
 
 
@@ -187,9 +191,14 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
     if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
         # the board is unreachable: how far behind this island is cannot be known
         sc.metrics.request("unavailable")
-        return _error(503, f"LATEST has not been read for {age:.0f} s (the board is "
-                      "unreachable): max_lag cannot be checked", "not_ready", served=served,
-                      latest=latest)
+        return _error(
+            503,
+            f"LATEST has not been read for {age:.0f} s (the board is "
+            "unreachable): max_lag cannot be checked",
+            "not_ready",
+            served=served,
+            latest=latest,
+        )
     d = decide(c, served, latest)
     if d.action == "conflict" and d.need is not None:
         latest = await asyncio.to_thread(sc.latest, True)
@@ -207,8 +216,9 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
             event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
         if wait_s > 0 and await asyncio.to_thread(sc.follower.wait_for, d.need, wait_s):
             return None
-        reason = d.reason + (" (caller asked not to wait)" if wait_s == 0 else
-                             f" did not finish within {wait_s:g}s")
+        reason = d.reason + (
+            " (caller asked not to wait)" if wait_s == 0 else f" did not finish within {wait_s:g}s"
+        )
         sc.metrics.request("conflict")
         return _conflict(sc, served, reason)
     sc.metrics.request("conflict")
@@ -217,8 +227,9 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
 
 def _conflict(sc: Sidecar, served: int | None, reason: str) -> JSONResponse:
     event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
-    return _error(409, reason, "version_conflict", served=served, latest=sc.latest_seen(),
-                  reason=reason)
+    return _error(
+        409, reason, "version_conflict", served=served, latest=sc.latest_seen(), reason=reason
+    )
 
 
 def _headers(start: int | None, end: int | None) -> dict[str, str]:
@@ -228,8 +239,9 @@ def _headers(start: int | None, end: int | None) -> dict[str, str]:
     return out
 
 
-async def _once(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                slot: Admission) -> Response:
+async def _once(
+    sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any], slot: Admission
+) -> Response:
     """One non-streaming answer; the caller's ``with`` releases ``slot`` on every path."""
     start = slot.start
     t0 = time.perf_counter()
@@ -246,16 +258,21 @@ async def _once(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[st
     end = slot.release()
     sc.metrics.request("proxied", time.perf_counter() - t0)
     content = annotate_body(r.content, start, end) if r.status_code == 200 else r.content
-    return Response(content, status_code=r.status_code, headers=_headers(start, end),
-                    media_type=r.headers.get("content-type", "application/json"))
+    return Response(
+        content,
+        status_code=r.status_code,
+        headers=_headers(start, end),
+        media_type=r.headers.get("content-type", "application/json"),
+    )
 
 
 class _AdmittedStream(StreamingResponse):
     """A stream that owns an admission: whatever happens to the response (sent in full, the
     client gone before the first byte, an error), the slot and the engine stream are freed."""
 
-    def __init__(self, content: AsyncIterator[bytes], slot: Admission,
-                 upstream: httpx.Response, **kw: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], slot: Admission, upstream: httpx.Response, **kw: Any
+    ) -> None:
         super().__init__(content, **kw)
         self._slot = slot
         self._upstream = upstream
@@ -268,8 +285,9 @@ class _AdmittedStream(StreamingResponse):
             await self._upstream.aclose()
 
 
-async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                  slot: Admission) -> Response:
+async def _stream(
+    sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any], slot: Admission
+) -> Response:
     """A streamed answer; on success the stream takes ``slot`` over (:meth:`hand_off`)."""
     start = slot.start
     t0 = time.perf_counter()
@@ -289,11 +307,15 @@ async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[
             await r.aclose()
         end = slot.release()
         sc.metrics.request("proxied", time.perf_counter() - t0)
-        return Response(content, status_code=r.status_code, headers=_headers(start, end),
-                        media_type=r.headers.get("content-type"))
+        return Response(
+            content,
+            status_code=r.status_code,
+            headers=_headers(start, end),
+            media_type=r.headers.get("content-type"),
+        )
 
     async def events() -> AsyncIterator[bytes]:
-        held: bytes | None = None   # the last data event, annotated once [DONE] is seen
+        held: bytes | None = None  # the last data event, annotated once [DONE] is seen
         try:
             async for line in r.aiter_lines():
                 raw = line.encode()
@@ -319,5 +341,10 @@ async def _stream(sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[
     # in drain mode without a drain deadline no commit can land while the stream is admitted
     # (end == start is known); past a deadline the commit pauses instead, so it may
     end_hdr = start if sc.gate.mode == "drain" and sc.gate.drain_timeout_s is None else None
-    return _AdmittedStream(events(), slot.hand_off(), r, media_type="text/event-stream",
-                           headers=_headers(start, end_hdr))
+    return _AdmittedStream(
+        events(),
+        slot.hand_off(),
+        r,
+        media_type="text/event-stream",
+        headers=_headers(start, end_hdr),
+    )

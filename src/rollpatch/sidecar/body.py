@@ -37,18 +37,32 @@ class BodyLimits:
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) \
-                or not 1 <= self.max_bytes <= 1 << 34:
-            raise ConfigError("max_bytes must be an integer in [1, 16 GiB]", field="max_bytes",
-                              value=self.max_bytes)
-        if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) \
-                or not 1 <= self.max_depth <= 512:
-            raise ConfigError("max_depth must be an integer in [1, 512]", field="max_depth",
-                              value=self.max_depth)
-        if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) \
-                or not 0 < self.timeout_s <= 3600:
-            raise ConfigError("timeout_s must be in (0, 3600]", field="timeout_s",
-                              value=self.timeout_s)
+        if (
+            isinstance(self.max_bytes, bool)
+            or not isinstance(self.max_bytes, int)
+            or not 1 <= self.max_bytes <= 1 << 34
+        ):
+            raise ConfigError(
+                "max_bytes must be an integer in [1, 16 GiB]",
+                field="max_bytes",
+                value=self.max_bytes,
+            )
+        if (
+            isinstance(self.max_depth, bool)
+            or not isinstance(self.max_depth, int)
+            or not 1 <= self.max_depth <= 512
+        ):
+            raise ConfigError(
+                "max_depth must be an integer in [1, 512]", field="max_depth", value=self.max_depth
+            )
+        if (
+            not isinstance(self.timeout_s, (int, float))
+            or not math.isfinite(self.timeout_s)
+            or not 0 < self.timeout_s <= 3600
+        ):
+            raise ConfigError(
+                "timeout_s must be in (0, 3600]", field="timeout_s", value=self.timeout_s
+            )
 
 
 def refusal_status(e: ConfigError) -> int:
@@ -61,15 +75,16 @@ def refusal_status(e: ConfigError) -> int:
 async def _read(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise LimitError(f"request body of {int(declared):,} bytes is over the limit of "
-                         f"{max_bytes:,}", limit="size")
+        raise LimitError(
+            f"request body of {int(declared):,} bytes is over the limit of {max_bytes:,}",
+            limit="size",
+        )
     parts: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise LimitError(f"request body is over the limit of {max_bytes:,} bytes",
-                             limit="size")
+            raise LimitError(f"request body is over the limit of {max_bytes:,} bytes", limit="size")
         parts.append(chunk)
     return b"".join(parts)
 
@@ -79,14 +94,20 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
     try:
         return await asyncio.wait_for(_read(request, limits.max_bytes), limits.timeout_s)
     except asyncio.TimeoutError:
-        raise LimitError(f"request body not received within {limits.timeout_s:g} s",
-                         limit="time") from None
+        raise LimitError(
+            f"request body not received within {limits.timeout_s:g} s", limit="time"
+        ) from None
 
 
 def parse_json_object(raw: bytes, limits: BodyLimits) -> dict[str, Any]:
     """Strict, bounded JSON that must be an object (ConfigError otherwise)."""
-    body = jsonsafe.loads(raw, what="request body", error=ConfigError,
-                          max_bytes=limits.max_bytes, max_depth=limits.max_depth)
+    body = jsonsafe.loads(
+        raw,
+        what="request body",
+        error=ConfigError,
+        max_bytes=limits.max_bytes,
+        max_depth=limits.max_depth,
+    )
     if not isinstance(body, dict):
         raise ConfigError("request body must be a JSON object")
     return body

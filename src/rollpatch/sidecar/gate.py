@@ -13,8 +13,7 @@ from ..follower.commit import COMMIT_MODES, Admission, CommitGate, CommitMode, C
 from ..patch import Patch
 from ..view import View, WordSource
 
-__all__ = ["COMMIT_MODES", "Admission", "CommitGate", "CommitMode", "CommitRecord",
-           "GatedEngine"]
+__all__ = ["COMMIT_MODES", "Admission", "CommitGate", "CommitMode", "CommitRecord", "GatedEngine"]
 
 
 class GatedEngine(EngineAdapter):

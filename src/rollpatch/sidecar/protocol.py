@@ -16,5 +16,15 @@ from ..protocol import (
     parse_constraint,
 )
 
-__all__ = ["ACTIONS", "DEFAULT_WAIT_S", "HEADER_END", "HEADER_START", "Action", "Decision",
-           "annotate_body", "annotate_sse_line", "decide", "parse_constraint"]
+__all__ = [
+    "ACTIONS",
+    "DEFAULT_WAIT_S",
+    "HEADER_END",
+    "HEADER_START",
+    "Action",
+    "Decision",
+    "annotate_body",
+    "annotate_sse_line",
+    "decide",
+    "parse_constraint",
+]

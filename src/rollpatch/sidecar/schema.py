@@ -48,8 +48,11 @@ class _Sampling(BaseModel):
     n: Annotated[int, Field(ge=1, le=256)] | None = None
     seed: Annotated[int, Field(ge=-(1 << 63), le=_I63)] | None = None
     stream: StrictBool | None = None
-    stop: Annotated[str, Field(max_length=4096)] | Annotated[
-        list[Annotated[str, Field(max_length=4096)]], Field(max_length=64)] | None = None
+    stop: (
+        Annotated[str, Field(max_length=4096)]
+        | Annotated[list[Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
+        | None
+    ) = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     rollpatch: RollpatchField | None = None
@@ -81,8 +84,10 @@ class ChatRequest(_Sampling):
 
 
 #: The model of each proxied route.
-ROUTES: dict[str, type[_Sampling]] = {"/v1/completions": CompletionRequest,
-                                      "/v1/chat/completions": ChatRequest}
+ROUTES: dict[str, type[_Sampling]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+}
 Route = Literal["/v1/completions", "/v1/chat/completions"]
 
 
@@ -98,8 +103,10 @@ def validate_body(route: str, body: dict[str, Any]) -> _Sampling:
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ConfigError(f"request body: {_where(first['loc'])}: {first['msg']}{more}",
-                          field=_where(first["loc"])) from None
+        raise ConfigError(
+            f"request body: {_where(first['loc'])}: {first['msg']}{more}",
+            field=_where(first["loc"]),
+        ) from None
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
@@ -119,6 +126,7 @@ def openapi_body(route: str) -> dict[str, Any]:
     schema = ROUTES[route].model_json_schema()
     schema = _inline(schema, schema.get("$defs", {}))
     error = {"description": "refused", "content": {"application/json": {}}}
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": schema}}},
-            "responses": {str(s): error for s in (400, 401, 408, 409, 413, 502, 503)}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {str(s): error for s in (400, 401, 408, 409, 413, 502, 503)},
+    }

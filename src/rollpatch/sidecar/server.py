@@ -16,8 +16,13 @@ __all__ = ["ENGINES", "RunningSidecar", "make_engine", "start_sidecar"]
 ENGINES = ("reference", "vllm", "sglang")
 
 
-def make_engine(kind: str, *, model: str | None = None, engine_url: str | None = None,
-                threads: int | None = None) -> tuple[EngineAdapter, str]:
+def make_engine(
+    kind: str,
+    *,
+    model: str | None = None,
+    engine_url: str | None = None,
+    threads: int | None = None,
+) -> tuple[EngineAdapter, str]:
     """Build an engine adapter and the URL its OpenAI routes are served at."""
     if kind == "reference":
         if model is None:
@@ -58,9 +63,17 @@ class RunningSidecar:
         self.sidecar.engine.close()
 
 
-def start_sidecar(board: str | Board, run: str, engine: EngineAdapter, engine_url: str, *,
-                  host: str = "127.0.0.1", port: int = 0, config: SidecarConfig | None = None,
-                  **serve_kw: Any) -> RunningSidecar:
+def start_sidecar(
+    board: str | Board,
+    run: str,
+    engine: EngineAdapter,
+    engine_url: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: SidecarConfig | None = None,
+    **serve_kw: Any,
+) -> RunningSidecar:
     """Start following ``run`` and serve the sidecar's app; returns once listening."""
     from .app import create_app
 

@@ -51,18 +51,23 @@ class SidecarConfig:
 
     def __post_init__(self) -> None:
         if self.commit_mode not in COMMIT_MODES:
-            raise ConfigError(f"commit_mode must be one of {COMMIT_MODES}",
-                              field="commit_mode", value=self.commit_mode)
+            raise ConfigError(
+                f"commit_mode must be one of {COMMIT_MODES}",
+                field="commit_mode",
+                value=self.commit_mode,
+            )
         if self.drain_timeout_s is not None and not 0 <= self.drain_timeout_s <= 86400:
-            raise ConfigError("drain_timeout_s must be in [0, 86400] or None",
-                              field="drain_timeout_s")
+            raise ConfigError(
+                "drain_timeout_s must be in [0, 86400] or None", field="drain_timeout_s"
+            )
         if not 0 < self.admit_timeout_s <= 3600:
             raise ConfigError("admit_timeout_s must be in (0, 3600]", field="admit_timeout_s")
         if not 0 <= self.latest_ttl_s <= 60:
             raise ConfigError("latest_ttl_s must be in [0, 60]", field="latest_ttl_s")
         if not self.latest_ttl_s < self.latest_max_age_s <= 3600:
-            raise ConfigError("latest_max_age_s must be in (latest_ttl_s, 3600]",
-                              field="latest_max_age_s")
+            raise ConfigError(
+                "latest_max_age_s must be in (latest_ttl_s, 3600]", field="latest_max_age_s"
+            )
         if not isinstance(self.body, BodyLimits):
             raise ConfigError("body must be a BodyLimits", field="body")
         if not 0 < self.ready_probe_s <= 60:
@@ -72,15 +77,22 @@ class SidecarConfig:
 class Sidecar:
     """Owns the follower (through a gated engine) for one engine serving at ``engine_url``."""
 
-    def __init__(self, board: str | Board, run: str, engine: EngineAdapter, engine_url: str,
-                 config: SidecarConfig | None = None) -> None:
+    def __init__(
+        self,
+        board: str | Board,
+        run: str,
+        engine: EngineAdapter,
+        engine_url: str,
+        config: SidecarConfig | None = None,
+    ) -> None:
         self.config = config or SidecarConfig()
         self.board = Board(board) if isinstance(board, str) else board
         self.run = run
         self.engine = engine
         self.engine_url = engine_url
-        self.gate = CommitGate(engine, self.config.commit_mode,
-                               drain_timeout_s=self.config.drain_timeout_s)
+        self.gate = CommitGate(
+            engine, self.config.commit_mode, drain_timeout_s=self.config.drain_timeout_s
+        )
         self.follower = Follower(self.board, run, engine, self.config.follower, gate=self.gate)
         self.metrics = SidecarMetrics()
         self.follower.on_commit.append(self._on_commit)
@@ -132,8 +144,16 @@ class Sidecar:
 
     def _on_commit(self, version: int, pause_s: float) -> None:
         st = self.follower.status()
-        event(log, "commit", run=self.run, version=version, pause_s=round(pause_s, 6),
-              fetch_s=st.last_fetch_s, stage_s=st.last_stage_s, bytes_fetched=st.bytes_fetched)
+        event(
+            log,
+            "commit",
+            run=self.run,
+            version=version,
+            pause_s=round(pause_s, 6),
+            fetch_s=st.last_fetch_s,
+            stage_s=st.last_stage_s,
+            bytes_fetched=st.bytes_fetched,
+        )
         self.metrics.pause.observe(pause_s)
         last = self.gate.last
         if last is not None:
@@ -156,19 +176,31 @@ class Sidecar:
         stuck = self.gate.busy_for()
         if stuck > self.config.admit_timeout_s:
             what = "admission closed" if not self.gate.admitting else "engine paused"
-            return (f"a weight commit has run for {stuck:.0f} s ({what}, "
-                    f"{self.gate.inflight} in flight)")
+            return (
+                f"a weight commit has run for {stuck:.0f} s ({what}, "
+                f"{self.gate.inflight} in flight)"
+            )
         return None
 
     def describe(self) -> dict[str, Any]:
         """What ``/version`` reports."""
         s = self.follower.status()
         self.metrics.update(s)
-        return {"run": self.run, "served": s.version, "digest": self.engine.digest,
-                "state": s.state.name, "latest": self.latest(), "lag": s.lag,
-                "commit_mode": self.gate.mode, "inflight": self.gate.inflight,
-                "last_error": s.last_error, "bytes_fetched": s.bytes_fetched,
-                "commits": s.commits, "last_pause_s": self.gate.last_pause_s,
-                "last_drain_s": None if self.gate.last is None else self.gate.last.drain_s,
-                "drain_timeouts": self.gate.drain_timeouts, "audit_mismatches": s.audits,
-                "last_stage_s": s.last_stage_s}
+        return {
+            "run": self.run,
+            "served": s.version,
+            "digest": self.engine.digest,
+            "state": s.state.name,
+            "latest": self.latest(),
+            "lag": s.lag,
+            "commit_mode": self.gate.mode,
+            "inflight": self.gate.inflight,
+            "last_error": s.last_error,
+            "bytes_fetched": s.bytes_fetched,
+            "commits": s.commits,
+            "last_pause_s": self.gate.last_pause_s,
+            "last_drain_s": None if self.gate.last is None else self.gate.last.drain_s,
+            "drain_timeouts": self.gate.drain_timeouts,
+            "audit_mismatches": s.audits,
+            "last_stage_s": s.last_stage_s,
+        }

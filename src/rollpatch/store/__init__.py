@@ -26,9 +26,21 @@ from .uri import open_store
 if TYPE_CHECKING:
     from .s3 import S3Store
 
-__all__ = ["MAX_KEY_BYTES", "FileStore", "HttpConfig", "HttpStore", "MemoryStore", "ObjectInfo",
-           "S3Config", "S3Store", "Store", "ThrottledStore", "open_store", "validate_key",
-           "validate_prefix"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "FileStore",
+    "HttpConfig",
+    "HttpStore",
+    "MemoryStore",
+    "ObjectInfo",
+    "S3Config",
+    "S3Store",
+    "Store",
+    "ThrottledStore",
+    "open_store",
+    "validate_key",
+    "validate_prefix",
+]
 
 
 def __getattr__(name: str) -> Any:

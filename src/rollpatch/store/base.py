@@ -16,8 +16,17 @@ from typing import TypeVar
 
 from ..errors import ConfigError, StoreError
 
-__all__ = ["MAX_KEY_BYTES", "RESERVED_SEGMENT_PREFIX", "BytesLike", "Keys", "ObjectInfo",
-           "Store", "check_bounds", "validate_key", "validate_prefix"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "RESERVED_SEGMENT_PREFIX",
+    "BytesLike",
+    "Keys",
+    "ObjectInfo",
+    "Store",
+    "check_bounds",
+    "validate_key",
+    "validate_prefix",
+]
 
 _S = TypeVar("_S", bound="Store")
 #: A list of keys (an alias: inside ``Store`` the name ``list`` is the method).
@@ -84,27 +93,33 @@ def validate_prefix(prefix: str) -> str:
 
 def _check_segment(segment: str, text: str, what: str) -> None:
     if segment in ("", ".", ".."):
-        raise ConfigError(f"{what} has an empty, '.' or '..' segment", key=text,
-                          hint="keys are relative: 'a/b/c', no leading, trailing or "
-                               "doubled '/'")
+        raise ConfigError(
+            f"{what} has an empty, '.' or '..' segment",
+            key=text,
+            hint="keys are relative: 'a/b/c', no leading, trailing or doubled '/'",
+        )
     if segment.startswith(RESERVED_SEGMENT_PREFIX):
-        raise ConfigError(f"{what} segments starting with {RESERVED_SEGMENT_PREFIX!r} "
-                          "are reserved for backend bookkeeping", key=text)
+        raise ConfigError(
+            f"{what} segments starting with {RESERVED_SEGMENT_PREFIX!r} "
+            "are reserved for backend bookkeeping",
+            key=text,
+        )
 
 
 def _check_text(text: str, what: str) -> None:
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ConfigError(f"{what} is not valid Unicode (a lone surrogate)",
-                          key=text.encode("utf-8", "backslashreplace").decode()) from None
+        raise ConfigError(
+            f"{what} is not valid Unicode (a lone surrogate)",
+            key=text.encode("utf-8", "backslashreplace").decode(),
+        ) from None
     if size > MAX_KEY_BYTES:
         raise ConfigError(f"{what} is longer than {MAX_KEY_BYTES} UTF-8 bytes", length=size)
     if not text.isprintable():
         raise ConfigError(f"{what} has non-printable characters", key=text)
     if "\\" in text:
-        raise ConfigError(f"{what} has a backslash", key=text,
-                          hint="separate segments with '/'")
+        raise ConfigError(f"{what} has a backslash", key=text, hint="separate segments with '/'")
     if text.startswith("/"):
         raise ConfigError(f"{what} must not start with '/'", key=text)
 
@@ -112,9 +127,14 @@ def _check_text(text: str, what: str) -> None:
 def check_bounds(key: str, start: int, end: int, size: int) -> None:
     """Raise :class:`ConfigError` unless ``[start, end)`` lies inside an object of ``size``."""
     if end > size:
-        raise ConfigError("byte range reaches past the end of the object", key=key,
-                          start=start, end=end, size=size,
-                          hint="ranges are [start, end) with end <= size; see head()")
+        raise ConfigError(
+            "byte range reaches past the end of the object",
+            key=key,
+            start=start,
+            end=end,
+            size=size,
+            hint="ranges are [start, end) with end <= size; see head()",
+        )
 
 
 def _check_range_args(key: str, start: int, end: int) -> None:
@@ -122,8 +142,9 @@ def _check_range_args(key: str, start: int, end: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"range {name} must be an int", key=key, value=value)
     if start < 0 or end < start:
-        raise ConfigError("byte range must satisfy 0 <= start <= end", key=key,
-                          start=start, end=end)
+        raise ConfigError(
+            "byte range must satisfy 0 <= start <= end", key=key, start=start, end=end
+        )
 
 
 class Store(ABC):
@@ -166,8 +187,9 @@ class Store(ABC):
         self._require_writable("put", key)
         self._put(key, memoryview(data).cast("B"), if_absent=if_absent)
 
-    def put_stream(self, key: str, chunks: Iterable[BytesLike], *, size: int,
-                   if_absent: bool = True) -> None:
+    def put_stream(
+        self, key: str, chunks: Iterable[BytesLike], *, size: int, if_absent: bool = True
+    ) -> None:
         """Store the concatenation of ``chunks`` (exactly ``size`` bytes) like :meth:`put`,
         without holding it whole where the backend can stream: ``file://`` keeps one chunk,
         ``s3://`` a few parts (multipart upload); other backends join the chunks.
@@ -210,8 +232,12 @@ class Store(ABC):
     def __enter__(self: _S) -> _S:  # noqa: PYI019 (typing.Self needs 3.11)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -219,8 +245,12 @@ class Store(ABC):
 
     def _require_writable(self, op: str, key: str) -> None:
         if not self.writable:
-            raise StoreError(f"{op} refused: this store is read-only", key=key, store=self.uri,
-                             hint="publish through a writable store (file:// or s3://)")
+            raise StoreError(
+                f"{op} refused: this store is read-only",
+                key=key,
+                store=self.uri,
+                hint="publish through a writable store (file:// or s3://)",
+            )
 
     # -- backend hooks: arguments are already validated ----------------------------------------
 
@@ -245,8 +275,9 @@ class Store(ABC):
     @abstractmethod
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None: ...
 
-    def _put_stream(self, key: str, chunks: Iterator[memoryview], *, size: int,
-                    if_absent: bool) -> None:
+    def _put_stream(
+        self, key: str, chunks: Iterator[memoryview], *, size: int, if_absent: bool
+    ) -> None:
         """Default: join, then ``_put`` (backends that can stream override this)."""
         buf = bytearray()
         for c in chunks:
@@ -265,5 +296,4 @@ def _exactly(chunks: Iterable[BytesLike], size: int, key: str) -> Iterator[memor
             raise ConfigError("put_stream got more bytes than its size", key=key, size=size)
         yield mv
     if seen != size:
-        raise ConfigError("put_stream got fewer bytes than its size", key=key, size=size,
-                          got=seen)
+        raise ConfigError("put_stream got fewer bytes than its size", key=key, size=size, got=seen)

@@ -74,8 +74,9 @@ class S3Config:
             raise ConfigError("S3Config.bucket must be a bucket name", bucket=self.bucket)
         if self.prefix and (not self.prefix.endswith("/") or self.prefix.startswith("/")):
             raise ConfigError("S3Config.prefix must be '' or 'a/b/'", prefix=self.prefix)
-        check_choice("S3Config", "addressing_style", self.addressing_style,
-                     ("auto", "path", "virtual"))
+        check_choice(
+            "S3Config", "addressing_style", self.addressing_style, ("auto", "path", "virtual")
+        )
         check_choice("S3Config", "checksums", self.checksums, ("when_required", "when_supported"))
         check_int("S3Config", "part_size", self.part_size, _MIN_PART, _MAX_PART)  # 5 MiB..5 GiB
         for name in ("multipart_threshold", "max_workers", "max_attempts"):
@@ -83,8 +84,10 @@ class S3Config:
         for name in ("connect_timeout", "read_timeout"):
             check_number("S3Config", name, getattr(self, name), 0.0, lo_open=True)
         if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ConfigError("S3Config.access_key_id and secret_access_key go together",
-                              hint="give both, or neither to use the default AWS chain")
+            raise ConfigError(
+                "S3Config.access_key_id and secret_access_key go together",
+                hint="give both, or neither to use the default AWS chain",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,12 +116,15 @@ def _check_options(cls: type, options: Mapping[str, Any], reserved: tuple[str, .
     allowed = {f.name for f in fields(cls)} - set(reserved)
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ConfigError(f"unknown option(s) for {cls.__name__}: {', '.join(unknown)}",
-                          hint=f"allowed: {', '.join(sorted(allowed))}")
+        raise ConfigError(
+            f"unknown option(s) for {cls.__name__}: {', '.join(unknown)}",
+            hint=f"allowed: {', '.join(sorted(allowed))}",
+        )
 
 
-def s3_config_from(bucket: str, prefix: str, options: Mapping[str, Any],
-                   environ: Mapping[str, str] | None = None) -> S3Config:
+def s3_config_from(
+    bucket: str, prefix: str, options: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> S3Config:
     """Build an :class:`S3Config` from explicit ``options``, falling back to the environment.
 
     ``environ`` defaults to ``os.environ``; this is the only function in the store that reads it.

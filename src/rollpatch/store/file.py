@@ -48,8 +48,12 @@ def _os_errors(op: str, key: str, uri: str) -> Iterator[None]:
     except StoreError:
         raise
     except OSError as e:
-        raise StoreError(f"{op} failed: {e.strerror or e}", key=key, store=uri,
-                         errno=errno.errorcode.get(e.errno or 0)) from e
+        raise StoreError(
+            f"{op} failed: {e.strerror or e}",
+            key=key,
+            store=uri,
+            errno=errno.errorcode.get(e.errno or 0),
+        ) from e
 
 
 class FileStore(Store):
@@ -68,8 +72,9 @@ class FileStore(Store):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise StoreError(f"cannot create the store directory: {e.strerror}",
-                             root=str(self.root)) from e
+            raise StoreError(
+                f"cannot create the store directory: {e.strerror}", root=str(self.root)
+            ) from e
         if not self.root.is_dir():
             raise StoreError("the store root is not a directory", root=str(self.root))
         self.uri = self.root.as_uri()
@@ -154,9 +159,12 @@ class FileStore(Store):
             st = self._lstat(key)
         if st is None or not stat.S_ISREG(st.st_mode):
             return None
-        return ObjectInfo(key=key, size=st.st_size,
-                          etag=f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}",
-                          modified=st.st_mtime)
+        return ObjectInfo(
+            key=key,
+            size=st.st_size,
+            etag=f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}",
+            modified=st.st_mtime,
+        )
 
     def _list(self, prefix: str) -> list[str]:
         base_key, _, tail = prefix.rpartition("/")
@@ -171,8 +179,7 @@ class FileStore(Store):
             except OSError as e:
                 if e.errno in _ABSENT or e.errno == errno.ELOOP:
                     continue
-                raise StoreError(f"list failed: {e.strerror}", prefix=prefix,
-                                 store=self.uri) from e
+                raise StoreError(f"list failed: {e.strerror}", prefix=prefix, store=self.uri) from e
             rel = "".join(f"{p}/" for p in parts)
             try:
                 with os.scandir(fd) as entries:
@@ -196,8 +203,9 @@ class FileStore(Store):
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
         self._put_stream(key, iter((data,)), size=len(data), if_absent=if_absent)
 
-    def _put_stream(self, key: str, chunks: Iterator[memoryview], *, size: int,
-                    if_absent: bool) -> None:
+    def _put_stream(
+        self, key: str, chunks: Iterator[memoryview], *, size: int, if_absent: bool
+    ) -> None:
         with _os_errors("put", key, self.uri):
             final = self._path(key)
             tmp = self._write_temp(key, chunks)
@@ -233,10 +241,13 @@ class FileStore(Store):
                 except NotFoundError:
                     current = None
                 if current != expected:
-                    raise ConflictError("compare-and-swap lost: the content is not the "
-                                        "expected one", key=key, store=self.uri,
-                                        absent=current is None,
-                                        hint="re-read the pointer and retry")
+                    raise ConflictError(
+                        "compare-and-swap lost: the content is not the expected one",
+                        key=key,
+                        store=self.uri,
+                        absent=current is None,
+                        hint="re-read the pointer and retry",
+                    )
                 tmp = self._write_temp(key, iter((memoryview(data),)))
                 try:
                     if expected is None:
@@ -255,7 +266,7 @@ class FileStore(Store):
         try:
             for view in chunks:
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -265,21 +276,25 @@ class FileStore(Store):
         os.close(fd)
         return tmp
 
-    def _link_into_place(self, key: str, tmp: Path, final: Path,
-                         exists_error: type[StoreError]) -> None:
+    def _link_into_place(
+        self, key: str, tmp: Path, final: Path, exists_error: type[StoreError]
+    ) -> None:
         try:
             os.link(tmp, final)
         except FileExistsError:
             if final.is_dir():
                 raise _clash(key, self.uri) from None
-            raise exists_error("object exists and published objects are immutable", key=key,
-                               store=self.uri) from None
+            raise exists_error(
+                "object exists and published objects are immutable", key=key, store=self.uri
+            ) from None
         except OSError as e:
             if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise StoreError("the filesystem does not support hard links, which "
-                                 "put-if-absent needs", key=key, store=self.uri,
-                                 hint="put the store on a POSIX filesystem (ext4, xfs, NFSv4)"
-                                 ) from e
+                raise StoreError(
+                    "the filesystem does not support hard links, which put-if-absent needs",
+                    key=key,
+                    store=self.uri,
+                    hint="put the store on a POSIX filesystem (ext4, xfs, NFSv4)",
+                ) from e
             raise
 
     def _replace_into_place(self, key: str, tmp: Path, final: Path) -> None:
@@ -340,17 +355,31 @@ _ABSENT = (errno.ENOENT, errno.ENOTDIR)
 
 
 def _not_object(key: str, uri: str, mode: int) -> NotFoundError:
-    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
-            else "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
-            or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
-    return NotFoundError(f"no such object ({kind} has that name; only regular files are "
-                         "objects)", key=key, store=uri)
+    kind = (
+        "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
+    return NotFoundError(
+        f"no such object ({kind} has that name; only regular files are objects)", key=key, store=uri
+    )
 
 
 def _clash(key: str, uri: str) -> StoreError:
-    return StoreError("key clashes with another key: a directory store cannot hold both "
-                      "'a' and 'a/b'", key=key, store=uri,
-                      hint="use key layouts where no key is a prefix-folder of another")
+    return StoreError(
+        "key clashes with another key: a directory store cannot hold both 'a' and 'a/b'",
+        key=key,
+        store=uri,
+        hint="use key layouts where no key is a prefix-folder of another",
+    )
 
 
 def _is_regular(fd: int) -> bool:

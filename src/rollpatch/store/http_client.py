@@ -33,8 +33,13 @@ __all__ = ["HttpStore"]
 T = TypeVar("T")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _UNSATISFIED_RANGE = re.compile(r"bytes \*/(\d+)")
-_NETWORK_ERRORS = (urllib.error.URLError, socket.timeout, ConnectionError,
-                   http.client.HTTPException, TimeoutError)
+_NETWORK_ERRORS = (
+    urllib.error.URLError,
+    socket.timeout,
+    ConnectionError,
+    http.client.HTTPException,
+    TimeoutError,
+)
 
 
 class _Transient(Exception):
@@ -69,19 +74,23 @@ class HttpStore(Store):
                 return fn()
             except _Transient as e:
                 if attempt == self.config.retries:
-                    raise TransientStoreError(f"relay request failed: {e}", key=key,
-                                              store=self.uri, attempts=attempt + 1) from None
+                    raise TransientStoreError(
+                        f"relay request failed: {e}", key=key, store=self.uri, attempts=attempt + 1
+                    ) from None
             time.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
 
-    def _open(self, url: str, *, method: str = "GET",
-              headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
-        request = urllib.request.Request(url, method=method,
-                                         headers={**self.config.headers, **(headers or {})})
+    def _open(
+        self, url: str, *, method: str = "GET", headers: dict[str, str] | None = None
+    ) -> http.client.HTTPResponse:
+        request = urllib.request.Request(
+            url, method=method, headers={**self.config.headers, **(headers or {})}
+        )
         try:
             response: http.client.HTTPResponse = urllib.request.urlopen(
-                request, timeout=self.config.timeout)
+                request, timeout=self.config.timeout
+            )
             return response
         except urllib.error.HTTPError as e:
             with e:
@@ -91,8 +100,9 @@ class HttpStore(Store):
         except _NETWORK_ERRORS as e:
             raise _Transient(str(e)) from None
 
-    def _read_body(self, response: http.client.HTTPResponse, expected: int | None,
-                   key: str | None) -> bytes:
+    def _read_body(
+        self, response: http.client.HTTPResponse, expected: int | None, key: str | None
+    ) -> bytes:
         try:
             body = response.read() if expected is None else response.read(expected + 1)
         except _NETWORK_ERRORS as e:
@@ -110,18 +120,23 @@ class HttpStore(Store):
 
         return self._attempts(attempt, key)
 
-    def _request(self, key: str, *, method: str = "GET",
-                 headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+    def _request(
+        self, key: str, *, method: str = "GET", headers: dict[str, str] | None = None
+    ) -> http.client.HTTPResponse:
         try:
             return self._open(self._object_url(key), method=method, headers=headers)
         except urllib.error.HTTPError as e:
             if e.code == 404:
-                raise NotFoundError("no such object on the relay", key=key,
-                                    store=self.uri) from None
+                raise NotFoundError(
+                    "no such object on the relay", key=key, store=self.uri
+                ) from None
             if e.code == 416:
                 match = _UNSATISFIED_RANGE.fullmatch(e.headers.get("Content-Range") or "")
-                raise ConfigError("byte range is outside the object", key=key,
-                                  size=int(match.group(1)) if match else None) from None
+                raise ConfigError(
+                    "byte range is outside the object",
+                    key=key,
+                    size=int(match.group(1)) if match else None,
+                ) from None
             raise StoreError(f"relay answered HTTP {e.code}", key=key, store=self.uri) from None
 
     def _get_range(self, key: str, start: int, end: int) -> bytes:
@@ -140,12 +155,17 @@ class HttpStore(Store):
                     return body[start:end]
                 match = _CONTENT_RANGE.fullmatch(r.headers.get("Content-Range") or "")
                 if r.status != 206 or match is None:
-                    raise StoreError("relay sent a bad ranged answer", key=key,
-                                     status=r.status, store=self.uri)
+                    raise StoreError(
+                        "relay sent a bad ranged answer", key=key, status=r.status, store=self.uri
+                    )
                 check_bounds(key, start, end, int(match.group(3)))
                 if (int(match.group(1)), int(match.group(2))) != (start, end - 1):
-                    raise StoreError("relay answered another range", key=key, store=self.uri,
-                                     content_range=match.group(0))
+                    raise StoreError(
+                        "relay answered another range",
+                        key=key,
+                        store=self.uri,
+                        content_range=match.group(0),
+                    )
                 return self._read_body(r, end - start, key)
 
         return self._attempts(attempt, key)
@@ -154,8 +174,9 @@ class HttpStore(Store):
         def attempt() -> ObjectInfo | None:
             try:
                 with self._request(key, method="HEAD") as r:
-                    return ObjectInfo(key=key, size=_content_length(r, key),
-                                      etag=r.headers.get("ETag"))
+                    return ObjectInfo(
+                        key=key, size=_content_length(r, key), etag=r.headers.get("ETag")
+                    )
             except NotFoundError:
                 return None
 
@@ -177,11 +198,15 @@ class HttpStore(Store):
             with self._open(url) as r:
                 body = r.read(self.config.max_list_bytes + 1)
         except urllib.error.HTTPError as e:
-            raise StoreError(f"relay list answered HTTP {e.code}", store=self.uri,
-                             prefix=prefix) from None
+            raise StoreError(
+                f"relay list answered HTTP {e.code}", store=self.uri, prefix=prefix
+            ) from None
         if len(body) > self.config.max_list_bytes:
-            raise StoreError("relay list answer exceeds max_list_bytes", store=self.uri,
-                             max_list_bytes=self.config.max_list_bytes)
+            raise StoreError(
+                "relay list answer exceeds max_list_bytes",
+                store=self.uri,
+                max_list_bytes=self.config.max_list_bytes,
+            )
         return _parse_list(body, prefix, after, self.uri)
 
     # -- writes: refused ----------------------------------------------------------------------
@@ -203,16 +228,26 @@ def _content_length(r: http.client.HTTPResponse, key: str) -> int:
     return int(value)
 
 
-def _parse_list(body: bytes, prefix: str, after: str | None,
-                uri: str) -> tuple[list[str], str | None]:
-    doc = jsonsafe.loads(body, what="relay list answer", error=StoreError,
-                         max_bytes=len(body), max_depth=4, store=uri)
+def _parse_list(
+    body: bytes, prefix: str, after: str | None, uri: str
+) -> tuple[list[str], str | None]:
+    doc = jsonsafe.loads(
+        body,
+        what="relay list answer",
+        error=StoreError,
+        max_bytes=len(body),
+        max_depth=4,
+        store=uri,
+    )
     keys, nxt = (doc.get("keys"), doc.get("next")) if isinstance(doc, dict) else (None, None)
     if not isinstance(keys, list) or not (nxt is None or isinstance(nxt, str)):
         raise StoreError('relay list answer must be {"keys": [str], "next": str|null}', store=uri)
     for key in keys:
-        if not isinstance(key, str) or not key.startswith(prefix) or \
-                (after is not None and key <= after):
+        if (
+            not isinstance(key, str)
+            or not key.startswith(prefix)
+            or (after is not None and key <= after)
+        ):
             raise StoreError("relay listed a key outside the request", store=uri, key=key)
         try:
             validate_key(key)

@@ -69,8 +69,9 @@ class MemoryStore(Store):
         copy = bytes(data)
         with self._ns.lock:
             if if_absent and key in self._ns.objects:
-                raise AlreadyExistsError("object exists and published objects are immutable",
-                                         key=key, store=self.uri)
+                raise AlreadyExistsError(
+                    "object exists and published objects are immutable", key=key, store=self.uri
+                )
             self._store(key, copy)
 
     def _list(self, prefix: str) -> list[str]:
@@ -93,7 +94,11 @@ class MemoryStore(Store):
             item = self._ns.objects.get(key)
             current = None if item is None else item[0]
             if current != expected:
-                raise ConflictError("compare-and-swap lost: the content is not the expected one",
-                                    key=key, store=self.uri, absent=current is None,
-                                    hint="re-read the pointer and retry")
+                raise ConflictError(
+                    "compare-and-swap lost: the content is not the expected one",
+                    key=key,
+                    store=self.uri,
+                    absent=current is None,
+                    hint="re-read the pointer and retry",
+                )
             self._store(key, data)

@@ -54,11 +54,26 @@ __all__ = ["S3Store"]
 
 _MAX_PARTS = 10_000
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
-_TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-                              "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
-                              "RequestLimitExceeded", "TooManyRequests"})
-_NETWORK_ERRORS = (BotoConnectionError, HTTPClientError, ReadTimeoutError, IncompleteReadError,
-                   ResponseStreamingError)
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+    }
+)
+_NETWORK_ERRORS = (
+    BotoConnectionError,
+    HTTPClientError,
+    ReadTimeoutError,
+    IncompleteReadError,
+    ResponseStreamingError,
+)
 
 
 class S3Store(Store):
@@ -68,20 +83,28 @@ class S3Store(Store):
         self.config = config
         self.uri = f"s3://{config.bucket}/{config.prefix}".rstrip("/")
         session = boto3.session.Session(
-            aws_access_key_id=config.access_key_id, aws_secret_access_key=config.secret_access_key,
-            aws_session_token=config.session_token, profile_name=config.profile)
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            aws_session_token=config.session_token,
+            profile_name=config.profile,
+        )
         style = config.addressing_style
         if style == "auto" and config.endpoint_url is not None:
             style = "path"  # custom endpoints rarely have wildcard DNS for virtual hosts
         self._client: Any = session.client(
-            "s3", endpoint_url=config.endpoint_url, region_name=config.region or "us-east-1",
-            config=Config(connect_timeout=config.connect_timeout,
-                          read_timeout=config.read_timeout,
-                          retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                          s3={"addressing_style": style},
-                          max_pool_connections=config.max_workers + 4,
-                          request_checksum_calculation=config.checksums,
-                          response_checksum_validation="when_required"))
+            "s3",
+            endpoint_url=config.endpoint_url,
+            region_name=config.region or "us-east-1",
+            config=Config(
+                connect_timeout=config.connect_timeout,
+                read_timeout=config.read_timeout,
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                s3={"addressing_style": style},
+                max_pool_connections=config.max_workers + 4,
+                request_checksum_calculation=config.checksums,
+                response_checksum_validation="when_required",
+            ),
+        )
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -93,8 +116,9 @@ class S3Store(Store):
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.config.max_workers,
-                                                thread_name_prefix="rollpatch-s3")
+                self._pool = ThreadPoolExecutor(
+                    self.config.max_workers, thread_name_prefix="rollpatch-s3"
+                )
             return self._pool
 
     def close(self) -> None:
@@ -108,9 +132,14 @@ class S3Store(Store):
             close()
 
     @contextlib.contextmanager
-    def _calling(self, op: str, key: str | None, *,
-                 on_precondition: type[StoreError] = ConflictError,
-                 on_conflict: type[StoreError] = ConflictError) -> Iterator[None]:
+    def _calling(
+        self,
+        op: str,
+        key: str | None,
+        *,
+        on_precondition: type[StoreError] = ConflictError,
+        on_conflict: type[StoreError] = ConflictError,
+    ) -> Iterator[None]:
         """Translate botocore failures raised inside the block into store errors."""
         try:
             yield
@@ -119,14 +148,19 @@ class S3Store(Store):
 
     # -- reads --------------------------------------------------------------------------------
 
-    def _fetch(self, key: str, start: int, stop: int,
-               etag: str | None = None) -> tuple[bytes, int, str]:
+    def _fetch(
+        self, key: str, start: int, stop: int, etag: str | None = None
+    ) -> tuple[bytes, int, str]:
         """GET bytes [start, stop); return (data, object size, etag). The data may end early
         when the object is shorter; callers check bounds against the size."""
         extra = {} if etag is None else {"IfMatch": etag}
         with self._calling("get", key, on_precondition=TransientStoreError):
-            r = self._client.get_object(Bucket=self.config.bucket, Key=self._k(key),
-                                        Range=f"bytes={start}-{stop - 1}", **extra)
+            r = self._client.get_object(
+                Bucket=self.config.bucket,
+                Key=self._k(key),
+                Range=f"bytes={start}-{stop - 1}",
+                **extra,
+            )
             body = r["Body"].read()
         match = _CONTENT_RANGE.fullmatch(r.get("ContentRange") or "")
         if match is None:  # a full 200 answer: the server ignored Range
@@ -134,8 +168,9 @@ class S3Store(Store):
         else:
             total, data = int(match.group(3)), body
         if len(data) != max(0, min(stop, total) - start):
-            raise TransientStoreError("short read from S3", key=key, got=len(data),
-                                      start=start, stop=stop, size=total)
+            raise TransientStoreError(
+                "short read from S3", key=key, got=len(data), start=start, stop=stop, size=total
+            )
         return data, total, r["ETag"]
 
     def _fetch_rest(self, key: str, start: int, end: int, etag: str) -> list[bytes]:
@@ -151,8 +186,11 @@ class S3Store(Store):
             first, total, etag = self._fetch(key, 0, self.config.part_size)
         except ConfigError:  # 416: S3 answers a ranged GET of an empty object this way
             with self._calling("get", key):
-                return bytes(self._client.get_object(Bucket=self.config.bucket,
-                                                     Key=self._k(key))["Body"].read())
+                return bytes(
+                    self._client.get_object(Bucket=self.config.bucket, Key=self._k(key))[
+                        "Body"
+                    ].read()
+                )
         if total <= len(first):
             return first
         return b"".join([first, *self._fetch_rest(key, len(first), total, etag)])
@@ -185,15 +223,20 @@ class S3Store(Store):
         except NotFoundError:
             return None
         modified = r.get("LastModified")
-        return ObjectInfo(key=key, size=int(r["ContentLength"]), etag=r.get("ETag"),
-                          modified=modified.timestamp() if modified is not None else None)
+        return ObjectInfo(
+            key=key,
+            size=int(r["ContentLength"]),
+            etag=r.get("ETag"),
+            modified=modified.timestamp() if modified is not None else None,
+        )
 
     def _list(self, prefix: str) -> list[str]:
         keys: list[str] = []
         strip = len(self.config.prefix)
         with self._calling("list", None):
             pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.config.bucket, Prefix=self.config.prefix + prefix)
+                Bucket=self.config.bucket, Prefix=self.config.prefix + prefix
+            )
             for page in pages:
                 keys.extend(obj["Key"][strip:] for obj in page.get("Contents", ()))
         return sorted(k for k in keys if _is_key(k))
@@ -203,26 +246,37 @@ class S3Store(Store):
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
         if len(data) > self.config.multipart_threshold:
             if if_absent and self._head(key) is not None:  # cheap early refusal; not the guard
-                raise AlreadyExistsError("object exists and published objects are immutable",
-                                         key=key, store=self.uri)
+                raise AlreadyExistsError(
+                    "object exists and published objects are immutable", key=key, store=self.uri
+                )
             self._put_multipart(key, data, if_absent=if_absent)
             return
-        self._put_single(key, bytes(data), {"IfNoneMatch": "*"} if if_absent else {},
-                         on_fail=AlreadyExistsError)
+        self._put_single(
+            key, bytes(data), {"IfNoneMatch": "*"} if if_absent else {}, on_fail=AlreadyExistsError
+        )
 
-    def _put_single(self, key: str, body: bytes, condition: dict[str, str], *,
-                    on_fail: type[StoreError]) -> None:
+    def _put_single(
+        self, key: str, body: bytes, condition: dict[str, str], *, on_fail: type[StoreError]
+    ) -> None:
         """One conditional PutObject; 412 -> ``on_fail`` unless our own retried write won."""
-        with self._calling("put", key, on_precondition=on_fail,
-                           on_conflict=TransientStoreError if on_fail is AlreadyExistsError
-                           else ConflictError):
+        with self._calling(
+            "put",
+            key,
+            on_precondition=on_fail,
+            on_conflict=TransientStoreError if on_fail is AlreadyExistsError else ConflictError,
+        ):
             try:
-                self._client.put_object(Bucket=self.config.bucket, Key=self._k(key), Body=body,
-                                        **condition)
+                self._client.put_object(
+                    Bucket=self.config.bucket, Key=self._k(key), Body=body, **condition
+                )
             except ClientError as e:
                 # A retried request can hit the condition its own first attempt satisfied.
-                if condition and _status(e) in (404, 412) and _retried(e) \
-                        and self._holds(key, body):
+                if (
+                    condition
+                    and _status(e) in (404, 412)
+                    and _retried(e)
+                    and self._holds(key, body)
+                ):
                     return
                 raise
 
@@ -236,52 +290,71 @@ class S3Store(Store):
         size = self.config.part_size
         count = -(-len(data) // size)
         if count > _MAX_PARTS:
-            raise ConfigError("object needs more than 10000 parts", key=key, size=len(data),
-                              part_size=size, hint="raise part_size")
+            raise ConfigError(
+                "object needs more than 10000 parts",
+                key=key,
+                size=len(data),
+                part_size=size,
+                hint="raise part_size",
+            )
         bucket, k = self.config.bucket, self._k(key)
         with self._calling("put", key):
             upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]
 
         def upload(i: int) -> dict[str, Any]:
-            part = bytes(data[i * size:(i + 1) * size])
+            part = bytes(data[i * size : (i + 1) * size])
             with self._calling("put", key):
-                r = self._client.upload_part(Bucket=bucket, Key=k, UploadId=upload_id,
-                                             PartNumber=i + 1, Body=part)
+                r = self._client.upload_part(
+                    Bucket=bucket, Key=k, UploadId=upload_id, PartNumber=i + 1, Body=part
+                )
             return {"PartNumber": i + 1, "ETag": r["ETag"]}
 
         try:
             parts = list(self._executor().map(upload, range(count)))
-            with self._calling("put", key, on_precondition=AlreadyExistsError,
-                               on_conflict=TransientStoreError):
+            with self._calling(
+                "put", key, on_precondition=AlreadyExistsError, on_conflict=TransientStoreError
+            ):
                 self._client.complete_multipart_upload(
-                    Bucket=bucket, Key=k, UploadId=upload_id, MultipartUpload={"Parts": parts},
-                    **({"IfNoneMatch": "*"} if if_absent else {}))
+                    Bucket=bucket,
+                    Key=k,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **({"IfNoneMatch": "*"} if if_absent else {}),
+                )
         except BaseException:
             with contextlib.suppress(ClientError, BotoCoreError):
                 self._client.abort_multipart_upload(Bucket=bucket, Key=k, UploadId=upload_id)
             raise
 
-    def _put_stream(self, key: str, chunks: Iterator[memoryview], *, size: int,
-                    if_absent: bool) -> None:
+    def _put_stream(
+        self, key: str, chunks: Iterator[memoryview], *, size: int, if_absent: bool
+    ) -> None:
         """Multipart upload fed part by part: at most ``max_workers + 1`` parts in memory."""
         part = self.config.part_size
         if size <= self.config.multipart_threshold:
             super()._put_stream(key, chunks, size=size, if_absent=if_absent)
             return
         if -(-size // part) > _MAX_PARTS:
-            raise ConfigError("object needs more than 10000 parts", key=key, size=size,
-                              part_size=part, hint="raise part_size")
+            raise ConfigError(
+                "object needs more than 10000 parts",
+                key=key,
+                size=size,
+                part_size=part,
+                hint="raise part_size",
+            )
         if if_absent and self._head(key) is not None:  # cheap early refusal; not the guard
-            raise AlreadyExistsError("object exists and published objects are immutable",
-                                     key=key, store=self.uri)
+            raise AlreadyExistsError(
+                "object exists and published objects are immutable", key=key, store=self.uri
+            )
         bucket, k = self.config.bucket, self._k(key)
         with self._calling("put", key):
             upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]
 
         def upload(i: int, body: bytes) -> dict[str, Any]:
             with self._calling("put", key):
-                r = self._client.upload_part(Bucket=bucket, Key=k, UploadId=upload_id,
-                                             PartNumber=i + 1, Body=body)
+                r = self._client.upload_part(
+                    Bucket=bucket, Key=k, UploadId=upload_id, PartNumber=i + 1, Body=body
+                )
             return {"PartNumber": i + 1, "ETag": r["ETag"]}
 
         pending: list[Future[dict[str, Any]]] = []
@@ -297,7 +370,7 @@ class S3Store(Store):
             for c in chunks:
                 off = 0
                 while off < len(c):
-                    take = c[off:off + part - len(buf)]
+                    take = c[off : off + part - len(buf)]
                     buf += take
                     off += len(take)
                     if len(buf) == part:
@@ -306,11 +379,16 @@ class S3Store(Store):
             if buf:
                 submit(bytes(buf))
             parts += [f.result() for f in pending]
-            with self._calling("put", key, on_precondition=AlreadyExistsError,
-                               on_conflict=TransientStoreError):
+            with self._calling(
+                "put", key, on_precondition=AlreadyExistsError, on_conflict=TransientStoreError
+            ):
                 self._client.complete_multipart_upload(
-                    Bucket=bucket, Key=k, UploadId=upload_id, MultipartUpload={"Parts": parts},
-                    **({"IfNoneMatch": "*"} if if_absent else {}))
+                    Bucket=bucket,
+                    Key=k,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **({"IfNoneMatch": "*"} if if_absent else {}),
+                )
         except BaseException:
             for f in pending:
                 f.cancel()
@@ -327,8 +405,12 @@ class S3Store(Store):
 
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
         if len(data) > self.config.multipart_threshold:
-            raise ConfigError("cas is for small pointer objects", key=key, size=len(data),
-                              multipart_threshold=self.config.multipart_threshold)
+            raise ConfigError(
+                "cas is for small pointer objects",
+                key=key,
+                size=len(data),
+                multipart_threshold=self.config.multipart_threshold,
+            )
         if expected is None:
             condition = {"IfNoneMatch": "*"}
         else:
@@ -337,20 +419,29 @@ class S3Store(Store):
                     r = self._client.get_object(Bucket=self.config.bucket, Key=self._k(key))
                 except ClientError as e:
                     if _status(e) == 404 and _code(e) != "NoSuchBucket":
-                        raise ConflictError("compare-and-swap lost: the key is absent", key=key,
-                                            store=self.uri, absent=True,
-                                            hint="re-read the pointer and retry") from None
+                        raise ConflictError(
+                            "compare-and-swap lost: the key is absent",
+                            key=key,
+                            store=self.uri,
+                            absent=True,
+                            hint="re-read the pointer and retry",
+                        ) from None
                     raise
                 current = r["Body"].read()
             if current != expected:
-                raise ConflictError("compare-and-swap lost: the content is not the expected one",
-                                    key=key, store=self.uri, hint="re-read the pointer and retry")
+                raise ConflictError(
+                    "compare-and-swap lost: the content is not the expected one",
+                    key=key,
+                    store=self.uri,
+                    hint="re-read the pointer and retry",
+                )
             condition = {"IfMatch": r["ETag"]}
         try:
             self._put_single(key, data, condition, on_fail=ConflictError)
         except NotFoundError:  # If-Match on a key deleted meanwhile
-            raise ConflictError("compare-and-swap lost: the key was deleted", key=key,
-                                store=self.uri, absent=True) from None
+            raise ConflictError(
+                "compare-and-swap lost: the key was deleted", key=key, store=self.uri, absent=True
+            ) from None
 
 
 def _status(e: ClientError) -> int:
@@ -373,14 +464,23 @@ def _is_key(key: str) -> bool:
     return True
 
 
-def _translate(e: ClientError | BotoCoreError, op: str, key: str | None, uri: str,
-               on_precondition: type[StoreError],
-               on_conflict: type[StoreError]) -> StoreError | ConfigError:
+def _translate(
+    e: ClientError | BotoCoreError,
+    op: str,
+    key: str | None,
+    uri: str,
+    on_precondition: type[StoreError],
+    on_conflict: type[StoreError],
+) -> StoreError | ConfigError:
     """Map one botocore failure to the store's exception tree (classes, never messages)."""
     ctx: dict[str, Any] = {"key": key, "store": uri, "op": op}
     if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
-        return ConfigError(f"no usable S3 credentials: {e}", hint="set AWS_ACCESS_KEY_ID and "
-                           "AWS_SECRET_ACCESS_KEY, a profile, or pass access_key_id=...", **ctx)
+        return ConfigError(
+            f"no usable S3 credentials: {e}",
+            hint="set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, a profile, or pass access_key_id=...",
+            **ctx,
+        )
     if isinstance(e, _NETWORK_ERRORS):
         return TransientStoreError(f"S3 network failure: {e}", **ctx)
     if not isinstance(e, ClientError):
@@ -393,16 +493,19 @@ def _translate(e: ClientError | BotoCoreError, op: str, key: str | None, uri: st
     if status == 412 or code == "PreconditionFailed":
         if on_precondition is AlreadyExistsError:
             return AlreadyExistsError("object exists and published objects are immutable", **ctx)
-        return on_precondition(f"S3 refused the conditional {op} (412)", **ctx,
-                               hint="re-read and retry")
+        return on_precondition(
+            f"S3 refused the conditional {op} (412)", **ctx, hint="re-read and retry"
+        )
     if status == 409 and code == "ConditionalRequestConflict":
-        return on_conflict("a concurrent conditional write to this key was in flight (409)",
-                           hint="retry", **ctx)
+        return on_conflict(
+            "a concurrent conditional write to this key was in flight (409)", hint="retry", **ctx
+        )
     if status == 416 or code == "InvalidRange":
         return ConfigError("byte range is outside the object", **ctx)
     if status == 429 or status >= 500 or code in _TRANSIENT_CODES:
         return TransientStoreError(f"S3 {op} failed, retry later: {code} ({status})", **ctx)
     if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        return StoreError(f"S3 denied {op}: {code}", hint="check credentials, region and "
-                          "bucket policy", **ctx)
+        return StoreError(
+            f"S3 denied {op}: {code}", hint="check credentials, region and bucket policy", **ctx
+        )
     return StoreError(f"S3 {op} failed: {code} ({status})", **ctx)

@@ -98,12 +98,17 @@ class ThrottleStats:
 def _check(name: str, value: object, *, allow_none: bool) -> None:
     if value is None and allow_none:
         return
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > 0 if name == "bandwidth_bps" else value >= 0))
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > 0 if name == "bandwidth_bps" else value >= 0)
+    )
     if not ok:
         rule = "> 0 (or None: unlimited)" if name == "bandwidth_bps" else ">= 0"
-        raise ConfigError(f"ThrottledStore.{name} must be a finite number {rule}",
-                          field=name, value=value)
+        raise ConfigError(
+            f"ThrottledStore.{name} must be a finite number {rule}", field=name, value=value
+        )
 
 
 class ThrottledStore(Store):
@@ -113,12 +118,19 @@ class ThrottledStore(Store):
     wrapper does not close ``inner`` (the caller owns it).
     """
 
-    def __init__(self, inner: Store, bandwidth_bps: float | None, latency_s: float, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        inner: Store,
+        bandwidth_bps: float | None,
+        latency_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if not isinstance(inner, Store):
-            raise ConfigError("ThrottledStore.inner must be a Store", field="inner",
-                              value=type(inner).__name__)
+            raise ConfigError(
+                "ThrottledStore.inner must be a Store", field="inner", value=type(inner).__name__
+            )
         _check("bandwidth_bps", bandwidth_bps, allow_none=True)
         _check("latency_s", latency_s, allow_none=False)
         self.inner = inner
@@ -190,13 +202,15 @@ class ThrottledStore(Store):
         return self._through(lambda: self.inner.get_range(key, start, end), len)
 
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
-        self._through(lambda: self.inner.put(key, data, if_absent=if_absent), lambda _: 0,
-                      up=data.nbytes)
+        self._through(
+            lambda: self.inner.put(key, data, if_absent=if_absent), lambda _: 0, up=data.nbytes
+        )
 
     def _list(self, prefix: str) -> Keys:
         # a listing's payload: the keys, one line each (what a JSON or XML page roughly costs)
-        return self._through(lambda: self.inner.list(prefix),
-                             lambda keys: sum(len(k.encode()) + 1 for k in keys))
+        return self._through(
+            lambda: self.inner.list(prefix), lambda keys: sum(len(k.encode()) + 1 for k in keys)
+        )
 
     def _delete(self, key: str) -> None:
         self._through(lambda: self.inner.delete(key), lambda _: 0)
@@ -205,5 +219,6 @@ class ThrottledStore(Store):
         return self._through(lambda: self.inner.head(key), lambda _: 0)
 
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
-        self._through(lambda: self.inner.cas(key, data, expected=expected), lambda _: 0,
-                      up=len(data))
+        self._through(
+            lambda: self.inner.cas(key, data, expected=expected), lambda _: 0, up=len(data)
+        )

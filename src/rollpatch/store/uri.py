@@ -52,8 +52,11 @@ def open_store(uri: str, **options: Any) -> Store:
         from .http_client import HttpStore
 
         return HttpStore(uri, http_config_from(options))
-    raise ConfigError(f"unknown store scheme {scheme!r}", uri=uri,
-                      hint=f"use one of {', '.join(s + '://' for s in SCHEMES)} or a path")
+    raise ConfigError(
+        f"unknown store scheme {scheme!r}",
+        uri=uri,
+        hint=f"use one of {', '.join(s + '://' for s in SCHEMES)} or a path",
+    )
 
 
 def _open_file(path: str, options: dict[str, Any]) -> Store:
@@ -61,8 +64,9 @@ def _open_file(path: str, options: dict[str, Any]) -> Store:
 
     unknown = sorted(set(options) - {"fsync"})
     if unknown:
-        raise ConfigError(f"unknown option(s) for file stores: {', '.join(unknown)}",
-                          hint="allowed: fsync")
+        raise ConfigError(
+            f"unknown option(s) for file stores: {', '.join(unknown)}", hint="allowed: fsync"
+        )
     return FileStore(path, **options)
 
 
@@ -93,6 +97,7 @@ def _open_s3(uri: str, options: dict[str, Any]) -> Store:
     try:
         from .s3 import S3Store
     except ImportError as e:
-        raise ConfigError(f"s3:// stores need boto3 ({e})",
-                          hint="pip install 'rollpatch[s3]'") from None
+        raise ConfigError(
+            f"s3:// stores need boto3 ({e})", hint="pip install 'rollpatch[s3]'"
+        ) from None
     return S3Store(config)

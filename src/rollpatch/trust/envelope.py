@@ -24,12 +24,24 @@ from .. import jsonsafe
 from ..errors import TrustError
 from .keys import PublicKey, SigningKey
 
-__all__ = ["LATEST_TYPE", "MANIFEST_TYPE", "ROOT_TYPE", "Envelope", "PayloadType",
-           "Signature", "pae", "parse_envelope", "seal", "verify_threshold"]
+__all__ = [
+    "LATEST_TYPE",
+    "MANIFEST_TYPE",
+    "ROOT_TYPE",
+    "Envelope",
+    "PayloadType",
+    "Signature",
+    "pae",
+    "parse_envelope",
+    "seal",
+    "verify_threshold",
+]
 
-PayloadType = Literal["application/vnd.rollpatch.manifest+json",
-                      "application/vnd.rollpatch.latest+json",
-                      "application/vnd.rollpatch.root+json"]
+PayloadType = Literal[
+    "application/vnd.rollpatch.manifest+json",
+    "application/vnd.rollpatch.latest+json",
+    "application/vnd.rollpatch.root+json",
+]
 MANIFEST_TYPE: PayloadType = "application/vnd.rollpatch.manifest+json"
 LATEST_TYPE: PayloadType = "application/vnd.rollpatch.latest+json"
 ROOT_TYPE: PayloadType = "application/vnd.rollpatch.root+json"
@@ -54,10 +66,14 @@ class Envelope:
     signatures: tuple[Signature, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"payload": base64.b64encode(self.payload).decode("ascii"),
-                "payloadType": self.payload_type,
-                "signatures": [{"keyid": s.keyid, "sig": base64.b64encode(s.sig).decode("ascii")}
-                               for s in self.signatures]}
+        return {
+            "payload": base64.b64encode(self.payload).decode("ascii"),
+            "payloadType": self.payload_type,
+            "signatures": [
+                {"keyid": s.keyid, "sig": base64.b64encode(s.sig).decode("ascii")}
+                for s in self.signatures
+            ],
+        }
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
@@ -83,9 +99,9 @@ def looks_like_envelope(doc: Any) -> bool:
     return isinstance(doc, dict) and "payloadType" in doc
 
 
-def parse_envelope(doc: Any, *, expect: PayloadType, max_payload: int, **context: Any
-                   ) -> Envelope:
+def parse_envelope(doc: Any, *, expect: PayloadType, max_payload: int, **context: Any) -> Envelope:
     """An :class:`Envelope` from a parsed JSON document; TrustError(malformed) otherwise."""
+
     def bad(what: str) -> TrustError:
         return TrustError(f"malformed signed envelope: {what}", reason="malformed", **context)
 
@@ -95,8 +111,11 @@ def parse_envelope(doc: Any, *, expect: PayloadType, max_payload: int, **context
     if ptype not in _TYPES:
         raise bad("unknown payloadType")
     if ptype != expect:
-        raise TrustError(f"envelope holds a {ptype.split('.')[-1]}, not a "
-                         f"{expect.split('.')[-1]}", reason="bad_signature", **context)
+        raise TrustError(
+            f"envelope holds a {ptype.split('.')[-1]}, not a {expect.split('.')[-1]}",
+            reason="bad_signature",
+            **context,
+        )
     if not isinstance(payload, str) or len(payload) > (max_payload + 2) // 3 * 4:
         raise bad("payload is not a string or is too large")
     data = _b64(payload, bad)
@@ -114,11 +133,17 @@ def parse_envelope(doc: Any, *, expect: PayloadType, max_payload: int, **context
     return Envelope(ptype, data, tuple(out))
 
 
-def load_envelope(raw: bytes, *, expect: PayloadType, max_bytes: int, **context: Any
-                  ) -> Envelope:
+def load_envelope(raw: bytes, *, expect: PayloadType, max_bytes: int, **context: Any) -> Envelope:
     """Parse envelope bytes (bounded strict JSON), without verifying any signature."""
-    doc = jsonsafe.loads(raw, what="signed envelope", error=TrustError, max_bytes=max_bytes,
-                         max_depth=4, reason="malformed", **context)
+    doc = jsonsafe.loads(
+        raw,
+        what="signed envelope",
+        error=TrustError,
+        max_bytes=max_bytes,
+        max_depth=4,
+        reason="malformed",
+        **context,
+    )
     return parse_envelope(doc, expect=expect, max_payload=max_bytes, **context)
 
 
@@ -129,20 +154,25 @@ def _b64(text: str, bad: Any) -> bytes:
         raise bad("not valid base64") from None
 
 
-def verify_threshold(env: Envelope, keys: Mapping[str, PublicKey], threshold: int,
-                     **context: Any) -> frozenset[str]:
+def verify_threshold(
+    env: Envelope, keys: Mapping[str, PublicKey], threshold: int, **context: Any
+) -> frozenset[str]:
     """The key ids of ``keys`` whose valid signature ``env`` carries; TrustError unless there
     are at least ``threshold`` of them (each key counts once, however often it signed)."""
     if not env.signatures:
         raise TrustError("the document is not signed", reason="unsigned", **context)
     message = pae(env.payload_type, env.payload)
-    good = frozenset(s.keyid for s in env.signatures
-                     if s.keyid in keys and keys[s.keyid].verify(s.sig, message))
+    good = frozenset(
+        s.keyid for s in env.signatures if s.keyid in keys and keys[s.keyid].verify(s.sig, message)
+    )
     if len(good) < threshold:
         known = sum(1 for s in env.signatures if s.keyid in keys)
-        raise TrustError(f"{len(good)} valid signature(s) from trusted keys, {threshold} needed",
-                         reason="bad_signature", signatures=len(env.signatures),
-                         from_trusted_keys=known,
-                         hint="signed by a key the trust root does not list, or forged",
-                         **context)
+        raise TrustError(
+            f"{len(good)} valid signature(s) from trusted keys, {threshold} needed",
+            reason="bad_signature",
+            signatures=len(env.signatures),
+            from_trusted_keys=known,
+            hint="signed by a key the trust root does not list, or forged",
+            **context,
+        )
     return good

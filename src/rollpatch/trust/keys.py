@@ -25,8 +25,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 
 from ..errors import ConfigError
 
-__all__ = ["KEYTYPE", "PublicKey", "SigningKey", "read_public_key", "read_signing_key",
-           "write_keypair"]
+__all__ = [
+    "KEYTYPE",
+    "PublicKey",
+    "SigningKey",
+    "read_public_key",
+    "read_signing_key",
+    "write_keypair",
+]
 
 KEYTYPE = "ed25519"
 #: Key files are small; anything larger is the wrong file.
@@ -79,8 +85,9 @@ class SigningKey:
 
     def __init__(self, key: Ed25519PrivateKey) -> None:
         self._key = key
-        raw = key.public_key().public_bytes(serialization.Encoding.Raw,
-                                             serialization.PublicFormat.Raw)
+        raw = key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
         self.public = PublicKey(raw)
 
     @classmethod
@@ -95,20 +102,28 @@ class SigningKey:
         return self._key.sign(message)
 
     def to_pem(self) -> bytes:
-        return self._key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption())
+        return self._key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
 
     @classmethod
     def from_pem(cls, data: bytes, *, path: str | None = None) -> SigningKey:
         try:
             key = serialization.load_pem_private_key(data.strip() + b"\n", password=None)
         except (ValueError, TypeError):
-            raise ConfigError("not an unencrypted PEM private key", path=path,
-                              hint="make one with `rollpatch keygen`") from None
+            raise ConfigError(
+                "not an unencrypted PEM private key",
+                path=path,
+                hint="make one with `rollpatch keygen`",
+            ) from None
         if not isinstance(key, Ed25519PrivateKey):
-            raise ConfigError("the private key is not an Ed25519 key", path=path,
-                              hint="make one with `rollpatch keygen`")
+            raise ConfigError(
+                "the private key is not an Ed25519 key",
+                path=path,
+                hint="make one with `rollpatch keygen`",
+            )
         return cls(key)
 
     def __repr__(self) -> str:
@@ -122,8 +137,7 @@ def _read_small(path: str | Path, what: str) -> bytes:
     except OSError as e:
         raise ConfigError(f"cannot read the {what}: {e.strerror or e}", path=str(path)) from None
     if len(raw) > MAX_KEY_FILE_BYTES:
-        raise ConfigError(f"the {what} is larger than {MAX_KEY_FILE_BYTES:,} bytes",
-                          path=str(path))
+        raise ConfigError(f"the {what} is larger than {MAX_KEY_FILE_BYTES:,} bytes", path=str(path))
     if not raw.strip():
         raise ConfigError(f"the {what} is empty", path=str(path))
     return raw
@@ -145,8 +159,11 @@ def read_public_key(path: str | Path) -> PublicKey:
         text = ""
     match = _PUBLIC_LINE.fullmatch(text)
     if match is None:
-        raise ConfigError("not a public key file (expected one line `ed25519:<64 hex>`)",
-                          path=str(path), hint="make one with `rollpatch keygen`")
+        raise ConfigError(
+            "not a public key file (expected one line `ed25519:<64 hex>`)",
+            path=str(path),
+            hint="make one with `rollpatch keygen`",
+        )
     return PublicKey(bytes.fromhex(match.group(1)))
 
 
@@ -156,8 +173,11 @@ def write_keypair(prefix: str | Path) -> tuple[Path, Path, SigningKey]:
     private, public = Path(f"{prefix}.key"), Path(f"{prefix}.pub")
     for p in (private, public):
         if p.exists() or p.is_symlink():
-            raise ConfigError("refusing to overwrite an existing key file", path=str(p),
-                              hint="choose another name, or delete the old key first")
+            raise ConfigError(
+                "refusing to overwrite an existing key file",
+                path=str(p),
+                hint="choose another name, or delete the old key first",
+            )
     _write_new(private, key.to_pem(), 0o600)
     _write_new(public, (key.public.line() + "\n").encode(), 0o644)
     return private, public, key
@@ -167,7 +187,8 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except OSError as e:
-        raise ConfigError(f"cannot create the key file: {e.strerror or e}",
-                          path=str(path)) from None
+        raise ConfigError(
+            f"cannot create the key file: {e.strerror or e}", path=str(path)
+        ) from None
     with os.fdopen(fd, "wb") as f:
         f.write(data)

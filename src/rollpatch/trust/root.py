@@ -26,8 +26,14 @@ from ..types import MAX_VERSION
 from .envelope import ROOT_TYPE, Envelope, load_envelope, seal, verify_threshold
 from .keys import KEYTYPE, PublicKey, SigningKey
 
-__all__ = ["MAX_ROOT_BYTES", "ROOT_SCHEMA", "Root", "sign_root", "verify_initial_root",
-           "verify_next_root"]
+__all__ = [
+    "MAX_ROOT_BYTES",
+    "ROOT_SCHEMA",
+    "Root",
+    "sign_root",
+    "verify_initial_root",
+    "verify_next_root",
+]
 
 ROOT_SCHEMA = "rollpatch.root/1"
 MAX_ROOT_BYTES = 256 * 1024
@@ -45,43 +51,70 @@ class Root:
     expires: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int) \
-                or not 1 <= self.version <= MAX_VERSION:
+        if (
+            isinstance(self.version, bool)
+            or not isinstance(self.version, int)
+            or not 1 <= self.version <= MAX_VERSION
+        ):
             raise ConfigError("a root's version is an integer >= 1", value=self.version)
         if not 1 <= len(self.keys) <= MAX_KEYS:
             raise ConfigError(f"a root names 1 to {MAX_KEYS} keys", keys=len(self.keys))
         if any(k != pk.keyid for k, pk in self.keys.items()):
             raise ConfigError("a root's key ids must be the keys' SHA-256")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) \
-                or not 1 <= self.threshold <= len(self.keys):
-            raise ConfigError("a root's threshold is between 1 and its number of keys",
-                              threshold=self.threshold, keys=len(self.keys))
+        if (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, int)
+            or not 1 <= self.threshold <= len(self.keys)
+        ):
+            raise ConfigError(
+                "a root's threshold is between 1 and its number of keys",
+                threshold=self.threshold,
+                keys=len(self.keys),
+            )
         for name in ("created", "expires"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v)):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            ):
                 raise ConfigError(f"a root's {name} is a finite timestamp", value=v)
 
     @classmethod
-    def new(cls, keys: Iterable[PublicKey], *, threshold: int = 1, version: int = 1,
-            expires: float | None = None) -> Root:
-        return cls(version, {k.keyid: k for k in keys}, threshold, float(int(time.time())),
-                   expires)
+    def new(
+        cls,
+        keys: Iterable[PublicKey],
+        *,
+        threshold: int = 1,
+        version: int = 1,
+        expires: float | None = None,
+    ) -> Root:
+        return cls(version, {k.keyid: k for k in keys}, threshold, float(int(time.time())), expires)
 
     def expired(self, now: float) -> bool:
         return self.expires is not None and now > self.expires
 
     def to_payload(self) -> bytes:
-        doc = {"schema": ROOT_SCHEMA, "version": self.version, "threshold": self.threshold,
-               "created": self.created, "expires": self.expires,
-               "keys": {k: {"keytype": KEYTYPE, "public": pk.hex}
-                        for k, pk in sorted(self.keys.items())}}
+        doc = {
+            "schema": ROOT_SCHEMA,
+            "version": self.version,
+            "threshold": self.threshold,
+            "created": self.created,
+            "expires": self.expires,
+            "keys": {
+                k: {"keytype": KEYTYPE, "public": pk.hex} for k, pk in sorted(self.keys.items())
+            },
+        }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_payload(cls, raw: bytes) -> Root:
-        d = jsonsafe.loads(raw, what="root document", error=TrustError, max_bytes=MAX_ROOT_BYTES,
-                           max_depth=4, reason="malformed")
+        d = jsonsafe.loads(
+            raw,
+            what="root document",
+            error=TrustError,
+            max_bytes=MAX_ROOT_BYTES,
+            max_depth=4,
+            reason="malformed",
+        )
         try:
             return _parse(d)
         except (KeyError, TypeError, ValueError) as e:
@@ -99,8 +132,11 @@ def _parse(d: Any) -> Root:
         raise ValueError("keys")
     keys = {}
     for keyid, entry in keys_doc.items():
-        if not isinstance(entry, dict) or entry.get("keytype") != KEYTYPE \
-                or set(entry) != {"keytype", "public"}:
+        if (
+            not isinstance(entry, dict)
+            or entry.get("keytype") != KEYTYPE
+            or set(entry) != {"keytype", "public"}
+        ):
             raise ValueError(f"key {str(keyid)[:16]} is not an ed25519 key")
         keys[keyid] = PublicKey.from_hex(entry["public"])
     return Root(d["version"], keys, d["threshold"], d["created"], d["expires"])
@@ -127,14 +163,23 @@ def verify_next_root(trusted: Root, raw: bytes) -> Root:
     """Root ``trusted.version + 1`` from its envelope bytes, or TrustError(root)."""
     env, root = _open(raw)
     if root.version != trusted.version + 1:
-        raise TrustError("root version does not follow the trusted root", reason="root",
-                         trusted=trusted.version, got=root.version)
+        raise TrustError(
+            "root version does not follow the trusted root",
+            reason="root",
+            trusted=trusted.version,
+            got=root.version,
+        )
     hint = "a new root must be signed by the previous root's threshold and its own"
-    for keys, threshold, whose in ((trusted.keys, trusted.threshold, "the previous root's"),
-                                   (root.keys, root.threshold, "its own")):
+    for keys, threshold, whose in (
+        (trusted.keys, trusted.threshold, "the previous root's"),
+        (root.keys, root.threshold, "its own"),
+    ):
         try:
             verify_threshold(env, keys, threshold)
         except TrustError as e:
-            raise TrustError(f"root {root.version} is not signed by {whose} keys: {e.message}",
-                             reason="root", hint=hint) from None
+            raise TrustError(
+                f"root {root.version} is not signed by {whose} keys: {e.message}",
+                reason="root",
+                hint=hint,
+            ) from None
     return root

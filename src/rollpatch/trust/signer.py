@@ -37,14 +37,22 @@ class Signer:
             raise ConfigError("Signer.keys holds the same key twice", field="keys")
         object.__setattr__(self, "keys", keys)
         ttl = self.latest_ttl_s
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
-                or not 1.0 <= ttl <= 366 * 86400:
-            raise ConfigError("Signer.latest_ttl_s must be between 1 s and a year",
-                              field="latest_ttl_s", value=ttl)
+        if (
+            isinstance(ttl, bool)
+            or not isinstance(ttl, (int, float))
+            or not math.isfinite(ttl)
+            or not 1.0 <= ttl <= 366 * 86400
+        ):
+            raise ConfigError(
+                "Signer.latest_ttl_s must be between 1 s and a year",
+                field="latest_ttl_s",
+                value=ttl,
+            )
 
     @classmethod
-    def from_files(cls, paths: Sequence[str | Path], *,
-                   latest_ttl_s: float = DEFAULT_LATEST_TTL_S) -> Signer:
+    def from_files(
+        cls, paths: Sequence[str | Path], *, latest_ttl_s: float = DEFAULT_LATEST_TTL_S
+    ) -> Signer:
         """A signer with the private keys in ``paths`` (PEM files from ``rollpatch keygen``)."""
         return cls(keys=tuple(read_signing_key(p) for p in paths), latest_ttl_s=latest_ttl_s)
 

@@ -48,17 +48,23 @@ class TrustState:
         except FileNotFoundError:
             return cls()
         except OSError as e:
-            raise ConfigError(f"cannot read the trust state file: {e.strerror or e}",
-                              path=str(path)) from None
-        hint = ("the file is damaged; delete it to restart rollback protection from the "
-                "trust root")
-        d = jsonsafe.loads(raw, what="trust state file", error=ConfigError,
-                           max_bytes=MAX_STATE_BYTES, max_depth=3, path=str(path), hint=hint)
+            raise ConfigError(
+                f"cannot read the trust state file: {e.strerror or e}", path=str(path)
+            ) from None
+        hint = "the file is damaged; delete it to restart rollback protection from the trust root"
+        d = jsonsafe.loads(
+            raw,
+            what="trust state file",
+            error=ConfigError,
+            max_bytes=MAX_STATE_BYTES,
+            max_depth=3,
+            path=str(path),
+            hint=hint,
+        )
         try:
             return cls._parse(d)
         except (KeyError, TypeError, ValueError, binascii.Error):
-            raise ConfigError("trust state file is malformed", path=str(path),
-                              hint=hint) from None
+            raise ConfigError("trust state file is malformed", path=str(path), hint=hint) from None
 
     @classmethod
     def _parse(cls, d: object) -> TrustState:
@@ -69,17 +75,23 @@ class TrustState:
         if not isinstance(latest, dict) or len(latest) > MAX_RUNS:
             raise ValueError("latest")
         for run, n in latest.items():
-            if not RUN_RE.match(run) or isinstance(n, bool) or not isinstance(n, int) \
-                    or not 0 <= n <= MAX_VERSION:
+            if (
+                not RUN_RE.match(run)
+                or isinstance(n, bool)
+                or not isinstance(n, int)
+                or not 0 <= n <= MAX_VERSION
+            ):
                 raise ValueError("latest entry")
         raw_root = None if root is None else base64.b64decode(root, validate=True)
         return cls(raw_root, dict(latest))
 
     def save(self, path: Path) -> None:
         """Replace ``path`` atomically with this state."""
-        doc = {"schema": STATE_SCHEMA,
-               "root": None if self.root is None else base64.b64encode(self.root).decode(),
-               "latest": dict(sorted(self.latest.items()))}
+        doc = {
+            "schema": STATE_SCHEMA,
+            "root": None if self.root is None else base64.b64encode(self.root).decode(),
+            "latest": dict(sorted(self.latest.items())),
+        }
         data = json.dumps(doc, sort_keys=True, indent=1).encode()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".trust-state-", dir=path.parent)

@@ -46,8 +46,11 @@ def warn_unverified(service: str) -> None:
         if service in _warned:
             return
         _warned.add(service)
-    log.warning("rollpatch %s: verification is OFF (no trust root): unsigned or forged "
-                "manifests and LATEST are accepted; pass --trust ROOT to verify", service)
+    log.warning(
+        "rollpatch %s: verification is OFF (no trust root): unsigned or forged "
+        "manifests and LATEST are accepted; pass --trust ROOT to verify",
+        service,
+    )
 
 
 def default_state_path(root_raw: bytes, board: str) -> Path:
@@ -68,9 +71,15 @@ class Trust:
     ``follow_rotation`` False keeps the given root for good (never reads newer ones).
     """
 
-    def __init__(self, root: bytes, *, state_path: Path | None = None,
-                 root_check_s: float = 30.0, follow_rotation: bool = True,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        root: bytes,
+        *,
+        state_path: Path | None = None,
+        root_check_s: float = 30.0,
+        follow_rotation: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._lock = threading.Lock()
         self._clock = clock
         self.root_check_s = root_check_s
@@ -86,16 +95,23 @@ class Trust:
         self._next_check = 0.0
 
     @classmethod
-    def from_file(cls, path: str | Path, *, state_path: Path | None = None,
-                  board: str | None = None, root_check_s: float = 30.0) -> Trust:
+    def from_file(
+        cls,
+        path: str | Path,
+        *,
+        state_path: Path | None = None,
+        board: str | None = None,
+        root_check_s: float = 30.0,
+    ) -> Trust:
         """The trust root in ``path``; the state file defaults to :func:`default_state_path`
         of (root, ``board``) when ``board`` is given."""
         try:
             with open(path, "rb") as f:
                 raw = f.read(MAX_ROOT_BYTES + 1)
         except OSError as e:
-            raise ConfigError(f"cannot read the trust root: {e.strerror or e}",
-                              path=str(path)) from None
+            raise ConfigError(
+                f"cannot read the trust root: {e.strerror or e}", path=str(path)
+            ) from None
         if len(raw) > MAX_ROOT_BYTES:
             raise ConfigError("the trust root file is too large", path=str(path))
         if state_path is None and board is not None:
@@ -103,23 +119,28 @@ class Trust:
         try:
             return cls(raw.strip(), state_path=state_path, root_check_s=root_check_s)
         except TrustError as e:
-            raise ConfigError(f"the trust root is not a valid signed root: {e.message}",
-                              path=str(path), hint="use the root.json that `rollpatch root` "
-                                                   "wrote") from None
+            raise ConfigError(
+                f"the trust root is not a valid signed root: {e.message}",
+                path=str(path),
+                hint="use the root.json that `rollpatch root` wrote",
+            ) from None
 
     def _adopt_stored_root(self, raw: bytes) -> None:
         try:
             stored = verify_initial_root(raw)
         except TrustError as e:
-            raise ConfigError(f"trust state holds an invalid root: {e.message}",
-                              path=str(self.state_path)) from None
+            raise ConfigError(
+                f"trust state holds an invalid root: {e.message}", path=str(self.state_path)
+            ) from None
         anchor = self._anchor
         if stored.version < anchor.version:
             return
         if stored.version == anchor.version and raw != self._root_raw:
-            raise ConfigError("trust state belongs to another trust root",
-                              path=str(self.state_path),
-                              hint="use another --trust-state file for this root")
+            raise ConfigError(
+                "trust state belongs to another trust root",
+                path=str(self.state_path),
+                hint="use another --trust-state file for this root",
+            )
         self._root, self._root_raw = stored, raw
         self._verified[stored.version] = blake3.blake3(raw).hexdigest()
 
@@ -155,8 +176,12 @@ class Trust:
             changed = True
             with self._lock:
                 self._verified[root.version] = blake3.blake3(raw).hexdigest()
-            log.info("trust root rotated to version %d (%d keys, threshold %d)",
-                     root.version, len(root.keys), root.threshold)
+            log.info(
+                "trust root rotated to version %d (%d keys, threshold %d)",
+                root.version,
+                len(root.keys),
+                root.threshold,
+            )
         if changed:
             with self._lock:
                 if root.version > self._root.version:
@@ -172,9 +197,12 @@ class Trust:
         root's keys and that root has not expired."""
         root = self._root
         if root.expired(self._clock()):
-            raise TrustError("the trust root has expired", reason="root",
-                             root_version=root.version,
-                             hint="publish a new root (`rollpatch root`) signed by the keys")
+            raise TrustError(
+                "the trust root has expired",
+                reason="root",
+                root_version=root.version,
+                hint="publish a new root (`rollpatch root`) signed by the keys",
+            )
         verify_threshold(env, root.keys, root.threshold, **context)
 
     def check_latest(self, run: str, version: int, expires: float) -> None:
@@ -182,14 +210,24 @@ class Trust:
         ``version`` as the highest (persisted) when it is."""
         now = self._clock()
         if now > expires:
-            raise TrustError("LATEST has expired (a frozen or stale pointer)", reason="expired",
-                             run=run, version=version, expired_s_ago=round(now - expires, 1),
-                             hint="the publisher re-signs LATEST while it runs; is it alive?")
+            raise TrustError(
+                "LATEST has expired (a frozen or stale pointer)",
+                reason="expired",
+                run=run,
+                version=version,
+                expired_s_ago=round(now - expires, 1),
+                hint="the publisher re-signs LATEST while it runs; is it alive?",
+            )
         with self._lock:
             seen = self._state.latest.get(run)
             if seen is not None and version < seen:
-                raise TrustError("LATEST is older than a version already verified (rollback)",
-                                 reason="rollback", run=run, version=version, verified=seen)
+                raise TrustError(
+                    "LATEST is older than a version already verified (rollback)",
+                    reason="rollback",
+                    run=run,
+                    version=version,
+                    verified=seen,
+                )
             if seen is None or version > seen:
                 self._state.latest[run] = version
                 self._save()

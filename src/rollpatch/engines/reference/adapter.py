@@ -39,16 +39,29 @@ class ReferenceEngine(EngineAdapter):
 
     name = "reference"
 
-    def __init__(self, runtime: ReferenceRuntime, *, serve_http: bool = True,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        runtime: ReferenceRuntime,
+        *,
+        serve_http: bool = True,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         self.runtime = runtime
         self._server: ServerHandle | None = serve(runtime, host, port) if serve_http else None
         self._cursor = AuditCursor()
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, *, dtype: str = "bfloat16",
-                 threads: int | None = None, serve_http: bool = True, host: str = "127.0.0.1",
-                 port: int = 0) -> ReferenceEngine:
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        threads: int | None = None,
+        serve_http: bool = True,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> ReferenceEngine:
         """Load a Hugging Face causal LM directory and (by default) serve it."""
         runtime = ReferenceRuntime(model_dir, dtype=dtype, threads=threads)
         return cls(runtime, serve_http=serve_http, host=host, port=port)
@@ -65,8 +78,11 @@ class ReferenceEngine(EngineAdapter):
     def url(self) -> str:
         """Base URL of the OpenAI-compatible server (``http://host:port``)."""
         if self._server is None:
-            raise EngineError("engine is not serving HTTP", engine=self.name,
-                              hint="construct with serve_http=True")
+            raise EngineError(
+                "engine is not serving HTTP",
+                engine=self.name,
+                hint="construct with serve_http=True",
+            )
         return self._server.url
 
     def load(self, view: View, version: int) -> None:
@@ -90,8 +106,11 @@ class ReferenceEngine(EngineAdapter):
         """Write ``staged`` under the forward lock: scatter, read back, record the digests."""
         with self.runtime.commit() as view:
             if view.digest() != staged.base:
-                raise BaseMismatchError("the engine moved since the update was staged",
-                                        engine=self.name, expected=staged.base[:16])
+                raise BaseMismatchError(
+                    "the engine moved since the update was staged",
+                    engine=self.name,
+                    expected=staged.base[:16],
+                )
             written: list[str] = []
             try:
                 for name, st in staged.tensors.items():
@@ -99,8 +118,9 @@ class ReferenceEngine(EngineAdapter):
                     scatter(t, st.positions, st.new, st.old)  # checks old, all or nothing
                     written.append(name)
                     if not np.array_equal(gather(t, st.positions), st.new):
-                        raise TargetMismatchError("read-back of written weights differs",
-                                                  tensor=name, engine=self.name)
+                        raise TargetMismatchError(
+                            "read-back of written weights differs", tensor=name, engine=self.name
+                        )
             except BaseException:
                 for name in written:
                     st = staged.tensors[name]

@@ -55,12 +55,13 @@ def expert_names(model: Any, name: str, experts: int) -> list[tuple[str, str, st
         return None
     gate, up, down, runtime, ckpt = fam
     prefix = name.rpartition(".")[0].replace(runtime, ckpt)
-    return [(f"{prefix}.{e}.{gate}.weight", f"{prefix}.{e}.{up}.weight",
-             f"{prefix}.{e}.{down}.weight") for e in range(experts)]
+    return [
+        (f"{prefix}.{e}.{gate}.weight", f"{prefix}.{e}.{up}.weight", f"{prefix}.{e}.{down}.weight")
+        for e in range(experts)
+    ]
 
 
-def split_experts(model: Any, name: str, t: torch.Tensor
-                  ) -> list[tuple[str, torch.Tensor]] | None:
+def split_experts(model: Any, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
     """``[(checkpoint name, slice)]`` for a fused expert parameter, else None."""
     if t.dim() != 3:
         return None
@@ -97,8 +98,10 @@ class RouterTap:
     def __init__(self, model: Any) -> None:
         routers = _routers(model)
         if not routers:
-            raise ConfigError("the model has no mixture-of-experts router to record",
-                              model_type=getattr(model.config, "model_type", None))
+            raise ConfigError(
+                "the model has no mixture-of-experts router to record",
+                model_type=getattr(model.config, "model_type", None),
+            )
         cfg = model.config
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
         self.experts = int(experts or 0)
@@ -120,8 +123,9 @@ class RouterTap:
     def take(self) -> np.ndarray:
         """``[tokens, layers, top_k]`` of the forward pass since :meth:`start`."""
         if len(self._rows) != self.layers:
-            raise ConfigError("a forward pass did not run every router",
-                              seen=len(self._rows), layers=self.layers)
+            raise ConfigError(
+                "a forward pass did not run every router", seen=len(self._rows), layers=self.layers
+            )
         rows = torch.stack(self._rows, dim=1).to(torch.int64).numpy()
         self._rows.clear()
         return rows.astype(self.dtype)

@@ -13,8 +13,13 @@ from pathlib import Path
 
 from ...errors import ConfigError
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "make_tiny_model", "make_tiny_moe_model",
-           "make_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "make_tiny_model",
+    "make_tiny_moe_model",
+    "make_tokenizer",
+]
 
 #: Special tokens of the tiny tokenizer; ``<|eos|>`` also ends each chat turn.
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -27,10 +32,54 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-_SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "po", "qua", "rix", "tem",
-              "bal", "dor", "fen", "gil", "hum", "jor", "kel", "mar", "nol", "pre", "sto"]
-_WORDS = ["the", "policy", "weights", "patch", "engine", "version", "token", "model", "reward",
-          "train", "serve", "step", "value", "sum", "of", "and", "is", "what", "answer", "a"]
+_SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ru",
+    "sa",
+    "ti",
+    "vo",
+    "ze",
+    "po",
+    "qua",
+    "rix",
+    "tem",
+    "bal",
+    "dor",
+    "fen",
+    "gil",
+    "hum",
+    "jor",
+    "kel",
+    "mar",
+    "nol",
+    "pre",
+    "sto",
+]
+_WORDS = [
+    "the",
+    "policy",
+    "weights",
+    "patch",
+    "engine",
+    "version",
+    "token",
+    "model",
+    "reward",
+    "train",
+    "serve",
+    "step",
+    "value",
+    "sum",
+    "of",
+    "and",
+    "is",
+    "what",
+    "answer",
+    "a",
+]
 
 
 def _corpus(seed: int, lines: int = 6000) -> Iterator[str]:
@@ -40,8 +89,10 @@ def _corpus(seed: int, lines: int = 6000) -> Iterator[str]:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         op = rng.choice("+-*")
         res = a + b if op == "+" else a - b if op == "-" else a * b
-        made = " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
-                        for _ in range(rng.randint(2, 6)))
+        made = " ".join(
+            "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+            for _ in range(rng.randint(2, 6))
+        )
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
         yield f"What is {a} {op} {b}? The answer is {res}. {words.capitalize()}, {made}.\n"
 
@@ -60,24 +111,36 @@ def make_tokenizer(path: str | Path, *, vocab_size: int = 2048, seed: int = 0) -
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
-                                   eos_token="<|eos|>", pad_token="<|pad|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     out = Path(path)
     fast.save_pretrained(out)
     return out
 
 
-def make_tiny_model(path: str | Path, *, vocab_size: int = 2048, hidden_size: int = 128,
-                    layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 256,
-                    seed: int = 0) -> Path:
+def make_tiny_model(
+    path: str | Path,
+    *,
+    vocab_size: int = 2048,
+    hidden_size: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    seed: int = 0,
+) -> Path:
     """Save a random BF16 ``LlamaForCausalLM`` (untied lm_head) and its tokenizer to ``path``.
 
     Deterministic by ``seed``: the same arguments give the same bits. Returns ``path``.
@@ -86,8 +149,12 @@ def make_tiny_model(path: str | Path, *, vocab_size: int = 2048, hidden_size: in
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if hidden_size % heads or heads % kv_heads:
-        raise ConfigError("hidden_size must divide by heads and heads by kv_heads",
-                          hidden_size=hidden_size, heads=heads, kv_heads=kv_heads)
+        raise ConfigError(
+            "hidden_size must divide by heads and heads by kv_heads",
+            hidden_size=hidden_size,
+            heads=heads,
+            kv_heads=kv_heads,
+        )
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     make_tokenizer(out, vocab_size=vocab_size, seed=seed)
@@ -95,11 +162,19 @@ def make_tiny_model(path: str | Path, *, vocab_size: int = 2048, hidden_size: in
 
     tok = AutoTokenizer.from_pretrained(out)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16",
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id)
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
@@ -109,9 +184,19 @@ def make_tiny_model(path: str | Path, *, vocab_size: int = 2048, hidden_size: in
     return out
 
 
-def make_tiny_moe_model(path: str | Path, *, vocab_size: int = 2048, hidden_size: int = 128,
-                        layers: int = 2, heads: int = 4, kv_heads: int = 2, experts: int = 8,
-                        top_k: int = 2, moe_intermediate: int = 64, seed: int = 0) -> Path:
+def make_tiny_moe_model(
+    path: str | Path,
+    *,
+    vocab_size: int = 2048,
+    hidden_size: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate: int = 64,
+    seed: int = 0,
+) -> Path:
     """Save a random BF16 ``Qwen3MoeForCausalLM`` (every layer sparse, ``experts`` experts,
     ``top_k`` routed per token, untied lm_head) and its tokenizer to ``path``.
 
@@ -123,8 +208,12 @@ def make_tiny_moe_model(path: str | Path, *, vocab_size: int = 2048, hidden_size
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if hidden_size % heads or heads % kv_heads:
-        raise ConfigError("hidden_size must divide by heads and heads by kv_heads",
-                          hidden_size=hidden_size, heads=heads, kv_heads=kv_heads)
+        raise ConfigError(
+            "hidden_size must divide by heads and heads by kv_heads",
+            hidden_size=hidden_size,
+            heads=heads,
+            kv_heads=kv_heads,
+        )
     if not 1 <= top_k <= experts:
         raise ConfigError("top_k must be in [1, experts]", top_k=top_k, experts=experts)
     out = Path(path)
@@ -132,13 +221,26 @@ def make_tiny_moe_model(path: str | Path, *, vocab_size: int = 2048, hidden_size
     make_tokenizer(out, vocab_size=vocab_size, seed=seed)
     tok = AutoTokenizer.from_pretrained(out)
     config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a Qwen3 config field
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        moe_intermediate_size=moe_intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden_size // heads,
-        num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1,
-        mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=4096,
-        tie_word_embeddings=False, dtype="bfloat16", bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(config)

@@ -75,8 +75,9 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise ConfigError("batched prompts are not supported; send one prompt",
-                                  field="prompt")
+                raise ConfigError(
+                    "batched prompts are not supported; send one prompt", field="prompt"
+                )
             p = p[0]
         if self.echo:
             raise ConfigError("echo=true is not supported", field="echo")
@@ -136,8 +137,12 @@ def encode_routed_experts(rows: Any) -> str:
         return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: int | str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: int | str | None = None,
+) -> dict[str, Any]:
     """An OpenAI-style error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -168,11 +173,11 @@ class TextStream:
         """Feed one token; returns the text offset where it starts. Sets ``stopped``."""
         offset = len(self.text)
         self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             start = max(0, len(self.text) - self._hold)
-            self.text += after[len(before):]
+            self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self._ids)
             for s in self.stops:
                 i = self.text.find(s, start)
@@ -185,7 +190,7 @@ class TextStream:
         """Text not yet streamed; all of it when ``final`` or stopped, else minus the hold."""
         end = len(self.text) if final or self.stopped else max(0, len(self.text) - self._hold)
         end = max(end, self._emitted)
-        out = self.text[self._emitted:end]
+        out = self.text[self._emitted : end]
         self._emitted = end
         return out
 
@@ -199,8 +204,9 @@ def completion_logprobs(tokenizer: Any, steps: list[Step], offsets: list[int]) -
     return {
         "tokens": [_piece(tokenizer, s.token_id) for s in steps],
         "token_logprobs": [s.logprob for s in steps],
-        "top_logprobs": [{_piece(tokenizer, t): lp for t, lp in (s.top_logprobs or [])}
-                         for s in steps],
+        "top_logprobs": [
+            {_piece(tokenizer, t): lp for t, lp in (s.top_logprobs or [])} for s in steps
+        ],
         "text_offset": offsets,
     }
 
@@ -218,4 +224,3 @@ def chat_logprobs(tokenizer: Any, steps: list[Step]) -> dict[str, Any]:
         entry["top_logprobs"] = [_chat_entry(tokenizer, t, lp) for t, lp in s.top_logprobs or []]
         content.append(entry)
     return {"content": content}
-

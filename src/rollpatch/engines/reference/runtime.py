@@ -52,8 +52,12 @@ class Step:
 def _words_of(t: torch.Tensor, name: str) -> Tensor:
     spec = _WORDS.get(t.dtype)
     if spec is None:
-        raise EngineError("unsupported parameter dtype for an in-place view", tensor=name,
-                          dtype=str(t.dtype), hint="load the model as bfloat16/float16/float32")
+        raise EngineError(
+            "unsupported parameter dtype for an in-place view",
+            tensor=name,
+            dtype=str(t.dtype),
+            hint="load the model as bfloat16/float16/float32",
+        )
     if t.device.type != "cpu" or not t.is_contiguous():
         raise EngineError("parameter is not contiguous CPU memory", tensor=name)
     int_dtype, word_dtype, kind = spec
@@ -108,8 +112,9 @@ class Generation:
     ``"stop"`` or ``"length"`` once exhausted. Dropping or closing it frees its KV cache.
     """
 
-    def __init__(self, steps: Callable[[_Progress], Iterator[Step]],
-                 prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self, steps: Callable[[_Progress], Iterator[Step]], prompt_token_ids: list[int]
+    ) -> None:
         self.prompt_token_ids = prompt_token_ids
         self._progress = _Progress()
         self._it = steps(self._progress)
@@ -142,8 +147,10 @@ class Generation:
 
         out = []
         for sp in spans(self._progress.route_versions):
-            start, end = max(0, int(sp["start"] or 0) - prompt_start), \
-                int(sp["end"] or 0) - prompt_start
+            start, end = (
+                max(0, int(sp["start"] or 0) - prompt_start),
+                int(sp["end"] or 0) - prompt_start,
+            )
             if end > start:
                 out.append({"start": start, "end": end, "version": sp["version"]})
         return out
@@ -167,9 +174,15 @@ class ReferenceRuntime:
     every lock (an instrumentation seam, used by the tests to pause mid-stream).
     """
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16",
-                 threads: int | None = None, model_name: str | None = None,
-                 routed_experts: bool | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        threads: int | None = None,
+        model_name: str | None = None,
+        routed_experts: bool | None = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in _DTYPES:
@@ -201,11 +214,14 @@ class ReferenceRuntime:
 
         moe = bool(getattr(self.model.config, "num_experts_per_tok", 0))
         if routed_experts and not moe:
-            raise ConfigError("routed_experts needs a mixture-of-experts model",
-                              model_type=self.model.config.model_type)
+            raise ConfigError(
+                "routed_experts needs a mixture-of-experts model",
+                model_type=self.model.config.model_type,
+            )
         #: Records each forward pass's routing (MoE models; ``routed_experts`` None = on).
         self.router: RouterTap | None = (
-            RouterTap(self.model) if moe and routed_experts is not False else None)
+            RouterTap(self.model) if moe and routed_experts is not False else None
+        )
         self.version: int | None = None
         self.step_hook: Callable[[int], None] | None = None
         self.tokens_generated = 0
@@ -245,14 +261,22 @@ class ReferenceRuntime:
         mine = self.view
         if set(view) != set(mine):
             extra, missing = sorted(set(view) - set(mine)), sorted(set(mine) - set(view))
-            raise EngineError("keyframe tensor names differ from the model's",
-                              extra=extra[:5], missing=missing[:5])
+            raise EngineError(
+                "keyframe tensor names differ from the model's",
+                extra=extra[:5],
+                missing=missing[:5],
+            )
         for name, t in view.items():
             m = mine[name]
             if t.dtype != m.dtype or t.shape != m.shape:
-                raise EngineError("keyframe tensor layout differs from the model's",
-                                  tensor=name, dtype=t.dtype, shape=t.shape,
-                                  expected_dtype=m.dtype, expected_shape=m.shape)
+                raise EngineError(
+                    "keyframe tensor layout differs from the model's",
+                    tensor=name,
+                    dtype=t.dtype,
+                    shape=t.shape,
+                    expected_dtype=m.dtype,
+                    expected_shape=m.shape,
+                )
         want = view.digest()
         with self.commit():
             self.version = None
@@ -292,14 +316,21 @@ class ReferenceRuntime:
         """
         with self._cond:
             paused, forwards, active = self._paused, self._forwards, self._active
-        return {"version": self.version, "digest": self._digest, "paused": paused,
-                "in_flight": active, "forwards_in_flight": forwards,
-                "tokens_generated": self.tokens_generated, "model": self.model_name}
+        return {
+            "version": self.version,
+            "digest": self._digest,
+            "paused": paused,
+            "in_flight": active,
+            "forwards_in_flight": forwards,
+            "tokens_generated": self.tokens_generated,
+            "model": self.model_name,
+        }
 
     # ---- generation ----------------------------------------------------------------------
 
-    def _step(self, ids: torch.Tensor, cache: Any, pick: Callable[[torch.Tensor], Step]
-              ) -> tuple[Step, Any, int | None, np.ndarray | None]:
+    def _step(
+        self, ids: torch.Tensor, cache: Any, pick: Callable[[torch.Tensor], Step]
+    ) -> tuple[Step, Any, int | None, np.ndarray | None]:
         """One token: pass the gate, forward under the lock, pick. Counts as in flight."""
         with self._cond:
             self._cond.wait_for(lambda: not self._paused)
@@ -325,20 +356,30 @@ class ReferenceRuntime:
                 self.tokens_generated += produced
                 self._cond.notify_all()
 
-    def check(self, prompt_token_ids: Sequence[int], max_tokens: int, temperature: float,
-              top_p: float, logprobs: int | None) -> None:
+    def check(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        logprobs: int | None,
+    ) -> None:
         """Validate generation arguments; raises :class:`ConfigError` naming the field."""
         if not prompt_token_ids:
             raise ConfigError("prompt must not be empty", field="prompt")
         if any(not 0 <= int(t) < self.vocab_size for t in prompt_token_ids):
-            raise ConfigError("prompt token id out of range", field="prompt",
-                              vocab_size=self.vocab_size)
+            raise ConfigError(
+                "prompt token id out of range", field="prompt", vocab_size=self.vocab_size
+            )
         if max_tokens < 1:
             raise ConfigError("max_tokens must be >= 1", field="max_tokens")
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
-            raise ConfigError("prompt plus max_tokens exceeds the context length",
-                              field="max_tokens", max_model_len=self.max_model_len,
-                              prompt_tokens=len(prompt_token_ids))
+            raise ConfigError(
+                "prompt plus max_tokens exceeds the context length",
+                field="max_tokens",
+                max_model_len=self.max_model_len,
+                prompt_tokens=len(prompt_token_ids),
+            )
         if not temperature >= 0:
             raise ConfigError("temperature must be >= 0", field="temperature")
         if not 0 < top_p <= 1:
@@ -346,10 +387,17 @@ class ReferenceRuntime:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}]", field="logprobs")
 
-    def generate(self, prompt_token_ids: Sequence[int], max_tokens: int = 16,
-                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                 logprobs: int | None = None, stop: Collection[int] | None = None,
-                 ignore_eos: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        stop: Collection[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> Generation:
         """Generate up to ``max_tokens`` tokens after ``prompt_token_ids``.
 
         Greedy (deterministic) when ``temperature`` is 0 (below ``GREEDY_BELOW``); else
@@ -396,8 +444,13 @@ class ReferenceRuntime:
         return Generation(steps, prompt)
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float,
-          gen: torch.Generator | None, k: int | None) -> Step:
+def _pick(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    gen: torch.Generator | None,
+    k: int | None,
+) -> Step:
     """Choose the next token; logprobs are of the raw (unscaled, unfiltered) distribution."""
     if gen is None:
         token = int(torch.argmax(logits))

@@ -82,16 +82,17 @@ class _Job:
 
     def head(self, obj: str) -> dict[str, Any]:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
-        return {"id": prefix + self.id, "object": obj, "created": self.created,
-                "model": self.model}
+        return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
 
     def usage(self) -> dict[str, int]:
         p, c = len(self.gen.prompt_token_ids), len(self.steps)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def versions(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version_start": self.gen.version_start,
-                               "version_end": self.gen.version_end}
+        out: dict[str, Any] = {
+            "version_start": self.gen.version_start,
+            "version_end": self.gen.version_end,
+        }
         if self.prompt_start is not None:  # which version routed which rows (pause mode)
             out["spans"] = self.gen.routed_spans(self.prompt_start)
         return out
@@ -118,8 +119,7 @@ def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _
             raise ConfigError("this model has no chat template", field="messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            rendered = tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=False)
+            rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except (TemplateError, ValueError, TypeError, KeyError) as exc:  # caller's input
             raise ConfigError(f"chat template failed: {exc}", field="messages") from None
         ids = list(tok.encode(rendered, add_special_tokens=False))
@@ -130,15 +130,32 @@ def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _
         max_tokens, k = req.max_tokens if req.max_tokens is not None else 16, req.logprobs
     start = req.routed_experts_prompt_start
     if start > len(ids):
-        raise ConfigError("routed_experts_prompt_start must be between 0 and the prompt "
-                          "length", field="routed_experts_prompt_start", prompt_tokens=len(ids))
-    gen = runtime.generate(ids, max_tokens=max_tokens, temperature=req.temperature,
-                           top_p=req.top_p, seed=req.seed, logprobs=k,
-                           stop=req.stop_token_ids, ignore_eos=req.ignore_eos)
+        raise ConfigError(
+            "routed_experts_prompt_start must be between 0 and the prompt length",
+            field="routed_experts_prompt_start",
+            prompt_tokens=len(ids),
+        )
+    gen = runtime.generate(
+        ids,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        logprobs=k,
+        stop=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+    )
     include = bool(req.stream_options and req.stream_options.include_usage)
-    return _Job(isinstance(req, ChatRequest), gen, TextStream(tok, req.stops()), k,
-                req.return_token_ids, include, runtime.model_name,
-                start if runtime.router is not None else None)
+    return _Job(
+        isinstance(req, ChatRequest),
+        gen,
+        TextStream(tok, req.stops()),
+        k,
+        req.return_token_ids,
+        include,
+        runtime.model_name,
+        start if runtime.router is not None else None,
+    )
 
 
 def _complete(job: _Job, tok: Any) -> dict[str, Any]:
@@ -157,8 +174,9 @@ def _complete(job: _Job, tok: Any) -> dict[str, Any]:
     else:
         body = job.head("text_completion")
         choice["text"] = job.text.text
-        choice["logprobs"] = (None if job.k is None
-                              else completion_logprobs(tok, job.steps, job.offsets))
+        choice["logprobs"] = (
+            None if job.k is None else completion_logprobs(tok, job.steps, job.offsets)
+        )
         if job.return_ids:
             choice["prompt_token_ids"] = job.gen.prompt_token_ids
             choice["token_ids"] = ids
@@ -199,8 +217,15 @@ def _stream(job: _Job, tok: Any) -> Iterator[str]:
     """SSE chunks: one per token, a finish chunk, an optional usage chunk, ``[DONE]``."""
     try:
         if job.chat:
-            first = _chunk(job, {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None})
+            first = _chunk(
+                job,
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+            )
             if job.return_ids:
                 first["prompt_token_ids"] = job.gen.prompt_token_ids
             yield _sse(first)
@@ -212,8 +237,9 @@ def _stream(job: _Job, tok: Any) -> Iterator[str]:
                 choice["logprobs"] = None if job.k is None else chat_logprobs(tok, [step])
             else:
                 choice["text"] = delta
-                choice["logprobs"] = (None if job.k is None
-                                      else completion_logprobs(tok, [step], [offset]))
+                choice["logprobs"] = (
+                    None if job.k is None else completion_logprobs(tok, [step], [offset])
+                )
                 if job.return_ids and i == 0:
                     choice["prompt_token_ids"] = job.gen.prompt_token_ids
             if job.return_ids:
@@ -249,8 +275,12 @@ def _install_errors(app: FastAPI) -> None:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
-                      "invalid_request_error", loc)
+        return _error(
+            400,
+            f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+            "invalid_request_error",
+            loc,
+        )
 
     @app.exception_handler(ConfigError)
     async def _config(_: Request, exc: ConfigError) -> JSONResponse:
@@ -291,9 +321,18 @@ def create_app(runtime: ReferenceRuntime) -> FastAPI:
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": runtime.model_name, "object": "model", "created": 0, "owned_by": "rollpatch",
-            "max_model_len": runtime.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": runtime.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "rollpatch",
+                    "max_model_len": runtime.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions", response_model=None)
     def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
@@ -316,8 +355,11 @@ def create_app(runtime: ReferenceRuntime) -> FastAPI:
         deadline = time.monotonic() + timeout
         while not runtime.pause(timeout=0):
             if time.monotonic() > deadline:
-                raise EngineError("steps still in flight after the timeout",
-                                  timeout=timeout, hint="retry; the gate stays closed")
+                raise EngineError(
+                    "steps still in flight after the timeout",
+                    timeout=timeout,
+                    hint="retry; the gate stays closed",
+                )
             await asyncio.sleep(0.002)
         return runtime.state()
 
@@ -333,11 +375,23 @@ def create_app(runtime: ReferenceRuntime) -> FastAPI:
     return app
 
 
-def serve(runtime: ReferenceRuntime, host: str = "127.0.0.1", port: int = 0, *,
-          log_level: str = "warning", start_timeout: float = 30.0) -> ServerHandle:
+def serve(
+    runtime: ReferenceRuntime,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    log_level: str = "warning",
+    start_timeout: float = 30.0,
+) -> ServerHandle:
     """Run :func:`create_app` under uvicorn in a daemon thread; ``port=0`` picks a free one."""
     try:
-        return serve_app(create_app(runtime), host, port, name="reference",
-                         log_level=log_level, start_timeout=start_timeout)
+        return serve_app(
+            create_app(runtime),
+            host,
+            port,
+            name="reference",
+            log_level=log_level,
+            start_timeout=start_timeout,
+        )
     except RollpatchError as e:
         raise EngineError("reference server did not start", host=host, port=port) from e

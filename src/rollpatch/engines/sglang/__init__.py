@@ -25,8 +25,13 @@ if TYPE_CHECKING:
 
 __all__ = ["LOADER", "HeldWeights", "RemoteWords", "SglangEngine", "Staged"]
 
-_WHERE = {"LOADER": "adapter", "RemoteWords": "adapter", "SglangEngine": "adapter",
-          "HeldWeights": "staged", "Staged": "staged"}
+_WHERE = {
+    "LOADER": "adapter",
+    "RemoteWords": "adapter",
+    "SglangEngine": "adapter",
+    "HeldWeights": "staged",
+    "Staged": "staged",
+}
 
 
 def __getattr__(name: str) -> Any:

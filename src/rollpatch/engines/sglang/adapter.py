@@ -86,8 +86,9 @@ class SglangEngine(EngineAdapter):
 
     name = "sglang"
 
-    def __init__(self, url: str, *, shared_dir: str | Path | None = None,
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self, url: str, *, shared_dir: str | Path | None = None, timeout: float = 600.0
+    ) -> None:
         self.base_url = url.rstrip("/")
         self.timeout = timeout
         self._own_dir = shared_dir is None
@@ -139,9 +140,12 @@ class SglangEngine(EngineAdapter):
         with self._lock:
             _, root = self.held(fresh=True)
             if root != digest:
-                raise BaseMismatchError("the server does not hold the expected view",
-                                        engine=self.name, expected=digest[:16],
-                                        actual=root[:16])
+                raise BaseMismatchError(
+                    "the server does not hold the expected view",
+                    engine=self.name,
+                    expected=digest[:16],
+                    actual=root[:16],
+                )
             self._set(version, root)
             self._tag(str(version))
 
@@ -154,8 +158,12 @@ class SglangEngine(EngineAdapter):
             try:
                 save_view(view, path)
                 target = view.digest()
-                self._write({"op": "load", "path": str(path)}, version,
-                            lambda res: res["root"] == target, target)
+                self._write(
+                    {"op": "load", "path": str(path)},
+                    version,
+                    lambda res: res["root"] == target,
+                    target,
+                )
             finally:
                 path.unlink(missing_ok=True)
 
@@ -180,8 +188,7 @@ class SglangEngine(EngineAdapter):
             finally:
                 path.unlink(missing_ok=True)
 
-    def stage_encoded(self, steps: Sequence[EncodedStep], version: int
-                      ) -> StagedUpdate | None:
+    def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
         """Decode one step's patch objects inside SGLang against its own words and prove
         them (nothing of the model crosses processes). Chains of several steps: None (the
         follower decodes them against :meth:`words` and calls :meth:`stage`)."""
@@ -206,16 +213,17 @@ class SglangEngine(EngineAdapter):
         """Under the pause: scatter the staged writes inside SGLang, read them back."""
         token = staged.payload.get("sglang_token")
         if not isinstance(token, str):
-            raise EngineError("this update was not staged by the SGLang adapter",
-                              engine=self.name)
+            raise EngineError("this update was not staged by the SGLang adapter", engine=self.name)
         with self._lock:
             self._require_loaded()
-            self._write({"op": "commit", "token": token}, version,
-                        lambda res: res["target"] == staged.target
-                        and res["root"] == staged.target, staged.target)
+            self._write(
+                {"op": "commit", "token": token},
+                version,
+                lambda res: res["target"] == staged.target and res["root"] == staged.target,
+                staged.target,
+            )
 
-    def apply_encoded(self, blobs: Sequence[bytes], base: str, target: str, version: int
-                      ) -> None:
+    def apply_encoded(self, blobs: Sequence[bytes], base: str, target: str, version: int) -> None:
         """Commit one step's wire-format patch objects (``base`` → ``target`` roots)."""
         from ..staged import EncodedStep
 
@@ -232,34 +240,52 @@ class SglangEngine(EngineAdapter):
             if self._version is None:
                 return None
             r = self._control("audit", budget=int(budget_bytes))
-        return AuditReport(int(r["tensors"]), int(r["nbytes"]), tuple(r["mismatched"]),
-                           bool(r["wrapped"]))
+        return AuditReport(
+            int(r["tensors"]), int(r["nbytes"]), tuple(r["mismatched"]), bool(r["wrapped"])
+        )
 
-    def _stage(self, op: str, path: Path | list[Path], targets: Mapping[str, str | None],
-               base: str, target: str) -> StagedUpdate:
+    def _stage(
+        self,
+        op: str,
+        path: Path | list[Path],
+        targets: Mapping[str, str | None],
+        base: str,
+        target: str,
+    ) -> StagedUpdate:
         from ..staged import StagedUpdate
 
         t0 = time.perf_counter()
         paths = [str(p) for p in (path if isinstance(path, list) else [path])]
         r = self._control(op, paths=paths, base=base, target=target)  # SGLang serves on
-        if r["base"] != base or r["target"] != target or any(
-                r["digests"].get(n) != d for n, d in targets.items()):
+        if (
+            r["base"] != base
+            or r["target"] != target
+            or any(r["digests"].get(n) != d for n, d in targets.items())
+        ):
             self._control("drop")
             raise TargetMismatchError("the staged update is not the patch's", engine=self.name)
         self.last_timings["stage_s"] = time.perf_counter() - t0
-        return StagedUpdate(base, target, {}, dict(r["digests"]), {
-            "sglang_token": r["token"], "changed": int(r["changed"]),
-            "nbytes": int(r["nbytes"])})
+        return StagedUpdate(
+            base,
+            target,
+            {},
+            dict(r["digests"]),
+            {"sglang_token": r["token"], "changed": int(r["changed"]), "nbytes": int(r["nbytes"])},
+        )
 
     @staticmethod
     def _must(staged: StagedUpdate | None) -> StagedUpdate:
         if staged is None:
-            raise EngineError("the SGLang adapter could not stage this update",
-                              engine="sglang", hint="one step at a time")
+            raise EngineError(
+                "the SGLang adapter could not stage this update",
+                engine="sglang",
+                hint="one step at a time",
+            )
         return staged
 
-    def _write(self, cmd: dict[str, Any], version: int, verified: Any, target: str
-               ) -> dict[str, Any]:
+    def _write(
+        self, cmd: dict[str, Any], version: int, verified: Any, target: str
+    ) -> dict[str, Any]:
         """Run a writing command under the pause; the version moves only if ``verified``."""
         self._start()
         before = (self._version, self._digest)
@@ -268,9 +294,13 @@ class SglangEngine(EngineAdapter):
             try:
                 res = self._command(cmd, flush=True)
                 if not verified(res):
-                    raise TargetMismatchError("the engine reports another root than the "
-                                              "target", engine=self.name, version=version,
-                                              expected=target[:16], actual=str(res["root"])[:16])
+                    raise TargetMismatchError(
+                        "the engine reports another root than the target",
+                        engine=self.name,
+                        version=version,
+                        expected=target[:16],
+                        actual=str(res["root"])[:16],
+                    )
                 self._set(version, target)
                 self._tag(str(version))  # named only now: after the read-back checked out
             except BaseException:
@@ -299,24 +329,31 @@ class SglangEngine(EngineAdapter):
 
     def _require_loaded(self) -> None:
         if self._version is None:
-            raise EngineError("the engine holds no verified version", engine=self.name,
-                              hint="load a keyframe (or adopt a booted checkpoint) first")
+            raise EngineError(
+                "the engine holds no verified version",
+                engine=self.name,
+                hint="load a keyframe (or adopt a booted checkpoint) first",
+            )
 
     def _scratch(self, what: str) -> Path:
         return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
 
     def _tag(self, tag: str) -> None:
         # SGLang's default for this route aborts every request in flight: not ours to abort
-        self._http("POST", "/update_weight_version", {"new_version": tag,
-                                                      "abort_all_requests": False})
+        self._http(
+            "POST", "/update_weight_version", {"new_version": tag, "abort_all_requests": False}
+        )
 
     def _start(self) -> None:
         if not self._started:
             info = self._http("GET", "/server_info")
             if LOADER not in (info.get("custom_weight_loader") or []):
-                raise EngineError("SGLang was not launched with rollpatch's weight loader",
-                                  engine=self.name, url=self.base_url,
-                                  hint=f"add --custom-weight-loader {LOADER} (docs/sglang.md)")
+                raise EngineError(
+                    "SGLang was not launched with rollpatch's weight loader",
+                    engine=self.name,
+                    url=self.base_url,
+                    hint=f"add --custom-weight-loader {LOADER} (docs/sglang.md)",
+                )
             self._command({"op": "start", "socket": str(self.socket)}, flush=False)
             self._started = True
 
@@ -328,8 +365,11 @@ class SglangEngine(EngineAdapter):
     def _command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
         """A command through SGLang's weight-update route (run between forward passes)."""
         reply_path = self._scratch("reply")
-        body = {"serialized_named_tensors": [command_payload({**cmd, "reply": str(reply_path)})],
-                "load_format": LOADER, "flush_cache": flush}
+        body = {
+            "serialized_named_tensors": [command_payload({**cmd, "reply": str(reply_path)})],
+            "load_format": LOADER,
+            "flush_cache": flush,
+        }
         self._session("/begin_weight_update")
         try:
             reply = self._http("POST", "/update_weights_from_tensor", body, check=False)
@@ -338,20 +378,27 @@ class SglangEngine(EngineAdapter):
         try:
             raw = reply_path.read_bytes()
         except OSError:
-            raise EngineError("SGLang did not run rollpatch's command", engine=self.name,
-                              op=cmd["op"], detail=str(reply.get("message"))[:500],
-                              hint=f"launch SGLang with --custom-weight-loader {LOADER}"
-                              ) from None
+            raise EngineError(
+                "SGLang did not run rollpatch's command",
+                engine=self.name,
+                op=cmd["op"],
+                detail=str(reply.get("message"))[:500],
+                hint=f"launch SGLang with --custom-weight-loader {LOADER}",
+            ) from None
         finally:
             reply_path.unlink(missing_ok=True)
         try:
             res = result(json.loads(raw))
         except (json.JSONDecodeError, AttributeError):
-            raise EngineError("rollpatch's command answer is not JSON", engine=self.name,
-                              op=cmd["op"]) from None
+            raise EngineError(
+                "rollpatch's command answer is not JSON", engine=self.name, op=cmd["op"]
+            ) from None
         if not reply.get("success"):  # our command ran; SGLang's own step after it failed
-            raise EngineError("SGLang's weight-update route failed after the command",
-                              engine=self.name, detail=str(reply.get("message"))[:500])
+            raise EngineError(
+                "SGLang's weight-update route failed after the command",
+                engine=self.name,
+                detail=str(reply.get("message"))[:500],
+            )
         return res
 
     def _session(self, route: str) -> None:
@@ -361,8 +408,9 @@ class SglangEngine(EngineAdapter):
             self._http("POST", "/end_weight_update", {}, check=False)  # a session left open
             reply = self._http("POST", route, {}, check=False)
         if not reply.get("success"):
-            raise EngineError(f"SGLang refused {route}", engine=self.name,
-                              detail=str(reply.get("message"))[:500])
+            raise EngineError(
+                f"SGLang refused {route}", engine=self.name, detail=str(reply.get("message"))[:500]
+            )
 
     def _http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
         return http_json(self.base_url, method, path, body, timeout=self.timeout, check=check)

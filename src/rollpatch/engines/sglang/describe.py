@@ -29,9 +29,13 @@ __all__ = ["DEFAULT_STACKED", "describe", "param_words"]
 _KIND_OF_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32"}
 _WORDS = {2: ("int16", np.uint16), 4: ("int32", np.uint32)}
 #: SGLang's Llama-family table, for models that do not carry one.
-DEFAULT_STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
-                   (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
-                   (".gate_up_proj", ".up_proj", 1)]
+DEFAULT_STACKED = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
 
 
 def _packed(model: Any) -> dict[str, list[str]]:
@@ -51,8 +55,11 @@ def param_words(p: Any) -> np.ndarray:
     import torch
 
     if p.device.type != "cpu" or not p.is_contiguous():
-        raise EngineError("the SGLang extension reads parameters in place on the CPU only",
-                          device=str(p.device), hint="docs/sglang.md, status")
+        raise EngineError(
+            "the SGLang extension reads parameters in place on the CPU only",
+            device=str(p.device),
+            hint="docs/sglang.md, status",
+        )
     signed, unsigned = _WORDS[p.element_size()]
     rows = int(p.shape[0]) if p.dim() else 1
     words = p.detach().view(getattr(torch, signed)).numpy().view(unsigned)
@@ -80,31 +87,49 @@ def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]]) -> Param
     if isinstance(mod, (LinearBase, VocabParallelEmbedding)):
         method = type(getattr(mod, "quant_method", None)).__name__
         if method not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "NoneType"):
-            raise EngineError("quantized layers are not supported by the SGLang extension",
-                              module=mod_name, quant_method=method)
+            raise EngineError(
+                "quantized layers are not supported by the SGLang extension",
+                module=mod_name,
+                quant_method=method,
+            )
     if getattr(mod, "use_intel_amx_backend", False):
-        raise EngineError("weights repacked for Intel AMX are not supported (the packed copy "
-                          "would not see in-place writes)", module=mod_name,
-                          hint="docs/sglang.md, status")
+        raise EngineError(
+            "weights repacked for Intel AMX are not supported (the packed copy "
+            "would not see in-place writes)",
+            module=mod_name,
+            hint="docs/sglang.md, status",
+        )
 
     def fused(n: int) -> list[str]:
         subs = packed.get(last, [])
         if len(subs) != n:
-            raise EngineError("stacked_params_mapping does not name this fused module's parts",
-                              param=pname, parts=subs, expected=n)
+            raise EngineError(
+                "stacked_params_mapping does not name this fused module's parts",
+                param=pname,
+                parts=subs,
+                expected=n,
+            )
         return [f"{prefix}.{s}.{leaf}" if prefix else f"{s}.{leaf}" for s in subs]
 
     if isinstance(mod, QKVParallelLinear):
         q, k, v = fused(3)
         hd, vhd, rep = mod.head_size, mod.v_head_size, mod.num_kv_head_replicas
-        return ParamSpec(pname, "column", (
-            Shard(q, (mod.total_num_heads * hd, *cols), mod.num_heads * hd),
-            Shard(k, (mod.total_num_kv_heads * hd, *cols), mod.num_kv_heads * hd, rep),
-            Shard(v, (mod.total_num_kv_heads * vhd, *cols), mod.num_kv_heads * vhd, rep)))
+        return ParamSpec(
+            pname,
+            "column",
+            (
+                Shard(q, (mod.total_num_heads * hd, *cols), mod.num_heads * hd),
+                Shard(k, (mod.total_num_kv_heads * hd, *cols), mod.num_kv_heads * hd, rep),
+                Shard(v, (mod.total_num_kv_heads * vhd, *cols), mod.num_kv_heads * vhd, rep),
+            ),
+        )
     if isinstance(mod, MergedColumnParallelLinear):
         names = fused(len(mod.output_sizes))
-        return ParamSpec(pname, "column", tuple(
-            Shard(n, (int(size), *cols)) for n, size in zip(names, mod.output_sizes)))
+        return ParamSpec(
+            pname,
+            "column",
+            tuple(Shard(n, (int(size), *cols)) for n, size in zip(names, mod.output_sizes)),
+        )
     if isinstance(mod, ColumnParallelLinear):
         return ParamSpec(pname, "column", (Shard(pname, (int(mod.output_size), *cols)),))
     if isinstance(mod, RowParallelLinear):
@@ -114,8 +139,12 @@ def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]]) -> Param
     if isinstance(mod, VocabParallelEmbedding):
         if mod.num_added_embeddings:
             raise EngineError("added (LoRA) vocabulary is not supported", module=mod_name)
-        return ParamSpec(pname, "vocab", (Shard(pname, (int(mod.org_vocab_size), *cols)),),
-                         padded=int(mod.num_embeddings_padded))
+        return ParamSpec(
+            pname,
+            "vocab",
+            (Shard(pname, (int(mod.org_vocab_size), *cols)),),
+            padded=int(mod.num_embeddings_padded),
+        )
     return ParamSpec(pname, "replicated", (Shard(pname, shape),))
 
 
@@ -128,17 +157,27 @@ def describe(model: Any, tp: int) -> tuple[list[ParamSpec], dict[str, Kind], dic
     for pname, p in model.named_parameters():
         kind = _KIND_OF_DTYPE.get(str(p.dtype))
         if kind is None:
-            raise EngineError("unsupported parameter dtype", param=pname, dtype=str(p.dtype),
-                              hint="serve the bf16 format")
+            raise EngineError(
+                "unsupported parameter dtype",
+                param=pname,
+                dtype=str(p.dtype),
+                hint="serve the bf16 format",
+            )
         if p.is_meta or p.numel() == 0:
             raise EngineError("parameter has no data", param=pname)
         spec = _spec(model, pname, p, packed)
-        flat = (int(p.shape[0]) if p.dim() else 1,
-                int(p.numel()) // (int(p.shape[0]) if p.dim() and p.shape[0] else 1))
+        flat = (
+            int(p.shape[0]) if p.dim() else 1,
+            int(p.numel()) // (int(p.shape[0]) if p.dim() and p.shape[0] else 1),
+        )
         if param_shape(spec, tp) != flat:
-            raise EngineError("derived parameter shape differs from SGLang's", param=pname,
-                              derived=param_shape(spec, tp), actual=tuple(p.shape),
-                              hint="unsupported layout for this model")
+            raise EngineError(
+                "derived parameter shape differs from SGLang's",
+                param=pname,
+                derived=param_shape(spec, tp),
+                actual=tuple(p.shape),
+                hint="unsupported layout for this model",
+            )
         specs.append(spec)
         kinds[pname] = get_kind(kind)
         params[pname] = p

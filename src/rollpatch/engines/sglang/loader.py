@@ -75,13 +75,15 @@ def _weights() -> HeldWeights:
     return _STATE.weights
 
 
-def _stage_encoded(w: HeldWeights, paths: list[str], base: str, target: str
-                   ) -> dict[str, Any]:
+def _stage_encoded(w: HeldWeights, paths: list[str], base: str, target: str) -> dict[str, Any]:
     """Decode one step's patch objects (its shards) against the live words, prove them."""
     if w.root() != base:  # decoding against another base would read wrong contexts
-        raise BaseMismatchError("engine root digest is not the step's base",
-                                expected=base[:16], actual=w.root()[:16],
-                                hint="the engine is on another version; plan a new path")
+        raise BaseMismatchError(
+            "engine root digest is not the step's base",
+            expected=base[:16],
+            actual=w.root()[:16],
+            hint="the engine is on another version; plan a new path",
+        )
     tensors: dict[str, TensorPatch] = {}
     for path in paths:
         blob = Path(path).read_bytes()
@@ -107,17 +109,21 @@ def _drop(w: HeldWeights) -> dict[str, Any]:
 
 
 def _info(w: HeldWeights) -> dict[str, Any]:
-    return {"rank": w.rank, "tp": w.tp, "pid": os.getpid(),
-            "tensors": {n: [w.kind_of(n).name, list(w[n].shape)] for n in w.names()},
-            "params": len(w.params)}
+    return {
+        "rank": w.rank,
+        "tp": w.tp,
+        "pid": os.getpid(),
+        "tensors": {n: [w.kind_of(n).name, list(w[n].shape)] for n in w.names()},
+        "params": len(w.params),
+    }
 
 
 _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "info": lambda w, r: _info(w),
-    "digest": lambda w, r: {"digests": w.digests(fresh=bool(r.get("fresh"))),
-                            "root": w.root()},
-    "stage_encoded": lambda w, r: _stage_encoded(w, [str(p) for p in r["paths"]],
-                                                 str(r["base"]), str(r["target"])),
+    "digest": lambda w, r: {"digests": w.digests(fresh=bool(r.get("fresh"))), "root": w.root()},
+    "stage_encoded": lambda w, r: _stage_encoded(
+        w, [str(p) for p in r["paths"]], str(r["base"]), str(r["target"])
+    ),
     "stage_decoded": lambda w, r: w.stage(read_decoded(str(r["paths"][0]))).summary(),
     "export": lambda w, r: _export(w, str(r["name"]), str(r["path"])),
     "audit": lambda w, r: w.audit(int(r["budget"])),
@@ -132,18 +138,29 @@ def run_op(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         with _STATE.lock:
             out = {"ok": True, **fn()}
     except RollpatchError as err:
-        out = {"ok": False, "error": {"type": type(err).__name__, "message": err.message,
-                                      "hint": err.hint, "context": _jsonable(err.context)}}
+        out = {
+            "ok": False,
+            "error": {
+                "type": type(err).__name__,
+                "message": err.message,
+                "hint": err.hint,
+                "context": _jsonable(err.context),
+            },
+        }
     except Exception as err:  # noqa: BLE001 - reported to the adapter, which raises EngineError
-        out = {"ok": False, "error": {"type": "InternalError",
-                                      "message": f"{type(err).__name__}: {err}"}}
+        out = {
+            "ok": False,
+            "error": {"type": "InternalError", "message": f"{type(err).__name__}: {err}"},
+        }
     out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     return out
 
 
 def _jsonable(ctx: dict[str, Any]) -> dict[str, Any]:
-    return {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
-            for k, v in ctx.items()}
+    return {
+        k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+        for k, v in ctx.items()
+    }
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -156,8 +173,10 @@ class _Handler(socketserver.StreamRequestHandler):
         if op in _CONTROL:
             out = run_op(lambda: _CONTROL[op](_weights(), req))
         else:
-            out = {"ok": False, "error": {"type": "EngineError",
-                                          "message": f"unknown control operation {op!r}"}}
+            out = {
+                "ok": False,
+                "error": {"type": "EngineError", "message": f"unknown control operation {op!r}"},
+            }
         self.request.sendall(json.dumps(out, separators=(",", ":")).encode() + b"\n")
 
 
@@ -170,8 +189,7 @@ def _start(model: Any, sock: str) -> dict[str, Any]:
         Path(sock).unlink(missing_ok=True)
         server = socketserver.UnixStreamServer(sock, _Handler)
         os.chmod(sock, 0o600)
-        threading.Thread(target=server.serve_forever, name="rollpatch-control",
-                         daemon=True).start()
+        threading.Thread(target=server.serve_forever, name="rollpatch-control", daemon=True).start()
         _STATE.server = server
     return {"socket": sock, "pid": os.getpid()}
 

@@ -70,11 +70,17 @@ class Staged:
         return sum(int(w.offsets.size) for w in self.writes.values())
 
     def summary(self) -> dict[str, object]:
-        return {"token": self.token, "base": self.base, "target": self.target,
-                "changed": self.changed, "params": len(self.writes),
-                "nbytes": sum(w.offsets.nbytes + w.old.nbytes + w.new.nbytes
-                              for w in self.writes.values()),
-                "digests": dict(self.digests)}
+        return {
+            "token": self.token,
+            "base": self.base,
+            "target": self.target,
+            "changed": self.changed,
+            "params": len(self.writes),
+            "nbytes": sum(
+                w.offsets.nbytes + w.old.nbytes + w.new.nbytes for w in self.writes.values()
+            ),
+            "digests": dict(self.digests),
+        }
 
 
 class HeldWeights:
@@ -86,23 +92,37 @@ class HeldWeights:
     on this rank: TP > 1 needs a gather, which is not built).
     """
 
-    def __init__(self, params: Mapping[str, np.ndarray], specs: Sequence[ParamSpec],
-                 kinds: Mapping[str, Kind], *, rank: int = 0, tp: int = 1) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        specs: Sequence[ParamSpec],
+        kinds: Mapping[str, Kind],
+        *,
+        rank: int = 0,
+        tp: int = 1,
+    ) -> None:
         self.params, self.rank, self.tp = dict(params), rank, tp
         self._place: dict[str, Placement] = {}
         self._kind: dict[str, Kind] = {}
         for spec in specs:
             for pl in placements(spec, rank, tp):
                 if not pl.whole:
-                    raise EngineError("tensor is split over tensor-parallel ranks; reading it "
-                                      "needs a gather, which the SGLang extension does not "
-                                      "build yet", tensor=pl.name, tp=tp,
-                                      hint="serve with --tp-size 1 (docs/sglang.md, status)")
+                    raise EngineError(
+                        "tensor is split over tensor-parallel ranks; reading it "
+                        "needs a gather, which the SGLang extension does not "
+                        "build yet",
+                        tensor=pl.name,
+                        tp=tp,
+                        hint="serve with --tp-size 1 (docs/sglang.md, status)",
+                    )
                 a = self.params[spec.param]
                 if a.shape != pl.param_shape or not a.flags.c_contiguous:
-                    raise EngineError("runtime parameter differs from its derived layout",
-                                      param=spec.param, shape=a.shape,
-                                      derived=pl.param_shape)
+                    raise EngineError(
+                        "runtime parameter differs from its derived layout",
+                        param=spec.param,
+                        shape=a.shape,
+                        derived=pl.param_shape,
+                    )
                 self._place[pl.name] = pl
                 self._kind[pl.name] = kinds[spec.param]
         self._digests: dict[str, str] = {}
@@ -122,8 +142,11 @@ class HeldWeights:
         try:
             return self._place[name]
         except KeyError:
-            raise EngineError("the engine holds no such checkpoint tensor", tensor=name,
-                              hint="the served view and the model disagree on names") from None
+            raise EngineError(
+                "the engine holds no such checkpoint tensor",
+                tensor=name,
+                hint="the served view and the model disagree on names",
+            ) from None
 
     def kind_of(self, name: str) -> Kind:
         self._pl(name)
@@ -163,14 +186,19 @@ class HeldWeights:
         names = self.names()
         out: list[str] = []
         spent, wrapped = 0, False
-        while len(out) < len(names) and (not out or spent + self[names[self._cursor]].nbytes
-                                          <= budget):
+        while len(out) < len(names) and (
+            not out or spent + self[names[self._cursor]].nbytes <= budget
+        ):
             out.append(names[self._cursor])
             spent += self[out[-1]].nbytes
             self._cursor = (self._cursor + 1) % len(names)
             wrapped = wrapped or self._cursor == 0
-        bad = [n for n in out if n in self._digests and self._digests[n] != tensor_digest(
-            self[n].dtype, self[n].shape, self[n].data)]
+        bad = [
+            n
+            for n in out
+            if n in self._digests
+            and self._digests[n] != tensor_digest(self[n].dtype, self[n].shape, self[n].data)
+        ]
         return {"tensors": len(out), "nbytes": spent, "mismatched": bad, "wrapped": wrapped}
 
     # -- staging (reads only) ----------------------------------------------------------------
@@ -178,35 +206,60 @@ class HeldWeights:
     def _check(self, tp: TensorPatch) -> TensorPatch:
         """The tensor patch as a validated delta against the live words."""
         if tp.op == "drop" or tp.name not in self._place:
-            raise BaseMismatchError("patch adds or drops a tensor; the model cannot change",
-                                    tensor=tp.name, op=tp.op,
-                                    hint="self-heal from a keyframe of this architecture")
+            raise BaseMismatchError(
+                "patch adds or drops a tensor; the model cannot change",
+                tensor=tp.name,
+                op=tp.op,
+                hint="self-heal from a keyframe of this architecture",
+            )
         pl, kind = self._place[tp.name], self._kind[tp.name]
         if tp.kind != kind or tp.shape != pl.shape:
-            raise BaseMismatchError("tensor layout differs from the engine's", tensor=tp.name,
-                                    kind=tp.kind.name, shape=tp.shape, engine_kind=kind.name,
-                                    engine_shape=pl.shape)
+            raise BaseMismatchError(
+                "tensor layout differs from the engine's",
+                tensor=tp.name,
+                kind=tp.kind.name,
+                shape=tp.shape,
+                engine_kind=kind.name,
+                engine_shape=pl.shape,
+            )
         live = self[tp.name].data
         if tp.op == "full":
             assert tp.tensor is not None
             if tp.tensor.kind != kind or tp.tensor.data.shape != live.shape:
-                raise BaseMismatchError("full tensor's layout differs from the engine's",
-                                        tensor=tp.name)
+                raise BaseMismatchError(
+                    "full tensor's layout differs from the engine's", tensor=tp.name
+                )
             changed = np.flatnonzero(live != tp.tensor.data).astype(np.int64)
-            return TensorPatch(tp.name, "delta", kind, tp.shape, tp.base_digest,
-                               tp.target_digest, changed, live[changed].copy(),
-                               tp.tensor.data[changed].copy())
+            return TensorPatch(
+                tp.name,
+                "delta",
+                kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                changed,
+                live[changed].copy(),
+                tp.tensor.data[changed].copy(),
+            )
         pos, old, new = tp.positions, tp.old, tp.new
         assert pos is not None and old is not None and new is not None
-        if pos.dtype != np.int64 or pos.ndim != 1 or old.dtype != kind.elem_dtype \
-                or new.dtype != kind.elem_dtype or old.shape != pos.shape \
-                or new.shape != pos.shape:
-            raise PatchError("positions must be int64 and elements the kind's words",
-                             tensor=tp.name)
-        if pos.size and (pos[0] < 0 or pos[-1] >= pl.n_elements
-                         or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))):
-            raise PatchError("positions out of range or not strictly increasing",
-                             tensor=tp.name)
+        if (
+            pos.dtype != np.int64
+            or pos.ndim != 1
+            or old.dtype != kind.elem_dtype
+            or new.dtype != kind.elem_dtype
+            or old.shape != pos.shape
+            or new.shape != pos.shape
+        ):
+            raise PatchError(
+                "positions must be int64 and elements the kind's words", tensor=tp.name
+            )
+        if pos.size and (
+            pos[0] < 0
+            or pos[-1] >= pl.n_elements
+            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+        ):
+            raise PatchError("positions out of range or not strictly increasing", tensor=tp.name)
         if not np.array_equal(live[pos], old):
             raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
         return tp
@@ -214,9 +267,12 @@ class HeldWeights:
     def stage(self, patch: Patch) -> Staged:
         """Validate and prove ``patch`` against the live words; nothing is written."""
         if self.root() != patch.base:
-            raise BaseMismatchError("engine root digest is not the patch's base",
-                                    expected=patch.base[:16], actual=self.root()[:16],
-                                    hint="the engine is on another version; plan a new path")
+            raise BaseMismatchError(
+                "engine root digest is not the patch's base",
+                expected=patch.base[:16],
+                actual=self.root()[:16],
+                hint="the engine is on another version; plan a new path",
+            )
         deltas = [self._check(patch.tensors[n]) for n in sorted(patch.tensors)]
         digests = dict(self.digests())
         states: dict[str, tuple[int, int]] = {}
@@ -233,41 +289,54 @@ class HeldWeights:
                 got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
                 states[tp.name] = state
             else:
-                raise BaseMismatchError("the patch's digests are not rp.sum128",
-                                        digest=patch.digest, hint="a patch-format 1 board: "
-                                        "load a keyframe (docs/patch-format.md)")
+                raise BaseMismatchError(
+                    "the patch's digests are not rp.sum128",
+                    digest=patch.digest,
+                    hint="a patch-format 1 board: load a keyframe (docs/patch-format.md)",
+                )
             if got != tp.target_digest:
-                raise TargetMismatchError("the staged update does not give the target tensor",
-                                          tensor=tp.name)
+                raise TargetMismatchError(
+                    "the staged update does not give the target tensor", tensor=tp.name
+                )
             digests[tp.name] = got
             pl = self._place[tp.name]
             held, offsets = locate(pl, tp.positions)
             per_param.setdefault(pl.param, []).append((offsets, tp.old[held], tp.new[held]))
         if root_digest(digests) != patch.target:
             raise TargetMismatchError("the staged update does not give the target root")
-        staged = Staged(secrets.token_hex(8), patch.base, patch.target,
-                        {tp.name: digests[tp.name] for tp in deltas}, states)
+        staged = Staged(
+            secrets.token_hex(8),
+            patch.base,
+            patch.target,
+            {tp.name: digests[tp.name] for tp in deltas},
+            states,
+        )
         for param, parts in per_param.items():
             offs = np.concatenate([p[0] for p in parts])
             order = np.argsort(offs, kind="stable")
-            staged.writes[param] = _Write(np.ascontiguousarray(offs[order]),
-                                          np.concatenate([p[1] for p in parts])[order],
-                                          np.concatenate([p[2] for p in parts])[order])
+            staged.writes[param] = _Write(
+                np.ascontiguousarray(offs[order]),
+                np.concatenate([p[1] for p in parts])[order],
+                np.concatenate([p[2] for p in parts])[order],
+            )
         self.staged = {staged.token: staged}  # one staged update at a time
         return staged
 
     # -- writing (under the pause) -----------------------------------------------------------
 
-    def commit(self, token: str, repack: Callable[[set[str]], None] = lambda p: None
-               ) -> Staged:
+    def commit(self, token: str, repack: Callable[[set[str]], None] = lambda p: None) -> Staged:
         """Scatter a staged update, read it back; O(changed). Raises, restored, on mismatch."""
         staged = self.staged.pop(token, None)
         if staged is None:
-            raise EngineError("no staged update with this token", token=token,
-                              hint="stage the patch again")
+            raise EngineError(
+                "no staged update with this token", token=token, hint="stage the patch again"
+            )
         if self.root() != staged.base:
-            raise BaseMismatchError("the engine moved since the update was staged",
-                                    expected=staged.base[:16], actual=self.root()[:16])
+            raise BaseMismatchError(
+                "the engine moved since the update was staged",
+                expected=staged.base[:16],
+                actual=self.root()[:16],
+            )
         flat = {p: self.params[p].reshape(-1) for p in staged.writes}
         for p, w in staged.writes.items():
             if not np.array_equal(flat[p][w.offsets], w.old):
@@ -276,23 +345,30 @@ class HeldWeights:
             for p, w in staged.writes.items():
                 flat[p][w.offsets] = w.new
             repack(set(staged.writes))
-            bad = [p for p, w in staged.writes.items()
-                   if not np.array_equal(flat[p][w.offsets], w.new)]
+            bad = [
+                p for p, w in staged.writes.items() if not np.array_equal(flat[p][w.offsets], w.new)
+            ]
             if bad:
-                raise TargetMismatchError("written words do not read back", param=bad[0],
-                                          mismatched=len(bad))
+                raise TargetMismatchError(
+                    "written words do not read back", param=bad[0], mismatched=len(bad)
+                )
         except BaseException:
             for p, w in staged.writes.items():
                 flat[p][w.offsets] = w.old
             repack(set(staged.writes))
-            lost = [p for p, w in staged.writes.items()
-                    if not np.array_equal(flat[p][w.offsets], w.old)]
+            lost = [
+                p for p, w in staged.writes.items() if not np.array_equal(flat[p][w.offsets], w.old)
+            ]
             if lost:
                 self._digests.clear()
                 self._sums.clear()
-                raise EngineError("could not restore the base after a failed commit: the "
-                                  "engine holds unknown bits", param=lost[0], restored=False,
-                                  hint="reload a keyframe") from None
+                raise EngineError(
+                    "could not restore the base after a failed commit: the "
+                    "engine holds unknown bits",
+                    param=lost[0],
+                    restored=False,
+                    hint="reload a keyframe",
+                ) from None
             raise
         self._digests.update(staged.digests)
         self._sums.update(staged.states)
@@ -303,15 +379,24 @@ class HeldWeights:
         names = set(view)
         if names != set(self._place):
             missing, extra = sorted(set(self._place) - names), sorted(names - set(self._place))
-            raise ViewError("keyframe tensor names differ from the engine's",
-                            missing=missing[:3] or None, unexpected=extra[:3] or None,
-                            n_missing=len(missing), n_unexpected=len(extra))
+            raise ViewError(
+                "keyframe tensor names differ from the engine's",
+                missing=missing[:3] or None,
+                unexpected=extra[:3] or None,
+                n_missing=len(missing),
+                n_unexpected=len(extra),
+            )
         for name in sorted(names):
             t, pl = view[name], self._place[name]
             if t.kind != self._kind[name] or t.shape != pl.shape:
-                raise ViewError("keyframe tensor layout differs from the engine's", tensor=name,
-                                kind=t.kind.name, shape=t.shape,
-                                engine_kind=self._kind[name].name, engine_shape=pl.shape)
+                raise ViewError(
+                    "keyframe tensor layout differs from the engine's",
+                    tensor=name,
+                    kind=t.kind.name,
+                    shape=t.shape,
+                    engine_kind=self._kind[name].name,
+                    engine_shape=pl.shape,
+                )
         self.staged.clear()
         self._digests.clear()
         self._sums.clear()

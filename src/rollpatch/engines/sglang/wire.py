@@ -38,20 +38,30 @@ __all__ = ["MAX_LINE", "command_payload", "http_json", "read_line", "request", "
 _MAX_BODY = 64 * 1024 * 1024
 #: Error classes from inside SGLang re-raised as themselves (the follower treats wrong bits
 #: specially); anything else becomes an EngineError.
-_PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
-                 "CodecError", "ViewError", "VerificationError", "EngineError"}
+_PASS_THROUGH = {
+    "BaseMismatchError",
+    "TargetMismatchError",
+    "PatchDecodeError",
+    "PatchError",
+    "CodecError",
+    "ViewError",
+    "VerificationError",
+    "EngineError",
+}
 
 MAX_LINE = 1 << 24  # a digest list of a very large model stays far below this
 
 # What ``ForkingPickler(protocol=2).dump([(NAME, torch.empty(0, dtype=torch.uint8))])`` writes
 # (torch 2.x): before the name, and after it. tests/test_sglang.py checks them against torch.
 _HEAD = b"\x80\x02]q\x00X"
-_TAIL = (b"q\x01ctorch.multiprocessing.reductions\nrebuild_tensor\nq\x02ctorch\nTensor\nq\x03"
-         b"ctorch.multiprocessing.reductions\nrebuild_typed_storage\nq\x04"
-         b"ctorch.multiprocessing.reductions\nrebuild_storage_empty\nq\x05"
-         b"ctorch.storage\nUntypedStorage\nq\x06\x85q\x07Rq\x08ctorch\nuint8\nq\t\x86q\nRq\x0b"
-         b"(K\x00ctorch\nSize\nq\x0cK\x00\x85q\r\x85q\x0eRq\x0fK\x01\x85q\x10\x89tq\x11\x87q\x12"
-         b"Rq\x13\x86q\x14a.")
+_TAIL = (
+    b"q\x01ctorch.multiprocessing.reductions\nrebuild_tensor\nq\x02ctorch\nTensor\nq\x03"
+    b"ctorch.multiprocessing.reductions\nrebuild_typed_storage\nq\x04"
+    b"ctorch.multiprocessing.reductions\nrebuild_storage_empty\nq\x05"
+    b"ctorch.storage\nUntypedStorage\nq\x06\x85q\x07Rq\x08ctorch\nuint8\nq\t\x86q\nRq\x0b"
+    b"(K\x00ctorch\nSize\nq\x0cK\x00\x85q\r\x85q\x0eRq\x0fK\x01\x85q\x10\x89tq\x11\x87q\x12"
+    b"Rq\x13\x86q\x14a."
+)
 
 
 def command_payload(command: dict[str, Any]) -> str:
@@ -86,9 +96,12 @@ def request(path: str | Path, body: dict[str, Any], timeout: float) -> dict[str,
             s.sendall(json.dumps(body, separators=(",", ":")).encode() + b"\n")
             raw = read_line(s)
     except OSError as err:
-        raise EngineError(f"the SGLang control socket is not reachable: {err}", path=str(path),
-                          op=body.get("op"), hint="is SGLang up, started with rollpatch's "
-                          "--custom-weight-loader? (docs/sglang.md)") from None
+        raise EngineError(
+            f"the SGLang control socket is not reachable: {err}",
+            path=str(path),
+            op=body.get("op"),
+            hint="is SGLang up, started with rollpatch's --custom-weight-loader? (docs/sglang.md)",
+        ) from None
     try:
         out = json.loads(raw)
     except json.JSONDecodeError:
@@ -98,25 +111,34 @@ def request(path: str | Path, body: dict[str, Any], timeout: float) -> dict[str,
     return out
 
 
-def http_json(base_url: str, method: str, path: str, body: Any = None, *, timeout: float,
-              check: bool = True) -> Any:
+def http_json(
+    base_url: str, method: str, path: str, body: Any = None, *, timeout: float, check: bool = True
+) -> Any:
     """One JSON call to SGLang's HTTP server; with ``check=False`` a 400 answer (SGLang's
     "did not succeed") is returned like a 200 one. Every other failure is an EngineError."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base_url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read(_MAX_BODY + 1)
     except urllib.error.HTTPError as err:
         raw = err.read(_MAX_BODY + 1)
         if check or err.code != 400:
-            raise EngineError(f"SGLang answered {err.code} to {method} {path}",
-                              engine="sglang", detail=raw[:500].decode(errors="replace")
-                              ) from None
+            raise EngineError(
+                f"SGLang answered {err.code} to {method} {path}",
+                engine="sglang",
+                detail=raw[:500].decode(errors="replace"),
+            ) from None
     except (urllib.error.URLError, OSError) as err:
-        raise EngineError(f"SGLang is not reachable: {err}", engine="sglang", url=base_url,
-                          path=path, hint="is the server up? (GET /health)") from None
+        raise EngineError(
+            f"SGLang is not reachable: {err}",
+            engine="sglang",
+            url=base_url,
+            path=path,
+            hint="is the server up? (GET /health)",
+        ) from None
     if len(raw) > _MAX_BODY:
         raise EngineError("SGLang's answer is too large", engine="sglang", path=path)
     try:
@@ -134,7 +156,8 @@ def result(r: Mapping[str, Any]) -> dict[str, Any]:
         ctx.setdefault("engine", "sglang")
         cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
         if cls is None:
-            raise EngineError(f"SGLang extension failed ({name}): {e.get('message')}",
-                              hint=e.get("hint"), **ctx)
+            raise EngineError(
+                f"SGLang extension failed ({name}): {e.get('message')}", hint=e.get("hint"), **ctx
+            )
         raise cls(str(e.get("message")), hint=e.get("hint"), **ctx)
     return dict(r)

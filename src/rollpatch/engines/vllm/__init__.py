@@ -24,8 +24,15 @@ if TYPE_CHECKING:
     from .weights import Access, RuntimeWeights
     from .worker import WorkerExtension
 
-__all__ = ["Access", "RemoteWords", "RuntimeWeights", "VllmEngine", "WorkerExtension",
-           "read_decoded", "write_decoded"]
+__all__ = [
+    "Access",
+    "RemoteWords",
+    "RuntimeWeights",
+    "VllmEngine",
+    "WorkerExtension",
+    "read_decoded",
+    "write_decoded",
+]
 
 _WHERE = {
     "Access": "weights",

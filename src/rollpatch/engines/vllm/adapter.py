@@ -39,8 +39,16 @@ TRANSPORTS = ("auto", "weight-transfer", "rpc")
 #: pause (``stage``), or re-packed inside the pause (``pause``: less memory, longer pause).
 Prepack = Literal["stage", "pause"]
 #: Worker error classes re-raised as themselves (the follower treats wrong bits specially).
-_PASS_THROUGH = {"BaseMismatchError", "TargetMismatchError", "PatchDecodeError", "PatchError",
-                 "CodecError", "ViewError", "VerificationError", "EngineError"}
+_PASS_THROUGH = {
+    "BaseMismatchError",
+    "TargetMismatchError",
+    "PatchDecodeError",
+    "PatchError",
+    "CodecError",
+    "ViewError",
+    "VerificationError",
+    "EngineError",
+}
 
 
 class RemoteWords:
@@ -79,16 +87,26 @@ class VllmEngine(EngineAdapter):
 
     name = "vllm"
 
-    def __init__(self, url: str, *, shared_dir: str | Path | None = None,
-                 transport: str = "auto", timeout: float = 600.0,
-                 prepack: Prepack = "stage") -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        shared_dir: str | Path | None = None,
+        transport: str = "auto",
+        timeout: float = 600.0,
+        prepack: Prepack = "stage",
+    ) -> None:
         if transport not in TRANSPORTS:
-            raise errors.ConfigError(f"unknown transport {transport!r}",
-                                     hint=f"use one of {', '.join(TRANSPORTS)}")
+            raise errors.ConfigError(
+                f"unknown transport {transport!r}", hint=f"use one of {', '.join(TRANSPORTS)}"
+            )
         if prepack not in ("stage", "pause"):
-            raise errors.ConfigError(f"unknown prepack {prepack!r}", field="prepack",
-                                     hint="stage (faster pause, + packed copies of the touched "
-                                     "modules while staged) or pause (re-pack in the pause)")
+            raise errors.ConfigError(
+                f"unknown prepack {prepack!r}",
+                field="prepack",
+                hint="stage (faster pause, + packed copies of the touched "
+                "modules while staged) or pause (re-pack in the pause)",
+            )
         self.prepack = prepack
         self.http = Http(url, timeout)
         self._own_dir = shared_dir is None
@@ -145,8 +163,12 @@ class VllmEngine(EngineAdapter):
         """Take over a server that booted from a checkpoint: verified against ``digest``."""
         _, root = self.held(fresh=True)
         if root != digest:
-            raise BaseMismatchError("the server does not hold the expected view", engine=self.name,
-                                    expected=digest[:16], actual=root[:16])
+            raise BaseMismatchError(
+                "the server does not hold the expected view",
+                engine=self.name,
+                expected=digest[:16],
+                actual=root[:16],
+            )
         self._set(version, root)
 
     # -- commits -----------------------------------------------------------------------------
@@ -172,8 +194,13 @@ class VllmEngine(EngineAdapter):
         with self._paused():
             try:
                 write_decoded(patch, path)
-                self._commit("apply", path, version,
-                             lambda res: self._matches(res, targets, patch.target), patch)
+                self._commit(
+                    "apply",
+                    path,
+                    version,
+                    lambda res: self._matches(res, targets, patch.target),
+                    patch,
+                )
             finally:
                 path.unlink(missing_ok=True)
 
@@ -183,8 +210,9 @@ class VllmEngine(EngineAdapter):
         their own words in a background thread (docs/vllm.md). Nothing is written."""
         self._require_loaded()
         if not steps or steps[0].base != self._digest:
-            raise BaseMismatchError("the chain does not start at the held version",
-                                    engine=self.name, version=version)
+            raise BaseMismatchError(
+                "the chain does not start at the held version", engine=self.name, version=version
+            )
         token = secrets.token_hex(8)
         files: list[Path] = []
         spec: list[dict[str, Any]] = []
@@ -197,8 +225,9 @@ class VllmEngine(EngineAdapter):
                     paths.append(str(files[-1]))
                 spec.append({"base": step.base, "target": step.target, "paths": paths})
             files.append(self._scratch("stage"))
-            files[-1].write_text(json.dumps({"token": token, "steps": spec,
-                                             "prepack": self.prepack}))
+            files[-1].write_text(
+                json.dumps({"token": token, "steps": spec, "prepack": self.prepack})
+            )
             self._call("stage", str(files[-1]))
             res = self._wait_staged(token)
         finally:
@@ -207,9 +236,18 @@ class VllmEngine(EngineAdapter):
         if res["base"] != steps[0].base or res["target"] != steps[-1].target:
             self._call("discard", token)
             raise TargetMismatchError("the workers staged another transition", engine=self.name)
-        return StagedUpdate(res["base"], res["target"], {}, dict(res["digests"]),
-                            {"token": token, "changed": int(res["changed"]),
-                             "nbytes": int(res["nbytes"]), "stage_ms": float(res["stage_ms"])})
+        return StagedUpdate(
+            res["base"],
+            res["target"],
+            {},
+            dict(res["digests"]),
+            {
+                "token": token,
+                "changed": int(res["changed"]),
+                "nbytes": int(res["nbytes"]),
+                "stage_ms": float(res["stage_ms"]),
+            },
+        )
 
     def _wait_staged(self, token: str) -> dict[str, Any]:
         delay = 0.002
@@ -229,8 +267,12 @@ class VllmEngine(EngineAdapter):
         if not isinstance(token, str):
             raise EngineError("not an update staged by this engine", engine=self.name)
         with self._paused():
-            self._commit("commit", token, version,
-                         lambda res: self._matches(res, staged.digests, staged.target))
+            self._commit(
+                "commit",
+                token,
+                version,
+                lambda res: self._matches(res, staged.digests, staged.target),
+            )
 
     def audit(self, budget_bytes: int) -> AuditReport:
         """Re-hash up to ``budget_bytes`` of live weights in the workers (on vLLM's engine
@@ -241,12 +283,13 @@ class VllmEngine(EngineAdapter):
             if res["mismatched"] or res.get("tainted"):
                 self._set(None, None)
                 with contextlib.suppress(RollpatchError):
-                    self.http.post("/update_weight_version",
-                                   {"new_version": "rollpatch:not-ready"})
-        return AuditReport(int(res["tensors"]), int(res["bytes"]),
-                           tuple(res["mismatched"]) or ((str(res["tainted"]),)
-                                                        if res.get("tainted") else ()),
-                           bool(res["wrapped"]))
+                    self.http.post("/update_weight_version", {"new_version": "rollpatch:not-ready"})
+        return AuditReport(
+            int(res["tensors"]),
+            int(res["bytes"]),
+            tuple(res["mismatched"]) or ((str(res["tainted"]),) if res.get("tainted") else ()),
+            bool(res["wrapped"]),
+        )
 
     def apply_encoded(self, blob: bytes | memoryview, version: int) -> None:
         """Commit a wire-format patch, decoded inside the workers against their own words."""
@@ -257,8 +300,12 @@ class VllmEngine(EngineAdapter):
         with self._paused():
             try:
                 path.write_bytes(blob)
-                self._commit("apply_encoded", path, version,
-                             lambda res: self._matches(res, targets, header.target))
+                self._commit(
+                    "apply_encoded",
+                    path,
+                    version,
+                    lambda res: self._matches(res, targets, header.target),
+                )
             finally:
                 path.unlink(missing_ok=True)
 
@@ -266,8 +313,9 @@ class VllmEngine(EngineAdapter):
     def _matches(res: Mapping[str, Any], targets: Mapping[str, str | None], root: str) -> bool:
         return res["root"] == root and all(res["digests"].get(n) == d for n, d in targets.items())
 
-    def _commit(self, op: str, path: Path | str, version: int, verified: Any,
-                patch: Patch | None = None) -> dict[str, Any]:
+    def _commit(
+        self, op: str, path: Path | str, version: int, verified: Any, patch: Patch | None = None
+    ) -> dict[str, Any]:
         """Run ``op`` on the workers; the version moves only if ``verified(result)``.
 
         The held version stays reported while the bits change: the engine is paused (or
@@ -286,8 +334,12 @@ class VllmEngine(EngineAdapter):
                 res = self._run(op, path, official)
                 if not verified(res):
                     self._rollback(patch, before)
-                    raise TargetMismatchError("the engine reports other digests than the "
-                                              "target", engine=self.name, op=op, version=version)
+                    raise TargetMismatchError(
+                        "the engine reports other digests than the target",
+                        engine=self.name,
+                        op=op,
+                        version=version,
+                    )
                 self._set(version, res["root"])
                 done = True
             except BaseException:
@@ -299,8 +351,9 @@ class VllmEngine(EngineAdapter):
                 if started:  # names the version only once the workers' digests checked out
                     self.http.post("/finish_weight_update", {"weight_version": tag})
                 if (tag is not None and not started) or self._version is None:
-                    self.http.post("/update_weight_version",
-                                   {"new_version": tag or "rollpatch:not-ready"})
+                    self.http.post(
+                        "/update_weight_version", {"new_version": tag or "rollpatch:not-ready"}
+                    )
             self.http.post("/reset_prefix_cache")
             return res
 
@@ -309,8 +362,9 @@ class VllmEngine(EngineAdapter):
             return self._call(op, str(path))
         token = secrets.token_hex(8)
         try:
-            self.http.post("/update_weights", {"update_info": {"op": op, "path": str(path),
-                                                               "token": token}})
+            self.http.post(
+                "/update_weights", {"update_info": {"op": op, "path": str(path), "token": token}}
+            )
         finally:  # the workers keep the result (and any error) under the token
             res = self._rpc("rollpatch_result", token)
         return self._gather(res)
@@ -342,8 +396,11 @@ class VllmEngine(EngineAdapter):
 
     def _require_loaded(self) -> None:
         if self._version is None:
-            raise EngineError("the engine holds no verified version", engine=self.name,
-                              hint="load a keyframe (or adopt a booted checkpoint) first")
+            raise EngineError(
+                "the engine holds no verified version",
+                engine=self.name,
+                hint="load a keyframe (or adopt a booted checkpoint) first",
+            )
 
     def _scratch(self, what: str) -> Path:
         return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
@@ -353,9 +410,13 @@ class VllmEngine(EngineAdapter):
         out = self.http.post("/collective_rpc", body)
         results = out.get("results") if isinstance(out, dict) else None
         if not isinstance(results, list) or not results:
-            raise EngineError("collective_rpc returned no results", engine=self.name,
-                              method=method, hint="start vLLM with VLLM_SERVER_DEV_MODE=1 and "
-                              "--worker-extension-cls rollpatch.engines.vllm.WorkerExtension")
+            raise EngineError(
+                "collective_rpc returned no results",
+                engine=self.name,
+                method=method,
+                hint="start vLLM with VLLM_SERVER_DEV_MODE=1 and "
+                "--worker-extension-cls rollpatch.engines.vllm.WorkerExtension",
+            )
         return results
 
     def _call(self, op: str, *args: str) -> dict[str, Any]:
@@ -369,8 +430,10 @@ class VllmEngine(EngineAdapter):
             if not r.get("ok"):
                 raise _error(r.get("error") or {})
         keys = ("root", "digests")
-        if any(tuple(r.get(k) for k in keys) != tuple(results[0].get(k) for k in keys)
-               for r in results[1:]):
+        if any(
+            tuple(r.get(k) for k in keys) != tuple(results[0].get(k) for k in keys)
+            for r in results[1:]
+        ):
             raise EngineError("tensor-parallel ranks disagree on digests", engine=self.name)
         self.last_timings = {"worker_ms": max(float(r.get("ms", 0.0)) for r in results)}
         return dict(results[0])
@@ -410,6 +473,5 @@ def _error(e: Mapping[str, Any]) -> RollpatchError:
     ctx.setdefault("engine", "vllm")
     cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
     if cls is None:
-        return EngineError(f"worker failed ({name}): {e.get('message')}", hint=e.get("hint"),
-                           **ctx)
+        return EngineError(f"worker failed ({name}): {e.get('message')}", hint=e.get("hint"), **ctx)
     return cls(str(e.get("message")), hint=e.get("hint"), **ctx)

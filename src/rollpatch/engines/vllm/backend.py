@@ -74,8 +74,10 @@ class RollpatchTransferEngine(WeightTransferEngine[RollpatchInitInfo, RollpatchU
         if update_info.op in _OPS:
             result = run_op(self.model, update_info.op, update_info.path)
         else:
-            result = {"ok": False, "error": {"type": "EngineError",
-                                             "message": f"unknown op {update_info.op!r}"}}
+            result = {
+                "ok": False,
+                "error": {"type": "EngineError", "message": f"unknown op {update_info.op!r}"},
+            }
         results: dict[str, Any] = self.model.__dict__.setdefault("_rollpatch_results", {})
         while len(results) >= _KEEP_RESULTS:
             results.pop(next(iter(results)))

@@ -41,8 +41,11 @@ class Http:
             conn.close()
             conn = None
         if conn is None:
-            cls = (http.client.HTTPSConnection if self._url.scheme == "https"
-                   else http.client.HTTPConnection)
+            cls = (
+                http.client.HTTPSConnection
+                if self._url.scheme == "https"
+                else http.client.HTTPConnection
+            )
             conn = cls(self._url.hostname or "", self._url.port, timeout=timeout)
             self._local.conn = conn
         conn.timeout = timeout
@@ -50,28 +53,41 @@ class Http:
             conn.sock.settimeout(timeout)
         return conn
 
-    def request(self, method: str, path: str, body: Any = None, *,
-                timeout: float | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
+    ) -> Any:
         """Send one request; returns the decoded JSON body (None when empty)."""
         data = None if body is None else json.dumps(body).encode()
         conn = self._connection(timeout or self.timeout)
         try:
-            conn.request(method, self._url.path + path, body=data,
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                method,
+                self._url.path + path,
+                body=data,
+                headers={"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             raw = resp.read(_MAX_BODY + 1)
         except (http.client.HTTPException, OSError) as err:
             conn.close()
             self._local.conn = None
-            raise EngineError(f"vLLM is not reachable: {err}", engine="vllm", url=self.base_url,
-                              path=path, hint="is the server up? (GET /health)") from None
+            raise EngineError(
+                f"vLLM is not reachable: {err}",
+                engine="vllm",
+                url=self.base_url,
+                path=path,
+                hint="is the server up? (GET /health)",
+            ) from None
         self._local.used = time.monotonic()
         if resp.will_close or len(raw) > _MAX_BODY:
             conn.close()
             self._local.conn = None
         if resp.status >= 400:
-            raise EngineError(f"vLLM answered {resp.status} to {method} {path}", engine="vllm",
-                              detail=raw[:2000].decode(errors="replace"))
+            raise EngineError(
+                f"vLLM answered {resp.status} to {method} {path}",
+                engine="vllm",
+                detail=raw[:2000].decode(errors="replace"),
+            )
         if len(raw) > _MAX_BODY:
             raise EngineError("vLLM's answer is too large", engine="vllm", path=path)
         if not raw.strip():

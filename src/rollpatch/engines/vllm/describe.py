@@ -36,9 +36,12 @@ _KIND_OF_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float
 def _unquantized(module: Any, name: str) -> None:
     method = type(getattr(module, "quant_method", None)).__name__
     if method not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "NoneType"):
-        raise EngineError("quantized layers are not supported by the vLLM extension yet",
-                          module=name, quant_method=method,
-                          hint="serve the bf16 format (FP8 status: docs/vllm.md)")
+        raise EngineError(
+            "quantized layers are not supported by the vLLM extension yet",
+            module=name,
+            quant_method=method,
+            hint="serve the bf16 format (FP8 status: docs/vllm.md)",
+        )
 
 
 def _shape(p: Any) -> tuple[int, ...]:
@@ -46,8 +49,9 @@ def _shape(p: Any) -> tuple[int, ...]:
 
 
 def _refuse_experts(mod: Any, mod_name: str, why: str, **ctx: Any) -> EngineError:
-    return EngineError(f"MoE experts: {why}", module=mod_name, **ctx,
-                       hint="docs/vllm.md, Mixture of experts")
+    return EngineError(
+        f"MoE experts: {why}", module=mod_name, **ctx, hint="docs/vllm.md, Mixture of experts"
+    )
 
 
 def _expert_maps(mod: Any, mod_name: str, rank: int, tp: int) -> tuple[list[list[int]], int]:
@@ -57,12 +61,22 @@ def _expert_maps(mod: Any, mod_name: str, rank: int, tp: int) -> tuple[list[list
     experts = int(mod.global_num_experts)
     if not par.use_ep:
         if int(par.tp_size) != tp or int(par.tp_rank) != rank:
-            raise _refuse_experts(mod, mod_name, "expert TP differs from the model's TP",
-                                  moe_tp=int(par.tp_size), tp=tp)
+            raise _refuse_experts(
+                mod,
+                mod_name,
+                "expert TP differs from the model's TP",
+                moe_tp=int(par.tp_size),
+                tp=tp,
+            )
         return [list(range(experts)) for _ in range(tp)], tp
     if int(par.ep_size) != tp or int(par.ep_rank) != rank or int(par.tp_size) != 1:
-        raise _refuse_experts(mod, mod_name, "expert parallelism over data-parallel ranks is "
-                              "not supported", ep_size=int(par.ep_size), tp=tp)
+        raise _refuse_experts(
+            mod,
+            mod_name,
+            "expert parallelism over data-parallel ranks is not supported",
+            ep_size=int(par.ep_size),
+            tp=tp,
+        )
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     maps = []
@@ -71,8 +85,12 @@ def _expert_maps(mod: Any, mod_name: str, rank: int, tp: int) -> tuple[list[list
         maps.append([int(x) for x in m.tolist()] if m is not None else list(range(experts)))
     own = getattr(mod, "_expert_map", None)
     if own is not None and [int(x) for x in own.tolist()] != maps[rank]:
-        raise _refuse_experts(mod, mod_name, "the layer's expert_map differs from vLLM's "
-                              "placement rule", strategy=str(mod.expert_placement_strategy))
+        raise _refuse_experts(
+            mod,
+            mod_name,
+            "the layer's expert_map differs from vLLM's placement rule",
+            strategy=str(mod.expert_placement_strategy),
+        )
     return maps, 1
 
 
@@ -80,23 +98,29 @@ def _experts(mod: Any, mod_name: str, leaf: str, p: Any, rank: int, tp: int) -> 
     """A fused expert parameter of vLLM's ``RoutedExperts`` (see :mod:`.moe`)."""
     method = type(getattr(mod, "quant_method", None)).__name__
     if method != "UnquantizedFusedMoEMethod":
-        raise _refuse_experts(mod, mod_name, "quantized experts are not supported yet",
-                              quant_method=method)
-    kernel = getattr(getattr(getattr(mod, "quant_method", None), "moe_kernel", None),
-                     "fused_experts", None)
+        raise _refuse_experts(
+            mod, mod_name, "quantized experts are not supported yet", quant_method=method
+        )
+    kernel = getattr(
+        getattr(getattr(mod, "quant_method", None), "moe_kernel", None), "fused_experts", None
+    )
     if "cpu" in type(kernel).__name__.lower():
-        raise _refuse_experts(mod, mod_name, "vLLM's CPU MoE kernel prepacks the expert "
-                              "weights (not in checkpoint layout); in-place expert patches "
-                              "need the GPU kernels", kernel=type(kernel).__name__)
+        raise _refuse_experts(
+            mod,
+            mod_name,
+            "vLLM's CPU MoE kernel prepacks the expert "
+            "weights (not in checkpoint layout); in-place expert patches "
+            "need the GPU kernels",
+            kernel=type(kernel).__name__,
+        )
     cfg = mod.moe_config
     if leaf not in ("w13_weight", "w2_weight") or not cfg.is_act_and_mul:
-        raise _refuse_experts(mod, mod_name, "only gated expert weights are supported",
-                              param=leaf)
+        raise _refuse_experts(mod, mod_name, "only gated expert weights are supported", param=leaf)
     if cfg.num_experts != cfg.num_logical_experts or getattr(
-            mod.expert_map_manager, "num_fused_shared_experts", 0):
+        mod.expert_map_manager, "num_fused_shared_experts", 0
+    ):
         raise _refuse_experts(mod, mod_name, "redundant (EPLB) or fused shared experts")
-    if getattr(cfg, "tp_shard_with_padding", False) or getattr(mod, "lora_base_layer_prefix",
-                                                              ""):
+    if getattr(cfg, "tp_shard_with_padding", False) or getattr(mod, "lora_base_layer_prefix", ""):
         raise _refuse_experts(mod, mod_name, "padded or LoRA-wrapped experts")
     maps, expert_tp = _expert_maps(mod, mod_name, rank, tp)
     shard_ids = ("w1", "w3") if leaf == "w13_weight" else ("w2",)
@@ -104,22 +128,37 @@ def _experts(mod: Any, mod_name: str, leaf: str, p: Any, rank: int, tp: int) -> 
     for param_name, weight_name, expert, shard in mod.get_expert_mapping():
         if shard in shard_ids and param_name.rstrip("_").endswith(leaf.split("_")[0]):
             by_expert.setdefault(int(expert), {})[shard] = weight_name
-    block = mod_name[:mod_name.index(".experts")] if ".experts" in mod_name else mod_name
+    block = mod_name[: mod_name.index(".experts")] if ".experts" in mod_name else mod_name
     experts = int(mod.global_num_experts)
     if sorted(by_expert) != list(range(experts)) or any(
-            set(v) != set(shard_ids) for v in by_expert.values()):
-        raise _refuse_experts(mod, mod_name, "the layer's expert mapping does not name every "
-                              "expert's tensors", found=len(by_expert), experts=experts)
+        set(v) != set(shard_ids) for v in by_expert.values()
+    ):
+        raise _refuse_experts(
+            mod,
+            mod_name,
+            "the layer's expert mapping does not name every expert's tensors",
+            found=len(by_expert),
+            experts=experts,
+        )
     names = [[f"{block}.{by_expert[e][s]}weight" for s in shard_ids] for e in range(experts)]
-    hidden, size = int(p.shape[2] if leaf == "w13_weight" else p.shape[1]), int(
-        (p.shape[1] // 2 if leaf == "w13_weight" else p.shape[2]) * expert_tp)
+    hidden, size = (
+        int(p.shape[2] if leaf == "w13_weight" else p.shape[1]),
+        int((p.shape[1] // 2 if leaf == "w13_weight" else p.shape[2]) * expert_tp),
+    )
     shape = (size, hidden) if leaf == "w13_weight" else (hidden, size)
-    return expert_spec(f"{mod_name}.{leaf}", names, shape, maps, expert_tp=expert_tp,
-                       dim=0 if leaf == "w13_weight" else 1)
+    return expert_spec(
+        f"{mod_name}.{leaf}",
+        names,
+        shape,
+        maps,
+        expert_tp=expert_tp,
+        dim=0 if leaf == "w13_weight" else 1,
+    )
 
 
-def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]], tp: int,
-          rank: int = 0) -> ParamSpec:
+def _spec(
+    model: Any, pname: str, p: Any, packed: dict[str, list[str]], tp: int, rank: int = 0
+) -> ParamSpec:
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         LinearBase,
@@ -141,8 +180,12 @@ def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]], tp: int,
     def fused(n: int) -> list[str]:
         subs = packed.get(last, [])
         if len(subs) != n:
-            raise EngineError("packed_modules_mapping does not name this fused module's parts",
-                              param=pname, parts=subs, expected=n)
+            raise EngineError(
+                "packed_modules_mapping does not name this fused module's parts",
+                param=pname,
+                parts=subs,
+                expected=n,
+            )
         return [ckpt(s) for s in subs]
 
     if hasattr(mod, "moe_config") and hasattr(mod, "get_expert_mapping"):
@@ -153,14 +196,22 @@ def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]], tp: int,
         q, k, v = fused(3)
         hd, vhd = mod.head_size, getattr(mod, "v_head_size", mod.head_size)
         rep = mod.num_kv_head_replicas
-        return ParamSpec(pname, "column", (
-            Shard(q, (mod.total_num_heads * hd, *cols), mod.num_heads * hd),
-            Shard(k, (mod.total_num_kv_heads * hd, *cols), mod.num_kv_heads * hd, rep),
-            Shard(v, (mod.total_num_kv_heads * vhd, *cols), mod.num_kv_heads * vhd, rep)))
+        return ParamSpec(
+            pname,
+            "column",
+            (
+                Shard(q, (mod.total_num_heads * hd, *cols), mod.num_heads * hd),
+                Shard(k, (mod.total_num_kv_heads * hd, *cols), mod.num_kv_heads * hd, rep),
+                Shard(v, (mod.total_num_kv_heads * vhd, *cols), mod.num_kv_heads * vhd, rep),
+            ),
+        )
     if isinstance(mod, MergedColumnParallelLinear):
         names = fused(len(mod.output_sizes))
-        return ParamSpec(pname, "column", tuple(
-            Shard(n, (int(size), *cols)) for n, size in zip(names, mod.output_sizes)))
+        return ParamSpec(
+            pname,
+            "column",
+            tuple(Shard(n, (int(size), *cols)) for n, size in zip(names, mod.output_sizes)),
+        )
     if isinstance(mod, ColumnParallelLinear):
         return ParamSpec(pname, "column", (Shard(pname, (int(mod.output_size), *cols)),))
     if isinstance(mod, RowParallelLinear):
@@ -170,11 +221,14 @@ def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]], tp: int,
     if isinstance(mod, VocabParallelEmbedding):
         if mod.num_added_embeddings:
             raise EngineError("added (LoRA) vocabulary is not supported", module=mod_name)
-        return ParamSpec(pname, "vocab", (Shard(pname, (int(mod.org_vocab_size), *cols)),),
-                         padded=int(mod.num_embeddings_padded))
+        return ParamSpec(
+            pname,
+            "vocab",
+            (Shard(pname, (int(mod.org_vocab_size), *cols)),),
+            padded=int(mod.num_embeddings_padded),
+        )
     if getattr(mod, "tp_size", 1) > 1 and not isinstance(mod, LinearBase):
-        raise EngineError("unknown tensor-parallel module", module=mod_name,
-                          cls=type(mod).__name__)
+        raise EngineError("unknown tensor-parallel module", module=mod_name, cls=type(mod).__name__)
     return ParamSpec(pname, "replicated", (Shard(pname, shape),))
 
 
@@ -182,8 +236,9 @@ def _whole_on_every_rank(spec: ParamSpec, tp: int) -> ParamSpec:
     """A layer built with ``disable_tp``: every rank holds every shard whole."""
     if spec.kind != "column":
         return ParamSpec(spec.param, "replicated", (Shard(spec.param, spec.shards[0].shape),))
-    return ParamSpec(spec.param, "column", tuple(
-        Shard(s.name, s.shape, s.rows, tp) for s in spec.shards))
+    return ParamSpec(
+        spec.param, "column", tuple(Shard(s.name, s.shape, s.rows, tp) for s in spec.shards)
+    )
 
 
 def _check(mod: Any, spec: ParamSpec, p: Any, rank: int, tp: int) -> None:
@@ -191,15 +246,23 @@ def _check(mod: Any, spec: ParamSpec, p: Any, rank: int, tp: int) -> None:
     got = _shape(p)
     flat = (got[0] if got else 1, int(p.numel()) // (got[0] if got and got[0] else 1))
     if want != flat:
-        raise EngineError("derived parameter shape differs from vLLM's", param=spec.param,
-                          derived=want, actual=got, hint="unsupported layout for this model")
+        raise EngineError(
+            "derived parameter shape differs from vLLM's",
+            param=spec.param,
+            derived=want,
+            actual=got,
+            hint="unsupported layout for this model",
+        )
     if spec.kind == "vocab":
         idx = mod.shard_indices
         pl = placements(spec, rank, tp)[0]
-        if (pl.src_start, pl.src_start + pl.length) != (idx.org_vocab_start_index,
-                                                        idx.org_vocab_end_index):
-            raise EngineError("vocabulary placement differs from vLLM's shard indices",
-                              param=spec.param)
+        if (pl.src_start, pl.src_start + pl.length) != (
+            idx.org_vocab_start_index,
+            idx.org_vocab_end_index,
+        ):
+            raise EngineError(
+                "vocabulary placement differs from vLLM's shard indices", param=spec.param
+            )
 
 
 def describe(model: Any, rank: int, tp: int) -> tuple[list[ParamSpec], dict[str, Kind]]:
@@ -209,18 +272,27 @@ def describe(model: Any, rank: int, tp: int) -> tuple[list[ParamSpec], dict[str,
     kinds: dict[str, Kind] = {}
     for pname, p in model.named_parameters():
         if p.is_meta or p.numel() == 0:
-            raise EngineError("parameter has no data (was its weight removed after loading?)",
-                              param=pname, hint="load the extension with "
-                              "--worker-extension-cls before the model loads")
+            raise EngineError(
+                "parameter has no data (was its weight removed after loading?)",
+                param=pname,
+                hint="load the extension with --worker-extension-cls before the model loads",
+            )
         kind = _KIND_OF_DTYPE.get(str(p.dtype))
         if kind is None:
-            raise EngineError("unsupported parameter dtype", param=pname, dtype=str(p.dtype),
-                              hint="serve the bf16 format (FP8 status: docs/vllm.md)")
+            raise EngineError(
+                "unsupported parameter dtype",
+                param=pname,
+                dtype=str(p.dtype),
+                hint="serve the bf16 format (FP8 status: docs/vllm.md)",
+            )
         spec = _spec(model, pname, p, packed, tp, rank)
         mod_name = pname.rpartition(".")[0]
         mod = model.get_submodule(mod_name) if mod_name else model
-        if tp > 1 and getattr(mod, "tp_size", tp) == 1 and spec.kind not in ("replicated",
-                                                                            "experts"):
+        if (
+            tp > 1
+            and getattr(mod, "tp_size", tp) == 1
+            and spec.kind not in ("replicated", "experts")
+        ):
             spec = _whole_on_every_rank(spec, tp)
         _check(mod, spec, p, rank, tp)
         specs.append(spec)

@@ -38,8 +38,21 @@ import numpy as np
 
 from ...errors import EngineError
 
-__all__ = ["KINDS", "ParamSpec", "Placement", "Shard", "assemble", "blocks", "check_coverage",
-           "extract", "locate", "param_shape", "placements", "storage_offsets", "write_blocks"]
+__all__ = [
+    "KINDS",
+    "ParamSpec",
+    "Placement",
+    "Shard",
+    "assemble",
+    "blocks",
+    "check_coverage",
+    "extract",
+    "locate",
+    "param_shape",
+    "placements",
+    "storage_offsets",
+    "write_blocks",
+]
 
 #: The split kinds a :class:`ParamSpec` may have.
 KINDS = ("replicated", "column", "row", "vocab", "experts")
@@ -89,10 +102,12 @@ class ParamSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise EngineError(f"unknown split kind {self.kind!r}", param=self.param)
-        if not self.shards or (self.kind not in ("column", "experts")
-                               and len(self.shards) != 1):
-            raise EngineError("only column-parallel parameters fuse several tensors",
-                              param=self.param, kind=self.kind)
+        if not self.shards or (self.kind not in ("column", "experts") and len(self.shards) != 1):
+            raise EngineError(
+                "only column-parallel parameters fuse several tensors",
+                param=self.param,
+                kind=self.kind,
+            )
         if len({s.cols for s in self.shards}) != 1:
             raise EngineError("fused shards differ in columns", param=self.param)
 
@@ -151,9 +166,14 @@ def _check_rank(rank: int, tp: int) -> None:
 def _column_rows(spec: ParamSpec, shard: Shard, tp: int) -> int:
     if shard.per_rank:
         if shard.per_rank * tp != shard.rows * shard.replicas:
-            raise EngineError("per-rank rows × tp != rows × replicas", param=spec.param,
-                              tensor=shard.name, per_rank=shard.per_rank, tp=tp,
-                              replicas=shard.replicas)
+            raise EngineError(
+                "per-rank rows × tp != rows × replicas",
+                param=spec.param,
+                tensor=shard.name,
+                per_rank=shard.per_rank,
+                tp=tp,
+                replicas=shard.replicas,
+            )
         return shard.per_rank
     if shard.replicas != 1:
         raise EngineError("replicated shards need an explicit per_rank", tensor=shard.name)
@@ -174,8 +194,12 @@ def param_shape(spec: ParamSpec, tp: int) -> tuple[int, int]:
     if spec.kind == "row":
         return (s.rows, _div(s.cols, tp, "columns", spec.param))
     if spec.padded < s.rows:
-        raise EngineError("padded vocabulary is smaller than the vocabulary",
-                          param=spec.param, padded=spec.padded, rows=s.rows)
+        raise EngineError(
+            "padded vocabulary is smaller than the vocabulary",
+            param=spec.param,
+            padded=spec.padded,
+            rows=s.rows,
+        )
     return (_div(spec.padded, tp, "padded vocabulary", spec.param), s.cols)
 
 
@@ -192,8 +216,11 @@ def placements(spec: ParamSpec, rank: int, tp: int) -> list[Placement]:
         dst = 0
         for sh in spec.shards:
             n = _column_rows(spec, sh, tp)
-            out.append(Placement(sh.name, spec.param, sh.shape, pshape, 0,
-                                 (rank // sh.replicas) * n, dst, n))
+            out.append(
+                Placement(
+                    sh.name, spec.param, sh.shape, pshape, 0, (rank // sh.replicas) * n, dst, n
+                )
+            )
             dst += n
         return out
     sh = spec.shards[0]
@@ -228,8 +255,7 @@ def locate(pl: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return held, offsets
 
 
-def storage_offsets(flat: np.ndarray, shape: Sequence[int], strides: Sequence[int]
-                    ) -> np.ndarray:
+def storage_offsets(flat: np.ndarray, shape: Sequence[int], strides: Sequence[int]) -> np.ndarray:
     """Row-major logical offsets → storage offsets (in elements) of a strided tensor."""
     rem = np.asarray(flat, dtype=np.int64)
     out = np.zeros_like(rem)
@@ -260,8 +286,7 @@ def extract(pl: Placement, param: np.ndarray) -> np.ndarray:
     return whole[pl.slot].reshape(pl.sub)[blocks(pl)[1]]
 
 
-def write_blocks(pl: Placement, data: np.ndarray
-                 ) -> list[tuple[tuple[slice, slice], np.ndarray]]:
+def write_blocks(pl: Placement, data: np.ndarray) -> list[tuple[tuple[slice, slice], np.ndarray]]:
     """``[(parameter 2-D slices, block)]`` writing the tensor ``data`` (flat, whole) to the
     elements this rank holds, in ``param_shape`` coordinates (one block, or for an expert
     split by columns one per row of its slot)."""
@@ -276,8 +301,13 @@ def write_blocks(pl: Placement, data: np.ndarray
     if pl.dim == 0 or pl.length == width:  # a contiguous run of the slot's row
         first = pl.dst_start * (width if pl.dim == 0 else 1)
         return [((row, slice(first, first + block.size)), block.reshape(1, -1))]
-    return [((row, slice(i * width + pl.dst_start, i * width + pl.dst_start + pl.length)),
-             block[i:i + 1]) for i in range(pl.rows)]
+    return [
+        (
+            (row, slice(i * width + pl.dst_start, i * width + pl.dst_start + pl.length)),
+            block[i : i + 1],
+        )
+        for i in range(pl.rows)
+    ]
 
 
 def assemble(per_rank: Sequence[Placement], params: Sequence[np.ndarray]) -> np.ndarray:

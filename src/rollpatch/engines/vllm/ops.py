@@ -39,9 +39,12 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
     """Decode a chain of steps against the held words and compose it (step *k* is decoded
     against an :class:`Overlay` of the words and steps 1..k-1: a tensor copy at a time)."""
     if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts
-        raise BaseMismatchError("engine root digest is not the patch's base",
-                                expected=str(steps[0]["base"])[:16], actual=w.root()[:16],
-                                hint="the engine is on another version; plan a new path")
+        raise BaseMismatchError(
+            "engine root digest is not the patch's base",
+            expected=str(steps[0]["base"])[:16],
+            actual=w.root()[:16],
+            hint="the engine is on another version; plan a new path",
+        )
     patch: Patch | None = None
     for step in steps:
         parts = [Path(p).read_bytes() for p in step["paths"]]
@@ -69,12 +72,22 @@ def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool]:
     try:
         spec = json.loads(Path(path).read_text())
         token, steps, prepack = spec["token"], spec["steps"], spec.get("prepack", "stage")
-        ok = (prepack in ("stage", "pause") and isinstance(token, str) and 0 < len(token) <= 64 and isinstance(steps, list)
-              and 0 < len(steps) <= _MAX_STEPS
-              and all(isinstance(st, dict) and isinstance(st.get("base"), str)
-                      and isinstance(st.get("target"), str) and isinstance(st.get("paths"), list)
-                      and 0 < len(st["paths"]) <= _MAX_STEPS
-                      and all(isinstance(p, str) for p in st["paths"]) for st in steps))
+        ok = (
+            prepack in ("stage", "pause")
+            and isinstance(token, str)
+            and 0 < len(token) <= 64
+            and isinstance(steps, list)
+            and 0 < len(steps) <= _MAX_STEPS
+            and all(
+                isinstance(st, dict)
+                and isinstance(st.get("base"), str)
+                and isinstance(st.get("target"), str)
+                and isinstance(st.get("paths"), list)
+                and 0 < len(st["paths"]) <= _MAX_STEPS
+                and all(isinstance(p, str) for p in st["paths"])
+                for st in steps
+            )
+        )
     except (OSError, ValueError, KeyError, TypeError):
         ok = False
     if not ok:
@@ -132,8 +145,15 @@ def _staged(w: RuntimeWeights, token: str) -> dict[str, Any]:
         return {"state": "failed", "failure": job.error}
     st = job.staged
     assert st is not None
-    return {"state": "ready", "base": st.base, "target": st.target, "changed": st.changed,
-            "nbytes": st.nbytes, "digests": st.digests, "stage_ms": job.ms}
+    return {
+        "state": "ready",
+        "base": st.base,
+        "target": st.target,
+        "changed": st.changed,
+        "nbytes": st.nbytes,
+        "digests": st.digests,
+        "stage_ms": job.ms,
+    }
 
 
 def _commit(w: RuntimeWeights, token: str) -> dict[str, Any]:
@@ -146,14 +166,21 @@ def _commit(w: RuntimeWeights, token: str) -> dict[str, Any]:
 
 def _audit(w: RuntimeWeights, budget: str) -> dict[str, Any]:
     r = w.audit(int(budget))
-    return {"tensors": r.tensors, "bytes": r.nbytes, "mismatched": list(r.mismatched),
-            "wrapped": r.wrapped, "tainted": w.tainted}
+    return {
+        "tensors": r.tensors,
+        "bytes": r.nbytes,
+        "mismatched": list(r.mismatched),
+        "wrapped": r.wrapped,
+        "tainted": w.tainted,
+    }
 
 
 def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
     if os.environ.get("ROLLPATCH_FAULT_INJECTION") != "1":
-        raise EngineError("fault injection is off", hint="start vLLM with "
-                          "ROLLPATCH_FAULT_INJECTION=1 (drills and tests only)")
+        raise EngineError(
+            "fault injection is off",
+            hint="start vLLM with ROLLPATCH_FAULT_INJECTION=1 (drills and tests only)",
+        )
     pl = w.placement(name)
     _, offsets = locate(pl, np.array([position], np.int64))
     if offsets.size:
@@ -188,12 +215,18 @@ OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
     "flip": lambda w, name, position: _flip(w, name, int(position)),
     "apply": lambda w, path, _: {"digests": w.commit(read_decoded(path)), "root": w.root()},
     "load": lambda w, path, _: {"root": w.load(load_view(path, mmap=True))},
-    "digest": lambda w, fresh, _: {"digests": w.digests(fresh=fresh == "1"), "root": w.root(),
-                                   "tainted": w.tainted},
+    "digest": lambda w, fresh, _: {
+        "digests": w.digests(fresh=fresh == "1"),
+        "root": w.root(),
+        "tainted": w.tainted,
+    },
     "export": lambda w, name, path: _export(w, name, path),
-    "info": lambda w, _a, _b: {"rank": w.rank, "tp": w.tp, "aliases": w.access.aliases,
-                               "tensors": {n: [w.kind_of(n).name, list(w.placement(n).shape)]
-                                           for n in w.names()}},
+    "info": lambda w, _a, _b: {
+        "rank": w.rank,
+        "tp": w.tp,
+        "aliases": w.access.aliases,
+        "tensors": {n: [w.kind_of(n).name, list(w.placement(n).shape)] for n in w.names()},
+    },
 }
 
 
@@ -203,15 +236,26 @@ def run_op_on(w: Any, fn: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     try:
         out = {"ok": True, **fn(w)}
     except RollpatchError as err:
-        out = {"ok": False, "error": {"type": type(err).__name__, "message": err.message,
-                                      "hint": err.hint, "context": _jsonable(err.context)}}
+        out = {
+            "ok": False,
+            "error": {
+                "type": type(err).__name__,
+                "message": err.message,
+                "hint": err.hint,
+                "context": _jsonable(err.context),
+            },
+        }
     except Exception as err:  # noqa: BLE001 - reported to the adapter, which raises EngineError
-        out = {"ok": False, "error": {"type": "InternalError",
-                                      "message": f"{type(err).__name__}: {err}"}}
+        out = {
+            "ok": False,
+            "error": {"type": "InternalError", "message": f"{type(err).__name__}: {err}"},
+        }
     out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     return out
 
 
 def _jsonable(ctx: dict[str, Any]) -> dict[str, Any]:
-    return {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
-            for k, v in ctx.items()}
+    return {
+        k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+        for k, v in ctx.items()
+    }

@@ -47,8 +47,9 @@ def write_decoded(patch: Patch, path: str | Path) -> int:
         if tp.op == "delta":
             assert tp.positions is not None and tp.old is not None and tp.new is not None
             n = int(tp.positions.size)
-            tensors[f"t{i}.pos"] = Tensor(KINDS["i64"], (n,),
-                                          tp.positions.astype(np.int64).view(np.uint64))
+            tensors[f"t{i}.pos"] = Tensor(
+                KINDS["i64"], (n,), tp.positions.astype(np.int64).view(np.uint64)
+            )
             tensors[f"t{i}.old"] = Tensor(tp.kind, (n,), np.ascontiguousarray(tp.old))
             tensors[f"t{i}.new"] = Tensor(tp.kind, (n,), np.ascontiguousarray(tp.new))
         elif tp.op == "full":
@@ -56,13 +57,28 @@ def write_decoded(patch: Patch, path: str | Path) -> int:
             n = tp.tensor.data.size
             tensors[f"t{i}.full"] = Tensor(tp.kind, (n,), tp.tensor.data)
         else:
-            raise PatchDecodeError("the engine's tensor set is fixed: cannot drop a tensor",
-                                   tensor=name)
-        entries.append({"name": name, "op": tp.op, "kind": tp.kind.name,
-                        "shape": list(tp.shape), "base": tp.base_digest,
-                        "target": tp.target_digest, "changed": n})
-    head = {"format": _KEY, "version": 1, "base": patch.base, "target": patch.target,
-            "meta": dict(patch.meta), "tensors": entries}
+            raise PatchDecodeError(
+                "the engine's tensor set is fixed: cannot drop a tensor", tensor=name
+            )
+        entries.append(
+            {
+                "name": name,
+                "op": tp.op,
+                "kind": tp.kind.name,
+                "shape": list(tp.shape),
+                "base": tp.base_digest,
+                "target": tp.target_digest,
+                "changed": n,
+            }
+        )
+    head = {
+        "format": _KEY,
+        "version": 1,
+        "base": patch.base,
+        "target": patch.target,
+        "meta": dict(patch.meta),
+        "tensors": entries,
+    }
     raw = view_to_bytes(View(tensors), {_KEY: json.dumps(head, separators=(",", ":"))})
     Path(path).write_bytes(raw)
     return len(raw)
@@ -80,8 +96,14 @@ def _int(x: Any) -> bool:
 def _array(view: View, key: str, kind_dtype: str, n: int, name: str) -> np.ndarray:
     _need(key in view, "missing array", tensor=name, array=key)
     t = view[key]
-    _need(t.dtype == kind_dtype and t.shape == (n,), "array dtype or length", tensor=name,
-          array=key, dtype=t.dtype, shape=t.shape)
+    _need(
+        t.dtype == kind_dtype and t.shape == (n,),
+        "array dtype or length",
+        tensor=name,
+        array=key,
+        dtype=t.dtype,
+        shape=t.shape,
+    )
     return np.array(t.data)  # own the words: the file is removed after the call
 
 
@@ -93,15 +115,28 @@ def _entry(view: View, i: int, e: Any) -> TensorPatch:
     kind = get_kind(kind_name)
     _need(not kind.packed, "packed kinds are not served by vLLM here", tensor=name)
     shape, n = e.get("shape"), e.get("changed")
-    _need(isinstance(shape, list) and len(shape) <= 16 and all(_int(d) for d in shape)
-          and _int(n), "shape or count", tensor=name)
-    _need(all(isinstance(e.get(k), str) and _HEX.match(e[k]) for k in ("base", "target")),
-          "digests", tensor=name)
+    _need(
+        isinstance(shape, list) and len(shape) <= 16 and all(_int(d) for d in shape) and _int(n),
+        "shape or count",
+        tensor=name,
+    )
+    _need(
+        all(isinstance(e.get(k), str) and _HEX.match(e[k]) for k in ("base", "target")),
+        "digests",
+        tensor=name,
+    )
     if op == "full":
         _need(n == int(np.prod(shape, dtype=np.int64)), "full count", tensor=name)
         words = _array(view, f"t{i}.full", kind.dtype, n, name)
-        return TensorPatch(name, op, kind, tuple(shape), e["base"], e["target"],
-                           tensor=Tensor(kind, tuple(shape), words))
+        return TensorPatch(
+            name,
+            op,
+            kind,
+            tuple(shape),
+            e["base"],
+            e["target"],
+            tensor=Tensor(kind, tuple(shape), words),
+        )
     pos = _array(view, f"t{i}.pos", "I64", n, name).view(np.int64)
     old = _array(view, f"t{i}.old", kind.dtype, n, name)
     new = _array(view, f"t{i}.new", kind.dtype, n, name)
@@ -118,11 +153,14 @@ def read_decoded(path: str | Path) -> Patch:
         head = json.loads(view.metadata.get(_KEY, "null"))
     except json.JSONDecodeError:
         head = None
-    _need(isinstance(head, dict) and head.get("format") == _KEY and head.get("version") == 1,
-          "header")
+    _need(
+        isinstance(head, dict) and head.get("format") == _KEY and head.get("version") == 1, "header"
+    )
     assert isinstance(head, dict)
-    _need(all(isinstance(head.get(k), str) and _HEX.match(head[k]) for k in ("base", "target")),
-          "root digests")
+    _need(
+        all(isinstance(head.get(k), str) and _HEX.match(head[k]) for k in ("base", "target")),
+        "root digests",
+    )
     meta, entries = head.get("meta", {}), head.get("tensors")
     _need(isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()), "meta")
     _need(isinstance(entries, list) and len(entries) <= MAX_TENSORS, "tensor list")

@@ -87,8 +87,15 @@ class _Entry:
 class RuntimeWeights:
     """A worker's parameters as a checkpoint-coordinate view (see the module docstring)."""
 
-    def __init__(self, specs: Sequence[ParamSpec], kinds: Mapping[str, Kind], access: Access,
-                 *, rank: int = 0, tp: int = 1) -> None:
+    def __init__(
+        self,
+        specs: Sequence[ParamSpec],
+        kinds: Mapping[str, Kind],
+        access: Access,
+        *,
+        rank: int = 0,
+        tp: int = 1,
+    ) -> None:
         self.access, self.rank, self.tp = access, rank, tp
         if tp > 1 and access.gather is None:
             raise EngineError("tensor parallelism needs a gather", tp=tp)
@@ -96,8 +103,9 @@ class RuntimeWeights:
         for spec in specs:
             every = [placements(spec, r, tp) for r in range(tp)]
             for i, pl in enumerate(every[rank]):
-                self._entries[pl.name] = _Entry(kinds[spec.param], spec, pl,
-                                                [every[r][i] for r in range(tp)])
+                self._entries[pl.name] = _Entry(
+                    kinds[spec.param], spec, pl, [every[r][i] for r in range(tp)]
+                )
         self._digests: dict[str, str] = {}
         self._states: dict[str, tuple[int, int]] = {}
         self._cursor = AuditCursor()
@@ -125,8 +133,11 @@ class RuntimeWeights:
         try:
             return self._entries[name]
         except KeyError:
-            raise EngineError("the engine holds no such checkpoint tensor", tensor=name,
-                              hint="the served view and the model disagree on names") from None
+            raise EngineError(
+                "the engine holds no such checkpoint tensor",
+                tensor=name,
+                hint="the served view and the model disagree on names",
+            ) from None
 
     def __getitem__(self, name: str) -> Tensor:
         """The tensor's words in checkpoint coordinates (a collective when TP > 1)."""
@@ -174,15 +185,24 @@ class RuntimeWeights:
         names = set(view)
         if names != set(self._entries):
             missing, extra = sorted(set(self._entries) - names), sorted(names - set(self._entries))
-            raise ViewError("keyframe tensor names differ from the engine's",
-                            missing=missing[:3] or None, unexpected=extra[:3] or None,
-                            n_missing=len(missing), n_unexpected=len(extra))
+            raise ViewError(
+                "keyframe tensor names differ from the engine's",
+                missing=missing[:3] or None,
+                unexpected=extra[:3] or None,
+                n_missing=len(missing),
+                n_unexpected=len(extra),
+            )
         for name in sorted(names):
             t, e = view[name], self._entries[name]
             if t.kind != e.kind or t.shape != e.mine.shape:
-                raise ViewError("keyframe tensor layout differs from the engine's", tensor=name,
-                                kind=t.kind.name, shape=t.shape, engine_kind=e.kind.name,
-                                engine_shape=e.mine.shape)
+                raise ViewError(
+                    "keyframe tensor layout differs from the engine's",
+                    tensor=name,
+                    kind=t.kind.name,
+                    shape=t.shape,
+                    engine_kind=e.kind.name,
+                    engine_shape=e.mine.shape,
+                )
         self._digests.clear()
         self._states.clear()
         self.tainted = None
@@ -209,8 +229,9 @@ class RuntimeWeights:
         now, to be swapped in under the pause (memory: + their packed size until the commit);
         False: they are re-packed inside the pause."""
         if self.tainted is not None:
-            raise BaseMismatchError("the engine holds unknown bits (audit)", tensor=self.tainted,
-                                    hint="load a keyframe")
+            raise BaseMismatchError(
+                "the engine holds unknown bits (audit)", tensor=self.tainted, hint="load a keyframe"
+            )
         prepare = self.access.prepare or (lambda param, offsets: offsets)
         staged = stage_patch(patch, self.__getitem__, self.digests(), self.state_of)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
@@ -225,15 +246,23 @@ class RuntimeWeights:
             staged.payload[param] = _ParamWrites(prepare(param, offsets), old, new)
         if self.access.prebuild is not None and prebuild:
             staged.payload["prebuilt"] = self.access.prebuild(
-                {p: (w.prepared, w.new) for p, w in staged.payload.items()
-                 if isinstance(w, _ParamWrites)})
+                {
+                    p: (w.prepared, w.new)
+                    for p, w in staged.payload.items()
+                    if isinstance(w, _ParamWrites)
+                }
+            )
         # the writes now live per parameter; keep only the proven states per tensor
         empty = np.empty(0, np.int64)
-        staged.tensors = {n: replace(st, positions=empty, old=st.old[:0], new=st.new[:0])
-                          for n, st in staged.tensors.items()}
-        staged.payload["nbytes"] = sum(w.prepared.nbytes + w.old.nbytes + w.new.nbytes
-                                       for w in staged.payload.values()
-                                       if isinstance(w, _ParamWrites))
+        staged.tensors = {
+            n: replace(st, positions=empty, old=st.old[:0], new=st.new[:0])
+            for n, st in staged.tensors.items()
+        }
+        staged.payload["nbytes"] = sum(
+            w.prepared.nbytes + w.old.nbytes + w.new.nbytes
+            for w in staged.payload.values()
+            if isinstance(w, _ParamWrites)
+        )
         return staged
 
     def commit_staged(self, staged: StagedUpdate) -> dict[str, str]:
@@ -241,8 +270,11 @@ class RuntimeWeights:
         derived buffers, read the written positions back, record the proven digests.
         Reads no unchanged weight. On any failure the old words are written back."""
         if self.root() != staged.base:
-            raise BaseMismatchError("the engine moved since the update was staged",
-                                    expected=staged.base[:16], actual=self.root()[:16])
+            raise BaseMismatchError(
+                "the engine moved since the update was staged",
+                expected=staged.base[:16],
+                actual=self.root()[:16],
+            )
         acc = self.access
         writes = {p: w for p, w in staged.payload.items() if isinstance(w, _ParamWrites)}
         scatter = acc.scatter or (lambda param, off, values: acc.write(param, off, values))
@@ -253,13 +285,15 @@ class RuntimeWeights:
                 scatter(param, w.prepared, w.new)
                 done.append(param)
             prebuilt = staged.payload.get("prebuilt")
-            installed = (acc.install(prebuilt)  # kernels built from exactly these words
-                         if prebuilt is not None and acc.install is not None else set())
+            installed = (
+                acc.install(prebuilt)  # kernels built from exactly these words
+                if prebuilt is not None and acc.install is not None
+                else set()
+            )
             acc.repack({p for p in writes if p.rpartition(".")[0] not in installed})
             for param, w in writes.items():
                 if not np.array_equal(read_at(param, w.prepared), w.new):
-                    raise TargetMismatchError("read-back of written weights differs",
-                                              param=param)
+                    raise TargetMismatchError("read-back of written weights differs", param=param)
         except BaseException:
             for param in done:
                 scatter(param, writes[param].prepared, writes[param].old)
@@ -278,8 +312,11 @@ class RuntimeWeights:
     def audit(self, budget: int) -> AuditReport:
         """Re-hash up to ``budget`` bytes of live tensors, round-robin, against the held
         digests; a mismatch marks the engine :attr:`tainted` (a collective at TP > 1)."""
-        names, wrapped = self._cursor.take(self.names(), lambda n: self._entry(n).mine.n_elements
-                                           * self._entry(n).kind.elem_dtype.itemsize, budget)
+        names, wrapped = self._cursor.take(
+            self.names(),
+            lambda n: self._entry(n).mine.n_elements * self._entry(n).kind.elem_dtype.itemsize,
+            budget,
+        )
         bad, nbytes = [], 0
         for name in names:
             t = self[name]

@@ -60,7 +60,8 @@ def _register_backend() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "rollpatch.engines.vllm.backend", "RollpatchTransferEngine")
+            BACKEND, "rollpatch.engines.vllm.backend", "RollpatchTransferEngine"
+        )
 
 
 if "vllm" in sys.modules:  # inside vLLM: install before the model loads
@@ -127,8 +128,9 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
             return
         signed = values.view(_WORDS[p.element_size()][0])
         w = words(p).view(shape2(p))  # a view (never a copy); indexing it is stride-aware
-        w.index_put_(device_index(p, prepared),
-                     torch.from_numpy(np.ascontiguousarray(signed)).to(p.device))
+        w.index_put_(
+            device_index(p, prepared), torch.from_numpy(np.ascontiguousarray(signed)).to(p.device)
+        )
 
     def read_at(name: str, prepared: np.ndarray) -> np.ndarray:
         p = params[name]
@@ -177,8 +179,10 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
                         prepared, new = writes[key]
                         a = words(copy).numpy().view(_WORDS[copy.element_size()][1])
                         flat = np.lib.stride_tricks.as_strided(
-                            a, shape=(int(prepared.max()) + 1 if prepared.size else 0,),
-                            strides=(a.itemsize,))
+                            a,
+                            shape=(int(prepared.max()) + 1 if prepared.size else 0,),
+                            strides=(a.itemsize,),
+                        )
                         flat[prepared] = new
                     setattr(shadow, attr, torch.nn.Parameter(copy, requires_grad=False))
                 rebuild(shadow, remove_weight=False)
@@ -199,12 +203,21 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
         p = params[name]
         t = torch.from_numpy(np.ascontiguousarray(local).view(_WORDS[p.element_size()][0]))
         out = get_tp_group().all_gather(t.reshape(-1).to(p.device), dim=0)
-        return [c.cpu().numpy().view(local.dtype).reshape(local.shape)
-                for c in out.chunk(tp)]
+        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in out.chunk(tp)]
 
-    return Access(read, write, write_block, repack, gather if tp > 1 else None, aliases=cpu,
-                  prepare=prepare, scatter=scatter, read_at=read_at,
-                  prebuild=prebuild if cpu and tp == 1 else None, install=install)
+    return Access(
+        read,
+        write,
+        write_block,
+        repack,
+        gather if tp > 1 else None,
+        aliases=cpu,
+        prepare=prepare,
+        scatter=scatter,
+        read_at=read_at,
+        prebuild=prebuild if cpu and tp == 1 else None,
+        install=install,
+    )
 
 
 def weights_of(model: Any) -> RuntimeWeights:
@@ -251,8 +264,9 @@ class WorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         official = type(engine).__name__ == "RollpatchTransferEngine"
         out["weight_transfer"] = BACKEND if official else None
-        out["packed_modules"] = len([m for m in model.modules()
-                                     if "_rollpatch_repack" in m.__dict__])
+        out["packed_modules"] = len(
+            [m for m in model.modules() if "_rollpatch_repack" in m.__dict__]
+        )
         return out
 
     def rollpatch_digest(self, fresh: str = "0") -> dict[str, Any]:
@@ -305,5 +319,13 @@ class WorkerExtension:
     def rollpatch_result(self, token: str) -> dict[str, Any]:
         """The result of the weight-transfer update tagged ``token`` (popped)."""
         results = getattr(self.get_model(), "_rollpatch_results", {})  # type: ignore[attr-defined]
-        return results.pop(token, {"ok": False, "error": {
-            "type": "EngineError", "message": "no weight-transfer result with this token"}})
+        return results.pop(
+            token,
+            {
+                "ok": False,
+                "error": {
+                    "type": "EngineError",
+                    "message": "no weight-transfer result with this token",
+                },
+            },
+        )

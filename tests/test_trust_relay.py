@@ -207,6 +207,7 @@ def test_cli_keygen_root_publish_pull_and_a_forgery(
         )
     )
     Board(b.store, signer=Signer.from_files([evil])).advance("r1", 1)
+    capsys.readouterr()  # the attacker's own board logs a warning: not pull's output
     code = main([*pull, "-o", str(tmp_path / "b.safetensors")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not (tmp_path / "b.safetensors").exists()

@@ -7,6 +7,7 @@ decoded in chunk ranges on a thread pool; the native core releases the GIL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def _single(base: Tensor) -> bool:
 
 def _ranges(nchunks: int, parts: int) -> list[tuple[int, int]]:
     step = -(-nchunks // max(1, parts))
-    step = max(4, -(-step // 4) * 4)  # whole groups of four: the decoder interleaves them
+    step = max(4, -(-step // 4) * 4)  # whole groups of four: one native call decodes up to four
     return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
 
 
@@ -138,20 +139,32 @@ class CtxGolombV2:
 
         return _join(parallel_map(one, list(range(len(chunks)))))
 
-    def decode(
-        self, payload: memoryview, base: Tensor, changed: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if not self._native():
-            return decode_ref(base.kind, base.elements(), _single(base), payload, changed)
+    def _outputs(self, payload: memoryview, base: Tensor, changed: int) -> tuple[Any, ...]:
+        """The native core, kind tuple, per-chunk counts (checked against ``changed``) and
+        output offsets, and the empty position/old/new arrays a native decode fills."""
         core = native.require()
         kt = native.kind_tuple(base.kind, base.n_elements)
         counts = core.table(kt, payload, base.n_elements)
         if sum(counts) != changed:
             raise PatchDecodeError("changed count does not match the header", codec=self.codec_id)
         offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        pos = np.empty(changed, dtype=np.int64)
-        old = np.empty(changed, dtype=base.kind.elem_dtype)
-        new = np.empty(changed, dtype=base.kind.elem_dtype)
+        dt = base.kind.elem_dtype
+        return (
+            core,
+            kt,
+            counts,
+            offs,
+            np.empty(changed, dtype=np.int64),
+            np.empty(changed, dtype=dt),
+            np.empty(changed, dtype=dt),
+        )
+
+    def decode(
+        self, payload: memoryview, base: Tensor, changed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self._native():
+            return decode_ref(base.kind, base.elements(), _single(base), payload, changed)
+        core, kt, counts, offs, pos, old, new = self._outputs(payload, base, changed)
 
         def one(r: tuple[int, int]) -> None:
             a, b = r
@@ -169,15 +182,7 @@ class CtxGolombV2:
         All or nothing: on any error the tensor is left as it was and the error raised.
         The old elements are those the decoder read from ``base`` itself.
         """
-        core = native.require()
-        kt = native.kind_tuple(base.kind, base.n_elements)
-        counts = core.table(kt, payload, base.n_elements)
-        if sum(counts) != changed:
-            raise PatchDecodeError("changed count does not match the header", codec=self.codec_id)
-        offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        pos = np.empty(changed, dtype=np.int64)
-        old = np.empty(changed, dtype=base.kind.elem_dtype)
-        new = np.empty(changed, dtype=base.kind.elem_dtype)
+        core, kt, counts, offs, pos, old, new = self._outputs(payload, base, changed)
         ranges = _ranges(len(counts), threads())
 
         def one(r: tuple[int, int]) -> tuple[int, int] | BaseException:

@@ -112,9 +112,9 @@ def targets(env: Env) -> dict[str, tuple[Target, list[bytes]]]:
     from rollpatch.latest import read_latest
     from rollpatch.manifest import Manifest, open_manifest
     from rollpatch.relay.cache import _read_entry
-    from rollpatch.sidecar.body import BodyLimits, parse_json_object
+    from rollpatch.serving.body import BodyLimits, parse_json_object
+    from rollpatch.serving.schema import ROUTES, validate_body
     from rollpatch.sidecar.protocol import annotate_body, parse_constraint
-    from rollpatch.sidecar.schema import ROUTES, validate_body
     from rollpatch.trust import verify_initial_root
 
     limits = BodyLimits(max_bytes=1 << 20)

@@ -67,9 +67,9 @@ def _child(name: str, seconds: int, workdir: Path) -> None:
         import rollpatch.latest
         import rollpatch.manifest
         import rollpatch.relay.cache
-        import rollpatch.sidecar.body
+        import rollpatch.serving.body
+        import rollpatch.serving.schema
         import rollpatch.sidecar.protocol
-        import rollpatch.sidecar.schema
         import rollpatch.trust  # noqa: F401
     import _fuzz_targets
 

@@ -25,8 +25,8 @@ from rollpatch.gateway import GatewayConfig
 from rollpatch.gateway.server import RunningGateway, start_gateway
 from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.serving import ServeOptions
+from rollpatch.serving.body import BodyLimits
 from rollpatch.sidecar import SidecarConfig
-from rollpatch.sidecar.body import BodyLimits
 from rollpatch.sidecar.server import RunningSidecar, start_sidecar
 from rollpatch.store import open_store
 from tests.conftest import dead_url

@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "rollpatch"
 
 #: Layer of each unit, lowest first (the picture in docs/architecture.md).
@@ -37,7 +35,7 @@ LAYERS: dict[str, int] = {
     "io": 2,
     "trust": 2,
     "sim": 2,
-    # 3 documents and bytes: LATEST, manifests, stores, the HTTP server wrapper
+    # 3 documents and bytes: LATEST, manifests, stores, the HTTP edge kit
     "latest": 3,
     "manifest": 3,
     "store": 3,
@@ -181,13 +179,9 @@ def test_the_protocol_and_layout_load_no_codec() -> None:
     assert _loaded_by("rollpatch.layout") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "gateway/config.py and gateway/app.py import sidecar.body and sidecar.schema (the HTTP "
-        "edge), and sidecar/__init__ loads the follower and the codec; passes once the HTTP edge "
-        "kit leaves the sidecar package (issue 13, 'One HTTP edge kit'), then drop this marker"
-    ),
-)
 def test_importing_the_gateway_loads_no_codec() -> None:
+    """The gateway routes requests: it needs the HTTP edge kit (``serving``) and the request
+    protocol, never an engine, a follower or the codec."""
     assert _loaded_by("rollpatch.gateway") == []
+    assert _loaded_by("rollpatch.gateway.app") == []
+    assert _loaded_by("rollpatch.serving") == []

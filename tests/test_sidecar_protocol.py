@@ -261,7 +261,7 @@ def test_body_limits(raw: bytes, status: int) -> None:
     import asyncio
 
     from rollpatch.errors import ConfigError as Refused
-    from rollpatch.sidecar.body import BodyLimits, parse_json_object, read_body, refusal_status
+    from rollpatch.serving.body import BodyLimits, parse_json_object, read_body, refusal_status
 
     class FakeRequest:
         def __init__(self) -> None:
@@ -280,7 +280,7 @@ def test_body_limits(raw: bytes, status: int) -> None:
 
 
 def test_body_limits_config_is_validated() -> None:
-    from rollpatch.sidecar.body import BodyLimits
+    from rollpatch.serving.body import BodyLimits
 
     for bad in ({"max_bytes": 0}, {"max_depth": 0}, {"timeout_s": float("nan")}):
         with pytest.raises(ConfigError):

@@ -83,7 +83,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     configure(args.log_level, args.log_format)
     from ..gateway import GatewayConfig, parse_island
     from ..gateway.server import start_gateway
-    from ..sidecar.body import BodyLimits
+    from ..serving.body import BodyLimits
     from .secrets import read_token
     from .serving import serve_options
 

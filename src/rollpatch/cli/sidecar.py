@@ -71,8 +71,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     configure(args.log_level, args.log_format)
     from ..board import Board
     from ..follower import FollowerConfig
+    from ..serving.body import BodyLimits
     from ..sidecar import SidecarConfig
-    from ..sidecar.body import BodyLimits
     from ..sidecar.server import make_engine, start_sidecar
     from .secrets import read_token
     from .serving import serve_options, upstream_store

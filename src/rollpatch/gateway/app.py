@@ -9,6 +9,8 @@ from the gateway when no island could be reached; ``400`` for a malformed reques
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -17,11 +19,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..errors import ConfigError
 from ..protocol import parse_constraint
-from ..sidecar.body import read_json_object, refusal_status
-from ..sidecar.schema import openapi_body, validate_body
+from ..serving.body import read_json_object, refusal_status
+from ..serving.responses import error_response
+from ..serving.schema import openapi_body, validate_body
 from ..types import Constraint
 from .core import Gateway
-from .proxy import forward, gateway_error
+from .proxy import forward
 
 __all__ = ["create_app"]
 
@@ -42,16 +45,22 @@ def create_app(gw: Gateway) -> FastAPI:
         timeout=httpx.Timeout(None, connect=gw.config.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
     )
-    app = FastAPI(title="rollpatch gateway", docs_url=None, redoc_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="rollpatch gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.exception_handler(ConfigError)
     async def _config_error(_: Request, e: ConfigError) -> JSONResponse:
-        return gateway_error(refusal_status(e), str(e), "invalid_request_error")
+        return error_response(refusal_status(e), str(e), "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
         log.exception("gateway: unexpected error")
-        return gateway_error(500, f"internal error: {type(e).__name__}", "internal_error")
+        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
-from ..sidecar.body import BodyLimits
+from ..serving.body import BodyLimits
 
 __all__ = ["GatewayConfig", "IslandSpec", "parse_island"]
 

@@ -16,19 +16,19 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from .. import jsonsafe
 from ..errors import ConfigError
 from ..logs import event
 from ..protocol import HEADER_END, HEADER_START
+from ..serving.responses import error_response
 from ..types import Constraint
 from .core import Gateway
 
-__all__ = ["HEADER_ISLAND", "RETRYABLE", "add_island", "forward", "gateway_error"]
+__all__ = ["HEADER_ISLAND", "RETRYABLE", "add_island", "forward"]
 
 HEADER_ISLAND = "X-Rollpatch-Island"
 #: Sidecar statuses that another island may answer better.
@@ -48,13 +48,6 @@ class _Refusal:
     content: bytes = b""
     headers: dict[str, str] | None = None
     error: str = ""
-
-
-def gateway_error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
-    """An OpenAI-style error from the gateway itself (Retry-After on 409/503)."""
-    body = {"error": {"message": message, "type": kind, "code": status}, **extra}
-    headers = {"Retry-After": "1"} if status in (409, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def add_island(raw: bytes, island: str) -> bytes:
@@ -165,7 +158,7 @@ def _give_up(gw: Gateway, last: _Refusal | None, tried: list[str]) -> Response:
     if last is not None and last.status:
         return Response(last.content, status_code=last.status, headers=last.headers)
     detail = f": {last.error}" if last is not None else ""
-    return gateway_error(
+    return error_response(
         503,
         f"no island could be reached (tried {', '.join(tried) or 'none'}){detail}",
         "not_ready",

@@ -5,7 +5,7 @@ sidecar catches its engine up through its follower, answers 409 when it cannot s
 caller and 503 until ready. See docs/sidecar.md.
 """
 
-from .body import BodyLimits
+from ..serving.body import BodyLimits
 from .gate import COMMIT_MODES, Admission, CommitGate, GatedEngine
 from .protocol import decide, parse_constraint
 from .service import Sidecar, SidecarConfig

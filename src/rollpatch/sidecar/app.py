@@ -22,7 +22,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..errors import ConfigError, NotReadyError, RollpatchError
 from ..logs import event
-from .body import read_json_object, refusal_status
+from ..serving.body import read_json_object, refusal_status
+from ..serving.responses import error_response
+from ..serving.schema import openapi_body, validate_body
 from .gate import Admission, CommitGate
 from .protocol import (
     DEFAULT_WAIT_S,
@@ -33,7 +35,6 @@ from .protocol import (
     decide,
     parse_constraint,
 )
-from .schema import openapi_body, validate_body
 from .service import Sidecar
 
 __all__ = ["create_app"]
@@ -41,12 +42,6 @@ __all__ = ["create_app"]
 log = logging.getLogger("rollpatch.sidecar")
 
 _PROXIED = ("/v1/completions", "/v1/chat/completions")
-
-
-def _error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "code": status}, **extra}
-    headers = {"Retry-After": "1"} if status in (409, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(sc: Sidecar) -> FastAPI:
@@ -68,15 +63,15 @@ def create_app(sc: Sidecar) -> FastAPI:
     @app.exception_handler(RollpatchError)
     async def _rollpatch_error(_: Request, e: RollpatchError) -> JSONResponse:
         if isinstance(e, ConfigError):
-            return _error(refusal_status(e), str(e), "invalid_request_error")
+            return error_response(refusal_status(e), str(e), "invalid_request_error")
         if isinstance(e, NotReadyError):
-            return _error(503, str(e), "not_ready")
-        return _error(502, str(e), "rollpatch_error")
+            return error_response(503, str(e), "not_ready")
+        return error_response(502, str(e), "rollpatch_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
         log.exception("sidecar: unexpected error")
-        return _error(500, f"internal error: {type(e).__name__}", "internal_error")
+        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -88,7 +83,7 @@ def create_app(sc: Sidecar) -> FastAPI:
         if reason is None:
             reason = await _probe_engine(client, sc.config.ready_probe_s)
         if reason is not None:
-            return _error(503, reason, "not_ready")
+            return error_response(503, reason, "not_ready")
         return JSONResponse({"ready": True, "version": sc.follower.version})
 
     @app.get("/version")
@@ -126,7 +121,7 @@ def _check_token(sc: Sidecar, request: Request) -> JSONResponse | None:
         return None
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {sc.config.admin_token}".encode()):
-        return _error(401, "admin routes need the bearer token", "unauthorized")
+        return error_response(401, "admin routes need the bearer token", "unauthorized")
     return None
 
 
@@ -191,7 +186,7 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
     if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
         # the board is unreachable: how far behind this island is cannot be known
         sc.metrics.request("unavailable")
-        return _error(
+        return error_response(
             503,
             f"LATEST has not been read for {age:.0f} s (the board is "
             "unreachable): max_lag cannot be checked",
@@ -208,7 +203,7 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
     if d.action == "unavailable":
         sc.metrics.request("unavailable")
         event(log, "refused", status=503, reason=d.reason, served=None, latest=latest)
-        return _error(503, d.reason, "not_ready", served=None, latest=latest)
+        return error_response(503, d.reason, "not_ready", served=None, latest=latest)
     if d.action == "wait":
         wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
         assert d.need is not None
@@ -227,7 +222,7 @@ async def _satisfy(sc: Sidecar, c: Any) -> Response | None:
 
 def _conflict(sc: Sidecar, served: int | None, reason: str) -> JSONResponse:
     event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
-    return _error(
+    return error_response(
         409, reason, "version_conflict", served=served, latest=sc.latest_seen(), reason=reason
     )
 
@@ -254,7 +249,7 @@ async def _once(
             r = await client.post(path, json=body)
     except httpx.HTTPError as e:
         sc.metrics.request("engine_error")
-        return _error(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
+        return error_response(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
     end = slot.release()
     sc.metrics.request("proxied", time.perf_counter() - t0)
     content = annotate_body(r.content, start, end) if r.status_code == 200 else r.content
@@ -296,13 +291,13 @@ async def _stream(
         r = await client.send(req, stream=True)
     except httpx.HTTPError as e:
         sc.metrics.request("engine_error")
-        return _error(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
+        return error_response(502, f"engine unreachable: {type(e).__name__}: {e}", "engine_error")
     if r.status_code != 200:
         try:
             content = await r.aread()
         except httpx.HTTPError as e:
             sc.metrics.request("engine_error")
-            return _error(502, f"engine failed: {type(e).__name__}: {e}", "engine_error")
+            return error_response(502, f"engine failed: {type(e).__name__}: {e}", "engine_error")
         finally:
             await r.aclose()
         end = slot.release()

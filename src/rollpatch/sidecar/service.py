@@ -14,7 +14,7 @@ from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
 from ..follower import Follower, FollowerConfig
 from ..logs import event
-from .body import BodyLimits
+from ..serving.body import BodyLimits
 from .gate import COMMIT_MODES, CommitGate, CommitMode
 from .metrics import SidecarMetrics
 

@@ -1,6 +1,6 @@
 """Typed models of the request bodies the sidecar and the gateway accept (the HTTP boundary).
 
-A body is first read within :class:`~rollpatch.sidecar.body.BodyLimits` and parsed as strict,
+A body is first read within :class:`~rollpatch.serving.body.BodyLimits` and parsed as strict,
 bounded JSON; then it is validated here: the OpenAI fields both services act on or that an
 engine would choke on have types and ranges (a wrong one is a ``400`` that names the field,
 before any admission slot or island is used); fields this model does not name pass through to

@@ -1,4 +1,4 @@
-"""Reading request bodies within bounds (shared by the sidecar and the gateway).
+"""Reading request bodies within bounds (the sidecar and the gateway read theirs here).
 
 A body is read only up to ``max_bytes`` (``Content-Length`` is checked first, then the bytes
 actually received), within ``timeout_s``, then parsed as strict JSON by

@@ -7,11 +7,14 @@ One owner for how a rollpatch service faces its clients (:class:`ServeOptions`):
 - **Slow clients**: a connection must deliver a complete request head within
   ``header_timeout_s`` of connecting (or of its first byte after a keep-alive pause), else it
   gets ``408`` and is closed; heads over ``max_header_bytes`` are refused. Bodies have their own
-  bound where they are read (:class:`~rollpatch.sidecar.body.BodyLimits`). Past
+  bound where they are read (:class:`~rollpatch.serving.body.BodyLimits`). Past
   ``max_connections`` open connections, requests get ``503`` instead of queueing.
 - **Bearer token** (``token``): requests to the protected route prefixes (``/v1/``: inference,
   relay reads) need ``Authorization: Bearer TOKEN`` (``401`` otherwise, compared in constant
   time); health, readiness and metrics stay open.
+
+- **Lifecycle**: the app's lifespan runs (``lifespan="auto"``), so what an app opens at build
+  time (its upstream HTTP client) is closed when the server stops.
 
 uvicorn is imported only when a server starts (the ``web`` extra).
 """
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ConfigError, RollpatchError
+from ..errors import ConfigError, RollpatchError
 
 __all__ = ["PROTECTED", "ServeOptions", "ServerHandle", "serve_app", "tls_context"]
 
@@ -257,7 +260,7 @@ def serve_app(
     name: str = "server",
     log_level: str = "warning",
     start_timeout: float = 30.0,
-    lifespan: Literal["auto", "on", "off"] = "off",
+    lifespan: Literal["auto", "on", "off"] = "auto",
     options: ServeOptions | None = None,
     protect: tuple[str, ...] = PROTECTED,
     access_log: bool = False,
@@ -266,6 +269,9 @@ def serve_app(
 
     ``options`` adds TLS, the bearer token on ``protect``-ed prefixes and the slow-client
     bounds; a bad certificate or key raises :class:`ConfigError` before anything listens.
+    ``lifespan="auto"`` runs the app's lifespan when it has one (startup before the first
+    request, shutdown on :meth:`ServerHandle.stop`: where the sidecar and the gateway close
+    their upstream clients).
     """
     import uvicorn
 

@@ -1,0 +1,29 @@
+"""The HTTP edge kit: how every rollpatch service (sidecar, gateway, relay, engines) faces its
+clients.
+
+- :mod:`.server`: run an ASGI app under uvicorn in a thread (TLS, bearer token, slow-client
+  bounds, the app's lifespan run), :class:`ServeOptions`, :class:`ServerHandle`.
+- :mod:`.body`: read a request body within :class:`BodyLimits` as strict, bounded JSON.
+- :mod:`.schema`: typed request models of the OpenAI routes (pydantic; imported on use).
+- :mod:`.responses`: OpenAI-style error bodies (fastapi; imported on use).
+
+Nothing here imports an engine, a follower or the codec, so a service that only routes (the
+gateway) loads none of them. The web stack (uvicorn, fastapi, pydantic) is the ``web`` extra:
+this package's top level imports none of it.
+"""
+
+from .body import BodyLimits, parse_json_object, read_body, read_json_object, refusal_status
+from .server import PROTECTED, ServeOptions, ServerHandle, serve_app, tls_context
+
+__all__ = [
+    "PROTECTED",
+    "BodyLimits",
+    "ServeOptions",
+    "ServerHandle",
+    "parse_json_object",
+    "read_body",
+    "read_json_object",
+    "refusal_status",
+    "serve_app",
+    "tls_context",
+]

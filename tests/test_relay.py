@@ -22,7 +22,13 @@ import httpx
 import pytest
 
 from rollpatch.board import Board, version_key
-from rollpatch.errors import ConfigError, NotFoundError, StoreError, TransientStoreError
+from rollpatch.errors import (
+    ConfigError,
+    NotFoundError,
+    ObjectIntegrityError,
+    StoreError,
+    TransientStoreError,
+)
 from rollpatch.manifest import KeyframeObject, PatchObject
 from rollpatch.relay import KeyKind, RelayConfig, RelayServer, classify
 from rollpatch.relay.server import RangeNotSatisfiable, parse_range
@@ -241,18 +247,19 @@ def test_corrupt_upstream_is_refused_never_cached(
     ref = objects[0]
     good = board.store.get(ref.key)
     board.store.put(ref.key, good[:-1] + bytes([good[-1] ^ 1]), if_absent=False)
-    with pytest.raises(TransientStoreError):  # 502: clients retry 5xx, then give up
+    with pytest.raises(ObjectIntegrityError):  # 409 object_corrupt: final, not retried
         c.get(ref.key)
     with httpx.Client() as h:
         r = h.get(f"{relay.url}/v1/objects/{ref.key}")
-        assert r.status_code == 502 and "BLAKE3" in r.json()["error"]
+        assert r.status_code == 409 and "BLAKE3" in r.json()["error"]
+        assert (r.json()["code"], r.json()["key"]) == ("object_corrupt", ref.key)
     assert ref.key not in relay.relay.cache and relay.relay.cache.total_bytes == 0
     assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="hash_mismatch") == 2
     board.store.put(ref.key, good, if_absent=False)  # repaired upstream
     assert c.get(ref.key) == good and ref.key in relay.relay.cache
     bad_manifest = version_key(RUN, 99)
     board.store.put(bad_manifest, b'{"schema": "nope"}')
-    with pytest.raises(TransientStoreError):
+    with pytest.raises(TransientStoreError):  # 502: clients retry 5xx, then give up
         c.get(bad_manifest)
     assert bad_manifest not in relay.relay.cache
 

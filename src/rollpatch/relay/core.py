@@ -23,7 +23,7 @@ from typing import BinaryIO, Generic, TypeVar
 
 import blake3
 
-from ..errors import ManifestError, NotFoundError, StoreError, TrustError
+from ..errors import ManifestError, NotFoundError, ObjectIntegrityError, StoreError, TrustError
 from ..latest import read_latest
 from ..layout import root_key, version_key
 from ..logs import event
@@ -166,7 +166,9 @@ class Relay:
 
     def resolve(self, key: str) -> Future[Blob]:
         """A future of what to serve for a valid ``key``; fails with the store's errors
-        (``NotFoundError``, ``TransientStoreError``...) or ``ManifestError`` for bytes refused.
+        (``NotFoundError``, ``TransientStoreError``...), ``ObjectIntegrityError`` for an object
+        whose upstream bytes do not match the BLAKE3 in its key, or ``ManifestError`` for
+        metadata refused.
         """
         kind = classify(key)
         if kind.immutable:
@@ -286,7 +288,7 @@ class Relay:
         if kind is KeyKind.OBJECT and b3 != object_hash(key):
             self.metrics.inc("rollpatch_relay_refused_total", reason="hash_mismatch")
             event(log, "refused", logging.WARNING, key=key, reason="hash_mismatch")
-            raise ManifestError(
+            raise ObjectIntegrityError(
                 "upstream object does not match the BLAKE3 in its key; refused, not cached",
                 key=key,
                 size=len(data),

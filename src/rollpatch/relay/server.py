@@ -17,9 +17,16 @@ from typing import Any, BinaryIO, TypeVar
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..errors import ConfigError, NotFoundError, RollpatchError, TransientStoreError
+from ..errors import (
+    ConfigError,
+    NotFoundError,
+    ObjectIntegrityError,
+    RollpatchError,
+    TransientStoreError,
+)
 from ..serving import ServeOptions, ServerHandle, serve_app
 from ..store import Store, open_store, validate_key, validate_prefix
+from ..store.http_client import CORRUPT_STATUS, corrupt_body
 from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
@@ -64,12 +71,17 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
 def _status(exc: BaseException) -> int:
     if isinstance(exc, NotFoundError):
         return 404
+    if isinstance(exc, ObjectIntegrityError):  # corrupt at the origin: retrying cannot help
+        return CORRUPT_STATUS
     if isinstance(exc, (TransientStoreError, OSError)):  # upstream flaky, or our cache disk
         return 503
     return 502  # refused bytes, upstream misconfigured: requests are validated before this
 
 
 def _error(status: int, exc: BaseException) -> JSONResponse:
+    if isinstance(exc, ObjectIntegrityError) and isinstance(exc.context.get("key"), str):
+        body = corrupt_body(exc.context["key"], exc.message, exc.hint)
+        return JSONResponse(body, status_code=CORRUPT_STATUS)
     hint = exc.hint if isinstance(exc, RollpatchError) else None
     message = exc.message if isinstance(exc, RollpatchError) else f"{type(exc).__name__}: {exc}"
     return JSONResponse({"error": message, "hint": hint}, status_code=status)

@@ -5,6 +5,13 @@ The protocol is specified in ``docs/store.md`` ("Relay protocol"); in short::
     GET  {base}/v1/objects/{key}            200 body | 206 with Range | 404 | 416
     HEAD {base}/v1/objects/{key}            200 Content-Length, ETag | 404
     GET  {base}/v1/list?prefix=P[&start_after=K]   200 {"keys": [...], "next": K | null}
+    any object request                      409 {"code": "object_corrupt", "key": K, ...}
+
+409 with ``"code": "object_corrupt"`` means the relay found the origin's copy of an object
+corrupt (its bytes do not match the BLAKE3 in its key): :class:`ObjectIntegrityError` naming
+the key, never retried, so a follower plans around the object instead of waiting on it. A
+relay is untrusted: the answer can only send a follower on a detour (every byte it uses is
+still verified against the signed manifest), never make it serve other bits.
 
 stdlib only (urllib). Every size read from the wire is checked: bodies must match
 ``Content-Length``/``Content-Range``, list bodies are capped, and listed keys are validated.
@@ -24,11 +31,24 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .. import jsonsafe
-from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
+from ..errors import (
+    ConfigError,
+    NotFoundError,
+    ObjectIntegrityError,
+    StoreError,
+    TransientStoreError,
+)
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
 
-__all__ = ["HttpStore"]
+__all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HttpStore", "corrupt_body"]
+
+#: The relay's answer for an object whose origin copy is corrupt (docs/store.md, "Errors"):
+#: this status with a JSON body whose ``code`` is :data:`CORRUPT_CODE` and ``key`` the key.
+CORRUPT_STATUS = 409
+CORRUPT_CODE = "object_corrupt"
+#: The most of an error body the client reads (the relay's are a few hundred bytes).
+_MAX_ERROR_BYTES = 64 * 1024
 
 T = TypeVar("T")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
@@ -82,7 +102,12 @@ class HttpStore(Store):
         raise AssertionError("unreachable")
 
     def _open(
-        self, url: str, *, method: str = "GET", headers: dict[str, str] | None = None
+        self,
+        url: str,
+        *,
+        method: str = "GET",
+        headers: dict[str, str] | None = None,
+        key: str | None = None,
     ) -> http.client.HTTPResponse:
         request = urllib.request.Request(
             url, method=method, headers={**self.config.headers, **(headers or {})}
@@ -96,6 +121,8 @@ class HttpStore(Store):
             with e:
                 if e.code == 429 or e.code >= 500:
                     raise _Transient(f"HTTP {e.code}") from None
+                if e.code == CORRUPT_STATUS and key is not None and method == "GET":
+                    _raise_if_corrupt(e, key, self.uri)  # reads the body before it closes
                 raise
         except _NETWORK_ERRORS as e:
             raise _Transient(str(e)) from None
@@ -124,7 +151,7 @@ class HttpStore(Store):
         self, key: str, *, method: str = "GET", headers: dict[str, str] | None = None
     ) -> http.client.HTTPResponse:
         try:
-            return self._open(self._object_url(key), method=method, headers=headers)
+            return self._open(self._object_url(key), method=method, headers=headers, key=key)
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 raise NotFoundError(
@@ -219,6 +246,44 @@ class HttpStore(Store):
 
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
         self._require_writable("cas", key)
+
+
+def corrupt_body(key: str, message: str, hint: str | None) -> dict[str, str | None]:
+    """The JSON body of a :data:`CORRUPT_STATUS` answer about ``key`` (the relay's side)."""
+    return {"error": message, "hint": hint, "code": CORRUPT_CODE, "key": key}
+
+
+def _raise_if_corrupt(e: urllib.error.HTTPError, key: str, uri: str) -> None:
+    """Raise :class:`ObjectIntegrityError` when a 409's body says the object is corrupt at
+    the origin; return for any other 409 (the caller maps it like other statuses)."""
+    try:
+        body = e.read(_MAX_ERROR_BYTES + 1)
+    except _NETWORK_ERRORS:
+        return
+    if len(body) > _MAX_ERROR_BYTES:
+        return
+    try:
+        doc = jsonsafe.loads(
+            body, what="relay error body", error=StoreError, max_bytes=len(body), max_depth=2
+        )
+    except StoreError:
+        return
+    if not isinstance(doc, dict) or doc.get("code") != CORRUPT_CODE:
+        return
+    if doc.get("key") != key:
+        raise StoreError(
+            "relay reported another object corrupt than the one asked for",
+            key=key,
+            store=uri,
+        )
+    error = doc.get("error")
+    raise ObjectIntegrityError(
+        "relay found the origin's copy of the object corrupt",
+        key=key,
+        store=uri,
+        relay_error=error[:200] if isinstance(error, str) else None,  # repr'd: no raw text
+        hint="the stored copy must be republished; a follower plans around it meanwhile",
+    )
 
 
 def _content_length(r: http.client.HTTPResponse, key: str) -> int:

@@ -1,0 +1,138 @@
+"""What to simulate (:class:`SimConfig`) and the decoder shape it implies (:func:`llama_dims`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ModelDims", "SimConfig", "llama_dims"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """What to simulate. Every field is validated; see the module docstring for the model."""
+
+    n_params: int = 50_000_000
+    """Approximate parameter count; the decoder layout is sized to land near it."""
+    seed: int = 0
+    """Seed of every random draw (weights, gradients, tokens)."""
+    lr: float = 3e-6
+    """AdamW learning rate (RL post-training uses 1e-6 .. 1e-5)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (β1, β2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay, applied to every tensor (torch's default single group)."""
+    warm_steps: int = 1000
+    """Adam steps taken before the simulation starts (analytic warm state; 0 = cold)."""
+    vocab: int | None = None
+    """Vocabulary size; None means 32000 (Llama-2 / TinyLlama)."""
+    batch_tokens: int = 1 << 19
+    """Tokens per training batch (decides which embedding rows get gradient)."""
+    zipf_exponent: float = 1.1
+    """Exponent of the Zipf-Mandelbrot token frequency law."""
+    threads: int | None = None
+    """Worker threads (None: all cores). Results do not depend on it."""
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"SimConfig.{field} {why} (got {getattr(self, field)!r})")
+
+        if not isinstance(self.n_params, int) or self.n_params < 100_000:
+            raise bad("n_params", "must be an int >= 100_000")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise bad("seed", "must be a non-negative int")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
+            raise bad("lr", "must be in (0, 1)")
+        if (
+            not isinstance(self.betas, tuple)
+            or len(self.betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)
+        ):
+            raise bad("betas", "must be a pair of floats in [0, 1)")
+        if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
+            raise bad("eps", "must be in (0, 1)")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1):
+            raise bad("weight_decay", "must be in [0, 1)")
+        if not isinstance(self.warm_steps, int) or self.warm_steps < 0:
+            raise bad("warm_steps", "must be a non-negative int")
+        if self.vocab is not None and (not isinstance(self.vocab, int) or self.vocab < 16):
+            raise bad("vocab", "must be None or an int >= 16")
+        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
+            raise bad("batch_tokens", "must be a positive int")
+        if not (isinstance(self.zipf_exponent, (int, float)) and 0 < self.zipf_exponent < 4):
+            raise bad("zipf_exponent", "must be in (0, 4)")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise bad("threads", "must be None or a positive int")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The decoder shape chosen for a parameter budget."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def layout(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint names → shapes, in Hugging Face Llama naming and order."""
+        d, q, kv, ff = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, d)}
+        for i in range(self.layers):
+            pre = f"model.layers.{i}."
+            out.update(
+                {
+                    pre + "self_attn.q_proj.weight": (q, d),
+                    pre + "self_attn.k_proj.weight": (kv, d),
+                    pre + "self_attn.v_proj.weight": (kv, d),
+                    pre + "self_attn.o_proj.weight": (d, q),
+                    pre + "mlp.gate_proj.weight": (ff, d),
+                    pre + "mlp.up_proj.weight": (ff, d),
+                    pre + "mlp.down_proj.weight": (d, ff),
+                    pre + "input_layernorm.weight": (d,),
+                    pre + "post_attention_layernorm.weight": (d,),
+                }
+            )
+        out["model.norm.weight"] = (d,)
+        out["lm_head.weight"] = (self.vocab, d)
+        return out
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s in self.layout().values())
+
+
+def llama_dims(n_params: int, vocab: int | None = None) -> ModelDims:
+    """Pick a Llama-like shape near ``n_params`` (within a few %, aspect ratio of TinyLlama)."""
+    v = vocab or 32000
+    best: tuple[float, ModelDims] | None = None
+    for d in range(64, 16385, 64):
+        if d % (256 if d >= 1024 else 128 if d >= 512 else 64):
+            continue
+        hd = 64 if d <= 2048 else 128
+        heads = d // hd
+        kv = heads // 4 if heads % 4 == 0 and heads >= 8 else heads
+        mult = 256 if d >= 1024 else 64
+        ff = -(-(8 * d // 3) // mult) * mult
+        per_layer = 2 * d * d + 2 * d * kv * hd + 3 * d * ff + 2 * d
+        layers = round((n_params - 2 * v * d - d) / per_layer)
+        if layers < 1:
+            continue
+        dims = ModelDims(v, d, layers, ff, heads, kv, hd)
+        size_err = abs(math.log((2 * v * d + d + layers * per_layer) / n_params))
+        cost = 5 * size_err + abs(math.log(layers / (0.5 * math.sqrt(d))))
+        if best is None or cost < best[0]:
+            best = (cost, dims)
+    if best is None:
+        raise ValueError(f"SimConfig.n_params too small for vocab {v} (got {n_params!r})")
+    return best[1]

@@ -56,15 +56,7 @@ def test_soak_with_faults_ci_size(tmp_path: Path) -> None:
         "sidecar-kill",
         "publisher-kill",
     }
-    assert all(f["recovery_s"] is not None for name, f in faults.items() if name != "corrupt"), (
-        faults,
-        proc.stdout[-6000:],
-    )
-    if faults["corrupt"]["recovery_s"] is None:
-        # known gap: a follower plans around an object it finds corrupt (ObjectIntegrityError,
-        # tests/test_follower.py), but islands here read through a relay, which refuses the
-        # corrupt upstream object with HTTP 502: the follower sees a transient store error and
-        # retries the same plan instead of planning around it (the relay client should surface
-        # the relay's integrity refusal as ObjectIntegrityError)
-        pytest.xfail("behind a relay, a corrupt object reads as a transient 502 (no plan-around)")
+    # every fault, the corrupted objects included: island b reads through the relay, which
+    # answers them 409 object_corrupt, so its follower plans around them (docs/store.md)
+    assert all(f["recovery_s"] is not None for f in faults.values()), (faults, proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

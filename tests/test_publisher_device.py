@@ -306,7 +306,7 @@ def test_device_path_keeps_no_host_copy_of_the_view() -> None:
     versions = _versions(3)
     cfg = PublisherConfig(diff_on="device", skip_strides=(2,), publisher_id="t")
     pub = _publish(f"memory://keep-{uuid.uuid4().hex[:8]}", cfg, versions, True)
-    prev = pub._pipe.prev
+    prev = pub._writer.pipe.prev
     assert isinstance(prev, DeviceView)
     assert all(isinstance(t.words, torch.Tensor) and t.state is not None for t in prev.values())
     n_view = prev.nbytes
@@ -328,7 +328,7 @@ def test_device_path_keeps_no_host_copy_of_the_view() -> None:
             return sum(host_arrays(getattr(x, f), seen) for f in x.__dataclass_fields__)
         return 0
 
-    kept = host_arrays(pub._pipe, set())
+    kept = host_arrays(pub._writer.pipe, set())
     assert kept < n_view // 20, (kept, n_view)
     assert not pub._pending
     pub.close()
@@ -338,4 +338,4 @@ def test_auto_stays_on_the_host_for_cpu_tensors() -> None:
     cfg = PublisherConfig(diff_on="auto", publisher_id="t")
     with Publisher(f"memory://auto-{uuid.uuid4().hex[:8]}", RUN, cfg, asynchronous=False) as pub:
         pub.publish({"w": torch.ones(4, 4)})
-        assert not isinstance(pub._pipe.prev, DeviceView)
+        assert not isinstance(pub._writer.pipe.prev, DeviceView)

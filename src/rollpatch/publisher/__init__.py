@@ -13,8 +13,9 @@ any version's view from the board.
 """
 
 from .config import PublisherConfig, PublisherStats, VersionStats
-from .core import Publisher, snapshot_state
+from .core import Publisher
 from .reconstruct import apply_step, load_keyframe, merge_shard_patches, reconstruct
+from .writer import snapshot_state
 
 __all__ = [
     "Publisher",

@@ -18,43 +18,18 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from ..board import Board
-from ..errors import BoardError, ConfigError
-from ..io.checkpoint import to_numpy
+from ..errors import ConfigError
 from ..types import MAX_VERSION, check_run
-from ..view import View
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
-from .keyframe import reconstruct_shard, shard_matches
-from .pipeline import ShardPipeline, ShardResult, assemble_manifest
-from .reconstruct import reconstruct
 from .rounds import Snapshot, agree, resume_point
 from .sharded import open_exchange
 from .signing import LatestHeartbeat, check_signing
+from .writer import VersionWriter, snapshot_state
 
 __all__ = ["Publisher", "snapshot_state"]
 
-_MASTER_DTYPES = ("float32", "bfloat16", "float16")
 _LIVE: weakref.WeakSet[Publisher] = weakref.WeakSet()
-
-
-def snapshot_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Host copies of every tensor (numpy or torch on any device) that nothing else shares."""
-    out: dict[str, np.ndarray] = {}
-    for name, value in state_dict.items():
-        if not isinstance(name, str):
-            raise ConfigError("state dict keys must be tensor names (str)", key=repr(name))
-        arr = to_numpy(value)
-        on_device = not isinstance(value, np.ndarray) and value.device.type != "cpu"
-        if arr.dtype.name not in _MASTER_DTYPES:
-            raise ConfigError(
-                f"cannot publish {arr.dtype.name} tensor {name!r}",
-                hint="publish float32/bfloat16/float16 parameters only; leave "
-                "buffers and integer tensors out of the state dict",
-            )
-        out[name] = arr if on_device else np.array(arr, copy=True, order="C")
-    return out
 
 
 class Publisher:
@@ -107,15 +82,8 @@ class Publisher:
         self._dropped: deque[int] = deque(maxlen=MAX_STATS)
         self._n_dropped = self._published = self._bytes = 0
         top, target = resume_point(self.board, self.run, self.config, self._x)
-        self._last_assigned = self._last_durable = self._resume_from = top
-        self._roots: dict[int, str] = {} if top is None else {top: target}
-        self._pipe = ShardPipeline(self.board, self.run, self.config, self._x.rank)
-        self._on_device: bool | None = {"host": False, "device": True}.get(self.config.diff_on)
-        if self._on_device:
-            self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
-        #: How the last resume rebuilt this rank's base: "shard" (its own objects only),
-        #: "whole" (every shard), or None (no resume yet).
-        self.resume_scope: str | None = None
+        self._last_assigned = self._last_durable = top
+        self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
         self._heartbeat: LatestHeartbeat | None = None
         signer = self.config.signer
         if self._x.rank == 0:
@@ -138,6 +106,12 @@ class Publisher:
     def rank(self) -> int:
         """This publisher's shard index (0 when unsharded)."""
         return self._x.rank
+
+    @property
+    def resume_scope(self) -> str | None:
+        """How the last resume rebuilt this rank's base: "shard" (its own objects only),
+        "whole" (every shard), or None (no resume yet)."""
+        return self._writer.resume_scope
 
     @property
     def shards(self) -> int:
@@ -264,14 +238,8 @@ class Publisher:
     def _snapshot(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """Host copies (host path) or copies on the masters' devices (device path)."""
         with self._cond:
-            if self._on_device is None:  # diff_on="auto": the first state dict decides
-                self._on_device = any(
-                    type(v).__module__.startswith("torch") and v.device.type != "cpu"
-                    for v in state_dict.values()
-                )
-                if self._on_device:
-                    self._pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
-        if self._on_device:
+            on_device = self._writer.decide_device(state_dict)
+        if on_device:
             from .devpipe import snapshot_device
 
             return snapshot_device(state_dict)
@@ -374,138 +342,16 @@ class Publisher:
         return False, None
 
     def _publish(self, snap: Snapshot, forced_keyframe: bool) -> None:
-        started = time.perf_counter()
-        parent, n, k = self._last_durable, snap.version, self.config.keyframe_every
-        keyframe = forced_keyframe or parent is None or (k > 0 and n // k != parent // k)
-        resume_s = 0.0
-        res: ShardResult | None = None
-        local: BaseException | None = None
-        try:
-            if self._resume_from is not None and self._pipe.prev is None:
-                t = time.perf_counter()
-                self._pipe.resume(self._resume_from, self._resumed_view(snap))
-                resume_s = time.perf_counter() - t
-            res = self._pipe.build(n, snap.masters, keyframe=keyframe)
-            message: dict[str, Any] = res.message()
-        except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
-            local, message = e, {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        t_commit = time.perf_counter()
-        messages = self._x.allgather(message)
-        outcome: dict[str, Any] = {}
-        if self._x.rank == 0:
-            outcome, err = self._write_manifest(snap, parent, keyframe, messages)
-            local = local or err
-        outcome = self._x.allgather(outcome)[0]
-        if local is not None:
-            raise local
-        if not outcome.get("ok"):
-            raise BoardError(
-                f"publishing failed on another rank: {outcome.get('error')}",
-                run=self.run,
-                version=n,
-            )
-        assert res is not None
-        self._pipe.commit(res)
-        self._record(snap, res, parent, keyframe, started, resume_s, t_commit, outcome)
-
-    def _resumed_view(self, snap: Snapshot) -> View:
-        """The resumed version's view as this rank's base: its own shard only when the board
-        has it in the same layout (``keyframe.reconstruct_shard``), else the whole view."""
-        assert self._resume_from is not None
-        signer = self.config.signer
-        trust = None if signer is None else signer.self_trust()
-        if self._x.size > 1:
-            part = reconstruct_shard(
-                self.board, self.run, self._resume_from, self._x.rank, self._x.size, trust=trust
-            )
-            if part is not None and shard_matches(part, snap.masters, self.config.format):
-                self.resume_scope = "shard"
-                return part
-        self.resume_scope = "whole"
-        return reconstruct(self.board, self.run, self._resume_from, trust=trust)
-
-    def _write_manifest(
-        self, snap: Snapshot, parent: int | None, keyframe: bool, messages: list[dict[str, Any]]
-    ) -> tuple[dict[str, Any], BaseException | None]:
-        bad = [(r, m) for r, m in enumerate(messages) if not m.get("ok")]
-        if bad:
-            return {"ok": False, "error": f"rank {bad[0][0]}: {bad[0][1].get('error')}"}, None
-        try:
-            meta = {"step": str(snap.step), "scales": self.config.scales}
-            m = assemble_manifest(
-                run=self.run,
-                version=snap.version,
-                parent=parent,
-                keyframe=keyframe,
-                messages=messages,
-                root_digests=self._roots,
-                config=self.config,
-                meta=meta,
-            )
-            self.board.put_manifest(m)
-            self.board.advance(self.run, snap.version)
-        except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
-            return {"ok": False, "error": f"rank 0: {type(e).__name__}: {e}"}, e
-        skip_bases = sorted({p.base for p in m.patches} - {parent})
-        return {
-            "ok": True,
-            "target": m.target,
-            "skip_bases": skip_bases,
-            "keyframe": m.is_keyframe,
-        }, None
-
-    def _record(
-        self,
-        snap: Snapshot,
-        res: ShardResult,
-        parent: int | None,
-        keyframe: bool,
-        started: float,
-        resume_s: float,
-        t_commit: float,
-        outcome: dict[str, Any],
-    ) -> None:
-        now = time.perf_counter()
-        n = snap.version
-        self._roots[n] = outcome["target"]
-        horizon = n - max(self.config.skip_strides, default=1)
-        for v in [v for v in self._roots if v < horizon]:
-            del self._roots[v]
-        stats = VersionStats(
-            version=n,
-            parent=parent,
-            keyframe=bool(outcome["keyframe"]),
-            skip_bases=tuple(outcome["skip_bases"]),
-            snapshot_s=snap.snapshot_s,
-            call_return_s=snap.call_return_s if snap.call_return_s is not None else now - snap.t0,
-            queue_s=max(0.0, started - snap.t0 - snap.snapshot_s),
-            resume_s=resume_s,
-            commit_s=now - t_commit,
-            total_s=now - snap.t0,
-            bytes=res.bytes,
-            patch_bytes=res.patch_bytes,
-            changed=res.changed,
-            host_bytes=res.host_bytes,
-            **{k: res.timings.get(k, 0.0) for k in ("cast_s", "diff_s", "encode_s", "upload_s")},
+        stats = self._writer.publish(
+            snap, self._last_durable, forced_keyframe, started=time.perf_counter()
         )
         with self._cond:
-            self._last_durable = n
+            self._last_durable = snap.version
             self._published += 1
-            self._bytes += res.bytes
+            self._bytes += stats.bytes
             self._stats.append(stats)
             self._cond.notify_all()
         snap.masters = {}  # free the host copy early
-
-
-def _device_pipeline(board: Board, run: str, config: PublisherConfig, shard: int) -> ShardPipeline:
-    try:
-        from .devpipe import DeviceShardPipeline
-    except ImportError as e:
-        raise ConfigError(
-            "PublisherConfig(diff_on='device') needs torch",
-            hint="pip install 'rollpatch[torch]', or use diff_on='host'",
-        ) from e
-    return DeviceShardPipeline(board, run, config, shard)
 
 
 @atexit.register

@@ -1,0 +1,214 @@
+"""Publishing one agreed version across the ranks (the :class:`Publisher`'s worker calls it).
+
+Each rank builds its shard (cast, diff, encode, upload), the ranks exchange the results, rank
+0 writes the manifest and advances LATEST, every rank learns the outcome and commits its shard
+state, and the version's :class:`VersionStats` are measured. Which version, and when, is the
+:class:`~rollpatch.publisher.core.Publisher`'s business; how it lands on the board is here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..board import Board
+from ..errors import BoardError, ConfigError
+from ..io.checkpoint import to_numpy
+from ..view import View
+from .config import PublisherConfig, VersionStats
+from .keyframe import reconstruct_shard, shard_matches
+from .pipeline import ShardPipeline, ShardResult, assemble_manifest
+from .reconstruct import reconstruct
+from .rounds import Snapshot
+from .sharded import Exchange
+
+__all__ = ["VersionWriter", "snapshot_state"]
+
+_MASTER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def snapshot_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Host copies of every tensor (numpy or torch on any device) that nothing else shares."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise ConfigError("state dict keys must be tensor names (str)", key=repr(name))
+        arr = to_numpy(value)
+        on_device = not isinstance(value, np.ndarray) and value.device.type != "cpu"
+        if arr.dtype.name not in _MASTER_DTYPES:
+            raise ConfigError(
+                f"cannot publish {arr.dtype.name} tensor {name!r}",
+                hint="publish float32/bfloat16/float16 parameters only; leave "
+                "buffers and integer tensors out of the state dict",
+            )
+        out[name] = arr if on_device else np.array(arr, copy=True, order="C")
+    return out
+
+
+class VersionWriter:
+    """This rank's side of publishing versions: its shard pipeline (host or device), the
+    roots of recent versions (for skip patches) and the resume from the board's newest one."""
+
+    def __init__(
+        self,
+        board: Board,
+        run: str,
+        config: PublisherConfig,
+        x: Exchange,
+        resume_from: int | None,
+        resume_target: str,
+    ) -> None:
+        self.board, self.run, self.config, self._x = board, run, config, x
+        self.resume_from = resume_from
+        self.roots: dict[int, str] = {} if resume_from is None else {resume_from: resume_target}
+        self.pipe = ShardPipeline(board, run, config, x.rank)
+        #: The diff runs on the masters' devices (None: ``diff_on="auto"``, not decided yet).
+        self.on_device: bool | None = {"host": False, "device": True}.get(config.diff_on)
+        if self.on_device:
+            self.pipe = _device_pipeline(board, run, config, x.rank)
+        #: How the last resume rebuilt this rank's base: "shard" (its own objects only),
+        #: "whole" (every shard), or None (no resume yet).
+        self.resume_scope: str | None = None
+
+    def decide_device(self, state_dict: Mapping[str, Any]) -> bool:
+        """Where the diff runs; ``diff_on="auto"``: the first state dict decides."""
+        if self.on_device is None:
+            self.on_device = any(
+                type(v).__module__.startswith("torch") and v.device.type != "cpu"
+                for v in state_dict.values()
+            )
+            if self.on_device:
+                self.pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
+        return self.on_device
+
+    def publish(
+        self, snap: Snapshot, parent: int | None, forced_keyframe: bool, started: float
+    ) -> VersionStats:
+        """Publish ``snap`` on top of ``parent`` (every rank calls this for the same version);
+        raises this rank's error, or :class:`BoardError` naming another rank's."""
+        n, k = snap.version, self.config.keyframe_every
+        keyframe = forced_keyframe or parent is None or (k > 0 and n // k != parent // k)
+        resume_s = 0.0
+        res: ShardResult | None = None
+        local: BaseException | None = None
+        try:
+            if self.resume_from is not None and self.pipe.prev is None:
+                t = time.perf_counter()
+                self.pipe.resume(self.resume_from, self._resumed_view(snap))
+                resume_s = time.perf_counter() - t
+            res = self.pipe.build(n, snap.masters, keyframe=keyframe)
+            message: dict[str, Any] = res.message()
+        except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
+            local, message = e, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        t_commit = time.perf_counter()
+        messages = self._x.allgather(message)
+        outcome: dict[str, Any] = {}
+        if self._x.rank == 0:
+            outcome, err = self._write_manifest(snap, parent, keyframe, messages)
+            local = local or err
+        outcome = self._x.allgather(outcome)[0]
+        if local is not None:
+            raise local
+        if not outcome.get("ok"):
+            raise BoardError(
+                f"publishing failed on another rank: {outcome.get('error')}",
+                run=self.run,
+                version=n,
+            )
+        assert res is not None
+        self.pipe.commit(res)
+        return self._record(snap, res, parent, started, resume_s, t_commit, outcome)
+
+    def _resumed_view(self, snap: Snapshot) -> View:
+        """The resumed version's view as this rank's base: its own shard only when the board
+        has it in the same layout (``keyframe.reconstruct_shard``), else the whole view."""
+        assert self.resume_from is not None
+        signer = self.config.signer
+        trust = None if signer is None else signer.self_trust()
+        if self._x.size > 1:
+            part = reconstruct_shard(
+                self.board, self.run, self.resume_from, self._x.rank, self._x.size, trust=trust
+            )
+            if part is not None and shard_matches(part, snap.masters, self.config.format):
+                self.resume_scope = "shard"
+                return part
+        self.resume_scope = "whole"
+        return reconstruct(self.board, self.run, self.resume_from, trust=trust)
+
+    def _write_manifest(
+        self, snap: Snapshot, parent: int | None, keyframe: bool, messages: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], BaseException | None]:
+        bad = [(r, m) for r, m in enumerate(messages) if not m.get("ok")]
+        if bad:
+            return {"ok": False, "error": f"rank {bad[0][0]}: {bad[0][1].get('error')}"}, None
+        try:
+            meta = {"step": str(snap.step), "scales": self.config.scales}
+            m = assemble_manifest(
+                run=self.run,
+                version=snap.version,
+                parent=parent,
+                keyframe=keyframe,
+                messages=messages,
+                root_digests=self.roots,
+                config=self.config,
+                meta=meta,
+            )
+            self.board.put_manifest(m)
+            self.board.advance(self.run, snap.version)
+        except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
+            return {"ok": False, "error": f"rank 0: {type(e).__name__}: {e}"}, e
+        skip_bases = sorted({p.base for p in m.patches} - {parent})
+        return {
+            "ok": True,
+            "target": m.target,
+            "skip_bases": skip_bases,
+            "keyframe": m.is_keyframe,
+        }, None
+
+    def _record(
+        self,
+        snap: Snapshot,
+        res: ShardResult,
+        parent: int | None,
+        started: float,
+        resume_s: float,
+        t_commit: float,
+        outcome: dict[str, Any],
+    ) -> VersionStats:
+        now = time.perf_counter()
+        n = snap.version
+        self.roots[n] = outcome["target"]
+        horizon = n - max(self.config.skip_strides, default=1)
+        for v in [v for v in self.roots if v < horizon]:
+            del self.roots[v]
+        return VersionStats(
+            version=n,
+            parent=parent,
+            keyframe=bool(outcome["keyframe"]),
+            skip_bases=tuple(outcome["skip_bases"]),
+            snapshot_s=snap.snapshot_s,
+            call_return_s=snap.call_return_s if snap.call_return_s is not None else now - snap.t0,
+            queue_s=max(0.0, started - snap.t0 - snap.snapshot_s),
+            resume_s=resume_s,
+            commit_s=now - t_commit,
+            total_s=now - snap.t0,
+            bytes=res.bytes,
+            patch_bytes=res.patch_bytes,
+            changed=res.changed,
+            host_bytes=res.host_bytes,
+            **{k: res.timings.get(k, 0.0) for k in ("cast_s", "diff_s", "encode_s", "upload_s")},
+        )
+
+
+def _device_pipeline(board: Board, run: str, config: PublisherConfig, shard: int) -> ShardPipeline:
+    try:
+        from .devpipe import DeviceShardPipeline
+    except ImportError as e:
+        raise ConfigError(
+            "PublisherConfig(diff_on='device') needs torch",
+            hint="pip install 'rollpatch[torch]', or use diff_on='host'",
+        ) from e
+    return DeviceShardPipeline(board, run, config, shard)

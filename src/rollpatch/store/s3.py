@@ -12,6 +12,7 @@ own primitives, never onto read-then-write:
 
 botocore errors become the store's: 404 -> NotFoundError, 412 -> AlreadyExistsError (put) or
 ConflictError (cas), throttling/5xx/network -> TransientStoreError (after botocore's retries).
+Multipart uploads live in :mod:`.s3_multipart`, the error mapping in :mod:`.s3_errors`.
 """
 
 from __future__ import annotations
@@ -20,24 +21,12 @@ import contextlib
 import re
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    HTTPClientError,
-    IncompleteReadError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ReadTimeoutError,
-    ResponseStreamingError,
-)
-from botocore.exceptions import (
-    ConnectionError as BotoConnectionError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 
 from ..errors import (
     AlreadyExistsError,
@@ -49,31 +38,12 @@ from ..errors import (
 )
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import S3Config
+from .s3_errors import code_of, status_of, translate, was_retried
+from .s3_multipart import put_multipart, put_stream
 
 __all__ = ["S3Store"]
 
-_MAX_PARTS = 10_000
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "RequestLimitExceeded",
-        "TooManyRequests",
-    }
-)
-_NETWORK_ERRORS = (
-    BotoConnectionError,
-    HTTPClientError,
-    ReadTimeoutError,
-    IncompleteReadError,
-    ResponseStreamingError,
-)
 
 
 class S3Store(Store):
@@ -144,7 +114,7 @@ class S3Store(Store):
         try:
             yield
         except (ClientError, BotoCoreError) as e:
-            raise _translate(e, op, key, self.uri, on_precondition, on_conflict) from e
+            raise translate(e, op, key, self.uri, on_precondition, on_conflict) from e
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -273,8 +243,8 @@ class S3Store(Store):
                 # A retried request can hit the condition its own first attempt satisfied.
                 if (
                     condition
-                    and _status(e) in (404, 412)
-                    and _retried(e)
+                    and status_of(e) in (404, 412)
+                    and was_retried(e)
                     and self._holds(key, body)
                 ):
                     return
@@ -287,114 +257,16 @@ class S3Store(Store):
             return False
 
     def _put_multipart(self, key: str, data: memoryview, *, if_absent: bool) -> None:
-        size = self.config.part_size
-        count = -(-len(data) // size)
-        if count > _MAX_PARTS:
-            raise ConfigError(
-                "object needs more than 10000 parts",
-                key=key,
-                size=len(data),
-                part_size=size,
-                hint="raise part_size",
-            )
-        bucket, k = self.config.bucket, self._k(key)
-        with self._calling("put", key):
-            upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]
-
-        def upload(i: int) -> dict[str, Any]:
-            part = bytes(data[i * size : (i + 1) * size])
-            with self._calling("put", key):
-                r = self._client.upload_part(
-                    Bucket=bucket, Key=k, UploadId=upload_id, PartNumber=i + 1, Body=part
-                )
-            return {"PartNumber": i + 1, "ETag": r["ETag"]}
-
-        try:
-            parts = list(self._executor().map(upload, range(count)))
-            with self._calling(
-                "put", key, on_precondition=AlreadyExistsError, on_conflict=TransientStoreError
-            ):
-                self._client.complete_multipart_upload(
-                    Bucket=bucket,
-                    Key=k,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                    **({"IfNoneMatch": "*"} if if_absent else {}),
-                )
-        except BaseException:
-            with contextlib.suppress(ClientError, BotoCoreError):
-                self._client.abort_multipart_upload(Bucket=bucket, Key=k, UploadId=upload_id)
-            raise
+        put_multipart(self, key, data, if_absent=if_absent)
 
     def _put_stream(
         self, key: str, chunks: Iterator[memoryview], *, size: int, if_absent: bool
     ) -> None:
         """Multipart upload fed part by part: at most ``max_workers + 1`` parts in memory."""
-        part = self.config.part_size
         if size <= self.config.multipart_threshold:
             super()._put_stream(key, chunks, size=size, if_absent=if_absent)
             return
-        if -(-size // part) > _MAX_PARTS:
-            raise ConfigError(
-                "object needs more than 10000 parts",
-                key=key,
-                size=size,
-                part_size=part,
-                hint="raise part_size",
-            )
-        if if_absent and self._head(key) is not None:  # cheap early refusal; not the guard
-            raise AlreadyExistsError(
-                "object exists and published objects are immutable", key=key, store=self.uri
-            )
-        bucket, k = self.config.bucket, self._k(key)
-        with self._calling("put", key):
-            upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]
-
-        def upload(i: int, body: bytes) -> dict[str, Any]:
-            with self._calling("put", key):
-                r = self._client.upload_part(
-                    Bucket=bucket, Key=k, UploadId=upload_id, PartNumber=i + 1, Body=body
-                )
-            return {"PartNumber": i + 1, "ETag": r["ETag"]}
-
-        pending: list[Future[dict[str, Any]]] = []
-        parts: list[dict[str, Any]] = []
-
-        def submit(body: bytes) -> None:
-            pending.append(self._executor().submit(upload, len(parts) + len(pending), body))
-            while len(pending) > self.config.max_workers:
-                parts.append(pending.pop(0).result())
-
-        try:
-            buf = bytearray()
-            for c in chunks:
-                off = 0
-                while off < len(c):
-                    take = c[off : off + part - len(buf)]
-                    buf += take
-                    off += len(take)
-                    if len(buf) == part:
-                        submit(bytes(buf))
-                        buf = bytearray()
-            if buf:
-                submit(bytes(buf))
-            parts += [f.result() for f in pending]
-            with self._calling(
-                "put", key, on_precondition=AlreadyExistsError, on_conflict=TransientStoreError
-            ):
-                self._client.complete_multipart_upload(
-                    Bucket=bucket,
-                    Key=k,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                    **({"IfNoneMatch": "*"} if if_absent else {}),
-                )
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            with contextlib.suppress(ClientError, BotoCoreError):
-                self._client.abort_multipart_upload(Bucket=bucket, Key=k, UploadId=upload_id)
-            raise
+        put_stream(self, key, chunks, size=size, if_absent=if_absent)
 
     def _delete(self, key: str) -> None:
         try:
@@ -418,7 +290,7 @@ class S3Store(Store):
                 try:
                     r = self._client.get_object(Bucket=self.config.bucket, Key=self._k(key))
                 except ClientError as e:
-                    if _status(e) == 404 and _code(e) != "NoSuchBucket":
+                    if status_of(e) == 404 and code_of(e) != "NoSuchBucket":
                         raise ConflictError(
                             "compare-and-swap lost: the key is absent",
                             key=key,
@@ -444,68 +316,9 @@ class S3Store(Store):
             ) from None
 
 
-def _status(e: ClientError) -> int:
-    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-
-
-def _code(e: ClientError) -> str:
-    return str(e.response.get("Error", {}).get("Code") or "")
-
-
-def _retried(e: ClientError) -> bool:
-    return int(e.response.get("ResponseMetadata", {}).get("RetryAttempts") or 0) > 0
-
-
 def _is_key(key: str) -> bool:
     try:
         validate_key(key)
     except ValueError:
         return False
     return True
-
-
-def _translate(
-    e: ClientError | BotoCoreError,
-    op: str,
-    key: str | None,
-    uri: str,
-    on_precondition: type[StoreError],
-    on_conflict: type[StoreError],
-) -> StoreError | ConfigError:
-    """Map one botocore failure to the store's exception tree (classes, never messages)."""
-    ctx: dict[str, Any] = {"key": key, "store": uri, "op": op}
-    if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
-        return ConfigError(
-            f"no usable S3 credentials: {e}",
-            hint="set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, a profile, or pass access_key_id=...",
-            **ctx,
-        )
-    if isinstance(e, _NETWORK_ERRORS):
-        return TransientStoreError(f"S3 network failure: {e}", **ctx)
-    if not isinstance(e, ClientError):
-        return StoreError(f"S3 client failure: {e}", **ctx)
-    status, code = _status(e), _code(e)
-    if code == "NoSuchBucket":
-        return StoreError("the bucket does not exist", hint="create it, or fix the URI", **ctx)
-    if status == 404 or code in ("NoSuchKey", "NotFound"):
-        return NotFoundError("no such object", **ctx)
-    if status == 412 or code == "PreconditionFailed":
-        if on_precondition is AlreadyExistsError:
-            return AlreadyExistsError("object exists and published objects are immutable", **ctx)
-        return on_precondition(
-            f"S3 refused the conditional {op} (412)", **ctx, hint="re-read and retry"
-        )
-    if status == 409 and code == "ConditionalRequestConflict":
-        return on_conflict(
-            "a concurrent conditional write to this key was in flight (409)", hint="retry", **ctx
-        )
-    if status == 416 or code == "InvalidRange":
-        return ConfigError("byte range is outside the object", **ctx)
-    if status == 429 or status >= 500 or code in _TRANSIENT_CODES:
-        return TransientStoreError(f"S3 {op} failed, retry later: {code} ({status})", **ctx)
-    if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        return StoreError(
-            f"S3 denied {op}: {code}", hint="check credentials, region and bucket policy", **ctx
-        )
-    return StoreError(f"S3 {op} failed: {code} ({status})", **ctx)

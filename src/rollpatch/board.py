@@ -27,7 +27,6 @@ from .errors import (
     ConfigError,
     ConflictError,
     ManifestError,
-    NoPathError,
     NotFoundError,
     ObjectIntegrityError,
     VersionNotFoundError,
@@ -48,7 +47,7 @@ from .layout import (
     versions_prefix,
 )
 from .manifest import MAX_ENVELOPE_BYTES, MAX_MANIFEST_DEPTH, Manifest, open_manifest
-from .planning import Plan, PlanStep, cheapest_plan
+from .planning import Plan, PlanStep, plan_between
 from .store import Store, open_store
 from .trust import (
     LATEST_TYPE,
@@ -59,7 +58,7 @@ from .trust import (
     looks_like_envelope,
     verify_initial_root,
 )
-from .types import MAX_VERSION, ObjectRef, Pointer, pointer_may_advance
+from .types import ObjectRef, Pointer, pointer_may_advance
 from .view import View
 
 __all__ = [
@@ -407,42 +406,16 @@ class Board:
         ``max_plan_versions`` of those. No step uses an object whose key is in ``avoid``
         (objects that failed verification).
         """
-        for name, v in (("have", have), ("want", want)):
-            if v is not None and (
-                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION
-            ):
-                raise ConfigError(f"{name} must be a version number", run=run, value=v)
-        if have is not None and have > want:
-            raise NoPathError("patches only move forward", run=run, have=have, want=want)
-        if have == want:
-            return Plan(run, have, want, ())
-        listed = [v for v in self.versions(run) if v <= want]
-        if not listed or listed[-1] != want:
-            raise VersionNotFoundError("no such version on the board", run=run, version=want)
-        kfs = [k for k in self.keyframes(run) if k <= want]
-        if not kfs and have is None:
-            raise NoPathError("no keyframe to boot from", run=run, want=want)
-        # from the newest keyframe; with objects to avoid, older keyframes too if needed
-        tries: list[int | None] = list(kfs[::-1][: 4 if avoid else 1]) or [None]
-        manifests: dict[int, Manifest] = {}
-        for i, kf in enumerate(tries):
-            lo = min(x for x in (kf, have) if x is not None)
-            window = [v for v in listed if v >= lo][-self.max_plan_versions :]
-            for v in window:
-                if v in manifests:
-                    continue
-                try:
-                    manifests[v] = self.manifest(run, v)
-                except VersionNotFoundError:  # listed, then deleted (retention): without it
-                    continue
-            if want not in manifests:
-                raise VersionNotFoundError("no such version on the board", run=run, version=want)
-            try:
-                return cheapest_plan(run, have, want, manifests, avoid=avoid)
-            except NoPathError:
-                if i == len(tries) - 1:
-                    raise
-        raise AssertionError("unreachable")
+        return plan_between(
+            run,
+            have,
+            want,
+            versions=lambda: self.versions(run),
+            keyframes=lambda: self.keyframes(run),
+            manifest=lambda v: self.manifest(run, v),
+            max_versions=self.max_plan_versions,
+            avoid=avoid,
+        )
 
 
 def _payload(raw: bytes, m: Manifest) -> bytes | None:

@@ -1,18 +1,23 @@
 """Planning a path between versions: the fewest bytes of patch chains, skip patches and
-keyframes (Dijkstra over versions, ties broken by fewer objects). Pure: the board lists and
-reads the manifests; :func:`cheapest_plan` only chooses (docs/board.md, "Planning").
+keyframes (Dijkstra over versions, ties broken by fewer objects) (docs/board.md, "Planning").
+
+:func:`plan_between` decides which manifests a plan reads (the window from the newest keyframe,
+older keyframes when objects must be avoided) through callables the board gives it (listing
+and reading stay the board's); :func:`cheapest_plan` only chooses over the manifests it is
+given.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import NoPathError
+from .errors import ConfigError, NoPathError, VersionNotFoundError
 from .manifest import Manifest
-from .types import ObjectRef
+from .types import MAX_VERSION, ObjectRef
 
-__all__ = ["Plan", "PlanStep", "cheapest_plan"]
+__all__ = ["Plan", "PlanStep", "cheapest_plan", "plan_between"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +108,61 @@ def cheapest_plan(
         steps.append(step)
         v = src if step.base is None else step.base
     return Plan(run, have, want, tuple(reversed(steps)))
+
+
+def plan_between(
+    run: str,
+    have: int | None,
+    want: int,
+    *,
+    versions: Callable[[], list[int]],
+    keyframes: Callable[[], list[int]],
+    manifest: Callable[[int], Manifest],
+    max_versions: int,
+    avoid: frozenset[str] = frozenset(),
+) -> Plan:
+    """Fewest bytes from ``have`` (None: nothing loaded) to ``want`` on a run whose versions
+    and keyframe versions ``versions()`` and ``keyframes()`` list (ascending) and whose
+    manifests ``manifest(v)`` reads (VersionNotFoundError when gone).
+
+    Reads only listed manifests, from the newest keyframe at or below ``want`` (or ``have``,
+    if older) up to ``want``, at most the newest ``max_versions`` of them; with ``avoid``
+    (objects that failed verification), up to three older keyframes too when needed. Nothing
+    is listed when ``have == want``.
+    """
+    for name, v in (("have", have), ("want", want)):
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION
+        ):
+            raise ConfigError(f"{name} must be a version number", run=run, value=v)
+    if have is not None and have > want:
+        raise NoPathError("patches only move forward", run=run, have=have, want=want)
+    if have == want:
+        return Plan(run, have, want, ())
+    listed = [v for v in versions() if v <= want]
+    if not listed or listed[-1] != want:
+        raise VersionNotFoundError("no such version on the board", run=run, version=want)
+    kfs = [k for k in keyframes() if k <= want]
+    if not kfs and have is None:
+        raise NoPathError("no keyframe to boot from", run=run, want=want)
+    # from the newest keyframe; with objects to avoid, older keyframes too if needed
+    tries: list[int | None] = list(kfs[::-1][: 4 if avoid else 1]) or [None]
+    manifests: dict[int, Manifest] = {}
+    for i, kf in enumerate(tries):
+        lo = min(x for x in (kf, have) if x is not None)
+        window = [v for v in listed if v >= lo][-max_versions:]
+        for v in window:
+            if v in manifests:
+                continue
+            try:
+                manifests[v] = manifest(v)
+            except VersionNotFoundError:  # listed, then deleted (retention): without it
+                continue
+        if want not in manifests:
+            raise VersionNotFoundError("no such version on the board", run=run, version=want)
+        try:
+            return cheapest_plan(run, have, want, manifests, avoid=avoid)
+        except NoPathError:
+            if i == len(tries) - 1:
+                raise
+    raise AssertionError("unreachable")

@@ -15,7 +15,6 @@ import secrets
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,147 +22,13 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError, EngineError
-from ...kinds import get_kind
-from ...view import Tensor, View
+from ...view import View
+from .binding import bind_view
+from .generation import GREEDY_BELOW, MAX_LOGPROBS, Generation, Progress, Step, pick_token
 
 __all__ = ["Generation", "ReferenceRuntime", "Step", "bind_view"]
 
-#: torch dtype → (same-width integer dtype, unsigned numpy word dtype, rollpatch kind).
-_WORDS: dict[torch.dtype, tuple[torch.dtype, type, str]] = {
-    torch.bfloat16: (torch.int16, np.uint16, "bf16"),
-    torch.float16: (torch.int16, np.uint16, "f16"),
-    torch.float32: (torch.int32, np.uint32, "f32"),
-}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-MAX_LOGPROBS = 20
-#: Temperatures below this are greedy (as in vLLM): dividing by ~0 would overflow the logits.
-GREEDY_BELOW = 1e-5
-
-
-@dataclass(frozen=True)
-class Step:
-    """One generated token: its id, raw logprob and the top-k raw logprobs (id, logprob)."""
-
-    token_id: int
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
-
-
-def _words_of(t: torch.Tensor, name: str) -> Tensor:
-    spec = _WORDS.get(t.dtype)
-    if spec is None:
-        raise EngineError(
-            "unsupported parameter dtype for an in-place view",
-            tensor=name,
-            dtype=str(t.dtype),
-            hint="load the model as bfloat16/float16/float32",
-        )
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise EngineError("parameter is not contiguous CPU memory", tensor=name)
-    int_dtype, word_dtype, kind = spec
-    data: np.ndarray = t.detach().view(int_dtype).numpy().view(word_dtype).reshape(-1)
-    if data.size and data.__array_interface__["data"][0] != t.data_ptr():
-        raise EngineError("view words do not alias the parameter", tensor=name)
-    return Tensor(get_kind(kind), tuple(t.shape), data)
-
-
-def bind_view(model: torch.nn.Module) -> View:
-    """A view whose tensors share memory with ``model``'s persistent state, by checkpoint name.
-
-    Non-persistent buffers (rotary tables) are not in ``state_dict`` and are skipped; a tied
-    alias keeps only its first (checkpoint) name so no word is reachable under two names.
-    Fused MoE expert parameters (transformers stacks them per layer) are exposed as the
-    checkpoint's per-expert tensors, each a view of its contiguous slice (:mod:`.experts`).
-    """
-    from .experts import checkpoint_name, split_experts
-
-    tensors: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        ptr = t.data_ptr()
-        if ptr in seen and t.numel():
-            continue
-        seen.add(ptr)
-        split = split_experts(model, name, t)
-        if split is None:
-            tensors[checkpoint_name(model, name)] = _words_of(t, name)
-        else:
-            tensors.update((n, _words_of(part, n)) for n, part in split)
-    return View(tensors)
-
-
-@dataclass
-class _Progress:
-    """What a generation has recorded so far (kept apart from the iterator: no cycle)."""
-
-    version_start: int | None = None
-    version_end: int | None = None
-    finish_reason: str | None = None
-    #: MoE only: each forward pass's routing ``[tokens, layers, top_k]`` and (rows, version).
-    routes: list[np.ndarray] = field(default_factory=list)
-    route_versions: list[tuple[int, int | None]] = field(default_factory=list)
-
-
-class Generation:
-    """An iterator of :class:`Step` that records the weight versions it was produced under.
-
-    ``version_start``/``version_end`` are the runtime versions read (under the forward lock)
-    at the forward passes that produced the first and the last token; ``finish_reason`` is
-    ``"stop"`` or ``"length"`` once exhausted. Dropping or closing it frees its KV cache.
-    """
-
-    def __init__(
-        self, steps: Callable[[_Progress], Iterator[Step]], prompt_token_ids: list[int]
-    ) -> None:
-        self.prompt_token_ids = prompt_token_ids
-        self._progress = _Progress()
-        self._it = steps(self._progress)
-
-    @property
-    def version_start(self) -> int | None:
-        return self._progress.version_start
-
-    @property
-    def version_end(self) -> int | None:
-        return self._progress.version_end
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._progress.finish_reason
-
-    def routed_experts(self, prompt_start: int = 0) -> np.ndarray | None:
-        """The experts every forward pass routed each token to, as vLLM returns them:
-        ``[prompt + generated - 1 - prompt_start, layers, top_k]`` (the last token was never
-        forwarded), skipping the first ``prompt_start`` prompt tokens. None unless MoE."""
-        g = self._progress
-        if not g.routes:
-            return None
-        return np.concatenate(g.routes, axis=0)[prompt_start:]
-
-    def routed_spans(self, prompt_start: int = 0) -> list[dict[str, int | None]]:
-        """Row spans of :meth:`routed_experts` with the weight version that routed them:
-        ``[{start, end, version}]`` (one span unless a commit landed mid-generation)."""
-        from .experts import spans
-
-        out = []
-        for sp in spans(self._progress.route_versions):
-            start, end = (
-                max(0, int(sp["start"] or 0) - prompt_start),
-                int(sp["end"] or 0) - prompt_start,
-            )
-            if end > start:
-                out.append({"start": start, "end": end, "version": sp["version"]})
-        return out
-
-    def __iter__(self) -> Iterator[Step]:
-        return self
-
-    def __next__(self) -> Step:
-        return next(self._it)
-
-    def close(self) -> None:
-        """Stop generating early (frees the KV cache and the in-flight slot)."""
-        self._it.close()  # type: ignore[attr-defined]
 
 
 class ReferenceRuntime:
@@ -414,9 +279,9 @@ class ReferenceRuntime:
             gen.manual_seed(seed % (1 << 64) if seed is not None else secrets.randbits(63))
 
         def pick(logits: torch.Tensor) -> Step:
-            return _pick(logits, temperature, top_p, gen, logprobs)
+            return pick_token(logits, temperature, top_p, gen, logprobs)
 
-        def steps(g: _Progress) -> Iterator[Step]:
+        def steps(g: Progress) -> Iterator[Step]:
             with self._cond:
                 self._active += 1
             try:
@@ -442,30 +307,3 @@ class ReferenceRuntime:
                     self._active -= 1
 
         return Generation(steps, prompt)
-
-
-def _pick(
-    logits: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    gen: torch.Generator | None,
-    k: int | None,
-) -> Step:
-    """Choose the next token; logprobs are of the raw (unscaled, unfiltered) distribution."""
-    if gen is None:
-        token = int(torch.argmax(logits))
-    else:
-        probs = torch.softmax(logits / temperature, dim=-1)
-        if top_p < 1:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = (torch.cumsum(sorted_p, 0) - sorted_p) < top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        token = int(torch.multinomial(probs, 1, generator=gen))
-    if k is None:
-        return Step(token, None, None)
-    lp = torch.log_softmax(logits, dim=-1)
-    top: list[tuple[int, float]] = []
-    if k:
-        values, idx = torch.topk(lp, k)
-        top = [(int(i), float(v)) for i, v in zip(idx, values)]
-    return Step(token, float(lp[token]), top)

@@ -1,0 +1,66 @@
+"""A view over a torch model's own parameter memory (:func:`bind_view`).
+
+Each tensor's words are a numpy view of the parameter's storage (same address, checked), so
+applying a patch to the view changes the weights the model serves, with no copy and no reload.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...errors import EngineError
+from ...kinds import get_kind
+from ...view import Tensor, View
+
+__all__ = ["bind_view"]
+
+#: torch dtype → (same-width integer dtype, unsigned numpy word dtype, rollpatch kind).
+_WORDS: dict[torch.dtype, tuple[torch.dtype, type, str]] = {
+    torch.bfloat16: (torch.int16, np.uint16, "bf16"),
+    torch.float16: (torch.int16, np.uint16, "f16"),
+    torch.float32: (torch.int32, np.uint32, "f32"),
+}
+
+
+def _words_of(t: torch.Tensor, name: str) -> Tensor:
+    spec = _WORDS.get(t.dtype)
+    if spec is None:
+        raise EngineError(
+            "unsupported parameter dtype for an in-place view",
+            tensor=name,
+            dtype=str(t.dtype),
+            hint="load the model as bfloat16/float16/float32",
+        )
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise EngineError("parameter is not contiguous CPU memory", tensor=name)
+    int_dtype, word_dtype, kind = spec
+    data: np.ndarray = t.detach().view(int_dtype).numpy().view(word_dtype).reshape(-1)
+    if data.size and data.__array_interface__["data"][0] != t.data_ptr():
+        raise EngineError("view words do not alias the parameter", tensor=name)
+    return Tensor(get_kind(kind), tuple(t.shape), data)
+
+
+def bind_view(model: torch.nn.Module) -> View:
+    """A view whose tensors share memory with ``model``'s persistent state, by checkpoint name.
+
+    Non-persistent buffers (rotary tables) are not in ``state_dict`` and are skipped; a tied
+    alias keeps only its first (checkpoint) name so no word is reachable under two names.
+    Fused MoE expert parameters (transformers stacks them per layer) are exposed as the
+    checkpoint's per-expert tensors, each a view of its contiguous slice (:mod:`.experts`).
+    """
+    from .experts import checkpoint_name, split_experts
+
+    tensors: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel():
+            continue
+        seen.add(ptr)
+        split = split_experts(model, name, t)
+        if split is None:
+            tensors[checkpoint_name(model, name)] = _words_of(t, name)
+        else:
+            tensors.update((n, _words_of(part, n)) for n, part in split)
+    return View(tensors)

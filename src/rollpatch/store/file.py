@@ -33,27 +33,20 @@ from pathlib import Path
 
 from ..errors import AlreadyExistsError, ConflictError, NotFoundError, StoreError
 from .base import RESERVED_SEGMENT_PREFIX, ObjectInfo, Store, check_bounds, validate_key
+from .posix import (
+    ABSENT,
+    clash,
+    is_regular,
+    not_object,
+    os_errors,
+    pread_exact,
+    unlink_quietly,
+)
 
 __all__ = ["FileStore"]
 
 _LOCK_DIR = ".rp-locks"
 _TMP_PREFIX = ".rp-tmp-"
-
-
-@contextlib.contextmanager
-def _os_errors(op: str, key: str, uri: str) -> Iterator[None]:
-    """Turn an unexpected OSError (disk full, permissions, I/O) into a StoreError."""
-    try:
-        yield
-    except StoreError:
-        raise
-    except OSError as e:
-        raise StoreError(
-            f"{op} failed: {e.strerror or e}",
-            key=key,
-            store=uri,
-            errno=errno.errorcode.get(e.errno or 0),
-        ) from e
 
 
 class FileStore(Store):
@@ -103,13 +96,13 @@ class FileStore(Store):
         try:
             fd = self._open_dir(folders)
         except OSError as e:
-            if e.errno in _ABSENT:
+            if e.errno in ABSENT:
                 return None
             raise
         try:
             return os.stat(name, dir_fd=fd, follow_symlinks=False)
         except OSError as e:
-            if e.errno in _ABSENT:
+            if e.errno in ABSENT:
                 return None
             raise
         finally:
@@ -122,40 +115,40 @@ class FileStore(Store):
             try:
                 st = os.stat(name, dir_fd=folder, follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode):  # never open a FIFO or device: it may block
-                    raise _not_object(key, self.uri, st.st_mode)
+                    raise not_object(key, self.uri, st.st_mode)
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
             finally:
                 os.close(folder)
         except OSError as e:
-            if e.errno in _ABSENT:
+            if e.errno in ABSENT:
                 raise NotFoundError("no such object", key=key, store=self.uri) from None
             if e.errno == errno.ELOOP:
-                raise _not_object(key, self.uri, stat.S_IFLNK) from None
+                raise not_object(key, self.uri, stat.S_IFLNK) from None
             raise StoreError(f"cannot open object: {e.strerror}", key=key, store=self.uri) from e
-        if not _is_regular(fd):  # swapped between the stat and the open
+        if not is_regular(fd):  # swapped between the stat and the open
             os.close(fd)
-            raise _not_object(key, self.uri, 0)
+            raise not_object(key, self.uri, 0)
         return fd
 
     def _get(self, key: str) -> bytes:
-        with _os_errors("get", key, self.uri):
+        with os_errors("get", key, self.uri):
             fd = self._open_read(key)
             try:
-                return _pread_exact(fd, 0, os.fstat(fd).st_size, key)
+                return pread_exact(fd, 0, os.fstat(fd).st_size, key)
             finally:
                 os.close(fd)
 
     def _get_range(self, key: str, start: int, end: int) -> bytes:
-        with _os_errors("get_range", key, self.uri):
+        with os_errors("get_range", key, self.uri):
             fd = self._open_read(key)
             try:
                 check_bounds(key, start, end, os.fstat(fd).st_size)
-                return _pread_exact(fd, start, end - start, key)
+                return pread_exact(fd, start, end - start, key)
             finally:
                 os.close(fd)
 
     def _head(self, key: str) -> ObjectInfo | None:
-        with _os_errors("head", key, self.uri):
+        with os_errors("head", key, self.uri):
             st = self._lstat(key)
         if st is None or not stat.S_ISREG(st.st_mode):
             return None
@@ -177,7 +170,7 @@ class FileStore(Store):
             try:
                 fd = self._open_dir(parts)
             except OSError as e:
-                if e.errno in _ABSENT or e.errno == errno.ELOOP:
+                if e.errno in ABSENT or e.errno == errno.ELOOP:
                     continue
                 raise StoreError(f"list failed: {e.strerror}", prefix=prefix, store=self.uri) from e
             rel = "".join(f"{p}/" for p in parts)
@@ -206,7 +199,7 @@ class FileStore(Store):
     def _put_stream(
         self, key: str, chunks: Iterator[memoryview], *, size: int, if_absent: bool
     ) -> None:
-        with _os_errors("put", key, self.uri):
+        with os_errors("put", key, self.uri):
             final = self._path(key)
             tmp = self._write_temp(key, chunks)
             try:
@@ -216,11 +209,11 @@ class FileStore(Store):
                     with self._key_lock(key):
                         self._replace_into_place(key, tmp, final)
             finally:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
             self._sync_dir(final.parent)
 
     def _delete(self, key: str) -> None:
-        with _os_errors("delete", key, self.uri):
+        with os_errors("delete", key, self.uri):
             path = self._path(key)
             try:
                 os.unlink(path)
@@ -233,7 +226,7 @@ class FileStore(Store):
             self._sync_dir(path.parent)
 
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
-        with _os_errors("cas", key, self.uri):
+        with os_errors("cas", key, self.uri):
             final = self._path(key)
             with self._key_lock(key):
                 try:
@@ -255,7 +248,7 @@ class FileStore(Store):
                     else:
                         self._replace_into_place(key, tmp, final)
                 finally:
-                    _unlink_quietly(tmp)
+                    unlink_quietly(tmp)
                 self._sync_dir(final.parent)
 
     def _write_temp(self, key: str, chunks: Iterator[memoryview]) -> Path:
@@ -271,7 +264,7 @@ class FileStore(Store):
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
         os.close(fd)
         return tmp
@@ -283,7 +276,7 @@ class FileStore(Store):
             os.link(tmp, final)
         except FileExistsError:
             if final.is_dir():
-                raise _clash(key, self.uri) from None
+                raise clash(key, self.uri) from None
             raise exists_error(
                 "object exists and published objects are immutable", key=key, store=self.uri
             ) from None
@@ -299,7 +292,7 @@ class FileStore(Store):
 
     def _replace_into_place(self, key: str, tmp: Path, final: Path) -> None:
         if final.is_dir():
-            raise _clash(key, self.uri)
+            raise clash(key, self.uri)
         os.replace(tmp, final)
 
     def _make_dirs(self, key: str, folder: Path) -> None:
@@ -309,22 +302,22 @@ class FileStore(Store):
         while True:  # one stat per level: another process may create folders meanwhile
             try:
                 if not stat.S_ISDIR(os.stat(probe).st_mode):
-                    raise _clash(key, self.uri)
+                    raise clash(key, self.uri)
                 break
             except FileNotFoundError:
                 missing.append(probe)
                 probe = probe.parent
             except NotADirectoryError:
-                raise _clash(key, self.uri) from None
+                raise clash(key, self.uri) from None
         for path in reversed(missing):
             try:
                 os.mkdir(path)
             except FileExistsError:
                 if not path.is_dir():
-                    raise _clash(key, self.uri) from None
+                    raise clash(key, self.uri) from None
                 continue
             except NotADirectoryError:
-                raise _clash(key, self.uri) from None
+                raise clash(key, self.uri) from None
             self._sync_dir(path.parent)
 
     def _sync_dir(self, folder: Path) -> None:
@@ -350,62 +343,9 @@ class FileStore(Store):
             os.close(fd)  # closing releases the flock
 
 
-#: errno values that mean "no such object here".
-_ABSENT = (errno.ENOENT, errno.ENOTDIR)
-
-
-def _not_object(key: str, uri: str, mode: int) -> NotFoundError:
-    kind = (
-        "a symbolic link"
-        if stat.S_ISLNK(mode)
-        else "a directory"
-        if stat.S_ISDIR(mode)
-        else "a FIFO"
-        if stat.S_ISFIFO(mode)
-        else "a device"
-        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        else "a socket"
-        if stat.S_ISSOCK(mode)
-        else "not a file"
-    )
-    return NotFoundError(
-        f"no such object ({kind} has that name; only regular files are objects)", key=key, store=uri
-    )
-
-
-def _clash(key: str, uri: str) -> StoreError:
-    return StoreError(
-        "key clashes with another key: a directory store cannot hold both 'a' and 'a/b'",
-        key=key,
-        store=uri,
-        hint="use key layouts where no key is a prefix-folder of another",
-    )
-
-
-def _is_regular(fd: int) -> bool:
-    return stat.S_ISREG(os.fstat(fd).st_mode)
-
-
 def _is_key(key: str) -> bool:
     try:
         validate_key(key)
     except ValueError:
         return False
     return True
-
-
-def _pread_exact(fd: int, offset: int, size: int, key: str) -> bytes:
-    chunks: list[bytes] = []
-    done = 0
-    while done < size:
-        chunk = os.pread(fd, min(size - done, 1 << 30), offset + done)  # Linux caps ~2 GiB/call
-        if not chunk:
-            raise StoreError("object shrank while being read", key=key)
-        chunks.append(chunk)
-        done += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

@@ -1,0 +1,97 @@
+"""The POSIX pieces :class:`~rollpatch.store.file.FileStore` is built from: OSError → store
+errors, what counts as an object (regular files only), exact positional reads."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import NotFoundError, StoreError
+
+__all__ = [
+    "ABSENT",
+    "clash",
+    "is_regular",
+    "not_object",
+    "os_errors",
+    "pread_exact",
+    "unlink_quietly",
+]
+
+
+@contextlib.contextmanager
+def os_errors(op: str, key: str, uri: str) -> Iterator[None]:
+    """Turn an unexpected OSError (disk full, permissions, I/O) into a StoreError."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except OSError as e:
+        raise StoreError(
+            f"{op} failed: {e.strerror or e}",
+            key=key,
+            store=uri,
+            errno=errno.errorcode.get(e.errno or 0),
+        ) from e
+
+
+#: errno values that mean "no such object here".
+ABSENT = (errno.ENOENT, errno.ENOTDIR)
+
+
+def not_object(key: str, uri: str, mode: int) -> NotFoundError:
+    """Absent, saying what else has the name (only regular files are objects)."""
+    kind = (
+        "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
+    return NotFoundError(
+        f"no such object ({kind} has that name; only regular files are objects)", key=key, store=uri
+    )
+
+
+def clash(key: str, uri: str) -> StoreError:
+    """The error for a key whose path is (or runs through) a file where a folder must be."""
+    return StoreError(
+        "key clashes with another key: a directory store cannot hold both 'a' and 'a/b'",
+        key=key,
+        store=uri,
+        hint="use key layouts where no key is a prefix-folder of another",
+    )
+
+
+def is_regular(fd: int) -> bool:
+    """Whether the open descriptor is a regular file (not a FIFO, device, socket, folder)."""
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+def pread_exact(fd: int, offset: int, size: int, key: str) -> bytes:
+    """Exactly ``size`` bytes at ``offset`` (StoreError if the file shrank meanwhile)."""
+    chunks: list[bytes] = []
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, min(size - done, 1 << 30), offset + done)  # Linux caps ~2 GiB/call
+        if not chunk:
+            raise StoreError("object shrank while being read", key=key)
+        chunks.append(chunk)
+        done += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove ``path`` if it is there."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

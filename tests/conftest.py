@@ -11,7 +11,11 @@ Fixtures (found by name, nothing to import):
 - ``memory_board``, ``file_board``: an empty board on each local backend;
   ``any_board``: the same test on a memory, a file and an S3 board (moto's standalone server
   as a real process, from ``conftest_s3``; the S3 case follows its ROLLPATCH_SKIP_S3 rule);
-- ``s3_server``: that moto server (session-scoped; it starts only when a test asks for it).
+- ``s3_server``: that moto server (session-scoped; it starts only when a test asks for it);
+- ``live_vllm``, ``live_sglang``: the session's one vLLM / SGLang server
+  (:mod:`tests.live_servers`), started in the background once collection shows a test that
+  takes it; a module takes it with ``acquire()`` (boot weights held) and hands it back with
+  ``release()``.
 
 Helpers: :func:`free_port`, :func:`dead_url`, :func:`until` (wait for a condition, failing
 with what was awaited) and :func:`make_manifest` (a manifest with test defaults, built
@@ -31,6 +35,7 @@ import pytest
 from rollpatch.board import Board
 from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
 from rollpatch.store import MemoryStore
+from tests import live_servers
 from tests.conftest_s3 import make_s3_store, s3_server
 from tests.s3server import free_port
 
@@ -128,3 +133,30 @@ def any_board(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Board]
         store = make_s3_store(request)
         with store:
             yield Board(store)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the live engine servers the collected tests will take (their boot overlaps)."""
+    factory = session.config._tmp_path_factory  # type: ignore[attr-defined]
+    live_servers.prestart(session.items, lambda kind: factory.mktemp(f"live-{kind}"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    live_servers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def live_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[live_servers.SharedServer]:
+    """The session's vLLM server (tests.live_servers); modules ``acquire()`` it."""
+    srv = live_servers.shared("vllm", lambda: tmp_path_factory.mktemp("live-vllm"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def live_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[live_servers.SharedServer]:
+    """The session's SGLang server (tests.live_servers); modules ``acquire()`` it."""
+    srv = live_servers.shared("sglang", lambda: tmp_path_factory.mktemp("live-sglang"))
+    yield srv
+    srv.stop()
+    srv.release()  # the sgl_kernel shim: still never called, now that SGLang has exited

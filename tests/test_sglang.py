@@ -21,9 +21,7 @@ from __future__ import annotations
 import importlib
 import io
 import json
-import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,13 +43,8 @@ from rollpatch.errors import (
 from rollpatch.kinds import get_kind
 from rollpatch.patch import Patch, TensorPatch, diff, encode
 from rollpatch.view import View
-from tests import vllm_env
-
-REPO = Path(__file__).resolve().parents[1]
-SGLANG_VERSION = "0.5.23"
-BUILD_HINT = "build it with `scripts/sglang-env` (≈2 min, ≈2.8 GB; cached)"
-LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
-
+from tests import live_servers, vllm_env
+from tests.sglang_env import BUILD_HINT, sglang_python, venv_dir
 
 # -- offline ----------------------------------------------------------------------------------
 
@@ -174,97 +167,15 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 17]]
 MAX_TOKENS = 8
 
 
-def venv_dir() -> Path:
-    env = os.environ.get("ROLLPATCH_SGLANG_VENV")
-    if env is not None and env != "":
-        return Path(env)
-    return Path.home() / ".cache" / "rollpatch" / f"sglang-venv-{SGLANG_VERSION}"
-
-
-def sglang_python() -> Path | None:
-    """The SGLang venv's python, or None when scripts/sglang-env has not completed there."""
-    venv = venv_dir()
-    python, stamp = venv / "bin" / "python", venv / ".stamp-sglang"
-    if (
-        not python.exists()
-        or not stamp.exists()
-        or SGLANG_VERSION not in stamp.read_text()
-        or not (venv / "sgl-kernel-shim" / "sgl_kernel" / "__init__.py").exists()
-    ):
-        return None
-    return python
-
-
-def start_server(python: Path, model: Path, log: Path, shim_log: Path) -> vllm_env.Server:
-    """SGLang's CPU engine on 127.0.0.1 with rollpatch's loader and the sgl_kernel shim."""
-    port = vllm_env.free_port()
-    env = dict(os.environ)
-    env.pop("VIRTUAL_ENV", None)
-    env.update(
-        {
-            "SGLANG_USE_CPU_ENGINE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "ROLLPATCH_SGL_SHIM_LOG": str(shim_log),
-            "PYTHONPATH": f"{venv_dir() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}",
-        }
-    )
-    cmd = [
-        str(python),
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(model),
-        "--device",
-        "cpu",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--attention-backend",
-        "torch_native",
-        "--disable-cuda-graph",
-        "--skip-server-warmup",
-        "--mem-fraction-static",
-        "0.05",
-        "--max-total-tokens",
-        "4096",
-        "--context-length",
-        "512",
-        "--random-seed",
-        "0",
-        "--custom-weight-loader",
-        LOADER,
-    ]
-    out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        cwd=log.parent,
-    )
-    out.close()
-    return vllm_env.Server(proc, f"http://127.0.0.1:{port}", log)
-
-
 class World:
-    """The tiny model, 6 versions published to a board (an RL-sized step each), their views
-    and model dirs."""
+    """The tiny model SGLang booted from (``tiny``), 6 versions published to a board (an
+    RL-sized step each), their views and model dirs."""
 
-    def __init__(self, root: Path) -> None:
-        from rollpatch.engines.reference import make_tiny_model
+    def __init__(self, root: Path, tiny: Path) -> None:
         from rollpatch.formats import cast_view
         from rollpatch.io.safetensors import load_view, save_view
         from rollpatch.publisher import Publisher, PublisherConfig
 
-        tiny = make_tiny_model(
-            root / "tiny", hidden_size=256, heads=4, kv_heads=2, intermediate=512, vocab_size=2048
-        )
         masters = {
             n: t.to_array().astype(np.float32)
             for n, t in load_view(tiny / "model.safetensors").items()
@@ -294,6 +205,7 @@ class World:
             for m in masters.values():
                 m += (1e-2 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
         publisher.close()
+        assert self.views[0].digest() == load_view(tiny / "model.safetensors").digest()
 
     def patch_object(self, v: int) -> bytes:
         """Version ``v``'s published patch object (from ``v - 1``), as the board holds it."""
@@ -310,23 +222,23 @@ def sglang_py() -> Path:
 
 
 @pytest.fixture(scope="module")
-def world(sglang_py: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
+def server(sglang_py: Path, live_sglang: live_servers.SharedServer) -> Iterator[vllm_env.Server]:
+    """The session's SGLang server (tests.live_servers: booted from the live tiny model, i.e.
+    version 0's view), holding that view; the CPU engine runs with an import shim: not one of
+    its functions may have run (checked after the module, and after the server stopped)."""
     pytest.importorskip("transformers")
-    return World(tmp_path_factory.mktemp("sglang"))
+    srv = live_sglang.acquire()
+    yield srv
+    live_sglang.release()
 
 
 @pytest.fixture(scope="module")
-def server(sglang_py: Path, world: World) -> Iterator[vllm_env.Server]:
-    shim_log = world.dirs[0].parent / "sgl-kernel-shim.log"
-    srv = start_server(sglang_py, world.dirs[0], world.dirs[0].parent / "sglang.log", shim_log)
-    try:
-        srv.wait_ready(300)
-        yield srv
-    finally:
-        srv.stop()
-        # the CPU engine runs with an import shim: not one of its functions may have run
-        calls = shim_log.read_text() if shim_log.exists() else ""
-        assert calls == "", f"SGLang called the sgl_kernel shim:\n{calls}"
+def world(
+    server: vllm_env.Server,
+    live_sglang: live_servers.SharedServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> World:
+    return World(tmp_path_factory.mktemp("sglang"), live_sglang.model)
 
 
 def greedy(srv: vllm_env.Server) -> tuple[list[tuple[list[int], list[float]]], set[str]]:

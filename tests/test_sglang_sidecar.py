@@ -13,7 +13,6 @@ SGLang venv.
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -28,8 +27,8 @@ from rollpatch.follower import FollowerConfig
 from rollpatch.formats import cast_view
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.view import View
-from tests import vllm_env
-from tests.test_sglang import sglang_python, start_server, venv_dir
+from tests import live_servers, vllm_env
+from tests.sglang_env import sglang_python, venv_dir
 
 RUN = "rl"
 FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
@@ -43,16 +42,12 @@ N_VERSIONS = 16
 class World:
     """The tiny model, FP32 masters with RL-sized steps, a board with versions 0..5."""
 
-    def __init__(self, root: Path) -> None:
-        from rollpatch.engines.reference import make_tiny_model
-        from rollpatch.io.safetensors import load_view, save_view
+    def __init__(self, root: Path, boot: Path) -> None:
+        from rollpatch.io.safetensors import load_view
 
-        tiny = make_tiny_model(
-            root / "tiny", hidden_size=256, heads=4, kv_heads=2, intermediate=512, vocab_size=2048
-        )
         masters = {
             n: t.to_array().astype(np.float32)
-            for n, t in load_view(tiny / "model.safetensors").items()
+            for n, t in load_view(boot / "model.safetensors").items()
         }
         rng = np.random.default_rng(23)
         self.masters: list[dict[str, np.ndarray]] = []
@@ -61,12 +56,8 @@ class World:
             for m in masters.values():
                 m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
         self.views: list[View] = [cast_view(m, "bf16") for m in self.masters]
-        self.model = root / "boot"  # what SGLang boots from: version 0 (an older keyframe)
-        self.model.mkdir()
-        for p in tiny.iterdir():
-            if p.suffix != ".safetensors":
-                shutil.copy(p, self.model / p.name)
-        save_view(self.views[0], self.model / "model.safetensors")
+        self.model = boot  # what SGLang booted from: version 0 (an older keyframe)
+        assert load_view(boot / "model.safetensors").digest() == self.views[0].digest()
         self.board = f"file://{root / 'board'}"
         self.publisher = Publisher(
             self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
@@ -85,7 +76,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def server(live_sglang: live_servers.SharedServer) -> Iterator[vllm_env.Server]:
+    """The session's SGLang server (tests.live_servers), holding the live tiny model's view;
+    not one function of its sgl_kernel import shim may have run."""
     if sglang_python() is None:
         pytest.skip(
             f"SKIPPED LIVE SGLANG SIDECAR TESTS: no SGLang venv at {venv_dir()}: "
@@ -93,22 +86,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
         )
     pytest.importorskip("transformers")
     pytest.importorskip("openai")
-    return World(tmp_path_factory.mktemp("sglang-sidecar"))
+    srv = live_sglang.acquire()
+    yield srv
+    live_sglang.release()
 
 
 @pytest.fixture(scope="module")
-def server(world: World) -> Iterator[vllm_env.Server]:
-    python = sglang_python()
-    assert python is not None
-    shim_log = world.model.parent / "sgl-kernel-shim.log"
-    srv = start_server(python, world.model, world.model.parent / "sglang.log", shim_log)
-    try:
-        srv.wait_ready(300)
-        yield srv
-    finally:
-        srv.stop()
-        calls = shim_log.read_text() if shim_log.exists() else ""
-        assert calls == "", f"SGLang called the sgl_kernel shim:\n{calls}"
+def world(
+    server: vllm_env.Server,
+    live_sglang: live_servers.SharedServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> World:
+    return World(tmp_path_factory.mktemp("sglang-sidecar"), live_sglang.model)
 
 
 def _client(url: str) -> Any:

@@ -33,7 +33,7 @@ from rollpatch.io.safetensors import load_view
 from rollpatch.kinds import get_kind
 from rollpatch.patch import Patch, TensorPatch, decode, diff, encode
 from rollpatch.view import View
-from tests import vllm_env
+from tests import live_servers, vllm_env
 
 TPS = [(1, 2), (2, 2), (4, 2), (4, 4), (2, 1)]
 
@@ -299,18 +299,19 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def server(vllm_python: Path, live_vllm: live_servers.SharedServer) -> Iterator[vllm_env.Server]:
+    """The session's vLLM server (tests.live_servers: the live tiny model, the worker extension,
+    the rollpatch weight-transfer backend, warmed up), holding the model's weights."""
     pytest.importorskip("transformers")
-    from rollpatch.engines.reference import make_tiny_model
+    srv = live_vllm.acquire()
+    yield srv
+    live_vllm.release()
 
-    return make_tiny_model(
-        tmp_path_factory.mktemp("vllm") / "tiny",
-        hidden_size=256,
-        heads=4,
-        kv_heads=2,
-        intermediate=512,
-        vocab_size=2048,
-    )
+
+@pytest.fixture(scope="module")
+def model_dir(server: vllm_env.Server, live_vllm: live_servers.SharedServer) -> Path:
+    """The model the server booted from (make_tiny_model with live_servers.LIVE_MODEL)."""
+    return live_vllm.model
 
 
 @pytest.fixture(scope="module")
@@ -329,29 +330,11 @@ def versions(model_dir: Path) -> list[View]:
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python: Path, model_dir: Path) -> Iterator[vllm_env.Server]:
-    srv = vllm_env.start_server(
-        vllm_python,
-        model_dir,
-        model_dir.parent / "vllm.log",
-        extra=["--weight-transfer-config", '{"backend": "rollpatch"}'],
-    )
-    try:
-        srv.wait_ready(300)
-        srv.post(
-            "/v1/completions",
-            {"model": str(model_dir), "prompt": "warm up", "max_tokens": 2},
-            timeout=300,
-        )  # first request compiles
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
 def engine(server: vllm_env.Server, versions: list[View]) -> Iterator[VllmEngine]:
     eng = VllmEngine(server.url)
-    eng.adopt(0, versions[0].digest())  # booted from the v0 checkpoint: a fresh vLLM
+    # booted from the v0 checkpoint (a fresh vLLM, or one an earlier module used, reset to it
+    # by a verified keyframe load: tests.live_servers)
+    eng.adopt(0, versions[0].digest())
     yield eng
     eng.close()
 

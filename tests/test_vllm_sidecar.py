@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,7 +40,7 @@ from rollpatch.patch.overlay import Overlay
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.store import ObjectInfo, Store
 from rollpatch.view import View
-from tests import vllm_env
+from tests import live_servers, vllm_env
 
 RUN = "rl"
 FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
@@ -209,16 +208,12 @@ N_VERSIONS = 20  # views prepared; the tests publish more as they go
 class World:
     """The tiny model, its versions (FP32 masters plus small noise, as an RL step), a board."""
 
-    def __init__(self, root: Path) -> None:
-        from rollpatch.engines.reference import make_tiny_model
-        from rollpatch.io.safetensors import load_view, save_view
+    def __init__(self, root: Path, boot: Path) -> None:
+        from rollpatch.io.safetensors import load_view
 
-        tiny = make_tiny_model(
-            root / "tiny", hidden_size=256, heads=4, kv_heads=2, intermediate=512, vocab_size=2048
-        )
         masters = {
             n: t.to_array().astype(np.float32)
-            for n, t in load_view(tiny / "model.safetensors").items()
+            for n, t in load_view(boot / "model.safetensors").items()
         }
         rng = np.random.default_rng(11)
         self.masters: list[dict[str, np.ndarray]] = []
@@ -227,13 +222,9 @@ class World:
             for m in masters.values():
                 m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
         self.views = [cast_view(m, "bf16") for m in self.masters]
-        # the model directory vLLM boots from: version 0's view (an older keyframe)
-        self.model = root / "boot"
-        self.model.mkdir()
-        for p in tiny.iterdir():
-            if p.suffix != ".safetensors":
-                shutil.copy(p, self.model / p.name)
-        save_view(self.views[0], self.model / "model.safetensors")
+        # the model directory vLLM booted from holds version 0's view (an older keyframe)
+        self.model = boot
+        assert load_view(boot / "model.safetensors").digest() == self.views[0].digest()
         self.board = f"file://{root / 'board'}"
         self.publisher = Publisher(
             self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
@@ -262,34 +253,23 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
+def server(vllm_python: Path, live_vllm: live_servers.SharedServer) -> Iterator[vllm_env.Server]:
+    """The session's vLLM server (tests.live_servers: started with ROLLPATCH_FAULT_INJECTION=1
+    for rollpatch_flip, the audit test's fault), holding the live tiny model's weights."""
     pytest.importorskip("transformers")
     pytest.importorskip("openai")
-    return World(tmp_path_factory.mktemp("vllm-sidecar"))
+    srv = live_vllm.acquire()
+    yield srv
+    live_vllm.release()
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python: Path, world: World) -> Iterator[vllm_env.Server]:
-    os.environ["ROLLPATCH_FAULT_INJECTION"] = "1"  # rollpatch_flip, for the audit test
-    try:
-        srv = vllm_env.start_server(
-            vllm_python,
-            world.model,
-            world.model.parent / "vllm.log",
-            extra=["--weight-transfer-config", '{"backend": "rollpatch"}'],
-        )
-    finally:
-        os.environ.pop("ROLLPATCH_FAULT_INJECTION", None)
-    try:
-        srv.wait_ready(300)
-        srv.post(
-            "/v1/completions",
-            {"model": str(world.model), "prompt": "warm up", "max_tokens": 2},
-            timeout=300,
-        )  # first request compiles
-        yield srv
-    finally:
-        srv.stop()
+def world(
+    server: vllm_env.Server,
+    live_vllm: live_servers.SharedServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> World:
+    return World(tmp_path_factory.mktemp("vllm-sidecar"), live_vllm.model)
 
 
 def _client(url: str) -> Any:

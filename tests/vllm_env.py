@@ -174,8 +174,10 @@ def start_server(
     *,
     extra: list[str] | None = None,
     port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Server:
-    """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the extension."""
+    """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the extension
+    (``env``: variables set for the server on top of :func:`server_env`)."""
     port = port or free_port()
     cmd = [
         str(python),
@@ -201,7 +203,7 @@ def start_server(
     out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
     proc = subprocess.Popen(
         cmd,
-        env=server_env(),
+        env={**server_env(), **(env or {})},
         stdout=out,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

@@ -1,0 +1,101 @@
+"""Helpers of the SGLang tests: the separate SGLang venv and an SGLang server.
+
+The venv is built by ``scripts/sglang-env`` (cached at ``$ROLLPATCH_SGLANG_VENV`` or
+``~/.cache/rollpatch/sglang-venv-0.5.23``). A server runs this checkout's rollpatch
+(``PYTHONPATH=<repo>/src``) with SGLang's CPU engine, the ``sgl_kernel`` import shim and
+rollpatch's custom weight loader, bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from tests import vllm_env
+
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_VERSION = "0.5.23"
+BUILD_HINT = "build it with `scripts/sglang-env` (≈2 min, ≈2.8 GB; cached)"
+LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
+
+
+def venv_dir() -> Path:
+    env = os.environ.get("ROLLPATCH_SGLANG_VENV")
+    if env is not None and env != "":
+        return Path(env)
+    return Path.home() / ".cache" / "rollpatch" / f"sglang-venv-{SGLANG_VERSION}"
+
+
+def sglang_python() -> Path | None:
+    """The SGLang venv's python, or None when scripts/sglang-env has not completed there."""
+    venv = venv_dir()
+    python, stamp = venv / "bin" / "python", venv / ".stamp-sglang"
+    if (
+        not python.exists()
+        or not stamp.exists()
+        or SGLANG_VERSION not in stamp.read_text()
+        or not (venv / "sgl-kernel-shim" / "sgl_kernel" / "__init__.py").exists()
+    ):
+        return None
+    return python
+
+
+def start_server(python: Path, model: Path, log: Path, shim_log: Path) -> vllm_env.Server:
+    """SGLang's CPU engine on 127.0.0.1 with rollpatch's loader and the sgl_kernel shim."""
+    port = vllm_env.free_port()
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    env.update(
+        {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "ROLLPATCH_SGL_SHIM_LOG": str(shim_log),
+            "PYTHONPATH": f"{venv_dir() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}",
+        }
+    )
+    cmd = [
+        str(python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        "torch_native",
+        "--disable-cuda-graph",
+        "--skip-server-warmup",
+        "--mem-fraction-static",
+        "0.05",
+        "--max-total-tokens",
+        "4096",
+        "--context-length",
+        "512",
+        "--random-seed",
+        "0",
+        "--custom-weight-loader",
+        LOADER,
+        # idle, the scheduler waits on its sockets instead of spinning a core (it otherwise
+        # does, and a session's server idles through most of the suite: tests.live_servers)
+        "--sleep-on-idle",
+    ]
+    out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=log.parent,
+    )
+    out.close()
+    return vllm_env.Server(proc, f"http://127.0.0.1:{port}", log)

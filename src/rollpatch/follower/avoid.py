@@ -8,10 +8,16 @@ have repaired the object) and the memory is bounded.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
-__all__ = ["BadObjects"]
+from ..errors import NoPathError, ObjectIntegrityError
+
+__all__ = ["BadObjects", "plan_around"]
+
+log = logging.getLogger("rollpatch.follower")
 
 
 class BadObjects:
@@ -39,3 +45,30 @@ class BadObjects:
             for k in [k for k, t in self._until.items() if t <= now]:
                 del self._until[k]
             return frozenset(self._until)
+
+
+def plan_around(bad: BadObjects, run: str, run_plan: Callable[[frozenset[str]], int]) -> int:
+    """``run_plan(avoid)`` with the objects ``bad`` remembers avoided; when one of the plan's
+    objects is corrupt, remember it and plan around it. With no way around, the objects
+    remembered from earlier syncs are tried again (they may have been repaired), and an object
+    found corrupt in this sync is the error."""
+    avoid = bad.keys()
+    corrupt: ObjectIntegrityError | None = None
+    for _ in range(4):
+        try:
+            return run_plan(avoid)
+        except ObjectIntegrityError as e:
+            key = e.context.get("key")
+            if not isinstance(key, str) or key in avoid:
+                raise
+            bad.add(key)
+            avoid, corrupt = avoid | {key}, e
+            log.warning("%s: object %s is corrupt; planning around it", run, key)
+        except NoPathError as e:
+            if corrupt is not None:
+                raise corrupt from e  # no way around: the corruption is the cause
+            if not avoid:
+                raise
+            avoid = frozenset()
+    assert corrupt is not None
+    raise corrupt

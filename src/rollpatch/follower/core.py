@@ -5,6 +5,11 @@
 The follower's version is only ever one the engine holds *and* that the follower checked
 against the board (engine digest == manifest target), so a failed fetch, decode or apply can
 never advance it: the next pass plans again from what the engine verifiably holds.
+
+Here: the state machine, verification of what the engine holds, the commit and the loop.
+Beside it: :mod:`.stage` (a plan's objects → one staged commit), :mod:`.avoid` (planning
+around corrupt objects), :mod:`.record` (state, counters, timings), :mod:`.fetch`,
+:mod:`.commit` (the gate), :mod:`.audit`.
 """
 
 from __future__ import annotations
@@ -16,28 +21,27 @@ from collections.abc import Callable
 
 from ..board import Board, Plan
 from ..engines import EngineAdapter
-from ..engines.staged import AuditReport, EncodedStep, StagedUpdate
+from ..engines.staged import AuditReport
 from ..errors import (
     BaseMismatchError,
     NoPathError,
     NotReadyError,
-    ObjectIntegrityError,
     RollpatchError,
     TargetMismatchError,
     VerificationError,
     VersionNotFoundError,
 )
 from ..manifest import Manifest
-from ..replay import encoded_step
 from ..trust import Trust, warn_unverified
 from ..types import ObjectRef, check_run
 from ..view import View
 from .audit import Auditor
-from .avoid import BadObjects
+from .avoid import BadObjects, plan_around
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
-from .stage import Stage
+from .record import Record
+from .stage import stage_plan
 
 __all__ = ["CommitCallback", "Follower"]
 
@@ -108,25 +112,14 @@ class Follower:
         self.on_commit: list[CommitCallback] = []
         #: The plan of the most recent sync that planned (for reports such as ``pull``).
         self.last_plan: Plan | None = None
-        self._cond = threading.Condition()
+        self._rec = Record()
+        self._cond = self._rec.cond  # also guards _version
         self._sync_lock = threading.Lock()
         self._abort = threading.Event()  # interrupts retry sleeps while stopping
         self._wake = threading.Event()  # polls LATEST now
         self._loop_stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
-        self._state = FollowerState.IDLE
         self._version: int | None = None
-        self._latest: int | None = None
-        self._error: BaseException | None = None
-        self._counts = {
-            "bytes": 0,
-            "objects": 0,
-            "commits": 0,
-            "reboots": 0,
-            "retries": 0,
-            "audits": 0,
-        }
-        self._timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
         self._bad = BadObjects()  # corrupt objects: plans go around them
         # LATEST, manifests and plans are read through a board whose store retries each read
@@ -143,30 +136,7 @@ class Follower:
     def status(self) -> FollowerStatus:
         """A consistent snapshot of state, versions, counters and timings."""
         with self._cond:
-            v, latest, err, c, t = (
-                self.version,
-                self._latest,
-                self._error,
-                self._counts,
-                self._timings,
-            )
-            return FollowerStatus(
-                state=self._state,
-                version=v,
-                latest=latest,
-                lag=None if v is None or latest is None else max(0, latest - v),
-                last_error=None if err is None else f"{type(err).__name__}: {err}",
-                error_type=None if err is None else type(err).__name__,
-                bytes_fetched=c["bytes"],
-                objects_fetched=c["objects"],
-                commits=c["commits"],
-                reboots=c["reboots"],
-                retries=c["retries"],
-                last_commit_s=t["commit"],
-                last_fetch_s=t["fetch"],
-                last_stage_s=t["stage"],
-                audits=c["audits"],
-            )
+            return self._rec.status(self.version)
 
     def wait_for(self, version: int, timeout: float) -> bool:
         """Block until the verified version is at least ``version``; False on timeout.
@@ -200,14 +170,14 @@ class Follower:
                 raise  # the caller asked for the past; nothing failed
             except NotReadyError as e:
                 if self._abort.is_set():  # stopping: the engine was not touched
-                    self._set(FollowerState.IDLE)
+                    self._rec.set(FollowerState.IDLE)
                 else:
                     self._fail(e)
                 raise
             except BaseException as e:
                 self._fail(e)
                 raise
-            self._set(FollowerState.IDLE, error=None)
+            self._rec.set(FollowerState.IDLE, error=None)
             return v
 
     def _sync(self, want: int | None) -> int:
@@ -225,7 +195,7 @@ class Follower:
                 raise _PastWanted(have, want, self.run)
             return want
         try:
-            return self._plan_around_corrupt(have, want)
+            return plan_around(self._bad, self.run, lambda avoid: self._run_plan(have, want, avoid))
         except _WRONG_BITS as e:
             plan = self.last_plan
             if have is None or plan is None or not plan.steps or plan.steps[0].is_keyframe:
@@ -238,37 +208,11 @@ class Follower:
             )
             with self._cond:
                 self._version = None
-                self._counts["reboots"] += 1
+                self._rec.counts["reboots"] += 1
             return self._run_plan(None, want)
         except BaseException:
             self._confirm(have)  # the catch-up failed; the engine still holds ``have``
             raise
-
-    def _plan_around_corrupt(self, have: int | None, want: int) -> int:
-        """Run a plan that avoids objects found corrupt; when one of its objects is corrupt,
-        remember it and plan around it. With no way around, the objects remembered from
-        earlier syncs are tried again (they may have been repaired), and an object found
-        corrupt in this sync is the error."""
-        avoid = self._bad.keys()
-        corrupt: ObjectIntegrityError | None = None
-        for _ in range(4):
-            try:
-                return self._run_plan(have, want, avoid)
-            except ObjectIntegrityError as e:
-                key = e.context.get("key")
-                if not isinstance(key, str) or key in avoid:
-                    raise
-                self._bad.add(key)
-                avoid, corrupt = avoid | {key}, e
-                log.warning("%s: object %s is corrupt; planning around it", self.run, key)
-            except NoPathError as e:
-                if corrupt is not None:
-                    raise corrupt from e  # no way around: the corruption is the cause
-                if not avoid:
-                    raise
-                avoid = frozenset()
-        assert corrupt is not None
-        raise corrupt
 
     def _verified_have(self) -> int | None:
         """The engine's version if its digest is that version's target on this board.
@@ -292,7 +236,7 @@ class Follower:
             )
             with self._cond:
                 self._version = None
-                self._counts["reboots"] += 1
+                self._rec.counts["reboots"] += 1
             return None
         with self._cond:
             if self._version is not None:
@@ -329,7 +273,7 @@ class Follower:
         manifests = {
             n: self._manifest(n) for s in plan.steps for n in (s.to, s.base) if n is not None
         }
-        self._set(FollowerState.FETCHING)
+        self._rec.set(FollowerState.FETCHING)
         t0 = time.monotonic()
         # keyframe objects are streamed while staging (tensor by tensor), not fetched whole
         blobs = fetch_objects(
@@ -338,46 +282,13 @@ class Follower:
             self._retrier,
             self._on_fetched,
         )
-        self._timing("fetch", t0)
-        self._set(FollowerState.STAGING)
+        self._rec.timing("fetch", t0)
+        self._rec.set(FollowerState.STAGING)
         t0 = time.monotonic()
-        staged: StagedUpdate | None = None
-        if have is not None and all(s.base is not None for s in plan.steps):
-            staged = self.engine.stage_encoded(
-                [
-                    EncodedStep(
-                        tuple(encoded_step(manifests[s.to], manifests[s.base], blobs)),
-                        manifests[s.base].target,
-                        manifests[s.to].target,
-                    )
-                    for s in plan.steps
-                    if s.base is not None
-                ],
-                want,
-            )
-        stage = Stage(None)
-        if staged is None:
-            stage = Stage(self.engine.words() if have is not None else None)
-            for step in plan.steps:
-                if step.base is None:
-                    stage.keyframe(manifests[step.to], self._fetch_view)
-                else:
-                    stage.step(manifests[step.to], manifests[step.base], blobs)
-            if stage.patch is not None:
-                staged = self.engine.stage(stage.patch, want)
-        self._timing("stage", t0)
+        write = stage_plan(self.engine, plan, manifests, blobs, have, want, self._fetch_view)
+        self._rec.timing("stage", t0)
         del blobs
-        self._set(FollowerState.COMMITTING)
-
-        def write() -> None:
-            if staged is not None:
-                self.engine.commit_staged(staged, want)
-            elif stage.view is not None:
-                self.engine.load(stage.view, want)
-            else:
-                assert stage.patch is not None
-                self.engine.apply(stage.patch, want)  # verifies base and target; all or nothing
-
+        self._rec.set(FollowerState.COMMITTING)
         self._commit(write, want, manifests[want])
         return want
 
@@ -404,8 +315,8 @@ class Follower:
         self.gate.run(run)
         pause_s = self.gate.last_pause_s or 0.0
         with self._cond:
-            self._counts["commits"] += 1
-            self._timings["commit"] = pause_s
+            self._rec.counts["commits"] += 1
+            self._rec.timings["commit"] = pause_s
             self._cond.notify_all()
         for callback in list(self.on_commit):
             try:
@@ -417,7 +328,7 @@ class Follower:
         """Live words differ from the held version: not ready, re-sync from a keyframe."""
         with self._cond:
             self._version = None
-            self._counts["audits"] += 1
+            self._rec.counts["audits"] += 1
             self._cond.notify_all()
         self._wake.set()
 
@@ -428,7 +339,7 @@ class Follower:
         # (a pointer far ahead of any manifest) must not stay the follower's target
         p = self._reader.latest(self.run)
         with self._cond:
-            self._latest = None if p is None else p.version
+            self._rec.latest = None if p is None else p.version
         return None if p is None else p.version
 
     def _manifest(self, n: int) -> Manifest:
@@ -477,12 +388,12 @@ class Follower:
                 current = self.version
                 if latest is not None and (current is None or latest > current):
                     self.sync(latest)
-                elif latest is not None and self._state is FollowerState.ERROR:
-                    self._set(FollowerState.IDLE, error=None)  # caught up again: healthy
+                elif latest is not None and self._rec.state is FollowerState.ERROR:
+                    self._rec.set(FollowerState.IDLE, error=None)  # caught up again: healthy
                 failures = 0
             # the thread must outlive any failure; each one is recorded in status and logged
             except Exception as e:  # noqa: BLE001
-                if self._error is not e:
+                if self._rec.error is not e:
                     self._fail(e)
                 failures += 1
             poll = self.config.poll_s  # back off while failing, up to 30 s (or poll_s)
@@ -492,20 +403,9 @@ class Follower:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _set(self, state: FollowerState, **kw: BaseException | None) -> None:
-        with self._cond:
-            self._state = state
-            if "error" in kw:
-                self._error = kw["error"]
-            self._cond.notify_all()
-
     def _fail(self, e: BaseException) -> None:
         log.warning("%s: sync failed: %s: %s", self.run, type(e).__name__, e)
-        self._set(FollowerState.ERROR, error=e)
-
-    def _timing(self, what: str, t0: float) -> None:
-        with self._cond:
-            self._timings[what] = time.monotonic() - t0
+        self._rec.set(FollowerState.ERROR, error=e)
 
     def _fetch_view(self, ref: ObjectRef) -> View:
         """A keyframe shard read tensor by tensor (each ranged read retried), verified."""
@@ -515,10 +415,10 @@ class Follower:
 
     def _on_fetched(self, ref: ObjectRef) -> None:
         with self._cond:
-            self._counts["bytes"] += ref.size
-            self._counts["objects"] += 1
+            self._rec.counts["bytes"] += ref.size
+            self._rec.counts["objects"] += 1
 
     def _on_retry(self, e: BaseException) -> None:
         log.info("%s: retrying after %s: %s", self.run, type(e).__name__, e)
         with self._cond:
-            self._counts["retries"] += 1
+            self._rec.counts["retries"] += 1

@@ -21,17 +21,20 @@ engine's apply then verifies the whole base before writing and the whole target 
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
+from ..engines import EngineAdapter
+from ..engines.staged import EncodedStep, StagedUpdate
 from ..errors import NoPathError
 from ..manifest import Manifest
 from ..patch import Patch, apply, compose
 from ..patch.overlay import Overlay
+from ..planning import Plan
 from ..replay import decode_step, encoded_step, keyframe_view
 from ..types import ObjectRef
 from ..view import View, WordSource
 
-__all__ = ["Stage", "decode_step", "encoded_step", "keyframe_view"]
+__all__ = ["Stage", "decode_step", "encoded_step", "keyframe_view", "stage_plan"]
 
 
 class Stage:
@@ -75,3 +78,57 @@ class Stage:
         step = decode_step(m, base, blobs, overlay)
         self.copied_bytes += overlay.copied_bytes
         self.patch = compose(self.patch, step)
+
+
+def stage_plan(
+    engine: EngineAdapter,
+    plan: Plan,
+    manifests: Mapping[int, Manifest],
+    blobs: MutableMapping[str, bytes],
+    have: int | None,
+    want: int,
+    fetch_view: Callable[[ObjectRef], View],
+) -> Callable[[], None]:
+    """Stage every step of ``plan`` (fetched ``blobs``; keyframe shards read through
+    ``fetch_view``) and return the write that commits ``want`` into ``engine``.
+
+    A chain of patches over a loaded engine is handed to the engine encoded first
+    (``stage_encoded``: an engine that decodes in its own workers takes it); otherwise it is
+    decoded here (:class:`Stage`) and staged as one patch, or booted as a view. The write
+    holds no reference to ``blobs``, so the caller can free them before committing.
+    """
+    staged: StagedUpdate | None = None
+    if have is not None and all(s.base is not None for s in plan.steps):
+        staged = engine.stage_encoded(
+            [
+                EncodedStep(
+                    tuple(encoded_step(manifests[s.to], manifests[s.base], blobs)),
+                    manifests[s.base].target,
+                    manifests[s.to].target,
+                )
+                for s in plan.steps
+                if s.base is not None
+            ],
+            want,
+        )
+    stage = Stage(None)
+    if staged is None:
+        stage = Stage(engine.words() if have is not None else None)
+        for step in plan.steps:
+            if step.base is None:
+                stage.keyframe(manifests[step.to], fetch_view)
+            else:
+                stage.step(manifests[step.to], manifests[step.base], blobs)
+        if stage.patch is not None:
+            staged = engine.stage(stage.patch, want)
+
+    def write() -> None:
+        if staged is not None:
+            engine.commit_staged(staged, want)
+        elif stage.view is not None:
+            engine.load(stage.view, want)
+        else:
+            assert stage.patch is not None
+            engine.apply(stage.patch, want)  # verifies base and target; all or nothing
+
+    return write

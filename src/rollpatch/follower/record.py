@@ -1,0 +1,69 @@
+"""What a follower reports: its state, last error, the LATEST it read, counters and timings.
+
+One condition variable guards all of it; the follower guards its verified version with the
+same one, so a status snapshot and ``wait_for`` see them move together.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .config import FollowerState, FollowerStatus
+
+__all__ = ["Record"]
+
+
+class Record:
+    """The follower's reportable state (thread-safe through ``cond``, a re-entrant lock)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.state = FollowerState.IDLE
+        self.error: BaseException | None = None
+        #: The version LATEST named when last read (None: never read, or nothing published).
+        self.latest: int | None = None
+        self.counts = {
+            "bytes": 0,
+            "objects": 0,
+            "commits": 0,
+            "reboots": 0,
+            "retries": 0,
+            "audits": 0,
+        }
+        self.timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
+
+    def set(self, state: FollowerState, **kw: BaseException | None) -> None:
+        """Enter ``state``; ``error=`` replaces the last error (None clears it)."""
+        with self.cond:
+            self.state = state
+            if "error" in kw:
+                self.error = kw["error"]
+            self.cond.notify_all()
+
+    def timing(self, what: str, t0: float) -> None:
+        """Record the seconds since ``t0`` (``time.monotonic``) as the last ``what``."""
+        with self.cond:
+            self.timings[what] = time.monotonic() - t0
+
+    def status(self, version: int | None) -> FollowerStatus:
+        """A consistent snapshot, with ``version`` as the verified version."""
+        with self.cond:
+            latest, err, c, t = self.latest, self.error, self.counts, self.timings
+            return FollowerStatus(
+                state=self.state,
+                version=version,
+                latest=latest,
+                lag=None if version is None or latest is None else max(0, latest - version),
+                last_error=None if err is None else f"{type(err).__name__}: {err}",
+                error_type=None if err is None else type(err).__name__,
+                bytes_fetched=c["bytes"],
+                objects_fetched=c["objects"],
+                commits=c["commits"],
+                reboots=c["reboots"],
+                retries=c["retries"],
+                last_commit_s=t["commit"],
+                last_fetch_s=t["fetch"],
+                last_stage_s=t["stage"],
+                audits=c["audits"],
+            )

@@ -1,8 +1,8 @@
 """The relay without HTTP: verified, coalesced, cached reads of an upstream store.
 
-Every read goes through one *flight* per key: the first request for an uncached key starts one
-upstream fetch in a worker pool and later requests wait on the same :class:`Future`, so N
-islands asking at once cost one WAN transfer. Results are plain futures, so the HTTP layer
+Every read goes through one *flight* per key (:mod:`.flights`): the first request for an
+uncached key starts one upstream fetch in a worker pool and later requests wait on the same
+:class:`Future`, so N islands asking at once cost one WAN transfer. Results are plain futures, so the HTTP layer
 awaits them without holding a thread per waiting client.
 
 With a trust root, the relay verifies before it caches or serves: manifests must be signed
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO, Generic, TypeVar
@@ -41,6 +41,7 @@ from .config import (
     pointer_run,
     root_version,
 )
+from .flights import Flights
 from .metrics import Metrics
 
 __all__ = ["Blob", "Relay"]
@@ -72,66 +73,6 @@ class _Timed(Generic[T]):
     expires: float
 
 
-class _Flights:
-    """At most one running fetch per flight key; everyone else asking waits on its future."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._lock = threading.Lock()
-        self._inflight: dict[Hashable, Future[object]] = {}
-        self._metrics = metrics
-
-    def join(
-        self,
-        flight: Hashable,
-        kind: str,
-        lookup: Callable[[], T | None],
-        fetch: Callable[[], T],
-        pool: ThreadPoolExecutor,
-    ) -> Future[T]:
-        """A future of ``lookup()`` if it has an answer, else of the one ``fetch()`` in flight.
-
-        ``lookup`` runs under the flights lock: a fetch publishes its result (to the cache)
-        before it leaves the in-flight table, so no request can miss both and fetch twice.
-        """
-        with self._lock:
-            running = self._inflight.get(flight)
-            if running is not None:
-                self._metrics.inc("rollpatch_relay_coalesced_waits_total", kind=kind)
-                return running  # type: ignore[return-value]
-            hit = lookup()
-            if hit is not None:
-                self._metrics.inc("rollpatch_relay_cache_hits_total", kind=kind)
-                done: Future[T] = Future()
-                done.set_result(hit)
-                return done
-            self._metrics.inc("rollpatch_relay_cache_misses_total", kind=kind)
-            future: Future[T] = Future()
-            # running: a waiter that gives up (a client hanging up cancels its asyncio
-            # wrapper, which cancels the source) cannot cancel the fetch the others wait on
-            future.set_running_or_notify_cancel()
-            self._inflight[flight] = future  # type: ignore[assignment]
-        try:
-            pool.submit(self._run, flight, fetch, future)
-        except RuntimeError as e:  # the pool is shut down: the relay is stopping
-            self._finish(flight)
-            future.set_exception(StoreError(f"relay is stopping ({e})"))
-        return future
-
-    def _run(self, flight: Hashable, fetch: Callable[[], T], future: Future[T]) -> None:
-        try:
-            result = fetch()
-        except BaseException as e:  # noqa: BLE001 (every waiter re-raises it from result())
-            self._finish(flight)
-            future.set_exception(e)
-            return
-        self._finish(flight)
-        future.set_result(result)
-
-    def _finish(self, flight: Hashable) -> None:
-        with self._lock:
-            self._inflight.pop(flight, None)
-
-
 class Relay:
     """Reads of ``upstream`` through a verified disk cache (immutable keys) and short-TTL
     memory caches (LATEST, listings), with request coalescing. Thread-safe.
@@ -155,7 +96,7 @@ class Relay:
         self.cache = DiskCache(config.cache_dir, config.cache_bytes, self.metrics)
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
         self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
-        self._flights = _Flights(self.metrics)
+        self._flights = Flights(self.metrics)
         self._bulk = ThreadPoolExecutor(config.upstream_workers, "relay-bulk")
         self._meta = ThreadPoolExecutor(config.meta_workers, "relay-meta")
         self._lock = threading.Lock()

@@ -5,6 +5,8 @@ schemathesis against the real services, with 0 crashes, hangs or tracebacks."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +21,13 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 
-@pytest.mark.slow
-def test_fuzz_services_short(tmp_path: Path) -> None:
-    out = tmp_path / "fuzz.json"
-    proc = subprocess.run(
+def _campaign(only: str, out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [
             sys.executable,
             str(BENCH / "fuzz_services.py"),
+            "--only",
+            only,
             "--seconds",
             "3",
             "--cases",
@@ -33,14 +35,33 @@ def test_fuzz_services_short(tmp_path: Path) -> None:
             "--json",
             str(out),
         ],
-        check=False,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
         cwd=BENCH,
+        start_new_session=True,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_fuzz_services_short(tmp_path: Path) -> None:
+    """bench/fuzz_services.py's two campaigns as two processes at once (atheris on one core,
+    schemathesis against the services on the other; their work paths are disjoint): the same
+    rows and checks as one ``fuzz_services.py`` run, in about the time of the longer one."""
+    procs = {
+        only: _campaign(only, tmp_path / f"{only}.json") for only in ("atheris", "schemathesis")
+    }
+    rows = []
+    try:
+        for only, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, f"{only}:\n{stdout[-4000:]}\n{stderr[-4000:]}"
+            rows += json.loads((tmp_path / f"{only}.json").read_text())
+    finally:  # a failed or hung campaign: the other one (and its children) goes too
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     by = {(r["campaign"], r["target"]): r for r in rows}
     from _fuzz_targets import TARGET_NAMES  # type: ignore[import-not-found]
 

@@ -275,13 +275,15 @@ static PyObject *py_decode_range(PyObject *self, PyObject *args) {
             cc[j] = cnt[g + j];
             of[j] = oo_[g + j];
         }
-        rc = rp_decode_chunks(&k, base.buf, q, bodies, bl, st, nn, cc, of, po.buf, oo.buf,
-                              no.buf, ow, &err);
-        if (write && rc == RP_OK) { /* decoded and written while the chunk is in cache */
-            rc = rp_apply(&k, base.buf, (size_t)base.len, (const int64_t *)po.buf + of[0],
-                          (const uint8_t *)oo.buf + of[0] * ow,
-                          (const uint8_t *)no.buf + of[0] * ow, cc[0], ow, delta, &err);
+        if (write) { /* decoded and written while the chunk is in cache */
+            rc = rp_decode_apply(&k, base.buf, (size_t)base.len, bodies[0], bl[0], st[0], nn[0],
+                                 cc[0], (int64_t *)po.buf + of[0],
+                                 (uint8_t *)oo.buf + of[0] * ow, (uint8_t *)no.buf + of[0] * ow,
+                                 ow, delta, &err);
             if (rc == RP_OK) written++;
+        } else {
+            rc = rp_decode_chunks(&k, base.buf, q, bodies, bl, st, nn, cc, of, po.buf, oo.buf,
+                                  no.buf, ow, &err);
         }
     }
     if (rc && written) { /* all or nothing: put back the chunks this call wrote */

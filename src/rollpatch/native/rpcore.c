@@ -259,50 +259,122 @@ static int rd_varint(const uint8_t *b, size_t len, size_t *p, uint64_t *v) {
 
 /* ------------------------------------------------------------------ binary sequences */
 
-/* BS(n, j): code the j sorted set slots `set` among n (docs/patch-format.md §4). */
+/* bw_put32 without the capacity check: only inside a bw_reserve'd span. */
+static inline void bw_put32_nc(bw_t *w, uint64_t v, unsigned n) { /* n <= 32 */
+    w->acc = (w->acc << n) | (v & ((1ULL << n) - 1));
+    w->nacc += n;
+    if (w->nacc >= 32) {
+        w->nacc -= 32;
+        uint32_t x = __builtin_bswap32((uint32_t)(w->acc >> w->nacc));
+        memcpy(w->b + w->len, &x, 4);
+        w->len += 4;
+        w->acc &= (1ULL << w->nacc) - 1;
+    }
+}
+
+static inline void bw_unary_nc(bw_t *w, uint64_t q) {
+    while (q >= 31) { bw_put32_nc(w, 0xFFFFFFFFu, 31); q -= 31; }
+    bw_put32_nc(w, ((1ULL << q) - 1) << 1, (unsigned)q + 1);
+}
+
+/* BS(n, j): code the j sorted set slots `set` among n (docs/patch-format.md §4); n < 2^32.
+ * The streams are reserved up front (unary: at most n/m + c bits; fixed: c * b bits, or n
+ * raw bits); q = g / m by a 64-bit reciprocal, exact for g, m < 2^32. */
 static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t n,
                      uint32_t *scratch) {
     if (j == 0 || j == n) return 0;
     int comp = 2 * j > n;
     uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
     if (m == 1) { /* one bit per slot, 32 slots per word */
+        if (bw_reserve(f, n / 8 + 16)) return -1;
         uint64_t s = 0;
         for (uint64_t p = 0; p < n; p += 32) {
             unsigned take = n - p < 32 ? (unsigned)(n - p) : 32;
             uint32_t word = 0;
             for (; s < j && set[s] < p + take; s++) word |= 1u << (take - 1 - (set[s] - p));
-            bw_put32(f, word, take);
+            bw_put32_nc(f, word, take);
         }
         return 0;
     }
     int b = bitlen64(m - 1);
-    uint64_t uu = (1ULL << b) - m;
+    uint64_t uu = (1ULL << b) - m, minv = UINT64_MAX / m + 1;
+    if (bw_reserve(u, (n / m + c) / 8 + 16) || bw_reserve(f, c * (uint64_t)b / 8 + 16)) return -1;
     int64_t prev = -1;
-    uint64_t i = 0, s = 0;
-    for (uint64_t p = 0; i < c; p++) { /* minority slots in order */
-        int in_set = s < j && set[s] == p;
-        s += in_set;
-        if (in_set == comp) continue;
-        uint64_t g = (uint64_t)((int64_t)p - prev - 1);
-        prev = (int64_t)p;
-        bw_unary(u, g / m);
-        scratch[i++] = (uint32_t)(g % m);
-        if (!comp) { /* jump to the next set slot directly */
-            if (i < c) p = set[i] - 1;
+    if (!comp) { /* the set slots are the minority */
+        for (uint64_t i = 0; i < c; i++) {
+            uint64_t g = (uint64_t)((int64_t)set[i] - prev - 1);
+            prev = (int64_t)set[i];
+            uint64_t q = (uint64_t)(((unsigned __int128)g * minv) >> 64);
+            bw_unary_nc(u, q);
+            scratch[i] = (uint32_t)(g - q * m);
+        }
+    } else { /* the clear slots: walk the gaps between set ones */
+        uint64_t i = 0, s = 0;
+        for (uint64_t p = 0; i < c; p++) {
+            if (s < j && set[s] == p) { s++; continue; }
+            uint64_t g = (uint64_t)((int64_t)p - prev - 1);
+            prev = (int64_t)p;
+            uint64_t q = (uint64_t)(((unsigned __int128)g * minv) >> 64);
+            bw_unary_nc(u, q);
+            scratch[i++] = (uint32_t)(g - q * m);
         }
     }
-    for (i = 0; i < c; i++) {
+    unsigned w = (unsigned)(b - 1);
+    for (uint64_t i = 0; i < c; i++) {
         uint64_t r = scratch[i];
-        bw_put(f, r < uu ? r : (r + uu) >> 1, (unsigned)(b - 1));
+        bw_put32_nc(f, r < uu ? r : (r + uu) >> 1, w);
     }
-    for (i = 0; i < c; i++) {
+    for (uint64_t i = 0; i < c; i++) {
         uint64_t r = scratch[i];
-        if (r >= uu) bw_put32(f, (r + uu) & 1, 1);
+        if (r >= uu) bw_put32_nc(f, (r + uu) & 1, 1);
     }
     return 0;
 }
 
-/* Inverse of bs_encode: writes the j set slots (sorted) into out. scratch holds n/2+1. */
+/* The next 64 bits at bit `pos` (<= nbits, a multiple of 8), MSB-aligned; zeros past the end. */
+static inline uint64_t peek_at(const uint8_t *b, size_t nbits, size_t pos) {
+    size_t byte = pos >> 3, nb = (nbits >> 3) - byte;
+    uint64_t x = 0;
+    if (__builtin_expect(nb >= 8, 1)) {
+        memcpy(&x, b + byte, 8);
+        x = __builtin_bswap64(x);
+    } else {
+        for (size_t i = 0; i < nb; i++) x |= (uint64_t)b[byte + i] << (56 - 8 * i);
+    }
+    return x << (pos & 7);
+}
+
+/* `cnt` unary codes into out, each at most `limit` ones: every code that ends inside one
+ * 64-bit peek is taken from it (a code longer than a peek goes through br_unary). */
+static int br_unary_run(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
+    uint64_t i = 0;
+    while (i < cnt) {
+        size_t rest = r->nbits - r->pos;
+        if (!rest) return -1;
+        unsigned avail = 64 - (unsigned)(r->pos & 7), used = 0;
+        if (avail > rest) avail = (unsigned)rest;
+        uint64_t x = peek_at(r->b, r->nbits, r->pos);
+        while (i < cnt && used < avail) {
+            uint64_t y = ~(x << used); /* used < 64 */
+            unsigned ones = y ? (unsigned)__builtin_clzll(y) : 64;
+            if (used + ones >= avail) break; /* its zero is not inside this peek */
+            if (ones > limit) return -1;
+            out[i++] = ones;
+            used += ones + 1;
+        }
+        r->pos += used;
+        if (!used) { /* a code longer than the peek */
+            uint64_t q;
+            if (br_unary(r, limit, &q)) return -1;
+            out[i++] = (uint32_t)q;
+        }
+    }
+    return 0;
+}
+
+/* Inverse of bs_encode: writes the j set slots (sorted) into out. scratch holds n/2+1.
+ * The truncated-binary pass 1 fields are read at one cursor and the pass-2 bits at another
+ * (pass 2 starts exactly c * (b - 1) bits after pass 1). */
 static int bs_decode(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
                      uint32_t *scratch) {
     if (j > n) return -1;
@@ -330,43 +402,31 @@ static int bs_decode(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
         return s == j ? 0 : -1;
     }
     int b = bitlen64(m - 1);
-    uint64_t uu = (1ULL << b) - m, t = 0, e = 0;
+    unsigned w = (unsigned)(b - 1);
+    uint64_t uu = (1ULL << b) - m;
     uint32_t *mino = comp ? scratch : out;
-    for (uint64_t i = 0; i < c; i++) {
-        uint64_t q;
-        if (br_unary(u, n / m + 1, &q)) return -1;
-        mino[i] = (uint32_t)q; /* q <= n/m + 1 < 2^32 */
-    }
-    size_t fstart = f->pos;
-    uint64_t nlong = 0;
-    for (uint64_t i = 0; i < c; i++) {
-        if (br_get(f, (unsigned)(b - 1), &t)) return -1;
-        nlong += t >= uu;
-    }
-    if (nlong > f->nbits - f->pos) return -1;
-    size_t epos = f->pos;
-    f->pos = fstart;
+    if (br_unary_run(u, c, n / m + 1, mino)) return -1; /* q <= n/m + 1 < 2^32 */
+    if (c * w > f->nbits - f->pos) return -1;
+    const uint8_t *fb = f->b;
+    size_t nbits = f->nbits, fp = f->pos, ep = f->pos + c * w;
     int64_t prev = -1;
     for (uint64_t i = 0; i < c; i++) {
-        br_get(f, (unsigned)(b - 1), &t);
+        uint64_t t = w ? peek_at(fb, nbits, fp) >> (64 - w) : 0;
+        fp += w;
         uint64_t r = t;
         if (t >= uu) {
-            size_t save = f->pos;
-            f->pos = epos;
-            br_get(f, 1, &e);
-            epos = f->pos;
-            f->pos = save;
-            r = 2 * t + e - uu;
+            if (ep >= nbits) return -1;
+            r = 2 * t + (peek_at(fb, nbits, ep) >> 63) - uu;
+            ep++;
         }
-        if (r >= m) return -1;
         uint64_t g = (uint64_t)mino[i] * m + r;
-        if (g >= n) return -1;
+        if (r >= m || g >= n) return -1;
         int64_t p = prev + 1 + (int64_t)g;
         if (p >= (int64_t)n) return -1;
         mino[i] = (uint32_t)p;
         prev = p;
     }
-    f->pos = epos;
+    f->pos = ep;
     if (comp) { /* the set slots are the complement of the minority */
         uint64_t s = 0, i = 0;
         for (uint64_t p = 0; p < n; p++) {
@@ -670,6 +730,26 @@ done:
     return rc;
 }
 
+/* ------------------------------------------------------------------ rp.sum128 terms */
+
+static const uint64_t SUM_K[2] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
+static const uint64_t SUM_S[2] = {0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL};
+
+static inline uint64_t rotl(uint64_t w, int r) { return (w << r) | (w >> (64 - r)); }
+
+static inline uint64_t sum_term(int lane, uint64_t w, uint64_t j) {
+    uint64_t x = w ^ (SUM_S[lane] + j * SUM_K[lane]);
+    return (x & 0xFFFFFFFFu) * (x >> 32) + rotl(w, lane ? 17 : 32);
+}
+
+static inline uint64_t word_at(const uint8_t *d, size_t len, uint64_t j) {
+    uint64_t w = 0;
+    size_t o = (size_t)j * 8;
+    if (o + 8 <= len) memcpy(&w, d + o, 8);
+    else if (o < len) memcpy(&w, d + o, len - o);
+    return w;
+}
+
 /* ------------------------------------------------------------------ decoder */
 
 typedef struct {
@@ -732,22 +812,36 @@ int rp_chunk_count(const rp_kind *kd, const uint8_t *body, size_t len, int64_t n
 typedef struct {
     params_t pp;
     br_t u, f;
-    uint32_t *ranks;     /* per listed context, concatenated */
-    uint32_t *rpos;      /* decoded positions (relative), position order */
-    uint8_t *rctx;       /* their contexts */
-    uint64_t *rold;      /* their old elements (read while the join had them in cache) */
+    uint32_t *ranks;     /* per listed context, concatenated: index = context-order index */
     uint32_t *scratch;
+    uint32_t *idx;
+    uint8_t *outw;       /* outward flag of each change, position order */
+    void *magc;          /* |step| of each change, context order (mw bytes each: a <= 2^(bits-1)) */
+    int mw;
     uint64_t ofs[NCTX];  /* start of each listed context's ranks */
     uint32_t cnt[NCTX], tgt[NCTX];
     uint64_t cur[NCTX], endr[NCTX];
-    int64_t emitted;
+    int64_t emitted, done;
+    uint32_t *rpos;      /* found changes: position (chunk-relative), old element, context-order index */
+    uint64_t *rold;
+    uint32_t *rci;
+    /* outputs, and the in-place write (wdata = the base, or NULL) with its rp.sum128 change */
+    int64_t *pos_out;
+    void *old_out, *new_out;
+    int ow;
+    uint8_t *wdata;
+    size_t wlen;
+    uint64_t cj, before, d0, d1;
 } lane_t;
 
 static void lane_free(lane_t *l) {
-    free(l->ranks); free(l->rpos); free(l->rctx); free(l->rold); free(l->scratch);
+    free(l->ranks); free(l->scratch); free(l->idx); free(l->outw); free(l->magc);
+    free(l->rpos); free(l->rold); free(l->rci);
 }
 
-/* Phase A: params, then the changed ranks of every listed context. */
+/* Phase A, everything the base is not needed for: params, the changed ranks of every listed
+ * context, the outward flags, and every magnitude (in context order); the streams must end
+ * exactly there. */
 static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len, int64_t n,
                      int64_t expect, const char **err) {
     int rc = parse_params(kd, b, len, n, &l->pp, err);
@@ -755,11 +849,17 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     if ((int64_t)l->pp.k != expect) { *err = "chunk count differs from its table"; return RP_ECORRUPT; }
     uint64_t k = l->pp.k;
     l->ranks = malloc(k * 4 + 4);
-    l->rpos = malloc(k * 4 + 4);
-    l->rctx = malloc(k + 1);
-    l->rold = malloc(k * 8 + 8);
     l->scratch = malloc((k + 1) * 4); /* a minority is never larger than k */
-    if (!l->ranks || !l->rpos || !l->rctx || !l->rold || !l->scratch) { *err = "out of memory"; return RP_ENOMEM; }
+    l->idx = malloc(k * 4 + 4);
+    l->outw = calloc(k + 1, 1);
+    l->mw = kd->bits <= 16 ? 2 : kd->bits <= 32 ? 4 : 8;
+    l->magc = malloc(k * (uint64_t)l->mw + 8);
+    l->rpos = malloc(k * 4 + 4);
+    l->rold = malloc(k * 8 + 8);
+    l->rci = malloc(k * 4 + 4);
+    if (!l->ranks || !l->scratch || !l->idx || !l->outw || !l->magc || !l->rpos || !l->rold || !l->rci) {
+        *err = "out of memory"; return RP_ENOMEM;
+    }
     l->u = (br_t){b + l->pp.ustart, l->pp.ulen * 8, 0};
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
     for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
@@ -776,9 +876,109 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
         l->tgt[c] = l->ranks[o];
         o += l->pp.kc[i];
     }
-    l->emitted = 0;
+    if (bs_decode(&l->u, &l->f, k, l->pp.ks, l->idx, l->scratch)) { *err = "corrupt sign stream"; return RP_ECORRUPT; }
+    for (uint64_t i = 0; i < l->pp.ks; i++) l->outw[l->idx[i]] = 1;
+    if (l->mw == 2) for (uint64_t i = 0; i < k; i++) ((uint16_t *)l->magc)[i] = 1;
+    else for (uint64_t i = 0; i < k; i++) arr_put(l->magc, l->mw, (int64_t)i, 1);
+    uint64_t bo[NCTX], nb = 0;
+    for (int i = 0; i < l->pp.g; i++) {
+        if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], l->idx + nb, l->scratch)) {
+            *err = "corrupt magnitude flags"; return RP_ECORRUPT;
+        }
+        bo[i] = nb;
+        nb += l->pp.bc[i];
+    }
+    uint64_t s = ksign(kd->bits);
+    int width = kd->bits < 63 ? kd->bits : 63;
+    for (int i = 0; i < l->pp.g; i++) {
+        int eg = l->pp.eg[i];
+        for (uint64_t j = 0; j < l->pp.bc[i]; j++) {
+            uint64_t q, low;
+            if (br_unary(&l->u, 64, &q) || q + eg > (uint64_t)width
+                || br_get(&l->f, (unsigned)(q + eg), &low)) {
+                *err = "corrupt magnitude stream"; return RP_ECORRUPT;
+            }
+            uint64_t w = q + eg;
+            uint64_t a = ((w >= 64 ? 0 : (1ULL << w)) + low - (1ULL << eg)) + 2;
+            if (a > s || a < 2) { *err = "delta magnitude beyond the word range"; return RP_ECORRUPT; }
+            arr_put(l->magc, l->mw, (int64_t)(l->ofs[i] + l->idx[bo[i] + j]), a);
+        }
+    }
+    if (br_finish(&l->u, 1) || br_finish(&l->f, 0)) { *err = "unused bits after the last code"; return RP_ECORRUPT; }
+    l->emitted = l->done = 0;
+    l->cj = UINT64_MAX;
+    l->d0 = l->d1 = 0;
     return RP_OK;
 }
+
+/* The rp.sum128 change of the word being written (read before its first write). */
+static inline void lane_flush(lane_t *l) {
+    if (l->cj == UINT64_MAX) return;
+    uint64_t after = word_at(l->wdata, l->wlen, l->cj);
+    l->d0 += sum_term(0, after, l->cj) - sum_term(0, l->before, l->cj);
+    l->d1 += sum_term(1, after, l->cj) - sum_term(1, l->before, l->cj);
+    l->cj = UINT64_MAX;
+}
+
+/* Phase B's output, the changes found since the last call, [done, emitted), in position
+ * order: new elements from the outward flags and the magnitudes (by context-order index) into
+ * the outputs and, when writing, into the base: the join calls this every few blocks, while
+ * those words are still in cache. Typed loops for the common kinds. */
+#define FIN_TYPED(T, LOG, MT)                                                               \
+    do {                                                                                    \
+        T *d = (T *)l->wdata, *po = (T *)l->old_out, *pn = (T *)l->new_out;                 \
+        const MT *mg = (const MT *)l->magc;                                                 \
+        for (int64_t i = l->done; i < l->emitted; i++) {                                    \
+            int64_t p = start + l->rpos[i];                                                 \
+            uint64_t x = l->rold[i];                                                        \
+            int neg = kd->order != RP_UNSIGNED && (x & s);                                  \
+            uint64_t key = to_key(kd, x), a = mg[l->rci[i]];                                \
+            T y = (T)from_key(kd, ((l->outw[i] ^ (uint8_t)neg) ? key + a : key - a) & msk); \
+            l->pos_out[i] = p;                                                              \
+            po[i] = (T)x;                                                                   \
+            pn[i] = y;                                                                      \
+            if (d) {                                                                        \
+                uint64_t j = (uint64_t)p >> (3 - LOG);                                      \
+                if (j != l->cj) {                                                           \
+                    lane_flush(l);                                                          \
+                    l->cj = j;                                                              \
+                    l->before = word_at(l->wdata, l->wlen, j);                              \
+                }                                                                           \
+                d[p] = y;                                                                   \
+            }                                                                               \
+        }                                                                                   \
+    } while (0)
+
+static void finalize(const rp_kind *kd, lane_t *l, int64_t start) {
+    uint64_t s = ksign(kd->bits), msk = kmask(kd->bits);
+    if (kd->bits == 16 && l->ow == 2) {
+        FIN_TYPED(uint16_t, 1, uint16_t);
+    } else if (kd->bits == 8 && l->ow == 1) {
+        FIN_TYPED(uint8_t, 0, uint16_t);
+    } else {
+        for (int64_t i = l->done; i < l->emitted; i++) {
+            int64_t p = start + l->rpos[i];
+            uint64_t x = l->rold[i];
+            int neg = kd->order != RP_UNSIGNED && (x & s);
+            uint64_t key = to_key(kd, x), a = arr_get(l->magc, l->mw, l->rci[i]);
+            uint64_t y = from_key(kd, ((l->outw[i] ^ (uint8_t)neg) ? key + a : key - a) & msk);
+            l->pos_out[i] = p;
+            arr_put(l->old_out, l->ow, i, x);
+            arr_put(l->new_out, l->ow, i, y);
+            if (l->wdata) {
+                uint64_t j = (uint64_t)p * (uint64_t)kd->bits / 64;
+                if (j != l->cj) {
+                    lane_flush(l);
+                    l->cj = j;
+                    l->before = word_at(l->wdata, l->wlen, j);
+                }
+                elem_put(l->wdata, kd->bits, p, y);
+            }
+        }
+    }
+    l->done = l->emitted;
+}
+#undef FIN_TYPED
 
 /* Phase B, the join: blocks of JB elements; each block's contexts are computed once into an
  * L1 buffer from the base; every listed context inside the densest window of W consecutive
@@ -825,6 +1025,7 @@ static int pick_window(const lane_t *l) {
     for (int64_t b0 = 0; b0 < n; b0 += JB) {                                                \
         int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
         uint64_t bb[JB / 64] = {0}; /* positions found in this block */                     \
+        uint32_t bci[JB]; /* their context-order indices */                                \
         BLOCKCTX(kd, base, start + b0, len, cbuf);                                          \
         if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
         uint32_t hit = 0;                                                                   \
@@ -847,7 +1048,10 @@ static int pick_window(const lane_t *l) {
             }                                                                               \
             while (g < endc) { /* each changed rank: its word, then its bit */              \
                 int v = (g >= pre[1]) + (g >= pre[2]) + (g >= pre[3]);                      \
-                bb[v] |= 1ULL << SELECT64(w[v], g - pre[v]);                                \
+                int e_ = SELECT64(w[v], g - pre[v]);                                        \
+                bb[v] |= 1ULL << e_;                                                        \
+                bci[64 * v + e_] = (uint32_t)cu;                                            \
+                __builtin_prefetch((const uint8_t *)l->magc + (cu + 32) * (uint64_t)l->mw); \
                 g = ++cu < endr[t] ? l->ranks[cu] : UINT32_MAX;                             \
             }                                                                               \
             tgt[t] = g;                                                                     \
@@ -865,6 +1069,7 @@ static int pick_window(const lane_t *l) {
                     if (!listed[c]) continue;                                               \
                     if (l->cnt[c]++ == l->tgt[c]) {                                         \
                         bb[e >> 6] |= 1ULL << (e & 63);                                     \
+                        bci[e] = (uint32_t)l->cur[c];                                       \
                         uint64_t nx = ++l->cur[c];                                          \
                         l->tgt[c] = nx < l->endr[c] ? l->ranks[nx] : UINT32_MAX;            \
                     }                                                                       \
@@ -878,10 +1083,11 @@ static int pick_window(const lane_t *l) {
                 x &= x - 1;                                                                 \
                 if ((uint64_t)l->emitted >= l->pp.k) break; /* refused in phase C */        \
                 l->rpos[l->emitted] = (uint32_t)(b0 + e);                                   \
-                l->rctx[l->emitted] = cbuf[e];                                              \
-                l->rold[l->emitted++] = elem_get(base, kd->bits, start + b0 + e);           \
+                l->rold[l->emitted] = elem_get(base, kd->bits, start + b0 + e);             \
+                l->rci[l->emitted++] = bci[e];                                              \
             }                                                                               \
         }                                                                                   \
+        if ((b0 & (16 * JB - 1)) == 15 * JB) finalize(kd, l, start);                      \
     }                                                                                       \
     for (int t = 0; t < nvc; t++) {                                                         \
         int c = vc[t];                                                                      \
@@ -1009,26 +1215,6 @@ static void join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t
     }
 #endif
     join_scalar(kd, base, l, start, n);
-}
-
-/* ------------------------------------------------------------------ rp.sum128 terms */
-
-static const uint64_t SUM_K[2] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
-static const uint64_t SUM_S[2] = {0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL};
-
-static inline uint64_t rotl(uint64_t w, int r) { return (w << r) | (w >> (64 - r)); }
-
-static inline uint64_t sum_term(int lane, uint64_t w, uint64_t j) {
-    uint64_t x = w ^ (SUM_S[lane] + j * SUM_K[lane]);
-    return (x & 0xFFFFFFFFu) * (x >> 32) + rotl(w, lane ? 17 : 32);
-}
-
-static inline uint64_t word_at(const uint8_t *d, size_t len, uint64_t j) {
-    uint64_t w = 0;
-    size_t o = (size_t)j * 8;
-    if (o + 8 <= len) memcpy(&w, d + o, 8);
-    else if (o < len) memcpy(&w, d + o, len - o);
-    return w;
 }
 
 /* ------------------------------------------------------------------ encoder pass */
@@ -1268,108 +1454,27 @@ done:
 }
 
 /* Phase C: the rest of the streams, then old/new elements. */
-static int lane_finish(const rp_kind *kd, lane_t *l, const uint8_t *base, int64_t start,
-                       int64_t n, int64_t *pos_out, void *old_out, void *new_out, int ow,
-                       const char **err) {
-    uint64_t k = l->pp.k;
-    int rc = RP_OK;
-    uint32_t *order = NULL, *idx = NULL;
-    uint8_t *outw = NULL;
-    uint64_t *mag = NULL;
+/* Phase C: the join met every listed context's size and rank exactly (else the view is not
+ * the patch's base); then the last word's rp.sum128 change. */
+static int lane_finish(const rp_kind *kd, lane_t *l, const char **err) {
     if (kd->cbits) {
         for (int i = 0; i < l->pp.g; i++) {
             int c = l->pp.cid[i];
-            if (l->cnt[c] != l->pp.nc[i] || l->cur[c] != l->endr[c])
-                FAIL(RP_EBASE, "context sizes differ from the base: not the patch's base");
-        }
-        if ((uint64_t)l->emitted != k) FAIL(RP_EBASE, "positions do not match the base");
-    } else { /* one context: ranks are the positions */
-        memcpy(l->rpos, l->ranks, k * 4);
-        memset(l->rctx, 0, k);
-        for (uint64_t i = 0; i < k; i++) l->rold[i] = elem_get(base, kd->bits, start + l->rpos[i]);
-    }
-    order = malloc(k * 4 + 4);
-    idx = malloc(k * 4 + 4);
-    outw = calloc(k + 1, 1);
-    mag = malloc(k * 8 + 8);
-    if (!order || !idx || !outw || !mag) FAIL(RP_ENOMEM, "out of memory");
-    if (bs_decode(&l->u, &l->f, k, l->pp.ks, idx, l->scratch)) FAIL(RP_ECORRUPT, "corrupt sign stream");
-    for (uint64_t i = 0; i < l->pp.ks; i++) outw[idx[i]] = 1;
-    uint64_t fill[NCTX] = {0}, acc = 0;
-    for (int i = 0; i < l->pp.g; i++) { fill[l->pp.cid[i]] = acc; acc += l->pp.kc[i]; }
-    for (uint64_t i = 0; i < k; i++) order[fill[l->rctx[i]]++] = (uint32_t)i;
-    for (uint64_t i = 0; i < k; i++) mag[i] = 1;
-    uint64_t o = 0;
-    uint32_t *bigs = idx; /* reuse: per-context big flags, then their values */
-    uint64_t *bo = malloc(l->pp.g * sizeof(uint64_t) + 8);
-    if (!bo) FAIL(RP_ENOMEM, "out of memory");
-    for (int i = 0; i < l->pp.g; i++) {
-        if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], bigs + o, l->scratch)) {
-            free(bo);
-            FAIL(RP_ECORRUPT, "corrupt magnitude flags");
-        }
-        bo[i] = o;
-        o += l->pp.bc[i];
-    }
-    uint64_t s = ksign(kd->bits), msk = kmask(kd->bits);
-    int width = kd->bits < 63 ? kd->bits : 63;
-    uint64_t cbase = 0;
-    for (int i = 0; i < l->pp.g; i++) {
-        int eg = l->pp.eg[i];
-        for (uint64_t j = 0; j < l->pp.bc[i]; j++) {
-            uint64_t q, low;
-            if (br_unary(&l->u, 64, &q) || q + eg > (uint64_t)width
-                || br_get(&l->f, (unsigned)(q + eg), &low)) {
-                free(bo);
-                FAIL(RP_ECORRUPT, "corrupt magnitude stream");
+            if (l->cnt[c] != l->pp.nc[i] || l->cur[c] != l->endr[c]) {
+                *err = "context sizes differ from the base: not the patch's base"; return RP_EBASE;
             }
-            uint64_t w = q + eg;
-            uint64_t a = ((w >= 64 ? 0 : (1ULL << w)) + low - (1ULL << eg)) + 2;
-            if (a > s || a < 2) { free(bo); FAIL(RP_ECORRUPT, "delta magnitude beyond the word range"); }
-            mag[order[cbase + bigs[bo[i] + j]]] = a;
         }
-        cbase += l->pp.kc[i];
+        if ((uint64_t)l->emitted != l->pp.k) { *err = "positions do not match the base"; return RP_EBASE; }
     }
-    free(bo);
-    if (br_finish(&l->u, 1) || br_finish(&l->f, 0)) FAIL(RP_ECORRUPT, "unused bits after the last code");
-#define FINAL_LOOP(T, GETX)                                                                 \
-    for (uint64_t i = 0; i < k; i++) {                                                      \
-        int64_t p = start + l->rpos[i];                                                     \
-        uint64_t x = GETX;                                                                  \
-        int neg = kd->order != RP_UNSIGNED && (x & s);                                      \
-        uint64_t key = to_key(kd, x);                                                       \
-        uint64_t kn = ((outw[i] ^ neg) ? key + mag[i] : key - mag[i]) & msk;                \
-        pos_out[i] = p;                                                                     \
-        ((T *)old_out)[i] = (T)x;                                                           \
-        ((T *)new_out)[i] = (T)from_key(kd, kn);                                            \
-    }
-    if (kd->bits == 16 && ow == 2) {
-        FINAL_LOOP(uint16_t, l->rold[i])
-    } else if (kd->bits == 8 && ow == 1) {
-        FINAL_LOOP(uint8_t, l->rold[i])
-    } else {
-        for (uint64_t i = 0; i < k; i++) {
-            int64_t p = start + l->rpos[i];
-            uint64_t x = l->rold[i];
-            int neg = kd->order != RP_UNSIGNED && (x & s);
-            uint64_t key = to_key(kd, x);
-            uint64_t kn = ((outw[i] ^ neg) ? key + mag[i] : key - mag[i]) & msk;
-            pos_out[i] = p;
-            arr_put(old_out, ow, (int64_t)i, x);
-            arr_put(new_out, ow, (int64_t)i, from_key(kd, kn));
-        }
-    }
-#undef FINAL_LOOP
-    (void)n;
-done:
-    free(order); free(idx); free(outw); free(mag);
-    return rc;
+    if (l->wdata) lane_flush(l);
+    return RP_OK;
 }
 
-int rp_decode_chunks(const rp_kind *kd, const uint8_t *base, int m, const uint8_t *const *body,
-                     const size_t *len, const int64_t *start, const int64_t *n,
-                     const int64_t *count, const int64_t *off, int64_t *pos_out,
-                     void *old_out, void *new_out, int ow, const char **err) {
+static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uint8_t *const *body,
+                        const size_t *len, const int64_t *start, const int64_t *n,
+                        const int64_t *count, const int64_t *off, int64_t *pos_out,
+                        void *old_out, void *new_out, int ow, uint8_t *wdata, size_t wlen,
+                        uint64_t delta[2], const char **err) {
     lane_t lanes[4];
     int rc = RP_OK;
     memset(lanes, 0, sizeof lanes);
@@ -1380,17 +1485,61 @@ int rp_decode_chunks(const rp_kind *kd, const uint8_t *base, int m, const uint8_
             if (count[q]) { *err = "empty chunk with changes"; return RP_ECORRUPT; }
             continue;
         }
-        rc = lane_init(kd, &lanes[q], body[q], len[q], n[q], count[q], err);
+        lane_t *l = &lanes[q];
+        rc = lane_init(kd, l, body[q], len[q], n[q], count[q], err);
         if (rc) goto done;
-        if (kd->cbits) join_lane(kd, base, &lanes[q], start[q], n[q]);
-        rc = lane_finish(kd, &lanes[q], base, start[q], n[q], pos_out + off[q],
-                         (uint8_t *)old_out + off[q] * ow, (uint8_t *)new_out + off[q] * ow,
-                         ow, err);
-        if (rc) goto done;
+        l->pos_out = pos_out + off[q];
+        l->old_out = (uint8_t *)old_out + off[q] * ow;
+        l->new_out = (uint8_t *)new_out + off[q] * ow;
+        l->ow = ow;
+        l->wdata = wdata;
+        l->wlen = wlen;
+        if (kd->cbits) {
+            join_lane(kd, base, l, start[q], n[q]);
+        } else { /* one context: the ranks are the positions */
+            for (uint64_t i = 0; i < l->pp.k; i++) {
+                l->rpos[i] = l->ranks[i];
+                l->rold[i] = elem_get(base, kd->bits, start[q] + l->ranks[i]);
+                l->rci[i] = (uint32_t)i;
+            }
+            l->emitted = (int64_t)l->pp.k;
+        }
+        finalize(kd, l, start[q]);
+        rc = lane_finish(kd, l, err);
+        if (rc) { /* all or nothing: put back what this chunk wrote */
+            if (wdata)
+                for (int64_t i = 0; i < l->done; i++)
+                    elem_put(wdata, kd->bits, l->pos_out[i], arr_get(l->old_out, ow, i));
+            goto done;
+        }
+        if (wdata) {
+            delta[0] += l->d0;
+            delta[1] += l->d1;
+        }
     }
 done:
     for (int q = 0; q < m; q++) lane_free(&lanes[q]);
     return rc;
+}
+
+int rp_decode_chunks(const rp_kind *kd, const uint8_t *base, int m, const uint8_t *const *body,
+                     const size_t *len, const int64_t *start, const int64_t *n,
+                     const int64_t *count, const int64_t *off, int64_t *pos_out,
+                     void *old_out, void *new_out, int ow, const char **err) {
+    return decode_lanes(kd, base, m, body, len, start, n, count, off, pos_out, old_out, new_out,
+                        ow, NULL, 0, NULL, err);
+}
+
+int rp_decode_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const uint8_t *body,
+                    size_t len, int64_t start, int64_t n, int64_t count, int64_t *pos_out,
+                    void *old_out, void *new_out, int ow, uint64_t delta[2], const char **err) {
+    int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
+    if (!kind_ok(kd) || start < 0 || n < 0 || start > n_el || n > n_el - start) {
+        *err = "bad chunk range"; return RP_EARG;
+    }
+    int64_t off = 0;
+    return decode_lanes(kd, data, 1, &body, &len, &start, &n, &count, &off, pos_out, old_out,
+                        new_out, ow, data, nbytes, delta, err);
 }
 
 /* ------------------------------------------------------------------ gather / apply / diff */

@@ -57,6 +57,13 @@ int rp_decode_chunks(const rp_kind *k, const uint8_t *base, int m, const uint8_t
                      const int64_t *count, const int64_t *off, int64_t *pos_out,
                      void *old_out, void *new_out, int ow, const char **err);
 
+/* One chunk, decoded and applied in place: the outputs as rp_decode_chunks (offset 0), then,
+ * once every check of the chunk has passed, the new elements written into `data` (the base)
+ * and their rp.sum128 change added to delta[2]. On an error nothing is written. */
+int rp_decode_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const uint8_t *body,
+                    size_t len, int64_t start, int64_t n, int64_t count, int64_t *pos_out,
+                    void *old_out, void *new_out, int ow, uint64_t delta[2], const char **err);
+
 /* rp.sum128: additive 128-bit state over the 8-byte words [w0, w0 + nwords) of `data`
  * (whose total length is `len` bytes; the last word is zero-padded). */
 void rp_sum128(const uint8_t *data, size_t len, uint64_t w0, uint64_t nwords, uint64_t out[2]);

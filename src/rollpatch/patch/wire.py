@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +201,18 @@ def entry(
     }
 
 
+_LOCAL = threading.local()
+
+
+def _header_compressor() -> zstandard.ZstdCompressor:
+    """One level-9 compressor per thread (its context costs more to set up than a header
+    costs to compress; compressors are not thread-safe)."""
+    c = getattr(_LOCAL, "cctx", None)
+    if c is None:
+        c = _LOCAL.cctx = zstandard.ZstdCompressor(level=9)
+    return c
+
+
 def assemble(
     base: str,
     target: str,
@@ -230,7 +244,7 @@ def assemble(
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
-    packed = zstandard.ZstdCompressor(level=9).compress(raw)
+    packed = _header_compressor().compress(raw)
     prefix = _PREFIX.pack(MAGIC, version, FLAG_ZSTD_HEADER, len(packed)) + packed
     return b"".join([prefix, _b3(prefix), *(p for _, p in parts)])
 
@@ -396,7 +410,7 @@ def _validate_entry(e: Any, payload_bytes: int, version: int) -> None:
         "shape",
         tensor=name,
     )
-    count = int(np.prod(shape, dtype=object)) if shape else 1
+    count = math.prod(shape)
     _need(count < MAX_ELEMENTS, "element count", tensor=name)
     n = count * 2 if kind.packed else count
     changed = e.get("changed")

@@ -6,8 +6,63 @@
  * loops, and again one chunk at a time with the scalar loops; the two must agree. A payload
  * that decodes must keep every promise of a decode (fz_check_decoded), apply cleanly with a
  * consistent rp.sum128 change, and re-encode to a payload that decodes to the same changes.
+ * The in-place path (rp_decode_apply, chunk by chunk on a copy of the base) must succeed
+ * exactly when the decode does, with the same outputs, the same patched bytes and an exact
+ * rp.sum128 change, and must leave a failing chunk's bytes as they were.
  * Any other outcome, a sanitizer report or a leak is a bug. */
 #include "fuzz_common.h"
+
+static void fz_decode_apply(fz_case *c, const uint8_t *pl, size_t len, const fz_out *ref,
+                            const uint8_t *target) {
+    int64_t nch = fz_chunks(c), cnt, done = 0;
+    size_t offs[FZ_MAXCH], lens[FZ_MAXCH];
+    const char *err = NULL;
+    int ow = fz_ow(&c->k), rc = RP_OK;
+    if (nch > FZ_MAXCH || nch > (int64_t)len || fz_table(pl, len, nch, offs, lens)) {
+        if (ref->rc == RP_OK) fz_fail("decode_apply: a table the decode accepted");
+        return;
+    }
+    uint8_t *work = malloc(c->nbytes + 1);
+    int64_t *pos = malloc((size_t)c->n * 8 + 8);
+    uint8_t *ov = malloc((size_t)c->n * ow + 8), *nv = malloc((size_t)c->n * ow + 8);
+    uint64_t delta[2] = {0, 0}, before[2], after[2];
+    if (!work || !pos || !ov || !nv) fz_fail("out of memory");
+    memcpy(work, fz_base(c), c->nbytes);
+    for (int64_t i = 0; i < nch && rc == RP_OK; i++) {
+        uint8_t *body = malloc(lens[i] ? lens[i] : 1);
+        if (!body) fz_fail("out of memory for a body");
+        memcpy(body, pl + offs[i], lens[i]);
+        rc = rp_chunk_count(&c->k, body, lens[i], fz_chunk_n(c, i), &cnt, &err);
+        if (rc == RP_OK && lens[i]) {
+            size_t b0 = (size_t)(i * RP_CHUNK) * (size_t)c->k.bits / 8;
+            size_t b1 = (size_t)(i * RP_CHUNK + fz_chunk_n(c, i)) * (size_t)c->k.bits / 8;
+            uint8_t *keep = malloc(b1 - b0 + 1);
+            if (!keep) fz_fail("out of memory");
+            memcpy(keep, work + b0, b1 - b0);
+            err = NULL;
+            rc = rp_decode_apply(&c->k, work, c->nbytes, body, lens[i], i * RP_CHUNK,
+                                 fz_chunk_n(c, i), cnt, pos + done, ov + done * ow,
+                                 nv + done * ow, ow, delta, &err);
+            if (rc && !err) fz_fail("rp_decode_apply failed without a message");
+            if (rc && memcmp(keep, work + b0, b1 - b0)) fz_fail("rp_decode_apply wrote a chunk it refused");
+            free(keep);
+            if (rc == RP_OK) done += cnt;
+        }
+        free(body);
+    }
+    if ((rc == RP_OK) != (ref->rc == RP_OK)) fz_fail("rp_decode_apply and the decode disagree");
+    if (rc == RP_OK) {
+        if (done != ref->total || memcmp(pos, ref->pos, (size_t)done * 8)
+            || memcmp(ov, ref->oldv, (size_t)done * ow) || memcmp(nv, ref->newv, (size_t)done * ow))
+            fz_fail("rp_decode_apply's outputs differ from the decode's");
+        if (memcmp(work, target, c->nbytes)) fz_fail("rp_decode_apply wrote other bytes than apply");
+        fz_sum(fz_base(c), c->nbytes, before);
+        fz_sum(work, c->nbytes, after);
+        if (after[0] != before[0] + delta[0] || after[1] != before[1] + delta[1])
+            fz_fail("rp_decode_apply's sum128 change differs from the digests");
+    }
+    free(work); free(pos); free(ov); free(nv);
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static int verbose = -1; /* FZ_VERBOSE=1: one line per input (checks the seed corpus) */
@@ -27,6 +82,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (a.rc == RP_OK) {
         fz_check_decoded(&c, &a);
         uint8_t *target = fz_apply(&c, &a);
+        fz_decode_apply(&c, c.rest, c.rest_len, &a, target);
         int64_t changed[FZ_MAXCH];
         size_t plen;
         uint8_t *pl = fz_encode(&c, target, &plen, changed);
@@ -35,6 +91,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fz_out_free(&again);
         free(pl);
         free(target);
+    }
+    else {
+        fz_decode_apply(&c, c.rest, c.rest_len, &a, NULL);
     }
     fz_out_free(&a);
     fz_out_free(&b);

@@ -1,0 +1,239 @@
+"""The patch container's prefix and header: constants, ``inspect`` and its validation
+(normative spec: docs/patch-format.md §1–§2).
+
+Parsing is bounded and validates in this order — magic, version, flags, lengths, header
+checksum, JSON schema and limits — before any payload is touched. Hostile input raises
+:class:`PatchDecodeError`, never a numpy exception, never an unbounded allocation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from ..errors import PatchDecodeError
+from ..kinds import KINDS
+from ..view import DigestAlgo
+from .codecs import bounded_decompress
+from .model import OPS
+
+__all__ = [
+    "DIGESTS",
+    "FLAG_ZSTD_HEADER",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "VERSION",
+    "VERSIONS",
+    "PatchHeader",
+    "inspect",
+]
+
+MAGIC = b"\x89RPATCH\n"
+#: Format version written by default; 1 is still read (and written on request).
+VERSION = 2
+VERSIONS = (1, 2)
+#: Per format version: the view digest algorithm and the delta codecs it allows.
+DIGESTS: dict[int, DigestAlgo] = {1: "rp.blake3.v1", 2: "rp.sum128.v1"}
+_DELTA_BY_VERSION = {
+    1: ("rp.ctxgolomb.v1", "rp.xorzstd.v1"),
+    2: ("rp.ctxgolomb.v2", "rp.xorzstd.v1"),
+}
+#: A ``full`` tensor may not decompress beyond max(base view bytes, this) unless allowed.
+MIN_FULL_BOUND = 256 * 1024 * 1024
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+MAX_NAME_BYTES = 1024
+MAX_DIMS = 16
+MAX_ELEMENTS = 1 << 48
+_PREFIX = struct.Struct("<8sHHI")
+#: Flag bit 0: the header is a zstd frame (hex digests and names compress about 3×).
+FLAG_ZSTD_HEADER = 1
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _b3(data: bytes | memoryview) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+@dataclass(frozen=True)
+class PatchHeader:
+    """A validated patch header (what ``inspect`` returns)."""
+
+    base: str
+    target: str
+    meta: dict[str, str]
+    tensors: list[dict[str, Any]]
+    payload_start: int
+    payload_bytes: int
+    header_bytes: int
+    version: int = VERSION
+
+    @property
+    def digest(self) -> DigestAlgo:
+        """The view digest algorithm of every digest in the header."""
+        return DIGESTS[self.version]
+
+    @property
+    def n_changed(self) -> int:
+        return sum(e["changed"] for e in self.tensors if e["op"] == "delta")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "digest": self.digest,
+            "base": self.base,
+            "target": self.target,
+            "meta": self.meta,
+            "payload_bytes": self.payload_bytes,
+            "header_bytes": self.header_bytes,
+            "changed": self.n_changed,
+            "tensors": self.tensors,
+        }
+
+
+def inspect(blob: bytes | memoryview) -> PatchHeader:
+    """Validate the container and header (no base view needed)."""
+    mv = memoryview(blob)
+    if len(mv) < _PREFIX.size + 32:
+        raise PatchDecodeError("too short to be a patch", size=len(mv))
+    magic, version, flags, hlen = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise PatchDecodeError("not a rollpatch patch (bad magic)")
+    if version not in VERSIONS:
+        raise PatchDecodeError(
+            f"unsupported patch format version {version}", hint="upgrade rollpatch"
+        )
+    if flags & ~FLAG_ZSTD_HEADER:
+        raise PatchDecodeError("unknown flags set", flags=flags)
+    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen + 32 > len(mv):
+        raise PatchDecodeError("header length out of bounds", header_len=hlen)
+    end = _PREFIX.size + hlen
+    if _b3(mv[:end]) != bytes(mv[end : end + 32]):
+        raise PatchDecodeError("header checksum mismatch: the patch is corrupt")
+    raw = bytes(mv[_PREFIX.size : end])
+    if flags & FLAG_ZSTD_HEADER:
+        # headers compress ~3x: a frame that expands far beyond that is refused early
+        raw = bounded_decompress(raw, min(MAX_HEADER_BYTES, max(1 << 20, 64 * hlen)), exact=False)
+    try:
+        header = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise PatchDecodeError(f"header is not valid JSON: {str(e)[:200]}") from None
+    parsed = _validate_header(header, hlen, version)
+    if parsed.payload_start + parsed.payload_bytes != len(mv):
+        raise PatchDecodeError(
+            "file length does not match the header",
+            expected=parsed.payload_start + parsed.payload_bytes,
+            actual=len(mv),
+        )
+    return parsed
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a patch header")
+
+
+def _need(cond: bool, what: str, **ctx: Any) -> None:
+    if not cond:
+        raise PatchDecodeError(f"invalid patch header: {what}", **ctx)
+
+
+def _is_int(x: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _is_digest(x: Any, nullable: bool) -> bool:
+    return (x is None and nullable) or (isinstance(x, str) and bool(_DIGEST_RE.match(x)))
+
+
+def _validate_header(h: Any, hlen: int, version: int) -> PatchHeader:
+    _need(isinstance(h, dict), "not an object")
+    _need(
+        h.get("format") == "rollpatch.patch" and h.get("version") == version,
+        "format/version fields",
+    )
+    _need(version < 2 or h.get("digest") == DIGESTS[version], "digest algorithm")
+    _need(_is_digest(h.get("base"), False) and _is_digest(h.get("target"), False), "root digests")
+    meta = h.get("meta", {})
+    _need(
+        isinstance(meta, dict)
+        and len(meta) <= 256
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()),
+        "meta",
+    )
+    payload_bytes = h.get("payload_bytes")
+    _need(_is_int(payload_bytes), "payload_bytes")
+    tensors = h.get("tensors")
+    _need(isinstance(tensors, list) and len(tensors) <= MAX_TENSORS, "tensors list")
+    prev, spans = None, []
+    for e in tensors:
+        _validate_entry(e, payload_bytes, version)
+        _need(prev is None or e["name"] > prev, "tensors not sorted/unique", tensor=e["name"])
+        prev = e["name"]
+        spans.append((e["offset"], e["offset"] + e["length"]))
+    spans.sort()
+    _need(all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "overlapping payloads")
+    return PatchHeader(
+        h["base"],
+        h["target"],
+        dict(meta),
+        tensors,
+        _PREFIX.size + hlen + 32,
+        payload_bytes,
+        hlen,
+        version,
+    )
+
+
+def _validate_entry(e: Any, payload_bytes: int, version: int) -> None:
+    _need(isinstance(e, dict), "tensor entry")
+    name = e.get("name")
+    _need(isinstance(name, str) and 0 < len(name.encode()) <= MAX_NAME_BYTES, "tensor name")
+    op, kind = e.get("op"), KINDS.get(str(e.get("kind")))
+    if op not in OPS or kind is None or e.get("dtype") != kind.dtype:
+        raise PatchDecodeError("invalid patch header: op/kind/dtype", tensor=name)
+    shape = e.get("shape")
+    _need(
+        isinstance(shape, list)
+        and len(shape) <= MAX_DIMS
+        and all(_is_int(d, 0, MAX_ELEMENTS) for d in shape),
+        "shape",
+        tensor=name,
+    )
+    count = math.prod(shape)
+    _need(count < MAX_ELEMENTS, "element count", tensor=name)
+    n = count * 2 if kind.packed else count
+    changed = e.get("changed")
+    _need(_is_int(changed, 0, n) and (op == "delta" or changed == n), "changed", tensor=name)
+    _need(
+        _is_digest(e.get("base"), op == "full")
+        and _is_digest(e.get("target"), op == "drop")
+        and (op != "drop" or e.get("target") is None),
+        "tensor digests",
+        tensor=name,
+    )
+    codec = e.get("codec")
+    ok = {"delta": set(_DELTA_BY_VERSION[version]), "full": {"zstd", "raw"}, "drop": {"none"}}[op]
+    _need(
+        isinstance(codec, str) and codec in ok,
+        f"codec {str(codec)[:40]!r} for op {op}",
+        tensor=name,
+    )
+    off, length = e.get("offset"), e.get("length")
+    _need(
+        _is_int(off) and _is_int(length) and off + length <= payload_bytes,
+        "payload span",
+        tensor=name,
+    )
+    _need(op != "drop" or length == 0, "drop with payload", tensor=name)
+    _need(
+        isinstance(e.get("b3"), str) and bool(_DIGEST_RE.match(e["b3"])),
+        "payload checksum",
+        tensor=name,
+    )

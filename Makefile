@@ -42,7 +42,11 @@ lint: setup
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy src/rollpatch
 
-test: setup lint vllm-env sglang-env fuzz-env
+# The engines' venvs and clang are set up while .venv is built and linted (separate venvs,
+# mostly download and unpack time), then the suite runs; the tests start and stop the servers
+# (one vLLM and one SGLang for the session: tests/live_servers.py). Measured times: README.
+test:
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint vllm-env sglang-env fuzz-env
 	$(BIN)/python -m pytest -q
 
 fuzz: setup fuzz-env

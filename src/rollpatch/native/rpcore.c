@@ -1002,11 +1002,12 @@ static int pick_window(const lane_t *l) {
     return lo;
 }
 
-#define JOIN_BODY(BLKCNT, EQ32, OUT32)                                                      \
+#define JOIN_BODY(COUNTS, EQ32, OUT32)                                                      \
     uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
     uint8_t listed[NCTX];                                                                   \
     int vc[WIN], nvc = 0, outside = 0;                                                      \
     uint32_t cnt[WIN], tgt[WIN], bcs[WIN];                                                  \
+    uint8_t vcb[WIN];                                                                       \
     uint64_t cur[WIN], endr[WIN];                                                           \
     int lo = pick_window(l);                                                                \
     memset(listed, 0, sizeof listed);                                                       \
@@ -1022,17 +1023,17 @@ static int pick_window(const lane_t *l) {
         }                                                                                   \
     }                                                                                       \
     uint8_t pad = (uint8_t)(lo + WIN < NCTX ? lo + WIN : lo - 1); /* in no window */       \
+    for (int t = 0; t < WIN; t++) { /* slots past nvc never hit */                          \
+        vcb[t] = t < nvc ? (uint8_t)vc[t] : pad;                                            \
+        if (t >= nvc) { cnt[t] = 0; tgt[t] = UINT32_MAX; }                                  \
+    }                                                                                       \
     for (int64_t b0 = 0; b0 < n; b0 += JB) {                                                \
         int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
         uint64_t bb[JB / 64] = {0}; /* positions found in this block */                     \
         uint32_t bci[JB]; /* their context-order indices */                                \
         BLOCKCTX(kd, base, start + b0, len, cbuf);                                          \
         if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
-        uint32_t hit = 0;                                                                   \
-        for (int t = 0; t < nvc; t++) { /* no branch per context */                         \
-            bcs[t] = BLKCNT(cbuf, vc[t]);                                                   \
-            hit |= (uint32_t)(cnt[t] + bcs[t] > tgt[t]) << t;                               \
-        }                                                                                   \
+        uint32_t hit = COUNTS(cbuf, vcb, nvc, cnt, tgt, bcs); /* no branch per context */  \
         while (hit) { /* the contexts with a changed rank inside this block */             \
             int t = __builtin_ctz(hit);                                                     \
             hit &= hit - 1;                                                                 \
@@ -1118,11 +1119,22 @@ static inline uint32_t out32_scalar(const uint8_t *p, int lo) {
     return m;
 }
 
+/* Each slot's count in the block (bcs) and, with tgt, the slots whose next rank falls inside it. */
+static inline uint32_t counts_scalar(const uint8_t *cb, const uint8_t *vcb, int nvc,
+                                     const uint32_t *cnt, const uint32_t *tgt, uint32_t *bcs) {
+    uint32_t hit = 0;
+    for (int t = 0; t < nvc; t++) {
+        bcs[t] = blkcnt_scalar(cb, vcb[t]);
+        if (tgt) hit |= (uint32_t)(cnt[t] + bcs[t] > tgt[t]) << t;
+    }
+    return hit;
+}
+
 #define BLOCKCTX block_ctx
 #define SELECT64 select64_loop
 static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                         int64_t n) {
-    JOIN_BODY(blkcnt_scalar, eq32_scalar, out32_scalar)
+    JOIN_BODY(counts_scalar, eq32_scalar, out32_scalar)
 }
 #undef SELECT64
 #undef BLOCKCTX
@@ -1147,6 +1159,40 @@ __attribute__((target("avx2"))) static inline uint32_t out32_avx2(const uint8_t 
     __m256i top = _mm256_set1_epi8(WIN - 1);
     __m256i in = _mm256_cmpeq_epi8(_mm256_max_epu8(v, top), top);
     return ~(uint32_t)_mm256_movemask_epi8(in);
+}
+
+/* counts_scalar for up to 16 slots, 8 at a time: byte compares per slot, then the 8 slots'
+ * sums by horizontal adds into one vector, and the hit test (unsigned) for all 8 at once. */
+__attribute__((target("avx2"))) static inline uint32_t counts_avx2(const uint8_t *cb,
+                                                                    const uint8_t *vcb, int nvc,
+                                                                    const uint32_t *cnt,
+                                                                    const uint32_t *tgt,
+                                                                    uint32_t *bcs) {
+    __m256i x[JB / 32];
+    for (int v = 0; v < JB / 32; v++) x[v] = _mm256_load_si256((const __m256i *)(cb + 32 * v));
+    const __m256i z = _mm256_setzero_si256(), flip = _mm256_set1_epi32((int)0x80000000u);
+    uint32_t hit = 0;
+    for (int g = 0; g * 8 < nvc; g++) {
+        __m256i sd[8];
+        for (int t = 0; t < 8; t++) {
+            __m256i c = _mm256_set1_epi8((char)vcb[8 * g + t]), acc = z;
+            for (int v = 0; v < JB / 32; v++) acc = _mm256_sub_epi8(acc, _mm256_cmpeq_epi8(x[v], c));
+            sd[t] = _mm256_sad_epu8(acc, z); /* 4 x u64, each <= 64 */
+        }
+        __m256i h01 = _mm256_hadd_epi32(sd[0], sd[1]), h23 = _mm256_hadd_epi32(sd[2], sd[3]);
+        __m256i h45 = _mm256_hadd_epi32(sd[4], sd[5]), h67 = _mm256_hadd_epi32(sd[6], sd[7]);
+        __m256i q0 = _mm256_hadd_epi32(h01, h23), q1 = _mm256_hadd_epi32(h45, h67);
+        __m128i lo = _mm_add_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
+        __m128i hi = _mm_add_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
+        __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        _mm256_storeu_si256((__m256i *)(bcs + 8 * g), b);
+        if (!tgt) continue; /* counts only (the encoder) */
+        __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(cnt + 8 * g)), b);
+        __m256i gt = _mm256_cmpgt_epi32(_mm256_xor_si256(sum, flip),
+                                        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tgt + 8 * g)), flip));
+        hit |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(gt)) << (8 * g);
+    }
+    return hit;
 }
 
 /* block_ctx for 16-bit kinds, JB elements (the base may end mid-block: the caller pads) */
@@ -1180,7 +1226,7 @@ __attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const u
                                                        lane_t *l, int64_t start, int64_t n) {
 #define BLOCKCTX BLOCKCTX16
 #define SELECT64 select64_loop
-    JOIN_BODY(blkcnt_avx2, eq32_avx2, out32_avx2)
+    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2)
 #undef SELECT64
 #undef BLOCKCTX
 }
@@ -1196,7 +1242,7 @@ __attribute__((target("avx2,bmi2"))) static void join_avx2_pdep(const rp_kind *k
                                                                  int64_t n) {
 #define BLOCKCTX BLOCKCTX16
 #define SELECT64 select64_pdep
-    JOIN_BODY(blkcnt_avx2, eq32_avx2, out32_avx2)
+    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2)
 #undef SELECT64
 #undef BLOCKCTX
 }

@@ -137,6 +137,8 @@ def any_board(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Board]
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the live engine servers the collected tests will take (their boot overlaps)."""
+    if session.config.option.collectonly:
+        return
     factory = session.config._tmp_path_factory  # type: ignore[attr-defined]
     live_servers.prestart(session.items, lambda kind: factory.mktemp(f"live-{kind}"))
 

@@ -929,11 +929,13 @@ static inline void lane_flush(lane_t *l) {
         T *d = (T *)l->wdata, *po = (T *)l->old_out, *pn = (T *)l->new_out;                 \
         const MT *mg = (const MT *)l->magc;                                                 \
         for (int64_t i = l->done; i < l->emitted; i++) {                                    \
+            __builtin_prefetch(mg + l->rci[i + 16 < l->emitted ? i + 16 : i]);              \
             int64_t p = start + l->rpos[i];                                                 \
             uint64_t x = l->rold[i];                                                        \
             int neg = kd->order != RP_UNSIGNED && (x & s);                                  \
             uint64_t key = to_key(kd, x), a = mg[l->rci[i]];                                \
-            T y = (T)from_key(kd, ((l->outw[i] ^ (uint8_t)neg) ? key + a : key - a) & msk); \
+            uint64_t sg = 0 - (uint64_t)!(l->outw[i] ^ (uint8_t)neg); /* 0: +a, ~0: -a */   \
+            T y = (T)from_key(kd, (key + ((a ^ sg) - sg)) & msk);                           \
             l->pos_out[i] = p;                                                              \
             po[i] = (T)x;                                                                   \
             pn[i] = y;                                                                      \
@@ -961,7 +963,8 @@ static void finalize(const rp_kind *kd, lane_t *l, int64_t start) {
             uint64_t x = l->rold[i];
             int neg = kd->order != RP_UNSIGNED && (x & s);
             uint64_t key = to_key(kd, x), a = arr_get(l->magc, l->mw, l->rci[i]);
-            uint64_t y = from_key(kd, ((l->outw[i] ^ (uint8_t)neg) ? key + a : key - a) & msk);
+            uint64_t sg = 0 - (uint64_t)!(l->outw[i] ^ (uint8_t)neg); /* 0: +a, ~0: -a */
+            uint64_t y = from_key(kd, (key + ((a ^ sg) - sg)) & msk);
             l->pos_out[i] = p;
             arr_put(l->old_out, l->ow, i, x);
             arr_put(l->new_out, l->ow, i, y);

@@ -248,3 +248,13 @@ def test_apply_rehashes_by_default_and_incremental_is_exact_for_what_it_wrote() 
     apply(z, p, incremental=True)  # not detected here: the audit's job
     z.invalidate()
     assert z.digest() != b.digest()
+
+
+def test_join_release_concatenates_and_releases_each_part() -> None:
+    core = native.require()
+    parts: list[object] = [b"ab", bytearray(b"cd"), memoryview(b"xyz")[1:], b""]
+    assert core.join_release(parts) == b"abcdyz"
+    assert parts == [None, None, None, None]
+    assert core.join_release([]) == b""
+    with pytest.raises(TypeError):
+        core.join_release([b"ok", 3])

@@ -308,6 +308,51 @@ out:
     return res;
 }
 
+/* join_release(list) -> bytes: the list's buffers concatenated into one new bytes object;
+ * each item is replaced by None once copied, so a large item's memory goes back while the
+ * result fills (the result and the parts are never all resident at once). */
+static PyObject *py_join_release(PyObject *self, PyObject *args) {
+    PyObject *lst;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &lst)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(lst), total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(lst, i), &b, PyBUF_SIMPLE)) return NULL;
+        if (b.len > PY_SSIZE_T_MAX - total) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_OverflowError, "joined size overflows");
+            return NULL;
+        }
+        total += b.len;
+        PyBuffer_Release(&b);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (!out) return NULL;
+    char *dst = PyBytes_AS_STRING(out);
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(lst, i), &b, PyBUF_SIMPLE)) { Py_DECREF(out); return NULL; }
+        if (b.len > total - at) { /* an item grew in between: refuse */
+            PyBuffer_Release(&b);
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_ValueError, "an item changed size while joining");
+            return NULL;
+        }
+        memcpy(dst + at, b.buf, (size_t)b.len);
+        at += b.len;
+        PyBuffer_Release(&b);
+        Py_INCREF(Py_None);
+        if (PyList_SetItem(lst, i, Py_None)) { Py_DECREF(out); return NULL; }
+    }
+    if (at != total) {
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_ValueError, "an item changed size while joining");
+        return NULL;
+    }
+    return out;
+}
+
 /* sum128(data, w0, nwords) -> (a, b) */
 static PyObject *py_sum128(PyObject *self, PyObject *args) {
     Py_buffer d = {0};
@@ -429,6 +474,7 @@ static PyMethodDef methods[] = {
     {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},
     {"decode_range", py_decode_range, METH_VARARGS, "Decode chunks [first, last)."},
     {"sum128", py_sum128, METH_VARARGS, "rp.sum128 state of a word range."},
+    {"join_release", py_join_release, METH_VARARGS, "Concatenate a list of buffers into bytes, releasing each."},
     {"apply", py_apply, METH_VARARGS, "Check old, write new; returns the sum128 change."},
     {"gather", py_gather, METH_VARARGS, "Gather elements at positions."},
     {"diff", py_diff, METH_VARARGS, "Positions where two buffers differ."},

@@ -205,7 +205,11 @@ def assemble(
     parts: list[tuple[dict[str, Any], bytes]],
     version: int,
 ) -> bytes:
-    """The container (§1-§2) around per-tensor (entry, payload) parts in name order."""
+    """The container (§1-§2) around per-tensor (entry, payload) parts in name order.
+
+    Consumes ``parts`` (cleared): the patch is built while the payloads are released, so
+    the payloads and the patch are never both held whole.
+    """
     entries, offset = [], 0
     for e, payload in parts:
         e.update(
@@ -230,7 +234,12 @@ def assemble(
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
     packed = _header_compressor().compress(raw)
     prefix = _PREFIX.pack(MAGIC, version, FLAG_ZSTD_HEADER, len(packed)) + packed
-    return b"".join([prefix, _b3(prefix), *(p for _, p in parts)])
+    pieces: list[Any] = [prefix, _b3(prefix), *(p for _, p in parts)]
+    parts.clear()  # the pieces list holds the only references to the payloads now
+    if native.core is not None:  # each payload freed as soon as it is copied
+        out: bytes = native.core.join_release(pieces)
+        return out
+    return b"".join(pieces)
 
 
 def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str, bytes]:

@@ -42,7 +42,9 @@ class ChainBoard(Board):
     """Plans only the chain of step patches ``have → have+1 → … → want`` (no skips, no
     keyframes): the baseline the folded path is compared with."""
 
-    def plan(self, run: str, have: int | None, want: int) -> Plan:
+    def plan(
+        self, run: str, have: int | None, want: int, *, avoid: frozenset[str] = frozenset()
+    ) -> Plan:
         if have is None:
             raise NoPathError("a chain of step patches needs a loaded engine", run=run)
         steps = []
@@ -50,7 +52,10 @@ class ChainBoard(Board):
             m = self.manifest(run, v)
             if m.parent != v - 1 or not m.patches_from(v - 1):
                 raise NoPathError("no step patch into this version", run=run, version=v)
-            steps.append(PlanStep(v - 1, v, tuple(p.ref for p in m.patches_from(v - 1))))
+            refs = tuple(p.ref for p in m.patches_from(v - 1))
+            if any(r.key in avoid for r in refs):
+                raise NoPathError("a step patch of the chain is avoided", run=run, version=v)
+            steps.append(PlanStep(v - 1, v, refs))
         return Plan(run, have, want, tuple(steps))
 
 

@@ -114,7 +114,14 @@ class ShardPipeline:
             res.timings["diff_s"] = _lap(t)
             t = time.perf_counter()
             if step is not None and prev is not None and self.prev_version is not None:
-                blob = encode(self._with_meta(step, self.prev_version, version), prev)
+                meta = self._meta(self.prev_version, version)
+                # the step patch (kept for the skip accumulators) encodes faster from the two
+                # views in one fused pass, byte for byte what encode(step, prev) writes
+                blob = (
+                    encode_views(prev, view, meta=meta)
+                    if native.core is not None
+                    else encode(self._with_meta(step, self.prev_version, version), prev)
+                )
                 blobs.append((self.prev_version, "rpatch", blob))
                 res.patch_bytes, res.changed = len(blob), step.n_changed
         res.accumulators, skips = self._advance_accumulators(version, step)

@@ -258,3 +258,26 @@ def test_join_release_concatenates_and_releases_each_part() -> None:
     assert core.join_release([]) == b""
     with pytest.raises(TypeError):
         core.join_release([b"ok", 3])
+
+
+def test_compose_native_matches_the_numpy_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollpatch.patch import compose, diff
+    from rollpatch.view import View
+
+    rng = np.random.default_rng(7)
+    kind = KINDS["bf16"]
+    a = rng.integers(0, 1 << 16, 50_000, dtype=np.uint16)
+    b, c = a.copy(), a.copy()
+    b[rng.choice(a.size, 900, replace=False)] ^= 3
+    c[:] = b
+    c[rng.choice(a.size, 700, replace=False)] ^= 5
+    c[rng.choice(a.size, 50, replace=False)] = a[:50]  # some changes undone
+    va, vb, vc = (View({"w": Tensor(kind, (a.size,), x)}) for x in (a, b, c))
+    p, q = diff(va, vb), diff(vb, vc)
+    fast = compose(p, q)
+    monkeypatch.setattr(native, "core", None)
+    slow = compose(p, q)
+    assert fast.tensors.keys() == slow.tensors.keys()
+    for name in fast.tensors:
+        assert fast.tensors[name].equals(slow.tensors[name])
+    assert fast.tensors["w"].equals(diff(va, vc).tensors["w"])

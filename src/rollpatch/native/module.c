@@ -398,6 +398,39 @@ out:
     return res;
 }
 
+/* compose(width, pp, po, pn, qp, qo, qn, rp, ro, rn) -> count, or -1 when the patches
+ * disagree on an intermediate element (the caller raises its own error) */
+static PyObject *py_compose(PyObject *self, PyObject *args) {
+    int w;
+    Py_buffer b[9];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*y*y*w*w*w*", &w, &b[0], &b[1], &b[2], &b[3], &b[4],
+                          &b[5], &b[6], &b[7], &b[8]))
+        return NULL;
+    Py_ssize_t np_ = b[0].len / 8, nq = b[3].len / 8;
+    if ((w != 1 && w != 2 && w != 4 && w != 8) || b[0].len % 8 || b[3].len % 8
+        || b[1].len != np_ * w || b[2].len != np_ * w || b[4].len != nq * w
+        || b[5].len != nq * w || b[6].len < (np_ + nq) * 8 || b[7].len < (np_ + nq) * w
+        || b[8].len < (np_ + nq) * w) {
+        PyErr_SetString(PyExc_ValueError, "compose: array lengths or width");
+        goto out;
+    }
+    int64_t n = 0;
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_compose(w, b[0].buf, b[1].buf, b[2].buf, np_, b[3].buf, b[4].buf, b[5].buf, nq,
+                    b[6].buf, b[7].buf, b[8].buf, &n, &err);
+    Py_END_ALLOW_THREADS
+    if (rc == RP_EBASE) res = PyLong_FromLong(-1);
+    else if (rc) PyErr_SetString(PyExc_ValueError, err);
+    else res = PyLong_FromLongLong(n);
+out:
+    for (int i = 0; i < 9; i++) PyBuffer_Release(&b[i]);
+    return res;
+}
+
 /* gather(kind, data, pos:int64, out(writable, element width)) */
 static PyObject *py_gather(PyObject *self, PyObject *args) {
     PyObject *kt, *res = NULL;
@@ -477,6 +510,7 @@ static PyMethodDef methods[] = {
     {"join_release", py_join_release, METH_VARARGS, "Concatenate a list of buffers into bytes, releasing each."},
     {"apply", py_apply, METH_VARARGS, "Check old, write new; returns the sum128 change."},
     {"gather", py_gather, METH_VARARGS, "Gather elements at positions."},
+    {"compose", py_compose, METH_VARARGS, "Merge two sorted change lists (p then q)."},
     {"diff", py_diff, METH_VARARGS, "Positions where two buffers differ."},
     {"set_errors", py_set_errors, METH_VARARGS, "Exception classes for corrupt/base errors."},
     {NULL, NULL, 0, NULL},

@@ -1751,3 +1751,36 @@ int rp_diff(const rp_kind *kd, const uint8_t *a, const uint8_t *b, int64_t start
     *found = f;
     return RP_OK;
 }
+
+/* ------------------------------------------------------------------ compose */
+
+int rp_compose(int w, const int64_t *pp, const void *po, const void *pn, int64_t np_,
+               const int64_t *qp, const void *qo, const void *qn, int64_t nq, int64_t *rp,
+               void *ro, void *rn, int64_t *nout, const char **err) {
+    int64_t i = 0, j = 0, o = 0;
+    *nout = 0;
+    for (int64_t a = 1; a < np_; a++)
+        if (pp[a] <= pp[a - 1]) { *err = "positions not increasing"; return RP_EARG; }
+    for (int64_t a = 1; a < nq; a++)
+        if (qp[a] <= qp[a - 1]) { *err = "positions not increasing"; return RP_EARG; }
+    while (i < np_ || j < nq) {
+        int64_t pos;
+        uint64_t old, nw;
+        if (j >= nq || (i < np_ && pp[i] < qp[j])) {
+            pos = pp[i]; old = arr_get(po, w, i); nw = arr_get(pn, w, i); i++;
+        } else if (i >= np_ || qp[j] < pp[i]) {
+            pos = qp[j]; old = arr_get(qo, w, j); nw = arr_get(qn, w, j); j++;
+        } else {
+            if (arr_get(pn, w, i) != arr_get(qo, w, j)) {
+                *err = "patches disagree on intermediate elements"; return RP_EBASE;
+            }
+            pos = pp[i]; old = arr_get(po, w, i); nw = arr_get(qn, w, j); i++; j++;
+        }
+        rp[o] = pos;
+        arr_put(ro, w, o, old);
+        arr_put(rn, w, o, nw);
+        o += old != nw;
+    }
+    *nout = o;
+    return RP_OK;
+}

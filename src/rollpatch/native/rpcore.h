@@ -83,4 +83,12 @@ int rp_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const int64_t *pos,
 int rp_diff(const rp_kind *k, const uint8_t *a, const uint8_t *b, int64_t start, int64_t n,
             int64_t *pos, int64_t cap, int64_t *found);
 
+/* The changes of applying p then q (positions strictly increasing in each; elements `w`
+ * bytes wide): positions in either, old from p where p has it, new from q where q has it;
+ * where both have a position, p's new must equal q's old (else RP_EBASE); positions whose old
+ * equals their new are left out. r* have room for np_ + nq entries; *nout is the count. */
+int rp_compose(int w, const int64_t *pp, const void *po, const void *pn, int64_t np_,
+               const int64_t *qp, const void *qo, const void *qn, int64_t nq, int64_t *rp,
+               void *ro, void *rn, int64_t *nout, const char **err);
+
 #endif

@@ -183,16 +183,21 @@ typedef struct {
     size_t nbits, pos;
 } br_t;
 
-static inline uint64_t br_peek(const br_t *r) { /* next bits MSB-aligned; zeros past the end */
-    size_t byte = r->pos >> 3, nb = (r->nbits >> 3) - byte;
+/* The next 64 bits at bit `pos` (<= nbits, a multiple of 8), MSB-aligned; zeros past the end. */
+static inline uint64_t peek_at(const uint8_t *b, size_t nbits, size_t pos) {
+    size_t byte = pos >> 3, nb = (nbits >> 3) - byte;
     uint64_t x = 0;
-    if (nb >= 8) {
-        memcpy(&x, r->b + byte, 8);
+    if (__builtin_expect(nb >= 8, 1)) {
+        memcpy(&x, b + byte, 8);
         x = __builtin_bswap64(x);
     } else {
-        for (size_t i = 0; i < nb; i++) x |= (uint64_t)r->b[byte + i] << (56 - 8 * i);
+        for (size_t i = 0; i < nb; i++) x |= (uint64_t)b[byte + i] << (56 - 8 * i);
     }
-    return x << (r->pos & 7);
+    return x << (pos & 7);
+}
+
+static inline uint64_t br_peek(const br_t *r) { /* next bits MSB-aligned; zeros past the end */
+    return peek_at(r->b, r->nbits, r->pos);
 }
 
 static inline int br_get(br_t *r, unsigned n, uint64_t *v) { /* n <= 64 */
@@ -331,19 +336,6 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
     return 0;
 }
 
-/* The next 64 bits at bit `pos` (<= nbits, a multiple of 8), MSB-aligned; zeros past the end. */
-static inline uint64_t peek_at(const uint8_t *b, size_t nbits, size_t pos) {
-    size_t byte = pos >> 3, nb = (nbits >> 3) - byte;
-    uint64_t x = 0;
-    if (__builtin_expect(nb >= 8, 1)) {
-        memcpy(&x, b + byte, 8);
-        x = __builtin_bswap64(x);
-    } else {
-        for (size_t i = 0; i < nb; i++) x |= (uint64_t)b[byte + i] << (56 - 8 * i);
-    }
-    return x << (pos & 7);
-}
-
 /* `cnt` unary codes into out, each at most `limit` ones: every code that ends inside one
  * 64-bit peek is taken from it (a code longer than a peek goes through br_unary). */
 static int br_unary_run(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
@@ -353,7 +345,7 @@ static int br_unary_run(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
         if (!rest) return -1;
         unsigned avail = 64 - (unsigned)(r->pos & 7), used = 0;
         if (avail > rest) avail = (unsigned)rest;
-        uint64_t x = peek_at(r->b, r->nbits, r->pos);
+        uint64_t x = br_peek(r);
         while (i < cnt && used < avail) {
             uint64_t y = ~(x << used); /* used < 64 */
             unsigned ones = y ? (unsigned)__builtin_clzll(y) : 64;
@@ -1122,13 +1114,13 @@ static inline uint32_t out32_scalar(const uint8_t *p, int lo) {
     return m;
 }
 
-/* Each slot's count in the block (bcs) and, with tgt, the slots whose next rank falls inside it. */
+/* Each slot's count in the block (bcs) and the slots whose next rank falls inside it. */
 static inline uint32_t counts_scalar(const uint8_t *cb, const uint8_t *vcb, int nvc,
                                      const uint32_t *cnt, const uint32_t *tgt, uint32_t *bcs) {
     uint32_t hit = 0;
     for (int t = 0; t < nvc; t++) {
         bcs[t] = blkcnt_scalar(cb, vcb[t]);
-        if (tgt) hit |= (uint32_t)(cnt[t] + bcs[t] > tgt[t]) << t;
+        hit |= (uint32_t)(cnt[t] + bcs[t] > tgt[t]) << t;
     }
     return hit;
 }
@@ -1189,7 +1181,6 @@ __attribute__((target("avx2"))) static inline uint32_t counts_avx2(const uint8_t
         __m128i hi = _mm_add_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
         __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
         _mm256_storeu_si256((__m256i *)(bcs + 8 * g), b);
-        if (!tgt) continue; /* counts only (the encoder) */
         __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(cnt + 8 * g)), b);
         __m256i gt = _mm256_cmpgt_epi32(_mm256_xor_si256(sum, flip),
                                         _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tgt + 8 * g)), flip));

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "MIN_FULL_BOUND",
     "PatchHeader",
     "assemble",
+    "assemble_patch",
     "decode",
     "decode_entry",
     "encode",
@@ -76,24 +78,29 @@ def encode(patch: Patch, base: WordSource, *, version: int = VERSION) -> bytes:
     names = sorted(patch.tensors)
     with _pool() as pool:
         coded = list(pool.map(lambda n: _encode_tensor(patch.tensors[n], base, version), names))
-    parts = []
-    for name, (codec, payload) in zip(names, coded):
-        tp = patch.tensors[name]
-        parts.append(
-            (
-                entry(
-                    name,
-                    tp.op,
-                    tp.kind,
-                    tp.shape,
-                    tp.n_changed,
-                    tp.base_digest,
-                    tp.target_digest,
-                    codec,
-                ),
-                payload,
-            )
+    return assemble_patch(patch, dict(zip(names, coded, strict=True)), version)
+
+
+def assemble_patch(
+    patch: Patch, coded: Mapping[str, tuple[str, bytes]], version: int = VERSION
+) -> bytes:
+    """The container around ``patch``'s tensors, each already coded as (codec id, payload)."""
+    parts = [
+        (
+            entry(
+                name,
+                tp.op,
+                tp.kind,
+                tp.shape,
+                tp.n_changed,
+                tp.base_digest,
+                tp.target_digest,
+                coded[name][0],
+            ),
+            coded[name][1],
         )
+        for name, tp in sorted(patch.tensors.items())
+    ]
     return assemble(patch.base, patch.target, patch.meta, patch.digest, parts, version)
 
 

@@ -129,7 +129,7 @@ class DeviceShardPipeline(ShardPipeline):
         t = time.perf_counter() - self._code_s  # coding the step's records counts as encode
         blobs: list[tuple[int | None, str, bytes]] = []
         if step is not None and self.prev_version is not None:
-            blob = _container(self._with_meta(step, self.prev_version, version), coded)
+            blob = wire.assemble_patch(self._with_meta(step, self.prev_version, version), coded)
             blobs.append((self.prev_version, "rpatch", blob))
             res.patch_bytes, res.changed = len(blob), step.n_changed
         res.accumulators, skips = self._advance_accumulators(version, step)
@@ -263,7 +263,7 @@ class DeviceShardPipeline(ShardPipeline):
                 )
             rec = records(nb.kind, rewound, nb.words)
             coded[name] = _delta_payload(nb.kind, nb.n_elements, rec)
-        return _container(self._with_meta(composed, base, version), coded)
+        return wire.assemble_patch(self._with_meta(composed, base, version), coded)
 
 
 def _host(t: DeviceTensor | Tensor) -> Tensor:
@@ -283,27 +283,3 @@ def _delta_payload(kind: Any, n: int, rec: TensorRecords) -> tuple[str, bytes]:
         if len(alt) < len(payload):
             return "rp.xorzstd.v1", alt
     return "rp.ctxgolomb.v2", payload
-
-
-def _container(patch: Patch, coded: Mapping[str, tuple[str, bytes]]) -> bytes:
-    """The patch container around payloads coded elsewhere (the wire module's writer)."""
-    parts = []
-    for name in sorted(patch.tensors):
-        tp = patch.tensors[name]
-        codec, payload = coded[name]
-        parts.append(
-            (
-                wire.entry(
-                    name,
-                    tp.op,
-                    tp.kind,
-                    tp.shape,
-                    tp.n_changed,
-                    tp.base_digest,
-                    tp.target_digest,
-                    codec,
-                ),
-                payload,
-            )
-        )
-    return wire.assemble(patch.base, patch.target, patch.meta, patch.digest, parts, wire.VERSION)

@@ -20,8 +20,9 @@ from rollpatch.kinds import KINDS, Kind
 from rollpatch.patch import Patch, TensorPatch, encode
 from rollpatch.patch.codec_v2 import CtxGolombV2
 from rollpatch.patch.ctxv2 import CHUNK
+from rollpatch.patch.wire import assemble_patch
 from rollpatch.publisher import Publisher, PublisherConfig, device, reconstruct
-from rollpatch.publisher.devpipe import DeviceView, _container, _delta_payload
+from rollpatch.publisher.devpipe import DeviceView, _delta_payload
 from rollpatch.sim import AdamSim, SimConfig
 from rollpatch.view import Tensor, View, sum128
 
@@ -200,7 +201,7 @@ def test_container_matches_wire_encode() -> None:
     )
     p = Patch("a" * 64, "b" * 64, {"w": tp}, {"run": "x"})
     coded = {"w": _delta_payload(k, ta.n_elements, rec)}
-    assert _container(p, coded) == encode(p, View({"w": ta}))
+    assert assemble_patch(p, coded) == encode(p, View({"w": ta}))
 
 
 def _versions(steps: int) -> list[dict[str, np.ndarray]]:

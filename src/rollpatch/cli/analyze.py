@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .codec import quant_args
 
 __all__ = ["register"]
 
@@ -40,26 +41,7 @@ def register(sub: Any) -> None:
         metavar="FORMAT",
         help=f"served format (repeatable; default bf16): {', '.join(FORMAT_NAMES)}",
     )
-    p.add_argument(
-        "--scales",
-        default="bf16",
-        choices=("bf16", "frozen", "fp32"),
-        help="where quantisation scales come from (docs/formats.md)",
-    )
-    p.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="quantise only tensors matching (repeatable)",
-    )
-    p.add_argument(
-        "--exclude",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="never quantise tensors matching (repeatable)",
-    )
+    quant_args(p)
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     p.add_argument("--plot", metavar="PNG", help="also write a figure (needs matplotlib)")
     p.add_argument(

@@ -51,6 +51,11 @@ def register(sub: Any) -> None:
 
 def format_args(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     p.add_argument("--format", default="bf16", choices=names, help="served format")
+    quant_args(p)
+
+
+def quant_args(p: argparse.ArgumentParser) -> None:
+    """--scales, --include, --exclude: how a served format quantises (docs/formats.md)."""
     p.add_argument(
         "--scales",
         default="bf16",

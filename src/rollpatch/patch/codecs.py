@@ -196,11 +196,21 @@ class XorZstd(DeltaCodec):
     def encode(
         self, base: Tensor, positions: np.ndarray, old: np.ndarray, new: np.ndarray
     ) -> bytes:
-        x = np.zeros(base.n_elements, dtype=base.kind.elem_dtype)
+        return self.encode_changes(base.kind, base.n_elements, positions, old, new)
+
+    def encode_changes(
+        self, kind: Kind, n: int, positions: np.ndarray, old: np.ndarray, new: np.ndarray
+    ) -> bytes:
+        """The payload from the changed elements alone (no base tensor needed)."""
+        x = np.zeros(n, dtype=kind.elem_dtype)
         x[positions] = old ^ new
-        if base.kind.packed:
+        if kind.packed:
             x = (x[0::2] | (x[1::2] << 4)).astype(np.uint8)
-        return zstandard.ZstdCompressor(level=self.level).compress(x.tobytes())
+        return self.compress(x)
+
+    def compress(self, xor_words: np.ndarray) -> bytes:
+        """The payload from the XOR of the old and new stored words."""
+        return zstandard.ZstdCompressor(level=self.level).compress(xor_words.tobytes())
 
     def decode(
         self, payload: memoryview, base: Tensor, changed: int

@@ -147,9 +147,7 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
             b.update_sum_state(name, sum_add(st, change))
         codec_id = codec.codec_id
         if k > DENSE * ta.n_elements:
-            alt = zstandard.ZstdCompressor(level=XorZstd.level).compress(
-                np.bitwise_xor(ta.data, tb.data).tobytes()
-            )
+            alt = XorZstd().compress(np.bitwise_xor(ta.data, tb.data))
             if len(alt) < len(payload):
                 codec_id, payload = "rp.xorzstd.v1", alt
         return entry(

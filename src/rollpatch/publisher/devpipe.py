@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import zstandard
 
 from .. import native
 from ..errors import BoardError, ConfigError, FormatError, PatchError
@@ -275,11 +274,7 @@ def _delta_payload(kind: Any, n: int, rec: TensorRecords) -> tuple[str, bytes]:
     smaller (XOR+zstd needs only the positions and the old and new elements)."""
     payload = CtxGolombV2().encode_records(kind, n, rec.chunks)
     if rec.positions.size > wire.DENSE * n:
-        x = np.zeros(n, dtype=kind.elem_dtype)
-        x[rec.positions] = rec.old ^ rec.new
-        if kind.packed:
-            x = (x[0::2] | (x[1::2] << 4)).astype(np.uint8)
-        alt = zstandard.ZstdCompressor(level=XorZstd.level).compress(x.tobytes())
+        alt = XorZstd().encode_changes(kind, n, rec.positions, rec.old, rec.new)
         if len(alt) < len(payload):
             return "rp.xorzstd.v1", alt
     return "rp.ctxgolomb.v2", payload

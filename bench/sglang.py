@@ -48,8 +48,9 @@ from _util import log, machine, machine_line, table
 from _vllm_server import BenchError
 from _vllm_world import World, model_dims
 
+from rollpatch.engines.sglang.launch import server_command, server_env
+
 SGLANG_VERSION = "0.5.23"
-LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,41 +70,8 @@ class Server:
         if not (venv() / ".stamp-sglang").exists():
             raise BenchError(f"no SGLang venv at {venv()}: run scripts/sglang-env")
         self.shim_log = log_path.with_suffix(".shim")
-        env = dict(
-            os.environ,
-            SGLANG_USE_CPU_ENGINE="1",
-            HF_HUB_OFFLINE="1",
-            ROLLPATCH_SGL_SHIM_LOG=str(self.shim_log),
-            PYTHONPATH=f"{venv() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}",
-        )
-        env.pop("VIRTUAL_ENV", None)
-        cmd = [
-            str(python),
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(model),
-            "--device",
-            "cpu",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "bfloat16",
-            "--attention-backend",
-            "torch_native",
-            "--disable-cuda-graph",
-            "--skip-server-warmup",
-            "--mem-fraction-static",
-            "0.3",
-            "--max-total-tokens",
-            "4096",
-            "--context-length",
-            "512",
-            "--custom-weight-loader",
-            LOADER,
-        ]
+        env = server_env(venv(), REPO / "src", self.shim_log)
+        cmd = server_command(python, model, port, mem_fraction=0.3)
         with open(log_path, "wb") as out:
             # cwd: not bench/, whose sglang.py would shadow the sglang package
             self.proc = subprocess.Popen(

@@ -12,12 +12,12 @@ import os
 import subprocess
 from pathlib import Path
 
+from rollpatch.engines.sglang.launch import server_command, server_env
 from tests import vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG_VERSION = "0.5.23"
 BUILD_HINT = "build it with `scripts/sglang-env` (≈2 min, ≈2.8 GB; cached)"
-LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
 
 
 def venv_dir() -> Path:
@@ -44,49 +44,12 @@ def sglang_python() -> Path | None:
 def start_server(python: Path, model: Path, log: Path, shim_log: Path) -> vllm_env.Server:
     """SGLang's CPU engine on 127.0.0.1 with rollpatch's loader and the sgl_kernel shim."""
     port = vllm_env.free_port()
-    env = dict(os.environ)
-    env.pop("VIRTUAL_ENV", None)
-    env.update(
-        {
-            "SGLANG_USE_CPU_ENGINE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "ROLLPATCH_SGL_SHIM_LOG": str(shim_log),
-            "PYTHONPATH": f"{venv_dir() / 'sgl-kernel-shim'}{os.pathsep}{REPO / 'src'}",
-        }
-    )
-    cmd = [
-        str(python),
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(model),
-        "--device",
-        "cpu",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--attention-backend",
-        "torch_native",
-        "--disable-cuda-graph",
-        "--skip-server-warmup",
-        "--mem-fraction-static",
-        "0.05",
-        "--max-total-tokens",
-        "4096",
-        "--context-length",
-        "512",
-        "--random-seed",
-        "0",
-        "--custom-weight-loader",
-        LOADER,
-        # idle, the scheduler waits on its sockets instead of spinning a core (it otherwise
-        # does, and a session's server idles through most of the suite: tests.live_servers)
-        "--sleep-on-idle",
-    ]
+    env = server_env(venv_dir(), REPO / "src", shim_log)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    # --sleep-on-idle: idle, the scheduler waits on its sockets instead of spinning a core (it
+    # otherwise does, and a session's server idles through most of the suite: live_servers)
+    extra = ["--random-seed", "0", "--sleep-on-idle"]
+    cmd = server_command(python, model, port, mem_fraction=0.05, extra=extra)
     out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
     proc = subprocess.Popen(
         cmd,

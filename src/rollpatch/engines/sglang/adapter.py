@@ -36,6 +36,7 @@ from ...patch import Patch, inspect
 from ...view import Tensor, View, WordSource
 from ..base import EngineAdapter
 from ..vllm.transfer import write_decoded
+from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
 from .wire import command_payload, http_json, request, result
 
 if TYPE_CHECKING:
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LOADER", "NOT_READY", "RemoteWords", "SglangEngine"]
 
-#: What ``--custom-weight-loader`` must name (and the ``load_format`` of every command).
-LOADER = "rollpatch.engines.sglang.loader.rollpatch_weight_loader"
 #: SGLang's ``weight_version`` while the engine holds bits no version vouches for.
 NOT_READY = "rollpatch:not-ready"
 

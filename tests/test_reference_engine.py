@@ -645,8 +645,10 @@ def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path, tmp_
         ):
             assert time.monotonic() - t0 < 60, "never came back on a verified version"
             time.sleep(0.02)
-        # found within one pass over the model (plus the slice that was running)
-        assert 0 < hashed <= eng.runtime.view.nbytes + auditor.budget, hashed
+        # found within one pass over the model, counted from before the write: the slice
+        # running then (which may have read that tensor just before it) adds one more budget,
+        # and the pass's last slice may end past the tensor
+        assert 0 < hashed <= eng.runtime.view.nbytes + 2 * auditor.budget, hashed
         assert loaded == [latest] and sc.sidecar.follower.status().audits == 1
         fresh = View({n: t for n, t in eng.runtime.view.items()})
         assert fresh.digest() == sc.sidecar.board.manifest("r1", latest).target

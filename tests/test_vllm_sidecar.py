@@ -592,7 +592,10 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
             assert time.monotonic() < deadline + 120, "never came back on a verified version"
             time.sleep(0.02)
         model_bytes = world.views[world.latest].nbytes
-        assert 0 < hashed <= model_bytes + auditor.budget, hashed  # within one pass
+        # found within one pass over the model, counted from before the flip: the slice in
+        # flight then (which may have read that tensor just before it) adds one more budget,
+        # and the pass's last slice may end past the tensor
+        assert 0 < hashed <= model_bytes + 2 * auditor.budget, hashed
         assert loaded == [world.latest] and sc.sidecar.follower.status().audits == 1
         assert engine.held(fresh=True)[1] == world.views[world.latest].digest()
         assert server.get("/weight_info") == {"weight_version": str(world.latest)}

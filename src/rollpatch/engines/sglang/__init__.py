@@ -8,7 +8,7 @@ Two halves, one package:
   patches on a control thread while SGLang generates and scatters them between two forward
   passes (:mod:`.staged`);
 - **the adapter** (:class:`SglangEngine`, in the sidecar's process) drives it over HTTP and a
-  UNIX socket (:mod:`.wire`).
+  UNIX socket (:mod:`.channel`, wire formats in :mod:`.wire`).
 
 Names are imported lazily: importing this package imports neither torch nor SGLang. See
 docs/sglang.md.

@@ -20,13 +20,9 @@ SGLang's ``weight_version`` reads ``rollpatch:not-ready``.
 from __future__ import annotations
 
 import contextlib
-import json
-import secrets
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +32,8 @@ from ...patch import Patch, inspect
 from ...view import Tensor, View, WordSource
 from ..base import EngineAdapter
 from ..vllm.transfer import write_decoded
+from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
-from .wire import command_payload, http_json, request, result
 
 if TYPE_CHECKING:
     from ..staged import AuditReport, EncodedStep, StagedUpdate
@@ -88,17 +84,11 @@ class SglangEngine(EngineAdapter):
     def __init__(
         self, url: str, *, shared_dir: str | Path | None = None, timeout: float = 600.0
     ) -> None:
-        self.base_url = url.rstrip("/")
-        self.timeout = timeout
-        self._own_dir = shared_dir is None
-        self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-sglang-"))
-        self.socket = self.shared_dir / f"control-{secrets.token_hex(4)}.sock"
-        self._started = False
+        self._lock = threading.RLock()
+        self.channel = SglangChannel(url, shared_dir=shared_dir, timeout=timeout, lock=self._lock)
         self._version: int | None = None
         self._digest: str | None = None
         self._tensors: dict[str, Any] | None = None
-        self._pauses = 0
-        self._lock = threading.RLock()
         self.last_timings: dict[str, float] = {}
 
     # -- state -------------------------------------------------------------------------------
@@ -106,7 +96,7 @@ class SglangEngine(EngineAdapter):
     @property
     def url(self) -> str:
         """Base URL of SGLang's OpenAI-compatible server (proxied by the sidecar)."""
-        return self.base_url
+        return self.channel.base_url
 
     @property
     def version(self) -> int | None:
@@ -286,12 +276,12 @@ class SglangEngine(EngineAdapter):
         self, cmd: dict[str, Any], version: int, verified: Any, target: str
     ) -> dict[str, Any]:
         """Run a writing command under the pause; the version moves only if ``verified``."""
-        self._start()
+        self.channel.start()
         before = (self._version, self._digest)
-        with self._paused():
+        with self.channel.paused():
             t0 = time.perf_counter()
             try:
-                res = self._command(cmd, flush=True)
+                res = self.channel.command(cmd, flush=True)
                 if not verified(res):
                     raise TargetMismatchError(
                         "the engine reports another root than the target",
@@ -335,108 +325,24 @@ class SglangEngine(EngineAdapter):
             )
 
     def _scratch(self, what: str) -> Path:
-        return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+        return self.channel.scratch(what)
 
     def _tag(self, tag: str) -> None:
-        # SGLang's default for this route aborts every request in flight: not ours to abort
-        self._http(
-            "POST", "/update_weight_version", {"new_version": tag, "abort_all_requests": False}
-        )
-
-    def _start(self) -> None:
-        if not self._started:
-            info = self._http("GET", "/server_info")
-            if LOADER not in (info.get("custom_weight_loader") or []):
-                raise EngineError(
-                    "SGLang was not launched with rollpatch's weight loader",
-                    engine=self.name,
-                    url=self.base_url,
-                    hint=f"add --custom-weight-loader {LOADER} (docs/sglang.md)",
-                )
-            self._command({"op": "start", "socket": str(self.socket)}, flush=False)
-            self._started = True
+        self.channel.tag(tag)
 
     def _control(self, op: str, **args: Any) -> dict[str, Any]:
-        """A read-only operation on SGLang's control thread (generation goes on)."""
-        self._start()
-        return result(request(self.socket, {"op": op, **args}, self.timeout))
-
-    def _command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
-        """A command through SGLang's weight-update route (run between forward passes)."""
-        reply_path = self._scratch("reply")
-        body = {
-            "serialized_named_tensors": [command_payload({**cmd, "reply": str(reply_path)})],
-            "load_format": LOADER,
-            "flush_cache": flush,
-        }
-        self._session("/begin_weight_update")
-        try:
-            reply = self._http("POST", "/update_weights_from_tensor", body, check=False)
-        finally:
-            self._session("/end_weight_update")
-        try:
-            raw = reply_path.read_bytes()
-        except OSError:
-            raise EngineError(
-                "SGLang did not run rollpatch's command",
-                engine=self.name,
-                op=cmd["op"],
-                detail=str(reply.get("message"))[:500],
-                hint=f"launch SGLang with --custom-weight-loader {LOADER}",
-            ) from None
-        finally:
-            reply_path.unlink(missing_ok=True)
-        try:
-            res = result(json.loads(raw))
-        except (json.JSONDecodeError, AttributeError):
-            raise EngineError(
-                "rollpatch's command answer is not JSON", engine=self.name, op=cmd["op"]
-            ) from None
-        if not reply.get("success"):  # our command ran; SGLang's own step after it failed
-            raise EngineError(
-                "SGLang's weight-update route failed after the command",
-                engine=self.name,
-                detail=str(reply.get("message"))[:500],
-            )
-        return res
-
-    def _session(self, route: str) -> None:
-        """SGLang's weight-update session bracket (no-ops for unpacked CPU weights)."""
-        reply = self._http("POST", route, {}, check=False)
-        if not reply.get("success") and route == "/begin_weight_update":
-            self._http("POST", "/end_weight_update", {}, check=False)  # a session left open
-            reply = self._http("POST", route, {}, check=False)
-        if not reply.get("success"):
-            raise EngineError(
-                f"SGLang refused {route}", engine=self.name, detail=str(reply.get("message"))[:500]
-            )
+        return self.channel.control(op, **args)
 
     def _http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
-        return http_json(self.base_url, method, path, body, timeout=self.timeout, check=check)
-
-    @contextlib.contextmanager
-    def _paused(self) -> Iterator[None]:
-        with self._lock:
-            self.pause()
-            try:
-                yield
-            finally:
-                self.resume()
+        return self.channel.http(method, path, body, check=check)
 
     def pause(self) -> None:
         """Stop SGLang generating (``retract``, see the class docstring; nested calls count)."""
-        with self._lock:
-            if self._pauses == 0:
-                self._http("POST", "/pause_generation", {"mode": "retract"})
-            self._pauses += 1
+        self.channel.pause()
 
     def resume(self) -> None:
-        with self._lock:
-            if self._pauses == 1:
-                self._http("POST", "/continue_generation", {})
-            self._pauses = max(0, self._pauses - 1)
+        self.channel.resume()
 
     def close(self) -> None:
         """Forget the scratch directory (the server is not ours to stop)."""
-        if self._own_dir:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        self.channel.close()

@@ -14,8 +14,9 @@ A commit is two phases:
    live words, turn checkpoint positions into runtime offsets, and *prove* the update: each
    touched tensor's rp.sum128 state after the write follows from the changed words alone
    (:func:`rollpatch.engines.staged.sum_delta`, O(changed)) and must give the patch's target
-   digest; the target root is checked too. The result, a :class:`Staged`
-   update, holds per runtime parameter the offsets, old and new words, ready to scatter.
+   digest; the target root is checked too. The result, a :class:`~.update.Staged`
+   update, holds per runtime parameter the offsets, old and new words, ready to scatter
+   (the per-tensor checks and the merge of writes are :mod:`.update`'s).
 2. :meth:`HeldWeights.commit` — **under the pause**, O(changed): the old words at the offsets
    must still be there, scatter the new words, read the written offsets back and compare. On a
    mismatch the old words are written back and read back; the digests move to the targets only
@@ -29,58 +30,20 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, PatchError, TargetMismatchError, ViewError
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError, ViewError
 from ...kinds import Kind
 from ...patch import Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
 from ..staged import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
+from .update import Staged, as_delta, merge_writes
 
 __all__ = ["HeldWeights", "Staged"]
 
 _M64 = (1 << 64) - 1
-
-
-@dataclass
-class _Write:
-    """One runtime parameter's part of a staged update (flat row-major offsets)."""
-
-    offsets: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
-
-
-@dataclass
-class Staged:
-    """A verified, ready-to-scatter update from root ``base`` to root ``target``."""
-
-    token: str
-    base: str
-    target: str
-    digests: dict[str, str]
-    states: dict[str, tuple[int, int]]
-    writes: dict[str, _Write] = field(default_factory=dict)
-
-    @property
-    def changed(self) -> int:
-        return sum(int(w.offsets.size) for w in self.writes.values())
-
-    def summary(self) -> dict[str, object]:
-        return {
-            "token": self.token,
-            "base": self.base,
-            "target": self.target,
-            "changed": self.changed,
-            "params": len(self.writes),
-            "nbytes": sum(
-                w.offsets.nbytes + w.old.nbytes + w.new.nbytes for w in self.writes.values()
-            ),
-            "digests": dict(self.digests),
-        }
 
 
 class HeldWeights:
@@ -212,57 +175,8 @@ class HeldWeights:
                 op=tp.op,
                 hint="self-heal from a keyframe of this architecture",
             )
-        pl, kind = self._place[tp.name], self._kind[tp.name]
-        if tp.kind != kind or tp.shape != pl.shape:
-            raise BaseMismatchError(
-                "tensor layout differs from the engine's",
-                tensor=tp.name,
-                kind=tp.kind.name,
-                shape=tp.shape,
-                engine_kind=kind.name,
-                engine_shape=pl.shape,
-            )
-        live = self[tp.name].data
-        if tp.op == "full":
-            assert tp.tensor is not None
-            if tp.tensor.kind != kind or tp.tensor.data.shape != live.shape:
-                raise BaseMismatchError(
-                    "full tensor's layout differs from the engine's", tensor=tp.name
-                )
-            changed = np.flatnonzero(live != tp.tensor.data).astype(np.int64)
-            return TensorPatch(
-                tp.name,
-                "delta",
-                kind,
-                tp.shape,
-                tp.base_digest,
-                tp.target_digest,
-                changed,
-                live[changed].copy(),
-                tp.tensor.data[changed].copy(),
-            )
-        pos, old, new = tp.positions, tp.old, tp.new
-        assert pos is not None and old is not None and new is not None
-        if (
-            pos.dtype != np.int64
-            or pos.ndim != 1
-            or old.dtype != kind.elem_dtype
-            or new.dtype != kind.elem_dtype
-            or old.shape != pos.shape
-            or new.shape != pos.shape
-        ):
-            raise PatchError(
-                "positions must be int64 and elements the kind's words", tensor=tp.name
-            )
-        if pos.size and (
-            pos[0] < 0
-            or pos[-1] >= pl.n_elements
-            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
-        ):
-            raise PatchError("positions out of range or not strictly increasing", tensor=tp.name)
-        if not np.array_equal(live[pos], old):
-            raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
-        return tp
+        pl = self._place[tp.name]
+        return as_delta(tp, self[tp.name].data, self._kind[tp.name], pl.shape, pl.n_elements)
 
     def stage(self, patch: Patch) -> Staged:
         """Validate and prove ``patch`` against the live words; nothing is written."""
@@ -311,14 +225,7 @@ class HeldWeights:
             {tp.name: digests[tp.name] for tp in deltas},
             states,
         )
-        for param, parts in per_param.items():
-            offs = np.concatenate([p[0] for p in parts])
-            order = np.argsort(offs, kind="stable")
-            staged.writes[param] = _Write(
-                np.ascontiguousarray(offs[order]),
-                np.concatenate([p[1] for p in parts])[order],
-                np.concatenate([p[2] for p in parts])[order],
-            )
+        staged.writes.update(merge_writes(per_param))
         self.staged = {staged.token: staged}  # one staged update at a time
         return staged
 

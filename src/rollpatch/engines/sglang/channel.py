@@ -1,0 +1,165 @@
+"""The adapter's channels to one SGLang server (stdlib only): its HTTP routes, rollpatch's
+commands through the weight-update route, the control socket, scratch files and the pause.
+
+:class:`SglangChannel` is the transport half of :class:`~.adapter.SglangEngine`: the adapter
+decides what to stage, commit and verify; the channel only carries it (wire formats in
+:mod:`.wire`, docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ...errors import EngineError
+from .launch import LOADER
+from .wire import command_payload, http_json, request, result
+
+__all__ = ["SglangChannel"]
+
+
+class SglangChannel:
+    """HTTP, commands and the control socket of one SGLang server launched with rollpatch's
+    loader.
+
+    ``url``: the server (same host: files and a UNIX socket are shared). ``shared_dir``: a
+    directory SGLang can read (default: a fresh private one, removed by :meth:`close`).
+    ``timeout``: seconds per call. ``lock``: the adapter's lock (pauses nest under it).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        shared_dir: str | Path | None,
+        timeout: float,
+        lock: threading.RLock,
+    ) -> None:
+        self.base_url = url.rstrip("/")
+        self.timeout = timeout
+        self._own_dir = shared_dir is None
+        self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-sglang-"))
+        self.socket = self.shared_dir / f"control-{secrets.token_hex(4)}.sock"
+        self._started = False
+        self._pauses = 0
+        self._lock = lock
+
+    def scratch(self, what: str) -> Path:
+        """A fresh file name in the shared directory (bulk data crosses as files)."""
+        return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+
+    def http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
+        """One JSON call to SGLang's HTTP server (:func:`.wire.http_json`)."""
+        return http_json(self.base_url, method, path, body, timeout=self.timeout, check=check)
+
+    def tag(self, tag: str) -> None:
+        """Set SGLang's ``weight_version`` without aborting requests in flight."""
+        # SGLang's default for this route aborts every request in flight: not ours to abort
+        self.http(
+            "POST", "/update_weight_version", {"new_version": tag, "abort_all_requests": False}
+        )
+
+    def start(self) -> None:
+        """Check the loader is registered and start its control thread (once)."""
+        if not self._started:
+            info = self.http("GET", "/server_info")
+            if LOADER not in (info.get("custom_weight_loader") or []):
+                raise EngineError(
+                    "SGLang was not launched with rollpatch's weight loader",
+                    engine="sglang",
+                    url=self.base_url,
+                    hint=f"add --custom-weight-loader {LOADER} (docs/sglang.md)",
+                )
+            self.command({"op": "start", "socket": str(self.socket)}, flush=False)
+            self._started = True
+
+    def control(self, op: str, **args: Any) -> dict[str, Any]:
+        """A read-only operation on SGLang's control thread (generation goes on)."""
+        self.start()
+        return result(request(self.socket, {"op": op, **args}, self.timeout))
+
+    def command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
+        """A command through SGLang's weight-update route (run between forward passes)."""
+        reply_path = self.scratch("reply")
+        body = {
+            "serialized_named_tensors": [command_payload({**cmd, "reply": str(reply_path)})],
+            "load_format": LOADER,
+            "flush_cache": flush,
+        }
+        self._session("/begin_weight_update")
+        try:
+            reply = self.http("POST", "/update_weights_from_tensor", body, check=False)
+        finally:
+            self._session("/end_weight_update")
+        try:
+            raw = reply_path.read_bytes()
+        except OSError:
+            raise EngineError(
+                "SGLang did not run rollpatch's command",
+                engine="sglang",
+                op=cmd["op"],
+                detail=str(reply.get("message"))[:500],
+                hint=f"launch SGLang with --custom-weight-loader {LOADER}",
+            ) from None
+        finally:
+            reply_path.unlink(missing_ok=True)
+        try:
+            res = result(json.loads(raw))
+        except (json.JSONDecodeError, AttributeError):
+            raise EngineError(
+                "rollpatch's command answer is not JSON", engine="sglang", op=cmd["op"]
+            ) from None
+        if not reply.get("success"):  # our command ran; SGLang's own step after it failed
+            raise EngineError(
+                "SGLang's weight-update route failed after the command",
+                engine="sglang",
+                detail=str(reply.get("message"))[:500],
+            )
+        return res
+
+    def _session(self, route: str) -> None:
+        """SGLang's weight-update session bracket (no-ops for unpacked CPU weights)."""
+        reply = self.http("POST", route, {}, check=False)
+        if not reply.get("success") and route == "/begin_weight_update":
+            self.http("POST", "/end_weight_update", {}, check=False)  # a session left open
+            reply = self.http("POST", route, {}, check=False)
+        if not reply.get("success"):
+            raise EngineError(
+                f"SGLang refused {route}", engine="sglang", detail=str(reply.get("message"))[:500]
+            )
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SGLang paused for the block (nested with :meth:`pause`/:meth:`resume`)."""
+        with self._lock:
+            self.pause()
+            try:
+                yield
+            finally:
+                self.resume()
+
+    def pause(self) -> None:
+        """Stop SGLang generating (``retract``; nested calls count)."""
+        with self._lock:
+            if self._pauses == 0:
+                self.http("POST", "/pause_generation", {"mode": "retract"})
+            self._pauses += 1
+
+    def resume(self) -> None:
+        """Undo one :meth:`pause`; SGLang generates again after the outermost one."""
+        with self._lock:
+            if self._pauses == 1:
+                self.http("POST", "/continue_generation", {})
+            self._pauses = max(0, self._pauses - 1)
+
+    def close(self) -> None:
+        """Forget the scratch directory (the server is not ours to stop)."""
+        if self._own_dir:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)

@@ -1,0 +1,127 @@
+"""A staged SGLang update and the pure checks that build it (numpy only).
+
+:func:`as_delta` turns one tensor patch into a validated delta against the live words of a
+tensor (layout, positions, old elements); :func:`merge_writes` joins the checkpoint tensors'
+runtime offsets into one sorted scatter per runtime parameter; :class:`Staged` is the proven,
+ready-to-scatter result that :class:`~.staged.HeldWeights` keeps between stage and commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import BaseMismatchError, PatchError
+from ...kinds import Kind
+from ...patch import TensorPatch
+
+__all__ = ["Staged", "as_delta", "merge_writes"]
+
+
+@dataclass
+class _Write:
+    """One runtime parameter's part of a staged update (flat row-major offsets)."""
+
+    offsets: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+
+
+@dataclass
+class Staged:
+    """A verified, ready-to-scatter update from root ``base`` to root ``target``."""
+
+    token: str
+    base: str
+    target: str
+    digests: dict[str, str]
+    states: dict[str, tuple[int, int]]
+    writes: dict[str, _Write] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> int:
+        return sum(int(w.offsets.size) for w in self.writes.values())
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "token": self.token,
+            "base": self.base,
+            "target": self.target,
+            "changed": self.changed,
+            "params": len(self.writes),
+            "nbytes": sum(
+                w.offsets.nbytes + w.old.nbytes + w.new.nbytes for w in self.writes.values()
+            ),
+            "digests": dict(self.digests),
+        }
+
+
+def as_delta(
+    tp: TensorPatch, live: np.ndarray, kind: Kind, shape: tuple[int, ...], n_elements: int
+) -> TensorPatch:
+    """``tp`` as a validated delta against ``live`` (the tensor's words, of ``kind`` and
+    ``shape``): a full tensor becomes the delta of its changed elements; a delta must have
+    strictly increasing in-range int64 positions and old elements equal to the live ones."""
+    if tp.kind != kind or tp.shape != shape:
+        raise BaseMismatchError(
+            "tensor layout differs from the engine's",
+            tensor=tp.name,
+            kind=tp.kind.name,
+            shape=tp.shape,
+            engine_kind=kind.name,
+            engine_shape=shape,
+        )
+    if tp.op == "full":
+        assert tp.tensor is not None
+        if tp.tensor.kind != kind or tp.tensor.data.shape != live.shape:
+            raise BaseMismatchError(
+                "full tensor's layout differs from the engine's", tensor=tp.name
+            )
+        changed = np.flatnonzero(live != tp.tensor.data).astype(np.int64)
+        return TensorPatch(
+            tp.name,
+            "delta",
+            kind,
+            tp.shape,
+            tp.base_digest,
+            tp.target_digest,
+            changed,
+            live[changed].copy(),
+            tp.tensor.data[changed].copy(),
+        )
+    pos, old, new = tp.positions, tp.old, tp.new
+    assert pos is not None and old is not None and new is not None
+    if (
+        pos.dtype != np.int64
+        or pos.ndim != 1
+        or old.dtype != kind.elem_dtype
+        or new.dtype != kind.elem_dtype
+        or old.shape != pos.shape
+        or new.shape != pos.shape
+    ):
+        raise PatchError("positions must be int64 and elements the kind's words", tensor=tp.name)
+    if pos.size and (
+        pos[0] < 0 or pos[-1] >= n_elements or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+    ):
+        raise PatchError("positions out of range or not strictly increasing", tensor=tp.name)
+    if not np.array_equal(live[pos], old):
+        raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
+    return tp
+
+
+def merge_writes(
+    per_param: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]],
+) -> dict[str, _Write]:
+    """Per runtime parameter, its tensors' (offsets, old, new) joined in offset order."""
+    writes: dict[str, _Write] = {}
+    for param, parts in per_param.items():
+        offs = np.concatenate([p[0] for p in parts])
+        order = np.argsort(offs, kind="stable")
+        writes[param] = _Write(
+            np.ascontiguousarray(offs[order]),
+            np.concatenate([p[1] for p in parts])[order],
+            np.concatenate([p[2] for p in parts])[order],
+        )
+    return writes

@@ -1,7 +1,8 @@
 """The bulletin board: versions laid out in a store, the LATEST pointer, and planning.
 
 The key layout (LATEST, manifests, keyframe markers, objects, roots) is spelled in
-:mod:`rollpatch.layout` only (docs/board.md).
+:mod:`rollpatch.layout` only (docs/board.md); content-addressed objects are read and written
+by :mod:`rollpatch.objects`.
 
 Publishing order is objects → manifest (→ keyframe marker) → pointer, so anything a pointer or
 manifest names is already durable. :meth:`Board.plan` picks the fewest bytes among patch
@@ -19,18 +20,14 @@ import threading
 import time
 from collections import OrderedDict
 
-import blake3
-
-from . import jsonsafe
+from . import jsonsafe, objects
 from .errors import (
     AlreadyExistsError,
     ConfigError,
     ConflictError,
     ManifestError,
     NotFoundError,
-    ObjectIntegrityError,
     VersionNotFoundError,
-    ViewError,
 )
 from .latest import MAX_POINTER_BYTES, encode_latest, read_latest
 from .layout import (
@@ -39,7 +36,6 @@ from .layout import (
     keyframe_marker_key,
     keyframes_prefix,
     numbered,
-    object_key,
     pointer_key,
     root_key,
     runs_with_pointer,
@@ -222,87 +218,23 @@ class Board:
 
     def fetch(self, ref: ObjectRef) -> bytes:
         """Get an object and verify its size and BLAKE3 hash (ObjectIntegrityError if corrupt)."""
-        data = self.store.get(ref.key)
-        if len(data) != ref.size or blake3.blake3(data).hexdigest() != ref.b3:
-            raise ObjectIntegrityError(
-                "object does not match its manifest entry (corrupt or truncated)",
-                key=ref.key,
-                expected_bytes=ref.size,
-                got_bytes=len(data),
-            )
-        return data
+        return objects.fetch(self.store, ref)
 
     def fetch_view(self, ref: ObjectRef, *, chunk_bytes: int | None = None) -> View:
-        """A safetensors object (a keyframe shard) read tensor by tensor through ranged reads:
-        memory is the view plus one chunk. Size and BLAKE3 are checked over every byte before
-        the view is returned (ObjectIntegrityError if corrupt); nothing of it is usable before."""
-        from .io.safetensors import STREAM_CHUNK_BYTES, read_view_ranges
-
-        info = self.store.head(ref.key)
-        if info is None:
-            raise NotFoundError("object not found", key=ref.key, store=self.store.uri)
-        if info.size != ref.size:
-            raise ObjectIntegrityError(
-                "object does not match its manifest entry (corrupt or truncated)",
-                key=ref.key,
-                expected_bytes=ref.size,
-                got_bytes=info.size,
-            )
-        h = blake3.blake3()
-        try:
-            view = read_view_ranges(
-                lambda a, b: self.store.get_range(ref.key, a, b),
-                ref.size,
-                on_bytes=h.update,
-                chunk_bytes=chunk_bytes or STREAM_CHUNK_BYTES,
-            )
-        except ViewError as e:
-            raise ObjectIntegrityError(
-                f"object is not a valid keyframe: {e.message}",
-                key=ref.key,
-                hint="the stored copy is corrupt: republish it",
-            ) from e
-        if h.hexdigest() != ref.b3:
-            raise ObjectIntegrityError(
-                "object does not match its manifest entry (corrupt or truncated)",
-                key=ref.key,
-                expected_bytes=ref.size,
-            )
-        return view
+        """A keyframe shard read through ranged reads, verified before it is returned
+        (:func:`rollpatch.objects.fetch_view`: memory is the view plus one chunk)."""
+        return objects.fetch_view(self.store, ref, chunk_bytes=chunk_bytes)
 
     # -- writing (publisher side) ------------------------------------------------------------
 
     def put_object(self, run: str, data: bytes, suffix: str) -> ObjectRef:
         """Store content-addressed bytes; re-putting identical content is a no-op."""
-        b3 = blake3.blake3(data).hexdigest()
-        ref = ObjectRef(object_key(run, b3, suffix), len(data), b3)
-        try:
-            self.store.put(ref.key, data)
-        except AlreadyExistsError:
-            info = self.store.head(ref.key)
-            if info is None or info.size != len(data):
-                raise
-        return ref
+        return objects.put_object(self.store, run, data, suffix)
 
     def put_view_object(self, run: str, view: View) -> ObjectRef:
         """Store ``view`` as a content-addressed safetensors object (a keyframe shard),
-        streamed: hashed in one pass over the tensors, uploaded in a second (multipart on S3);
-        never serialized whole in memory. Idempotent like :meth:`put_object`."""
-        from .io.safetensors import view_chunks
-
-        size, pieces = view_chunks(view)
-        h = blake3.blake3()
-        for p in pieces():
-            h.update(p)
-        b3 = h.hexdigest()
-        ref = ObjectRef(object_key(run, b3, "safetensors"), size, b3)
-        try:
-            self.store.put_stream(ref.key, pieces(), size=size)
-        except AlreadyExistsError:
-            info = self.store.head(ref.key)
-            if info is None or info.size != size:
-                raise
-        return ref
+        streamed, never serialized whole in memory (:func:`rollpatch.objects.put_view_object`)."""
+        return objects.put_view_object(self.store, run, view)
 
     def put_manifest(self, m: Manifest) -> None:
         """Publish a manifest (immutable). Idempotent for the identical manifest.

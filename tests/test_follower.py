@@ -312,7 +312,7 @@ def test_background_follows_new_versions(board: Board, published: Published) -> 
     finally:
         f.stop()
     assert seen == [LAST, LAST + 1]
-    assert f._thread is None and f.status().state is FollowerState.IDLE
+    assert not f._watcher.alive and f.status().state is FollowerState.IDLE
 
 
 # -- self-healing --------------------------------------------------------------------------

@@ -6,10 +6,10 @@ The follower's version is only ever one the engine holds *and* that the follower
 against the board (engine digest == manifest target), so a failed fetch, decode or apply can
 never advance it: the next pass plans again from what the engine verifiably holds.
 
-Here: the state machine, verification of what the engine holds, the commit and the loop.
+Here: the state machine, verification of what the engine holds, the commit and one poll.
 Beside it: :mod:`.stage` (a plan's objects → one staged commit), :mod:`.avoid` (planning
-around corrupt objects), :mod:`.record` (state, counters, timings), :mod:`.fetch`,
-:mod:`.commit` (the gate), :mod:`.audit`.
+around corrupt objects), :mod:`.record` (state, counters, timings), :mod:`.watch` (the
+background thread), :mod:`.fetch`, :mod:`.commit` (the gate), :mod:`.audit`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
 from .record import Record
 from .stage import stage_plan
+from .watch import Watcher
 
 __all__ = ["CommitCallback", "Follower"]
 
@@ -117,10 +118,17 @@ class Follower:
         self._sync_lock = threading.Lock()
         self._abort = threading.Event()  # interrupts retry sleeps while stopping
         self._wake = threading.Event()  # polls LATEST now
-        self._loop_stop: threading.Event | None = None
-        self._thread: threading.Thread | None = None
         self._version: int | None = None
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
+        self._watcher = Watcher(
+            f"rollpatch-follower-{self.run}",
+            self._poll,
+            self._poll_failed,
+            poll_s=self.config.poll_s,
+            join_s=self.config.timeout_s + 5.0,
+            wake=self._wake,
+            abort=self._abort,
+        )
         self._bad = BadObjects()  # corrupt objects: plans go around them
         # LATEST, manifests and plans are read through a board whose store retries each read
         self._reader = Board(RetryingStore(self.board.store, self._retrier), trust=self.board.trust)
@@ -345,18 +353,11 @@ class Follower:
     def _manifest(self, n: int) -> Manifest:
         return self._reader.manifest(self.run, n)
 
-    # -- background loop -----------------------------------------------------------------------
+    # -- background loop ---------------------------------------------------------------------
 
     def start(self) -> None:
         """Watch LATEST every ``poll_s`` in a daemon thread and sync when it moves."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._abort.clear()
-        stop = self._loop_stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop, args=(stop,), daemon=True, name=f"rollpatch-follower-{self.run}"
-        )
-        self._thread.start()
+        self._watcher.start()
         if self.auditor is not None:
             self.auditor.start()
 
@@ -364,42 +365,20 @@ class Follower:
         """Stop the background threads (a commit in progress completes first)."""
         if self.auditor is not None:
             self.auditor.stop()
-        thread, stop = self._thread, self._loop_stop
-        if thread is None or stop is None:
-            return
-        stop.set()
-        self._abort.set()
-        self._wake.set()
-        thread.join(timeout=self.config.timeout_s + 5.0)
-        if thread.is_alive():
-            log.warning(
-                "follower thread for %s did not stop within %.0f s",
-                self.run,
-                self.config.timeout_s + 5.0,
-            )
-        self._thread = None
-        self._abort.clear()
+        self._watcher.stop()
 
-    def _loop(self, stop: threading.Event) -> None:
-        failures = 0
-        while not stop.is_set():
-            try:
-                latest = self._read_latest()
-                current = self.version
-                if latest is not None and (current is None or latest > current):
-                    self.sync(latest)
-                elif latest is not None and self._rec.state is FollowerState.ERROR:
-                    self._rec.set(FollowerState.IDLE, error=None)  # caught up again: healthy
-                failures = 0
-            # the thread must outlive any failure; each one is recorded in status and logged
-            except Exception as e:  # noqa: BLE001
-                if self._rec.error is not e:
-                    self._fail(e)
-                failures += 1
-            poll = self.config.poll_s  # back off while failing, up to 30 s (or poll_s)
-            delay = min(poll * 2 ** min(failures, 6), max(poll, 30.0)) if failures else poll
-            self._wake.wait(delay)
-            self._wake.clear()
+    def _poll(self) -> None:
+        """One poll of the background loop: sync when LATEST is ahead of the engine."""
+        latest = self._read_latest()
+        current = self.version
+        if latest is not None and (current is None or latest > current):
+            self.sync(latest)
+        elif latest is not None and self._rec.state is FollowerState.ERROR:
+            self._rec.set(FollowerState.IDLE, error=None)  # caught up again: healthy
+
+    def _poll_failed(self, e: Exception) -> None:
+        if self._rec.error is not e:  # sync has recorded its own failure already
+            self._fail(e)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

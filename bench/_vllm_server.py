@@ -9,6 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,44 +34,17 @@ def vllm_python() -> Path:
 class Server:
     """One vLLM OpenAI server with rollpatch's extension, in its own process group."""
 
-    def __init__(self, python: Path, model: Path, log_path: Path) -> None:
+    def __init__(
+        self, python: Path, model: Path, log_path: Path, *, extra: Sequence[str] = ()
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
+        from rollpatch.engines.vllm.launch import server_command, server_env
+
         repo = Path(__file__).resolve().parents[1]
-        env = dict(
-            os.environ,
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND="auto",
-            HF_HUB_OFFLINE="1",
-            VLLM_SERVER_DEV_MODE="1",
-            TOKENIZERS_PARALLELISM="false",
-            PYTHONPATH=str(repo / "src"),
-            VLLM_LOGGING_LEVEL="WARNING",
-        )
-        env.pop("VIRTUAL_ENV", None)
-        cmd = [
-            str(python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            "512",
-            "--enforce-eager",
-            "--seed",
-            "0",
-            "--worker-extension-cls",
-            "rollpatch.engines.vllm.WorkerExtension",
-            "--weight-transfer-config",
-            '{"backend": "rollpatch"}',
-        ]
+        env = server_env(repo / "src")
+        cmd = server_command(python, model, port, extra=extra)
         self.log_path = log_path
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen(

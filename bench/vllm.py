@@ -26,6 +26,11 @@ Paths, each over the same versions:
   worker decodes and verifies *inside* the pause.
 - **catchup**: back at v0 (untimed reload), one ``sync`` to v5 (``min(5, N)``): the five steps
   composed in the worker, one pause.
+- the **pause breakdown** (each sample's ``phases_ms`` in the JSON): the adapter's HTTP calls
+  (``/pause``, the commit call, ``/update_weight_version``, ``/reset_prefix_cache``,
+  ``/resume``; with the engine-core hook a staged commit is the commit call alone), the
+  engine's hold measured in its core, and the worker's own parts (the writes with their
+  read-back, slice by slice; the packed kernels' swap or repack).
 - **reloads**: ``/pause?mode=keep``, ``collective_rpc reload_weights(checkpoint dir)`` (page
   cache warm), ``/update_weight_version``, ``/reset_prefix_cache``, ``/resume``.
 - **reference**, **reference_catchup**, **reference_loads**: the same follower path on the
@@ -122,6 +127,7 @@ def sync_to(f: Any, world: World, v: int) -> dict[str, float]:
         "stage_s": st.last_stage_s,
         "fetch_s": st.last_fetch_s,
         "visible_to_serving_s": total,
+        "phases_ms": dict(getattr(f.engine, "last_timings", {})),
     }
 
 
@@ -153,7 +159,13 @@ def phase_inline(world: World, engine: Any) -> list[dict[str, float]]:
         pause = time.perf_counter() - t0
         if (engine.version, engine.digest) != (v, world.digests[v]):
             raise BenchError(f"v{v}: the engine does not hold the published digest")
-        out.append({"pause_s": pause, "worker_s": engine.last_timings["worker_ms"] / 1e3})
+        out.append(
+            {
+                "pause_s": pause,
+                "worker_s": engine.last_timings["worker_ms"] / 1e3,
+                "phases_ms": dict(engine.last_timings),
+            }
+        )
         log(f"  inline v{v}: pause {pause * 1e3:.0f} ms")
     return out
 
@@ -218,6 +230,37 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
 
 
 # -- report --------------------------------------------------------------------------------------
+
+#: The pause's parts (ms, medians), in the order they happen; each path shows those it has.
+PHASES = [
+    ("pause_call_ms", "/pause"),
+    ("rpc_ms", "commit call"),
+    ("core_ms", "engine hold"),
+    ("worker_ms", "worker"),
+    ("scatter_ms", "scatter"),
+    ("readback_ms", "read-back"),
+    ("write_ms", "write+read-back"),
+    ("derived_ms", "packed"),
+    ("tag_ms", "/tag"),
+    ("reset_ms", "/reset cache"),
+    ("resume_call_ms", "/resume"),
+]
+
+
+def render_phases(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
+    """Where each path's pause goes: one row per path, medians of the parts it has."""
+    rows = []
+    for name, runs in paths:
+        cells = [name, _ms(_med(runs, "pause_s"))]
+        for key, _ in PHASES:
+            vals = [r["phases_ms"][key] for r in runs if key in r.get("phases_ms", {})]
+            cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
+        rows.append(cells)
+    return table(
+        ["pause breakdown, ms", "pause p50"] + [label for _, label in PHASES],
+        rows,
+        [False] + [True] * (len(PHASES) + 1),
+    )
 
 
 def _ms(s: float) -> str:
@@ -307,6 +350,13 @@ def render(ctx: dict[str, Any]) -> str:
         ],
         [False] + [True] * 5,
     )
+    breakdown = render_phases(
+        [
+            ("vLLM staged, 1 behind", st),
+            (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
+            ("vLLM inline (decode in pause)", il),
+        ]
+    )
     m, d = ctx["memory"], w["dims"]
     one, five = _med(st, "visible_to_serving_s"), ctx["catchup"][0]["visible_to_serving_s"]
     rone = _med(ctx["reference"], "visible_to_serving_s")
@@ -350,7 +400,7 @@ def render(ctx: dict[str, Any]) -> str:
             "published"
         ),
     ]
-    return per_version + "\n\n" + summary + "\n" + "\n".join(foot)
+    return per_version + "\n\n" + summary + "\n\n" + breakdown + "\n" + "\n".join(foot)
 
 
 # -- main ----------------------------------------------------------------------------------------

@@ -66,20 +66,9 @@ def free_port() -> int:
 
 def server_env() -> dict[str, str]:
     """The environment vLLM's CPU build needs (docs/vllm.md)."""
-    env = dict(os.environ)
-    env.update(
-        {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "auto",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_SERVER_DEV_MODE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": str(REPO / "src"),
-            "VLLM_LOGGING_LEVEL": "WARNING",
-        }
-    )
-    env.pop("VIRTUAL_ENV", None)
-    return env
+    from rollpatch.engines.vllm.launch import server_env as launch_env
+
+    return launch_env(REPO / "src")
 
 
 #: Per prompt: greedy token ids and their logprobs.
@@ -178,28 +167,10 @@ def start_server(
 ) -> Server:
     """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the extension
     (``env``: variables set for the server on top of :func:`server_env`)."""
+    from rollpatch.engines.vllm.launch import server_command
+
     port = port or free_port()
-    cmd = [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--worker-extension-cls",
-        "rollpatch.engines.vllm.WorkerExtension",
-        *(extra or []),
-    ]
+    cmd = server_command(python, model_dir, port, weight_transfer=False, extra=extra or ())
     out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
     proc = subprocess.Popen(
         cmd,

@@ -69,6 +69,13 @@ class EngineAdapter(ABC):
         and compare with the digests of the version held. None: the engine cannot audit."""
         return None
 
+    @property
+    def pauses_itself(self) -> bool:
+        """True when every weight change of this adapter holds generation by itself for as
+        long as it needs (vLLM with its engine-core hook: a staged commit is one engine-core
+        call between two forward passes); the commit gate then does not pause around it."""
+        return False
+
     def pause(self) -> None:
         """Stop generation for a commit (engines that generate override this)."""
 

@@ -17,8 +17,10 @@ Modes (:data:`CommitMode`):
   generation cannot hold a version back indefinitely.
 
 *pause* is the time generation is held for the write: from the engine's pause (or, in drain
-mode, from the moment the last in-flight request finished) to its resume. *drain* is the time
-admission was closed before that.
+mode, from the moment the last in-flight request finished) to its resume; for an engine that
+:attr:`~rollpatch.engines.EngineAdapter.pauses_itself`, the write call itself (the gate does
+not pause it; the engine holds generation within that call). *drain* is the time admission
+was closed before that.
 """
 
 from __future__ import annotations
@@ -227,16 +229,17 @@ class CommitGate:
                 mode = "pause"
                 self.drain_timeouts += 1
         ok = False
+        pause = mode == "pause" and not self.engine.pauses_itself
         t0 = time.perf_counter()
         try:
-            if mode == "pause":
+            if pause:
                 self.engine.pause()
             try:
                 out = write()
                 ok = True
                 return out
             finally:
-                if mode == "pause":
+                if pause:
                     self.engine.resume()
         finally:
             t1 = time.perf_counter()

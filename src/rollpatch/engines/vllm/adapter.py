@@ -27,6 +27,7 @@ from ...view import Tensor, View, WordSource
 from ..base import EngineAdapter
 from ..staged import AuditReport, EncodedStep, StagedUpdate
 from .client import Http
+from .core import ATOMIC
 from .transfer import write_decoded
 
 __all__ = ["TRANSPORTS", "RemoteWords", "VllmEngine"]
@@ -38,6 +39,7 @@ TRANSPORTS = ("auto", "weight-transfer", "rpc")
 #: CPU packed weights of the touched modules: built while staging and swapped in under the
 #: pause (``stage``), or re-packed inside the pause (``pause``: less memory, longer pause).
 Prepack = Literal["stage", "pause"]
+_NOT_READY = "rollpatch:not-ready"
 #: Worker error classes re-raised as themselves (the follower treats wrong bits specially).
 _PASS_THROUGH = {
     "BaseMismatchError",
@@ -116,6 +118,7 @@ class VllmEngine(EngineAdapter):
         self._digest: str | None = None
         self._tensors: dict[str, Any] | None = None
         self._pauses = 0
+        self._atomic: bool | None = None
         self._lock = threading.RLock()
         self.last_timings: dict[str, float] = {}
 
@@ -261,11 +264,16 @@ class VllmEngine(EngineAdapter):
             delay = min(delay * 2, 0.05)
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
-        """Write a staged update: under the caller's pause (the commit gate's; nested pauses
-        cost nothing) the workers scatter, repack the touched modules, read back."""
+        """Write a staged update. With the engine-core hook (:mod:`.core`): one engine-core
+        call that writes, tags and resets the prefix cache between two forward passes (no
+        pause around it). Else under the caller's pause (the commit gate's; nested pauses
+        cost nothing): the workers scatter, repack the touched modules, read back."""
         token = staged.payload.get("token")
         if not isinstance(token, str):
             raise EngineError("not an update staged by this engine", engine=self.name)
+        if self.pauses_itself:
+            self._commit_atomic(token, staged, version)
+            return
         with self._paused():
             self._commit(
                 "commit",
@@ -273,6 +281,40 @@ class VllmEngine(EngineAdapter):
                 version,
                 lambda res: self._matches(res, staged.digests, staged.target),
             )
+
+    @property
+    def pauses_itself(self) -> bool:
+        """True when the server runs the engine-core hook (:mod:`.core`): a staged commit
+        then holds generation by itself, for one engine-core call, and every other weight
+        change pauses around itself, so the commit gate does not pause this engine."""
+        if self._atomic is None:
+            self._atomic = bool(self.info().get("atomic_commit"))
+        return self._atomic
+
+    def _commit_atomic(self, token: str, staged: StagedUpdate, version: int) -> None:
+        with self._lock:
+            before = (self._version, self._digest)
+            self.last_timings = {}
+            t0 = time.perf_counter()
+            try:
+                res = self._gather(self._rpc(ATOMIC, token, str(version), staged.target))
+                self.last_timings["rpc_ms"] = (time.perf_counter() - t0) * 1e3
+                if not self._matches(res, staged.digests, staged.target):
+                    raise TargetMismatchError(
+                        "the engine reports other digests than the target",
+                        engine=self.name,
+                        version=version,
+                    )
+                if not res.get("reset"):
+                    raise EngineError("vLLM did not reset its prefix cache", engine=self.name)
+                self._set(version, res["root"])
+            except BaseException:
+                self._set(None, None)
+                self._reconcile(before)
+                with contextlib.suppress(RollpatchError):
+                    tag = str(self._version) if self._version is not None else None
+                    self.http.post("/update_weight_version", {"new_version": tag or _NOT_READY})
+                raise
 
     def audit(self, budget_bytes: int) -> AuditReport:
         """Re-hash up to ``budget_bytes`` of live weights in the workers (on vLLM's engine
@@ -283,7 +325,7 @@ class VllmEngine(EngineAdapter):
             if res["mismatched"] or res.get("tainted"):
                 self._set(None, None)
                 with contextlib.suppress(RollpatchError):
-                    self.http.post("/update_weight_version", {"new_version": "rollpatch:not-ready"})
+                    self.http.post("/update_weight_version", {"new_version": _NOT_READY})
         return AuditReport(
             int(res["tensors"]),
             int(res["bytes"]),
@@ -331,7 +373,9 @@ class VllmEngine(EngineAdapter):
                 if official:
                     self.http.post("/start_weight_update")
                     started = True
+                t0 = time.perf_counter()
                 res = self._run(op, path, official)
+                self.last_timings["rpc_ms"] = (time.perf_counter() - t0) * 1e3
                 if not verified(res):
                     self._rollback(patch, before)
                     raise TargetMismatchError(
@@ -351,10 +395,10 @@ class VllmEngine(EngineAdapter):
                 if started:  # names the version only once the workers' digests checked out
                     self.http.post("/finish_weight_update", {"weight_version": tag})
                 if (tag is not None and not started) or self._version is None:
-                    self.http.post(
-                        "/update_weight_version", {"new_version": tag or "rollpatch:not-ready"}
+                    self._timed(
+                        "tag_ms", "/update_weight_version", {"new_version": tag or _NOT_READY}
                     )
-            self.http.post("/reset_prefix_cache")
+            self._timed("reset_ms", "/reset_prefix_cache")
             return res
 
     def _run(self, op: str, path: Path | str, official: bool) -> dict[str, Any]:
@@ -435,7 +479,13 @@ class VllmEngine(EngineAdapter):
             for r in results[1:]
         ):
             raise EngineError("tensor-parallel ranks disagree on digests", engine=self.name)
-        self.last_timings = {"worker_ms": max(float(r.get("ms", 0.0)) for r in results)}
+        self.last_timings["worker_ms"] = max(float(r.get("ms", 0.0)) for r in results)
+        phases = [
+            dict(r.get("phases") or {}, **({"core_ms": r["core_ms"]} if "core_ms" in r else {}))
+            for r in results
+        ]
+        for key in phases[0]:
+            self.last_timings[key] = max(float(p.get(key, 0.0)) for p in phases)
         return dict(results[0])
 
     @contextlib.contextmanager
@@ -451,14 +501,22 @@ class VllmEngine(EngineAdapter):
         """Freeze generation (requests in flight keep their place: ``mode=keep``)."""
         with self._lock:
             if self._pauses == 0:
-                self.http.post("/pause?mode=keep")
+                self.last_timings = {}
+                self._timed("pause_call_ms", "/pause?mode=keep")
             self._pauses += 1
 
     def resume(self) -> None:
         with self._lock:
             if self._pauses == 1:
-                self.http.post("/resume")
+                self._timed("resume_call_ms", "/resume")
             self._pauses = max(0, self._pauses - 1)
+
+    def _timed(self, key: str, path: str, body: Any = None) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.http.post(path, body)
+        finally:
+            self.last_timings[key] = (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:
         """Forget the scratch directory (the server is not ours to stop)."""

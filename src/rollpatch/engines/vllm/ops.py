@@ -161,7 +161,8 @@ def _commit(w: RuntimeWeights, token: str) -> dict[str, Any]:
     if not job.done.is_set() or job.staged is None:
         raise EngineError("the update is not staged", token=token)
     w.jobs.pop(token, None)
-    return {"digests": w.commit_staged(job.staged), "root": w.root()}
+    digests = w.commit_staged(job.staged)
+    return {"digests": digests, "root": w.root(), "phases": w.last_phases}
 
 
 def _audit(w: RuntimeWeights, budget: str) -> dict[str, Any]:

@@ -22,7 +22,9 @@ tensor is then a collective (``Access.gather``), so tensors are always read in s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,12 +32,16 @@ import numpy as np
 
 from ...errors import BaseMismatchError, EngineError, TargetMismatchError, ViewError
 from ...kinds import Kind
+from ...native import threads
 from ...patch import Patch
 from ...view import Tensor, View, root_digest, sum128, sum128_digest
 from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
 from .layout import ParamSpec, Placement, assemble, extract, locate, placements, write_blocks
 
 __all__ = ["Access", "RuntimeWeights"]
+
+#: Positions written then read back at a time under the pause (a slice's words stay in cache).
+_SLICE = 1 << 16
 
 
 @dataclass
@@ -65,6 +71,10 @@ class Access:
     #: → the modules installed), so the pause does not re-pack whole modules.
     prebuild: Callable[[dict[str, tuple[np.ndarray, np.ndarray]]], Any] | None = None
     install: Callable[[Any], set[str]] | None = None
+    #: Optional: ``swap(param, prepared, old, new)`` checks that the words at ``prepared``
+    #: (increasing storage offsets) are ``old`` and writes ``new``, in one pass, all or
+    #: nothing (raises :class:`BaseMismatchError`); else the commit scatters blindly.
+    swap: Callable[[str, np.ndarray, np.ndarray, np.ndarray], None] | None = None
 
 
 @dataclass
@@ -74,6 +84,15 @@ class _ParamWrites:
     prepared: np.ndarray
     old: np.ndarray
     new: np.ndarray
+
+
+def _increasing(w: _ParamWrites) -> _ParamWrites:
+    """The writes in storage order (done while staging: the pause then writes and reads
+    memory front to back, and a one-pass check-and-write can rely on it)."""
+    if w.prepared.size > 1 and not bool(np.all(w.prepared[1:] > w.prepared[:-1])):
+        order = np.argsort(w.prepared, kind="stable")
+        w = _ParamWrites(w.prepared[order], w.old[order], w.new[order])
+    return w
 
 
 @dataclass
@@ -109,6 +128,9 @@ class RuntimeWeights:
         self._digests: dict[str, str] = {}
         self._states: dict[str, tuple[int, int]] = {}
         self._cursor = AuditCursor()
+        #: The last :meth:`commit_staged`'s phases in ms (``scatter``, ``derived``: the
+        #: touched modules' derived buffers, ``readback``), for the pause breakdown.
+        self.last_phases: dict[str, float] = {}
         #: Set when an audit found live words that differ from the held digests: the engine
         #: holds unknown bits until a keyframe is loaded (patches are refused meanwhile).
         self.tainted: str | None = None
@@ -243,7 +265,7 @@ class RuntimeWeights:
         staged.payload["changed"] = staged.changed
         for param, chunks in parts.items():
             offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
-            staged.payload[param] = _ParamWrites(prepare(param, offsets), old, new)
+            staged.payload[param] = _increasing(_ParamWrites(prepare(param, offsets), old, new))
         if self.access.prebuild is not None and prebuild:
             staged.payload["prebuilt"] = self.access.prebuild(
                 {
@@ -266,9 +288,12 @@ class RuntimeWeights:
         return staged
 
     def commit_staged(self, staged: StagedUpdate) -> dict[str, str]:
-        """Write ``staged`` (one scatter per runtime parameter), rebuild the touched modules'
-        derived buffers, read the written positions back, record the proven digests.
-        Reads no unchanged weight. On any failure the old words are written back."""
+        """Write ``staged`` (one scatter per runtime parameter, the old words checked as they
+        are overwritten where the access can), read the written positions back, rebuild the
+        touched modules' derived buffers, record the proven digests. Reads no unchanged
+        weight. Parameters are written in parallel on the CPU (:func:`rollpatch.native.threads`)
+        and in slices of :data:`_SLICE` positions, each read back while in cache. On any failure
+        the old words are written back."""
         if self.root() != staged.base:
             raise BaseMismatchError(
                 "the engine moved since the update was staged",
@@ -279,11 +304,29 @@ class RuntimeWeights:
         writes = {p: w for p, w in staged.payload.items() if isinstance(w, _ParamWrites)}
         scatter = acc.scatter or (lambda param, off, values: acc.write(param, off, values))
         read_at = acc.read_at or (lambda param, off: acc.read(param).reshape(-1)[off])
-        done: list[str] = []
+        write = acc.swap or (lambda param, off, old, new: scatter(param, off, new))
+        started: list[str] = []
+
+        def one(param: str) -> None:
+            """Write, then read back, a slice at a time (the slice is still in cache)."""
+            w = writes[param]
+            started.append(param)
+            for i in range(0, w.prepared.size, _SLICE):
+                s = slice(i, i + _SLICE)
+                write(param, w.prepared[s], w.old[s], w.new[s])
+                if not np.array_equal(read_at(param, w.prepared[s]), w.new[s]):
+                    raise TargetMismatchError("read-back of written weights differs", param=param)
+
+        t0 = time.perf_counter()
         try:
-            for param, w in writes.items():
-                scatter(param, w.prepared, w.new)
-                done.append(param)
+            n = min(threads(), len(writes)) if acc.aliases else 1
+            if n > 1:  # generation is held: the writes are the only work, on every core
+                with ThreadPoolExecutor(n, thread_name_prefix="rollpatch-write") as pool:
+                    list(pool.map(one, writes))
+            else:
+                for param in writes:
+                    one(param)
+            t1 = time.perf_counter()
             prebuilt = staged.payload.get("prebuilt")
             installed = (
                 acc.install(prebuilt)  # kernels built from exactly these words
@@ -291,14 +334,17 @@ class RuntimeWeights:
                 else set()
             )
             acc.repack({p for p in writes if p.rpartition(".")[0] not in installed})
-            for param, w in writes.items():
-                if not np.array_equal(read_at(param, w.prepared), w.new):
-                    raise TargetMismatchError("read-back of written weights differs", param=param)
+            t2 = time.perf_counter()
         except BaseException:
-            for param in done:
+            for param in started:  # words not reached yet are the old ones already
                 scatter(param, writes[param].prepared, writes[param].old)
-            acc.repack(set(done))
+            acc.repack(set(started))
             raise
+        self.last_phases = {
+            "write_ms": (t1 - t0) * 1e3,
+            "derived_ms": (t2 - t1) * 1e3,
+            "threads": float(n),
+        }
         for name, d in staged.digests.items():
             st = staged.tensors.get(name)
             if st is not None and st.target_state is None:

@@ -80,6 +80,8 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
     and torch writes elsewhere (GPU; ``alias=False`` exercises that path on the CPU)."""
     import torch
 
+    from ...native import core as native
+
     params = dict(model.named_parameters())
     cpu = all(p.device.type == "cpu" for p in params.values()) if alias is None else alias
 
@@ -135,9 +137,22 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
     def read_at(name: str, prepared: np.ndarray) -> np.ndarray:
         p = params[name]
         if cpu:
-            return flat(name)[0][prepared]
+            fl = flat(name)[0]
+            if native is None or fl.itemsize not in (2, 4):
+                return fl[prepared]
+            out = np.empty(prepared.size, fl.dtype)
+            native.gather((8 * fl.itemsize, 2, 0, 0), fl, prepared, out)  # GIL released
+            return out
         got = words(p).view(shape2(p))[device_index(p, prepared)].cpu().numpy()
         return got.view(_WORDS[p.element_size()][1])
+
+    def swap(name: str, prepared: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+        """CPU, native core: check old and write new in one pass (all or nothing)."""
+        fl = flat(name)[0]
+        if native is None or fl.itemsize not in (2, 4):
+            scatter(name, prepared, new)
+            return
+        native.apply((8 * fl.itemsize, 2, 0, 0), fl, prepared, old, new)
 
     def write(name: str, offsets: np.ndarray, values: np.ndarray) -> None:
         scatter(name, prepare(name, offsets), values)
@@ -217,6 +232,7 @@ def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
         read_at=read_at,
         prebuild=prebuild if cpu and tp == 1 else None,
         install=install,
+        swap=swap if cpu else None,
     )
 
 

@@ -1,0 +1,172 @@
+"""vLLM's staged commit as one engine-core call (offline: no vLLM needed).
+
+- the engine-core hook (:mod:`rollpatch.engines.vllm.core`) against a stand-in EngineCore:
+  the workers' commit, the version tag only when every rank verified, the prefix cache reset
+  with running requests preempted on every way out;
+- the adapter with that hook: a commit is one ``/collective_rpc`` call, the commit gate does
+  not pause around it, and a wrong result leaves the engine not ready;
+- the worker's writes under the pause (real torch parameters, the CPU path): old words
+  checked as they are overwritten, slice by slice, on two threads, all or nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.engines.staged import StagedUpdate
+from rollpatch.engines.vllm import VllmEngine
+from rollpatch.engines.vllm.core import ATOMIC, _commit_atomic
+from rollpatch.errors import BaseMismatchError, TargetMismatchError
+from rollpatch.follower.commit import CommitGate
+from rollpatch.kinds import get_kind
+from rollpatch.patch import diff
+from tests import vllm_env
+
+
+class _Executor:
+    def __init__(self, results: list[Any] | Exception) -> None:
+        self.results = results
+        self.calls: list[tuple[Any, ...]] = []
+
+    def collective_rpc(self, method: str, timeout: Any, args: tuple[Any, ...], kw: Any) -> Any:
+        self.calls.append((method, args))
+        if isinstance(self.results, Exception):
+            raise self.results
+        return self.results
+
+
+class _Core:
+    """What the hook uses of vLLM's EngineCore."""
+
+    def __init__(self, results: list[Any] | Exception, reset_ok: bool = True) -> None:
+        self.model_executor = _Executor(results)
+        self.version = "0"
+        self.resets: list[bool] = []
+        self.reset_ok = reset_ok
+
+    def set_weight_version(self, v: str) -> None:
+        self.version = v
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.resets.append(reset_running_requests)
+        return self.reset_ok
+
+
+def test_engine_core_commits_tags_and_resets_in_one_call() -> None:
+    ok = [{"ok": True, "root": "r1", "digests": {}}] * 2
+    core = _Core(ok)
+    out = _commit_atomic(core, 5.0, ("tok", "7", "r1"))
+    assert core.model_executor.calls == [("rollpatch_commit", ("tok",))]
+    assert core.version == "7" and core.resets == [True]  # running requests preempted
+    assert all(r["reset"] is True and r["core_ms"] >= 0 for r in out)
+    # one rank disagrees on the root: no tag, but the cache is still reset
+    core = _Core([ok[0], {"ok": True, "root": "other"}])
+    _commit_atomic(core, 5.0, ("tok", "8", "r1"))
+    assert core.version == "0" and core.resets == [True]
+    core = _Core([{"ok": False, "error": {"type": "TargetMismatchError"}}], reset_ok=False)
+    out = _commit_atomic(core, 5.0, ("tok", "8", "r1"))
+    assert core.version == "0" and out[0]["reset"] is False
+    core = _Core(RuntimeError("worker died"))
+    with pytest.raises(RuntimeError):
+        _commit_atomic(core, 5.0, ("tok", "8", "r1"))
+    assert core.version == "0" and core.resets == [True]
+
+
+class _AtomicVllm(vllm_env.FakeVllm):
+    """A scripted server whose EngineCore runs the hook."""
+
+    def post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        if path == "/collective_rpc" and body["method"] == "rollpatch_info":
+            self.calls.append(("rollpatch_info", body["args"]))
+            return {"results": [{"ok": True, "tensors": {}, "atomic_commit": True}]}
+        if path == "/collective_rpc" and body["method"] == ATOMIC:
+            self.calls.append((ATOMIC, body["args"]))
+            if self.next_root is not None:
+                self.root = self.next_root
+            return {"results": [dict(self.result, core_ms=1.5, reset=True)]}
+        return super().post(path, body, timeout=timeout)
+
+
+def _staged(base: str, target: str, digests: dict[str, str]) -> StagedUpdate:
+    return StagedUpdate(base, target, {}, digests, {"token": "t0k"})
+
+
+def test_adapter_commits_in_one_call_and_the_gate_does_not_pause() -> None:
+    v0 = vllm_env.words_view(vllm_env.checkpoint())
+    v1 = vllm_env.words_view(vllm_env.random_step(vllm_env.checkpoint(), 4))
+    fake = _AtomicVllm(v0.digest())
+    eng = VllmEngine("http://127.0.0.1:9", transport="rpc")
+    eng.http = fake  # type: ignore[assignment]
+    eng.adopt(0, v0.digest())
+    assert eng.pauses_itself
+    gate = CommitGate(eng, "pause")
+    fake.script(True, v1.tensor_digests(), v1.digest())
+    fake.calls.clear()
+    gate.run(lambda: eng.commit_staged(_staged(v0.digest(), v1.digest(), {}), 1))
+    assert fake.calls == [(ATOMIC, ["t0k", "1", v1.digest()])]  # no /pause, /resume, /reset
+    assert (eng.version, eng.digest) == (1, v1.digest())
+    assert eng.last_timings["core_ms"] == 1.5 and gate.last is not None and gate.last.ok
+    # the workers report another root: not the target, and the engine no longer holds v1
+    fake.script(True, v0.tensor_digests(), "f" * 64)
+    with pytest.raises(TargetMismatchError):
+        gate.run(lambda: eng.commit_staged(_staged(v1.digest(), v0.digest(), {}), 2))
+    assert (eng.version, eng.digest) == (None, None)
+    assert fake.calls[-1] == ("/update_weight_version", {"new_version": "rollpatch:not-ready"})
+    assert not any(c[0].startswith("/pause") for c in fake.calls)
+
+
+def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the pause the CPU path checks each old word as it overwrites it (native core):
+    a word changed behind the digests after staging fails the commit, nothing stays
+    written; a clean commit writes every slice and reads it back."""
+    torch = pytest.importorskip("torch")
+    from rollpatch import native
+    from rollpatch.engines.vllm import weights
+    from rollpatch.engines.vllm.layout import ParamSpec, Shard
+    from rollpatch.engines.vllm.worker import _access
+
+    if native.core is None:
+        pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
+    monkeypatch.setattr(weights, "_SLICE", 3)  # many slices per parameter
+    monkeypatch.setenv("ROLLPATCH_THREADS", "2")
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.randn(8, 6).to(torch.bfloat16), requires_grad=False)
+    model.b = torch.nn.Parameter(torch.randn(7, 5).to(torch.bfloat16).t(), requires_grad=False)
+    specs = [
+        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
+    ]
+    w = weights.RuntimeWeights(
+        specs, {s.param: get_kind("bf16") for s in specs}, _access(model, 1, alias=True)
+    )
+
+    def words() -> dict[str, np.ndarray]:
+        return {
+            n: p.detach().view(torch.int16).numpy().view(np.uint16).copy()
+            for n, p in model.named_parameters()
+        }
+
+    v0 = vllm_env.words_view(words())
+    v1 = vllm_env.words_view(words())
+    for n in v1:
+        v1[n].data[1::2] ^= 0x0101
+        v1.invalidate(n)
+    staged = w.stage(diff(v0, v1))
+    storage = model.b.data.view(torch.int16).t().reshape(-1)  # b's memory, in storage order
+    storage[5] ^= 4  # behind every digest, at a position the patch changes (logical 1)
+    with pytest.raises(BaseMismatchError):
+        w.commit_staged(staged)
+    # nothing of v1 stays written; the rollback writes the base's words over every staged
+    # position, the one changed behind the digests included
+    assert {n: a.reshape(-1).tolist() for n, a in words().items()} == {
+        n: v0[n].data.tolist() for n in v0
+    }
+    assert w.digests(fresh=True) == v0.tensor_digests()
+    w.commit_staged(w.stage(diff(v0, v1)))
+    assert {n: a.reshape(-1).tolist() for n, a in words().items()} == {
+        n: v1[n].data.tolist() for n in v1
+    }
+    assert w.last_phases["threads"] == 2.0 and w.last_phases["write_ms"] > 0

@@ -5,6 +5,10 @@ it — patches from earlier versions (the step patch from the parent, optional s
 further back) and, for keyframes, a full view — each with size and BLAKE3 hash. Parsing is
 strict and bounded: a manifest that fails validation is never used.
 
+Schema 2 (``rollpatch.manifest/2``) adds ``sliced``: tensors whose shards hold element ranges
+of one tensor (FSDP-style slices) rather than whole tensors, with the whole tensor's digest
+at this version; a manifest without slices is still written (and read) as schema 1.
+
 On a signed board the stored bytes are an envelope (:mod:`rollpatch.trust`) whose payload is
 :meth:`Manifest.to_bytes`: the signature binds run, version, parent, format, target digest
 and every object's key, size, BLAKE3, base and base digest, so no field can be swapped for
@@ -31,16 +35,25 @@ __all__ = [
     "KeyframeObject",
     "Manifest",
     "PatchObject",
+    "SliceEntry",
+    "SlicedTensor",
     "open_manifest",
 ]
 
-SCHEMA = "rollpatch.manifest/1"
+SCHEMA_V1 = "rollpatch.manifest/1"
+#: Schema 2 adds ``sliced`` (docs/board.md); written only when a version has slices.
+SCHEMA_V2 = "rollpatch.manifest/2"
+SCHEMA = SCHEMA_V2
+_SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 #: A signed manifest: base64 of the payload (4/3) plus signatures.
 MAX_ENVELOPE_BYTES = MAX_MANIFEST_BYTES * 4 // 3 + 64 * 1024
 #: A manifest nests 3 deep (document → object list → entry); anything far deeper is hostile.
 MAX_MANIFEST_DEPTH = 8
 MAX_OBJECTS = 4096
+#: Slice entries of all sliced tensors together (each names a shard and an element range).
+MAX_SLICES = 1 << 20
+_DTYPE = re.compile(r"^[A-Z0-9_]{1,16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _KEY = re.compile(r"^[A-Za-z0-9._/-]{1,1024}$")
 
@@ -63,6 +76,39 @@ class KeyframeObject:
     shard: int = 0
 
 
+@dataclass(frozen=True)
+class SliceEntry:
+    """Shard ``shard`` holds elements ``[offset, offset + length)`` of a tensor's flat
+    (row-major) elements, published as a tensor of ``shape`` (``length`` = its product)."""
+
+    shard: int
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class SlicedTensor:
+    """A tensor published as slices, one shard each; the slices tile its elements exactly.
+    ``digest`` is the whole tensor's digest at this version (what a follower holds)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+    slices: tuple[SliceEntry, ...]
+
+    def layout(self) -> tuple[object, ...]:
+        """Everything but the digest: equal layouts cut a view the same way."""
+        return (self.name, self.dtype, self.shape, self.slices)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
     """Everything a follower needs to know about one version (built by keyword only: twelve
@@ -80,10 +126,15 @@ class Manifest:
     keyframes: tuple[KeyframeObject, ...] = ()
     shards: int = 1
     meta: dict[str, str] = field(default_factory=dict)
+    sliced: tuple[SlicedTensor, ...] = ()
 
     @property
     def is_keyframe(self) -> bool:
         return bool(self.keyframes)
+
+    def slices_of(self, shard: int) -> dict[str, SliceEntry]:
+        """Tensor name → the slice ``shard`` holds of it (sliced tensors only)."""
+        return {t.name: e for t in self.sliced for e in t.slices if e.shard == shard}
 
     def objects(self) -> list[ObjectRef]:
         return [p.ref for p in self.patches] + [k.ref for k in self.keyframes]
@@ -94,7 +145,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "schema": SCHEMA,
+            "schema": SCHEMA_V2 if self.sliced else SCHEMA_V1,
             "run": self.run,
             "version": self.version,
             "parent": self.parent,
@@ -121,6 +172,20 @@ class Manifest:
             ],
             "meta": dict(self.meta),
         }
+        if self.sliced:
+            d["sliced"] = [
+                {
+                    "tensor": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "digest": t.digest,
+                    "slices": [
+                        {"shard": e.shard, "offset": e.offset, "shape": list(e.shape)}
+                        for e in t.slices
+                    ],
+                }
+                for t in self.sliced
+            ]
         return d
 
     def to_bytes(self) -> bytes:
@@ -233,7 +298,7 @@ def _ref(o: Any) -> ObjectRef:
 
 
 def _parse(d: Any) -> Manifest:
-    _need(isinstance(d, dict) and d.get("schema") == SCHEMA, "schema")
+    _need(isinstance(d, dict) and d.get("schema") in _SCHEMAS, "schema")
     run = check_run(d["run"])
     version = _int(d["version"])
     parent = None if d["parent"] is None else _int(d["parent"])
@@ -274,6 +339,9 @@ def _parse(d: Any) -> Manifest:
         and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()),
         "meta",
     )
+    raw_sliced = d.get("sliced", [])
+    _need(d["schema"] == SCHEMA_V2 or "sliced" not in d, "sliced tensors need schema 2")
+    sliced = _parse_sliced(raw_sliced, shards)
     # a "signature" field (HMAC, before signed envelopes) is ignored: only envelopes verify
     return Manifest(
         run=run,
@@ -288,7 +356,48 @@ def _parse(d: Any) -> Manifest:
         keyframes=kfs,
         shards=shards,
         meta=dict(meta),
+        sliced=sliced,
     )
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    _need(isinstance(x, list) and len(x) <= 8, "shape")
+    return tuple(_int(n, 0, 1 << 50) for n in x)
+
+
+def _parse_sliced(raw: Any, shards: int) -> tuple[SlicedTensor, ...]:
+    """Sliced tensors: unique names, each tiled exactly by its slices in offset order."""
+    _need(isinstance(raw, list) and len(raw) <= MAX_SLICES, "sliced")
+    out: list[SlicedTensor] = []
+    total = 0
+    for t in raw:
+        _need(isinstance(t, dict) and isinstance(t["slices"], list), "sliced entry")
+        name, dtype = t["tensor"], t["dtype"]
+        _need(isinstance(name, str) and 0 < len(name) <= 1024, "sliced tensor name")
+        _need(isinstance(dtype, str) and bool(_DTYPE.match(dtype)), "sliced dtype")
+        shape = _shape(t["shape"])
+        total += len(t["slices"])
+        _need(0 < len(t["slices"]) <= shards and total <= MAX_SLICES, f"slices of {name}")
+        entries = []
+        for e in t["slices"]:
+            _need(isinstance(e, dict), "slice entry")
+            entries.append(
+                SliceEntry(
+                    _int(e["shard"], 0, shards - 1),
+                    _int(e["offset"], 0, 1 << 50),
+                    _shape(e["shape"]),
+                )
+            )
+        out.append(SlicedTensor(name, dtype, shape, _digest(t["digest"]), tuple(entries)))
+        numel = SliceEntry(0, 0, shape).length
+        at = 0
+        for e in entries:
+            _need(e.offset == at and e.length > 0, f"slices of {name} must tile it in order")
+            at += e.length
+        _need(at == numel, f"slices of {name} must cover it")
+        _need(len({e.shard for e in entries}) == len(entries), f"one slice per shard ({name})")
+    _need(len({t.name for t in out}) == len(out), "sliced tensor listed twice")
+    return tuple(out)
 
 
 def _digest(x: Any) -> str:

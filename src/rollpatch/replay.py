@@ -14,19 +14,27 @@ the manifests and the fetched (already size- and BLAKE3-checked) objects.
 Sharded versions carry one patch object per shard (same base, disjoint tensors, patch-level
 digests of the shard's sub-view): each is decoded without a root check, the tensor sets must
 be disjoint, and the union is bound to the manifest's whole-view digests.
+
+Sliced tensors (``Manifest.sliced``, schema 2) are element ranges of one tensor held by
+different shards: each shard's patch is decoded against the same range of the words held
+here (a zero-copy cut, never a re-assembled copy), the slices' changes are offset into the
+whole tensor and joined, and the joined change is bound to the whole tensor's digests from
+the manifests; the engine's apply verifies them as for any patch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
 
+import numpy as np
+
 from .errors import BaseMismatchError, ManifestError, VerificationError
 from .io import view_from_bytes
-from .manifest import Manifest, PatchObject
+from .manifest import Manifest, PatchObject, SlicedTensor, SliceEntry
 from .patch import Patch, decode, inspect
 from .patch.model import TensorPatch
 from .types import ObjectRef
-from .view import Tensor, View, WordSource
+from .view import Tensor, View, WordSource, tensor_digest
 
 __all__ = ["decode_step", "encoded_step", "keyframe_view"]
 
@@ -41,10 +49,15 @@ def keyframe_view(
     """
     tensors: dict[str, Tensor] = {}
     meta: dict[str, str] = {}
+    wholes = {t.name: t for t in m.sliced}
     for k in sorted(m.keyframes, key=lambda k: k.shard):
         part = source(k.ref) if callable(source) else view_from_bytes(source.pop(k.ref.key))
         meta.update(part.metadata)
-        overlap = tensors.keys() & part.keys()
+        slices = m.slices_of(k.shard)
+        for name, entry in slices.items():  # copied into the whole tensor, then released
+            _place(m, tensors, wholes[name], entry, part.get(name))
+            del part[name]
+        overlap = (tensors.keys() | wholes.keys()) & part.keys()
         if overlap:
             raise ManifestError(
                 "keyframe shards overlap", run=m.run, version=m.version, tensor=min(overlap)
@@ -60,6 +73,97 @@ def keyframe_view(
             actual=view.digest()[:16],
         )
     return view
+
+
+def _place(
+    m: Manifest,
+    tensors: dict[str, Tensor],
+    whole: SlicedTensor,
+    entry: SliceEntry,
+    part: Tensor | None,
+) -> None:
+    """Copy one keyframe shard's slice into its whole tensor (allocated at the first)."""
+    if part is None or part.shape != entry.shape or part.dtype != whole.dtype or part.kind.packed:
+        raise ManifestError(
+            "keyframe shard lacks its slice, or holds another layout",
+            run=m.run,
+            version=m.version,
+            tensor=whole.name,
+            shard=entry.shard,
+        )
+    t = tensors.get(whole.name)
+    if t is None:
+        t = Tensor(
+            part.kind,
+            whole.shape,
+            np.empty(SliceEntry(0, 0, whole.shape).length, part.kind.word_dtype),
+        )
+        tensors[whole.name] = t
+    t.data[entry.offset : entry.offset + entry.length] = part.data
+
+
+class _SliceSource:
+    """A word source whose sliced tensors are zero-copy cuts of ``source``'s."""
+
+    def __init__(self, source: WordSource, slices: Mapping[str, SliceEntry]) -> None:
+        self._source, self._slices = source, slices
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source
+
+    def __getitem__(self, name: str) -> Tensor:
+        t = self._source[name]
+        e = self._slices.get(name)
+        if e is None:
+            return t
+        if e.offset + e.length > t.data.size or t.kind.packed:
+            raise BaseMismatchError("the base tensor cannot hold this slice", tensor=name)
+        return Tensor(t.kind, e.shape, t.data[e.offset : e.offset + e.length])
+
+
+def _check_layouts(m: Manifest, base: Manifest) -> None:
+    """A step's slices must cut the base the way the base's own shards did."""
+    if base.sliced and {t.name: t.layout() for t in m.sliced} != {
+        t.name: t.layout() for t in base.sliced
+    }:
+        raise ManifestError(
+            "the version's slices differ from its base's", run=m.run, version=m.version
+        )
+
+
+def _join(
+    m: Manifest,
+    base: Manifest,
+    whole: SlicedTensor,
+    pieces: list[tuple[int, TensorPatch]],
+    source: WordSource,
+) -> TensorPatch:
+    """The slices' changes of one tensor, offset into it and joined (in offset order)."""
+    pieces.sort(key=lambda p: p[0])
+    if any(tp.op != "delta" for _, tp in pieces):
+        raise ManifestError(
+            "a slice patch must change elements, not replace the tensor",
+            run=m.run,
+            version=m.version,
+            tensor=whole.name,
+        )
+    ch = [tp.changes() for _, tp in pieces]
+    positions = np.concatenate(
+        [c.positions.astype(np.int64) + off for (off, _), c in zip(pieces, ch)]
+    )
+    old = np.concatenate([c.old for c in ch])
+    new = np.concatenate([c.new for c in ch])
+    prior = {t.name: t.digest for t in base.sliced}.get(whole.name)
+    if prior is None:  # the base was published whole: its digest is the words held here
+        prior = (
+            source.tensor_digest(whole.name)
+            if isinstance(source, View)
+            else tensor_digest(whole.dtype, whole.shape, source[whole.name].data)
+        )
+    kind = pieces[0][1].kind
+    return TensorPatch(
+        whole.name, "delta", kind, whole.shape, prior, whole.digest, positions, old, new
+    )
 
 
 def _step_objects(m: Manifest, base: Manifest) -> list[PatchObject]:
@@ -106,6 +210,12 @@ def encoded_step(m: Manifest, base: Manifest, blobs: Mapping[str, bytes]) -> lis
     caller can still decode them if the engine declines.
     """
     objs = _step_objects(m, base)
+    if m.sliced or base.sliced:
+        raise ManifestError(
+            "a sliced version is decoded by the follower, not handed over encoded",
+            run=m.run,
+            version=m.version,
+        )
     out = []
     for po in objs:
         blob = blobs[po.ref.key]
@@ -132,12 +242,20 @@ def decode_step(
             expected=base.target[:16],
             actual=source.digest()[:16],
         )
+    _check_layouts(m, base)
+    sliced = {t.name for t in m.sliced}
     tensors: dict[str, TensorPatch] = {}
+    pieces: dict[str, list[tuple[int, TensorPatch]]] = {}
     meta: dict[str, str] = {}
     for po in objs:
-        part = decode(blobs.pop(po.ref.key), source, check_base=False)
+        slices = m.slices_of(po.shard)
+        src = _SliceSource(source, slices) if slices else source
+        part = decode(blobs.pop(po.ref.key), src, check_base=False)
         _check_binding(m, base, len(objs), po.ref.key, (part.base, part.target))
-        overlap = tensors.keys() & part.tensors.keys()
+        whole = {k: tp for k, tp in part.tensors.items() if k not in slices}
+        for name in part.tensors.keys() - whole.keys():
+            pieces.setdefault(name, []).append((slices[name].offset, part.tensors[name]))
+        overlap = (tensors.keys() | sliced) & whole.keys()
         if overlap:
             raise ManifestError(
                 "patch shards overlap",
@@ -146,6 +264,9 @@ def decode_step(
                 shard=po.shard,
                 tensor=min(overlap),
             )
-        tensors.update(part.tensors)
+        tensors.update(whole)
         meta.update(part.meta)
+    for st in m.sliced:
+        if st.name in pieces:
+            tensors[st.name] = _join(m, base, st, pieces[st.name], source)
     return Patch(base.target, m.target, tensors, meta)

@@ -98,7 +98,10 @@ def stage_plan(
     holds no reference to ``blobs``, so the caller can free them before committing.
     """
     staged: StagedUpdate | None = None
-    if have is not None and all(s.base is not None for s in plan.steps):
+    # sliced versions (manifest schema 2) are decoded here, against cuts of the engine's words
+    if have is not None and all(
+        s.base is not None and not manifests[s.to].sliced for s in plan.steps
+    ):
         staged = engine.stage_encoded(
             [
                 EncodedStep(

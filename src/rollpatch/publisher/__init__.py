@@ -15,12 +15,14 @@ any version's view from the board.
 from .config import PublisherConfig, PublisherStats, VersionStats
 from .core import Publisher
 from .reconstruct import apply_step, load_keyframe, merge_shard_patches, reconstruct
+from .sharded_slices import TensorSlice
 from .writer import snapshot_state
 
 __all__ = [
     "Publisher",
     "PublisherConfig",
     "PublisherStats",
+    "TensorSlice",
     "VersionStats",
     "apply_step",
     "load_keyframe",

@@ -24,6 +24,7 @@ from ..types import MAX_VERSION, check_run
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .rounds import Snapshot, agree, resume_point
 from .sharded import open_exchange
+from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
 from .writer import VersionWriter, snapshot_state
 
@@ -36,8 +37,10 @@ class Publisher:
     """Publishes a run's versions to a board, in the background by default.
 
     ``board``: a :class:`Board` or a store URI. ``asynchronous=False`` publishes inside
-    ``publish()``. Sharding (one shard per rank, disjoint tensor names) is on when ``group`` is
-    given or torch.distributed is initialised with more than one rank, unless
+    ``publish()``. Sharding (one shard per rank: disjoint tensor names, or disjoint element
+    ranges of a tensor — FSDP2 ``DTensor`` shards along dim 0 or declared
+    :class:`~rollpatch.publisher.TensorSlice` values, published without a gather) is on when
+    ``group`` is given or torch.distributed is initialised with more than one rank, unless
     ``sharded=False``; every rank must then construct the publisher and publish the same
     version numbers in the same order. A rank whose process dies makes the others raise
     :class:`BoardError` at once; ``collective_timeout_s`` bounds how long a rank waits for a
@@ -148,12 +151,13 @@ class Publisher:
         """
         t0 = time.perf_counter()
         self._check_usable()
-        masters = self._snapshot(state_dict)
+        local, slices = split_slices(state_dict)
+        masters = self._snapshot(local, slices)
         snap_s = time.perf_counter() - t0
         with self._cond:
             self._check_usable()
             n = self._assign(version)
-            snap = Snapshot(n, masters, t0, snap_s, step if step is not None else n)
+            snap = Snapshot(n, masters, t0, snap_s, step if step is not None else n, None, slices)
             if self._worker is None:
                 self._busy = True
             else:
@@ -235,10 +239,18 @@ class Publisher:
             self._error_reported = True
             raise self._error
 
-    def _snapshot(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    def _snapshot(
+        self, state_dict: Mapping[str, Any], slices: Mapping[str, SliceSpec]
+    ) -> dict[str, Any]:
         """Host copies (host path) or copies on the masters' devices (device path)."""
         with self._cond:
             on_device = self._writer.decide_device(state_dict)
+        if on_device and slices:
+            raise ConfigError(
+                "sliced tensors (DTensor shards, TensorSlice) are published on the host path",
+                tensor=min(slices),
+                hint="PublisherConfig(diff_on='host')",
+            )
         if on_device:
             from .devpipe import snapshot_device
 

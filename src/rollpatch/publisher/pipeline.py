@@ -17,12 +17,13 @@ from .. import native
 from ..board import Board
 from ..errors import BoardError, PatchError
 from ..formats import cast_view
-from ..manifest import KeyframeObject, Manifest, PatchObject
+from ..manifest import KeyframeObject, Manifest, PatchObject, SlicedTensor
 from ..patch import Patch, compose, diff, encode, encode_views, inspect
 from ..patch.ops import scatter
 from ..types import ObjectRef
 from ..view import Tensor, View, root_digest
 from .config import PublisherConfig
+from .sharded_slices import SliceSpec, check_sliceable, combine, cut, slice_part
 
 __all__ = ["ServedView", "ShardPipeline", "ShardResult", "assemble_manifest"]
 
@@ -54,6 +55,8 @@ class ShardResult:
     patch_bytes: int = 0
     changed: int = 0
     host_bytes: int = 0
+    #: Sliced tensor name → :func:`slice_part` (what rank 0 needs for the whole digest).
+    slices: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def message(self) -> dict[str, Any]:
         def ref(r: ObjectRef) -> dict[str, Any]:
@@ -63,7 +66,10 @@ class ShardResult:
             "ok": True,
             "version": self.version,
             "nbytes": self.view.nbytes,
-            "digests": self.view.tensor_digests(),
+            "digests": {
+                k: d for k, d in self.view.tensor_digests().items() if k not in self.slices
+            },
+            "slices": self.slices,
             "patches": [dict(ref(r), base=b) for b, r in self.patches],
             "keyframe": None if self.keyframe is None else ref(self.keyframe),
         }
@@ -78,6 +84,8 @@ class ShardPipeline:
         self.prev_version: int | None = None
         self._whole_prev = False  # prev is the whole resumed view, not yet cut to this shard
         self._acc: Accumulators = {}
+        #: Where this rank's sliced tensors lie (fixed for a run; the writer sets it).
+        self.slices: Mapping[str, SliceSpec] = {}
 
     def resume(self, version: int, whole_view: View) -> None:
         """Continue after ``version``, whose whole (all shards) view is ``whole_view``."""
@@ -85,13 +93,18 @@ class ShardPipeline:
         self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
 
     def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
-        """Cast, diff, encode and upload this shard's objects for ``version``."""
+        """Cast, diff, encode and upload this shard's objects for ``version``; the masters
+        named in ``self.slices`` are element ranges of larger tensors (their digest parts
+        are computed here and counted in ``cast_s``)."""
         cfg = self.config
         t = time.perf_counter()
         view = cast_view(
             masters, cfg.format, policy=cfg.policy, scales=cfg.scales, previous=self.prev
         )
         res = ShardResult(version, view)
+        if self.slices:
+            check_sliceable(view, self.slices, cfg.format)
+            res.slices = {k: slice_part(view[k], s) for k, s in self.slices.items()}
         res.timings["cast_s"] = _lap(t)
         t = time.perf_counter()
         prev = self._base_view(view)
@@ -158,11 +171,24 @@ class ShardPipeline:
     # -- helpers -----------------------------------------------------------------------------
 
     def _base_view(self, view: View) -> View | None:
-        """The previous view of this shard (a resumed whole view cut to this shard's names)."""
+        """The previous view of this shard (a resumed whole view cut to this shard's names,
+        and its sliced tensors to this shard's ranges, zero-copy)."""
         if self.prev is None or not self._whole_prev:
             return self.prev
         prev: View = self.prev
-        return View({k: prev[k] for k in view if k in prev}, prev.metadata)
+        return View(
+            {
+                k: cut(prev[k], self.slices[k]) if self._is_whole(prev, k) else prev[k]
+                for k in view
+                if k in prev
+            },
+            prev.metadata,
+        )
+
+    def _is_whole(self, prev: View, name: str) -> bool:
+        """``prev[name]`` is the whole tensor of a slice this rank holds (a whole resume)."""
+        spec = self.slices.get(name)
+        return spec is not None and prev[name].shape == spec.shape != spec.local_shape
 
     def _meta(self, base: int, version: int) -> dict[str, str]:
         return {"run": self.run, "from": str(base), "to": str(version), "shard": str(self.shard)}
@@ -228,16 +254,24 @@ def assemble_manifest(
     root_digests: Mapping[int, str],
     config: PublisherConfig,
     meta: Mapping[str, str],
+    layout: Mapping[str, tuple[object, ...]] | None = None,
 ) -> Manifest:
     """The manifest of ``version`` from every rank's message (rank 0 calls this).
 
     Patch bases every shard provided are listed (a base some shard lacks is left out: its
-    objects stay unreferenced); keyframes only if every shard wrote one.
+    objects stay unreferenced); keyframes only if every shard wrote one. Sliced tensors get
+    their whole digest from the ranks' parts; ``layout`` (the parent's sliced layouts, None:
+    unknown) must not change within a run, since every patch is cut by it.
     """
     digests: dict[str, str] = {}
+    parts: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for rank, msg in enumerate(messages):
+        for name, part in msg.get("slices", {}).items():
+            parts.setdefault(name, []).append((rank, part))
+    sliced = tuple(combine(name, parts[name]) for name in sorted(parts))
     for rank, msg in enumerate(messages):
         for name, d in msg["digests"].items():
-            if name in digests:
+            if name in digests or name in parts:
                 raise BoardError(
                     "two ranks publish the same tensor: shards must be disjoint",
                     tensor=name,
@@ -245,6 +279,8 @@ def assemble_manifest(
                     version=version,
                 )
             digests[name] = d
+    digests.update({t.name: t.digest for t in sliced})
+    _check_layout(sliced, layout, version)
     bases = set.intersection(*({p["base"] for p in m["patches"]} for m in messages))
     patches = []
     for base in sorted(bases):
@@ -275,8 +311,26 @@ def assemble_manifest(
         keyframes=tuple(keyframes),
         shards=len(messages),
         meta=dict(meta),
+        sliced=sliced,
     )
     return m
+
+
+def _check_layout(
+    sliced: tuple[SlicedTensor, ...], layout: Mapping[str, tuple[object, ...]] | None, version: int
+) -> None:
+    if layout is None:
+        return
+    now = {t.name: t.layout() for t in sliced}
+    if now != dict(layout):
+        changed = sorted(k for k in now.keys() | layout.keys() if now.get(k) != layout.get(k))
+        raise BoardError(
+            "the slicing of a tensor changed within the run: patches are cut by it",
+            version=version,
+            tensor=changed[0],
+            hint="keep the ranks' slices fixed (same world size and sharding), or publish "
+            "under a new run",
+        )
 
 
 def _ref(d: Mapping[str, Any]) -> ObjectRef:

@@ -8,7 +8,7 @@ oldest one they all hold; older ones are dropped everywhere. With one rank this 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..board import Board
@@ -30,6 +30,8 @@ class Snapshot:
     snapshot_s: float
     step: int
     call_return_s: float | None = None
+    #: Masters that are element ranges of larger tensors (``sharded_slices.SliceSpec``).
+    slices: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

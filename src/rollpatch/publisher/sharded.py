@@ -107,8 +107,13 @@ def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = No
 
     ``sharded=None`` shards when ``group`` is given or torch.distributed is initialised with
     more than one rank (torch is never imported just to find out); ``False`` never shards
-    (e.g. rank 0 publishes a state dict gathered from every rank).
+    (e.g. rank 0 publishes a state dict gathered from every rank). ``group`` may also be an
+    :class:`Exchange` itself (any transport between the ranks, e.g. threads in one process).
     """
+    if _is_exchange(group):
+        if sharded is False:
+            raise ConfigError("an Exchange was given as group= but sharded=False")
+        return group
     if sharded is False:
         if group is not None:
             raise ConfigError("group= was given but sharded=False")
@@ -123,3 +128,13 @@ def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = No
         if dist.get_world_size() == 1 and not sharded:
             return LocalExchange()
     return GlooExchange(group, timeout_s)
+
+
+def _is_exchange(group: Any) -> bool:
+    """An :class:`Exchange` (``rank``/``size`` ints), not a torch ProcessGroup (methods)."""
+    return (
+        group is not None
+        and isinstance(getattr(group, "rank", None), int)
+        and isinstance(getattr(group, "size", None), int)
+        and callable(getattr(group, "allgather", None))
+    )

@@ -72,6 +72,8 @@ class VersionWriter:
         #: How the last resume rebuilt this rank's base: "shard" (its own objects only),
         #: "whole" (every shard), or None (no resume yet).
         self.resume_scope: str | None = None
+        #: Rank 0: the sliced layout of the last version (None: read from the parent).
+        self._layout: dict[str, tuple[object, ...]] | None = None
 
     def decide_device(self, state_dict: Mapping[str, Any]) -> bool:
         """Where the diff runs; ``diff_on="auto"``: the first state dict decides."""
@@ -99,6 +101,7 @@ class VersionWriter:
                 t = time.perf_counter()
                 self.pipe.resume(self.resume_from, self._resumed_view(snap))
                 resume_s = time.perf_counter() - t
+            self.pipe.slices = snap.slices
             res = self.pipe.build(n, snap.masters, keyframe=keyframe)
             message: dict[str, Any] = res.message()
         except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
@@ -132,7 +135,11 @@ class VersionWriter:
             part = reconstruct_shard(
                 self.board, self.run, self.resume_from, self._x.rank, self._x.size, trust=trust
             )
-            if part is not None and shard_matches(part, snap.masters, self.config.format):
+            if (
+                part is not None
+                and shard_matches(part, snap.masters, self.config.format)
+                and all(part[k].shape == s.local_shape for k, s in snap.slices.items())
+            ):
                 self.resume_scope = "shard"
                 return part
         self.resume_scope = "whole"
@@ -146,6 +153,9 @@ class VersionWriter:
             return {"ok": False, "error": f"rank {bad[0][0]}: {bad[0][1].get('error')}"}, None
         try:
             meta = {"step": str(snap.step), "scales": self.config.scales}
+            if self._layout is None and parent is not None:
+                pm = self.board.manifest(self.run, parent)
+                self._layout = {t.name: t.layout() for t in pm.sliced}
             m = assemble_manifest(
                 run=self.run,
                 version=snap.version,
@@ -155,9 +165,11 @@ class VersionWriter:
                 root_digests=self.roots,
                 config=self.config,
                 meta=meta,
+                layout=self._layout,
             )
             self.board.put_manifest(m)
             self.board.advance(self.run, snap.version)
+            self._layout = {t.name: t.layout() for t in m.sliced}
         except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
             return {"ok": False, "error": f"rank 0: {type(e).__name__}: {e}"}, e
         skip_bases = sorted({p.base for p in m.patches} - {parent})

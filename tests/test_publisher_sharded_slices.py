@@ -1,0 +1,260 @@
+"""Slices: ranks publish element ranges of one tensor, never a gathered copy (issue 14).
+
+Ranks run as threads of this process, joined by an in-memory :class:`Exchange` (the same
+JSON round trip as gloo's; the real gloo + DTensor run is tests/test_publisher_sharded_dtensor.py).
+Each version's manifest must name the same target as an unsharded publish of the whole state
+dict, followers must reach every version bit for bit through step patches, skip patches and
+sliced keyframes, and bad slicings must fail with a clear error before anything is pointed at.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.board import Board
+from rollpatch.engines.view_engine import ViewEngine
+from rollpatch.errors import BoardError, ConfigError, ManifestError
+from rollpatch.follower import Follower
+from rollpatch.formats import QuantPolicy, cast_view
+from rollpatch.manifest import Manifest
+from rollpatch.publisher import Publisher, PublisherConfig, TensorSlice, reconstruct
+
+RUN = "sliced"
+MANIFESTS = Path(__file__).parent / "manifests"
+SHAPES = {"w.a": (64, 48), "w.b": (999,), "w.c": (30, 20)}
+#: rank → (tensor, first row, end row); w.b's cuts straddle 8-byte words (bf16: 4 per word)
+CUTS = {
+    0: [("w.a", 0, 25), ("w.b", 0, 333)],
+    1: [("w.a", 25, 40), ("w.b", 333, 501), ("w.c", 0, 30)],
+    2: [("w.a", 40, 64), ("w.b", 501, 999)],
+}
+
+
+class ThreadGroup:
+    """Ranks as threads of one process; ``allgather`` is a barrier over a shared box."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._box: list[Any] = [None] * size
+        self._barrier = threading.Barrier(size, timeout=60)
+
+    def member(self, rank: int) -> ThreadExchange:
+        return ThreadExchange(self, rank)
+
+
+class ThreadExchange:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self._g, self.rank, self.size = group, rank, group.size
+
+    def allgather(self, message: Any) -> list[Any]:
+        self._g._box[self.rank] = json.loads(json.dumps(message))
+        self._g._barrier.wait()
+        out = list(self._g._box)
+        self._g._barrier.wait()
+        return out
+
+
+def masters(version: int) -> dict[str, np.ndarray]:
+    base = np.random.default_rng(0)
+    step = np.random.default_rng(100 + version)
+    out = {}
+    for name, shape in SHAPES.items():
+        w = base.standard_normal(shape).astype(np.float32)
+        out[name] = w + (version * 1e-3 * step.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def local(version: int, rank: int, cuts: dict[int, list[tuple[str, int, int]]] = CUTS) -> dict:
+    full = masters(version)
+    out: dict[str, Any] = {}
+    for name, a, b in cuts[rank]:
+        shape = SHAPES[name]
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        part = full[name][a:b].copy()
+        out[name] = TensorSlice(part, a * row, shape) if part.shape != shape else part
+    return out
+
+
+def run_ranks(size: int, body: Callable[[int, ThreadExchange], Any]) -> list[Any]:
+    """Run ``body(rank, exchange)`` on ``size`` threads; results (or exceptions) by rank."""
+    g = ThreadGroup(size)
+    out: list[Any] = [None] * size
+
+    def one(r: int) -> None:
+        try:
+            out[r] = body(r, g.member(r))
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+def publish_versions(
+    board: Board, versions: range, cfg: PublisherConfig, cuts: dict = CUTS
+) -> list[Any]:
+    def body(rank: int, x: ThreadExchange) -> Any:
+        with Publisher(board, RUN, cfg, group=x, asynchronous=False) as pub:
+            for v in versions:
+                pub.publish(local(v, rank, cuts), v)
+            return pub.resume_scope
+
+    return run_ranks(len(cuts), body)
+
+
+CFG = PublisherConfig(format="bf16", keyframe_every=4, skip_strides=(2,))
+
+
+def test_sliced_versions_match_an_unsharded_publish(tmp_path: Path) -> None:
+    board = Board(tmp_path.as_uri())
+    assert publish_versions(board, range(6), CFG) == [None] * 3
+    for v in range(6):
+        m = board.manifest(RUN, v)
+        want = cast_view(masters(v), "bf16")
+        assert m.target == want.digest(), v  # the whole view's digest, from slices only
+        assert m.shards == 3 and [t.name for t in m.sliced] == ["w.a", "w.b"]
+        assert json.loads(m.to_bytes())["schema"] == "rollpatch.manifest/2"
+        assert {t.name: t.digest for t in m.sliced} == {k: want[k].digest() for k in ("w.a", "w.b")}
+        assert reconstruct(board, RUN, v).digest() == want.digest()
+    a = board.manifest(RUN, 5).sliced[0]
+    assert [(e.shard, e.offset, e.shape) for e in a.slices] == [
+        (0, 0, (25, 48)),
+        (1, 1200, (15, 48)),
+        (2, 1920, (24, 48)),
+    ]
+    assert board.keyframes(RUN) == [0, 4]
+    assert {p.base for p in board.manifest(RUN, 4).patches} == {2, 3}  # a skip patch too
+
+
+def test_followers_apply_slices_in_place(tmp_path: Path) -> None:
+    board = Board(tmp_path.as_uri())
+    publish_versions(board, range(6), CFG)
+    step = Follower(board, RUN, ViewEngine())  # keyframe 0, then one step at a time
+    step.sync(0)
+    held = step.engine.words()
+    for v in range(1, 6):
+        assert step.sync(v) == v
+        assert step.engine.words() is held  # patched in place, never re-assembled
+        assert held.digest() == cast_view(masters(v), "bf16").digest()
+    late = Follower(board, RUN, ViewEngine())  # 1 → 5: skip patches 2→4, then steps
+    late.sync(1)
+    assert late.sync(5) == 5
+    assert late.engine.words().digest() == board.manifest(RUN, 5).target
+    boot = Follower(board, RUN, ViewEngine())  # the sliced keyframe at 4, then 5
+    assert boot.sync(5) == 5
+    assert boot.engine.words().digest() == board.manifest(RUN, 5).target
+
+
+def test_resume_rebuilds_only_each_ranks_slices(tmp_path: Path) -> None:
+    board = Board(tmp_path.as_uri())
+    publish_versions(board, range(3), CFG)
+    assert publish_versions(board, range(3, 6), CFG) == ["shard"] * 3
+    for v in range(6):
+        assert board.manifest(RUN, v).target == cast_view(masters(v), "bf16").digest()
+
+
+def _expect_failure(results: list[Any], error: type[Exception], match: str) -> None:
+    assert all(isinstance(r, Exception) for r in results), results
+    assert any(isinstance(r, error) and match in str(r) for r in results), results
+
+
+def test_overlapping_or_missing_slices_are_refused(tmp_path: Path) -> None:
+    board = Board(tmp_path.as_uri())
+    gap = {0: [("w.a", 0, 25)], 1: [("w.a", 26, 64)]}
+    _expect_failure(publish_versions(board, range(1), CFG, gap), BoardError, "leave a gap")
+    over = {0: [("w.a", 0, 30)], 1: [("w.a", 25, 64)]}
+    _expect_failure(publish_versions(board, range(1), CFG, over), BoardError, "overlap")
+    short = {0: [("w.a", 0, 25)], 1: [("w.a", 25, 63)]}
+    _expect_failure(publish_versions(board, range(1), CFG, short), BoardError, "cover")
+    assert board.versions(RUN) == [] and board.latest(RUN) is None
+
+
+def test_changed_slicing_is_refused_and_the_board_kept(tmp_path: Path) -> None:
+    board = Board(tmp_path.as_uri())
+    publish_versions(board, range(2), CFG)
+    moved = {
+        0: [("w.a", 0, 30), ("w.b", 0, 333)],
+        1: [("w.a", 30, 40), ("w.b", 333, 501), ("w.c", 0, 30)],
+    }
+    moved[2] = CUTS[2]
+    _expect_failure(publish_versions(board, range(2, 3), CFG, moved), BoardError, "slicing")
+    assert board.versions(RUN) == [0, 1] and board.latest(RUN).version == 1  # type: ignore[union-attr]
+
+
+def test_quantised_slices_are_refused() -> None:
+    """A format that quantises a sliced tensor with scales cannot slice it; a tensor that
+    format leaves in BF16 (here w.b, w.c) could be."""
+    policy = QuantPolicy(include=("w.a",))
+    cfg = PublisherConfig(format="fp8-e4m3", policy=policy, keyframe_every=4, skip_strides=())
+    board = Board("memory://sliced-fp8")
+    results = publish_versions(board, range(1), cfg)
+    _expect_failure(results, ConfigError, "scales")
+    assert board.versions(RUN) == []
+
+
+def test_sliced_digest_at_every_cut() -> None:
+    """Whole-tensor digests from slice parts at every byte alignment (bf16 and fp16)."""
+    from rollpatch.publisher.sharded_slices import SliceSpec, combine, slice_part
+
+    rng = np.random.default_rng(5)
+    for fmt in ("bf16", "fp16"):
+        w = rng.standard_normal(37).astype(np.float32)
+        whole = cast_view({"w": w}, fmt)["w"]
+        for cut in range(1, 37):
+            parts = [
+                (0, slice_part(cast_view({"w": w[:cut]}, fmt)["w"], SliceSpec(0, (37,), (cut,)))),
+                (
+                    1,
+                    slice_part(
+                        cast_view({"w": w[cut:]}, fmt)["w"], SliceSpec(cut, (37,), (37 - cut,))
+                    ),
+                ),
+            ]
+            assert combine("w", parts).digest == whole.digest(), (fmt, cut)
+
+
+# -- the manifest: schema 2, golden files, strict parsing --------------------------------------
+
+
+def test_golden_manifests_round_trip() -> None:
+    for name in ("v1_sharded.json", "v2_sliced.json"):
+        raw = (MANIFESTS / name).read_bytes().strip()
+        m = Manifest.from_bytes(raw)
+        assert m.to_bytes() == raw, name
+    v2 = Manifest.from_bytes((MANIFESTS / "v2_sliced.json").read_bytes())
+    assert [(e.shard, e.offset) for e in v2.sliced[0].slices] == [(0, 0), (1, 32)]
+    assert v2.slices_of(1)["w.a"].shape == (6, 8)
+    assert not Manifest.from_bytes((MANIFESTS / "v1_sharded.json").read_bytes()).sliced
+
+
+@pytest.mark.parametrize(
+    "hack",
+    [
+        lambda d: d.update(schema="rollpatch.manifest/1"),  # slices need schema 2
+        lambda d: d["sliced"][0]["slices"][1].update(offset=31),  # overlap
+        lambda d: d["sliced"][0]["slices"][1].update(shape=[5, 8]),  # does not cover
+        lambda d: d["sliced"][0]["slices"][1].update(shard=0),  # one slice per shard
+        lambda d: d["sliced"][0]["slices"][1].update(shard=7),  # no such shard
+        lambda d: d["sliced"][0].update(digest="zz"),
+        lambda d: d["sliced"].append(d["sliced"][0]),  # listed twice
+        lambda d: d["sliced"][0].update(shape=[1] * 9),  # too many dims
+        lambda d: d["sliced"][0].update(dtype="bf16; rm"),
+    ],
+)
+def test_hostile_sliced_manifests_are_refused(hack: Callable[[dict], None]) -> None:
+    d = json.loads((MANIFESTS / "v2_sliced.json").read_bytes())
+    hack(d)
+    with pytest.raises(ManifestError):
+        Manifest.from_bytes(json.dumps(d).encode())

@@ -76,3 +76,47 @@ def test_error_bodies_are_openai_style(status: int, retry: str | None) -> None:
         "served": 3,
         "latest": 5,
     }
+
+
+def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
+    """One owner of the served/latest/lag triple and the outcome labels: the sidecar leaves an
+    unknown version as it was, the gateway writes -1; both render their own registry only."""
+    from rollpatch.gateway.metrics import GatewayMetrics
+    from rollpatch.gateway.routing import IslandView
+    from rollpatch.serving.metrics import OUTCOMES, outcome
+    from rollpatch.sidecar.metrics import SidecarMetrics
+
+    assert [outcome(s) for s in (200, 409, 503, None, 502, 404, 500)] == list(OUTCOMES)
+
+    sc = SidecarMetrics()
+    status = type("S", (), {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1})
+    sc.update(status)
+    status.version, status.latest, status.lag = None, None, None
+    sc.update(status)  # unknown: the last known values stay
+    sc.request("proxied", 0.01)
+    text = sc.render().decode()
+    for line in (
+        "rollpatch_served_version 3.0",
+        "rollpatch_latest_version 5.0",
+        "rollpatch_lag_versions 2.0",
+        'rollpatch_requests_total{outcome="proxied"} 1.0',
+    ):
+        assert line in text.splitlines()
+
+    gw = GatewayMetrics()
+    islands = [
+        IslandView("a", "http://a", served=4, latest=6, reachable=True, inflight=1),
+        IslandView("b", "http://b", served=None, latest=None, reachable=False, inflight=0),
+    ]
+    gw.attempt("a", 409)
+    text = gw.render(islands).decode()
+    for line in (
+        'rollpatch_gateway_island_served_version{island="a"} 4.0',
+        'rollpatch_gateway_island_lag_versions{island="a"} 2.0',
+        'rollpatch_gateway_island_served_version{island="b"} -1.0',
+        'rollpatch_gateway_island_latest_version{island="b"} -1.0',
+        'rollpatch_gateway_requests_total{island="a",outcome="conflict"} 1.0',
+    ):
+        assert line in text.splitlines()
+    assert 'rollpatch_gateway_island_lag_versions{island="b"}' not in text
+    assert "rollpatch_served_version" not in text  # registries stay apart

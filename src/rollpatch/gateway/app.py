@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ..errors import ConfigError
 from ..protocol import parse_constraint
 from ..serving.body import read_json_object, refusal_status
+from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
 from ..serving.responses import error_response
 from ..serving.schema import openapi_body, validate_body
 from ..types import Constraint
@@ -79,9 +80,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(
-            gw.metrics.render(gw.views()), media_type="text/plain; version=0.0.4"
-        )
+        return PlainTextResponse(gw.metrics.render(gw.views()), media_type=METRICS_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ..errors import ConfigError, NotReadyError, RollpatchError
 from ..logs import event
 from ..serving.body import read_json_object, refusal_status
+from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
 from ..serving.responses import error_response
 from ..serving.schema import openapi_body, validate_body
 from .gate import Admission, CommitGate
@@ -92,7 +93,7 @@ def create_app(sc: Sidecar) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(sc.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(sc.metrics.render(), media_type=METRICS_TYPE)
 
     @app.post("/admin/sync")
     async def admin_sync(request: Request) -> JSONResponse:

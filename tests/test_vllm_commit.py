@@ -170,3 +170,48 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
         n: v1[n].data.tolist() for n in v1
     }
     assert w.last_phases["threads"] == 2.0 and w.last_phases["write_ms"] > 0
+
+
+def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
+    """A chain of published steps decoded in place (one copy per touched tensor, every step
+    decoded into it) composes to exactly what decoding each step against an overlay gives,
+    and to diff(first, last); a corrupt step is refused and the live words stay untouched."""
+    from rollpatch.engines.vllm import ops
+    from rollpatch.engines.vllm.catchup import decode_in_place
+    from rollpatch.patch import compose, decode, encode
+    from rollpatch.patch.overlay import Overlay
+
+    ck = vllm_env.checkpoint()
+    cks = [ck]
+    for seed in (1, 2, 3):
+        cks.append(vllm_env.random_step(cks[-1], seed, share=0.03))
+    views = [vllm_env.words_view(c) for c in cks]
+    ranks = vllm_env.SimulatedRanks(ck, 1)
+    w = ranks.weights[0]
+    steps, blobs = [], []
+    for k in range(1, len(views)):
+        blob = encode(diff(views[k - 1], views[k]), views[k - 1])
+        path = tmp_path / f"s{k}.rpatch"
+        path.write_bytes(blob)
+        steps.append(
+            {"base": views[k - 1].digest(), "target": views[k].digest(), "paths": [str(path)]}
+        )
+        blobs.append([blob])
+    got = decode_in_place(w, steps, blobs)
+    assert got is not None
+    overlay = None
+    for blob in blobs:
+        one = decode(blob[0], w if overlay is None else Overlay(w, overlay), check_base=False)
+        overlay = one if overlay is None else compose(overlay, one)
+    assert overlay is not None and got.equals(overlay)
+    assert got.equals(diff(views[0], views[-1]))
+    assert ops._chain(w, steps).equals(got)  # the worker takes this path at TP 1
+    before = {n: w[n].data.copy() for n in w.names()}
+    bad = bytearray(blobs[1][0])
+    bad[-5] ^= 0xFF  # a payload byte: its BLAKE3 no longer matches
+    with pytest.raises(Exception) as err:
+        decode_in_place(w, steps, [blobs[0], [bytes(bad)], blobs[2]])
+    assert "checksum" in str(err.value)
+    assert all(np.array_equal(w[n].data, before[n]) for n in w.names())
+    w.commit_staged(w.stage(got))
+    assert w.root() == views[-1].digest()

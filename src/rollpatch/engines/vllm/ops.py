@@ -25,6 +25,7 @@ from ...patch import Patch, compose, decode, inspect
 from ...patch.overlay import Overlay
 from ...view import View
 from ..staged import StagedUpdate
+from .catchup import decode_in_place
 from .layout import locate
 from .transfer import read_decoded
 from .weights import RuntimeWeights
@@ -36,8 +37,9 @@ _MAX_JOBS = 8
 
 
 def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
-    """Decode a chain of steps against the held words and compose it (step *k* is decoded
-    against an :class:`Overlay` of the words and steps 1..k-1: a tensor copy at a time)."""
+    """Decode a chain of steps against the held words and compose it: in place in one copy
+    per touched tensor (:mod:`.catchup`), else step *k* against an :class:`Overlay` of the
+    words and steps 1..k-1 (a tensor copy at a time, per step)."""
     if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts
         raise BaseMismatchError(
             "engine root digest is not the patch's base",
@@ -45,9 +47,13 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
             actual=w.root()[:16],
             hint="the engine is on another version; plan a new path",
         )
+    blobs = [[Path(p).read_bytes() for p in step["paths"]] for step in steps]
+    if w.tp == 1:  # each touched tensor copied once, every step decoded into the copy
+        composed = decode_in_place(w, steps, blobs)
+        if composed is not None:
+            return composed
     patch: Patch | None = None
-    for step in steps:
-        parts = [Path(p).read_bytes() for p in step["paths"]]
+    for step, parts in zip(steps, blobs, strict=True):
         names = sorted({e["name"] for blob in parts for e in inspect(blob).tensors})
         base: Any = w if patch is None else Overlay(w, patch)
         if w.tp > 1:  # reading a tensor is a collective: read them in one order on every rank

@@ -49,6 +49,7 @@ class Fleet:
         ports = {n: free_port() for n in ("relay", "a", "b", "gateway")}
         url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
         self.gateway_url = url["gateway"]
+        self.island_urls = {n: url[n] for n in ("a", "b")}
         self.procs["publisher"] = Proc(
             "publisher",
             [
@@ -260,7 +261,7 @@ class Fleet:
         if fault == "publisher-kill":
             self.procs["publisher"].ready_at = time.monotonic()
         end = time.monotonic()
-        return {
+        out = {
             "fault": fault,
             "at": at,
             "held_s": held,
@@ -268,6 +269,19 @@ class Fleet:
             "recovery_s": None if recovery is None else round(recovery, 1),
             "note": note,
         }
+        if recovery is None:  # what each island says of itself: the cause, for the report
+            out["state"] = {"latest": self.latest(), "since": since, **self.island_states()}
+        return out
+
+    def island_states(self) -> dict[str, Any]:
+        """Each island's ``/version`` (version, lag, follower state, last error), as JSON."""
+        out: dict[str, Any] = {}
+        for name, url in self.island_urls.items():
+            try:
+                out[name] = httpx.get(f"{url}/version", timeout=10).json()
+            except (httpx.HTTPError, ValueError) as e:
+                out[name] = f"{type(e).__name__}: {e}"
+        return out
 
     def _relay_restart(self) -> str:
         relay = self.procs["relay"]

@@ -111,6 +111,8 @@ def main() -> int:
             time.sleep(max(0.0, at - time.monotonic()))
             records.append(fleet.inject(fault, load))
             log(f"fault {fault}: recovered after {records[-1]['recovery_s']}")
+            if "state" in records[-1]:
+                log(f"  not recovered; the islands say: {json.dumps(records[-1]['state'])}")
         time.sleep(max(0.0, t0 + duration - time.monotonic()))
         load.stop()
         stop_sampling.set()

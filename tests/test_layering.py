@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "serving": 3,
     # 4 the board: layout in a store, planning, replay
     "planning": 4,
+    "avoid": 4,
     "board": 4,
     "replay": 4,
     # 5 what uses a board or a view: retention, engine adapters, analysis

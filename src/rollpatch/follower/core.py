@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..avoid import BadObjects, plan_around
 from ..board import Board, Plan
 from ..engines import EngineAdapter
 from ..engines.staged import AuditReport
@@ -36,7 +37,6 @@ from ..trust import Trust, warn_unverified
 from ..types import ObjectRef, check_run
 from ..view import View
 from .audit import Auditor
-from .avoid import BadObjects, plan_around
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
@@ -203,7 +203,9 @@ class Follower:
                 raise _PastWanted(have, want, self.run)
             return want
         try:
-            return plan_around(self._bad, self.run, lambda avoid: self._run_plan(have, want, avoid))
+            return plan_around(
+                self._bad, self.run, lambda avoid: self._run_plan(have, want, avoid), log=log
+            )
         except _WRONG_BITS as e:
             plan = self.last_plan
             if have is None or plan is None or not plan.steps or plan.steps[0].is_keyframe:

@@ -113,7 +113,8 @@ class Publisher:
     @property
     def resume_scope(self) -> str | None:
         """How the last resume rebuilt this rank's base: "shard" (its own objects only),
-        "whole" (every shard), or None (no resume yet)."""
+        "whole" (every shard), "keyframe" (no sound path to the resumed version: the next
+        version was published as a keyframe with no parent), or None (no resume yet)."""
         return self._writer.resume_scope
 
     @property

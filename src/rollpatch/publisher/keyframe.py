@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from ..board import Board
+from ..errors import ObjectIntegrityError
 from ..formats import get_format
 from ..patch import apply_encoded
 from ..trust import Trust
@@ -25,7 +26,17 @@ def reconstruct_shard(
 ) -> View | None:
     """Shard ``shard`` of ``version``'s view, or None when the board does not allow it (a
     manifest on the path was published by another number of ranks, or lacks this shard's
-    keyframe or patch): the caller then falls back to the whole view (``reconstruct``)."""
+    keyframe or patch, or an object on the path is corrupt): the caller then falls back to
+    the whole view (``reconstruct``, which plans around corrupt objects)."""
+    try:
+        return _shard_view(board, run, version, shard, shards, trust)
+    except ObjectIntegrityError:
+        return None
+
+
+def _shard_view(
+    board: Board, run: str, version: int, shard: int, shards: int, trust: Trust | None
+) -> View | None:
     b = board if trust is None else Board(board.store, trust=trust)
     view: View | None = None
     for step in b.plan(run, None, version).steps:

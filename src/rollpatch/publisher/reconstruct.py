@@ -2,11 +2,15 @@
 
 The publisher uses this to resume a run; followers may use it to boot. Every object is checked
 against its manifest entry (size and BLAKE3, by :meth:`Board.fetch`), every patch against its
-base and target digests, and the result against the manifest's target digest.
+base and target digests, and the result against the manifest's target digest. An object found
+corrupt is planned around (:func:`rollpatch.avoid.plan_around`), as a follower does.
 """
 
 from __future__ import annotations
 
+import logging
+
+from ..avoid import BadObjects, plan_around
 from ..board import Board, PlanStep
 from ..errors import ManifestError, VersionNotFoundError
 from ..manifest import Manifest
@@ -17,19 +21,26 @@ from ..view import View
 
 __all__ = ["apply_step", "load_keyframe", "merge_shard_patches", "reconstruct"]
 
+log = logging.getLogger("rollpatch.publisher")
+
+#: Plans a rebuild may try, each around one more corrupt object (then the corruption is the
+#: error): bounded, as a resume fetches whole keyframes.
+MAX_PLANS = 8
+
 
 def reconstruct(
     board: Board | str, run: str, version: int | None = None, *, trust: Trust | None = None
 ) -> View:
     """The served view of ``run`` at ``version`` (None: LATEST), rebuilt and verified.
 
-    Follows :meth:`Board.plan` from nothing (fewest bytes: a keyframe, then patches). With
-    ``trust`` (or a board that has one), every manifest used, and LATEST, must be signed under
-    that trust root.
+    Follows :meth:`Board.plan` from nothing (fewest bytes: a keyframe, then patches), around
+    every object found corrupt (at most :data:`MAX_PLANS` plans). With ``trust`` (or a board
+    that has one), every manifest used, and LATEST, must be signed under that trust root.
 
     Raises :class:`VersionNotFoundError` (no such version or no LATEST), :class:`NoPathError`,
-    :class:`ManifestError` (an object is missing its size or hash: corrupt or truncated, or
-    shards overlap), or a :class:`VerificationError` when bits do not match their digests.
+    :class:`ObjectIntegrityError` (a corrupt object, and no way around it),
+    :class:`ManifestError` (shards overlap), or a :class:`VerificationError` when bits do not
+    match their digests.
     """
     b = board if isinstance(board, Board) else Board(board)
     if trust is not None:
@@ -39,12 +50,17 @@ def reconstruct(
         if pointer is None:
             raise VersionNotFoundError("the run has no published version", run=run)
         version = pointer.version
-    view: View | None = None
-    for step in b.plan(run, None, version).steps:
-        view = apply_step(b, run, step, view)
-    if view is None:  # plan(None, v) always has at least the keyframe step
-        raise VersionNotFoundError("empty plan", run=run, version=version)
-    return view
+    want = version
+
+    def rebuild(avoid: frozenset[str]) -> View:
+        view: View | None = None
+        for step in b.plan(run, None, want, avoid=avoid).steps:
+            view = apply_step(b, run, step, view)
+        if view is None:  # plan(None, v) always has at least the keyframe step
+            raise VersionNotFoundError("empty plan", run=run, version=want)
+        return view
+
+    return plan_around(BadObjects(), run, rebuild, log=log, tries=MAX_PLANS)
 
 
 def apply_step(board: Board, run: str, step: PlanStep, view: View | None) -> View:

@@ -8,6 +8,7 @@ state, and the version's :class:`VersionStats` are measured. Which version, and 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..board import Board
-from ..errors import BoardError, ConfigError
+from ..errors import BoardError, ConfigError, NoPathError, ObjectIntegrityError
 from ..io.checkpoint import to_numpy
 from ..view import View
 from .config import PublisherConfig, VersionStats
@@ -26,6 +27,8 @@ from .rounds import Snapshot
 from .sharded import Exchange
 
 __all__ = ["VersionWriter", "snapshot_state"]
+
+log = logging.getLogger("rollpatch.publisher")
 
 _MASTER_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -99,8 +102,12 @@ class VersionWriter:
         try:
             if self.resume_from is not None and self.pipe.prev is None:
                 t = time.perf_counter()
-                self.pipe.resume(self.resume_from, self._resumed_view(snap))
+                base = self._resumed_view(snap)
                 resume_s = time.perf_counter() - t
+                if base is None:  # no sound path to it: this version is a fresh keyframe
+                    parent, keyframe = None, True
+                else:
+                    self.pipe.resume(self.resume_from, base)
             self.pipe.slices = snap.slices
             res = self.pipe.build(n, snap.masters, keyframe=keyframe)
             message: dict[str, Any] = res.message()
@@ -125,9 +132,15 @@ class VersionWriter:
         self.pipe.commit(res)
         return self._record(snap, res, parent, started, resume_s, t_commit, outcome)
 
-    def _resumed_view(self, snap: Snapshot) -> View:
+    def _resumed_view(self, snap: Snapshot) -> View | None:
         """The resumed version's view as this rank's base: its own shard only when the board
-        has it in the same layout (``keyframe.reconstruct_shard``), else the whole view."""
+        has it in the same layout (``keyframe.reconstruct_shard``), else the whole view.
+
+        None when an unsharded publisher finds no sound path to it (objects corrupt on the
+        store, with no way around: an attacker or a bad disk can do that, and a publisher
+        that could not resume would never publish again); the version then starts a new
+        lineage from a keyframe (``parent`` None). Ranks of a sharded publisher must agree
+        on that, which they have no round for: they raise instead."""
         assert self.resume_from is not None
         signer = self.config.signer
         trust = None if signer is None else signer.self_trust()
@@ -143,7 +156,22 @@ class VersionWriter:
                 self.resume_scope = "shard"
                 return part
         self.resume_scope = "whole"
-        return reconstruct(self.board, self.run, self.resume_from, trust=trust)
+        try:
+            return reconstruct(self.board, self.run, self.resume_from, trust=trust)
+        except (ObjectIntegrityError, NoPathError) as e:
+            if self._x.size > 1:
+                raise
+            log.warning(
+                "%s: cannot rebuild version %d from sound objects (%s: %s); version %d "
+                "is published as a keyframe with no parent",
+                self.run,
+                self.resume_from,
+                type(e).__name__,
+                e,
+                snap.version,
+            )
+            self.resume_scope = "keyframe"
+            return None
 
     def _write_manifest(
         self, snap: Snapshot, parent: int | None, keyframe: bool, messages: list[dict[str, Any]]

@@ -1,9 +1,10 @@
-"""Objects a follower found corrupt, remembered so that its next plans go around them.
+"""Objects found corrupt, remembered so that the next plans go around them.
 
 Objects are content-addressed and re-putting identical bytes is a no-op, so a corrupt stored
-copy stays corrupt until someone deletes it; a follower that kept planning through it would
-never move again (found by bench/soak.py). Entries expire after ``ttl_s`` (an operator may
-have repaired the object) and the memory is bounded.
+copy stays corrupt until someone deletes it; a reader that kept planning through it would
+never move again (found by bench/soak.py: a follower, then a publisher resuming). Entries
+expire after ``ttl_s`` (an operator may have repaired the object) and the memory is bounded.
+Followers keep one :class:`BadObjects` across syncs; a publisher resuming uses a fresh one.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-from ..errors import NoPathError, ObjectIntegrityError
+from .errors import NoPathError, ObjectIntegrityError
 
 __all__ = ["BadObjects", "plan_around"]
 
-log = logging.getLogger("rollpatch.follower")
+T = TypeVar("T")
 
 
 class BadObjects:
@@ -47,14 +49,21 @@ class BadObjects:
             return frozenset(self._until)
 
 
-def plan_around(bad: BadObjects, run: str, run_plan: Callable[[frozenset[str]], int]) -> int:
+def plan_around(
+    bad: BadObjects,
+    run: str,
+    run_plan: Callable[[frozenset[str]], T],
+    *,
+    log: logging.Logger,
+    tries: int = 4,
+) -> T:
     """``run_plan(avoid)`` with the objects ``bad`` remembers avoided; when one of the plan's
-    objects is corrupt, remember it and plan around it. With no way around, the objects
-    remembered from earlier syncs are tried again (they may have been repaired), and an object
-    found corrupt in this sync is the error."""
+    objects is corrupt, remember it and plan around it (at most ``tries`` plans). With no way
+    around, the objects remembered from earlier calls are tried again (they may have been
+    repaired), and an object found corrupt in this call is the error."""
     avoid = bad.keys()
     corrupt: ObjectIntegrityError | None = None
-    for _ in range(4):
+    for _ in range(tries):
         try:
             return run_plan(avoid)
         except ObjectIntegrityError as e:

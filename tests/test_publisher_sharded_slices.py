@@ -9,6 +9,7 @@ sliced keyframes, and bad slicings must fail with a clear error before anything 
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from rollpatch.engines.view_engine import ViewEngine
 from rollpatch.errors import BoardError, ConfigError, ManifestError
 from rollpatch.follower import Follower
 from rollpatch.formats import QuantPolicy, cast_view
-from rollpatch.manifest import Manifest
+from rollpatch.manifest import Manifest, open_manifest
 from rollpatch.publisher import Publisher, PublisherConfig, TensorSlice, reconstruct
 
 RUN = "sliced"
@@ -163,6 +164,29 @@ def test_resume_rebuilds_only_each_ranks_slices(tmp_path: Path) -> None:
     assert publish_versions(board, range(3, 6), CFG) == ["shard"] * 3
     for v in range(6):
         assert board.manifest(RUN, v).target == cast_view(masters(v), "bf16").digest()
+
+
+def test_signed_sliced_versions(tmp_path: Path) -> None:
+    """The signature covers the slices: a follower with the trust root follows; a manifest
+    whose slice layout is edited no longer verifies."""
+    from rollpatch.errors import TrustError
+    from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
+
+    key = SigningKey.generate()
+    cfg = PublisherConfig(
+        format="bf16", keyframe_every=4, skip_strides=(2,), signer=Signer(keys=(key,))
+    )
+    board = Board(tmp_path.as_uri())
+    publish_versions(board, range(3), cfg)
+    trust = Trust(sign_root(Root.new([key.public]), [key]))
+    f = Follower(Board(board.store, trust=trust), RUN, ViewEngine())
+    assert f.sync(2) == 2 and f.engine.words().digest() == cast_view(masters(2), "bf16").digest()
+    doc = json.loads(board.store.get(f"runs/{RUN}/versions/{2:012d}.json"))
+    payload = json.loads(base64.b64decode(doc["payload"]))
+    payload["sliced"][0]["digest"] = "0" * 64  # still a well-formed manifest
+    doc["payload"] = base64.b64encode(json.dumps(payload).encode()).decode()
+    with pytest.raises(TrustError):
+        open_manifest(json.dumps(doc).encode(), RUN, 2, trust)
 
 
 def _expect_failure(results: list[Any], error: type[Exception], match: str) -> None:

@@ -1,0 +1,183 @@
+"""The vLLM adapter's calls into the workers and the server (sidecar side; no torch, no vLLM).
+
+:class:`WorkerCalls` is the half of :class:`~.adapter.VllmEngine` that talks to the server:
+``/collective_rpc`` to every worker (all ranks must succeed and agree; worker errors come
+back as rollpatch exceptions), the official weight-update transport, scratch files in the
+directory shared with the server, the nested ``/pause`` and ``/resume``, and the timing of
+each call (``last_timings``: the pause breakdown that bench/vllm.py prints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ... import errors
+from ...errors import EngineError, RollpatchError
+from ...io.safetensors import load_view
+from ...view import Tensor
+from .client import Http
+
+__all__ = ["NOT_READY", "RemoteWords", "WorkerCalls", "worker_error"]
+
+#: The ``weight_version`` tag of an engine that holds no verified version.
+NOT_READY = "rollpatch:not-ready"
+#: Worker error classes re-raised as themselves (the follower treats wrong bits specially).
+_PASS_THROUGH = {
+    "BaseMismatchError",
+    "TargetMismatchError",
+    "PatchDecodeError",
+    "PatchError",
+    "CodecError",
+    "ViewError",
+    "VerificationError",
+    "EngineError",
+}
+
+
+class WorkerCalls:
+    """Calls into one vLLM server's workers (see the module docstring); ``url``,
+    ``shared_dir`` (default: a private temporary directory, so the server must run on this
+    host) and ``timeout`` (seconds per HTTP call) as :class:`~.adapter.VllmEngine` takes them."""
+
+    name = "vllm"
+
+    def __init__(self, url: str, shared_dir: str | Path | None, timeout: float) -> None:
+        self.http = Http(url, timeout)
+        self._own_dir = shared_dir is None
+        self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-vllm-"))
+        self._pauses = 0
+        self._lock = threading.RLock()
+        self.last_timings: dict[str, float] = {}
+
+    def _scratch(self, what: str) -> Path:
+        return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+
+    def _rpc(self, method: str, *args: str) -> list[Any]:
+        body = {"method": method, "args": list(args), "timeout": self.http.timeout}
+        out = self.http.post("/collective_rpc", body)
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results:
+            raise EngineError(
+                "collective_rpc returned no results",
+                engine=self.name,
+                method=method,
+                hint="start vLLM with VLLM_SERVER_DEV_MODE=1 and "
+                "--worker-extension-cls rollpatch.engines.vllm.WorkerExtension",
+            )
+        return results
+
+    def _call(self, op: str, *args: str) -> dict[str, Any]:
+        return self._gather(self._rpc(f"rollpatch_{op}", *args))
+
+    def _gather(self, results: list[Any]) -> dict[str, Any]:
+        """All ranks must succeed and agree; returns rank 0's result."""
+        for r in results:
+            if not isinstance(r, dict):
+                raise EngineError("unexpected worker result", engine=self.name, result=str(r))
+            if not r.get("ok"):
+                raise worker_error(r.get("error") or {})
+        keys = ("root", "digests")
+        if any(
+            tuple(r.get(k) for k in keys) != tuple(results[0].get(k) for k in keys)
+            for r in results[1:]
+        ):
+            raise EngineError("tensor-parallel ranks disagree on digests", engine=self.name)
+        self.last_timings["worker_ms"] = max(float(r.get("ms", 0.0)) for r in results)
+        phases = [
+            dict(r.get("phases") or {}, **({"core_ms": r["core_ms"]} if "core_ms" in r else {}))
+            for r in results
+        ]
+        for key in phases[0]:
+            self.last_timings[key] = max(float(p.get(key, 0.0)) for p in phases)
+        return dict(results[0])
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        with self._lock:
+            self.pause()
+            try:
+                yield
+            finally:
+                self.resume()
+
+    def pause(self) -> None:
+        """Freeze generation (requests in flight keep their place: ``mode=keep``)."""
+        with self._lock:
+            if self._pauses == 0:
+                self.last_timings = {}
+                self._timed("pause_call_ms", "/pause?mode=keep")
+            self._pauses += 1
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._pauses == 1:
+                self._timed("resume_call_ms", "/resume")
+            self._pauses = max(0, self._pauses - 1)
+
+    def _timed(self, key: str, path: str, body: Any = None) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.http.post(path, body)
+        finally:
+            self.last_timings[key] = (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        """Forget the scratch directory (the server is not ours to stop)."""
+        if self._own_dir:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+
+    def _run(self, op: str, path: Path | str, official: bool) -> dict[str, Any]:
+        if not official:
+            return self._call(op, str(path))
+        token = secrets.token_hex(8)
+        try:
+            self.http.post(
+                "/update_weights", {"update_info": {"op": op, "path": str(path), "token": token}}
+            )
+        finally:  # the workers keep the result (and any error) under the token
+            res = self._rpc("rollpatch_result", token)
+        return self._gather(res)
+
+
+class RemoteWords:
+    """A :class:`WordSource` over the engine's held tensors, fetched one tensor at a time.
+
+    Each access copies one tensor out of the worker through the shared directory (cost: the
+    tensor's bytes, written and read once). Prefer :meth:`VllmEngine.apply_encoded`, which
+    decodes inside the worker and ships no words at all.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.engine.tensors()
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self:
+            raise KeyError(name)
+        path = self.engine._scratch("words")
+        try:
+            self.engine._call("export", name, str(path))
+            return load_view(path)[name]
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def worker_error(e: Mapping[str, Any]) -> RollpatchError:
+    """The worker's error as a rollpatch exception (wrong bits keep their class)."""
+    name = str(e.get("type", "EngineError"))
+    ctx = dict(e.get("context") or {})
+    ctx.setdefault("engine", "vllm")
+    cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
+    if cls is None:
+        return EngineError(f"worker failed ({name}): {e.get('message')}", hint=e.get("hint"), **ctx)
+    return cls(str(e.get("message")), hint=e.get("hint"), **ctx)

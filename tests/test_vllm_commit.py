@@ -180,6 +180,7 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
     from rollpatch.engines.vllm.catchup import decode_in_place
     from rollpatch.patch import compose, decode, encode
     from rollpatch.patch.overlay import Overlay
+    from rollpatch.view import sum128
 
     ck = vllm_env.checkpoint()
     cks = [ck]
@@ -197,21 +198,33 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
             {"base": views[k - 1].digest(), "target": views[k].digest(), "paths": [str(path)]}
         )
         blobs.append([blob])
-    got = decode_in_place(w, steps, blobs)
-    assert got is not None
+    out = decode_in_place(w, steps, blobs, w.state_of)
+    assert out is not None
+    got, states = out
     overlay = None
     for blob in blobs:
         one = decode(blob[0], w if overlay is None else Overlay(w, overlay), check_base=False)
         overlay = one if overlay is None else compose(overlay, one)
     assert overlay is not None and got.equals(overlay)
     assert got.equals(diff(views[0], views[-1]))
-    assert ops._chain(w, steps).equals(got)  # the worker takes this path at TP 1
+    assert states == {n: sum128(views[-1][n].data) for n in got.tensors}  # proven states
+    chained, known = ops._chain(w, steps)  # the worker takes this path at TP 1
+    assert chained.equals(got) and known == states
+    one, _ = ops._chain(w, steps[:1])  # one step: that step's own changes
+    assert one.equals(diff(views[0], views[1]))
     before = {n: w[n].data.copy() for n in w.names()}
     bad = bytearray(blobs[1][0])
     bad[-5] ^= 0xFF  # a payload byte: its BLAKE3 no longer matches
     with pytest.raises(Exception) as err:
-        decode_in_place(w, steps, [blobs[0], [bytes(bad)], blobs[2]])
+        decode_in_place(w, steps, [blobs[0], [bytes(bad)], blobs[2]], w.state_of)
     assert "checksum" in str(err.value)
     assert all(np.array_equal(w[n].data, before[n]) for n in w.names())
-    w.commit_staged(w.stage(got))
+    # a wrong proven state is caught: the target digest is checked against it
+    liar = dict(states)
+    name = min(liar)
+    liar[name] = (liar[name][0] ^ 1, liar[name][1])
+    with pytest.raises(TargetMismatchError):
+        w.stage(got, known=liar)
+    w.commit_staged(w.stage(got, known=states))
     assert w.root() == views[-1].digest()
+    assert w.digests(fresh=True) == views[-1].tensor_digests()

@@ -183,13 +183,18 @@ def stage_patch(
     held: Callable[[str], Tensor],
     digests: Mapping[str, str],
     state: Callable[[str], SumState],
+    *,
+    known: Mapping[str, SumState] | None = None,
 ) -> StagedUpdate:
     """Prove ``patch`` against the engine's held words (module docstring, step 1).
 
     ``held(name)``: the tensor's current words (read only at touched positions for non-packed
     kinds); ``digests``: every held tensor's digest (cached by the engine); ``state(name)``:
-    a held tensor's rp.sum128 state. Raises :class:`BaseMismatchError` /
-    :class:`PatchError` / :class:`TargetMismatchError`; touches nothing.
+    a held tensor's rp.sum128 state; ``known``: target states the caller already proved for
+    exactly these writes (a decoder that wrote them into a copy of the held tensor and
+    measured the change), used instead of recomputing them. Raises
+    :class:`BaseMismatchError` / :class:`PatchError` / :class:`TargetMismatchError`; touches
+    nothing.
     """
     if root_digest(digests, patch.digest) != patch.base:
         raise BaseMismatchError(
@@ -236,7 +241,12 @@ def stage_patch(
             raise PatchError("positions out of range or not strictly increasing", tensor=name)
         if not np.array_equal(gather(t, pos), old):
             raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
-        digest, st = _target(patch, t, name, pos, new, state)
+        st: SumState | None
+        if known is not None and name in known and patch.digest == "rp.sum128.v1":
+            st = known[name]
+            digest = sum128_digest(t.dtype, t.shape, t.nbytes, st)
+        else:
+            digest, st = _target(patch, t, name, pos, new, state)
         if digest != tp.target_digest:
             raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
         after[name] = digest

@@ -5,10 +5,12 @@ against an :class:`~rollpatch.patch.overlay.Overlay` makes, for every step, a fr
 every touched tensor with the composed changes scattered in: at 1–3% density every tensor is
 touched, so a catch-up of *n* steps copied the model *n − 1* times. Here each touched tensor
 is copied once, and every step is decoded straight into that private copy by the native
-decoder (``decode_into``: it reads the base words and writes the new ones in the same pass),
-so step *k* sees exactly the words after step *k − 1*; the steps' change lists are then
-composed (:func:`rollpatch.patch.compose`, O(changes)). Memory: one tensor copy at a time
-plus the change lists; the live weights are only read.
+decoder (``decode_into``: it reads the base words and writes the new ones in the same pass,
+and returns the exact rp.sum128 change), so step *k* sees exactly the words after step
+*k − 1*; the composed change is where the copy differs from the live words (one native
+``diff``, cheaper than composing n change lists), and the tensor's target state is the held
+state plus the decoder's changes, checked against the published target digest. Memory: one
+tensor copy per thread plus the composed change; the live weights are only read.
 
 Only ``delta`` entries of the ``rp.ctxgolomb.v2`` codec take this path (the format every
 publisher writes by default); :func:`decode_in_place` returns None for any other chain and
@@ -17,18 +19,27 @@ the caller uses the overlay.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import blake3
 import numpy as np
 
-from ...errors import BaseMismatchError, ManifestError, PatchDecodeError, RollpatchError
+from ...errors import (
+    BaseMismatchError,
+    ManifestError,
+    PatchDecodeError,
+    RollpatchError,
+    TargetMismatchError,
+)
 from ...kinds import KINDS
-from ...patch import Patch, TensorPatch, compose, inspect
+from ...patch import Patch, TensorPatch, inspect
 from ...patch.codec_v2 import CtxGolombV2
 from ...patch.header import DIGESTS
-from ...view import Tensor, WordSource
+from ...view import Tensor, WordSource, sum128_digest, sum_add
+
+SumState = tuple[int, int]
 
 __all__ = ["decode_in_place"]
 
@@ -82,14 +93,26 @@ def _entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[_Ent
 
 
 def decode_in_place(
-    words: WordSource, steps: list[dict[str, Any]], blobs: list[list[bytes]]
-) -> Patch | None:
-    """The chain ``steps`` (each: ``base``, ``target``; ``blobs[k]``: its patch objects)
-    decoded against ``words`` and composed into one patch; None when a tensor's entry is not
-    an ``rp.ctxgolomb.v2`` delta or the native core is missing (use the overlay then)."""
+    words: WordSource,
+    steps: list[dict[str, Any]],
+    blobs: list[list[bytes]],
+    state: Callable[[str], SumState],
+) -> tuple[Patch, dict[str, SumState]] | None:
+    """The chain ``steps`` (each: ``base``, ``target``; ``blobs[k]``: its patch objects; one
+    step or many) decoded against ``words`` into one patch, with each touched tensor's proven rp.sum128
+    target state (``state(name)``: the held state); None when a tensor's entry is not an
+    ``rp.ctxgolomb.v2`` delta or the native core is missing (use the overlay then).
+
+    Per tensor (on :func:`rollpatch.native.threads` threads): copy it, decode every step into
+    the copy (the decoder returns each step's exact rp.sum128 change), check the summed state
+    against the last step's target digest for that tensor, and take the composed change as
+    the positions where the copy differs from the live words (the native ``diff``: one pass,
+    no per-step change lists kept; a tensor one step touches takes that step's changes). The writes staged from it turn the live words into the
+    copy, whose state is the one proven."""
     from ... import native
 
-    if native.core is None or len(steps) < 2:
+    core = native.core
+    if core is None or not steps:
         return None
     entries = _entries(steps, blobs)
     if entries is None:
@@ -97,29 +120,44 @@ def decode_in_place(
     by_name: dict[str, list[_Entry]] = {}
     for e in entries:
         by_name.setdefault(e.name, []).append(e)
-    per_step: list[dict[str, TensorPatch]] = [{} for _ in steps]
-    for name in sorted(by_name):
+
+    def one(name: str) -> tuple[TensorPatch, SumState]:
         if name not in words:
             raise BaseMismatchError("the engine lacks a tensor the patch changes", tensor=name)
         live = words[name]
+        chain = by_name[name]  # in step order
+        if any(KINDS[e.kind] != live.kind or e.shape != live.shape for e in chain):
+            raise BaseMismatchError("base tensor layout differs from the patch", tensor=name)
         work = Tensor(live.kind, live.shape, np.array(live.data, copy=True))
-        for e in by_name[name]:  # in step order
-            if KINDS[e.kind] != live.kind or e.shape != live.shape:
-                raise BaseMismatchError(
-                    "base tensor layout differs from the patch", tensor=name, step=e.step
-                )
+        st = state(name)
+        for e in chain:
             try:
-                pos, old, new, _ = _V2.decode_into(e.payload, work, e.changed)
+                pos, old, new, change = _V2.decode_into(e.payload, work, e.changed)
             except RollpatchError as err:
                 err.context.setdefault("tensor", name)
                 err.context.setdefault("step", e.step)
                 raise
-            per_step[e.step][name] = TensorPatch(
-                name, "delta", live.kind, live.shape, e.base, e.target, pos, old, new
+            st = sum_add(st, change)
+        if sum128_digest(live.dtype, live.shape, live.nbytes, st) != chain[-1].target:
+            raise TargetMismatchError(
+                "the decoded chain does not reach the tensor's target", tensor=name
             )
-        del work
-    patch: Patch | None = None
-    for step, tensors in zip(steps, per_step, strict=True):
-        one = Patch(str(step["base"]), str(step["target"]), tensors, digest=DIGESTS[2])
-        patch = one if patch is None else compose(patch, one)
-    return patch
+        if len(chain) > 1:  # the composed change: where the copy now differs from the live words
+            kt = native.kind_tuple(live.kind, live.n_elements)
+            pos = np.frombuffer(core.diff(kt, live.data, work.data, 0, live.n_elements), np.int64)
+            old = np.empty(pos.size, live.kind.elem_dtype)
+            new = np.empty(pos.size, live.kind.elem_dtype)
+            core.gather(kt, live.data, pos, old)
+            core.gather(kt, work.data, pos, new)
+        tp = TensorPatch(
+            name, "delta", live.kind, live.shape, chain[0].base, chain[-1].target, pos, old, new
+        )
+        return tp, st
+
+    names = sorted(by_name)
+    done = native.parallel_map(one, names)
+    tensors = {n: tp for n, (tp, _) in zip(names, done, strict=True)}
+    states = {n: st for n, (_, st) in zip(names, done, strict=True)}
+    return Patch(
+        str(steps[0]["base"]), str(steps[-1]["target"]), tensors, digest=DIGESTS[2]
+    ), states

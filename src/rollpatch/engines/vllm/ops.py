@@ -36,10 +36,11 @@ _MAX_STEPS = 4096
 _MAX_JOBS = 8
 
 
-def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
+def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[str, Any]]:
     """Decode a chain of steps against the held words and compose it: in place in one copy
     per touched tensor (:mod:`.catchup`), else step *k* against an :class:`Overlay` of the
-    words and steps 1..k-1 (a tensor copy at a time, per step)."""
+    words and steps 1..k-1 (a tensor copy at a time, per step). Also returns the target
+    rp.sum128 states the in-place decoder proved (empty from the overlay path)."""
     if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts
         raise BaseMismatchError(
             "engine root digest is not the patch's base",
@@ -49,7 +50,7 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
         )
     blobs = [[Path(p).read_bytes() for p in step["paths"]] for step in steps]
     if w.tp == 1:  # each touched tensor copied once, every step decoded into the copy
-        composed = decode_in_place(w, steps, blobs)
+        composed = decode_in_place(w, steps, blobs, w.state_of)
         if composed is not None:
             return composed
     patch: Patch | None = None
@@ -71,7 +72,7 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> Patch:
         one = Patch(step["base"], step["target"], tensors, digest=digest or "rp.sum128.v1")
         patch = one if patch is None else compose(patch, one)
     assert patch is not None
-    return patch
+    return patch, {}
 
 
 def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool]:
@@ -119,7 +120,8 @@ class _Job:
         self.done.set()
 
     def _stage(self, w: RuntimeWeights) -> dict[str, Any]:
-        self.staged = w.stage(_chain(w, self._steps), prebuild=self._prebuild)
+        patch, known = _chain(w, self._steps)
+        self.staged = w.stage(patch, prebuild=self._prebuild, known=known)
         return {}
 
 
@@ -201,8 +203,8 @@ def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
 
 def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
     header = inspect(Path(path).read_bytes())
-    patch = _chain(w, [{"base": header.base, "target": header.target, "paths": [path]}])
-    return {"digests": w.commit(patch), "root": w.root()}
+    patch, known = _chain(w, [{"base": header.base, "target": header.target, "paths": [path]}])
+    return {"digests": w.commit_staged(w.stage(patch, known=known)), "root": w.root()}
 
 
 def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:

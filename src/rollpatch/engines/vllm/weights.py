@@ -243,19 +243,26 @@ class RuntimeWeights:
 
     # -- staged commits (docs/vllm.md, *Staging and the pause*) ---------------------------
 
-    def stage(self, patch: Patch, *, prebuild: bool = True) -> StagedUpdate:
+    def stage(
+        self,
+        patch: Patch,
+        *,
+        prebuild: bool = True,
+        known: Mapping[str, tuple[int, int]] | None = None,
+    ) -> StagedUpdate:
         """Prove ``patch`` against the held words (O(changed) digests) and lay its writes out
         per runtime parameter, in the form the pause scatters (no word is written).
 
         ``prebuild``: also build the touched modules' derived buffers (CPU packed weights)
         now, to be swapped in under the pause (memory: + their packed size until the commit);
-        False: they are re-packed inside the pause."""
+        False: they are re-packed inside the pause. ``known``: target rp.sum128 states the
+        caller proved for exactly these writes (:mod:`.catchup`), not recomputed."""
         if self.tainted is not None:
             raise BaseMismatchError(
                 "the engine holds unknown bits (audit)", tensor=self.tainted, hint="load a keyframe"
             )
         prepare = self.access.prepare or (lambda param, offsets: offsets)
-        staged = stage_patch(patch, self.__getitem__, self.digests(), self.state_of)
+        staged = stage_patch(patch, self.__getitem__, self.digests(), self.state_of, known=known)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for name, st in staged.tensors.items():
             pl = self._entries[name].mine

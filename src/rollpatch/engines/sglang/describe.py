@@ -9,7 +9,8 @@ the split (column / row / vocabulary / replicated), ``VocabParallelEmbedding`` i
 Every derived per-rank shape is checked against the parameter SGLang allocated.
 
 The layouts are :class:`rollpatch.engines.vllm.layout.ParamSpec` s: SGLang's parallel layers
-(adapted from vLLM's) split tensors the same way. Refused with a clear error: quantized
+(adapted from vLLM's) split tensors the same way, and are read by the reader both extensions
+share (:mod:`rollpatch.engines.layers`). Refused with a clear error: quantized
 methods, weights repacked for Intel AMX (a derived copy the extension does not rebuild),
 added vocabulary, and parameter dtypes other than BF16/F16/F32.
 """
@@ -22,11 +23,11 @@ import numpy as np
 
 from ...errors import EngineError
 from ...kinds import Kind, get_kind
+from ..layers import KIND_OF_DTYPE, ParallelLayers, layer_spec, quantized_method
 from ..vllm.layout import ParamSpec, Shard, param_shape
 
 __all__ = ["DEFAULT_STACKED", "describe", "param_words"]
 
-_KIND_OF_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32"}
 _WORDS = {2: ("int16", np.uint16), 4: ("int32", np.uint32)}
 #: SGLang's Llama-family table, for models that do not carry one.
 DEFAULT_STACKED = [
@@ -69,7 +70,7 @@ def param_words(p: Any) -> np.ndarray:
     return a
 
 
-def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]]) -> ParamSpec:
+def _layers() -> ParallelLayers:
     from sglang.srt.layers.linear import (
         ColumnParallelLinear,
         LinearBase,
@@ -79,19 +80,29 @@ def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]]) -> Param
     )
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    mod_name, _, leaf = pname.rpartition(".")
+    return ParallelLayers(
+        linear=LinearBase,
+        qkv=QKVParallelLinear,
+        merged=MergedColumnParallelLinear,
+        column=ColumnParallelLinear,
+        row=RowParallelLinear,
+        vocab=VocabParallelEmbedding,
+    )
+
+
+def _spec(
+    model: Any, pname: str, p: Any, packed: dict[str, list[str]], layers: ParallelLayers
+) -> ParamSpec:
+    mod_name = pname.rpartition(".")[0]
     mod = model.get_submodule(mod_name) if mod_name else model
-    prefix, _, last = mod_name.rpartition(".")
     shape = tuple(int(d) for d in p.shape)
-    cols = shape[1:]
-    if isinstance(mod, (LinearBase, VocabParallelEmbedding)):
-        method = type(getattr(mod, "quant_method", None)).__name__
-        if method not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "NoneType"):
-            raise EngineError(
-                "quantized layers are not supported by the SGLang extension",
-                module=mod_name,
-                quant_method=method,
-            )
+    method = quantized_method(layers, mod)
+    if method is not None:
+        raise EngineError(
+            "quantized layers are not supported by the SGLang extension",
+            module=mod_name,
+            quant_method=method,
+        )
     if getattr(mod, "use_intel_amx_backend", False):
         raise EngineError(
             "weights repacked for Intel AMX are not supported (the packed copy "
@@ -99,63 +110,18 @@ def _spec(model: Any, pname: str, p: Any, packed: dict[str, list[str]]) -> Param
             module=mod_name,
             hint="docs/sglang.md, status",
         )
-
-    def fused(n: int) -> list[str]:
-        subs = packed.get(last, [])
-        if len(subs) != n:
-            raise EngineError(
-                "stacked_params_mapping does not name this fused module's parts",
-                param=pname,
-                parts=subs,
-                expected=n,
-            )
-        return [f"{prefix}.{s}.{leaf}" if prefix else f"{s}.{leaf}" for s in subs]
-
-    if isinstance(mod, QKVParallelLinear):
-        q, k, v = fused(3)
-        hd, vhd, rep = mod.head_size, mod.v_head_size, mod.num_kv_head_replicas
-        return ParamSpec(
-            pname,
-            "column",
-            (
-                Shard(q, (mod.total_num_heads * hd, *cols), mod.num_heads * hd),
-                Shard(k, (mod.total_num_kv_heads * hd, *cols), mod.num_kv_heads * hd, rep),
-                Shard(v, (mod.total_num_kv_heads * vhd, *cols), mod.num_kv_heads * vhd, rep),
-            ),
-        )
-    if isinstance(mod, MergedColumnParallelLinear):
-        names = fused(len(mod.output_sizes))
-        return ParamSpec(
-            pname,
-            "column",
-            tuple(Shard(n, (int(size), *cols)) for n, size in zip(names, mod.output_sizes)),
-        )
-    if isinstance(mod, ColumnParallelLinear):
-        return ParamSpec(pname, "column", (Shard(pname, (int(mod.output_size), *cols)),))
-    if isinstance(mod, RowParallelLinear):
-        if leaf != "weight":
-            return ParamSpec(pname, "replicated", (Shard(pname, shape),))
-        return ParamSpec(pname, "row", (Shard(pname, (shape[0], int(mod.input_size))),))
-    if isinstance(mod, VocabParallelEmbedding):
-        if mod.num_added_embeddings:
-            raise EngineError("added (LoRA) vocabulary is not supported", module=mod_name)
-        return ParamSpec(
-            pname,
-            "vocab",
-            (Shard(pname, (int(mod.org_vocab_size), *cols)),),
-            padded=int(mod.num_embeddings_padded),
-        )
-    return ParamSpec(pname, "replicated", (Shard(pname, shape),))
+    spec = layer_spec(layers, mod, pname, shape, packed, table="stacked_params_mapping")
+    return spec if spec is not None else ParamSpec(pname, "replicated", (Shard(pname, shape),))
 
 
 def describe(model: Any, tp: int) -> tuple[list[ParamSpec], dict[str, Kind], dict[str, Any]]:
     """Layouts, element kinds and torch parameters of every (deduplicated) parameter."""
-    packed = _packed(model)
+    packed, layers = _packed(model), _layers()
     specs: list[ParamSpec] = []
     kinds: dict[str, Kind] = {}
     params: dict[str, Any] = {}
     for pname, p in model.named_parameters():
-        kind = _KIND_OF_DTYPE.get(str(p.dtype))
+        kind = KIND_OF_DTYPE.get(str(p.dtype))
         if kind is None:
             raise EngineError(
                 "unsupported parameter dtype",
@@ -165,7 +131,7 @@ def describe(model: Any, tp: int) -> tuple[list[ParamSpec], dict[str, Kind], dic
             )
         if p.is_meta or p.numel() == 0:
             raise EngineError("parameter has no data", param=pname)
-        spec = _spec(model, pname, p, packed)
+        spec = _spec(model, pname, p, packed, layers)
         flat = (
             int(p.shape[0]) if p.dim() else 1,
             int(p.numel()) // (int(p.shape[0]) if p.dim() and p.shape[0] else 1),

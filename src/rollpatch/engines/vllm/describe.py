@@ -25,17 +25,16 @@ from typing import Any
 
 from ...errors import EngineError
 from ...kinds import Kind, get_kind
+from ..layers import KIND_OF_DTYPE, ParallelLayers, layer_spec, quantized_method
 from .layout import ParamSpec, Shard, param_shape, placements
 from .moe import expert_spec
 
 __all__ = ["describe"]
 
-_KIND_OF_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32"}
 
-
-def _unquantized(module: Any, name: str) -> None:
-    method = type(getattr(module, "quant_method", None)).__name__
-    if method not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "NoneType"):
+def _unquantized(layers: ParallelLayers, module: Any, name: str) -> None:
+    method = quantized_method(layers, module)
+    if method is not None:
         raise EngineError(
             "quantized layers are not supported by the vLLM extension yet",
             module=name,
@@ -170,63 +169,22 @@ def _spec(
 
     mod_name, _, leaf = pname.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
-    prefix, _, last = mod_name.rpartition(".")
     shape = _shape(p)
-    cols = shape[1:]
-
-    def ckpt(sub: str) -> str:
-        return f"{prefix}.{sub}.{leaf}" if prefix else f"{sub}.{leaf}"
-
-    def fused(n: int) -> list[str]:
-        subs = packed.get(last, [])
-        if len(subs) != n:
-            raise EngineError(
-                "packed_modules_mapping does not name this fused module's parts",
-                param=pname,
-                parts=subs,
-                expected=n,
-            )
-        return [ckpt(s) for s in subs]
 
     if hasattr(mod, "moe_config") and hasattr(mod, "get_expert_mapping"):
         return _experts(mod, mod_name, leaf, p, rank, tp)
-    if isinstance(mod, (LinearBase, VocabParallelEmbedding)):
-        _unquantized(mod, mod_name)
-    if isinstance(mod, QKVParallelLinear):
-        q, k, v = fused(3)
-        hd, vhd = mod.head_size, getattr(mod, "v_head_size", mod.head_size)
-        rep = mod.num_kv_head_replicas
-        return ParamSpec(
-            pname,
-            "column",
-            (
-                Shard(q, (mod.total_num_heads * hd, *cols), mod.num_heads * hd),
-                Shard(k, (mod.total_num_kv_heads * hd, *cols), mod.num_kv_heads * hd, rep),
-                Shard(v, (mod.total_num_kv_heads * vhd, *cols), mod.num_kv_heads * vhd, rep),
-            ),
-        )
-    if isinstance(mod, MergedColumnParallelLinear):
-        names = fused(len(mod.output_sizes))
-        return ParamSpec(
-            pname,
-            "column",
-            tuple(Shard(n, (int(size), *cols)) for n, size in zip(names, mod.output_sizes)),
-        )
-    if isinstance(mod, ColumnParallelLinear):
-        return ParamSpec(pname, "column", (Shard(pname, (int(mod.output_size), *cols)),))
-    if isinstance(mod, RowParallelLinear):
-        if leaf != "weight":  # the bias is whole on every rank (added once, on rank 0)
-            return ParamSpec(pname, "replicated", (Shard(pname, shape),))
-        return ParamSpec(pname, "row", (Shard(pname, (shape[0], int(mod.input_size))),))
-    if isinstance(mod, VocabParallelEmbedding):
-        if mod.num_added_embeddings:
-            raise EngineError("added (LoRA) vocabulary is not supported", module=mod_name)
-        return ParamSpec(
-            pname,
-            "vocab",
-            (Shard(pname, (int(mod.org_vocab_size), *cols)),),
-            padded=int(mod.num_embeddings_padded),
-        )
+    layers = ParallelLayers(
+        linear=LinearBase,
+        qkv=QKVParallelLinear,
+        merged=MergedColumnParallelLinear,
+        column=ColumnParallelLinear,
+        row=RowParallelLinear,
+        vocab=VocabParallelEmbedding,
+    )
+    _unquantized(layers, mod, mod_name)
+    spec = layer_spec(layers, mod, pname, shape, packed, table="packed_modules_mapping")
+    if spec is not None:
+        return spec
     if getattr(mod, "tp_size", 1) > 1 and not isinstance(mod, LinearBase):
         raise EngineError("unknown tensor-parallel module", module=mod_name, cls=type(mod).__name__)
     return ParamSpec(pname, "replicated", (Shard(pname, shape),))
@@ -277,7 +235,7 @@ def describe(model: Any, rank: int, tp: int) -> tuple[list[ParamSpec], dict[str,
                 param=pname,
                 hint="load the extension with --worker-extension-cls before the model loads",
             )
-        kind = _KIND_OF_DTYPE.get(str(p.dtype))
+        kind = KIND_OF_DTYPE.get(str(p.dtype))
         if kind is None:
             raise EngineError(
                 "unsupported parameter dtype",

@@ -8,8 +8,9 @@ LM directory works with :class:`~rollpatch.engines.reference.runtime.ReferenceRu
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ...errors import ConfigError
 
@@ -130,6 +131,51 @@ def make_tokenizer(path: str | Path, *, vocab_size: int = 2048, seed: int = 0) -
     return out
 
 
+def _check_heads(hidden_size: int, heads: int, kv_heads: int) -> None:
+    if hidden_size % heads or heads % kv_heads:
+        raise ConfigError(
+            "hidden_size must divide by heads and heads by kv_heads",
+            hidden_size=hidden_size,
+            heads=heads,
+            kv_heads=kv_heads,
+        )
+
+
+def _save_model(
+    path: str | Path,
+    config: dict[str, Any],
+    build: Callable[[dict[str, Any]], Any],
+    *,
+    vocab_size: int,
+    seed: int,
+) -> Path:
+    """Train the tokenizer, build the model (``build``) from ``config`` plus what every tiny
+    model shares (special token ids, BF16, untied lm_head) under ``seed``; save both."""
+    import torch
+    from transformers import AutoTokenizer
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out, vocab_size=vocab_size, seed=seed)
+    tok = AutoTokenizer.from_pretrained(out)
+    kwargs = {
+        **config,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build(kwargs)
+    model = model.bfloat16()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)  # safetensors by default
+    return out
+
+
 def make_tiny_model(
     path: str | Path,
     *,
@@ -145,43 +191,23 @@ def make_tiny_model(
 
     Deterministic by ``seed``: the same arguments give the same bits. Returns ``path``.
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if hidden_size % heads or heads % kv_heads:
-        raise ConfigError(
-            "hidden_size must divide by heads and heads by kv_heads",
-            hidden_size=hidden_size,
-            heads=heads,
-            kv_heads=kv_heads,
-        )
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(out, vocab_size=vocab_size, seed=seed)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(out)
-    config = LlamaConfig(
+    _check_heads(hidden_size, heads, kv_heads)
+    return _save_model(
+        path,
+        {
+            "vocab_size": vocab_size,
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+        },
+        lambda kw: LlamaForCausalLM(LlamaConfig(**kw)),
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        seed=seed,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model = model.bfloat16()
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out)  # safetensors by default
-    return out
 
 
 def make_tiny_moe_model(
@@ -204,47 +230,29 @@ def make_tiny_moe_model(
     published Qwen3-MoE checkpoints do; vLLM and the built-in engine both load it.
     Deterministic by ``seed``. Returns ``path``.
     """
-    import torch
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    if hidden_size % heads or heads % kv_heads:
-        raise ConfigError(
-            "hidden_size must divide by heads and heads by kv_heads",
-            hidden_size=hidden_size,
-            heads=heads,
-            kv_heads=kv_heads,
-        )
+    _check_heads(hidden_size, heads, kv_heads)
     if not 1 <= top_k <= experts:
         raise ConfigError("top_k must be in [1, experts]", top_k=top_k, experts=experts)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(out, vocab_size=vocab_size, seed=seed)
-    tok = AutoTokenizer.from_pretrained(out)
-    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a Qwen3 config field
+    return _save_model(
+        path,
+        {
+            "vocab_size": vocab_size,
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "moe_intermediate_size": moe_intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": hidden_size // heads,  # a Qwen3 config field
+            "num_experts": experts,
+            "num_experts_per_tok": top_k,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+        },
+        lambda kw: Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw)),
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        moe_intermediate_size=moe_intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden_size // heads,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        seed=seed,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config)
-    model = model.bfloat16()
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out)
-    return out

@@ -258,7 +258,7 @@ class Fleet:
             return moved and self.recovered(since)
 
         recovery = self._until(done, f"recovery from {fault}", RECOVERY_LIMIT_S)
-        if fault == "publisher-kill":
+        if fault in ("publisher-kill", "corrupt"):  # both restart the publisher
             self.procs["publisher"].ready_at = time.monotonic()
         end = time.monotonic()
         out = {
@@ -323,7 +323,8 @@ class Fleet:
 
     def _corrupt(self) -> str:
         """Overwrite (bypassing put-if-absent, as an attacker can) the objects of the newest
-        keyframe and of the newest patches with garbage of the same size."""
+        keyframe and of the newest patches with garbage of the same size, then kill -9 and
+        restart the publisher, which must resume past them."""
         assert self.board is not None
         s3 = self.board.client()
         latest = self.latest() or 0
@@ -347,7 +348,11 @@ class Fleet:
                 size = s3.head_object(Bucket="soak-board", Key=key)["ContentLength"]
                 s3.put_object(Bucket="soak-board", Key=key, Body=b"\x5a" * size)
                 hit += 1
-        return f"{hit} objects of versions {sorted(versions)} overwritten"
+        # and the publisher restarts: it must resume around them (or start a new lineage)
+        pub = self.procs["publisher"]
+        pub.kill9()
+        pub.start()
+        return f"{hit} objects of versions {sorted(versions)} overwritten; publisher restarted"
 
     def _forged(self) -> str:
         """An attacker's unsigned manifest far ahead, and an unsigned LATEST naming it; removed

@@ -11,7 +11,8 @@ clients (the ``openai`` client) sending completions with ``max_lag`` through the
 **Faults**, spread over the run, one at a time (each waits for recovery): ``relay-restart``,
 ``store-outage`` (the store refuses and cuts connections for a while), ``forged`` (an
 attacker writes an unsigned manifest and LATEST pointing at it), ``corrupt`` (the newest
-keyframe's and patches' bytes overwritten on the store), ``sidecar-kill`` (``kill -9`` of
+keyframe's and patches' bytes overwritten on the store, then ``kill -9`` of the publisher,
+restarted: it must resume past them), ``sidecar-kill`` (``kill -9`` of
 island ``b``, restarted: it must boot past the corrupted keyframe), ``publisher-kill``
 (``kill -9``, restarted: it resumes from the board).
 

@@ -17,6 +17,9 @@ __all__ = ["DiffOn", "PublisherConfig", "PublisherStats", "VersionStats", "defau
 #: Where a publisher's O(N) work runs (see ``PublisherConfig.diff_on``).
 DiffOn = Literal["host", "device", "auto"]
 DIFF_ON: tuple[str, ...] = ("host", "device", "auto")
+#: What ``publish()`` copies on the host path (see ``PublisherConfig.snapshot``).
+SnapshotMode = Literal["served", "masters"]
+SNAPSHOT_MODES: tuple[str, ...] = ("served", "masters")
 
 #: Per-version statistics kept in memory (the oldest are forgotten first).
 MAX_STATS = 10_000
@@ -61,6 +64,13 @@ class PublisherConfig:
     digests run there; only O(changed) bytes reach the host (needs torch and the native
     core; the same bytes on the board). ``auto``: ``device`` when the first published state
     dict holds a torch tensor off the CPU, else ``host``."""
+    snapshot: SnapshotMode = "served"
+    """Host path: what ``publish()`` keeps of the state dict. ``served``: it casts tensor by
+    tensor into the served view (BF16: half the FP32 masters; the cast is then part of
+    ``snapshot_s``, not ``cast_s``), so the publisher's host memory is about one served view
+    beyond the previous one. ``masters``: it copies the masters as they are (FP32: twice a
+    BF16 view) and the worker casts them (``publish()`` returns sooner). ``scales="frozen"``
+    always copies the masters (its cast reads the previous view)."""
 
     def __post_init__(self) -> None:
         try:
@@ -99,6 +109,11 @@ class PublisherConfig:
         if self.diff_on not in DIFF_ON:
             raise ConfigError(
                 f"PublisherConfig.diff_on must be one of {', '.join(DIFF_ON)}", value=self.diff_on
+            )
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(
+                f"PublisherConfig.snapshot must be one of {', '.join(SNAPSHOT_MODES)}",
+                value=self.snapshot,
             )
         if self.signer is not None and not isinstance(self.signer, Signer):
             raise ConfigError(

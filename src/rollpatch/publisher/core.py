@@ -19,14 +19,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..board import Board
-from ..errors import ConfigError
+from ..errors import ConfigError, FormatError
 from ..types import MAX_VERSION, check_run
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .rounds import Snapshot, agree, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
-from .writer import VersionWriter, snapshot_state
+from .writer import VersionWriter, snapshot_served, snapshot_state
 
 __all__ = ["Publisher", "snapshot_state"]
 
@@ -153,12 +153,17 @@ class Publisher:
         t0 = time.perf_counter()
         self._check_usable()
         local, slices = split_slices(state_dict)
-        masters = self._snapshot(local, slices)
+        cast_error: FormatError | None = None
+        try:
+            masters = self._snapshot(local, slices)
+        except FormatError as e:  # e.g. NaN in a quantised tensor: fails this version
+            masters, cast_error = {}, e
         snap_s = time.perf_counter() - t0
         with self._cond:
             self._check_usable()
             n = self._assign(version)
             snap = Snapshot(n, masters, t0, snap_s, step if step is not None else n, None, slices)
+            snap.error = cast_error
             if self._worker is None:
                 self._busy = True
             else:
@@ -256,6 +261,8 @@ class Publisher:
             from .devpipe import snapshot_device
 
             return snapshot_device(state_dict)
+        if self.config.snapshot == "served" and self.config.scales != "frozen":
+            return snapshot_served(state_dict, self.config)  # type: ignore[return-value]
         return snapshot_state(state_dict)
 
     def _assign(self, version: int | None) -> int:

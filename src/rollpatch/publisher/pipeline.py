@@ -98,8 +98,12 @@ class ShardPipeline:
         are computed here and counted in ``cast_s``)."""
         cfg = self.config
         t = time.perf_counter()
-        view = cast_view(
-            masters, cfg.format, policy=cfg.policy, scales=cfg.scales, previous=self.prev
+        view = (
+            masters  # cast when snapshotted (PublisherConfig.snapshot="served")
+            if isinstance(masters, View)
+            else cast_view(
+                masters, cfg.format, policy=cfg.policy, scales=cfg.scales, previous=self.prev
+            )
         )
         res = ShardResult(version, view)
         if self.slices:

@@ -32,6 +32,9 @@ class Snapshot:
     call_return_s: float | None = None
     #: Masters that are element ranges of larger tensors (``sharded_slices.SliceSpec``).
     slices: dict[str, Any] = field(default_factory=dict)
+    #: A cast that failed in ``publish()`` (served snapshot): raised when the version is
+    #: built, so every rank learns of it in the same round as before.
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)

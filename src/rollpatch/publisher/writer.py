@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from ..board import Board
-from ..errors import BoardError, ConfigError, NoPathError, ObjectIntegrityError
+from ..errors import BoardError, ConfigError, FormatError, NoPathError, ObjectIntegrityError
+from ..formats import cast_view
 from ..io.checkpoint import to_numpy
-from ..view import View
+from ..view import Tensor, View
 from .config import PublisherConfig, VersionStats
 from .keyframe import reconstruct_shard, shard_matches
 from .pipeline import ShardPipeline, ShardResult, assemble_manifest
@@ -26,7 +27,7 @@ from .reconstruct import reconstruct
 from .rounds import Snapshot
 from .sharded import Exchange
 
-__all__ = ["VersionWriter", "snapshot_state"]
+__all__ = ["VersionWriter", "snapshot_served", "snapshot_state"]
 
 log = logging.getLogger("rollpatch.publisher")
 
@@ -49,6 +50,51 @@ def snapshot_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
             )
         out[name] = arr if on_device else np.array(arr, copy=True, order="C")
     return out
+
+
+def snapshot_served(state_dict: Mapping[str, Any], config: PublisherConfig) -> View:
+    """The served view of ``state_dict``, cast tensor by tensor: the snapshot holds the served
+    bits (a BF16 view is half the FP32 masters), and no host copy of the masters is ever
+    whole (one tensor's at a time, only for masters off the CPU)."""
+    out: dict[str, Tensor] = {}
+    meta: dict[str, str] = {}
+    for name, value in state_dict.items():
+        one = snapshot_state({name: value}) if _off_cpu(value) else None
+        arr = one[name] if one is not None else _host_master(name, value)
+        part = cast_view({name: arr}, config.format, policy=config.policy, scales=config.scales)
+        meta = dict(part.metadata)
+        for served, t in part.items():
+            if served in out:
+                raise FormatError(
+                    "two master tensors produce the same served name",
+                    tensor=served,
+                    format=config.format,
+                )
+            # the trainer may change its tensors as soon as publish() returns
+            out[served] = t.copy() if np.shares_memory(t.data, arr) else t
+        del one, arr, part
+    if not meta:
+        meta = dict(cast_view({}, config.format, scales=config.scales).metadata)
+    return View(out, meta)
+
+
+def _off_cpu(value: Any) -> bool:
+    device = getattr(value, "device", None)
+    return not isinstance(value, np.ndarray) and device is not None and device.type != "cpu"
+
+
+def _host_master(name: str, value: Any) -> np.ndarray:
+    """A CPU tensor as numpy (no copy), checked like :func:`snapshot_state`."""
+    if not isinstance(name, str):
+        raise ConfigError("state dict keys must be tensor names (str)", key=repr(name))
+    arr = to_numpy(value)
+    if arr.dtype.name not in _MASTER_DTYPES:
+        raise ConfigError(
+            f"cannot publish {arr.dtype.name} tensor {name!r}",
+            hint="publish float32/bfloat16/float16 parameters only; leave "
+            "buffers and integer tensors out of the state dict",
+        )
+    return arr
 
 
 class VersionWriter:
@@ -108,6 +154,8 @@ class VersionWriter:
                     parent, keyframe = None, True
                 else:
                     self.pipe.resume(self.resume_from, base)
+            if snap.error is not None:
+                raise snap.error
             self.pipe.slices = snap.slices
             res = self.pipe.build(n, snap.masters, keyframe=keyframe)
             message: dict[str, Any] = res.message()

@@ -1,6 +1,6 @@
 """Soak with faults (issue 11): a fleet under load while versions move and things break.
 
-Run: ``python bench/soak.py --minutes 30`` (``--seconds 40`` is the CI size).
+Run: ``python bench/soak.py --minutes 30`` (``--seconds 120`` is the CI size).
 
 **Fleet** (each a real process): a publisher signing a new version every second (Ed25519,
 keyframe every 10) onto moto's S3 server, reached through a TCP proxy that can fail; a relay

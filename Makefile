@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint bench setup clean vllm-env sglang-env fuzz-env fuzz
+.PHONY: demo test test-live test-rest lint bench setup clean vllm-env sglang-env fuzz-env fuzz
 
 setup: $(STAMP)
 
@@ -42,12 +42,23 @@ lint: setup
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy src/rollpatch
 
-# The engines' venvs and clang are set up while .venv is built and linted (separate venvs,
-# mostly download and unpack time), then the suite runs; the tests start and stop the servers
-# (one vLLM and one SGLang for the session: tests/live_servers.py). Measured times: README.
+# The engines' venvs and clang are set up while .venv is built (separate venvs, mostly
+# download and unpack time); then lint and the suite run at once, the suite as two pytest
+# processes (most tests keep one core busy, these machines have two): the live-engine modules,
+# which share one vLLM and one SGLang server (tests/live_servers.py), and all the others.
+# Each prints its report when it ends. Measured times: README.
+LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_sglang*.py tests/test_moe_vllm.py))
+
 test:
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint vllm-env sglang-env fuzz-env
-	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory -j4 --output-sync=target setup vllm-env sglang-env fuzz-env
+	@echo "== lint, the live-engine tests and the other tests, at once (each reports when done)"
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-live test-rest
+
+test-live: setup
+	$(BIN)/python -m pytest -q $(LIVE_TESTS)
+
+test-rest: setup
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(LIVE_TESTS))
 
 fuzz: setup fuzz-env
 	$(BIN)/python bench/fuzz_codec.py

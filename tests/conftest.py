@@ -18,8 +18,10 @@ Fixtures (found by name, nothing to import):
   ``release()``.
 
 Helpers: :func:`free_port`, :func:`dead_url`, :func:`until` (wait for a condition, failing
-with what was awaited) and :func:`make_manifest` (a manifest with test defaults, built
-keyword-only like the real publisher builds it).
+with what was awaited), :func:`make_manifest` (a manifest with test defaults, built
+keyword-only like the real publisher builds it), :func:`masters` / :func:`save_masters` (a
+small checkpoint's master tensors), :func:`signing_world` (key pair, root and checkpoint made
+through the real CLI) and :func:`hf_tiny_llama` (a trainer's transformers model in miniature).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from rollpatch.board import Board
@@ -39,7 +44,19 @@ from tests import live_servers
 from tests.conftest_s3 import make_s3_store, s3_server
 from tests.s3server import free_port
 
-__all__ = ["DIGEST", "dead_url", "free_port", "make_manifest", "s3_server", "until"]
+__all__ = [
+    "DIGEST",
+    "SigningWorld",
+    "dead_url",
+    "free_port",
+    "hf_tiny_llama",
+    "make_manifest",
+    "masters",
+    "s3_server",
+    "save_masters",
+    "signing_world",
+    "until",
+]
 
 #: A well-formed target digest for manifests whose objects are opaque test bytes.
 DIGEST = "a" * 64
@@ -97,6 +114,76 @@ def make_manifest(
         keyframes=keyframes,
         shards=shards,
     )
+
+
+def masters(seed: int, step: float = 0.0) -> dict[str, np.ndarray]:
+    """A small checkpoint's float32 master tensors (an embedding, an MLP weight, a norm):
+    the same base for every ``seed``, moved by ``step`` times seeded noise."""
+    rng = np.random.default_rng(0)
+    out = {
+        "model.embed_tokens.weight": rng.standard_normal((64, 128)).astype(np.float32) * 0.02,
+        "model.layers.0.mlp.up_proj.weight": rng.standard_normal((256, 128)).astype(np.float32)
+        * 0.02,
+        "model.layers.0.input_layernorm.weight": np.ones(128, dtype=np.float32),
+    }
+    noise = np.random.default_rng(seed)
+    return {k: v + step * noise.standard_normal(v.shape).astype(np.float32) for k, v in out.items()}
+
+
+def save_masters(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Save master tensors as a safetensors checkpoint (what ``rollpatch cast`` reads)."""
+    from rollpatch.io import save_view
+    from rollpatch.view import Tensor, View
+
+    save_view(View({k: Tensor.from_array(v) for k, v in tensors.items()}), path)
+
+
+@dataclass(frozen=True)
+class SigningWorld:
+    """What ``rollpatch keygen`` and ``rollpatch root`` leave for a signed board, made
+    through the real command line: the publisher's key pair, the board's first root (signed
+    by it) and a checkpoint to publish. Nothing is published yet."""
+
+    board: str
+    key: Path
+    pub: Path
+    root: Path
+    ckpt: Path
+
+
+def signing_world(tmp_path: Path, name: str = "trainer") -> SigningWorld:
+    """A :class:`SigningWorld` under ``tmp_path`` (a file:// board, key pair ``name``)."""
+    from rollpatch.cli import main
+
+    board = f"file://{tmp_path / 'board'}"
+    assert main(["keygen", "-o", str(tmp_path / name)]) == 0
+    key, pub, root = tmp_path / f"{name}.key", tmp_path / f"{name}.pub", tmp_path / "root.json"
+    argv = ["root", "--board", board, "--key", str(pub), "--sign", str(key), "-o", str(root)]
+    assert main(argv) == 0
+    ckpt = tmp_path / "m.safetensors"
+    save_masters(ckpt, masters(1))
+    return SigningWorld(board, key, pub, root, ckpt)
+
+
+def hf_tiny_llama(vocab_size: int = 96, max_positions: int = 64, **token_ids: int) -> Any:
+    """A one-layer transformers ``LlamaForCausalLM`` (hidden 32, 2 heads, 1 KV head, untied
+    head), float32, seeded (``torch.manual_seed(0)``): a trainer's model in miniature."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        **token_ids,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
 
 
 @pytest.fixture(scope="session")

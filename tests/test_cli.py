@@ -8,29 +8,12 @@ import sys
 from pathlib import Path
 
 import ml_dtypes
-import numpy as np
 import pytest
 
 from rollpatch.cli import main
 from rollpatch.formats import cast_view
 from rollpatch.io import load_view, save_view
-from rollpatch.view import Tensor, View
-
-
-def _masters(seed: int, step: float = 0.0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = {
-        "model.embed_tokens.weight": rng.standard_normal((64, 128)).astype(np.float32) * 0.02,
-        "model.layers.0.mlp.up_proj.weight": rng.standard_normal((256, 128)).astype(np.float32)
-        * 0.02,
-        "model.layers.0.input_layernorm.weight": np.ones(128, dtype=np.float32),
-    }
-    noise = np.random.default_rng(seed)
-    return {k: v + step * noise.standard_normal(v.shape).astype(np.float32) for k, v in out.items()}
-
-
-def _save_masters(path: Path, masters: dict[str, np.ndarray]) -> None:
-    save_view(View({k: Tensor.from_array(v) for k, v in masters.items()}), path)
+from tests.conftest import masters, save_masters, signing_world
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3-block128", "nvfp4", "int4-g128"])
@@ -38,8 +21,8 @@ def test_cast_diff_apply_inspect(
     tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
-    _save_masters(old, _masters(1))
-    _save_masters(new, _masters(2, step=1e-3))
+    save_masters(old, masters(1))
+    save_masters(new, masters(2, step=1e-3))
     assert main(["cast", str(old), "--format", fmt, "-o", str(tmp_path / "v0.safetensors")]) == 0
     assert main(["cast", str(new), "--format", fmt, "-o", str(tmp_path / "v1.safetensors")]) == 0
     patch = tmp_path / "p.rpatch"
@@ -47,7 +30,7 @@ def test_cast_diff_apply_inspect(
     out = tmp_path / "out.safetensors"
     assert main(["apply", str(tmp_path / "v0.safetensors"), str(patch), "-o", str(out)]) == 0
     assert load_view(out).digest() == load_view(tmp_path / "v1.safetensors").digest()
-    assert load_view(out).digest() == cast_view(_masters(2, step=1e-3), fmt).digest()
+    assert load_view(out).digest() == cast_view(masters(2, step=1e-3), fmt).digest()
     capsys.readouterr()
     assert main(["inspect", str(patch), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -57,8 +40,8 @@ def test_cast_diff_apply_inspect(
 
 
 def test_diff_of_views(tmp_path: Path) -> None:
-    a = cast_view(_masters(1), "bf16")
-    b = cast_view(_masters(3, step=1e-3), "bf16")
+    a = cast_view(masters(1), "bf16")
+    b = cast_view(masters(3, step=1e-3), "bf16")
     save_view(a, tmp_path / "a.safetensors")
     save_view(b, tmp_path / "b.safetensors")
     assert (
@@ -92,9 +75,9 @@ def test_diff_of_views(tmp_path: Path) -> None:
 def test_apply_refuses_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    a = cast_view(_masters(1), "bf16")
-    b = cast_view(_masters(4, step=1e-3), "bf16")
-    c = cast_view(_masters(5, step=1e-3), "bf16")
+    a = cast_view(masters(1), "bf16")
+    b = cast_view(masters(4, step=1e-3), "bf16")
+    c = cast_view(masters(5, step=1e-3), "bf16")
     for name, v in (("a", a), ("b", b), ("c", c)):
         save_view(v, tmp_path / f"{name}.safetensors")
     assert (
@@ -127,11 +110,11 @@ def test_apply_refuses_and_writes_nothing(
 
 def test_torch_checkpoint_input(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch", reason="the torch extra is installed in CI")
-    masters = _masters(1)
-    sd = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in masters.items()}
+    ms = masters(1)
+    sd = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in ms.items()}
     torch.save(sd, tmp_path / "m.pt")
     assert main(["cast", str(tmp_path / "m.pt"), "-o", str(tmp_path / "v.safetensors")]) == 0
-    bf = {k: v.astype(ml_dtypes.bfloat16) for k, v in masters.items()}
+    bf = {k: v.astype(ml_dtypes.bfloat16) for k, v in ms.items()}
     assert load_view(tmp_path / "v.safetensors").digest() == cast_view(bf, "bf16").digest()
 
 
@@ -166,8 +149,8 @@ def test_inspect_escapes_control_characters_in_names(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     evil = "w\x1b]0;pwned\x07\x1b[2J\u2028"
-    a = cast_view({evil: _masters(1)["model.embed_tokens.weight"]}, "bf16")
-    b = cast_view({evil: _masters(6, step=1e-2)["model.embed_tokens.weight"]}, "bf16")
+    a = cast_view({evil: masters(1)["model.embed_tokens.weight"]}, "bf16")
+    b = cast_view({evil: masters(6, step=1e-2)["model.embed_tokens.weight"]}, "bf16")
     save_view(a, tmp_path / "a.safetensors")
     save_view(b, tmp_path / "b.safetensors")
     assert (
@@ -211,27 +194,8 @@ def test_key_files_are_read_the_same_way_everywhere(tmp_path: Path) -> None:
 def test_pull_and_publish_share_the_key_file_rule(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ckpt = tmp_path / "m.safetensors"
-    _save_masters(ckpt, _masters(1))
-    board = f"file://{tmp_path / 'board'}"
-    assert main(["keygen", "-o", str(tmp_path / "pub")]) == 0
-    key, root = tmp_path / "pub.key", tmp_path / "root.json"
-    assert (
-        main(
-            [
-                "root",
-                "--board",
-                board,
-                "--key",
-                str(tmp_path / "pub.pub"),
-                "--sign",
-                str(key),
-                "-o",
-                str(root),
-            ]
-        )
-        == 0
-    )
+    world = signing_world(tmp_path, "pub")
+    board, key, root, ckpt = world.board, world.key, world.root, world.ckpt
     key.write_bytes(b"\n  " + key.read_bytes() + b"\r\n")  # surrounding whitespace: ignored
     root.write_bytes(root.read_bytes() + b"\n\n")
     assert (
@@ -287,7 +251,7 @@ def test_bad_safetensors_input_exits_2_with_one_line(
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(len(header).to_bytes(8, "little") + header)
     good = tmp_path / "good.safetensors"
-    save_view(cast_view(_masters(1), "bf16"), good)
+    save_view(cast_view(masters(1), "bf16"), good)
     for argv in (
         ["diff", str(bad), str(good), "--views", "-o", str(tmp_path / "p")],
         ["cast", str(bad), "-o", str(tmp_path / "v")],

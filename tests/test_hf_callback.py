@@ -22,23 +22,9 @@ from rollpatch.errors import ConfigError
 from rollpatch.formats import cast_view
 from rollpatch.publisher import Publisher, PublisherConfig, reconstruct, snapshot_state
 from rollpatch.publisher.hf import RollpatchCallback, float_state_dict
+from tests.conftest import hf_tiny_llama
 
 RUN = "hf-run"
-
-
-def _tiny_llama() -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 class _Tokens(Dataset):
@@ -80,7 +66,7 @@ def test_trainer_publishes_one_version_per_optimizer_step(tmp_path: Path) -> Non
         board, RUN, PublisherConfig(format="bf16", keyframe_every=0), asynchronous=False
     )
     cb = RollpatchCallback(pub)
-    model = _tiny_llama()
+    model = hf_tiny_llama()
     # Two micro-batches per optimizer step: a version is a parameter update, not a micro-batch.
     trainer = transformers.Trainer(
         model=model,
@@ -103,7 +89,7 @@ def test_trainer_publishes_one_version_per_optimizer_step(tmp_path: Path) -> Non
 def test_only_the_main_process_publishes_with_an_unsharded_publisher(tmp_path: Path) -> None:
     pub = Publisher(f"file://{tmp_path / 'board'}", RUN, asynchronous=False)
     cb = RollpatchCallback(pub, every=2)
-    model = _tiny_llama()
+    model = hf_tiny_llama()
     other_rank = SimpleNamespace(is_world_process_zero=False, global_step=2)
     cb.on_step_end(None, other_rank, None, model=model)
     main_rank = SimpleNamespace(is_world_process_zero=True, global_step=1)
@@ -146,21 +132,13 @@ def test_trl_sft_trainer_publishes_every_step(tmp_path: Path) -> None:
 
     tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=384, seed=0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
+    model = hf_tiny_llama(
+        len(tokenizer),
+        128,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
     texts = [f"the answer to {a} plus {b} is {a + b}" for a in range(4) for b in range(3)]
     board = f"file://{tmp_path / 'board'}"
     pub = Publisher(board, RUN, PublisherConfig(format="bf16", keyframe_every=0))

@@ -24,7 +24,7 @@ from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.store import Store, open_store
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
-from tests.conftest import make_manifest
+from tests.conftest import make_manifest, signing_world
 from tests.test_trust import RUN, Pub
 
 FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=1, timeout_s=10.0)
@@ -154,19 +154,10 @@ def _keygen(tmp: Path, name: str) -> tuple[Path, Path]:
 def test_cli_keygen_root_publish_pull_and_a_forgery(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.test_cli import _masters, _save_masters
-
-    board = f"file://{tmp_path / 'board'}"
-    key, pub = _keygen(tmp_path, "trainer")
+    world = signing_world(tmp_path)
+    board, key, pub, root, ckpt = world.board, world.key, world.pub, world.root, world.ckpt
     assert (key.stat().st_mode & 0o777) == 0o600 and pub.read_text().startswith("ed25519:")
     assert main(["keygen", "-o", str(tmp_path / "trainer")]) == 2  # never overwrites
-    root = tmp_path / "root.json"
-    assert (
-        main(["root", "--board", board, "--key", str(pub), "--sign", str(key), "-o", str(root)])
-        == 0
-    )
-    ckpt = tmp_path / "m.safetensors"
-    _save_masters(ckpt, _masters(1))
     assert (
         main(["publish", str(ckpt), "--board", board, "--run", "r1", "--signing-key", str(key)])
         == 0

@@ -528,6 +528,39 @@ def test_stage_while_serving_then_commit_only_writes(
     assert engine.version == 2
 
 
+def test_stage_encoded_chain_in_place_while_serving(
+    engine: Any, base: View, target: View, restore: None
+) -> None:
+    """A chain of two published steps is decoded into one copy per touched tensor while a
+    generation runs (rollpatch.engines.catchup: nothing written, the decoder's changes prove
+    the targets), then committed; a full re-hash confirms the target."""
+    from rollpatch.engines.staged import EncodedStep
+    from rollpatch.patch import encode
+
+    full = diff(base, target)
+    mid = View({n: t.copy() for n, t in base.items()})
+    for name, tp in full.tensors.items():
+        assert tp.positions is not None and tp.new is not None
+        mid[name].data[tp.positions[::2]] = tp.new[::2]  # half of the change, then the rest
+        mid.invalidate(name)
+    steps = [
+        EncodedStep((encode(diff(a, b), a),), a.digest(), b.digest())
+        for a, b in ((base, mid), (mid, target))
+    ]
+    rt = engine.runtime
+    gen = rt.generate(rt.tokenizer.encode(PROMPT), max_tokens=40, temperature=0, ignore_eos=True)
+    next(gen)
+    staged = engine.stage_encoded(steps, 2)
+    assert list(gen) and engine.version == 1 and engine.digest == base.digest()
+    assert staged is not None and staged.target == target.digest()
+    assert staged.changed == full.n_changed  # the composed change, not the two steps' sum
+    assert staged.digests == engine.stage(full, 2).digests
+    engine.commit_staged(staged, 2)
+    assert View({n: t for n, t in rt.view.items()}).digest() == target.digest()
+    with pytest.raises(BaseMismatchError):  # the chain no longer starts at the held version
+        engine.stage_encoded(steps, 3)
+
+
 def test_stage_refuses_a_patch_that_would_miss_its_target(
     engine: Any, base: View, target: View
 ) -> None:

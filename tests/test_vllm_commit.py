@@ -176,8 +176,8 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
     """A chain of published steps decoded in place (one copy per touched tensor, every step
     decoded into it) composes to exactly what decoding each step against an overlay gives,
     and to diff(first, last); a corrupt step is refused and the live words stay untouched."""
+    from rollpatch.engines.catchup import decode_in_place
     from rollpatch.engines.vllm import ops
-    from rollpatch.engines.vllm.catchup import decode_in_place
     from rollpatch.patch import compose, decode, encode
     from rollpatch.patch.overlay import Overlay
     from rollpatch.view import sum128

@@ -7,6 +7,7 @@ under the runtime's forward lock, and serves generation over HTTP with
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ from ...patch import Patch
 from ...patch.ops import gather, scatter
 from ...view import View, WordSource, sum128, sum128_digest
 from ..base import EngineAdapter
-from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
+from ..catchup import decode_in_place
+from ..staged import AuditCursor, AuditReport, EncodedStep, StagedUpdate, stage_patch
 from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
@@ -101,6 +103,26 @@ class ReferenceEngine(EngineAdapter):
         positions and cached digests; only commits write the parameters)."""
         view = self.runtime.view
         return stage_patch(patch, view.__getitem__, view.tensor_digests(), view.sum_state)
+
+    def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
+        """Decode a chain of published steps (one or many) into one copy per touched tensor
+        while generation runs (:mod:`rollpatch.engines.catchup`: the decoder's own rp.sum128
+        changes prove the targets; a catch-up composes by one diff, not n decodes against
+        overlays) and prove it. None when a step is not in the in-place codec (the follower
+        then decodes it through :meth:`words`)."""
+        view = self.runtime.view
+        if not steps or steps[0].base != view.digest():
+            raise BaseMismatchError(
+                "the chain does not start at the held version", engine=self.name, version=version
+            )
+        spec = [{"base": s.base, "target": s.target} for s in steps]
+        out = decode_in_place(view, spec, [list(s.blobs) for s in steps], view.sum_state)
+        if out is None:
+            return None
+        patch, known = out
+        return stage_patch(
+            patch, view.__getitem__, view.tensor_digests(), view.sum_state, known=known
+        )
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Write ``staged`` under the forward lock: scatter, read back, record the digests."""

@@ -24,8 +24,8 @@ from ...io.safetensors import load_view, save_view
 from ...patch import Patch, compose, decode, inspect
 from ...patch.overlay import Overlay
 from ...view import View
+from ..catchup import decode_in_place
 from ..staged import StagedUpdate
-from .catchup import decode_in_place
 from .layout import locate
 from .transfer import read_decoded
 from .weights import RuntimeWeights
@@ -38,7 +38,7 @@ _MAX_JOBS = 8
 
 def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[str, Any]]:
     """Decode a chain of steps against the held words and compose it: in place in one copy
-    per touched tensor (:mod:`.catchup`), else step *k* against an :class:`Overlay` of the
+    per touched tensor (:mod:`rollpatch.engines.catchup`), else step *k* against an :class:`Overlay` of the
     words and steps 1..k-1 (a tensor copy at a time, per step). Also returns the target
     rp.sum128 states the in-place decoder proved (empty from the overlay path)."""
     if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts

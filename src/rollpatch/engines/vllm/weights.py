@@ -256,7 +256,7 @@ class RuntimeWeights:
         ``prebuild``: also build the touched modules' derived buffers (CPU packed weights)
         now, to be swapped in under the pause (memory: + their packed size until the commit);
         False: they are re-packed inside the pause. ``known``: target rp.sum128 states the
-        caller proved for exactly these writes (:mod:`.catchup`), not recomputed."""
+        caller proved for exactly these writes (:mod:`rollpatch.engines.catchup`), not recomputed."""
         if self.tainted is not None:
             raise BaseMismatchError(
                 "the engine holds unknown bits (audit)", tensor=self.tainted, hint="load a keyframe"

@@ -1,4 +1,7 @@
-"""A multi-version catch-up decoded inside the worker, one tensor at a time, in place.
+"""A chain of published steps decoded inside the engine, one tensor copy at a time, in place.
+
+Used where the engine holds its words (the vLLM worker, the built-in engine): nothing of the
+model crosses processes, and the proof of the target digests comes from the decoder itself.
 
 Step *k* of a chain must be decoded against the words after steps 1..k-1. Decoding each step
 against an :class:`~rollpatch.patch.overlay.Overlay` makes, for every step, a fresh copy of
@@ -26,18 +29,18 @@ from typing import Any
 import blake3
 import numpy as np
 
-from ...errors import (
+from ..errors import (
     BaseMismatchError,
     ManifestError,
     PatchDecodeError,
     RollpatchError,
     TargetMismatchError,
 )
-from ...kinds import KINDS
-from ...patch import Patch, TensorPatch, inspect
-from ...patch.codec_v2 import CtxGolombV2
-from ...patch.header import DIGESTS
-from ...view import Tensor, WordSource, sum128_digest, sum_add
+from ..kinds import KINDS
+from ..patch import Patch, TensorPatch, inspect
+from ..patch.codec_v2 import CtxGolombV2
+from ..patch.header import DIGESTS
+from ..view import Tensor, WordSource, sum128_digest, sum_add
 
 SumState = tuple[int, int]
 
@@ -109,7 +112,7 @@ def decode_in_place(
     the positions where the copy differs from the live words (the native ``diff``: one pass,
     no per-step change lists kept; a tensor one step touches takes that step's changes). The writes staged from it turn the live words into the
     copy, whose state is the one proven."""
-    from ... import native
+    from .. import native
 
     core = native.core
     if core is None or not steps:

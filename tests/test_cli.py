@@ -13,6 +13,7 @@ import pytest
 from rollpatch.cli import main
 from rollpatch.formats import cast_view
 from rollpatch.io import load_view, save_view
+from rollpatch.view import View
 from tests.conftest import masters, save_masters, signing_world
 
 
@@ -39,24 +40,21 @@ def test_cast_diff_apply_inspect(
     assert "bytes by codec" in capsys.readouterr().out
 
 
+def _diff_views(tmp_path: Path, a: View, b: View) -> Path:
+    """Save ``a`` and ``b`` as a.safetensors and b.safetensors; ``rollpatch diff --views``
+    writes their patch to ``p`` (returned)."""
+    save_view(a, tmp_path / "a.safetensors")
+    save_view(b, tmp_path / "b.safetensors")
+    out = tmp_path / "p"
+    argv = ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    assert main([*argv, "--views", "-o", str(out)]) == 0
+    return out
+
+
 def test_diff_of_views(tmp_path: Path) -> None:
     a = cast_view(masters(1), "bf16")
     b = cast_view(masters(3, step=1e-3), "bf16")
-    save_view(a, tmp_path / "a.safetensors")
-    save_view(b, tmp_path / "b.safetensors")
-    assert (
-        main(
-            [
-                "diff",
-                str(tmp_path / "a.safetensors"),
-                str(tmp_path / "b.safetensors"),
-                "--views",
-                "-o",
-                str(tmp_path / "p"),
-            ]
-        )
-        == 0
-    )
+    _diff_views(tmp_path, a, b)
     assert (
         main(
             [
@@ -151,21 +149,7 @@ def test_inspect_escapes_control_characters_in_names(
     evil = "w\x1b]0;pwned\x07\x1b[2J\u2028"
     a = cast_view({evil: masters(1)["model.embed_tokens.weight"]}, "bf16")
     b = cast_view({evil: masters(6, step=1e-2)["model.embed_tokens.weight"]}, "bf16")
-    save_view(a, tmp_path / "a.safetensors")
-    save_view(b, tmp_path / "b.safetensors")
-    assert (
-        main(
-            [
-                "diff",
-                str(tmp_path / "a.safetensors"),
-                str(tmp_path / "b.safetensors"),
-                "--views",
-                "-o",
-                str(tmp_path / "p"),
-            ]
-        )
-        == 0
-    )
+    _diff_views(tmp_path, a, b)
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out

@@ -194,10 +194,30 @@ def test_relay_answers_409_object_corrupt_and_passes_it_down_a_chain(board: Boar
             open_store(server.url, retries=0).get(key)
         assert e.value.context["key"] == key
         assert key not in server.relay.cache
-    refused = near.relay.metrics.value("rollpatch_relay_refused_total", reason="hash_mismatch")
-    assert refused == 4  # the near relay checked every time: refusals are not cached
+    metric = near.relay.metrics.value
+    # the near relay pulled the bad bytes once; the three later requests cost a HEAD each
+    # (the origin's ETag unchanged: the same bad copy), not another transfer
+    assert metric("rollpatch_relay_refused_total", reason="hash_mismatch") == 1
+    assert metric("rollpatch_relay_refused_total", reason="known_corrupt") == 3
+    assert metric("rollpatch_relay_upstream_bytes_total") == len(good)
     board.store.put(key, good, if_absent=False)  # repaired at the origin: served at once
     assert open_store(far.url, retries=0).get(key) == good
+    assert key in near.relay.cache and key in far.relay.cache
+
+
+def test_a_remembered_refusal_can_be_turned_off(board: Board, tmp_path: Path) -> None:
+    key = _step_objects(board, 19, LAST, 0)[0]
+    _corrupt(board, key)
+    server = RelayServer(board.store, RelayConfig(cache_dir=tmp_path / "c", corrupt_ttl=0))
+    server.start()
+    try:
+        for _ in range(3):
+            assert httpx.get(f"{server.url}/v1/objects/{key}").status_code == CORRUPT_STATUS
+        metric = server.relay.metrics.value
+        assert metric("rollpatch_relay_refused_total", reason="hash_mismatch") == 3
+        assert metric("rollpatch_relay_refused_total", reason="known_corrupt") == 0
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("have", [None, 19], ids=["keyframe", "patch"])

@@ -57,6 +57,13 @@ def register(sub: Any) -> None:
         "--list-ttl", type=float, default=1.0, help="seconds a listing may be reused (default 1)"
     )
     p.add_argument(
+        "--corrupt-ttl",
+        type=float,
+        default=60.0,
+        help="seconds an object found corrupt upstream is refused on a HEAD while its ETag "
+        "is unchanged, instead of fetched again (default 60; 0: never)",
+    )
+    p.add_argument(
         "--workers", type=int, default=16, help="concurrent upstream object fetches (default 16)"
     )
     p.add_argument(
@@ -94,6 +101,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         cache_bytes=args.cache_bytes,
         pointer_ttl=args.pointer_ttl,
         list_ttl=args.list_ttl,
+        corrupt_ttl=args.corrupt_ttl,
         upstream_workers=args.workers,
     )
     server = RelayServer(

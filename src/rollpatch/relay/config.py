@@ -87,6 +87,10 @@ class RelayConfig:
     pointer_ttl: float = 0.5
     #: Seconds a listing is reused; manifests and keyframe markers are found by listing.
     list_ttl: float = 1.0
+    #: Seconds an object found corrupt upstream is remembered: while the upstream's ETag for it
+    #: is unchanged, a request costs a HEAD instead of pulling the bad bytes again (a repaired
+    #: object has a new ETag and is fetched at once); 0: never remembered.
+    corrupt_ttl: float = 60.0
     #: Concurrent upstream fetches of objects and markers (large, slow transfers).
     upstream_workers: int = 16
     #: Concurrent upstream reads of pointers, manifests, listings and HEADs (small, urgent);
@@ -110,6 +114,7 @@ class RelayConfig:
         _integer("cache_bytes", self.cache_bytes, 1)
         _seconds("pointer_ttl", self.pointer_ttl)
         _seconds("list_ttl", self.list_ttl)
+        _seconds("corrupt_ttl", self.corrupt_ttl)
         for name in (
             "upstream_workers",
             "meta_workers",

@@ -102,6 +102,7 @@ class Relay:
         self._lock = threading.Lock()
         self._volatile: dict[str, _Timed[Blob]] = {}
         self._lists: dict[str, _Timed[Keys]] = {}
+        self._corrupt: dict[str, _Timed[str]] = {}  # key -> upstream ETag of the bad copy
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -177,9 +178,14 @@ class Relay:
             entry = self.cache.verify(key)
             if entry is not None and self._still_valid(entry, kind):
                 return Blob.cached(entry)
+        self._refuse_known_corrupt(key)
         started = time.monotonic()
         data = self._get(key)
-        b3 = self._check(key, kind, data)
+        try:
+            b3 = self._check(key, kind, data)
+        except ObjectIntegrityError:
+            self._remember_corrupt(key)
+            raise
         blob = Blob.cached(self.cache.insert(key, data, b3))
         event(
             log,
@@ -190,6 +196,37 @@ class Relay:
             seconds=round(time.monotonic() - started, 4),
         )
         return blob
+
+    def _refuse_known_corrupt(self, key: str) -> None:
+        """Raise without a GET if ``key`` was found corrupt and upstream still holds that copy
+        (same ETag, by a HEAD): N followers asking for a corrupt multi-GB keyframe cost one
+        transfer per ``corrupt_ttl``, not N."""
+        etag = self._fresh(self._corrupt, key)
+        if etag is None:
+            return
+        info = self._call("head", self.upstream.head, key)
+        if info is None or info.etag != etag:  # gone or replaced: fetch and check again
+            return
+        self.metrics.inc("rollpatch_relay_refused_total", reason="known_corrupt")
+        raise ObjectIntegrityError(
+            "upstream object does not match the BLAKE3 in its key (found before, and not "
+            "replaced since); refused, not cached",
+            key=key,
+            hint="the upstream copy is corrupt or truncated: republish it",
+        )
+
+    def _remember_corrupt(self, key: str) -> None:
+        """Remember the ETag of the corrupt copy ``key`` holds upstream (a HEAD right after
+        the GET: a repair in between is refused for at most ``corrupt_ttl``)."""
+        if self.config.corrupt_ttl <= 0:
+            return
+        try:
+            info = self._call("head", self.upstream.head, key)
+        except StoreError:
+            return  # not remembered: the next request fetches again
+        if info is not None and info.etag:
+            expires = time.monotonic() + self.config.corrupt_ttl
+            self._remember(self._corrupt, key, info.etag, expires)
 
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
         started = time.monotonic()

@@ -282,3 +282,51 @@ def test_hostile_sliced_manifests_are_refused(hack: Callable[[dict], None]) -> N
     hack(d)
     with pytest.raises(ManifestError):
         Manifest.from_bytes(json.dumps(d).encode())
+
+
+# -- followers decode shard objects as they arrive ---------------------------------------------
+
+
+def test_shard_objects_decode_as_they_arrive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-step plan of several shard objects is decoded object by object while the fetch
+    runs (``EarlyDecode``); staging joins those parts, which equal a decode after the fetch."""
+    from rollpatch.follower import stage
+    from rollpatch.replay import decode_step
+
+    board = Board(tmp_path.as_uri())
+    publish_versions(board, range(2), CFG)
+    f = Follower(board, RUN, ViewEngine())
+    f.sync(0)
+    plan = board.plan(RUN, 0, 1)
+    manifests = {n: board.manifest(RUN, n) for n in (0, 1)}
+    early = stage.EarlyDecode.for_plan(f.engine, plan, manifests, 0)
+    assert early is not None
+    assert stage.EarlyDecode.for_plan(f.engine, board.plan(RUN, None, 1), manifests, None) is None
+    blobs = {r.key: board.fetch(r) for r in plan.steps[0].objects}
+    for r in plan.steps[0].objects:
+        early.arrived(r, blobs[r.key])
+    parts = early.results()
+    early.close()
+    assert set(parts) == set(blobs) and len(parts) == 3
+    joined = decode_step(manifests[1], manifests[0], dict(blobs), f.engine.words(), parts)
+    plain = decode_step(manifests[1], manifests[0], dict(blobs), f.engine.words())
+    assert joined.target == plain.target == manifests[1].target
+    for name, tp in plain.tensors.items():
+        got = joined.tensors[name]
+        assert (got.target_digest, got.base_digest) == (tp.target_digest, tp.base_digest)
+        assert np.array_equal(got.changes().positions, tp.changes().positions)
+        assert np.array_equal(got.changes().new, tp.changes().new)
+
+    used: list[int] = []
+    real = stage.decode_step
+
+    def spy(m: Any, base: Any, blobs: Any, source: Any, decoded: Any = None) -> Any:
+        used.append(len(decoded or {}))
+        return real(m, base, blobs, source, decoded)
+
+    monkeypatch.setattr(stage, "decode_step", spy)
+    assert f.sync(1) == 1
+    assert used == [3]  # every shard object came decoded from the fetch
+    assert f.engine.words().digest() == manifests[1].target

@@ -36,7 +36,7 @@ from .patch.model import TensorPatch
 from .types import ObjectRef
 from .view import Tensor, View, WordSource, tensor_digest
 
-__all__ = ["decode_step", "encoded_step", "keyframe_view"]
+__all__ = ["decode_object", "decode_step", "encoded_step", "keyframe_view"]
 
 
 def keyframe_view(
@@ -225,12 +225,26 @@ def encoded_step(m: Manifest, base: Manifest, blobs: Mapping[str, bytes]) -> lis
     return out
 
 
+def decode_object(m: Manifest, po: PatchObject, blob: bytes, source: WordSource) -> Patch:
+    """One shard's patch object of ``m`` decoded against ``source`` (its sliced tensors
+    against zero-copy cuts of the words), bound to nothing yet: :func:`decode_step` checks
+    the base and joins the shards. Callers may run it as each object arrives."""
+    slices = m.slices_of(po.shard)
+    return decode(blob, _SliceSource(source, slices) if slices else source, check_base=False)
+
+
 def decode_step(
-    m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes], source: WordSource
+    m: Manifest,
+    base: Manifest,
+    blobs: MutableMapping[str, bytes],
+    source: WordSource,
+    decoded: Mapping[str, Patch] | None = None,
 ) -> Patch:
     """Decode the patch objects ``base.version`` → ``m.version`` (all shards) against ``source``.
 
-    Returns one patch bound to the whole views: ``base.target`` → ``m.target``.
+    Returns one patch bound to the whole views: ``base.target`` → ``m.target``. ``decoded``:
+    objects (by key) already decoded against ``source`` with :func:`decode_object`, e.g. while
+    the others were still fetched; their blobs are only dropped.
     """
     objs = _step_objects(m, base)
     if isinstance(source, View) and source.digest() != base.target:
@@ -249,8 +263,9 @@ def decode_step(
     meta: dict[str, str] = {}
     for po in objs:
         slices = m.slices_of(po.shard)
-        src = _SliceSource(source, slices) if slices else source
-        part = decode(blobs.pop(po.ref.key), src, check_base=False)
+        blob = blobs.pop(po.ref.key)
+        part = (decoded or {}).get(po.ref.key) or decode_object(m, po, blob, source)
+        del blob
         _check_binding(m, base, len(objs), po.ref.key, (part.base, part.target))
         whole = {k: tp for k, tp in part.tensors.items() if k not in slices}
         for name in part.tensors.keys() - whole.keys():

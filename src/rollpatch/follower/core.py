@@ -41,7 +41,7 @@ from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
 from .record import Record
-from .stage import stage_plan
+from .stage import EarlyDecode, stage_plan
 from .watch import Watcher
 
 __all__ = ["CommitCallback", "Follower"]
@@ -285,17 +285,26 @@ class Follower:
         }
         self._rec.set(FollowerState.FETCHING)
         t0 = time.monotonic()
-        # keyframe objects are streamed while staging (tensor by tensor), not fetched whole
-        blobs = fetch_objects(
-            self.board,
-            (r for s in plan.steps if not s.is_keyframe for r in s.objects),
-            self._retrier,
-            self._on_fetched,
-        )
-        self._rec.timing("fetch", t0)
-        self._rec.set(FollowerState.STAGING)
-        t0 = time.monotonic()
-        write = stage_plan(self.engine, plan, manifests, blobs, have, want, self._fetch_view)
+        early = EarlyDecode.for_plan(self.engine, plan, manifests, have)
+        try:
+            # keyframe objects are streamed while staging (tensor by tensor), not fetched whole
+            blobs = fetch_objects(
+                self.board,
+                (r for s in plan.steps if not s.is_keyframe for r in s.objects),
+                self._retrier,
+                self._on_fetched,
+                None if early is None else early.arrived,  # shard objects decode on arrival
+            )
+            self._rec.timing("fetch", t0)
+            self._rec.set(FollowerState.STAGING)
+            t0 = time.monotonic()
+            decoded = None if early is None else early.results()
+            write = stage_plan(
+                self.engine, plan, manifests, blobs, have, want, self._fetch_view, decoded
+            )
+        finally:
+            if early is not None:
+                early.close()
         self._rec.timing("stage", t0)
         del blobs
         self._rec.set(FollowerState.COMMITTING)

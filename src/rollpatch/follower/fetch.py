@@ -118,8 +118,10 @@ def fetch_objects(
     refs: Iterable[ObjectRef],
     retrier: Retrier,
     on_fetched: Callable[[ObjectRef], None],
+    on_data: Callable[[ObjectRef, bytes], None] | None = None,
 ) -> dict[str, bytes]:
     """Fetch and verify ``refs`` concurrently; key → bytes, or raise the first failure.
+    ``on_data`` is handed each verified object as it arrives (e.g. to decode it early).
 
     Each object gets ``timeout_s`` from the moment a worker starts on it, retries included;
     one that runs over fails the whole fetch with :class:`TransientStoreError`. On failure the
@@ -145,6 +147,8 @@ def fetch_objects(
             started[ref.key] = t0
         data = retrier.call(lambda: attempt(ref), RETRY_FETCH, deadline=t0 + config.timeout_s)
         on_fetched(ref)
+        if on_data is not None:
+            on_data(ref, data)
         return data
 
     pool = ThreadPoolExecutor(

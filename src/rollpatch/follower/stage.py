@@ -22,6 +22,7 @@ engine's apply then verifies the whole base before writing and the whole target 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..engines import EngineAdapter
 from ..engines.staged import EncodedStep, StagedUpdate
@@ -30,11 +31,11 @@ from ..manifest import Manifest
 from ..patch import Patch, apply, compose
 from ..patch.overlay import Overlay
 from ..planning import Plan
-from ..replay import decode_step, encoded_step, keyframe_view
+from ..replay import decode_object, decode_step, encoded_step, keyframe_view
 from ..types import ObjectRef
 from ..view import View, WordSource
 
-__all__ = ["Stage", "decode_step", "encoded_step", "keyframe_view", "stage_plan"]
+__all__ = ["EarlyDecode", "Stage", "decode_step", "encoded_step", "keyframe_view", "stage_plan"]
 
 
 class Stage:
@@ -59,8 +60,15 @@ class Stage:
         self.view = keyframe_view(m, source)
         self.patch = None
 
-    def step(self, m: Manifest, base: Manifest, blobs: MutableMapping[str, bytes]) -> None:
-        """Stage the patch step ``base.version`` → ``m.version``."""
+    def step(
+        self,
+        m: Manifest,
+        base: Manifest,
+        blobs: MutableMapping[str, bytes],
+        early: Mapping[str, Patch] | None = None,
+    ) -> None:
+        """Stage the patch step ``base.version`` → ``m.version`` (``early``: its objects
+        already decoded against the engine's words, by key)."""
         if self.view is not None:
             apply(self.view, decode_step(m, base, blobs, self.view))  # verified, in place
             return
@@ -72,7 +80,7 @@ class Stage:
                 hint="plan from a keyframe (have=None)",
             )
         if self.patch is None:
-            self.patch = decode_step(m, base, blobs, self._words)
+            self.patch = decode_step(m, base, blobs, self._words, early)
             return
         overlay = Overlay(self._words, self.patch)
         step = decode_step(m, base, blobs, overlay)
@@ -88,6 +96,7 @@ def stage_plan(
     have: int | None,
     want: int,
     fetch_view: Callable[[ObjectRef], View],
+    early: Mapping[str, Patch] | None = None,
 ) -> Callable[[], None]:
     """Stage every step of ``plan`` (fetched ``blobs``; keyframe shards read through
     ``fetch_view``) and return the write that commits ``want`` into ``engine``.
@@ -121,7 +130,7 @@ def stage_plan(
             if step.base is None:
                 stage.keyframe(manifests[step.to], fetch_view)
             else:
-                stage.step(manifests[step.to], manifests[step.base], blobs)
+                stage.step(manifests[step.to], manifests[step.base], blobs, early)
         if stage.patch is not None:
             staged = engine.stage(stage.patch, want)
 
@@ -135,3 +144,51 @@ def stage_plan(
             engine.apply(stage.patch, want)  # verifies base and target; all or nothing
 
     return write
+
+
+class EarlyDecode:
+    """Decodes the shard objects of a one-step plan as they arrive, on one background thread,
+    while the others are still being fetched (decode overlaps the fetch instead of following
+    it). Only an optimisation: :func:`decode_step` still checks the base and binds the
+    result, and an object whose early decode failed is decoded again there (and raises)."""
+
+    def __init__(self, m: Manifest, base: int, words: WordSource) -> None:
+        self._m, self._words = m, words
+        self._objects = {po.ref.key: po for po in m.patches_from(base)}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollpatch-decode")
+        self._futures: dict[str, Future[Patch]] = {}
+
+    @classmethod
+    def for_plan(
+        cls, engine: EngineAdapter, plan: Plan, manifests: Mapping[int, Manifest], have: int | None
+    ) -> EarlyDecode | None:
+        """One for a one-step patch plan of several shard objects that this process decodes
+        (not an engine that decodes unsliced steps itself); else None."""
+        if have is None or len(plan.steps) != 1 or plan.steps[0].base is None:
+            return None
+        m, base = manifests[plan.steps[0].to], plan.steps[0].base
+        if len(m.patches_from(base)) < 2:
+            return None
+        if not m.sliced and type(engine).stage_encoded is not EngineAdapter.stage_encoded:
+            return None
+        return cls(m, base, engine.words())
+
+    def arrived(self, ref: ObjectRef, blob: bytes) -> None:
+        po = self._objects.get(ref.key)
+        if po is not None:
+            self._futures[ref.key] = self._pool.submit(
+                decode_object, self._m, po, blob, self._words
+            )
+
+    def results(self) -> dict[str, Patch]:
+        """The objects decoded so far (waits for the ones in progress)."""
+        out: dict[str, Patch] = {}
+        for key, f in list(self._futures.items()):
+            try:
+                out[key] = f.result()
+            except Exception:  # noqa: BLE001, S112 (decoded again by decode_step, which raises)
+                continue
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -120,3 +120,136 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
         assert line in text.splitlines()
     assert 'rollpatch_gateway_island_lag_versions{island="b"}' not in text
     assert "rollpatch_served_version" not in text  # registries stay apart
+
+
+# -- admission and streaming: one owner each (issue 13) -------------------------------------
+
+
+def test_a_slot_is_released_once_on_every_way_out() -> None:
+    from rollpatch.serving.admission import Slot
+
+    calls: list[int] = []
+    with Slot(lambda: calls.append(1) or len(calls)) as slot:
+        assert slot.release() == 1 and slot.release() == 1  # idempotent, same answer
+    assert calls == [1]
+    with pytest.raises(RuntimeError), Slot(lambda: calls.append(2)):
+        raise RuntimeError("handler failed")
+    assert calls == [1, 2]
+    with Slot(lambda: calls.append(3)) as slot:
+        handed = slot.hand_off()  # a stream owns it now: leaving the block keeps it
+    assert calls == [1, 2] and not handed.released
+    handed.release()
+    assert calls == [1, 2, 3]
+    with pytest.raises(ValueError), Slot(lambda: calls.append(4)) as slot:
+        slot.hand_off()
+        raise ValueError("the hand-off never happened")  # an exception releases regardless
+    assert calls == [1, 2, 3, 4]
+
+
+def test_admission_released_when_the_caller_is_cancelled_while_waiting() -> None:
+    import asyncio
+    import threading
+
+    from rollpatch.serving.admission import Slot, admit_async
+
+    gate = threading.Event()
+    released = threading.Event()
+
+    def admit() -> Slot:
+        gate.wait(10)  # a slow admission (a drain in progress)
+        return Slot(released.set)
+
+    async def main() -> None:
+        task = asyncio.create_task(admit_async(admit))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()  # admission lands after the caller went away
+        assert await asyncio.to_thread(released.wait, 10)
+
+    asyncio.run(main())
+
+
+def _relay(lines: list[str], **kw: Any) -> list[bytes]:
+    import asyncio
+
+    from rollpatch.serving.streaming import relay_sse
+
+    async def source() -> AsyncIterator[str]:
+        for line in lines:
+            if line == "FAIL":
+                raise ConnectionError("upstream went away")
+            yield line
+
+    async def collect() -> list[bytes]:
+        out = []
+        async for event in relay_sse(source(), lambda line, done: b"LAST%d:" % done + line, **kw):
+            out.append(event)
+        return out
+
+    return asyncio.run(collect())
+
+
+def test_sse_relay_holds_and_annotates_the_last_event() -> None:
+    from rollpatch.serving.streaming import DONE, sse_data
+
+    done: list[str] = []
+    lines = ['data: {"a":1}', "", ": keep-alive", 'data: {"a":2}', "data: [DONE]"]
+    assert _relay(lines, on_done=lambda: done.append("done")) == [
+        b'data: {"a":1}\n\n',
+        b'LAST1:data: {"a":2}',
+        DONE,
+    ]
+    assert done == ["done"]
+    assert _relay(['data: {"a":1}', 'data: {"a":2}']) == [  # no [DONE]: the end is the last
+        b'data: {"a":1}\n\n',
+        b'LAST0:data: {"a":2}',
+    ]
+    failed = _relay(
+        ['data: {"a":1}', 'data: {"a":2}', "FAIL"],
+        failures=(ConnectionError,),
+        on_failure=lambda e: sse_data({"error": str(e)}),
+    )
+    assert failed == [
+        b'data: {"a":1}\n\n',
+        b'data: {"a":2}\n\n',  # held, sent as it came: the stream did not finish
+        b'data: {"error": "upstream went away"}\n\n',
+    ]
+    with pytest.raises(ConnectionError):  # not a declared failure: it propagates
+        _relay(['data: {"a":1}', "FAIL"])
+
+
+def test_an_owned_stream_closes_when_the_client_leaves_before_the_first_byte() -> None:
+    """The slot a stream holds comes back even if the client never reads a byte (the path
+    the gateway's hand-counted release did not cover)."""
+    import asyncio
+    import threading
+
+    from rollpatch.serving.admission import Slot
+    from rollpatch.serving.streaming import OwnedStream
+
+    closed = threading.Event()
+    slot = Slot(closed.set)
+    app = FastAPI()
+
+    @app.get("/stream")
+    async def stream() -> OwnedStream:
+        async def events() -> AsyncIterator[bytes]:
+            await asyncio.sleep(60)  # the client is gone long before this
+            yield b"data: late\n\n"
+
+        async def close() -> None:
+            slot.release()
+
+        return OwnedStream(events(), close)
+
+    server = serve_app(app, name="owned-stream-test")
+    try:
+        with httpx.Client(timeout=10) as client, client.stream("GET", f"{server.url}/stream") as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith(
+                "text/event-stream"
+            )
+        assert closed.wait(20), "the stream's slot was never released"
+    finally:
+        server.stop()

@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import jsonsafe
 from ..errors import ConfigError
+from ..serving.admission import Slot
 from ..types import Constraint
 from .config import GatewayConfig, IslandSpec, parse_island
 from .metrics import GatewayMetrics
@@ -175,8 +176,15 @@ class Gateway:
             rec.view = replace(rec.view, reachable=False)
             rec.last_error = error
 
+    def admit(self, name: str) -> Slot:
+        """Count a request in flight at ``name`` until the returned slot is released (on
+        leaving its ``with`` block, or by the stream it was handed off to)."""
+        self.acquire(name)
+        return Slot(lambda: self.release(name))
+
     def acquire(self, name: str) -> None:
-        """Count a request in flight at ``name`` (pair with :meth:`release`)."""
+        """Count a request in flight at ``name`` (pair with :meth:`release`; :meth:`admit`
+        pairs them)."""
         with self._lock:
             rec = self._records[name]
             rec.view = replace(rec.view, inflight=rec.view.inflight + 1)

@@ -14,17 +14,18 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from .. import jsonsafe
 from ..errors import ConfigError
 from ..logs import event
 from ..protocol import HEADER_END, HEADER_START
+from ..serving.admission import Slot
 from ..serving.responses import error_response
+from ..serving.streaming import OwnedStream, relay_sse, sse_data
 from ..types import Constraint
 from .core import Gateway
 
@@ -180,9 +181,7 @@ async def _attempt(
     stream: bool,
     annotate: bool,
 ) -> Response | _Refusal:
-    gw.acquire(island)
-    released = False
-    try:
+    with gw.admit(island) as slot:
         req = client.build_request(method, url, content=content, headers=headers)
         try:
             r = await client.send(req, stream=stream)
@@ -192,12 +191,7 @@ async def _attempt(
             return _Refusal(island, 0, error=f"{island}: {type(e).__name__}: {e}")
         gw.metrics.attempt(island, r.status_code)
         if stream and r.status_code == 200:
-            released = True  # the stream releases the island when it ends
-            return StreamingResponse(
-                _events(gw, island, r, annotate),
-                media_type="text/event-stream",
-                headers=_kept(r.headers, island),
-            )
+            return _stream(gw, island, r, annotate, slot.hand_off())
         body = await r.aread()
         await r.aclose()
         _learn(gw, island, r, body)
@@ -206,49 +200,27 @@ async def _attempt(
         if annotate and r.status_code == 200:
             body = add_island(body, island)
         return Response(body, status_code=r.status_code, headers=_kept(r.headers, island))
-    finally:
-        if not released:
-            gw.release(island)
 
 
-async def _events(
-    gw: Gateway, island: str, r: httpx.Response, annotate: bool
-) -> AsyncIterator[bytes]:
-    """Pass a sidecar's SSE stream through; the last data event gets ``rollpatch.island``."""
-    held: bytes | None = None
-    try:
-        _learn(gw, island, r, b"")
-        async for line in r.aiter_lines():
-            raw = line.encode()
-            if not raw.startswith(b"data:"):
-                continue
-            payload = raw[5:].strip()
-            if payload == b"[DONE]":
-                if held is not None:
-                    yield _last_event(held, island, annotate)
-                    held = None
-                yield b"data: [DONE]\n\n"
-                continue
-            if held is not None:
-                yield held + b"\n\n"
-            held = raw
-        if held is not None:
-            yield _last_event(held, island, annotate)
-    except httpx.HTTPError as e:  # the island went away mid-stream: too late to retry
+def _stream(gw: Gateway, island: str, r: httpx.Response, annotate: bool, slot: Slot) -> OwnedStream:
+    """Pass a sidecar's SSE stream through; the last data event gets ``rollpatch.island``.
+    The stream owns ``slot`` (the island's in-flight count) and ``r`` until it ends."""
+    _learn(gw, island, r, b"")
+
+    def last_event(line: bytes, done: bool) -> bytes:
+        return _last_event(line, island, annotate)
+
+    def failed(e: Exception) -> bytes:  # the island went away mid-stream: too late to retry
         gw.observe_failure(island, f"stream: {type(e).__name__}: {e}")
-        if held is not None:
-            yield held + b"\n\n"
-        error = {
-            "error": {
-                "message": f"island {island} failed mid-stream: {e}",
-                "type": "island_error",
-                "code": 502,
-            }
-        }
-        yield b"data: " + json.dumps(error).encode() + b"\n\n"
-    finally:
+        message = f"island {island} failed mid-stream: {e}"
+        return sse_data({"error": {"message": message, "type": "island_error", "code": 502}})
+
+    async def close() -> None:
         await r.aclose()
-        gw.release(island)
+        slot.release()
+
+    events = relay_sse(r.aiter_lines(), last_event, failures=(httpx.HTTPError,), on_failure=failed)
+    return OwnedStream(events, close, headers=_kept(r.headers, island))
 
 
 def _last_event(line: bytes, island: str, annotate: bool) -> bytes:

@@ -6,6 +6,13 @@ clients.
 - :mod:`.body`: read a request body within :class:`BodyLimits` as strict, bounded JSON.
 - :mod:`.schema`: typed request models of the OpenAI routes (pydantic; imported on use).
 - :mod:`.responses`: OpenAI-style error bodies (fastapi; imported on use).
+- :mod:`.admission`: a held slot released exactly once (:class:`~.admission.Slot`), blocking
+  admission awaited without blocking the event loop (:func:`~.admission.admit_async`).
+- :mod:`.streaming`: the SSE pass-through with its last event annotated
+  (:func:`~.streaming.relay_sse`), a streaming response that owns what it holds
+  (:class:`~.streaming.OwnedStream`; fastapi, imported on use).
+- :mod:`.metrics`: the Prometheus shapes services share (private registry, version gauges,
+  outcome labels; ``prometheus_client``, imported on use).
 
 Nothing here imports an engine, a follower or the codec, so a service that only routes (the
 gateway) loads none of them. The web stack (uvicorn, fastapi, pydantic) is the ``web`` extra:

@@ -18,15 +18,17 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..errors import ConfigError, NotReadyError, RollpatchError
 from ..logs import event
+from ..serving.admission import admit_async
 from ..serving.body import read_json_object, refusal_status
 from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
 from ..serving.responses import error_response
 from ..serving.schema import openapi_body, validate_body
-from .gate import Admission, CommitGate
+from ..serving.streaming import OwnedStream, relay_sse
+from .gate import Admission
 from .protocol import (
     DEFAULT_WAIT_S,
     HEADER_END,
@@ -135,22 +137,6 @@ async def _probe_engine(client: httpx.AsyncClient, timeout: float) -> str | None
     return None
 
 
-async def _admit(gate: CommitGate, timeout: float) -> Admission:
-    """Admission without blocking the event loop; a caller that goes away while it waits
-    (cancellation) still gets its slot released when the admission completes."""
-    fut = asyncio.get_running_loop().run_in_executor(None, gate.admit, timeout)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(_release_late)
-        raise
-
-
-def _release_late(fut: asyncio.Future[Admission]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().release()
-
-
 def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
     async def proxy(request: Request) -> Response:
         _, body = await read_json_object(request, sc.config.body)
@@ -159,7 +145,8 @@ def _make_proxy(sc: Sidecar, client: httpx.AsyncClient, path: str) -> Any:
         refused = await _satisfy(sc, constraint)
         if refused is not None:
             return refused
-        with await _admit(sc.gate, sc.config.admit_timeout_s) as slot:
+        timeout = sc.config.admit_timeout_s
+        with await admit_async(lambda: sc.gate.admit(timeout)) as slot:
             d = decide(constraint, slot.start, await asyncio.to_thread(sc.latest))
             if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
                 sc.metrics.request("conflict")
@@ -262,29 +249,11 @@ async def _once(
     )
 
 
-class _AdmittedStream(StreamingResponse):
-    """A stream that owns an admission: whatever happens to the response (sent in full, the
-    client gone before the first byte, an error), the slot and the engine stream are freed."""
-
-    def __init__(
-        self, content: AsyncIterator[bytes], slot: Admission, upstream: httpx.Response, **kw: Any
-    ) -> None:
-        super().__init__(content, **kw)
-        self._slot = slot
-        self._upstream = upstream
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._slot.release()
-            await self._upstream.aclose()
-
-
 async def _stream(
     sc: Sidecar, client: httpx.AsyncClient, path: str, body: dict[str, Any], slot: Admission
 ) -> Response:
-    """A streamed answer; on success the stream takes ``slot`` over (:meth:`hand_off`)."""
+    """A streamed answer; on success the stream takes ``slot`` over (:meth:`hand_off`) and
+    releases it when the response ends (:class:`~rollpatch.serving.streaming.OwnedStream`)."""
     start = slot.start
     t0 = time.perf_counter()
     try:
@@ -310,37 +279,23 @@ async def _stream(
             media_type=r.headers.get("content-type"),
         )
 
+    def last_event(line: bytes, done: bool) -> bytes:
+        # the versions the whole stream ran under are known once [DONE] released the slot
+        return annotate_sse_line(line, start, slot.release()) + b"\n\n" if done else line + b"\n\n"
+
     async def events() -> AsyncIterator[bytes]:
-        held: bytes | None = None  # the last data event, annotated once [DONE] is seen
         try:
-            async for line in r.aiter_lines():
-                raw = line.encode()
-                if not raw.startswith(b"data:"):
-                    continue
-                if raw[5:].strip() == b"[DONE]":
-                    end = slot.release()
-                    if held is not None:
-                        yield annotate_sse_line(held, start, end) + b"\n\n"
-                        held = None
-                    yield b"data: [DONE]\n\n"
-                    continue
-                if held is not None:
-                    yield held + b"\n\n"
-                held = raw
-            if held is not None:
-                yield held + b"\n\n"
+            async for event in relay_sse(r.aiter_lines(), last_event, on_done=slot.release):
+                yield event
         finally:
-            await r.aclose()
-            slot.release()
             sc.metrics.request("proxied", time.perf_counter() - t0)
+
+    async def close() -> None:
+        slot.release()
+        await r.aclose()
 
     # in drain mode without a drain deadline no commit can land while the stream is admitted
     # (end == start is known); past a deadline the commit pauses instead, so it may
     end_hdr = start if sc.gate.mode == "drain" and sc.gate.drain_timeout_s is None else None
-    return _AdmittedStream(
-        events(),
-        slot.hand_off(),
-        r,
-        media_type="text/event-stream",
-        headers=_headers(start, end_hdr),
-    )
+    slot.hand_off()  # the stream releases it (close), however the response ends
+    return OwnedStream(events(), close, headers=_headers(start, end_hdr))

@@ -10,7 +10,9 @@ widened to FP32 (their cast is exactly the view).
 - **publisher** (one rank, synchronous, ``keyframe_every=3``, no skip patches): the trainer's
   masters are loaded first (the trainer's own weights: the baseline), then each version is
   published and the peak above the baseline recorded. The whole view is the largest rank's
-  shard here. Target (issue #14): ≤ 1.5 × that shard.
+  shard here. Target (issue #14): ≤ 1.5 × that shard. Twice, in the same child: with
+  ``snapshot="masters"`` (the FP32 host copy, the path before) on a run of its own, then with
+  the default ``snapshot="served"`` (cast tensor by tensor in ``publish()``).
 - **keyframe write**: ``Board.put_view_object`` (streamed) vs ``put_object(view_to_bytes)``
   (serialized in memory, the path before), the view already in memory (baseline).
 - **follower** (ViewEngine, file board): boot from the keyframe (peak above the bare process
@@ -96,23 +98,25 @@ def child_publisher(work: Path, board: str, versions: int) -> list[dict[str, Any
 
     rows: list[dict[str, Any]] = []
     masters = _masters_into(work, 0, None)
-    cfg = PublisherConfig(format="bf16", keyframe_every=3, skip_strides=())
-    pub = Publisher(board, RUN, cfg, asynchronous=False)
-    for v in range(versions):
-        if v:
+    for mode, run in (("masters", RUN + "-masters"), ("served", RUN)):
+        cfg = PublisherConfig(format="bf16", keyframe_every=3, skip_strides=(), snapshot=mode)
+        pub = Publisher(board, run, cfg, asynchronous=False)
+        for v in range(versions):
             _masters_into(work, v, masters)
-        _, peak, secs = _phase(lambda p=pub: p.publish(masters))
-        st = pub.stats.versions[-1]
-        rows.append(
-            {
-                "phase": f"publish v{v}" + (" (keyframe)" if st.keyframe else ""),
-                "peak": peak,
-                "seconds": secs,
-                "patch_bytes": st.patch_bytes,
-            }
-        )
-    pub.close()
-    del pub
+            _, peak, secs = _phase(lambda p=pub: p.publish(masters))
+            st = pub.stats.versions[-1]
+            rows.append(
+                {
+                    "phase": f"publish v{v}"
+                    + (" (keyframe)" if st.keyframe else "")
+                    + (", masters snapshot (before)" if mode == "masters" else ""),
+                    "peak": peak,
+                    "seconds": secs,
+                    "patch_bytes": st.patch_bytes,
+                }
+            )
+        pub.close()
+        del pub
     view = cast_view(masters, "bf16")
     b = Board(board)
     _, peak, secs = _phase(lambda: b.put_view_object("kf-streamed", view))

@@ -108,9 +108,12 @@ class Scenario:
     lan_rtt_s: float = 0.001
     #: CPU cores of one island that decode and apply (all its nodes together).
     apply_cores: int = 128
-    #: What-if (not how the follower works today): decode each shard object as it arrives,
-    #: overlapping decode with the fetch, instead of after the last object.
-    overlap_apply: bool = False
+    #: Decode each shard object of a one-step plan as it arrives, overlapping decode with the
+    #: fetch (the follower's ``EarlyDecode``, for every version it decodes itself: sliced
+    #: versions, engines that do not decode patches in their own workers); the re-hash that
+    #: verifies the joined patch still follows the last object. False: decode after the last
+    #: object (the follower before; an engine decoding unsliced steps itself).
+    overlap_apply: bool = True
     #: Engine pause of a commit (writes only; staging happens while serving), seconds.
     commit_s: float = 0.5
     #: Full-checkpoint method: an island loads a received checkpoint at this rate (B/s).
@@ -143,6 +146,9 @@ class Costs:
     dec: tuple[float, float]
     xor_enc: tuple[float, float]
     xor_dec: tuple[float, float]
+    #: The part of ``dec`` that verifies after writing (re-hashing the touched tensors: the
+    #: bench's full-digest decode minus its O(change)-digest one); it runs after the join.
+    dec_verify: tuple[float, float] = (0.0, 0.0)
     #: XOR+zstd-1 bytes / rollpatch patch bytes (mean over the rows).
     xor_ratio: float
     #: BLAKE3 bytes per second on one core (measured at start).
@@ -185,6 +191,7 @@ def load_costs(paths: list[Path], fmt: str, *, blake3_Bps: float) -> Costs:
     dec: list[tuple[float, float]] = []
     xenc: list[tuple[float, float]] = []
     xdec: list[tuple[float, float]] = []
+    verify: list[tuple[float, float]] = []
     ratios: list[float] = []
     used: list[str] = []
     for p in paths:
@@ -200,6 +207,9 @@ def load_costs(paths: list[Path], fmt: str, *, blake3_Bps: float) -> Costs:
             frac = r["patch_bytes"] / n / view
             enc.append((frac, r["enc_s"]["native"] / view))
             dec.append((frac, r["dec_s"]["native"] / view))
+            inc = r["dec_s"].get("inc")
+            if isinstance(inc, (int, float)) and math.isfinite(inc):
+                verify.append((frac, max(r["dec_s"]["native"] - inc, 0.0) / view))
             xenc.append((frac, r["enc_s"]["xor1"] / view))
             xdec.append((frac, r["dec_s"]["xor1"] / view))
             ratios.append(r["xor1_bytes"] / r["patch_bytes"])
@@ -216,6 +226,7 @@ def load_costs(paths: list[Path], fmt: str, *, blake3_Bps: float) -> Costs:
         dec=_fit(dec),
         xor_enc=_fit(xenc),
         xor_dec=_fit(xdec),
+        dec_verify=_fit(verify) if verify else (0.0, 0.0),
         xor_ratio=sum(ratios) / len(ratios),
         blake3_Bps=blake3_Bps,
         source=used,

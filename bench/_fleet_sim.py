@@ -268,10 +268,18 @@ def _simulate_patch_region(
         )
         if from_kf:
             apply_s += sc.view_bytes / sc.load_Bps
-        if sc.overlap_apply:  # what-if: each shard object decoded as soon as it arrived
-            per = np.full(len(got), apply_s / len(got))
-            t = float(_pipeline(float(got[0]), got, per, 1.0)[-1]) + sc.commit_s
-        else:  # today's follower: decode after every object arrived
+        if sc.overlap_apply and len(chain) == 1 and not from_kf and len(got) > 1:
+            # EarlyDecode: each shard object decoded as soon as it arrived (one at a time, on
+            # every core); the verifying re-hash of the joined patch follows the last one
+            verify_s = 0.0
+            if method != "xor":
+                verify_s = costs.seconds(
+                    costs.dec_verify, sc.view_bytes, versions[chain[0]].frac, sc.apply_cores
+                )
+            verify_s = min(verify_s, apply_s)
+            per = np.full(len(got), (apply_s - verify_s) / len(got))
+            t = float(_pipeline(float(got[0]), got, per, 1.0)[-1]) + verify_s + sc.commit_s
+        else:  # decode after every object arrived (several steps, a keyframe, one object)
             t = float(got[-1]) + apply_s + sc.commit_s
         served[i] = want
         islands[i].commits.append((t, want))

@@ -141,7 +141,8 @@ def main() -> int:
     print(
         f"costs ({fmt}, per core, s per byte of view = a + b·patch_frac; fitted from "
         f"{', '.join(costs.source)}): encode a={costs.enc[0]:.3e} b={costs.enc[1]:.3e}; "
-        f"decode+apply a={costs.dec[0]:.3e} b={costs.dec[1]:.3e}; XOR+zstd-1 encode "
+        f"decode+apply a={costs.dec[0]:.3e} b={costs.dec[1]:.3e} (of it the verifying "
+        f"re-hash a={costs.dec_verify[0]:.3e} b={costs.dec_verify[1]:.3e}); XOR+zstd-1 encode "
         f"a={costs.xor_enc[0]:.3e} b={costs.xor_enc[1]:.3e}, decode a={costs.xor_dec[0]:.3e} "
         f"b={costs.xor_dec[1]:.3e}, size {costs.xor_ratio:.2f}x rollpatch's; "
         f"BLAKE3 {costs.blake3_Bps / 1e9:.2f} GB/s (measured now)"
@@ -162,8 +163,8 @@ def main() -> int:
             ("rollpatch",),
         ),
         (
-            "frontier, what-if: decode overlapped with fetch",
-            dataclasses.replace(front, overlap_apply=True),
+            "frontier, decode after the fetch (before)",
+            dataclasses.replace(front, overlap_apply=False),
             ("rollpatch", "xor"),
         ),
         (

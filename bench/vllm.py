@@ -104,13 +104,14 @@ def follower(world: World, engine: Any) -> Any:
     return Follower(world.board, RUN, engine, cfg, gate=CommitGate(engine, "pause"))
 
 
-def _record_staging(engine: Any, sizes: list[int]) -> None:
+def _record_staging(engine: Any, sizes: list[int], phases: list[dict[str, float]]) -> None:
     """Remember each staged update's size (the bench wraps the instance's method)."""
     inner = engine.stage_encoded
 
     def stage_encoded(steps: Any, version: int) -> Any:
         staged = inner(steps, version)
         sizes.append(staged.nbytes)
+        phases.append(dict(staged.payload.get("stage_phases") or {}))
         return staged
 
     engine.stage_encoded = stage_encoded
@@ -132,22 +133,30 @@ def sync_to(f: Any, world: World, v: int) -> dict[str, float]:
 
 
 def phase_staged(
-    world: World, engine: Any, server: Server, prompt_ids: list[int], sizes: list[int]
+    world: World,
+    engine: Any,
+    server: Server,
+    prompt_ids: list[int],
+    sizes: list[int],
+    phases: list[dict[str, float]],
 ) -> tuple[list[dict[str, float]], dict[int, Any]]:
     f, out, served = follower(world, engine), [], {}
-    _record_staging(engine, sizes)
     for v in range(1, len(world.digests)):
         rec = sync_to(f, world, v)
         rec["worker_commit_s"] = engine.last_timings["worker_ms"] / 1e3
         rec["staged_bytes"] = sizes[-1]
+        rec["stage_phases_ms"] = phases[-1]
         out.append(rec)
         served[v] = greedy(engine.http, server.model, prompt_ids)
         log(
             f"  staged v{v}: stage {rec['stage_s'] * 1e3:.0f} ms, pause "
-            f"{rec['pause_s'] * 1e3:.1f} ms"
+            f"{rec['pause_s'] * 1e3:.1f} ms ({_parts(phases[-1])})"
         )
-    del engine.stage_encoded
     return out, served
+
+
+def _parts(ms: dict[str, float]) -> str:
+    return ", ".join(f"{k.removesuffix('_ms')} {v:.0f}" for k, v in ms.items())
 
 
 def phase_inline(world: World, engine: Any) -> list[dict[str, float]]:
@@ -245,6 +254,31 @@ PHASES = [
     ("reset_ms", "/reset cache"),
     ("resume_call_ms", "/resume"),
 ]
+
+
+#: Where the staging (while vLLM serves) goes, in the worker (ms, medians).
+STAGE_PHASES = [
+    ("decode_ms", "decode (+compose)"),
+    ("prove_ms", "prove"),
+    ("layout_ms", "layout"),
+    ("prebuild_ms", "packed kernels"),
+]
+
+
+def render_stage(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
+    """Staging per path: the follower's figure and the worker's parts."""
+    rows = []
+    for name, runs in paths:
+        cells = [name, _ms(_med(runs, "stage_s"))]
+        for key, _ in STAGE_PHASES:
+            vals = [r["stage_phases_ms"][key] for r in runs if key in r.get("stage_phases_ms", {})]
+            cells.append(f"{statistics.median(vals):.0f}" if vals else "-")
+        rows.append(cells)
+    return table(
+        ["staging breakdown, ms", "stage p50"] + [label for _, label in STAGE_PHASES],
+        rows,
+        [False] + [True] * (len(STAGE_PHASES) + 1),
+    )
 
 
 def render_phases(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
@@ -357,6 +391,12 @@ def render(ctx: dict[str, Any]) -> str:
             ("vLLM inline (decode in pause)", il),
         ]
     )
+    breakdown += "\n\n" + render_stage(
+        [
+            ("vLLM staged, 1 behind", st),
+            (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
+        ]
+    )
     m, d = ctx["memory"], w["dims"]
     one, five = _med(st, "visible_to_serving_s"), ctx["catchup"][0]["visible_to_serving_s"]
     rone = _med(ctx["reference"], "visible_to_serving_s")
@@ -458,12 +498,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             reset_peak(pid)
             mem0 = memory(pid)
             sizes: list[int] = []
-            staged, served = phase_staged(world, engine, server, prompt_ids, sizes)
+            phases: list[dict[str, float]] = []
+            _record_staging(engine, sizes, phases)
+            staged, served = phase_staged(world, engine, server, prompt_ids, sizes, phases)
             mem1 = memory(pid)
             log(f"catch-up: v0 -> v{catch_n} in one sync")
             back_to_v0(world, engine)
             f = follower(world, engine)
             catchup = [sync_to(f, world, catch_n)]
+            catchup[0]["stage_phases_ms"] = phases[-1]
+            log(f"  catch-up: stage {catchup[0]['stage_s'] * 1e3:.0f} ms ({_parts(phases[-1])})")
+            del engine.stage_encoded
             log("inline: apply_encoded (decode inside the pause)")
             back_to_v0(world, engine)
             inline = phase_inline(world, engine)

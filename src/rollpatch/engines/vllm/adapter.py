@@ -204,6 +204,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                 "changed": int(res["changed"]),
                 "nbytes": int(res["nbytes"]),
                 "stage_ms": float(res["stage_ms"]),
+                "stage_phases": dict(res.get("stage_phases") or {}),
             },
         )
 

@@ -109,6 +109,7 @@ class _Job:
         self.staged: StagedUpdate | None = None
         self.error: dict[str, Any] | None = None
         self.ms = 0.0
+        self.phases: dict[str, float] = {}
         self.done = threading.Event()
         self._w, self._steps, self._prebuild = w, steps, prebuild
 
@@ -120,8 +121,11 @@ class _Job:
         self.done.set()
 
     def _stage(self, w: RuntimeWeights) -> dict[str, Any]:
+        t0 = time.perf_counter()
         patch, known = _chain(w, self._steps)
+        decode_ms = (time.perf_counter() - t0) * 1e3
         self.staged = w.stage(patch, prebuild=self._prebuild, known=known)
+        self.phases = {"decode_ms": decode_ms, **w.last_stage_phases}
         return {}
 
 
@@ -161,6 +165,7 @@ def _staged(w: RuntimeWeights, token: str) -> dict[str, Any]:
         "nbytes": st.nbytes,
         "digests": st.digests,
         "stage_ms": job.ms,
+        "stage_phases": job.phases,
     }
 
 

@@ -131,6 +131,8 @@ class RuntimeWeights:
         #: The last :meth:`commit_staged`'s phases in ms (``scatter``, ``derived``: the
         #: touched modules' derived buffers, ``readback``), for the pause breakdown.
         self.last_phases: dict[str, float] = {}
+        #: The last :meth:`stage`'s phases in ms (``prove``, ``layout``, ``prebuild``).
+        self.last_stage_phases: dict[str, float] = {}
         #: Set when an audit found live words that differ from the held digests: the engine
         #: holds unknown bits until a keyframe is loaded (patches are refused meanwhile).
         self.tainted: str | None = None
@@ -262,7 +264,9 @@ class RuntimeWeights:
                 "the engine holds unknown bits (audit)", tensor=self.tainted, hint="load a keyframe"
             )
         prepare = self.access.prepare or (lambda param, offsets: offsets)
+        t0 = time.perf_counter()
         staged = stage_patch(patch, self.__getitem__, self.digests(), self.state_of, known=known)
+        t1 = time.perf_counter()
         parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for name, st in staged.tensors.items():
             pl = self._entries[name].mine
@@ -273,6 +277,7 @@ class RuntimeWeights:
         for param, chunks in parts.items():
             offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
             staged.payload[param] = _increasing(_ParamWrites(prepare(param, offsets), old, new))
+        t2 = time.perf_counter()
         if self.access.prebuild is not None and prebuild:
             staged.payload["prebuilt"] = self.access.prebuild(
                 {
@@ -281,6 +286,11 @@ class RuntimeWeights:
                     if isinstance(w, _ParamWrites)
                 }
             )
+        self.last_stage_phases = {
+            "prove_ms": (t1 - t0) * 1e3,
+            "layout_ms": (t2 - t1) * 1e3,
+            "prebuild_ms": (time.perf_counter() - t2) * 1e3,
+        }
         # the writes now live per parameter; keep only the proven states per tensor
         empty = np.empty(0, np.int64)
         staged.tensors = {

@@ -54,13 +54,6 @@ def register(sub: Any) -> None:
         help="seconds to connect to a sidecar before trying another (default 2)",
     )
     p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=16 << 20,
-        metavar="N",
-        help="largest request body accepted (413 above it)",
-    )
-    p.add_argument(
         "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug")
     )
     p.add_argument(
@@ -83,9 +76,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     configure(args.log_level, args.log_format)
     from ..gateway import GatewayConfig, parse_island
     from ..gateway.server import start_gateway
-    from ..serving.body import BodyLimits
     from .secrets import read_token
-    from .serving import serve_options
+    from .serving import body_limits, serve_options
 
     islands = [parse_island(s) for s in args.sidecar]
     island_token = (
@@ -96,7 +88,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         connect_timeout_s=args.connect_timeout,
         island_token=island_token,
-        body=BodyLimits(max_bytes=args.max_body_bytes, timeout_s=args.body_timeout),
+        body=body_limits(args),
     )
     running = start_gateway(
         islands,

@@ -16,10 +16,10 @@ from ..errors import ConfigError
 from .secrets import read_token
 
 if TYPE_CHECKING:
-    from ..serving import ServeOptions
+    from ..serving import BodyLimits, ServeOptions
     from ..store import Store
 
-__all__ = ["add_serving_args", "serve_options", "upstream_store"]
+__all__ = ["add_serving_args", "body_limits", "serve_options", "upstream_store"]
 
 
 def _seconds(text: str) -> float:
@@ -34,7 +34,7 @@ def _seconds(text: str) -> float:
 
 def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None:
     """``--tls-cert/--tls-key``, ``--token-file``, ``--header-timeout`` (and
-    ``--body-timeout`` for services that read request bodies)."""
+    ``--body-timeout``, ``--max-body-bytes`` for services that read request bodies)."""
     g = p.add_argument_group("serving (TLS, access, slow clients)")
     g.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
@@ -52,13 +52,31 @@ def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None
         help="seconds a client may take to send a request head (default 10)",
     )
     if bodies:
+        from ..serving.body import BodyLimits
+
+        defaults = BodyLimits()  # the flags' defaults are the config's own
         g.add_argument(
             "--body-timeout",
             type=_seconds,
-            default=60.0,
+            default=defaults.timeout_s,
             metavar="S",
-            help="seconds a client may take to send a request body (default 60)",
+            help=f"seconds a client may take to send a request body (default {defaults.timeout_s:g})",
         )
+        g.add_argument(
+            "--max-body-bytes",
+            type=int,
+            default=defaults.max_bytes,
+            metavar="N",
+            help="largest request body accepted (413 above it)",
+        )
+
+
+def body_limits(args: argparse.Namespace) -> BodyLimits:
+    """The validated :class:`~rollpatch.serving.BodyLimits` of ``--max-body-bytes`` and
+    ``--body-timeout``."""
+    from ..serving.body import BodyLimits
+
+    return BodyLimits(max_bytes=args.max_body_bytes, timeout_s=args.body_timeout)
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:

@@ -34,13 +34,6 @@ def register(sub: Any) -> None:
     p.add_argument("--commit-mode", choices=COMMIT_MODES, default="drain")
     p.add_argument("--admin-token-file", help="require this bearer token on admin routes")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between LATEST polls")
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=16 << 20,
-        metavar="N",
-        help="largest request body accepted (413 above it)",
-    )
     p.add_argument("--threads", type=int, help="torch threads for the reference engine")
     p.add_argument(
         "--board-token-file",
@@ -71,11 +64,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     configure(args.log_level, args.log_format)
     from ..board import Board
     from ..follower import FollowerConfig
-    from ..serving.body import BodyLimits
     from ..sidecar import SidecarConfig
     from ..sidecar.server import make_engine, start_sidecar
     from .secrets import read_token
-    from .serving import serve_options, upstream_store
+    from .serving import body_limits, serve_options, upstream_store
 
     token = read_token(args.admin_token_file) if args.admin_token_file else None
     trust = load_trust(args, args.board)
@@ -83,7 +75,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     config = SidecarConfig(
         commit_mode=args.commit_mode,
         admin_token=token,
-        body=BodyLimits(max_bytes=args.max_body_bytes, timeout_s=args.body_timeout),
+        body=body_limits(args),
         follower=FollowerConfig(poll_s=args.poll),
     )
     options = serve_options(args)

@@ -57,40 +57,33 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from _board_data import FORMAT, Replay, gib, simulate
+from _board_report import catch_up_rows, fmt_bytes, publish_rows, render
+from _board_stores import BUCKET, child_peak_rss, mirror, s3_server
 from _util import (
     current_rss,
     log,
     machine,
-    machine_line,
     parse_size,
     peak_rss,
     reset_peak_rss,
-    table,
 )
 
 from rollpatch.board import Board
-from rollpatch.formats import cast_view
-from rollpatch.io.safetensors import load_view, save_view
 from rollpatch.publisher import Publisher, PublisherConfig
-from rollpatch.sim import AdamSim, SimConfig
-from rollpatch.store import Store, open_store
+from rollpatch.store import open_store
 
 HERE = Path(__file__).resolve().parent
 RUN = "bench"
-BUCKET = "rollpatch-bench"
-FORMAT = "bf16"
-GiB = 2**30
 
 
 class BenchError(SystemExit):
@@ -106,158 +99,6 @@ def parse_count(text: str) -> int:
         return int(float(text))
     except ValueError:
         return parse_size(text)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, mult in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= mult:
-            return f"{n / mult:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.3f}" if x < 1 else f"{x:.2f}" if x < 10 else f"{x:.1f}"
-
-
-def gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
-def med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def simulate(
-    args: argparse.Namespace, n_params: int, work: Path, n: int, bases: dict[int, Path]
-) -> tuple[dict[str, Any], dict[int, str]]:
-    """Phase 1: run the simulator; write v0's view, the changed words of every step and the
-    views of ``bases``; return simulator facts and every version's view digest.
-
-    One view is kept and updated tensor by tensor, so phase 1 holds the simulator, one view
-    and one tensor.
-    """
-    t0 = time.perf_counter()
-    sim = AdamSim(SimConfig(n_params=n_params, lr=args.lr, seed=0))
-    info: dict[str, Any] = {
-        "n_params": sim.n_params,
-        "dims": asdict(sim.dims),
-        "init_s": time.perf_counter() - t0,
-        "rss": current_rss(),
-        "steps_s": [],
-        "changed": [],
-    }
-    log(f"simulator: {sim.n_params:,} params, {gib(info['rss'])} RSS, {info['init_s']:.0f}s")
-    digests: dict[int, str] = {}
-    view = cast_view(sim.masters(), FORMAT)
-    save_view(view, work / "v0.safetensors")
-    info["view_bytes"] = view.nbytes
-    names = sorted(view)
-    for v in range(n):
-        if v:
-            t0 = time.perf_counter()
-            sim.step()
-            info["steps_s"].append(time.perf_counter() - t0)
-            masters = sim.masters()
-            arrays: dict[str, np.ndarray] = {}
-            for i, name in enumerate(names):
-                new = cast_view({name: masters[name]}, FORMAT)[name]
-                pos = np.flatnonzero(view[name].data != new.data)
-                arrays[f"p{i}"], arrays[f"w{i}"] = pos, new.data[pos]
-                view[name] = new
-            np.savez(work / f"d{v}.npz", **arrays)
-            info["changed"].append(sum(a.size for k, a in arrays.items() if k[0] == "p"))
-            log(
-                f"sim v{v}: step {info['steps_s'][-1]:.1f}s, {info['changed'][-1]:,} values changed"
-            )
-        digests[v] = view.digest()
-        if v in bases:
-            save_view(view, bases[v])
-    with open(work / "phase1.json", "w") as f:
-        json.dump({"sim": info, "digests": digests}, f)
-    return info, digests
-
-
-class Replay:
-    """FP32 masters whose BF16 cast is the simulator's version ``v`` (phase 2's input).
-
-    They live in a file-backed map, as a trainer's weights live on its GPUs: the publisher
-    copies them into host memory (its snapshot) and the kernel may page them out.
-    """
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        view = load_view(work / "v0.safetensors", mmap=True)
-        self.names = sorted(view)
-        total = sum(view[n].n_elements for n in self.names)
-        self._file = np.memmap(work / "masters.f32", dtype=np.float32, mode="w+", shape=(total,))
-        self.masters: dict[str, np.ndarray] = {}
-        start = 0
-        for name in self.names:
-            t = view[name]
-            flat = self._file[start : start + t.n_elements]
-            flat[:] = _widen(t.data)
-            self.masters[name] = flat.reshape(t.shape)
-            start += t.n_elements
-        del view
-        self.version = 0
-
-    def advance(self) -> None:
-        """Apply the next step's changed words."""
-        self.version += 1
-        with np.load(self.work / f"d{self.version}.npz") as d:
-            for i, name in enumerate(self.names):
-                self.masters[name].reshape(-1)[d[f"p{i}"]] = _widen(d[f"w{i}"])
-
-
-def _widen(words: np.ndarray) -> np.ndarray:
-    """BF16 words → the FP32 values they denote (exact)."""
-    return (words.astype(np.uint32) << 16).view(np.float32)
-
-
-def child_peak_rss(needle: str) -> int | None:
-    """VmHWM of this process's child whose command line contains ``needle`` (Linux)."""
-    proc = Path("/proc")
-    try:
-        kids = [
-            int(k)
-            for t in (proc / str(os.getpid()) / "task").iterdir()
-            for k in (t / "children").read_text().split()
-        ]
-        for k in kids:
-            cmd = (proc / str(k) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if needle in cmd:
-                for line in (proc / str(k) / "status").read_text().splitlines():
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-@contextlib.contextmanager
-def s3_server() -> Iterator[Any]:
-    """moto's standalone server on loopback (tests/s3server.py), with the bench bucket."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from s3server import moto_available, run_moto_server  # type: ignore[import-not-found]
-
-    if not moto_available():
-        raise SystemExit(
-            "--stores s3 needs moto's standalone server: pip install "
-            "'moto[server]' boto3 (or use --stores file)"
-        )
-    import boto3
-
-    with run_moto_server() as server:
-        boto3.client(
-            "s3",
-            endpoint_url=server.endpoint_url,
-            region_name=server.region,
-            aws_access_key_id=server.access_key_id,
-            aws_secret_access_key=server.secret_access_key,
-        ).create_bucket(Bucket=BUCKET)
-        yield server
 
 
 # -- publishing ---------------------------------------------------------------------------------
@@ -306,19 +147,6 @@ def publish_run(
     return recs, peaks
 
 
-def mirror(src: Store, dst: Store, run: str) -> tuple[int, int, float]:
-    """Copy a run (objects, manifests, markers, then LATEST) byte for byte."""
-    t0 = time.perf_counter()
-    keys = src.list(f"runs/{run}/")
-    order = sorted(keys, key=lambda k: (k.endswith("/LATEST"), "/versions/" in k, k))
-    nbytes = 0
-    for k in order:
-        data = src.get(k)
-        dst.put(k, data)
-        nbytes += len(data)
-    return len(keys), nbytes, time.perf_counter() - t0
-
-
 # -- catch-up -----------------------------------------------------------------------------------
 
 
@@ -362,188 +190,6 @@ def catch_up_jobs(
 
 
 # -- report -------------------------------------------------------------------------------------
-
-
-def publish_rows(
-    store: str, recs: list[dict[str, Any]], peaks: list[int], base_rss: int
-) -> list[list[str]]:
-    rows = []
-    kf, patch = recs[0], recs[1:]
-    if patch:
-        span = f"v{patch[0]['version']}..v{patch[-1]['version']} ({len(patch)})"
-        ret = [r["call_return_s"] for r in patch]
-        snap = [r["snapshot_s"] for r in patch]
-        rows.append(
-            [
-                store,
-                "publish() return",
-                span,
-                "-",
-                "-",
-                fmt_s(med(ret)),
-                fmt_s(max(ret)),
-                f"snapshot {fmt_s(med(snap))}",
-                "-",
-            ]
-        )
-        tot = [r["total_s"] for r in patch]
-        objs = statistics.mean(1 + len(r["skip_bases"]) for r in patch)
-        parts = " ".join(
-            f"{k} {fmt_s(med([r[k + '_s'] for r in patch]))}"
-            for k in ("cast", "diff", "encode", "upload", "commit")
-        )
-        rows.append(
-            [
-                store,
-                "publish durable",
-                span,
-                f"{objs:.2f}",
-                fmt_bytes(statistics.mean(r["bytes"] for r in patch)),
-                fmt_s(med(tot)),
-                fmt_s(max(tot)),
-                parts,
-                f"{gib(peaks[1])} (+{(peaks[1] - base_rss) / GiB:.1f})",
-            ]
-        )
-    parts = " ".join(
-        f"{k} {fmt_s(kf[k + '_s'])}" for k in ("call_return", "cast", "encode", "upload", "commit")
-    )
-    rows.append(
-        [
-            store,
-            "publish durable",
-            f"v{kf['version']} keyframe",
-            "1",
-            fmt_bytes(kf["bytes"]),
-            fmt_s(kf["total_s"]),
-            "-",
-            parts.replace("call_return", "return"),
-            f"{gib(peaks[0])} (+{(peaks[0] - base_rss) / GiB:.1f})",
-        ]
-    )
-    return rows
-
-
-def catch_up_rows(store: str, results: list[dict[str, Any]]) -> list[list[str]]:
-    rows = []
-    for r in results:
-        path = {
-            "chain": f"chain x{r['commits']}",
-            "composed": "chain, 1 commit",
-            "folded": "folded",
-            "keyframe": "keyframe",
-        }[r["path"]]
-        if r["label"] == "1 behind":
-            path = "step (=all)"
-        rows.append(
-            [
-                store,
-                f"catch-up {r['label']}",
-                f"{path} {r['plan']}",
-                str(r["objects"]),
-                fmt_bytes(r["bytes"]),
-                fmt_s(r["sync_s"]),
-                "-",
-                (
-                    f"fetch {fmt_s(r['fetch_s'])} stage {fmt_s(r['stage_s'])} commit "
-                    f"{fmt_s(r['commit_s'])}"
-                ),
-                gib(r["peak"]),
-            ]
-        )
-    return rows
-
-
-def render(rows: list[list[str]], ctx: dict[str, Any]) -> str:
-    headers = [
-        "store",
-        "measure",
-        "versions / plan",
-        "objs",
-        "bytes",
-        "time s",
-        "max s",
-        "breakdown, s (median for publish rows)",
-        "peak RSS",
-    ]
-    right = [False, False, False, True, True, True, True, False, True]
-    a, sim, s3 = ctx["args"], ctx["sim"], ctx.get("s3")
-    changed = 100 * med(sim["changed"]) / sim["n_params"] if sim["changed"] else 0.0
-    foot = [
-        "",
-        (
-            f"machine: {machine_line(ctx['machine'])}; load avg {ctx['load'][0]:.1f} at start, "
-            f"{ctx['load'][1]:.1f} at end (shared machine: times are noisy, compare rows of this "
-            f"run); {ctx['wall_s'] / 60:.1f} min wall"
-        ),
-        (
-            f"sim: {sim['n_params']:,} params (hidden {sim['dims']['hidden']}, "
-            f"{sim['dims']['layers']} layers), lr {a['lr']:g}, served {FORMAT} view "
-            f"{fmt_bytes(sim['view_bytes'])}, {changed:.2f}% of its values change per step "
-            f"(median); phase 1 (simulator alone, {gib(sim['rss'])} RSS): built in "
-            f"{sim['init_s']:.0f}s, sim step {med(sim['steps_s']):.1f}s median, "
-            f"{ctx['phase1_s']:.0f}s in all"
-        ),
-        (
-            f"publisher: keyframe_every {a['keyframe_every']} (only v0 is a keyframe), "
-            f"skip_strides {tuple(a['skip_strides'])}, max_pending 1; phase 2 (simulator freed): "
-            "per version, rebuild FP32 masters whose bf16 cast is the simulator's view, "
-            "publish(masters), flush() - nothing overlaps"
-        ),
-        (
-            f"file: {a['versions']} versions v0..v{a['versions'] - 1} published live to file:// "
-            "(fsync on, temp dir); catch-up reads them back (warm page cache)"
-        ),
-    ]
-    if s3:
-        foot += [
-            (
-                f"s3: moto standalone server process on loopback; publish rows: v0..v"
-                f"{a['s3_versions'] - 1} of the same run published live again, to S3; catch-up "
-                f"(paths {a['s3_paths']} and 1 behind) "
-                f"reads a byte-identical mirror of the file run ({s3['mirror_keys']} keys, "
-                f"{fmt_bytes(s3['mirror_bytes'])}, copied in {s3['mirror_s']:.0f}s); moto peak "
-                f"RSS {gib(s3['moto_peak']) if s3['moto_peak'] else 'unknown'}"
-            ),
-        ]
-    foot += [
-        (
-            "publish() return: wall time the caller is blocked (host snapshot of the masters + "
-            "enqueue); publish durable: publish() call -> manifest written and LATEST advanced "
-            "(PublisherStats.total_s)"
-        ),
-        (
-            "  objs/bytes: objects and bytes uploaded per version (step patch + skip patches, "
-            "mean); breakdown: cast, diff, encode (incl. composing and encoding skip patches), "
-            "upload, commit (manifest + LATEST)"
-        ),
-        (
-            "catch-up k behind: a replica holding last-k brought to last, one run each; chain xk "
-            "= the k step patches, one Follower.sync and one commit each; chain, 1 commit = the "
-            "step patches composed by the follower into one commit; folded = one sync with the "
-            "board's fewest-bytes plan (skip patches), one commit; step (=all) = 1 behind, where "
-            "every path is the same one patch; boot = empty engine: keyframe, then fewest-bytes "
-            "patches"
-        ),
-        (
-            "  objs/bytes: objects and bytes the follower fetched; time: wall of the sync(s) "
-            "(plan, fetch, verify, stage, commit); breakdown: sums of Follower.status() "
-            "timings"
-        ),
-        (
-            "peak RSS: publish rows = VmHWM of the bench process while publishing the keyframe "
-            f"/ the patch versions; (+x) = above its {gib(ctx['base_rss'])} before the first "
-            "publish (interpreter, libraries, resident pages of the file-backed FP32 masters); catch-up "
-            "rows = VmHWM of the follower subprocess during the sync (reset after its untimed "
-            "setup, so the resident base view is included)"
-        ),
-        (
-            f"verified: {ctx['n_checked']} replicas (start and end) and {ctx['n_manifests']} "
-            "manifest targets bit-exact against cast_view(simulator masters).digest() from "
-            "phase 1"
-        ),
-    ]
-    return table(headers, rows, right) + "\n" + "\n".join(foot)
 
 
 # -- main ---------------------------------------------------------------------------------------

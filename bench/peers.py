@@ -54,211 +54,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _peers_procs import BenchError, Child, Relay, free_port
+from _peers_report import render, targets
+from _peers_versions import load_masters, prepare
 from _peers_xor import XorPublisher
-from _util import fmt_size, log, machine, machine_line, parse_size, table
+from _util import fmt_size, log, machine, machine_line, parse_size
 
 from rollpatch.board import Board
 from rollpatch.formats import cast_view
-from rollpatch.io.safetensors import load_view, save_view
+from rollpatch.io.safetensors import save_view
 from rollpatch.publisher import Publisher, PublisherConfig
-from rollpatch.sim import AdamSim, SimConfig
 from rollpatch.store import open_store
 
-HERE = Path(__file__).resolve().parent
 RUN = "bench"
 METHODS = ("rollpatch", "xor", "shardcast")
-
-
-class BenchError(SystemExit):
-    """A process failed, an island timed out, or a replica is not bit-exact."""
 
 
 # -- versions ---------------------------------------------------------------------------------
 
 
-def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """v0..vN views on disk and their digests (reused when ``work`` already holds them)."""
-    key = {"params": args.params, "lr": args.lr, "versions": args.versions, "seed": 0}
-    meta_path = work / "versions.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if meta["key"] == key and all(
-            (work / f"v{v}.safetensors").exists() for v in range(args.versions + 1)
-        ):
-            log(f"reusing versions in {work}")
-            return dict(meta)
-    t0 = time.perf_counter()
-    sim = AdamSim(SimConfig(n_params=args.params, lr=args.lr, seed=0))
-    log(f"simulator: {sim.n_params:,} params ({time.perf_counter() - t0:.0f}s)")
-    prev, digests, changed = None, {}, {}
-    for v in range(args.versions + 1):
-        if v:
-            sim.step()
-        view = cast_view(sim.masters(), "bf16")
-        save_view(view, work / f"v{v}.safetensors")
-        digests[str(v)] = view.digest()
-        if prev is not None:
-            changed[str(v)] = sum(
-                int(np.count_nonzero(prev[n].data != view[n].data)) for n in view
-            ) / sum(t.n_elements for t in view.values())
-            log(f"v{v}: {100 * changed[str(v)]:.2f}% of BF16 values changed")
-        prev = view
-    meta = {
-        "key": key,
-        "n_params": sim.n_params,
-        "view_bytes": prev.nbytes if prev else 0,
-        "digests": digests,
-        "changed": changed,
-    }
-    meta_path.write_text(json.dumps(meta))
-    return meta
-
-
-def load_masters(work: Path, v: int) -> dict[str, np.ndarray]:
-    """FP32 masters whose BF16 cast is exactly version ``v``'s view."""
-    view = load_view(work / f"v{v}.safetensors")
-    return {
-        n: (t.data.astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
-        for n, t in view.items()
-    }
-
-
 # -- processes --------------------------------------------------------------------------------
-
-
-class Child:
-    """A subprocess speaking JSON lines on stdout (``bench/_peers_island.py``)."""
-
-    def __init__(self, name: str, job: dict[str, Any], logdir: Path) -> None:
-        self.name = name
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.serving: dict[int, float] = {}
-        self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "_peers_island.py"), json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            ev = json.loads(line)
-            if ev["event"] == "serving":
-                self.serving[int(ev["version"])] = float(ev["t"])
-            self.events.put(ev)
-        self.events.put({"event": "exit", "rc": self.proc.wait()})
-
-    def expect(self, event: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                ev = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise BenchError(
-                    f"{self.name}: no '{event}' within {timeout:.0f}s (log: {self._err.name})"
-                ) from None
-            if ev["event"] == event:
-                return ev
-            if ev["event"] == "exit":
-                raise BenchError(
-                    f"{self.name} exited with status {ev['rc']} (log: {self._err.name})"
-                )
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def close(self, timeout: float = 120.0) -> dict[str, Any] | None:
-        """Close stdin (the child stops) and return its ``done`` event."""
-        done = None
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            done = self.expect("done", timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.wait(timeout=30)
-            self._err.close()
-        return done
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def vm_hwm(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class Relay:
-    """``rollpatch relay`` in its own process."""
-
-    def __init__(
-        self, board: str, cache: Path, logdir: Path, name: str, pointer_ttl: float, list_ttl: float
-    ) -> None:
-        self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rollpatch",
-                "relay",
-                "--board",
-                board,
-                "--cache",
-                str(cache),
-                "--port",
-                "0",
-                "--pointer-ttl",
-                str(pointer_ttl),
-                "--list-ttl",
-                str(list_ttl),
-                "--log-level",
-                "warning",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if " at http" not in line:
-            raise BenchError(f"relay {name} did not start (log: {self._err.name})")
-        self.url = line.split(" at ", 1)[1].split()[0]
-        self.port = int(self.url.rsplit(":", 1)[1].rstrip("/"))
-
-    def close(self) -> int:
-        peak = vm_hwm(self.proc.pid)
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self._err.close()
-        return peak
 
 
 # -- one method -------------------------------------------------------------------------------
@@ -480,104 +304,6 @@ def steps(
 
 
 # -- report -----------------------------------------------------------------------------------
-
-
-def summarize(r: dict[str, Any]) -> dict[str, float]:
-    vs = r["versions"]
-    alls = [x["all_s"] for x in vs]
-    return {
-        "wan": statistics.mean(x["wan_bytes"] for x in vs),
-        "p50": statistics.median(alls),
-        "max": max(alls),
-        "blocked_p50": statistics.median(x["blocked_s"] for x in vs),
-        "blocked_max": max(x["blocked_s"] for x in vs),
-        "published_p50": statistics.median(x["published_s"] for x in vs),
-        "island_peak": max(r["island_peaks"]),
-        "region_peak": r["region_peak"],
-    }
-
-
-def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
-    s = {m: summarize(r) for m, r in results.items()}
-    ref = s.get("shardcast")
-    xor = s.get("xor")
-    rows = []
-    for m, x in s.items():
-        rows.append(
-            [
-                m,
-                f"{x['wan'] / 1e6:.2f}",
-                f"{100 * x['wan'] / meta['view_bytes']:.2f}%",
-                f"{ref['wan'] / x['wan']:.1f}x" if ref else "-",
-                f"{x['wan'] / xor['wan']:.2f}" if xor else "-",
-                f"{x['p50']:.2f}",
-                f"{x['max']:.2f}",
-                f"{ref['p50'] / x['p50']:.1f}x" if ref else "-",
-                f"{x['p50'] / xor['p50']:.2f}" if xor else "-",
-                f"{x['blocked_p50']:.2f}/{x['blocked_max']:.2f}",
-                f"{x['published_p50']:.2f}",
-                f"{x['island_peak'] / 2**20:.0f}",
-                f"{x['region_peak'] / 2**20:.0f}",
-            ]
-        )
-    return table(
-        [
-            "method",
-            "WAN MB/ver",
-            "of view",
-            "bytes sc/this",
-            "bytes this/xor",
-            "all islands p50 s",
-            "max s",
-            "time sc/this",
-            "time this/xor",
-            "blocked p50/max s",
-            "published p50 s",
-            "island MiB",
-            "relay MiB",
-        ],
-        rows,
-        right=[False] + [True] * 12,
-    )
-
-
-def targets(results: dict[str, dict[str, Any]]) -> list[str]:
-    s = {m: summarize(r) for m, r in results.items()}
-    if "rollpatch" not in s:
-        return []
-    rp, out = s["rollpatch"], []
-    checks = []
-    if "shardcast" in s:
-        sc = s["shardcast"]
-        checks += [
-            (
-                "bytes <= 1/50 of shardcast",
-                rp["wan"] * 50 <= sc["wan"],
-                f"{sc['wan'] / rp['wan']:.1f}x fewer",
-            ),
-            (
-                "every island >= 20x sooner than shardcast (p50)",
-                rp["p50"] * 20 <= sc["p50"],
-                f"{sc['p50'] / rp['p50']:.1f}x sooner",
-            ),
-        ]
-    if "xor" in s:
-        xo = s["xor"]
-        checks += [
-            (
-                "sooner than XOR+zstd-1 (p50)",
-                rp["p50"] < xo["p50"],
-                f"{rp['p50']:.2f}s vs {xo['p50']:.2f}s",
-            ),
-            (
-                "bytes <= 0.4x XOR+zstd-1",
-                rp["wan"] <= 0.4 * xo["wan"],
-                f"{rp['wan'] / xo['wan']:.2f}x",
-            ),
-        ]
-    for what, ok, got in checks:
-        out.append(f"target {'met    ' if ok else 'NOT MET'}  {what}: {got}")
-    return out
 
 
 def main() -> int:

@@ -1,0 +1,141 @@
+"""The processes of ``bench/peers.py``: islands, link and middle node speaking JSON lines (``Child``), ``rollpatch relay`` (``Relay``), ports and peak RSS."""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+class BenchError(SystemExit):
+    """A process failed, an island timed out, or a replica is not bit-exact."""
+
+
+class Child:
+    """A subprocess speaking JSON lines on stdout (``bench/_peers_island.py``)."""
+
+    def __init__(self, name: str, job: dict[str, Any], logdir: Path) -> None:
+        self.name = name
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.serving: dict[int, float] = {}
+        self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "_peers_island.py"), json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            ev = json.loads(line)
+            if ev["event"] == "serving":
+                self.serving[int(ev["version"])] = float(ev["t"])
+            self.events.put(ev)
+        self.events.put({"event": "exit", "rc": self.proc.wait()})
+
+    def expect(self, event: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ev = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise BenchError(
+                    f"{self.name}: no '{event}' within {timeout:.0f}s (log: {self._err.name})"
+                ) from None
+            if ev["event"] == event:
+                return ev
+            if ev["event"] == "exit":
+                raise BenchError(
+                    f"{self.name} exited with status {ev['rc']} (log: {self._err.name})"
+                )
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def close(self, timeout: float = 120.0) -> dict[str, Any] | None:
+        """Close stdin (the child stops) and return its ``done`` event."""
+        done = None
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            done = self.expect("done", timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.wait(timeout=30)
+            self._err.close()
+        return done
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vm_hwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Relay:
+    """``rollpatch relay`` in its own process."""
+
+    def __init__(
+        self, board: str, cache: Path, logdir: Path, name: str, pointer_ttl: float, list_ttl: float
+    ) -> None:
+        self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rollpatch",
+                "relay",
+                "--board",
+                board,
+                "--cache",
+                str(cache),
+                "--port",
+                "0",
+                "--pointer-ttl",
+                str(pointer_ttl),
+                "--list-ttl",
+                str(list_ttl),
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if " at http" not in line:
+            raise BenchError(f"relay {name} did not start (log: {self._err.name})")
+        self.url = line.split(" at ", 1)[1].split()[0]
+        self.port = int(self.url.rsplit(":", 1)[1].rstrip("/"))
+
+    def close(self) -> int:
+        peak = vm_hwm(self.proc.pid)
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self._err.close()
+        return peak

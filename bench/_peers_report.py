@@ -1,0 +1,106 @@
+"""The report of ``bench/peers.py``: per-method summaries, the table with ratios, the targets."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from _util import table
+
+
+def summarize(r: dict[str, Any]) -> dict[str, float]:
+    vs = r["versions"]
+    alls = [x["all_s"] for x in vs]
+    return {
+        "wan": statistics.mean(x["wan_bytes"] for x in vs),
+        "p50": statistics.median(alls),
+        "max": max(alls),
+        "blocked_p50": statistics.median(x["blocked_s"] for x in vs),
+        "blocked_max": max(x["blocked_s"] for x in vs),
+        "published_p50": statistics.median(x["published_s"] for x in vs),
+        "island_peak": max(r["island_peaks"]),
+        "region_peak": r["region_peak"],
+    }
+
+
+def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    s = {m: summarize(r) for m, r in results.items()}
+    ref = s.get("shardcast")
+    xor = s.get("xor")
+    rows = []
+    for m, x in s.items():
+        rows.append(
+            [
+                m,
+                f"{x['wan'] / 1e6:.2f}",
+                f"{100 * x['wan'] / meta['view_bytes']:.2f}%",
+                f"{ref['wan'] / x['wan']:.1f}x" if ref else "-",
+                f"{x['wan'] / xor['wan']:.2f}" if xor else "-",
+                f"{x['p50']:.2f}",
+                f"{x['max']:.2f}",
+                f"{ref['p50'] / x['p50']:.1f}x" if ref else "-",
+                f"{x['p50'] / xor['p50']:.2f}" if xor else "-",
+                f"{x['blocked_p50']:.2f}/{x['blocked_max']:.2f}",
+                f"{x['published_p50']:.2f}",
+                f"{x['island_peak'] / 2**20:.0f}",
+                f"{x['region_peak'] / 2**20:.0f}",
+            ]
+        )
+    return table(
+        [
+            "method",
+            "WAN MB/ver",
+            "of view",
+            "bytes sc/this",
+            "bytes this/xor",
+            "all islands p50 s",
+            "max s",
+            "time sc/this",
+            "time this/xor",
+            "blocked p50/max s",
+            "published p50 s",
+            "island MiB",
+            "relay MiB",
+        ],
+        rows,
+        right=[False] + [True] * 12,
+    )
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    s = {m: summarize(r) for m, r in results.items()}
+    if "rollpatch" not in s:
+        return []
+    rp, out = s["rollpatch"], []
+    checks = []
+    if "shardcast" in s:
+        sc = s["shardcast"]
+        checks += [
+            (
+                "bytes <= 1/50 of shardcast",
+                rp["wan"] * 50 <= sc["wan"],
+                f"{sc['wan'] / rp['wan']:.1f}x fewer",
+            ),
+            (
+                "every island >= 20x sooner than shardcast (p50)",
+                rp["p50"] * 20 <= sc["p50"],
+                f"{sc['p50'] / rp['p50']:.1f}x sooner",
+            ),
+        ]
+    if "xor" in s:
+        xo = s["xor"]
+        checks += [
+            (
+                "sooner than XOR+zstd-1 (p50)",
+                rp["p50"] < xo["p50"],
+                f"{rp['p50']:.2f}s vs {xo['p50']:.2f}s",
+            ),
+            (
+                "bytes <= 0.4x XOR+zstd-1",
+                rp["wan"] <= 0.4 * xo["wan"],
+                f"{rp['wan'] / xo['wan']:.2f}x",
+            ),
+        ]
+    for what, ok, got in checks:
+        out.append(f"target {'met    ' if ok else 'NOT MET'}  {what}: {got}")
+    return out

@@ -63,7 +63,10 @@ def validate(summary_path: Path, costs: Costs, seeds: int = 30) -> dict[str, Any
     }
     poll = float(cfg["poll_s"])
     local_cost = measured["local"] - poll / 2
-    wan = Link(bps=float(cfg["wan_mbps"]) * 1e6, rtt_s=float(cfg["wan_latency_ms"]) / 1e3)
+    # one object per version, on one connection per request (rollpatch.netem: real TCP)
+    wan = Link(
+        bps=float(cfg["wan_mbps"]) * 1e6, rtt_s=float(cfg["wan_latency_ms"]) / 1e3, streams=1
+    )
     regions = (
         Region(
             name="local", islands=1, home=True, relayed=False, upstream=Link(bps=8e9, rtt_s=0.0)

@@ -22,6 +22,8 @@ METHODS: tuple[Method, ...] = ("rollpatch", "xor", "full")
 
 #: TCP segment payload used by the loss model (bytes).
 MSS = 1448
+#: Linux's initial congestion window (segments, RFC 6928).
+INITCWND = 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,31 @@ class Link:
     loss: float = 0.0
     #: Parallel TCP streams used for bulk transfers on this link.
     streams: int = 16
+    #: Each request opens a new TCP connection (one more round trip for the handshake), as
+    #: the relays' upstream requests do today (the demo's emulated link counts about one
+    #: connection per request).
+    new_connection: bool = True
+    #: Each transfer starts in TCP slow start (``INITCWND`` segments per stream, doubling
+    #: every round trip up to the path's bandwidth-delay product): a fresh connection, or
+    #: Linux restarting the window after an idle period.
+    slow_start: bool = True
+
+    @property
+    def request_s(self) -> float:
+        """Seconds before a request's first byte of answer: a round trip, plus one for the
+        TCP handshake when every request opens its connection."""
+        return self.rtt_s * (2 if self.new_connection else 1)
+
+    def transfer_s(self, size: float) -> float:
+        """Seconds to move ``size`` bytes after the request, slow start included."""
+        rate = self.rate
+        if not self.slow_start or self.rtt_s <= 0 or size <= 0:
+            return size / rate
+        cwnd, bdp = float(INITCWND * MSS * self.streams), rate * self.rtt_s
+        sent = t = 0.0
+        while cwnd < bdp and sent + cwnd < size:
+            sent, t, cwnd = sent + cwnd, t + self.rtt_s, cwnd * 2
+        return t + (size - sent) / rate
 
     def __post_init__(self) -> None:
         if not (self.bps > 0 and self.rtt_s >= 0 and 0 <= self.loss < 1 and self.streams >= 1):

@@ -155,7 +155,7 @@ class _Region:
     ) -> None:
         self.sc, self.costs, self.region, self.vs, self.method = sc, costs, region, versions, method
         self.t_latest = [v.t_latest for v in versions]
-        rtt = region.upstream.rtt_s
+        rtt = region.upstream.request_s
         self.pointer = _TtlCache(sc.pointer_ttl_s if region.relayed else 0.0, rtt)
         self.listing = _TtlCache(sc.list_ttl_s if region.relayed else 0.0, rtt)
         self.kf_listing = _TtlCache(sc.list_ttl_s if region.relayed else 0.0, rtt)
@@ -175,7 +175,12 @@ class _Region:
         done = x
         for v in chain:
             if v not in self.manifest_at or not self.region.relayed:
-                self.manifest_at[v] = x + self.region.upstream.rtt_s
+                link = self.region.upstream
+                self.manifest_at[v] = (
+                    x
+                    + link.request_s
+                    + link.transfer_s(MANIFEST_BASE_BYTES + MANIFEST_OBJECT_BYTES * self.sc.ranks)
+                )
                 self._upstream(MANIFEST_BASE_BYTES + MANIFEST_OBJECT_BYTES * self.sc.ranks)
             done = max(done, self.manifest_at[v])
         return done + self.sc.lan_rtt_s
@@ -187,7 +192,9 @@ class _Region:
         link = self.region.upstream
         if not self.region.relayed:  # each island reads the origin itself
             return np.full(len(sizes), x + link.rtt_s)
-        start = max(x + link.rtt_s, self.link_free)
+        total = float(sizes.sum())
+        ramp = link.transfer_s(total) - total / link.rate  # slow start, once per batch
+        start = max(x + link.request_s, self.link_free) + ramp
         arrive = start + np.cumsum(sizes) / link.rate
         self.link_free = float(arrive[-1])
         self._upstream(float(sizes.sum()))
@@ -301,7 +308,7 @@ def _simulate_full_region(
         newest = max(bisect.bisect_right(ready, x) - 1, 0)
         if newest > have:
             if region.relayed:
-                x += link.rtt_s + sc.view_bytes / link.rate
+                x += link.request_s + link.transfer_s(sc.view_bytes)
                 run.upstream_bytes += sc.view_bytes
             have = newest
             mid.append((x, have))

@@ -40,6 +40,22 @@ def test_link_rate_caps_and_loss() -> None:
         Link(bps=0, rtt_s=0.1)
 
 
+def test_link_handshake_and_slow_start() -> None:
+    """A request on a new connection costs two round trips; a transfer ramps from 10
+    segments per stream, doubling per round trip, until the window fills the path."""
+    wan = Link(bps=10e6, rtt_s=0.1, streams=1)
+    assert wan.request_s == pytest.approx(0.2)
+    assert dataclasses.replace(wan, new_connection=False).request_s == pytest.approx(0.1)
+    w0 = 10 * 1448  # the BDP is 125 kB: rounds of 14.5, 29, 58 kB, then the link's rate
+    size = 156_000
+    rest = size - 7 * w0
+    assert wan.transfer_s(size) == pytest.approx(3 * 0.1 + rest / wan.rate)
+    assert dataclasses.replace(wan, slow_start=False).transfer_s(size) == size / wan.rate
+    assert wan.transfer_s(1000) == pytest.approx(1000 / wan.rate)  # fits the first window
+    fat = Link(bps=10e9, rtt_s=0.2, streams=16)  # a 1 TB view: the ramp is negligible
+    assert fat.transfer_s(1e12) < 1e12 / fat.rate * 1.01
+
+
 def test_pipeline_matches_a_loop() -> None:
     rng = np.random.default_rng(0)
     avail, sizes = np.sort(rng.uniform(0, 10, 50)), rng.uniform(1, 5, 50)

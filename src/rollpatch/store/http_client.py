@@ -13,8 +13,10 @@ the key, never retried, so a follower plans around the object instead of waiting
 relay is untrusted: the answer can only send a follower on a detour (every byte it uses is
 still verified against the signed manifest), never make it serve other bits.
 
-stdlib only (urllib). Every size read from the wire is checked: bodies must match
-``Content-Length``/``Content-Range``, list bodies are capped, and listed keys are validated.
+Stdlib only (``http.client`` through :mod:`.http_pool`: keep-alive connections, one TCP and
+TLS handshake per connection, not per request). Every size read from the wire is checked:
+bodies must match ``Content-Length``/``Content-Range``, list bodies and error bodies are
+capped, and listed keys are validated.
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ import http.client
 import re
 import socket
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -40,6 +40,7 @@ from ..errors import (
 )
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
+from .http_pool import MAX_ERROR_BYTES, HttpStatusError, Pool, Response
 
 __all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HttpStore", "corrupt_body"]
 
@@ -47,14 +48,12 @@ __all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HttpStore", "corrupt_body"]
 #: this status with a JSON body whose ``code`` is :data:`CORRUPT_CODE` and ``key`` the key.
 CORRUPT_STATUS = 409
 CORRUPT_CODE = "object_corrupt"
-#: The most of an error body the client reads (the relay's are a few hundred bytes).
-_MAX_ERROR_BYTES = 64 * 1024
 
 T = TypeVar("T")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _UNSATISFIED_RANGE = re.compile(r"bytes \*/(\d+)")
 _NETWORK_ERRORS = (
-    urllib.error.URLError,
+    OSError,
     socket.timeout,
     ConnectionError,
     http.client.HTTPException,
@@ -80,11 +79,17 @@ class HttpStore(Store):
         self.base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         self.uri = self.base
         self.config = config or HttpConfig()
+        self._prefix = parts.path.rstrip("/")
+        self._pool = Pool(self.base, self.config.timeout)
 
     # -- transport ----------------------------------------------------------------------------
 
-    def _object_url(self, key: str) -> str:
-        return f"{self.base}/v1/objects/{urllib.parse.quote(key, safe='/')}"
+    def _object_target(self, key: str) -> str:
+        return f"{self._prefix}/v1/objects/{urllib.parse.quote(key, safe='/')}"
+
+    def close(self) -> None:
+        """Close the idle keep-alive connections (reads open new ones as needed)."""
+        self._pool.close()
 
     def _attempts(self, fn: Callable[[], T], key: str | None) -> T:
         """Run ``fn`` with retries on network errors, 429 and 5xx; map what remains."""
@@ -103,33 +108,24 @@ class HttpStore(Store):
 
     def _open(
         self,
-        url: str,
+        target: str,
         *,
         method: str = "GET",
         headers: dict[str, str] | None = None,
         key: str | None = None,
-    ) -> http.client.HTTPResponse:
-        request = urllib.request.Request(
-            url, method=method, headers={**self.config.headers, **(headers or {})}
-        )
+    ) -> Response:
         try:
-            response: http.client.HTTPResponse = urllib.request.urlopen(
-                request, timeout=self.config.timeout
-            )
-            return response
-        except urllib.error.HTTPError as e:
-            with e:
-                if e.code == 429 or e.code >= 500:
-                    raise _Transient(f"HTTP {e.code}") from None
-                if e.code == CORRUPT_STATUS and key is not None and method == "GET":
-                    _raise_if_corrupt(e, key, self.uri)  # reads the body before it closes
-                raise
+            return self._pool.request(method, target, {**self.config.headers, **(headers or {})})
+        except HttpStatusError as e:
+            if e.code == 429 or e.code >= 500:
+                raise _Transient(f"HTTP {e.code}") from None
+            if e.code == CORRUPT_STATUS and key is not None and method == "GET":
+                _raise_if_corrupt(e, key, self.uri)
+            raise
         except _NETWORK_ERRORS as e:
-            raise _Transient(str(e)) from None
+            raise _Transient(str(e) or type(e).__name__) from None
 
-    def _read_body(
-        self, response: http.client.HTTPResponse, expected: int | None, key: str | None
-    ) -> bytes:
+    def _read_body(self, response: Response, expected: int | None, key: str | None) -> bytes:
         try:
             body = response.read() if expected is None else response.read(expected + 1)
         except _NETWORK_ERRORS as e:
@@ -149,10 +145,10 @@ class HttpStore(Store):
 
     def _request(
         self, key: str, *, method: str = "GET", headers: dict[str, str] | None = None
-    ) -> http.client.HTTPResponse:
+    ) -> Response:
         try:
-            return self._open(self._object_url(key), method=method, headers=headers, key=key)
-        except urllib.error.HTTPError as e:
+            return self._open(self._object_target(key), method=method, headers=headers, key=key)
+        except HttpStatusError as e:
             if e.code == 404:
                 raise NotFoundError(
                     "no such object on the relay", key=key, store=self.uri
@@ -220,11 +216,11 @@ class HttpStore(Store):
 
     def _list_page(self, prefix: str, after: str | None) -> tuple[list[str], str | None]:
         query = {"prefix": prefix} | ({} if after is None else {"start_after": after})
-        url = f"{self.base}/v1/list?{urllib.parse.urlencode(query)}"
+        target = f"{self._prefix}/v1/list?{urllib.parse.urlencode(query)}"
         try:
-            with self._open(url) as r:
+            with self._open(target) as r:
                 body = r.read(self.config.max_list_bytes + 1)
-        except urllib.error.HTTPError as e:
+        except HttpStatusError as e:
             raise StoreError(
                 f"relay list answered HTTP {e.code}", store=self.uri, prefix=prefix
             ) from None
@@ -253,14 +249,11 @@ def corrupt_body(key: str, message: str, hint: str | None) -> dict[str, str | No
     return {"error": message, "hint": hint, "code": CORRUPT_CODE, "key": key}
 
 
-def _raise_if_corrupt(e: urllib.error.HTTPError, key: str, uri: str) -> None:
+def _raise_if_corrupt(e: HttpStatusError, key: str, uri: str) -> None:
     """Raise :class:`ObjectIntegrityError` when a 409's body says the object is corrupt at
     the origin; return for any other 409 (the caller maps it like other statuses)."""
-    try:
-        body = e.read(_MAX_ERROR_BYTES + 1)
-    except _NETWORK_ERRORS:
-        return
-    if len(body) > _MAX_ERROR_BYTES:
+    body = e.body
+    if len(body) > MAX_ERROR_BYTES:
         return
     try:
         doc = jsonsafe.loads(
@@ -286,7 +279,7 @@ def _raise_if_corrupt(e: urllib.error.HTTPError, key: str, uri: str) -> None:
     )
 
 
-def _content_length(r: http.client.HTTPResponse, key: str) -> int:
+def _content_length(r: Response, key: str) -> int:
     value = r.headers.get("Content-Length")
     if value is None or not value.isdigit():
         raise StoreError("relay answer lacks a valid Content-Length", key=key)

@@ -66,10 +66,26 @@ so results do not depend on the thread count or on the order tensors are process
 They are bitwise reproducible on one numpy/BLAS build; other CPUs may differ in the last bit
 of the low-rank products and of ``exp``.
 
-Memory is the 12 bytes/parameter of FP32 ``w, m, v`` plus a few chunk temporaries per thread.
+**Mixture of experts** (``SimConfig.moe``, :mod:`rollpatch.sim.moe`): Qwen3-MoE tensor names,
+a router per MoE layer updated every step, and per-step Poisson token counts per expert from a
+skewed routing law (or a measured load); an expert's gradient scales with √count and is zero on
+steps that route nothing to it. Dense tensors do not depend on the routing at all.
+
+Memory is the 12 bytes/parameter of FP32 ``w, m, v`` plus a few chunk temporaries per thread
+(experts included: there is no cheaper state for rarely routed experts).
 """
 
 from .adam import AdamSim, simulate
 from .config import ModelDims, SimConfig, llama_dims
+from .moe import MoEConfig, expert_shares, moe_dims
 
-__all__ = ["AdamSim", "ModelDims", "SimConfig", "llama_dims", "simulate"]
+__all__ = [
+    "AdamSim",
+    "MoEConfig",
+    "ModelDims",
+    "SimConfig",
+    "expert_shares",
+    "llama_dims",
+    "moe_dims",
+    "simulate",
+]

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .config import SimConfig, llama_dims
+from .moe import expert_shares, moe_dims
 from .param import (
     _ALPHA_P,
     _ALPHA_T,
@@ -37,7 +38,12 @@ class AdamSim:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.dims = llama_dims(config.n_params, config.vocab)
+        moe = config.moe
+        self.dims = (
+            moe_dims(config.n_params, config.vocab, moe)
+            if moe
+            else llama_dims(config.n_params, config.vocab)
+        )
         self.step_count = 0
         self._threads = config.threads or os.cpu_count() or 1
         self._params: dict[str, _Param] = {}
@@ -46,6 +52,12 @@ class AdamSim:
             self._params[name] = _Param(name, shape, layer)
         _quantile_tables()
         self._token_model()
+        #: MoE layer → expected token-expert assignments per expert per step
+        self._expert_lam = {
+            i: expert_shares(moe, i, config.seed) * (config.batch_tokens * moe.top_k)
+            for i in range(self.dims.layers)
+            if moe and self.dims.is_moe(i)
+        }
         hidden = self._hidden_profile()
         for p in self._params.values():
             self._static(p, hidden)
@@ -71,6 +83,19 @@ class AdamSim:
         """``(exp_avg, exp_avg_sq)`` of one tensor (views: do not mutate)."""
         p = self._params[name]
         return p.m.reshape(p.shape), p.v.reshape(p.shape)
+
+    def expert_load(self, layer: int) -> np.ndarray:
+        """Expected token-expert assignments per step of each expert of an MoE ``layer``."""
+        if layer not in self._expert_lam:
+            raise ValueError(f"layer {layer!r} has no routed experts")
+        return self._expert_lam[layer].copy()
+
+    def expert_counts(self, layer: int, step: int) -> np.ndarray:
+        """Tokens routed to each expert of an MoE ``layer`` at simulator step ``step`` (>= 1)."""
+        if step < 1:
+            raise ValueError(f"step must be >= 1 (got {step!r})")
+        self.expert_load(layer)
+        return self._counts(layer, step)
 
     def gradient(self, name: str, step: int) -> np.ndarray:
         """The synthetic gradient of one tensor at simulator step ``step`` (>= 1), in full."""
@@ -204,7 +229,14 @@ class AdamSim:
         k = min(_WARM_WINDOW, big_t)
         ages = np.arange(k)
         s = np.exp(_SIGMA_S * rng.standard_normal(k) - _SIGMA_S**2 / 2)
-        if p.sparse:
+        erng = None
+        if p.expert >= 0:  # one touch history for the expert's three tensors
+            lam = float(self._expert_lam[p.layer][p.expert])
+            erng = self._rng(_expert_id(p.layer, p.expert), 9)
+            prob = np.full(p.rows, -math.expm1(-lam))
+            touch = np.broadcast_to(erng.random(k) < prob[0], (p.rows, k))
+            count_scale = np.full(p.rows, lam / max(prob[0], 1e-30))
+        elif p.sparse:
             prob = -np.expm1(-self._lam)
             touch = rng.random((p.rows, k)) < prob[:, None]
             count_scale = self._lam / np.maximum(prob, 1e-30)
@@ -215,16 +247,25 @@ class AdamSim:
         mb = touch @ ((1 - b1) * b1**ages * s)
         mc = touch @ ((1 - b1) ** 2 * b1 ** (2 * ages) * s**2)
         vb = touch @ ((1 - b2) * b2**ages * s**2)
-        n_old = rng.binomial(big_t - k, prob) if big_t > k else np.zeros(p.rows, np.int64)
+        old_rng, old_rows = (erng, 1) if erng is not None else (rng, p.rows)
+        n_old = (
+            np.broadcast_to(old_rng.binomial(big_t - k, prob[:old_rows]), (p.rows,))
+            if big_t > k
+            else np.zeros(p.rows, np.int64)
+        )
         if big_t > k:
             w = (1 - b2) * b2 ** np.arange(k, big_t, dtype=np.float64) * math.exp(_SIGMA_S**2)
             shape = n_old * (w.mean() ** 2 / max(w.var(), 1e-300))
             hit = n_old > 0
             gam = np.zeros(p.rows)
-            gam[hit] = rng.gamma(shape[hit]) / shape[hit]
+            if erng is not None:
+                gam[hit] = erng.gamma(shape[0]) / shape[0] if hit[0] else 0.0
+            else:
+                gam[hit] = rng.gamma(shape[hit]) / shape[hit]
             vb += n_old * w.mean() * gam
             # m keeps a trace of the latest old touch (β1^64 ≈ 1e-3: tiny, but not zero).
-            first = 1 - rng.random(p.rows) ** (1 / np.maximum(n_old, 1))  # min of n uniforms
+            u = old_rng.random(old_rows)
+            first = 1 - u ** (1 / np.maximum(n_old, 1))  # min of n uniforms
             last = k + np.floor(first * (big_t - k))
             mb += hit * (1 - b1) * b1**last
             mc += hit * (1 - b1) ** 2 * b1 ** (2 * last)
@@ -281,11 +322,22 @@ class AdamSim:
             ctx[p.name] = (s, vt)
             if p.sparse and "counts" not in ctx:
                 ctx["counts"] = self._rng(0, 6, t).poisson(self._lam)
+            if p.expert >= 0 and ("experts", p.layer) not in ctx:
+                ctx["experts", p.layer] = self._counts(p.layer, t)
         return ctx
+
+    def _counts(self, layer: int, t: int) -> np.ndarray:
+        return self._rng(0, 8, t, layer).poisson(self._expert_lam[layer])
 
     def _grad_chunk(self, p: _Param, t: int, ci: int, r0: int, r1: int, ctx: dict) -> np.ndarray:
         rng = self._rng(p.tid, 7, t, ci)
         s, vt = ctx[p.name]
+        if p.expert >= 0:
+            count = int(ctx["experts", p.layer][p.expert])
+            if count == 0:  # no token routed here this step: no gradient
+                return np.zeros((r1 - r0, p.cols), _F32)
+            mul = np.full(r1 - r0, math.sqrt(count), _F32)
+            return _synth_rows(p, rng, slice(r0, r1), r1 - r0, s, vt, mul)
         if not p.sparse:
             return _synth_rows(p, rng, slice(r0, r1), r1 - r0, s, vt, None)
         counts = ctx["counts"][r0:r1]
@@ -296,6 +348,10 @@ class AdamSim:
                 p, rng, rows + r0, rows.size, s, vt, np.sqrt(counts[rows]).astype(_F32)
             )
         return g
+
+
+def _expert_id(layer: int, expert: int) -> int:
+    return (1 << 31) | (layer << 16) | expert
 
 
 def _adamw(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, scal: tuple) -> None:

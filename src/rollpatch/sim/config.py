@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .moe import MoEConfig
 
 __all__ = ["ModelDims", "SimConfig", "llama_dims"]
 
@@ -34,6 +38,8 @@ class SimConfig:
     """Exponent of the Zipf-Mandelbrot token frequency law."""
     threads: int | None = None
     """Worker threads (None: all cores). Results do not depend on it."""
+    moe: MoEConfig | None = None
+    """Experts (:class:`rollpatch.sim.moe.MoEConfig`); None: a dense model."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -65,11 +71,15 @@ class SimConfig:
             raise bad("zipf_exponent", "must be in (0, 4)")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise bad("threads", "must be None or a positive int")
+        from .moe import MoEConfig
+
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise bad("moe", "must be None or a MoEConfig")
 
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The decoder shape chosen for a parameter budget."""
+    """The decoder shape chosen for a parameter budget (``experts`` 0: dense)."""
 
     vocab: int
     hidden: int
@@ -78,6 +88,14 @@ class ModelDims:
     heads: int
     kv_heads: int
     head_dim: int
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    dense_layers: int = 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer`` has routed experts instead of a dense MLP."""
+        return self.experts > 0 and layer >= self.dense_layers
 
     def layout(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint names → shapes, in Hugging Face Llama naming and order."""
@@ -96,13 +114,22 @@ class ModelDims:
                     pre + "self_attn.k_proj.weight": (kv, d),
                     pre + "self_attn.v_proj.weight": (kv, d),
                     pre + "self_attn.o_proj.weight": (d, q),
-                    pre + "mlp.gate_proj.weight": (ff, d),
-                    pre + "mlp.up_proj.weight": (ff, d),
-                    pre + "mlp.down_proj.weight": (d, ff),
-                    pre + "input_layernorm.weight": (d,),
-                    pre + "post_attention_layernorm.weight": (d,),
                 }
             )
+            if self.is_moe(i):
+                fe = self.expert_intermediate
+                out[pre + "mlp.gate.weight"] = (self.experts, d)
+                for e in range(self.experts):
+                    ex = f"{pre}mlp.experts.{e}."
+                    out[ex + "gate_proj.weight"] = (fe, d)
+                    out[ex + "up_proj.weight"] = (fe, d)
+                    out[ex + "down_proj.weight"] = (d, fe)
+            else:
+                out[pre + "mlp.gate_proj.weight"] = (ff, d)
+                out[pre + "mlp.up_proj.weight"] = (ff, d)
+                out[pre + "mlp.down_proj.weight"] = (d, ff)
+            out[pre + "input_layernorm.weight"] = (d,)
+            out[pre + "post_attention_layernorm.weight"] = (d,)
         out["model.norm.weight"] = (d,)
         out["lm_head.weight"] = (self.vocab, d)
         return out

@@ -30,6 +30,7 @@ _ROLE_SIGMA = {
     "down": 0.016,
     "embed": 0.018,
     "lm_head": 0.02,
+    "router": 0.02,
 }
 
 
@@ -67,6 +68,8 @@ def _role(name: str) -> str:
         return "lm_head"
     if name.endswith("norm.weight"):
         return "norm"
+    if name.endswith(".mlp.gate.weight"):
+        return "router"
     return name.rsplit(".", 2)[-2].split("_")[0]  # q, k, v, o, gate, up, down
 
 
@@ -89,6 +92,8 @@ class _Param:
         self.u0 = np.zeros((self.rows, _RANK_P), _F32)  # persistent direction, α_p folded in
         self.v0 = np.zeros((self.cols, _RANK_P), _F32)
         self.sparse = self.role == "embed"
+        #: index of the routed expert this tensor belongs to (-1: not an expert)
+        self.expert = int(name.split(".")[5]) if ".mlp.experts." in name else -1
         self.w_mu = 1.0  # weight scale σ (norms: mean μ)
         self.w_row = self.w_col = self.row  # weight row/column scales (init only)
         self.warm: tuple[np.ndarray, ...] = ()  # per-row warm-state coefficients

@@ -1,6 +1,6 @@
 """Slices: ranks publish element ranges of one tensor, never a gathered copy (issue 14).
 
-Ranks run as threads of this process, joined by an in-memory :class:`Exchange` (the same
+Ranks run as threads of this process, joined by ``ThreadGroup`` (the same
 JSON round trip as gloo's; the real gloo + DTensor run is tests/test_publisher_sharded_dtensor.py).
 Each version's manifest must name the same target as an unsharded publish of the whole state
 dict, followers must reach every version bit for bit through step patches, skip patches and
@@ -26,6 +26,7 @@ from rollpatch.follower import Follower
 from rollpatch.formats import QuantPolicy, cast_view
 from rollpatch.manifest import Manifest, open_manifest
 from rollpatch.publisher import Publisher, PublisherConfig, TensorSlice, reconstruct
+from rollpatch.publisher.sharded import Exchange, ThreadGroup
 
 RUN = "sliced"
 MANIFESTS = Path(__file__).parent / "manifests"
@@ -36,30 +37,6 @@ CUTS = {
     1: [("w.a", 25, 40), ("w.b", 333, 501), ("w.c", 0, 30)],
     2: [("w.a", 40, 64), ("w.b", 501, 999)],
 }
-
-
-class ThreadGroup:
-    """Ranks as threads of one process; ``allgather`` is a barrier over a shared box."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._box: list[Any] = [None] * size
-        self._barrier = threading.Barrier(size, timeout=60)
-
-    def member(self, rank: int) -> ThreadExchange:
-        return ThreadExchange(self, rank)
-
-
-class ThreadExchange:
-    def __init__(self, group: ThreadGroup, rank: int) -> None:
-        self._g, self.rank, self.size = group, rank, group.size
-
-    def allgather(self, message: Any) -> list[Any]:
-        self._g._box[self.rank] = json.loads(json.dumps(message))
-        self._g._barrier.wait()
-        out = list(self._g._box)
-        self._g._barrier.wait()
-        return out
 
 
 def masters(version: int) -> dict[str, np.ndarray]:
@@ -83,7 +60,7 @@ def local(version: int, rank: int, cuts: dict[int, list[tuple[str, int, int]]] =
     return out
 
 
-def run_ranks(size: int, body: Callable[[int, ThreadExchange], Any]) -> list[Any]:
+def run_ranks(size: int, body: Callable[[int, Exchange], Any]) -> list[Any]:
     """Run ``body(rank, exchange)`` on ``size`` threads; results (or exceptions) by rank."""
     g = ThreadGroup(size)
     out: list[Any] = [None] * size
@@ -106,7 +83,7 @@ def run_ranks(size: int, body: Callable[[int, ThreadExchange], Any]) -> list[Any
 def publish_versions(
     board: Board, versions: range, cfg: PublisherConfig, cuts: dict = CUTS
 ) -> list[Any]:
-    def body(rank: int, x: ThreadExchange) -> Any:
+    def body(rank: int, x: Exchange) -> Any:
         with Publisher(board, RUN, cfg, group=x, asynchronous=False) as pub:
             for v in versions:
                 pub.publish(local(v, rank, cuts), v)

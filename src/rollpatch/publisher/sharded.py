@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from ..errors import BoardError, ConfigError
 
-__all__ = ["Exchange", "GlooExchange", "LocalExchange", "open_exchange"]
+__all__ = ["Exchange", "GlooExchange", "LocalExchange", "ThreadGroup", "open_exchange"]
 
 #: Largest message one rank may send in one exchange (per-tensor digests of huge models fit).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -41,6 +41,42 @@ class LocalExchange:
 
     def allgather(self, message: Any) -> list[Any]:
         return [json.loads(json.dumps(message))]  # same JSON round trip as the real one
+
+
+class ThreadGroup:
+    """Ranks as threads of one process (tests, benches): ``member(r)`` is rank ``r``'s
+    :class:`Exchange`, passed as ``Publisher(..., group=...)``; every rank must run in its own
+    thread. Messages take the same JSON round trip as over gloo."""
+
+    def __init__(self, size: int, timeout_s: float = 60.0) -> None:
+        import threading
+
+        self.size = size
+        self._box: list[Any] = [None] * size
+        self._barrier = threading.Barrier(size, timeout=timeout_s)
+
+    def member(self, rank: int) -> Exchange:
+        return _ThreadExchange(self, rank)
+
+    def _allgather(self, rank: int, message: Any) -> list[Any]:
+        import threading
+
+        self._box[rank] = json.loads(json.dumps(message))
+        try:
+            self._barrier.wait()
+            out = list(self._box)
+            self._barrier.wait()
+        except threading.BrokenBarrierError as e:
+            raise BoardError("a publisher rank (thread) stopped answering", rank=rank) from e
+        return out
+
+
+class _ThreadExchange:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self._g, self.rank, self.size = group, rank, group.size
+
+    def allgather(self, message: Any) -> list[Any]:
+        return self._g._allgather(self.rank, message)
 
 
 class GlooExchange:

@@ -1,4 +1,5 @@
-"""Tensor groups by checkpoint name: embeddings, attention, MLP, norms, lm_head, other.
+"""Tensor groups by checkpoint name: embeddings, attention, MLP, experts, router, norms,
+lm_head, other.
 
 The rules look at the dot-separated segments of the lower-cased name, first match wins:
 
@@ -10,10 +11,17 @@ The rules look at the dot-separated segments of the lower-cased name, first matc
    ``tok_embeddings``...) or ``wte``/``wpe``.
 4. ``attention``: a segment containing ``attn`` or ``attention`` (``self_attn``), or one of
    ``q_proj k_proj v_proj o_proj qkv_proj query_key_value wq wk wv wo query key value``.
-5. ``mlp``: a segment containing ``mlp``, ``ffn``, ``feed_forward`` or ``expert``, or one of
+5. ``router``: a segment ``router``, ``shared_expert_gate``, or ``gate`` right after an MoE
+   block (``mlp``, ``block_sparse_moe``, ``moe``, ``feed_forward``, ``ffn``): Qwen3-MoE and
+   DeepSeek ``mlp.gate.weight``, Mixtral ``block_sparse_moe.gate.weight``.
+6. ``experts``: a segment ``experts`` or ``local_experts`` (routed experts, one tensor each
+   as in ``mlp.experts.7.up_proj.weight``, or fused as in ``mlp.experts.gate_up_proj``).
+   Shared experts (``shared_expert``, ``shared_experts``: every token goes through them) are
+   ``mlp``.
+7. ``mlp``: a segment containing ``mlp``, ``ffn``, ``feed_forward`` or ``expert``, or one of
    ``gate_proj up_proj down_proj gate_up_proj w1 w2 w3 fc1 fc2 c_fc dense_h_to_4h
    dense_4h_to_h``.
-6. ``other``: everything else.
+8. ``other``: everything else.
 
 Served names of quantised formats (``...weight_scale``) land with their weight, and biases
 with their module, since the rules read the module segments.
@@ -26,7 +34,19 @@ import re
 __all__ = ["GROUPS", "tensor_group"]
 
 #: Group names, in report order.
-GROUPS: tuple[str, ...] = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
+GROUPS: tuple[str, ...] = (
+    "embeddings",
+    "attention",
+    "mlp",
+    "experts",
+    "router",
+    "norms",
+    "lm_head",
+    "other",
+)
+
+_MOE_BLOCKS = {"mlp", "block_sparse_moe", "moe", "feed_forward", "ffn"}
+_EXPERTS = {"experts", "local_experts"}
 
 _LN = re.compile(r"^ln(_?[0-9a-z])?$")
 _ATTN = {
@@ -71,6 +91,13 @@ def tensor_group(name: str) -> str:
         return "embeddings"
     if any("attn" in s or "attention" in s or s in _ATTN for s in segs):
         return "attention"
+    if any(
+        s in ("router", "shared_expert_gate") or (s == "gate" and i and segs[i - 1] in _MOE_BLOCKS)
+        for i, s in enumerate(segs)
+    ):
+        return "router"
+    if any(s in _EXPERTS for s in segs):
+        return "experts"
     if any(
         "mlp" in s or "ffn" in s or "feed_forward" in s or "expert" in s or s in _MLP for s in segs
     ):

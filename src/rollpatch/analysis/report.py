@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .experts import QUANTILES, ExpertRate, ExpertStep
 from .groups import GROUPS
 from .results import Analysis, ratio
 
@@ -13,6 +14,8 @@ _GROUP_LABELS = {
     "embeddings": "embed",
     "attention": "attn",
     "mlp": "mlp",
+    "experts": "experts",
+    "router": "router",
     "norms": "norms",
     "lm_head": "lm_head",
     "other": "other",
@@ -66,6 +69,9 @@ def render(a: Analysis) -> str:
             ),
         ]
         out += _groups(a, f)
+        if a.pairs[0].formats[f].experts is not None:
+            out += ["", f"Routed experts and routers, {f}: changed % per expert"]
+            out += _experts(a, f)
     out += [
         "",
         (
@@ -180,6 +186,56 @@ def _groups(a: Analysis, fmt: str) -> list[str]:
     total = sum(payload.values())
     rows.append(["payload %", "100"] + [_pct(ratio(payload[g], total), 2) for g in present])
     return _table(["step", "all"] + [_GROUP_LABELS[g] for g in present], rows)
+
+
+def _experts(a: Analysis, fmt: str) -> list[str]:
+    rows = []
+    for p in a.pairs:
+        s = p.formats[fmt]
+        ex = s.experts
+        assert ex is not None  # every transition has the first one's layout
+        q = ex.quantiles()
+        r_el = sum(r.elements for r in ex.routers)
+        r_ch = sum(r.changed for r in ex.routers)
+        mlp = s.groups.get("mlp")
+        rows.append(
+            [f"{p.index}→{p.index + 1}", str(len(ex.experts))]
+            + [_pct(q.get(f"q{round(100 * x)}")) for x in QUANTILES]
+            + [
+                _pct(ratio(r_ch, r_el)),
+                _pct(ratio(mlp.changed, mlp.elements) if mlp else None),
+            ]
+        )
+    heads = ["step", "experts", "min", "p10", "median", "p90", "max", "router", "dense mlp"]
+    out = _table(heads, rows)
+    whole = _summed([p.formats[fmt].experts for p in a.pairs])
+    most, least = whole.extremes()
+    show = lambda es: ", ".join(f"{e.label} {_pct(e.changed_frac, 2)}%" for e in es)
+    out += [
+        f"most changed over the run: {show(most)}",
+        f"least changed over the run: {show(least)}",
+        "min..max: quantiles over experts of the share of their values that changed (all",
+        "of an expert's tensors together); router: the routers' values; dense mlp: MLPs",
+        "that every token goes through (dense layers, shared experts), - if none.",
+    ]
+    return out
+
+
+def _summed(steps: Sequence[ExpertStep | None]) -> ExpertStep:
+    """One ExpertStep that sums the counts of several transitions."""
+    acc: dict[tuple[int, int], list[int]] = {}
+    racc: dict[tuple[int, int], list[int]] = {}
+    for st in steps:
+        assert st is not None
+        for src, dst in ((st.experts, acc), (st.routers, racc)):
+            for e in src:
+                cell = dst.setdefault((e.layer, e.expert), [0, 0])
+                cell[0] += e.elements
+                cell[1] += e.changed
+    return ExpertStep(
+        tuple(ExpertRate(k[0], k[1], *v) for k, v in sorted(acc.items())),
+        tuple(ExpertRate(k[0], k[1], *v) for k, v in sorted(racc.items())),
+    )
 
 
 def _gaps(a: Analysis) -> list[str]:

@@ -7,7 +7,10 @@ Checkpoints are numbered from 0 in the order given; transition ``i`` is checkpoi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .experts import ExpertStep
 
 __all__ = ["Analysis", "FormatStep", "GroupStep", "LagPoint", "PairResult", "ratio"]
 
@@ -53,6 +56,8 @@ class FormatStep:
     xor_bytes: int
     groups: dict[str, GroupStep]
     seconds: float = 0.0
+    experts: ExpertStep | None = None
+    """Per-expert and per-router counts (None: no routed experts in the view)."""
 
     @property
     def changed_frac(self) -> float | None:
@@ -73,6 +78,7 @@ class FormatStep:
             "patch_to_xor": ratio(self.patch_bytes, self.xor_bytes),
             "seconds": self.seconds,
             "groups": {g: s.to_json() for g, s in self.groups.items()},
+            "experts": self.experts.to_json() if self.experts is not None else None,
         }
 
 

@@ -22,6 +22,7 @@ from ..io.checkpoint import load_masters
 from ..patch import diff, encode, inspect
 from ..view import View
 from .bounds import iid_bound_bits, xor_zstd
+from .experts import expert_step
 from .gaps import GapStats
 from .groups import GROUPS, tensor_group
 from .progress import Progress
@@ -267,6 +268,7 @@ def measure(fmt: str, old: View, new: View, pool: ThreadPoolExecutor) -> FormatS
         changed[tensor_group(name)] += tp.n_changed
     for e in inspect(blob).tensors:
         payload[tensor_group(e["name"])] += int(e["length"])
+    experts = expert_step(old, patch)
     del patch
     names = sorted(new)
     xor = sum(pool.map(lambda m: len(xor_zstd(old[m].data, new[m].data)), names))
@@ -282,6 +284,7 @@ def measure(fmt: str, old: View, new: View, pool: ThreadPoolExecutor) -> FormatS
         xor_bytes=xor,
         groups=groups,
         seconds=time.perf_counter() - t0,
+        experts=experts,
     )
 
 

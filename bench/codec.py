@@ -28,6 +28,12 @@ for every format; one table row per (size, lr, format, threads) aggregates them.
 - *memcpy*: copying the view into preallocated buffers with T threads (the yardstick).
 - *the i.i.d. bound*: ``n·H(k/n) + k·H(d)`` bits (see rollpatch.analysis.bounds).
 
+**MoE** (``--moe 32:4``: experts per MoE layer, top-k): every group simulates a Qwen3-MoE
+layout instead (:mod:`rollpatch.sim.moe`: routed experts with skewed routing, a router per
+layer), and quantised formats keep the routers (``*.mlp.gate.weight``) in BF16, as MoE
+checkpoints quantised for vLLM do; rows are labelled ``SIZE-moeE/K``. Without ``--moe``
+nothing changes. bench/moe.py breaks the MoE numbers down (experts vs dense, per expert).
+
 T threads: baselines run tensors on a pool of T; rollpatch runs with ``ROLLPATCH_THREADS=T``
 (tensors and chunks of large tensors on T threads). Times are wall clock, best of
 ``--repeats`` where a view is under 1 GB, one run above. Every decode+apply of every method is
@@ -69,9 +75,9 @@ from _util import (
 from rollpatch import native
 from rollpatch.analysis.bounds import BoundAccumulator
 from rollpatch.errors import PatchError
-from rollpatch.formats import cast_view
+from rollpatch.formats import QuantPolicy, cast_view
 from rollpatch.patch import apply, apply_encoded, decode, diff, encode, encode_views
-from rollpatch.sim import AdamSim, SimConfig
+from rollpatch.sim import AdamSim, MoEConfig, SimConfig
 from rollpatch.view import View
 
 DEFAULT_FORMATS = "bf16,fp8-e4m3-block128,nvfp4"
@@ -273,11 +279,13 @@ def run_group(
     repeats: int,
     threads: Sequence[int],
     numpy_ref: bool,
+    moe: MoEConfig | None = None,
 ) -> tuple[list[Row], dict[str, Any]]:
     """Fresh simulator at (size, lr); ``steps`` transitions for every format."""
 
     t0 = time.perf_counter()
-    sim = AdamSim(SimConfig(n_params=n_params, lr=lr, seed=0))
+    sim = AdamSim(SimConfig(n_params=n_params, lr=lr, seed=0, moe=moe))
+    policy = QuantPolicy(exclude=("*.mlp.gate.weight",)) if moe else None
     info: dict[str, Any] = {
         "size": size,
         "lr": lr,
@@ -292,7 +300,7 @@ def run_group(
     base = {}
     for f in formats:
         t0 = time.perf_counter()
-        base[f] = cast_view(sim.masters(), f, scales="bf16")
+        base[f] = cast_view(sim.masters(), f, scales="bf16", policy=policy)
         info["cast_s"][f] = time.perf_counter() - t0
     for s in range(steps):
         t0 = time.perf_counter()
@@ -300,7 +308,7 @@ def run_group(
         info["step_s"].append(time.perf_counter() - t0)
         log(f"{size} lr={lr:g}: step {s + 1} in {info['step_s'][-1]:.1f}s")
         for f in formats:
-            target = cast_view(sim.masters(), f, scales="bf16")
+            target = cast_view(sim.masters(), f, scales="bf16", policy=policy)
             transition(base[f], target, rows[f], repeats, numpy_ref)
             base[f] = target
             r = rows[f][threads[0]]
@@ -436,6 +444,16 @@ def _steps_for(text: str, n_sizes: int) -> list[int]:
     return steps
 
 
+def _moe_arg(text: str | None) -> MoEConfig | None:
+    if text is None:
+        return None
+    try:
+        e, k = (int(x) for x in text.split(":"))
+        return MoEConfig(experts=e, top_k=k)
+    except ValueError as err:
+        raise SystemExit(f"--moe: E:K, e.g. 32:4 ({err})") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="100M,1B", help="parameter counts, e.g. 20M,100M,1B")
@@ -450,7 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--numpy-max", default="200M", help="time the numpy reference only up to this many params"
     )
     ap.add_argument("--json", default=None, help="also write every measurement here")
+    ap.add_argument(
+        "--moe", default=None, metavar="E:K", help="simulate an MoE: E experts per layer, top-K"
+    )
     args = ap.parse_args(argv)
+    moe = _moe_arg(args.moe)
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -468,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for lr in lrs:
             n = parse_size(size)
             got, info = run_group(
-                size,
+                f"{size}-moe{moe.experts}/{moe.top_k}" if moe else size,
                 n,
                 lr,
                 formats,
@@ -476,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.repeats,
                 threads,
                 n <= parse_size(args.numpy_max),
+                moe,
             )
             rows += got
             sims.append(info)

@@ -126,6 +126,13 @@ def main() -> int:
         help="also measure memory budgets on a model of PARAMS (e.g. 100M)",
     )
     p.add_argument(
+        "--overlap",
+        type=parse_size,
+        default=None,
+        metavar="PARAMS",
+        help="also validate the shard overlap against a real follower on a model of PARAMS",
+    )
+    p.add_argument(
         "--work",
         type=Path,
         default=Path("/tmp/rollpatch-fleet"),
@@ -259,6 +266,20 @@ def main() -> int:
             f"trainer's FP32 masters, the follower's step baseline the engine's weights)"
         )
         print(render_memory(mem))
+    ovl = None
+    if args.overlap is not None:
+        from _fleet_overlap import render as render_overlap
+        from _fleet_overlap import run as run_overlap
+
+        ovl = run_overlap(args.work, args.overlap)
+        print(
+            f"\nshard overlap, validated (a real follower syncing {ovl['ranks']} shard objects "
+            f"per version of a {ovl['n_params'] / 1e6:.0f}M-param BF16 view "
+            f"({fmt_bytes(ovl['view_bytes'])}) over an emulated {ovl['mbps']:g} Mbit/s, "
+            f"{ovl['rtt_ms']:g} ms link; predicted = the model's formula over the parts "
+            f"measured on their own in the same run)"
+        )
+        print(render_overlap(ovl))
     wall = time.perf_counter() - t_start
     print(f"\nsimulator wall time {wall:.1f} s")
     if args.json:
@@ -275,6 +296,7 @@ def main() -> int:
             "targets": [{"target": n, "met": ok, "value": g} for n, ok, g in targets],
             "validation": val,
             "memory": mem,
+            "overlap": ovl,
             "wall_s": wall,
         }
         args.json.write_text(json.dumps(doc, indent=1, default=str))

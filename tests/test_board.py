@@ -17,6 +17,7 @@ from rollpatch.errors import (
     VersionNotFoundError,
 )
 from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
+from rollpatch.planning import cheapest_plan
 from rollpatch.types import Constraint, ObjectRef, satisfies
 from tests.conftest import DIGEST as D
 from tests.conftest import make_manifest
@@ -368,3 +369,30 @@ def test_listing_ignores_keys_that_are_not_version_numbers(board: Board) -> None
     ):
         board.store.put(f"runs/r1/{odd}", b"")
     assert board.versions("r1") == [0] and board.keyframes("r1") == [0]
+
+
+@pytest.mark.parametrize("kf_size", [1400, 20], ids=["patch", "keyframe-cheaper"])
+def test_one_behind_plans_from_the_manifest_alone(board: Board, kf_size: int) -> None:
+    """One version behind, the manifest of ``want`` (its parent is ``have``) is all a plan
+    needs: no listing, at most one read, and the same plan full planning chooses (the keyframe when
+    it is the cheaper way in, the patch on a tie)."""
+    for n in range(5):
+        _publish(board, "r1", n, keyframe=n in (0, 4), kf_size=kf_size if n == 4 else 1400)
+    listed: list[str] = []
+    inner_list = board.store.list
+
+    def counting_list(prefix: str) -> list[str]:
+        listed.append(prefix)
+        return inner_list(prefix)
+
+    board.store.list = counting_list  # type: ignore[method-assign]
+    counter = _CountingGets(board)
+    fast = board.plan("r1", 3, 4)
+    assert listed == [] and counter.gets <= 1  # that manifest (unless the board holds it)
+    full = cheapest_plan("r1", 3, 4, {v: board.manifest("r1", v) for v in range(5)})
+    assert fast == full
+    assert fast.steps[0].is_keyframe == (kf_size == 20)
+    bad = frozenset(o.key for o in fast.steps[0].objects)  # that way is corrupt: the other
+    other = board.plan("r1", 3, 4, avoid=bad)
+    assert other.steps and other.steps[0].is_keyframe != fast.steps[0].is_keyframe
+    assert board.plan("r1", 2, 4).steps and listed  # two behind: planned from the listing

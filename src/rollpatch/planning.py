@@ -128,7 +128,8 @@ def plan_between(
     Reads only listed manifests, from the newest keyframe at or below ``want`` (or ``have``,
     if older) up to ``want``, at most the newest ``max_versions`` of them; with ``avoid``
     (objects that failed verification), up to three older keyframes too when needed. Nothing
-    is listed when ``have == want``.
+    is listed when ``have == want``, nor one version behind when ``want``'s manifest names
+    ``have`` as its parent (the common catch-up: LATEST, one manifest, its patch).
     """
     for name, v in (("have", have), ("want", want)):
         if v is not None and (
@@ -139,6 +140,10 @@ def plan_between(
         raise NoPathError("patches only move forward", run=run, have=have, want=want)
     if have == want:
         return Plan(run, have, want, ())
+    if have is not None and want == have + 1:  # one behind: no listing (see _from_parent)
+        step = _from_parent(run, have, want, manifest, avoid)
+        if step is not None:
+            return step
     listed = [v for v in versions() if v <= want]
     if not listed or listed[-1] != want:
         raise VersionNotFoundError("no such version on the board", run=run, version=want)
@@ -166,3 +171,34 @@ def plan_between(
             if i == len(tries) - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def _from_parent(
+    run: str,
+    have: int,
+    want: int,
+    manifest: Callable[[int], Manifest],
+    avoid: frozenset[str],
+) -> Plan | None:
+    """The plan when ``have`` is ``want``'s parent, from ``want``'s manifest alone (no
+    listing): every path into ``want`` from there is its step patch from ``have`` or its
+    keyframe (patches only move forward, and skip patches start below the parent), so the
+    cheaper of the two (ties: the patch) is what :func:`cheapest_plan` would choose. None
+    when ``have`` is not the parent, or the manifest or its objects cannot be used. Only
+    tried one version behind: a LATEST far ahead (10^12) still costs one listing, not a read.
+    """
+    try:
+        m = manifest(want)
+    except VersionNotFoundError:
+        return None  # the listing says what exists
+    if m.parent != have:
+        return None
+    steps = [PlanStep(have, want, tuple(p.ref for p in m.patches_from(have)))]
+    if m.is_keyframe:
+        refs = tuple(k.ref for k in sorted(m.keyframes, key=lambda k: k.shard))
+        steps.append(PlanStep(None, want, refs))
+    usable = [s for s in steps if s.objects and not any(o.key in avoid for o in s.objects)]
+    if not usable:
+        return None
+    best = min(usable, key=lambda s: (s.bytes, len(s.objects)))  # the first on ties
+    return Plan(run, have, want, (best,))

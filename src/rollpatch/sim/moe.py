@@ -54,7 +54,7 @@ class MoEConfig:
     """Exponent of the per-layer Zipf law of tokens per expert (0: uniform)."""
     cold_fraction: float = 0.25
     """Share of experts that the RL data rarely reaches."""
-    cold_factor: float = 1e-4
+    cold_factor: float = 1e-5
     """Their load relative to the Zipf law."""
     shares: tuple[float, ...] | None = None
     """A measured load per expert (any positive scale), used for every layer instead of the law."""

@@ -251,7 +251,7 @@ def test_corrupt_upstream_is_refused_never_cached(
         c.get(ref.key)
     with httpx.Client() as h:
         r = h.get(f"{relay.url}/v1/objects/{ref.key}")
-        assert r.status_code == 409 and "BLAKE3" in r.json()["error"]
+        assert r.status_code == 409 and "BLAKE3" in r.json()["error"]["message"]
         assert (r.json()["code"], r.json()["key"]) == ("object_corrupt", ref.key)
     assert ref.key not in relay.relay.cache and relay.relay.cache.total_bytes == 0
     refused = relay.relay.metrics.value  # checked once; then refused on a HEAD (same ETag)

@@ -189,10 +189,14 @@ def test_relay_answers_409_object_corrupt_and_passes_it_down_a_chain(board: Boar
         assert r.status_code == CORRUPT_STATUS, r.text
         doc = r.json()
         assert (doc["code"], doc["key"]) == (CORRUPT_CODE, key)
-        assert ("BLAKE3" if server is near else "corrupt") in doc["error"]
+        # the edge kit's error body (one shape for sidecar, gateway and relay)
+        assert (doc["error"]["type"], doc["error"]["code"]) == (CORRUPT_CODE, CORRUPT_STATUS)
+        assert ("BLAKE3" if server is near else "corrupt") in doc["error"]["message"]
         with pytest.raises(ObjectIntegrityError) as e:
             open_store(server.url, retries=0).get(key)
         assert e.value.context["key"] == key
+        # the client quotes the relay's message from the edge kit's body
+        assert ("BLAKE3" if server is near else "corrupt") in str(e.value.context["relay_error"])
         assert key not in server.relay.cache
     metric = near.relay.metrics.value
     # the near relay pulled the bad bytes once; the three later requests cost a HEAD each

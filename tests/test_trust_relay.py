@@ -70,7 +70,7 @@ def test_relay_refuses_forged_manifests_and_latest_before_caching(serve, tmp_pat
             c.get(key)
         with httpx.Client() as h:
             r = h.get(f"{relay.url}/v1/objects/{key}")
-            assert r.status_code == 502 and "valid signature" in r.json()["error"]
+            assert r.status_code == 502 and "valid signature" in r.json()["error"]["message"]
     assert version_key(RUN, 2) not in relay.relay.cache
     m = relay.relay.metrics
     assert m.value("rollpatch_relay_refused_total", reason="trust_bad_signature") == 4

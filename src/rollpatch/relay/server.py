@@ -25,8 +25,9 @@ from ..errors import (
     TransientStoreError,
 )
 from ..serving import ServeOptions, ServerHandle, serve_app
+from ..serving.responses import error_body
 from ..store import Store, open_store, validate_key, validate_prefix
-from ..store.http_client import CORRUPT_STATUS, corrupt_body
+from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS
 from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
@@ -78,13 +79,23 @@ def _status(exc: BaseException) -> int:
     return 502  # refused bytes, upstream misconfigured: requests are validated before this
 
 
+#: The ``type`` of the relay's error bodies, by status.
+_KINDS = {400: "invalid_request_error", 404: "not_found", 502: "upstream_error", 503: "unavailable"}
+
+
 def _error(status: int, exc: BaseException) -> JSONResponse:
-    if isinstance(exc, ObjectIntegrityError) and isinstance(exc.context.get("key"), str):
-        body = corrupt_body(exc.context["key"], exc.message, exc.hint)
-        return JSONResponse(body, status_code=CORRUPT_STATUS)
+    """The edge kit's error body (:func:`~rollpatch.serving.responses.error_body`) with the
+    exception's ``hint``; a corrupt object adds the ``code`` and ``key`` clients act on."""
     hint = exc.hint if isinstance(exc, RollpatchError) else None
     message = exc.message if isinstance(exc, RollpatchError) else f"{type(exc).__name__}: {exc}"
-    return JSONResponse({"error": message, "hint": hint}, status_code=status)
+    key = exc.context.get("key") if isinstance(exc, ObjectIntegrityError) else None
+    if isinstance(key, str):
+        body = error_body(
+            CORRUPT_STATUS, message, CORRUPT_CODE, hint=hint, code=CORRUPT_CODE, key=key
+        )
+        return JSONResponse(body, status_code=CORRUPT_STATUS)
+    body = error_body(status, message, _KINDS.get(status, "error"), hint=hint)
+    return JSONResponse(body, status_code=status)
 
 
 async def _wait(future: Future[T]) -> T:

@@ -1,20 +1,43 @@
-"""OpenAI-style error bodies, one shape for the sidecar and the gateway.
+"""Error bodies, one shape for every service (sidecar, gateway, relay).
 
-``{"error": {"message", "type", "code"}, ...extra}`` with ``Retry-After: 1`` on ``409`` and
-``503`` (a client may retry: another version, another island, a moment later).
+``{"error": {"message", "type", "code"}, ...extra}``: OpenAI's shape, ``code`` the HTTP
+status, ``type`` a short machine-readable kind, ``extra`` fields beside ``error`` (``served``,
+``latest``, ``hint``, the relay's ``code``/``key`` of a corrupt object). :func:`error_body`
+builds it (stdlib only); :func:`error_response` sends it with ``Retry-After: 1`` on ``409``
+and ``503`` (an OpenAI client may retry: another version, another island, a moment later).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
 
-__all__ = ["error_response"]
+__all__ = ["error_body", "error_message", "error_response"]
+
+
+def error_body(status: int, message: str, kind: str, **extra: Any) -> dict[str, Any]:
+    """The error body of a ``status`` answer (``kind`` is its ``type``)."""
+    return {"error": {"message": message, "type": kind, "code": status}, **extra}
+
+
+def error_message(doc: object) -> str | None:
+    """The message of an error body: :func:`error_body`'s, or a bare ``{"error": "..."}``
+    (what services wrote before); None when there is none."""
+    if not isinstance(doc, dict):
+        return None
+    error = doc.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    return error if isinstance(error, str) else None
 
 
 def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
     """An OpenAI-style error (``kind`` is its ``type``); Retry-After on 409/503."""
-    body = {"error": {"message": message, "type": kind, "code": status}, **extra}
+    from fastapi.responses import JSONResponse
+
     headers = {"Retry-After": "1"} if status in (409, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(status, message, kind, **extra), status_code=status, headers=headers
+    )

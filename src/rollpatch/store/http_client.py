@@ -5,7 +5,7 @@ The protocol is specified in ``docs/store.md`` ("Relay protocol"); in short::
     GET  {base}/v1/objects/{key}            200 body | 206 with Range | 404 | 416
     HEAD {base}/v1/objects/{key}            200 Content-Length, ETag | 404
     GET  {base}/v1/list?prefix=P[&start_after=K]   200 {"keys": [...], "next": K | null}
-    any object request                      409 {"code": "object_corrupt", "key": K, ...}
+    any object request                      409 {"error": {...}, "code": "object_corrupt", "key": K}
 
 409 with ``"code": "object_corrupt"`` means the relay found the origin's copy of an object
 corrupt (its bytes do not match the BLAKE3 in its key): :class:`ObjectIntegrityError` naming
@@ -38,11 +38,12 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
+from ..serving.responses import error_message
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
 from .http_pool import MAX_ERROR_BYTES, HttpStatusError, Pool, Response
 
-__all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HttpStore", "corrupt_body"]
+__all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HttpStore"]
 
 #: The relay's answer for an object whose origin copy is corrupt (docs/store.md, "Errors"):
 #: this status with a JSON body whose ``code`` is :data:`CORRUPT_CODE` and ``key`` the key.
@@ -244,11 +245,6 @@ class HttpStore(Store):
         self._require_writable("cas", key)
 
 
-def corrupt_body(key: str, message: str, hint: str | None) -> dict[str, str | None]:
-    """The JSON body of a :data:`CORRUPT_STATUS` answer about ``key`` (the relay's side)."""
-    return {"error": message, "hint": hint, "code": CORRUPT_CODE, "key": key}
-
-
 def _raise_if_corrupt(e: HttpStatusError, key: str, uri: str) -> None:
     """Raise :class:`ObjectIntegrityError` when a 409's body says the object is corrupt at
     the origin; return for any other 409 (the caller maps it like other statuses)."""
@@ -269,12 +265,12 @@ def _raise_if_corrupt(e: HttpStatusError, key: str, uri: str) -> None:
             key=key,
             store=uri,
         )
-    error = doc.get("error")
+    error = error_message(doc)  # the edge kit's {"error": {"message"}} or a bare string
     raise ObjectIntegrityError(
         "relay found the origin's copy of the object corrupt",
         key=key,
         store=uri,
-        relay_error=error[:200] if isinstance(error, str) else None,  # repr'd: no raw text
+        relay_error=error[:200] if error is not None else None,  # repr'd: no raw text
         hint="the stored copy must be republished; a follower plans around it meanwhile",
     )
 

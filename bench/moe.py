@@ -71,8 +71,8 @@ class Acc:
         self.per_expert: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
         self.quantiles: list[dict[str, float]] = []
         self.router: list[float] = []
-        self.split = 0  # per-expert tensors, encoded per layer
-        self.fused = 0  # the same, fused [experts, ...] per layer and projection
+        self.split = [0, 0]  # per-expert tensors, encoded per layer: (bytes, payload bytes)
+        self.fused = [0, 0]  # the same, fused [experts, ...] per layer and projection
 
 
 def fused(view: View, names: list[str]) -> View:
@@ -120,9 +120,14 @@ def measure(a: View, b: View, acc: Acc, pool: ThreadPoolExecutor) -> None:
             by_layer[key[0]].append(n)
     for names in by_layer.values():
         sa, sb = View({n: a[n] for n in names}), View({n: b[n] for n in names})
-        acc.split += len(encode(diff(sa, sb), sa))
-        fa, fb = fused(a, names), fused(b, names)
-        acc.fused += len(encode(diff(fa, fb), fa))
+        _sizes(sa, sb, acc.split)
+        _sizes(fused(a, names), fused(b, names), acc.fused)
+
+
+def _sizes(a: View, b: View, into: list[int]) -> None:
+    blob = encode(diff(a, b), a)
+    into[0] += len(blob)
+    into[1] += sum(int(e["length"]) for e in inspect(blob).tensors)
 
 
 def _pct(x: float) -> str:
@@ -203,17 +208,34 @@ def render(accs: dict[str, Acc], loads: dict[tuple[int, int], float], steps: int
     rows = [
         [
             f,
-            fmt_size(acc.split // steps),
-            fmt_size(acc.fused // steps),
-            f"{acc.fused / acc.split:.4f}",
+            fmt_size(acc.split[0] // steps),
+            fmt_size(acc.split[1] // steps),
+            fmt_size(acc.fused[0] // steps),
+            fmt_size(acc.fused[1] // steps),
+            f"{acc.fused[0] / acc.split[0]:.3f}",
+            f"{acc.fused[1] / acc.split[1]:.3f}",
             fmt_size(acc.xor1["experts"] // steps),
-            f"{acc.xor1['experts'] / acc.split:.2f}",
+            f"{acc.xor1['experts'] / acc.split[0]:.2f}",
         ]
         for f, acc in accs.items()
     ]
-    heads = ["format", "per-expert", "fused", "fused/per-expert", "xor1", "xor1/per-expert"]
-    out += ["Expert tensors only, per transition: one tensor per expert vs fused per layer"]
-    out += [table(heads, rows, [False] + [True] * 5)]
+    heads = [
+        "format",
+        "per-expert",
+        "payload",
+        "fused",
+        "payload",
+        "fused/per-expert",
+        "payloads",
+        "xor1",
+        "xor1/per-expert",
+    ]
+    out += [
+        "Expert tensors only, per transition: one tensor per expert vs fused [experts, ...] per",
+        "layer and projection (each MoE layer its own patch; payload: coded bytes without the",
+        "container header and its per-tensor entries)",
+    ]
+    out += [table(heads, rows, [False] + [True] * 8)]
     return "\n".join(out)
 
 

@@ -9,19 +9,16 @@ from the gateway when no island could be reached; ``400`` for a malformed reques
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
-from ..errors import ConfigError
 from ..protocol import parse_constraint
-from ..serving.body import read_json_object, refusal_status
+from ..serving.app import closing, install_error_handlers, upstream_client
+from ..serving.body import read_json_object
 from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
-from ..serving.responses import error_response
 from ..serving.schema import openapi_body, validate_body
 from ..types import Constraint
 from .core import Gateway
@@ -41,27 +38,13 @@ def create_app(gw: Gateway) -> FastAPI:
         if gw.config.island_token is None
         else {"authorization": f"Bearer {gw.config.island_token}"}
     )
-    client = httpx.AsyncClient(
-        headers=auth,
-        timeout=httpx.Timeout(None, connect=gw.config.connect_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+    client = upstream_client(
+        headers=auth, connect_s=gw.config.connect_timeout_s, max_connections=None
     )
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
-
-    app = FastAPI(title="rollpatch gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
-
-    @app.exception_handler(ConfigError)
-    async def _config_error(_: Request, e: ConfigError) -> JSONResponse:
-        return error_response(refusal_status(e), str(e), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        log.exception("gateway: unexpected error")
-        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
+    app = FastAPI(
+        title="rollpatch gateway", docs_url=None, redoc_url=None, lifespan=closing(client)
+    )
+    install_error_handlers(app, log, "gateway")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

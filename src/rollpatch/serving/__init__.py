@@ -6,6 +6,8 @@ clients.
 - :mod:`.body`: read a request body within :class:`BodyLimits` as strict, bounded JSON.
 - :mod:`.schema`: typed request models of the OpenAI routes (pydantic; imported on use).
 - :mod:`.responses`: OpenAI-style error bodies (fastapi; imported on use).
+- :mod:`.app`: what a proxying app is built from: its upstream client (the one place its
+  connection limits are written), the lifespan that closes it, the error handlers.
 - :mod:`.admission`: a held slot released exactly once (:class:`~.admission.Slot`), blocking
   admission awaited without blocking the event loop (:func:`~.admission.admit_async`).
 - :mod:`.streaming`: the SSE pass-through with its last event annotated

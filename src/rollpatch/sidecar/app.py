@@ -13,17 +13,17 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..errors import ConfigError, NotReadyError, RollpatchError
+from ..errors import NotReadyError, RollpatchError
 from ..logs import event
 from ..serving.admission import admit_async
-from ..serving.body import read_json_object, refusal_status
+from ..serving.app import closing, install_error_handlers, upstream_client
+from ..serving.body import read_json_object
 from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
 from ..serving.responses import error_response
 from ..serving.schema import openapi_body, validate_body
@@ -50,31 +50,19 @@ _PROXIED = ("/v1/completions", "/v1/chat/completions")
 def create_app(sc: Sidecar) -> FastAPI:
     """Build the FastAPI app around a running :class:`Sidecar`."""
     # keep-alive shorter than uvicorn's 5 s so the engine never closes a connection we reuse
-    client = httpx.AsyncClient(
-        base_url=sc.engine_url,
-        timeout=httpx.Timeout(None, connect=5),
-        limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=2.0),
+    client = upstream_client(
+        base_url=sc.engine_url, connect_s=5, max_connections=100, keepalive_expiry_s=2.0
     )
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
-
-    app = FastAPI(title="rollpatch sidecar", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(
+        title="rollpatch sidecar", docs_url=None, redoc_url=None, lifespan=closing(client)
+    )
+    install_error_handlers(app, log, "sidecar")  # ConfigError: its refusal; others: 500
 
     @app.exception_handler(RollpatchError)
     async def _rollpatch_error(_: Request, e: RollpatchError) -> JSONResponse:
-        if isinstance(e, ConfigError):
-            return error_response(refusal_status(e), str(e), "invalid_request_error")
         if isinstance(e, NotReadyError):
             return error_response(503, str(e), "not_ready")
         return error_response(502, str(e), "rollpatch_error")
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        log.exception("sidecar: unexpected error")
-        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
     @app.get("/health")
     async def health() -> dict[str, str]:

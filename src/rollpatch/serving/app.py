@@ -1,0 +1,79 @@
+"""What every proxying service's app is built from: its upstream client, the lifespan that
+closes it, and the error handlers that keep a bare 500 (or a traceback) from any client.
+
+:func:`upstream_client` is the one place the services' connection limits to their upstream
+(an engine, islands) are written; :func:`closing` is the lifespan that closes it when the
+server stops (:func:`~rollpatch.serving.server.serve_app` runs lifespans);
+:func:`install_error_handlers` maps a :class:`~rollpatch.errors.ConfigError` to its refusal
+status (400, 408, 413) and anything unexpected to a logged ``500 internal_error`` body.
+fastapi and httpx (the ``web`` extra) are imported when these are called.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from .body import refusal_status
+from .responses import error_response
+
+if TYPE_CHECKING:
+    import httpx
+    from fastapi import FastAPI
+
+__all__ = ["closing", "install_error_handlers", "upstream_client"]
+
+
+def upstream_client(
+    *,
+    connect_s: float,
+    max_connections: int | None,
+    keepalive_expiry_s: float = 5.0,
+    base_url: str = "",
+    headers: dict[str, str] | None = None,
+) -> httpx.AsyncClient:
+    """An async client to a service's upstream: no read timeout (generations take as long as
+    they take), ``connect_s`` to connect, at most ``max_connections`` (None: no bound) with 64
+    kept alive for ``keepalive_expiry_s``."""
+    import httpx
+
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers=headers,
+        timeout=httpx.Timeout(None, connect=connect_s),
+        limits=httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=64,
+            keepalive_expiry=keepalive_expiry_s,
+        ),
+    )
+
+
+def closing(
+    client: httpx.AsyncClient,
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: nothing at start, ``client.aclose()`` at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    return lifespan
+
+
+def install_error_handlers(app: FastAPI, log: logging.Logger, service: str) -> None:
+    """ConfigError → its refusal status; any other exception → a logged 500 body."""
+    from fastapi import Request
+
+    @app.exception_handler(ConfigError)
+    async def _config_error(_: Request, e: ConfigError) -> Any:
+        return error_response(refusal_status(e), str(e), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> Any:
+        log.exception("%s: unexpected error", service)
+        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")

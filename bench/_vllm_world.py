@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
 
@@ -61,6 +62,12 @@ class World:
         self._publish()
         for _ in range(versions):
             self.step()
+        # the runs need only the board, the checkpoints and the digests: give the FP32
+        # masters, the Adam state and the views back before any engine starts (at 400M+ they
+        # are several GB)
+        self.publisher.close()
+        del self.masters, self.adam, self.view, self.publisher
+        gc.collect()
 
     def step(self) -> None:
         """One AdamW step of every master, then publish it."""

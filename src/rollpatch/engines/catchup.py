@@ -10,8 +10,8 @@ touched, so a catch-up of *n* steps copied the model *n − 1* times. Here each 
 is copied once, and every step is decoded straight into that private copy by the native
 decoder (``decode_into``: it reads the base words and writes the new ones in the same pass,
 and returns the exact rp.sum128 change), so step *k* sees exactly the words after step
-*k − 1*; the composed change is where the copy differs from the live words (one native
-``diff``, cheaper than composing n change lists), and the tensor's target state is the held
+*k − 1*; the composed change is where the copy differs from the live words (one vectorized
+compare, cheaper than composing n change lists), and the tensor's target state is the held
 state plus the decoder's changes, checked against the published target digest. Memory: one
 tensor copy per thread plus the composed change; the live weights are only read.
 
@@ -95,6 +95,23 @@ def _entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[_Ent
     return out
 
 
+def _changed(live: Tensor, work: Tensor, core: Any) -> tuple[np.ndarray, ...]:
+    """(positions, old, new) where ``work`` differs from ``live``: a vectorized compare of
+    the words (the native ``diff`` for packed kinds, whose elements share bytes)."""
+    from .. import native
+
+    if live.kind.packed:
+        kt = native.kind_tuple(live.kind, live.n_elements)
+        pos = np.frombuffer(core.diff(kt, live.data, work.data, 0, live.n_elements), np.int64)
+        old = np.empty(pos.size, live.kind.elem_dtype)
+        new = np.empty(pos.size, live.kind.elem_dtype)
+        core.gather(kt, live.data, pos, old)
+        core.gather(kt, work.data, pos, new)
+        return pos, old, new
+    pos = np.flatnonzero(live.data != work.data).astype(np.int64, copy=False)
+    return pos, live.data[pos], work.data[pos]
+
+
 def decode_in_place(
     words: WordSource,
     steps: list[dict[str, Any]],
@@ -109,8 +126,8 @@ def decode_in_place(
     Per tensor (on :func:`rollpatch.native.threads` threads): copy it, decode every step into
     the copy (the decoder returns each step's exact rp.sum128 change), check the summed state
     against the last step's target digest for that tensor, and take the composed change as
-    the positions where the copy differs from the live words (the native ``diff``: one pass,
-    no per-step change lists kept; a tensor one step touches takes that step's changes). The writes staged from it turn the live words into the
+    the positions where the copy differs from the live words (one vectorized compare, no
+    per-step change lists kept; a tensor one step touches takes that step's changes). The writes staged from it turn the live words into the
     copy, whose state is the one proven."""
     from .. import native
 
@@ -146,12 +163,7 @@ def decode_in_place(
                 "the decoded chain does not reach the tensor's target", tensor=name
             )
         if len(chain) > 1:  # the composed change: where the copy now differs from the live words
-            kt = native.kind_tuple(live.kind, live.n_elements)
-            pos = np.frombuffer(core.diff(kt, live.data, work.data, 0, live.n_elements), np.int64)
-            old = np.empty(pos.size, live.kind.elem_dtype)
-            new = np.empty(pos.size, live.kind.elem_dtype)
-            core.gather(kt, live.data, pos, old)
-            core.gather(kt, work.data, pos, new)
+            pos, old, new = _changed(live, work, core)
         tp = TensorPatch(
             name, "delta", live.kind, live.shape, chain[0].base, chain[-1].target, pos, old, new
         )

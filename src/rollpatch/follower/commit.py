@@ -29,11 +29,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Literal, TypeVar, get_args
 
 from ..engines.base import EngineAdapter
 from ..errors import ConfigError, NotReadyError
+from ..serving.admission import Slot
 
 __all__ = ["COMMIT_MODES", "Admission", "CommitGate", "CommitMode", "CommitRecord"]
 
@@ -54,51 +54,24 @@ class CommitRecord:
     ok: bool
 
 
-class Admission:
+class Admission(Slot):
     """One admitted request's place in the gate: a context manager that releases the slot on
     every way out, exceptions included (a leaked slot would hold every later drain commit).
 
     ``start`` is the version when admitted. :meth:`release` is idempotent and returns the
     version at the (first) release; a stream that outlives its handler calls
-    :meth:`hand_off` and then releases when it ends.
+    :meth:`hand_off` and then releases when it ends (the edge kit's
+    :class:`~rollpatch.serving.admission.Slot`).
     """
 
     def __init__(self, gate: CommitGate, start: int | None) -> None:
-        self._gate = gate
+        super().__init__(gate._exit)
         self.start = start
-        self._lock = threading.Lock()
-        self._end: int | None = None
-        self._released = False
-        self._handed_off = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
 
     def release(self) -> int | None:
         """Give the slot back (once); the engine's version at that moment."""
-        with self._lock:
-            if not self._released:
-                self._released = True
-                self._end = self._gate._exit()
-            return self._end
-
-    def hand_off(self) -> Admission:
-        """Leaving the ``with`` block no longer releases: the new owner must :meth:`release`."""
-        self._handed_off = True
-        return self
-
-    def __enter__(self) -> Admission:  # noqa: PYI034 (typing.Self needs 3.11)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is not None or not self._handed_off:
-            self.release()
+        end: int | None = super().release()
+        return end
 
 
 class CommitGate:

@@ -20,7 +20,10 @@ import asyncio
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs 3.11; only the checker reads it
 
 __all__ = ["Releasable", "Slot", "admit_async"]
 
@@ -55,12 +58,12 @@ class Slot:
                 self._result = self._on_release()
             return self._result
 
-    def hand_off(self) -> Slot:
+    def hand_off(self) -> Self:
         """Leaving the ``with`` block no longer releases: the new owner must :meth:`release`."""
         self._handed_off = True
         return self
 
-    def __enter__(self) -> Slot:  # noqa: PYI034 (typing.Self needs 3.11)
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

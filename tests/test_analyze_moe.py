@@ -143,3 +143,50 @@ def test_cli_reports_experts(run: list[Path], capsys: pytest.CaptureFixture[str]
     assert main(["analyze", *map(str, run[:2]), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "Routed experts and routers, bf16" in text and "most changed over the run" in text
+
+
+def test_a_real_transformers_moe_trained_by_torch(tmp_path: Path) -> None:
+    """A Qwen3-MoE from transformers, three real AdamW steps on real routing: its state dict
+    (fused ``mlp.experts.gate_up_proj`` in transformers 5, or one tensor per expert) goes
+    through ``rollpatch analyze`` with every expert accounted for."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    experts, layers = 4, 2
+    cfg = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=experts,
+        num_experts_per_tok=2,
+    )
+    model = Qwen3MoeForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    paths = []
+    for i in range(3):
+        if i:
+            ids = torch.randint(0, 128, (4, 16))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+        paths.append(tmp_path / f"ckpt{i}.safetensors")
+        save_view(View({k: Tensor.from_array(v) for k, v in state.items()}), paths[-1])
+    result = analyze_run(paths, progress=False)
+    groups = result.pairs[0].formats["bf16"].groups
+    assert groups["experts"].changed > 0 and groups["router"].changed > 0
+    for p in result.pairs:
+        ex = p.formats["bf16"].experts
+        assert ex is not None
+        assert {(e.layer, e.expert) for e in ex.experts} == {
+            (layer, e) for layer in range(layers) for e in range(experts)
+        }
+        assert sum(e.elements for e in ex.experts) == result.group_params["experts"]
+        assert [r.layer for r in ex.routers] == list(range(layers))
+    assert "Routed experts and routers, bf16" in render(result)

@@ -307,3 +307,24 @@ def test_shard_objects_decode_as_they_arrive(
     assert f.sync(1) == 1
     assert used == [3]  # every shard object came decoded from the fetch
     assert f.engine.words().digest() == manifests[1].target
+
+
+def test_native_sum_at_a_global_offset_equals_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``sum_at`` (native sum over words copied to their global position in a sparse mapping)
+    equals the numpy reference of rp.sum128 at any word offset, across chunk boundaries."""
+    from rollpatch import native
+    from rollpatch.publisher import sharded_slices
+
+    if native.core is None:
+        pytest.skip("the native core is not built")
+    monkeypatch.setattr(sharded_slices, "_CHUNK_WORDS", 1000)  # several chunks
+    data = np.random.default_rng(3).integers(0, 256, 8 * 4321, dtype=np.uint8)
+    for first in (0, 1, 999, 10**9):  # 10^9 words: 8 GB of untouched address space
+        fast = sharded_slices.sum_at(data, first)
+        monkeypatch.setattr(native, "core", None)
+        ref = sharded_slices.sum_at(data, first)
+        monkeypatch.undo()
+        monkeypatch.setattr(sharded_slices, "_CHUNK_WORDS", 1000)
+        assert fast == ref, first

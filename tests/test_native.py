@@ -219,6 +219,19 @@ def test_encode_views_equals_encode_of_diff(seed: int) -> None:
     a["model.dense"] = Tensor(KINDS["u8"], (70_000,), np.zeros(70_000, dtype=np.uint8))
     a["model.gone"] = Tensor(KINDS["bf16"], (3,), np.ones(3, dtype=np.uint16))
     assert encode_views(a, b) == encode(diff(a, b), a)
+    # the same pass can hand back its changes: the patch diff builds, tensor for tensor
+    from rollpatch.patch import encode_views_patch
+
+    b["model.new"] = Tensor(KINDS["e4m3"], (5, 7), np.arange(35, dtype=np.uint8))
+    blob, patch = encode_views_patch(a, b, meta={"k": "v"})
+    want = diff(a, b)
+    assert blob == encode_views(a, b, meta={"k": "v"}) and patch.equals(want)
+    assert {n: t.op for n, t in patch.tensors.items()} == {n: t.op for n, t in want.tensors.items()}
+    assert {"drop", "full", "delta"} <= {t.op for t in patch.tensors.values()}
+    for name, tp in patch.tensors.items():
+        if tp.op == "delta":
+            got, exp = tp.changes(), want.tensors[name].changes()
+            assert got.old.dtype == exp.old.dtype and got.positions.dtype == exp.positions.dtype
 
 
 def test_apply_rehashes_by_default_and_incremental_is_exact_for_what_it_wrote() -> None:

@@ -85,6 +85,78 @@ out:
     return res;
 }
 
+/* encode_range_keep(kind, a, b, c0, c1) -> ([(body, k, pos, old, new)], sd0, sd1): as
+ * encode_range, plus each chunk's changes: pos as int64 absolute positions, old and new as
+ * uint64 elements, in bytes objects (k entries each; empty when nothing changed). */
+static PyObject *py_encode_range_keep(PyObject *self, PyObject *args) {
+    PyObject *kt;
+    Py_buffer a = {0}, b = {0};
+    Py_ssize_t c0, c1;
+    rp_kind k;
+    int64_t n;
+    if (!PyArg_ParseTuple(args, "Oy*y*nn", &kt, &a, &b, &c0, &c1)) return NULL;
+    PyObject *res = NULL;
+    uint8_t **bodies = NULL;
+    size_t *lens = NULL;
+    int64_t *counts = NULL;
+    uint32_t **pos = NULL;
+    uint64_t **ov = NULL, **nv = NULL;
+    Py_ssize_t m = c1 - c0;
+    if (kind_arg(kt, &k) || elem_count(&k, a.len, &n)) goto out;
+    if (a.len != b.len || c0 < 0 || m < 0 || c1 > (n + RP_CHUNK - 1) / RP_CHUNK) {
+        PyErr_SetString(PyExc_ValueError, "buffers differ in size or chunk range is out of bounds");
+        goto out;
+    }
+    bodies = calloc(m + 1, sizeof *bodies);
+    lens = calloc(m + 1, sizeof *lens);
+    counts = calloc(m + 1, sizeof *counts);
+    pos = calloc(m + 1, sizeof *pos);
+    ov = calloc(m + 1, sizeof *ov);
+    nv = calloc(m + 1, sizeof *nv);
+    if (!bodies || !lens || !counts || !pos || !ov || !nv) { PyErr_NoMemory(); goto out; }
+    int rc = RP_OK;
+    const char *err = NULL;
+    uint64_t sd[2] = {0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m && rc == RP_OK; i++) {
+        int64_t s = (c0 + i) * RP_CHUNK, len = n - s < RP_CHUNK ? n - s : RP_CHUNK;
+        rc = rp_encode_chunk_keep(&k, a.buf, b.buf, (size_t)a.len, s, len, &bodies[i],
+                                  &lens[i], &counts[i], sd, &pos[i], &ov[i], &nv[i], &err);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    PyObject *lst = PyList_New(m);
+    for (Py_ssize_t i = 0; lst && i < m; i++) {
+        int64_t kk = counts[i];
+        PyObject *pb = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(kk * 8));
+        PyObject *t = NULL;
+        if (pb) {
+            int64_t *p = (int64_t *)PyBytes_AS_STRING(pb), s = (c0 + i) * RP_CHUNK;
+            for (int64_t j = 0; j < kk; j++) p[j] = s + (int64_t)pos[i][j];
+            t = Py_BuildValue("(y#LNy#y#)", bodies[i] ? (const char *)bodies[i] : "",
+                              (Py_ssize_t)lens[i], (long long)kk, pb,
+                              ov[i] ? (const char *)ov[i] : "", (Py_ssize_t)(kk * 8),
+                              nv[i] ? (const char *)nv[i] : "", (Py_ssize_t)(kk * 8));
+        }
+        if (!t) { Py_CLEAR(lst); break; }
+        PyList_SET_ITEM(lst, i, t);
+    }
+    if (lst) {
+        res = Py_BuildValue("(NKK)", lst, (unsigned long long)sd[0], (unsigned long long)sd[1]);
+    }
+out:
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (bodies) free(bodies[i]);
+        if (pos) free(pos[i]);
+        if (ov) free(ov[i]);
+        if (nv) free(nv[i]);
+    }
+    free(bodies); free(lens); free(counts); free(pos); free(ov); free(nv);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return res;
+}
+
 /* encode_sparse(kind, base, start, n, pos:int64, old:uint64, new:uint64) -> body */
 static PyObject *py_encode_sparse(PyObject *self, PyObject *args) {
     PyObject *kt, *res = NULL;
@@ -502,6 +574,8 @@ static PyObject *py_set_errors(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode_range", py_encode_range, METH_VARARGS, "Encode chunks [first, last) of a tensor."},
+    {"encode_range_keep", py_encode_range_keep, METH_VARARGS,
+     "encode_range, plus each chunk's changes (positions, old and new elements)."},
     {"encode_sparse", py_encode_sparse, METH_VARARGS, "Encode one chunk from its changes."},
     {"encode_records", py_encode_records, METH_VARARGS, "Encode one chunk from records."},
     {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},

@@ -1469,8 +1469,19 @@ __attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, cons
 int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
                     int64_t start, int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
                     uint64_t sdelta[2], const char **err) {
+    return rp_encode_chunk_keep(kd, old, new_, nbytes, start, n, out, outlen, changed, sdelta,
+                                NULL, NULL, NULL, err);
+}
+
+int rp_encode_chunk_keep(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                         size_t nbytes, int64_t start, int64_t n, uint8_t **out, size_t *outlen,
+                         int64_t *changed, uint64_t sdelta[2], uint32_t **pos, uint64_t **oldv,
+                         uint64_t **newv, const char **err) {
     int rc = RP_OK;
     recs_t r = {0};
+    if (pos) *pos = NULL;
+    if (oldv) *oldv = NULL;
+    if (newv) *newv = NULL;
     uint32_t tab[NCTX] = {0};
     uint64_t ncnt[NCTX], sd[2] = {0, 0};
     *out = NULL;
@@ -1488,6 +1499,10 @@ int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, 
     *changed = r.k;
     sdelta[0] += sd[0];
     sdelta[1] += sd[1];
+    if (rc == RP_OK && pos && oldv && newv && r.k > 0) { /* hand the records over */
+        *pos = r.pos; *oldv = r.oldv; *newv = r.newv;
+        r.pos = NULL; r.oldv = NULL; r.newv = NULL;
+    }
 done:
     recs_free(&r);
     return rc;

@@ -31,6 +31,14 @@ int rp_encode_chunk(const rp_kind *k, const uint8_t *old, const uint8_t *new_, s
                     int64_t start, int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
                     uint64_t sdelta[2], const char **err);
 
+/* rp_encode_chunk that also hands over the chunk's changes (the diff the pass found, in
+ * position order): *pos (relative to start), *oldv, *newv, *changed entries each, malloc'd
+ * arrays the caller frees (NULL when nothing changed, or on failure). */
+int rp_encode_chunk_keep(const rp_kind *k, const uint8_t *old, const uint8_t *new_,
+                         size_t nbytes, int64_t start, int64_t n, uint8_t **out, size_t *outlen,
+                         int64_t *changed, uint64_t sdelta[2], uint32_t **pos, uint64_t **oldv,
+                         uint64_t **newv, const char **err);
+
 /* The same from the changed elements only: positions relative to start (strictly
  * increasing), old and new element values (uint64), and the base words for contexts. */
 int rp_encode_chunk_sparse(const rp_kind *k, const uint8_t *base, int64_t start, int64_t n,

@@ -8,7 +8,7 @@ from ..view import View
 from .inplace import apply_encoded
 from .model import Patch, TensorPatch
 from .ops import apply, compose, diff
-from .wire import PatchHeader, decode, encode, encode_views, inspect
+from .wire import PatchHeader, decode, encode, encode_views, encode_views_patch, inspect
 
 __all__ = [
     "Patch",
@@ -22,6 +22,7 @@ __all__ = [
     "diff",
     "encode",
     "encode_views",
+    "encode_views_patch",
     "inspect",
 ]
 

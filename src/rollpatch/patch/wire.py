@@ -110,6 +110,23 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
     No decoded patch is built: memory beyond the two views is the patch plus one chunk's
     records per thread (and one XOR temporary for dense tensors, which may ship as XOR+zstd).
     """
+    return _encode_views(a, b, meta, keep=False)[0]
+
+
+def encode_views_patch(
+    a: View, b: View, *, meta: dict[str, str] | None = None
+) -> tuple[bytes, Patch]:
+    """:func:`encode_views` and ``diff(a, b)`` (equal, tensor for tensor) from the same pass:
+    the changes the encoder found are kept instead of compared again (a publisher composing
+    skip patches needs the step's changes)."""
+    blob, patch = _encode_views(a, b, meta, keep=True)
+    assert patch is not None
+    return blob, patch
+
+
+def _encode_views(
+    a: View, b: View, meta: dict[str, str] | None, *, keep: bool
+) -> tuple[bytes, Patch | None]:
     from .codec_v2 import CtxGolombV2
     from .codecs import XorZstd
 
@@ -117,28 +134,36 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
     codec = CtxGolombV2()
     names = sorted(set(a) | set(b))
 
-    def one(name: str) -> tuple[dict[str, Any], bytes] | None:
+    def one(name: str) -> tuple[dict[str, Any], bytes, TensorPatch | None] | None:
         if name not in b:
             ta = a[name]
-            return entry(
-                name, "drop", ta.kind, ta.shape, ta.n_elements, a.tensor_digest(name), None, "none"
-            ), b""
+            dropped = a.tensor_digest(name)
+            tp = TensorPatch(name, "drop", ta.kind, ta.shape, dropped, None) if keep else None
+            return (
+                entry(name, "drop", ta.kind, ta.shape, ta.n_elements, dropped, None, "none"),
+                b"",
+                tp,
+            )
         tb = b[name]
         if name not in a or a[name].kind != tb.kind or a[name].shape != tb.shape:
             codec_id, payload = encode_full(tb)
-            base = a.tensor_digest(name) if name in a else None
-            return entry(
-                name,
-                "full",
-                tb.kind,
-                tb.shape,
-                tb.n_elements,
-                base,
-                b.tensor_digest(name),
-                codec_id,
-            ), payload
+            added = a.tensor_digest(name) if name in a else None
+            target = b.tensor_digest(name)
+            tp = None
+            if keep:
+                tp = TensorPatch(name, "full", tb.kind, tb.shape, added, target, tensor=tb.copy())
+            return (
+                entry(name, "full", tb.kind, tb.shape, tb.n_elements, added, target, codec_id),
+                payload,
+                tp,
+            )
         ta = a[name]
-        payload, k, change = codec.encode_dense_sum(ta, tb)
+        tp = None
+        if keep:
+            payload, change, pos, old, new = codec.encode_dense_changes(ta, tb)
+            k = int(pos.size)
+        else:
+            payload, k, change = codec.encode_dense_sum(ta, tb)
         if k == 0:
             return None
         st = a.cached_sum_state(name)
@@ -150,20 +175,20 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
             alt = XorZstd().compress(np.bitwise_xor(ta.data, tb.data))
             if len(alt) < len(payload):
                 codec_id, payload = "rp.xorzstd.v1", alt
-        return entry(
-            name,
-            "delta",
-            ta.kind,
-            ta.shape,
-            k,
-            a.tensor_digest(name),
-            b.tensor_digest(name),
-            codec_id,
-        ), payload
+        base, target = a.tensor_digest(name), b.tensor_digest(name)
+        if keep:
+            tp = TensorPatch(name, "delta", ta.kind, ta.shape, base, target, pos, old, new)
+        return entry(name, "delta", ta.kind, ta.shape, k, base, target, codec_id), payload, tp
 
     with _pool() as pool:
-        coded = [x for x in pool.map(one, names) if x is not None]
-    return assemble(a.digest(), b.digest(), meta or {}, "rp.sum128.v1", coded, VERSION)
+        done = [x for x in pool.map(one, names) if x is not None]
+    blob = assemble(
+        a.digest(), b.digest(), meta or {}, "rp.sum128.v1", [(e, p) for e, p, _ in done], VERSION
+    )
+    if not keep:
+        return blob, None
+    tensors = {tp.name: tp for _, _, tp in done if tp is not None}
+    return blob, Patch(a.digest(), b.digest(), tensors, meta=dict(meta or {}))
 
 
 def entry(

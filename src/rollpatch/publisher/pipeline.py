@@ -18,7 +18,7 @@ from ..board import Board
 from ..errors import BoardError, PatchError
 from ..formats import cast_view
 from ..manifest import KeyframeObject, Manifest, PatchObject, SlicedTensor
-from ..patch import Patch, compose, diff, encode, encode_views, inspect
+from ..patch import Patch, compose, diff, encode, encode_views, encode_views_patch, inspect
 from ..patch.ops import scatter
 from ..types import ObjectRef
 from ..view import Tensor, View, root_digest
@@ -126,19 +126,22 @@ class ShardPipeline:
             blob = encode_views(prev, view, meta=self._meta(self.prev_version, version))
             blobs.append((self.prev_version, "rpatch", blob))
             res.patch_bytes, res.changed = len(blob), inspect(blob).n_changed
+        elif prev is not None and self.prev_version is not None and native.core is not None:
+            # the step patch kept for the skip accumulators comes out of the same fused pass
+            # that encodes it (no second compare): byte for byte encode(diff(prev, view), prev)
+            res.timings["diff_s"] = _lap(t)
+            t = time.perf_counter()
+            meta = self._meta(self.prev_version, version)
+            blob, step = encode_views_patch(prev, view, meta=meta)
+            blobs.append((self.prev_version, "rpatch", blob))
+            res.patch_bytes, res.changed = len(blob), step.n_changed
         else:
             step = None if prev is None else diff(prev, view)
             res.timings["diff_s"] = _lap(t)
             t = time.perf_counter()
             if step is not None and prev is not None and self.prev_version is not None:
                 meta = self._meta(self.prev_version, version)
-                # the step patch (kept for the skip accumulators) encodes faster from the two
-                # views in one fused pass, byte for byte what encode(step, prev) writes
-                blob = (
-                    encode_views(prev, view, meta=meta)
-                    if native.core is not None
-                    else encode(self._with_meta(step, self.prev_version, version), prev)
-                )
+                blob = encode(self._with_meta(step, self.prev_version, version), prev)
                 blobs.append((self.prev_version, "rpatch", blob))
                 res.patch_bytes, res.changed = len(blob), step.n_changed
         res.accumulators, skips = self._advance_accumulators(version, step)

@@ -238,6 +238,16 @@ def child_follower(board: str, versions: int) -> list[dict[str, Any]]:
                 "patch_bytes": patch,
             }
         )
+    sliced = Follower(b, RUN + "-sliced", ViewEngine(), FollowerConfig(audit_bytes_per_s=None))
+    _, peak, secs = _phase(lambda: sliced.sync(0))  # 4 keyframe shard objects of slices
+    rows.append(
+        {
+            "phase": "follower boot v0 (sliced keyframe, 4 shards)",
+            "peak": peak,
+            "seconds": secs,
+            "largest_tensor": largest,
+        }
+    )
     return rows
 
 

@@ -519,9 +519,25 @@ def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: Wo
     engine = _count_words(VllmEngine(server.url))
     engine.load(world.views[world.latest], world.latest)  # the label checks moved the server
     f = Follower(world.board, RUN, engine, FAST)
+    posted: list[str] = []
+    post = engine.http.post
+
+    def recorded(path: str, body: Any = None, **kw: Any) -> Any:
+        posted.append(path if path != "/collective_rpc" else body["method"])
+        return post(path, body, **kw)
+
+    engine.http.post = recorded
     try:
         v = world.publish()
         assert f.sync() == v and engine.words_calls == 0
+        # the engine-core hook (launch.SCHEDULER): the write, the tag and the prefix-cache
+        # reset are one engine-core call; no /pause, /resume or /reset_prefix_cache around it
+        assert engine.pauses_itself and "core_ms" in engine.last_timings
+        commit = posted.index("rollpatch_commit_atomic")
+        assert not {"/pause?mode=keep", "/resume", "/reset_prefix_cache"} & set(posted[commit:])
+        assert (
+            f.gate.last is not None and f.gate.last.pause_s * 1e3 >= engine.last_timings["core_ms"]
+        )
         assert engine.held(fresh=True) == (world.views[v].tensor_digests(), world.views[v].digest())
         assert server.get("/weight_info") == {"weight_version": str(v)}
         world.publish()

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from typing import Any
 
 from . import jsonsafe, objects
 from .errors import (
@@ -220,10 +221,13 @@ class Board:
         """Get an object and verify its size and BLAKE3 hash (ObjectIntegrityError if corrupt)."""
         return objects.fetch(self.store, ref)
 
-    def fetch_view(self, ref: ObjectRef, *, chunk_bytes: int | None = None) -> View:
+    def fetch_view(
+        self, ref: ObjectRef, *, chunk_bytes: int | None = None, into: Any = None
+    ) -> View:
         """A keyframe shard read through ranged reads, verified before it is returned
-        (:func:`rollpatch.objects.fetch_view`: memory is the view plus one chunk)."""
-        return objects.fetch_view(self.store, ref, chunk_bytes=chunk_bytes)
+        (:func:`rollpatch.objects.fetch_view`: memory is the view plus one chunk; ``into``:
+        where its tensors are read to)."""
+        return objects.fetch_view(self.store, ref, chunk_bytes=chunk_bytes, into=into)
 
     # -- writing (publisher side) ------------------------------------------------------------
 

@@ -9,6 +9,8 @@ these with its store (docs/board.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import blake3
 
 from .errors import AlreadyExistsError, NotFoundError, ObjectIntegrityError, ViewError
@@ -33,10 +35,14 @@ def fetch(store: Store, ref: ObjectRef) -> bytes:
     return data
 
 
-def fetch_view(store: Store, ref: ObjectRef, *, chunk_bytes: int | None = None) -> View:
+def fetch_view(
+    store: Store, ref: ObjectRef, *, chunk_bytes: int | None = None, into: Any = None
+) -> View:
     """A safetensors object (a keyframe shard) read tensor by tensor through ranged reads:
     memory is the view plus one chunk. Size and BLAKE3 are checked over every byte before
-    the view is returned (ObjectIntegrityError if corrupt); nothing of it is usable before."""
+    the view is returned (ObjectIntegrityError if corrupt); nothing of it is usable before.
+    ``into``: where tensors are read to (``io.safetensors.read_view_ranges``); on an error
+    the caller must discard those destinations."""
     from .io.safetensors import STREAM_CHUNK_BYTES, read_view_ranges
 
     info = store.head(ref.key)
@@ -56,6 +62,7 @@ def fetch_view(store: Store, ref: ObjectRef, *, chunk_bytes: int | None = None) 
             ref.size,
             on_bytes=h.update,
             chunk_bytes=chunk_bytes or STREAM_CHUNK_BYTES,
+            into=into,
         )
     except ViewError as e:
         raise ObjectIntegrityError(

@@ -33,29 +33,33 @@ from .io import view_from_bytes
 from .manifest import Manifest, PatchObject, SlicedTensor, SliceEntry
 from .patch import Patch, decode, inspect
 from .patch.model import TensorPatch
-from .types import ObjectRef
 from .view import Tensor, View, WordSource, tensor_digest
 
 __all__ = ["decode_object", "decode_step", "encoded_step", "keyframe_view"]
 
 
-def keyframe_view(
-    m: Manifest, source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]
-) -> View:
+def keyframe_view(m: Manifest, source: MutableMapping[str, bytes] | Callable[..., View]) -> View:
     """Merge the keyframe shards of ``m`` into one view whose root digest is ``m.target``.
 
     ``source``: fetched blobs (each released once parsed), or a function that reads one shard
-    as a verified view (``Board.fetch_view``: tensor by tensor, the view plus one chunk).
+    as a verified view (``Board.fetch_view``: tensor by tensor, the view plus one chunk; for
+    sliced tensors it takes ``into=`` and reads each slice straight into its whole tensor).
     """
     tensors: dict[str, Tensor] = {}
     meta: dict[str, str] = {}
     wholes = {t.name: t for t in m.sliced}
+    raw: dict[str, np.ndarray] = {}  # the sliced tensors' bytes, read into in place
     for k in sorted(m.keyframes, key=lambda k: k.shard):
-        part = source(k.ref) if callable(source) else view_from_bytes(source.pop(k.ref.key))
+        if not callable(source):
+            part = view_from_bytes(source.pop(k.ref.key))
+        elif m.sliced:
+            part = source(k.ref, into=_into(wholes, m.slices_of(k.shard), raw))
+        else:
+            part = source(k.ref)
         meta.update(part.metadata)
         slices = m.slices_of(k.shard)
-        for name, entry in slices.items():  # copied into the whole tensor, then released
-            _place(m, tensors, wholes[name], entry, part.get(name))
+        for name, entry in slices.items():  # in the whole tensor (read there, or copied)
+            _place(m, tensors, wholes[name], entry, part.get(name), raw.get(name))
             del part[name]
         overlap = (tensors.keys() | wholes.keys()) & part.keys()
         if overlap:
@@ -75,14 +79,38 @@ def keyframe_view(
     return view
 
 
+def _into(
+    wholes: Mapping[str, SlicedTensor],
+    slices: Mapping[str, SliceEntry],
+    raw: dict[str, np.ndarray],
+) -> Callable[[str, str, tuple[int, ...], int], np.ndarray | None]:
+    """Where a keyframe shard's slices are read to: their places in the whole tensors'
+    bytes (allocated at the first slice); anything else is allocated by the reader."""
+
+    def into(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> np.ndarray | None:
+        e, w = slices.get(name), wholes.get(name)
+        if e is None or w is None or dtype != w.dtype or shape != e.shape or e.length == 0:
+            return None  # not this shard's slice as listed: _place refuses it
+        size = nbytes // e.length
+        buf = raw.get(name)
+        if buf is None:
+            buf = raw[name] = np.empty(SliceEntry(0, 0, w.shape).length * size, np.uint8)
+        lo = e.offset * size
+        return buf[lo : lo + nbytes] if lo + nbytes <= buf.size else None
+
+    return into
+
+
 def _place(
     m: Manifest,
     tensors: dict[str, Tensor],
     whole: SlicedTensor,
     entry: SliceEntry,
     part: Tensor | None,
+    raw: np.ndarray | None = None,
 ) -> None:
-    """Copy one keyframe shard's slice into its whole tensor (allocated at the first)."""
+    """Put one keyframe shard's slice in its whole tensor (allocated at the first; a slice
+    read straight into its place by :func:`_into` is not copied)."""
     if part is None or part.shape != entry.shape or part.dtype != whole.dtype or part.kind.packed:
         raise ManifestError(
             "keyframe shard lacks its slice, or holds another layout",
@@ -93,13 +121,15 @@ def _place(
         )
     t = tensors.get(whole.name)
     if t is None:
-        t = Tensor(
-            part.kind,
-            whole.shape,
-            np.empty(SliceEntry(0, 0, whole.shape).length, part.kind.word_dtype),
+        words = (
+            raw.view(part.kind.word_dtype)
+            if raw is not None
+            else np.empty(SliceEntry(0, 0, whole.shape).length, part.kind.word_dtype)
         )
-        tensors[whole.name] = t
-    t.data[entry.offset : entry.offset + entry.length] = part.data
+        t = tensors[whole.name] = Tensor(part.kind, whole.shape, words)
+    dest = t.data[entry.offset : entry.offset + entry.length]
+    if not np.shares_memory(dest, part.data):
+        dest[:] = part.data
 
 
 class _SliceSource:

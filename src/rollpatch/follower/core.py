@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..avoid import BadObjects, plan_around
 from ..board import Board, Plan
@@ -397,9 +398,9 @@ class Follower:
         log.warning("%s: sync failed: %s: %s", self.run, type(e).__name__, e)
         self._rec.set(FollowerState.ERROR, error=e)
 
-    def _fetch_view(self, ref: ObjectRef) -> View:
+    def _fetch_view(self, ref: ObjectRef, into: Any = None) -> View:
         """A keyframe shard read tensor by tensor (each ranged read retried), verified."""
-        view = self._reader.fetch_view(ref)
+        view = self._reader.fetch_view(ref, into=into)
         self._on_fetched(ref)
         return view
 

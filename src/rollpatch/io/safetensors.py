@@ -172,8 +172,12 @@ def read_view_ranges(
     *,
     on_bytes: Callable[[bytes], object] | None = None,
     chunk_bytes: int = STREAM_CHUNK_BYTES,
+    into: Callable[[str, str, tuple[int, ...], int], np.ndarray | None] | None = None,
 ) -> View:
     """Read a safetensors object of ``size`` bytes through ranged reads.
+
+    ``into(name, dtype, shape, nbytes)`` may return the ``uint8`` array of ``nbytes`` a tensor
+    is read into (e.g. its place inside a larger tensor), or None to allocate it.
 
     ``read(start, end)`` returns bytes ``[start, end)``. The header is validated before any
     tensor is allocated; then the data section is read front to back in windows of at most
@@ -206,7 +210,10 @@ def read_view_ranges(
     # a window never larger than the largest tensor (the view plus one tensor), but not tiny
     largest = max((end - begin for *_, begin, end in entries), default=0)
     chunk_bytes = min(chunk_bytes, max(largest, MIN_WINDOW_BYTES))
-    words = {name: np.empty(end - begin, dtype=np.uint8) for name, _, _, begin, end in entries}
+    words = {
+        name: _destination(into, name, dtype, shape, end - begin)
+        for name, dtype, shape, begin, end in entries
+    }
     k = 0
     for a in range(0, data_len, chunk_bytes):
         b = min(a + chunk_bytes, data_len)
@@ -224,6 +231,21 @@ def read_view_ranges(
         kind = _kind(kinds, name, dtype)
         tensors[name] = Tensor(kind, shape, words.pop(name).view(kind.word_dtype))
     return View(tensors, view_meta)
+
+
+def _destination(
+    into: Callable[[str, str, tuple[int, ...], int], np.ndarray | None] | None,
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    nbytes: int,
+) -> np.ndarray:
+    got = None if into is None else into(name, dtype, tuple(shape), nbytes)
+    if got is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    if got.dtype != np.uint8 or got.size != nbytes or not got.flags.c_contiguous:
+        raise ViewError("destination of a streamed tensor has the wrong layout", tensor=name)
+    return got
 
 
 def load_view(path: str | os.PathLike[str], *, mmap: bool = False) -> View:

@@ -35,60 +35,10 @@ static int elem_count(const rp_kind *k, Py_ssize_t nbytes, int64_t *n) {
 
 /* encode_range(kind, old, new, first_chunk, last_chunk)
  *     -> ([(body, changed), ...], sum128 change a, b) */
-static PyObject *py_encode_range(PyObject *self, PyObject *args) {
-    PyObject *kt;
-    Py_buffer a = {0}, b = {0};
-    Py_ssize_t c0, c1;
-    rp_kind k;
-    int64_t n;
-    if (!PyArg_ParseTuple(args, "Oy*y*nn", &kt, &a, &b, &c0, &c1)) return NULL;
-    PyObject *res = NULL;
-    uint8_t **bodies = NULL;
-    size_t *lens = NULL;
-    int64_t *counts = NULL;
-    Py_ssize_t m = c1 - c0;
-    if (kind_arg(kt, &k) || elem_count(&k, a.len, &n)) goto out;
-    if (a.len != b.len || c0 < 0 || m < 0 || c1 > (n + RP_CHUNK - 1) / RP_CHUNK) {
-        PyErr_SetString(PyExc_ValueError, "buffers differ in size or chunk range is out of bounds");
-        goto out;
-    }
-    bodies = calloc(m + 1, sizeof *bodies);
-    lens = calloc(m + 1, sizeof *lens);
-    counts = calloc(m + 1, sizeof *counts);
-    if (!bodies || !lens || !counts) { PyErr_NoMemory(); goto out; }
-    int rc = RP_OK;
-    const char *err = NULL;
-    uint64_t sd[2] = {0, 0};
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < m && rc == RP_OK; i++) {
-        int64_t s = (c0 + i) * RP_CHUNK, len = n - s < RP_CHUNK ? n - s : RP_CHUNK;
-        rc = rp_encode_chunk(&k, a.buf, b.buf, (size_t)a.len, s, len, &bodies[i], &lens[i],
-                             &counts[i], sd, &err);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc) { raise_rc(rc, err); goto out; }
-    PyObject *lst = PyList_New(m);
-    for (Py_ssize_t i = 0; lst && i < m; i++) {
-        PyObject *t = Py_BuildValue("(y#L)", bodies[i] ? (const char *)bodies[i] : "",
-                                    (Py_ssize_t)lens[i], (long long)counts[i]);
-        if (!t) { Py_CLEAR(lst); break; }
-        PyList_SET_ITEM(lst, i, t);
-    }
-    if (lst) {
-        res = Py_BuildValue("(NKK)", lst, (unsigned long long)sd[0], (unsigned long long)sd[1]);
-    }
-out:
-    if (bodies) for (Py_ssize_t i = 0; i < m; i++) free(bodies[i]);
-    free(bodies); free(lens); free(counts);
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    return res;
-}
-
-/* encode_range_keep(kind, a, b, c0, c1) -> ([(body, k, pos, old, new)], sd0, sd1): as
- * encode_range, plus each chunk's changes: pos as int64 absolute positions, old and new as
- * uint64 elements, in bytes objects (k entries each; empty when nothing changed). */
-static PyObject *py_encode_range_keep(PyObject *self, PyObject *args) {
+/* encode_range(kind, a, b, c0, c1) -> ([(body, k)], sd0, sd1): chunks [c0, c1) of a tensor.
+ * encode_range_keep: the same, plus each chunk's changes, [(body, k, pos, old, new)]: pos as
+ * int64 absolute positions, old and new as uint64 elements, in bytes objects of k entries. */
+static PyObject *encode_range_impl(PyObject *args, int keep) {
     PyObject *kt;
     Py_buffer a = {0}, b = {0};
     Py_ssize_t c0, c1;
@@ -121,22 +71,27 @@ static PyObject *py_encode_range_keep(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < m && rc == RP_OK; i++) {
         int64_t s = (c0 + i) * RP_CHUNK, len = n - s < RP_CHUNK ? n - s : RP_CHUNK;
         rc = rp_encode_chunk_keep(&k, a.buf, b.buf, (size_t)a.len, s, len, &bodies[i],
-                                  &lens[i], &counts[i], sd, &pos[i], &ov[i], &nv[i], &err);
+                                  &lens[i], &counts[i], sd, keep ? &pos[i] : NULL,
+                                  keep ? &ov[i] : NULL, keep ? &nv[i] : NULL, &err);
     }
     Py_END_ALLOW_THREADS
     if (rc) { raise_rc(rc, err); goto out; }
     PyObject *lst = PyList_New(m);
     for (Py_ssize_t i = 0; lst && i < m; i++) {
+        const char *body = bodies[i] ? (const char *)bodies[i] : "";
         int64_t kk = counts[i];
-        PyObject *pb = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(kk * 8));
         PyObject *t = NULL;
-        if (pb) {
-            int64_t *p = (int64_t *)PyBytes_AS_STRING(pb), s = (c0 + i) * RP_CHUNK;
-            for (int64_t j = 0; j < kk; j++) p[j] = s + (int64_t)pos[i][j];
-            t = Py_BuildValue("(y#LNy#y#)", bodies[i] ? (const char *)bodies[i] : "",
-                              (Py_ssize_t)lens[i], (long long)kk, pb,
-                              ov[i] ? (const char *)ov[i] : "", (Py_ssize_t)(kk * 8),
-                              nv[i] ? (const char *)nv[i] : "", (Py_ssize_t)(kk * 8));
+        if (!keep) {
+            t = Py_BuildValue("(y#L)", body, (Py_ssize_t)lens[i], (long long)kk);
+        } else {
+            PyObject *pb = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(kk * 8));
+            if (pb) {
+                int64_t *p = (int64_t *)PyBytes_AS_STRING(pb), s = (c0 + i) * RP_CHUNK;
+                for (int64_t j = 0; j < kk; j++) p[j] = s + (int64_t)pos[i][j];
+                t = Py_BuildValue("(y#LNy#y#)", body, (Py_ssize_t)lens[i], (long long)kk, pb,
+                                  ov[i] ? (const char *)ov[i] : "", (Py_ssize_t)(kk * 8),
+                                  nv[i] ? (const char *)nv[i] : "", (Py_ssize_t)(kk * 8));
+            }
         }
         if (!t) { Py_CLEAR(lst); break; }
         PyList_SET_ITEM(lst, i, t);
@@ -155,6 +110,14 @@ out:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
     return res;
+}
+
+static PyObject *py_encode_range(PyObject *self, PyObject *args) {
+    return encode_range_impl(args, 0);
+}
+
+static PyObject *py_encode_range_keep(PyObject *self, PyObject *args) {
+    return encode_range_impl(args, 1);
 }
 
 /* encode_sparse(kind, base, start, n, pos:int64, old:uint64, new:uint64) -> body */

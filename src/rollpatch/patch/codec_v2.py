@@ -95,17 +95,7 @@ class CtxGolombV2:
         """:meth:`encode_dense`, plus the rp.sum128 change of ``target``'s words over
         ``base``'s (summed over the words that hold changes: the pass compared every word, so
         ``sum128(target) = sum128(base) + change`` exactly)."""
-        core = native.require()
-        kt = native.kind_tuple(base.kind, base.n_elements)
-        nch = -(-base.n_elements // CHUNK)
-        parts = parallel_map(
-            lambda r: core.encode_range(kt, base.data, target.data, r[0], r[1]),
-            _ranges(nch, threads()),
-        )
-        flat = [x for part, _, _ in parts for x in part]
-        change = (0, 0)
-        for _, d0, d1 in parts:
-            change = sum_add(change, (d0, d1))
+        flat, change = self._dense_pass(base, target, keep=False)
         return _join([b for b, _ in flat]), sum(k for _, k in flat), change
 
     def encode_dense_changes(
@@ -114,17 +104,7 @@ class CtxGolombV2:
         """:meth:`encode_dense_sum`, plus the changes the pass found: positions (int64,
         increasing) and the old and new elements (``kind.elem_dtype``), exactly what
         ``diff`` gathers, with no second compare."""
-        core = native.require()
-        kt = native.kind_tuple(base.kind, base.n_elements)
-        nch = -(-base.n_elements // CHUNK)
-        parts = parallel_map(
-            lambda r: core.encode_range_keep(kt, base.data, target.data, r[0], r[1]),
-            _ranges(nch, threads()),
-        )
-        flat = [x for part, _, _ in parts for x in part]
-        change = (0, 0)
-        for _, d0, d1 in parts:
-            change = sum_add(change, (d0, d1))
+        flat, change = self._dense_pass(base, target, keep=True)
         dt = base.kind.elem_dtype
 
         def cat(i: int, dtype: Any) -> np.ndarray:
@@ -134,6 +114,23 @@ class CtxGolombV2:
         positions = cat(2, np.int64)
         old, new = cat(3, np.uint64).astype(dt), cat(4, np.uint64).astype(dt)
         return _join([x[0] for x in flat]), change, positions, old, new
+
+    def _dense_pass(
+        self, base: Tensor, target: Tensor, *, keep: bool
+    ) -> tuple[list[tuple[Any, ...]], tuple[int, int]]:
+        """Every chunk's native result in order (threads over ranges of chunks), and the
+        summed rp.sum128 change."""
+        core = native.require()
+        kt = native.kind_tuple(base.kind, base.n_elements)
+        nch = -(-base.n_elements // CHUNK)
+        fn = core.encode_range_keep if keep else core.encode_range
+        parts = parallel_map(
+            lambda r: fn(kt, base.data, target.data, r[0], r[1]), _ranges(nch, threads())
+        )
+        change = (0, 0)
+        for _, d0, d1 in parts:
+            change = sum_add(change, (d0, d1))
+        return [x for part, _, _ in parts for x in part], change
 
     def encode_records(
         self, base_kind: Kind, n_elements: int, chunks: list[ChunkRecords | None]

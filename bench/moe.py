@@ -21,7 +21,11 @@ do).
    per expert (checkpoint naming) every expert has statistics of its own; a fused layout
    (``[experts, ...]``, as vLLM's ``w13``/``w2`` and fused checkpoints hold them) shares them
    across the experts a chunk spans. Per MoE layer, the same transition is encoded both ways
-   (each its own patch: container header once per layer in both) and summed.
+   (each its own patch: container header once per layer in both) and summed. "expert ctx"
+   is what contexts that also knew the expert would save on the fused layout, ideally: the
+   position bits ``Σ n·H(k/n)`` over (chunk, exponent context) cells minus the same over
+   (chunk, context, expert) cells, as a share of the fused payload, and the params the extra
+   listed contexts would cost (≈ 5 bytes each: ``c, n_c, k_c, b_c, eg_c``).
 4. ``--analyze DIR``: the checkpoints are written to DIR as FP32 safetensors and, once the
    simulator is freed, ``rollpatch analyze`` runs on them; its report is printed as is.
 """
@@ -48,6 +52,7 @@ from rollpatch.analysis import tensor_group
 from rollpatch.analysis.experts import expert_of, expert_step
 from rollpatch.formats import QuantPolicy, cast_view
 from rollpatch.io import save_view
+from rollpatch.kinds import single_context
 from rollpatch.patch import diff, encode, inspect
 from rollpatch.sim import AdamSim, MoEConfig, SimConfig
 from rollpatch.view import Tensor, View
@@ -73,6 +78,7 @@ class Acc:
         self.router: list[float] = []
         self.split = [0, 0]  # per-expert tensors, encoded per layer: (bytes, payload bytes)
         self.fused = [0, 0]  # the same, fused [experts, ...] per layer and projection
+        self.ctx_gain = [0.0, 0]  # expert-aware contexts on the fused layout: (bits, cells)
 
 
 def fused(view: View, names: list[str]) -> View:
@@ -121,7 +127,46 @@ def measure(a: View, b: View, acc: Acc, pool: ThreadPoolExecutor) -> None:
     for names in by_layer.values():
         sa, sb = View({n: a[n] for n in names}), View({n: b[n] for n in names})
         _sizes(sa, sb, acc.split)
-        _sizes(fused(a, names), fused(b, names), acc.fused)
+        fa, fb = fused(a, names), fused(b, names)
+        _sizes(fa, fb, acc.fused)
+        fp = diff(fa, fb)
+        for name, tp in fp.tensors.items():
+            gain = _expert_ctx_gain(fa[name], tp.changes().positions, a_experts(names, name))
+            acc.ctx_gain[0] += gain[0]
+            acc.ctx_gain[1] += gain[1]
+
+
+def a_experts(names: list[str], fused_name: str) -> int:
+    """How many experts a fused tensor stacks."""
+    return sum(_EXPERT_INDEX.sub(".experts.", n) == fused_name for n in names)
+
+
+def _h2(n: np.ndarray, k: np.ndarray) -> float:
+    """Σ n·H(k/n) in bits over cells with 0 < k < n."""
+    m = (k > 0) & (k < n)
+    p = k[m] / n[m]
+    return float(np.sum(-n[m] * (p * np.log2(p) + (1 - p) * np.log2(1 - p))))
+
+
+def _expert_ctx_gain(t: Tensor, positions: np.ndarray, n_exp: int) -> tuple[float, int]:
+    """(position bits saved by splitting every (chunk, context) cell by expert, extra listed
+    cells) for one fused tensor; the codec's chunks are 2^20 elements."""
+    el = t.elements()
+    n = el.size
+    kind = t.kind
+    bits = 0 if single_context(kind, n) else kind.ctx_bits
+    ctx = ((el >> kind.ctx_shift) & ((1 << bits) - 1)).astype(np.int64) if bits else 0
+    idx = np.arange(n, dtype=np.int64)
+    pooled = (idx >> 20 << bits) + ctx
+    split = pooled * n_exp + idx // (n // n_exp)
+    del idx
+    out = []
+    for key in (pooled, split):
+        size = int(key.max()) + 1
+        cells_n = np.bincount(key, minlength=size)
+        cells_k = np.bincount(key[positions], minlength=size)
+        out.append((_h2(cells_n, cells_k), int(np.count_nonzero(cells_k))))
+    return out[0][0] - out[1][0], out[1][1] - out[0][1]
 
 
 def _sizes(a: View, b: View, into: list[int]) -> None:
@@ -214,6 +259,8 @@ def render(accs: dict[str, Acc], loads: dict[tuple[int, int], float], steps: int
             fmt_size(acc.fused[1] // steps),
             f"{acc.fused[0] / acc.split[0]:.3f}",
             f"{acc.fused[1] / acc.split[1]:.3f}",
+            f"{100 * acc.ctx_gain[0] / 8 / acc.fused[1]:.2f}%",
+            fmt_size(5 * acc.ctx_gain[1] // steps),
             fmt_size(acc.xor1["experts"] // steps),
             f"{acc.xor1['experts'] / acc.split[0]:.2f}",
         ]
@@ -227,6 +274,8 @@ def render(accs: dict[str, Acc], loads: dict[tuple[int, int], float], steps: int
         "payload",
         "fused/per-expert",
         "payloads",
+        "expert ctx",
+        "its params",
         "xor1",
         "xor1/per-expert",
     ]
@@ -235,7 +284,7 @@ def render(accs: dict[str, Acc], loads: dict[tuple[int, int], float], steps: int
         "layer and projection (each MoE layer its own patch; payload: coded bytes without the",
         "container header and its per-tensor entries)",
     ]
-    out += [table(heads, rows, [False] + [True] * 8)]
+    out += [table(heads, rows, [False] + [True] * 10)]
     return "\n".join(out)
 
 

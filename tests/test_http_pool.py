@@ -64,6 +64,17 @@ def test_threads_get_their_own_connections(relay: tuple[MemoryStore, RelayServer
     assert 1 <= c._pool.opened <= 4  # never more than the threads at once, then reused
 
 
+def _request_head(conn: socket.socket) -> bytes:
+    """A request's head as the server reads it (b"" when the client closed at once)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def _one_answer_then_close(listener: socket.socket, served: list[int]) -> None:
     """A keep-alive server that drops every connection, idle, after one answer (an idle
     timeout of zero): the client's pooled connection is stale on its next use."""
@@ -73,13 +84,7 @@ def _one_answer_then_close(listener: socket.socket, served: list[int]) -> None:
         except OSError:
             return
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
-            if not data:
+            if not _request_head(conn):
                 continue
             body = b"hello"
             conn.sendall(
@@ -107,13 +112,7 @@ def test_a_connection_closed_while_idle_is_replaced_at_once() -> None:
 def _record_one_request(listener: socket.socket, lines: list[bytes], answer: bytes) -> None:
     conn, _ = listener.accept()
     with conn:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-        lines.append(data.split(b"\r\n", 1)[0])
+        lines.append(_request_head(conn).split(b"\r\n", 1)[0])
         conn.sendall(answer)
 
 

@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(accs, loads, args.steps))
     print()
     print(
-        f"machine: {machine_line(mach)}; load avg {mach['loadavg_1m']} at start, {load1:.1f} at "
+        f"machine: {machine_line(mach)}; load avg {mach['loadavg_1m'] or 0:.1f} at start, {load1:.1f} at "
         f"end; {(time.perf_counter() - t_start) / 60:.1f} min wall"
     )
     print(

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rollpatch.board import Board
-from rollpatch.errors import ManifestError
+from rollpatch.errors import ObjectIntegrityError
 from rollpatch.formats import cast_view
 from rollpatch.publisher import Publisher, reconstruct
 from rollpatch.store import FileStore
@@ -115,6 +115,8 @@ def test_kill_9_anywhere_leaves_a_consistent_board(tmp_path: Path) -> None:
 
 
 def test_corrupt_or_truncated_objects_are_refused(tmp_path: Path) -> None:
+    """A corrupt object is never used: the rebuild (and a resuming publisher) goes around it
+    when another path exists, and refuses when none does."""
     board_dir = tmp_path / "board"
     board = Board(FileStore(board_dir, fsync=False))
     with Publisher(board, RUN, CONFIG, asynchronous=False) as pub:
@@ -126,16 +128,18 @@ def test_corrupt_or_truncated_objects_are_refused(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(ManifestError, match="corrupt or truncated"):
-        reconstruct(board, RUN, 2)
-    assert reconstruct(board, RUN, 1).digest() == board.manifest(RUN, 1).target
+    with pytest.raises(ObjectIntegrityError, match="corrupt or truncated"):
+        board.fetch(patch)
+    # around it: 0 -> 1 -> 2, bit-exact
+    assert reconstruct(board, RUN, 2).digest() == cast_view(masters_for(2), "bf16").digest()
     pub = Publisher(board, RUN, CONFIG)
     pub.publish(masters_for(3))
-    with pytest.raises(ManifestError, match="corrupt or truncated"):  # resuming refuses too
-        pub.flush()
+    pub.flush()  # resuming goes around it too
+    assert pub.resume_scope == "whole" and board.manifest(RUN, 3).parent == 2
     pub.close()
+    assert reconstruct(board, RUN, 3).digest() == cast_view(masters_for(3), "bf16").digest()
     kpath = board_dir / keyframe.key
     kpath.write_bytes(kpath.read_bytes()[:-100])
-    with pytest.raises(ManifestError, match="corrupt or truncated"):
+    with pytest.raises(ObjectIntegrityError, match="corrupt or truncated"):  # no way around
         reconstruct(board, RUN, 1)
-    assert board.versions(RUN) == [0, 1, 2]
+    assert board.versions(RUN) == [0, 1, 2, 3]

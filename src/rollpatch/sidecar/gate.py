@@ -32,6 +32,10 @@ class GatedEngine(EngineAdapter):
     def digest(self) -> str | None:
         return self.inner.digest
 
+    @property
+    def pauses_itself(self) -> bool:
+        return self.inner.pauses_itself
+
     def load(self, view: View, version: int) -> None:
         self.gate.run(lambda: self.inner.load(view, version))
 

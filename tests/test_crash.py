@@ -31,7 +31,7 @@ WORKER = Path(__file__).with_name("crash_worker.py")
 TRIALS = 50
 
 
-def _kill_worker(board_dir: Path, rng: random.Random, trial: int) -> None:
+def _kill_worker(board_dir: Path, rng: random.Random, trial: int, last: int | None) -> None:
     env = dict(os.environ, ROLLPATCH_CRASH_STAGE_SLEEP="0.01" if trial % 2 else "0")
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
@@ -47,11 +47,24 @@ def _kill_worker(board_dir: Path, rng: random.Random, trial: int) -> None:
         else:
             assert proc.stdout is not None
             proc.stdout.readline()  # "ready" (or EOF if it died)
+            if trial % 3 == 1:  # past at least one new version, however loaded the machine
+                _until_latest_beyond(board_dir, last, proc)
             time.sleep(rng.uniform(0.0, 0.3))
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL, f"worker died by itself:\n{err.decode()}"
+
+
+def _until_latest_beyond(board_dir: Path, last: int | None, proc: subprocess.Popen) -> None:
+    """Wait (at most 60 s, or until the worker exits) until LATEST is past ``last``."""
+    board = Board(FileStore(board_dir))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        latest = board.latest(RUN)
+        if latest is not None and (last is None or latest.version > last):
+            return
+        time.sleep(0.005)
 
 
 def _check_board(board_dir: Path, verified: set[int]) -> tuple[int | None, bool]:
@@ -102,7 +115,7 @@ def test_kill_9_anywhere_leaves_a_consistent_board(tmp_path: Path) -> None:
     progress = []
     last = None
     for trial in range(TRIALS):
-        _kill_worker(board_dir, rng, trial)
+        _kill_worker(board_dir, rng, trial, last)
         latest, ahead = _check_board(board_dir, verified)
         ahead_seen += ahead
         progress.append((latest or -1) - (last if last is not None else -1))

@@ -186,6 +186,13 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
     engine, url = make_engine("sglang", engine_url=server.url)
     engine.adopt(0, world.views[0].digest())  # type: ignore[attr-defined]
     assert Board(world.board).latest(RUN).version == BOOT_LATEST  # type: ignore[union-attr]
+    seen, commit = threading.Event(), engine.commit_staged
+
+    def held_commit(staged: Any, version: int) -> None:  # until /ready was seen 503
+        seen.wait(60)
+        commit(staged, version)
+
+    engine.commit_staged = held_commit  # type: ignore[method-assign]
     sc = start_sidecar(
         world.board, RUN, engine, url, config=SidecarConfig(commit_mode="drain", follower=FAST)
     )
@@ -195,9 +202,12 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
         while (r := httpx.get(f"{sc.url}/ready")).status_code != 200:
             assert r.status_code == 503, r.text
             polls.append(httpx.get(f"{sc.url}/version").json()["served"])
+            seen.set()
             assert time.monotonic() < deadline, "the joining replica never became ready"
             time.sleep(0.02)
-        assert set(polls) <= {None, BOOT_LATEST}, f"ready before it had caught up: {polls}"
+        assert None in polls and set(polls) <= {None, BOOT_LATEST}, (
+            f"ready (or serving) before it had caught up: {polls}"
+        )
         assert httpx.get(f"{sc.url}/version").json()["served"] == BOOT_LATEST
         plan = sc.sidecar.follower.last_plan
         assert plan is not None and plan.have == 0 and len(plan.steps) == BOOT_LATEST

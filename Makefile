@@ -44,10 +44,12 @@ lint: setup
 
 # The engines' venvs and clang are set up while .venv is built (separate venvs, mostly
 # download and unpack time); then lint and the suite run at once, the suite as two pytest
-# processes (most tests keep one core busy, these machines have two): the live-engine modules,
-# which share one vLLM and one SGLang server (tests/live_servers.py), and all the others.
-# Each prints its report when it ends. Measured times: README.
-LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_sglang*.py tests/test_moe_vllm.py))
+# processes (most tests keep one core busy, these machines have two): the live modules (the
+# engine tests, which share one vLLM and one SGLang server: tests/live_servers.py; the soak
+# and the demo, fleets of processes) and all the others, about equal in time. Each prints its
+# report when it ends. Measured times: README.
+LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_sglang*.py tests/test_moe_vllm.py)) \
+	tests/test_soak.py tests/test_demo.py
 
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target setup vllm-env sglang-env fuzz-env

@@ -53,7 +53,7 @@ LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_sglang*.py tests/
 
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target setup vllm-env sglang-env fuzz-env
-	@echo "== lint, the live-engine tests and the other tests, at once (each reports when done)"
+	@echo "== lint, the live tests (engines, soak, demo) and the other tests, at once (each reports when done)"
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-live test-rest
 
 test-live: setup

@@ -32,6 +32,7 @@ them to HTTP statuses; the CLI to exit codes)::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "VerificationError",
     "VersionNotFoundError",
     "ViewError",
+    "engine_error",
 ]
 
 
@@ -189,3 +191,33 @@ class EngineError(RollpatchError):
 
 class NotReadyError(RollpatchError):
     """A component is not ready to serve yet (loading, recovering)."""
+
+
+#: Error classes an engine's own process (a vLLM worker, SGLang's extension) may report and
+#: :func:`engine_error` re-raises as themselves: the follower treats wrong bits specially.
+_ENGINE_PASS_THROUGH = {
+    "BaseMismatchError",
+    "TargetMismatchError",
+    "PatchDecodeError",
+    "PatchError",
+    "CodecError",
+    "ViewError",
+    "VerificationError",
+    "EngineError",
+}
+
+
+def engine_error(report: Mapping[str, Any], *, engine: str, what: str) -> RollpatchError:
+    """The error an engine's process reported (``{"type", "message", "hint", "context"}``)
+    as a rollpatch exception: a class of :data:`_ENGINE_PASS_THROUGH` keeps its class, any
+    other becomes an :class:`EngineError` naming it (``what``: who failed, for the message)."""
+    name = str(report.get("type", "EngineError"))
+    ctx = dict(report.get("context") or {})
+    ctx.setdefault("engine", engine)
+    cls = globals().get(name) if name in _ENGINE_PASS_THROUGH else None
+    if cls is None:
+        return EngineError(
+            f"{what} failed ({name}): {report.get('message')}", hint=report.get("hint"), **ctx
+        )
+    err: RollpatchError = cls(str(report.get("message")), hint=report.get("hint"), **ctx)
+    return err

@@ -30,24 +30,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ... import errors
-from ...errors import EngineError
+from ...errors import EngineError, engine_error
 
 __all__ = ["MAX_LINE", "command_payload", "http_json", "read_line", "request", "result"]
 
 _MAX_BODY = 64 * 1024 * 1024
-#: Error classes from inside SGLang re-raised as themselves (the follower treats wrong bits
-#: specially); anything else becomes an EngineError.
-_PASS_THROUGH = {
-    "BaseMismatchError",
-    "TargetMismatchError",
-    "PatchDecodeError",
-    "PatchError",
-    "CodecError",
-    "ViewError",
-    "VerificationError",
-    "EngineError",
-}
 
 MAX_LINE = 1 << 24  # a digest list of a very large model stays far below this
 
@@ -151,13 +138,5 @@ def result(r: Mapping[str, Any]) -> dict[str, Any]:
     """An answer from inside SGLang as a dict, or its error as a rollpatch exception."""
     if not r.get("ok"):
         e = r.get("error") or {}
-        name = str(e.get("type", "EngineError"))
-        ctx = dict(e.get("context") or {})
-        ctx.setdefault("engine", "sglang")
-        cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
-        if cls is None:
-            raise EngineError(
-                f"SGLang extension failed ({name}): {e.get('message')}", hint=e.get("hint"), **ctx
-            )
-        raise cls(str(e.get("message")), hint=e.get("hint"), **ctx)
+        raise engine_error(e, engine="sglang", what="SGLang extension")
     return dict(r)

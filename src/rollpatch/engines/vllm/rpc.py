@@ -19,8 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ... import errors
-from ...errors import EngineError, RollpatchError
+from ...errors import EngineError, RollpatchError, engine_error
 from ...io.safetensors import load_view
 from ...view import Tensor
 from .client import Http
@@ -29,17 +28,6 @@ __all__ = ["NOT_READY", "RemoteWords", "WorkerCalls", "worker_error"]
 
 #: The ``weight_version`` tag of an engine that holds no verified version.
 NOT_READY = "rollpatch:not-ready"
-#: Worker error classes re-raised as themselves (the follower treats wrong bits specially).
-_PASS_THROUGH = {
-    "BaseMismatchError",
-    "TargetMismatchError",
-    "PatchDecodeError",
-    "PatchError",
-    "CodecError",
-    "ViewError",
-    "VerificationError",
-    "EngineError",
-}
 
 
 class WorkerCalls:
@@ -174,10 +162,4 @@ class RemoteWords:
 
 def worker_error(e: Mapping[str, Any]) -> RollpatchError:
     """The worker's error as a rollpatch exception (wrong bits keep their class)."""
-    name = str(e.get("type", "EngineError"))
-    ctx = dict(e.get("context") or {})
-    ctx.setdefault("engine", "vllm")
-    cls = getattr(errors, name, None) if name in _PASS_THROUGH else None
-    if cls is None:
-        return EngineError(f"worker failed ({name}): {e.get('message')}", hint=e.get("hint"), **ctx)
-    return cls(str(e.get("message")), hint=e.get("hint"), **ctx)
+    return engine_error(e, engine="vllm", what="worker")

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -59,10 +58,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _util import log, machine, machine_line, table
+from _util import log, machine
+from _vllm_report import render
 from _vllm_server import (
     MAX_TOKENS,
-    VLLM_VERSION,
     BenchError,
     Server,
     _read,
@@ -239,211 +238,6 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
 
 
 # -- report --------------------------------------------------------------------------------------
-
-#: The pause's parts (ms, medians), in the order they happen; each path shows those it has.
-PHASES = [
-    ("pause_call_ms", "/pause"),
-    ("rpc_ms", "commit call"),
-    ("core_ms", "engine hold"),
-    ("worker_ms", "worker"),
-    ("scatter_ms", "scatter"),
-    ("readback_ms", "read-back"),
-    ("write_ms", "write+read-back"),
-    ("derived_ms", "packed"),
-    ("tag_ms", "/tag"),
-    ("reset_ms", "/reset cache"),
-    ("resume_call_ms", "/resume"),
-]
-
-
-#: Where the staging (while vLLM serves) goes, in the worker (ms, medians).
-STAGE_PHASES = [
-    ("decode_ms", "decode (+compose)"),
-    ("prove_ms", "prove"),
-    ("layout_ms", "layout"),
-    ("prebuild_ms", "packed kernels"),
-]
-
-
-def render_stage(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
-    """Staging per path: the follower's figure and the worker's parts."""
-    rows = []
-    for name, runs in paths:
-        cells = [name, _ms(_med(runs, "stage_s"))]
-        for key, _ in STAGE_PHASES:
-            vals = [r["stage_phases_ms"][key] for r in runs if key in r.get("stage_phases_ms", {})]
-            cells.append(f"{statistics.median(vals):.0f}" if vals else "-")
-        rows.append(cells)
-    return table(
-        ["staging breakdown, ms", "stage p50"] + [label for _, label in STAGE_PHASES],
-        rows,
-        [False] + [True] * (len(STAGE_PHASES) + 1),
-    )
-
-
-def render_phases(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
-    """Where each path's pause goes: one row per path, medians of the parts it has."""
-    rows = []
-    for name, runs in paths:
-        cells = [name, _ms(_med(runs, "pause_s"))]
-        for key, _ in PHASES:
-            vals = [r["phases_ms"][key] for r in runs if key in r.get("phases_ms", {})]
-            cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
-        rows.append(cells)
-    return table(
-        ["pause breakdown, ms", "pause p50"] + [label for _, label in PHASES],
-        rows,
-        [False] + [True] * (len(PHASES) + 1),
-    )
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
-
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def _med(runs: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
-def render(ctx: dict[str, Any]) -> str:
-    w, st, il, re_ = ctx["world"], ctx["staged"], ctx["inline"], ctx["reloads"]
-    headers = [
-        "version",
-        "changed",
-        "patch",
-        "stage",
-        "pause",
-        "visible->serving",
-        "inline pause",
-        "reload pause",
-        "pause/reload",
-    ]
-    rows = [
-        [
-            f"v{i}",
-            f"{100 * w['changed'][i]:.2f}%",
-            f"{w['patch_bytes'][i] / 1e3:.0f} kB",
-            _ms(st[i - 1]["stage_s"]),
-            _ms(st[i - 1]["pause_s"]),
-            _ms(st[i - 1]["visible_to_serving_s"]),
-            _ms(il[i - 1]["pause_s"]),
-            _ms(re_[i - 1]["pause_s"]),
-            f"{100 * st[i - 1]['pause_s'] / re_[i - 1]['pause_s']:.1f}%",
-        ]
-        for i in range(1, len(st) + 1)
-    ]
-    rows.append(
-        [
-            "median",
-            f"{100 * statistics.median(w['changed'][1:]):.2f}%",
-            f"{statistics.median(w['patch_bytes'][1:]) / 1e3:.0f} kB",
-            _ms(_med(st, "stage_s")),
-            _ms(_med(st, "pause_s")),
-            _ms(_med(st, "visible_to_serving_s")),
-            _ms(_med(il, "pause_s")),
-            _ms(_med(re_, "pause_s")),
-            f"{100 * _med(st, 'pause_s') / _med(re_, 'pause_s'):.1f}%",
-        ]
-    )
-    per_version = table(headers, rows, [False] + [True] * (len(headers) - 1))
-
-    def row(name: str, runs: list[dict[str, float]], base: float) -> list[str]:
-        p = [r["pause_s"] for r in runs]
-        vis = [r.get("visible_to_serving_s") for r in runs]
-        return [
-            name,
-            str(len(runs)),
-            _ms(statistics.median(p)),
-            _ms(max(p)),
-            _ms(statistics.median(v for v in vis if v is not None)) if vis[0] else "-",
-            f"{100 * statistics.median(p) / base:.1f}%",
-        ]
-
-    rv, rl = _med(re_, "pause_s"), _med(ctx["reference_loads"], "pause_s")
-    summary = table(
-        [
-            "engine / path",
-            "n",
-            "pause p50",
-            "pause max",
-            "visible->serving p50",
-            "pause / full reload",
-        ],
-        [
-            row("vLLM staged, 1 behind", st, rv),
-            row("vLLM inline (decode in pause)", il, rv),
-            row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
-            row("vLLM reload_weights", re_, rv),
-            row("built-in staged, 1 behind", ctx["reference"], rl),
-            row(f"built-in staged, {ctx['catchup_n']} behind", ctx["reference_catchup"], rl),
-            row("built-in full load (keyframe)", ctx["reference_loads"], rl),
-        ],
-        [False] + [True] * 5,
-    )
-    breakdown = render_phases(
-        [
-            ("vLLM staged, 1 behind", st),
-            (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
-            ("vLLM inline (decode in pause)", il),
-        ]
-    )
-    breakdown += "\n\n" + render_stage(
-        [
-            ("vLLM staged, 1 behind", st),
-            (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
-        ]
-    )
-    m, d = ctx["memory"], w["dims"]
-    one, five = _med(st, "visible_to_serving_s"), ctx["catchup"][0]["visible_to_serving_s"]
-    rone = _med(ctx["reference"], "visible_to_serving_s")
-    rfive = ctx["reference_catchup"][0]["visible_to_serving_s"]
-    biggest = max(r["staged_bytes"] for r in st)
-    foot = [
-        "",
-        (
-            f"targets: vLLM pause 1 behind / reload pause = {100 * _med(st, 'pause_s') / rv:.1f}%"
-            f" (<= 5% wanted at >= 100M); catch-up {ctx['catchup_n']} behind / 1 behind, "
-            f"visible->serving: vLLM {five / one:.2f}x, built-in {rfive / rone:.2f}x (<= 2x); "
-            f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} vs 2 x largest "
-            f"staged update {_mb(2 * biggest)} (<= wanted)"
-        ),
-        (
-            f"machine: {machine_line(ctx['machine'])}; load avg {ctx['load'][0]:.1f} at start, "
-            f"{ctx['load'][1]:.1f} at end (shared: compare rows of this run only); "
-            f"{ctx['wall_s'] / 60:.1f} min wall, vLLM start {ctx['start_s']:.0f} s"
-        ),
-        (
-            f"model: make_tiny_model hidden {d['hidden_size']}, {d['layers']} layers, "
-            f"{d['heads']}/{d['kv_heads']} heads, ff {d['intermediate']}, vocab {d['vocab_size']}"
-            f" = {w['params'] / 1e6:.1f}M params, {w['ckpt_bytes'][0] / 1e6:.1f} MB bf16; vLLM "
-            f"{VLLM_VERSION} CPU, TP 1, --enforce-eager; AdamW lr {ctx['args']['lr']:g}; "
-            f"packed weights built "
-            f"{'while staging' if ctx['args']['prepack'] == 'stage' else 'in the pause'}; ms"
-        ),
-        (
-            "stage = the follower's staging (worker decode/compose/prove while serving); pause = "
-            "the commit gate's figure; visible->serving = Follower.sync (fetch+stage+pause)"
-        ),
-        (
-            f"memory: vLLM worker ({m['proc']}) RSS {_mb(m['start_kb'] * 1024)} at the staged "
-            f"phase start, peak +{_mb(m['peak_kb'] * 1024)} over it; largest staged update "
-            f"{_mb(biggest)} (positions, storage offsets, old and new words; the prebuilt "
-            "packed kernels are not counted in it)"
-        ),
-        (
-            "verified: every commit's digest = published; greedy tokens+logprobs after each "
-            "staged commit = after the reload of that version; reloaded roots re-hashed = "
-            "published"
-        ),
-    ]
-    return per_version + "\n\n" + summary + "\n\n" + breakdown + "\n" + "\n".join(foot)
-
-
-# -- main ----------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,322 @@
+"""bench/sidecar.py's report: proxy, commit and relay tables, and the targets."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from _sidecar_load import MAX_TOKENS
+from _sidecar_relay import FOLLOWERS
+from _sidecar_world import (
+    BACKGROUND_CONCURRENCY,
+)
+from _util import machine_line, table
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.2f} s"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _row(
+    part: str, case: str, metric: str, mine: str, base: str, added: str, ratio: float, vs: str
+) -> list[str]:
+    return [
+        part,
+        case,
+        metric,
+        mine,
+        base,
+        added,
+        f"{ratio:.2f}" if not math.isnan(ratio) else "-",
+        vs,
+    ]
+
+
+def proxy_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in proxy:
+        s, d = r["sidecar"], r["direct"]
+        case = f"{r['engine']}, c={r['c']} streams, {r['n']} req"
+        for q in ("p50", "p99"):
+            rows.append(
+                _row(
+                    "proxy",
+                    case,
+                    f"{q} latency",
+                    _ms(s[q]),
+                    _ms(d[q]),
+                    f"{(s[q] - d[q]) * 1e3:+.1f} ms",
+                    s[q] / d[q],
+                    "direct",
+                )
+            )
+        rows.append(
+            _row(
+                "proxy",
+                case,
+                "throughput",
+                f"{s['rps']:.1f}/s",
+                f"{d['rps']:.1f}/s",
+                f"{s['rps'] - d['rps']:+.1f}/s",
+                s["rps"] / d["rps"],
+                "direct",
+            )
+        )
+        rows.append(
+            _row(
+                "proxy",
+                case,
+                "sidecar CPU/req",
+                f"{s['cpu'] * 1e3:.2f} ms",
+                "-",
+                f"{s['cpu'] * 1e3:+.2f} ms",
+                float("nan"),
+                "no sidecar",
+            )
+        )
+        rows.append(
+            _row(
+                "proxy",
+                case,
+                "engine CPU/req",
+                _ms(s["engine_cpu"]),
+                _ms(d["engine_cpu"]),
+                f"{(s['engine_cpu'] - d['engine_cpu']) * 1e3:+.1f} ms",
+                s["engine_cpu"] / d["engine_cpu"],
+                "direct",
+            )
+        )
+    return rows
+
+
+def commit_rows(modes: list[dict[str, Any]], reload: dict[str, list[float]]) -> list[list[str]]:
+    med = statistics.median
+    ram, disk, cold = med(reload["ram"]), med(reload["disk"]), med(reload["cold"])
+    idle = med(reload["apply"])
+    stage = med(reload["stage"])
+    rows = [
+        _row(
+            "commit",
+            "idle, no server",
+            "swap p50",
+            _ms(idle),
+            _ms(ram),
+            f"{(idle - ram) * 1e3:+.1f} ms",
+            idle / ram,
+            "reload, view in RAM",
+        ),
+        _row(
+            "commit",
+            "idle, no server",
+            "staging p50",
+            _ms(stage),
+            "-",
+            "-",
+            float("nan"),
+            "stage(): prove, serving",
+        ),
+    ]
+    for m in modes:
+        swap = [r["swap_s"] for r in m["commits"]]
+        stall = [r["stall_s"] for r in m["commits"]]
+        staging = [r["fetch_s"] + r["stage_s"] for r in m["commits"]]
+        case = f"{m['mode']}, {len(swap)} commits"
+        rows += [
+            _row(
+                "commit",
+                case,
+                "swap p50",
+                _ms(med(swap)),
+                _ms(ram),
+                f"{(med(swap) - ram) * 1e3:+.1f} ms",
+                med(swap) / ram,
+                "reload, view in RAM",
+            ),
+            _row(
+                "commit",
+                case,
+                "swap p50",
+                _ms(med(swap)),
+                _ms(disk),
+                f"{(med(swap) - disk) * 1e3:+.1f} ms",
+                med(swap) / disk,
+                "reload from disk",
+            ),
+            _row(
+                "commit",
+                case,
+                "swap p50",
+                _ms(med(swap)),
+                _ms(cold),
+                "-",
+                med(swap) / cold,
+                "cold engine load",
+            ),
+            _row(
+                "commit",
+                case,
+                "swap max",
+                _ms(max(swap)),
+                _ms(max(reload["ram"])),
+                "-",
+                max(swap) / max(reload["ram"]),
+                "reload in RAM, max",
+            ),
+            _row(
+                "commit",
+                case,
+                "stall p50",
+                _ms(med(stall)),
+                "-",
+                "-",
+                float("nan"),
+                "drain wait + swap" if m["mode"] == "drain" else "= swap + resume",
+            ),
+            _row(
+                "commit",
+                case,
+                "staging p50",
+                _ms(med(staging)),
+                "-",
+                "-",
+                float("nan"),
+                "fetch+decode, serving",
+            ),
+        ]
+    return rows
+
+
+def relay_rows(relay: dict[str, Any], last: int) -> list[list[str]]:
+    rows = []
+    for phase, case in (
+        ("boot", f"{FOLLOWERS} boot to v0"),
+        ("catchup", f"{FOLLOWERS} v0 -> v{last}"),
+    ):
+        r, d = relay["relay"][phase], relay["direct"][phase]
+        rows += [
+            _row(
+                "relay",
+                case,
+                "upstream bytes",
+                _mb(r["bytes"]),
+                _mb(d["bytes"]),
+                "-",
+                r["bytes"] / d["bytes"],
+                "no relay",
+            ),
+            _row(
+                "relay",
+                case,
+                "upstream GETs",
+                str(r["gets"]),
+                str(d["gets"]),
+                "-",
+                r["gets"] / d["gets"],
+                "no relay",
+            ),
+        ]
+    return rows
+
+
+def _failures(ctx: dict[str, Any]) -> str:
+    parts = [
+        f"{r['engine']} {t} c={r['c']}: {len(r[t]['errors'])}"
+        for r in ctx["proxy"]
+        for t in ("sidecar", "direct")
+    ]
+    parts += [f"{m['mode']} mode: {len(m['errors'])}" for m in ctx["commits"]]
+    return ", ".join(parts)
+
+
+def render(ctx: dict[str, Any]) -> str:
+    headers = ["part", "case", "metric", "rollpatch", "baseline", "added", "ratio", "baseline is"]
+    rows = (
+        proxy_rows(ctx["proxy"])
+        + commit_rows(ctx["commits"], ctx["reload"])
+        + relay_rows(ctx["relay"], ctx["last_version"])
+    )
+    right = [False, False, False, True, True, True, True, False]
+    a, c0 = ctx["args"], ctx["relay"]["direct"]["catchup"]
+    patch_kb = statistics.median(ctx["patch_bytes"]) / 1e3
+    foot = [
+        "",
+        (
+            f"machine: {machine_line(ctx['machine'])}; load avg {ctx['load'][0]:.1f} at start, "
+            f"{ctx['load'][1]:.1f} at end (shared: compare rows of this run only); "
+            f"{ctx['wall_s'] / 60:.1f} min wall"
+        ),
+        (
+            f"model: make_tiny_model hidden 256, 4 layers, vocab 2048 ({ctx['params'] / 1e6:.1f}M "
+            f"params, {_mb(ctx['view_bytes'])} bf16 view); proxy: engine in its own process, "
+            "sidecar here, load generator in a third; commits: built-in engine in this process"
+        ),
+        (
+            f"versions: AdamW lr {a['lr']:g}, {100 * statistics.median(ctx['changed']):.2f}% of "
+            f"bf16 values change per step (median); step patch {patch_kb:.0f} kB (median) vs "
+            f"{_mb(ctx['keyframe_bytes'])} keyframe"
+        ),
+        "rollpatch  through rollpatch (sidecar / patch commit / relay); baseline: without it",
+        "added      rollpatch - baseline; ratio = rollpatch / baseline (< 1: rollpatch smaller)",
+        (
+            f"proxy      {MAX_TOKENS}-token completions, temperature 0, c concurrent requests "
+            "(closed loop); baseline = the same engine's own URL; chunks in the order "
+            f"{'(direct, sidecar, sidecar, direct) x ' + str(ctx['rounds'])};"
+        ),
+        (
+            "           latency = client-side wall per request (pooled); throughput = requests / "
+            "wall; server CPU/req = CPU time of the engine+sidecar process per request"
+        ),
+        ("           (median over chunks; immune to other jobs' load, unlike the wall-clock rows)"),
+        (
+            "commit     swap = CommitGate pause per commit (the staged writes + read-back; pause "
+            "mode adds the wait for the forward in flight);"
+        ),
+        (
+            f"           under {BACKGROUND_CONCURRENCY} concurrent requests; stall = the "
+            "gate's drain_s + pause_s (drain: admission closed, includes waiting for in-flight "
+            "requests)"
+        ),
+        (
+            "           reload, view in RAM = ReferenceRuntime.load_view of the full view (copy + "
+            "re-hash under the lock); reload from disk ="
+        ),
+        (
+            "           read + parse the keyframe .safetensors (page cache warm) + load_view; cold "
+            "= ReferenceRuntime(model_dir); baselines on a separate"
+        ),
+        (
+            "           runtime, idle, after each mode; idle swap = ReferenceEngine.commit_staged of "
+            "the last step's patch (staged first, timed apart), alternated with the"
+        ),
+        (
+            f"           RAM reload; medians of {len(ctx['reload']['ram'])} "
+            f"({len(ctx['reload']['cold'])} cold)"
+        ),
+        "           staging = fetch + decode before the commit, while the engine keeps serving",
+        (
+            f"relay      {FOLLOWERS} Followers on ViewEngines sync at once; upstream = bytes/GETs "
+            "the file:// board answered (objects, manifests, LATEST);"
+        ),
+        (
+            f"           each follower downloads {_mb(c0['downstream'] / FOLLOWERS)} for the "
+            f"catch-up (plan {ctx['relay_plan']}), the same with or without the relay"
+        ),
+        (
+            f"verified:  {ctx['n_checked']} engine/follower digests equal cast_view(masters) "
+            f"computed here; identical text per prompt on both proxy paths; {ctx['spanning']} of "
+            f"{ctx['bg_requests']} pause-mode responses span a commit (drain: 0)"
+        ),
+        (
+            f"failed:    requests that got no 200 (excluded above; listed in --json): "
+            f"{_failures(ctx)}"
+        ),
+    ]
+    return table(headers, rows, right) + "\n" + "\n".join(foot)
+
+
+# -- main ----------------------------------------------------------------------------------------

@@ -8,24 +8,23 @@ decides what to stage, commit and verify; the channel only carries it (wire form
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ...errors import EngineError
+from ..pausing import NestedPause
 from .launch import LOADER
 from .wire import command_payload, http_json, request, result
 
 __all__ = ["SglangChannel"]
 
 
-class SglangChannel:
+class SglangChannel(NestedPause):
     """HTTP, commands and the control socket of one SGLang server launched with rollpatch's
     loader.
 
@@ -48,8 +47,7 @@ class SglangChannel:
         self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-sglang-"))
         self.socket = self.shared_dir / f"control-{secrets.token_hex(4)}.sock"
         self._started = False
-        self._pauses = 0
-        self._lock = lock
+        super().__init__(lock)
 
     def scratch(self, what: str) -> Path:
         """A fresh file name in the shared directory (bulk data crosses as files)."""
@@ -135,29 +133,15 @@ class SglangChannel:
                 f"SGLang refused {route}", engine="sglang", detail=str(reply.get("message"))[:500]
             )
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """SGLang paused for the block (nested with :meth:`pause`/:meth:`resume`)."""
-        with self._lock:
-            self.pause()
-            try:
-                yield
-            finally:
-                self.resume()
-
     def pause(self) -> None:
         """Stop SGLang generating (``retract``; nested calls count)."""
-        with self._lock:
-            if self._pauses == 0:
-                self.http("POST", "/pause_generation", {"mode": "retract"})
-            self._pauses += 1
+        super().pause()
 
-    def resume(self) -> None:
-        """Undo one :meth:`pause`; SGLang generates again after the outermost one."""
-        with self._lock:
-            if self._pauses == 1:
-                self.http("POST", "/continue_generation", {})
-            self._pauses = max(0, self._pauses - 1)
+    def _freeze(self) -> None:
+        self.http("POST", "/pause_generation", {"mode": "retract"})
+
+    def _thaw(self) -> None:
+        self.http("POST", "/continue_generation", {})
 
     def close(self) -> None:
         """Forget the scratch directory (the server is not ours to stop)."""

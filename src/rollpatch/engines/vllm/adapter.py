@@ -133,7 +133,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
 
     def load(self, view: View, version: int) -> None:
         path = self._scratch("keyframe")
-        with self._paused():
+        with self.paused():
             try:
                 save_view(view, path)
                 target = view.digest()
@@ -149,7 +149,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         self._require_loaded()
         path = self._scratch("patch")
         targets = {n: tp.target_digest for n, tp in patch.tensors.items()}
-        with self._paused():
+        with self.paused():
             try:
                 write_decoded(patch, path)
                 self._commit(
@@ -230,7 +230,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         if self.pauses_itself:
             self._commit_atomic(token, staged, version)
             return
-        with self._paused():
+        with self.paused():
             self._commit(
                 "commit",
                 token,
@@ -295,7 +295,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         header = inspect(blob)
         targets = {e["name"]: e["target"] for e in header.tensors}
         path = self._scratch("blob")
-        with self._paused():
+        with self.paused():
             try:
                 path.write_bytes(blob)
                 self._commit(

@@ -9,19 +9,19 @@ each call (``last_timings``: the pause breakdown that bench/vllm.py prints).
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ...errors import EngineError, RollpatchError, engine_error
 from ...io.safetensors import load_view
 from ...view import Tensor
+from ..pausing import NestedPause
 from .client import Http
 
 __all__ = ["NOT_READY", "RemoteWords", "WorkerCalls", "worker_error"]
@@ -30,7 +30,7 @@ __all__ = ["NOT_READY", "RemoteWords", "WorkerCalls", "worker_error"]
 NOT_READY = "rollpatch:not-ready"
 
 
-class WorkerCalls:
+class WorkerCalls(NestedPause):
     """Calls into one vLLM server's workers (see the module docstring); ``url``,
     ``shared_dir`` (default: a private temporary directory, so the server must run on this
     host) and ``timeout`` (seconds per HTTP call) as :class:`~.adapter.VllmEngine` takes them."""
@@ -41,8 +41,7 @@ class WorkerCalls:
         self.http = Http(url, timeout)
         self._own_dir = shared_dir is None
         self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-vllm-"))
-        self._pauses = 0
-        self._lock = threading.RLock()
+        super().__init__(threading.RLock())
         self.last_timings: dict[str, float] = {}
 
     def _scratch(self, what: str) -> Path:
@@ -87,28 +86,16 @@ class WorkerCalls:
             self.last_timings[key] = max(float(p.get(key, 0.0)) for p in phases)
         return dict(results[0])
 
-    @contextlib.contextmanager
-    def _paused(self) -> Iterator[None]:
-        with self._lock:
-            self.pause()
-            try:
-                yield
-            finally:
-                self.resume()
-
     def pause(self) -> None:
         """Freeze generation (requests in flight keep their place: ``mode=keep``)."""
-        with self._lock:
-            if self._pauses == 0:
-                self.last_timings = {}
-                self._timed("pause_call_ms", "/pause?mode=keep")
-            self._pauses += 1
+        super().pause()
 
-    def resume(self) -> None:
-        with self._lock:
-            if self._pauses == 1:
-                self._timed("resume_call_ms", "/resume")
-            self._pauses = max(0, self._pauses - 1)
+    def _freeze(self) -> None:
+        self.last_timings = {}
+        self._timed("pause_call_ms", "/pause?mode=keep")
+
+    def _thaw(self) -> None:
+        self._timed("resume_call_ms", "/resume")
 
     def _timed(self, key: str, path: str, body: Any = None) -> Any:
         t0 = time.perf_counter()

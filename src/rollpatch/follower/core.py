@@ -7,9 +7,9 @@ against the board (engine digest == manifest target), so a failed fetch, decode 
 never advance it: the next pass plans again from what the engine verifiably holds.
 
 Here: the state machine, verification of what the engine holds, the commit and one poll.
-Beside it: :mod:`.stage` (a plan's objects → one staged commit), :mod:`.avoid` (planning
-around corrupt objects), :mod:`.record` (state, counters, timings), :mod:`.watch` (the
-background thread), :mod:`.fetch`, :mod:`.commit` (the gate), :mod:`.audit`.
+Beside it: :mod:`.stage` (a plan's objects → one staged commit), :mod:`.record` (state,
+counters, timings), :mod:`.watch` (the background thread), :mod:`.fetch`, :mod:`.commit` (the
+gate), :mod:`.audit`; planning around corrupt objects is :mod:`rollpatch.avoid`'s.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,10 +140,9 @@ class ModelDims:
         return sum(math.prod(s) for s in self.layout().values())
 
 
-def llama_dims(n_params: int, vocab: int | None = None) -> ModelDims:
-    """Pick a Llama-like shape near ``n_params`` (within a few %, aspect ratio of TinyLlama)."""
-    v = vocab or 32000
-    best: tuple[float, ModelDims] | None = None
+def widths() -> Iterator[tuple[int, int, int, int, int]]:
+    """The Llama-like widths a simulated model may take: ``(hidden, head_dim, heads,
+    kv_heads, intermediate)``, hidden from 64 to 16384 (the shape searches pick among them)."""
     for d in range(64, 16385, 64):
         if d % (256 if d >= 1024 else 128 if d >= 512 else 64):
             continue
@@ -150,14 +150,26 @@ def llama_dims(n_params: int, vocab: int | None = None) -> ModelDims:
         heads = d // hd
         kv = heads // 4 if heads % 4 == 0 and heads >= 8 else heads
         mult = 256 if d >= 1024 else 64
-        ff = -(-(8 * d // 3) // mult) * mult
+        yield d, hd, heads, kv, -(-(8 * d // 3) // mult) * mult
+
+
+def aspect_cost(layers: int, hidden: int) -> float:
+    """How far a depth is from TinyLlama's aspect (layers ≈ 0.5·√hidden), in log terms."""
+    return abs(math.log(layers / (0.5 * math.sqrt(hidden))))
+
+
+def llama_dims(n_params: int, vocab: int | None = None) -> ModelDims:
+    """Pick a Llama-like shape near ``n_params`` (within a few %, aspect ratio of TinyLlama)."""
+    v = vocab or 32000
+    best: tuple[float, ModelDims] | None = None
+    for d, hd, heads, kv, ff in widths():
         per_layer = 2 * d * d + 2 * d * kv * hd + 3 * d * ff + 2 * d
         layers = round((n_params - 2 * v * d - d) / per_layer)
         if layers < 1:
             continue
         dims = ModelDims(v, d, layers, ff, heads, kv, hd)
         size_err = abs(math.log((2 * v * d + d + layers * per_layer) / n_params))
-        cost = 5 * size_err + abs(math.log(layers / (0.5 * math.sqrt(d))))
+        cost = 5 * size_err + aspect_cost(layers, d)
         if best is None or cost < best[0]:
             best = (cost, dims)
     if best is None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelDims
+from .config import ModelDims, aspect_cost, widths
 
 __all__ = ["MoEConfig", "expert_shares", "moe_dims"]
 
@@ -116,14 +116,7 @@ def moe_dims(n_params: int, vocab: int | None, moe: MoEConfig) -> ModelDims:
     """An MoE shape near ``n_params`` total parameters (attention as :func:`llama_dims`)."""
     v = vocab or 32000
     best: tuple[float, ModelDims] | None = None
-    for d in range(64, 16385, 64):
-        if d % (256 if d >= 1024 else 128 if d >= 512 else 64):
-            continue
-        hd = 64 if d <= 2048 else 128
-        heads = d // hd
-        kv = heads // 4 if heads % 4 == 0 and heads >= 8 else heads
-        mult = 256 if d >= 1024 else 64
-        ff = -(-(8 * d // 3) // mult) * mult
+    for d, hd, heads, kv, ff in widths():
         fe = _expert_width(moe, d)
         attn = 2 * d * d + 2 * d * kv * hd + 2 * d
         dense_layer = attn + 3 * d * ff
@@ -147,7 +140,7 @@ def moe_dims(n_params: int, vocab: int | None, moe: MoEConfig) -> ModelDims:
             expert_intermediate=fe,
             dense_layers=k,
         )
-        cost = 5 * abs(math.log(total / n_params)) + abs(math.log(layers / (0.5 * math.sqrt(d))))
+        cost = 5 * abs(math.log(total / n_params)) + aspect_cost(layers, d)
         if best is None or cost < best[0]:
             best = (cost, dims)
     if best is None:

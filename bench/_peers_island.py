@@ -69,18 +69,27 @@ def _done(view: Any, job: dict[str, Any], have: int, **extra: Any) -> None:
 
 
 def island_rollpatch(job: dict[str, Any]) -> None:
+    from _peers_trace import TracingStore, run_delay
+
+    from rollpatch.board import Board
     from rollpatch.engines.view_engine import ViewEngine
     from rollpatch.follower import Follower, FollowerConfig
     from rollpatch.io.safetensors import load_view
+    from rollpatch.store import open_store
 
     engine = ViewEngine()
     engine.load(load_view(job["v0"]), 0)
+    tracer = TracingStore(open_store(job["board"]))
     follower = Follower(
-        job["board"], job["run"], engine, FollowerConfig(poll_s=job["poll_s"], timeout_s=600.0)
+        Board(tracer), job["run"], engine, FollowerConfig(poll_s=job["poll_s"], timeout_s=600.0)
     )
-    follower.on_commit.append(
-        lambda v, pause: emit("serving", version=v, t=time.time(), pause_s=pause)
-    )
+
+    def serving(v: int, pause: float) -> None:
+        t = time.time()
+        trace, delay = tracer.take(), run_delay() - tracer.delay_at_notice
+        emit("serving", version=v, t=t, pause_s=pause, trace=trace, run_delay_s=delay)
+
+    follower.on_commit.append(serving)
     if follower.sync(0) != 0:
         raise SystemExit("rollpatch island: v0 not verified")
     reset_peak_rss()
@@ -99,6 +108,7 @@ def island_rollpatch(job: dict[str, Any]) -> None:
 
 
 def island_xor(job: dict[str, Any]) -> None:
+    from _peers_trace import TracingStore, run_delay
     from _peers_xor import apply_blob
 
     from rollpatch.board import Board
@@ -106,7 +116,8 @@ def island_xor(job: dict[str, Any]) -> None:
     from rollpatch.store import open_store
 
     view = load_view(job["v0"])
-    board = Board(open_store(job["board"]))
+    tracer = TracingStore(open_store(job["board"]))
+    board = Board(tracer)
     have, fetched = 0, 0
     pool = ThreadPoolExecutor(2)
     reset_peak_rss()
@@ -123,7 +134,8 @@ def island_xor(job: dict[str, Any]) -> None:
             apply_blob(view, blob, pool)
             del blob
             have = v
-            emit("serving", version=v, t=time.time())
+            t, delay = time.time(), run_delay() - tracer.delay_at_notice
+            emit("serving", version=v, t=t, trace=tracer.take(), run_delay_s=delay)
     pool.shutdown()
     _done(view, job, have, bytes_fetched=fetched)
 

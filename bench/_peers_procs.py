@@ -26,6 +26,8 @@ class Child:
         self.name = name
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.serving: dict[int, float] = {}
+        #: The whole ``serving`` event of each version (timeline traces, timings).
+        self.served: dict[int, dict[str, Any]] = {}
         self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "_peers_island.py"), json.dumps(job)],
@@ -42,6 +44,7 @@ class Child:
             ev = json.loads(line)
             if ev["event"] == "serving":
                 self.serving[int(ev["version"])] = float(ev["t"])
+                self.served[int(ev["version"])] = ev
             self.events.put(ev)
         self.events.put({"event": "exit", "rc": self.proc.wait()})
 

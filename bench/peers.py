@@ -59,12 +59,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from _peers_procs import BenchError, Child, Relay, free_port
 from _peers_report import render, targets
+from _peers_trace import phases
+from _peers_trace import render as render_phases
 from _peers_versions import load_masters, prepare
 from _peers_xor import XorPublisher
 from _util import fmt_size, log, machine, machine_line, parse_size
@@ -121,8 +124,9 @@ def run_method(
                     pub.publish(m, v)
                     return time.perf_counter() - t0
 
-                def durable(v: int) -> float:
-                    return next(s.total_s for s in pub.stats.versions if s.version == v)
+                def durable(v: int) -> dict[str, float]:
+                    st = next(s for s in pub.stats.versions if s.version == v)
+                    return {k: float(x) for k, x in asdict(st).items() if k.endswith("_s")}
 
                 closers.append(pub.close)
             else:
@@ -133,8 +137,8 @@ def run_method(
                     time.sleep(0.05)
                 publish = xpub.publish
 
-                def durable(v: int) -> float:
-                    return xpub.stats[v]["total_s"]
+                def durable(v: int) -> dict[str, float]:
+                    return xpub.stats[v]
 
                 closers.append(xpub.close)
             del masters
@@ -234,7 +238,10 @@ def run_method(
                 return blocked
 
             sc_blocked: dict[int, float] = {}
-            durable = sc_blocked.__getitem__
+
+            def durable(v: int) -> dict[str, float]:
+                return {"total_s": sc_blocked[v], "snapshot_s": sc_blocked[v]}
+
         out["versions"] = steps(args, work, publish, durable, link, islands)
         for isl in islands:
             done = isl.close()
@@ -258,17 +265,21 @@ def steps(
     args: argparse.Namespace,
     work: Path,
     publish: Callable[..., float],
-    durable: Callable[[int], float],
+    durable: Callable[[int], dict[str, float]],
     link: Child,
     islands: list[Child],
 ) -> list[dict[str, Any]]:
+    conns = [0]
+
     def wan() -> int:
         link.send("stats")
         s = link.expect("stats", 30)
+        conns[0] = int(s["connections"])
         return int(s["bytes_up"]) + int(s["bytes_down"])
 
     rows: list[dict[str, Any]] = []
     before = wan()
+    conns_before = conns[0]
     for v in range(1, args.versions + 1):
         masters = load_masters(work, v)
         t0 = time.time()
@@ -285,17 +296,24 @@ def steps(
         lat = [isl.serving[v] - t0 for isl in islands]
         time.sleep(args.settle_s)  # trailing polls of this version count towards it
         now = wan()
+        pub = durable(v)
+        last = max(islands, key=lambda isl: isl.serving[v])
         rows.append(
             {
                 "version": v,
                 "blocked_s": blocked,
-                "published_s": durable(v),
+                "published_s": pub["total_s"],
+                "publisher": pub,
+                "phases": phases(pub, t0, last.served[v]) if "trace" in last.served[v] else None,
+                "trace": last.served[v].get("trace"),
+                "t_call": t0,
                 "island_s": lat,
                 "all_s": max(lat),
                 "wan_bytes": now - before,
+                "wan_connections": conns[0] - conns_before,
             }
         )
-        before = now
+        before, conns_before = now, conns[0]
         log(
             f"  v{v}: blocked {blocked:.2f}s, all islands {max(lat):.2f}s, "
             f"WAN {rows[-1]['wan_bytes'] / 1e6:.2f} MB"
@@ -333,6 +351,7 @@ def main() -> int:
     work = Path(args.work or f"/tmp/rollpatch-peers-{os.getuid()}")
     work.mkdir(parents=True, exist_ok=True)
     info = machine()
+    load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     meta = prepare(args, work)
     results = {}
     for m in methods:
@@ -351,6 +370,11 @@ def main() -> int:
     print(render(results, meta))
     for line in targets(results):
         print(line)
+    for m, r in results.items():
+        traced = [x["phases"] for x in r["versions"] if x.get("phases")]
+        if traced:
+            print(render_phases(traced, f"{m}: where the time goes"))
+    print(f"load average at the start: {load0}")
     print(machine_line(info))
     if args.json:
         Path(args.json).write_text(

@@ -435,8 +435,7 @@ def test_stale_engine_digest_target_mismatch_rolls_back_then_reboots(
     engine = engine_at(published, 19)
     change = diff(published.views[19], published.views[LAST])
     name, tp = next((n, t) for n, t in change.tensors.items() if t.op == "delta")
-    assert tp.positions is not None
-    pos = int(np.setdiff1d(np.arange(engine.view[name].data.size), tp.positions)[0])
+    pos = int(np.setdiff1d(np.arange(engine.view[name].data.size), tp.changes().positions)[0])
     engine.view[name].data[pos] ^= 1  # cached digests still claim version 19
     f = Follower(board, RUN, engine, FAST)
     commits: list[int] = []

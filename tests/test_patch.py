@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -210,27 +212,10 @@ def test_target_mismatch_rolls_back() -> None:
     a, b, _, _ = _chain(7)
     p = diff(a, b)
     tp = p.tensors["w"]
-    assert tp.new is not None
-    bad_new = tp.new.copy()
+    bad_new = tp.changes().new.copy()
     bad_new[0] ^= 1
-    bad = type(p)(
-        p.base,
-        p.target,
-        {
-            **p.tensors,
-            "w": type(tp)(
-                tp.name,
-                tp.op,
-                tp.kind,
-                tp.shape,
-                tp.base_digest,
-                tp.target_digest,
-                tp.positions,
-                tp.old,
-                bad_new,
-            ),
-        },
-    )
+    bad_tp = dataclasses.replace(tp, change=dataclasses.replace(tp.changes(), new=bad_new))
+    bad = type(p)(p.base, p.target, {**p.tensors, "w": bad_tp})
     before = {n: t.data.copy() for n, t in a.items()}
     digest = a.digest()
     with pytest.raises(TargetMismatchError):
@@ -247,8 +232,7 @@ def test_stale_digest_cache_caught_by_old_elements() -> None:
     p = diff(a, b)
     x = a.copy()
     tp = p.tensors["w"]
-    assert tp.positions is not None
-    x["w"].data[tp.positions[0]] ^= 1  # mutate behind the cache's back
+    x["w"].data[tp.changes().positions[0]] ^= 1  # mutate behind the cache's back
     x.set_digest("w", a.tensor_digest("w"))
     with pytest.raises(BaseMismatchError):
         apply(x, p)

@@ -17,7 +17,7 @@ from rollpatch.board import Board
 from rollpatch.formats.base import plain_tensor
 from rollpatch.formats.floats import f32_to_bf16_bits
 from rollpatch.kinds import KINDS, Kind
-from rollpatch.patch import Patch, TensorPatch, encode
+from rollpatch.patch import DeltaOp, Patch, TensorPatch, encode
 from rollpatch.patch.codec_v2 import CtxGolombV2
 from rollpatch.patch.ctxv2 import CHUNK
 from rollpatch.patch.wire import assemble_patch
@@ -197,7 +197,7 @@ def test_container_matches_wire_encode() -> None:
     ta, tb = Tensor(k, (300, 500), a_words), Tensor(k, (300, 500), b_words)
     rec = device.records(k, device.from_host(a_words, "cpu"), device.from_host(b_words, "cpu"))
     tp = TensorPatch(
-        "w", "delta", k, ta.shape, ta.digest(), tb.digest(), rec.positions, rec.old, rec.new
+        "w", k, ta.shape, ta.digest(), tb.digest(), DeltaOp(rec.positions, rec.old, rec.new)
     )
     p = Patch("a" * 64, "b" * 64, {"w": tp}, {"run": "x"})
     coded = {"w": _delta_payload(k, ta.n_elements, rec)}

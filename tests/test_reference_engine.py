@@ -540,8 +540,9 @@ def test_stage_encoded_chain_in_place_while_serving(
     full = diff(base, target)
     mid = View({n: t.copy() for n, t in base.items()})
     for name, tp in full.tensors.items():
-        assert tp.positions is not None and tp.new is not None
-        mid[name].data[tp.positions[::2]] = tp.new[::2]  # half of the change, then the rest
+        mid[name].data[tp.changes().positions[::2]] = tp.changes().new[
+            ::2
+        ]  # half of the change, then the rest
         mid.invalidate(name)
     steps = [
         EncodedStep((encode(diff(a, b), a),), a.digest(), b.digest())
@@ -564,13 +565,12 @@ def test_stage_encoded_chain_in_place_while_serving(
 def test_stage_refuses_a_patch_that_would_miss_its_target(
     engine: Any, base: View, target: View
 ) -> None:
-    from rollpatch.patch import TensorPatch
+    from rollpatch.patch import DeltaOp, TensorPatch
 
     patch = diff(base, target)
     name = min(patch.tensors)
     tp = patch.tensors[name]
-    assert tp.new is not None
-    bad_new = tp.new.copy()
+    bad_new = tp.changes().new.copy()
     bad_new[0] ^= 1
     bad = Patch(
         patch.base,
@@ -579,14 +579,11 @@ def test_stage_refuses_a_patch_that_would_miss_its_target(
             **patch.tensors,
             name: TensorPatch(
                 name,
-                "delta",
                 tp.kind,
                 tp.shape,
                 tp.base_digest,
                 tp.target_digest,
-                tp.positions,
-                tp.old,
-                bad_new,
+                DeltaOp(tp.changes().positions, tp.changes().old, bad_new),
             ),
         },
     )

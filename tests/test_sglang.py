@@ -18,6 +18,7 @@ Without the venv the live tests are SKIPPED, loudly, saying how to build it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 import json
@@ -41,7 +42,7 @@ from rollpatch.errors import (
     ViewError,
 )
 from rollpatch.kinds import get_kind
-from rollpatch.patch import Patch, TensorPatch, diff, encode
+from rollpatch.patch import Patch, diff, encode
 from rollpatch.view import View
 from tests import live_servers, vllm_env
 from tests.sglang_env import BUILD_HINT, sglang_python, venv_dir
@@ -102,31 +103,23 @@ def test_refusals_leave_the_words_untouched() -> None:
     snap = {p: v.copy() for p, v in params.items()}
     good = diff(a, b)
 
-    def tampered(**change: Any) -> Patch:
+    def tampered(target_digest: str | None = None, **change: Any) -> Patch:
         name = "gate_proj.weight"
         tp = good.tensors[name]
-        fields = {
-            "name": tp.name,
-            "op": tp.op,
-            "kind": tp.kind,
-            "shape": tp.shape,
-            "base_digest": tp.base_digest,
-            "target_digest": tp.target_digest,
-            "positions": tp.positions,
-            "old": tp.old,
-            "new": tp.new,
-            **change,
-        }
-        return Patch(good.base, good.target, {**good.tensors, name: TensorPatch(**fields)}, {})
+        tp = dataclasses.replace(
+            tp,
+            target_digest=target_digest or tp.target_digest,
+            change=dataclasses.replace(tp.changes(), **change),
+        )
+        return Patch(good.base, good.target, {**good.tensors, name: tp}, {})
 
-    new = good.tensors["gate_proj.weight"].new
-    assert new is not None
+    new = good.tensors["gate_proj.weight"].changes().new
     cases = [
         (tampered(new=new ^ np.uint16(1)), TargetMismatchError),  # other bits than the target
         (tampered(target_digest="0" * 64), TargetMismatchError),
         (tampered(old=new), BaseMismatchError),  # old words are not held
         (
-            tampered(positions=good.tensors["gate_proj.weight"].positions[::-1].copy()),
+            tampered(positions=good.tensors["gate_proj.weight"].changes().positions[::-1].copy()),
             PatchError,
         ),  # unsorted positions
         (diff(b, a), BaseMismatchError),  # another base
@@ -324,8 +317,7 @@ def test_bad_patches_are_refused_and_sglang_keeps_serving(
         tampered = diff(a, b)
         name = min(tampered.tensors)
         tp = tampered.tensors[name]
-        assert tp.new is not None
-        tp.new[0] ^= np.uint16(0x8000)  # the decoded words are not the target's
+        tp.changes().new[0] ^= np.uint16(0x8000)  # the decoded words are not the target's
         attempts: list[tuple[Any, type[Exception]]] = [
             (
                 lambda: engine.apply_encoded([bytes(blob)], a.digest(), b.digest(), 99),

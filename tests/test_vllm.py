@@ -31,7 +31,7 @@ from rollpatch.errors import (
 from rollpatch.formats import cast_view
 from rollpatch.io.safetensors import load_view
 from rollpatch.kinds import get_kind
-from rollpatch.patch import Patch, TensorPatch, decode, diff, encode
+from rollpatch.patch import DeltaOp, Patch, TensorPatch, decode, diff, encode
 from rollpatch.view import View
 from tests import live_servers, vllm_env
 
@@ -117,8 +117,7 @@ def test_failed_commit_restores_every_rank() -> None:
     good = diff(v0, v1)
     name = "o_proj.weight"
     tp = good.tensors[name]
-    assert tp.new is not None
-    bad_new = tp.new.copy()
+    bad_new = tp.changes().new.copy()
     bad_new[-1] ^= 1  # written, then caught by the target digest
     bad = Patch(
         good.base,
@@ -127,14 +126,11 @@ def test_failed_commit_restores_every_rank() -> None:
             **good.tensors,
             name: TensorPatch(
                 name,
-                "delta",
                 tp.kind,
                 tp.shape,
                 tp.base_digest,
                 tp.target_digest,
-                tp.positions,
-                tp.old,
-                bad_new,
+                DeltaOp(tp.changes().positions, tp.changes().old, bad_new),
             ),
         },
     )
@@ -151,14 +147,15 @@ def test_failed_commit_restores_every_rank() -> None:
         {
             name: TensorPatch(
                 name,
-                "delta",
                 tp.kind,
                 tp.shape,
                 tp.base_digest,
                 tp.target_digest,
-                tp.positions + vllm_env.HID * vllm_env.HEADS * vllm_env.HD,
-                tp.old,
-                tp.new,
+                DeltaOp(
+                    tp.changes().positions + vllm_env.HID * vllm_env.HEADS * vllm_env.HD,
+                    tp.changes().old,
+                    tp.changes().new,
+                ),
             )
         },
     )  # type: ignore
@@ -367,6 +364,9 @@ def test_vllm_sequence_of_versions(
     info = engine.info()
     assert info["tp"] == 1 and info["aliases"] and sorted(info["tensors"]) == sorted(versions[0])
     assert info["packed_modules"] >= 4 * 2 + 1  # qkv, o, gate_up, down per layer; lm_head
+    # served only through kernels that own their words (written after a commit's pause);
+    # not the embedding, whose lookup reads its plain weight
+    assert 4 * 2 + 1 <= info["kernel_only_modules"] < info["packed_modules"]
     outs = [server.greedy(model_dir, prompt_ids)]
     n_tokens = sum(len(t) for t, _ in outs[0])
     assert hf_check(versions[0], prompt_ids, outs[0]) >= n_tokens - 2
@@ -433,35 +433,28 @@ def test_vllm_refuses_bad_patches_and_keeps_serving(
     unchanged()
     name = "model.layers.1.mlp.down_proj.weight"
     tp = good.tensors[name]
-    assert tp.new is not None and tp.positions is not None
-    wrong = tp.new.copy()
+    wrong = tp.changes().new.copy()
     wrong[0] ^= 0x0100  # written in place, caught by the target digest, undone
     for bad_tp, err in (
         (
             TensorPatch(
                 name,
-                "delta",
                 tp.kind,
                 tp.shape,
                 tp.base_digest,
                 tp.target_digest,
-                tp.positions,
-                tp.old,
-                wrong,
+                DeltaOp(tp.changes().positions, tp.changes().old, wrong),
             ),
             TargetMismatchError,
         ),
         (
             TensorPatch(
                 name,
-                "delta",
                 tp.kind,
                 tp.shape,
                 tp.base_digest,
                 tp.target_digest,
-                tp.positions + (1 << 20),
-                tp.old,
-                tp.new,
+                DeltaOp(tp.changes().positions + (1 << 20), tp.changes().old, tp.changes().new),
             ),
             PatchError,
         ),

@@ -32,7 +32,7 @@ from .errors import BaseMismatchError, ManifestError, VerificationError
 from .io import view_from_bytes
 from .manifest import Manifest, PatchObject, SlicedTensor, SliceEntry
 from .patch import Patch, decode, inspect
-from .patch.model import TensorPatch
+from .patch.model import DeltaOp, TensorPatch
 from .view import Tensor, View, WordSource, tensor_digest
 
 __all__ = ["decode_object", "decode_step", "encoded_step", "keyframe_view"]
@@ -170,14 +170,14 @@ def _join(
 ) -> TensorPatch:
     """The slices' changes of one tensor, offset into it and joined (in offset order)."""
     pieces.sort(key=lambda p: p[0])
-    if any(tp.op != "delta" for _, tp in pieces):
+    ch = [tp.change for _, tp in pieces if isinstance(tp.change, DeltaOp)]
+    if len(ch) != len(pieces):
         raise ManifestError(
             "a slice patch must change elements, not replace the tensor",
             run=m.run,
             version=m.version,
             tensor=whole.name,
         )
-    ch = [tp.changes() for _, tp in pieces]
     positions = np.concatenate(
         [c.positions.astype(np.int64) + off for (off, _), c in zip(pieces, ch)]
     )
@@ -192,7 +192,7 @@ def _join(
         )
     kind = pieces[0][1].kind
     return TensorPatch(
-        whole.name, "delta", kind, whole.shape, prior, whole.digest, positions, old, new
+        whole.name, kind, whole.shape, prior, whole.digest, DeltaOp(positions, old, new)
     )
 
 

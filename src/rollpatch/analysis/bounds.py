@@ -19,7 +19,7 @@ import numpy as np
 import zstandard
 
 from ..errors import PatchError
-from ..patch import Patch, TensorPatch
+from ..patch import DeltaOp, Patch, TensorPatch
 from ..view import View
 
 __all__ = [
@@ -74,11 +74,11 @@ class BoundAccumulator:
         self.n += n_elements
         if tp is None:
             return
-        if tp.op != "delta" or tp.new is None or tp.old is None:
+        if not isinstance(ch := tp.change, DeltaOp):
             raise PatchError(
                 "the i.i.d. bound needs a same-layout diff (delta ops only)", tensor=name, op=tp.op
             )
-        d = tp.new.astype(np.int64) - tp.old.astype(np.int64)
+        d = ch.new.astype(np.int64) - ch.old.astype(np.int64)
         u, c = histogram(d)
         self.k += d.size
         self.per += binary_bits(n_elements, d.size) + entropy_bits(c)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..patch.model import Patch
+from ..patch.model import DeltaOp, Patch
 from ..view import Tensor
 from .groups import _EXPERTS, tensor_group
 from .results import ratio
@@ -135,8 +135,8 @@ def expert_step(old: Mapping[str, Tensor], patch: Patch) -> ExpertStep | None:
             elements[layer, i] += per
         if tp is None:
             continue
-        if tp.op == "delta":
-            hit = np.bincount(tp.changes().positions // max(per, 1), minlength=n_exp)
+        if isinstance(tp.change, DeltaOp):
+            hit = np.bincount(tp.change.positions // max(per, 1), minlength=n_exp)
             for i in range(n_exp):
                 changed[layer, i] += int(hit[i])
         else:  # a full or dropped tensor: every element counts as changed

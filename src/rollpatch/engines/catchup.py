@@ -37,7 +37,7 @@ from ..errors import (
     TargetMismatchError,
 )
 from ..kinds import KINDS
-from ..patch import Patch, TensorPatch, inspect
+from ..patch import DeltaOp, Patch, TensorPatch, inspect
 from ..patch.codec_v2 import CtxGolombV2
 from ..patch.header import DIGESTS
 from ..view import Tensor, WordSource, sum128_digest, sum_add
@@ -165,7 +165,7 @@ def decode_in_place(
         if len(chain) > 1:  # the composed change: where the copy now differs from the live words
             pos, old, new = _changed(live, work, core)
         tp = TensorPatch(
-            name, "delta", live.kind, live.shape, chain[0].base, chain[-1].target, pos, old, new
+            name, live.kind, live.shape, chain[0].base, chain[-1].target, DeltaOp(pos, old, new)
         )
         return tp, st
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import BaseMismatchError, PatchError, TargetMismatchError
-from ..patch import Patch, TensorPatch
+from ..patch import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 from ..patch.ops import gather, scatter
 from ..view import Tensor, root_digest, sum128_digest, sum128_terms, tensor_digest
 
@@ -167,13 +167,16 @@ class StagedUpdate:
 
 
 def _as_delta(tp: TensorPatch, held: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if tp.op == "delta":
-        assert tp.positions is not None and tp.old is not None and tp.new is not None
-        return tp.positions, tp.old, tp.new
-    assert tp.tensor is not None
-    if tp.tensor.kind != held.kind or tp.tensor.shape != held.shape:
+    match tp.change:
+        case DeltaOp(positions, old, new):
+            return positions, old, new
+        case FullOp(tensor):
+            pass
+        case DropOp():
+            raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
+    if tensor.kind != held.kind or tensor.shape != held.shape:
         raise BaseMismatchError("full tensor's layout differs from the engine's", tensor=tp.name)
-    cur, new = held.elements(), tp.tensor.elements()
+    cur, new = held.elements(), tensor.elements()
     pos = np.flatnonzero(cur != new).astype(np.int64)
     return pos, cur[pos].copy(), new[pos].copy()
 
@@ -206,7 +209,7 @@ def stage_patch(
     out: dict[str, StagedTensor] = {}
     for name in sorted(patch.tensors):
         tp = patch.tensors[name]
-        if tp.op == "drop" or name not in digests:
+        if isinstance(tp.change, DropOp) or name not in digests:
             raise BaseMismatchError(
                 "patch adds or drops a tensor; the model cannot change",
                 tensor=name,

@@ -6,11 +6,15 @@ docs/patch-format.md for the wire format.
 
 from ..view import View
 from .inplace import apply_encoded
-from .model import Patch, TensorPatch
+from .model import DeltaOp, DropOp, FullOp, Op, Patch, TensorPatch
 from .ops import apply, compose, diff
 from .wire import PatchHeader, decode, encode, encode_views, encode_views_patch, inspect
 
 __all__ = [
+    "DeltaOp",
+    "DropOp",
+    "FullOp",
+    "Op",
     "Patch",
     "PatchHeader",
     "TensorPatch",

@@ -19,7 +19,7 @@ from ..errors import BaseMismatchError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
 from ..view import Tensor, View
 from .codec_v2 import CtxGolombV2
-from .model import TensorPatch
+from .model import DeltaOp, TensorPatch
 from .ops import InPlaceDelta, write_verified
 from .wire import MIN_FULL_BOUND, decode_entry, inspect
 
@@ -44,9 +44,10 @@ class _FusedDelta:
         except RollpatchError as err:
             err.context.setdefault("tensor", self.name)
             raise
-        return TensorPatch(
-            self.name, "delta", t.kind, t.shape, self.base_digest, self.target_digest, pos, old, new
-        ), change
+        tp = TensorPatch(
+            self.name, t.kind, t.shape, self.base_digest, self.target_digest, DeltaOp(pos, old, new)
+        )
+        return tp, change
 
 
 def apply_encoded(

@@ -7,9 +7,9 @@ elements: the decoder reads them from the base view it is applied to.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from ..errors import PatchError
 from ..kinds import Kind
 from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor
 
-__all__ = ["OPS", "Changes", "Patch", "TensorOp", "TensorPatch"]
+__all__ = ["OPS", "DeltaOp", "DropOp", "FullOp", "Op", "Patch", "TensorOp", "TensorPatch"]
 
 #: Tensor operations: ``delta`` (same kind/shape), ``full`` (new or reshaped), ``drop``.
 #: A closed set: the type checker rejects any other spelling where an op is built or compared.
@@ -25,67 +25,91 @@ TensorOp = Literal["delta", "full", "drop"]
 OPS: tuple[TensorOp, ...] = ("delta", "full", "drop")
 
 
-class Changes(NamedTuple):
-    """A ``delta`` op's payload: changed positions with their old and new elements."""
+@dataclass(frozen=True, eq=False)
+class DeltaOp:
+    """Same kind and shape: changed ``positions`` (int64, strictly increasing element
+    indices) with their ``old`` and ``new`` elements (``kind.elem_dtype``, ``old != new``)."""
 
     positions: np.ndarray
     old: np.ndarray
     new: np.ndarray
+    op: ClassVar[Literal["delta"]] = "delta"
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter((self.positions, self.old, self.new))
+
+
+@dataclass(frozen=True, eq=False)
+class FullOp:
+    """A new or reshaped tensor: ``tensor`` holds it whole."""
+
+    tensor: Tensor
+    op: ClassVar[Literal["full"]] = "full"
+
+
+@dataclass(frozen=True)
+class DropOp:
+    """The tensor is gone: no payload."""
+
+    op: ClassVar[Literal["drop"]] = "drop"
+
+
+#: One tensor's operation with exactly its payload: ``match`` (or ``isinstance``) proves the
+#: fields, so no consumer narrows an optional.
+Op = DeltaOp | FullOp | DropOp
 
 
 @dataclass(frozen=True, eq=False)
 class TensorPatch:
-    """One tensor's transition.
+    """One tensor's transition: ``change`` is the operation with its payload.
 
-    ``delta``: ``positions`` (int64, strictly increasing element indices), ``old`` and ``new``
-    (elements as ``kind.elem_dtype``, ``old != new`` everywhere). ``full``: ``tensor`` holds the
-    new tensor. ``drop``: nothing. ``base_digest`` is the tensor's digest before (None for a new
-    tensor), ``target_digest`` after (None for a drop).
+    ``base_digest`` is the tensor's digest before (None for a new tensor), ``target_digest``
+    after (None for a drop).
     """
 
     name: str
-    op: TensorOp
     kind: Kind
     shape: tuple[int, ...]
     base_digest: str | None
     target_digest: str | None
-    positions: np.ndarray | None = None
-    old: np.ndarray | None = None
-    new: np.ndarray | None = None
-    tensor: Tensor | None = None
+    change: Op
 
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise PatchError(f"unknown tensor op {self.op!r}", tensor=self.name)
-        if self.op == "delta":
-            if self.positions is None or self.old is None or self.new is None:
-                raise PatchError("delta needs positions, old and new", tensor=self.name)
-            if not (self.positions.shape == self.old.shape == self.new.shape):
-                raise PatchError("positions/old/new lengths differ", tensor=self.name)
-        if self.op == "full" and self.tensor is None:
-            raise PatchError("full op needs a tensor", tensor=self.name)
+        match self.change:
+            case DeltaOp(positions, old, new):
+                if not (positions.shape == old.shape == new.shape):
+                    raise PatchError("positions/old/new lengths differ", tensor=self.name)
+            case FullOp() | DropOp():
+                pass
+            case _:
+                raise PatchError(f"unknown tensor op {self.change!r}", tensor=self.name)
 
-    def changes(self) -> Changes:
-        """The payload of a ``delta`` op, typed (PatchError for another op)."""
-        if self.op != "delta" or self.positions is None or self.old is None or self.new is None:
+    @property
+    def op(self) -> TensorOp:
+        """The operation's name, as the wire header spells it."""
+        return self.change.op
+
+    def changes(self) -> DeltaOp:
+        """The payload of a ``delta`` op (PatchError for another op)."""
+        if not isinstance(self.change, DeltaOp):
             raise PatchError(f"a {self.op} op has no changed positions", tensor=self.name)
-        return Changes(self.positions, self.old, self.new)
+        return self.change
 
     def full_tensor(self) -> Tensor:
-        """The new tensor of a ``full`` op, typed (PatchError for another op)."""
-        if self.op != "full" or self.tensor is None:
+        """The new tensor of a ``full`` op (PatchError for another op)."""
+        if not isinstance(self.change, FullOp):
             raise PatchError(f"a {self.op} op carries no tensor", tensor=self.name)
-        return self.tensor
+        return self.change.tensor
 
     @property
     def n_changed(self) -> int:
         """Changed elements (delta), or the element count of the new/old tensor."""
-        if self.op == "delta":
-            return int(self.changes().positions.size)
-        if self.op == "full":
-            return self.full_tensor().n_elements
-        n = int(np.prod(self.shape, dtype=np.int64))
-        return n * 2 if self.kind.packed else n
+        match self.change:
+            case DeltaOp(positions):
+                return int(positions.size)
+            case FullOp(tensor):
+                return tensor.n_elements
+        return self.n_elements
 
     @property
     def n_elements(self) -> int:
@@ -103,11 +127,12 @@ class TensorPatch:
             other.target_digest,
         ):
             return False
-        if self.op == "delta":
-            return all(np.array_equal(a, b) for a, b in zip(self.changes(), other.changes()))
-        if self.op == "full":
-            return np.array_equal(self.full_tensor().data, other.full_tensor().data)
-        return True
+        a, b = self.change, other.change
+        if isinstance(a, DeltaOp) and isinstance(b, DeltaOp):
+            return all(np.array_equal(x, y) for x, y in zip(a, b))
+        if isinstance(a, FullOp) and isinstance(b, FullOp):
+            return np.array_equal(a.tensor.data, b.tensor.data)
+        return isinstance(a, DropOp) and isinstance(b, DropOp)
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,7 +149,7 @@ class Patch:
     @property
     def n_changed(self) -> int:
         """Changed elements over all delta tensors."""
-        return sum(t.n_changed for t in self.tensors.values() if t.op == "delta")
+        return sum(t.n_changed for t in self.tensors.values() if isinstance(t.change, DeltaOp))
 
     def equals(self, other: Patch) -> bool:
         """Bitwise equality of two decoded patches (ignores ``meta``)."""
@@ -140,19 +165,17 @@ class Patch:
         """The reverse transition target → base (delta tensors only swap old and new)."""
         out = {}
         for name, t in self.tensors.items():
-            if t.op != "delta":
+            if not isinstance(t.change, DeltaOp):
                 raise PatchError(
                     "only delta patches can be inverted without the base view", tensor=name
                 )
+            ch = t.change
             out[name] = TensorPatch(
                 name,
-                "delta",
                 t.kind,
                 t.shape,
                 t.target_digest,
                 t.base_digest,
-                t.positions,
-                t.new,
-                t.old,
+                DeltaOp(ch.positions, ch.new, ch.old),
             )
         return Patch(self.target, self.base, out, dict(self.meta), self.digest)

@@ -13,7 +13,7 @@ import numpy as np
 from .. import native
 from ..errors import BaseMismatchError, PatchError, TargetMismatchError
 from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View, sum_add
-from .model import Patch, TensorPatch
+from .model import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 
 __all__ = ["InPlaceDelta", "apply", "compose", "diff", "gather", "scatter", "write_verified"]
 
@@ -83,20 +83,14 @@ def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
         if name not in b:
             ta = a[name]
             tensors[name] = TensorPatch(
-                name, "drop", ta.kind, ta.shape, a.tensor_digest(name, digest), None
+                name, ta.kind, ta.shape, a.tensor_digest(name, digest), None, DropOp()
             )
             continue
         tb = b[name]
         if name not in a or not _same_layout(a[name], tb):
             base = a.tensor_digest(name, digest) if name in a else None
             tensors[name] = TensorPatch(
-                name,
-                "full",
-                tb.kind,
-                tb.shape,
-                base,
-                b.tensor_digest(name, digest),
-                tensor=tb.copy(),
+                name, tb.kind, tb.shape, base, b.tensor_digest(name, digest), FullOp(tb.copy())
             )
             continue
         ta = a[name]
@@ -105,14 +99,11 @@ def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
             continue
         tensors[name] = TensorPatch(
             name,
-            "delta",
             ta.kind,
             ta.shape,
             a.tensor_digest(name, digest),
             b.tensor_digest(name, digest),
-            pos,
-            gather(ta, pos),
-            gather(tb, pos),
+            DeltaOp(pos, gather(ta, pos), gather(tb, pos)),
         )
     return Patch(a.digest(digest), b.digest(digest), tensors, digest=digest)
 
@@ -120,9 +111,9 @@ def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
 def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
     algo = patch.digest
     for name, tp in patch.tensors.items():
-        if tp.op in ("delta", "drop") and name not in view:
+        if isinstance(tp.change, (DeltaOp, DropOp)) and name not in view:
             raise BaseMismatchError("the view lacks a tensor the patch changes", tensor=name)
-        if tp.op == "delta":
+        if isinstance(tp.change, DeltaOp):
             t = view[name]
             if t.kind != tp.kind or t.shape != tp.shape:
                 raise BaseMismatchError(
@@ -131,10 +122,10 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
                     kind=t.kind.name,
                     shape=t.shape,
                 )
-            positions = tp.changes().positions
+            positions = tp.change.positions
             if positions.size and (positions[0] < 0 or positions[-1] >= t.n_elements):
                 raise PatchError("patch position out of range", tensor=name)
-        if tp.op == "full" and tp.base_digest is None and name in view:
+        if isinstance(tp.change, FullOp) and tp.base_digest is None and name in view:
             raise BaseMismatchError("the patch adds a tensor the view already has", tensor=name)
         if verify and name in view:
             view.invalidate(name)
@@ -157,10 +148,9 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
     if native.core is not None:
         return  # the native scatter checks every old element as it writes, all or nothing
     for name, tp in patch.tensors.items():
-        if tp.op == "delta":
-            ch = tp.changes()
-            if not np.array_equal(gather(view[name], ch.positions), ch.old):
-                raise BaseMismatchError("old elements differ from the patch's base", tensor=name)
+        ch = tp.change
+        if isinstance(ch, DeltaOp) and not np.array_equal(gather(view[name], ch.positions), ch.old):
+            raise BaseMismatchError("old elements differ from the patch's base", tensor=name)
 
 
 class InPlaceDelta(Protocol):
@@ -228,35 +218,38 @@ def write_verified(
             name = item.name
             prev = view.get(name)
             digest = view.tensor_digest(name, algo) if prev is not None else None
-            is_delta = not isinstance(item, TensorPatch) or item.op == "delta"
+            is_delta = not isinstance(item, TensorPatch) or isinstance(item.change, DeltaOp)
             state = view.sum_state(name) if incremental and is_delta and prev is not None else None
             delta: tuple[int, int] | None = None
-            if not isinstance(item, TensorPatch):
-                assert prev is not None
-                tp, delta = item.write(prev)  # all or nothing
+            if not isinstance(item, TensorPatch) or isinstance(item.change, DeltaOp):
+                if prev is None:  # callers checked the base: a delta's tensor is in the view
+                    raise BaseMismatchError(
+                        "the view lacks a tensor the patch changes", tensor=name
+                    )
+                if isinstance(item, TensorPatch):
+                    tp, ch = item, item.changes()
+                    delta = scatter(prev, ch.positions, ch.new, ch.old)  # all or nothing
+                else:
+                    tp, delta = item.write(prev)  # all or nothing
                 undo.append((name, tp, prev, digest))
-            elif item.op == "delta":
-                tp = item
-                assert prev is not None
-                ch = tp.changes()
-                delta = scatter(prev, ch.positions, ch.new, ch.old)  # all or nothing
-                undo.append((name, tp, prev, digest))
-            elif item.op == "full":
-                tp = item
-                undo.append((name, tp, prev, digest))
-                view[name] = tp.full_tensor().copy()
             else:
                 tp = item
                 undo.append((name, tp, prev, digest))
-                del view[name]
+                if isinstance(tp.change, FullOp):
+                    view[name] = tp.change.tensor.copy()
+                else:
+                    del view[name]
             done.append(tp)
-            if tp.op == "delta":
+            if isinstance(tp.change, DeltaOp):
                 if state is not None and delta is not None:
                     view.update_sum_state(name, sum_add(state, delta))
                 else:
                     view.invalidate(name)
         for tp in done:
-            if tp.op != "drop" and view.tensor_digest(tp.name, algo) != tp.target_digest:
+            if (
+                not isinstance(tp.change, DropOp)
+                and view.tensor_digest(tp.name, algo) != tp.target_digest
+            ):
                 raise TargetMismatchError(
                     "tensor does not match the target after applying", tensor=tp.name
                 )
@@ -271,8 +264,7 @@ def _undo(
     view: View, undo: list[tuple[str, TensorPatch, Tensor | None, str | None]], algo: DigestAlgo
 ) -> None:
     for name, tp, prev, digest in reversed(undo):
-        if tp.op == "delta" and prev is not None:
-            ch = tp.changes()
+        if isinstance(ch := tp.change, DeltaOp) and prev is not None:
             scatter(prev, ch.positions, ch.old)
         if prev is None:
             if name in view:
@@ -283,8 +275,9 @@ def _undo(
                 view.set_digest(name, digest, algo)
 
 
-def _compose_delta(name: str, p: TensorPatch, q: TensorPatch) -> TensorPatch | None:
-    pc, qc = p.changes(), q.changes()
+def _compose_delta(
+    name: str, p: TensorPatch, pc: DeltaOp, q: TensorPatch, qc: DeltaOp
+) -> TensorPatch | None:
     if p.kind != q.kind or p.shape != q.shape or p.target_digest != q.base_digest:
         raise PatchError("patches do not chain for this tensor", tensor=name)
     if (
@@ -307,7 +300,7 @@ def _compose_delta(name: str, p: TensorPatch, q: TensorPatch) -> TensorPatch | N
         trim = n < cap * 3 // 4  # a kept accumulator should not hold much unused room
         rp, ro, rn = ((x[:n].copy() if trim else x[:n]) for x in (rp, ro, rn))
         return TensorPatch(
-            name, "delta", p.kind, p.shape, p.base_digest, q.target_digest, rp, ro, rn
+            name, p.kind, p.shape, p.base_digest, q.target_digest, DeltaOp(rp, ro, rn)
         )
     pos = np.concatenate([pc.positions, qc.positions])  # sort-merge: np.union1d is ~100x slower
     pos.sort(kind="stable")
@@ -333,14 +326,11 @@ def _compose_delta(name: str, p: TensorPatch, q: TensorPatch) -> TensorPatch | N
         return None
     return TensorPatch(
         name,
-        "delta",
         p.kind,
         p.shape,
         p.base_digest,
         q.target_digest,
-        pos[keep].astype(np.int64),
-        old[keep],
-        new[keep],
+        DeltaOp(pos[keep].astype(np.int64), old[keep], new[keep]),
     )
 
 
@@ -349,23 +339,19 @@ def _compose_one(name: str, p: TensorPatch | None, q: TensorPatch | None) -> Ten
         return q
     if q is None:
         return p
-    if p.op == "delta" and q.op == "delta":
-        return _compose_delta(name, p, q)
-    if q.op == "drop":
-        return (
-            None
-            if p.base_digest is None
-            else TensorPatch(name, "drop", p.kind, p.shape, p.base_digest, None)
-        )
-    if q.op == "full":
-        return TensorPatch(
-            name, "full", q.kind, q.shape, p.base_digest, q.target_digest, tensor=q.tensor
-        )
-    if p.op == "full":  # full then delta: fold the delta into the new tensor
-        qc = q.changes()
-        t = p.full_tensor().copy()
-        scatter(t, qc.positions, qc.new)
-        return TensorPatch(name, "full", t.kind, t.shape, p.base_digest, q.target_digest, tensor=t)
+    match p.change, q.change:
+        case DeltaOp() as pc, DeltaOp() as qc:
+            return _compose_delta(name, p, pc, q, qc)
+        case _, DropOp():
+            if p.base_digest is None:
+                return None
+            return TensorPatch(name, p.kind, p.shape, p.base_digest, None, DropOp())
+        case _, FullOp():
+            return TensorPatch(name, q.kind, q.shape, p.base_digest, q.target_digest, q.change)
+        case FullOp(tensor), DeltaOp() as qc:  # full then delta: fold the delta into the tensor
+            t = tensor.copy()
+            scatter(t, qc.positions, qc.new)
+            return TensorPatch(name, t.kind, t.shape, p.base_digest, q.target_digest, FullOp(t))
     raise PatchError("patches do not chain: delta after drop", tensor=name)
 
 

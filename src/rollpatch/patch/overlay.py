@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import BaseMismatchError
 from ..view import Tensor, WordSource
-from .model import Patch
+from .model import DeltaOp, DropOp, FullOp, Patch
 from .ops import gather, scatter
 
 __all__ = ["Overlay"]
@@ -46,17 +46,19 @@ class Overlay:
         tp = self.patch.tensors.get(name) if isinstance(name, str) else None
         if tp is None:
             return name in self.base
-        return tp.op != "drop"
+        return not isinstance(tp.change, DropOp)
 
     def __getitem__(self, name: str) -> Tensor:
         tp = self.patch.tensors.get(name)
         if tp is None:
             return self.base[name]
-        if tp.op == "drop":
-            raise KeyError(name)
-        if tp.op == "full":
-            return tp.full_tensor()
-        ch = tp.changes()
+        match tp.change:
+            case DropOp():
+                raise KeyError(name)
+            case FullOp(tensor):
+                return tensor
+            case DeltaOp() as ch:
+                pass
         src = self.base[name]
         if src.kind != tp.kind or src.shape != tp.shape:
             raise BaseMismatchError(

@@ -37,7 +37,7 @@ from .header import (
     _b3,
     inspect,
 )
-from .model import Patch, TensorPatch
+from .model import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 
 __all__ = [
     "DENSE",
@@ -138,7 +138,7 @@ def _encode_views(
         if name not in b:
             ta = a[name]
             dropped = a.tensor_digest(name)
-            tp = TensorPatch(name, "drop", ta.kind, ta.shape, dropped, None) if keep else None
+            tp = TensorPatch(name, ta.kind, ta.shape, dropped, None, DropOp()) if keep else None
             return (
                 entry(name, "drop", ta.kind, ta.shape, ta.n_elements, dropped, None, "none"),
                 b"",
@@ -151,7 +151,7 @@ def _encode_views(
             target = b.tensor_digest(name)
             tp = None
             if keep:
-                tp = TensorPatch(name, "full", tb.kind, tb.shape, added, target, tensor=tb.copy())
+                tp = TensorPatch(name, tb.kind, tb.shape, added, target, FullOp(tb.copy()))
             return (
                 entry(name, "full", tb.kind, tb.shape, tb.n_elements, added, target, codec_id),
                 payload,
@@ -177,7 +177,7 @@ def _encode_views(
                 codec_id, payload = "rp.xorzstd.v1", alt
         base, target = a.tensor_digest(name), b.tensor_digest(name)
         if keep:
-            tp = TensorPatch(name, "delta", ta.kind, ta.shape, base, target, pos, old, new)
+            tp = TensorPatch(name, ta.kind, ta.shape, base, target, DeltaOp(pos, old, new))
         return entry(name, "delta", ta.kind, ta.shape, k, base, target, codec_id), payload, tp
 
     with _pool() as pool:
@@ -273,17 +273,18 @@ def assemble(
 
 
 def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str, bytes]:
-    if tp.op == "drop":
-        return "none", b""
-    if tp.op == "full":
-        assert tp.tensor is not None
-        return encode_full(tp.tensor)
-    assert tp.positions is not None and tp.old is not None and tp.new is not None
+    match tp.change:
+        case DropOp():
+            return "none", b""
+        case FullOp(tensor):
+            return encode_full(tensor)
+        case DeltaOp(positions, old, new):
+            pass
     t = base[tp.name]
     best = DELTA_CODECS[_DELTA_BY_VERSION[version][0]]
-    payload = best.encode(t, tp.positions, tp.old, tp.new)
-    if tp.positions.size > DENSE * tp.n_elements:
-        alt = DELTA_CODECS["rp.xorzstd.v1"].encode(t, tp.positions, tp.old, tp.new)
+    payload = best.encode(t, positions, old, new)
+    if positions.size > DENSE * tp.n_elements:
+        alt = DELTA_CODECS["rp.xorzstd.v1"].encode(t, positions, old, new)
         if len(alt) < len(payload):
             return "rp.xorzstd.v1", alt
     return best.codec_id, payload
@@ -336,7 +337,7 @@ def decode_entry(
     name, op, kind = e["name"], e["op"], KINDS[e["kind"]]
     shape = tuple(e["shape"])
     if op == "drop":
-        return TensorPatch(name, op, kind, shape, e["base"], None)
+        return TensorPatch(name, kind, shape, e["base"], None, DropOp())
     if op == "full":
         size = int(np.prod(shape, dtype=np.int64)) * kind.word_dtype.itemsize
         if size > limit:
@@ -348,7 +349,7 @@ def decode_entry(
                 hint="pass max_full_bytes= to allow larger new tensors",
             )
         t = decode_full(e["codec"], payload, kind, shape)
-        return TensorPatch(name, op, kind, shape, e["base"], e["target"], tensor=t)
+        return TensorPatch(name, kind, shape, e["base"], e["target"], FullOp(t))
     if name not in base:
         raise BaseMismatchError("the base lacks a tensor the patch changes", tensor=name)
     t = base[name]
@@ -365,4 +366,4 @@ def decode_entry(
     except RollpatchError as err:
         err.context.setdefault("tensor", name)
         raise
-    return TensorPatch(name, op, kind, shape, e["base"], e["target"], positions, old, new)
+    return TensorPatch(name, kind, shape, e["base"], e["target"], DeltaOp(positions, old, new))

@@ -24,7 +24,7 @@ from ..formats import get_format
 from ..io import view_to_bytes
 from ..io.checkpoint import to_numpy
 from ..kinds import KINDS
-from ..patch import Patch, TensorPatch, wire
+from ..patch import DeltaOp, DropOp, FullOp, Patch, TensorPatch, wire
 from ..patch.codec_v2 import CtxGolombV2
 from ..patch.codecs import XorZstd, encode_full
 from ..view import Tensor, View, root_digest
@@ -200,7 +200,7 @@ class DeviceShardPipeline(ShardPipeline):
         for name in sorted(set(prev) | set(view)):
             if name not in view:
                 pa = prev[name]
-                tensors[name] = TensorPatch(name, "drop", pa.kind, pa.shape, pa.digest(), None)
+                tensors[name] = TensorPatch(name, pa.kind, pa.shape, pa.digest(), None, DropOp())
                 coded[name] = ("none", b"")
                 continue
             nb = view[name]
@@ -209,7 +209,7 @@ class DeviceShardPipeline(ShardPipeline):
                 full = nb.host().copy()
                 base = prev[name].digest() if name in prev else None
                 tensors[name] = TensorPatch(
-                    name, "full", nb.kind, nb.shape, base, nb.digest(), tensor=full
+                    name, nb.kind, nb.shape, base, nb.digest(), FullOp(full)
                 )
                 coded[name] = encode_full(full)
                 self._host_bytes += full.nbytes
@@ -222,14 +222,11 @@ class DeviceShardPipeline(ShardPipeline):
                 continue
             tensors[name] = TensorPatch(
                 name,
-                "delta",
                 nb.kind,
                 nb.shape,
                 pa.digest(),
                 nb.digest(),
-                rec.positions,
-                rec.old,
-                rec.new,
+                DeltaOp(rec.positions, rec.old, rec.new),
             )
             t = time.perf_counter()
             coded[name] = _delta_payload(nb.kind, nb.n_elements, rec)
@@ -246,12 +243,12 @@ class DeviceShardPipeline(ShardPipeline):
             return None
         coded: dict[str, tuple[str, bytes]] = {}
         for name, tp in composed.tensors.items():
-            assert tp.positions is not None and tp.old is not None
+            ch = tp.changes()  # inverse() proved every op a delta
             nb = view[name]
             assert nb.state is not None
             rewound = nb.words.clone()
-            scatter_elements(rewound, nb.kind, tp.positions, tp.old)
-            dev_pos = torch.from_numpy(tp.positions).to(rewound.device)
+            scatter_elements(rewound, nb.kind, ch.positions, ch.old)
+            dev_pos = torch.from_numpy(ch.positions).to(rewound.device)
             state = sum128_update(nb.state, nb.words, rewound, dev_pos, nb.kind)
             if DeviceTensor(nb.kind, nb.shape, rewound, state).digest() != tp.base_digest:
                 raise BoardError(

@@ -233,9 +233,9 @@ class ShardPipeline:
             return None
         rewound: dict[str, Tensor] = {}
         for name, tp in inverse.tensors.items():
-            assert tp.positions is not None and tp.new is not None
+            ch = tp.changes()  # inverse() holds delta ops only
             t = view[name].copy()
-            scatter(t, tp.positions, tp.new)
+            scatter(t, ch.positions, ch.new)
             if t.digest() != tp.target_digest:
                 raise BoardError(
                     "skip patch does not rewind to its base (internal error)",

@@ -35,7 +35,7 @@ import numpy as np
 
 from ...errors import BaseMismatchError, EngineError, TargetMismatchError, ViewError
 from ...kinds import Kind
-from ...patch import Patch, TensorPatch
+from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
 from ..staged import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
@@ -168,7 +168,7 @@ class HeldWeights:
 
     def _check(self, tp: TensorPatch) -> TensorPatch:
         """The tensor patch as a validated delta against the live words."""
-        if tp.op == "drop" or tp.name not in self._place:
+        if isinstance(tp.change, DropOp) or tp.name not in self._place:
             raise BaseMismatchError(
                 "patch adds or drops a tensor; the model cannot change",
                 tensor=tp.name,
@@ -192,12 +192,12 @@ class HeldWeights:
         states: dict[str, tuple[int, int]] = {}
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for tp in deltas:
-            assert tp.positions is not None and tp.old is not None and tp.new is not None
+            ch = tp.changes()
             if tp.base_digest != digests[tp.name]:
                 raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
             live = self[tp.name]
             if patch.digest == DEFAULT_DIGEST:  # the target state from the changed words alone
-                d0, d1 = sum_delta(live.data, tp.positions, tp.new)
+                d0, d1 = sum_delta(live.data, ch.positions, ch.new)
                 s0, s1 = self._sums[tp.name]
                 state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
                 got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
@@ -214,8 +214,8 @@ class HeldWeights:
                 )
             digests[tp.name] = got
             pl = self._place[tp.name]
-            held, offsets = locate(pl, tp.positions)
-            per_param.setdefault(pl.param, []).append((offsets, tp.old[held], tp.new[held]))
+            held, offsets = locate(pl, ch.positions)
+            per_param.setdefault(pl.param, []).append((offsets, ch.old[held], ch.new[held]))
         if root_digest(digests) != patch.target:
             raise TargetMismatchError("the staged update does not give the target root")
         staged = Staged(

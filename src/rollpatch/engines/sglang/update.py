@@ -15,7 +15,7 @@ import numpy as np
 
 from ...errors import BaseMismatchError, PatchError
 from ...kinds import Kind
-from ...patch import TensorPatch
+from ...patch import DeltaOp, DropOp, FullOp, TensorPatch
 
 __all__ = ["Staged", "as_delta", "merge_writes"]
 
@@ -73,26 +73,19 @@ def as_delta(
             engine_kind=kind.name,
             engine_shape=shape,
         )
-    if tp.op == "full":
-        assert tp.tensor is not None
-        if tp.tensor.kind != kind or tp.tensor.data.shape != live.shape:
-            raise BaseMismatchError(
-                "full tensor's layout differs from the engine's", tensor=tp.name
-            )
-        changed = np.flatnonzero(live != tp.tensor.data).astype(np.int64)
-        return TensorPatch(
-            tp.name,
-            "delta",
-            kind,
-            tp.shape,
-            tp.base_digest,
-            tp.target_digest,
-            changed,
-            live[changed].copy(),
-            tp.tensor.data[changed].copy(),
-        )
-    pos, old, new = tp.positions, tp.old, tp.new
-    assert pos is not None and old is not None and new is not None
+    match tp.change:
+        case FullOp(tensor):
+            if tensor.kind != kind or tensor.data.shape != live.shape:
+                raise BaseMismatchError(
+                    "full tensor's layout differs from the engine's", tensor=tp.name
+                )
+            changed = np.flatnonzero(live != tensor.data).astype(np.int64)
+            whole = DeltaOp(changed, live[changed].copy(), tensor.data[changed].copy())
+            return TensorPatch(tp.name, kind, tp.shape, tp.base_digest, tp.target_digest, whole)
+        case DeltaOp(pos, old, new):
+            pass
+        case DropOp():
+            raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
     if (
         pos.dtype != np.int64
         or pos.ndim != 1

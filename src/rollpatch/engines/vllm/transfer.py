@@ -28,7 +28,7 @@ import numpy as np
 from ...errors import PatchDecodeError, ViewError
 from ...io.safetensors import load_view, view_to_bytes
 from ...kinds import KINDS, get_kind
-from ...patch import Patch, TensorPatch
+from ...patch import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
 
 __all__ = ["MAX_TENSORS", "read_decoded", "write_decoded"]
@@ -44,22 +44,21 @@ def write_decoded(patch: Patch, path: str | Path) -> int:
     entries: list[dict[str, Any]] = []
     for i, name in enumerate(sorted(patch.tensors)):
         tp = patch.tensors[name]
-        if tp.op == "delta":
-            assert tp.positions is not None and tp.old is not None and tp.new is not None
-            n = int(tp.positions.size)
-            tensors[f"t{i}.pos"] = Tensor(
-                KINDS["i64"], (n,), tp.positions.astype(np.int64).view(np.uint64)
-            )
-            tensors[f"t{i}.old"] = Tensor(tp.kind, (n,), np.ascontiguousarray(tp.old))
-            tensors[f"t{i}.new"] = Tensor(tp.kind, (n,), np.ascontiguousarray(tp.new))
-        elif tp.op == "full":
-            assert tp.tensor is not None
-            n = tp.tensor.data.size
-            tensors[f"t{i}.full"] = Tensor(tp.kind, (n,), tp.tensor.data)
-        else:
-            raise PatchDecodeError(
-                "the engine's tensor set is fixed: cannot drop a tensor", tensor=name
-            )
+        match tp.change:
+            case DeltaOp(positions, old, new):
+                n = int(positions.size)
+                tensors[f"t{i}.pos"] = Tensor(
+                    KINDS["i64"], (n,), positions.astype(np.int64).view(np.uint64)
+                )
+                tensors[f"t{i}.old"] = Tensor(tp.kind, (n,), np.ascontiguousarray(old))
+                tensors[f"t{i}.new"] = Tensor(tp.kind, (n,), np.ascontiguousarray(new))
+            case FullOp(tensor):
+                n = tensor.data.size
+                tensors[f"t{i}.full"] = Tensor(tp.kind, (n,), tensor.data)
+            case DropOp():
+                raise PatchDecodeError(
+                    "the engine's tensor set is fixed: cannot drop a tensor", tensor=name
+                )
         entries.append(
             {
                 "name": name,
@@ -128,19 +127,12 @@ def _entry(view: View, i: int, e: Any) -> TensorPatch:
     if op == "full":
         _need(n == int(np.prod(shape, dtype=np.int64)), "full count", tensor=name)
         words = _array(view, f"t{i}.full", kind.dtype, n, name)
-        return TensorPatch(
-            name,
-            op,
-            kind,
-            tuple(shape),
-            e["base"],
-            e["target"],
-            tensor=Tensor(kind, tuple(shape), words),
-        )
+        full = FullOp(Tensor(kind, tuple(shape), words))
+        return TensorPatch(name, kind, tuple(shape), e["base"], e["target"], full)
     pos = _array(view, f"t{i}.pos", "I64", n, name).view(np.int64)
     old = _array(view, f"t{i}.old", kind.dtype, n, name)
     new = _array(view, f"t{i}.new", kind.dtype, n, name)
-    return TensorPatch(name, op, kind, tuple(shape), e["base"], e["target"], pos, old, new)
+    return TensorPatch(name, kind, tuple(shape), e["base"], e["target"], DeltaOp(pos, old, new))
 
 
 def read_decoded(path: str | Path) -> Patch:
@@ -170,6 +162,6 @@ def read_decoded(path: str | Path) -> Patch:
         tp = _entry(view, i, e)
         _need(tp.name not in tensors, "duplicate name", tensor=tp.name)
         tensors[tp.name] = tp
-    expected = len(entries) + 2 * sum(tp.op == "delta" for tp in tensors.values())
+    expected = len(entries) + 2 * sum(isinstance(tp.change, DeltaOp) for tp in tensors.values())
     _need(len(view) == expected, "unexpected arrays", arrays=len(view), expected=expected)
     return Patch(head["base"], head["target"], tensors, meta)

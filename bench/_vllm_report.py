@@ -16,9 +16,11 @@ PHASES = [
     ("worker_ms", "worker"),
     ("write_ms", "write+read-back"),
     ("derived_ms", "packed"),
+    ("exchange_ms", "exchange"),
     ("tag_ms", "/tag"),
     ("reset_ms", "/reset cache"),
     ("resume_call_ms", "/resume"),
+    ("after_pause_ms", "(after: kernel-only words)"),
 ]
 
 
@@ -27,6 +29,7 @@ STAGE_PHASES = [
     ("decode_ms", "decode (+compose)"),
     ("prove_ms", "prove"),
     ("layout_ms", "layout"),
+    ("buffers_ms", "second buffers"),
     ("prebuild_ms", "packed kernels"),
 ]
 
@@ -157,6 +160,7 @@ def render(ctx: dict[str, Any]) -> str:
         ],
         [
             row("vLLM staged, 1 behind", st, rv),
+            row("vLLM staged, double-buffered", ctx["double"], rv),
             row("vLLM inline (decode in pause)", il, rv),
             row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
             row("vLLM reload_weights", re_, rv),
@@ -169,6 +173,7 @@ def render(ctx: dict[str, Any]) -> str:
     breakdown = render_phases(
         [
             ("vLLM staged, 1 behind", st),
+            ("vLLM staged, double-buffered", ctx["double"]),
             (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
             ("vLLM inline (decode in pause)", il),
         ]
@@ -176,6 +181,7 @@ def render(ctx: dict[str, Any]) -> str:
     breakdown += "\n\n" + render_stage(
         [
             ("vLLM staged, 1 behind", st),
+            ("vLLM staged, double-buffered", ctx["double"]),
             (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
         ]
     )
@@ -188,9 +194,11 @@ def render(ctx: dict[str, Any]) -> str:
         "",
         (
             f"targets: vLLM pause 1 behind / reload pause = {100 * _med(st, 'pause_s') / rv:.1f}%"
+            f" in place, {100 * _med(ctx['double'], 'pause_s') / rv:.1f}% double-buffered"
             f" (<= 5% wanted at >= 100M); catch-up {ctx['catchup_n']} behind / 1 behind, "
             f"visible->serving: vLLM {five / one:.2f}x, built-in {rfive / rone:.2f}x (<= 2x); "
-            f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} vs 2 x largest "
+            f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} in place, "
+            f"+{_mb(m['double_peak_kb'] * 1024)} double-buffered, vs 2 x largest "
             f"staged update {_mb(2 * biggest)} (<= wanted)"
         ),
         (

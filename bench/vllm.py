@@ -145,6 +145,8 @@ def phase_staged(
         rec["worker_commit_s"] = engine.last_timings["worker_ms"] / 1e3
         rec["staged_bytes"] = sizes[-1]
         rec["stage_phases_ms"] = phases[-1]
+        settle = engine._call("settled")["settle"]  # the words written after the pause
+        rec["phases_ms"]["after_pause_ms"] = float(settle.get("ms", 0.0))
         out.append(rec)
         served[v] = greedy(engine.http, server.model, prompt_ids)
         log(
@@ -296,6 +298,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             _record_staging(engine, sizes, phases)
             staged, served = phase_staged(world, engine, server, prompt_ids, sizes, phases)
             mem1 = memory(pid)
+            log("double-buffered: the same, each touched parameter's new buffer exchanged")
+            back_to_v0(world, engine)
+            engine.writes = "double_buffer"
+            reset_peak(pid)
+            mem2 = memory(pid)
+            double, served2 = phase_staged(world, engine, server, prompt_ids, sizes, phases)
+            mem3 = memory(pid)
+            engine.writes = "in_place"
+            if served2 != served:
+                raise BenchError("double-buffered commits answer differently from in-place")
             log(f"catch-up: v0 -> v{catch_n} in one sync")
             back_to_v0(world, engine)
             f = follower(world, engine)
@@ -326,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "params": world.params,
             },
             "staged": staged,
+            "double": double,
             "inline": inline,
             "catchup": catchup,
             "catchup_n": catch_n,
@@ -336,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "start_kb": mem0["rss_kb"],
                 "peak_kb": mem1["hwm_kb"] - mem0["rss_kb"],
                 "after": mem1,
+                "double_start_kb": mem2["rss_kb"],
+                "double_peak_kb": mem3["hwm_kb"] - mem2["rss_kb"],
             },
         }
     print(render(ctx))

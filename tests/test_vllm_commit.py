@@ -124,13 +124,13 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
     written; a clean commit writes every slice and reads it back."""
     torch = pytest.importorskip("torch")
     from rollpatch import native
-    from rollpatch.engines.vllm import weights
+    from rollpatch.engines.vllm import weights, writes
     from rollpatch.engines.vllm.layout import ParamSpec, Shard
-    from rollpatch.engines.vllm.worker import _access
+    from rollpatch.engines.vllm.params import TorchParams
 
     if native.core is None:
         pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
-    monkeypatch.setattr(weights, "_SLICE", 3)  # many slices per parameter
+    monkeypatch.setattr(writes, "SLICE", 3)  # many slices per parameter
     monkeypatch.setenv("ROLLPATCH_THREADS", "2")
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -140,7 +140,7 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
         ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
     ]
     w = weights.RuntimeWeights(
-        specs, {s.param: get_kind("bf16") for s in specs}, _access(model, 1, alias=True)
+        specs, {s.param: get_kind("bf16") for s in specs}, TorchParams(model, 1, alias=True).access()
     )
 
     def words() -> dict[str, np.ndarray]:
@@ -170,6 +170,159 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
         n: v1[n].data.tolist() for n in v1
     }
     assert w.last_phases["threads"] == 2.0 and w.last_phases["write_ms"] > 0
+
+
+def _packed_model(torch: Any) -> Any:
+    """Two linear-like modules whose stand-in packed kernel (like vLLM's CPU oneDNN one) holds
+    its own copy of the weight, plus a plain parameter the forward reads directly."""
+
+    def repack(mod: Any, remove_weight: bool) -> None:
+        packed = mod.weight.detach().clone()  # the kernel owns its words
+        mod.cpu_linear = lambda x, weight, bias: x @ packed.t()
+
+    model = torch.nn.Module()
+    for name in ("q", "o"):
+        mod = torch.nn.Module()
+        mod.weight = torch.nn.Parameter(torch.randn(6, 4).to(torch.bfloat16), requires_grad=False)
+        repack(mod, False)
+        mod._rollpatch_repack = repack
+        mod._rollpatch_owns = mod._rollpatch_kernel_only = True
+        model.add_module(name, mod)
+    model.norm = torch.nn.Parameter(torch.randn(4).to(torch.bfloat16), requires_grad=False)
+    return model
+
+
+def test_kernel_only_words_are_written_after_the_pause() -> None:
+    """A parameter served only through its prebuilt kernel is written after the pause: the
+    commit writes the plain parameter and swaps the kernels; the kernel-only words reach the
+    target in the background (readers wait for them, the audit skips meanwhile); a word changed
+    behind the digests there after staging is caught by the check and taints the engine."""
+    torch = pytest.importorskip("torch")
+    from rollpatch import native
+    from rollpatch.engines.vllm import weights
+    from rollpatch.engines.vllm.layout import ParamSpec, Shard
+    from rollpatch.engines.vllm.params import TorchParams
+
+    if native.core is None:
+        pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
+    torch.manual_seed(1)
+    model = _packed_model(torch)
+    specs = [
+        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
+    ]
+    w = weights.RuntimeWeights(
+        specs, {s.param: get_kind("bf16") for s in specs}, TorchParams(model, 1, alias=True).access()
+    )
+
+    def words() -> dict[str, np.ndarray]:
+        return {
+            n: p.detach().view(torch.int16).numpy().view(np.uint16).copy()
+            for n, p in model.named_parameters()
+        }
+
+    def flat(view: Any) -> dict[str, list[int]]:
+        return {n: view[n].data.tolist() for n in view}
+
+    def live() -> dict[str, list[int]]:
+        return {n: a.reshape(-1).tolist() for n, a in words().items()}
+
+    def served(mod: Any) -> np.ndarray:
+        x = torch.eye(4).to(torch.bfloat16)
+        return mod.cpu_linear(x, None, None).t().contiguous().view(torch.int16).numpy()
+
+    views = [vllm_env.words_view(words())]
+    for k in (1, 2):
+        nxt = vllm_env.words_view({n: a.copy() for n, a in words().items()})
+        for n in nxt:
+            nxt[n].data[k::3] ^= 0x0001  # low mantissa bit: exact through the identity matmul
+            nxt.invalidate(n)
+        views.append(nxt)
+        staged = w.stage(diff(views[k - 1], nxt))
+        w.commit_staged(staged)
+        assert w.last_phases["written_after"] == 2.0  # q.weight and o.weight
+        for name in ("q", "o"):  # served from the swapped kernels at once
+            got = served(getattr(model, name)).view(np.uint16).reshape(-1)
+            assert got.tolist() == nxt[f"{name}.weight"].data.tolist()
+        assert live()["norm"] == flat(nxt)["norm"]  # written in the pause
+        w.settler.wait()
+        assert live() == flat(nxt)
+        assert w.settler.last["error"] is None and w.digests(fresh=True) == nxt.tensor_digests()
+    # a word of q.weight changed behind the digests after staging: the kernel was built from
+    # the checked copy, and the words written after the pause find the difference
+    v3 = vllm_env.words_view({n: a.copy() for n, a in words().items()})
+    v3["q.weight"].data[0] ^= 0x0001
+    v3.invalidate("q.weight")
+    staged = w.stage(diff(views[2], v3))
+    model.q.weight.detach().view(torch.int16).view(-1)[0] ^= 4
+    w.commit_staged(staged)
+    w.settler.wait()
+    assert w.tainted == "q.weight" and w.settler.last["error"] is not None
+    assert w.audit(1 << 20).tensors > 0  # the audit runs again once the writes are done
+
+
+def test_double_buffered_commit_exchanges_buffers_built_while_staging() -> None:
+    """``double_buffer``: each touched parameter's second buffer is written, checked and read
+    back while staging (the live words untouched), exchanged under the pause with the kernels
+    built from it; the reads alias the new storage; a word changed behind the digests before
+    staging is refused; the engine's other paths (audit, next stage) see the new words."""
+    torch = pytest.importorskip("torch")
+    from rollpatch import native
+    from rollpatch.engines.vllm import weights
+    from rollpatch.engines.vllm.layout import ParamSpec, Shard
+    from rollpatch.engines.vllm.params import TorchParams
+
+    if native.core is None:
+        pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
+    torch.manual_seed(2)
+    model = _packed_model(torch)
+    model.t = torch.nn.Parameter(torch.randn(5, 3).to(torch.bfloat16).t(), requires_grad=False)
+    specs = [
+        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
+    ]
+    w = weights.RuntimeWeights(
+        specs, {s.param: get_kind("bf16") for s in specs}, TorchParams(model, 1).access()
+    )
+
+    def live() -> dict[str, list[int]]:
+        return {
+            n: p.detach().view(torch.int16).numpy().view(np.uint16).reshape(-1).tolist()
+            for n, p in model.named_parameters()
+        }
+
+    def view_of(words: dict[str, list[int]]) -> Any:
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        return vllm_env.words_view(
+            {n: np.array(a, np.uint16).reshape(shapes[n]) for n, a in words.items()}
+        )
+
+    v = [view_of(live())]
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    for k in (1, 2):
+        nxt = view_of(live())
+        for n in nxt:
+            nxt[n].data[k::2] ^= 0x0001
+            nxt.invalidate(n)
+        before = live()
+        staged = w.stage(diff(v[-1], nxt), mode="double_buffer")
+        assert live() == before  # staging wrote only the second buffers
+        w.commit_staged(staged)
+        assert w.last_phases["exchange_ms"] >= 0 and w.last_phases["write_ms"] == 0.0
+        assert live() == {n: nxt[n].data.tolist() for n in nxt}
+        assert all(p.data_ptr() != storage[n] for n, p in model.named_parameters())
+        storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+        x = torch.eye(4).to(torch.bfloat16)
+        got = model.q.cpu_linear(x, None, None).t().contiguous().view(torch.int16).numpy()
+        assert got.view(np.uint16).reshape(-1).tolist() == nxt["q.weight"].data.tolist()
+        assert w.digests(fresh=True) == nxt.tensor_digests()  # reads alias the new storage
+        assert w.audit(1 << 20).mismatched == ()
+        v.append(nxt)
+    bad = view_of(live())
+    bad["t"].data[0] ^= 0x0001
+    bad.invalidate("t")
+    patch = diff(v[-1], bad)
+    model.t.detach().view(torch.int16).t().reshape(-1)[0] ^= 2  # behind the digests
+    with pytest.raises(BaseMismatchError):
+        w.stage(patch, mode="double_buffer")
 
 
 def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
@@ -210,8 +363,9 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
     assert states == {n: sum128(views[-1][n].data) for n in got.tensors}  # proven states
     chained, known = ops._chain(w, steps)  # the worker takes this path at TP 1
     assert chained.equals(got) and known == states
-    one, _ = ops._chain(w, steps[:1])  # one step: that step's own changes
+    one, one_known = ops._chain(w, steps[:1])  # one step: decoded against the live words
     assert one.equals(diff(views[0], views[1]))
+    assert one_known == {n: sum128(views[1][n].data) for n in one.tensors}
     before = {n: w[n].data.copy() for n in w.names()}
     bad = bytearray(blobs[1][0])
     bad[-5] ^= 0xFF  # a payload byte: its BLAKE3 no longer matches

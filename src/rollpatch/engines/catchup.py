@@ -13,7 +13,9 @@ and returns the exact rp.sum128 change), so step *k* sees exactly the words afte
 *k − 1*; the composed change is where the copy differs from the live words (one vectorized
 compare, cheaper than composing n change lists), and the tensor's target state is the held
 state plus the decoder's changes, checked against the published target digest. Memory: one
-tensor copy per thread plus the composed change; the live weights are only read.
+tensor copy per thread plus the composed change; the live weights are only read. A chain of
+one step needs no copy: it is decoded against the live words (read only), and its change to
+the rp.sum128 state is computed from the changed words alone.
 
 Only ``delta`` entries of the ``rp.ctxgolomb.v2`` codec take this path (the format every
 publisher writes by default); :func:`decode_in_place` returns None for any other chain and
@@ -41,6 +43,7 @@ from ..patch import DeltaOp, Patch, TensorPatch, inspect
 from ..patch.codec_v2 import CtxGolombV2
 from ..patch.header import DIGESTS
 from ..view import Tensor, WordSource, sum128_digest, sum_add
+from .staged import sum_delta
 
 SumState = tuple[int, int]
 
@@ -148,8 +151,24 @@ def decode_in_place(
         chain = by_name[name]  # in step order
         if any(KINDS[e.kind] != live.kind or e.shape != live.shape for e in chain):
             raise BaseMismatchError("base tensor layout differs from the patch", tensor=name)
-        work = Tensor(live.kind, live.shape, np.array(live.data, copy=True))
         st = state(name)
+        if len(chain) == 1 and not live.kind.packed:  # one step: decoded against the live
+            e = chain[0]  # words, nothing written, no copy (the change is O(changed))
+            try:
+                pos, old, new = _V2.decode(e.payload, live, e.changed)
+            except RollpatchError as err:
+                err.context.setdefault("tensor", name)
+                err.context.setdefault("step", e.step)
+                raise
+            st = sum_add(st, sum_delta(live.data, pos, new))
+            if sum128_digest(live.dtype, live.shape, live.nbytes, st) != e.target:
+                raise TargetMismatchError(
+                    "the decoded step does not reach the tensor's target", tensor=name
+                )
+            return TensorPatch(
+                name, live.kind, live.shape, e.base, e.target, DeltaOp(pos, old, new)
+            ), st
+        work = Tensor(live.kind, live.shape, np.array(live.data, copy=True))
         for e in chain:
             try:
                 pos, old, new, change = _V2.decode_into(e.payload, work, e.changed)

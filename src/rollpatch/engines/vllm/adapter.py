@@ -26,6 +26,7 @@ from ..staged import AuditReport, EncodedStep, StagedUpdate
 from .core import ATOMIC
 from .rpc import NOT_READY, RemoteWords, WorkerCalls, worker_error
 from .transfer import write_decoded
+from .writes import WriteMode
 
 __all__ = ["TRANSPORTS", "RemoteWords", "VllmEngine"]
 
@@ -38,13 +39,20 @@ TRANSPORTS = ("auto", "weight-transfer", "rpc")
 Prepack = Literal["stage", "pause"]
 
 
+def _choice(field: str, value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise errors.ConfigError(
+            f"unknown {field} {value!r}", field=field, hint=f"one of {', '.join(allowed)}: {what}"
+        )
+
+
 class VllmEngine(WorkerCalls, EngineAdapter):
     """:class:`EngineAdapter` over a vLLM server started with rollpatch's worker extension.
 
     ``url``: the server (``http://127.0.0.1:8000``). ``shared_dir``: a directory the server
     can read (default: a private temporary directory, so the server must run on this host).
     ``transport``: one of :data:`TRANSPORTS`. ``timeout``: seconds per HTTP call.
-    ``prepack``: see :data:`Prepack`.
+    ``prepack``: see :data:`Prepack`. ``writes``: see :data:`~.writes.WriteMode`.
     """
 
     name = "vllm"
@@ -57,19 +65,12 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         transport: str = "auto",
         timeout: float = 600.0,
         prepack: Prepack = "stage",
+        writes: WriteMode = "in_place",
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise errors.ConfigError(
-                f"unknown transport {transport!r}", hint=f"use one of {', '.join(TRANSPORTS)}"
-            )
-        if prepack not in ("stage", "pause"):
-            raise errors.ConfigError(
-                f"unknown prepack {prepack!r}",
-                field="prepack",
-                hint="stage (faster pause, + packed copies of the touched "
-                "modules while staged) or pause (re-pack in the pause)",
-            )
-        self.prepack = prepack
+        _choice("transport", transport, TRANSPORTS, "the official routes or collective_rpc")
+        _choice("prepack", prepack, ("stage", "pause"), "pack kernels while staging or after")
+        _choice("writes", writes, ("in_place", "double_buffer"), "see docs/vllm.md")
+        self.prepack, self.writes = prepack, writes
         super().__init__(url, shared_dir, timeout)
         self._transport = transport
         self._version: int | None = None
@@ -103,7 +104,10 @@ class VllmEngine(WorkerCalls, EngineAdapter):
     def info(self) -> dict[str, Any]:
         """Rank 0's report: ``rank``, ``tp``, ``aliases`` (zero-copy reads), ``tensors``
         (name → [kind, shape]), ``weight_transfer`` (backend or None), ``packed_modules``
-        (CPU modules whose packed weight is rebuilt after writes)."""
+        (CPU modules set up by the packing dispatcher), ``owning_modules`` (those whose kernel
+        holds its own copy of the words: rebuilt after writes), ``kernel_only_modules`` (those
+        served only through that copy: their plain words are written after a commit's
+        pause)."""
         return self._call("info")
 
     def tensors(self) -> dict[str, Any]:
@@ -184,7 +188,9 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                 spec.append({"base": step.base, "target": step.target, "paths": paths})
             files.append(self._scratch("stage"))
             files[-1].write_text(
-                json.dumps({"token": token, "steps": spec, "prepack": self.prepack})
+                json.dumps(
+                    {"token": token, "steps": spec, "prepack": self.prepack, "writes": self.writes}
+                )
             )
             self._call("stage", str(files[-1]))
             res = self._wait_staged(token)

@@ -29,6 +29,7 @@ from ..staged import StagedUpdate
 from .layout import locate
 from .transfer import read_decoded
 from .weights import RuntimeWeights
+from .writes import WriteMode
 
 __all__ = ["OPS", "run_op_on"]
 
@@ -75,12 +76,14 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[
     return patch, {}
 
 
-def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool]:
+def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool, WriteMode]:
     try:
         spec = json.loads(Path(path).read_text())
         token, steps, prepack = spec["token"], spec["steps"], spec.get("prepack", "stage")
+        mode = spec.get("writes", "in_place")
         ok = (
             prepack in ("stage", "pause")
+            and mode in ("in_place", "double_buffer")
             and isinstance(token, str)
             and 0 < len(token) <= 64
             and isinstance(steps, list)
@@ -99,19 +102,21 @@ def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool]:
         ok = False
     if not ok:
         raise EngineError("invalid staging request", path=path)
-    return token, steps, prepack == "stage"
+    return token, steps, prepack == "stage", mode
 
 
 class _Job:
     """One staging run; in a thread at TP = 1 (the engine keeps serving), inline otherwise."""
 
-    def __init__(self, w: RuntimeWeights, steps: list[dict[str, Any]], prebuild: bool) -> None:
+    def __init__(
+        self, w: RuntimeWeights, steps: list[dict[str, Any]], prebuild: bool, mode: WriteMode
+    ) -> None:
         self.staged: StagedUpdate | None = None
         self.error: dict[str, Any] | None = None
         self.ms = 0.0
         self.phases: dict[str, float] = {}
         self.done = threading.Event()
-        self._w, self._steps, self._prebuild = w, steps, prebuild
+        self._w, self._steps, self._prebuild, self._mode = w, steps, prebuild, mode
 
     def run(self) -> None:
         res = run_op_on(self._w, lambda w: self._stage(w))
@@ -124,16 +129,16 @@ class _Job:
         t0 = time.perf_counter()
         patch, known = _chain(w, self._steps)
         decode_ms = (time.perf_counter() - t0) * 1e3
-        self.staged = w.stage(patch, prebuild=self._prebuild, known=known)
+        self.staged = w.stage(patch, prebuild=self._prebuild, known=known, mode=self._mode)
         self.phases = {"decode_ms": decode_ms, **w.last_stage_phases}
         return {}
 
 
 def _stage(w: RuntimeWeights, path: str) -> dict[str, Any]:
-    token, steps, prebuild = _read_spec(path)
+    token, steps, prebuild, mode = _read_spec(path)
     while len(w.jobs) >= _MAX_JOBS:
         w.jobs.pop(next(iter(w.jobs)))
-    job = w.jobs[token] = _Job(w, steps, prebuild)
+    job = w.jobs[token] = _Job(w, steps, prebuild, mode)
     if w.tp > 1:
         job.run()
     else:
@@ -178,6 +183,12 @@ def _commit(w: RuntimeWeights, token: str) -> dict[str, Any]:
     return {"digests": digests, "root": w.root(), "phases": w.last_phases}
 
 
+def _settled(w: RuntimeWeights) -> dict[str, Any]:
+    """Wait for the words written after the last pause (:mod:`.writes`); their batch."""
+    w.settler.wait()
+    return {"settle": dict(w.settler.last), "tainted": w.tainted}
+
+
 def _audit(w: RuntimeWeights, budget: str) -> dict[str, Any]:
     r = w.audit(int(budget))
     return {
@@ -196,6 +207,7 @@ def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
             hint="start vLLM with ROLLPATCH_FAULT_INJECTION=1 (drills and tests only)",
         )
     pl = w.placement(name)
+    w.settler.wait()
     _, offsets = locate(pl, np.array([position], np.int64))
     if offsets.size:
         acc = w.access
@@ -225,6 +237,7 @@ OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
     "staged": lambda w, token, _: _staged(w, token),
     "commit": lambda w, token, _: _commit(w, token),
     "discard": lambda w, token, _: {"discarded": w.jobs.pop(token, None) is not None},
+    "settled": lambda w, _a, _b: _settled(w),
     "audit": lambda w, budget, _: _audit(w, budget),
     "flip": lambda w, name, position: _flip(w, name, int(position)),
     "apply": lambda w, path, _: {"digests": w.commit(read_decoded(path)), "root": w.root()},

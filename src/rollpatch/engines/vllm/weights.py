@@ -11,9 +11,11 @@ per-tensor digests and rp.sum128 states, and commits patches in two halves:
    digests from the changed words alone (:mod:`rollpatch.engines.staged`); lay the writes out
    per runtime parameter (storage offsets, old and new words);
 2. :meth:`RuntimeWeights.commit_staged` (under the pause): one scatter per runtime parameter,
-   rebuild of the touched modules' derived buffers (CPU: oneDNN packed weights), read-back of
-   the written positions; on any failure the old words are written back. Nothing in it
-   reads an unchanged weight. :meth:`RuntimeWeights.audit` re-hashes live tensors a slice at
+   rebuild of the touched modules' derived buffers (CPU: oneDNN packed weights, or a swap of
+   kernels prebuilt while staging), read-back of the written positions; on any failure the old
+   words are written back. Nothing in it reads an unchanged weight. Parameters served only
+   through a swapped-in kernel have their own words written after the pause
+   (:mod:`.writes`). :meth:`RuntimeWeights.audit` re-hashes live tensors a slice at
    a time, to catch what the read-back cannot (a word changed where no patch wrote).
 
 With tensor parallelism every rank runs the same steps on the same patch; reading a checkpoint
@@ -23,76 +25,21 @@ tensor is then a collective (``Access.gather``), so tensors are always read in s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, TargetMismatchError, ViewError
+from ...errors import BaseMismatchError, EngineError, ViewError
 from ...kinds import Kind
-from ...native import threads
 from ...patch import Patch
 from ...view import Tensor, View, root_digest, sum128, sum128_digest
 from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
 from .layout import ParamSpec, Placement, assemble, extract, locate, placements, write_blocks
+from .writes import Access, ParamWrites, Settler, WriteMode, increasing, write_params
 
 __all__ = ["Access", "RuntimeWeights"]
-
-#: Positions written then read back at a time under the pause (a slice's words stay in cache).
-_SLICE = 1 << 16
-
-
-@dataclass
-class Access:
-    """How the core reaches one worker's parameters (implemented by the engine glue).
-
-    ``read(param)``: the parameter's words as a numpy array of its logical 2-D shape — a view
-    of the parameter's memory where possible (CPU), else a host copy (GPU).
-    ``write(param, offsets, values)``: store words at row-major logical ``offsets``
-    (stride-aware). ``write_block(param, index, block)``: store a 2-D block at a pair of
-    slices (keyframe loads: no per-element offsets). ``repack(params)``: rebuild derived buffers after writing those
-    parameters. ``gather(param, local)``: every rank's copy of ``param`` (TP > 1), in rank
-    order. ``aliases``: True when ``read`` returns views, so lent tensors can be zero-copy.
-    """
-
-    read: Callable[[str], np.ndarray]
-    write: Callable[[str, np.ndarray, np.ndarray], None]
-    write_block: Callable[[str, tuple[slice, slice], np.ndarray], None]
-    repack: Callable[[set[str]], None] = lambda params: None
-    gather: Callable[[str, np.ndarray], list[np.ndarray]] | None = None
-    aliases: bool = False
-    prepare: Callable[[str, np.ndarray], np.ndarray] | None = None
-    scatter: Callable[[str, np.ndarray, np.ndarray], None] | None = None
-    read_at: Callable[[str, np.ndarray], np.ndarray] | None = None
-    #: Optional (CPU): derived buffers built before the pause from the staged words
-    #: (``prebuild({param: (prepared, new)})``), swapped in under it (``install(prebuilt)``
-    #: → the modules installed), so the pause does not re-pack whole modules.
-    prebuild: Callable[[dict[str, tuple[np.ndarray, np.ndarray]]], Any] | None = None
-    install: Callable[[Any], set[str]] | None = None
-    #: Optional: ``swap(param, prepared, old, new)`` checks that the words at ``prepared``
-    #: (increasing storage offsets) are ``old`` and writes ``new``, in one pass, all or
-    #: nothing (raises :class:`BaseMismatchError`); else the commit scatters blindly.
-    swap: Callable[[str, np.ndarray, np.ndarray, np.ndarray], None] | None = None
-
-
-@dataclass
-class _ParamWrites:
-    """One runtime parameter's staged writes (every checkpoint tensor fused into it)."""
-
-    prepared: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
-
-
-def _increasing(w: _ParamWrites) -> _ParamWrites:
-    """The writes in storage order (done while staging: the pause then writes and reads
-    memory front to back, and a one-pass check-and-write can rely on it)."""
-    if w.prepared.size > 1 and not bool(np.all(w.prepared[1:] > w.prepared[:-1])):
-        order = np.argsort(w.prepared, kind="stable")
-        w = _ParamWrites(w.prepared[order], w.old[order], w.new[order])
-    return w
 
 
 @dataclass
@@ -138,6 +85,8 @@ class RuntimeWeights:
         self.tainted: str | None = None
         #: Staging jobs by token (the worker glue's; see :mod:`.worker`).
         self.jobs: dict[str, Any] = {}
+        #: Kernel-only parameters' words written after a commit's pause (:mod:`.writes`).
+        self.settler = Settler()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -166,6 +115,7 @@ class RuntimeWeights:
     def __getitem__(self, name: str) -> Tensor:
         """The tensor's words in checkpoint coordinates (a collective when TP > 1)."""
         e = self._entry(name)
+        self.settler.wait()
         local = self.access.read(e.mine.param)
         if self.tp == 1:
             data = extract(e.mine, local)
@@ -227,6 +177,7 @@ class RuntimeWeights:
                     engine_kind=e.kind.name,
                     engine_shape=e.mine.shape,
                 )
+        self.settler.wait()
         self._digests.clear()
         self._states.clear()
         self.tainted = None
@@ -251,6 +202,7 @@ class RuntimeWeights:
         *,
         prebuild: bool = True,
         known: Mapping[str, tuple[int, int]] | None = None,
+        mode: WriteMode = "in_place",
     ) -> StagedUpdate:
         """Prove ``patch`` against the held words (O(changed) digests) and lay its writes out
         per runtime parameter, in the form the pause scatters (no word is written).
@@ -258,7 +210,16 @@ class RuntimeWeights:
         ``prebuild``: also build the touched modules' derived buffers (CPU packed weights)
         now, to be swapped in under the pause (memory: + their packed size until the commit);
         False: they are re-packed inside the pause. ``known``: target rp.sum128 states the
-        caller proved for exactly these writes (:mod:`rollpatch.engines.catchup`), not recomputed."""
+        caller proved for exactly these writes (:mod:`rollpatch.engines.catchup`), not
+        recomputed. ``mode``: :data:`.writes.WriteMode` (``double_buffer``: also build each
+        touched parameter's second buffer now; the CPU at TP = 1 only)."""
+        acc = self.access
+        if mode == "double_buffer" and (acc.buffer is None or acc.exchange is None):
+            raise EngineError(
+                "double-buffered commits need the CPU at TP = 1",
+                tp=self.tp,
+                hint="use the in-place commit (writes='in_place')",
+            )
         if self.tainted is not None:
             raise BaseMismatchError(
                 "the engine holds unknown bits (audit)", tensor=self.tainted, hint="load a keyframe"
@@ -276,20 +237,26 @@ class RuntimeWeights:
         staged.payload["changed"] = staged.changed
         for param, chunks in parts.items():
             offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
-            staged.payload[param] = _increasing(_ParamWrites(prepare(param, offsets), old, new))
+            staged.payload[param] = increasing(ParamWrites(prepare(param, offsets), old, new))
         t2 = time.perf_counter()
-        if self.access.prebuild is not None and prebuild:
-            staged.payload["prebuilt"] = self.access.prebuild(
-                {
-                    p: (w.prepared, w.new)
-                    for p, w in staged.payload.items()
-                    if isinstance(w, _ParamWrites)
-                }
-            )
+        writes = {
+            p: (w.prepared, w.old, w.new)
+            for p, w in staged.payload.items()
+            if isinstance(w, ParamWrites)
+        }
+        buffers = None
+        if mode == "double_buffer":
+            assert acc.buffer is not None
+            buffers = {p: acc.buffer(p, *w) for p, w in writes.items()}
+            staged.payload["buffers"] = buffers
+        t3 = time.perf_counter()
+        if acc.prebuild is not None and (prebuild or buffers is not None):
+            staged.payload["prebuilt"] = acc.prebuild(writes, buffers)
         self.last_stage_phases = {
             "prove_ms": (t1 - t0) * 1e3,
             "layout_ms": (t2 - t1) * 1e3,
-            "prebuild_ms": (time.perf_counter() - t2) * 1e3,
+            "buffers_ms": (t3 - t2) * 1e3,
+            "prebuild_ms": (time.perf_counter() - t3) * 1e3,
         }
         # the writes now live per parameter; keep only the proven states per tensor
         empty = np.empty(0, np.int64)
@@ -300,17 +267,18 @@ class RuntimeWeights:
         staged.payload["nbytes"] = sum(
             w.prepared.nbytes + w.old.nbytes + w.new.nbytes
             for w in staged.payload.values()
-            if isinstance(w, _ParamWrites)
+            if isinstance(w, ParamWrites)
         )
         return staged
 
     def commit_staged(self, staged: StagedUpdate) -> dict[str, str]:
-        """Write ``staged`` (one scatter per runtime parameter, the old words checked as they
-        are overwritten where the access can), read the written positions back, rebuild the
-        touched modules' derived buffers, record the proven digests. Reads no unchanged
-        weight. Parameters are written in parallel on the CPU (:func:`rollpatch.native.threads`)
-        and in slices of :data:`_SLICE` positions, each read back while in cache. On any failure
-        the old words are written back."""
+        """Write ``staged`` (:func:`.writes.write_params`: one checked, read-back scatter per
+        runtime parameter, in parallel on the CPU), swap in the touched modules' prebuilt
+        kernels or rebuild their derived buffers, record the proven digests. Reads no
+        unchanged weight. Kernel-only parameters whose kernel was prebuilt are served by that
+        kernel from the swap on; their own words are written after the pause
+        (:class:`.writes.Settler`). On any failure the old words are written back."""
+        self.settler.wait()
         if self.root() != staged.base:
             raise BaseMismatchError(
                 "the engine moved since the update was staged",
@@ -318,50 +286,77 @@ class RuntimeWeights:
                 actual=self.root()[:16],
             )
         acc = self.access
-        writes = {p: w for p, w in staged.payload.items() if isinstance(w, _ParamWrites)}
-        scatter = acc.scatter or (lambda param, off, values: acc.write(param, off, values))
-        read_at = acc.read_at or (lambda param, off: acc.read(param).reshape(-1)[off])
-        write = acc.swap or (lambda param, off, old, new: scatter(param, off, new))
-        started: list[str] = []
-
-        def one(param: str) -> None:
-            """Write, then read back, a slice at a time (the slice is still in cache)."""
-            w = writes[param]
-            started.append(param)
-            for i in range(0, w.prepared.size, _SLICE):
-                s = slice(i, i + _SLICE)
-                write(param, w.prepared[s], w.old[s], w.new[s])
-                if not np.array_equal(read_at(param, w.prepared[s]), w.new[s]):
-                    raise TargetMismatchError("read-back of written weights differs", param=param)
-
+        writes = {p: w for p, w in staged.payload.items() if isinstance(w, ParamWrites)}
+        got = staged.payload.get("prebuilt")
+        prebuilt: dict[str, Any] | None = got if isinstance(got, dict) else None
+        buffers = staged.payload.get("buffers")
+        if isinstance(buffers, dict):
+            self._exchange(buffers, prebuilt, set(writes))
+            self._record(staged)
+            return dict(staged.digests)
+        later = {
+            p: w
+            for p, w in writes.items()
+            if prebuilt is not None
+            and acc.install is not None
+            and acc.kernel_only is not None
+            and p.rpartition(".")[0] in prebuilt
+            and acc.kernel_only(p)
+        }
+        now = {p: w for p, w in writes.items() if p not in later}
         t0 = time.perf_counter()
+        n = write_params(acc, now, parallel=True)
+        t1 = time.perf_counter()
         try:
-            n = min(threads(), len(writes)) if acc.aliases else 1
-            if n > 1:  # generation is held: the writes are the only work, on every core
-                with ThreadPoolExecutor(n, thread_name_prefix="rollpatch-write") as pool:
-                    list(pool.map(one, writes))
-            else:
-                for param in writes:
-                    one(param)
-            t1 = time.perf_counter()
-            prebuilt = staged.payload.get("prebuilt")
             installed = (
                 acc.install(prebuilt)  # kernels built from exactly these words
                 if prebuilt is not None and acc.install is not None
                 else set()
             )
             acc.repack({p for p in writes if p.rpartition(".")[0] not in installed})
-            t2 = time.perf_counter()
         except BaseException:
-            for param in started:  # words not reached yet are the old ones already
-                scatter(param, writes[param].prepared, writes[param].old)
-            acc.repack(set(started))
+            scatter = acc.scatter or (lambda param, off, values: acc.write(param, off, values))
+            for param, w in now.items():
+                scatter(param, w.prepared, w.old)
+            acc.repack(set(now))
             raise
+        t2 = time.perf_counter()
         self.last_phases = {
             "write_ms": (t1 - t0) * 1e3,
             "derived_ms": (t2 - t1) * 1e3,
             "threads": float(n),
+            "written_after": float(len(later)),
         }
+        self._record(staged)
+        self.settler.start(acc, later, self._settle_failed)
+        return dict(staged.digests)
+
+    def _exchange(
+        self, buffers: dict[str, Any], prebuilt: dict[str, Any] | None, params: set[str]
+    ) -> None:
+        """The double-buffered commit under the pause: the staged buffers (written, checked
+        and read back while staging) put in place of the parameters' storage, the kernels
+        built from them swapped in; undone on any failure."""
+        acc = self.access
+        assert acc.exchange is not None
+        t0 = time.perf_counter()
+        held = acc.exchange(buffers)
+        try:
+            installed = acc.install(prebuilt) if prebuilt and acc.install is not None else set()
+            acc.repack({p for p in params if p.rpartition(".")[0] not in installed})
+        except BaseException:
+            acc.exchange(held)
+            acc.repack(params)
+            raise
+        self.last_phases = {
+            "write_ms": 0.0,
+            "exchange_ms": (time.perf_counter() - t0) * 1e3,
+            "threads": 1.0,
+            "written_after": 0.0,
+        }
+
+    def _record(self, staged: StagedUpdate) -> None:
+        """The proven digests (and rp.sum128 states) of a committed update."""
         for name, d in staged.digests.items():
             st = staged.tensors.get(name)
             if st is not None and st.target_state is None:
@@ -370,11 +365,18 @@ class RuntimeWeights:
             self._digests[name] = d
             if st is not None and st.target_state is not None:
                 self._states[name] = st.target_state
-        return dict(staged.digests)
+
+    def _settle_failed(self, param: str, message: str) -> None:
+        if self.tainted is None:
+            self.tainted = param  # its words no longer match the served kernel or digest
 
     def audit(self, budget: int) -> AuditReport:
         """Re-hash up to ``budget`` bytes of live tensors, round-robin, against the held
-        digests; a mismatch marks the engine :attr:`tainted` (a collective at TP > 1)."""
+        digests; a mismatch marks the engine :attr:`tainted` (a collective at TP > 1).
+        Nothing is hashed while words are still being written after a pause (the audit runs
+        between generation steps and must not wait for them)."""
+        if self.settler.busy:
+            return AuditReport(0, 0, (), False)
         names, wrapped = self._cursor.take(
             self.names(),
             lambda n: self._entry(n).mine.n_elements * self._entry(n).kind.elem_dtype.itemsize,

@@ -19,15 +19,14 @@ type checker) it does nothing. Every method returns a JSON-able dict (``ok`` plu
 from __future__ import annotations
 
 import sys
-import types
 from typing import Any
 
 import numpy as np
 
 from ...errors import EngineError
-from .layout import storage_offsets
 from .ops import OPS, run_op_on
-from .weights import Access, RuntimeWeights
+from .params import TorchParams
+from .weights import RuntimeWeights
 
 __all__ = ["BACKEND", "WorkerExtension", "run_op"]
 
@@ -49,10 +48,42 @@ def _keep_plain_weights() -> None:
 
     def dispatch(layer: Any, remove_weight: bool) -> None:
         original(layer, remove_weight=False)
-        layer._rollpatch_repack = original  # rebuilt after every write to layer.weight
+        layer._rollpatch_repack = original  # rebuilt after writes to layer.weight, if it owns
+        layer._rollpatch_owns, layer._rollpatch_kernel_only = _probe(layer)
 
     dispatch._rollpatch = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def _probe(layer: Any) -> tuple[bool, bool]:
+    """(owns, kernel_only) for a layer the CPU dispatcher just set up. ``owns``: its kernel
+    holds its own copy of the words, so writes to the plain weight need a rebuild — found by
+    negating the plain weight in place (negated back at once: exact) and calling the kernel on
+    a random input: an unchanged output means the kernel did not read the live words (True
+    too when the probe cannot tell: rebuilding is always safe). ``kernel_only``: it owns,
+    the probe was conclusive, and nothing else reads the plain weight (a linear layer or an LM
+    head; not an embedding, whose lookup reads it): its plain words may then be written after
+    a commit's pause (:mod:`.writes`)."""
+    import torch
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    linear, w = getattr(layer, "cpu_linear", None), getattr(layer, "weight", None)
+    if linear is None or w is None or w.dim() != 2 or w.is_meta or w.numel() == 0:
+        return True, False
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, int(w.shape[1]), generator=gen).to(w.dtype)
+        bias = getattr(layer, "bias", None)
+        before = linear(x, w, bias)
+        w.neg_()
+        try:
+            after = linear(x, w, bias)
+        finally:
+            w.neg_()
+    owns = torch.equal(before, after)
+    conclusive = bool(before.abs().sum() > 0)
+    return owns, owns and conclusive and isinstance(layer, (LinearBase, ParallelLMHead))
 
 
 def _register_backend() -> None:
@@ -69,173 +100,6 @@ if "vllm" in sys.modules:  # inside vLLM: install before the model loads
     _register_backend()
 
 
-def _modules(model: Any, params: set[str]) -> list[Any]:
-    """The modules owning ``params``, each once (weight and bias share one packed buffer)."""
-    names = sorted({p.rpartition(".")[0] for p in params})
-    return [model.get_submodule(n) if n else model for n in names]
-
-
-def _access(model: Any, tp: int, *, alias: bool | None = None) -> Access:
-    """Numpy views of the parameters on the CPU (``alias``, the default there); host copies
-    and torch writes elsewhere (GPU; ``alias=False`` exercises that path on the CPU)."""
-    import torch
-
-    from ...native import core as native
-
-    params = dict(model.named_parameters())
-    cpu = all(p.device.type == "cpu" for p in params.values()) if alias is None else alias
-
-    def shape2(p: Any) -> tuple[int, int]:
-        rows = int(p.shape[0]) if p.dim() else 1
-        return rows, int(p.numel()) // max(rows, 1)
-
-    def words(p: Any) -> Any:
-        return p.detach().view(getattr(torch, f"int{8 * p.element_size()}"))
-
-    views: dict[str, np.ndarray] = {}
-    if cpu:
-        for name, p in params.items():
-            a = words(p).numpy().view(_WORDS[p.element_size()][1]).reshape(shape2(p))
-            if a.size and a.__array_interface__["data"][0] != p.data_ptr():
-                raise EngineError("parameter words do not alias the parameter", param=name)
-            views[name] = a
-
-    def read(name: str) -> np.ndarray:
-        if cpu:
-            return views[name]
-        p = params[name]
-        host = words(p).cpu().contiguous().numpy()
-        return host.view(_WORDS[p.element_size()][1]).reshape(shape2(p))
-
-    def flat(name: str) -> tuple[np.ndarray, list[int]]:
-        a = views[name]
-        elem = [s // a.itemsize for s in a.strides]
-        span = 1 + sum((n - 1) * s for n, s in zip(a.shape, elem))
-        return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,)), elem
-
-    def prepare(name: str, offsets: np.ndarray) -> np.ndarray:
-        """CPU: storage offsets (stride-aware), computed before the pause."""
-        if not cpu:
-            return offsets
-        return storage_offsets(offsets, views[name].shape, flat(name)[1])
-
-    def device_index(p: Any, offsets: np.ndarray) -> tuple[Any, Any]:
-        r, c = np.divmod(offsets, shape2(p)[1])
-        return torch.from_numpy(r).to(p.device), torch.from_numpy(c).to(p.device)
-
-    def scatter(name: str, prepared: np.ndarray, values: np.ndarray) -> None:
-        p = params[name]
-        if cpu:
-            flat(name)[0][prepared] = values
-            return
-        signed = values.view(_WORDS[p.element_size()][0])
-        w = words(p).view(shape2(p))  # a view (never a copy); indexing it is stride-aware
-        w.index_put_(
-            device_index(p, prepared), torch.from_numpy(np.ascontiguousarray(signed)).to(p.device)
-        )
-
-    def read_at(name: str, prepared: np.ndarray) -> np.ndarray:
-        p = params[name]
-        if cpu:
-            fl = flat(name)[0]
-            if native is None or fl.itemsize not in (2, 4):
-                return fl[prepared]
-            out = np.empty(prepared.size, fl.dtype)
-            native.gather((8 * fl.itemsize, 2, 0, 0), fl, prepared, out)  # GIL released
-            return out
-        got = words(p).view(shape2(p))[device_index(p, prepared)].cpu().numpy()
-        return got.view(_WORDS[p.element_size()][1])
-
-    def swap(name: str, prepared: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
-        """CPU, native core: check old and write new in one pass (all or nothing)."""
-        fl = flat(name)[0]
-        if native is None or fl.itemsize not in (2, 4):
-            scatter(name, prepared, new)
-            return
-        native.apply((8 * fl.itemsize, 2, 0, 0), fl, prepared, old, new)
-
-    def write(name: str, offsets: np.ndarray, values: np.ndarray) -> None:
-        scatter(name, prepare(name, offsets), values)
-
-    def write_block(name: str, index: tuple[slice, slice], block: np.ndarray) -> None:
-        p = params[name]
-        if cpu:
-            views[name][index] = block
-            return
-        signed = np.ascontiguousarray(block).view(_WORDS[p.element_size()][0])
-        words(p).view(shape2(p))[index] = torch.from_numpy(signed).to(p.device)
-
-    def repack(names: set[str]) -> None:
-        with torch.no_grad():
-            for mod in _modules(model, names):
-                rebuild = getattr(mod, "_rollpatch_repack", None)
-                if rebuild is not None:
-                    rebuild(mod, remove_weight=False)
-
-    def prebuild(writes: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
-        """Before the pause: each touched packed module's new ``cpu_linear``, built from a
-        copy of its parameters with the staged words written in (one module at a time)."""
-        out: dict[str, Any] = {}
-        with torch.no_grad():
-            for mod_name in sorted({p.rpartition(".")[0] for p in writes}):
-                mod = model.get_submodule(mod_name) if mod_name else model
-                rebuild = getattr(mod, "_rollpatch_repack", None)
-                if rebuild is None:
-                    continue
-                shadow = types.SimpleNamespace()
-                for attr in ("weight", "bias"):
-                    p = getattr(mod, attr, None)
-                    if p is None:
-                        setattr(shadow, attr, None)
-                        continue
-                    copy = p.detach().clone()  # same strides: storage offsets carry over
-                    key = f"{mod_name}.{attr}" if mod_name else attr
-                    if key in writes:
-                        prepared, new = writes[key]
-                        a = words(copy).numpy().view(_WORDS[copy.element_size()][1])
-                        flat = np.lib.stride_tricks.as_strided(
-                            a,
-                            shape=(int(prepared.max()) + 1 if prepared.size else 0,),
-                            strides=(a.itemsize,),
-                        )
-                        flat[prepared] = new
-                    setattr(shadow, attr, torch.nn.Parameter(copy, requires_grad=False))
-                rebuild(shadow, remove_weight=False)
-                if hasattr(shadow, "cpu_linear"):  # else: re-packed inside the pause
-                    out[mod_name] = shadow.cpu_linear
-        return out
-
-    def install(prebuilt: dict[str, Any]) -> set[str]:
-        """Under the pause: swap the prebuilt kernels in (O(1) per module); returns the
-        modules installed."""
-        for mod_name, linear in prebuilt.items():
-            (model.get_submodule(mod_name) if mod_name else model).cpu_linear = linear
-        return set(prebuilt)
-
-    def gather(name: str, local: np.ndarray) -> list[np.ndarray]:
-        from vllm.distributed import get_tp_group
-
-        p = params[name]
-        t = torch.from_numpy(np.ascontiguousarray(local).view(_WORDS[p.element_size()][0]))
-        out = get_tp_group().all_gather(t.reshape(-1).to(p.device), dim=0)
-        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in out.chunk(tp)]
-
-    return Access(
-        read,
-        write,
-        write_block,
-        repack,
-        gather if tp > 1 else None,
-        aliases=cpu,
-        prepare=prepare,
-        scatter=scatter,
-        read_at=read_at,
-        prebuild=prebuild if cpu and tp == 1 else None,
-        install=install,
-        swap=swap if cpu else None,
-    )
-
-
 def weights_of(model: Any) -> RuntimeWeights:
     """The model's :class:`RuntimeWeights`, built once (from the model's own metadata)."""
     state = getattr(model, _STATE, None)
@@ -249,7 +113,7 @@ def weights_of(model: Any) -> RuntimeWeights:
 
         rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         specs, kinds = describe(model, rank, tp)
-        state = RuntimeWeights(specs, kinds, _access(model, tp), rank=rank, tp=tp)
+        state = RuntimeWeights(specs, kinds, TorchParams(model, tp).access(), rank=rank, tp=tp)
         object.__setattr__(model, _STATE, state)
     return state
 
@@ -283,6 +147,12 @@ class WorkerExtension:
         out["packed_modules"] = len(
             [m for m in model.modules() if "_rollpatch_repack" in m.__dict__]
         )
+        out["owning_modules"] = len(
+            [m for m in model.modules() if m.__dict__.get("_rollpatch_owns")]
+        )
+        out["kernel_only_modules"] = len(
+            [m for m in model.modules() if m.__dict__.get("_rollpatch_kernel_only")]
+        )
         return out
 
     def rollpatch_digest(self, fresh: str = "0") -> dict[str, Any]:
@@ -305,6 +175,11 @@ class WorkerExtension:
     def rollpatch_commit(self, token: str) -> dict[str, Any]:
         """Write the staged update ``token`` (under the caller's pause): writes and read-back."""
         return run_op(self.get_model(), "commit", token)  # type: ignore[attr-defined]
+
+    def rollpatch_settled(self) -> dict[str, Any]:
+        """Wait until the words written after the last commit's pause are in place (blocks
+        this worker: for tests and benches); the batch's size, time and failure."""
+        return run_op(self.get_model(), "settled")  # type: ignore[attr-defined]
 
     def rollpatch_discard(self, token: str) -> dict[str, Any]:
         """Forget a staged update."""

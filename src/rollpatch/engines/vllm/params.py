@@ -1,0 +1,267 @@
+"""A vLLM worker's torch parameters as the :class:`~.writes.Access` the core writes through.
+
+:class:`TorchParams` is the worker glue's one object: it holds the model's parameters and, on
+the CPU, numpy views that alias their memory (zero-copy reads, native checked writes); on
+other devices, host copies for reading and torch ``index_put_`` for writing. It also owns what
+the CPU backend's packed kernels need (docs/vllm.md, *The CPU prepack trap*): which modules'
+kernels hold their own copy of the words (``_rollpatch_owns``, found by :mod:`.worker` at load
+time), rebuilding them after writes, or building them while staging and swapping them in
+under the pause; and the double-buffered commit (``writes="double_buffer"``): each touched
+parameter's new words staged in a second buffer and exchanged for the live one under the pause.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from .layout import storage_offsets
+from .writes import Access
+
+__all__ = ["TorchParams", "check_write"]
+
+_WORDS = {2: (np.int16, np.uint16), 4: (np.int32, np.uint32)}
+
+
+def check_write(
+    flat: np.ndarray, prepared: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
+) -> None:
+    """Check ``old`` and write ``new`` at ``prepared`` in ``flat``, then read them back."""
+    from ...native import core as native
+
+    if native is not None and flat.itemsize in (2, 4):
+        native.apply((8 * flat.itemsize, 2, 0, 0), flat, prepared, old, new)
+    else:
+        if not np.array_equal(flat[prepared], old):
+            raise BaseMismatchError("held words differ from the update's old words", param=name)
+        flat[prepared] = new
+    if not np.array_equal(flat[prepared], new):
+        raise TargetMismatchError("read-back of written weights differs", param=name)
+
+
+def _shape2(p: Any) -> tuple[int, int]:
+    rows = int(p.shape[0]) if p.dim() else 1
+    return rows, int(p.numel()) // max(rows, 1)
+
+
+def _flat(a: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """The storage ``a`` spans, as one flat array of words, and its element strides."""
+    elem = [s // a.itemsize for s in a.strides]
+    span = 1 + sum((n - 1) * s for n, s in zip(a.shape, elem)) if a.size else 0
+    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,)), elem
+
+
+class TorchParams:
+    """One worker's parameters (see the module docstring); ``alias``: numpy views of the
+    parameters' memory (the default on the CPU); False: host copies and torch writes (the
+    GPU path, exercised on the CPU by tests)."""
+
+    def __init__(self, model: Any, tp: int, *, alias: bool | None = None) -> None:
+        import torch
+
+        self._torch, self.model, self.tp = torch, model, tp
+        self.params = dict(model.named_parameters())
+        self.cpu = (
+            all(p.device.type == "cpu" for p in self.params.values()) if alias is None else alias
+        )
+        self.views: dict[str, np.ndarray] = {}
+        if self.cpu:
+            for name in self.params:
+                self._alias(name)
+
+    # -- words -----------------------------------------------------------------------------
+
+    def _words(self, p: Any) -> Any:
+        return p.detach().view(getattr(self._torch, f"int{8 * p.element_size()}"))
+
+    def _numpy(self, p: Any) -> np.ndarray:
+        return self._words(p).numpy().view(_WORDS[p.element_size()][1])
+
+    def _alias(self, name: str) -> None:
+        p = self.params[name]
+        a = self._numpy(p).reshape(_shape2(p))
+        if a.size and a.__array_interface__["data"][0] != p.data_ptr():
+            raise EngineError("parameter words do not alias the parameter", param=name)
+        self.views[name] = a
+
+    def read(self, name: str) -> np.ndarray:
+        if self.cpu:
+            return self.views[name]
+        p = self.params[name]
+        host = self._words(p).cpu().contiguous().numpy()
+        return host.view(_WORDS[p.element_size()][1]).reshape(_shape2(p))
+
+    def prepare(self, name: str, offsets: np.ndarray) -> np.ndarray:
+        """CPU: storage offsets (stride-aware), computed before the pause."""
+        if not self.cpu:
+            return offsets
+        return storage_offsets(offsets, self.views[name].shape, _flat(self.views[name])[1])
+
+    def _device_index(self, p: Any, offsets: np.ndarray) -> tuple[Any, Any]:
+        r, c = np.divmod(offsets, _shape2(p)[1])
+        torch = self._torch
+        return torch.from_numpy(r).to(p.device), torch.from_numpy(c).to(p.device)
+
+    def scatter(self, name: str, prepared: np.ndarray, values: np.ndarray) -> None:
+        p = self.params[name]
+        if self.cpu:
+            _flat(self.views[name])[0][prepared] = values
+            return
+        signed = values.view(_WORDS[p.element_size()][0])
+        w = self._words(p).view(_shape2(p))  # a view (never a copy); indexing is stride-aware
+        w.index_put_(
+            self._device_index(p, prepared),
+            self._torch.from_numpy(np.ascontiguousarray(signed)).to(p.device),
+        )
+
+    def read_at(self, name: str, prepared: np.ndarray) -> np.ndarray:
+        from ...native import core as native
+
+        p = self.params[name]
+        if self.cpu:
+            fl = _flat(self.views[name])[0]
+            if native is None or fl.itemsize not in (2, 4):
+                return fl[prepared]
+            out = np.empty(prepared.size, fl.dtype)
+            native.gather((8 * fl.itemsize, 2, 0, 0), fl, prepared, out)  # GIL released
+            return out
+        got = self._words(p).view(_shape2(p))[self._device_index(p, prepared)].cpu().numpy()
+        return got.view(_WORDS[p.element_size()][1])
+
+    def swap(self, name: str, prepared: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+        """CPU, native core: check old and write new in one pass (all or nothing)."""
+        from ...native import core as native
+
+        fl = _flat(self.views[name])[0]
+        if native is None or fl.itemsize not in (2, 4):
+            self.scatter(name, prepared, new)
+            return
+        native.apply((8 * fl.itemsize, 2, 0, 0), fl, prepared, old, new)
+
+    def write(self, name: str, offsets: np.ndarray, values: np.ndarray) -> None:
+        self.scatter(name, self.prepare(name, offsets), values)
+
+    def write_block(self, name: str, index: tuple[slice, slice], block: np.ndarray) -> None:
+        p = self.params[name]
+        if self.cpu:
+            self.views[name][index] = block
+            return
+        signed = np.ascontiguousarray(block).view(_WORDS[p.element_size()][0])
+        self._words(p).view(_shape2(p))[index] = self._torch.from_numpy(signed).to(p.device)
+
+    # -- derived buffers (the CPU packed kernels) --------------------------------------------
+
+    def _module(self, name: str) -> Any:
+        return self.model.get_submodule(name) if name else self.model
+
+    def _owning(self, params: set[str] | dict[str, Any]) -> list[str]:
+        """The modules of ``params`` whose kernel holds its own copy of the words."""
+        mods = sorted({p.rpartition(".")[0] for p in params})
+        return [m for m in mods if self._module(m).__dict__.get("_rollpatch_owns")]
+
+    def repack(self, names: set[str]) -> None:
+        """Rebuild the owning kernels of the modules of ``names`` from their parameters."""
+        with self._torch.no_grad():
+            for m in self._owning(names):
+                mod = self._module(m)
+                mod._rollpatch_repack(mod, remove_weight=False)
+
+    def prebuild(
+        self,
+        writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        buffers: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Before the pause: each touched owning module's new kernel, built from its
+        parameters with the staged words in (``buffers``: the double-buffered commit's new
+        buffers; else a copy per module, old words checked, new ones read back), one module at
+        a time. Modules whose kernel reads the live words need none."""
+        torch, out = self._torch, {}
+        with torch.no_grad():
+            for m in self._owning(writes):
+                mod, shadow = self._module(m), types.SimpleNamespace()
+                for attr in ("weight", "bias"):
+                    p = getattr(mod, attr, None)
+                    key = f"{m}.{attr}" if m else attr
+                    if p is None:
+                        setattr(shadow, attr, None)
+                        continue
+                    if buffers is not None and key in buffers:
+                        copy = buffers[key]
+                    else:
+                        copy = p.detach().clone()  # same strides: storage offsets carry over
+                        if key in writes:
+                            check_write(_flat(self._numpy(copy))[0], *writes[key], key)
+                    setattr(shadow, attr, torch.nn.Parameter(copy, requires_grad=False))
+                mod._rollpatch_repack(shadow, remove_weight=False)
+                if hasattr(shadow, "cpu_linear"):  # else: re-packed inside the pause
+                    out[m] = shadow.cpu_linear
+        return out
+
+    def install(self, prebuilt: dict[str, Any]) -> set[str]:
+        """Under the pause: the prebuilt kernels swapped in (O(1) per module)."""
+        for m, linear in prebuilt.items():
+            self._module(m).cpu_linear = linear
+        return set(prebuilt)
+
+    def kernel_only(self, name: str) -> bool:
+        mod, _, attr = name.rpartition(".")
+        return attr == "weight" and bool(self._module(mod).__dict__.get("_rollpatch_kernel_only"))
+
+    # -- the double-buffered commit ---------------------------------------------------------
+
+    def buffer(self, name: str, prepared: np.ndarray, old: np.ndarray, new: np.ndarray) -> Any:
+        """Before the pause: a copy of ``name`` (same strides) with the writes in, checked."""
+        p = self.params[name]
+        copy = p.detach().clone()
+        if tuple(copy.stride()) != tuple(p.stride()):
+            raise EngineError("a parameter's copy has other strides", param=name)
+        check_write(_flat(self._numpy(copy).reshape(_shape2(p)))[0], prepared, old, new, name)
+        return copy
+
+    def exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """Under the pause: each parameter's storage exchanged for its buffer (O(1) each);
+        returns the buffers it held (exchange them back to undo)."""
+        held: dict[str, Any] = {}
+        try:
+            for name, t in buffers.items():
+                p = self.params[name]
+                held[name] = p.data
+                p.data = t
+                self._alias(name)
+        except BaseException:
+            self.exchange(held)
+            raise
+        return held
+
+    # -- tensor parallelism ----------------------------------------------------------------
+
+    def gather(self, name: str, local: np.ndarray) -> list[np.ndarray]:
+        from vllm.distributed import get_tp_group
+
+        torch, p = self._torch, self.params[name]
+        t = torch.from_numpy(np.ascontiguousarray(local).view(_WORDS[p.element_size()][0]))
+        out = get_tp_group().all_gather(t.reshape(-1).to(p.device), dim=0)
+        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in out.chunk(self.tp)]
+
+    def access(self) -> Access:
+        cpu, one = self.cpu, self.tp == 1
+        return Access(
+            self.read,
+            self.write,
+            self.write_block,
+            self.repack,
+            self.gather if self.tp > 1 else None,
+            aliases=cpu,
+            prepare=self.prepare,
+            scatter=self.scatter,
+            read_at=self.read_at,
+            prebuild=self.prebuild if cpu and one else None,
+            install=self.install,
+            swap=self.swap if cpu else None,
+            kernel_only=self.kernel_only if cpu and one else None,
+            buffer=self.buffer if cpu and one else None,
+            exchange=self.exchange if cpu and one else None,
+        )

@@ -165,6 +165,7 @@ def render(ctx: dict[str, Any]) -> str:
             row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
             row("vLLM reload_weights", re_, rv),
             row("built-in staged, 1 behind", ctx["reference"], rl),
+            row("built-in staged, double-buffered", ctx["reference_double"], rl),
             row(f"built-in staged, {ctx['catchup_n']} behind", ctx["reference_catchup"], rl),
             row("built-in full load (keyframe)", ctx["reference_loads"], rl),
         ],
@@ -194,7 +195,9 @@ def render(ctx: dict[str, Any]) -> str:
         "",
         (
             f"targets: vLLM pause 1 behind / reload pause = {100 * _med(st, 'pause_s') / rv:.1f}%"
-            f" in place, {100 * _med(ctx['double'], 'pause_s') / rv:.1f}% double-buffered"
+            f" in place, {100 * _med(ctx['double'], 'pause_s') / rv:.1f}% double-buffered;"
+            f" built-in / full load {100 * _med(ctx['reference'], 'pause_s') / rl:.1f}% in place,"
+            f" {100 * _med(ctx['reference_double'], 'pause_s') / rl:.1f}% double-buffered"
             f" (<= 5% wanted at >= 100M); catch-up {ctx['catchup_n']} behind / 1 behind, "
             f"visible->serving: vLLM {five / one:.2f}x, built-in {rfive / rone:.2f}x (<= 2x); "
             f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} in place, "

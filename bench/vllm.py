@@ -3,8 +3,8 @@
 Run: ``python bench/vllm.py`` (16M parameters, a few minutes on the 2-core development machine;
 needs the vLLM venv from ``scripts/vllm-env``); ``--hidden 1024 --layers 8`` for a 103M model;
 ``--versions N``; ``--json PATH`` keeps every sample (``pause_s`` of each under its path's
-name: ``staged``, ``inline``, ``catchup``, ``reloads``, ``reference``, ``reference_catchup``,
-``reference_loads``).
+name: ``staged``, ``double``, ``inline``, ``catchup``, ``reloads``, ``reference``,
+``reference_double``, ``reference_catchup``, ``reference_loads``).
 
 **Model and versions.** A random BF16 Llama from :func:`make_tiny_model` (``--hidden``,
 ``--layers``; the size is printed). FP32 masters start as its weights (v0, the boot checkpoint);
@@ -22,6 +22,9 @@ Paths, each over the same versions:
   touched modules, read-back, prefix-cache reset. *pause* = the gate's figure (its
   ``/pause?mode=keep`` to its ``/resume``); *visible→serving* = the whole ``sync`` (the patch
   is on the board when it starts; the engine serves it when it returns).
+- **double** (double-buffered, ``VllmEngine(writes="double_buffer")``): the same syncs from
+  v0, each touched parameter's new storage built while staging and exchanged under the pause;
+  its greedy outputs must equal the in-place path's. Memory: VmHWM over this phase.
 - **inline** (the previous commit path, for comparison): ``VllmEngine.apply_encoded`` — the
   worker decodes and verifies *inside* the pause.
 - **catchup**: back at v0 (untimed reload), one ``sync`` to v5 (``min(5, N)``): the five steps
@@ -33,8 +36,8 @@ Paths, each over the same versions:
   read-back, slice by slice; the packed kernels' swap or repack).
 - **reloads**: ``/pause?mode=keep``, ``collective_rpc reload_weights(checkpoint dir)`` (page
   cache warm), ``/update_weight_version``, ``/reset_prefix_cache``, ``/resume``.
-- **reference**, **reference_catchup**, **reference_loads**: the same follower path on the
-  built-in engine (staged in this process while it could serve; pause = the gate's), and its
+- **reference**, **reference_double**, **reference_catchup**, **reference_loads**: the same
+  follower paths (in place, double-buffered, catch-up) on the built-in engine (staged in this process while it could serve; pause = the gate's), and its
   full ``load`` of each version's keyframe (copy + verify) under the same gate.
 
 **Memory**: VmHWM of the vLLM worker over the staged phase (reset before it) against the
@@ -224,6 +227,11 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
         f = follower(world, eng)
         staged = [sync_to(f, world, v) for v in range(1, len(world.digests))]
         eng.load(load_view(world.checkpoint(0) / "model.safetensors"), 0)
+        eng.writes = "double_buffer"
+        f = follower(world, eng)
+        double = [sync_to(f, world, v) for v in range(1, len(world.digests))]
+        eng.writes = "in_place"
+        eng.load(load_view(world.checkpoint(0) / "model.safetensors"), 0)
         f = follower(world, eng)
         catch = [sync_to(f, world, catchup)]
         loads = []
@@ -236,7 +244,12 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
                 raise BenchError(f"v{v}: the built-in engine's keyframe load missed")
     finally:
         eng.close()
-    return {"reference": staged, "reference_catchup": catch, "reference_loads": loads}
+    return {
+        "reference": staged,
+        "reference_double": double,
+        "reference_catchup": catch,
+        "reference_loads": loads,
+    }
 
 
 # -- report --------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from rollpatch.errors import BaseMismatchError, EngineError, TargetMismatchError
+from rollpatch.errors import BaseMismatchError, ConfigError, EngineError, TargetMismatchError
 from rollpatch.io.safetensors import save_view
 from rollpatch.patch import Patch, diff
 from rollpatch.view import Tensor, View
@@ -560,6 +560,49 @@ def test_stage_encoded_chain_in_place_while_serving(
     assert View({n: t for n, t in rt.view.items()}).digest() == target.digest()
     with pytest.raises(BaseMismatchError):  # the chain no longer starts at the held version
         engine.stage_encoded(steps, 3)
+
+
+def test_double_buffered_commit_exchanges_storage(
+    engine: Any, base: View, target: View, restore: None
+) -> None:
+    """``writes="double_buffer"``: staging builds each touched tensor's new storage (the live
+    weights untouched, generation running), the commit exchanges it for the parameters' in
+    O(1): the model computes exactly what the in-place commit computes, the view aliases the
+    new storage (a full re-hash = target), and a failed exchange puts the old storage back."""
+    from rollpatch.engines.reference import ReferenceEngine
+    from rollpatch.engines.staged import EncodedStep
+    from rollpatch.patch import encode
+
+    rt = engine.runtime
+    engine.apply(diff(base, target), 2)
+    want = _greedy(rt)
+    engine.load(base, 1)
+    double = ReferenceEngine(rt, serve_http=False, writes="double_buffer")
+    ptrs = {n: p.data_ptr() for n, p in rt.model.named_parameters()}
+    gen = rt.generate(rt.tokenizer.encode(PROMPT), max_tokens=20, temperature=0, ignore_eos=True)
+    next(gen)
+    step = EncodedStep((encode(diff(base, target), base),), base.digest(), target.digest())
+    staged = double.stage_encoded([step], 2)
+    assert staged is not None and set(staged.payload["buffers"]) == set(staged.tensors)
+    assert list(gen) and rt.view.digest() == base.digest()  # nothing written while staging
+    double.commit_staged(staged, 2)
+    assert _greedy(rt) == want
+    moved = [n for n, p in rt.model.named_parameters() if p.data_ptr() != ptrs[n]]
+    assert moved and all(
+        rt.view[n].data.__array_interface__["data"][0] == p.data_ptr()
+        for n, p in rt.model.named_parameters()
+        if n in rt.view
+    )
+    rt.view.invalidate()
+    assert rt.view.digest() == target.digest()
+    staged = double.stage(diff(target, base), 1)
+    name = next(iter(staged.payload["buffers"]))
+    staged.payload["buffers"]["no.such.tensor"] = staged.payload["buffers"][name]
+    with pytest.raises(EngineError):
+        double.commit_staged(staged, 1)
+    assert rt.view.digest() == target.digest() and engine.version == 2
+    with pytest.raises(ConfigError):
+        ReferenceEngine(rt, serve_http=False, writes="both")  # type: ignore[arg-type]
 
 
 def test_stage_refuses_a_patch_that_would_miss_its_target(

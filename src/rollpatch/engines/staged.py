@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -39,12 +40,20 @@ __all__ = [
     "EncodedStep",
     "StagedTensor",
     "StagedUpdate",
+    "WriteMode",
     "stage_patch",
     "sum_delta",
 ]
 
 _M64 = (1 << 64) - 1
 SumState = tuple[int, int]
+
+
+#: How a staged update reaches the weights: ``in_place`` (scattered under the pause; memory:
+#: the staged update) or ``double_buffer`` (a second buffer of each touched parameter built
+#: while serving, exchanged under the pause in O(1) per parameter; memory: + the touched
+#: parameters until the commit). docs/engines.md, *Staging and the pause*.
+WriteMode = Literal["in_place", "double_buffer"]
 
 
 @dataclass(frozen=True)

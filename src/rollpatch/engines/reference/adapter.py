@@ -12,13 +12,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from ...errors import BaseMismatchError, ConfigError, EngineError, TargetMismatchError
 from ...patch import Patch
 from ...patch.ops import gather, scatter
-from ...view import View, WordSource, sum128, sum128_digest
+from ...view import Tensor, View, WordSource, sum128, sum128_digest
 from ..base import EngineAdapter
 from ..catchup import decode_in_place
-from ..staged import AuditCursor, AuditReport, EncodedStep, StagedUpdate, stage_patch
+from ..staged import (
+    AuditCursor,
+    AuditReport,
+    EncodedStep,
+    StagedUpdate,
+    WriteMode,
+    stage_patch,
+)
 from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
@@ -48,8 +55,13 @@ class ReferenceEngine(EngineAdapter):
         serve_http: bool = True,
         host: str = "127.0.0.1",
         port: int = 0,
+        writes: WriteMode = "in_place",
     ) -> None:
-        self.runtime = runtime
+        if writes not in ("in_place", "double_buffer"):
+            raise ConfigError(
+                f"unknown writes {writes!r}", field="writes", hint="in_place or double_buffer"
+            )
+        self.runtime, self.writes = runtime, writes
         self._server: ServerHandle | None = serve(runtime, host, port) if serve_http else None
         self._cursor = AuditCursor()
 
@@ -63,10 +75,11 @@ class ReferenceEngine(EngineAdapter):
         serve_http: bool = True,
         host: str = "127.0.0.1",
         port: int = 0,
+        writes: WriteMode = "in_place",
     ) -> ReferenceEngine:
         """Load a Hugging Face causal LM directory and (by default) serve it."""
         runtime = ReferenceRuntime(model_dir, dtype=dtype, threads=threads)
-        return cls(runtime, serve_http=serve_http, host=host, port=port)
+        return cls(runtime, serve_http=serve_http, host=host, port=port, writes=writes)
 
     @property
     def version(self) -> int | None:
@@ -102,7 +115,8 @@ class ReferenceEngine(EngineAdapter):
         """Prove ``patch`` against the parameters while generation runs (reads only touched
         positions and cached digests; only commits write the parameters)."""
         view = self.runtime.view
-        return stage_patch(patch, view.__getitem__, view.tensor_digests(), view.sum_state)
+        staged = stage_patch(patch, view.__getitem__, view.tensor_digests(), view.sum_state)
+        return self._buffered(staged)
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
         """Decode a chain of published steps (one or many) into one copy per touched tensor
@@ -120,12 +134,29 @@ class ReferenceEngine(EngineAdapter):
         if out is None:
             return None
         patch, known = out
-        return stage_patch(
+        staged = stage_patch(
             patch, view.__getitem__, view.tensor_digests(), view.sum_state, known=known
         )
+        return self._buffered(staged)
+
+    def _buffered(self, staged: StagedUpdate) -> StagedUpdate:
+        """``double_buffer``: each touched tensor's new storage, built now (a copy of the
+        live words with the writes in: old words checked, new ones read back)."""
+        if self.writes == "double_buffer":
+            view, buffers = self.runtime.view, {}
+            for name, st in staged.tensors.items():
+                t = view[name]
+                buf = Tensor(t.kind, t.shape, t.data.copy())
+                scatter(buf, st.positions, st.new, st.old)
+                if not np.array_equal(gather(buf, st.positions), st.new):
+                    raise TargetMismatchError("read-back of a staged buffer differs", tensor=name)
+                buffers[name] = buf.data
+            staged.payload["buffers"] = buffers
+        return staged
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
-        """Write ``staged`` under the forward lock: scatter, read back, record the digests."""
+        """Write ``staged`` under the forward lock: scatter and read back (``double_buffer``:
+        exchange the staged buffers for the parameters' storage), record the digests."""
         with self.runtime.commit() as view:
             if view.digest() != staged.base:
                 raise BaseMismatchError(
@@ -133,21 +164,11 @@ class ReferenceEngine(EngineAdapter):
                     engine=self.name,
                     expected=staged.base[:16],
                 )
-            written: list[str] = []
-            try:
-                for name, st in staged.tensors.items():
-                    t = view[name]
-                    scatter(t, st.positions, st.new, st.old)  # checks old, all or nothing
-                    written.append(name)
-                    if not np.array_equal(gather(t, st.positions), st.new):
-                        raise TargetMismatchError(
-                            "read-back of written weights differs", tensor=name, engine=self.name
-                        )
-            except BaseException:
-                for name in written:
-                    st = staged.tensors[name]
-                    scatter(view[name], st.positions, st.old)
-                raise
+            buffers = staged.payload.get("buffers")
+            if isinstance(buffers, dict):
+                self.runtime.exchange(buffers)  # O(1) per tensor; all or nothing
+            else:
+                self._write(view, staged)
             for name, st in staged.tensors.items():
                 if st.target_state is not None:
                     view.update_sum_state(name, st.target_state)
@@ -157,6 +178,24 @@ class ReferenceEngine(EngineAdapter):
                 if name not in staged.tensors or staged.tensors[name].target_state is not None:
                     view.set_digest(name, d)
             self.runtime.version = version
+
+    def _write(self, view: View, staged: StagedUpdate) -> None:
+        """One checked scatter per tensor and its read-back; all or nothing."""
+        written: list[str] = []
+        try:
+            for name, st in staged.tensors.items():
+                t = view[name]
+                scatter(t, st.positions, st.new, st.old)  # checks old, all or nothing
+                written.append(name)
+                if not np.array_equal(gather(t, st.positions), st.new):
+                    raise TargetMismatchError(
+                        "read-back of written weights differs", tensor=name, engine=self.name
+                    )
+        except BaseException:
+            for name in written:
+                st = staged.tensors[name]
+                scatter(view[name], st.positions, st.old)
+            raise
 
     def audit(self, budget_bytes: int) -> AuditReport:
         """Re-hash up to ``budget_bytes`` of live parameters (one tensor at a time, under the

@@ -13,7 +13,7 @@ from ...errors import EngineError
 from ...kinds import get_kind
 from ...view import Tensor, View
 
-__all__ = ["bind_view"]
+__all__ = ["bind_params", "bind_view", "rebind"]
 
 #: torch dtype → (same-width integer dtype, unsigned numpy word dtype, rollpatch kind).
 _WORDS: dict[torch.dtype, tuple[torch.dtype, type, str]] = {
@@ -64,3 +64,29 @@ def bind_view(model: torch.nn.Module) -> View:
         else:
             tensors.update((n, _words_of(part, n)) for n, part in split)
     return View(tensors)
+
+
+def bind_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters that are whole tensors of :func:`bind_view`'s view, by the view's name
+    (not fused MoE experts, whose checkpoint tensors are slices of one parameter)."""
+    from .experts import checkpoint_name, split_experts
+
+    out: dict[str, torch.nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel():
+            continue
+        seen.add(ptr)
+        if isinstance(t, torch.nn.Parameter) and split_experts(model, name, t) is None:
+            out[checkpoint_name(model, name)] = t
+    return out
+
+
+def rebind(param: torch.nn.Parameter, words: np.ndarray, name: str) -> Tensor:
+    """Put ``words`` (a contiguous array of the parameter's word dtype and size) in place of
+    ``param``'s storage (O(1): no copy); returns the view tensor over the new storage."""
+    int_dtype = _WORDS[param.dtype][0]
+    data = torch.from_numpy(words.view(np.dtype(str(int_dtype).removeprefix("torch."))))
+    param.data = data.view(param.dtype).reshape(param.shape)
+    return _words_of(param, name)

@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ConfigError, EngineError
 from ...view import View
-from .binding import bind_view
+from .binding import bind_params, bind_view, rebind
 from .generation import GREEDY_BELOW, MAX_LOGPROBS, Generation, Progress, Step, pick_token
 
 __all__ = ["Generation", "ReferenceRuntime", "Step", "bind_view"]
@@ -75,6 +75,7 @@ class ReferenceRuntime:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = "logits_to_keep" in params
         self.view = bind_view(self.model)
+        self._params = bind_params(self.model)  # whole-parameter tensors (double buffers)
         from .experts import RouterTap
 
         moe = bool(getattr(self.model.config, "num_experts_per_tok", 0))
@@ -107,6 +108,29 @@ class ReferenceRuntime:
                 yield self.view
             finally:
                 self._digest = self.view.digest()
+
+    def exchange(self, buffers: dict[str, np.ndarray]) -> None:
+        """Put each buffer in place of its tensor's parameter storage, O(1) each; the caller
+        holds :meth:`commit`. All or nothing: on failure the previous storage is put back.
+        Only whole parameters (not fused MoE experts): :class:`EngineError` otherwise."""
+        missing = sorted(set(buffers) - set(self._params))
+        if missing:
+            raise EngineError(
+                "double-buffered commits need whole parameters",
+                tensor=missing[0],
+                hint="fused MoE experts are slices of one parameter: use writes='in_place'",
+            )
+        held: dict[str, tuple[Any, Any]] = {}
+        try:
+            for name, words in buffers.items():
+                p = self._params[name]
+                held[name] = (p.data, self.view[name])
+                self.view[name] = rebind(p, words, name)
+        except BaseException:
+            for name, (data, tensor) in held.items():
+                self._params[name].data = data
+                self.view[name] = tensor
+            raise
 
     def digest(self) -> str:
         """Root digest of the in-place view, read between steps and commits (never mid-write).

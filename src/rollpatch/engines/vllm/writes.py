@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from ...errors import TargetMismatchError
 from ...native import threads
+from ..staged import WriteMode
 
 __all__ = [
     "SLICE",
@@ -36,11 +37,6 @@ __all__ = [
     "increasing",
     "write_params",
 ]
-
-#: How a staged update reaches the parameters: ``in_place`` (scattered under the pause; memory:
-#: the staged update) or ``double_buffer`` (a second buffer of each touched parameter built
-#: while serving, exchanged under the pause in O(1); memory: + the touched parameters).
-WriteMode = Literal["in_place", "double_buffer"]
 
 #: Positions written then read back at a time (a slice's words stay in cache).
 SLICE = 1 << 16

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "view": 1,
     "layout": 1,
     "protocol": 1,
+    "config": 1,
     # 2 bits: formats, the patch codec, files, trust, simulated training
     "formats": 2,
     "patch": 2,

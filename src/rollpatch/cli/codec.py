@@ -62,6 +62,11 @@ def quant_args(p: argparse.ArgumentParser) -> None:
         choices=("bf16", "frozen", "fp32"),
         help="where quantisation scales come from (docs/formats.md)",
     )
+    policy_args(p)
+
+
+def policy_args(p: argparse.ArgumentParser) -> None:
+    """--include, --exclude: which tensors a quantised format quantises."""
     p.add_argument(
         "--include",
         action="append",

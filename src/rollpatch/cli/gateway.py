@@ -9,10 +9,18 @@ from typing import Any
 
 from ..logs import add_log_args
 
-__all__ = ["register"]
+__all__ = ["GATEWAY_SET_OTHERWISE", "register"]
+
+#: GatewayConfig fields set by other flags.
+GATEWAY_SET_OTHERWISE = {
+    "body": "--max-body-bytes, --body-timeout",
+    "island_token": "--island-token-file",
+}
 
 
 def register(sub: Any) -> None:
+    from ..gateway.config import GatewayConfig
+    from .flags import add_config_flags
     from .serving import add_serving_args
 
     p = sub.add_parser(
@@ -35,24 +43,7 @@ def register(sub: Any) -> None:
         "--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve other machines)"
     )
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
-    p.add_argument(
-        "--poll",
-        type=float,
-        default=0.2,
-        help="seconds between /version polls of each island (default 0.2)",
-    )
-    p.add_argument(
-        "--max-attempts",
-        type=int,
-        default=3,
-        help="most islands one request is sent to (default 3)",
-    )
-    p.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=2.0,
-        help="seconds to connect to a sidecar before trying another (default 2)",
-    )
+    add_config_flags(p, GatewayConfig, skip=GATEWAY_SET_OTHERWISE)
     p.add_argument(
         "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -76,6 +67,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     configure(args.log_level, args.log_format)
     from ..gateway import GatewayConfig, parse_island
     from ..gateway.server import start_gateway
+    from .flags import config_kwargs
     from .secrets import read_token
     from .serving import body_limits, serve_options
 
@@ -84,11 +76,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         read_token(args.island_token_file, "island token file") if args.island_token_file else None
     )
     config = GatewayConfig(
-        poll_s=args.poll,
-        max_attempts=args.max_attempts,
-        connect_timeout_s=args.connect_timeout,
-        island_token=island_token,
-        body=body_limits(args),
+        **config_kwargs(args, GatewayConfig), island_token=island_token, body=body_limits(args)
     )
     running = start_gateway(
         islands,

@@ -8,14 +8,23 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, VersionNotFoundError
-from .codec import format_args
+from .codec import policy_args
 from .trust import load_signer, signing_args
 
-__all__ = ["register"]
+__all__ = ["PUBLISH_SET_OTHERWISE", "register"]
+
+#: PublisherConfig fields a one-shot publish sets another way.
+PUBLISH_SET_OTHERWISE = {
+    "policy": "--include, --exclude",
+    "signer": "--signing-key",
+    "skip_strides": "none: a fresh process has published no earlier version to skip from",
+    "max_pending": "1: publish is synchronous, nothing waits",
+}
 
 
 def register(sub: Any) -> None:
-    from ..formats import FORMAT_NAMES
+    from ..publisher.config import PublisherConfig
+    from .flags import add_config_flags
 
     p = sub.add_parser(
         "publish",
@@ -26,7 +35,8 @@ def register(sub: Any) -> None:
     p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
     p.add_argument("--board", required=True, help="store URI (file:///dir, s3://bucket/prefix)")
     p.add_argument("--run", required=True, help="run name")
-    format_args(p, FORMAT_NAMES)
+    add_config_flags(p, PublisherConfig, skip=PUBLISH_SET_OTHERWISE)
+    policy_args(p)
     p.add_argument(
         "--version",
         type=int,
@@ -36,13 +46,6 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--step", type=int, help="trainer step recorded in the manifest")
     p.add_argument("--keyframe", action="store_true", help="also write a keyframe")
-    p.add_argument(
-        "--keyframe-every",
-        type=int,
-        default=50,
-        metavar="K",
-        help="keyframe when the version crosses a multiple of K (0: first only)",
-    )
     signing_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_publish)
@@ -65,16 +68,16 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from ..formats import QuantPolicy
     from ..io.checkpoint import load_masters
     from ..publisher import Publisher, PublisherConfig
+    from .flags import config_kwargs
 
     policy = None
     if args.include or args.exclude:
         policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
     config = PublisherConfig(
-        format=args.format,
-        scales=args.scales,
+        **config_kwargs(args, PublisherConfig),
         policy=policy,
-        keyframe_every=args.keyframe_every,
         skip_strides=(),
+        max_pending=1,
         signer=load_signer(args),
     )
     masters = load_masters(args.ckpt)

@@ -9,7 +9,14 @@ from typing import Any
 
 from .trust import load_trust, trust_args
 
-__all__ = ["cmd_pull", "register"]
+__all__ = ["PULL_UNUSED", "cmd_pull", "register"]
+
+#: FollowerConfig fields a one-shot pull has no use for: it neither polls nor serves.
+PULL_UNUSED = {
+    "poll_s": "one sync, no polling",
+    "audit_bytes_per_s": "nothing is served to audit",
+    "audit_period_s": "nothing is served to audit",
+}
 
 
 def register(sub: Any) -> None:
@@ -33,9 +40,10 @@ def register(sub: Any) -> None:
         help="version to reconstruct (default: LATEST)",
     )
     p.add_argument("-o", "--output", required=True, help="output view (.safetensors)")
-    p.add_argument("--workers", type=int, default=4, help="objects fetched concurrently")
-    p.add_argument("--retries", type=int, default=3, help="retries per object")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per object")
+    from ..follower import FollowerConfig
+    from .flags import add_config_flags
+
+    add_config_flags(p, FollowerConfig, skip=PULL_UNUSED)
     trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
     p.add_argument("-v", "--verbose", action="store_true", help="log retries and failures")
     p.set_defaults(func=cmd_pull)
@@ -59,11 +67,10 @@ def _pull(args: argparse.Namespace) -> int:
     from ..errors import VerificationError
     from ..follower import Follower, FollowerConfig
     from ..io import save_view
+    from .flags import config_kwargs
 
     trust = load_trust(args, args.board)
-    config = FollowerConfig(
-        fetch_workers=args.workers, retries=args.retries, timeout_s=args.timeout
-    )
+    config = FollowerConfig(**config_kwargs(args, FollowerConfig))
     engine = ViewEngine()
     follower = Follower(args.board, args.run, engine, config, trust=trust)
     t0 = time.monotonic()

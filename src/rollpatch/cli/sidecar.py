@@ -10,12 +10,23 @@ from typing import Any
 from ..logs import add_log_args
 from .trust import load_trust, trust_args
 
-__all__ = ["register"]
+__all__ = ["FOLLOWER_SET_OTHERWISE", "SIDECAR_SET_OTHERWISE", "register"]
+
+#: SidecarConfig fields set by other flags: the token from a file, the serving flags, the
+#: follower's own flags.
+SIDECAR_SET_OTHERWISE = {
+    "admin_token": "--admin-token-file",
+    "body": "--max-body-bytes, --body-timeout",
+    "follower": "the follower's flags",
+}
+FOLLOWER_SET_OTHERWISE: dict[str, str] = {}
 
 
 def register(sub: Any) -> None:
-    from ..sidecar.gate import COMMIT_MODES
+    from ..follower import FollowerConfig
+    from ..sidecar import SidecarConfig
     from ..sidecar.server import ENGINES
+    from .flags import add_config_flags
     from .serving import add_serving_args
 
     p = sub.add_parser(
@@ -31,10 +42,15 @@ def register(sub: Any) -> None:
     p.add_argument("--engine-url", help="engine's OpenAI base URL (vllm)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--commit-mode", choices=COMMIT_MODES, default="drain")
     p.add_argument("--admin-token-file", help="require this bearer token on admin routes")
-    p.add_argument("--poll", type=float, default=0.5, help="seconds between LATEST polls")
     p.add_argument("--threads", type=int, help="torch threads for the reference engine")
+    # the flags of the sidecar's and its follower's configs (defaults: the configs' own)
+    add_config_flags(p, SidecarConfig, skip=SIDECAR_SET_OTHERWISE)
+    add_config_flags(
+        p.add_argument_group("follower (polling, fetching, audit)"),
+        FollowerConfig,
+        skip=FOLLOWER_SET_OTHERWISE,
+    )
     p.add_argument(
         "--board-token-file",
         metavar="FILE",
@@ -66,6 +82,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from ..follower import FollowerConfig
     from ..sidecar import SidecarConfig
     from ..sidecar.server import make_engine, start_sidecar
+    from .flags import config_kwargs
     from .secrets import read_token
     from .serving import body_limits, serve_options, upstream_store
 
@@ -73,10 +90,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     trust = load_trust(args, args.board)
     board = Board(upstream_store(args.board, args.board_token_file), trust=trust)
     config = SidecarConfig(
-        commit_mode=args.commit_mode,
+        **config_kwargs(args, SidecarConfig),
         admin_token=token,
         body=body_limits(args),
-        follower=FollowerConfig(poll_s=args.poll),
+        follower=FollowerConfig(**config_kwargs(args, FollowerConfig)),
     )
     options = serve_options(args)
     engine, url = make_engine(

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from functools import partial
 
-from ..validate import check_int, check_number
+from ..config import check_fields, setting
 
 __all__ = ["FollowerConfig", "FollowerState", "FollowerStatus"]
 
@@ -21,44 +20,57 @@ class FollowerState(enum.Enum):
     ERROR = "error"
 
 
-_number = partial(check_number, "FollowerConfig")
-_integer = partial(check_int, "FollowerConfig")
-
-
 @dataclass(frozen=True, kw_only=True)
 class FollowerConfig:
     """How a follower polls, fetches and what it accepts. Every field is validated."""
 
-    #: Seconds between two reads of LATEST in the background loop (> 0).
-    poll_s: float = 0.5
-    #: Objects fetched concurrently (1..256).
-    fetch_workers: int = 4
-    #: Extra attempts per object or board read after the first (0..100); a transient store
-    #: failure, a missing object or a corrupt object (hash mismatch) is retried.
-    retries: int = 3
-    #: First wait before a retry, in seconds; doubles on every further attempt (>= 0).
-    backoff_s: float = 0.2
-    #: Seconds one object may take to arrive and verify, all retries included (> 0).
-    timeout_s: float = 60.0
-    #: Refuse plans that would fetch more than this many bytes (None: no limit).
-    max_stage_bytes: int | None = None
-    #: Background audit (follower/audit.py): live bytes re-hashed per second while the engine
-    #: serves (None: no audit). The whole model is covered every model bytes / rate seconds.
-    audit_bytes_per_s: float | None = 64 * 2**20
-    #: Seconds between two audit slices (> 0); a slice hashes rate × period bytes.
-    audit_period_s: float = 1.0
+    poll_s: float = setting(
+        0.5, lo=0.0, lo_open=True, hi=86400.0, help="seconds between LATEST polls"
+    )
+    fetch_workers: int = setting(
+        4, lo=1, hi=256, flag="--workers", help="objects fetched concurrently"
+    )
+    #: A transient store failure, a missing object or a corrupt object (hash mismatch) is
+    #: retried.
+    retries: int = setting(
+        3, lo=0, hi=100, help="extra attempts per object or board read after the first"
+    )
+    backoff_s: float = setting(
+        0.2,
+        lo=0.0,
+        hi=3600.0,
+        help="seconds before the first retry; doubles on every further attempt",
+    )
+    timeout_s: float = setting(
+        60.0,
+        lo=0.0,
+        lo_open=True,
+        hi=86400.0,
+        help="seconds one object may take to arrive and verify, all retries included",
+    )
+    max_stage_bytes: int | None = setting(
+        None, lo=1, hi=1 << 60, help="refuse plans that would fetch more bytes than this"
+    )
+    #: Background audit (follower/audit.py); the whole model is covered every model bytes /
+    #: rate seconds.
+    audit_bytes_per_s: float | None = setting(
+        64 * 2**20,
+        lo=0.0,
+        lo_open=True,
+        hi=1e13,
+        flag="--audit-bytes-per-s",
+        help="live bytes re-hashed per second while the engine serves",
+    )
+    audit_period_s: float = setting(
+        1.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="seconds between two audit slices (a slice hashes rate x period bytes)",
+    )
 
     def __post_init__(self) -> None:
-        _number("poll_s", self.poll_s, 0.0, 86400.0, lo_open=True)
-        _integer("fetch_workers", self.fetch_workers, 1, 256)
-        _integer("retries", self.retries, 0, 100)
-        _number("backoff_s", self.backoff_s, 0.0, 3600.0)
-        _number("timeout_s", self.timeout_s, 0.0, 86400.0, lo_open=True)
-        if self.max_stage_bytes is not None:
-            _integer("max_stage_bytes", self.max_stage_bytes, 1, 1 << 60)
-        if self.audit_bytes_per_s is not None:
-            _number("audit_bytes_per_s", self.audit_bytes_per_s, 0.0, 1e13, lo_open=True)
-        _number("audit_period_s", self.audit_period_s, 0.0, 3600.0, lo_open=True)
+        check_fields(self)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from ..config import check_fields, setting
 from ..errors import ConfigError
 from ..serving.body import BodyLimits
 
@@ -45,47 +46,50 @@ def parse_island(text: str) -> IslandSpec:
 class GatewayConfig:
     """Gateway settings (validated)."""
 
-    #: Seconds between ``/version`` polls of each island.
-    poll_s: float = 0.2
-    #: Timeout of one ``/version`` poll; an island that does not answer is marked unreachable.
-    poll_timeout_s: float = 2.0
-    #: Timeout for opening a connection to a sidecar when forwarding (reads are unbounded:
-    #: the sidecar may legitimately wait for catch-up, and generations may be long).
-    connect_timeout_s: float = 2.0
-    #: Most islands one request is sent to (the first try included).
-    max_attempts: int = 3
-    #: Pause before re-sending to the same island, which happens only when it is the only one.
-    retry_backoff_s: float = 0.25
-    #: Bounds on request bodies: size (413), JSON nesting depth (400), receive time (408).
-    body: BodyLimits = field(default_factory=BodyLimits)
-    #: Bearer token the islands' sidecars require on inference routes (None: they are open).
+    poll_s: float = setting(
+        0.2, lo=0.01, hi=60.0, help="seconds between /version polls of each island"
+    )
+    poll_timeout_s: float = setting(
+        2.0,
+        lo=0.0,
+        lo_open=True,
+        hi=60.0,
+        help="timeout of one /version poll; an island that does not answer is unreachable",
+    )
+    #: Reads are unbounded: the sidecar may legitimately wait for catch-up, and generations
+    #: may be long.
+    connect_timeout_s: float = setting(
+        2.0,
+        lo=0.0,
+        lo_open=True,
+        hi=60.0,
+        help="seconds to connect to a sidecar before trying another",
+    )
+    max_attempts: int = setting(
+        3, lo=1, hi=16, help="most islands one request is sent to (the first try included)"
+    )
+    retry_backoff_s: float = setting(
+        0.25,
+        lo=0.0,
+        hi=10.0,
+        help="pause before re-sending to the same island (only when it is the only one)",
+    )
+    body: BodyLimits = setting(
+        factory=BodyLimits,
+        help="bounds on request bodies: size (413), JSON nesting depth (400), receive time (408)",
+    )
     #: Islands served over https are verified against the system CAs, or ``SSL_CERT_FILE``.
-    island_token: str | None = None
+    island_token: str | None = setting(
+        None, help="bearer token the islands' sidecars require on inference routes"
+    )
 
     def __post_init__(self) -> None:
-        if not 0.01 <= self.poll_s <= 60:
-            raise ConfigError("poll_s must be in [0.01, 60]", field="poll_s", value=self.poll_s)
-        if not 0 < self.poll_timeout_s <= 60:
-            raise ConfigError("poll_timeout_s must be in (0, 60]", field="poll_timeout_s")
-        if not 0 < self.connect_timeout_s <= 60:
-            raise ConfigError("connect_timeout_s must be in (0, 60]", field="connect_timeout_s")
-        if (
-            isinstance(self.max_attempts, bool)
-            or not isinstance(self.max_attempts, int)
-            or not 1 <= self.max_attempts <= 16
-        ):
-            raise ConfigError(
-                "max_attempts must be an integer in [1, 16]",
-                field="max_attempts",
-                value=self.max_attempts,
-            )
-        if not 0 <= self.retry_backoff_s <= 10:
-            raise ConfigError("retry_backoff_s must be in [0, 10]", field="retry_backoff_s")
-        if not isinstance(self.body, BodyLimits):
-            raise ConfigError("body must be a BodyLimits", field="body")
+        check_fields(self)
         if self.island_token is not None and (
             not self.island_token.isascii()
             or not self.island_token.isprintable()
             or not self.island_token.strip()
         ):
-            raise ConfigError("island_token must be printable ASCII", field="island_token")
+            raise ConfigError(
+                "GatewayConfig.island_token must be printable ASCII", field="island_token"
+            )

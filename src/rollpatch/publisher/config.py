@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
+from ..config import check_fields, setting
 from ..errors import ConfigError
-from ..formats import QuantPolicy, get_format
+from ..formats import FORMAT_NAMES, QuantPolicy
 from ..formats.base import SCALE_MODES
 from ..trust import Signer
 
@@ -16,10 +17,8 @@ __all__ = ["DiffOn", "PublisherConfig", "PublisherStats", "VersionStats", "defau
 
 #: Where a publisher's O(N) work runs (see ``PublisherConfig.diff_on``).
 DiffOn = Literal["host", "device", "auto"]
-DIFF_ON: tuple[str, ...] = ("host", "device", "auto")
 #: What ``publish()`` copies on the host path (see ``PublisherConfig.snapshot``).
 SnapshotMode = Literal["served", "masters"]
-SNAPSHOT_MODES: tuple[str, ...] = ("served", "masters")
 
 #: Per-version statistics kept in memory (the oldest are forgotten first).
 MAX_STATS = 10_000
@@ -34,29 +33,46 @@ def default_publisher_id() -> str:
 class PublisherConfig:
     """How a :class:`~rollpatch.publisher.Publisher` turns master weights into versions."""
 
-    format: str = "bf16"
-    """Served format (a CLI name from :data:`rollpatch.formats.FORMAT_NAMES`); fixed per run."""
-    scales: str = "bf16"
-    """Scale mode of quantised formats: ``bf16``, ``fp32`` or ``frozen`` (docs/formats.md)."""
-    policy: QuantPolicy | None = None
-    """Which tensors a quantised format quantises (None: the default :class:`QuantPolicy`)."""
-    keyframe_every: int = 50
-    """A keyframe (full view) at the run's first version and whenever the version number
-    crosses a multiple of this (every K versions; 0 = only the first version)."""
-    skip_strides: tuple[int, ...] = (8,)
+    format: str = setting("bf16", choices=FORMAT_NAMES, help="served format (fixed per run)")
+    scales: str = setting(
+        "bf16",
+        choices=SCALE_MODES,
+        help="where quantisation scales come from: bf16, fp32 or frozen (docs/formats.md)",
+    )
+    policy: QuantPolicy | None = setting(
+        None, help="which tensors a quantised format quantises (None: the default QuantPolicy)"
+    )
+    keyframe_every: int = setting(
+        50,
+        lo=0,
+        metavar="K",
+        help="keyframe when the version crosses a multiple of K (0: first only)",
+    )
+    skip_strides: tuple[int, ...] = setting(
+        (8,),
+        help="for each stride s, version n with n % s == 0 also gets a patch from n - s",
+    )
     """For each stride ``s``, version ``n`` with ``n % s == 0`` also gets a patch from version
     ``n - s`` (when this publisher published ``n - s`` and every version between them, so
     lagging followers catch up in one hop). Empty: step patches only."""
-    max_pending: int = 1
-    """Snapshots allowed to wait behind the one being published; when a new one arrives and the
-    queue is full, the oldest waiting one is dropped (its version is never published)."""
-    publisher_id: str = field(default_factory=default_publisher_id)
-    """Recorded in each manifest (at most 256 characters)."""
-    signer: Signer | None = None
-    """When set, every manifest and LATEST is signed with its Ed25519 keys (LATEST valid for
-    ``signer.latest_ttl_s``), and resuming refuses manifests that none of its keys signed
-    (docs/trust.md)."""
-    diff_on: DiffOn = "host"
+    max_pending: int = setting(
+        1, lo=1, help="snapshots allowed to wait behind the one being published"
+    )
+    """When a new snapshot arrives and the queue is full, the oldest waiting one is dropped (its
+    version is never published)."""
+    publisher_id: str = setting(
+        factory=default_publisher_id,
+        hi=256,
+        help="recorded in each manifest (default hostname:pid)",
+    )
+    signer: Signer | None = setting(
+        None, help="signs every manifest and LATEST with its Ed25519 keys (docs/trust.md)"
+    )
+    """LATEST is valid for ``signer.latest_ttl_s``, and resuming refuses manifests that none of
+    its keys signed."""
+    diff_on: DiffOn = setting(
+        "host", help="where the O(N) work runs: host, device or auto (docs/publisher.md)"
+    )
     """Where the O(N) work runs. ``host``: masters are copied to host memory in ``publish()``
     and cast, compared and hashed there with numpy and the native core. ``device``: they are
     copied on their own torch device, the previous served view stays there, and the cast
@@ -64,7 +80,9 @@ class PublisherConfig:
     digests run there; only O(changed) bytes reach the host (needs torch and the native
     core; the same bytes on the board). ``auto``: ``device`` when the first published state
     dict holds a torch tensor off the CPU, else ``host``."""
-    snapshot: SnapshotMode = "served"
+    snapshot: SnapshotMode = setting(
+        "served", help="host path: what publish() copies: the served view or the masters"
+    )
     """Host path: what ``publish()`` keeps of the state dict. ``served``: it casts tensor by
     tensor into the served view (BF16: half the FP32 masters; the cast is then part of
     ``snapshot_s``, not ``cast_s``), so the publisher's host memory is about one served view
@@ -73,54 +91,16 @@ class PublisherConfig:
     always copies the masters (its cast reads the previous view)."""
 
     def __post_init__(self) -> None:
-        try:
-            get_format(self.format)
-        except ConfigError as e:
-            raise ConfigError(f"PublisherConfig.format: {e.message}", hint=e.hint) from None
-        if self.scales not in SCALE_MODES:
-            raise ConfigError(
-                f"PublisherConfig.scales must be one of {', '.join(SCALE_MODES)}", value=self.scales
-            )
-        if self.policy is not None and not isinstance(self.policy, QuantPolicy):
-            raise ConfigError(
-                "PublisherConfig.policy must be a QuantPolicy or None",
-                value=type(self.policy).__name__,
-            )
-        if not _is_int(self.keyframe_every) or self.keyframe_every < 0:
-            raise ConfigError(
-                "PublisherConfig.keyframe_every must be an int >= 0", value=self.keyframe_every
-            )
+        check_fields(self)
         strides = self.skip_strides
         if isinstance(strides, (str, bytes)) or not all(_is_int(s) and s >= 2 for s in strides):
             raise ConfigError(
                 "PublisherConfig.skip_strides must be a tuple of ints >= 2",
+                field="skip_strides",
                 value=strides,
                 hint="e.g. skip_strides=(8, 64)",
             )
         object.__setattr__(self, "skip_strides", tuple(sorted(set(strides))))
-        if not _is_int(self.max_pending) or self.max_pending < 1:
-            raise ConfigError(
-                "PublisherConfig.max_pending must be an int >= 1", value=self.max_pending
-            )
-        if not isinstance(self.publisher_id, str) or not 0 < len(self.publisher_id) <= 256:
-            raise ConfigError(
-                "PublisherConfig.publisher_id must be 1-256 characters", value=self.publisher_id
-            )
-        if self.diff_on not in DIFF_ON:
-            raise ConfigError(
-                f"PublisherConfig.diff_on must be one of {', '.join(DIFF_ON)}", value=self.diff_on
-            )
-        if self.snapshot not in SNAPSHOT_MODES:
-            raise ConfigError(
-                f"PublisherConfig.snapshot must be one of {', '.join(SNAPSHOT_MODES)}",
-                value=self.snapshot,
-            )
-        if self.signer is not None and not isinstance(self.signer, Signer):
-            raise ConfigError(
-                "PublisherConfig.signer must be a rollpatch.trust.Signer or None",
-                field="signer",
-                hint="Signer.from_files(['publisher.key'])",
-            )
 
 
 def _is_int(x: object) -> bool:

@@ -6,9 +6,8 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..config import check_fields, parse_size, setting
 from ..layout import is_keyframe_marker, manifest_version, object_hash, pointer_run, root_version
-from ..validate import check_int, check_number
 
 __all__ = [
     "GiB",
@@ -66,60 +65,63 @@ def classify(key: str) -> KeyKind:
     return KeyKind.OTHER
 
 
-def _seconds(name: str, value: object) -> None:
-    check_number("RelayConfig", name, value, 0.0)
-
-
-def _integer(name: str, value: object, lo: int) -> None:
-    check_int("RelayConfig", name, value, lo)
-
-
 @dataclass(frozen=True, kw_only=True)
 class RelayConfig:
     """What a relay caches, for how long, and how hard it pulls upstream."""
 
-    #: Directory of the disk cache (created if missing; reused, and re-indexed, on restart).
-    cache_dir: Path
-    #: Bound on the disk cache, in bytes of cache files; least recently used entries go first.
-    #: One object larger than the bound is still cached, alone, until the next insertion.
-    cache_bytes: int = 10 * GiB
-    #: Seconds a LATEST pointer (and any key outside the board layout) is reused; 0: never.
-    pointer_ttl: float = 0.5
-    #: Seconds a listing is reused; manifests and keyframe markers are found by listing.
-    list_ttl: float = 1.0
-    #: Seconds an object found corrupt upstream is remembered: while the upstream's ETag for it
-    #: is unchanged, a request costs a HEAD instead of pulling the bad bytes again (a repaired
-    #: object has a new ETag and is fetched at once); 0: never remembered.
-    corrupt_ttl: float = 60.0
-    #: Concurrent upstream fetches of objects and markers (large, slow transfers).
-    upstream_workers: int = 16
-    #: Concurrent upstream reads of pointers, manifests, listings and HEADs (small, urgent);
-    #: a separate pool, so LATEST never queues behind multi-GB keyframes.
-    meta_workers: int = 8
-    #: Keys per page of a ``/v1/list`` answer (the client follows ``next``).
-    list_page: int = 10_000
-    #: Largest volatile object (LATEST, unknown keys) kept in memory; larger ones are refused.
-    max_volatile_bytes: int = 16 * MiB
-    #: Bytes read from a cache file per chunk of a streamed answer.
-    chunk_bytes: int = 1 * MiB
+    #: Created if missing; reused, and re-indexed, on restart.
+    cache_dir: Path = setting(
+        flag="--cache", help="cache directory (kept across restarts)", metavar="DIR"
+    )
+    #: Least recently used entries go first; one object larger than the bound is still
+    #: cached, alone, until the next insertion.
+    cache_bytes: int = setting(
+        10 * GiB,
+        lo=1,
+        parse=parse_size,
+        metavar="SIZE",
+        help="disk cache bound in bytes of cache files, e.g. 200G",
+    )
+    #: Any key outside the board layout too.
+    pointer_ttl: float = setting(0.5, lo=0.0, help="seconds LATEST may be reused (0: never)")
+    #: Manifests and keyframe markers are found by listing.
+    list_ttl: float = setting(1.0, lo=0.0, help="seconds a listing may be reused")
+    #: While the upstream's ETag for it is unchanged, a request costs a HEAD instead of pulling
+    #: the bad bytes again (a repaired object has a new ETag and is fetched at once).
+    corrupt_ttl: float = setting(
+        60.0,
+        lo=0.0,
+        help="seconds an object found corrupt upstream is remembered (0: never)",
+    )
+    upstream_workers: int = setting(
+        16,
+        lo=1,
+        flag="--workers",
+        help="concurrent upstream fetches of objects and markers (large, slow transfers)",
+    )
+    #: A separate pool, so LATEST never queues behind multi-GB keyframes.
+    meta_workers: int = setting(
+        8,
+        lo=1,
+        help="concurrent upstream reads of pointers, manifests, listings and HEADs",
+    )
+    #: The client follows ``next``.
+    list_page: int = setting(10_000, lo=1, help="keys per page of a /v1/list answer")
+    max_volatile_bytes: int = setting(
+        16 * MiB,
+        lo=1,
+        parse=parse_size,
+        metavar="SIZE",
+        help="largest volatile object (LATEST, unknown keys) kept in memory; larger: refused",
+    )
+    chunk_bytes: int = setting(
+        1 * MiB,
+        lo=1,
+        parse=parse_size,
+        metavar="SIZE",
+        help="bytes read from a cache file per chunk of a streamed answer",
+    )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cache_dir, (str, Path)) or not str(self.cache_dir):
-            raise ConfigError(
-                "RelayConfig.cache_dir must be a directory path",
-                field="cache_dir",
-                value=self.cache_dir,
-            )
+        check_fields(self)
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
-        _integer("cache_bytes", self.cache_bytes, 1)
-        _seconds("pointer_ttl", self.pointer_ttl)
-        _seconds("list_ttl", self.list_ttl)
-        _seconds("corrupt_ttl", self.corrupt_ttl)
-        for name in (
-            "upstream_workers",
-            "meta_workers",
-            "list_page",
-            "max_volatile_bytes",
-            "chunk_bytes",
-        ):
-            _integer(name, getattr(self, name), 1)

@@ -6,16 +6,17 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..board import Board
+from ..config import check_fields, setting
 from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
 from ..follower import Follower, FollowerConfig
 from ..logs import event
 from ..serving.body import BodyLimits
-from .gate import COMMIT_MODES, CommitGate, CommitMode
+from .gate import CommitGate, CommitMode
 from .metrics import SidecarMetrics
 
 __all__ = ["Sidecar", "SidecarConfig"]
@@ -27,51 +28,69 @@ log = logging.getLogger("rollpatch.sidecar")
 class SidecarConfig:
     """Sidecar settings (validated)."""
 
-    #: ``drain`` (finish in-flight requests, then commit) or ``pause`` (pause mid-generation).
-    commit_mode: CommitMode = "drain"
-    #: Drain mode: how long a commit waits for in-flight requests before it pauses the engine
-    #: instead (None: no bound). Counted in ``rollpatch_drain_timeouts``.
-    drain_timeout_s: float | None = 30.0
-    #: Bearer token required by state-changing admin routes (None: no auth; bind to loopback).
-    admin_token: str | None = None
-    #: How long a request may wait to be admitted while a drain-mode commit runs.
-    admit_timeout_s: float = 120.0
-    #: How old the cached LATEST may be before a request that needs a newer one re-reads it.
-    latest_ttl_s: float = 0.25
-    #: Requests with ``max_lag`` are refused (503, another island may answer) while LATEST
-    #: has not been read from the board for this long: a stale LATEST would pass them on an
-    #: island that cannot see how far behind it is.
-    latest_max_age_s: float = 5.0
-    #: Bounds on request bodies: size (413), JSON nesting depth (400), receive time (408).
-    body: BodyLimits = field(default_factory=BodyLimits)
-    #: Timeout of the engine probe behind ``/ready`` (an engine that does not answer within
-    #: it makes the sidecar not ready).
-    ready_probe_s: float = 2.0
-    follower: FollowerConfig | None = None
+    commit_mode: CommitMode = setting(
+        "drain",
+        help="drain: finish in-flight requests, then commit; pause: pause mid-generation",
+    )
+    #: Counted in ``rollpatch_drain_timeouts``.
+    drain_timeout_s: float | None = setting(
+        30.0,
+        lo=0.0,
+        hi=86400.0,
+        help="drain mode: seconds a commit waits for in-flight requests before it pauses the "
+        "engine instead",
+    )
+    #: None: no auth; bind to loopback.
+    admin_token: str | None = setting(
+        None, help="bearer token required by state-changing admin routes"
+    )
+    admit_timeout_s: float = setting(
+        120.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="seconds a request may wait to be admitted while a drain-mode commit runs",
+    )
+    latest_ttl_s: float = setting(
+        0.25,
+        lo=0.0,
+        hi=60.0,
+        help="seconds the cached LATEST may be reused before a request that needs a newer "
+        "one re-reads it",
+    )
+    #: A stale LATEST would pass ``max_lag`` requests on an island that cannot see how far
+    #: behind it is; refused, another island may answer.
+    latest_max_age_s: float = setting(
+        5.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="requests with max_lag are refused (503) while LATEST has not been read for this "
+        "many seconds",
+    )
+    body: BodyLimits = setting(
+        factory=BodyLimits,
+        help="bounds on request bodies: size (413), JSON nesting depth (400), receive time (408)",
+    )
+    ready_probe_s: float = setting(
+        2.0,
+        lo=0.0,
+        lo_open=True,
+        hi=60.0,
+        help="timeout of the engine probe behind /ready (no answer: not ready)",
+    )
+    follower: FollowerConfig | None = setting(
+        None, help="how the sidecar's follower polls and fetches (None: the defaults)"
+    )
 
     def __post_init__(self) -> None:
-        if self.commit_mode not in COMMIT_MODES:
+        check_fields(self)
+        if not self.latest_ttl_s < self.latest_max_age_s:
             raise ConfigError(
-                f"commit_mode must be one of {COMMIT_MODES}",
-                field="commit_mode",
-                value=self.commit_mode,
+                "SidecarConfig.latest_max_age_s must be greater than latest_ttl_s",
+                field="latest_max_age_s",
+                value=self.latest_max_age_s,
             )
-        if self.drain_timeout_s is not None and not 0 <= self.drain_timeout_s <= 86400:
-            raise ConfigError(
-                "drain_timeout_s must be in [0, 86400] or None", field="drain_timeout_s"
-            )
-        if not 0 < self.admit_timeout_s <= 3600:
-            raise ConfigError("admit_timeout_s must be in (0, 3600]", field="admit_timeout_s")
-        if not 0 <= self.latest_ttl_s <= 60:
-            raise ConfigError("latest_ttl_s must be in [0, 60]", field="latest_ttl_s")
-        if not self.latest_ttl_s < self.latest_max_age_s <= 3600:
-            raise ConfigError(
-                "latest_max_age_s must be in (latest_ttl_s, 3600]", field="latest_max_age_s"
-            )
-        if not isinstance(self.body, BodyLimits):
-            raise ConfigError("body must be a BodyLimits", field="body")
-        if not 0 < self.ready_probe_s <= 60:
-            raise ConfigError("ready_probe_s must be in (0, 60]", field="ready_probe_s")
 
 
 class Sidecar:

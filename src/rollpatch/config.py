@@ -1,0 +1,198 @@
+"""Configuration fields declared once: default, help text, bounds and choices.
+
+A config class is a frozen, keyword-only dataclass whose fields are declared with
+:func:`setting`; its ``__post_init__`` calls :func:`check_fields` first, which checks every
+declared field by its annotation with the :mod:`rollpatch.validate` helpers (so every bad value
+is one kind of :class:`~rollpatch.errors.ConfigError`, naming ``Class.field``):
+
+- ``int`` / ``float``: a number (never a ``bool``) in ``[lo, hi]`` (``lo_open``: ``> lo``);
+- a ``Literal`` of strings, or ``choices=``: one of them (a mode is a type, not a string);
+- ``str``: a non-empty string (at most ``hi`` characters); ``bool``: ``True`` or ``False``;
+- ``X | None``: ``None``, or an ``X`` as above; any other class: an instance of it;
+- a container (``tuple[int, ...]``): left to the class's ``__post_init__``.
+
+Rules between fields (``top_k <= experts``) stay in ``__post_init__``, after the call. The
+command line (:mod:`rollpatch.cli.flags`) builds its flags from the same declarations, so a
+default, a bound or a help text is written once, here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from .errors import ConfigError
+from .validate import check_choice, check_int, check_number
+
+__all__ = [
+    "Declared",
+    "Setting",
+    "check_fields",
+    "check_value",
+    "parse_size",
+    "setting",
+    "settings",
+]
+
+_KEY = "rollpatch.setting"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What :func:`setting` records of one field (besides its default and type)."""
+
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    #: Allowed strings, when they are not the field's ``Literal`` type (a runtime registry).
+    choices: tuple[str, ...] | None = None
+    #: The command-line flag, when it is not ``--`` + the field name (``_s`` dropped).
+    flag: str | None = None
+    metavar: str | None = None
+    #: Parses the flag's text (default: the field's type), e.g. ``"10G"`` → bytes.
+    parse: Callable[[str], Any] | None = None
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    choices: tuple[str, ...] | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A dataclass field with its help text and bounds (``factory``: a default computed per
+    instance, like ``dataclasses.field(default_factory=...)``)."""
+    meta = {_KEY: Setting(help, lo, hi, lo_open, choices, flag, metavar, parse)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One declared field of a config class: the dataclass field, its setting and its type
+    (``optional``: ``None`` is allowed; ``type`` is then the other member of the union)."""
+
+    field: Field[Any]
+    setting: Setting
+    type: Any
+    optional: bool
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def default(self) -> Any:
+        """The default value (MISSING for a required field; computed for a factory)."""
+        if self.field.default is not MISSING:
+            return self.field.default
+        if self.field.default_factory is not MISSING:
+            return self.field.default_factory()
+        return MISSING
+
+
+_DECLARED: dict[type, dict[str, Declared]] = {}
+
+
+def settings(cls: type) -> dict[str, Declared]:
+    """The fields of ``cls`` declared with :func:`setting`, in declaration order."""
+    known = _DECLARED.get(cls)
+    if known is not None:
+        return known
+    hints = typing.get_type_hints(cls, include_extras=False)
+    out: dict[str, Declared] = {}
+    for f in fields(cls):
+        s = f.metadata.get(_KEY)
+        if s is None:
+            continue
+        tp, optional = _unwrap(hints[f.name])
+        out[f.name] = Declared(f, s, tp, optional)
+    _DECLARED[cls] = out
+    return out
+
+
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        rest = [a for a in get_args(tp) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], len(rest) < len(get_args(tp))
+    return tp, False
+
+
+def check_fields(obj: object) -> None:
+    """Check every declared field of ``obj`` (a config instance); ConfigError on the first
+    bad one."""
+    owner = type(obj).__name__
+    for name, d in settings(type(obj)).items():
+        value = getattr(obj, name)
+        if value is None and d.optional:
+            continue
+        check_value(owner, name, value, d)
+
+
+def check_value(owner: str, name: str, value: object, d: Declared) -> None:
+    """One field's value against its declaration."""
+    s, tp = d.setting, d.type
+    if get_origin(tp) is Literal or s.choices is not None:
+        choices = s.choices if s.choices is not None else get_args(tp)
+        check_choice(owner, name, value, choices)
+    elif tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{owner}.{name} must be true or false", field=name, value=value)
+    elif tp is int:
+        check_int(owner, name, value, int(_lo(s, owner, name)), None if s.hi is None else int(s.hi))
+    elif tp is float:
+        check_number(owner, name, value, _lo(s, owner, name), s.hi, lo_open=s.lo_open)
+    elif tp is str:
+        if not isinstance(value, str) or not value or (s.hi is not None and len(value) > s.hi):
+            most = "" if s.hi is None else f" of at most {s.hi:g} characters"
+            raise ConfigError(
+                f"{owner}.{name} must be a non-empty string{most}", field=name, value=value
+            )
+    elif tp is Path:
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise ConfigError(f"{owner}.{name} must be a path", field=name, value=value)
+    elif get_origin(tp) is not None:
+        pass  # a container (tuple[int, ...]): its items are the class's own rule
+    elif isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(
+            f"{owner}.{name} must be a {tp.__name__}" + (" or None" if d.optional else ""),
+            field=name,
+            value=type(value).__name__,
+        )
+
+
+def _lo(s: Setting, owner: str, name: str) -> float:
+    if s.lo is None:  # a programming error, found by the first instance built
+        raise TypeError(f"{owner}.{name}: a numeric setting needs lo=")
+    return s.lo
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1000"``, ``"512M"``, ``"10G"``, ``"1.5TiB"`` (binary units): the parser
+    of a size setting's flag."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500M, 20G)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
+    return value

@@ -33,7 +33,9 @@ from typing import Any
 
 from _util import peak_rss, reset_peak_rss
 
-_stop = threading.Event()
+from rollpatch.follower.watch import WakeEvent
+
+_stop = WakeEvent()
 _lines: list[str] = []
 _lines_cond = threading.Condition()
 
@@ -68,6 +70,30 @@ def _done(view: Any, job: dict[str, Any], have: int, **extra: Any) -> None:
 # -- islands -----------------------------------------------------------------------------------
 
 
+def _serving_view() -> type:
+    from rollpatch.engines.view_engine import ViewEngine
+    from rollpatch.patch import apply
+
+    class ServingView(ViewEngine):
+        """The island's engine (``--island-commit incremental``): a view whose commit checks
+        the target digests in O(change) — each touched tensor's rp.sum128 state updated from
+        the words written — as the serving engines commit (docs/engines.md, "Staging and the
+        pause"), instead of re-hashing every touched tensor (here: nearly all 201 MB) inside
+        the pause. The follower's background audit re-hashes the live words meanwhile, and
+        the island's final check re-hashes all of them."""
+
+        def apply(self, patch: Any, version: int) -> None:
+            with self._lock:
+                apply(self.view, patch, incremental=True)  # verified; rolled back on mismatch
+                self._version = version
+
+    return ServingView
+
+
+def _ServingView() -> Any:
+    return _serving_view()()
+
+
 def island_rollpatch(job: dict[str, Any]) -> None:
     from _peers_trace import TracingStore, run_delay
 
@@ -77,7 +103,7 @@ def island_rollpatch(job: dict[str, Any]) -> None:
     from rollpatch.io.safetensors import load_view
     from rollpatch.store import open_store
 
-    engine = ViewEngine()
+    engine = ViewEngine() if job.get("commit") == "full" else _ServingView()
     engine.load(load_view(job["v0"]), 0)
     tracer = TracingStore(open_store(job["board"]))
     follower = Follower(
@@ -112,6 +138,7 @@ def island_xor(job: dict[str, Any]) -> None:
     from _peers_xor import apply_blob
 
     from rollpatch.board import Board
+    from rollpatch.follower.watch import LatestHint
     from rollpatch.io.safetensors import load_view
     from rollpatch.store import open_store
 
@@ -120,12 +147,14 @@ def island_xor(job: dict[str, Any]) -> None:
     board = Board(tracer)
     have, fetched = 0, 0
     pool = ThreadPoolExecutor(2)
+    hint = LatestHint(tracer, job["run"])  # the same notice as rollpatch's followers
+    _stop.on_set.append(hint.cancel)
     reset_peak_rss()
     emit("ready", version=0)
     while not _stop.is_set():
         p = board.latest(job["run"])
         if p is None or p.version <= have:
-            _stop.wait(job["poll_s"])
+            hint.wait(have, job["poll_s"], _stop)
             continue
         for v in range(have + 1, p.version + 1):
             (po,) = board.manifest(job["run"], v).patches_from(v - 1)

@@ -19,7 +19,10 @@ relay; shardcast's middle node) and ``--islands`` islands, each its own process,
 behind it. Islands start holding v0 (untimed).
 
 **Methods.** ``rollpatch``: ``Publisher`` (bf16, async) → board → relays → ``Follower`` into a
-view engine. ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
+view engine that commits as the serving engines do (``--island-commit incremental``: target
+digests checked in O(change), the follower's background audit re-hashing the live words;
+``full``: every touched tensor re-hashed inside the pause). Followers and XOR islands learn of
+a version through the relays' long-poll of LATEST (docs/relay.md). ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
 method; ``bench/_peers_xor.py``), published asynchronously on the same board, fetched through
 the same relays; only the codec differs. ``shardcast``: the trainer writes the BF16
 checkpoint and calls ``OriginServer.broadcast`` (BLAKE3 + 50 MB shards); the middle node
@@ -40,6 +43,13 @@ shardcast: writing the checkpoint and ``broadcast``); ``published``: from the ca
 version is on the board with LATEST moved (shardcast: ``broadcast`` returned). Ratios are
 against shardcast (``sc/this``: how many times more bytes / time shardcast needs) and against
 XOR+zstd-1 (``this/xor``), all measured in the same run.
+
+**Where the time goes** (printed under the table, ``bench/_peers_trace.py``): for each traced
+method, the median over versions of each consecutive phase of the last island to serve the
+version — the publisher's snapshot, encode, upload and LATEST; then, from the island's reads
+(wall clock), LATEST noticed, manifest and patch objects received, staged, committed — and the
+island's CPU queueing (Linux schedstat: threads runnable but not running) from notice to
+serving.
 
 **Fairness notes.** shardcast's clients start once the middle node holds every shard (the
 bench peeks at its directory): real clients poll the middle's distribution file, which it
@@ -108,6 +118,7 @@ def run_method(
         "poll_s": args.poll_s,
         "last": args.versions,
         "expected": expected,
+        "commit": args.island_commit,
     }
     out: dict[str, Any] = {"method": method, "versions": []}
     try:
@@ -337,6 +348,13 @@ def main() -> int:
         type=float,
         default=0.2,
         help="polling period of islands, relay pointer TTL and the middle node",
+    )
+    p.add_argument(
+        "--island-commit",
+        choices=("incremental", "full"),
+        default="incremental",
+        help="rollpatch islands' commit: target digests in O(change), as the serving engines "
+        "(default), or every touched tensor re-hashed inside the pause (ViewEngine)",
     )
     p.add_argument("--settle-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=600.0)

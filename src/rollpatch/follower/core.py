@@ -41,9 +41,10 @@ from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects
+from .record import PastWanted as _PastWanted
 from .record import Record
 from .stage import EarlyDecode, stage_plan
-from .watch import Watcher
+from .watch import LatestHint, WakeEvent, Watcher
 
 __all__ = ["CommitCallback", "Follower"]
 
@@ -53,18 +54,6 @@ log = logging.getLogger("rollpatch.follower")
 CommitCallback = Callable[[int, float], None]
 #: Engine bits that are not the plan's base: reboot from a keyframe.
 _WRONG_BITS = (BaseMismatchError, TargetMismatchError)
-
-
-class _PastWanted(NoPathError):
-    """sync(want) below the engine's verified version: refused, not an ERROR."""
-
-    def __init__(self, have: int, want: int, run: str) -> None:
-        super().__init__(
-            "the engine is past the wanted version; versions only move forward",
-            run=run,
-            have=have,
-            want=want,
-        )
 
 
 class Follower:
@@ -118,7 +107,7 @@ class Follower:
         self._cond = self._rec.cond  # also guards _version
         self._sync_lock = threading.Lock()
         self._abort = threading.Event()  # interrupts retry sleeps while stopping
-        self._wake = threading.Event()  # polls LATEST now
+        self._wake = WakeEvent()  # polls LATEST now (ends a long-poll in progress)
         self._version: int | None = None
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
         self._watcher = Watcher(
@@ -129,6 +118,8 @@ class Follower:
             join_s=self.config.timeout_s + 5.0,
             wake=self._wake,
             abort=self._abort,
+            hint=LatestHint(self.board.store, self.run),
+            seen=lambda: self._rec.latest,
         )
         self._bad = BadObjects()  # corrupt objects: plans go around them
         # LATEST, manifests and plans are read through a board whose store retries each read

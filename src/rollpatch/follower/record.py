@@ -9,9 +9,22 @@ from __future__ import annotations
 import threading
 import time
 
+from ..errors import NoPathError
 from .config import FollowerState, FollowerStatus
 
-__all__ = ["Record"]
+__all__ = ["PastWanted", "Record"]
+
+
+class PastWanted(NoPathError):
+    """sync(want) below the engine's verified version: refused, recorded as no failure."""
+
+    def __init__(self, have: int, want: int, run: str) -> None:
+        super().__init__(
+            "the engine is past the wanted version; versions only move forward",
+            run=run,
+            have=have,
+            want=want,
+        )
 
 
 class Record:

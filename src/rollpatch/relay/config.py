@@ -86,6 +86,26 @@ class RelayConfig:
     pointer_ttl: float = setting(0.5, lo=0.0, help="seconds LATEST may be reused (0: never)")
     #: Manifests and keyframe markers are found by listing.
     list_ttl: float = setting(1.0, lo=0.0, help="seconds a listing may be reused")
+    #: docs/relay.md, "Long-poll".
+    hold_s: float = setting(
+        30.0,
+        lo=0.0,
+        help="longest a long-poll of LATEST (?after=N&wait=S) is held (0: answered at once)",
+    )
+    #: A relay upstream is long-polled instead.
+    watch_s: float = setting(
+        0.05,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="seconds between two reads of LATEST while long-polls wait, when the upstream "
+        "is a directory or S3 board",
+    )
+    prefetch: bool = setting(
+        True,
+        help="on learning a new version, fetch its manifest and step patch objects before "
+        "anyone asks",
+    )
     #: While the upstream's ETag for it is unchanged, a request costs a HEAD instead of pulling
     #: the bad bytes again (a repaired object has a new ETag and is fetched at once).
     corrupt_ttl: float = setting(

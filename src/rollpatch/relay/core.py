@@ -13,13 +13,14 @@ and roots a previous run left in the cache are verified again before they are se
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Generic, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, Generic, TypeVar
 
 import blake3
 
@@ -43,6 +44,9 @@ from .config import (
 )
 from .flights import Flights
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from .watch import PointerWatch
 
 __all__ = ["Blob", "Relay"]
 
@@ -166,8 +170,17 @@ class Relay:
             raise ValueError("blob is held in memory; use blob.data")
         return self.cache.open(blob.key)
 
+    @functools.cached_property
+    def watch(self) -> PointerWatch:
+        """The long-polls of LATEST waiting on this relay (:mod:`.watch`)."""
+        from .watch import PointerWatch
+
+        return PointerWatch(self)
+
     def close(self) -> None:
         """Stop the worker pools (fetches in progress finish in the background)."""
+        if "watch" in self.__dict__:
+            self.watch.close()
         self._bulk.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
 
@@ -243,6 +256,16 @@ class Relay:
             self._check_pointer(key, data)
         blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
         self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
+        return blob
+
+    def accept_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
+        """LATEST bytes read upstream at ``read_at`` (monotonic) by the long-poll watch:
+        checked as any LATEST, then served for ``pointer_ttl`` like one read on request."""
+        self._check_pointer(key, data)
+        blob = Blob(
+            key, KeyKind.POINTER, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data
+        )
+        self._remember(self._volatile, key, blob, read_at + self.config.pointer_ttl)
         return blob
 
     def _fetch_list(self, prefix: str) -> Keys:

@@ -27,7 +27,7 @@ from ..errors import (
 from ..serving import ServeOptions, ServerHandle, serve_app
 from ..serving.responses import error_body
 from ..store import Store, open_store, validate_key, validate_prefix
-from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS
+from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS, HELD_HEADER
 from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
@@ -39,6 +39,7 @@ __all__ = ["RelayServer", "create_app", "parse_range"]
 T = TypeVar("T")
 _S = TypeVar("_S", bound="RelayServer")
 _RANGE = re.compile(r"bytes=(\d{1,19})-(\d{0,19})")
+_AFTER = re.compile(r"-1|\d{1,18}")
 _IMMUTABLE = "public, max-age=31536000, immutable"
 _OPEN_ATTEMPTS = 3
 
@@ -167,6 +168,13 @@ def create_app(relay: Relay) -> FastAPI:
             kind = classify(validate_key(key))
         except ConfigError as e:
             return _error(400, e)
+        if (
+            request.method == "GET"
+            and kind is KeyKind.POINTER
+            and "after" in request.query_params
+            and relay.config.hold_s > 0
+        ):
+            return await _held(relay, key, request)
         if request.method == "HEAD" and kind.immutable:
             info = await _wait(relay.stat(key))
             if info is None:
@@ -211,6 +219,44 @@ def create_app(relay: Relay) -> FastAPI:
         }
 
     return app
+
+
+async def _held(relay: Relay, key: str, request: Request) -> Response:
+    """A long-poll of LATEST: answered once the relay knows a version above ``after``, or
+    after ``wait`` seconds (at most ``hold_s``) with the LATEST it has; marked held."""
+    q = request.query_params
+    after_s, wait_s = q.get("after", ""), q.get("wait")
+    try:
+        if not _AFTER.fullmatch(after_s):
+            raise ValueError(after_s)
+        wait = relay.config.hold_s if wait_s is None else float(wait_s)
+        if not 0 <= wait < float("inf"):
+            raise ValueError(wait_s)
+    except ValueError:
+        return _error(
+            400,
+            ConfigError(
+                "a long-poll of LATEST takes ?after=N (an integer >= -1) and &wait=S seconds",
+                key=key,
+            ),
+        )
+    after, wait = int(after_s), min(wait, relay.config.hold_s)
+    blob: Blob | None = None
+    if wait > 0:
+        future = relay.watch.wait(key, after)
+        try:
+            blob = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), wait)
+        except TimeoutError:
+            relay.watch.forget(key, future)
+        except asyncio.CancelledError:
+            if not future.cancelled():  # this request was cancelled, not the wait
+                raise
+    if blob is None:
+        blob = await _wait(relay.resolve(key))
+    assert blob.data is not None  # LATEST is held in memory
+    response = _serve(relay, blob, blob.data, None)
+    response.headers[HELD_HEADER] = "1"
+    return response
 
 
 def _page(keys: list[str], start_after: str | None, limit: int) -> dict[str, Any]:
@@ -344,6 +390,8 @@ class RelayServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving, wait for the thread, release the pools (and the store, if opened here)."""
+        if "watch" in self.relay.__dict__:  # held long-polls answer now, not after the grace
+            self.relay.watch.close()
         if self._handle is not None:
             self._handle.stop(timeout)
         self.relay.close()

@@ -41,14 +41,16 @@ from ..errors import (
 from ..serving.responses import error_message
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
-from .http_pool import MAX_ERROR_BYTES, HttpStatusError, Pool, Response
+from .http_pool import MAX_ERROR_BYTES, Held, HttpStatusError, Pool, Response
 
-__all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HttpStore"]
+__all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HELD_HEADER", "HttpStore"]
 
 #: The relay's answer for an object whose origin copy is corrupt (docs/store.md, "Errors"):
 #: this status with a JSON body whose ``code`` is :data:`CORRUPT_CODE` and ``key`` the key.
 CORRUPT_STATUS = 409
 CORRUPT_CODE = "object_corrupt"
+#: The header a relay sets on its answer to a long-poll of LATEST (``?after=N&wait=S``).
+HELD_HEADER = "X-Rollpatch-Held"
 
 T = TypeVar("T")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
@@ -232,6 +234,38 @@ class HttpStore(Store):
                 max_list_bytes=self.config.max_list_bytes,
             )
         return _parse_list(body, prefix, after, self.uri)
+
+    # -- the long-poll of LATEST (docs/store.md, "Long-poll") ---------------------------------
+
+    def held(self) -> Held:
+        """A connection of its own for :meth:`wait_newer` (one per waiting thread)."""
+        return Held(self._pool)
+
+    def wait_newer(self, key: str, after: int, wait_s: float, held: Held) -> bytes | None:
+        """GET the LATEST ``key``, held by the relay until it knows a version newer than
+        ``after`` or ``wait_s`` passed: the body (a hint only: read and verify LATEST as
+        usual), None when ``held`` was cancelled. Raises :class:`NotImplementedError` when the
+        relay answered at once without holding (it predates long-polls: poll instead)."""
+        query = urllib.parse.urlencode({"after": after, "wait": f"{wait_s:g}"})
+        target = f"{self._object_target(key)}?{query}"
+        try:
+            got = held.get(target, self.config.headers, wait_s + self.config.timeout, 1 << 20)
+        except HttpStatusError as e:
+            if e.code == 404:
+                raise NotFoundError(
+                    "no such object on the relay", key=key, store=self.uri
+                ) from None
+            raise StoreError(f"relay answered HTTP {e.code}", key=key, store=self.uri) from None
+        except _NETWORK_ERRORS as e:
+            raise TransientStoreError(
+                f"relay long-poll failed: {e or type(e).__name__}", key=key, store=self.uri
+            ) from None
+        if got is None:
+            return None
+        headers, body = got
+        if headers.get(HELD_HEADER) is None:
+            raise NotImplementedError("the relay does not hold long-polls")
+        return body
 
     # -- writes: refused ----------------------------------------------------------------------
 

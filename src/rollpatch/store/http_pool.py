@@ -12,11 +12,16 @@ connection opens. Proxies come from the standard environment variables, as urlli
 (``http_proxy``, ``https_proxy``, ``no_proxy``): ``http`` requests go to the proxy in absolute
 form, ``https`` through a ``CONNECT`` tunnel (TLS end to end with the relay). Credentials in
 a proxy URL are not supported.
+
+:class:`Held` is the long-poll's connection: one request at a time that the server may hold for
+many seconds, on a connection of its own (a held request never blocks the pool's), which
+another thread can cancel at once (a follower stopping, or told to poll now).
 """
 
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
 import threading
 import urllib.parse
@@ -24,7 +29,7 @@ import urllib.request
 from collections.abc import Mapping
 from types import TracebackType
 
-__all__ = ["HttpStatusError", "Pool", "Response"]
+__all__ = ["Held", "HttpStatusError", "Pool", "Response"]
 
 #: Idle connections kept per pool (a follower fetches with a few threads at once).
 MAX_IDLE = 16
@@ -105,9 +110,7 @@ class Pool:
         conn, reused = self._take()
         while True:
             try:
-                if self.proxy is not None and not self.https:  # absolute form to a proxy
-                    target = self._origin + target if target.startswith("/") else target
-                conn.request(method, target, headers=dict(headers))
+                conn.request(method, self.absolute(target), headers=dict(headers))
                 resp = conn.getresponse()
                 break
             except _STALE:
@@ -126,6 +129,12 @@ class Pool:
             body = b""
         Response(self, conn, resp).close()
         raise HttpStatusError(resp.status, resp.headers, body)
+
+    def absolute(self, target: str) -> str:
+        """``target`` as sent: in absolute form to an ``http`` proxy, else as it is."""
+        if self.proxy is not None and not self.https and target.startswith("/"):
+            return self._origin + target
+        return target
 
     def give(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -146,6 +155,10 @@ class Pool:
                 return self._idle.pop(), True
         return self._open(), False
 
+    def open(self) -> http.client.HTTPConnection:
+        """A new connection (not pooled), through the proxy if one applies."""
+        return self._open()
+
     def _open(self) -> http.client.HTTPConnection:
         self.opened += 1
         host, port = self.proxy if self.proxy is not None else (self.host, self.port)
@@ -157,6 +170,74 @@ class Pool:
         if self.proxy is not None:
             conn.set_tunnel(self.host, self.port)  # TLS with the relay, through CONNECT
         return conn
+
+
+class Held:
+    """A connection of its own for requests the server may hold (the relay's long-poll of
+    LATEST); :meth:`cancel` from another thread ends the request in progress at once, or the
+    next one if none is in progress (a cancel is never lost to a race)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self._cancelled = False
+
+    def get(
+        self, target: str, headers: Mapping[str, str], timeout: float, max_bytes: int
+    ) -> tuple[http.client.HTTPMessage, bytes] | None:
+        """GET ``target``; the 2xx answer's headers and body (at most ``max_bytes + 1`` bytes
+        read), or None when cancelled. Raises :class:`HttpStatusError` and network errors."""
+        for attempt in range(2):
+            with self._lock:
+                if self._cancelled:
+                    self._cancelled = False
+                    return None
+                reused = self._conn is not None
+                conn = self._conn = self._conn or self._pool.open()
+            try:
+                conn.timeout = timeout
+                if conn.sock is not None:
+                    conn.sock.settimeout(timeout)
+                conn.request("GET", self._pool.absolute(target), headers=dict(headers))
+                resp = conn.getresponse()
+                body = resp.read(max_bytes + 1) if resp.status < 300 else resp.read(MAX_ERROR_BYTES)
+            except (OSError, http.client.HTTPException):
+                with self._lock:
+                    self._conn = None
+                    cancelled, self._cancelled = self._cancelled, False
+                conn.close()
+                if cancelled:
+                    return None
+                if reused and attempt == 0:
+                    continue  # the server closed it while idle: once more on a new one
+                raise
+            if resp.will_close or not resp.isclosed():
+                with self._lock:
+                    self._conn = None
+                conn.close()
+            if resp.status >= 300:
+                raise HttpStatusError(resp.status, resp.headers, body)
+            return resp.headers, body
+        raise AssertionError("unreachable")
+
+    def cancel(self) -> None:
+        """End the request in progress (its :meth:`get` returns None), or the next one."""
+        with self._lock:
+            self._cancelled = True
+            conn = self._conn
+        sock = None if conn is None else conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 def _proxy_for(scheme: str, host: str) -> tuple[str, int | None] | None:

@@ -1,0 +1,193 @@
+"""Long-polls of LATEST: a follower's ``GET .../runs/R/LATEST?after=N&wait=S`` is held until
+the relay knows a LATEST newer than ``N`` (or ``S`` seconds pass), so a new version reaches the
+islands one one-way trip after the relay learns of it, instead of a polling period later.
+
+While anyone waits on a run, one thread per run keeps the relay's LATEST fresh: through a long
+poll of its own when the upstream is another relay (chains of relays pass a version on at
+once), else by reading LATEST every ``watch_s`` (directory and S3 boards). Each LATEST read
+is checked as any other (signature, freshness, rollback) and refreshes the TTL cache that
+plain GETs are answered from. A held answer is only a hint — followers read and verify LATEST
+and the signed manifest as always — so a relay can delay a version, never forge one.
+
+When the watch learns a version, it prefetches that version's manifest and its step patch
+objects (``prefetch``), so the WAN transfer starts before the first follower asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ..errors import RollpatchError
+from ..latest import read_latest
+from ..layout import pointer_run, version_key
+from ..manifest import open_manifest
+from ..store.http_client import HttpStore
+from ..store.http_pool import Held
+from .core import Blob, Relay
+
+__all__ = ["PointerWatch"]
+
+log = logging.getLogger("rollpatch.relay")
+#: Seconds the watch of a run outlives its last waiter (followers ask again at once).
+LINGER_S = 10.0
+#: The longest wait between two LATEST reads while they keep failing.
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass
+class _Run:
+    version: int = -1  # newest version seen (-1: none yet)
+    blob: Blob | None = None
+    waiters: list[tuple[int, Future[Blob]]] = field(default_factory=list)
+    thread: threading.Thread | None = None
+    last_wait: float = 0.0
+
+
+class PointerWatch:
+    """The relay's long-poll waiters, and the threads that keep LATEST fresh for them."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self._lock = threading.Lock()
+        self._runs: dict[str, _Run] = {}
+        self._closed = threading.Event()
+        self._held: list[Held] = []
+
+    def wait(self, key: str, after: int) -> Future[Blob]:
+        """A future of the LATEST at ``key`` once it names a version above ``after`` (never
+        failed; the caller stops waiting on its own deadline and calls :meth:`forget`)."""
+        future: Future[Blob] = Future()
+        with self._lock:
+            st = self._runs.setdefault(key, _Run())
+            st.last_wait = time.monotonic()
+            if st.blob is not None and st.version > after and st.thread is not None:
+                future.set_result(st.blob)
+                return future
+            st.waiters.append((after, future))
+            if st.thread is None and not self._closed.is_set():
+                st.thread = threading.Thread(
+                    target=self._run, args=(key, st), daemon=True, name="relay-watch"
+                )
+                st.thread.start()
+        return future
+
+    def forget(self, key: str, future: Future[Blob]) -> None:
+        """Stop holding ``future`` (its waiter gave up)."""
+        with self._lock:
+            st = self._runs.get(key)
+            if st is not None:
+                st.waiters = [w for w in st.waiters if w[1] is not future]
+        future.cancel()
+
+    def close(self) -> None:
+        """Stop every watch thread (their upstream long-polls are cancelled) and answer every
+        waiter now: with the LATEST the relay has, or by cancelling its future."""
+        self._closed.set()
+        with self._lock:
+            held = list(self._held)
+            waiting = [(st.blob, f) for st in self._runs.values() for _, f in st.waiters]
+            for st in self._runs.values():
+                st.waiters = []
+        for h in held:
+            h.cancel()
+        for blob, f in waiting:
+            if blob is None:
+                f.cancel()
+            elif not f.done():
+                f.set_result(blob)
+
+    # -- the watch of one run -----------------------------------------------------------------
+
+    def _run(self, key: str, st: _Run) -> None:
+        upstream = self.relay.upstream
+        held = upstream.held() if isinstance(upstream, HttpStore) else None
+        if held is not None:
+            with self._lock:
+                self._held.append(held)
+        first, failures = True, 0
+        try:
+            while not self._closed.is_set():
+                with self._lock:
+                    if not st.waiters and time.monotonic() - st.last_wait > LINGER_S:
+                        return
+                    after = st.version
+                try:
+                    data, read_at = self._read(key, after, held, first)
+                    if data is not None:
+                        self._learned(key, st, data, read_at)
+                    first, failures = False, 0
+                except NotImplementedError:
+                    held = None  # the upstream relay predates long-polls: read every watch_s
+                    continue
+                except (RollpatchError, OSError) as e:
+                    failures += 1
+                    delay = min(self.relay.config.watch_s * 2**failures, MAX_BACKOFF_S)
+                    log.debug("relay watch of %s: %s: %s", key, type(e).__name__, e)
+                    self._closed.wait(delay)
+        finally:
+            with self._lock:
+                st.thread = None
+                if held is not None and held in self._held:
+                    self._held.remove(held)
+            if held is not None:
+                held.close()
+
+    def _read(
+        self, key: str, after: int, held: Held | None, first: bool
+    ) -> tuple[bytes | None, float]:
+        upstream = self.relay.upstream
+        if held is not None and isinstance(upstream, HttpStore):
+            wait_s = max(self.relay.config.hold_s, 1.0)
+            self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="wait")
+            return upstream.wait_newer(key, after, wait_s, held), time.monotonic()
+        if not first and self._closed.wait(self.relay.config.watch_s):
+            return None, 0.0
+        read_at = time.monotonic()
+        self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="get")
+        return upstream.get(key), read_at
+
+    def _learned(self, key: str, st: _Run, data: bytes, read_at: float) -> None:
+        run = pointer_run(key)
+        if run is None:
+            return
+        blob = self.relay.accept_pointer(key, data, read_at)  # checked; refreshes the TTL cache
+        version = read_latest(data, run, None)[0].version
+        with self._lock:
+            newer = version > st.version
+            if newer:
+                st.version, st.blob = version, blob
+            ready = [f for a, f in st.waiters if version > a]
+            st.waiters = [(a, f) for a, f in st.waiters if version <= a]
+        if newer and self.relay.config.prefetch:
+            self._prefetch(run, version)
+        for f in ready:
+            if not f.done():
+                f.set_result(blob)
+
+    def _prefetch(self, run: str, version: int) -> None:
+        """Start fetching the manifest, then its step patch objects (errors only logged: a
+        follower asking for them gets the error itself)."""
+
+        def objects(done: Future[Blob]) -> None:
+            try:
+                opened = self.relay.open(done.result())
+                if opened is None:
+                    return
+                f, entry = opened
+                with f:
+                    f.seek(entry.offset)
+                    raw = f.read(entry.size)
+                m = open_manifest(raw, run, version, None)
+                for p in m.patches_from(m.parent) if m.parent is not None else ():
+                    self.relay.resolve(p.ref.key)
+            except (RollpatchError, OSError, ValueError) as e:
+                log.debug("relay prefetch of %s@%d: %s", run, version, e)
+
+        try:
+            self.relay.resolve(version_key(run, version)).add_done_callback(objects)
+        except RollpatchError as e:
+            log.debug("relay prefetch of %s@%d: %s", run, version, e)

@@ -1,0 +1,248 @@
+"""Long-polls of LATEST through relays (docs/relay.md, "Long-poll"): a held GET answered when
+a newer version exists, chains of relays passing it on, prefetch of the version's manifest and
+step patch, followers that notice a version through the hint alone and stop at once while
+held, a relay without long-polls falling back to polling; and TCP_NODELAY on served sockets.
+
+Boards are ``file://`` directories written by a real :class:`Publisher`; relays are real
+uvicorn servers on loopback, read through the ``http://`` store client as followers read them.
+No assertion is on wall time: "held" is shown by the answer naming the version published
+*after* the request was sent, and liveness bounds only fail hung tests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollpatch.board import Board
+from rollpatch.engines.view_engine import ViewEngine
+from rollpatch.follower import Follower, FollowerConfig
+from rollpatch.latest import read_latest
+from rollpatch.layout import pointer_key, version_key
+from rollpatch.publisher import Publisher, PublisherConfig
+from rollpatch.relay import RelayConfig, RelayServer
+from rollpatch.store import open_store
+from rollpatch.store.http_client import HELD_HEADER, HttpStore
+from tests.conftest import masters, until
+
+RUN = "lp"
+KEY = pointer_key(RUN)
+
+
+class World:
+    """A file board with v0 published, and a relay in front of it."""
+
+    def __init__(self, tmp: Path, **relay: object) -> None:
+        self.uri = f"file://{tmp / 'board'}"
+        self.pub = Publisher(self.uri, RUN, PublisherConfig(format="bf16"), asynchronous=False)
+        self.step = 0
+        self.publish()
+        self.tmp = tmp
+        self.servers: list[RelayServer] = []
+        self.origin = self.relay(self.uri, "origin", **relay)
+
+    def publish(self) -> int:
+        self.step += 1
+        return self.pub.publish(masters(self.step, 1e-2 * self.step))
+
+    def relay(self, board: str, name: str, **cfg: object) -> RelayServer:
+        server = RelayServer(
+            board,
+            RelayConfig(cache_dir=self.tmp / name, **cfg),  # type: ignore[arg-type]
+        )
+        server.start()
+        self.servers.append(server)
+        return server
+
+    def close(self) -> None:
+        for s in reversed(self.servers):
+            s.stop()
+        self.pub.close()
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    w = World(tmp_path)
+    yield w
+    w.close()
+
+
+def _client(url: str) -> HttpStore:
+    store = open_store(url, retries=0)
+    assert isinstance(store, HttpStore)
+    return store
+
+
+def _version(body: bytes | None) -> int:
+    assert body is not None
+    return read_latest(body, RUN, None)[0].version
+
+
+def _held_in_thread(c: HttpStore, after: int, wait_s: float) -> tuple[threading.Thread, list]:
+    out: list = []
+    held = c.held()
+    t = threading.Thread(target=lambda: out.append(c.wait_newer(KEY, after, wait_s, held)))
+    t.start()
+    return t, out
+
+
+def _waiting(server: RelayServer) -> int:
+    watch = server.relay.watch
+    with watch._lock:
+        return sum(len(st.waiters) for st in watch._runs.values())
+
+
+def test_held_until_a_newer_version_then_answered_with_it(world: World) -> None:
+    c = _client(world.origin.url)
+    t, out = _held_in_thread(c, 0, 60.0)
+    until(lambda: _waiting(world.origin) == 1, "the long-poll to be held")
+    assert t.is_alive()
+    world.publish()
+    t.join(30)
+    assert not t.is_alive()
+    assert _version(out[0]) == 1  # published after the request was sent: it was held
+    assert _version(c.get(KEY)) == 1  # plain GETs see it too (the TTL cache was refreshed)
+
+
+def test_answered_at_once_when_newer_and_after_the_wait_when_not(world: World) -> None:
+    world.publish()
+    c = _client(world.origin.url)
+    held = c.held()
+    assert _version(c.wait_newer(KEY, 0, 60.0, held)) == 1  # newer than 0: not held
+    # nothing newer than 1: held for the wait, then the LATEST it has
+    assert _version(c.wait_newer(KEY, 1, 0.2, held)) == 1
+    assert c._pool.opened == 1  # both long-polls on the one connection the Held keeps
+
+
+def test_bad_long_poll_arguments_are_400(world: World) -> None:
+    host, port = world.origin.url.removeprefix("http://").split(":")
+
+    def get(query: str) -> tuple[http.client.HTTPResponse, bytes]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", f"/v1/objects/{KEY}?{query}")
+        r = conn.getresponse()
+        body = r.read()
+        conn.close()
+        return r, body
+
+    for query in ("after=x", "after=1.5", "after=-2", "after=1&wait=nan", "after=1&wait=-1"):
+        r, body = get(query)
+        assert r.status == 400, query
+        assert b"after=N" in body
+    r, body = get("after=-1&wait=5")
+    assert r.status == 200 and r.getheader(HELD_HEADER) == "1" and _version(body) == 0
+
+
+def test_a_relay_without_long_polls_answers_plainly(tmp_path: Path) -> None:
+    w = World(tmp_path, hold_s=0.0)
+    try:
+        c = _client(w.origin.url)
+        with pytest.raises(NotImplementedError):
+            c.wait_newer(KEY, 0, 5.0, c.held())
+        # a follower over it polls instead, and still follows
+        engine = ViewEngine()
+        f = Follower(w.origin.url, RUN, engine, FollowerConfig(poll_s=0.05, audit_bytes_per_s=None))
+        f.start()
+        try:
+            w.publish()
+            until(lambda: f.version == 1, "the polling follower to reach v1")
+        finally:
+            f.stop()
+    finally:
+        w.close()
+
+
+def test_chained_relays_pass_a_version_on_and_prefetch_it(world: World) -> None:
+    region = world.relay(world.origin.url, "region")
+    c = _client(region.url)
+    t, out = _held_in_thread(c, 0, 60.0)
+    until(lambda: _waiting(region) == 1, "the long-poll to be held at the region")
+    until(lambda: _waiting(world.origin) == 1, "the region to long-poll the origin")
+    world.publish()
+    t.join(30)
+    assert _version(out[0]) == 1
+    m = Board(open_store(world.uri)).manifest(RUN, 1)
+    (patch,) = m.patches_from(0)
+    # the region fetched the manifest and the step patch before anyone asked for them
+    until(lambda: region.relay.cache.lookup(version_key(RUN, 1)) is not None, "manifest prefetch")
+    until(lambda: region.relay.cache.lookup(patch.ref.key) is not None, "patch prefetch")
+    metrics = region.relay.metrics.render()
+    assert 'rollpatch_relay_upstream_requests_total{op="wait"}' in metrics
+
+
+def test_a_follower_notices_a_version_through_the_hint(world: World) -> None:
+    region = world.relay(world.origin.url, "region")
+    engine = ViewEngine()
+    # polls every 10 minutes: only the long-poll can make it notice v1 and v2 in this test
+    f = Follower(region.url, RUN, engine, FollowerConfig(poll_s=600.0, audit_bytes_per_s=None))
+    f.sync()
+    f.start()
+    try:
+        for v in (1, 2):
+            until(lambda: _waiting(region) == 1, "the follower's long-poll to be held")
+            assert world.publish() == v
+            until(lambda v=v: f.version == v, f"the follower to serve v{v}")
+        assert engine.digest == Board(open_store(world.uri)).manifest(RUN, 2).target
+    finally:
+        f.stop()
+
+
+def test_a_follower_stops_at_once_while_held(tmp_path: Path) -> None:
+    w = World(tmp_path, hold_s=600.0)
+    try:
+        f = Follower(
+            w.origin.url,
+            RUN,
+            ViewEngine(),
+            FollowerConfig(poll_s=600.0, timeout_s=1.0, audit_bytes_per_s=None),
+        )
+        f.sync()
+        f.start()
+        until(lambda: _waiting(w.origin) == 1, "the follower's long-poll to be held")
+        thread = f._watcher.thread
+        f.stop()  # joins for timeout_s + 5 s at most; the relay would hold for 600 s
+        assert thread is not None and not thread.is_alive()
+    finally:
+        w.close()
+
+
+def test_cancel_ends_a_held_request(world: World) -> None:
+    c = _client(world.origin.url)
+    held = c.held()
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(c.wait_newer(KEY, 0, 600.0, held)))
+    t.start()
+    until(lambda: _waiting(world.origin) == 1, "the long-poll to be held")
+    held.cancel()
+    t.join(30)
+    assert not t.is_alive() and out == [None]
+    # the next wait opens a new connection and works
+    world.publish()
+    assert _version(c.wait_newer(KEY, 0, 60.0, held)) == 1
+
+
+def test_served_sockets_have_no_nagle_delay(world: World) -> None:
+    """h11 writes an answer's head and body separately: without TCP_NODELAY the body waits
+    for the client's delayed ACK. Checked on the server's accepted socket."""
+    from rollpatch.serving.server import _no_delay
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server_side, _ = listener.accept()
+
+    class Transport:
+        def get_extra_info(self, name: str) -> object:
+            return server_side if name == "socket" else None
+
+    try:
+        assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+        _no_delay(Transport())
+        assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        for s in (client, server_side, listener):
+            s.close()

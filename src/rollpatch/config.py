@@ -5,9 +5,10 @@ A config class is a frozen, keyword-only dataclass whose fields are declared wit
 declared field by its annotation with the :mod:`rollpatch.validate` helpers (so every bad value
 is one kind of :class:`~rollpatch.errors.ConfigError`, naming ``Class.field``):
 
-- ``int`` / ``float``: a number (never a ``bool``) in ``[lo, hi]`` (``lo_open``: ``> lo``);
+- ``int`` / ``float``: a number (never a ``bool``) in ``[lo, hi]`` (``lo_open``: ``> lo``,
+  ``hi_open``: ``< hi``);
 - a ``Literal`` of strings, or ``choices=``: one of them (a mode is a type, not a string);
-- ``str``: a non-empty string (at most ``hi`` characters); ``bool``: ``True`` or ``False``;
+- ``str``: a string of ``lo`` (default 1) to ``hi`` characters; ``bool``: ``True`` or ``False``;
 - ``X | None``: ``None``, or an ``X`` as above; any other class: an instance of it;
 - a container (``tuple[int, ...]``): left to the class's ``__post_init__``.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -51,6 +53,7 @@ class Setting:
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
+    hi_open: bool = False
     #: Allowed strings, when they are not the field's ``Literal`` type (a runtime registry).
     choices: tuple[str, ...] | None = None
     #: The command-line flag, when it is not ``--`` + the field name (``_s`` dropped).
@@ -67,6 +70,7 @@ def setting(
     lo: float | None = None,
     hi: float | None = None,
     lo_open: bool = False,
+    hi_open: bool = False,
     choices: tuple[str, ...] | None = None,
     flag: str | None = None,
     metavar: str | None = None,
@@ -75,7 +79,7 @@ def setting(
 ) -> Any:
     """A dataclass field with its help text and bounds (``factory``: a default computed per
     instance, like ``dataclasses.field(default_factory=...)``)."""
-    meta = {_KEY: Setting(help, lo, hi, lo_open, choices, flag, metavar, parse)}
+    meta = {_KEY: Setting(help, lo, hi, lo_open, hi_open, choices, flag, metavar, parse)}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -113,16 +117,22 @@ def settings(cls: type) -> dict[str, Declared]:
     known = _DECLARED.get(cls)
     if known is not None:
         return known
-    hints = typing.get_type_hints(cls, include_extras=False)
     out: dict[str, Declared] = {}
     for f in fields(cls):
         s = f.metadata.get(_KEY)
         if s is None:
             continue
-        tp, optional = _unwrap(hints[f.name])
+        tp, optional = _unwrap(_hint(cls, f))
         out[f.name] = Declared(f, s, tp, optional)
     _DECLARED[cls] = out
     return out
+
+
+def _hint(cls: type, f: Field[Any]) -> Any:
+    """One field's annotation, evaluated in its module (other fields may name types that exist
+    only for the type checker)."""
+    holder = type("_", (), {"__annotations__": {f.name: f.type}, "__module__": cls.__module__})
+    return typing.get_type_hints(holder, globalns=vars(sys.modules[cls.__module__]))[f.name]
 
 
 def _unwrap(tp: Any) -> tuple[Any, bool]:
@@ -156,13 +166,14 @@ def check_value(owner: str, name: str, value: object, d: Declared) -> None:
     elif tp is int:
         check_int(owner, name, value, int(_lo(s, owner, name)), None if s.hi is None else int(s.hi))
     elif tp is float:
-        check_number(owner, name, value, _lo(s, owner, name), s.hi, lo_open=s.lo_open)
-    elif tp is str:
-        if not isinstance(value, str) or not value or (s.hi is not None and len(value) > s.hi):
+        lo = _lo(s, owner, name)
+        check_number(owner, name, value, lo, s.hi, lo_open=s.lo_open, hi_open=s.hi_open)
+    elif tp is str:  # lo, hi: bounds on its length (by default at least 1)
+        least = 1 if s.lo is None else int(s.lo)
+        if not isinstance(value, str) or not least <= len(value) <= (s.hi or len(value)):
             most = "" if s.hi is None else f" of at most {s.hi:g} characters"
-            raise ConfigError(
-                f"{owner}.{name} must be a non-empty string{most}", field=name, value=value
-            )
+            what = "a non-empty string" if least else "a string"
+            raise ConfigError(f"{owner}.{name} must be {what}{most}", field=name, value=value)
     elif tp is Path:
         if not isinstance(value, (str, Path)) or not str(value):
             raise ConfigError(f"{owner}.{name} must be a path", field=name, value=value)

@@ -37,18 +37,21 @@ def check_number(
     hi: float | None = None,
     *,
     lo_open: bool = False,
+    hi_open: bool = False,
 ) -> None:
-    """``value`` is a finite int or float ``>= lo`` (``> lo`` with ``lo_open``) and ``<= hi``."""
+    """``value`` is a finite int or float ``>= lo`` (``> lo`` with ``lo_open``) and ``<= hi``
+    (``< hi`` with ``hi_open``)."""
     try:
         x = float(value) if _is_int(value) or isinstance(value, float) else math.nan  # type: ignore[arg-type]
     except OverflowError:  # an int beyond any float: not finite
         x = math.nan
-    ok = math.isfinite(x) and (x > lo if lo_open else x >= lo) and (hi is None or x <= hi)
+    below = hi is None or (x < hi if hi_open else x <= hi)
+    ok = math.isfinite(x) and (x > lo if lo_open else x >= lo) and below
     if ok:
         return
     bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
     if hi is not None:
-        bound += f" and <= {hi:g}"
+        bound += f" and < {hi:g}" if hi_open else f" and <= {hi:g}"
     raise ConfigError(f"{owner}.{name} must be a finite number {bound}", field=name, value=value)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import check_fields, setting
 from ..errors import ConfigError
-from ..validate import check_int, check_number
+from ..validate import check_int
 
 __all__ = ["MSS", "LinkConfig", "LinkStats", "parse_hostport"]
 
@@ -35,42 +36,46 @@ class LinkConfig:
     order. A round trip through the link therefore costs ``2 * latency_ms`` plus the real one.
     """
 
-    upstream: tuple[str, int]
+    upstream: tuple[str, int] = setting(help="HOST:PORT to forward connections to")
     """Where accepted connections are forwarded: ``(host, port)``."""
-    listen: tuple[str, int] = ("127.0.0.1", 0)
+    listen: tuple[str, int] = setting(("127.0.0.1", 0), help="HOST:PORT to listen on")
     """Where the link listens; port 0 picks a free port (read it from ``Link.port``)."""
-    latency_ms: float = 0.0
+    latency_ms: float = setting(0.0, lo=0.0, hi=600_000.0, help="one-way delay in ms")
     """One-way delay added to every byte, each direction."""
-    mbps: float | None = None
+    mbps: float | None = setting(None, lo=1e-3, hi=1e7, help="bandwidth cap per direction")
     """Bandwidth cap per direction in Mbit/s (10^6 bits), shared by every connection through
     this link; None: unlimited."""
-    loss: float = 0.0
+    loss: float = setting(0.0, lo=0.0, hi=0.5, help="probability a segment is lost")
     """Probability that an MSS-sized segment is lost. TCP never loses bytes, so a loss shows up
     as a retransmission: the chunk holding the segment (and everything behind it, in order)
     arrives one round trip (``2 * latency_ms``, at least ``min_rto_ms``) later, and the
     retransmitted segment takes link time again. Congestion-window back-off is not modelled."""
-    min_rto_ms: float = 1.0
+    min_rto_ms: float = setting(1.0, lo=0.0, hi=600_000.0, help="least retransmission delay")
     """Lower bound of the retransmission delay (matters when ``latency_ms`` is ~0)."""
-    handshake: bool = True
+    handshake: bool = setting(True, help="new connections pay one round trip")
     """New connections pay one round trip (TCP's three-way handshake) before their first
     byte leaves."""
-    burst_bytes: int = 64 * 1024
+    burst_bytes: int = setting(64 * 1024, lo=0, hi=_MAX_BYTES, help="token bucket depth")
     """Token bucket depth: bytes an idle link may send at once, before pacing starts."""
-    chunk_bytes: int = 64 * 1024
+    chunk_bytes: int = setting(64 * 1024, lo=MSS, hi=_MAX_BYTES, help="largest socket read")
     """Largest read from a socket; the unit the link schedules (and loses) at once."""
-    window_bytes: int | None = None
+    window_bytes: int | None = setting(
+        None, lo=MSS, hi=_MAX_BYTES, help="bytes in the link per connection and direction"
+    )
     """Bytes per connection and direction that may be in the link (queued or in flight) before
     reading from the sender stops (backpressure). None: twice the bandwidth-delay product,
     between 256 KiB and 32 MiB. Smaller than the bandwidth-delay product caps throughput, as a
     small TCP window does."""
-    max_connections: int = 256
+    max_connections: int = setting(256, lo=1, hi=65536, help="connections open at once")
     """Connections open at once; more are accepted and closed at once (counted as refused)."""
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = setting(
+        10.0, lo=0.001, hi=3600.0, help="seconds to open the upstream connection"
+    )
     """How long opening the upstream connection may take before the client is dropped."""
-    seed: int | None = None
+    seed: int | None = setting(None, lo=0, hi=2**63, help="seed of the loss draws")
     """Seed of the loss draws (None: nondeterministic)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # (host, port) pairs first, then the declared bounds
         up = self.upstream
         if (
             not isinstance(up, tuple)
@@ -92,21 +97,9 @@ class LinkConfig:
             or not 0 <= ls[1] <= 65535
         ):
             raise ConfigError("LinkConfig.listen must be (host, port) with port 0-65535", value=ls)
-        _check_float("latency_ms", self.latency_ms, lo=0.0, hi=600_000.0)
-        if self.mbps is not None:
-            _check_float("mbps", self.mbps, lo=1e-3, hi=1e7)
-        _check_float("loss", self.loss, lo=0.0, hi=0.5)
-        _check_float("min_rto_ms", self.min_rto_ms, lo=0.0, hi=600_000.0)
-        if not isinstance(self.handshake, bool):
-            raise ConfigError("LinkConfig.handshake must be a bool", value=self.handshake)
-        _check_int("burst_bytes", self.burst_bytes, lo=0)
-        _check_int("chunk_bytes", self.chunk_bytes, lo=MSS)
+        check_fields(self)
         if self.window_bytes is not None:
-            _check_int("window_bytes", self.window_bytes, lo=self.chunk_bytes)
-        _check_int("max_connections", self.max_connections, lo=1, hi=65536)
-        _check_float("connect_timeout_s", self.connect_timeout_s, lo=0.001, hi=3600.0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, lo=0, hi=2**63)
+            check_int("LinkConfig", "window_bytes", self.window_bytes, self.chunk_bytes, _MAX_BYTES)
 
     @property
     def rate_bytes_per_s(self) -> float | None:
@@ -150,11 +143,3 @@ class LinkStats:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_float(name: str, value: object, *, lo: float, hi: float) -> None:
-    check_number("LinkConfig", name, value, lo, hi)
-
-
-def _check_int(name: str, value: object, *, lo: int, hi: int = _MAX_BYTES) -> None:
-    check_int("LinkConfig", name, value, lo, hi)

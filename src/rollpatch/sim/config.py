@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..config import check_fields, setting
+from ..errors import ConfigError
+
 if TYPE_CHECKING:
     from .moe import MoEConfig
 
@@ -17,61 +20,44 @@ __all__ = ["ModelDims", "SimConfig", "llama_dims"]
 class SimConfig:
     """What to simulate. Every field is validated; see the module docstring for the model."""
 
-    n_params: int = 50_000_000
+    n_params: int = setting(50_000_000, lo=100_000, help="approximate parameter count")
     """Approximate parameter count; the decoder layout is sized to land near it."""
-    seed: int = 0
+    seed: int = setting(0, lo=0, help="seed of every random draw")
     """Seed of every random draw (weights, gradients, tokens)."""
-    lr: float = 3e-6
+    lr: float = setting(3e-6, lo=0.0, lo_open=True, hi=1.0, hi_open=True, help="AdamW lr")
     """AdamW learning rate (RL post-training uses 1e-6 .. 1e-5)."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = setting((0.9, 0.999), help="AdamW (beta1, beta2)")
     """AdamW (β1, β2)."""
-    eps: float = 1e-8
+    eps: float = setting(1e-8, lo=0.0, lo_open=True, hi=1.0, hi_open=True, help="AdamW eps")
     """AdamW epsilon."""
-    weight_decay: float = 0.01
+    weight_decay: float = setting(0.01, lo=0.0, hi=1.0, hi_open=True, help="weight decay")
     """Decoupled weight decay, applied to every tensor (torch's default single group)."""
-    warm_steps: int = 1000
+    warm_steps: int = setting(1000, lo=0, help="Adam steps before the simulation starts")
     """Adam steps taken before the simulation starts (analytic warm state; 0 = cold)."""
-    vocab: int | None = None
+    vocab: int | None = setting(None, lo=16, help="vocabulary size (None: 32000)")
     """Vocabulary size; None means 32000 (Llama-2 / TinyLlama)."""
-    batch_tokens: int = 1 << 19
+    batch_tokens: int = setting(1 << 19, lo=1, help="tokens per training batch")
     """Tokens per training batch (decides which embedding rows get gradient)."""
-    zipf_exponent: float = 1.1
+    zipf_exponent: float = setting(
+        1.1, lo=0.0, lo_open=True, hi=4.0, hi_open=True, help="Zipf-Mandelbrot exponent"
+    )
     """Exponent of the Zipf-Mandelbrot token frequency law."""
-    threads: int | None = None
+    threads: int | None = setting(None, lo=1, help="worker threads (None: all cores)")
     """Worker threads (None: all cores). Results do not depend on it."""
     moe: MoEConfig | None = None
     """Experts (:class:`rollpatch.sim.moe.MoEConfig`); None: a dense model."""
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"SimConfig.{field} {why} (got {getattr(self, field)!r})")
+        def bad(field: str, why: str) -> ConfigError:
+            return ConfigError(f"SimConfig.{field} {why}", field=field, value=getattr(self, field))
 
-        if not isinstance(self.n_params, int) or self.n_params < 100_000:
-            raise bad("n_params", "must be an int >= 100_000")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise bad("seed", "must be a non-negative int")
-        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
-            raise bad("lr", "must be in (0, 1)")
+        check_fields(self)
         if (
             not isinstance(self.betas, tuple)
             or len(self.betas) != 2
             or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)
         ):
             raise bad("betas", "must be a pair of floats in [0, 1)")
-        if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
-            raise bad("eps", "must be in (0, 1)")
-        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1):
-            raise bad("weight_decay", "must be in [0, 1)")
-        if not isinstance(self.warm_steps, int) or self.warm_steps < 0:
-            raise bad("warm_steps", "must be a non-negative int")
-        if self.vocab is not None and (not isinstance(self.vocab, int) or self.vocab < 16):
-            raise bad("vocab", "must be None or an int >= 16")
-        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
-            raise bad("batch_tokens", "must be a positive int")
-        if not (isinstance(self.zipf_exponent, (int, float)) and 0 < self.zipf_exponent < 4):
-            raise bad("zipf_exponent", "must be in (0, 4)")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise bad("threads", "must be None or a positive int")
         from .moe import MoEConfig
 
         if self.moe is not None and not isinstance(self.moe, MoEConfig):

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import check_fields, setting
+from ..errors import ConfigError
 from .config import ModelDims, aspect_cost, widths
 
 __all__ = ["MoEConfig", "expert_shares", "moe_dims"]
@@ -42,43 +44,32 @@ __all__ = ["MoEConfig", "expert_shares", "moe_dims"]
 class MoEConfig:
     """Experts of a simulated MoE model. Every field is validated; see the module docstring."""
 
-    experts: int = 32
+    experts: int = setting(32, lo=2, hi=4096, help="routed experts per MoE layer")
     """Routed experts per MoE layer."""
-    top_k: int = 4
+    top_k: int = setting(4, lo=1, help="experts per token (at most experts)")
     """Experts per token."""
-    expert_intermediate: int | None = None
+    expert_intermediate: int | None = setting(None, lo=1, help="width of one expert's MLP")
     """Width of one expert's MLP; None: 3/8 of hidden, rounded up to 64."""
-    dense_layers: int = 0
+    dense_layers: int = setting(0, lo=0, help="the first layers that keep a dense MLP")
     """The first layers that keep a dense MLP (0: every layer is MoE, as in Qwen3-MoE)."""
-    zipf_exponent: float = 1.0
+    zipf_exponent: float = setting(1.0, lo=0.0, hi=4.0, hi_open=True, help="Zipf exponent")
     """Exponent of the per-layer Zipf law of tokens per expert (0: uniform)."""
-    cold_fraction: float = 0.25
+    cold_fraction: float = setting(0.25, lo=0.0, hi=1.0, hi_open=True, help="cold experts")
     """Share of experts that the RL data rarely reaches."""
-    cold_factor: float = 1e-5
+    cold_factor: float = setting(
+        1e-5, lo=0.0, lo_open=True, hi=1.0, help="the cold experts' relative load"
+    )
     """Their load relative to the Zipf law."""
-    shares: tuple[float, ...] | None = None
+    shares: tuple[float, ...] | None = setting(None, help="a measured load per expert")
     """A measured load per expert (any positive scale), used for every layer instead of the law."""
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"MoEConfig.{field} {why} (got {getattr(self, field)!r})")
+        def bad(field: str, why: str) -> ConfigError:
+            return ConfigError(f"MoEConfig.{field} {why}", field=field, value=getattr(self, field))
 
-        if not isinstance(self.experts, int) or not 2 <= self.experts <= 4096:
-            raise bad("experts", "must be an int in [2, 4096]")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.experts:
+        check_fields(self)
+        if self.top_k > self.experts:
             raise bad("top_k", "must be an int in [1, experts]")
-        if self.expert_intermediate is not None and (
-            not isinstance(self.expert_intermediate, int) or self.expert_intermediate < 1
-        ):
-            raise bad("expert_intermediate", "must be None or a positive int")
-        if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
-            raise bad("dense_layers", "must be a non-negative int")
-        if not (isinstance(self.zipf_exponent, (int, float)) and 0 <= self.zipf_exponent < 4):
-            raise bad("zipf_exponent", "must be in [0, 4)")
-        if not (isinstance(self.cold_fraction, (int, float)) and 0 <= self.cold_fraction < 1):
-            raise bad("cold_fraction", "must be in [0, 1)")
-        if not (isinstance(self.cold_factor, (int, float)) and 0 < self.cold_factor <= 1):
-            raise bad("cold_factor", "must be in (0, 1]")
         if self.shares is not None:
             ok = (
                 isinstance(self.shares, tuple)

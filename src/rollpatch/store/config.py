@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
+from ..config import check_fields, setting
 from ..errors import ConfigError
-from ..validate import check_choice, check_int, check_number
 
 __all__ = ["ENV_VARS", "HttpConfig", "MiB", "S3Config", "http_config_from", "s3_config_from"]
 
 MiB = 1024 * 1024
+AddressingStyle = Literal["auto", "path", "virtual"]
+Checksums = Literal["when_required", "when_supported"]
 _MIN_PART = 5 * MiB  # S3's minimum size of every part but the last
 _MAX_PART = 5 * 1024 * MiB
 
@@ -38,51 +40,57 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
 class S3Config:
     """How to reach one ``s3://BUCKET/PREFIX`` and how to move bytes to and from it."""
 
-    #: Bucket name (the URI's host part).
-    bucket: str
-    #: Key prefix inside the bucket, ``""`` or ending in ``/``; every store key lives below it.
-    prefix: str = ""
-    #: Endpoint of an S3-compatible service (R2, MinIO...); ``None`` means AWS.
-    endpoint_url: str | None = None
-    #: Signing region; S3-compatible services usually accept ``us-east-1`` (R2: ``auto``).
-    region: str | None = None
-    #: Explicit credentials; ``None`` defers to boto3's default chain.
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    session_token: str | None = None
-    #: Named profile from ``~/.aws/config``.
-    profile: str | None = None
-    #: ``"path"`` (MinIO, loopback), ``"virtual"`` or ``"auto"`` (path-style with an endpoint).
-    addressing_style: str = "auto"
-    #: Objects larger than this are uploaded in parts.
-    multipart_threshold: int = 64 * MiB
-    #: Upload part size, and the chunk size of parallel ranged downloads.
-    part_size: int = 64 * MiB
-    #: Threads for parallel part uploads and ranged downloads.
-    max_workers: int = 8
-    #: Seconds to establish a connection / to wait for a read.
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    #: Total attempts per request (botocore "standard" retries: throttling, 5xx, network).
-    max_attempts: int = 5
-    #: botocore ``request_checksum_calculation``: ``"when_required"`` keeps older S3-compatible
-    #: services working; rollpatch verifies digests end to end anyway.
-    checksums: str = "when_required"
+    bucket: str = setting(help="bucket name (the URI's host part)")
+    #: Every store key lives below it.
+    prefix: str = setting("", lo=0, help="key prefix inside the bucket, '' or ending in '/'")
+    endpoint_url: str | None = setting(
+        None, help="endpoint of an S3-compatible service (R2, MinIO...); None means AWS"
+    )
+    #: S3-compatible services usually accept ``us-east-1`` (R2: ``auto``).
+    region: str | None = setting(None, help="signing region")
+    access_key_id: str | None = setting(
+        None, help="explicit credentials; None defers to boto3's default chain"
+    )
+    secret_access_key: str | None = setting(None, help="goes with access_key_id")
+    session_token: str | None = setting(None, help="a temporary credential's session token")
+    profile: str | None = setting(None, help="named profile from ~/.aws/config")
+    addressing_style: AddressingStyle = setting(
+        "auto", help="path (MinIO, loopback), virtual, or auto (path-style with an endpoint)"
+    )
+    multipart_threshold: int = setting(
+        64 * MiB, lo=1, help="objects larger than this are uploaded in parts"
+    )
+    part_size: int = setting(
+        64 * MiB,
+        lo=_MIN_PART,
+        hi=_MAX_PART,
+        help="upload part size, and the chunk size of parallel ranged downloads",
+    )
+    max_workers: int = setting(
+        8, lo=1, help="threads for parallel part uploads and ranged downloads"
+    )
+    connect_timeout: float = setting(
+        10.0, lo=0.0, lo_open=True, help="seconds to establish a connection"
+    )
+    read_timeout: float = setting(60.0, lo=0.0, lo_open=True, help="seconds to wait for a read")
+    max_attempts: int = setting(
+        5,
+        lo=1,
+        help="total attempts per request (botocore standard retries: throttling, 5xx, network)",
+    )
+    #: rollpatch verifies digests end to end anyway.
+    checksums: Checksums = setting(
+        "when_required",
+        help="botocore request_checksum_calculation; when_required keeps older "
+        "S3-compatible services working",
+    )
 
     def __post_init__(self) -> None:
         if not self.bucket or "/" in self.bucket:
             raise ConfigError("S3Config.bucket must be a bucket name", bucket=self.bucket)
         if self.prefix and (not self.prefix.endswith("/") or self.prefix.startswith("/")):
             raise ConfigError("S3Config.prefix must be '' or 'a/b/'", prefix=self.prefix)
-        check_choice(
-            "S3Config", "addressing_style", self.addressing_style, ("auto", "path", "virtual")
-        )
-        check_choice("S3Config", "checksums", self.checksums, ("when_required", "when_supported"))
-        check_int("S3Config", "part_size", self.part_size, _MIN_PART, _MAX_PART)  # 5 MiB..5 GiB
-        for name in ("multipart_threshold", "max_workers", "max_attempts"):
-            check_int("S3Config", name, getattr(self, name), 1)
-        for name in ("connect_timeout", "read_timeout"):
-            check_number("S3Config", name, getattr(self, name), 0.0, lo_open=True)
+        check_fields(self)
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError(
                 "S3Config.access_key_id and secret_access_key go together",
@@ -94,22 +102,21 @@ class S3Config:
 class HttpConfig:
     """How the read-only relay client talks to ``http(s)://HOST[:PORT][/PREFIX]``."""
 
-    #: Seconds per request (connect and each read).
-    timeout: float = 30.0
-    #: Extra attempts after a network error, a 429 or a 5xx (reads are idempotent).
-    retries: int = 3
-    #: First back-off in seconds; doubles each attempt.
-    backoff: float = 0.2
-    #: Headers sent with every request (e.g. ``{"Authorization": "Bearer ..."}``).
-    headers: Mapping[str, str] = field(default_factory=dict)
-    #: Cap on a list response body, in bytes (the client never trusts a peer's sizes).
-    max_list_bytes: int = 64 * MiB
+    timeout: float = setting(
+        30.0, lo=0.0, lo_open=True, help="seconds per request (connect and each read)"
+    )
+    #: Reads are idempotent.
+    retries: int = setting(3, lo=0, help="extra attempts after a network error, a 429 or a 5xx")
+    backoff: float = setting(0.2, lo=0.0, help="first back-off in seconds; doubles each attempt")
+    headers: Mapping[str, str] = setting(
+        factory=dict,
+        help="headers sent with every request (e.g. Authorization: Bearer ...)",
+    )
+    #: The client never trusts a peer's sizes.
+    max_list_bytes: int = setting(64 * MiB, lo=1, help="cap on a list response body, in bytes")
 
     def __post_init__(self) -> None:
-        check_number("HttpConfig", "timeout", self.timeout, 0.0, lo_open=True)
-        check_int("HttpConfig", "retries", self.retries, 0)
-        check_number("HttpConfig", "backoff", self.backoff, 0.0)
-        check_int("HttpConfig", "max_list_bytes", self.max_list_bytes, 1)
+        check_fields(self)
 
 
 def _check_options(cls: type, options: Mapping[str, Any], reserved: tuple[str, ...]) -> None:

@@ -41,7 +41,8 @@ def proxy_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in proxy:
         s, d = r["sidecar"], r["direct"]
-        case = f"{r['engine']}, c={r['c']} streams, {r['n']} req"
+        what = "streams" if r.get("shape", "stream") == "stream" else "non-streaming"
+        case = f"{r['engine']}, c={r['c']} {what}, {r['n']} req"
         for q in ("p50", "p99"):
             rows.append(
                 _row(
@@ -73,10 +74,10 @@ def proxy_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
                 case,
                 "sidecar CPU/req",
                 f"{s['cpu'] * 1e3:.2f} ms",
-                "-",
-                f"{s['cpu'] * 1e3:+.2f} ms",
+                f"{d['cpu'] * 1e3:.2f} ms",
+                f"{(s['cpu'] - d['cpu']) * 1e3:+.2f} ms",
                 float("nan"),
-                "no sidecar",
+                "same process, direct",
             )
         )
         rows.append(
@@ -225,24 +226,23 @@ def relay_rows(relay: dict[str, Any], last: int) -> list[list[str]]:
 
 def _failures(ctx: dict[str, Any]) -> str:
     parts = [
-        f"{r['engine']} {t} c={r['c']}: {len(r[t]['errors'])}"
+        f"{r['engine']} {r.get('shape', 'stream')} {t} c={r['c']}: {len(r[t]['errors'])}"
         for r in ctx["proxy"]
         for t in ("sidecar", "direct")
     ]
     parts += [f"{m['mode']} mode: {len(m['errors'])}" for m in ctx["commits"]]
-    return ", ".join(parts)
+    return ", ".join(parts) or "none"
 
 
 def render(ctx: dict[str, Any]) -> str:
     headers = ["part", "case", "metric", "rollpatch", "baseline", "added", "ratio", "baseline is"]
-    rows = (
-        proxy_rows(ctx["proxy"])
-        + commit_rows(ctx["commits"], ctx["reload"])
-        + relay_rows(ctx["relay"], ctx["last_version"])
-    )
+    commits, relay = ctx["commits"], ctx["relay"]
+    rows = proxy_rows(ctx["proxy"])
+    if commits:
+        rows += commit_rows(commits, ctx["reload"])
+    if relay is not None:
+        rows += relay_rows(relay, ctx["last_version"])
     right = [False, False, False, True, True, True, True, False]
-    a, c0 = ctx["args"], ctx["relay"]["direct"]["catchup"]
-    patch_kb = statistics.median(ctx["patch_bytes"]) / 1e3
     foot = [
         "",
         (
@@ -255,23 +255,80 @@ def render(ctx: dict[str, Any]) -> str:
             f"params, {_mb(ctx['view_bytes'])} bf16 view); proxy: engine in its own process, "
             "sidecar here, load generator in a third; commits: built-in engine in this process"
         ),
-        (
-            f"versions: AdamW lr {a['lr']:g}, {100 * statistics.median(ctx['changed']):.2f}% of "
-            f"bf16 values change per step (median); step patch {patch_kb:.0f} kB (median) vs "
-            f"{_mb(ctx['keyframe_bytes'])} keyframe"
-        ),
+    ]
+    if ctx["patch_bytes"]:
+        foot.append(
+            f"versions: AdamW lr {ctx['args']['lr']:g}, "
+            f"{100 * statistics.median(ctx['changed']):.2f}% of bf16 values change per step "
+            f"(median); step patch {statistics.median(ctx['patch_bytes']) / 1e3:.0f} kB "
+            f"(median) vs {_mb(ctx['keyframe_bytes'])} keyframe"
+        )
+    foot += [
         "rollpatch  through rollpatch (sidecar / patch commit / relay); baseline: without it",
         "added      rollpatch - baseline; ratio = rollpatch / baseline (< 1: rollpatch smaller)",
+    ]
+    if ctx["proxy"]:
+        foot += _proxy_foot(ctx)
+    if commits:
+        foot += _commit_foot(ctx)
+    if relay is not None:
+        c0 = relay["direct"]["catchup"]
+        foot += [
+            (
+                f"relay      {FOLLOWERS} Followers on ViewEngines sync at once; upstream = "
+                "bytes/GETs the file:// board answered (objects, manifests, LATEST);"
+            ),
+            (
+                f"           each follower downloads {_mb(c0['downstream'] / FOLLOWERS)} for the "
+                f"catch-up (plan {ctx['relay_plan']}), the same with or without the relay"
+            ),
+        ]
+    checked = [f"{ctx['n_checked']} engine/follower digests equal cast_view(masters) computed here"]
+    if ctx["proxy"]:
+        checked.append(
+            "identical text per prompt on both proxy paths, every sidecar answer labelled"
+        )
+    if commits:
+        checked.append(
+            f"{ctx['spanning']} of {ctx['bg_requests']} pause-mode responses span a commit "
+            "(drain: 0)"
+        )
+    foot += [
+        f"verified:  {'; '.join(checked)}",
+        (
+            f"failed:    requests that got no 200 (excluded above; listed in --json): "
+            f"{_failures(ctx)}"
+        ),
+    ]
+    return table(headers, rows, right) + "\n" + "\n".join(foot)
+
+
+def _proxy_foot(ctx: dict[str, Any]) -> list[str]:
+    return [
         (
             f"proxy      {MAX_TOKENS}-token completions, temperature 0, c concurrent requests "
-            "(closed loop); baseline = the same engine's own URL; chunks in the order "
-            f"{'(direct, sidecar, sidecar, direct) x ' + str(ctx['rounds'])};"
+            "(closed loop), streamed (SSE, usage in the last chunk) or not; baseline = the "
+            "same engine's own URL;"
         ),
         (
-            "           latency = client-side wall per request (pooled); throughput = requests / "
-            "wall; server CPU/req = CPU time of the engine+sidecar process per request"
+            "           chunks in the order "
+            f"{'(direct, sidecar, sidecar, direct) x ' + str(ctx['rounds'])}; latency = "
+            "client-side wall per request (pooled); throughput = requests / wall"
         ),
-        ("           (median over chunks; immune to other jobs' load, unlike the wall-clock rows)"),
+        (
+            "           sidecar CPU/req = CPU time of the sidecar's process (this one) per "
+            "request over a chunk, median over chunks; its baseline is the same process"
+        ),
+        (
+            "           during the direct chunks (follower polling, nothing proxied): 'added' is "
+            "what proxying costs; engine CPU/req likewise from /proc"
+        ),
+        "           (CPU rows do not depend on other jobs' load, unlike the wall-clock rows)",
+    ]
+
+
+def _commit_foot(ctx: dict[str, Any]) -> list[str]:
+    return [
         (
             "commit     swap = CommitGate pause per commit (the staged writes + read-back; pause "
             "mode adds the wait for the forward in flight);"
@@ -298,25 +355,7 @@ def render(ctx: dict[str, Any]) -> str:
             f"({len(ctx['reload']['cold'])} cold)"
         ),
         "           staging = fetch + decode before the commit, while the engine keeps serving",
-        (
-            f"relay      {FOLLOWERS} Followers on ViewEngines sync at once; upstream = bytes/GETs "
-            "the file:// board answered (objects, manifests, LATEST);"
-        ),
-        (
-            f"           each follower downloads {_mb(c0['downstream'] / FOLLOWERS)} for the "
-            f"catch-up (plan {ctx['relay_plan']}), the same with or without the relay"
-        ),
-        (
-            f"verified:  {ctx['n_checked']} engine/follower digests equal cast_view(masters) "
-            f"computed here; identical text per prompt on both proxy paths; {ctx['spanning']} of "
-            f"{ctx['bg_requests']} pause-mode responses span a commit (drain: 0)"
-        ),
-        (
-            f"failed:    requests that got no 200 (excluded above; listed in --json): "
-            f"{_failures(ctx)}"
-        ),
     ]
-    return table(headers, rows, right) + "\n" + "\n".join(foot)
 
 
 # -- main ----------------------------------------------------------------------------------------

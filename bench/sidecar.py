@@ -83,11 +83,16 @@ from rollpatch.follower import FollowerConfig
 
 
 def bench_proxy(
-    world: World, kind: str, levels: Sequence[tuple[int, int]], rounds: int
+    world: World,
+    kind: str,
+    levels: Sequence[tuple[int, int]],
+    rounds: int,
+    shapes: Sequence[str] = ("stream",),
 ) -> list[dict[str, Any]]:
-    """The engine in its own process; each level: ``rounds`` x (direct, sidecar, sidecar,
-    direct) streaming chunks. CPU per request: the sidecar's (this process) and the
-    engine's (its process), each over the chunk."""
+    """The engine in its own process; each shape (``stream``: SSE, ``once``: one JSON
+    answer) and level: ``rounds`` x (direct, sidecar, sidecar, direct) chunks. CPU per
+    request: the sidecar's (this process) and the engine's (its process), each over the
+    chunk."""
     from rollpatch.sidecar import SidecarConfig
     from rollpatch.sidecar.server import start_sidecar
 
@@ -102,15 +107,16 @@ def bench_proxy(
         ),
     )
     urls = {"direct": url, "sidecar": sc.url}
-    body = bodies(model, stream=True)
     texts: dict[str, set[str]] = {}
     out = []
     try:
         if not sc.sidecar.follower.wait_for(0, 120):
             raise BenchError("the sidecar never became ready on v0")
-        for u in urls.values():  # first requests of a process pay one-time costs
-            run_load(u, 2, 16, 0, body)
-        for c, n in levels:
+        for shape, c, n in ((s, c, n) for s in shapes for c, n in levels):
+            body = bodies(model, stream=shape == "stream")
+            if c == levels[0][0]:  # first requests of a process (and shape) pay one-time costs
+                for u in urls.values():
+                    run_load(u, 2, 16, 0, body)
             got: dict[str, list[dict[str, Any]]] = {"direct": [], "sidecar": []}
             for target in ("direct", "sidecar", "sidecar", "direct") * rounds:
                 cpu0, eng0 = time.process_time(), cpu_s(pid)
@@ -123,7 +129,7 @@ def bench_proxy(
                     texts.setdefault(k, set()).update(v)
                 if target == "sidecar" and set(r["labels"]) != {"0-0"}:
                     raise BenchError(f"sidecar labels {r['labels']} != served v0")
-            row: dict[str, Any] = {"engine": kind, "c": c, "n": n}
+            row: dict[str, Any] = {"engine": kind, "shape": shape, "c": c, "n": n}
             for target, runs in got.items():
                 lat = [x for r in runs for x in r["lat"]]
                 row[target] = {
@@ -136,7 +142,7 @@ def bench_proxy(
                     "lat": lat,
                 }
             log(
-                f"{kind} c={c}: p50 direct {row['direct']['p50'] * 1e3:.1f} ms, sidecar "
+                f"{kind} {shape} c={c}: p50 direct {row['direct']['p50'] * 1e3:.1f} ms, sidecar "
                 f"{row['sidecar']['p50'] * 1e3:.1f} ms; req/s {row['direct']['rps']:.1f} vs "
                 f"{row['sidecar']['rps']:.1f}; sidecar CPU/req "
                 f"{row['sidecar']['cpu'] * 1e3:.2f} ms"
@@ -171,11 +177,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         "to skip the part "
         "(reference, vllm; default reference)",
     )
+    ap.add_argument(
+        "--shapes",
+        default="stream,once",
+        help="proxy part: request shapes, comma-separated (stream: SSE, once: one JSON "
+        "answer; default both)",
+    )
+    ap.add_argument(
+        "--parts",
+        default="proxy,commits,relay",
+        help="parts to run, comma-separated (proxy, commits, relay; default all)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     engines = [] if args.engines == "none" else args.engines.split(",")
     if not set(engines) <= {"reference", "vllm"}:
         ap.error("--engines: reference and/or vllm, or none")
+    shapes = args.shapes.split(",")
+    if not shapes or not set(shapes) <= {"stream", "once"}:
+        ap.error("--shapes: stream and/or once")
+    parts = set(args.parts.split(","))
+    if not parts or not parts <= {"proxy", "commits", "relay"}:
+        ap.error("--parts: proxy, commits and/or relay")
+    if "proxy" not in parts:
+        engines = []
     versions = args.versions or (4 if args.quick else 12)
     levels = [(1, 40), (16, 96), (64, 128)] if args.quick else [(1, 200), (16, 640), (64, 640)]
     mach = machine()
@@ -189,19 +214,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         proxy = [
             row
             for kind in engines
-            for row in bench_proxy(world, kind, levels, 1 if args.quick else 2)
+            for row in bench_proxy(world, kind, levels, 1 if args.quick else 2, shapes)
         ]
-        log("2/3 commits vs reloads")
         commits: list[dict[str, Any]] = []
         reload: dict[str, list[float]] = {}
         reps = 4 if args.quick else 8
-        for i, mode in enumerate(("drain", "pause")):
-            commits.append(bench_commits(world, mode, versions))
-            more = bench_reload(world, reps, cold=i == 0)
-            for k, v in more.items():
-                reload.setdefault(k, []).extend(v)
-        log("3/3 relay fan-out")
-        relay = bench_relay(world, root)
+        if "commits" in parts:
+            log("2/3 commits vs reloads")
+            for i, mode in enumerate(("drain", "pause")):
+                commits.append(bench_commits(world, mode, versions))
+                more = bench_reload(world, reps, cold=i == 0)
+                for k, v in more.items():
+                    reload.setdefault(k, []).extend(v)
+        relay: dict[str, Any] | None = None
+        if "relay" in parts:
+            if len(world.digests) < 2:
+                world.step()  # the catch-up needs a version past v0
+            log("3/3 relay fan-out")
+            relay = bench_relay(world, root)
         board = Board(world.board)
         last = max(world.digests)
         ctx = {
@@ -220,10 +250,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "patch_bytes": [
                 board.manifest(RUN, v).patches_from(v - 1)[0].ref.size for v in range(1, last + 1)
             ],
-            "relay_plan": " ".join(f"{b}->{t}" for b, t in relay["direct"]["catchup"]["plan"]),
-            "n_checked": 2 * versions + 4 * FOLLOWERS + 2 * (reps + 1),
-            "spanning": commits[1]["spanning"],
-            "bg_requests": commits[1]["requests"],
+            "relay_plan": ""
+            if relay is None
+            else " ".join(f"{b}->{t}" for b, t in relay["direct"]["catchup"]["plan"]),
+            "n_checked": (2 * versions + 2 * (reps + 1) if commits else 0)
+            + (4 * FOLLOWERS if relay else 0),
+            "spanning": commits[1]["spanning"] if commits else 0,
+            "bg_requests": commits[1]["requests"] if commits else 0,
         }
     ctx["wall_s"] = time.perf_counter() - t_start
     ctx["load"] = (load0, os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)

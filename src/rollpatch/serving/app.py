@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError
 from .body import refusal_status
@@ -24,7 +24,13 @@ if TYPE_CHECKING:
     import httpx
     from fastapi import FastAPI
 
-__all__ = ["closing", "install_error_handlers", "upstream_client"]
+__all__ = [
+    "closing",
+    "config_refusal",
+    "install_error_handlers",
+    "internal_error",
+    "upstream_client",
+]
 
 
 def upstream_client(
@@ -52,28 +58,45 @@ def upstream_client(
     )
 
 
+class _Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
 def closing(
-    client: httpx.AsyncClient,
+    *clients: _Closable,
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """The app's lifespan: nothing at start, ``client.aclose()`` at shutdown."""
+    """The app's lifespan: nothing at start, each client's ``aclose()`` at shutdown."""
 
     @asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         yield
-        await client.aclose()
+        for client in clients:
+            await client.aclose()
 
     return lifespan
 
 
+def config_refusal(e: ConfigError) -> Any:
+    """The answer to a refused request: its refusal status (400, 408, 413)."""
+    return error_response(refusal_status(e), str(e), "invalid_request_error")
+
+
+def internal_error(log: logging.Logger, service: str, e: BaseException) -> Any:
+    """The answer to anything unexpected: logged with its traceback, a 500 body without it."""
+    log.error("%s: unexpected error", service, exc_info=e)
+    return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
+
+
 def install_error_handlers(app: FastAPI, log: logging.Logger, service: str) -> None:
-    """ConfigError → its refusal status; any other exception → a logged 500 body."""
+    """ConfigError → its refusal status; any other exception → a logged 500 body (the
+    handlers are :func:`config_refusal` and :func:`internal_error`, which an ASGI handler
+    outside the app uses too)."""
     from fastapi import Request
 
     @app.exception_handler(ConfigError)
     async def _config_error(_: Request, e: ConfigError) -> Any:
-        return error_response(refusal_status(e), str(e), "invalid_request_error")
+        return config_refusal(e)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> Any:
-        log.exception("%s: unexpected error", service)
-        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
+        return internal_error(log, service, e)

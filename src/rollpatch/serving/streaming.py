@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-__all__ = ["DONE", "OwnedStream", "relay_sse", "sse_data"]
+__all__ = ["DONE", "OwnedStream", "SseRelay", "relay_sse", "sse_data"]
 
 #: The event that ends an OpenAI stream.
 DONE = b"data: [DONE]\n\n"
@@ -31,6 +31,79 @@ def sse_data(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+class SseRelay:
+    """The pass-through of one SSE stream, fed with bytes as they arrive (any split).
+
+    :meth:`feed` returns what may be sent now: each ``data:`` line as one event, other lines
+    (comments, keep-alives, blank lines) dropped, the newest data event held back. When
+    ``[DONE]`` arrives, ``on_done`` runs, the held event goes out through ``last_event(line,
+    True)``, then ``[DONE]``; :meth:`finish` ends a stream that stopped without it
+    (``last_event(line, False)``). Nothing is parsed but the line structure, so per chunk it
+    costs a split and a join, not a JSON round trip.
+    """
+
+    def __init__(
+        self,
+        last_event: Callable[[bytes, bool], bytes],
+        on_done: Callable[[], object] | None = None,
+    ) -> None:
+        self._last_event = last_event
+        self._on_done = on_done
+        self._partial = b""
+        self._held: bytes | None = None
+
+    def feed(self, block: bytes) -> bytes:
+        """The events completed by ``block``, joined (b"" when none may go out yet)."""
+        return b"".join(self.events(block))
+
+    def events(self, block: bytes) -> list[bytes]:
+        """The events completed by ``block``, one item each."""
+        if b"\r" in block:  # CR and CRLF end lines too; the blank lines this adds are dropped
+            block = block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = (self._partial + block).split(b"\n") if self._partial else block.split(b"\n")
+        self._partial = lines.pop()
+        out: list[bytes] = []
+        for line in lines:
+            self._line(line, out)
+        return out
+
+    def _line(self, line: bytes, out: list[bytes]) -> None:
+        if not line.startswith(b"data:"):
+            return
+        held = self._held
+        if line[5:].strip() == b"[DONE]":
+            if self._on_done is not None:
+                self._on_done()
+            if held is not None:
+                out.append(self._last_event(held, True))
+                self._held = None
+            out.append(DONE)
+            return
+        if held is not None:
+            out.append(held + b"\n\n")
+        self._held = line
+
+    def finish(self) -> bytes:
+        """The end of the upstream stream: an unterminated last line, then the held event."""
+        return b"".join(self.finish_events())
+
+    def finish_events(self) -> list[bytes]:
+        """:meth:`finish`, one item per event."""
+        out: list[bytes] = []
+        if self._partial:
+            self._line(self._partial, out)
+            self._partial = b""
+        if self._held is not None:
+            out.append(self._last_event(self._held, False))
+            self._held = None
+        return out
+
+    def abandon(self) -> bytes:
+        """The upstream failed: the held event as it came (not annotated), nothing after."""
+        held, self._held = self._held, None
+        return b"" if held is None else held + b"\n\n"
+
+
 async def relay_sse(
     lines: AsyncIterator[str],
     last_event: Callable[[bytes, bool], bytes],
@@ -39,35 +112,25 @@ async def relay_sse(
     failures: tuple[type[Exception], ...] = (),
     on_failure: Callable[[Exception], bytes] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The events of an upstream SSE stream (``lines``, as ``aiter_lines`` gives them).
+    """The events of an upstream SSE stream (``lines``, as ``aiter_lines`` gives them), one
+    :class:`SseRelay` event at a time.
 
     ``last_event(line, done)`` writes the last data event (``line`` is its ``data:`` line;
     ``done``: ``[DONE]`` followed it). ``on_done`` runs when ``[DONE]`` arrives, before that
     event is written. An exception of ``failures`` from ``lines`` ends the stream: the held
     event goes out as it came, then ``on_failure(error)`` (nothing when None).
     """
-    held: bytes | None = None
+    relay = SseRelay(last_event, on_done)
     try:
         async for line in lines:
-            raw = line.encode()
-            if not raw.startswith(b"data:"):
-                continue
-            if raw[5:].strip() == b"[DONE]":
-                if on_done is not None:
-                    on_done()
-                if held is not None:
-                    yield last_event(held, True)
-                    held = None
-                yield DONE
-                continue
-            if held is not None:
-                yield held + b"\n\n"
-            held = raw
-        if held is not None:
-            yield last_event(held, False)
+            for event in relay.events(line.encode() + b"\n"):
+                yield event
+        for event in relay.finish_events():
+            yield event
     except failures as e:
-        if held is not None:
-            yield held + b"\n\n"
+        held = relay.abandon()
+        if held:
+            yield held
         if on_failure is not None:
             yield on_failure(e)
 

@@ -39,9 +39,13 @@ class SidecarMetrics:
         )
         self.requests = r.counter("rollpatch_requests", "requests by outcome", ["outcome"])
         self.latency = r.histogram("rollpatch_proxy_seconds", "proxied request duration")
+        self._by_outcome: dict[str, Any] = {}  # the labelled children, looked up once each
 
     def request(self, outcome: Outcome, seconds: float | None = None) -> None:
-        self.requests.labels(outcome=outcome).inc()
+        child = self._by_outcome.get(outcome)
+        if child is None:
+            child = self._by_outcome[outcome] = self.requests.labels(outcome=outcome)
+        child.inc()
         if seconds is not None:
             self.latency.observe(seconds)
 

@@ -126,15 +126,22 @@ class Sidecar:
     def stop(self) -> None:
         self.follower.stop()
 
-    def latest(self, refresh: bool = False) -> int | None:
-        """LATEST as seen recently (re-read when older than ``latest_ttl_s`` or asked)."""
+    def cached_latest(self) -> tuple[bool, int | None]:
+        """``(fresh, value)``: LATEST as :meth:`latest` knows it without reading the board;
+        ``fresh`` is False when :meth:`latest` would read it (safe on the event loop)."""
         now = time.monotonic()
         with self._lock:
             seen_at, value = self._latest
         status_latest = self.follower.status().latest
         if status_latest is not None and (value is None or status_latest > value):
             value = status_latest
-        if refresh or value is None or now - seen_at > self.config.latest_ttl_s:
+        return value is not None and now - seen_at <= self.config.latest_ttl_s, value
+
+    def latest(self, refresh: bool = False) -> int | None:
+        """LATEST as seen recently (re-read when older than ``latest_ttl_s`` or asked)."""
+        now = time.monotonic()
+        fresh, value = self.cached_latest()
+        if refresh or not fresh:
             try:
                 p = self.board.latest(self.run)
                 value = p.version if p is not None else value

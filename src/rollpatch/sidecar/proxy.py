@@ -1,0 +1,336 @@
+"""The sidecar's hot path: the proxied OpenAI routes as a plain ASGI handler.
+
+Profiled behind a real engine, the sidecar spent most of its CPU per request outside its own
+logic: FastAPI's routing and middleware wrapped every request and every streamed chunk,
+httpx + httpcore + anyio wrapped every upstream read, each chunk was decoded to ``str`` and
+encoded back, and three worker-thread hops per request (LATEST twice, admission once) woke
+the pool. Here a request costs: the bounded body read and its typed check (as before), the
+version decision, admission without a thread when the gate is open, one write of the body
+to the engine on a pooled connection (:class:`~rollpatch.serving.upstream.Upstream`), and
+per chunk a line split (:class:`~rollpatch.serving.streaming.SseRelay`); only the last data
+event is parsed, to add the versions. What a client sees is unchanged: the same statuses,
+bodies, headers and events (docs/sidecar.md).
+
+:class:`ProxyFront` puts the handler in front of the FastAPI app (which keeps the admin
+routes and documents these two in its OpenAPI schema).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import ConfigError, NotReadyError, RollpatchError
+from ..logs import event
+from ..serving.admission import admit_async
+from ..serving.app import config_refusal, internal_error
+from ..serving.body import read_json_object
+from ..serving.responses import error_response
+from ..serving.schema import validate_body
+from ..serving.streaming import SseRelay
+from ..serving.upstream import Upstream, UpstreamError, UpstreamResponse
+from ..types import Constraint
+from .gate import Admission
+from .protocol import (
+    DEFAULT_WAIT_S,
+    HEADER_END,
+    HEADER_START,
+    annotate_body,
+    annotate_sse_line,
+    decide,
+    parse_constraint,
+)
+from .service import Sidecar
+
+__all__ = ["PROXIED", "ProxyFront", "rollpatch_refusal"]
+
+log = logging.getLogger("rollpatch.sidecar")
+
+#: The routes proxied to the engine under version constraints.
+PROXIED = ("/v1/completions", "/v1/chat/completions")
+_JSON = ((b"content-type", b"application/json"),)
+_SSE_TYPE = b"text/event-stream; charset=utf-8"
+_HDR_START, _HDR_END = HEADER_START.lower().encode(), HEADER_END.lower().encode()
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def rollpatch_refusal(e: RollpatchError) -> Response:
+    """A rollpatch error that is not the request's fault: 503 not ready, else 502."""
+    if isinstance(e, NotReadyError):
+        return error_response(503, str(e), "not_ready")
+    return error_response(502, str(e), "rollpatch_error")
+
+
+class ProxyFront:
+    """ASGI: ``POST`` to :data:`PROXIED` runs :meth:`handle`; anything else goes to ``app``."""
+
+    def __init__(self, sc: Sidecar, app: Any, upstream: Upstream) -> None:
+        self.sc, self.app, self.upstream = sc, app, upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED:
+            await self.handle(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One proxied request; every error becomes its status (never a bare 500 traceback)."""
+        started = [False]
+
+        async def tracked(message: MutableMapping[str, Any]) -> None:
+            started[0] = True
+            await send(message)
+
+        try:
+            await self._proxy(scope, receive, tracked, scope["path"])
+        except Exception as e:  # mapped like the app's exception handlers
+            if started[0]:
+                raise  # mid-response: nothing better than closing the connection
+            if isinstance(e, ConfigError):
+                resp = config_refusal(e)
+            elif isinstance(e, RollpatchError):
+                resp = rollpatch_refusal(e)
+            else:
+                resp = internal_error(log, "sidecar", e)
+            await resp(scope, receive, send)
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        sc = self.sc
+        request = Request(scope, receive)
+        raw, body = await read_json_object(request, sc.config.body)
+        typed = validate_body(path, body)
+        stripped = "rollpatch" in body
+        constraint = parse_constraint(body, request.headers)
+        refused = await _satisfy(sc, constraint)
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        # the engine gets the body as the client sent it, less the rollpatch field
+        payload = _dumps(body) if stripped else raw
+        with await _admit(sc) as slot:
+            d = decide(constraint, slot.start, await _latest(sc))
+            if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
+                sc.metrics.request("conflict")
+                await _conflict(sc, slot.start, d.reason)(scope, receive, send)
+                return
+            if typed.stream:
+                await self._stream(receive, send, path, payload, slot)
+            else:
+                await self._once(send, path, payload, slot)
+
+    async def _once(self, send: Send, path: str, payload: bytes, slot: Admission) -> None:
+        """One non-streaming answer; the caller's ``with`` releases ``slot`` on every path."""
+        sc, start, t0 = self.sc, slot.start, time.perf_counter()
+        try:
+            resp = await self.upstream.request("POST", path, payload, _JSON)
+            try:
+                content = await resp.read()
+            finally:
+                resp.close()
+        except UpstreamError as e:
+            sc.metrics.request("engine_error")
+            await _send_response(
+                send, error_response(502, f"engine unreachable: {e}", "engine_error")
+            )
+            return
+        end = slot.release()
+        sc.metrics.request("proxied", time.perf_counter() - t0)
+        if resp.status == 200:
+            content = annotate_body(content, start, end)
+        ctype = resp.header(b"content-type") or b"application/json"
+        await _send_raw(send, resp.status, _headers(ctype, start, end), content)
+
+    async def _stream(
+        self, receive: Receive, send: Send, path: str, payload: bytes, slot: Admission
+    ) -> None:
+        """A streamed answer, relayed as it arrives; the slot is released at ``[DONE]`` (the
+        versions the stream ran under are known then) or, at the latest, by the caller."""
+        sc, start, t0 = self.sc, slot.start, time.perf_counter()
+        try:
+            resp = await self.upstream.request("POST", path, payload, _JSON)
+        except UpstreamError as e:
+            sc.metrics.request("engine_error")
+            await _send_response(
+                send, error_response(502, f"engine unreachable: {e}", "engine_error")
+            )
+            return
+        try:
+            if resp.status != 200:
+                try:
+                    content = await resp.read()
+                except UpstreamError as e:
+                    sc.metrics.request("engine_error")
+                    await _send_response(
+                        send, error_response(502, f"engine failed: {e}", "engine_error")
+                    )
+                    return
+                end = slot.release()
+                sc.metrics.request("proxied", time.perf_counter() - t0)
+                ctype = resp.header(b"content-type") or b"application/json"
+                await _send_raw(send, resp.status, _headers(ctype, start, end), content)
+                return
+            await self._relay(receive, send, resp, slot)
+            sc.metrics.request("proxied", time.perf_counter() - t0)
+        finally:
+            resp.close()
+
+    async def _relay(
+        self, receive: Receive, send: Send, resp: UpstreamResponse, slot: Admission
+    ) -> None:
+        start = slot.start
+
+        def last_event(line: bytes, done: bool) -> bytes:
+            if not done:
+                return line + b"\n\n"
+            return annotate_sse_line(line, start, slot.release()) + b"\n\n"
+
+        relay = SseRelay(last_event, on_done=slot.release)
+        # in drain mode without a drain deadline no commit can land while the stream is
+        # admitted (end == start is known); past a deadline the commit pauses instead, so it may
+        gate = self.sc.gate
+        end_hdr = start if gate.mode == "drain" and gate.drain_timeout_s is None else None
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _headers(_SSE_TYPE, start, end_hdr),
+            }
+        )
+        # the client going away ends the engine's generation too (its connection closes)
+        gone = asyncio.ensure_future(receive())
+
+        def abort(_: object) -> None:
+            resp.abort()
+
+        gone.add_done_callback(abort)
+        try:
+            async for piece in resp.chunks():
+                out = relay.feed(piece)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            out = relay.finish()
+        except UpstreamError as e:
+            if not gone.done():
+                event(log, "stream_failed", error=str(e))
+                await send(
+                    {"type": "http.response.body", "body": relay.abandon(), "more_body": True}
+                )
+            return  # the response stays incomplete: the server closes the connection
+        finally:
+            gone.remove_done_callback(abort)
+            gone.cancel()
+        await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+async def _admit(sc: Sidecar) -> Admission:
+    """The gate's slot: at once when admission is open (no thread), else waited for in a
+    worker thread (a drain-mode commit holds it closed)."""
+    try:
+        return sc.gate.admit(0)
+    except NotReadyError:
+        timeout = sc.config.admit_timeout_s
+        return await admit_async(lambda: sc.gate.admit(timeout))
+
+
+async def _latest(sc: Sidecar, refresh: bool = False) -> int | None:
+    """LATEST: from the sidecar's cache when fresh, else read in a worker thread (the board
+    may sit behind a slow relay: never on the event loop)."""
+    if not refresh:
+        fresh, value = sc.cached_latest()
+        if fresh:
+            return value
+    return await asyncio.to_thread(sc.latest, refresh)
+
+
+async def _satisfy(sc: Sidecar, c: Constraint) -> Response | None:
+    """Wait for catch-up when the constraint allows it; a response when it must refuse."""
+    served = sc.follower.version
+    if served is None and sc.gate.busy:  # mid-commit an engine may report no version
+        await asyncio.to_thread(sc.gate.wait_commit, sc.config.admit_timeout_s)
+        for _ in range(100):  # the follower records the verified version just after
+            served = sc.follower.version
+            if served is not None:
+                break
+            await asyncio.sleep(0.01)
+    latest = await _latest(sc)
+    age = sc.latest_age()
+    if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
+        # the board is unreachable: how far behind this island is cannot be known
+        sc.metrics.request("unavailable")
+        return error_response(
+            503,
+            f"LATEST has not been read for {age:.0f} s (the board is "
+            "unreachable): max_lag cannot be checked",
+            "not_ready",
+            served=served,
+            latest=latest,
+        )
+    d = decide(c, served, latest)
+    if d.action == "conflict" and d.need is not None:
+        latest = await _latest(sc, True)
+        d = decide(c, served, latest)
+    if d.action == "proxy":
+        return None
+    if d.action == "unavailable":
+        sc.metrics.request("unavailable")
+        event(log, "refused", status=503, reason=d.reason, served=None, latest=latest)
+        return error_response(503, d.reason, "not_ready", served=None, latest=latest)
+    if d.action == "wait":
+        wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
+        assert d.need is not None
+        if wait_s > 0:
+            event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
+        if wait_s > 0 and await asyncio.to_thread(sc.follower.wait_for, d.need, wait_s):
+            return None
+        reason = d.reason + (
+            " (caller asked not to wait)" if wait_s == 0 else f" did not finish within {wait_s:g}s"
+        )
+        sc.metrics.request("conflict")
+        return _conflict(sc, served, reason)
+    sc.metrics.request("conflict")
+    return _conflict(sc, served, d.reason)
+
+
+def _conflict(sc: Sidecar, served: int | None, reason: str) -> Response:
+    event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
+    return error_response(
+        409, reason, "version_conflict", served=served, latest=sc.latest_seen(), reason=reason
+    )
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    # what httpx's json= wrote before: compact, UTF-8, no NaN
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _headers(ctype: bytes, start: int | None, end: int | None) -> list[tuple[bytes, bytes]]:
+    out = [(b"content-type", ctype), (_HDR_START, str(start).encode())]
+    if end is not None:
+        out.append((_HDR_END, str(end).encode()))
+    return out
+
+
+async def _send_raw(
+    send: Send, status: int, headers: list[tuple[bytes, bytes]], content: bytes
+) -> None:
+    headers.append((b"content-length", str(len(content)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
+async def _send_response(send: Send, resp: Response) -> None:
+    """A prepared starlette response (no background task, no body stream) sent as is."""
+    await send(
+        {"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": resp.body, "more_body": False})

@@ -129,9 +129,12 @@ PHASES = (
 )
 
 
-def phases(pub: dict[str, float], t_call: float, island: dict[str, Any]) -> dict[str, float]:
+def phases(
+    pub: dict[str, float], t_call: float, island: dict[str, Any], trainer_delay: float = 0.0
+) -> dict[str, float]:
     """One version's phases for one island (seconds); ``pub``: the publisher's stats,
-    ``t_call``: wall clock of the trainer's call, ``island``: its ``serving`` event."""
+    ``t_call``: wall clock of the trainer's call, ``island``: its ``serving`` event,
+    ``trainer_delay``: the trainer process's CPU queueing over the version."""
     v = int(island["version"])
     trace = island.get("trace") or []
     durable = t_call + pub["total_s"]
@@ -158,6 +161,7 @@ def phases(pub: dict[str, float], t_call: float, island: dict[str, Any]) -> dict
     out["total"] = t_serve - t_call
     out["wan_gets"] = float(sum(1 for r in trace if r[1] in ("manifest", "object", "latest")))
     out["cpu_wait"] = float(island.get("run_delay_s", 0.0))
+    out["trainer_wait"] = trainer_delay
     return out
 
 
@@ -172,16 +176,21 @@ def render(rows: Sequence[dict[str, float]], title: str) -> str:
         for name, what in PHASES
     ]
     lines.append(["all islands", f"{1000 * total:.0f}", "100%", "the trainer's call -> serving"])
-    lines.append(
-        [
-            "cpu queueing",
-            f"{1000 * med['cpu_wait']:.0f}",
-            f"{100 * med['cpu_wait'] / total:.0f}%",
-            "island threads runnable, not running, from notice to serving (within the above)",
-        ]
-    )
+    for key, what in (
+        ("trainer_wait", "trainer's threads runnable, not running (publisher included)"),
+        ("cpu_wait", "the island's threads runnable, not running, from notice to serving"),
+    ):
+        lines.append(
+            [
+                "cpu queueing",
+                f"{1000 * med[key]:.0f}",
+                f"{100 * med[key] / total:.0f}%",
+                f"{what} (within the above)",
+            ]
+        )
     return (
-        f"{title}: p50 over versions of each phase, the last island to serve each version; "
-        f"{med['wan_gets']:.0f} reads per sync (LATEST, manifests, objects)\n"
+        f"{title}: p50 over versions of each phase (medians: they need not add up), the last "
+        f"island to serve each version; {med['wan_gets']:.0f} reads per sync "
+        "(LATEST, manifests, objects)\n"
         + table(["phase", "ms", "share", "what"], lines, [False, True, True, False])
     )

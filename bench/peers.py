@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 from _peers_procs import BenchError, Child, Relay, free_port
 from _peers_report import render, targets
-from _peers_trace import phases
+from _peers_trace import phases, run_delay
 from _peers_trace import render as render_phases
 from _peers_versions import load_masters, prepare
 from _peers_xor import XorPublisher
@@ -293,6 +293,7 @@ def steps(
     conns_before = conns[0]
     for v in range(1, args.versions + 1):
         masters = load_masters(work, v)
+        delay0 = run_delay()
         t0 = time.time()
         blocked = publish(masters, v)
         del masters
@@ -305,6 +306,7 @@ def steps(
                     raise BenchError(f"{isl.name} exited with status {isl.proc.returncode}")
             time.sleep(0.01)
         lat = [isl.serving[v] - t0 for isl in islands]
+        trainer_delay = run_delay() - delay0  # the trainer's threads (publisher included)
         time.sleep(args.settle_s)  # trailing polls of this version count towards it
         now = wan()
         pub = durable(v)
@@ -315,7 +317,11 @@ def steps(
                 "blocked_s": blocked,
                 "published_s": pub["total_s"],
                 "publisher": pub,
-                "phases": phases(pub, t0, last.served[v]) if "trace" in last.served[v] else None,
+                "phases": (
+                    phases(pub, t0, last.served[v], trainer_delay)
+                    if "trace" in last.served[v]
+                    else None
+                ),
                 "trace": last.served[v].get("trace"),
                 "t_call": t0,
                 "island_s": lat,

@@ -27,6 +27,7 @@ from rollpatch.follower import FollowerConfig
 from rollpatch.gateway import GatewayConfig
 from rollpatch.publisher import PublisherConfig
 from rollpatch.relay import RelayConfig
+from rollpatch.serving import BodyLimits, ServeOptions
 from rollpatch.sidecar import SidecarConfig
 
 #: (command, its required arguments, a config it builds, the fields set another way)
@@ -108,6 +109,15 @@ def test_the_flags_users_had_keep_their_names_and_defaults(command: str) -> None
     flags = _flags(_command(command))
     for flag, default in BEFORE[command].items():
         assert flag in flags and flags[flag].default == default, flag
+
+
+@pytest.mark.parametrize("command", ["sidecar", "gateway", "relay"])
+def test_the_serving_flags_defaults_are_the_serving_configs(command: str) -> None:
+    flags = _flags(_command(command))
+    assert flags["--header-timeout"].default == ServeOptions().header_timeout_s
+    if command != "relay":  # the relay reads no request bodies
+        assert flags["--body-timeout"].default == BodyLimits().timeout_s
+        assert flags["--max-body-bytes"].default == BodyLimits().max_bytes
 
 
 def test_a_flag_sets_its_field() -> None:

@@ -22,6 +22,7 @@ from rollpatch.gateway import GatewayConfig
 from rollpatch.netem.config import LinkConfig
 from rollpatch.publisher import PublisherConfig
 from rollpatch.relay import RelayConfig
+from rollpatch.serving import BodyLimits, ServeOptions
 from rollpatch.sidecar import SidecarConfig
 from rollpatch.sim.config import SimConfig
 from rollpatch.sim.moe import MoEConfig
@@ -39,6 +40,8 @@ CONFIGS: list[tuple[type, dict[str, Any], set[str]]] = [
     (LinkConfig, {"upstream": ("127.0.0.1", 9)}, set()),
     (SimConfig, {}, {"moe"}),  # MoEConfig is named for the type checker only (an import cycle)
     (MoEConfig, {}, set()),
+    (BodyLimits, {}, set()),
+    (ServeOptions, {}, set()),
 ]
 IDS = [cls.__name__ for cls, _, _ in CONFIGS]
 

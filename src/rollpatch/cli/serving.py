@@ -44,12 +44,15 @@ def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None
         help="require 'Authorization: Bearer TOKEN' (the file's content) on /v1/ "
         "routes; health, readiness and metrics stay open",
     )
+    from ..serving.server import ServeOptions
+
+    head = ServeOptions().header_timeout_s  # the flags' defaults are the configs' own
     g.add_argument(
         "--header-timeout",
         type=_seconds,
-        default=10.0,
+        default=head,
         metavar="S",
-        help="seconds a client may take to send a request head (default 10)",
+        help=f"seconds a client may take to send a request head (default {head:g})",
     )
     if bodies:
         from ..serving.body import BodyLimits

@@ -10,11 +10,11 @@ hostile body never reaches the engine, never holds an admission slot and never b
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import jsonsafe
+from ..config import check_fields, setting
 from ..errors import ConfigError, LimitError
 
 if TYPE_CHECKING:  # the web extra is imported only by the apps that use these functions
@@ -29,40 +29,20 @@ MiB = 1 << 20
 class BodyLimits:
     """Bounds on one request body (validated)."""
 
-    #: Largest body accepted, in bytes (413 above it).
-    max_bytes: int = 16 * MiB
-    #: Deepest JSON nesting accepted (400 above it).
-    max_depth: int = 64
-    #: Seconds the client may take to send the whole body (408 after that).
-    timeout_s: float = 60.0
+    max_bytes: int = setting(
+        16 * MiB, lo=1, hi=1 << 34, help="largest request body accepted (413 above it)"
+    )
+    max_depth: int = setting(64, lo=1, hi=512, help="deepest JSON nesting accepted (400 above it)")
+    timeout_s: float = setting(
+        60.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="seconds a client may take to send a request body (408 after that)",
+    )
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_bytes, bool)
-            or not isinstance(self.max_bytes, int)
-            or not 1 <= self.max_bytes <= 1 << 34
-        ):
-            raise ConfigError(
-                "max_bytes must be an integer in [1, 16 GiB]",
-                field="max_bytes",
-                value=self.max_bytes,
-            )
-        if (
-            isinstance(self.max_depth, bool)
-            or not isinstance(self.max_depth, int)
-            or not 1 <= self.max_depth <= 512
-        ):
-            raise ConfigError(
-                "max_depth must be an integer in [1, 512]", field="max_depth", value=self.max_depth
-            )
-        if (
-            not isinstance(self.timeout_s, (int, float))
-            or not math.isfinite(self.timeout_s)
-            or not 0 < self.timeout_s <= 3600
-        ):
-            raise ConfigError(
-                "timeout_s must be in (0, 3600]", field="timeout_s", value=self.timeout_s
-            )
+        check_fields(self)
 
 
 def refusal_status(e: ConfigError) -> int:

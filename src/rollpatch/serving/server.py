@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 import socket
 import ssl
 import threading
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..config import check_fields, setting
 from ..errors import ConfigError, RollpatchError
 
 __all__ = ["PROTECTED", "ServeOptions", "ServerHandle", "serve_app", "tls_context"]
@@ -49,19 +49,26 @@ _TIMEOUT_408 = (
 class ServeOptions:
     """How a service faces its clients (validated; see the module docstring)."""
 
-    #: PEM certificate chain and private key; both or neither (then plain HTTP).
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    #: Bearer token required on the protected routes (None: open).
-    token: str | None = None
-    #: Seconds a client may take to send a complete request head.
-    header_timeout_s: float = 10.0
-    #: Seconds an idle keep-alive connection is kept.
-    keep_alive_s: float = 5.0
-    #: Largest request head in bytes.
-    max_header_bytes: int = 64 * 1024
-    #: Open connections above which requests are answered 503 (None: no bound).
-    max_connections: int | None = 2048
+    #: Both or neither (then plain HTTP).
+    tls_cert: str | None = setting(None, help="PEM certificate chain")
+    tls_key: str | None = setting(None, help="the certificate's PEM private key")
+    token: str | None = setting(None, help="bearer token required on the protected routes")
+    header_timeout_s: float = setting(
+        10.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="seconds a client may take to send a complete request head",
+    )
+    keep_alive_s: float = setting(
+        5.0, lo=0.0, lo_open=True, hi=3600.0, help="seconds an idle keep-alive connection is kept"
+    )
+    max_header_bytes: int = setting(
+        64 * 1024, lo=1024, hi=1 << 24, help="largest request head in bytes"
+    )
+    max_connections: int | None = setting(
+        2048, lo=1, help="open connections above which requests are answered 503"
+    )
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -70,35 +77,7 @@ class ServeOptions:
                 field="tls_cert",
                 hint="--tls-cert FILE --tls-key FILE",
             )
-        for name in ("header_timeout_s", "keep_alive_s"):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not math.isfinite(v)
-                or not 0 < v <= 3600
-            ):
-                raise ConfigError(f"{name} must be in (0, 3600] seconds", field=name, value=v)
-        if (
-            isinstance(self.max_header_bytes, bool)
-            or not isinstance(self.max_header_bytes, int)
-            or not 1024 <= self.max_header_bytes <= 1 << 24
-        ):
-            raise ConfigError(
-                "max_header_bytes must be an integer in [1 KiB, 16 MiB]",
-                field="max_header_bytes",
-                value=self.max_header_bytes,
-            )
-        if self.max_connections is not None and (
-            isinstance(self.max_connections, bool)
-            or not isinstance(self.max_connections, int)
-            or self.max_connections < 1
-        ):
-            raise ConfigError(
-                "max_connections must be a positive integer or None",
-                field="max_connections",
-                value=self.max_connections,
-            )
+        check_fields(self)
         if self.token is not None and (
             not self.token
             or not self.token.isascii()

@@ -57,6 +57,9 @@ class ShardResult:
     host_bytes: int = 0
     #: Sliced tensor name → :func:`slice_part` (what rank 0 needs for the whole digest).
     slices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``(step patch,)`` when no skip patch is due at this version: the accumulators then
+    #: advance in :meth:`ShardPipeline.commit`, after LATEST names the version (latency).
+    deferred: tuple[Patch | None] | None = None
 
     def message(self) -> dict[str, Any]:
         def ref(r: ObjectRef) -> dict[str, Any]:
@@ -144,7 +147,11 @@ class ShardPipeline:
                 blob = encode(self._with_meta(step, self.prev_version, version), prev)
                 blobs.append((self.prev_version, "rpatch", blob))
                 res.patch_bytes, res.changed = len(blob), step.n_changed
-        res.accumulators, skips = self._advance_accumulators(version, step)
+        skips: list[tuple[int, Patch]] = []
+        if self._skip_due(version):
+            res.accumulators, skips = self._advance_accumulators(version, step)
+        else:  # composing into the accumulators waits until the version is published
+            res.deferred = (step,)
         for skip_base, composed in skips:
             skip_blob = self._skip_blob(composed, view, skip_base, version)
             if skip_blob is not None:
@@ -171,7 +178,11 @@ class ShardPipeline:
         res.timings["upload_s"] = _lap(t)
 
     def commit(self, res: ShardResult) -> None:
-        """The version is durable: its view becomes the base of the next one."""
+        """The version is durable: its view becomes the base of the next one (and its step
+        patch is composed into the skip accumulators, if ``build`` left that for now)."""
+        if res.deferred is not None:
+            res.accumulators, _ = self._advance_accumulators(res.version, res.deferred[0])
+            res.deferred = None
         self.prev, self.prev_version, self._whole_prev = res.view, res.version, False
         self._acc = res.accumulators
 
@@ -202,6 +213,14 @@ class ShardPipeline:
 
     def _with_meta(self, p: Patch, base: int, version: int) -> Patch:
         return Patch(p.base, p.target, p.tensors, self._meta(base, version))
+
+    def _skip_due(self, version: int) -> bool:
+        """Whether ``version`` gets a skip patch (:meth:`_advance_accumulators`'s rule)."""
+        for s in self.config.skip_strides:
+            entry = self._acc.get(s)
+            if entry is not None and version - s == entry[0] and entry[0] != self.prev_version:
+                return True
+        return False
 
     def _advance_accumulators(
         self, version: int, step: Patch | None

@@ -177,8 +177,9 @@ class VersionWriter:
                 version=n,
             )
         assert res is not None
-        self.pipe.commit(res)
-        return self._record(snap, res, parent, started, resume_s, t_commit, outcome)
+        stats = self._record(snap, res, parent, started, resume_s, t_commit, outcome)
+        self.pipe.commit(res)  # after the stats: total_s ends when LATEST names the version
+        return stats
 
     def _resumed_view(self, snap: Snapshot) -> View | None:
         """The resumed version's view as this rank's base: its own shard only when the board

@@ -21,6 +21,7 @@ import pytest
 
 from rollpatch.board import Board
 from rollpatch.engines.view_engine import ViewEngine
+from rollpatch.errors import NotFoundError
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.latest import read_latest
 from rollpatch.layout import pointer_key, version_key
@@ -246,3 +247,21 @@ def test_served_sockets_have_no_nagle_delay(world: World) -> None:
     finally:
         for s in (client, server_side, listener):
             s.close()
+
+
+def test_runs_watched_at_once_are_bounded(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each watched run costs a thread: past MAX_RUNS, a long-poll is answered at once."""
+    from rollpatch.relay import watch
+
+    monkeypatch.setattr(watch, "MAX_RUNS", 1)
+    c = _client(world.origin.url)
+    t, out = _held_in_thread(c, 0, 600.0)
+    until(lambda: _waiting(world.origin) == 1, "the first run's long-poll to be held")
+    other = open_store(world.origin.url, retries=0)
+    assert isinstance(other, HttpStore)
+    # not held for its 600 s: answered at once, as a plain GET of a LATEST nobody published
+    with pytest.raises(NotFoundError):
+        other.wait_newer(pointer_key("other"), 0, 600.0, other.held())
+    world.publish()
+    t.join(30)
+    assert _version(out[0]) == 1

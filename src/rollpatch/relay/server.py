@@ -242,8 +242,8 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
         )
     after, wait = int(after_s), min(wait, relay.config.hold_s)
     blob: Blob | None = None
-    if wait > 0:
-        future = relay.watch.wait(key, after)
+    future = relay.watch.wait(key, after) if wait > 0 else None
+    if future is not None:
         try:
             blob = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), wait)
         except TimeoutError:

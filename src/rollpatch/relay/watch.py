@@ -36,6 +36,8 @@ log = logging.getLogger("rollpatch.relay")
 LINGER_S = 10.0
 #: The longest wait between two LATEST reads while they keep failing.
 MAX_BACKOFF_S = 5.0
+#: Runs watched at once (a thread each); long-polls of further runs are answered at once.
+MAX_RUNS = 256
 
 
 @dataclass
@@ -57,11 +59,14 @@ class PointerWatch:
         self._closed = threading.Event()
         self._held: list[Held] = []
 
-    def wait(self, key: str, after: int) -> Future[Blob]:
+    def wait(self, key: str, after: int) -> Future[Blob] | None:
         """A future of the LATEST at ``key`` once it names a version above ``after`` (never
-        failed; the caller stops waiting on its own deadline and calls :meth:`forget`)."""
+        failed; the caller stops waiting on its own deadline and calls :meth:`forget`).
+        None when :data:`MAX_RUNS` other runs are watched: answer at once instead."""
         future: Future[Blob] = Future()
         with self._lock:
+            if key not in self._runs and len(self._runs) >= MAX_RUNS:
+                return None
             st = self._runs.setdefault(key, _Run())
             st.last_wait = time.monotonic()
             if st.blob is not None and st.version > after and st.thread is not None:
@@ -104,21 +109,27 @@ class PointerWatch:
 
     def _run(self, key: str, st: _Run) -> None:
         upstream = self.relay.upstream
-        held = upstream.held() if isinstance(upstream, HttpStore) else None
-        if held is not None:
+        held = own = upstream.held() if isinstance(upstream, HttpStore) else None
+        if own is not None:
             with self._lock:
-                self._held.append(held)
+                self._held.append(own)
         first, failures = True, 0
         try:
             while not self._closed.is_set():
-                with self._lock:
+                with self._lock:  # the exit and the thread's reset are one step for wait()
                     if not st.waiters and time.monotonic() - st.last_wait > LINGER_S:
+                        st.thread = None
+                        if self._runs.get(key) is st:
+                            del self._runs[key]  # a run nobody waits on is forgotten
                         return
                     after = st.version
                 try:
+                    started = time.monotonic()
                     data, read_at = self._read(key, after, held, first)
-                    if data is not None:
-                        self._learned(key, st, data, read_at)
+                    newer = data is not None and self._learned(key, st, data, read_at)
+                    early = time.monotonic() - started < 1.0
+                    if held is not None and data is not None and not newer and early:
+                        self._closed.wait(self.relay.config.watch_s)  # nothing new, at once
                     first, failures = False, 0
                 except NotImplementedError:
                     held = None  # the upstream relay predates long-polls: read every watch_s
@@ -130,11 +141,12 @@ class PointerWatch:
                     self._closed.wait(delay)
         finally:
             with self._lock:
-                st.thread = None
-                if held is not None and held in self._held:
-                    self._held.remove(held)
-            if held is not None:
-                held.close()
+                if st.thread is threading.current_thread():
+                    st.thread = None
+                if own is not None and own in self._held:
+                    self._held.remove(own)
+            if own is not None:
+                own.close()
 
     def _read(
         self, key: str, after: int, held: Held | None, first: bool
@@ -150,10 +162,11 @@ class PointerWatch:
         self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="get")
         return upstream.get(key), read_at
 
-    def _learned(self, key: str, st: _Run, data: bytes, read_at: float) -> None:
+    def _learned(self, key: str, st: _Run, data: bytes, read_at: float) -> bool:
+        """Serve ``data`` (checked) as the run's LATEST; whether it names a newer version."""
         run = pointer_run(key)
         if run is None:
-            return
+            return False
         blob = self.relay.accept_pointer(key, data, read_at)  # checked; refreshes the TTL cache
         version = read_latest(data, run, None)[0].version
         with self._lock:
@@ -167,6 +180,7 @@ class PointerWatch:
         for f in ready:
             if not f.done():
                 f.set_result(blob)
+        return newer
 
     def _prefetch(self, run: str, version: int) -> None:
         """Start fetching the manifest, then its step patch objects (errors only logged: a

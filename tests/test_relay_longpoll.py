@@ -265,3 +265,23 @@ def test_runs_watched_at_once_are_bounded(world: World, monkeypatch: pytest.Monk
     world.publish()
     t.join(30)
     assert _version(out[0]) == 1
+
+
+def test_a_relay_hinting_without_news_cannot_make_a_follower_spin() -> None:
+    """An untrusted relay answering every long-poll at once: every other wait is poll_s."""
+    from rollpatch.follower.watch import LatestHint
+
+    class Eager(HttpStore):
+        calls = 0
+
+        def wait_newer(self, key: str, after: int, wait_s: float, held: object) -> bytes:
+            Eager.calls += 1
+            return b"{}"  # a hint, whatever it says: LATEST is read and verified anyway
+
+    hint = LatestHint(Eager("http://127.0.0.1:9"), RUN)
+    wake = threading.Event()
+    for _ in range(4):
+        hint.wait(5, 0.01, wake)  # LATEST stays at 5 (the follower's next read says so)
+    assert Eager.calls == 2  # hint, poll_s, hint, poll_s
+    hint.wait(None, 0.01, wake)  # nothing read yet: poll_s, no long-poll
+    assert Eager.calls == 2

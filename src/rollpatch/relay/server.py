@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from concurrent.futures import Future
 from typing import Any, BinaryIO, TypeVar
@@ -405,6 +406,9 @@ class RelayServer:
 
     def request_stop(self) -> None:
         """Ask the server to stop (safe from a signal handler)."""
+        if "watch" in self.relay.__dict__:  # held long-polls answer now, not after the grace;
+            # from a thread: a signal handler must not wait on the watch's lock
+            threading.Thread(target=self.relay.watch.close, daemon=True).start()
         if self._handle is not None:
             self._handle.request_stop()
 

@@ -77,7 +77,7 @@ def proxy_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
                 f"{d['cpu'] * 1e3:.2f} ms",
                 f"{(s['cpu'] - d['cpu']) * 1e3:+.2f} ms",
                 float("nan"),
-                "same process, direct",
+                "sidecar idle (direct)",
             )
         )
         rows.append(
@@ -252,8 +252,9 @@ def render(ctx: dict[str, Any]) -> str:
         ),
         (
             f"model: make_tiny_model hidden 256, 4 layers, vocab 2048 ({ctx['params'] / 1e6:.1f}M "
-            f"params, {_mb(ctx['view_bytes'])} bf16 view); proxy: engine in its own process, "
-            "sidecar here, load generator in a third; commits: built-in engine in this process"
+            f"params, {_mb(ctx['view_bytes'])} bf16 view); proxy: engine, sidecar (as "
+            "`rollpatch sidecar --engine-url` runs it) and load generator each in its own "
+            "process; commits: built-in engine in this one"
         ),
     ]
     if ctx["patch_bytes"]:
@@ -316,7 +317,7 @@ def _proxy_foot(ctx: dict[str, Any]) -> list[str]:
             "client-side wall per request (pooled); throughput = requests / wall"
         ),
         (
-            "           sidecar CPU/req = CPU time of the sidecar's process (this one) per "
+            "           sidecar CPU/req = CPU time of the sidecar's process per "
             "request over a chunk, median over chunks; its baseline is the same process"
         ),
         (

@@ -65,6 +65,7 @@ from typing import Any
 
 from _sidecar_engine import cpu_s, engine_process
 from _sidecar_load import BenchError, bodies, run_load
+from _sidecar_proc import SidecarProcess
 from _sidecar_relay import FOLLOWERS, bench_relay
 from _sidecar_report import render
 from _sidecar_world import (
@@ -77,7 +78,6 @@ from _sidecar_world import (
 from _util import log, machine
 
 from rollpatch.board import Board
-from rollpatch.follower import FollowerConfig
 
 # -- 1. proxy overhead ---------------------------------------------------------------------------
 
@@ -89,29 +89,22 @@ def bench_proxy(
     rounds: int,
     shapes: Sequence[str] = ("stream",),
 ) -> list[dict[str, Any]]:
-    """The engine in its own process; each shape (``stream``: SSE, ``once``: one JSON
-    answer) and level: ``rounds`` x (direct, sidecar, sidecar, direct) chunks. CPU per
-    request: the sidecar's (this process) and the engine's (its process), each over the
-    chunk."""
-    from rollpatch.sidecar import SidecarConfig
-    from rollpatch.sidecar.server import start_sidecar
-
-    adapter, model, url, pid, stop = engine_process(world, kind)
-    sc = start_sidecar(
-        world.board,
-        RUN,
-        adapter,
-        url,
-        config=SidecarConfig(
-            commit_mode="drain", follower=FollowerConfig(poll_s=0.5, audit_bytes_per_s=None)
-        ),
-    )
+    """The engine and the sidecar each in its own process; each shape (``stream``: SSE,
+    ``once``: one JSON answer) and level: ``rounds`` x (direct, sidecar, sidecar, direct)
+    chunks. CPU per request: the sidecar's and the engine's (their processes, from /proc),
+    each over the chunk."""
+    _, model, url, pid, stop = engine_process(world, kind)
+    try:
+        sc = SidecarProcess(
+            {"board": world.board, "run": RUN, "kind": kind, "url": url, "digest": world.digests[0]}
+        )
+    except BaseException:
+        stop()
+        raise
     urls = {"direct": url, "sidecar": sc.url}
     texts: dict[str, set[str]] = {}
     out = []
     try:
-        if not sc.sidecar.follower.wait_for(0, 120):
-            raise BenchError("the sidecar never became ready on v0")
         for shape, c, n in ((s, c, n) for s in shapes for c, n in levels):
             body = bodies(model, stream=shape == "stream")
             if c == levels[0][0]:  # first requests of a process (and shape) pay one-time costs
@@ -119,10 +112,10 @@ def bench_proxy(
                     run_load(u, 2, 16, 0, body)
             got: dict[str, list[dict[str, Any]]] = {"direct": [], "sidecar": []}
             for target in ("direct", "sidecar", "sidecar", "direct") * rounds:
-                cpu0, eng0 = time.process_time(), cpu_s(pid)
+                cpu0, eng0 = cpu_s(sc.pid), cpu_s(pid)
                 r = run_load(urls[target], c, n // (2 * rounds), min(c, 8), body)
                 done = len(r["lat"]) + min(c, 8)
-                r["cpu_per_req"] = (time.process_time() - cpu0) / done
+                r["cpu_per_req"] = (cpu_s(sc.pid) - cpu0) / done
                 r["engine_cpu_per_req"] = (cpu_s(pid) - eng0) / done
                 got[target].append(r)
                 for k, v in r["texts"].items():

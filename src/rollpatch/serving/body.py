@@ -72,11 +72,17 @@ async def _read(request: Request, max_bytes: int) -> bytes:
 async def read_body(request: Request, limits: BodyLimits) -> bytes:
     """The raw body, at most ``limits.max_bytes``, received within ``limits.timeout_s``."""
     try:
+        if _timeout is not None:  # a deadline on this task: no task of its own per request
+            async with _timeout(limits.timeout_s):
+                return await _read(request, limits.max_bytes)
         return await asyncio.wait_for(_read(request, limits.max_bytes), limits.timeout_s)
     except asyncio.TimeoutError:
         raise LimitError(
             f"request body not received within {limits.timeout_s:g} s", limit="time"
         ) from None
+
+
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 def parse_json_object(raw: bytes, limits: BodyLimits) -> dict[str, Any]:

@@ -35,10 +35,13 @@ log = logging.getLogger("rollpatch.sidecar")
 def create_app(sc: Sidecar) -> Any:
     """Build the ASGI app around a running :class:`Sidecar`: the proxied routes'
     :class:`~.proxy.ProxyFront` over the FastAPI app of the others."""
-    # keep-alive shorter than uvicorn's 5 s so the engine never closes a connection we reuse
-    limits: dict[str, Any] = {"connect_s": 5, "max_connections": 100, "keepalive_expiry_s": 2.0}
-    client = upstream_client(base_url=sc.engine_url, **limits)  # admin: /ready, /v1/models
-    upstream = Upstream(sc.engine_url, **limits)  # the proxied routes
+    # keep-alive shorter than uvicorn's 5 s so the engine never closes a connection we reuse;
+    # the proxied routes' client also sends once more on a new connection when the engine
+    # closed a pooled one before any answer byte, so it may keep them longer
+    client = upstream_client(  # admin routes: /ready's probe, /v1/models
+        base_url=sc.engine_url, connect_s=5, max_connections=100, keepalive_expiry_s=2.0
+    )
+    upstream = Upstream(sc.engine_url, connect_s=5, max_connections=100, keepalive_expiry_s=4.0)
     app = FastAPI(
         title="rollpatch sidecar",
         docs_url=None,

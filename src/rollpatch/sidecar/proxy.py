@@ -76,6 +76,7 @@ class ProxyFront:
 
     def __init__(self, sc: Sidecar, app: Any, upstream: Upstream) -> None:
         self.sc, self.app, self.upstream = sc, app, upstream
+        self._latest = _Latest(sc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED:
@@ -111,14 +112,14 @@ class ProxyFront:
         typed = validate_body(path, body)
         stripped = "rollpatch" in body
         constraint = parse_constraint(body, request.headers)
-        refused = await _satisfy(sc, constraint)
+        refused = await _satisfy(sc, self._latest, constraint)
         if refused is not None:
             await refused(scope, receive, send)
             return
         # the engine gets the body as the client sent it, less the rollpatch field
         payload = _dumps(body) if stripped else raw
         with await _admit(sc) as slot:
-            d = decide(constraint, slot.start, await _latest(sc))
+            d = decide(constraint, slot.start, await self._latest())
             if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
                 sc.metrics.request("conflict")
                 await _conflict(sc, slot.start, d.reason)(scope, receive, send)
@@ -242,17 +243,31 @@ async def _admit(sc: Sidecar) -> Admission:
         return await admit_async(lambda: sc.gate.admit(timeout))
 
 
-async def _latest(sc: Sidecar, refresh: bool = False) -> int | None:
-    """LATEST: from the sidecar's cache when fresh, else read in a worker thread (the board
-    may sit behind a slow relay: never on the event loop)."""
-    if not refresh:
-        fresh, value = sc.cached_latest()
+class _Latest:
+    """LATEST for the event loop: the sidecar's cache when fresh; else one board read in a
+    worker thread (the board may sit behind a slow relay: never on the loop), shared by every
+    request that needs it meanwhile (a refresh is one read, not one per waiting request)."""
+
+    def __init__(self, sc: Sidecar) -> None:
+        self.sc = sc
+        self._reading: asyncio.Future[int | None] | None = None
+
+    async def __call__(self, refresh: bool = False) -> int | None:
+        if refresh:
+            return await asyncio.to_thread(self.sc.latest, True)
+        fresh, value = self.sc.cached_latest()
         if fresh:
             return value
-    return await asyncio.to_thread(sc.latest, refresh)
+        if self._reading is None:
+            self._reading = reading = asyncio.ensure_future(asyncio.to_thread(self.sc.latest))
+            reading.add_done_callback(self._read)
+        return await asyncio.shield(self._reading)
+
+    def _read(self, _: object) -> None:
+        self._reading = None
 
 
-async def _satisfy(sc: Sidecar, c: Constraint) -> Response | None:
+async def _satisfy(sc: Sidecar, latest_of: _Latest, c: Constraint) -> Response | None:
     """Wait for catch-up when the constraint allows it; a response when it must refuse."""
     served = sc.follower.version
     if served is None and sc.gate.busy:  # mid-commit an engine may report no version
@@ -262,7 +277,7 @@ async def _satisfy(sc: Sidecar, c: Constraint) -> Response | None:
             if served is not None:
                 break
             await asyncio.sleep(0.01)
-    latest = await _latest(sc)
+    latest = await latest_of()
     age = sc.latest_age()
     if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
         # the board is unreachable: how far behind this island is cannot be known
@@ -277,7 +292,7 @@ async def _satisfy(sc: Sidecar, c: Constraint) -> Response | None:
         )
     d = decide(c, served, latest)
     if d.action == "conflict" and d.need is not None:
-        latest = await _latest(sc, True)
+        latest = await latest_of(True)
         d = decide(c, served, latest)
     if d.action == "proxy":
         return None

@@ -359,6 +359,41 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert board.latest("demo").version == 4 and board.manifest("demo", 4).version == 4
 
 
+def test_demo_moe_carries_and_replays_routing(tmp_path: Path) -> None:
+    """``--model moe``: a tiny Qwen3-MoE trained, published and served; every response carried
+    its routed experts, labelled, and transformers replays a sample under the labelled version."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "demo-moe"
+    report_path = tmp_path / "moe.json"
+    argv = _demo_argv(out, "--model", "moe", "--steps", "2", "--json", str(report_path))
+    argv[argv.index("--prompts-per-step") + 1] = "4"
+    proc = subprocess.run(
+        [*argv, "--verify-samples", "16"], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(report_path.read_text())
+    assert r["ok"] is True and r["config"]["model"] == "moe"
+    assert set(r["invariants"]) == {
+        "labels_match_weights",
+        "latest_only_advanced",
+        "islands_on_latest",
+        "fetched_bytes_verified",
+        "routing_replays",
+    }
+    assert all(inv["ok"] is True for inv in r["invariants"].values()), r["invariants"]
+    rt = r["routing"]
+    assert rt["model"] == {"moe_layers": 2, "experts": 8, "top_k": 2}
+    assert rt["responses"] == rt["with_routed_experts"] == r["rollouts"]["total"] > 0
+    assert rt["problems"] == 0 and rt["replay_mismatches"] == 0
+    assert rt["replayed"] >= 3 and rt["replayed_tokens"] >= 3 * rt["replayed"]
+    assert sum(d["responses"] for d in rt["by_version"].values()) == rt["responses"]
+    for shape, n in rt["shapes"].items():
+        tokens, layers, k = map(int, shape.split("x"))
+        assert tokens >= 2 and (layers, k) == (2, 2) and n > 0
+    assert "routed_experts per version" in proc.stdout and "[PASS] routing_replays" in proc.stdout
+    assert not _children_of(str(out)), "a demo process outlived the demo"
+
+
 @pytest.mark.slow
 def test_demo_interrupt_stops_every_process(tmp_path: Path) -> None:
     pytest.importorskip("transformers")

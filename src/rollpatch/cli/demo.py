@@ -105,6 +105,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--hidden", type=int, default=128, help="tiny model hidden size")
     p.add_argument(
+        "--model",
+        choices=("dense", "moe"),
+        default="dense",
+        help="dense: a tiny Llama; moe: a tiny Qwen3-MoE (8 experts, top-2) whose responses "
+        "carry routed_experts, replayed by transformers under their labelled versions",
+    )
+    p.add_argument(
         "--verify-samples",
         type=int,
         default=0,
@@ -153,6 +160,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         regime=args.regime,
         lr=args.lr if args.lr is not None else _RL_LR[args.regime],
         hidden=args.hidden,
+        model=args.model,
         verify_samples=args.verify_samples,
         sign=not args.no_sign,
     )

@@ -9,13 +9,18 @@ from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
 
-__all__ = ["ISLANDS", "RUN", "DemoConfig", "Regime"]
+__all__ = ["ISLANDS", "RUN", "DemoConfig", "DemoModel", "Regime"]
 
 #: The RL phase's regime (docs/demo.md): ``fast``, a policy that only learned the answer
 #: format, trained at a high learning rate so the reward climbs within ~50 steps (each step
 #: changes ~50% of the served BF16 values); ``real``, the learning rate of RL post-training
 #: on a policy warmed up by an unpublished supervised phase (a few % change per step).
 Regime = Literal["fast", "real"]
+
+#: The policy model's architecture: ``dense``, a tiny Llama; ``moe``, a tiny Qwen3-MoE whose
+#: every response carries the experts each token was routed to (``routed_experts``,
+#: docs/moe.md), checked against transformers' own routing under the labelled version.
+DemoModel = Literal["dense", "moe"]
 
 #: The run name on the demo's board.
 RUN = "demo"
@@ -84,10 +89,16 @@ class DemoConfig:
     lr: float = 2e-4
     #: PPO/GRPO ratio clip epsilon.
     clip: float = 0.2
-    #: Tiny Llama shape: hidden size, layers, vocabulary (intermediate = 2 x hidden).
+    #: Tiny model shape: hidden size, layers, vocabulary (dense: intermediate = 2 x hidden;
+    #: moe: each expert's intermediate = hidden / 2).
     hidden: int = 128
     layers: int = 2
     vocab: int = 512
+    #: Architecture of the policy (see :data:`DemoModel`).
+    model: DemoModel = "dense"
+    #: ``moe`` only: routed experts per sparse layer, and experts each token is routed to.
+    experts: int = 8
+    top_k: int = 2
     #: Supervised format warm-up steps before version 0 (random digit answers; see docs).
     warmup_steps: int = 30
     #: Concurrent rollout requests in flight through the gateway.
@@ -152,6 +163,18 @@ class DemoConfig:
                 value=self.hidden,
             )
         _int("layers", self.layers, 1, 64)
+        if self.model not in get_args(DemoModel):
+            raise ConfigError(
+                "DemoConfig.model must be dense or moe", field="model", value=self.model
+            )
+        _int("experts", self.experts, 2, 256)
+        _int("top_k", self.top_k, 1, self.experts)
+        if self.model == "moe" and self.engine != "reference":
+            raise ConfigError(
+                "--model moe runs on the built-in engine only",
+                field="model",
+                hint="vLLM on CPU returns no routed experts (docs/moe.md); use --engine reference",
+            )
         _int("vocab", self.vocab, 300, 65_536)
         _int("warmup_steps", self.warmup_steps, 0, 10_000)
         _int("concurrency", self.concurrency, 1, 256)

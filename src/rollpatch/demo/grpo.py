@@ -39,6 +39,11 @@ class Rollout:
     version_end: int
     island: str
     reward: float
+    routed_experts: str | None = None
+    """MoE models: the response's ``routed_experts`` as it arrived (base64 of a ``.npy``
+    ``[tokens, layers, top_k]`` array, docs/moe.md); None for dense models."""
+    spans: tuple[tuple[int, int, int], ...] = ()
+    """MoE models: the response's ``rollpatch.spans`` as ``(start, end, version)`` rows."""
 
     @property
     def version(self) -> int:

@@ -63,6 +63,11 @@ class Layout:
         self.trust_root.write_bytes(raw)
 
     @property
+    def replay(self) -> Path:
+        """``--model moe``: checkpoints of the versions whose routing transformers replayed."""
+        return self.root / "replay"
+
+    @property
     def logs(self) -> Path:
         """One log file per child process (their stderr and non-event output)."""
         return self.root / "logs"
@@ -89,7 +94,13 @@ class Layout:
             )
         root.mkdir(parents=True, exist_ok=True)
         (root / _MARKER).write_text("made by rollpatch demo; reset on every run\n")
-        for stale in (self.board, self.root / "relay-cache", self.logs, self.root / "trust"):
+        for stale in (
+            self.board,
+            self.root / "relay-cache",
+            self.logs,
+            self.root / "trust",
+            self.replay,
+        ):
             if stale.exists():
                 shutil.rmtree(stale)
         for png in root.glob("*.png"):

@@ -69,6 +69,8 @@ class Monitor:
         self.ready: dict[str, Any] = {}
         self.trained: dict[str, Any] | None = None
         self.verified: dict[str, Any] | None = None
+        #: ``--model moe``: the trainer's routing report (demo.routing), else None.
+        self.routing: dict[str, Any] | None = None
         self.latest_seen: list[tuple[float, int]] = []
         self.latest_backwards: list[tuple[int, int]] = []
         self.commit_order_errors: list[str] = []
@@ -106,6 +108,8 @@ class Monitor:
                 self.trained = ev
             elif kind == "verified":
                 self.verified = ev
+            elif kind == "routing":
+                self.routing = {k: v for k, v in ev.items() if k != "ev"}
 
     def relay(self, name: str) -> RelayState:
         """The state of relay ``name`` (created on first use)."""

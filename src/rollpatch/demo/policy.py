@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,35 +14,65 @@ from .config import DemoConfig
 from .grpo import Rollout, clipped_surrogate, group_advantages
 from .task import DigitTask
 
-__all__ = ["ensure_model", "grpo_step", "load_policy", "warm_up"]
+__all__ = ["ensure_model", "grpo_step", "load_policy", "served_state", "warm_up"]
 
 _WARMUP_LR = 3e-3
 _WARMUP_BATCH = 64
 
 
 def _shape(cfg: DemoConfig) -> dict[str, int]:
-    return {
+    shape = {
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.hidden,
         "layers": cfg.layers,
         "heads": 4,
         "kv_heads": 2,
-        "intermediate": 2 * cfg.hidden,
         "seed": cfg.seed,
     }
+    if cfg.model == "moe":
+        return {
+            **shape,
+            "experts": cfg.experts,
+            "top_k": cfg.top_k,
+            "moe_intermediate": cfg.hidden // 2,
+        }
+    return {**shape, "intermediate": 2 * cfg.hidden}
 
 
 def ensure_model(cfg: DemoConfig, model_dir: Path) -> Path:
     """Make the tiny model (random init, by seed) unless ``model_dir`` already holds it."""
-    from ..engines.reference import make_tiny_model
+    from ..engines.reference import make_tiny_model, make_tiny_moe_model
 
     stamp = model_dir / "rollpatch-demo-model.json"
     shape = _shape(cfg)
-    if stamp.exists() and json.loads(stamp.read_text()) == shape:
+    if stamp.exists() and json.loads(stamp.read_text()) == {"model": cfg.model, **shape}:
         return model_dir
-    make_tiny_model(model_dir, **shape)
-    stamp.write_text(json.dumps(shape))
+    if model_dir.exists():  # another shape or architecture: no stale file may survive
+        shutil.rmtree(model_dir)
+    make = make_tiny_moe_model if cfg.model == "moe" else make_tiny_model
+    make(model_dir, **shape)
+    stamp.write_text(json.dumps({"model": cfg.model, **shape}))
     return model_dir
+
+
+def served_state(model: Any) -> dict[str, Any]:
+    """The master tensors under the names the engines serve (the checkpoint's).
+
+    transformers holds an MoE block's experts fused (``experts.gate_up_proj`` ``[E, 2I, H]``);
+    checkpoints, engines and so the published view name one tensor per expert
+    (``experts.{e}.gate_proj.weight``). Each is a contiguous slice of the fused master: no
+    copy. A dense model's state dict is returned as it is.
+    """
+    from ..engines.reference.experts import checkpoint_name, split_experts
+
+    out: dict[str, Any] = {}
+    for name, t in model.state_dict().items():
+        parts = split_experts(model, name, t)
+        if parts is None:
+            out[checkpoint_name(model, name)] = t
+        else:
+            out.update(parts)
+    return out
 
 
 def load_policy(model_dir: Path) -> tuple[Any, Any]:

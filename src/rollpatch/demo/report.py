@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,37 @@ def check_invariants(m: Monitor) -> dict[str, dict[str, Any]]:
         "detail": f"every island serves v{final}" if not behind else f"behind: {behind}",
     }
     out["fetched_bytes_verified"] = _verified_bytes(m)
+    if m.cfg.model == "moe":
+        out["routing_replays"] = _routing(m.routing, ver)
     return out
+
+
+def _routing(rt: dict[str, Any] | None, ver: dict[str, Any]) -> dict[str, Any]:
+    """MoE: every response carried its routing, labelled; transformers replays a sample."""
+    if rt is None:
+        if "skipped" in ver:
+            return {"ok": None, "detail": ver["skipped"]}
+        return {"ok": False, "detail": "the trainer sent no routing report"}
+    n, carried = int(rt["responses"]), int(rt["with_routed_experts"])
+    ok = (
+        n > 0
+        and carried == n
+        and rt["problems"] == 0
+        and rt["replayed"] > 0
+        and rt["replay_mismatches"] == 0
+    )
+    detail = (
+        f"{carried} of {n} responses carried routed_experts (tokens x layers x top-k: "
+        + ", ".join(f"{k} in {v}" for k, v in sorted(rt["shapes"].items()))
+        + f"), {n - rt['problems']} well formed with one span of their labelled version; "
+        f"transformers replayed {rt['replayed']} of them ({rt['replayed_tokens']} tokens) under "
+        f"the labelled version: {rt['replay_mismatches']} differ; control: "
+        f"{rt['control_differ']}/{rt['control_replayed']} route differently under the first "
+        "version"
+    )
+    if rt["problems"]:
+        detail += f"; first problems: {rt['first_problems'][:2]}"
+    return {"ok": ok, "detail": detail}
 
 
 def _verified_bytes(m: Monitor) -> dict[str, Any]:
@@ -182,6 +213,7 @@ def build_report(
             for r in m.relays.values()
         },
         "verification": m.verified,
+        "routing": m.routing,
         "invariants": invariants,
         "ok": all(i["ok"] is not False for i in invariants.values()),
     }
@@ -244,11 +276,28 @@ def summary_table(r: dict[str, Any]) -> str:
             f"relay {name}: {fmt_bytes(rel['upstream_bytes'])} over the emulated WAN, "
             f"{fmt_bytes(rel['served_bytes'])} served to its islands"
         )
+    if r.get("routing"):
+        lines.append(_routing_line(r["routing"]))
     lines.append("")
     for name, inv in r["invariants"].items():
         mark = {True: "PASS", False: "FAIL", None: "SKIP"}[inv["ok"]]
         lines.append(f"[{mark}] {name}: {inv['detail']}")
     return "\n".join(lines)
+
+
+def _routing_line(rt: dict[str, Any]) -> str:
+    """Responses with ``routed_experts`` of all responses, per version."""
+    m = rt["model"]
+    per = ", ".join(
+        f"v{v} {d['with_routed_experts']}/{d['responses']}"
+        for v, d in sorted(rt["by_version"].items(), key=lambda kv: int(kv[0]))
+    )
+    return textwrap.fill(
+        f"routing  {m['experts']} experts, top-{m['top_k']}, {m['moe_layers']} MoE layers; "
+        f"responses with routed_experts per version: {per}",
+        width=100,
+        subsequent_indent=" " * 9,
+    )
 
 
 def write_plots(r: dict[str, Any], m: Monitor, out: Path) -> list[Path]:

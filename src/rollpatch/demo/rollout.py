@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,18 +42,36 @@ def request_seed(seed: int, group: int, member: int) -> int:
     return (int(words[0]) << 31 | int(words[1])) & ((1 << 63) - 1)
 
 
-def _parse(body: Any, island_header: str | None) -> tuple[int, float, int, int, str]:
-    """(token, logprob, version_start, version_end, island) from a completions answer."""
+@dataclass(frozen=True)
+class _Answer:
+    token: int
+    logprob: float
+    version_start: int
+    version_end: int
+    island: str
+    routed_experts: str | None
+    spans: tuple[tuple[int, int, int], ...]
+
+
+def _parse(body: Any, island_header: str | None) -> _Answer:
+    """What the trainer keeps of a completions answer (routing too, for MoE models)."""
     try:
         choice = body["choices"][0]
-        token = int(choice["token_ids"][0])
-        logprob = float(choice["logprobs"]["token_logprobs"][0])
         rp = body["rollpatch"]
-        start, end = int(rp["version_start"]), int(rp["version_end"])
-        island = str(rp.get("island") or island_header)
-    except (KeyError, IndexError, TypeError, ValueError) as e:
+        routed = choice.get("routed_experts")
+        return _Answer(
+            token=int(choice["token_ids"][0]),
+            logprob=float(choice["logprobs"]["token_logprobs"][0]),
+            version_start=int(rp["version_start"]),
+            version_end=int(rp["version_end"]),
+            island=str(rp.get("island") or island_header),
+            routed_experts=None if routed is None else str(routed),
+            spans=tuple(
+                (int(s["start"]), int(s["end"]), int(s["version"])) for s in rp.get("spans") or ()
+            ),
+        )
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise RolloutError("malformed completion from the gateway", error=repr(e)) from None
-    return token, logprob, start, end, island
 
 
 class RolloutPool:
@@ -160,20 +179,20 @@ class RolloutPool:
         while not self._stop.is_set():
             r = self._client.post("/v1/completions", json=body)
             if r.status_code == 200:
-                token, logprob, start, end, island = _parse(
-                    r.json(), r.headers.get("x-rollpatch-island")
-                )
+                a = _parse(r.json(), r.headers.get("x-rollpatch-island"))
                 return Rollout(
                     group=gid,
                     digit=digit,
                     prompt=prompt,
                     seed=seed,
-                    token=token,
-                    logprob=logprob,
-                    version_start=start,
-                    version_end=end,
-                    island=island,
-                    reward=self.task.reward(digit, token),
+                    token=a.token,
+                    logprob=a.logprob,
+                    version_start=a.version_start,
+                    version_end=a.version_end,
+                    island=a.island,
+                    reward=self.task.reward(digit, a.token),
+                    routed_experts=a.routed_experts,
+                    spans=a.spans,
                 )
             if r.status_code not in (409, 503) or time.monotonic() > deadline:
                 raise RolloutError(

@@ -113,7 +113,7 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
 
     from ..formats import cast_view
     from ..publisher import snapshot_state
-    from .policy import ensure_model, grpo_step, load_policy, warm_up
+    from .policy import ensure_model, grpo_step, load_policy, served_state, warm_up
     from .rollout import RolloutPool
     from .task import DigitTask
     from .verify import pick_sample, verify_rollouts
@@ -125,7 +125,7 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
     model, tok = load_policy(layout.model)
     task = DigitTask.from_tokenizer(tok)
     digit_mass = warm_up(model, task, cfg)
-    full = cast_view(snapshot_state(model.state_dict()), cfg.format)
+    full = cast_view(snapshot_state(served_state(model)), cfg.format)
     signer = Signer.from_files([layout.key]) if cfg.sign else None
     pub = Publisher(
         layout.board_uri,
@@ -133,7 +133,7 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
         PublisherConfig(format=cfg.format, max_pending=100_000, signer=signer),
     )
     published = _Published(pub)
-    published.publish(model.state_dict())
+    published.publish(served_state(model))
     pub.flush()
     published.report()
     emit(
@@ -157,7 +157,7 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
             groups, taken, used, dropped = _take_batch(pool, cfg, current)
             t_wait = time.monotonic() - t_step
             stats = grpo_step(model, opt, groups, cfg.clip)
-            version = published.publish(model.state_dict())
+            version = published.publish(served_state(model))
             rewards = [r.reward for g in groups for r in g]
             islands = Counter(r.island for g in groups for r in g)
             emit(
@@ -196,6 +196,8 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
         sample = pick_sample(pool.rollouts, cfg.verify_samples)
         dtype = "bfloat16" if cfg.format == "bf16" else "float16"
         report = verify_rollouts(layout.model, Board(layout.board_uri), RUN, sample, dtype=dtype)
+        if cfg.model == "moe":  # before "verified": the orchestrator stops reading there
+            _check_routing(layout, pool.rollouts)
         emit(
             "verified",
             of=len(pool.rollouts),
@@ -210,6 +212,22 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
         )
     pub.close()
     return 0
+
+
+def _check_routing(layout: Layout, rollouts: Sequence[Rollout]) -> None:
+    """MoE: the routing every response carried, and a sample replayed by transformers."""
+    from .routing import REPLAY_SAMPLES, check_routing, pick_spread
+    from .verify import ViewHistory
+
+    t0 = time.monotonic()
+    report = check_routing(
+        layout.model,
+        ViewHistory(Board(layout.board_uri), RUN),
+        rollouts,
+        pick_spread(rollouts, REPLAY_SAMPLES),
+        layout.replay,
+    )
+    emit("routing", check_s=time.monotonic() - t0, **report.to_json())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,10 +10,7 @@ written from the published bits.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ import httpx
 import openai
 import torch
 
+from rollpatch.demo.routing import HFReplay, decode_routed_experts
 from rollpatch.engines.reference import ReferenceEngine, ReferenceRuntime, make_tiny_moe_model
 from rollpatch.follower import FollowerConfig
 from rollpatch.formats import cast_view
@@ -43,9 +41,7 @@ EXPERTS, TOP_K, LAYERS = 8, 2, 2
 
 
 def _decode(s: str) -> np.ndarray:
-    arr = np.load(io.BytesIO(base64.b64decode(s)), allow_pickle=False)
-    assert isinstance(arr, np.ndarray)
-    return arr
+    return decode_routed_experts(s)
 
 
 def _is_routed(name: str) -> bool:
@@ -69,6 +65,7 @@ class World:
             self.board, "moe", PublisherConfig(keyframe_every=8), asynchronous=False
         )
         self.views: dict[int, View] = {}
+        self.hf: dict[int, HFReplay] = {}
         self.rng = np.random.default_rng(7)
         self.publish()
 
@@ -83,29 +80,13 @@ class World:
         return v
 
     def hf_routing(self, version: int, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(routing, logits) transformers computes for ``tokens`` under
-        ``version``: a checkpoint of the version's bits, loaded by transformers itself."""
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM
-
-        ckpt = self.root / f"hf-v{version}"
-        if not ckpt.exists():
-            ckpt.mkdir()
-            for f in ("config.json", "generation_config.json"):
-                shutil.copy(self.model / f, ckpt / f)
-            state = {
-                n: torch.from_numpy(t.data.view(np.int16).copy())
-                .view(torch.bfloat16)
-                .reshape(t.shape)
-                for n, t in self.views[version].items()
-            }
-            save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
-        with torch.inference_mode():
-            out = model(torch.tensor([tokens]), output_router_logits=True)
-        probs = [torch.softmax(x.float(), dim=-1) for x in out.router_logits]
-        routes = np.stack([torch.topk(p, TOP_K, dim=-1).indices.numpy() for p in probs], 1)
-        return routes, out.logits[0].float().numpy()
+        """(routing, logits) transformers computes for ``tokens`` under ``version``: a
+        checkpoint of the version's bits, loaded by transformers itself (the demo's check)."""
+        if version not in self.hf:
+            self.hf[version] = HFReplay(
+                self.model, self.views[version], self.root / f"hf-v{version}"
+            )
+        return self.hf[version].run(tokens)
 
 
 @pytest.fixture(scope="module")

@@ -635,10 +635,15 @@ def test_stage_refuses_a_patch_that_would_miss_its_target(
     assert engine.version == 1 and engine.digest == base.digest()
 
 
-def test_sum_delta_matches_a_full_hash() -> None:
+@pytest.mark.parametrize("slice_", [1 << 16, 3])
+def test_sum_delta_matches_a_full_hash(monkeypatch: pytest.MonkeyPatch, slice_: int) -> None:
+    """The O(changed) sum change equals a full re-hash, also when it is summed in slices
+    (3 positions: slices end between 8-byte words, never inside one)."""
+    from rollpatch.engines import staged
     from rollpatch.engines.staged import sum_delta
     from rollpatch.view import sum128
 
+    monkeypatch.setattr(staged, "_SUM_SLICE", slice_)
     rng = np.random.default_rng(3)
     m = (1 << 64) - 1
     for dtype, n in (
@@ -647,6 +652,7 @@ def test_sum_delta_matches_a_full_hash() -> None:
         (np.uint32, 77),
         (np.uint8, 13),
         (np.uint64, 9),
+        (np.uint8, 4000),
     ):
         a = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype)
         pos = np.unique(rng.integers(0, n, max(1, n // 4))).astype(np.int64)

@@ -204,6 +204,7 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
         mod.cpu_linear = ("kernel", mod.weight.detach().view(torch.int16).clone())
 
     model.lin._rollpatch_repack = repack
+    model.lin._rollpatch_owns = True  # the stand-in kernel holds its own copy of the words
     specs = [
         ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
     ]
@@ -231,6 +232,11 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
     )
     assert not model.tw.is_contiguous()
     assert w.load(v0) == v0.digest() and w.digests(fresh=True) == v0.tensor_digests()
+    # a kernel that reads the live words (torch's linear on AVX2 hosts) is never rebuilt
+    model.lin._rollpatch_owns = False
+    calls.clear()
+    w.commit(diff(v0, v1))
+    assert calls == [] and w.digests(fresh=True) == v1.tensor_digests()
 
 
 def test_adapter_commit_protocol_offline() -> None:

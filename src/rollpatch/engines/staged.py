@@ -101,13 +101,31 @@ class AuditCursor:
         return out, wrapped
 
 
+#: Positions summed at a time by :func:`sum_delta` (bounds its temporaries, ~100 B each).
+_SUM_SLICE = 1 << 16
+
+
 def sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray) -> SumState:
     """How the rp.sum128 state of ``data`` (flat, contiguous words) changes when the words at
-    ``positions`` (sorted int64) become ``new``: reads only the 8-byte words they fall in."""
-    isz = data.itemsize
+    ``positions`` (sorted int64) become ``new``: reads only the 8-byte words they fall in, a
+    slice of positions at a time (slices end between 8-byte words: the sum is additive over
+    words, so the slices' changes add up)."""
     if positions.size == 0:
         return 0, 0
-    per = 8 // isz
+    per = 8 // data.itemsize
+    s0 = s1 = 0
+    start = 0
+    while start < positions.size:
+        end = min(start + _SUM_SLICE, positions.size)
+        while end < positions.size and positions[end] // per == positions[end - 1] // per:
+            end += 1  # keep every position of an 8-byte word in one slice
+        d0, d1 = _sum_delta(data, positions[start:end], new[start:end], per)
+        s0, s1 = (s0 + d0) & _M64, (s1 + d1) & _M64
+        start = end
+    return s0, s1
+
+
+def _sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray, per: int) -> SumState:
     widx = positions // per
     first = np.r_[True, widx[1:] != widx[:-1]]
     u = widx[first]

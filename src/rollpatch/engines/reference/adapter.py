@@ -7,8 +7,11 @@ under the runtime's forward lock, and serves generation over HTTP with
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +33,12 @@ from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
 __all__ = ["ReferenceEngine"]
+
+
+def _release(retired: dict[str, Any]) -> None:
+    while retired:
+        retired.popitem()
+        time.sleep(0)
 
 
 class ReferenceEngine(EngineAdapter):
@@ -157,6 +166,7 @@ class ReferenceEngine(EngineAdapter):
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Write ``staged`` under the forward lock: scatter and read back (``double_buffer``:
         exchange the staged buffers for the parameters' storage), record the digests."""
+        retired: dict[str, Any] = {}
         with self.runtime.commit() as view:
             if view.digest() != staged.base:
                 raise BaseMismatchError(
@@ -166,7 +176,8 @@ class ReferenceEngine(EngineAdapter):
                 )
             buffers = staged.payload.get("buffers")
             if isinstance(buffers, dict):
-                self.runtime.exchange(buffers)  # O(1) per tensor; all or nothing
+                retired = self.runtime.exchange(buffers)  # O(1) per tensor; all or nothing
+                staged.payload.pop("buffers")
             else:
                 self._write(view, staged)
             for name, st in staged.tensors.items():
@@ -178,6 +189,8 @@ class ReferenceEngine(EngineAdapter):
                 if name not in staged.tensors or staged.tensors[name].target_state is not None:
                     view.set_digest(name, d)
             self.runtime.version = version
+        if retired:  # the replaced storage is freed off the pause, a tensor at a time
+            threading.Thread(target=_release, args=(retired,), daemon=True).start()
 
     def _write(self, view: View, staged: StagedUpdate) -> None:
         """One checked scatter per tensor and its read-back; all or nothing."""

@@ -109,10 +109,11 @@ class ReferenceRuntime:
             finally:
                 self._digest = self.view.digest()
 
-    def exchange(self, buffers: dict[str, np.ndarray]) -> None:
+    def exchange(self, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
         """Put each buffer in place of its tensor's parameter storage, O(1) each; the caller
         holds :meth:`commit`. All or nothing: on failure the previous storage is put back.
-        Only whole parameters (not fused MoE experts): :class:`EngineError` otherwise."""
+        Only whole parameters (not fused MoE experts): :class:`EngineError` otherwise.
+        Returns the storage replaced (release it outside the pause: freeing takes time)."""
         missing = sorted(set(buffers) - set(self._params))
         if missing:
             raise EngineError(
@@ -131,6 +132,7 @@ class ReferenceRuntime:
                 self._params[name].data = data
                 self.view[name] = tensor
             raise
+        return held
 
     def digest(self) -> str:
         """Root digest of the in-place view, read between steps and commits (never mid-write).

@@ -48,6 +48,7 @@ __all__ = [
     "check_coverage",
     "extract",
     "locate",
+    "locate_whole",
     "param_shape",
     "placements",
     "storage_offsets",
@@ -255,8 +256,30 @@ def locate(pl: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return held, offsets
 
 
+def locate_whole(pl: Placement, positions: np.ndarray) -> np.ndarray | None:
+    """:func:`locate`'s offsets without its temporaries when this rank holds every row of the
+    tensor at full width (``positions`` itself when the rows start the parameter); None for
+    any other placement."""
+    whole = (
+        pl.dim == 0
+        and pl.sub is None
+        and pl.src_start == 0
+        and pl.length == pl.rows
+        and pl.param_shape[1] == pl.cols
+    )
+    if not whole or positions.dtype != np.int64:
+        return None
+    return positions if pl.dst_start == 0 else positions + pl.dst_start * pl.cols
+
+
 def storage_offsets(flat: np.ndarray, shape: Sequence[int], strides: Sequence[int]) -> np.ndarray:
-    """Row-major logical offsets → storage offsets (in elements) of a strided tensor."""
+    """Row-major logical offsets → storage offsets (in elements) of a strided tensor (the
+    same array for a row-major one)."""
+    row_major = [1]
+    for n in reversed(tuple(shape)[1:]):
+        row_major.insert(0, row_major[0] * n)
+    if list(strides) == row_major or len(tuple(shape)) == 0:
+        return np.asarray(flat, dtype=np.int64)
     rem = np.asarray(flat, dtype=np.int64)
     out = np.zeros_like(rem)
     for n, s in zip(reversed(tuple(shape)), reversed(tuple(strides))):

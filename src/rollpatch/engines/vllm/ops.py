@@ -129,7 +129,9 @@ class _Job:
         t0 = time.perf_counter()
         patch, known = _chain(w, self._steps)
         decode_ms = (time.perf_counter() - t0) * 1e3
-        self.staged = w.stage(patch, prebuild=self._prebuild, known=known, mode=self._mode)
+        self.staged = w.stage(
+            patch, prebuild=self._prebuild, known=known, mode=self._mode, consume=True
+        )
         self.phases = {"decode_ms": decode_ms, **w.last_stage_phases}
         return {}
 
@@ -221,7 +223,8 @@ def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
 def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
     header = inspect(Path(path).read_bytes())
     patch, known = _chain(w, [{"base": header.base, "target": header.target, "paths": [path]}])
-    return {"digests": w.commit_staged(w.stage(patch, known=known)), "root": w.root()}
+    staged = w.stage(patch, known=known, consume=True)
+    return {"digests": w.commit_staged(staged), "root": w.root()}
 
 
 def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:

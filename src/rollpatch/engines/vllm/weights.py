@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,8 +36,23 @@ from ...kinds import Kind
 from ...patch import Patch
 from ...view import Tensor, View, root_digest, sum128, sum128_digest
 from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
-from .layout import ParamSpec, Placement, assemble, extract, locate, placements, write_blocks
-from .writes import Access, ParamWrites, Settler, WriteMode, increasing, write_params
+from .layout import (
+    ParamSpec,
+    Placement,
+    assemble,
+    extract,
+    placements,
+    write_blocks,
+)
+from .writes import (
+    Access,
+    ParamWrites,
+    Settler,
+    WriteMode,
+    exchange_buffers,
+    lay_out,
+    write_params,
+)
 
 __all__ = ["Access", "RuntimeWeights"]
 
@@ -203,6 +218,7 @@ class RuntimeWeights:
         prebuild: bool = True,
         known: Mapping[str, tuple[int, int]] | None = None,
         mode: WriteMode = "in_place",
+        consume: bool = False,
     ) -> StagedUpdate:
         """Prove ``patch`` against the held words (O(changed) digests) and lay its writes out
         per runtime parameter, in the form the pause scatters (no word is written).
@@ -212,7 +228,9 @@ class RuntimeWeights:
         False: they are re-packed inside the pause. ``known``: target rp.sum128 states the
         caller proved for exactly these writes (:mod:`rollpatch.engines.catchup`), not
         recomputed. ``mode``: :data:`.writes.WriteMode` (``double_buffer``: also build each
-        touched parameter's second buffer now; the CPU at TP = 1 only)."""
+        touched parameter's second buffer now; the CPU at TP = 1 only). ``consume``: the caller
+        gives ``patch`` up (its tensors are cleared): its arrays are released as they are laid
+        out, so staging holds about one staged update instead of two."""
         acc = self.access
         if mode == "double_buffer" and (acc.buffer is None or acc.exchange is None):
             raise EngineError(
@@ -228,16 +246,9 @@ class RuntimeWeights:
         t0 = time.perf_counter()
         staged = stage_patch(patch, self.__getitem__, self.digests(), self.state_of, known=known)
         t1 = time.perf_counter()
-        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        for name, st in staged.tensors.items():
-            pl = self._entries[name].mine
-            held, offsets = locate(pl, st.positions)
-            if offsets.size:
-                parts.setdefault(pl.param, []).append((offsets, st.old[held], st.new[held]))
-        staged.payload["changed"] = staged.changed
-        for param, chunks in parts.items():
-            offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
-            staged.payload[param] = increasing(ParamWrites(prepare(param, offsets), old, new))
+        if consume and isinstance(patch.tensors, dict):
+            patch.tensors.clear()  # the staged tensors hold the only references now
+        lay_out(staged, self.placement, prepare)
         t2 = time.perf_counter()
         writes = {
             p: (w.prepared, w.old, w.new)
@@ -257,12 +268,6 @@ class RuntimeWeights:
             "layout_ms": (t2 - t1) * 1e3,
             "buffers_ms": (t3 - t2) * 1e3,
             "prebuild_ms": (time.perf_counter() - t3) * 1e3,
-        }
-        # the writes now live per parameter; keep only the proven states per tensor
-        empty = np.empty(0, np.int64)
-        staged.tensors = {
-            n: replace(st, positions=empty, old=st.old[:0], new=st.new[:0])
-            for n, st in staged.tensors.items()
         }
         staged.payload["nbytes"] = sum(
             w.prepared.nbytes + w.old.nbytes + w.new.nbytes
@@ -291,8 +296,10 @@ class RuntimeWeights:
         prebuilt: dict[str, Any] | None = got if isinstance(got, dict) else None
         buffers = staged.payload.get("buffers")
         if isinstance(buffers, dict):
-            self._exchange(buffers, prebuilt, set(writes))
+            self.last_phases, retired = exchange_buffers(acc, buffers, prebuilt, set(writes))
+            staged.payload.pop("buffers")
             self._record(staged)
+            self.settler.start(acc, {}, self._settle_failed, retired)
             return dict(staged.digests)
         later = {
             p: w
@@ -328,32 +335,10 @@ class RuntimeWeights:
             "written_after": float(len(later)),
         }
         self._record(staged)
-        self.settler.start(acc, later, self._settle_failed)
+        retired = {p: staged.payload.pop(p) for p in writes}  # freed after the pause
+        retired.update(prebuilt=staged.payload.pop("prebuilt", None))
+        self.settler.start(acc, later, self._settle_failed, retired)
         return dict(staged.digests)
-
-    def _exchange(
-        self, buffers: dict[str, Any], prebuilt: dict[str, Any] | None, params: set[str]
-    ) -> None:
-        """The double-buffered commit under the pause: the staged buffers (written, checked
-        and read back while staging) put in place of the parameters' storage, the kernels
-        built from them swapped in; undone on any failure."""
-        acc = self.access
-        assert acc.exchange is not None
-        t0 = time.perf_counter()
-        held = acc.exchange(buffers)
-        try:
-            installed = acc.install(prebuilt) if prebuilt and acc.install is not None else set()
-            acc.repack({p for p in params if p.rpartition(".")[0] not in installed})
-        except BaseException:
-            acc.exchange(held)
-            acc.repack(params)
-            raise
-        self.last_phases = {
-            "write_ms": 0.0,
-            "exchange_ms": (time.perf_counter() - t0) * 1e3,
-            "threads": 1.0,
-            "written_after": 0.0,
-        }
 
     def _record(self, staged: StagedUpdate) -> None:
         """The proven digests (and rp.sum128 states) of a committed update."""

@@ -1,5 +1,6 @@
 """How staged words reach a worker's parameters: the :class:`Access` the engine glue lends,
-the per-parameter writes a staged update carries, and the writer that puts them in place.
+the per-parameter writes a staged update carries (:func:`lay_out`: checkpoint positions to
+storage offsets, one parameter at a time), and the writers that put them in place.
 
 A commit writes each runtime parameter in slices of :data:`SLICE` positions: the old words
 checked as they are overwritten (where the access can), each slice read back while it is still
@@ -19,14 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from ...errors import TargetMismatchError
 from ...native import threads
-from ..staged import WriteMode
+from ..staged import StagedUpdate, WriteMode
+from .layout import Placement, locate, locate_whole
 
 __all__ = [
     "SLICE",
@@ -34,7 +36,9 @@ __all__ = [
     "ParamWrites",
     "Settler",
     "WriteMode",
+    "exchange_buffers",
     "increasing",
+    "lay_out",
     "write_params",
 ]
 
@@ -106,6 +110,42 @@ def increasing(w: ParamWrites) -> ParamWrites:
     return w
 
 
+def lay_out(
+    staged: StagedUpdate,
+    placement: Callable[[str], Placement],
+    prepare: Callable[[str, np.ndarray], np.ndarray],
+) -> None:
+    """``staged``'s writes per runtime parameter (storage offsets, old and new words, in
+    storage order) into its payload, one parameter at a time; each tensor's arrays are released
+    as soon as its parameter is laid out (only the proven states stay per tensor), so the peak
+    is about one staged update plus one parameter's share."""
+    by_param: dict[str, list[str]] = {}
+    for name in staged.tensors:
+        by_param.setdefault(placement(name).param, []).append(name)
+    staged.payload["changed"] = staged.changed
+    empty = np.empty(0, np.int64)
+    for param, names in by_param.items():
+        chunks = []
+        for name in names:
+            st, pl = staged.tensors[name], placement(name)
+            offsets = locate_whole(pl, st.positions)
+            if offsets is not None:
+                chunks.append((offsets, st.old, st.new))
+            else:
+                held, offsets = locate(pl, st.positions)
+                if offsets.size:
+                    chunks.append((offsets, st.old[held], st.new[held]))
+            staged.tensors[name] = replace(st, positions=empty, old=st.old[:0], new=st.new[:0])
+        if not chunks:
+            continue
+        if len(chunks) == 1:
+            offsets, old, new = chunks[0]
+        else:
+            offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
+        del chunks
+        staged.payload[param] = increasing(ParamWrites(prepare(param, offsets), old, new))
+
+
 def write_params(acc: Access, writes: dict[str, ParamWrites], *, parallel: bool) -> int:
     """Write every parameter of ``writes`` (checked, sliced, read back); returns the number
     of threads used. On failure the parameters started are restored and the error raised."""
@@ -138,6 +178,27 @@ def write_params(acc: Access, writes: dict[str, ParamWrites], *, parallel: bool)
     return max(n, 1)
 
 
+def exchange_buffers(
+    acc: Access, buffers: dict[str, Any], prebuilt: dict[str, Any] | None, params: set[str]
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """The double-buffered commit under the pause: the staged buffers (written, checked and
+    read back while staging) put in place of the parameters' storage, the kernels built from
+    them swapped in; undone on any failure. Returns the pause's phases (ms) and the storage
+    replaced, to be released after the pause (freeing a model's worth of memory takes time)."""
+    assert acc.exchange is not None
+    t0 = time.perf_counter()
+    held = acc.exchange(buffers)
+    try:
+        installed = acc.install(prebuilt) if prebuilt and acc.install is not None else set()
+        acc.repack({p for p in params if p.rpartition(".")[0] not in installed})
+    except BaseException:
+        acc.exchange(held)
+        acc.repack(params)
+        raise
+    ms = (time.perf_counter() - t0) * 1e3
+    return {"write_ms": 0.0, "exchange_ms": ms, "threads": 1.0, "written_after": 0.0}, held
+
+
 class Settler:
     """Writes of kernel-only parameters done after the pause, one batch at a time."""
 
@@ -159,12 +220,17 @@ class Settler:
             self._done.wait()
 
     def start(
-        self, acc: Access, writes: dict[str, ParamWrites], on_error: Callable[[str, str], None]
+        self,
+        acc: Access,
+        writes: dict[str, ParamWrites],
+        on_error: Callable[[str, str], None],
+        retired: dict[str, Any] | None = None,
     ) -> None:
         """Write ``writes`` in a background thread (after :meth:`wait`); ``on_error(param,
-        message)`` is called if a check fails (the words are then restored)."""
+        message)`` is called if a check fails (the words are then restored). ``retired``:
+        storage the pause replaced, released there one tensor at a time."""
         self.wait()
-        if not writes:
+        if not writes and not retired:
             return
         self._done.clear()
 
@@ -172,6 +238,9 @@ class Settler:
             t0 = time.perf_counter()
             error = None
             try:
+                while retired:
+                    retired.popitem()  # one tensor's memory back at a time
+                    time.sleep(0)
                 write_params(acc, writes, parallel=False)  # generation runs meanwhile
             except Exception as err:  # noqa: BLE001 - reported through on_error
                 error = f"{type(err).__name__}: {err}"

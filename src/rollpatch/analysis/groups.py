@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import re
 
+from ..formats.policy import is_router
+
 __all__ = ["GROUPS", "tensor_group"]
 
 #: Group names, in report order.
@@ -45,7 +47,6 @@ GROUPS: tuple[str, ...] = (
     "other",
 )
 
-_MOE_BLOCKS = {"mlp", "block_sparse_moe", "moe", "feed_forward", "ffn"}
 _EXPERTS = {"experts", "local_experts"}
 
 _LN = re.compile(r"^ln(_?[0-9a-z])?$")
@@ -91,10 +92,7 @@ def tensor_group(name: str) -> str:
         return "embeddings"
     if any("attn" in s or "attention" in s or s in _ATTN for s in segs):
         return "attention"
-    if any(
-        s in ("router", "shared_expert_gate") or (s == "gate" and i and segs[i - 1] in _MOE_BLOCKS)
-        for i, s in enumerate(segs)
-    ):
+    if is_router(name):  # one owner of the rule: the quantisation policy keeps routers BF16
         return "router"
     if any(s in _EXPERTS for s in segs):
         return "experts"

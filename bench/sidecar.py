@@ -1,7 +1,8 @@
 """Sidecar benchmark: proxy overhead, engine pause per commit, and relay fan-out.
 
 Run: ``python bench/sidecar.py`` (about 4 minutes on the 2-core development machine),
-``python bench/sidecar.py --quick`` (about 1.3 minutes), ``--json out.json`` for every sample.
+``python bench/sidecar.py --quick`` (about 1.3 minutes), ``--json out.json`` for every sample;
+``--parts proxy`` (or ``commits``, ``relay``) runs only those parts.
 
 **Model.** One random BF16 Llama from :func:`make_tiny_model` (hidden 256, 4 layers, 4 heads /
 2 kv heads, ff 688, vocab 2048: 4.0M parameters, a 7.9 MB served view) served by the built-in
@@ -16,17 +17,20 @@ a persistent direction ``P`` plus i.i.d. noise, ``s_t`` a per-tensor scale; publ
 
 **1. Proxy overhead.** The engine runs in **its own process** (the built-in engine,
 ``bench/_sidecar_engine.py``; with ``--engines reference,vllm`` also a vLLM 0.32 CPU server),
-the sidecar in this one, over real sockets. The same streaming completions (8 short arithmetic
-prompts, ``max_tokens`` 8, temperature 0, ``ignore_eos``, ``stream`` with
-``include_usage``: every request streams 8 tokens) sent at 1, 16 and 64 concurrent requests
-(closed loop), to the engine's own URL (direct) and through the sidecar (drain mode, follower
-polling a still board), in chunks ordered (direct, sidecar, sidecar, direct) x 2 rounds (1
-with ``--quick``) so drift in the machine's load hits both alike. The load generator is
-``httpx.AsyncClient`` in a subprocess (``bench/_sidecar_load.py``). CPU per request: the
-sidecar's (this process's ``time.process_time``) and the engine's (its process's, from
-``/proc``), each over a chunk — unlike wall-clock rows they do not depend on other jobs.
-Checked: every answer is 200 with 8 tokens and the same text for the same prompt on both
-paths, and the sidecar labels it with the version it serves.
+and so does the sidecar (``bench/_sidecar_proc.py``, as ``rollpatch sidecar --engine-url``
+runs it: nothing of this process's heap in it), over real sockets. The same completions (8
+short arithmetic prompts, ``max_tokens`` 8, temperature 0, ``ignore_eos``; ``--shapes``:
+``stream`` with ``include_usage``, every request streaming 8 tokens, and ``once``, one JSON
+answer) sent at 1, 16 and 64 concurrent requests (closed loop), to the engine's own URL
+(direct) and through the sidecar (drain mode, follower polling a still board), in chunks
+ordered (direct, sidecar, sidecar, direct) x 2 rounds (1 with ``--quick``) so drift in the
+machine's load hits both alike. The load generator is ``httpx.AsyncClient`` in a subprocess
+(``bench/_sidecar_load.py``). CPU per request: the sidecar's and the engine's process CPU
+time (from ``/proc``) over a chunk, divided by its requests; the sidecar's baseline is its
+own CPU over the direct chunks (the follower polling, nothing proxied). Unlike wall-clock
+rows, CPU rows hardly depend on other jobs. Checked: every answer is 200 with 8 tokens and
+the same text for the same prompt on both paths, and the sidecar labels it with the version
+it serves.
 
 **2. Engine pause per commit.** For each commit mode a fresh engine + sidecar boots from the
 board, then ``--versions`` versions are published one at a time, each waited for, under a

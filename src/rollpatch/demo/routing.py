@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,6 +37,7 @@ __all__ = [
     "REPLAY_SAMPLES",
     "HFReplay",
     "RoutingReport",
+    "Views",
     "check_routing",
     "decode_routed_experts",
     "moe_layers",
@@ -191,15 +192,21 @@ def _carried(r: Rollout, rep: RoutingReport, per: dict[str, Any]) -> np.ndarray 
     return rows
 
 
+class Views(Protocol):
+    """Served views by version (a :class:`~rollpatch.demo.verify.ViewHistory`, or a dict)."""
+
+    def get(self, version: int, /) -> View | None: ...
+
+
 def check_routing(
     model_dir: str | Path,
-    views: Any,
+    views: Views,
     rollouts: Sequence[Rollout],
     sample: Sequence[Rollout],
     workdir: str | Path,
 ) -> RoutingReport:
-    """Both checks (module doc). ``views.get(v)`` returns version ``v``'s served view (a
-    :class:`~rollpatch.demo.verify.ViewHistory`); ``sample`` are the responses to replay."""
+    """Both checks (module doc): every response in ``rollouts`` is checked for what it carried,
+    and those in ``sample`` are replayed under ``views.get(version)``."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -221,7 +228,7 @@ def check_routing(
             good[r.version].append((r, rows))
     first = min(rep.by_version, default=0)
     for v in sorted(good):
-        hf = HFReplay(model_dir, views.get(v), Path(workdir) / f"v{v}")
+        hf = HFReplay(model_dir, _view(views, v), Path(workdir) / f"v{v}")
         for r, rows in good[v]:
             routed, _ = hf.run(r.prompt)
             rep.replayed += 1
@@ -233,8 +240,15 @@ def check_routing(
                 )
     controls = [(r, rows) for v in sorted(good) if v != first for r, rows in good[v]]
     if controls:
-        hf = HFReplay(model_dir, views.get(first), Path(workdir) / f"v{first}-control")
+        hf = HFReplay(model_dir, _view(views, first), Path(workdir) / f"v{first}-control")
         for r, rows in controls:
             rep.control += 1
             rep.control_differ += int(not np.array_equal(hf.run(r.prompt)[0], rows))
     return rep
+
+
+def _view(views: Views, version: int) -> View:
+    view = views.get(version)
+    if view is None:
+        raise ConfigError("no served view of a version to replay", version=version)
+    return view

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import socket
 import subprocess
@@ -87,6 +88,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by this process (every thread) and ``pids``:
+    the work a version costs, whatever else the machine runs meanwhile."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    total = t.user + t.system
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def vm_hwm(pid: int) -> int:

@@ -18,6 +18,7 @@ def summarize(r: dict[str, Any]) -> dict[str, float]:
         "blocked_p50": statistics.median(x["blocked_s"] for x in vs),
         "blocked_max": max(x["blocked_s"] for x in vs),
         "published_p50": statistics.median(x["published_s"] for x in vs),
+        "cpu": statistics.median(x.get("cpu_s", 0.0) for x in vs),
         "island_peak": max(r["island_peaks"]),
         "region_peak": r["region_peak"],
     }
@@ -42,6 +43,7 @@ def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{x['p50'] / xor['p50']:.2f}" if xor else "-",
                 f"{x['blocked_p50']:.2f}/{x['blocked_max']:.2f}",
                 f"{x['published_p50']:.2f}",
+                f"{x['cpu']:.2f}",
                 f"{x['island_peak'] / 2**20:.0f}",
                 f"{x['region_peak'] / 2**20:.0f}",
             ]
@@ -59,11 +61,12 @@ def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
             "time this/xor",
             "blocked p50/max s",
             "published p50 s",
+            "CPU s/ver",
             "island MiB",
             "relay MiB",
         ],
         rows,
-        right=[False] + [True] * 12,
+        right=[False] + [True] * 13,
     )
 
 

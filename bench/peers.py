@@ -40,7 +40,10 @@ the run.
 / ``max s``: over versions, the time from the trainer's call until the *last* island serves
 it; ``blocked``: the trainer's call (rollpatch and XOR: the host snapshot of the masters;
 shardcast: writing the checkpoint and ``broadcast``); ``published``: from the call until the
-version is on the board with LATEST moved (shardcast: ``broadcast`` returned). Ratios are
+version is on the board with LATEST moved (shardcast: ``broadcast`` returned); ``CPU s/ver``:
+median CPU seconds (user + system) all the method's processes used per version — the trainer,
+relays or middle node, link and islands (background audits included) — the work a version
+costs whatever else the machine runs. Ratios are
 against shardcast (``sc/this``: how many times more bytes / time shardcast needs) and against
 XOR+zstd-1 (``this/xor``), all measured in the same run.
 
@@ -74,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _peers_procs import BenchError, Child, Relay, free_port
+from _peers_procs import BenchError, Child, Relay, cpu_seconds, free_port
 from _peers_report import render, targets
 from _peers_trace import phases, run_delay
 from _peers_trace import render as render_phases
@@ -110,6 +113,7 @@ def run_method(
     logs = root / "logs"
     closers: list[Callable[[], Any]] = []
     islands: list[Child] = []
+    cpu_pids: list[int] = []  # relays and middle node, for the CPU per version
     expected = meta["digests"]
     island_job = {
         "mode": method,
@@ -155,6 +159,7 @@ def run_method(
             del masters
             origin = Relay(board_uri, root / "origin-cache", logs, "origin-relay", 0.0, 0.0)
             closers.append(origin.close)
+            cpu_pids.append(origin.proc.pid)
             link = Child(
                 "link",
                 {
@@ -176,6 +181,7 @@ def run_method(
                 args.poll_s,
             )
             region_close = region.close
+            cpu_pids.append(region.proc.pid)
             for i in range(args.islands):
                 islands.append(Child(f"island{i}", {**island_job, "board": region.url}, logs))
                 islands[-1].expect("ready", 300)
@@ -214,6 +220,7 @@ def run_method(
                 logs,
             )
             mid.expect("ready", 60)
+            cpu_pids.append(mid.proc.pid)
 
             def region_close() -> int:
                 done = mid.close()
@@ -253,7 +260,7 @@ def run_method(
             def durable(v: int) -> dict[str, float]:
                 return {"total_s": sc_blocked[v], "snapshot_s": sc_blocked[v]}
 
-        out["versions"] = steps(args, work, publish, durable, link, islands)
+        out["versions"] = steps(args, work, publish, durable, link, islands, cpu_pids)
         for isl in islands:
             done = isl.close()
             if done is None or not done["bit_exact"]:
@@ -279,8 +286,10 @@ def steps(
     durable: Callable[[int], dict[str, float]],
     link: Child,
     islands: list[Child],
+    others: list[int],
 ) -> list[dict[str, Any]]:
     conns = [0]
+    pids = [isl.proc.pid for isl in islands] + [link.proc.pid, *others]
 
     def wan() -> int:
         link.send("stats")
@@ -293,7 +302,7 @@ def steps(
     conns_before = conns[0]
     for v in range(1, args.versions + 1):
         masters = load_masters(work, v)
-        delay0 = run_delay()
+        delay0, cpu0 = run_delay(), cpu_seconds(pids)
         t0 = time.time()
         blocked = publish(masters, v)
         del masters
@@ -307,6 +316,7 @@ def steps(
             time.sleep(0.01)
         lat = [isl.serving[v] - t0 for isl in islands]
         trainer_delay = run_delay() - delay0  # the trainer's threads (publisher included)
+        cpu = cpu_seconds(pids) - cpu0
         time.sleep(args.settle_s)  # trailing polls of this version count towards it
         now = wan()
         pub = durable(v)
@@ -328,6 +338,7 @@ def steps(
                 "all_s": max(lat),
                 "wan_bytes": now - before,
                 "wan_connections": conns[0] - conns_before,
+                "cpu_s": cpu,
             }
         )
         before, conns_before = now, conns[0]

@@ -145,13 +145,21 @@ def test_check_routing_passes_the_engines_routing_and_catches_each_fault(
     assert verdict["ok"] is False and "1 differ" in verdict["detail"]
 
 
-def test_routing_line_lists_every_version() -> None:
-    rt = {
+def test_routing_line_names_the_versions_that_lacked_routing() -> None:
+    rt: dict[str, Any] = {
         "model": {"experts": 8, "top_k": 2, "moe_layers": 2},
+        "responses": 48,
+        "with_routed_experts": 48,
+        "shapes": {"4x2x2": 48},
         "by_version": {
             str(v): {"responses": 4, "with_routed_experts": 4, "shapes": {}} for v in range(12)
         },
     }
     line = _routing_line(rt)
-    assert "v0 4/4" in line and "v11 4/4" in line
     assert all(len(x) <= 100 for x in line.splitlines())
+    line = " ".join(line.split())
+    assert "48 of 48" in line and "every version v0..v11" in line and "4x2x2 (48)" in line
+    rt["by_version"]["7"]["with_routed_experts"] = 1
+    rt["with_routed_experts"] = 45
+    line = " ".join(_routing_line(rt).split())  # unwrapped
+    assert "45 of 48" in line and "missing in v7 (3 of 4)" in line

@@ -286,15 +286,27 @@ def summary_table(r: dict[str, Any]) -> str:
 
 
 def _routing_line(rt: dict[str, Any]) -> str:
-    """Responses with ``routed_experts`` of all responses, per version."""
+    """Routing carried per version: compact when every response carried it (the counts per
+    version are in the JSON), else each version that lacked some."""
     m = rt["model"]
-    per = ", ".join(
-        f"v{v} {d['with_routed_experts']}/{d['responses']}"
-        for v, d in sorted(rt["by_version"].items(), key=lambda kv: int(kv[0]))
+    per = sorted(((int(v), d) for v, d in rt["by_version"].items()), key=lambda vd: vd[0])
+    short = [(v, d) for v, d in per if d["with_routed_experts"] < d["responses"]]
+    counts = [d["responses"] for _, d in per] or [0]
+    shapes = ", ".join(f"{k} ({n})" for k, n in sorted(rt["shapes"].items())) or "none"
+    where = (
+        f"every version v{per[0][0]}..v{per[-1][0]} ({min(counts)}-{max(counts)} responses "
+        "each; per version in the JSON)"
+        if per and not short
+        else "missing in "
+        + ", ".join(
+            f"v{v} ({d['responses'] - d['with_routed_experts']} of {d['responses']})"
+            for v, d in short
+        )
     )
     return textwrap.fill(
         f"routing  {m['experts']} experts, top-{m['top_k']}, {m['moe_layers']} MoE layers; "
-        f"responses with routed_experts per version: {per}",
+        f"routed_experts in {rt['with_routed_experts']} of {rt['responses']} responses: {where}; "
+        f"shape tokens x layers x top-k {shapes}",
         width=100,
         subsequent_indent=" " * 9,
     )

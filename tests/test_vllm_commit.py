@@ -140,7 +140,9 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
         ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
     ]
     w = weights.RuntimeWeights(
-        specs, {s.param: get_kind("bf16") for s in specs}, TorchParams(model, 1, alias=True).access()
+        specs,
+        {s.param: get_kind("bf16") for s in specs},
+        TorchParams(model, 1, alias=True).access(),
     )
 
     def words() -> dict[str, np.ndarray]:
@@ -211,7 +213,9 @@ def test_kernel_only_words_are_written_after_the_pause() -> None:
         ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
     ]
     w = weights.RuntimeWeights(
-        specs, {s.param: get_kind("bf16") for s in specs}, TorchParams(model, 1, alias=True).access()
+        specs,
+        {s.param: get_kind("bf16") for s in specs},
+        TorchParams(model, 1, alias=True).access(),
     )
 
     def words() -> dict[str, np.ndarray]:
@@ -382,3 +386,17 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
     w.commit_staged(w.stage(got, known=states))
     assert w.root() == views[-1].digest()
     assert w.digests(fresh=True) == views[-1].tensor_digests()
+
+
+def test_sidecar_engines_take_the_write_mode() -> None:
+    """``rollpatch sidecar --writes``: the vLLM and reference adapters take it; SGLang's
+    refuses a mode it does not have; an unknown mode is a ConfigError."""
+    from rollpatch.errors import ConfigError
+    from rollpatch.sidecar.server import make_engine
+
+    engine, _ = make_engine("vllm", engine_url="http://127.0.0.1:9", writes="double_buffer")
+    assert engine.writes == "double_buffer"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError):
+        make_engine("sglang", engine_url="http://127.0.0.1:9", writes="double_buffer")
+    with pytest.raises(ConfigError):
+        VllmEngine("http://127.0.0.1:9", writes="both")  # type: ignore[arg-type]

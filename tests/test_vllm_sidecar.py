@@ -449,11 +449,12 @@ def _long_stream(
 def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None:
     """Pause mode (vLLM's /pause?mode=keep through the adapter): a generation that has
     streamed tokens survives a commit, finishes, and is labelled with both versions; short
-    answers between commits are checked against the versions."""
+    answers between commits are checked against the versions. Commits here are
+    double-buffered (``--writes double_buffer``: storage exchanged under the pause)."""
     from rollpatch.sidecar import SidecarConfig
     from rollpatch.sidecar.server import make_engine, start_sidecar
 
-    engine, url = make_engine("vllm", engine_url=server.url)
+    engine, url = make_engine("vllm", engine_url=server.url, writes="double_buffer")
     have = world.latest
     engine.load(world.views[have], have)  # the label checks left the server elsewhere
     sc = start_sidecar(

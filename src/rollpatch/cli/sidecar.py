@@ -44,6 +44,14 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--admin-token-file", help="require this bearer token on admin routes")
     p.add_argument("--threads", type=int, help="torch threads for the reference engine")
+    p.add_argument(
+        "--writes",
+        choices=("in_place", "double_buffer"),
+        default="in_place",
+        help="how a commit reaches the weights (reference, vllm): in_place (the pause scatters "
+        "the changed words) or double_buffer (new storage built while serving, exchanged in "
+        "the pause: shortest pause, + the touched parameters in memory); docs/engines.md",
+    )
     # the flags of the sidecar's and its follower's configs (defaults: the configs' own)
     add_config_flags(p, SidecarConfig, skip=SIDECAR_SET_OTHERWISE)
     add_config_flags(
@@ -97,7 +105,11 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     )
     options = serve_options(args)
     engine, url = make_engine(
-        args.engine, model=args.model, engine_url=args.engine_url, threads=args.threads
+        args.engine,
+        model=args.model,
+        engine_url=args.engine_url,
+        threads=args.threads,
+        writes=args.writes,
     )
     running = start_sidecar(
         board,

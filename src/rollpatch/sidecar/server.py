@@ -7,6 +7,7 @@ from typing import Any
 
 from ..board import Board
 from ..engines.base import EngineAdapter
+from ..engines.staged import WriteMode
 from ..errors import ConfigError
 from ..serving import ServerHandle, serve_app
 from .service import Sidecar, SidecarConfig
@@ -22,22 +23,26 @@ def make_engine(
     model: str | None = None,
     engine_url: str | None = None,
     threads: int | None = None,
+    writes: WriteMode = "in_place",
 ) -> tuple[EngineAdapter, str]:
-    """Build an engine adapter and the URL its OpenAI routes are served at."""
+    """Build an engine adapter and the URL its OpenAI routes are served at (``writes``: the
+    reference and vLLM engines' :data:`~rollpatch.engines.staged.WriteMode`)."""
     if kind == "reference":
         if model is None:
             raise ConfigError("--engine reference needs --model DIR")
         from ..engines.reference import ReferenceEngine
 
-        ref = ReferenceEngine.from_dir(model, threads=threads)
+        ref = ReferenceEngine.from_dir(model, threads=threads, writes=writes)
         return ref, ref.url
     if kind == "vllm":
         if engine_url is None:
             raise ConfigError("--engine vllm needs --engine-url http://HOST:PORT")
         from ..engines.vllm import VllmEngine
 
-        return VllmEngine(engine_url), engine_url
+        return VllmEngine(engine_url, writes=writes), engine_url
     if kind == "sglang":
+        if writes != "in_place":
+            raise ConfigError("--writes double_buffer is for the reference and vllm engines")
         if engine_url is None:
             raise ConfigError("--engine sglang needs --engine-url http://HOST:PORT")
         from ..engines.sglang import SglangEngine

@@ -229,8 +229,9 @@ def _failures(ctx: dict[str, Any]) -> str:
         f"{r['engine']} {r.get('shape', 'stream')} {t} c={r['c']}: {len(r[t]['errors'])}"
         for r in ctx["proxy"]
         for t in ("sidecar", "direct")
+        if r[t]["errors"]
     ]
-    parts += [f"{m['mode']} mode: {len(m['errors'])}" for m in ctx["commits"]]
+    parts += [f"{m['mode']} mode: {len(m['errors'])}" for m in ctx["commits"] if m["errors"]]
     return ", ".join(parts) or "none"
 
 
@@ -284,7 +285,11 @@ def render(ctx: dict[str, Any]) -> str:
                 f"catch-up (plan {ctx['relay_plan']}), the same with or without the relay"
             ),
         ]
-    checked = [f"{ctx['n_checked']} engine/follower digests equal cast_view(masters) computed here"]
+    checked = []
+    if ctx["n_checked"]:
+        checked.append(
+            f"{ctx['n_checked']} engine/follower digests equal cast_view(masters) computed here"
+        )
     if ctx["proxy"]:
         checked.append(
             "identical text per prompt on both proxy paths, every sidecar answer labelled"
@@ -324,7 +329,7 @@ def _proxy_foot(ctx: dict[str, Any]) -> list[str]:
             "           during the direct chunks (follower polling, nothing proxied): 'added' is "
             "what proxying costs; engine CPU/req likewise from /proc"
         ),
-        "           (CPU rows do not depend on other jobs' load, unlike the wall-clock rows)",
+        "           (CPU rows depend far less on other jobs' load than the wall-clock rows)",
     ]
 
 

@@ -19,12 +19,13 @@ import pytest
 
 from rollpatch.demo.config import DemoConfig
 from rollpatch.demo.grpo import Rollout
-from rollpatch.demo.report import _routing, _routing_line
 from rollpatch.demo.routing import (
     check_routing,
     decode_routed_experts,
     moe_layers,
     pick_spread,
+    routing_invariant,
+    routing_line,
 )
 from rollpatch.errors import ConfigError
 
@@ -119,7 +120,7 @@ def test_check_routing_passes_the_engines_routing_and_catches_each_fault(
     assert rep.to_json()["by_version"] == {
         "0": {"responses": 1, "with_routed_experts": 1, "shapes": {f"{n}x2x2": 1}}
     }
-    assert _routing(rep.to_json(), {})["ok"] is True
+    assert routing_invariant(rep.to_json(), {})["ok"] is True
 
     swapped = rows.copy()
     swapped[2, 1] = (swapped[2, 1] + 1) % 8  # one expert of one token in one layer
@@ -136,16 +137,16 @@ def test_check_routing_passes_the_engines_routing_and_catches_each_fault(
     for what, bad in faults.items():
         rep = check_routing(path, views, [good, bad], [good], tmp_path / "bad")
         assert len(rep.problems) == 1, what
-        assert _routing(rep.to_json(), {})["ok"] is False, what
+        assert routing_invariant(rep.to_json(), {})["ok"] is False, what
     wrong = replace(good, routed_experts=_encode(swapped))
     rep = check_routing(path, views, [wrong], [wrong], tmp_path / "wrong")
     assert rep.problems == [] and rep.replayed == 1
     assert [m["tokens"] for m in rep.replay_mismatches] == [[2]]
-    verdict = _routing(rep.to_json(), {})
+    verdict = routing_invariant(rep.to_json(), {})
     assert verdict["ok"] is False and "1 differ" in verdict["detail"]
 
 
-def test_routing_line_names_the_versions_that_lacked_routing() -> None:
+def test_routing_line_names_the_versions_that_lackedrouting_invariant() -> None:
     rt: dict[str, Any] = {
         "model": {"experts": 8, "top_k": 2, "moe_layers": 2},
         "responses": 48,
@@ -155,11 +156,11 @@ def test_routing_line_names_the_versions_that_lacked_routing() -> None:
             str(v): {"responses": 4, "with_routed_experts": 4, "shapes": {}} for v in range(12)
         },
     }
-    line = _routing_line(rt)
+    line = routing_line(rt)
     assert all(len(x) <= 100 for x in line.splitlines())
     line = " ".join(line.split())
     assert "48 of 48" in line and "every version v0..v11" in line and "4x2x2 (48)" in line
     rt["by_version"]["7"]["with_routed_experts"] = 1
     rt["with_routed_experts"] = 45
-    line = " ".join(_routing_line(rt).split())  # unwrapped
+    line = " ".join(routing_line(rt).split())  # unwrapped
     assert "45 of 48" in line and "missing in v7 (3 of 4)" in line

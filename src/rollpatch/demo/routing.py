@@ -21,6 +21,7 @@ import base64
 import binascii
 import io
 import shutil
+import textwrap
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ __all__ = [
     "decode_routed_experts",
     "moe_layers",
     "pick_spread",
+    "routing_invariant",
+    "routing_line",
 ]
 
 #: Responses whose routing is replayed by transformers (spread over islands and versions).
@@ -252,3 +255,61 @@ def _view(views: Views, version: int) -> View:
     if view is None:
         raise ConfigError("no served view of a version to replay", version=version)
     return view
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+def routing_invariant(rt: dict[str, Any] | None, ver: dict[str, Any]) -> dict[str, Any]:
+    """MoE: every response carried its routing, labelled; transformers replays a sample."""
+    if rt is None:
+        if "skipped" in ver:
+            return {"ok": None, "detail": ver["skipped"]}
+        return {"ok": False, "detail": "the trainer sent no routing report"}
+    n, carried = int(rt["responses"]), int(rt["with_routed_experts"])
+    ok = (
+        n > 0
+        and carried == n
+        and rt["problems"] == 0
+        and rt["replayed"] > 0
+        and rt["replay_mismatches"] == 0
+    )
+    detail = (
+        f"{carried} of {n} responses carried routed_experts (tokens x layers x top-k: "
+        + ", ".join(f"{k} in {v}" for k, v in sorted(rt["shapes"].items()))
+        + f"), {n - rt['problems']} well formed with one span of their labelled version; "
+        f"transformers replayed {rt['replayed']} of them ({rt['replayed_tokens']} tokens) under "
+        f"the labelled version: {rt['replay_mismatches']} differ; control: "
+        f"{rt['control_differ']}/{rt['control_replayed']} route differently under the first "
+        "version"
+    )
+    if rt["problems"]:
+        detail += f"; first problems: {rt['first_problems'][:2]}"
+    return {"ok": ok, "detail": detail}
+
+
+def routing_line(rt: dict[str, Any]) -> str:
+    """Routing carried per version: compact when every response carried it (the counts per
+    version are in the JSON), else each version that lacked some."""
+    m = rt["model"]
+    per = sorted(((int(v), d) for v, d in rt["by_version"].items()), key=lambda vd: vd[0])
+    short = [(v, d) for v, d in per if d["with_routed_experts"] < d["responses"]]
+    counts = [d["responses"] for _, d in per] or [0]
+    shapes = ", ".join(f"{k} ({n})" for k, n in sorted(rt["shapes"].items())) or "none"
+    where = (
+        f"every version v{per[0][0]}..v{per[-1][0]} ({min(counts)}-{max(counts)} responses "
+        "each; per version in the JSON)"
+        if per and not short
+        else "missing in "
+        + ", ".join(
+            f"v{v} ({d['responses'] - d['with_routed_experts']} of {d['responses']})"
+            for v, d in short
+        )
+    )
+    return textwrap.fill(
+        f"routing  {m['experts']} experts, top-{m['top_k']}, {m['moe_layers']} MoE layers; "
+        f"routed_experts in {rt['with_routed_experts']} of {rt['responses']} responses: {where}; "
+        f"shape tokens x layers x top-k {shapes}",
+        width=100,
+        subsequent_indent=" " * 9,
+    )

@@ -330,6 +330,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert r["ok"] is True
     assert all(inv["ok"] is True for inv in r["invariants"].values()), r["invariants"]
     assert r["verification"]["checked"] > 0 and r["verification"]["mismatches"] == 0
+    assert r["routing"] is None and "routing_replays" not in r["invariants"]  # dense model
     assert [v["version"] for v in r["versions"]] == [0, 1, 2, 3, 4]
     full = r["model"]["full_view_bytes"]
     for v in r["versions"][1:]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import shutil
 import textwrap
 from collections import Counter, defaultdict
@@ -210,8 +211,6 @@ def check_routing(
 ) -> RoutingReport:
     """Both checks (module doc): every response in ``rollouts`` is checked for what it carried,
     and those in ``sample`` are replayed under ``views.get(version)``."""
-    import json
-
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     rep = RoutingReport(
         layers=moe_layers(cfg),

@@ -204,6 +204,28 @@ def test_streaming_carries_versions(sidecar: RunningSidecar, world: World) -> No
     assert "rollpatch" in chunks[-1] and chunks[-1]["rollpatch"]["version_start"] is not None
 
 
+def test_a_client_leaving_mid_stream_gives_its_slot_back(sidecar: RunningSidecar) -> None:
+    """The stream's slot comes back when the client goes away before the end (the sidecar
+    closes its engine connection then), and the island keeps serving."""
+    gate = sidecar.sidecar.gate
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{sidecar.url}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data:")
+        assert gate.inflight == 1
+    deadline = time.monotonic() + 30
+    while gate.inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gate.inflight == 0
+    chunks = list(
+        _client(sidecar).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True)
+    )
+    assert chunks and chunks[-1].model_dump()["rollpatch"]["version_start"] is not None
+
+
 def test_bad_requests(sidecar: RunningSidecar) -> None:
     r = httpx.post(f"{sidecar.url}/v1/completions", content=b"{nope")
     assert r.status_code == 400

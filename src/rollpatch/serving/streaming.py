@@ -2,10 +2,11 @@
 
 Both services pass an OpenAI stream through (the sidecar from its engine, the gateway from a
 sidecar) and annotate its *last* data event (the versions it ran under; the island that
-served it). :func:`relay_sse` does the pass-through once: each ``data:`` line becomes one
-event, other lines (comments, keep-alives) are dropped, the last data event is held back and
-handed to the caller's ``last_event`` before ``[DONE]`` (or the end), and an upstream failure
-may end the stream with an error event (:func:`sse_data`).
+served it). :class:`SseRelay` does the pass-through once, on bytes as they arrive: each
+``data:`` line becomes one event, other lines (comments, keep-alives) are dropped, the last
+data event is held back and handed to the caller's ``last_event`` before ``[DONE]`` (or the
+end). :func:`relay_sse` runs it over an iterator of lines (the gateway's), where an upstream
+failure may end the stream with an error event (:func:`sse_data`).
 
 :class:`OwnedStream` is a streaming response that owns what the stream holds (an admission
 slot, the upstream response): its ``on_close`` runs however the response ends — sent in full,

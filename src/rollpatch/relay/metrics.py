@@ -7,9 +7,10 @@ and one :class:`Metrics` per relay keeps several relays in one process (tests, c
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "CountRequests", "Metrics"]
 
 #: The ``Content-Type`` of :meth:`Metrics.render`.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,3 +104,50 @@ def _escape(value: str) -> str:
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _route(path: str) -> str:
+    for prefix, name in (
+        ("/v1/objects/", "objects"),
+        ("/v1/list", "list"),
+        ("/metrics", "metrics"),
+        ("/health", "health"),
+    ):
+        if path.startswith(prefix):
+            return name
+    return "other"
+
+
+class CountRequests:
+    """ASGI middleware: ``rollpatch_relay_requests_total{route,method,status}``."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        counted = False
+
+        def count(status: int) -> None:
+            self.metrics.inc(
+                "rollpatch_relay_requests_total",
+                route=_route(scope["path"]),
+                method=scope["method"],
+                status=str(status),
+            )
+
+        async def send_counted(message: MutableMapping[str, Any]) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start":  # before the client can see it
+                counted = True
+                count(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if not counted:
+                count(500)

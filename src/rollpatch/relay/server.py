@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, BinaryIO, TypeVar
 
@@ -33,7 +33,7 @@ from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
 from .core import Blob, Relay
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, CountRequests
 
 __all__ = ["RelayServer", "create_app", "parse_range"]
 
@@ -104,58 +104,11 @@ async def _wait(future: Future[T]) -> T:
     return await asyncio.wrap_future(future)
 
 
-def _route(path: str) -> str:
-    for prefix, name in (
-        ("/v1/objects/", "objects"),
-        ("/v1/list", "list"),
-        ("/metrics", "metrics"),
-        ("/health", "health"),
-    ):
-        if path.startswith(prefix):
-            return name
-    return "other"
-
-
-class _CountRequests:
-    """ASGI middleware: ``rollpatch_relay_requests_total{route,method,status}``."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]], relay: Relay) -> None:
-        self.app = app
-        self.relay = relay
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        counted = False
-
-        def count(status: int) -> None:
-            self.relay.metrics.inc(
-                "rollpatch_relay_requests_total",
-                route=_route(scope["path"]),
-                method=scope["method"],
-                status=str(status),
-            )
-
-        async def send_counted(message: MutableMapping[str, Any]) -> None:
-            nonlocal counted
-            if message["type"] == "http.response.start":  # before the client can see it
-                counted = True
-                count(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_counted)
-        finally:
-            if not counted:
-                count(500)
-
-
 def create_app(relay: Relay) -> FastAPI:
     """The ASGI app serving ``relay``: ``/v1/objects/{key}``, ``/v1/list``, ``/metrics``,
     ``/health``."""
     app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None)  # /openapi.json
-    app.add_middleware(_CountRequests, relay=relay)
+    app.add_middleware(CountRequests, metrics=relay.metrics)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         return _error(_status(exc), exc)

@@ -1,0 +1,85 @@
+"""The per-version loop of ``bench/peers.py``: publish one version, wait until every island
+serves it, then record its timings, phases (``_peers_trace``), WAN bytes and CPU seconds."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _peers_procs import BenchError, Child, cpu_seconds
+from _peers_trace import phases, run_delay
+from _peers_versions import load_masters
+from _util import log
+
+
+def steps(
+    args: argparse.Namespace,
+    work: Path,
+    publish: Callable[..., float],
+    durable: Callable[[int], dict[str, float]],
+    link: Child,
+    islands: list[Child],
+    others: list[int],
+) -> list[dict[str, Any]]:
+    conns = [0]
+    pids = [isl.proc.pid for isl in islands] + [link.proc.pid, *others]
+
+    def wan() -> int:
+        link.send("stats")
+        s = link.expect("stats", 30)
+        conns[0] = int(s["connections"])
+        return int(s["bytes_up"]) + int(s["bytes_down"])
+
+    rows: list[dict[str, Any]] = []
+    before = wan()
+    conns_before = conns[0]
+    for v in range(1, args.versions + 1):
+        masters = load_masters(work, v)
+        delay0, cpu0 = run_delay(), cpu_seconds(pids)
+        t0 = time.time()
+        blocked = publish(masters, v)
+        del masters
+        deadline = time.monotonic() + args.timeout_s
+        while not all(v in isl.serving for isl in islands):
+            if time.monotonic() > deadline:
+                raise BenchError(f"v{v}: not every island served it within {args.timeout_s}s")
+            for isl in islands:
+                if isl.proc.poll() is not None:
+                    raise BenchError(f"{isl.name} exited with status {isl.proc.returncode}")
+            time.sleep(0.01)
+        lat = [isl.serving[v] - t0 for isl in islands]
+        trainer_delay = run_delay() - delay0  # the trainer's threads (publisher included)
+        cpu = cpu_seconds(pids) - cpu0
+        time.sleep(args.settle_s)  # trailing polls of this version count towards it
+        now = wan()
+        pub = durable(v)
+        last = max(islands, key=lambda isl: isl.serving[v])
+        rows.append(
+            {
+                "version": v,
+                "blocked_s": blocked,
+                "published_s": pub["total_s"],
+                "publisher": pub,
+                "phases": (
+                    phases(pub, t0, last.served[v], trainer_delay)
+                    if "trace" in last.served[v]
+                    else None
+                ),
+                "trace": last.served[v].get("trace"),
+                "t_call": t0,
+                "island_s": lat,
+                "all_s": max(lat),
+                "wan_bytes": now - before,
+                "wan_connections": conns[0] - conns_before,
+                "cpu_s": cpu,
+            }
+        )
+        before, conns_before = now, conns[0]
+        log(
+            f"  v{v}: blocked {blocked:.2f}s, all islands {max(lat):.2f}s, "
+            f"WAN {rows[-1]['wan_bytes'] / 1e6:.2f} MB"
+        )
+    return rows

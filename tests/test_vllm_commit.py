@@ -124,13 +124,14 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
     written; a clean commit writes every slice and reads it back."""
     torch = pytest.importorskip("torch")
     from rollpatch import native
-    from rollpatch.engines.vllm import weights, writes
+    from rollpatch.engines import writing
+    from rollpatch.engines.vllm import weights
     from rollpatch.engines.vllm.layout import ParamSpec, Shard
     from rollpatch.engines.vllm.params import TorchParams
 
     if native.core is None:
         pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
-    monkeypatch.setattr(writes, "SLICE", 3)  # many slices per parameter
+    monkeypatch.setattr(writing, "SLICE", 3)  # many slices per parameter
     monkeypatch.setenv("ROLLPATCH_THREADS", "2")
     torch.manual_seed(0)
     model = torch.nn.Module()

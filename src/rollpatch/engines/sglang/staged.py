@@ -39,6 +39,7 @@ from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
 from ..staged import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
+from ..writing import ParamWrites, numpy_access, write_params
 from .update import Staged, as_delta, merge_writes
 
 __all__ = ["HeldWeights", "Staged"]
@@ -92,6 +93,7 @@ class HeldWeights:
         self._sums: dict[str, tuple[int, int]] = {}  # rp.sum128 states behind _digests
         self._cursor = 0
         self.staged: dict[str, Staged] = {}
+        self._access = numpy_access(self.params)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -244,22 +246,12 @@ class HeldWeights:
                 expected=staged.base[:16],
                 actual=self.root()[:16],
             )
-        flat = {p: self.params[p].reshape(-1) for p in staged.writes}
-        for p, w in staged.writes.items():
-            if not np.array_equal(flat[p][w.offsets], w.old):
-                raise BaseMismatchError("live words differ from the staged base", param=p)
-        try:
-            for p, w in staged.writes.items():
-                flat[p][w.offsets] = w.new
+        writes = {p: ParamWrites(w.offsets, w.old, w.new) for p, w in staged.writes.items()}
+        try:  # old words checked as overwritten, slice by slice, read back; on every core
+            write_params(self._access, writes, parallel=True)
             repack(set(staged.writes))
-            bad = [
-                p for p, w in staged.writes.items() if not np.array_equal(flat[p][w.offsets], w.new)
-            ]
-            if bad:
-                raise TargetMismatchError(
-                    "written words do not read back", param=bad[0], mismatched=len(bad)
-                )
         except BaseException:
+            flat = {p: self.params[p].reshape(-1) for p in staged.writes}
             for p, w in staged.writes.items():
                 flat[p][w.offsets] = w.old
             repack(set(staged.writes))

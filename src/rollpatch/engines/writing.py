@@ -1,0 +1,168 @@
+"""Staged words written into an engine's parameters: the :class:`Access` an engine's glue
+lends, one parameter's staged writes (:class:`ParamWrites`), and :func:`write_params`, the
+checked, sliced, read-back writer both the vLLM worker and the SGLang extension commit with.
+
+A commit writes each parameter in slices of :data:`SLICE` positions: the old words checked as
+they are overwritten (the native core's ``apply``, where the access has it), each slice read
+back while it is still in cache; parameters in parallel on the CPU. On any failure the words
+already written are put back, so a failed commit leaves the old version whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import TargetMismatchError
+from ..native import threads
+
+__all__ = ["SLICE", "Access", "ParamWrites", "increasing", "numpy_access", "write_params"]
+
+#: Positions written then read back at a time (a slice's words stay in cache).
+SLICE = 1 << 16
+
+
+@dataclass
+class Access:
+    """How the core reaches one worker's parameters (implemented by the engine glue).
+
+    ``read(param)``: the parameter's words as a numpy array of its logical 2-D shape — a view
+    of the parameter's memory where possible (CPU), else a host copy (GPU).
+    ``write(param, offsets, values)``: store words at row-major logical ``offsets``
+    (stride-aware). ``write_block(param, index, block)``: store a 2-D block at a pair of
+    slices (keyframe loads: no per-element offsets). ``repack(params)``: rebuild derived buffers
+    after writing those parameters. ``gather(param, local)``: every rank's copy of ``param``
+    (TP > 1), in rank order. ``aliases``: True when ``read`` returns views, so lent tensors can
+    be zero-copy.
+    """
+
+    read: Callable[[str], np.ndarray]
+    write: Callable[[str, np.ndarray, np.ndarray], None]
+    write_block: Callable[[str, tuple[slice, slice], np.ndarray], None]
+    repack: Callable[[set[str]], None] = lambda params: None
+    gather: Callable[[str, np.ndarray], list[np.ndarray]] | None = None
+    aliases: bool = False
+    prepare: Callable[[str, np.ndarray], np.ndarray] | None = None
+    scatter: Callable[[str, np.ndarray, np.ndarray], None] | None = None
+    read_at: Callable[[str, np.ndarray], np.ndarray] | None = None
+    #: Optional (CPU): derived buffers built before the pause from the staged words
+    #: (``prebuild({param: (prepared, old, new)}, buffers)``: old words checked, new ones read
+    #: back in a copy, or built from the double-buffered commit's ``buffers``), swapped in under it (``install(prebuilt)`` → the modules installed), so
+    #: the pause does not re-pack whole modules.
+    prebuild: Callable[..., Any] | None = None
+    install: Callable[[Any], set[str]] | None = None
+    #: Optional: ``swap(param, prepared, old, new)`` checks that the words at ``prepared``
+    #: (increasing storage offsets) are ``old`` and writes ``new``, in one pass, all or
+    #: nothing (raises :class:`BaseMismatchError`); else the commit scatters blindly.
+    swap: Callable[[str, np.ndarray, np.ndarray, np.ndarray], None] | None = None
+    #: Optional (CPU): ``kernel_only(param)`` is True when the engine reads ``param`` only
+    #: through its module's packed kernel, which holds its own copy of the words. Once a
+    #: prebuilt kernel is installed, such a parameter's own words are written after the
+    #: pause, in the background (:class:`Settler`).
+    kernel_only: Callable[[str], bool] | None = None
+    #: Optional (CPU): the double-buffered commit. ``buffer(param, prepared, old, new)``
+    #: → a second buffer of ``param`` with the writes in (checked, read back), before the
+    #: pause; ``exchange({param: buffer})`` puts the buffers in place of the parameters'
+    #: storage under the pause (O(1) each) and returns the buffers it replaced.
+    buffer: Callable[[str, np.ndarray, np.ndarray, np.ndarray], Any] | None = None
+    exchange: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+
+@dataclass
+class ParamWrites:
+    """One runtime parameter's staged writes (every checkpoint tensor fused into it)."""
+
+    prepared: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+
+
+def increasing(w: ParamWrites) -> ParamWrites:
+    """The writes in storage order (done while staging: the pause then writes and reads
+    memory front to back, and a one-pass check-and-write can rely on it)."""
+    if w.prepared.size > 1 and not bool(np.all(w.prepared[1:] > w.prepared[:-1])):
+        order = np.argsort(w.prepared, kind="stable")
+        w = ParamWrites(w.prepared[order], w.old[order], w.new[order])
+    return w
+
+
+def write_params(acc: Access, writes: dict[str, ParamWrites], *, parallel: bool) -> int:
+    """Write every parameter of ``writes`` (checked, sliced, read back); returns the number
+    of threads used. On failure the parameters started are restored and the error raised."""
+    scatter = acc.scatter or (lambda param, off, values: acc.write(param, off, values))
+    read_at = acc.read_at or (lambda param, off: acc.read(param).reshape(-1)[off])
+    write = acc.swap or (lambda param, off, old, new: scatter(param, off, new))
+    started: list[str] = []
+
+    def one(param: str) -> None:
+        w = writes[param]
+        started.append(param)
+        for i in range(0, w.prepared.size, SLICE):
+            s = slice(i, i + SLICE)
+            write(param, w.prepared[s], w.old[s], w.new[s])
+            if not np.array_equal(read_at(param, w.prepared[s]), w.new[s]):
+                raise TargetMismatchError("read-back of written weights differs", param=param)
+
+    n = min(threads(), len(writes)) if parallel and acc.aliases else 1
+    try:
+        if n > 1:  # the writes are the only work that matters now: on every core
+            with ThreadPoolExecutor(n, thread_name_prefix="rollpatch-write") as pool:
+                list(pool.map(one, writes))
+        else:
+            for param in writes:
+                one(param)
+    except BaseException:
+        for param in started:  # words not reached yet are the old ones already
+            scatter(param, writes[param].prepared, writes[param].old)
+        raise
+    return max(n, 1)
+
+
+def numpy_access(params: Mapping[str, np.ndarray]) -> Access:
+    """An :class:`Access` over C-contiguous numpy arrays that are the parameters' own memory
+    (offsets are flat row-major; the native core checks and writes where it can)."""
+    from .. import native
+
+    core = native.core
+
+    def flat(p: str) -> np.ndarray:
+        return params[p].reshape(-1)
+
+    def scatter(p: str, off: np.ndarray, values: np.ndarray) -> None:
+        flat(p)[off] = values
+
+    def read_at(p: str, off: np.ndarray) -> np.ndarray:
+        fl = flat(p)
+        if core is None or fl.itemsize not in (2, 4):
+            return fl[off]
+        out = np.empty(off.size, fl.dtype)
+        core.gather((8 * fl.itemsize, 2, 0, 0), fl, off, out)  # GIL released
+        return out
+
+    def swap(p: str, off: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+        fl = flat(p)
+        if core is None or fl.itemsize not in (2, 4):
+            if not np.array_equal(fl[off], old):
+                from ..errors import BaseMismatchError
+
+                raise BaseMismatchError("held words differ from the update's old words", param=p)
+            fl[off] = new
+            return
+        core.apply((8 * fl.itemsize, 2, 0, 0), fl, off, old, new)
+
+    def write_block(p: str, index: tuple[slice, slice], block: np.ndarray) -> None:
+        params[p][index] = block
+
+    return Access(
+        lambda p: params[p],
+        scatter,
+        write_block,
+        aliases=True,
+        scatter=scatter,
+        read_at=read_at,
+        swap=swap,
+    )

@@ -25,7 +25,7 @@ TensorOp = Literal["delta", "full", "drop"]
 OPS: tuple[TensorOp, ...] = ("delta", "full", "drop")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class DeltaOp:
     """Same kind and shape: changed ``positions`` (int64, strictly increasing element
     indices) with their ``old`` and ``new`` elements (``kind.elem_dtype``, ``old != new``)."""
@@ -39,7 +39,7 @@ class DeltaOp:
         return iter((self.positions, self.old, self.new))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class FullOp:
     """A new or reshaped tensor: ``tensor`` holds it whole."""
 
@@ -47,7 +47,7 @@ class FullOp:
     op: ClassVar[Literal["full"]] = "full"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DropOp:
     """The tensor is gone: no payload."""
 
@@ -59,7 +59,7 @@ class DropOp:
 Op = DeltaOp | FullOp | DropOp
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class TensorPatch:
     """One tensor's transition: ``change`` is the operation with its payload.
 
@@ -74,15 +74,13 @@ class TensorPatch:
     target_digest: str | None
     change: Op
 
-    def __post_init__(self) -> None:
-        match self.change:
-            case DeltaOp(positions, old, new):
-                if not (positions.shape == old.shape == new.shape):
-                    raise PatchError("positions/old/new lengths differ", tensor=self.name)
-            case FullOp() | DropOp():
-                pass
-            case _:
-                raise PatchError(f"unknown tensor op {self.change!r}", tensor=self.name)
+    def __post_init__(self) -> None:  # isinstance, not match: built once per changed tensor
+        c = self.change
+        if isinstance(c, DeltaOp):
+            if not (c.positions.shape == c.old.shape == c.new.shape):
+                raise PatchError("positions/old/new lengths differ", tensor=self.name)
+        elif not isinstance(c, (FullOp, DropOp)):
+            raise PatchError(f"unknown tensor op {c!r}", tensor=self.name)
 
     @property
     def op(self) -> TensorOp:

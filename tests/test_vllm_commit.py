@@ -118,6 +118,19 @@ def test_adapter_commits_in_one_call_and_the_gate_does_not_pause() -> None:
     assert not any(c[0].startswith("/pause") for c in fake.calls)
 
 
+def _weights(model: Any, *, alias: bool | None = None) -> Any:
+    """The worker's core over ``model``'s parameters, each replicated whole (TP 1)."""
+    from rollpatch.engines.vllm.layout import ParamSpec, Shard
+    from rollpatch.engines.vllm.params import TorchParams
+    from rollpatch.engines.vllm.weights import RuntimeWeights
+
+    specs = [
+        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
+    ]
+    kinds = {s.param: get_kind("bf16") for s in specs}
+    return RuntimeWeights(specs, kinds, TorchParams(model, 1, alias=alias).access())
+
+
 def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the pause the CPU path checks each old word as it overwrites it (native core):
     a word changed behind the digests after staging fails the commit, nothing stays
@@ -125,9 +138,6 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
     torch = pytest.importorskip("torch")
     from rollpatch import native
     from rollpatch.engines import writing
-    from rollpatch.engines.vllm import weights
-    from rollpatch.engines.vllm.layout import ParamSpec, Shard
-    from rollpatch.engines.vllm.params import TorchParams
 
     if native.core is None:
         pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
@@ -137,14 +147,7 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
     model = torch.nn.Module()
     model.a = torch.nn.Parameter(torch.randn(8, 6).to(torch.bfloat16), requires_grad=False)
     model.b = torch.nn.Parameter(torch.randn(7, 5).to(torch.bfloat16).t(), requires_grad=False)
-    specs = [
-        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
-    ]
-    w = weights.RuntimeWeights(
-        specs,
-        {s.param: get_kind("bf16") for s in specs},
-        TorchParams(model, 1, alias=True).access(),
-    )
+    w = _weights(model, alias=True)
 
     def words() -> dict[str, np.ndarray]:
         return {
@@ -202,22 +205,12 @@ def test_kernel_only_words_are_written_after_the_pause() -> None:
     behind the digests there after staging is caught by the check and taints the engine."""
     torch = pytest.importorskip("torch")
     from rollpatch import native
-    from rollpatch.engines.vllm import weights
-    from rollpatch.engines.vllm.layout import ParamSpec, Shard
-    from rollpatch.engines.vllm.params import TorchParams
 
     if native.core is None:
         pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
     torch.manual_seed(1)
     model = _packed_model(torch)
-    specs = [
-        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
-    ]
-    w = weights.RuntimeWeights(
-        specs,
-        {s.param: get_kind("bf16") for s in specs},
-        TorchParams(model, 1, alias=True).access(),
-    )
+    w = _weights(model, alias=True)
 
     def words() -> dict[str, np.ndarray]:
         return {
@@ -272,21 +265,13 @@ def test_double_buffered_commit_exchanges_buffers_built_while_staging() -> None:
     staging is refused; the engine's other paths (audit, next stage) see the new words."""
     torch = pytest.importorskip("torch")
     from rollpatch import native
-    from rollpatch.engines.vllm import weights
-    from rollpatch.engines.vllm.layout import ParamSpec, Shard
-    from rollpatch.engines.vllm.params import TorchParams
 
     if native.core is None:
         pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
     torch.manual_seed(2)
     model = _packed_model(torch)
     model.t = torch.nn.Parameter(torch.randn(5, 3).to(torch.bfloat16).t(), requires_grad=False)
-    specs = [
-        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
-    ]
-    w = weights.RuntimeWeights(
-        specs, {s.param: get_kind("bf16") for s in specs}, TorchParams(model, 1).access()
-    )
+    w = _weights(model)
 
     def live() -> dict[str, list[int]]:
         return {

@@ -208,14 +208,20 @@ def test_a_client_leaving_mid_stream_gives_its_slot_back(sidecar: RunningSidecar
     """The stream's slot comes back when the client goes away before the end (the sidecar
     closes its engine connection then), and the island keeps serving."""
     gate = sidecar.sidecar.gate
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+    # long enough (forced tokens) that the client leaves while the engine still generates
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with (
         httpx.Client(timeout=30) as http,
         http.stream("POST", f"{sidecar.url}/v1/completions", json=body) as r,
     ):
         assert r.status_code == 200
         assert next(r.iter_lines()).startswith("data:")
-        assert gate.inflight == 1
     deadline = time.monotonic() + 30
     while gate.inflight and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -208,7 +208,7 @@ class ProxyFront:
             }
         )
         # the client going away ends the engine's generation too (its connection closes)
-        gone = asyncio.ensure_future(receive())
+        gone = asyncio.ensure_future(_disconnect(receive))
 
         def abort(_: object) -> None:
             resp.abort()
@@ -231,6 +231,13 @@ class ProxyFront:
             gone.remove_done_callback(abort)
             gone.cancel()
         await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when the client has gone (other messages, such as an empty last body part the
+    server hands out late, are not a disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _admit(sc: Sidecar) -> Admission:

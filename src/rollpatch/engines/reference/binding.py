@@ -6,6 +6,9 @@ applying a patch to the view changes the weights the model serves, with no copy 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -41,6 +44,20 @@ def _words_of(t: torch.Tensor, name: str) -> Tensor:
     return Tensor(get_kind(kind), tuple(t.shape), data)
 
 
+def _persistent(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """Each persistent tensor of ``model`` once (a tied alias under its first name), with its
+    split into the checkpoint's per-expert tensors (None: not a fused expert parameter)."""
+    from .experts import split_experts
+
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel():
+            continue
+        seen.add(ptr)
+        yield name, t, split_experts(model, name, t)
+
+
 def bind_view(model: torch.nn.Module) -> View:
     """A view whose tensors share memory with ``model``'s persistent state, by checkpoint name.
 
@@ -49,16 +66,10 @@ def bind_view(model: torch.nn.Module) -> View:
     Fused MoE expert parameters (transformers stacks them per layer) are exposed as the
     checkpoint's per-expert tensors, each a view of its contiguous slice (:mod:`.experts`).
     """
-    from .experts import checkpoint_name, split_experts
+    from .experts import checkpoint_name
 
     tensors: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        ptr = t.data_ptr()
-        if ptr in seen and t.numel():
-            continue
-        seen.add(ptr)
-        split = split_experts(model, name, t)
+    for name, t, split in _persistent(model):
         if split is None:
             tensors[checkpoint_name(model, name)] = _words_of(t, name)
         else:
@@ -69,16 +80,11 @@ def bind_view(model: torch.nn.Module) -> View:
 def bind_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The parameters that are whole tensors of :func:`bind_view`'s view, by the view's name
     (not fused MoE experts, whose checkpoint tensors are slices of one parameter)."""
-    from .experts import checkpoint_name, split_experts
+    from .experts import checkpoint_name
 
     out: dict[str, torch.nn.Parameter] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        ptr = t.data_ptr()
-        if ptr in seen and t.numel():
-            continue
-        seen.add(ptr)
-        if isinstance(t, torch.nn.Parameter) and split_experts(model, name, t) is None:
+    for name, t, split in _persistent(model):
+        if isinstance(t, torch.nn.Parameter) and split is None:
             out[checkpoint_name(model, name)] = t
     return out
 

@@ -87,10 +87,10 @@ def _one_answer_then_close(listener: socket.socket, served: list[int]) -> None:
             if not _request_head(conn):
                 continue
             body = b"hello"
+            served.append(1)  # before the answer: the client may check as soon as it has it
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\n" + body
             )
-            served.append(1)
 
 
 def test_a_connection_closed_while_idle_is_replaced_at_once() -> None:

@@ -20,7 +20,15 @@ import numpy as np
 from ..errors import TargetMismatchError
 from ..native import threads
 
-__all__ = ["SLICE", "Access", "ParamWrites", "increasing", "numpy_access", "write_params"]
+__all__ = [
+    "SLICE",
+    "Access",
+    "ParamWrites",
+    "check_and_write",
+    "increasing",
+    "numpy_access",
+    "write_params",
+]
 
 #: Positions written then read back at a time (a slice's words stay in cache).
 SLICE = 1 << 16
@@ -122,6 +130,24 @@ def write_params(acc: Access, writes: dict[str, ParamWrites], *, parallel: bool)
     return max(n, 1)
 
 
+def check_and_write(
+    flat: np.ndarray, off: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
+) -> None:
+    """Check that the words of ``flat`` at ``off`` (increasing) are ``old`` and write ``new``:
+    one native pass where the core has the word size, else numpy; all or nothing."""
+    from .. import native
+
+    core = native.core
+    if core is not None and flat.itemsize in (2, 4):
+        core.apply((8 * flat.itemsize, 2, 0, 0), flat, off, old, new)
+        return
+    if not np.array_equal(flat[off], old):
+        from ..errors import BaseMismatchError
+
+        raise BaseMismatchError("held words differ from the update's old words", param=name)
+    flat[off] = new
+
+
 def numpy_access(params: Mapping[str, np.ndarray]) -> Access:
     """An :class:`Access` over C-contiguous numpy arrays that are the parameters' own memory
     (offsets are flat row-major; the native core checks and writes where it can)."""
@@ -144,15 +170,7 @@ def numpy_access(params: Mapping[str, np.ndarray]) -> Access:
         return out
 
     def swap(p: str, off: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
-        fl = flat(p)
-        if core is None or fl.itemsize not in (2, 4):
-            if not np.array_equal(fl[off], old):
-                from ..errors import BaseMismatchError
-
-                raise BaseMismatchError("held words differ from the update's old words", param=p)
-            fl[off] = new
-            return
-        core.apply((8 * fl.itemsize, 2, 0, 0), fl, off, old, new)
+        check_and_write(flat(p), off, old, new, p)
 
     def write_block(p: str, index: tuple[slice, slice], block: np.ndarray) -> None:
         params[p][index] = block

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from ...errors import EngineError, TargetMismatchError
+from ..writing import check_and_write
 from .layout import storage_offsets
 from .writes import Access
 
@@ -30,14 +31,7 @@ def check_write(
     flat: np.ndarray, prepared: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
 ) -> None:
     """Check ``old`` and write ``new`` at ``prepared`` in ``flat``, then read them back."""
-    from ...native import core as native
-
-    if native is not None and flat.itemsize in (2, 4):
-        native.apply((8 * flat.itemsize, 2, 0, 0), flat, prepared, old, new)
-    else:
-        if not np.array_equal(flat[prepared], old):
-            raise BaseMismatchError("held words differ from the update's old words", param=name)
-        flat[prepared] = new
+    check_and_write(flat, prepared, old, new, name)
     if not np.array_equal(flat[prepared], new):
         raise TargetMismatchError("read-back of written weights differs", param=name)
 
@@ -132,14 +126,8 @@ class TorchParams:
         return got.view(_WORDS[p.element_size()][1])
 
     def swap(self, name: str, prepared: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
-        """CPU, native core: check old and write new in one pass (all or nothing)."""
-        from ...native import core as native
-
-        fl = _flat(self.views[name])[0]
-        if native is None or fl.itemsize not in (2, 4):
-            self.scatter(name, prepared, new)
-            return
-        native.apply((8 * fl.itemsize, 2, 0, 0), fl, prepared, old, new)
+        """CPU: check old and write new in one pass (all or nothing)."""
+        check_and_write(_flat(self.views[name])[0], prepared, old, new, name)
 
     def write(self, name: str, offsets: np.ndarray, values: np.ndarray) -> None:
         self.scatter(name, self.prepare(name, offsets), values)

@@ -148,6 +148,16 @@ def check_and_write(
     flat[off] = new
 
 
+def release(retired: dict[str, Any]) -> None:
+    """Drop ``retired`` (storage an exchange replaced) one entry at a time, letting other
+    threads run between frees (freeing a model's worth of memory takes a while)."""
+    import time
+
+    while retired:
+        retired.popitem()
+        time.sleep(0)
+
+
 def numpy_access(params: Mapping[str, np.ndarray]) -> Access:
     """An :class:`Access` over C-contiguous numpy arrays that are the parameters' own memory
     (offsets are flat row-major; the native core checks and writes where it can)."""

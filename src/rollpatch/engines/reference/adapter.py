@@ -8,7 +8,6 @@ under the runtime's forward lock, and serves generation over HTTP with
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,16 +28,11 @@ from ..staged import (
     WriteMode,
     stage_patch,
 )
+from ..writing import release
 from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
 __all__ = ["ReferenceEngine"]
-
-
-def _release(retired: dict[str, Any]) -> None:
-    while retired:
-        retired.popitem()
-        time.sleep(0)
 
 
 class ReferenceEngine(EngineAdapter):
@@ -190,7 +184,7 @@ class ReferenceEngine(EngineAdapter):
                     view.set_digest(name, d)
             self.runtime.version = version
         if retired:  # the replaced storage is freed off the pause, a tensor at a time
-            threading.Thread(target=_release, args=(retired,), daemon=True).start()
+            threading.Thread(target=release, args=(retired,), daemon=True).start()
 
     def _write(self, view: View, staged: StagedUpdate) -> None:
         """One checked scatter per tensor and its read-back; all or nothing."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..staged import StagedUpdate, WriteMode
-from ..writing import SLICE, Access, ParamWrites, increasing, write_params
+from ..writing import SLICE, Access, ParamWrites, increasing, release, write_params
 from .layout import Placement, locate, locate_whole
 
 __all__ = [
@@ -135,9 +135,7 @@ class Settler:
             t0 = time.perf_counter()
             error = None
             try:
-                while retired:
-                    retired.popitem()  # one tensor's memory back at a time
-                    time.sleep(0)
+                release(retired or {})
                 write_params(acc, writes, parallel=False)  # generation runs meanwhile
             except Exception as err:  # noqa: BLE001 - reported through on_error
                 error = f"{type(err).__name__}: {err}"

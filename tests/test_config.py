@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 
 from rollpatch.config import Declared, check_fields, setting, settings
+from rollpatch.demo.config import DemoConfig
 from rollpatch.errors import ConfigError
 from rollpatch.follower import FollowerConfig
 from rollpatch.gateway import GatewayConfig
@@ -42,6 +43,7 @@ CONFIGS: list[tuple[type, dict[str, Any], set[str]]] = [
     (MoEConfig, {}, set()),
     (BodyLimits, {}, set()),
     (ServeOptions, {}, set()),
+    (DemoConfig, {}, set()),
 ]
 IDS = [cls.__name__ for cls, _, _ in CONFIGS]
 

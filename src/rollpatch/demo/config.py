@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
+from ..config import check_fields, setting
 from ..errors import ConfigError
+from ..formats import FORMAT_NAMES
 
-__all__ = ["ISLANDS", "RUN", "DemoConfig", "DemoModel", "Regime"]
+__all__ = ["ISLANDS", "REGIME_LR", "RUN", "DemoConfig", "DemoEngine", "DemoModel", "Regime"]
 
 #: The RL phase's regime (docs/demo.md): ``fast``, a policy that only learned the answer
 #: format, trained at a high learning rate so the reward climbs within ~50 steps (each step
 #: changes ~50% of the served BF16 values); ``real``, the learning rate of RL post-training
 #: on a policy warmed up by an unpublished supervised phase (a few % change per step).
 Regime = Literal["fast", "real"]
+#: The RL phase's learning rate in each regime, when ``DemoConfig.lr`` is not given: fast, far
+#: above RL post-training rates on purpose; real, a post-training rate (docs/demo.md).
+REGIME_LR: dict[str, float] = {"fast": 2e-4, "real": 1.5e-6}
 
 #: The policy model's architecture: ``dense``, a tiny Llama; ``moe``, a tiny Qwen3-MoE whose
 #: every response carries the experts each token was routed to (``routed_experts``,
 #: docs/moe.md), checked against transformers' own routing under the labelled version.
 DemoModel = Literal["dense", "moe"]
+
+#: The islands' rollout engine: ``reference``, the built-in CPU engine; ``vllm``, one vLLM
+#: server per island (``engine_urls``).
+DemoEngine = Literal["reference", "vllm"]
 
 #: The run name on the demo's board.
 RUN = "demo"
@@ -29,112 +37,141 @@ RUN = "demo"
 ISLANDS: tuple[tuple[str, str | None], ...] = (("local", None), ("eu", "eu"), ("us", "us"))
 
 
-def _int(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(
-            f"DemoConfig.{name} must be an integer in [{lo}, {hi}]", field=name, value=value
-        )
-
-
-def _num(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value > lo if lo_open else value >= lo)
-        and value <= hi
-    )
-    if not ok:
-        raise ConfigError(
-            f"DemoConfig.{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]",
-            field=name,
-            value=value,
-        )
+def url_list(text: str) -> tuple[str, ...]:
+    """``"http://a,http://b"`` → ``("http://a", "http://b")`` (the ``--engine-urls`` flag)."""
+    return tuple(u.strip() for u in text.split(",") if u.strip())
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """Everything one ``rollpatch demo`` run needs (validated in ``__post_init__``)."""
+    """Everything one ``rollpatch demo`` run needs. Every field is declared with
+    :func:`~rollpatch.config.setting` and checked by :func:`~rollpatch.config.check_fields`;
+    the rules between fields follow in ``__post_init__``. ``rollpatch demo``'s flags are made
+    from these fields (:mod:`rollpatch.cli.flags`)."""
 
-    #: Optimizer steps; the trainer publishes one version after each (version n = n steps).
-    steps: int = 50
-    #: Bounded staleness K: requests carry ``max_lag=K``; rollouts older than K versions when
-    #: the trainer consumes them are dropped.
-    max_lag: int = 2
-    #: Served format published by the trainer (the reference engine serves bf16 and fp16).
-    format: str = "bf16"
-    #: Emulated WAN between the board and each remote relay: bandwidth (Mbit/s) ...
-    wan_mbps: float = 10.0
-    #: ... and added round-trip latency per upstream request (ms).
-    wan_latency_ms: float = 100.0
-    #: Output directory (board, relay caches, model, logs, plots, summary.json).
-    out: str = "out/demo"
-    #: Extra path for the JSON report (it is always written to ``out/summary.json`` too).
-    json_path: str | None = None
-    #: Seeds the model, the warm-up, prompts and per-request sampling seeds.
-    seed: int = 0
-    #: Redraw a status block in place (False: one plain log line per step).
-    live: bool = True
-    #: Rollout engine of every island: ``reference`` (built in, CPU) or ``vllm``.
-    engine: str = "reference"
-    #: vLLM only: one OpenAI base URL per island (local, eu, us), each serving ``out/model``.
-    engine_urls: tuple[str, ...] = ()
-    #: Prompts per step (GRPO groups) and samples per prompt (the group size G).
-    prompts_per_step: int = 16
-    group_size: int = 8
-    #: Regime of the RL phase (see :data:`Regime`); decides the warm-up.
-    regime: Regime = "fast"
-    #: AdamW learning rate of the RL phase (fast: 2e-4, far above RL post-training rates on
-    #: purpose; real: 1.5e-6; see docs/demo.md).
-    lr: float = 2e-4
-    #: PPO/GRPO ratio clip epsilon.
-    clip: float = 0.2
-    #: Tiny model shape: hidden size, layers, vocabulary (dense: intermediate = 2 x hidden;
-    #: moe: each expert's intermediate = hidden / 2).
-    hidden: int = 128
-    layers: int = 2
-    vocab: int = 512
-    #: Architecture of the policy (see :data:`DemoModel`).
-    model: DemoModel = "dense"
-    #: ``moe`` only: routed experts per sparse layer, and experts each token is routed to.
-    experts: int = 8
-    top_k: int = 2
-    #: Supervised format warm-up steps before version 0 (random digit answers; see docs).
-    warmup_steps: int = 30
-    #: Concurrent rollout requests in flight through the gateway.
-    concurrency: int = 16
-    #: Rollouts re-generated in the trainer to check version labels (0: all of them).
-    verify_samples: int = 0
-    #: Follower poll period of each island, seconds.
-    poll_s: float = 0.1
-    #: Longest wait for every island to reach LATEST after the last step, seconds.
-    catchup_timeout_s: float = 120.0
-    #: Sign the board (an Ed25519 key and a root of trust made for the run; relays and islands
-    #: verify under it, docs/trust.md). False: an unsigned board, verification off.
-    sign: bool = True
+    steps: int = setting(
+        50,
+        lo=1,
+        hi=100_000,
+        help="training steps; the trainer publishes one version after each (version n = n steps)",
+    )
+    max_lag: int = setting(
+        2,
+        lo=0,
+        hi=1000,
+        help="staleness bound K: requests carry max_lag=K, older rollouts are dropped",
+    )
+    format: str = setting(
+        "bf16",
+        choices=FORMAT_NAMES,
+        help="served format the trainer publishes (the reference engine serves bf16 and fp16)",
+    )
+    wan_mbps: float = setting(
+        10.0,
+        lo=0.0,
+        lo_open=True,
+        hi=1e6,
+        help="emulated WAN bandwidth board -> each remote relay (Mbit/s)",
+    )
+    wan_latency_ms: float = setting(
+        100.0,
+        lo=0.0,
+        hi=60_000.0,
+        help="emulated WAN round trip added (ms; half each way, real TCP through rollpatch.netem)",
+    )
+    out: str = setting(
+        "out/demo",
+        help="output directory, reset on every run (board, relay caches, model, logs, plots, "
+        "summary.json)",
+    )
+    json_path: str | None = setting(
+        None, flag="--json", help="also write the JSON report here (besides OUT/summary.json)"
+    )
+    seed: int = setting(
+        0,
+        lo=0,
+        hi=2**31 - 1,
+        help="seeds the model, the warm-up, prompts and per-request sampling seeds",
+    )
+    live: bool = setting(
+        True, help="redraw a live status block in place (--no-live: one plain line per step)"
+    )
+    engine: DemoEngine = setting("reference", help="rollout engine of the islands")
+    engine_urls: tuple[str, ...] = setting(
+        (),
+        parse=url_list,
+        metavar="URLS",
+        help="--engine vllm: three comma-separated OpenAI base URLs (local,eu,us), each "
+        "serving OUT/model",
+    )
+    prompts_per_step: int = setting(16, lo=1, hi=4096, help="GRPO groups per step")
+    group_size: int = setting(8, lo=2, hi=256, help="samples per prompt (G)")
+    regime: Regime = setting(
+        "fast",
+        help="fast: format warm-up only, high learning rate, reward climbs within ~50 steps, "
+        "~50% of the BF16 values change per step; real: an unpublished supervised warm-up, "
+        "then RL at a post-training learning rate (a few % change per step; the reward moves "
+        "slowly: docs/demo.md)",
+    )
+    lr: float | None = setting(
+        None,
+        lo=0.0,
+        lo_open=True,
+        hi=1.0,
+        help="AdamW learning rate of the RL phase (none: the regime's, fast "
+        f"{REGIME_LR['fast']:g}, real {REGIME_LR['real']:g}; docs/demo.md)",
+    )
+    clip: float = setting(0.2, lo=0.0, lo_open=True, hi=1.0, help="PPO/GRPO ratio clip epsilon")
+    hidden: int = setting(
+        128, lo=16, hi=4096, help="tiny model hidden size (a multiple of 4: 4 heads)"
+    )
+    layers: int = setting(2, lo=1, hi=64, help="tiny model layers")
+    vocab: int = setting(512, lo=300, hi=65_536, help="tiny model vocabulary")
+    model: DemoModel = setting(
+        "dense",
+        help="dense: a tiny Llama; moe: a tiny Qwen3-MoE whose responses carry routed_experts, "
+        "replayed by transformers under their labelled versions",
+    )
+    experts: int = setting(8, lo=2, hi=256, help="--model moe: routed experts per sparse layer")
+    top_k: int = setting(
+        2, lo=1, hi=256, help="--model moe: experts each token is routed to (<= --experts)"
+    )
+    warmup_steps: int = setting(
+        30, lo=0, hi=10_000, help="supervised format warm-up steps before version 0"
+    )
+    concurrency: int = setting(
+        16, lo=1, hi=256, help="concurrent rollout requests in flight through the gateway"
+    )
+    verify_samples: int = setting(
+        0, lo=0, hi=10_000_000, help="rollouts to re-generate for the label check (0: all)"
+    )
+    poll_s: float = setting(
+        0.1, lo=0.0, lo_open=True, hi=60.0, help="seconds between each island's LATEST polls"
+    )
+    catchup_timeout_s: float = setting(
+        120.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="seconds every island may take to reach LATEST after the last step",
+    )
+    sign: bool = setting(
+        True,
+        help="sign the board: a key and a trust root are made for the run; relays and islands "
+        "verify every manifest and LATEST (--no-sign: an unsigned board)",
+    )
 
     def __post_init__(self) -> None:
-        from ..formats import FORMAT_NAMES
-
-        _int("steps", self.steps, 1, 100_000)
-        _int("max_lag", self.max_lag, 0, 1000)
-        if self.format not in FORMAT_NAMES:
-            raise ConfigError(
-                "DemoConfig.format is not a known format",
-                field="format",
-                value=self.format,
-                hint=f"one of {', '.join(FORMAT_NAMES)}",
-            )
-        _num("wan_mbps", self.wan_mbps, 0.0, 1e6, lo_open=True)
-        _num("wan_latency_ms", self.wan_latency_ms, 0.0, 60_000.0)
-        if not isinstance(self.out, str) or not self.out:
-            raise ConfigError("DemoConfig.out must be a directory path", field="out")
-        _int("seed", self.seed, 0, 2**31 - 1)
-        if self.engine not in ("reference", "vllm"):
-            raise ConfigError(
-                "DemoConfig.engine must be reference or vllm", field="engine", value=self.engine
-            )
         object.__setattr__(self, "engine_urls", tuple(self.engine_urls))
+        check_fields(self)
+        if not all(isinstance(u, str) and u for u in self.engine_urls):
+            raise ConfigError(
+                "DemoConfig.engine_urls must be non-empty URL strings",
+                field="engine_urls",
+                value=self.engine_urls,
+            )
+        if self.lr is None:  # the regime's rate (a JSON copy carries the number)
+            object.__setattr__(self, "lr", REGIME_LR[self.regime])
         if self.engine == "vllm" and len(self.engine_urls) != len(ISLANDS):
             raise ConfigError(
                 f"--engine vllm needs {len(ISLANDS)} engine URLs (one per island: local, eu, us)",
@@ -147,42 +184,29 @@ class DemoConfig:
                 field="format",
                 hint="use --engine vllm for quantised formats",
             )
-        _int("prompts_per_step", self.prompts_per_step, 1, 4096)
-        _int("group_size", self.group_size, 2, 256)
-        if self.regime not in get_args(Regime):
-            raise ConfigError(
-                "DemoConfig.regime must be fast or real", field="regime", value=self.regime
-            )
-        _num("lr", self.lr, 0.0, 1.0, lo_open=True)
-        _num("clip", self.clip, 0.0, 1.0, lo_open=True)
-        _int("hidden", self.hidden, 16, 4096)
         if self.hidden % 4:
             raise ConfigError(
                 "DemoConfig.hidden must be a multiple of 4 (4 heads)",
                 field="hidden",
                 value=self.hidden,
             )
-        _int("layers", self.layers, 1, 64)
-        if self.model not in get_args(DemoModel):
+        if self.top_k > self.experts:
             raise ConfigError(
-                "DemoConfig.model must be dense or moe", field="model", value=self.model
+                f"DemoConfig.top_k must be at most experts ({self.experts})",
+                field="top_k",
+                value=self.top_k,
             )
-        _int("experts", self.experts, 2, 256)
-        _int("top_k", self.top_k, 1, self.experts)
         if self.model == "moe" and self.engine != "reference":
             raise ConfigError(
                 "--model moe runs on the built-in engine only",
                 field="model",
                 hint="vLLM on CPU returns no routed experts (docs/moe.md); use --engine reference",
             )
-        _int("vocab", self.vocab, 300, 65_536)
-        _int("warmup_steps", self.warmup_steps, 0, 10_000)
-        _int("concurrency", self.concurrency, 1, 256)
-        _int("verify_samples", self.verify_samples, 0, 10_000_000)
-        _num("poll_s", self.poll_s, 0.0, 60.0, lo_open=True)
-        _num("catchup_timeout_s", self.catchup_timeout_s, 0.0, 3600.0, lo_open=True)
-        if not isinstance(self.sign, bool):
-            raise ConfigError("DemoConfig.sign must be true or false", field="sign")
+
+    @property
+    def rl_lr(self) -> float:
+        """The RL phase's learning rate (``lr``, or the regime's when it was not given)."""
+        return REGIME_LR[self.regime] if self.lr is None else self.lr
 
     @property
     def batch_rollouts(self) -> int:

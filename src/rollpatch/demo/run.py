@@ -114,7 +114,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         for _ in regions:
             ev = procs.wait_for("relays", "listening", _SETUP_TIMEOUT_S)
             monitor.relay(ev["relay"]).url = ev["url"]
-        view.say(_REGIMES[cfg.regime].format(lr=cfg.lr))
+        view.say(_REGIMES[cfg.regime].format(lr=cfg.rl_lr))
         view.say("making the tiny model, warming it up (unpublished), publishing v0 ...")
         ready = procs.wait_for("trainer", "ready", _SETUP_TIMEOUT_S, monitor.on_event)
         monitor.on_event("trainer", ready)

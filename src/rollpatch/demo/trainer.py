@@ -146,7 +146,7 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
         setup_s=time.monotonic() - t0,
     )
     go = _wait_command(commands, "go")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # PyTorch defaults otherwise
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.rl_lr)  # PyTorch defaults otherwise
     pool = RolloutPool(go["gateway"], task, cfg)
     pool.start()
     t_train = time.monotonic()

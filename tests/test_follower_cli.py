@@ -1,0 +1,51 @@
+"""``rollpatch pull``: a verified round trip, and exit 2 with one line (no traceback) when
+there is no way to the version or LATEST is bad. The published board: tests/followfix.py.
+"""
+
+from __future__ import annotations
+
+from rollpatch.board import Board
+from rollpatch.cli import main
+from rollpatch.io import load_view
+from tests.followfix import LAST, RUN, Published, board, published, set_latest
+
+_FIXTURES = (board, published)  # used by name
+
+
+def test_cli_pull_round_trip(board: Board, published: Published, tmp_path, capsys) -> None:
+    uri = board.store.uri
+    out = tmp_path / "v.safetensors"
+    assert main(["pull", "--board", uri, "--run", RUN, "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "plan rl" in text and "keyframe 20" in text and "(verified)" in text
+    got = load_view(out)
+    assert got.digest() == published.views[LAST].digest()
+    assert main(["pull", "--board", uri, "--run", RUN, "--version", "8", "-o", str(out)]) == 0
+    assert load_view(out).digest() == published.views[8].digest()
+
+
+def test_cli_pull_refuses_with_exit_2(board: Board, tmp_path, capsys) -> None:
+    for k in board.keyframes(RUN):  # every keyframe corrupt: no way around
+        for obj in board.manifest(RUN, k).keyframes:
+            data = bytearray(board.store.get(obj.ref.key))
+            data[-1] ^= 1
+            board.store.put(obj.ref.key, bytes(data), if_absent=False)
+    out = tmp_path / "v.safetensors"
+    code = main(
+        ["pull", "--board", board.store.uri, "--run", RUN, "--retries", "0", "-o", str(out)]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists()
+    # one line per corrupt object it planned around (warnings), then the error, no traceback
+    assert err[-1].startswith("rollpatch: error:") and "corrupt" in err[-1]
+    assert all("corrupt; planning around it" in line for line in err[:-1])
+
+
+def test_cli_pull_bad_latest_exits_2_with_one_line(board: Board, tmp_path, capsys) -> None:
+    out = tmp_path / "v.safetensors"
+    for raw in (10**12, b'{"run": "rl", "version": 1e400}', b"[" * 100_000):
+        set_latest(board, raw)
+        code = main(["pull", "--board", board.store.uri, "--run", RUN, "-o", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and not out.exists()
+        assert len(err) == 1 and err[0].startswith("rollpatch: error:"), err

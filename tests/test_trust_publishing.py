@@ -1,0 +1,115 @@
+"""Signed boards in use (issue 11): a signing publisher keeps LATEST fresh and survives a
+squatted version, warns when what it publishes will not verify; retention keeps a signed
+board verifiable; a follower without trust still reads it, with one warning. The signed
+board: tests/trustfix.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollpatch.board import Board, pointer_key, version_key
+from rollpatch.engines import ViewEngine
+from rollpatch.errors import TrustError
+from rollpatch.follower import Follower
+from rollpatch.latest import encode_latest
+from rollpatch.trust import MANIFEST_TYPE, Signer, SigningKey
+from rollpatch.types import Pointer
+from tests.trustfix import FAST, RUN, Pub, follower, put_raw, refused
+
+
+def test_without_trust_a_signed_board_still_reads_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pub = Pub(2)
+    run = f"r-{uuid.uuid4().hex[:8]}"  # the warning is once per service and process
+    with caplog.at_level("WARNING", logger="rollpatch.trust"):
+        Follower(Board(pub.store), run, ViewEngine(), FAST)
+        Follower(Board(pub.store), run, ViewEngine(), FAST)
+    lines = [r.getMessage() for r in caplog.records if run in r.getMessage()]
+    assert len(lines) == 1 and "verification is OFF" in lines[0]
+    f = Follower(Board(pub.store), RUN, ViewEngine(), FAST)
+    assert f.sync() == 1 and f.engine.digest == pub.views[1].digest()
+
+
+def test_an_idle_signing_publisher_keeps_latest_fresh(tmp_path: Path) -> None:
+    """The publisher re-signs LATEST between versions; a follower never sees it expire."""
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    pub = Pub(0, ttl=1.0)
+    masters = {"w": np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)}
+    with Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p:
+        assert p.publish(masters) == 0
+        f = follower(pub, pub.trust(tmp_path))
+        assert f.sync() == 0
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # three lifetimes of LATEST, nothing published
+            assert f.sync() == 0
+            time.sleep(0.1)
+    time.sleep(1.2)  # closed: nobody re-signs, and the pointer goes stale
+    with pytest.raises(TrustError, match="expired"):
+        f.sync()
+
+
+def test_a_squatted_version_and_a_forged_latest_do_not_stop_the_publisher(tmp_path: Path) -> None:
+    """An attacker takes the next version number and moves LATEST far ahead (own key): the
+    signing publisher replaces both, and the follower goes from refusing to the honest one."""
+    pub = Pub(2)
+    f = follower(pub, pub.trust(tmp_path))
+    assert f.sync() == 1
+    mallory = Board(pub.store, signer=Signer(keys=(SigningKey.generate(),)))
+    pub.publish(2, board=mallory)
+    put_raw(
+        pub,
+        pointer_key(RUN),
+        encode_latest(
+            Pointer(RUN, 10**9, version_key(RUN, 10**9), "f" * 64), mallory.signer, time.time()
+        ),
+    )
+    refused(f, "bad_signature")
+    honest = pub.publish(2)  # the honest publisher's own version 2
+    assert pub.board.signer is not None
+    assert pub.board.signer.signed(pub.store.get(version_key(RUN, 2)), MANIFEST_TYPE)
+    assert pub.board.latest(RUN) is not None and pub.board.latest(RUN).version == 2
+    assert f.sync() == 2 and f.engine.digest == honest.target
+
+
+def test_publisher_warns_when_what_it_publishes_will_not_verify(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    pub = Pub(0)
+    masters = {"w": np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)}
+    other = Signer(keys=(SigningKey.generate(),))
+    for config, words in [
+        (PublisherConfig(), "UNSIGNED"),
+        (PublisherConfig(signer=other), "0 of this publisher's keys"),
+    ]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rollpatch.publisher"):
+            Publisher(Board(pub.store), RUN, config, asynchronous=False).close()
+        assert any(words in r.getMessage() for r in caplog.records), caplog.records
+    caplog.clear()
+    with (
+        caplog.at_level("WARNING", logger="rollpatch.publisher"),
+        Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p,
+    ):
+        p.publish(masters)
+    assert not caplog.records
+
+
+def test_retention_on_a_signed_board_keeps_it_verifiable(tmp_path: Path) -> None:
+    from rollpatch.retention import collect
+
+    pub = Pub(6)
+    collect(pub.board, RUN, keep_last=2)
+    assert pub.board.versions(RUN)[-1] == 5
+    f = follower(pub, pub.trust(tmp_path))
+    assert f.sync() == 5 and f.engine.digest == pub.views[5].digest()
+    assert pub.board.roots() == [1]  # the root of trust is never collected

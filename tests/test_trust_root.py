@@ -1,0 +1,116 @@
+"""The root of trust (issue 11): thresholds of distinct keys, rotation and revoked keys, roots
+not signed by the previous keys, expiry, the self-signed initial root, the follower's state
+file, and signers that keep their secrets. The signed board: tests/trustfix.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from rollpatch.board import Board, pointer_key, root_key
+from rollpatch.engines import ViewEngine
+from rollpatch.errors import ConfigError, TrustError
+from rollpatch.follower import Follower
+from rollpatch.trust import MANIFEST_TYPE, Root, Signer, SigningKey, Trust, seal, sign_root
+from tests.trustfix import FAST, RUN, Pub, follower, put_raw, refused
+
+
+def test_threshold_needs_distinct_keys(tmp_path: Path) -> None:
+    pub = Pub(1, threshold=2, nkeys=2)
+    f = follower(pub, pub.trust(tmp_path))
+    assert f.sync() == 0
+    one = Board(pub.store, signer=Signer(keys=(pub.keys[0],)))
+    pub.publish(1, board=one)
+    err = refused(f, "bad_signature")
+    assert "2 needed" in str(err)
+    # the same key twice in an envelope counts once
+    raw = json.loads(pub.store.get(pointer_key(RUN)))
+    raw["signatures"] = raw["signatures"] * 2
+    put_raw(pub, pointer_key(RUN), json.dumps(raw).encode())
+    refused(f, "bad_signature")
+
+
+def _rotate(
+    pub: Pub, new: list[SigningKey], signers: list[SigningKey], version: int = 2, threshold: int = 1
+) -> bytes:
+    raw = sign_root(
+        Root.new([k.public for k in new], threshold=threshold, version=version), signers
+    )
+    put_raw(pub, root_key(version), raw)
+    return raw
+
+
+def test_rotation_is_followed_and_a_revoked_key_refused(tmp_path: Path) -> None:
+    pub = Pub(2)
+    f = follower(pub, pub.trust(tmp_path, root_check_s=0.0))
+    assert f.sync() == 1
+    new = SigningKey.generate()
+    _rotate(pub, [new], [pub.keys[0], new])  # root 2, signed by root 1's key and its own
+    pub.board = Board(pub.store, signer=Signer(keys=(new,)))
+    pub.publish(2)
+    assert f.sync() == 2  # manifests were re-verified under root 2 (new key)
+    assert f.board.trust is not None and f.board.trust.root.version == 2
+    # the old key is revoked: what it signs now is refused
+    pub.board = Board(pub.store, signer=Signer(keys=(pub.keys[0],)))
+    pub.publish(3)
+    refused(f, "bad_signature")
+    # root rollback: the board loses root 2; a restarted follower keeps it from its state
+    pub.store.delete(root_key(2))
+    again = follower(pub, pub.trust(tmp_path))
+    assert again.board.trust is not None and again.board.trust.root.version == 2
+    with pytest.raises(TrustError):
+        again.sync(3)
+
+
+def test_a_root_not_signed_by_the_previous_keys_is_refused(tmp_path: Path) -> None:
+    pub = Pub(2)
+    f = follower(pub, pub.trust(tmp_path, root_check_s=0.0))
+    assert f.sync() == 1
+    mallory = SigningKey.generate()
+    _rotate(pub, [mallory], [mallory])  # self-signed only
+    pub.board = Board(pub.store, signer=Signer(keys=(mallory,)))
+    pub.publish(2)
+    refused(f, "root")
+    assert f.engine.digest == pub.views[1].digest()
+
+
+def test_expired_root_refuses_everything(tmp_path: Path) -> None:
+    pub = Pub(1)
+    raw = sign_root(Root.new([pub.keys[0].public], expires=time.time() - 1), pub.keys)
+    f = Follower(Board(pub.store), RUN, ViewEngine(), FAST, trust=Trust(raw))
+    refused(f, "root")
+
+
+def test_initial_root_must_be_self_signed() -> None:
+    a, b = SigningKey.generate(), SigningKey.generate()
+    raw = sign_root(Root.new([a.public]), [b])
+    with pytest.raises(TrustError, match="bad_signature|valid signature"):
+        Trust(raw)
+
+
+def test_state_file_damage_is_an_error_not_a_reset(tmp_path: Path) -> None:
+    pub = Pub(1)
+    f = follower(pub, pub.trust(tmp_path))
+    assert f.sync() == 0
+    (tmp_path / "state.json").write_text('{"schema": "rollpatch.trust-state/1", "latest": 5}')
+    with pytest.raises(ConfigError, match="delete it"):
+        pub.trust(tmp_path)
+    other = Pub(1)
+    (tmp_path / "state.json").unlink()
+    pub.trust(tmp_path)  # deleting it on purpose starts over
+    assert Trust(other.root, state_path=tmp_path / "state.json").highest(RUN) is None
+
+
+def test_seal_needs_a_key_and_signer_hides_secrets() -> None:
+    with pytest.raises(ValueError):
+        seal(MANIFEST_TYPE, b"x", [])
+    k = SigningKey.generate()
+    assert "PRIVATE" not in repr(Signer(keys=(k,))) and k.keyid[:16] in repr(k)
+    with pytest.raises(ConfigError, match="latest_ttl_s"):
+        Signer(keys=(k,), latest_ttl_s=0)
+    with pytest.raises(ConfigError, match="twice"):
+        Signer(keys=(k, k))

@@ -1,0 +1,83 @@
+"""The publisher tests' helpers: small master checkpoints and their nudges, stores that are
+slow or fail, and :func:`check_all` (every published version reconstructs to the cast of
+its masters, bit for bit). The test_publisher*.py modules import the ``board`` fixture by
+name.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from rollpatch.board import Board
+from rollpatch.errors import TransientStoreError
+from rollpatch.formats import cast_view
+from rollpatch.publisher import reconstruct
+from rollpatch.store import MemoryStore
+
+RUN = "r1"
+
+
+def copy_masters(masters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.copy() for k, v in masters.items()}
+
+
+def random_masters(seed: int, n: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {
+        f"model.layers.{i}.mlp.up_proj.weight": (rng.standard_normal((64, 128)) * 0.02).astype(
+            np.float32
+        )
+        for i in range(n)
+    }
+    out["model.norm.weight"] = np.ones(128, np.float32)
+    return out
+
+
+def nudge(masters: dict[str, np.ndarray], seed: int, lr: float = 3e-4) -> None:
+    rng = np.random.default_rng(seed)
+    for v in masters.values():
+        v += (lr * rng.standard_normal(v.shape)).astype(v.dtype)
+
+
+class SlowStore(MemoryStore):
+    """A memory store whose puts take ``delay`` seconds (an uplink slower than training)."""
+
+    def __init__(self, name: str, delay: float) -> None:
+        super().__init__(name)
+        self.delay = delay
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        time.sleep(self.delay)
+        super()._put(key, data, if_absent=if_absent)
+
+
+class FailingStore(MemoryStore):
+    """Fails every put after the first ``ok`` puts."""
+
+    def __init__(self, name: str, ok: int) -> None:
+        super().__init__(name)
+        self.ok = ok
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        if self.ok <= 0:
+            raise TransientStoreError("injected upload failure", key=key)
+        self.ok -= 1
+        super()._put(key, data, if_absent=if_absent)
+
+
+@pytest.fixture
+def board(memory_board: Board) -> Board:
+    return memory_board
+
+
+def check_all(board: Board, expected: dict[int, dict[str, np.ndarray]], fmt: str = "bf16") -> None:
+    """Every published version reconstructs to the cast of its masters, bit for bit."""
+    for n in board.versions(RUN):
+        view = reconstruct(board, RUN, n)
+        want = cast_view(expected[n], fmt)
+        assert view.digest() == want.digest() == board.manifest(RUN, n).target, n
+        for name, t in want.items():
+            assert np.array_equal(view[name].data, t.data), (n, name)

@@ -1,0 +1,162 @@
+"""The publisher's errors surface (worker, store, sync) where the trainer sees them; bad
+configuration names the field; a publisher resumes after a close, a manifest without a
+pointer, or a missing keyframe marker. Helpers: tests/pubfix.py.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.board import Board, pointer_key, version_key
+from rollpatch.errors import ConfigError, FormatError, StoreError
+from rollpatch.formats import cast_view
+from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
+from rollpatch.store import MemoryStore
+from tests.pubfix import RUN, FailingStore, board, check_all, copy_masters, nudge, random_masters
+
+_FIXTURES = (board,)  # used by name
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_worker_error_surfaces_on_flush_and_publish(board: Board) -> None:
+    pub = Publisher(board, RUN, PublisherConfig(format="fp8-e4m3"))
+    bad = random_masters(4, n=1)
+    bad["model.layers.0.mlp.up_proj.weight"][0, 0] = np.nan
+    pub.publish(bad)
+    with pytest.raises(FormatError, match="NaN"):
+        pub.flush()
+    with pytest.raises(FormatError):
+        pub.publish(random_masters(4, n=1))
+    pub.close()  # already reported: close does not raise it again
+    with pytest.raises(ConfigError, match="closed"):
+        pub.publish(random_masters(4, n=1))
+    assert board.latest(RUN) is None
+
+
+def test_store_error_surfaces_on_close() -> None:
+    name = f"fail-{uuid.uuid4().hex[:12]}"
+    board = Board(FailingStore(name, ok=4))
+    pub = Publisher(board, RUN, PublisherConfig(max_pending=10))
+    masters = random_masters(5, n=1)
+    for i in range(4):
+        pub.publish(masters)
+        nudge(masters, i)
+    with pytest.raises(StoreError, match="injected"):
+        pub.close()
+    pub.close()
+    latest = board.latest(RUN)
+    assert latest is not None and latest.version == board.versions(RUN)[-1]
+    MemoryStore.reset(name)
+
+
+def test_sync_error_raises_from_publish(board: Board) -> None:
+    pub = Publisher(board, RUN, PublisherConfig(format="fp8-e4m3"), asynchronous=False)
+    bad = random_masters(6, n=1)
+    bad["model.norm.weight"][:] = np.inf  # norm stays BF16: inf is fine there
+    pub.publish(bad)
+    bad["model.layers.0.mlp.up_proj.weight"][:] = np.inf
+    with pytest.raises(FormatError):
+        pub.publish(bad)
+    with pytest.raises(FormatError):
+        pub.flush()
+    pub.close()
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("format", "fp7"),
+        ("scales", "fp64"),
+        ("keyframe_every", -1),
+        ("skip_strides", (1,)),
+        ("skip_strides", "8"),
+        ("max_pending", 0),
+        ("publisher_id", ""),
+        ("signer", b"k" * 32),
+        ("policy", "attn"),
+    ],
+)
+def test_config_validation_names_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=f"PublisherConfig.{field}"):
+        PublisherConfig(**{field: value})
+
+
+def test_config_repr_hides_the_key() -> None:
+    from rollpatch.trust import Signer, SigningKey
+
+    key = SigningKey.generate()
+    text = repr(PublisherConfig(signer=Signer(keys=(key,))))
+    assert "PRIVATE" not in text and key.to_pem().decode().splitlines()[1] not in text
+    assert PublisherConfig(skip_strides=(8, 4, 8)).skip_strides == (4, 8)
+
+
+# -- resume --------------------------------------------------------------------------------------
+
+
+def test_resume_after_close(board: Board) -> None:
+    masters = random_masters(7)
+    expected = {}
+    cfg = PublisherConfig(keyframe_every=3, skip_strides=(2,), max_pending=10)
+    for session in range(3):
+        with Publisher(board, RUN, cfg, asynchronous=session != 1) as pub:
+            assert pub.last_durable == (None if session == 0 else 3 * session - 1)
+            for _ in range(3):
+                n = pub.publish(masters)
+                expected[n] = copy_masters(masters)
+                nudge(masters, n)
+            pub.flush()
+            assert pub.stats.versions[0].resume_s > 0 or session == 0
+    assert board.versions(RUN) == list(range(9))
+    assert board.keyframes(RUN) == [0, 3, 6]
+    assert [board.manifest(RUN, n).parent for n in (3, 6)] == [2, 5]
+    assert {p.base for p in board.manifest(RUN, 4).patches} == {2, 3}  # skip right after resume
+    check_all(board, expected)
+    with pytest.raises(ConfigError, match="increase"):
+        Publisher(board, RUN, cfg, asynchronous=False).publish(masters, version=8)
+    with pytest.raises(ConfigError, match="another format"):
+        Publisher(board, RUN, PublisherConfig(format="fp16"))
+
+
+def test_resume_rolls_forward_a_manifest_without_pointer(board: Board) -> None:
+    masters = random_masters(8)
+    with Publisher(board, RUN, asynchronous=False) as pub:
+        for i in range(3):
+            pub.publish(masters)
+            nudge(masters, i)
+    # a publisher died after writing manifest 2 but before advancing LATEST
+    raw = json.dumps(
+        {
+            "run": RUN,
+            "version": 1,
+            "manifest": version_key(RUN, 1),
+            "target": board.manifest(RUN, 1).target,
+        },
+        sort_keys=True,
+    ).encode()
+    board.store.put(pointer_key(RUN), raw, if_absent=False)
+    assert board.latest(RUN).version == 1  # type: ignore[union-attr]
+    with Publisher(board, RUN, asynchronous=False) as pub:
+        assert board.latest(RUN).version == 2  # type: ignore[union-attr]
+        assert pub.publish(masters) == 3
+    assert board.manifest(RUN, 3).parent == 2
+    assert reconstruct(board, RUN).digest() == cast_view(masters, "bf16").digest()
+
+
+def test_resume_restores_a_missing_keyframe_marker(board: Board) -> None:
+    masters = random_masters(9, n=1)
+    with Publisher(board, RUN, asynchronous=False) as pub:
+        pub.publish(masters)
+    # died between the manifest and its keyframe marker: no marker, no LATEST
+    board.store.delete(f"runs/{RUN}/keyframes/{0:012d}")
+    board.store.delete(pointer_key(RUN))
+    with Publisher(board, RUN, asynchronous=False) as pub:
+        assert pub.publish(masters) == 1
+    assert board.keyframes(RUN) == [0]
+    assert reconstruct(board, RUN).digest() == cast_view(masters, "bf16").digest()

@@ -1,0 +1,230 @@
+"""Each store backend's specifics (read-only http, unreachable remotes, S3 conditions enforced
+by moto's server as a real process, the file store's bookkeeping, URIs, S3 configuration from
+the environment) and hostile trees (issue 11: list prefixes validated like keys; links and
+special files refused).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollpatch.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    StoreError,
+    TransientStoreError,
+)
+from rollpatch.store import FileStore, HttpStore, Store, open_store
+from rollpatch.store.config import HttpConfig, s3_config_from
+from tests.conftest_s3 import BUCKET, Interloper, MiB, make_s3_store, relay
+from tests.s3server import S3Server, free_port
+
+_FIXTURES = (relay,)  # used by name in the tests below (s3_server: tests/conftest.py)
+
+
+# -- backend specifics ------------------------------------------------------------------------
+
+
+def test_http_store_is_read_only(relay: tuple[Store, HttpStore]) -> None:
+    backing, reader = relay
+    backing.put("k", b"v")
+    for call in (
+        lambda: reader.put("k2", b"v"),
+        lambda: reader.delete("k"),
+        lambda: reader.cas("k", b"w", expected=b"v"),
+    ):
+        with pytest.raises(StoreError, match="read-only") as err:
+            call()
+        assert type(err.value) is StoreError
+    assert reader.get("k") == b"v" and not reader.writable
+
+
+def test_unreachable_remotes_are_transient() -> None:
+    port = free_port()  # nothing listens there
+    with pytest.raises(TransientStoreError):
+        HttpStore(f"http://127.0.0.1:{port}", HttpConfig(retries=1, backoff=0)).get("k")
+    pytest.importorskip("boto3")
+    s3 = open_store(
+        f"s3://{BUCKET}/p",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        access_key_id="a",
+        secret_access_key="b",
+        max_attempts=1,
+        connect_timeout=1.0,
+    )
+    with pytest.raises(TransientStoreError):
+        s3.get("k")
+
+
+def test_s3_missing_bucket_is_not_a_missing_key(request: pytest.FixtureRequest) -> None:
+    server: S3Server = request.getfixturevalue("s3_server")
+    s3 = open_store("s3://no-such-bucket-rp/p", **server.options(max_attempts=1))
+    with pytest.raises(StoreError, match="bucket") as err:
+        s3.get("k")
+    assert not isinstance(err.value, NotFoundError)
+
+
+def test_s3_conditions_are_enforced_by_the_server(request: pytest.FixtureRequest) -> None:
+    """Bypass the client-side checks: the refusals must come from the server (412)."""
+    s3: Any = make_s3_store(request)
+    s3.put("k", b"v1")
+    stale = s3.head("k").etag
+    s3.cas("k", b"v2", expected=b"v1")
+    with pytest.raises(ConflictError, match="412"):  # If-Match with a stale ETag
+        s3._put_single("k", b"v3", {"IfMatch": stale}, on_fail=ConflictError)
+    with pytest.raises(AlreadyExistsError):  # If-None-Match: * on PutObject
+        s3._put_single("k", b"v3", {"IfNoneMatch": "*"}, on_fail=AlreadyExistsError)
+    big = os.urandom(11 * MiB)
+    s3.put("big", big)
+    with pytest.raises(AlreadyExistsError):  # If-None-Match: * on CompleteMultipartUpload
+        s3._put_multipart("big", memoryview(big[::-1]), if_absent=True)
+    assert s3.get("k") == b"v2" and s3.get("big") == big
+    s3.close()
+
+
+def test_s3_cas_loses_to_a_write_between_read_and_swap(request: pytest.FixtureRequest) -> None:
+    s3: Any = make_s3_store(request)
+    s3.put("LATEST", b"1")
+    real = s3._client
+    s3._client = Interloper(
+        real, lambda: real.put_object(Bucket=BUCKET, Key=s3.config.prefix + "LATEST", Body=b"7")
+    )
+    with pytest.raises(ConflictError):
+        s3.cas("LATEST", b"2", expected=b"1")  # read 1, then If-Match on the stale ETag
+    s3._client = real
+    assert s3.get("LATEST") == b"7"
+    s3.close()
+
+
+def test_file_store_key_clash_and_bookkeeping(tmp_path: Path) -> None:
+    s = FileStore(tmp_path / "st")
+    s.put("a", b"1")
+    with pytest.raises(StoreError, match="clashes"):
+        s.put("a/b", b"2")
+    s.put("c/d", b"3")
+    with pytest.raises(StoreError, match="clashes") as err:
+        s.put("c", b"4")
+    assert not isinstance(err.value, AlreadyExistsError)
+    assert s.head("c") is None and s.get("c/d") == b"3"
+    s.cas("p", b"1", expected=None)
+    (tmp_path / "st" / "c" / ".rp-tmp-deadbeef").write_bytes(b"crash leftover")
+    assert s.list() == ["a", "c/d", "p"]
+
+
+def test_open_store_uris(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(open_store(str(tmp_path / "s1")), FileStore)
+    f = open_store((tmp_path / "s2").as_uri(), fsync=False)
+    assert isinstance(f, FileStore) and f.uri == (tmp_path / "s2").as_uri()
+    monkeypatch.chdir(tmp_path)
+    assert open_store("rel/dir").uri == (tmp_path / "rel" / "dir").as_uri()
+    m1, m2 = open_store("memory://shared-name"), open_store("memory://shared-name")
+    m1.put("k", b"v", if_absent=False)
+    assert m2.get("k") == b"v"
+    assert open_store("http://h:1/relay/").uri == "http://h:1/relay"
+    for uri, options in [
+        ("ftp://x", {}),
+        ("memory://", {}),
+        ("file://host/x", {}),
+        ("s3:///p", {}),
+        ("s3://b/../x", {}),
+        ("memory://x", {"a": 1}),
+        ("/tmp/x", {"bogus": 1}),
+        ("http://h/x?q=1", {}),
+        ("http://h", {"timeout": 0}),
+        ("s3://b", {"part_size": 1}),
+        ("s3://b", {"bogus": 1}),
+    ]:
+        with pytest.raises(ConfigError):
+            open_store(uri, **options)
+
+
+def test_s3_config_reads_environment_in_one_place() -> None:
+    env = {
+        "AWS_ENDPOINT_URL": "http://aws-env",
+        "ROLLPATCH_S3_ENDPOINT_URL": "http://rp-env",
+        "AWS_REGION": "",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    c = s3_config_from("b", "p/", {}, env)
+    assert (c.endpoint_url, c.region, c.prefix) == ("http://rp-env", "eu-west-1", "p/")
+    c = s3_config_from("b", "", {"endpoint_url": "http://explicit", "part_size": 8 * MiB}, env)
+    assert c.endpoint_url == "http://explicit" and c.part_size == 8 * MiB
+    with pytest.raises(ConfigError, match="part_size"):
+        s3_config_from("b", "", {"part_size": MiB}, {})
+    with pytest.raises(ConfigError, match="go together"):
+        s3_config_from("b", "", {"access_key_id": "a"}, {})
+
+
+# -- hostile trees (issue 11) -------------------------------------------------------------------
+
+HOSTILE_PREFIXES = [
+    "../../..",
+    "..",
+    "a/../b",
+    "a/..",
+    "./a",
+    "a/./",
+    "a//b",
+    "/etc",
+    "a\\..\\b",
+    "..\\x",
+    "a\x00b",
+    "a\nb",
+    "\ud800",
+    ".rp-locks/",
+]
+
+
+@pytest.mark.parametrize("prefix", HOSTILE_PREFIXES, ids=range(len(HOSTILE_PREFIXES)))
+def test_list_prefixes_are_validated_like_keys(tmp_path: Path, prefix: str) -> None:
+    store = FileStore(tmp_path / "board", fsync=False)
+    with pytest.raises(ConfigError):
+        store.list(prefix)
+    with pytest.raises(ConfigError):
+        store.get(prefix.rstrip("/") or "x/..")
+    assert store.list("a/") == [] and store.list("a/b") == []  # partial segments are fine
+
+
+def _read_in_thread(call: Any) -> BaseException | None:
+    """Run ``call`` in a thread so a store that blocks (a FIFO) fails the test, not hangs it."""
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert out, "the read blocked"
+    return out[0]
+
+
+def test_file_store_refuses_links_and_special_files(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root:x:0:0")
+    root = tmp_path / "board"
+    store = FileStore(root, fsync=False)
+    store.put("runs/r1/ok", b"fine")
+    os.symlink(secret, root / "runs" / "r1" / "link")  # a file outside the board
+    os.symlink(tmp_path, root / "runs" / "r1" / "dirlink")  # a folder outside it
+    os.symlink(root / "runs" / "r1" / "ok", root / "runs" / "r1" / "inside")  # even inside
+    os.mkfifo(root / "runs" / "r1" / "fifo")
+    for key in ("runs/r1/link", "runs/r1/dirlink/secret", "runs/r1/inside", "runs/r1/fifo"):
+        for call in (lambda k=key: store.get(k), lambda k=key: store.get_range(k, 0, 1)):
+            err = _read_in_thread(call)
+            assert isinstance(err, NotFoundError), (key, err)
+        assert store.head(key) is None, key
+    assert store.list("") == store.list("runs/") == ["runs/r1/ok"]
+    assert store.list("runs/r1/dirlink/") == [] and store.list("runs/r1/l") == []
+    assert store.get("runs/r1/ok") == b"fine" and store.head("runs/r1/ok") is not None

@@ -26,16 +26,16 @@ from rollpatch.follower import Follower, FollowerState
 from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.store import open_store
 from rollpatch.store.http_client import CORRUPT_CODE, CORRUPT_STATUS
-from tests.test_follower import (
+from tests.followfix import (
     FAST,
     LAST,
     RUN,
     Published,
     _build,
-    _copy,
-    _step_objects,
     assert_holds,
+    copy_board,
     engine_at,
+    step_objects,
 )
 
 KEY = "runs/r/objects/" + "b" * 64 + ".rpatch"
@@ -50,7 +50,7 @@ def published() -> Published:
 
 @pytest.fixture
 def board(published: Published) -> Board:
-    return _copy(published)
+    return copy_board(published)
 
 
 class _Canned(ThreadingHTTPServer):
@@ -180,7 +180,7 @@ def _corrupt(board: Board, key: str) -> bytes:
 
 
 def test_relay_answers_409_object_corrupt_and_passes_it_down_a_chain(board: Board, relay) -> None:
-    key = _step_objects(board, 19, LAST, 0)[0]
+    key = step_objects(board, 19, LAST, 0)[0]
     good = _corrupt(board, key)
     near = relay(board.store, "near")
     far = relay(near.url, "far")
@@ -210,7 +210,7 @@ def test_relay_answers_409_object_corrupt_and_passes_it_down_a_chain(board: Boar
 
 
 def test_a_remembered_refusal_can_be_turned_off(board: Board, tmp_path: Path) -> None:
-    key = _step_objects(board, 19, LAST, 0)[0]
+    key = step_objects(board, 19, LAST, 0)[0]
     _corrupt(board, key)
     server = RelayServer(board.store, RelayConfig(cache_dir=tmp_path / "c", corrupt_ttl=0))
     server.start()
@@ -228,7 +228,7 @@ def test_a_remembered_refusal_can_be_turned_off(board: Board, tmp_path: Path) ->
 def test_a_follower_behind_a_relay_plans_around_a_corrupt_origin_object(
     board: Board, published: Published, relay, have: int | None
 ) -> None:
-    key = _step_objects(board, have, LAST, 0)[0]  # newest keyframe / first patch on the path
+    key = step_objects(board, have, LAST, 0)[0]  # newest keyframe / first patch on the path
     _corrupt(board, key)
     server = relay(board.store)
     engine = engine_at(published, have)
@@ -267,7 +267,7 @@ def test_a_lying_relay_causes_a_detour_never_other_bits(
     board: Board, published: Published, relay, canned
 ) -> None:
     honest = relay(board.store)
-    sound = _step_objects(board, None, LAST, 0)[0]  # nothing is corrupt: the relay lies
+    sound = step_objects(board, None, LAST, 0)[0]  # nothing is corrupt: the relay lies
     liar = _LyingRelay(canned, honest.url, lambda k: k == sound)
     engine = engine_at(published, None)
     f = Follower(Board(open_store(liar.url, retries=0)), RUN, engine, FAST)

@@ -25,7 +25,7 @@ from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.store import Store, open_store
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 from tests.conftest import make_manifest, signing_world
-from tests.test_trust import RUN, Pub
+from tests.trustfix import RUN, Pub
 
 FAST = FollowerConfig(poll_s=0.01, backoff_s=0.001, retries=1, timeout_s=10.0)
 

@@ -3,7 +3,7 @@
 Run: ``python bench/sglang.py`` (16M parameters; needs the SGLang venv from
 ``scripts/sglang-env``); ``--hidden 1024 --layers 8`` for a 103M model; ``--versions N``;
 ``--json PATH`` keeps every sample (``pause_s`` of each under its path's name: ``staged``,
-``reloads``).
+``double``, ``reloads``).
 
 **Model and versions**: bench/vllm.py's (``_vllm_world.World``): a random BF16 Llama, FP32
 masters under warm AdamW (``--lr`` 5e-6), each version published as ``bf16`` to a ``file://``
@@ -19,6 +19,10 @@ Paths, each over the same versions (v1..vN, from v0):
   pause request to the answer of ``/continue_generation`` (SGLang's ``retract`` pause, begin/
   update/end of the weight-update session with the scatter and read-back, prefix-cache flush,
   ``/update_weight_version``); *visible→serving* = stage + pause.
+- **double** (rollpatch, ``writes="double_buffer"``): the same, but staging also builds each
+  touched parameter's second buffer inside SGLang (a copy, the staged words written, checked
+  and read back), and the commit under the pause only exchanges storages (O(1) per
+  parameter); the replaced storage is freed after the pause.
 - **reloads** (SGLang's own): the same pause, then ``/update_weights_from_disk`` of the
   version's checkpoint directory (read once before: page cache warm), then
   ``/continue_generation``.
@@ -26,8 +30,15 @@ Paths, each over the same versions (v1..vN, from v0):
 **Bytes moved** per version: rollpatch's patch object (what crosses the wire and the
 processes) against the checkpoint a reload reads. **Checks** (the run aborts otherwise): each
 commit leaves the published digest; greedy tokens and logprobs after each staged commit equal
-those after SGLang's reload of the same version; after each reload the live words, re-hashed
-in SGLang, are the published version's.
+those after SGLang's reload of the same version, and those after each double-buffered commit
+equal the in-place ones; after each reload the live words, re-hashed in SGLang, are the
+published version's.
+
+**Stage breakdown** (medians, ms): *decode* (inside SGLang: the patch object decoded against
+the live words: the codec's own pass), *prove* (validation, old words, O(changed) digests),
+*layout* (runtime offsets merged per parameter), *buffers* (double-buffered copies written
+and read back), *transfer* (the rest of the adapter's call: the patch written to a file, the
+control socket, the answer).
 """
 
 from __future__ import annotations
@@ -127,7 +138,10 @@ def greedy(engine: Any) -> tuple[list[int], list[float]]:
     return list(r["output_ids"]), [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]]
 
 
-def phase_staged(world: World, engine: Any, n: int) -> tuple[list[dict[str, float]], list[Any]]:
+def phase_staged(
+    world: World, engine: Any, n: int, expect: list[Any] | None = None
+) -> tuple[list[dict[str, float]], list[Any]]:
+    """Each version staged then committed; ``expect``: the outputs each commit must give."""
     from rollpatch.engines.staged import EncodedStep
 
     runs, served = [], []
@@ -146,8 +160,11 @@ def phase_staged(world: World, engine: Any, n: int) -> tuple[list[dict[str, floa
         t2 = time.perf_counter()
         if engine.digest != world.digests[v] or engine.held()[1] != world.digests[v]:
             raise BenchError(f"v{v}: the engine does not hold the published digest")
+        inside = engine.last_stage_ms
         runs.append(
             {
+                **{f"{k}_ms": float(x) for k, x in inside.items()},
+                "transfer_ms": (t1 - t0) * 1e3 - inside["inside"],
                 "stage_s": t1 - t0,
                 "pause_s": t2 - t1,
                 "visible_s": t2 - t0,
@@ -157,6 +174,10 @@ def phase_staged(world: World, engine: Any, n: int) -> tuple[list[dict[str, floa
             }
         )
         served.append(greedy(engine))
+        if expect is not None and served[-1] != expect[v - 1]:
+            raise BenchError(f"v{v}: {engine.writes} commits serve otherwise than in place")
+    if expect is not None and engine.held(fresh=True)[1] != world.digests[n]:
+        raise BenchError(f"v{n}: the live words, re-hashed, are not the published ones")
     return runs, served
 
 
@@ -197,22 +218,25 @@ def _mb(n: float) -> str:
 
 
 def render(ctx: dict[str, Any]) -> str:
-    st, rl, w = ctx["staged"], ctx["reloads"], ctx["world"]
+    st, db, rl, w = ctx["staged"], ctx["double"], ctx["reloads"], ctx["world"]
 
     def med(runs: list[dict[str, float]], k: str) -> float:
         return statistics.median(r[k] for r in runs)
 
-    p_st, p_rl = med(st, "pause_s"), med(rl, "pause_s")
+    p_rl = med(rl, "pause_s")
     rows = [
         [
-            "rollpatch staged",
-            _ms(p_st),
-            _ms(max(r["pause_s"] for r in st)),
-            _ms(med(st, "stage_s")),
-            _ms(med(st, "visible_s")),
-            _mb(med(st, "bytes")),
-            f"{p_st / p_rl:.3f}",
-        ],
+            name,
+            _ms(med(runs, "pause_s")),
+            _ms(max(r["pause_s"] for r in runs)),
+            _ms(med(runs, "stage_s")),
+            _ms(med(runs, "visible_s")),
+            _mb(med(runs, "bytes")),
+            f"{med(runs, 'pause_s') / p_rl:.3f}",
+        ]
+        for name, runs in (("rollpatch staged, in place", st), ("rollpatch double-buffered", db))
+    ]
+    rows += [
         [
             "SGLang update_weights_from_disk",
             _ms(p_rl),
@@ -244,9 +268,22 @@ def render(ctx: dict[str, Any]) -> str:
         rows,
         [False, True, True, True, True, True, True],
     )
+    phases = ["decode", "prove", "layout", "buffers", "transfer"]
+    t2 = table(
+        ["stage breakdown, ms p50", *phases, "stage"],
+        [
+            [
+                name,
+                *(f"{med(runs, f'{k}_ms'):.0f}" for k in phases),
+                f"{med(runs, 'stage_s') * 1e3:.0f}",
+            ]
+            for name, runs in (("in place", st), ("double-buffered", db))
+        ],
+        [False, *([True] * (len(phases) + 1))],
+    )
     return (
         f"{head}\n{t}\n(staged update held in SGLang: median {_mb(med(st, 'staged_bytes'))}"
-        f", {int(med(st, 'changed'))} changed elements per version)"
+        f", {int(med(st, 'changed'))} changed elements per version)\n{t2}"
     )
 
 
@@ -277,6 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             greedy(engine)  # warm-up
             log("staged: stage_encoded while serving, commit_staged under the pause")
             staged, served = phase_staged(world, engine, args.versions)
+            log("double: second buffers built while serving, exchanged under the pause")
+            engine.load(_view(world, 0), 0)
+            engine.close()
+            engine = SglangEngine(server.url, writes="double_buffer")
+            engine.adopt(0, world.digests[0])
+            double, _ = phase_staged(world, engine, args.versions, expect=served)
             log("reloads: SGLang's update_weights_from_disk of each version")
             engine.load(_view(world, 0), 0)
             reloads = phase_reloads(world, engine, args.versions, served)
@@ -298,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ckpt_bytes": world.ckpt_bytes,
             },
             "staged": staged,
+            "double": double,
             "reloads": reloads,
         }
     print(render(ctx))

@@ -11,7 +11,9 @@ published digest, its greedy tokens and logprobs agree with Hugging Face transfo
 version's weights and are bit-identical to SGLang's own full reload of that version
 (``/update_weights_from_disk``), and SGLang's ``weight_version`` names it. The reverse
 transition restores the outputs bit for bit; corrupted, tampered and wrong-base patches are
-refused with SGLang serving its last good version. SGLang's CPU engine runs with an
+refused with SGLang serving its last good version. Double-buffered commits (second buffers
+built while serving, storages exchanged under the pause) serve bit-identically to in-place
+ones. SGLang's CPU engine runs with an
 ``sgl_kernel`` import shim (scripts/sglang-env): the module fails if SGLang ever called it.
 Without the venv the live tests are SKIPPED, loudly, saying how to build it.
 """
@@ -139,6 +141,92 @@ def test_refusals_leave_the_words_untouched() -> None:
     with pytest.raises(ViewError):
         w.load(View({n: t for n, t in a.items() if n != "norm.weight"}))
     assert w.load(b) == b.digest() and w.digests(fresh=True) == b.tensor_digests()
+
+
+class NumpyBuffers:
+    """The double-buffered commit's glue over numpy arrays (the storage is the array)."""
+
+    def __init__(self, params: dict[str, np.ndarray], fail_on: str | None = None) -> None:
+        self.params, self.fail_on, self.exchanges = params, fail_on, 0
+
+    def clone(self, param: str) -> tuple[np.ndarray, np.ndarray]:
+        copy = self.params[param].copy()
+        return copy, copy
+
+    def exchange(self, buffers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        held: dict[str, np.ndarray] = {}
+        try:
+            for name, t in buffers.items():
+                if name == self.fail_on:
+                    raise RuntimeError(f"exchange of {name} failed")
+                held[name], self.params[name] = self.params[name], t
+        except BaseException:
+            self.params.update(held)
+            raise
+        self.exchanges += 1
+        return held
+
+    def words(self, param: str) -> np.ndarray:
+        return self.params[param]
+
+
+def _held_buffered(
+    fail_on: str | None = None,
+) -> tuple[HeldWeights, NumpyBuffers, dict[str, np.ndarray]]:
+    specs = vllm_env.layer_specs(1)
+    ck = vllm_env.checkpoint(0)
+    params = {
+        s.param: vllm_env.vllm_load(ck, 1, 0)[s.param].reshape(vllm_env.param_shape(s, 1)).copy()
+        for s in specs
+    }
+    buf = NumpyBuffers(params, fail_on)
+    kinds = {s.param: get_kind("bf16") for s in specs}
+    return HeldWeights(dict(params), specs, kinds, buffers=buf), buf, ck
+
+
+def test_double_buffered_commit_exchanges_storage() -> None:
+    """Staging builds the touched parameters' second buffers (the live words untouched); the
+    commit only exchanges storages, giving the same words as an in-place commit."""
+    w, buf, ck = _held_buffered()
+    ref, _, _ = _held()
+    a = vllm_env.words_view(ck)
+    b = vllm_env.words_view(vllm_env.random_step(ck, 1))
+    live = dict(buf.params)
+    snap = {p: v.copy() for p, v in live.items()}
+    staged = w.stage(diff(a, b), "double_buffer")
+    assert staged.buffers and set(staged.buffers) == set(staged.writes)
+    assert all(np.array_equal(snap[p], buf.params[p]) for p in snap)  # nothing live written
+    assert all(buf.params[p] is live[p] for p in live) and w.root() == a.digest()
+    assert set(w.last_stage_ms) == {"prove", "layout", "buffers"}
+    w.commit(staged.token)
+    assert buf.exchanges == 1 and set(staged.retired) == set(staged.writes)
+    assert all(staged.retired[p] is live[p] for p in staged.retired)  # the old storage, back
+    assert all(np.array_equal(snap[p], live[p]) for p in live)  # ... and never written
+    ref.commit(ref.stage(diff(a, b)).token)
+    assert w.root() == b.digest() and w.digests(fresh=True) == b.tensor_digests()
+    assert all(np.array_equal(w.params[p], ref.params[p]) for p in ref.params)
+    assert all(w.params[p] is buf.params[p] for p in buf.params)  # the words re-aliased
+    w.commit(w.stage(diff(b, a), "double_buffer").token)  # and back
+    assert w.digests(fresh=True) == a.tensor_digests()
+
+
+def test_double_buffered_refusals_leave_the_storage() -> None:
+    """A failed exchange is undone (old storage, old digests); without the glue, or with an
+    unknown mode, double-buffered staging is refused."""
+    w, buf, ck = _held_buffered(fail_on="gate_up_proj.weight")
+    a = vllm_env.words_view(ck)
+    b = vllm_env.words_view(vllm_env.random_step(ck, 3))
+    live = dict(buf.params)
+    staged = w.stage(diff(a, b), "double_buffer")
+    with pytest.raises(RuntimeError, match="exchange"):
+        w.commit(staged.token)
+    assert all(buf.params[p] is live[p] for p in live) and buf.exchanges == 0
+    assert w.root() == a.digest() and w.digests(fresh=True) == a.tensor_digests()
+    plain, _, _ = _held()
+    with pytest.raises(EngineError, match="double-buffered"):
+        plain.stage(diff(a, b), "double_buffer")
+    with pytest.raises(ValueError, match="mode"):
+        plain.stage(diff(a, b), "twice")  # type: ignore[arg-type]
 
 
 def test_audit_finds_a_flipped_word() -> None:
@@ -342,6 +430,38 @@ def test_bad_patches_are_refused_and_sglang_keeps_serving(
         assert audit is not None and audit.mismatched == () and audit.wrapped
     finally:
         engine.close()
+
+
+def test_double_buffered_commits_equal_in_place_ones(server: vllm_env.Server, world: World) -> None:
+    """``writes="double_buffer"``: each version's second buffers are built while SGLang
+    serves and exchanged under the pause; SGLang then holds the published digest (re-hashed
+    in SGLang) and serves bit-identically to in-place commits of the same versions."""
+    from rollpatch.engines.sglang import SglangEngine
+
+    served: dict[str, list[Any]] = {}
+    for writes in ("in_place", "double_buffer"):
+        engine = SglangEngine(server.url, writes=writes)
+        try:
+            engine.load(world.views[0], 0)
+            outs = []
+            for v in range(1, N_VERSIONS):
+                a, b = world.views[v - 1], world.views[v]
+                engine.apply_encoded([world.patch_object(v)], a.digest(), b.digest(), v)
+                assert engine.held(fresh=True) == (b.tensor_digests(), b.digest())
+                assert engine.version == v and engine.weight_version() == str(v)
+                exchanged = engine.last_timings["exchanged"]
+                assert (exchanged > 0) == (writes == "double_buffer"), engine.last_timings
+                assert {"decode", "prove", "layout", "buffers"} <= set(engine.last_stage_ms)
+                outs.append(greedy(server))
+            # back by a decoded inverse patch (the sidecar's decode path), then forward again
+            engine.apply(diff(world.views[-1], world.views[-2]), N_VERSIONS - 2)
+            assert engine.held(fresh=True)[1] == world.views[-2].digest()
+            assert greedy(server) == outs[-2]
+            served[writes] = outs
+        finally:
+            engine.close()
+    assert served["double_buffer"] == served["in_place"]
+    assert len({str(o[0]) for o in served["in_place"]}) == N_VERSIONS - 1  # versions differ
 
 
 def test_an_engine_without_the_loader_is_refused_clearly(tmp_path: Path) -> None:

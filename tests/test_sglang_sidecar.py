@@ -261,11 +261,12 @@ def _long(url: str, world: World, out: dict[str, Any]) -> None:
 def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None:
     """Pause mode: a generation in flight is retracted by SGLang's pause, recomputed after
     the commit with the new weights, and labelled with both versions — as SGLang's own
-    per-token spans say."""
+    per-token spans say. Commits here are double-buffered (``--writes double_buffer``:
+    storage exchanged under the pause)."""
     from rollpatch.sidecar import SidecarConfig
     from rollpatch.sidecar.server import make_engine, start_sidecar
 
-    engine, url = make_engine("sglang", engine_url=server.url)
+    engine, url = make_engine("sglang", engine_url=server.url, writes="double_buffer")
     have = world.latest
     engine.load(world.views[have], have)  # the label checks left the server elsewhere
     sc = start_sidecar(

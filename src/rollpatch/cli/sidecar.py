@@ -48,8 +48,8 @@ def register(sub: Any) -> None:
         "--writes",
         choices=("in_place", "double_buffer"),
         default="in_place",
-        help="how a commit reaches the weights (reference, vllm): in_place (the pause scatters "
-        "the changed words) or double_buffer (new storage built while serving, exchanged in "
+        help="how a commit reaches the weights (reference, vllm, sglang): in_place (the pause "
+        "scatters the changed words) or double_buffer (new storage built while serving, exchanged in "
         "the pause: shortest pause, + the touched parameters in memory); docs/engines.md",
     )
     # the flags of the sidecar's and its follower's configs (defaults: the configs' own)

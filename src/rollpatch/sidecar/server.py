@@ -26,7 +26,7 @@ def make_engine(
     writes: WriteMode = "in_place",
 ) -> tuple[EngineAdapter, str]:
     """Build an engine adapter and the URL its OpenAI routes are served at (``writes``: the
-    reference and vLLM engines' :data:`~rollpatch.engines.staged.WriteMode`)."""
+    engine's :data:`~rollpatch.engines.staged.WriteMode`)."""
     if kind == "reference":
         if model is None:
             raise ConfigError("--engine reference needs --model DIR")
@@ -41,13 +41,11 @@ def make_engine(
 
         return VllmEngine(engine_url, writes=writes), engine_url
     if kind == "sglang":
-        if writes != "in_place":
-            raise ConfigError("--writes double_buffer is for the reference and vllm engines")
         if engine_url is None:
             raise ConfigError("--engine sglang needs --engine-url http://HOST:PORT")
         from ..engines.sglang import SglangEngine
 
-        return SglangEngine(engine_url), engine_url
+        return SglangEngine(engine_url, writes=writes), engine_url
     raise ConfigError(f"unknown engine {kind!r}", hint=f"one of {', '.join(ENGINES)}")
 
 

@@ -12,6 +12,11 @@ socket). A commit (docs/sglang.md):
    cache, the adapter checks the result, then names the version (``/update_weight_version``)
    — only after verification — and ``POST /continue_generation``.
 
+With ``writes="double_buffer"`` (:data:`~rollpatch.engines.staged.WriteMode`) step 1 also
+builds each touched parameter's second buffer inside SGLang (written, checked, read back), and
+the commit under the pause only exchanges storages (O(1) per parameter); the replaced storage
+is freed after the pause, a tensor at a time.
+
 On any failure the adapter asks the engine for its root: the previous version's → it stays
 there (the error keeps its class for the follower); otherwise ``version`` becomes None and
 SGLang's ``weight_version`` reads ``rollpatch:not-ready``.
@@ -31,6 +36,7 @@ from ...io.safetensors import load_view, save_view
 from ...patch import Patch, inspect
 from ...view import Tensor, View, WordSource
 from ..base import EngineAdapter
+from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
@@ -70,7 +76,8 @@ class SglangEngine(EngineAdapter):
 
     ``url``: the server (``http://127.0.0.1:30000``, same host: files and a UNIX socket are
     shared). ``shared_dir``: a directory SGLang can read (default: a fresh private one).
-    ``timeout``: seconds per call.
+    ``timeout``: seconds per call. ``writes``: :data:`~rollpatch.engines.staged.WriteMode`
+    (``double_buffer``: + the touched parameters in SGLang's memory from staging to commit).
 
     Pausing is SGLang's ``retract`` mode: running requests go back to the queue, so SGLang
     can flush its prefix cache (whose keys do not include the weights) and recompute their
@@ -82,14 +89,25 @@ class SglangEngine(EngineAdapter):
     name = "sglang"
 
     def __init__(
-        self, url: str, *, shared_dir: str | Path | None = None, timeout: float = 600.0
+        self,
+        url: str,
+        *,
+        shared_dir: str | Path | None = None,
+        timeout: float = 600.0,
+        writes: WriteMode = "in_place",
     ) -> None:
+        if writes not in ("in_place", "double_buffer"):
+            raise ValueError(f"writes must be 'in_place' or 'double_buffer', not {writes!r}")
+        self.writes: WriteMode = writes
         self._lock = threading.RLock()
         self.channel = SglangChannel(url, shared_dir=shared_dir, timeout=timeout, lock=self._lock)
         self._version: int | None = None
         self._digest: str | None = None
         self._tensors: dict[str, Any] | None = None
         self.last_timings: dict[str, float] = {}
+        #: The last staging's phases inside SGLang (ms): ``decode`` (or ``read``), ``prove``,
+        #: ``layout``, ``buffers`` and ``inside`` (the whole control call there).
+        self.last_stage_ms: dict[str, float] = {}
 
     # -- state -------------------------------------------------------------------------------
 
@@ -205,12 +223,14 @@ class SglangEngine(EngineAdapter):
             raise EngineError("this update was not staged by the SGLang adapter", engine=self.name)
         with self._lock:
             self._require_loaded()
-            self._write(
+            res = self._write(
                 {"op": "commit", "token": token},
                 version,
                 lambda res: res["target"] == staged.target and res["root"] == staged.target,
                 staged.target,
             )
+            # parameters whose storage was exchanged (double-buffered), 0 when scattered
+            self.last_timings["exchanged"] = float(res.get("exchanged", 0))
 
     def apply_encoded(self, blobs: Sequence[bytes], base: str, target: str, version: int) -> None:
         """Commit one step's wire-format patch objects (``base`` → ``target`` roots)."""
@@ -245,7 +265,7 @@ class SglangEngine(EngineAdapter):
 
         t0 = time.perf_counter()
         paths = [str(p) for p in (path if isinstance(path, list) else [path])]
-        r = self._control(op, paths=paths, base=base, target=target)  # SGLang serves on
+        r = self._control(op, paths=paths, base=base, target=target, mode=self.writes)
         if (
             r["base"] != base
             or r["target"] != target
@@ -254,12 +274,19 @@ class SglangEngine(EngineAdapter):
             self._control("drop")
             raise TargetMismatchError("the staged update is not the patch's", engine=self.name)
         self.last_timings["stage_s"] = time.perf_counter() - t0
+        self.last_stage_ms = {k: float(v) for k, v in (r.get("phases") or {}).items()}
+        self.last_stage_ms["inside"] = float(r.get("ms", 0.0))
         return StagedUpdate(
             base,
             target,
             {},
             dict(r["digests"]),
-            {"sglang_token": r["token"], "changed": int(r["changed"]), "nbytes": int(r["nbytes"])},
+            {
+                "sglang_token": r["token"],
+                "changed": int(r["changed"]),
+                "nbytes": int(r["nbytes"]),
+                "buffers": int(r.get("buffers", 0)),
+            },
         )
 
     @staticmethod

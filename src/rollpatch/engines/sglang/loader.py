@@ -36,7 +36,9 @@ from ...errors import BaseMismatchError, EngineError, PatchError, RollpatchError
 from ...io.safetensors import load_view, save_view
 from ...patch import Patch, TensorPatch, decode, inspect
 from ...view import View
+from ..staged import WriteMode
 from ..vllm.transfer import read_decoded
+from ..writing import release
 from .staged import HeldWeights
 from .wire import read_line
 
@@ -61,12 +63,13 @@ def _build(model: Any) -> HeldWeights:
         get_tensor_model_parallel_world_size,
     )
 
+    from .buffers import TorchBuffers
     from .describe import describe, param_words
 
     rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     specs, kinds, params = describe(model, tp)
     words = {n: param_words(p) for n, p in params.items()}
-    return HeldWeights(words, specs, kinds, rank=rank, tp=tp)
+    return HeldWeights(words, specs, kinds, rank=rank, tp=tp, buffers=TorchBuffers(params))
 
 
 def _weights() -> HeldWeights:
@@ -75,7 +78,27 @@ def _weights() -> HeldWeights:
     return _STATE.weights
 
 
-def _stage_encoded(w: HeldWeights, paths: list[str], base: str, target: str) -> dict[str, Any]:
+def _mode(r: dict[str, Any]) -> WriteMode:
+    mode = r.get("mode", "in_place")
+    if mode not in ("in_place", "double_buffer"):
+        raise EngineError("unknown write mode", mode=str(mode)[:40])
+    return "double_buffer" if mode == "double_buffer" else "in_place"
+
+
+def _timed(w: HeldWeights, stage: Callable[[], dict[str, Any]], first: str) -> dict[str, Any]:
+    """``stage()``'s summary with its phases (ms): ``first`` (what came before
+    :meth:`HeldWeights.stage`: decoding or reading the patch) and the staging's own."""
+    t0 = time.perf_counter()
+    w.last_stage_ms = {}
+    out = stage()
+    own = dict(w.last_stage_ms)
+    before = (time.perf_counter() - t0) * 1e3 - sum(own.values())
+    return {**out, "phases": {first: round(before, 3), **{k: round(v, 3) for k, v in own.items()}}}
+
+
+def _stage_encoded(
+    w: HeldWeights, paths: list[str], base: str, target: str, mode: WriteMode
+) -> dict[str, Any]:
     """Decode one step's patch objects (its shards) against the live words, prove them."""
     if w.root() != base:  # decoding against another base would read wrong contexts
         raise BaseMismatchError(
@@ -85,15 +108,19 @@ def _stage_encoded(w: HeldWeights, paths: list[str], base: str, target: str) -> 
             hint="the engine is on another version; plan a new path",
         )
     tensors: dict[str, TensorPatch] = {}
-    for path in paths:
-        blob = Path(path).read_bytes()
-        header = inspect(blob)  # the container and header, validated; no payload touched yet
-        names = sorted(e["name"] for e in header.tensors if e["name"] in w)
-        part = decode(blob, w.view(names), check_base=False)
-        if set(part.tensors) & set(tensors):
-            raise PatchError("two patch objects of one step touch the same tensor")
-        tensors.update(part.tensors)
-    return w.stage(Patch(base, target, tensors, {})).summary()
+
+    def decoded() -> Patch:
+        for path in paths:
+            blob = Path(path).read_bytes()
+            header = inspect(blob)  # the container and header, validated; no payload yet
+            names = sorted(e["name"] for e in header.tensors if e["name"] in w)
+            part = decode(blob, w.view(names), check_base=False)
+            if set(part.tensors) & set(tensors):
+                raise PatchError("two patch objects of one step touch the same tensor")
+            tensors.update(part.tensors)
+        return Patch(base, target, tensors, {})
+
+    return _timed(w, lambda: w.stage(decoded(), mode).summary(), "decode")
 
 
 def _export(w: HeldWeights, name: str, path: str) -> dict[str, Any]:
@@ -122,9 +149,11 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "info": lambda w, r: _info(w),
     "digest": lambda w, r: {"digests": w.digests(fresh=bool(r.get("fresh"))), "root": w.root()},
     "stage_encoded": lambda w, r: _stage_encoded(
-        w, [str(p) for p in r["paths"]], str(r["base"]), str(r["target"])
+        w, [str(p) for p in r["paths"]], str(r["base"]), str(r["target"]), _mode(r)
     ),
-    "stage_decoded": lambda w, r: w.stage(read_decoded(str(r["paths"][0]))).summary(),
+    "stage_decoded": lambda w, r: _timed(
+        w, lambda: w.stage(read_decoded(str(r["paths"][0])), _mode(r)).summary(), "read"
+    ),
     "export": lambda w, r: _export(w, str(r["name"]), str(r["path"])),
     "audit": lambda w, r: w.audit(int(r["budget"])),
     "drop": lambda w, r: _drop(w),
@@ -201,7 +230,17 @@ def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     w = _weights()
     if op == "commit":
         staged = w.commit(str(cmd["token"]))
-        return {"target": staged.target, "changed": staged.changed, "root": w.root()}
+        retired, staged.retired = staged.retired, {}
+        if retired:  # the storage a double-buffered commit replaced: freed after the pause
+            threading.Thread(
+                target=release, args=(retired,), name="rollpatch-release", daemon=True
+            ).start()
+        return {
+            "target": staged.target,
+            "changed": staged.changed,
+            "root": w.root(),
+            "exchanged": len(retired),
+        }
     if op == "load":
         return {"root": w.load(load_view(str(cmd["path"]), mmap=True))}
     raise EngineError(f"unknown rollpatch command {op!r}")

@@ -22,6 +22,13 @@ A commit is two phases:
    mismatch the old words are written back and read back; the digests move to the targets only
    when every read-back matched.
 
+With ``mode="double_buffer"`` (:data:`~rollpatch.engines.staged.WriteMode`), staging also
+builds, for every touched runtime parameter, a second buffer (a copy of its storage, through
+the engine glue's :class:`Buffers`) with the staged words written into it, the old words
+checked and the new ones read back; the commit then only exchanges storages (O(1) per
+parameter, undone on failure) and hands back the storage it replaced, to be released after
+the pause (:func:`rollpatch.engines.writing.release`).
+
 Nothing writes the parameters but :meth:`commit` and :meth:`load`, so the cached digests stay
 true between commits; :meth:`audit` re-hashes everything (for a background check).
 """
@@ -29,7 +36,9 @@ true between commits; :meth:`audit` re-hashes everything (for a background check
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,14 +46,33 @@ from ...errors import BaseMismatchError, EngineError, TargetMismatchError, ViewE
 from ...kinds import Kind
 from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
-from ..staged import sum_delta
+from ..staged import WriteMode, sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
 from ..writing import ParamWrites, numpy_access, write_params
 from .update import Staged, as_delta, merge_writes
 
-__all__ = ["HeldWeights", "Staged"]
+__all__ = ["Buffers", "HeldWeights", "Staged"]
 
 _M64 = (1 << 64) - 1
+_MODES = ("in_place", "double_buffer")
+
+
+class Buffers(Protocol):
+    """The engine glue's half of the double-buffered commit (torch, in SGLang's process)."""
+
+    def clone(self, param: str) -> tuple[Any, np.ndarray]:
+        """A copy of ``param``'s storage and its words (as :attr:`HeldWeights.params` holds
+        them: 2-D, C-contiguous, sharing the copy's memory)."""
+        ...
+
+    def exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """Put each buffer in place of its parameter's storage (O(1) each, all or nothing);
+        returns the storage replaced (exchanging it back undoes the call)."""
+        ...
+
+    def words(self, param: str) -> np.ndarray:
+        """The parameter's words as it now stands (after an exchange)."""
+        ...
 
 
 class HeldWeights:
@@ -53,7 +81,8 @@ class HeldWeights:
     ``params``: runtime parameter name → its words, a writable 2-D numpy array *sharing the
     parameter's memory* (C-contiguous rows). ``specs`` / ``kinds``: the layout and element kind
     of each runtime parameter. ``rank`` / ``tp``: this rank's place (every tensor must be whole
-    on this rank: TP > 1 needs a gather, which is not built).
+    on this rank: TP > 1 needs a gather, which is not built). ``buffers``: the glue's
+    :class:`Buffers` (None: double-buffered commits are refused).
     """
 
     def __init__(
@@ -64,8 +93,10 @@ class HeldWeights:
         *,
         rank: int = 0,
         tp: int = 1,
+        buffers: Buffers | None = None,
     ) -> None:
         self.params, self.rank, self.tp = dict(params), rank, tp
+        self._buffers = buffers
         self._place: dict[str, Placement] = {}
         self._kind: dict[str, Kind] = {}
         for spec in specs:
@@ -94,6 +125,9 @@ class HeldWeights:
         self._cursor = 0
         self.staged: dict[str, Staged] = {}
         self._access = numpy_access(self.params)
+        #: The last staging's phases (ms): ``prove`` (checks and digests), ``layout``
+        #: (runtime offsets, merged per parameter), ``buffers`` (double-buffered copies).
+        self.last_stage_ms: dict[str, float] = {}
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -180,8 +214,17 @@ class HeldWeights:
         pl = self._place[tp.name]
         return as_delta(tp, self[tp.name].data, self._kind[tp.name], pl.shape, pl.n_elements)
 
-    def stage(self, patch: Patch) -> Staged:
-        """Validate and prove ``patch`` against the live words; nothing is written."""
+    def stage(self, patch: Patch, mode: WriteMode = "in_place") -> Staged:
+        """Validate and prove ``patch`` against the live words; nothing live is written
+        (``double_buffer``: the touched parameters' second buffers are built and written)."""
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, not {mode!r}")
+        if mode == "double_buffer" and self._buffers is None:
+            raise EngineError(
+                "double-buffered commits need the engine glue's buffers",
+                hint="use the in-place commit (writes='in_place')",
+            )
+        t0 = time.perf_counter()
         if self.root() != patch.base:
             raise BaseMismatchError(
                 "engine root digest is not the patch's base",
@@ -215,11 +258,13 @@ class HeldWeights:
                     "the staged update does not give the target tensor", tensor=tp.name
                 )
             digests[tp.name] = got
-            pl = self._place[tp.name]
-            held, offsets = locate(pl, ch.positions)
-            per_param.setdefault(pl.param, []).append((offsets, ch.old[held], ch.new[held]))
         if root_digest(digests) != patch.target:
             raise TargetMismatchError("the staged update does not give the target root")
+        t1 = time.perf_counter()
+        for tp in deltas:
+            ch, pl = tp.changes(), self._place[tp.name]
+            held, offsets = locate(pl, ch.positions)
+            per_param.setdefault(pl.param, []).append((offsets, ch.old[held], ch.new[held]))
         staged = Staged(
             secrets.token_hex(8),
             patch.base,
@@ -228,8 +273,31 @@ class HeldWeights:
             states,
         )
         staged.writes.update(merge_writes(per_param))
-        self.staged = {staged.token: staged}  # one staged update at a time
+        t2 = time.perf_counter()
+        self.staged = {}  # one staged update at a time (a dropped one frees its buffers)
+        if mode == "double_buffer":
+            staged.buffers = self._build_buffers(staged)
+        self.last_stage_ms = {
+            "prove": (t1 - t0) * 1e3,
+            "layout": (t2 - t1) * 1e3,
+            "buffers": (time.perf_counter() - t2) * 1e3,
+        }
+        self.staged = {staged.token: staged}
         return staged
+
+    def _build_buffers(self, staged: Staged) -> dict[str, Any]:
+        """Each touched parameter's second buffer with the staged words in: old words
+        checked as overwritten, new ones read back (the same writer as the pause's)."""
+        assert self._buffers is not None
+        handles: dict[str, Any] = {}
+        words: dict[str, np.ndarray] = {}
+        for p in staged.writes:
+            handles[p], words[p] = self._buffers.clone(p)
+            if words[p].shape != self.params[p].shape or not words[p].flags.c_contiguous:
+                raise EngineError("a parameter's copy has another layout", param=p)
+        writes = {p: ParamWrites(w.offsets, w.old, w.new) for p, w in staged.writes.items()}
+        write_params(numpy_access(words), writes, parallel=True)
+        return handles
 
     # -- writing (under the pause) -----------------------------------------------------------
 
@@ -246,6 +314,12 @@ class HeldWeights:
                 expected=staged.base[:16],
                 actual=self.root()[:16],
             )
+        if staged.buffers is not None:
+            staged.retired = self._exchange(staged.buffers)
+            staged.buffers = None
+            self._digests.update(staged.digests)
+            self._sums.update(staged.states)
+            return staged
         writes = {p: ParamWrites(w.offsets, w.old, w.new) for p, w in staged.writes.items()}
         try:  # old words checked as overwritten, slice by slice, read back; on every core
             write_params(self._access, writes, parallel=True)
@@ -272,6 +346,21 @@ class HeldWeights:
         self._digests.update(staged.digests)
         self._sums.update(staged.states)
         return staged
+
+    def _exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """Under the pause: the buffers in place of the parameters' storage, the words
+        re-aliased; undone on any failure. Returns the storage replaced."""
+        assert self._buffers is not None
+        held = self._buffers.exchange(buffers)
+        try:
+            for p in buffers:
+                self.params[p] = self._buffers.words(p)
+        except BaseException:
+            self._buffers.exchange(held)
+            for p in held:
+                self.params[p] = self._buffers.words(p)
+            raise
+        return held
 
     def load(self, view: View, repack: Callable[[set[str]], None] = lambda p: None) -> str:
         """Overwrite every tensor with ``view`` (validated whole first); returns the root."""

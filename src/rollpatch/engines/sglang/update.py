@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,11 @@ class _Write:
 
 @dataclass
 class Staged:
-    """A verified, ready-to-scatter update from root ``base`` to root ``target``."""
+    """A verified, ready-to-scatter update from root ``base`` to root ``target``.
+
+    ``buffers``: the double-buffered commit's second buffers (param → the glue's storage),
+    built while staging; ``retired``: after such a commit, the storage it replaced (to be
+    released after the pause)."""
 
     token: str
     base: str
@@ -39,6 +44,8 @@ class Staged:
     digests: dict[str, str]
     states: dict[str, tuple[int, int]]
     writes: dict[str, _Write] = field(default_factory=dict)
+    buffers: dict[str, Any] | None = None
+    retired: dict[str, Any] = field(default_factory=dict)
 
     @property
     def changed(self) -> int:
@@ -55,6 +62,7 @@ class Staged:
                 w.offsets.nbytes + w.old.nbytes + w.new.nbytes for w in self.writes.values()
             ),
             "digests": dict(self.digests),
+            "buffers": len(self.buffers or {}),
         }
 
 

@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollpatch.cli import build_parser, main
+from rollpatch.cli.demo import CODEC_SHARED, DEMO_MODE_DEFAULTS, CodecWalk, walk_config
 from rollpatch.cli.flags import config_kwargs, flag_name
 from rollpatch.cli.gateway import GATEWAY_SET_OTHERWISE
 from rollpatch.cli.publish import PUBLISH_SET_OTHERWISE
 from rollpatch.cli.pull import PULL_UNUSED
 from rollpatch.cli.relay import RELAY_SET_OTHERWISE
-from rollpatch.cli.sidecar import FOLLOWER_SET_OTHERWISE, SIDECAR_SET_OTHERWISE
+from rollpatch.cli.sidecar import FOLLOWER_FLAGS, FOLLOWER_SET_OTHERWISE, SIDECAR_SET_OTHERWISE
 from rollpatch.config import settings
+from rollpatch.demo.config import DemoConfig
 from rollpatch.follower import FollowerConfig
+from rollpatch.formats import QuantPolicy
 from rollpatch.gateway import GatewayConfig
+from rollpatch.netem.cli import config_from_args
+from rollpatch.netem.config import LinkConfig
 from rollpatch.publisher import PublisherConfig
 from rollpatch.relay import RelayConfig
 from rollpatch.serving import BodyLimits, ServeOptions
@@ -38,8 +44,29 @@ COMMANDS: list[tuple[str, list[str], type, dict[str, str]]] = [
     ("gateway", ["--sidecar", "http://h:1"], GatewayConfig, GATEWAY_SET_OTHERWISE),
     ("relay", ["--board", "b", "--cache", "c"], RelayConfig, RELAY_SET_OTHERWISE),
     ("publish", ["ck", "--board", "b", "--run", "r"], PublisherConfig, PUBLISH_SET_OTHERWISE),
+    ("publish", ["ck", "--board", "b", "--run", "r"], QuantPolicy, {}),
+    ("cast", ["ck", "-o", "o"], QuantPolicy, {}),
+    ("diff", ["a", "b", "-o", "o"], QuantPolicy, {}),
+    ("analyze", ["a", "b"], QuantPolicy, {}),
+    ("demo", [], DemoConfig, {}),
+    ("demo", ["--codec-only"], CodecWalk, {}),  # --steps, --lr, --out, --seed: the demo's
+    ("netem", ["--upstream", "h:1"], LinkConfig, {}),
 ]
 IDS = [f"{c}-{cls.__name__}" for c, _, cls, _ in COMMANDS]
+
+#: (command, config) → field → its flag there, where that is not the declared one.
+RENAMED: dict[tuple[str, type], dict[str, str]] = {("sidecar", FollowerConfig): FOLLOWER_FLAGS}
+#: (command, config) → fields whose flag defaults to none, so that the mode's config fills it
+#: (``demo --steps``: 50 steps of RL, 4 of the codec walk-through).
+UNSET: dict[tuple[str, type], tuple[str, ...]] = {
+    ("demo", DemoConfig): DEMO_MODE_DEFAULTS,
+    ("demo", CodecWalk): CODEC_SHARED,
+}
+#: Arguments a config requires that no flag of the command gives.
+REQUIRED: dict[type, dict[str, Any]] = {
+    RelayConfig: {"cache_dir": Path("c")},
+    LinkConfig: {"upstream": ("h", 1)},  # built by the command's config_from_args
+}
 
 #: The flags as they were before they were made from the configs: names and defaults kept.
 BEFORE: dict[str, dict[str, Any]] = {
@@ -54,6 +81,47 @@ BEFORE: dict[str, dict[str, Any]] = {
         "--workers": 16,
     },
     "publish": {"--format": "bf16", "--scales": "bf16", "--keyframe-every": 50},
+    # --include/--exclude were lists ([]), --engine-urls and --formats strings parsed by the
+    # command ("", "bf16,..."), --listen a "HOST:PORT" string: each flag now parses its value,
+    # so its default is the parsed one; --no-live, --no-sign and --no-handshake were
+    # store_true flags of a False default: the same switches, on by default
+    "cast": {"--format": "bf16", "--scales": "bf16", "--include": (), "--exclude": ()},
+    "diff": {"--format": "bf16", "--scales": "bf16", "--include": (), "--exclude": ()},
+    "analyze": {"--scales": "bf16", "--include": (), "--exclude": ()},
+    "demo": {
+        "--steps": None,
+        "--max-lag": 2,
+        "--format": "bf16",
+        "--wan-mbps": 10.0,
+        "--wan-latency-ms": 100.0,
+        "--out": None,
+        "--json": None,
+        "--seed": 0,
+        "--no-live": True,
+        "--engine": "reference",
+        "--engine-urls": (),
+        "--prompts-per-step": 16,
+        "--group-size": 8,
+        "--regime": "fast",
+        "--lr": None,
+        "--hidden": 128,
+        "--model": "dense",
+        "--verify-samples": 0,
+        "--codec-only": False,
+        "--params": 20e6,
+        "--formats": ("bf16", "fp8-e4m3-block128", "nvfp4"),
+        "--no-sign": True,
+    },
+    "netem": {
+        "--listen": ("127.0.0.1", 0),
+        "--latency-ms": 0.0,
+        "--mbps": None,
+        "--loss": 0.0,
+        "--max-connections": 256,
+        "--window-kb": None,
+        "--no-handshake": True,
+        "--seed": None,
+    },
 }
 
 
@@ -76,14 +144,18 @@ def test_every_field_has_a_flag_with_the_configs_default(
     assert {f.name for f in dataclasses.fields(cls)} == set(declared), "declare with setting()"
     assert set(otherwise) <= set(declared), "a field named as set otherwise does not exist"
     flags = _flags(_command(command))
+    renamed, unset = RENAMED.get((command, cls), {}), UNSET.get((command, cls), ())
     for name, d in declared.items():
         if name in otherwise:
             assert flag_name(d) not in flags, name
             continue
-        action = flags.get(flag_name(d))
+        action = flags.get(renamed.get(name, flag_name(d)))
         assert action is not None, f"rollpatch {command}: no flag for {cls.__name__}.{name}"
         if d.default is dataclasses.MISSING:
             assert action.required, name
+        elif name in unset:  # none, or the same default: the config's applies (test below)
+            assert action.default in (None, d.default), name
+            continue
         else:
             assert action.default == d.default, (name, action.default, d.default)
         assert d.setting.help in (action.help or "").replace("%%", "%"), name
@@ -95,10 +167,16 @@ def test_no_flags_build_the_default_config(
 ) -> None:
     args = _command(command).parse_args(required)
     kwargs = config_kwargs(args, cls)
-    assert set(kwargs) == set(settings(cls)) - set(otherwise)
-    extra: dict[str, Any] = {"cache_dir": Path("c")} if cls is RelayConfig else {}
+    unset = UNSET.get((command, cls), ())
+    if cls is CodecWalk:  # its own flags, then the demo's shared ones
+        assert set(kwargs) == set(settings(cls)) - set(CODEC_SHARED)
+        assert walk_config(args) == CodecWalk()
+        return
+    assert set(kwargs) == set(settings(cls)) - set(otherwise) - set(unset)
+    extra = REQUIRED.get(cls, {})
     default = cls(**extra)
-    built = cls(**{**extra, **kwargs})
+    # netem reads HOST:PORT itself (a malformed one: refused by the command, in one line)
+    built = config_from_args(args) if cls is LinkConfig else cls(**{**extra, **kwargs})
     for name in kwargs:
         if name != "publisher_id":  # hostname:pid, computed per instance
             assert getattr(built, name) == getattr(default, name), name
@@ -148,6 +226,10 @@ def test_a_flag_sets_its_field() -> None:
             ["pull", "--board", "{board}", "--run", "r", "-o", "{out}", "--workers", "0"],
             "FollowerConfig.fetch_workers must be an integer in [1, 256]",
         ),
+        (["demo", "--model", "moe", "--top-k", "9"], "DemoConfig.top_k must be at most experts"),
+        (["demo", "--hidden", "8"], "DemoConfig.hidden must be an integer in [16, 4096]"),
+        (["demo", "--codec-only", "--formats", "bf16,nope"], "CodecWalk.formats must name"),
+        (["netem", "--upstream", "h:1", "--loss", "0.9"], "LinkConfig.loss must be"),
     ],
 )
 def test_a_bad_flag_value_is_refused_by_the_config_in_one_line(
@@ -158,3 +240,64 @@ def test_a_bad_flag_value_is_refused_by_the_config_in_one_line(
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
     assert not (tmp_path / "v.safetensors").exists()
+
+
+@pytest.mark.parametrize("field", sorted(FOLLOWER_FLAGS))
+def test_the_sidecars_old_fetch_flags_still_work_with_a_one_line_warning(
+    field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The sidecar's fetch flags say what they are (--fetch-timeout beside --header-timeout);
+    the old names, shared with ``pull``, still set the same field, with one warning line."""
+    parser = _command("sidecar")
+    old, new = flag_name(settings(FollowerConfig)[field]), FOLLOWER_FLAGS[field]
+    base = ["--board", "b", "--run", "r"]
+    by_old = FollowerConfig(**config_kwargs(parser.parse_args([*base, old, "7"]), FollowerConfig))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"rollpatch sidecar: warning: {old} is deprecated; use {new}"
+    ]
+    by_new = FollowerConfig(**config_kwargs(parser.parse_args([*base, new, "7"]), FollowerConfig))
+    assert capsys.readouterr().err == ""
+    assert getattr(by_old, field) == getattr(by_new, field) == 7
+    assert getattr(FollowerConfig(), field) != 7
+    usage = parser.format_help()
+    assert new in usage and not re.search(rf"(?<![\w-]){old}\b", usage)  # hidden
+    assert old in _flags(_command("pull"))  # pull keeps its names
+
+
+def test_the_demo_modes_fill_their_own_defaults() -> None:
+    """--steps, --out, --lr and --seed serve the RL demo and the codec walk-through; given,
+    they set both; not given, each mode's config has its own default."""
+    parser = _command("demo")
+    assert DemoConfig(**config_kwargs(parser.parse_args([]), DemoConfig)) == DemoConfig()
+    assert walk_config(parser.parse_args(["--codec-only"])) == CodecWalk()
+    assert (DemoConfig().steps, CodecWalk().steps) == (50, 4)
+    args = parser.parse_args(["--steps", "3", "--out", "o", "--lr", "1e-5", "--seed", "2"])
+    rl, walk = DemoConfig(**config_kwargs(args, DemoConfig)), walk_config(args)
+    assert (rl.steps, rl.out, rl.lr, rl.seed) == (walk.steps, walk.out, walk.lr, walk.seed)
+    assert (walk.steps, walk.out, walk.lr, walk.seed) == (3, "o", 1e-5, 2)
+    real = DemoConfig(**config_kwargs(parser.parse_args(["--regime", "real"]), DemoConfig))
+    assert real.lr == 1.5e-6  # no --lr: the regime's rate
+    args = parser.parse_args(["--engine-urls", "http://a, http://b,http://c", "--no-live"])
+    cfg = DemoConfig(**{**config_kwargs(args, DemoConfig), "engine": "vllm"})
+    assert cfg.engine_urls == ("http://a", "http://b", "http://c") and not cfg.live
+
+
+def test_the_codec_commands_choose_the_router_policy() -> None:
+    """``quantise_routers`` has a flag wherever a quantisation policy is chosen."""
+    from rollpatch.cli.codec import policy_from_args
+
+    for command, required in (
+        ("cast", ["ck", "-o", "o"]),
+        ("diff", ["a", "b", "-o", "o"]),
+        ("analyze", ["a", "b"]),
+        ("publish", ["ck", "--board", "b", "--run", "r"]),
+    ):
+        parser = _command(command)
+        assert policy_from_args(parser.parse_args(required)) == QuantPolicy()
+        args = parser.parse_args(
+            [*required, "--quantise-routers", "--include", "*.mlp.*", "--include", "x"]
+        )
+        assert policy_from_args(args) == QuantPolicy(
+            include=("*.mlp.*", "x"), quantise_routers=True
+        )
+        assert policy_from_args(args).quantise("model.layers.0.mlp.gate.weight", (8, 64))

@@ -12,9 +12,17 @@ is one kind of :class:`~rollpatch.errors.ConfigError`, naming ``Class.field``):
 - ``X | None``: ``None``, or an ``X`` as above; any other class: an instance of it;
 - a container (``tuple[int, ...]``): left to the class's ``__post_init__``.
 
-Rules between fields (``top_k <= experts``) stay in ``__post_init__``, after the call. The
-command line (:mod:`rollpatch.cli.flags`) builds its flags from the same declarations, so a
-default, a bound or a help text is written once, here.
+Rules between fields (``top_k <= experts``) stay in ``__post_init__``, after the call.
+
+The command line builds its flags from the same declarations, so a default, a bound or a help
+text is written once, in the config class: ``add_config_flags(p, Config, ...)`` adds one flag
+per declared field (its name: ``--`` + the field name with ``_s`` dropped, unless the setting
+names another; its type, choices, help and default from the declaration; a ``tuple[str, ...]``
+field without a parser is a repeatable flag), and ``config_kwargs(args, Config)`` gives back
+the fields the flags set, for ``Config(**kwargs)``, which validates them. A field the command
+sets another way (a secret read from a file, a nested config) is named in ``skip``. These live
+here, below every package with a command line (``rollpatch.netem`` has its own entry point);
+:mod:`rollpatch.cli.flags` is the command line's name for them.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -35,8 +43,11 @@ from .validate import check_choice, check_int, check_number
 __all__ = [
     "Declared",
     "Setting",
+    "add_config_flags",
     "check_fields",
     "check_value",
+    "config_kwargs",
+    "flag_name",
     "parse_size",
     "setting",
     "settings",
@@ -61,6 +72,8 @@ class Setting:
     metavar: str | None = None
     #: Parses the flag's text (default: the field's type), e.g. ``"10G"`` → bytes.
     parse: Callable[[str], Any] | None = None
+    #: Writes a value as the flag's text, for the help's default (the inverse of ``parse``).
+    show: Callable[[Any], str] | None = None
 
 
 def setting(
@@ -75,11 +88,12 @@ def setting(
     flag: str | None = None,
     metavar: str | None = None,
     parse: Callable[[str], Any] | None = None,
+    show: Callable[[Any], str] | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A dataclass field with its help text and bounds (``factory``: a default computed per
     instance, like ``dataclasses.field(default_factory=...)``)."""
-    meta = {_KEY: Setting(help, lo, hi, lo_open, hi_open, choices, flag, metavar, parse)}
+    meta = {_KEY: Setting(help, lo, hi, lo_open, hi_open, choices, flag, metavar, parse, show)}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -207,3 +221,141 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
     return value
+
+
+# -- command-line flags made from the declarations ---------------------------------------------
+
+_SIZE_UNITS = (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10))
+
+
+def flag_name(d: Declared) -> str:
+    """The flag of a declared field."""
+    if d.setting.flag is not None:
+        return d.setting.flag
+    name = d.name.removesuffix("_s")
+    return "--" + name.replace("_", "-")
+
+
+def _none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_optional(text: str) -> Any:
+        return None if text.strip().lower() == "none" else parse(text)
+
+    parse_optional.__name__ = getattr(parse, "__name__", "value")
+    return parse_optional
+
+
+def _metavar(d: Declared) -> str:
+    if d.type is int:
+        return "N"
+    if d.type is float:
+        seconds = d.name.endswith(("_s", "_ttl")) and not d.name.endswith("per_s")
+        return "S" if seconds else "X"
+    return d.name.upper()
+
+
+def _default_text(value: Any, d: Declared) -> str:
+    if d.setting.parse is parse_size and isinstance(value, int):
+        unit = next((u for u, n in _SIZE_UNITS if value % n == 0), "")
+        return f"{value // dict(_SIZE_UNITS).get(unit, 1)}{unit}"
+    if value is None or value == ():
+        return "none"
+    if d.setting.show is not None:
+        return d.setting.show(value)
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+class _Append(argparse.Action):
+    """A repeatable flag of a ``tuple[str, ...]`` field: each use adds one item."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
+
+
+class _Deprecated(argparse.Action):
+    """An old name of a renamed flag: still works, with a one-line warning on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(f"{parser.prog}: warning: {option} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_config_flags(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    only: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    rename: Mapping[str, str] | None = None,
+    unset: Iterable[str] = (),
+) -> None:
+    """One flag per declared field of ``cls`` (all of them, or ``only`` these), but ``skip``.
+
+    ``rename``: field → its flag in this command, where the declared name would be vague (the
+    sidecar's ``--fetch-timeout``); the declared name stays as a hidden, deprecated alias.
+    ``unset``: fields whose flag defaults to None, which :func:`config_kwargs` leaves out so
+    that the config's own default applies (a flag two configs of one command share, with
+    different defaults)."""
+    wanted = None if only is None else set(only)
+    skipped, renamed, deferred = set(skip), dict(rename or {}), set(unset)
+    pairs: list[tuple[str, str]] = []
+    for name, d in settings(cls).items():
+        if name in skipped or (wanted is not None and name not in wanted):
+            continue
+        s, tp = d.setting, d.type
+        kwargs: dict[str, Any] = {}
+        default = d.default
+        if default is MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = None if name in deferred else default
+        if get_origin(tp) is Literal or s.choices is not None:
+            kwargs["choices"] = s.choices if s.choices is not None else get_args(tp)
+        elif tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(tp) is tuple and get_args(tp)[-1:] == (...,) and s.parse is None:
+            kwargs["action"] = _Append
+        else:
+            parse = s.parse or (tp if tp in (int, float, str) else str)
+            kwargs["type"] = _none_or(parse) if d.optional else parse
+        if s.metavar or "type" in kwargs:
+            kwargs["metavar"] = s.metavar or _metavar(d)
+        computed = d.field.default_factory is not MISSING  # its help says what it is
+        shown = "" if default is MISSING or computed else f" (default {_default_text(default, d)})"
+        if d.optional and default is not None and default is not MISSING:
+            shown = shown[:-1] + "; none: off)"
+        kwargs["help"] = (s.help + shown).replace("%", "%%")
+        flag = renamed.get(name, flag_name(d))
+        action = p.add_argument(flag, **kwargs)
+        if flag != flag_name(d):
+            extra = {k: kwargs[k] for k in ("type", "choices", "metavar") if k in kwargs}
+            p.add_argument(
+                flag_name(d),
+                dest=action.dest,
+                action=_Deprecated,
+                new=flag,
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+                **extra,
+            )
+        pairs.append((name, action.dest))
+    p.set_defaults(**{_key(cls): (tuple(pairs), tuple(sorted(deferred)))})
+
+
+def config_kwargs(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The values of the flags :func:`add_config_flags` made for ``cls``, by field name (an
+    ``unset`` flag that was not given is left out: the config's default applies)."""
+    pairs, deferred = getattr(args, _key(cls), ((), ()))
+    out = {name: getattr(args, dest) for name, dest in pairs}
+    return {k: v for k, v in out.items() if not (k in deferred and v is None)}
+
+
+def _key(cls: type) -> str:
+    return f"_config_{cls.__module__}.{cls.__qualname__}"

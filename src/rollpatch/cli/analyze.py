@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .codec import quant_args
+from .codec import policy_from_args, quant_args
 
 __all__ = ["register"]
 
@@ -55,7 +55,6 @@ def register(sub: Any) -> None:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from ..analysis import analyze_run, render
     from ..analysis.plot import require_matplotlib, write_plot
-    from ..formats import QuantPolicy
 
     if len(args.ckpts) < 2:
         raise ConfigError(
@@ -68,7 +67,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         parent = Path(args.plot).resolve().parent
         if not parent.is_dir():
             raise ConfigError("--plot: the output folder does not exist", path=str(parent))
-    policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
+    policy = policy_from_args(args)
     result = analyze_run(
         args.ckpts,
         formats=args.formats or ["bf16"],

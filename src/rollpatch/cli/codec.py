@@ -12,16 +12,15 @@ from typing import Any
 from ..io import load_view, save_view
 from ..io.checkpoint import load_masters
 from ..view import View
+from .flags import add_config_flags, config_kwargs
 
-__all__ = ["register"]
+__all__ = ["format_args", "policy_args", "policy_from_args", "quant_args", "register"]
 
 
 def register(sub: Any) -> None:
-    from ..formats import FORMAT_NAMES
-
     p = sub.add_parser("cast", help="cast a master checkpoint to a served view (safetensors)")
     p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
-    format_args(p, FORMAT_NAMES)
+    format_args(p)
     p.add_argument("--previous", help="previous view whose scales --scales frozen reuses")
     p.add_argument("-o", "--output", required=True, help="output view (.safetensors)")
     p.set_defaults(func=cmd_cast)
@@ -29,7 +28,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("diff", help="make a patch between two checkpoints (or views)")
     p.add_argument("old")
     p.add_argument("new")
-    format_args(p, FORMAT_NAMES)
+    format_args(p)
     p.add_argument(
         "--views", action="store_true", help="OLD and NEW are served views already (no casting)"
     )
@@ -49,46 +48,47 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
-def format_args(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
-    p.add_argument("--format", default="bf16", choices=names, help="served format")
+def format_args(p: argparse.ArgumentParser) -> None:
+    """--format, --scales and the quantisation policy's flags, made from ``PublisherConfig``'s
+    and ``QuantPolicy``'s fields."""
+    from ..publisher.config import PublisherConfig
+
+    add_config_flags(p, PublisherConfig, only=("format",))
     quant_args(p)
 
 
 def quant_args(p: argparse.ArgumentParser) -> None:
-    """--scales, --include, --exclude: how a served format quantises (docs/formats.md)."""
-    p.add_argument(
-        "--scales",
-        default="bf16",
-        choices=("bf16", "frozen", "fp32"),
-        help="where quantisation scales come from (docs/formats.md)",
-    )
+    """--scales and the quantisation policy's flags (docs/formats.md)."""
+    from ..publisher.config import PublisherConfig
+
+    add_config_flags(p, PublisherConfig, only=("scales",))
     policy_args(p)
 
 
 def policy_args(p: argparse.ArgumentParser) -> None:
-    """--include, --exclude: which tensors a quantised format quantises."""
-    p.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="quantise only tensors matching (repeatable)",
-    )
-    p.add_argument(
-        "--exclude",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="never quantise tensors matching (repeatable)",
-    )
+    """--include, --exclude, --quantise-routers: which tensors a quantised format quantises
+    (the fields of :class:`~rollpatch.formats.QuantPolicy`)."""
+    from ..formats import QuantPolicy
+
+    add_config_flags(p, QuantPolicy)
+
+
+def policy_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~rollpatch.formats.QuantPolicy` the flags of :func:`policy_args` chose."""
+    from ..formats import QuantPolicy
+
+    return QuantPolicy(**config_kwargs(args, QuantPolicy))
 
 
 def _cast(path: str, args: argparse.Namespace, previous: View | None) -> View:
-    from ..formats import QuantPolicy, cast_view
+    from ..formats import cast_view
 
-    policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
     return cast_view(
-        load_masters(path), args.format, policy=policy, scales=args.scales, previous=previous
+        load_masters(path),
+        args.format,
+        policy=policy_from_args(args),
+        scales=args.scales,
+        previous=previous,
     )
 
 

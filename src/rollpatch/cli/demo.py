@@ -5,20 +5,33 @@ every step; three rollout islands (one reading the board directly, two through r
 an *emulated* WAN) serve its rollouts through a gateway under a staleness bound; the run is
 shown live, checked (labels vs weights, LATEST, catch-up, verified bytes) and reported.
 
-``--codec-only``: the older codec walk-through — simulated AdamW steps cast to the served
-formats, diffed, encoded, decoded on a replica and verified bit for bit (no processes).
+``--codec-only``: the older codec walk-through. Simulated AdamW steps are cast to the served
+formats, diffed, encoded, decoded on a replica and verified bit for bit; a replica that slept
+through every step catches up with one composed patch (no processes).
+
+Every flag is made from a field of :class:`~rollpatch.demo.DemoConfig` or of the walk-through's
+:class:`CodecWalk` (:mod:`rollpatch.cli.flags`), so each default is written once, in its config.
+``--steps``, ``--lr``, ``--out`` and ``--seed`` serve both; where their defaults differ the
+flag defaults to none and the mode's config fills it.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zstandard
 
-__all__ = ["register"]
+from ..config import check_fields, setting
+from ..demo.config import DemoConfig
+from ..errors import ConfigError
+from ..formats import FORMAT_NAMES
+from .flags import add_config_flags, config_kwargs
+
+__all__ = ["CODEC_SHARED", "DEMO_MODE_DEFAULTS", "CodecWalk", "register"]
 
 _DESCRIPTION = """\
 Cross-region asynchronous RL on one machine (docs/demo.md): a trainer runs GRPO on a tiny
@@ -28,8 +41,10 @@ through a gateway under a staleness bound; the run is shown live, checked (label
 LATEST, catch-up, verified bytes) and reported in OUT/summary.json with plots.
 
 --codec-only: the older codec walk-through on simulated AdamW steps (no processes)."""
-_RL_STEPS, _CODEC_STEPS = 50, 4
-_RL_LR, _CODEC_LR = {"fast": 2e-4, "real": 1.5e-6}, 3e-6
+
+#: DemoConfig fields whose flag the codec walk-through shares with another default (--steps:
+#: 50 steps of RL, 4 of the walk-through): the flag defaults to none, the mode's config fills it.
+DEMO_MODE_DEFAULTS = ("steps", "out")
 
 
 def register(sub: Any) -> None:
@@ -39,99 +54,24 @@ def register(sub: Any) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--steps",
-        type=int,
-        help=f"training steps (default {_RL_STEPS}; --codec-only: {_CODEC_STEPS})",
+    add_config_flags(p, DemoConfig, unset=DEMO_MODE_DEFAULTS)
+    codec = p.add_argument_group(
+        "--codec-only",
+        "the codec walk-through; it also reads --seed, and --steps, --lr and --out with "
+        f"defaults of its own ({', '.join(_codec_defaults())})",
     )
-    p.add_argument(
-        "--max-lag",
-        type=int,
-        default=2,
-        help="staleness bound K: requests carry max_lag=K, older rollouts are dropped",
-    )
-    p.add_argument("--format", default="bf16", help="served format the trainer publishes")
-    p.add_argument(
-        "--wan-mbps",
-        type=float,
-        default=10.0,
-        help="emulated WAN bandwidth board -> each remote relay (Mbit/s)",
-    )
-    p.add_argument(
-        "--wan-latency-ms",
-        type=float,
-        default=100.0,
-        help="emulated WAN round trip added (ms; half each way, real TCP through rollpatch.netem)",
-    )
-    p.add_argument(
-        "--out",
-        help="output directory, reset on every run (default out/demo; "
-        "--codec-only: out/demo-codec)",
-    )
-    p.add_argument("--json", dest="json_path", help="also write the JSON report here")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--no-live",
-        action="store_true",
-        help="print one line per step instead of a live status block",
-    )
-    p.add_argument(
-        "--engine",
-        choices=("reference", "vllm"),
-        default="reference",
-        help="rollout engine of the islands",
-    )
-    p.add_argument(
-        "--engine-urls",
-        default="",
-        help="--engine vllm: three comma-separated OpenAI base URLs (local,eu,us)",
-    )
-    p.add_argument("--prompts-per-step", type=int, default=16, help="GRPO groups per step")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
-    p.add_argument(
-        "--regime",
-        choices=("fast", "real"),
-        default="fast",
-        help="fast: format warm-up only, high learning rate, reward climbs within "
-        "~50 steps, ~50%% of the BF16 values change per step; real: an "
-        "unpublished supervised warm-up, then RL at a post-training learning "
-        "rate (a few %% change per step; the reward moves slowly: docs/demo.md)",
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        help=f"learning rate (default fast {_RL_LR['fast']:g}, real "
-        f"{_RL_LR['real']:g}; --codec-only: {_CODEC_LR:g})",
-    )
-    p.add_argument("--hidden", type=int, default=128, help="tiny model hidden size")
-    p.add_argument(
-        "--model",
-        choices=("dense", "moe"),
-        default="dense",
-        help="dense: a tiny Llama; moe: a tiny Qwen3-MoE (8 experts, top-2) whose responses "
-        "carry routed_experts, replayed by transformers under their labelled versions",
-    )
-    p.add_argument(
-        "--verify-samples",
-        type=int,
-        default=0,
-        help="rollouts to re-generate for the label check (0: all)",
-    )
-    codec = p.add_argument_group("--codec-only")
     codec.add_argument(
         "--codec-only",
         action="store_true",
         help="run the codec walk-through on simulated AdamW steps instead",
     )
-    codec.add_argument("--params", type=float, default=20e6, help="model size (parameters)")
-    codec.add_argument("--formats", default="bf16,fp8-e4m3-block128,nvfp4")
-    p.add_argument(
-        "--no-sign",
-        action="store_true",
-        help="publish an unsigned board (default: a key and a trust root are made "
-        "for the run; relays and islands verify every manifest and LATEST)",
-    )
+    add_config_flags(codec, CodecWalk, skip=CODEC_SHARED)
     p.set_defaults(func=cmd_demo)
+
+
+def _codec_defaults() -> list[str]:
+    d = CodecWalk()
+    return [f"{d.steps} steps", f"lr {d.lr:g}", f"out {d.out}"]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -139,31 +79,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return cmd_codec(args)
     from . import preflight
 
+    cfg = DemoConfig(**config_kwargs(args, DemoConfig))  # a bad flag: one line, exit 2
     preflight.require_extra("reference", "rollpatch demo")  # before any process starts
     preflight.offline()  # the tiny model is made locally; nothing asks the model hub
-    from ..demo import DemoConfig, DemoFailed, run_demo
+    from ..demo import DemoFailed, run_demo
 
-    cfg = DemoConfig(
-        steps=args.steps if args.steps is not None else _RL_STEPS,
-        max_lag=args.max_lag,
-        format=args.format,
-        wan_mbps=args.wan_mbps,
-        wan_latency_ms=args.wan_latency_ms,
-        out=args.out or "out/demo",
-        json_path=args.json_path,
-        seed=args.seed,
-        live=not args.no_live,
-        engine=args.engine,
-        engine_urls=tuple(u.strip() for u in args.engine_urls.split(",") if u.strip()),
-        prompts_per_step=args.prompts_per_step,
-        group_size=args.group_size,
-        regime=args.regime,
-        lr=args.lr if args.lr is not None else _RL_LR[args.regime],
-        hidden=args.hidden,
-        model=args.model,
-        verify_samples=args.verify_samples,
-        sign=not args.no_sign,
-    )
     try:
         run_demo(cfg)
     except DemoFailed as e:
@@ -175,6 +95,51 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(f.strip() for f in text.split(",") if f.strip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecWalk:
+    """The codec walk-through's settings (``rollpatch demo --codec-only``)."""
+
+    params: float = setting(
+        20e6, lo=0.0, lo_open=True, hi=1e13, metavar="N", help="model size (parameters)"
+    )
+    formats: tuple[str, ...] = setting(
+        ("bf16", "fp8-e4m3-block128", "nvfp4"),
+        parse=_names,
+        metavar="F,F,...",
+        help="served formats, comma-separated",
+    )
+    steps: int = setting(4, lo=1, hi=100_000, help="simulated AdamW steps")
+    lr: float = setting(3e-6, lo=0.0, lo_open=True, hi=1.0, help="AdamW learning rate")
+    out: str = setting("out/demo-codec", help="output directory (views, patches)")
+    seed: int = setting(0, lo=0, hi=2**31 - 1, help="seed of the simulated model and steps")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "formats", tuple(self.formats))
+        check_fields(self)
+        unknown = [f for f in self.formats if f not in FORMAT_NAMES]
+        if not self.formats or unknown:
+            raise ConfigError(
+                "CodecWalk.formats must name known formats",
+                field="formats",
+                value=",".join(unknown),
+                hint=f"one or more of {', '.join(FORMAT_NAMES)}",
+            )
+
+
+#: CodecWalk fields set by the RL demo's flags of the same name (none given: this default).
+CODEC_SHARED = ("steps", "lr", "out", "seed")
+
+
+def walk_config(args: argparse.Namespace) -> CodecWalk:
+    """The walk-through's config from ``rollpatch demo``'s parsed flags."""
+    shared = {k: getattr(args, k) for k in CODEC_SHARED if getattr(args, k, None) is not None}
+    return CodecWalk(**config_kwargs(args, CodecWalk), **shared)
+
+
 def _codec_vocab(n_params: int) -> int:
     """Vocabulary of the simulated model: Llama's 32,000 when the model is big enough to hold
     its embeddings (16.4M parameters and up), else smaller, so that embedding and lm_head stay
@@ -182,14 +147,13 @@ def _codec_vocab(n_params: int) -> int:
     return min(32000, max(256, n_params // 512 // 64 * 64))
 
 
-def _sim_config(args: argparse.Namespace) -> Any:
-    from ..errors import ConfigError
+def _sim_config(walk: CodecWalk) -> Any:
     from ..sim import SimConfig
 
-    n_params = int(args.params)
+    n_params = int(walk.params)
     try:
         return SimConfig(
-            n_params=n_params, lr=args.lr, seed=args.seed, vocab=_codec_vocab(n_params)
+            n_params=n_params, lr=walk.lr, seed=walk.seed, vocab=_codec_vocab(n_params)
         )
     except ValueError as e:  # SimConfig names its field; say which option that is
         raise ConfigError(
@@ -199,23 +163,21 @@ def _sim_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_codec(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError, TargetMismatchError
+    """Run the walk-through (``rollpatch demo --codec-only``)."""
+    from ..errors import TargetMismatchError
     from ..formats import cast_view
     from ..io import save_view
     from ..patch import apply, compose, decode, diff, encode
     from ..sim import AdamSim
 
-    args.steps = args.steps if args.steps is not None else _CODEC_STEPS
-    args.lr = args.lr if args.lr is not None else _CODEC_LR
-    if args.steps < 1:
-        raise ConfigError("--steps must be at least 1")
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    out = Path(args.out or "out/demo-codec")
+    walk = walk_config(args)
+    formats = list(walk.formats)
+    out = Path(walk.out)
     out.mkdir(parents=True, exist_ok=True)
-    sim = AdamSim(_sim_config(args))
+    sim = AdamSim(_sim_config(walk))
     print(
         f"rollpatch demo: {sim.n_params / 1e6:.1f}M-parameter Llama-like model, AdamW "
-        f"lr={args.lr:g}, {args.steps} steps, formats {', '.join(formats)}"
+        f"lr={walk.lr:g}, {walk.steps} steps, formats {', '.join(formats)}"
     )
     views = {f: [cast_view(sim.masters(), f)] for f in formats}
     replicas = {f: views[f][0].copy() for f in formats}
@@ -234,7 +196,7 @@ def cmd_codec(args: argparse.Namespace) -> int:
     print("  ".join(f"{h:>12}" for h in head))
     zc = zstandard.ZstdCompressor(level=3)
     total = 0
-    for step in range(1, args.steps + 1):
+    for step in range(1, walk.steps + 1):
         sim.step()
         for f in formats:
             prev = views[f][-1]
@@ -278,7 +240,7 @@ def cmd_codec(args: argparse.Namespace) -> int:
         lagging = apply(views[f][0], folded, inplace=False)
         blob = encode(folded, views[f][0])
         print(
-            f"{f}: replica {args.steps} versions behind catches up with one composed patch "
+            f"{f}: replica {walk.steps} versions behind catches up with one composed patch "
             f"of {len(blob):,} bytes ({100 * len(blob) / lagging.nbytes:.3f}% of the view), "
             "bit-exact"
         )

@@ -8,14 +8,14 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, VersionNotFoundError
-from .codec import policy_args
+from .codec import policy_args, policy_from_args
 from .trust import load_signer, signing_args
 
 __all__ = ["PUBLISH_SET_OTHERWISE", "register"]
 
 #: PublisherConfig fields a one-shot publish sets another way.
 PUBLISH_SET_OTHERWISE = {
-    "policy": "--include, --exclude",
+    "policy": "--include, --exclude, --quantise-routers (QuantPolicy's flags)",
     "signer": "--signing-key",
     "skip_strides": "none: a fresh process has published no earlier version to skip from",
     "max_pending": "1: publish is synchronous, nothing waits",
@@ -65,14 +65,11 @@ def register(sub: Any) -> None:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from ..formats import QuantPolicy
     from ..io.checkpoint import load_masters
     from ..publisher import Publisher, PublisherConfig
     from .flags import config_kwargs
 
-    policy = None
-    if args.include or args.exclude:
-        policy = QuantPolicy(include=tuple(args.include), exclude=tuple(args.exclude))
+    policy = policy_from_args(args)
     config = PublisherConfig(
         **config_kwargs(args, PublisherConfig),
         policy=policy,

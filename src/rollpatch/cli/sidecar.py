@@ -10,7 +10,7 @@ from typing import Any
 from ..logs import add_log_args
 from .trust import load_trust, trust_args
 
-__all__ = ["FOLLOWER_SET_OTHERWISE", "SIDECAR_SET_OTHERWISE", "register"]
+__all__ = ["FOLLOWER_FLAGS", "FOLLOWER_SET_OTHERWISE", "SIDECAR_SET_OTHERWISE", "register"]
 
 #: SidecarConfig fields set by other flags: the token from a file, the serving flags, the
 #: follower's own flags.
@@ -20,6 +20,15 @@ SIDECAR_SET_OTHERWISE = {
     "follower": "the follower's flags",
 }
 FOLLOWER_SET_OTHERWISE: dict[str, str] = {}
+#: The follower's flags whose declared names (``pull``'s) are vague beside a server's own
+#: timeouts and workers: here they say what they fetch. The old names still work, with a
+#: one-line deprecation warning.
+FOLLOWER_FLAGS = {
+    "fetch_workers": "--fetch-workers",
+    "retries": "--fetch-retries",
+    "backoff_s": "--fetch-backoff",
+    "timeout_s": "--fetch-timeout",
+}
 
 
 def register(sub: Any) -> None:
@@ -58,6 +67,7 @@ def register(sub: Any) -> None:
         p.add_argument_group("follower (polling, fetching, audit)"),
         FollowerConfig,
         skip=FOLLOWER_SET_OTHERWISE,
+        rename=FOLLOWER_FLAGS,
     )
     p.add_argument(
         "--board-token-file",

@@ -81,11 +81,15 @@ class DemoConfig:
     )
     out: str = setting(
         "out/demo",
+        metavar="DIR",
         help="output directory, reset on every run (board, relay caches, model, logs, plots, "
         "summary.json)",
     )
     json_path: str | None = setting(
-        None, flag="--json", help="also write the JSON report here (besides OUT/summary.json)"
+        None,
+        flag="--json",
+        metavar="PATH",
+        help="also write the JSON report here (besides OUT/summary.json)",
     )
     seed: int = setting(
         0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from ..config import check_fields, setting
 from ..errors import ConfigError
 
 __all__ = ["QuantPolicy", "is_router"]
@@ -44,15 +45,29 @@ class QuantPolicy:
     MoE examples: ``ignore=["lm_head", "re:.*mlp.gate$"]``) leave the Qwen-MoE gates out.
     """
 
-    #: fnmatch patterns (case-sensitive) of tensors to quantise; empty means the default rule:
-    #: 2-D tensors whose name ends with ``.weight`` and whose lower-cased name contains none of
-    #: ``embed``, ``lm_head``, ``norm``.
-    include: tuple[str, ...] = ()
-    #: fnmatch patterns (case-sensitive) of tensors never quantised; they win over ``include``.
-    exclude: tuple[str, ...] = ()
-    #: Quantise MoE routers too, when a rule above picks them (default False: routers stay
-    #: BF16 whatever ``include`` says, as in real quantised MoE checkpoints).
-    quantise_routers: bool = False
+    include: tuple[str, ...] = setting(
+        (),
+        metavar="GLOB",
+        help="quantise only tensors matching this fnmatch pattern (repeatable; none given: "
+        "2-D *.weight tensors but embeddings, lm_head and norms)",
+    )
+    """fnmatch patterns (case-sensitive) of tensors to quantise; empty means the default rule:
+    2-D tensors whose name ends with ``.weight`` and whose lower-cased name contains none of
+    ``embed``, ``lm_head``, ``norm``."""
+    exclude: tuple[str, ...] = setting(
+        (),
+        metavar="GLOB",
+        help="never quantise tensors matching this fnmatch pattern (repeatable; wins over "
+        "--include)",
+    )
+    """fnmatch patterns (case-sensitive) of tensors never quantised; they win over ``include``."""
+    quantise_routers: bool = setting(
+        False,
+        help="quantise mixture-of-experts routers too, when a rule picks them (off: "
+        "routers stay BF16, as in real quantised MoE checkpoints)",
+    )
+    """Quantise MoE routers too, when a rule above picks them (default False: routers stay
+    BF16 whatever ``include`` says, as in real quantised MoE checkpoints)."""
 
     def __post_init__(self) -> None:
         for field in ("include", "exclude"):
@@ -64,12 +79,7 @@ class QuantPolicy:
                     value=value,
                 )
             object.__setattr__(self, field, tuple(value))
-        if not isinstance(self.quantise_routers, bool):
-            raise ConfigError(
-                "QuantPolicy.quantise_routers must be true or false",
-                field="quantise_routers",
-                value=self.quantise_routers,
-            )
+        check_fields(self)
 
     def quantise(self, name: str, shape: tuple[int, ...]) -> bool:
         """True if ``name`` (of ``shape``) should be quantised, before the format's shape rule."""

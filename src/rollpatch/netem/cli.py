@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ..config import add_config_flags, config_kwargs
 from ..errors import RollpatchError
 from .config import LinkConfig, parse_hostport
 from .link import Link
@@ -26,65 +27,17 @@ optional loss (as retransmission delay) to both directions (docs/netem.md)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The emulator's options."""
-    p.add_argument(
-        "--listen",
-        default="127.0.0.1:0",
-        help="HOST:PORT to listen on (port 0: any free port; default %(default)s)",
-    )
-    p.add_argument("--upstream", required=True, help="HOST:PORT to forward connections to")
-    p.add_argument(
-        "--latency-ms",
-        type=float,
-        default=0.0,
-        help="one-way delay per direction, ms (a round trip adds twice this)",
-    )
-    p.add_argument(
-        "--mbps",
-        type=float,
-        default=None,
-        help="bandwidth cap per direction, Mbit/s, shared by all connections (default: unlimited)",
-    )
-    p.add_argument(
-        "--loss",
-        type=float,
-        default=0.0,
-        help="probability a 1448-byte segment is lost (costs a round trip)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=256,
-        help="connections open at once; more are closed at once",
-    )
-    p.add_argument(
-        "--window-kb",
-        type=int,
-        default=None,
-        help="per-connection, per-direction bytes in flight (KiB; default: twice "
-        "the bandwidth-delay product)",
-    )
-    p.add_argument(
-        "--no-handshake",
-        action="store_true",
-        help="do not charge new connections a round trip before their first byte",
-    )
-    p.add_argument("--seed", type=int, default=None, help="seed of the loss draws")
+    """The emulator's options: one per :class:`LinkConfig` field, made from its declaration."""
+    add_config_flags(p, LinkConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> LinkConfig:
     """A :class:`LinkConfig` from parsed options (:class:`ConfigError` on bad values)."""
-    return LinkConfig(
-        upstream=parse_hostport(args.upstream, option="--upstream"),
-        listen=parse_hostport(args.listen, option="--listen"),
-        latency_ms=args.latency_ms,
-        mbps=args.mbps,
-        loss=args.loss,
-        max_connections=args.max_connections,
-        window_bytes=None if args.window_kb is None else args.window_kb * 1024,
-        handshake=not args.no_handshake,
-        seed=args.seed,
-    )
+    kwargs = config_kwargs(args, LinkConfig)
+    for name in ("upstream", "listen"):  # HOST:PORT as given: refused here, in one line
+        if isinstance(kwargs[name], str):
+            kwargs[name] = parse_hostport(kwargs[name], option=f"--{name}")
+    return LinkConfig(**kwargs)
 
 
 def run(args: argparse.Namespace) -> int:

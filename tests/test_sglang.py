@@ -229,6 +229,29 @@ def test_double_buffered_refusals_leave_the_storage() -> None:
         plain.stage(diff(a, b), "twice")  # type: ignore[arg-type]
 
 
+def test_merge_writes_joins_in_offset_order() -> None:
+    """Row blocks that follow one another are joined as they are; interleaved parts sorted;
+    both give the offsets in increasing order with their words."""
+    from rollpatch.engines.sglang.update import merge_writes
+
+    rng = np.random.default_rng(5)
+
+    def part(lo: int, hi: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        off = np.sort(rng.choice(np.arange(lo, hi), n, replace=False)).astype(np.int64)
+        return off, (off % 65536).astype(np.uint16), ((off + 1) % 65536).astype(np.uint16)
+
+    blocks = [part(200, 300, 30), part(0, 100, 20), part(100, 200, 0), part(300, 400, 5)]
+    mixed = [part(0, 400, 40), part(0, 400, 0)]
+    mixed.append(part(0, 400, 40))
+    for parts in (blocks, mixed):
+        (w,) = merge_writes({"p": parts}).values()
+        want = np.concatenate([q[0] for q in parts])
+        order = np.argsort(want, kind="stable")
+        assert np.array_equal(w.offsets, want[order])
+        assert np.array_equal(w.old, (w.offsets % 65536).astype(np.uint16))
+        assert np.array_equal(w.new, ((w.offsets + 1) % 65536).astype(np.uint16))
+
+
 def test_audit_finds_a_flipped_word() -> None:
     w, params, _ = _held()
     w.digests()

@@ -47,7 +47,15 @@ from ...kinds import Kind
 from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
 from ..staged import WriteMode, sum_delta
-from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
+from ..vllm.layout import (
+    ParamSpec,
+    Placement,
+    blocks,
+    extract,
+    locate,
+    locate_whole,
+    placements,
+)
 from ..writing import ParamWrites, numpy_access, write_params
 from .update import Staged, as_delta, merge_writes
 
@@ -85,6 +93,9 @@ class HeldWeights:
     :class:`Buffers` (None: double-buffered commits are refused).
     """
 
+    #: Whether this rank may hold blocks of tensors (:class:`~.ranked.RankWeights`, TP > 1).
+    splits = False
+
     def __init__(
         self,
         params: Mapping[str, np.ndarray],
@@ -101,14 +112,13 @@ class HeldWeights:
         self._kind: dict[str, Kind] = {}
         for spec in specs:
             for pl in placements(spec, rank, tp):
-                if not pl.whole:
+                if not pl.whole and not self.splits:
                     raise EngineError(
-                        "tensor is split over tensor-parallel ranks; reading it "
-                        "needs a gather, which the SGLang extension does not "
-                        "build yet",
+                        "tensor is split over tensor-parallel ranks: this rank's "
+                        "weights are a RankWeights",
                         tensor=pl.name,
                         tp=tp,
-                        hint="serve with --tp-size 1 (docs/sglang.md, status)",
+                        hint="docs/sglang.md, tensor parallelism",
                     )
                 a = self.params[spec.param]
                 if a.shape != pl.param_shape or not a.flags.c_contiguous:
@@ -263,6 +273,10 @@ class HeldWeights:
         t1 = time.perf_counter()
         for tp in deltas:
             ch, pl = tp.changes(), self._place[tp.name]
+            offsets = locate_whole(pl, ch.positions)  # whole rows: the positions, shifted
+            if offsets is not None:
+                per_param.setdefault(pl.param, []).append((offsets, ch.old, ch.new))
+                continue
             held, offsets = locate(pl, ch.positions)
             per_param.setdefault(pl.param, []).append((offsets, ch.old[held], ch.new[held]))
         staged = Staged(
@@ -308,18 +322,33 @@ class HeldWeights:
             raise EngineError(
                 "no staged update with this token", token=token, hint="stage the patch again"
             )
+        self._check_base(staged)
+        if staged.buffers is not None:
+            staged.retired = self._exchange(staged.buffers)
+            staged.buffers = None
+        else:
+            self._scatter(staged, repack)
+        self._record(staged)
+        return staged
+
+    def _check_base(self, staged: Staged) -> None:
         if self.root() != staged.base:
             raise BaseMismatchError(
                 "the engine moved since the update was staged",
                 expected=staged.base[:16],
                 actual=self.root()[:16],
             )
-        if staged.buffers is not None:
-            staged.retired = self._exchange(staged.buffers)
-            staged.buffers = None
-            self._digests.update(staged.digests)
-            self._sums.update(staged.states)
-            return staged
+
+    def _record(self, staged: Staged) -> None:
+        self._digests.update(staged.digests)
+        self._sums.update(staged.states)
+
+    def _forget(self) -> None:
+        """The words are unknown: drop every verified digest."""
+        self._digests.clear()
+        self._sums.clear()
+
+    def _scatter(self, staged: Staged, repack: Callable[[set[str]], None]) -> None:
         writes = {p: ParamWrites(w.offsets, w.old, w.new) for p, w in staged.writes.items()}
         try:  # old words checked as overwritten, slice by slice, read back; on every core
             write_params(self._access, writes, parallel=True)
@@ -333,8 +362,7 @@ class HeldWeights:
                 p for p, w in staged.writes.items() if not np.array_equal(flat[p][w.offsets], w.old)
             ]
             if lost:
-                self._digests.clear()
-                self._sums.clear()
+                self._forget()
                 raise EngineError(
                     "could not restore the base after a failed commit: the "
                     "engine holds unknown bits",
@@ -343,9 +371,6 @@ class HeldWeights:
                     hint="reload a keyframe",
                 ) from None
             raise
-        self._digests.update(staged.digests)
-        self._sums.update(staged.states)
-        return staged
 
     def _exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
         """Under the pause: the buffers in place of the parameters' storage, the words
@@ -386,12 +411,15 @@ class HeldWeights:
                     engine_shape=pl.shape,
                 )
         self.staged.clear()
-        self._digests.clear()
-        self._sums.clear()
+        self._forget()
         for name in sorted(names):
             pl = self._place[name]
             src, dst = blocks(pl)
             if pl.length:
                 self.params[pl.param][dst] = view[name].data.reshape(pl.rows, pl.cols)[src]
         repack({self._place[n].param for n in names})
+        return self._loaded()
+
+    def _loaded(self) -> str:
+        """After a keyframe load: the verified digests, re-hashed; the root."""
         return root_digest(self.digests(fresh=True))

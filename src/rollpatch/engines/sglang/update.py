@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,12 @@ class Staged:
     writes: dict[str, _Write] = field(default_factory=dict)
     buffers: dict[str, Any] | None = None
     retired: dict[str, Any] = field(default_factory=dict)
+    #: TP > 1 (:class:`~.ranked.RankWeights`): this rank's blocks of the touched tensors
+    #: after the update and before it (``[dim, start, length, s0, s1]``), and the rank's
+    #: write generation it was staged against.
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+    prev_blocks: dict[str, list[int]] = field(default_factory=dict)
+    generation: int = 0
 
     @property
     def changed(self) -> int:
@@ -63,6 +70,7 @@ class Staged:
             ),
             "digests": dict(self.digests),
             "buffers": len(self.buffers or {}),
+            "blocks": dict(self.blocks),
         }
 
 
@@ -115,9 +123,20 @@ def as_delta(
 def merge_writes(
     per_param: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]],
 ) -> dict[str, _Write]:
-    """Per runtime parameter, its tensors' (offsets, old, new) joined in offset order."""
+    """Per runtime parameter, its tensors' (offsets, old, new) joined in offset order (each
+    part's offsets increasing; parts that follow one another, as the row blocks of a fused
+    parameter do, are joined without a sort)."""
     writes: dict[str, _Write] = {}
-    for param, parts in per_param.items():
+    for param, given in per_param.items():
+        parts = sorted((p for p in given if p[0].size), key=lambda p: int(p[0][0]))
+        if not parts:
+            continue
+        if all(int(a[0][-1]) < int(b[0][0]) for a, b in pairwise(parts)):
+            if len(parts) == 1:
+                writes[param] = _Write(*parts[0])
+            else:
+                writes[param] = _Write(*(np.concatenate([p[i] for p in parts]) for i in range(3)))
+            continue
         offs = np.concatenate([p[0] for p in parts])
         order = np.argsort(offs, kind="stable")
         writes[param] = _Write(

@@ -1,0 +1,248 @@
+"""One SGLang rank's weights under tensor parallelism (``--tp-size`` > 1; numpy only).
+
+:class:`RankWeights` is :class:`~.staged.HeldWeights` for a rank that holds *blocks* of
+checkpoint tensors (:mod:`.slices`): it cannot hash a split tensor nor decode a patch against
+it, so
+
+- its verified state is, per tensor, the rp.sum128 sum of the words it holds at their global
+  indices (:meth:`blocks`); the adapter adds every rank's blocks into the tensors' digests;
+- :meth:`stage` takes a *decoded* patch (the follower decoded it against the words the adapter
+  gathered from every rank) and keeps the part this rank holds: positions validated against
+  the whole tensor, the old words checked against the live ones, each touched block's sum
+  moved by the changed words alone (O(changed)); the adapter checks the sums against the
+  patch's target digests and root before any rank writes;
+- :meth:`commit` scatters and reads back as at TP = 1 (in place only: double-buffered
+  commits are refused), guarded by the rank's write generation instead of a root;
+- :meth:`undo` writes the last commit's old words back (checked), for when another rank's
+  commit failed: every rank then holds the previous version again.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ...errors import BaseMismatchError, EngineError, PatchError
+from ...kinds import Kind
+from ...patch import DeltaOp, FullOp, Patch, TensorPatch
+from ...view import Tensor, View
+from ..staged import WriteMode
+from ..vllm.layout import Placement, extract, locate
+from ..writing import ParamWrites, write_params
+from .slices import Block, partial_delta, partial_state
+from .staged import HeldWeights
+from .update import Staged, merge_writes
+
+__all__ = ["RankWeights"]
+
+_M64 = (1 << 64) - 1
+
+
+class RankWeights(HeldWeights):
+    """A TP rank's weights (module docstring); same arguments as :class:`HeldWeights`."""
+
+    splits = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._blocks: dict[str, Block] = {}
+        self._generation = 0
+        self._undo: Staged | None = None
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> Tensor:
+        pl = self._pl(name)
+        if not pl.whole:
+            raise EngineError(
+                "tensor is split over tensor-parallel ranks; no rank holds it whole",
+                tensor=name,
+                tp=self.tp,
+                hint="gather every rank's block (the adapter's words())",
+            )
+        return super().__getitem__(name)
+
+    def block(self, name: str) -> tuple[np.ndarray, Placement]:
+        """This rank's block of ``name`` (2-D, a view of the parameter) and its placement."""
+        pl = self._pl(name)
+        return extract(pl, self.params[pl.param]), pl
+
+    def blocks(self, *, fresh: bool = False) -> dict[str, Block]:
+        """Per tensor: ``[dim, start, length, s0, s1]`` of the block this rank holds."""
+        for n in self.names():
+            if fresh or n not in self._blocks:
+                pl = self._place[n]
+                self._blocks[n] = partial_state(pl, self.params[pl.param])
+        return dict(self._blocks)
+
+    def digest_of(self, name: str, *, fresh: bool = False) -> str:
+        raise EngineError("a TP rank has no whole-tensor digests", tensor=name, hint="blocks()")
+
+    def audit(self, budget: int) -> dict[str, object]:
+        """Re-hash up to ``budget`` bytes of held blocks (round-robin) against the verified
+        sums; the names that differ are ``mismatched``."""
+        names = self.names()
+        out: list[str] = []
+        spent, wrapped = 0, False
+        while len(out) < len(names):
+            n = names[self._cursor]
+            size = self.block(n)[0].nbytes
+            if out and spent + size > budget:
+                break
+            out.append(n)
+            spent += size
+            self._cursor = (self._cursor + 1) % len(names)
+            wrapped = wrapped or self._cursor == 0
+        bad = [
+            n
+            for n in out
+            if n in self._blocks
+            and self._blocks[n] != partial_state(self._place[n], self.params[self._place[n].param])
+        ]
+        return {"tensors": len(out), "nbytes": spent, "mismatched": bad, "wrapped": wrapped}
+
+    # -- staging -----------------------------------------------------------------------------
+
+    def _held_change(
+        self, tp: TensorPatch, pl: Placement, kind: Kind
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The patch's changes that fall in this rank's block: checkpoint positions (validated
+        over the whole tensor), old and new elements (old checked against the live words)."""
+        if tp.kind != kind or tp.shape != pl.shape:
+            raise BaseMismatchError(
+                "tensor layout differs from the engine's",
+                tensor=tp.name,
+                shape=tp.shape,
+                engine_shape=pl.shape,
+            )
+        block, flat = self.block(tp.name)[0], self.params[pl.param].reshape(-1)
+        match tp.change:
+            case FullOp(tensor):
+                if tensor.kind != kind or tensor.data.size != pl.n_elements:
+                    raise BaseMismatchError("full tensor's layout differs", tensor=tp.name)
+                full = tensor.data.reshape(pl.rows, pl.cols)
+                mine = (
+                    full[pl.src_start : pl.src_start + pl.length]
+                    if pl.dim == 0
+                    else (full[:, pl.src_start : pl.src_start + pl.length])
+                )
+                idx = np.flatnonzero(mine != block)
+                r, c = np.divmod(idx, mine.shape[1])
+                pos = (
+                    (r + pl.src_start) * pl.cols + c
+                    if pl.dim == 0
+                    else r * pl.cols + c + pl.src_start
+                ).astype(np.int64)
+                return (
+                    pos,
+                    block.reshape(-1)[idx]
+                    if block.flags.c_contiguous
+                    else (np.ascontiguousarray(block).reshape(-1)[idx]),
+                    mine.reshape(-1)[idx]
+                    if mine.flags.c_contiguous
+                    else (np.ascontiguousarray(mine).reshape(-1)[idx]),
+                )
+            case DeltaOp(pos, old, new):
+                pass
+            case _:
+                raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
+        if (
+            pos.dtype != np.int64
+            or pos.ndim != 1
+            or old.dtype != kind.elem_dtype
+            or new.dtype != kind.elem_dtype
+            or old.shape != pos.shape
+            or new.shape != pos.shape
+        ):
+            raise PatchError(
+                "positions must be int64 and elements the kind's words", tensor=tp.name
+            )
+        if pos.size and (
+            pos[0] < 0
+            or pos[-1] >= pl.n_elements
+            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+        ):
+            raise PatchError("positions out of range or not strictly increasing", tensor=tp.name)
+        held, offsets = locate(pl, pos)
+        if not np.array_equal(flat[offsets], old[held]):
+            raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
+        return pos[held], old[held], new[held]
+
+    def stage(self, patch: Patch, mode: WriteMode = "in_place") -> Staged:
+        """This rank's part of a decoded patch, validated and its block sums moved; nothing
+        is written (the adapter checks the sums of every rank before the commit)."""
+        if mode != "in_place":
+            raise EngineError(
+                "double-buffered commits need --tp-size 1",
+                tp=self.tp,
+                hint="use the in-place commit (writes='in_place')",
+            )
+        t0 = time.perf_counter()
+        current = self.blocks()
+        staged = Staged(secrets.token_hex(8), patch.base, patch.target, {}, {})
+        staged.generation = self._generation
+        per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for name in sorted(patch.tensors):
+            if name not in self._place:
+                raise BaseMismatchError("patch adds a tensor; the model cannot change", tensor=name)
+            pl = self._place[name]
+            pos, old, new = self._held_change(patch.tensors[name], pl, self._kind[name])
+            d0, d1 = partial_delta(pl, self.params[pl.param], pos, new)
+            dim, start, length, s0, s1 = current[name]
+            staged.prev_blocks[name] = current[name]
+            staged.blocks[name] = [dim, start, length, (s0 + d0) & _M64, (s1 + d1) & _M64]
+            if pos.size:
+                _, offsets = locate(pl, pos)
+                per_param.setdefault(pl.param, []).append((offsets, old, new))
+        t1 = time.perf_counter()
+        staged.writes.update(merge_writes(per_param))
+        self.last_stage_ms = {
+            "prove": (t1 - t0) * 1e3,
+            "layout": (time.perf_counter() - t1) * 1e3,
+            "buffers": 0.0,
+        }
+        self.staged = {staged.token: staged}
+        return staged
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def _check_base(self, staged: Staged) -> None:
+        if staged.generation != self._generation:
+            raise BaseMismatchError(
+                "the engine moved since the update was staged", rank=self.rank, tp=self.tp
+            )
+
+    def _record(self, staged: Staged) -> None:
+        self._blocks.update(staged.blocks)
+        self._generation += 1
+        self._undo = staged
+
+    def _forget(self) -> None:
+        self._blocks.clear()
+        self._undo = None
+
+    def undo(self, token: str) -> dict[str, Any]:
+        """Write the last commit's old words back (the new ones checked as overwritten)."""
+        staged = self._undo
+        if staged is None or staged.token != token:
+            raise EngineError("no such commit to undo on this rank", token=token, rank=self.rank)
+        writes = {p: ParamWrites(w.offsets, w.new, w.old) for p, w in staged.writes.items()}
+        write_params(self._access, writes, parallel=True)
+        self._blocks.update(staged.prev_blocks)
+        self._generation += 1
+        self._undo = None
+        return {"undone": staged.changed}
+
+    def load(self, view: View, repack: Callable[[set[str]], None] = lambda p: None) -> str:
+        self._undo = None
+        self._generation += 1
+        return super().load(view, repack)
+
+    def _loaded(self) -> str:
+        self._blocks.clear()
+        self.blocks(fresh=True)
+        return ""

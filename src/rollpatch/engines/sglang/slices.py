@@ -1,0 +1,145 @@
+"""Tensor-parallel SGLang: digests of tensors no rank holds whole (numpy only).
+
+At ``--tp-size`` > 1 SGLang's parallel layers give each rank a block of a checkpoint tensor:
+whole rows of a column-parallel layer (``q/k/v``, ``gate/up``, the vocabulary), whole
+columns of a row-parallel one (``o``, ``down``), everything of a replicated one (norms);
+:mod:`rollpatch.engines.vllm.layout` derives which block from the model's own metadata. No
+rank can hash such a tensor, but rp.sum128 (docs/patch-format.md §7) is a sum over the
+tensor's 8-byte words, each term a function of the word and its *index in the tensor*. So
+each rank sums the terms of the words it holds, at their global indices
+(:func:`partial_state`), changes that sum by the terms of the words a patch rewrites
+(:func:`partial_delta`, O(changed)), and the adapter adds the ranks' sums, each distinct block
+once (KV heads replicated over ranks are held twice), after checking that the blocks tile the
+tensor (:func:`combine`). A block must start and end on 8-byte words (true of every layer
+width divisible by 4 for BF16); others are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ...errors import EngineError
+from ...kinds import get_kind
+from ...view import root_digest, sum128_digest, sum128_terms
+from ..vllm.layout import Placement, extract, locate
+
+__all__ = ["Block", "combine", "partial_delta", "partial_state"]
+
+_M64 = (1 << 64) - 1
+#: One rank's report for one tensor: ``[dim, src_start, length, s0, s1]``.
+Block = list[int]
+
+
+def _per(pl: Placement, itemsize: int) -> int:
+    per = 8 // itemsize
+    extent = pl.rows if pl.dim == 0 else pl.cols
+    step = pl.cols if pl.dim == 0 else 1
+    if pl.whole:
+        return per  # the whole tensor: its words, zero-padded at the end as everywhere
+    if (pl.src_start * step) % per or (pl.length * step) % per or (pl.dim == 1 and pl.cols % per):
+        raise EngineError(
+            "a tensor-parallel block does not start and end on 8-byte words",
+            tensor=pl.name,
+            dim=pl.dim,
+            start=pl.src_start,
+            length=pl.length,
+            extent=extent,
+            hint="serve with --tp-size 1",
+        )
+    return per
+
+
+def _word_index(pl: Placement, per: int) -> np.ndarray:
+    """Global word indices of the block's words, in the order of its C-order copy."""
+    if pl.whole:
+        return np.arange(-(-pl.n_elements // per), dtype=np.uint64)
+    if pl.dim == 0:
+        start = pl.src_start * pl.cols // per
+        n = -(-pl.length * pl.cols // per)
+        return np.arange(start, start + n, dtype=np.uint64)
+    rows = np.arange(pl.rows, dtype=np.uint64)[:, None] * np.uint64(pl.cols // per)
+    cols = np.arange(pl.length // per, dtype=np.uint64)[None, :] + np.uint64(pl.src_start // per)
+    return (rows + cols).reshape(-1)
+
+
+def partial_state(pl: Placement, param: np.ndarray) -> Block:
+    """This rank's block of ``pl``'s tensor as ``[dim, start, length, s0, s1]``: the
+    rp.sum128 terms of the words it holds, at their indices in the whole tensor."""
+    block = extract(pl, param)
+    per = _per(pl, block.itemsize)
+    raw = np.ascontiguousarray(block).reshape(-1)
+    pad = (-raw.size) % per
+    if pad:
+        raw = np.concatenate([raw, np.zeros(pad, raw.dtype)])
+    s0, s1 = sum128_terms(raw.view("<u8"), _word_index(pl, per))
+    return [pl.dim, pl.src_start, pl.length, s0, s1]
+
+
+def partial_delta(
+    pl: Placement, param: np.ndarray, positions: np.ndarray, new: np.ndarray
+) -> tuple[int, int]:
+    """How this rank's sum changes when the held elements at checkpoint ``positions``
+    (increasing, all held) become ``new``: reads only the 8-byte words they fall in."""
+    if positions.size == 0:
+        return 0, 0
+    flat = param.reshape(-1)
+    per = _per(pl, flat.itemsize)
+    widx = positions // per
+    first = np.r_[True, widx[1:] != widx[:-1]]
+    u = widx[first]
+    row = np.cumsum(first) - 1
+    elems = (u[:, None] * per + np.arange(per)).reshape(-1)
+    inside = elems < pl.n_elements  # the zero padding after the last element
+    old_buf = np.zeros(elems.size, flat.dtype)
+    held, offsets = locate(pl, elems[inside])
+    if not bool(held.all()):
+        raise EngineError("a changed word is not held by this rank", tensor=pl.name)
+    old_buf[inside] = flat[offsets]
+    old_buf = old_buf.reshape(u.size, per)
+    new_buf = old_buf.copy()
+    new_buf[row, positions % per] = new
+    j = u.astype(np.uint64)
+    (a0, a1) = sum128_terms(new_buf.view("<u8").reshape(-1), j)
+    (b0, b1) = sum128_terms(old_buf.view("<u8").reshape(-1), j)
+    return (a0 - b0) & _M64, (a1 - b1) & _M64
+
+
+def combine(
+    reports: Iterable[Mapping[str, Sequence[int]]], tensors: Mapping[str, Sequence[object]]
+) -> tuple[dict[str, str], str]:
+    """Every rank's blocks → per-tensor rp.sum128 digests and the root. ``tensors``: name →
+    ``[kind, shape]`` (the engine's ``info``). Each distinct block counts once; the blocks
+    of a tensor must tile it exactly (else :class:`EngineError`)."""
+    blocks: dict[str, dict[tuple[int, int, int], tuple[int, int]]] = {n: {} for n in tensors}
+    for report in reports:
+        for name, b in report.items():
+            if name not in blocks:
+                raise EngineError("a rank reports a tensor the engine does not hold", tensor=name)
+            key, state = (int(b[0]), int(b[1]), int(b[2])), (int(b[3]), int(b[4]))
+            if blocks[name].setdefault(key, state) != state:
+                raise EngineError("two ranks hold one block with different words", tensor=name)
+    digests: dict[str, str] = {}
+    for name, (kind_name, shape) in tensors.items():
+        kind = get_kind(str(kind_name))
+        dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
+        rows = dims[0] if dims else 1
+        cols = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        got = sorted(blocks[name].items())
+        if len({k[0] for k, _ in got}) != 1:
+            raise EngineError("ranks split a tensor along different axes", tensor=name)
+        extent, at = (rows if got[0][0][0] == 0 else cols), 0
+        for (_, start, length), _ in got:
+            if length == 0:
+                continue
+            if start != at:
+                raise EngineError("the ranks' blocks do not tile the tensor", tensor=name, at=at)
+            at += length
+        if at != extent:
+            raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)
+        s0 = sum(s[0] for _, s in got) & _M64
+        s1 = sum(s[1] for _, s in got) & _M64
+        nbytes = rows * cols * kind.word_dtype.itemsize
+        digests[name] = sum128_digest(kind.dtype, dims, nbytes, (s0, s1))
+    return digests, root_digest(digests)

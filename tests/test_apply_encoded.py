@@ -108,3 +108,37 @@ def test_encode_views_derives_the_new_digests_from_the_old_state_exactly() -> No
         st = b.cached_sum_state(name)
         if name in a and st is not None:
             assert st == sum128(b[name].data), name
+
+
+@pytest.mark.parametrize("kind", ["bf16", "e4m3", "e2m1x2", "int4x2", "f32", "u8", "i64"])
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_the_in_pass_hash_equals_a_rehash_after_the_write(
+    kind: str, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``decode_into_hashed`` sums every word as it reads it (chunks without a change too)
+    plus the change it wrote: exactly sum128 of the tensor after the write, for every kind,
+    odd lengths (a zero-padded last word) and chunk ranges on several threads."""
+    from rollpatch.patch.codec_v2 import CtxGolombV2
+
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
+    k = KINDS[kind]
+    rng = np.random.default_rng(7)
+    words = 3 * CHUNK + 12_345 if not k.packed else (3 * CHUNK + 12_345) // 2
+    info = np.iinfo(k.word_dtype)
+    old = rng.integers(0, int(info.max) + 1, size=words, dtype=np.uint64).astype(k.word_dtype)
+    new = old.copy()
+    hit = rng.random(words) < 0.01
+    hit[CHUNK // (2 if k.packed else 1) : 2 * CHUNK // (2 if k.packed else 1)] = False
+    new[hit] ^= 1  # one chunk without a change: hashed all the same
+    a = View({"t": Tensor(k, (words,), old.copy())})
+    b = View({"t": Tensor(k, (words,), new)})
+    blob = encode_views(a, b)
+    header, payload = split_blob(blob)
+    e = header["tensors"][0]
+    assert e["codec"] == "rp.ctxgolomb.v2"
+    body = memoryview(payload)[e["offset"] : e["offset"] + e["length"]]
+    t = a["t"]
+    _, _, _, change, state = CtxGolombV2().decode_into_hashed(body, t, e["changed"])
+    assert np.array_equal(t.data, new)
+    assert state == sum128(new)
+    assert change != (0, 0)

@@ -242,7 +242,8 @@ out:
  *              [, write]) decodes chunks [first, last) writing chunk i's outputs at
  * offsets[i - first]. With write, each chunk's new elements are also written into base
  * (writable) right after it is decoded, and the rp.sum128 change (a, b) is returned; on an
- * error the chunks written by this call are put back first. */
+ * error the chunks written by this call are put back first. With write and hash, also the
+ * rp.sum128 state of the range's words as read before the writes: (a, b, s0, s1). */
 static PyObject *py_decode_range(PyObject *self, PyObject *args) {
     PyObject *kt, *offl, *cntl;
     Py_buffer base = {0}, pl = {0}, po = {0}, oo = {0}, no = {0};
@@ -250,9 +251,9 @@ static PyObject *py_decode_range(PyObject *self, PyObject *args) {
     rp_kind k;
     int64_t n;
     PyObject *res = NULL;
-    int write = 0;
-    if (!PyArg_ParseTuple(args, "Oy*y*nnOOw*w*w*|p", &kt, &base, &pl, &c0, &c1, &cntl, &offl,
-                          &po, &oo, &no, &write))
+    int write = 0, hash = 0;
+    if (!PyArg_ParseTuple(args, "Oy*y*nnOOw*w*w*|pp", &kt, &base, &pl, &c0, &c1, &cntl, &offl,
+                          &po, &oo, &no, &write, &hash))
         return NULL;
     if (write && base.readonly) {
         PyErr_SetString(PyExc_ValueError, "write=True needs a writable base");
@@ -293,11 +294,30 @@ static PyObject *py_decode_range(PyObject *self, PyObject *args) {
     }
     int rc = RP_OK;
     const char *err = NULL;
-    uint64_t delta[2] = {0, 0};
-    Py_ssize_t written = 0; /* with write: chunks [0, written) of the range are applied */
+    uint64_t delta[2] = {0, 0}, sums[2] = {0, 0};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t g = 0; g < m && rc == RP_OK; g += write ? 1 : 4) {
-        int q = write ? 1 : (int)(m - g < 4 ? m - g : 4);
+    if (write) { /* decoded and written chunk by chunk while each is in cache; all or nothing */
+        const uint8_t **bodies = malloc(m * sizeof *bodies);
+        size_t *bl = malloc(m * sizeof *bl);
+        int64_t *st = malloc(m * sizeof *st), *nn = malloc(m * sizeof *nn);
+        if (!bodies || !bl || !st || !nn) {
+            rc = RP_ENOMEM; err = "out of memory";
+        } else {
+            for (Py_ssize_t j = 0; j < m; j++) {
+                int64_t ci = c0 + j;
+                bodies[j] = (const uint8_t *)pl.buf + offs[ci];
+                bl[j] = lens[ci];
+                st[j] = ci * RP_CHUNK;
+                nn[j] = n - st[j] < RP_CHUNK ? n - st[j] : RP_CHUNK;
+            }
+            rc = rp_decode_apply_chunks(&k, base.buf, (size_t)base.len, (int)m, bodies, bl, st,
+                                        nn, cnt, oo_, po.buf, oo.buf, no.buf, ow, delta,
+                                        hash ? sums : NULL, &err);
+        }
+        free(bodies); free(bl); free(st); free(nn);
+    }
+    for (Py_ssize_t g = 0; !write && g < m && rc == RP_OK; g += 4) {
+        int q = (int)(m - g < 4 ? m - g : 4);
         const uint8_t *bodies[4];
         size_t bl[4];
         int64_t st[4], nn[4], cc[4], of[4];
@@ -310,27 +330,15 @@ static PyObject *py_decode_range(PyObject *self, PyObject *args) {
             cc[j] = cnt[g + j];
             of[j] = oo_[g + j];
         }
-        if (write) { /* decoded and written while the chunk is in cache */
-            rc = rp_decode_apply(&k, base.buf, (size_t)base.len, bodies[0], bl[0], st[0], nn[0],
-                                 cc[0], (int64_t *)po.buf + of[0],
-                                 (uint8_t *)oo.buf + of[0] * ow, (uint8_t *)no.buf + of[0] * ow,
-                                 ow, delta, &err);
-            if (rc == RP_OK) written++;
-        } else {
-            rc = rp_decode_chunks(&k, base.buf, q, bodies, bl, st, nn, cc, of, po.buf, oo.buf,
-                                  no.buf, ow, &err);
-        }
-    }
-    if (rc && written) { /* all or nothing: put back the chunks this call wrote */
-        const char *e2 = NULL;
-        for (Py_ssize_t g = written - 1; g >= 0; g--)
-            (void)rp_apply(&k, base.buf, (size_t)base.len, (const int64_t *)po.buf + oo_[g],
-                           (const uint8_t *)no.buf + oo_[g] * ow,
-                           (const uint8_t *)oo.buf + oo_[g] * ow, cnt[g], ow, delta, &e2);
+        rc = rp_decode_chunks(&k, base.buf, q, bodies, bl, st, nn, cc, of, po.buf, oo.buf,
+                              no.buf, ow, &err);
     }
     Py_END_ALLOW_THREADS
     if (rc) { raise_rc(rc, err); goto out; }
-    if (write) {
+    if (write && hash) {
+        res = Py_BuildValue("(KKKK)", (unsigned long long)delta[0], (unsigned long long)delta[1],
+                            (unsigned long long)sums[0], (unsigned long long)sums[1]);
+    } else if (write) {
         res = Py_BuildValue("(KK)", (unsigned long long)delta[0], (unsigned long long)delta[1]);
     } else {
         res = Py_None;
@@ -558,5 +566,6 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_rpcore", NULL, -1, 
 PyMODINIT_FUNC PyInit__rpcore(void) {
     PyObject *m = PyModule_Create(&moddef);
     if (m) PyModule_AddIntConstant(m, "CHUNK", (long)RP_CHUNK);
+    if (m) PyModule_AddIntConstant(m, "DECODE_HASH", 1); /* decode_range(..., write, hash) */
     return m;
 }

@@ -824,11 +824,41 @@ typedef struct {
     uint8_t *wdata;
     size_t wlen;
     uint64_t cj, before, d0, d1;
+    uint64_t cap;        /* k the buffers above have room for (reused across chunks) */
+    int hash;            /* sum the words as read (before any write) into h0, h1 */
+    int64_t hashed;      /* elements [0, hashed) of the chunk are summed */
+    uint64_t h0, h1;
 } lane_t;
 
 static void lane_free(lane_t *l) {
     free(l->ranks); free(l->scratch); free(l->idx); free(l->outw); free(l->magc);
     free(l->rpos); free(l->rold); free(l->rci);
+    l->ranks = l->scratch = l->idx = l->rpos = l->rci = NULL;
+    l->outw = NULL; l->magc = NULL; l->rold = NULL;
+    l->cap = 0;
+}
+
+/* Room for k changes; a lane decoding chunk after chunk keeps its buffers (no fresh pages
+ * per chunk). */
+static int lane_reserve(lane_t *l, uint64_t k, int mw) {
+    if (l->cap >= k && l->mw == mw && l->ranks) return 0;
+    lane_free(l);
+    uint64_t c = k + k / 4 + 64;
+    l->mw = mw;
+    l->ranks = malloc(c * 4 + 4);
+    l->scratch = malloc((c + 1) * 4); /* a minority is never larger than k */
+    l->idx = malloc(c * 4 + 4);
+    l->outw = malloc(c + 1);
+    l->magc = malloc(c * (uint64_t)mw + 8);
+    l->rpos = malloc(c * 4 + 4);
+    l->rold = malloc(c * 8 + 8);
+    l->rci = malloc(c * 4 + 4);
+    if (!l->ranks || !l->scratch || !l->idx || !l->outw || !l->magc || !l->rpos || !l->rold || !l->rci) {
+        lane_free(l);
+        return -1;
+    }
+    l->cap = c;
+    return 0;
 }
 
 /* Phase A, everything the base is not needed for: params, the changed ranks of every listed
@@ -840,18 +870,10 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     if (rc) return rc;
     if ((int64_t)l->pp.k != expect) { *err = "chunk count differs from its table"; return RP_ECORRUPT; }
     uint64_t k = l->pp.k;
-    l->ranks = malloc(k * 4 + 4);
-    l->scratch = malloc((k + 1) * 4); /* a minority is never larger than k */
-    l->idx = malloc(k * 4 + 4);
-    l->outw = calloc(k + 1, 1);
-    l->mw = kd->bits <= 16 ? 2 : kd->bits <= 32 ? 4 : 8;
-    l->magc = malloc(k * (uint64_t)l->mw + 8);
-    l->rpos = malloc(k * 4 + 4);
-    l->rold = malloc(k * 8 + 8);
-    l->rci = malloc(k * 4 + 4);
-    if (!l->ranks || !l->scratch || !l->idx || !l->outw || !l->magc || !l->rpos || !l->rold || !l->rci) {
+    if (lane_reserve(l, k, kd->bits <= 16 ? 2 : kd->bits <= 32 ? 4 : 8)) {
         *err = "out of memory"; return RP_ENOMEM;
     }
+    memset(l->outw, 0, k + 1);
     l->u = (br_t){b + l->pp.ustart, l->pp.ulen * 8, 0};
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
     for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
@@ -903,6 +925,8 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     return RP_OK;
 }
 
+static void lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
+
 /* The rp.sum128 change of the word being written (read before its first write). */
 static inline void lane_flush(lane_t *l) {
     if (l->cj == UINT64_MAX) return;
@@ -920,27 +944,49 @@ static inline void lane_flush(lane_t *l) {
     do {                                                                                    \
         T *d = (T *)l->wdata, *po = (T *)l->old_out, *pn = (T *)l->new_out;                 \
         const MT *mg = (const MT *)l->magc;                                                 \
-        for (int64_t i = l->done; i < l->emitted; i++) {                                    \
-            __builtin_prefetch(mg + l->rci[i + 16 < l->emitted ? i + 16 : i]);              \
-            int64_t p = start + l->rpos[i];                                                 \
-            uint64_t x = l->rold[i];                                                        \
+        const uint32_t *rpos = l->rpos, *rci = l->rci;                                      \
+        const uint64_t *rold = l->rold;                                                     \
+        const uint8_t *outw = l->outw;                                                      \
+        int64_t *pout = l->pos_out;                                                         \
+        const int64_t e_ = l->emitted;                                                      \
+        uint64_t cj = l->cj, before = l->before, d0 = l->d0, d1 = l->d1;                    \
+        const uint64_t nfull = l->wlen / 8;                                                 \
+        /* the word being written is kept in a register (`after`): no reload of a word     \
+         * just stored into (a store-forwarding stall) */                                   \
+        uint64_t after = before;                                                            \
+        if (d && cj != UINT64_MAX) {                                                        \
+            if (cj < nfull) memcpy(&after, l->wdata + 8 * cj, 8);                           \
+            else after = word_at(l->wdata, l->wlen, cj);                                    \
+        }                                                                                   \
+        for (int64_t i = l->done; i < e_; i++) {                                            \
+            __builtin_prefetch(mg + rci[i + 16 < e_ ? i + 16 : i]);                         \
+            int64_t p = start + rpos[i];                                                    \
+            uint64_t x = rold[i];                                                           \
             int neg = kd->order != RP_UNSIGNED && (x & s);                                  \
-            uint64_t key = to_key(kd, x), a = mg[l->rci[i]];                                \
-            uint64_t sg = 0 - (uint64_t)!(l->outw[i] ^ (uint8_t)neg); /* 0: +a, ~0: -a */   \
+            uint64_t key = to_key(kd, x), a = mg[rci[i]];                                   \
+            uint64_t sg = 0 - (uint64_t)!(outw[i] ^ (uint8_t)neg); /* 0: +a, ~0: -a */      \
             T y = (T)from_key(kd, (key + ((a ^ sg) - sg)) & msk);                           \
-            l->pos_out[i] = p;                                                              \
+            pout[i] = p;                                                                    \
             po[i] = (T)x;                                                                   \
             pn[i] = y;                                                                      \
             if (d) {                                                                        \
                 uint64_t j = (uint64_t)p >> (3 - LOG);                                      \
-                if (j != l->cj) {                                                           \
-                    lane_flush(l);                                                          \
-                    l->cj = j;                                                              \
-                    l->before = word_at(l->wdata, l->wlen, j);                              \
+                if (j != cj) {                                                              \
+                    if (cj != UINT64_MAX) {                                                 \
+                        d0 += sum_term(0, after, cj) - sum_term(0, before, cj);             \
+                        d1 += sum_term(1, after, cj) - sum_term(1, before, cj);             \
+                    }                                                                       \
+                    cj = j;                                                                 \
+                    if (j < nfull) memcpy(&before, l->wdata + 8 * j, 8);                    \
+                    else before = word_at(l->wdata, l->wlen, j);                            \
+                    after = before;                                                         \
                 }                                                                           \
+                unsigned sh_ = (unsigned)(p & ((8 >> LOG) - 1)) << (LOG + 3);               \
+                after = (after & ~((uint64_t)(T)~(T)0 << sh_)) | ((uint64_t)y << sh_);      \
                 d[p] = y;                                                                   \
             }                                                                               \
         }                                                                                   \
+        l->cj = cj; l->before = before; l->d0 = d0; l->d1 = d1;                             \
     } while (0)
 
 static void finalize(const rp_kind *kd, lane_t *l, int64_t start) {
@@ -1083,7 +1129,10 @@ static int pick_window(const lane_t *l) {
                 l->rci[l->emitted++] = bci[e];                                              \
             }                                                                               \
         }                                                                                   \
-        if ((b0 & (16 * JB - 1)) == 15 * JB) finalize(kd, l, start);                      \
+        if ((b0 & (16 * JB - 1)) == 15 * JB) {                                              \
+            if (l->hash) lane_hash_to(kd, l, start, b0 + len);                              \
+            finalize(kd, l, start);                                                         \
+        }                                                                                   \
     }                                                                                       \
     for (int t = 0; t < nvc; t++) {                                                         \
         int c = vc[t];                                                                      \
@@ -1525,30 +1574,51 @@ static int lane_finish(const rp_kind *kd, lane_t *l, const char **err) {
     return RP_OK;
 }
 
+/* rp.sum128 of the chunk's elements [l->hashed, upto), read before this lane writes them
+ * (the in-pass hash): group boundaries are multiples of 4,096 elements, so word-aligned. */
+static void lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) {
+    if (!l->hash || upto <= l->hashed) return;
+    uint64_t b = (uint64_t)kd->bits, e0 = (uint64_t)(start + l->hashed), e1 = (uint64_t)(start + upto);
+    uint64_t w0 = e0 * b / 64, w1 = (e1 * b + 63) / 64, out[2];
+    rp_sum128(l->wdata, l->wlen, w0, w1 - w0, out);
+    l->h0 += out[0];
+    l->h1 += out[1];
+    l->hashed = upto;
+}
+
+/* Chunks one after the other through one lane (its buffers reused). With wdata, each chunk
+ * is written in place once it passed every check; on an error the chunk that failed puts
+ * itself back and every earlier chunk of this call is put back too (all or nothing).
+ * sums (with wdata only; may be NULL): the rp.sum128 of every word of the chunks as read
+ * before any write, added on success. */
 static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uint8_t *const *body,
                         const size_t *len, const int64_t *start, const int64_t *n,
                         const int64_t *count, const int64_t *off, int64_t *pos_out,
                         void *old_out, void *new_out, int ow, uint8_t *wdata, size_t wlen,
-                        uint64_t delta[2], const char **err) {
-    lane_t lanes[4];
-    int rc = RP_OK;
-    memset(lanes, 0, sizeof lanes);
-    if (!kind_ok(kd) || m < 1 || m > 4) { *err = "bad kind or lane count"; return RP_EARG; }
-    for (int q = 0; q < m; q++) {
-        if (n[q] < 0 || n[q] > RP_CHUNK) { *err = "bad chunk size"; return RP_EARG; }
+                        uint64_t delta[2], uint64_t sums[2], const char **err) {
+    lane_t lane, *l = &lane;
+    int rc = RP_OK, q = 0;
+    uint64_t d0 = 0, d1 = 0;
+    memset(l, 0, sizeof *l);
+    l->h0 = l->h1 = 0;
+    if (!kind_ok(kd) || m < 1) { *err = "bad kind or chunk count"; return RP_EARG; }
+    for (q = 0; q < m; q++) {
+        if (n[q] < 0 || n[q] > RP_CHUNK) { *err = "bad chunk size"; rc = RP_EARG; break; }
+        l->hash = wdata && sums;
+        l->hashed = 0;
+        l->wdata = wdata;
+        l->wlen = wlen;
         if (len[q] == 0) {
-            if (count[q]) { *err = "empty chunk with changes"; return RP_ECORRUPT; }
+            if (count[q]) { *err = "empty chunk with changes"; rc = RP_ECORRUPT; break; }
+            lane_hash_to(kd, l, start[q], n[q]);
             continue;
         }
-        lane_t *l = &lanes[q];
         rc = lane_init(kd, l, body[q], len[q], n[q], count[q], err);
-        if (rc) goto done;
+        if (rc) break;
         l->pos_out = pos_out + off[q];
         l->old_out = (uint8_t *)old_out + off[q] * ow;
         l->new_out = (uint8_t *)new_out + off[q] * ow;
         l->ow = ow;
-        l->wdata = wdata;
-        l->wlen = wlen;
         if (kd->cbits) {
             join_lane(kd, base, l, start[q], n[q]);
         } else { /* one context: the ranks are the positions */
@@ -1559,21 +1629,32 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
             }
             l->emitted = (int64_t)l->pp.k;
         }
+        lane_hash_to(kd, l, start[q], n[q]);
         finalize(kd, l, start[q]);
         rc = lane_finish(kd, l, err);
         if (rc) { /* all or nothing: put back what this chunk wrote */
             if (wdata)
                 for (int64_t i = 0; i < l->done; i++)
                     elem_put(wdata, kd->bits, l->pos_out[i], arr_get(l->old_out, ow, i));
-            goto done;
+            break;
         }
         if (wdata) {
-            delta[0] += l->d0;
-            delta[1] += l->d1;
+            d0 += l->d0;
+            d1 += l->d1;
         }
     }
-done:
-    for (int q = 0; q < m; q++) lane_free(&lanes[q]);
+    if (rc && wdata) /* and what the earlier chunks of this call wrote */
+        for (int p = q - 1; p >= 0; p--) {
+            const uint8_t *po = (const uint8_t *)old_out + off[p] * ow;
+            for (int64_t i = 0; i < count[p]; i++)
+                elem_put(wdata, kd->bits, pos_out[off[p] + i], arr_get(po, ow, i));
+        }
+    if (rc == RP_OK && wdata) {
+        delta[0] += d0;
+        delta[1] += d1;
+        if (sums) { sums[0] += l->h0; sums[1] += l->h1; }
+    }
+    lane_free(l);
     return rc;
 }
 
@@ -1581,20 +1662,37 @@ int rp_decode_chunks(const rp_kind *kd, const uint8_t *base, int m, const uint8_
                      const size_t *len, const int64_t *start, const int64_t *n,
                      const int64_t *count, const int64_t *off, int64_t *pos_out,
                      void *old_out, void *new_out, int ow, const char **err) {
+    if (m > 4) { *err = "bad kind or lane count"; return RP_EARG; }
     return decode_lanes(kd, base, m, body, len, start, n, count, off, pos_out, old_out, new_out,
-                        ow, NULL, 0, NULL, err);
+                        ow, NULL, 0, NULL, NULL, err);
+}
+
+static int chunk_range_ok(const rp_kind *kd, size_t nbytes, int64_t start, int64_t n) {
+    int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
+    return kind_ok(kd) && start >= 0 && n >= 0 && start <= n_el && n <= n_el - start;
 }
 
 int rp_decode_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const uint8_t *body,
                     size_t len, int64_t start, int64_t n, int64_t count, int64_t *pos_out,
                     void *old_out, void *new_out, int ow, uint64_t delta[2], const char **err) {
-    int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
-    if (!kind_ok(kd) || start < 0 || n < 0 || start > n_el || n > n_el - start) {
-        *err = "bad chunk range"; return RP_EARG;
-    }
+    if (!chunk_range_ok(kd, nbytes, start, n)) { *err = "bad chunk range"; return RP_EARG; }
     int64_t off = 0;
     return decode_lanes(kd, data, 1, &body, &len, &start, &n, &count, &off, pos_out, old_out,
-                        new_out, ow, data, nbytes, delta, err);
+                        new_out, ow, data, nbytes, delta, NULL, err);
+}
+
+int rp_decode_apply_chunks(const rp_kind *kd, uint8_t *data, size_t nbytes, int m,
+                           const uint8_t *const *body, const size_t *len, const int64_t *start,
+                           const int64_t *n, const int64_t *count, const int64_t *off,
+                           int64_t *pos_out, void *old_out, void *new_out, int ow,
+                           uint64_t delta[2], uint64_t sums[2], const char **err) {
+    for (int q = 0; q < m; q++)
+        if (!chunk_range_ok(kd, nbytes, start[q], n[q])
+            || (start[q] & ((int64_t)4096 - 1)) != 0) { /* hashed groups start word-aligned */
+            *err = "bad chunk range"; return RP_EARG;
+        }
+    return decode_lanes(kd, data, m, body, len, start, n, count, off, pos_out, old_out,
+                        new_out, ow, data, nbytes, delta, sums, err);
 }
 
 /* ------------------------------------------------------------------ gather / apply / diff */

@@ -72,6 +72,17 @@ int rp_decode_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const uint8_
                     size_t len, int64_t start, int64_t n, int64_t count, int64_t *pos_out,
                     void *old_out, void *new_out, int ow, uint64_t delta[2], const char **err);
 
+/* rp_decode_apply over m chunks in order (chunk q: body[q]/len[q], elements [start[q],
+ * start[q] + n[q]), each start a multiple of 4,096; count[q] outputs at offset off[q]), with
+ * one set of work buffers. All or nothing: on an error every chunk this call wrote is put back.
+ * sums (may be NULL): adds the rp.sum128 state of every word of the chunks as it was read,
+ * before any write (the in-pass hash: sum + delta is the words' state after the writes). */
+int rp_decode_apply_chunks(const rp_kind *k, uint8_t *data, size_t nbytes, int m,
+                           const uint8_t *const *body, const size_t *len, const int64_t *start,
+                           const int64_t *n, const int64_t *count, const int64_t *off,
+                           int64_t *pos_out, void *old_out, void *new_out, int ow,
+                           uint64_t delta[2], uint64_t sums[2], const char **err);
+
 /* rp.sum128: additive 128-bit state over the 8-byte words [w0, w0 + nwords) of `data`
  * (whose total length is `len` bytes; the last word is zero-padded). */
 void rp_sum128(const uint8_t *data, size_t len, uint64_t w0, uint64_t nwords, uint64_t out[2]);

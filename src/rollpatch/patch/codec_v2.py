@@ -206,14 +206,36 @@ class CtxGolombV2:
         All or nothing: on any error the tensor is left as it was and the error raised.
         The old elements are those the decoder read from ``base`` itself.
         """
+        pos, old, new, change, _ = self._decode_into(payload, base, changed, hashed=False)
+        return pos, old, new, change
+
+    def can_hash(self) -> bool:
+        """Whether the built core hashes in the decode pass (:meth:`decode_into_hashed`)."""
+        return native.core is not None and bool(getattr(native.core, "DECODE_HASH", 0))
+
+    def decode_into_hashed(
+        self, payload: memoryview, base: Tensor, changed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int], tuple[int, int]]:
+        """:meth:`decode_into`, and the tensor's rp.sum128 state after the write, hashed in
+        the same pass: every word summed as the decoder reads it, before its writes, plus the
+        change written (the re-hash without a second pass over the tensor)."""
+        pos, old, new, change, state = self._decode_into(payload, base, changed, hashed=True)
+        assert state is not None
+        return pos, old, new, change, state
+
+    def _decode_into(
+        self, payload: memoryview, base: Tensor, changed: int, *, hashed: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int], tuple[int, int] | None]:
         core, kt, counts, offs, pos, old, new = self._outputs(payload, base, changed)
         ranges = _ranges(len(counts), threads())
 
-        def one(r: tuple[int, int]) -> tuple[int, int] | BaseException:
+        args = (True, True) if hashed else (True,)
+
+        def one(r: tuple[int, int]) -> tuple[int, ...] | BaseException:
             a, b = r
             try:
                 return core.decode_range(
-                    kt, base.data, payload, a, b, counts[a:b], offs[a:b], pos, old, new, True
+                    kt, base.data, payload, a, b, counts[a:b], offs[a:b], pos, old, new, *args
                 )
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the undo
                 return e
@@ -227,10 +249,13 @@ class CtxGolombV2:
                     core.apply(kt, base.data, pos[lo:hi], new[lo:hi], old[lo:hi])
             raise failed[0]
         change = (0, 0)
+        state = (0, 0)
         for res in results:
             assert not isinstance(res, BaseException)
-            change = sum_add(change, res)
-        return pos, old, new, change
+            change = sum_add(change, (res[0], res[1]))
+            if hashed:
+                state = sum_add(state, (res[2], res[3]))
+        return pos, old, new, change, sum_add(state, change) if hashed else None
 
 
 def _join(bodies: list[bytes]) -> bytes:

@@ -37,10 +37,17 @@ class _FusedDelta:
     target_digest: str | None
     payload: memoryview
     changed: int
+    hashed: bool = False
+    state_after: tuple[int, int] | None = None
 
     def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]:
         try:
-            pos, old, new, change = _V2.decode_into(self.payload, t, self.changed)
+            if self.hashed:
+                pos, old, new, change, self.state_after = _V2.decode_into_hashed(
+                    self.payload, t, self.changed
+                )
+            else:
+                pos, old, new, change = _V2.decode_into(self.payload, t, self.changed)
         except RollpatchError as err:
             err.context.setdefault("tensor", self.name)
             raise
@@ -80,7 +87,11 @@ def apply_encoded(
         if blake3.blake3(payload).hexdigest() != e["b3"]:
             raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
         if e["op"] == "delta" and e["codec"] == _V2.codec_id and native.core is not None:
-            items.append(_FusedDelta(e["name"], e["base"], e["target"], payload, e["changed"]))
+            items.append(
+                _FusedDelta(
+                    e["name"], e["base"], e["target"], payload, e["changed"], _V2.can_hash()
+                )
+            )
         else:
             items.append(decode_entry(e, payload, view, limit))
     write_verified(view, items, header.target, algo, incremental=incremental)

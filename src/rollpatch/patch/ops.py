@@ -156,11 +156,17 @@ def _check_applicable(view: View, patch: Patch, verify: bool) -> None:
 class InPlaceDelta(Protocol):
     """A delta that decodes and writes itself into a view tensor in one pass (the native
     v2 decoder): all or nothing per tensor; returns the decoded patch and the rp.sum128
-    change of the tensor (None when unknown)."""
+    change of the tensor (None when unknown).
+
+    ``hashed``: when true, :meth:`write` also hashes every word of the tensor as it reads it
+    (before its writes) and :attr:`state_after` is then the tensor's rp.sum128 state after
+    the write (words as read + the change written): the re-hash, done in the same pass."""
 
     name: str
     base_digest: str | None
     target_digest: str | None
+    hashed: bool
+    state_after: tuple[int, int] | None
 
     def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]: ...
 
@@ -230,7 +236,10 @@ def write_verified(
                     tp, ch = item, item.changes()
                     delta = scatter(prev, ch.positions, ch.new, ch.old)  # all or nothing
                 else:
+                    item.hashed = item.hashed and not incremental and algo == "rp.sum128.v1"
                     tp, delta = item.write(prev)  # all or nothing
+                    if item.hashed and item.state_after is not None:
+                        state, delta = item.state_after, (0, 0)  # re-hashed in the pass
                 undo.append((name, tp, prev, digest))
             else:
                 tp = item

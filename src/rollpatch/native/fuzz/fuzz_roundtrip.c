@@ -5,7 +5,8 @@
  * that set chosen elements to chosen words: sign flips, extreme keys, NaN payloads, ±0.
  * Per chunk the three encoders must write the same bytes: the fused dense pass with AVX2 and
  * with scalar loops (rp_encode_chunk), the sparse one from rp_diff's positions
- * (rp_encode_chunk_sparse) and the one from records (rp_encode_records). The payload must
+ * (rp_encode_chunk_sparse), the one from records (rp_encode_records) and the keep path that
+ * also hands over the changes (rp_encode_chunk_keep: they must equal rp_diff's). The payload must
  * decode to exactly the diff; rp_apply must turn the base into the target with a consistent
  * rp.sum128 change, and refuse, writing nothing, a base that differs at one changed position;
  * rp_gather must read the new elements back; rp.sum128 must add up over any split of words. */
@@ -63,6 +64,34 @@ static uint8_t *perturb(fz_case *c, const uint8_t *ed, size_t len) {
     return t;
 }
 
+/* The encoder's keep path (rp_encode_chunk_keep, the publisher's one-pass encode and diff)
+ * on chunk i must write `body`, hand over exactly rp_diff's changes (positions relative to the
+ * chunk, old and new elements) and the same rp.sum128 change as rp_encode_chunk. */
+static void keep_path(const fz_case *c, const uint8_t *t, int64_t i, const uint8_t *body,
+                      size_t blen, const int64_t *pos, const uint64_t *ov, const uint64_t *nv,
+                      int64_t found) {
+    const rp_kind *k = &c->k;
+    int64_t s = i * RP_CHUNK, n = fz_chunk_n(c, i), got = -1, got2 = -1;
+    uint8_t *out = NULL, *out2 = NULL;
+    size_t olen = 0, olen2 = 0;
+    uint64_t d[2] = {0, 0}, d2[2] = {0, 0}, *kov = NULL, *knv = NULL;
+    uint32_t *kpos = NULL;
+    const char *err = NULL;
+    if (rp_encode_chunk_keep(k, c->base, t, c->nbytes, s, n, &out, &olen, &got, d, &kpos, &kov,
+                             &knv, &err))
+        fz_fail("rp_encode_chunk_keep failed");
+    if (rp_encode_chunk(k, c->base, t, c->nbytes, s, n, &out2, &olen2, &got2, d2, &err))
+        fz_fail("rp_encode_chunk failed");
+    if (olen != blen || (blen && memcmp(out, body, blen))) fz_fail("keep encoder bytes differ");
+    if (got != found || got2 != found) fz_fail("keep encoder counts other changes than rp_diff");
+    if (d[0] != d2[0] || d[1] != d2[1]) fz_fail("keep encoder's sum128 change differs");
+    if (found && (!kpos || !kov || !knv)) fz_fail("keep encoder handed over no changes");
+    for (int64_t j = 0; j < found; j++)
+        if ((int64_t)kpos[j] != pos[j] || kov[j] != ov[j] || knv[j] != nv[j])
+            fz_fail("keep encoder's changes differ from rp_diff");
+    free(out); free(out2); free(kpos); free(kov); free(knv);
+}
+
 /* rp_encode_chunk_sparse and rp_encode_records on chunk i must write `body`. */
 static void other_encoders(const fz_case *c, const uint8_t *t, int64_t i, const uint8_t *body,
                            size_t blen, int64_t changed) {
@@ -101,6 +130,7 @@ static void other_encoders(const fz_case *c, const uint8_t *t, int64_t i, const 
         fz_fail("rp_encode_records failed");
     if (olen != blen || (blen && memcmp(out, body, blen))) fz_fail("records encoder bytes differ");
     free(out);
+    keep_path(c, t, i, body, blen, pos, ov, nv, found);
     free(pos); free(ov); free(nv); free(rank); free(ctx);
 }
 

@@ -16,8 +16,8 @@ for every format; one table row per (size, lr, format, threads) aggregates them.
   the base view's digests from the previous step, as a publisher does, and derives the new
   view's rp.sum128 from them plus the change of the words it found changed (it compared
   every word). Decode+apply: ``apply_encoded(view, blob)`` — each chunk decoded and written
-  in place in one pass, then a re-hash (rp.sum128) of every touched tensor checked against
-  its target digest, and the root; "rp inc": the same with O(change) digest updates.
+  in place in one pass that also re-hashes (rp.sum128) every word of a touched tensor as it
+  reads it, checked against its target digest, and the root; "rp inc": O(change) updates.
 - *rollpatch numpy*: the executable reference (``rollpatch.native.core`` off): ``diff`` +
   ``encode`` and ``decode`` + ``apply`` in numpy; same bytes (checked). Timed at sizes below
   ``--numpy-max`` only (it is the slow reference; "-" above).
@@ -328,13 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats for views < 1 GB")
     ap.add_argument("--threads", default="1,2", help="thread counts to measure")
-    ap.add_argument(
-        "--numpy-max", default="200M", help="time the numpy reference only up to this many params"
-    )
+    ap.add_argument("--numpy-max", default="200M", help="time the numpy reference up to this size")
     ap.add_argument("--json", default=None, help="also write every measurement here")
-    ap.add_argument(
-        "--moe", default=None, metavar="E:K", help="simulate an MoE: E experts per layer, top-K"
-    )
+    ap.add_argument("--moe", default=None, metavar="E:K", help="simulate an MoE: E experts, top-K")
     args = ap.parse_args(argv)
     moe = _moe_arg(args.moe)
 

@@ -8,7 +8,8 @@
  * consistent rp.sum128 change, and re-encode to a payload that decodes to the same changes.
  * The in-place path (rp_decode_apply, chunk by chunk on a copy of the base) must succeed
  * exactly when the decode does, with the same outputs, the same patched bytes and an exact
- * rp.sum128 change, and must leave a failing chunk's bytes as they were.
+ * rp.sum128 change, and must leave a failing chunk's bytes as they were; and the whole payload
+ * at once through rp_decode_apply_chunks with the in-pass hash (fz_decode_apply_all).
  * Any other outcome, a sanitizer report or a leak is a bug. */
 #include "fuzz_common.h"
 
@@ -64,6 +65,60 @@ static void fz_decode_apply(fz_case *c, const uint8_t *pl, size_t len, const fz_
     free(work); free(pos); free(ov); free(nv);
 }
 
+/* The whole payload through rp_decode_apply_chunks at once, with the in-pass hash: it must
+ * succeed exactly when the decode does, with the same outputs and bytes, a hash equal to the
+ * base's rp.sum128 (every word as read) and a change that reaches the target's; on a failure
+ * every chunk it wrote must be put back (the copy equals the base again). */
+static void fz_decode_apply_all(fz_case *c, const uint8_t *pl, size_t len, const fz_out *ref,
+                                const uint8_t *target) {
+    int64_t nch = fz_chunks(c), cnt[FZ_MAXCH], st[FZ_MAXCH], nn[FZ_MAXCH], off[FZ_MAXCH], tot = 0;
+    size_t offs[FZ_MAXCH], lens[FZ_MAXCH];
+    const uint8_t *bodies[FZ_MAXCH] = {0};
+    const char *err = NULL;
+    int ow = fz_ow(&c->k), rc = RP_OK;
+    if (nch > FZ_MAXCH || nch > (int64_t)len || fz_table(pl, len, nch, offs, lens)) return;
+    for (int64_t i = 0; i < nch; i++) {
+        uint8_t *body = malloc(lens[i] ? lens[i] : 1);
+        if (!body) fz_fail("out of memory for a body");
+        memcpy(body, pl + offs[i], lens[i]);
+        bodies[i] = body;
+        st[i] = i * RP_CHUNK;
+        nn[i] = fz_chunk_n(c, i);
+        cnt[i] = 0;
+        if (lens[i] && rp_chunk_count(&c->k, body, lens[i], nn[i], &cnt[i], &err)) rc = RP_ECORRUPT;
+        off[i] = tot;
+        tot += cnt[i];
+    }
+    if (rc == RP_OK) {
+        uint8_t *work = malloc(c->nbytes + 1);
+        int64_t *pos = malloc((size_t)tot * 8 + 8);
+        uint8_t *ov = malloc((size_t)tot * ow + 8), *nv = malloc((size_t)tot * ow + 8);
+        uint64_t delta[2] = {0, 0}, sums[2] = {0, 0}, want[2];
+        if (!work || !pos || !ov || !nv) fz_fail("out of memory");
+        memcpy(work, fz_base(c), c->nbytes);
+        err = NULL;
+        rc = rp_decode_apply_chunks(&c->k, work, c->nbytes, (int)nch, bodies, lens, st, nn, cnt,
+                                    off, pos, ov, nv, ow, delta, sums, &err);
+        if (rc && !err) fz_fail("rp_decode_apply_chunks failed without a message");
+        if ((rc == RP_OK) != (ref->rc == RP_OK)) fz_fail("rp_decode_apply_chunks and the decode disagree");
+        if (rc) {
+            if (memcmp(work, fz_base(c), c->nbytes)) fz_fail("rp_decode_apply_chunks kept a write it refused");
+        } else {
+            if (tot != ref->total || memcmp(pos, ref->pos, (size_t)tot * 8)
+                || memcmp(ov, ref->oldv, (size_t)tot * ow) || memcmp(nv, ref->newv, (size_t)tot * ow))
+                fz_fail("rp_decode_apply_chunks' outputs differ from the decode's");
+            if (target && memcmp(work, target, c->nbytes)) fz_fail("rp_decode_apply_chunks wrote other bytes");
+            fz_sum(fz_base(c), c->nbytes, want);
+            if (sums[0] != want[0] || sums[1] != want[1]) fz_fail("the in-pass hash differs from the base's sum128");
+            fz_sum(work, c->nbytes, want);
+            if (sums[0] + delta[0] != want[0] || sums[1] + delta[1] != want[1])
+                fz_fail("in-pass hash + change differs from the target's sum128");
+        }
+        free(work); free(pos); free(ov); free(nv);
+    }
+    for (int64_t i = 0; i < nch; i++) free((void *)bodies[i]);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static int verbose = -1; /* FZ_VERBOSE=1: one line per input (checks the seed corpus) */
     fz_case c;
@@ -83,6 +138,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fz_check_decoded(&c, &a);
         uint8_t *target = fz_apply(&c, &a);
         fz_decode_apply(&c, c.rest, c.rest_len, &a, target);
+        fz_decode_apply_all(&c, c.rest, c.rest_len, &a, target);
         int64_t changed[FZ_MAXCH];
         size_t plen;
         uint8_t *pl = fz_encode(&c, target, &plen, changed);
@@ -94,6 +150,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     else {
         fz_decode_apply(&c, c.rest, c.rest_len, &a, NULL);
+        fz_decode_apply_all(&c, c.rest, c.rest_len, &a, NULL);
     }
     fz_out_free(&a);
     fz_out_free(&b);

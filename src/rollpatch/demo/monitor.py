@@ -20,7 +20,8 @@ from .config import RUN, DemoConfig
 
 __all__ = ["IslandState", "Monitor"]
 
-_METRIC = re.compile(r"^(rollpatch_relay_\w+?)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+_METRIC = re.compile(r"^(rollpatch_relay_\w+?)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+_REASON = re.compile(r'reason="([^"]*)"')
 
 
 @dataclass
@@ -52,6 +53,8 @@ class RelayState:
     upstream_bytes: int = 0
     served_bytes: int = 0
     refused: int = 0
+    #: Refusals by the reason the relay counted (and logged, with the key, in its log).
+    refused_by: dict[str, int] = field(default_factory=dict)
     link: dict[str, Any] = field(default_factory=dict)
 
 
@@ -148,12 +151,17 @@ class Monitor:
                 self.missed_polls += 1
                 continue
             totals: dict[str, float] = {}
-            for name, value in _METRIC.findall(text):
+            refused_by: dict[str, int] = {}
+            for name, labels, value in _METRIC.findall(text):
                 totals[name] = totals.get(name, 0.0) + float(value)
+                reason = _REASON.search(labels)
+                if name == "rollpatch_relay_refused_total" and reason and float(value):
+                    refused_by[reason.group(1)] = int(float(value))
             with self.lock:
                 relay.upstream_bytes = int(totals.get("rollpatch_relay_upstream_bytes_total", 0))
                 relay.served_bytes = int(totals.get("rollpatch_relay_served_bytes_total", 0))
                 relay.refused = int(totals.get("rollpatch_relay_refused_total", 0))
+                relay.refused_by = refused_by
 
     def start_polling(self, period_s: float = 0.5) -> threading.Event:
         """Poll in a daemon thread until the returned event is set."""

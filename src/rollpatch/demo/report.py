@@ -74,7 +74,15 @@ def _verified_bytes(m: Monitor) -> dict[str, Any]:
             problems.append(f"{isl.name}: {isl.status['last_error']}")
     refused = sum(r.refused for r in m.relays.values())
     if refused:
-        problems.append(f"relays refused {refused} upstream answers")
+        why = "; ".join(
+            f"{r.name}: " + ", ".join(f"{k} {n}" for k, n in sorted(r.refused_by.items()))
+            for r in m.relays.values()
+            if r.refused
+        )
+        problems.append(
+            f"relays refused {refused} upstream answers ({why}; each logged with its key in "
+            "logs/relays.log)"
+        )
     fetched = sum(i.bytes_fetched for i in m.islands.values())
     return {
         "ok": not problems and commits > 0,
@@ -180,6 +188,7 @@ def build_report(
                 "upstream_bytes": r.upstream_bytes,
                 "served_bytes": r.served_bytes,
                 "refused": r.refused,
+                "refused_by_reason": r.refused_by,
                 "link": r.link,
             }
             for r in m.relays.values()

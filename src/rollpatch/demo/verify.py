@@ -7,6 +7,11 @@ trainer rebuilds version ``v``'s served view from the board (a keyframe plus ver
 same prompt, seed and sampling parameters. Token id and logprob must be *exactly* equal (same
 bits, same code, same single-threaded CPU kernels). As a control that the check can fail, a
 few rollouts are also regenerated under version ``v - 1``: their logprobs must differ.
+
+A version's rollouts share a few prompts (GRPO asks each prompt G times), so the forward pass
+runs once per distinct prompt and version, and each rollout is sampled from those logits with
+its own seed by the engine's sampler (:class:`Regenerator`; tests/test_demo_verify.py holds it
+equal to ``generate``, rollout by rollout).
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from ..publisher import apply_step, reconstruct
 from ..view import View
 from .grpo import Rollout
 
-__all__ = ["VerifyReport", "ViewHistory", "pick_sample", "verify_rollouts"]
+__all__ = [
+    "Regenerator",
+    "VerifyReport",
+    "ViewHistory",
+    "pick_sample",
+    "regenerate",
+    "verify_rollouts",
+]
 
 #: Rollouts regenerated under the previous version, as the check's negative control.
 _CONTROLS = 16
@@ -119,8 +131,9 @@ def verify_rollouts(
         by_version[r.version].append(r)
     for v in sorted(by_version):
         runtime.load_view(history.get(v), v)
+        regen = Regenerator(runtime)
         for r in by_version[v]:
-            token, logprob = _regenerate(runtime, r)
+            token, logprob = regen.sample(r)
             report.checked += 1
             report.by_island[r.island] = report.by_island.get(r.island, 0) + 1
             if token != r.token or logprob != r.logprob:
@@ -131,13 +144,66 @@ def verify_rollouts(
     controls = [r for v in sorted(by_version) if v > 0 for r in by_version[v][:1]][-_CONTROLS:]
     for r in controls:
         runtime.load_view(history.get(r.version - 1), r.version - 1)
-        token, logprob = _regenerate(runtime, r)
+        token, logprob = Regenerator(runtime).sample(r)
         report.controls += 1
         report.controls_differ += int(token != r.token or logprob != r.logprob)
     return report
 
 
-def _regenerate(runtime: Any, r: Rollout) -> tuple[int, float | None]:
+class Regenerator:
+    """A rollout's one-token answer again, as the engine sampled it, under the runtime's
+    loaded version.
+
+    A GRPO group asks one prompt G times with G seeds, and the demo's task has ten prompts, so
+    a version's rollouts share a handful of prompts. The forward pass (the dear part: an MoE
+    forward on one thread) is the same for each sample of a prompt, so it runs once per
+    prompt here, batch 1 and single-threaded like the islands' (the same bits), and each
+    rollout is sampled from those logits with its own seed by the engine's own sampler
+    (:func:`~rollpatch.engines.reference.generation.pick_token`, as ``generate`` calls it).
+    Make a new one after each ``load_view``.
+    """
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self._logits: dict[tuple[int, ...], Any] = {}
+        self.forwards = 0
+
+    def logits(self, prompt: tuple[int, ...]) -> Any:
+        """The last position's logits after ``prompt`` (one forward per distinct prompt)."""
+        out = self._logits.get(prompt)
+        if out is None:
+            import torch
+
+            from ..engines.reference.generation import Step
+
+            self.runtime.check(list(prompt), 1, 1.0, 1.0, 0)
+            kept: list[Any] = []
+
+            def keep(logits: Any) -> Step:
+                kept.append(logits)
+                return Step(0, None, None)
+
+            self.runtime._step(torch.tensor([list(prompt)], dtype=torch.long), None, keep)
+            out = self._logits[prompt] = kept[0]
+            self.forwards += 1
+        return out
+
+    def sample(self, r: Rollout) -> tuple[int, float | None]:
+        """``r``'s token and logprob: what ``generate(prompt, max_tokens=1, temperature=1,
+        top_p=1, seed=r.seed, logprobs=0)`` gives under the loaded version."""
+        import torch
+
+        from ..engines.reference.generation import pick_token
+
+        gen = torch.Generator()
+        gen.manual_seed(r.seed % (1 << 64))
+        step = pick_token(self.logits(r.prompt), 1.0, 1.0, gen, 0)
+        return step.token_id, step.logprob
+
+
+def regenerate(runtime: Any, r: Rollout) -> tuple[int, float | None]:
+    """``r`` regenerated through the runtime's own ``generate`` (one forward per rollout): the
+    reference that :class:`Regenerator` must equal (tests)."""
     gen = runtime.generate(
         list(r.prompt), max_tokens=1, temperature=1.0, top_p=1.0, seed=r.seed, logprobs=0
     )

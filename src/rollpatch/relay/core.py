@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
 
 import blake3
 
@@ -220,7 +220,7 @@ class Relay:
         info = self._call("head", self.upstream.head, key)
         if info is None or info.etag != etag:  # gone or replaced: fetch and check again
             return
-        self.metrics.inc("rollpatch_relay_refused_total", reason="known_corrupt")
+        self._refuse("known_corrupt", key=key, etag=etag)
         raise ObjectIntegrityError(
             "upstream object does not match the BLAKE3 in its key (found before, and not "
             "replaced since); refused, not cached",
@@ -245,7 +245,7 @@ class Relay:
         started = time.monotonic()
         data = self._get(key)
         if len(data) > self.config.max_volatile_bytes:
-            self.metrics.inc("rollpatch_relay_refused_total", reason="too_large")
+            self._refuse("too_large", key=key, size=len(data))
             raise StoreError(
                 "upstream object is mutable (not in the board layout) and too large to relay",
                 key=key,
@@ -287,8 +287,7 @@ class Relay:
         """Verify bytes before they are cached; return their BLAKE3 (hex)."""
         b3 = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
         if kind is KeyKind.OBJECT and b3 != object_hash(key):
-            self.metrics.inc("rollpatch_relay_refused_total", reason="hash_mismatch")
-            event(log, "refused", logging.WARNING, key=key, reason="hash_mismatch")
+            self._refuse("hash_mismatch", key=key, size=len(data))
             raise ObjectIntegrityError(
                 "upstream object does not match the BLAKE3 in its key; refused, not cached",
                 key=key,
@@ -300,7 +299,7 @@ class Relay:
             try:
                 open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
             except ManifestError as e:
-                self._refused(e, "invalid_manifest")
+                self._refuse("invalid_manifest", key=key, error=e)
                 raise ManifestError(
                     f"upstream manifest refused: {e.message}", key=key, hint=e.hint
                 ) from None
@@ -309,7 +308,7 @@ class Relay:
             try:
                 self._check_root(n, data, b3)
             except ManifestError as e:
-                self._refused(e, "invalid_root")
+                self._refuse("invalid_root", key=key, error=e)
                 raise ManifestError(
                     f"upstream root refused: {e.message}", key=key, hint=e.hint
                 ) from None
@@ -317,11 +316,17 @@ class Relay:
 
     # -- trust --------------------------------------------------------------------------------
 
-    def _refused(self, e: ManifestError, reason: str) -> None:
-        if isinstance(e, TrustError):
-            reason = f"trust_{e.reason}"
+    def _refuse(
+        self, reason: str, *, key: str, error: ManifestError | None = None, **info: Any
+    ) -> None:
+        """Every refusal of an upstream answer: counted by reason and logged with its reason,
+        key and error, so that a refusal in the counters can be named from the log."""
+        if isinstance(error, TrustError):
+            reason = f"trust_{error.reason}"
         self.metrics.inc("rollpatch_relay_refused_total", reason=reason)
-        event(log, "refused", logging.WARNING, reason=reason, error=e.message)
+        if error is not None:
+            info["error"] = error.message
+        event(log, "refused", logging.WARNING, reason=reason, key=key, **info)
 
     def _upstream_root(self, n: int) -> bytes | None:
         try:
@@ -363,7 +368,7 @@ class Relay:
                     version=p.version,
                 )
         except ManifestError as e:
-            self._refused(e, "invalid_pointer")
+            self._refuse("invalid_pointer", key=key, error=e)
             raise ManifestError(
                 f"upstream LATEST refused: {e.message}", key=key, hint=e.hint
             ) from None

@@ -29,7 +29,12 @@ def _same_words(x: View, y: View) -> bool:
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("incremental", [False, True])
-def test_same_result_as_apply_of_decode(seed: int, incremental: bool) -> None:
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_same_result_as_apply_of_decode(
+    seed: int, incremental: bool, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one thread tensor after tensor; on several, tensors decoded and written at once."""
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
     a, b = _views(seed)
     blob = encode_views(a, b)
     x, y = a.copy(), a.copy()
@@ -58,9 +63,14 @@ def test_wrong_base_is_refused_before_anything_is_written() -> None:
     assert _same_words(c, b)
 
 
-def test_a_corrupt_later_chunk_leaves_every_word_in_place() -> None:
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_corrupt_later_chunk_leaves_every_word_in_place(
+    threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first chunks of a tensor decode and are written; a later one is corrupt: the
-    written chunks are put back (and so is every earlier tensor)."""
+    written chunks are put back (and so is every other tensor, also those written at the
+    same time on other threads)."""
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
     a, b = _views(4)
     blob = encode_views(a, b)
     header, payload = split_blob(blob)

@@ -20,7 +20,7 @@ from ..kinds import KINDS
 from ..view import Tensor, View
 from .codec_v2 import CtxGolombV2
 from .model import DeltaOp, TensorPatch
-from .ops import InPlaceDelta, write_verified
+from .ops import InPlaceDelta, scatter, write_verified
 from .wire import MIN_FULL_BOUND, decode_entry, inspect
 
 __all__ = ["apply_encoded"]
@@ -54,7 +54,63 @@ class _FusedDelta:
         tp = TensorPatch(
             self.name, t.kind, t.shape, self.base_digest, self.target_digest, DeltaOp(pos, old, new)
         )
+        self.result = (tp, change)
         return tp, change
+
+    result: tuple[TensorPatch, tuple[int, int] | None] | None = None
+    consumed: bool = False
+
+
+@dataclass
+class _Written:
+    """A fused delta already written by :func:`_write_concurrently` (ops.InPlaceDelta):
+    ``write`` hands its result to ``write_verified``, which then owns its undo."""
+
+    item: _FusedDelta
+    name: str
+    base_digest: str | None
+    target_digest: str | None
+    hashed: bool
+    state_after: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, x: _FusedDelta) -> _Written:
+        return cls(x, x.name, x.base_digest, x.target_digest, x.hashed, x.state_after)
+
+    def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]:
+        assert self.item.result is not None
+        self.item.consumed = True
+        return self.item.result
+
+
+def _write_concurrently(view: View, fused: list[_FusedDelta]) -> None:
+    """Decode and write several tensors' deltas at once on ``native.threads()`` threads (the
+    core drops the GIL; each tensor's chunk ranges run inline on its thread). All or
+    nothing: on any failure every tensor written here is put back and the first failure, in
+    header order, is raised."""
+
+    def one(item: _FusedDelta) -> BaseException | None:
+        try:
+            item.write(view[item.name])
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the undo
+            return e
+        return None
+
+    errors = native.parallel_map(one, fused)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        _undo_unconsumed(view, fused)
+        raise failed[0]
+
+
+def _undo_unconsumed(view: View, fused: list[_FusedDelta]) -> None:
+    """Put back the tensors written ahead whose undo ``write_verified`` does not own."""
+    for item in fused:
+        if item.result is not None and not item.consumed:
+            ch = item.result[0].change
+            assert isinstance(ch, DeltaOp)
+            scatter(view[item.name], ch.positions, ch.old)
+            item.result = None
 
 
 def apply_encoded(
@@ -94,7 +150,19 @@ def apply_encoded(
             )
         else:
             items.append(decode_entry(e, payload, view, limit))
-    write_verified(view, items, header.target, algo, incremental=incremental)
+    fused = [x for x in items if isinstance(x, _FusedDelta)]
+    if native.threads() > 1 and len(fused) > 1:
+        for x in fused:
+            x.hashed = x.hashed and not incremental
+            if incremental:
+                view.sum_state(x.name)  # the base's state, before the words change
+        _write_concurrently(view, fused)
+        items = [_Written.of(x) if isinstance(x, _FusedDelta) else x for x in items]
+    try:
+        write_verified(view, items, header.target, algo, incremental=incremental)
+    except BaseException:
+        _undo_unconsumed(view, fused)
+        raise
     return view
 
 

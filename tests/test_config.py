@@ -15,10 +15,12 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
+from rollpatch.cli.demo import CodecWalk
 from rollpatch.config import Declared, check_fields, setting, settings
 from rollpatch.demo.config import DemoConfig
 from rollpatch.errors import ConfigError
 from rollpatch.follower import FollowerConfig
+from rollpatch.formats import QuantPolicy
 from rollpatch.gateway import GatewayConfig
 from rollpatch.netem.config import LinkConfig
 from rollpatch.publisher import PublisherConfig
@@ -44,6 +46,8 @@ CONFIGS: list[tuple[type, dict[str, Any], set[str]]] = [
     (BodyLimits, {}, set()),
     (ServeOptions, {}, set()),
     (DemoConfig, {}, set()),
+    (CodecWalk, {}, set()),
+    (QuantPolicy, {}, set()),
 ]
 IDS = [cls.__name__ for cls, _, _ in CONFIGS]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -64,6 +64,15 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, min(4, native.threads())))
 
 
+def _map(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    """``[fn(x) for x in items]``, tensors at once on :func:`_pool` (inline on one thread:
+    no hand-off to a worker per tensor)."""
+    if native.threads() == 1:
+        return [fn(x) for x in items]
+    with _pool() as pool:
+        return list(pool.map(fn, items))
+
+
 def encode(patch: Patch, base: WordSource, *, version: int = VERSION) -> bytes:
     """Serialize ``patch``; ``base`` (the patch's base view) drives the context model.
 
@@ -76,8 +85,7 @@ def encode(patch: Patch, base: WordSource, *, version: int = VERSION) -> bytes:
             hint="diff(a, b, digest=...) to match",
         )
     names = sorted(patch.tensors)
-    with _pool() as pool:
-        coded = list(pool.map(lambda n: _encode_tensor(patch.tensors[n], base, version), names))
+    coded = _map(lambda n: _encode_tensor(patch.tensors[n], base, version), names)
     return assemble_patch(patch, dict(zip(names, coded, strict=True)), version)
 
 
@@ -180,8 +188,7 @@ def _encode_views(
             tp = TensorPatch(name, ta.kind, ta.shape, base, target, DeltaOp(pos, old, new))
         return entry(name, "delta", ta.kind, ta.shape, k, base, target, codec_id), payload, tp
 
-    with _pool() as pool:
-        done = [x for x in pool.map(one, names) if x is not None]
+    done = [x for x in _map(one, names) if x is not None]
     blob = assemble(
         a.digest(), b.digest(), meta or {}, "rp.sum128.v1", [(e, p) for e, p, _ in done], VERSION
     )
@@ -323,8 +330,7 @@ def decode(
             raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
         return decode_entry(e, payload, base, limit)
 
-    with _pool() as pool:
-        decoded = list(pool.map(one, header.tensors))
+    decoded = _map(one, header.tensors)
     return Patch(
         header.base, header.target, {t.name: t for t in decoded}, header.meta, header.digest
     )

@@ -3,8 +3,11 @@
 The same checks and result as ``apply(view, decode(blob, view))``, bit for bit and error for
 error class, but each rp.ctxgolomb.v2 chunk is written into the view right after the native
 decoder read it from there, while its words are still in cache, and no second pass checks
-the old elements (the decoder took them from the very words it overwrites). Every other op
-and codec goes through :func:`decode` and :func:`apply`'s writer.
+the old elements (the decoder took them from the very words it overwrites). Unless
+``incremental``, the re-hash of each touched tensor happens in that same pass (every word
+summed as read, plus the change written: docs/patch-format.md §9). On several threads all
+tensors' v2 deltas are decoded and written at once. Every other op and codec goes through
+:func:`decode` and :func:`apply`'s writer.
 """
 
 from __future__ import annotations

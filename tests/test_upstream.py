@@ -26,7 +26,15 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
     return head + await reader.readexactly(length)
 
 
-def _run(handler: Handler, client: Callable[[Upstream], Awaitable[object]]) -> object:
+#: The event loops the client runs on: asyncio's, and uvloop (the sidecar's, when installed;
+#: its transports are not asyncio.Transport subclasses, and it may report a connection made
+#: after create_connection returns).
+LOOPS = ["asyncio", "uvloop"]
+
+
+def _run(
+    handler: Handler, client: Callable[[Upstream], Awaitable[object]], loop: str = "asyncio"
+) -> object:
     async def main() -> object:
         server = await asyncio.start_server(handler, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -40,7 +48,14 @@ def _run(handler: Handler, client: Callable[[Upstream], Awaitable[object]]) -> o
             server.close()
             await server.wait_closed()
 
-    return asyncio.run(main())
+    if loop == "asyncio":
+        return asyncio.run(main())
+    uvloop = pytest.importorskip("uvloop", reason="the web extra installs uvloop")
+    ev = uvloop.new_event_loop()
+    try:
+        return ev.run_until_complete(main())
+    finally:
+        ev.close()
 
 
 def _answers(*answers: list[bytes], close: bool = False) -> tuple[Handler, list[bytes]]:
@@ -67,7 +82,8 @@ def _answers(*answers: list[bytes], close: bool = False) -> tuple[Handler, list[
     return handler, seen
 
 
-def test_content_length_and_keep_alive_reuse_one_connection() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_content_length_and_keep_alive_reuse_one_connection(loop: str) -> None:
     connections = []
     ok = [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n", b"content-length: 8\r\n\r\n"]
     ok += [b'{"a":', b"1}\n"]
@@ -87,14 +103,15 @@ def test_content_length_and_keep_alive_reuse_one_connection() -> None:
                 resp.close()
         return out
 
-    assert _run(handler, client) == [(200, b'{"a":1}\n', b"application/json")] * 2
+    assert _run(handler, client, loop) == [(200, b'{"a":1}\n', b"application/json")] * 2
     assert len(connections) == 1  # the second request reused the first connection
     assert seen[0].startswith(b"POST /v1/completions HTTP/1.1\r\n")
     assert b"\r\ncontent-length: 7\r\n" in seen[0] and b"\r\nx-a: b\r\n" in seen[0]
     assert seen[0].endswith(b'\r\n\r\n{"x":1}')
 
 
-def test_chunked_split_anywhere_and_the_sse_relay_on_top() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_chunked_split_anywhere_and_the_sse_relay_on_top(loop: str) -> None:
     events = b'data: {"n":1}\n\ndata: {"n":2}\n\n: keep-alive\n\ndata: [DONE]\n\n'
     body = b""
     for i in range(0, len(events), 9):  # chunks of 9 bytes, each written in 3 pieces
@@ -118,13 +135,16 @@ def test_chunked_split_anywhere_and_the_sse_relay_on_top() -> None:
             resp.close()
         return raw, [o for o in out if o]
 
-    raw, out = _run(handler, client)  # type: ignore[misc]
+    raw, out = _run(handler, client, loop)  # type: ignore[misc]
     assert raw == events
     assert b"".join(out) == b'data: {"n":1}\n\nLASTdata: {"n":2}\n\n' + DONE
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("pause_s", [0.0, 0.05])  # 0: the close is seen only on reuse
-def test_a_pooled_connection_closed_by_the_server_is_retried_once(pause_s: float) -> None:
+def test_a_pooled_connection_closed_by_the_server_is_retried_once(
+    pause_s: float, loop: str
+) -> None:
     ok = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]
     handler, seen = _answers(ok, close=True)  # one answer per connection, then closed
 
@@ -139,7 +159,7 @@ def test_a_pooled_connection_closed_by_the_server_is_retried_once(pause_s: float
             await asyncio.sleep(pause_s)  # 0.05: the close reaches the pooled connection
         return out
 
-    assert _run(handler, client) == [b"ok"] * 3
+    assert _run(handler, client, loop) == [b"ok"] * 3
     assert len(seen) == 3
 
 

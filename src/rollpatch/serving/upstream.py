@@ -25,6 +25,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import cast
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
@@ -59,8 +60,8 @@ class _Conn(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a TCP (or TLS) transport; uvloop's are not asyncio.Transport subclasses
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data

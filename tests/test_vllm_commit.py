@@ -375,14 +375,13 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
 
 
 def test_sidecar_engines_take_the_write_mode() -> None:
-    """``rollpatch sidecar --writes``: the vLLM and reference adapters take it; SGLang's
-    refuses a mode it does not have; an unknown mode is a ConfigError."""
+    """``rollpatch sidecar --writes``: the vLLM and SGLang adapters take it; an unknown mode
+    is a ConfigError."""
     from rollpatch.errors import ConfigError
     from rollpatch.sidecar.server import make_engine
 
-    engine, _ = make_engine("vllm", engine_url="http://127.0.0.1:9", writes="double_buffer")
-    assert engine.writes == "double_buffer"  # type: ignore[attr-defined]
-    with pytest.raises(ConfigError):
-        make_engine("sglang", engine_url="http://127.0.0.1:9", writes="double_buffer")
+    for kind in ("vllm", "sglang"):
+        engine, _ = make_engine(kind, engine_url="http://127.0.0.1:9", writes="double_buffer")
+        assert engine.writes == "double_buffer"  # type: ignore[attr-defined]
     with pytest.raises(ConfigError):
         VllmEngine("http://127.0.0.1:9", writes="both")  # type: ignore[arg-type]

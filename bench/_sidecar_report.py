@@ -95,6 +95,69 @@ def proxy_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+#: Issue 10's targets for the sidecar in front of an engine in its own process.
+TARGET_RATIO, TARGET_P50_ADDED_S = 0.95, 1e-3
+
+
+def target_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per engine, shape and level: the throughput ratio, the p50 latency the sidecar
+    adds, its CPU per request (less its idle CPU), and whether both targets are met."""
+    rows = []
+    for r in proxy:
+        s, d = r["sidecar"], r["direct"]
+        ratio, added = s["rps"] / d["rps"], s["p50"] - d["p50"]
+        met = ratio >= TARGET_RATIO and added <= TARGET_P50_ADDED_S
+        rows.append(
+            [
+                r["engine"],
+                "streams" if r.get("shape", "stream") == "stream" else "non-streaming",
+                str(r["c"]),
+                f"{d['rps']:.1f}/s",
+                f"{s['rps']:.1f}/s",
+                f"{ratio:.2f}",
+                f"{d['p50'] * 1e3:.1f} ms",
+                f"{s['p50'] * 1e3:.1f} ms",
+                f"{added * 1e3:+.1f} ms",
+                f"{(s['cpu'] - d['cpu']) * 1e3:.2f} ms",
+                "yes" if met else "no",
+            ]
+        )
+    return rows
+
+
+def render_targets(proxy: list[dict[str, Any]]) -> str:
+    """The targets table (empty when the proxy part did not run)."""
+    if not proxy:
+        return ""
+    headers = [
+        "engine",
+        "shape",
+        "c",
+        "direct",
+        "sidecar",
+        "ratio",
+        "p50 direct",
+        "p50 sidecar",
+        "p50 added",
+        "sidecar CPU/req",
+        "met",
+    ]
+    right = [False, False] + [True] * 9
+    return "\n".join(
+        [
+            (
+                f"targets (issue 10): throughput ratio >= {TARGET_RATIO:.2f} and p50 added <= "
+                f"{TARGET_P50_ADDED_S * 1e3:g} ms, engine in its own process"
+            ),
+            table(headers, target_rows(proxy), right),
+            (
+                "sidecar CPU/req: the sidecar process's CPU per proxied request less its CPU per "
+                "request while the direct chunks ran (follower polling)"
+            ),
+        ]
+    )
+
+
 def commit_rows(modes: list[dict[str, Any]], reload: dict[str, list[float]]) -> list[list[str]]:
     med = statistics.median
     ram, disk, cold = med(reload["ram"]), med(reload["disk"]), med(reload["cold"])
@@ -306,7 +369,9 @@ def render(ctx: dict[str, Any]) -> str:
             f"{_failures(ctx)}"
         ),
     ]
-    return table(headers, rows, right) + "\n" + "\n".join(foot)
+    targets = render_targets(ctx["proxy"])
+    out = table(headers, rows, right) + "\n" + "\n".join(foot)
+    return out + ("\n\n" + targets if targets else "")
 
 
 def _proxy_foot(ctx: dict[str, Any]) -> list[str]:

@@ -23,8 +23,10 @@ short arithmetic prompts, ``max_tokens`` 8, temperature 0, ``ignore_eos``; ``--s
 ``stream`` with ``include_usage``, every request streaming 8 tokens, and ``once``, one JSON
 answer) sent at 1, 16 and 64 concurrent requests (closed loop), to the engine's own URL
 (direct) and through the sidecar (drain mode, follower polling a still board), in chunks
-ordered (direct, sidecar, sidecar, direct) x 2 rounds (1 with ``--quick``) so drift in the
-machine's load hits both alike. The load generator is ``httpx.AsyncClient`` in a subprocess
+ordered (direct, sidecar, sidecar, direct) x 2 rounds so drift in the machine's load hits
+both alike. A last table holds issue 10's targets per engine, shape and level: the
+throughput ratio (sidecar / direct, >= 0.95 wanted), the p50 latency the sidecar adds
+(<= 1 ms wanted) and its CPU per request. The load generator is ``httpx.AsyncClient`` in a subprocess
 (``bench/_sidecar_load.py``). CPU per request: the sidecar's and the engine's process CPU
 time (from ``/proc``) over a chunk, divided by its requests; the sidecar's baseline is its
 own CPU over the direct chunks (the follower polling, nothing proxied). Unlike wall-clock
@@ -92,6 +94,7 @@ def bench_proxy(
     levels: Sequence[tuple[int, int]],
     rounds: int,
     shapes: Sequence[str] = ("stream",),
+    loop: str = "fast",
 ) -> list[dict[str, Any]]:
     """The engine and the sidecar each in its own process; each shape (``stream``: SSE,
     ``once``: one JSON answer) and level: ``rounds`` x (direct, sidecar, sidecar, direct)
@@ -100,7 +103,14 @@ def bench_proxy(
     _, model, url, pid, stop = engine_process(world, kind)
     try:
         sc = SidecarProcess(
-            {"board": world.board, "run": RUN, "kind": kind, "url": url, "digest": world.digests[0]}
+            {
+                "board": world.board,
+                "run": RUN,
+                "kind": kind,
+                "url": url,
+                "digest": world.digests[0],
+                "loop": loop,
+            }
         )
     except BaseException:
         stop()
@@ -185,6 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="proxy,commits,relay",
         help="parts to run, comma-separated (proxy, commits, relay; default all)",
     )
+    ap.add_argument(
+        "--sidecar-loop",
+        choices=("fast", "asyncio"),
+        default="fast",
+        help="proxy part: the sidecar server's event loop (fast: uvloop when installed, as "
+        "`rollpatch sidecar` runs; asyncio: the loop before issue 10's work)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     engines = [] if args.engines == "none" else args.engines.split(",")
@@ -199,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "proxy" not in parts:
         engines = []
     versions = args.versions or (4 if args.quick else 12)
-    levels = [(1, 40), (16, 96), (64, 128)] if args.quick else [(1, 200), (16, 640), (64, 640)]
+    levels = [(1, 40), (16, 128), (64, 256)] if args.quick else [(1, 200), (16, 640), (64, 640)]
     mach = machine()
     load0 = mach["loadavg_1m"] or 0.0
     t_start = time.perf_counter()
@@ -211,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         proxy = [
             row
             for kind in engines
-            for row in bench_proxy(world, kind, levels, 1 if args.quick else 2, shapes)
+            for row in bench_proxy(world, kind, levels, 2, shapes, args.sidecar_loop)
         ]
         commits: list[dict[str, Any]] = []
         reload: dict[str, list[float]] = {}
@@ -234,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = {
             "args": vars(args),
             "machine": mach,
-            "rounds": 1 if args.quick else 2,
+            "rounds": 2,
             "proxy": proxy,
             "commits": commits,
             "reload": reload,

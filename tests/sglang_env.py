@@ -41,14 +41,24 @@ def sglang_python() -> Path | None:
     return python
 
 
-def start_server(python: Path, model: Path, log: Path, shim_log: Path) -> vllm_env.Server:
-    """SGLang's CPU engine on 127.0.0.1 with rollpatch's loader and the sgl_kernel shim."""
+def start_server(
+    python: Path, model: Path, log: Path, shim_log: Path, *, tp: int = 1
+) -> vllm_env.Server:
+    """SGLang's CPU engine on 127.0.0.1 with rollpatch's loader and the sgl_kernel shim
+    (``tp`` > 1: that many ranks, one core each; SGLang's CPU engine asks for an explicit
+    core per rank when there are more ranks than NUMA nodes)."""
     port = vllm_env.free_port()
     env = server_env(venv_dir(), REPO / "src", shim_log)
     env["TOKENIZERS_PARALLELISM"] = "false"
     # --sleep-on-idle: idle, the scheduler waits on its sockets instead of spinning a core (it
     # otherwise does, and a session's server idles through most of the suite: live_servers)
     extra = ["--random-seed", "0", "--sleep-on-idle"]
+    if tp > 1:
+        extra += ["--tp-size", str(tp)]
+        cores = os.sched_getaffinity(0)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(sorted(cores)[r % len(cores)]) for r in range(tp)
+        )
     cmd = server_command(python, model, port, mem_fraction=0.05, extra=extra)
     out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
     proc = subprocess.Popen(

@@ -38,6 +38,7 @@ from ...view import Tensor, View, WordSource
 from ..base import EngineAdapter
 from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
+from . import tp as tp_ops
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
 
@@ -64,6 +65,8 @@ class RemoteWords:
         if name not in self:
             raise KeyError(name)
         path = self.engine._scratch("words")
+        if self.engine.tp > 1:  # every rank's block, gathered
+            return tp_ops.export(self.engine.channel, name, self.engine.tensors()[name], path)
         try:
             self.engine._control("export", name=name, path=str(path))
             return load_view(path)[name]
@@ -133,8 +136,16 @@ class SglangEngine(EngineAdapter):
             self._tensors = dict(self.info()["tensors"])
         return self._tensors
 
+    @property
+    def tp(self) -> int:
+        """SGLang's tensor-parallel size (every rank runs rollpatch's control thread)."""
+        self.channel.start()
+        return self.channel.tp
+
     def held(self, *, fresh: bool = False) -> tuple[dict[str, str], str]:
         """Per-tensor digests and root of the live words (``fresh``: re-hash everything)."""
+        if self.tp > 1:
+            return tp_ops.held(self.channel, self.tensors(), fresh=fresh)
         r = self._control("digest", fresh=fresh)
         return r["digests"], r["root"]
 
@@ -168,7 +179,7 @@ class SglangEngine(EngineAdapter):
                 self._write(
                     {"op": "load", "path": str(path)},
                     version,
-                    lambda res: res["root"] == target,
+                    lambda res: (res["root"] if self.tp == 1 else self.held()[1]) == target,
                     target,
                 )
             finally:
@@ -191,6 +202,8 @@ class SglangEngine(EngineAdapter):
             path = self._scratch("patch")
             try:
                 write_decoded(patch, path)
+                if self.tp > 1:
+                    return self._stage_ranks(patch, path)
                 return self._stage("stage_decoded", path, targets, patch.base, patch.target)
             finally:
                 path.unlink(missing_ok=True)
@@ -199,8 +212,8 @@ class SglangEngine(EngineAdapter):
         """Decode one step's patch objects inside SGLang against its own words and prove
         them (nothing of the model crosses processes). Chains of several steps: None (the
         follower decodes them against :meth:`words` and calls :meth:`stage`)."""
-        if len(steps) != 1 or not steps[0].blobs:
-            return None
+        if len(steps) != 1 or not steps[0].blobs or self.tp > 1:
+            return None  # TP > 1: decoded against the gathered words()
         step = steps[0]
         targets: dict[str, str | None] = {}
         for blob in step.blobs:
@@ -219,10 +232,20 @@ class SglangEngine(EngineAdapter):
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Under the pause: scatter the staged writes inside SGLang, read them back."""
         token = staged.payload.get("sglang_token")
-        if not isinstance(token, str):
+        tokens = staged.payload.get("sglang_tokens")
+        if not isinstance(token, str) and not isinstance(tokens, list):
             raise EngineError("this update was not staged by the SGLang adapter", engine=self.name)
         with self._lock:
             self._require_loaded()
+            if isinstance(tokens, list):  # TP > 1: every rank's part, proven by _stage_ranks
+                self._write(
+                    {"op": "commit", "tokens": tokens},
+                    version,
+                    lambda res: self.held()[1] == staged.target,
+                    staged.target,
+                )
+                self.last_timings["exchanged"] = 0.0
+                return
             res = self._write(
                 {"op": "commit", "token": token},
                 version,
@@ -248,9 +271,12 @@ class SglangEngine(EngineAdapter):
         with self._lock:
             if self._version is None:
                 return None
-            r = self._control("audit", budget=int(budget_bytes))
+            rs = [self._control("audit", rank=r, budget=int(budget_bytes)) for r in range(self.tp)]
         return AuditReport(
-            int(r["tensors"]), int(r["nbytes"]), tuple(r["mismatched"]), bool(r["wrapped"])
+            sum(int(r["tensors"]) for r in rs),
+            sum(int(r["nbytes"]) for r in rs),
+            tuple(sorted({n for r in rs for n in r["mismatched"]})),
+            all(bool(r["wrapped"]) for r in rs),
         )
 
     def _stage(
@@ -289,6 +315,26 @@ class SglangEngine(EngineAdapter):
             },
         )
 
+    def _stage_ranks(self, patch: Patch, path: Path) -> StagedUpdate:
+        """TP > 1: every rank stages its part; the adapter proves the sum of their parts."""
+        from ..staged import StagedUpdate
+
+        t0 = time.perf_counter()
+        if self._digest != patch.base:
+            raise BaseMismatchError(
+                "engine root digest is not the patch's base",
+                engine=self.name,
+                expected=patch.base[:16],
+                actual=str(self._digest)[:16],
+            )
+        digests, _ = self.held()
+        tokens, r = tp_ops.stage(self.channel, patch, path, digests, self.tensors())
+        self.last_timings["stage_s"] = time.perf_counter() - t0
+        self.last_stage_ms = {k: float(v) for k, v in r["phases"].items()}
+        self.last_stage_ms["inside"] = float(r["ms"])
+        payload = {"sglang_tokens": tokens, "changed": r["changed"], "nbytes": r["nbytes"]}
+        return StagedUpdate(patch.base, patch.target, {}, dict(r["digests"]), payload)
+
     @staticmethod
     def _must(staged: StagedUpdate | None) -> StagedUpdate:
         if staged is None:
@@ -308,7 +354,10 @@ class SglangEngine(EngineAdapter):
         with self.channel.paused():
             t0 = time.perf_counter()
             try:
-                res = self.channel.command(cmd, flush=True)
+                if "tokens" in cmd:
+                    res = tp_ops.commit(self.channel, list(cmd["tokens"]))
+                else:
+                    res = self.channel.command(cmd, flush=True)
                 if not verified(res):
                     raise TargetMismatchError(
                         "the engine reports another root than the target",

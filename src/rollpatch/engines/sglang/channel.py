@@ -45,9 +45,14 @@ class SglangChannel(NestedPause):
         self.timeout = timeout
         self._own_dir = shared_dir is None
         self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-sglang-"))
-        self.socket = self.shared_dir / f"control-{secrets.token_hex(4)}.sock"
+        self._tag_id = secrets.token_hex(4)
+        self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
         super().__init__(lock)
+
+    def socket(self, rank: int = 0) -> Path:
+        """Rank ``rank``'s control socket (each TP rank runs its own control thread)."""
+        return self.shared_dir / f"control-{self._tag_id}-r{rank}.sock"
 
     def scratch(self, what: str) -> Path:
         """A fresh file name in the shared directory (bulk data crosses as files)."""
@@ -75,19 +80,31 @@ class SglangChannel(NestedPause):
                     url=self.base_url,
                     hint=f"add --custom-weight-loader {LOADER} (docs/sglang.md)",
                 )
-            self.command({"op": "start", "socket": str(self.socket)}, flush=False)
+            self.tp = int(info.get("tp_size") or 1)
+            starts = [{"op": "start", "socket": str(self.socket(r))} for r in range(self.tp)]
+            for answer in self.commands(starts, flush=False):
+                result(answer)
             self._started = True
 
-    def control(self, op: str, **args: Any) -> dict[str, Any]:
-        """A read-only operation on SGLang's control thread (generation goes on)."""
+    def control(self, op: str, *, rank: int = 0, **args: Any) -> dict[str, Any]:
+        """A read-only operation on rank ``rank``'s control thread (generation goes on)."""
         self.start()
-        return result(request(self.socket, {"op": op, **args}, self.timeout))
+        return result(request(self.socket(rank), {"op": op, **args}, self.timeout))
 
     def command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
-        """A command through SGLang's weight-update route (run between forward passes)."""
-        reply_path = self.scratch("reply")
+        """``cmd`` on every rank through SGLang's weight-update route (between forward
+        passes); rank 0's answer (any rank's error is raised)."""
+        answers = [result(a) for a in self.commands([cmd] * self.tp, flush=flush)]
+        return answers[0]
+
+    def commands(self, cmds: list[dict[str, Any]], *, flush: bool) -> list[dict[str, Any]]:
+        """One command per rank (rank ``r`` runs ``cmds[r]``) in one weight-update call;
+        every rank's raw answer (``ok`` or ``error``: not raised here)."""
+        replies = [self.scratch(f"reply-r{r}") for r in range(len(cmds))]
         body = {
-            "serialized_named_tensors": [command_payload({**cmd, "reply": str(reply_path)})],
+            "serialized_named_tensors": [
+                command_payload({**cmd, "reply": str(path)}) for cmd, path in zip(cmds, replies)
+            ],
             "load_format": LOADER,
             "flush_cache": flush,
         }
@@ -96,31 +113,37 @@ class SglangChannel(NestedPause):
             reply = self.http("POST", "/update_weights_from_tensor", body, check=False)
         finally:
             self._session("/end_weight_update")
-        try:
-            raw = reply_path.read_bytes()
-        except OSError:
-            raise EngineError(
-                "SGLang did not run rollpatch's command",
-                engine="sglang",
-                op=cmd["op"],
-                detail=str(reply.get("message"))[:500],
-                hint=f"launch SGLang with --custom-weight-loader {LOADER}",
-            ) from None
-        finally:
-            reply_path.unlink(missing_ok=True)
-        try:
-            res = result(json.loads(raw))
-        except (json.JSONDecodeError, AttributeError):
-            raise EngineError(
-                "rollpatch's command answer is not JSON", engine="sglang", op=cmd["op"]
-            ) from None
+        answers = []
+        for cmd, path in zip(cmds, replies):
+            try:
+                raw = path.read_bytes()
+            except OSError:
+                for p in replies:
+                    p.unlink(missing_ok=True)
+                raise EngineError(
+                    "SGLang did not run rollpatch's command",
+                    engine="sglang",
+                    op=cmd["op"],
+                    detail=str(reply.get("message"))[:500],
+                    hint=f"launch SGLang with --custom-weight-loader {LOADER}",
+                ) from None
+            path.unlink(missing_ok=True)
+            try:
+                answer = json.loads(raw)
+            except json.JSONDecodeError:
+                answer = None
+            if not isinstance(answer, dict):
+                raise EngineError(
+                    "rollpatch's command answer is not JSON", engine="sglang", op=cmd["op"]
+                )
+            answers.append(answer)
         if not reply.get("success"):  # our command ran; SGLang's own step after it failed
             raise EngineError(
                 "SGLang's weight-update route failed after the command",
                 engine="sglang",
                 detail=str(reply.get("message"))[:500],
             )
-        return res
+        return answers
 
     def _session(self, route: str) -> None:
         """SGLang's weight-update session bracket (no-ops for unpacked CPU weights)."""

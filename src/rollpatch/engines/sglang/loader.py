@@ -8,6 +8,7 @@ there, between two forward passes, with the command the adapter sent (:mod:`.wir
 - ``start``: build the rank's :class:`~.staged.HeldWeights` from the model's own metadata
   (:mod:`.describe`) and start the control thread on the given UNIX socket;
 - ``commit``: scatter a staged update and read it back (the only work under the pause);
+- ``undo`` (TP > 1): write the last commit's old words back, when another rank's failed;
 - ``load``: overwrite every tensor with a keyframe file, verified.
 
 The control thread serves, *while SGLang generates*, what only reads: ``info``, ``digest``,
@@ -32,13 +33,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ...errors import BaseMismatchError, EngineError, PatchError, RollpatchError
 from ...io.safetensors import load_view, save_view
 from ...patch import Patch, TensorPatch, decode, inspect
-from ...view import View
+from ...view import Tensor, View
 from ..staged import WriteMode
 from ..vllm.transfer import read_decoded
 from ..writing import release
+from .ranked import RankWeights
 from .staged import HeldWeights
 from .wire import read_line
 
@@ -69,6 +73,8 @@ def _build(model: Any) -> HeldWeights:
     rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     specs, kinds, params = describe(model, tp)
     words = {n: param_words(p) for n, p in params.items()}
+    if tp > 1:  # blocks of split tensors: sums per rank, combined by the adapter
+        return RankWeights(words, specs, kinds, rank=rank, tp=tp)
     return HeldWeights(words, specs, kinds, rank=rank, tp=tp, buffers=TorchBuffers(params))
 
 
@@ -100,6 +106,12 @@ def _stage_encoded(
     w: HeldWeights, paths: list[str], base: str, target: str, mode: WriteMode
 ) -> dict[str, Any]:
     """Decode one step's patch objects (its shards) against the live words, prove them."""
+    if isinstance(w, RankWeights):
+        raise EngineError(
+            "at TP > 1 no rank holds every tensor whole to decode against",
+            tp=w.tp,
+            hint="the adapter stages decoded patches (stage_decoded)",
+        )
     if w.root() != base:  # decoding against another base would read wrong contexts
         raise BaseMismatchError(
             "engine root digest is not the step's base",
@@ -124,9 +136,20 @@ def _stage_encoded(
 
 
 def _export(w: HeldWeights, name: str, path: str) -> dict[str, Any]:
+    if isinstance(w, RankWeights):  # this rank's block, placed by the adapter
+        block, pl = w.block(name)
+        flat = np.ascontiguousarray(block).reshape(-1)
+        save_view(View({name: Tensor(w.kind_of(name), block.shape, flat)}), path)
+        return {"bytes": flat.nbytes, "dim": pl.dim, "start": pl.src_start, "length": pl.length}
     t = w[name]
     save_view(View({name: t}), path)
     return {"bytes": t.nbytes, "digest": w.digest_of(name)}
+
+
+def _digest(w: HeldWeights, fresh: bool) -> dict[str, Any]:
+    if isinstance(w, RankWeights):
+        return {"blocks": w.blocks(fresh=fresh)}
+    return {"digests": w.digests(fresh=fresh), "root": w.root()}
 
 
 def _drop(w: HeldWeights) -> dict[str, Any]:
@@ -140,14 +163,14 @@ def _info(w: HeldWeights) -> dict[str, Any]:
         "rank": w.rank,
         "tp": w.tp,
         "pid": os.getpid(),
-        "tensors": {n: [w.kind_of(n).name, list(w[n].shape)] for n in w.names()},
+        "tensors": {n: [w.kind_of(n).name, list(w.shape_of(n))] for n in w.names()},
         "params": len(w.params),
     }
 
 
 _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "info": lambda w, r: _info(w),
-    "digest": lambda w, r: {"digests": w.digests(fresh=bool(r.get("fresh"))), "root": w.root()},
+    "digest": lambda w, r: _digest(w, bool(r.get("fresh"))),
     "stage_encoded": lambda w, r: _stage_encoded(
         w, [str(p) for p in r["paths"]], str(r["base"]), str(r["target"]), _mode(r)
     ),
@@ -231,6 +254,7 @@ def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "commit":
         staged = w.commit(str(cmd["token"]))
         retired, staged.retired = staged.retired, {}
+        exchanged = len(retired)  # counted before the release thread empties it
         if retired:  # the storage a double-buffered commit replaced: freed after the pause
             threading.Thread(
                 target=release, args=(retired,), name="rollpatch-release", daemon=True
@@ -238,11 +262,18 @@ def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         return {
             "target": staged.target,
             "changed": staged.changed,
-            "root": w.root(),
-            "exchanged": len(retired),
+            "root": None if isinstance(w, RankWeights) else w.root(),
+            "exchanged": exchanged,
         }
+    if op == "noop":  # a rank with nothing to do in a per-rank command
+        return {}
+    if op == "undo" and isinstance(w, RankWeights):
+        return w.undo(str(cmd["token"]))
     if op == "load":
-        return {"root": w.load(load_view(str(cmd["path"]), mmap=True))}
+        root = w.load(load_view(str(cmd["path"]), mmap=True))
+        if isinstance(w, RankWeights):
+            return {"root": None, "blocks": w.blocks()}
+        return {"root": root}
     raise EngineError(f"unknown rollpatch command {op!r}")
 
 

@@ -56,7 +56,7 @@ from ..vllm.layout import (
     locate_whole,
     placements,
 )
-from ..writing import ParamWrites, numpy_access, write_params
+from ..writing import SLICE, ParamWrites, check_and_write, numpy_access, write_params
 from .update import Staged, as_delta, merge_writes
 
 __all__ = ["Buffers", "HeldWeights", "Staged"]
@@ -161,6 +161,10 @@ class HeldWeights:
         self._pl(name)
         return self._kind[name]
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The checkpoint tensor's shape (whole, also where this rank holds a block)."""
+        return self._pl(name).shape
+
     def __getitem__(self, name: str) -> Tensor:
         """The tensor's live words (a view of the parameter where the block is contiguous)."""
         pl = self._pl(name)
@@ -246,13 +250,31 @@ class HeldWeights:
         digests = dict(self.digests())
         states: dict[str, tuple[int, int]] = {}
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self.staged = {}  # one staged update at a time (a dropped one frees its buffers)
+        copies = (
+            self._clone({self._place[tp.name].param for tp in deltas})
+            if mode != "in_place"
+            else None
+        )
         for tp in deltas:
             ch = tp.changes()
             if tp.base_digest != digests[tp.name]:
                 raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
             live = self[tp.name]
             if patch.digest == DEFAULT_DIGEST:  # the target state from the changed words alone
-                d0, d1 = sum_delta(live.data, ch.positions, ch.new)
+                # double-buffered: written into the copy, the change of the sum measured there
+                written = None if copies is None else self._write_copy(tp, copies[1])
+                d0, d1 = written or sum_delta(live.data, ch.positions, ch.new)
+                if copies is not None and written is None:
+                    pl = self._place[tp.name]
+                    held, offsets = locate(pl, ch.positions)
+                    check_and_write(
+                        copies[1][pl.param].reshape(-1),
+                        offsets,
+                        ch.old[held],
+                        ch.new[held],
+                        pl.param,
+                    )
                 s0, s1 = self._sums[tp.name]
                 state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
                 got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
@@ -273,9 +295,9 @@ class HeldWeights:
         t1 = time.perf_counter()
         for tp in deltas:
             ch, pl = tp.changes(), self._place[tp.name]
-            offsets = locate_whole(pl, ch.positions)  # whole rows: the positions, shifted
-            if offsets is not None:
-                per_param.setdefault(pl.param, []).append((offsets, ch.old, ch.new))
+            rows = locate_whole(pl, ch.positions)  # whole rows: the positions, shifted
+            if rows is not None:
+                per_param.setdefault(pl.param, []).append((rows, ch.old, ch.new))
                 continue
             held, offsets = locate(pl, ch.positions)
             per_param.setdefault(pl.param, []).append((offsets, ch.old[held], ch.new[held]))
@@ -288,9 +310,8 @@ class HeldWeights:
         )
         staged.writes.update(merge_writes(per_param))
         t2 = time.perf_counter()
-        self.staged = {}  # one staged update at a time (a dropped one frees its buffers)
-        if mode == "double_buffer":
-            staged.buffers = self._build_buffers(staged)
+        if copies is not None:
+            staged.buffers = self._finish_copies(staged, *copies)
         self.last_stage_ms = {
             "prove": (t1 - t0) * 1e3,
             "layout": (t2 - t1) * 1e3,
@@ -299,18 +320,49 @@ class HeldWeights:
         self.staged = {staged.token: staged}
         return staged
 
-    def _build_buffers(self, staged: Staged) -> dict[str, Any]:
-        """Each touched parameter's second buffer with the staged words in: old words
-        checked as overwritten, new ones read back (the same writer as the pause's)."""
+    def _clone(self, params: set[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """A second buffer of each of ``params`` (the glue's storage, and its words)."""
         assert self._buffers is not None
         handles: dict[str, Any] = {}
         words: dict[str, np.ndarray] = {}
-        for p in staged.writes:
+        for p in sorted(params):
             handles[p], words[p] = self._buffers.clone(p)
             if words[p].shape != self.params[p].shape or not words[p].flags.c_contiguous:
                 raise EngineError("a parameter's copy has another layout", param=p)
-        writes = {p: ParamWrites(w.offsets, w.old, w.new) for p, w in staged.writes.items()}
-        write_params(numpy_access(words), writes, parallel=True)
+        return handles, words
+
+    def _write_copy(self, tp: TensorPatch, words: dict[str, np.ndarray]) -> tuple[int, int] | None:
+        """Write a tensor's changes into its parameter's copy in one native pass that checks
+        the old words and returns the exact rp.sum128 change (the tensor's words are one run
+        of the copy when it holds whole rows); None where that does not apply."""
+        from ... import native
+
+        pl, ch = self._place[tp.name], tp.changes()
+        copy = words[pl.param].reshape(-1)
+        if (
+            native.core is None
+            or copy.itemsize not in (2, 4)
+            or locate_whole(pl, ch.positions) is None
+        ):
+            return None
+        start = pl.dst_start * pl.cols
+        run = copy[start : start + pl.n_elements]
+        kind = native.kind_tuple(self._kind[tp.name], pl.n_elements)
+        d0, d1 = native.core.apply(kind, run, ch.positions, ch.old, ch.new)
+        return int(d0), int(d1)
+
+    def _finish_copies(
+        self, staged: Staged, handles: dict[str, Any], words: dict[str, np.ndarray]
+    ) -> dict[str, Any]:
+        """The copies, every staged word written (old words checked as overwritten), read
+        back a slice at a time."""
+        acc = numpy_access(words)
+        assert acc.read_at is not None
+        for p, w in staged.writes.items():
+            for i in range(0, w.offsets.size, SLICE):
+                s = slice(i, i + SLICE)
+                if not np.array_equal(acc.read_at(p, w.offsets[s]), w.new[s]):
+                    raise TargetMismatchError("read-back of a copy's words differs", param=p)
         return handles
 
     # -- writing (under the pause) -----------------------------------------------------------

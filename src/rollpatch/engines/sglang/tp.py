@@ -1,0 +1,125 @@
+"""The adapter's half of tensor-parallel SGLang (``--tp-size`` > 1; stdlib and numpy).
+
+Each TP rank runs rollpatch's control thread and holds blocks of the split tensors
+(:mod:`.ranked`). Here, in the sidecar's process:
+
+- :func:`held` adds every rank's block sums into the tensors' digests (:func:`.slices.combine`);
+- :func:`export` gathers one tensor's blocks into the whole tensor (the follower's
+  :meth:`~.adapter.SglangEngine.words`: patches are decoded here, against the gathered words);
+- :func:`stage` sends a decoded patch to every rank, adds the ranks' moved sums and checks
+  them against the patch's target digests and root *before any rank writes*;
+- :func:`commit` writes on every rank in one weight-update call (between two forward passes);
+  if a rank fails, the ranks that wrote undo their writes, so every rank is back on the base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from ...io.safetensors import load_view
+from ...kinds import get_kind
+from ...patch import Patch
+from ...view import Tensor, root_digest
+from .channel import SglangChannel
+from .slices import combine
+from .wire import result
+
+__all__ = ["commit", "export", "held", "stage"]
+
+
+def held(
+    ch: SglangChannel, tensors: Mapping[str, Any], *, fresh: bool
+) -> tuple[dict[str, str], str]:
+    """Per-tensor digests and root of what the ranks hold (``fresh``: every rank re-hashes)."""
+    reports = [ch.control("digest", rank=r, fresh=fresh)["blocks"] for r in range(ch.tp)]
+    return combine(reports, tensors)
+
+
+def export(ch: SglangChannel, name: str, kind_shape: Any, scratch: Path) -> Tensor:
+    """Tensor ``name`` gathered from every rank's block (replicated blocks read once)."""
+    kind, shape = get_kind(str(kind_shape[0])), tuple(int(d) for d in kind_shape[1])
+    rows = shape[0] if shape else 1
+    cols = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    out = np.zeros((rows, cols), kind.word_dtype)
+    covered = np.zeros(rows, dtype=bool), np.zeros(cols, dtype=bool)
+    for r in range(ch.tp):
+        try:
+            info = ch.control("export", rank=r, name=name, path=str(scratch))
+            block = load_view(scratch)[name].data.reshape(-1)
+        finally:
+            scratch.unlink(missing_ok=True)
+        dim, start, length = int(info["dim"]), int(info["start"]), int(info["length"])
+        if dim == 0:
+            out[start : start + length] = block.reshape(length, cols)
+            covered[0][start : start + length] = True
+        else:
+            out[:, start : start + length] = block.reshape(rows, length)
+            covered[1][start : start + length] = True
+    if not (covered[0].all() or covered[1].all()):
+        raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)
+    return Tensor(kind, shape, out.reshape(-1))
+
+
+def stage(
+    ch: SglangChannel,
+    patch: Patch,
+    path: Path,
+    digests: Mapping[str, str],
+    tensors: Mapping[str, Any],
+) -> tuple[list[str], dict[str, Any]]:
+    """Stage the decoded patch written at ``path`` on every rank and prove it: the ranks' moved
+    sums must give each tensor's target digest, and with the digests ``digests`` held now, the
+    patch's target root. Returns every rank's token and rank 0's summary."""
+    for name, tp in patch.tensors.items():
+        if digests.get(name) != tp.base_digest:
+            raise BaseMismatchError("tensor is not the patch's base", tensor=name, engine="sglang")
+    answers: list[dict[str, Any]] = []
+    try:
+        for r in range(ch.tp):
+            answers.append(ch.control("stage_decoded", rank=r, paths=[str(path)], mode="in_place"))
+        touched = {n: tensors[n] for n in patch.tensors}
+        got, _ = combine([a["blocks"] for a in answers], touched)
+        bad = sorted(n for n, tp in patch.tensors.items() if got[n] != tp.target_digest)
+        if bad:
+            raise TargetMismatchError(
+                "the staged update does not give the target tensor", tensor=bad[0], n=len(bad)
+            )
+        if root_digest({**digests, **got}) != patch.target:
+            raise TargetMismatchError("the staged update does not give the target root")
+    except BaseException:
+        for r in range(ch.tp):
+            ch.control("drop", rank=r)
+        raise
+    summary = {
+        "changed": sum(int(a["changed"]) for a in answers),
+        "nbytes": sum(int(a["nbytes"]) for a in answers),
+        "digests": got,
+        "phases": answers[0].get("phases") or {},
+        "ms": max(float(a.get("ms", 0.0)) for a in answers),
+    }
+    return [str(a["token"]) for a in answers], summary
+
+
+def commit(ch: SglangChannel, tokens: list[str]) -> dict[str, Any]:
+    """Commit every rank's staged part in one weight-update call; on any rank's failure the
+    ranks that wrote undo it, and the first failure is raised."""
+    answers = ch.commands([{"op": "commit", "token": t} for t in tokens], flush=True)
+    failed = [i for i, a in enumerate(answers) if not a.get("ok")]
+    if not failed:
+        return {"changed": sum(int(a["changed"]) for a in answers), "exchanged": 0}
+    wrote = [i for i, a in enumerate(answers) if a.get("ok")]
+    if wrote:
+        undo = [
+            {"op": "undo", "token": tokens[i]} if i in wrote else {"op": "noop"}
+            for i in range(ch.tp)
+        ]
+        for i, a in enumerate(ch.commands(undo, flush=True)):
+            if i in wrote:
+                result(a)  # an undo that fails: the error says so; the adapter re-hashes
+    result(answers[failed[0]])
+    raise EngineError("a rank's commit failed", engine="sglang", rank=failed[0])

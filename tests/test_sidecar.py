@@ -6,6 +6,7 @@ for that version (greedy tokens and logprobs, bit for bit), so a mislabelled res
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -221,7 +222,15 @@ def test_a_client_leaving_mid_stream_gives_its_slot_back(sidecar: RunningSidecar
         http.stream("POST", f"{sidecar.url}/v1/completions", json=body) as r,
     ):
         assert r.status_code == 200
-        assert next(r.iter_lines()).startswith("data:")
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+                if len(events) == 3:
+                    break
+        # mid-stream: token events (no error, not the end), and the stream holds its slot
+        assert all(e[5:].strip() != "[DONE]" and "choices" in json.loads(e[5:]) for e in events)
+        assert gate.inflight == 1, f"the slot was given back mid-stream, after {events}"
     deadline = time.monotonic() + 30
     while gate.inflight and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -230,6 +239,32 @@ def test_a_client_leaving_mid_stream_gives_its_slot_back(sidecar: RunningSidecar
         _client(sidecar).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True)
     )
     assert chunks and chunks[-1].model_dump()["rollpatch"]["version_start"] is not None
+
+
+def test_a_request_without_max_lag_reads_no_latest(sidecar: RunningSidecar) -> None:
+    """LATEST cannot change such a request's answer, so a stale cache costs it no board read
+    (a worker-thread hop on its way to the engine); max_lag does read it."""
+    sc = sidecar.sidecar
+    reads: list[bool] = []
+    read = sc.latest
+
+    def counted(refresh: bool = False) -> int | None:
+        reads.append(refresh)
+        return read(refresh)
+
+    sc.latest = counted  # type: ignore[method-assign]
+    try:
+        client = _client(sidecar)
+        for _ in range(3):
+            time.sleep(sc.config.latest_ttl_s + 0.05)  # the cached LATEST is stale now
+            body, _ = _complete(client)
+            assert body["rollpatch"]["version_start"] is not None
+        assert reads == []
+        time.sleep(sc.config.latest_ttl_s + 0.05)
+        _complete(client, max_lag=5)
+        assert reads
+    finally:
+        del sc.latest
 
 
 def test_bad_requests(sidecar: RunningSidecar) -> None:

@@ -58,6 +58,18 @@ def test_decide(c: Constraint, served: int | None, latest: int | None, action: s
     assert decide(c, served, latest).action == action
 
 
+def test_without_max_lag_latest_never_changes_a_proxy_decision() -> None:
+    """What the sidecar's hot path relies on to skip reading a stale LATEST: without max_lag,
+    a request that may be proxied is proxied whatever LATEST is (known or not)."""
+    latests = [None, *range(8)]
+    for served in [None, *range(6)]:
+        for c in [Constraint()] + [
+            Constraint(**{k: v}) for k in ("min_version", "exact_version") for v in range(6)
+        ]:
+            actions = {decide(c, served, latest).action == "proxy" for latest in latests}
+            assert len(actions) == 1, (c, served)
+
+
 def test_annotate_trusts_engine_within_bounds() -> None:
     raw = json.dumps({"choices": [], "rollpatch": {"version_start": 4, "version_end": 5}})
     out = json.loads(annotate_body(raw.encode(), 4, 6))

@@ -119,7 +119,8 @@ class ProxyFront:
         # the engine gets the body as the client sent it, less the rollpatch field
         payload = _dumps(body) if stripped else raw
         with await _admit(sc) as slot:
-            d = decide(constraint, slot.start, await self._latest())
+            latest = await self._latest(needed=constraint.max_lag is not None)
+            d = decide(constraint, slot.start, latest)
             if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
                 sc.metrics.request("conflict")
                 await _conflict(sc, slot.start, d.reason)(scope, receive, send)
@@ -253,17 +254,21 @@ async def _admit(sc: Sidecar) -> Admission:
 class _Latest:
     """LATEST for the event loop: the sidecar's cache when fresh; else one board read in a
     worker thread (the board may sit behind a slow relay: never on the loop), shared by every
-    request that needs it meanwhile (a refresh is one read, not one per waiting request)."""
+    request that needs it meanwhile (a refresh is one read, not one per waiting request).
+
+    ``needed=False``: the cached value as it is, stale or not, for a decision that LATEST
+    cannot change (no ``max_lag``, and the served version satisfies the constraint); such a
+    request then pays no thread hop and no board read on its way to the engine."""
 
     def __init__(self, sc: Sidecar) -> None:
         self.sc = sc
         self._reading: asyncio.Future[int | None] | None = None
 
-    async def __call__(self, refresh: bool = False) -> int | None:
+    async def __call__(self, refresh: bool = False, needed: bool = True) -> int | None:
         if refresh:
             return await asyncio.to_thread(self.sc.latest, True)
         fresh, value = self.sc.cached_latest()
-        if fresh:
+        if fresh or not needed:
             return value
         if self._reading is None:
             self._reading = reading = asyncio.ensure_future(asyncio.to_thread(self.sc.latest))
@@ -284,7 +289,11 @@ async def _satisfy(sc: Sidecar, latest_of: _Latest, c: Constraint) -> Response |
             if served is not None:
                 break
             await asyncio.sleep(0.01)
-    latest = await latest_of()
+    # without max_lag, LATEST cannot turn a proxy decision into another: it is read (when
+    # stale) only if the answer is not a plain proxy
+    latest = await latest_of(needed=c.max_lag is not None)
+    if c.max_lag is None and decide(c, served, latest).action != "proxy":
+        latest = await latest_of()
     age = sc.latest_age()
     if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
         # the board is unreachable: how far behind this island is cannot be known

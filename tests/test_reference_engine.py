@@ -528,6 +528,26 @@ def test_stage_while_serving_then_commit_only_writes(
     assert engine.version == 2
 
 
+def test_commit_whose_write_check_fails_leaves_every_word_in_place(
+    engine: Any, base: View, target: View, restore: None
+) -> None:
+    """A word changed behind the digests after staging (the last tensor written): the
+    commit's old-word check refuses it and nothing of the update stays written. As in the
+    vLLM worker, the rollback writes the held version's words over every staged position
+    of the tensors it started, the one changed behind the digests included."""
+    rt = engine.runtime
+    staged = engine.stage(diff(base, target), 2)
+    names = list(staged.tensors)
+    victim = names[-1]
+    before = {n: rt.view[n].data.copy() for n in rt.view}
+    pos = int(staged.tensors[victim].positions[0])
+    rt.view[victim].data[pos] ^= 1  # behind the cached digests: the base check still passes
+    with pytest.raises(BaseMismatchError):
+        engine.commit_staged(staged, 2)
+    assert engine.version == 1
+    assert all(np.array_equal(rt.view[n].data, before[n]) for n in before)
+
+
 def test_stage_encoded_chain_in_place_while_serving(
     engine: Any, base: View, target: View, restore: None
 ) -> None:

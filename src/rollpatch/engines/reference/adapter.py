@@ -28,7 +28,7 @@ from ..staged import (
     WriteMode,
     stage_patch,
 )
-from ..writing import release
+from ..writing import ParamWrites, numpy_access, release, write_params
 from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
@@ -187,10 +187,18 @@ class ReferenceEngine(EngineAdapter):
             threading.Thread(target=release, args=(retired,), daemon=True).start()
 
     def _write(self, view: View, staged: StagedUpdate) -> None:
-        """One checked scatter per tensor and its read-back; all or nothing."""
-        written: list[str] = []
+        """Checked writes and their read-back, all or nothing: whole-element tensors with the
+        vLLM worker's writer (old words checked as they are overwritten, slices read back
+        in cache, tensors on every core); packed 4-bit tensors one checked scatter each."""
+        ts = staged.tensors
+        plain = [n for n in ts if not view[n].kind.packed]
+        writes = {n: ParamWrites(ts[n].positions, ts[n].old, ts[n].new) for n in plain}
+        write_params(numpy_access({n: view[n].data for n in plain}), writes, parallel=True)
+        written: list[str] = list(plain)
         try:
             for name, st in staged.tensors.items():
+                if name in writes:
+                    continue
                 t = view[name]
                 scatter(t, st.positions, st.new, st.old)  # checks old, all or nothing
                 written.append(name)

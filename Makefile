@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-live test-rest lint bench setup clean vllm-env sglang-env fuzz-env fuzz
+.PHONY: demo test test-live test-procs test-rest lint bench setup clean vllm-env sglang-env fuzz-env fuzz
 
 setup: $(STAMP)
 
@@ -16,9 +16,13 @@ NATIVE := setup.py $(wildcard src/rollpatch/native/*.c src/rollpatch/native/*.h)
 $(STAMP): pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU torch wheel pinned explicitly: a bare "torch" could pull a multi-GB CUDA build
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev,torch,s3,web,reference,plot]"
+	# one resolve: the CPU torch wheel pinned explicitly (a bare "torch" could pull a multi-GB
+	# CUDA build) with the package and its extras. pip byte-compiles the ~19,000 installed
+	# modules one after the other (half its CPU time); compileall does it on every core, and
+	# also compiles src and bench (imported by every process the tests start; a file that only
+	# a newer Python parses, like torch's py312 test helpers, is skipped, as pip skips it)
+	$(BIN)/pip install -q --no-compile "torch==2.13.0" -e ".[dev,torch,s3,web,reference,plot]"
+	$(BIN)/python -m compileall -q -j0 $(VENV)/lib src bench >/dev/null || true
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 demo: setup
@@ -43,24 +47,31 @@ lint: setup
 	$(BIN)/mypy src/rollpatch
 
 # The engines' venvs and clang are set up while .venv is built (separate venvs, mostly
-# download and unpack time); then lint and the suite run at once, the suite as two pytest
-# processes (most tests keep one core busy, these machines have two): the live modules (the
-# engine tests, which share one vLLM and one SGLang server: tests/live_servers.py; the soak
-# and the demo, fleets of processes) and all the others, about equal in time. Each prints its
-# report when it ends. Measured times: README.
+# download and unpack time); then lint and the suite run at once, the suite as three pytest
+# processes on these two-core machines: the live modules (the engine tests, which share one
+# vLLM and one SGLang server: tests/live_servers.py; the soak), the process modules (the
+# demos, the fuzz campaigns, kill -9 trials, multi-rank publishers: fleets of processes whose
+# time is mostly children and waits) and all the others, each about a third of the CPU time.
+# Each prints its report when it ends. Measured times: README.
 LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_sglang*.py tests/test_moe_vllm.py)) \
-	tests/test_soak.py tests/test_demo.py
+	tests/test_soak.py
+PROCS_TESTS := tests/test_demo.py tests/test_hardening_campaigns.py tests/test_fuzz_native.py \
+	tests/test_crash.py $(sort $(wildcard tests/test_publisher_sharded*.py)) \
+	tests/test_store_concurrency.py tests/test_trust_sidecar.py
 
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target setup vllm-env sglang-env fuzz-env
-	@echo "== lint, the live tests (engines, soak, demo) and the other tests, at once (each reports when done)"
-	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-live test-rest
+	@echo "== lint, the live tests (engines, soak), the process tests (demos, campaigns) and the other tests, at once (each reports when done)"
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint test-live test-procs test-rest
 
 test-live: setup
 	$(BIN)/python -m pytest -q $(LIVE_TESTS)
 
+test-procs: setup
+	$(BIN)/python -m pytest -q $(PROCS_TESTS)
+
 test-rest: setup
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(LIVE_TESTS))
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(LIVE_TESTS) $(PROCS_TESTS))
 
 fuzz: setup fuzz-env
 	$(BIN)/python bench/fuzz_codec.py

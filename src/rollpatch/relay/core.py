@@ -2,13 +2,14 @@
 
 Every read goes through one *flight* per key (:mod:`.flights`): the first request for an
 uncached key starts one upstream fetch in a worker pool and later requests wait on the same
-:class:`Future`, so N islands asking at once cost one WAN transfer. Results are plain futures, so the HTTP layer
-awaits them without holding a thread per waiting client.
+:class:`Future`, so N islands asking at once cost one WAN transfer. Results are plain
+futures, so the HTTP layer awaits them without holding a thread per waiting client.
 
-With a trust root, the relay verifies before it caches or serves: manifests must be signed
-under the root, LATEST must be signed, fresh and not older than what it verified before (its
-rollback state lies next to the cache), and roots must chain from its trust root. Manifests
-and roots a previous run left in the cache are verified again before they are served.
+Upstream bytes are checked before they are cached or served (:mod:`.verify`): with a trust
+root, manifests must be signed under the root, LATEST must be signed, fresh and not older
+than what it verified before (its rollback state lies next to the cache), and roots must
+chain from its trust root. Manifests and roots a previous run left in the cache are verified
+again before they are served.
 """
 
 from __future__ import annotations
@@ -20,30 +21,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, Generic, TypeVar
 
 import blake3
 
-from ..errors import ManifestError, NotFoundError, ObjectIntegrityError, StoreError, TrustError
-from ..latest import read_latest
-from ..layout import root_key, version_key
+from ..errors import ManifestError, ObjectIntegrityError, StoreError
 from ..logs import event
-from ..manifest import open_manifest
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
-from ..trust import Trust, verify_initial_root, warn_unverified
+from ..trust import Trust, warn_unverified
 from .cache import CacheEntry, DiskCache
-from .config import (
-    KeyKind,
-    RelayConfig,
-    classify,
-    manifest_version,
-    object_hash,
-    pointer_run,
-    root_version,
-)
+from .config import KeyKind, RelayConfig, classify
 from .flights import Flights
 from .metrics import Metrics
+from .verify import Verifier
 
 if TYPE_CHECKING:
     from .watch import PointerWatch
@@ -97,6 +88,7 @@ class Relay:
         if trust is None:
             warn_unverified("relay")
         self.metrics = metrics or Metrics()
+        self._verify = Verifier(self._get, trust, self.metrics)
         self.cache = DiskCache(config.cache_dir, config.cache_bytes, self.metrics)
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
         self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
@@ -195,7 +187,7 @@ class Relay:
         started = time.monotonic()
         data = self._get(key)
         try:
-            b3 = self._check(key, kind, data)
+            b3 = self._verify.check(key, kind, data)
         except ObjectIntegrityError:
             self._remember_corrupt(key)
             raise
@@ -220,7 +212,7 @@ class Relay:
         info = self._call("head", self.upstream.head, key)
         if info is None or info.etag != etag:  # gone or replaced: fetch and check again
             return
-        self._refuse("known_corrupt", key=key, etag=etag)
+        self._verify.refuse("known_corrupt", key=key, etag=etag)
         raise ObjectIntegrityError(
             "upstream object does not match the BLAKE3 in its key (found before, and not "
             "replaced since); refused, not cached",
@@ -245,7 +237,7 @@ class Relay:
         started = time.monotonic()
         data = self._get(key)
         if len(data) > self.config.max_volatile_bytes:
-            self._refuse("too_large", key=key, size=len(data))
+            self._verify.refuse("too_large", key=key, size=len(data))
             raise StoreError(
                 "upstream object is mutable (not in the board layout) and too large to relay",
                 key=key,
@@ -253,7 +245,7 @@ class Relay:
                 hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
             )
         if kind is KeyKind.POINTER:
-            self._check_pointer(key, data)
+            self._verify.check_pointer(key, data)
         blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
         self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
         return blob
@@ -261,7 +253,7 @@ class Relay:
     def accept_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
         """LATEST bytes read upstream at ``read_at`` (monotonic) by the long-poll watch:
         checked as any LATEST, then served for ``pointer_ttl`` like one read on request."""
-        self._check_pointer(key, data)
+        self._verify.check_pointer(key, data)
         blob = Blob(
             key, KeyKind.POINTER, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data
         )
@@ -283,96 +275,6 @@ class Relay:
         self.metrics.inc("rollpatch_relay_upstream_requests_total", op=op)
         return fn(arg)
 
-    def _check(self, key: str, kind: KeyKind, data: bytes) -> str:
-        """Verify bytes before they are cached; return their BLAKE3 (hex)."""
-        b3 = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
-        if kind is KeyKind.OBJECT and b3 != object_hash(key):
-            self._refuse("hash_mismatch", key=key, size=len(data))
-            raise ObjectIntegrityError(
-                "upstream object does not match the BLAKE3 in its key; refused, not cached",
-                key=key,
-                size=len(data),
-                hint="the upstream copy is corrupt or truncated: republish it",
-            )
-        named = manifest_version(key)
-        if kind is KeyKind.MANIFEST and named is not None:
-            try:
-                open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
-            except ManifestError as e:
-                self._refuse("invalid_manifest", key=key, error=e)
-                raise ManifestError(
-                    f"upstream manifest refused: {e.message}", key=key, hint=e.hint
-                ) from None
-        n = root_version(key)
-        if kind is KeyKind.ROOT and n is not None:
-            try:
-                self._check_root(n, data, b3)
-            except ManifestError as e:
-                self._refuse("invalid_root", key=key, error=e)
-                raise ManifestError(
-                    f"upstream root refused: {e.message}", key=key, hint=e.hint
-                ) from None
-        return b3
-
-    # -- trust --------------------------------------------------------------------------------
-
-    def _refuse(
-        self, reason: str, *, key: str, error: ManifestError | None = None, **info: Any
-    ) -> None:
-        """Every refusal of an upstream answer: counted by reason and logged with its reason,
-        key and error, so that a refusal in the counters can be named from the log."""
-        if isinstance(error, TrustError):
-            reason = f"trust_{error.reason}"
-        self.metrics.inc("rollpatch_relay_refused_total", reason=reason)
-        if error is not None:
-            info["error"] = error.message
-        event(log, "refused", logging.WARNING, reason=reason, key=key, **info)
-
-    def _upstream_root(self, n: int) -> bytes | None:
-        try:
-            return self._get(root_key(n))
-        except NotFoundError:
-            return None
-
-    def _refresh_root(self) -> None:
-        if self.trust is not None:
-            self.trust.update_root(self._upstream_root)
-
-    def _check_root(self, n: int, data: bytes, b3: str) -> None:
-        """A root is cached only when it is the one this relay's chain verified as ``n``."""
-        if verify_initial_root(data).version != n:
-            raise ManifestError("root names another version", version=n)
-        if self.trust is None:
-            return
-        if n > self.trust.root.version:
-            self._refresh_root()
-        if self.trust.verified_root(n) != b3:
-            raise TrustError(
-                "root is not in the chain this relay verified from its trust root",
-                reason="root",
-                version=n,
-            )
-
-    def _check_pointer(self, key: str, data: bytes) -> None:
-        run = pointer_run(key)
-        if run is None:
-            return
-        try:
-            if self.trust is not None and self.trust.roots_due():
-                self._refresh_root()
-            p, _ = read_latest(data, run, self.trust, self._refresh_root)
-            if p.manifest != version_key(run, p.version):
-                raise ManifestError(
-                    "LATEST names another key than its version's manifest",
-                    run=run,
-                    version=p.version,
-                )
-        except ManifestError as e:
-            self._refuse("invalid_pointer", key=key, error=e)
-            raise ManifestError(
-                f"upstream LATEST refused: {e.message}", key=key, hint=e.hint
-            ) from None
-
     def _still_valid(self, entry: CacheEntry, kind: KeyKind) -> bool:
         """Whether a manifest or root found in the cache at start-up passes today's checks
         (a relay restarted with a trust root must not serve what it cached without one)."""
@@ -386,7 +288,7 @@ class Relay:
             f.seek(entry.offset)
             data = f.read(entry.size)
         try:
-            self._check(entry.key, kind, data)
+            self._verify.check(entry.key, kind, data)
         except ManifestError as e:
             log.warning("relay cache: dropping %s: %s", entry.key, e)
             self.cache.discard(entry.key)

@@ -1,0 +1,130 @@
+"""What the relay checks in an upstream answer before it caches or serves it.
+
+Objects must match the BLAKE3 in their key; with a trust root, manifests must be signed under
+it, LATEST must be signed, fresh and not older than what was verified before, and roots must
+chain from it. Every refusal is counted by reason and logged with its key (:meth:`refuse`),
+so that a refusal in the counters can be named from the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import blake3
+
+from ..errors import ManifestError, NotFoundError, ObjectIntegrityError, TrustError
+from ..latest import read_latest
+from ..layout import root_key, version_key
+from ..logs import event
+from ..manifest import open_manifest
+from ..trust import Trust, verify_initial_root
+from .config import KeyKind, manifest_version, object_hash, pointer_run, root_version
+from .metrics import Metrics
+
+__all__ = ["Verifier"]
+
+log = logging.getLogger("rollpatch.relay")
+
+
+class Verifier:
+    """The relay's checks of upstream bytes. ``get`` reads a key upstream (counted by the
+    relay); it fetches newer roots when a signature names a key the trust root lacks."""
+
+    def __init__(self, get: Callable[[str], bytes], trust: Trust | None, metrics: Metrics) -> None:
+        self._get = get
+        #: The root of trust (None: only object hashes and strict parsing are checked).
+        self.trust = trust
+        self._metrics = metrics
+
+    def check(self, key: str, kind: KeyKind, data: bytes) -> str:
+        """Verify upstream bytes of ``key`` before they are cached; return their BLAKE3 (hex).
+        Raises ``ObjectIntegrityError`` (an object's hash) or ``ManifestError`` (a manifest
+        or root refused), each refusal counted and logged."""
+        b3 = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+        if kind is KeyKind.OBJECT and b3 != object_hash(key):
+            self.refuse("hash_mismatch", key=key, size=len(data))
+            raise ObjectIntegrityError(
+                "upstream object does not match the BLAKE3 in its key; refused, not cached",
+                key=key,
+                size=len(data),
+                hint="the upstream copy is corrupt or truncated: republish it",
+            )
+        named = manifest_version(key)
+        if kind is KeyKind.MANIFEST and named is not None:
+            try:
+                open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
+            except ManifestError as e:
+                self.refuse("invalid_manifest", key=key, error=e)
+                raise ManifestError(
+                    f"upstream manifest refused: {e.message}", key=key, hint=e.hint
+                ) from None
+        n = root_version(key)
+        if kind is KeyKind.ROOT and n is not None:
+            try:
+                self._check_root(n, data, b3)
+            except ManifestError as e:
+                self.refuse("invalid_root", key=key, error=e)
+                raise ManifestError(
+                    f"upstream root refused: {e.message}", key=key, hint=e.hint
+                ) from None
+        return b3
+
+    def refuse(
+        self, reason: str, *, key: str, error: ManifestError | None = None, **info: Any
+    ) -> None:
+        """Every refusal of an upstream answer: counted by reason and logged with its reason,
+        key and error, so that a refusal in the counters can be named from the log."""
+        if isinstance(error, TrustError):
+            reason = f"trust_{error.reason}"
+        self._metrics.inc("rollpatch_relay_refused_total", reason=reason)
+        if error is not None:
+            info["error"] = error.message
+        event(log, "refused", logging.WARNING, reason=reason, key=key, **info)
+
+    def _upstream_root(self, n: int) -> bytes | None:
+        try:
+            return self._get(root_key(n))
+        except NotFoundError:
+            return None
+
+    def _refresh_root(self) -> None:
+        if self.trust is not None:
+            self.trust.update_root(self._upstream_root)
+
+    def _check_root(self, n: int, data: bytes, b3: str) -> None:
+        """A root is cached only when it is the one this relay's chain verified as ``n``."""
+        if verify_initial_root(data).version != n:
+            raise ManifestError("root names another version", version=n)
+        if self.trust is None:
+            return
+        if n > self.trust.root.version:
+            self._refresh_root()
+        if self.trust.verified_root(n) != b3:
+            raise TrustError(
+                "root is not in the chain this relay verified from its trust root",
+                reason="root",
+                version=n,
+            )
+
+    def check_pointer(self, key: str, data: bytes) -> None:
+        """Refuse (``ManifestError``) LATEST bytes that fail its checks under the trust root."""
+        run = pointer_run(key)
+        if run is None:
+            return
+        try:
+            if self.trust is not None and self.trust.roots_due():
+                self._refresh_root()
+            p, _ = read_latest(data, run, self.trust, self._refresh_root)
+            if p.manifest != version_key(run, p.version):
+                raise ManifestError(
+                    "LATEST names another key than its version's manifest",
+                    run=run,
+                    version=p.version,
+                )
+        except ManifestError as e:
+            self.refuse("invalid_pointer", key=key, error=e)
+            raise ManifestError(
+                f"upstream LATEST refused: {e.message}", key=key, hint=e.hint
+            ) from None

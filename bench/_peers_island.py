@@ -94,16 +94,56 @@ def _ServingView() -> Any:
     return _serving_view()()
 
 
+def _fused_view() -> Any:
+    from rollpatch.engines.staged import StagedUpdate
+    from rollpatch.errors import BaseMismatchError
+    from rollpatch.patch.inplace import apply_encoded
+
+    class FusedView(_serving_view()):  # type: ignore[misc]
+        """The island's engine under ``--island-commit fused``: a one-step, one-object update
+        is handed over encoded (the follower fetched it and checked its BLAKE3 against the
+        signed manifest) and decoded straight into the live words by ``apply_encoded`` (one
+        native pass per chunk, the old words read from the very words overwritten; targets
+        checked in O(change); all or nothing) — inside the pause, as the XOR islands write
+        theirs. Nothing is staged while serving; chains and sharded steps fall back to the
+        follower's decode (staged, then :meth:`apply`)."""
+
+        def stage_encoded(self, steps: Any, version: int) -> Any:
+            if len(steps) != 1 or len(steps[0].blobs) != 1:
+                return None
+            if steps[0].base != self.view.digest():
+                raise BaseMismatchError("the step does not start at the held version")
+            return StagedUpdate(steps[0].base, steps[0].target, {}, {}, {"blob": steps[0].blobs[0]})
+
+        def commit_staged(self, staged: Any, version: int) -> None:
+            blob = staged.payload.pop("blob")
+            with self._lock:
+                if self.view.digest() != staged.base:
+                    raise BaseMismatchError("the engine moved since the update was staged")
+                apply_encoded(self.view, blob, incremental=True)  # checks the patch's target
+                self._version = version
+
+    return FusedView()
+
+
+ENGINES = {"full": lambda: _view_engine(), "incremental": _ServingView, "fused": _fused_view}
+
+
+def _view_engine() -> Any:
+    from rollpatch.engines.view_engine import ViewEngine
+
+    return ViewEngine()
+
+
 def island_rollpatch(job: dict[str, Any]) -> None:
     from _peers_trace import TracingStore, run_delay
 
     from rollpatch.board import Board
-    from rollpatch.engines.view_engine import ViewEngine
     from rollpatch.follower import Follower, FollowerConfig
     from rollpatch.io.safetensors import load_view
     from rollpatch.store import open_store
 
-    engine = ViewEngine() if job.get("commit") == "full" else _ServingView()
+    engine = ENGINES[job.get("commit", "incremental")]()
     engine.load(load_view(job["v0"]), 0)
     tracer = TracingStore(open_store(job["board"]))
     follower = Follower(

@@ -19,9 +19,12 @@ relay; shardcast's middle node) and ``--islands`` islands, each its own process,
 behind it. Islands start holding v0 (untimed).
 
 **Methods.** ``rollpatch``: ``Publisher`` (bf16, async) → board → relays → ``Follower`` into a
-view engine that commits as the serving engines do (``--island-commit incremental``: target
-digests checked in O(change), the follower's background audit re-hashing the live words;
-``full``: every touched tensor re-hashed inside the pause). Followers and XOR islands learn of
+view engine (``--island-commit fused``, the default: the verified patch object decoded
+straight into the live words in one native pass, ``apply_encoded``, inside the pause, as the
+XOR islands apply theirs in place; ``incremental``: staged while serving and written in the
+pause as the serving engines do, target digests checked in O(change); ``full``: every
+touched tensor re-hashed inside the pause; in every mode the follower's background audit
+re-hashes the live words). Followers and XOR islands learn of
 a version through the relays' long-poll of LATEST (docs/relay.md). ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
 method; ``bench/_peers_xor.py``), published asynchronously on the same board, fetched through
 the same relays; only the codec differs. ``shardcast``: the trainer writes the BF16
@@ -298,10 +301,12 @@ def main() -> int:
     )
     p.add_argument(
         "--island-commit",
-        choices=("incremental", "full"),
-        default="incremental",
-        help="rollpatch islands' commit: target digests in O(change), as the serving engines "
-        "(default), or every touched tensor re-hashed inside the pause (ViewEngine)",
+        choices=("fused", "incremental", "full"),
+        default="fused",
+        help="rollpatch islands' commit: decoded straight into the live words in one pass "
+        "inside the pause, as the XOR islands write theirs (default); staged while serving, "
+        "targets in O(change), as the serving engines; or every touched tensor re-hashed "
+        "inside the pause (ViewEngine)",
     )
     p.add_argument("--settle-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=600.0)

@@ -132,20 +132,29 @@ class Fleet:
             env,
             f"{url['gateway']}/health",
         )
+        # the relay boots while the publisher makes its first version; then the islands and
+        # the gateway boot at once (each loads torch and the model: one after the other, they
+        # took most of the set-up). The relay answers before island b reads through it.
         self.procs["publisher"].start()
+        self.procs["relay"].spawn()
         threading.Thread(target=self._watch_latest, daemon=True).start()
         self._until(lambda: self.latest() is not None, "the first version", 120)
         self.procs["publisher"].ready_at = time.monotonic()
         self.first_version = self.latest()
-        for name in ("relay", "a", "b", "gateway"):
-            self.procs[name].start()
+        self.procs["relay"].wait_ready()
+        for name in ("a", "b", "gateway"):
+            self.procs[name].spawn()
+        for name in ("a", "b", "gateway"):
+            self.procs[name].wait_ready()
         self._until(self.recovered, "the fleet to serve", 180)
 
     def stop(self) -> None:
         self._stop.set()
-        for name in ("gateway", "a", "b", "relay", "publisher"):
-            if name in self.procs:
-                self.procs[name].stop()
+        names = [n for n in ("gateway", "a", "b", "relay", "publisher") if n in self.procs]
+        for name in names:  # every process shuts down at once, each then waited for
+            self.procs[name].terminate()
+        for name in names:
+            self.procs[name].stop()
         if self.board is not None:
             self.board.stop()
 

@@ -200,6 +200,12 @@ class Proc:
         self.ready_at: float | None = None
 
     def start(self, wait_s: float = 120.0) -> None:
+        """Spawn the process and wait until it answers its health check."""
+        self.spawn()
+        self.wait_ready(wait_s)
+
+    def spawn(self) -> None:
+        """Spawn the process without waiting (several boot at once: :meth:`wait_ready`)."""
         self.starts += 1
         log = open(self.workdir / f"{self.name}.log", "ab")  # noqa: SIM115 (the child owns it)
         self.proc = subprocess.Popen(
@@ -211,7 +217,11 @@ class Proc:
         )
         log.close()
         self.ready_at = None
+
+    def wait_ready(self, wait_s: float = 120.0) -> None:
+        """Wait until the spawned process answers its health check (if it has one)."""
         if self.health is not None:
+            assert self.proc is not None
             wait_http(self.health, wait_s, self.proc)
             self.ready_at = time.monotonic()
 
@@ -223,6 +233,11 @@ class Proc:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+
+    def terminate(self) -> None:
+        """SIGTERM, not waited for (a fleet stops at once: then :meth:`stop` each)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -53,7 +53,6 @@ from ..vllm.layout import (
     blocks,
     extract,
     locate,
-    locate_whole,
     placements,
 )
 from ..writing import SLICE, ParamWrites, check_and_write, numpy_access, write_params
@@ -263,7 +262,7 @@ class HeldWeights:
             live = self[tp.name]
             if patch.digest == DEFAULT_DIGEST:  # the target state from the changed words alone
                 # double-buffered: written into the copy, the change of the sum measured there
-                written = None if copies is None else self._write_copy(tp, copies[1])
+                written = self._sum_change(tp, None if copies is None else copies[1])
                 d0, d1 = written or sum_delta(live.data, ch.positions, ch.new)
                 if copies is not None and written is None:
                     pl = self._place[tp.name]
@@ -295,8 +294,9 @@ class HeldWeights:
         t1 = time.perf_counter()
         for tp in deltas:
             ch, pl = tp.changes(), self._place[tp.name]
-            rows = locate_whole(pl, ch.positions)  # whole rows: the positions, shifted
-            if rows is not None:
+            start = self._run(pl)  # one run of the parameter: the positions, shifted
+            if start is not None:
+                rows = ch.positions if start == 0 else ch.positions + start
                 per_param.setdefault(pl.param, []).append((rows, ch.old, ch.new))
                 continue
             held, offsets = locate(pl, ch.positions)
@@ -331,22 +331,30 @@ class HeldWeights:
                 raise EngineError("a parameter's copy has another layout", param=p)
         return handles, words
 
-    def _write_copy(self, tp: TensorPatch, words: dict[str, np.ndarray]) -> tuple[int, int] | None:
-        """Write a tensor's changes into its parameter's copy in one native pass that checks
-        the old words and returns the exact rp.sum128 change (the tensor's words are one run
-        of the copy when it holds whole rows); None where that does not apply."""
+    def _run(self, pl: Placement) -> int | None:
+        """Where the tensor's words start in its parameter when they are one run of it (the
+        parameter's row-major order is the tensor's), else None."""
+        if pl.sub is not None or not pl.whole or pl.param_shape[1] != pl.cols:
+            return None
+        return pl.dst_start * pl.cols if pl.dim == 0 else 0
+
+    def _sum_change(
+        self, tp: TensorPatch, copies: dict[str, np.ndarray] | None
+    ) -> tuple[int, int] | None:
+        """The tensor's exact rp.sum128 change from one native check-and-write pass over its
+        words: in the parameter's second buffer (double-buffered: the writes stay there), else
+        in a scratch copy of the tensor (freed at once; the live words are never written).
+        None where the words are not one run of the parameter or the core is not built."""
         from ... import native
 
         pl, ch = self._place[tp.name], tp.changes()
-        copy = words[pl.param].reshape(-1)
-        if (
-            native.core is None
-            or copy.itemsize not in (2, 4)
-            or locate_whole(pl, ch.positions) is None
-        ):
+        start = self._run(pl)
+        flat = (self.params if copies is None else copies)[pl.param].reshape(-1)
+        if native.core is None or flat.itemsize not in (2, 4) or start is None:
             return None
-        start = pl.dst_start * pl.cols
-        run = copy[start : start + pl.n_elements]
+        run = flat[start : start + pl.n_elements]
+        if copies is None:
+            run = run.copy()
         kind = native.kind_tuple(self._kind[tp.name], pl.n_elements)
         d0, d1 = native.core.apply(kind, run, ch.positions, ch.old, ch.new)
         return int(d0), int(d1)

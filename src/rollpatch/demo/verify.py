@@ -20,12 +20,15 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..board import Board
 from ..publisher import apply_step, reconstruct
 from ..view import View
 from .grpo import Rollout
+
+if TYPE_CHECKING:
+    from ..engines.reference import ReferenceRuntime
 
 __all__ = [
     "Regenerator",
@@ -160,10 +163,11 @@ class Regenerator:
     prompt here, batch 1 and single-threaded like the islands' (the same bits), and each
     rollout is sampled from those logits with its own seed by the engine's own sampler
     (:func:`~rollpatch.engines.reference.generation.pick_token`, as ``generate`` calls it).
-    Make a new one after each ``load_view``.
+    Make a new one after each ``load_view``. The logits come from
+    :meth:`~rollpatch.engines.reference.ReferenceRuntime.next_logits`.
     """
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: ReferenceRuntime) -> None:
         self.runtime = runtime
         self._logits: dict[tuple[int, ...], Any] = {}
         self.forwards = 0
@@ -172,19 +176,8 @@ class Regenerator:
         """The last position's logits after ``prompt`` (one forward per distinct prompt)."""
         out = self._logits.get(prompt)
         if out is None:
-            import torch
-
-            from ..engines.reference.generation import Step
-
-            self.runtime.check(list(prompt), 1, 1.0, 1.0, 0)
-            kept: list[Any] = []
-
-            def keep(logits: Any) -> Step:
-                kept.append(logits)
-                return Step(0, None, None)
-
-            self.runtime._step(torch.tensor([list(prompt)], dtype=torch.long), None, keep)
-            out = self._logits[prompt] = kept[0]
+            out, _ = self.runtime.next_logits(prompt)
+            self._logits[prompt] = out
             self.forwards += 1
         return out
 

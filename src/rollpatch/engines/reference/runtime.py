@@ -247,6 +247,26 @@ class ReferenceRuntime:
                 self.tokens_generated += produced
                 self._cond.notify_all()
 
+    def next_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int | None]:
+        """The float32 logits (shape ``[vocab]``) of the token after ``token_ids`` under the
+        held version, and that version (None before the first commit).
+
+        One forward pass over ``token_ids`` without a cache, as a generation's first step: it
+        waits at the pause gate, runs under the forward lock (so no commit lands mid-pass and
+        the version returned is the one whose weights made the logits) and counts in
+        ``state()`` as a step. Invalid ids raise :class:`ConfigError`.
+        """
+        ids = [int(t) for t in token_ids]
+        self.check(ids, 1, 1.0, 1.0, 0)
+        kept: list[torch.Tensor] = []
+
+        def keep(logits: torch.Tensor) -> Step:
+            kept.append(logits)
+            return Step(0, None, None)
+
+        _, _, version, _ = self._step(torch.tensor([ids], dtype=torch.long), None, keep)
+        return kept[0], version
+
     def check(
         self,
         prompt_token_ids: Sequence[int],

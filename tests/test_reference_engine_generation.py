@@ -1,0 +1,160 @@
+"""The reference engine's generation: pause holds it (a commit while paused changes the
+version mid-stream), resume continues it, and the logits of the next token under the held
+version (``ReferenceRuntime.next_logits``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from rollpatch.errors import ConfigError
+from rollpatch.patch import diff
+from rollpatch.view import View
+from tests.refenginefix import PROMPT, base, client, engine, model_dir, restore, target
+
+_FIXTURES = (base, client, engine, model_dir, restore, target)  # used by name
+
+
+# ---- pause, resume, commit mid-generation ---------------------------------------------
+
+
+def test_pause_holds_generation_and_commit_changes_version(
+    engine: Any, client: Any, base: View, target: View, restore: None
+) -> None:
+    rt, url = engine.runtime, engine.url
+    reached, go = threading.Event(), threading.Event()
+
+    def hook(i: int) -> None:
+        if i == 3:
+            reached.set()
+            go.wait(10)
+
+    rt.step_hook = hook
+    chunks: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: chunks.extend(
+            client.completions.create(
+                model=rt.model_name,
+                prompt=PROMPT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+        )
+    )
+    worker.start()
+    assert reached.wait(30)
+    state = httpx.post(url + "/rollpatch/pause", timeout=30).json()
+    assert state["paused"] is True and state["forwards_in_flight"] == 0
+    go.set()
+    held = rt.tokens_generated
+    time.sleep(0.3)
+    state = httpx.get(url + "/rollpatch/state", timeout=30).json()
+    assert rt.tokens_generated == held and state["in_flight"] == 1 and worker.is_alive()
+    engine.apply(diff(base, target), 2)  # commit while paused
+    assert httpx.get(url + "/rollpatch/state", timeout=30).json()["version"] == 2
+    httpx.post(url + "/rollpatch/resume", timeout=30)
+    worker.join(30)
+    assert len([i for ch in chunks for i in ch.choices[0].model_extra.get("token_ids", [])]) == 12
+    assert chunks[-1].model_extra["rollpatch"] == {"version_start": 1, "version_end": 2}
+
+
+def test_pause_drains_and_resume_continues(engine: Any) -> None:
+    rt = engine.runtime
+    started = threading.Event()
+    rt.step_hook = lambda i: started.set()
+    out: list[Any] = []
+    ids = rt.tokenizer.encode(PROMPT)
+    worker = threading.Thread(
+        target=lambda: out.extend(rt.generate(ids, max_tokens=300, temperature=0, ignore_eos=True))
+    )
+    try:
+        worker.start()
+        assert started.wait(30)
+        assert rt.pause(timeout=30)
+        held = rt.tokens_generated
+        time.sleep(0.2)
+        assert rt.tokens_generated == held and rt.state()["forwards_in_flight"] == 0
+    finally:
+        rt.resume()
+        rt.step_hook = None
+    worker.join(60)
+    assert len(out) == 300
+
+
+# ---- the logits of the next token (the demo's label check) ----------------------------
+
+
+def test_next_logits_are_what_generate_samples_from(
+    engine: Any, base: View, target: View, restore: None
+) -> None:
+    """``next_logits`` gives the logits a generation's first step picks from, bit for bit,
+    under the held version, and names that version; a commit changes both."""
+    from rollpatch.engines.reference.generation import pick_token
+
+    rt = engine.runtime
+    ids = rt.tokenizer.encode(PROMPT)
+    for version in (1, 2):
+        logits, held = rt.next_logits(ids)
+        assert held == version == engine.version
+        assert logits.dtype == torch.float32 and tuple(logits.shape) == (rt.vocab_size,)
+        for seed in (0, 7):  # sampled as generate samples: same token, logprob and top-3
+            gen = torch.Generator()
+            gen.manual_seed(seed)
+            want = next(rt.generate(ids, max_tokens=1, temperature=1.0, seed=seed, logprobs=3))
+            assert pick_token(logits, 1.0, 1.0, gen, 3) == want
+        greedy_first = next(rt.generate(ids, max_tokens=1, temperature=0, logprobs=3))
+        assert pick_token(logits, 0.0, 1.0, None, 3) == greedy_first
+        if version == 1:
+            before = logits
+            engine.apply(diff(base, target), 2)
+    assert not torch.equal(before, logits)  # the committed weights made the second
+
+
+def test_next_logits_waits_at_the_pause_gate(
+    engine: Any, base: View, target: View, restore: None
+) -> None:
+    """Paused, ``next_logits`` waits; a version committed meanwhile is the one it reads."""
+    rt = engine.runtime
+    ids = rt.tokenizer.encode(PROMPT)
+    out: list[Any] = []
+    assert rt.pause(timeout=30)
+    worker = threading.Thread(target=lambda: out.append(rt.next_logits(ids)))
+    try:
+        worker.start()
+        time.sleep(0.2)
+        assert worker.is_alive() and not out  # held at the gate, no forward ran
+        engine.apply(diff(base, target), 2)
+    finally:
+        rt.resume()
+    worker.join(30)
+    assert not worker.is_alive() and out[0][1] == 2
+
+
+@pytest.mark.parametrize(
+    ("ids", "field"),
+    [([], "prompt"), ([-1], "prompt"), ([2048], "prompt"), ([1] * 4096, "max_tokens")],
+)
+def test_next_logits_refuses_bad_ids(engine: Any, ids: list[int], field: str) -> None:
+    """Empty, out-of-vocabulary (2048 ids) or too long for one more token (4096 positions):
+    a ConfigError naming the field, and no forward pass run."""
+    rt = engine.runtime
+    steps = rt.tokens_generated
+    with pytest.raises(ConfigError) as e:
+        rt.next_logits(ids)
+    assert e.value.context["field"] == field
+    assert rt.tokens_generated == steps

@@ -83,12 +83,11 @@ class Relay:
     ) -> None:
         self.upstream = upstream
         self.config = config
-        #: Verifies manifests, LATEST and roots before they are cached or served (None: off).
-        self.trust = trust
         if trust is None:
             warn_unverified("relay")
         self.metrics = metrics or Metrics()
-        self._verify = Verifier(self._get, trust, self.metrics)
+        #: Checks upstream answers before they are cached or served; owns the trust root.
+        self.verifier = Verifier(self._get, trust, self.metrics)
         self.cache = DiskCache(config.cache_dir, config.cache_bytes, self.metrics)
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
         self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
@@ -187,7 +186,7 @@ class Relay:
         started = time.monotonic()
         data = self._get(key)
         try:
-            b3 = self._verify.check(key, kind, data)
+            b3 = self.verifier.check(key, kind, data)
         except ObjectIntegrityError:
             self._remember_corrupt(key)
             raise
@@ -212,7 +211,7 @@ class Relay:
         info = self._call("head", self.upstream.head, key)
         if info is None or info.etag != etag:  # gone or replaced: fetch and check again
             return
-        self._verify.refuse("known_corrupt", key=key, etag=etag)
+        self.verifier.refuse("known_corrupt", key=key, etag=etag)
         raise ObjectIntegrityError(
             "upstream object does not match the BLAKE3 in its key (found before, and not "
             "replaced since); refused, not cached",
@@ -237,7 +236,7 @@ class Relay:
         started = time.monotonic()
         data = self._get(key)
         if len(data) > self.config.max_volatile_bytes:
-            self._verify.refuse("too_large", key=key, size=len(data))
+            self.verifier.refuse("too_large", key=key, size=len(data))
             raise StoreError(
                 "upstream object is mutable (not in the board layout) and too large to relay",
                 key=key,
@@ -245,7 +244,7 @@ class Relay:
                 hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
             )
         if kind is KeyKind.POINTER:
-            self._verify.check_pointer(key, data)
+            self.verifier.check_pointer(key, data)
         blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
         self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
         return blob
@@ -253,7 +252,7 @@ class Relay:
     def accept_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
         """LATEST bytes read upstream at ``read_at`` (monotonic) by the long-poll watch:
         checked as any LATEST, then served for ``pointer_ttl`` like one read on request."""
-        self._verify.check_pointer(key, data)
+        self.verifier.check_pointer(key, data)
         blob = Blob(
             key, KeyKind.POINTER, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data
         )
@@ -288,7 +287,7 @@ class Relay:
             f.seek(entry.offset)
             data = f.read(entry.size)
         try:
-            self._verify.check(entry.key, kind, data)
+            self.verifier.check(entry.key, kind, data)
         except ManifestError as e:
             log.warning("relay cache: dropping %s: %s", entry.key, e)
             self.cache.discard(entry.key)

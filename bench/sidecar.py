@@ -1,8 +1,9 @@
 """Sidecar benchmark: proxy overhead, engine pause per commit, and relay fan-out.
 
-Run: ``python bench/sidecar.py`` (about 4 minutes on the 2-core development machine),
-``python bench/sidecar.py --quick`` (about 1.3 minutes), ``--json out.json`` for every sample;
-``--parts proxy`` (or ``commits``, ``relay``) runs only those parts.
+Run: ``python bench/sidecar.py`` (about 4 minutes on the 2-core development machine, when
+quiet), ``python bench/sidecar.py --quick``, ``--json out.json`` for every sample;
+``--parts proxy`` (or ``commits``, ``relay``) runs only those parts. At load 12–15, ``--quick
+--parts proxy --shapes stream`` took about 4 minutes per engine (vLLM's boot included).
 
 **Model.** One random BF16 Llama from :func:`make_tiny_model` (hidden 256, 4 layers, 4 heads /
 2 kv heads, ff 688, vocab 2048: 4.0M parameters, a 7.9 MB served view) served by the built-in

@@ -295,3 +295,32 @@ def test_cli_publish_status_round_trip(tmp_path: Path, capsys: pytest.CaptureFix
     for n, (_, m) in zip((0, 1, 5), ckpts):
         assert reconstruct(board, RUN, n).digest() == cast_view(m, "bf16").digest()
     assert main(["status", "--board", uri, "--run", "nope"]) == 2
+
+
+# -- the served snapshot ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3", "nvfp4"])
+def test_served_snapshot_on_threads_is_the_cast(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masters cast tensors at once on several threads: the same view, bit for bit and name
+    for name, as one cast; nothing shares memory with the trainer's tensors; a bad entry is
+    still refused by name."""
+    import ml_dtypes
+
+    from rollpatch.publisher import writer
+    from rollpatch.publisher.writer import snapshot_served
+
+    masters = random_masters(5, n=6)
+    masters["emb"] = masters.pop("model.norm.weight").astype(ml_dtypes.bfloat16)  # a no-op cast
+    cfg = PublisherConfig(format=fmt)
+    expected = cast_view(masters, fmt)
+    monkeypatch.setattr(writer, "_THREADED_CAST_MIN", 0)  # small masters, threaded anyway
+    for threads in ("1", "3"):
+        monkeypatch.setenv("ROLLPATCH_THREADS", threads)
+        view = snapshot_served(masters, cfg)
+        assert list(view) == list(expected) and view.metadata == expected.metadata
+        for name, t in view.items():
+            assert np.array_equal(t.data, expected[name].data), name
+            assert not any(np.shares_memory(t.data, m) for m in masters.values())
+        with pytest.raises(ConfigError, match="int64"):
+            snapshot_served({**masters, "steps": np.zeros(3, np.int64)}, cfg)

@@ -44,6 +44,12 @@ def test_soak_with_faults_ci_size(tmp_path: Path) -> None:
         timeout=1500,
         cwd=BENCH,
     )
+    if not out.exists():  # the soak died before its report: say why, not FileNotFoundError
+        pytest.fail(
+            f"bench/soak.py exited {proc.returncode} without a report\n"
+            f"stdout (end):\n{proc.stdout[-3000:]}\nstderr (end):\n{proc.stderr[-6000:]}",
+            pytrace=False,
+        )
     report = json.loads(out.read_text())
     s = report["summary"]
     assert s["served"] > 0 and s["versions_checked"] > 1

@@ -23,7 +23,6 @@ from tests.followfix import (
     RUN,
     SHARDED,
     Published,
-    _build,  # noqa: F401 (test_vllm_sidecar.py imports it from here)
     assert_holds,
     board,
     copy_board,

@@ -137,7 +137,7 @@ def test_engines_that_stage_get_whole_chains_undecoded(small_run: tuple[str, lis
 def test_sharded_steps_are_staged_whole() -> None:
     """A 2-shard step: every shard's object goes to the engine, which binds their union to
     the manifest's whole-view digests."""
-    from tests.test_follower import _build  # the follower tests' run: v21 has 2 patch shards
+    from tests.followfix import _build  # the follower tests' run: v21 has 2 patch shards
 
     pub = _build(21, None, 0)
     engine = SelfStaging()

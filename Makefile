@@ -51,10 +51,11 @@ lint: setup
 # processes on these two-core machines: the live modules (the engine tests, which share one
 # vLLM and one SGLang server: tests/live_servers.py; the soak), the process modules (the
 # demos, the fuzz campaigns, kill -9 trials, multi-rank publishers: fleets of processes whose
-# time is mostly children and waits) and all the others, each about a third of the CPU time.
+# time is mostly children and waits) and all the others (with SGLang at TP 2, which starts
+# its own two-rank server: minutes, on its own), each about a third of the CPU time.
 # Each prints its report when it ends. Measured times: README.
-LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_sglang*.py tests/test_moe_vllm.py)) \
-	tests/test_soak.py
+LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_moe_vllm.py)) tests/test_sglang.py \
+	tests/test_sglang_sidecar.py tests/test_soak.py
 PROCS_TESTS := tests/test_demo.py tests/test_hardening_campaigns.py tests/test_fuzz_native.py \
 	tests/test_crash.py $(sort $(wildcard tests/test_publisher_sharded*.py)) \
 	tests/test_store_concurrency.py tests/test_trust_sidecar.py

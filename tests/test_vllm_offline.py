@@ -1,0 +1,272 @@
+"""vLLM as a rollout engine, offline (no vLLM needed): the layout arithmetic against vLLM's
+weight loaders at TP 1/2/4, commits over tensor-parallel ranks simulated with threads and a
+barrier all-gather, the decoded-patch file, the worker's access to torch parameters and the
+adapter's commit protocol against a stand-in server. The live tests: tests/test_vllm.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.engines.vllm import VllmEngine, layout
+from rollpatch.engines.vllm.layout import ParamSpec, Shard
+from rollpatch.engines.vllm.transfer import read_decoded, write_decoded
+from rollpatch.engines.vllm.weights import RuntimeWeights
+from rollpatch.errors import (
+    BaseMismatchError,
+    EngineError,
+    PatchDecodeError,
+    PatchError,
+    TargetMismatchError,
+)
+from rollpatch.kinds import get_kind
+from rollpatch.patch import DeltaOp, Patch, TensorPatch, diff
+from tests import vllm_env
+
+TPS = [(1, 2), (2, 2), (4, 2), (4, 4), (2, 1)]
+
+
+@pytest.mark.parametrize(("tp", "kv_heads"), TPS)
+def test_layout_matches_vllm_loaders(tp: int, kv_heads: int) -> None:
+    specs = vllm_env.layer_specs(tp, kv_heads)
+    ck = vllm_env.checkpoint(kv_heads=kv_heads)
+    assert set(layout.check_coverage(specs, tp)) == set(ck)
+    rng = np.random.default_rng(tp)
+    loaded = [vllm_env.vllm_load(ck, tp, r, kv_heads) for r in range(tp)]
+    for spec in specs:
+        shape = layout.param_shape(spec, tp)
+        for r in range(tp):
+            arr = loaded[r][spec.param].reshape(shape)
+            for pl in layout.placements(spec, r, tp):
+                src = ck[pl.name].reshape(-1)
+                pos = np.unique(rng.integers(0, src.size, 500))
+                held, off = layout.locate(pl, pos)
+                assert np.array_equal(arr.reshape(-1)[off], src[pos[held]])
+        for i, sh in enumerate(spec.shards):
+            per_rank = [layout.placements(spec, r, tp)[i] for r in range(tp)]
+            params = [loaded[r][spec.param].reshape(shape) for r in range(tp)]
+            assert np.array_equal(layout.assemble(per_rank, params), ck[sh.name].reshape(-1))
+            everything = np.arange(ck[sh.name].size)  # held by 1 rank, or by each replica
+            owners = sum(layout.locate(pl, everything)[0].astype(int) for pl in per_rank)
+            want = tp if spec.kind == "replicated" else sh.replicas
+            assert np.all(owners == want), (sh.name, tp)
+
+
+def test_layout_refuses_bad_specs() -> None:
+    with pytest.raises(EngineError, match="divide"):
+        layout.param_shape(ParamSpec("w", "row", (Shard("w", (4, 6)),)), 4)
+    with pytest.raises(EngineError, match="per-rank"):
+        layout.param_shape(ParamSpec("w", "column", (Shard("w", (8, 4), 3),)), 2)
+    with pytest.raises(EngineError, match="mapped twice"):
+        layout.check_coverage(
+            [
+                ParamSpec("a", "replicated", (Shard("x", (2,)),)),
+                ParamSpec("b", "replicated", (Shard("x", (2,)),)),
+            ],
+            1,
+        )
+    with pytest.raises(EngineError, match="fuse"):
+        ParamSpec("w", "row", (Shard("a", (2, 2)), Shard("b", (2, 2))))
+
+
+def test_storage_offsets_on_strided_arrays() -> None:
+    base = np.arange(7 * 11, dtype=np.int64).reshape(7, 11)
+    for arr in (base, base.T, base[1:6:2, ::3], base.T[::2]):
+        flat = np.arange(arr.size)
+        elem = [s // arr.itemsize for s in arr.strides]
+        off = layout.storage_offsets(flat, arr.shape, elem)
+        start = (arr.ctypes.data - base.ctypes.data) // arr.itemsize
+        assert np.array_equal(base.reshape(-1)[start + off], arr.reshape(-1))
+
+
+@pytest.mark.parametrize(("tp", "strided"), [(1, False), (1, True), (2, False), (4, True)])
+def test_commit_and_load_across_ranks(tp: int, strided: bool) -> None:
+    ck0, ck1 = vllm_env.checkpoint(), vllm_env.random_step(vllm_env.checkpoint(), 1)
+    v0, v1 = vllm_env.words_view(ck0), vllm_env.words_view(ck1)
+    ranks = vllm_env.SimulatedRanks(ck0, tp, strided)
+    assert ranks.run(lambda w: w.root()) == [v0.digest()] * tp
+    patch = diff(v0, v1)
+    got = ranks.run(lambda w: w.commit(patch))
+    assert all(isinstance(g, dict) for g in got), got
+    assert ranks.run(lambda w: w.root()) == [v1.digest()] * tp
+    for r in range(tp):
+        for spec in vllm_env.layer_specs(tp):
+            want = vllm_env.vllm_load(ck1, tp, r)[spec.param].reshape(layout.param_shape(spec, tp))
+            assert np.array_equal(ranks.params[r][spec.param], want), (r, spec.param)
+    assert ranks.repacked and "qkv_proj.weight" in ranks.repacked[0]
+    assert ranks.run(lambda w: w.load(v0)) == [v0.digest()] * tp
+    assert ranks.run(lambda w: w.root()) == [v0.digest()] * tp
+
+
+def test_failed_commit_restores_every_rank() -> None:
+    ck0 = vllm_env.checkpoint()
+    v0, v1 = vllm_env.words_view(ck0), vllm_env.words_view(vllm_env.random_step(ck0, 2))
+    ranks = vllm_env.SimulatedRanks(ck0, 2)
+    good = diff(v0, v1)
+    name = "o_proj.weight"
+    tp = good.tensors[name]
+    bad_new = tp.changes().new.copy()
+    bad_new[-1] ^= 1  # written, then caught by the target digest
+    bad = Patch(
+        good.base,
+        good.target,
+        {
+            **good.tensors,
+            name: TensorPatch(
+                name,
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                DeltaOp(tp.changes().positions, tp.changes().old, bad_new),
+            ),
+        },
+    )
+    out = ranks.run(lambda w: w.commit(bad))
+    assert all(isinstance(e, TargetMismatchError) for e in out), out
+    assert ranks.run(lambda w: w.root()) == [v0.digest()] * 2
+    assert ranks.run(lambda w: w.digests(fresh=True)) == [v0.tensor_digests()] * 2
+    out = ranks.run(lambda w: w.commit(diff(v1, v0)))  # not on that base
+    assert all(isinstance(e, BaseMismatchError) for e in out)
+    ranks.repacked.clear()
+    oob = Patch(
+        good.base,
+        good.target,
+        {
+            name: TensorPatch(
+                name,
+                tp.kind,
+                tp.shape,
+                tp.base_digest,
+                tp.target_digest,
+                DeltaOp(
+                    tp.changes().positions + vllm_env.HID * vllm_env.HEADS * vllm_env.HD,
+                    tp.changes().old,
+                    tp.changes().new,
+                ),
+            )
+        },
+    )  # type: ignore
+    out = ranks.run(lambda w: w.commit(oob))
+    assert all(isinstance(e, PatchError) for e in out) and ranks.repacked == []
+
+
+def test_decoded_file_roundtrip_and_hostile(tmp_path: pytest.TempPathFactory) -> None:
+    ck0 = vllm_env.checkpoint()
+    v0, v1 = vllm_env.words_view(ck0), vllm_env.words_view(vllm_env.random_step(ck0, 3))
+    patch = diff(v0, v1)
+    path = tmp_path / "p.bin"  # type: ignore[operator]
+    write_decoded(patch, path)
+    assert read_decoded(path).equals(patch)
+    raw = path.read_bytes()
+    for bad in (
+        raw[:-1],
+        raw[:100],
+        b"\x00" * 16,
+        raw.replace(b"delta", b"drop!", 1),
+        raw.replace(b"t0.new", b"t0.nex", 1),
+    ):
+        assert bad != raw
+        path.write_bytes(bad)
+        with pytest.raises(PatchDecodeError):
+            read_decoded(path)
+
+
+@pytest.mark.parametrize("alias", [True, False])
+def test_worker_access_on_torch_parameters(alias: bool) -> None:
+    """The worker glue on real torch parameters (one non-contiguous): ``alias`` is the CPU
+    path (numpy views), ``alias=False`` the path GPUs take (host copies, torch writes)."""
+    torch = pytest.importorskip("torch")
+    from rollpatch.engines.vllm.params import TorchParams
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(6, 4).to(torch.bfloat16).requires_grad_(False)
+    model.tw = torch.nn.Parameter(
+        torch.randn(5, 3).to(torch.bfloat16).t(), requires_grad=False
+    )  # (3, 5), column-major storage
+    calls: list[object] = []
+
+    def repack(mod: Any, remove_weight: bool) -> None:  # as vLLM's: a kernel from the weight
+        calls.append((mod, remove_weight))
+        mod.cpu_linear = ("kernel", mod.weight.detach().view(torch.int16).clone())
+
+    model.lin._rollpatch_repack = repack
+    model.lin._rollpatch_owns = True  # the stand-in kernel holds its own copy of the words
+    specs = [
+        ParamSpec(n, "replicated", (Shard(n, tuple(p.shape)),)) for n, p in model.named_parameters()
+    ]
+    kinds = {s.param: get_kind("bf16") for s in specs}
+    w = RuntimeWeights(specs, kinds, TorchParams(model, 1, alias=alias).access())
+
+    def words(p: object) -> np.ndarray:
+        return p.detach().view(torch.int16).numpy().view(np.uint16).copy()  # type: ignore
+
+    v0 = vllm_env.words_view({n: words(p) for n, p in model.named_parameters()})
+    assert w.root() == v0.digest()
+    v1 = vllm_env.words_view({n: words(p) for n, p in model.named_parameters()})
+    for n in v1:
+        v1[n].data[::2] ^= 0x0101
+        v1.invalidate(n)
+    w.commit(diff(v0, v1))
+    for n, p in model.named_parameters():
+        assert np.array_equal(words(p).reshape(-1), v1[n].data), n
+    # CPU: the kernel is built while staging from a copy with the new words, swapped in under
+    # the pause; elsewhere (no prebuild) it is rebuilt from the written weight in the pause
+    assert len(calls) == 1 and calls[0][1] is False
+    assert (calls[0][0] is model.lin) is (not alias)
+    assert np.array_equal(
+        model.lin.cpu_linear[1].numpy().view(np.uint16).reshape(-1), v1["lin.weight"].data
+    )
+    assert not model.tw.is_contiguous()
+    assert w.load(v0) == v0.digest() and w.digests(fresh=True) == v0.tensor_digests()
+    # a kernel that reads the live words (torch's linear on AVX2 hosts) is never rebuilt
+    model.lin._rollpatch_owns = False
+    calls.clear()
+    w.commit(diff(v0, v1))
+    assert calls == [] and w.digests(fresh=True) == v1.tensor_digests()
+
+
+def test_adapter_commit_protocol_offline() -> None:
+    """The adapter against a scripted server: call order, version tags, and what it reports
+    after failures (previous version when the engine still holds it, else not ready)."""
+    v0, v1 = (
+        vllm_env.words_view(vllm_env.checkpoint()),
+        vllm_env.words_view(vllm_env.random_step(vllm_env.checkpoint(), 4)),
+    )
+    fake = vllm_env.FakeVllm(v0.digest())
+    eng = VllmEngine("http://127.0.0.1:9", transport="weight-transfer")
+    eng.http = fake  # type: ignore[assignment]
+    with pytest.raises(EngineError, match="no verified version"):
+        eng.apply(diff(v0, v1), 1)
+    eng.adopt(0, v0.digest())
+    fake.script(True, v1.tensor_digests(), v1.digest())
+    eng.apply(diff(v0, v1), 1)
+    assert (eng.version, eng.digest) == (1, v1.digest())
+    assert [c[0] for c in fake.calls[-7:]] == [
+        "/pause?mode=keep",
+        "/start_weight_update",
+        "/update_weights",
+        "rollpatch_result",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
+    assert fake.calls[-3][1] == {"weight_version": "1"}
+    fake.script(False, error={"type": "TargetMismatchError", "message": "undone"})
+    with pytest.raises(TargetMismatchError, match="undone"):
+        eng.apply(diff(v1, v0), 0)
+    assert (eng.version, eng.digest) == (1, v1.digest())  # the engine still holds v1
+    assert ("/finish_weight_update", {"weight_version": None}) in fake.calls[-4:]
+    fake.script(
+        False,
+        error={"type": "EngineError", "message": "lost", "context": {"restored": False}},
+        root="0" * 64,
+    )
+    with pytest.raises(EngineError, match="lost"):
+        eng.apply(diff(v1, v0), 0)
+    assert (eng.version, eng.digest) == (None, None)
+    assert ("/update_weight_version", {"new_version": "rollpatch:not-ready"}) in fake.calls

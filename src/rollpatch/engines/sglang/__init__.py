@@ -20,14 +20,15 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .adapter import LOADER, RemoteWords, SglangEngine
+    from .adapter import LOADER, SglangEngine
     from .staged import HeldWeights, Staged
+    from .words import RemoteWords
 
 __all__ = ["LOADER", "HeldWeights", "RemoteWords", "SglangEngine", "Staged"]
 
 _WHERE = {
     "LOADER": "adapter",
-    "RemoteWords": "adapter",
+    "RemoteWords": "words",
     "SglangEngine": "adapter",
     "HeldWeights": "staged",
     "Staged": "staged",

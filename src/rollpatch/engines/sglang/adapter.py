@@ -32,46 +32,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
-from ...io.safetensors import load_view, save_view
+from ...io.safetensors import save_view
 from ...patch import Patch, inspect
-from ...view import Tensor, View, WordSource
+from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
 from . import tp as tp_ops
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
+from .words import RemoteWords
 
 if TYPE_CHECKING:
     from ..staged import AuditReport, EncodedStep, StagedUpdate
 
-__all__ = ["LOADER", "NOT_READY", "RemoteWords", "SglangEngine"]
+__all__ = ["LOADER", "NOT_READY", "SglangEngine"]
 
 #: SGLang's ``weight_version`` while the engine holds bits no version vouches for.
 NOT_READY = "rollpatch:not-ready"
-
-
-class RemoteWords:
-    """A :class:`WordSource` over the engine's tensors, exported one at a time (each access
-    copies one tensor through a file). :meth:`SglangEngine.apply_encoded` needs none."""
-
-    def __init__(self, engine: SglangEngine) -> None:
-        self.engine = engine
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.engine.tensors()
-
-    def __getitem__(self, name: str) -> Tensor:
-        if name not in self:
-            raise KeyError(name)
-        path = self.engine._scratch("words")
-        if self.engine.tp > 1:  # every rank's block, gathered
-            return tp_ops.export(self.engine.channel, name, self.engine.tensors()[name], path)
-        try:
-            self.engine._control("export", name=name, path=str(path))
-            return load_view(path)[name]
-        finally:
-            path.unlink(missing_ok=True)
 
 
 class SglangEngine(EngineAdapter):
@@ -202,8 +180,12 @@ class SglangEngine(EngineAdapter):
             path = self._scratch("patch")
             try:
                 write_decoded(patch, path)
-                if self.tp > 1:
-                    return self._stage_ranks(patch, path)
+                if self.tp > 1:  # every rank stages its part; their sum is proven here
+                    t0 = time.perf_counter()
+                    args = (self.channel, patch, path, self._digest, self.tensors())
+                    staged, r = tp_ops.stage_update(*args)
+                    self._timed(t0, r)
+                    return staged
                 return self._stage("stage_decoded", path, targets, patch.base, patch.target)
             finally:
                 path.unlink(missing_ok=True)
@@ -237,7 +219,7 @@ class SglangEngine(EngineAdapter):
             raise EngineError("this update was not staged by the SGLang adapter", engine=self.name)
         with self._lock:
             self._require_loaded()
-            if isinstance(tokens, list):  # TP > 1: every rank's part, proven by _stage_ranks
+            if isinstance(tokens, list):  # TP > 1: every rank's part, proven by tp.stage
                 self._write(
                     {"op": "commit", "tokens": tokens},
                     version,
@@ -299,9 +281,7 @@ class SglangEngine(EngineAdapter):
         ):
             self._control("drop")
             raise TargetMismatchError("the staged update is not the patch's", engine=self.name)
-        self.last_timings["stage_s"] = time.perf_counter() - t0
-        self.last_stage_ms = {k: float(v) for k, v in (r.get("phases") or {}).items()}
-        self.last_stage_ms["inside"] = float(r.get("ms", 0.0))
+        self._timed(t0, r)
         return StagedUpdate(
             base,
             target,
@@ -315,25 +295,11 @@ class SglangEngine(EngineAdapter):
             },
         )
 
-    def _stage_ranks(self, patch: Patch, path: Path) -> StagedUpdate:
-        """TP > 1: every rank stages its part; the adapter proves the sum of their parts."""
-        from ..staged import StagedUpdate
-
-        t0 = time.perf_counter()
-        if self._digest != patch.base:
-            raise BaseMismatchError(
-                "engine root digest is not the patch's base",
-                engine=self.name,
-                expected=patch.base[:16],
-                actual=str(self._digest)[:16],
-            )
-        digests, _ = self.held()
-        tokens, r = tp_ops.stage(self.channel, patch, path, digests, self.tensors())
+    def _timed(self, t0: float, r: Mapping[str, Any]) -> None:
+        """A staging's timings: here (``stage_s``) and inside SGLang (:attr:`last_stage_ms`)."""
         self.last_timings["stage_s"] = time.perf_counter() - t0
-        self.last_stage_ms = {k: float(v) for k, v in r["phases"].items()}
-        self.last_stage_ms["inside"] = float(r["ms"])
-        payload = {"sglang_tokens": tokens, "changed": r["changed"], "nbytes": r["nbytes"]}
-        return StagedUpdate(patch.base, patch.target, {}, dict(r["digests"]), payload)
+        self.last_stage_ms = {k: float(v) for k, v in (r.get("phases") or {}).items()}
+        self.last_stage_ms["inside"] = float(r.get("ms", 0.0))
 
     @staticmethod
     def _must(staged: StagedUpdate | None) -> StagedUpdate:

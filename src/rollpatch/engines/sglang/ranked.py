@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, PatchError
+from ...errors import BaseMismatchError, EngineError
 from ...kinds import Kind
 from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
@@ -35,7 +35,7 @@ from ..vllm.layout import Placement, extract, locate
 from ..writing import ParamWrites, write_params
 from .slices import Block, partial_delta, partial_state
 from .staged import HeldWeights
-from .update import Staged, merge_writes
+from .update import Staged, check_delta, merge_writes
 
 __all__ = ["RankWeights"]
 
@@ -147,26 +147,9 @@ class RankWeights(HeldWeights):
                     else (np.ascontiguousarray(mine).reshape(-1)[idx]),
                 )
             case DeltaOp(pos, old, new):
-                pass
+                check_delta(tp.name, pos, old, new, kind, pl.n_elements)
             case _:
                 raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
-        if (
-            pos.dtype != np.int64
-            or pos.ndim != 1
-            or old.dtype != kind.elem_dtype
-            or new.dtype != kind.elem_dtype
-            or old.shape != pos.shape
-            or new.shape != pos.shape
-        ):
-            raise PatchError(
-                "positions must be int64 and elements the kind's words", tensor=tp.name
-            )
-        if pos.size and (
-            pos[0] < 0
-            or pos[-1] >= pl.n_elements
-            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
-        ):
-            raise PatchError("positions out of range or not strictly increasing", tensor=tp.name)
         held, offsets = locate(pl, pos)
         if not np.array_equal(flat[offsets], old[held]):
             raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)

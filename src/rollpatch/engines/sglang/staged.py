@@ -24,7 +24,7 @@ A commit is two phases:
 
 With ``mode="double_buffer"`` (:data:`~rollpatch.engines.staged.WriteMode`), staging also
 builds, for every touched runtime parameter, a second buffer (a copy of its storage, through
-the engine glue's :class:`Buffers`) with the staged words written into it, the old words
+the engine glue's :class:`~.buffers.Buffers`) with the staged words written into it, the old words
 checked and the new ones read back; the commit then only exchanges storages (O(1) per
 parameter, undone on failure) and hands back the storage it replaced, to be released after
 the pause (:func:`rollpatch.engines.writing.release`).
@@ -38,48 +38,23 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, TargetMismatchError, ViewError
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError
 from ...kinds import Kind
 from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
 from ..staged import WriteMode, sum_delta
-from ..vllm.layout import (
-    ParamSpec,
-    Placement,
-    blocks,
-    extract,
-    locate,
-    placements,
-)
-from ..writing import SLICE, ParamWrites, check_and_write, numpy_access, write_params
-from .update import Staged, as_delta, merge_writes
+from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
+from ..writing import ParamWrites, numpy_access, write_params
+from .buffers import Buffers, check_copies, clone, exchange, write_copy
+from .update import Staged, as_delta, check_keyframe, merge_writes
 
-__all__ = ["Buffers", "HeldWeights", "Staged"]
+__all__ = ["HeldWeights", "Staged"]
 
 _M64 = (1 << 64) - 1
 _MODES = ("in_place", "double_buffer")
-
-
-class Buffers(Protocol):
-    """The engine glue's half of the double-buffered commit (torch, in SGLang's process)."""
-
-    def clone(self, param: str) -> tuple[Any, np.ndarray]:
-        """A copy of ``param``'s storage and its words (as :attr:`HeldWeights.params` holds
-        them: 2-D, C-contiguous, sharing the copy's memory)."""
-        ...
-
-    def exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
-        """Put each buffer in place of its parameter's storage (O(1) each, all or nothing);
-        returns the storage replaced (exchanging it back undoes the call)."""
-        ...
-
-    def words(self, param: str) -> np.ndarray:
-        """The parameter's words as it now stands (after an exchange)."""
-        ...
 
 
 class HeldWeights:
@@ -89,7 +64,7 @@ class HeldWeights:
     parameter's memory* (C-contiguous rows). ``specs`` / ``kinds``: the layout and element kind
     of each runtime parameter. ``rank`` / ``tp``: this rank's place (every tensor must be whole
     on this rank: TP > 1 needs a gather, which is not built). ``buffers``: the glue's
-    :class:`Buffers` (None: double-buffered commits are refused).
+    :class:`~.buffers.Buffers` (None: double-buffered commits are refused).
     """
 
     #: Whether this rank may hold blocks of tensors (:class:`~.ranked.RankWeights`, TP > 1).
@@ -250,11 +225,10 @@ class HeldWeights:
         states: dict[str, tuple[int, int]] = {}
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.staged = {}  # one staged update at a time (a dropped one frees its buffers)
-        copies = (
-            self._clone({self._place[tp.name].param for tp in deltas})
-            if mode != "in_place"
-            else None
-        )
+        copies = None
+        if mode != "in_place":
+            assert self._buffers is not None
+            copies = clone(self._buffers, self.params, {self._place[t.name].param for t in deltas})
         for tp in deltas:
             ch = tp.changes()
             if tp.base_digest != digests[tp.name]:
@@ -265,15 +239,7 @@ class HeldWeights:
                 written = self._sum_change(tp, None if copies is None else copies[1])
                 d0, d1 = written or sum_delta(live.data, ch.positions, ch.new)
                 if copies is not None and written is None:
-                    pl = self._place[tp.name]
-                    held, offsets = locate(pl, ch.positions)
-                    check_and_write(
-                        copies[1][pl.param].reshape(-1),
-                        offsets,
-                        ch.old[held],
-                        ch.new[held],
-                        pl.param,
-                    )
+                    write_copy(copies[1], self._place[tp.name], ch)
                 s0, s1 = self._sums[tp.name]
                 state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
                 got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
@@ -311,7 +277,8 @@ class HeldWeights:
         staged.writes.update(merge_writes(per_param))
         t2 = time.perf_counter()
         if copies is not None:
-            staged.buffers = self._finish_copies(staged, *copies)
+            check_copies(staged, copies[1])
+            staged.buffers = copies[0]
         self.last_stage_ms = {
             "prove": (t1 - t0) * 1e3,
             "layout": (t2 - t1) * 1e3,
@@ -319,17 +286,6 @@ class HeldWeights:
         }
         self.staged = {staged.token: staged}
         return staged
-
-    def _clone(self, params: set[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """A second buffer of each of ``params`` (the glue's storage, and its words)."""
-        assert self._buffers is not None
-        handles: dict[str, Any] = {}
-        words: dict[str, np.ndarray] = {}
-        for p in sorted(params):
-            handles[p], words[p] = self._buffers.clone(p)
-            if words[p].shape != self.params[p].shape or not words[p].flags.c_contiguous:
-                raise EngineError("a parameter's copy has another layout", param=p)
-        return handles, words
 
     def _run(self, pl: Placement) -> int | None:
         """Where the tensor's words start in its parameter when they are one run of it (the
@@ -359,20 +315,6 @@ class HeldWeights:
         d0, d1 = native.core.apply(kind, run, ch.positions, ch.old, ch.new)
         return int(d0), int(d1)
 
-    def _finish_copies(
-        self, staged: Staged, handles: dict[str, Any], words: dict[str, np.ndarray]
-    ) -> dict[str, Any]:
-        """The copies, every staged word written (old words checked as overwritten), read
-        back a slice at a time."""
-        acc = numpy_access(words)
-        assert acc.read_at is not None
-        for p, w in staged.writes.items():
-            for i in range(0, w.offsets.size, SLICE):
-                s = slice(i, i + SLICE)
-                if not np.array_equal(acc.read_at(p, w.offsets[s]), w.new[s]):
-                    raise TargetMismatchError("read-back of a copy's words differs", param=p)
-        return handles
-
     # -- writing (under the pause) -----------------------------------------------------------
 
     def commit(self, token: str, repack: Callable[[set[str]], None] = lambda p: None) -> Staged:
@@ -384,7 +326,8 @@ class HeldWeights:
             )
         self._check_base(staged)
         if staged.buffers is not None:
-            staged.retired = self._exchange(staged.buffers)
+            assert self._buffers is not None
+            staged.retired = exchange(self._buffers, self.params, staged.buffers)
             staged.buffers = None
         else:
             self._scatter(staged, repack)
@@ -432,44 +375,10 @@ class HeldWeights:
                 ) from None
             raise
 
-    def _exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
-        """Under the pause: the buffers in place of the parameters' storage, the words
-        re-aliased; undone on any failure. Returns the storage replaced."""
-        assert self._buffers is not None
-        held = self._buffers.exchange(buffers)
-        try:
-            for p in buffers:
-                self.params[p] = self._buffers.words(p)
-        except BaseException:
-            self._buffers.exchange(held)
-            for p in held:
-                self.params[p] = self._buffers.words(p)
-            raise
-        return held
-
     def load(self, view: View, repack: Callable[[set[str]], None] = lambda p: None) -> str:
         """Overwrite every tensor with ``view`` (validated whole first); returns the root."""
+        check_keyframe(view, {n: (self._kind[n], pl.shape) for n, pl in self._place.items()})
         names = set(view)
-        if names != set(self._place):
-            missing, extra = sorted(set(self._place) - names), sorted(names - set(self._place))
-            raise ViewError(
-                "keyframe tensor names differ from the engine's",
-                missing=missing[:3] or None,
-                unexpected=extra[:3] or None,
-                n_missing=len(missing),
-                n_unexpected=len(extra),
-            )
-        for name in sorted(names):
-            t, pl = view[name], self._place[name]
-            if t.kind != self._kind[name] or t.shape != pl.shape:
-                raise ViewError(
-                    "keyframe tensor layout differs from the engine's",
-                    tensor=name,
-                    kind=t.kind.name,
-                    shape=t.shape,
-                    engine_kind=self._kind[name].name,
-                    engine_shape=pl.shape,
-                )
         self.staged.clear()
         self._forget()
         for name in sorted(names):

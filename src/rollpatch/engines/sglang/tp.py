@@ -6,7 +6,7 @@ Each TP rank runs rollpatch's control thread and holds blocks of the split tenso
 - :func:`held` adds every rank's block sums into the tensors' digests (:func:`.slices.combine`);
 - :func:`export` gathers one tensor's blocks into the whole tensor (the follower's
   :meth:`~.adapter.SglangEngine.words`: patches are decoded here, against the gathered words);
-- :func:`stage` sends a decoded patch to every rank, adds the ranks' moved sums and checks
+- :func:`stage_update` checks the base and stages (:func:`stage`): it sends a decoded patch to every rank, adds the ranks' moved sums and checks
   them against the patch's target digests and root *before any rank writes*;
 - :func:`commit` writes on every rank in one weight-update call (between two forward passes);
   if a rank fails, the ranks that wrote undo their writes, so every rank is back on the base.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +29,10 @@ from .channel import SglangChannel
 from .slices import combine
 from .wire import result
 
-__all__ = ["commit", "export", "held", "stage"]
+if TYPE_CHECKING:
+    from ..staged import StagedUpdate
+
+__all__ = ["commit", "export", "held", "stage", "stage_update"]
 
 
 def held(
@@ -103,6 +106,27 @@ def stage(
         "ms": max(float(a.get("ms", 0.0)) for a in answers),
     }
     return [str(a["token"]) for a in answers], summary
+
+
+def stage_update(
+    ch: SglangChannel, patch: Patch, path: Path, root: str | None, tensors: Mapping[str, Any]
+) -> tuple[StagedUpdate, dict[str, Any]]:
+    """The adapter's staging at TP > 1: the engine's verified ``root`` must be the patch's
+    base, then :func:`stage` against the digests the ranks hold now. Returns the update and
+    rank 0's summary."""
+    from ..staged import StagedUpdate
+
+    if root != patch.base:
+        raise BaseMismatchError(
+            "engine root digest is not the patch's base",
+            engine="sglang",
+            expected=patch.base[:16],
+            actual=str(root)[:16],
+        )
+    digests, _ = held(ch, tensors, fresh=False)
+    tokens, r = stage(ch, patch, path, digests, tensors)
+    payload = {"sglang_tokens": tokens, "changed": r["changed"], "nbytes": r["nbytes"]}
+    return StagedUpdate(patch.base, patch.target, {}, dict(r["digests"]), payload), r
 
 
 def commit(ch: SglangChannel, tokens: list[str]) -> dict[str, Any]:

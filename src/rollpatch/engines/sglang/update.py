@@ -1,7 +1,8 @@
 """A staged SGLang update and the pure checks that build it (numpy only).
 
 :func:`as_delta` turns one tensor patch into a validated delta against the live words of a
-tensor (layout, positions, old elements); :func:`merge_writes` joins the checkpoint tensors'
+tensor (layout, positions — :func:`check_delta`, old elements); :func:`check_keyframe` checks
+a keyframe's names and layouts; :func:`merge_writes` joins the checkpoint tensors'
 runtime offsets into one sorted scatter per runtime parameter; :class:`Staged` is the proven,
 ready-to-scatter result that :class:`~.staged.HeldWeights` keeps between stage and commit.
 """
@@ -15,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, PatchError
+from ...errors import BaseMismatchError, PatchError, ViewError
 from ...kinds import Kind
 from ...patch import DeltaOp, DropOp, FullOp, TensorPatch
+from ...view import View
 
-__all__ = ["Staged", "as_delta", "merge_writes"]
+__all__ = ["Staged", "as_delta", "check_delta", "check_keyframe", "merge_writes"]
 
 
 @dataclass
@@ -102,6 +104,17 @@ def as_delta(
             pass
         case DropOp():
             raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
+    check_delta(tp.name, pos, old, new, kind, n_elements)
+    if not np.array_equal(live[pos], old):
+        raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
+    return tp
+
+
+def check_delta(
+    name: str, pos: np.ndarray, old: np.ndarray, new: np.ndarray, kind: Kind, n_elements: int
+) -> None:
+    """A delta's positions ``pos`` are int64, strictly increasing and in
+    ``range(n_elements)``; its ``old`` and ``new`` elements are ``kind``'s words, one each."""
     if (
         pos.dtype != np.int64
         or pos.ndim != 1
@@ -110,14 +123,37 @@ def as_delta(
         or old.shape != pos.shape
         or new.shape != pos.shape
     ):
-        raise PatchError("positions must be int64 and elements the kind's words", tensor=tp.name)
+        raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
     if pos.size and (
         pos[0] < 0 or pos[-1] >= n_elements or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
     ):
-        raise PatchError("positions out of range or not strictly increasing", tensor=tp.name)
-    if not np.array_equal(live[pos], old):
-        raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
-    return tp
+        raise PatchError("positions out of range or not strictly increasing", tensor=name)
+
+
+def check_keyframe(view: View, layout: Mapping[str, tuple[Kind, tuple[int, ...]]]) -> None:
+    """``view`` names exactly the tensors of ``layout`` (name → kind, shape), each of that
+    kind and shape."""
+    names = set(view)
+    if names != set(layout):
+        missing, extra = sorted(set(layout) - names), sorted(names - set(layout))
+        raise ViewError(
+            "keyframe tensor names differ from the engine's",
+            missing=missing[:3] or None,
+            unexpected=extra[:3] or None,
+            n_missing=len(missing),
+            n_unexpected=len(extra),
+        )
+    for name in sorted(names):
+        t, (kind, shape) = view[name], layout[name]
+        if t.kind != kind or t.shape != shape:
+            raise ViewError(
+                "keyframe tensor layout differs from the engine's",
+                tensor=name,
+                kind=t.kind.name,
+                shape=t.shape,
+                engine_kind=kind.name,
+                engine_shape=shape,
+            )
 
 
 def merge_writes(

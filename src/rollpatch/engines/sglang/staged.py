@@ -24,10 +24,10 @@ A commit is two phases:
 
 With ``mode="double_buffer"`` (:data:`~rollpatch.engines.staged.WriteMode`), staging also
 builds, for every touched runtime parameter, a second buffer (a copy of its storage, through
-the engine glue's :class:`~.buffers.Buffers`) with the staged words written into it, the old words
-checked and the new ones read back; the commit then only exchanges storages (O(1) per
-parameter, undone on failure) and hands back the storage it replaced, to be released after
-the pause (:func:`rollpatch.engines.writing.release`).
+the engine glue's :class:`~.buffers.Buffers`; the steps are :mod:`.buffers`') with the staged
+words written into it, the old words checked and the new ones read back; the commit then only
+exchanges storages (O(1) per parameter, undone on failure) and hands back the storage it
+replaced, to be released after the pause (:func:`rollpatch.engines.writing.release`).
 
 Nothing writes the parameters but :meth:`commit` and :meth:`load`, so the cached digests stay
 true between commits; :meth:`audit` re-hashes everything (for a background check).

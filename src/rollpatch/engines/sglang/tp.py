@@ -6,8 +6,9 @@ Each TP rank runs rollpatch's control thread and holds blocks of the split tenso
 - :func:`held` adds every rank's block sums into the tensors' digests (:func:`.slices.combine`);
 - :func:`export` gathers one tensor's blocks into the whole tensor (the follower's
   :meth:`~.adapter.SglangEngine.words`: patches are decoded here, against the gathered words);
-- :func:`stage_update` checks the base and stages (:func:`stage`): it sends a decoded patch to every rank, adds the ranks' moved sums and checks
-  them against the patch's target digests and root *before any rank writes*;
+- :func:`stage_update` checks the engine's root against the patch's base, then :func:`stage`
+  sends a decoded patch to every rank, adds the ranks' moved sums and checks them against
+  the patch's target digests and root *before any rank writes*;
 - :func:`commit` writes on every rank in one weight-update call (between two forward passes);
   if a rank fails, the ranks that wrote undo their writes, so every rank is back on the base.
 """

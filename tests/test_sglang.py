@@ -46,7 +46,7 @@ from rollpatch.errors import (
 from rollpatch.kinds import get_kind
 from rollpatch.patch import Patch, diff, encode
 from rollpatch.view import View
-from tests import live_servers, vllm_env
+from tests import live_servers, vllm_env, vllm_layouts
 from tests.sglang_env import BUILD_HINT, sglang_python, venv_dir
 
 # -- offline ----------------------------------------------------------------------------------
@@ -71,10 +71,12 @@ def test_command_payload_is_torchs_own_bytes() -> None:
 
 def _held(seed: int = 0) -> tuple[HeldWeights, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """A one-layer fused layout (qkv, gate_up, vocab...) at TP 1 over numpy parameters."""
-    specs = vllm_env.layer_specs(1)
-    ck = vllm_env.checkpoint(seed)
+    specs = vllm_layouts.layer_specs(1)
+    ck = vllm_layouts.checkpoint(seed)
     params = {
-        s.param: vllm_env.vllm_load(ck, 1, 0)[s.param].reshape(vllm_env.param_shape(s, 1)).copy()
+        s.param: vllm_layouts.vllm_load(ck, 1, 0)[s.param]
+        .reshape(vllm_layouts.param_shape(s, 1))
+        .copy()
         for s in specs
     }
     kinds = {s.param: get_kind("bf16") for s in specs}
@@ -83,9 +85,9 @@ def _held(seed: int = 0) -> tuple[HeldWeights, dict[str, np.ndarray], dict[str, 
 
 def test_staged_commit_scatters_only_after_proof() -> None:
     w, params, ck = _held()
-    a = vllm_env.words_view(ck)
+    a = vllm_layouts.words_view(ck)
     assert w.root() == a.digest() and w["q_proj.weight"].data.base is not None  # zero-copy
-    b = vllm_env.words_view(vllm_env.random_step(ck, 1))
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 1))
     before = {p: v.copy() for p, v in params.items()}
     staged = w.stage(diff(a, b))
     assert all(np.array_equal(before[p], params[p]) for p in params)  # staging writes nothing
@@ -100,8 +102,8 @@ def test_staged_commit_scatters_only_after_proof() -> None:
 
 def test_refusals_leave_the_words_untouched() -> None:
     w, params, ck = _held()
-    a = vllm_env.words_view(ck)
-    b = vllm_env.words_view(vllm_env.random_step(ck, 2))
+    a = vllm_layouts.words_view(ck)
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 2))
     snap = {p: v.copy() for p, v in params.items()}
     good = diff(a, b)
 
@@ -173,10 +175,12 @@ class NumpyBuffers:
 def _held_buffered(
     fail_on: str | None = None,
 ) -> tuple[HeldWeights, NumpyBuffers, dict[str, np.ndarray]]:
-    specs = vllm_env.layer_specs(1)
-    ck = vllm_env.checkpoint(0)
+    specs = vllm_layouts.layer_specs(1)
+    ck = vllm_layouts.checkpoint(0)
     params = {
-        s.param: vllm_env.vllm_load(ck, 1, 0)[s.param].reshape(vllm_env.param_shape(s, 1)).copy()
+        s.param: vllm_layouts.vllm_load(ck, 1, 0)[s.param]
+        .reshape(vllm_layouts.param_shape(s, 1))
+        .copy()
         for s in specs
     }
     buf = NumpyBuffers(params, fail_on)
@@ -189,8 +193,8 @@ def test_double_buffered_commit_exchanges_storage() -> None:
     commit only exchanges storages, giving the same words as an in-place commit."""
     w, buf, ck = _held_buffered()
     ref, _, _ = _held()
-    a = vllm_env.words_view(ck)
-    b = vllm_env.words_view(vllm_env.random_step(ck, 1))
+    a = vllm_layouts.words_view(ck)
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 1))
     live = dict(buf.params)
     snap = {p: v.copy() for p, v in live.items()}
     staged = w.stage(diff(a, b), "double_buffer")
@@ -214,8 +218,8 @@ def test_double_buffered_refusals_leave_the_storage() -> None:
     """A failed exchange is undone (old storage, old digests); without the glue, or with an
     unknown mode, double-buffered staging is refused."""
     w, buf, ck = _held_buffered(fail_on="gate_up_proj.weight")
-    a = vllm_env.words_view(ck)
-    b = vllm_env.words_view(vllm_env.random_step(ck, 3))
+    a = vllm_layouts.words_view(ck)
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 3))
     live = dict(buf.params)
     staged = w.stage(diff(a, b), "double_buffer")
     with pytest.raises(RuntimeError, match="exchange"):

@@ -1,7 +1,7 @@
 """SGLang at tensor parallelism > 1, offline: every rank's blocks of the synthetic fused layout
 (q/k/v and gate/up column-split, o/down row-split, the padded vocabulary, replicated KV heads
 at TP 4, a replicated norm), as the weight loaders written after vLLM's/SGLang's place them
-(``tests.vllm_env.vllm_load``).
+(``tests.vllm_layouts.vllm_load``).
 
 The ranks' partial rp.sum128 sums add up to the published digests (each distinct block once);
 staging a decoded patch on every rank moves the sums to the target digests (checked before any
@@ -37,16 +37,16 @@ from rollpatch.errors import BaseMismatchError, EngineError
 from rollpatch.kinds import get_kind
 from rollpatch.patch import Patch, diff
 from rollpatch.view import View
-from tests import vllm_env
+from tests import vllm_env, vllm_layouts
 
 
 def _ranks(tp: int, ck: dict[str, np.ndarray], kv_heads: int = 2) -> list[RankWeights]:
-    specs = vllm_env.layer_specs(tp, kv_heads)
+    specs = vllm_layouts.layer_specs(tp, kv_heads)
     out = []
     for rank in range(tp):
-        loaded = vllm_env.vllm_load(ck, tp, rank, kv_heads)
+        loaded = vllm_layouts.vllm_load(ck, tp, rank, kv_heads)
         params = {
-            s.param: loaded[s.param].reshape(vllm_env.param_shape(s, tp)).copy() for s in specs
+            s.param: loaded[s.param].reshape(vllm_layouts.param_shape(s, tp)).copy() for s in specs
         }
         kinds = {s.param: get_kind("bf16") for s in specs}
         out.append(RankWeights(params, specs, kinds, rank=rank, tp=tp))
@@ -63,10 +63,10 @@ def _held(ranks: list[RankWeights], view: View) -> tuple[dict[str, str], str]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_rank_sums_add_up_to_the_published_digests(tp: int) -> None:
-    ck = vllm_env.checkpoint(0)
-    a = vllm_env.words_view(ck)
+    ck = vllm_layouts.checkpoint(0)
+    a = vllm_layouts.words_view(ck)
     ranks = _ranks(tp, ck)
-    assert any(not pl.whole for s in vllm_env.layer_specs(tp) for pl in placements(s, 0, tp))
+    assert any(not pl.whole for s in vllm_layouts.layer_specs(tp) for pl in placements(s, 0, tp))
     assert _held(ranks, a) == (a.tensor_digests(), a.digest())
     reports = [r.blocks() for r in ranks]
     reports[-1] = {n: b for n, b in reports[-1].items() if n != "down_proj.weight"}
@@ -76,9 +76,9 @@ def test_rank_sums_add_up_to_the_published_digests(tp: int) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_staged_rank_commits_reach_the_target_and_undo(tp: int) -> None:
-    ck = vllm_env.checkpoint(1)
-    a = vllm_env.words_view(ck)
-    b = vllm_env.words_view(vllm_env.random_step(ck, 7))
+    ck = vllm_layouts.checkpoint(1)
+    a = vllm_layouts.words_view(ck)
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 7))
     ranks = _ranks(tp, ck)
     before = [{p: v.copy() for p, v in r.params.items()} for r in ranks]
     patch = diff(a, b)
@@ -92,7 +92,7 @@ def test_staged_rank_commits_reach_the_target_and_undo(tp: int) -> None:
         r.commit(s.token)
     assert _held(ranks, b) == (b.tensor_digests(), b.digest())
     assert combine([r.blocks(fresh=True) for r in ranks], _tensors(b))[1] == b.digest()
-    want = _ranks(tp, vllm_env.random_step(ck, 7))  # what a fresh load of b puts where
+    want = _ranks(tp, vllm_layouts.random_step(ck, 7))  # what a fresh load of b puts where
     for r, w in zip(ranks, want):
         assert all(np.array_equal(r.params[p], w.params[p]) for p in r.params)
     ranks[0].undo(staged[0].token)  # another rank failed: this one goes back
@@ -102,9 +102,9 @@ def test_staged_rank_commits_reach_the_target_and_undo(tp: int) -> None:
 
 
 def test_rank_refusals_leave_the_words_untouched() -> None:
-    ck = vllm_env.checkpoint(2)
-    a = vllm_env.words_view(ck)
-    b = vllm_env.words_view(vllm_env.random_step(ck, 3))
+    ck = vllm_layouts.checkpoint(2)
+    a = vllm_layouts.words_view(ck)
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 3))
     ranks = _ranks(2, ck)
     snap = [{p: v.copy() for p, v in r.params.items()} for r in ranks]
     good = diff(a, b)
@@ -172,9 +172,9 @@ def test_adapter_proves_the_ranks_sum_and_undoes_a_partial_commit(tmp_path: Path
     from rollpatch.engines.vllm.transfer import write_decoded
     from rollpatch.errors import TargetMismatchError
 
-    ck = vllm_env.checkpoint(4)
-    a = vllm_env.words_view(ck)
-    b = vllm_env.words_view(vllm_env.random_step(ck, 9))
+    ck = vllm_layouts.checkpoint(4)
+    a = vllm_layouts.words_view(ck)
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 9))
     ranks = _ranks(2, ck)
     ch = RanksChannel(ranks)
     tensors = _tensors(a)

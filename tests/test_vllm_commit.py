@@ -23,7 +23,7 @@ from rollpatch.errors import BaseMismatchError, TargetMismatchError
 from rollpatch.follower.commit import CommitGate
 from rollpatch.kinds import get_kind
 from rollpatch.patch import diff
-from tests import vllm_env
+from tests import vllm_env, vllm_layouts
 
 
 class _Executor:
@@ -95,8 +95,8 @@ def _staged(base: str, target: str, digests: dict[str, str]) -> StagedUpdate:
 
 
 def test_adapter_commits_in_one_call_and_the_gate_does_not_pause() -> None:
-    v0 = vllm_env.words_view(vllm_env.checkpoint())
-    v1 = vllm_env.words_view(vllm_env.random_step(vllm_env.checkpoint(), 4))
+    v0 = vllm_layouts.words_view(vllm_layouts.checkpoint())
+    v1 = vllm_layouts.words_view(vllm_layouts.random_step(vllm_layouts.checkpoint(), 4))
     fake = _AtomicVllm(v0.digest())
     eng = VllmEngine("http://127.0.0.1:9", transport="rpc")
     eng.http = fake  # type: ignore[assignment]
@@ -155,8 +155,8 @@ def test_writes_check_old_words_slice_by_slice(monkeypatch: pytest.MonkeyPatch) 
             for n, p in model.named_parameters()
         }
 
-    v0 = vllm_env.words_view(words())
-    v1 = vllm_env.words_view(words())
+    v0 = vllm_layouts.words_view(words())
+    v1 = vllm_layouts.words_view(words())
     for n in v1:
         v1[n].data[1::2] ^= 0x0101
         v1.invalidate(n)
@@ -228,9 +228,9 @@ def test_kernel_only_words_are_written_after_the_pause() -> None:
         x = torch.eye(4).to(torch.bfloat16)
         return mod.cpu_linear(x, None, None).t().contiguous().view(torch.int16).numpy()
 
-    views = [vllm_env.words_view(words())]
+    views = [vllm_layouts.words_view(words())]
     for k in (1, 2):
-        nxt = vllm_env.words_view({n: a.copy() for n, a in words().items()})
+        nxt = vllm_layouts.words_view({n: a.copy() for n, a in words().items()})
         for n in nxt:
             nxt[n].data[k::3] ^= 0x0001  # low mantissa bit: exact through the identity matmul
             nxt.invalidate(n)
@@ -247,7 +247,7 @@ def test_kernel_only_words_are_written_after_the_pause() -> None:
         assert w.settler.last["error"] is None and w.digests(fresh=True) == nxt.tensor_digests()
     # a word of q.weight changed behind the digests after staging: the kernel was built from
     # the checked copy, and the words written after the pause find the difference
-    v3 = vllm_env.words_view({n: a.copy() for n, a in words().items()})
+    v3 = vllm_layouts.words_view({n: a.copy() for n, a in words().items()})
     v3["q.weight"].data[0] ^= 0x0001
     v3.invalidate("q.weight")
     staged = w.stage(diff(views[2], v3))
@@ -281,7 +281,7 @@ def test_double_buffered_commit_exchanges_buffers_built_while_staging() -> None:
 
     def view_of(words: dict[str, list[int]]) -> Any:
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        return vllm_env.words_view(
+        return vllm_layouts.words_view(
             {n: np.array(a, np.uint16).reshape(shapes[n]) for n, a in words.items()}
         )
 
@@ -325,12 +325,12 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
     from rollpatch.patch.overlay import Overlay
     from rollpatch.view import sum128
 
-    ck = vllm_env.checkpoint()
+    ck = vllm_layouts.checkpoint()
     cks = [ck]
     for seed in (1, 2, 3):
-        cks.append(vllm_env.random_step(cks[-1], seed, share=0.03))
-    views = [vllm_env.words_view(c) for c in cks]
-    ranks = vllm_env.SimulatedRanks(ck, 1)
+        cks.append(vllm_layouts.random_step(cks[-1], seed, share=0.03))
+    views = [vllm_layouts.words_view(c) for c in cks]
+    ranks = vllm_layouts.SimulatedRanks(ck, 1)
     w = ranks.weights[0]
     steps, blobs = [], []
     for k in range(1, len(views)):

@@ -24,18 +24,18 @@ from rollpatch.errors import (
 )
 from rollpatch.kinds import get_kind
 from rollpatch.patch import DeltaOp, Patch, TensorPatch, diff
-from tests import vllm_env
+from tests import vllm_env, vllm_layouts
 
 TPS = [(1, 2), (2, 2), (4, 2), (4, 4), (2, 1)]
 
 
 @pytest.mark.parametrize(("tp", "kv_heads"), TPS)
 def test_layout_matches_vllm_loaders(tp: int, kv_heads: int) -> None:
-    specs = vllm_env.layer_specs(tp, kv_heads)
-    ck = vllm_env.checkpoint(kv_heads=kv_heads)
+    specs = vllm_layouts.layer_specs(tp, kv_heads)
+    ck = vllm_layouts.checkpoint(kv_heads=kv_heads)
     assert set(layout.check_coverage(specs, tp)) == set(ck)
     rng = np.random.default_rng(tp)
-    loaded = [vllm_env.vllm_load(ck, tp, r, kv_heads) for r in range(tp)]
+    loaded = [vllm_layouts.vllm_load(ck, tp, r, kv_heads) for r in range(tp)]
     for spec in specs:
         shape = layout.param_shape(spec, tp)
         for r in range(tp):
@@ -84,17 +84,19 @@ def test_storage_offsets_on_strided_arrays() -> None:
 
 @pytest.mark.parametrize(("tp", "strided"), [(1, False), (1, True), (2, False), (4, True)])
 def test_commit_and_load_across_ranks(tp: int, strided: bool) -> None:
-    ck0, ck1 = vllm_env.checkpoint(), vllm_env.random_step(vllm_env.checkpoint(), 1)
-    v0, v1 = vllm_env.words_view(ck0), vllm_env.words_view(ck1)
-    ranks = vllm_env.SimulatedRanks(ck0, tp, strided)
+    ck0, ck1 = vllm_layouts.checkpoint(), vllm_layouts.random_step(vllm_layouts.checkpoint(), 1)
+    v0, v1 = vllm_layouts.words_view(ck0), vllm_layouts.words_view(ck1)
+    ranks = vllm_layouts.SimulatedRanks(ck0, tp, strided)
     assert ranks.run(lambda w: w.root()) == [v0.digest()] * tp
     patch = diff(v0, v1)
     got = ranks.run(lambda w: w.commit(patch))
     assert all(isinstance(g, dict) for g in got), got
     assert ranks.run(lambda w: w.root()) == [v1.digest()] * tp
     for r in range(tp):
-        for spec in vllm_env.layer_specs(tp):
-            want = vllm_env.vllm_load(ck1, tp, r)[spec.param].reshape(layout.param_shape(spec, tp))
+        for spec in vllm_layouts.layer_specs(tp):
+            want = vllm_layouts.vllm_load(ck1, tp, r)[spec.param].reshape(
+                layout.param_shape(spec, tp)
+            )
             assert np.array_equal(ranks.params[r][spec.param], want), (r, spec.param)
     assert ranks.repacked and "qkv_proj.weight" in ranks.repacked[0]
     assert ranks.run(lambda w: w.load(v0)) == [v0.digest()] * tp
@@ -102,9 +104,9 @@ def test_commit_and_load_across_ranks(tp: int, strided: bool) -> None:
 
 
 def test_failed_commit_restores_every_rank() -> None:
-    ck0 = vllm_env.checkpoint()
-    v0, v1 = vllm_env.words_view(ck0), vllm_env.words_view(vllm_env.random_step(ck0, 2))
-    ranks = vllm_env.SimulatedRanks(ck0, 2)
+    ck0 = vllm_layouts.checkpoint()
+    v0, v1 = vllm_layouts.words_view(ck0), vllm_layouts.words_view(vllm_layouts.random_step(ck0, 2))
+    ranks = vllm_layouts.SimulatedRanks(ck0, 2)
     good = diff(v0, v1)
     name = "o_proj.weight"
     tp = good.tensors[name]
@@ -143,7 +145,8 @@ def test_failed_commit_restores_every_rank() -> None:
                 tp.base_digest,
                 tp.target_digest,
                 DeltaOp(
-                    tp.changes().positions + vllm_env.HID * vllm_env.HEADS * vllm_env.HD,
+                    tp.changes().positions
+                    + vllm_layouts.HID * vllm_layouts.HEADS * vllm_layouts.HD,
                     tp.changes().old,
                     tp.changes().new,
                 ),
@@ -155,8 +158,8 @@ def test_failed_commit_restores_every_rank() -> None:
 
 
 def test_decoded_file_roundtrip_and_hostile(tmp_path: pytest.TempPathFactory) -> None:
-    ck0 = vllm_env.checkpoint()
-    v0, v1 = vllm_env.words_view(ck0), vllm_env.words_view(vllm_env.random_step(ck0, 3))
+    ck0 = vllm_layouts.checkpoint()
+    v0, v1 = vllm_layouts.words_view(ck0), vllm_layouts.words_view(vllm_layouts.random_step(ck0, 3))
     patch = diff(v0, v1)
     path = tmp_path / "p.bin"  # type: ignore[operator]
     write_decoded(patch, path)
@@ -205,9 +208,9 @@ def test_worker_access_on_torch_parameters(alias: bool) -> None:
     def words(p: object) -> np.ndarray:
         return p.detach().view(torch.int16).numpy().view(np.uint16).copy()  # type: ignore
 
-    v0 = vllm_env.words_view({n: words(p) for n, p in model.named_parameters()})
+    v0 = vllm_layouts.words_view({n: words(p) for n, p in model.named_parameters()})
     assert w.root() == v0.digest()
-    v1 = vllm_env.words_view({n: words(p) for n, p in model.named_parameters()})
+    v1 = vllm_layouts.words_view({n: words(p) for n, p in model.named_parameters()})
     for n in v1:
         v1[n].data[::2] ^= 0x0101
         v1.invalidate(n)
@@ -234,8 +237,8 @@ def test_adapter_commit_protocol_offline() -> None:
     """The adapter against a scripted server: call order, version tags, and what it reports
     after failures (previous version when the engine still holds it, else not ready)."""
     v0, v1 = (
-        vllm_env.words_view(vllm_env.checkpoint()),
-        vllm_env.words_view(vllm_env.random_step(vllm_env.checkpoint(), 4)),
+        vllm_layouts.words_view(vllm_layouts.checkpoint()),
+        vllm_layouts.words_view(vllm_layouts.random_step(vllm_layouts.checkpoint(), 4)),
     )
     fake = vllm_env.FakeVllm(v0.digest())
     eng = VllmEngine("http://127.0.0.1:9", transport="weight-transfer")

@@ -1,0 +1,178 @@
+"""bench/sidecar.py's proxy tables: per engine, shape and concurrency, the direct and sidecar
+paths side by side, and the targets of issue 10 (throughput ratio, p50 added, CPU/request)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from _sidecar_load import MAX_TOKENS
+from _util import table
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.2f} s"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _row(
+    part: str, case: str, metric: str, mine: str, base: str, added: str, ratio: float, vs: str
+) -> list[str]:
+    return [
+        part,
+        case,
+        metric,
+        mine,
+        base,
+        added,
+        f"{ratio:.2f}" if not math.isnan(ratio) else "-",
+        vs,
+    ]
+
+
+def proxy_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in proxy:
+        s, d = r["sidecar"], r["direct"]
+        what = "streams" if r.get("shape", "stream") == "stream" else "non-streaming"
+        case = f"{r['engine']}, c={r['c']} {what}, {r['n']} req"
+        for q in ("p50", "p99"):
+            rows.append(
+                _row(
+                    "proxy",
+                    case,
+                    f"{q} latency",
+                    _ms(s[q]),
+                    _ms(d[q]),
+                    f"{(s[q] - d[q]) * 1e3:+.1f} ms",
+                    s[q] / d[q],
+                    "direct",
+                )
+            )
+        rows.append(
+            _row(
+                "proxy",
+                case,
+                "throughput",
+                f"{s['rps']:.1f}/s",
+                f"{d['rps']:.1f}/s",
+                f"{s['rps'] - d['rps']:+.1f}/s",
+                s["rps"] / d["rps"],
+                "direct",
+            )
+        )
+        rows.append(
+            _row(
+                "proxy",
+                case,
+                "sidecar CPU/req",
+                f"{s['cpu'] * 1e3:.2f} ms",
+                f"{d['cpu'] * 1e3:.2f} ms",
+                f"{(s['cpu'] - d['cpu']) * 1e3:+.2f} ms",
+                float("nan"),
+                "sidecar idle (direct)",
+            )
+        )
+        rows.append(
+            _row(
+                "proxy",
+                case,
+                "engine CPU/req",
+                _ms(s["engine_cpu"]),
+                _ms(d["engine_cpu"]),
+                f"{(s['engine_cpu'] - d['engine_cpu']) * 1e3:+.1f} ms",
+                s["engine_cpu"] / d["engine_cpu"],
+                "direct",
+            )
+        )
+    return rows
+
+
+#: Issue 10's targets for the sidecar in front of an engine in its own process.
+TARGET_RATIO, TARGET_P50_ADDED_S = 0.95, 1e-3
+
+
+def target_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per engine, shape and level: the throughput ratio, the p50 latency the sidecar
+    adds, its CPU per request (less its idle CPU), and whether both targets are met."""
+    rows = []
+    for r in proxy:
+        s, d = r["sidecar"], r["direct"]
+        ratio, added = s["rps"] / d["rps"], s["p50"] - d["p50"]
+        met = ratio >= TARGET_RATIO and added <= TARGET_P50_ADDED_S
+        rows.append(
+            [
+                r["engine"],
+                "streams" if r.get("shape", "stream") == "stream" else "non-streaming",
+                str(r["c"]),
+                f"{d['rps']:.1f}/s",
+                f"{s['rps']:.1f}/s",
+                f"{ratio:.2f}",
+                f"{d['p50'] * 1e3:.1f} ms",
+                f"{s['p50'] * 1e3:.1f} ms",
+                f"{added * 1e3:+.1f} ms",
+                f"{(s['cpu'] - d['cpu']) * 1e3:.2f} ms",
+                "yes" if met else "no",
+            ]
+        )
+    return rows
+
+
+def render_targets(proxy: list[dict[str, Any]]) -> str:
+    """The targets table (empty when the proxy part did not run)."""
+    if not proxy:
+        return ""
+    headers = [
+        "engine",
+        "shape",
+        "c",
+        "direct",
+        "sidecar",
+        "ratio",
+        "p50 direct",
+        "p50 sidecar",
+        "p50 added",
+        "sidecar CPU/req",
+        "met",
+    ]
+    right = [False, False] + [True] * 9
+    return "\n".join(
+        [
+            (
+                f"targets (issue 10): throughput ratio >= {TARGET_RATIO:.2f} and p50 added <= "
+                f"{TARGET_P50_ADDED_S * 1e3:g} ms, engine in its own process"
+            ),
+            table(headers, target_rows(proxy), right),
+            (
+                "sidecar CPU/req: the sidecar process's CPU per proxied request less its CPU per "
+                "request while the direct chunks ran (follower polling)"
+            ),
+        ]
+    )
+
+
+def _proxy_foot(ctx: dict[str, Any]) -> list[str]:
+    return [
+        (
+            f"proxy      {MAX_TOKENS}-token completions, temperature 0, c concurrent requests "
+            "(closed loop), streamed (SSE, usage in the last chunk) or not; baseline = the "
+            "same engine's own URL;"
+        ),
+        (
+            "           chunks in the order "
+            f"{'(direct, sidecar, sidecar, direct) x ' + str(ctx['rounds'])}; latency = "
+            "client-side wall per request (pooled); throughput = requests / wall"
+        ),
+        (
+            "           sidecar CPU/req = CPU time of the sidecar's process per "
+            "request over a chunk, median over chunks; its baseline is the same process"
+        ),
+        (
+            "           during the direct chunks (follower polling, nothing proxied): 'added' is "
+            "what proxying costs; engine CPU/req likewise from /proc"
+        ),
+        "           (CPU rows depend far less on other jobs' load than the wall-clock rows)",
+    ]

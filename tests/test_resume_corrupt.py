@@ -112,3 +112,29 @@ def test_a_resume_with_no_sound_path_publishes_a_keyframe_with_no_parent(
     assert Follower(memory_board, RUN, boot, FAST).sync() == 15
     assert boot.view.digest() == _served(15).digest()
     assert reconstruct(memory_board, RUN, 15).digest() == _served(15).digest()
+
+
+def test_followers_that_met_the_corruption_reach_the_new_lineage(memory_board: Board) -> None:
+    """The soak's ``corrupt`` fault as the islands see it: they try to sync while the newest
+    keyframe and patches are corrupt and no sound path exists (each attempt refused, the
+    objects remembered), then the restarted publisher's keyframe with no parent appears; the
+    next sync reaches it at once, verified."""
+    config = PublisherConfig(keyframe_every=10, skip_strides=(8,))
+    _publish(memory_board, range(14), config)
+    held = {v: ViewEngine() for v in (9, 11, 12)}
+    followers = {v: Follower(memory_board, RUN, e, FAST) for v, e in held.items()}
+    for v, f in followers.items():
+        assert f.sync(v) == v
+    _corrupt(memory_board, 10, keyframe=True, patches=True)
+    for v in (12, 13):
+        _corrupt(memory_board, v, keyframe=False, patches=True)
+    for f in followers.values():
+        for _ in range(3):
+            with pytest.raises(ObjectIntegrityError):
+                f.sync()
+    pub = Publisher(memory_board, RUN, config, asynchronous=False)
+    assert pub.publish(_masters(14), version=14) == 14 and pub.resume_scope == "keyframe"
+    assert pub.publish(_masters(15), version=15) == 15
+    for v, f in followers.items():
+        assert f.sync() == 15, v
+        assert held[v].view.digest() == _served(15).digest()

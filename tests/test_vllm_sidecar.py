@@ -13,101 +13,28 @@ through; vLLM's own tag (``GET /weight_info``) is checked to name the served ver
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-import pytest
-
 from rollpatch.board import Board
-from rollpatch.follower import Follower, FollowerConfig
-from rollpatch.formats import cast_view
-from rollpatch.publisher import Publisher, PublisherConfig
-from rollpatch.view import View
-from tests import live_servers, vllm_env
+from tests import vllm_env
+from tests.vllmsidecarfix import (
+    BOOT_LATEST,
+    FAST,
+    RUN,
+    World,
+    server,
+    vllm_python,
+    world,
+)
 
-RUN = "rl"
-FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
-
-
-# -- live: a real vLLM behind the sidecar -------------------------------------------------------
+_FIXTURES = (server, vllm_python, world)  # used by name
 
 PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
 MAX_TOKENS = 8
 LONG = 400  # tokens of a generation that spans a commit (max-model-len 512)
-BOOT_LATEST = 5  # published before the joining replica starts (it boots on version 0)
-N_VERSIONS = 20  # views prepared; the tests publish more as they go
-
-
-class World:
-    """The tiny model, its versions (FP32 masters plus small noise, as an RL step), a board."""
-
-    def __init__(self, root: Path, boot: Path) -> None:
-        from rollpatch.io.safetensors import load_view
-
-        masters = {
-            n: t.to_array().astype(np.float32)
-            for n, t in load_view(boot / "model.safetensors").items()
-        }
-        rng = np.random.default_rng(11)
-        self.masters: list[dict[str, np.ndarray]] = []
-        for _ in range(N_VERSIONS):
-            self.masters.append({n: m.copy() for n, m in masters.items()})
-            for m in masters.values():
-                m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
-        self.views = [cast_view(m, "bf16") for m in self.masters]
-        # the model directory vLLM booted from holds version 0's view (an older keyframe)
-        self.model = boot
-        assert load_view(boot / "model.safetensors").digest() == self.views[0].digest()
-        self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(
-            self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
-        )
-        self.latest = -1
-        self.lock = threading.Lock()
-        while self.latest < BOOT_LATEST:
-            self.publish()
-
-    def publish(self) -> int:
-        with self.lock:
-            v = self.publisher.publish(self.masters[self.latest + 1])
-            assert v == self.latest + 1
-            self.latest = v
-            return v
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if os.environ.get("ROLLPATCH_SKIP_VLLM") == "1":
-        pytest.skip("ROLLPATCH_SKIP_VLLM=1: the live vLLM tests are skipped on request")
-    python = vllm_env.vllm_python()
-    if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
-    return python
-
-
-@pytest.fixture(scope="module")
-def server(vllm_python: Path, live_vllm: live_servers.SharedServer) -> Iterator[vllm_env.Server]:
-    """The session's vLLM server (tests.live_servers: started with ROLLPATCH_FAULT_INJECTION=1
-    for rollpatch_flip, the audit test's fault), holding the live tiny model's weights."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("openai")
-    srv = live_vllm.acquire()
-    yield srv
-    live_vllm.release()
-
-
-@pytest.fixture(scope="module")
-def world(
-    server: vllm_env.Server,
-    live_vllm: live_servers.SharedServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> World:
-    return World(tmp_path_factory.mktemp("vllm-sidecar"), live_vllm.model)
 
 
 def _client(url: str) -> Any:
@@ -343,124 +270,3 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
     finally:
         sc.stop()
     check_labels(server.url, world, labelled)
-
-
-def _count_words(engine: Any) -> Any:
-    """Count ``words()`` calls on a VllmEngine (the decode path's cross-process reads)."""
-    engine.words_calls = 0
-    words = engine.words
-
-    def counted() -> Any:
-        engine.words_calls += 1
-        return words()
-
-    engine.words = counted
-    return engine
-
-
-def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: World) -> None:
-    """The follower gives vLLM every step undecoded: the workers decode, compose and prove a
-    catch-up of any length while serving (nothing but the patches crosses processes)."""
-    from rollpatch.engines.vllm import VllmEngine
-
-    engine = _count_words(VllmEngine(server.url))
-    engine.load(world.views[world.latest], world.latest)  # the label checks moved the server
-    f = Follower(world.board, RUN, engine, FAST)
-    posted: list[str] = []
-    post = engine.http.post
-
-    def recorded(path: str, body: Any = None, **kw: Any) -> Any:
-        posted.append(path if path != "/collective_rpc" else body["method"])
-        return post(path, body, **kw)
-
-    engine.http.post = recorded
-    try:
-        v = world.publish()
-        assert f.sync() == v and engine.words_calls == 0
-        # the engine-core hook (launch.SCHEDULER): the write, the tag and the prefix-cache
-        # reset are one engine-core call; no /pause, /resume or /reset_prefix_cache around it
-        assert engine.pauses_itself and "core_ms" in engine.last_timings
-        commit = posted.index("rollpatch_commit_atomic")
-        assert not {"/pause?mode=keep", "/resume", "/reset_prefix_cache"} & set(posted[commit:])
-        assert (
-            f.gate.last is not None and f.gate.last.pause_s * 1e3 >= engine.last_timings["core_ms"]
-        )
-        assert engine.held(fresh=True) == (world.views[v].tensor_digests(), world.views[v].digest())
-        assert server.get("/weight_info") == {"weight_version": str(v)}
-        world.publish()
-        v = world.publish()
-        assert f.sync() == v and engine.words_calls == 0  # two steps, composed in the worker
-        assert engine.held(fresh=True)[1] == world.views[v].digest()
-        assert f.status().commits == 2 and f.gate.last is not None and f.gate.last.ok
-    finally:
-        engine.close()
-
-
-def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World) -> None:
-    """One bit of a live vLLM weight flipped behind the sidecar's back (the fault-injection
-    worker method): the audit finds it within one pass, /ready answers 503, and the follower
-    re-syncs from a keyframe by itself, back on a version a full re-hash confirms."""
-    import httpx
-
-    from rollpatch.engines.vllm import VllmEngine
-    from rollpatch.sidecar import SidecarConfig
-    from rollpatch.sidecar.server import start_sidecar
-
-    engine = VllmEngine(server.url)
-    engine.load(world.views[world.latest], world.latest)
-    period = 0.05
-    cfg = FollowerConfig(
-        poll_s=0.05,
-        backoff_s=0.01,
-        timeout_s=60.0,
-        audit_bytes_per_s=2 * 2**20 / period,
-        audit_period_s=period,
-    )
-    sc = start_sidecar(
-        world.board,
-        RUN,
-        engine,
-        server.url,
-        config=SidecarConfig(commit_mode="pause", follower=cfg),
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{sc.url}/ready").status_code != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.02)
-        seen, loaded, load = threading.Event(), [], engine.load
-
-        def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
-            seen.wait(30)
-            loaded.append(version)
-            load(view, version)
-
-        engine.load = held_load  # type: ignore[method-assign]
-        auditor = sc.sidecar.follower.auditor
-        assert auditor is not None
-        before = auditor.bytes
-        names = sorted(engine.tensors())
-        name = names[len(names) // 2]
-        out = server.post("/collective_rpc", {"method": "rollpatch_flip", "args": [name, "7"]})
-        assert out["results"][0]["ok"] and out["results"][0]["flipped"] == 1
-        while httpx.get(f"{sc.url}/ready").status_code != 503:
-            assert time.monotonic() < deadline + 60, "the audit never found the flipped bit"
-            time.sleep(0.01)
-        hashed = auditor.bytes - before
-        seen.set()
-        while not (
-            httpx.get(f"{sc.url}/ready").status_code == 200
-            and sc.sidecar.follower.version == world.latest
-        ):
-            assert time.monotonic() < deadline + 120, "never came back on a verified version"
-            time.sleep(0.02)
-        model_bytes = world.views[world.latest].nbytes
-        # found within one pass over the model, counted from before the flip: the slice in
-        # flight then (which may have read that tensor just before it) adds one more budget,
-        # and the pass's last slice may end past the tensor
-        assert 0 < hashed <= model_bytes + 2 * auditor.budget, hashed
-        assert loaded == [world.latest] and sc.sidecar.follower.status().audits == 1
-        assert engine.held(fresh=True)[1] == world.views[world.latest].digest()
-        assert server.get("/weight_info") == {"weight_version": str(world.latest)}
-    finally:
-        sc.stop()

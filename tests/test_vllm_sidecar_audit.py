@@ -1,0 +1,146 @@
+"""vLLM behind the follower, live: the follower hands the workers every step undecoded (a
+catch-up composed and proven in the worker, one engine-core call per commit), and the
+background audit finds a bit flipped behind the sidecar's back, takes the island out of
+rotation and re-syncs it (the world: tests/vllmsidecarfix.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rollpatch.follower import Follower, FollowerConfig
+from rollpatch.view import View
+from tests import vllm_env
+from tests.vllmsidecarfix import (
+    FAST,
+    RUN,
+    World,
+    server,
+    vllm_python,
+    world,
+)
+
+_FIXTURES = (server, vllm_python, world)  # used by name
+
+
+def _count_words(engine: Any) -> Any:
+    """Count ``words()`` calls on a VllmEngine (the decode path's cross-process reads)."""
+    engine.words_calls = 0
+    words = engine.words
+
+    def counted() -> Any:
+        engine.words_calls += 1
+        return words()
+
+    engine.words = counted
+    return engine
+
+
+def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: World) -> None:
+    """The follower gives vLLM every step undecoded: the workers decode, compose and prove a
+    catch-up of any length while serving (nothing but the patches crosses processes)."""
+    from rollpatch.engines.vllm import VllmEngine
+
+    engine = _count_words(VllmEngine(server.url))
+    engine.load(world.views[world.latest], world.latest)  # the label checks moved the server
+    f = Follower(world.board, RUN, engine, FAST)
+    posted: list[str] = []
+    post = engine.http.post
+
+    def recorded(path: str, body: Any = None, **kw: Any) -> Any:
+        posted.append(path if path != "/collective_rpc" else body["method"])
+        return post(path, body, **kw)
+
+    engine.http.post = recorded
+    try:
+        v = world.publish()
+        assert f.sync() == v and engine.words_calls == 0
+        # the engine-core hook (launch.SCHEDULER): the write, the tag and the prefix-cache
+        # reset are one engine-core call; no /pause, /resume or /reset_prefix_cache around it
+        assert engine.pauses_itself and "core_ms" in engine.last_timings
+        commit = posted.index("rollpatch_commit_atomic")
+        assert not {"/pause?mode=keep", "/resume", "/reset_prefix_cache"} & set(posted[commit:])
+        assert (
+            f.gate.last is not None and f.gate.last.pause_s * 1e3 >= engine.last_timings["core_ms"]
+        )
+        assert engine.held(fresh=True) == (world.views[v].tensor_digests(), world.views[v].digest())
+        assert server.get("/weight_info") == {"weight_version": str(v)}
+        world.publish()
+        v = world.publish()
+        assert f.sync() == v and engine.words_calls == 0  # two steps, composed in the worker
+        assert engine.held(fresh=True)[1] == world.views[v].digest()
+        assert f.status().commits == 2 and f.gate.last is not None and f.gate.last.ok
+    finally:
+        engine.close()
+
+
+def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World) -> None:
+    """One bit of a live vLLM weight flipped behind the sidecar's back (the fault-injection
+    worker method): the audit finds it within one pass, /ready answers 503, and the follower
+    re-syncs from a keyframe by itself, back on a version a full re-hash confirms."""
+    import httpx
+
+    from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    engine = VllmEngine(server.url)
+    engine.load(world.views[world.latest], world.latest)
+    period = 0.05
+    cfg = FollowerConfig(
+        poll_s=0.05,
+        backoff_s=0.01,
+        timeout_s=60.0,
+        audit_bytes_per_s=2 * 2**20 / period,
+        audit_period_s=period,
+    )
+    sc = start_sidecar(
+        world.board,
+        RUN,
+        engine,
+        server.url,
+        config=SidecarConfig(commit_mode="pause", follower=cfg),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{sc.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.02)
+        seen, loaded, load = threading.Event(), [], engine.load
+
+        def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
+            seen.wait(30)
+            loaded.append(version)
+            load(view, version)
+
+        engine.load = held_load  # type: ignore[method-assign]
+        auditor = sc.sidecar.follower.auditor
+        assert auditor is not None
+        before = auditor.bytes
+        names = sorted(engine.tensors())
+        name = names[len(names) // 2]
+        out = server.post("/collective_rpc", {"method": "rollpatch_flip", "args": [name, "7"]})
+        assert out["results"][0]["ok"] and out["results"][0]["flipped"] == 1
+        while httpx.get(f"{sc.url}/ready").status_code != 503:
+            assert time.monotonic() < deadline + 60, "the audit never found the flipped bit"
+            time.sleep(0.01)
+        hashed = auditor.bytes - before
+        seen.set()
+        while not (
+            httpx.get(f"{sc.url}/ready").status_code == 200
+            and sc.sidecar.follower.version == world.latest
+        ):
+            assert time.monotonic() < deadline + 120, "never came back on a verified version"
+            time.sleep(0.02)
+        model_bytes = world.views[world.latest].nbytes
+        # found within one pass over the model, counted from before the flip: the slice in
+        # flight then (which may have read that tensor just before it) adds one more budget,
+        # and the pass's last slice may end past the tensor
+        assert 0 < hashed <= model_bytes + 2 * auditor.budget, hashed
+        assert loaded == [world.latest] and sc.sidecar.follower.status().audits == 1
+        assert engine.held(fresh=True)[1] == world.views[world.latest].digest()
+        assert server.get("/weight_info") == {"weight_version": str(world.latest)}
+    finally:
+        sc.stop()

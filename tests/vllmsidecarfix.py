@@ -1,0 +1,91 @@
+"""The live vLLM sidecar tests' world (tests/test_vllm_sidecar*.py): the session's vLLM
+server, the tiny model's versions (FP32 masters plus small noise, as an RL step) and a board
+they are published on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollpatch.follower import FollowerConfig
+from rollpatch.formats import cast_view
+from rollpatch.publisher import Publisher, PublisherConfig
+from tests import live_servers, vllm_env
+
+RUN = "rl"
+FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
+BOOT_LATEST = 5  # published before the joining replica starts (it boots on version 0)
+N_VERSIONS = 20  # views prepared; the tests publish more as they go
+
+
+class World:
+    """The tiny model, its versions (FP32 masters plus small noise, as an RL step), a board."""
+
+    def __init__(self, root: Path, boot: Path) -> None:
+        from rollpatch.io.safetensors import load_view
+
+        masters = {
+            n: t.to_array().astype(np.float32)
+            for n, t in load_view(boot / "model.safetensors").items()
+        }
+        rng = np.random.default_rng(11)
+        self.masters: list[dict[str, np.ndarray]] = []
+        for _ in range(N_VERSIONS):
+            self.masters.append({n: m.copy() for n, m in masters.items()})
+            for m in masters.values():
+                m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
+        self.views = [cast_view(m, "bf16") for m in self.masters]
+        # the model directory vLLM booted from holds version 0's view (an older keyframe)
+        self.model = boot
+        assert load_view(boot / "model.safetensors").digest() == self.views[0].digest()
+        self.board = f"file://{root / 'board'}"
+        self.publisher = Publisher(
+            self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
+        )
+        self.latest = -1
+        self.lock = threading.Lock()
+        while self.latest < BOOT_LATEST:
+            self.publish()
+
+    def publish(self) -> int:
+        with self.lock:
+            v = self.publisher.publish(self.masters[self.latest + 1])
+            assert v == self.latest + 1
+            self.latest = v
+            return v
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    if os.environ.get("ROLLPATCH_SKIP_VLLM") == "1":
+        pytest.skip("ROLLPATCH_SKIP_VLLM=1: the live vLLM tests are skipped on request")
+    python = vllm_env.vllm_python()
+    if python is None:
+        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
+    return python
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python: Path, live_vllm: live_servers.SharedServer) -> Iterator[vllm_env.Server]:
+    """The session's vLLM server (tests.live_servers: started with ROLLPATCH_FAULT_INJECTION=1
+    for rollpatch_flip, the audit test's fault), holding the live tiny model's weights."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("openai")
+    srv = live_vllm.acquire()
+    yield srv
+    live_vllm.release()
+
+
+@pytest.fixture(scope="module")
+def world(
+    server: vllm_env.Server,
+    live_vllm: live_servers.SharedServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> World:
+    return World(tmp_path_factory.mktemp("vllm-sidecar"), live_vllm.model)

@@ -7,10 +7,22 @@ setup(
     ext_modules=[
         Extension(
             "rollpatch.native._rpcore",
-            sources=["src/rollpatch/native/rpcore.c", "src/rollpatch/native/module.c"],
-            depends=["src/rollpatch/native/rpcore.h"],
-            extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall",
-                                "-Wno-unused-function"],
+            sources=[
+                f"src/rollpatch/native/{f}.c"
+                for f in ("rp_encode", "rp_encpass", "rp_decode", "rp_join", "rp_apply", "module")
+            ],
+            depends=[
+                "src/rollpatch/native/rpcore.h",
+                "src/rollpatch/native/rp_internal.h",
+                "src/rollpatch/native/rp_lane.h",
+            ],
+            extra_compile_args=[
+                "-O3",
+                "-std=gnu11",
+                "-fno-strict-aliasing",
+                "-Wall",
+                "-Wno-unused-function",
+            ],
         )
     ]
 )

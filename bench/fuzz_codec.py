@@ -1,7 +1,7 @@
 """Coverage-guided fuzzing of the native codec core with libFuzzer, ASan and UBSan.
 
 Run: ``python bench/fuzz_codec.py`` (600 s per target), e.g. ``--seconds 20`` in CI;
-``--source-coverage`` adds llvm-cov's line/region coverage of rpcore.c by the corpora;
+``--source-coverage`` adds llvm-cov's line/region coverage of the core (``CORE``) by the corpora;
 ``--make-corpus`` rewrites the committed seed corpus. Needs clang with libFuzzer
 (``scripts/fuzz-env`` installs it on Debian/Ubuntu).
 
@@ -52,6 +52,12 @@ CFLAGS = [
 # The round trip's input is never parsed by the core, so comparison tracing (what lets
 # libFuzzer solve a parser's compares) buys nothing there and costs 2.5x in the coder's loops.
 EXTRA = {"decode": [], "roundtrip": ["-fno-sanitize-coverage=trace-cmp"]}
+# The native core's files (setup.py builds the same ones, with module.c).
+CORE = tuple(
+    NATIVE / f"{f}.c" for f in ("rp_encode", "rp_encpass", "rp_decode", "rp_join", "rp_apply")
+)
+# Their internal headers (static inline helpers: bit streams, keys, block primitives).
+CORE_HEADERS = (NATIVE / "rp_internal.h", NATIVE / "rp_lane.h")
 
 
 @dataclass
@@ -77,7 +83,8 @@ class FuzzSetupError(RuntimeError):
 
 
 def build(work: Path = WORK) -> dict[str, Path]:
-    """Compile both targets (and rpcore.c once) into ``work``; returns target -> binary."""
+    """Compile both targets (and the core once per target) into ``work``; returns target ->
+    binary."""
     clang = shutil.which("clang")
     if clang is None:
         raise FuzzSetupError(
@@ -88,19 +95,7 @@ def build(work: Path = WORK) -> dict[str, Path]:
     out = {}
     for t in TARGETS:
         flags = [*CFLAGS, *EXTRA[t]]
-        core = work / f"rpcore_{t}.o"
-        _cc(
-            [
-                clang,
-                *flags,
-                "-include",
-                str(FUZZ / "cpu_switch.h"),
-                "-c",
-                str(NATIVE / "rpcore.c"),
-                "-o",
-                str(core),
-            ]
-        )
+        core = _core_objects(clang, flags, work, t)
         out[t] = work / f"fuzz_{t}"
         _cc(
             [
@@ -109,12 +104,23 @@ def build(work: Path = WORK) -> dict[str, Path]:
                 "-Wall",
                 "-Wno-unused-function",
                 str(FUZZ / f"fuzz_{t}.c"),
-                str(core),
+                *core,
                 "-o",
                 str(out[t]),
             ]
         )
     return out
+
+
+def _core_objects(clang: str, flags: list[str], work: Path, tag: str) -> list[str]:
+    """Each core file compiled with cpu_switch.h force-included (the harness picks AVX2 or
+    scalar per call); returns the object paths."""
+    objs = []
+    for src in CORE:
+        obj = work / f"{src.stem}_{tag}.o"
+        _cc([clang, *flags, "-include", str(FUZZ / "cpu_switch.h"), "-c", str(src), "-o", str(obj)])
+        objs.append(str(obj))
+    return objs
 
 
 def _cc(cmd: list[str]) -> None:
@@ -195,7 +201,8 @@ def _cov(text: str) -> tuple[int, int]:
 
 def source_coverage(work: Path = WORK) -> str:
     """Replay both targets' corpora (seeds + what the runs found) through a clang
-    source-coverage build; llvm-cov's line/region/function totals for rpcore.c alone."""
+    source-coverage build; llvm-cov's line/region/function totals over the core's files
+    (``CORE`` and ``CORE_HEADERS``) alone."""
     tools = [shutil.which(t) for t in ("clang", "llvm-profdata", "llvm-cov")]
     if not all(tools):
         raise FuzzSetupError("source coverage needs clang, llvm-profdata and llvm-cov (llvm)")
@@ -210,20 +217,8 @@ def source_coverage(work: Path = WORK) -> str:
     ]
     raws, bins = [], []
     for t in TARGETS:
-        b, core = work / f"cov_{t}", work / "cov_rpcore.o"
-        _cc(
-            [
-                clang,
-                *flags,
-                "-include",
-                str(FUZZ / "cpu_switch.h"),
-                "-c",
-                str(NATIVE / "rpcore.c"),
-                "-o",
-                str(core),
-            ]
-        )
-        _cc([clang, *flags, str(FUZZ / f"fuzz_{t}.c"), str(core), "-o", str(b)])
+        b, core = work / f"cov_{t}", _core_objects(clang, flags, work, "cov")
+        _cc([clang, *flags, str(FUZZ / f"fuzz_{t}.c"), *core, "-o", str(b)])
         dirs = [d for d in (work / f"corpus-{t}", SEEDS / t) if d.is_dir()]
         files = [str(f) for d in dirs for f in sorted(d.iterdir())]
         raw = work / f"cov_{t}.profraw"
@@ -246,7 +241,7 @@ def source_coverage(work: Path = WORK) -> str:
             "-object",
             bins[1],
             f"-instr-profile={data}",
-            str(NATIVE / "rpcore.c"),
+            *(str(s) for s in (*CORE, *CORE_HEADERS)),
         ],
         check=False,
         capture_output=True,
@@ -274,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--source-coverage",
         action="store_true",
-        help="after the runs, rpcore.c's line/region coverage of the corpora",
+        help="after the runs, the core's line/region coverage of the corpora",
     )
     ap.add_argument(
         "--work",

@@ -1,4 +1,4 @@
-/* CPython binding of the native core (rpcore.c): buffers in (numpy arrays, bytes, memoryviews;
+/* CPython binding of the native core (rpcore.h): buffers in (numpy arrays, bytes, memoryviews;
  * torch CPU tensors through .numpy()), no copies of tensors, the GIL released around every
  * loop so Python threads can run chunks of one tensor and different tensors in parallel. */
 #define PY_SSIZE_T_CLEAN

@@ -10,8 +10,8 @@
  *   bytes 4-7  seed of the base's words (little endian)
  *   bytes 8-   the target's own bytes (a payload, or perturbations)
  *
- * rpcore.c is compiled with -include cpu_switch.h, so fz_simd chooses its AVX2 or scalar
- * loops per call: each target runs both and requires identical results. */
+ * the core (rp_*.c) is compiled with -include cpu_switch.h, so fz_simd chooses its AVX2 or
+ * scalar loops per call: each target runs both and requires identical results. */
 #ifndef FUZZ_COMMON_H
 #define FUZZ_COMMON_H
 #include <stdint.h>
@@ -27,7 +27,7 @@
 int fz_simd = 1; /* read by rp_fuzz_cpu_supports (cpu_switch.h) */
 
 int rp_fuzz_cpu_supports(const char *feature) {
-    (void)feature; /* rpcore.c only asks for avx2 */
+    (void)feature; /* the core only asks for avx2 */
     return fz_simd && __builtin_cpu_supports("avx2");
 }
 

@@ -1,0 +1,197 @@
+/* rollpatch native core: gather, apply, diff and compose of sparse changes, and the
+ * rp.sum128 digest (docs/patch-format.md §7). */
+#include "rp_internal.h"
+
+/* ------------------------------------------------------------------ gather / apply / diff */
+
+int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_t *pos,
+              int64_t count, void *out, int ow, const char **err) {
+    for (int64_t i = 0; i < count; i++)
+        if (pos[i] < 0 || pos[i] >= n_el) { *err = "position out of range"; return RP_EARG; }
+    if (kd->bits == 16 && ow == 2) {
+        const uint16_t *d = (const uint16_t *)data;
+        uint16_t *o = out;
+        for (int64_t i = 0; i < count; i++) o[i] = d[pos[i]];
+    } else if (kd->bits == 8 && ow == 1) {
+        uint8_t *o = out;
+        for (int64_t i = 0; i < count; i++) o[i] = data[pos[i]];
+    } else {
+        for (int64_t i = 0; i < count; i++) arr_put(out, ow, i, elem_get(data, kd->bits, pos[i]));
+    }
+    return RP_OK;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static void sum_avx2(const uint8_t *d, uint64_t j0,
+                                                      uint64_t nw, uint64_t acc[2]) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    __m256i k0 = _mm256_set_epi64x((long long)(SUM_S[0] + (j0 + 3) * SUM_K[0]),
+                                   (long long)(SUM_S[0] + (j0 + 2) * SUM_K[0]),
+                                   (long long)(SUM_S[0] + (j0 + 1) * SUM_K[0]),
+                                   (long long)(SUM_S[0] + j0 * SUM_K[0]));
+    __m256i k1 = _mm256_set_epi64x((long long)(SUM_S[1] + (j0 + 3) * SUM_K[1]),
+                                   (long long)(SUM_S[1] + (j0 + 2) * SUM_K[1]),
+                                   (long long)(SUM_S[1] + (j0 + 1) * SUM_K[1]),
+                                   (long long)(SUM_S[1] + j0 * SUM_K[1]));
+    const __m256i s0 = _mm256_set1_epi64x((long long)(4 * SUM_K[0]));
+    const __m256i s1 = _mm256_set1_epi64x((long long)(4 * SUM_K[1]));
+    for (uint64_t i = 0; i < nw; i += 4) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(d + 8 * i));
+        __m256i x0 = _mm256_xor_si256(w, k0), x1 = _mm256_xor_si256(w, k1);
+        __m256i p0 = _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32));
+        __m256i p1 = _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32));
+        __m256i r0 = _mm256_or_si256(_mm256_slli_epi64(w, 32), _mm256_srli_epi64(w, 32));
+        __m256i r1 = _mm256_or_si256(_mm256_slli_epi64(w, 17), _mm256_srli_epi64(w, 47));
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(p0, r0));
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(p1, r1));
+        k0 = _mm256_add_epi64(k0, s0);
+        k1 = _mm256_add_epi64(k1, s1);
+    }
+    uint64_t t0[4], t1[4];
+    _mm256_storeu_si256((__m256i *)t0, a0);
+    _mm256_storeu_si256((__m256i *)t1, a1);
+    acc[0] += t0[0] + t0[1] + t0[2] + t0[3];
+    acc[1] += t1[0] + t1[1] + t1[2] + t1[3];
+}
+#endif
+
+void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t out[2]) {
+    uint64_t acc[2] = {0, 0}, j = w0, end = w0 + nw;
+    uint64_t full = len / 8; /* words that lie wholly inside the data */
+    uint64_t fast_end = end < full ? end : full;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (fast_end > j && __builtin_cpu_supports("avx2")) {
+        uint64_t cnt = (fast_end - j) & ~3ULL;
+        if (cnt) {
+            sum_avx2(d + 8 * j, j, cnt, acc);
+            j += cnt;
+        }
+    }
+#endif
+    for (; j < end; j++) {
+        uint64_t w = word_at(d, len, j);
+        acc[0] += sum_term(0, w, j);
+        acc[1] += sum_term(1, w, j);
+    }
+    out[0] = acc[0];
+    out[1] = acc[1];
+}
+
+/* Typed fast path: T elements, 8 / sizeof(T) per 64-bit word. */
+#define APPLY_TYPED(T, LOG)                                                                 \
+    do {                                                                                    \
+        T *d = (T *)data;                                                                   \
+        const T *o = (const T *)old, *nw = (const T *)new_;                                 \
+        int64_t i = 0, bad = -1;                                                            \
+        while (i < count && bad < 0) {                                                      \
+            uint64_t j = (uint64_t)pos[i] >> (3 - LOG);                                     \
+            uint64_t before = word_at(data, nbytes, j);                                     \
+            for (; i < count && ((uint64_t)pos[i] >> (3 - LOG)) == j; i++) {                \
+                if (pos[i] < 0 || pos[i] >= n_el || (i && pos[i] <= pos[i - 1])            \
+                    || d[pos[i]] != o[i]) { bad = i; break; }                               \
+                d[pos[i]] = nw[i];                                                          \
+            }                                                                               \
+            uint64_t after = word_at(data, nbytes, j);                                      \
+            d0 += sum_term(0, after, j) - sum_term(0, before, j);                           \
+            d1 += sum_term(1, after, j) - sum_term(1, before, j);                           \
+        }                                                                                   \
+        if (bad >= 0) { /* all or nothing: put back what this call wrote */                 \
+            for (int64_t q = 0; q < bad; q++) d[pos[q]] = o[q];                             \
+            if (pos[bad] < 0 || pos[bad] >= n_el || (bad && pos[bad] <= pos[bad - 1])) {    \
+                *err = "positions out of range or not increasing"; return RP_EARG;          \
+            }                                                                               \
+            *err = "old elements differ from the patch's base"; return RP_EBASE;            \
+        }                                                                                   \
+    } while (0)
+
+int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos,
+             const void *old, const void *new_, int64_t count, int iw, uint64_t delta[2],
+             const char **err) {
+    int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
+    uint64_t d0 = 0, d1 = 0;
+    if (kd->bits == 16 && iw == 2) APPLY_TYPED(uint16_t, 1);
+    else if (kd->bits == 8 && iw == 1) APPLY_TYPED(uint8_t, 0);
+    else if (kd->bits == 32 && iw == 4) APPLY_TYPED(uint32_t, 2);
+    else if (kd->bits == 64 && iw == 8) APPLY_TYPED(uint64_t, 3);
+    else {
+        for (int64_t i = 0; i < count; i++) {
+            if (pos[i] < 0 || pos[i] >= n_el || (i && pos[i] <= pos[i - 1])) {
+                *err = "positions out of range or not increasing"; return RP_EARG;
+            }
+            if (elem_get(data, kd->bits, pos[i]) != arr_get(old, iw, i)) {
+                *err = "old elements differ from the patch's base"; return RP_EBASE;
+            }
+        }
+        int64_t i = 0;
+        while (i < count) {
+            uint64_t j = (uint64_t)pos[i] / 16; /* 16 nibbles per word */
+            uint64_t before = word_at(data, nbytes, j);
+            for (; i < count && (uint64_t)pos[i] / 16 == j; i++)
+                elem_put(data, kd->bits, pos[i], arr_get(new_, iw, i));
+            uint64_t after = word_at(data, nbytes, j);
+            d0 += sum_term(0, after, j) - sum_term(0, before, j);
+            d1 += sum_term(1, after, j) - sum_term(1, before, j);
+        }
+    }
+    delta[0] += d0;
+    delta[1] += d1;
+    return RP_OK;
+}
+
+int rp_diff(const rp_kind *kd, const uint8_t *a, const uint8_t *b, int64_t start, int64_t n,
+            int64_t *pos, int64_t cap, int64_t *found) {
+    int64_t f = 0;
+    if (kd->bits == 4) {
+        for (int64_t i = start; i < start + n; i++)
+            if (elem_get(a, 4, i) != elem_get(b, 4, i)) { if (f < cap) pos[f] = i; f++; }
+        *found = f;
+        return RP_OK;
+    }
+    size_t w = (size_t)kd->bits / 8, lo = (size_t)start * w, hi = (size_t)(start + n) * w;
+    size_t o = lo;
+    for (; o + 32 <= hi; o += 32) { /* skip equal 32-byte blocks fast */
+        uint64_t x[4], y[4];
+        memcpy(x, a + o, 32);
+        memcpy(y, b + o, 32);
+        if (((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0) continue;
+        for (size_t e = o; e < o + 32; e += w)
+            if (memcmp(a + e, b + e, w)) { if (f < cap) pos[f] = (int64_t)(e / w); f++; }
+    }
+    for (size_t e = o; e < hi; e += w)
+        if (memcmp(a + e, b + e, w)) { if (f < cap) pos[f] = (int64_t)(e / w); f++; }
+    *found = f;
+    return RP_OK;
+}
+
+/* ------------------------------------------------------------------ compose */
+
+int rp_compose(int w, const int64_t *pp, const void *po, const void *pn, int64_t np_,
+               const int64_t *qp, const void *qo, const void *qn, int64_t nq, int64_t *rp,
+               void *ro, void *rn, int64_t *nout, const char **err) {
+    int64_t i = 0, j = 0, o = 0;
+    *nout = 0;
+    for (int64_t a = 1; a < np_; a++)
+        if (pp[a] <= pp[a - 1]) { *err = "positions not increasing"; return RP_EARG; }
+    for (int64_t a = 1; a < nq; a++)
+        if (qp[a] <= qp[a - 1]) { *err = "positions not increasing"; return RP_EARG; }
+    while (i < np_ || j < nq) {
+        int64_t pos;
+        uint64_t old, nw;
+        if (j >= nq || (i < np_ && pp[i] < qp[j])) {
+            pos = pp[i]; old = arr_get(po, w, i); nw = arr_get(pn, w, i); i++;
+        } else if (i >= np_ || qp[j] < pp[i]) {
+            pos = qp[j]; old = arr_get(qo, w, j); nw = arr_get(qn, w, j); j++;
+        } else {
+            if (arr_get(pn, w, i) != arr_get(qo, w, j)) {
+                *err = "patches disagree on intermediate elements"; return RP_EBASE;
+            }
+            pos = pp[i]; old = arr_get(po, w, i); nw = arr_get(qn, w, j); i++; j++;
+        }
+        rp[o] = pos;
+        arr_put(ro, w, o, old);
+        arr_put(rn, w, o, nw);
+        o += old != nw;
+    }
+    *nout = o;
+    return RP_OK;
+}

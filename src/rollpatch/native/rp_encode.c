@@ -1,0 +1,338 @@
+/* rollpatch native core: the encoder of codec rp.ctxgolomb.v2 (docs/patch-format.md §4b):
+ * binary sequences and Exp-Golomb codes, the coding of a chunk's records, and the encoders
+ * from the changed elements or from records computed elsewhere. The numpy module
+ * rollpatch.patch.ctxv2 is the executable reference: tests require byte-identical payloads. */
+#include "rp_internal.h"
+
+/* ------------------------------------------------------------------ binary sequences */
+
+/* bw_put32 without the capacity check: only inside a bw_reserve'd span. */
+static inline void bw_put32_nc(bw_t *w, uint64_t v, unsigned n) { /* n <= 32 */
+    w->acc = (w->acc << n) | (v & ((1ULL << n) - 1));
+    w->nacc += n;
+    if (w->nacc >= 32) {
+        w->nacc -= 32;
+        uint32_t x = __builtin_bswap32((uint32_t)(w->acc >> w->nacc));
+        memcpy(w->b + w->len, &x, 4);
+        w->len += 4;
+        w->acc &= (1ULL << w->nacc) - 1;
+    }
+}
+
+static inline void bw_unary_nc(bw_t *w, uint64_t q) {
+    while (q >= 31) { bw_put32_nc(w, 0xFFFFFFFFu, 31); q -= 31; }
+    bw_put32_nc(w, ((1ULL << q) - 1) << 1, (unsigned)q + 1);
+}
+
+/* BS(n, j): code the j sorted set slots `set` among n (docs/patch-format.md §4); n < 2^32.
+ * The streams are reserved up front (unary: at most n/m + c bits; fixed: c * b bits, or n
+ * raw bits); q = g / m by a 64-bit reciprocal, exact for g, m < 2^32. */
+static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t n,
+                     uint32_t *scratch) {
+    if (j == 0 || j == n) return 0;
+    int comp = 2 * j > n;
+    uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
+    if (m == 1) { /* one bit per slot, 32 slots per word */
+        if (bw_reserve(f, n / 8 + 16)) return -1;
+        uint64_t s = 0;
+        for (uint64_t p = 0; p < n; p += 32) {
+            unsigned take = n - p < 32 ? (unsigned)(n - p) : 32;
+            uint32_t word = 0;
+            for (; s < j && set[s] < p + take; s++) word |= 1u << (take - 1 - (set[s] - p));
+            bw_put32_nc(f, word, take);
+        }
+        return 0;
+    }
+    int b = bitlen64(m - 1);
+    uint64_t uu = (1ULL << b) - m, minv = UINT64_MAX / m + 1;
+    if (bw_reserve(u, (n / m + c) / 8 + 16) || bw_reserve(f, c * (uint64_t)b / 8 + 16)) return -1;
+    int64_t prev = -1;
+    if (!comp) { /* the set slots are the minority */
+        for (uint64_t i = 0; i < c; i++) {
+            uint64_t g = (uint64_t)((int64_t)set[i] - prev - 1);
+            prev = (int64_t)set[i];
+            uint64_t q = (uint64_t)(((unsigned __int128)g * minv) >> 64);
+            bw_unary_nc(u, q);
+            scratch[i] = (uint32_t)(g - q * m);
+        }
+    } else { /* the clear slots: walk the gaps between set ones */
+        uint64_t i = 0, s = 0;
+        for (uint64_t p = 0; i < c; p++) {
+            if (s < j && set[s] == p) { s++; continue; }
+            uint64_t g = (uint64_t)((int64_t)p - prev - 1);
+            prev = (int64_t)p;
+            uint64_t q = (uint64_t)(((unsigned __int128)g * minv) >> 64);
+            bw_unary_nc(u, q);
+            scratch[i++] = (uint32_t)(g - q * m);
+        }
+    }
+    unsigned w = (unsigned)(b - 1);
+    for (uint64_t i = 0; i < c; i++) {
+        uint64_t r = scratch[i];
+        bw_put32_nc(f, r < uu ? r : (r + uu) >> 1, w);
+    }
+    for (uint64_t i = 0; i < c; i++) {
+        uint64_t r = scratch[i];
+        if (r >= uu) bw_put32_nc(f, (r + uu) & 1, 1);
+    }
+    return 0;
+}
+
+/* Exp-Golomb of order eg: the length prefix to the unary stream, the low bits to the fixed. */
+static void eg_encode(bw_t *u, bw_t *f, uint64_t x, int eg) {
+    uint64_t v = x + (1ULL << eg);
+    int len = bitlen64(v);
+    bw_unary(u, (uint64_t)(len - 1 - eg));
+    bw_put(f, v - (1ULL << (len - 1)), (unsigned)(len - 1));
+}
+
+static uint64_t eg_cost(const uint64_t *x, uint64_t count, int eg) {
+    uint64_t cost = 0;
+    for (uint64_t i = 0; i < count; i++) cost += 2 * (uint64_t)bitlen64(x[i] + (1ULL << eg)) - 1 - eg;
+    return cost;
+}
+
+static int best_order(const uint64_t *x, uint64_t count, int bits) {
+    int best = 0, top = bits < 63 ? bits : 63;
+    uint64_t cost = eg_cost(x, count, 0);
+    for (int e = 1; e < top; e++) {
+        uint64_t c = eg_cost(x, count, e);
+        if (c >= cost) break;
+        best = e;
+        cost = c;
+    }
+    return best;
+}
+
+/* ------------------------------------------------------------------ encoder */
+
+int rp_recs_grow(recs_t *r) {
+    int64_t cap = r->cap ? 2 * r->cap : 1024;
+    void *a = realloc(r->pos, cap * 4), *b = a ? realloc(r->rank, cap * 4) : NULL;
+    if (a) r->pos = a;
+    if (b) r->rank = b;
+    void *c = b ? realloc(r->ctx, cap) : NULL;
+    if (c) r->ctx = c;
+    void *d = c ? realloc(r->oldv, cap * 8) : NULL;
+    if (d) r->oldv = d;
+    void *e = d ? realloc(r->newv, cap * 8) : NULL;
+    if (e) r->newv = e;
+    if (!e) return -1;
+    r->cap = cap;
+    return 0;
+}
+
+void rp_recs_free(recs_t *r) {
+    free(r->pos); free(r->rank); free(r->ctx); free(r->oldv); free(r->newv);
+}
+
+/* Code the records (position order) of one chunk whose context sizes are ncnt. */
+int rp_code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const recs_t *r,
+                      uint8_t **out, size_t *outlen, const char **err) {
+    int rc = RP_OK;
+    int64_t k = r->k;
+    uint64_t kc[NCTX] = {0}, bc[NCTX] = {0}, first[NCTX];
+    int egc[NCTX] = {0};
+    uint32_t *order = NULL, *buf = NULL, *scratch = NULL;
+    uint64_t *mag = NULL, *tails = NULL;
+    uint8_t *outw = NULL;
+    bw_t pw = {0}, uw = {0}, fw = {0}, ow = {0};
+    *out = NULL;
+    *outlen = 0;
+    if (k == 0) return RP_OK;
+    order = malloc(k * 4);
+    buf = malloc(k * 4);
+    scratch = malloc((k + 1) * 4); /* a minority is never larger than k */
+    mag = malloc(k * 8);
+    tails = malloc(k * 8);
+    outw = malloc(k);
+    if (!order || !buf || !scratch || !mag || !tails || !outw) FAIL(RP_ENOMEM, "out of memory");
+    uint64_t s = ksign(kd->bits), msk = kmask(kd->bits), k_s = 0;
+    for (int64_t i = 0; i < k; i++) {
+        kc[r->ctx[i]]++;
+        uint64_t d = (to_key(kd, r->newv[i]) - to_key(kd, r->oldv[i])) & msk;
+        int positive = d < s;
+        mag[i] = positive ? d : (0 - d) & msk;
+        int neg = kd->order != RP_UNSIGNED && (r->oldv[i] & s);
+        outw[i] = (uint8_t)(positive ^ neg);
+        k_s += outw[i];
+    }
+    uint64_t acc = 0; /* stable counting sort of the records by context */
+    for (int c = 0; c < NCTX; c++) { first[c] = acc; acc += kc[c]; }
+    {
+        uint64_t fill[NCTX];
+        memcpy(fill, first, sizeof fill);
+        for (int64_t i = 0; i < k; i++) order[fill[r->ctx[i]]++] = (uint32_t)i;
+    }
+    for (int c = 0; c < NCTX; c++) {
+        uint64_t nt = 0;
+        for (uint64_t i = first[c]; i < first[c] + kc[c]; i++) { /* no branch per record */
+            uint64_t mg = mag[order[i]];
+            tails[first[c] + nt] = mg - 2;
+            nt += mg > 1;
+        }
+        bc[c] = nt;
+        egc[c] = best_order(tails + first[c], nt, kd->bits);
+    }
+    int g = 0;
+    for (int c = 0; c < NCTX; c++) g += kc[c] > 0;
+    varint(&pw, (uint64_t)g);
+    for (int c = 0; c < NCTX; c++) {
+        if (!kc[c]) continue;
+        varint(&pw, (uint64_t)c);
+        varint(&pw, ncnt[c]);
+        varint(&pw, kc[c]);
+        varint(&pw, bc[c]);
+        varint(&pw, (uint64_t)egc[c]);
+    }
+    varint(&pw, k_s);
+    for (int c = 0; c < NCTX; c++) { /* (1) changed ranks per context */
+        if (!kc[c]) continue;
+        for (uint64_t i = 0; i < kc[c]; i++) buf[i] = r->rank[order[first[c] + i]];
+        bs_encode(&uw, &fw, buf, kc[c], ncnt[c], scratch);
+    }
+    {   /* (2) outward flags over all changes in position order */
+        uint64_t j = 0;
+        for (int64_t i = 0; i < k; i++) { buf[j] = (uint32_t)i; j += outw[i]; }
+        bs_encode(&uw, &fw, buf, j, (uint64_t)k, scratch);
+    }
+    for (int c = 0; c < NCTX; c++) { /* (3) which have |step| > 1, per context */
+        if (!kc[c]) continue;
+        uint64_t j = 0;
+        for (uint64_t i = 0; i < kc[c]; i++) {
+            buf[j] = (uint32_t)i;
+            j += mag[order[first[c] + i]] > 1;
+        }
+        bs_encode(&uw, &fw, buf, j, kc[c], scratch);
+    }
+    for (int c = 0; c < NCTX; c++) /* (4) their magnitudes */
+        for (uint64_t i = 0; i < bc[c]; i++) eg_encode(&uw, &fw, tails[first[c] + i], egc[c]);
+    bw_pad(&uw, 1);
+    bw_pad(&fw, 0);
+    varint(&ow, pw.len);
+    bw_bytes(&ow, pw.b, pw.len);
+    varint(&ow, uw.len);
+    bw_bytes(&ow, uw.b, uw.len);
+    bw_bytes(&ow, fw.b, fw.len);
+    if (pw.oom || uw.oom || fw.oom || ow.oom) FAIL(RP_ENOMEM, "out of memory");
+    *out = ow.b;
+    *outlen = ow.len;
+    ow.b = NULL;
+done:
+    free(order); free(buf); free(scratch); free(mag); free(tails); free(outw);
+    free(pw.b); free(uw.b); free(fw.b); free(ow.b);
+    return rc;
+}
+
+/* Running context counts with four interleaved tables (no store-to-load chains); the rank of
+ * element i is the sum of the four tables' counts before it. */
+#define COUNT_LOOP(GET)                                                                     \
+    do {                                                                                    \
+        int64_t i = 0;                                                                      \
+        for (; i + 4 <= n; i += 4) {                                                        \
+            for (int l = 0; l < 4; l++) {                                                   \
+                uint64_t x = GET(i + l);                                                    \
+                unsigned c = ctx_of(kd, x);                                                 \
+                if (__builtin_expect(ISCHANGED(i + l, x), 0)) {                             \
+                    RECORD(i + l, c, x);                                                    \
+                }                                                                           \
+                t[l][c]++;                                                                  \
+            }                                                                               \
+        }                                                                                   \
+        for (; i < n; i++) {                                                                \
+            uint64_t x = GET(i);                                                            \
+            unsigned c = ctx_of(kd, x);                                                     \
+            if (ISCHANGED(i, x)) { RECORD(i, c, x); }                                       \
+            t[0][c]++;                                                                      \
+        }                                                                                   \
+    } while (0)
+
+#define RANK(c) (t[0][c] + t[1][c] + t[2][c] + t[3][c])
+
+int rp_encode_chunk_sparse(const rp_kind *kd, const uint8_t *base, int64_t start, int64_t n,
+                           const int64_t *pos, const uint64_t *oldv, const uint64_t *newv,
+                           int64_t count, uint8_t **out, size_t *outlen, const char **err) {
+    int rc = RP_OK;
+    recs_t r = {0};
+    uint32_t (*t)[NCTX] = calloc(4, sizeof *t);
+    uint64_t ncnt[NCTX];
+    int64_t j = 0;
+    *out = NULL;
+    *outlen = 0;
+    if (!t) FAIL(RP_ENOMEM, "out of memory");
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK || count < 0 || count > n)
+        FAIL(RP_EARG, "bad kind, chunk size or count");
+    for (int64_t i = 0; i < count; i++)
+        if (pos[i] < 0 || pos[i] >= n || (i && pos[i] <= pos[i - 1]))
+            FAIL(RP_EARG, "positions must be strictly increasing inside the chunk");
+#define RECORD(i, c, x)                                                                     \
+    do {                                                                                    \
+        if (r.k == r.cap && rp_recs_grow(&r)) FAIL(RP_ENOMEM, "out of memory");                \
+        if (oldv[j] != (x) || newv[j] == (x)) FAIL(RP_EARG, "old elements differ from base"); \
+        r.pos[r.k] = (uint32_t)(i); r.rank[r.k] = RANK(c); r.ctx[r.k] = (uint8_t)(c);       \
+        r.oldv[r.k] = (x); r.newv[r.k] = newv[j]; r.k++; j++;                               \
+    } while (0)
+#define ISCHANGED(i, x) (j < count && pos[j] == (i))
+    if (kd->bits == 16) {
+        const uint16_t *a = (const uint16_t *)base + start;
+#define GET(i) ((uint64_t)a[i])
+        COUNT_LOOP(GET);
+#undef GET
+    } else if (kd->bits == 8) {
+        const uint8_t *a = base + start;
+#define GET(i) ((uint64_t)a[i])
+        COUNT_LOOP(GET);
+#undef GET
+    } else {
+#define GET(i) elem_get(base, kd->bits, start + (i))
+        COUNT_LOOP(GET);
+#undef GET
+    }
+#undef RECORD
+#undef ISCHANGED
+    for (int c = 0; c < NCTX; c++) ncnt[c] = RANK(c);
+    rc = rp_code_chunk(kd, n, ncnt, &r, out, outlen, err);
+done:
+    free(t);
+    rp_recs_free(&r);
+    return rc;
+}
+
+int rp_encode_records(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const int64_t *pos,
+                      const uint8_t *ctx, const uint32_t *rank, const uint64_t *oldv,
+                      const uint64_t *newv, int64_t count, uint8_t **out, size_t *outlen,
+                      const char **err) {
+    int rc = RP_OK;
+    recs_t r = {0};
+    uint64_t total = 0;
+    int64_t last[NCTX];
+    int ncontexts = kd->cbits ? 1 << kd->cbits : 1;
+    *out = NULL;
+    *outlen = 0;
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK || count < 0 || count > n)
+        FAIL(RP_EARG, "bad kind, chunk size or count");
+    for (int c = 0; c < NCTX; c++) {
+        if (c >= ncontexts && ncnt[c]) FAIL(RP_EARG, "context sizes beyond the kind's contexts");
+        total += ncnt[c];
+        last[c] = -1;
+    }
+    if (total != (uint64_t)n) FAIL(RP_EARG, "context sizes do not add up to the chunk");
+    r.pos = malloc(count * 4 + 4); r.rank = malloc(count * 4 + 4); r.ctx = malloc(count + 1);
+    r.oldv = malloc(count * 8 + 8); r.newv = malloc(count * 8 + 8);
+    if (!r.pos || !r.rank || !r.ctx || !r.oldv || !r.newv) FAIL(RP_ENOMEM, "out of memory");
+    for (int64_t i = 0; i < count; i++) {
+        unsigned c = ctx[i];
+        if (pos[i] < 0 || pos[i] >= n || (i && pos[i] <= pos[i - 1]) || c >= (unsigned)ncontexts
+            || rank[i] >= ncnt[c] || (int64_t)rank[i] <= last[c] || oldv[i] == newv[i]
+            || ((oldv[i] | newv[i]) & ~kmask(kd->bits)))
+            FAIL(RP_EARG, "records are not sorted, in range and consistent");
+        last[c] = rank[i];
+        r.pos[i] = (uint32_t)pos[i]; r.rank[i] = rank[i]; r.ctx[i] = (uint8_t)c;
+        r.oldv[i] = oldv[i]; r.newv[i] = newv[i];
+    }
+    r.k = r.cap = count;
+    rc = rp_code_chunk(kd, n, ncnt, &r, out, outlen, err);
+done:
+    rp_recs_free(&r);
+    return rc;
+}

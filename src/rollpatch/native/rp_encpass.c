@@ -1,0 +1,254 @@
+/* rollpatch native core: the encoder's pass over dense old/new tensors (rp_encode_chunk,
+ * rp_encode_chunk_keep), scalar and AVX2. */
+#include "rp_internal.h"
+
+/* ------------------------------------------------------------------ encoder pass */
+
+/* The encoder's pass, JB elements per block: change masks from word compares; the block's
+ * contexts into an L1 buffer; the "hot" contexts (those of a window of WIN consecutive
+ * contexts seen in a sample of the chunk's start) counted per block with byte compares; the
+ * others ("cold") one by one through a table; the rank of a changed element is its
+ * context's count before the block plus a popcount inside it. The rp.sum128 change of the
+ * new words over the old ones is summed over the words that hold changes. */
+
+static void changed_generic(const rp_kind *kd, const uint8_t *a, const uint8_t *b, int64_t s,
+                            int len, uint64_t *dm) {
+    memset(dm, 0, (JB / 64) * 8);
+    if (kd->bits == 16) {
+        const uint16_t *x = (const uint16_t *)a + s, *y = (const uint16_t *)b + s;
+        for (int i = 0; i < len; i++) dm[i >> 6] |= (uint64_t)(x[i] != y[i]) << (i & 63);
+    } else if (kd->bits == 8) {
+        const uint8_t *x = a + s, *y = b + s;
+        for (int i = 0; i < len; i++) dm[i >> 6] |= (uint64_t)(x[i] != y[i]) << (i & 63);
+    } else {
+        for (int i = 0; i < len; i++)
+            dm[i >> 6] |= (uint64_t)(elem_get(a, kd->bits, s + i) != elem_get(b, kd->bits, s + i))
+                          << (i & 63);
+    }
+}
+
+static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *hot) {
+    uint32_t m = 0;
+    for (int i = 0; i < 32; i++) {
+        unsigned t = (unsigned)(p[i] - lo);
+        m |= (uint32_t)!(t < WIN && hot[t]) << i;
+    }
+    return m;
+}
+
+#define ENC_BODY(BLKCNT, EQ32, COLD32, BLOCKCTX, CHANGED)                                  \
+    uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
+    uint32_t rk[JB];                                                                        \
+    uint64_t dm[JB / 64];                                                                   \
+    uint8_t hot[WIN];                                                                       \
+    uint32_t cnt[WIN], bcs[WIN];                                                            \
+    int vc[WIN], slot[NCTX], nvc = 0, lo = 0;                                               \
+    int ncontexts = kd->cbits ? 1 << kd->cbits : 1;                                         \
+    memset(hot, 0, sizeof hot);                                                             \
+    for (int c = 0; c < NCTX; c++) slot[c] = -1;                                            \
+    {                                                                                       \
+        uint32_t sample[NCTX] = {0};                                                        \
+        int64_t sn = n < 8192 ? n : 8192;                                                   \
+        for (int64_t b0 = 0; b0 < sn; b0 += JB) {                                           \
+            int len = sn - b0 < JB ? (int)(sn - b0) : JB;                                   \
+            block_ctx(kd, old, start + b0, len, cbuf);                                      \
+            for (int i = 0; i < len; i++) sample[cbuf[i]]++;                                \
+        }                                                                                   \
+        int w = ncontexts < WIN ? ncontexts : WIN;                                          \
+        int64_t best = -1;                                                                  \
+        for (int w0 = 0; w0 + w <= ncontexts; w0++) {                                       \
+            int64_t sum = 0;                                                                \
+            for (int c = w0; c < w0 + w; c++) sum += sample[c];                             \
+            if (sum > best) { best = sum; lo = w0; }                                        \
+        }                                                                                   \
+        for (int c = lo; c < lo + w; c++) /* counted by byte compares when not rare */     \
+            if (!kd->cbits || (int64_t)sample[c] * 512 >= sn) {                             \
+                hot[c - lo] = 0xFF;                                                         \
+                slot[c] = nvc;                                                              \
+                cnt[nvc] = 0;                                                               \
+                vc[nvc++] = c;                                                              \
+            }                                                                               \
+    }                                                                                       \
+    uint8_t pad = (uint8_t)(lo + WIN < NCTX ? lo + WIN : lo - 1); /* in no window */       \
+    int64_t cw = -1; /* the last word whose sum change is counted */                        \
+    for (int64_t b0 = 0; b0 < n; b0 += JB) {                                                \
+        int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
+        BLOCKCTX(kd, old, start + b0, len, cbuf);                                           \
+        if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
+        CHANGED(kd, old, new_, start + b0, len, dm);                                        \
+        for (int t = 0; t < nvc; t++) bcs[t] = BLKCNT(cbuf, vc[t]);                         \
+        for (int v = 0; v * 32 < len; v++) { /* cold elements: ranks through the table */   \
+            uint32_t m = COLD32(cbuf + 32 * v, lo, hot);                                    \
+            if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                         \
+            while (m) {                                                                     \
+                int i = 32 * v + __builtin_ctz(m);                                          \
+                m &= m - 1;                                                                 \
+                rk[i] = tab[cbuf[i]]++;                                                     \
+            }                                                                               \
+        }                                                                                   \
+        for (int v = 0; v < JB / 64; v++) {                                                 \
+            uint64_t ch = dm[v];                                                            \
+            while (ch) {                                                                    \
+                int i = 64 * v + __builtin_ctzll(ch);                                       \
+                ch &= ch - 1;                                                               \
+                unsigned c = cbuf[i];                                                       \
+                uint32_t rank;                                                              \
+                int t = slot[c];                                                            \
+                if (t >= 0) {                                                               \
+                    rank = cnt[t];                                                          \
+                    for (int u = 0; u <= v; u++) {                                          \
+                        uint64_t e = (uint64_t)EQ32(cbuf + 64 * u, (int)c)                  \
+                                     | (uint64_t)EQ32(cbuf + 64 * u + 32, (int)c) << 32;    \
+                        if (u == v) e &= (1ULL << (i & 63)) - 1;                            \
+                        rank += (uint32_t)__builtin_popcountll(e);                          \
+                    }                                                                       \
+                } else {                                                                    \
+                    rank = rk[i];                                                           \
+                }                                                                           \
+                if (r->k == r->cap && rp_recs_grow(r)) return -1;                              \
+                uint64_t x = elem_get(old, kd->bits, start + b0 + i);                       \
+                uint64_t y = elem_get(new_, kd->bits, start + b0 + i);                      \
+                r->pos[r->k] = (uint32_t)(b0 + i);                                          \
+                r->rank[r->k] = rank;                                                       \
+                r->ctx[r->k] = (uint8_t)c;                                                  \
+                r->oldv[r->k] = x;                                                          \
+                r->newv[r->k] = y;                                                          \
+                r->k++;                                                                     \
+                int64_t j = (int64_t)((uint64_t)(start + b0 + i) * (uint64_t)kd->bits / 64);\
+                if (j != cw) {                                                              \
+                    uint64_t wa = word_at(old, nbytes, (uint64_t)j);                        \
+                    uint64_t wb = word_at(new_, nbytes, (uint64_t)j);                       \
+                    sd[0] += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j);   \
+                    sd[1] += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j);   \
+                    cw = j;                                                                 \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
+    }                                                                                       \
+    for (int t = 0; t < nvc; t++) tab[vc[t]] += cnt[t];                                     \
+    return 0;
+
+#define BLOCKCTX_PLAIN block_ctx
+static int enc_pass_scalar(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                           size_t nbytes, int64_t start, int64_t n, recs_t *r, uint32_t *tab,
+                           uint64_t sd[2]) {
+    ENC_BODY(blkcnt_scalar, eq32_scalar, cold32_scalar, BLOCKCTX_PLAIN, changed_generic)
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static inline uint32_t cold32_avx2(const uint8_t *p, int lo,
+                                                                    const uint8_t *hot) {
+    __m256i idx = _mm256_sub_epi8(_mm256_load_si256((const __m256i *)p), _mm256_set1_epi8((char)lo));
+    __m256i top = _mm256_set1_epi8(WIN - 1);
+    __m256i in = _mm256_cmpeq_epi8(_mm256_max_epu8(idx, top), top);
+    __m128i t = _mm_loadu_si128((const __m128i *)hot);
+    __m256i tab = _mm256_broadcastsi128_si256(t);
+    __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(tab, _mm256_and_si256(idx, _mm256_set1_epi8(15))), in);
+    return ~(uint32_t)_mm256_movemask_epi8(h);
+}
+
+/* Change masks of a whole block (JB elements); partial blocks take the generic path. */
+__attribute__((target("avx2"))) static inline void changed_avx2(const rp_kind *kd,
+                                                                 const uint8_t *a,
+                                                                 const uint8_t *b, int64_t s,
+                                                                 int len, uint64_t *dm) {
+    if (len < JB || !(kd->bits == 16 || kd->bits == 8 || (kd->bits == 4 && !(s & 1)))) {
+        changed_generic(kd, a, b, s, len, dm);
+        return;
+    }
+    if (kd->bits == 16) {
+        const uint16_t *x = (const uint16_t *)a + s, *y = (const uint16_t *)b + s;
+        for (int v = 0; v < JB / 64; v++) {
+            uint64_t m = 0;
+            for (int h = 0; h < 2; h++) {
+                const uint16_t *px = x + 64 * v + 32 * h, *py = y + 64 * v + 32 * h;
+                __m256i e0 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)px),
+                                                _mm256_loadu_si256((const __m256i *)py));
+                __m256i e1 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(px + 16)),
+                                                _mm256_loadu_si256((const __m256i *)(py + 16)));
+                __m256i e = _mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), 0xD8);
+                m |= (uint64_t)(uint32_t)~_mm256_movemask_epi8(e) << (32 * h);
+            }
+            dm[v] = m;
+        }
+    } else if (kd->bits == 8) {
+        const uint8_t *x = a + s, *y = b + s;
+        for (int v = 0; v < JB / 64; v++) {
+            uint32_t lo0 = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(
+                _mm256_loadu_si256((const __m256i *)(x + 64 * v)),
+                _mm256_loadu_si256((const __m256i *)(y + 64 * v))));
+            uint32_t hi0 = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(
+                _mm256_loadu_si256((const __m256i *)(x + 64 * v + 32)),
+                _mm256_loadu_si256((const __m256i *)(y + 64 * v + 32))));
+            dm[v] = (uint64_t)hi0 << 32 | lo0;
+        }
+    } else { /* two codes per byte: changed bytes first, then their nibbles */
+        const uint8_t *x = a + (s >> 1), *y = b + (s >> 1);
+        for (int v = 0; v < JB / 64; v++) {
+            uint32_t m = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(
+                _mm256_loadu_si256((const __m256i *)(x + 32 * v)),
+                _mm256_loadu_si256((const __m256i *)(y + 32 * v))));
+            uint64_t d = 0;
+            while (m) {
+                int i = __builtin_ctz(m);
+                m &= m - 1;
+                unsigned z = (unsigned)(x[32 * v + i] ^ y[32 * v + i]);
+                d |= (uint64_t)((z & 15u) != 0) << (2 * i) | (uint64_t)((z >> 4) != 0) << (2 * i + 1);
+            }
+            dm[v] = d;
+        }
+    }
+}
+
+__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, const uint8_t *old,
+                                                          const uint8_t *new_, size_t nbytes,
+                                                          int64_t start, int64_t n, recs_t *r,
+                                                          uint32_t *tab, uint64_t sd[2]) {
+#define BLOCKCTX BLOCKCTX16
+    ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2)
+#undef BLOCKCTX
+}
+#endif
+
+int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                    int64_t start, int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
+                    uint64_t sdelta[2], const char **err) {
+    return rp_encode_chunk_keep(kd, old, new_, nbytes, start, n, out, outlen, changed, sdelta,
+                                NULL, NULL, NULL, err);
+}
+
+int rp_encode_chunk_keep(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                         size_t nbytes, int64_t start, int64_t n, uint8_t **out, size_t *outlen,
+                         int64_t *changed, uint64_t sdelta[2], uint32_t **pos, uint64_t **oldv,
+                         uint64_t **newv, const char **err) {
+    int rc = RP_OK;
+    recs_t r = {0};
+    if (pos) *pos = NULL;
+    if (oldv) *oldv = NULL;
+    if (newv) *newv = NULL;
+    uint32_t tab[NCTX] = {0};
+    uint64_t ncnt[NCTX], sd[2] = {0, 0};
+    *out = NULL;
+    *outlen = 0;
+    *changed = 0;
+    if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) FAIL(RP_EARG, "bad kind or chunk size");
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) {
+        if (enc_pass_avx2(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
+    } else
+#endif
+    if (enc_pass_scalar(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
+    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
+    rc = rp_code_chunk(kd, n, ncnt, &r, out, outlen, err);
+    *changed = r.k;
+    sdelta[0] += sd[0];
+    sdelta[1] += sd[1];
+    if (rc == RP_OK && pos && oldv && newv && r.k > 0) { /* hand the records over */
+        *pos = r.pos; *oldv = r.oldv; *newv = r.newv;
+        r.pos = NULL; r.oldv = NULL; r.newv = NULL;
+    }
+done:
+    rp_recs_free(&r);
+    return rc;
+}

@@ -1,0 +1,61 @@
+/* rollpatch native core, internal: the decoder's lane (rp_decode.c: params and phases A
+ * and C; rp_join.c: phase B, the join, and the output of what it found). */
+#ifndef RP_LANE_H
+#define RP_LANE_H
+#include "rp_internal.h"
+
+typedef struct {
+    int g;
+    uint8_t cid[NCTX];
+    uint64_t nc[NCTX], kc[NCTX], bc[NCTX];
+    int eg[NCTX];
+    uint64_t ks, k;
+    size_t ustart, ulen, fstart, end;
+} params_t;
+
+typedef struct {
+    params_t pp;
+    br_t u, f;
+    uint32_t *ranks;     /* per listed context, concatenated: index = context-order index */
+    uint32_t *scratch;
+    uint32_t *idx;
+    uint8_t *outw;       /* outward flag of each change, position order */
+    void *magc;          /* |step| of each change, context order (mw bytes each: a <= 2^(bits-1)) */
+    int mw;
+    uint64_t ofs[NCTX];  /* start of each listed context's ranks */
+    uint32_t cnt[NCTX], tgt[NCTX];
+    uint64_t cur[NCTX], endr[NCTX];
+    int64_t emitted, done;
+    uint32_t *rpos;      /* found changes: position (chunk-relative), old element, context-order index */
+    uint64_t *rold;
+    uint32_t *rci;
+    /* outputs, and the in-place write (wdata = the base, or NULL) with its rp.sum128 change */
+    int64_t *pos_out;
+    void *old_out, *new_out;
+    int ow;
+    uint8_t *wdata;
+    size_t wlen;
+    uint64_t cj, before, d0, d1;
+    uint64_t cap;        /* k the buffers above have room for (reused across chunks) */
+    int hash;            /* sum the words as read (before any write) into h0, h1 */
+    int64_t hashed;      /* elements [0, hashed) of the chunk are summed */
+    uint64_t h0, h1;
+} lane_t;
+
+/* The rp.sum128 change of the word being written (read before its first write). */
+static inline void lane_flush(lane_t *l) {
+    if (l->cj == UINT64_MAX) return;
+    uint64_t after = word_at(l->wdata, l->wlen, l->cj);
+    l->d0 += sum_term(0, after, l->cj) - sum_term(0, l->before, l->cj);
+    l->d1 += sum_term(1, after, l->cj) - sum_term(1, l->before, l->cj);
+    l->cj = UINT64_MAX;
+}
+
+/* Phase B, the join (rp_join.c), and its output (rp_finalize); rp_lane_hash_to: the
+ * in-pass rp.sum128 of the chunk's elements up to `upto`. */
+RP_HIDDEN void rp_join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
+                            int64_t n);
+RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start);
+RP_HIDDEN void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
+
+#endif /* RP_LANE_H */

@@ -16,19 +16,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from rollpatch.board import Board
 from rollpatch.follower import FollowerConfig
-from rollpatch.formats import cast_view
-from rollpatch.publisher import Publisher, PublisherConfig
-from rollpatch.view import View
 from tests import live_servers, vllm_env
 from tests.sglang_env import sglang_python, venv_dir
+from tests.sidecarworld import World
 
 RUN = "rl"
 FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
@@ -37,42 +33,6 @@ MAX_TOKENS = 8
 LONG = 400
 BOOT_LATEST = 5
 N_VERSIONS = 16
-
-
-class World:
-    """The tiny model, FP32 masters with RL-sized steps, a board with versions 0..5."""
-
-    def __init__(self, root: Path, boot: Path) -> None:
-        from rollpatch.io.safetensors import load_view
-
-        masters = {
-            n: t.to_array().astype(np.float32)
-            for n, t in load_view(boot / "model.safetensors").items()
-        }
-        rng = np.random.default_rng(23)
-        self.masters: list[dict[str, np.ndarray]] = []
-        for _ in range(N_VERSIONS):
-            self.masters.append({n: m.copy() for n, m in masters.items()})
-            for m in masters.values():
-                m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
-        self.views: list[View] = [cast_view(m, "bf16") for m in self.masters]
-        self.model = boot  # what SGLang booted from: version 0 (an older keyframe)
-        assert load_view(boot / "model.safetensors").digest() == self.views[0].digest()
-        self.board = f"file://{root / 'board'}"
-        self.publisher = Publisher(
-            self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
-        )
-        self.latest = -1
-        self.lock = threading.Lock()
-        while self.latest < BOOT_LATEST:
-            self.publish()
-
-    def publish(self) -> int:
-        with self.lock:
-            v = self.publisher.publish(self.masters[self.latest + 1])
-            assert v == self.latest + 1
-            self.latest = v
-            return v
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +57,9 @@ def world(
     live_sglang: live_servers.SharedServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> World:
-    return World(tmp_path_factory.mktemp("sglang-sidecar"), live_sglang.model)
+    return World(
+        tmp_path_factory.mktemp("sglang-sidecar"), live_sglang.model, seed=23, versions=N_VERSIONS
+    )
 
 
 def _client(url: str) -> Any:

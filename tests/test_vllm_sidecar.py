@@ -20,7 +20,7 @@ from typing import Any
 
 from rollpatch.board import Board
 from tests import vllm_env
-from tests.vllmsidecarfix import (
+from tests.sidecarworld import (
     BOOT_LATEST,
     FAST,
     RUN,

@@ -1,7 +1,7 @@
 """vLLM behind the follower, live: the follower hands the workers every step undecoded (a
 catch-up composed and proven in the worker, one engine-core call per commit), and the
 background audit finds a bit flipped behind the sidecar's back, takes the island out of
-rotation and re-syncs it (the world: tests/vllmsidecarfix.py).
+rotation and re-syncs it (the world: tests/sidecarworld.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.view import View
 from tests import vllm_env
-from tests.vllmsidecarfix import (
+from tests.sidecarworld import (
     FAST,
     RUN,
     World,

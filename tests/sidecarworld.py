@@ -1,6 +1,6 @@
-"""The live vLLM sidecar tests' world (tests/test_vllm_sidecar*.py): the session's vLLM
-server, the tiny model's versions (FP32 masters plus small noise, as an RL step) and a board
-they are published on.
+"""The live sidecar tests' world (tests/test_vllm_sidecar*.py, tests/test_sglang_sidecar.py):
+the tiny model's versions (FP32 masters plus small noise, as an RL step) and a board they are
+published on; for vLLM also the session's server and the module's fixtures.
 """
 
 from __future__ import annotations
@@ -27,16 +27,18 @@ N_VERSIONS = 20  # views prepared; the tests publish more as they go
 class World:
     """The tiny model, its versions (FP32 masters plus small noise, as an RL step), a board."""
 
-    def __init__(self, root: Path, boot: Path) -> None:
+    def __init__(
+        self, root: Path, boot: Path, *, seed: int = 11, versions: int = N_VERSIONS
+    ) -> None:
         from rollpatch.io.safetensors import load_view
 
         masters = {
             n: t.to_array().astype(np.float32)
             for n, t in load_view(boot / "model.safetensors").items()
         }
-        rng = np.random.default_rng(11)
+        rng = np.random.default_rng(seed)
         self.masters: list[dict[str, np.ndarray]] = []
-        for _ in range(N_VERSIONS):
+        for _ in range(versions):
             self.masters.append({n: m.copy() for n, m in masters.items()})
             for m in masters.values():
                 m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from ..engines.base import EngineAdapter
 from ..engines.staged import AuditReport
 from ..errors import RollpatchError
+from .config import FollowerConfig
 
 __all__ = ["Auditor"]
 
@@ -51,6 +52,27 @@ class Auditor:
         self.last: AuditReport | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def configured(
+        cls,
+        engine: EngineAdapter,
+        config: FollowerConfig,
+        *,
+        on_mismatch: Callable[[AuditReport], None],
+        busy: Callable[[], bool],
+    ) -> Auditor | None:
+        """The auditor ``config`` asks for (None: ``audit_bytes_per_s`` unset, no audit)."""
+        rate = config.audit_bytes_per_s
+        if rate is None:
+            return None
+        return cls(
+            engine,
+            rate_bytes_per_s=rate,
+            period_s=config.audit_period_s,
+            on_mismatch=on_mismatch,
+            busy=busy,
+        )
 
     def step(self) -> AuditReport | None:
         """One slice now (None: the engine cannot audit, or holds no version to audit)."""

@@ -34,13 +34,13 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..manifest import Manifest
-from ..trust import Trust, warn_unverified
+from ..trust import Trust
 from ..types import ObjectRef, check_run
 from ..view import View
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
-from .fetch import Retrier, RetryingStore, fetch_objects
+from .fetch import Retrier, RetryingStore, fetch_objects, trusted_board
 from .record import PastWanted as _PastWanted
 from .record import Record
 from .stage import EarlyDecode, stage_plan
@@ -75,30 +75,15 @@ class Follower:
         gate: CommitGate | None = None,
         trust: Trust | None = None,
     ) -> None:
-        # trust: verifies what is read (default: the board's own, if any; without one,
-        # unsigned boards are accepted and one warning line says so; docs/trust.md)
-        self.board = Board(board, trust=trust) if isinstance(board, str) else board
-        if trust is not None and self.board.trust is not trust:
-            self.board = Board(self.board.store, trust=trust)
-        if self.board.trust is None:
-            warn_unverified(f"follower of {run!r}")
+        self.board = trusted_board(board, trust, f"follower of {run!r}")
         self.run = check_run(run)
         self.engine = engine
         self.config = config if config is not None else FollowerConfig()
         #: The one owner of the commit sequence (pause mode unless the caller's gate says
         #: otherwise); the sidecar passes the gate it admits requests through.
         self.gate = gate if gate is not None else CommitGate(engine, "pause")
-        rate = self.config.audit_bytes_per_s
-        self.auditor = (
-            None
-            if rate is None
-            else Auditor(
-                engine,
-                rate_bytes_per_s=rate,
-                period_s=self.config.audit_period_s,
-                on_mismatch=self._on_audit_mismatch,
-                busy=lambda: self.gate.busy,
-            )
+        self.auditor = Auditor.configured(
+            engine, self.config, on_mismatch=self._on_audit_mismatch, busy=lambda: self.gate.busy
         )
         self.on_commit: list[CommitCallback] = []
         #: The plan of the most recent sync that planned (for reports such as ``pull``).

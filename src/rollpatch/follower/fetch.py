@@ -17,10 +17,18 @@ from typing import TypeVar
 from ..board import Board
 from ..errors import ManifestError, NotFoundError, NotReadyError, TransientStoreError
 from ..store import ObjectInfo, Store
+from ..trust import Trust, warn_unverified
 from ..types import ObjectRef
 from .config import FollowerConfig
 
-__all__ = ["RETRY_FETCH", "RETRY_READ", "Retrier", "RetryingStore", "fetch_objects"]
+__all__ = [
+    "RETRY_FETCH",
+    "RETRY_READ",
+    "Retrier",
+    "RetryingStore",
+    "fetch_objects",
+    "trusted_board",
+]
 
 T = TypeVar("T")
 
@@ -179,4 +187,16 @@ def fetch_objects(
         raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+    return out
+
+
+def trusted_board(board: str | Board, trust: Trust | None, who: str) -> Board:
+    """The board a reader uses: ``trust`` verifies what is read (default: the board's own, if
+    any; without one, unsigned boards are accepted and one warning line names ``who``;
+    docs/trust.md)."""
+    out = Board(board, trust=trust) if isinstance(board, str) else board
+    if trust is not None and out.trust is not trust:
+        out = Board(out.store, trust=trust)
+    if out.trust is None:
+        warn_unverified(who)
     return out

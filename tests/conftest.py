@@ -235,6 +235,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The cached vLLM venv's python; the live vLLM tests fail, saying how to build it, when it
+    is missing (``ROLLPATCH_SKIP_VLLM=1`` skips them on request)."""
+    import os
+
+    from tests import vllm_env
+
+    if os.environ.get("ROLLPATCH_SKIP_VLLM") == "1":
+        pytest.skip("ROLLPATCH_SKIP_VLLM=1: the live vLLM tests are skipped on request")
+    python = vllm_env.vllm_python()
+    if python is None:
+        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
+    return python
+
+
+@pytest.fixture(scope="session")
 def live_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[live_servers.SharedServer]:
     """The session's vLLM server (tests.live_servers); modules ``acquire()`` it."""
     srv = live_servers.shared("vllm", lambda: tmp_path_factory.mktemp("live-vllm"))

@@ -5,7 +5,6 @@ published on; for vLLM also the session's server and the module's fixtures.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,16 +60,6 @@ class World:
             assert v == self.latest + 1
             self.latest = v
             return v
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if os.environ.get("ROLLPATCH_SKIP_VLLM") == "1":
-        pytest.skip("ROLLPATCH_SKIP_VLLM=1: the live vLLM tests are skipped on request")
-    python = vllm_env.vllm_python()
-    if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
-    return python
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ Hugging Face transformers. The offline arithmetic and protocol: tests/test_vllm_
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,16 +33,6 @@ PROMPTS = [
     "ka lo mi ne ru sa ti vo ze po qua rix tem bal dor",
 ]
 N_VERSIONS = 5
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if os.environ.get("ROLLPATCH_SKIP_VLLM") == "1":
-        pytest.skip("ROLLPATCH_SKIP_VLLM=1: the live vLLM tests are skipped on request")
-    python = vllm_env.vllm_python()
-    if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
-    return python
 
 
 @pytest.fixture(scope="module")

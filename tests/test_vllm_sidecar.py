@@ -26,11 +26,10 @@ from tests.sidecarworld import (
     RUN,
     World,
     server,
-    vllm_python,
     world,
 )
 
-_FIXTURES = (server, vllm_python, world)  # used by name
+_FIXTURES = (server, world)  # used by name
 
 PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
 MAX_TOKENS = 8

@@ -18,11 +18,10 @@ from tests.sidecarworld import (
     RUN,
     World,
     server,
-    vllm_python,
     world,
 )
 
-_FIXTURES = (server, vllm_python, world)  # used by name
+_FIXTURES = (server, world)  # used by name
 
 
 def _count_words(engine: Any) -> Any:

@@ -7,10 +7,12 @@ and the fleet never moved."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from rollpatch import avoid
 from rollpatch.board import Board
 from rollpatch.engines.view_engine import ViewEngine
 from rollpatch.errors import ObjectIntegrityError
@@ -114,24 +116,43 @@ def test_a_resume_with_no_sound_path_publishes_a_keyframe_with_no_parent(
     assert reconstruct(memory_board, RUN, 15).digest() == _served(15).digest()
 
 
-def test_followers_that_met_the_corruption_reach_the_new_lineage(memory_board: Board) -> None:
+def test_followers_that_met_the_corruption_reach_the_new_lineage(
+    memory_board: Board, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The soak's ``corrupt`` fault as the islands see it: they try to sync while the newest
     keyframe and patches are corrupt and no sound path exists (each attempt refused, the
-    objects remembered), then the restarted publisher's keyframe with no parent appears; the
-    next sync reaches it at once, verified."""
+    objects remembered and not downloaded again on every sync: avoid.BadObjects' backoff),
+    then the restarted publisher's keyframe with no parent appears; the next sync reaches it
+    at once, verified."""
     config = PublisherConfig(keyframe_every=10, skip_strides=(8,))
     _publish(memory_board, range(14), config)
     held = {v: ViewEngine() for v in (9, 11, 12)}
     followers = {v: Follower(memory_board, RUN, e, FAST) for v, e in held.items()}
     for v, f in followers.items():
         assert f.sync(v) == v
-    _corrupt(memory_board, 10, keyframe=True, patches=True)
+    bad = set(_corrupt(memory_board, 10, keyframe=True, patches=True))
     for v in (12, 13):
-        _corrupt(memory_board, v, keyframe=False, patches=True)
+        bad |= set(_corrupt(memory_board, v, keyframe=False, patches=True))
+    gets: list[str] = []
+    real_get = memory_board.store.get
+
+    def counting_get(key: str) -> bytes:
+        gets.append(key)
+        return real_get(key)
+
+    monkeypatch.setattr(memory_board.store, "get", counting_get)
+    monkeypatch.setattr(avoid, "time", SimpleNamespace(monotonic=lambda: 1000.0))  # frozen
     for f in followers.values():
-        for _ in range(3):
+        for _ in range(2):  # meets the corrupt objects; re-checks them (due at once)
             with pytest.raises(ObjectIntegrityError):
                 f.sync()
+        before = len(gets)
+        for _ in range(3):  # the next re-check is due a second later: no download meanwhile
+            with pytest.raises(ObjectIntegrityError) as e:
+                f.sync()
+            assert e.value.context["avoiding"]
+        assert not bad & set(gets[before:])
+    assert bad & set(gets)
     pub = Publisher(memory_board, RUN, config, asynchronous=False)
     assert pub.publish(_masters(14), version=14) == 14 and pub.resume_scope == "keyframe"
     assert pub.publish(_masters(15), version=15) == 15

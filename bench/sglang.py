@@ -152,12 +152,14 @@ def phase_staged(
             [EncodedStep((blob,), world.digests[v - 1], world.digests[v])], v
         )
         t1 = time.perf_counter()
+        engine.channel.route_ms.clear()
         engine.pause()
         try:
             engine.commit_staged(staged, v)
         finally:
             engine.resume()
         t2 = time.perf_counter()
+        routes = dict(engine.channel.route_ms)
         if engine.digest != world.digests[v] or engine.held()[1] != world.digests[v]:
             raise BenchError(f"v{v}: the engine does not hold the published digest")
         inside = engine.last_stage_ms
@@ -171,6 +173,7 @@ def phase_staged(
                 "bytes": len(blob),
                 "changed": staged.changed,
                 "staged_bytes": staged.nbytes,
+                **pause_parts(routes, engine.last_timings["command_s"] * 1e3),
             }
         )
         served.append(greedy(engine))
@@ -181,6 +184,28 @@ def phase_staged(
     return runs, served
 
 
+#: The pause's parts (ms): SGLang's routes under the pause, rollpatch's command inside one.
+PAUSE_PARTS = ("pause", "session", "route", "command", "version", "continue")
+
+
+def pause_parts(routes: dict[str, float], command_ms: float) -> dict[str, float]:
+    """A commit's pause by part: ``pause``/``continue`` (SGLang's pause routes),
+    ``session`` (``/begin_weight_update`` and ``/end_weight_update``), ``command``
+    (rollpatch's commit inside SGLang: the writes and their read-back, or the exchange),
+    ``route`` (the rest of ``/update_weights_from_tensor``: SGLang's IPC to the scheduler and
+    its cache flush), ``version`` (``/update_weight_version``)."""
+    tensor = routes.get("/update_weights_from_tensor", 0.0)
+    return {
+        "pause_ms": routes.get("/pause_generation", 0.0),
+        "session_ms": routes.get("/begin_weight_update", 0.0)
+        + routes.get("/end_weight_update", 0.0),
+        "route_ms": tensor - command_ms,
+        "command_ms": command_ms,
+        "version_ms": routes.get("/update_weight_version", 0.0),
+        "continue_ms": routes.get("/continue_generation", 0.0),
+    }
+
+
 def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[dict[str, float]]:
     runs = []
     for v in range(1, n + 1):
@@ -188,6 +213,7 @@ def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[
         for f in ckpt.iterdir():
             f.read_bytes()  # page cache warm
         t0 = time.perf_counter()
+        engine.channel.route_ms.clear()
         engine.pause()
         try:
             r = engine._http(
@@ -205,7 +231,14 @@ def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[
             raise BenchError(f"v{v}: outputs after the patch differ from the reload's")
         if engine.held(fresh=True)[1] != world.digests[v]:
             raise BenchError(f"v{v}: SGLang's reload does not hold the published digest")
-        runs.append({"pause_s": t1 - t0, "bytes": world.ckpt_bytes[v]})
+        routes = dict(engine.channel.route_ms)
+        runs.append(
+            {
+                "pause_s": t1 - t0,
+                "bytes": world.ckpt_bytes[v],
+                **pause_parts(routes, routes.get("/update_weights_from_disk", 0.0)),
+            }
+        )
     return runs
 
 
@@ -281,9 +314,23 @@ def render(ctx: dict[str, Any]) -> str:
         ],
         [False, *([True] * (len(phases) + 1))],
     )
+    t3 = table(
+        ["pause breakdown, ms p50", *PAUSE_PARTS, "pause"],
+        [
+            [
+                name,
+                *(f"{med(runs, f'{k}_ms'):.1f}" for k in PAUSE_PARTS),
+                f"{med(runs, 'pause_s') * 1e3:.0f}",
+            ]
+            for name, runs in (("in place", st), ("double-buffered", db), ("reload", rl))
+        ],
+        [False, *([True] * (len(PAUSE_PARTS) + 1))],
+    )
     return (
         f"{head}\n{t}\n(staged update held in SGLang: median {_mb(med(st, 'staged_bytes'))}"
-        f", {int(med(st, 'changed'))} changed elements per version)\n{t2}"
+        f", {int(med(st, 'changed'))} changed elements per version)\n{t2}\n{t3}\n"
+        "(command: rollpatch's commit inside SGLang, for the reload SGLang's own; route: the "
+        "rest of /update_weights_from_tensor)"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 from rollpatch.engines.sglang.launch import server_command, server_env
@@ -42,13 +43,21 @@ def sglang_python() -> Path | None:
 
 
 def start_server(
-    python: Path, model: Path, log: Path, shim_log: Path, *, tp: int = 1
+    python: Path,
+    model: Path,
+    log: Path,
+    shim_log: Path,
+    *,
+    tp: int = 1,
+    extra_env: Mapping[str, str] | None = None,
 ) -> vllm_env.Server:
     """SGLang's CPU engine on 127.0.0.1 with rollpatch's loader and the sgl_kernel shim
     (``tp`` > 1: that many ranks, one core each; SGLang's CPU engine asks for an explicit
-    core per rank when there are more ranks than NUMA nodes)."""
+    core per rank when there are more ranks than NUMA nodes; ``extra_env``: added to the
+    server's environment, e.g. ``ROLLPATCH_FAULT_INJECTION=1``)."""
     port = vllm_env.free_port()
     env = server_env(venv_dir(), REPO / "src", shim_log)
+    env.update(extra_env or {})
     env["TOKENIZERS_PARALLELISM"] = "false"
     # --sleep-on-idle: idle, the scheduler waits on its sockets instead of spinning a core (it
     # otherwise does, and a session's server idles through most of the suite: live_servers)

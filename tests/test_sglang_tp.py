@@ -6,25 +6,12 @@ at TP 4, a replicated norm), as the weight loaders written after vLLM's/SGLang's
 The ranks' partial rp.sum128 sums add up to the published digests (each distinct block once);
 staging a decoded patch on every rank moves the sums to the target digests (checked before any
 rank writes); commits scatter only what each rank holds; an undo restores a rank's words;
-refusals leave the words untouched.
-
-Live (the venv from ``scripts/sglang-env``; its own SGLang server at ``--tp-size 2``, one core
-per rank, booted from version 0 of the tiny Llama of tests/test_sglang.py): the adapter
-verifies the booted weights from the ranks' sums; each version's published patch object is
-decoded against the words gathered from both ranks and staged on both, committed under
-SGLang's pause; after each commit the re-hashed weights give the published digest and
-``weight_version`` names the version; SGLang's own full reload of a version at TP 2 serves
-bit-identically; a reverse transition restores the outputs; a tampered patch is refused with
-SGLang serving its last good version. Without the venv the live test is SKIPPED, loudly.
+refusals leave the words untouched. The live tests at TP 2: tests/test_sglang_tp_live.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +24,13 @@ from rollpatch.errors import BaseMismatchError, EngineError
 from rollpatch.kinds import get_kind
 from rollpatch.patch import Patch, diff
 from rollpatch.view import View
-from tests import vllm_env, vllm_layouts
+from tests import vllm_layouts
+from tests.test_sglang_offline import NumpyBuffers
 
 
-def _ranks(tp: int, ck: dict[str, np.ndarray], kv_heads: int = 2) -> list[RankWeights]:
+def _ranks(
+    tp: int, ck: dict[str, np.ndarray], kv_heads: int = 2, *, buffered: bool = False
+) -> list[RankWeights]:
     specs = vllm_layouts.layer_specs(tp, kv_heads)
     out = []
     for rank in range(tp):
@@ -49,7 +39,8 @@ def _ranks(tp: int, ck: dict[str, np.ndarray], kv_heads: int = 2) -> list[RankWe
             s.param: loaded[s.param].reshape(vllm_layouts.param_shape(s, tp)).copy() for s in specs
         }
         kinds = {s.param: get_kind("bf16") for s in specs}
-        out.append(RankWeights(params, specs, kinds, rank=rank, tp=tp))
+        buffers = NumpyBuffers(params) if buffered else None
+        out.append(RankWeights(dict(params), specs, kinds, rank=rank, tp=tp, buffers=buffers))
     return out
 
 
@@ -99,6 +90,45 @@ def test_staged_rank_commits_reach_the_target_and_undo(tp: int) -> None:
     assert all(np.array_equal(before[0][p], ranks[0].params[p]) for p in ranks[0].params)
     with pytest.raises(EngineError, match="undo"):
         ranks[0].undo(staged[0].token)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_double_buffered_rank_commits_exchange_undo_and_release(tp: int) -> None:
+    """Double-buffered at TP > 1: staging builds each rank's second buffers (nothing live
+    written), the commit exchanges storages and gives the words of an in-place commit; an
+    undo exchanges the old storage back; a release frees it (no undo after that)."""
+    ck = vllm_layouts.checkpoint(5)
+    a = vllm_layouts.words_view(ck)
+    b = vllm_layouts.words_view(vllm_layouts.random_step(ck, 2))
+    ranks = _ranks(tp, ck, buffered=True)
+    live = [dict(r.params) for r in ranks]
+    snap = [{p: v.copy() for p, v in r.params.items()} for r in ranks]
+    before = ranks[0].blocks(fresh=True)
+    patch = diff(a, b)
+    staged = [r.stage(patch, "double_buffer") for r in ranks]
+    assert all(s.buffers and set(s.buffers) == set(s.writes) for s in staged)
+    for r, lv, sn in zip(ranks, live, snap):
+        assert all(r.params[p] is lv[p] and np.array_equal(sn[p], lv[p]) for p in lv)
+    for r, s in zip(ranks, staged):
+        r.commit(s.token)
+        assert set(s.retired) == set(s.writes)  # kept for an undo
+    assert _held(ranks, b) == (b.tensor_digests(), b.digest())
+    assert combine([r.blocks(fresh=True) for r in ranks], _tensors(b))[1] == b.digest()
+    want = _ranks(tp, vllm_layouts.random_step(ck, 2))
+    for r, w, lv, sn in zip(ranks, want, live, snap):
+        assert all(np.array_equal(r.params[p], w.params[p]) for p in r.params)
+        assert all(np.array_equal(sn[p], lv[p]) for p in lv)  # the old storage never written
+    ranks[0].undo(staged[0].token)  # another rank failed: the old storage exchanged back
+    assert all(ranks[0].params[p] is live[0][p] for p in live[0])
+    assert ranks[0].blocks() == ranks[0].blocks(fresh=True) == before
+    released = ranks[1].release()["released"]
+    assert released == len(staged[1].writes) > 0 and not staged[1].retired
+    with pytest.raises(EngineError, match="undo"):
+        ranks[1].undo(staged[1].token)
+    i = 2 % tp  # tp 4: rank 2 committed, never released; tp 2: rank 0, undone
+    assert bool(staged[i].retired) == (tp > 2)
+    s2 = ranks[i].stage(diff(b, a) if tp > 2 else patch, "double_buffer")
+    assert s2.buffers and not staged[i].retired  # staging again released the commit's storage
 
 
 def test_rank_refusals_leave_the_words_untouched() -> None:
@@ -201,86 +231,3 @@ def test_adapter_proves_the_ranks_sum_and_undoes_a_partial_commit(tmp_path: Path
     tokens, _ = tp_ops.stage(ch, patch, path, a.tensor_digests(), tensors)  # type: ignore[arg-type]
     tp_ops.commit(ch, tokens)  # type: ignore[arg-type]
     assert tp_ops.held(ch, tensors, fresh=True) == (b.tensor_digests(), b.digest())  # type: ignore[arg-type]
-
-
-# -- live: SGLang at --tp-size 2 ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[vllm_env.Server, Path]]:
-    from tests import live_servers
-    from tests.sglang_env import BUILD_HINT, sglang_python, start_server, venv_dir
-
-    python = sglang_python()
-    if python is None:
-        pytest.skip(f"SKIPPED LIVE SGLANG TP TEST: no SGLang venv at {venv_dir()}: {BUILD_HINT}")
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("SKIPPED LIVE SGLANG TP TEST: --tp-size 2 needs 2 cores here")
-    pytest.importorskip("transformers")
-    from rollpatch.engines.reference import make_tiny_model
-
-    root = tmp_path_factory.mktemp("sglang-tp")
-    with contextlib.redirect_stderr(io.StringIO()):
-        make_tiny_model(root / "model", **live_servers.LIVE_MODEL)
-    shim = root / "sgl-kernel-shim.log"
-    srv = start_server(python, root / "model", root / "sglang.log", shim, tp=2)
-    try:
-        srv.wait_ready(600)
-        yield srv, root
-    finally:
-        srv.stop()
-    calls = shim.read_text() if shim.exists() else ""
-    assert not calls, f"SGLang called the sgl_kernel import shim:\n{calls}"
-
-
-def test_live_tp2_versions_forward_back_and_refusals(
-    tp_server: tuple[vllm_env.Server, Path],
-) -> None:
-    from rollpatch.engines.sglang import SglangEngine
-    from rollpatch.errors import TargetMismatchError
-    from rollpatch.patch import decode
-    from tests.test_sglang import World, greedy
-
-    server, root = tp_server
-    world = World(root / "world", root / "model")
-    engine = SglangEngine(server.url)
-    try:
-        assert engine.tp == 2 and engine.info()["tp"] == 2
-        engine.adopt(0, world.views[0].digest())  # the ranks' sums add up to version 0
-        seen = [greedy(server)[0]]
-        last = 3
-        for v in range(1, last + 1):
-            a, b = world.views[v - 1], world.views[v]
-            assert engine.stage_encoded([], v) is None  # decoded here, against gathered words
-            patch = decode(world.patch_object(v), engine.words())
-            engine.apply(patch, v)
-            assert engine.version == v and engine.digest == b.digest()
-            assert engine.held(fresh=True) == (b.tensor_digests(), b.digest())
-            out, tags = greedy(server)
-            assert tags == {str(v)} and out != seen[-1]
-            seen.append(out)
-        assert engine.words()["model.layers.0.mlp.down_proj.weight"].data.tobytes() == (
-            world.views[last]["model.layers.0.mlp.down_proj.weight"].data.tobytes()
-        )  # a row-split tensor, gathered from both ranks
-        engine.apply(diff(world.views[last], world.views[last - 1]), last - 1)  # back
-        assert engine.held(fresh=True)[1] == world.views[last - 1].digest()
-        assert greedy(server) == (seen[last - 1], {str(last - 1)})
-        a, b = world.views[last - 1], world.views[last]
-        tampered = diff(a, b)
-        name = "model.layers.1.self_attn.o_proj.weight"
-        tampered.tensors[name].changes().new[0] ^= np.uint16(0x8000)
-        with pytest.raises(TargetMismatchError):
-            engine.apply(tampered, last)
-        assert engine.version == last - 1 and engine.held(fresh=True)[1] == a.digest()
-        assert greedy(server) == (seen[last - 1], {str(last - 1)})
-        r = server.post(  # SGLang's own full reload of the last version, at TP 2
-            "/update_weights_from_disk",
-            {"model_path": str(world.dirs[last]), "weight_version": f"disk-{last}"},
-        )
-        assert r["success"], r
-        assert greedy(server) == (seen[last], {f"disk-{last}"})
-        engine.adopt(last, world.views[last].digest())
-        audit = engine.audit(1 << 30)
-        assert audit is not None and audit.mismatched == () and audit.wrapped
-    finally:
-        engine.close()

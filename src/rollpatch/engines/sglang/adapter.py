@@ -182,7 +182,7 @@ class SglangEngine(EngineAdapter):
                 write_decoded(patch, path)
                 if self.tp > 1:  # every rank stages its part; their sum is proven here
                     t0 = time.perf_counter()
-                    args = (self.channel, patch, path, self._digest, self.tensors())
+                    args = (self.channel, patch, path, self._digest, self.tensors(), self.writes)
                     staged, r = tp_ops.stage_update(*args)
                     self._timed(t0, r)
                     return staged
@@ -220,13 +220,14 @@ class SglangEngine(EngineAdapter):
         with self._lock:
             self._require_loaded()
             if isinstance(tokens, list):  # TP > 1: every rank's part, proven by tp.stage
-                self._write(
+                res = self._write(
                     {"op": "commit", "tokens": tokens},
                     version,
                     lambda res: self.held()[1] == staged.target,
                     staged.target,
                 )
-                self.last_timings["exchanged"] = 0.0
+                self.last_timings["exchanged"] = float(res.get("exchanged", 0))
+                tp_ops.release(self.channel)  # after the pause: every rank committed
                 return
             res = self._write(
                 {"op": "commit", "token": token},
@@ -324,6 +325,7 @@ class SglangEngine(EngineAdapter):
                     res = tp_ops.commit(self.channel, list(cmd["tokens"]))
                 else:
                     res = self.channel.command(cmd, flush=True)
+                self.last_timings["command_s"] = float(res.get("ms", 0.0)) / 1e3
                 if not verified(res):
                     raise TargetMismatchError(
                         "the engine reports another root than the target",

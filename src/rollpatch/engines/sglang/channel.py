@@ -13,6 +13,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,9 @@ class SglangChannel(NestedPause):
         self._tag_id = secrets.token_hex(4)
         self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
+        #: Milliseconds spent in each HTTP route since the owner last cleared it (a commit's
+        #: profile: the pause's round trips).
+        self.route_ms: dict[str, float] = {}
         super().__init__(lock)
 
     def socket(self, rank: int = 0) -> Path:
@@ -59,8 +63,14 @@ class SglangChannel(NestedPause):
         return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
 
     def http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
-        """One JSON call to SGLang's HTTP server (:func:`.wire.http_json`)."""
-        return http_json(self.base_url, method, path, body, timeout=self.timeout, check=check)
+        """One JSON call to SGLang's HTTP server (:func:`.wire.http_json`); its time is
+        added to :attr:`route_ms` under ``path``."""
+        t0 = time.perf_counter()
+        try:
+            return http_json(self.base_url, method, path, body, timeout=self.timeout, check=check)
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            self.route_ms[path] = self.route_ms.get(path, 0.0) + ms
 
     def tag(self, tag: str) -> None:
         """Set SGLang's ``weight_version`` without aborting requests in flight."""

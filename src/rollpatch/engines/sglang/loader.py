@@ -9,13 +9,16 @@ there, between two forward passes, with the command the adapter sent (:mod:`.wir
   (:mod:`.describe`) and start the control thread on the given UNIX socket;
 - ``commit``: scatter a staged update and read it back (the only work under the pause);
 - ``undo`` (TP > 1): write the last commit's old words back, when another rank's failed;
-- ``load``: overwrite every tensor with a keyframe file, verified.
+- ``load``: overwrite every tensor with a keyframe file, verified;
+- ``flip`` (drills and tests only, refused unless SGLang was started with
+  ``ROLLPATCH_FAULT_INJECTION=1``): flip the lowest bit of one word behind every digest.
 
 The control thread serves, *while SGLang generates*, what only reads: ``info``, ``digest``,
 ``stage_encoded`` (decode a wire-format patch against the live words and prove it),
 ``stage_decoded`` (a decoded-patch file, :mod:`rollpatch.engines.vllm.transfer`), ``export``
 (one tensor to a file), ``audit`` (re-hash a slice of the weights), ``drop`` (a staged
-update).
+update), ``release`` (TP > 1: the storage a double-buffered commit replaced, once every rank
+committed).
 Every answer is a JSON dict: ``ok`` plus results, or ``error`` with the rollpatch exception
 class, message and context. The loader itself never raises into SGLang.
 """
@@ -40,6 +43,7 @@ from ...io.safetensors import load_view, save_view
 from ...patch import Patch, TensorPatch, decode, inspect
 from ...view import Tensor, View
 from ..staged import WriteMode
+from ..vllm.layout import locate
 from ..vllm.transfer import read_decoded
 from ..writing import release
 from .ranked import RankWeights
@@ -73,9 +77,9 @@ def _build(model: Any) -> HeldWeights:
     rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     specs, kinds, params = describe(model, tp)
     words = {n: param_words(p) for n, p in params.items()}
-    if tp > 1:  # blocks of split tensors: sums per rank, combined by the adapter
-        return RankWeights(words, specs, kinds, rank=rank, tp=tp)
-    return HeldWeights(words, specs, kinds, rank=rank, tp=tp, buffers=TorchBuffers(params))
+    # TP > 1: blocks of split tensors, sums per rank combined by the adapter
+    cls = RankWeights if tp > 1 else HeldWeights
+    return cls(words, specs, kinds, rank=rank, tp=tp, buffers=TorchBuffers(params))
 
 
 def _weights() -> HeldWeights:
@@ -180,6 +184,7 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "export": lambda w, r: _export(w, str(r["name"]), str(r["path"])),
     "audit": lambda w, r: w.audit(int(r["budget"])),
     "drop": lambda w, r: _drop(w),
+    "release": lambda w, r: w.release() if isinstance(w, RankWeights) else {"released": 0},
 }
 
 
@@ -246,6 +251,22 @@ def _start(model: Any, sock: str) -> dict[str, Any]:
     return {"socket": sock, "pid": os.getpid()}
 
 
+def _flip(w: HeldWeights, name: str, position: int) -> dict[str, Any]:
+    """Fault injection: flip the lowest bit of checkpoint element ``position`` of ``name``
+    where this rank holds it, behind every digest (``flipped``: 0 where it holds none)."""
+    if os.environ.get("ROLLPATCH_FAULT_INJECTION") != "1":
+        raise EngineError(
+            "fault injection is off",
+            hint="start SGLang with ROLLPATCH_FAULT_INJECTION=1 (drills and tests only)",
+        )
+    pl = w.placement(name)
+    if not 0 <= position < pl.n_elements:
+        raise EngineError("position out of range", tensor=name, position=position)
+    _, offsets = locate(pl, np.array([position], np.int64))
+    w.params[pl.param].reshape(-1)[offsets] ^= 1
+    return {"flipped": int(offsets.size)}
+
+
 def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     op = cmd.get("op")
     if op == "start":
@@ -253,8 +274,10 @@ def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     w = _weights()
     if op == "commit":
         staged = w.commit(str(cmd["token"]))
+        exchanged = len(staged.retired)  # counted before the release thread empties it
+        if isinstance(w, RankWeights):  # kept for an undo until the adapter's release
+            return {"target": staged.target, "changed": staged.changed, "exchanged": exchanged}
         retired, staged.retired = staged.retired, {}
-        exchanged = len(retired)  # counted before the release thread empties it
         if retired:  # the storage a double-buffered commit replaced: freed after the pause
             threading.Thread(
                 target=release, args=(retired,), name="rollpatch-release", daemon=True
@@ -269,6 +292,8 @@ def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         return {}
     if op == "undo" and isinstance(w, RankWeights):
         return w.undo(str(cmd["token"]))
+    if op == "flip":
+        return _flip(w, str(cmd["name"]), int(cmd["position"]))
     if op == "load":
         root = w.load(load_view(str(cmd["path"]), mmap=True))
         if isinstance(w, RankWeights):

@@ -11,15 +11,20 @@ it, so
   the whole tensor, the old words checked against the live ones, each touched block's sum
   moved by the changed words alone (O(changed)); the adapter checks the sums against the
   patch's target digests and root before any rank writes;
-- :meth:`commit` scatters and reads back as at TP = 1 (in place only: double-buffered
-  commits are refused), guarded by the rank's write generation instead of a root;
-- :meth:`undo` writes the last commit's old words back (checked), for when another rank's
-  commit failed: every rank then holds the previous version again.
+- :meth:`commit` scatters and reads back as at TP = 1, guarded by the rank's write
+  generation instead of a root; double-buffered (``mode="double_buffer"``), staging built
+  the touched parameters' second buffers (the rank's writes checked and read back there) and
+  the commit only exchanges storages, O(1) per parameter;
+- :meth:`undo` writes the last commit's old words back (checked), or exchanges the replaced
+  storage back, for when another rank's commit failed: every rank then holds the previous
+  version again. So a double-buffered commit keeps the storage it replaced until the adapter
+  saw every rank commit and calls :meth:`release` (after the pause).
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +37,8 @@ from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
 from ..staged import WriteMode
 from ..vllm.layout import Placement, extract, locate
-from ..writing import ParamWrites, write_params
+from ..writing import ParamWrites, check_and_write, release, write_params
+from .buffers import check_copies, clone, exchange
 from .slices import Block, partial_delta, partial_state
 from .staged import HeldWeights
 from .update import Staged, check_delta, merge_writes
@@ -40,6 +46,11 @@ from .update import Staged, check_delta, merge_writes
 __all__ = ["RankWeights"]
 
 _M64 = (1 << 64) - 1
+
+
+def _release(storage: dict[str, Any]) -> None:
+    """Free replaced storage after the pause, off the caller's thread."""
+    threading.Thread(target=release, args=(storage,), name="rollpatch-release", daemon=True).start()
 
 
 class RankWeights(HeldWeights):
@@ -158,12 +169,15 @@ class RankWeights(HeldWeights):
     def stage(self, patch: Patch, mode: WriteMode = "in_place") -> Staged:
         """This rank's part of a decoded patch, validated and its block sums moved; nothing
         is written (the adapter checks the sums of every rank before the commit)."""
-        if mode != "in_place":
+        if mode not in ("in_place", "double_buffer"):
+            raise ValueError(f"mode must be 'in_place' or 'double_buffer', not {mode!r}")
+        if mode == "double_buffer" and self._buffers is None:
             raise EngineError(
-                "double-buffered commits need --tp-size 1",
+                "double-buffered commits need the engine glue's buffers",
                 tp=self.tp,
                 hint="use the in-place commit (writes='in_place')",
             )
+        self.release()  # a commit the adapter never confirmed: its old storage goes now
         t0 = time.perf_counter()
         current = self.blocks()
         staged = Staged(secrets.token_hex(8), patch.base, patch.target, {}, {})
@@ -183,13 +197,26 @@ class RankWeights(HeldWeights):
                 per_param.setdefault(pl.param, []).append((offsets, old, new))
         t1 = time.perf_counter()
         staged.writes.update(merge_writes(per_param))
+        t2 = time.perf_counter()
+        if mode == "double_buffer" and staged.writes:
+            staged.buffers = self._second_buffers(staged)
         self.last_stage_ms = {
             "prove": (t1 - t0) * 1e3,
-            "layout": (time.perf_counter() - t1) * 1e3,
-            "buffers": 0.0,
+            "layout": (t2 - t1) * 1e3,
+            "buffers": (time.perf_counter() - t2) * 1e3,
         }
         self.staged = {staged.token: staged}
         return staged
+
+    def _second_buffers(self, staged: Staged) -> dict[str, Any]:
+        """Copies of the touched parameters with this rank's writes in (old words checked,
+        new ones read back); the live words are not written."""
+        assert self._buffers is not None
+        handles, words = clone(self._buffers, self.params, set(staged.writes))
+        for p, w in staged.writes.items():
+            check_and_write(words[p].reshape(-1), w.offsets, w.old, w.new, p)
+        check_copies(staged, words)
+        return handles
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -209,18 +236,37 @@ class RankWeights(HeldWeights):
         self._undo = None
 
     def undo(self, token: str) -> dict[str, Any]:
-        """Write the last commit's old words back (the new ones checked as overwritten)."""
+        """Write the last commit's old words back (the new ones checked as overwritten), or
+        exchange the storage it replaced back in (double-buffered)."""
         staged = self._undo
         if staged is None or staged.token != token:
             raise EngineError("no such commit to undo on this rank", token=token, rank=self.rank)
-        writes = {p: ParamWrites(w.offsets, w.new, w.old) for p, w in staged.writes.items()}
-        write_params(self._access, writes, parallel=True)
+        if staged.retired:
+            assert self._buffers is not None
+            undone = exchange(self._buffers, self.params, staged.retired)
+            staged.retired = {}
+            _release(undone)
+        else:
+            writes = {p: ParamWrites(w.offsets, w.new, w.old) for p, w in staged.writes.items()}
+            write_params(self._access, writes, parallel=True)
         self._blocks.update(staged.prev_blocks)
         self._generation += 1
         self._undo = None
         return {"undone": staged.changed}
 
+    def release(self) -> dict[str, Any]:
+        """The adapter saw every rank commit: the storage the last double-buffered commit
+        replaced is freed (in the background), and that commit can no longer be undone."""
+        staged, n = self._undo, 0
+        if staged is not None and staged.retired:
+            retired, staged.retired = staged.retired, {}
+            n = len(retired)
+            _release(retired)
+            self._undo = None
+        return {"released": n}
+
     def load(self, view: View, repack: Callable[[set[str]], None] = lambda p: None) -> str:
+        self.release()
         self._undo = None
         self._generation += 1
         return super().load(view, repack)

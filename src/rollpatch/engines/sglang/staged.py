@@ -121,6 +121,10 @@ class HeldWeights:
     def __contains__(self, name: object) -> bool:
         return name in self._place
 
+    def placement(self, name: str) -> Placement:
+        """Where this rank holds checkpoint tensor ``name`` (EngineError if unknown)."""
+        return self._pl(name)
+
     def _pl(self, name: str) -> Placement:
         try:
             return self._place[name]

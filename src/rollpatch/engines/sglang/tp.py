@@ -9,8 +9,10 @@ Each TP rank runs rollpatch's control thread and holds blocks of the split tenso
 - :func:`stage_update` checks the engine's root against the patch's base, then :func:`stage`
   sends a decoded patch to every rank, adds the ranks' moved sums and checks them against
   the patch's target digests and root *before any rank writes*;
-- :func:`commit` writes on every rank in one weight-update call (between two forward passes);
-  if a rank fails, the ranks that wrote undo their writes, so every rank is back on the base.
+- :func:`commit` writes on every rank in one weight-update call (between two forward passes):
+  scattered, or double-buffered (each rank exchanges its second buffers, O(1) per parameter);
+  if a rank fails, the ranks that wrote undo their writes, so every rank is back on the base;
+  :func:`release` then frees what double-buffered commits replaced (after the pause).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError, engine_error
 from ...io.safetensors import load_view
 from ...kinds import get_kind
 from ...patch import Patch
@@ -31,9 +33,9 @@ from .slices import combine
 from .wire import result
 
 if TYPE_CHECKING:
-    from ..staged import StagedUpdate
+    from ..staged import StagedUpdate, WriteMode
 
-__all__ = ["commit", "export", "held", "stage", "stage_update"]
+__all__ = ["commit", "export", "held", "release", "stage", "stage_update"]
 
 
 def held(
@@ -75,17 +77,19 @@ def stage(
     path: Path,
     digests: Mapping[str, str],
     tensors: Mapping[str, Any],
+    mode: WriteMode = "in_place",
 ) -> tuple[list[str], dict[str, Any]]:
     """Stage the decoded patch written at ``path`` on every rank and prove it: the ranks' moved
     sums must give each tensor's target digest, and with the digests ``digests`` held now, the
-    patch's target root. Returns every rank's token and rank 0's summary."""
+    patch's target root (``double_buffer``: every rank also builds its second buffers).
+    Returns every rank's token and rank 0's summary."""
     for name, tp in patch.tensors.items():
         if digests.get(name) != tp.base_digest:
             raise BaseMismatchError("tensor is not the patch's base", tensor=name, engine="sglang")
     answers: list[dict[str, Any]] = []
     try:
         for r in range(ch.tp):
-            answers.append(ch.control("stage_decoded", rank=r, paths=[str(path)], mode="in_place"))
+            answers.append(ch.control("stage_decoded", rank=r, paths=[str(path)], mode=mode))
         touched = {n: tensors[n] for n in patch.tensors}
         got, _ = combine([a["blocks"] for a in answers], touched)
         bad = sorted(n for n, tp in patch.tensors.items() if got[n] != tp.target_digest)
@@ -110,7 +114,12 @@ def stage(
 
 
 def stage_update(
-    ch: SglangChannel, patch: Patch, path: Path, root: str | None, tensors: Mapping[str, Any]
+    ch: SglangChannel,
+    patch: Patch,
+    path: Path,
+    root: str | None,
+    tensors: Mapping[str, Any],
+    mode: WriteMode = "in_place",
 ) -> tuple[StagedUpdate, dict[str, Any]]:
     """The adapter's staging at TP > 1: the engine's verified ``root`` must be the patch's
     base, then :func:`stage` against the digests the ranks hold now. Returns the update and
@@ -125,9 +134,16 @@ def stage_update(
             actual=str(root)[:16],
         )
     digests, _ = held(ch, tensors, fresh=False)
-    tokens, r = stage(ch, patch, path, digests, tensors)
+    tokens, r = stage(ch, patch, path, digests, tensors, mode)
     payload = {"sglang_tokens": tokens, "changed": r["changed"], "nbytes": r["nbytes"]}
     return StagedUpdate(patch.base, patch.target, {}, dict(r["digests"]), payload), r
+
+
+def release(ch: SglangChannel) -> None:
+    """After a commit every rank made: the storage its double-buffered commit replaced is
+    freed on every rank (the commit can no longer be undone)."""
+    for r in range(ch.tp):
+        ch.control("release", rank=r)
 
 
 def commit(ch: SglangChannel, tokens: list[str]) -> dict[str, Any]:
@@ -136,7 +152,11 @@ def commit(ch: SglangChannel, tokens: list[str]) -> dict[str, Any]:
     answers = ch.commands([{"op": "commit", "token": t} for t in tokens], flush=True)
     failed = [i for i, a in enumerate(answers) if not a.get("ok")]
     if not failed:
-        return {"changed": sum(int(a["changed"]) for a in answers), "exchanged": 0}
+        return {
+            "changed": sum(int(a["changed"]) for a in answers),
+            "exchanged": sum(int(a.get("exchanged", 0)) for a in answers),
+            "ms": max(float(a.get("ms", 0.0)) for a in answers),
+        }
     wrote = [i for i, a in enumerate(answers) if a.get("ok")]
     if wrote:
         undo = [
@@ -146,5 +166,6 @@ def commit(ch: SglangChannel, tokens: list[str]) -> dict[str, Any]:
         for i, a in enumerate(ch.commands(undo, flush=True)):
             if i in wrote:
                 result(a)  # an undo that fails: the error says so; the adapter re-hashes
-    result(answers[failed[0]])
-    raise EngineError("a rank's commit failed", engine="sglang", rank=failed[0])
+    report = dict(answers[failed[0]].get("error") or {"message": "a rank's commit failed"})
+    ctx = {**dict(report.get("context") or {}), "rank": failed[0], "undone_ranks": str(wrote)}
+    raise engine_error({**report, "context": ctx}, engine="sglang", what="SGLang extension")

@@ -1,0 +1,79 @@
+"""A published chain decoded inside the engine (:mod:`rollpatch.engines.catchup`): the composed
+change equals a plain diff of the chain's ends, element for element, whatever the steps do
+(overlapping changes, changes written back to their first value), for whole and packed kinds."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from rollpatch import native
+from rollpatch.engines.catchup import decode_in_place
+from rollpatch.formats import cast_view
+from rollpatch.patch import DeltaOp, diff, encode
+from rollpatch.view import View
+
+pytestmark = pytest.mark.skipif(native.core is None, reason="the native core is not built")
+
+
+def _masters(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "a.weight": rng.standard_normal((512, 300)).astype(np.float32),  # one chunk
+        "b.weight": rng.standard_normal((1100, 1024)).astype(np.float32),  # > 2^20: two chunks
+        "c.bias": rng.standard_normal(77).astype(np.float32),
+    }
+
+
+def _chain(fmt: str) -> list[View]:
+    """Four versions: step 1 moves a third of the values; step 2 moves others and writes half
+    of step 1's back to their first value; step 3 moves some again."""
+    rng = np.random.default_rng(7)
+    m0 = _masters(rng)
+    ms = [m0]
+    for k in range(3):
+        prev = ms[-1]
+        nxt = {}
+        for name, w in prev.items():
+            w = w.copy()
+            moved = rng.random(w.shape) < 0.3
+            w[moved] += rng.standard_normal(int(moved.sum())).astype(np.float32) * 0.05
+            if k == 1:  # half of step 1's moves go back exactly to the first value
+                back = (ms[1][name] != m0[name]) & (rng.random(w.shape) < 0.5)
+                w[back] = m0[name][back]
+            nxt[name] = w
+        ms.append(nxt)
+    return [cast_view(m, fmt) for m in ms]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_composed_change_equals_the_diff_of_the_ends(fmt: str, steps: int) -> None:
+    views = _chain(fmt)
+    blobs = [[encode(diff(a, b), a)] for a, b in itertools.pairwise(views)]
+    chain = [{"base": a.digest(), "target": b.digest()} for a, b in itertools.pairwise(views)]
+    live = views[0]
+    out = decode_in_place(live, chain[:steps], blobs[:steps], live.sum_state)
+    assert out is not None
+    patch, states = out
+    want = diff(views[0], views[steps])
+    assert set(patch.tensors) >= set(want.tensors)
+    if steps >= 2 and fmt == "bf16":  # the chain really writes words back to their first value
+        b0, b1, b2 = (v["b.weight"].data.view(np.uint8) for v in views[:3])
+        assert np.count_nonzero((b1 != b0) & (b2 == b0)) > 1000
+    for name, tp in patch.tensors.items():
+        got = tp.change
+        assert isinstance(got, DeltaOp)
+        if name not in want.tensors:  # every change of the chain was written back
+            assert got.positions.size == 0
+            continue
+        w = want.tensors[name].change
+        assert isinstance(w, DeltaOp)
+        assert np.array_equal(got.positions, w.positions), name
+        assert np.array_equal(got.old, w.old) and np.array_equal(got.new, w.new), name
+        assert tp.target_digest == views[steps].tensor_digest(name)
+    for name, st in states.items():
+        target = View({name: views[steps][name]})
+        assert st == target.sum_state(name)
+    assert views[0].digest() == _chain(fmt)[0].digest()  # the live words were only read

@@ -54,7 +54,7 @@ lint: setup
 # time is mostly children and waits) and all the others (with SGLang at TP 2, which starts
 # its own two-rank server: minutes, on its own), each about a third of the CPU time.
 # Each prints its report when it ends. Measured times: README.
-LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_moe_vllm.py)) tests/test_sglang.py \
+LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_moe_vllm*.py)) tests/test_sglang.py \
 	tests/test_sglang_sidecar.py tests/test_soak.py
 PROCS_TESTS := tests/test_demo.py tests/test_hardening_campaigns.py tests/test_fuzz_native.py \
 	tests/test_crash.py $(sort $(wildcard tests/test_publisher_sharded*.py)) \

@@ -15,7 +15,6 @@ import os
 import subprocess
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -273,76 +272,3 @@ def test_bad_expert_layouts_are_refused() -> None:
         expert_spec("w13", names[:-1] + [names[0][:1]], (INTER, HID), every, expert_tp=2, dim=0)
     spec = expert_spec("w13", names, (INTER, HID), half, expert_tp=1, dim=0)
     assert param_shape(spec, 2) == (4, 2 * INTER * HID)
-
-
-def test_describe_reads_a_real_layer(tmp_path: Path) -> None:
-    """describe() on vLLM's own RoutedExperts inside a real vLLM (CPU): the expert names and
-    shapes come from the layer, and the CPU kernel's prepacked layout is refused clearly."""
-    pytest.importorskip("torch")
-    if os.environ.get("ROLLPATCH_SKIP_VLLM") == "1":
-        pytest.skip("ROLLPATCH_SKIP_VLLM=1: the vLLM tests are skipped on request")
-    python = vllm_env.vllm_python()
-    if python is None:
-        pytest.fail(f"no vLLM venv at {vllm_env.venv_dir()}: {vllm_env.BUILD_HINT}", pytrace=False)
-    from rollpatch.engines.reference import make_tiny_moe_model
-
-    model = make_tiny_moe_model(tmp_path / "moe", layers=1, experts=4, top_k=2)
-    script = _DESCRIBE.replace("MODEL", str(model))
-    env = {
-        **vllm_env.server_env(),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": str(vllm_env.REPO / "src"),
-    }
-    r = subprocess.run(
-        [str(python), "-c", script],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["kernel"] == "CPUUnquantizedExperts"
-    assert "CPU MoE kernel prepacks" in res["refused"], res
-    assert res["names"][:2] == [
-        f"{PREFIX}.experts.0.gate_proj.weight",
-        f"{PREFIX}.experts.0.up_proj.weight",
-    ], res
-    assert res["w2_names"][0] == f"{PREFIX}.experts.0.down_proj.weight"
-    assert res["shapes"] == [[64, 128], [128, 64]] and res["param_shape"] == [4, 128 * 128]
-
-
-_DESCRIBE = r"""
-import json
-from vllm import LLM
-
-
-def probe(model):
-    from rollpatch.engines.vllm import describe as d
-    from rollpatch.engines.vllm.layout import param_shape
-    from rollpatch.errors import EngineError
-    name = "model.layers.0.mlp.experts.routed_experts"
-    mod = model.get_submodule(name)
-    kernel = type(mod.quant_method.moe_kernel.fused_experts).__name__
-    try:
-        d.describe(model, 0, 1)
-        refused = ""
-    except EngineError as e:
-        refused = str(e)
-    kept, mod.quant_method.moe_kernel = mod.quant_method.moe_kernel, None  # past the refusal
-    try:
-        w13 = d._experts(mod, name, "w13_weight", mod.w13_weight, 0, 1)
-        w2 = d._experts(mod, name, "w2_weight", mod.w2_weight, 0, 1)
-    finally:
-        mod.quant_method.moe_kernel = kept
-    return {"kernel": kernel, "refused": refused, "names": [s.name for s in w13.shards],
-            "w2_names": [s.name for s in w2.shards],
-            "shapes": [list(w13.shards[0].shape), list(w2.shards[0].shape)],
-            "param_shape": list(param_shape(w13, 1))}
-
-
-if __name__ == "__main__":
-    llm = LLM(model="MODEL", dtype="bfloat16", enforce_eager=True, max_model_len=128)
-    print(json.dumps(llm.apply_model(probe)[0]))
-"""

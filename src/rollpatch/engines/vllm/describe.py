@@ -14,9 +14,10 @@ embedding, norm layers) and of gated MoE blocks (``w13_weight``/``w2_weight`` of
 ``RoutedExperts``: expert names from the layer's own ``get_expert_mapping``, the TP split and
 the EP ``expert_map`` from its ``moe_config``; arithmetic in :mod:`.moe`). Refused with a clear
 error: quantized methods (FP8, INT4...), added (LoRA) vocabulary, redundant (EPLB) or fused
-shared experts, padded or prepacked expert layouts (vLLM's CPU MoE kernel), expert parallelism
-across data-parallel ranks, and models whose checkpoint names vLLM rewrites beyond
-``packed_modules_mapping``.
+shared experts, padded expert layouts, prepacked experts without a kept plain copy (vLLM's CPU
+MoE kernel packs them; :mod:`.experts_cpu` keeps the plain words when the extension is loaded
+before the model), expert parallelism across data-parallel ranks, and models whose checkpoint
+names vLLM rewrites beyond ``packed_modules_mapping``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from ...errors import EngineError
 from ...kinds import Kind, get_kind
 from ..layers import KIND_OF_DTYPE, ParallelLayers, layer_spec, quantized_method
+from . import experts_cpu
 from .layout import ParamSpec, Shard, param_shape, placements
 from .moe import expert_spec
 
@@ -103,15 +105,12 @@ def _experts(mod: Any, mod_name: str, leaf: str, p: Any, rank: int, tp: int) -> 
     kernel = getattr(
         getattr(getattr(mod, "quant_method", None), "moe_kernel", None), "fused_experts", None
     )
-    if "cpu" in type(kernel).__name__.lower():
-        raise _refuse_experts(
-            mod,
-            mod_name,
-            "vLLM's CPU MoE kernel prepacks the expert "
-            "weights (not in checkpoint layout); in-place expert patches "
-            "need the GPU kernels",
-            kernel=type(kernel).__name__,
-        )
+    if (
+        "cpu" in type(kernel).__name__.lower()
+        and not getattr(kernel, "_use_zentorch", False)  # zentorch reads the plain words
+        and not experts_cpu.is_packed_experts(mod)
+    ):
+        raise _refuse_experts(mod, mod_name, experts_cpu.refusal(mod), kernel=type(kernel).__name__)
     cfg = mod.moe_config
     if leaf not in ("w13_weight", "w2_weight") or not cfg.is_act_and_mul:
         raise _refuse_experts(mod, mod_name, "only gated expert weights are supported", param=leaf)

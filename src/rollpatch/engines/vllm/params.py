@@ -6,7 +6,9 @@ other devices, host copies for reading and torch ``index_put_`` for writing. It 
 the CPU backend's packed kernels need (docs/vllm.md, *The CPU prepack trap*): which modules'
 kernels hold their own copy of the words (``_rollpatch_owns``, found by :mod:`.worker` at load
 time), rebuilding them after writes, or building them while staging and swapping them in
-under the pause; and the double-buffered commit (``writes="double_buffer"``): each touched
+under the pause (vLLM's CPU MoE kernel: the plain expert words kept by :mod:`.experts_cpu`
+stand in for the packed parameters, and only the touched experts are re-packed); and the
+double-buffered commit (``writes="double_buffer"``): each touched
 parameter's new words staged in a second buffer and exchanged for the live one under the pause.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 
 from ...errors import EngineError, TargetMismatchError
 from ..writing import check_and_write
+from . import experts_cpu
 from .layout import storage_offsets
 from .writes import Access
 
@@ -58,6 +61,11 @@ class TorchParams:
 
         self._torch, self.model, self.tp = torch, model, tp
         self.params = dict(model.named_parameters())
+        for name in list(self.params):  # CPU-packed experts: the plain copy is the view's
+            mod, _, leaf = name.rpartition(".")
+            plain = experts_cpu.plain_of(self._module(mod), leaf)
+            if plain is not None:
+                self.params[name] = plain
         self.cpu = (
             all(p.device.type == "cpu" for p in self.params.values()) if alias is None else alias
         )
@@ -170,6 +178,9 @@ class TorchParams:
         with torch.no_grad():
             for m in self._owning(writes):
                 mod, shadow = self._module(m), types.SimpleNamespace()
+                if experts_cpu.is_packed_experts(mod):  # the touched experts' packed slices
+                    out[m] = experts_cpu.prebuild(mod, m, writes, buffers, check_write)
+                    continue
                 for attr in ("weight", "bias"):
                     p = getattr(mod, attr, None)
                     key = f"{m}.{attr}" if m else attr
@@ -189,14 +200,28 @@ class TorchParams:
         return out
 
     def install(self, prebuilt: dict[str, Any]) -> set[str]:
-        """Under the pause: the prebuilt kernels swapped in (O(1) per module)."""
-        for m, linear in prebuilt.items():
-            self._module(m).cpu_linear = linear
+        """Under the pause: the prebuilt kernels swapped in (O(1) per module); packed expert
+        slices copied in and read back. On a failure every module already swapped is re-packed
+        from its plain words (the caller restores those it wrote), then the error is raised."""
+        done: list[str] = []
+        try:
+            for m, built in prebuilt.items():
+                if isinstance(built, experts_cpu.PackedExperts):
+                    experts_cpu.install(self._module(m), m, built)
+                else:
+                    self._module(m).cpu_linear = built
+                done.append(m)
+        except BaseException:
+            self.repack({f"{m}.weight" for m in done})
+            raise
         return set(prebuilt)
 
     def kernel_only(self, name: str) -> bool:
-        mod, _, attr = name.rpartition(".")
-        return attr == "weight" and bool(self._module(mod).__dict__.get("_rollpatch_kernel_only"))
+        mod_name, _, attr = name.rpartition(".")
+        mod = self._module(mod_name)
+        return (attr == "weight" or experts_cpu.is_packed_experts(mod)) and bool(
+            mod.__dict__.get("_rollpatch_kernel_only")
+        )
 
     # -- the double-buffered commit ---------------------------------------------------------
 

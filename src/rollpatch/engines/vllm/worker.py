@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import EngineError
+from .experts_cpu import check_packed, keep_plain_experts
 from .ops import OPS, run_op_on
 from .params import TorchParams
 from .weights import RuntimeWeights
@@ -97,6 +98,7 @@ def _register_backend() -> None:
 
 if "vllm" in sys.modules:  # inside vLLM: install before the model loads
     _keep_plain_weights()
+    keep_plain_experts()  # the CPU MoE kernel's packed experts (.experts_cpu)
     _register_backend()
 
 
@@ -206,6 +208,11 @@ class WorkerExtension:
     def rollpatch_export(self, name: str, path: str) -> dict[str, Any]:
         """Write one checkpoint tensor's words to ``path`` (safetensors; rank 0 writes)."""
         return run_op(self.get_model(), "export", name, path)  # type: ignore[attr-defined]
+
+    def rollpatch_packed(self) -> dict[str, Any]:
+        """Re-pack every CPU-packed expert layer's plain words with vLLM's own prepack (whole
+        and per expert) and compare with the live packed parameters (tests and drills)."""
+        return run_op_on(self.get_model(), check_packed)  # type: ignore[attr-defined]
 
     def rollpatch_result(self, token: str) -> dict[str, Any]:
         """The result of the weight-transfer update tagged ``token`` (popped)."""

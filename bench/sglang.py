@@ -76,13 +76,20 @@ def venv() -> Path:
 class Server:
     """SGLang's CPU server on 127.0.0.1 (our child, its own process group)."""
 
-    def __init__(self, model: Path, log_path: Path, port: int = 31977) -> None:
+    def __init__(self, model: Path, log_path: Path, port: int = 31977, tp: int = 1) -> None:
         python = venv() / "bin" / "python"
         if not (venv() / ".stamp-sglang").exists():
             raise BenchError(f"no SGLang venv at {venv()}: run scripts/sglang-env")
         self.shim_log = log_path.with_suffix(".shim")
         env = server_env(venv(), REPO / "src", self.shim_log)
-        cmd = server_command(python, model, port, mem_fraction=0.3)
+        extra: list[str] = []
+        if tp > 1:  # one core per rank (SGLang's CPU engine wants them named)
+            cores = sorted(os.sched_getaffinity(0))
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(cores[r % len(cores)]) for r in range(tp)
+            )
+            extra = ["--tp-size", str(tp)]
+        cmd = server_command(python, model, port, mem_fraction=0.3 / tp, extra=extra)
         with open(log_path, "wb") as out:
             # cwd: not bench/, whose sglang.py would shadow the sglang package
             self.proc = subprocess.Popen(
@@ -148,9 +155,13 @@ def phase_staged(
     for v in range(1, n + 1):
         blob = world.patch_blob(v)
         t0 = time.perf_counter()
-        staged = engine.stage_encoded(
-            [EncodedStep((blob,), world.digests[v - 1], world.digests[v])], v
-        )
+        here: dict[str, float] = {}
+        if engine.tp > 1:  # decoded here against the words gathered from every rank
+            staged = stage_gathered(engine, blob, v, here)
+        else:
+            staged = engine.stage_encoded(
+                [EncodedStep((blob,), world.digests[v - 1], world.digests[v])], v
+            )
         t1 = time.perf_counter()
         engine.channel.route_ms.clear()
         engine.pause()
@@ -162,11 +173,16 @@ def phase_staged(
         routes = dict(engine.channel.route_ms)
         if engine.digest != world.digests[v] or engine.held()[1] != world.digests[v]:
             raise BenchError(f"v{v}: the engine does not hold the published digest")
-        inside = engine.last_stage_ms
+        inside = dict(engine.last_stage_ms)
+        inside.setdefault("decode", here.get("decode_ms", 0.0))
         runs.append(
             {
                 **{f"{k}_ms": float(x) for k, x in inside.items()},
-                "transfer_ms": (t1 - t0) * 1e3 - inside["inside"],
+                "gather_ms": here.get("gather_ms", 0.0),
+                "transfer_ms": (t1 - t0) * 1e3
+                - inside["inside"]
+                - sum(here.values())
+                + inside.get("read", 0.0),
                 "stage_s": t1 - t0,
                 "pause_s": t2 - t1,
                 "visible_s": t2 - t0,
@@ -182,6 +198,36 @@ def phase_staged(
     if expect is not None and engine.held(fresh=True)[1] != world.digests[n]:
         raise BenchError(f"v{n}: the live words, re-hashed, are not the published ones")
     return runs, served
+
+
+class TimedWords:
+    """The engine's words (a WordSource), the time spent fetching them counted."""
+
+    def __init__(self, words: Any) -> None:
+        self.words, self.s = words, 0.0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.words
+
+    def __getitem__(self, name: str) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.words[name]
+        finally:
+            self.s += time.perf_counter() - t0
+
+
+def stage_gathered(engine: Any, blob: bytes, v: int, here: dict[str, float]) -> Any:
+    """TP > 1: the patch object decoded against the words gathered from every rank (the
+    follower's path), then staged on every rank; ``here``: gather and decode time (ms)."""
+    from rollpatch.patch import decode
+
+    t0 = time.perf_counter()
+    words = TimedWords(engine.words())
+    patch = decode(blob, words)
+    here["gather_ms"] = words.s * 1e3
+    here["decode_ms"] = (time.perf_counter() - t0 - words.s) * 1e3
+    return engine.stage(patch, v)
 
 
 #: The pause's parts (ms): SGLang's routes under the pause, rollpatch's command inside one.
@@ -281,7 +327,7 @@ def render(ctx: dict[str, Any]) -> str:
         ],
     ]
     head = (
-        f"SGLang {SGLANG_VERSION} CPU, {w['params'] / 1e6:.1f}M params "
+        f"SGLang {SGLANG_VERSION} CPU, TP {ctx['args'].get('tp', 1)}, {w['params'] / 1e6:.1f}M params "
         f"(hidden {w['dims']['hidden_size']}, {w['dims']['layers']} layers), BF16, "
         f"{len(st)} versions, lr {ctx['args']['lr']}, changed/step median "
         f"{100 * statistics.median(w['changed'][1:]):.2f}%; server start "
@@ -301,7 +347,7 @@ def render(ctx: dict[str, Any]) -> str:
         rows,
         [False, True, True, True, True, True, True],
     )
-    phases = ["decode", "prove", "layout", "buffers", "transfer"]
+    phases = ["gather", "decode", "prove", "layout", "buffers", "transfer"]
     t2 = table(
         ["stage breakdown, ms p50", *phases, "stage"],
         [
@@ -340,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
     ap.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
     ap.add_argument("--layers", type=int, default=4, help="model depth (default 4)")
+    ap.add_argument("--tp", type=int, default=1, help="SGLang's --tp-size (default 1)")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 1:
@@ -352,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"building the model and publishing v0..v{args.versions}")
         world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers))
         log("starting SGLang on v0's checkpoint")
-        server = Server(world.checkpoint(0), root / "sglang.log")
+        server = Server(world.checkpoint(0), root / "sglang.log", tp=args.tp)
         engine = None
         try:
             start_s = server.wait_ready()

@@ -28,6 +28,9 @@ do).
    listed contexts would cost (≈ 5 bytes each: ``c, n_c, k_c, b_c, eg_c``).
 4. ``--analyze DIR``: the checkpoints are written to DIR as FP32 safetensors and, once the
    simulator is freed, ``rollpatch analyze`` runs on them; its report is printed as is.
+
+``python bench/moe.py --vllm [--hidden --layers --experts ...]``: expert patches in a live vLLM
+on the CPU (its MoE kernel prepacks the experts) against ``reload_weights``: bench/_moe_vllm.py.
 """
 
 from __future__ import annotations
@@ -289,6 +292,11 @@ def render(accs: dict[str, Acc], loads: dict[tuple[int, int], float], steps: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--vllm" in argv:  # expert patches in a live vLLM: bench/_moe_vllm.py
+        import _moe_vllm
+
+        return _moe_vllm.main([a for a in argv if a != "--vllm"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="100M", help="total parameters (experts included)")
     ap.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer")

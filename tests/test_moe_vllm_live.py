@@ -190,5 +190,19 @@ def test_moe_experts_patched_live_in_vllm_cpu(world: dict[str, Any]) -> None:
         for a, b in itertools.pairwise((2, 3)):
             eng.commit_staged(eng.stage_encoded([_step(versions, a, b)], b), b)
         assert srv.greedy(model, prompt_ids) == booted
+
+        # the other commit modes: double-buffered (the plain words exchanged, the touched
+        # experts' slices built from the buffer) and prepack="pause" (whole layers re-packed
+        # inside the pause)
+        for kw, (a, b) in (({"writes": "double_buffer"}, (3, 2)), ({"prepack": "pause"}, (2, 3))):
+            other = VllmEngine(srv.url, transport="rpc", **kw)
+            try:
+                other.adopt(a, versions[a].digest())
+                other.commit_staged(other.stage_encoded([_step(versions, a, b)], b), b)
+                assert other.held(fresh=True)[1] == versions[b].digest(), kw
+                assert _packed(srv)["mismatched"] == [], kw
+                assert srv.greedy(model, prompt_ids) == outs[b], kw
+            finally:
+                other.close()
     finally:
         eng.close()

@@ -6,6 +6,7 @@ name.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -55,13 +56,17 @@ class SlowStore(MemoryStore):
 
 
 class FailingStore(MemoryStore):
-    """Fails every put after the first ``ok`` puts."""
+    """Fails every put after the first ``ok`` puts; with ``gate``, every put first waits for
+    it to be set (so a test decides when the failures may happen)."""
 
-    def __init__(self, name: str, ok: int) -> None:
+    def __init__(self, name: str, ok: int, gate: threading.Event | None = None) -> None:
         super().__init__(name)
         self.ok = ok
+        self.gate = gate
 
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        if self.gate is not None and not self.gate.wait(60):
+            raise AssertionError("FailingStore: the gate was never opened")
         if self.ok <= 0:
             raise TransientStoreError("injected upload failure", key=key)
         self.ok -= 1

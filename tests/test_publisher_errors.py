@@ -6,6 +6,7 @@ pointer, or a missing keyframe marker. Helpers: tests/pubfix.py.
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from typing import Any
 
@@ -42,12 +43,14 @@ def test_worker_error_surfaces_on_flush_and_publish(board: Board) -> None:
 
 def test_store_error_surfaces_on_close() -> None:
     name = f"fail-{uuid.uuid4().hex[:12]}"
-    board = Board(FailingStore(name, ok=4))
+    gate = threading.Event()  # no put fails before every publish() returned
+    board = Board(FailingStore(name, ok=4, gate=gate))
     pub = Publisher(board, RUN, PublisherConfig(max_pending=10))
     masters = random_masters(5, n=1)
     for i in range(4):
         pub.publish(masters)
         nudge(masters, i)
+    gate.set()
     with pytest.raises(StoreError, match="injected"):
         pub.close()
     pub.close()

@@ -25,6 +25,7 @@ from .. import native
 from ..kinds import DTYPE_BYTES, Kind
 from ..patch.codec_v2 import ChunkRecords
 from ..view import Tensor, sum128_digest
+from .cast import bf16_words
 
 __all__ = [
     "CHUNK",
@@ -50,8 +51,6 @@ _SUM_ROT = (32, 17)
 #: 8-byte words per step of the device sum (8 MiB temporaries: larger fresh
 #: allocations fault in their pages on every call).
 _SUM_SPLIT = 1 << 20
-#: BF16 word of every NaN a float32 master casts to (``formats.floats.BF16_NAN``, as int16).
-_BF16_NAN = -1
 
 
 def _signed(x: int) -> int:
@@ -111,24 +110,6 @@ def from_host(data: np.ndarray, device: torch.device | str) -> torch.Tensor:
     flat = np.ascontiguousarray(data).reshape(-1)
     signed = flat.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[flat.itemsize])
     return torch.from_numpy(signed.copy()).to(device)
-
-
-def bf16_words(master: torch.Tensor) -> torch.Tensor:
-    """Flat BF16 words (int16) of a float32/bfloat16/float16 tensor, as ``formats`` casts.
-
-    Round to nearest, ties to even (torch's cast on every device); a BF16 master keeps every
-    bit (NaN payloads too); every NaN of a float master becomes 0xFFFF, which pins the one
-    point where torch's CPU kernels and CUDA differ (``formats/floats.py``).
-    """
-    m = master.detach().reshape(-1)
-    if m.dtype == torch.bfloat16:
-        return m.view(torch.int16)
-    if m.dtype == torch.float16:
-        m = m.to(torch.float32)
-    if m.dtype != torch.float32:
-        raise TypeError(f"cannot cast a {m.dtype} master to BF16")
-    words = m.to(torch.bfloat16).view(torch.int16)
-    return words.masked_fill_(torch.isnan(m), _BF16_NAN)
 
 
 def _terms(w: torch.Tensor, j: torch.Tensor, lane: int) -> torch.Tensor:

@@ -9,8 +9,10 @@ state, and the version's :class:`VersionStats` are measured. Which version, and 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -18,8 +20,9 @@ import numpy as np
 from .. import native
 from ..board import Board
 from ..errors import BoardError, ConfigError, FormatError, NoPathError, ObjectIntegrityError
-from ..formats import cast_view
+from ..formats import cast_view, get_format
 from ..io.checkpoint import to_numpy
+from ..kinds import KINDS
 from ..view import Tensor, View
 from .config import PublisherConfig, VersionStats
 from .keyframe import reconstruct_shard, shard_matches
@@ -66,10 +69,22 @@ def snapshot_served(state_dict: Mapping[str, Any], config: PublisherConfig) -> V
     once (the cast is numpy in cache-sized chunks, which releases the GIL): the trainer's
     call and the version's time to LATEST shrink with the free cores; the bits are the same."""
 
+    fmt = get_format(config.format)
+    torch_cast = _torch_cast()
+    plain_meta = dict(cast_view({}, fmt, scales=config.scales).metadata)
+
     def cast_one(item: tuple[str, Any]) -> View:
         name, value = item
         one = snapshot_state({name: value}) if _off_cpu(value) else None
         arr = one[name] if one is not None else _host_master(name, value)
+        if (
+            torch_cast is not None
+            and fmt.plain_kind == "bf16"
+            and torch_cast.castable(arr)
+            and not fmt.quantises(name, arr.shape, config.policy)
+        ):  # one torch pass, bit for bit formats' cast (publisher/cast.py)
+            words = torch_cast.host_words(arr)
+            return View({name: Tensor(KINDS["bf16"], arr.shape, words)}, plain_meta)
         part = cast_view({name: arr}, config.format, policy=config.policy, scales=config.scales)
         # the trainer may change its tensors as soon as publish() returns
         return View(
@@ -98,6 +113,16 @@ def snapshot_served(state_dict: Mapping[str, Any], config: PublisherConfig) -> V
     if not meta:
         meta = dict(cast_view({}, config.format, scales=config.scales).metadata)
     return View(out, meta)
+
+
+def _torch_cast() -> ModuleType | None:
+    """:mod:`.cast` when this process has imported torch (every trainer has): importing it
+    for a numpy caller would cost seconds and hundreds of MB for a cast numpy also does."""
+    if "torch" not in sys.modules:
+        return None
+    from . import cast
+
+    return cast
 
 
 def _n_elements(value: Any) -> int:

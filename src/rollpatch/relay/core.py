@@ -249,15 +249,28 @@ class Relay:
         self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
         return blob
 
-    def accept_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
-        """LATEST bytes read upstream at ``read_at`` (monotonic) by the long-poll watch:
-        checked as any LATEST, then served for ``pointer_ttl`` like one read on request."""
-        self.verifier.check_pointer(key, data)
+    def remember_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
+        """LATEST bytes the long-poll watch read upstream and already checked
+        (``verifier.check_pointer``): served for ``pointer_ttl`` from ``read_at``
+        (monotonic) like one read on request."""
         blob = Blob(
             key, KeyKind.POINTER, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data
         )
         self._remember(self._volatile, key, blob, read_at + self.config.pointer_ttl)
         return blob
+
+    def read(self, blob: Blob) -> bytes:
+        """The bytes of a blob (from memory, or its cache file); ``StoreError`` if it was
+        evicted since it was resolved."""
+        if blob.data is not None:
+            return blob.data
+        opened = self.open(blob)
+        if opened is None:
+            raise StoreError("evicted from the relay cache while read", key=blob.key)
+        f, entry = opened
+        with f:
+            f.seek(entry.offset)
+            return f.read(entry.size)
 
     def _fetch_list(self, prefix: str) -> Keys:
         started = time.monotonic()

@@ -33,6 +33,10 @@ _FAMILIES: dict[str, tuple[str, str]] = {
         "counter",
         "Upstream answers refused (hash mismatch, invalid manifest, too large).",
     ),
+    "rollpatch_relay_unannounced_total": (
+        "counter",
+        "New versions held back from long-polls: manifest or step patch failed prefetch.",
+    ),
     "rollpatch_relay_evictions_total": ("counter", "Cache files evicted to stay in bounds."),
     "rollpatch_relay_cache_discarded_total": (
         "counter",

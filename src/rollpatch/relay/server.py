@@ -205,6 +205,8 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
         except asyncio.CancelledError:
             if not future.cancelled():  # this request was cancelled, not the wait
                 raise
+    if blob is None and future is not None and relay.config.prefetch:
+        blob = relay.watch.announced(key)  # never a version whose prefetch failed
     if blob is None:
         blob = await _wait(relay.resolve(key))
     assert blob.data is not None  # LATEST is held in memory

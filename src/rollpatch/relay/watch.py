@@ -9,8 +9,11 @@ is checked as any other (signature, freshness, rollback) and refreshes the TTL c
 plain GETs are answered from. A held answer is only a hint — followers read and verify LATEST
 and the signed manifest as always — so a relay can delay a version, never forge one.
 
-When the watch learns a version, it prefetches that version's manifest and its step patch
-objects (``prefetch``), so the WAN transfer starts before the first follower asks.
+With ``prefetch`` (the default), a new version is *announced* — long-polls answered, the TTL
+cache of LATEST refreshed — only once its manifest and the step patch objects it names are
+fetched, verified and cached: a follower woken by the answer finds everything it needs here,
+and a version whose manifest or patch is refused is never announced (counted and logged; the
+watch tries it again with backoff, and announces the next version that passes).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from ..errors import RollpatchError
 from ..latest import read_latest
 from ..layout import pointer_run, version_key
+from ..logs import event
 from ..manifest import open_manifest
 from ..store.http_client import HttpStore
 from ..store.http_pool import Held
@@ -38,6 +42,12 @@ LINGER_S = 10.0
 MAX_BACKOFF_S = 5.0
 #: Runs watched at once (a thread each); long-polls of further runs are answered at once.
 MAX_RUNS = 256
+#: Longest wait for one prefetched object before the version is left unannounced (retried).
+PREFETCH_TIMEOUT_S = 120.0
+
+
+class Unannounced(RollpatchError):
+    """A version's manifest or step patch objects failed prefetch: it is not announced."""
 
 
 @dataclass
@@ -47,6 +57,7 @@ class _Run:
     waiters: list[tuple[int, Future[Blob]]] = field(default_factory=list)
     thread: threading.Thread | None = None
     last_wait: float = 0.0
+    refused: int = -1  # newest version left unannounced (logged once at WARNING)
 
 
 class PointerWatch:
@@ -79,6 +90,14 @@ class PointerWatch:
                 )
                 st.thread.start()
         return future
+
+    def announced(self, key: str) -> Blob | None:
+        """The newest LATEST the watch of ``key`` announced (None: no watch, or none yet):
+        what a long-poll that timed out answers, so it never names a version whose
+        prefetch failed."""
+        with self._lock:
+            st = self._runs.get(key)
+            return st.blob if st is not None and st.thread is not None else None
 
     def forget(self, key: str, future: Future[Blob]) -> None:
         """Stop holding ``future`` (its waiter gave up)."""
@@ -163,45 +182,70 @@ class PointerWatch:
         return upstream.get(key), read_at
 
     def _learned(self, key: str, st: _Run, data: bytes, read_at: float) -> bool:
-        """Serve ``data`` (checked) as the run's LATEST; whether it names a newer version."""
+        """Serve ``data`` (checked) as the run's LATEST; whether it names a newer version.
+
+        A newer version is prefetched first (``prefetch``): :class:`Unannounced` when that
+        fails, and nothing changes (waiters stay held, the TTL cache keeps the old LATEST)."""
         run = pointer_run(key)
         if run is None:
             return False
-        blob = self.relay.accept_pointer(key, data, read_at)  # checked; refreshes the TTL cache
+        self.relay.verifier.check_pointer(key, data)  # refused before anything it names
         version = read_latest(data, run, None)[0].version
+        with self._lock:
+            newer = version > st.version
+        if newer and self.relay.config.prefetch:
+            self._prefetch(run, version, st)
+            read_at = time.monotonic()  # the watch kept LATEST current meanwhile
+        blob = self.relay.remember_pointer(key, data, read_at)
         with self._lock:
             newer = version > st.version
             if newer:
                 st.version, st.blob = version, blob
             ready = [f for a, f in st.waiters if version > a]
             st.waiters = [(a, f) for a, f in st.waiters if version <= a]
-        if newer and self.relay.config.prefetch:
-            self._prefetch(run, version)
         for f in ready:
             if not f.done():
                 f.set_result(blob)
         return newer
 
-    def _prefetch(self, run: str, version: int) -> None:
-        """Start fetching the manifest, then its step patch objects (errors only logged: a
-        follower asking for them gets the error itself)."""
-
-        def objects(done: Future[Blob]) -> None:
-            try:
-                opened = self.relay.open(done.result())
-                if opened is None:
-                    return
-                f, entry = opened
-                with f:
-                    f.seek(entry.offset)
-                    raw = f.read(entry.size)
-                m = open_manifest(raw, run, version, None)
-                for p in m.patches_from(m.parent) if m.parent is not None else ():
-                    self.relay.resolve(p.ref.key)
-            except (RollpatchError, OSError, ValueError) as e:
-                log.debug("relay prefetch of %s@%d: %s", run, version, e)
-
+    def _prefetch(self, run: str, version: int, st: _Run) -> None:
+        """Fetch, verify and cache ``version``'s manifest, then its step patch objects (at
+        once); raise :class:`Unannounced` if any is refused, missing or too slow."""
+        relay = self.relay
+        started = time.monotonic()
         try:
-            self.relay.resolve(version_key(run, version)).add_done_callback(objects)
-        except RollpatchError as e:
-            log.debug("relay prefetch of %s@%d: %s", run, version, e)
+            blob = relay.resolve(version_key(run, version)).result(PREFETCH_TIMEOUT_S)
+            raw = relay.read(blob)
+            m = open_manifest(raw, run, version, None)
+            steps = m.patches_from(m.parent) if m.parent is not None else ()
+            pending = [relay.resolve(p.ref.key) for p in steps]
+            for f in pending:
+                f.result(PREFETCH_TIMEOUT_S)
+        except (RollpatchError, OSError, ValueError) as e:  # TimeoutError is an OSError
+            relay.metrics.inc("rollpatch_relay_unannounced_total", reason=type(e).__name__)
+            first = st.refused < version
+            st.refused = max(st.refused, version)
+            event(
+                log,
+                "unannounced",
+                logging.WARNING if first else logging.DEBUG,
+                run=run,
+                version=version,
+                reason=type(e).__name__,
+                error=str(e),
+            )
+            raise Unannounced(
+                "version not announced: its manifest or step patch failed prefetch",
+                run=run,
+                version=version,
+                reason=type(e).__name__,
+            ) from e
+        event(
+            log,
+            "prefetched",
+            logging.DEBUG,
+            run=run,
+            version=version,
+            objects=len(pending),
+            seconds=round(time.monotonic() - started, 4),
+        )

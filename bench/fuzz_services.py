@@ -4,7 +4,8 @@ Run: ``python bench/fuzz_services.py`` (60 s per atheris target, 1,500 schemathe
 operation mode and service), ``--seconds 5 --cases 100`` for a short run.
 
 **atheris** (coverage-guided, libFuzzer inside CPython; rollpatch's modules instrumented): one
-process per target in ``bench/_fuzz_targets.py`` — signed and bare manifests, LATEST (signed
+process per target in ``bench/_fuzz_targets.py``, each forked from one process that
+imported and instrumented rollpatch once — signed and bare manifests, LATEST (signed
 and bare), trust roots, safetensors headers, relay cache files, sidecar/gateway request bodies
 (strict JSON → typed model → constraint), what a hostile island answers the gateway. Seeds are
 real documents from a signed board. A crash is any exception other than a RollpatchError
@@ -24,10 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,8 +61,9 @@ class Row:
 # -- atheris ---------------------------------------------------------------------------------
 
 
-def _child(name: str, seconds: int, workdir: Path) -> None:
-    """Runs inside the fuzzing process (never returns: libFuzzer exits)."""
+def _instrument() -> None:
+    """Import rollpatch's parsers instrumented for coverage (about 6 s of CPU: once per
+    campaign, in the fork server)."""
     import atheris
 
     with atheris.instrument_imports(include=["rollpatch"]):
@@ -71,7 +77,13 @@ def _child(name: str, seconds: int, workdir: Path) -> None:
         import rollpatch.serving.schema
         import rollpatch.sidecar.protocol
         import rollpatch.trust  # noqa: F401
+
+
+def _child(name: str, seconds: int, workdir: Path) -> None:
+    """Runs inside the fuzzing process, after :func:`_instrument` (never returns: libFuzzer
+    exits)."""
     import _fuzz_targets
+    import atheris
 
     fn, seeds = _fuzz_targets.targets(_fuzz_targets.Env())[name]
     corpus = workdir / f"corpus-{name}"
@@ -94,6 +106,45 @@ def _child(name: str, seconds: int, workdir: Path) -> None:
     atheris.Fuzz()
 
 
+def _fork_server(names: list[str], seconds: int, logs: Path) -> None:
+    """Instrument once, then fuzz each target in a process forked from this one (libFuzzer
+    runs once per process and exits), one after the other, as separate processes did before
+    (each a fresh interpreter instrumenting rollpatch again). Each target's output goes to
+    ``logs/NAME.log``; one JSON line per target on stdout: its exit status (None: killed
+    after ``seconds + 300`` s)."""
+    _instrument()
+    for name in names:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the fuzzing process: its own Env, corpus and libFuzzer
+            try:
+                fd = os.open(logs / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                _child(name, seconds, WORK)
+            except BaseException:  # noqa: BLE001 (any: its traceback, then a crash status)
+                traceback.print_exc()
+            finally:
+                os._exit(70)  # _child raised (its traceback is in the log): a crash
+        rc = _wait(pid, seconds + 300)
+        print(json.dumps({"target": name, "rc": rc}), flush=True)
+
+
+def _wait(pid: int, limit: float) -> int | None:
+    """The exit status of ``pid`` (negative: a signal), or None after ``limit`` s (killed)."""
+    deadline = time.monotonic() + limit
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.05)
+
+
 def _stat(text: str, name: str) -> int:
     m = re.findall(rf"stat::{name}:\s+(\d+)", text)
     return int(m[-1]) if m else 0
@@ -101,33 +152,54 @@ def _stat(text: str, name: str) -> int:
 
 def run_atheris(names: list[str], seconds: int) -> list[Row]:
     WORK.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in names:
-        log(f"atheris: {name} for {seconds} s")
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", name, "--seconds", str(seconds)],
+    log(f"atheris: {', '.join(names)}, {seconds} s each (one instrumented fork server)")
+    with tempfile.TemporaryDirectory(prefix="fuzz-services-") as tmp:
+        logs = Path(tmp)
+        server = subprocess.run(
+            [sys.executable, __file__, "--child", ",".join(names), "--seconds", str(seconds)]
+            + ["--logs", str(logs)],
             check=False,
             capture_output=True,
             text=True,
-            timeout=seconds + 300,
+            timeout=len(names) * (seconds + 300) + 120,
             cwd=HERE,
         )
-        text = proc.stderr
-        cov = re.findall(r"cov: (\d+) ft: (\d+) corp: (\d+)", text)
-        row = Row(
-            "atheris",
-            name,
-            inputs=_stat(text, "number_of_executed_units"),
-            extra={"cov": int(cov[-1][0]) if cov else 0, "corpus": int(cov[-1][2]) if cov else 0},
-        )
-        if proc.returncode != 0:
-            hang = "timeout" in text.lower() and "Uncaught Python exception" not in text
-            row.hangs, row.crashes = (1, 0) if hang else (0, 1)
-            tail = [ln for ln in text.splitlines() if ln.strip()][-25:]
-            row.detail = f"exit {proc.returncode}; artifacts in {WORK}"
-            print("\n".join(tail), file=sys.stderr)
-        rows.append(row)
+        status: dict[str, int | None] = {}
+        for line in server.stdout.splitlines():
+            if line.startswith("{"):
+                rec = json.loads(line)
+                status[rec["target"]] = rec["rc"]
+        rows = []
+        for name in names:
+            path = logs / f"{name}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            rows.append(_row(name, text, status.get(name, "missing"), server))
     return rows
+
+
+def _row(
+    name: str, text: str, rc: int | None | str, server: subprocess.CompletedProcess[str]
+) -> Row:
+    """One target's row from its libFuzzer output and exit status (``None``: killed after
+    its time limit, a hang; ``"missing"``: the fork server died before it ran)."""
+    cov = re.findall(r"cov: (\d+) ft: (\d+) corp: (\d+)", text)
+    row = Row(
+        "atheris",
+        name,
+        inputs=_stat(text, "number_of_executed_units"),
+        extra={"cov": int(cov[-1][0]) if cov else 0, "corpus": int(cov[-1][2]) if cov else 0},
+    )
+    if rc == "missing":
+        row.crashes = 1
+        row.detail = f"fork server exited {server.returncode} before this target"
+        print(server.stderr[-4000:], file=sys.stderr)
+    elif rc != 0:
+        hang = rc is None or ("timeout" in text.lower() and "Uncaught Python exception" not in text)
+        row.hangs, row.crashes = (1, 0) if hang else (0, 1)
+        tail = [ln for ln in text.splitlines() if ln.strip()][-25:]
+        row.detail = f"exit {rc}; artifacts in {WORK}"
+        print("\n".join(tail), file=sys.stderr)
+    return row
 
 
 # -- schemathesis ----------------------------------------------------------------------------
@@ -180,9 +252,10 @@ def main() -> int:
     ap.add_argument("--targets", help="comma-separated atheris targets (default: all)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--logs", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.seconds, WORK)
+        _fork_server(args.child.split(","), args.seconds, args.logs)
         return 0
     from _fuzz_targets import TARGET_NAMES
 

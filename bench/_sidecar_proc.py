@@ -3,8 +3,9 @@ it in front of an engine process (nothing of the bench's heap — torch, the mod
 in it, so its CPU per request is the sidecar's alone).
 
 ``python bench/_sidecar_proc.py JOB`` (JSON: ``board``, ``run``, ``kind`` reference|vllm,
-``url`` of the engine, ``digest`` of v0, optionally ``loop``: the server's
-:data:`~rollpatch.serving.LoopKind`, default ``fast``) prints the sidecar's URL on its first line of stdout
+``url`` of the engine, ``digest`` of v0, optionally ``loop`` and ``http``: the server's
+:data:`~rollpatch.serving.server.LoopKind` and :data:`~rollpatch.serving.server.HttpKind`,
+default ``fast`` each) prints the sidecar's URL on its first line of stdout
 once it serves v0, then serves until stdin closes.
 """
 
@@ -41,6 +42,7 @@ def main(job_json: str) -> int:
         adapter,
         job["url"],
         loop=job.get("loop", "fast"),
+        http=job.get("http", "fast"),
         config=SidecarConfig(
             commit_mode="drain", follower=FollowerConfig(poll_s=0.5, audit_bytes_per_s=None)
         ),

@@ -18,6 +18,9 @@ One owner for how a rollpatch service faces its clients (:class:`ServeOptions`):
 - **Event loop** (``loop``): asyncio's by default; ``"fast"`` runs uvloop when it is installed
   (the ``web`` extra installs it), asyncio's otherwise. A proxy's hot path (the sidecar)
   pays a loop wake-up per streamed event: uvloop costs about a third less CPU per request.
+- **HTTP parser** (``http``): h11 by default; ``"fast"`` runs httptools when it is installed
+  (the ``web`` extra installs it), h11 otherwise, with the same slow-client guards
+  (:mod:`.protocols`). The sidecar runs on both fast options.
 
 uvicorn is imported only when a server starts (the ``web`` extra).
 """
@@ -38,18 +41,24 @@ from typing import Any, Literal
 
 from ..config import check_fields, setting
 from ..errors import ConfigError, RollpatchError
+from .protocols import HttpKind, guarded_protocol
+from .protocols import no_delay as _no_delay  # noqa: F401  (its old home; tests import it)
 
-__all__ = ["PROTECTED", "LoopKind", "ServeOptions", "ServerHandle", "serve_app", "tls_context"]
+__all__ = [
+    "PROTECTED",
+    "HttpKind",
+    "LoopKind",
+    "ServeOptions",
+    "ServerHandle",
+    "serve_app",
+    "tls_context",
+]
 
 #: The event loop a server runs on: asyncio's, or uvloop when installed (``"fast"``).
 LoopKind = Literal["asyncio", "fast"]
 
 #: Route prefixes a bearer token protects by default (inference; relay reads).
 PROTECTED = ("/v1/",)
-_TIMEOUT_408 = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
-    b"content-length: 32\r\nconnection: close\r\n\r\nrequest head not received in time"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,68 +173,6 @@ class _BearerGuard:
         await self.app(scope, receive, send)
 
 
-def _no_delay(transport: Any) -> None:
-    """TCP_NODELAY on a TCP connection: h11 writes an answer's head and body separately, and
-    with Nagle's algorithm the body waited for the client's delayed ACK of the head (40 ms
-    on Linux) — on every small answer (LATEST, manifests, JSON), measured on loopback."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:  # the peer is already gone; the protocol sees that next
-            pass
-
-
-def _guarded_protocol(header_timeout_s: float) -> type:
-    """uvicorn's h11 protocol with a deadline on each request head (slowloris)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class GuardedH11(H11Protocol):
-        _head_timer: Any = None
-
-        def _arm(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(header_timeout_s, self._head_late)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            _no_delay(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            if self.conn.their_state is h11.IDLE:
-                self._arm()
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            # answered before the body was read (a refusal): a body still trickling in would
-            # hold the connection, so it is closed instead of being drained
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                self.transport.close()
-
-        def _head_late(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                if self.cycle is None or self.cycle.response_complete:
-                    self.transport.write(_TIMEOUT_408)
-                self.transport.close()
-
-    return GuardedH11
-
-
 def _loop_name(kind: LoopKind) -> str:
     """uvicorn's name for the loop of ``kind``."""
     if kind == "fast" and importlib.util.find_spec("uvloop") is not None:
@@ -271,6 +218,7 @@ def serve_app(
     protect: tuple[str, ...] = PROTECTED,
     access_log: bool = False,
     loop: LoopKind = "asyncio",
+    http: HttpKind = "h11",
 ) -> ServerHandle:
     """Serve ``app`` in a daemon thread; ``port=0`` picks a free port. Returns once listening.
 
@@ -278,12 +226,14 @@ def serve_app(
     bounds; a bad certificate or key raises :class:`ConfigError` before anything listens.
     ``lifespan="auto"`` runs the app's lifespan when it has one (startup before the first
     request, shutdown on :meth:`ServerHandle.stop`: where the sidecar and the gateway close
-    their upstream clients). ``loop``: see the module docstring.
+    their upstream clients). ``loop`` and ``http``: see the module docstring.
     """
     import uvicorn
 
     if loop not in ("asyncio", "fast"):
         raise ConfigError("loop must be 'asyncio' or 'fast'", field="loop", value=loop)
+    if http not in ("h11", "fast"):
+        raise ConfigError("http must be 'h11' or 'fast'", field="http", value=http)
     opts = options or ServeOptions()
     ctx = tls_context(opts)
     if opts.token is not None:
@@ -312,7 +262,7 @@ def serve_app(
         lifespan=lifespan,
         access_log=access_log,
         timeout_graceful_shutdown=2,
-        http=_guarded_protocol(opts.header_timeout_s),
+        http=guarded_protocol(http, opts.header_timeout_s, opts.max_header_bytes),
         loop=_loop_name(loop),
         timeout_keep_alive=int(max(1, round(opts.keep_alive_s))),
         h11_max_incomplete_event_size=opts.max_header_bytes,

@@ -54,7 +54,20 @@ class SseRelay:
         self._held: bytes | None = None
 
     def feed(self, block: bytes) -> bytes:
-        """The events completed by ``block``, joined (b"" when none may go out yet)."""
+        """The events completed by ``block``, joined (b"" when none may go out yet).
+
+        The common block (whole events of one ``data:`` line each, as engines write them) goes
+        out as the bytes that came, less its last event, which is held back (scanned by
+        ``bytes`` methods, not split into lines); anything else takes :meth:`events`."""
+        data = self._partial + block if self._partial else block
+        if _plain_events(data):
+            self._partial = b""
+            i = data.rfind(b"\n\n", 0, len(data) - 2)
+            cut = 0 if i < 0 else i + 2
+            held, self._held = self._held, data[cut:-2]
+            if held is None:
+                return data[:cut]
+            return held + b"\n\n" + data[:cut]
         return b"".join(self.events(block))
 
     def events(self, block: bytes) -> list[bytes]:
@@ -103,6 +116,20 @@ class SseRelay:
         """The upstream failed: the held event as it came (not annotated), nothing after."""
         held, self._held = self._held, None
         return b"" if held is None else held + b"\n\n"
+
+
+def _plain_events(data: bytes) -> bool:
+    """``data`` is whole events, each one ``data:`` line and a blank line, none ``[DONE]``
+    (JSON strings hold no raw line breaks, so a payload cannot fake a line start)."""
+    if not data.endswith(b"\n\n") or not data.startswith(b"data:"):
+        return False
+    n = data.count(b"\n\n")
+    return (
+        data.count(b"\n") == 2 * n
+        and data.count(b"\n\ndata:") == n - 1
+        and b"\r" not in data
+        and b"[DONE]" not in data
+    )
 
 
 async def relay_sse(

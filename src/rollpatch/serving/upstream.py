@@ -140,74 +140,85 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = [part async for part in self.chunks()]
+        parts = []
+        while part := await self.piece():
+            parts.append(part)
         return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (each piece is what one or more reads brought)."""
-        if self._chunked:
-            async for part in self._dechunk():
-                yield part
-        elif self._left is not None:
-            c = self._conn
-            while self._left > 0:
-                if not c.buf:
-                    await c.more()
-                part = bytes(c.buf[: self._left])
-                del c.buf[: len(part)]
-                self._left -= len(part)
-                yield part
-        else:
-            c = self._conn
-            while True:
-                if c.buf:
-                    part = bytes(c.buf)
-                    c.buf.clear()
-                    yield part
-                if c.eof:
-                    break
-                try:
-                    await c.more()
-                except UpstreamError:
-                    break
-        self._done = True
+        while part := await self.piece():
+            yield part
 
-    async def _dechunk(self) -> AsyncIterator[bytes]:
+    async def piece(self) -> bytes:
+        """The next part of the body: every byte of it that has arrived, at least one (``b""``
+        once the body has ended). A proxy's per-event call: no generator, and the chunks
+        one read brought come out as one piece."""
+        if self._done:
+            return b""
         c = self._conn
+        if self._chunked:
+            while True:
+                part = self._dechunk()
+                if part or self._done:
+                    return part
+                await c.more()
+        if self._left is not None:
+            if self._left == 0:
+                self._done = True
+                return b""
+            while not c.buf:
+                await c.more()
+            part = bytes(c.buf[: self._left])
+            del c.buf[: len(part)]
+            self._left -= len(part)
+            self._done = self._left == 0
+            return part
+        while not c.buf:  # the body ends with the connection
+            if c.eof:
+                self._done = True
+                return b""
+            try:
+                await c.more()
+            except UpstreamError:
+                self._done = True
+                return b""
+        part = bytes(c.buf)
+        c.buf.clear()
+        return part
+
+    def _dechunk(self) -> bytes:
+        """Every complete chunk buffered, joined (``b""`` when none); :attr:`_done` at the
+        last chunk and its trailers."""
+        c = self._conn
+        out: list[bytes] = []
         while True:
-            out: list[bytes] = []
-            while True:  # every complete chunk already buffered, joined into one piece
-                nl = c.buf.find(b"\r\n", 0, MAX_LINE + 2)
-                if nl < 0:
-                    if len(c.buf) > MAX_LINE:
-                        raise UpstreamError("chunk-size line from the engine is too long")
+            nl = c.buf.find(b"\r\n", 0, MAX_LINE + 2)
+            if nl < 0:
+                if len(c.buf) > MAX_LINE:
+                    raise UpstreamError("chunk-size line from the engine is too long")
+                break
+            size_text = bytes(c.buf[:nl]).split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise UpstreamError(f"bad chunk size from the engine: {size_text[:40]!r}") from None
+            if size == 0:
+                end = c.buf.find(b"\r\n\r\n", nl)
+                if end < 0:  # trailers (rare) not complete yet
+                    if len(c.buf) > MAX_HEAD:
+                        raise UpstreamError("chunked trailer from the engine is too long")
                     break
-                size_text = bytes(c.buf[:nl]).split(b";", 1)[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise UpstreamError(
-                        f"bad chunk size from the engine: {size_text[:40]!r}"
-                    ) from None
-                if size == 0:
-                    end = c.buf.find(b"\r\n\r\n", nl)
-                    if end < 0:  # trailers (rare) not complete yet
-                        if len(c.buf) > MAX_HEAD:
-                            raise UpstreamError("chunked trailer from the engine is too long")
-                        break
-                    del c.buf[: end + 4]
-                    if out:
-                        yield b"".join(out)
-                    return
-                if len(c.buf) < nl + 2 + size + 2:
-                    break
-                if c.buf[nl + 2 + size : nl + 4 + size] != b"\r\n":
-                    raise UpstreamError("a chunk from the engine does not end with CRLF")
-                out.append(bytes(c.buf[nl + 2 : nl + 2 + size]))
-                del c.buf[: nl + 4 + size]
-            if out:
-                yield b"".join(out)
-            await c.more()
+                del c.buf[: end + 4]
+                self._done = True
+                break
+            if len(c.buf) < nl + 2 + size + 2:
+                break
+            if c.buf[nl + 2 + size : nl + 4 + size] != b"\r\n":
+                raise UpstreamError("a chunk from the engine does not end with CRLF")
+            out.append(bytes(c.buf[nl + 2 : nl + 2 + size]))
+            del c.buf[: nl + 4 + size]
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def abort(self) -> None:
         """Close the connection now (the reader sees its end); no-op once closed."""

@@ -86,16 +86,11 @@ class ProxyFront:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One proxied request; every error becomes its status (never a bare 500 traceback)."""
-        started = [False]
-
-        async def tracked(message: MutableMapping[str, Any]) -> None:
-            started[0] = True
-            await send(message)
-
+        sent = _Sent(send)
         try:
-            await self._proxy(scope, receive, tracked, scope["path"])
+            await self._proxy(scope, receive, sent, scope["path"])
         except Exception as e:  # mapped like the app's exception handlers
-            if started[0]:
+            if sent.started:
                 raise  # mid-response: nothing better than closing the connection
             if isinstance(e, ConfigError):
                 resp = config_refusal(e)
@@ -105,7 +100,7 @@ class ProxyFront:
                 resp = internal_error(log, "sidecar", e)
             await resp(scope, receive, send)
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+    async def _proxy(self, scope: Scope, receive: Receive, send: _Sent, path: str) -> None:
         sc = self.sc
         request = Request(scope, receive)
         raw, body = await read_json_object(request, sc.config.body)
@@ -153,7 +148,7 @@ class ProxyFront:
         await _send_raw(send, resp.status, _headers(ctype, start, end), content)
 
     async def _stream(
-        self, receive: Receive, send: Send, path: str, payload: bytes, slot: Admission
+        self, receive: Receive, send: _Sent, path: str, payload: bytes, slot: Admission
     ) -> None:
         """A streamed answer, relayed as it arrives; the slot is released at ``[DONE]`` (the
         versions the stream ran under are known then) or, at the latest, by the caller."""
@@ -187,7 +182,7 @@ class ProxyFront:
             resp.close()
 
     async def _relay(
-        self, receive: Receive, send: Send, resp: UpstreamResponse, slot: Admission
+        self, receive: Receive, sent: _Sent, resp: UpstreamResponse, slot: Admission
     ) -> None:
         start = slot.start
 
@@ -201,13 +196,14 @@ class ProxyFront:
         # admitted (end == start is known); past a deadline the commit pauses instead, so it may
         gate = self.sc.gate
         end_hdr = start if gate.mode == "drain" and gate.drain_timeout_s is None else None
-        await send(
+        await sent(
             {
                 "type": "http.response.start",
                 "status": 200,
                 "headers": _headers(_SSE_TYPE, start, end_hdr),
             }
         )
+        send = sent.send  # started: the events go straight to the server
         # the client going away ends the engine's generation too (its connection closes)
         gone = asyncio.ensure_future(_disconnect(receive))
 
@@ -216,7 +212,7 @@ class ProxyFront:
 
         gone.add_done_callback(abort)
         try:
-            async for piece in resp.chunks():
+            while piece := await resp.piece():  # every event one read brought: one write
                 out = relay.feed(piece)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -232,6 +228,20 @@ class ProxyFront:
             gone.remove_done_callback(abort)
             gone.cancel()
         await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+class _Sent:
+    """The server's ``send``, noting whether the answer has started (after that, an error can
+    only close the connection). A stream's events bypass it (:attr:`send`)."""
+
+    __slots__ = ("send", "started")
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message: MutableMapping[str, Any]) -> None:
+        self.started = True
+        await self.send(message)
 
 
 async def _disconnect(receive: Receive) -> None:

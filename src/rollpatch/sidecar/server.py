@@ -78,11 +78,12 @@ def start_sidecar(
     **serve_kw: Any,
 ) -> RunningSidecar:
     """Start following ``run`` and serve the sidecar's app; returns once listening (on
-    uvloop when installed: the proxy's per-event cost, docs/sidecar.md)."""
+    uvloop and httptools when installed: the proxy's per-event cost, docs/sidecar.md)."""
     from .app import create_app
 
     sc = Sidecar(board, run, engine, engine_url, config)
     sc.start()
     serve_kw.setdefault("loop", "fast")
+    serve_kw.setdefault("http", "fast")
     server = serve_app(create_app(sc), host, port, name="sidecar", **serve_kw)
     return RunningSidecar(sc, server)

@@ -10,11 +10,18 @@ vLLM's prepack of the plain words (whole and per expert), and the greedy tokens 
 agree with Hugging Face transformers on that version (teacher-forced); a corrupted or tampered
 patch is refused with vLLM still serving the last good version; reverse steps restore the
 earlier outputs bit for bit.
+
+The same server's worker also runs vLLM's own ``RoutedExperts.weight_loader`` on stand-in
+layers (tests/moefix.py) at TP 1, 2, 3 and EP 2 (linear) and 4 (round-robin): rollpatch's
+expert placements (:mod:`rollpatch.engines.vllm.moe`) must put every element where it does —
+a keyframe load, reads, digests and a patch's in-place scatter on simulated ranks all end
+bit-identical to what vLLM's loader writes.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,12 +32,13 @@ import pytest
 
 from rollpatch.engines.staged import EncodedStep
 from rollpatch.engines.vllm import VllmEngine
+from rollpatch.engines.vllm.layout import check_coverage
 from rollpatch.errors import PatchDecodeError, TargetMismatchError
 from rollpatch.formats import cast_view
 from rollpatch.io.safetensors import load_view, save_view
 from rollpatch.patch import DeltaOp, Patch, TensorPatch, diff, encode
 from rollpatch.view import View
-from tests import vllm_env
+from tests import moefix, vllm_env
 
 PROMPTS = [
     "What is 12 + 7? The answer is",
@@ -72,12 +80,64 @@ def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     boot = root / "v3"
     shutil.copytree(v0_dir, boot)
     save_view(versions[3], boot / "model.safetensors", {"format": "pt"})
-    srv = vllm_env.start_server(vllm_python, boot, root / "vllm.log")
+    srv = vllm_env.start_server(
+        vllm_python,
+        boot,
+        root / "vllm.log",
+        extra=["--worker-extension-cls", moefix.EXTENSION],  # the last one given wins
+        env={"PYTHONPATH": os.pathsep.join([str(vllm_env.REPO / "src"), str(vllm_env.REPO)])},
+    )
     try:
         srv.wait_ready(300)
-        yield {"server": srv, "model": boot, "versions": versions, "hf": root / "hf"}
+        yield {"server": srv, "model": boot, "versions": versions, "root": root}
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded(world: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every case's per-rank parameters as vLLM's own loader fills them, for two checkpoints."""
+    tmp = world["root"] / "loader"
+    tmp.mkdir()
+    for ck_id, seed in (("a", 0), ("b", 1)):
+        np.savez(tmp / f"{ck_id}.npz", **moefix.checkpoint(seed))
+    res = world["server"].post(
+        "/collective_rpc",
+        {
+            "method": "rollpatch_test_expert_loader",
+            "args": [str(tmp), str(tmp / "out.npz")],
+            "timeout": 300,
+        },
+    )
+    assert res["results"][0]["ok"], res
+    with np.load(tmp / "out.npz", allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("case", moefix.CASES, ids=[c[0] for c in moefix.CASES])
+def test_expert_placement_equals_vllms_loader(
+    vllm_loaded: dict[str, np.ndarray], case: tuple[str, int, bool, str]
+) -> None:
+    name, ranks, ep, _ = case
+    specs = moefix.specs(vllm_loaded, name, ranks, ep)
+    assert set(check_coverage(specs, ranks)) == set(moefix.checkpoint(0))
+    sim = moefix.MoeRanks(specs, ranks)
+    a, b = moefix.view(moefix.checkpoint(0)), moefix.view(moefix.checkpoint(1))
+    # a keyframe load writes what vLLM's loader writes, on every rank
+    assert sim.run(lambda w: w.load(a)) == [a.digest()] * ranks
+    moefix.same_as_vllm(sim, vllm_loaded, name, "a")
+    # reads in checkpoint coordinates give the checkpoint back (digests, fresh)
+    assert sim.run(lambda w: w.digests(fresh=True)) == [a.tensor_digests()] * ranks
+    # a patch scatters in place exactly where vLLM would load the new checkpoint
+    patch = diff(a, b)
+    got = sim.run(lambda w: w.commit(patch))
+    assert all(isinstance(g, dict) for g in got), got
+    moefix.same_as_vllm(sim, vllm_loaded, name, "b")
+    assert sim.run(lambda w: w.root()) == [b.digest()] * ranks
+    # a patch on the wrong base is refused on every rank and writes nothing
+    out = sim.run(lambda w: w.commit(diff(a, b)))
+    assert all(isinstance(e, Exception) for e in out), out
+    moefix.same_as_vllm(sim, vllm_loaded, name, "b")
 
 
 def _hf(model_dir: Path, dest: Path) -> Any:
@@ -133,7 +193,7 @@ def test_moe_experts_patched_live_in_vllm_cpu(world: dict[str, Any]) -> None:
         assert packed["relaid"] == 2 * MOE["layers"]  # the kernel's layout is not the plain one
         eng.adopt(3, versions[3].digest())  # the plain copy of vLLM's own load hashes to v3
         booted = srv.greedy(model, prompt_ids)
-        check = _hf(model, world["hf"])
+        check = _hf(model, world["root"] / "hf")
         worst = [check(versions[3], prompt_ids, booted)[0]]
 
         # v0 by a keyframe (whole layers re-packed), then v1..v3 by staged patches

@@ -185,6 +185,16 @@ def prebuild(
     return PackedExperts(slices)
 
 
+def _runs(experts: np.ndarray) -> list[tuple[int, int, int]]:
+    """Sorted expert indices as runs ``(first, end, offset in the slices)``."""
+    if experts.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(experts) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [experts.size]])
+    return [(int(experts[i]), int(experts[j - 1]) + 1, int(i)) for i, j in zip(starts, ends)]
+
+
 def install(mod: Any, module: str, packed: PackedExperts) -> None:
     """Under the pause: the prebuilt slices copied into the live packed parameters and read
     back. On any failure the layer is re-packed whole from its plain words (not yet written:
@@ -195,11 +205,12 @@ def install(mod: Any, module: str, packed: PackedExperts) -> None:
         with torch.no_grad():
             for leaf, (idx, sl) in packed.slices.items():
                 live = getattr(mod, leaf).data
-                live.index_copy_(0, idx, sl)
-                if not torch.equal(live.index_select(0, idx), sl):
-                    raise TargetMismatchError(
-                        "read-back of packed experts differs", param=f"{module}.{leaf}"
-                    )
+                for a, b, at in _runs(idx.numpy()):  # contiguous experts: one memcpy each
+                    live[a:b].copy_(sl[at : at + b - a])
+                    if not torch.equal(live[a:b], sl[at : at + b - a]):  # read back
+                        raise TargetMismatchError(
+                            "read-back of packed experts differs", param=f"{module}.{leaf}"
+                        )
     except BaseException:
         repack_all(mod)
         raise

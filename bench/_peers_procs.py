@@ -119,7 +119,14 @@ class Relay:
     """``rollpatch relay`` in its own process."""
 
     def __init__(
-        self, board: str, cache: Path, logdir: Path, name: str, pointer_ttl: float, list_ttl: float
+        self,
+        board: str,
+        cache: Path,
+        logdir: Path,
+        name: str,
+        pointer_ttl: float,
+        list_ttl: float,
+        watch_s: float | None = None,
     ) -> None:
         self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
@@ -140,6 +147,7 @@ class Relay:
                 str(list_ttl),
                 "--log-level",
                 "warning",
+                *(() if watch_s is None else ("--watch", str(watch_s))),
             ],
             stdout=subprocess.PIPE,
             stderr=self._err,

@@ -25,7 +25,11 @@ XOR islands apply theirs in place; ``incremental``: staged while serving and wri
 pause as the serving engines do, target digests checked in O(change); ``full``: every
 touched tensor re-hashed inside the pause; in every mode the follower's background audit
 re-hashes the live words). Followers and XOR islands learn of
-a version through the relays' long-poll of LATEST (docs/relay.md). ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
+a version through the relays' long-poll of LATEST (docs/relay.md), which each relay answers
+once the version's manifest and step patch are verified in its cache (the origin relay reads
+the directory board's LATEST every ``--origin-watch-s``). The trainer process imports torch
+(``--trainer-cast torch``, as every trainer has), so the publisher casts in torch
+(``publisher/cast.py``). ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
 method; ``bench/_peers_xor.py``), published asynchronously on the same board, fetched through
 the same relays; only the codec differs. ``shardcast``: the trainer writes the BF16
 checkpoint and calls ``OriginServer.broadcast`` (BLAKE3 + 50 MB shards); the middle node
@@ -160,7 +164,15 @@ def run_method(
 
                 closers.append(xpub.close)
             del masters
-            origin = Relay(board_uri, root / "origin-cache", logs, "origin-relay", 0.0, 0.0)
+            origin = Relay(
+                board_uri,
+                root / "origin-cache",
+                logs,
+                "origin-relay",
+                0.0,
+                0.0,
+                args.origin_watch_s,
+            )
             closers.append(origin.close)
             cpu_pids.append(origin.proc.pid)
             link = Child(
@@ -308,6 +320,21 @@ def main() -> int:
         "targets in O(change), as the serving engines; or every touched tensor re-hashed "
         "inside the pause (ViewEngine)",
     )
+    p.add_argument(
+        "--origin-watch-s",
+        type=float,
+        default=0.01,
+        help="how often the trainer region's relay reads LATEST on the directory board while "
+        "long-polls wait (the relay's --watch; its default is 0.05)",
+    )
+    p.add_argument(
+        "--trainer-cast",
+        choices=("torch", "numpy"),
+        default="torch",
+        help="torch: the trainer process imports torch, as every trainer has, so the "
+        "publisher casts to BF16 in torch (publisher/cast.py); numpy: it does not, and the "
+        "publisher casts with formats' numpy cast",
+    )
     p.add_argument("--settle-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--methods", default=",".join(METHODS))
@@ -318,6 +345,8 @@ def main() -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or args.versions < 1 or args.islands < 1:
         p.error(f"--methods from {','.join(METHODS)}; --versions, --islands >= 1")
+    if args.trainer_cast == "torch":
+        import torch  # noqa: F401 (a trainer's process has it: the publisher casts in torch)
     work = Path(args.work or f"/tmp/rollpatch-peers-{os.getuid()}")
     work.mkdir(parents=True, exist_ok=True)
     info = machine()
@@ -344,7 +373,10 @@ def main() -> int:
         traced = [x["phases"] for x in r["versions"] if x.get("phases")]
         if traced:
             print(render_phases(traced, f"{m}: where the time goes"))
-    print(f"load average at the start: {load0}")
+    print(
+        f"islands commit {args.island_commit}; trainer cast {args.trainer_cast}; origin relay "
+        f"reads LATEST every {args.origin_watch_s:g} s; load average at the start: {load0}"
+    )
     print(machine_line(info))
     if args.json:
         Path(args.json).write_text(

@@ -211,8 +211,14 @@ class WorkerExtension:
 
     def rollpatch_packed(self) -> dict[str, Any]:
         """Re-pack every CPU-packed expert layer's plain words with vLLM's own prepack (whole
-        and per expert) and compare with the live packed parameters (tests and drills)."""
-        return run_op_on(self.get_model(), check_packed)  # type: ignore[attr-defined]
+        and per expert) and compare with the live packed parameters (tests and drills), once
+        the plain words written after the last pause are in place."""
+
+        def check(model: Any) -> dict[str, Any]:
+            weights_of(model).settler.wait()
+            return check_packed(model)
+
+        return run_op_on(self.get_model(), check)  # type: ignore[attr-defined]
 
     def rollpatch_result(self, token: str) -> dict[str, Any]:
         """The result of the weight-transfer update tagged ``token`` (popped)."""

@@ -40,6 +40,7 @@ __all__ = [
     "check_packed",
     "install",
     "is_packed_experts",
+    "keep",
     "keep_plain_experts",
     "plain_of",
     "prebuild",
@@ -84,15 +85,21 @@ def keep_plain_experts() -> None:
         if any(shapes[leaf] != tuple(plain[leaf].shape) for leaf in LEAVES):
             layer.__dict__[_REFUSED] = "the CPU kernel padded the intermediate size"
             return
-        layer.__dict__[_PLAIN] = plain
-        layer.__dict__[_ISA] = str(self.isa)
-        # the flags the dense prepack trap uses (see .worker and .params)
-        layer.__dict__["_rollpatch_repack"] = repack_all
-        layer.__dict__["_rollpatch_owns"] = True
-        layer.__dict__["_rollpatch_kernel_only"] = True  # only rollpatch reads the plain copy
+        keep(layer, plain, str(self.isa))
 
     process._rollpatch = True  # type: ignore[attr-defined]
     cls.process_weights_after_loading = process
+
+
+def keep(layer: Any, plain: dict[str, Any], isa: str) -> None:
+    """Record ``plain`` (leaf → plain words) as ``layer``'s view and ``isa`` for re-packing,
+    with the flags the dense prepack trap uses (see :mod:`.worker` and :mod:`.params`): the
+    kernel owns its words, and only rollpatch reads the plain copy (kernel-only)."""
+    layer.__dict__[_PLAIN] = plain
+    layer.__dict__[_ISA] = isa
+    layer.__dict__["_rollpatch_repack"] = repack_all
+    layer.__dict__["_rollpatch_owns"] = True
+    layer.__dict__["_rollpatch_kernel_only"] = True
 
 
 def is_packed_experts(mod: Any) -> bool:

@@ -127,6 +127,7 @@ class Relay:
         pointer_ttl: float,
         list_ttl: float,
         watch_s: float | None = None,
+        log_level: str = "warning",
     ) -> None:
         self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
@@ -146,7 +147,7 @@ class Relay:
                 "--list-ttl",
                 str(list_ttl),
                 "--log-level",
-                "warning",
+                log_level,
                 *(() if watch_s is None else ("--watch", str(watch_s))),
             ],
             stdout=subprocess.PIPE,

@@ -172,6 +172,7 @@ def run_method(
                 0.0,
                 0.0,
                 args.origin_watch_s,
+                args.relay_log_level,
             )
             closers.append(origin.close)
             cpu_pids.append(origin.proc.pid)
@@ -194,6 +195,7 @@ def run_method(
                 "region-relay",
                 args.poll_s,
                 args.poll_s,
+                log_level=args.relay_log_level,
             )
             region_close = region.close
             cpu_pids.append(region.proc.pid)
@@ -334,6 +336,12 @@ def main() -> int:
         help="torch: the trainer process imports torch, as every trainer has, so the "
         "publisher casts to BF16 in torch (publisher/cast.py); numpy: it does not, and the "
         "publisher casts with formats' numpy cast",
+    )
+    p.add_argument(
+        "--relay-log-level",
+        default="warning",
+        choices=("debug", "info", "warning"),
+        help="the relays' --log-level (their logs: WORK/METHOD/logs/*-relay.log)",
     )
     p.add_argument("--settle-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=600.0)

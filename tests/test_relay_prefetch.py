@@ -157,3 +157,42 @@ def test_without_prefetch_versions_are_announced_at_once(tmp_path: Path) -> None
         assert Board(c).fetch(patch.ref)
     finally:
         w.close()
+
+
+def test_held_answers_carry_the_prefetch_hint_and_only_sound_hints_are_taken(
+    world: World,
+) -> None:
+    """Each relay's held answer names the announced version's manifest and step patch
+    (``X-Rollpatch-Prefetch``), so the relay downstream fetches both at once; a hint naming
+    another run's objects, another version's manifest or non-board keys starts no fetch."""
+    from rollpatch.relay.watch import PREFETCH_HEADER
+
+    region = world.relay(world.origin.url, "region")
+    c = _client(region.url)
+    held = c.held()
+    headers: dict[str, str] = {}
+    assert _version(c.wait_newer(KEY, -1, 30.0, held, headers)) == 0
+    until(lambda: _waiting(world.origin) == 1, "the region to long-poll the origin")
+    assert world.publish() == 1
+    headers.clear()
+    assert _version(c.wait_newer(KEY, 0, 30.0, held, headers)) == 1
+    m = Board(open_store(world.uri)).manifest(RUN, 1)
+    (patch,) = m.patches_from(0)
+    want = f"{version_key(RUN, 1)} {patch.ref.key}"
+    got = {k.lower(): v for k, v in headers.items()}
+    assert got[PREFETCH_HEADER.lower()] == want
+    origin_headers: dict[str, str] = {}
+    o = _client(world.origin.url)
+    assert _version(o.wait_newer(KEY, 0, 30.0, o.held(), origin_headers)) == 1
+    assert {k.lower(): v for k, v in origin_headers.items()}[PREFETCH_HEADER.lower()] == want
+    before = region.relay.metrics.render()
+    bogus = " ".join(
+        [
+            patch.ref.key.replace(f"runs/{RUN}/", "runs/other/"),  # another run's object
+            version_key(RUN, 7),  # not the version announced
+            KEY,  # LATEST: not an immutable board key
+            "../../etc/passwd",
+        ]
+    )
+    region.relay.watch._start_hinted(RUN, 2, bogus)
+    assert region.relay.metrics.render() == before  # nothing was fetched or counted

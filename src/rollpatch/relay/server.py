@@ -34,6 +34,7 @@ from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
 from .core import Blob, Relay
 from .metrics import CONTENT_TYPE, CountRequests
+from .watch import PREFETCH_HEADER
 
 __all__ = ["RelayServer", "create_app", "parse_range"]
 
@@ -212,6 +213,8 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
     assert blob.data is not None  # LATEST is held in memory
     response = _serve(relay, blob, blob.data, None)
     response.headers[HELD_HEADER] = "1"
+    if hint := relay.watch.hint(key, blob):
+        response.headers[PREFETCH_HEADER] = hint
     return response
 
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 
 from ..errors import RollpatchError
 from ..latest import read_latest
-from ..layout import pointer_run, version_key
+from ..layout import manifest_version, object_hash, objects_prefix, pointer_run, version_key
 from ..logs import event
 from ..manifest import open_manifest
 from ..store.http_client import HttpStore
 from ..store.http_pool import Held
 from .core import Blob, Relay
 
-__all__ = ["PointerWatch"]
+__all__ = ["PREFETCH_HEADER", "PointerWatch"]
 
 log = logging.getLogger("rollpatch.relay")
 #: Seconds the watch of a run outlives its last waiter (followers ask again at once).
@@ -44,6 +44,12 @@ MAX_BACKOFF_S = 5.0
 MAX_RUNS = 256
 #: Longest wait for one prefetched object before the version is left unannounced (retried).
 PREFETCH_TIMEOUT_S = 120.0
+#: Header of a held answer: the keys (space-separated) of the announced version's manifest and
+#: step patch objects, so a relay downstream fetches them at once, in parallel (a hint only:
+#: what it announces is still what the manifest it verified names).
+PREFETCH_HEADER = "X-Rollpatch-Prefetch"
+#: Most hinted keys a relay fetches for one version.
+MAX_HINTED = 16
 
 
 class Unannounced(RollpatchError):
@@ -58,6 +64,7 @@ class _Run:
     thread: threading.Thread | None = None
     last_wait: float = 0.0
     refused: int = -1  # newest version left unannounced (logged once at WARNING)
+    hint: str = ""  # PREFETCH_HEADER of the announced version
 
 
 class PointerWatch:
@@ -90,6 +97,12 @@ class PointerWatch:
                 )
                 st.thread.start()
         return future
+
+    def hint(self, key: str, blob: Blob) -> str:
+        """:data:`PREFETCH_HEADER` for an answer of ``blob`` (empty: none)."""
+        with self._lock:
+            st = self._runs.get(key)
+            return st.hint if st is not None and st.blob is blob else ""
 
     def announced(self, key: str) -> Blob | None:
         """The newest LATEST the watch of ``key`` announced (None: no watch, or none yet):
@@ -144,8 +157,8 @@ class PointerWatch:
                     after = st.version
                 try:
                     started = time.monotonic()
-                    data, read_at = self._read(key, after, held, first)
-                    newer = data is not None and self._learned(key, st, data, read_at)
+                    data, read_at, hinted = self._read(key, after, held, first)
+                    newer = data is not None and self._learned(key, st, data, read_at, hinted)
                     early = time.monotonic() - started < 1.0
                     if held is not None and data is not None and not newer and early:
                         self._closed.wait(self.relay.config.watch_s)  # nothing new, at once
@@ -169,19 +182,23 @@ class PointerWatch:
 
     def _read(
         self, key: str, after: int, held: Held | None, first: bool
-    ) -> tuple[bytes | None, float]:
+    ) -> tuple[bytes | None, float, str]:
+        """LATEST read upstream, when, and the upstream relay's prefetch hint (or "")."""
         upstream = self.relay.upstream
         if held is not None and isinstance(upstream, HttpStore):
             wait_s = max(self.relay.config.hold_s, 1.0)
             self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="wait")
-            return upstream.wait_newer(key, after, wait_s, held), time.monotonic()
+            headers: dict[str, str] = {}
+            data = upstream.wait_newer(key, after, wait_s, held, headers)
+            hint = next((v for k, v in headers.items() if k.lower() == PREFETCH_HEADER.lower()), "")
+            return data, time.monotonic(), hint
         if not first and self._closed.wait(self.relay.config.watch_s):
-            return None, 0.0
+            return None, 0.0, ""
         read_at = time.monotonic()
         self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="get")
-        return upstream.get(key), read_at
+        return upstream.get(key), read_at, ""
 
-    def _learned(self, key: str, st: _Run, data: bytes, read_at: float) -> bool:
+    def _learned(self, key: str, st: _Run, data: bytes, read_at: float, hinted: str = "") -> bool:
         """Serve ``data`` (checked) as the run's LATEST; whether it names a newer version.
 
         A newer version is prefetched first (``prefetch``): :class:`Unannounced` when that
@@ -193,14 +210,16 @@ class PointerWatch:
         version = read_latest(data, run, None)[0].version
         with self._lock:
             newer = version > st.version
+        hint = ""
         if newer and self.relay.config.prefetch:
-            self._prefetch(run, version, st)
+            self._start_hinted(run, version, hinted)
+            hint = " ".join(self._prefetch(run, version, st))
             read_at = time.monotonic()  # the watch kept LATEST current meanwhile
         blob = self.relay.remember_pointer(key, data, read_at)
         with self._lock:
             newer = version > st.version
             if newer:
-                st.version, st.blob = version, blob
+                st.version, st.blob, st.hint = version, blob, hint
             ready = [f for a, f in st.waiters if version > a]
             st.waiters = [(a, f) for a, f in st.waiters if version <= a]
         for f in ready:
@@ -208,9 +227,24 @@ class PointerWatch:
                 f.set_result(blob)
         return newer
 
-    def _prefetch(self, run: str, version: int, st: _Run) -> None:
+    def _start_hinted(self, run: str, version: int, hinted: str) -> None:
+        """Start fetching what the upstream relay's hint names (only ``version``'s manifest
+        and objects of ``run``, at most :data:`MAX_HINTED`): the step patch then crosses the
+        WAN beside the manifest instead of one round trip after it."""
+        for k in hinted.split()[:MAX_HINTED]:
+            ours = manifest_version(k) == (run, version) or (
+                object_hash(k) is not None and k.startswith(objects_prefix(run))
+            )
+            if ours:
+                try:
+                    self.relay.resolve(k)  # joined by _prefetch; errors surface there
+                except RollpatchError as e:
+                    log.debug("relay hinted prefetch of %s: %s", k, e)
+
+    def _prefetch(self, run: str, version: int, st: _Run) -> list[str]:
         """Fetch, verify and cache ``version``'s manifest, then its step patch objects (at
-        once); raise :class:`Unannounced` if any is refused, missing or too slow."""
+        once); their keys. Raise :class:`Unannounced` if any is refused, missing or too
+        slow."""
         relay = self.relay
         started = time.monotonic()
         try:
@@ -249,3 +283,4 @@ class PointerWatch:
             objects=len(pending),
             seconds=round(time.monotonic() - started, 4),
         )
+        return [version_key(run, version), *(p.ref.key for p in steps)]

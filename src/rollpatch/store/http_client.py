@@ -241,11 +241,19 @@ class HttpStore(Store):
         """A connection of its own for :meth:`wait_newer` (one per waiting thread)."""
         return Held(self._pool)
 
-    def wait_newer(self, key: str, after: int, wait_s: float, held: Held) -> bytes | None:
+    def wait_newer(
+        self,
+        key: str,
+        after: int,
+        wait_s: float,
+        held: Held,
+        headers_out: dict[str, str] | None = None,
+    ) -> bytes | None:
         """GET the LATEST ``key``, held by the relay until it knows a version newer than
         ``after`` or ``wait_s`` passed: the body (a hint only: read and verify LATEST as
         usual), None when ``held`` was cancelled. Raises :class:`NotImplementedError` when the
-        relay answered at once without holding (it predates long-polls: poll instead)."""
+        relay answered at once without holding (it predates long-polls: poll instead).
+        ``headers_out`` receives the answer's headers (a relay's prefetch hint)."""
         query = urllib.parse.urlencode({"after": after, "wait": f"{wait_s:g}"})
         target = f"{self._object_target(key)}?{query}"
         try:
@@ -265,6 +273,8 @@ class HttpStore(Store):
         headers, body = got
         if headers.get(HELD_HEADER) is None:
             raise NotImplementedError("the relay does not hold long-polls")
+        if headers_out is not None:
+            headers_out.update(headers.items())
         return body
 
     # -- writes: refused ----------------------------------------------------------------------

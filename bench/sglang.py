@@ -2,6 +2,8 @@
 
 Run: ``python bench/sglang.py`` (16M parameters; needs the SGLang venv from
 ``scripts/sglang-env``); ``--hidden 1024 --layers 8`` for a 103M model; ``--versions N``;
+``--tp 2`` for SGLang at ``--tp-size 2`` (one core per rank; patches decoded in the bench's
+process against the words gathered from both ranks, the follower's path: *gather*);
 ``--json PATH`` keeps every sample (``pause_s`` of each under its path's name: ``staged``,
 ``double``, ``reloads``).
 
@@ -18,7 +20,8 @@ Paths, each over the same versions (v1..vN, from v0):
   target digests), then ``pause`` … ``commit_staged`` … ``resume``. *pause* = from the
   pause request to the answer of ``/continue_generation`` (SGLang's ``retract`` pause, begin/
   update/end of the weight-update session with the scatter and read-back, prefix-cache flush,
-  ``/update_weight_version``); *visible→serving* = stage + pause.
+  ``/update_weight_version``); *visible→serving* = from the stage call to
+  ``/continue_generation`` answered. The *pause breakdown* splits the pause by route.
 - **double** (rollpatch, ``writes="double_buffer"``): the same, but staging also builds each
   touched parameter's second buffer inside SGLang (a copy, the staged words written, checked
   and read back), and the commit under the pause only exchanges storages (O(1) per
@@ -171,6 +174,8 @@ def phase_staged(
             engine.resume()
         t2 = time.perf_counter()
         routes = dict(engine.channel.route_ms)
+        held = engine.channel.held_s
+        serving = engine.channel._frozen_at + held  # /continue_generation answered
         if engine.digest != world.digests[v] or engine.held()[1] != world.digests[v]:
             raise BenchError(f"v{v}: the engine does not hold the published digest")
         inside = dict(engine.last_stage_ms)
@@ -179,17 +184,19 @@ def phase_staged(
             {
                 **{f"{k}_ms": float(x) for k, x in inside.items()},
                 "gather_ms": here.get("gather_ms", 0.0),
+                "files_ms": here.get("files_ms", 0.0),
+                "stage_s": t1 - t0 - here.get("files_ms", 0.0) / 1e3,
                 "transfer_ms": (t1 - t0) * 1e3
                 - inside["inside"]
                 - sum(here.values())
                 + inside.get("read", 0.0),
-                "stage_s": t1 - t0,
-                "pause_s": t2 - t1,
-                "visible_s": t2 - t0,
+                "pause_s": held,
+                "commit_s": t2 - t1,
+                "visible_s": serving - t0 - here.get("files_ms", 0.0) / 1e3,
                 "bytes": len(blob),
                 "changed": staged.changed,
                 "staged_bytes": staged.nbytes,
-                **pause_parts(routes, engine.last_timings["command_s"] * 1e3),
+                **pause_parts(routes, engine.last_timings["command_s"] * 1e3, held),
             }
         )
         served.append(greedy(engine))
@@ -204,7 +211,7 @@ class TimedWords:
     """The engine's words (a WordSource), the time spent fetching them counted."""
 
     def __init__(self, words: Any) -> None:
-        self.words, self.s = words, 0.0
+        self.words, self.s, self.names = words, 0.0, list[str]()
 
     def __contains__(self, name: object) -> bool:
         return name in self.words
@@ -215,11 +222,13 @@ class TimedWords:
             return self.words[name]
         finally:
             self.s += time.perf_counter() - t0
+            self.names.append(name)
 
 
 def stage_gathered(engine: Any, blob: bytes, v: int, here: dict[str, float]) -> Any:
     """TP > 1: the patch object decoded against the words gathered from every rank (the
     follower's path), then staged on every rank; ``here``: gather and decode time (ms)."""
+    from rollpatch.engines.sglang import tp as tp_ops
     from rollpatch.patch import decode
 
     t0 = time.perf_counter()
@@ -227,29 +236,40 @@ def stage_gathered(engine: Any, blob: bytes, v: int, here: dict[str, float]) -> 
     patch = decode(blob, words)
     here["gather_ms"] = words.s * 1e3
     here["decode_ms"] = (time.perf_counter() - t0 - words.s) * 1e3
-    return engine.stage(patch, v)
+    t1 = time.perf_counter()  # the same tensors gathered the earlier way: through files
+    for name in words.names:
+        path = engine.channel.scratch("words")
+        tp_ops.export(engine.channel, name, engine.tensors()[name], path, shared=False)
+    files_ms = (time.perf_counter() - t1) * 1e3
+    staged = engine.stage(patch, v)
+    here["files_ms"] = files_ms  # reported beside the stage, not part of it
+    return staged
 
 
 #: The pause's parts (ms): SGLang's routes under the pause, rollpatch's command inside one.
-PAUSE_PARTS = ("pause", "session", "route", "command", "version", "continue")
+PAUSE_PARTS = ("pause", "session", "route", "command", "version", "continue", "other")
 
 
-def pause_parts(routes: dict[str, float], command_ms: float) -> dict[str, float]:
-    """A commit's pause by part: ``pause``/``continue`` (SGLang's pause routes),
-    ``session`` (``/begin_weight_update`` and ``/end_weight_update``), ``command``
-    (rollpatch's commit inside SGLang: the writes and their read-back, or the exchange),
-    ``route`` (the rest of ``/update_weights_from_tensor``: SGLang's IPC to the scheduler and
-    its cache flush), ``version`` (``/update_weight_version``)."""
+def pause_parts(routes: dict[str, float], command_ms: float, held_s: float) -> dict[str, float]:
+    """A commit's pause (``held_s``) by part: ``pause``/``continue`` (SGLang's pause routes),
+    ``command`` (rollpatch's commit inside SGLang: the writes and their read-back, or the
+    exchange), ``route`` (the rest of ``/update_weights_from_tensor``: SGLang's IPC to the
+    scheduler and its cache flush), ``version`` (``/update_weight_version``), ``other`` (the
+    rest: the adapter's checks, ...), ``session`` (``/begin_weight_update`` and
+    ``/end_weight_update``)."""
     tensor = routes.get("/update_weights_from_tensor", 0.0)
-    return {
+    parts = {
         "pause_ms": routes.get("/pause_generation", 0.0),
-        "session_ms": routes.get("/begin_weight_update", 0.0)
-        + routes.get("/end_weight_update", 0.0),
-        "route_ms": tensor - command_ms,
+        "route_ms": tensor - command_ms if tensor else 0.0,
         "command_ms": command_ms,
         "version_ms": routes.get("/update_weight_version", 0.0),
         "continue_ms": routes.get("/continue_generation", 0.0),
     }
+    parts["session_ms"] = routes.get("/begin_weight_update", 0.0) + routes.get(
+        "/end_weight_update", 0.0
+    )
+    parts["other_ms"] = held_s * 1e3 - sum(parts.values())
+    return parts
 
 
 def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[dict[str, float]]:
@@ -282,7 +302,7 @@ def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[
             {
                 "pause_s": t1 - t0,
                 "bytes": world.ckpt_bytes[v],
-                **pause_parts(routes, routes.get("/update_weights_from_disk", 0.0)),
+                **pause_parts(routes, routes.get("/update_weights_from_disk", 0.0), t1 - t0),
             }
         )
     return runs
@@ -348,17 +368,21 @@ def render(ctx: dict[str, Any]) -> str:
         [False, True, True, True, True, True, True],
     )
     phases = ["gather", "decode", "prove", "layout", "buffers", "transfer"]
+    # TP > 1: the same gather as before shared memory (each rank's block via a file), timed
+    # after the stage and not part of it
+    files = ["files"] if ctx["args"].get("tp", 1) > 1 else []
     t2 = table(
-        ["stage breakdown, ms p50", *phases, "stage"],
+        ["stage breakdown, ms p50", *phases, "stage", *(f"gather via {f}" for f in files)],
         [
             [
                 name,
                 *(f"{med(runs, f'{k}_ms'):.0f}" for k in phases),
                 f"{med(runs, 'stage_s') * 1e3:.0f}",
+                *(f"{med(runs, f'{k}_ms'):.0f}" for k in files),
             ]
             for name, runs in (("in place", st), ("double-buffered", db))
         ],
-        [False, *([True] * (len(phases) + 1))],
+        [False, *([True] * (len(phases) + 1 + len(files)))],
     )
     t3 = table(
         ["pause breakdown, ms p50", *PAUSE_PARTS, "pause"],
@@ -438,9 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "double": double,
             "reloads": reloads,
         }
-    print(render(ctx))
-    if args.json:
+    if args.json:  # first: a table that fails to render loses no measurement
         Path(args.json).write_text(json.dumps(ctx, indent=1, default=str))
+    print(render(ctx))
     return 0
 
 

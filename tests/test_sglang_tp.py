@@ -176,6 +176,10 @@ class RanksChannel:
             paths = args["paths"]
             assert isinstance(paths, list)
             return {**w.stage(read_decoded(str(paths[0]))).summary(), "ms": 1.0}
+        if op == "export":  # the loader's own export, in this process
+            from rollpatch.engines.sglang.loader import _export
+
+            return _export(w, str(args["name"]), str(args["path"]), bool(args.get("into")))
         assert op == "drop"
         w.staged.clear()
         return {"ok": True}
@@ -231,3 +235,21 @@ def test_adapter_proves_the_ranks_sum_and_undoes_a_partial_commit(tmp_path: Path
     tokens, _ = tp_ops.stage(ch, patch, path, a.tensor_digests(), tensors)  # type: ignore[arg-type]
     tp_ops.commit(ch, tokens)  # type: ignore[arg-type]
     assert tp_ops.held(ch, tensors, fresh=True) == (b.tensor_digests(), b.digest())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_export_gathers_every_tensor_from_the_ranks(tp: int, tmp_path: Path) -> None:
+    """words() at TP > 1: each rank's block copied into one shared buffer of the whole tensor
+    (or sent as a file and placed by the adapter) gives the checkpoint tensor, bit for bit."""
+    from rollpatch.engines.sglang import tp as tp_ops
+
+    ck = vllm_layouts.checkpoint(6)
+    a = vllm_layouts.words_view(ck)
+    ch = RanksChannel(_ranks(tp, ck))
+    for name, t in a.items():
+        for shared in (True, False):
+            path = tmp_path / f"{name}-{shared}.bin"
+            got = tp_ops.export(ch, name, _tensors(a)[name], path, shared=shared)  # type: ignore[arg-type]
+            assert got.kind == t.kind and got.shape == t.shape
+            assert np.array_equal(got.data, t.data), (name, shared)
+            assert not path.exists()  # unlinked (a shared buffer stays mapped until dropped)

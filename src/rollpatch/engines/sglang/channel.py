@@ -8,6 +8,7 @@ decides what to stage, commit and verify; the channel only carries it (wire form
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import shutil
@@ -49,9 +50,15 @@ class SglangChannel(NestedPause):
         self._tag_id = secrets.token_hex(4)
         self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
+        self._session_open = False
+        self._shm_dir: Path | None = None
         #: Milliseconds spent in each HTTP route since the owner last cleared it (a commit's
         #: profile: the pause's round trips).
         self.route_ms: dict[str, float] = {}
+        #: Seconds SGLang was last held: from the pause request to ``/continue_generation``
+        #: answered (the outermost pause).
+        self.held_s = 0.0
+        self._frozen_at = 0.0
         super().__init__(lock)
 
     def socket(self, rank: int = 0) -> Path:
@@ -61,6 +68,16 @@ class SglangChannel(NestedPause):
     def scratch(self, what: str) -> Path:
         """A fresh file name in the shared directory (bulk data crosses as files)."""
         return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+
+    def shm(self, what: str) -> Path:
+        """A fresh file name in shared memory (a private directory under ``/dev/shm``, else
+        the shared directory): tensors gathered from the ranks are mapped there by both
+        sides, never written to a disk."""
+        if self._shm_dir is None:
+            base = Path("/dev/shm")
+            made = tempfile.mkdtemp(prefix="rollpatch-sglang-", dir=base) if base.is_dir() else None
+            self._shm_dir = Path(made) if made else self.shared_dir
+        return self._shm_dir / f"{what}-{secrets.token_hex(8)}.bin"
 
     def http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
         """One JSON call to SGLang's HTTP server (:func:`.wire.http_json`); its time is
@@ -118,11 +135,12 @@ class SglangChannel(NestedPause):
             "load_format": LOADER,
             "flush_cache": flush,
         }
-        self._session("/begin_weight_update")
-        try:
+        for _ in range(2):
+            self._open_session()
             reply = self.http("POST", "/update_weights_from_tensor", body, check=False)
-        finally:
-            self._session("/end_weight_update")
+            if reply.get("success") or "begin_weight_update" not in str(reply.get("message")):
+                break
+            self._session_open = False  # closed by someone else, the command unrun: reopen
         answers = []
         for cmd, path in zip(cmds, replies):
             try:
@@ -155,6 +173,18 @@ class SglangChannel(NestedPause):
             )
         return answers
 
+    def _open_session(self) -> None:
+        """SGLang's weight-update session, opened once and left open: SGLang 0.5.23 runs
+        ``/update_weights_from_tensor`` only inside one, and for the unpacked CPU weights
+        rollpatch accepts (docs/sglang.md) its ``/begin_weight_update`` and
+        ``/end_weight_update`` are no-ops, so each commit's pause spares their two round
+        trips. (They cannot move out of the pause: while SGLang generates, both take its
+        model-update writer lock, i.e. wait for every request in flight.) :meth:`close`
+        ends it."""
+        if not self._session_open:
+            self._session("/begin_weight_update")
+            self._session_open = True
+
     def _session(self, route: str) -> None:
         """SGLang's weight-update session bracket (no-ops for unpacked CPU weights)."""
         reply = self.http("POST", route, {}, check=False)
@@ -171,12 +201,22 @@ class SglangChannel(NestedPause):
         super().pause()
 
     def _freeze(self) -> None:
+        self._frozen_at = time.perf_counter()
         self.http("POST", "/pause_generation", {"mode": "retract"})
 
     def _thaw(self) -> None:
         self.http("POST", "/continue_generation", {})
+        self.held_s = time.perf_counter() - self._frozen_at
 
     def close(self) -> None:
-        """Forget the scratch directory (the server is not ours to stop)."""
+        """End SGLang's weight-update session and forget the scratch directories (the server
+        is not ours to stop)."""
+        if self._session_open:
+            self._session_open = False
+            with contextlib.suppress(EngineError):
+                self._session("/end_weight_update")
         if self._own_dir:
             shutil.rmtree(self.shared_dir, ignore_errors=True)
+        if self._shm_dir is not None and self._shm_dir != self.shared_dir:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
+        self._shm_dir = None

@@ -16,7 +16,8 @@ there, between two forward passes, with the command the adapter sent (:mod:`.wir
 The control thread serves, *while SGLang generates*, what only reads: ``info``, ``digest``,
 ``stage_encoded`` (decode a wire-format patch against the live words and prove it),
 ``stage_decoded`` (a decoded-patch file, :mod:`rollpatch.engines.vllm.transfer`), ``export``
-(one tensor to a file), ``audit`` (re-hash a slice of the weights), ``drop`` (a staged
+(one tensor to a file; at TP > 1 a rank's block, or copied into the adapter's shared buffer),
+``audit`` (re-hash a slice of the weights), ``drop`` (a staged
 update), ``release`` (TP > 1: the storage a double-buffered commit replaced, once every rank
 committed).
 Every answer is a JSON dict: ``ok`` plus results, or ``error`` with the rollpatch exception
@@ -139,12 +140,24 @@ def _stage_encoded(
     return _timed(w, lambda: w.stage(decoded(), mode).summary(), "decode")
 
 
-def _export(w: HeldWeights, name: str, path: str) -> dict[str, Any]:
+def _export(w: HeldWeights, name: str, path: str, into: bool) -> dict[str, Any]:
+    """One tensor to ``path``: a safetensors file; at TP > 1 this rank's block, either as a
+    file or (``into``) copied into its place in the whole tensor the adapter mapped there."""
     if isinstance(w, RankWeights):  # this rank's block, placed by the adapter
         block, pl = w.block(name)
+        where = {"dim": pl.dim, "start": pl.src_start, "length": pl.length}
+        if into:  # the adapter's shared buffer of the whole tensor (rows x cols words)
+            whole = np.memmap(path, block.dtype, "r+", shape=(pl.rows, pl.cols))
+            span = slice(pl.src_start, pl.src_start + pl.length)
+            if pl.dim == 0:
+                whole[span] = block
+            else:
+                whole[:, span] = block
+            del whole
+            return {"bytes": block.nbytes, **where}
         flat = np.ascontiguousarray(block).reshape(-1)
         save_view(View({name: Tensor(w.kind_of(name), block.shape, flat)}), path)
-        return {"bytes": flat.nbytes, "dim": pl.dim, "start": pl.src_start, "length": pl.length}
+        return {"bytes": flat.nbytes, **where}
     t = w[name]
     save_view(View({name: t}), path)
     return {"bytes": t.nbytes, "digest": w.digest_of(name)}
@@ -181,7 +194,7 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "stage_decoded": lambda w, r: _timed(
         w, lambda: w.stage(read_decoded(str(r["paths"][0])), _mode(r)).summary(), "read"
     ),
-    "export": lambda w, r: _export(w, str(r["name"]), str(r["path"])),
+    "export": lambda w, r: _export(w, str(r["name"]), str(r["path"]), bool(r.get("into"))),
     "audit": lambda w, r: w.audit(int(r["budget"])),
     "drop": lambda w, r: _drop(w),
     "release": lambda w, r: w.release() if isinstance(w, RankWeights) else {"released": 0},

@@ -4,8 +4,9 @@ Each TP rank runs rollpatch's control thread and holds blocks of the split tenso
 (:mod:`.ranked`). Here, in the sidecar's process:
 
 - :func:`held` adds every rank's block sums into the tensors' digests (:func:`.slices.combine`);
-- :func:`export` gathers one tensor's blocks into the whole tensor (the follower's
-  :meth:`~.adapter.SglangEngine.words`: patches are decoded here, against the gathered words);
+- :func:`export` gathers one tensor's blocks into the whole tensor, through shared memory (the
+  follower's :meth:`~.adapter.SglangEngine.words`: patches are decoded here, against the
+  gathered words);
 - :func:`stage_update` checks the engine's root against the patch's base, then :func:`stage`
   sends a decoded patch to every rank, adds the ranks' moved sums and checks them against
   the patch's target digests and root *before any rank writes*;
@@ -46,26 +47,43 @@ def held(
     return combine(reports, tensors)
 
 
-def export(ch: SglangChannel, name: str, kind_shape: Any, scratch: Path) -> Tensor:
-    """Tensor ``name`` gathered from every rank's block (replicated blocks read once)."""
+def export(
+    ch: SglangChannel, name: str, kind_shape: Any, scratch: Path, *, shared: bool = True
+) -> Tensor:
+    """Tensor ``name`` gathered from every rank's block (replicated blocks read once).
+
+    ``shared``: every rank copies its block straight into one shared-memory buffer of the
+    whole tensor (:meth:`.channel.SglangChannel.shm` ``scratch``; one copy per word, no
+    serialization), which the returned tensor's words then are. Else each rank writes its
+    block to the file ``scratch`` (safetensors) and it is read and placed here."""
     kind, shape = get_kind(str(kind_shape[0])), tuple(int(d) for d in kind_shape[1])
     rows = shape[0] if shape else 1
     cols = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-    out = np.zeros((rows, cols), kind.word_dtype)
     covered = np.zeros(rows, dtype=bool), np.zeros(cols, dtype=bool)
-    for r in range(ch.tp):
-        try:
-            info = ch.control("export", rank=r, name=name, path=str(scratch))
-            block = load_view(scratch)[name].data.reshape(-1)
-        finally:
-            scratch.unlink(missing_ok=True)
-        dim, start, length = int(info["dim"]), int(info["start"]), int(info["length"])
-        if dim == 0:
-            out[start : start + length] = block.reshape(length, cols)
-            covered[0][start : start + length] = True
-        else:
-            out[:, start : start + length] = block.reshape(rows, length)
-            covered[1][start : start + length] = True
+    out: np.ndarray
+    shared = shared and rows * cols > 0  # nothing to map
+    if shared:
+        with open(scratch, "xb") as f:  # the ranks map it: sized first, mapped here too
+            f.truncate(rows * cols * kind.word_dtype.itemsize)
+        out = np.memmap(scratch, kind.word_dtype, "r+", shape=(rows, cols))
+    else:
+        out = np.zeros((rows, cols), kind.word_dtype)
+    try:
+        for r in range(ch.tp):
+            info = ch.control("export", rank=r, name=name, path=str(scratch), into=shared)
+            dim, start, length = int(info["dim"]), int(info["start"]), int(info["length"])
+            if dim not in (0, 1):
+                raise EngineError("a rank placed its block on no known axis", tensor=name)
+            if not shared:
+                block = load_view(scratch)[name].data
+                scratch.unlink()
+                if dim == 0:
+                    out[start : start + length] = block.reshape(length, cols)
+                else:
+                    out[:, start : start + length] = block.reshape(rows, length)
+            covered[dim][start : start + length] = True
+    finally:
+        scratch.unlink(missing_ok=True)  # a shared buffer stays mapped here until dropped
     if not (covered[0].all() or covered[1].all()):
         raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)
     return Tensor(kind, shape, out.reshape(-1))

@@ -304,8 +304,7 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
             }
             l->emitted = (int64_t)l->pp.k;
         }
-        rp_lane_hash_to(kd, l, start[q], n[q]);
-        rp_finalize(kd, l, start[q]);
+        rp_lane_group(kd, l, start[q], n[q]);
         rc = lane_finish(kd, l, err);
         if (rc) { /* all or nothing: put back what this chunk wrote */
             if (wdata)

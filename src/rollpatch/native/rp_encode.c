@@ -71,9 +71,9 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
         uint64_t r = scratch[i];
         bw_put32_nc(f, r < uu ? r : (r + uu) >> 1, w);
     }
-    for (uint64_t i = 0; i < c; i++) {
+    for (uint64_t i = 0; i < c; i++) { /* a bit only where r >= u: no branch per gap */
         uint64_t r = scratch[i];
-        if (r >= uu) bw_put32_nc(f, (r + uu) & 1, 1);
+        bw_put32_nc(f, (r + uu) & 1, (unsigned)(r >= uu));
     }
     return 0;
 }
@@ -82,8 +82,16 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
 static void eg_encode(bw_t *u, bw_t *f, uint64_t x, int eg) {
     uint64_t v = x + (1ULL << eg);
     int len = bitlen64(v);
-    bw_unary(u, (uint64_t)(len - 1 - eg));
-    bw_put(f, v - (1ULL << (len - 1)), (unsigned)(len - 1));
+    if (bw_reserve(u, 16) || bw_reserve(f, 16)) return; /* <= 64 bits each, + a stored word */
+    bw_unary_nc(u, (uint64_t)(len - 1 - eg));
+    uint64_t low = v - (1ULL << (len - 1));
+    unsigned n = (unsigned)(len - 1);
+    if (n > 32) {
+        bw_put32_nc(f, low >> 32, n - 32);
+        bw_put32_nc(f, low & 0xFFFFFFFFu, 32);
+    } else {
+        bw_put32_nc(f, low, n);
+    }
 }
 
 static uint64_t eg_cost(const uint64_t *x, uint64_t count, int eg) {

@@ -41,7 +41,8 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
     uint32_t rk[JB];                                                                        \
     uint64_t dm[JB / 64];                                                                   \
     uint8_t hot[WIN];                                                                       \
-    uint32_t cnt[WIN], bcs[WIN];                                                            \
+    uint32_t cnt[WIN], bcs[WIN], pre[WIN][JB / 64];                                         \
+    uint64_t wm[WIN][JB / 64];                                                              \
     int vc[WIN], slot[NCTX], nvc = 0, lo = 0;                                               \
     int ncontexts = kd->cbits ? 1 << kd->cbits : 1;                                         \
     memset(hot, 0, sizeof hot);                                                             \
@@ -70,13 +71,31 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
             }                                                                               \
     }                                                                                       \
     uint8_t pad = (uint8_t)(lo + WIN < NCTX ? lo + WIN : lo - 1); /* in no window */       \
-    int64_t cw = -1; /* the last word whose sum change is counted */                        \
+    int64_t cwl = -1; /* the last word whose sum change is counted (few-change blocks) */   \
     for (int64_t b0 = 0; b0 < n; b0 += JB) {                                                \
         int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
         BLOCKCTX(kd, old, start + b0, len, cbuf);                                           \
         if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
         CHANGED(kd, old, new_, start + b0, len, dm);                                        \
-        for (int t = 0; t < nvc; t++) bcs[t] = BLKCNT(cbuf, vc[t]);                         \
+        uint64_t any = dm[0] | dm[1] | dm[2] | dm[3];                                      \
+        int nch = __builtin_popcountll(dm[0]) + __builtin_popcountll(dm[1])                 \
+                  + __builtin_popcountll(dm[2]) + __builtin_popcountll(dm[3]);              \
+        int masks = nch >= nvc; /* few changes: each change's rank from its own compares */ \
+        if (masks) { /* the hot contexts' element masks and prefix counts, per 64 elements */ \
+            for (int t = 0; t < nvc; t++) {                                                 \
+                uint32_t acc = 0;                                                           \
+                for (int v = 0; v < JB / 64; v++) {                                         \
+                    uint64_t e = (uint64_t)EQ32(cbuf + 64 * v, vc[t])                       \
+                                 | (uint64_t)EQ32(cbuf + 64 * v + 32, vc[t]) << 32;         \
+                    wm[t][v] = e;                                                           \
+                    pre[t][v] = acc;                                                        \
+                    acc += (uint32_t)__builtin_popcountll(e);                               \
+                }                                                                           \
+                bcs[t] = acc;                                                               \
+            }                                                                               \
+        } else {                                                                            \
+            for (int t = 0; t < nvc; t++) bcs[t] = BLKCNT(cbuf, vc[t]);                     \
+        }                                                                                   \
         for (int v = 0; v * 32 < len; v++) { /* cold elements: ranks through the table */   \
             uint32_t m = COLD32(cbuf + 32 * v, lo, hot);                                    \
             if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                         \
@@ -86,42 +105,58 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                 rk[i] = tab[cbuf[i]]++;                                                     \
             }                                                                               \
         }                                                                                   \
+        if (any && r->k + JB > r->cap && rp_recs_grow(r)) return -1;                           \
         for (int v = 0; v < JB / 64; v++) {                                                 \
             uint64_t ch = dm[v];                                                            \
-            while (ch) {                                                                    \
+            while (ch) { /* no branch per change beyond the loop */                         \
                 int i = 64 * v + __builtin_ctzll(ch);                                       \
                 ch &= ch - 1;                                                               \
                 unsigned c = cbuf[i];                                                       \
-                uint32_t rank;                                                              \
                 int t = slot[c];                                                            \
-                if (t >= 0) {                                                               \
+                uint32_t rank;                                                              \
+                uint64_t below = (1ULL << (i & 63)) - 1;                                    \
+                if (t < 0) {                                                                \
+                    rank = rk[i];                                                           \
+                } else if (masks) {                                                         \
+                    rank = cnt[t] + pre[t][v] + (uint32_t)__builtin_popcountll(wm[t][v] & below); \
+                } else { /* few changes: the words up to the change, compared here */      \
                     rank = cnt[t];                                                          \
                     for (int u = 0; u <= v; u++) {                                          \
                         uint64_t e = (uint64_t)EQ32(cbuf + 64 * u, (int)c)                  \
                                      | (uint64_t)EQ32(cbuf + 64 * u + 32, (int)c) << 32;    \
-                        if (u == v) e &= (1ULL << (i & 63)) - 1;                            \
+                        if (u == v) e &= below;                                             \
                         rank += (uint32_t)__builtin_popcountll(e);                          \
                     }                                                                       \
-                } else {                                                                    \
-                    rank = rk[i];                                                           \
                 }                                                                           \
-                if (r->k == r->cap && rp_recs_grow(r)) return -1;                              \
-                uint64_t x = elem_get(old, kd->bits, start + b0 + i);                       \
-                uint64_t y = elem_get(new_, kd->bits, start + b0 + i);                      \
+                if (!masks) { /* the sum change of this change's word, if not yet counted */ \
+                    int64_t j = (int64_t)((uint64_t)(start + b0 + i) * (uint64_t)kd->bits / 64); \
+                    if (j != cwl) {                                                         \
+                        uint64_t wa = word_at(old, nbytes, (uint64_t)j);                    \
+                        uint64_t wb = word_at(new_, nbytes, (uint64_t)j);                   \
+                        sd[0] += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j); \
+                        sd[1] += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j); \
+                        cwl = j;                                                            \
+                    }                                                                       \
+                }                                                                           \
                 r->pos[r->k] = (uint32_t)(b0 + i);                                          \
                 r->rank[r->k] = rank;                                                       \
                 r->ctx[r->k] = (uint8_t)c;                                                  \
-                r->oldv[r->k] = x;                                                          \
-                r->newv[r->k] = y;                                                          \
+                r->oldv[r->k] = elem_get(old, kd->bits, start + b0 + i);                    \
+                r->newv[r->k] = elem_get(new_, kd->bits, start + b0 + i);                   \
                 r->k++;                                                                     \
-                int64_t j = (int64_t)((uint64_t)(start + b0 + i) * (uint64_t)kd->bits / 64);\
-                if (j != cw) {                                                              \
-                    uint64_t wa = word_at(old, nbytes, (uint64_t)j);                        \
-                    uint64_t wb = word_at(new_, nbytes, (uint64_t)j);                       \
-                    sd[0] += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j);   \
-                    sd[1] += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j);   \
-                    cw = j;                                                                 \
-                }                                                                           \
+            }                                                                               \
+            /* many changes: the rp.sum128 change once per word that holds one, apart */   \
+            uint64_t cw = masks ? dm[v] : 0;                                                \
+            const int epw = 64 / kd->bits;                                                  \
+            const uint64_t gm = epw >= 64 ? ~0ULL : (1ULL << epw) - 1;                      \
+            while (cw) {                                                                    \
+                int i = __builtin_ctzll(cw);                                                \
+                int i0 = i & ~(epw - 1);                                                    \
+                cw &= ~(gm << i0);                                                          \
+                uint64_t j = (uint64_t)(start + b0 + 64 * v + i0) * (uint64_t)kd->bits / 64; \
+                uint64_t wa = word_at(old, nbytes, j), wb = word_at(new_, nbytes, j);       \
+                sd[0] += sum_term(0, wb, j) - sum_term(0, wa, j);                           \
+                sd[1] += sum_term(1, wb, j) - sum_term(1, wa, j);                           \
             }                                                                               \
         }                                                                                   \
         for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \

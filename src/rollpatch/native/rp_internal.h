@@ -70,14 +70,16 @@ static inline uint64_t ksign(int bits) { return 1ULL << (bits - 1); }
 
 static inline uint64_t to_key(const rp_kind *k, uint64_t x) {
     uint64_t s = ksign(k->bits), m = kmask(k->bits);
-    if (k->order == RP_SIGNMAG) return (x & s) ? (~x & m) : (x | s);
+    /* signmag: negative -> ~x & m = x ^ m, else x | s = x ^ s (no branch on the sign) */
+    if (k->order == RP_SIGNMAG) return x ^ (s | (m & (0 - ((x & s) >> (k->bits - 1)))));
     if (k->order == RP_TWOS) return x ^ s;
     return x;
 }
 
 static inline uint64_t from_key(const rp_kind *k, uint64_t y) {
     uint64_t s = ksign(k->bits), m = kmask(k->bits);
-    if (k->order == RP_SIGNMAG) return (y & s) ? (y ^ s) : (~y & m);
+    /* signmag: key with the sign bit -> y ^ s, else ~y & m = y ^ m */
+    if (k->order == RP_SIGNMAG) return y ^ (s | (m & (0 - (((y & s) >> (k->bits - 1)) ^ 1))));
     if (k->order == RP_TWOS) return y ^ s;
     return y;
 }

@@ -17,6 +17,7 @@
         const int64_t e_ = l->emitted;                                                      \
         uint64_t cj = l->cj, before = l->before, d0 = l->d0, d1 = l->d1;                    \
         const uint64_t nfull = l->wlen / 8;                                                 \
+        const int notrack = l->notrack;                                                     \
         /* the word being written is kept in a register (`after`): no reload of a word     \
          * just stored into (a store-forwarding stall) */                                   \
         uint64_t after = before;                                                            \
@@ -37,7 +38,8 @@
             pn[i] = y;                                                                      \
             if (d) {                                                                        \
                 uint64_t j = (uint64_t)p >> (3 - LOG);                                      \
-                if (j != cj) {                                                              \
+                if (notrack) {                                                              \
+                } else if (j != cj) {                                                       \
                     if (cj != UINT64_MAX) {                                                 \
                         d0 += sum_term(0, after, cj) - sum_term(0, before, cj);             \
                         d1 += sum_term(1, after, cj) - sum_term(1, before, cj);             \
@@ -74,7 +76,7 @@ void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start) {
             arr_put(l->new_out, l->ow, i, y);
             if (l->wdata) {
                 uint64_t j = (uint64_t)p * (uint64_t)kd->bits / 64;
-                if (j != l->cj) {
+                if (!l->notrack && j != l->cj) {
                     lane_flush(l);
                     l->cj = j;
                     l->before = word_at(l->wdata, l->wlen, j);
@@ -88,14 +90,47 @@ void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start) {
 #undef FIN_TYPED
 
 /* rp.sum128 of the chunk's elements [l->hashed, upto), read before this lane writes them
- * (the in-pass hash): group boundaries are multiples of 4,096 elements, so word-aligned. */
+ * (the in-pass hash): group boundaries are multiples of 4,096 elements, so word-aligned.
+ * With `after`, the same words are summed again once written, into after[2]. */
+static void hash_range(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto,
+                       uint64_t out[2]) {
+    uint64_t b = (uint64_t)kd->bits, e0 = (uint64_t)(start + l->hashed), e1 = (uint64_t)(start + upto);
+    uint64_t w0 = e0 * b / 64, w1 = (e1 * b + 63) / 64;
+    rp_sum128(l->wdata, l->wlen, w0, w1 - w0, out);
+}
+
 void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) {
     if (!l->hash || upto <= l->hashed) return;
-    uint64_t b = (uint64_t)kd->bits, e0 = (uint64_t)(start + l->hashed), e1 = (uint64_t)(start + upto);
-    uint64_t w0 = e0 * b / 64, w1 = (e1 * b + 63) / 64, out[2];
-    rp_sum128(l->wdata, l->wlen, w0, w1 - w0, out);
+    uint64_t out[2];
+    hash_range(kd, l, start, upto, out);
     l->h0 += out[0];
     l->h1 += out[1];
+    l->hashed = upto;
+}
+
+/* The group of elements up to `upto`: hashed as read (with the in-pass hash), then its
+ * changes written. Where a group holds many changes (more than one per 64 elements), its
+ * rp.sum128 change is the sum of its words after the write less the sum before (the words
+ * are still in cache: cheaper than a change per written word, and exactly equal to it);
+ * else each written word's change is summed as it is written. */
+void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) {
+    if (!l->hash || !l->wdata || upto <= l->hashed
+        || (l->emitted - l->done) * 64 <= upto - l->hashed) {
+        rp_lane_hash_to(kd, l, start, upto);
+        rp_finalize(kd, l, start);
+        return;
+    }
+    uint64_t before[2], after[2];
+    lane_flush(l); /* the last tracked word lies in an earlier group */
+    hash_range(kd, l, start, upto, before);
+    l->notrack = 1;
+    rp_finalize(kd, l, start);
+    l->notrack = 0;
+    hash_range(kd, l, start, upto, after);
+    l->h0 += before[0];
+    l->h1 += before[1];
+    l->d0 += after[0] - before[0];
+    l->d1 += after[1] - before[1];
     l->hashed = upto;
 }
 
@@ -206,10 +241,7 @@ static int pick_window(const lane_t *l) {
                 l->rci[l->emitted++] = bci[e];                                              \
             }                                                                               \
         }                                                                                   \
-        if ((b0 & (16 * JB - 1)) == 15 * JB) {                                              \
-            if (l->hash) rp_lane_hash_to(kd, l, start, b0 + len);                              \
-            rp_finalize(kd, l, start);                                                         \
-        }                                                                                   \
+        if ((b0 & (16 * JB - 1)) == 15 * JB) rp_lane_group(kd, l, start, b0 + len);         \
     }                                                                                       \
     for (int t = 0; t < nvc; t++) {                                                         \
         int c = vc[t];                                                                      \

@@ -40,6 +40,7 @@ typedef struct {
     int hash;            /* sum the words as read (before any write) into h0, h1 */
     int64_t hashed;      /* elements [0, hashed) of the chunk are summed */
     uint64_t h0, h1;
+    int notrack;         /* this group's change is summed whole (rp_lane_group) */
 } lane_t;
 
 /* The rp.sum128 change of the word being written (read before its first write). */
@@ -52,10 +53,12 @@ static inline void lane_flush(lane_t *l) {
 }
 
 /* Phase B, the join (rp_join.c), and its output (rp_finalize); rp_lane_hash_to: the
- * in-pass rp.sum128 of the chunk's elements up to `upto`. */
+ * in-pass rp.sum128 of the chunk's elements up to `upto`;
+ * rp_lane_group: hash and write the group up to `upto`. */
 RP_HIDDEN void rp_join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                             int64_t n);
 RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start);
 RP_HIDDEN void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
+RP_HIDDEN void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 
 #endif /* RP_LANE_H */

@@ -12,7 +12,21 @@ The child-process entry points are ``python -m rollpatch.demo.trainer``, ``.isla
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .config import DemoConfig
-from .run import DemoFailed, run_demo
+
+if TYPE_CHECKING:
+    from .run import DemoFailed, run_demo
 
 __all__ = ["DemoConfig", "DemoFailed", "run_demo"]
+
+
+def __getattr__(name: str) -> Any:
+    # the orchestrator (board, publisher, follower, live view) is imported when asked for:
+    # every ``rollpatch`` command reads DemoConfig to build its parser, and only ``demo`` runs
+    if name in ("DemoFailed", "run_demo"):
+        from . import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -109,6 +109,11 @@ def test_cpu_packed_experts_repack_only_touched_experts(packed_layer: Any) -> No
     finally:
         experts_cpu._same_bits = orig  # type: ignore[assignment]
     assert np.array_equal(_words(layer.w13_weight.data), before)
+    # processed again (a reload that re-packs): the same plain tensors, refreshed in place
+    fresh = {leaf: experts_cpu.plain_of(layer, leaf) + 1 for leaf in experts_cpu.LEAVES}
+    experts_cpu.keep(layer, fresh, "vec")
+    assert experts_cpu.plain_of(layer, "w13_weight") is plain
+    assert np.array_equal(_words(plain), _words(fresh["w13_weight"]))
 
 
 def test_cpu_packed_experts_refusal_is_clear() -> None:

@@ -94,7 +94,14 @@ def keep_plain_experts() -> None:
 def keep(layer: Any, plain: dict[str, Any], isa: str) -> None:
     """Record ``plain`` (leaf → plain words) as ``layer``'s view and ``isa`` for re-packing,
     with the flags the dense prepack trap uses (see :mod:`.worker` and :mod:`.params`): the
-    kernel owns its words, and only rollpatch reads the plain copy (kernel-only)."""
+    kernel owns its words, and only rollpatch reads the plain copy (kernel-only). A layer
+    processed again (a reload that re-packs) keeps its plain tensors, refreshed in place: the
+    worker's parameter access holds them."""
+    held = layer.__dict__.get(_PLAIN)
+    if held is not None and all(held[k].shape == v.shape for k, v in plain.items()):
+        for k, v in plain.items():
+            held[k].copy_(v)
+        plain = held
     layer.__dict__[_PLAIN] = plain
     layer.__dict__[_ISA] = isa
     layer.__dict__["_rollpatch_repack"] = repack_all

@@ -62,13 +62,21 @@ class SseRelay:
         data = self._partial + block if self._partial else block
         if _plain_events(data):
             self._partial = b""
-            i = data.rfind(b"\n\n", 0, len(data) - 2)
-            cut = 0 if i < 0 else i + 2
-            held, self._held = self._held, data[cut:-2]
-            if held is None:
-                return data[:cut]
-            return held + b"\n\n" + data[:cut]
+            return self._pass(data)
+        done = data.find(b"data: [DONE]")  # the end, often in one read with events before it
+        if done > 0 and _plain_events(data[:done]):
+            self._partial = b""
+            return self._pass(data[:done]) + b"".join(self.events(data[done:]))
         return b"".join(self.events(block))
+
+    def _pass(self, data: bytes) -> bytes:
+        """Plain events (:func:`_plain_events`) out as they came, the last one held."""
+        i = data.rfind(b"\n\n", 0, len(data) - 2)
+        cut = 0 if i < 0 else i + 2
+        held, self._held = self._held, data[cut:-2]
+        if held is None:
+            return data[:cut]
+        return held + b"\n\n" + data[:cut]
 
     def events(self, block: bytes) -> list[bytes]:
         """The events completed by ``block``, one item each."""

@@ -24,14 +24,13 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import ConfigError, NotReadyError, RollpatchError
 from ..logs import event
 from ..serving.admission import admit_async
 from ..serving.app import config_refusal, internal_error
-from ..serving.body import read_json_object
+from ..serving.body import read_asgi_json
 from ..serving.responses import error_response
 from ..serving.schema import validate_body
 from ..serving.streaming import SseRelay
@@ -42,6 +41,7 @@ from .protocol import (
     DEFAULT_WAIT_S,
     HEADER_END,
     HEADER_START,
+    Decision,
     annotate_body,
     annotate_sse_line,
     decide,
@@ -102,11 +102,10 @@ class ProxyFront:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: _Sent, path: str) -> None:
         sc = self.sc
-        request = Request(scope, receive)
-        raw, body = await read_json_object(request, sc.config.body)
+        raw, body = await read_asgi_json(scope, receive, sc.config.body)
         typed = validate_body(path, body)
         stripped = "rollpatch" in body
-        constraint = parse_constraint(body, request.headers)
+        constraint = parse_constraint(body, _rollpatch_headers(scope))
         refused = await _satisfy(sc, self._latest, constraint)
         if refused is not None:
             await refused(scope, receive, send)
@@ -114,8 +113,10 @@ class ProxyFront:
         # the engine gets the body as the client sent it, less the rollpatch field
         payload = _dumps(body) if stripped else raw
         with await _admit(sc) as slot:
-            latest = await self._latest(needed=constraint.max_lag is not None)
-            d = decide(constraint, slot.start, latest)
+            d = _plain_proxy(constraint, slot.start)
+            if d is None:
+                latest = await self._latest(needed=constraint.max_lag is not None)
+                d = decide(constraint, slot.start, latest)
             if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
                 sc.metrics.request("conflict")
                 await _conflict(sc, slot.start, d.reason)(scope, receive, send)
@@ -299,6 +300,8 @@ async def _satisfy(sc: Sidecar, latest_of: _Latest, c: Constraint) -> Response |
             if served is not None:
                 break
             await asyncio.sleep(0.01)
+    if _plain_proxy(c, served) is not None:
+        return None
     # without max_lag, LATEST cannot turn a proxy decision into another: it is read (when
     # stale) only if the answer is not a plain proxy
     latest = await latest_of(needed=c.max_lag is not None)
@@ -342,11 +345,29 @@ async def _satisfy(sc: Sidecar, latest_of: _Latest, c: Constraint) -> Response |
     return _conflict(sc, served, d.reason)
 
 
+def _plain_proxy(c: Constraint, served: int | None) -> Decision | None:
+    """The proxy decision when LATEST cannot change it (no ``max_lag``, and ``served``
+    satisfies the constraint), without looking LATEST up at all; else None."""
+    if c.max_lag is not None:
+        return None
+    d = decide(c, served, None)
+    return d if d.action == "proxy" else None
+
+
 def _conflict(sc: Sidecar, served: int | None, reason: str) -> Response:
     event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
     return error_response(
         409, reason, "version_conflict", served=served, latest=sc.latest_seen(), reason=reason
     )
+
+
+def _rollpatch_headers(scope: Scope) -> dict[str, str]:
+    """The request's ``x-rollpatch-*`` headers (ASGI names are lower-case)."""
+    return {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in scope["headers"]
+        if k.startswith(b"x-rollpatch-")
+    }
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

@@ -9,7 +9,9 @@ to the published digest (a full re-hash in the worker), the live packed paramete
 vLLM's prepack of the plain words (whole and per expert), and the greedy tokens and logprobs
 agree with Hugging Face transformers on that version (teacher-forced); a corrupted or tampered
 patch is refused with vLLM still serving the last good version; reverse steps restore the
-earlier outputs bit for bit.
+earlier outputs bit for bit. The background audit also covers the packed words: a bit flipped
+in a live packed expert (behind the plain words and every digest) is found within one audit
+round, the adapter reports no version, and a keyframe load restores packed = prepack(plain).
 
 The same server's worker also runs vLLM's own ``RoutedExperts.weight_loader`` on stand-in
 layers (tests/moefix.py) at TP 1, 2, 3 and EP 2 (linear) and 4 (round-robin): rollpatch's
@@ -49,6 +51,7 @@ PROMPTS = [
 MOE = {"layers": 2, "experts": 8, "top_k": 2, "hidden_size": 128, "moe_intermediate": 64}
 EXPERTS = "model.layers.{l}.mlp.experts.{e}.{p}.weight"
 W13 = "model.layers.{l}.mlp.experts.routed_experts.w13_weight"
+W2 = "model.layers.{l}.mlp.experts.routed_experts.w2_weight"
 
 
 def _versions(v0: View) -> list[View]:
@@ -85,7 +88,10 @@ def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         boot,
         root / "vllm.log",
         extra=["--worker-extension-cls", moefix.EXTENSION],  # the last one given wins
-        env={"PYTHONPATH": os.pathsep.join([str(vllm_env.REPO / "src"), str(vllm_env.REPO)])},
+        env={
+            "PYTHONPATH": os.pathsep.join([str(vllm_env.REPO / "src"), str(vllm_env.REPO)]),
+            "ROLLPATCH_FAULT_INJECTION": "1",  # the packed-expert audit test flips a bit
+        },
     )
     try:
         srv.wait_ready(300)
@@ -264,5 +270,81 @@ def test_moe_experts_patched_live_in_vllm_cpu(world: dict[str, Any]) -> None:
                 assert srv.greedy(model, prompt_ids) == outs[b], kw
             finally:
                 other.close()
+    finally:
+        eng.close()
+
+
+def _audit(srv: vllm_env.Server, budget: int) -> dict[str, Any]:
+    res = srv.post(
+        "/collective_rpc", {"method": "rollpatch_audit", "args": [str(budget)], "timeout": 120}
+    )
+    out = res["results"][0]
+    assert out["ok"], out
+    return out
+
+
+def test_audit_finds_a_flipped_packed_expert_word(world: dict[str, Any]) -> None:
+    """At the adapter level (the follower and sidecar act on the adapter's ``version`` None the
+    same way for every engine: tests/test_vllm_sidecar_audit.py): a bit flipped in vLLM's
+    packed copy of an expert leaves the plain words, and so every digest, unchanged; the audit's
+    re-pack-and-compare slice finds it within one round."""
+    from transformers import AutoTokenizer
+
+    srv, model, versions = world["server"], world["model"], world["versions"]
+    prompt_ids = [AutoTokenizer.from_pretrained(model)(p).input_ids for p in PROMPTS]
+    slices = MOE["layers"] * 2 * MOE["experts"]  # (layer, w13 | w2, expert)
+    eng = VllmEngine(srv.url)
+    try:
+        eng.load(versions[3], 3)  # a keyframe: every layer re-packed from its plain words
+        assert _packed(srv)["mismatched"] == []
+        served = srv.greedy(model, prompt_ids)
+        budget = 4 << 20
+
+        def round_of_calls() -> int:
+            """Clean audit calls until every packed slice was re-packed once; their count."""
+            calls = checked = 0
+            while checked < slices:
+                out = _audit(srv, budget)
+                assert out["mismatched"] == [] and out["tainted"] is None, out
+                checked += out["packed"]["experts"]
+                calls += 1
+                assert calls <= 10 * slices, "the packed audit makes no progress"
+            return calls
+
+        per_round = round_of_calls()
+        out = _audit(srv, budget)
+        hash_rate = out["bytes"] / max(out["hash_ms"], 1e-6)
+        repack_rate = out["packed"]["bytes"] / max(out["packed"]["ms"], 1e-6)
+        print(
+            f"\npacked audit: {per_round} calls of {budget} B per round; this call hashed "
+            f"{out['bytes']} B in {out['hash_ms']:.3f} ms, re-packed {out['packed']['bytes']} B "
+            f"in {out['packed']['ms']:.3f} ms (charged {out['packed']['charged']} B): "
+            f"re-pack {hash_rate / repack_rate:.1f}x the hash's cost per byte"
+        )
+
+        # flip one bit of expert 5's packed w2 in layer 1, behind the plain words
+        per = 128 * MOE["moe_intermediate"]
+        res = srv.post(
+            "/collective_rpc",
+            {"method": "rollpatch_flip", "args": [W2.format(l=1), str(5 * per + 77), "packed"]},
+        )["results"][0]
+        assert res["ok"] and res["flipped"] == 1, res
+        assert eng.held(fresh=True)[1] == versions[3].digest()  # every digest blind to it
+        assert _packed(srv)["mismatched"] == [W2.format(l=1)]
+        calls, report = 0, None
+        while eng.version is not None:
+            report = eng.audit(budget)
+            calls += 1
+            assert calls <= per_round + 1, "the audit did not find the flip within a round"
+        assert report is not None and f"{W2.format(l=1)}[5]" in report.mismatched
+        assert eng.version is None  # out of rotation: the sidecar's /ready answers 503
+        out = _audit(srv, budget)  # tainted until a keyframe is loaded
+        assert out["tainted"] == f"{W2.format(l=1)}[5]", out
+
+        # re-sync from a keyframe: packed = prepack(plain) again, audits clean, same outputs
+        eng.load(versions[3], 3)
+        assert (eng.version, _packed(srv)["mismatched"]) == (3, [])
+        round_of_calls()
+        assert srv.greedy(model, prompt_ids) == served
     finally:
         eng.close()

@@ -21,6 +21,10 @@ cannot be hashed against a published view. So, as for dense layers, the worker k
   words written in (old words checked, new ones read back) while vLLM serves, and
   :func:`install` copies those slices into the live packed parameter under the pause and reads
   them back. :func:`repack_all` re-packs a whole layer (keyframe loads, failure paths).
+- The packed words are what the kernel serves, so the background audit checks them too:
+  :func:`audit_packed` re-packs a rotating slice of experts from their plain words and compares
+  the result bitwise with the live packed slice, charged :data:`REPACK_COST` budget bytes per
+  packed byte (re-packing costs that much more than hashing: docs/vllm.md).
 
 Imports torch and vLLM only inside functions (this module is imported inside vLLM workers).
 """
@@ -36,8 +40,13 @@ from ...errors import EngineError, TargetMismatchError
 
 __all__ = [
     "LEAVES",
+    "REPACK_COST",
+    "PackedAudit",
     "PackedExperts",
+    "PackedReport",
+    "audit_packed",
     "check_packed",
+    "flip_packed",
     "install",
     "is_packed_experts",
     "keep",
@@ -263,3 +272,121 @@ def check_packed(model: Any) -> dict[str, Any]:
     if not layers:
         raise EngineError("no CPU-packed expert layers in this model")
     return {"layers": layers, "experts": experts, "mismatched": bad, "relaid": relaid}
+
+
+#: Audit budget bytes charged per packed byte re-packed and compared. Measured on this
+#: project's CPU (AVX-512, bf16, one thread, ``bench``-like best of 20, vLLM 0.32's
+#: ``cpu_prepack_moe_weight`` + an integer ``torch.equal`` against rollpatch's native
+#: rp.sum128 of the same words): 8-10x for 16-32 KiB experts, 20x for a 3 MiB expert and 33x
+#: for a 6 MiB one (2048 x 1536 w13, Qwen3-30B-A3B-sized). The worst measured ratio is charged.
+REPACK_COST = 32
+
+
+@dataclass
+class PackedAudit:
+    """The packed audit's round-robin state: the expert slices ``(param, module, leaf,
+    expert, packed bytes)`` in a fixed order (found once), the next one, and the budget carried
+    from calls whose share was smaller than one slice's cost."""
+
+    units: list[tuple[str, Any, str, int, int]]
+    next: int = 0
+    credit: float = 0.0
+    #: The bytes of the whole view the hash audit covers (set by the worker).
+    view_bytes: int = 0
+
+    @classmethod
+    def of(cls, model: Any) -> PackedAudit:
+        units: list[tuple[str, Any, str, int, int]] = []
+        for name, mod in sorted(model.named_modules(), key=lambda nm: nm[0]):
+            if not is_packed_experts(mod):
+                continue
+            for leaf in LEAVES:
+                plain = mod.__dict__[_PLAIN][leaf]
+                per = int(plain[0].numel()) * plain.element_size()
+                key = f"{name}.{leaf}" if name else leaf
+                units.extend((key, mod, leaf, e, per) for e in range(int(plain.shape[0])))
+        return cls(units)
+
+    @property
+    def nbytes(self) -> int:
+        """The packed bytes one full round re-packs."""
+        return sum(u[4] for u in self.units)
+
+    def share(self, budget: int) -> int:
+        """The part of an audit call's ``budget`` that re-packs: in proportion to the cost of
+        a full round of each, so hashing the view and re-packing every expert finish their
+        rounds after the same number of calls."""
+        cost = REPACK_COST * self.nbytes
+        return budget * cost // (self.view_bytes + cost) if cost else 0
+
+
+@dataclass(frozen=True)
+class PackedReport:
+    """One packed audit slice: expert slices re-packed and compared, their packed bytes, the
+    budget charged for them, the parameters whose live packed words differ (``name[expert]``),
+    whether the round wrapped, and the time it took."""
+
+    experts: int
+    nbytes: int
+    charged: int
+    mismatched: tuple[str, ...]
+    wrapped: bool
+    ms: float
+
+
+def audit_packed(state: PackedAudit, budget: int) -> PackedReport:
+    """Re-pack the next expert slices from their plain words with vLLM's prepack and compare
+    each bitwise with the live packed slice, while ``budget`` (plus the credit carried over)
+    pays :data:`REPACK_COST` per packed byte. The credit is capped at one call's budget or one
+    slice's cost, whichever is larger, so a call never bursts past that. The caller keeps it
+    away from commits (no audit while words are still being written after a pause)."""
+    import time
+
+    import torch
+
+    if not state.units:
+        return PackedReport(0, 0, 0, (), False, 0.0)
+    t0 = time.perf_counter()
+    biggest = max(u[4] for u in state.units) * REPACK_COST
+    state.credit = min(state.credit + budget, max(budget, biggest))
+    done = nbytes = 0
+    wrapped = False
+    bad: list[str] = []
+    with torch.no_grad():
+        while done < len(state.units):
+            key, mod, leaf, e, per = state.units[state.next]
+            if per * REPACK_COST > state.credit:
+                break
+            state.credit -= per * REPACK_COST
+            plain = mod.__dict__[_PLAIN][leaf][e : e + 1]
+            if not _same_bits(
+                _prepack(plain, mod.__dict__[_ISA]), getattr(mod, leaf).data[e : e + 1]
+            ):
+                bad.append(f"{key}[{e}]")
+            done, nbytes = done + 1, nbytes + per
+            state.next = (state.next + 1) % len(state.units)
+            wrapped = wrapped or state.next == 0
+    ms = (time.perf_counter() - t0) * 1e3
+    return PackedReport(done, nbytes, nbytes * REPACK_COST, tuple(bad), wrapped, ms)
+
+
+def flip_packed(model: Any, param: str, position: int) -> int:
+    """Fault injection (the caller checks it is enabled): flip the lowest bit of the word at
+    flat ``position`` of the live PACKED parameter ``param`` (``<layer>.w13_weight`` or
+    ``<layer>.w2_weight``), behind the plain words and every digest. Returns 1."""
+    import torch
+
+    mod_name, _, leaf = param.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name)
+    except AttributeError:
+        mod = None
+    if mod is None or leaf not in LEAVES or not is_packed_experts(mod):
+        raise EngineError("not a CPU-packed expert parameter", param=param)
+    live = getattr(mod, leaf).data
+    if not 0 <= position < live.numel():
+        raise EngineError("position out of range", param=param, size=int(live.numel()))
+    with torch.no_grad():
+        words = live.view(getattr(torch, f"int{8 * live.element_size()}")).reshape(-1)
+        words[position] ^= 1
+    return 1

@@ -31,7 +31,7 @@ from .transfer import read_decoded
 from .weights import RuntimeWeights
 from .writes import WriteMode
 
-__all__ = ["OPS", "run_op_on"]
+__all__ = ["OPS", "require_fault_injection", "run_op_on"]
 
 _MAX_STEPS = 4096
 _MAX_JOBS = 8
@@ -202,12 +202,17 @@ def _audit(w: RuntimeWeights, budget: str) -> dict[str, Any]:
     }
 
 
-def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
+def require_fault_injection() -> None:
+    """Refuse fault injection unless the server was started with it enabled."""
     if os.environ.get("ROLLPATCH_FAULT_INJECTION") != "1":
         raise EngineError(
             "fault injection is off",
             hint="start vLLM with ROLLPATCH_FAULT_INJECTION=1 (drills and tests only)",
         )
+
+
+def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
+    require_fault_injection()
     pl = w.placement(name)
     w.settler.wait()
     _, offsets = locate(pl, np.array([position], np.int64))

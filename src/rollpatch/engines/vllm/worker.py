@@ -19,13 +19,14 @@ type checker) it does nothing. Every method returns a JSON-able dict (``ok`` plu
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import numpy as np
 
 from ...errors import EngineError
-from .experts_cpu import check_packed, keep_plain_experts
-from .ops import OPS, run_op_on
+from .experts_cpu import PackedAudit, audit_packed, check_packed, flip_packed, keep_plain_experts
+from .ops import OPS, require_fault_injection, run_op_on
 from .params import TorchParams
 from .weights import RuntimeWeights
 
@@ -34,6 +35,7 @@ __all__ = ["BACKEND", "WorkerExtension", "run_op"]
 #: The weight-transfer backend name (``--weight-transfer-config '{"backend": "rollpatch"}'``).
 BACKEND = "rollpatch"
 _STATE = "_rollpatch_weights"
+_PACKED_AUDIT = "_rollpatch_packed_audit"
 _WORDS = {2: (np.int16, np.uint16), 4: (np.int32, np.uint32)}
 
 
@@ -128,6 +130,41 @@ def run_op(model: Any, op: str, arg: str = "", arg2: str = "") -> dict[str, Any]
     return run_op_on(None, lambda _: fn(weights_of(model), arg, arg2))
 
 
+def audit(model: Any, budget: int) -> dict[str, Any]:
+    """One audit pass within ``budget`` bytes: the view's live words re-hashed (the ``audit``
+    op) and, on the CPU at TP = 1, a rotating slice of vLLM's packed experts re-packed from
+    their plain words and compared (:func:`.experts_cpu.audit_packed`; its share of the budget
+    in proportion to its cost). Either mismatch marks the engine tainted. Neither runs while
+    words are still being written after a pause."""
+    w = weights_of(model)
+    state = model.__dict__.get(_PACKED_AUDIT)
+    if state is None:
+        state = PackedAudit.of(model) if w.tp == 1 else PackedAudit([])
+        state.view_bytes = sum(
+            w.placement(n).n_elements * w.kind_of(n).elem_dtype.itemsize for n in w.names()
+        )
+        object.__setattr__(model, _PACKED_AUDIT, state)
+    share = 0 if w.settler.busy else state.share(budget)
+    t0 = time.perf_counter()
+    out = OPS["audit"](w, str(max(budget - share, 1)), "")
+    out["hash_ms"] = (time.perf_counter() - t0) * 1e3
+    if share:
+        r = audit_packed(state, share)
+        if r.mismatched and w.tainted is None:
+            w.tainted = r.mismatched[0]
+        out["mismatched"] = [*out["mismatched"], *r.mismatched]
+        out["tainted"] = w.tainted
+        out["packed"] = {
+            "experts": r.experts,
+            "bytes": r.nbytes,
+            "charged": r.charged,
+            "mismatched": list(r.mismatched),
+            "wrapped": r.wrapped,
+            "ms": r.ms,
+        }
+    return out
+
+
 def _unknown(op: str) -> dict[str, Any]:
     raise EngineError(f"unknown rollpatch operation {op!r}", known=",".join(sorted(OPS)))
 
@@ -188,14 +225,26 @@ class WorkerExtension:
         return run_op(self.get_model(), "discard", token)  # type: ignore[attr-defined]
 
     def rollpatch_audit(self, budget: str) -> dict[str, Any]:
-        """Re-hash up to ``budget`` bytes of live weights against the held digests."""
-        return run_op(self.get_model(), "audit", budget)  # type: ignore[attr-defined]
+        """Re-hash up to ``budget`` bytes of live weights against the held digests, and
+        re-pack and compare a slice of the CPU-packed experts (:func:`audit`)."""
+        return run_op_on(self.get_model(), lambda m: audit(m, int(budget)))  # type: ignore[attr-defined]
 
-    def rollpatch_flip(self, name: str, position: str) -> dict[str, Any]:
+    def rollpatch_flip(self, name: str, position: str, target: str = "plain") -> dict[str, Any]:
         """Fault injection for drills and tests: flip the lowest bit of one element of a
-        checkpoint tensor in place, behind every digest. Refused unless the server was
-        started with ``ROLLPATCH_FAULT_INJECTION=1``."""
-        return run_op(self.get_model(), "flip", name, position)  # type: ignore[attr-defined]
+        checkpoint tensor in place, behind every digest (``target="packed"``: of the word at
+        flat ``position`` of a CPU-packed expert parameter ``name``, behind its plain words).
+        Refused unless the server was started with ``ROLLPATCH_FAULT_INJECTION=1``."""
+        if target == "plain":
+            return run_op(self.get_model(), "flip", name, position)  # type: ignore[attr-defined]
+
+        def packed(model: Any) -> dict[str, Any]:
+            require_fault_injection()
+            if target != "packed":
+                raise EngineError("unknown flip target", target=target, known="plain,packed")
+            weights_of(model).settler.wait()
+            return {"flipped": flip_packed(model, name, int(position))}
+
+        return run_op_on(self.get_model(), packed)  # type: ignore[attr-defined]
 
     def rollpatch_apply(self, path: str) -> dict[str, Any]:
         """Commit the decoded patch at ``path`` (:mod:`.transfer` format)."""

@@ -274,11 +274,11 @@ def check_packed(model: Any) -> dict[str, Any]:
     return {"layers": layers, "experts": experts, "mismatched": bad, "relaid": relaid}
 
 
-#: Audit budget bytes charged per packed byte re-packed and compared. Measured on this
-#: project's CPU (AVX-512, bf16, one thread, ``bench``-like best of 20, vLLM 0.32's
-#: ``cpu_prepack_moe_weight`` + an integer ``torch.equal`` against rollpatch's native
-#: rp.sum128 of the same words): 8-10x for 16-32 KiB experts, 20x for a 3 MiB expert and 33x
-#: for a 6 MiB one (2048 x 1536 w13, Qwen3-30B-A3B-sized). The worst measured ratio is charged.
+#: Audit budget bytes charged per packed byte re-packed and compared. Measured on the 2-core
+#: development machine (AMD EPYC, AVX2: ``isa`` ``vec``; ``amx`` packed as fast), best of 20,
+#: vLLM 0.32's ``cpu_prepack_moe_weight`` + an integer ``torch.equal`` against rollpatch's
+#: native rp.sum128 of the same words: 8-10x for 16-32 KiB experts, 20x for a 3 MiB expert,
+#: 33x for a 6 MiB one (a 1536 x 2048 w13, Qwen3-30B-A3B-sized). The worst ratio is charged.
 REPACK_COST = 32
 
 

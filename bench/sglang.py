@@ -37,11 +37,22 @@ those after SGLang's reload of the same version, and those after each double-buf
 equal the in-place ones; after each reload the live words, re-hashed in SGLang, are the
 published version's.
 
-**Stage breakdown** (medians, ms): *decode* (inside SGLang: the patch object decoded against
-the live words: the codec's own pass), *prove* (validation, old words, O(changed) digests),
+**Stage breakdown** (medians, ms): *gather* (TP > 1: the touched tensors gathered from the
+ranks, each rank's block through a file; summed over the decoder's threads, so it may exceed
+*decode*, which at TP > 1 is the decode's wall time including it; beside the stage, *gather via shm*: the same tensors
+gathered through one shared-memory buffer per tensor, each rank copying its block into it,
+timed after the stage and not part of it),
+*decode* (the patch object decoded against the live words: the codec's own pass; inside
+SGLang at TP 1, here at TP > 1), *prove* (validation, old words, O(changed) digests),
 *layout* (runtime offsets merged per parameter), *buffers* (double-buffered copies written
 and read back), *transfer* (the rest of the adapter's call: the patch written to a file, the
 control socket, the answer).
+
+**Pause breakdown** (medians, ms): the pause by route (``pause_parts``): SGLang's pause and
+continue, its weight-update session (opened once and left open: 0 under a commit's pause),
+rollpatch's command inside SGLang (the writes and their read-back, or the exchange), the
+rest of the update route (SGLang's IPC, the prefix-cache flush), the version tag, and what
+remains (the adapter's checks).
 """
 
 from __future__ import annotations
@@ -184,15 +195,16 @@ def phase_staged(
             {
                 **{f"{k}_ms": float(x) for k, x in inside.items()},
                 "gather_ms": here.get("gather_ms", 0.0),
-                "files_ms": here.get("files_ms", 0.0),
-                "stage_s": t1 - t0 - here.get("files_ms", 0.0) / 1e3,
+                "shm_ms": here.get("shm_ms", 0.0),
+                "stage_s": t1 - t0 - here.get("shm_ms", 0.0) / 1e3,
                 "transfer_ms": (t1 - t0) * 1e3
                 - inside["inside"]
-                - sum(here.values())
+                - here.get("decode_ms", 0.0)
+                - here.get("shm_ms", 0.0)
                 + inside.get("read", 0.0),
                 "pause_s": held,
                 "commit_s": t2 - t1,
-                "visible_s": serving - t0 - here.get("files_ms", 0.0) / 1e3,
+                "visible_s": serving - t0 - here.get("shm_ms", 0.0) / 1e3,
                 "bytes": len(blob),
                 "changed": staged.changed,
                 "staged_bytes": staged.nbytes,
@@ -234,15 +246,17 @@ def stage_gathered(engine: Any, blob: bytes, v: int, here: dict[str, float]) -> 
     t0 = time.perf_counter()
     words = TimedWords(engine.words())
     patch = decode(blob, words)
+    # gather: the per-tensor fetches summed (the decoder's threads overlap them, so it can
+    # exceed the decode's wall time, which includes it)
     here["gather_ms"] = words.s * 1e3
-    here["decode_ms"] = (time.perf_counter() - t0 - words.s) * 1e3
-    t1 = time.perf_counter()  # the same tensors gathered the earlier way: through files
+    here["decode_ms"] = (time.perf_counter() - t0) * 1e3
+    t1 = time.perf_counter()  # the same tensors gathered the other way: shared memory
     for name in words.names:
-        path = engine.channel.scratch("words")
-        tp_ops.export(engine.channel, name, engine.tensors()[name], path, shared=False)
-    files_ms = (time.perf_counter() - t1) * 1e3
+        path = engine.channel.shm("words")
+        tp_ops.export(engine.channel, name, engine.tensors()[name], path, shared=True)
+    shm_ms = (time.perf_counter() - t1) * 1e3
     staged = engine.stage(patch, v)
-    here["files_ms"] = files_ms  # reported beside the stage, not part of it
+    here["shm_ms"] = shm_ms  # reported beside the stage, not part of it
     return staged
 
 
@@ -368,9 +382,9 @@ def render(ctx: dict[str, Any]) -> str:
         [False, True, True, True, True, True, True],
     )
     phases = ["gather", "decode", "prove", "layout", "buffers", "transfer"]
-    # TP > 1: the same gather as before shared memory (each rank's block via a file), timed
-    # after the stage and not part of it
-    files = ["files"] if ctx["args"].get("tp", 1) > 1 else []
+    # TP > 1: the same tensors gathered through shared memory instead of files, timed after
+    # the stage and not part of it
+    files = ["shm"] if ctx["args"].get("tp", 1) > 1 else []
     t2 = table(
         ["stage breakdown, ms p50", *phases, "stage", *(f"gather via {f}" for f in files)],
         [

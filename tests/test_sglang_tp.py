@@ -6,7 +6,10 @@ at TP 4, a replicated norm), as the weight loaders written after vLLM's/SGLang's
 The ranks' partial rp.sum128 sums add up to the published digests (each distinct block once);
 staging a decoded patch on every rank moves the sums to the target digests (checked before any
 rank writes); commits scatter only what each rank holds; an undo restores a rank's words;
-refusals leave the words untouched. The live tests at TP 2: tests/test_sglang_tp_live.py.
+double-buffered, each rank's second buffers are exchanged in, exchanged back by an undo and
+released after; refusals leave the words untouched; the adapter's gather of a tensor from the
+ranks (shared memory or files) gives it bit for bit. The live tests at TP 2:
+tests/test_sglang_tp_live.py.
 """
 
 from __future__ import annotations

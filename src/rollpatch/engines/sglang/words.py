@@ -28,10 +28,12 @@ class RemoteWords:
     def __getitem__(self, name: str) -> Tensor:
         if name not in self:
             raise KeyError(name)
-        if self.engine.tp > 1:  # every rank's block, gathered in shared memory
-            ch = self.engine.channel
-            return tp_ops.export(ch, name, self.engine.tensors()[name], ch.shm("words"))
         path = self.engine._scratch("words")
+        if self.engine.tp > 1:  # every rank's block through a file (measured faster here
+            # than one shared-memory buffer per tensor: docs/sglang.md, Measured)
+            return tp_ops.export(
+                self.engine.channel, name, self.engine.tensors()[name], path, shared=False
+            )
         try:
             self.engine._control("export", name=name, path=str(path))
             return load_view(path)[name]

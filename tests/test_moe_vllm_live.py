@@ -32,10 +32,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollpatch.engines.staged import EncodedStep
+from rollpatch.engines.staged import AuditReport, EncodedStep
 from rollpatch.engines.vllm import VllmEngine
 from rollpatch.engines.vllm.layout import check_coverage
 from rollpatch.errors import PatchDecodeError, TargetMismatchError
+from rollpatch.follower.audit import Auditor
 from rollpatch.formats import cast_view
 from rollpatch.io.safetensors import load_view, save_view
 from rollpatch.patch import DeltaOp, Patch, TensorPatch, diff, encode
@@ -331,13 +332,17 @@ def test_audit_finds_a_flipped_packed_expert_word(world: dict[str, Any]) -> None
         assert res["ok"] and res["flipped"] == 1, res
         assert eng.held(fresh=True)[1] == versions[3].digest()  # every digest blind to it
         assert _packed(srv)["mismatched"] == [W2.format(l=1)]
-        calls, report = 0, None
-        while eng.version is not None:
-            report = eng.audit(budget)
+        # the follower's auditor, stepped by hand (its thread would call step() every period)
+        found: list[AuditReport] = []
+        auditor = Auditor(eng, rate_bytes_per_s=budget, period_s=1.0, on_mismatch=found.append)
+        calls = 0
+        while not found:
+            assert auditor.step() is not None
             calls += 1
             assert calls <= per_round + 1, "the audit did not find the flip within a round"
-        assert report is not None and f"{W2.format(l=1)}[5]" in report.mismatched
+        assert auditor.mismatches == 1 and f"{W2.format(l=1)}[5]" in found[0].mismatched
         assert eng.version is None  # out of rotation: the sidecar's /ready answers 503
+        assert auditor.step() is None  # no version held: nothing to audit until re-synced
         out = _audit(srv, budget)  # tainted until a keyframe is loaded
         assert out["tainted"] == f"{W2.format(l=1)}[5]", out
 

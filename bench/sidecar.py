@@ -96,6 +96,7 @@ def bench_proxy(
     rounds: int,
     shapes: Sequence[str] = ("stream",),
     loop: str = "fast",
+    http: str = "fast",
 ) -> list[dict[str, Any]]:
     """The engine and the sidecar each in its own process; each shape (``stream``: SSE,
     ``once``: one JSON answer) and level: ``rounds`` x (direct, sidecar, sidecar, direct)
@@ -111,6 +112,7 @@ def bench_proxy(
                 "url": url,
                 "digest": world.digests[0],
                 "loop": loop,
+                "http": http,
             }
         )
     except BaseException:
@@ -203,6 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="proxy part: the sidecar server's event loop (fast: uvloop when installed, as "
         "`rollpatch sidecar` runs; asyncio: the loop before issue 10's work)",
     )
+    ap.add_argument(
+        "--sidecar-http",
+        choices=("fast", "h11"),
+        default="fast",
+        help="proxy part: the sidecar server's HTTP parser (fast: httptools when installed, as "
+        "`rollpatch sidecar` runs; h11: the parser before issue 10's work)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     engines = [] if args.engines == "none" else args.engines.split(",")
@@ -229,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         proxy = [
             row
             for kind in engines
-            for row in bench_proxy(world, kind, levels, 2, shapes, args.sidecar_loop)
+            for row in bench_proxy(
+                world, kind, levels, 2, shapes, args.sidecar_loop, args.sidecar_http
+            )
         ]
         commits: list[dict[str, Any]] = []
         reload: dict[str, list[float]] = {}

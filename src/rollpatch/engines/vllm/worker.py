@@ -144,7 +144,7 @@ def audit(model: Any, budget: int) -> dict[str, Any]:
             w.placement(n).n_elements * w.kind_of(n).elem_dtype.itemsize for n in w.names()
         )
         object.__setattr__(model, _PACKED_AUDIT, state)
-    share = 0 if w.settler.busy else state.share(budget)
+    share = 0 if w.settler.busy or budget <= 0 else state.share(budget)
     t0 = time.perf_counter()
     out = OPS["audit"](w, str(max(budget - share, 1)), "")
     out["hash_ms"] = (time.perf_counter() - t0) * 1e3

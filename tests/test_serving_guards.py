@@ -214,6 +214,24 @@ def test_pipelined_requests_are_answered_in_order(server: ServerHandle) -> None:
     assert answers[3].endswith(b"/three")
 
 
+def test_a_pipelined_body_still_arriving_is_not_cut_by_the_answer_before_it(
+    server: ServerHandle,
+) -> None:
+    s = _connect(server)
+    try:
+        s.sendall(
+            b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\nConnection: close\r\n\r\nabc"
+        )
+        time.sleep(0.3)  # /one is answered meanwhile; the second body is half there
+        s.sendall(b"def")
+        said = _until_closed(s)
+    finally:
+        s.close()
+    answers = said.split(b"HTTP/1.1 200")
+    assert len(answers) == 3 and answers[1].endswith(b"/one") and answers[2].endswith(b"6"), said
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_connections_over_the_bound_get_503(kind: str) -> None:
     handle = serve_app(_app, options=ServeOptions(max_connections=2), http=kind)  # type: ignore[arg-type]

@@ -104,10 +104,12 @@ def _guarded_h11(header_timeout_s: float) -> type:
             super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
+            # the state of the request just answered (after super(), a pipelined next one's)
+            reading_body = self.conn.their_state is h11.SEND_BODY
             super().on_response_complete()
             # answered before the body was read (a refusal): a body still trickling in would
             # hold the connection, so it is closed instead of being drained
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            if reading_body and not self.transport.is_closing():
                 self.transport.close()
 
         def _head_late(self) -> None:
@@ -130,7 +132,6 @@ def _guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type:
         _head_timer: Any = None
         _head_open = True  # between messages or inside a head
         _head_bytes = 0  # received since the last message ended
-        _in_body = False  # the head has ended, the body has not
 
         def _arm(self) -> None:
             if self._head_timer is None:
@@ -171,12 +172,12 @@ def _guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type:
             self.send_400_response(_HEAD_TOO_LARGE)
 
         def on_headers_complete(self) -> None:
-            self._head_open, self._in_body = False, True
+            self._head_open = False
             self._disarm()
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
-            self._head_open, self._head_bytes, self._in_body = True, 0, False
+            self._head_open, self._head_bytes = True, 0
             super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -184,9 +185,16 @@ def _guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type:
             super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
+            cycle = self.cycle  # the newest request; when answered, it is the one just answered
             super().on_response_complete()
-            # answered before the body was read (a refusal): see GuardedH11
-            if self._in_body and not self.transport.is_closing():
+            # answered before its body was read (a refusal): see GuardedH11. An older answer
+            # of pipelined requests completing does not count: its body had been read
+            if (
+                cycle is not None
+                and cycle.response_complete
+                and cycle.more_body
+                and not self.transport.is_closing()
+            ):
                 self.transport.close()
 
         def _head_late(self) -> None:

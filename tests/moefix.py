@@ -11,19 +11,17 @@ process pays vLLM's ≈15 s import).
 from __future__ import annotations
 
 import inspect
-import threading
 import types
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from rollpatch.engines.vllm import WorkerExtension
-from rollpatch.engines.vllm.layout import ParamSpec, param_shape, storage_offsets
+from rollpatch.engines.vllm.layout import ParamSpec, param_shape
 from rollpatch.engines.vllm.moe import expert_spec
-from rollpatch.engines.vllm.weights import Access, RuntimeWeights
 from rollpatch.kinds import get_kind
 from rollpatch.view import Tensor, View
+from tests.vllm_layouts import Ranks
 
 E, INTER, HID = 8, 12, 6
 #: (name, ranks, expert parallel, placement strategy)
@@ -153,65 +151,15 @@ def view(ck: dict[str, np.ndarray]) -> View:
     return View({n: Tensor(get_kind("bf16"), a.shape, a.reshape(-1).copy()) for n, a in ck.items()})
 
 
-class MoeRanks:
-    """``ranks`` simulated vLLM ranks holding expert parameters (zeros until loaded), each with
-    a :class:`RuntimeWeights`; ``gather`` is a real collective (ranks run in threads)."""
+class MoeRanks(Ranks):
+    """``ranks`` simulated vLLM ranks holding expert parameters (zeros until loaded)."""
 
     def __init__(self, specs: list[ParamSpec], ranks: int) -> None:
-        self.tp = ranks
-        self.params = [
+        params = [
             {s.param: np.zeros(param_shape(s, ranks), np.uint16) for s in specs}
             for _ in range(ranks)
         ]
-        self.slots: list[np.ndarray | None] = [None] * ranks
-        self.barrier = threading.Barrier(ranks)
-        kinds = {s.param: get_kind("bf16") for s in specs}
-        self.weights = [
-            RuntimeWeights(specs, kinds, self._access(r), rank=r, tp=ranks) for r in range(ranks)
-        ]
-
-    def _access(self, r: int) -> Access:
-        ps = self.params[r]
-
-        def write(p: str, off: np.ndarray, vals: np.ndarray) -> None:
-            a = ps[p]
-            flat = a.reshape(-1)
-            flat[storage_offsets(off, a.shape, [s // a.itemsize for s in a.strides])] = vals
-
-        def block(p: str, idx: tuple[slice, slice], b: np.ndarray) -> None:
-            ps[p][idx] = b
-
-        def gather(p: str, local: np.ndarray) -> list[np.ndarray]:
-            self.slots[r] = local.copy()
-            self.barrier.wait()
-            out = [s.copy() for s in self.slots]  # type: ignore[union-attr]
-            self.barrier.wait()
-            return out
-
-        return Access(
-            lambda p: ps[p],
-            write,
-            block,
-            lambda names: None,
-            gather if self.tp > 1 else None,
-            aliases=True,
-        )
-
-    def run(self, fn: Callable[[RuntimeWeights], Any]) -> list[Any]:
-        out: list[Any] = [None] * self.tp
-
-        def one(r: int) -> None:
-            try:
-                out[r] = fn(self.weights[r])
-            except Exception as e:  # noqa: BLE001 - compared by the test
-                out[r] = e
-
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.tp)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        return out
+        super().__init__(specs, params)
 
 
 def same_as_vllm(ranks: MoeRanks, loaded: dict[str, np.ndarray], name: str, ck_id: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -113,27 +114,21 @@ def vllm_load(
     }
 
 
-class SimulatedRanks:
-    """``tp`` ranks holding :func:`vllm_load` parameters, each with a :class:`RuntimeWeights`;
-    ``gather`` is a real collective (a barrier per call), so ranks must run in lockstep
-    (:meth:`run` runs one function on every rank, in threads)."""
+class Ranks:
+    """``tp`` simulated vLLM ranks over ``params`` (one dict of arrays per rank), each with a
+    :class:`RuntimeWeights`; ``gather`` is a real collective (a barrier per call), so ranks
+    must run in lockstep (:meth:`run` runs one function on every rank, in threads)."""
 
-    def __init__(self, ck: dict[str, np.ndarray], tp: int, strided: bool = False) -> None:
-        self.tp = tp
-        self.params = []
-        for r in range(tp):
-            ps = {}
-            for spec in layer_specs(tp):
-                a = vllm_load(ck, tp, r)[spec.param].reshape(param_shape(spec, tp))
-                ps[spec.param] = np.asfortranarray(a) if strided else a.copy()
-            self.params.append(ps)
-        self.slots: list[np.ndarray | None] = [None] * tp
-        self.barrier = threading.Barrier(tp)
+    def __init__(self, specs: list[ParamSpec], params: list[dict[str, np.ndarray]]) -> None:
+        self.tp = len(params)
+        self.params = params
+        self.slots: list[np.ndarray | None] = [None] * self.tp
+        self.barrier = threading.Barrier(self.tp)
         self.repacked: list[set[str]] = []
-        kinds = {s.param: get_kind("bf16") for s in layer_specs(tp)}
+        kinds = {s.param: get_kind("bf16") for s in specs}
         self.weights = [
-            RuntimeWeights(layer_specs(tp), kinds, self._access(r), rank=r, tp=tp)
-            for r in range(tp)
+            RuntimeWeights(specs, kinds, self._access(r), rank=r, tp=self.tp)
+            for r in range(self.tp)
         ]
 
     def _access(self, r: int) -> Access:
@@ -164,8 +159,8 @@ class SimulatedRanks:
             aliases=True,
         )
 
-    def run(self, fn: Callable[[RuntimeWeights], object]) -> list[object]:
-        out: list[object] = [None] * self.tp
+    def run(self, fn: Callable[[RuntimeWeights], Any]) -> list[Any]:
+        out: list[Any] = [None] * self.tp
 
         def one(r: int) -> None:
             try:
@@ -177,8 +172,22 @@ class SimulatedRanks:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(30)
+            t.join(60)
         return out
+
+
+class SimulatedRanks(Ranks):
+    """``tp`` ranks holding :func:`vllm_load` parameters (Fortran order when ``strided``)."""
+
+    def __init__(self, ck: dict[str, np.ndarray], tp: int, strided: bool = False) -> None:
+        params = []
+        for r in range(tp):
+            ps = {}
+            for spec in layer_specs(tp):
+                a = vllm_load(ck, tp, r)[spec.param].reshape(param_shape(spec, tp))
+                ps[spec.param] = np.asfortranarray(a) if strided else a.copy()
+            params.append(ps)
+        super().__init__(layer_specs(tp), params)
 
 
 def words_view(ck: dict[str, np.ndarray]) -> View:

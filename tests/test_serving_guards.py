@@ -244,3 +244,15 @@ def test_connections_over_the_bound_get_503(kind: str) -> None:
         for s in held:
             s.close()
         handle.stop()
+
+
+def test_idle_connections_outlive_the_clients_keep_alive() -> None:
+    """A server that closes an idle connection just as a client reuses it fails that request
+    (a read error): the default keep-alive must outlast the idle expiry of the clients in
+    front of rollpatch's servers (httpx, hence the openai client; rollpatch's own pool)."""
+    import inspect
+
+    from rollpatch.serving.upstream import Upstream
+
+    ours = inspect.signature(Upstream).parameters["keepalive_expiry_s"].default
+    assert ServeOptions().keep_alive_s > max(httpx.Limits().keepalive_expiry or 0.0, ours)

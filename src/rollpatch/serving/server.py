@@ -76,8 +76,12 @@ class ServeOptions:
         hi=3600.0,
         help="seconds a client may take to send a complete request head",
     )
+    #: Longer than clients keep idle connections (httpx and the openai client: 5 s; our
+    #: pooled upstream client: 5 s): a server that closes an idle connection at the moment a
+    #: client reuses it makes that request fail (ReadError); uvicorn's default of 5 s equals
+    #: httpx's.
     keep_alive_s: float = setting(
-        5.0, lo=0.0, lo_open=True, hi=3600.0, help="seconds an idle keep-alive connection is kept"
+        65.0, lo=0.0, lo_open=True, hi=3600.0, help="seconds an idle keep-alive connection is kept"
     )
     max_header_bytes: int = setting(
         64 * 1024, lo=1024, hi=1 << 24, help="largest request head in bytes"

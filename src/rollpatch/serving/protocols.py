@@ -70,27 +70,43 @@ def guarded_protocol(kind: HttpKind, header_timeout_s: float, max_header_bytes: 
     return _guarded_h11(header_timeout_s)
 
 
+class _HeadDeadline:
+    """The head deadline's timer, for a uvicorn protocol class (``loop``, ``_head_late``):
+    armed on connecting and by a byte while a head is due, disarmed when the head ends."""
+
+    _head_timeout_s = 10.0
+    _head_timer: Any = None
+    loop: Any
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        raise NotImplementedError
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        no_delay(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
 def _guarded_h11(header_timeout_s: float) -> type:
     """h11 (its head bound is uvicorn's ``h11_max_incomplete_event_size``)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class GuardedH11(H11Protocol):
-        _head_timer: Any = None
-
-        def _arm(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(header_timeout_s, self._head_late)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            no_delay(transport)
-            self._arm()
+    class GuardedH11(_HeadDeadline, H11Protocol):
+        _head_timeout_s = header_timeout_s
 
         def data_received(self, data: bytes) -> None:
             if self.conn.their_state is h11.IDLE:
@@ -98,10 +114,6 @@ def _guarded_h11(header_timeout_s: float) -> type:
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:
                 self._disarm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
             # the state of the request just answered (after super(), a pipelined next one's)
@@ -128,24 +140,10 @@ def _guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type:
     hold a connection either), and disarmed when a head ends."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class GuardedHttpTools(HttpToolsProtocol):
-        _head_timer: Any = None
+    class GuardedHttpTools(_HeadDeadline, HttpToolsProtocol):
+        _head_timeout_s = header_timeout_s
         _head_open = True  # between messages or inside a head
         _head_bytes = 0  # received since the last message ended
-
-        def _arm(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(header_timeout_s, self._head_late)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            no_delay(transport)
-            self._arm()
 
         def data_received(self, data: bytes) -> None:
             if not self._head_open:
@@ -179,10 +177,6 @@ def _guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type:
         def on_message_complete(self) -> None:
             self._head_open, self._head_bytes = True, 0
             super().on_message_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
             cycle = self.cycle  # the newest request; when answered, it is the one just answered

@@ -60,6 +60,10 @@ def test_bounds_and_what_is_accepted() -> None:
     with pytest.raises(ConfigError, match="nested 4 deep"):
         jsonsafe.loads(b"[[[[1]]]]", max_depth=3)
     assert jsonsafe.loads('{"k": "é"}') == {"k": "é"}  # str input too
+    # more brackets than max_depth, most inside strings: scanned, and accepted by depth
+    assert jsonsafe.loads(b'["' + b"[{" * 40 + b'", [1]]', max_depth=3) == ["[{" * 40, [1]]
+    with pytest.raises(ConfigError, match="nested 4 deep"):  # four brackets, all real
+        jsonsafe.loads(b'[["[[[[", [[1]]]]', max_depth=3)
 
 
 # -- manifests ---------------------------------------------------------------------------------

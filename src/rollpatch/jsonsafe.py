@@ -104,9 +104,12 @@ def _parse(raw: bytes | bytearray | memoryview | str, max_bytes: int, max_depth:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise JsonLimitError(f"not UTF-8 (byte {e.start})") from None
-    depth = nesting_depth(data)
-    if depth > max_depth:
-        raise JsonLimitError(f"nested {depth} deep, over the limit of {max_depth}")
+    # the brackets counted anywhere bound the depth: most bodies need no nesting scan (whose
+    # numpy set-up was ~0.1 ms per request, a tenth of the sidecar's budget)
+    if data.count(b"[") + data.count(b"{") > max_depth:
+        depth = nesting_depth(data)
+        if depth > max_depth:
+            raise JsonLimitError(f"nested {depth} deep, over the limit of {max_depth}")
     try:
         doc = json.loads(
             text,

@@ -30,6 +30,10 @@ RUN = "rl"
 FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
 PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
 MAX_TOKENS = 8
+#: Rounds at most until a commit lands mid-generation: whether the test's pause reaches the
+#: engine before its 400 tokens are done is a race (on a quiet machine about one round in two
+#: spans; a CI run at load had none in 5).
+MAX_ROUNDS = 12
 LONG = 400
 BOOT_LATEST = 5
 N_VERSIONS = 16
@@ -239,7 +243,7 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
         client, follower = _client(sc.url), sc.sidecar.follower
         labelled.add(0, *_complete(client, world, 0, min_version=have, wait_s=60))
         spanned = rounds = 0
-        while rounds < 2 or (spanned == 0 and rounds < 5):
+        while rounds < 2 or (spanned == 0 and rounds < MAX_ROUNDS):
             rounds += 1
             follower.stop()  # the next version waits until a generation is in flight
             v = world.publish()
@@ -269,7 +273,7 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
             spanned += label["version_end"] == v
             labelled.add(0, *_complete(client, world, 0))
             assert labelled.spans[-1] == (v, v)
-        assert spanned >= 1, "no commit landed mid-generation in 5 rounds"
+        assert spanned >= 1, f"no commit landed mid-generation in {rounds} rounds"
         assert engine.weight_version() == str(world.latest)  # type: ignore[attr-defined]
     finally:
         sc.stop()

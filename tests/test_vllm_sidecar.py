@@ -33,6 +33,10 @@ _FIXTURES = (server, world)  # used by name
 
 PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
 MAX_TOKENS = 8
+#: Rounds at most until a commit lands mid-generation: whether the test's pause reaches the
+#: engine before its 400 tokens are done is a race (on a quiet machine about one round in two
+#: spans; a CI run at load had none in 5).
+MAX_ROUNDS = 12
 LONG = 400  # tokens of a generation that spans a commit (max-model-len 512)
 
 
@@ -229,7 +233,7 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
         client, follower = _client(sc.url), sc.sidecar.follower
         labelled.add(0, *_complete(client, world, 0, min_version=have, wait_s=60))
         spanned = rounds = 0
-        while rounds < 2 or (spanned == 0 and rounds < 5):
+        while rounds < 2 or (spanned == 0 and rounds < MAX_ROUNDS):
             rounds += 1
             follower.stop()  # the next version waits until a generation is in flight
             v = world.publish()
@@ -263,7 +267,7 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
             spanned += label["version_end"] == v
             labelled.add(0, *_complete(client, world, 0))  # alone again: checked below
             assert labelled.spans[-1] == (v, v)
-        assert spanned >= 1, "no commit landed mid-generation in 5 rounds"
+        assert spanned >= 1, f"no commit landed mid-generation in {rounds} rounds"
         assert sc.sidecar.gate.mode == "pause" and len(sc.sidecar.gate.pauses) >= 2
         assert server.get("/weight_info") == {"weight_version": str(world.latest)}
     finally:

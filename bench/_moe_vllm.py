@@ -208,37 +208,16 @@ def _render(
         ),
         "",
     ]
+
+    def row(label: str, key: str, serves: str) -> list[str]:
+        return [label, _ms(rows[key]), f"{statistics.median(rows[key]) / base:.1%}", serves]
+
     body = [
-        [
-            "staged (prepack=stage)",
-            _ms(rows["staged"]),
-            f"{statistics.median(rows['staged']) / base:.1%}",
-            "yes",
-        ],
-        [
-            "  engine-core hold",
-            _ms(rows["hold"]),
-            f"{statistics.median(rows['hold']) / base:.1%}",
-            "",
-        ],
-        [
-            "  packed slices copied in",
-            _ms(rows["install"]),
-            f"{statistics.median(rows['install']) / base:.1%}",
-            "",
-        ],
-        [
-            "pause-repack (prepack=pause)",
-            _ms(rows["pause-repack"]),
-            f"{statistics.median(rows['pause-repack']) / base:.1%}",
-            "yes",
-        ],
-        [
-            "keyframe load (in place)",
-            _ms(rows["keyframe"]),
-            f"{statistics.median(rows['keyframe']) / base:.1%}",
-            "yes",
-        ],
+        row("staged (prepack=stage)", "staged", "yes"),
+        row("  engine-core hold", "hold", ""),
+        row("  packed slices copied in", "install", ""),
+        row("pause-repack (prepack=pause)", "pause-repack", "yes"),
+        row("keyframe load (in place)", "keyframe", "yes"),
         ["vLLM reload_weights", _ms(rows["reload"]), "100%", f"{rows['reload_same']}/{n}"],
     ]
     lines.append(

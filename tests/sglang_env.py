@@ -68,7 +68,12 @@ def start_server(
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
             str(sorted(cores)[r % len(cores)]) for r in range(tp)
         )
-    cmd = server_command(python, model, port, mem_fraction=0.05, extra=extra)
+    # SGLang sizes its KV pool as the memory free after loading less (1 - fraction) of what was
+    # free before: any other process that grows by more than `fraction` of free memory while
+    # the model loads (the suite's other jobs, a vLLM server starting) fails the start with
+    # "Loaded weights leave no GPU memory for the KV cache" (seen at 0.05 in a CI run beside
+    # benches). --max-total-tokens caps the pool, so a larger fraction allocates no more.
+    cmd = server_command(python, model, port, mem_fraction=0.3 / tp, extra=extra)
     out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
     proc = subprocess.Popen(
         cmd,

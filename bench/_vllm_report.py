@@ -6,6 +6,7 @@ import statistics
 from typing import Any
 
 from _util import machine_line, table
+from _vllm_catchup import render_plans
 from _vllm_server import VLLM_VERSION
 
 #: The pause's parts (ms, medians), in the order they happen; each path shows those it has.
@@ -233,7 +234,17 @@ def render(ctx: dict[str, Any]) -> str:
             "published"
         ),
     ]
-    return per_version + "\n\n" + summary + "\n\n" + breakdown + "\n" + "\n".join(foot)
+    plans = render_plans(ctx.get("catchup_plans") or {})
+    return (
+        per_version
+        + "\n\n"
+        + summary
+        + "\n\n"
+        + breakdown
+        + "\n"
+        + "\n".join(foot)
+        + ("\n\n" + plans if plans else "")
+    )
 
 
 # -- main ----------------------------------------------------------------------------------------

@@ -36,6 +36,10 @@ Paths, each over the same versions:
   read-back, slice by slice; the packed kernels' swap or repack).
 - **reloads**: ``/pause?mode=keep``, ``collective_rpc reload_weights(checkpoint dir)`` (page
   cache warm), ``/update_weight_version``, ``/reset_prefix_cache``, ``/resume``.
+- **catchup_plans** (the built-in engine's staging of the same lag v0 -> v5 along four plans:
+  1 behind, the five steps, a skip patch + the last step, one folded patch; and a floor patch
+  of 0.02% random changes; CPU time on one thread, with change records and bytes; then the
+  decode by part and its fit to per-patch + per-record costs: bench/_vllm_catchup.py).
 - **reference**, **reference_double**, **reference_catchup**, **reference_loads**: the same
   follower paths (in place, double-buffered, catch-up) on the built-in engine (staged in this process while it could serve; pause = the gate's), and its
   full ``load`` of each version's keyframe (copy + verify) under the same gate.
@@ -62,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import log, machine
+from _vllm_catchup import catchup_plans
 from _vllm_report import render
 from _vllm_server import (
     MAX_TOKENS,
@@ -284,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers))
         log("built-in engine: staged commits, catch-up, keyframe loads")
         ref = phase_reference(world, catch_n)
+        log(f"catch-up plans: staging v0 -> v{catch_n} by plan (CPU time, one thread)")
+        plans = catchup_plans(world.checkpoint, world.digests, world.patch_blob, catch_n)
         log("starting vLLM on v0's checkpoint")
         server = Server(python, world.checkpoint(0), root / "vllm.log")
         engine = None
@@ -355,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "inline": inline,
             "catchup": catchup,
             "catchup_n": catch_n,
+            "catchup_plans": plans,
             "reloads": reloads,
             **ref,
             "memory": {

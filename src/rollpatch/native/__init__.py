@@ -68,9 +68,15 @@ def kind_tuple(kind: Kind, n_elements: int) -> tuple[int, int, int, int]:
 
 
 def threads() -> int:
-    """Threads for one tensor's chunks (``ROLLPATCH_THREADS`` overrides the core count)."""
+    """Threads for one tensor's chunks: the cores this process may run on (a process pinned
+    to fewer cores than the machine has, like vLLM's CPU worker, gets no more threads than
+    its cores); ``ROLLPATCH_THREADS`` overrides it."""
     env = os.environ.get("ROLLPATCH_THREADS")
-    return max(1, int(env)) if env else max(1, os.cpu_count() or 1)
+    if env:
+        return max(1, int(env))
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def parallel_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:

@@ -106,6 +106,17 @@ class RelayConfig:
         help="on learning a new version, fetch its manifest and step patch objects before "
         "anyone asks",
     )
+    #: docs/relay.md, "Push": with a relay upstream, the new version's bytes come in the answer
+    #: that announces it instead of one round trip after it.
+    push_bytes: int = setting(
+        64 * MiB,
+        lo=0,
+        hi=1 << 30,
+        parse=lambda text: 0 if text.strip() == "0" else parse_size(text),
+        metavar="SIZE",
+        help="bytes of a new version's manifest and step patch objects this relay accepts "
+        "pushed in its upstream relay's long-poll answer (0: fetch them after the answer)",
+    )
     #: While the upstream's ETag for it is unchanged, a request costs a HEAD instead of pulling
     #: the bad bytes again (a repaired object has a new ETag and is fetched at once).
     corrupt_ttl: float = setting(

@@ -126,6 +126,29 @@ class Relay:
             self._meta,
         )
 
+    def accept(self, key: str, data: bytes) -> bool:
+        """Cache ``data`` pushed upstream for the object or manifest ``key`` after the very
+        checks a fetch of it gets (:meth:`Verifier.check`); whether it is cached now. A
+        refusal is counted and logged by the verifier, and the key is then fetched as usual."""
+        kind = classify(key)
+        if kind not in (KeyKind.OBJECT, KeyKind.MANIFEST):
+            return False
+        self.metrics.inc("rollpatch_relay_upstream_bytes_total", len(data))
+        if self.cache.lookup(key) is not None:
+            self.metrics.inc("rollpatch_relay_pushed_total", outcome="present")
+            return True
+        try:
+            b3 = self.verifier.check(key, kind, data)
+        except (ObjectIntegrityError, ManifestError):
+            self.metrics.inc("rollpatch_relay_pushed_total", outcome="refused")
+            return False
+        except StoreError:  # a root needed to check it could not be read: fetch as usual
+            return False
+        self.cache.insert(key, data, b3)
+        self.metrics.inc("rollpatch_relay_pushed_total", outcome="cached")
+        event(log, "pushed", key=key, kind=kind.value, bytes=len(data))
+        return True
+
     def stat(self, key: str) -> Future[ObjectInfo | None]:
         """Size and ETag of an immutable key: from the cache, else a HEAD upstream (which does
         not pull the object across the WAN). Volatile keys: use :meth:`resolve`.

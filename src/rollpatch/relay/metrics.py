@@ -37,6 +37,10 @@ _FAMILIES: dict[str, tuple[str, str]] = {
         "counter",
         "New versions held back from long-polls: manifest or step patch failed prefetch.",
     ),
+    "rollpatch_relay_pushed_total": (
+        "counter",
+        "Objects pushed in long-poll answers: received (cached, refused, present) or sent.",
+    ),
     "rollpatch_relay_evictions_total": ("counter", "Cache files evicted to stay in bounds."),
     "rollpatch_relay_cache_discarded_total": (
         "counter",

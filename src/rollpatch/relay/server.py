@@ -29,6 +29,7 @@ from ..serving import ServeOptions, ServerHandle, serve_app
 from ..serving.responses import error_body
 from ..store import Store, open_store, validate_key, validate_prefix
 from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS, HELD_HEADER
+from ..store.push import PUSH_HEADER
 from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
@@ -42,6 +43,7 @@ T = TypeVar("T")
 _S = TypeVar("_S", bound="RelayServer")
 _RANGE = re.compile(r"bytes=(\d{1,19})-(\d{0,19})")
 _AFTER = re.compile(r"-1|\d{1,18}")
+_PUSH = re.compile(r"\d{1,15}")
 _IMMUTABLE = "public, max-age=31536000, immutable"
 _OPEN_ATTEMPTS = 3
 
@@ -180,9 +182,9 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
     """A long-poll of LATEST: answered once the relay knows a version above ``after``, or
     after ``wait`` seconds (at most ``hold_s``) with the LATEST it has; marked held."""
     q = request.query_params
-    after_s, wait_s = q.get("after", ""), q.get("wait")
+    after_s, wait_s, push_s = q.get("after", ""), q.get("wait"), q.get("push", "0")
     try:
-        if not _AFTER.fullmatch(after_s):
+        if not _AFTER.fullmatch(after_s) or not _PUSH.fullmatch(push_s):
             raise ValueError(after_s)
         wait = relay.config.hold_s if wait_s is None else float(wait_s)
         if not 0 <= wait < float("inf"):
@@ -191,7 +193,8 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
         return _error(
             400,
             ConfigError(
-                "a long-poll of LATEST takes ?after=N (an integer >= -1) and &wait=S seconds",
+                "a long-poll of LATEST takes ?after=N (an integer >= -1), &wait=S seconds "
+                "and optionally &push=B (bytes, an integer >= 0)",
                 key=key,
             ),
         )
@@ -211,11 +214,30 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
     if blob is None:
         blob = await _wait(relay.resolve(key))
     assert blob.data is not None  # LATEST is held in memory
-    response = _serve(relay, blob, blob.data, None)
+    push = int(push_s)
+    framed = await asyncio.to_thread(relay.watch.push, key, blob, after, push) if push else None
+    if framed is not None:
+        response = _pushed(relay, *framed)
+    else:
+        response = _serve(relay, blob, blob.data, None)
     response.headers[HELD_HEADER] = "1"
     if hint := relay.watch.hint(key, blob):
         response.headers[PREFETCH_HEADER] = hint
     return response
+
+
+def _pushed(relay: Relay, header: str, pieces: list[bytes]) -> Response:
+    """A held answer carrying the announced version's objects (:mod:`rollpatch.store.push`)."""
+    body = b"".join(pieces)
+    relay.metrics.inc("rollpatch_relay_served_bytes_total", len(body))
+    return Response(
+        body,
+        headers={
+            "Content-Type": "application/octet-stream",
+            "Cache-Control": "no-store",
+            PUSH_HEADER: header,
+        },
+    )
 
 
 def _page(keys: list[str], start_after: str | None, limit: int) -> dict[str, Any]:

@@ -4,7 +4,9 @@ islands one one-way trip after the relay learns of it, instead of a polling peri
 
 While anyone waits on a run, one thread per run keeps the relay's LATEST fresh: through a long
 poll of its own when the upstream is another relay (chains of relays pass a version on at
-once), else by reading LATEST every ``watch_s`` (directory and S3 boards). Each LATEST read
+once), else by reading LATEST every ``watch_s`` (directory and S3 boards; on Linux a directory
+board also wakes the watch the moment LATEST is renamed into place: :class:`_Notice`). Each
+LATEST read
 is checked as any other (signature, freshness, rollback) and refreshes the TTL cache that
 plain GETs are answered from. A held answer is only a hint — followers read and verify LATEST
 and the signed manifest as always — so a relay can delay a version, never forge one.
@@ -14,6 +16,11 @@ cache of LATEST refreshed — only once its manifest and the step patch objects 
 fetched, verified and cached: a follower woken by the answer finds everything it needs here,
 and a version whose manifest or patch is refused is never announced (counted and logged; the
 watch tries it again with backoff, and announces the next version that passes).
+
+With ``push_bytes`` (docs/relay.md, "Push"), a relay long-polling a relay upstream asks for
+those objects *in* the answer that announces the version (:mod:`rollpatch.store.push`), and
+checks and caches them as if it had fetched them: the version crosses the WAN in one one-way
+trip instead of one plus a round trip. What is not pushed, or is refused, is fetched as before.
 """
 
 from __future__ import annotations
@@ -29,11 +36,15 @@ from ..latest import read_latest
 from ..layout import manifest_version, object_hash, objects_prefix, pointer_run, version_key
 from ..logs import event
 from ..manifest import open_manifest
+from ..store.base import Store
+from ..store.file import FileStore
 from ..store.http_client import HttpStore
 from ..store.http_pool import Held
+from ..store.notify import KeyWatch
+from ..store.push import MAX_PUSHED, frame_push
 from .core import Blob, Relay
 
-__all__ = ["PREFETCH_HEADER", "PointerWatch"]
+__all__ = ["MAX_PUSH_BYTES", "PREFETCH_HEADER", "PointerWatch"]
 
 log = logging.getLogger("rollpatch.relay")
 #: Seconds the watch of a run outlives its last waiter (followers ask again at once).
@@ -50,6 +61,8 @@ PREFETCH_TIMEOUT_S = 120.0
 PREFETCH_HEADER = "X-Rollpatch-Prefetch"
 #: Most hinted keys a relay fetches for one version.
 MAX_HINTED = 16
+#: Most bytes a relay pushes in one answer, whatever a downstream relay accepts.
+MAX_PUSH_BYTES = 256 << 20
 
 
 class Unannounced(RollpatchError):
@@ -65,6 +78,7 @@ class _Run:
     last_wait: float = 0.0
     refused: int = -1  # newest version left unannounced (logged once at WARNING)
     hint: str = ""  # PREFETCH_HEADER of the announced version
+    parts: list[tuple[str, bytes]] | None = None  # its objects, once read for a push
 
 
 class PointerWatch:
@@ -103,6 +117,36 @@ class PointerWatch:
         with self._lock:
             st = self._runs.get(key)
             return st.hint if st is not None and st.blob is blob else ""
+
+    def push(self, key: str, blob: Blob, after: int, limit: int) -> tuple[str, list[bytes]] | None:
+        """The pushed answer of ``blob`` (the ``X-Rollpatch-Push`` value and the body pieces)
+        for a downstream relay that holds ``after`` and accepts ``limit`` bytes; None when
+        ``blob`` is not a newer announced version, or its objects are not all cached or do
+        not fit (the answer is then plain, with the prefetch hint). Reads cache files: call
+        it off the event loop."""
+        with self._lock:
+            st = self._runs.get(key)
+            if st is None or st.blob is not blob or st.version <= after or not st.hint:
+                return None
+            parts, keys = st.parts, st.hint.split()[:MAX_PUSHED]
+        if blob.data is None:
+            return None
+        limit = min(limit, MAX_PUSH_BYTES) - blob.size
+        if parts is None:
+            entries = [self.relay.cache.lookup(k) for k in keys]
+            if any(e is None for e in entries) or sum(e.size for e in entries if e) > limit:
+                return None
+            try:
+                parts = [(e.key, self.relay.read(Blob.cached(e))) for e in entries if e]
+            except RollpatchError:  # evicted meanwhile
+                return None
+            with self._lock:
+                if st.blob is blob:
+                    st.parts = parts
+        elif sum(len(b) for _, b in parts) > limit:
+            return None
+        self.relay.metrics.inc("rollpatch_relay_pushed_total", len(parts), outcome="sent")
+        return frame_push(blob.data, parts)
 
     def announced(self, key: str) -> Blob | None:
         """The newest LATEST the watch of ``key`` announced (None: no watch, or none yet):
@@ -146,6 +190,7 @@ class PointerWatch:
             with self._lock:
                 self._held.append(own)
         first, failures = True, 0
+        notice = _Notice(upstream, key, self._closed)
         try:
             while not self._closed.is_set():
                 with self._lock:  # the exit and the thread's reset are one step for wait()
@@ -157,8 +202,10 @@ class PointerWatch:
                     after = st.version
                 try:
                     started = time.monotonic()
-                    data, read_at, hinted = self._read(key, after, held, first)
-                    newer = data is not None and self._learned(key, st, data, read_at, hinted)
+                    data, read_at, hinted, pushed = self._read(key, after, held, first, notice)
+                    newer = data is not None and self._learned(
+                        key, st, data, read_at, hinted, pushed
+                    )
                     early = time.monotonic() - started < 1.0
                     if held is not None and data is not None and not newer and early:
                         self._closed.wait(self.relay.config.watch_s)  # nothing new, at once
@@ -179,30 +226,45 @@ class PointerWatch:
                     self._held.remove(own)
             if own is not None:
                 own.close()
+            notice.close()
 
     def _read(
-        self, key: str, after: int, held: Held | None, first: bool
-    ) -> tuple[bytes | None, float, str]:
-        """LATEST read upstream, when, and the upstream relay's prefetch hint (or "")."""
+        self, key: str, after: int, held: Held | None, first: bool, notice: _Notice
+    ) -> tuple[bytes | None, float, str, list[tuple[str, bytes]]]:
+        """LATEST read upstream, when, the upstream relay's prefetch hint (or "") and the
+        objects it pushed (unverified)."""
         upstream = self.relay.upstream
+        pushed: list[tuple[str, bytes]] = []
         if held is not None and isinstance(upstream, HttpStore):
             wait_s = max(self.relay.config.hold_s, 1.0)
             self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="wait")
             headers: dict[str, str] = {}
-            data = upstream.wait_newer(key, after, wait_s, held, headers)
+            push = self.relay.config.push_bytes if self.relay.config.prefetch else 0
+            data = upstream.wait_newer(
+                key, after, wait_s, held, headers, push_bytes=push, pushed_out=pushed
+            )
             hint = next((v for k, v in headers.items() if k.lower() == PREFETCH_HEADER.lower()), "")
-            return data, time.monotonic(), hint
-        if not first and self._closed.wait(self.relay.config.watch_s):
-            return None, 0.0, ""
+            return data, time.monotonic(), hint, pushed
+        if not first and notice.wait(self.relay.config.watch_s):
+            return None, 0.0, "", pushed
         read_at = time.monotonic()
         self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="get")
-        return upstream.get(key), read_at, ""
+        return upstream.get(key), read_at, "", pushed
 
-    def _learned(self, key: str, st: _Run, data: bytes, read_at: float, hinted: str = "") -> bool:
+    def _learned(
+        self,
+        key: str,
+        st: _Run,
+        data: bytes,
+        read_at: float,
+        hinted: str = "",
+        pushed: list[tuple[str, bytes]] | None = None,
+    ) -> bool:
         """Serve ``data`` (checked) as the run's LATEST; whether it names a newer version.
 
-        A newer version is prefetched first (``prefetch``): :class:`Unannounced` when that
-        fails, and nothing changes (waiters stay held, the TTL cache keeps the old LATEST)."""
+        A newer version is prefetched first (``prefetch``): what the upstream pushed is
+        checked and cached, the rest fetched; :class:`Unannounced` when that fails, and
+        nothing changes (waiters stay held, the TTL cache keeps the old LATEST)."""
         run = pointer_run(key)
         if run is None:
             return False
@@ -212,6 +274,9 @@ class PointerWatch:
             newer = version > st.version
         hint = ""
         if newer and self.relay.config.prefetch:
+            for k, b in (pushed or ())[:MAX_PUSHED]:
+                if _ours(k, run, version):
+                    self.relay.accept(k, b)
             self._start_hinted(run, version, hinted)
             hint = " ".join(self._prefetch(run, version, st))
             read_at = time.monotonic()  # the watch kept LATEST current meanwhile
@@ -219,7 +284,7 @@ class PointerWatch:
         with self._lock:
             newer = version > st.version
             if newer:
-                st.version, st.blob, st.hint = version, blob, hint
+                st.version, st.blob, st.hint, st.parts = version, blob, hint, None
             ready = [f for a, f in st.waiters if version > a]
             st.waiters = [(a, f) for a, f in st.waiters if version <= a]
         for f in ready:
@@ -232,10 +297,7 @@ class PointerWatch:
         and objects of ``run``, at most :data:`MAX_HINTED`): the step patch then crosses the
         WAN beside the manifest instead of one round trip after it."""
         for k in hinted.split()[:MAX_HINTED]:
-            ours = manifest_version(k) == (run, version) or (
-                object_hash(k) is not None and k.startswith(objects_prefix(run))
-            )
-            if ours:
+            if _ours(k, run, version):
                 try:
                     self.relay.resolve(k)  # joined by _prefetch; errors surface there
                 except RollpatchError as e:
@@ -284,3 +346,37 @@ class PointerWatch:
             seconds=round(time.monotonic() - started, 4),
         )
         return [version_key(run, version), *(p.ref.key for p in steps)]
+
+
+class _Notice:
+    """The wait between two reads of LATEST on a board: ``watch_s``, cut short the moment a
+    directory board's LATEST is written (inotify, when available). Reads every ``watch_s``
+    go on regardless: writers on other hosts of a network file system raise no event."""
+
+    def __init__(self, upstream: Store, key: str, closed: threading.Event) -> None:
+        self._store = upstream if isinstance(upstream, FileStore) else None
+        self._key, self._closed = key, closed
+        self._watch: KeyWatch | None = None
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the relay is closing (after up to ``timeout`` s, sooner if LATEST moved)."""
+        if self._watch is not None and self._watch.broken:
+            self.close()  # the folder went away or events were lost: open it again
+        if self._watch is None and self._store is not None:
+            self._watch = self._store.watch(self._key)  # None until the run's folder exists
+        if self._watch is None:
+            return self._closed.wait(timeout)
+        self._watch.wait(timeout)
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+
+def _ours(key: str, run: str, version: int) -> bool:
+    """Whether a hinted or pushed ``key`` is ``version``'s manifest or an object of ``run``."""
+    return manifest_version(key) == (run, version) or (
+        object_hash(key) is not None and key.startswith(objects_prefix(run))
+    )

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..errors import AlreadyExistsError, ConflictError, NotFoundError, StoreError
 from .base import RESERVED_SEGMENT_PREFIX, ObjectInfo, Store, check_bounds, validate_key
+from .notify import KeyWatch
 from .posix import (
     ABSENT,
     clash,
@@ -73,6 +74,11 @@ class FileStore(Store):
         self.uri = self.root.as_uri()
 
     # -- reads --------------------------------------------------------------------------------
+
+    def watch(self, key: str) -> KeyWatch | None:
+        """A :class:`~rollpatch.store.notify.KeyWatch` that wakes when ``key`` is written
+        (None: no inotify here, or its folder does not exist yet; poll instead)."""
+        return KeyWatch.open(self._path(validate_key(key)))
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*key.split("/"))

@@ -42,6 +42,7 @@ from ..serving.responses import error_message
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
 from .http_pool import MAX_ERROR_BYTES, Held, HttpStatusError, Pool, Response
+from .push import PUSH_HEADER, split_push
 
 __all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HELD_HEADER", "HttpStore"]
 
@@ -248,16 +249,25 @@ class HttpStore(Store):
         wait_s: float,
         held: Held,
         headers_out: dict[str, str] | None = None,
+        *,
+        push_bytes: int = 0,
+        pushed_out: list[tuple[str, bytes]] | None = None,
     ) -> bytes | None:
         """GET the LATEST ``key``, held by the relay until it knows a version newer than
         ``after`` or ``wait_s`` passed: the body (a hint only: read and verify LATEST as
         usual), None when ``held`` was cancelled. Raises :class:`NotImplementedError` when the
         relay answered at once without holding (it predates long-polls: poll instead).
-        ``headers_out`` receives the answer's headers (a relay's prefetch hint)."""
-        query = urllib.parse.urlencode({"after": after, "wait": f"{wait_s:g}"})
-        target = f"{self._object_target(key)}?{query}"
+        ``headers_out`` receives the answer's headers (a relay's prefetch hint).
+        ``push_bytes`` > 0 accepts up to that many bytes of the announced version's manifest
+        and step patch objects in the answer (:mod:`.push`); they go to ``pushed_out`` as
+        ``(key, bytes)``, unverified: the caller checks them as any fetched object."""
+        params: dict[str, object] = {"after": after, "wait": f"{wait_s:g}"}
+        if push_bytes > 0:
+            params["push"] = push_bytes
+        target = f"{self._object_target(key)}?{urllib.parse.urlencode(params)}"
+        limit = (1 << 20) + max(0, push_bytes)
         try:
-            got = held.get(target, self.config.headers, wait_s + self.config.timeout, 1 << 20)
+            got = held.get(target, self.config.headers, wait_s + self.config.timeout, limit)
         except HttpStatusError as e:
             if e.code == 404:
                 raise NotFoundError(
@@ -273,8 +283,18 @@ class HttpStore(Store):
         headers, body = got
         if headers.get(HELD_HEADER) is None:
             raise NotImplementedError("the relay does not hold long-polls")
+        if len(body) > limit:
+            raise StoreError("relay long-poll answer is too large", key=key, store=self.uri)
         if headers_out is not None:
             headers_out.update(headers.items())
+        framing = headers.get(PUSH_HEADER)
+        if framing is None:
+            return body
+        if push_bytes <= 0:
+            raise StoreError("relay pushed objects nobody asked for", key=key, store=self.uri)
+        body, pushed = split_push(framing, body, self.uri)
+        if pushed_out is not None:
+            pushed_out.extend(pushed)
         return body
 
     # -- writes: refused ----------------------------------------------------------------------

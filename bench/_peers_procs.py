@@ -105,6 +105,26 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def cpu_parts(groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds used so far by each group of processes (``trainer``: this process)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, pids in groups.items():
+        total = 0.0
+        for pid in pids:
+            if pid == os.getpid():
+                t = os.times()
+                total += t.user + t.system
+                continue
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / ticks
+        out[name] = total
+    return out
+
+
 def vm_hwm(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -128,6 +148,7 @@ class Relay:
         list_ttl: float,
         watch_s: float | None = None,
         log_level: str = "warning",
+        extra: tuple[str, ...] = (),
     ) -> None:
         self._err = open(logdir / f"{name}.log", "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
@@ -149,6 +170,7 @@ class Relay:
                 "--log-level",
                 log_level,
                 *(() if watch_s is None else ("--watch", str(watch_s))),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=self._err,

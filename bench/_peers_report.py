@@ -107,3 +107,26 @@ def targets(results: dict[str, dict[str, Any]]) -> list[str]:
     for what, ok, got in checks:
         out.append(f"target {'met    ' if ok else 'NOT MET'}  {what}: {got}")
     return out
+
+
+def render_cpu(results: dict[str, dict[str, Any]]) -> str:
+    """Median CPU seconds per version of each group of the method's processes: what a version
+    costs where (on this 2-core machine the whole run shares the same cores, so a method's
+    time to version cannot drop below its CPU seconds / cores, whatever the link)."""
+    groups = ("trainer", "relays", "link", "islands")
+    rows = []
+    for m, r in results.items():
+        parts = [x["cpu_parts"] for x in r["versions"] if x.get("cpu_parts")]
+        if not parts:
+            continue
+        med = {g: statistics.median(p.get(g, 0.0) for p in parts) for g in groups}
+        total = statistics.median(sum(p.values()) for p in parts)
+        rows.append([m, *(f"{med[g]:.2f}" for g in groups), f"{total:.2f}"])
+    return (
+        "CPU seconds per version, median, by process (relays: shardcast's middle node)\n"
+        + table(
+            ["method", "trainer", "relays", "link", "islands (all)", "total"],
+            rows,
+            right=[False] + [True] * 5,
+        )
+    )

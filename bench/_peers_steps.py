@@ -4,12 +4,13 @@ serves it, then record its timings, phases (``_peers_trace``), WAN bytes and CPU
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _peers_procs import BenchError, Child, cpu_seconds
+from _peers_procs import BenchError, Child, cpu_parts, cpu_seconds
 from _peers_trace import phases, run_delay
 from _peers_versions import load_masters
 from _util import log
@@ -26,6 +27,12 @@ def steps(
 ) -> list[dict[str, Any]]:
     conns = [0]
     pids = [isl.proc.pid for isl in islands] + [link.proc.pid, *others]
+    groups = {  # where a version's CPU goes (relays or middle node: ``others``)
+        "trainer": [os.getpid()],
+        "relays": list(others),
+        "link": [link.proc.pid],
+        "islands": [isl.proc.pid for isl in islands],
+    }
 
     def wan() -> int:
         link.send("stats")
@@ -38,7 +45,7 @@ def steps(
     conns_before = conns[0]
     for v in range(1, args.versions + 1):
         masters = load_masters(work, v)
-        delay0, cpu0 = run_delay(), cpu_seconds(pids)
+        delay0, cpu0, parts0 = run_delay(), cpu_seconds(pids), cpu_parts(groups)
         t0 = time.time()
         blocked = publish(masters, v)
         del masters
@@ -53,6 +60,7 @@ def steps(
         lat = [isl.serving[v] - t0 for isl in islands]
         trainer_delay = run_delay() - delay0  # the trainer's threads (publisher included)
         cpu = cpu_seconds(pids) - cpu0
+        parts = {k: x - parts0[k] for k, x in cpu_parts(groups).items()}
         time.sleep(args.settle_s)  # trailing polls of this version count towards it
         now = wan()
         pub = durable(v)
@@ -75,6 +83,7 @@ def steps(
                 "wan_bytes": now - before,
                 "wan_connections": conns[0] - conns_before,
                 "cpu_s": cpu,
+                "cpu_parts": parts,
             }
         )
         before, conns_before = now, conns[0]

@@ -85,7 +85,7 @@ from typing import Any
 
 import numpy as np
 from _peers_procs import BenchError, Child, Relay, free_port
-from _peers_report import render, targets
+from _peers_report import render, render_cpu, targets
 from _peers_steps import steps
 from _peers_trace import render as render_phases
 from _peers_versions import load_masters, prepare
@@ -196,6 +196,7 @@ def run_method(
                 args.poll_s,
                 args.poll_s,
                 log_level=args.relay_log_level,
+                extra=("--push-bytes", str(args.push_bytes)),
             )
             region_close = region.close
             cpu_pids.append(region.proc.pid)
@@ -330,6 +331,14 @@ def main() -> int:
         "long-polls wait (the relay's --watch, same default; 0.01 showed no gain under load)",
     )
     p.add_argument(
+        "--push-bytes",
+        type=int,
+        default=64 << 20,
+        help="the region relay's --push-bytes: a new version's manifest and step patch come "
+        "in the origin's long-poll answer that announces it (docs/relay.md, 'Push'); 0: "
+        "fetched one round trip after it (before this existed)",
+    )
+    p.add_argument(
         "--trainer-cast",
         choices=("torch", "numpy"),
         default="torch",
@@ -377,13 +386,16 @@ def main() -> int:
     print(render(results, meta))
     for line in targets(results):
         print(line)
+    print(render_cpu(results))
     for m, r in results.items():
         traced = [x["phases"] for x in r["versions"] if x.get("phases")]
         if traced:
             print(render_phases(traced, f"{m}: where the time goes"))
     print(
         f"islands commit {args.island_commit}; trainer cast {args.trainer_cast}; origin relay "
-        f"reads LATEST every {args.origin_watch_s:g} s; load average at the start: {load0}"
+        f"reads LATEST every {args.origin_watch_s:g} s (and when inotify says it moved); region "
+        f"relay accepts {args.push_bytes / 2**20:g} MiB pushed; load average at the start: "
+        f"{load0}"
     )
     print(machine_line(info))
     if args.json:

@@ -27,7 +27,9 @@ touched tensor re-hashed inside the pause; in every mode the follower's backgrou
 re-hashes the live words). Followers and XOR islands learn of
 a version through the relays' long-poll of LATEST (docs/relay.md), which each relay answers
 once the version's manifest and step patch are verified in its cache (the origin relay reads
-the directory board's LATEST every ``--origin-watch-s``). The trainer process imports torch
+the directory board's LATEST every ``--origin-watch-s`` and wakes at once on inotify when it
+is renamed into place; the region relay gets the manifest and step patch pushed in the
+origin's announcing answer, ``--push-bytes``, docs/relay.md "Push"). The trainer process imports torch
 (``--trainer-cast torch``, as every trainer has), so the publisher casts in torch
 (``publisher/cast.py``). ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
 method; ``bench/_peers_xor.py``), published asynchronously on the same board, fetched through
@@ -50,7 +52,8 @@ shardcast: writing the checkpoint and ``broadcast``); ``published``: from the ca
 version is on the board with LATEST moved (shardcast: ``broadcast`` returned); ``CPU s/ver``:
 median CPU seconds (user + system) all the method's processes used per version — the trainer,
 relays or middle node, link and islands (background audits included) — the work a version
-costs whatever else the machine runs. Ratios are
+costs whatever else the machine runs; a second table splits it by process (trainer, relays or
+middle node, link, islands). Ratios are
 against shardcast (``sc/this``: how many times more bytes / time shardcast needs) and against
 XOR+zstd-1 (``this/xor``), all measured in the same run.
 

@@ -37,6 +37,10 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
 }
 
 #define ENC_BODY(BLKCNT, EQ32, COLD32, BLOCKCTX, CHANGED)                                  \
+    const rp_kind kdv_ = *kd_, *kd = &kdv_; /* locals: no reloads after every store */     \
+    uint32_t *wrec = w->rec;                                                                \
+    uint64_t *wtail = w->tail, sd0 = 0, sd1 = 0;                                            \
+    int64_t wk = w->k, wnb = w->nb;                                                         \
     uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
     uint32_t rk[JB];                                                                        \
     uint64_t dm[JB / 64];                                                                   \
@@ -105,7 +109,14 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                 rk[i] = tab[cbuf[i]]++;                                                     \
             }                                                                               \
         }                                                                                   \
-        if (any && r->k + JB > r->cap && rp_recs_grow(r)) return -1;                           \
+        if (any && wk + JB >= w->cap) {                                                     \
+            w->k = wk;                                                                      \
+            w->nb = wnb;                                                                    \
+            if (rp_ws_reserve(w, JB)) return -1;                                            \
+            wrec = w->rec;                                                                  \
+            wtail = w->tail;                                                                \
+        }                                                                                   \
+        if (any && r && r->k + JB > r->cap && rp_recs_grow(r)) return -1;                   \
         for (int v = 0; v < JB / 64; v++) {                                                 \
             uint64_t ch = dm[v];                                                            \
             while (ch) { /* no branch per change beyond the loop */                         \
@@ -133,17 +144,25 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                     if (j != cwl) {                                                         \
                         uint64_t wa = word_at(old, nbytes, (uint64_t)j);                    \
                         uint64_t wb = word_at(new_, nbytes, (uint64_t)j);                   \
-                        sd[0] += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j); \
-                        sd[1] += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j); \
+                        sd0 += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j); \
+                        sd1 += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j); \
                         cwl = j;                                                            \
                     }                                                                       \
                 }                                                                           \
-                r->pos[r->k] = (uint32_t)(b0 + i);                                          \
-                r->rank[r->k] = rank;                                                       \
-                r->ctx[r->k] = (uint8_t)c;                                                  \
-                r->oldv[r->k] = elem_get(old, kd->bits, start + b0 + i);                    \
-                r->newv[r->k] = elem_get(new_, kd->bits, start + b0 + i);                   \
-                r->k++;                                                                     \
+                uint64_t ov = elem_get(old, kd->bits, start + b0 + i);                      \
+                uint64_t nv = elem_get(new_, kd->bits, start + b0 + i);                     \
+                {                                                                           \
+                    uint64_t mag;                                                           \
+                    wrec[wk++] = rec_word(kd, rank, c, ov, nv, &mag);                       \
+                    wtail[wnb] = mag - 2;                                                   \
+                    wnb += mag > 1;                                                         \
+                }                                                                           \
+                if (r) { /* the keep path: the diff as well */                              \
+                    r->pos[r->k] = (uint32_t)(b0 + i);                                      \
+                    r->oldv[r->k] = ov;                                                     \
+                    r->newv[r->k] = nv;                                                     \
+                    r->k++;                                                                 \
+                }                                                                           \
             }                                                                               \
             /* many changes: the rp.sum128 change once per word that holds one, apart */   \
             uint64_t cw = masks ? dm[v] : 0;                                                \
@@ -155,19 +174,23 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                 cw &= ~(gm << i0);                                                          \
                 uint64_t j = (uint64_t)(start + b0 + 64 * v + i0) * (uint64_t)kd->bits / 64; \
                 uint64_t wa = word_at(old, nbytes, j), wb = word_at(new_, nbytes, j);       \
-                sd[0] += sum_term(0, wb, j) - sum_term(0, wa, j);                           \
-                sd[1] += sum_term(1, wb, j) - sum_term(1, wa, j);                           \
+                sd0 += sum_term(0, wb, j) - sum_term(0, wa, j);                             \
+                sd1 += sum_term(1, wb, j) - sum_term(1, wa, j);                             \
             }                                                                               \
         }                                                                                   \
         for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
     }                                                                                       \
     for (int t = 0; t < nvc; t++) tab[vc[t]] += cnt[t];                                     \
+    w->k = wk;                                                                              \
+    w->nb = wnb;                                                                            \
+    sd[0] += sd0;                                                                           \
+    sd[1] += sd1;                                                                           \
     return 0;
 
 #define BLOCKCTX_PLAIN block_ctx
-static int enc_pass_scalar(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
-                           size_t nbytes, int64_t start, int64_t n, recs_t *r, uint32_t *tab,
-                           uint64_t sd[2]) {
+static int enc_pass_scalar(const rp_kind *kd_, const uint8_t *old, const uint8_t *new_,
+                           size_t nbytes, int64_t start, int64_t n, recs_t *r, rp_encws *w,
+                           uint32_t *tab, uint64_t sd[2]) {
     ENC_BODY(blkcnt_scalar, eq32_scalar, cold32_scalar, BLOCKCTX_PLAIN, changed_generic)
 }
 
@@ -236,15 +259,38 @@ __attribute__((target("avx2"))) static inline void changed_avx2(const rp_kind *k
     }
 }
 
-__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, const uint8_t *old,
+__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd_, const uint8_t *old,
                                                           const uint8_t *new_, size_t nbytes,
                                                           int64_t start, int64_t n, recs_t *r,
-                                                          uint32_t *tab, uint64_t sd[2]) {
+                                                          rp_encws *w, uint32_t *tab,
+                                                          uint64_t sd[2]) {
 #define BLOCKCTX BLOCKCTX16
     ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2)
 #undef BLOCKCTX
 }
 #endif
+
+/* One chunk: the pass into w (and r when not NULL), then coded into w's streams. */
+static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                      int64_t start, int64_t n, recs_t *r, rp_encws *w, uint64_t sd[2],
+                      const char **err) {
+    int rc = RP_OK;
+    uint32_t tab[NCTX] = {0};
+    uint64_t ncnt[NCTX];
+    w->k = w->nb = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) {
+        if (enc_pass_avx2(kd, old, new_, nbytes, start, n, r, w, tab, sd))
+            FAIL(RP_ENOMEM, "out of memory");
+    } else
+#endif
+    if (enc_pass_scalar(kd, old, new_, nbytes, start, n, r, w, tab, sd))
+        FAIL(RP_ENOMEM, "out of memory");
+    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
+    rc = rp_code_ws(kd, n, ncnt, w, err);
+done:
+    return rc;
+}
 
 int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
                     int64_t start, int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
@@ -259,31 +305,46 @@ int rp_encode_chunk_keep(const rp_kind *kd, const uint8_t *old, const uint8_t *n
                          uint64_t **newv, const char **err) {
     int rc = RP_OK;
     recs_t r = {0};
+    rp_encws w = {0};
+    int keep = pos && oldv && newv;
+    uint64_t sd[2] = {0, 0};
     if (pos) *pos = NULL;
     if (oldv) *oldv = NULL;
     if (newv) *newv = NULL;
-    uint32_t tab[NCTX] = {0};
-    uint64_t ncnt[NCTX], sd[2] = {0, 0};
     *out = NULL;
     *outlen = 0;
     *changed = 0;
     if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) FAIL(RP_EARG, "bad kind or chunk size");
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) {
-        if (enc_pass_avx2(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
-    } else
-#endif
-    if (enc_pass_scalar(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
-    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
-    rc = rp_code_chunk(kd, n, ncnt, &r, out, outlen, err);
-    *changed = r.k;
+    rc = encode_one(kd, old, new_, nbytes, start, n, keep ? &r : NULL, &w, sd, err);
+    if (rc == RP_OK) *changed = w.kdone;
+    if (rc == RP_OK && rp_ws_body(&w, out, outlen)) FAIL(RP_ENOMEM, "out of memory");
     sdelta[0] += sd[0];
     sdelta[1] += sd[1];
-    if (rc == RP_OK && pos && oldv && newv && r.k > 0) { /* hand the records over */
+    if (rc == RP_OK && keep && r.k > 0) { /* hand the records over */
         *pos = r.pos; *oldv = r.oldv; *newv = r.newv;
         r.pos = NULL; r.oldv = NULL; r.newv = NULL;
     }
 done:
     rp_recs_free(&r);
+    rp_ws_free(&w);
+    return rc;
+}
+
+int rp_encode_range(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                    int64_t n, int64_t c0, int64_t c1, rp_obuf *out, int64_t *changed,
+                    uint64_t sdelta[2], rp_encws *ws, const char **err) {
+    int rc = RP_OK;
+    rp_encws own = {0}, *w = ws ? ws : &own;
+    *changed = 0;
+    if (!kind_ok(kd) || n < 0 || c0 < 0 || c1 < c0 || c1 > (n + RP_CHUNK - 1) / RP_CHUNK)
+        FAIL(RP_EARG, "bad kind or chunk range");
+    for (int64_t i = c0; i < c1 && rc == RP_OK; i++) {
+        int64_t s = i * RP_CHUNK, len = n - s < RP_CHUNK ? n - s : RP_CHUNK;
+        rc = encode_one(kd, old, new_, nbytes, s, len, NULL, w, sdelta, err);
+        *changed += w->kdone;
+        if (rc == RP_OK && rp_ws_append(w, out)) FAIL(RP_ENOMEM, "out of memory");
+    }
+done:
+    rp_ws_free(&own);
     return rc;
 }

@@ -78,11 +78,11 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
     return 0;
 }
 
-/* Exp-Golomb of order eg: the length prefix to the unary stream, the low bits to the fixed. */
-static void eg_encode(bw_t *u, bw_t *f, uint64_t x, int eg) {
+/* Exp-Golomb of order eg: the length prefix to the unary stream, the low bits to the fixed
+ * (room reserved by the caller: 2 * bitlen(x + 2^eg) - 1 - eg bits in all). */
+static inline void eg_encode_nc(bw_t *u, bw_t *f, uint64_t x, int eg) {
     uint64_t v = x + (1ULL << eg);
     int len = bitlen64(v);
-    if (bw_reserve(u, 16) || bw_reserve(f, 16)) return; /* <= 64 bits each, + a stored word */
     bw_unary_nc(u, (uint64_t)(len - 1 - eg));
     uint64_t low = v - (1ULL << (len - 1));
     unsigned n = (unsigned)(len - 1);
@@ -100,15 +100,51 @@ static uint64_t eg_cost(const uint64_t *x, uint64_t count, int eg) {
     return cost;
 }
 
-static int best_order(const uint64_t *x, uint64_t count, int bits) {
+/* The Exp-Golomb order with the fewest bits (the smallest on ties, trying 0, 1, ... while
+ * the cost falls), and its cost in *costp. Many values: one pass counts them by bit length L
+ * and by t, the ones leading their L bits; x + 2^e has bit length L + 1 for L > e exactly
+ * when t >= L - e (else L; e + 1 for L <= e), so each order's cost follows from the counts. */
+static int best_order(const uint64_t *x, uint64_t count, int bits, uint64_t *costp) {
     int best = 0, top = bits < 63 ? bits : 63;
-    uint64_t cost = eg_cost(x, count, 0);
-    for (int e = 1; e < top; e++) {
-        uint64_t c = eg_cost(x, count, e);
-        if (c >= cost) break;
+    uint64_t cost = 0;
+    if (count < 256) {
+        cost = eg_cost(x, count, 0);
+        for (int e = 1; e < top; e++) {
+            uint64_t c = eg_cost(x, count, e);
+            if (c >= cost) break;
+            best = e;
+            cost = c;
+        }
+        *costp = cost;
+        return best;
+    }
+    uint32_t h[65][66]; /* h[L][t], then ge[L][m]: how many of length L have t >= m */
+    uint64_t cnt[65];
+    for (int L = 0; L <= 64; L++) memset(h[L], 0, (size_t)(L + 2) * sizeof h[0][0]);
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t v = x[i];
+        int L = bitlen64(v);
+        uint64_t y = L ? ~(v << (64 - L)) : ~0ULL;
+        int t = L ? (y ? __builtin_clzll(y) : 64) : 0;
+        h[L][t]++;
+    }
+    for (int L = 0; L <= 64; L++) {
+        uint32_t acc = 0;
+        for (int m = L; m >= 0; m--) { acc += h[L][m]; h[L][m] = acc; }
+        cnt[L] = acc;
+    }
+    for (int e = 0; e < (top > 1 ? top : 1); e++) {
+        uint64_t c = 0;
+        for (int L = 0; L <= 64; L++) {
+            if (!cnt[L]) continue;
+            if (L <= e) c += cnt[L] * (uint64_t)(e + 1);
+            else c += cnt[L] * (uint64_t)(2 * L - 1 - e) + 2 * (uint64_t)h[L][L - e];
+        }
+        if (e > 0 && c >= cost) break;
         best = e;
         cost = c;
     }
+    *costp = cost;
     return best;
 }
 
@@ -163,15 +199,18 @@ int rp_code_ws(const rp_kind *kd, int64_t n, const uint64_t *ncnt, rp_encws *w,
         memcpy(fill, first, sizeof fill);
         memcpy(tfill, tfirst, sizeof tfill);
         int64_t jb = 0;
-        for (int64_t i = 0; i < k; i++) {
+        for (int64_t i = 0; i < k; i++) { /* a small step's tail goes to slot k, unused */
             uint32_t r = rec[i];
-            unsigned c = (r >> 20) & 255;
+            unsigned c = (r >> 20) & 255, big = (r >> 29) & 1;
             w->grp[fill[c]++] = r;
-            if (r >> 29 & 1) w->tsort[tfill[c]++] = w->tail[jb++];
+            w->tsort[big ? tfill[c] : (uint64_t)k] = w->tail[jb];
+            tfill[c] += big;
+            jb += big;
         }
     }
+    uint64_t egbits[NCTX] = {0};
     for (int c = 0; c < NCTX; c++)
-        if (bc[c]) egc[c] = best_order(w->tsort + tfirst[c], bc[c], kd->bits);
+        if (bc[c]) egc[c] = best_order(w->tsort + tfirst[c], bc[c], kd->bits, &egbits[c]);
     bw_t *pw = &w->pw, *uw = &w->uw, *fw = &w->fw;
     int g = 0;
     for (int c = 0; c < NCTX; c++) g += kc[c] > 0;
@@ -208,8 +247,11 @@ int rp_code_ws(const rp_kind *kd, int64_t n, const uint64_t *ncnt, rp_encws *w,
         }
         bs_encode(uw, fw, set, j, kc[c], w->scr, ~0u);
     }
-    for (int c = 0; c < NCTX; c++) /* (4) their magnitudes */
-        for (uint64_t i = 0; i < bc[c]; i++) eg_encode(uw, fw, w->tsort[tfirst[c] + i], egc[c]);
+    for (int c = 0; c < NCTX; c++) { /* (4) their magnitudes (room: the order's cost) */
+        if (!bc[c] || bw_reserve(uw, egbits[c] / 8 + 16) || bw_reserve(fw, egbits[c] / 8 + 16))
+            continue;
+        for (uint64_t i = 0; i < bc[c]; i++) eg_encode_nc(uw, fw, w->tsort[tfirst[c] + i], egc[c]);
+    }
     bw_pad(uw, 1);
     bw_pad(fw, 0);
     if (pw->oom || uw->oom || fw->oom) FAIL(RP_ENOMEM, "out of memory");

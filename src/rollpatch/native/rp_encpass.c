@@ -36,7 +36,15 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
     return m;
 }
 
-#define ENC_BODY(BLKCNT, EQ32, COLD32, BLOCKCTX, CHANGED)                                  \
+/* The rp.sum128 change of a whole block's words at once (AVX2 only): every word's terms, new
+ * less old (an unchanged word adds zero); 0 where not done (the caller sums per word). */
+static inline int sumblk_none(const uint8_t *a, const uint8_t *b, uint64_t j0, int nw,
+                              uint64_t *s0, uint64_t *s1) {
+    (void)a; (void)b; (void)j0; (void)nw; (void)s0; (void)s1;
+    return 0;
+}
+
+#define ENC_BODY(BLKCNT, EQ32, COLD32, BLOCKCTX, CHANGED, SUMBLK)                          \
     const rp_kind kdv_ = *kd_, *kd = &kdv_; /* locals: no reloads after every store */     \
     uint32_t *wrec = w->rec;                                                                \
     uint64_t *wtail = w->tail, sd0 = 0, sd1 = 0;                                            \
@@ -100,6 +108,9 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
         } else {                                                                            \
             for (int t = 0; t < nvc; t++) bcs[t] = BLKCNT(cbuf, vc[t]);                     \
         }                                                                                   \
+        int vsum = masks && len == JB                                                      \
+                   && SUMBLK(old, new_, (uint64_t)(start + b0) * (uint64_t)kd->bits / 64,   \
+                             JB * kd->bits / 64, &sd0, &sd1);                               \
         for (int v = 0; v * 32 < len; v++) { /* cold elements: ranks through the table */   \
             uint32_t m = COLD32(cbuf + 32 * v, lo, hot);                                    \
             if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                         \
@@ -165,7 +176,7 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                 }                                                                           \
             }                                                                               \
             /* many changes: the rp.sum128 change once per word that holds one, apart */   \
-            uint64_t cw = masks ? dm[v] : 0;                                                \
+            uint64_t cw = masks && !vsum ? dm[v] : 0;                                       \
             const int epw = 64 / kd->bits;                                                  \
             const uint64_t gm = epw >= 64 ? ~0ULL : (1ULL << epw) - 1;                      \
             while (cw) {                                                                    \
@@ -191,7 +202,8 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
 static int enc_pass_scalar(const rp_kind *kd_, const uint8_t *old, const uint8_t *new_,
                            size_t nbytes, int64_t start, int64_t n, recs_t *r, rp_encws *w,
                            uint32_t *tab, uint64_t sd[2]) {
-    ENC_BODY(blkcnt_scalar, eq32_scalar, cold32_scalar, BLOCKCTX_PLAIN, changed_generic)
+    ENC_BODY(blkcnt_scalar, eq32_scalar, cold32_scalar, BLOCKCTX_PLAIN, changed_generic,
+             sumblk_none)
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -204,6 +216,45 @@ __attribute__((target("avx2"))) static inline uint32_t cold32_avx2(const uint8_t
     __m256i tab = _mm256_broadcastsi128_si256(t);
     __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(tab, _mm256_and_si256(idx, _mm256_set1_epi8(15))), in);
     return ~(uint32_t)_mm256_movemask_epi8(h);
+}
+
+/* sum_term(lane, w, j) for four words, lane 0 (rotation 32) or 1 (rotation 17). */
+__attribute__((target("avx2"))) static inline __m256i sum_terms4(__m256i w, __m256i jk, int lane) {
+    __m256i x = _mm256_xor_si256(w, jk);
+    __m256i p = _mm256_mul_epu32(x, _mm256_srli_epi64(x, 32));
+    __m256i r = lane ? _mm256_or_si256(_mm256_slli_epi64(w, 17), _mm256_srli_epi64(w, 47))
+                     : _mm256_shuffle_epi32(w, 0xB1);
+    return _mm256_add_epi64(p, r);
+}
+
+__attribute__((target("avx2"))) static inline int sumblk_avx2(const uint8_t *a, const uint8_t *b,
+                                                               uint64_t j0, int nw, uint64_t *s0,
+                                                               uint64_t *s1) {
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    __m256i jk0 = _mm256_set_epi64x((long long)(SUM_S[0] + (j0 + 3) * SUM_K[0]),
+                                    (long long)(SUM_S[0] + (j0 + 2) * SUM_K[0]),
+                                    (long long)(SUM_S[0] + (j0 + 1) * SUM_K[0]),
+                                    (long long)(SUM_S[0] + j0 * SUM_K[0]));
+    __m256i jk1 = _mm256_set_epi64x((long long)(SUM_S[1] + (j0 + 3) * SUM_K[1]),
+                                    (long long)(SUM_S[1] + (j0 + 2) * SUM_K[1]),
+                                    (long long)(SUM_S[1] + (j0 + 1) * SUM_K[1]),
+                                    (long long)(SUM_S[1] + j0 * SUM_K[1]));
+    const __m256i st0 = _mm256_set1_epi64x((long long)(4 * SUM_K[0]));
+    const __m256i st1 = _mm256_set1_epi64x((long long)(4 * SUM_K[1]));
+    for (int v = 0; v < nw; v += 4) {
+        __m256i wa = _mm256_loadu_si256((const __m256i *)(a + 8 * (j0 + (uint64_t)v)));
+        __m256i wb = _mm256_loadu_si256((const __m256i *)(b + 8 * (j0 + (uint64_t)v)));
+        acc0 = _mm256_add_epi64(acc0, _mm256_sub_epi64(sum_terms4(wb, jk0, 0), sum_terms4(wa, jk0, 0)));
+        acc1 = _mm256_add_epi64(acc1, _mm256_sub_epi64(sum_terms4(wb, jk1, 1), sum_terms4(wa, jk1, 1)));
+        jk0 = _mm256_add_epi64(jk0, st0);
+        jk1 = _mm256_add_epi64(jk1, st1);
+    }
+    uint64_t t0[4], t1[4];
+    _mm256_storeu_si256((__m256i *)t0, acc0);
+    _mm256_storeu_si256((__m256i *)t1, acc1);
+    *s0 += t0[0] + t0[1] + t0[2] + t0[3];
+    *s1 += t1[0] + t1[1] + t1[2] + t1[3];
+    return 1;
 }
 
 /* Change masks of a whole block (JB elements); partial blocks take the generic path. */
@@ -265,7 +316,7 @@ __attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd_, con
                                                           rp_encws *w, uint32_t *tab,
                                                           uint64_t sd[2]) {
 #define BLOCKCTX BLOCKCTX16
-    ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2)
+    ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2, sumblk_avx2)
 #undef BLOCKCTX
 }
 #endif

@@ -116,36 +116,35 @@ class CtxGolombV2:
         chunks) is one job of one ``run`` (a map on a pool of T threads), largest first: at
         most T passes, and T sets of work buffers, at once (not T per tensor)."""
         core = native.require()
-        jobs = [
-            (i, r)
-            for i, (t, _) in enumerate(pairs)
-            for r in _ranges(-(-t.n_elements // CHUNK), threads())
-        ]
-        jobs.sort(key=lambda j: min(j[1][1] * CHUNK, pairs[j[0]][0].n_elements) - j[1][0] * CHUNK)
-        jobs.reverse()
+        nt = threads()
+        args = []  # (kind tuple, old words, new words) per pair
+        jobs = []  # (elements, pair, first chunk, last chunk)
+        for i, (t, u) in enumerate(pairs):
+            n = t.n_elements
+            args.append((native.kind_tuple(t.kind, n), t.data, u.data))
+            for c0, c1 in _ranges(-(-n // CHUNK), nt):
+                jobs.append((min(c1 * CHUNK, n) - c0 * CHUNK, i, c0, c1))
+        jobs.sort(reverse=True)
         # one set of work buffers per thread, kept across its jobs (no fresh pages per job),
-        # all given back when this returns
+        # all given back before the payloads are joined
         spare: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        nws = min(threads(), len(jobs))
+        nws = min(nt, len(jobs))
         for _ in range(nws):
             spare.put(core.Workspace())
 
-        def one(job: tuple[int, tuple[int, int]]) -> tuple[Any, int, int, int]:
-            t, u = pairs[job[0]]
-            kt = native.kind_tuple(t.kind, t.n_elements)
+        def one(job: tuple[int, int, int, int]) -> tuple[Any, int, int, int]:
+            kt, x, y = args[job[1]]
             ws = spare.get()
             try:
-                out: tuple[Any, int, int, int] = core.encode_range_buf(
-                    kt, t.data, u.data, job[1][0], job[1][1], ws
-                )
+                out: tuple[Any, int, int, int] = core.encode_range_buf(kt, x, y, job[2], job[3], ws)
             finally:
                 spare.put(ws)
             return out
 
-        per: list[list[tuple[tuple[int, int], Any]]] = [[] for _ in pairs]
-        for job, res in zip(jobs, run(one, jobs), strict=True):
-            per[job[0]].append((job[1], res))
-        for _ in range(nws):  # the work buffers go back before the payloads are joined
+        per: list[list[tuple[int, Any]]] = [[] for _ in pairs]
+        for job, res in zip(jobs, run(one, jobs) if nws > 1 else map(one, jobs), strict=True):
+            per[job[1]].append((job[2], res))
+        for _ in range(nws):
             spare.get()
         out = []
         for ranges in per:

@@ -518,6 +518,7 @@ static PyObject *py_join_release(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "an item changed size while joining");
         return NULL;
     }
+    if (as_buf) rp_obuf_fit(&((BufObject *)out)->o);
     return out;
 }
 

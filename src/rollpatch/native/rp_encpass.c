@@ -395,6 +395,7 @@ int rp_encode_range(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, 
         *changed += w->kdone;
         if (rc == RP_OK && rp_ws_append(w, out)) FAIL(RP_ENOMEM, "out of memory");
     }
+    rp_obuf_fit(out);
 done:
     rp_ws_free(&own);
     return rc;

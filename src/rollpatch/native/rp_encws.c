@@ -14,7 +14,7 @@
 
 int rp_obuf_reserve(rp_obuf *o, size_t extra) {
     if (o->len + extra <= o->cap) return 0;
-    size_t cap = o->cap ? o->cap : 4096;
+    size_t cap = o->cap ? o->cap : 256;
     while (cap < o->len + extra) cap *= 2;
 #if defined(__linux__)
     if (cap >= OBUF_MAP) {
@@ -40,6 +40,28 @@ int rp_obuf_reserve(rp_obuf *o, size_t extra) {
     o->b = nb;
     o->cap = cap;
     return 0;
+}
+
+/* Give back the room beyond the length (a tensor's payload is kept while the others are
+ * coded: many small ones must not each hold a page or more). */
+void rp_obuf_fit(rp_obuf *o) {
+#if defined(__linux__)
+    if (o->mapped) {
+        size_t cap = (o->len + 4095) & ~(size_t)4095;
+        if (cap && cap < o->cap) {
+            void *p = mremap(o->b, o->cap, cap, 0); /* shrinks in place */
+            if (p != MAP_FAILED) o->cap = cap;
+        }
+        return;
+    }
+#endif
+    if (o->b && o->cap > o->len + 64) {
+        uint8_t *nb = realloc(o->b, o->len ? o->len : 1);
+        if (nb) {
+            o->b = nb;
+            o->cap = o->len ? o->len : 1;
+        }
+    }
 }
 
 void rp_obuf_free(rp_obuf *o) {

@@ -48,6 +48,7 @@ typedef struct {
 } rp_obuf;
 
 int rp_obuf_reserve(rp_obuf *o, size_t extra);
+void rp_obuf_fit(rp_obuf *o); /* gives back the room beyond the length */
 void rp_obuf_free(rp_obuf *o);
 
 /* The encoder's work buffers, reusable from one range to the next (one user at a time). */

@@ -9,7 +9,15 @@ setup(
             "rollpatch.native._rpcore",
             sources=[
                 f"src/rollpatch/native/{f}.c"
-                for f in ("rp_encode", "rp_encpass", "rp_decode", "rp_join", "rp_apply", "module")
+                for f in (
+                    "rp_encode",
+                    "rp_encws",
+                    "rp_encpass",
+                    "rp_decode",
+                    "rp_join",
+                    "rp_apply",
+                    "module",
+                )
             ],
             depends=[
                 "src/rollpatch/native/rpcore.h",

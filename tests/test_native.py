@@ -205,6 +205,39 @@ def test_records_path_gives_the_same_bytes() -> None:
         NATIVE.encode_records(kind, w.size, [broken] + chunks[1:])
 
 
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_encode_views_chunk_ranges_on_threads(
+    threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tensor's chunk ranges are jobs of one pool (largest first) and are put back in
+    order: the bytes equal diff + encode with one thread or several, with tensors of several
+    ranges (over 4 chunks), of one chunk, with no change and with nothing in a range."""
+    from rollpatch.patch import diff, encode, encode_views
+    from rollpatch.view import View
+
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
+    rng = np.random.default_rng(5)
+    a, b = {}, {}
+    for name, n, kind, density in [
+        ("big", 9 * CHUNK + 11, "bf16", 0.003),
+        ("mid", 5 * CHUNK, "e4m3", 0.02),
+        ("small", 1000, "bf16", 0.1),
+        ("same", 3000, "e2m1x2", 0.0),
+        ("tail", 6 * CHUNK + 5, "bf16", 0.0),
+    ]:
+        k = KINDS[kind]
+        w = rng.integers(0, 1 << 8 * k.word_dtype.itemsize, n // (2 if k.packed else 1))
+        x = w.astype(k.word_dtype)
+        y = x.copy()
+        hit = rng.random(x.size) < density
+        y[hit] ^= (rng.integers(1, 4, int(hit.sum()))).astype(k.word_dtype)
+        if name == "tail":  # changes in the last range only
+            y[-100:] ^= 1
+        a[name], b[name] = Tensor(k, (x.size,), x), Tensor(k, (y.size,), y)
+    va, vb = View(a), View(b)
+    assert encode_views(va, vb) == encode(diff(va, vb), va)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_encode_views_equals_encode_of_diff(seed: int) -> None:
     """The fused one-pass encoder writes the same bytes as diff + encode, ops of every kind."""

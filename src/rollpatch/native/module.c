@@ -112,6 +112,119 @@ out:
     return res;
 }
 
+/* Buf: a read-only buffer over an rp_obuf (a payload the core wrote); freeing it gives a
+ * large one's pages back at once, so a payload copied into the patch stops costing memory. */
+typedef struct {
+    PyObject_HEAD
+    rp_obuf o;
+} BufObject;
+
+static int buf_getbuffer(PyObject *self, Py_buffer *view, int flags) {
+    BufObject *b = (BufObject *)self;
+    return PyBuffer_FillInfo(view, self, b->o.b ? (void *)b->o.b : (void *)"",
+                             (Py_ssize_t)b->o.len, 1, flags);
+}
+
+static void buf_dealloc(PyObject *self) {
+    rp_obuf_free(&((BufObject *)self)->o);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static Py_ssize_t buf_length(PyObject *self) { return (Py_ssize_t)((BufObject *)self)->o.len; }
+
+static PyBufferProcs buf_as_buffer = {buf_getbuffer, NULL};
+static PyMappingMethods buf_as_mapping = {buf_length, NULL, NULL};
+
+static PyTypeObject BufType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rollpatch.native._rpcore.Buf",
+    .tp_basicsize = sizeof(BufObject),
+    .tp_dealloc = buf_dealloc,
+    .tp_as_buffer = &buf_as_buffer,
+    .tp_as_mapping = &buf_as_mapping,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A payload written by the native core (read-only buffer).",
+};
+
+static BufObject *buf_new(void) {
+    BufObject *b = PyObject_New(BufObject, &BufType);
+    if (b) memset(&b->o, 0, sizeof b->o);
+    return b;
+}
+
+/* Workspace: the encoder's work buffers, kept from one encode_range_buf call to the next (a
+ * caller hands each to one call at a time); freed with the object. */
+typedef struct {
+    PyObject_HEAD
+    rp_encws *w;
+    int busy;
+} WsObject;
+
+static void ws_dealloc(PyObject *self) {
+    rp_ws_delete(((WsObject *)self)->w);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyObject *ws_tp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    WsObject *o = (WsObject *)type->tp_alloc(type, 0);
+    if (!o) return NULL;
+    o->w = rp_ws_new();
+    if (!o->w) { Py_DECREF(o); return PyErr_NoMemory(); }
+    return (PyObject *)o;
+}
+
+static PyTypeObject WsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rollpatch.native._rpcore.Workspace",
+    .tp_basicsize = sizeof(WsObject),
+    .tp_dealloc = ws_dealloc,
+    .tp_new = ws_tp_new,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The encoder's work buffers, reused across encode_range_buf calls.",
+};
+
+/* encode_range_buf(kind, a, b, c0, c1[, workspace]) -> (Buf, changed, sd0, sd1): chunks
+ * [c0, c1) of a tensor as payload bytes (varint length + body per chunk), in one buffer. */
+static PyObject *py_encode_range_buf(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer a = {0}, b = {0};
+    Py_ssize_t c0, c1;
+    rp_kind k;
+    int64_t n, changed = 0;
+    WsObject *ws = NULL;
+    if (!PyArg_ParseTuple(args, "Oy*y*nn|O!", &kt, &a, &b, &c0, &c1, &WsType, &ws)) return NULL;
+    BufObject *out = NULL;
+    if (ws && ws->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the workspace is in use by another call");
+        ws = NULL;
+        goto out;
+    }
+    if (ws) ws->busy = 1;
+    if (kind_arg(kt, &k) || elem_count(&k, a.len, &n)) goto out;
+    if (a.len != b.len) {
+        PyErr_SetString(PyExc_ValueError, "buffers differ in size");
+        goto out;
+    }
+    out = buf_new();
+    if (!out) goto out;
+    int rc;
+    const char *err = NULL;
+    uint64_t sd[2] = {0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_encode_range(&k, a.buf, b.buf, (size_t)a.len, n, c0, c1, &out->o, &changed, sd,
+                         ws ? ws->w : NULL, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = Py_BuildValue("(OLKK)", (PyObject *)out, (long long)changed, (unsigned long long)sd[0],
+                        (unsigned long long)sd[1]);
+out:
+    if (ws) ws->busy = 0;
+    Py_XDECREF(out);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return res;
+}
+
 static PyObject *py_encode_range(PyObject *self, PyObject *args) {
     return encode_range_impl(args, 0);
 }
@@ -356,7 +469,8 @@ out:
  * result fills (the result and the parts are never all resident at once). */
 static PyObject *py_join_release(PyObject *self, PyObject *args) {
     PyObject *lst;
-    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &lst)) return NULL;
+    int as_buf = 0; /* join_release(list, True) -> Buf (a native buffer) instead of bytes */
+    if (!PyArg_ParseTuple(args, "O!|p", &PyList_Type, &lst, &as_buf)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(lst), total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer b;
@@ -369,9 +483,20 @@ static PyObject *py_join_release(PyObject *self, PyObject *args) {
         total += b.len;
         PyBuffer_Release(&b);
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
-    if (!out) return NULL;
-    char *dst = PyBytes_AS_STRING(out);
+    PyObject *out;
+    char *dst;
+    if (as_buf) {
+        BufObject *bo = buf_new();
+        if (!bo) return NULL;
+        if (rp_obuf_reserve(&bo->o, (size_t)total + 1)) { Py_DECREF(bo); return PyErr_NoMemory(); }
+        bo->o.len = (size_t)total;
+        out = (PyObject *)bo;
+        dst = (char *)bo->o.b;
+    } else {
+        out = PyBytes_FromStringAndSize(NULL, total);
+        if (!out) return NULL;
+        dst = PyBytes_AS_STRING(out);
+    }
     Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer b;
@@ -393,6 +518,7 @@ static PyObject *py_join_release(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "an item changed size while joining");
         return NULL;
     }
+    if (as_buf) rp_obuf_fit(&((BufObject *)out)->o);
     return out;
 }
 
@@ -545,6 +671,8 @@ static PyObject *py_set_errors(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode_range", py_encode_range, METH_VARARGS, "Encode chunks [first, last) of a tensor."},
+    {"encode_range_buf", py_encode_range_buf, METH_VARARGS,
+     "Encode chunks [first, last) of a tensor into one payload buffer."},
     {"encode_range_keep", py_encode_range_keep, METH_VARARGS,
      "encode_range, plus each chunk's changes (positions, old and new elements)."},
     {"encode_sparse", py_encode_sparse, METH_VARARGS, "Encode one chunk from its changes."},
@@ -552,7 +680,7 @@ static PyMethodDef methods[] = {
     {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},
     {"decode_range", py_decode_range, METH_VARARGS, "Decode chunks [first, last)."},
     {"sum128", py_sum128, METH_VARARGS, "rp.sum128 state of a word range."},
-    {"join_release", py_join_release, METH_VARARGS, "Concatenate a list of buffers into bytes, releasing each."},
+    {"join_release", py_join_release, METH_VARARGS, "Concatenate a list of buffers into bytes (or a Buf), releasing each."},
     {"apply", py_apply, METH_VARARGS, "Check old, write new; returns the sum128 change."},
     {"gather", py_gather, METH_VARARGS, "Gather elements at positions."},
     {"compose", py_compose, METH_VARARGS, "Merge two sorted change lists (p then q)."},
@@ -564,7 +692,16 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_rpcore", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__rpcore(void) {
+    if (PyType_Ready(&BufType) < 0 || PyType_Ready(&WsType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moddef);
+    if (m) {
+        Py_INCREF(&WsType);
+        if (PyModule_AddObject(m, "Workspace", (PyObject *)&WsType) < 0) {
+            Py_DECREF(&WsType);
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
     if (m) PyModule_AddIntConstant(m, "CHUNK", (long)RP_CHUNK);
     if (m) PyModule_AddIntConstant(m, "DECODE_HASH", 1); /* decode_range(..., write, hash) */
     return m;

@@ -28,7 +28,7 @@ static inline void bw_unary_nc(bw_t *w, uint64_t q) {
  * The streams are reserved up front (unary: at most n/m + c bits; fixed: c * b bits, or n
  * raw bits); q = g / m by a 64-bit reciprocal, exact for g, m < 2^32. */
 static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t n,
-                     uint32_t *scratch) {
+                     uint32_t *scratch, uint32_t sm) { /* sm: the bits of set[] that count */
     if (j == 0 || j == n) return 0;
     int comp = 2 * j > n;
     uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
@@ -38,7 +38,7 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
         for (uint64_t p = 0; p < n; p += 32) {
             unsigned take = n - p < 32 ? (unsigned)(n - p) : 32;
             uint32_t word = 0;
-            for (; s < j && set[s] < p + take; s++) word |= 1u << (take - 1 - (set[s] - p));
+            for (; s < j && (set[s] & sm) < p + take; s++) word |= 1u << (take - 1 - ((set[s] & sm) - p));
             bw_put32_nc(f, word, take);
         }
         return 0;
@@ -49,8 +49,8 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
     int64_t prev = -1;
     if (!comp) { /* the set slots are the minority */
         for (uint64_t i = 0; i < c; i++) {
-            uint64_t g = (uint64_t)((int64_t)set[i] - prev - 1);
-            prev = (int64_t)set[i];
+            uint64_t g = (uint64_t)((int64_t)(set[i] & sm) - prev - 1);
+            prev = (int64_t)(set[i] & sm);
             uint64_t q = (uint64_t)(((unsigned __int128)g * minv) >> 64);
             bw_unary_nc(u, q);
             scratch[i] = (uint32_t)(g - q * m);
@@ -58,7 +58,7 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
     } else { /* the clear slots: walk the gaps between set ones */
         uint64_t i = 0, s = 0;
         for (uint64_t p = 0; i < c; p++) {
-            if (s < j && set[s] == p) { s++; continue; }
+            if (s < j && (set[s] & sm) == p) { s++; continue; }
             uint64_t g = (uint64_t)((int64_t)p - prev - 1);
             prev = (int64_t)p;
             uint64_t q = (uint64_t)(((unsigned __int128)g * minv) >> 64);
@@ -78,11 +78,11 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
     return 0;
 }
 
-/* Exp-Golomb of order eg: the length prefix to the unary stream, the low bits to the fixed. */
-static void eg_encode(bw_t *u, bw_t *f, uint64_t x, int eg) {
+/* Exp-Golomb of order eg: the length prefix to the unary stream, the low bits to the fixed
+ * (room reserved by the caller: 2 * bitlen(x + 2^eg) - 1 - eg bits in all). */
+static inline void eg_encode_nc(bw_t *u, bw_t *f, uint64_t x, int eg) {
     uint64_t v = x + (1ULL << eg);
     int len = bitlen64(v);
-    if (bw_reserve(u, 16) || bw_reserve(f, 16)) return; /* <= 64 bits each, + a stored word */
     bw_unary_nc(u, (uint64_t)(len - 1 - eg));
     uint64_t low = v - (1ULL << (len - 1));
     unsigned n = (unsigned)(len - 1);
@@ -100,15 +100,51 @@ static uint64_t eg_cost(const uint64_t *x, uint64_t count, int eg) {
     return cost;
 }
 
-static int best_order(const uint64_t *x, uint64_t count, int bits) {
+/* The Exp-Golomb order with the fewest bits (the smallest on ties, trying 0, 1, ... while
+ * the cost falls), and its cost in *costp. Many values: one pass counts them by bit length L
+ * and by t, the ones leading their L bits; x + 2^e has bit length L + 1 for L > e exactly
+ * when t >= L - e (else L; e + 1 for L <= e), so each order's cost follows from the counts. */
+static int best_order(const uint64_t *x, uint64_t count, int bits, uint64_t *costp) {
     int best = 0, top = bits < 63 ? bits : 63;
-    uint64_t cost = eg_cost(x, count, 0);
-    for (int e = 1; e < top; e++) {
-        uint64_t c = eg_cost(x, count, e);
-        if (c >= cost) break;
+    uint64_t cost = 0;
+    if (count < 256) {
+        cost = eg_cost(x, count, 0);
+        for (int e = 1; e < top; e++) {
+            uint64_t c = eg_cost(x, count, e);
+            if (c >= cost) break;
+            best = e;
+            cost = c;
+        }
+        *costp = cost;
+        return best;
+    }
+    uint32_t h[65][66]; /* h[L][t], then ge[L][m]: how many of length L have t >= m */
+    uint64_t cnt[65];
+    for (int L = 0; L <= 64; L++) memset(h[L], 0, (size_t)(L + 2) * sizeof h[0][0]);
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t v = x[i];
+        int L = bitlen64(v);
+        uint64_t y = L ? ~(v << (64 - L)) : ~0ULL;
+        int t = L ? (y ? __builtin_clzll(y) : 64) : 0;
+        h[L][t]++;
+    }
+    for (int L = 0; L <= 64; L++) {
+        uint32_t acc = 0;
+        for (int m = L; m >= 0; m--) { acc += h[L][m]; h[L][m] = acc; }
+        cnt[L] = acc;
+    }
+    for (int e = 0; e < (top > 1 ? top : 1); e++) {
+        uint64_t c = 0;
+        for (int L = 0; L <= 64; L++) {
+            if (!cnt[L]) continue;
+            if (L <= e) c += cnt[L] * (uint64_t)(e + 1);
+            else c += cnt[L] * (uint64_t)(2 * L - 1 - e) + 2 * (uint64_t)h[L][L - e];
+        }
+        if (e > 0 && c >= cost) break;
         best = e;
         cost = c;
     }
+    *costp = cost;
     return best;
 }
 
@@ -134,101 +170,111 @@ void rp_recs_free(recs_t *r) {
     free(r->pos); free(r->rank); free(r->ctx); free(r->oldv); free(r->newv);
 }
 
-/* Code the records (position order) of one chunk whose context sizes are ncnt. */
-int rp_code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const recs_t *r,
-                      uint8_t **out, size_t *outlen, const char **err) {
+static void bw_reset(bw_t *w) { w->len = 0; w->acc = 0; w->nacc = 0; w->oom = 0; }
+
+int rp_code_ws(const rp_kind *kd, int64_t n, const uint64_t *ncnt, rp_encws *w,
+               const char **err) {
     int rc = RP_OK;
-    int64_t k = r->k;
-    uint64_t kc[NCTX] = {0}, bc[NCTX] = {0}, first[NCTX];
+    int64_t k = w->k;
+    uint64_t kc[NCTX] = {0}, bc[NCTX] = {0}, first[NCTX], tfirst[NCTX], k_s = 0;
     int egc[NCTX] = {0};
-    uint32_t *order = NULL, *buf = NULL, *scratch = NULL;
-    uint64_t *mag = NULL, *tails = NULL;
-    uint8_t *outw = NULL;
-    bw_t pw = {0}, uw = {0}, fw = {0}, ow = {0};
-    *out = NULL;
-    *outlen = 0;
+    bw_reset(&w->pw); bw_reset(&w->uw); bw_reset(&w->fw);
+    w->kdone = k;
     if (k == 0) return RP_OK;
-    order = malloc(k * 4);
-    buf = malloc(k * 4);
-    scratch = malloc((k + 1) * 4); /* a minority is never larger than k */
-    mag = malloc(k * 8);
-    tails = malloc(k * 8);
-    outw = malloc(k);
-    if (!order || !buf || !scratch || !mag || !tails || !outw) FAIL(RP_ENOMEM, "out of memory");
-    uint64_t s = ksign(kd->bits), msk = kmask(kd->bits), k_s = 0;
+    if (rp_ws_reserve_coder(w, k)) FAIL(RP_ENOMEM, "out of memory");
+    const uint32_t *rec = w->rec;
     for (int64_t i = 0; i < k; i++) {
-        kc[r->ctx[i]]++;
-        uint64_t d = (to_key(kd, r->newv[i]) - to_key(kd, r->oldv[i])) & msk;
-        int positive = d < s;
-        mag[i] = positive ? d : (0 - d) & msk;
-        int neg = kd->order != RP_UNSIGNED && (r->oldv[i] & s);
-        outw[i] = (uint8_t)(positive ^ neg);
-        k_s += outw[i];
+        uint32_t r = rec[i];
+        kc[(r >> 20) & 255]++;
+        bc[(r >> 20) & 255] += (r >> 29) & 1;
+        k_s += (r >> 28) & 1;
     }
-    uint64_t acc = 0; /* stable counting sort of the records by context */
-    for (int c = 0; c < NCTX; c++) { first[c] = acc; acc += kc[c]; }
-    {
-        uint64_t fill[NCTX];
-        memcpy(fill, first, sizeof fill);
-        for (int64_t i = 0; i < k; i++) order[fill[r->ctx[i]]++] = (uint32_t)i;
-    }
+    uint64_t acc = 0, tacc = 0; /* stable counting sort of the records by context */
     for (int c = 0; c < NCTX; c++) {
-        uint64_t nt = 0;
-        for (uint64_t i = first[c]; i < first[c] + kc[c]; i++) { /* no branch per record */
-            uint64_t mg = mag[order[i]];
-            tails[first[c] + nt] = mg - 2;
-            nt += mg > 1;
-        }
-        bc[c] = nt;
-        egc[c] = best_order(tails + first[c], nt, kd->bits);
+        first[c] = acc; acc += kc[c];
+        tfirst[c] = tacc; tacc += bc[c];
     }
+    {
+        uint64_t fill[NCTX], tfill[NCTX];
+        memcpy(fill, first, sizeof fill);
+        memcpy(tfill, tfirst, sizeof tfill);
+        int64_t jb = 0;
+        for (int64_t i = 0; i < k; i++) { /* a small step's tail goes to slot k, unused */
+            uint32_t r = rec[i];
+            unsigned c = (r >> 20) & 255, big = (r >> 29) & 1;
+            w->grp[fill[c]++] = r;
+            w->tsort[big ? tfill[c] : (uint64_t)k] = w->tail[jb];
+            tfill[c] += big;
+            jb += big;
+        }
+    }
+    uint64_t egbits[NCTX] = {0};
+    for (int c = 0; c < NCTX; c++)
+        if (bc[c]) egc[c] = best_order(w->tsort + tfirst[c], bc[c], kd->bits, &egbits[c]);
+    bw_t *pw = &w->pw, *uw = &w->uw, *fw = &w->fw;
     int g = 0;
     for (int c = 0; c < NCTX; c++) g += kc[c] > 0;
-    varint(&pw, (uint64_t)g);
+    varint(pw, (uint64_t)g);
     for (int c = 0; c < NCTX; c++) {
         if (!kc[c]) continue;
-        varint(&pw, (uint64_t)c);
-        varint(&pw, ncnt[c]);
-        varint(&pw, kc[c]);
-        varint(&pw, bc[c]);
-        varint(&pw, (uint64_t)egc[c]);
+        varint(pw, (uint64_t)c);
+        varint(pw, ncnt[c]);
+        varint(pw, kc[c]);
+        varint(pw, bc[c]);
+        varint(pw, (uint64_t)egc[c]);
     }
-    varint(&pw, k_s);
-    for (int c = 0; c < NCTX; c++) { /* (1) changed ranks per context */
-        if (!kc[c]) continue;
-        for (uint64_t i = 0; i < kc[c]; i++) buf[i] = r->rank[order[first[c] + i]];
-        bs_encode(&uw, &fw, buf, kc[c], ncnt[c], scratch);
-    }
-    {   /* (2) outward flags over all changes in position order */
+    varint(pw, k_s);
+    for (int c = 0; c < NCTX; c++) /* (1) changed ranks per context */
+        if (kc[c]) bs_encode(uw, fw, w->grp + first[c], kc[c], ncnt[c], w->scr, REC_RANK);
+    {   /* (2) outward flags over all changes in position order (rec compacted in place) */
+        uint32_t *set = w->rec;
         uint64_t j = 0;
-        for (int64_t i = 0; i < k; i++) { buf[j] = (uint32_t)i; j += outw[i]; }
-        bs_encode(&uw, &fw, buf, j, (uint64_t)k, scratch);
+        for (int64_t i = 0; i < k; i++) {
+            uint32_t r = set[i];
+            set[j] = (uint32_t)i;
+            j += (r >> 28) & 1;
+        }
+        bs_encode(uw, fw, set, j, (uint64_t)k, w->scr, ~0u);
     }
     for (int c = 0; c < NCTX; c++) { /* (3) which have |step| > 1, per context */
         if (!kc[c]) continue;
+        const uint32_t *gr = w->grp + first[c];
+        uint32_t *set = w->rec;
         uint64_t j = 0;
         for (uint64_t i = 0; i < kc[c]; i++) {
-            buf[j] = (uint32_t)i;
-            j += mag[order[first[c] + i]] > 1;
+            set[j] = (uint32_t)i;
+            j += (gr[i] >> 29) & 1;
         }
-        bs_encode(&uw, &fw, buf, j, kc[c], scratch);
+        bs_encode(uw, fw, set, j, kc[c], w->scr, ~0u);
     }
-    for (int c = 0; c < NCTX; c++) /* (4) their magnitudes */
-        for (uint64_t i = 0; i < bc[c]; i++) eg_encode(&uw, &fw, tails[first[c] + i], egc[c]);
-    bw_pad(&uw, 1);
-    bw_pad(&fw, 0);
-    varint(&ow, pw.len);
-    bw_bytes(&ow, pw.b, pw.len);
-    varint(&ow, uw.len);
-    bw_bytes(&ow, uw.b, uw.len);
-    bw_bytes(&ow, fw.b, fw.len);
-    if (pw.oom || uw.oom || fw.oom || ow.oom) FAIL(RP_ENOMEM, "out of memory");
-    *out = ow.b;
-    *outlen = ow.len;
-    ow.b = NULL;
+    for (int c = 0; c < NCTX; c++) { /* (4) their magnitudes (room: the order's cost) */
+        if (!bc[c] || bw_reserve(uw, egbits[c] / 8 + 16) || bw_reserve(fw, egbits[c] / 8 + 16))
+            continue;
+        for (uint64_t i = 0; i < bc[c]; i++) eg_encode_nc(uw, fw, w->tsort[tfirst[c] + i], egc[c]);
+    }
+    bw_pad(uw, 1);
+    bw_pad(fw, 0);
+    if (pw->oom || uw->oom || fw->oom) FAIL(RP_ENOMEM, "out of memory");
 done:
-    free(order); free(buf); free(scratch); free(mag); free(tails); free(outw);
-    free(pw.b); free(uw.b); free(fw.b); free(ow.b);
+    w->k = 0;
+    w->nb = 0;
+    return rc;
+}
+
+/* Code the records (position order) of one chunk whose context sizes are ncnt. */
+int rp_code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const recs_t *r,
+                  uint8_t **out, size_t *outlen, const char **err) {
+    int rc = RP_OK;
+    rp_encws w = {0};
+    *out = NULL;
+    *outlen = 0;
+    if (r->k == 0) return RP_OK;
+    if (rp_ws_reserve(&w, r->k)) FAIL(RP_ENOMEM, "out of memory");
+    for (int64_t i = 0; i < r->k; i++) ws_record(&w, kd, r->rank[i], r->ctx[i], r->oldv[i], r->newv[i]);
+    rc = rp_code_ws(kd, n, ncnt, &w, err);
+    if (rc == RP_OK && rp_ws_body(&w, out, outlen)) FAIL(RP_ENOMEM, "out of memory");
+done:
+    rp_ws_free(&w);
     return rc;
 }
 

@@ -36,7 +36,19 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
     return m;
 }
 
-#define ENC_BODY(BLKCNT, EQ32, COLD32, BLOCKCTX, CHANGED)                                  \
+/* The rp.sum128 change of a whole block's words at once (AVX2 only): every word's terms, new
+ * less old (an unchanged word adds zero); 0 where not done (the caller sums per word). */
+static inline int sumblk_none(const uint8_t *a, const uint8_t *b, uint64_t j0, int nw,
+                              uint64_t *s0, uint64_t *s1) {
+    (void)a; (void)b; (void)j0; (void)nw; (void)s0; (void)s1;
+    return 0;
+}
+
+#define ENC_BODY(BLKCNT, EQ32, COLD32, BLOCKCTX, CHANGED, SUMBLK)                          \
+    const rp_kind kdv_ = *kd_, *kd = &kdv_; /* locals: no reloads after every store */     \
+    uint32_t *wrec = w->rec;                                                                \
+    uint64_t *wtail = w->tail, sd0 = 0, sd1 = 0;                                            \
+    int64_t wk = w->k, wnb = w->nb;                                                         \
     uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
     uint32_t rk[JB];                                                                        \
     uint64_t dm[JB / 64];                                                                   \
@@ -96,6 +108,9 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
         } else {                                                                            \
             for (int t = 0; t < nvc; t++) bcs[t] = BLKCNT(cbuf, vc[t]);                     \
         }                                                                                   \
+        int vsum = masks && len == JB                                                      \
+                   && SUMBLK(old, new_, (uint64_t)(start + b0) * (uint64_t)kd->bits / 64,   \
+                             JB * kd->bits / 64, &sd0, &sd1);                               \
         for (int v = 0; v * 32 < len; v++) { /* cold elements: ranks through the table */   \
             uint32_t m = COLD32(cbuf + 32 * v, lo, hot);                                    \
             if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                         \
@@ -105,7 +120,14 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                 rk[i] = tab[cbuf[i]]++;                                                     \
             }                                                                               \
         }                                                                                   \
-        if (any && r->k + JB > r->cap && rp_recs_grow(r)) return -1;                           \
+        if (any && wk + JB >= w->cap) {                                                     \
+            w->k = wk;                                                                      \
+            w->nb = wnb;                                                                    \
+            if (rp_ws_reserve(w, JB)) return -1;                                            \
+            wrec = w->rec;                                                                  \
+            wtail = w->tail;                                                                \
+        }                                                                                   \
+        if (any && r && r->k + JB > r->cap && rp_recs_grow(r)) return -1;                   \
         for (int v = 0; v < JB / 64; v++) {                                                 \
             uint64_t ch = dm[v];                                                            \
             while (ch) { /* no branch per change beyond the loop */                         \
@@ -133,20 +155,28 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                     if (j != cwl) {                                                         \
                         uint64_t wa = word_at(old, nbytes, (uint64_t)j);                    \
                         uint64_t wb = word_at(new_, nbytes, (uint64_t)j);                   \
-                        sd[0] += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j); \
-                        sd[1] += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j); \
+                        sd0 += sum_term(0, wb, (uint64_t)j) - sum_term(0, wa, (uint64_t)j); \
+                        sd1 += sum_term(1, wb, (uint64_t)j) - sum_term(1, wa, (uint64_t)j); \
                         cwl = j;                                                            \
                     }                                                                       \
                 }                                                                           \
-                r->pos[r->k] = (uint32_t)(b0 + i);                                          \
-                r->rank[r->k] = rank;                                                       \
-                r->ctx[r->k] = (uint8_t)c;                                                  \
-                r->oldv[r->k] = elem_get(old, kd->bits, start + b0 + i);                    \
-                r->newv[r->k] = elem_get(new_, kd->bits, start + b0 + i);                   \
-                r->k++;                                                                     \
+                uint64_t ov = elem_get(old, kd->bits, start + b0 + i);                      \
+                uint64_t nv = elem_get(new_, kd->bits, start + b0 + i);                     \
+                {                                                                           \
+                    uint64_t mag;                                                           \
+                    wrec[wk++] = rec_word(kd, rank, c, ov, nv, &mag);                       \
+                    wtail[wnb] = mag - 2;                                                   \
+                    wnb += mag > 1;                                                         \
+                }                                                                           \
+                if (r) { /* the keep path: the diff as well */                              \
+                    r->pos[r->k] = (uint32_t)(b0 + i);                                      \
+                    r->oldv[r->k] = ov;                                                     \
+                    r->newv[r->k] = nv;                                                     \
+                    r->k++;                                                                 \
+                }                                                                           \
             }                                                                               \
             /* many changes: the rp.sum128 change once per word that holds one, apart */   \
-            uint64_t cw = masks ? dm[v] : 0;                                                \
+            uint64_t cw = masks && !vsum ? dm[v] : 0;                                       \
             const int epw = 64 / kd->bits;                                                  \
             const uint64_t gm = epw >= 64 ? ~0ULL : (1ULL << epw) - 1;                      \
             while (cw) {                                                                    \
@@ -155,20 +185,25 @@ static inline uint32_t cold32_scalar(const uint8_t *p, int lo, const uint8_t *ho
                 cw &= ~(gm << i0);                                                          \
                 uint64_t j = (uint64_t)(start + b0 + 64 * v + i0) * (uint64_t)kd->bits / 64; \
                 uint64_t wa = word_at(old, nbytes, j), wb = word_at(new_, nbytes, j);       \
-                sd[0] += sum_term(0, wb, j) - sum_term(0, wa, j);                           \
-                sd[1] += sum_term(1, wb, j) - sum_term(1, wa, j);                           \
+                sd0 += sum_term(0, wb, j) - sum_term(0, wa, j);                             \
+                sd1 += sum_term(1, wb, j) - sum_term(1, wa, j);                             \
             }                                                                               \
         }                                                                                   \
         for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
     }                                                                                       \
     for (int t = 0; t < nvc; t++) tab[vc[t]] += cnt[t];                                     \
+    w->k = wk;                                                                              \
+    w->nb = wnb;                                                                            \
+    sd[0] += sd0;                                                                           \
+    sd[1] += sd1;                                                                           \
     return 0;
 
 #define BLOCKCTX_PLAIN block_ctx
-static int enc_pass_scalar(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
-                           size_t nbytes, int64_t start, int64_t n, recs_t *r, uint32_t *tab,
-                           uint64_t sd[2]) {
-    ENC_BODY(blkcnt_scalar, eq32_scalar, cold32_scalar, BLOCKCTX_PLAIN, changed_generic)
+static int enc_pass_scalar(const rp_kind *kd_, const uint8_t *old, const uint8_t *new_,
+                           size_t nbytes, int64_t start, int64_t n, recs_t *r, rp_encws *w,
+                           uint32_t *tab, uint64_t sd[2]) {
+    ENC_BODY(blkcnt_scalar, eq32_scalar, cold32_scalar, BLOCKCTX_PLAIN, changed_generic,
+             sumblk_none)
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -181,6 +216,45 @@ __attribute__((target("avx2"))) static inline uint32_t cold32_avx2(const uint8_t
     __m256i tab = _mm256_broadcastsi128_si256(t);
     __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(tab, _mm256_and_si256(idx, _mm256_set1_epi8(15))), in);
     return ~(uint32_t)_mm256_movemask_epi8(h);
+}
+
+/* sum_term(lane, w, j) for four words, lane 0 (rotation 32) or 1 (rotation 17). */
+__attribute__((target("avx2"))) static inline __m256i sum_terms4(__m256i w, __m256i jk, int lane) {
+    __m256i x = _mm256_xor_si256(w, jk);
+    __m256i p = _mm256_mul_epu32(x, _mm256_srli_epi64(x, 32));
+    __m256i r = lane ? _mm256_or_si256(_mm256_slli_epi64(w, 17), _mm256_srli_epi64(w, 47))
+                     : _mm256_shuffle_epi32(w, 0xB1);
+    return _mm256_add_epi64(p, r);
+}
+
+__attribute__((target("avx2"))) static inline int sumblk_avx2(const uint8_t *a, const uint8_t *b,
+                                                               uint64_t j0, int nw, uint64_t *s0,
+                                                               uint64_t *s1) {
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    __m256i jk0 = _mm256_set_epi64x((long long)(SUM_S[0] + (j0 + 3) * SUM_K[0]),
+                                    (long long)(SUM_S[0] + (j0 + 2) * SUM_K[0]),
+                                    (long long)(SUM_S[0] + (j0 + 1) * SUM_K[0]),
+                                    (long long)(SUM_S[0] + j0 * SUM_K[0]));
+    __m256i jk1 = _mm256_set_epi64x((long long)(SUM_S[1] + (j0 + 3) * SUM_K[1]),
+                                    (long long)(SUM_S[1] + (j0 + 2) * SUM_K[1]),
+                                    (long long)(SUM_S[1] + (j0 + 1) * SUM_K[1]),
+                                    (long long)(SUM_S[1] + j0 * SUM_K[1]));
+    const __m256i st0 = _mm256_set1_epi64x((long long)(4 * SUM_K[0]));
+    const __m256i st1 = _mm256_set1_epi64x((long long)(4 * SUM_K[1]));
+    for (int v = 0; v < nw; v += 4) {
+        __m256i wa = _mm256_loadu_si256((const __m256i *)(a + 8 * (j0 + (uint64_t)v)));
+        __m256i wb = _mm256_loadu_si256((const __m256i *)(b + 8 * (j0 + (uint64_t)v)));
+        acc0 = _mm256_add_epi64(acc0, _mm256_sub_epi64(sum_terms4(wb, jk0, 0), sum_terms4(wa, jk0, 0)));
+        acc1 = _mm256_add_epi64(acc1, _mm256_sub_epi64(sum_terms4(wb, jk1, 1), sum_terms4(wa, jk1, 1)));
+        jk0 = _mm256_add_epi64(jk0, st0);
+        jk1 = _mm256_add_epi64(jk1, st1);
+    }
+    uint64_t t0[4], t1[4];
+    _mm256_storeu_si256((__m256i *)t0, acc0);
+    _mm256_storeu_si256((__m256i *)t1, acc1);
+    *s0 += t0[0] + t0[1] + t0[2] + t0[3];
+    *s1 += t1[0] + t1[1] + t1[2] + t1[3];
+    return 1;
 }
 
 /* Change masks of a whole block (JB elements); partial blocks take the generic path. */
@@ -236,15 +310,38 @@ __attribute__((target("avx2"))) static inline void changed_avx2(const rp_kind *k
     }
 }
 
-__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd, const uint8_t *old,
+__attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd_, const uint8_t *old,
                                                           const uint8_t *new_, size_t nbytes,
                                                           int64_t start, int64_t n, recs_t *r,
-                                                          uint32_t *tab, uint64_t sd[2]) {
+                                                          rp_encws *w, uint32_t *tab,
+                                                          uint64_t sd[2]) {
 #define BLOCKCTX BLOCKCTX16
-    ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2)
+    ENC_BODY(blkcnt_avx2, eq32_avx2, cold32_avx2, BLOCKCTX, changed_avx2, sumblk_avx2)
 #undef BLOCKCTX
 }
 #endif
+
+/* One chunk: the pass into w (and r when not NULL), then coded into w's streams. */
+static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                      int64_t start, int64_t n, recs_t *r, rp_encws *w, uint64_t sd[2],
+                      const char **err) {
+    int rc = RP_OK;
+    uint32_t tab[NCTX] = {0};
+    uint64_t ncnt[NCTX];
+    w->k = w->nb = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) {
+        if (enc_pass_avx2(kd, old, new_, nbytes, start, n, r, w, tab, sd))
+            FAIL(RP_ENOMEM, "out of memory");
+    } else
+#endif
+    if (enc_pass_scalar(kd, old, new_, nbytes, start, n, r, w, tab, sd))
+        FAIL(RP_ENOMEM, "out of memory");
+    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
+    rc = rp_code_ws(kd, n, ncnt, w, err);
+done:
+    return rc;
+}
 
 int rp_encode_chunk(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
                     int64_t start, int64_t n, uint8_t **out, size_t *outlen, int64_t *changed,
@@ -259,31 +356,47 @@ int rp_encode_chunk_keep(const rp_kind *kd, const uint8_t *old, const uint8_t *n
                          uint64_t **newv, const char **err) {
     int rc = RP_OK;
     recs_t r = {0};
+    rp_encws w = {0};
+    int keep = pos && oldv && newv;
+    uint64_t sd[2] = {0, 0};
     if (pos) *pos = NULL;
     if (oldv) *oldv = NULL;
     if (newv) *newv = NULL;
-    uint32_t tab[NCTX] = {0};
-    uint64_t ncnt[NCTX], sd[2] = {0, 0};
     *out = NULL;
     *outlen = 0;
     *changed = 0;
     if (!kind_ok(kd) || n < 0 || n > RP_CHUNK) FAIL(RP_EARG, "bad kind or chunk size");
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) {
-        if (enc_pass_avx2(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
-    } else
-#endif
-    if (enc_pass_scalar(kd, old, new_, nbytes, start, n, &r, tab, sd)) FAIL(RP_ENOMEM, "out of memory");
-    for (int c = 0; c < NCTX; c++) ncnt[c] = tab[c];
-    rc = rp_code_chunk(kd, n, ncnt, &r, out, outlen, err);
-    *changed = r.k;
+    rc = encode_one(kd, old, new_, nbytes, start, n, keep ? &r : NULL, &w, sd, err);
+    if (rc == RP_OK) *changed = w.kdone;
+    if (rc == RP_OK && rp_ws_body(&w, out, outlen)) FAIL(RP_ENOMEM, "out of memory");
     sdelta[0] += sd[0];
     sdelta[1] += sd[1];
-    if (rc == RP_OK && pos && oldv && newv && r.k > 0) { /* hand the records over */
+    if (rc == RP_OK && keep && r.k > 0) { /* hand the records over */
         *pos = r.pos; *oldv = r.oldv; *newv = r.newv;
         r.pos = NULL; r.oldv = NULL; r.newv = NULL;
     }
 done:
     rp_recs_free(&r);
+    rp_ws_free(&w);
+    return rc;
+}
+
+int rp_encode_range(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                    int64_t n, int64_t c0, int64_t c1, rp_obuf *out, int64_t *changed,
+                    uint64_t sdelta[2], rp_encws *ws, const char **err) {
+    int rc = RP_OK;
+    rp_encws own = {0}, *w = ws ? ws : &own;
+    *changed = 0;
+    if (!kind_ok(kd) || n < 0 || c0 < 0 || c1 < c0 || c1 > (n + RP_CHUNK - 1) / RP_CHUNK)
+        FAIL(RP_EARG, "bad kind or chunk range");
+    for (int64_t i = c0; i < c1 && rc == RP_OK; i++) {
+        int64_t s = i * RP_CHUNK, len = n - s < RP_CHUNK ? n - s : RP_CHUNK;
+        rc = encode_one(kd, old, new_, nbytes, s, len, NULL, w, sdelta, err);
+        *changed += w->kdone;
+        if (rc == RP_OK && rp_ws_append(w, out)) FAIL(RP_ENOMEM, "out of memory");
+    }
+    rp_obuf_fit(out);
+done:
+    rp_ws_free(&own);
     return rc;
 }

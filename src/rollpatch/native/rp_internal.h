@@ -280,6 +280,54 @@ typedef struct {
 
 RP_HIDDEN int rp_recs_grow(recs_t *r);
 RP_HIDDEN void rp_recs_free(recs_t *r);
+
+/* What the coder needs of a chunk's changes, compact (4 bytes per change, 8 more per change
+ * with |step| > 1), and the coder's buffers: kept across the chunks of a range, so a range
+ * allocates once. rec[i] = rank | ctx << 20 | outward << 28 | big << 29 (position order; a
+ * rank is < RP_CHUNK = 2^20); tail[] = |step| - 2 of the big ones, in position order. */
+#define REC_RANK 0xFFFFFu
+struct rp_encws {
+    uint32_t *rec, *grp, *scr; /* records; grouped by context; the coder's scratch */
+    uint64_t *tail, *tsort;    /* big steps' tails; grouped by context */
+    int64_t k, nb, cap, gcap, kdone; /* kdone: the records the coder last coded */
+    bw_t pw, uw, fw; /* the body's three streams */
+    rp_obuf mrec, mgrp, mscr, mtail, mtsort; /* the arrays' memory: large ones mapped, so
+                                                freeing the workspace gives them back */
+};
+
+RP_HIDDEN int rp_ws_reserve(rp_encws *w, int64_t extra);
+RP_HIDDEN int rp_ws_reserve_coder(rp_encws *w, int64_t k); /* grp, scr, tsort for k records */
+RP_HIDDEN void rp_ws_free(rp_encws *w);
+
+/* One change's record word, and its step's magnitude, from the two elements. */
+static inline uint32_t rec_word(const rp_kind *kd, uint32_t rank, unsigned c, uint64_t o,
+                                uint64_t nv, uint64_t *magp) {
+    uint64_t s = ksign(kd->bits), msk = kmask(kd->bits);
+    uint64_t d = (to_key(kd, nv) - to_key(kd, o)) & msk;
+    uint32_t positive = d < s;
+    uint64_t mag = positive ? d : (0 - d) & msk;
+    uint32_t neg = kd->order != RP_UNSIGNED && (o & s);
+    *magp = mag;
+    return rank | c << 20 | (positive ^ neg) << 28 | (uint32_t)(mag > 1) << 29;
+}
+
+/* One change into w (room reserved). */
+static inline void ws_record(rp_encws *w, const rp_kind *kd, uint32_t rank, unsigned c,
+                             uint64_t o, uint64_t nv) {
+    uint64_t mag;
+    w->rec[w->k++] = rec_word(kd, rank, c, o, nv, &mag);
+    w->tail[w->nb] = mag - 2;
+    w->nb += mag > 1;
+}
+
+/* Code w's records of one chunk whose context sizes are ncnt into w->pw/uw/fw (empty when
+ * nothing changed); the body is varint(|pw|) pw varint(|uw|) uw fw. Consumes w->rec. */
+RP_HIDDEN int rp_code_ws(const rp_kind *kd, int64_t n, const uint64_t *ncnt, rp_encws *w,
+                         const char **err);
+/* The coded body in w: as a malloc'd buffer (NULL, 0 when empty), or appended to o after
+ * its varint length. */
+RP_HIDDEN int rp_ws_body(const rp_encws *w, uint8_t **out, size_t *outlen);
+RP_HIDDEN int rp_ws_append(const rp_encws *w, rp_obuf *o);
 /* Code the records (position order) of one chunk whose context sizes are ncnt. */
 RP_HIDDEN int rp_code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const recs_t *r,
                             uint8_t **out, size_t *outlen, const char **err);

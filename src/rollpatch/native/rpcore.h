@@ -39,6 +39,30 @@ int rp_encode_chunk_keep(const rp_kind *k, const uint8_t *old, const uint8_t *ne
                          int64_t *changed, uint64_t sdelta[2], uint32_t **pos, uint64_t **oldv,
                          uint64_t **newv, const char **err);
 
+/* A growable output buffer. On Linux, above 64 KiB it lives in its own anonymous mapping
+ * (grown by mremap, without a copy), so freeing it gives its pages back at once. */
+typedef struct {
+    uint8_t *b;
+    size_t len, cap;
+    int mapped;
+} rp_obuf;
+
+int rp_obuf_reserve(rp_obuf *o, size_t extra);
+void rp_obuf_fit(rp_obuf *o); /* gives back the room beyond the length */
+void rp_obuf_free(rp_obuf *o);
+
+/* The encoder's work buffers, reusable from one range to the next (one user at a time). */
+typedef struct rp_encws rp_encws;
+rp_encws *rp_ws_new(void);
+void rp_ws_delete(rp_encws *w);
+
+/* Chunks [c0, c1) of a tensor of n elements (nbytes bytes): appends each chunk's varint(body
+ * length) + body to out (the payload's bytes for these chunks), adds the changes to *changed
+ * and the rp.sum128 change to sdelta. Work buffers: ws, or (NULL) a set for this range. */
+int rp_encode_range(const rp_kind *k, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                    int64_t n, int64_t c0, int64_t c1, rp_obuf *out, int64_t *changed,
+                    uint64_t sdelta[2], rp_encws *ws, const char **err);
+
 /* The same from the changed elements only: positions relative to start (strictly
  * increasing), old and new element values (uint64), and the base words for contexts. */
 int rp_encode_chunk_sparse(const rp_kind *k, const uint8_t *base, int64_t start, int64_t n,

@@ -6,6 +6,8 @@ decoded in chunk ranges on a thread pool; the native core releases the GIL.
 
 from __future__ import annotations
 
+import queue
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,14 +91,76 @@ class CtxGolombV2:
     def encode_dense(self, base: Tensor, target: Tensor) -> tuple[bytes, int]:
         """Payload and changed count straight from two tensors (one fused native pass)."""
         payload, k, _ = self.encode_dense_sum(base, target)
-        return payload, k
+        return bytes(payload), k
 
-    def encode_dense_sum(self, base: Tensor, target: Tensor) -> tuple[bytes, int, tuple[int, int]]:
+    def encode_dense_sum(
+        self, base: Tensor, target: Tensor
+    ) -> tuple[memoryview, int, tuple[int, int]]:
         """:meth:`encode_dense`, plus the rp.sum128 change of ``target``'s words over
         ``base``'s (summed over the words that hold changes: the pass compared every word, so
-        ``sum128(target) = sum128(base) + change`` exactly)."""
-        flat, change = self._dense_pass(base, target, keep=False)
-        return _join([b for b, _ in flat]), sum(k for _, k in flat), change
+        ``sum128(target) = sum128(base) + change`` exactly).
+
+        The payload is a read-only view of a buffer the core wrote the chunks into (each
+        range of chunks once, no per-chunk objects); dropping the last reference gives a large
+        payload's pages back at once, which is what keeps the patch's assembly from holding
+        the payloads and the patch both (:func:`rollpatch.patch.wire.assemble`).
+        """
+        return self.encode_dense_many([(base, target)])[0]
+
+    def encode_dense_many(
+        self,
+        pairs: list[tuple[Tensor, Tensor]],
+        run: Callable[[Callable[[Any], Any], list[Any]], list[Any]] = parallel_map,
+    ) -> list[tuple[memoryview, int, tuple[int, int]]]:
+        """:meth:`encode_dense_sum` of each (base, target) pair. Every (tensor, range of
+        chunks) is one job of one ``run`` (a map on a pool of T threads), largest first: at
+        most T passes, and T sets of work buffers, at once (not T per tensor)."""
+        core = native.require()
+        nt = threads()
+        args = []  # (kind tuple, old words, new words) per pair
+        jobs = []  # (elements, pair, first chunk, last chunk)
+        for i, (t, u) in enumerate(pairs):
+            n = t.n_elements
+            args.append((native.kind_tuple(t.kind, n), t.data, u.data))
+            for c0, c1 in _ranges(-(-n // CHUNK), nt):
+                jobs.append((min(c1 * CHUNK, n) - c0 * CHUNK, i, c0, c1))
+        jobs.sort(reverse=True)
+        # one set of work buffers per thread, kept across its jobs (no fresh pages per job),
+        # all given back before the payloads are joined
+        spare: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        nws = min(nt, len(jobs))
+        for _ in range(nws):
+            spare.put(core.Workspace())
+
+        def one(job: tuple[int, int, int, int]) -> tuple[Any, int, int, int]:
+            kt, x, y = args[job[1]]
+            ws = spare.get()
+            try:
+                out: tuple[Any, int, int, int] = core.encode_range_buf(kt, x, y, job[2], job[3], ws)
+            finally:
+                spare.put(ws)
+            return out
+
+        per: list[list[tuple[int, Any]]] = [[] for _ in pairs]
+        for job, res in zip(jobs, run(one, jobs) if nws > 1 else map(one, jobs), strict=True):
+            per[job[1]].append((job[2], res))
+        for _ in range(nws):
+            spare.get()
+        out = []
+        for ranges in per:
+            ranges.sort(key=lambda x: x[0])
+            change, k = (0, 0), 0
+            for _, (_, kk, d0, d1) in ranges:
+                change = sum_add(change, (d0, d1))
+                k += kk
+            bufs = [res[0] for _, res in ranges]
+            ranges.clear()
+            if not bufs:
+                out.append((memoryview(b""), 0, change))
+                continue
+            joined = bufs[0] if len(bufs) == 1 else core.join_release(bufs, True)
+            out.append((memoryview(joined), k, change))
+        return out
 
     def encode_dense_changes(
         self, base: Tensor, target: Tensor

@@ -93,7 +93,7 @@ def assemble_patch(
     patch: Patch, coded: Mapping[str, tuple[str, bytes]], version: int = VERSION
 ) -> bytes:
     """The container around ``patch``'s tensors, each already coded as (codec id, payload)."""
-    parts = [
+    parts: list[tuple[dict[str, Any], bytes | memoryview]] = [
         (
             entry(
                 name,
@@ -141,8 +141,12 @@ def _encode_views(
     native.require()
     codec = CtxGolombV2()
     names = sorted(set(a) | set(b))
+    same = [n for n in a if n in b and a[n].kind == b[n].kind and a[n].shape == b[n].shape]
+    dense = {}  # every tensor's chunk ranges at once on one pool (at most T passes at once)
+    if not keep:
+        dense = dict(zip(same, codec.encode_dense_many([(a[n], b[n]) for n in same], _map)))
 
-    def one(name: str) -> tuple[dict[str, Any], bytes, TensorPatch | None] | None:
+    def one(name: str) -> tuple[dict[str, Any], bytes | memoryview, TensorPatch | None] | None:
         if name not in b:
             ta = a[name]
             dropped = a.tensor_digest(name)
@@ -154,7 +158,7 @@ def _encode_views(
             )
         tb = b[name]
         if name not in a or a[name].kind != tb.kind or a[name].shape != tb.shape:
-            codec_id, payload = encode_full(tb)
+            codec_id, full = encode_full(tb)
             added = a.tensor_digest(name) if name in a else None
             target = b.tensor_digest(name)
             tp = None
@@ -162,16 +166,17 @@ def _encode_views(
                 tp = TensorPatch(name, tb.kind, tb.shape, added, target, FullOp(tb.copy()))
             return (
                 entry(name, "full", tb.kind, tb.shape, tb.n_elements, added, target, codec_id),
-                payload,
+                full,
                 tp,
             )
         ta = a[name]
         tp = None
+        payload: bytes | memoryview
         if keep:
             payload, change, pos, old, new = codec.encode_dense_changes(ta, tb)
             k = int(pos.size)
         else:
-            payload, k, change = codec.encode_dense_sum(ta, tb)
+            payload, k, change = dense.pop(name)
         if k == 0:
             return None
         st = a.cached_sum_state(name)
@@ -189,12 +194,12 @@ def _encode_views(
         return entry(name, "delta", ta.kind, ta.shape, k, base, target, codec_id), payload, tp
 
     done = [x for x in _map(one, names) if x is not None]
-    blob = assemble(
-        a.digest(), b.digest(), meta or {}, "rp.sum128.v1", [(e, p) for e, p, _ in done], VERSION
-    )
+    parts = [(e, p) for e, p, _ in done]
+    tensors = {tp.name: tp for _, _, tp in done if tp is not None}
+    del done  # parts holds the only references to the payloads: assemble releases each
+    blob = assemble(a.digest(), b.digest(), meta or {}, "rp.sum128.v1", parts, VERSION)
     if not keep:
         return blob, None
-    tensors = {tp.name: tp for _, _, tp in done if tp is not None}
     return blob, Patch(a.digest(), b.digest(), tensors, meta=dict(meta or {}))
 
 
@@ -239,7 +244,7 @@ def assemble(
     target: str,
     meta: Any,
     digest: str,
-    parts: list[tuple[dict[str, Any], bytes]],
+    parts: list[tuple[dict[str, Any], bytes | memoryview]],
     version: int,
 ) -> bytes:
     """The container (§1-§2) around per-tensor (entry, payload) parts in name order.

@@ -6,7 +6,9 @@
  * Per chunk the three encoders must write the same bytes: the fused dense pass with AVX2 and
  * with scalar loops (rp_encode_chunk), the sparse one from rp_diff's positions
  * (rp_encode_chunk_sparse), the one from records (rp_encode_records) and the keep path that
- * also hands over the changes (rp_encode_chunk_keep: they must equal rp_diff's). The payload must
+ * also hands over the changes (rp_encode_chunk_keep: they must equal rp_diff's); the range
+ * encoder (rp_encode_range, work buffers reused across chunks and inputs) the whole payload,
+ * with AVX2 and scalar loops. The payload must
  * decode to exactly the diff; rp_apply must turn the base into the target with a consistent
  * rp.sum128 change, and refuse, writing nothing, a base that differs at one changed position;
  * rp_gather must read the new elements back; rp.sum128 must add up over any split of words. */
@@ -168,6 +170,37 @@ static void check_sum_split(const uint8_t *d, size_t len, uint64_t w) {
     if (lo[0] + hi[0] != all[0] || lo[1] + hi[1] != all[1]) fz_fail("rp_sum128 is not additive");
 }
 
+/* rp_encode_range over every chunk must write the joined payload `pl` (each chunk's varint
+ * length + body), count every change and sum the same rp.sum128 change, with a workspace kept
+ * from earlier inputs (other kinds and sizes: buffers reused across chunks and tensors) and
+ * with one of its own; its output buffer may start non-empty (it appends). */
+static void range_path(const fz_case *c, const uint8_t *t, const uint8_t *pl, size_t plen,
+                       int64_t total) {
+    static rp_encws *kept;
+    uint64_t sa[2], sb[2];
+    rp_sum128(c->base, c->nbytes, 0, (c->nbytes + 7) / 8, sa);
+    rp_sum128(t, c->nbytes, 0, (c->nbytes + 7) / 8, sb);
+    if (!kept && !(kept = rp_ws_new())) fz_fail("out of memory");
+    for (int own = 0; own < 2; own++) {
+        rp_obuf o = {0};
+        int64_t got = 0;
+        uint64_t sd[2] = {0, 0};
+        const char *err = NULL;
+        if (rp_obuf_reserve(&o, 3)) fz_fail("out of memory");
+        memcpy(o.b, "pre", 3);
+        o.len = 3;
+        if (rp_encode_range(&c->k, c->base, t, c->nbytes, c->n, 0, fz_chunks(c), &o, &got, sd,
+                            own ? NULL : kept, &err))
+            fz_fail("rp_encode_range failed");
+        if (o.len != plen + 3 || memcmp(o.b, "pre", 3) || memcmp(o.b + 3, pl, plen))
+            fz_fail("rp_encode_range bytes differ from the chunks' bodies");
+        if (got != total) fz_fail("rp_encode_range counts other changes");
+        if (sd[0] != sb[0] - sa[0] || sd[1] != sb[1] - sa[1])
+            fz_fail("rp_encode_range's sum128 change differs from the re-hash");
+        rp_obuf_free(&o);
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fz_case c;
     fz_out o;
@@ -193,6 +226,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         q += len;
         total += changed[i];
     }
+    range_path(&c, t, pl, plen, total);
+    fz_simd = 0;
+    range_path(&c, t, pl, plen, total);
+    fz_simd = 1;
     fz_decode(&c, pl, plen, FZ_MAXCH, &o);
     if (o.rc) fz_fail("a fresh payload does not decode");
     if (o.total != total) fz_fail("decoded count differs from the encoder's");

@@ -182,7 +182,7 @@ static int pick_window(const lane_t *l) {
 #ifndef RP_PF
 #define RP_PF 16
 #endif
-#define JOIN_BODY(COUNTS, EQ32, OUT32)                                                      \
+#define JOIN_BODY(COUNTS, EQ32, OUT32, OUTANY)                                                      \
     uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
     uint8_t listed[NCTX];                                                                   \
     int vc[WIN], nvc = 0, outside = 0;                                                      \
@@ -247,7 +247,7 @@ static int pick_window(const lane_t *l) {
             cur[t] = cu;                                                                    \
         }                                                                                   \
         for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
-        if (__builtin_expect(outside, 0)) {                                                 \
+        if (__builtin_expect(outside, 0) && OUTANY(cbuf, lo)) { /* rare inside a block */  \
             for (int v = 0; v * 32 < len; v++) {                                            \
                 uint32_t m = OUT32(cbuf + 32 * v, lo);                                      \
                 if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                     \
@@ -304,6 +304,15 @@ static inline uint32_t out32_scalar(const uint8_t *p, int lo) {
     return m;
 }
 
+/* Whether any byte of the block lies outside the window [lo, lo + WIN) (one test per block
+ * instead of one per 32 elements; the pad of a short last block does: the loop that follows
+ * masks it off). */
+static inline int outany_scalar(const uint8_t *p, int lo) {
+    int any = 0;
+    for (int i = 0; i < JB; i++) any |= (unsigned)(p[i] - lo) >= WIN;
+    return any;
+}
+
 /* Each slot's count in the block (bcs) and the slots whose next rank falls inside it. */
 static inline uint32_t counts_scalar(const uint8_t *cb, const uint8_t *vcb, int nvc,
                                      const uint32_t *cnt, const uint32_t *tgt, uint32_t *bcs) {
@@ -319,7 +328,7 @@ static inline uint32_t counts_scalar(const uint8_t *cb, const uint8_t *vcb, int 
 #define SELECT64 select64_loop
 static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                         int64_t n) {
-    JOIN_BODY(counts_scalar, eq32_scalar, out32_scalar)
+    JOIN_BODY(counts_scalar, eq32_scalar, out32_scalar, outany_scalar)
 }
 #undef SELECT64
 #undef BLOCKCTX
@@ -330,6 +339,16 @@ __attribute__((target("avx2"))) static inline uint32_t out32_avx2(const uint8_t 
     __m256i top = _mm256_set1_epi8(WIN - 1);
     __m256i in = _mm256_cmpeq_epi8(_mm256_max_epu8(v, top), top);
     return ~(uint32_t)_mm256_movemask_epi8(in);
+}
+
+__attribute__((target("avx2"))) static inline int outany_avx2(const uint8_t *p, int lo) {
+    const __m256i l = _mm256_set1_epi8((char)lo), top = _mm256_set1_epi8(WIN - 1);
+    __m256i out = _mm256_setzero_si256();
+    for (int v = 0; v < JB / 32; v++) { /* bytes above WIN - 1 after the shift: outside */
+        __m256i x = _mm256_sub_epi8(_mm256_load_si256((const __m256i *)(p + 32 * v)), l);
+        out = _mm256_or_si256(out, _mm256_xor_si256(_mm256_max_epu8(x, top), top));
+    }
+    return !_mm256_testz_si256(out, out);
 }
 
 /* counts_scalar for up to 16 slots, 8 at a time: byte compares per slot, then the 8 slots'
@@ -369,7 +388,7 @@ __attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const u
                                                        lane_t *l, int64_t start, int64_t n) {
 #define BLOCKCTX BLOCKCTX16
 #define SELECT64 select64_loop
-    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2)
+    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2, outany_avx2)
 #undef SELECT64
 #undef BLOCKCTX
 }
@@ -385,7 +404,7 @@ __attribute__((target("avx2,bmi2"))) static void join_avx2_pdep(const rp_kind *k
                                                                  int64_t n) {
 #define BLOCKCTX BLOCKCTX16
 #define SELECT64 select64_pdep
-    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2)
+    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2, outany_avx2)
 #undef SELECT64
 #undef BLOCKCTX
 }

@@ -1,11 +1,10 @@
 /* rollpatch native core: the decoder of codec rp.ctxgolomb.v2 (docs/patch-format.md §4b):
- * params, phases A and C of a lane (its binary sequences are rp_bseq.h), and the chunk-after-chunk decode with
- * its all-or-nothing in-place write. Phase B, the join, is rp_join.c. The numpy module
- * rollpatch.patch.ctxv2 is the executable reference: tests require identical decodes. */
+ * params, phases A and C of a lane (its binary sequences are rp_bseq.h), and the
+ * chunk-after-chunk decode with its all-or-nothing in-place write. Phase B, the join, is
+ * rp_join.c. The numpy module rollpatch.patch.ctxv2 is the executable reference: tests
+ * require identical decodes. */
 #include "rp_bseq.h"
 #include "rp_lane.h"
-
-#include <pthread.h>
 
 #ifdef RP_PROF /* cycles per phase, printed at exit (rp_lane.h) */
 #include <stdio.h>
@@ -73,45 +72,6 @@ static void lane_free(lane_t *l) {
     l->ranks = l->scratch = l->idx = l->rpos = l->rci = NULL;
     l->outw = NULL; l->magc = NULL; l->rold = NULL;
     l->cap = 0;
-}
-
-/* The work buffers of a finished call, kept per thread for the next call (a fresh malloc
- * of a few MB is fresh pages: the kernel zeroing them cost ~10% of a decode) while they hold
- * at most LANE_KEEP changes (~31 bytes each); freed when the thread ends. */
-#define LANE_KEEP ((uint64_t)1 << 18)
-static pthread_key_t lane_key;
-static pthread_once_t lane_once = PTHREAD_ONCE_INIT;
-static int lane_key_ok;
-
-static void lane_destroy(void *p) {
-    lane_free(p);
-    free(p);
-}
-
-static void lane_key_init(void) { lane_key_ok = pthread_key_create(&lane_key, lane_destroy) == 0; }
-
-static void lane_take(lane_t *l) { /* the thread's kept buffers, if any, into a fresh lane */
-    pthread_once(&lane_once, lane_key_init);
-    lane_t *kept = lane_key_ok ? pthread_getspecific(lane_key) : NULL;
-    if (!kept) return;
-    pthread_setspecific(lane_key, NULL);
-    l->ranks = kept->ranks; l->scratch = kept->scratch; l->idx = kept->idx;
-    l->outw = kept->outw; l->magc = kept->magc; l->rpos = kept->rpos; l->rold = kept->rold;
-    l->rci = kept->rci; l->cap = kept->cap; l->mw = kept->mw;
-    free(kept);
-}
-
-static void lane_keep(lane_t *l) { /* hand the lane's buffers to the thread, or free them */
-    lane_t *kept = NULL;
-    if (lane_key_ok && l->ranks && l->cap <= LANE_KEEP && !pthread_getspecific(lane_key)
-        && (kept = calloc(1, sizeof *kept)) != NULL) {
-        kept->ranks = l->ranks; kept->scratch = l->scratch; kept->idx = l->idx;
-        kept->outw = l->outw; kept->magc = l->magc; kept->rpos = l->rpos;
-        kept->rold = l->rold; kept->rci = l->rci; kept->cap = l->cap; kept->mw = l->mw;
-        if (pthread_setspecific(lane_key, kept) == 0) return;
-        free(kept);
-    }
-    lane_free(l);
 }
 
 /* Room for k changes; a lane decoding chunk after chunk keeps its buffers (no fresh pages
@@ -255,7 +215,6 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
     memset(l, 0, sizeof *l);
     l->h0 = l->h1 = 0;
     if (!kind_ok(kd) || m < 1) { *err = "bad kind or chunk count"; return RP_EARG; }
-    lane_take(l);
     for (q = 0; q < m; q++) {
         if (n[q] < 0 || n[q] > RP_CHUNK) { *err = "bad chunk size"; rc = RP_EARG; break; }
         l->hash = wdata && sums;
@@ -311,7 +270,7 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
         delta[1] += d1;
         if (sums) { sums[0] += l->h0; sums[1] += l->h1; }
     }
-    lane_keep(l);
+    lane_free(l);
     return rc;
 }
 

@@ -57,7 +57,7 @@ CORE = tuple(
     NATIVE / f"{f}.c" for f in ("rp_encode", "rp_encpass", "rp_decode", "rp_join", "rp_apply")
 )
 # Their internal headers (static inline helpers: bit streams, keys, block primitives).
-CORE_HEADERS = (NATIVE / "rp_internal.h", NATIVE / "rp_lane.h")
+CORE_HEADERS = (NATIVE / "rp_internal.h", NATIVE / "rp_lane.h", NATIVE / "rp_bseq.h")
 
 
 @dataclass

@@ -23,6 +23,7 @@ setup(
                 "src/rollpatch/native/rpcore.h",
                 "src/rollpatch/native/rp_internal.h",
                 "src/rollpatch/native/rp_lane.h",
+                "src/rollpatch/native/rp_bseq.h",
             ],
             extra_compile_args=[
                 "-O3",

@@ -58,7 +58,7 @@ CORE = tuple(
     for f in ("rp_encode", "rp_encws", "rp_encpass", "rp_decode", "rp_join", "rp_apply")
 )
 # Their internal headers (static inline helpers: bit streams, keys, block primitives).
-CORE_HEADERS = (NATIVE / "rp_internal.h", NATIVE / "rp_lane.h")
+CORE_HEADERS = (NATIVE / "rp_internal.h", NATIVE / "rp_lane.h", NATIVE / "rp_bseq.h")
 
 
 @dataclass

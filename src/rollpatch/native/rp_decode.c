@@ -1,103 +1,20 @@
 /* rollpatch native core: the decoder of codec rp.ctxgolomb.v2 (docs/patch-format.md §4b):
- * binary sequences, params, phases A and C of a lane, and the chunk-after-chunk decode with
- * its all-or-nothing in-place write. Phase B, the join, is rp_join.c. The numpy module
- * rollpatch.patch.ctxv2 is the executable reference: tests require identical decodes. */
+ * params, phases A and C of a lane (its binary sequences are rp_bseq.h), and the
+ * chunk-after-chunk decode with its all-or-nothing in-place write. Phase B, the join, is
+ * rp_join.c. The numpy module rollpatch.patch.ctxv2 is the executable reference: tests
+ * require identical decodes. */
+#include "rp_bseq.h"
 #include "rp_lane.h"
 
-/* ------------------------------------------------------------------ binary sequences */
-
-/* `cnt` unary codes into out, each at most `limit` ones: every code that ends inside one
- * 64-bit peek is taken from it (a code longer than a peek goes through br_unary). */
-static int br_unary_run(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
-    uint64_t i = 0;
-    while (i < cnt) {
-        size_t rest = r->nbits - r->pos;
-        if (!rest) return -1;
-        unsigned avail = 64 - (unsigned)(r->pos & 7), used = 0;
-        if (avail > rest) avail = (unsigned)rest;
-        uint64_t x = br_peek(r);
-        while (i < cnt && used < avail) {
-            uint64_t y = ~(x << used); /* used < 64 */
-            unsigned ones = y ? (unsigned)__builtin_clzll(y) : 64;
-            if (used + ones >= avail) break; /* its zero is not inside this peek */
-            if (ones > limit) return -1;
-            out[i++] = ones;
-            used += ones + 1;
-        }
-        r->pos += used;
-        if (!used) { /* a code longer than the peek */
-            uint64_t q;
-            if (br_unary(r, limit, &q)) return -1;
-            out[i++] = (uint32_t)q;
-        }
-    }
-    return 0;
+#ifdef RP_PROF /* cycles per phase, printed at exit (rp_lane.h) */
+#include <stdio.h>
+uint64_t rp_prof[8];
+__attribute__((destructor)) static void prof_dump(void) {
+    static const char *nm[8] = {"A", "B+group", "group", "-", "A ranks", "A signs", "A mags", "-"};
+    for (int i = 0; i < 8; i++)
+        if (rp_prof[i]) fprintf(stderr, "  %-8s %9.1f Mcyc\n", nm[i], rp_prof[i] / 1e6);
 }
-
-/* Inverse of bs_encode: writes the j set slots (sorted) into out. scratch holds n/2+1.
- * The truncated-binary pass 1 fields are read at one cursor and the pass-2 bits at another
- * (pass 2 starts exactly c * (b - 1) bits after pass 1). */
-static int bs_decode(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
-                     uint32_t *scratch) {
-    if (j > n) return -1;
-    if (j == 0) return 0;
-    if (j == n) {
-        for (uint64_t p = 0; p < n; p++) out[p] = (uint32_t)p;
-        return 0;
-    }
-    int comp = 2 * j > n;
-    uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
-    if (m == 1) {
-        if (n > f->nbits - f->pos) return -1;
-        uint64_t s = 0, v = 0;
-        for (uint64_t p = 0; p < n; p += 56) { /* 56 slots per read, set bits by clz */
-            unsigned take = n - p < 56 ? (unsigned)(n - p) : 56;
-            br_get(f, take, &v);
-            v <<= 64 - take;
-            while (v) {
-                int z = __builtin_clzll(v);
-                if (s == j) return -1;
-                out[s++] = (uint32_t)(p + (uint64_t)z);
-                v &= ~(1ULL << (63 - z));
-            }
-        }
-        return s == j ? 0 : -1;
-    }
-    int b = bitlen64(m - 1);
-    unsigned w = (unsigned)(b - 1);
-    uint64_t uu = (1ULL << b) - m;
-    uint32_t *mino = comp ? scratch : out;
-    if (br_unary_run(u, c, n / m + 1, mino)) return -1; /* q <= n/m + 1 < 2^32 */
-    if (c * w > f->nbits - f->pos) return -1;
-    const uint8_t *fb = f->b;
-    size_t nbits = f->nbits, fp = f->pos, ep = f->pos + c * w;
-    int64_t prev = -1;
-    for (uint64_t i = 0; i < c; i++) {
-        uint64_t t = w ? peek_at(fb, nbits, fp) >> (64 - w) : 0;
-        fp += w;
-        uint64_t r = t;
-        if (t >= uu) {
-            if (ep >= nbits) return -1;
-            r = 2 * t + (peek_at(fb, nbits, ep) >> 63) - uu;
-            ep++;
-        }
-        uint64_t g = (uint64_t)mino[i] * m + r;
-        if (r >= m || g >= n) return -1;
-        int64_t p = prev + 1 + (int64_t)g;
-        if (p >= (int64_t)n) return -1;
-        mino[i] = (uint32_t)p;
-        prev = p;
-    }
-    f->pos = ep;
-    if (comp) { /* the set slots are the complement of the minority */
-        uint64_t s = 0, i = 0;
-        for (uint64_t p = 0; p < n; p++) {
-            if (i < c && mino[i] == p) { i++; continue; }
-            out[s++] = (uint32_t)p;
-        }
-    }
-    return 0;
-}
+#endif
 
 /* ------------------------------------------------------------------ decoder */
 
@@ -197,7 +114,7 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
     for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
     memset(l->cnt, 0, sizeof l->cnt);
-    uint64_t o = 0;
+    uint64_t o = 0, t0 = PROF_T();
     for (int i = 0; i < l->pp.g; i++) {
         int c = l->pp.cid[i];
         if (bs_decode(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch)) {
@@ -209,10 +126,21 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
         l->tgt[c] = l->ranks[o];
         o += l->pp.kc[i];
     }
+    PROF_ADD(4, t0);
+    t0 = PROF_T();
     if (bs_decode(&l->u, &l->f, k, l->pp.ks, l->idx, l->scratch)) { *err = "corrupt sign stream"; return RP_ECORRUPT; }
-    for (uint64_t i = 0; i < l->pp.ks; i++) l->outw[l->idx[i]] = 1;
-    if (l->mw == 2) for (uint64_t i = 0; i < k; i++) ((uint16_t *)l->magc)[i] = 1;
-    else for (uint64_t i = 0; i < k; i++) arr_put(l->magc, l->mw, (int64_t)i, 1);
+    { /* fields in locals: the stores may alias them (-fno-strict-aliasing) */
+        uint8_t *const outw = l->outw;
+        const uint32_t *const idx = l->idx;
+        const uint64_t ks = l->pp.ks;
+        void *const magc = l->magc;
+        const int mw = l->mw;
+        for (uint64_t i = 0; i < ks; i++) outw[idx[i]] = 1;
+        if (mw == 2) for (uint64_t i = 0; i < k; i++) ((uint16_t *)magc)[i] = 1;
+        else for (uint64_t i = 0; i < k; i++) arr_put(magc, mw, (int64_t)i, 1);
+    }
+    PROF_ADD(5, t0);
+    t0 = PROF_T();
     uint64_t bo[NCTX], nb = 0;
     for (int i = 0; i < l->pp.g; i++) {
         if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], l->idx + nb, l->scratch)) {
@@ -223,20 +151,30 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     }
     uint64_t s = ksign(kd->bits);
     int width = kd->bits < 63 ? kd->bits : 63;
-    for (int i = 0; i < l->pp.g; i++) {
-        int eg = l->pp.eg[i];
-        for (uint64_t j = 0; j < l->pp.bc[i]; j++) {
-            uint64_t q, low;
-            if (br_unary(&l->u, 64, &q) || q + eg > (uint64_t)width
-                || br_get(&l->f, (unsigned)(q + eg), &low)) {
-                *err = "corrupt magnitude stream"; return RP_ECORRUPT;
+    { /* fields and readers in locals: the stores may alias them (-fno-strict-aliasing) */
+        br_t u = l->u, f = l->f;
+        void *const magc = l->magc;
+        const int mw = l->mw;
+        const uint32_t *const idx = l->idx;
+        for (int i = 0; i < l->pp.g; i++) {
+            const int eg = l->pp.eg[i];
+            const uint64_t bc = l->pp.bc[i], o_ = l->ofs[i], b_ = bo[i];
+            for (uint64_t j = 0; j < bc; j++) {
+                uint64_t q, low;
+                if (br_unary(&u, 64, &q) || q + eg > (uint64_t)width
+                    || br_get(&f, (unsigned)(q + eg), &low)) {
+                    *err = "corrupt magnitude stream"; return RP_ECORRUPT;
+                }
+                uint64_t w = q + eg;
+                uint64_t a = ((w >= 64 ? 0 : (1ULL << w)) + low - (1ULL << eg)) + 2;
+                if (a > s || a < 2) { *err = "delta magnitude beyond the word range"; return RP_ECORRUPT; }
+                arr_put(magc, mw, (int64_t)(o_ + idx[b_ + j]), a);
             }
-            uint64_t w = q + eg;
-            uint64_t a = ((w >= 64 ? 0 : (1ULL << w)) + low - (1ULL << eg)) + 2;
-            if (a > s || a < 2) { *err = "delta magnitude beyond the word range"; return RP_ECORRUPT; }
-            arr_put(l->magc, l->mw, (int64_t)(l->ofs[i] + l->idx[bo[i] + j]), a);
         }
+        l->u = u;
+        l->f = f;
     }
+    PROF_ADD(6, t0);
     if (br_finish(&l->u, 1) || br_finish(&l->f, 0)) { *err = "unused bits after the last code"; return RP_ECORRUPT; }
     l->emitted = l->done = 0;
     l->cj = UINT64_MAX;
@@ -288,12 +226,15 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
             rp_lane_hash_to(kd, l, start[q], n[q]);
             continue;
         }
+        uint64_t t0 = PROF_T();
         rc = lane_init(kd, l, body[q], len[q], n[q], count[q], err);
+        PROF_ADD(0, t0);
         if (rc) break;
         l->pos_out = pos_out + off[q];
         l->old_out = (uint8_t *)old_out + off[q] * ow;
         l->new_out = (uint8_t *)new_out + off[q] * ow;
         l->ow = ow;
+        t0 = PROF_T();
         if (kd->cbits) {
             rp_join_lane(kd, base, l, start[q], n[q]);
         } else { /* one context: the ranks are the positions */
@@ -305,6 +246,7 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
             l->emitted = (int64_t)l->pp.k;
         }
         rp_lane_group(kd, l, start[q], n[q]);
+        PROF_ADD(1, t0);
         rc = lane_finish(kd, l, err);
         if (rc) { /* all or nothing: put back what this chunk wrote */
             if (wdata)

@@ -6,8 +6,10 @@
  * order: new elements from the outward flags and the magnitudes (by context-order index) into
  * the outputs and, when writing, into the base: the join calls this every few blocks, while
  * those words are still in cache. Typed loops for the common kinds. */
-#define FIN_TYPED(T, LOG, MT)                                                               \
+#define FIN_TYPED(T, LOG, MT, ORDER)                                                        \
     do {                                                                                    \
+        enum { BITS_ = 8 << LOG };                                                          \
+        const uint64_t s = 1ULL << (BITS_ - 1), msk = (T)~(T)0;                             \
         T *d = (T *)l->wdata, *po = (T *)l->old_out, *pn = (T *)l->new_out;                 \
         const MT *mg = (const MT *)l->magc;                                                 \
         const uint32_t *rpos = l->rpos, *rci = l->rci;                                      \
@@ -18,21 +20,28 @@
         uint64_t cj = l->cj, before = l->before, d0 = l->d0, d1 = l->d1;                    \
         const uint64_t nfull = l->wlen / 8;                                                 \
         const int notrack = l->notrack;                                                     \
+        uint8_t *const wdata = l->wdata;                                                    \
+        const size_t wlen = l->wlen;                                                        \
         /* the word being written is kept in a register (`after`): no reload of a word     \
-         * just stored into (a store-forwarding stall) */                                   \
+         * just stored into (a store-forwarding stall). Every field is read into a local   \
+         * first: the stores below may alias anything (-fno-strict-aliasing). */           \
         uint64_t after = before;                                                            \
         if (d && cj != UINT64_MAX) {                                                        \
-            if (cj < nfull) memcpy(&after, l->wdata + 8 * cj, 8);                           \
-            else after = word_at(l->wdata, l->wlen, cj);                                    \
+            if (cj < nfull) memcpy(&after, wdata + 8 * cj, 8);                              \
+            else after = word_at(wdata, wlen, cj);                                          \
         }                                                                                   \
         for (int64_t i = l->done; i < e_; i++) {                                            \
             __builtin_prefetch(mg + rci[i + 16 < e_ ? i + 16 : i]);                         \
             int64_t p = start + rpos[i];                                                    \
             uint64_t x = rold[i];                                                           \
-            int neg = kd->order != RP_UNSIGNED && (x & s);                                  \
-            uint64_t key = to_key(kd, x), a = mg[rci[i]];                                   \
+            uint64_t neg = ORDER != RP_UNSIGNED ? (x >> (BITS_ - 1)) & 1 : 0;               \
+            uint64_t key = ORDER == RP_SIGNMAG ? x ^ (s | (msk & (0 - neg)))                \
+                           : ORDER == RP_TWOS ? x ^ s : x;                                  \
+            uint64_t a = mg[rci[i]];                                                        \
             uint64_t sg = 0 - (uint64_t)!(outw[i] ^ (uint8_t)neg); /* 0: +a, ~0: -a */      \
-            T y = (T)from_key(kd, (key + ((a ^ sg) - sg)) & msk);                           \
+            uint64_t yk = (key + ((a ^ sg) - sg)) & msk;                                    \
+            T y = (T)(ORDER == RP_SIGNMAG ? yk ^ (s | (msk & (0 - ((yk >> (BITS_ - 1)) ^ 1)))) \
+                      : ORDER == RP_TWOS ? yk ^ s : yk);                                    \
             pout[i] = p;                                                                    \
             po[i] = (T)x;                                                                   \
             pn[i] = y;                                                                      \
@@ -45,8 +54,8 @@
                         d1 += sum_term(1, after, cj) - sum_term(1, before, cj);             \
                     }                                                                       \
                     cj = j;                                                                 \
-                    if (j < nfull) memcpy(&before, l->wdata + 8 * j, 8);                    \
-                    else before = word_at(l->wdata, l->wlen, j);                            \
+                    if (j < nfull) memcpy(&before, wdata + 8 * j, 8);                       \
+                    else before = word_at(wdata, wlen, j);                                  \
                     after = before;                                                         \
                 }                                                                           \
                 unsigned sh_ = (unsigned)(p & ((8 >> LOG) - 1)) << (LOG + 3);               \
@@ -57,12 +66,19 @@
         l->cj = cj; l->before = before; l->d0 = d0; l->d1 = d1;                             \
     } while (0)
 
+#define FIN_ORDERS(T, LOG, MT)                                                              \
+    do {                                                                                    \
+        if (kd->order == RP_SIGNMAG) FIN_TYPED(T, LOG, MT, RP_SIGNMAG);                     \
+        else if (kd->order == RP_TWOS) FIN_TYPED(T, LOG, MT, RP_TWOS);                      \
+        else FIN_TYPED(T, LOG, MT, RP_UNSIGNED);                                            \
+    } while (0)
+
 void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start) {
     uint64_t s = ksign(kd->bits), msk = kmask(kd->bits);
     if (kd->bits == 16 && l->ow == 2) {
-        FIN_TYPED(uint16_t, 1, uint16_t);
+        FIN_ORDERS(uint16_t, 1, uint16_t);
     } else if (kd->bits == 8 && l->ow == 1) {
-        FIN_TYPED(uint8_t, 0, uint16_t);
+        FIN_ORDERS(uint8_t, 0, uint16_t);
     } else {
         for (int64_t i = l->done; i < l->emitted; i++) {
             int64_t p = start + l->rpos[i];
@@ -87,6 +103,7 @@ void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start) {
     }
     l->done = l->emitted;
 }
+#undef FIN_ORDERS
 #undef FIN_TYPED
 
 /* rp.sum128 of the chunk's elements [l->hashed, upto), read before this lane writes them
@@ -113,7 +130,14 @@ void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) 
  * rp.sum128 change is the sum of its words after the write less the sum before (the words
  * are still in cache: cheaper than a change per written word, and exactly equal to it);
  * else each written word's change is summed as it is written. */
+static void lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) {
+    uint64_t t0 = PROF_T();
+    lane_group(kd, l, start, upto);
+    PROF_ADD(2, t0);
+}
+
+static void lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) {
     if (!l->hash || !l->wdata || upto <= l->hashed
         || (l->emitted - l->done) * 64 <= upto - l->hashed) {
         rp_lane_hash_to(kd, l, start, upto);
@@ -155,7 +179,10 @@ static int pick_window(const lane_t *l) {
     return lo;
 }
 
-#define JOIN_BODY(COUNTS, EQ32, OUT32)                                                      \
+#ifndef RP_PF
+#define RP_PF 16
+#endif
+#define JOIN_BODY(COUNTS, EQ32, OUT32, OUTANY)                                                      \
     uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
     uint8_t listed[NCTX];                                                                   \
     int vc[WIN], nvc = 0, outside = 0;                                                      \
@@ -163,6 +190,10 @@ static int pick_window(const lane_t *l) {
     uint8_t vcb[WIN];                                                                       \
     uint64_t cur[WIN], endr[WIN];                                                           \
     int lo = pick_window(l);                                                                \
+    const int bits = kd->bits, bits16 = bits == 16;                                         \
+    const uint32_t *const ranks = l->ranks;                                                 \
+    const uint8_t *const magc = (const uint8_t *)l->magc;                                   \
+    const uint64_t mw = (uint64_t)l->mw;                                                    \
     memset(listed, 0, sizeof listed);                                                       \
     for (int i = 0; i < l->pp.g; i++) {                                                     \
         int c = l->pp.cid[i];                                                               \
@@ -184,6 +215,10 @@ static int pick_window(const lane_t *l) {
         int len = n - b0 < JB ? (int)(n - b0) : JB;                                         \
         uint64_t bb[JB / 64] = {0}; /* positions found in this block */                     \
         uint32_t bci[JB]; /* their context-order indices */                                \
+        if (b0 + (RP_PF + 1) * JB <= n) { /* the base's lines RP_PF blocks ahead */          \
+            const uint8_t *pf = base + ((start + b0 + RP_PF * JB) * bits >> 3);              \
+            for (int q_ = 0; q_ < JB * bits / 8; q_ += 64) __builtin_prefetch(pf + q_);      \
+        }                                                                                   \
         BLOCKCTX(kd, base, start + b0, len, cbuf);                                          \
         if (len < JB) memset(cbuf + len, pad, (size_t)(JB - len));                          \
         uint32_t hit = COUNTS(cbuf, vcb, nvc, cnt, tgt, bcs); /* no branch per context */  \
@@ -205,14 +240,14 @@ static int pick_window(const lane_t *l) {
                 int e_ = SELECT64(w[v], g - pre[v]);                                        \
                 bb[v] |= 1ULL << e_;                                                        \
                 bci[64 * v + e_] = (uint32_t)cu;                                            \
-                __builtin_prefetch((const uint8_t *)l->magc + (cu + 32) * (uint64_t)l->mw); \
-                g = ++cu < endr[t] ? l->ranks[cu] : UINT32_MAX;                             \
+                __builtin_prefetch(magc + (cu + 32) * mw);                                  \
+                g = ++cu < endr[t] ? ranks[cu] : UINT32_MAX;                                \
             }                                                                               \
             tgt[t] = g;                                                                     \
             cur[t] = cu;                                                                    \
         }                                                                                   \
         for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
-        if (__builtin_expect(outside, 0)) {                                                 \
+        if (__builtin_expect(outside, 0) && OUTANY(cbuf, lo)) { /* rare inside a block */  \
             for (int v = 0; v * 32 < len; v++) {                                            \
                 uint32_t m = OUT32(cbuf + 32 * v, lo);                                      \
                 if (len - 32 * v < 32) m &= (1u << (len - 32 * v)) - 1;                     \
@@ -230,16 +265,25 @@ static int pick_window(const lane_t *l) {
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
-        for (int w = 0; w < JB / 64; w++) { /* in position order, old words still in L1 */  \
-            uint64_t x = bb[w];                                                             \
-            while (x) {                                                                     \
-                int e = 64 * w + __builtin_ctzll(x);                                        \
-                x &= x - 1;                                                                 \
-                if ((uint64_t)l->emitted >= l->pp.k) break; /* refused in phase C */        \
-                l->rpos[l->emitted] = (uint32_t)(b0 + e);                                   \
-                l->rold[l->emitted] = elem_get(base, kd->bits, start + b0 + e);             \
-                l->rci[l->emitted++] = bci[e];                                              \
+        { /* in position order, old words still in L1; fields in locals: the stores may    \
+           * alias them (-fno-strict-aliasing) */                                           \
+            int64_t em = l->emitted;                                                        \
+            const int64_t kmax = (int64_t)l->pp.k;                                          \
+            uint32_t *const rpos = l->rpos, *const rci = l->rci;                            \
+            uint64_t *const rold = l->rold;                                                 \
+            for (int w = 0; w < JB / 64; w++) {                                             \
+                uint64_t x = bb[w];                                                         \
+                while (x) {                                                                 \
+                    int e = 64 * w + __builtin_ctzll(x);                                    \
+                    x &= x - 1;                                                             \
+                    if (em >= kmax) break; /* refused in phase C */                         \
+                    rpos[em] = (uint32_t)(b0 + e);                                          \
+                    rold[em] = bits16 ? ((const uint16_t *)base)[start + b0 + e]            \
+                                      : elem_get(base, bits, start + b0 + e);               \
+                    rci[em++] = bci[e];                                                     \
+                }                                                                           \
             }                                                                               \
+            l->emitted = em;                                                                \
         }                                                                                   \
         if ((b0 & (16 * JB - 1)) == 15 * JB) rp_lane_group(kd, l, start, b0 + len);         \
     }                                                                                       \
@@ -260,6 +304,15 @@ static inline uint32_t out32_scalar(const uint8_t *p, int lo) {
     return m;
 }
 
+/* Whether any byte of the block lies outside the window [lo, lo + WIN) (one test per block
+ * instead of one per 32 elements; the pad of a short last block does: the loop that follows
+ * masks it off). */
+static inline int outany_scalar(const uint8_t *p, int lo) {
+    int any = 0;
+    for (int i = 0; i < JB; i++) any |= (unsigned)(p[i] - lo) >= WIN;
+    return any;
+}
+
 /* Each slot's count in the block (bcs) and the slots whose next rank falls inside it. */
 static inline uint32_t counts_scalar(const uint8_t *cb, const uint8_t *vcb, int nvc,
                                      const uint32_t *cnt, const uint32_t *tgt, uint32_t *bcs) {
@@ -275,7 +328,7 @@ static inline uint32_t counts_scalar(const uint8_t *cb, const uint8_t *vcb, int 
 #define SELECT64 select64_loop
 static void join_scalar(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                         int64_t n) {
-    JOIN_BODY(counts_scalar, eq32_scalar, out32_scalar)
+    JOIN_BODY(counts_scalar, eq32_scalar, out32_scalar, outany_scalar)
 }
 #undef SELECT64
 #undef BLOCKCTX
@@ -286,6 +339,16 @@ __attribute__((target("avx2"))) static inline uint32_t out32_avx2(const uint8_t 
     __m256i top = _mm256_set1_epi8(WIN - 1);
     __m256i in = _mm256_cmpeq_epi8(_mm256_max_epu8(v, top), top);
     return ~(uint32_t)_mm256_movemask_epi8(in);
+}
+
+__attribute__((target("avx2"))) static inline int outany_avx2(const uint8_t *p, int lo) {
+    const __m256i l = _mm256_set1_epi8((char)lo), top = _mm256_set1_epi8(WIN - 1);
+    __m256i out = _mm256_setzero_si256();
+    for (int v = 0; v < JB / 32; v++) { /* bytes above WIN - 1 after the shift: outside */
+        __m256i x = _mm256_sub_epi8(_mm256_load_si256((const __m256i *)(p + 32 * v)), l);
+        out = _mm256_or_si256(out, _mm256_xor_si256(_mm256_max_epu8(x, top), top));
+    }
+    return !_mm256_testz_si256(out, out);
 }
 
 /* counts_scalar for up to 16 slots, 8 at a time: byte compares per slot, then the 8 slots'
@@ -325,7 +388,7 @@ __attribute__((target("avx2"))) static void join_avx2(const rp_kind *kd, const u
                                                        lane_t *l, int64_t start, int64_t n) {
 #define BLOCKCTX BLOCKCTX16
 #define SELECT64 select64_loop
-    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2)
+    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2, outany_avx2)
 #undef SELECT64
 #undef BLOCKCTX
 }
@@ -341,7 +404,7 @@ __attribute__((target("avx2,bmi2"))) static void join_avx2_pdep(const rp_kind *k
                                                                  int64_t n) {
 #define BLOCKCTX BLOCKCTX16
 #define SELECT64 select64_pdep
-    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2)
+    JOIN_BODY(counts_avx2, eq32_avx2, out32_avx2, outany_avx2)
 #undef SELECT64
 #undef BLOCKCTX
 }

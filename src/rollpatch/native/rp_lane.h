@@ -61,4 +61,15 @@ RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start);
 RP_HIDDEN void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 RP_HIDDEN void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 
+/* Phase counters (cycles) behind a compile-time flag: -DRP_PROF prints them at exit. */
+#ifdef RP_PROF
+#include <x86intrin.h>
+extern uint64_t rp_prof[8];
+#define PROF_T() __rdtsc()
+#define PROF_ADD(i, t0) (rp_prof[i] += __rdtsc() - (t0))
+#else
+#define PROF_T() 0
+#define PROF_ADD(i, t0) ((void)(t0))
+#endif
+
 #endif /* RP_LANE_H */

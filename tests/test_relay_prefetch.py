@@ -4,13 +4,12 @@ once the version's manifest and step patch objects are fetched, verified and cac
 is counted and logged, and the next sound version is announced as usual.
 
 Real uvicorn relays on loopback in front of a ``file://`` board written by a real
-:class:`Publisher` (the World of ``test_relay_longpoll``). No assertion is on wall time.
+:class:`Publisher` (``tests.relayworld``). No assertion is on wall time.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,16 @@ from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.store import ObjectInfo, Store, open_store
 from rollpatch.store.base import Keys
 from tests.conftest import masters, until
-from tests.test_relay_longpoll import KEY, RUN, World, _client, _held_in_thread, _version, _waiting
+from tests.relayworld import (
+    KEY,
+    RUN,
+    World,
+    client_of,
+    held_in_thread,
+    version_of,
+    waiting,
+    world,
+)
 
 
 class Corrupting(Store):
@@ -59,11 +67,7 @@ class Corrupting(Store):
         self.inner.close()
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    yield w
-    w.close()
+_FIXTURES = (world,)  # used by name
 
 
 def _cached(server: object, key: str) -> bool:
@@ -75,13 +79,13 @@ def test_announced_only_once_manifest_and_patch_are_cached(world: World) -> None
     and the step patch (checked the moment the answer arrives, no waiting); a follower then
     reads them from the region's cache: the region asks upstream for nothing more."""
     region = world.relay(world.origin.url, "region")
-    c = _client(region.url)
-    t, out = _held_in_thread(c, 0, 60.0)
-    until(lambda: _waiting(region) == 1, "the long-poll to be held at the region")
-    until(lambda: _waiting(world.origin) == 1, "the region to long-poll the origin")
+    c = client_of(region.url)
+    t, out = held_in_thread(c, 0, 60.0)
+    until(lambda: waiting(region) == 1, "the long-poll to be held at the region")
+    until(lambda: waiting(world.origin) == 1, "the region to long-poll the origin")
     world.publish()
     t.join(30)
-    assert not t.is_alive() and _version(out[0]) == 1
+    assert not t.is_alive() and version_of(out[0]) == 1
     m = Board(open_store(world.uri)).manifest(RUN, 1)
     (patch,) = m.patches_from(0)
     for server in (world.origin, region):
@@ -89,7 +93,7 @@ def test_announced_only_once_manifest_and_patch_are_cached(world: World) -> None
         assert _cached(server, patch.ref.key), "announced before its patch was cached"
     upstream = region.relay.metrics.render()
     board = Board(c)
-    assert _version(c.get(KEY)) == 1  # plain GETs see it (the TTL cache was refreshed)
+    assert version_of(c.get(KEY)) == 1  # plain GETs see it (the TTL cache was refreshed)
     assert board.manifest(RUN, 1).target == m.target
     assert board.fetch(patch.ref)  # BLAKE3 checked against the manifest
     after = region.relay.metrics.render()
@@ -110,19 +114,19 @@ def test_a_version_whose_patch_is_corrupt_is_not_announced(
     store = Corrupting(open_store(world.uri))
     world.pub.close()
     world.pub = Publisher(Board(store), RUN, PublisherConfig(format="bf16"), asynchronous=False)
-    c = _client(world.origin.url)
+    c = client_of(world.origin.url)
     held = c.held()
-    assert _version(c.wait_newer(KEY, -1, 30.0, held)) == 0  # the watch runs, v0 announced
-    t, out = _held_in_thread(c, 0, 3.0)
-    until(lambda: _waiting(world.origin) == 1, "the long-poll to be held")
+    assert version_of(c.wait_newer(KEY, -1, 30.0, held)) == 0  # the watch runs, v0 announced
+    t, out = held_in_thread(c, 0, 3.0)
+    until(lambda: waiting(world.origin) == 1, "the long-poll to be held")
     store.armed = True
     assert world.publish() == 1
     store.armed = False
     metric = "rollpatch_relay_unannounced_total"
     until(lambda: metric in world.origin.relay.metrics.render(), "the prefetch to refuse v1")
     t.join(30)
-    assert not t.is_alive() and _version(out[0]) == 0, "v1 was announced"
-    assert _version(c.wait_newer(KEY, 0, 0.5, held)) == 0  # held back, still
+    assert not t.is_alive() and version_of(out[0]) == 0, "v1 was announced"
+    assert version_of(c.wait_newer(KEY, 0, 0.5, held)) == 0  # held back, still
     rendered = world.origin.relay.metrics.render()
     assert f'{metric}{{reason="ObjectIntegrityError"}}' in rendered
     assert 'rollpatch_relay_refused_total{reason="hash_mismatch"}' in rendered
@@ -130,10 +134,10 @@ def test_a_version_whose_patch_is_corrupt_is_not_announced(
     assert warned and warned[0].levelno == logging.WARNING
     assert sum(r.levelno == logging.WARNING for r in warned) == 1  # retries log at DEBUG
     # the next sound version is announced; its own step patch (from v1) is sound
-    t, out = _held_in_thread(c, 0, 60.0)
+    t, out = held_in_thread(c, 0, 60.0)
     assert world.publish() == 2
     t.join(30)
-    assert not t.is_alive() and _version(out[0]) == 2
+    assert not t.is_alive() and version_of(out[0]) == 2
     m = Board(open_store(world.uri)).manifest(RUN, 2)
     (patch,) = m.patches_from(1)
     assert _cached(world.origin, patch.ref.key)
@@ -145,12 +149,12 @@ def test_without_prefetch_versions_are_announced_at_once(tmp_path: Path) -> None
     before a follower asks), and a follower still reaches the version."""
     w = World(tmp_path, prefetch=False)
     try:
-        c = _client(w.origin.url)
-        t, out = _held_in_thread(c, 0, 60.0)
-        until(lambda: _waiting(w.origin) == 1, "the long-poll to be held")
+        c = client_of(w.origin.url)
+        t, out = held_in_thread(c, 0, 60.0)
+        until(lambda: waiting(w.origin) == 1, "the long-poll to be held")
         w.pub.publish(masters(7, 0.1))
         t.join(30)
-        assert _version(out[0]) == 1
+        assert version_of(out[0]) == 1
         m = Board(open_store(w.uri)).manifest(RUN, 1)
         (patch,) = m.patches_from(0)
         assert not _cached(w.origin, patch.ref.key)
@@ -168,22 +172,22 @@ def test_held_answers_carry_the_prefetch_hint_and_only_sound_hints_are_taken(
     from rollpatch.relay.watch import PREFETCH_HEADER
 
     region = world.relay(world.origin.url, "region")
-    c = _client(region.url)
+    c = client_of(region.url)
     held = c.held()
     headers: dict[str, str] = {}
-    assert _version(c.wait_newer(KEY, -1, 30.0, held, headers)) == 0
-    until(lambda: _waiting(world.origin) == 1, "the region to long-poll the origin")
+    assert version_of(c.wait_newer(KEY, -1, 30.0, held, headers)) == 0
+    until(lambda: waiting(world.origin) == 1, "the region to long-poll the origin")
     assert world.publish() == 1
     headers.clear()
-    assert _version(c.wait_newer(KEY, 0, 30.0, held, headers)) == 1
+    assert version_of(c.wait_newer(KEY, 0, 30.0, held, headers)) == 1
     m = Board(open_store(world.uri)).manifest(RUN, 1)
     (patch,) = m.patches_from(0)
     want = f"{version_key(RUN, 1)} {patch.ref.key}"
     got = {k.lower(): v for k, v in headers.items()}
     assert got[PREFETCH_HEADER.lower()] == want
     origin_headers: dict[str, str] = {}
-    o = _client(world.origin.url)
-    assert _version(o.wait_newer(KEY, 0, 30.0, o.held(), origin_headers)) == 1
+    o = client_of(world.origin.url)
+    assert version_of(o.wait_newer(KEY, 0, 30.0, o.held(), origin_headers)) == 1
     assert {k.lower(): v for k, v in origin_headers.items()}[PREFETCH_HEADER.lower()] == want
     before = region.relay.metrics.render()
     bogus = " ".join(

@@ -4,13 +4,10 @@ and caches them, so it asks upstream for nothing more; bytes it refuses are fetc
 the framing is parsed strictly; a relay that does not ask gets a plain answer.
 
 Real uvicorn relays on loopback in front of a ``file://`` board written by a real
-:class:`Publisher` (the World of ``test_relay_longpoll``). No assertion is on wall time.
+:class:`Publisher` (``tests.relayworld``). No assertion is on wall time.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,14 +18,18 @@ from rollpatch.relay import RelayServer
 from rollpatch.store import open_store
 from rollpatch.store.push import MAX_PUSHED, PUSH_HEADER, frame_push, split_push
 from tests.conftest import until
-from tests.test_relay_longpoll import KEY, RUN, World, _client, _held_in_thread, _version, _waiting
+from tests.relayworld import (
+    KEY,
+    RUN,
+    World,
+    client_of,
+    held_in_thread,
+    version_of,
+    waiting,
+    world,
+)
 
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    yield w
-    w.close()
+_FIXTURES = (world,)  # used by name
 
 
 def _count(server: RelayServer, series: str) -> float:
@@ -47,16 +48,16 @@ def test_a_relay_downstream_gets_the_version_in_the_answer(world: World) -> None
     both are cached at the region when it announces v1, and it made no GET upstream for
     them; a follower-side read through the region is served from that cache."""
     region = world.relay(world.origin.url, "region")
-    c = _client(region.url)
-    t, out = _held_in_thread(c, 0, 60.0)
+    c = client_of(region.url)
+    t, out = held_in_thread(c, 0, 60.0)
     until(lambda: region.relay.watch.announced(KEY) is not None, "the region to announce v0")
-    until(lambda: _waiting(world.origin) == 1, "the region to long-poll the origin")
+    until(lambda: waiting(world.origin) == 1, "the region to long-poll the origin")
     cached, sent = 'rollpatch_relay_pushed_total{outcome="cached"}', '{outcome="sent"}'
     sent = "rollpatch_relay_pushed_total" + sent
     gets, before = _upstream_gets(region), (_count(region, cached), _count(world.origin, sent))
     world.publish()
     t.join(30)
-    assert not t.is_alive() and _version(out[0]) == 1
+    assert not t.is_alive() and version_of(out[0]) == 1
     m = Board(open_store(world.uri)).manifest(RUN, 1)
     (patch,) = m.patches_from(0)
     for key in (version_key(RUN, 1), patch.ref.key):
@@ -74,14 +75,14 @@ def test_without_push_the_hinted_objects_are_fetched(world: World) -> None:
     """``push_bytes=0``: the region asks for nothing pushed, fetches the hinted manifest and
     patch after the answer, and still announces v1 with both cached."""
     region = world.relay(world.origin.url, "region", push_bytes=0)
-    c = _client(region.url)
-    t, out = _held_in_thread(c, 0, 60.0)
+    c = client_of(region.url)
+    t, out = held_in_thread(c, 0, 60.0)
     until(lambda: region.relay.watch.announced(KEY) is not None, "the region to announce v0")
-    until(lambda: _waiting(world.origin) == 1, "the region to long-poll the origin")
+    until(lambda: waiting(world.origin) == 1, "the region to long-poll the origin")
     gets = _upstream_gets(region)
     world.publish()
     t.join(30)
-    assert not t.is_alive() and _version(out[0]) == 1
+    assert not t.is_alive() and version_of(out[0]) == 1
     assert _upstream_gets(region) >= gets + 2
     assert _count(region, 'rollpatch_relay_pushed_total{outcome="cached"}') == 0
     (patch,) = Board(open_store(world.uri)).manifest(RUN, 1).patches_from(0)
@@ -92,20 +93,20 @@ def test_push_only_when_asked_newer_and_within_the_limit(world: World) -> None:
     """The origin pushes to a waiter behind the announced version, within the bytes it
     accepts; a waiter already holding it, or accepting too few bytes, gets a plain answer."""
     world.publish()
-    c = _client(world.origin.url)
+    c = client_of(world.origin.url)
     held = c.held()
-    assert _version(c.wait_newer(KEY, 0, 30.0, held)) == 1  # the watch runs, v1 announced
+    assert version_of(c.wait_newer(KEY, 0, 30.0, held)) == 1  # the watch runs, v1 announced
     pushed: list[tuple[str, bytes]] = []
     headers: dict[str, str] = {}
     body = c.wait_newer(KEY, 0, 30.0, held, headers, push_bytes=1 << 20, pushed_out=pushed)
-    assert _version(body) == 1 and PUSH_HEADER.lower() in {h.lower() for h in headers}
+    assert version_of(body) == 1 and PUSH_HEADER.lower() in {h.lower() for h in headers}
     (patch,) = Board(open_store(world.uri)).manifest(RUN, 1).patches_from(0)
     assert [k for k, _ in pushed] == [version_key(RUN, 1), patch.ref.key]
     assert pushed[1][1] == open_store(world.uri).get(patch.ref.key)
     for after, limit in ((1, 1 << 20), (0, 64)):  # holds v1 already; too small to fit
         pushed, headers = [], {}
         body = c.wait_newer(KEY, after, 0.2, held, headers, push_bytes=limit, pushed_out=pushed)
-        assert _version(body) == 1 and not pushed
+        assert version_of(body) == 1 and not pushed
         assert PUSH_HEADER.lower() not in {h.lower() for h in headers}
 
 

@@ -17,8 +17,8 @@ from rollpatch.store import open_store
 from rollpatch.store.file import FileStore
 from rollpatch.store.notify import KeyWatch
 from tests.conftest import until
-from tests.test_relay_longpoll import KEY as KEY_LP
-from tests.test_relay_longpoll import World, _client, _held_in_thread, _version, _waiting
+from tests.relayworld import KEY as KEY_LP
+from tests.relayworld import World, client_of, held_in_thread, version_of, waiting
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify")
 
@@ -67,12 +67,12 @@ def test_the_relay_learns_of_a_version_when_latest_is_written(tmp_path: Path) ->
     watch woke when the publisher renamed LATEST into place."""
     w = World(tmp_path, watch_s=3600.0)
     try:
-        c = _client(w.origin.url)
-        assert _version(c.wait_newer(KEY_LP, -1, 30.0, c.held())) == 0
-        t, out = _held_in_thread(c, 0, 60.0)
-        until(lambda: _waiting(w.origin) == 1, "the long-poll to be held")
+        c = client_of(w.origin.url)
+        assert version_of(c.wait_newer(KEY_LP, -1, 30.0, c.held())) == 0
+        t, out = held_in_thread(c, 0, 60.0)
+        until(lambda: waiting(w.origin) == 1, "the long-poll to be held")
         w.publish()
         t.join(30)
-        assert not t.is_alive() and _version(out[0]) == 1
+        assert not t.is_alive() and version_of(out[0]) == 1
     finally:
         w.close()

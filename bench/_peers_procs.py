@@ -189,3 +189,23 @@ class Relay:
         self.proc.wait(timeout=30)
         self._err.close()
         return peak
+
+
+def link_child(rtt_ms: float, mbps: float, upstream_port: int, logs: Path) -> tuple[Child, int]:
+    """The emulated WAN (a ``link`` child: ``rtt_ms`` added, ``mbps`` shared) in front of
+    ``upstream_port``, started, and its port; closed again if it does not start."""
+    link = Child(
+        "link",
+        {
+            "mode": "link",
+            "upstream": ["127.0.0.1", upstream_port],
+            "latency_ms": rtt_ms / 2,
+            "mbps": mbps,
+        },
+        logs,
+    )
+    try:
+        return link, link.expect("ready", 60)["port"]
+    except BaseException:
+        link.close()
+        raise

@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _peers_procs import BenchError, Child, Relay, free_port
+from _peers_procs import BenchError, Child, Relay, free_port, link_child
 from _peers_report import render, render_cpu, targets
 from _peers_steps import steps
 from _peers_trace import render as render_phases
@@ -103,15 +103,6 @@ from rollpatch.store import open_store
 
 RUN = "bench"
 METHODS = ("rollpatch", "xor", "shardcast")
-
-
-# -- versions ---------------------------------------------------------------------------------
-
-
-# -- processes --------------------------------------------------------------------------------
-
-
-# -- one method -------------------------------------------------------------------------------
 
 
 def run_method(
@@ -179,18 +170,8 @@ def run_method(
             )
             closers.append(origin.close)
             cpu_pids.append(origin.proc.pid)
-            link = Child(
-                "link",
-                {
-                    "mode": "link",
-                    "upstream": ["127.0.0.1", origin.port],
-                    "latency_ms": args.rtt_ms / 2,
-                    "mbps": args.mbps,
-                },
-                logs,
-            )
+            link, lport = link_child(args.rtt_ms, args.mbps, origin.port, logs)
             closers.append(link.close)
-            lport = link.expect("ready", 60)["port"]
             region = Relay(
                 f"http://127.0.0.1:{lport}",
                 root / "region-cache",
@@ -216,18 +197,8 @@ def run_method(
                 (root / d / "data1.bin").write_bytes(b"\0")  # the clients' first probe
             origin_sc = OriginServer(str(root / "origin"), free_port())
             closers.append(origin_sc.shutdown)
-            link = Child(
-                "link",
-                {
-                    "mode": "link",
-                    "upstream": ["127.0.0.1", origin_sc.port],
-                    "latency_ms": args.rtt_ms / 2,
-                    "mbps": args.mbps,
-                },
-                logs,
-            )
+            link, lport = link_child(args.rtt_ms, args.mbps, origin_sc.port, logs)
             closers.append(link.close)
-            lport = link.expect("ready", 60)["port"]
             mport = free_port()
             mid = Child(
                 "middle",
@@ -298,9 +269,6 @@ def run_method(
             except Exception as e:  # noqa: BLE001 (cleanup must reach every process)
                 log(f"{method}: cleanup: {e}")
     return out
-
-
-# -- report -----------------------------------------------------------------------------------
 
 
 def main() -> int:

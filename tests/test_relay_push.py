@@ -1,7 +1,8 @@
 """Pushed long-poll answers (docs/relay.md, "Push"): a relay long-polling a relay upstream gets
 the announced version's manifest and step patch *in* the answer, checks them as fetched bytes
 and caches them, so it asks upstream for nothing more; bytes it refuses are fetched as before;
-the framing is parsed strictly; a relay that does not ask gets a plain answer.
+the framing is parsed strictly; a relay that does not ask gets a plain answer; what the asking
+relay says it holds (``have``) is left out, so a version crosses the WAN once.
 
 Real uvicorn relays on loopback in front of a ``file://`` board written by a real
 :class:`Publisher` (``tests.relayworld``). No assertion is on wall time.
@@ -9,14 +10,26 @@ Real uvicorn relays on loopback in front of a ``file://`` board written by a rea
 
 from __future__ import annotations
 
+import http.client
+
 import pytest
 
 from rollpatch.board import Board
 from rollpatch.errors import StoreError
 from rollpatch.layout import version_key
+from rollpatch.netem import Link
 from rollpatch.relay import RelayServer
+from rollpatch.relay import watch as relay_watch
 from rollpatch.store import open_store
-from rollpatch.store.push import MAX_PUSHED, PUSH_HEADER, frame_push, split_push
+from rollpatch.store.push import (
+    MAX_HAVE,
+    MAX_PUSHED,
+    PUSH_HEADER,
+    frame_push,
+    have_token,
+    parse_have,
+    split_push,
+)
 from tests.conftest import until
 from tests.relayworld import (
     KEY,
@@ -153,3 +166,81 @@ def test_the_framing_round_trips_and_malformed_answers_are_refused() -> None:
             split_push(bad, body, "s")
     with pytest.raises(ValueError):
         frame_push(b"", [(key, b"")] * (MAX_PUSHED + 1))
+
+
+def _pushed(server: RelayServer, outcome: str) -> float:
+    return _count(server, f'rollpatch_relay_pushed_total{{outcome="{outcome}"}}')
+
+
+def test_a_version_crosses_the_wan_once_when_the_watch_asks_again(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The region relay learns v1 in a pushed answer through an emulated WAN link; its watch
+    then ends (nobody waits) and a new one asks the origin with ``after=-1``, naming what it
+    holds: the origin answers with v1 and pushes nothing, so v1's patch crosses the link once
+    (counted by the link), and the region announces v1 from its cache, fetching nothing."""
+    monkeypatch.setattr(relay_watch, "LINGER_S", 0.2)
+    origin_address = world.origin.url.removeprefix("http://").rsplit(":", 1)
+    link = Link(upstream=(origin_address[0], int(origin_address[1])), latency_ms=0).start()
+    try:
+        region = world.relay(link.url, "region", hold_s=1.0)
+        c = client_of(region.url)
+        held = c.held()
+        assert version_of(c.wait_newer(KEY, -1, 1.0, held)) == 0
+        until(lambda: waiting(world.origin) == 1, "the region to long-poll the origin")
+        world.publish()
+        until(lambda: version_of(c.wait_newer(KEY, 0, 1.0, held)) == 1, "v1 at the region")
+        (patch,) = Board(open_store(world.uri)).manifest(RUN, 1).patches_from(0)
+        size = len(open_store(world.uri).get(patch.ref.key))
+        assert _pushed(region, "cached") == 3  # v0's manifest, then v1's and its patch
+        until(lambda: KEY not in region.relay.watch._runs, "the region's watch to end")
+        down, gets = link.stats().bytes_down, _upstream_gets(region)
+        sent = _pushed(world.origin, "sent")
+
+        assert version_of(c.wait_newer(KEY, 0, 1.0, held)) == 1  # a new watch, after=-1
+        assert region.relay.watch.announced(KEY) is not None
+        assert _pushed(world.origin, "held") == 2 and _pushed(world.origin, "sent") == sent
+        assert _pushed(region, "present") == 0  # nothing it held came again
+        assert _upstream_gets(region) == gets  # and nothing was fetched
+        assert link.stats().bytes_down - down < size, (link.stats(), down, size)
+    finally:
+        link.close()
+
+
+def test_the_origin_leaves_out_what_the_downstream_holds(world: World) -> None:
+    """``have`` naming v1's manifest: only the patch is pushed; naming both: a plain answer
+    with the prefetch hint; a malformed ``have`` is refused with 400."""
+    world.publish()
+    c = client_of(world.origin.url)
+    held = c.held()
+    assert version_of(c.wait_newer(KEY, 0, 30.0, held)) == 1
+    (patch,) = Board(open_store(world.uri)).manifest(RUN, 1).patches_from(0)
+    manifest = have_token(version_key(RUN, 1))
+    assert manifest == "1" and have_token(patch.ref.key) == patch.ref.key.split("/")[-1][:64]
+    for have, expect in (
+        ([manifest], [patch.ref.key]),
+        ([manifest, have_token(patch.ref.key)], []),
+    ):
+        pushed: list[tuple[str, bytes]] = []
+        headers: dict[str, str] = {}
+        body = c.wait_newer(
+            KEY, 0, 30.0, held, headers, push_bytes=1 << 20, pushed_out=pushed, have=have
+        )
+        assert version_of(body) == 1 and [k for k, _ in pushed] == expect
+        assert (PUSH_HEADER.lower() in {h.lower() for h in headers}) == bool(expect)
+    host, port = world.origin.url.removeprefix("http://").rsplit(":", 1)
+    for bad in ("x", "1,,2", "ab" * 31, ",".join(["1"] * (MAX_HAVE + 1)), "1" * 17):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", f"/v1/objects/{KEY}?after=0&wait=0&push=100&have={bad}")
+        assert conn.getresponse().status == 400, bad
+        conn.close()
+
+
+def test_have_lists_are_parsed_strictly() -> None:
+    h = "ab" * 32
+    assert parse_have("") == frozenset()
+    assert parse_have(f"12,{h},0012") == {"12", h}
+    assert have_token(f"runs/r/objects/{h}.rpatch") == h and have_token("runs/r/LATEST") is None
+    for bad in ("-1", "AB" * 32, f"{h}0", "1 2", ",".join(["1"] * (MAX_HAVE + 1))):
+        with pytest.raises(ValueError):
+            parse_have(bad)

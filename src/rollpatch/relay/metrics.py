@@ -39,7 +39,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     ),
     "rollpatch_relay_pushed_total": (
         "counter",
-        "Objects pushed in long-poll answers: received (cached, refused, present) or sent.",
+        "Objects pushed in long-poll answers: received (cached, refused, present) or sent "
+        + "(sent; held: left out, the receiver holds it).",
     ),
     "rollpatch_relay_evictions_total": ("counter", "Cache files evicted to stay in bounds."),
     "rollpatch_relay_cache_discarded_total": (

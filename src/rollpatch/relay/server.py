@@ -29,7 +29,7 @@ from ..serving import ServeOptions, ServerHandle, serve_app
 from ..serving.responses import error_body
 from ..store import Store, open_store, validate_key, validate_prefix
 from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS, HELD_HEADER
-from ..store.push import PUSH_HEADER
+from ..store.push import MAX_HAVE, PUSH_HEADER, parse_have
 from ..trust import Trust
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
@@ -186,6 +186,7 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
     try:
         if not _AFTER.fullmatch(after_s) or not _PUSH.fullmatch(push_s):
             raise ValueError(after_s)
+        have = parse_have(q.get("have", ""))
         wait = relay.config.hold_s if wait_s is None else float(wait_s)
         if not 0 <= wait < float("inf"):
             raise ValueError(wait_s)
@@ -194,7 +195,8 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
             400,
             ConfigError(
                 "a long-poll of LATEST takes ?after=N (an integer >= -1), &wait=S seconds "
-                "and optionally &push=B (bytes, an integer >= 0)",
+                "and optionally &push=B (bytes, an integer >= 0) and &have=T,... (at most "
+                f"{MAX_HAVE} version numbers or BLAKE3 hashes of objects held)",
                 key=key,
             ),
         )
@@ -215,7 +217,9 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
         blob = await _wait(relay.resolve(key))
     assert blob.data is not None  # LATEST is held in memory
     push = int(push_s)
-    framed = await asyncio.to_thread(relay.watch.push, key, blob, after, push) if push else None
+    framed = (
+        await asyncio.to_thread(relay.watch.push, key, blob, after, push, have) if push else None
+    )
     if framed is not None:
         response = _pushed(relay, *framed)
     else:

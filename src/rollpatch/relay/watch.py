@@ -5,7 +5,7 @@ islands one one-way trip after the relay learns of it, instead of a polling peri
 While anyone waits on a run, one thread per run keeps the relay's LATEST fresh: through a long
 poll of its own when the upstream is another relay (chains of relays pass a version on at
 once), else by reading LATEST every ``watch_s`` (directory and S3 boards; on Linux a directory
-board also wakes the watch the moment LATEST is renamed into place: :class:`_Notice`). Each
+board also wakes the watch the moment LATEST is renamed into place: :class:`Notice`). Each
 LATEST read
 is checked as any other (signature, freshness, rollback) and refreshes the TTL cache that
 plain GETs are answered from. A held answer is only a hint — followers read and verify LATEST
@@ -21,6 +21,10 @@ With ``push_bytes`` (docs/relay.md, "Push"), a relay long-polling a relay upstre
 those objects *in* the answer that announces the version (:mod:`rollpatch.store.push`), and
 checks and caches them as if it had fetched them: the version crosses the WAN in one one-way
 trip instead of one plus a round trip. What is not pushed, or is refused, is fetched as before.
+Each such long-poll also names what the relay holds of the newest version it learned of
+upstream (``&have=``), so a long-poll whose ``after`` did not move past that version (the
+watch restarted, or the version could not be announced and is asked for again) is not
+answered with the same bytes again.
 """
 
 from __future__ import annotations
@@ -36,13 +40,11 @@ from ..latest import read_latest
 from ..layout import manifest_version, object_hash, objects_prefix, pointer_run, version_key
 from ..logs import event
 from ..manifest import open_manifest
-from ..store.base import Store
-from ..store.file import FileStore
 from ..store.http_client import HttpStore
 from ..store.http_pool import Held
-from ..store.notify import KeyWatch
-from ..store.push import MAX_PUSHED, frame_push
+from ..store.push import MAX_HAVE, MAX_PUSHED, frame_push, have_token
 from .core import Blob, Relay
+from .notice import Notice
 
 __all__ = ["MAX_PUSH_BYTES", "PREFETCH_HEADER", "PointerWatch"]
 
@@ -90,6 +92,10 @@ class PointerWatch:
         self._runs: dict[str, _Run] = {}
         self._closed = threading.Event()
         self._held: list[Held] = []
+        #: LATEST key -> keys of the newest version learned upstream (its manifest and step
+        #: patch objects): what a long-poll's ``have`` is drawn from. Outlives the run's
+        #: watch (a restarted watch asks with ``after=-1``); at most MAX_RUNS runs.
+        self._learned_keys: dict[str, list[str]] = {}
 
     def wait(self, key: str, after: int) -> Future[Blob] | None:
         """A future of the LATEST at ``key`` once it names a version above ``after`` (never
@@ -118,12 +124,15 @@ class PointerWatch:
             st = self._runs.get(key)
             return st.hint if st is not None and st.blob is blob else ""
 
-    def push(self, key: str, blob: Blob, after: int, limit: int) -> tuple[str, list[bytes]] | None:
+    def push(
+        self, key: str, blob: Blob, after: int, limit: int, have: frozenset[str] = frozenset()
+    ) -> tuple[str, list[bytes]] | None:
         """The pushed answer of ``blob`` (the ``X-Rollpatch-Push`` value and the body pieces)
-        for a downstream relay that holds ``after`` and accepts ``limit`` bytes; None when
-        ``blob`` is not a newer announced version, or its objects are not all cached or do
-        not fit (the answer is then plain, with the prefetch hint). Reads cache files: call
-        it off the event loop."""
+        for a downstream relay that holds ``after`` and the objects named in ``have``
+        (:func:`~rollpatch.store.push.have_token`, left out) and accepts ``limit`` bytes;
+        None when ``blob`` is not a newer announced version, the downstream holds all of its
+        objects, or they are not all cached or do not fit (the answer is then plain, with the
+        prefetch hint). Reads cache files: call it off the event loop."""
         with self._lock:
             st = self._runs.get(key)
             if st is None or st.blob is not blob or st.version <= after or not st.hint:
@@ -132,9 +141,17 @@ class PointerWatch:
         if blob.data is None:
             return None
         limit = min(limit, MAX_PUSH_BYTES) - blob.size
+        wanted = {k for k in keys if have_token(k) not in have}
+        if len(wanted) < len(keys):  # the downstream holds these: they cross the WAN once
+            held = len(keys) - len(wanted)
+            self.relay.metrics.inc("rollpatch_relay_pushed_total", held, outcome="held")
+        if not wanted:
+            return None
         if parts is None:
             entries = [self.relay.cache.lookup(k) for k in keys]
-            if any(e is None for e in entries) or sum(e.size for e in entries if e) > limit:
+            if any(e is None for e in entries):
+                return None
+            if sum(e.size for e in entries if e and e.key in wanted) > limit:
                 return None
             try:
                 parts = [(e.key, self.relay.read(Blob.cached(e))) for e in entries if e]
@@ -143,10 +160,11 @@ class PointerWatch:
             with self._lock:
                 if st.blob is blob:
                     st.parts = parts
-        elif sum(len(b) for _, b in parts) > limit:
+        sending = [(k, b) for k, b in parts if k in wanted]
+        if sum(len(b) for _, b in sending) > limit:
             return None
-        self.relay.metrics.inc("rollpatch_relay_pushed_total", len(parts), outcome="sent")
-        return frame_push(blob.data, parts)
+        self.relay.metrics.inc("rollpatch_relay_pushed_total", len(sending), outcome="sent")
+        return frame_push(blob.data, sending)
 
     def announced(self, key: str) -> Blob | None:
         """The newest LATEST the watch of ``key`` announced (None: no watch, or none yet):
@@ -190,7 +208,7 @@ class PointerWatch:
             with self._lock:
                 self._held.append(own)
         first, failures = True, 0
-        notice = _Notice(upstream, key, self._closed)
+        notice = Notice(upstream, key, self._closed)
         try:
             while not self._closed.is_set():
                 with self._lock:  # the exit and the thread's reset are one step for wait()
@@ -229,7 +247,7 @@ class PointerWatch:
             notice.close()
 
     def _read(
-        self, key: str, after: int, held: Held | None, first: bool, notice: _Notice
+        self, key: str, after: int, held: Held | None, first: bool, notice: Notice
     ) -> tuple[bytes | None, float, str, list[tuple[str, bytes]]]:
         """LATEST read upstream, when, the upstream relay's prefetch hint (or "") and the
         objects it pushed (unverified)."""
@@ -240,8 +258,9 @@ class PointerWatch:
             self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="wait")
             headers: dict[str, str] = {}
             push = self.relay.config.push_bytes if self.relay.config.prefetch else 0
+            have = self._have(key) if push else []
             data = upstream.wait_newer(
-                key, after, wait_s, held, headers, push_bytes=push, pushed_out=pushed
+                key, after, wait_s, held, headers, push_bytes=push, pushed_out=pushed, have=have
             )
             hint = next((v for k, v in headers.items() if k.lower() == PREFETCH_HEADER.lower()), "")
             return data, time.monotonic(), hint, pushed
@@ -274,11 +293,14 @@ class PointerWatch:
             newer = version > st.version
         hint = ""
         if newer and self.relay.config.prefetch:
-            for k, b in (pushed or ())[:MAX_PUSHED]:
-                if _ours(k, run, version):
-                    self.relay.accept(k, b)
+            pushed = [(k, b) for k, b in (pushed or ())[:MAX_PUSHED] if _ours(k, run, version)]
+            hinted_keys = [k for k in hinted.split()[:MAX_HINTED] if _ours(k, run, version)]
+            self._learn(key, [k for k, _ in pushed] + hinted_keys)  # kept if prefetch fails
+            for k, b in pushed:
+                self.relay.accept(k, b)
             self._start_hinted(run, version, hinted)
             hint = " ".join(self._prefetch(run, version, st))
+            self._learn(key, hint.split())
             read_at = time.monotonic()  # the watch kept LATEST current meanwhile
         blob = self.relay.remember_pointer(key, data, read_at)
         with self._lock:
@@ -291,6 +313,25 @@ class PointerWatch:
             if not f.done():
                 f.set_result(blob)
         return newer
+
+    def _learn(self, key: str, keys: list[str]) -> None:
+        """Remember ``keys`` as the newest version's objects learned upstream for ``key``."""
+        keys = list(dict.fromkeys(keys))[:MAX_HAVE]
+        if not keys:
+            return
+        with self._lock:
+            self._learned_keys.pop(key, None)
+            if len(self._learned_keys) >= MAX_RUNS:
+                del self._learned_keys[next(iter(self._learned_keys))]  # the least recent
+            self._learned_keys[key] = keys
+
+    def _have(self, key: str) -> list[str]:
+        """The ``have`` tokens of a long-poll of ``key``: what this relay holds (verified, in
+        its cache) of the newest version it learned upstream (docs/relay.md, "Push")."""
+        with self._lock:
+            keys = self._learned_keys.get(key, [])
+        tokens = [have_token(k) for k in keys if self.relay.cache.lookup(k) is not None]
+        return [t for t in tokens if t is not None][:MAX_HAVE]
 
     def _start_hinted(self, run: str, version: int, hinted: str) -> None:
         """Start fetching what the upstream relay's hint names (only ``version``'s manifest
@@ -346,33 +387,6 @@ class PointerWatch:
             seconds=round(time.monotonic() - started, 4),
         )
         return [version_key(run, version), *(p.ref.key for p in steps)]
-
-
-class _Notice:
-    """The wait between two reads of LATEST on a board: ``watch_s``, cut short the moment a
-    directory board's LATEST is written (inotify, when available). Reads every ``watch_s``
-    go on regardless: writers on other hosts of a network file system raise no event."""
-
-    def __init__(self, upstream: Store, key: str, closed: threading.Event) -> None:
-        self._store = upstream if isinstance(upstream, FileStore) else None
-        self._key, self._closed = key, closed
-        self._watch: KeyWatch | None = None
-
-    def wait(self, timeout: float) -> bool:
-        """Whether the relay is closing (after up to ``timeout`` s, sooner if LATEST moved)."""
-        if self._watch is not None and self._watch.broken:
-            self.close()  # the folder went away or events were lost: open it again
-        if self._watch is None and self._store is not None:
-            self._watch = self._store.watch(self._key)  # None until the run's folder exists
-        if self._watch is None:
-            return self._closed.wait(timeout)
-        self._watch.wait(timeout)
-        return self._closed.is_set()
-
-    def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
 
 
 def _ours(key: str, run: str, version: int) -> bool:

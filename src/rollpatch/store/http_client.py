@@ -27,7 +27,7 @@ import re
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from .. import jsonsafe
@@ -42,7 +42,7 @@ from ..serving.responses import error_message
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
 from .http_pool import MAX_ERROR_BYTES, Held, HttpStatusError, Pool, Response
-from .push import PUSH_HEADER, split_push
+from .push import MAX_HAVE, PUSH_HEADER, split_push
 
 __all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HELD_HEADER", "HttpStore"]
 
@@ -252,6 +252,7 @@ class HttpStore(Store):
         *,
         push_bytes: int = 0,
         pushed_out: list[tuple[str, bytes]] | None = None,
+        have: Sequence[str] = (),
     ) -> bytes | None:
         """GET the LATEST ``key``, held by the relay until it knows a version newer than
         ``after`` or ``wait_s`` passed: the body (a hint only: read and verify LATEST as
@@ -260,10 +261,14 @@ class HttpStore(Store):
         ``headers_out`` receives the answer's headers (a relay's prefetch hint).
         ``push_bytes`` > 0 accepts up to that many bytes of the announced version's manifest
         and step patch objects in the answer (:mod:`.push`); they go to ``pushed_out`` as
-        ``(key, bytes)``, unverified: the caller checks them as any fetched object."""
+        ``(key, bytes)``, unverified: the caller checks them as any fetched object. ``have``:
+        tokens (:func:`.push.have_token`) of objects the caller holds, which the relay then
+        leaves out of the push (at most :data:`.push.MAX_HAVE` are sent)."""
         params: dict[str, object] = {"after": after, "wait": f"{wait_s:g}"}
         if push_bytes > 0:
             params["push"] = push_bytes
+            if have:
+                params["have"] = ",".join(list(have)[:MAX_HAVE])
         target = f"{self._object_target(key)}?{urllib.parse.urlencode(params)}"
         limit = (1 << 20) + max(0, push_bytes)
         try:

@@ -12,6 +12,15 @@ after it (docs/relay.md, "Push"). A push is an optimisation only: the receiver c
 pushed object exactly as one it fetched (objects against the BLAKE3 in their key, manifests
 by signature and schema) before caching it, and what it does not accept it fetches as
 before. Everything read from the header is bounded before it is used.
+
+The asking relay also says what it already holds: ``&have=T,T,...`` names, among the
+objects the upstream may push (those of the newest version it learned of from the upstream,
+announced or not), the ones in its cache: a manifest by its version number, an object by the
+BLAKE3 in its key. The upstream leaves those out of the push, so a version's bytes cross the
+WAN once even when the asking relay's ``after`` has not moved past it (its watch restarted,
+or it could not announce the version and asks again). At most :data:`MAX_HAVE` tokens; the
+upstream refuses a malformed list (400), and a lying list can only make it push less (what
+is not pushed is fetched as before).
 """
 
 from __future__ import annotations
@@ -19,9 +28,18 @@ from __future__ import annotations
 import re
 
 from ..errors import ConfigError, StoreError
+from ..layout import manifest_version, object_hash
 from .base import validate_key
 
-__all__ = ["MAX_PUSHED", "PUSH_HEADER", "frame_push", "split_push"]
+__all__ = [
+    "MAX_HAVE",
+    "MAX_PUSHED",
+    "PUSH_HEADER",
+    "frame_push",
+    "have_token",
+    "parse_have",
+    "split_push",
+]
 
 #: Header of a pushed answer (its presence means the body is framed).
 PUSH_HEADER = "X-Rollpatch-Push"
@@ -30,6 +48,31 @@ MAX_PUSHED = 17
 #: Longest header value accepted (keys are at most ~200 characters each).
 MAX_HEADER_CHARS = 16 * 1024
 _PART = re.compile(r"([^=\s]+)=(\d{1,15})")
+#: Most tokens in a ``have`` list (a push carries at most :data:`MAX_PUSHED` objects).
+MAX_HAVE = MAX_PUSHED
+_TOKEN = re.compile(r"[0-9]{1,16}|[0-9a-f]{64}")
+
+
+def have_token(key: str) -> str | None:
+    """The ``have`` token of ``key``: a manifest's version number, an object's BLAKE3 (None
+    for other keys, which are never pushed)."""
+    mv = manifest_version(key)
+    if mv is not None:
+        return str(mv[1])
+    return object_hash(key)
+
+
+def parse_have(text: str) -> frozenset[str]:
+    """The tokens of a ``have`` query value (empty: none); :class:`ValueError` when it is
+    not a comma-separated list of at most :data:`MAX_HAVE` tokens."""
+    if not text:
+        return frozenset()
+    tokens = text.split(",", MAX_HAVE)
+    if len(tokens) > MAX_HAVE or not all(_TOKEN.fullmatch(t) for t in tokens):
+        raise ValueError(
+            f"have: at most {MAX_HAVE} comma-separated version numbers or BLAKE3 hashes"
+        )
+    return frozenset(str(int(t)) if len(t) <= 16 else t for t in tokens)
 
 
 def frame_push(latest: bytes, parts: list[tuple[str, bytes]]) -> tuple[str, list[bytes]]:

@@ -122,6 +122,7 @@ def test_double_buffered_commit_exchanges_storage(
     O(1): the model computes exactly what the in-place commit computes, the view aliases the
     new storage (a full re-hash = target), and a failed exchange puts the old storage back."""
     from rollpatch.engines.reference import ReferenceEngine
+    from rollpatch.engines.reference.binding import Storage
     from rollpatch.engines.staged import EncodedStep
     from rollpatch.patch import encode
 
@@ -136,8 +137,11 @@ def test_double_buffered_commit_exchanges_storage(
     step = EncodedStep((encode(diff(base, target), base),), base.digest(), target.digest())
     staged = double.stage_encoded([step], 2)
     assert staged is not None and set(staged.payload["buffers"]) == set(staged.tensors)
+    # made ready while staging (torch and view tensors over the buffers): the pause assigns
+    assert all(isinstance(b, Storage) for b in staged.payload["buffers"].values())
     assert list(gen) and rt.view.digest() == base.digest()  # nothing written while staging
     double.commit_staged(staged, 2)
+    assert rt.held_digest == target.digest() == rt.view.digest()
     assert greedy(rt) == want
     moved = [n for n, p in rt.model.named_parameters() if p.data_ptr() != ptrs[n]]
     assert moved and all(

@@ -7,7 +7,6 @@ under the runtime's forward lock, and serves generation over HTTP with
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from ..staged import (
     WriteMode,
     stage_patch,
 )
-from ..writing import ParamWrites, numpy_access, release, write_params
+from ..writing import ParamWrites, numpy_access, release_later, write_params
 from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
@@ -154,15 +153,16 @@ class ReferenceEngine(EngineAdapter):
                 if not np.array_equal(gather(buf, st.positions), st.new):
                     raise TargetMismatchError("read-back of a staged buffer differs", tensor=name)
                 buffers[name] = buf.data
-            staged.payload["buffers"] = buffers
+            # made ready now (torch tensors, view tensors): the pause only assigns them
+            staged.payload["buffers"] = self.runtime.storage(buffers)
         return staged
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Write ``staged`` under the forward lock: scatter and read back (``double_buffer``:
         exchange the staged buffers for the parameters' storage), record the digests."""
         retired: dict[str, Any] = {}
-        with self.runtime.commit() as view:
-            if view.digest() != staged.base:
+        with self.runtime.commit(root=staged.target) as view:
+            if self.runtime.held_digest != staged.base:
                 raise BaseMismatchError(
                     "the engine moved since the update was staged",
                     engine=self.name,
@@ -184,7 +184,7 @@ class ReferenceEngine(EngineAdapter):
                     view.set_digest(name, d)
             self.runtime.version = version
         if retired:  # the replaced storage is freed off the pause, a tensor at a time
-            threading.Thread(target=release, args=(retired,), daemon=True).start()
+            release_later(retired)
 
     def _write(self, view: View, staged: StagedUpdate) -> None:
         """Checked writes and their read-back, all or nothing: whole-element tensors with the

@@ -16,7 +16,7 @@ from ...errors import EngineError
 from ...kinds import get_kind
 from ...view import Tensor, View
 
-__all__ = ["bind_params", "bind_view", "rebind"]
+__all__ = ["Storage", "bind_params", "bind_view", "rebind", "storage_for"]
 
 #: torch dtype → (same-width integer dtype, unsigned numpy word dtype, rollpatch kind).
 _WORDS: dict[torch.dtype, tuple[torch.dtype, type, str]] = {
@@ -89,10 +89,33 @@ def bind_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def rebind(param: torch.nn.Parameter, words: np.ndarray, name: str) -> Tensor:
-    """Put ``words`` (a contiguous array of the parameter's word dtype and size) in place of
-    ``param``'s storage (O(1): no copy); returns the view tensor over the new storage."""
+class Storage:
+    """New storage for one parameter, made ready before a pause (:func:`storage_for`):
+    ``data``, the torch tensor the parameter will hold, and ``tensor``, the view tensor over
+    the same memory. Putting it in place is then two assignments (:func:`rebind`)."""
+
+    __slots__ = ("data", "tensor")
+
+    def __init__(self, data: torch.Tensor, tensor: Tensor) -> None:
+        self.data, self.tensor = data, tensor
+
+
+def storage_for(param: torch.nn.Parameter, words: np.ndarray, name: str) -> Storage:
+    """``words`` (a contiguous array of the parameter's word dtype and size) as the storage
+    ``param`` would hold (no copy, nothing assigned): built while staging, so the pause
+    does no conversion, check or allocation."""
     int_dtype = _WORDS[param.dtype][0]
-    data = torch.from_numpy(words.view(np.dtype(str(int_dtype).removeprefix("torch."))))
-    param.data = data.view(param.dtype).reshape(param.shape)
-    return _words_of(param, name)
+    raw = torch.from_numpy(words.view(np.dtype(str(int_dtype).removeprefix("torch."))))
+    data = raw.view(param.dtype).reshape(param.shape)
+    return Storage(data, _words_of(data, name))
+
+
+def rebind(param: torch.nn.Parameter, words: np.ndarray | Storage, name: str) -> Tensor:
+    """Put ``words`` (a :class:`Storage`, or a contiguous array of the parameter's word dtype
+    and size) in place of ``param``'s storage (O(1): no copy); returns the view tensor over
+    the new storage."""
+    new = words if isinstance(words, Storage) else storage_for(param, words, name)
+    if new.data.dtype != param.dtype or new.data.shape != param.shape:
+        raise EngineError("new storage's layout differs from the parameter's", tensor=name)
+    param.data = new.data
+    return new.tensor

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import secrets
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ConfigError, EngineError
 from ...view import View
-from .binding import bind_params, bind_view, rebind
+from .binding import Storage, bind_params, bind_view, rebind, storage_for
 from .generation import GREEDY_BELOW, MAX_LOGPROBS, Generation, Progress, Step, pick_token
 
 __all__ = ["Generation", "ReferenceRuntime", "Step", "bind_view"]
@@ -101,19 +101,34 @@ class ReferenceRuntime:
     # ---- weights -------------------------------------------------------------------------
 
     @contextmanager
-    def commit(self) -> Iterator[View]:
-        """Hold the forward lock: no forward pass runs while the caller writes the weights."""
+    def commit(self, *, root: str | None = None) -> Iterator[View]:
+        """Hold the forward lock: no forward pass runs while the caller writes the weights.
+
+        ``root``: the root digest the view holds if the block returns (a staged commit's
+        proven target), recorded as is; else (and on any failure) it is recomputed from the
+        view's cached digests."""
         with self._step_lock:
+            ok = False
             try:
                 yield self.view
+                ok = True
             finally:
-                self._digest = self.view.digest()
+                self._digest = root if ok and root is not None else self.view.digest()
 
-    def exchange(self, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Put each buffer in place of its tensor's parameter storage, O(1) each; the caller
-        holds :meth:`commit`. All or nothing: on failure the previous storage is put back.
-        Only whole parameters (not fused MoE experts): :class:`EngineError` otherwise.
-        Returns the storage replaced (release it outside the pause: freeing takes time)."""
+    @property
+    def held_digest(self) -> str:
+        """The root digest as of the last commit (no lock, no hashing: every write to the
+        weights goes through :meth:`commit`, which records it)."""
+        return self._digest
+
+    def storage(self, buffers: dict[str, np.ndarray]) -> dict[str, Storage]:
+        """Each buffer made ready to become its tensor's parameter storage (before a pause:
+        the conversions and checks :meth:`exchange` would otherwise do under it). Only whole
+        parameters (not fused MoE experts): :class:`EngineError` otherwise."""
+        self._whole(buffers)
+        return {n: storage_for(self._params[n], words, n) for n, words in buffers.items()}
+
+    def _whole(self, buffers: Collection[str]) -> None:
         missing = sorted(set(buffers) - set(self._params))
         if missing:
             raise EngineError(
@@ -121,6 +136,14 @@ class ReferenceRuntime:
                 tensor=missing[0],
                 hint="fused MoE experts are slices of one parameter: use writes='in_place'",
             )
+
+    def exchange(self, buffers: Mapping[str, np.ndarray | Storage]) -> dict[str, Any]:
+        """Put each buffer (best made ready by :meth:`storage` before the pause: then two
+        assignments each) in place of its tensor's parameter storage, O(1) each; the caller
+        holds :meth:`commit`. All or nothing: on failure the previous storage is put back.
+        Only whole parameters (not fused MoE experts): :class:`EngineError` otherwise.
+        Returns the storage replaced (release it outside the pause: freeing takes time)."""
+        self._whole(buffers)
         held: dict[str, tuple[Any, Any]] = {}
         try:
             for name, words in buffers.items():

@@ -7,6 +7,7 @@ from typing import Any
 
 from _util import machine_line, table
 from _vllm_catchup import render_plans
+from _vllm_floor import render_floor
 from _vllm_server import VLLM_VERSION
 
 #: The pause's parts (ms, medians), in the order they happen; each path shows those it has.
@@ -33,6 +34,40 @@ STAGE_PHASES = [
     ("buffers_ms", "second buffers"),
     ("prebuild_ms", "packed kernels"),
 ]
+
+
+#: The worker's resident set by staging phase (MiB above the staging start, peak in each).
+MEMORY_PHASES = [
+    ("decode_mib", "decode (+compose)"),
+    ("prove_mib", "prove"),
+    ("layout_mib", "layout"),
+    ("buffers_mib", "second buffers"),
+    ("prebuild_mib", "packed kernels"),
+    ("held_mib", "held at commit"),
+]
+
+
+def render_memory(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
+    """The worker's memory while staging, by phase (medians of each phase's peak), against
+    the staged update and the promise (2x it); the last column: the peak without the packed
+    kernels' phase (what decode, compose, proof and layout take)."""
+    rows = []
+    for name, runs in paths:
+        mems = [r.get("stage_memory_mib") or {} for r in runs]
+        cells = [name, _mb(statistics.median(r["staged_bytes"] for r in runs))]
+        for key, _ in MEMORY_PHASES:
+            vals = [m[key] for m in mems if key in m]
+            cells.append(f"{statistics.median(vals):.1f}" if vals else "-")
+        core = [max(m.get(k, 0.0) for k in ("decode_mib", "prove_mib", "layout_mib")) for m in mems]
+        cells.append(f"{statistics.median(core):.1f}" if core else "-")
+        rows.append(cells)
+    return table(
+        ["worker memory while staging, MiB", "staged update"]
+        + [label for _, label in MEMORY_PHASES]
+        + ["peak before kernels"],
+        rows,
+        [False] + [True] * (len(MEMORY_PHASES) + 2),
+    )
 
 
 def _breakdown(
@@ -187,10 +222,18 @@ def render(ctx: dict[str, Any]) -> str:
             (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
         ]
     )
+    if any("stage_memory_mib" in r for r in st):
+        breakdown += "\n\n" + render_memory(
+            [
+                ("vLLM staged, 1 behind", st),
+                ("vLLM staged, double-buffered", ctx["double"]),
+                (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
+            ]
+        )
     m, d = ctx["memory"], w["dims"]
-    one, five = _med(st, "visible_to_serving_s"), ctx["catchup"][0]["visible_to_serving_s"]
+    one, five = _med(st, "visible_to_serving_s"), _med(ctx["catchup"], "visible_to_serving_s")
     rone = _med(ctx["reference"], "visible_to_serving_s")
-    rfive = ctx["reference_catchup"][0]["visible_to_serving_s"]
+    rfive = _med(ctx["reference_catchup"], "visible_to_serving_s")
     biggest = max(r["staged_bytes"] for r in st)
     foot = [
         "",
@@ -228,6 +271,7 @@ def render(ctx: dict[str, Any]) -> str:
             f"{_mb(biggest)} (positions, storage offsets, old and new words; the prebuilt "
             "packed kernels are not counted in it)"
         ),
+        render_floor(ctx.get("reference_floor"), rl),
         (
             "verified: every commit's digest = published; greedy tokens+logprobs after each "
             "staged commit = after the reload of that version; reloaded roots re-hashed = "

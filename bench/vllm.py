@@ -28,7 +28,7 @@ Paths, each over the same versions:
 - **inline** (the previous commit path, for comparison): ``VllmEngine.apply_encoded`` — the
   worker decodes and verifies *inside* the pause.
 - **catchup**: back at v0 (untimed reload), one ``sync`` to v5 (``min(5, N)``): the five steps
-  composed in the worker, one pause.
+  composed in the worker, one pause; three times (the ratio to 1 behind: medians).
 - the **pause breakdown** (each sample's ``phases_ms`` in the JSON): the adapter's HTTP calls
   (``/pause``, the commit call, ``/update_weight_version``, ``/reset_prefix_cache``,
   ``/resume``; with the engine-core hook a staged commit is the commit call alone), the
@@ -43,9 +43,15 @@ Paths, each over the same versions:
 - **reference**, **reference_double**, **reference_catchup**, **reference_loads**: the same
   follower paths (in place, double-buffered, catch-up) on the built-in engine (staged in this process while it could serve; pause = the gate's), and its
   full ``load`` of each version's keyframe (copy + verify) under the same gate.
+- **reference_floor**: the last in-place update written again as the commit writes it, as a
+  plain numpy scatter (the floor of any in-place write) and one read pass of the model
+  (bench/_vllm_floor.py).
 
 **Memory**: VmHWM of the vLLM worker over the staged phase (reset before it) against the
-largest staged update (positions, storage offsets, old and new words) it held.
+largest staged update (positions, storage offsets, old and new words) it held; and the
+worker's own trace of each staging run by phase (``stage_memory_mib`` of each sample: the
+peak resident set above the run's start in decode, prove, layout, second buffers and packed
+kernels; ``rollpatch.engines.vllm.memtrace``), printed as *worker memory while staging*.
 
 **Checks** (the run aborts otherwise): every commit leaves the published digest (adapter and
 follower); greedy tokens and logprobs after each staged commit equal those after the reload of
@@ -67,6 +73,7 @@ from typing import Any
 
 from _util import log, machine
 from _vllm_catchup import catchup_plans
+from _vllm_reference import CATCHUP, CATCHUP_REPS, follower, phase_reference, sync_to
 from _vllm_report import render
 from _vllm_server import (
     MAX_TOKENS,
@@ -77,10 +84,9 @@ from _vllm_server import (
     reset_peak,
     vllm_python,
 )
-from _vllm_world import RUN, World, model_dims
+from _vllm_world import World, model_dims
 
 PROMPT = "What is 12 + 7? The answer is"
-CATCHUP = 5
 
 
 def greedy(http: Any, model: Path, prompt_ids: list[int]) -> tuple[list[str], list[float]]:
@@ -103,40 +109,21 @@ def greedy(http: Any, model: Path, prompt_ids: list[int]) -> tuple[list[str], li
 # -- the paths -----------------------------------------------------------------------------------
 
 
-def follower(world: World, engine: Any) -> Any:
-    from rollpatch.follower import Follower, FollowerConfig
-    from rollpatch.follower.commit import CommitGate
-
-    cfg = FollowerConfig(audit_bytes_per_s=None)  # the audit is measured by itself, not here
-    return Follower(world.board, RUN, engine, cfg, gate=CommitGate(engine, "pause"))
-
-
-def _record_staging(engine: Any, sizes: list[int], phases: list[dict[str, float]]) -> None:
-    """Remember each staged update's size (the bench wraps the instance's method)."""
+def _record_staging(
+    engine: Any, sizes: list[int], phases: list[dict[str, float]], mems: list[dict[str, float]]
+) -> None:
+    """Remember each staged update's size, phases and memory by phase (the bench wraps the
+    instance's method)."""
     inner = engine.stage_encoded
 
     def stage_encoded(steps: Any, version: int) -> Any:
         staged = inner(steps, version)
         sizes.append(staged.nbytes)
         phases.append(dict(staged.payload.get("stage_phases") or {}))
+        mems.append(dict(staged.payload.get("stage_memory") or {}))
         return staged
 
     engine.stage_encoded = stage_encoded
-
-
-def sync_to(f: Any, world: World, v: int) -> dict[str, float]:
-    t0 = time.perf_counter()
-    if f.sync(v) != v or f.engine.digest != world.digests[v]:
-        raise BenchError(f"v{v}: the engine does not hold the published digest")
-    total = time.perf_counter() - t0
-    st, last = f.status(), f.gate.last
-    return {
-        "pause_s": last.pause_s,
-        "stage_s": st.last_stage_s,
-        "fetch_s": st.last_fetch_s,
-        "visible_to_serving_s": total,
-        "phases_ms": dict(getattr(f.engine, "last_timings", {})),
-    }
 
 
 def phase_staged(
@@ -146,6 +133,7 @@ def phase_staged(
     prompt_ids: list[int],
     sizes: list[int],
     phases: list[dict[str, float]],
+    mems: list[dict[str, float]],
 ) -> tuple[list[dict[str, float]], dict[int, Any]]:
     f, out, served = follower(world, engine), [], {}
     for v in range(1, len(world.digests)):
@@ -153,6 +141,7 @@ def phase_staged(
         rec["worker_commit_s"] = engine.last_timings["worker_ms"] / 1e3
         rec["staged_bytes"] = sizes[-1]
         rec["stage_phases_ms"] = phases[-1]
+        rec["stage_memory_mib"] = mems[-1]
         settle = engine._call("settled")["settle"]  # the words written after the pause
         rec["phases_ms"]["after_pause_ms"] = float(settle.get("ms", 0.0))
         out.append(rec)
@@ -221,42 +210,6 @@ def phase_reloads(
     return out
 
 
-def phase_reference(world: World, catchup: int) -> dict[str, Any]:
-    """The built-in engine: staged follower commits, a catch-up, and full keyframe loads."""
-    from rollpatch.engines.reference import ReferenceEngine
-    from rollpatch.io.safetensors import load_view
-
-    eng = ReferenceEngine.from_dir(world.checkpoint(0), threads=1, serve_http=False)
-    try:
-        eng.load(load_view(world.checkpoint(0) / "model.safetensors"), 0)
-        f = follower(world, eng)
-        staged = [sync_to(f, world, v) for v in range(1, len(world.digests))]
-        eng.load(load_view(world.checkpoint(0) / "model.safetensors"), 0)
-        eng.writes = "double_buffer"
-        f = follower(world, eng)
-        double = [sync_to(f, world, v) for v in range(1, len(world.digests))]
-        eng.writes = "in_place"
-        eng.load(load_view(world.checkpoint(0) / "model.safetensors"), 0)
-        f = follower(world, eng)
-        catch = [sync_to(f, world, catchup)]
-        loads = []
-        for v in range(1, len(world.digests)):
-            view = load_view(world.checkpoint(v) / "model.safetensors")
-            t0 = time.perf_counter()
-            f.gate.run(lambda view=view, v=v: eng.load(view, v))
-            loads.append({"pause_s": f.gate.last.pause_s, "call_s": time.perf_counter() - t0})
-            if eng.digest != world.digests[v]:
-                raise BenchError(f"v{v}: the built-in engine's keyframe load missed")
-    finally:
-        eng.close()
-    return {
-        "reference": staged,
-        "reference_double": double,
-        "reference_catchup": catch,
-        "reference_loads": loads,
-    }
-
-
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -315,25 +268,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             mem0 = memory(pid)
             sizes: list[int] = []
             phases: list[dict[str, float]] = []
-            _record_staging(engine, sizes, phases)
-            staged, served = phase_staged(world, engine, server, prompt_ids, sizes, phases)
+            mems: list[dict[str, float]] = []
+            _record_staging(engine, sizes, phases, mems)
+            staged, served = phase_staged(world, engine, server, prompt_ids, sizes, phases, mems)
             mem1 = memory(pid)
             log("double-buffered: the same, each touched parameter's new buffer exchanged")
             back_to_v0(world, engine)
             engine.writes = "double_buffer"
             reset_peak(pid)
             mem2 = memory(pid)
-            double, served2 = phase_staged(world, engine, server, prompt_ids, sizes, phases)
+            double, served2 = phase_staged(world, engine, server, prompt_ids, sizes, phases, mems)
             mem3 = memory(pid)
             engine.writes = "in_place"
             if served2 != served:
                 raise BenchError("double-buffered commits answer differently from in-place")
-            log(f"catch-up: v0 -> v{catch_n} in one sync")
-            back_to_v0(world, engine)
-            f = follower(world, engine)
-            catchup = [sync_to(f, world, catch_n)]
-            catchup[0]["stage_phases_ms"] = phases[-1]
-            log(f"  catch-up: stage {catchup[0]['stage_s'] * 1e3:.0f} ms ({_parts(phases[-1])})")
+            log(f"catch-up: v0 -> v{catch_n} in one sync, {CATCHUP_REPS} times")
+            catchup = []
+            for _ in range(CATCHUP_REPS):
+                back_to_v0(world, engine)
+                f = follower(world, engine)
+                rec = sync_to(f, world, catch_n)
+                rec["stage_phases_ms"] = phases[-1]
+                rec["stage_memory_mib"] = mems[-1]
+                rec["staged_bytes"] = sizes[-1]
+                catchup.append(rec)
+                log(f"  catch-up: stage {rec['stage_s'] * 1e3:.0f} ms ({_parts(phases[-1])})")
             del engine.stage_encoded
             log("inline: apply_encoded (decode inside the pause)")
             back_to_v0(world, engine)

@@ -211,6 +211,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                 "nbytes": int(res["nbytes"]),
                 "stage_ms": float(res["stage_ms"]),
                 "stage_phases": dict(res.get("stage_phases") or {}),
+                "stage_memory": dict(res.get("stage_memory") or {}),
             },
         )
 

@@ -27,6 +27,7 @@ from ...view import View
 from ..catchup import decode_in_place
 from ..staged import StagedUpdate
 from .layout import locate
+from .memtrace import MemTrace, trim
 from .transfer import read_decoded
 from .weights import RuntimeWeights
 from .writes import WriteMode
@@ -115,10 +116,14 @@ class _Job:
         self.error: dict[str, Any] | None = None
         self.ms = 0.0
         self.phases: dict[str, float] = {}
+        self.memory: dict[str, float] = {}  # resident MiB by phase (:class:`.memtrace.MemTrace`)
+        self.cores = 0  # the cores the staging thread ran on (0: not changed)
         self.done = threading.Event()
         self._w, self._steps, self._prebuild, self._mode = w, steps, prebuild, mode
 
     def run(self) -> None:
+        if self._w.tp == 1:
+            self.cores = widen_cores()
         res = run_op_on(self._w, lambda w: self._stage(w))
         self.ms = res["ms"]
         if not res["ok"]:
@@ -126,14 +131,46 @@ class _Job:
         self.done.set()
 
     def _stage(self, w: RuntimeWeights) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        patch, known = _chain(w, self._steps)
-        decode_ms = (time.perf_counter() - t0) * 1e3
-        self.staged = w.stage(
-            patch, prebuild=self._prebuild, known=known, mode=self._mode, consume=True
-        )
+        w.settler.wait()  # the last commit's words and frees first (staging reads the words)
+        with MemTrace() as mem:
+            t0 = time.perf_counter()
+            patch, known = _chain(w, self._steps)
+            decode_ms = (time.perf_counter() - t0) * 1e3
+            mem.mark("decode")
+            trim()  # the decoder threads' scratch and per-step arrays, freed in their arenas
+            self.staged = w.stage(
+                patch,
+                prebuild=self._prebuild,
+                known=known,
+                mode=self._mode,
+                consume=True,
+                mark=mem.mark,
+            )
+            del patch, known
         self.phases = {"decode_ms": decode_ms, **w.last_stage_phases}
+        if self.cores:
+            self.phases["cores"] = float(self.cores)
+        self.memory = mem.report()
         return {}
+
+
+def widen_cores() -> int:
+    """Let the calling thread (and the threads it starts) run on every core of the machine;
+    returns how many it may use now (0 where the platform cannot say or refuses).
+
+    vLLM's CPU worker binds itself and all its threads to the cores its OpenMP threads run
+    the forward passes on (``VLLM_CPU_OMP_THREADS_BIND=auto``: core 0 of two here), so a
+    staging thread started there decodes on the forward passes' core only, one thread wide
+    (:func:`rollpatch.native.threads` counts the calling thread's cores). Staging is off the
+    forward path and bounded in time; on every core the scheduler gives it the cores the
+    forward passes leave idle. Linux: the affinity of the calling thread only."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return 0
 
 
 def _stage(w: RuntimeWeights, path: str) -> dict[str, Any]:
@@ -173,6 +210,7 @@ def _staged(w: RuntimeWeights, token: str) -> dict[str, Any]:
         "digests": st.digests,
         "stage_ms": job.ms,
         "stage_phases": job.phases,
+        "stage_memory": job.memory,
     }
 
 

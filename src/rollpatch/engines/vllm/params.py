@@ -201,15 +201,18 @@ class TorchParams:
 
     def install(self, prebuilt: dict[str, Any]) -> set[str]:
         """Under the pause: the prebuilt kernels swapped in (O(1) per module); packed expert
-        slices copied in and read back. On a failure every module already swapped is re-packed
+        slices copied in and read back. Each replaced kernel takes its new one's place in
+        ``prebuilt``, so the caller frees them after the pause (freeing a model's packed
+        weights takes milliseconds). On a failure every module already swapped is re-packed
         from its plain words (the caller restores those it wrote), then the error is raised."""
         done: list[str] = []
         try:
-            for m, built in prebuilt.items():
+            for m, built in list(prebuilt.items()):
                 if isinstance(built, experts_cpu.PackedExperts):
                     experts_cpu.install(self._module(m), m, built)
                 else:
-                    self._module(m).cpu_linear = built
+                    mod = self._module(m)
+                    prebuilt[m], mod.cpu_linear = getattr(mod, "cpu_linear", None), built
                 done.append(m)
         except BaseException:
             self.repack({f"{m}.weight" for m in done})

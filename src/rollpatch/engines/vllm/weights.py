@@ -25,7 +25,7 @@ tensor is then a collective (``Access.gather``), so tensors are always read in s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,13 @@ class _Entry:
     spec: ParamSpec
     mine: Placement
     ranks: list[Placement] = field(default_factory=list)
+
+
+def _kernels(staged: StagedUpdate) -> dict[str, Any]:
+    """The kernels a commit replaced (``install`` left them in the staged ``prebuilt``), one
+    entry each, to be freed after the pause one at a time."""
+    got = staged.payload.pop("prebuilt", None)
+    return {f"kernel:{m}": k for m, k in got.items()} if isinstance(got, dict) else {}
 
 
 class RuntimeWeights:
@@ -219,6 +226,7 @@ class RuntimeWeights:
         known: Mapping[str, tuple[int, int]] | None = None,
         mode: WriteMode = "in_place",
         consume: bool = False,
+        mark: Callable[[str], None] = lambda phase: None,
     ) -> StagedUpdate:
         """Prove ``patch`` against the held words (O(changed) digests) and lay its writes out
         per runtime parameter, in the form the pause scatters (no word is written).
@@ -230,7 +238,9 @@ class RuntimeWeights:
         recomputed. ``mode``: :data:`.writes.WriteMode` (``double_buffer``: also build each
         touched parameter's second buffer now; the CPU at TP = 1 only). ``consume``: the caller
         gives ``patch`` up (its tensors are cleared): its arrays are released as they are laid
-        out, so staging holds about one staged update instead of two."""
+        out, so staging holds about one staged update instead of two. ``mark(phase)`` is
+        called as each phase ends (``prove``, ``layout``, ``buffers``, ``prebuild``: the
+        worker's memory trace)."""
         acc = self.access
         if mode == "double_buffer" and (acc.buffer is None or acc.exchange is None):
             raise EngineError(
@@ -246,10 +256,12 @@ class RuntimeWeights:
         t0 = time.perf_counter()
         staged = stage_patch(patch, self.__getitem__, self.digests(), self.state_of, known=known)
         t1 = time.perf_counter()
+        mark("prove")
         if consume and isinstance(patch.tensors, dict):
             patch.tensors.clear()  # the staged tensors hold the only references now
         lay_out(staged, self.placement, prepare)
         t2 = time.perf_counter()
+        mark("layout")
         writes = {
             p: (w.prepared, w.old, w.new)
             for p, w in staged.payload.items()
@@ -261,8 +273,10 @@ class RuntimeWeights:
             buffers = {p: acc.buffer(p, *w) for p, w in writes.items()}
             staged.payload["buffers"] = buffers
         t3 = time.perf_counter()
+        mark("buffers")
         if acc.prebuild is not None and (prebuild or buffers is not None):
             staged.payload["prebuilt"] = acc.prebuild(writes, buffers)
+        mark("prebuild")
         self.last_stage_phases = {
             "prove_ms": (t1 - t0) * 1e3,
             "layout_ms": (t2 - t1) * 1e3,
@@ -298,6 +312,7 @@ class RuntimeWeights:
         if isinstance(buffers, dict):
             self.last_phases, retired = exchange_buffers(acc, buffers, prebuilt, set(writes))
             staged.payload.pop("buffers")
+            retired.update(_kernels(staged))
             self._record(staged)
             self.settler.start(acc, {}, self._settle_failed, retired)
             return dict(staged.digests)
@@ -336,7 +351,7 @@ class RuntimeWeights:
         }
         self._record(staged)
         retired = {p: staged.payload.pop(p) for p in writes}  # freed after the pause
-        retired.update(prebuilt=staged.payload.pop("prebuilt", None))
+        retired.update(_kernels(staged))
         self.settler.start(acc, later, self._settle_failed, retired)
         return dict(staged.digests)
 

@@ -25,6 +25,7 @@ import numpy as np
 from ..staged import StagedUpdate, WriteMode
 from ..writing import SLICE, Access, ParamWrites, increasing, release, write_params
 from .layout import Placement, locate, locate_whole
+from .memtrace import trim
 
 __all__ = [
     "SLICE",
@@ -37,6 +38,10 @@ __all__ = [
     "lay_out",
     "write_params",
 ]
+
+
+#: Bytes laid out between two trims of the freed memory (:func:`lay_out`).
+_TRIM_EVERY = 8 << 20
 
 
 def lay_out(
@@ -53,6 +58,7 @@ def lay_out(
         by_param.setdefault(placement(name).param, []).append(name)
     staged.payload["changed"] = staged.changed
     empty = np.empty(0, np.int64)
+    freed = 0
     for param, names in by_param.items():
         chunks = []
         for name in names:
@@ -72,7 +78,11 @@ def lay_out(
         else:
             offsets, old, new = (np.concatenate([c[i] for c in chunks]) for i in range(3))
         del chunks
-        staged.payload[param] = increasing(ParamWrites(prepare(param, offsets), old, new))
+        laid = staged.payload[param] = increasing(ParamWrites(prepare(param, offsets), old, new))
+        freed += laid.prepared.nbytes + laid.old.nbytes + laid.new.nbytes
+        if freed >= _TRIM_EVERY:  # the tensors' arrays freed lie in the decoder threads'
+            trim()  # malloc arenas: give them back as we go, not after the peak
+            freed = 0
 
 
 def exchange_buffers(
@@ -134,6 +144,7 @@ class Settler:
         def run() -> None:
             t0 = time.perf_counter()
             error = None
+            trim_ms = 0.0
             try:
                 release(retired or {})
                 write_params(acc, writes, parallel=False)  # generation runs meanwhile
@@ -141,9 +152,11 @@ class Settler:
                 error = f"{type(err).__name__}: {err}"
                 on_error(next(iter(writes)), error)
             finally:
+                trim_ms = trim()  # what the commit freed goes back to the system
                 self.last = {
                     "params": len(writes),
                     "ms": (time.perf_counter() - t0) * 1e3,
+                    "trim_ms": trim_ms,
                     "error": error,
                 }
                 self._done.set()

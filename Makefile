@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-live test-procs test-rest lint bench setup clean vllm-env sglang-env fuzz-env fuzz
+.PHONY: demo test test-live test-procs test-soak test-rest lint bench setup clean vllm-env sglang-env fuzz-env fuzz
 
 setup: $(STAMP)
 
@@ -55,33 +55,40 @@ lint: setup
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy --cache-dir "$(MYPY_CACHE)" src/rollpatch
 
-# The engines' venvs and clang are set up while .venv is built (separate venvs, mostly
-# download and unpack time); then lint and the suite run at once, the suite as three pytest
-# processes on these two-core machines: the live modules (the engine tests, which share one
-# vLLM and one SGLang server: tests/live_servers.py; the soak), the process modules (the
-# demos, the fuzz campaigns, kill -9 trials, multi-rank publishers: fleets of processes whose
-# time is mostly children and waits) and all the others (with SGLang at TP 2, which starts
-# its own two-rank server: minutes, on its own), each about a third of the CPU time.
+# The suite runs as four pytest processes beside lint, in one make: each starts as soon as what
+# it needs is built, so on a fresh machine all but the live one run while the engines' venvs
+# are still being built (separate venvs, mostly download and unpack time, beside .venv):
+# - the live modules (the engine tests, which share one dense vLLM and one SGLang server:
+#   tests/live_servers.py; the MoE vLLM and SGLang at TP 2 start their own): the engine venvs;
+# - the process modules (the demos, the fuzz campaigns, kill -9 trials: fleets of processes
+#   whose time is mostly children and waits): clang for the fuzzers;
+# - the soak with faults (a 2-minute fleet under load, last in its job) after the multi-rank
+#   publishers and the longest plain modules, and all the other modules: .venv only.
+# The lists balance the four by wall time (measured per module by .ci/cpu_report.py); on two
+# cores their waits (server boots, fixed-length runs) leave room for one another.
 # Each prints its report when it ends. Measured times: README.
 LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_moe_vllm*.py)) tests/test_sglang.py \
-	tests/test_sglang_sidecar.py tests/test_soak.py
+	tests/test_sglang_sidecar.py tests/test_sglang_tp_live.py
 PROCS_TESTS := tests/test_demo.py tests/test_hardening_campaigns.py tests/test_fuzz_native.py \
-	tests/test_crash.py $(sort $(wildcard tests/test_publisher_sharded*.py)) \
-	tests/test_store_concurrency.py tests/test_trust_sidecar.py
+	tests/test_crash.py tests/test_store_concurrency.py tests/test_trust_sidecar.py
+SOAK_TESTS := $(sort $(wildcard tests/test_publisher_sharded*.py)) tests/test_sim.py \
+	tests/test_native.py tests/test_hardening_serving.py tests/test_soak.py
 
 test:
-	$(MAKE) --no-print-directory -j4 --output-sync=target setup vllm-env sglang-env fuzz-env
-	@echo "== lint, the live tests (engines, soak), the process tests (demos, campaigns) and the other tests, at once (each reports when done)"
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint test-live test-procs test-rest
+	@echo "== set-up, then lint and the live tests (engines), the process tests (demos, campaigns), the soak (with the longest modules) and the other tests, each as soon as what it needs is built (each reports when done)"
+	$(MAKE) --no-print-directory -j8 --output-sync=target lint test-live test-procs test-soak test-rest
 
-test-live: setup
+test-live: setup vllm-env sglang-env
 	$(BIN)/python -m pytest -q $(LIVE_TESTS)
 
-test-procs: setup
+test-procs: setup fuzz-env
 	$(BIN)/python -m pytest -q $(PROCS_TESTS)
 
+test-soak: setup
+	$(BIN)/python -m pytest -q $(SOAK_TESTS)
+
 test-rest: setup
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(LIVE_TESTS) $(PROCS_TESTS))
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(LIVE_TESTS) $(PROCS_TESTS) $(SOAK_TESTS))
 
 fuzz: setup fuzz-env
 	$(BIN)/python bench/fuzz_codec.py

@@ -1,5 +1,5 @@
 /* rollpatch native core, internal: the decoder's lane (rp_decode.c: params and phases A
- * and C; rp_join.c: phase B, the join, and the output of what it found). */
+ * and C; rp_join.c: phase B, the join; rp_group.c: the output of what it found). */
 #ifndef RP_LANE_H
 #define RP_LANE_H
 #include "rp_internal.h"
@@ -52,7 +52,7 @@ static inline void lane_flush(lane_t *l) {
     l->cj = UINT64_MAX;
 }
 
-/* Phase B, the join (rp_join.c), and its output (rp_finalize); rp_lane_hash_to: the
+/* Phase B, the join (rp_join.c), and its output (rp_finalize, rp_group.c); rp_lane_hash_to: the
  * in-pass rp.sum128 of the chunk's elements up to `upto`;
  * rp_lane_group: hash and write the group up to `upto`. */
 RP_HIDDEN void rp_join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,

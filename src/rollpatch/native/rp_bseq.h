@@ -7,7 +7,23 @@
 #define RP_BSEQ_H
 #include "rp_internal.h"
 
-static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
+static inline uint64_t load_be64(const uint8_t *b) {
+    uint64_t x;
+    memcpy(&x, b, 8);
+    return __builtin_bswap64(x);
+}
+
+/* The 8 bytes at b, each byte's bits reversed: stream bit 8i + j (MSB first in byte i) is
+ * bit 8i + j of the result, so the bits read from the LSB up in stream order. */
+static inline uint64_t load_lsb_first(const uint8_t *b) {
+    uint64_t x;
+    memcpy(&x, b, 8);
+    x = ((x >> 1) & 0x5555555555555555ULL) | ((x & 0x5555555555555555ULL) << 1);
+    x = ((x >> 2) & 0x3333333333333333ULL) | ((x & 0x3333333333333333ULL) << 2);
+    return ((x >> 4) & 0x0F0F0F0F0F0F0F0FULL) | ((x & 0x0F0F0F0F0F0F0F0FULL) << 4);
+}
+
+static int br_unary_run_slow(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
     uint64_t i = 0;
     while (i < cnt) {
         size_t rest = r->nbits - r->pos;
@@ -33,8 +49,45 @@ static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
     return 0;
 }
 
-/* `cnt` unary codes into out, each at most `limit` ones: every code that ends inside one
- * 64-bit peek is taken from it (a code longer than a peek goes through br_unary). */
+/* Every code that ends inside 8 whole bytes of the stream is taken from them at once: the
+ * zeros (code ends) of the word, LSB first, one TZCNT and one BLSR per code and no branch per
+ * code; the codes' limit is checked once per word. The stream's last 7 bytes, and each code
+ * with no zero in a word (more than 56 ones), go through br_unary_run_slow. */
+static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
+    const uint8_t *const b = r->b;
+    const size_t nbytes = r->nbits >> 3;
+    size_t pos = r->pos;
+    uint64_t i = 0;
+    while (i < cnt && (pos >> 3) + 8 <= nbytes) {
+        const unsigned sh = (unsigned)(pos & 7);
+        uint64_t t = ~(load_lsb_first(b + (pos >> 3)) >> sh) & (~0ULL >> sh); /* zeros */
+        if (!t) { /* a code longer than the word */
+            r->pos = pos;
+            if (br_unary_run_slow(r, 1, limit, out + i)) return -1;
+            i++;
+            pos = r->pos;
+            continue;
+        }
+        uint64_t take = (uint64_t)__builtin_popcountll(t), end;
+        if (take > cnt - i) take = cnt - i;
+        end = i + take;
+        uint64_t at = 0, worst = 0;
+        for (; i < end; i++) { /* the code's ones: its zero's bit less where it started */
+            uint64_t z = (uint64_t)__builtin_ctzll(t);
+            t &= t - 1;
+            uint64_t q = z - at;
+            out[i] = (uint32_t)q;
+            worst = q > worst ? q : worst;
+            at = z + 1;
+        }
+        if (worst > limit) return -1;
+        pos += at;
+    }
+    r->pos = pos;
+    return i < cnt ? br_unary_run_slow(r, cnt - i, limit, out + i) : 0;
+}
+
+/* `cnt` unary codes into out, each at most `limit` ones. */
 static int br_unary_run(br_t *r0, uint64_t cnt, uint64_t limit, uint32_t *out) {
     br_t rr = *r0, *r = &rr; /* a local copy: the stores to out may alias *r0 */
     int rc = br_unary_run_(r, cnt, limit, out);
@@ -75,37 +128,51 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     if (br_unary_run(u, c, n / m + 1, mino)) return -1; /* q <= n/m + 1 < 2^32 */
     if (c * w > f->nbits - f->pos) return -1;
     const uint8_t *fb = f->b;
-    size_t nbits = f->nbits, fp = f->pos, ep = f->pos + c * w;
-    int64_t prev = -1;
+    const size_t nbits = f->nbits, nbytes = nbits >> 3;
+    size_t fp = f->pos;
+    /* pass 2's bits MSB first in a register: eb holds the bits from ep on, `used` of them
+     * taken; bits past the end read as zero and are refused once at the end */
+    size_t ep = f->pos + c * w;
+    uint64_t eb = peek_at(fb, nbits, ep);
+    unsigned used = 0;
+    int64_t p = -1;
     for (uint64_t i = 0; i < c; i++) {
-        uint64_t t = w ? peek_at(fb, nbits, fp) >> (64 - w) : 0;
+        uint64_t x = __builtin_expect((fp >> 3) + 8 <= nbytes, 1)
+                         ? load_be64(fb + (fp >> 3)) : peek_at(fb, nbits, fp & ~(size_t)7);
+        uint64_t t = (x << (fp & 7)) >> (63 - w) >> 1; /* w < 63; 0 when w == 0 */
         fp += w;
-        /* the long form (t >= uu, about half the codes) without a branch: its extra bit is
-         * read either way (zero past the end, refused below) */
+        /* the long form (t >= uu, about half the codes) without a branch: r < m either way */
         uint64_t ext = t >= uu;
-        uint64_t bit = ep < nbits ? peek_at(fb, nbits, ep) >> 63 : 0;
-        if (ext & (ep >= nbits)) return -1;
+        uint64_t bit = (eb << used) >> 63;
+        used += (unsigned)ext;
         uint64_t r = ext ? 2 * t + bit - uu : t;
-        ep += ext;
-        uint64_t g = (uint64_t)mino[i] * m + r;
-        if (r >= m || g >= n) return -1;
-        int64_t p = prev + 1 + (int64_t)g;
-        if (p >= (int64_t)n) return -1;
+        p += 1 + (int64_t)((uint64_t)mino[i] * m + r); /* <= 3n per code (q <= n/m + 1) */
         mino[i] = (uint32_t)p;
-        prev = p;
+        if (__builtin_expect(used >= 56, 0)) {
+            ep += used;
+            used = 0;
+            eb = ep < nbits ? peek_at(fb, nbits, ep) : 0;
+        }
     }
+    ep += used;
+    /* positions increase, so the last one below n bounds them all (and every gap) */
+    if (ep > nbits || p >= (int64_t)n) return -1;
     f->pos = ep;
-    if (comp) { /* the set slots are the complement of the minority */
+    if (comp) { /* the set slots are the complement of the minority (a sentinel at c) */
         uint64_t s = 0, i = 0;
-        for (uint64_t p = 0; p < n; p++) {
-            if (i < c && mino[i] == p) { i++; continue; }
-            out[s++] = (uint32_t)p;
+        mino[c] = (uint32_t)n;
+        for (uint64_t q = 0; q < n; q++) { /* no branch per slot: out has room for j + 1 */
+            uint64_t hit = mino[i] == q;
+            out[s] = (uint32_t)q;
+            s += hit ^ 1;
+            i += hit;
         }
     }
     return 0;
 }
 
-/* Inverse of bs_encode: writes the j set slots (sorted) into out. scratch holds n/2+1.
+/* Inverse of bs_encode: writes the j set slots (sorted) into out, which has room for j + 1;
+ * scratch holds n/2+1.
  * The truncated-binary pass 1 fields are read at one cursor and the pass-2 bits at another
  * (pass 2 starts exactly c * (b - 1) bits after pass 1). */
 static int bs_decode(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,
@@ -115,6 +182,56 @@ static int bs_decode(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,
     u0->pos = u.pos;
     f0->pos = f.pos;
     return rc;
+}
+
+/* x with its 64 bits in reverse order (bit 63 - i of x is bit i of the result). */
+static inline uint64_t rbit64(uint64_t x) {
+    x = __builtin_bswap64(x);
+    x = ((x >> 1) & 0x5555555555555555ULL) | ((x & 0x5555555555555555ULL) << 1);
+    x = ((x >> 2) & 0x3333333333333333ULL) | ((x & 0x3333333333333333ULL) << 2);
+    return ((x >> 4) & 0x0F0F0F0F0F0F0F0FULL) | ((x & 0x0F0F0F0F0F0F0F0FULL) << 4);
+}
+
+/* The 64 bits at bit `pos` (peek_at holds 64 - pos % 8 of them), MSB-aligned; zeros past
+ * the end. */
+static inline uint64_t peek64(const uint8_t *b, size_t nbits, size_t pos) {
+    size_t byte = pos >> 3;
+    unsigned sh = (unsigned)(pos & 7);
+    uint64_t x = peek_at(b, nbits, pos & ~(size_t)7);
+    if (sh) {
+        x <<= sh;
+        if (byte + 8 < nbits >> 3) x |= (uint64_t)(b[byte + 8] >> (8 - sh));
+    }
+    return x;
+}
+
+/* bs_decode's set as a bitmap: slot p is bit p & 63 of bits[p >> 6] (n / 64 + 1 words, the
+ * bits past n clear); idx (room for j + 1) and scratch as bs_decode's out and scratch. The
+ * dense form (m == 1, one bit per slot: the outward flags, about half of all changes, and
+ * any dense set) is copied 64 slots at a time, its set bits counted, never listed. */
+static int bs_decode_bits(br_t *u, br_t *f, uint64_t n, uint64_t j, uint64_t *bits,
+                          uint32_t *idx, uint32_t *scratch) {
+    uint64_t nw = n / 64 + 1;
+    memset(bits, 0, nw * 8);
+    if (j > n) return -1;
+    uint64_t c = 2 * j > n ? n - j : j;
+    if (j && j < n && golomb_m(n, c) == 1) {
+        if (n > f->nbits - f->pos) return -1;
+        const uint8_t *const fb = f->b;
+        const size_t nbits = f->nbits, pos = f->pos;
+        uint64_t set = 0;
+        for (uint64_t w = 0; 64 * w < n; w++) {
+            uint64_t x = rbit64(peek64(fb, nbits, pos + 64 * w)); /* stream order from bit 0 */
+            if (n - 64 * w < 64) x &= (1ULL << (n - 64 * w)) - 1;
+            bits[w] = x;
+            set += (uint64_t)__builtin_popcountll(x);
+        }
+        f->pos = pos + n;
+        return set == j ? 0 : -1;
+    }
+    if (bs_decode(u, f, n, j, idx, scratch)) return -1;
+    for (uint64_t i = 0; i < j; i++) bits[idx[i] >> 6] |= 1ULL << (idx[i] & 63);
+    return 0;
 }
 
 #endif /* RP_BSEQ_H */

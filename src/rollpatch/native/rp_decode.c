@@ -84,7 +84,7 @@ static int lane_reserve(lane_t *l, uint64_t k, int mw) {
     l->ranks = malloc(c * 4 + 4);
     l->scratch = malloc((c + 1) * 4); /* a minority is never larger than k */
     l->idx = malloc(c * 4 + 4);
-    l->outw = malloc(c + 1);
+    l->outw = malloc((c / 64 + 2) * 8);
     l->magc = malloc(c * (uint64_t)mw + 8);
     l->rpos = malloc(c * 4 + 4);
     l->rold = malloc(c * 8 + 8);
@@ -109,7 +109,6 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     if (lane_reserve(l, k, kd->bits <= 16 ? 2 : kd->bits <= 32 ? 4 : 8)) {
         *err = "out of memory"; return RP_ENOMEM;
     }
-    memset(l->outw, 0, k + 1);
     l->u = (br_t){b + l->pp.ustart, l->pp.ulen * 8, 0};
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
     for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
@@ -128,14 +127,12 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     }
     PROF_ADD(4, t0);
     t0 = PROF_T();
-    if (bs_decode(&l->u, &l->f, k, l->pp.ks, l->idx, l->scratch)) { *err = "corrupt sign stream"; return RP_ECORRUPT; }
+    if (bs_decode_bits(&l->u, &l->f, k, l->pp.ks, l->outw, l->idx, l->scratch)) {
+        *err = "corrupt sign stream"; return RP_ECORRUPT;
+    }
     { /* fields in locals: the stores may alias them (-fno-strict-aliasing) */
-        uint8_t *const outw = l->outw;
-        const uint32_t *const idx = l->idx;
-        const uint64_t ks = l->pp.ks;
         void *const magc = l->magc;
         const int mw = l->mw;
-        for (uint64_t i = 0; i < ks; i++) outw[idx[i]] = 1;
         if (mw == 2) for (uint64_t i = 0; i < k; i++) ((uint16_t *)magc)[i] = 1;
         else for (uint64_t i = 0; i < k; i++) arr_put(magc, mw, (int64_t)i, 1);
     }

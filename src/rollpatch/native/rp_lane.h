@@ -19,7 +19,7 @@ typedef struct {
     uint32_t *ranks;     /* per listed context, concatenated: index = context-order index */
     uint32_t *scratch;
     uint32_t *idx;
-    uint8_t *outw;       /* outward flag of each change, position order */
+    uint64_t *outw;      /* outward flags, position order: change i is bit i & 63 of outw[i >> 6] */
     void *magc;          /* |step| of each change, context order (mw bytes each: a <= 2^(bits-1)) */
     int mw;
     uint64_t ofs[NCTX];  /* start of each listed context's ranks */

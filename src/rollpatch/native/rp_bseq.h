@@ -53,12 +53,61 @@ static int br_unary_run_slow(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *ou
  * zeros (code ends) of the word, LSB first, one TZCNT and one BLSR per code and no branch per
  * code; the codes' limit is checked once per word. The stream's last 7 bytes, and each code
  * with no zero in a word (more than 56 ones), go through br_unary_run_slow. */
-static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+/* br_unary_run_'s loop with AVX-512 VBMI2: all the codes that end in a word at once, their
+ * zeros' bit positions listed by one byte compress, each code's ones the distance to the
+ * zero before; stops at a word with no zero or the stream's last 7 bytes. Returns the codes
+ * taken (*pos_ moved past them), -1 for a code over the limit. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi2"))) static int64_t
+unary_run_avx512(const uint8_t *b, size_t nbytes, size_t *pos_, uint64_t cnt, uint64_t limit,
+                 uint32_t *out) {
+    uint8_t io[64];
+    for (int q = 0; q < 64; q++) io[q] = (uint8_t)q;
+    const __m512i iota = _mm512_loadu_si512(io), ff = _mm512_set1_epi8(-1);
+    const __m512i before = _mm512_add_epi8(iota, ff); /* lane q reads lane q - 1 */
+    const __m512i lim = _mm512_set1_epi8((char)(limit < 255 ? limit : 255));
+    size_t pos = *pos_;
+    uint64_t i = 0;
+    while (i < cnt && (pos >> 3) + 8 <= nbytes) {
+        const unsigned sh = (unsigned)(pos & 7);
+        uint64_t t = ~(load_lsb_first(b + (pos >> 3)) >> sh) & (~0ULL >> sh); /* zeros */
+        if (!t) break;
+        uint64_t take = (uint64_t)__builtin_popcountll(t);
+        if (take > cnt - i) take = cnt - i;
+        __m512i z = _mm512_maskz_compress_epi8(t, iota);
+        __m512i zp = _mm512_mask_permutexvar_epi8(ff, ~(__mmask64)1, before, z); /* lane 0: -1 */
+        __m512i q = _mm512_add_epi8(_mm512_sub_epi8(z, zp), ff);
+        __mmask64 valid = take == 64 ? ~(__mmask64)0 : ((__mmask64)1 << take) - 1;
+        if (_mm512_mask_cmpgt_epu8_mask(valid, q, lim)) return -1;
+        for (uint64_t o = 0; o < take; o += 16) {
+            uint64_t rest = take - o;
+            __mmask16 k = rest >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rest) - 1);
+            __m512i v = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(q));
+            _mm512_mask_storeu_epi32(out + i + o, k, v);
+            q = _mm512_alignr_epi32(q, q, 4);
+        }
+        pos += (size_t)__builtin_ctzll(_pdep_u64(1ULL << (take - 1), t)) + 1;
+        i += take;
+    }
+    *pos_ = pos;
+    return (int64_t)i;
+}
+#endif
+
+static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out, int v512) {
     const uint8_t *const b = r->b;
     const size_t nbytes = r->nbits >> 3;
     size_t pos = r->pos;
     uint64_t i = 0;
     while (i < cnt && (pos >> 3) + 8 <= nbytes) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (v512) { /* up to a code longer than a word, or the stream's end */
+            int64_t done = unary_run_avx512(b, nbytes, &pos, cnt - i, limit, out + i);
+            if (done < 0) return -1;
+            i += (uint64_t)done;
+            if (i >= cnt || (pos >> 3) + 8 > nbytes) break;
+        }
+#endif
         const unsigned sh = (unsigned)(pos & 7);
         uint64_t t = ~(load_lsb_first(b + (pos >> 3)) >> sh) & (~0ULL >> sh); /* zeros */
         if (!t) { /* a code longer than the word */
@@ -88,15 +137,74 @@ static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
 }
 
 /* `cnt` unary codes into out, each at most `limit` ones. */
-static int br_unary_run(br_t *r0, uint64_t cnt, uint64_t limit, uint32_t *out) {
+static int br_unary_run(br_t *r0, uint64_t cnt, uint64_t limit, uint32_t *out, int v512) {
     br_t rr = *r0, *r = &rr; /* a local copy: the stores to out may alias *r0 */
-    int rc = br_unary_run_(r, cnt, limit, out);
+    int rc = br_unary_run_(r, cnt, limit, out, v512);
     r0->pos = rr.pos;
     return rc;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* bs_decode_'s remainder loop, 16 codes per step (AVX-512 with VBMI, and BMI2): the 16
+ * fields of w bits (16w bits = 2w whole bytes per step, so every lane's byte and bit offset
+ * is the same each step) by one byte permute and two shifts; the long forms' extra bits by
+ * one PDEP of pass 2's next bits onto the lanes that take one; the positions by a prefix sum
+ * in registers. Stops (returning the codes done) where a 64-byte load would pass the
+ * stream's end; *fp, *ep and *prev carry on into the scalar loop. A position >= n: -1. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,bmi2"))) static int64_t
+golomb_rem_avx512(const uint8_t *fb, size_t nbytes, uint64_t c, unsigned w, uint64_t m,
+                  uint64_t uu, uint64_t n, uint32_t *mino, size_t *fp_, size_t *ep_,
+                  int64_t *prev_) {
+    size_t fp = *fp_, ep = *ep_;
+    const unsigned sh0 = (unsigned)(fp & 7);
+    uint8_t perm[64];
+    uint32_t shl[16];
+    for (int i = 0; i < 16; i++) { /* lane i: the big-endian u32 at its first byte */
+        unsigned off = sh0 + (unsigned)i * w;
+        for (int q = 0; q < 4; q++) perm[4 * i + q] = (uint8_t)((off >> 3) + 3 - (unsigned)q);
+        shl[i] = off & 7;
+    }
+    const __m512i vperm = _mm512_loadu_si512(perm), vshl = _mm512_loadu_si512(shl);
+    const __m512i vshr = _mm512_set1_epi32((int)(32 - w)), vuu = _mm512_set1_epi32((int)uu);
+    const __m512i vm = _mm512_set1_epi32((int)m), one = _mm512_set1_epi32(1);
+    const __m512i vn = _mm512_set1_epi32((int)n), z = _mm512_setzero_si512();
+    const __m512i last = _mm512_set1_epi32(15);
+    __m512i base = _mm512_set1_epi32((int)*prev_); /* -1 before the first code */
+    uint64_t i = 0;
+    for (; i + 16 <= c && (fp >> 3) + 64 <= nbytes && (ep >> 3) + 8 <= nbytes; i += 16) {
+        __m512i raw = _mm512_loadu_si512(fb + (fp >> 3));
+        __m512i t = _mm512_sllv_epi32(_mm512_permutexvar_epi8(vperm, raw), vshl);
+        t = _mm512_srlv_epi32(t, vshr);
+        fp += 16 * (size_t)w;
+        __mmask16 ext = _mm512_cmpge_epu32_mask(t, vuu);
+        uint64_t lb = load_lsb_first(fb + (ep >> 3)) >> (ep & 7); /* >= 57 bits of pass 2 */
+        __mmask16 bit = (__mmask16)_pdep_u32((uint32_t)lb, (uint32_t)ext);
+        ep += (size_t)__builtin_popcount((unsigned)ext);
+        /* r = 2t + bit - uu for the long forms, t for the others; then gap + 1 = q*m + r + 1 */
+        __m512i lng = _mm512_mask_add_epi32(_mm512_sub_epi32(_mm512_add_epi32(t, t), vuu), bit,
+                                            _mm512_sub_epi32(_mm512_add_epi32(t, t), vuu), one);
+        __m512i r = _mm512_mask_mov_epi32(t, ext, lng);
+        __m512i g = _mm512_mullo_epi32(_mm512_loadu_si512(mino + i), vm);
+        g = _mm512_add_epi32(_mm512_add_epi32(g, r), one);
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 15)); /* prefix sum over the lanes */
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 14));
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 12));
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 8));
+        __m512i pv = _mm512_add_epi32(g, base);
+        /* base < n and q <= n/m + 1 (the unary limit): each gap <= 3n, no u32 wrap here */
+        if (_mm512_cmpge_epu32_mask(pv, vn)) return -1;
+        _mm512_storeu_si512(mino + i, pv);
+        base = _mm512_permutexvar_epi32(last, pv);
+    }
+    *fp_ = fp;
+    *ep_ = ep;
+    *prev_ = i ? (int64_t)(uint32_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(base)) : *prev_;
+    return (int64_t)i;
+}
+#endif
+
 static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
-                      uint32_t *scratch) {
+                      uint32_t *scratch, int v512) {
     if (j > n) return -1;
     if (j == 0) return 0;
     if (j == n) {
@@ -125,7 +233,7 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     unsigned w = (unsigned)(b - 1);
     uint64_t uu = (1ULL << b) - m;
     uint32_t *mino = comp ? scratch : out;
-    if (br_unary_run(u, c, n / m + 1, mino)) return -1; /* q <= n/m + 1 < 2^32 */
+    if (br_unary_run(u, c, n / m + 1, mino, v512)) return -1; /* q <= n/m + 1 < 2^32 */
     if (c * w > f->nbits - f->pos) return -1;
     const uint8_t *fb = f->b;
     const size_t nbits = f->nbits, nbytes = nbits >> 3;
@@ -133,10 +241,18 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     /* pass 2's bits MSB first in a register: eb holds the bits from ep on, `used` of them
      * taken; bits past the end read as zero and are refused once at the end */
     size_t ep = f->pos + c * w;
+    int64_t p = -1;
+    uint64_t i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (v512 && c >= 16) {
+        int64_t done = golomb_rem_avx512(fb, nbytes, c, w, m, uu, n, mino, &fp, &ep, &p);
+        if (done < 0) return -1;
+        i = (uint64_t)done;
+    }
+#endif
     uint64_t eb = peek_at(fb, nbits, ep);
     unsigned used = 0;
-    int64_t p = -1;
-    for (uint64_t i = 0; i < c; i++) {
+    for (; i < c; i++) {
         uint64_t x = __builtin_expect((fp >> 3) + 8 <= nbytes, 1)
                          ? load_be64(fb + (fp >> 3)) : peek_at(fb, nbits, fp & ~(size_t)7);
         uint64_t t = (x << (fp & 7)) >> (63 - w) >> 1; /* w < 63; 0 when w == 0 */
@@ -176,9 +292,9 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
  * The truncated-binary pass 1 fields are read at one cursor and the pass-2 bits at another
  * (pass 2 starts exactly c * (b - 1) bits after pass 1). */
 static int bs_decode(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,
-                     uint32_t *scratch) {
+                     uint32_t *scratch, int v512) {
     br_t u = *u0, f = *f0; /* local copies: the stores to out may alias *u0, *f0 */
-    int rc = bs_decode_(&u, &f, n, j, out, scratch);
+    int rc = bs_decode_(&u, &f, n, j, out, scratch, v512);
     u0->pos = u.pos;
     f0->pos = f.pos;
     return rc;
@@ -210,7 +326,7 @@ static inline uint64_t peek64(const uint8_t *b, size_t nbits, size_t pos) {
  * dense form (m == 1, one bit per slot: the outward flags, about half of all changes, and
  * any dense set) is copied 64 slots at a time, its set bits counted, never listed. */
 static int bs_decode_bits(br_t *u, br_t *f, uint64_t n, uint64_t j, uint64_t *bits,
-                          uint32_t *idx, uint32_t *scratch) {
+                          uint32_t *idx, uint32_t *scratch, int v512) {
     uint64_t nw = n / 64 + 1;
     memset(bits, 0, nw * 8);
     if (j > n) return -1;
@@ -229,7 +345,7 @@ static int bs_decode_bits(br_t *u, br_t *f, uint64_t n, uint64_t j, uint64_t *bi
         f->pos = pos + n;
         return set == j ? 0 : -1;
     }
-    if (bs_decode(u, f, n, j, idx, scratch)) return -1;
+    if (bs_decode(u, f, n, j, idx, scratch, v512)) return -1;
     for (uint64_t i = 0; i < j; i++) bits[idx[i] >> 6] |= 1ULL << (idx[i] & 63);
     return 0;
 }

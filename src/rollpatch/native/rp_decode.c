@@ -113,10 +113,11 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
     for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
     memset(l->cnt, 0, sizeof l->cnt);
+    const int v512 = rp_avx512(RP_V512_BSEQ);
     uint64_t o = 0, t0 = PROF_T();
     for (int i = 0; i < l->pp.g; i++) {
         int c = l->pp.cid[i];
-        if (bs_decode(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch)) {
+        if (bs_decode(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch, v512)) {
             *err = "corrupt position stream"; return RP_ECORRUPT;
         }
         l->ofs[i] = o;
@@ -127,7 +128,7 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     }
     PROF_ADD(4, t0);
     t0 = PROF_T();
-    if (bs_decode_bits(&l->u, &l->f, k, l->pp.ks, l->outw, l->idx, l->scratch)) {
+    if (bs_decode_bits(&l->u, &l->f, k, l->pp.ks, l->outw, l->idx, l->scratch, v512)) {
         *err = "corrupt sign stream"; return RP_ECORRUPT;
     }
     { /* fields in locals: the stores may alias them (-fno-strict-aliasing) */
@@ -140,7 +141,7 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     t0 = PROF_T();
     uint64_t bo[NCTX], nb = 0;
     for (int i = 0; i < l->pp.g; i++) {
-        if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], l->idx + nb, l->scratch)) {
+        if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], l->idx + nb, l->scratch, v512)) {
             *err = "corrupt magnitude flags"; return RP_ECORRUPT;
         }
         bo[i] = nb;

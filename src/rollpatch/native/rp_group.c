@@ -192,9 +192,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static int64_t fin_avx512(c
 }
 #endif
 
-/* Whether the AVX-512 loops may run: the CPU has AVX-512 F/BW/VL, and ROLLPATCH_ISA (the
- * core's switch: "scalar", "avx2", "avx512"; read once) does not ask for less. */
-static int group_avx512(void) {
+/* Whether the decoder's AVX-512 loops may run (rp_lane.h). */
+int rp_avx512(int what) {
 #if defined(__x86_64__) && defined(__GNUC__)
     static int allowed = -1;
     int a = __atomic_load_n(&allowed, __ATOMIC_RELAXED);
@@ -204,8 +203,12 @@ static int group_avx512(void) {
         __atomic_store_n(&allowed, a, __ATOMIC_RELAXED);
     }
     return a && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-           && __builtin_cpu_supports("avx512vl");
+           && __builtin_cpu_supports("avx512vl")
+           && (what != RP_V512_BSEQ
+               || (__builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2")
+                   && __builtin_cpu_supports("bmi2")));
 #else
+    (void)what;
     return 0;
 #endif
 }
@@ -213,7 +216,7 @@ static int group_avx512(void) {
 void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start) {
     if ((kd->bits == 16 || kd->bits == 8) && l->ow == kd->bits / 8) {
 #if defined(__x86_64__) && defined(__GNUC__)
-        if ((!l->wdata || l->notrack) && l->emitted - l->done >= 16 && group_avx512())
+        if ((!l->wdata || l->notrack) && l->emitted - l->done >= 16 && rp_avx512(RP_V512_FIN))
             l->done = fin_avx512(kd, l, start);
 #endif
         if (kd->bits == 16) FIN_ORDERS(uint16_t, 1, uint16_t);

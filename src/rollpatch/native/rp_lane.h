@@ -61,6 +61,12 @@ RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start);
 RP_HIDDEN void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 RP_HIDDEN void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 
+/* Whether the decoder's AVX-512 loops may run: the CPU has AVX-512 F/BW/VL (for
+ * RP_V512_BSEQ, phase A's Golomb codes, also VBMI, VBMI2 and BMI2), and ROLLPATCH_ISA
+ * (the core's switch: "scalar", "avx2" or "avx512"; read once) does not ask for less. */
+enum { RP_V512_FIN = 0, RP_V512_BSEQ = 1 };
+RP_HIDDEN int rp_avx512(int what);
+
 /* Phase counters (cycles) behind a compile-time flag: -DRP_PROF prints them at exit. */
 #ifdef RP_PROF
 #include <x86intrin.h>

@@ -154,20 +154,29 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
         void *const magc = l->magc;
         const int mw = l->mw;
         const uint32_t *const idx = l->idx;
+        uint32_t *const qb = l->scratch; /* room for k + 1 */
         for (int i = 0; i < l->pp.g; i++) {
             const int eg = l->pp.eg[i];
             const uint64_t bc = l->pp.bc[i], o_ = l->ofs[i], b_ = bo[i];
+            /* a context's Exp-Golomb codes: their unary parts are consecutive in one stream
+             * and their low bits in the other, so the unary parts are read as one run
+             * (q + eg <= width: the limit), then the low bits at a cursor */
+            if (br_unary_run(&u, bc, (uint64_t)(width - eg), qb, v512)) {
+                *err = "corrupt magnitude stream"; return RP_ECORRUPT;
+            }
+            const uint8_t *const fb = f.b;
+            const size_t nbits = f.nbits;
+            size_t fp = f.pos;
             for (uint64_t j = 0; j < bc; j++) {
-                uint64_t q, low;
-                if (br_unary(&u, 64, &q) || q + eg > (uint64_t)width
-                    || br_get(&f, (unsigned)(q + eg), &low)) {
-                    *err = "corrupt magnitude stream"; return RP_ECORRUPT;
-                }
-                uint64_t w = q + eg;
-                uint64_t a = ((w >= 64 ? 0 : (1ULL << w)) + low - (1ULL << eg)) + 2;
+                uint64_t w = qb[j] + (uint64_t)eg; /* <= 63 */
+                if (w > nbits - fp) { *err = "corrupt magnitude stream"; return RP_ECORRUPT; }
+                uint64_t low = peek64(fb, nbits, fp) >> (63 - w) >> 1;
+                fp += w;
+                uint64_t a = ((1ULL << w) + low - (1ULL << eg)) + 2;
                 if (a > s || a < 2) { *err = "delta magnitude beyond the word range"; return RP_ECORRUPT; }
                 arr_put(magc, mw, (int64_t)(o_ + idx[b_ + j]), a);
             }
+            f.pos = fp;
         }
         l->u = u;
         l->f = f;

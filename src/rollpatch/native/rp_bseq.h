@@ -203,6 +203,47 @@ golomb_rem_avx512(const uint8_t *fb, size_t nbytes, uint64_t c, unsigned w, uint
 }
 #endif
 
+/* x with its 64 bits in reverse order (bit 63 - i of x is bit i of the result). */
+static inline uint64_t rbit64(uint64_t x) {
+    x = __builtin_bswap64(x);
+    x = ((x >> 1) & 0x5555555555555555ULL) | ((x & 0x5555555555555555ULL) << 1);
+    x = ((x >> 2) & 0x3333333333333333ULL) | ((x & 0x3333333333333333ULL) << 2);
+    return ((x >> 4) & 0x0F0F0F0F0F0F0F0FULL) | ((x & 0x0F0F0F0F0F0F0F0FULL) << 4);
+}
+
+/* The 64 bits at bit `pos` (peek_at holds 64 - pos % 8 of them), MSB-aligned; zeros past
+ * the end. */
+static inline uint64_t peek64(const uint8_t *b, size_t nbits, size_t pos) {
+    size_t byte = pos >> 3;
+    unsigned sh = (unsigned)(pos & 7);
+    uint64_t x = peek_at(b, nbits, pos & ~(size_t)7);
+    if (sh) {
+        x <<= sh;
+        if (byte + 8 < nbits >> 3) x |= (uint64_t)(b[byte + 8] >> (8 - sh));
+    }
+    return x;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* The positions of x's set bits, plus base, into out (popcount(x) of them): one byte
+ * compress, then 16 per store. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi2"))) static void
+set_bits_avx512(uint64_t x, uint32_t base, uint32_t *out) {
+    uint8_t io[64];
+    for (int q = 0; q < 64; q++) io[q] = (uint8_t)q;
+    __m512i z = _mm512_maskz_compress_epi8(x, _mm512_loadu_si512(io));
+    const __m512i b = _mm512_set1_epi32((int)base);
+    uint64_t take = (uint64_t)__builtin_popcountll(x);
+    for (uint64_t o = 0; o < take; o += 16) {
+        uint64_t rest = take - o;
+        __mmask16 k = rest >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rest) - 1);
+        __m512i v = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(z)), b);
+        _mm512_mask_storeu_epi32(out + o, k, v);
+        z = _mm512_alignr_epi32(z, z, 4);
+    }
+}
+#endif
+
 static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
                       uint32_t *scratch, int v512) {
     if (j > n) return -1;
@@ -213,20 +254,28 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     }
     int comp = 2 * j > n;
     uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
-    if (m == 1) {
+    if (m == 1) { /* the slots themselves, one bit each, 64 at a time */
         if (n > f->nbits - f->pos) return -1;
-        uint64_t s = 0, v = 0;
-        for (uint64_t p = 0; p < n; p += 56) { /* 56 slots per read, set bits by clz */
-            unsigned take = n - p < 56 ? (unsigned)(n - p) : 56;
-            br_get(f, take, &v);
-            v <<= 64 - take;
-            while (v) {
-                int z = __builtin_clzll(v);
-                if (s == j) return -1;
-                out[s++] = (uint32_t)(p + (uint64_t)z);
-                v &= ~(1ULL << (63 - z));
+        const uint8_t *const fb = f->b;
+        const size_t nbits = f->nbits, pos = f->pos;
+        uint64_t s = 0;
+        for (uint64_t p = 0; p < n; p += 64) {
+            uint64_t x = rbit64(peek64(fb, nbits, pos + p)); /* slot p + i is bit i */
+            if (n - p < 64) x &= (1ULL << (n - p)) - 1;
+            uint64_t cnt = (uint64_t)__builtin_popcountll(x);
+            if (cnt > j - s) return -1;
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (v512) {
+                set_bits_avx512(x, (uint32_t)p, out + s);
+            } else
+#endif
+            {
+                for (uint32_t *o = out + s; x; x &= x - 1)
+                    *o++ = (uint32_t)(p + (uint64_t)__builtin_ctzll(x));
             }
+            s += cnt;
         }
+        f->pos = pos + n;
         return s == j ? 0 : -1;
     }
     int b = bitlen64(m - 1);
@@ -298,27 +347,6 @@ static int bs_decode(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,
     u0->pos = u.pos;
     f0->pos = f.pos;
     return rc;
-}
-
-/* x with its 64 bits in reverse order (bit 63 - i of x is bit i of the result). */
-static inline uint64_t rbit64(uint64_t x) {
-    x = __builtin_bswap64(x);
-    x = ((x >> 1) & 0x5555555555555555ULL) | ((x & 0x5555555555555555ULL) << 1);
-    x = ((x >> 2) & 0x3333333333333333ULL) | ((x & 0x3333333333333333ULL) << 2);
-    return ((x >> 4) & 0x0F0F0F0F0F0F0F0FULL) | ((x & 0x0F0F0F0F0F0F0F0FULL) << 4);
-}
-
-/* The 64 bits at bit `pos` (peek_at holds 64 - pos % 8 of them), MSB-aligned; zeros past
- * the end. */
-static inline uint64_t peek64(const uint8_t *b, size_t nbits, size_t pos) {
-    size_t byte = pos >> 3;
-    unsigned sh = (unsigned)(pos & 7);
-    uint64_t x = peek_at(b, nbits, pos & ~(size_t)7);
-    if (sh) {
-        x <<= sh;
-        if (byte + 8 < nbits >> 3) x |= (uint64_t)(b[byte + 8] >> (8 - sh));
-    }
-    return x;
 }
 
 /* bs_decode's set as a bitmap: slot p is bit p & 63 of bits[p >> 6] (n / 64 + 1 words, the

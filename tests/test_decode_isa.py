@@ -12,9 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rollpatch import native
+from rollpatch.view import _sum128_numpy, sum128
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,3 +85,11 @@ def test_scalar_and_vector_decoders_agree_byte_for_byte() -> None:
     assert scalar.keys() == best.keys() and len(scalar) > 20
     differ = [k for k in scalar if scalar[k] != best[k]]
     assert not differ, f"scalar and vector decodes differ: {differ}"
+
+
+@pytest.mark.parametrize("words", [15, 16, 17, 31, 32, 35, 48 + 4 + 3, 1000])
+@pytest.mark.parametrize("tail", [0, 3])
+def test_sum128_vector_steps_and_tails(words: int, tail: int) -> None:
+    """rp.sum128's 16-word (AVX-512), 4-word (AVX2) and scalar parts meet exactly."""
+    raw = np.random.default_rng(words).integers(0, 256, 8 * words + tail, dtype=np.uint8)
+    assert sum128(raw) == _sum128_numpy(raw)

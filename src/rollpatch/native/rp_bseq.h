@@ -293,6 +293,8 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     int64_t p = -1;
     uint64_t i = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
+    /* w <= 19 (n <= 2^20: a chunk, params checked), so a lane's field with its bit offset
+     * fits the 4 bytes it permutes in (7 + 19 <= 32) and 16 fields 41 bytes of the 64 */
     if (v512 && c >= 16) {
         int64_t done = golomb_rem_avx512(fb, nbytes, c, w, m, uu, n, mino, &fp, &ep, &p);
         if (done < 0) return -1;

@@ -15,6 +15,7 @@ setup(
                     "rp_encpass",
                     "rp_decode",
                     "rp_join",
+                    "rp_group",
                     "rp_apply",
                     "module",
                 )

@@ -53,6 +53,53 @@ __attribute__((target("avx2"))) static void sum_avx2(const uint8_t *d, uint64_t 
     acc[0] += t0[0] + t0[1] + t0[2] + t0[3];
     acc[1] += t1[0] + t1[1] + t1[2] + t1[3];
 }
+
+/* sum_avx2 with 512-bit vectors and VPROLQ for the rotations, 16 words per step into two
+ * accumulator pairs (Zen 4 runs a zmm op as two halves: the gain is the rotations, one op
+ * instead of three, and half the loop's overhead). nw: a multiple of 16. */
+__attribute__((target("avx512f"))) static void sum_avx512(const uint8_t *d, uint64_t j0,
+                                                          uint64_t nw, uint64_t acc[2]) {
+    uint64_t t0[8], t1[8];
+    for (int q = 0; q < 8; q++) {
+        t0[q] = SUM_S[0] + (j0 + (uint64_t)q) * SUM_K[0];
+        t1[q] = SUM_S[1] + (j0 + (uint64_t)q) * SUM_K[1];
+    }
+    __m512i k0 = _mm512_loadu_si512(t0), k1 = _mm512_loadu_si512(t1);
+    const __m512i s0 = _mm512_set1_epi64((long long)(8 * SUM_K[0]));
+    const __m512i s1 = _mm512_set1_epi64((long long)(8 * SUM_K[1]));
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, c0 = a0, c1 = a0;
+    for (uint64_t i = 0; i < nw; i += 16) {
+        __m512i w = _mm512_loadu_si512(d + 8 * i), v = _mm512_loadu_si512(d + 8 * i + 64);
+        __m512i k0b = _mm512_add_epi64(k0, s0), k1b = _mm512_add_epi64(k1, s1);
+        __m512i x0 = _mm512_xor_si512(w, k0), x1 = _mm512_xor_si512(w, k1);
+        __m512i y0 = _mm512_xor_si512(v, k0b), y1 = _mm512_xor_si512(v, k1b);
+        __m512i p0 = _mm512_mul_epu32(x0, _mm512_srli_epi64(x0, 32));
+        __m512i p1 = _mm512_mul_epu32(x1, _mm512_srli_epi64(x1, 32));
+        __m512i q0 = _mm512_mul_epu32(y0, _mm512_srli_epi64(y0, 32));
+        __m512i q1 = _mm512_mul_epu32(y1, _mm512_srli_epi64(y1, 32));
+        a0 = _mm512_add_epi64(a0, _mm512_add_epi64(p0, _mm512_rol_epi64(w, 32)));
+        a1 = _mm512_add_epi64(a1, _mm512_add_epi64(p1, _mm512_rol_epi64(w, 17)));
+        c0 = _mm512_add_epi64(c0, _mm512_add_epi64(q0, _mm512_rol_epi64(v, 32)));
+        c1 = _mm512_add_epi64(c1, _mm512_add_epi64(q1, _mm512_rol_epi64(v, 17)));
+        k0 = _mm512_add_epi64(k0b, s0);
+        k1 = _mm512_add_epi64(k1b, s1);
+    }
+    acc[0] += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, c0));
+    acc[1] += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a1, c1));
+}
+
+/* Whether the AVX-512 sum may run: the CPU has it and ROLLPATCH_ISA (the core's switch,
+ * read once) does not ask for less. */
+static int sum_avx512_ok(void) {
+    static int allowed = -1;
+    int a = __atomic_load_n(&allowed, __ATOMIC_RELAXED);
+    if (a < 0) {
+        const char *env = getenv("ROLLPATCH_ISA");
+        a = !env || (strcmp(env, "scalar") && strcmp(env, "avx2"));
+        __atomic_store_n(&allowed, a, __ATOMIC_RELAXED);
+    }
+    return a && __builtin_cpu_supports("avx512f");
+}
 #endif
 
 void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t out[2]) {
@@ -60,6 +107,11 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
     uint64_t full = len / 8; /* words that lie wholly inside the data */
     uint64_t fast_end = end < full ? end : full;
 #if defined(__x86_64__) && defined(__GNUC__)
+    if (fast_end >= j + 16 && sum_avx512_ok()) {
+        uint64_t cnt = (fast_end - j) & ~15ULL;
+        sum_avx512(d + 8 * j, j, cnt, acc);
+        j += cnt;
+    }
     if (fast_end > j && __builtin_cpu_supports("avx2")) {
         uint64_t cnt = (fast_end - j) & ~3ULL;
         if (cnt) {

@@ -7,7 +7,23 @@
 #define RP_BSEQ_H
 #include "rp_internal.h"
 
-static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
+static inline uint64_t load_be64(const uint8_t *b) {
+    uint64_t x;
+    memcpy(&x, b, 8);
+    return __builtin_bswap64(x);
+}
+
+/* The 8 bytes at b, each byte's bits reversed: stream bit 8i + j (MSB first in byte i) is
+ * bit 8i + j of the result, so the bits read from the LSB up in stream order. */
+static inline uint64_t load_lsb_first(const uint8_t *b) {
+    uint64_t x;
+    memcpy(&x, b, 8);
+    x = ((x >> 1) & 0x5555555555555555ULL) | ((x & 0x5555555555555555ULL) << 1);
+    x = ((x >> 2) & 0x3333333333333333ULL) | ((x & 0x3333333333333333ULL) << 2);
+    return ((x >> 4) & 0x0F0F0F0F0F0F0F0FULL) | ((x & 0x0F0F0F0F0F0F0F0FULL) << 4);
+}
+
+static int br_unary_run_slow(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
     uint64_t i = 0;
     while (i < cnt) {
         size_t rest = r->nbits - r->pos;
@@ -33,17 +49,203 @@ static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out) {
     return 0;
 }
 
-/* `cnt` unary codes into out, each at most `limit` ones: every code that ends inside one
- * 64-bit peek is taken from it (a code longer than a peek goes through br_unary). */
-static int br_unary_run(br_t *r0, uint64_t cnt, uint64_t limit, uint32_t *out) {
+/* Every code that ends inside 8 whole bytes of the stream is taken from them at once: the
+ * zeros (code ends) of the word, LSB first, one TZCNT and one BLSR per code and no branch per
+ * code; the codes' limit is checked once per word. The stream's last 7 bytes, and each code
+ * with no zero in a word (more than 56 ones), go through br_unary_run_slow. */
+#if defined(__x86_64__) && defined(__GNUC__)
+/* br_unary_run_'s loop with AVX-512 VBMI2: all the codes that end in a word at once, their
+ * zeros' bit positions listed by one byte compress, each code's ones the distance to the
+ * zero before; stops at a word with no zero or the stream's last 7 bytes. Returns the codes
+ * taken (*pos_ moved past them), -1 for a code over the limit. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi2"))) static int64_t
+unary_run_avx512(const uint8_t *b, size_t nbytes, size_t *pos_, uint64_t cnt, uint64_t limit,
+                 uint32_t *out) {
+    uint8_t io[64];
+    for (int q = 0; q < 64; q++) io[q] = (uint8_t)q;
+    const __m512i iota = _mm512_loadu_si512(io), ff = _mm512_set1_epi8(-1);
+    const __m512i before = _mm512_add_epi8(iota, ff); /* lane q reads lane q - 1 */
+    const __m512i lim = _mm512_set1_epi8((char)(limit < 255 ? limit : 255));
+    size_t pos = *pos_;
+    uint64_t i = 0;
+    while (i < cnt && (pos >> 3) + 8 <= nbytes) {
+        const unsigned sh = (unsigned)(pos & 7);
+        uint64_t t = ~(load_lsb_first(b + (pos >> 3)) >> sh) & (~0ULL >> sh); /* zeros */
+        if (!t) break;
+        uint64_t take = (uint64_t)__builtin_popcountll(t);
+        if (take > cnt - i) take = cnt - i;
+        __m512i z = _mm512_maskz_compress_epi8(t, iota);
+        __m512i zp = _mm512_mask_permutexvar_epi8(ff, ~(__mmask64)1, before, z); /* lane 0: -1 */
+        __m512i q = _mm512_add_epi8(_mm512_sub_epi8(z, zp), ff);
+        __mmask64 valid = take == 64 ? ~(__mmask64)0 : ((__mmask64)1 << take) - 1;
+        if (_mm512_mask_cmpgt_epu8_mask(valid, q, lim)) return -1;
+        for (uint64_t o = 0; o < take; o += 16) {
+            uint64_t rest = take - o;
+            __mmask16 k = rest >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rest) - 1);
+            __m512i v = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(q));
+            _mm512_mask_storeu_epi32(out + i + o, k, v);
+            q = _mm512_alignr_epi32(q, q, 4);
+        }
+        pos += (size_t)__builtin_ctzll(_pdep_u64(1ULL << (take - 1), t)) + 1;
+        i += take;
+    }
+    *pos_ = pos;
+    return (int64_t)i;
+}
+#endif
+
+static int br_unary_run_(br_t *r, uint64_t cnt, uint64_t limit, uint32_t *out, int v512) {
+    const uint8_t *const b = r->b;
+    const size_t nbytes = r->nbits >> 3;
+    size_t pos = r->pos;
+    uint64_t i = 0;
+    while (i < cnt && (pos >> 3) + 8 <= nbytes) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (v512) { /* up to a code longer than a word, or the stream's end */
+            int64_t done = unary_run_avx512(b, nbytes, &pos, cnt - i, limit, out + i);
+            if (done < 0) return -1;
+            i += (uint64_t)done;
+            if (i >= cnt || (pos >> 3) + 8 > nbytes) break;
+        }
+#endif
+        const unsigned sh = (unsigned)(pos & 7);
+        uint64_t t = ~(load_lsb_first(b + (pos >> 3)) >> sh) & (~0ULL >> sh); /* zeros */
+        if (!t) { /* a code longer than the word */
+            r->pos = pos;
+            if (br_unary_run_slow(r, 1, limit, out + i)) return -1;
+            i++;
+            pos = r->pos;
+            continue;
+        }
+        uint64_t take = (uint64_t)__builtin_popcountll(t), end;
+        if (take > cnt - i) take = cnt - i;
+        end = i + take;
+        uint64_t at = 0, worst = 0;
+        for (; i < end; i++) { /* the code's ones: its zero's bit less where it started */
+            uint64_t z = (uint64_t)__builtin_ctzll(t);
+            t &= t - 1;
+            uint64_t q = z - at;
+            out[i] = (uint32_t)q;
+            worst = q > worst ? q : worst;
+            at = z + 1;
+        }
+        if (worst > limit) return -1;
+        pos += at;
+    }
+    r->pos = pos;
+    return i < cnt ? br_unary_run_slow(r, cnt - i, limit, out + i) : 0;
+}
+
+/* `cnt` unary codes into out, each at most `limit` ones. */
+static int br_unary_run(br_t *r0, uint64_t cnt, uint64_t limit, uint32_t *out, int v512) {
     br_t rr = *r0, *r = &rr; /* a local copy: the stores to out may alias *r0 */
-    int rc = br_unary_run_(r, cnt, limit, out);
+    int rc = br_unary_run_(r, cnt, limit, out, v512);
     r0->pos = rr.pos;
     return rc;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* bs_decode_'s remainder loop, 16 codes per step (AVX-512 with VBMI, and BMI2): the 16
+ * fields of w bits (16w bits = 2w whole bytes per step, so every lane's byte and bit offset
+ * is the same each step) by one byte permute and two shifts; the long forms' extra bits by
+ * one PDEP of pass 2's next bits onto the lanes that take one; the positions by a prefix sum
+ * in registers. Stops (returning the codes done) where a 64-byte load would pass the
+ * stream's end; *fp, *ep and *prev carry on into the scalar loop. A position >= n: -1. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,bmi2"))) static int64_t
+golomb_rem_avx512(const uint8_t *fb, size_t nbytes, uint64_t c, unsigned w, uint64_t m,
+                  uint64_t uu, uint64_t n, uint32_t *mino, size_t *fp_, size_t *ep_,
+                  int64_t *prev_) {
+    size_t fp = *fp_, ep = *ep_;
+    const unsigned sh0 = (unsigned)(fp & 7);
+    uint8_t perm[64];
+    uint32_t shl[16];
+    for (int i = 0; i < 16; i++) { /* lane i: the big-endian u32 at its first byte */
+        unsigned off = sh0 + (unsigned)i * w;
+        for (int q = 0; q < 4; q++) perm[4 * i + q] = (uint8_t)((off >> 3) + 3 - (unsigned)q);
+        shl[i] = off & 7;
+    }
+    const __m512i vperm = _mm512_loadu_si512(perm), vshl = _mm512_loadu_si512(shl);
+    const __m512i vshr = _mm512_set1_epi32((int)(32 - w)), vuu = _mm512_set1_epi32((int)uu);
+    const __m512i vm = _mm512_set1_epi32((int)m), one = _mm512_set1_epi32(1);
+    const __m512i vn = _mm512_set1_epi32((int)n), z = _mm512_setzero_si512();
+    const __m512i last = _mm512_set1_epi32(15);
+    __m512i base = _mm512_set1_epi32((int)*prev_); /* -1 before the first code */
+    uint64_t i = 0;
+    for (; i + 16 <= c && (fp >> 3) + 64 <= nbytes && (ep >> 3) + 8 <= nbytes; i += 16) {
+        __m512i raw = _mm512_loadu_si512(fb + (fp >> 3));
+        __m512i t = _mm512_sllv_epi32(_mm512_permutexvar_epi8(vperm, raw), vshl);
+        t = _mm512_srlv_epi32(t, vshr);
+        fp += 16 * (size_t)w;
+        __mmask16 ext = _mm512_cmpge_epu32_mask(t, vuu);
+        uint64_t lb = load_lsb_first(fb + (ep >> 3)) >> (ep & 7); /* >= 57 bits of pass 2 */
+        __mmask16 bit = (__mmask16)_pdep_u32((uint32_t)lb, (uint32_t)ext);
+        ep += (size_t)__builtin_popcount((unsigned)ext);
+        /* r = 2t + bit - uu for the long forms, t for the others; then gap + 1 = q*m + r + 1 */
+        __m512i lng = _mm512_mask_add_epi32(_mm512_sub_epi32(_mm512_add_epi32(t, t), vuu), bit,
+                                            _mm512_sub_epi32(_mm512_add_epi32(t, t), vuu), one);
+        __m512i r = _mm512_mask_mov_epi32(t, ext, lng);
+        __m512i g = _mm512_mullo_epi32(_mm512_loadu_si512(mino + i), vm);
+        g = _mm512_add_epi32(_mm512_add_epi32(g, r), one);
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 15)); /* prefix sum over the lanes */
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 14));
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 12));
+        g = _mm512_add_epi32(g, _mm512_alignr_epi32(g, z, 8));
+        __m512i pv = _mm512_add_epi32(g, base);
+        /* base < n and q <= n/m + 1 (the unary limit): each gap <= 3n, no u32 wrap here */
+        if (_mm512_cmpge_epu32_mask(pv, vn)) return -1;
+        _mm512_storeu_si512(mino + i, pv);
+        base = _mm512_permutexvar_epi32(last, pv);
+    }
+    *fp_ = fp;
+    *ep_ = ep;
+    *prev_ = i ? (int64_t)(uint32_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(base)) : *prev_;
+    return (int64_t)i;
+}
+#endif
+
+/* x with its 64 bits in reverse order (bit 63 - i of x is bit i of the result). */
+static inline uint64_t rbit64(uint64_t x) {
+    x = __builtin_bswap64(x);
+    x = ((x >> 1) & 0x5555555555555555ULL) | ((x & 0x5555555555555555ULL) << 1);
+    x = ((x >> 2) & 0x3333333333333333ULL) | ((x & 0x3333333333333333ULL) << 2);
+    return ((x >> 4) & 0x0F0F0F0F0F0F0F0FULL) | ((x & 0x0F0F0F0F0F0F0F0FULL) << 4);
+}
+
+/* The 64 bits at bit `pos` (peek_at holds 64 - pos % 8 of them), MSB-aligned; zeros past
+ * the end. */
+static inline uint64_t peek64(const uint8_t *b, size_t nbits, size_t pos) {
+    size_t byte = pos >> 3;
+    unsigned sh = (unsigned)(pos & 7);
+    uint64_t x = peek_at(b, nbits, pos & ~(size_t)7);
+    if (sh) {
+        x <<= sh;
+        if (byte + 8 < nbits >> 3) x |= (uint64_t)(b[byte + 8] >> (8 - sh));
+    }
+    return x;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* The positions of x's set bits, plus base, into out (popcount(x) of them): one byte
+ * compress, then 16 per store. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi2"))) static void
+set_bits_avx512(uint64_t x, uint32_t base, uint32_t *out) {
+    uint8_t io[64];
+    for (int q = 0; q < 64; q++) io[q] = (uint8_t)q;
+    __m512i z = _mm512_maskz_compress_epi8(x, _mm512_loadu_si512(io));
+    const __m512i b = _mm512_set1_epi32((int)base);
+    uint64_t take = (uint64_t)__builtin_popcountll(x);
+    for (uint64_t o = 0; o < take; o += 16) {
+        uint64_t rest = take - o;
+        __mmask16 k = rest >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rest) - 1);
+        __m512i v = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(z)), b);
+        _mm512_mask_storeu_epi32(out + o, k, v);
+        z = _mm512_alignr_epi32(z, z, 4);
+    }
+}
+#endif
+
 static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
-                      uint32_t *scratch) {
+                      uint32_t *scratch, int v512) {
     if (j > n) return -1;
     if (j == 0) return 0;
     if (j == n) {
@@ -52,69 +254,130 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     }
     int comp = 2 * j > n;
     uint64_t c = comp ? n - j : j, m = golomb_m(n, c);
-    if (m == 1) {
+    if (m == 1) { /* the slots themselves, one bit each, 64 at a time */
         if (n > f->nbits - f->pos) return -1;
-        uint64_t s = 0, v = 0;
-        for (uint64_t p = 0; p < n; p += 56) { /* 56 slots per read, set bits by clz */
-            unsigned take = n - p < 56 ? (unsigned)(n - p) : 56;
-            br_get(f, take, &v);
-            v <<= 64 - take;
-            while (v) {
-                int z = __builtin_clzll(v);
-                if (s == j) return -1;
-                out[s++] = (uint32_t)(p + (uint64_t)z);
-                v &= ~(1ULL << (63 - z));
+        const uint8_t *const fb = f->b;
+        const size_t nbits = f->nbits, pos = f->pos;
+        uint64_t s = 0;
+        for (uint64_t p = 0; p < n; p += 64) {
+            uint64_t x = rbit64(peek64(fb, nbits, pos + p)); /* slot p + i is bit i */
+            if (n - p < 64) x &= (1ULL << (n - p)) - 1;
+            uint64_t cnt = (uint64_t)__builtin_popcountll(x);
+            if (cnt > j - s) return -1;
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (v512) {
+                set_bits_avx512(x, (uint32_t)p, out + s);
+            } else
+#endif
+            {
+                for (uint32_t *o = out + s; x; x &= x - 1)
+                    *o++ = (uint32_t)(p + (uint64_t)__builtin_ctzll(x));
             }
+            s += cnt;
         }
+        f->pos = pos + n;
         return s == j ? 0 : -1;
     }
     int b = bitlen64(m - 1);
     unsigned w = (unsigned)(b - 1);
     uint64_t uu = (1ULL << b) - m;
     uint32_t *mino = comp ? scratch : out;
-    if (br_unary_run(u, c, n / m + 1, mino)) return -1; /* q <= n/m + 1 < 2^32 */
+    if (br_unary_run(u, c, n / m + 1, mino, v512)) return -1; /* q <= n/m + 1 < 2^32 */
     if (c * w > f->nbits - f->pos) return -1;
     const uint8_t *fb = f->b;
-    size_t nbits = f->nbits, fp = f->pos, ep = f->pos + c * w;
-    int64_t prev = -1;
-    for (uint64_t i = 0; i < c; i++) {
-        uint64_t t = w ? peek_at(fb, nbits, fp) >> (64 - w) : 0;
-        fp += w;
-        /* the long form (t >= uu, about half the codes) without a branch: its extra bit is
-         * read either way (zero past the end, refused below) */
-        uint64_t ext = t >= uu;
-        uint64_t bit = ep < nbits ? peek_at(fb, nbits, ep) >> 63 : 0;
-        if (ext & (ep >= nbits)) return -1;
-        uint64_t r = ext ? 2 * t + bit - uu : t;
-        ep += ext;
-        uint64_t g = (uint64_t)mino[i] * m + r;
-        if (r >= m || g >= n) return -1;
-        int64_t p = prev + 1 + (int64_t)g;
-        if (p >= (int64_t)n) return -1;
-        mino[i] = (uint32_t)p;
-        prev = p;
+    const size_t nbits = f->nbits, nbytes = nbits >> 3;
+    size_t fp = f->pos;
+    /* pass 2's bits MSB first in a register: eb holds the bits from ep on, `used` of them
+     * taken; bits past the end read as zero and are refused once at the end */
+    size_t ep = f->pos + c * w;
+    int64_t p = -1;
+    uint64_t i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    /* w <= 19 (n <= 2^20: a chunk, params checked), so a lane's field with its bit offset
+     * fits the 4 bytes it permutes in (7 + 19 <= 32) and 16 fields 41 bytes of the 64 */
+    if (v512 && c >= 16) {
+        int64_t done = golomb_rem_avx512(fb, nbytes, c, w, m, uu, n, mino, &fp, &ep, &p);
+        if (done < 0) return -1;
+        i = (uint64_t)done;
     }
+#endif
+    uint64_t eb = peek_at(fb, nbits, ep);
+    unsigned used = 0;
+    for (; i < c; i++) {
+        uint64_t x = __builtin_expect((fp >> 3) + 8 <= nbytes, 1)
+                         ? load_be64(fb + (fp >> 3)) : peek_at(fb, nbits, fp & ~(size_t)7);
+        uint64_t t = (x << (fp & 7)) >> (63 - w) >> 1; /* w < 63; 0 when w == 0 */
+        fp += w;
+        /* the long form (t >= uu, about half the codes) without a branch: r < m either way */
+        uint64_t ext = t >= uu;
+        uint64_t bit = (eb << used) >> 63;
+        used += (unsigned)ext;
+        uint64_t r = ext ? 2 * t + bit - uu : t;
+        p += 1 + (int64_t)((uint64_t)mino[i] * m + r); /* <= 3n per code (q <= n/m + 1) */
+        mino[i] = (uint32_t)p;
+        if (__builtin_expect(used >= 56, 0)) {
+            ep += used;
+            used = 0;
+            eb = ep < nbits ? peek_at(fb, nbits, ep) : 0;
+        }
+    }
+    ep += used;
+    /* positions increase, so the last one below n bounds them all (and every gap) */
+    if (ep > nbits || p >= (int64_t)n) return -1;
     f->pos = ep;
-    if (comp) { /* the set slots are the complement of the minority */
+    if (comp) { /* the set slots are the complement of the minority (a sentinel at c) */
         uint64_t s = 0, i = 0;
-        for (uint64_t p = 0; p < n; p++) {
-            if (i < c && mino[i] == p) { i++; continue; }
-            out[s++] = (uint32_t)p;
+        mino[c] = (uint32_t)n;
+        for (uint64_t q = 0; q < n; q++) { /* no branch per slot: out has room for j + 1 */
+            uint64_t hit = mino[i] == q;
+            out[s] = (uint32_t)q;
+            s += hit ^ 1;
+            i += hit;
         }
     }
     return 0;
 }
 
-/* Inverse of bs_encode: writes the j set slots (sorted) into out. scratch holds n/2+1.
+/* Inverse of bs_encode: writes the j set slots (sorted) into out, which has room for j + 1;
+ * scratch holds n/2+1.
  * The truncated-binary pass 1 fields are read at one cursor and the pass-2 bits at another
  * (pass 2 starts exactly c * (b - 1) bits after pass 1). */
 static int bs_decode(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,
-                     uint32_t *scratch) {
+                     uint32_t *scratch, int v512) {
     br_t u = *u0, f = *f0; /* local copies: the stores to out may alias *u0, *f0 */
-    int rc = bs_decode_(&u, &f, n, j, out, scratch);
+    int rc = bs_decode_(&u, &f, n, j, out, scratch, v512);
     u0->pos = u.pos;
     f0->pos = f.pos;
     return rc;
+}
+
+/* bs_decode's set as a bitmap: slot p is bit p & 63 of bits[p >> 6] (n / 64 + 1 words, the
+ * bits past n clear); idx (room for j + 1) and scratch as bs_decode's out and scratch. The
+ * dense form (m == 1, one bit per slot: the outward flags, about half of all changes, and
+ * any dense set) is copied 64 slots at a time, its set bits counted, never listed. */
+static int bs_decode_bits(br_t *u, br_t *f, uint64_t n, uint64_t j, uint64_t *bits,
+                          uint32_t *idx, uint32_t *scratch, int v512) {
+    uint64_t nw = n / 64 + 1;
+    memset(bits, 0, nw * 8);
+    if (j > n) return -1;
+    uint64_t c = 2 * j > n ? n - j : j;
+    if (j && j < n && golomb_m(n, c) == 1) {
+        if (n > f->nbits - f->pos) return -1;
+        const uint8_t *const fb = f->b;
+        const size_t nbits = f->nbits, pos = f->pos;
+        uint64_t set = 0;
+        for (uint64_t w = 0; 64 * w < n; w++) {
+            uint64_t x = rbit64(peek64(fb, nbits, pos + 64 * w)); /* stream order from bit 0 */
+            if (n - 64 * w < 64) x &= (1ULL << (n - 64 * w)) - 1;
+            bits[w] = x;
+            set += (uint64_t)__builtin_popcountll(x);
+        }
+        f->pos = pos + n;
+        return set == j ? 0 : -1;
+    }
+    if (bs_decode(u, f, n, j, idx, scratch, v512)) return -1;
+    for (uint64_t i = 0; i < j; i++) bits[idx[i] >> 6] |= 1ULL << (idx[i] & 63);
+    return 0;
 }
 
 #endif /* RP_BSEQ_H */

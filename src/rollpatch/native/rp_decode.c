@@ -84,7 +84,7 @@ static int lane_reserve(lane_t *l, uint64_t k, int mw) {
     l->ranks = malloc(c * 4 + 4);
     l->scratch = malloc((c + 1) * 4); /* a minority is never larger than k */
     l->idx = malloc(c * 4 + 4);
-    l->outw = malloc(c + 1);
+    l->outw = malloc((c / 64 + 2) * 8);
     l->magc = malloc(c * (uint64_t)mw + 8);
     l->rpos = malloc(c * 4 + 4);
     l->rold = malloc(c * 8 + 8);
@@ -109,15 +109,15 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     if (lane_reserve(l, k, kd->bits <= 16 ? 2 : kd->bits <= 32 ? 4 : 8)) {
         *err = "out of memory"; return RP_ENOMEM;
     }
-    memset(l->outw, 0, k + 1);
     l->u = (br_t){b + l->pp.ustart, l->pp.ulen * 8, 0};
     l->f = (br_t){b + l->pp.fstart, (l->pp.end - l->pp.fstart) * 8, 0};
     for (int c = 0; c < NCTX; c++) l->tgt[c] = UINT32_MAX;
     memset(l->cnt, 0, sizeof l->cnt);
+    const int v512 = rp_avx512(RP_V512_BSEQ);
     uint64_t o = 0, t0 = PROF_T();
     for (int i = 0; i < l->pp.g; i++) {
         int c = l->pp.cid[i];
-        if (bs_decode(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch)) {
+        if (bs_decode(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch, v512)) {
             *err = "corrupt position stream"; return RP_ECORRUPT;
         }
         l->ofs[i] = o;
@@ -128,14 +128,12 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     }
     PROF_ADD(4, t0);
     t0 = PROF_T();
-    if (bs_decode(&l->u, &l->f, k, l->pp.ks, l->idx, l->scratch)) { *err = "corrupt sign stream"; return RP_ECORRUPT; }
+    if (bs_decode_bits(&l->u, &l->f, k, l->pp.ks, l->outw, l->idx, l->scratch, v512)) {
+        *err = "corrupt sign stream"; return RP_ECORRUPT;
+    }
     { /* fields in locals: the stores may alias them (-fno-strict-aliasing) */
-        uint8_t *const outw = l->outw;
-        const uint32_t *const idx = l->idx;
-        const uint64_t ks = l->pp.ks;
         void *const magc = l->magc;
         const int mw = l->mw;
-        for (uint64_t i = 0; i < ks; i++) outw[idx[i]] = 1;
         if (mw == 2) for (uint64_t i = 0; i < k; i++) ((uint16_t *)magc)[i] = 1;
         else for (uint64_t i = 0; i < k; i++) arr_put(magc, mw, (int64_t)i, 1);
     }
@@ -143,7 +141,7 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     t0 = PROF_T();
     uint64_t bo[NCTX], nb = 0;
     for (int i = 0; i < l->pp.g; i++) {
-        if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], l->idx + nb, l->scratch)) {
+        if (bs_decode(&l->u, &l->f, l->pp.kc[i], l->pp.bc[i], l->idx + nb, l->scratch, v512)) {
             *err = "corrupt magnitude flags"; return RP_ECORRUPT;
         }
         bo[i] = nb;
@@ -156,20 +154,29 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
         void *const magc = l->magc;
         const int mw = l->mw;
         const uint32_t *const idx = l->idx;
+        uint32_t *const qb = l->scratch; /* room for k + 1 */
         for (int i = 0; i < l->pp.g; i++) {
             const int eg = l->pp.eg[i];
             const uint64_t bc = l->pp.bc[i], o_ = l->ofs[i], b_ = bo[i];
+            /* a context's Exp-Golomb codes: their unary parts are consecutive in one stream
+             * and their low bits in the other, so the unary parts are read as one run
+             * (q + eg <= width: the limit), then the low bits at a cursor */
+            if (br_unary_run(&u, bc, (uint64_t)(width - eg), qb, v512)) {
+                *err = "corrupt magnitude stream"; return RP_ECORRUPT;
+            }
+            const uint8_t *const fb = f.b;
+            const size_t nbits = f.nbits;
+            size_t fp = f.pos;
             for (uint64_t j = 0; j < bc; j++) {
-                uint64_t q, low;
-                if (br_unary(&u, 64, &q) || q + eg > (uint64_t)width
-                    || br_get(&f, (unsigned)(q + eg), &low)) {
-                    *err = "corrupt magnitude stream"; return RP_ECORRUPT;
-                }
-                uint64_t w = q + eg;
-                uint64_t a = ((w >= 64 ? 0 : (1ULL << w)) + low - (1ULL << eg)) + 2;
+                uint64_t w = qb[j] + (uint64_t)eg; /* <= 63 */
+                if (w > nbits - fp) { *err = "corrupt magnitude stream"; return RP_ECORRUPT; }
+                uint64_t low = peek64(fb, nbits, fp) >> (63 - w) >> 1;
+                fp += w;
+                uint64_t a = ((1ULL << w) + low - (1ULL << eg)) + 2;
                 if (a > s || a < 2) { *err = "delta magnitude beyond the word range"; return RP_ECORRUPT; }
                 arr_put(magc, mw, (int64_t)(o_ + idx[b_ + j]), a);
             }
+            f.pos = fp;
         }
         l->u = u;
         l->f = f;

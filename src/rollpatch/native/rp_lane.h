@@ -1,5 +1,5 @@
 /* rollpatch native core, internal: the decoder's lane (rp_decode.c: params and phases A
- * and C; rp_join.c: phase B, the join, and the output of what it found). */
+ * and C; rp_join.c: phase B, the join; rp_group.c: the output of what it found). */
 #ifndef RP_LANE_H
 #define RP_LANE_H
 #include "rp_internal.h"
@@ -19,7 +19,7 @@ typedef struct {
     uint32_t *ranks;     /* per listed context, concatenated: index = context-order index */
     uint32_t *scratch;
     uint32_t *idx;
-    uint8_t *outw;       /* outward flag of each change, position order */
+    uint64_t *outw;      /* outward flags, position order: change i is bit i & 63 of outw[i >> 6] */
     void *magc;          /* |step| of each change, context order (mw bytes each: a <= 2^(bits-1)) */
     int mw;
     uint64_t ofs[NCTX];  /* start of each listed context's ranks */
@@ -52,7 +52,7 @@ static inline void lane_flush(lane_t *l) {
     l->cj = UINT64_MAX;
 }
 
-/* Phase B, the join (rp_join.c), and its output (rp_finalize); rp_lane_hash_to: the
+/* Phase B, the join (rp_join.c), and its output (rp_finalize, rp_group.c); rp_lane_hash_to: the
  * in-pass rp.sum128 of the chunk's elements up to `upto`;
  * rp_lane_group: hash and write the group up to `upto`. */
 RP_HIDDEN void rp_join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
@@ -60,6 +60,12 @@ RP_HIDDEN void rp_join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, i
 RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start);
 RP_HIDDEN void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 RP_HIDDEN void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
+
+/* Whether the decoder's AVX-512 loops may run: the CPU has AVX-512 F/BW/VL (for
+ * RP_V512_BSEQ, phase A's Golomb codes, also VBMI, VBMI2 and BMI2), and ROLLPATCH_ISA
+ * (the core's switch: "scalar", "avx2" or "avx512"; read once) does not ask for less. */
+enum { RP_V512_FIN = 0, RP_V512_BSEQ = 1 };
+RP_HIDDEN int rp_avx512(int what);
 
 /* Phase counters (cycles) behind a compile-time flag: -DRP_PROF prints them at exit. */
 #ifdef RP_PROF

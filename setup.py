@@ -13,6 +13,7 @@ setup(
                     "rp_encode",
                     "rp_encws",
                     "rp_encpass",
+                    "rp_encpass512",
                     "rp_decode",
                     "rp_join",
                     "rp_apply",

@@ -326,3 +326,33 @@ def test_compose_native_matches_the_numpy_merge(monkeypatch: pytest.MonkeyPatch)
     for name in fast.tensors:
         assert fast.tensors[name].equals(slow.tensors[name])
     assert fast.tensors["w"].equals(diff(va, vc).tensors["w"])
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+def test_every_instruction_set_writes_the_same_bytes(
+    isa: str, kind_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ROLLPATCH_ISA caps the encoder's pass (scalar, AVX2, AVX-512 where the CPU has it):
+    each path writes the numpy reference's bytes, for weights whose contexts are few (hot)
+    and for random words (contexts everywhere, cold), at densities from one change per block
+    to every element, over a chunk boundary and a short last block."""
+    monkeypatch.setenv("ROLLPATCH_ISA", isa)
+    rng = np.random.default_rng(len(kind_name) * 7 + len(isa))
+    kind = KINDS[kind_name]
+    for n, density, uniform in [
+        (65_536 + 300, 0.002, False),
+        (65_536 + 300, 0.08, False),
+        (65_536 + 300, 0.08, True),
+        (70_001, 0.5, False),
+        (70_001, 0.97, True),
+        (CHUNK + 1000, 0.03, False),
+    ]:
+        words = max(n // 2 if kind.packed else n, 1)
+        if uniform:
+            a = rng.integers(0, 256, words * kind.word_dtype.itemsize, dtype=np.uint8)
+            a = a.view(kind.word_dtype)
+        else:
+            a = _words(rng, kind_name, words)
+        b = _perturb(rng, kind_name, a, density)
+        _both(Tensor(kind, (a.size,), a), Tensor(kind, (b.size,), b.astype(kind.word_dtype)))

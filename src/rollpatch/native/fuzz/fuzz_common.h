@@ -10,8 +10,8 @@
  *   bytes 4-7  seed of the base's words (little endian)
  *   bytes 8-   the target's own bytes (a payload, or perturbations)
  *
- * the core (rp_*.c) is compiled with -include cpu_switch.h, so fz_simd chooses its AVX2 or
- * scalar loops per call: each target runs both and requires identical results. */
+ * the core (rp_*.c) is compiled with -include cpu_switch.h, so fz_simd chooses its AVX-512,
+ * AVX2 or scalar loops per call: each target runs them and requires identical results. */
 #ifndef FUZZ_COMMON_H
 #define FUZZ_COMMON_H
 #include <stdint.h>
@@ -24,11 +24,22 @@
 #define FZ_HEADER 8
 #define FZ_MAXCH 4
 
-int fz_simd = 1; /* read by rp_fuzz_cpu_supports (cpu_switch.h) */
+/* read by rp_fuzz_cpu_supports (cpu_switch.h): 0 scalar loops, 1 AVX2, 2 also AVX-512 */
+int fz_simd = 2;
+
+static int fz_avx512(const char *f) { /* the AVX-512 features the core asks for */
+    if (!strcmp(f, "avx512f")) return __builtin_cpu_supports("avx512f");
+    if (!strcmp(f, "avx512bw")) return __builtin_cpu_supports("avx512bw");
+    if (!strcmp(f, "avx512vl")) return __builtin_cpu_supports("avx512vl");
+    if (!strcmp(f, "avx512vbmi")) return __builtin_cpu_supports("avx512vbmi");
+    if (!strcmp(f, "avx512vbmi2")) return __builtin_cpu_supports("avx512vbmi2");
+    if (!strcmp(f, "avx512vpopcntdq")) return __builtin_cpu_supports("avx512vpopcntdq");
+    return 0;
+}
 
 int rp_fuzz_cpu_supports(const char *feature) {
-    (void)feature; /* the core only asks for avx2 */
-    return fz_simd && __builtin_cpu_supports("avx2");
+    if (!strncmp(feature, "avx512", 6)) return fz_simd >= 2 && fz_avx512(feature);
+    return fz_simd && __builtin_cpu_supports("avx2"); /* avx2, bmi2 */
 }
 
 /* (bits, order, shift, cbits): rollpatch.kinds.KINDS, then the single-context forms the

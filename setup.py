@@ -15,6 +15,8 @@ setup(
                     "rp_encpass",
                     "rp_decode",
                     "rp_join",
+                    "rp_join512",
+                    "rp_isa",
                     "rp_apply",
                     "module",
                 )

@@ -330,7 +330,7 @@ static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_
     uint64_t ncnt[NCTX];
     w->k = w->nb = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) {
+    if (rp_isa() >= RP_ISA_AVX2) {
         if (enc_pass_avx2(kd, old, new_, nbytes, start, n, r, w, tab, sd))
             FAIL(RP_ENOMEM, "out of memory");
     } else

@@ -16,6 +16,8 @@ setup(
                     "rp_encpass512",
                     "rp_decode",
                     "rp_join",
+                    "rp_join512",
+                    "rp_isa",
                     "rp_apply",
                     "module",
                 )

@@ -62,6 +62,8 @@ CORE = tuple(
         "rp_encpass512",
         "rp_decode",
         "rp_join",
+        "rp_join512",
+        "rp_isa",
         "rp_apply",
     )
 )

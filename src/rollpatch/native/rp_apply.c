@@ -60,7 +60,7 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
     uint64_t full = len / 8; /* words that lie wholly inside the data */
     uint64_t fast_end = end < full ? end : full;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (fast_end > j && __builtin_cpu_supports("avx2")) {
+    if (fast_end > j && rp_isa() >= RP_ISA_AVX2) {
         uint64_t cnt = (fast_end - j) & ~3ULL;
         if (cnt) {
             sum_avx2(d + 8 * j, j, cnt, acc);

@@ -330,7 +330,6 @@ RP_HIDDEN int rp_pass512_8(const rp_kind *kd, const uint8_t *old, const uint8_t 
 RP_HIDDEN int rp_pass512_4(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
                            size_t nbytes, int64_t start, int64_t nfull, rp_encws *w,
                            uint32_t *tab, uint64_t sd[2]);
-RP_HIDDEN int rp_enc_isa(void); /* rp_encpass512.c */
 
 /* One chunk: the pass into w (and r when not NULL), then coded into w's streams. */
 static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
@@ -340,9 +339,10 @@ static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_
     uint32_t tab[NCTX] = {0};
     uint64_t ncnt[NCTX];
     w->k = w->nb = 0;
-    int isa = rp_enc_isa();
+    int isa = rp_isa();
+    (void)isa; /* no vector loops off x86-64 */
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (isa >= 2 && !r && kd->bits <= 16 && kd->order == RP_SIGNMAG) {
+    if (isa >= RP_ISA_AVX512 && !r && kd->bits <= 16 && kd->order == RP_SIGNMAG) {
         /* whole blocks with AVX-512, the short last one with AVX2 (counts carried in tab) */
         int64_t nfull = n & ~(int64_t)(JB - 1);
         if ((kd->bits == 16 ? rp_pass512_16 : kd->bits == 8 ? rp_pass512_8 : rp_pass512_4)(
@@ -350,7 +350,7 @@ static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_
             || (n > nfull && enc_pass_avx2(kd, old, new_, nbytes, start + nfull, n - nfull,
                                            NULL, w, tab, sd)))
             FAIL(RP_ENOMEM, "out of memory");
-    } else if (isa >= 1) {
+    } else if (isa >= RP_ISA_AVX2) {
         if (enc_pass_avx2(kd, old, new_, nbytes, start, n, r, w, tab, sd))
             FAIL(RP_ENOMEM, "out of memory");
     } else

@@ -16,24 +16,6 @@
  * bytes, are those of the other passes (tests and the fuzz harness compare them). */
 #include "rp_internal.h"
 
-/* The encoder's instruction set: 2 AVX-512 (the features rp_encpass512.c uses), 1 AVX2, 0
- * scalar; the environment's ROLLPATCH_ISA (scalar, avx2, avx512) caps it, so tests and
- * benches run every path on one machine. Read per chunk (a getenv per 2^20 elements). */
-RP_HIDDEN int rp_enc_isa(void) {
-    int isa = 0;
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) isa = 1;
-    if (isa && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi")
-        && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512vpopcntdq"))
-        isa = 2;
-#endif
-    const char *e = getenv("ROLLPATCH_ISA");
-    if (e && !strcmp(e, "scalar")) isa = 0;
-    else if (e && !strcmp(e, "avx2") && isa > 1) isa = 1;
-    return isa;
-}
-
 #if defined(__x86_64__) && defined(__GNUC__)
 #define T512                                                                                 \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,"                \

@@ -208,16 +208,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t *t = perturb(&c, c.rest, c.rest_len);
     int64_t nch = fz_chunks(&c), changed[FZ_MAXCH], changed2[FZ_MAXCH], total = 0;
     size_t plen, plen2;
-    fz_simd = 2;
+    fz_simd = 1;
     uint8_t *pl = fz_encode(&c, t, &plen, changed);
     fz_simd = 0;
     uint8_t *pl2 = fz_encode(&c, t, &plen2, changed2);
-    if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("AVX-512 and scalar encoders differ");
-    free(pl2);
     fz_simd = 1;
-    pl2 = fz_encode(&c, t, &plen2, changed2);
-    fz_simd = 2;
-    if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("AVX-512 and AVX2 encoders differ");
+    if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("vector and scalar encoders differ");
+    if (fz_avx512) { /* this input's vector loops were AVX-512: AVX2 must agree too */
+        free(pl2);
+        fz_avx512 = 0;
+        pl2 = fz_encode(&c, t, &plen2, changed2);
+        fz_avx512 = 1;
+        if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("AVX-512 and AVX2 encoders differ");
+    }
     size_t q = 0; /* walk the joined table to compare each body with the other encoders */
     for (int64_t i = 0; i < nch; i++) {
         uint64_t len = 0;
@@ -233,7 +236,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     range_path(&c, t, pl, plen, total);
     fz_simd = 0;
     range_path(&c, t, pl, plen, total);
-    fz_simd = 2;
+    fz_simd = 1;
     fz_decode(&c, pl, plen, FZ_MAXCH, &o);
     if (o.rc) fz_fail("a fresh payload does not decode");
     if (o.total != total) fz_fail("decoded count differs from the encoder's");

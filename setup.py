@@ -13,9 +13,12 @@ setup(
                     "rp_encode",
                     "rp_encws",
                     "rp_encpass",
+                    "rp_encpass512",
                     "rp_decode",
                     "rp_join",
                     "rp_group",
+                    "rp_join512",
+                    "rp_isa",
                     "rp_apply",
                     "module",
                 )

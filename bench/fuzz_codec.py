@@ -55,7 +55,18 @@ EXTRA = {"decode": [], "roundtrip": ["-fno-sanitize-coverage=trace-cmp"]}
 # The native core's files (setup.py builds the same ones, with module.c).
 CORE = tuple(
     NATIVE / f"{f}.c"
-    for f in ("rp_encode", "rp_encws", "rp_encpass", "rp_decode", "rp_join", "rp_group", "rp_apply")
+    for f in (
+        "rp_encode",
+        "rp_encws",
+        "rp_encpass",
+        "rp_encpass512",
+        "rp_decode",
+        "rp_join",
+        "rp_join512",
+        "rp_group",
+        "rp_isa",
+        "rp_apply",
+    )
 )
 # Their internal headers (static inline helpers: bit streams, keys, block primitives).
 CORE_HEADERS = (NATIVE / "rp_internal.h", NATIVE / "rp_lane.h", NATIVE / "rp_bseq.h")

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import BaseMismatchError, ConfigError, PatchDecodeError
 from ..kinds import Kind, single_context
 
-__all__ = ["CHUNK", "core", "kind_tuple", "parallel_map", "require", "threads"]
+__all__ = ["CHUNK", "ISAS", "core", "isa", "kind_tuple", "parallel_map", "require", "threads"]
 
 #: Elements per independently coded chunk of ``rp.ctxgolomb.v2`` (fixed by the format).
 CHUNK = 1 << 20
@@ -42,6 +42,25 @@ def _load() -> ModuleType | None:
 
 
 core: ModuleType | None = _load()
+
+#: The core's instruction-set levels, lowest first (``ROLLPATCH_ISA`` takes these names).
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def isa(level: str | None = None) -> tuple[str, str]:
+    """(level in use, best level this CPU runs) of the core's loops. With ``level`` (one of
+    :data:`ISAS`, or ``"default"``) force it first: every level gives the same bytes, so tests
+    run each on one machine; a level above the CPU's best runs as the best."""
+    c = require()
+    if level is None:
+        used, best = c.isa()
+    elif level == "default":
+        used, best = c.isa(-1)
+    elif level in ISAS:
+        used, best = c.isa(ISAS.index(level))
+    else:
+        raise ConfigError(f"unknown instruction-set level {level!r}", hint=f"one of {ISAS}")
+    return ISAS[used], ISAS[best]
 
 
 def require() -> ModuleType:

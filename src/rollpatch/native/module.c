@@ -669,6 +669,14 @@ static PyObject *py_set_errors(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* isa() -> (level in use, best level); isa(level): force one (-1: the default) first. */
+static PyObject *py_isa(PyObject *self, PyObject *args) {
+    int level = -2;
+    if (!PyArg_ParseTuple(args, "|i", &level)) return NULL;
+    if (level != -2) rp_isa_set(level);
+    return Py_BuildValue("(ii)", rp_isa(), rp_isa_best());
+}
+
 static PyMethodDef methods[] = {
     {"encode_range", py_encode_range, METH_VARARGS, "Encode chunks [first, last) of a tensor."},
     {"encode_range_buf", py_encode_range_buf, METH_VARARGS,
@@ -686,6 +694,9 @@ static PyMethodDef methods[] = {
     {"compose", py_compose, METH_VARARGS, "Merge two sorted change lists (p then q)."},
     {"diff", py_diff, METH_VARARGS, "Positions where two buffers differ."},
     {"set_errors", py_set_errors, METH_VARARGS, "Exception classes for corrupt/base errors."},
+    {"isa", py_isa, METH_VARARGS,
+     "(level in use, best level); with a level (0 scalar, 1 AVX2, 2 AVX-512, -1 default), "
+     "force it first."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -88,18 +88,9 @@ __attribute__((target("avx512f"))) static void sum_avx512(const uint8_t *d, uint
     acc[1] += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a1, c1));
 }
 
-/* Whether the AVX-512 sum may run: the CPU has it and ROLLPATCH_ISA (the core's switch,
- * read once) does not ask for less. */
-static int sum_avx512_ok(void) {
-    static int allowed = -1;
-    int a = __atomic_load_n(&allowed, __ATOMIC_RELAXED);
-    if (a < 0) {
-        const char *env = getenv("ROLLPATCH_ISA");
-        a = !env || (strcmp(env, "scalar") && strcmp(env, "avx2"));
-        __atomic_store_n(&allowed, a, __ATOMIC_RELAXED);
-    }
-    return a && __builtin_cpu_supports("avx512f");
-}
+/* Whether the AVX-512 sum may run: the core's level (rp_isa.c: the CPU's best, or less by
+ * ROLLPATCH_ISA / rp_isa_set). */
+static int sum_avx512_ok(void) { return rp_isa() >= RP_ISA_AVX512; }
 #endif
 
 void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t out[2]) {
@@ -112,7 +103,7 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
         sum_avx512(d + 8 * j, j, cnt, acc);
         j += cnt;
     }
-    if (fast_end > j && __builtin_cpu_supports("avx2")) {
+    if (fast_end > j && rp_isa() >= RP_ISA_AVX2) {
         uint64_t cnt = (fast_end - j) & ~3ULL;
         if (cnt) {
             sum_avx2(d + 8 * j, j, cnt, acc);

@@ -68,7 +68,9 @@ int rp_chunk_count(const rp_kind *kd, const uint8_t *body, size_t len, int64_t n
 
 static void lane_free(lane_t *l) {
     free(l->ranks); free(l->scratch); free(l->idx); free(l->outw); free(l->magc);
-    free(l->rpos); free(l->rold); free(l->rci);
+    free(l->rpos); free(l->rold); free(l->rci); free(l->jbm);
+    l->jbm = NULL;
+    l->jbmcap = 0;
     l->ranks = l->scratch = l->idx = l->rpos = l->rci = NULL;
     l->outw = NULL; l->magc = NULL; l->rold = NULL;
     l->cap = 0;

@@ -78,6 +78,31 @@ static int bs_encode(bw_t *u, bw_t *f, const uint32_t *set, uint64_t j, uint64_t
     return 0;
 }
 
+/* BS(n, j) of the flags at bit `bit` of recs[0, n), j of them set. Dense (M = 1): the flags
+ * are the raw bits, taken straight from the records; else their positions go to set (which
+ * may be recs itself: written behind the read) and to bs_encode. */
+static int bs_flags(bw_t *u, bw_t *f, const uint32_t *recs, uint64_t n, uint64_t j, int bit,
+                    uint32_t *set, uint32_t *scratch) {
+    if (j == 0 || j == n) return 0;
+    if (golomb_m(n, 2 * j > n ? n - j : j) == 1) {
+        if (bw_reserve(f, n / 8 + 16)) return -1;
+        for (uint64_t p = 0; p < n; p += 32) {
+            unsigned take = n - p < 32 ? (unsigned)(n - p) : 32;
+            uint32_t word = 0;
+            for (unsigned i = 0; i < take; i++) word = word << 1 | ((recs[p + i] >> bit) & 1);
+            bw_put32_nc(f, word, take);
+        }
+        return 0;
+    }
+    uint64_t s = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t r = recs[i];
+        set[s] = (uint32_t)i;
+        s += (r >> bit) & 1;
+    }
+    return bs_encode(u, f, set, j, n, scratch, ~0u);
+}
+
 /* Exp-Golomb of order eg: the length prefix to the unary stream, the low bits to the fixed
  * (room reserved by the caller: 2 * bitlen(x + 2^eg) - 1 - eg bits in all). */
 static inline void eg_encode_nc(bw_t *u, bw_t *f, uint64_t x, int eg) {
@@ -183,11 +208,27 @@ int rp_code_ws(const rp_kind *kd, int64_t n, const uint64_t *ncnt, rp_encws *w,
     if (k == 0) return RP_OK;
     if (rp_ws_reserve_coder(w, k)) FAIL(RP_ENOMEM, "out of memory");
     const uint32_t *rec = w->rec;
-    for (int64_t i = 0; i < k; i++) {
-        uint32_t r = rec[i];
-        kc[(r >> 20) & 255]++;
-        bc[(r >> 20) & 255] += (r >> 29) & 1;
-        k_s += (r >> 28) & 1;
+    { /* changes and big steps per context, one 64-bit count each (kc | bc << 32) in two
+         tables (no store-to-load chain between neighbours of one context) */
+        uint64_t kb[2][NCTX];
+        memset(kb, 0, sizeof kb);
+        int64_t i = 0;
+        for (; i + 2 <= k; i += 2) {
+            uint32_t r0 = rec[i], r1 = rec[i + 1];
+            kb[0][(r0 >> 20) & 255] += 1 + ((uint64_t)((r0 >> 29) & 1) << 32);
+            kb[1][(r1 >> 20) & 255] += 1 + ((uint64_t)((r1 >> 29) & 1) << 32);
+            k_s += ((r0 >> 28) & 1) + ((r1 >> 28) & 1);
+        }
+        if (i < k) {
+            uint32_t r0 = rec[i];
+            kb[0][(r0 >> 20) & 255] += 1 + ((uint64_t)((r0 >> 29) & 1) << 32);
+            k_s += (r0 >> 28) & 1;
+        }
+        for (int c = 0; c < NCTX; c++) {
+            uint64_t x = kb[0][c] + kb[1][c];
+            kc[c] = x & 0xFFFFFFFFu;
+            bc[c] = x >> 32;
+        }
     }
     uint64_t acc = 0, tacc = 0; /* stable counting sort of the records by context */
     for (int c = 0; c < NCTX; c++) {
@@ -226,27 +267,10 @@ int rp_code_ws(const rp_kind *kd, int64_t n, const uint64_t *ncnt, rp_encws *w,
     varint(pw, k_s);
     for (int c = 0; c < NCTX; c++) /* (1) changed ranks per context */
         if (kc[c]) bs_encode(uw, fw, w->grp + first[c], kc[c], ncnt[c], w->scr, REC_RANK);
-    {   /* (2) outward flags over all changes in position order (rec compacted in place) */
-        uint32_t *set = w->rec;
-        uint64_t j = 0;
-        for (int64_t i = 0; i < k; i++) {
-            uint32_t r = set[i];
-            set[j] = (uint32_t)i;
-            j += (r >> 28) & 1;
-        }
-        bs_encode(uw, fw, set, j, (uint64_t)k, w->scr, ~0u);
-    }
-    for (int c = 0; c < NCTX; c++) { /* (3) which have |step| > 1, per context */
-        if (!kc[c]) continue;
-        const uint32_t *gr = w->grp + first[c];
-        uint32_t *set = w->rec;
-        uint64_t j = 0;
-        for (uint64_t i = 0; i < kc[c]; i++) {
-            set[j] = (uint32_t)i;
-            j += (gr[i] >> 29) & 1;
-        }
-        bs_encode(uw, fw, set, j, kc[c], w->scr, ~0u);
-    }
+    /* (2) outward flags over all changes in position order (rec compacted in place) */
+    bs_flags(uw, fw, w->rec, (uint64_t)k, k_s, 28, w->rec, w->scr);
+    for (int c = 0; c < NCTX; c++) /* (3) which have |step| > 1, per context */
+        if (kc[c]) bs_flags(uw, fw, w->grp + first[c], kc[c], bc[c], 29, w->rec, w->scr);
     for (int c = 0; c < NCTX; c++) { /* (4) their magnitudes (room: the order's cost) */
         if (!bc[c] || bw_reserve(uw, egbits[c] / 8 + 16) || bw_reserve(fw, egbits[c] / 8 + 16))
             continue;

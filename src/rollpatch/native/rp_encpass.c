@@ -78,7 +78,7 @@ static inline int sumblk_none(const uint8_t *a, const uint8_t *b, uint64_t j0, i
             if (!kd->cbits || (int64_t)sample[c] * 512 >= sn) {                             \
                 hot[c - lo] = 0xFF;                                                         \
                 slot[c] = nvc;                                                              \
-                cnt[nvc] = 0;                                                               \
+                cnt[nvc] = tab[c]; /* tab: the counts before start (a chunk's rest) */     \
                 vc[nvc++] = c;                                                              \
             }                                                                               \
     }                                                                                       \
@@ -191,7 +191,7 @@ static inline int sumblk_none(const uint8_t *a, const uint8_t *b, uint64_t j0, i
         }                                                                                   \
         for (int t = 0; t < nvc; t++) cnt[t] += bcs[t];                                     \
     }                                                                                       \
-    for (int t = 0; t < nvc; t++) tab[vc[t]] += cnt[t];                                     \
+    for (int t = 0; t < nvc; t++) tab[vc[t]] = cnt[t];                                      \
     w->k = wk;                                                                              \
     w->nb = wnb;                                                                            \
     sd[0] += sd0;                                                                           \
@@ -321,6 +321,16 @@ __attribute__((target("avx2"))) static int enc_pass_avx2(const rp_kind *kd_, con
 }
 #endif
 
+RP_HIDDEN int rp_pass512_16(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                            size_t nbytes, int64_t start, int64_t nfull, rp_encws *w,
+                            uint32_t *tab, uint64_t sd[2]);
+RP_HIDDEN int rp_pass512_8(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                           size_t nbytes, int64_t start, int64_t nfull, rp_encws *w,
+                           uint32_t *tab, uint64_t sd[2]);
+RP_HIDDEN int rp_pass512_4(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                           size_t nbytes, int64_t start, int64_t nfull, rp_encws *w,
+                           uint32_t *tab, uint64_t sd[2]);
+
 /* One chunk: the pass into w (and r when not NULL), then coded into w's streams. */
 static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
                       int64_t start, int64_t n, recs_t *r, rp_encws *w, uint64_t sd[2],
@@ -329,8 +339,18 @@ static int encode_one(const rp_kind *kd, const uint8_t *old, const uint8_t *new_
     uint32_t tab[NCTX] = {0};
     uint64_t ncnt[NCTX];
     w->k = w->nb = 0;
+    int isa = rp_isa();
+    (void)isa; /* no vector loops off x86-64 */
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) {
+    if (isa >= RP_ISA_AVX512 && !r && kd->bits <= 16 && kd->order == RP_SIGNMAG) {
+        /* whole blocks with AVX-512, the short last one with AVX2 (counts carried in tab) */
+        int64_t nfull = n & ~(int64_t)(JB - 1);
+        if ((kd->bits == 16 ? rp_pass512_16 : kd->bits == 8 ? rp_pass512_8 : rp_pass512_4)(
+                kd, old, new_, nbytes, start, nfull, w, tab, sd)
+            || (n > nfull && enc_pass_avx2(kd, old, new_, nbytes, start + nfull, n - nfull,
+                                           NULL, w, tab, sd)))
+            FAIL(RP_ENOMEM, "out of memory");
+    } else if (isa >= RP_ISA_AVX2) {
         if (enc_pass_avx2(kd, old, new_, nbytes, start, n, r, w, tab, sd))
             FAIL(RP_ENOMEM, "out of memory");
     } else

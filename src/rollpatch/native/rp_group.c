@@ -195,18 +195,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static int64_t fin_avx512(c
 /* Whether the decoder's AVX-512 loops may run (rp_lane.h). */
 int rp_avx512(int what) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    static int allowed = -1;
-    int a = __atomic_load_n(&allowed, __ATOMIC_RELAXED);
-    if (a < 0) {
-        const char *env = getenv("ROLLPATCH_ISA");
-        a = !env || (strcmp(env, "scalar") && strcmp(env, "avx2"));
-        __atomic_store_n(&allowed, a, __ATOMIC_RELAXED);
-    }
-    return a && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-           && __builtin_cpu_supports("avx512vl")
-           && (what != RP_V512_BSEQ
-               || (__builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2")
-                   && __builtin_cpu_supports("bmi2")));
+    /* the core's level (rp_isa.c; its AVX-512 level also has VBMI, VBMI2 and BMI2, which
+     * phase A's Golomb loops need) */
+    (void)what;
+    return rp_isa() >= RP_ISA_AVX512;
 #else
     (void)what;
     return 0;

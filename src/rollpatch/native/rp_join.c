@@ -12,7 +12,7 @@
  * table, element by element. Found positions are collected from a bitmap in order. WIN and
  * JB are in rp_internal.h (the encoder's pass shares them). */
 
-static int pick_window(const lane_t *l) {
+int rp_join_window(const lane_t *l) {
     int lo = 0;
     int64_t best = -1;
     for (int w0 = 0; w0 + WIN <= NCTX; w0++) { /* the window never wraps */
@@ -24,9 +24,6 @@ static int pick_window(const lane_t *l) {
     return lo;
 }
 
-#ifndef RP_PF
-#define RP_PF 16
-#endif
 #define JOIN_BODY(COUNTS, EQ32, OUT32, OUTANY)                                                      \
     uint8_t cbuf[JB] __attribute__((aligned(32)));                                          \
     uint8_t listed[NCTX];                                                                   \
@@ -34,7 +31,7 @@ static int pick_window(const lane_t *l) {
     uint32_t cnt[WIN], tgt[WIN], bcs[WIN];                                                  \
     uint8_t vcb[WIN];                                                                       \
     uint64_t cur[WIN], endr[WIN];                                                           \
-    int lo = pick_window(l);                                                                \
+    int lo = rp_join_window(l);                                                                \
     const int bits = kd->bits, bits16 = bits == 16;                                         \
     const uint32_t *const ranks = l->ranks;                                                 \
     const uint8_t *const magc = (const uint8_t *)l->magc;                                   \
@@ -258,7 +255,9 @@ __attribute__((target("avx2,bmi2"))) static void join_avx2_pdep(const rp_kind *k
 void rp_join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                       int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2")) {
+    int isa = rp_isa();
+    if (isa >= RP_ISA_AVX512 && rp_join_lane_avx512(kd, base, l, start, n) == 0) return;
+    if (isa >= RP_ISA_AVX2) {
         if (__builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1")
             && !__builtin_cpu_is("znver2"))
             join_avx2_pdep(kd, base, l, start, n);

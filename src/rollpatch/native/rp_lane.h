@@ -41,6 +41,8 @@ typedef struct {
     int64_t hashed;      /* elements [0, hashed) of the chunk are summed */
     uint64_t h0, h1;
     int notrack;         /* this group's change is summed whole (rp_lane_group) */
+    uint64_t *jbm;       /* the AVX-512 join's bitmaps (rp_join512.c), kept across chunks */
+    size_t jbmcap;       /* words jbm has room for */
 } lane_t;
 
 /* The rp.sum128 change of the word being written (read before its first write). */
@@ -57,6 +59,14 @@ static inline void lane_flush(lane_t *l) {
  * rp_lane_group: hash and write the group up to `upto`. */
 RP_HIDDEN void rp_join_lane(const rp_kind *kd, const uint8_t *base, lane_t *l, int64_t start,
                             int64_t n);
+/* The join's window: the WIN consecutive contexts that hold the most changed ranks; the
+ * AVX-512 join (rp_join512.c); how many blocks ahead the joins prefetch the base. */
+RP_HIDDEN int rp_join_window(const lane_t *l);
+RP_HIDDEN int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, lane_t *l,
+                                   int64_t start, int64_t n);
+#ifndef RP_PF
+#define RP_PF 16
+#endif
 RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start);
 RP_HIDDEN void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
 RP_HIDDEN void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);

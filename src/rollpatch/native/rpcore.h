@@ -16,6 +16,16 @@
 enum { RP_SIGNMAG = 0, RP_TWOS = 1, RP_UNSIGNED = 2 };
 enum { RP_OK = 0, RP_ENOMEM = -1, RP_ECORRUPT = -2, RP_EBASE = -3, RP_EARG = -4 };
 
+/* The instruction sets the core's loops may use (rp_isa.c): RP_ISA_AVX2 is AVX2 (and BMI2's
+ * PDEP where it is fast), RP_ISA_AVX512 adds AVX-512 F/BW/VL/VBMI/BITALG and GFNI. rp_isa:
+ * the level in use, by default the best this CPU runs (rp_isa_best), or ROLLPATCH_ISA
+ * ("scalar", "avx2", "avx512"; read once); rp_isa_set forces one (-1: back to the default;
+ * never above the best) and returns the level in use. Every level gives the same bytes. */
+enum { RP_ISA_SCALAR = 0, RP_ISA_AVX2 = 1, RP_ISA_AVX512 = 2 };
+int rp_isa_best(void);
+int rp_isa(void);
+int rp_isa_set(int level);
+
 typedef struct {
     int bits;  /* element width: 4 (two per byte, low nibble first), 8, 16, 32 or 64 */
     int order; /* RP_SIGNMAG, RP_TWOS or RP_UNSIGNED: how words map to ordered keys */

@@ -10,8 +10,9 @@
  *   bytes 4-7  seed of the base's words (little endian)
  *   bytes 8-   the target's own bytes (a payload, or perturbations)
  *
- * the core (rp_*.c) is compiled with -include cpu_switch.h, so fz_simd chooses its AVX2 or
- * scalar loops per call: each target runs both and requires identical results. */
+ * the core (rp_*.c) is compiled with -include cpu_switch.h, so fz_simd chooses its vector or
+ * scalar loops per call (the vector ones: AVX-512 where the CPU has it for even seeds, AVX2
+ * for odd ones): each target runs both and requires identical results. */
 #ifndef FUZZ_COMMON_H
 #define FUZZ_COMMON_H
 #include <stdint.h>
@@ -24,21 +25,26 @@
 #define FZ_HEADER 8
 #define FZ_MAXCH 4
 
-int fz_simd = 1; /* read by rp_fuzz_cpu_supports (cpu_switch.h) */
+int fz_simd = 1;   /* read by rp_fuzz_cpu_supports (cpu_switch.h): 0 = scalar loops only */
+int fz_avx512 = 1; /* 0: the CPU's AVX-512 and GFNI are hidden (the AVX2 loops run) */
 
-/* The vector loops run when fz_simd is set and the CPU has the feature asked for (AVX2 and
- * BMI2 for the join and the encoder's pass; AVX-512 for the decoder's phase A and output and
- * rp.sum128): never an instruction the CPU lacks. A feature not listed here: no. */
+/* What the CPU has, as the core sees it: nothing with fz_simd = 0, no AVX-512 or GFNI
+ * with fz_avx512 = 0 (fz_derive alternates it by the seed's low bit); a feature asked for
+ * is answered truthfully (never an instruction the CPU lacks). */
 int rp_fuzz_cpu_supports(const char *feature) {
     if (!fz_simd) return 0;
     if (!strcmp(feature, "avx2")) return __builtin_cpu_supports("avx2");
     if (!strcmp(feature, "bmi2")) return __builtin_cpu_supports("bmi2");
+    if (!fz_avx512) return 0;
     if (!strcmp(feature, "avx512f")) return __builtin_cpu_supports("avx512f");
     if (!strcmp(feature, "avx512bw")) return __builtin_cpu_supports("avx512bw");
     if (!strcmp(feature, "avx512vl")) return __builtin_cpu_supports("avx512vl");
     if (!strcmp(feature, "avx512vbmi")) return __builtin_cpu_supports("avx512vbmi");
     if (!strcmp(feature, "avx512vbmi2")) return __builtin_cpu_supports("avx512vbmi2");
-    return 0;
+    if (!strcmp(feature, "avx512bitalg")) return __builtin_cpu_supports("avx512bitalg");
+    if (!strcmp(feature, "avx512vpopcntdq")) return __builtin_cpu_supports("avx512vpopcntdq");
+    if (!strcmp(feature, "gfni")) return __builtin_cpu_supports("gfni");
+    return 0; /* a feature the harness does not know: its loops stay off */
 }
 
 /* (bits, order, shift, cbits): rollpatch.kinds.KINDS, then the single-context forms the
@@ -197,6 +203,7 @@ static int fz_derive(const uint8_t *data, size_t size, fz_case *c) {
     c->seed = (uint64_t)data[4] | (uint64_t)data[5] << 8 | (uint64_t)data[6] << 16
               | (uint64_t)data[7] << 24;
     c->spread = (data[1] >> 3) & 7;
+    fz_avx512 = !(c->seed & 1); /* odd seeds: the AVX2 loops against the scalar ones */
     c->rest = data + FZ_HEADER;
     c->rest_len = size - FZ_HEADER;
     return 0;

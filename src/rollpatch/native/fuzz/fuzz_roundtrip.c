@@ -3,12 +3,12 @@
  * Input: an 8-byte header (kind, size, base seed: fuzz_common.h); byte 8 a density of random
  * changes (byte 9 their style), then 8-byte edits (3 bytes position, 1 byte op, 4 bytes value)
  * that set chosen elements to chosen words: sign flips, extreme keys, NaN payloads, ±0.
- * Per chunk the three encoders must write the same bytes: the fused dense pass with AVX2 and
- * with scalar loops (rp_encode_chunk), the sparse one from rp_diff's positions
+ * Per chunk the three encoders must write the same bytes: the fused dense pass with AVX-512,
+ * AVX2 and scalar loops (rp_encode_chunk), the sparse one from rp_diff's positions
  * (rp_encode_chunk_sparse), the one from records (rp_encode_records) and the keep path that
  * also hands over the changes (rp_encode_chunk_keep: they must equal rp_diff's); the range
  * encoder (rp_encode_range, work buffers reused across chunks and inputs) the whole payload,
- * with AVX2 and scalar loops. The payload must
+ * with AVX-512 and scalar loops. The payload must
  * decode to exactly the diff; rp_apply must turn the base into the target with a consistent
  * rp.sum128 change, and refuse, writing nothing, a base that differs at one changed position;
  * rp_gather must read the new elements back; rp.sum128 must add up over any split of words. */
@@ -213,7 +213,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fz_simd = 0;
     uint8_t *pl2 = fz_encode(&c, t, &plen2, changed2);
     fz_simd = 1;
-    if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("AVX2 and scalar encoders differ");
+    if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("vector and scalar encoders differ");
+    if (fz_avx512) { /* this input's vector loops were AVX-512: AVX2 must agree too */
+        free(pl2);
+        fz_avx512 = 0;
+        pl2 = fz_encode(&c, t, &plen2, changed2);
+        fz_avx512 = 1;
+        if (plen != plen2 || memcmp(pl, pl2, plen)) fz_fail("AVX-512 and AVX2 encoders differ");
+    }
     size_t q = 0; /* walk the joined table to compare each body with the other encoders */
     for (int64_t i = 0; i < nch; i++) {
         uint64_t len = 0;

@@ -140,6 +140,29 @@ def test_chunked_split_anywhere_and_the_sse_relay_on_top(loop: str) -> None:
     assert b"".join(out) == b'data: {"n":1}\n\nLASTdata: {"n":2}\n\n' + DONE
 
 
+@pytest.mark.parametrize("size", ["{:x}", "{:X}", "00{:x}", "{:x} ", " {:x};a=b"])
+def test_chunk_size_lines_read_by_piece(size: str) -> None:
+    """piece() reads a chunk-size line of hex digits alone without a split (the common
+    line); padded, upper-case or extended lines give the same bytes by the general parse."""
+    events = b'data: {"n":1}\n\ndata: {"n":22}\n\ndata: [DONE]\n\n'
+    parts = [events[:7], events[7:40], events[40:]]
+    body = b"".join(size.format(len(p)).encode() + b"\r\n" + p + b"\r\n" for p in parts)
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    handler, _ = _answers([head, body[:11], body[11:30], body[30:] + b"0\r\n\r\n"])
+
+    async def client(up: Upstream) -> bytes:
+        resp = await up.request("POST", "/s", b"{}")
+        raw = b""
+        try:
+            while piece := await resp.piece():
+                raw += piece
+        finally:
+            resp.close()
+        return raw
+
+    assert _run(handler, client) == events
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("pause_s", [0.0, 0.05])  # 0: the close is seen only on reuse
 def test_a_pooled_connection_closed_by_the_server_is_retried_once(

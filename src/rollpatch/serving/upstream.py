@@ -40,6 +40,22 @@ MAX_LINE = 4096
 MAX_BUFFER = 1 << 20
 
 
+def _chunk_size(buf: bytearray, nl: int) -> int:
+    """The size on the chunk-size line ``buf[:nl]`` (hex digits, optional extensions after
+    ``;``, surrounding whitespace). The common line (hex digits alone) is read without a copy
+    or a split; anything else takes the general parse, which gives the same size or error."""
+    if 0 < nl <= 8 and buf[:nl].isalnum():
+        try:
+            return int(buf[:nl], 16)
+        except ValueError:
+            pass  # not hex: the general parse names the error
+    size_text = bytes(buf[:nl]).split(b";", 1)[0].strip()
+    try:
+        return int(size_text, 16)
+    except ValueError:
+        raise UpstreamError(f"bad chunk size from the engine: {size_text[:40]!r}") from None
+
+
 class UpstreamError(Exception):
     """The upstream could not be reached, or its answer broke HTTP/1.1."""
 
@@ -159,9 +175,10 @@ class UpstreamResponse:
         c = self._conn
         if self._chunked:
             while True:
-                part = self._dechunk()
-                if part or self._done:
-                    return part
+                if c.buf:  # an empty buffer (the common case between events): wait first
+                    part = self._dechunk()
+                    if part or self._done:
+                        return part
                 await c.more()
         if self._left is not None:
             if self._left == 0:
@@ -198,11 +215,7 @@ class UpstreamResponse:
                 if len(c.buf) > MAX_LINE:
                     raise UpstreamError("chunk-size line from the engine is too long")
                 break
-            size_text = bytes(c.buf[:nl]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise UpstreamError(f"bad chunk size from the engine: {size_text[:40]!r}") from None
+            size = _chunk_size(c.buf, nl)
             if size == 0:
                 end = c.buf.find(b"\r\n\r\n", nl)
                 if end < 0:  # trailers (rare) not complete yet
@@ -218,6 +231,8 @@ class UpstreamResponse:
                 raise UpstreamError("a chunk from the engine does not end with CRLF")
             out.append(bytes(c.buf[nl + 2 : nl + 2 + size]))
             del c.buf[: nl + 4 + size]
+        if not out:
+            return b""
         return out[0] if len(out) == 1 else b"".join(out)
 
     def abort(self) -> None:

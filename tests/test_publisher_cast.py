@@ -97,7 +97,9 @@ def test_snapshot_with_torch_is_formats_cast(fmt: str, monkeypatch: pytest.Monke
     calls: list[int] = []
     cast = writer._torch_cast()
     assert cast is not None
-    monkeypatch.setattr(cast, "host_words", lambda a: calls.append(a.size) or host_words(a))
+    monkeypatch.setattr(
+        cast, "host_words", lambda a, out=None: calls.append(a.size) or host_words(a, out)
+    )
     for torch_on in (True, False):
         if not torch_on:
             monkeypatch.setattr(writer, "_torch_cast", lambda: None)

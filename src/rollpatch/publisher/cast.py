@@ -31,12 +31,15 @@ CAST_CHUNK = 1 << 20
 _BF16_NAN = -1
 
 
-def bf16_words(master: torch.Tensor) -> torch.Tensor:
+def bf16_words(master: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Flat BF16 words (int16) of a float32/bfloat16/float16 tensor, as ``formats`` casts, on
     the tensor's device; never shares memory with a float master.
 
     A BF16 master keeps every bit (NaN payloads too, a view of its words); a float master is
     read once (the cast), and the NaN check reads the result (see the module docstring).
+    ``out``: a flat CPU bfloat16 tensor of the master's size that a float32 master on the CPU
+    is cast into (memory already paged in, :class:`~rollpatch.publisher.wordpool.WordPool`);
+    ignored otherwise.
     """
     m = master.detach().reshape(-1)
     if m.dtype == torch.bfloat16:
@@ -48,7 +51,8 @@ def bf16_words(master: torch.Tensor) -> torch.Tensor:
     if m.device.type != "cpu":  # one kernel each, no host sync
         out = m.to(torch.bfloat16)
         return out.view(torch.int16).masked_fill_(torch.isnan(out), _BF16_NAN)
-    out = torch.empty(m.numel(), dtype=torch.bfloat16)
+    if out is None or out.dtype != torch.bfloat16 or out.shape != (m.numel(),):
+        out = torch.empty(m.numel(), dtype=torch.bfloat16)
     for start in range(0, m.numel(), CAST_CHUNK):
         dst = out[start : start + CAST_CHUNK]
         dst.copy_(m[start : start + CAST_CHUNK])
@@ -69,9 +73,23 @@ def castable(master: np.ndarray) -> bool:
     )
 
 
-def host_words(master: np.ndarray) -> np.ndarray:
+def host_words(master: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """BF16 words (flat uint16) of a :func:`castable` numpy array, bit for bit
-    ``formats.floats.f32_to_bf16_bits``; a new array (the master may change afterwards)."""
+    ``formats.floats.f32_to_bf16_bits``; a new array (the master may change afterwards), or
+    ``out`` (flat, C-contiguous uint16 of the master's size, not sharing its memory) written
+    in full and returned."""
     if not castable(master):
         raise TypeError("host_words casts non-empty, writable, C-contiguous float32 arrays")
-    return bf16_words(torch.from_numpy(master.reshape(-1))).numpy().view(np.uint16)
+    flat = torch.from_numpy(master.reshape(-1))
+    if out is None:
+        return bf16_words(flat).numpy().view(np.uint16)
+    if (
+        out.dtype != np.uint16
+        or out.shape != (master.size,)
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+        or np.shares_memory(out, master)
+    ):
+        raise ValueError("out must be a writable, flat uint16 array of the master's size")
+    bf16_words(flat, torch.from_numpy(out.view(np.int16)).view(torch.bfloat16))
+    return out

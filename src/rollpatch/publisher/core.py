@@ -26,6 +26,7 @@ from .rounds import Snapshot, agree, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
+from .wordpool import WordPool
 from .writer import VersionWriter, snapshot_served, snapshot_state
 
 __all__ = ["Publisher", "snapshot_state"]
@@ -87,6 +88,7 @@ class Publisher:
         top, target = resume_point(self.board, self.run, self.config, self._x)
         self._last_assigned = self._last_durable = top
         self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
+        self._words = WordPool()  # the host snapshot's words, reused once free (paged in)
         self._heartbeat: LatestHeartbeat | None = None
         signer = self.config.signer
         if self._x.rank == 0:
@@ -262,7 +264,7 @@ class Publisher:
 
             return snapshot_device(state_dict)
         if self.config.snapshot == "served" and self.config.scales != "frozen":
-            return snapshot_served(state_dict, self.config)  # type: ignore[return-value]
+            return snapshot_served(state_dict, self.config, self._words)  # type: ignore[return-value]
         return snapshot_state(state_dict)
 
     def _assign(self, version: int | None) -> int:

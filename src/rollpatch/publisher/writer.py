@@ -30,6 +30,7 @@ from .pipeline import ShardPipeline, ShardResult, assemble_manifest
 from .reconstruct import reconstruct
 from .rounds import Snapshot
 from .sharded import Exchange
+from .wordpool import WordPool
 
 __all__ = ["VersionWriter", "snapshot_served", "snapshot_state"]
 
@@ -60,14 +61,18 @@ def snapshot_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
-def snapshot_served(state_dict: Mapping[str, Any], config: PublisherConfig) -> View:
+def snapshot_served(
+    state_dict: Mapping[str, Any], config: PublisherConfig, pool: WordPool | None = None
+) -> View:
     """The served view of ``state_dict``, cast tensor by tensor: the snapshot holds the served
     bits (a BF16 view is half the FP32 masters), and no host copy of the masters is ever
     whole (one tensor's at a time, only for masters off the CPU).
 
     Masters all on the CPU are cast on :func:`rollpatch.native.threads` threads, tensors at
     once (the cast is numpy in cache-sized chunks, which releases the GIL): the trainer's
-    call and the version's time to LATEST shrink with the free cores; the bits are the same."""
+    call and the version's time to LATEST shrink with the free cores; the bits are the same.
+    ``pool``: where the BF16 words of a torch cast are written (buffers of earlier snapshots
+    that nothing references any more, already paged in; :mod:`.wordpool`)."""
 
     fmt = get_format(config.format)
     torch_cast = _torch_cast()
@@ -83,7 +88,8 @@ def snapshot_served(state_dict: Mapping[str, Any], config: PublisherConfig) -> V
             and torch_cast.castable(arr)
             and not fmt.quantises(name, arr.shape, config.policy)
         ):  # one torch pass, bit for bit formats' cast (publisher/cast.py)
-            words = torch_cast.host_words(arr)
+            out = None if pool is None else pool.take(name, arr.size)
+            words = torch_cast.host_words(arr, out)
             return View({name: Tensor(KINDS["bf16"], arr.shape, words)}, plain_meta)
         part = cast_view({name: arr}, config.format, policy=config.policy, scales=config.scales)
         # the trainer may change its tensors as soon as publish() returns

@@ -89,6 +89,35 @@ def test_a_corrupt_later_chunk_leaves_every_word_in_place(
         assert v.digest() == before
 
 
+@pytest.mark.parametrize("lie", ["beyond-the-tensor", "one-short", "one-more", "not-an-int"])
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_false_changed_count_is_refused_as_decode_refuses_it(
+    lie: str, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """apply_encoded sizes one set of output arrays for all v2 deltas from the headers'
+    counts (inplace._share_outputs): a count beyond its tensor is never allocated for, and
+    any false count is refused with the error class decode gives, every word in place."""
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
+    a, b = _views(6)
+    header, payload = split_blob(encode_views(a, b))
+    e = next(t for t in header["tensors"] if t["name"] == "model.w")
+    e["changed"] = {
+        "beyond-the-tensor": a["model.w"].n_elements + 1,
+        "one-short": e["changed"] - 1,
+        "one-more": e["changed"] + 1,
+        "not-an-int": float(e["changed"]),
+    }[lie]
+    bad = reseal(header, payload)
+    raised = []
+    for fn in (lambda v, blob: apply(v, decode(blob, v)), apply_encoded):
+        v = a.copy()
+        with pytest.raises(RollpatchError) as err:
+            fn(v, bad)
+        raised.append(type(err.value))
+        assert _same_words(v, a)
+    assert raised[0] is raised[1]
+
+
 def test_a_flip_behind_the_digests_back_is_caught_by_the_full_check_only() -> None:
     a, b = _views(5)
     blob = encode_views(a, b)

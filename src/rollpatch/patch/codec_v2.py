@@ -227,16 +227,32 @@ class CtxGolombV2:
 
         return _join(parallel_map(one, list(range(len(chunks)))))
 
-    def _outputs(self, payload: memoryview, base: Tensor, changed: int) -> tuple[Any, ...]:
+    def _outputs(
+        self,
+        payload: memoryview,
+        base: Tensor,
+        changed: int,
+        out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[Any, ...]:
         """The native core, kind tuple, per-chunk counts (checked against ``changed``) and
-        output offsets, and the empty position/old/new arrays a native decode fills."""
+        output offsets, and the position/old/new arrays a native decode fills: ``out`` when
+        given (a caller's slices of larger arrays), else new ones."""
         core = native.require()
         kt = native.kind_tuple(base.kind, base.n_elements)
         counts = core.table(kt, payload, base.n_elements)
         if sum(counts) != changed:
             raise PatchDecodeError("changed count does not match the header", codec=self.codec_id)
         offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        dt = base.kind.elem_dtype
+        dt = np.dtype(base.kind.elem_dtype)
+        if out is not None:
+            pos, old, new = out
+            if not (
+                pos.dtype == np.int64
+                and old.dtype == new.dtype == dt
+                and pos.shape == old.shape == new.shape == (changed,)
+            ):
+                raise ValueError("out: three arrays of `changed` positions and elements")
+            return core, kt, counts, offs, pos, old, new
         return (
             core,
             kt,
@@ -262,15 +278,20 @@ class CtxGolombV2:
         return pos, old, new
 
     def decode_into(
-        self, payload: memoryview, base: Tensor, changed: int
+        self,
+        payload: memoryview,
+        base: Tensor,
+        changed: int,
+        out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
         """:meth:`decode`, writing each chunk's new elements into ``base`` in place right
         after decoding it (while its words are in cache); also returns the rp.sum128 change.
 
         All or nothing: on any error the tensor is left as it was and the error raised.
-        The old elements are those the decoder read from ``base`` itself.
+        The old elements are those the decoder read from ``base`` itself. ``out``: arrays
+        to fill and return (int64 positions, old and new elements, ``changed`` each).
         """
-        pos, old, new, change, _ = self._decode_into(payload, base, changed, hashed=False)
+        pos, old, new, change, _ = self._decode_into(payload, base, changed, False, out)
         return pos, old, new, change
 
     def can_hash(self) -> bool:
@@ -278,19 +299,28 @@ class CtxGolombV2:
         return native.core is not None and bool(getattr(native.core, "DECODE_HASH", 0))
 
     def decode_into_hashed(
-        self, payload: memoryview, base: Tensor, changed: int
+        self,
+        payload: memoryview,
+        base: Tensor,
+        changed: int,
+        out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int], tuple[int, int]]:
         """:meth:`decode_into`, and the tensor's rp.sum128 state after the write, hashed in
         the same pass: every word summed as the decoder reads it, before its writes, plus the
         change written (the re-hash without a second pass over the tensor)."""
-        pos, old, new, change, state = self._decode_into(payload, base, changed, hashed=True)
+        pos, old, new, change, state = self._decode_into(payload, base, changed, True, out)
         assert state is not None
         return pos, old, new, change, state
 
     def _decode_into(
-        self, payload: memoryview, base: Tensor, changed: int, *, hashed: bool
+        self,
+        payload: memoryview,
+        base: Tensor,
+        changed: int,
+        hashed: bool,
+        out: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int], tuple[int, int] | None]:
-        core, kt, counts, offs, pos, old, new = self._outputs(payload, base, changed)
+        core, kt, counts, offs, pos, old, new = self._outputs(payload, base, changed, out)
         ranges = _ranges(len(counts), threads())
 
         args = (True, True) if hashed else (True,)

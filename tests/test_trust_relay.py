@@ -19,9 +19,10 @@ import pytest
 from rollpatch.board import Board, pointer_key, root_key, version_key
 from rollpatch.cli import main
 from rollpatch.engines import ViewEngine
-from rollpatch.errors import TransientStoreError
+from rollpatch.errors import ManifestError, TransientStoreError
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.relay import RelayConfig, RelayServer
+from rollpatch.relay.verify import StalePointer
 from rollpatch.store import Store, open_store
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 from tests.conftest import make_manifest, signing_world
@@ -125,6 +126,28 @@ def test_relay_refuses_rollback_and_expired_latest(serve, tmp_path: Path) -> Non
     assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_expired") == 1
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["latest"] == {RUN: 2}
+
+
+def test_an_overtaken_latest_is_stale_not_a_rollback(serve, tmp_path: Path) -> None:
+    """Two reads of LATEST cross (the older answer arrives after a newer one was verified):
+    the older is not served and counted stale, not refused; the same bytes read after the
+    newer one was verified are a rollback and refused."""
+    pub = Pub(2, ttl=60.0)
+    old = pub.store.get(pointer_key(RUN))
+    pub.publish(2)
+    relay = serve(pub.store, trust=pub.trust(tmp_path))
+    verifier = relay.relay.verifier
+    sent = time.monotonic()  # the older read was sent before v2 was verified
+    assert client(relay).get(pointer_key(RUN)) == pub.store.get(pointer_key(RUN))
+    with pytest.raises(StalePointer):
+        verifier.check_pointer(pointer_key(RUN), old, started=sent)
+    metrics = relay.relay.metrics
+    assert metrics.value("rollpatch_relay_stale_pointers_total") == 1
+    assert metrics.value("rollpatch_relay_refused_total", reason="trust_rollback") == 0
+    with pytest.raises(ManifestError) as e:  # asked after v2 was verified: a rollback
+        verifier.check_pointer(pointer_key(RUN), old, started=time.monotonic())
+    assert not isinstance(e.value, StalePointer)
+    assert metrics.value("rollpatch_relay_refused_total", reason="trust_rollback") == 1
 
 
 def test_relay_serves_only_roots_that_chain(serve, tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from .cache import CacheEntry, DiskCache
 from .config import KeyKind, RelayConfig, classify
 from .flights import Flights
 from .metrics import Metrics
-from .verify import Verifier
+from .verify import StalePointer, Verifier
 
 if TYPE_CHECKING:
     from .watch import PointerWatch
@@ -267,7 +267,15 @@ class Relay:
                 hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
             )
         if kind is KeyKind.POINTER:
-            self.verifier.check_pointer(key, data)
+            try:
+                self.verifier.check_pointer(key, data, started=started)
+            except StalePointer:  # two reads crossed: ask again for the newer one
+                started = time.monotonic()
+                data = self._get(key)
+                if len(data) > self.config.max_volatile_bytes:
+                    self.verifier.refuse("too_large", key=key, size=len(data))
+                    raise StoreError("upstream LATEST too large to relay", key=key) from None
+                self.verifier.check_pointer(key, data, started=started)
         blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
         self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
         return blob

@@ -33,6 +33,11 @@ _FAMILIES: dict[str, tuple[str, str]] = {
         "counter",
         "Upstream answers refused (hash mismatch, invalid manifest, too large).",
     ),
+    "rollpatch_relay_stale_pointers_total": (
+        "counter",
+        "Upstream LATEST answers overtaken by a newer LATEST verified while they were read "
+        + "(not served; not a refusal).",
+    ),
     "rollpatch_relay_unannounced_total": (
         "counter",
         "New versions held back from long-polls: manifest or step patch failed prefetch.",

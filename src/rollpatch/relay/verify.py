@@ -9,6 +9,7 @@ so that a refusal in the counters can be named from the log.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,17 @@ from ..trust import Trust, verify_initial_root
 from .config import KeyKind, manifest_version, object_hash, pointer_run, root_version
 from .metrics import Metrics
 
-__all__ = ["Verifier"]
+__all__ = ["StalePointer", "Verifier"]
 
 log = logging.getLogger("rollpatch.relay")
+
+
+class StalePointer(ManifestError):
+    """An upstream LATEST older than one this relay verified *while that read was in flight*
+    (two reads of LATEST crossed: the older answer arrived last). Not a rollback: the relay
+    had no newer version when it asked. Never served or cached; counted in
+    ``rollpatch_relay_stale_pointers_total``. A LATEST older than one verified before the read
+    started is a rollback and refused (``trust_rollback``)."""
 
 
 class Verifier:
@@ -37,6 +46,9 @@ class Verifier:
         #: The root of trust (None: only object hashes and strict parsing are checked).
         self.trust = trust
         self._metrics = metrics
+        #: run -> (highest LATEST version this process verified, monotonic time it was first
+        #: verified): tells an overtaken read from a rollback (:class:`StalePointer`).
+        self._verified_at: dict[str, tuple[int, float]] = {}
 
     def check(self, key: str, kind: KeyKind, data: bytes) -> str:
         """Verify upstream bytes of ``key`` before they are cached; return their BLAKE3 (hex).
@@ -108,8 +120,10 @@ class Verifier:
                 version=n,
             )
 
-    def check_pointer(self, key: str, data: bytes) -> None:
-        """Refuse (``ManifestError``) LATEST bytes that fail its checks under the trust root."""
+    def check_pointer(self, key: str, data: bytes, *, started: float | None = None) -> None:
+        """Refuse (``ManifestError``) LATEST bytes that fail its checks under the trust root;
+        :class:`StalePointer` when they are older than a version verified after ``started``
+        (monotonic: when the read that returned them was sent)."""
         run = pointer_run(key)
         if run is None:
             return
@@ -123,6 +137,23 @@ class Verifier:
                     run=run,
                     version=p.version,
                 )
+            seen = self._verified_at.get(run)
+            if seen is None or p.version > seen[0]:
+                self._verified_at[run] = (p.version, time.monotonic())
+        except TrustError as e:
+            seen = self._verified_at.get(run)
+            if e.reason == "rollback" and started is not None and seen and seen[1] > started:
+                self._metrics.inc("rollpatch_relay_stale_pointers_total")
+                event(log, "stale_pointer", logging.INFO, key=key, error=e.message)
+                raise StalePointer(
+                    "upstream LATEST was overtaken by a newer one verified while it was read",
+                    key=key,
+                    verified=seen[0],
+                ) from None
+            self.refuse("invalid_pointer", key=key, error=e)
+            raise ManifestError(
+                f"upstream LATEST refused: {e.message}", key=key, hint=e.hint
+            ) from None
         except ManifestError as e:
             self.refuse("invalid_pointer", key=key, error=e)
             raise ManifestError(

@@ -45,6 +45,7 @@ from ..store.http_pool import Held
 from ..store.push import MAX_HAVE, MAX_PUSHED, frame_push, have_token
 from .core import Blob, Relay
 from .notice import Notice
+from .verify import StalePointer
 
 __all__ = ["MAX_PUSH_BYTES", "PREFETCH_HEADER", "PointerWatch"]
 
@@ -221,9 +222,12 @@ class PointerWatch:
                 try:
                     started = time.monotonic()
                     data, read_at, hinted, pushed = self._read(key, after, held, first, notice)
-                    newer = data is not None and self._learned(
-                        key, st, data, read_at, hinted, pushed
-                    )
+                    try:
+                        newer = data is not None and self._learned(
+                            key, st, data, read_at, hinted, pushed, started=started
+                        )
+                    except StalePointer:  # a newer LATEST was verified while this one came
+                        newer = False
                     early = time.monotonic() - started < 1.0
                     if held is not None and data is not None and not newer and early:
                         self._closed.wait(self.relay.config.watch_s)  # nothing new, at once
@@ -278,6 +282,8 @@ class PointerWatch:
         read_at: float,
         hinted: str = "",
         pushed: list[tuple[str, bytes]] | None = None,
+        *,
+        started: float | None = None,
     ) -> bool:
         """Serve ``data`` (checked) as the run's LATEST; whether it names a newer version.
 
@@ -287,7 +293,8 @@ class PointerWatch:
         run = pointer_run(key)
         if run is None:
             return False
-        self.relay.verifier.check_pointer(key, data)  # refused before anything it names
+        # refused before anything it names (stale: overtaken by a LATEST verified meanwhile)
+        self.relay.verifier.check_pointer(key, data, started=started)
         version = read_latest(data, run, None)[0].version
         with self._lock:
             newer = version > st.version

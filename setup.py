@@ -1,34 +1,22 @@
 """Builds the native codec core (C, CPython API only: no toolchain download, no build deps
 beyond setuptools and the system C compiler). Metadata lives in pyproject.toml."""
 
+from pathlib import Path
+from runpy import run_path
+
 from setuptools import Extension, setup
+
+NATIVE = "src/rollpatch/native"
+_SOURCES = run_path(str(Path(__file__).resolve().parent / NATIVE / "sources.py"))  # named once
+CORE: tuple[str, ...] = _SOURCES["CORE"]
+HEADERS: tuple[str, ...] = _SOURCES["HEADERS"]
 
 setup(
     ext_modules=[
         Extension(
             "rollpatch.native._rpcore",
-            sources=[
-                f"src/rollpatch/native/{f}.c"
-                for f in (
-                    "rp_encode",
-                    "rp_encws",
-                    "rp_encpass",
-                    "rp_encpass512",
-                    "rp_decode",
-                    "rp_join",
-                    "rp_group",
-                    "rp_join512",
-                    "rp_isa",
-                    "rp_apply",
-                    "module",
-                )
-            ],
-            depends=[
-                "src/rollpatch/native/rpcore.h",
-                "src/rollpatch/native/rp_internal.h",
-                "src/rollpatch/native/rp_lane.h",
-                "src/rollpatch/native/rp_bseq.h",
-            ],
+            sources=[f"{NATIVE}/{f}.c" for f in (*CORE, "module")],
+            depends=[f"{NATIVE}/{h}" for h in HEADERS],
             extra_compile_args=[
                 "-O3",
                 "-std=gnu11",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -52,24 +53,12 @@ CFLAGS = [
 # The round trip's input is never parsed by the core, so comparison tracing (what lets
 # libFuzzer solve a parser's compares) buys nothing there and costs 2.5x in the coder's loops.
 EXTRA = {"decode": [], "roundtrip": ["-fno-sanitize-coverage=trace-cmp"]}
-# The native core's files (setup.py builds the same ones, with module.c).
-CORE = tuple(
-    NATIVE / f"{f}.c"
-    for f in (
-        "rp_encode",
-        "rp_encws",
-        "rp_encpass",
-        "rp_encpass512",
-        "rp_decode",
-        "rp_join",
-        "rp_join512",
-        "rp_group",
-        "rp_isa",
-        "rp_apply",
-    )
-)
-# Their internal headers (static inline helpers: bit streams, keys, block primitives).
-CORE_HEADERS = (NATIVE / "rp_internal.h", NATIVE / "rp_lane.h", NATIVE / "rp_bseq.h")
+# The native core's files and their internal headers, named once in native/sources.py (setup.py
+# builds the same ones, with module.c; the headers hold static inline helpers: bit streams,
+# keys, block primitives).
+_SOURCES = runpy.run_path(str(NATIVE / "sources.py"))
+CORE = tuple(NATIVE / f"{f}.c" for f in _SOURCES["CORE"])
+CORE_HEADERS = tuple(NATIVE / h for h in _SOURCES["HEADERS"] if h != "rpcore.h")
 
 
 @dataclass

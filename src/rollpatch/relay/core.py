@@ -256,29 +256,28 @@ class Relay:
             self._remember(self._corrupt, key, info.etag, expires)
 
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
-        started = time.monotonic()
-        data = self._get(key)
-        if len(data) > self.config.max_volatile_bytes:
-            self.verifier.refuse("too_large", key=key, size=len(data))
-            raise StoreError(
-                "upstream object is mutable (not in the board layout) and too large to relay",
-                key=key,
-                size=len(data),
-                hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
-            )
-        if kind is KeyKind.POINTER:
-            try:
-                self.verifier.check_pointer(key, data, started=started)
-            except StalePointer:  # two reads crossed: ask again for the newer one
-                started = time.monotonic()
-                data = self._get(key)
-                if len(data) > self.config.max_volatile_bytes:
-                    self.verifier.refuse("too_large", key=key, size=len(data))
-                    raise StoreError("upstream LATEST too large to relay", key=key) from None
-                self.verifier.check_pointer(key, data, started=started)
-        blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
-        self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
-        return blob
+        for last in (False, True):  # a LATEST overtaken while read is asked for once more
+            started = time.monotonic()
+            data = self._get(key)
+            if len(data) > self.config.max_volatile_bytes:
+                self.verifier.refuse("too_large", key=key, size=len(data))
+                raise StoreError(
+                    "upstream object is mutable (not in the board layout) and too large to relay",
+                    key=key,
+                    size=len(data),
+                    hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
+                )
+            if kind is KeyKind.POINTER:
+                try:
+                    self.verifier.check_pointer(key, data, started=started)
+                except StalePointer:
+                    if last:
+                        raise
+                    continue
+            blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
+            self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
+            return blob
+        raise AssertionError("unreachable")  # the second pass returns or raises
 
     def remember_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
         """LATEST bytes the long-poll watch read upstream and already checked

@@ -35,43 +35,17 @@ from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
 from .core import Blob, Relay
 from .metrics import CONTENT_TYPE, CountRequests
+from .ranges import RangeNotSatisfiable, parse_range
 from .watch import PREFETCH_HEADER
 
 __all__ = ["RelayServer", "create_app", "parse_range"]
 
 T = TypeVar("T")
 _S = TypeVar("_S", bound="RelayServer")
-_RANGE = re.compile(r"bytes=(\d{1,19})-(\d{0,19})")
 _AFTER = re.compile(r"-1|\d{1,18}")
 _PUSH = re.compile(r"\d{1,15}")
 _IMMUTABLE = "public, max-age=31536000, immutable"
 _OPEN_ATTEMPTS = 3
-
-
-class RangeNotSatisfiable(Exception):
-    """Internal: answer 416."""
-
-
-def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """``(first, last)`` inclusive for a single ``bytes=A-B`` / ``bytes=A-`` range; None to
-    answer the whole object (no header, another unit, or a malformed one, as RFC 9110 allows);
-    raises :class:`RangeNotSatisfiable` for ``A >= size``, suffix and multi-range requests.
-    """
-    if header is None or not header.strip().startswith("bytes="):
-        return None
-    spec = header.strip()
-    if "," in spec or spec.startswith("bytes=-"):
-        raise RangeNotSatisfiable(spec)
-    match = _RANGE.fullmatch(spec)
-    if match is None:
-        return None
-    first = int(match.group(1))
-    last = int(match.group(2)) if match.group(2) else size - 1
-    if last < first and match.group(2):
-        return None
-    if first >= size:
-        raise RangeNotSatisfiable(spec)
-    return first, min(last, size - 1)
 
 
 def _status(exc: BaseException) -> int:

@@ -42,8 +42,9 @@ from ..logs import event
 from ..manifest import open_manifest
 from ..store.http_client import HttpStore
 from ..store.http_pool import Held
-from ..store.push import MAX_HAVE, MAX_PUSHED, frame_push, have_token
+from ..store.push import MAX_PUSHED, frame_push, have_token
 from .core import Blob, Relay
+from .learned import Learned
 from .notice import Notice
 from .verify import StalePointer
 
@@ -93,10 +94,8 @@ class PointerWatch:
         self._runs: dict[str, _Run] = {}
         self._closed = threading.Event()
         self._held: list[Held] = []
-        #: LATEST key -> keys of the newest version learned upstream (its manifest and step
-        #: patch objects): what a long-poll's ``have`` is drawn from. Outlives the run's
-        #: watch (a restarted watch asks with ``after=-1``); at most MAX_RUNS runs.
-        self._learned_keys: dict[str, list[str]] = {}
+        #: what a long-poll's ``have`` is drawn from; outlives the runs' watches
+        self._record = Learned()
 
     def wait(self, key: str, after: int) -> Future[Blob] | None:
         """A future of the LATEST at ``key`` once it names a version above ``after`` (never
@@ -262,7 +261,7 @@ class PointerWatch:
             self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="wait")
             headers: dict[str, str] = {}
             push = self.relay.config.push_bytes if self.relay.config.prefetch else 0
-            have = self._have(key) if push else []
+            have = self._record.have(key, self.relay.cache) if push else []
             data = upstream.wait_newer(
                 key, after, wait_s, held, headers, push_bytes=push, pushed_out=pushed, have=have
             )
@@ -302,12 +301,12 @@ class PointerWatch:
         if newer and self.relay.config.prefetch:
             pushed = [(k, b) for k, b in (pushed or ())[:MAX_PUSHED] if _ours(k, run, version)]
             hinted_keys = [k for k in hinted.split()[:MAX_HINTED] if _ours(k, run, version)]
-            self._learn(key, [k for k, _ in pushed] + hinted_keys)  # kept if prefetch fails
+            self._record.learn(key, [k for k, _ in pushed] + hinted_keys)  # kept if prefetch fails
             for k, b in pushed:
                 self.relay.accept(k, b)
             self._start_hinted(run, version, hinted)
             hint = " ".join(self._prefetch(run, version, st))
-            self._learn(key, hint.split())
+            self._record.learn(key, hint.split())
             read_at = time.monotonic()  # the watch kept LATEST current meanwhile
         blob = self.relay.remember_pointer(key, data, read_at)
         with self._lock:
@@ -320,25 +319,6 @@ class PointerWatch:
             if not f.done():
                 f.set_result(blob)
         return newer
-
-    def _learn(self, key: str, keys: list[str]) -> None:
-        """Remember ``keys`` as the newest version's objects learned upstream for ``key``."""
-        keys = list(dict.fromkeys(keys))[:MAX_HAVE]
-        if not keys:
-            return
-        with self._lock:
-            self._learned_keys.pop(key, None)
-            if len(self._learned_keys) >= MAX_RUNS:
-                del self._learned_keys[next(iter(self._learned_keys))]  # the least recent
-            self._learned_keys[key] = keys
-
-    def _have(self, key: str) -> list[str]:
-        """The ``have`` tokens of a long-poll of ``key``: what this relay holds (verified, in
-        its cache) of the newest version it learned upstream (docs/relay.md, "Push")."""
-        with self._lock:
-            keys = self._learned_keys.get(key, [])
-        tokens = [have_token(k) for k in keys if self.relay.cache.lookup(k) is not None]
-        return [t for t in tokens if t is not None][:MAX_HAVE]
 
     def _start_hinted(self, run: str, version: int, hinted: str) -> None:
         """Start fetching what the upstream relay's hint names (only ``version``'s manifest

@@ -260,3 +260,18 @@ def test_after_a_dropped_version_the_encoder_finds_the_step(
         check_all(Board(f"memory://{name}"), kept)
     finally:
         MemoryStore.reset(name)
+
+
+def test_a_core_built_before_the_cast_leaves_it_to_torch_and_formats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An installed core without ``cast_bf16`` (not rebuilt yet): the old paths, same bits."""
+    pytest.importorskip("torch")
+    old_core = type("OldCore", (), {})()
+    monkeypatch.setattr(native, "core", old_core)
+    x = _bits(4, 3000).view(np.float32)
+    assert np.array_equal(cast.host_words(x), f32_to_bf16_bits(x))
+    assert (
+        cast.snapshot_native(random_masters(7, n=1), PublisherConfig(format="bf16"), WordPool())
+        is None
+    )

@@ -139,9 +139,10 @@ def host_words(master: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     ):
         raise ValueError("out must be a writable, flat uint16 array of the master's size")
     flat = master.reshape(-1)
-    if native.core is not None:
+    native_cast = getattr(native.core, "cast_bf16", None)  # None: no core, or one built before it
+    if native_cast is not None:
         words = np.empty(flat.size, np.uint16) if out is None else out
-        native.core.cast_bf16(flat, words)
+        native_cast(flat, words)
         return words
     import torch
 

@@ -30,8 +30,10 @@ once the version's manifest and step patch are verified in its cache (the origin
 the directory board's LATEST every ``--origin-watch-s`` and wakes at once on inotify when it
 is renamed into place; the region relay gets the manifest and step patch pushed in the
 origin's announcing answer, ``--push-bytes``, docs/relay.md "Push"). The trainer process imports torch
-(``--trainer-cast torch``, as every trainer has), so the publisher casts in torch
-(``publisher/cast.py``). ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
+(``--trainer-cast torch``, as every trainer has); the publisher casts with the native core in
+one pass that also lists the step's changes (``publisher/cast.py``), and composes each step
+into its skip accumulators 0.5 s after LATEST moved (``core.SETTLE_AFTER_S``), not while the
+islands decode it. ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
 method; ``bench/_peers_xor.py``), published asynchronously on the same board, fetched through
 the same relays; only the codec differs. ``shardcast``: the trainer writes the BF16
 checkpoint and calls ``OriginServer.broadcast`` (BLAKE3 + 50 MB shards); the middle node
@@ -313,9 +315,9 @@ def main() -> int:
         "--trainer-cast",
         choices=("torch", "numpy"),
         default="torch",
-        help="torch: the trainer process imports torch, as every trainer has, so the "
-        "publisher casts to BF16 in torch (publisher/cast.py); numpy: it does not, and the "
-        "publisher casts with formats' numpy cast",
+        help="torch: the trainer process imports torch, as every trainer has; numpy: it "
+        "does not (rollpatch's publisher casts with the native core either way, "
+        "publisher/cast.py; torch's or formats' cast only without it)",
     )
     p.add_argument(
         "--relay-log-level",

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "rpcore.h"
+#include "rp_cast.h"
 
 static PyObject *CorruptError; /* set from Python: rollpatch.errors.PatchDecodeError etc. */
 static PyObject *BaseError;
@@ -541,6 +542,65 @@ static PyObject *py_sum128(PyObject *self, PyObject *args) {
     return Py_BuildValue("(KK)", (unsigned long long)out[0], (unsigned long long)out[1]);
 }
 
+static int overlaps(const Py_buffer *x, const Py_buffer *y) {
+    const uint8_t *a = x->buf, *b = y->buf;
+    return x->len && y->len && a < b + y->len && b < a + x->len;
+}
+
+/* Whether any of the m buffers (m - 1 of them written) overlaps another. */
+static int any_overlap(const Py_buffer *const *b, int m) {
+    for (int i = 0; i < m; i++)
+        for (int j = i + 1; j < m; j++)
+            if (overlaps(b[i], b[j])) return 1;
+    return 0;
+}
+
+/* cast_bf16(src float32 bits, dst writable uint16) -> NaN count: rp_cast_bf16 (rp_cast.h) */
+static PyObject *py_cast_bf16(PyObject *self, PyObject *args) {
+    Py_buffer s = {0}, d = {0};
+    if (!PyArg_ParseTuple(args, "y*w*", &s, &d)) return NULL;
+    PyObject *res = NULL;
+    int64_t nans;
+    if (s.len % 4 || d.len != s.len / 2) {
+        PyErr_SetString(PyExc_ValueError, "dst must hold one uint16 per float32 of src");
+    } else if (overlaps(&s, &d)) {
+        PyErr_SetString(PyExc_ValueError, "src and dst overlap");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        nans = rp_cast_bf16(s.buf, d.buf, (int64_t)(s.len / 4));
+        Py_END_ALLOW_THREADS
+        res = PyLong_FromLongLong((long long)nans);
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    return res;
+}
+
+/* cast_bf16_diff(src, prev uint16, dst, pos int64 (w), old uint16 (w), new uint16 (w))
+ *     -> (differences, NaN count): rp_cast_bf16_diff; cap = len(pos) */
+static PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args) {
+    Py_buffer s = {0}, p = {0}, d = {0}, pos = {0}, ov = {0}, nv = {0};
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*w*", &s, &p, &d, &pos, &ov, &nv)) return NULL;
+    PyObject *res = NULL;
+    int64_t k, nans, cap = (int64_t)(pos.len / 8);
+    if (s.len % 4 || d.len != s.len / 2 || p.len != d.len) {
+        PyErr_SetString(PyExc_ValueError, "dst and prev must hold one uint16 per float32 of src");
+    } else if (pos.len % 8 || ov.len != cap * 2 || nv.len != cap * 2) {
+        PyErr_SetString(PyExc_ValueError, "pos (int64), old and new (uint16) must be as long");
+    } else if (any_overlap((const Py_buffer *[]){&s, &p, &d, &pos, &ov, &nv}, 6)) {
+        PyErr_SetString(PyExc_ValueError, "buffers overlap");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        k = rp_cast_bf16_diff(s.buf, p.buf, d.buf, (int64_t)(s.len / 4), pos.buf, ov.buf,
+                              nv.buf, cap, &nans);
+        Py_END_ALLOW_THREADS
+        res = Py_BuildValue("(LL)", (long long)k, (long long)nans);
+    }
+    PyBuffer_Release(&s); PyBuffer_Release(&p); PyBuffer_Release(&d);
+    PyBuffer_Release(&pos); PyBuffer_Release(&ov); PyBuffer_Release(&nv);
+    return res;
+}
+
 /* apply(kind, data(writable), pos:int64, old, new) -> (da, db); old/new in element width */
 static PyObject *py_apply(PyObject *self, PyObject *args) {
     PyObject *kt, *res = NULL;
@@ -688,6 +748,9 @@ static PyMethodDef methods[] = {
     {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},
     {"decode_range", py_decode_range, METH_VARARGS, "Decode chunks [first, last)."},
     {"sum128", py_sum128, METH_VARARGS, "rp.sum128 state of a word range."},
+    {"cast_bf16", py_cast_bf16, METH_VARARGS, "Float32 bits to BF16 words; NaN count."},
+    {"cast_bf16_diff", py_cast_bf16_diff, METH_VARARGS,
+     "cast_bf16, and the words that differ from prev; (differences, NaN count)."},
     {"join_release", py_join_release, METH_VARARGS, "Concatenate a list of buffers into bytes (or a Buf), releasing each."},
     {"apply", py_apply, METH_VARARGS, "Check old, write new; returns the sum128 change."},
     {"gather", py_gather, METH_VARARGS, "Gather elements at positions."},

@@ -21,17 +21,23 @@ from typing import Any
 from ..board import Board
 from ..errors import ConfigError, FormatError
 from ..types import MAX_VERSION, check_run
+from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .rounds import Snapshot, agree, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
 from .wordpool import WordPool
-from .writer import VersionWriter, snapshot_served, snapshot_state
+from .writer import VersionWriter, snapshot_state
 
 __all__ = ["Publisher", "snapshot_state"]
 
 _LIVE: weakref.WeakSet[Publisher] = weakref.WeakSet()
+
+#: Seconds after LATEST names a version until the worker composes its step into the skip
+#: accumulators (or the next build does, if sooner): work for later skip patches, kept out of
+#: the moments when readers decode the version, maybe on the same cores (docs/publisher.md).
+SETTLE_AFTER_S = 0.5
 
 
 class Publisher:
@@ -89,6 +95,7 @@ class Publisher:
         self._last_assigned = self._last_durable = top
         self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
         self._words = WordPool()  # the host snapshot's words, reused once free (paged in)
+        self._snaps = HostSnapshots(self._words)
         self._heartbeat: LatestHeartbeat | None = None
         signer = self.config.signer
         if self._x.rank == 0:
@@ -98,6 +105,8 @@ class Publisher:
                 self.board, self.run, self._durable, signer.latest_ttl_s / 4
             )
         self._worker: threading.Thread | None = None
+        #: When the worker composes what the last commit left (None: nothing left).
+        self._settle_at: float | None = None
         if asynchronous:
             self._worker = threading.Thread(
                 target=self._work, daemon=True, name=f"rollpatch-publisher-{self.run}"
@@ -264,7 +273,10 @@ class Publisher:
 
             return snapshot_device(state_dict)
         if self.config.snapshot == "served" and self.config.scales != "frozen":
-            return snapshot_served(state_dict, self.config, self._words)  # type: ignore[return-value]
+            # the cast lists the step's changes when skip patches need them (unsharded: a
+            # sharded rank's base may be another rank's resume)
+            compare = bool(self.config.skip_strides) and self._x.size == 1 and not slices
+            return self._snaps.take(state_dict, self.config, compare=compare)  # type: ignore[return-value]
         return snapshot_state(state_dict)
 
     def _assign(self, version: int | None) -> int:
@@ -306,6 +318,7 @@ class Publisher:
         waiting_for: int | None = None
         done = False
         while not done:
+            settle = False
             with self._cond:
                 while not (
                     self._closing
@@ -314,7 +327,21 @@ class Publisher:
                         and (waiting_for is None or self._pending[-1].version >= waiting_for)
                     )
                 ):
-                    self._cond.wait()
+                    left = None if self._settle_at is None else self._settle_at - time.monotonic()
+                    if left is not None and left <= 0:
+                        settle = True
+                        break
+                    self._cond.wait(left)
+                if settle:
+                    self._settle_at = None
+            if settle:  # SETTLE_AFTER_S passed with no new version: compose the last step
+                try:
+                    self._writer.pipe.settle()
+                except BaseException as e:  # noqa: BLE001 (kept; raised by flush/publish/close)
+                    self._fail(e)
+                    done = True
+                continue
+            with self._cond:
                 if self._x.size == 1:
                     hand = [self._pending.popleft()] if self._pending else []
                 else:
@@ -329,6 +356,8 @@ class Publisher:
                 done = True
             finally:
                 with self._cond:
+                    if self._writer.pipe.unsettled and self._settle_at is None:
+                        self._settle_at = time.monotonic() + SETTLE_AFTER_S
                     self._busy = False
                     self._cond.notify_all()
 
@@ -364,6 +393,7 @@ class Publisher:
         return False, None
 
     def _publish(self, snap: Snapshot, forced_keyframe: bool) -> None:
+        self._writer.pipe.settle_later = self._worker is not None  # see SETTLE_AFTER_S
         stats = self._writer.publish(
             snap, self._last_durable, forced_keyframe, started=time.perf_counter()
         )
@@ -373,6 +403,8 @@ class Publisher:
             self._bytes += stats.bytes
             self._stats.append(stats)
             self._cond.notify_all()
+        if isinstance(snap.masters, CastView):
+            snap.masters.step = None  # the cast's changes, if the pipeline did not take them
         snap.masters = {}  # free the host copy early
 
 

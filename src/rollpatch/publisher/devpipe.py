@@ -110,6 +110,7 @@ class DeviceShardPipeline(ShardPipeline):
         self._code_s = 0.0
 
     def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
+        self.settle()  # never deferred here (every step advances the accumulators in build)
         t = time.perf_counter()
         view = self._cast(masters)
         res = ShardResult(version, view)

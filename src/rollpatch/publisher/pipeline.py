@@ -22,6 +22,7 @@ from ..patch import Patch, compose, diff, encode, encode_views, encode_views_pat
 from ..patch.ops import scatter
 from ..types import ObjectRef
 from ..view import Tensor, View, root_digest
+from .cast import has_step, step_patch
 from .config import PublisherConfig
 from .sharded_slices import SliceSpec, check_sliceable, combine, cut, slice_part
 
@@ -87,6 +88,10 @@ class ShardPipeline:
         self.prev_version: int | None = None
         self._whole_prev = False  # prev is the whole resumed view, not yet cut to this shard
         self._acc: Accumulators = {}
+        #: (version, step patch) that :meth:`commit` left for :meth:`settle` to compose into
+        #: the accumulators (``settle_later``); the next :meth:`build` settles first.
+        self._later: tuple[int, Patch | None] | None = None
+        self.settle_later = False
         #: Where this rank's sliced tensors lie (fixed for a run; the writer sets it).
         self.slices: Mapping[str, SliceSpec] = {}
 
@@ -94,11 +99,13 @@ class ShardPipeline:
         """Continue after ``version``, whose whole (all shards) view is ``whole_view``."""
         self.prev, self.prev_version, self._whole_prev = whole_view, version, True
         self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
+        self._later = None
 
     def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
         """Cast, diff, encode and upload this shard's objects for ``version``; the masters
         named in ``self.slices`` are element ranges of larger tensors (their digest parts
         are computed here and counted in ``cast_s``)."""
+        self.settle()
         cfg = self.config
         t = time.perf_counter()
         view = (
@@ -135,7 +142,11 @@ class ShardPipeline:
             res.timings["diff_s"] = _lap(t)
             t = time.perf_counter()
             meta = self._meta(self.prev_version, version)
-            blob, step = encode_views_patch(prev, view, meta=meta)
+            if has_step(view, prev):  # the snapshot's cast listed the step's changes
+                blob = encode_views(prev, view, meta=meta)
+                step = step_patch(prev, view, inspect(blob), meta)
+            else:
+                blob, step = encode_views_patch(prev, view, meta=meta)
             blobs.append((self.prev_version, "rpatch", blob))
             res.patch_bytes, res.changed = len(blob), step.n_changed
         else:
@@ -179,12 +190,33 @@ class ShardPipeline:
 
     def commit(self, res: ShardResult) -> None:
         """The version is durable: its view becomes the base of the next one (and its step
-        patch is composed into the skip accumulators, if ``build`` left that for now)."""
+        patch is composed into the skip accumulators, if ``build`` left that for now: here,
+        or with ``settle_later`` by :meth:`settle`, once readers are done with the version)."""
+        later = None
         if res.deferred is not None:
-            res.accumulators, _ = self._advance_accumulators(res.version, res.deferred[0])
+            if self.settle_later:
+                later = (res.version, res.deferred[0])
+            else:
+                res.accumulators, _ = self._advance_accumulators(res.version, res.deferred[0])
             res.deferred = None
         self.prev, self.prev_version, self._whole_prev = res.view, res.version, False
-        self._acc = res.accumulators
+        if later is None:
+            self._acc = res.accumulators
+        self._later = later
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether :meth:`commit` left a step patch for :meth:`settle`."""
+        return self._later is not None
+
+    def settle(self) -> None:
+        """Compose the step patch :meth:`commit` left into the skip accumulators (the same
+        accumulators as composing it there: only the skip patches depend on the previous
+        version, and a deferred step has none)."""
+        if self._later is not None:
+            version, step = self._later
+            self._acc, _ = self._advance_accumulators(version, step)
+            self._later = None
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from .protocol import (
     decide,
     parse_constraint,
 )
+from .relay import StreamTap, client_of, tappable
 from .service import Sidecar
 
 __all__ = ["PROXIED", "ProxyFront", "rollpatch_refusal"]
@@ -73,6 +74,10 @@ def rollpatch_refusal(e: RollpatchError) -> Response:
 
 class ProxyFront:
     """ASGI: ``POST`` to :data:`PROXIED` runs :meth:`handle`; anything else goes to ``app``."""
+
+    #: Relay streams in the engine connection's protocol when the server allows it
+    #: (:mod:`.relay`); False: the request's task reads and sends every event.
+    tap_streams = True
 
     def __init__(self, sc: Sidecar, app: Any, upstream: Upstream) -> None:
         self.sc, self.app, self.upstream = sc, app, upstream
@@ -205,6 +210,8 @@ class ProxyFront:
             }
         )
         send = sent.send  # started: the events go straight to the server
+        cycle = client_of(send) if self.tap_streams else None
+        tap = StreamTap(resp, relay, cycle) if cycle is not None and tappable(resp) else None
         # the client going away ends the engine's generation too (its connection closes)
         gone = asyncio.ensure_future(_disconnect(receive))
 
@@ -213,6 +220,8 @@ class ProxyFront:
 
         gone.add_done_callback(abort)
         try:
+            if tap is not None:  # relayed in the engine connection's protocol, to its end
+                await tap.run()
             while piece := await resp.piece():  # every event one read brought: one write
                 out = relay.feed(piece)
                 if out:

@@ -113,9 +113,10 @@ def _dechunk(raw: bytes) -> bytes:
         pos = nl + 4 + size
 
 
-def _chunked(rng: random.Random, body: bytes) -> bytes:
+def _chunked(rng: random.Random, body: bytes) -> tuple[bytes, list[int]]:
     """``body`` in chunks as engines write them (one per event) or cut anywhere, with size
-    lines in either case, zero-padded or with an extension now and then; then the end."""
+    lines in either case, zero-padded or with an extension now and then; then the end.
+    Also: where each chunk ends."""
     parts: list[bytes] = []
     if rng.random() < 0.5:
         rest = body
@@ -127,11 +128,12 @@ def _chunked(rng: random.Random, body: bytes) -> bytes:
     else:
         cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, 4))) if body else []
         parts = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
-    out = b""
+    out, ends = b"", []
     for p in parts:
         size = rng.choice([b"%x" % len(p), b"%X" % len(p), b"00%x" % len(p), b"%x;ext=1" % len(p)])
         out += size + b"\r\n" + p + b"\r\n"
-    return out + rng.choice([b"0\r\n\r\n", b"0\r\nx-trailer: 1\r\n\r\n"])
+        ends.append(len(out))
+    return out + rng.choice([b"0\r\n\r\n", b"0\r\nx-trailer: 1\r\n\r\n"]), ends
 
 
 def _through_tap(reads: list[bytes]) -> tuple[bytes, relay.StreamTap, _Resp]:
@@ -155,8 +157,11 @@ def test_the_tap_sends_the_events_of_the_task_relay_for_any_framing_and_split() 
         if rng.random() < 0.7:
             events.append(b"data: [DONE]\n\n")
         body = b"".join(events)
-        raw = _chunked(rng, body)
-        cuts = sorted(rng.sample(range(1, len(raw)), min(len(raw) - 1, rng.randint(0, 6))))
+        raw, ends = _chunked(rng, body)
+        if rng.random() < 0.5:  # reads cut anywhere
+            cuts = sorted(rng.sample(range(1, len(raw)), min(len(raw) - 1, rng.randint(0, 6))))
+        else:  # reads of whole chunks (the common case: one or more events per read)
+            cuts = [e for e in ends if rng.random() < 0.7]
         reads = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
         # the reference: the task's relay over the de-chunked body
         ref = SseRelay(_last, on_done=lambda: None)
@@ -168,6 +173,21 @@ def test_the_tap_sends_the_events_of_the_task_relay_for_any_framing_and_split() 
         assert client == want, (reads, client, want)
         # the engine's last chunk and trailers go back to the pool's reader
         assert bytes(resp._conn.buf).startswith(b"0")
+
+
+def test_events_keep_their_order_when_the_general_path_held_one() -> None:
+    """A read of two chunks leaves the relay holding the second event; the single-chunk reads
+    after it must not overtake it."""
+
+    def chunk(e: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(e), e)
+
+    ev = [b'data: {"a": %d}\n\n' % i for i in range(4)]
+    reads = [chunk(ev[0]) + chunk(ev[1]), chunk(ev[2]), chunk(ev[3]), _END]
+    got, _, _ = _through_tap(reads)
+    assert _dechunk(got + b"0\r\n\r\n") == (
+        ev[0] + ev[1] + ev[2] + b'LAST[data: {"a": 3}]done\n\ndata: [DONE]\n\n'
+    )
 
 
 def test_a_whole_plain_chunk_goes_out_as_it_came() -> None:
@@ -187,6 +207,21 @@ def test_a_bad_chunk_is_an_upstream_error() -> None:
         tap = relay.StreamTap(resp, SseRelay(_last), cycle)  # type: ignore[arg-type]
         tap.data_received(bad)
         assert isinstance(tap._error, UpstreamError), bad
+
+
+def test_a_stream_ending_while_the_client_is_slow_hands_back_a_reading_connection() -> None:
+    """The read that brings the end may also find the client's buffer full (reading paused):
+    the connection goes back to the pool reading again, or its next answer would hang."""
+    resp, cycle = _Resp(), _Cycle()
+    cycle.flow.write_paused = True
+    tap = relay.StreamTap(resp, SseRelay(_last), cycle)  # type: ignore[arg-type]
+    ev = b'data: {"x": 1}\n\n'
+    resp._conn.buf += b"%x\r\n%b\r\n" % (len(ev), ev) + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    asyncio.run(tap.run())
+    assert resp._conn.transport.protocol is resp._conn
+    assert resp._conn.transport.reading
+    assert bytes(resp._conn.buf) == b"0\r\n\r\n"
+    assert _dechunk(b"".join(cycle.transport.out) + b"0\r\n\r\n").endswith(b"[DONE]\n\n")
 
 
 # -- live: a sidecar in front of a scripted engine ---------------------------------------------------

@@ -113,6 +113,9 @@ class StreamTap(asyncio.Protocol):
         finally:
             if transport.get_protocol() is self:
                 transport.set_protocol(conn)
+            if self._paused:  # the end came in the read that filled the client's buffer
+                self._paused = False
+                transport.resume_reading()
             self._flush_held()  # ended early: the relay abandons its last event
 
     # -- the engine connection's protocol ----------------------------------------------------
@@ -121,10 +124,15 @@ class StreamTap(asyncio.Protocol):
         if self._ended or self._error is not None:
             return
         try:
-            if not self._buf and _whole_plain_chunk(data):
+            relay = self._relay
+            if not self._buf and not relay._partial and _whole_plain_chunk(data):
                 # the common read: one chunk of whole events, none the end. It goes out as it
                 # came (its framing is the client's too) when the next one arrives; the last
-                # one before [DONE] is the relay's to annotate
+                # one before [DONE] is the relay's to annotate. What the relay holds (from a
+                # read that took the general path) goes first, as the relay would send it
+                if relay._held is not None:
+                    ev, relay._held = relay._held + b"\n\n", None
+                    self._write(b"%x\r\n%b\r\n" % (len(ev), ev))
                 held, self._held = self._held, data
                 if held is not None:
                     self._write(held)

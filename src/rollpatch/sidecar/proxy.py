@@ -7,9 +7,10 @@ encoded back, and three worker-thread hops per request (LATEST twice, admission 
 the pool. Here a request costs: the bounded body read and its typed check (as before), the
 version decision, admission without a thread when the gate is open, one write of the body
 to the engine on a pooled connection (:class:`~rollpatch.serving.upstream.Upstream`), and
-per chunk a line split (:class:`~rollpatch.serving.streaming.SseRelay`); only the last data
-event is parsed, to add the versions. What a client sees is unchanged: the same statuses,
-bodies, headers and events (docs/sidecar.md).
+per streamed event one write from the engine connection's own protocol (:mod:`.relay`; the
+request's task relays through :class:`~rollpatch.serving.streaming.SseRelay` where it cannot);
+only the last data event is parsed, to add the versions. What a client sees is unchanged:
+the same statuses, bodies, headers and events (docs/sidecar.md).
 
 :class:`ProxyFront` puts the handler in front of the FastAPI app (which keeps the admin
 routes and documents these two in its OpenAPI schema).

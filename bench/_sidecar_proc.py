@@ -5,7 +5,7 @@ in it, so its CPU per request is the sidecar's alone).
 ``python bench/_sidecar_proc.py JOB`` (JSON: ``board``, ``run``, ``kind`` reference|vllm,
 ``url`` of the engine, ``digest`` of v0, optionally ``loop`` and ``http``: the server's
 :data:`~rollpatch.serving.server.LoopKind` and :data:`~rollpatch.serving.server.HttpKind`,
-default ``fast`` each) prints the sidecar's URL on its first line of stdout
+default ``fast`` each; ``tap``: :attr:`ProxyFront.tap_streams`) prints the sidecar's URL on its first line of stdout
 once it serves v0, then serves until stdin closes.
 """
 
@@ -26,6 +26,10 @@ def main(job_json: str) -> int:
     from rollpatch.sidecar.server import start_sidecar
 
     job = json.loads(job_json)
+    if "tap" in job:  # bench/_sidecar_fake.py: the relay before (False) or now (True)
+        from rollpatch.sidecar.proxy import ProxyFront
+
+        ProxyFront.tap_streams = bool(job["tap"])
     adapter: Any
     if job["kind"] == "vllm":
         from rollpatch.engines.vllm import VllmEngine

@@ -97,6 +97,7 @@ def bench_proxy(
     shapes: Sequence[str] = ("stream",),
     loop: str = "fast",
     http: str = "fast",
+    relay: str = "tap",
 ) -> list[dict[str, Any]]:
     """The engine and the sidecar each in its own process; each shape (``stream``: SSE,
     ``once``: one JSON answer) and level: ``rounds`` x (direct, sidecar, sidecar, direct)
@@ -113,6 +114,7 @@ def bench_proxy(
                 "digest": world.digests[0],
                 "loop": loop,
                 "http": http,
+                "tap": relay == "tap",
             }
         )
     except BaseException:
@@ -212,6 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="proxy part: the sidecar server's HTTP parser (fast: httptools when installed, as "
         "`rollpatch sidecar` runs; h11: the parser before issue 10's work)",
     )
+    ap.add_argument(
+        "--sidecar-relay",
+        choices=("tap", "task"),
+        default="tap",
+        help="proxy part: how the sidecar relays a stream (tap: in the engine connection's "
+        "protocol, as `rollpatch sidecar` runs; task: in the request's task, as before)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     engines = [] if args.engines == "none" else args.engines.split(",")
@@ -239,7 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             row
             for kind in engines
             for row in bench_proxy(
-                world, kind, levels, 2, shapes, args.sidecar_loop, args.sidecar_http
+                world,
+                kind,
+                levels,
+                2,
+                shapes,
+                args.sidecar_loop,
+                args.sidecar_http,
+                args.sidecar_relay,
             )
         ]
         commits: list[dict[str, Any]] = []

@@ -7,9 +7,10 @@ encoded back, and three worker-thread hops per request (LATEST twice, admission 
 the pool. Here a request costs: the bounded body read and its typed check (as before), the
 version decision, admission without a thread when the gate is open, one write of the body
 to the engine on a pooled connection (:class:`~rollpatch.serving.upstream.Upstream`), and
-per chunk a line split (:class:`~rollpatch.serving.streaming.SseRelay`); only the last data
-event is parsed, to add the versions. What a client sees is unchanged: the same statuses,
-bodies, headers and events (docs/sidecar.md).
+per streamed event one write from the engine connection's own protocol (:mod:`.relay`; the
+request's task relays through :class:`~rollpatch.serving.streaming.SseRelay` where it cannot);
+only the last data event is parsed, to add the versions. What a client sees is unchanged:
+the same statuses, bodies, headers and events (docs/sidecar.md).
 
 :class:`ProxyFront` puts the handler in front of the FastAPI app (which keeps the admin
 routes and documents these two in its OpenAPI schema).
@@ -47,6 +48,7 @@ from .protocol import (
     decide,
     parse_constraint,
 )
+from .relay import StreamTap, client_of, tappable
 from .service import Sidecar
 
 __all__ = ["PROXIED", "ProxyFront", "rollpatch_refusal"]
@@ -73,6 +75,10 @@ def rollpatch_refusal(e: RollpatchError) -> Response:
 
 class ProxyFront:
     """ASGI: ``POST`` to :data:`PROXIED` runs :meth:`handle`; anything else goes to ``app``."""
+
+    #: Relay streams in the engine connection's protocol when the server allows it
+    #: (:mod:`.relay`); False: the request's task reads and sends every event.
+    tap_streams = True
 
     def __init__(self, sc: Sidecar, app: Any, upstream: Upstream) -> None:
         self.sc, self.app, self.upstream = sc, app, upstream
@@ -205,6 +211,8 @@ class ProxyFront:
             }
         )
         send = sent.send  # started: the events go straight to the server
+        cycle = client_of(send) if self.tap_streams else None
+        tap = StreamTap(resp, relay, cycle) if cycle is not None and tappable(resp) else None
         # the client going away ends the engine's generation too (its connection closes)
         gone = asyncio.ensure_future(_disconnect(receive))
 
@@ -213,6 +221,8 @@ class ProxyFront:
 
         gone.add_done_callback(abort)
         try:
+            if tap is not None:  # relayed in the engine connection's protocol, to its end
+                await tap.run()
             while piece := await resp.piece():  # every event one read brought: one write
                 out = relay.feed(piece)
                 if out:

@@ -281,7 +281,7 @@ def test_anchors_and_config() -> None:
     from rollpatch.errors import ConfigError
 
     cfg = PublisherConfig(keyframe_every=50, fold_every=8)
-    assert [v for v in range(0, 60) if cfg.is_anchor(v)] == [0, 8, 16, 24, 32, 40, 48, 50, 56]
+    assert [v for v in range(60) if cfg.is_anchor(v)] == [0, 8, 16, 24, 32, 40, 48, 50, 56]
     assert [cfg.anchor_below(v) for v in (1, 8, 9, 50, 51, 56, 57)] == [0, 0, 8, 48, 50, 50, 56]
     assert cfg.window == 8 and PublisherConfig(skip_strides=(16,), fold_every=8).window == 16
     assert not PublisherConfig().is_anchor(0) and PublisherConfig().fold_every == 0
@@ -289,3 +289,36 @@ def test_anchors_and_config() -> None:
         PublisherConfig(fold_every=1)
     with pytest.raises(ConfigError, match="fold_every"):
         PublisherConfig(fold_every=-8)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_the_device_path_publishes_the_same_folds(fmt: str) -> None:
+    """The device path composes its fold in an accumulator, the host path encodes it from the
+    anchor's view: the same objects and manifests, byte for byte."""
+    import uuid
+
+    from tests.test_publisher_device import _board_bytes, _publish, _versions
+
+    if fmt != "bf16":
+        pytest.importorskip("ml_dtypes")
+    skip = {"extra.norm.weight"} | ({"model.norm.weight"} if fmt != "bf16" else set())
+    versions = [{k: a for k, a in v.items() if k not in skip} for v in _versions(7)]
+    common: dict[str, Any] = {
+        "format": fmt,
+        "keyframe_every": 0,
+        "skip_strides": (4,),
+        "fold_every": 3,
+        "publisher_id": "test",
+    }
+    tag = uuid.uuid4().hex[:8]
+    host = _publish(f"memory://fold-host-{tag}", PublisherConfig(**common), versions, False)
+    dev = _publish(
+        f"memory://fold-dev-{tag}", PublisherConfig(diff_on="device", **common), versions, True
+    )
+    h_objects, h_manifests = _board_bytes(host.board)
+    d_objects, d_manifests = _board_bytes(dev.board)
+    bases = [sorted({p["base"] for p in m["patches"]}) for m in h_manifests]
+    assert bases == [[], [0], [0, 1], [0, 2], [0, 3], [3, 4], [3, 5]]
+    assert h_manifests == d_manifests and h_objects == d_objects
+    host.close()
+    dev.close()

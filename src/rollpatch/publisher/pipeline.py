@@ -225,7 +225,10 @@ class ShardPipeline:
         a, held, whole = self._anchor
         if a != self.config.anchor_below(version) or a == self.prev_version:
             return None
-        base = self._cut(held, view) if whole else held
+        base = held
+        if whole:  # cut once: its digests are then cached for the rest of the window
+            base = self._cut(held, view)
+            self._anchor = (a, base, False)
         if base.keys() != view.keys() or any(
             (base[n].kind, base[n].shape) != (t.kind, t.shape) for n, t in view.items()
         ):

@@ -1,19 +1,46 @@
 """bench/vllm.py's follower glue and the built-in engine's paths: staged commits in place and
-double-buffered, catch-ups, keyframe loads and the in-place floor (see that module)."""
+double-buffered, catch-ups (from an anchor: the folded patch; off the anchors: the chain),
+keyframe loads and the in-place floor (see that module)."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from _vllm_floor import inplace_floor
-from _vllm_server import BenchError
+from _vllm_server import BenchError, _read
 from _vllm_world import RUN, World
 
 #: Versions behind for the catch-up rows (``min`` with the versions published).
 CATCHUP = 5
 #: Catch-ups timed per engine (one sample swung 1.7-2.9x between runs on the shared machine).
 CATCHUP_REPS = 3
+#: The catch-up rows, timed in turn (so the ratios compare syncs at the same load): 1 behind
+#: (v(k-1) -> vk, the denominator), k behind from an anchor (v0 -> vk: the folded patch, one
+#: hop) and k behind off the anchors (v1 -> v(k+1): the chain of step patches).
+ONE, ANCHOR, OFF_ANCHOR = "one", "anchor", "chain"
+
+
+def cpu_s(pids: Sequence[int] = ()) -> float:
+    """CPU seconds (user + system, all threads) of this process and of ``pids`` so far."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        fields = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+        if len(fields) > 12:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def catchup_starts(world: World, lag: int) -> dict[str, tuple[int, int]]:
+    """The catch-up rows' (start, target) versions: 1 behind and from v0 always, off the
+    anchors when a fold is published and the run is long enough for a lag from v1."""
+    out = {ONE: (lag - 1, lag), ANCHOR: (0, lag)}
+    if world.fold_every and len(world.digests) > lag + 1:
+        out[OFF_ANCHOR] = (1, lag + 1)
+    return out
 
 
 def follower(world: World, engine: Any) -> Any:
@@ -24,17 +51,23 @@ def follower(world: World, engine: Any) -> Any:
     return Follower(world.board, RUN, engine, cfg, gate=CommitGate(engine, "pause"))
 
 
-def sync_to(f: Any, world: World, v: int) -> dict[str, float]:
+def sync_to(f: Any, world: World, v: int, pids: Sequence[int] = ()) -> dict[str, Any]:
+    """One ``Follower.sync(v)``, timed: wall, CPU (this process and ``pids``), the plan."""
+    c0 = cpu_s(pids)
     t0 = time.perf_counter()
     if f.sync(v) != v or f.engine.digest != world.digests[v]:
         raise BenchError(f"v{v}: the engine does not hold the published digest")
     total = time.perf_counter() - t0
+    cpu = cpu_s(pids) - c0
     st, last = f.status(), f.gate.last
     return {
         "pause_s": last.pause_s,
         "stage_s": st.last_stage_s,
         "fetch_s": st.last_fetch_s,
         "visible_to_serving_s": total,
+        "cpu_s": cpu,
+        "hops": [[s.base, s.to] for s in f.last_plan.steps] if f.last_plan else [],
+        "load": os.getloadavg()[0],
         "phases_ms": dict(getattr(f.engine, "last_timings", {})),
     }
 
@@ -64,11 +97,13 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
         f = follower(world, eng)
         double = [sync_to(f, world, v) for v in range(1, len(world.digests))]
         eng.writes = "in_place"
-        catch = []
-        for _ in range(CATCHUP_REPS):
-            eng.load(load_view(world.checkpoint(0) / "model.safetensors"), 0)
-            f = follower(world, eng)
-            catch.append(sync_to(f, world, catchup))
+        ends = catchup_starts(world, catchup)
+        catch: dict[str, list[dict[str, Any]]] = {k: [] for k in ends}
+        for _ in range(CATCHUP_REPS):  # the rows in turn
+            for k, (start, end) in ends.items():
+                eng.load(load_view(world.checkpoint(start) / "model.safetensors"), start)
+                f = follower(world, eng)
+                catch[k].append(sync_to(f, world, end))
         loads = []
         for v in range(1, len(world.digests)):
             view = load_view(world.checkpoint(v) / "model.safetensors")
@@ -82,7 +117,9 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
     return {
         "reference": staged,
         "reference_double": double,
-        "reference_catchup": catch,
+        "reference_catchup": catch[ANCHOR],
+        "reference_catchup_one": catch[ONE],
+        "reference_catchup_chain": catch.get(OFF_ANCHOR, []),
         "reference_loads": loads,
         "reference_floor": floor,
     }

@@ -8,6 +8,7 @@ from typing import Any
 from _util import machine_line, table
 from _vllm_catchup import render_plans
 from _vllm_floor import render_floor
+from _vllm_fold import render_fold
 from _vllm_server import VLLM_VERSION
 
 #: The pause's parts (ms, medians), in the order they happen; each path shows those it has.
@@ -118,6 +119,66 @@ def render_phases(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
     )
 
 
+def render_catchup(ctx: dict[str, Any]) -> str:
+    """The catch-up rows against 1 behind, per engine: wall (visible->serving) and CPU time
+    (this process + the vLLM worker), medians, with the plan's hops and the load."""
+    k, fold = ctx["catchup_n"], ctx.get("fold_every", 0)
+    anchor = f"{k} behind from v0" + (" (anchor: folded)" if fold else " (chain)")
+    paths = [
+        ("vLLM", "1 behind", ctx.get("catchup_one") or ctx["staged"]),
+        ("vLLM", anchor, ctx["catchup"]),
+        ("vLLM", f"{k} behind from v1 (chain)", ctx.get("catchup_chain") or []),
+        ("built-in", "1 behind", ctx.get("reference_catchup_one") or ctx["reference"]),
+        ("built-in", anchor, ctx["reference_catchup"]),
+        ("built-in", f"{k} behind from v1 (chain)", ctx.get("reference_catchup_chain") or []),
+    ]
+    rows, one = [], {}
+    for eng, name, runs in paths:
+        if not runs or "cpu_s" not in runs[0]:
+            continue
+        vis, cpu = _med(runs, "visible_to_serving_s"), _med(runs, "cpu_s")
+        if name == "1 behind":
+            one[eng] = (vis, cpu)
+        v1, c1 = one.get(eng, (vis, cpu))
+        rows.append(
+            [
+                f"{eng} {name}",
+                str(len(runs)),
+                str(statistics.median(len(r["hops"]) for r in runs)),
+                _ms(vis),
+                f"{vis / v1:.2f}x",
+                _ms(cpu),
+                f"{cpu / c1:.2f}x",
+                _ms(_med(runs, "stage_s")),
+                _ms(_med(runs, "pause_s")),
+                f"{statistics.median(r['load'] for r in runs):.1f}",
+            ]
+        )
+    if not rows:
+        return ""
+    return table(
+        [
+            "catch-up",
+            "n",
+            "hops",
+            "visible->serving p50",
+            "/ 1 behind",
+            "CPU p50",
+            "/ 1 behind",
+            "stage p50",
+            "pause p50",
+            "load",
+        ],
+        rows,
+        [False] + [True] * 9,
+    ) + (
+        f"\n1 behind = v{k - 1} -> v{k}, timed in turn with the catch-ups (same load); CPU ="
+        f" user + system of the bench process and the vLLM worker over the sync (all threads);"
+        f" fold_every {fold}: v0 is an anchor, v1 is not; load = 1-min load average at each"
+        f" sync's end (2 cores)"
+    )
+
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
 
@@ -199,14 +260,27 @@ def render(ctx: dict[str, Any]) -> str:
             row("vLLM staged, double-buffered", ctx["double"], rv),
             row("vLLM inline (decode in pause)", il, rv),
             row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
+            *(
+                [row(f"vLLM staged, {ctx['catchup_n']} behind, chain", chain, rv)]
+                if (chain := ctx.get("catchup_chain"))
+                else []
+            ),
             row("vLLM reload_weights", re_, rv),
             row("built-in staged, 1 behind", ctx["reference"], rl),
             row("built-in staged, double-buffered", ctx["reference_double"], rl),
             row(f"built-in staged, {ctx['catchup_n']} behind", ctx["reference_catchup"], rl),
+            *(
+                [row(f"built-in staged, {ctx['catchup_n']} behind, chain", rchain, rl)]
+                if (rchain := ctx.get("reference_catchup_chain"))
+                else []
+            ),
             row("built-in full load (keyframe)", ctx["reference_loads"], rl),
         ],
         [False] + [True] * 5,
     )
+    catchup = render_catchup(ctx)
+    if catchup:
+        summary += "\n\n" + catchup
     breakdown = render_phases(
         [
             ("vLLM staged, 1 behind", st),
@@ -231,8 +305,9 @@ def render(ctx: dict[str, Any]) -> str:
             ]
         )
     m, d = ctx["memory"], w["dims"]
-    one, five = _med(st, "visible_to_serving_s"), _med(ctx["catchup"], "visible_to_serving_s")
-    rone = _med(ctx["reference"], "visible_to_serving_s")
+    one = _med(ctx.get("catchup_one") or st, "visible_to_serving_s")
+    five = _med(ctx["catchup"], "visible_to_serving_s")
+    rone = _med(ctx.get("reference_catchup_one") or ctx["reference"], "visible_to_serving_s")
     rfive = _med(ctx["reference_catchup"], "visible_to_serving_s")
     biggest = max(r["staged_bytes"] for r in st)
     foot = [
@@ -243,8 +318,15 @@ def render(ctx: dict[str, Any]) -> str:
             f" built-in / full load {100 * _med(ctx['reference'], 'pause_s') / rl:.1f}% in place,"
             f" {100 * _med(ctx['reference_double'], 'pause_s') / rl:.1f}% double-buffered"
             f" (<= 5% wanted at >= 100M); catch-up {ctx['catchup_n']} behind / 1 behind, "
-            f"visible->serving: vLLM {five / one:.2f}x, built-in {rfive / rone:.2f}x (<= 2x); "
-            f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} in place, "
+            f"visible->serving: vLLM {five / one:.2f}x, built-in {rfive / rone:.2f}x (<= 2x)"
+            + (
+                f" from v0; from v1 (chain) vLLM "
+                f"{_med(ctx['catchup_chain'], 'visible_to_serving_s') / one:.2f}x, built-in "
+                f"{_med(ctx['reference_catchup_chain'], 'visible_to_serving_s') / rone:.2f}x; "
+                if ctx.get("catchup_chain") and ctx.get("reference_catchup_chain")
+                else "; "
+            )
+            + f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} in place, "
             f"+{_mb(m['double_peak_kb'] * 1024)} double-buffered, vs 2 x largest "
             f"staged update {_mb(2 * biggest)} (<= wanted)"
         ),
@@ -279,6 +361,9 @@ def render(ctx: dict[str, Any]) -> str:
         ),
     ]
     plans = render_plans(ctx.get("catchup_plans") or {})
+    folds = render_fold(ctx.get("fold_costs") or {})
+    if folds:
+        plans = (plans + "\n\n" if plans else "") + folds
     return (
         per_version
         + "\n\n"

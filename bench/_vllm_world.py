@@ -1,4 +1,5 @@
-"""bench/vllm.py's run: a model, FP32 masters under AdamW, a board, one checkpoint a version."""
+"""bench/vllm.py's run: a model, FP32 masters under AdamW, a board, one checkpoint a version
+(step patches; with ``fold_every`` also a folded patch from the last multiple of it)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def model_dims(hidden: int, layers: int) -> dict[str, int]:
 class World:
     """The model, FP32 masters with warm AdamW state, the board, one checkpoint per version."""
 
-    def __init__(self, root: Path, lr: float, versions: int, dims: dict[str, int]) -> None:
+    def __init__(
+        self, root: Path, lr: float, versions: int, dims: dict[str, int], fold_every: int = 0
+    ) -> None:
         from transformers.utils import logging as hf_logging
 
         from rollpatch.engines.reference import make_tiny_model
@@ -50,8 +53,12 @@ class World:
         }
         self.board = f"file://{root / 'board'}"
         self.publisher = Publisher(
-            self.board, RUN, PublisherConfig(keyframe_every=0, skip_strides=()), asynchronous=False
+            self.board,
+            RUN,
+            PublisherConfig(keyframe_every=0, skip_strides=(), fold_every=fold_every),
+            asynchronous=False,
         )
+        self.fold_every = fold_every
         self.adam = WarmAdamW(self.masters, lr)
         self.digests: list[str] = []
         self.changed: list[float] = [0.0]

@@ -3,8 +3,9 @@
 Run: ``python bench/vllm.py`` (16M parameters, a few minutes on the 2-core development machine;
 needs the vLLM venv from ``scripts/vllm-env``); ``--hidden 1024 --layers 8`` for a 103M model;
 ``--versions N``; ``--json PATH`` keeps every sample (``pause_s`` of each under its path's
-name: ``staged``, ``double``, ``inline``, ``catchup``, ``reloads``, ``reference``,
-``reference_double``, ``reference_catchup``, ``reference_loads``).
+name: ``staged``, ``double``, ``inline``, ``catchup``, ``catchup_chain``, ``reloads``,
+``reference``, ``reference_double``, ``reference_catchup``, ``reference_catchup_chain``,
+``reference_loads``).
 
 **Model and versions.** A random BF16 Llama from :func:`make_tiny_model` (``--hidden``,
 ``--layers``; the size is printed). FP32 masters start as its weights (v0, the boot checkpoint);
@@ -27,8 +28,14 @@ Paths, each over the same versions:
   its greedy outputs must equal the in-place path's. Memory: VmHWM over this phase.
 - **inline** (the previous commit path, for comparison): ``VllmEngine.apply_encoded`` — the
   worker decodes and verifies *inside* the pause.
-- **catchup**: back at v0 (untimed reload), one ``sync`` to v5 (``min(5, N)``): the five steps
-  composed in the worker, one pause; three times (the ratio to 1 behind: medians).
+- **catchup**: back at v0 (untimed reload), one ``sync`` to v5 (``min(5, N)``): v0 is an anchor
+  (``--fold-every`` 8, the default: the run publishes a folded patch from the last multiple of 8
+  every version), so the plan is one folded patch v0 -> v5; **catchup_chain**: back at v1 (off
+  the anchors), one ``sync`` to v6: the five step patches composed in the worker, one pause
+  (``--fold-every 0``: the chain from v0 as before, no v1 row); **catchup_one**: back at v4,
+  one ``sync`` to v5 (1 behind, the ratios' denominator, timed in the same turns). Three
+  times each, the rows in turn (the ratios: medians); each sample keeps its CPU time
+  (``cpu_s``: this process and the vLLM worker, user + system), its plan's hops and the load.
 - the **pause breakdown** (each sample's ``phases_ms`` in the JSON): the adapter's HTTP calls
   (``/pause``, the commit call, ``/update_weight_version``, ``/reset_prefix_cache``,
   ``/resume``; with the engine-core hook a staged commit is the commit call alone), the
@@ -36,6 +43,9 @@ Paths, each over the same versions:
   read-back, slice by slice; the packed kernels' swap or repack).
 - **reloads**: ``/pause?mode=keep``, ``collective_rpc reload_weights(checkpoint dir)`` (page
   cache warm), ``/update_weight_version``, ``/reset_prefix_cache``, ``/resume``.
+- **fold_costs**: the run's versions published again per publisher configuration (step
+  patches only, the default skip stride, ``fold_every=8``, both): CPU, encode time and bytes
+  per version (bench/_vllm_fold.py).
 - **catchup_plans** (the built-in engine's staging of the same lag v0 -> v5 along four plans:
   1 behind, the five steps, a skip patch + the last step, one folded patch; and a floor patch
   of 0.02% random changes; CPU time on one thread, with change records and bytes; then the
@@ -73,7 +83,18 @@ from typing import Any
 
 from _util import log, machine
 from _vllm_catchup import catchup_plans
-from _vllm_reference import CATCHUP, CATCHUP_REPS, follower, phase_reference, sync_to
+from _vllm_fold import fold_costs
+from _vllm_reference import (
+    ANCHOR,
+    CATCHUP,
+    CATCHUP_REPS,
+    OFF_ANCHOR,
+    ONE,
+    catchup_starts,
+    follower,
+    phase_reference,
+    sync_to,
+)
 from _vllm_report import render
 from _vllm_server import (
     MAX_TOKENS,
@@ -134,10 +155,11 @@ def phase_staged(
     sizes: list[int],
     phases: list[dict[str, float]],
     mems: list[dict[str, float]],
-) -> tuple[list[dict[str, float]], dict[int, Any]]:
+    pid: int,
+) -> tuple[list[dict[str, Any]], dict[int, Any]]:
     f, out, served = follower(world, engine), [], {}
     for v in range(1, len(world.digests)):
-        rec = sync_to(f, world, v)
+        rec = sync_to(f, world, v, [pid])
         rec["worker_commit_s"] = engine.last_timings["worker_ms"] / 1e3
         rec["staged_bytes"] = sizes[-1]
         rec["stage_phases_ms"] = phases[-1]
@@ -184,9 +206,13 @@ def reload(http: Any, path: Path) -> None:
     )
 
 
-def back_to_v0(world: World, engine: Any) -> None:
-    reload(engine.http, world.checkpoint(0))
-    engine.adopt(0, world.digests[0])
+def back_to(world: World, engine: Any, v: int = 0) -> None:
+    """Untimed: the engine on version ``v`` again (reload of its checkpoint), once the words
+    the last commit writes after its pause are written (else they land on the reloaded
+    weights: seen under load, as a root that is neither version)."""
+    engine._call("settled")
+    reload(engine.http, world.checkpoint(v))
+    engine.adopt(v, world.digests[v])
 
 
 def phase_reloads(
@@ -225,6 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="stage",
         help="CPU packed weights: built while staging (default) or in the pause",
     )
+    ap.add_argument(
+        "--fold-every",
+        type=int,
+        default=8,
+        help="PublisherConfig.fold_every of the run (default 8: the catch-up from v0 is one "
+        "folded patch, from v1 the chain; 0: step patches only)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 1:
@@ -239,11 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rp-bench-vllm-") as tmp:
         root = Path(tmp)
         log(f"building the model and publishing v0..v{args.versions}")
-        world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers))
+        world = World(
+            root, args.lr, args.versions, model_dims(args.hidden, args.layers), args.fold_every
+        )
         log("built-in engine: staged commits, catch-up, keyframe loads")
         ref = phase_reference(world, catch_n)
         log(f"catch-up plans: staging v0 -> v{catch_n} by plan (CPU time, one thread)")
         plans = catchup_plans(world.checkpoint, world.digests, world.patch_blob, catch_n)
+        log("publisher: what folded patches cost per version (CPU, encode, bytes)")
+        folds = fold_costs(world.checkpoint, args.versions)
         log("starting vLLM on v0's checkpoint")
         server = Server(python, world.checkpoint(0), root / "vllm.log")
         engine = None
@@ -262,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pid = server.worker_pid()
             proc = f"pid {pid}, {_read(f'/proc/{pid}/comm')}"
             engine.apply_encoded(world.patch_blob(1), 1)  # warm-up (imports, arenas)
-            back_to_v0(world, engine)
+            back_to(world, engine)
             log("staged: Follower.sync per version (stage in the worker, write in the pause)")
             reset_peak(pid)
             mem0 = memory(pid)
@@ -270,32 +307,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             phases: list[dict[str, float]] = []
             mems: list[dict[str, float]] = []
             _record_staging(engine, sizes, phases, mems)
-            staged, served = phase_staged(world, engine, server, prompt_ids, sizes, phases, mems)
+            staged, served = phase_staged(
+                world, engine, server, prompt_ids, sizes, phases, mems, pid
+            )
             mem1 = memory(pid)
             log("double-buffered: the same, each touched parameter's new buffer exchanged")
-            back_to_v0(world, engine)
+            back_to(world, engine)
             engine.writes = "double_buffer"
             reset_peak(pid)
             mem2 = memory(pid)
-            double, served2 = phase_staged(world, engine, server, prompt_ids, sizes, phases, mems)
+            double, served2 = phase_staged(
+                world, engine, server, prompt_ids, sizes, phases, mems, pid
+            )
             mem3 = memory(pid)
             engine.writes = "in_place"
             if served2 != served:
                 raise BenchError("double-buffered commits answer differently from in-place")
-            log(f"catch-up: v0 -> v{catch_n} in one sync, {CATCHUP_REPS} times")
-            catchup = []
-            for _ in range(CATCHUP_REPS):
-                back_to_v0(world, engine)
-                f = follower(world, engine)
-                rec = sync_to(f, world, catch_n)
-                rec["stage_phases_ms"] = phases[-1]
-                rec["stage_memory_mib"] = mems[-1]
-                rec["staged_bytes"] = sizes[-1]
-                catchup.append(rec)
-                log(f"  catch-up: stage {rec['stage_s'] * 1e3:.0f} ms ({_parts(phases[-1])})")
+            ends = catchup_starts(world, catch_n)
+            log(f"catch-up: {ends} (start, target) in one sync each, {CATCHUP_REPS} times")
+            catchups: dict[str, list[dict[str, Any]]] = {k: [] for k in ends}
+            for _ in range(CATCHUP_REPS):  # the rows in turn
+                for k, (start, end) in ends.items():
+                    runs = catchups[k]
+                    back_to(world, engine, start)
+                    f = follower(world, engine)
+                    rec = sync_to(f, world, end, [pid])
+                    rec["stage_phases_ms"] = phases[-1]
+                    rec["stage_memory_mib"] = mems[-1]
+                    rec["staged_bytes"] = sizes[-1]
+                    runs.append(rec)
+                    log(
+                        f"  catch-up from v{start} ({len(rec['hops'])} hops): stage "
+                        f"{rec['stage_s'] * 1e3:.0f} ms ({_parts(phases[-1])})"
+                    )
+            catchup = catchups[ANCHOR]
             del engine.stage_encoded
             log("inline: apply_encoded (decode inside the pause)")
-            back_to_v0(world, engine)
+            back_to(world, engine)
             inline = phase_inline(world, engine)
             log("reloads: reload_weights from checkpoint directories")
             reloads = phase_reloads(world, engine, server, prompt_ids, served)
@@ -320,8 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "double": double,
             "inline": inline,
             "catchup": catchup,
+            "catchup_one": catchups[ONE],
+            "catchup_chain": catchups.get(OFF_ANCHOR, []),
             "catchup_n": catch_n,
+            "fold_every": args.fold_every,
             "catchup_plans": plans,
+            "fold_costs": folds,
             "reloads": reloads,
             **ref,
             "memory": {

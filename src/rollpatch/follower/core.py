@@ -26,6 +26,7 @@ from ..engines import EngineAdapter
 from ..engines.staged import AuditReport
 from ..errors import (
     BaseMismatchError,
+    ManifestError,
     NoPathError,
     NotReadyError,
     RollpatchError,
@@ -43,7 +44,7 @@ from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import Retrier, RetryingStore, fetch_objects, trusted_board
 from .record import PastWanted as _PastWanted
 from .record import Record
-from .stage import EarlyDecode, stage_plan
+from .stage import EarlyDecode, refused_hop, stage_plan
 from .watch import LatestHint, WakeEvent, Watcher
 
 __all__ = ["CommitCallback", "Follower"]
@@ -276,9 +277,15 @@ class Follower:
             self._rec.set(FollowerState.STAGING)
             t0 = time.monotonic()
             decoded = None if early is None else early.results()
-            write = stage_plan(
-                self.engine, plan, manifests, blobs, have, want, self._fetch_view, decoded
-            )
+            try:
+                write = stage_plan(
+                    self.engine, plan, manifests, blobs, have, want, self._fetch_view, decoded
+                )
+            except (*_WRONG_BITS, ManifestError) as e:
+                bad = refused_hop(e, self.engine, plan, manifests, have)
+                if bad is not None:  # the object is wrong, not the engine: plan around it
+                    raise bad from e
+                raise
         finally:
             if early is not None:
                 early.close()

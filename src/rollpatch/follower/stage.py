@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..engines import EngineAdapter
 from ..engines.staged import EncodedStep, StagedUpdate
-from ..errors import NoPathError
+from ..errors import NoPathError, ObjectIntegrityError
 from ..manifest import Manifest
 from ..patch import Patch, apply, compose
 from ..patch.overlay import Overlay
@@ -35,7 +35,15 @@ from ..replay import decode_object, decode_step, encoded_step, keyframe_view
 from ..types import ObjectRef
 from ..view import View, WordSource
 
-__all__ = ["EarlyDecode", "Stage", "decode_step", "encoded_step", "keyframe_view", "stage_plan"]
+__all__ = [
+    "EarlyDecode",
+    "Stage",
+    "decode_step",
+    "encoded_step",
+    "keyframe_view",
+    "refused_hop",
+    "stage_plan",
+]
 
 
 class Stage:
@@ -144,6 +152,37 @@ def stage_plan(
             engine.apply(stage.patch, want)  # verifies base and target; all or nothing
 
     return write
+
+
+def refused_hop(
+    e: BaseException,
+    engine: EngineAdapter,
+    plan: Plan,
+    manifests: Mapping[int, Manifest],
+    have: int | None,
+) -> ObjectIntegrityError | None:
+    """What to raise when staging ``plan`` failed with ``e`` (a base or target mismatch, a
+    patch binding other digests): for a one-hop plan over a skip or folded patch (not from
+    the target's parent) while the engine still holds ``have`` verified, the object is what
+    is wrong (a signed patch whose contents do not match its manifest), not the engine's
+    bits: an :class:`ObjectIntegrityError` naming it, so the sync plans around it (the
+    chain of steps) instead of rebooting from a keyframe, whose cheapest plan would take
+    the same object again. None otherwise (the caller re-raises ``e``)."""
+    if isinstance(e, ObjectIntegrityError) or have is None or len(plan.steps) != 1:
+        return None
+    hop = plan.steps[0]
+    if hop.base != have or manifests[hop.to].parent == have or not hop.objects:
+        return None
+    if engine.version != have or engine.digest != manifests[have].target:
+        return None
+    return ObjectIntegrityError(
+        "a skip or folded patch does not match its manifest; planning around it",
+        key=hop.objects[0].key,
+        run=plan.run,
+        base=have,
+        version=hop.to,
+        cause=f"{type(e).__name__}: {e}",
+    )
 
 
 class EarlyDecode:

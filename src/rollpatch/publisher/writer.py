@@ -331,7 +331,7 @@ class VersionWriter:
         now = time.perf_counter()
         n = snap.version
         self.roots[n] = outcome["target"]
-        horizon = n - max(self.config.skip_strides, default=1)
+        horizon = n - self.config.window  # the oldest base a skip or folded patch may need
         for v in [v for v in self.roots if v < horizon]:
             del self.roots[v]
         return VersionStats(

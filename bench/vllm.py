@@ -2,7 +2,9 @@
 
 Run: ``python bench/vllm.py`` (16M parameters, a few minutes on the 2-core development machine;
 needs the vLLM venv from ``scripts/vllm-env``); ``--hidden 1024 --layers 8`` for a 103M model;
-``--versions N``; ``--json PATH`` keeps every sample (``pause_s`` of each under its path's
+``--versions N``; ``--sizes 512x4,1024x8,2048x9`` runs several models (one process each) and
+prints one table of all, ``--combine A.json ...`` prints it from kept runs (bench/_vllm_sizes.py);
+``--json PATH`` keeps every sample (``pause_s`` of each under its path's
 name: ``staged``, ``double``, ``inline``, ``catchup``, ``catchup_chain``, ``reloads``,
 ``reference``, ``reference_double``, ``reference_catchup``, ``reference_catchup_chain``,
 ``reference_loads``).
@@ -105,6 +107,7 @@ from _vllm_server import (
     reset_peak,
     vllm_python,
 )
+from _vllm_sizes import combine, parse_sizes, run_sizes, size_json
 from _vllm_world import World, model_dims
 
 PROMPT = "What is 12 + 7? The answer is"
@@ -164,8 +167,8 @@ def phase_staged(
         rec["staged_bytes"] = sizes[-1]
         rec["stage_phases_ms"] = phases[-1]
         rec["stage_memory_mib"] = mems[-1]
-        settle = engine._call("settled")["settle"]  # the words written after the pause
-        rec["phases_ms"]["after_pause_ms"] = float(settle.get("ms", 0.0))
+        settled = settle(engine)  # the words written after the pause
+        rec["phases_ms"]["after_pause_ms"] = float(settled.get("ms", 0.0))
         out.append(rec)
         served[v] = greedy(engine.http, server.model, prompt_ids)
         log(
@@ -206,11 +209,18 @@ def reload(http: Any, path: Path) -> None:
     )
 
 
+def settle(engine: Any) -> dict[str, Any]:
+    """Wait for the words a staged commit writes after its pause (kernel-only parameters,
+    :class:`Settler`): vLLM's own ``reload_weights`` must not run under them (the settler
+    would write the committed version's words over the reloaded ones)."""
+    return dict(engine._call("settled")["settle"])
+
+
 def back_to(world: World, engine: Any, v: int = 0) -> None:
     """Untimed: the engine on version ``v`` again (reload of its checkpoint), once the words
     the last commit writes after its pause are written (else they land on the reloaded
     weights: seen under load, as a root that is neither version)."""
-    engine._call("settled")
+    settle(engine)
     reload(engine.http, world.checkpoint(v))
     engine.adopt(v, world.digests[v])
 
@@ -220,6 +230,7 @@ def phase_reloads(
 ) -> list[dict[str, float]]:
     http, out = engine.http, []
     for v in range(1, len(world.digests)):
+        settle(engine)  # untimed: nothing of the previous commit is still being written
         t0 = time.perf_counter()
         http.post("/pause?mode=keep")
         reload(http, world.checkpoint(v))
@@ -234,6 +245,19 @@ def phase_reloads(
         out.append({"pause_s": pause})
         log(f"  reload v{v}: pause {pause * 1e3:.0f} ms")
     return out
+
+
+def _run_sizes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    try:
+        sizes = parse_sizes(args.sizes)
+    except ValueError as err:
+        ap.error(str(err))
+    passed = ["--versions", str(args.versions), "--lr", str(args.lr), "--prepack", args.prepack]
+    with tempfile.TemporaryDirectory(prefix="rp-bench-vllm-sizes-") as tmp:
+        out = [size_json(args.json, h, n, Path(tmp)) for h, n in sizes]
+        run_sizes(Path(__file__), sizes, passed, out)
+        print("\n" + combine([str(p) for p in out]))
+    return 0
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -259,9 +283,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "folded patch, from v1 the chain; 0: step patches only)",
     )
     ap.add_argument("--json", default=None, help="also write every measurement here")
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="several models, HIDDENxLAYERS,... (e.g. 512x4,1024x8,2048x9): each run in its "
+        "own process, then one table of all; --json PATH keeps each as PATH-hHlL.json",
+    )
+    ap.add_argument(
+        "--combine", nargs="+", default=None, help="print the table of these runs' JSONs"
+    )
     args = ap.parse_args(argv)
     if args.versions < 1:
         ap.error("--versions must be >= 1")
+    if args.combine:
+        print(combine(args.combine))
+        return 0
+    if args.sizes:
+        return _run_sizes(args, ap)
     python = vllm_python()
     mach = machine()
     load0 = mach["loadavg_1m"] or 0.0

@@ -24,9 +24,10 @@ from ..formats import cast_view, get_format
 from ..io.checkpoint import to_numpy
 from ..kinds import KINDS
 from ..view import Tensor, View
+from .assemble import assemble_manifest
 from .config import PublisherConfig, VersionStats
 from .keyframe import reconstruct_shard, shard_matches
-from .pipeline import ShardPipeline, ShardResult, assemble_manifest
+from .pipeline import ShardPipeline, ShardResult
 from .reconstruct import reconstruct
 from .rounds import Snapshot
 from .sharded import Exchange

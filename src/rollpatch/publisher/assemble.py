@@ -1,0 +1,110 @@
+"""The version's manifest from every rank's shard message: the patch bases all shards provide,
+keyframes when all wrote one, sliced tensors' whole digests from their parts (rank 0)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import BoardError
+from ..manifest import KeyframeObject, Manifest, PatchObject, SlicedTensor
+from ..types import ObjectRef
+from ..view import root_digest
+from .config import PublisherConfig
+from .sharded_slices import combine
+
+__all__ = ["assemble_manifest"]
+
+
+def assemble_manifest(
+    *,
+    run: str,
+    version: int,
+    parent: int | None,
+    keyframe: bool,
+    messages: list[dict[str, Any]],
+    root_digests: Mapping[int, str],
+    config: PublisherConfig,
+    meta: Mapping[str, str],
+    layout: Mapping[str, tuple[object, ...]] | None = None,
+) -> Manifest:
+    """The manifest of ``version`` from every rank's message (rank 0 calls this).
+
+    Patch bases every shard provided are listed (a base some shard lacks is left out: its
+    objects stay unreferenced); keyframes only if every shard wrote one. Sliced tensors get
+    their whole digest from the ranks' parts; ``layout`` (the parent's sliced layouts, None:
+    unknown) must not change within a run, since every patch is cut by it.
+    """
+    digests: dict[str, str] = {}
+    parts: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for rank, msg in enumerate(messages):
+        for name, part in msg.get("slices", {}).items():
+            parts.setdefault(name, []).append((rank, part))
+    sliced = tuple(combine(name, parts[name]) for name in sorted(parts))
+    for rank, msg in enumerate(messages):
+        for name, d in msg["digests"].items():
+            if name in digests or name in parts:
+                raise BoardError(
+                    "two ranks publish the same tensor: shards must be disjoint",
+                    tensor=name,
+                    rank=rank,
+                    version=version,
+                )
+            digests[name] = d
+    digests.update({t.name: t.digest for t in sliced})
+    _check_layout(sliced, layout, version)
+    bases = set.intersection(*({p["base"] for p in m["patches"]} for m in messages))
+    patches = []
+    for base in sorted(bases):
+        if base not in root_digests:
+            continue
+        for shard, msg in enumerate(messages):
+            p = next(p for p in msg["patches"] if p["base"] == base)
+            patches.append(PatchObject(_ref(p), base, root_digests[base], shard))
+    keyframes: list[KeyframeObject] = []
+    if keyframe and all(m["keyframe"] is not None for m in messages):
+        keyframes = [KeyframeObject(_ref(m["keyframe"]), s) for s, m in enumerate(messages)]
+    if parent is not None and parent not in bases:
+        raise BoardError(
+            "a shard has no step patch from the parent", version=version, parent=parent
+        )
+    if not patches and not keyframes:
+        raise BoardError("a version needs a patch or a keyframe on every shard", version=version)
+    m = Manifest(
+        run=run,
+        version=version,
+        parent=parent,
+        format=config.format,
+        target=root_digest(digests),
+        view_bytes=sum(int(msg["nbytes"]) for msg in messages),
+        created=time.time(),
+        publisher=config.publisher_id,
+        patches=tuple(patches),
+        keyframes=tuple(keyframes),
+        shards=len(messages),
+        meta=dict(meta),
+        sliced=sliced,
+    )
+    return m
+
+
+def _check_layout(
+    sliced: tuple[SlicedTensor, ...], layout: Mapping[str, tuple[object, ...]] | None, version: int
+) -> None:
+    if layout is None:
+        return
+    now = {t.name: t.layout() for t in sliced}
+    if now != dict(layout):
+        changed = sorted(k for k in now.keys() | layout.keys() if now.get(k) != layout.get(k))
+        raise BoardError(
+            "the slicing of a tensor changed within the run: patches are cut by it",
+            version=version,
+            tensor=changed[0],
+            hint="keep the ranks' slices fixed (same world size and sharding), or publish "
+            "under a new run",
+        )
+
+
+def _ref(d: Mapping[str, Any]) -> ObjectRef:
+    return ObjectRef(str(d["key"]), int(d["size"]), str(d["b3"]))

@@ -14,6 +14,7 @@ CORE = (
     "rp_group",
     "rp_isa",
     "rp_apply",
+    "rp_pool",
 )
 #: The headers they include (the build's ``depends``; the fuzz script's coverage report).
 HEADERS = ("rpcore.h", "rp_internal.h", "rp_lane.h", "rp_bseq.h")

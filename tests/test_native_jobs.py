@@ -12,6 +12,7 @@ import pytest
 from rollpatch import native
 from rollpatch.errors import RollpatchError
 from rollpatch.patch import apply, apply_encoded, decode, encode_views
+from rollpatch.patch.codec_v2 import job_ranges
 from rollpatch.patch.ctxv2 import CHUNK
 from rollpatch.view import View
 from tests.patchfix import reseal, sample_views, split_blob
@@ -175,3 +176,13 @@ def test_two_corrupt_tensors_raise_as_decode_does_with_every_word_in_place(
         assert v.digest() == a.digest()
     assert raised[0] == raised[1]
     assert raised[0][1] == "model.q"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
+def test_job_ranges_cover_every_chunk_once_in_order(threads: int) -> None:
+    for nch in (0, 1, 2, 3, 7, 20, 101):
+        r = job_ranges(nch, threads)
+        assert [c for a, b in r for c in range(a, b)] == list(range(nch))
+        assert all(b > a for a, b in r)
+        if threads == 1:
+            assert len(r) == (1 if nch else 0)

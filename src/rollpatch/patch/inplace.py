@@ -22,7 +22,7 @@ from .. import native
 from ..errors import BaseMismatchError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
 from ..view import Tensor, View, sum_add
-from .codec_v2 import CHUNK, CtxGolombV2, _ranges
+from .codec_v2 import CHUNK, CtxGolombV2, job_ranges
 from .model import DeltaOp, TensorPatch
 from .ops import InPlaceDelta, scatter, write_verified
 from .wire import MIN_FULL_BOUND, decode_entry, inspect
@@ -94,7 +94,7 @@ def _write_concurrently(view: View, fused: list[_FusedDelta]) -> None:
         x.out = (pos, old, new)
         tensors.append((kt, t.data, x.payload, counts, offs, pos, old, new))
         n = t.n_elements
-        for c0, c1 in _ranges(len(counts), nt):
+        for c0, c1 in job_ranges(len(counts), nt):
             jobs.append((min(c1 * CHUNK, n) - c0 * CHUNK, i, c0, c1))
     jobs.sort(reverse=True)
     hashed = any(x.hashed for x in fused)

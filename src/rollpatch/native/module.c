@@ -737,6 +737,235 @@ static PyObject *py_isa(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ii)", rp_isa(), rp_isa_best());
 }
 
+/* encode_jobs(pairs, jobs, threads) -> [(Buf, changed, sd0, sd1)] per job: pairs are (kind,
+ * a, b) tensors, jobs (pair index, c0, c1) ranges of chunks; every job on the core's own
+ * threads (rp_pool.c) with the GIL released once. Each job's result is what
+ * encode_range_buf(kind, a, b, c0, c1) returns. */
+static PyObject *py_encode_jobs(PyObject *self, PyObject *args) {
+    PyObject *pl, *jl, *res = NULL;
+    int nthreads;
+    if (!PyArg_ParseTuple(args, "O!O!i", &PyList_Type, &pl, &PyList_Type, &jl, &nthreads))
+        return NULL;
+    Py_ssize_t np_ = PyList_GET_SIZE(pl), nj = PyList_GET_SIZE(jl);
+    Py_buffer *bufs = calloc(2 * np_ + 1, sizeof *bufs);
+    rp_kind *kinds = calloc(np_ + 1, sizeof *kinds);
+    int64_t *nel = calloc(np_ + 1, sizeof *nel);
+    rp_enc_job *jobs = calloc(nj + 1, sizeof *jobs);
+    BufObject **outs = calloc(nj + 1, sizeof *outs);
+    if (!bufs || !kinds || !nel || !jobs || !outs) { PyErr_NoMemory(); goto out; }
+    for (Py_ssize_t i = 0; i < np_; i++) { /* a failed parse holds no buffer */
+        PyObject *kt;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(pl, i), "Oy*y*", &kt, &bufs[2 * i], &bufs[2 * i + 1])
+            || kind_arg(kt, &kinds[i]) || elem_count(&kinds[i], bufs[2 * i].len, &nel[i]))
+            goto out;
+        if (bufs[2 * i].len != bufs[2 * i + 1].len) {
+            PyErr_SetString(PyExc_ValueError, "buffers differ in size");
+            goto out;
+        }
+    }
+    for (Py_ssize_t j = 0; j < nj; j++) {
+        Py_ssize_t p, c0, c1;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(jl, j), "nnn", &p, &c0, &c1)) goto out;
+        if (p < 0 || p >= np_) { PyErr_SetString(PyExc_ValueError, "job names no pair"); goto out; }
+        rp_enc_job *b = &jobs[j];
+        b->k = &kinds[p];
+        b->old = bufs[2 * p].buf;
+        b->new_ = bufs[2 * p + 1].buf;
+        b->nbytes = (size_t)bufs[2 * p].len;
+        b->n = nel[p];
+        b->c0 = c0;
+        b->c1 = c1;
+        if (!(outs[j] = buf_new())) goto out;
+        b->out = &outs[j]->o;
+    }
+    int64_t failed = -1;
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_encode_jobs(jobs, nj, nthreads, &failed, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = PyList_New(nj);
+    for (Py_ssize_t j = 0; res && j < nj; j++) {
+        PyObject *t = Py_BuildValue("(OLKK)", (PyObject *)outs[j], (long long)jobs[j].changed,
+                                    (unsigned long long)jobs[j].sd[0],
+                                    (unsigned long long)jobs[j].sd[1]);
+        if (!t) { Py_CLEAR(res); break; }
+        PyList_SET_ITEM(res, j, t);
+    }
+out:
+    for (Py_ssize_t i = 0; bufs && i < 2 * np_; i++) PyBuffer_Release(&bufs[i]);
+    for (Py_ssize_t j = 0; outs && j < nj; j++) Py_XDECREF(outs[j]);
+    free(bufs); free(kinds); free(nel); free(jobs); free(outs);
+    return res;
+}
+
+/* One tensor of decode_apply_jobs: its buffers, chunk table and output offsets. */
+typedef struct {
+    rp_kind k;
+    Py_buffer base, pl, po, oo, no;
+    int64_t n, nch, total;
+    int ow;
+    size_t *offs, *lens; /* chunk table: body offset and length per chunk */
+    int64_t *cnt, *oof;  /* outputs per chunk, and where they start */
+    uint8_t *taken;      /* chunks already in a job */
+} dec_tensor;
+
+static void dec_tensor_free(dec_tensor *t) {
+    PyBuffer_Release(&t->base); PyBuffer_Release(&t->pl); PyBuffer_Release(&t->po);
+    PyBuffer_Release(&t->oo); PyBuffer_Release(&t->no);
+    free(t->offs); free(t->lens); free(t->cnt); free(t->oof); free(t->taken);
+}
+
+/* (kind, base (writable), payload, counts, offsets, pos_out, old_out, new_out): the checks
+ * decode_range makes, for every chunk of the tensor (counts and offsets: one per chunk). */
+static int dec_tensor_parse(PyObject *item, dec_tensor *t) {
+    PyObject *kt, *cntl, *offl;
+    if (!PyArg_ParseTuple(item, "Ow*y*OOw*w*w*", &kt, &t->base, &t->pl, &cntl, &offl, &t->po,
+                          &t->oo, &t->no))
+        return -1;
+    if (kind_arg(kt, &t->k) || elem_count(&t->k, t->base.len, &t->n)) return -1;
+    t->nch = (t->n + RP_CHUNK - 1) / RP_CHUNK;
+    t->ow = t->k.bits == 4 ? 1 : t->k.bits / 8;
+    if (!PyList_Check(offl) || !PyList_Check(cntl) || PyList_GET_SIZE(offl) < t->nch
+        || PyList_GET_SIZE(cntl) < t->nch) {
+        PyErr_SetString(PyExc_ValueError, "bad chunk range");
+        return -1;
+    }
+    size_t m = (size_t)t->nch + 1;
+    t->offs = malloc(m * sizeof *t->offs);
+    t->lens = malloc(m * sizeof *t->lens);
+    t->cnt = malloc(m * sizeof *t->cnt);
+    t->oof = malloc(m * sizeof *t->oof);
+    t->taken = calloc(m, 1);
+    if (!t->offs || !t->lens || !t->cnt || !t->oof || !t->taken) { PyErr_NoMemory(); return -1; }
+    if (parse_table(t->pl.buf, (size_t)t->pl.len, t->nch, t->offs, t->lens)) {
+        raise_rc(RP_ECORRUPT, "corrupt chunk table");
+        return -1;
+    }
+    t->total = t->po.len / 8;
+    for (int64_t i = 0; i < t->nch; i++) {
+        t->cnt[i] = PyLong_AsLongLong(PyList_GET_ITEM(cntl, i));
+        t->oof[i] = PyLong_AsLongLong(PyList_GET_ITEM(offl, i));
+        if (PyErr_Occurred()) return -1;
+        if (t->cnt[i] < 0 || t->oof[i] < 0 || t->oof[i] > t->total - t->cnt[i]) {
+            PyErr_SetString(PyExc_ValueError, "outputs too small");
+            return -1;
+        }
+    }
+    if (t->oo.len != t->total * t->ow || t->no.len != t->total * t->ow) {
+        PyErr_SetString(PyExc_ValueError, "output arrays differ in length");
+        return -1;
+    }
+    return 0;
+}
+
+/* decode_apply_jobs(tensors, jobs, threads, hash, failed) -> [(a, b, s0, s1)] per job: every
+ * job (tensor index, c0, c1) is decode_range(..., c0, c1, ..., write=True, hash) of that
+ * tensor (see dec_tensor_parse), on the core's own threads, in the order given (largest
+ * first); no two jobs may share a chunk. All or nothing: on an error nothing stays written,
+ * failed[0] is the failing job first in (tensor, chunk) order (else -1), and its error is
+ * raised. */
+static PyObject *py_decode_apply_jobs(PyObject *self, PyObject *args) {
+    PyObject *tl, *jl, *res = NULL;
+    int nthreads, hash;
+    Py_buffer fb = {0};
+    if (!PyArg_ParseTuple(args, "O!O!ipw*", &PyList_Type, &tl, &PyList_Type, &jl, &nthreads,
+                          &hash, &fb))
+        return NULL;
+    Py_ssize_t nt = PyList_GET_SIZE(tl), nj = PyList_GET_SIZE(jl), chunks = 0;
+    dec_tensor *ts = calloc(nt + 1, sizeof *ts); /* zeroed: releasing an unfilled one is a no-op */
+    rp_dec_job *jobs = calloc(nj + 1, sizeof *jobs);
+    int64_t *jt = calloc(nj + 1, sizeof *jt), *jc = calloc(nj + 1, sizeof *jc);
+    const uint8_t **body = NULL;
+    size_t *len = NULL;
+    int64_t *st = NULL, *nn = NULL;
+    if (fb.len < 8) { PyErr_SetString(PyExc_ValueError, "failed: room for one int64"); goto out; }
+    ((int64_t *)fb.buf)[0] = -1;
+    if (!ts || !jobs || !jt || !jc) { PyErr_NoMemory(); goto out; }
+    for (Py_ssize_t i = 0; i < nt; i++)
+        if (dec_tensor_parse(PyList_GET_ITEM(tl, i), &ts[i])) goto out;
+    for (Py_ssize_t j = 0; j < nj; j++) {
+        Py_ssize_t ti, c0, c1;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(jl, j), "nnn", &ti, &c0, &c1)) goto out;
+        if (ti < 0 || ti >= nt || c0 < 0 || c1 <= c0 || c1 > ts[ti].nch) {
+            PyErr_SetString(PyExc_ValueError, "bad chunk range");
+            goto out;
+        }
+        for (Py_ssize_t c = c0; c < c1; c++) {
+            if (ts[ti].taken[c]) {
+                PyErr_SetString(PyExc_ValueError, "two jobs share a chunk");
+                goto out;
+            }
+            ts[ti].taken[c] = 1;
+        }
+        chunks += c1 - c0;
+        jobs[j].m = (int)(c1 - c0);
+        jt[j] = ti;
+        jc[j] = c0;
+    }
+    body = malloc((chunks + 1) * sizeof *body);
+    len = malloc((chunks + 1) * sizeof *len);
+    st = malloc((chunks + 1) * sizeof *st);
+    nn = malloc((chunks + 1) * sizeof *nn);
+    if (!body || !len || !st || !nn) { PyErr_NoMemory(); goto out; }
+    for (Py_ssize_t j = 0, at = 0; j < nj; j++) {
+        rp_dec_job *b = &jobs[j];
+        int64_t c0 = jc[j];
+        dec_tensor *t = &ts[jt[j]];
+        for (int q = 0; q < b->m; q++) {
+            int64_t ci = c0 + q;
+            body[at + q] = (const uint8_t *)t->pl.buf + t->offs[ci];
+            len[at + q] = t->lens[ci];
+            st[at + q] = ci * RP_CHUNK;
+            nn[at + q] = t->n - st[at + q] < RP_CHUNK ? t->n - st[at + q] : RP_CHUNK;
+        }
+        b->k = &t->k;
+        b->data = t->base.buf;
+        b->nbytes = (size_t)t->base.len;
+        b->body = body + at;
+        b->len = len + at;
+        b->start = st + at;
+        b->n = nn + at;
+        b->count = t->cnt + c0;
+        b->off = t->oof + c0;
+        b->pos_out = t->po.buf;
+        b->old_out = t->oo.buf;
+        b->new_out = t->no.buf;
+        b->ow = t->ow;
+        b->hash = hash;
+        at += b->m;
+    }
+    int64_t failed = -1;
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_decode_apply_jobs(jobs, nj, nthreads, &failed, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { /* the first failure in (tensor, chunk) order, whatever order the jobs ran in */
+        for (Py_ssize_t j = 0; j < nj; j++)
+            if (jobs[j].rc && (jt[j] < jt[failed] || (jt[j] == jt[failed] && jc[j] < jc[failed])))
+                failed = j;
+        ((int64_t *)fb.buf)[0] = failed;
+        raise_rc(jobs[failed].rc, jobs[failed].err);
+        goto out;
+    }
+    res = PyList_New(nj);
+    for (Py_ssize_t j = 0; res && j < nj; j++) {
+        rp_dec_job *b = &jobs[j];
+        PyObject *t = Py_BuildValue("(KKKK)", (unsigned long long)b->delta[0],
+                                    (unsigned long long)b->delta[1],
+                                    (unsigned long long)b->sums[0], (unsigned long long)b->sums[1]);
+        if (!t) { Py_CLEAR(res); break; }
+        PyList_SET_ITEM(res, j, t);
+    }
+out:
+    for (Py_ssize_t i = 0; ts && i < nt; i++) dec_tensor_free(&ts[i]);
+    free(ts); free(jobs); free(jt); free(jc); free(body); free(len); free(st); free(nn);
+    PyBuffer_Release(&fb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"encode_range", py_encode_range, METH_VARARGS, "Encode chunks [first, last) of a tensor."},
     {"encode_range_buf", py_encode_range_buf, METH_VARARGS,
@@ -745,6 +974,10 @@ static PyMethodDef methods[] = {
      "encode_range, plus each chunk's changes (positions, old and new elements)."},
     {"encode_sparse", py_encode_sparse, METH_VARARGS, "Encode one chunk from its changes."},
     {"encode_records", py_encode_records, METH_VARARGS, "Encode one chunk from records."},
+    {"encode_jobs", py_encode_jobs, METH_VARARGS,
+     "Encode many (tensor, chunk range) jobs on the core's own threads."},
+    {"decode_apply_jobs", py_decode_apply_jobs, METH_VARARGS,
+     "Decode and apply many (tensor, chunk range) jobs on the core's own threads."},
     {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},
     {"decode_range", py_decode_range, METH_VARARGS, "Decode chunks [first, last)."},
     {"sum128", py_sum128, METH_VARARGS, "rp.sum128 state of a word range."},

@@ -144,4 +144,46 @@ int rp_compose(int w, const int64_t *pp, const void *po, const void *pn, int64_t
                const int64_t *qp, const void *qo, const void *qn, int64_t nq, int64_t *rp,
                void *ro, void *rn, int64_t *nout, const char **err);
 
+/* Many jobs in one call on up to nthreads threads (rp_pool.c; the caller is one of them, at
+ * most RP_MAX_THREADS). A job is one tensor's chunks [c0, c1) (encode) or m chunks of one
+ * tensor (decode+apply); results are per job, identical for any thread count. On a failure
+ * *failed is the lowest failing job's index, *err its message, and its code is returned. */
+#define RP_MAX_THREADS 256
+
+typedef struct {
+    const rp_kind *k;                /* in: the tensor (as rp_encode_range) */
+    const uint8_t *old, *new_;
+    size_t nbytes;
+    int64_t n, c0, c1;
+    rp_obuf *out;                    /* in: the job's own payload buffer */
+    int64_t changed;                 /* out */
+    uint64_t sd[2];                  /* out: the rp.sum128 change */
+    int rc;
+    const char *err;
+} rp_enc_job;
+
+int rp_encode_jobs(rp_enc_job *jobs, int64_t njobs, int nthreads, int64_t *failed,
+                   const char **err);
+
+typedef struct {
+    const rp_kind *k;                /* in: as rp_decode_apply_chunks */
+    uint8_t *data;
+    size_t nbytes;
+    int m;
+    const uint8_t *const *body;
+    const size_t *len;
+    const int64_t *start, *n, *count, *off;
+    int64_t *pos_out;
+    void *old_out, *new_out;
+    int ow, hash;                    /* hash: also sum every word as read (sums) */
+    uint64_t delta[2], sums[2];      /* out */
+    int rc;
+    const char *err;
+} rp_dec_job;
+
+/* All or nothing across the jobs: on any failure every job's writes are put back. Jobs
+ * must not share chunks (each writes and hashes only the words of its own chunks). */
+int rp_decode_apply_jobs(rp_dec_job *jobs, int64_t njobs, int nthreads, int64_t *failed,
+                         const char **err);
+
 #endif

@@ -15,6 +15,7 @@ CORE = (
     "rp_isa",
     "rp_apply",
     "rp_cast",
+    "rp_pool",
 )
 #: The headers they include (the build's ``depends``; the fuzz script's coverage report).
 HEADERS = ("rpcore.h", "rp_internal.h", "rp_lane.h", "rp_bseq.h", "rp_cast.h")

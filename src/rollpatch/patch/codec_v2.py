@@ -6,9 +6,8 @@ decoded in chunk ranges on a thread pool; the native core releases the GIL.
 
 from __future__ import annotations
 
-import queue
-from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -50,6 +49,21 @@ def _single(base: Tensor) -> bool:
 def _ranges(nchunks: int, parts: int) -> list[tuple[int, int]]:
     step = -(-nchunks // max(1, parts))
     step = max(4, -(-step // 4) * 4)  # whole groups of four: one native call decodes up to four
+    return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
+
+
+#: Target jobs per thread of a many-job native call: the jobs are taken as threads come free,
+#: so several per thread keep a thread that another process delays from holding up the rest.
+JOBS_PER_THREAD = 4
+
+
+def job_ranges(nchunks: int, threads: int) -> list[tuple[int, int]]:
+    """One tensor's ranges of chunks as jobs of a many-job native call: whole on one thread;
+    on several, ranges of at least 2 chunks, about ``JOBS_PER_THREAD`` per thread for the
+    largest tensors (a range's fixed cost is a few microseconds; a chunk is ~0.5 ms)."""
+    if threads <= 1 or nchunks <= 2:
+        return [(0, nchunks)] if nchunks else []
+    step = max(2, -(-nchunks // (JOBS_PER_THREAD * threads)))
     return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
 
 
@@ -108,13 +122,12 @@ class CtxGolombV2:
         return self.encode_dense_many([(base, target)])[0]
 
     def encode_dense_many(
-        self,
-        pairs: list[tuple[Tensor, Tensor]],
-        run: Callable[[Callable[[Any], Any], list[Any]], list[Any]] = parallel_map,
+        self, pairs: list[tuple[Tensor, Tensor]]
     ) -> list[tuple[memoryview, int, tuple[int, int]]]:
-        """:meth:`encode_dense_sum` of each (base, target) pair. Every (tensor, range of
-        chunks) is one job of one ``run`` (a map on a pool of T threads), largest first: at
-        most T passes, and T sets of work buffers, at once (not T per tensor)."""
+        """:meth:`encode_dense_sum` of each (base, target) pair, in one native call: every
+        (tensor, range of chunks) is one job, largest first, on the core's own T threads
+        (``core.encode_jobs``: the GIL released once for the whole view, no Python per job;
+        a Python pool of T threads cost a core's worth of dispatch on 2 cores)."""
         core = native.require()
         nt = threads()
         args = []  # (kind tuple, old words, new words) per pair
@@ -122,30 +135,14 @@ class CtxGolombV2:
         for i, (t, u) in enumerate(pairs):
             n = t.n_elements
             args.append((native.kind_tuple(t.kind, n), t.data, u.data))
-            for c0, c1 in _ranges(-(-n // CHUNK), nt):
+            for c0, c1 in job_ranges(-(-n // CHUNK), nt):
                 jobs.append((min(c1 * CHUNK, n) - c0 * CHUNK, i, c0, c1))
         jobs.sort(reverse=True)
-        # one set of work buffers per thread, kept across its jobs (no fresh pages per job),
-        # all given back before the payloads are joined
-        spare: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        nws = min(nt, len(jobs))
-        for _ in range(nws):
-            spare.put(core.Workspace())
-
-        def one(job: tuple[int, int, int, int]) -> tuple[Any, int, int, int]:
-            kt, x, y = args[job[1]]
-            ws = spare.get()
-            try:
-                out: tuple[Any, int, int, int] = core.encode_range_buf(kt, x, y, job[2], job[3], ws)
-            finally:
-                spare.put(ws)
-            return out
-
+        results = core.encode_jobs(args, [j[1:] for j in jobs], nt) if jobs else []
         per: list[list[tuple[int, Any]]] = [[] for _ in pairs]
-        for job, res in zip(jobs, run(one, jobs) if nws > 1 else map(one, jobs), strict=True):
+        for job, res in zip(jobs, results, strict=True):
             per[job[1]].append((job[2], res))
-        for _ in range(nws):
-            spare.get()
+        del results
         out = []
         for ranges in per:
             ranges.sort(key=lambda x: x[0])
@@ -242,7 +239,7 @@ class CtxGolombV2:
         counts = core.table(kt, payload, base.n_elements)
         if sum(counts) != changed:
             raise PatchDecodeError("changed count does not match the header", codec=self.codec_id)
-        offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        offs = [0, *accumulate(counts)]
         dt = np.dtype(base.kind.elem_dtype)
         if out is not None:
             pos, old, new = out

@@ -5,9 +5,9 @@ error class, but each rp.ctxgolomb.v2 chunk is written into the view right after
 decoder read it from there, while its words are still in cache, and no second pass checks
 the old elements (the decoder took them from the very words it overwrites). Unless
 ``incremental``, the re-hash of each touched tensor happens in that same pass (every word
-summed as read, plus the change written: docs/patch-format.md §9). On several threads all
-tensors' v2 deltas are decoded and written at once. Every other op and codec goes through
-:func:`decode` and :func:`apply`'s writer.
+summed as read, plus the change written: docs/patch-format.md §9). All tensors' v2 deltas
+are decoded and written in one native call, on the core's own threads, before the checks.
+Every other op and codec goes through :func:`decode` and :func:`apply`'s writer.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 from .. import native
 from ..errors import BaseMismatchError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
-from ..view import Tensor, View
-from .codec_v2 import CtxGolombV2
+from ..view import Tensor, View, sum_add
+from .codec_v2 import CHUNK, CtxGolombV2, job_ranges
 from .model import DeltaOp, TensorPatch
 from .ops import InPlaceDelta, scatter, write_verified
 from .wire import MIN_FULL_BOUND, decode_entry, inspect
@@ -34,7 +34,8 @@ _V2 = CtxGolombV2()
 
 @dataclass
 class _FusedDelta:
-    """One rp.ctxgolomb.v2 delta, decoded straight into its tensor (ops.InPlaceDelta)."""
+    """One rp.ctxgolomb.v2 delta, to be decoded straight into its tensor by
+    :func:`_write_concurrently` (which sets ``result`` and, hashed, ``state_after``)."""
 
     name: str
     base_digest: str | None
@@ -43,23 +44,6 @@ class _FusedDelta:
     changed: int
     hashed: bool = False
     state_after: tuple[int, int] | None = None
-
-    def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]:
-        try:
-            if self.hashed:
-                pos, old, new, change, self.state_after = _V2.decode_into_hashed(
-                    self.payload, t, self.changed, self.out
-                )
-            else:
-                pos, old, new, change = _V2.decode_into(self.payload, t, self.changed, self.out)
-        except RollpatchError as err:
-            err.context.setdefault("tensor", self.name)
-            raise
-        tp = TensorPatch(
-            self.name, t.kind, t.shape, self.base_digest, self.target_digest, DeltaOp(pos, old, new)
-        )
-        self.result = (tp, change)
-        return tp, change
 
     result: tuple[TensorPatch, tuple[int, int] | None] | None = None
     consumed: bool = False
@@ -89,23 +73,60 @@ class _Written:
 
 
 def _write_concurrently(view: View, fused: list[_FusedDelta]) -> None:
-    """Decode and write several tensors' deltas at once on ``native.threads()`` threads (the
-    core drops the GIL; each tensor's chunk ranges run inline on its thread). All or
-    nothing: on any failure every tensor written here is put back and the first failure, in
-    header order, is raised."""
-
-    def one(item: _FusedDelta) -> BaseException | None:
+    """Decode and write every fused delta in one native call: each (tensor, range of chunks)
+    is a job, largest first, on the core's own ``native.threads()`` threads
+    (``core.decode_apply_jobs``: the GIL released once, no Python per job or per tensor on
+    the workers). All or nothing: on any failure nothing stays written and the first failure
+    in header order is raised, with its tensor named."""
+    core = native.require()
+    nt = native.threads()
+    tensors: list[tuple[Any, ...]] = []
+    jobs: list[tuple[int, int, int, int]] = []  # (elements, tensor, first chunk, last chunk)
+    prep: BaseException | None = None
+    for i, x in enumerate(fused):
+        t = view[x.name]
         try:
-            item.write(view[item.name])
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the undo
-            return e
-        return None
-
-    errors = native.parallel_map(one, fused)
-    failed = [e for e in errors if e is not None]
-    if failed:
+            _, kt, counts, offs, pos, old, new = _V2._outputs(x.payload, t, x.changed, x.out)
+        except RollpatchError as err:  # raised after the tensors before it are decoded
+            err.context.setdefault("tensor", x.name)
+            prep = err
+            break
+        x.out = (pos, old, new)
+        tensors.append((kt, t.data, x.payload, counts, offs, pos, old, new))
+        n = t.n_elements
+        for c0, c1 in job_ranges(len(counts), nt):
+            jobs.append((min(c1 * CHUNK, n) - c0 * CHUNK, i, c0, c1))
+    jobs.sort(reverse=True)
+    hashed = any(x.hashed for x in fused)
+    failed = np.full(1, -1, dtype=np.int64)
+    try:
+        results = (
+            core.decode_apply_jobs(tensors, [j[1:] for j in jobs], nt, hashed, failed)
+            if jobs
+            else []
+        )
+    except RollpatchError as err:
+        if failed[0] >= 0:
+            err.context.setdefault("tensor", fused[jobs[int(failed[0])][1]].name)
+        raise
+    sums: list[list[tuple[int, int]]] = [[(0, 0), (0, 0)] for _ in tensors]
+    for job, res in zip(jobs, results, strict=True):
+        acc = sums[job[1]]
+        acc[0] = sum_add(acc[0], (res[0], res[1]))
+        acc[1] = sum_add(acc[1], (res[2], res[3]))
+    for x, (change, state) in zip(fused, sums):  # tensors past a failed one are not in sums
+        assert x.out is not None
+        pos, old, new = x.out
+        t = view[x.name]
+        tp = TensorPatch(
+            x.name, t.kind, t.shape, x.base_digest, x.target_digest, DeltaOp(pos, old, new)
+        )
+        x.result = (tp, change)
+        if x.hashed:
+            x.state_after = sum_add(state, change)
+    if prep is not None:
         _undo_unconsumed(view, fused)
-        raise failed[0]
+        raise prep
 
 
 def _share_outputs(view: View, fused: list[_FusedDelta]) -> None:
@@ -171,7 +192,7 @@ def apply_encoded(
         )
     limit = max(MIN_FULL_BOUND, view.nbytes) if max_full_bytes is None else max_full_bytes
     mv = memoryview(blob)
-    items: list[TensorPatch | InPlaceDelta] = []
+    items: list[TensorPatch | _FusedDelta] = []
     for e in header.tensors:
         _check_entry(view, e, algo)
         start = header.payload_start + e["offset"]
@@ -188,15 +209,17 @@ def apply_encoded(
             items.append(decode_entry(e, payload, view, limit))
     fused = [x for x in items if isinstance(x, _FusedDelta)]
     _share_outputs(view, fused)
-    if native.threads() > 1 and len(fused) > 1:
-        for x in fused:
-            x.hashed = x.hashed and not incremental
-            if incremental:
-                view.sum_state(x.name)  # the base's state, before the words change
+    for x in fused:  # the in-pass re-hash is of rp.sum128 states, and not incremental
+        x.hashed = x.hashed and not incremental and algo == "rp.sum128.v1"
+        if incremental:
+            view.sum_state(x.name)  # the base's state, before the words change
+    if fused:
         _write_concurrently(view, fused)
-        items = [_Written.of(x) if isinstance(x, _FusedDelta) else x for x in items]
+    written: list[TensorPatch | InPlaceDelta] = [
+        _Written.of(x) if isinstance(x, _FusedDelta) else x for x in items
+    ]
     try:
-        write_verified(view, items, header.target, algo, incremental=incremental)
+        write_verified(view, written, header.target, algo, incremental=incremental)
     except BaseException:
         _undo_unconsumed(view, fused)
         raise

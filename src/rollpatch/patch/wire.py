@@ -142,9 +142,9 @@ def _encode_views(
     codec = CtxGolombV2()
     names = sorted(set(a) | set(b))
     same = [n for n in a if n in b and a[n].kind == b[n].kind and a[n].shape == b[n].shape]
-    dense = {}  # every tensor's chunk ranges at once on one pool (at most T passes at once)
+    dense = {}  # every tensor's chunk ranges at once, on the core's T threads
     if not keep:
-        dense = dict(zip(same, codec.encode_dense_many([(a[n], b[n]) for n in same], _map)))
+        dense = dict(zip(same, codec.encode_dense_many([(a[n], b[n]) for n in same])))
 
     def one(name: str) -> tuple[dict[str, Any], bytes | memoryview, TensorPatch | None] | None:
         if name not in b:
@@ -177,12 +177,13 @@ def _encode_views(
             k = int(pos.size)
         else:
             payload, k, change = dense.pop(name)
-        if k == 0:
-            return None
         st = a.cached_sum_state(name)
         if st is not None and b.cached_sum_state(name) is None:
             # every word was compared: b's state is a's plus the change of the changed words
+            # (none changed: a's state), so the root digest hashes no tensor again
             b.update_sum_state(name, sum_add(st, change))
+        if k == 0:
+            return None
         codec_id = codec.codec_id
         if k > DENSE * ta.n_elements:
             alt = XorZstd().compress(np.bitwise_xor(ta.data, tb.data))
@@ -193,7 +194,12 @@ def _encode_views(
             tp = TensorPatch(name, ta.kind, ta.shape, base, target, DeltaOp(pos, old, new))
         return entry(name, "delta", ta.kind, ta.shape, k, base, target, codec_id), payload, tp
 
-    done = [x for x in _map(one, names) if x is not None]
+    # what is left per tensor is a few dict and digest operations (Python, under the GIL): on
+    # a pool they only contend for it, so they run here; a pool is for real work (a full
+    # tensor's zstd, a pass with kept changes, a dense tensor's XOR+zstd alternative)
+    heavy = [n for n in names if n in b and (n not in dense or _dense_alt(dense[n], b[n]))]
+    ahead = dict(zip(heavy, _map(one, heavy)))
+    done = [x for x in (ahead.pop(n) if n in ahead else one(n) for n in names) if x is not None]
     parts = [(e, p) for e, p, _ in done]
     tensors = {tp.name: tp for _, _, tp in done if tp is not None}
     del done  # parts holds the only references to the payloads: assemble releases each
@@ -201,6 +207,11 @@ def _encode_views(
     if not keep:
         return blob, None
     return blob, Patch(a.digest(), b.digest(), tensors, meta=dict(meta or {}))
+
+
+def _dense_alt(coded: tuple[Any, int, Any], t: Any) -> bool:
+    """Whether a delta is dense enough that XOR+zstd may be the smaller payload."""
+    return coded[1] > DENSE * t.n_elements
 
 
 def entry(

@@ -9,7 +9,8 @@
  * The in-place path (rp_decode_apply, chunk by chunk on a copy of the base) must succeed
  * exactly when the decode does, with the same outputs, the same patched bytes and an exact
  * rp.sum128 change, and must leave a failing chunk's bytes as they were; and the whole payload
- * at once through rp_decode_apply_chunks with the in-pass hash (fz_decode_apply_all).
+ * at once through rp_decode_apply_chunks with the in-pass hash (fz_decode_apply_all), and one
+ * job per chunk on 3 threads through rp_decode_apply_jobs (fz_decode_apply_jobs).
  * Any other outcome, a sanitizer report or a leak is a bug. */
 #include "fuzz_common.h"
 
@@ -65,6 +66,54 @@ static void fz_decode_apply(fz_case *c, const uint8_t *pl, size_t len, const fz_
     free(work); free(pos); free(ov); free(nv);
 }
 
+/* The same chunks as one job each on 3 of the core's threads (rp_decode_apply_jobs,
+ * rp_pool.c): the same outcome and code as rp_decode_apply_chunks (rc, work, its outputs and
+ * sums: the first failing chunk is the lowest failing job), the same bytes, the per-job
+ * changes and hashes summing to its; on a failure nothing stays written. */
+static void fz_decode_apply_jobs(fz_case *c, int64_t nch, const uint8_t *const *bodies,
+                                 const size_t *lens, const int64_t *st, const int64_t *nn,
+                                 const int64_t *cnt, const int64_t *off, int64_t tot, int rc,
+                                 const uint8_t *work, const int64_t *pos, const uint8_t *ov,
+                                 const uint8_t *nv, const uint64_t delta[2],
+                                 const uint64_t sums[2]) {
+    int ow = fz_ow(&c->k);
+    rp_dec_job jobs[FZ_MAXCH];
+    if (nch < 1) return; /* rp_decode_apply_chunks refuses no chunks; no jobs is no work */
+    uint8_t *w2 = malloc(c->nbytes + 1);
+    int64_t *pos2 = malloc((size_t)tot * 8 + 8), failed = -2;
+    uint8_t *ov2 = malloc((size_t)tot * ow + 8), *nv2 = malloc((size_t)tot * ow + 8);
+    if (!w2 || !pos2 || !ov2 || !nv2) fz_fail("out of memory");
+    memcpy(w2, fz_base(c), c->nbytes);
+    memset(jobs, 0, sizeof jobs);
+    for (int64_t i = 0; i < nch; i++) {
+        rp_dec_job *b = &jobs[i];
+        b->k = &c->k; b->data = w2; b->nbytes = c->nbytes; b->m = 1;
+        b->body = &bodies[i]; b->len = &lens[i]; b->start = &st[i]; b->n = &nn[i];
+        b->count = &cnt[i]; b->off = &off[i];
+        b->pos_out = pos2; b->old_out = ov2; b->new_out = nv2; b->ow = ow; b->hash = 1;
+    }
+    const char *err = NULL;
+    int rc2 = rp_decode_apply_jobs(jobs, nch, 3, &failed, &err);
+    if (rc2 != rc) fz_fail("rp_decode_apply_jobs and rp_decode_apply_chunks disagree");
+    if (memcmp(w2, work, c->nbytes)) fz_fail("rp_decode_apply_jobs wrote other bytes");
+    if (rc2) {
+        if (!err || failed < 0 || failed >= nch || !jobs[failed].rc)
+            fz_fail("rp_decode_apply_jobs failed without its failing job");
+    } else {
+        uint64_t d[2] = {0, 0}, h[2] = {0, 0};
+        for (int64_t i = 0; i < nch; i++) {
+            d[0] += jobs[i].delta[0]; d[1] += jobs[i].delta[1];
+            h[0] += jobs[i].sums[0]; h[1] += jobs[i].sums[1];
+        }
+        if (failed != -1 || d[0] != delta[0] || d[1] != delta[1] || h[0] != sums[0] || h[1] != sums[1])
+            fz_fail("rp_decode_apply_jobs' changes or hashes differ");
+        if (memcmp(pos2, pos, (size_t)tot * 8) || memcmp(ov2, ov, (size_t)tot * ow)
+            || memcmp(nv2, nv, (size_t)tot * ow))
+            fz_fail("rp_decode_apply_jobs' outputs differ");
+    }
+    free(w2); free(pos2); free(ov2); free(nv2);
+}
+
 /* The whole payload through rp_decode_apply_chunks at once, with the in-pass hash: it must
  * succeed exactly when the decode does, with the same outputs and bytes, a hash equal to the
  * base's rp.sum128 (every word as read) and a change that reaches the target's; on a failure
@@ -114,6 +163,8 @@ static void fz_decode_apply_all(fz_case *c, const uint8_t *pl, size_t len, const
             if (sums[0] + delta[0] != want[0] || sums[1] + delta[1] != want[1])
                 fz_fail("in-pass hash + change differs from the target's sum128");
         }
+        fz_decode_apply_jobs(c, nch, bodies, lens, st, nn, cnt, off, tot, rc, work, pos, ov, nv,
+                             delta, sums);
         free(work); free(pos); free(ov); free(nv);
     }
     for (int64_t i = 0; i < nch; i++) free((void *)bodies[i]);

@@ -1,0 +1,188 @@
+"""The native core's many-job calls (``encode_jobs``, ``decode_apply_jobs``: every (tensor,
+range of chunks) on the core's own threads): the same results as one range at a time, for
+any thread count and job order, and all or nothing with the first failure in header order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch import native
+from rollpatch.errors import RollpatchError
+from rollpatch.patch import apply, apply_encoded, decode, encode_views
+from rollpatch.patch.codec_v2 import job_ranges
+from rollpatch.patch.ctxv2 import CHUNK
+from rollpatch.view import View
+from tests.patchfix import reseal, sample_views, split_blob
+
+core = native.require()
+
+
+def _views(seed: int) -> tuple[View, View]:
+    a, b = sample_views(seed=seed, n=3_158_000)  # model.w: 4 chunks
+    return View(dict(a)), View(dict(b))
+
+
+def _pairs(a: View, b: View) -> list[tuple[Any, np.ndarray, np.ndarray]]:
+    return [(native.kind_tuple(a[n].kind, a[n].n_elements), a[n].data, b[n].data) for n in a]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_encode_jobs_equal_one_range_at_a_time(threads: int) -> None:
+    a, b = _views(0)
+    pairs = _pairs(a, b)
+    jobs = []
+    for i, name in enumerate(a):  # the order of _pairs
+        nch = -(-a[name].n_elements // CHUNK)
+        jobs += [(i, c, min(c + 2, nch)) for c in range(0, nch, 2)]
+    jobs.reverse()  # any order: results are per job
+    got = core.encode_jobs(pairs, jobs, threads)
+    ws = core.Workspace()
+    for (i, c0, c1), (buf, k, d0, d1) in zip(jobs, got, strict=True):
+        kt, x, y = pairs[i]
+        want = core.encode_range_buf(kt, x, y, c0, c1, ws)
+        assert (bytes(buf), k, d0, d1) == (bytes(want[0]), *want[1:])
+
+
+def test_encode_jobs_refuses_bad_arguments() -> None:
+    a, b = _views(1)
+    pairs = _pairs(a, b)
+    with pytest.raises(ValueError):
+        core.encode_jobs(pairs, [(len(pairs), 0, 1)], 2)  # no such pair
+    with pytest.raises(ValueError):
+        core.encode_jobs(pairs, [(0, 0, 99)], 2)  # beyond the tensor's chunks
+    kt, x, _ = pairs[0]
+    with pytest.raises(ValueError):
+        core.encode_jobs([(kt, x, x[:-1])], [(0, 0, 1)], 2)  # sizes differ
+    assert core.encode_jobs(pairs, [], 2) == []
+
+
+def _decode_args(a: View, blob: bytes) -> tuple[View, list[tuple[Any, ...]], list[int]]:
+    """One tensor entry per v2 delta of ``blob`` (as inplace._write_concurrently builds them)."""
+    from rollpatch.patch.header import inspect
+
+    h = inspect(blob)
+    v = a.copy()
+    tensors, nch = [], []
+    for e in h.tensors:
+        if e["op"] != "delta" or e["codec"] != "rp.ctxgolomb.v2":
+            continue
+        t = v[e["name"]]
+        start = h.payload_start + e["offset"]
+        payload = memoryview(blob)[start : start + e["length"]]
+        kt = native.kind_tuple(t.kind, t.n_elements)
+        counts = core.table(kt, payload, t.n_elements)
+        offs = [0, *np.cumsum(counts).tolist()]
+        k = sum(counts)
+        pos, old, new = (
+            np.empty(k, np.int64),
+            np.empty(k, t.kind.elem_dtype),
+            np.empty(k, t.kind.elem_dtype),
+        )
+        tensors.append((kt, t.data, payload, counts, offs, pos, old, new))
+        nch.append(len(counts))
+    return v, tensors, nch
+
+
+def test_decode_apply_jobs_refuses_overlapping_or_bad_jobs_before_writing() -> None:
+    a, b = _views(2)
+    v, tensors, nch = _decode_args(a, encode_views(a, b))
+    big = nch.index(max(nch))
+    failed = np.full(1, -1, dtype=np.int64)
+    for jobs in (
+        [(big, 0, 2), (big, 1, 3)],  # chunk 1 twice
+        [(big, 0, nch[big] + 1)],
+        [(big, 2, 2)],
+        [(len(tensors), 0, 1)],
+    ):
+        with pytest.raises(ValueError):
+            core.decode_apply_jobs(tensors, jobs, 2, True, failed)
+        assert all(np.array_equal(v[n].data, a[n].data) for n in a)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_apply_jobs_sum_to_one_pass_per_tensor(threads: int) -> None:
+    """Split into jobs of one chunk in any order: the same words, change and in-pass hash
+    as one decode_range over each whole tensor."""
+    a, b = _views(3)
+    blob = encode_views(a, b)
+    v, tensors, nch = _decode_args(a, blob)
+    w, tensors1, _ = _decode_args(a, blob)
+    jobs = [(i, c, c + 1) for i in range(len(tensors)) for c in range(nch[i])][::-1]
+    res = core.decode_apply_jobs(tensors, jobs, threads, True, np.full(1, -1, dtype=np.int64))
+    per = [[0, 0, 0, 0] for _ in tensors]
+    for (i, _, _), r in zip(jobs, res, strict=True):
+        per[i] = [(x + y) % (1 << 64) for x, y in zip(per[i], r, strict=True)]
+    for i, (kt, data, payload, counts, offs, pos, old, new) in enumerate(tensors1):
+        want = core.decode_range(
+            kt, data, payload, 0, nch[i], counts, offs[:-1], pos, old, new, True, True
+        )
+        assert tuple(per[i]) == want
+        assert all(np.array_equal(x, y) for x, y in zip(tensors[i][5:], tensors1[i][5:]))
+    assert all(np.array_equal(v[n].data, b[n].data) for n in a)
+    assert all(np.array_equal(w[n].data, b[n].data) for n in a)
+
+
+def _decode_error_flip(a: View, header: dict, payload: bytes, name: str) -> int:
+    """A byte of ``name``'s payload whose flip makes ``decode`` refuse that tensor (found
+    from the end: the last chunk's streams)."""
+    e = next(t for t in header["tensors"] if t["name"] == name)
+    for back in range(1, e["length"]):
+        body = bytearray(payload)
+        body[e["offset"] + e["length"] - back] ^= 0x5A
+        try:
+            decode(reseal(header, bytes(body)), a)
+        except RollpatchError as err:
+            if err.context.get("tensor") == name:
+                return e["offset"] + e["length"] - back
+    raise AssertionError(f"no flip of {name} is refused by decode")
+
+
+def _table_error_flip(header: dict, name: str) -> int:
+    """The first byte of ``name``'s payload: its first chunk's length, now beyond the payload."""
+    return int(next(t for t in header["tensors"] if t["name"] == name)["offset"])
+
+
+@pytest.mark.parametrize("first", ["decode", "table"])
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_two_corrupt_tensors_raise_as_decode_does_with_every_word_in_place(
+    first: str, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.q (one chunk, first in header order) and model.w (four chunks: its jobs run
+    first) both refused, one at its chunk table (checked before any job runs), the other in
+    its streams: the error is the one ``decode`` raises (header order), nothing stays
+    written."""
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
+    a, b = _views(4)
+    header, payload = split_blob(encode_views(a, b))
+    body = bytearray(payload)
+    q_dec = (_decode_error_flip(a, header, payload, "model.q"), 0x5A)
+    q_tab = (_table_error_flip(header, "model.q"), 0xFF)
+    w_dec = (_decode_error_flip(a, header, payload, "model.w"), 0x5A)
+    w_tab = (_table_error_flip(header, "model.w"), 0xFF)
+    for at, mask in (q_dec, w_tab) if first == "decode" else (q_tab, w_dec):
+        body[at] ^= mask
+    bad = reseal(header, bytes(body))
+    raised = []
+    for fn in (lambda v, blob: apply(v, decode(blob, v)), apply_encoded):
+        v = a.copy()
+        with pytest.raises(RollpatchError) as err:
+            fn(v, bad)
+        raised.append((type(err.value), err.value.context.get("tensor"), err.value.message))
+        assert all(np.array_equal(v[n].data, a[n].data) for n in a)
+        v.invalidate()
+        assert v.digest() == a.digest()
+    assert raised[0] == raised[1]
+    assert raised[0][1] == "model.q"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
+def test_job_ranges_cover_every_chunk_once_in_order(threads: int) -> None:
+    for nch in (0, 1, 2, 3, 7, 20, 101):
+        r = job_ranges(nch, threads)
+        assert [c for a, b in r for c in range(a, b)] == list(range(nch))
+        assert all(b > a for a, b in r)
+        if threads == 1:
+            assert len(r) == (1 if nch else 0)

@@ -10,13 +10,15 @@ NATIVE = "src/rollpatch/native"
 _SOURCES = run_path(str(Path(__file__).resolve().parent / NATIVE / "sources.py"))  # named once
 CORE: tuple[str, ...] = _SOURCES["CORE"]
 HEADERS: tuple[str, ...] = _SOURCES["HEADERS"]
+BINDING: tuple[str, ...] = _SOURCES["BINDING"]
+BINDING_HEADERS: tuple[str, ...] = _SOURCES["BINDING_HEADERS"]
 
 setup(
     ext_modules=[
         Extension(
             "rollpatch.native._rpcore",
-            sources=[f"{NATIVE}/{f}.c" for f in (*CORE, "module")],
-            depends=[f"{NATIVE}/{h}" for h in HEADERS],
+            sources=[f"{NATIVE}/{f}.c" for f in (*CORE, *BINDING)],
+            depends=[f"{NATIVE}/{h}" for h in (*HEADERS, *BINDING_HEADERS)],
             extra_compile_args=[
                 "-O3",
                 "-std=gnu11",

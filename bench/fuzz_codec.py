@@ -54,7 +54,7 @@ CFLAGS = [
 # libFuzzer solve a parser's compares) buys nothing there and costs 2.5x in the coder's loops.
 EXTRA = {"decode": [], "roundtrip": ["-fno-sanitize-coverage=trace-cmp"]}
 # The native core's files and their internal headers, named once in native/sources.py (setup.py
-# builds the same ones, with module.c; the headers hold static inline helpers: bit streams,
+# builds the same ones, with the CPython binding's files; the headers hold static inline helpers: bit streams,
 # keys, block primitives).
 _SOURCES = runpy.run_path(str(NATIVE / "sources.py"))
 CORE = tuple(NATIVE / f"{f}.c" for f in _SOURCES["CORE"])

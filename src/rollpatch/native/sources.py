@@ -1,5 +1,5 @@
-"""The native core's C files, named once: setup.py builds them (with ``module.c``, the CPython
-bindings) and bench/fuzz_codec.py compiles the same ones into the fuzz targets. Plain data,
+"""The native core's C files, named once: setup.py builds them (with the CPython
+bindings, ``BINDING``) and bench/fuzz_codec.py compiles the same ones into the fuzz targets. Plain data,
 no imports: both load it by path (setup.py runs before the package is importable)."""
 
 #: The core's C files (without ``.c``), in link order.
@@ -17,5 +17,8 @@ CORE = (
     "rp_cast",
     "rp_pool",
 )
+#: The CPython binding's files (setup.py only: the fuzz targets call the core directly).
+BINDING = ("module", "mod_encode", "mod_decode", "mod_ops")
+BINDING_HEADERS = ("module.h",)
 #: The headers they include (the build's ``depends``; the fuzz script's coverage report).
 HEADERS = ("rpcore.h", "rp_internal.h", "rp_lane.h", "rp_bseq.h", "rp_cast.h")

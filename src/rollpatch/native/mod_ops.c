@@ -1,0 +1,197 @@
+/* CPython binding: word operations (sum128, the BF16 cast, apply, compose, gather, diff). */
+#include "module.h"
+#include "rp_cast.h"
+
+/* sum128(data, w0, nwords) -> (a, b) */
+PyObject *py_sum128(PyObject *self, PyObject *args) {
+    Py_buffer d = {0};
+    unsigned long long w0, nw;
+    if (!PyArg_ParseTuple(args, "y*KK", &d, &w0, &nw)) return NULL;
+    uint64_t out[2];
+    uint64_t words = ((uint64_t)d.len + 7) / 8;
+    if (w0 > words || nw > words - w0) {
+        PyBuffer_Release(&d);
+        PyErr_SetString(PyExc_ValueError, "word range out of bounds");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rp_sum128(d.buf, (size_t)d.len, w0, nw, out);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    return Py_BuildValue("(KK)", (unsigned long long)out[0], (unsigned long long)out[1]);
+}
+
+static int overlaps(const Py_buffer *x, const Py_buffer *y) {
+    const uint8_t *a = x->buf, *b = y->buf;
+    return x->len && y->len && a < b + y->len && b < a + x->len;
+}
+
+/* Whether any of the m buffers (m - 1 of them written) overlaps another. */
+static int any_overlap(const Py_buffer *const *b, int m) {
+    for (int i = 0; i < m; i++)
+        for (int j = i + 1; j < m; j++)
+            if (overlaps(b[i], b[j])) return 1;
+    return 0;
+}
+
+/* cast_bf16(src float32 bits, dst writable uint16) -> NaN count: rp_cast_bf16 (rp_cast.h) */
+PyObject *py_cast_bf16(PyObject *self, PyObject *args) {
+    Py_buffer s = {0}, d = {0};
+    if (!PyArg_ParseTuple(args, "y*w*", &s, &d)) return NULL;
+    PyObject *res = NULL;
+    int64_t nans;
+    if (s.len % 4 || d.len != s.len / 2) {
+        PyErr_SetString(PyExc_ValueError, "dst must hold one uint16 per float32 of src");
+    } else if (overlaps(&s, &d)) {
+        PyErr_SetString(PyExc_ValueError, "src and dst overlap");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        nans = rp_cast_bf16(s.buf, d.buf, (int64_t)(s.len / 4));
+        Py_END_ALLOW_THREADS
+        res = PyLong_FromLongLong((long long)nans);
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    return res;
+}
+
+/* cast_bf16_diff(src, prev uint16, dst, pos int64 (w), old uint16 (w), new uint16 (w))
+ *     -> (differences, NaN count): rp_cast_bf16_diff; cap = len(pos) */
+PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args) {
+    Py_buffer s = {0}, p = {0}, d = {0}, pos = {0}, ov = {0}, nv = {0};
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*w*", &s, &p, &d, &pos, &ov, &nv)) return NULL;
+    PyObject *res = NULL;
+    int64_t k, nans, cap = (int64_t)(pos.len / 8);
+    if (s.len % 4 || d.len != s.len / 2 || p.len != d.len) {
+        PyErr_SetString(PyExc_ValueError, "dst and prev must hold one uint16 per float32 of src");
+    } else if (pos.len % 8 || ov.len != cap * 2 || nv.len != cap * 2) {
+        PyErr_SetString(PyExc_ValueError, "pos (int64), old and new (uint16) must be as long");
+    } else if (any_overlap((const Py_buffer *[]){&s, &p, &d, &pos, &ov, &nv}, 6)) {
+        PyErr_SetString(PyExc_ValueError, "buffers overlap");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        k = rp_cast_bf16_diff(s.buf, p.buf, d.buf, (int64_t)(s.len / 4), pos.buf, ov.buf,
+                              nv.buf, cap, &nans);
+        Py_END_ALLOW_THREADS
+        res = Py_BuildValue("(LL)", (long long)k, (long long)nans);
+    }
+    PyBuffer_Release(&s); PyBuffer_Release(&p); PyBuffer_Release(&d);
+    PyBuffer_Release(&pos); PyBuffer_Release(&ov); PyBuffer_Release(&nv);
+    return res;
+}
+
+/* apply(kind, data(writable), pos:int64, old, new) -> (da, db); old/new in element width */
+PyObject *py_apply(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer d = {0}, pos = {0}, ov = {0}, nv = {0};
+    rp_kind k;
+    if (!PyArg_ParseTuple(args, "Ow*y*y*y*", &kt, &d, &pos, &ov, &nv)) return NULL;
+    if (kind_arg(kt, &k)) goto out;
+    Py_ssize_t cnt = pos.len / 8;
+    int iw = k.bits == 4 ? 1 : k.bits / 8;
+    if (pos.len % 8 || ov.len != cnt * iw || nv.len != cnt * iw) {
+        PyErr_SetString(PyExc_ValueError, "positions/old/new lengths differ");
+        goto out;
+    }
+    uint64_t delta[2] = {0, 0};
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_apply(&k, d.buf, (size_t)d.len, pos.buf, ov.buf, nv.buf, cnt, iw, delta, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = Py_BuildValue("(KK)", (unsigned long long)delta[0], (unsigned long long)delta[1]);
+out:
+    PyBuffer_Release(&d); PyBuffer_Release(&pos); PyBuffer_Release(&ov); PyBuffer_Release(&nv);
+    return res;
+}
+
+/* compose(width, pp, po, pn, qp, qo, qn, rp, ro, rn) -> count, or -1 when the patches
+ * disagree on an intermediate element (the caller raises its own error) */
+PyObject *py_compose(PyObject *self, PyObject *args) {
+    int w;
+    Py_buffer b[9];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*y*y*w*w*w*", &w, &b[0], &b[1], &b[2], &b[3], &b[4],
+                          &b[5], &b[6], &b[7], &b[8]))
+        return NULL;
+    Py_ssize_t np_ = b[0].len / 8, nq = b[3].len / 8;
+    if ((w != 1 && w != 2 && w != 4 && w != 8) || b[0].len % 8 || b[3].len % 8
+        || b[1].len != np_ * w || b[2].len != np_ * w || b[4].len != nq * w
+        || b[5].len != nq * w || b[6].len < (np_ + nq) * 8 || b[7].len < (np_ + nq) * w
+        || b[8].len < (np_ + nq) * w) {
+        PyErr_SetString(PyExc_ValueError, "compose: array lengths or width");
+        goto out;
+    }
+    int64_t n = 0;
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_compose(w, b[0].buf, b[1].buf, b[2].buf, np_, b[3].buf, b[4].buf, b[5].buf, nq,
+                    b[6].buf, b[7].buf, b[8].buf, &n, &err);
+    Py_END_ALLOW_THREADS
+    if (rc == RP_EBASE) res = PyLong_FromLong(-1);
+    else if (rc) PyErr_SetString(PyExc_ValueError, err);
+    else res = PyLong_FromLongLong(n);
+out:
+    for (int i = 0; i < 9; i++) PyBuffer_Release(&b[i]);
+    return res;
+}
+
+/* gather(kind, data, pos:int64, out(writable, element width)) */
+PyObject *py_gather(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer d = {0}, pos = {0}, o = {0};
+    rp_kind k;
+    int64_t n;
+    if (!PyArg_ParseTuple(args, "Oy*y*w*", &kt, &d, &pos, &o)) return NULL;
+    if (kind_arg(kt, &k) || elem_count(&k, d.len, &n)) goto out;
+    int ow = k.bits == 4 ? 1 : k.bits / 8;
+    Py_ssize_t cnt = pos.len / 8;
+    if (pos.len % 8 || o.len != cnt * ow) { PyErr_SetString(PyExc_ValueError, "bad output size"); goto out; }
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_gather(&k, d.buf, n, pos.buf, cnt, o.buf, ow, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    res = Py_None;
+    Py_INCREF(res);
+out:
+    PyBuffer_Release(&d); PyBuffer_Release(&pos); PyBuffer_Release(&o);
+    return res;
+}
+
+/* diff(kind, a, b, start, n) -> bytes of int64 positions where a and b differ */
+PyObject *py_diff(PyObject *self, PyObject *args) {
+    PyObject *kt, *res = NULL;
+    Py_buffer a = {0}, b = {0};
+    long long start, n;
+    rp_kind k;
+    int64_t total;
+    if (!PyArg_ParseTuple(args, "Oy*y*LL", &kt, &a, &b, &start, &n)) return NULL;
+    if (kind_arg(kt, &k) || elem_count(&k, a.len, &total)) goto out;
+    if (a.len != b.len || start < 0 || n < 0 || start + n > total) {
+        PyErr_SetString(PyExc_ValueError, "bad diff range");
+        goto out;
+    }
+    int64_t cap = n / 32 + 1024, found = 0;
+    int64_t *pos = NULL;
+    for (;;) {
+        int64_t *np_ = realloc(pos, (size_t)cap * 8);
+        if (!np_) { free(pos); PyErr_NoMemory(); goto out; }
+        pos = np_;
+        Py_BEGIN_ALLOW_THREADS
+        rp_diff(&k, a.buf, b.buf, start, n, pos, cap, &found);
+        Py_END_ALLOW_THREADS
+        if (found <= cap) break;
+        cap = found;
+    }
+    res = PyBytes_FromStringAndSize((const char *)pos, (Py_ssize_t)found * 8);
+    free(pos);
+out:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return res;
+}

@@ -1,0 +1,51 @@
+/* The CPython binding's shared parts (module.c): the error classes set from Python, argument
+ * helpers, the Buf payload type, and the entry points each binding file defines for the method
+ * table (mod_encode.c, mod_decode.c, mod_ops.c). */
+#ifndef RP_MODULE_H
+#define RP_MODULE_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "rpcore.h"
+
+extern PyObject *CorruptError; /* rollpatch.errors.PatchDecodeError, set by set_errors */
+extern PyObject *BaseError;    /* rollpatch.errors.BaseMismatchError */
+
+int kind_arg(PyObject *t, rp_kind *k);
+PyObject *raise_rc(int rc, const char *msg);
+int elem_count(const rp_kind *k, Py_ssize_t nbytes, int64_t *n);
+
+/* Buf: a read-only buffer over an rp_obuf (a payload the core wrote); freeing it gives a
+ * large one's pages back at once, so a payload copied into the patch stops costing memory. */
+typedef struct {
+    PyObject_HEAD
+    rp_obuf o;
+} BufObject;
+extern PyTypeObject BufType;
+BufObject *buf_new(void);
+extern PyTypeObject WsType; /* mod_encode.c */
+
+PyObject *py_encode_range_buf(PyObject *self, PyObject *args);
+PyObject *py_encode_range(PyObject *self, PyObject *args);
+PyObject *py_encode_range_keep(PyObject *self, PyObject *args);
+PyObject *py_encode_sparse(PyObject *self, PyObject *args);
+PyObject *py_encode_records(PyObject *self, PyObject *args);
+PyObject *py_table(PyObject *self, PyObject *args);
+PyObject *py_decode_range(PyObject *self, PyObject *args);
+PyObject *py_join_release(PyObject *self, PyObject *args);
+PyObject *py_sum128(PyObject *self, PyObject *args);
+PyObject *py_cast_bf16(PyObject *self, PyObject *args);
+PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args);
+PyObject *py_apply(PyObject *self, PyObject *args);
+PyObject *py_compose(PyObject *self, PyObject *args);
+PyObject *py_gather(PyObject *self, PyObject *args);
+PyObject *py_diff(PyObject *self, PyObject *args);
+PyObject *py_set_errors(PyObject *self, PyObject *args);
+PyObject *py_isa(PyObject *self, PyObject *args);
+PyObject *py_encode_jobs(PyObject *self, PyObject *args);
+PyObject *py_decode_apply_jobs(PyObject *self, PyObject *args);
+
+#endif

@@ -19,6 +19,37 @@ import sys
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
+#: How long orphans still running when CMD ends (a server that outlived its test) may take to
+#: exit before this gives up on them (they are left running, and their CPU uncounted).
+LINGER_S = 30.0
+
+
+def _reap(*, deadline: float) -> list[int]:
+    """Reap every exited descendant until none is left or ``deadline``; the pids left."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return []
+        if pid == 0:
+            if time.monotonic() >= deadline:
+                return _children()
+            time.sleep(0.2)
+
+
+def _children() -> list[int]:
+    """This process's children still running (adopted orphans included)."""
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2 :].split()[1]) == me:
+                out.append(int(entry))
+    return out
 
 
 def main() -> int:
@@ -28,11 +59,7 @@ def main() -> int:
     t0 = time.monotonic()
     rc = subprocess.call(sys.argv[1:])
     wall = time.monotonic() - t0
-    while True:  # orphans still running (a server that outlived its test): reap them too
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
+    left = _reap(deadline=time.monotonic() + LINGER_S)
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(
         f"== {' '.join(sys.argv[1:])}: {wall:.0f} s wall; CPU of everything it ran, orphans "
@@ -40,6 +67,8 @@ def main() -> int:
         f"({(r.ru_utime + r.ru_stime) / 60:.1f} CPU-min)",
         flush=True,
     )
+    if left:
+        print(f"== still running after {LINGER_S:.0f} s, not counted: pids {left}", flush=True)
     return rc
 
 

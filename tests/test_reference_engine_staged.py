@@ -272,7 +272,8 @@ def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path, tmp_
         while httpx.get(sc.url + "/ready").status_code != 503:
             assert time.monotonic() - t0 < 30, "the audit never found the flipped bit"
             time.sleep(0.01)
-        hashed = auditor.bytes - hashed_before
+        assert auditor.bytes_at_first_mismatch is not None  # counted when the audit found it
+        hashed = auditor.bytes_at_first_mismatch - hashed_before
         seen.set()
         while not (
             httpx.get(sc.url + "/ready").status_code == 200

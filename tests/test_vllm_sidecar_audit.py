@@ -125,7 +125,10 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
         while httpx.get(f"{sc.url}/ready").status_code != 503:
             assert time.monotonic() < deadline + 60, "the audit never found the flipped bit"
             time.sleep(0.01)
-        hashed = auditor.bytes - before
+        # counted when the audit found it (this poll of /ready may see the 503 late under load,
+        # while the auditor goes on with other engines' work)
+        assert auditor.bytes_at_first_mismatch is not None
+        hashed = auditor.bytes_at_first_mismatch - before
         seen.set()
         while not (
             httpx.get(f"{sc.url}/ready").status_code == 200

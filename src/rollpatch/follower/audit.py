@@ -29,7 +29,9 @@ class Auditor:
     """Runs :meth:`EngineAdapter.audit` every ``period_s`` with ``rate × period_s`` bytes.
 
     ``on_mismatch(report)`` is called (on the auditor's thread) when live words differ.
-    Counters: ``passes`` (full rounds), ``bytes`` (hashed), ``mismatches``.
+    Counters: ``passes`` (full rounds), ``bytes`` (hashed), ``mismatches``;
+    ``bytes_at_first_mismatch``: ``bytes`` when the first mismatch was found (how much was
+    hashed before finding it, however late someone looks).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Auditor:
         self.passes = 0
         self.bytes = 0
         self.mismatches = 0
+        self.bytes_at_first_mismatch: int | None = None
         self.last: AuditReport | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,6 +89,8 @@ class Auditor:
         self.passes += report.wrapped
         if report.mismatched:
             self.mismatches += 1
+            if self.bytes_at_first_mismatch is None:
+                self.bytes_at_first_mismatch = self.bytes
             log.warning(
                 "audit: live weights differ from the held version (%s); out of "
                 "rotation until re-synced",

@@ -18,6 +18,7 @@ PUBLISH_SET_OTHERWISE = {
     "policy": "--include, --exclude, --quantise-routers (QuantPolicy's flags)",
     "signer": "--signing-key",
     "skip_strides": "none: a fresh process has published no earlier version to skip from",
+    "fold_every": "0: a fresh process holds no anchor's view to fold from",
     "max_pending": "1: publish is synchronous, nothing waits",
 }
 
@@ -74,6 +75,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         **config_kwargs(args, PublisherConfig),
         policy=policy,
         skip_strides=(),
+        fold_every=0,
         max_pending=1,
         signer=load_signer(args),
     )

@@ -36,19 +36,17 @@ from ..serving.responses import error_response
 from ..serving.schema import validate_body
 from ..serving.streaming import SseRelay
 from ..serving.upstream import Upstream, UpstreamError, UpstreamResponse
-from ..types import Constraint
 from .gate import Admission
 from .protocol import (
-    DEFAULT_WAIT_S,
     HEADER_END,
     HEADER_START,
-    Decision,
     annotate_body,
     annotate_sse_line,
     decide,
     parse_constraint,
 )
 from .relay import StreamTap, client_of, tappable
+from .satisfy import LatestReader, conflict, plain_proxy, satisfy
 from .service import Sidecar
 
 __all__ = ["PROXIED", "ProxyFront", "rollpatch_refusal"]
@@ -82,7 +80,7 @@ class ProxyFront:
 
     def __init__(self, sc: Sidecar, app: Any, upstream: Upstream) -> None:
         self.sc, self.app, self.upstream = sc, app, upstream
-        self._latest = _Latest(sc)
+        self._latest = LatestReader(sc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED:
@@ -112,20 +110,20 @@ class ProxyFront:
         typed = validate_body(path, body)
         stripped = "rollpatch" in body
         constraint = parse_constraint(body, _rollpatch_headers(scope))
-        refused = await _satisfy(sc, self._latest, constraint)
+        refused = await satisfy(sc, self._latest, constraint)
         if refused is not None:
             await refused(scope, receive, send)
             return
         # the engine gets the body as the client sent it, less the rollpatch field
         payload = _dumps(body) if stripped else raw
         with await _admit(sc) as slot:
-            d = _plain_proxy(constraint, slot.start)
+            d = plain_proxy(constraint, slot.start)
             if d is None:
                 latest = await self._latest(needed=constraint.max_lag is not None)
                 d = decide(constraint, slot.start, latest)
             if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
                 sc.metrics.request("conflict")
-                await _conflict(sc, slot.start, d.reason)(scope, receive, send)
+                await conflict(sc, slot.start, d.reason)(scope, receive, send)
                 return
             if typed.stream:
                 await self._stream(receive, send, path, payload, slot)
@@ -270,105 +268,6 @@ async def _admit(sc: Sidecar) -> Admission:
     except NotReadyError:
         timeout = sc.config.admit_timeout_s
         return await admit_async(lambda: sc.gate.admit(timeout))
-
-
-class _Latest:
-    """LATEST for the event loop: the sidecar's cache when fresh; else one board read in a
-    worker thread (the board may sit behind a slow relay: never on the loop), shared by every
-    request that needs it meanwhile (a refresh is one read, not one per waiting request).
-
-    ``needed=False``: the cached value as it is, stale or not, for a decision that LATEST
-    cannot change (no ``max_lag``, and the served version satisfies the constraint); such a
-    request then pays no thread hop and no board read on its way to the engine."""
-
-    def __init__(self, sc: Sidecar) -> None:
-        self.sc = sc
-        self._reading: asyncio.Future[int | None] | None = None
-
-    async def __call__(self, refresh: bool = False, needed: bool = True) -> int | None:
-        if refresh:
-            return await asyncio.to_thread(self.sc.latest, True)
-        fresh, value = self.sc.cached_latest()
-        if fresh or not needed:
-            return value
-        if self._reading is None:
-            self._reading = reading = asyncio.ensure_future(asyncio.to_thread(self.sc.latest))
-            reading.add_done_callback(self._read)
-        return await asyncio.shield(self._reading)
-
-    def _read(self, _: object) -> None:
-        self._reading = None
-
-
-async def _satisfy(sc: Sidecar, latest_of: _Latest, c: Constraint) -> Response | None:
-    """Wait for catch-up when the constraint allows it; a response when it must refuse."""
-    served = sc.follower.version
-    if served is None and sc.gate.busy:  # mid-commit an engine may report no version
-        await asyncio.to_thread(sc.gate.wait_commit, sc.config.admit_timeout_s)
-        for _ in range(100):  # the follower records the verified version just after
-            served = sc.follower.version
-            if served is not None:
-                break
-            await asyncio.sleep(0.01)
-    if _plain_proxy(c, served) is not None:
-        return None
-    # without max_lag, LATEST cannot turn a proxy decision into another: it is read (when
-    # stale) only if the answer is not a plain proxy
-    latest = await latest_of(needed=c.max_lag is not None)
-    if c.max_lag is None and decide(c, served, latest).action != "proxy":
-        latest = await latest_of()
-    age = sc.latest_age()
-    if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
-        # the board is unreachable: how far behind this island is cannot be known
-        sc.metrics.request("unavailable")
-        return error_response(
-            503,
-            f"LATEST has not been read for {age:.0f} s (the board is "
-            "unreachable): max_lag cannot be checked",
-            "not_ready",
-            served=served,
-            latest=latest,
-        )
-    d = decide(c, served, latest)
-    if d.action == "conflict" and d.need is not None:
-        latest = await latest_of(True)
-        d = decide(c, served, latest)
-    if d.action == "proxy":
-        return None
-    if d.action == "unavailable":
-        sc.metrics.request("unavailable")
-        event(log, "refused", status=503, reason=d.reason, served=None, latest=latest)
-        return error_response(503, d.reason, "not_ready", served=None, latest=latest)
-    if d.action == "wait":
-        wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
-        assert d.need is not None
-        if wait_s > 0:
-            event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
-        if wait_s > 0 and await asyncio.to_thread(sc.follower.wait_for, d.need, wait_s):
-            return None
-        reason = d.reason + (
-            " (caller asked not to wait)" if wait_s == 0 else f" did not finish within {wait_s:g}s"
-        )
-        sc.metrics.request("conflict")
-        return _conflict(sc, served, reason)
-    sc.metrics.request("conflict")
-    return _conflict(sc, served, d.reason)
-
-
-def _plain_proxy(c: Constraint, served: int | None) -> Decision | None:
-    """The proxy decision when LATEST cannot change it (no ``max_lag``, and ``served``
-    satisfies the constraint), without looking LATEST up at all; else None."""
-    if c.max_lag is not None:
-        return None
-    d = decide(c, served, None)
-    return d if d.action == "proxy" else None
-
-
-def _conflict(sc: Sidecar, served: int | None, reason: str) -> Response:
-    event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
-    return error_response(
-        409, reason, "version_conflict", served=served, latest=sc.latest_seen(), reason=reason
-    )
 
 
 def _rollpatch_headers(scope: Scope) -> dict[str, str]:

@@ -1,0 +1,119 @@
+"""The version decision for a proxied request, on the event loop: LATEST read without
+blocking the loop (:class:`LatestReader`), then :func:`satisfy` proxies, waits for catch-up
+or refuses (409/503) by the constraint (docs/sidecar.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.responses import Response
+
+from ..logs import event
+from ..serving.responses import error_response
+from ..types import Constraint
+from .protocol import DEFAULT_WAIT_S, Decision, decide
+from .service import Sidecar
+
+__all__ = ["LatestReader", "conflict", "plain_proxy", "satisfy"]
+
+log = logging.getLogger("rollpatch.sidecar")
+
+
+class LatestReader:
+    """LATEST for the event loop: the sidecar's cache when fresh; else one board read in a
+    worker thread (the board may sit behind a slow relay: never on the loop), shared by every
+    request that needs it meanwhile (a refresh is one read, not one per waiting request).
+
+    ``needed=False``: the cached value as it is, stale or not, for a decision that LATEST
+    cannot change (no ``max_lag``, and the served version satisfies the constraint); such a
+    request then pays no thread hop and no board read on its way to the engine."""
+
+    def __init__(self, sc: Sidecar) -> None:
+        self.sc = sc
+        self._reading: asyncio.Future[int | None] | None = None
+
+    async def __call__(self, refresh: bool = False, needed: bool = True) -> int | None:
+        if refresh:
+            return await asyncio.to_thread(self.sc.latest, True)
+        fresh, value = self.sc.cached_latest()
+        if fresh or not needed:
+            return value
+        if self._reading is None:
+            self._reading = reading = asyncio.ensure_future(asyncio.to_thread(self.sc.latest))
+            reading.add_done_callback(self._read)
+        return await asyncio.shield(self._reading)
+
+    def _read(self, _: object) -> None:
+        self._reading = None
+
+
+async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Response | None:
+    """Wait for catch-up when the constraint allows it; a response when it must refuse."""
+    served = sc.follower.version
+    if served is None and sc.gate.busy:  # mid-commit an engine may report no version
+        await asyncio.to_thread(sc.gate.wait_commit, sc.config.admit_timeout_s)
+        for _ in range(100):  # the follower records the verified version just after
+            served = sc.follower.version
+            if served is not None:
+                break
+            await asyncio.sleep(0.01)
+    if plain_proxy(c, served) is not None:
+        return None
+    # without max_lag, LATEST cannot turn a proxy decision into another: it is read (when
+    # stale) only if the answer is not a plain proxy
+    latest = await latest_of(needed=c.max_lag is not None)
+    if c.max_lag is None and decide(c, served, latest).action != "proxy":
+        latest = await latest_of()
+    age = sc.latest_age()
+    if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
+        # the board is unreachable: how far behind this island is cannot be known
+        sc.metrics.request("unavailable")
+        return error_response(
+            503,
+            f"LATEST has not been read for {age:.0f} s (the board is "
+            "unreachable): max_lag cannot be checked",
+            "not_ready",
+            served=served,
+            latest=latest,
+        )
+    d = decide(c, served, latest)
+    if d.action == "conflict" and d.need is not None:
+        latest = await latest_of(True)
+        d = decide(c, served, latest)
+    if d.action == "proxy":
+        return None
+    if d.action == "unavailable":
+        sc.metrics.request("unavailable")
+        event(log, "refused", status=503, reason=d.reason, served=None, latest=latest)
+        return error_response(503, d.reason, "not_ready", served=None, latest=latest)
+    if d.action == "wait":
+        wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
+        assert d.need is not None
+        if wait_s > 0:
+            event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
+        if wait_s > 0 and await asyncio.to_thread(sc.follower.wait_for, d.need, wait_s):
+            return None
+        reason = d.reason + (
+            " (caller asked not to wait)" if wait_s == 0 else f" did not finish within {wait_s:g}s"
+        )
+        sc.metrics.request("conflict")
+        return conflict(sc, served, reason)
+    sc.metrics.request("conflict")
+    return conflict(sc, served, d.reason)
+
+
+def plain_proxy(c: Constraint, served: int | None) -> Decision | None:
+    """The proxy decision when LATEST cannot change it (no ``max_lag``, and ``served``
+    satisfies the constraint), without looking LATEST up at all; else None."""
+    if c.max_lag is not None:
+        return None
+    d = decide(c, served, None)
+    return d if d.action == "proxy" else None
+
+
+def conflict(sc: Sidecar, served: int | None, reason: str) -> Response:
+    event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
+    return error_response(
+        409, reason, "version_conflict", served=served, latest=sc.latest_seen(), reason=reason
+    )

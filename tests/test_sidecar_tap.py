@@ -224,6 +224,26 @@ def test_a_stream_ending_while_the_client_is_slow_hands_back_a_reading_connectio
     assert _dechunk(b"".join(cycle.transport.out) + b"0\r\n\r\n").endswith(b"[DONE]\n\n")
 
 
+def test_a_whole_answer_that_came_before_the_tap_with_the_close_is_served_whole() -> None:
+    """An engine may send its whole answer and close before the tap takes over: the buffered
+    body is the answer, not a break; closed before the body ended, it is a break."""
+    ev = b'data: {"x": 1}\n\n'
+    whole = b"%x\r\n%b\r\n" % (len(ev), ev) + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    resp, cycle = _Resp(), _Cycle()
+    tap = relay.StreamTap(resp, SseRelay(_last), cycle)  # type: ignore[arg-type]
+    resp._conn.buf += whole
+    resp._conn.eof = True
+    asyncio.run(tap.run())
+    assert tap._error is None
+    assert _dechunk(b"".join(cycle.transport.out) + b"0\r\n\r\n").endswith(b"[DONE]\n\n")
+    resp, cycle = _Resp(), _Cycle()
+    tap = relay.StreamTap(resp, SseRelay(_last), cycle)  # type: ignore[arg-type]
+    resp._conn.buf += whole[: len(whole) // 2]
+    resp._conn.eof = True
+    with pytest.raises(UpstreamError, match="mid-answer"):
+        asyncio.run(tap.run())
+
+
 # -- live: a sidecar in front of a scripted engine ---------------------------------------------------
 
 

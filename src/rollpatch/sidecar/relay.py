@@ -50,16 +50,9 @@ def client_of(send: Any) -> Any | None:
 
 
 def tappable(resp: UpstreamResponse) -> bool:
-    """A ``chunked`` answer whose connection the tap can take over (a TCP or TLS transport
-    that can change protocols)."""
-    te = resp.header(b"transfer-encoding")
-    conn = resp._conn
-    return (
-        te is not None
-        and b"chunked" in te.lower()
-        and conn.transport is not None
-        and hasattr(conn.transport, "set_protocol")
-    )
+    """A ``chunked`` answer (as the response parsed its head: not after a 204 or 304) whose
+    connection is still open for the tap to take over."""
+    return resp._chunked and resp._conn.transport is not None
 
 
 class StreamTap(asyncio.Protocol):
@@ -91,12 +84,12 @@ class StreamTap(asyncio.Protocol):
         if conn.paused:  # the pool's reader had paused on a full buffer
             conn.paused = False
             transport.resume_reading()
-        if conn.eof:
-            self._fail(UpstreamError("the engine closed the connection mid-answer"))
-        elif conn.buf:  # body bytes that came with the head
+        if conn.buf:  # body bytes that came with the head (maybe all of it)
             data = bytes(conn.buf)
             conn.buf.clear()
             self.data_received(data)
+        if conn.eof:  # closed before the tap took over: broken unless the body was whole
+            self._fail(UpstreamError("the engine closed the connection mid-answer"))
         try:
             while True:
                 await self._wake
@@ -130,8 +123,8 @@ class StreamTap(asyncio.Protocol):
                 # came (its framing is the client's too) when the next one arrives; the last
                 # one before [DONE] is the relay's to annotate. What the relay holds (from a
                 # read that took the general path) goes first, as the relay would send it
-                if relay._held is not None:
-                    ev, relay._held = relay._held + b"\n\n", None
+                ev = relay.abandon()  # what it holds, unannotated (it is not the last event)
+                if ev:
                     self._write(b"%x\r\n%b\r\n" % (len(ev), ev))
                 held, self._held = self._held, data
                 if held is not None:
@@ -156,12 +149,6 @@ class StreamTap(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._conn.connection_lost(exc)
         self._fail(UpstreamError("the engine closed the connection mid-answer"))
-
-    def pause_writing(self) -> None:  # the request is a few hundred bytes: never paused
-        self._conn.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._conn.resume_writing()
 
     # -- the relay ----------------------------------------------------------------------------
 

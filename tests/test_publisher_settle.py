@@ -79,7 +79,7 @@ def test_a_failing_settle_stops_the_publisher(monkeypatch: pytest.MonkeyPatch) -
         _wait(lambda: not pub._writer.pipe.unsettled)
         nudge(masters, 0, lr=1e-4)
 
-        def boom(*args: object, **kwargs: object) -> None:
+        def boom(*args: object) -> None:
             raise RuntimeError("compose failed")
 
         monkeypatch.setattr(pub._writer.pipe, "_advance_accumulators", boom)

@@ -145,7 +145,7 @@ class PublisherConfig:
     @property
     def window(self) -> int:
         """How far back any patch's base lies from its version (skip strides, folds)."""
-        return max((*self.skip_strides, self.fold_every), default=1) or 1
+        return max(1, self.fold_every, *self.skip_strides)
 
 
 def _is_int(x: object) -> bool:

@@ -94,7 +94,9 @@ class Publisher:
         top, target = resume_point(self.board, self.run, self.config, self._x)
         self._last_assigned = self._last_durable = top
         self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
-        self._words = WordPool()  # the host snapshot's words, reused once free (paged in)
+        # the host snapshot's words, reused once free (paged in): the base and the next
+        # snapshot, and the anchor's view the host path folds from
+        self._words = WordPool(per_name=2 + (self.config.fold_every > 0))
         self._snaps = HostSnapshots(self._words)
         self._heartbeat: LatestHeartbeat | None = None
         signer = self.config.signer

@@ -103,6 +103,8 @@ def snapshot_device(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 class DeviceShardPipeline(ShardPipeline):
     """:class:`ShardPipeline` with the previous view on the device (module docstring)."""
 
+    FOLD_BY_ACCUMULATOR = True  # no anchor view held on the device: the fold is composed
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         native.require()  # records are coded by the native core
@@ -110,7 +112,6 @@ class DeviceShardPipeline(ShardPipeline):
         self._code_s = 0.0
 
     def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
-        self.settle()  # never deferred here (every step advances the accumulators in build)
         t = time.perf_counter()
         view = self._cast(masters)
         res = ShardResult(version, view)

@@ -23,7 +23,7 @@ from ..formats import cast_view
 from ..patch import Patch, compose, diff, encode, encode_views, encode_views_patch, inspect
 from ..patch.ops import scatter
 from ..types import ObjectRef
-from ..view import Tensor, View
+from ..view import Tensor, View, sum_add
 from .cast import has_step, step_patch
 from .config import PublisherConfig
 from .sharded_slices import SliceSpec, check_sliceable, cut, slice_part
@@ -87,6 +87,10 @@ class ShardResult:
 class ShardPipeline:
     """One rank's publishing state: its previous view, version and skip accumulators."""
 
+    #: How the folded patch is made: False (host) encodes it from the anchor's view, held
+    #: from anchor to anchor; True (the device path) composes it in an accumulator.
+    FOLD_BY_ACCUMULATOR = False
+
     def __init__(self, board: Board, run: str, config: PublisherConfig, shard: int) -> None:
         self.board, self.run, self.config, self.shard = board, run, config, shard
         self.prev: Any = None  # View (host path), or DeviceView (device path)
@@ -108,11 +112,12 @@ class ShardPipeline:
         self.prev, self.prev_version, self._whole_prev = whole_view, version, True
         self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
         self._later = None
+        self._anchor = None
         if self.config.is_anchor(version):
-            self._acc[FOLD] = (version, None)  # the device path's fold
-            self._anchor = (version, whole_view, True)
-        else:
-            self._anchor = None
+            if self.FOLD_BY_ACCUMULATOR:
+                self._acc[FOLD] = (version, None)
+            else:
+                self._anchor = (version, whole_view, True)
 
     def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
         """Cast, diff, encode and upload this shard's objects for ``version``; the masters
@@ -173,7 +178,7 @@ class ShardPipeline:
                 res.patch_bytes, res.changed = len(blob), step.n_changed
         skips: list[tuple[int, Patch]] = []
         if self._skip_due(version):
-            res.accumulators, skips = self._advance_accumulators(version, step, fold=False)
+            res.accumulators, skips = self._advance_accumulators(version, step)
         else:  # composing into the accumulators waits until the version is published
             res.deferred = (step,)
         fold = self._fold_blob(view, version)
@@ -210,21 +215,17 @@ class ShardPipeline:
         """The version is durable: its view becomes the base of the next one (and its step
         patch is composed into the skip accumulators, if ``build`` left that for now: here,
         or with ``settle_later`` by :meth:`settle`, once readers are done with the version)."""
-        later = None
         if res.deferred is not None:
-            if self.settle_later:
-                later = (res.version, res.deferred[0])
-            else:
-                res.accumulators, _ = self._advance_accumulators(
-                    res.version, res.deferred[0], fold=False
-                )
-            res.deferred = None
-        self.prev, self.prev_version, self._whole_prev = res.view, res.version, False
-        if later is None:
+            self._later, res.deferred = (res.version, res.deferred[0]), None
+        else:
             self._acc = res.accumulators
-        self._later = later
+        self.prev, self.prev_version, self._whole_prev = res.view, res.version, False
+        if not self.settle_later:
+            self.settle()
         cfg = self.config
-        if cfg.is_anchor(res.version):
+        if self.FOLD_BY_ACCUMULATOR:
+            pass  # the fold is the accumulators'
+        elif cfg.is_anchor(res.version):
             self._anchor = (res.version, res.view, False)
         elif self._anchor is not None and self._anchor[0] != cfg.anchor_below(res.version + 1):
             self._anchor = None  # an anchor was dropped: no fold until the next one
@@ -241,7 +242,7 @@ class ShardPipeline:
         anchor's view, not composed)."""
         if self._later is not None:
             version, step = self._later
-            self._acc, _ = self._advance_accumulators(version, step, fold=False)
+            self._acc, _ = self._advance_accumulators(version, step)
             self._later = None
 
     # -- helpers -----------------------------------------------------------------------------
@@ -309,20 +310,21 @@ class ShardPipeline:
         return False
 
     def _advance_accumulators(
-        self, version: int, step: Patch | None, *, fold: bool = True
+        self, version: int, step: Patch | None
     ) -> tuple[Accumulators, list[tuple[int, Patch]]]:
         """The accumulators after ``version`` and the skip and folded patches (base,
         composed) it gets (one per base: a fold landing on a skip stride's base is that skip
         patch). A step that does not chain onto an accumulator (a dropped or failed version
         left it behind) ends that accumulator until its next base: a patch is never composed
-        over a gap. ``fold``: also the fold's accumulator (the device path; the host path
-        encodes its fold from the anchor's view), whose base is always the anchor below
+        over a gap. With :attr:`FOLD_BY_ACCUMULATOR`, also the fold's accumulator, whose base
+        is always the anchor below
         ``version``: one the publisher skipped (a dropped version) ends it until the next."""
         new: Accumulators = {}
         skips: dict[int, Patch] = {}
         cfg = self.config
         below = cfg.anchor_below(version) if cfg.fold_every else -1
-        for s in (*cfg.skip_strides, *((FOLD,) if fold and cfg.fold_every else ())):
+        fold = self.FOLD_BY_ACCUMULATOR and cfg.fold_every
+        for s in (*cfg.skip_strides, *((FOLD,) if fold else ())):
             entry = self._acc.get(s)
             if entry is not None and step is not None:
                 base, acc = entry
@@ -351,12 +353,18 @@ class ShardPipeline:
             return None
         algo = composed.digest
         rewound: dict[str, Tensor] = {}
+        states: dict[str, tuple[int, int]] = {}
         for name, tp in inverse.tensors.items():
             ch = tp.changes()  # inverse() holds delta ops only
             t = view[name].copy()
-            scatter(t, ch.positions, ch.new)
+            # the current words checked where they are undone; the sum128 change comes back
+            delta = scatter(t, ch.positions, ch.new, ch.old)
+            if delta is not None and algo == "rp.sum128.v1":
+                states[name] = sum_add(view.sum_state(name), delta)
             rewound[name] = t
         old = View({n: rewound.get(n, t) for n, t in view.items()}, view.metadata)
+        for name, st in states.items():  # the rewound digest without hashing the tensor again
+            old.update_sum_state(name, st)
         for name in view:
             if name not in rewound:  # unchanged since the base: the current digest is its
                 old.set_digest(name, view.tensor_digest(name, algo), algo)

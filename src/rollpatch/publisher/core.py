@@ -20,10 +20,10 @@ from typing import Any
 
 from ..board import Board
 from ..errors import ConfigError, FormatError
-from ..types import MAX_VERSION, check_run
+from ..types import check_run
 from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
-from .rounds import Snapshot, agree, resume_point
+from .rounds import Snapshot, agree, next_version, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
@@ -104,7 +104,7 @@ class Publisher:
             check_signing(self.board, signer)
         if signer is not None and self._x.rank == 0:
             self._heartbeat = LatestHeartbeat(
-                self.board, self.run, self._durable, signer.latest_ttl_s / 4
+                self.board, self.run, lambda: self.last_durable, signer.latest_ttl_s / 4
             )
         self._worker: threading.Thread | None = None
         #: When the worker composes what the last commit left (None: nothing left).
@@ -243,10 +243,6 @@ class Publisher:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _durable(self) -> int | None:
-        with self._cond:
-            return self._last_durable
-
     def _check_usable(self) -> None:
         with self._cond:
             if self._closed or self._closing:
@@ -282,24 +278,8 @@ class Publisher:
         return snapshot_state(state_dict)
 
     def _assign(self, version: int | None) -> int:
-        last = self._last_assigned
-        if version is None:
-            n = 0 if last is None else last + 1
-        else:
-            if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-                raise ConfigError("version must be a non-negative int", value=version)
-            if last is not None and version <= last:
-                raise ConfigError(
-                    "version numbers must increase",
-                    version=version,
-                    last_assigned=last,
-                    run=self.run,
-                )
-            n = version
-        if n > MAX_VERSION:
-            raise ConfigError("version number too large", version=n)
-        self._last_assigned = n
-        return n
+        self._last_assigned = next_version(self._last_assigned, version, self.run)
+        return self._last_assigned
 
     def _trim(self, queue: deque[Snapshot]) -> None:
         while len(queue) > self.config.max_pending:
@@ -331,11 +311,9 @@ class Publisher:
                 ):
                     left = None if self._settle_at is None else self._settle_at - time.monotonic()
                     if left is not None and left <= 0:
-                        settle = True
+                        settle, self._settle_at = True, None
                         break
                     self._cond.wait(left)
-                if settle:
-                    self._settle_at = None
             if settle:  # SETTLE_AFTER_S passed with no new version: compose the last step
                 try:
                     self._writer.pipe.settle()

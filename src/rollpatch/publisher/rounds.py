@@ -13,10 +13,11 @@ from typing import Any
 
 from ..board import Board
 from ..errors import BoardError, ConfigError
+from ..types import MAX_VERSION
 from .config import PublisherConfig
 from .sharded import Exchange
 
-__all__ = ["Decision", "Snapshot", "agree", "resume_point"]
+__all__ = ["Decision", "Snapshot", "agree", "next_version", "resume_point"]
 
 
 @dataclass(eq=False)
@@ -137,3 +138,21 @@ def _resume_point(board: Board, run: str, config: PublisherConfig) -> dict[str, 
         board.put_manifest(m)
         board.advance(run, top)
     return {"top": top, "target": m.target}
+
+
+def next_version(last: int | None, version: int | None, run: str) -> int:
+    """The number of the version ``publish()`` is called for: ``version`` (a non-negative int
+    above ``last``, the last one assigned), or the one after ``last`` (0 for the first)."""
+    if version is None:
+        n = 0 if last is None else last + 1
+    else:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ConfigError("version must be a non-negative int", value=version)
+        if last is not None and version <= last:
+            raise ConfigError(
+                "version numbers must increase", version=version, last_assigned=last, run=run
+            )
+        n = version
+    if n > MAX_VERSION:
+        raise ConfigError("version number too large", version=n)
+    return n

@@ -125,10 +125,10 @@ def render_catchup(ctx: dict[str, Any]) -> str:
     k, fold = ctx["catchup_n"], ctx.get("fold_every", 0)
     anchor = f"{k} behind from v0" + (" (anchor: folded)" if fold else " (chain)")
     paths = [
-        ("vLLM", "1 behind", ctx.get("catchup_one") or ctx["staged"]),
+        ("vLLM", "1 behind", one_behind(ctx)),
         ("vLLM", anchor, ctx["catchup"]),
         ("vLLM", f"{k} behind from v1 (chain)", ctx.get("catchup_chain") or []),
-        ("built-in", "1 behind", ctx.get("reference_catchup_one") or ctx["reference"]),
+        ("built-in", "1 behind", one_behind(ctx, "reference_")),
         ("built-in", anchor, ctx["reference_catchup"]),
         ("built-in", f"{k} behind from v1 (chain)", ctx.get("reference_catchup_chain") or []),
     ]
@@ -187,8 +187,16 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _med(runs: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+def _med(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(float(r[key]) for r in runs)
+
+
+def one_behind(ctx: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
+    """The 1-behind samples the catch-up ratios divide by (``prefix`` "reference_": the
+    built-in engine's): those timed in turn with the catch-ups, or in a run from before them,
+    the staged path's."""
+    fallback = "reference" if prefix else "staged"
+    return ctx.get(f"{prefix}catchup_one") or ctx[fallback]
 
 
 def render(ctx: dict[str, Any]) -> str:
@@ -305,9 +313,9 @@ def render(ctx: dict[str, Any]) -> str:
             ]
         )
     m, d = ctx["memory"], w["dims"]
-    one = _med(ctx.get("catchup_one") or st, "visible_to_serving_s")
+    one = _med(one_behind(ctx), "visible_to_serving_s")
     five = _med(ctx["catchup"], "visible_to_serving_s")
-    rone = _med(ctx.get("reference_catchup_one") or ctx["reference"], "visible_to_serving_s")
+    rone = _med(one_behind(ctx, "reference_"), "visible_to_serving_s")
     rfive = _med(ctx["reference_catchup"], "visible_to_serving_s")
     biggest = max(r["staged_bytes"] for r in st)
     foot = [

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import log, table
+from _vllm_report import _med, _ms, one_behind
 from _vllm_server import BenchError
 
 #: (path key in the JSON, label, its full-reload baseline key).
@@ -68,16 +69,8 @@ def run_sizes(
         sys.stdout.flush()
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
-
-
 def _mib(kb: float) -> str:
     return f"{kb / 1024:.0f}"
-
-
-def _med(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(float(r[key]) for r in runs)
 
 
 def _stage_mib(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> str:
@@ -146,9 +139,9 @@ def render_sizes(ctxs: list[dict[str, Any]]) -> str:
     rows = []
     for ctx in ctxs:
         rv, rl = _med(ctx["reloads"], "pause_s"), _med(ctx["reference_loads"], "pause_s")
-        one = _med(ctx["staged"], "visible_to_serving_s")
+        one = _med(one_behind(ctx), "visible_to_serving_s")
         five = _med(ctx["catchup"], "visible_to_serving_s")
-        rone = _med(ctx["reference"], "visible_to_serving_s")
+        rone = _med(one_behind(ctx, "reference_"), "visible_to_serving_s")
         rfive = _med(ctx["reference_catchup"], "visible_to_serving_s")
         chain = _ratio(ctx, "catchup_chain", one)
         rchain = _ratio(ctx, "reference_catchup_chain", rone)

@@ -113,3 +113,19 @@ def test_combine_orders_by_size_and_computes_ratios(tmp_path: Path) -> None:
         "+40",
         "8",
     ]
+
+
+def test_catch_up_ratios_divide_by_the_1_behind_timed_in_turn(tmp_path: Path) -> None:
+    """A run that timed 1 behind in turn with the catch-ups divides by those samples, as the
+    single-run report does (not by the staged path's, timed at another load)."""
+    ctx = _ctx(441_000_000, 2048, 9, 2.0)
+    ctx["catchup_one"] = _runs([20.0], 1.5)  # 3 s / 1.5 s
+    ctx["reference_catchup_one"] = _runs([100.0], 0.75)  # 1.5 s / 0.75 s
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(ctx))
+    row = next(
+        ln
+        for ln in combine([str(path)]).splitlines()
+        if ln.startswith("441M") and "vLLM" not in ln and "built-in" not in ln
+    )
+    assert row.split()[6:10] == ["2.00x", "3.00x", "2.00x", "2.67x"]

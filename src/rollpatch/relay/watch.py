@@ -225,8 +225,8 @@ class PointerWatch:
                         newer = data is not None and self._learned(
                             key, st, data, read_at, hinted, pushed, started=started
                         )
-                    except StalePointer:  # a newer LATEST was verified while this one came
-                        newer = False
+                    except StalePointer:  # a newer LATEST was verified while this one came:
+                        newer = True  # ask again at once (waiting would lag behind it)
                     early = time.monotonic() - started < 1.0
                     if held is not None and data is not None and not newer and early:
                         self._closed.wait(self.relay.config.watch_s)  # nothing new, at once

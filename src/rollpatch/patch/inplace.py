@@ -72,7 +72,7 @@ class _Written:
         return self.item.result
 
 
-def _write_concurrently(view: View, fused: list[_FusedDelta]) -> None:
+def _write_concurrently(view: View, fused: list[_FusedDelta], hashed: bool) -> None:
     """Decode and write every fused delta in one native call: each (tensor, range of chunks)
     is a job, largest first, on the core's own ``native.threads()`` threads
     (``core.decode_apply_jobs``: the GIL released once, no Python per job or per tensor on
@@ -97,7 +97,6 @@ def _write_concurrently(view: View, fused: list[_FusedDelta]) -> None:
         for c0, c1 in job_ranges(len(counts), nt):
             jobs.append((min(c1 * CHUNK, n) - c0 * CHUNK, i, c0, c1))
     jobs.sort(reverse=True)
-    hashed = any(x.hashed for x in fused)
     failed = np.full(1, -1, dtype=np.int64)
     try:
         results = (
@@ -192,6 +191,8 @@ def apply_encoded(
         )
     limit = max(MIN_FULL_BOUND, view.nbytes) if max_full_bytes is None else max_full_bytes
     mv = memoryview(blob)
+    # the in-pass re-hash gives rp.sum128 states, and an incremental apply keeps the sums
+    hashed = _V2.can_hash() and not incremental and algo == "rp.sum128.v1"
     items: list[TensorPatch | _FusedDelta] = []
     for e in header.tensors:
         _check_entry(view, e, algo)
@@ -201,20 +202,17 @@ def apply_encoded(
             raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
         if e["op"] == "delta" and e["codec"] == _V2.codec_id and native.core is not None:
             items.append(
-                _FusedDelta(
-                    e["name"], e["base"], e["target"], payload, e["changed"], _V2.can_hash()
-                )
+                _FusedDelta(e["name"], e["base"], e["target"], payload, e["changed"], hashed)
             )
         else:
             items.append(decode_entry(e, payload, view, limit))
     fused = [x for x in items if isinstance(x, _FusedDelta)]
     _share_outputs(view, fused)
-    for x in fused:  # the in-pass re-hash is of rp.sum128 states, and not incremental
-        x.hashed = x.hashed and not incremental and algo == "rp.sum128.v1"
-        if incremental:
+    if incremental:
+        for x in fused:
             view.sum_state(x.name)  # the base's state, before the words change
     if fused:
-        _write_concurrently(view, fused)
+        _write_concurrently(view, fused, hashed)
     written: list[TensorPatch | InPlaceDelta] = [
         _Written.of(x) if isinstance(x, _FusedDelta) else x for x in items
     ]

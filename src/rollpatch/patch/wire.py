@@ -185,7 +185,7 @@ def _encode_views(
         if k == 0:
             return None
         codec_id = codec.codec_id
-        if k > DENSE * ta.n_elements:
+        if _dense_alt(k, ta):
             alt = XorZstd().compress(np.bitwise_xor(ta.data, tb.data))
             if len(alt) < len(payload):
                 codec_id, payload = "rp.xorzstd.v1", alt
@@ -196,8 +196,14 @@ def _encode_views(
 
     # what is left per tensor is a few dict and digest operations (Python, under the GIL): on
     # a pool they only contend for it, so they run here; a pool is for real work (a full
-    # tensor's zstd, a pass with kept changes, a dense tensor's XOR+zstd alternative)
-    heavy = [n for n in names if n in b and (n not in dense or _dense_alt(dense[n], b[n]))]
+    # tensor's zstd, a pass with kept changes, a dense tensor's XOR+zstd alternative, the
+    # digests of a base whose sums are not known yet)
+    heavy = [
+        n
+        for n in names
+        if n in b
+        and (n not in dense or _dense_alt(dense[n][1], b[n]) or a.cached_sum_state(n) is None)
+    ]
     ahead = dict(zip(heavy, _map(one, heavy)))
     done = [x for x in (ahead.pop(n) if n in ahead else one(n) for n in names) if x is not None]
     parts = [(e, p) for e, p, _ in done]
@@ -209,9 +215,9 @@ def _encode_views(
     return blob, Patch(a.digest(), b.digest(), tensors, meta=dict(meta or {}))
 
 
-def _dense_alt(coded: tuple[Any, int, Any], t: Any) -> bool:
+def _dense_alt(changed: int, t: Any) -> bool:
     """Whether a delta is dense enough that XOR+zstd may be the smaller payload."""
-    return coded[1] > DENSE * t.n_elements
+    return changed > DENSE * t.n_elements
 
 
 def entry(

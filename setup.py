@@ -9,7 +9,7 @@ from setuptools import Extension, setup
 NATIVE = "src/rollpatch/native"
 _SOURCES = run_path(str(Path(__file__).resolve().parent / NATIVE / "sources.py"))  # named once
 CORE: tuple[str, ...] = _SOURCES["CORE"]
-HEADERS: tuple[str, ...] = _SOURCES["HEADERS"]
+HEADERS: tuple[str, ...] = (*_SOURCES["PUBLIC_HEADERS"], *_SOURCES["INTERNAL_HEADERS"])
 BINDING: tuple[str, ...] = _SOURCES["BINDING"]
 BINDING_HEADERS: tuple[str, ...] = _SOURCES["BINDING_HEADERS"]
 

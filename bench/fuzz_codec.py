@@ -58,7 +58,7 @@ EXTRA = {"decode": [], "roundtrip": ["-fno-sanitize-coverage=trace-cmp"]}
 # keys, block primitives).
 _SOURCES = runpy.run_path(str(NATIVE / "sources.py"))
 CORE = tuple(NATIVE / f"{f}.c" for f in _SOURCES["CORE"])
-CORE_HEADERS = tuple(NATIVE / h for h in _SOURCES["HEADERS"] if h != "rpcore.h")
+CORE_HEADERS = tuple(NATIVE / h for h in _SOURCES["INTERNAL_HEADERS"])
 
 
 @dataclass

@@ -258,9 +258,7 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
         PROF_ADD(1, t0);
         rc = lane_finish(kd, l, err);
         if (rc) { /* all or nothing: put back what this chunk wrote */
-            if (wdata)
-                for (int64_t i = 0; i < l->done; i++)
-                    elem_put(wdata, kd->bits, l->pos_out[i], arr_get(l->old_out, ow, i));
+            if (wdata) put_back(wdata, kd->bits, l->pos_out, l->old_out, ow, l->done);
             break;
         }
         if (wdata) {
@@ -269,11 +267,9 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
         }
     }
     if (rc && wdata) /* and what the earlier chunks of this call wrote */
-        for (int p = q - 1; p >= 0; p--) {
-            const uint8_t *po = (const uint8_t *)old_out + off[p] * ow;
-            for (int64_t i = 0; i < count[p]; i++)
-                elem_put(wdata, kd->bits, pos_out[off[p] + i], arr_get(po, ow, i));
-        }
+        for (int p = q - 1; p >= 0; p--)
+            put_back(wdata, kd->bits, pos_out + off[p], (const uint8_t *)old_out + off[p] * ow,
+                     ow, count[p]);
     if (rc == RP_OK && wdata) {
         delta[0] += d0;
         delta[1] += d1;

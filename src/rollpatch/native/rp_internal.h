@@ -56,6 +56,12 @@ static inline uint64_t arr_get(const void *a, int w, int64_t i) {
     }
 }
 
+/* Put n written elements back: data[pos[i]] = old[i] (a failed decode is all or nothing). */
+static inline void put_back(uint8_t *data, int bits, const int64_t *pos, const void *old, int ow,
+                            int64_t n) {
+    for (int64_t i = 0; i < n; i++) elem_put(data, bits, pos[i], arr_get(old, ow, i));
+}
+
 static inline void arr_put(void *a, int w, int64_t i, uint64_t v) {
     switch (w) {
     case 1: ((uint8_t *)a)[i] = (uint8_t)v; return;

@@ -119,12 +119,9 @@ int rp_decode_apply_jobs(rp_dec_job *jobs, int64_t njobs, int nthreads, int64_t 
     for (int64_t j = 0; j < njobs; j++) {
         rp_dec_job *b = &jobs[j];
         if (b->rc) continue;
-        for (int q = 0; q < b->m; q++) {
-            const int64_t *p = b->pos_out + b->off[q];
-            const uint8_t *o = (const uint8_t *)b->old_out + b->off[q] * b->ow;
-            for (int64_t i = 0; i < b->count[q]; i++)
-                elem_put(b->data, b->k->bits, p[i], arr_get(o, b->ow, i));
-        }
+        for (int q = 0; q < b->m; q++)
+            put_back(b->data, b->k->bits, b->pos_out + b->off[q],
+                     (const uint8_t *)b->old_out + b->off[q] * b->ow, b->ow, b->count[q]);
     }
     *err = jobs[*failed].err ? jobs[*failed].err : "native codec error";
     return jobs[*failed].rc;

@@ -20,5 +20,7 @@ CORE = (
 #: The CPython binding's files (setup.py only: the fuzz targets call the core directly).
 BINDING = ("module", "mod_encode", "mod_decode", "mod_ops")
 BINDING_HEADERS = ("module.h",)
-#: The headers they include (the build's ``depends``; the fuzz script's coverage report).
-HEADERS = ("rpcore.h", "rp_internal.h", "rp_lane.h", "rp_bseq.h", "rp_cast.h")
+#: The headers they include (the build's ``depends``; the internal ones are in the fuzz
+#: script's coverage report: the public ones hold declarations only).
+PUBLIC_HEADERS = ("rpcore.h", "rp_cast.h")  # declarations of the core's entry points
+INTERNAL_HEADERS = ("rp_internal.h", "rp_lane.h", "rp_bseq.h")  # static inline helpers

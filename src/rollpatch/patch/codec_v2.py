@@ -57,13 +57,19 @@ def _ranges(nchunks: int, parts: int) -> list[tuple[int, int]]:
 JOBS_PER_THREAD = 4
 
 
-def job_ranges(nchunks: int, threads: int) -> list[tuple[int, int]]:
-    """One tensor's ranges of chunks as jobs of a many-job native call: whole on one thread;
+def job_step(nchunks: int, threads: int) -> int:
+    """Chunks per job of one tensor in a many-job native call: the whole tensor on one thread;
     on several, ranges of at least 2 chunks, about ``JOBS_PER_THREAD`` per thread for the
-    largest tensors (a range's fixed cost is a few microseconds; a chunk is ~0.5 ms)."""
+    largest tensors (a range's fixed cost is a few microseconds; a chunk is ~0.5 ms). The
+    decoder's native call cuts the ranges itself from this step."""
     if threads <= 1 or nchunks <= 2:
-        return [(0, nchunks)] if nchunks else []
-    step = max(2, -(-nchunks // (JOBS_PER_THREAD * threads)))
+        return max(1, nchunks)
+    return max(2, -(-nchunks // (JOBS_PER_THREAD * threads)))
+
+
+def job_ranges(nchunks: int, threads: int) -> list[tuple[int, int]]:
+    """One tensor's ranges of chunks (:func:`job_step` each), in order."""
+    step = job_step(nchunks, threads)
     return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
 
 

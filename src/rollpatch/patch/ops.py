@@ -6,6 +6,7 @@ digests before writing, verifies the target digests after, and undoes its writes
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -15,7 +16,16 @@ from ..errors import BaseMismatchError, PatchError, TargetMismatchError
 from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View, sum_add
 from .model import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 
-__all__ = ["InPlaceDelta", "apply", "compose", "diff", "gather", "scatter", "write_verified"]
+__all__ = [
+    "InPlaceDelta",
+    "apply",
+    "check_targets",
+    "compose",
+    "diff",
+    "gather",
+    "scatter",
+    "write_verified",
+]
 
 
 def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
@@ -254,19 +264,25 @@ def write_verified(
                     view.update_sum_state(name, sum_add(state, delta))
                 else:
                     view.invalidate(name)
-        for tp in done:
-            if (
-                not isinstance(tp.change, DropOp)
-                and view.tensor_digest(tp.name, algo) != tp.target_digest
-            ):
-                raise TargetMismatchError(
-                    "tensor does not match the target after applying", tensor=tp.name
-                )
-        if view.digest(algo) != target:
-            raise TargetMismatchError("view root digest does not match the target")
+        kept = ((tp.name, tp.target_digest) for tp in done if not isinstance(tp.change, DropOp))
+        check_targets(view, kept, target, algo)
     except BaseException:
         _undo(view, undo, algo)
         raise
+
+
+def check_targets(
+    view: View, tensors: Iterable[tuple[str, str | None]], target: str, algo: DigestAlgo
+) -> None:
+    """After the writes: each (tensor, target digest) in order, then the root, against the
+    view's digests (TargetMismatchError for the first that differs)."""
+    for name, want in tensors:
+        if view.tensor_digest(name, algo) != want:
+            raise TargetMismatchError(
+                "tensor does not match the target after applying", tensor=name
+            )
+    if view.digest(algo) != target:
+        raise TargetMismatchError("view root digest does not match the target")
 
 
 def _undo(

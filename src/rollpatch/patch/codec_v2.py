@@ -149,8 +149,12 @@ class CtxGolombV2:
         for job, res in zip(jobs, results, strict=True):
             per[job[1]].append((job[2], res))
         del results
-        out = []
+        out: list[tuple[memoryview, int, tuple[int, int]]] = []
         for ranges in per:
+            if len(ranges) == 1:  # a whole tensor in one job (every tensor on one thread)
+                buf, k, d0, d1 = ranges.pop()[1]
+                out.append((memoryview(buf), k, (d0, d1)))
+                continue
             ranges.sort(key=lambda x: x[0])
             change, k = (0, 0), 0
             for _, (_, kk, d0, d1) in ranges:
@@ -158,10 +162,7 @@ class CtxGolombV2:
                 k += kk
             bufs = [res[0] for _, res in ranges]
             ranges.clear()
-            if not bufs:
-                out.append((memoryview(b""), 0, change))
-                continue
-            joined = bufs[0] if len(bufs) == 1 else core.join_release(bufs, True)
+            joined = core.join_release(bufs, True) if bufs else b""
             out.append((memoryview(joined), k, change))
         return out
 

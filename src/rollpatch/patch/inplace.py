@@ -247,8 +247,8 @@ def _check_entry(view: View, e: dict[str, Any], algo: Any) -> None:
     if op in ("delta", "drop") and name not in view:
         raise BaseMismatchError("the view lacks a tensor the patch changes", tensor=name)
     if op == "delta":
-        t = view[name]
-        if t.kind != KINDS[e["kind"]] or t.shape != tuple(e["shape"]):
+        t, kind = view[name], KINDS[e["kind"]]
+        if (t.kind is not kind and t.kind != kind) or t.shape != tuple(e["shape"]):
             raise BaseMismatchError(
                 "base tensor layout differs from the patch",
                 tensor=name,

@@ -16,17 +16,7 @@ from ..errors import BaseMismatchError, PatchError, TargetMismatchError
 from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View, sum_add
 from .model import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 
-__all__ = [
-    "InPlaceDelta",
-    "apply",
-    "check_targets",
-    "compose",
-    "diff",
-    "gather",
-    "same_layout",
-    "scatter",
-    "write_verified",
-]
+__all__ = ["InPlaceDelta", "apply", "compose", "diff", "gather", "scatter", "write_verified"]
 
 
 def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:

@@ -112,7 +112,7 @@ def test_decode_apply_view_refuses_bad_arguments_before_writing() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("step", [1, 2, 64])
+@pytest.mark.parametrize("step", [1, 2, 64, 1 << 62])
 def test_decode_apply_view_sums_to_one_pass_per_tensor(threads: int, step: int) -> None:
     """Split into jobs of ``step`` chunks: the same words, outputs, change and in-pass hash
     per tensor as one decode_range over each whole tensor."""

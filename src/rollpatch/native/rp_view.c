@@ -29,7 +29,7 @@ int rp_parse_table(const uint8_t *p, size_t len, int64_t nchunks, size_t *offs, 
 
 /* One tensor's chunk table, counts and output offsets (one entry per chunk). */
 typedef struct {
-    int64_t nch;
+    int64_t nch, step; /* step: the caller's, at most nch (no overflow in the job count) */
     size_t *offs, *lens;
     int64_t *cnt, *off;
 } vtab;
@@ -44,6 +44,7 @@ static int vtab_parse(const rp_dec_tensor *t, vtab *x, const char **err) {
         return RP_EARG;
     }
     x->nch = (t->n + RP_CHUNK - 1) / RP_CHUNK;
+    x->step = t->step < x->nch ? t->step : (x->nch > 0 ? x->nch : 1);
     if ((uint64_t)x->nch > (uint64_t)t->plen) {
         *err = "payload shorter than its chunk table";
         return RP_ECORRUPT;
@@ -107,7 +108,7 @@ int rp_decode_apply_view(rp_dec_tensor *ts, int64_t nt, int nthreads, int hash, 
     /* the tensors before a refused one are decoded all the same: a failure among them comes
      * first in header order (then everything is put back) */
     for (int64_t i = 0; i < p; i++) {
-        nj += (tab[i].nch + ts[i].step - 1) / ts[i].step;
+        nj += (tab[i].nch + tab[i].step - 1) / tab[i].step;
         chunks += tab[i].nch;
     }
     vj = malloc(((size_t)nj + 1) * sizeof *vj);
@@ -119,8 +120,8 @@ int rp_decode_apply_view(rp_dec_tensor *ts, int64_t nt, int nthreads, int hash, 
     if (!vj || !jobs || !body || !len || !st || !nn) { rc = RP_ENOMEM; *err = "out of memory"; goto out; }
     int64_t j = 0;
     for (int64_t i = 0; i < p; i++)
-        for (int64_t c0 = 0; c0 < tab[i].nch; c0 += ts[i].step) {
-            int64_t c1 = c0 + ts[i].step < tab[i].nch ? c0 + ts[i].step : tab[i].nch;
+        for (int64_t c0 = 0; c0 < tab[i].nch; c0 += tab[i].step) {
+            int64_t c1 = c0 + tab[i].step < tab[i].nch ? c0 + tab[i].step : tab[i].nch;
             int64_t end = c1 * RP_CHUNK < ts[i].n ? c1 * RP_CHUNK : ts[i].n;
             vj[j++] = (vjob){end - c0 * RP_CHUNK, i, c0, c1};
         }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollpatch.errors import BaseMismatchError, RollpatchError
+from rollpatch.errors import BaseMismatchError, RollpatchError, TargetMismatchError
 from rollpatch.kinds import KINDS
 from rollpatch.patch import apply, apply_encoded, decode, diff, encode, encode_views
 from rollpatch.patch.ctxv2 import CHUNK
@@ -134,6 +134,39 @@ def test_a_flip_behind_the_digests_back_is_caught_by_the_full_check_only() -> No
     apply_encoded(w, blob, incremental=True)  # O(change) digests cannot see it: the audit's job
     w.invalidate()
     assert w.digest() != b.digest()
+
+
+@pytest.mark.parametrize("lie", ["tensor", "root"])
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_false_target_puts_every_tensor_back_with_its_digests(
+    lie: str, incremental: bool, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A patch of v2 deltas only (checked after the one native write of all of them): a
+    false target digest, of a tensor or the root, is refused after the writes; every word is
+    put back and the view's cached digests and sums are its base's again, so the right patch
+    applies next."""
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
+    a, b = _views(7)
+    a, b = View({n: a[n] for n in a if n in b}), View({n: b[n] for n in a if n in b})
+    blob = encode_views(a, b)
+    header, payload = split_blob(blob)
+    assert all(e["codec"] == "rp.ctxgolomb.v2" for e in header["tensors"])
+    if lie == "tensor":
+        header["tensors"][-1]["target"] = "0" * 64
+    else:
+        header["target"] = "0" * 64
+    v = a.copy()
+    v.digest()
+    with pytest.raises(TargetMismatchError):
+        apply_encoded(v, reseal(header, payload), incremental=incremental)
+    assert _same_words(v, a)
+    assert v.digest() == a.digest()
+    assert all(v.cached_sum_state(n) in (None, sum128(a[n].data)) for n in a)
+    apply_encoded(v, blob, incremental=incremental)
+    assert _same_words(v, b) and v.digest() == b.digest()
+    v.invalidate()
+    assert v.digest() == b.digest()
 
 
 def test_encode_views_derives_the_new_digests_from_the_old_state_exactly() -> None:

@@ -1,4 +1,4 @@
-"""The native core's many-job calls (``encode_jobs``, ``decode_apply_jobs``: every (tensor,
+"""The native core's many-job calls (``encode_jobs``, ``decode_apply_view``: every (tensor,
 range of chunks) on the core's own threads): the same results as one range at a time, for
 any thread count and job order, and all or nothing with the first failure in header order."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from rollpatch import native
-from rollpatch.errors import RollpatchError
+from rollpatch.errors import PatchDecodeError, RollpatchError
+from rollpatch.kinds import KINDS
 from rollpatch.patch import apply, apply_encoded, decode, encode_views
 from rollpatch.patch.codec_v2 import job_ranges
 from rollpatch.patch.ctxv2 import CHUNK
@@ -59,8 +60,11 @@ def test_encode_jobs_refuses_bad_arguments() -> None:
     assert core.encode_jobs(pairs, [], 2) == []
 
 
-def _decode_args(a: View, blob: bytes) -> tuple[View, list[tuple[Any, ...]], list[int]]:
-    """One tensor entry per v2 delta of ``blob`` (as inplace._write_concurrently builds them)."""
+def _decode_args(
+    a: View, blob: bytes, step: int = 1, lie: int = 0
+) -> tuple[View, list[tuple[Any, ...]], list[int]]:
+    """One decode_apply_view entry per v2 delta of ``blob`` (as inplace._write_concurrently
+    builds them), jobs of ``step`` chunks; ``lie`` is added to each header count."""
     from rollpatch.patch.header import inspect
 
     h = inspect(blob)
@@ -73,56 +77,101 @@ def _decode_args(a: View, blob: bytes) -> tuple[View, list[tuple[Any, ...]], lis
         start = h.payload_start + e["offset"]
         payload = memoryview(blob)[start : start + e["length"]]
         kt = native.kind_tuple(t.kind, t.n_elements)
-        counts = core.table(kt, payload, t.n_elements)
-        offs = [0, *np.cumsum(counts).tolist()]
-        k = sum(counts)
+        k = e["changed"] + lie
         pos, old, new = (
             np.empty(k, np.int64),
             np.empty(k, t.kind.elem_dtype),
             np.empty(k, t.kind.elem_dtype),
         )
-        tensors.append((kt, t.data, payload, counts, offs, pos, old, new))
-        nch.append(len(counts))
+        tensors.append((kt, t.data, payload, k, step, pos, old, new))
+        nch.append(-(-t.n_elements // CHUNK))
     return v, tensors, nch
 
 
-def test_decode_apply_jobs_refuses_overlapping_or_bad_jobs_before_writing() -> None:
+def _unchanged(v: View, a: View) -> bool:
+    return all(np.array_equal(v[n].data, a[n].data) for n in a)
+
+
+def test_decode_apply_view_refuses_bad_arguments_before_writing() -> None:
     a, b = _views(2)
-    v, tensors, nch = _decode_args(a, encode_views(a, b))
-    big = nch.index(max(nch))
+    v, tensors, _ = _decode_args(a, encode_views(a, b))
     failed = np.full(1, -1, dtype=np.int64)
-    for jobs in (
-        [(big, 0, 2), (big, 1, 3)],  # chunk 1 twice
-        [(big, 0, nch[big] + 1)],
-        [(big, 2, 2)],
-        [(len(tensors), 0, 1)],
+    kt, data, payload, k, _, pos, old, new = tensors[-1]
+    for bad in (
+        (kt, data, payload, k, 0, pos, old, new),  # no chunks per job
+        (kt, data, payload, k, 1, pos[:-1], old, new),  # outputs not `changed` long
+        (kt, data, payload, k, 1, pos, old, new[:-1]),
+        (kt, data, payload, k + 1, 1, pos, old, new),
+        (kt, data, payload, data.size * 2 + 1, 1, pos, old, new),  # beyond the tensor
+        (kt, data[:-1].copy(), payload, k, 1, pos, old, new[:-1]),
     ):
         with pytest.raises(ValueError):
-            core.decode_apply_jobs(tensors, jobs, 2, True, failed)
-        assert all(np.array_equal(v[n].data, a[n].data) for n in a)
+            core.decode_apply_view([*tensors[:-1], bad], 2, True, failed)
+        assert _unchanged(v, a) and failed[0] == -1
+    assert core.decode_apply_view([], 2, True, failed) == []
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_decode_apply_jobs_sum_to_one_pass_per_tensor(threads: int) -> None:
-    """Split into jobs of one chunk in any order: the same words, change and in-pass hash
-    as one decode_range over each whole tensor."""
+@pytest.mark.parametrize("step", [1, 2, 64, 1 << 62])
+def test_decode_apply_view_sums_to_one_pass_per_tensor(threads: int, step: int) -> None:
+    """Split into jobs of ``step`` chunks: the same words, outputs, change and in-pass hash
+    per tensor as one decode_range over each whole tensor."""
     a, b = _views(3)
     blob = encode_views(a, b)
-    v, tensors, nch = _decode_args(a, blob)
+    v, tensors, nch = _decode_args(a, blob, step)
     w, tensors1, _ = _decode_args(a, blob)
-    jobs = [(i, c, c + 1) for i in range(len(tensors)) for c in range(nch[i])][::-1]
-    res = core.decode_apply_jobs(tensors, jobs, threads, True, np.full(1, -1, dtype=np.int64))
-    per = [[0, 0, 0, 0] for _ in tensors]
-    for (i, _, _), r in zip(jobs, res, strict=True):
-        per[i] = [(x + y) % (1 << 64) for x, y in zip(per[i], r, strict=True)]
-    for i, (kt, data, payload, counts, offs, pos, old, new) in enumerate(tensors1):
+    res = core.decode_apply_view(tensors, threads, True, np.full(1, -1, dtype=np.int64))
+    for i, (kt, data, payload, _, _, pos, old, new) in enumerate(tensors1):
+        counts = core.table(kt, payload, data.size * 2 if kt[0] == 4 else data.size)
+        offs = np.cumsum([0, *counts]).tolist()
         want = core.decode_range(
             kt, data, payload, 0, nch[i], counts, offs[:-1], pos, old, new, True, True
         )
-        assert tuple(per[i]) == want
+        assert res[i] == want
         assert all(np.array_equal(x, y) for x, y in zip(tensors[i][5:], tensors1[i][5:]))
-    assert all(np.array_equal(v[n].data, b[n].data) for n in a)
-    assert all(np.array_equal(w[n].data, b[n].data) for n in a)
+    assert _unchanged(v, b) and _unchanged(w, b)
+
+
+@pytest.mark.parametrize("lie", [-1, 1])
+def test_decode_apply_view_refuses_a_false_count_with_every_word_in_place(lie: int) -> None:
+    """Every tensor's count is checked against its chunks' before any job runs; the first
+    tensor (header order) is the one named, whatever the others' jobs did."""
+    a, b = _views(4)
+    v, tensors, _ = _decode_args(a, encode_views(a, b))
+    kt, data, payload, k, step, _, old, _ = tensors[-1]
+    n = k + lie
+    dt = old.dtype
+    tensors[-1] = (
+        kt,
+        data,
+        payload,
+        n,
+        step,
+        np.empty(n, np.int64),
+        np.empty(n, dt),
+        np.empty(n, dt),
+    )
+    failed = np.full(1, -1, dtype=np.int64)
+    with pytest.raises(PatchDecodeError, match="changed count does not match the header"):
+        core.decode_apply_view(tensors, 3, True, failed)
+    assert failed[0] == len(tensors) - 1
+    assert _unchanged(v, a)
+
+
+def test_a_delta_of_an_empty_tensor_decodes_as_no_change() -> None:
+    """No chunks: an empty payload and a count of 0 (as the numpy reference reads it); any
+    byte of payload is a corrupt table."""
+    t = np.empty(0, dtype=np.uint16)
+    kt = native.kind_tuple(KINDS["bf16"], 0)
+    assert core.table(kt, b"", 0) == []
+    with pytest.raises(PatchDecodeError):
+        core.table(kt, b"\x00", 0)
+    out = (np.empty(0, np.int64), np.empty(0, np.uint16), np.empty(0, np.uint16))
+    failed = np.full(1, -1, dtype=np.int64)
+    assert core.decode_apply_view([(kt, t, b"", 0, 1, *out)], 2, True, failed) == [(0, 0, 0, 0)]
+    with pytest.raises(PatchDecodeError):
+        core.decode_apply_view([(kt, t, b"\x00", 0, 1, *out)], 2, True, failed)
+    assert failed[0] == 0
 
 
 def _decode_error_flip(a: View, header: dict, payload: bytes, name: str) -> int:

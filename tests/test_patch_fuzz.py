@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollpatch.errors import RollpatchError
+from rollpatch.errors import PatchDecodeError, RollpatchError
 from rollpatch.patch import apply, decode, diff, encode, inspect
 from tests.patchfix import reseal, sample_views, split_blob
 
@@ -92,6 +92,11 @@ FIELD_ATTACKS = [
     ("changed", "7"),
     ("shape", "big"),
     ("offset", True),
+    ("shape", [True, 4]),
+    ("name", "\ud800"),  # a lone surrogate: valid JSON, not UTF-8
+    ("base", "0" * 64 + "\n"),
+    ("b3", "A" * 64),
+    ("changed", 16.0),
 ]
 
 
@@ -131,6 +136,23 @@ def test_every_truncation_is_refused() -> None:
             inspect(BLOB[:cut])
         with pytest.raises(RollpatchError):
             decode(BLOB[:cut], A)
+
+
+def test_header_refusals_name_the_check() -> None:
+    """Each refused field gets the header error of its own check (a PatchDecodeError, never a
+    UnicodeEncodeError or a TypeError from a later check)."""
+    for field, value, what in [
+        ("name", "\ud800", "tensor name"),
+        ("shape", [True, 4], "shape"),
+        ("base", "0" * 64 + "\n", "tensor digests"),
+        ("b3", "A" * 64, "payload checksum"),
+        ("offset", -1, "payload span"),
+        ("codec", ["rp.xorzstd.v1"], "codec"),
+    ]:
+        header = copy.deepcopy(HEADER)
+        header["tensors"][0][field] = value
+        with pytest.raises(PatchDecodeError, match=f"invalid patch header: {what}"):
+            inspect(reseal(header, PAYLOAD, fix_payload_checksums=field != "b3"))
 
 
 def test_trailing_garbage_is_refused() -> None:

@@ -1,26 +1,6 @@
 /* CPython binding: the decoder's entry points (table, decode_range, join_release,
- * decode_apply_jobs). */
+ * decode_apply_view). */
 #include "module.h"
-
-/* Parse the chunk table of a delta payload: varint length + body per chunk. */
-static int parse_table(const uint8_t *p, size_t len, int64_t nchunks, size_t *offs, size_t *lens) {
-    size_t q = 0;
-    for (int64_t i = 0; i < nchunks; i++) {
-        uint64_t v = 0;
-        int ok = 0;
-        for (int s = 0; s < 9; s++) {
-            if (q >= len) return -1;
-            uint8_t c = p[q++];
-            v |= (uint64_t)(c & 0x7F) << (7 * s);
-            if (!(c & 0x80)) { ok = 1; break; }
-        }
-        if (!ok || v > len - q) return -1;
-        offs[i] = q;
-        lens[i] = (size_t)v;
-        q += v;
-    }
-    return q == len ? 0 : -1;
-}
 
 /* table(kind, payload, n_elements) -> list of changed counts per chunk (validated params) */
 PyObject *py_table(PyObject *self, PyObject *args) {
@@ -31,13 +11,13 @@ PyObject *py_table(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Oy*L", &kt, &pl, &n)) return NULL;
     size_t *offs = NULL, *lens = NULL;
     if (kind_arg(kt, &k)) goto out;
-    if (n <= 0 || n >= (1LL << 48)) { PyErr_SetString(PyExc_ValueError, "bad element count"); goto out; }
-    int64_t nch = (n + RP_CHUNK - 1) / RP_CHUNK;
+    if (n < 0 || n >= (1LL << 48)) { PyErr_SetString(PyExc_ValueError, "bad element count"); goto out; }
+    int64_t nch = (n + RP_CHUNK - 1) / RP_CHUNK; /* none for an empty tensor: an empty payload */
     if (nch > (int64_t)pl.len) { raise_rc(RP_ECORRUPT, "payload shorter than its chunk table"); goto out; }
-    offs = malloc(nch * sizeof *offs);
-    lens = malloc(nch * sizeof *lens);
+    offs = malloc((nch + 1) * sizeof *offs);
+    lens = malloc((nch + 1) * sizeof *lens);
     if (!offs || !lens) { PyErr_NoMemory(); goto out; }
-    if (parse_table(pl.buf, (size_t)pl.len, nch, offs, lens)) {
+    if (rp_parse_table(pl.buf, (size_t)pl.len, nch, offs, lens)) {
         raise_rc(RP_ECORRUPT, "corrupt chunk table");
         goto out;
     }
@@ -95,7 +75,7 @@ PyObject *py_decode_range(PyObject *self, PyObject *args) {
     cnt = malloc(m * sizeof *cnt);
     oo_ = malloc(m * sizeof *oo_);
     if (!offs || !lens || !cnt || !oo_) { PyErr_NoMemory(); goto out; }
-    if (parse_table(pl.buf, (size_t)pl.len, nch, offs, lens)) { raise_rc(RP_ECORRUPT, "corrupt chunk table"); goto out; }
+    if (rp_parse_table(pl.buf, (size_t)pl.len, nch, offs, lens)) { raise_rc(RP_ECORRUPT, "corrupt chunk table"); goto out; }
     int64_t total = po.len / 8;
     for (Py_ssize_t i = 0; i < m; i++) {
         cnt[i] = PyLong_AsLongLong(PyList_GET_ITEM(cntl, i));
@@ -227,168 +207,88 @@ PyObject *py_join_release(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* One tensor of decode_apply_jobs: its buffers, chunk table and output offsets. */
+/* One tensor of decode_apply_view: its kind and buffers, held for the call. */
 typedef struct {
     rp_kind k;
     Py_buffer base, pl, po, oo, no;
-    int64_t n, nch, total;
-    int ow;
-    size_t *offs, *lens; /* chunk table: body offset and length per chunk */
-    int64_t *cnt, *oof;  /* outputs per chunk, and where they start */
-    uint8_t *taken;      /* chunks already in a job */
-} dec_tensor;
+} view_arg;
 
-static void dec_tensor_free(dec_tensor *t) {
-    PyBuffer_Release(&t->base); PyBuffer_Release(&t->pl); PyBuffer_Release(&t->po);
-    PyBuffer_Release(&t->oo); PyBuffer_Release(&t->no);
-    free(t->offs); free(t->lens); free(t->cnt); free(t->oof); free(t->taken);
+static void view_arg_free(view_arg *a) {
+    PyBuffer_Release(&a->base); PyBuffer_Release(&a->pl); PyBuffer_Release(&a->po);
+    PyBuffer_Release(&a->oo); PyBuffer_Release(&a->no);
 }
 
-/* (kind, base (writable), payload, counts, offsets, pos_out, old_out, new_out): the checks
- * decode_range makes, for every chunk of the tensor (counts and offsets: one per chunk). */
-static int dec_tensor_parse(PyObject *item, dec_tensor *t) {
-    PyObject *kt, *cntl, *offl;
-    if (!PyArg_ParseTuple(item, "Ow*y*OOw*w*w*", &kt, &t->base, &t->pl, &cntl, &offl, &t->po,
-                          &t->oo, &t->no))
+/* (kind, base (writable), payload, changed, step, pos_out, old_out, new_out) -> t; the
+ * outputs hold exactly `changed` positions (int64) and old and new elements each. */
+static int view_arg_parse(PyObject *item, view_arg *a, rp_dec_tensor *t) {
+    PyObject *kt;
+    long long changed, step;
+    if (!PyArg_ParseTuple(item, "Ow*y*LLw*w*w*", &kt, &a->base, &a->pl, &changed, &step, &a->po,
+                          &a->oo, &a->no))
         return -1;
-    if (kind_arg(kt, &t->k) || elem_count(&t->k, t->base.len, &t->n)) return -1;
-    t->nch = (t->n + RP_CHUNK - 1) / RP_CHUNK;
-    t->ow = t->k.bits == 4 ? 1 : t->k.bits / 8;
-    if (!PyList_Check(offl) || !PyList_Check(cntl) || PyList_GET_SIZE(offl) < t->nch
-        || PyList_GET_SIZE(cntl) < t->nch) {
-        PyErr_SetString(PyExc_ValueError, "bad chunk range");
-        return -1;
-    }
-    size_t m = (size_t)t->nch + 1;
-    t->offs = malloc(m * sizeof *t->offs);
-    t->lens = malloc(m * sizeof *t->lens);
-    t->cnt = malloc(m * sizeof *t->cnt);
-    t->oof = malloc(m * sizeof *t->oof);
-    t->taken = calloc(m, 1);
-    if (!t->offs || !t->lens || !t->cnt || !t->oof || !t->taken) { PyErr_NoMemory(); return -1; }
-    if (parse_table(t->pl.buf, (size_t)t->pl.len, t->nch, t->offs, t->lens)) {
-        raise_rc(RP_ECORRUPT, "corrupt chunk table");
+    if (kind_arg(kt, &a->k) || elem_count(&a->k, a->base.len, &t->n)) return -1;
+    Py_ssize_t ow = a->k.bits == 4 ? 1 : a->k.bits / 8;
+    if (changed < 0 || changed > t->n || step < 1 || a->po.len != changed * 8
+        || a->oo.len != changed * ow || a->no.len != changed * ow) {
+        PyErr_SetString(PyExc_ValueError, "outputs: `changed` positions and elements each");
         return -1;
     }
-    t->total = t->po.len / 8;
-    for (int64_t i = 0; i < t->nch; i++) {
-        t->cnt[i] = PyLong_AsLongLong(PyList_GET_ITEM(cntl, i));
-        t->oof[i] = PyLong_AsLongLong(PyList_GET_ITEM(offl, i));
-        if (PyErr_Occurred()) return -1;
-        if (t->cnt[i] < 0 || t->oof[i] < 0 || t->oof[i] > t->total - t->cnt[i]) {
-            PyErr_SetString(PyExc_ValueError, "outputs too small");
-            return -1;
-        }
-    }
-    if (t->oo.len != t->total * t->ow || t->no.len != t->total * t->ow) {
-        PyErr_SetString(PyExc_ValueError, "output arrays differ in length");
-        return -1;
-    }
+    t->k = &a->k;
+    t->data = a->base.buf;
+    t->nbytes = (size_t)a->base.len;
+    t->payload = a->pl.buf;
+    t->plen = (size_t)a->pl.len;
+    t->changed = changed;
+    t->step = step;
+    t->pos_out = a->po.buf;
+    t->old_out = a->oo.buf;
+    t->new_out = a->no.buf;
     return 0;
 }
 
-/* decode_apply_jobs(tensors, jobs, threads, hash, failed) -> [(a, b, s0, s1)] per job: every
- * job (tensor index, c0, c1) is decode_range(..., c0, c1, ..., write=True, hash) of that
- * tensor (see dec_tensor_parse), on the core's own threads, in the order given (largest
- * first); no two jobs may share a chunk. All or nothing: on an error nothing stays written,
- * failed[0] is the failing job first in (tensor, chunk) order (else -1), and its error is
- * raised. */
-PyObject *py_decode_apply_jobs(PyObject *self, PyObject *args) {
-    PyObject *tl, *jl, *res = NULL;
+/* decode_apply_view(tensors, threads, hash, failed) -> [(a, b, s0, s1)] per tensor: every
+ * tensor's rp.ctxgolomb.v2 payload decoded and written into its base in one call
+ * (rp_decode_apply_view: each table and count checked, then jobs of `step` chunks, largest
+ * first, on the core's own threads; see view_arg_parse), its rp.sum128 change (a, b) and, with
+ * hash, the state of its words as read (s0, s1). All or nothing: on an error nothing stays
+ * written, failed[0] is the failing tensor (the first in the list's order; else -1) and its
+ * error is raised. */
+PyObject *py_decode_apply_view(PyObject *self, PyObject *args) {
+    PyObject *tl, *res = NULL;
     int nthreads, hash;
     Py_buffer fb = {0};
-    if (!PyArg_ParseTuple(args, "O!O!ipw*", &PyList_Type, &tl, &PyList_Type, &jl, &nthreads,
-                          &hash, &fb))
-        return NULL;
-    Py_ssize_t nt = PyList_GET_SIZE(tl), nj = PyList_GET_SIZE(jl), chunks = 0;
-    dec_tensor *ts = calloc(nt + 1, sizeof *ts); /* zeroed: releasing an unfilled one is a no-op */
-    rp_dec_job *jobs = calloc(nj + 1, sizeof *jobs);
-    int64_t *jt = calloc(nj + 1, sizeof *jt), *jc = calloc(nj + 1, sizeof *jc);
-    const uint8_t **body = NULL;
-    size_t *len = NULL;
-    int64_t *st = NULL, *nn = NULL;
+    if (!PyArg_ParseTuple(args, "O!ipw*", &PyList_Type, &tl, &nthreads, &hash, &fb)) return NULL;
+    Py_ssize_t nt = PyList_GET_SIZE(tl);
+    view_arg *va = calloc(nt + 1, sizeof *va); /* zeroed: releasing an unfilled one is a no-op */
+    rp_dec_tensor *ts = calloc(nt + 1, sizeof *ts);
     if (fb.len < 8) { PyErr_SetString(PyExc_ValueError, "failed: room for one int64"); goto out; }
     ((int64_t *)fb.buf)[0] = -1;
-    if (!ts || !jobs || !jt || !jc) { PyErr_NoMemory(); goto out; }
+    if (!va || !ts) { PyErr_NoMemory(); goto out; }
     for (Py_ssize_t i = 0; i < nt; i++)
-        if (dec_tensor_parse(PyList_GET_ITEM(tl, i), &ts[i])) goto out;
-    for (Py_ssize_t j = 0; j < nj; j++) {
-        Py_ssize_t ti, c0, c1;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(jl, j), "nnn", &ti, &c0, &c1)) goto out;
-        if (ti < 0 || ti >= nt || c0 < 0 || c1 <= c0 || c1 > ts[ti].nch) {
-            PyErr_SetString(PyExc_ValueError, "bad chunk range");
-            goto out;
-        }
-        for (Py_ssize_t c = c0; c < c1; c++) {
-            if (ts[ti].taken[c]) {
-                PyErr_SetString(PyExc_ValueError, "two jobs share a chunk");
-                goto out;
-            }
-            ts[ti].taken[c] = 1;
-        }
-        chunks += c1 - c0;
-        jobs[j].m = (int)(c1 - c0);
-        jt[j] = ti;
-        jc[j] = c0;
-    }
-    body = malloc((chunks + 1) * sizeof *body);
-    len = malloc((chunks + 1) * sizeof *len);
-    st = malloc((chunks + 1) * sizeof *st);
-    nn = malloc((chunks + 1) * sizeof *nn);
-    if (!body || !len || !st || !nn) { PyErr_NoMemory(); goto out; }
-    for (Py_ssize_t j = 0, at = 0; j < nj; j++) {
-        rp_dec_job *b = &jobs[j];
-        int64_t c0 = jc[j];
-        dec_tensor *t = &ts[jt[j]];
-        for (int q = 0; q < b->m; q++) {
-            int64_t ci = c0 + q;
-            body[at + q] = (const uint8_t *)t->pl.buf + t->offs[ci];
-            len[at + q] = t->lens[ci];
-            st[at + q] = ci * RP_CHUNK;
-            nn[at + q] = t->n - st[at + q] < RP_CHUNK ? t->n - st[at + q] : RP_CHUNK;
-        }
-        b->k = &t->k;
-        b->data = t->base.buf;
-        b->nbytes = (size_t)t->base.len;
-        b->body = body + at;
-        b->len = len + at;
-        b->start = st + at;
-        b->n = nn + at;
-        b->count = t->cnt + c0;
-        b->off = t->oof + c0;
-        b->pos_out = t->po.buf;
-        b->old_out = t->oo.buf;
-        b->new_out = t->no.buf;
-        b->ow = t->ow;
-        b->hash = hash;
-        at += b->m;
-    }
+        if (view_arg_parse(PyList_GET_ITEM(tl, i), &va[i], &ts[i])) goto out;
     int64_t failed = -1;
     const char *err = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = rp_decode_apply_jobs(jobs, nj, nthreads, &failed, &err);
+    rc = rp_decode_apply_view(ts, nt, nthreads, hash, &failed, &err);
     Py_END_ALLOW_THREADS
-    if (rc) { /* the first failure in (tensor, chunk) order, whatever order the jobs ran in */
-        for (Py_ssize_t j = 0; j < nj; j++)
-            if (jobs[j].rc && (jt[j] < jt[failed] || (jt[j] == jt[failed] && jc[j] < jc[failed])))
-                failed = j;
+    if (rc) {
         ((int64_t *)fb.buf)[0] = failed;
-        raise_rc(jobs[failed].rc, jobs[failed].err);
+        raise_rc(rc, err);
         goto out;
     }
-    res = PyList_New(nj);
-    for (Py_ssize_t j = 0; res && j < nj; j++) {
-        rp_dec_job *b = &jobs[j];
-        PyObject *t = Py_BuildValue("(KKKK)", (unsigned long long)b->delta[0],
-                                    (unsigned long long)b->delta[1],
-                                    (unsigned long long)b->sums[0], (unsigned long long)b->sums[1]);
-        if (!t) { Py_CLEAR(res); break; }
-        PyList_SET_ITEM(res, j, t);
+    res = PyList_New(nt);
+    for (Py_ssize_t i = 0; res && i < nt; i++) {
+        rp_dec_tensor *t = &ts[i];
+        PyObject *r = Py_BuildValue("(KKKK)", (unsigned long long)t->delta[0],
+                                    (unsigned long long)t->delta[1],
+                                    (unsigned long long)t->sums[0], (unsigned long long)t->sums[1]);
+        if (!r) { Py_CLEAR(res); break; }
+        PyList_SET_ITEM(res, i, r);
     }
 out:
-    for (Py_ssize_t i = 0; ts && i < nt; i++) dec_tensor_free(&ts[i]);
-    free(ts); free(jobs); free(jt); free(jc); free(body); free(len); free(st); free(nn);
+    for (Py_ssize_t i = 0; va && i < nt; i++) view_arg_free(&va[i]);
+    free(va); free(ts);
     PyBuffer_Release(&fb);
     return res;
 }

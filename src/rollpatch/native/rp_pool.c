@@ -98,6 +98,16 @@ int rp_encode_jobs(rp_enc_job *jobs, int64_t njobs, int nthreads, int64_t *faile
 
 /* ------------------------------------------------------------------ decode + apply */
 
+void rp_dec_jobs_undo(rp_dec_job *jobs, int64_t njobs) {
+    for (int64_t j = 0; j < njobs; j++) {
+        rp_dec_job *b = &jobs[j];
+        if (b->rc) continue;
+        for (int q = 0; q < b->m; q++)
+            put_back(b->data, b->k->bits, b->pos_out + b->off[q],
+                     (const uint8_t *)b->old_out + b->off[q] * b->ow, b->ow, b->count[q]);
+    }
+}
+
 static void dec_one(void *c, int64_t j, int worker) {
     (void)worker;
     rp_dec_job *b = &((rp_dec_job *)c)[j];
@@ -115,14 +125,7 @@ int rp_decode_apply_jobs(rp_dec_job *jobs, int64_t njobs, int nthreads, int64_t 
     for (int64_t j = 0; j < njobs && *failed < 0; j++)
         if (jobs[j].rc) *failed = j;
     if (*failed < 0) return RP_OK;
-    /* all or nothing: a failed job put its own chunks back; put back every other one */
-    for (int64_t j = 0; j < njobs; j++) {
-        rp_dec_job *b = &jobs[j];
-        if (b->rc) continue;
-        for (int q = 0; q < b->m; q++)
-            put_back(b->data, b->k->bits, b->pos_out + b->off[q],
-                     (const uint8_t *)b->old_out + b->off[q] * b->ow, b->ow, b->count[q]);
-    }
+    rp_dec_jobs_undo(jobs, njobs); /* all or nothing: a failed job put its own chunks back */
     *err = jobs[*failed].err ? jobs[*failed].err : "native codec error";
     return jobs[*failed].rc;
 }

@@ -185,5 +185,32 @@ typedef struct {
  * must not share chunks (each writes and hashes only the words of its own chunks). */
 int rp_decode_apply_jobs(rp_dec_job *jobs, int64_t njobs, int nthreads, int64_t *failed,
                          const char **err);
+/* Put back every job that did not fail (each put its own chunks back if it did). */
+void rp_dec_jobs_undo(rp_dec_job *jobs, int64_t njobs);
+
+/* A payload's chunk table (varint length + body per chunk, nothing after): body offsets and
+ * lengths, nchunks each; 0, or -1 when it is corrupt. */
+int rp_parse_table(const uint8_t *p, size_t len, int64_t nchunks, size_t *offs, size_t *lens);
+
+typedef struct {
+    const rp_kind *k;                /* in: the tensor, as rp_decode_apply_chunks */
+    uint8_t *data;
+    size_t nbytes;
+    int64_t n;
+    const uint8_t *payload;          /* in: its whole rp.ctxgolomb.v2 payload */
+    size_t plen;
+    int64_t changed;                 /* in: the header's count; the outputs hold exactly it */
+    int64_t step;                    /* in: chunks per job (>= 1) */
+    int64_t *pos_out;
+    void *old_out, *new_out;
+    uint64_t delta[2], sums[2];      /* out: rp.sum128 change and in-pass hash, summed */
+} rp_dec_tensor;
+
+/* rp_decode_apply_jobs over every tensor's chunks in jobs of `step` chunks (largest first),
+ * each tensor's table and counts checked first (rp_view.c). All or nothing; on a failure
+ * *failed is the first failing tensor in the given order (a tensor whose table or counts are
+ * refused comes after every decode failure of the tensors before it). */
+int rp_decode_apply_view(rp_dec_tensor *ts, int64_t nt, int nthreads, int hash, int64_t *failed,
+                         const char **err);
 
 #endif

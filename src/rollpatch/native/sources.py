@@ -16,6 +16,7 @@ CORE = (
     "rp_apply",
     "rp_cast",
     "rp_pool",
+    "rp_view",
 )
 #: The CPython binding's files (setup.py only: the fuzz targets call the core directly).
 BINDING = ("module", "mod_encode", "mod_decode", "mod_ops")

@@ -57,13 +57,19 @@ def _ranges(nchunks: int, parts: int) -> list[tuple[int, int]]:
 JOBS_PER_THREAD = 4
 
 
-def job_ranges(nchunks: int, threads: int) -> list[tuple[int, int]]:
-    """One tensor's ranges of chunks as jobs of a many-job native call: whole on one thread;
+def job_step(nchunks: int, threads: int) -> int:
+    """Chunks per job of one tensor in a many-job native call: the whole tensor on one thread;
     on several, ranges of at least 2 chunks, about ``JOBS_PER_THREAD`` per thread for the
-    largest tensors (a range's fixed cost is a few microseconds; a chunk is ~0.5 ms)."""
+    largest tensors (a range's fixed cost is a few microseconds; a chunk is ~0.5 ms). The
+    decoder's native call cuts the ranges itself from this step."""
     if threads <= 1 or nchunks <= 2:
-        return [(0, nchunks)] if nchunks else []
-    step = max(2, -(-nchunks // (JOBS_PER_THREAD * threads)))
+        return max(1, nchunks)
+    return max(2, -(-nchunks // (JOBS_PER_THREAD * threads)))
+
+
+def job_ranges(nchunks: int, threads: int) -> list[tuple[int, int]]:
+    """One tensor's ranges of chunks (:func:`job_step` each), in order."""
+    step = job_step(nchunks, threads)
     return [(a, min(a + step, nchunks)) for a in range(0, nchunks, step)]
 
 
@@ -143,8 +149,12 @@ class CtxGolombV2:
         for job, res in zip(jobs, results, strict=True):
             per[job[1]].append((job[2], res))
         del results
-        out = []
+        out: list[tuple[memoryview, int, tuple[int, int]]] = []
         for ranges in per:
+            if len(ranges) == 1:  # a whole tensor in one job (every tensor on one thread)
+                buf, k, d0, d1 = ranges.pop()[1]
+                out.append((memoryview(buf), k, (d0, d1)))
+                continue
             ranges.sort(key=lambda x: x[0])
             change, k = (0, 0), 0
             for _, (_, kk, d0, d1) in ranges:
@@ -152,10 +162,7 @@ class CtxGolombV2:
                 k += kk
             bufs = [res[0] for _, res in ranges]
             ranges.clear()
-            if not bufs:
-                out.append((memoryview(b""), 0, change))
-                continue
-            joined = bufs[0] if len(bufs) == 1 else core.join_release(bufs, True)
+            joined = core.join_release(bufs, True) if bufs else b""
             out.append((memoryview(joined), k, change))
         return out
 

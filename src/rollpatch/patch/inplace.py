@@ -21,10 +21,10 @@ import numpy as np
 from .. import native
 from ..errors import BaseMismatchError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
-from ..view import Tensor, View, sum_add
-from .codec_v2 import CHUNK, CtxGolombV2, job_ranges
+from ..view import DigestAlgo, Tensor, View, sum_add
+from .codec_v2 import CHUNK, CtxGolombV2, job_step
 from .model import DeltaOp, TensorPatch
-from .ops import InPlaceDelta, scatter, write_verified
+from .ops import InPlaceDelta, check_targets, scatter, write_verified
 from .wire import MIN_FULL_BOUND, decode_entry, inspect
 
 __all__ = ["apply_encoded"]
@@ -45,7 +45,7 @@ class _FusedDelta:
     hashed: bool = False
     state_after: tuple[int, int] | None = None
 
-    result: tuple[TensorPatch, tuple[int, int] | None] | None = None
+    change: tuple[int, int] | None = None  # the rp.sum128 change written; None: not written
     consumed: bool = False
     out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # _share_outputs
 
@@ -67,65 +67,48 @@ class _Written:
         return cls(x, x.name, x.base_digest, x.target_digest, x.hashed, x.state_after)
 
     def write(self, t: Tensor) -> tuple[TensorPatch, tuple[int, int] | None]:
-        assert self.item.result is not None
-        self.item.consumed = True
-        return self.item.result
+        x = self.item
+        assert x.out is not None and x.change is not None
+        x.consumed = True
+        tp = TensorPatch(x.name, t.kind, t.shape, x.base_digest, x.target_digest, DeltaOp(*x.out))
+        return tp, x.change
 
 
 def _write_concurrently(view: View, fused: list[_FusedDelta], hashed: bool) -> None:
-    """Decode and write every fused delta in one native call: each (tensor, range of chunks)
-    is a job, largest first, on the core's own ``native.threads()`` threads
-    (``core.decode_apply_jobs``: the GIL released once, no Python per job or per tensor on
-    the workers). All or nothing: on any failure nothing stays written and the first failure
-    in header order is raised, with its tensor named."""
+    """Decode and write every fused delta in one native call (``core.decode_apply_view``):
+    each tensor's chunk table and chunk counts checked against its header count, then every
+    (tensor, range of ``job_step`` chunks) one job, largest first, on the core's own
+    ``native.threads()`` threads (the GIL released once; no Python per job or per chunk, and
+    each table parsed once). All or nothing: on any failure nothing stays written and the
+    first failure in header order is raised, with its tensor named."""
     core = native.require()
     nt = native.threads()
     tensors: list[tuple[Any, ...]] = []
-    jobs: list[tuple[int, int, int, int]] = []  # (elements, tensor, first chunk, last chunk)
-    prep: BaseException | None = None
-    for i, x in enumerate(fused):
+    for x in fused:
         t = view[x.name]
-        try:
-            _, kt, counts, offs, pos, old, new = _V2._outputs(x.payload, t, x.changed, x.out)
-        except RollpatchError as err:  # raised after the tensors before it are decoded
-            err.context.setdefault("tensor", x.name)
-            prep = err
-            break
-        x.out = (pos, old, new)
-        tensors.append((kt, t.data, x.payload, counts, offs, pos, old, new))
         n = t.n_elements
-        for c0, c1 in job_ranges(len(counts), nt):
-            jobs.append((min(c1 * CHUNK, n) - c0 * CHUNK, i, c0, c1))
-    jobs.sort(reverse=True)
+        if x.out is None:  # header counts are bounded by the tensor's size (inspect)
+            dt = t.kind.elem_dtype
+            x.out = (
+                np.empty(x.changed, np.int64),
+                np.empty(x.changed, dt),
+                np.empty(x.changed, dt),
+            )
+        kt = native.kind_tuple(t.kind, n)
+        step = job_step(-(-n // CHUNK), nt)
+        tensors.append((kt, t.data, x.payload, x.changed, step, *x.out))
     failed = np.full(1, -1, dtype=np.int64)
     try:
-        results = (
-            core.decode_apply_jobs(tensors, [j[1:] for j in jobs], nt, hashed, failed)
-            if jobs
-            else []
-        )
+        results = core.decode_apply_view(tensors, nt, hashed, failed)
     except RollpatchError as err:
         if failed[0] >= 0:
-            err.context.setdefault("tensor", fused[jobs[int(failed[0])][1]].name)
+            err.context.setdefault("tensor", fused[int(failed[0])].name)
+            err.context.setdefault("codec", _V2.codec_id)
         raise
-    sums: list[list[tuple[int, int]]] = [[(0, 0), (0, 0)] for _ in tensors]
-    for job, res in zip(jobs, results, strict=True):
-        acc = sums[job[1]]
-        acc[0] = sum_add(acc[0], (res[0], res[1]))
-        acc[1] = sum_add(acc[1], (res[2], res[3]))
-    for x, (change, state) in zip(fused, sums):  # tensors past a failed one are not in sums
-        assert x.out is not None
-        pos, old, new = x.out
-        t = view[x.name]
-        tp = TensorPatch(
-            x.name, t.kind, t.shape, x.base_digest, x.target_digest, DeltaOp(pos, old, new)
-        )
-        x.result = (tp, change)
+    for x, (d0, d1, s0, s1) in zip(fused, results, strict=True):
+        x.change = (d0, d1)
         if x.hashed:
-            x.state_after = sum_add(state, change)
-    if prep is not None:
-        _undo_unconsumed(view, fused)
-        raise prep
+            x.state_after = sum_add((s0, s1), (d0, d1))
 
 
 def _share_outputs(view: View, fused: list[_FusedDelta]) -> None:
@@ -162,11 +145,42 @@ def _share_outputs(view: View, fused: list[_FusedDelta]) -> None:
 def _undo_unconsumed(view: View, fused: list[_FusedDelta]) -> None:
     """Put back the tensors written ahead whose undo ``write_verified`` does not own."""
     for item in fused:
-        if item.result is not None and not item.consumed:
-            ch = item.result[0].change
-            assert isinstance(ch, DeltaOp)
-            scatter(view[item.name], ch.positions, ch.old)
-            item.result = None
+        if item.change is not None and not item.consumed:
+            assert item.out is not None
+            pos, old, _ = item.out
+            scatter(view[item.name], pos, old)
+            item.change = None
+
+
+def _verify_written(view: View, fused: list[_FusedDelta], target: str, algo: DigestAlgo) -> None:
+    """What ``write_verified`` does after its writes, for a patch of v2 deltas only, all
+    written by :func:`_write_concurrently`: each tensor's new rp.sum128 state (hashed in the
+    pass, or with ``incremental`` the base's plus the change), then every target digest and
+    the root (``check_targets``); on any error every tensor is put back, with its base's
+    state and digest. Why not ``write_verified`` itself: its per-item undo records and
+    TensorPatch objects cost ~5 us a tensor of serial Python, for what is here one state
+    update and one digest per tensor."""
+    before: list[tuple[int, int] | None] = []
+    try:
+        for x in fused:
+            st = view.cached_sum_state(x.name)  # apply_encoded hashed every base it checked
+            before.append(st)
+            if x.hashed and x.state_after is not None:
+                view.update_sum_state(x.name, x.state_after)
+            else:
+                assert st is not None and x.change is not None
+                view.update_sum_state(x.name, sum_add(st, x.change))
+        check_targets(view, ((x.name, x.target_digest) for x in fused), target, algo)
+    except BaseException:
+        _undo_unconsumed(view, fused)
+        for x, st in zip(fused, before):  # the tensors whose state was updated
+            if st is None:
+                view.invalidate(x.name)
+            else:
+                view.update_sum_state(x.name, st)
+            if x.base_digest is not None:  # the digest _check_entry found
+                view.set_digest(x.name, x.base_digest, algo)
+        raise
 
 
 def apply_encoded(
@@ -213,6 +227,9 @@ def apply_encoded(
             view.sum_state(x.name)  # the base's state, before the words change
     if fused:
         _write_concurrently(view, fused, hashed)
+    if len(fused) == len(items) and (hashed or incremental):
+        _verify_written(view, fused, header.target, algo)
+        return view
     written: list[TensorPatch | InPlaceDelta] = [
         _Written.of(x) if isinstance(x, _FusedDelta) else x for x in items
     ]
@@ -230,8 +247,8 @@ def _check_entry(view: View, e: dict[str, Any], algo: Any) -> None:
     if op in ("delta", "drop") and name not in view:
         raise BaseMismatchError("the view lacks a tensor the patch changes", tensor=name)
     if op == "delta":
-        t = view[name]
-        if t.kind != KINDS[e["kind"]] or t.shape != tuple(e["shape"]):
+        t, kind = view[name], KINDS[e["kind"]]
+        if (t.kind is not kind and t.kind != kind) or t.shape != tuple(e["shape"]):
             raise BaseMismatchError(
                 "base tensor layout differs from the patch",
                 tensor=name,

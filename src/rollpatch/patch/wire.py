@@ -38,6 +38,7 @@ from .header import (
     inspect,
 )
 from .model import DeltaOp, DropOp, FullOp, Patch, TensorPatch
+from .ops import same_layout
 
 __all__ = [
     "DENSE",
@@ -141,7 +142,7 @@ def _encode_views(
     native.require()
     codec = CtxGolombV2()
     names = sorted(set(a) | set(b))
-    same = [n for n in a if n in b and a[n].kind == b[n].kind and a[n].shape == b[n].shape]
+    same = [n for n in a if n in b and same_layout(a[n], b[n])]
     dense = {}  # every tensor's chunk ranges at once, on the core's T threads
     if not keep:
         dense = dict(zip(same, codec.encode_dense_many([(a[n], b[n]) for n in same])))
@@ -157,7 +158,7 @@ def _encode_views(
                 tp,
             )
         tb = b[name]
-        if name not in a or a[name].kind != tb.kind or a[name].shape != tb.shape:
+        if name not in a or not same_layout(a[name], tb):
             codec_id, full = encode_full(tb)
             added = a.tensor_digest(name) if name in a else None
             target = b.tensor_digest(name)

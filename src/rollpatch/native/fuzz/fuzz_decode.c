@@ -10,7 +10,8 @@
  * exactly when the decode does, with the same outputs, the same patched bytes and an exact
  * rp.sum128 change, and must leave a failing chunk's bytes as they were; and the whole payload
  * at once through rp_decode_apply_chunks with the in-pass hash (fz_decode_apply_all), and one
- * job per chunk on 3 threads through rp_decode_apply_jobs (fz_decode_apply_jobs).
+ * job per chunk on 3 threads through rp_decode_apply_jobs (fz_decode_apply_jobs), and the
+ * payload whole through rp_decode_apply_view with its table parsed there (fz_decode_apply_view).
  * Any other outcome, a sanitizer report or a leak is a bug. */
 #include "fuzz_common.h"
 
@@ -170,6 +171,46 @@ static void fz_decode_apply_all(fz_case *c, const uint8_t *pl, size_t len, const
     for (int64_t i = 0; i < nch; i++) free((void *)bodies[i]);
 }
 
+/* The whole payload through rp_decode_apply_view (rp_view.c: the table and counts parsed
+ * there, one job per chunk on 3 threads), told the decode's count: it must succeed exactly
+ * when the decode does, with its outputs, the target's bytes and the in-pass hash; told one
+ * change more (or, for a refused payload, none), it must refuse with the tensor named and
+ * every byte in place. */
+static void fz_decode_apply_view(fz_case *c, const uint8_t *pl, size_t len, const fz_out *ref,
+                                 const uint8_t *target) {
+    int ow = fz_ow(&c->k);
+    for (int lie = 0; lie < 2; lie++) {
+        int64_t k = ref->rc == RP_OK ? ref->total + lie : 0;
+        if (ref->rc != RP_OK && lie) return;
+        uint8_t *work = malloc(c->nbytes + 1);
+        int64_t *pos = malloc((size_t)k * 8 + 8), failed = -2;
+        uint8_t *ov = malloc((size_t)k * ow + 8), *nv = malloc((size_t)k * ow + 8);
+        uint64_t want[2];
+        if (!work || !pos || !ov || !nv) fz_fail("out of memory");
+        memcpy(work, fz_base(c), c->nbytes);
+        rp_dec_tensor t = {&c->k, work, c->nbytes, c->n, pl, len, k, 1, pos, ov, nv, {0, 0}, {0, 0}};
+        const char *err = NULL;
+        int rc = rp_decode_apply_view(&t, 1, 3, 1, &failed, &err);
+        if (ref->rc == RP_OK && !lie) {
+            if (rc) fz_fail("rp_decode_apply_view refused what the decode accepts");
+            if (failed != -1 || memcmp(pos, ref->pos, (size_t)k * 8)
+                || memcmp(ov, ref->oldv, (size_t)k * ow) || memcmp(nv, ref->newv, (size_t)k * ow))
+                fz_fail("rp_decode_apply_view's outputs differ from the decode's");
+            if (memcmp(work, target, c->nbytes)) fz_fail("rp_decode_apply_view wrote other bytes");
+            fz_sum(fz_base(c), c->nbytes, want);
+            if (t.sums[0] != want[0] || t.sums[1] != want[1])
+                fz_fail("rp_decode_apply_view's hash differs from the base's sum128");
+            fz_sum(work, c->nbytes, want);
+            if (t.sums[0] + t.delta[0] != want[0] || t.sums[1] + t.delta[1] != want[1])
+                fz_fail("rp_decode_apply_view's hash + change differs from the target's");
+        } else {
+            if (rc == RP_OK || !err || failed != 0) fz_fail("rp_decode_apply_view took a false count");
+            if (memcmp(work, fz_base(c), c->nbytes)) fz_fail("rp_decode_apply_view kept a write it refused");
+        }
+        free(work); free(pos); free(ov); free(nv);
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static int verbose = -1; /* FZ_VERBOSE=1: one line per input (checks the seed corpus) */
     fz_case c;
@@ -190,6 +231,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         uint8_t *target = fz_apply(&c, &a);
         fz_decode_apply(&c, c.rest, c.rest_len, &a, target);
         fz_decode_apply_all(&c, c.rest, c.rest_len, &a, target);
+        fz_decode_apply_view(&c, c.rest, c.rest_len, &a, target);
         int64_t changed[FZ_MAXCH];
         size_t plen;
         uint8_t *pl = fz_encode(&c, target, &plen, changed);
@@ -202,6 +244,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     else {
         fz_decode_apply(&c, c.rest, c.rest_len, &a, NULL);
         fz_decode_apply_all(&c, c.rest, c.rest_len, &a, NULL);
+        fz_decode_apply_view(&c, c.rest, c.rest_len, &a, NULL);
     }
     fz_out_free(&a);
     fz_out_free(&b);

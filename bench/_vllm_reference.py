@@ -15,8 +15,10 @@ from _vllm_world import RUN, World
 
 #: Versions behind for the catch-up rows (``min`` with the versions published).
 CATCHUP = 5
-#: Catch-ups timed per engine (one sample swung 1.7-2.9x between runs on the shared machine).
-CATCHUP_REPS = 3
+#: Catch-ups timed per engine and row (one sample swung 1.7-2.9x between runs on the shared
+#: machine; medians of three still did: the chain's ratio was 1.66x and 2.66x in two runs of
+#: the same code at load 5-6).
+CATCHUP_REPS = 5
 #: The catch-up rows, timed in turn (so the ratios compare syncs at the same load): 1 behind
 #: (v(k-1) -> vk, the denominator), k behind from an anchor (v0 -> vk: the folded patch, one
 #: hop) and k behind off the anchors (v1 -> v(k+1): the chain of step patches).

@@ -35,9 +35,10 @@ Paths, each over the same versions:
   every version), so the plan is one folded patch v0 -> v5; **catchup_chain**: back at v1 (off
   the anchors), one ``sync`` to v6: the five step patches composed in the worker, one pause
   (``--fold-every 0``: the chain from v0 as before, no v1 row); **catchup_one**: back at v4,
-  one ``sync`` to v5 (1 behind, the ratios' denominator, timed in the same turns). Three
-  times each, the rows in turn (the ratios: medians); each sample keeps its CPU time
-  (``cpu_s``: this process and the vLLM worker, user + system), its plan's hops and the load.
+  one ``sync`` to v5 (1 behind, the ratios' denominator, timed in the same turns). Five
+  times each (``CATCHUP_REPS``), the rows in turn (the ratios: medians); each sample keeps
+  its CPU time (``cpu_s``: this process and the vLLM worker, user + system), its plan's hops
+  and the load.
 - the **pause breakdown** (each sample's ``phases_ms`` in the JSON): the adapter's HTTP calls
   (``/pause``, the commit call, ``/update_weight_version``, ``/reset_prefix_cache``,
   ``/resume``; with the engine-core hook a staged commit is the commit call alone), the

@@ -1,6 +1,7 @@
 """A published chain decoded inside the engine (:mod:`rollpatch.engines.catchup`): the composed
 change equals a plain diff of the chain's ends, element for element, whatever the steps do
-(overlapping changes, changes written back to their first value), for whole and packed kinds."""
+(overlapping changes, changes written back to their first value), for whole and packed kinds,
+on one thread and on four (tensors on a pool, each tensor's chunk ranges on a nested one)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,11 @@ def _chain(fmt: str) -> list[View]:
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("steps", [1, 2, 3])
-def test_composed_change_equals_the_diff_of_the_ends(fmt: str, steps: int) -> None:
+@pytest.mark.parametrize("threads", ["1", "4"])  # ROLLPATCH_THREADS: serial; pools
+def test_composed_change_equals_the_diff_of_the_ends(
+    fmt: str, steps: int, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
     views = _chain(fmt)
     blobs = [[encode(diff(a, b), a)] for a, b in itertools.pairwise(views)]
     chain = [{"base": a.digest(), "target": b.digest()} for a, b in itertools.pairwise(views)]

@@ -92,7 +92,7 @@ from typing import Any
 
 import numpy as np
 from _peers_procs import BenchError, Child, Relay, free_port, link_child
-from _peers_report import render, render_cpu, targets
+from _peers_report import render, render_cpu, render_load, targets
 from _peers_steps import steps
 from _peers_trace import render as render_phases
 from _peers_versions import load_masters, prepare
@@ -363,9 +363,16 @@ def main() -> int:
         print(line)
     print(render_cpu(results))
     for m, r in results.items():
-        traced = [x["phases"] for x in r["versions"] if x.get("phases")]
+        traced = [x for x in r["versions"] if x.get("phases")]
         if traced:
-            print(render_phases(traced, f"{m}: where the time goes"))
+            print(
+                render_phases(
+                    [x["phases"] for x in traced],
+                    f"{m}: where the time goes",
+                    [x["version"] for x in traced],
+                )
+            )
+    print(render_load(results))
     print(
         f"islands commit {args.island_commit}; trainer cast {args.trainer_cast}; origin relay "
         f"reads LATEST every {args.origin_watch_s:g} s (and when inotify says it moved); region "

@@ -180,3 +180,34 @@ def test_a_base_that_does_not_rewind_stops_the_publisher(
         assert Board(uri).latest(RUN).version == 3
     finally:
         pub.close()  # flush() raised the error: close does not raise it again
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        PublisherConfig(format="bf16", skip_strides=(4, 8), fold_every=8),
+        PublisherConfig(format="bf16", skip_strides=(2, 4)),
+        PublisherConfig(format="bf16", skip_strides=(4,), keyframe_every=4),
+        PublisherConfig(format="bf16", skip_strides=(3,), fold_every=6),
+    ],
+    ids=["folds-cover-stride-8", "consecutive-skips", "keyframes-at-skips", "fold-and-stride"],
+)
+def test_other_schedules_write_the_sync_bytes(
+    cfg: PublisherConfig, names: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Folded patches landing on a skip base (not rebuilt: the fold is that patch), skip
+    versions back to back (no settle between: composed as before), keyframes at skip
+    versions: the same objects as a synchronous publisher, every version reconstructs."""
+    monkeypatch.setattr(core, "SETTLE_AFTER_S", 0.0)
+    rebuilt: list[int] = []
+    real = pipeline.rebuild_ahead
+
+    def counted(*args: object, **kw: object) -> object:
+        r = real(*args, **kw)  # type: ignore[arg-type]
+        if r is not None:
+            rebuilt.append(r.base)
+        return r
+
+    monkeypatch.setattr(pipeline, "rebuild_ahead", counted)
+    _same_as_sync(names, _steps(list(range(14)), seed=34), cfg)
+    assert rebuilt  # some skip patch of the schedule came from a base rebuilt ahead

@@ -5,9 +5,10 @@ no longer holds: :func:`rewind` copies each touched tensor of a later view and u
 composed change in it, checking the current words where it writes and the result against
 ``b``'s digests (rp.sum128 in O(change): no tensor is hashed again).
 
-:class:`RewoundBase` is that view rebuilt *ahead* (docs/publisher.md, *Skip patches*): when
-the worker settles version ``n - 1`` and ``n`` is due for a skip patch from ``b``, it rewinds
-the view of ``n - 1`` by the accumulator ``b → n - 1`` while nobody waits on the publisher.
+:class:`RewoundBase` is that view rebuilt *ahead* (docs/publisher.md, "A skip patch's base,
+rebuilt ahead"): when the worker settles version ``n - 1`` and ``n`` is due for a skip patch
+from ``b``, it rewinds the view of ``n - 1`` by the accumulator ``b → n - 1`` while nobody
+waits on the publisher.
 The build of ``n`` then codes the skip patch straight from it (one fused encode of ``b``'s
 view against ``n``'s) instead of composing the step into the accumulator, copying every
 touched tensor of ``n`` and undoing ``b → n`` on the way to LATEST: at 100M parameters with

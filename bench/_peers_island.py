@@ -79,8 +79,8 @@ def _serving_view() -> type:
         the target digests in O(change) — each touched tensor's rp.sum128 state updated from
         the words written — as the serving engines commit (docs/engines.md, "Staging and the
         pause"), instead of re-hashing every touched tensor (here: nearly all 201 MB) inside
-        the pause. The follower's background audit re-hashes the live words meanwhile, and
-        the island's final check re-hashes all of them."""
+        the pause. The island's final check re-hashes every word (``ViewEngine`` has no
+        ``audit()``: the follower's background audit does nothing here)."""
 
         def apply(self, patch: Any, version: int) -> None:
             with self._lock:

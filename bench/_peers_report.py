@@ -130,3 +130,16 @@ def render_cpu(results: dict[str, dict[str, Any]]) -> str:
             right=[False] + [True] * 5,
         )
     )
+
+
+def render_load(results: dict[str, dict[str, Any]]) -> str:
+    """The 1-minute load average read after each version, per method (min, median, max):
+    the machine may be shared, and a method's times are only comparable at similar loads."""
+    parts = []
+    for m, r in results.items():
+        loads = [x["load1"] for x in r["versions"] if "load1" in x]
+        if loads:
+            parts.append(
+                f"{m} {min(loads):.1f} / {statistics.median(loads):.1f} / {max(loads):.1f}"
+            )
+    return "load average (1 min) after each version, min / median / max: " + "; ".join(parts)

@@ -84,6 +84,7 @@ def steps(
                 "wan_connections": conns[0] - conns_before,
                 "cpu_s": cpu,
                 "cpu_parts": parts,
+                "load1": os.getloadavg()[0],  # the machine is shared: read times beside it
             }
         )
         before, conns_before = now, conns[0]

@@ -165,17 +165,34 @@ def phases(
     return out
 
 
-def render(rows: Sequence[dict[str, float]], title: str) -> str:
-    """Medians over versions of each phase (the last island to serve each version)."""
+def render(rows: Sequence[dict[str, float]], title: str, versions: Sequence[int] = ()) -> str:
+    """Medians over versions of each phase (the last island to serve each version), and the
+    phases of the slowest version (what sets the max); ``versions``: the rows' numbers."""
     if not rows:
         return f"{title}: no versions traced"
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    slow_i = max(range(len(rows)), key=lambda i: rows[i]["total"])
+    slow = rows[slow_i]
     total = med["total"]
     lines = [
-        [name, f"{1000 * med[name]:.0f}", f"{100 * med[name] / total:.0f}%", what]
+        [
+            name,
+            f"{1000 * med[name]:.0f}",
+            f"{100 * med[name] / total:.0f}%",
+            f"{1000 * slow[name]:.0f}",
+            what,
+        ]
         for name, what in PHASES
     ]
-    lines.append(["all islands", f"{1000 * total:.0f}", "100%", "the trainer's call -> serving"])
+    lines.append(
+        [
+            "all islands",
+            f"{1000 * total:.0f}",
+            "100%",
+            f"{1000 * slow['total']:.0f}",
+            "the trainer's call -> serving",
+        ]
+    )
     for key, what in (
         ("trainer_wait", "trainer's threads runnable, not running (publisher included)"),
         ("cpu_wait", "the island's threads runnable, not running, from notice to serving"),
@@ -185,12 +202,14 @@ def render(rows: Sequence[dict[str, float]], title: str) -> str:
                 "cpu queueing",
                 f"{1000 * med[key]:.0f}",
                 f"{100 * med[key] / total:.0f}%",
+                f"{1000 * slow[key]:.0f}",
                 f"{what} (within the above)",
             ]
         )
+    name = f"v{versions[slow_i]}" if len(versions) == len(rows) else "slowest"
     return (
         f"{title}: p50 over versions of each phase (medians: they need not add up), the last "
         f"island to serve each version; {med['wan_gets']:.0f} reads per sync "
-        "(LATEST, manifests, objects)\n"
-        + table(["phase", "ms", "share", "what"], lines, [False, True, True, False])
+        f"(LATEST, manifests, objects); {name} ms: the slowest version's phases\n"
+        + table(["phase", "ms", "share", name, "what"], lines, [False, True, True, True, False])
     )

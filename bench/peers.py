@@ -23,8 +23,10 @@ view engine (``--island-commit fused``, the default: the verified patch object d
 straight into the live words in one native pass, ``apply_encoded``, inside the pause, as the
 XOR islands apply theirs in place; ``incremental``: staged while serving and written in the
 pause as the serving engines do, target digests checked in O(change); ``full``: every
-touched tensor re-hashed inside the pause; in every mode the follower's background audit
-re-hashes the live words). Followers and XOR islands learn of
+touched tensor re-hashed inside the pause. No island re-hashes its live words in the
+background: the follower's audit runs only where the engine implements ``audit()``, and
+``ViewEngine`` does not; every island's words are re-hashed once, at the end). Followers
+and XOR islands learn of
 a version through the relays' long-poll of LATEST (docs/relay.md), which each relay answers
 once the version's manifest and step patch are verified in its cache (the origin relay reads
 the directory board's LATEST every ``--origin-watch-s`` and wakes at once on inotify when it
@@ -53,7 +55,7 @@ it; ``blocked``: the trainer's call (rollpatch and XOR: the host snapshot of the
 shardcast: writing the checkpoint and ``broadcast``); ``published``: from the call until the
 version is on the board with LATEST moved (shardcast: ``broadcast`` returned); ``CPU s/ver``:
 median CPU seconds (user + system) all the method's processes used per version — the trainer,
-relays or middle node, link and islands (background audits included) — the work a version
+relays or middle node, link and islands — the work a version
 costs whatever else the machine runs; a second table splits it by process (trainer, relays or
 middle node, link, islands). Ratios are
 against shardcast (``sc/this``: how many times more bytes / time shardcast needs) and against
@@ -90,7 +92,7 @@ from typing import Any
 
 import numpy as np
 from _peers_procs import BenchError, Child, Relay, free_port, link_child
-from _peers_report import render, render_cpu, targets
+from _peers_report import render, render_cpu, render_load, targets
 from _peers_steps import steps
 from _peers_trace import render as render_phases
 from _peers_versions import load_masters, prepare
@@ -361,9 +363,16 @@ def main() -> int:
         print(line)
     print(render_cpu(results))
     for m, r in results.items():
-        traced = [x["phases"] for x in r["versions"] if x.get("phases")]
+        traced = [x for x in r["versions"] if x.get("phases")]
         if traced:
-            print(render_phases(traced, f"{m}: where the time goes"))
+            print(
+                render_phases(
+                    [x["phases"] for x in traced],
+                    f"{m}: where the time goes",
+                    [x["version"] for x in traced],
+                )
+            )
+    print(render_load(results))
     print(
         f"islands commit {args.island_commit}; trainer cast {args.trainer_cast}; origin relay "
         f"reads LATEST every {args.origin_watch_s:g} s (and when inotify says it moved); region "

@@ -153,6 +153,44 @@ def test_metrics_text(board: Board, objects: list[ObjectRef], serve) -> None:
         assert line in text.splitlines(), line
 
 
+def test_answers_of_one_chunk_are_sent_whole_larger_ones_streamed(
+    board: Board, objects: list[ObjectRef], serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached object's answer of at most ``chunk_bytes`` is read at once (no thread hop per
+    chunk); a larger one is streamed; the bytes, ranges and counters are the same either
+    way, and a cache file shorter than its index is a clean error answer when sent whole."""
+    from rollpatch.relay import server as relay_server
+
+    streamed: list[int] = []
+    real = relay_server._stream
+
+    def spy(relay: object, f: object, length: int) -> object:
+        streamed.append(length)
+        return real(relay, f, length)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relay_server, "_stream", spy)
+    ref = max(objects, key=lambda r: r.size)
+    chunk = ref.size // 3
+    relay = serve(board.store, chunk_bytes=chunk)
+    c = client(relay)
+    data = board.store.get(ref.key)
+    assert c.get(ref.key) == data == c.get(ref.key)  # cached, then served from its file
+    assert streamed == [ref.size, ref.size]
+    assert c.get_range(ref.key, 5, 5 + chunk) == data[5 : 5 + chunk]  # one chunk: whole
+    assert c.get_range(ref.key, 0, chunk + 1) == data[: chunk + 1]  # streamed
+    assert streamed == [ref.size, ref.size, chunk + 1]
+    small = min(objects, key=lambda r: r.size)
+    assert small.size <= chunk
+    assert c.get(small.key) == board.store.get(small.key) == c.get(small.key)
+    assert len(streamed) == 3
+    f, entry = relay.relay.cache.open(small.key)
+    f.close()
+    with open(entry.path, "r+b") as g:  # shorter than the index says (a stray truncation)
+        g.truncate(entry.offset + small.size - 1)
+    r = httpx.get(f"{relay.url}/v1/objects/{small.key}")
+    assert r.status_code >= 500 and b"shorter" in r.content
+
+
 def test_config_and_ranges_are_validated(tmp_path: Path) -> None:
     from rollpatch.cli.relay import parse_size
 

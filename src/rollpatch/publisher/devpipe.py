@@ -135,6 +135,7 @@ class DeviceShardPipeline(ShardPipeline):
             res.patch_bytes, res.changed = len(blob), step.n_changed
         res.accumulators, skips = self._advance_accumulators(version, step)
         for skip_base, composed in skips:
+            assert composed is not None  # no base is rebuilt ahead on the device path
             skip_blob = self._skip_device(composed, view, skip_base, version)
             if skip_blob is not None:
                 blobs.append((skip_base, "rpatch", skip_blob))

@@ -18,15 +18,15 @@ from typing import Any, Protocol
 
 from .. import native
 from ..board import Board
-from ..errors import BoardError, PatchError
+from ..errors import PatchError
 from ..formats import cast_view
 from ..patch import Patch, compose, diff, encode, encode_views, encode_views_patch, inspect
-from ..patch.ops import scatter
 from ..types import ObjectRef
-from ..view import Tensor, View, sum_add
+from ..view import View
 from .cast import has_step, step_patch
 from .config import PublisherConfig
 from .sharded_slices import SliceSpec, check_sliceable, cut, slice_part
+from .skipbase import RewoundBase, rebuild_ahead, rewind, same_layout
 
 __all__ = ["ServedView", "ShardPipeline", "ShardResult"]
 
@@ -104,6 +104,9 @@ class ShardPipeline:
         #: The host path's fold: (anchor version, its view, whether it is the whole resumed
         #: view, not yet cut to this shard).
         self._anchor: tuple[int, Any, bool] | None = None
+        #: The base view of the next version's skip patch, rebuilt by :meth:`settle` (host
+        #: path, ``settle_later``): the build codes the skip patch from it (skipbase.py).
+        self._rewound: RewoundBase | None = None
         #: Where this rank's sliced tensors lie (fixed for a run; the writer sets it).
         self.slices: Mapping[str, SliceSpec] = {}
 
@@ -113,6 +116,7 @@ class ShardPipeline:
         self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
         self._later = None
         self._anchor = None
+        self._rewound = None
         if self.config.is_anchor(version):
             if self.FOLD_BY_ACCUMULATOR:
                 self._acc[FOLD] = (version, None)
@@ -176,9 +180,12 @@ class ShardPipeline:
                 blob = encode(self._with_meta(step, self.prev_version, version), prev)
                 blobs.append((self.prev_version, "rpatch", blob))
                 res.patch_bytes, res.changed = len(blob), step.n_changed
-        skips: list[tuple[int, Patch]] = []
+        skips: list[tuple[int, Patch | None]] = []
+        rebuilt = self._rebuilt_base(view)
         if self._skip_due(version):
-            res.accumulators, skips = self._advance_accumulators(version, step)
+            res.accumulators, skips = self._advance_accumulators(
+                version, step, rebuilt=None if rebuilt is None else rebuilt.base
+            )
         else:  # composing into the accumulators waits until the version is published
             res.deferred = (step,)
         fold = self._fold_blob(view, version)
@@ -187,6 +194,11 @@ class ShardPipeline:
         for skip_base, composed in skips:
             if fold is not None and skip_base == fold[0]:
                 continue  # the folded patch is this skip patch, byte for byte
+            if composed is None:  # the base's view was rebuilt ahead, not composed
+                assert rebuilt is not None and rebuilt.base == skip_base
+                meta = self._meta(skip_base, version)
+                blobs.append((skip_base, "rpatch", encode_views(rebuilt.view, view, meta=meta)))
+                continue
             skip_blob = self._skip_blob(composed, view, skip_base, version)
             if skip_blob is not None:
                 blobs.append((skip_base, "rpatch", skip_blob))
@@ -220,6 +232,7 @@ class ShardPipeline:
         else:
             self._acc = res.accumulators
         self.prev, self.prev_version, self._whole_prev = res.view, res.version, False
+        self._rewound = None  # rebuilt from the view before: the next settle rebuilds
         if not self.settle_later:
             self.settle()
         cfg = self.config
@@ -244,6 +257,7 @@ class ShardPipeline:
             version, step = self._later
             self._acc, _ = self._advance_accumulators(version, step)
             self._later = None
+            self._rebuild_base()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -262,9 +276,7 @@ class ShardPipeline:
         if whole:  # cut once: its digests are then cached for the rest of the window
             base = self._cut(held, view)
             self._anchor = (a, base, False)
-        if base.keys() != view.keys() or any(
-            (base[n].kind, base[n].shape) != (t.kind, t.shape) for n, t in view.items()
-        ):
+        if not same_layout(base, view):
             return None  # a tensor was added, dropped or reshaped: step patches only
         meta = self._meta(a, version)
         if native.core is not None:
@@ -310,17 +322,20 @@ class ShardPipeline:
         return False
 
     def _advance_accumulators(
-        self, version: int, step: Patch | None
-    ) -> tuple[Accumulators, list[tuple[int, Patch]]]:
+        self, version: int, step: Patch | None, *, rebuilt: int | None = None
+    ) -> tuple[Accumulators, list[tuple[int, Patch | None]]]:
         """The accumulators after ``version`` and the skip and folded patches (base,
         composed) it gets (one per base: a fold landing on a skip stride's base is that skip
         patch). A step that does not chain onto an accumulator (a dropped or failed version
         left it behind) ends that accumulator until its next base: a patch is never composed
         over a gap. With :attr:`FOLD_BY_ACCUMULATOR`, also the fold's accumulator, whose base
         is always the anchor below
-        ``version``: one the publisher skipped (a dropped version) ends it until the next."""
+        ``version``: one the publisher skipped (a dropped version) ends it until the next.
+        ``rebuilt``: a skip base whose view :meth:`_rebuilt_base` holds (rebuilt from the
+        previous view, which ``step`` starts at): its skip patch is listed with None, not
+        composed (its accumulator ends at ``version`` anyway)."""
         new: Accumulators = {}
-        skips: dict[int, Patch] = {}
+        skips: dict[int, Patch | None] = {}
         cfg = self.config
         below = cfg.anchor_below(version) if cfg.fold_every else -1
         fold = self.FOLD_BY_ACCUMULATOR and cfg.fold_every
@@ -328,12 +343,12 @@ class ShardPipeline:
             entry = self._acc.get(s)
             if entry is not None and step is not None:
                 base, acc = entry
-                try:
-                    composed = step if acc is None else compose(acc, step)
-                except PatchError:
-                    composed = None
                 due = version - s == base if s != FOLD else base == below
-                if composed is not None and due and base != self.prev_version:
+                ahead = s != FOLD and due and base == rebuilt != self.prev_version
+                composed = None if ahead else _chained(acc, step)  # ahead: not kept (due)
+                if ahead:
+                    skips.setdefault(base, None)
+                elif composed is not None and due and base != self.prev_version:
                     skips.setdefault(base, composed)
                 if composed is not None and (version < base + s if s != FOLD else due):
                     new[s] = (base, composed)
@@ -341,50 +356,52 @@ class ShardPipeline:
                 new[s] = (version, None)
         return new, sorted(skips.items(), key=lambda kv: kv[0])
 
+    def _rebuild_base(self) -> None:
+        """After settling: rebuild the base view of the next version's skip patch, when only
+        the worker's idle time pays for it (``settle_later``; host path, no slices, the
+        native encoder: :func:`~rollpatch.publisher.skipbase.rebuild_ahead`)."""
+        self._rewound = None
+        prev, pv = self.prev, self.prev_version
+        if (
+            self.settle_later
+            and native.core is not None
+            and isinstance(prev, View)
+            and pv is not None
+            and not self._whole_prev
+            and not self.slices
+        ):
+            anchor = None if self._anchor is None else self._anchor[0]  # a fold covers it
+            due = [(s, *e) for s, e in self._acc.items() if s != FOLD and e[0] != anchor]
+            self._rewound = rebuild_ahead(prev, pv, due)
+
+    def _rebuilt_base(self, view: Any) -> RewoundBase | None:
+        """:attr:`_rewound` when it was rebuilt from the current previous view and ``view``
+        (the version being built) has its layout; else None (the build composes)."""
+        r = self._rewound
+        if r is not None and r.fits(self.prev, self.prev_version, view):
+            return r
+        return None
+
     def _skip_blob(self, composed: Patch, view: View, base: int, version: int) -> bytes | None:
         """The encoded skip (or folded) patch, against the view of ``base`` rewound from
-        ``view``: each touched tensor copied with the composed change undone and checked
-        against the base's digest, then one fused native pass over the rewound and the
-        current view (``encode_views``: byte for byte ``encode(composed, rewound)``, 2-3x
-        faster at 100M); without the native core, ``encode``."""
-        try:
-            inverse = composed.inverse()
-        except PatchError:  # a tensor was added, dropped or reshaped: step patches only
+        ``view`` (:func:`~rollpatch.publisher.skipbase.rewind`), then one fused native pass
+        over the rewound and the current view (``encode_views``: byte for byte
+        ``encode(composed, rewound)``, 2-3x faster at 100M); without the native core,
+        ``encode``."""
+        old = rewind(view, composed, version=version, base=base)
+        if old is None:  # a tensor was added, dropped or reshaped: step patches only
             return None
-        algo = composed.digest
-        rewound: dict[str, Tensor] = {}
-        states: dict[str, tuple[int, int]] = {}
-        for name, tp in inverse.tensors.items():
-            ch = tp.changes()  # inverse() holds delta ops only
-            t = view[name].copy()
-            # the current words checked where they are undone; the sum128 change comes back
-            delta = scatter(t, ch.positions, ch.new, ch.old)
-            if delta is not None and algo == "rp.sum128.v1":
-                states[name] = sum_add(view.sum_state(name), delta)
-            rewound[name] = t
-        old = View({n: rewound.get(n, t) for n, t in view.items()}, view.metadata)
-        for name, st in states.items():  # the rewound digest without hashing the tensor again
-            old.update_sum_state(name, st)
-        for name in view:
-            if name not in rewound:  # unchanged since the base: the current digest is its
-                old.set_digest(name, view.tensor_digest(name, algo), algo)
-        for name, tp in inverse.tensors.items():
-            if old.tensor_digest(name, algo) != tp.target_digest:
-                raise BoardError(
-                    "skip patch does not rewind to its base (internal error)",
-                    tensor=name,
-                    version=version,
-                    base=base,
-                )
-        if old.digest(algo) != composed.base:
-            raise BoardError(
-                "skip patch does not rewind to its base root (internal error)",
-                version=version,
-                base=base,
-            )
-        if native.core is None or algo != "rp.sum128.v1":  # encode_views writes rp.sum128
-            return encode(self._with_meta(composed, base, version), rewound)
+        if native.core is None or composed.digest != "rp.sum128.v1":  # encode_views: sum128
+            return encode(self._with_meta(composed, base, version), old)
         return encode_views(old, view, meta=self._meta(base, version))
+
+
+def _chained(acc: Patch | None, step: Patch) -> Patch | None:
+    """``step`` composed after ``acc`` (None: they do not chain)."""
+    try:
+        return step if acc is None else compose(acc, step)
+    except PatchError:
+        return None
 
 
 def _lap(t: float) -> float:

@@ -150,7 +150,8 @@ class RelayConfig:
         lo=1,
         parse=parse_size,
         metavar="SIZE",
-        help="bytes read from a cache file per chunk of a streamed answer",
+        help="bytes read from a cache file per chunk of a streamed answer (an answer of at "
+        "most this many bytes is read at once and sent as one body)",
     )
 
     def __post_init__(self) -> None:

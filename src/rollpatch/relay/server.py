@@ -243,8 +243,13 @@ def _headers(kind: KeyKind, size: int, etag: str | None, relay: Relay) -> dict[s
 def _serve(
     relay: Relay, blob: Blob, source: bytes | tuple[BinaryIO, CacheEntry], range_header: str | None
 ) -> Response:
-    """The answer to a GET from memory or an open cache file: whole, one range (206) or 416;
-    file bodies are streamed."""
+    """The answer to a GET from memory or an open cache file: whole, one range (206) or 416.
+    A file body of at most ``chunk_bytes`` is read at once and sent as one body; larger ones
+    are streamed chunk by chunk (each chunk read on a worker thread). Why: a step patch is
+    about 1 MB at 100M parameters, and each hop to a thread and back waits for a core when
+    the readers decode on the same cores: 1 MiB served 90 times alternating, 3 CPU burners
+    on 2 cores (load ~9), took p50 12.5 / p90 25 / max 286 ms streamed, 6.1 / 19 / 48 ms read
+    at once (a page-cache read of 1 MiB holds the event loop ~0.1 ms)."""
     headers = _headers(blob.kind, blob.size, blob.etag, relay)
     try:
         span = parse_range(range_header, blob.size)
@@ -262,10 +267,17 @@ def _serve(
         relay.metrics.inc("rollpatch_relay_served_bytes_total", len(body))
         return Response(body, status_code=status, headers=headers)
     f, entry = source
+    length = last - first + 1
+    if length <= relay.config.chunk_bytes:
+        with f:
+            f.seek(entry.offset + first)
+            body = f.read(length)
+        if len(body) != length:  # before any byte is sent: a clean error answer
+            raise OSError("cache file is shorter than its index says")
+        relay.metrics.inc("rollpatch_relay_served_bytes_total", length)
+        return Response(body, status_code=status, headers=headers)
     f.seek(entry.offset + first)
-    return StreamingResponse(
-        _stream(relay, f, last - first + 1), status_code=status, headers=headers
-    )
+    return StreamingResponse(_stream(relay, f, length), status_code=status, headers=headers)
 
 
 def _stream(relay: Relay, f: BinaryIO, length: int) -> Iterator[bytes]:

@@ -27,12 +27,12 @@ NO_COMPILE := site-packages/.*/tests/|site-packages/transformers/models/(?!__ini
 # whoever uses the venv. Nothing is byte-compiled at install (pip would compile the ~19,000
 # modules one after the other, half its CPU time); compileall does it on every core, and also
 # compiles src and bench (imported by every process the tests start; a file that only a newer
-# Python parses, like torch's py312 test helpers, is skipped, as pip skips it). uv reuses an
-# installed local project unless told: --reinstall-package rebuilds the C core (pip always does).
+# Python parses, like torch's py312 test helpers, is skipped, as pip skips it). uv, as pip,
+# rebuilds the C core each time -e . is installed (checked: the .so is rewritten, changed or not).
 $(STAMP): pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PY) -m venv --without-pip $(VENV)
 	PYTHON=$(PY) scripts/pyinstall install $(BIN)/python -q pip "torch==2.13.0" \
-		-e ".[dev,torch,s3,web,reference,plot]" --reinstall-package rollpatch
+		-e ".[dev,torch,s3,web,reference,plot]"
 	$(BIN)/python -m compileall -q -j0 -x '$(NO_COMPILE)' $(VENV)/lib src bench >/dev/null || true
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 

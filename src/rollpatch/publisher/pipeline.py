@@ -256,8 +256,10 @@ class ShardPipeline:
         if self._later is not None:
             version, step = self._later
             self._acc, _ = self._advance_accumulators(version, step)
-            self._later = None
-            self._rebuild_base()
+            try:
+                self._rebuild_base()
+            finally:  # unsettled until the rebuilt base is in place (composed once either way)
+                self._later = None
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -214,26 +214,6 @@ static int64_t fz_chunk_n(const fz_case *c, int64_t i) {
     return c->n - i * RP_CHUNK < RP_CHUNK ? c->n - i * RP_CHUNK : RP_CHUNK;
 }
 
-/* module.c's parse_table: a varint length, then the body, per chunk; nothing after. */
-static int fz_table(const uint8_t *p, size_t len, int64_t nch, size_t *offs, size_t *lens) {
-    size_t q = 0;
-    for (int64_t i = 0; i < nch; i++) {
-        uint64_t v = 0;
-        int ok = 0;
-        for (int s = 0; s < 9; s++) {
-            if (q >= len) return -1;
-            uint8_t ch = p[q++];
-            v |= (uint64_t)(ch & 0x7F) << (7 * s);
-            if (!(ch & 0x80)) { ok = 1; break; }
-        }
-        if (!ok || v > len - q) return -1;
-        offs[i] = q;
-        lens[i] = (size_t)v;
-        q += v;
-    }
-    return q == len ? 0 : -1;
-}
-
 static void fz_out_free(fz_out *o) {
     free(o->pos); free(o->oldv); free(o->newv);
     memset(o, 0, sizeof *o);
@@ -250,7 +230,7 @@ static void fz_decode(fz_case *c, const uint8_t *pl, size_t len, int group, fz_o
     int ow = fz_ow(&c->k);
     memset(o, 0, sizeof *o);
     o->rc = RP_ECORRUPT;
-    if (nch > FZ_MAXCH || nch > (int64_t)len || fz_table(pl, len, nch, offs, lens)) return;
+    if (nch > FZ_MAXCH || nch > (int64_t)len || rp_parse_table(pl, len, nch, offs, lens)) return;
     off[0] = 0;
     for (int64_t i = 0; i < nch; i++) {
         bodies[i] = malloc(lens[i] ? lens[i] : 1);

@@ -21,7 +21,7 @@ static void fz_decode_apply(fz_case *c, const uint8_t *pl, size_t len, const fz_
     size_t offs[FZ_MAXCH], lens[FZ_MAXCH];
     const char *err = NULL;
     int ow = fz_ow(&c->k), rc = RP_OK;
-    if (nch > FZ_MAXCH || nch > (int64_t)len || fz_table(pl, len, nch, offs, lens)) {
+    if (nch > FZ_MAXCH || nch > (int64_t)len || rp_parse_table(pl, len, nch, offs, lens)) {
         if (ref->rc == RP_OK) fz_fail("decode_apply: a table the decode accepted");
         return;
     }
@@ -126,7 +126,7 @@ static void fz_decode_apply_all(fz_case *c, const uint8_t *pl, size_t len, const
     const uint8_t *bodies[FZ_MAXCH] = {0};
     const char *err = NULL;
     int ow = fz_ow(&c->k), rc = RP_OK;
-    if (nch > FZ_MAXCH || nch > (int64_t)len || fz_table(pl, len, nch, offs, lens)) return;
+    if (nch > FZ_MAXCH || nch > (int64_t)len || rp_parse_table(pl, len, nch, offs, lens)) return;
     for (int64_t i = 0; i < nch; i++) {
         uint8_t *body = malloc(lens[i] ? lens[i] : 1);
         if (!body) fz_fail("out of memory for a body");

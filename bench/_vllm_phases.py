@@ -10,27 +10,10 @@ from typing import Any
 
 from _util import log
 from _vllm_reference import CATCHUP_REPS, catchup_starts, follower, sync_to
-from _vllm_server import MAX_TOKENS, BenchError, Server
+from _vllm_server import BenchError, Server, greedy
 from _vllm_world import World
 
 PROMPT = "What is 12 + 7? The answer is"
-
-
-def greedy(http: Any, model: Path, prompt_ids: list[int]) -> tuple[list[str], list[float]]:
-    r = http.post(
-        "/v1/completions",
-        {
-            "model": str(model),
-            "prompt": prompt_ids,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-            "ignore_eos": True,
-        },
-    )
-    lp = r["choices"][0]["logprobs"]
-    return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
 
 
 # -- the paths -----------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from .device import (
     sum128_state,
     sum128_update,
 )
-from .pipeline import ShardPipeline, ShardResult, _lap
+from .pipeline import ShardPipeline, _lap
+from .result import ShardResult
 
 __all__ = ["DeviceShardPipeline", "DeviceView", "snapshot_device"]
 

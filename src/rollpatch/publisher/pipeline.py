@@ -13,75 +13,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .. import native
 from ..board import Board
 from ..errors import PatchError
 from ..formats import cast_view
 from ..patch import Patch, compose, diff, encode, encode_views, encode_views_patch, inspect
-from ..types import ObjectRef
 from ..view import View
 from .cast import has_step, step_patch
 from .config import PublisherConfig
+from .result import FOLD, Accumulators, ShardResult
 from .sharded_slices import SliceSpec, check_sliceable, cut, slice_part
 from .skipbase import RewoundBase, rebuild_ahead, rewind, same_layout
 
-__all__ = ["ServedView", "ShardPipeline", "ShardResult"]
-
-
-class ServedView(Protocol):
-    """What a version's message needs of its view: a host :class:`View`, or the device path's
-    ``DeviceView``."""
-
-    @property
-    def nbytes(self) -> int: ...
-    def tensor_digests(self) -> dict[str, str]: ...
-
-
-#: Stride → (base version, patch composed from the base to the current version, or None);
-#: the key :data:`FOLD` holds the folded patch's (anchor, composed).
-Accumulators = dict[int, tuple[int, "Patch | None"]]
-#: The accumulators' key of the fold (skip strides are >= 2).
-FOLD = 0
-
-
-@dataclass
-class ShardResult:
-    """What ``build`` made for one version; ``message()`` is what the rank tells rank 0."""
-
-    version: int
-    view: ServedView
-    patches: list[tuple[int, ObjectRef]] = field(default_factory=list)
-    keyframe: ObjectRef | None = None
-    accumulators: Accumulators = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    bytes: int = 0
-    patch_bytes: int = 0
-    changed: int = 0
-    host_bytes: int = 0
-    #: Sliced tensor name → :func:`slice_part` (what rank 0 needs for the whole digest).
-    slices: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: ``(step patch,)`` when no skip patch is due at this version: the accumulators then
-    #: advance in :meth:`ShardPipeline.commit`, after LATEST names the version (latency).
-    deferred: tuple[Patch | None] | None = None
-
-    def message(self) -> dict[str, Any]:
-        def ref(r: ObjectRef) -> dict[str, Any]:
-            return {"key": r.key, "size": r.size, "b3": r.b3}
-
-        return {
-            "ok": True,
-            "version": self.version,
-            "nbytes": self.view.nbytes,
-            "digests": {
-                k: d for k, d in self.view.tensor_digests().items() if k not in self.slices
-            },
-            "slices": self.slices,
-            "patches": [dict(ref(r), base=b) for b, r in self.patches],
-            "keyframe": None if self.keyframe is None else ref(self.keyframe),
-        }
+__all__ = ["ShardPipeline"]
 
 
 class ShardPipeline:

@@ -27,8 +27,9 @@ from ..view import Tensor, View
 from .assemble import assemble_manifest
 from .config import PublisherConfig, VersionStats
 from .keyframe import reconstruct_shard, shard_matches
-from .pipeline import ShardPipeline, ShardResult
+from .pipeline import ShardPipeline
 from .reconstruct import reconstruct
+from .result import ShardResult
 from .rounds import Snapshot
 from .sharded import Exchange
 from .wordpool import WordPool

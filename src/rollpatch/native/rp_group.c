@@ -112,7 +112,51 @@ static inline __attribute__((always_inline)) void fin_generic(const rp_kind *kd,
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define FIN512 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline
+#define FIN512                                                                                  \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), always_inline)) static inline
+
+/* rp.sum128's term (rp_internal.h, sum_term) of 8 words w at word indices j; jk = S + j * K. */
+FIN512 __m512i sum_term8(__m512i w, __m512i jk, const int LANE) {
+    __m512i x = _mm512_xor_si512(w, jk);
+    __m512i prod = _mm512_mul_epu32(x, _mm512_srli_epi64(x, 32));
+    return _mm512_add_epi64(prod, _mm512_rol_epi64(w, LANE ? 17 : 32));
+}
+
+/* The rp.sum128 change of writing 8 new elements y (64-bit lanes, in position order) at
+ * element positions p of d: each word's value before (one gather) and after (its lanes'
+ * elements put in, OR-ed along the run of lanes in the same word: positions increase, so a
+ * word's lanes are consecutive); one term pair per run's last lane. Lane 7 always closes its
+ * run: a word shared with the next 8 is read again by their gather, after this half's
+ * stores, so its terms telescope. Adds the change into acc[0], acc[1] (mod 2^64). */
+FIN512 void track8(const uint8_t *d, __m512i p, __m512i y, const int BITS, __m512i acc[2]) {
+    const int LOGW = BITS == 16 ? 2 : 3; /* elements per 64-bit word: 1 << LOGW */
+    const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
+    const __m512i j = _mm512_srli_epi64(p, LOGW);
+    const __m512i sh = _mm512_slli_epi64(_mm512_and_si512(p, _mm512_set1_epi64((1 << LOGW) - 1)),
+                                         BITS == 16 ? 4 : 3);
+    __m512i m = _mm512_sllv_epi64(_mm512_set1_epi64((1 << BITS) - 1), sh);
+    __m512i v = _mm512_sllv_epi64(y, sh);
+    const __m512i w0 = _mm512_i64gather_epi64(j, (const void *)d, 8);
+#define RP_SEG_OR(S)                                                                            \
+    do {                                                                                        \
+        __mmask8 eq = _mm512_cmpeq_epi64_mask(j, _mm512_alignr_epi64(j, none, 8 - (S)));        \
+        m = _mm512_mask_or_epi64(m, eq, m, _mm512_alignr_epi64(m, zero, 8 - (S)));              \
+        v = _mm512_mask_or_epi64(v, eq, v, _mm512_alignr_epi64(v, zero, 8 - (S)));              \
+    } while (0)
+    RP_SEG_OR(1);
+    RP_SEG_OR(2);
+    RP_SEG_OR(4);
+#undef RP_SEG_OR
+    const __m512i w1 = _mm512_or_si512(_mm512_andnot_si512(m, w0), v);
+    const __mmask8 last = _mm512_cmpneq_epi64_mask(j, _mm512_alignr_epi64(none, j, 1));
+    for (int ln = 0; ln < 2; ln++) {
+        const __m512i jk = _mm512_add_epi64(_mm512_set1_epi64((long long)SUM_S[ln]),
+                                            _mm512_mullo_epi64(j, _mm512_set1_epi64((long long)SUM_K[ln])));
+        __m512i t = ln ? _mm512_sub_epi64(sum_term8(w1, jk, 1), sum_term8(w0, jk, 1))
+                       : _mm512_sub_epi64(sum_term8(w1, jk, 0), sum_term8(w0, jk, 0));
+        acc[ln] = _mm512_mask_add_epi64(acc[ln], last, acc[ln], t);
+    }
+}
 
 /* The 16 outward flags of changes i .. i + 15. */
 static inline uint32_t outw16(const uint64_t *outw, int64_t i) {
@@ -125,7 +169,8 @@ static inline uint32_t outw16(const uint64_t *outw, int64_t i) {
  * written word is tracked (no write, or a group summed whole): the magnitudes gathered, the
  * keys, signs and new elements under masks, the outputs stored whole; only the in-place
  * writes go one by one. Returns where it stopped (fewer than 16 left). */
-FIN512 int64_t fin_avx512_(lane_t *l, int64_t start, const int BITS, const int ORDER) {
+FIN512 int64_t fin_avx512_(lane_t *l, int64_t start, const int BITS, const int ORDER,
+                           const int TRACK) {
     const __m512i vs = _mm512_set1_epi32(1 << (BITS - 1));
     const __m512i vm = _mm512_set1_epi32((1 << BITS) - 1);
     const __m512i lo16 = _mm512_set1_epi32(0xFFFF), st = _mm512_set1_epi64(start);
@@ -137,7 +182,13 @@ FIN512 int64_t fin_avx512_(lane_t *l, int64_t start, const int BITS, const int O
     uint8_t *const d = l->wdata;
     const int64_t e = l->emitted;
     int64_t i = l->done;
+    /* TRACK: the written words' rp.sum128 change, as FIN_TYPED's tracking sums it */
+    const uint64_t nfull = l->wlen / 8;
+    __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    if (TRACK) lane_flush(l); /* the scalar loop's pending word */
     for (; i + 16 <= e; i += 16) {
+        /* every word written lies wholly inside the data (the gathers read 8 bytes) */
+        if (TRACK && (uint64_t)(start + rpos[i + 15]) >> (BITS == 16 ? 2 : 3) >= nfull) break;
         __m512i rp = _mm512_loadu_si512(rpos + i);
         __m512i p0 = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(rp));
         __m512i p1 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(rp, 1));
@@ -168,28 +219,50 @@ FIN512 int64_t fin_avx512_(lane_t *l, int64_t start, const int BITS, const int O
             _mm_storeu_si128((__m128i *)(po + i), _mm512_cvtepi32_epi8(x));
             _mm_storeu_si128((__m128i *)(pn + i), _mm512_cvtepi32_epi8(y));
         }
-        if (d) {
+        if (TRACK) { /* each half's words read before its own stores, after the last's */
+            for (int h = 0; h < 2; h++) {
+                track8(d, _mm512_add_epi64(h ? p1 : p0, st),
+                       _mm512_cvtepu32_epi64(h ? _mm512_extracti64x4_epi64(y, 1)
+                                               : _mm512_castsi512_si256(y)),
+                       BITS, acc);
+                for (int q = 8 * h; q < 8 * h + 8; q++) {
+                    if (BITS == 16) memcpy(d + 2 * (start + rpos[i + q]), pn + 2 * (i + q), 2);
+                    else d[start + rpos[i + q]] = pn[i + q];
+                }
+            }
+        } else if (d) {
             for (int q = 0; q < 16; q++) {
                 if (BITS == 16) memcpy(d + 2 * (start + rpos[i + q]), pn + 2 * (i + q), 2);
                 else d[start + rpos[i + q]] = pn[i + q];
             }
         }
     }
+    if (TRACK) {
+        l->d0 += (uint64_t)_mm512_reduce_add_epi64(acc[0]);
+        l->d1 += (uint64_t)_mm512_reduce_add_epi64(acc[1]);
+    }
     return i;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) static int64_t fin_avx512(const rp_kind *kd,
-                                                                                lane_t *l,
-                                                                                int64_t start) {
-    if (kd->bits == 16) {
-        if (kd->order == RP_SIGNMAG) return fin_avx512_(l, start, 16, RP_SIGNMAG);
-        if (kd->order == RP_TWOS) return fin_avx512_(l, start, 16, RP_TWOS);
-        return fin_avx512_(l, start, 16, RP_UNSIGNED);
-    }
-    if (kd->order == RP_SIGNMAG) return fin_avx512_(l, start, 8, RP_SIGNMAG);
-    if (kd->order == RP_TWOS) return fin_avx512_(l, start, 8, RP_TWOS);
-    return fin_avx512_(l, start, 8, RP_UNSIGNED);
+#define FIN_DISPATCH(TRACK)                                                                     \
+    do {                                                                                        \
+        if (kd->bits == 16) {                                                                   \
+            if (kd->order == RP_SIGNMAG) return fin_avx512_(l, start, 16, RP_SIGNMAG, TRACK);   \
+            if (kd->order == RP_TWOS) return fin_avx512_(l, start, 16, RP_TWOS, TRACK);         \
+            return fin_avx512_(l, start, 16, RP_UNSIGNED, TRACK);                               \
+        }                                                                                       \
+        if (kd->order == RP_SIGNMAG) return fin_avx512_(l, start, 8, RP_SIGNMAG, TRACK);        \
+        if (kd->order == RP_TWOS) return fin_avx512_(l, start, 8, RP_TWOS, TRACK);              \
+        return fin_avx512_(l, start, 8, RP_UNSIGNED, TRACK);                                    \
+    } while (0)
+
+/* track: written in place with each written word's rp.sum128 change summed */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static int64_t
+fin_avx512(const rp_kind *kd, lane_t *l, int64_t start, int track) {
+    if (track) FIN_DISPATCH(1);
+    FIN_DISPATCH(0);
 }
+#undef FIN_DISPATCH
 #endif
 
 /* Whether the decoder's AVX-512 loops may run (rp_lane.h). */
@@ -208,8 +281,8 @@ int rp_avx512(int what) {
 void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start) {
     if ((kd->bits == 16 || kd->bits == 8) && l->ow == kd->bits / 8) {
 #if defined(__x86_64__) && defined(__GNUC__)
-        if ((!l->wdata || l->notrack) && l->emitted - l->done >= 16 && rp_avx512(RP_V512_FIN))
-            l->done = fin_avx512(kd, l, start);
+        if (l->emitted - l->done >= 16 && rp_avx512(RP_V512_FIN))
+            l->done = fin_avx512(kd, l, start, l->wdata && !l->notrack);
 #endif
         if (kd->bits == 16) FIN_ORDERS(uint16_t, 1, uint16_t);
         else FIN_ORDERS(uint8_t, 0, uint16_t);

@@ -18,6 +18,7 @@ int rp_isa_best(void) {
         && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi")
         && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512bitalg")
         && __builtin_cpu_supports("avx512vpopcntdq") && __builtin_cpu_supports("gfni")
+        && __builtin_cpu_supports("avx512dq")
         && __builtin_cpu_supports("bmi2"))
         return RP_ISA_AVX512;
     return RP_ISA_AVX2;

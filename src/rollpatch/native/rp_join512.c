@@ -187,6 +187,9 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
         41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
         19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __m512i cntv = _mm512_load_si512(cnt), tgtv = _mm512_load_si512(tgt);
+    /* listed[] as four 64-byte tables, for the elements outside the window */
+    const __m512i lt0 = _mm512_loadu_si512(listed), lt1 = _mm512_loadu_si512(listed + 64);
+    const __m512i lt2 = _mm512_loadu_si512(listed + 128), lt3 = _mm512_loadu_si512(listed + 192);
     for (int64_t b0 = 0; b0 < n; b0 += JB) {
         int len = n - b0 < JB ? (int)(n - b0) : JB;
         uint64_t bb[JB / 64] = {0}; /* positions found in this block */
@@ -237,11 +240,18 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
         }
         cntv = endv;
         if (__builtin_expect(outside, 0)) { /* listed contexts outside the window */
-            __mmask64 any = 0;
-            for (int v = 0; v < JB / 64; v++)
-                any |= _mm512_cmpge_epu8_mask(rel[v], _mm512_set1_epi8(WIN));
+            __mmask64 om[JB / 64], any = 0; /* their elements: a table lookup per 64 */
+            for (int v = 0; v < JB / 64; v++) {
+                const __m512i c = _mm512_load_si512(cbuf + 64 * v);
+                const __m512i lt = _mm512_mask_blend_epi8(_mm512_movepi8_mask(c),
+                                                          _mm512_permutex2var_epi8(lt0, c, lt1),
+                                                          _mm512_permutex2var_epi8(lt2, c, lt3));
+                om[v] = _mm512_mask_test_epi8_mask(
+                    _mm512_cmpge_epu8_mask(rel[v], _mm512_set1_epi8(WIN)), lt, lt);
+                any |= om[v];
+            }
             for (int v = 0; any && v < JB / 64; v++) {
-                uint64_t m = _mm512_cmpge_epu8_mask(rel[v], _mm512_set1_epi8(WIN));
+                uint64_t m = om[v];
                 if (64 * v + 64 > len) m &= len > 64 * v ? ~0ULL >> (64 - (len - 64 * v)) : 0;
                 while (m) {
                     int e = 64 * v + __builtin_ctzll(m);
@@ -256,8 +266,8 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
                 }
             }
         }
-        { /* in position order, old words still in L1; fields in locals: the stores may
-           * alias them (-fno-strict-aliasing) */
+        if (bb[0] | bb[1] | bb[2] | bb[3]) { /* in position order, old words still in L1;
+           * fields in locals: the stores may alias them (-fno-strict-aliasing) */
             int ne = 0;
             for (int v = 0; v < JB / 64; v++) {
                 __m512i at = _mm512_add_epi8(iota, _mm512_set1_epi8((char)(64 * v)));

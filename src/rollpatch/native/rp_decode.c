@@ -254,7 +254,7 @@ static int decode_lanes(const rp_kind *kd, const uint8_t *base, int m, const uin
             }
             l->emitted = (int64_t)l->pp.k;
         }
-        rp_lane_group(kd, l, start[q], n[q]);
+        rp_lane_group(kd, l, start[q], n[q], 1);
         PROF_ADD(1, t0);
         rc = lane_finish(kd, l, err);
         if (rc) { /* all or nothing: put back what this chunk wrote */

@@ -278,11 +278,14 @@ int rp_avx512(int what) {
 #endif
 }
 
-void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start) {
+void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start, int partial) {
     if ((kd->bits == 16 || kd->bits == 8) && l->ow == kd->bits / 8) {
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (l->emitted - l->done >= 16 && rp_avx512(RP_V512_FIN))
-            l->done = fin_avx512(kd, l, start, l->wdata && !l->notrack);
+        if (rp_avx512(RP_V512_FIN)) {
+            if (l->emitted - l->done >= 16)
+                l->done = fin_avx512(kd, l, start, l->wdata && !l->notrack);
+            if (partial) return; /* the rest (fewer than 16, mostly) with the next group's */
+        }
 #endif
         if (kd->bits == 16) FIN_ORDERS(uint16_t, 1, uint16_t);
         else FIN_ORDERS(uint8_t, 0, uint16_t);
@@ -322,25 +325,27 @@ void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) 
  * rp.sum128 change is the sum of its words after the write less the sum before (the words
  * are still in cache: cheaper than a change per written word, and exactly equal to it);
  * else each written word's change is summed as it is written. */
-static void lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
-void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) {
+static void lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto, int last);
+void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto, int last) {
     uint64_t t0 = PROF_T();
-    lane_group(kd, l, start, upto);
+    lane_group(kd, l, start, upto, last);
     PROF_ADD(2, t0);
 }
 
-static void lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto) {
+/* Without the in-pass hash, a group that is not the chunk's last may leave its last few
+ * changes (fewer than a vector step) to the next group: nothing sums words by range then. */
+static void lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto, int last) {
     if (!l->hash || !l->wdata || upto <= l->hashed
         || (l->emitted - l->done) * 64 <= upto - l->hashed) {
         rp_lane_hash_to(kd, l, start, upto);
-        rp_finalize(kd, l, start);
+        rp_finalize(kd, l, start, !last && !l->hash);
         return;
     }
     uint64_t before[2], after[2];
     lane_flush(l); /* the last tracked word lies in an earlier group */
     hash_range(kd, l, start, upto, before);
     l->notrack = 1;
-    rp_finalize(kd, l, start);
+    rp_finalize(kd, l, start, 0);
     l->notrack = 0;
     hash_range(kd, l, start, upto, after);
     l->h0 += before[0];

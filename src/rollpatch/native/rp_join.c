@@ -127,7 +127,7 @@ int rp_join_window(const lane_t *l) {
             }                                                                               \
             l->emitted = em;                                                                \
         }                                                                                   \
-        if ((b0 & (16 * JB - 1)) == 15 * JB) rp_lane_group(kd, l, start, b0 + len);         \
+        if ((b0 & (16 * JB - 1)) == 15 * JB) rp_lane_group(kd, l, start, b0 + len, 0);         \
     }                                                                                       \
     for (int t = 0; t < nvc; t++) {                                                         \
         int c = vc[t];                                                                      \

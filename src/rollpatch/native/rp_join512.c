@@ -305,7 +305,7 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
             }
             l->emitted = em + ne;
         }
-        if ((b0 & (16 * JB - 1)) == 15 * JB) rp_lane_group(kd, l, start, b0 + len);
+        if ((b0 & (16 * JB - 1)) == 15 * JB) rp_lane_group(kd, l, start, b0 + len, 0);
     }
     _mm512_store_si512(cnt, cntv);
     for (int r = 0; r < WIN; r++) {

@@ -67,9 +67,10 @@ RP_HIDDEN int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, lane_t
 #ifndef RP_PF
 #define RP_PF 16
 #endif
-RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start);
+RP_HIDDEN void rp_finalize(const rp_kind *kd, lane_t *l, int64_t start, int partial);
 RP_HIDDEN void rp_lane_hash_to(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
-RP_HIDDEN void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto);
+RP_HIDDEN void rp_lane_group(const rp_kind *kd, lane_t *l, int64_t start, int64_t upto,
+                            int last);
 
 /* Whether the decoder's AVX-512 loops may run: the CPU has AVX-512 F/BW/VL (for
  * RP_V512_BSEQ, phase A's Golomb codes, also VBMI, VBMI2 and BMI2), and ROLLPATCH_ISA

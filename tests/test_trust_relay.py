@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,6 +149,44 @@ def test_an_overtaken_latest_is_stale_not_a_rollback(serve, tmp_path: Path) -> N
         verifier.check_pointer(pointer_key(RUN), old, started=time.monotonic())
     assert not isinstance(e.value, StalePointer)
     assert metrics.value("rollpatch_relay_refused_total", reason="trust_rollback") == 1
+
+
+def test_a_read_overtaken_while_the_newer_is_being_verified_is_stale(
+    serve, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newer LATEST's check has passed the trust root (which now calls the older one a
+    rollback) but not yet recorded when it was verified, when the older answer of a read
+    sent before it arrives: that read is stale, not a refused rollback (pointer checks are
+    one at a time)."""
+    from rollpatch.relay import verify
+
+    pub = Pub(2, ttl=60.0)
+    old = pub.store.get(pointer_key(RUN))
+    pub.publish(2)
+    new = pub.store.get(pointer_key(RUN))
+    relay = serve(pub.store, trust=pub.trust(tmp_path))
+    verifier = relay.relay.verifier
+    inside = threading.Event()
+    real = verify.read_latest
+
+    def slow(data: bytes, *a: object, **k: object) -> object:
+        out = real(data, *a, **k)  # type: ignore[arg-type]
+        if data == new:
+            inside.set()
+            time.sleep(0.3)  # the trust root already holds v2; its time is not recorded yet
+        return out
+
+    monkeypatch.setattr(verify, "read_latest", slow)
+    sent = time.monotonic()  # the older read was sent before v2's check began
+    newer = threading.Thread(target=verifier.check_pointer, args=(pointer_key(RUN), new))
+    newer.start()
+    assert inside.wait(10)
+    with pytest.raises(StalePointer):
+        verifier.check_pointer(pointer_key(RUN), old, started=sent)
+    newer.join()
+    metrics = relay.relay.metrics
+    assert metrics.value("rollpatch_relay_stale_pointers_total") == 1
+    assert metrics.value("rollpatch_relay_refused_total", reason="trust_rollback") == 0
 
 
 def test_relay_serves_only_roots_that_chain(serve, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ so that a refusal in the counters can be named from the log.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,10 @@ class Verifier:
         #: run -> (highest LATEST version this process verified, monotonic time it was first
         #: verified): tells an overtaken read from a rollback (:class:`StalePointer`).
         self._verified_at: dict[str, tuple[int, float]] = {}
+        #: One pointer check at a time: the trust root's highest version and ``_verified_at``
+        #: move together, so a crossing read that the trust root already calls a rollback
+        #: always finds the newer version's time here (and is stale, not refused).
+        self._pointer_lock = threading.Lock()
 
     def check(self, key: str, kind: KeyKind, data: bytes) -> str:
         """Verify upstream bytes of ``key`` before they are cached; return their BLAKE3 (hex).
@@ -127,6 +132,10 @@ class Verifier:
         run = pointer_run(key)
         if run is None:
             return
+        with self._pointer_lock:
+            self._check_pointer(key, run, data, started)
+
+    def _check_pointer(self, key: str, run: str, data: bytes, started: float | None) -> None:
         try:
             if self.trust is not None and self.trust.roots_due():
                 self._refresh_root()

@@ -119,7 +119,8 @@ static inline __attribute__((always_inline)) void fin_generic(const rp_kind *kd,
 FIN512 __m512i sum_term8(__m512i w, __m512i jk, const int LANE) {
     __m512i x = _mm512_xor_si512(w, jk);
     __m512i prod = _mm512_mul_epu32(x, _mm512_srli_epi64(x, 32));
-    return _mm512_add_epi64(prod, _mm512_rol_epi64(w, LANE ? 17 : 32));
+    /* an immediate each (clang wants a constant even where LANE is inlined as one) */
+    return _mm512_add_epi64(prod, LANE ? _mm512_rol_epi64(w, 17) : _mm512_rol_epi64(w, 32));
 }
 
 /* The rp.sum128 change of writing 8 new elements y (64-bit lanes, in position order) at

@@ -20,7 +20,7 @@ import pytest
 
 from rollpatch.board import Board
 from rollpatch.engines.view_engine import ViewEngine
-from rollpatch.errors import NotFoundError
+from rollpatch.errors import NotFoundError, ObjectIntegrityError
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.layout import pointer_key, version_key
 from rollpatch.store import open_store
@@ -216,7 +216,9 @@ def test_a_relay_hinting_without_news_cannot_make_a_follower_spin() -> None:
     class Eager(HttpStore):
         calls = 0
 
-        def wait_newer(self, key: str, after: int, wait_s: float, held: object) -> bytes:
+        def wait_newer(  # type: ignore[override]
+            self, key: str, after: int, wait_s: float, held: object, **_: object
+        ) -> bytes:
             Eager.calls += 1
             return b"{}"  # a hint, whatever it says: LATEST is read and verified anyway
 
@@ -227,3 +229,64 @@ def test_a_relay_hinting_without_news_cannot_make_a_follower_spin() -> None:
     assert Eager.calls == 2  # hint, poll_s, hint, poll_s
     hint.wait(None, 0.01, wake)  # nothing read yet: poll_s, no long-poll
     assert Eager.calls == 2
+
+
+@pytest.mark.parametrize("push_bytes", [64 << 20, 0])
+def test_a_follower_reads_the_new_version_from_the_answer(
+    world: World, monkeypatch: pytest.MonkeyPatch, push_bytes: int
+) -> None:
+    """By default a follower's long-poll accepts the announced version's manifest and step
+    patch in the answer (docs/relay.md, "Push"): it then reads LATEST, the manifest and the
+    patch without another request, checked as fetched bytes, and serves the version;
+    ``push_bytes=0`` fetches them after the answer."""
+    asked: list[str] = []
+    real = HttpStore._request
+
+    def counted(self: HttpStore, key: str, **kw: object) -> object:
+        asked.append(key)
+        return real(self, key, **kw)  # type: ignore[arg-type]
+
+    relay = world.origin
+    engine = ViewEngine()
+    cfg = FollowerConfig(poll_s=600.0, audit_bytes_per_s=None, push_bytes=push_bytes)
+    f = Follower(relay.url, RUN, engine, cfg)
+    f.sync()
+    f.start()
+    try:
+        until(lambda: waiting(relay) == 1, "the follower's long-poll to be held")
+        monkeypatch.setattr(HttpStore, "_request", counted)
+        assert world.publish() == 1
+        until(lambda: f.version == 1, "the follower to serve v1")
+        m = Board(open_store(world.uri)).manifest(RUN, 1)
+        assert engine.digest == m.target
+        (patch,) = m.patches_from(0)
+        wanted = {pointer_key(RUN), version_key(RUN, 1), patch.ref.key}
+        if push_bytes:
+            assert not wanted & set(asked), asked
+        else:
+            assert wanted <= set(asked), asked
+    finally:
+        f.stop()
+
+
+def test_pushed_bytes_are_checked_as_fetched_ones(world: World) -> None:
+    """A corrupt object held from an answer is refused by its BLAKE3 like a fetched one (the
+    reader then fetches it from the relay), and held bytes expire unread."""
+    from rollpatch.store import http_client
+
+    c = client_of(world.origin.url)
+    world.publish()
+    m = Board(open_store(world.uri)).manifest(RUN, 1)
+    (patch,) = m.patches_from(0)
+    assert isinstance(c, HttpStore)
+    c.hold_pushed(pointer_key(RUN), b"{}", [(patch.ref.key, b"forged")])
+    board = Board(c)
+    with pytest.raises(ObjectIntegrityError):
+        board.fetch(patch.ref)
+    assert board.fetch(patch.ref)  # the next read asks the relay: the real bytes
+    c.hold_pushed(pointer_key(RUN), b"stale", [])
+    http_client.PUSHED_TTL_S, ttl = 0.0, http_client.PUSHED_TTL_S
+    try:
+        assert c.get(pointer_key(RUN)) != b"stale"
+    finally:
+        http_client.PUSHED_TTL_S = ttl

@@ -48,6 +48,18 @@ class FollowerConfig:
         hi=86400.0,
         help="seconds one object may take to arrive and verify, all retries included",
     )
+    push_bytes: int = setting(
+        64 * 2**20,
+        lo=0,
+        hi=256 * 2**20,
+        help="through a relay, accept up to this many bytes of a new version's manifest and "
+        "step patch in the long-poll answer that announces it (0: fetch them after it)",
+    )
+    """Bytes of the announced version's manifest and step patch objects the follower's
+    long-poll of LATEST accepts in the answer (docs/relay.md, "Push"): the follower then reads
+    LATEST, the manifest and the objects from that answer instead of three more requests;
+    they are checked exactly as fetched ones (signatures, BLAKE3). Held until read or the next
+    answer, so at most this many bytes (plus LATEST) are kept."""
     max_stage_bytes: int | None = setting(
         None, lo=1, hi=1 << 60, help="refuse plans that would fetch more bytes than this"
     )

@@ -104,7 +104,7 @@ class Follower:
             join_s=self.config.timeout_s + 5.0,
             wake=self._wake,
             abort=self._abort,
-            hint=LatestHint(self.board.store, self.run),
+            hint=LatestHint(self.board.store, self.run, push_bytes=self.config.push_bytes),
             seen=lambda: self._rec.latest,
         )
         self._bad = BadObjects()  # corrupt objects: plans go around them

@@ -51,13 +51,18 @@ class LatestHint:
     between two hints, so it cannot make the follower spin.
     """
 
-    def __init__(self, store: Store, run: str, hold_s: float = HOLD_S) -> None:
+    def __init__(
+        self, store: Store, run: str, hold_s: float = HOLD_S, *, push_bytes: int = 0
+    ) -> None:
         inner = store
         while not isinstance(inner, HttpStore) and isinstance(getattr(inner, "inner", None), Store):
             inner = inner.inner  # type: ignore[attr-defined]  # retrying or tracing wrappers
         self._relay = inner if isinstance(inner, HttpStore) else None
         self._key = pointer_key(run)
         self.hold_s = hold_s
+        #: Bytes of a new version's manifest and step patch accepted in the answer
+        #: (``FollowerConfig.push_bytes``); the relay client holds them for the reads.
+        self.push_bytes = push_bytes
         self._held: Held | None = None if self._relay is None else self._relay.held()
         self._hinted: int | None = None  # ``after`` of the last early answer
 
@@ -77,7 +82,15 @@ class LatestHint:
         if wake.is_set():
             return
         try:
-            answer = relay.wait_newer(self._key, after, self.hold_s, held)
+            pushed: list[tuple[str, bytes]] = []
+            answer = relay.wait_newer(
+                self._key,
+                after,
+                self.hold_s,
+                held,
+                push_bytes=self.push_bytes,
+                pushed_out=pushed,
+            )
         except NotImplementedError:
             log.info("%s does not hold long-polls of LATEST; polling every %g s", relay, poll_s)
             self._relay = None
@@ -89,6 +102,8 @@ class LatestHint:
             return
         if answer is not None:
             self._hinted = after
+            if pushed:  # the reads that follow take LATEST and these from the answer
+                relay.hold_pushed(self._key, answer, pushed)
 
     def cancel(self) -> None:
         """End a wait in progress at once (or the next one)."""

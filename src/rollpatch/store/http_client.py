@@ -25,6 +25,7 @@ import functools
 import http.client
 import re
 import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -65,6 +66,11 @@ _NETWORK_ERRORS = (
 )
 
 
+#: Seconds pushed bytes wait for their read (:meth:`HttpStore.hold_pushed`): the reads follow
+#: the answer at once; a LATEST kept longer would be older than the relay's.
+PUSHED_TTL_S = 2.0
+
+
 class _Transient(Exception):
     """Internal: a failure worth another attempt."""
 
@@ -85,6 +91,10 @@ class HttpStore(Store):
         self.config = config or HttpConfig()
         self._prefix = parts.path.rstrip("/")
         self._pool = Pool(self.base, self.config.timeout)
+        #: Bytes a long-poll answer pushed (:meth:`hold_pushed`), each served to one read.
+        self._pushed: dict[str, bytes] = {}
+        self._pushed_at = 0.0
+        self._pushed_lock = threading.Lock()
 
     # -- transport ----------------------------------------------------------------------------
 
@@ -140,7 +150,23 @@ class HttpStore(Store):
 
     # -- reads --------------------------------------------------------------------------------
 
+    def hold_pushed(self, latest_key: str, latest: bytes, pushed: list[tuple[str, bytes]]) -> None:
+        """Keep what a long-poll answer carried (:meth:`wait_newer`): LATEST's bytes and the
+        pushed manifest and objects, each for the next read of its key, in place of what an
+        earlier answer left unread. Unverified, as any answer: the reader checks them as it
+        checks fetched bytes (LATEST's and the manifest's signatures, objects' BLAKE3)."""
+        with self._pushed_lock:
+            self._pushed = {latest_key: latest, **dict(pushed)}
+            self._pushed_at = time.monotonic()
+
     def _get(self, key: str) -> bytes:
+        with self._pushed_lock:
+            if self._pushed and time.monotonic() - self._pushed_at > PUSHED_TTL_S:
+                self._pushed = {}  # an answer nobody read soon after: ask the relay again
+            held = self._pushed.pop(key, None)
+        if held is not None:
+            return held
+
         def attempt() -> bytes:
             with self._request(key) as r:
                 return self._read_body(r, _content_length(r, key), key)

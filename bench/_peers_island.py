@@ -178,6 +178,7 @@ def island_xor(job: dict[str, Any]) -> None:
     from _peers_xor import apply_blob
 
     from rollpatch.board import Board
+    from rollpatch.follower import FollowerConfig
     from rollpatch.follower.watch import LatestHint
     from rollpatch.io.safetensors import load_view
     from rollpatch.store import open_store
@@ -187,7 +188,9 @@ def island_xor(job: dict[str, Any]) -> None:
     board = Board(tracer)
     have, fetched = 0, 0
     pool = ThreadPoolExecutor(2)
-    hint = LatestHint(tracer, job["run"])  # the same notice as rollpatch's followers
+    # the same notice as rollpatch's followers: the new version's manifest and step patch
+    # come in the long-poll's answer (FollowerConfig's push_bytes)
+    hint = LatestHint(tracer, job["run"], push_bytes=FollowerConfig().push_bytes)
     _stop.on_set.append(hint.cancel)
     reset_peak_rss()
     emit("ready", version=0)

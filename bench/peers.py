@@ -31,7 +31,9 @@ a version through the relays' long-poll of LATEST (docs/relay.md), which each re
 once the version's manifest and step patch are verified in its cache (the origin relay reads
 the directory board's LATEST every ``--origin-watch-s`` and wakes at once on inotify when it
 is renamed into place; the region relay gets the manifest and step patch pushed in the
-origin's announcing answer, ``--push-bytes``, docs/relay.md "Push"). The trainer process imports torch
+origin's announcing answer, ``--push-bytes``, docs/relay.md "Push"; the islands' long-polls
+of the region relay take them the same way, ``FollowerConfig.push_bytes``, rollpatch's and
+XOR's alike). The trainer process imports torch
 (``--trainer-cast torch``, as every trainer has); the publisher casts with the native core in
 one pass that also lists the step's changes (``publisher/cast.py``), and composes each step
 into its skip accumulators 0.5 s after LATEST moved (``core.SETTLE_AFTER_S``), not while the

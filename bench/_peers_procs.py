@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import socket
 import subprocess
@@ -12,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from _util import cpu_of
 
 HERE = Path(__file__).resolve().parent
 
@@ -93,36 +94,12 @@ def free_port() -> int:
 def cpu_seconds(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by this process (every thread) and ``pids``:
     the work a version costs, whatever else the machine runs meanwhile."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    t = os.times()
-    total = t.user + t.system
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+    return cpu_of(pids)
 
 
 def cpu_parts(groups: dict[str, list[int]]) -> dict[str, float]:
     """CPU seconds used so far by each group of processes (``trainer``: this process)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for name, pids in groups.items():
-        total = 0.0
-        for pid in pids:
-            if pid == os.getpid():
-                t = os.times()
-                total += t.user + t.system
-                continue
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / ticks
-        out[name] = total
-    return out
+    return {name: cpu_of(pids, this=False) for name, pids in groups.items()}
 
 
 def vm_hwm(pid: int) -> int:

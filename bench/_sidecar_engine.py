@@ -7,13 +7,13 @@ to it over a real socket, as it does in front of vLLM.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from _sidecar_load import BenchError
+from _util import proc_cpu_s
 
 from rollpatch.engines.base import EngineAdapter
 
@@ -89,8 +89,7 @@ def engine_process(world: Any, kind: str) -> tuple[Any, Any, str, int, Any]:
 
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of a process and its children, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return proc_cpu_s(pid, children=True)
 
 
 def main() -> int:

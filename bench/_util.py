@@ -18,6 +18,7 @@ import numpy as np
 
 __all__ = [
     "best_of",
+    "cpu_of",
     "current_rss",
     "fmt_size",
     "log",
@@ -25,9 +26,35 @@ __all__ = [
     "machine_line",
     "parse_size",
     "peak_rss",
+    "proc_cpu_s",
     "reset_peak_rss",
     "table",
 ]
+
+
+def proc_cpu_s(pid: int | None = None, *, children: bool = False) -> float:
+    """CPU seconds (user + system, every thread) a process used so far: this one when ``pid``
+    is None (or is this process), else from ``/proc/PID/stat``, with its waited-for children's
+    when ``children``. Raises ``OSError`` when the process is gone."""
+    if pid is None or pid == os.getpid():
+        t = os.times()
+        return t.user + t.system + ((t.children_user + t.children_system) if children else 0.0)
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(pids: Sequence[int], *, this: bool = True) -> float:
+    """CPU seconds used so far by this process (unless ``this`` is False) and ``pids``; a
+    process that is gone counts nothing."""
+    total = proc_cpu_s() if this else 0.0
+    for pid in pids:
+        try:
+            total += proc_cpu_s(pid)
+        except OSError:
+            continue
+    return total
+
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 

@@ -9,8 +9,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from _util import cpu_of
 from _vllm_floor import inplace_floor
-from _vllm_server import BenchError, _read
+from _vllm_server import BenchError
 from _vllm_world import RUN, World
 
 #: Versions behind for the catch-up rows (``min`` with the versions published).
@@ -27,13 +28,7 @@ ONE, ANCHOR, OFF_ANCHOR = "one", "anchor", "chain"
 
 def cpu_s(pids: Sequence[int] = ()) -> float:
     """CPU seconds (user + system, all threads) of this process and of ``pids`` so far."""
-    total = time.process_time()
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        fields = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
-        if len(fields) > 12:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    return cpu_of(pids)
 
 
 def catchup_starts(world: World, lag: int) -> dict[str, tuple[int, int]]:

@@ -56,7 +56,7 @@ def start_server(
     core per rank when there are more ranks than NUMA nodes; ``extra_env``: added to the
     server's environment, e.g. ``ROLLPATCH_FAULT_INJECTION=1``)."""
     port = vllm_env.free_port()
-    env = server_env(venv_dir(), REPO / "src", shim_log)
+    env = vllm_env.write_bytecode(server_env(venv_dir(), REPO / "src", shim_log))
     env.update(extra_env or {})
     env["TOKENIZERS_PARALLELISM"] = "false"
     # --sleep-on-idle: idle, the scheduler waits on its sockets instead of spinning a core (it

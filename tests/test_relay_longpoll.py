@@ -272,7 +272,7 @@ def test_a_follower_reads_the_new_version_from_the_answer(
 def test_pushed_bytes_are_checked_as_fetched_ones(world: World) -> None:
     """A corrupt object held from an answer is refused by its BLAKE3 like a fetched one (the
     reader then fetches it from the relay), and held bytes expire unread."""
-    from rollpatch.store import http_client
+    from rollpatch.store import push
 
     c = client_of(world.origin.url)
     world.publish()
@@ -285,8 +285,8 @@ def test_pushed_bytes_are_checked_as_fetched_ones(world: World) -> None:
         board.fetch(patch.ref)
     assert board.fetch(patch.ref)  # the next read asks the relay: the real bytes
     c.hold_pushed(pointer_key(RUN), b"stale", [])
-    http_client.PUSHED_TTL_S, ttl = 0.0, http_client.PUSHED_TTL_S
+    push.PUSHED_TTL_S, ttl = 0.0, push.PUSHED_TTL_S
     try:
         assert c.get(pointer_key(RUN)) != b"stale"
     finally:
-        http_client.PUSHED_TTL_S = ttl
+        push.PUSHED_TTL_S = ttl

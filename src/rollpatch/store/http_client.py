@@ -25,7 +25,6 @@ import functools
 import http.client
 import re
 import socket
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from ..serving.responses import error_message
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
 from .http_pool import MAX_ERROR_BYTES, Held, HttpStatusError, Pool, Response
-from .push import MAX_HAVE, PUSH_HEADER, split_push
+from .push import MAX_HAVE, PUSH_HEADER, PushedBytes, split_push
 
 __all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HELD_HEADER", "HttpStore"]
 
@@ -64,11 +63,6 @@ _NETWORK_ERRORS = (
     http.client.HTTPException,
     TimeoutError,
 )
-
-
-#: Seconds pushed bytes wait for their read (:meth:`HttpStore.hold_pushed`): the reads follow
-#: the answer at once; a LATEST kept longer would be older than the relay's.
-PUSHED_TTL_S = 2.0
 
 
 class _Transient(Exception):
@@ -92,9 +86,7 @@ class HttpStore(Store):
         self._prefix = parts.path.rstrip("/")
         self._pool = Pool(self.base, self.config.timeout)
         #: Bytes a long-poll answer pushed (:meth:`hold_pushed`), each served to one read.
-        self._pushed: dict[str, bytes] = {}
-        self._pushed_at = 0.0
-        self._pushed_lock = threading.Lock()
+        self._pushed = PushedBytes()
 
     # -- transport ----------------------------------------------------------------------------
 
@@ -152,18 +144,12 @@ class HttpStore(Store):
 
     def hold_pushed(self, latest_key: str, latest: bytes, pushed: list[tuple[str, bytes]]) -> None:
         """Keep what a long-poll answer carried (:meth:`wait_newer`): LATEST's bytes and the
-        pushed manifest and objects, each for the next read of its key, in place of what an
-        earlier answer left unread. Unverified, as any answer: the reader checks them as it
-        checks fetched bytes (LATEST's and the manifest's signatures, objects' BLAKE3)."""
-        with self._pushed_lock:
-            self._pushed = {latest_key: latest, **dict(pushed)}
-            self._pushed_at = time.monotonic()
+        pushed manifest and objects, each for the next read of its key (:class:`.push.PushedBytes`).
+        Unverified, as any answer: the reader checks them as it checks fetched bytes."""
+        self._pushed.hold({latest_key: latest, **dict(pushed)})
 
     def _get(self, key: str) -> bytes:
-        with self._pushed_lock:
-            if self._pushed and time.monotonic() - self._pushed_at > PUSHED_TTL_S:
-                self._pushed = {}  # an answer nobody read soon after: ask the relay again
-            held = self._pushed.pop(key, None)
+        held = self._pushed.take(key)
         if held is not None:
             return held
 

@@ -26,6 +26,8 @@ is not pushed is fetched as before).
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 from ..errors import ConfigError, StoreError
 from ..layout import manifest_version, object_hash
@@ -34,7 +36,9 @@ from .base import validate_key
 __all__ = [
     "MAX_HAVE",
     "MAX_PUSHED",
+    "PUSHED_TTL_S",
     "PUSH_HEADER",
+    "PushedBytes",
     "frame_push",
     "have_token",
     "parse_have",
@@ -112,3 +116,29 @@ def split_push(header: str, body: bytes, store: str) -> tuple[bytes, list[tuple[
         out.append((key, bytes(view[at : at + n])))
         at += n
     return body[: lengths[0]], out
+
+
+#: Seconds pushed bytes wait for their read (:class:`PushedBytes`): the reads follow the
+#: answer at once; a LATEST kept longer would be older than the relay's.
+PUSHED_TTL_S = 2.0
+
+
+class PushedBytes:
+    """What the last long-poll answer pushed to a relay client, by key: each served to the
+    next read of its key, all dropped :data:`PUSHED_TTL_S` after the answer (then the reads ask
+    the relay again). A new answer replaces what an earlier one left unread."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, bytes] = {}
+        self._at = 0.0
+        self._lock = threading.Lock()
+
+    def hold(self, by_key: dict[str, bytes]) -> None:
+        with self._lock:
+            self._by_key, self._at = dict(by_key), time.monotonic()
+
+    def take(self, key: str) -> bytes | None:
+        with self._lock:
+            if self._by_key and time.monotonic() - self._at > PUSHED_TTL_S:
+                self._by_key = {}
+            return self._by_key.pop(key, None)

@@ -307,3 +307,46 @@ def test_a_slow_client_holds_the_engine_not_the_sidecars_memory(
     assert texts == [f" t{i}" for i in range(n_events)]
     assert lines[-1] == "data: [DONE]"
     assert taps[0] == 1
+
+
+def test_a_non_streaming_answer_goes_out_in_one_write(
+    live: tuple[Engine, RunningSidecar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uvicorn's two messages of a whole answer (head, body) leave in one write to the
+    client's socket, with the versions spliced into the engine's JSON as it came; keep-alive
+    and ``Connection: close`` behave as without the cork."""
+    from rollpatch.sidecar import proxy
+
+    engine, sc = live
+    answer = b'{"id": "x", "choices": [{"text": " \xc3\xa9"}]}'
+
+    def script(n: int, t: Any) -> None:
+        t.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(answer), answer)
+        )
+
+    flushed: list[tuple[int, bytes]] = []
+    flush = proxy._Cork.flush
+
+    def counted(self: Any) -> None:
+        if self.parts:  # (the close's flush, then the send's finally: nothing left)
+            flushed.append((len(self.parts), b"".join(self.parts)))
+        flush(self)
+
+    engine.script = script
+    monkeypatch.setattr(proxy._Cork, "flush", counted)
+    body = {"model": "m", "prompt": "p", "max_tokens": 4}
+    with httpx.Client(timeout=10) as client:
+        for _ in range(3):  # on one keep-alive connection
+            r = client.post(f"{sc.url}/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-rollpatch-version-end"] == "0"
+            assert (
+                r.content == answer[:-1] + b',"rollpatch":{"version_start": 0, "version_end": 0}}'
+            )
+        r = client.post(f"{sc.url}/v1/completions", json=body, headers={"connection": "close"})
+        assert r.status_code == 200 and r.headers["connection"] == "close"
+    assert [n for n, _ in flushed] == [2] * 4  # the head's write and the body's, held
+    for _, data in flushed:
+        assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b'"version_end": 0}}')
+    assert sc.sidecar.gate.inflight == 0

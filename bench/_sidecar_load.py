@@ -76,7 +76,15 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
     """Send ``job["n"]`` requests (or until ``stop``) with ``job["c"]`` in flight."""
     c, n, bodies = job["c"], job.get("n"), job["bodies"]
     payloads = [json.dumps(b, separators=(",", ":")).encode() for b in bodies]
-    out: dict[str, Any] = {"lat": [], "errors": [], "texts": {}, "labels": {}, "bad_tokens": 0}
+    out: dict[str, Any] = {
+        "lat": [],
+        "start": [],  # of each request in "lat", seconds into the measured phase
+        "errors": [],
+        "texts": {},
+        "labels": {},
+        "bad_tokens": 0,
+    }
+    began = [time.perf_counter()]
     pool = Upstream(job["url"], connect_s=30.0, max_connections=c, keepalive_expiry_s=60.0)
 
     async def one(i: int, record: bool) -> None:
@@ -96,6 +104,7 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
         if not record:
             return
         out["lat"].append(dt)
+        out["start"].append(t0 - began[0])
         out["texts"].setdefault(str(i % len(bodies)), []).append(body["choices"][0]["text"])
         rp = body.get("rollpatch") or {}
         key = f"{rp.get('version_start')}-{rp.get('version_end')}"
@@ -112,6 +121,7 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
         await asyncio.gather(*(worker(warm, job.get("warmup", 0), False) for _ in range(c)))
         sent = [0]
         t0, cpu0 = time.perf_counter(), time.process_time()
+        began[0] = t0
         await asyncio.gather(*(worker(sent, n, True) for _ in range(c)))
         out["wall"] = time.perf_counter() - t0
         # the load generator's own CPU per measured request: it shares the cores with the

@@ -294,58 +294,9 @@ def _headers(ctype: bytes, start: int | None, end: int | None) -> list[tuple[byt
 async def _send_raw(
     send: Send, status: int, headers: list[tuple[bytes, bytes]], content: bytes
 ) -> None:
-    """A whole answer: its head and body in one write to the client's socket where the server
-    is uvicorn's (two ASGI messages would be two writes, so two segments the client wakes
-    for); uvicorn keeps its response state (length check, keep-alive, completion)."""
     headers.append((b"content-length", str(len(content)).encode()))
-    inner = send.send if isinstance(send, _Sent) else send
-    cycle: Any = getattr(inner, "__self__", None)
-    if isinstance(send, _Sent):
-        send.started = True
-    real = getattr(cycle, "transport", None) if type(cycle).__name__ == _CYCLE else None
-    cork = _Cork(real) if real is not None else None
-    if cork is not None:
-        cycle.transport = cork
-    try:
-        await inner({"type": "http.response.start", "status": status, "headers": headers})
-        await inner({"type": "http.response.body", "body": content, "more_body": False})
-    finally:
-        if cork is not None:
-            if cycle.transport is cork:
-                cycle.transport = real
-            cork.flush()
-
-
-#: uvicorn's per-request object behind ``send`` (httptools and h11 servers alike): it writes
-#: through its ``transport`` attribute.
-_CYCLE = "RequestResponseCycle"
-
-
-class _Cork:
-    """The client's transport while uvicorn writes one answer: writes are held and go out
-    together (:meth:`flush`); a close (``Connection: close``) flushes first."""
-
-    __slots__ = ("parts", "transport")
-
-    def __init__(self, transport: Any) -> None:
-        self.transport = transport
-        self.parts: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.parts.append(data)
-
-    def flush(self) -> None:
-        if self.parts:
-            data = b"".join(self.parts)
-            self.parts.clear()
-            self.transport.write(data)
-
-    def close(self) -> None:
-        self.flush()
-        self.transport.close()
-
-    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, ...
-        return getattr(self.transport, name)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": content, "more_body": False})
 
 
 async def _send_response(send: Send, resp: Response) -> None:

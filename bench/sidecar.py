@@ -27,8 +27,9 @@ answer) sent at 1, 16 and 64 concurrent requests (closed loop), to the engine's 
 ordered (direct, sidecar, sidecar, direct) x 2 rounds so drift in the machine's load hits
 both alike. A last table holds issue 10's targets per engine, shape and level: the
 throughput ratio (sidecar / direct, >= 0.95 wanted), the p50 latency the sidecar adds
-(<= 1 ms wanted) and its CPU per request. The load generator is ``httpx.AsyncClient`` in a subprocess
-(``bench/_sidecar_load.py``). CPU per request: the sidecar's and the engine's process CPU
+(<= 1 ms wanted) and its CPU per request. The load generator is rollpatch's own pooled client on uvloop in a
+subprocess (``bench/_sidecar_load.py``; its CPU per request is reported, far below the
+sidecar's and the engine's). CPU per request: the sidecar's and the engine's process CPU
 time (from ``/proc``) over a chunk, divided by its requests; the sidecar's baseline is its
 own CPU over the direct chunks (the follower polling, nothing proxied). Unlike wall-clock
 rows, CPU rows hardly depend on other jobs. Checked: every answer is 200 with 8 tokens and
@@ -150,6 +151,7 @@ def bench_proxy(
                     "rps": len(lat) / sum(r["wall"] for r in runs),
                     "cpu": statistics.median(r["cpu_per_req"] for r in runs),
                     "engine_cpu": statistics.median(r["engine_cpu_per_req"] for r in runs),
+                    "client_cpu": statistics.median(r["client_cpu_per_req"] for r in runs),
                     "errors": [e for r in runs for e in r["errors"]],
                     "lat": lat,
                 }
@@ -157,7 +159,8 @@ def bench_proxy(
                 f"{kind} {shape} c={c}: p50 direct {row['direct']['p50'] * 1e3:.1f} ms, sidecar "
                 f"{row['sidecar']['p50'] * 1e3:.1f} ms; req/s {row['direct']['rps']:.1f} vs "
                 f"{row['sidecar']['rps']:.1f}; sidecar CPU/req "
-                f"{row['sidecar']['cpu'] * 1e3:.2f} ms"
+                f"{row['sidecar']['cpu'] * 1e3:.2f} ms, load generator CPU/req "
+                f"{row['sidecar']['client_cpu'] * 1e3:.2f} ms"
             )
             out.append(row)
     finally:
@@ -166,6 +169,19 @@ def bench_proxy(
     if any(len(v) != 1 for v in texts.values()):
         raise BenchError("the same prompt got different completions at temperature 0")
     return out
+
+
+def _levels(
+    text: str, default_n: dict[int, int], other_n: int, ap: argparse.ArgumentParser
+) -> list[tuple[int, int]]:
+    """``--levels 1,16,64``: each level with the request count the defaults give it."""
+    try:
+        cs = [int(x) for x in text.split(",")]
+    except ValueError:
+        ap.error(f"--levels: comma-separated positive integers, not {text!r}")
+    if not cs or min(cs) < 1 or len(set(cs)) != len(cs):
+        ap.error(f"--levels: distinct positive integers, not {text!r}")
+    return [(c, default_n.get(c, other_n)) for c in cs]
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -221,6 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="proxy part: how the sidecar relays a stream (tap: in the engine connection's "
         "protocol, as `rollpatch sidecar` runs; task: in the request's task, as before)",
     )
+    ap.add_argument(
+        "--levels",
+        default=None,
+        help="proxy part: concurrency levels, comma-separated (default 1,16,64; requests per "
+        "level as the defaults give them, else 640, --quick 256)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     engines = [] if args.engines == "none" else args.engines.split(",")
@@ -236,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines = []
     versions = args.versions or (4 if args.quick else 12)
     levels = [(1, 40), (16, 128), (64, 256)] if args.quick else [(1, 200), (16, 640), (64, 640)]
+    if args.levels is not None:
+        levels = _levels(args.levels, dict(levels), 256 if args.quick else 640, ap)
     mach = machine()
     load0 = mach["loadavg_1m"] or 0.0
     t_start = time.perf_counter()

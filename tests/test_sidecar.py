@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,6 +36,26 @@ def test_ready_version_metrics(sidecar: RunningSidecar, world: World) -> None:
     v = httpx.get(f"{sidecar.url}/version").json()
     assert v["served"] == max(world.expected) and v["state"] in ("IDLE", "FETCHING")
     assert "rollpatch_served_version" in httpx.get(f"{sidecar.url}/metrics").text
+
+
+def _connections_opened(sc: RunningSidecar) -> float:
+    text = httpx.get(f"{sc.url}/metrics").text
+    return float(text.split("\nrollpatch_engine_connections_opened ", 1)[1].split()[0])
+
+
+def test_engine_connections_are_reused(sidecar: RunningSidecar) -> None:
+    """Proxied requests, one after another and 4 at once, reuse keep-alive connections to the
+    engine: the sidecar's rollpatch_engine_connections_opened grows by at most the peak
+    concurrency, not with the requests."""
+    before = _connections_opened(sidecar)
+    client = _client(sidecar)
+    for _ in range(12):
+        assert _complete(client)[0]["rollpatch"]["version_start"] is not None
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda _: _complete(client)[0], range(4)))
+            assert all(b["rollpatch"]["version_start"] is not None for b in got)
+    assert _connections_opened(sidecar) - before <= 4
 
 
 def test_label_matches_weights(sidecar: RunningSidecar, world: World) -> None:

@@ -83,6 +83,25 @@ def test_annotate_trusts_engine_within_bounds() -> None:
     assert json.loads(line[6:])["rollpatch"]["version_end"] == 3
 
 
+def test_annotate_keeps_the_engines_bytes() -> None:
+    """The versions are spliced into the engine's JSON as it came (no re-encoding: spacing,
+    key order, non-ASCII and a brace inside a string stay); an engine's own versions that
+    stand leave the body untouched; bodies that are not a UTF-8 object are re-encoded or kept."""
+    raw = '{"id":"c","choices":[{"text":"}é "}],  "usage":{"a": 1}}\n'.encode()
+    out = annotate_body(raw, 2, 2)
+    assert out == raw[:-2] + b',"rollpatch":{"version_start": 2, "version_end": 2}}\n'
+    assert json.loads(out) == {
+        **json.loads(raw),
+        "rollpatch": {"version_start": 2, "version_end": 2},
+    }
+    assert annotate_body(b"{ }", 1, 1) == b'{ "rollpatch":{"version_start": 1, "version_end": 1}}'
+    own = b'{"rollpatch": {"version_start": 4, "version_end": 5}, "x": 1}'
+    assert annotate_body(own, 4, 6) is own
+    utf16 = json.dumps({"a": 1}).encode("utf-16")
+    assert json.loads(annotate_body(utf16, 1, 1))["rollpatch"]["version_end"] == 1
+    assert annotate_body(b"[1]", 1, 1) == b"[1]" and annotate_body(b"{", 1, 1) == b"{"
+
+
 # -- admission and request bodies (issue 11: one request must not wedge an island) ----------
 
 

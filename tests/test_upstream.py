@@ -111,6 +111,43 @@ def test_content_length_and_keep_alive_reuse_one_connection(loop: str) -> None:
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_many_sequential_and_concurrent_requests_reuse_bounded_connections(loop: str) -> None:
+    """Keep-alive reuse, counted: 40 requests one after another open one connection, then
+    10 rounds of 8 at once (``max_connections`` 4) open at most 4 in all, as the server sees
+    and as :attr:`Upstream.opened` (the sidecar's engine_connections_opened) reports."""
+    connections = []
+    answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ndata\r\n0\r\n\r\n"
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        while True:
+            try:
+                await _read_request(r)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            w.write(answer)
+            await w.drain()
+        w.close()
+
+    async def one(up: Upstream) -> bytes:
+        resp = await up.request("POST", "/v1/completions", b"{}")
+        try:
+            return await resp.read()
+        finally:
+            resp.close()
+
+    async def client(up: Upstream) -> tuple[int, int]:
+        assert [await one(up) for _ in range(40)] == [b"data"] * 40
+        after_sequential = up.opened
+        for _ in range(10):
+            assert await asyncio.gather(*(one(up) for _ in range(8))) == [b"data"] * 8
+        return after_sequential, up.opened
+
+    assert _run(handler, client, loop) == (1, len(connections))
+    assert len(connections) <= 4
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_chunked_split_anywhere_and_the_sse_relay_on_top(loop: str) -> None:
     events = b'data: {"n":1}\n\ndata: {"n":2}\n\n: keep-alive\n\ndata: [DONE]\n\n'
     body = b""

@@ -93,7 +93,10 @@ def annotate_body(raw: bytes, start: int | None, end: int | None) -> bytes:
     """Add/keep the ``rollpatch`` versions in a JSON response body.
 
     An engine that reports its own versions (the built-in one does) is trusted when they
-    agree with the sidecar's bounds; otherwise the sidecar's view is written.
+    agree with the sidecar's bounds; otherwise the sidecar's view is written. The engine's
+    bytes are kept as they came (parsed to check them, never re-encoded): the versions are
+    spliced in before the object's closing brace, or the body is left alone when the engine's
+    own versions stand; only an engine ``rollpatch`` field the sidecar overrides re-encodes.
     """
     try:
         body = json.loads(raw)
@@ -101,7 +104,19 @@ def annotate_body(raw: bytes, start: int | None, end: int | None) -> bytes:
         return raw
     if not isinstance(body, dict):
         return raw
-    body["rollpatch"] = _merge(body.get("rollpatch"), start, end)
+    merged = _merge(body.get("rollpatch"), start, end)
+    if "rollpatch" in body:
+        if body["rollpatch"] == merged:
+            return raw
+    else:
+        head = raw.rstrip()
+        # UTF-8 (the only encoding spliced: json.loads also reads UTF-16/32, whose bytes
+        # have NULs beside the braces)
+        if head.lstrip()[:1] == b"{" and head[-1:] == b"}":
+            sep = b"," if body else b""
+            tail = raw[len(head) :]
+            return head[:-1] + sep + b'"rollpatch":' + json.dumps(merged).encode() + b"}" + tail
+    body["rollpatch"] = merged
     return json.dumps(body).encode()
 
 

@@ -274,6 +274,7 @@ class Upstream:
         self._max = max_connections
         self._slots: asyncio.Semaphore | None = None
         self._closed = False
+        self.opened = 0  #: connections opened (the sidecar's engine_connections_opened)
 
     async def request(
         self,
@@ -338,6 +339,7 @@ class Upstream:
             raise UpstreamError(f"connect timeout after {self.connect_s:g} s") from None
         except OSError as e:
             raise UpstreamError(f"cannot connect: {e}") from None
+        self.opened += 1
         return conn
 
     async def _exchange(

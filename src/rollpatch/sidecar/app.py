@@ -42,6 +42,7 @@ def create_app(sc: Sidecar) -> Any:
         base_url=sc.engine_url, connect_s=5, max_connections=100, keepalive_expiry_s=2.0
     )
     upstream = Upstream(sc.engine_url, connect_s=5, max_connections=100, keepalive_expiry_s=4.0)
+    sc.metrics.engine_connections.set_function(lambda: upstream.opened)
     app = FastAPI(
         title="rollpatch sidecar",
         docs_url=None,

@@ -39,6 +39,11 @@ class SidecarMetrics:
         )
         self.requests = r.counter("rollpatch_requests", "requests by outcome", ["outcome"])
         self.latency = r.histogram("rollpatch_proxy_seconds", "proxied request duration")
+        self.engine_connections = r.gauge(
+            "rollpatch_engine_connections_opened",
+            "connections opened to the engine by the proxied routes (cumulative; keep-alive "
+            "reuse keeps it near the peak of concurrent requests)",
+        )
         self._by_outcome: dict[str, Any] = {}  # the labelled children, looked up once each
 
     def request(self, outcome: Outcome, seconds: float | None = None) -> None:

@@ -60,6 +60,38 @@ def test_encode_jobs_refuses_bad_arguments() -> None:
     assert core.encode_jobs(pairs, [], 2) == []
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_encode_view_equals_each_tensor_whole(threads: int) -> None:
+    """encode_view (the jobs cut, run and joined in C) gives each pair what one range over
+    the whole tensor gives, for per-thread job counts that cut tensors into 1 to 4 ranges."""
+    a, b = _views(2)
+    pairs = _pairs(a, b)
+    ws = core.Workspace()
+    want = []
+    for (kt, x, y), name in zip(pairs, a, strict=True):  # the order of _pairs
+        nch = -(-a[name].n_elements // CHUNK)
+        buf, k, d0, d1 = core.encode_range_buf(kt, x, y, 0, nch, ws)
+        want.append((bytes(buf), k, d0, d1))
+    for per in (1, 4, 64):
+        got = core.encode_view(pairs, threads, per)
+        assert [(bytes(buf), k, d0, d1) for buf, k, d0, d1 in got] == want
+
+
+def test_encode_view_refuses_bad_arguments() -> None:
+    a, b = _views(3)
+    pairs = _pairs(a, b)
+    kt, x, _ = pairs[0]
+    with pytest.raises(ValueError):
+        core.encode_view([(kt, x, x[:-1])], 2, 4)  # sizes differ
+    with pytest.raises(ValueError):
+        core.encode_view(pairs, 0, 4)
+    with pytest.raises(ValueError):
+        core.encode_view(pairs, 2, 0)
+    assert core.encode_view([], 2, 4) == []
+    empty = x[:0]
+    assert [tuple(r) for r in core.encode_view([(kt, empty, empty)], 2, 4)] == [(b"", 0, 0, 0)]
+
+
 def _decode_args(
     a: View, blob: bytes, step: int = 1, lie: int = 0
 ) -> tuple[View, list[tuple[Any, ...]], list[int]]:

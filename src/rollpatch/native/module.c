@@ -91,6 +91,8 @@ static PyMethodDef methods[] = {
      "encode_range, plus each chunk's changes (positions, old and new elements)."},
     {"encode_sparse", py_encode_sparse, METH_VARARGS, "Encode one chunk from its changes."},
     {"encode_records", py_encode_records, METH_VARARGS, "Encode one chunk from records."},
+    {"encode_view", py_encode_view, METH_VARARGS,
+     "Every (kind, a, b) pair's payload in one call: encode_jobs' jobs cut, run and joined natively."},
     {"encode_jobs", py_encode_jobs, METH_VARARGS,
      "Encode many (tensor, chunk range) jobs on the core's own threads."},
     {"decode_apply_view", py_decode_apply_view, METH_VARARGS,

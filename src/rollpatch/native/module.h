@@ -46,6 +46,7 @@ PyObject *py_diff(PyObject *self, PyObject *args);
 PyObject *py_set_errors(PyObject *self, PyObject *args);
 PyObject *py_isa(PyObject *self, PyObject *args);
 PyObject *py_encode_jobs(PyObject *self, PyObject *args);
+PyObject *py_encode_view(PyObject *self, PyObject *args);
 PyObject *py_decode_apply_view(PyObject *self, PyObject *args);
 
 #endif

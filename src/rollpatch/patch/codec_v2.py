@@ -133,9 +133,20 @@ class CtxGolombV2:
         """:meth:`encode_dense_sum` of each (base, target) pair, in one native call: every
         (tensor, range of chunks) is one job, largest first, on the core's own T threads
         (``core.encode_jobs``: the GIL released once for the whole view, no Python per job;
-        a Python pool of T threads cost a core's worth of dispatch on 2 cores)."""
+        a Python pool of T threads cost a core's worth of dispatch on 2 cores).
+
+        ``core.encode_view`` cuts those jobs (:func:`job_ranges`), sorts them and joins each
+        tensor's ranges in C: the same results without the per-tensor and per-job Python
+        (0.58 -> 0.14 ms of serial Python at nvfp4 100M, 279 tensors). The Python cut below
+        is what a core built before it runs (and the reference that tests compare it to)."""
         core = native.require()
         nt = threads()
+        if hasattr(core, "encode_view"):  # the jobs cut, run and joined in C (same results)
+            kt = native.kind_tuple
+            got = core.encode_view(
+                [(kt(t.kind, t.n_elements), t.data, u.data) for t, u in pairs], nt, JOBS_PER_THREAD
+            )
+            return [(memoryview(buf), k, (d0, d1)) for buf, k, d0, d1 in got]
         args = []  # (kind tuple, old words, new words) per pair
         jobs = []  # (elements, pair, first chunk, last chunk)
         for i, (t, u) in enumerate(pairs):

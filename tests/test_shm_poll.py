@@ -1,5 +1,6 @@
-"""rollpatch.engines.vllm.spin without vLLM: a SpinCondition-shaped class with a poller over a
-socket pair (the live servers run with it on: tests/vllm_env.server_env)."""
+"""rollpatch.engines.vllm.spin without vLLM (so it runs in the plain test job): a
+SpinCondition-shaped class with a poller over a socket pair (the live vLLM servers run with
+the patch on: tests/vllm_env.server_env)."""
 
 from __future__ import annotations
 

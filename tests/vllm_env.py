@@ -60,10 +60,20 @@ def free_port() -> int:
 
 def server_env() -> dict[str, str]:
     """The environment vLLM's CPU build needs (docs/vllm.md), bytecode written
-    (:func:`write_bytecode`)."""
+    (:func:`write_bytecode`), the shm readers polling instead of spinning (:func:`poll_not_spin`)."""
     from rollpatch.engines.vllm.launch import server_env as launch_env
 
-    return write_bytecode(launch_env(REPO / "src"))
+    return poll_not_spin(write_bytecode(launch_env(REPO / "src")))
+
+
+def poll_not_spin(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``ROLLPATCH_VLLM_POLL_MS=1`` unless the caller's environment sets it (empty:
+    vLLM's default busy loop, for A/B runs): vLLM's message-queue readers (the worker, the
+    engine core) otherwise spin a core each for 1 s after every step and every rpc
+    (rollpatch.engines.vllm.spin). Measured on the 2-core box, tests/test_vllm.py: see
+    docs/vllm.md."""
+    env.setdefault("ROLLPATCH_VLLM_POLL_MS", "1")
+    return env
 
 
 def write_bytecode(env: dict[str, str]) -> dict[str, str]:

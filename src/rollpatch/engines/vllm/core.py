@@ -2,7 +2,8 @@
 
 Start vLLM with ``--scheduler-cls rollpatch.engines.vllm.core.Scheduler`` (what
 :mod:`.launch` does). vLLM resolves that name inside its EngineCore process; resolving it
-installs one wrapper around ``EngineCore.collective_rpc`` and hands back vLLM's own scheduler,
+installs one wrapper around ``EngineCore.collective_rpc`` (and, with ``ROLLPATCH_VLLM_POLL_MS``
+set, the engine core's polling shm reader: :mod:`.spin`) and hands back vLLM's own scheduler,
 unchanged. The wrapper answers the method :data:`ATOMIC` (``args``: the staging token, the
 version tag, the expected root digest) and passes every other call through:
 
@@ -76,10 +77,13 @@ def install() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """``Scheduler``: install the wrapper, then vLLM's own scheduler class."""
+    """``Scheduler``: install the wrapper (and :mod:`.spin`), then vLLM's own scheduler class."""
     if name != "Scheduler":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     install()
+    from .spin import install as poll_instead_of_spin
+
+    poll_instead_of_spin()
     from vllm.v1.core.sched.scheduler import Scheduler
 
     return Scheduler

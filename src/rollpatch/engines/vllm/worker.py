@@ -8,7 +8,9 @@ Importing this module inside a vLLM process does two things, before the model lo
   weight (``remove_weight=False``) and remembers how to rebuild the packed one: the CPU backend
   otherwise copies each linear weight into an opaque oneDNN buffer and empties
   ``layer.weight``, leaving nothing to read digests from or patch in place;
-- registers the ``rollpatch`` weight-transfer backend (lazily, by module path).
+- registers the ``rollpatch`` weight-transfer backend (lazily, by module path);
+- with ``ROLLPATCH_VLLM_POLL_MS`` set, makes the worker's shm message-queue reader poll
+  instead of spinning (:mod:`.spin`).
 
 It imports neither torch nor vLLM itself: where vLLM is not already imported (a sidecar, a
 type checker) it does nothing. Every method returns a JSON-able dict (``ok`` plus results, or
@@ -28,6 +30,7 @@ from ...errors import EngineError
 from .experts_cpu import PackedAudit, audit_packed, check_packed, flip_packed, keep_plain_experts
 from .ops import OPS, require_fault_injection, run_op_on
 from .params import TorchParams
+from .spin import install as _poll_instead_of_spin
 from .weights import RuntimeWeights
 
 __all__ = ["BACKEND", "WorkerExtension", "run_op"]
@@ -102,6 +105,7 @@ if "vllm" in sys.modules:  # inside vLLM: install before the model loads
     _keep_plain_weights()
     keep_plain_experts()  # the CPU MoE kernel's packed experts (.experts_cpu)
     _register_backend()
+    _poll_instead_of_spin()
 
 
 def weights_of(model: Any) -> RuntimeWeights:

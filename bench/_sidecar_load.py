@@ -7,7 +7,8 @@ sidecar reaches its engine with, :class:`~rollpatch.serving.upstream.Upstream`) 
 and reports its own CPU per request (``client_cpu_per_req``).
 
 Run as ``python bench/_sidecar_load.py JOB`` (JSON): ``url``, ``c`` in flight, ``n`` requests
-(None: until stdin closes), ``warmup``, ``bodies``, ``stream`` (SSE; the last data chunk
+(None: until stdin closes), optionally ``duration_s`` (no request starts after that many
+seconds of the measured phase; those in flight finish), ``warmup``, ``bodies``, ``stream`` (SSE; the last data chunk
 carries the labels, ``stream_options.include_usage`` the token count). Prints the result.
 """
 
@@ -111,8 +112,12 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
         out["labels"][key] = out["labels"].get(key, 0) + 1
         out["bad_tokens"] += body["usage"]["completion_tokens"] != MAX_TOKENS
 
-    async def worker(counter: list[int], total: int | None, record: bool) -> None:
+    async def worker(
+        counter: list[int], total: int | None, record: bool, until: float | None = None
+    ) -> None:
         while not stop.is_set() and (total is None or counter[0] < total):
+            if until is not None and time.perf_counter() >= until:
+                return
             counter[0] += 1
             await one(counter[0], record)
 
@@ -122,7 +127,9 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
         sent = [0]
         t0, cpu0 = time.perf_counter(), time.process_time()
         began[0] = t0
-        await asyncio.gather(*(worker(sent, n, True) for _ in range(c)))
+        duration = job.get("duration_s")
+        until = None if duration is None else t0 + duration
+        await asyncio.gather(*(worker(sent, n, True, until) for _ in range(c)))
         out["wall"] = time.perf_counter() - t0
         # the load generator's own CPU per measured request: it shares the cores with the
         # sidecar and the engine, so the report shows it is far from the bottleneck
@@ -143,10 +150,10 @@ def _run(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
 
 def load_worker_main(job_json: str) -> int:
     """``--load-worker JOB``: drive the load, print the result as JSON on stdout. A job
-    without ``n`` runs until stdin closes (background load)."""
+    without ``n`` or ``duration_s`` runs until stdin closes (background load)."""
     job = json.loads(job_json)
     stop = threading.Event()
-    if job.get("n") is None:
+    if job.get("n") is None and job.get("duration_s") is None:
 
         def watch() -> None:
             sys.stdin.read()
@@ -181,6 +188,8 @@ def _worker_cmd(job: dict[str, Any]) -> list[str]:
 def check_errors(what: str, out: dict[str, Any]) -> None:
     """Wrong answers abort; failed requests are reported, and abort above 1%."""
     n_err = len(out["errors"])
+    if not out["lat"]:
+        raise BenchError(f"{what}: no request completed: {out['errors'][:3]}")
     if out["bad_tokens"] or n_err > 0.01 * (n_err + len(out["lat"])):
         raise BenchError(
             f"{what}: {n_err} failed requests, {out['bad_tokens']} with != "
@@ -191,10 +200,20 @@ def check_errors(what: str, out: dict[str, Any]) -> None:
 
 
 def run_load(
-    url: str, c: int, n: int, warmup: int, body: list[dict[str, Any]] | None = None
+    url: str,
+    c: int,
+    n: int | None,
+    warmup: int,
+    body: list[dict[str, Any]] | None = None,
+    duration_s: float | None = None,
 ) -> dict[str, Any]:
-    """A bounded load from a fresh subprocess."""
+    """A bounded load from a fresh subprocess: ``n`` requests, or as many as start within
+    ``duration_s`` seconds (at least one of the two)."""
+    if n is None and duration_s is None:
+        raise ValueError("run_load: n or duration_s")
     job = {"url": url, "c": c, "n": n, "warmup": warmup, "bodies": body or bodies()}
+    if duration_s is not None:
+        job["duration_s"] = duration_s
     done = subprocess.run(_worker_cmd(job), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise BenchError(f"load worker failed: {done.stderr[-2000:]}")

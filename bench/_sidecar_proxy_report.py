@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from _sidecar_load import MAX_TOKENS
+from _sidecar_proxy import TARGET_P50_ADDED_S, TARGET_RATIO
 from _util import table
 
 
@@ -104,18 +105,21 @@ def proxy_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-#: Issue 10's targets for the sidecar in front of an engine in its own process.
-TARGET_RATIO, TARGET_P50_ADDED_S = 0.95, 1e-3
+def _spread(xs: list[float], fmt: str) -> str:
+    return "-" if not xs else f"{fmt.format(min(xs))}..{fmt.format(max(xs))}"
 
 
 def target_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
     """One row per engine, shape and level: the throughput ratio, the p50 latency the sidecar
-    adds, its CPU per request (less its idle CPU), and whether both targets are met."""
+    adds, its CPU per request (less its idle CPU), whether both targets are met by the pooled
+    figures, and per (direct, sidecar) chunk pair: the ratio's and the p50 added's range and
+    how many pairs met both."""
     rows = []
     for r in proxy:
         s, d = r["sidecar"], r["direct"]
         ratio, added = s["rps"] / d["rps"], s["p50"] - d["p50"]
         met = ratio >= TARGET_RATIO and added <= TARGET_P50_ADDED_S
+        pairs = r.get("pairs", [])  # runs before time-based chunks had none
         rows.append(
             [
                 r["engine"],
@@ -124,12 +128,15 @@ def target_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
                 f"{d['rps']:.1f}/s",
                 f"{s['rps']:.1f}/s",
                 f"{ratio:.2f}",
+                _spread([p["ratio"] for p in pairs], "{:.2f}"),
                 f"{d['p50'] * 1e3:.1f} ms",
                 f"{s['p50'] * 1e3:.1f} ms",
                 f"{added * 1e3:+.1f} ms",
+                _spread([p["p50_added"] * 1e3 for p in pairs], "{:+.1f}"),
                 f"{(s['cpu'] - d['cpu']) * 1e3:.2f} ms",
                 f"{s['client_cpu'] * 1e3:.2f} ms" if "client_cpu" in s else "-",
                 "yes" if met else "no",
+                f"{sum(int(p['met']) for p in pairs)}/{len(pairs)}" if pairs else "-",
             ]
         )
     return rows
@@ -146,14 +153,17 @@ def render_targets(proxy: list[dict[str, Any]]) -> str:
         "direct",
         "sidecar",
         "ratio",
+        "pair ratios",
         "p50 direct",
         "p50 sidecar",
         "p50 added",
+        "pairs added ms",
         "sidecar CPU/req",
         "client CPU/req",
         "met",
+        "pairs met",
     ]
-    right = [False, False] + [True] * 10
+    right = [False, False] + [True] * 13
     return "\n".join(
         [
             (
@@ -166,21 +176,30 @@ def render_targets(proxy: list[dict[str, Any]]) -> str:
                 "request while the direct chunks ran (follower polling); client CPU/req: the load "
                 "generator's own, through the sidecar"
             ),
+            (
+                "ratio, p50 added, met: all chunks of a path pooled; pair ratios, pairs added ms: "
+                "min..max over the alternated (direct, sidecar) chunk pairs; pairs met: pairs "
+                "meeting both targets"
+            ),
         ]
     )
 
 
 def _proxy_foot(ctx: dict[str, Any]) -> list[str]:
-    return [
+    out = [
         (
             f"proxy      {MAX_TOKENS}-token completions, temperature 0, c concurrent requests "
             "(closed loop), streamed (SSE, usage in the last chunk) or not; baseline = the "
             "same engine's own URL;"
         ),
         (
-            "           chunks in the order "
-            f"{'(direct, sidecar, sidecar, direct) x ' + str(ctx['rounds'])}; latency = "
-            "client-side wall per request (pooled); throughput = requests / wall"
+            f"           {ctx['pairs']} alternated pairs of {ctx['chunk_s']:g}-s chunks "
+            "(direct, sidecar), (sidecar, direct), ... (no request starts after a chunk's "
+            "time; those in flight finish);"
+        ),
+        (
+            "           latency = client-side wall per request (pooled keep-alive client); "
+            "throughput = requests / wall"
         ),
         (
             "           sidecar CPU/req = CPU time of the sidecar's process per "
@@ -192,3 +211,14 @@ def _proxy_foot(ctx: dict[str, Any]) -> list[str]:
         ),
         "           (CPU rows depend far less on other jobs' load than the wall-clock rows)",
     ]
+    if "vllm" in {r["engine"] for r in ctx["proxy"]}:
+        poll = ctx.get("vllm_poll_ms")
+        out.append(
+            "           vLLM's shm readers: "
+            + (
+                f"ROLLPATCH_VLLM_POLL_MS={poll}"
+                if poll
+                else "vLLM's own 1-s spin (ROLLPATCH_VLLM_POLL_MS unset)"
+            )
+        )
+    return out

@@ -23,9 +23,11 @@ runs it: nothing of this process's heap in it), over real sockets. The same comp
 short arithmetic prompts, ``max_tokens`` 8, temperature 0, ``ignore_eos``; ``--shapes``:
 ``stream`` with ``include_usage``, every request streaming 8 tokens, and ``once``, one JSON
 answer) sent at 1, 16 and 64 concurrent requests (closed loop), to the engine's own URL
-(direct) and through the sidecar (drain mode, follower polling a still board), in chunks
-ordered (direct, sidecar, sidecar, direct) x 2 rounds so drift in the machine's load hits
-both alike. A last table holds issue 10's targets per engine, shape and level: the
+(direct) and through the sidecar (drain mode, follower polling a still board), in time-based
+chunks (``--chunk-s``, default 5 s) alternated in ``--pairs`` (default 3) pairs (direct,
+sidecar), (sidecar, direct), ... so drift in the machine's load hits both alike; each pair
+gives one throughput ratio and one p50 difference, and their spread is reported
+(``bench/_sidecar_proxy.py``). A last table holds issue 10's targets per engine, shape and level: the
 throughput ratio (sidecar / direct, >= 0.95 wanted), the p50 latency the sidecar adds
 (<= 1 ms wanted) and its CPU per request. The load generator is rollpatch's own pooled client on uvloop in a
 subprocess (``bench/_sidecar_load.py``; its CPU per request is reported, far below the
@@ -63,7 +65,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -71,117 +72,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _sidecar_engine import cpu_s, engine_process
-from _sidecar_load import BenchError, bodies, run_load
-from _sidecar_proc import SidecarProcess
+from _sidecar_proxy import bench_proxy
 from _sidecar_relay import FOLLOWERS, bench_relay
 from _sidecar_report import render
-from _sidecar_world import (
-    RUN,
-    World,
-    _pct,
-    bench_commits,
-    bench_reload,
-)
+from _sidecar_world import RUN, World, bench_commits, bench_reload
 from _util import log, machine
 
 from rollpatch.board import Board
 
-# -- 1. proxy overhead ---------------------------------------------------------------------------
 
-
-def bench_proxy(
-    world: World,
-    kind: str,
-    levels: Sequence[tuple[int, int]],
-    rounds: int,
-    shapes: Sequence[str] = ("stream",),
-    loop: str = "fast",
-    http: str = "fast",
-    relay: str = "tap",
-) -> list[dict[str, Any]]:
-    """The engine and the sidecar each in its own process; each shape (``stream``: SSE,
-    ``once``: one JSON answer) and level: ``rounds`` x (direct, sidecar, sidecar, direct)
-    chunks. CPU per request: the sidecar's and the engine's (their processes, from /proc),
-    each over the chunk."""
-    _, model, url, pid, stop = engine_process(world, kind)
-    try:
-        sc = SidecarProcess(
-            {
-                "board": world.board,
-                "run": RUN,
-                "kind": kind,
-                "url": url,
-                "digest": world.digests[0],
-                "loop": loop,
-                "http": http,
-                "tap": relay == "tap",
-            }
-        )
-    except BaseException:
-        stop()
-        raise
-    urls = {"direct": url, "sidecar": sc.url}
-    texts: dict[str, set[str]] = {}
-    out = []
-    try:
-        for shape, c, n in ((s, c, n) for s in shapes for c, n in levels):
-            body = bodies(model, stream=shape == "stream")
-            if c == levels[0][0]:  # first requests of a process (and shape) pay one-time costs
-                for u in urls.values():
-                    run_load(u, 2, 16, 0, body)
-            got: dict[str, list[dict[str, Any]]] = {"direct": [], "sidecar": []}
-            for target in ("direct", "sidecar", "sidecar", "direct") * rounds:
-                cpu0, eng0 = cpu_s(sc.pid), cpu_s(pid)
-                r = run_load(urls[target], c, n // (2 * rounds), min(c, 8), body)
-                done = len(r["lat"]) + min(c, 8)
-                r["cpu_per_req"] = (cpu_s(sc.pid) - cpu0) / done
-                r["engine_cpu_per_req"] = (cpu_s(pid) - eng0) / done
-                got[target].append(r)
-                for k, v in r["texts"].items():
-                    texts.setdefault(k, set()).update(v)
-                if target == "sidecar" and set(r["labels"]) != {"0-0"}:
-                    raise BenchError(f"sidecar labels {r['labels']} != served v0")
-            row: dict[str, Any] = {"engine": kind, "shape": shape, "c": c, "n": n}
-            for target, runs in got.items():
-                lat = [x for r in runs for x in r["lat"]]
-                row[target] = {
-                    "p50": _pct(lat, 50),
-                    "p99": _pct(lat, 99),
-                    "rps": len(lat) / sum(r["wall"] for r in runs),
-                    "cpu": statistics.median(r["cpu_per_req"] for r in runs),
-                    "engine_cpu": statistics.median(r["engine_cpu_per_req"] for r in runs),
-                    "client_cpu": statistics.median(r["client_cpu_per_req"] for r in runs),
-                    "errors": [e for r in runs for e in r["errors"]],
-                    "lat": lat,
-                }
-            log(
-                f"{kind} {shape} c={c}: p50 direct {row['direct']['p50'] * 1e3:.1f} ms, sidecar "
-                f"{row['sidecar']['p50'] * 1e3:.1f} ms; req/s {row['direct']['rps']:.1f} vs "
-                f"{row['sidecar']['rps']:.1f}; sidecar CPU/req "
-                f"{row['sidecar']['cpu'] * 1e3:.2f} ms, load generator CPU/req "
-                f"{row['sidecar']['client_cpu'] * 1e3:.2f} ms"
-            )
-            out.append(row)
-    finally:
-        sc.stop()
-        stop()
-    if any(len(v) != 1 for v in texts.values()):
-        raise BenchError("the same prompt got different completions at temperature 0")
-    return out
-
-
-def _levels(
-    text: str, default_n: dict[int, int], other_n: int, ap: argparse.ArgumentParser
-) -> list[tuple[int, int]]:
-    """``--levels 1,16,64``: each level with the request count the defaults give it."""
+def _levels(text: str, ap: argparse.ArgumentParser) -> list[int]:
+    """``--levels 1,16,64``: distinct positive concurrency levels."""
     try:
         cs = [int(x) for x in text.split(",")]
     except ValueError:
         ap.error(f"--levels: comma-separated positive integers, not {text!r}")
     if not cs or min(cs) < 1 or len(set(cs)) != len(cs):
         ap.error(f"--levels: distinct positive integers, not {text!r}")
-    return [(c, default_n.get(c, other_n)) for c in cs]
+    return cs
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -240,8 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--levels",
         default=None,
-        help="proxy part: concurrency levels, comma-separated (default 1,16,64; requests per "
-        "level as the defaults give them, else 640, --quick 256)",
+        help="proxy part: concurrency levels, comma-separated (default 1,16,64)",
+    )
+    ap.add_argument(
+        "--chunk-s",
+        type=float,
+        default=None,
+        help="proxy part: seconds per chunk (no request starts after that; default 5, quick 2)",
+    )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="proxy part: alternated (direct, sidecar) chunk pairs per engine, shape and level "
+        "(default 3, quick 2)",
     )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
@@ -257,9 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "proxy" not in parts:
         engines = []
     versions = args.versions or (4 if args.quick else 12)
-    levels = [(1, 40), (16, 128), (64, 256)] if args.quick else [(1, 200), (16, 640), (64, 640)]
-    if args.levels is not None:
-        levels = _levels(args.levels, dict(levels), 256 if args.quick else 640, ap)
+    levels = [1, 16, 64] if args.levels is None else _levels(args.levels, ap)
+    chunk_s = args.chunk_s or (2.0 if args.quick else 5.0)
+    pairs = args.pairs or (2 if args.quick else 3)
+    if chunk_s <= 0 or pairs < 1:
+        ap.error("--chunk-s must be positive and --pairs at least 1")
     mach = machine()
     load0 = mach["loadavg_1m"] or 0.0
     t_start = time.perf_counter()
@@ -275,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 world,
                 kind,
                 levels,
-                2,
+                pairs,
+                chunk_s,
                 shapes,
                 args.sidecar_loop,
                 args.sidecar_http,
@@ -303,7 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = {
             "args": vars(args),
             "machine": mach,
-            "rounds": 2,
+            "pairs": pairs,
+            # passed through to bench's vLLM server (docs/vllm.md); unset: vLLM's own spin
+            "vllm_poll_ms": os.environ.get("ROLLPATCH_VLLM_POLL_MS") if "vllm" in engines else None,
+            "chunk_s": chunk_s,
             "proxy": proxy,
             "commits": commits,
             "reload": reload,

@@ -93,12 +93,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _peers_needs import missing
 from _peers_procs import BenchError, Child, Relay, free_port, link_child
 from _peers_report import render, render_cpu, render_load, targets
 from _peers_steps import steps
 from _peers_trace import render as render_phases
 from _peers_versions import load_masters, prepare
-from _peers_xor import XorPublisher
 from _util import fmt_size, log, machine, machine_line, parse_size
 
 from rollpatch.board import Board
@@ -152,6 +152,8 @@ def run_method(
 
                 closers.append(pub.close)
             else:
+                from _peers_xor import XorPublisher  # xxhash: checked by _peers_needs
+
                 xpub = XorPublisher(Board(open_store(board_uri)), RUN)
                 xpub.publish(masters, 0)
                 board = Board(open_store(board_uri))
@@ -339,6 +341,10 @@ def main() -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or args.versions < 1 or args.islands < 1:
         p.error(f"--methods from {','.join(METHODS)}; --versions, --islands >= 1")
+    gap = missing(methods, torch=args.trainer_cast == "torch")
+    if gap is not None:  # before minutes of preparing versions and running other methods
+        print(gap, file=sys.stderr)
+        return 2
     if args.trainer_cast == "torch":
         import torch  # noqa: F401 (a trainer's process has it: the publisher casts in torch)
     work = Path(args.work or f"/tmp/rollpatch-peers-{os.getuid()}")

@@ -61,3 +61,11 @@ def load_masters(work: Path, v: int) -> dict[str, np.ndarray]:
         n: (t.data.astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
         for n, t in view.items()
     }
+
+
+def as_torch(masters: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The masters as a torch trainer holds them: CPU float32 tensors (views of the same
+    memory, made before the timed call)."""
+    import torch
+
+    return {k: torch.from_numpy(m) for k, m in masters.items()}

@@ -33,9 +33,12 @@ the directory board's LATEST every ``--origin-watch-s`` and wakes at once on ino
 is renamed into place; the region relay gets the manifest and step patch pushed in the
 origin's announcing answer, ``--push-bytes``, docs/relay.md "Push"; the islands' long-polls
 of the region relay take them the same way, ``FollowerConfig.push_bytes``, rollpatch's and
-XOR's alike). The trainer process imports torch
-(``--trainer-cast torch``, as every trainer has); the publisher casts with the native core in
-one pass that also lists the step's changes (``publisher/cast.py``), and composes each step
+XOR's alike). The trainer process imports torch and hands rollpatch's publisher the masters
+as torch CPU tensors (``--trainer-cast torch``, the default: what a torch trainer hands it;
+zero-copy views of the same memory); the publisher casts them with the native core in one
+pass that also lists the step's changes (``publisher/cast.py``, the same path as numpy
+masters: torch's own cast only for tensors on a device, or without the native core;
+``tests/test_publisher_native_cast.py``), and composes each step
 into its skip accumulators 0.5 s after LATEST moved (``core.SETTLE_AFTER_S``), not while the
 islands decode it. ``xor``: the XOR+zstd-1 per-tensor deltas with xxh3-128 (Stitch's encoder
 method; ``bench/_peers_xor.py``), published asynchronously on the same board, fetched through
@@ -93,12 +96,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _peers_needs import missing
 from _peers_procs import BenchError, Child, Relay, free_port, link_child
 from _peers_report import render, render_cpu, render_load, targets
 from _peers_steps import steps
 from _peers_trace import render as render_phases
-from _peers_versions import load_masters, prepare
-from _peers_xor import XorPublisher
+from _peers_versions import as_torch, load_masters, prepare
 from _util import fmt_size, log, machine, machine_line, parse_size
 
 from rollpatch.board import Board
@@ -138,12 +141,13 @@ def run_method(
             masters = load_masters(work, 0)
             if method == "rollpatch":
                 pub = Publisher(board_uri, RUN, PublisherConfig(format="bf16"))
-                pub.publish(masters)
+                pub.publish(as_torch(masters) if args.trainer_cast == "torch" else masters)
                 pub.flush()
 
                 def publish(m: dict[str, np.ndarray], v: int) -> float:
+                    handed = as_torch(m) if args.trainer_cast == "torch" else m
                     t0 = time.perf_counter()
-                    pub.publish(m, v)
+                    pub.publish(handed, v)
                     return time.perf_counter() - t0
 
                 def durable(v: int) -> dict[str, float]:
@@ -152,6 +156,8 @@ def run_method(
 
                 closers.append(pub.close)
             else:
+                from _peers_xor import XorPublisher  # xxhash: checked by _peers_needs
+
                 xpub = XorPublisher(Board(open_store(board_uri)), RUN)
                 xpub.publish(masters, 0)
                 board = Board(open_store(board_uri))
@@ -319,9 +325,9 @@ def main() -> int:
         "--trainer-cast",
         choices=("torch", "numpy"),
         default="torch",
-        help="torch: the trainer process imports torch, as every trainer has; numpy: it "
-        "does not (rollpatch's publisher casts with the native core either way, "
-        "publisher/cast.py; torch's or formats' cast only without it)",
+        help="torch: the trainer process imports torch and hands rollpatch's publisher torch "
+        "CPU tensors, as a torch trainer does; numpy: numpy masters, no torch (the publisher "
+        "casts with the native core either way, publisher/cast.py)",
     )
     p.add_argument(
         "--relay-log-level",
@@ -339,6 +345,10 @@ def main() -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or args.versions < 1 or args.islands < 1:
         p.error(f"--methods from {','.join(METHODS)}; --versions, --islands >= 1")
+    gap = missing(methods, torch=args.trainer_cast == "torch")
+    if gap is not None:  # before minutes of preparing versions and running other methods
+        print(gap, file=sys.stderr)
+        return 2
     if args.trainer_cast == "torch":
         import torch  # noqa: F401 (a trainer's process has it: the publisher casts in torch)
     work = Path(args.work or f"/tmp/rollpatch-peers-{os.getuid()}")
@@ -376,7 +386,8 @@ def main() -> int:
             )
     print(render_load(results))
     print(
-        f"islands commit {args.island_commit}; trainer cast {args.trainer_cast}; origin relay "
+        f"islands commit {args.island_commit}; trainer hands {args.trainer_cast} masters "
+        f"(rollpatch's snapshot: the native cast + compare either way); origin relay "
         f"reads LATEST every {args.origin_watch_s:g} s (and when inotify says it moved); region "
         f"relay accepts {args.push_bytes / 2**20:g} MiB pushed; load average at the start: "
         f"{load0}"

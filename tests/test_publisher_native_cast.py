@@ -187,11 +187,20 @@ def test_step_patch_refuses_lists_the_encoder_contradicts() -> None:
     assert not cast.has_step(other, prev)
 
 
-def _publish_all(name: str, native_snapshot: bool, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Publishes 11 versions (a skip patch at 8), returns every object and the expected views."""
+def _publish_all(
+    name: str, native_snapshot: bool, monkeypatch: pytest.MonkeyPatch, *, as_torch: bool = False
+) -> dict:
+    """Publishes 11 versions (a skip patch at 8), returns every object and the expected views.
+    ``as_torch``: the publisher is handed what a torch trainer hands it, the model's
+    parameters (``torch.nn.Parameter``, requires_grad, sharing the masters' memory)."""
     if not native_snapshot:
         monkeypatch.setattr(cast, "snapshot_native", lambda *a, **k: None)
     masters = _masters(5)
+    handed: dict = masters
+    if as_torch:
+        import torch
+
+        handed = {k: torch.nn.Parameter(torch.from_numpy(m)) for k, m in masters.items()}
     expected = {}
     used = []
     orig = cast.step_patch
@@ -201,7 +210,7 @@ def _publish_all(name: str, native_snapshot: bool, monkeypatch: pytest.MonkeyPat
     )
     with Publisher(f"memory://{name}", RUN, PublisherConfig(format="bf16")) as pub:
         for v in range(11):
-            pub.publish(masters, v)
+            pub.publish(handed, v)
             expected[v] = copy_masters(masters)
             pub.flush()
             nudge(masters, v, lr=5e-7)
@@ -228,6 +237,28 @@ def test_publisher_with_the_cast_step_writes_the_same_bytes(
         for key, blob in fused["objects"].items():
             assert blob == plain["objects"][key], key
         check_all(Board(f"memory://{a}"), fused["expected"])
+    finally:
+        MemoryStore.reset(a)
+        MemoryStore.reset(b)
+
+
+def test_a_torch_models_parameters_take_the_native_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch trainer's CPU float32 parameters go through the same native cast + compare as
+    numpy masters (``to_numpy`` is a view of their memory): every step is taken from the
+    cast (as ``bench/peers.py --trainer-cast torch`` measures), and the objects are the same
+    bytes as from numpy masters."""
+    pytest.importorskip("torch")
+    a, b = f"nc-{uuid.uuid4().hex[:10]}", f"nc-{uuid.uuid4().hex[:10]}"
+    try:
+        from_torch = _publish_all(a, True, monkeypatch, as_torch=True)
+        from_numpy = _publish_all(b, True, monkeypatch)
+        assert from_torch["used"] == 10
+        assert from_torch["objects"].keys() == from_numpy["objects"].keys()
+        for key, blob in from_torch["objects"].items():
+            assert blob == from_numpy["objects"][key], key
+        check_all(Board(f"memory://{a}"), from_torch["expected"])
     finally:
         MemoryStore.reset(a)
         MemoryStore.reset(b)

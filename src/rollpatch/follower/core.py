@@ -41,7 +41,7 @@ from ..view import View
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
-from .fetch import Retrier, RetryingStore, fetch_objects, trusted_board
+from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .record import PastWanted as _PastWanted
 from .record import Record
 from .stage import EarlyDecode, refused_hop, stage_plan
@@ -96,6 +96,7 @@ class Follower:
         self._wake = WakeEvent()  # polls LATEST now (ends a long-poll in progress)
         self._version: int | None = None
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
+        self._fetchers = FetchPool(self.config.fetch_workers)  # reused from sync to sync
         self._watcher = Watcher(
             f"rollpatch-follower-{self.run}",
             self._poll,
@@ -272,6 +273,7 @@ class Follower:
                 self._retrier,
                 self._on_fetched,
                 None if early is None else early.arrived,  # shard objects decode on arrival
+                workers=self._fetchers,
             )
             self._rec.timing("fetch", t0)
             self._rec.set(FollowerState.STAGING)
@@ -361,6 +363,9 @@ class Follower:
         if self.auditor is not None:
             self.auditor.stop()
         self._watcher.stop()
+        if self._sync_lock.acquire(blocking=False):  # no sync of another thread in progress
+            self._fetchers.discard()  # its idle worker exits (made again by the next sync)
+            self._sync_lock.release()
 
     def _poll(self) -> None:
         """One poll of the background loop: sync when LATEST is ahead of the engine."""

@@ -24,6 +24,7 @@ from .config import FollowerConfig
 __all__ = [
     "RETRY_FETCH",
     "RETRY_READ",
+    "FetchPool",
     "Retrier",
     "RetryingStore",
     "fetch_objects",
@@ -121,12 +122,50 @@ class RetryingStore(Store):
         raise AssertionError("unreachable: the store is read-only")
 
 
+class FetchPool:
+    """One follower's fetch workers, kept from one fetch to the next (syncs are serialised).
+
+    Why: a pool made per fetch started its worker on the way to every new version, and
+    ``Thread.start`` waits until the new thread has run; on a busy host (islands decoding
+    beside each other, a trainer casting) that wait was milliseconds per sync
+    (``bench/peers.py``'s "patch" phase). An idle worker here just takes the next object.
+
+    A fetch that fails may leave a store call running in a worker (it cannot be
+    interrupted): :meth:`discard` then drops the pool (its workers finish, or hang, on their
+    own, as a per-fetch pool's did) and the next fetch gets new ones.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> ThreadPoolExecutor:
+        """The pool (made on first use: its threads start as objects need them)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.workers, thread_name_prefix="rollpatch-fetch"
+                )
+            return self._pool
+
+    def discard(self) -> None:
+        """Drop the pool: queued fetches are cancelled, idle workers exit, and a call in
+        flight is abandoned (its result is dropped). The next :meth:`get` makes a new one."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 def fetch_objects(
     board: Board,
     refs: Iterable[ObjectRef],
     retrier: Retrier,
     on_fetched: Callable[[ObjectRef], None],
     on_data: Callable[[ObjectRef, bytes], None] | None = None,
+    *,
+    workers: FetchPool | None = None,
 ) -> dict[str, bytes]:
     """Fetch and verify ``refs`` concurrently; key → bytes, or raise the first failure.
     ``on_data`` is handed each verified object as it arrives (e.g. to decode it early).
@@ -134,7 +173,8 @@ def fetch_objects(
     Each object gets ``timeout_s`` from the moment a worker starts on it, retries included;
     one that runs over fails the whole fetch with :class:`TransientStoreError`. On failure the
     remaining objects are cancelled (a store call already in flight cannot be interrupted and
-    is abandoned; its result is dropped).
+    is abandoned; its result is dropped). ``workers``: a :class:`FetchPool` whose workers
+    are reused (discarded on failure); None: a pool of this fetch's own.
     """
     unique = {r.key: r for r in refs}
     if not unique:
@@ -159,12 +199,17 @@ def fetch_objects(
             on_data(ref, data)
         return data
 
-    pool = ThreadPoolExecutor(
-        max_workers=min(config.fetch_workers, len(unique)), thread_name_prefix="rollpatch-fetch"
+    pool = (
+        workers.get()
+        if workers is not None
+        else ThreadPoolExecutor(
+            max_workers=min(config.fetch_workers, len(unique)),
+            thread_name_prefix="rollpatch-fetch",
+        )
     )
-    futures: dict[Future[bytes], ObjectRef] = {pool.submit(one, r): r for r in unique.values()}
     out: dict[str, bytes] = {}
     try:
+        futures: dict[Future[bytes], ObjectRef] = {pool.submit(one, r): r for r in unique.values()}
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
@@ -184,9 +229,12 @@ def fetch_objects(
                 )
     except BaseException:
         failed.set()
+        if workers is not None:
+            workers.discard()
         raise
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if workers is None:
+            pool.shutdown(wait=False, cancel_futures=True)
     return out
 
 

@@ -11,7 +11,8 @@
  * - The hit test is one unsigned compare of 16 lanes. A hit slot's changes in the block are
  *   found all at once, with no loop per changed rank: its ranks are kept as a bitmap over the
  *   slot's elements, and one PDEP per 64 elements deposits the bitmap's bits from the slot's
- *   count on into the slot's compare mask.
+ *   count on into the slot's compare mask. A slot with at most 64 elements in the block (the
+ *   common case) reads its bitmap's window once and shifts it by each 64's popcount.
  * - The changes are emitted in position order by a byte compress of the block's positions
  *   and one loop per block; a change's context-order index is its context's running index.
  * Slot r of the window is context lo + r (no slot table): contexts that are not listed never
@@ -148,6 +149,7 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
     uint8_t elist[JB + 64] __attribute__((aligned(64)));
     uint8_t listed[NCTX];
     uint32_t tgt[WIN] __attribute__((aligned(64))), cnt[WIN] __attribute__((aligned(64)));
+    uint32_t endb[WIN] __attribute__((aligned(64))); /* each slot's count at the block's end */
     uint32_t ctr[NCTX]; /* each context's next context-order index, in position order */
     uint64_t cur[WIN], endr[WIN];
     slotbm_t sb;
@@ -212,7 +214,10 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
         }
         __m512i endv = _mm512_add_epi32(cntv, slot_counts(rel));
         uint32_t hit = _mm512_cmpgt_epu32_mask(endv, tgtv);
-        if (hit) _mm512_store_si512(cnt, cntv);
+        if (hit) {
+            _mm512_store_si512(cnt, cntv);
+            _mm512_store_si512(endb, endv);
+        }
         while (hit) { /* each slot with a changed rank in this block: all its changes at once */
             const int r = __builtin_ctz(hit);
             hit &= hit - 1;
@@ -220,16 +225,31 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
             const uint64_t *const bm = sb.bm[r];
             const uint32_t lim = sb.lim[r];
             uint32_t pre = cnt[r], nchg = 0;
-            for (int v = 0; v < JB / 64; v++) {
-                uint64_t m = _mm512_cmpeq_epi8_mask(rel[v], rv);
+            const uint32_t tot = endb[r] - pre; /* the slot's elements in the block */
+            if (tot <= 64) { /* their bits are one 64-bit window of the bitmap, read once */
                 uint32_t j = pre >> 6;
                 j = j < lim ? j : lim;
                 unsigned s = pre & 63;
-                uint64_t bits_ = (bm[j] >> s) | (bm[j + 1] << 1 << (63 - s));
-                uint64_t hitb = _pdep_u64(bits_, m); /* the slot's changed elements */
-                bb[v] |= hitb;
-                nchg += (uint32_t)__builtin_popcountll(hitb);
-                pre += (uint32_t)__builtin_popcountll(m);
+                uint64_t w = (bm[j] >> s) | (bm[j + 1] << 1 << (63 - s));
+                nchg = (uint32_t)__builtin_popcountll(tot < 64 ? w & ((1ULL << tot) - 1) : w);
+                for (int v = 0; v < JB / 64; v++) { /* each 64 takes its next popcount(m) bits */
+                    uint64_t m = _mm512_cmpeq_epi8_mask(rel[v], rv);
+                    unsigned pc = (unsigned)__builtin_popcountll(m);
+                    bb[v] |= _pdep_u64(w, m);
+                    w = pc < 64 ? w >> pc : 0;
+                }
+            } else {
+                for (int v = 0; v < JB / 64; v++) {
+                    uint64_t m = _mm512_cmpeq_epi8_mask(rel[v], rv);
+                    uint32_t j = pre >> 6;
+                    j = j < lim ? j : lim;
+                    unsigned s = pre & 63;
+                    uint64_t bits_ = (bm[j] >> s) | (bm[j + 1] << 1 << (63 - s));
+                    uint64_t hitb = _pdep_u64(bits_, m); /* the slot's changed elements */
+                    bb[v] |= hitb;
+                    nchg += (uint32_t)__builtin_popcountll(hitb);
+                    pre += (uint32_t)__builtin_popcountll(m);
+                }
             }
             uint64_t cu = cur[r] + nchg;
             cur[r] = cu;

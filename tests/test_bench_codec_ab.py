@@ -18,6 +18,9 @@ from rollpatch import native
 pytestmark = pytest.mark.skipif(native.core is None, reason="native core not built")
 
 
+_SMALL = ["--size", "1M", "--vocab", "512"]  # a 1M-parameter model, fast enough for a test
+
+
 def test_two_builds_alternated(capsys: pytest.CaptureFixture[str]) -> None:
     so = native.core.__file__  # type: ignore[union-attr]
     before = native.core
@@ -26,10 +29,7 @@ def test_two_builds_alternated(capsys: pytest.CaptureFixture[str]) -> None:
             [
                 so,
                 so,
-                "--size",
-                "1M",
-                "--vocab",
-                "512",
+                *_SMALL,
                 "--lrs",
                 "1e-5",
                 "--threads",
@@ -58,10 +58,7 @@ def test_encode_timed_too(capsys: pytest.CaptureFixture[str]) -> None:
         main(
             [
                 so,
-                "--size",
-                "1M",
-                "--vocab",
-                "512",
+                *_SMALL,
                 "--lrs",
                 "1e-6",
                 "--threads",

@@ -65,3 +65,18 @@ def xor_undo(view: View, frames: dict[str, tuple[bytes, bytes]]) -> None:
             np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=data.dtype),
             out=data,
         )
+
+
+def restore(work: View, base: View) -> View:
+    """Put ``base``'s words back into the receiver's ``work`` between timed applies, with
+    ``base``'s digest state (the receiver holds the digests of its current version);
+    ``work is base`` (in-place mode: every measurement puts the base back itself) is left
+    alone."""
+    if work is base:
+        return work
+    for n in base:
+        np.copyto(work[n].data, base[n].data)
+    work.invalidate()
+    for n in base:
+        work.update_sum_state(n, base.sum_state(n))
+    return work

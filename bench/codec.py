@@ -59,7 +59,7 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
-from _baselines import RoundTripError, memcpy, xor_apply, xor_encode, xor_undo
+from _baselines import RoundTripError, memcpy, restore, xor_apply, xor_encode, xor_undo
 from _codec_report import Row, render
 from _util import (
     best_of,
@@ -109,17 +109,6 @@ def _check_equal(got: View, want: View, what: str) -> None:
         raise RoundTripError(f"{what}: decode+apply is not bit-exact")
 
 
-def _restore(work: View, base: View) -> View:
-    if work is base:
-        return work  # in-place mode: every measurement puts the base back itself
-    for n in base:
-        np.copyto(work[n].data, base[n].data)
-    work.invalidate()
-    for n in base:  # the receiver holds the digests of its current version
-        work.update_sum_state(n, base.sum_state(n))
-    return work
-
-
 def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: bool) -> None:
     """Measure a → b at every thread count; ``a`` and ``b`` are left unchanged."""
     big = a.nbytes > ONE_RUN_ABOVE
@@ -158,7 +147,7 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
             t_dec = t_inc = math.inf
             for _ in range(reps):
                 for inc in (False, True):
-                    _restore(work, a)
+                    restore(work, a)
                     t, _ = best_of(lambda: apply_encoded(work, blob, incremental=inc), 1)  # noqa: B023
                     if inc:
                         t_inc = min(t_inc, t)
@@ -181,7 +170,7 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
                     t_nenc, nblob = best_of(nenc, reps)
                     if nblob != blob:
                         raise RoundTripError("numpy reference and native bytes differ")
-                    _restore(work, a)
+                    restore(work, a)
                     t_ndec, _ = best_of(lambda: apply(work, decode(blob, work)), 1)  # noqa: B023
                     _check_equal(work, b, "rollpatch numpy")
                     if big:
@@ -193,7 +182,7 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
                 t_xe, frames = best_of(lambda: xor_encode(a, b, pool, level), reps)  # noqa: B023
                 t_xd = math.inf
                 for _ in range(reps):
-                    _restore(work, a)
+                    restore(work, a)
                     t, _ = best_of(lambda: xor_apply(work, frames, pool), 1)  # noqa: B023
                     t_xd = min(t_xd, t)
                     _check_equal(work, b, f"XOR+zstd-{level}")

@@ -31,8 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
-from _baselines import RoundTripError, xor_apply, xor_encode
+from _baselines import RoundTripError, restore, xor_apply, xor_encode
 from _util import log, parse_size
 
 from rollpatch import native
@@ -54,14 +53,6 @@ def load_core(path: str) -> ModuleType:
     if mod.CHUNK != native.CHUNK:
         raise SystemExit(f"{path}: built for another chunk size")
     return mod
-
-
-def _restore(work: View, base: View) -> None:
-    for n in base:
-        np.copyto(work[n].data, base[n].data)
-    work.invalidate()
-    for n in base:  # the receiver holds the digests of its current version
-        work.update_sum_state(n, base.sum_state(n))
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -97,7 +88,7 @@ def measure(
         order = [*names, "xor1"]
         for r in range(reps):
             for m in order[r % len(order) :] + order[: r % len(order)]:
-                _restore(work, a)
+                restore(work, a)
                 if m == "xor1":
                     add(m, _timed(lambda: xor_apply(work, frames, pool)))
                     if encode:

@@ -91,6 +91,23 @@ def test_a_failed_fetch_drops_the_workers(store: ThreadsStore) -> None:
     pool.discard()
 
 
+def test_discard_idle_keeps_a_pool_in_use(store: ThreadsStore) -> None:
+    b = Board(store)
+    ref = b.put_object(RUN, b"kept" * 50, "rpatch")
+    pool, busy = FetchPool(2), threading.Lock()
+    _fetch(b, [ref], pool)
+    first = store.readers[-1]
+    with busy:  # a fetch of the owner's in progress: its workers stay
+        pool.discard_idle(busy)
+        _fetch(b, [ref], pool)
+        assert store.readers[-1] is first
+    pool.discard_idle(busy)  # the owner idle (stopped): its workers go
+    assert not busy.locked()
+    _fetch(b, [ref], pool)
+    assert store.readers[-1] is not first  # made again by the next fetch
+    pool.discard()
+
+
 def test_a_follower_fetches_every_version_on_one_worker(published: Published) -> None:
     recorded = ThreadsStore(f"fp-{uuid.uuid4().hex[:10]}")
     try:

@@ -42,8 +42,7 @@ from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
-from .record import PastWanted as _PastWanted
-from .record import Record
+from .record import PastWanted, Record
 from .stage import EarlyDecode, refused_hop, stage_plan
 from .watch import LatestHint, WakeEvent, Watcher
 
@@ -153,7 +152,7 @@ class Follower:
         with self._sync_lock:
             try:
                 v = self._sync(want)
-            except _PastWanted:
+            except PastWanted:
                 raise  # the caller asked for the past; nothing failed
             except NotReadyError as e:
                 if self._abort.is_set():  # stopping: the engine was not touched
@@ -170,7 +169,7 @@ class Follower:
     def _sync(self, want: int | None) -> int:
         confirmed = self.version
         if want is not None and confirmed is not None and want < confirmed:
-            raise _PastWanted(confirmed, want, self.run)
+            raise PastWanted(confirmed, want, self.run)
         if want is None:
             want = self._read_latest()
             if want is None:
@@ -179,7 +178,7 @@ class Follower:
         if have is not None and have >= want:
             self._confirm(have)
             if have > want:
-                raise _PastWanted(have, want, self.run)
+                raise PastWanted(have, want, self.run)
             return want
         try:
             return plan_around(
@@ -363,9 +362,7 @@ class Follower:
         if self.auditor is not None:
             self.auditor.stop()
         self._watcher.stop()
-        if self._sync_lock.acquire(blocking=False):  # no sync of another thread in progress
-            self._fetchers.discard()  # its idle worker exits (made again by the next sync)
-            self._sync_lock.release()
+        self._fetchers.discard_idle(self._sync_lock)  # made again by the next sync
 
     def _poll(self) -> None:
         """One poll of the background loop: sync when LATEST is ahead of the engine."""

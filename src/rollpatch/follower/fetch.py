@@ -157,6 +157,15 @@ class FetchPool:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def discard_idle(self, busy: threading.Lock) -> None:
+        """:meth:`discard` unless ``busy`` (the owner's lock around its fetches) is held: a
+        stopped owner keeps no idle worker, and a fetch in progress keeps its pool."""
+        if busy.acquire(blocking=False):
+            try:
+                self.discard()
+            finally:
+                busy.release()
+
 
 def fetch_objects(
     board: Board,

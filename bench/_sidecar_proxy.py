@@ -26,6 +26,11 @@ from _util import log
 TARGET_RATIO, TARGET_P50_ADDED_S = 0.95, 1e-3
 
 
+def meets(ratio: float, p50_added_s: float) -> bool:
+    """Whether a throughput ratio (sidecar / direct) and a p50 added meet both targets."""
+    return ratio >= TARGET_RATIO and p50_added_s <= TARGET_P50_ADDED_S
+
+
 def chunk_order(pairs: int) -> list[str]:
     """``pairs`` alternations, each pair's first path the other pair's last: D S S D D S ..."""
     order: list[str] = []
@@ -46,7 +51,7 @@ def pair_stats(chunks: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
             {
                 "ratio": ratio,
                 "p50_added": added,
-                "met": float(ratio >= TARGET_RATIO and added <= TARGET_P50_ADDED_S),
+                "met": float(meets(ratio, added)),
             }
         )
     return out

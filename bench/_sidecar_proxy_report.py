@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from _sidecar_load import MAX_TOKENS
-from _sidecar_proxy import TARGET_P50_ADDED_S, TARGET_RATIO
+from _sidecar_proxy import TARGET_P50_ADDED_S, TARGET_RATIO, meets
 from _util import table
 
 
@@ -118,7 +118,7 @@ def target_rows(proxy: list[dict[str, Any]]) -> list[list[str]]:
     for r in proxy:
         s, d = r["sidecar"], r["direct"]
         ratio, added = s["rps"] / d["rps"], s["p50"] - d["p50"]
-        met = ratio >= TARGET_RATIO and added <= TARGET_P50_ADDED_S
+        met = meets(ratio, added)
         pairs = r.get("pairs", [])  # runs before time-based chunks had none
         rows.append(
             [

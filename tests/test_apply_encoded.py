@@ -249,3 +249,44 @@ def test_incremental_sums_match_a_full_rehash_with_shared_words(kind: str, densi
     assert state is None or state == sum128(new)
     y.invalidate()
     assert y.digest() == b.digest()
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_output_arrays_are_reused_only_after_a_verified_apply(
+    threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arrays of a verified apply are kept (spare) and serve the next one, which gives
+    the same words; a failed apply's are not kept (its undo read them), and with no room
+    (``set_max_bytes(0)``) nothing is kept."""
+    from rollpatch.patch import spare
+
+    monkeypatch.setenv("ROLLPATCH_THREADS", threads)
+    monkeypatch.setattr(spare, "_spare", {})
+    a, b = _views(8)
+    a, b = View({n: a[n] for n in a if n in b}), View({n: b[n] for n in a if n in b})
+    blob = encode_views(a, b)
+    header, payload = split_blob(blob)
+    header["target"] = "0" * 64
+    lie = reseal(header, payload)
+    v = a.copy()
+    apply_encoded(v, blob)
+    kept = dict(spare._spare)
+    assert kept and kept["pos"].size >= sum(e["changed"] for e in header["tensors"])
+    v = a.copy()
+    apply_encoded(v, blob)  # the same arrays again
+    assert _same_words(v, b) and all(spare._spare[k] is x for k, x in kept.items())
+    v = a.copy()
+    with pytest.raises(TargetMismatchError):
+        apply_encoded(v, lie)
+    assert _same_words(v, a) and not spare._spare  # taken, written, put back, not kept
+    apply_encoded(v, blob)
+    assert _same_words(v, b) and v.digest() == b.digest()
+    try:
+        spare.set_max_bytes(0)
+        assert not spare._spare
+        apply_encoded(a.copy(), blob)
+        assert not spare._spare
+    finally:
+        spare.set_max_bytes(256 << 20)
+    with pytest.raises(ValueError, match="max bytes"):
+        spare.set_max_bytes(-1)

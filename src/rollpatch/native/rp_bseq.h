@@ -325,21 +325,42 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
     /* positions increase, so the last one below n bounds them all (and every gap) */
     if (ep > nbits || p >= (int64_t)n) return -1;
     f->pos = ep;
-    if (comp) { /* the set slots are the complement of the minority (a sentinel at c) */
-        uint64_t s = 0, i = 0;
-        mino[c] = (uint32_t)n;
-        for (uint64_t q = 0; q < n; q++) { /* no branch per slot: out has room for j + 1 */
-            uint64_t hit = mino[i] == q;
-            out[s] = (uint32_t)q;
-            s += hit ^ 1;
-            i += hit;
+    if (comp) { /* the set slots are the complement of the minority */
+        /* the minority as a bitmap after it in scratch (c < j <= k and n < 2k: scratch's
+         * k + k/4 + 65 u32 hold c + 2 of them and n/64 + 1 words), its 64-bit words built in
+         * a register (the positions increase) and stored, never re-read; then each word's
+         * clear bits listed, 64 slots per step, instead of a loop per slot whose next load
+         * waits on the last compare */
+        uint64_t *const bm = (uint64_t *)(void *)(scratch + ((c + 2) & ~(uint64_t)1));
+        const uint64_t nw = (n + 63) / 64;
+        memset(bm, 0, nw * 8);
+        uint64_t acc = 0, wprev = 0;
+        for (uint64_t q = 0; q < c; q++) {
+            const uint64_t v = mino[q], wv = v >> 6;
+            acc = (wv == wprev ? acc : 0) | 1ULL << (v & 63);
+            wprev = wv;
+            bm[wv] = acc;
+        }
+        uint64_t s = 0;
+        for (uint64_t wv = 0; wv < nw; wv++) {
+            uint64_t x = ~bm[wv];
+            if (n - 64 * wv < 64) x &= (1ULL << (n - 64 * wv)) - 1;
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (v512) {
+                set_bits_avx512(x, (uint32_t)(64 * wv), out + s);
+                s += (uint64_t)__builtin_popcountll(x);
+                continue;
+            }
+#endif
+            for (; x; x &= x - 1) out[s++] = (uint32_t)(64 * wv + (uint64_t)__builtin_ctzll(x));
         }
     }
     return 0;
 }
 
 /* Inverse of bs_encode: writes the j set slots (sorted) into out, which has room for j + 1;
- * scratch holds n/2+1.
+ * scratch holds min(j, n - j) + n/32 + 4 u32 (the minority, and a bitmap of it when the set
+ * is its complement; the lane's k + k/4 + 65 with j <= k).
  * The truncated-binary pass 1 fields are read at one cursor and the pass-2 bits at another
  * (pass 2 starts exactly c * (b - 1) bits after pass 1). */
 static int bs_decode(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,

@@ -169,7 +169,21 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
             const uint8_t *const fb = f.b;
             const size_t nbits = f.nbits;
             size_t fp = f.pos;
-            for (uint64_t j = 0; j < bc; j++) {
+            uint64_t j = 0;
+            if (mw == 2 && width <= 16) { /* w <= 16: one load per code while 8 bytes remain
+                                           * (>= 57 bits: no overrun), no switch per store */
+                uint16_t *const m16 = (uint16_t *)magc;
+                const size_t nbytes = nbits >> 3;
+                for (; j < bc && (fp >> 3) + 8 <= nbytes; j++) {
+                    const uint64_t w = qb[j] + (uint64_t)eg;
+                    const uint64_t low = (load_be64(fb + (fp >> 3)) << (fp & 7)) >> (63 - w) >> 1;
+                    fp += w;
+                    const uint64_t a = ((1ULL << w) + low - (1ULL << eg)) + 2; /* >= 2 */
+                    if (a > s) { *err = "delta magnitude beyond the word range"; return RP_ECORRUPT; }
+                    m16[o_ + idx[b_ + j]] = (uint16_t)a;
+                }
+            }
+            for (; j < bc; j++) {
                 uint64_t w = qb[j] + (uint64_t)eg; /* <= 63 */
                 if (w > nbits - fp) { *err = "corrupt magnitude stream"; return RP_ECORRUPT; }
                 uint64_t low = peek64(fb, nbits, fp) >> (63 - w) >> 1;

@@ -22,6 +22,7 @@ from .. import native
 from ..errors import BaseMismatchError, PatchDecodeError, RollpatchError
 from ..kinds import KINDS
 from ..view import DigestAlgo, Tensor, View, sum_add
+from . import spare
 from .codec_v2 import CHUNK, CtxGolombV2, job_step
 from .model import DeltaOp, TensorPatch
 from .ops import InPlaceDelta, check_targets, scatter, write_verified
@@ -111,35 +112,44 @@ def _write_concurrently(view: View, fused: list[_FusedDelta], hashed: bool) -> N
             x.state_after = sum_add((s0, s1), (d0, d1))
 
 
-def _share_outputs(view: View, fused: list[_FusedDelta]) -> None:
+def _share_outputs(view: View, fused: list[_FusedDelta]) -> spare.Arrays:
     """Give the fused deltas slices of one position array and one old and one new array per
-    element type, instead of three new arrays each.
+    element type, instead of three new arrays each, taken from :mod:`.spare` (the arrays of
+    the last verified apply, when they fit: no fresh pages); returns the arrays, for
+    ``spare.give`` once the patch is verified.
 
     Why: every tensor's outputs are held until the patch is verified (the undo), then all
     are freed together and glibc hands their pages back, so per-tensor arrays (0.1-1 MB
     each, ~110 tensors at 100M) are fresh pages on every apply: bf16 lr 1e-5 took ~16k minor
     faults per apply in them. One large array per kind is a few huge pages (numpy advises
-    huge pages for arrays of 4 MiB and more). The memory held is the same: the sum of the
-    tensors' counts. A count beyond its tensor's size is left out, for the decoder's own
-    check (the same error as before, and nothing allocated for it first).
+    huge pages for arrays of 4 MiB and more), and a kept one none. A count beyond its
+    tensor's size is left out, for the decoder's own check (the same error as before, and
+    nothing allocated for it first).
     """
     ok = [x for x in fused if type(x.changed) is int and 0 <= x.changed <= view[x.name].n_elements]
-    if len(ok) < 2:
-        return
-    pos = np.empty(sum(x.changed for x in ok), dtype=np.int64)
+    if not ok:
+        return {}
     kinds: dict[np.dtype[Any], list[_FusedDelta]] = {}
     for x in ok:
         kinds.setdefault(np.dtype(view[x.name].kind.elem_dtype), []).append(x)
-    p = 0
+    sizes: dict[Any, tuple[np.dtype[Any], int]] = {
+        "pos": (np.dtype(np.int64), sum(x.changed for x in ok))
+    }
     for dt, xs in kinds.items():
         n = sum(x.changed for x in xs)
-        old, new = np.empty(n, dtype=dt), np.empty(n, dtype=dt)
+        sizes[(dt, 0)] = sizes[(dt, 1)] = (dt, n)
+    arrays = spare.take(sizes)
+    pos = arrays["pos"]
+    p = 0
+    for dt, xs in kinds.items():
+        old, new = arrays[(dt, 0)], arrays[(dt, 1)]
         e = 0
         for x in xs:
             k = x.changed
             x.out = (pos[p : p + k], old[e : e + k], new[e : e + k])
             p += k
             e += k
+    return arrays
 
 
 def _undo_unconsumed(view: View, fused: list[_FusedDelta]) -> None:
@@ -221,7 +231,7 @@ def apply_encoded(
         else:
             items.append(decode_entry(e, payload, view, limit))
     fused = [x for x in items if isinstance(x, _FusedDelta)]
-    _share_outputs(view, fused)
+    outputs = _share_outputs(view, fused)
     if incremental:
         for x in fused:
             view.sum_state(x.name)  # the base's state, before the words change
@@ -229,6 +239,7 @@ def apply_encoded(
         _write_concurrently(view, fused, hashed)
     if len(fused) == len(items) and (hashed or incremental):
         _verify_written(view, fused, header.target, algo)
+        spare.give(outputs)
         return view
     written: list[TensorPatch | InPlaceDelta] = [
         _Written.of(x) if isinstance(x, _FusedDelta) else x for x in items
@@ -238,6 +249,7 @@ def apply_encoded(
     except BaseException:
         _undo_unconsumed(view, fused)
         raise
+    spare.give(outputs)  # nothing holds them now: write_verified's records are gone
     return view
 
 

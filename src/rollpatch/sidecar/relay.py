@@ -101,7 +101,7 @@ class StreamTap(asyncio.Protocol):
         if cycle.flow.write_paused or cycle.disconnected:
             await send(message)
             return bool(cycle.chunked_encoding)
-        held = _Held()
+        held = _Held(self._client)
         cycle.transport = held
         try:
             await send(message)  # not paused: it writes and returns without waiting
@@ -304,15 +304,19 @@ class StreamTap(asyncio.Protocol):
 
 
 class _Held:
-    """Stands in for the client's transport while uvicorn writes the answer's head."""
+    """Stands in for the client's transport while uvicorn writes the answer's head: what is
+    written is kept; anything else is the transport's."""
 
-    __slots__ = ("data",)
+    __slots__ = ("_transport", "data")
 
-    def __init__(self) -> None:
-        self.data = b""
+    def __init__(self, transport: Any) -> None:
+        self._transport, self.data = transport, b""
 
     def write(self, data: bytes) -> None:
         self.data += data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _whole_plain_chunk(data: bytes) -> bool:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib.util
 import socket
-from collections.abc import Callable
 from typing import Any, Literal
 
 __all__ = ["HttpKind", "guarded_protocol", "http_name"]
@@ -78,11 +77,6 @@ class _HeadDeadline:
     _head_timeout_s = 10.0
     _head_timer: Any = None
     loop: Any
-    #: Called once when the connection is lost, after uvicorn's own handling (a relay that
-    #: writes to this connection's transport outside uvicorn's ``send``, such as the
-    #: sidecar's stream tap, sets it to learn that its client left without a task waiting
-    #: for ``http.disconnect``); None: nobody asked.
-    on_lost: Callable[[], object] | None = None
 
     def _arm(self) -> None:
         if self._head_timer is None:
@@ -104,9 +98,6 @@ class _HeadDeadline:
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)  # type: ignore[misc]
-        hook, self.on_lost = self.on_lost, None
-        if hook is not None:
-            hook()
 
 
 def _guarded_h11(header_timeout_s: float) -> type:

@@ -8,9 +8,7 @@ the pool. Here a request costs: the bounded body read and its typed check (as be
 version decision, admission without a thread when the gate is open, one write of the body
 to the engine on a pooled connection (:class:`~rollpatch.serving.upstream.Upstream`), and
 per streamed event one write from the engine connection's own protocol (:mod:`.relay`; the
-request's task relays through :class:`~rollpatch.serving.streaming.SseRelay` where it cannot;
-the head goes out with the first events, and a client that leaves is told by the server's
-protocol, with no task per stream waiting for ``http.disconnect``);
+request's task relays through :class:`~rollpatch.serving.streaming.SseRelay` where it cannot);
 only the last data event is parsed, to add the versions. What a client sees is unchanged:
 the same statuses, bodies, headers and events (docs/sidecar.md).
 
@@ -203,76 +201,42 @@ class ProxyFront:
         # admitted (end == start is known); past a deadline the commit pauses instead, so it may
         gate = self.sc.gate
         end_hdr = start if gate.mode == "drain" and gate.drain_timeout_s is None else None
-        head = {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": _headers(_SSE_TYPE, start, end_hdr),
-        }
-        send = sent.send
+        await sent(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _headers(_SSE_TYPE, start, end_hdr),
+            }
+        )
+        send = sent.send  # started: the events go straight to the server
         cycle = client_of(send) if self.tap_streams else None
         tap = StreamTap(resp, relay, cycle) if cycle is not None and tappable(resp) else None
-        if tap is None:
-            await sent(head)
-        elif not await tap.begin(sent, head):  # else the head goes out with the first events
-            tap = None
-        # started: the events go straight to the server
-        watch = _ClientWatch(receive, cycle if tap is not None else None, resp.abort)
-        tail = b""
+        # the client going away ends the engine's generation too (its connection closes)
+        gone = asyncio.ensure_future(_disconnect(receive))
+
+        def abort(_: object) -> None:
+            resp.abort()
+
+        gone.add_done_callback(abort)
         try:
             if tap is not None:  # relayed in the engine connection's protocol, to its end
-                tap.keep_tail = True
                 await tap.run()
-                tail = tap.tail  # the last events, when the end came in their read
             while piece := await resp.piece():  # every event one read brought: one write
                 out = relay.feed(piece)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-            out = tail + relay.finish()
+            out = relay.finish()
         except UpstreamError as e:
-            if not watch.gone:
+            if not gone.done():
                 event(log, "stream_failed", error=str(e))
-                body = tail + relay.abandon()  # what the client would have had before
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": relay.abandon(), "more_body": True}
+                )
             return  # the response stays incomplete: the server closes the connection
         finally:
-            watch.close()
+            gone.remove_done_callback(abort)
+            gone.cancel()
         await send({"type": "http.response.body", "body": out, "more_body": False})
-
-
-class _ClientWatch:
-    """The client going away ends the engine's generation too (``abort`` closes its
-    connection): told by the server's protocol (its ``on_lost``,
-    :mod:`rollpatch.serving.protocols`) when the stream's ``cycle`` has one, else by a task
-    waiting for ``http.disconnect``. :attr:`gone`: the client left; :meth:`close` when the
-    stream is over."""
-
-    __slots__ = ("_abort", "_proto", "_task", "gone")
-
-    def __init__(self, receive: Receive, cycle: Any, abort: Callable[[], None]) -> None:
-        self.gone, self._abort = False, abort
-        self._task: asyncio.Future[None] | None = None
-        proto = None if cycle is None else cycle.transport.get_protocol()
-        if proto is not None and getattr(proto, "on_lost", False) is None:
-            self._proto = proto
-            proto.on_lost = self._lost
-            if cycle.disconnected:  # left before the hook was set
-                self._lost()
-        else:
-            self._proto = None
-            self._task = asyncio.ensure_future(_disconnect(receive))
-            self._task.add_done_callback(self._lost)
-
-    def _lost(self, _: object = None) -> None:
-        self.gone = True
-        self._abort()
-
-    def close(self) -> None:
-        proto, task = self._proto, self._task
-        if proto is not None and proto.on_lost == self._lost:
-            proto.on_lost = None
-        if task is not None:
-            task.remove_done_callback(self._lost)
-            task.cancel()
 
 
 class _Sent:

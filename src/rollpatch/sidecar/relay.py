@@ -15,15 +15,8 @@ is its own), waiting for a slow client (backpressure: the engine connection stop
 while the client's transport is over its high-water mark, and reads again once uvicorn says
 it drained), and every way the stream ends: the engine's last chunk (the connection goes back
 to the pool, its trailers read by :meth:`UpstreamResponse.piece`), the engine failing or
-closing mid-answer, a client that leaves (the server's protocol calls the stream's hook,
-``on_lost`` of :mod:`rollpatch.serving.protocols`: the engine's connection is closed too, so
-the engine stops generating).
-
-Writes to the client, per answer: the head uvicorn's ``send`` writes is held
-(:meth:`StreamTap.begin`) and goes out with the first events; when the engine's last chunk
-comes in the read that brought the last events, they wait (:attr:`StreamTap.keep_tail`) for
-the task's last body message, whose write holds the client's last chunk too. No event waits
-for anything but what it already waited for (the next read, so the last one can be annotated).
+closing mid-answer, a client that leaves (its connection closed: the engine's is closed too,
+so the engine stops generating).
 
 Only for uvicorn's httptools server (the sidecar's, :func:`~.server.start_sidecar`) and a
 ``chunked`` engine answer (vLLM's, SGLang's and the built-in engine's streams);
@@ -33,7 +26,6 @@ Only for uvicorn's httptools server (the sidecar's, :func:`~.server.start_sideca
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..serving.streaming import SseRelay, _plain_events
@@ -46,17 +38,13 @@ _HEX = b"0123456789abcdefABCDEF"
 
 def client_of(send: Any) -> Any | None:
     """uvicorn's httptools request cycle behind ``send`` (its ``transport``, ``flow`` and
-    ``disconnected`` are what the tap writes through), before the answer's head or after a
-    ``chunked`` one (:meth:`StreamTap.begin` checks that the head made it so), or None for
-    any other server."""
+    ``disconnected`` are what the tap writes through), or None for any other server."""
     cycle: Any = getattr(send, "__self__", None)
     if type(cycle).__name__ != "RequestResponseCycle" or not type(cycle).__module__.endswith(
         "httptools_impl"
     ):
         return None
-    if cycle.response_complete or cycle.disconnected:
-        return None
-    if cycle.response_started and not cycle.chunked_encoding:
+    if cycle.response_complete or cycle.disconnected or not cycle.chunked_encoding:
         return None
     return cycle
 
@@ -79,47 +67,12 @@ class StreamTap(asyncio.Protocol):
         self._relay, self._cycle = relay, cycle
         self._client = cycle.transport
         self._buf = bytearray()
-        self._head: bytes | None = None  # the answer's head, out with the first events
         self._held: bytes | None = None  # the newest whole chunk of plain events, as it came
-        self._tail = b""  # the last events, when the engine's last chunk came in their read
-        #: True: the tail waits for the request's task (:attr:`tail`); False: run() writes it
-        self.keep_tail = False
         self._need = 0  # bytes the buffered incomplete chunk needs in all
         self._error: BaseException | None = None
         self._ended = False
         self._paused = False
         self._wake: asyncio.Future[None] | None = None
-
-    async def begin(self, send: Callable[[Any], Awaitable[None]], message: Any) -> bool:
-        """Send the answer's head (``message``) through uvicorn's ``send``, so its response
-        state is its own, but hold the bytes it writes: they go out with the first events
-        (one write, not two; no event waits for it). Sent as it comes when the client's
-        transport is paused (uvicorn's ``send`` would wait, and nothing else may write
-        meanwhile). False: the head did not make the answer ``chunked`` (it is out; the
-        request's task relays the events)."""
-        cycle = self._cycle
-        if cycle.flow.write_paused or cycle.disconnected:
-            await send(message)
-            return bool(cycle.chunked_encoding)
-        held = _Held(self._client)
-        cycle.transport = held
-        try:
-            await send(message)  # not paused: it writes and returns without waiting
-        finally:
-            cycle.transport = self._client
-        if not cycle.chunked_encoding:
-            self._client.write(held.data)
-            return False
-        self._head = held.data or None
-        return True
-
-    @property
-    def tail(self) -> bytes:
-        """After :meth:`run` with :attr:`keep_tail`: the relay's last events, when the engine's last
-        chunk came in the read that brought them (the task sends them with the client's last
-        chunk, one write); else b"" (every event is out)."""
-        tail, self._tail = self._tail, b""
-        return tail
 
     async def run(self) -> None:
         conn = self._conn
@@ -156,10 +109,7 @@ class StreamTap(asyncio.Protocol):
             if self._paused:  # the end came in the read that filled the client's buffer
                 self._paused = False
                 transport.resume_reading()
-            # ended early: the relay abandons its last event; ended: the tail is the task's
-            self._flush_held(tail=not self._ended)
-            if self._head is not None:  # nothing written yet: the head goes before the rest
-                self._write(b"")
+            self._flush_held()  # ended early: the relay abandons its last event
 
     # -- the engine connection's protocol ----------------------------------------------------
 
@@ -174,20 +124,17 @@ class StreamTap(asyncio.Protocol):
                 # one before [DONE] is the relay's to annotate. What the relay holds (from a
                 # read that took the general path) goes first, as the relay would send it
                 ev = relay.abandon()  # what it holds, unannotated (it is not the last event)
-                held, self._held = self._held, data
                 if ev:
-                    ev = b"%x\r\n%b\r\n" % (len(ev), ev)
-                    self._write(ev if held is None else ev + held)
-                elif held is not None:
+                    self._write(b"%x\r\n%b\r\n" % (len(ev), ev))
+                held, self._held = self._held, data
+                if held is not None:
                     self._write(held)
                 return
             self._flush_held()
             body, broken = self._dechunk(data)
             if body:
                 out = self._relay.feed(body)
-                if out and self._ended and self.keep_tail and broken is None:
-                    self._tail = out  # with the client's last chunk, in the task's one write
-                elif out:
+                if out:
                     self._write(b"%x\r\n%b\r\n" % (len(out), out))
             if broken is not None:  # after the chunks before it, as the engine sent them
                 raise broken
@@ -205,28 +152,21 @@ class StreamTap(asyncio.Protocol):
 
     # -- the relay ----------------------------------------------------------------------------
 
-    def _flush_held(self, tail: bool = True) -> None:
-        """The held chunk into the relay (which holds back its last event), the rest out;
-        with ``tail``, the tail too."""
+    def _flush_held(self) -> None:
+        """The held chunk into the relay (which holds back its last event), the rest out."""
         held = self._held
         if held is not None:
             self._held = None
             out = self._relay.feed(held[held.find(b"\r\n") + 2 : -2])
             if out:
                 self._write(b"%x\r\n%b\r\n" % (len(out), out))
-        if tail and self._tail:
-            out = self.tail
-            self._write(b"%x\r\n%b\r\n" % (len(out), out))
 
     def _write(self, chunk: bytes) -> None:
-        """One HTTP chunk to the client (after the held head, the first time); past its
-        high-water mark, the engine waits."""
+        """One HTTP chunk to the client; past its high-water mark, the engine waits."""
         cycle = self._cycle
         if cycle.disconnected or self._client.is_closing():
-            # the client left: the stream's client watch closes the engine connection
+            # the client left: the task's disconnect watch closes the engine connection
             return
-        if self._head is not None:
-            chunk, self._head = self._head + chunk, None
         self._client.write(chunk)
         if cycle.flow.write_paused and not self._paused:
             self._paused = True
@@ -301,22 +241,6 @@ class StreamTap(asyncio.Protocol):
         w = self._wake
         if w is not None and not w.done():
             w.set_result(None)
-
-
-class _Held:
-    """Stands in for the client's transport while uvicorn writes the answer's head: what is
-    written is kept; anything else is the transport's."""
-
-    __slots__ = ("_transport", "data")
-
-    def __init__(self, transport: Any) -> None:
-        self._transport, self.data = transport, b""
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
 
 
 def _whole_plain_chunk(data: bytes) -> bool:

@@ -182,6 +182,27 @@ def test_encode_views_derives_the_new_digests_from_the_old_state_exactly() -> No
             assert st == sum128(b[name].data), name
 
 
+def test_encode_views_carries_the_digests_of_unchanged_tensors() -> None:
+    """An unchanged tensor's state and digest are the base's (carried, not derived again),
+    a changed one's digest follows from its derived state; each equals a full re-hash."""
+    a, b = _views(6)
+    same = "model.same"
+    words = np.arange(1 << 17, dtype=np.uint16)
+    a[same], b[same] = (
+        Tensor(KINDS["bf16"], (words.size,), words),
+        Tensor(KINDS["bf16"], (words.size,), words.copy()),
+    )
+    a.digest()
+    b.invalidate()
+    encode_views(a, b)
+    assert b.cached_sum_state(same) == a.cached_sum_state(same)
+    carried = b.tensor_digests()
+    root = b.digest()
+    b.invalidate()
+    assert b.tensor_digests() == carried and b.digest() == root
+    assert carried[same] == a.tensor_digest(same)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "e4m3", "e2m1x2", "int4x2", "f32", "u8", "i64"])
 @pytest.mark.parametrize("threads", ["1", "3"])
 def test_the_in_pass_hash_equals_a_rehash_after_the_write(

@@ -293,6 +293,33 @@ class View(Mapping[str, Tensor]):
         self.invalidate(name)
         self._sums[name] = state
 
+    def carry_sums(self, base: View, changes: Mapping[str, tuple[int, int]]) -> None:
+        """This view's rp.sum128 states from ``base``'s, for tensors of the same layout in
+        both: each named tensor's words are ``base``'s plus words whose sum change is given
+        (found by comparing every word, so the state is exact). An unchanged state also
+        carries ``base``'s digest, which is a function of layout and state. Tensors whose
+        state is known here already, or not known in ``base``, are left alone. One loop over
+        the dicts: an encoder calls this for every tensor of a view after its native pass."""
+        sums, bsums, bdig, dig, legacy = (
+            self._sums,
+            base._sums,
+            base._digests,
+            self._digests,
+            self._legacy,
+        )
+        for name, (d0, d1) in changes.items():
+            st = bsums.get(name)
+            if st is None or name in sums:
+                continue
+            legacy.pop(name, None)
+            d = bdig.get(name) if d0 == d1 == 0 else None
+            if d is None:
+                dig.pop(name, None)
+                sums[name] = ((st[0] + d0) & _M64, (st[1] + d1) & _M64)
+            else:
+                dig[name] = d
+                sums[name] = st
+
     def tensor_digests(self, algo: DigestAlgo = DEFAULT_DIGEST) -> dict[str, str]:
         return {name: self.tensor_digest(name, algo) for name in self._tensors}
 

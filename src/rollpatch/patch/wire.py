@@ -146,6 +146,7 @@ def _encode_views(
     dense = {}  # every tensor's chunk ranges at once, on the core's T threads
     if not keep:
         dense = dict(zip(same, codec.encode_dense_many([(a[n], b[n]) for n in same])))
+    light = _light(a, b, dense, codec.codec_id)
 
     def one(name: str) -> tuple[dict[str, Any], bytes | memoryview, TensorPatch | None] | None:
         if name not in b:
@@ -199,14 +200,13 @@ def _encode_views(
     # a pool they only contend for it, so they run here; a pool is for real work (a full
     # tensor's zstd, a pass with kept changes, a dense tensor's XOR+zstd alternative, the
     # digests of a base whose sums are not known yet)
-    heavy = [
-        n
-        for n in names
-        if n in b
-        and (n not in dense or _dense_alt(dense[n][1], b[n]) or a.cached_sum_state(n) is None)
-    ]
+    heavy = [n for n in names if n in b and n not in light]
     ahead = dict(zip(heavy, _map(one, heavy)))
-    done = [x for x in (ahead.pop(n) if n in ahead else one(n) for n in names) if x is not None]
+    done = [
+        x
+        for x in (light[n] if n in light else ahead.pop(n) if n in ahead else one(n) for n in names)
+        if x is not None
+    ]
     parts = [(e, p) for e, p, _ in done]
     tensors = {tp.name: tp for _, _, tp in done if tp is not None}
     del done  # parts holds the only references to the payloads: assemble releases each
@@ -214,6 +214,36 @@ def _encode_views(
     if not keep:
         return blob, None
     return blob, Patch(a.digest(), b.digest(), tensors, meta=dict(meta or {}))
+
+
+_Part = tuple[dict[str, Any], bytes | memoryview, TensorPatch | None]
+
+
+def _light(
+    a: View, b: View, dense: dict[str, tuple[memoryview, int, tuple[int, int]]], codec_id: str
+) -> dict[str, _Part | None]:
+    """The parts of the common tensors, taken out of ``dense``: coded payloads that ship as
+    they are (not dense enough for XOR+zstd) over a base whose sums are known (None: no
+    change). ``b``'s states (and unchanged tensors' digests) are carried over from ``a``'s
+    first, so the root digest hashes no tensor again. One loop, no closure or pool: this is
+    the per-tensor Python of an encode, and it runs serially after the native pass."""
+    b.carry_sums(a, {name: d[2] for name, d in dense.items()})
+    out: dict[str, _Part | None] = {}
+    for name, (payload, k, _) in dense.items():
+        if a.cached_sum_state(name) is None:
+            continue
+        if k == 0:
+            out[name] = None
+            continue
+        ta = a[name]
+        if _dense_alt(k, ta):
+            continue
+        base, target = a.tensor_digest(name), b.tensor_digest(name)
+        e = entry(name, "delta", ta.kind, ta.shape, k, base, target, codec_id)
+        out[name] = (e, payload, None)
+    for name in out:
+        del dense[name]
+    return out
 
 
 def _dense_alt(changed: int, t: Any) -> bool:

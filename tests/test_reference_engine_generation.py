@@ -158,3 +158,17 @@ def test_next_logits_refuses_bad_ids(engine: Any, ids: list[int], field: str) ->
         rt.next_logits(ids)
     assert e.value.context["field"] == field
     assert rt.tokens_generated == steps
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46, 1e-7])
+def test_a_top_p_below_float32s_range_samples_the_likeliest_token(top_p: float) -> None:
+    """A top_p the request's check lets through but float32 rounds to 0 keeps the likeliest
+    token (it asked for nucleus sampling over almost nothing), instead of keeping none and
+    failing in ``torch.multinomial`` ("sum of probabilities <= 0", found by schemathesis)."""
+    from rollpatch.engines.reference.generation import pick_token
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9], dtype=torch.float32)
+    for seed in range(5):
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        assert pick_token(logits, 1.0, top_p, gen, None).token_id == 1

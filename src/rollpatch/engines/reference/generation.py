@@ -115,6 +115,9 @@ def pick_token(
         if top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = (torch.cumsum(sorted_p, 0) - sorted_p) < top_p
+            # the likeliest token always stays: a top_p below float32's least subnormal
+            # (1e-300 passes the request's check) rounds to 0 in the compare and kept none
+            keep[0] = True
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         token = int(torch.multinomial(probs, 1, generator=gen))
     if k is None:

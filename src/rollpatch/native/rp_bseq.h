@@ -245,7 +245,7 @@ set_bits_avx512(uint64_t x, uint32_t base, uint32_t *out) {
 #endif
 
 static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
-                      uint32_t *scratch, int v512) {
+                      uint32_t *scratch, int v512, uint64_t *bmo, int *isbm) {
     if (j > n) return -1;
     if (j == 0) return 0;
     if (j == n) {
@@ -264,6 +264,7 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
             if (n - p < 64) x &= (1ULL << (n - p)) - 1;
             uint64_t cnt = (uint64_t)__builtin_popcountll(x);
             if (cnt > j - s) return -1;
+            if (bmo) bmo[p >> 6] = x;
 #if defined(__x86_64__) && defined(__GNUC__)
             if (v512) {
                 set_bits_avx512(x, (uint32_t)p, out + s);
@@ -276,6 +277,10 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
             s += cnt;
         }
         f->pos = pos + n;
+        if (bmo) {
+            bmo[(n + 63) / 64] = bmo[(n + 63) / 64 + 1] = 0;
+            *isbm = 1;
+        }
         return s == j ? 0 : -1;
     }
     int b = bitlen64(m - 1);
@@ -331,7 +336,7 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
          * a register (the positions increase) and stored, never re-read; then each word's
          * clear bits listed, 64 slots per step, instead of a loop per slot whose next load
          * waits on the last compare */
-        uint64_t *const bm = (uint64_t *)(void *)(scratch + ((c + 2) & ~(uint64_t)1));
+        uint64_t *const bm = bmo ? bmo : (uint64_t *)(void *)(scratch + ((c + 2) & ~(uint64_t)1));
         const uint64_t nw = (n + 63) / 64;
         memset(bm, 0, nw * 8);
         uint64_t acc = 0, wprev = 0;
@@ -345,6 +350,7 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
         for (uint64_t wv = 0; wv < nw; wv++) {
             uint64_t x = ~bm[wv];
             if (n - 64 * wv < 64) x &= (1ULL << (n - 64 * wv)) - 1;
+            if (bmo) bmo[wv] = x; /* now the set slots' bitmap */
 #if defined(__x86_64__) && defined(__GNUC__)
             if (v512) {
                 set_bits_avx512(x, (uint32_t)(64 * wv), out + s);
@@ -354,6 +360,10 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
 #endif
             for (; x; x &= x - 1) out[s++] = (uint32_t)(64 * wv + (uint64_t)__builtin_ctzll(x));
         }
+        if (bmo) {
+            bmo[nw] = bmo[nw + 1] = 0;
+            *isbm = 1;
+        }
     }
     return 0;
 }
@@ -362,14 +372,25 @@ static int bs_decode_(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out,
  * scratch holds min(j, n - j) + n/32 + 4 u32 (the minority, and a bitmap of it when the set
  * is its complement; the lane's k + k/4 + 65 with j <= k).
  * The truncated-binary pass 1 fields are read at one cursor and the pass-2 bits at another
- * (pass 2 starts exactly c * (b - 1) bits after pass 1). */
-static int bs_decode(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,
-                     uint32_t *scratch, int v512) {
+ * (pass 2 starts exactly c * (b - 1) bits after pass 1).
+ * bs_decode_bm: where the set is decoded from a bitmap (one bit per slot, m == 1, or the
+ * complement of a minority) that bitmap too, into bmo: (n + 63) / 64 words, the bits past n
+ * clear, then two zero words (the AVX-512 join's slot bitmap, rp_join512.c); *isbm says
+ * whether it was written. */
+static int bs_decode_bm(br_t *u0, br_t *f0, uint64_t n, uint64_t j, uint32_t *out,
+                        uint32_t *scratch, int v512, uint64_t *bmo, int *isbm) {
     br_t u = *u0, f = *f0; /* local copies: the stores to out may alias *u0, *f0 */
-    int rc = bs_decode_(&u, &f, n, j, out, scratch, v512);
+    *isbm = 0;
+    int rc = bs_decode_(&u, &f, n, j, out, scratch, v512, bmo, isbm);
     u0->pos = u.pos;
     f0->pos = f.pos;
     return rc;
+}
+
+static int bs_decode(br_t *u, br_t *f, uint64_t n, uint64_t j, uint32_t *out, uint32_t *scratch,
+                     int v512) {
+    int isbm;
+    return bs_decode_bm(u, f, n, j, out, scratch, v512, NULL, &isbm);
 }
 
 /* bs_decode's set as a bitmap: slot p is bit p & 63 of bits[p >> 6] (n / 64 + 1 words, the

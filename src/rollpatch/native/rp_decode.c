@@ -71,6 +71,9 @@ static void lane_free(lane_t *l) {
     free(l->rpos); free(l->rold); free(l->rci); free(l->jbm);
     l->jbm = NULL;
     l->jbmcap = 0;
+    free(l->abm);
+    l->abm = NULL;
+    l->abmcap = 0;
     l->ranks = l->scratch = l->idx = l->rpos = l->rci = NULL;
     l->outw = NULL; l->magc = NULL; l->rold = NULL;
     l->cap = 0;
@@ -117,11 +120,28 @@ static int lane_init(const rp_kind *kd, lane_t *l, const uint8_t *b, size_t len,
     memset(l->cnt, 0, sizeof l->cnt);
     const int v512 = rp_avx512(RP_V512_BSEQ);
     uint64_t o = 0, t0 = PROF_T();
+    /* room for every listed context's bitmap, for the AVX-512 join (kept by the lane) */
+    uint64_t *abm = NULL;
+    if (v512 && kd->cbits) {
+        size_t need = 0;
+        for (int i = 0; i < l->pp.g; i++) need += (l->pp.nc[i] + 63) / 64 + 2;
+        if (need > l->abmcap) {
+            free(l->abm);
+            l->abmcap = 0;
+            l->abm = malloc((need + need / 4 + 1) * 8);
+            if (l->abm) l->abmcap = need + need / 4 + 1;
+        }
+        abm = l->abm;
+    }
+    size_t ao = 0;
     for (int i = 0; i < l->pp.g; i++) {
-        int c = l->pp.cid[i];
-        if (bs_decode(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch, v512)) {
+        int c = l->pp.cid[i], isbm = 0;
+        if (bs_decode_bm(&l->u, &l->f, l->pp.nc[i], l->pp.kc[i], l->ranks + o, l->scratch, v512,
+                         abm ? abm + ao : NULL, &isbm)) {
             *err = "corrupt position stream"; return RP_ECORRUPT;
         }
+        l->abo[i] = isbm ? (int64_t)ao : -1;
+        if (isbm) ao += (l->pp.nc[i] + 63) / 64 + 2;
         l->ofs[i] = o;
         l->cur[c] = o;
         l->endr[c] = o + l->pp.kc[i];

@@ -118,7 +118,8 @@ static uint64_t *slot_bitmaps(lane_t *l, int lo, slotbm_t *sb) {
     size_t need = 1; /* never an empty allocation */
     for (int r = 0; r < WIN; r++) { sb->bm[r] = zero; sb->lim[r] = 0; }
     for (int i = 0; i < l->pp.g; i++)
-        if (l->pp.cid[i] >= lo && l->pp.cid[i] < lo + WIN) need += (l->pp.nc[i] + 63) / 64 + 2;
+        if (l->pp.cid[i] >= lo && l->pp.cid[i] < lo + WIN && l->abo[i] < 0)
+            need += (l->pp.nc[i] + 63) / 64 + 2;
     if (need > l->jbmcap) { /* kept by the lane: no fresh pages per chunk */
         free(l->jbm);
         l->jbmcap = 0;
@@ -132,6 +133,11 @@ static uint64_t *slot_bitmaps(lane_t *l, int lo, slotbm_t *sb) {
         int c = l->pp.cid[i];
         if (c < lo || c >= lo + WIN) continue;
         const uint64_t nc = l->pp.nc[i], words = (nc + 63) / 64;
+        if (l->abo[i] >= 0) { /* phase A's (rp_decode.c) */
+            sb->bm[c - lo] = l->abm + l->abo[i];
+            sb->lim[c - lo] = (uint32_t)words;
+            continue;
+        }
         const uint32_t *rk = l->ranks + l->ofs[i];
         for (uint64_t j = 0; j < l->pp.kc[i]; j++)
             if (rk[j] < nc) p[rk[j] >> 6] |= 1ULL << (rk[j] & 63); /* else: refused in phase C */

@@ -43,6 +43,11 @@ typedef struct {
     int notrack;         /* this group's change is summed whole (rp_lane_group) */
     uint64_t *jbm;       /* the AVX-512 join's bitmaps (rp_join512.c), kept across chunks */
     size_t jbmcap;       /* words jbm has room for */
+    /* phase A's bitmaps of the sets it decoded from one (bs_decode_bm): listed context i's at
+     * abm + abo[i] (-1: none), read by the AVX-512 join instead of rebuilt from its ranks */
+    uint64_t *abm;
+    size_t abmcap;
+    int64_t abo[NCTX];
 } lane_t;
 
 /* The rp.sum128 change of the word being written (read before its first write). */

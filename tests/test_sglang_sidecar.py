@@ -32,8 +32,12 @@ PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
 MAX_TOKENS = 8
 #: Rounds at most until a commit lands mid-generation: whether the test's pause reaches the
 #: engine before its 400 tokens are done is a race (on a quiet machine about one round in two
-#: spans; a CI run at load had none in 5).
+#: spans; a CI run at load had none in 5), bounded by the versions left to publish.
 MAX_ROUNDS = 12
+#: When a round commits, as fractions of one long generation's time measured alone first: a
+#: fixed sleep (0.5 s + 0.5 s a round) missed every round on a quiet machine, where the 400
+#: tokens took under a second (10 rounds of 10, 2026-12-04), and only hit under load.
+COMMIT_AT = (0.3, 0.2, 0.45, 0.6)
 LONG = 400
 BOOT_LATEST = 5
 N_VERSIONS = 16
@@ -242,15 +246,22 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
     try:
         client, follower = _client(sc.url), sc.sidecar.follower
         labelled.add(0, *_complete(client, world, 0, min_version=have, wait_s=60))
+        t0, alone = time.perf_counter(), dict[str, Any]()
+        _long(sc.url, world, alone)  # how long 400 tokens take here, with no commit
+        gen_s = time.perf_counter() - t0
+        assert alone.get("status") == 200, alone
         spanned = rounds = 0
         while rounds < 2 or (spanned == 0 and rounds < MAX_ROUNDS):
+            assert world.latest + 1 < len(world.masters), (
+                f"no commit landed mid-generation in {rounds} rounds ({gen_s:.2f} s each)"
+            )
             rounds += 1
             follower.stop()  # the next version waits until a generation is in flight
             v = world.publish()
             out: dict[str, Any] = {}
             t = threading.Thread(target=_long, args=(sc.url, world, out))
             t.start()
-            time.sleep(0.5 + 0.5 * rounds)
+            time.sleep(gen_s * COMMIT_AT[(rounds - 1) % len(COMMIT_AT)])
             assert follower.sync() == v  # staged while generating, scattered under the pause
             follower.start()
             t.join(180)

@@ -24,4 +24,10 @@ BINDING_HEADERS = ("module.h",)
 #: The headers they include (the build's ``depends``; the internal ones are in the fuzz
 #: script's coverage report: the public ones hold declarations only).
 PUBLIC_HEADERS = ("rpcore.h", "rp_cast.h")  # declarations of the core's entry points
-INTERNAL_HEADERS = ("rp_internal.h", "rp_bits.h", "rp_lane.h", "rp_unary.h", "rp_bseq.h")  # static inline helpers
+INTERNAL_HEADERS = (
+    "rp_internal.h",
+    "rp_bits.h",
+    "rp_lane.h",
+    "rp_unary.h",
+    "rp_bseq.h",
+)  # static inline helpers

@@ -8,7 +8,8 @@ from ..view import View
 from .inplace import apply_encoded
 from .model import DeltaOp, DropOp, FullOp, Op, Patch, TensorPatch
 from .ops import apply, compose, diff
-from .wire import PatchHeader, decode, encode, encode_views, encode_views_patch, inspect
+from .unwire import decode
+from .wire import PatchHeader, encode, encode_views, encode_views_patch, inspect
 
 __all__ = [
     "DeltaOp",

@@ -26,7 +26,8 @@ from . import spare
 from .codec_v2 import CHUNK, CtxGolombV2, job_step
 from .model import DeltaOp, TensorPatch
 from .ops import InPlaceDelta, check_targets, scatter, write_verified
-from .wire import MIN_FULL_BOUND, decode_entry, inspect
+from .unwire import decode_entry
+from .wire import MIN_FULL_BOUND, inspect
 
 __all__ = ["apply_encoded"]
 

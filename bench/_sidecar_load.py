@@ -162,7 +162,7 @@ def load_worker_main(job_json: str) -> int:
 
         threading.Thread(target=watch, daemon=True).start()
     result = json.dumps(_run(_drive(job, stop)))
-    if job.get("out"):  # a file, not the pipe: a CI run once got 64 KiB of a 600 KB result
+    if job.get("out"):  # a file, not the pipe (_result)
         Path(job["out"]).write_text(result)
     else:
         sys.stdout.write(result)
@@ -222,9 +222,7 @@ def run_load(
     with tempfile.TemporaryDirectory(prefix="rp-load-") as tmp:
         job["out"] = str(Path(tmp) / "result.json")
         done = subprocess.run(_worker_cmd(job), capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise BenchError(f"load worker failed: {done.stderr[-2000:]}")
-        out = json.loads(Path(job["out"]).read_text())
+        out = _result(job, done.returncode, done.stderr, "load worker")
     check_errors(f"{url} c={c}", out)
     return out
 
@@ -233,20 +231,30 @@ class BackgroundLoad:
     """``c`` requests kept in flight against ``url`` until :meth:`stop`."""
 
     def __init__(self, url: str, c: int) -> None:
-        job = {"url": url, "c": c, "n": None, "warmup": 0, "bodies": bodies()}
+        self._tmp = tempfile.TemporaryDirectory(prefix="rp-load-")
+        self.job = {"url": url, "c": c, "n": None, "warmup": 0, "bodies": bodies()}
+        self.job["out"] = str(Path(self._tmp.name) / "result.json")
         self.proc = subprocess.Popen(
-            _worker_cmd(job),
+            _worker_cmd(self.job),
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
 
     def stop(self) -> dict[str, Any]:
-        stdout, stderr = self.proc.communicate(input="", timeout=600)
-        if self.proc.returncode != 0:
-            raise BenchError(f"background load failed: {stderr[-2000:]}")
-        return json.loads(stdout)
+        with self._tmp:
+            _, stderr = self.proc.communicate(input="", timeout=600)
+            return _result(self.job, self.proc.returncode, stderr, "background load")
+
+
+def _result(job: dict[str, Any], rc: int, stderr: str, what: str) -> dict[str, Any]:
+    """A finished worker's result, from the file it wrote (not stdout: a CI run once got
+    only the first 64 KiB of a ~600 KB result through the pipe)."""
+    if rc != 0:
+        raise BenchError(f"{what} failed: {stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(Path(job["out"]).read_text())
+    return out
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "kinds": 0,
     # 1 pure rules and the compiled core
     "native": 1,
+    "digests": 1,
     "view": 1,
     "layout": 1,
     "protocol": 1,

@@ -141,7 +141,13 @@ def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, fl
         "memcpy   copying the view with T threads (the physical yardstick)",
         (
             "enc mem  peak RSS growth during the native encode / patch bytes (the two views are "
-            "resident before)"
+            "resident before; C heap trimmed before it)"
+            + (
+                f"; a process's first encodes set up {mach['first_encode_rss'] / 1e6:.2f} MB once "
+                "(header zstd context, thread pool), in no row"
+                if "first_encode_rss" in mach
+                else ""
+            )
         ),
         "every round trip of every method verified bit-exact; "
         + (

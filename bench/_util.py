@@ -120,6 +120,23 @@ def current_rss() -> int:
     return (kb or 0) * 1024
 
 
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``), so that a
+    peak RSS measured next counts every page the measured call touches: memory an earlier
+    call freed to the heap is otherwise reused without growing RSS, and a measurement then
+    depends on what ran before it. False where unsupported (not glibc)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_size_t]
+    fn(0)
+    return True
+
+
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); False where unsupported."""
     try:

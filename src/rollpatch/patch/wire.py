@@ -201,7 +201,9 @@ def _encode_views(
     ahead = dict(zip(heavy, _map(one, heavy)))
     done = [
         x
-        for x in (light[n] if n in light else ahead.pop(n) if n in ahead else one(n) for n in names)
+        for x in (
+            light.pop(n) if n in light else ahead.pop(n) if n in ahead else one(n) for n in names
+        )
         if x is not None
     ]
     parts = [(e, p) for e, p, _ in done]

@@ -2,7 +2,7 @@
  * torch CPU tensors through .numpy()), no copies of tensors, the GIL released around every
  * loop so Python threads can run chunks of one tensor and different tensors in parallel.
  * This file: the shared helpers, the Buf type, the method table and the module's init; the
- * entry points live in mod_encode.c, mod_decode.c and mod_ops.c (module.h). */
+ * entry points live in mod_encode.c, mod_encjobs.c, mod_decode.c and mod_ops.c (module.h). */
 #include "module.h"
 
 PyObject *CorruptError; /* set from Python: rollpatch.errors.PatchDecodeError etc. */

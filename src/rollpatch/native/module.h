@@ -1,6 +1,6 @@
 /* The CPython binding's shared parts (module.c): the error classes set from Python, argument
  * helpers, the Buf payload type, and the entry points each binding file defines for the method
- * table (mod_encode.c, mod_decode.c, mod_ops.c). */
+ * table (mod_encode.c, mod_encjobs.c, mod_decode.c, mod_ops.c). */
 #ifndef RP_MODULE_H
 #define RP_MODULE_H
 #define PY_SSIZE_T_CLEAN
@@ -45,7 +45,7 @@ PyObject *py_gather(PyObject *self, PyObject *args);
 PyObject *py_diff(PyObject *self, PyObject *args);
 PyObject *py_set_errors(PyObject *self, PyObject *args);
 PyObject *py_isa(PyObject *self, PyObject *args);
-PyObject *py_encode_jobs(PyObject *self, PyObject *args);
+PyObject *py_encode_jobs(PyObject *self, PyObject *args); /* mod_encjobs.c */
 PyObject *py_encode_view(PyObject *self, PyObject *args);
 PyObject *py_decode_apply_view(PyObject *self, PyObject *args);
 

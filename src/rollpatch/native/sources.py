@@ -19,7 +19,7 @@ CORE = (
     "rp_view",
 )
 #: The CPython binding's files (setup.py only: the fuzz targets call the core directly).
-BINDING = ("module", "mod_encode", "mod_decode", "mod_ops")
+BINDING = ("module", "mod_encode", "mod_encjobs", "mod_decode", "mod_ops")
 BINDING_HEADERS = ("module.h",)
 #: The headers they include (the build's ``depends``; the internal ones are in the fuzz
 #: script's coverage report: the public ones hold declarations only).

@@ -186,10 +186,14 @@ def test_a_version_crosses_the_wan_once_when_the_watch_asks_again(
         region = world.relay(link.url, "region", hold_s=1.0)
         c = client_of(region.url)
         held = c.held()
-        assert version_of(c.wait_newer(KEY, -1, 1.0, held)) == 0
+        # a downstream waits for v1 all along: with nobody waiting, the region's watch would
+        # end after LINGER_S, and under load it did so before it long-polled the origin
+        t, out = held_in_thread(c, 0, 60.0)
+        until(lambda: region.relay.watch.announced(KEY) is not None, "the region to learn v0")
         until(lambda: waiting(world.origin) == 1, "the region to long-poll the origin")
         world.publish()
-        until(lambda: version_of(c.wait_newer(KEY, 0, 1.0, held)) == 1, "v1 at the region")
+        t.join(30)
+        assert not t.is_alive() and version_of(out[0]) == 1
         (patch,) = Board(open_store(world.uri)).manifest(RUN, 1).patches_from(0)
         size = len(open_store(world.uri).get(patch.ref.key))
         assert _pushed(region, "cached") == 3  # v0's manifest, then v1's and its patch

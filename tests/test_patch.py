@@ -264,3 +264,16 @@ def test_patch_much_smaller_than_xor_zstd_on_sparse_bf16() -> None:
     blob = encode(diff(a, b), a)
     xz = zstandard.ZstdCompressor(level=3).compress((a["w"].data ^ b["w"].data).tobytes())
     assert len(blob) < 0.6 * len(xz)
+
+
+def test_header_json_is_one_dumps_of_the_whole_header() -> None:
+    """The container's header is written an entry at a time (``wire._header_json``): the same
+    bytes as one ``json.dumps`` of the whole header, escapes and empty lists included."""
+    import json
+
+    from rollpatch.patch.wire import _header_json
+
+    head = {"format": "rollpatch.patch", "version": 2, "base": "a", "meta": {"k": 'v\u00e9"\n'}}
+    for entries in ([], [{"name": "w\u2603", "shape": [1, 2], "base": None}], [{"a": 1}] * 3):
+        want = json.dumps({**head, "tensors": entries}, separators=(",", ":")).encode()
+        assert _header_json(head, entries) == want

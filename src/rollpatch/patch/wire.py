@@ -309,16 +309,8 @@ def assemble(
     header: dict[str, Any] = {"format": "rollpatch.patch", "version": version}
     if version >= 2:
         header["digest"] = digest
-    header.update(
-        {
-            "base": base,
-            "target": target,
-            "payload_bytes": offset,
-            "meta": dict(meta),
-            "tensors": entries,
-        }
-    )
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    header.update({"base": base, "target": target, "payload_bytes": offset, "meta": dict(meta)})
+    raw = _header_json(header, entries)
     if len(raw) > MAX_HEADER_BYTES:
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
     packed = _header_compressor().compress(raw)
@@ -329,6 +321,16 @@ def assemble(
         out: bytes = native.core.join_release(pieces)
         return out
     return b"".join(pieces)
+
+
+def _header_json(head: dict[str, Any], entries: list[dict[str, Any]]) -> bytes:
+    """``json.dumps({**head, "tensors": entries})`` (compact separators), byte for byte, an
+    entry at a time: one ``dumps`` of the whole header holds a string per token until it
+    joins them (~0.4 MB for 160 tensors, more than the patch of a 100M model at lr 1e-6)."""
+    sep = (",", ":")
+    parts = [json.dumps(e, separators=sep) for e in entries]
+    out = f'{json.dumps(head, separators=sep)[:-1]},"tensors":[{",".join(parts)}]}}'.encode()
+    return out
 
 
 def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str, bytes]:

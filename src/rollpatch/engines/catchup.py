@@ -143,20 +143,42 @@ def _rewound(
     work: Tensor,
     live_state: SumState,
     state: Callable[[str], SumState],
-) -> tuple[SumState, np.ndarray]:
+) -> tuple[SumState, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """``work`` (a copy of ``live``) turned into the rewound version's words, and proven so:
     the state measured while rebuilding must be the one recorded. Returns it and the
-    positions written."""
+    rebuild as a change (positions written, live words, rewound words); None: untouched."""
     if name not in since:
-        return live_state, np.empty(0, np.int64)
-    st, undone = rewind.prepare(name, work, live_state)
+        return live_state, None
+    st, undo = rewind.prepare(name, live, work, live_state)
     if st != rewind.state(name, state):
         raise BaseMismatchError(
             "the rebuilt words are not the rewound version's (a record differs)",
             tensor=name,
             version=rewind.version,
         )
-    return st, undone
+    return st, undo
+
+
+def _compose(
+    undo: tuple[np.ndarray, np.ndarray, np.ndarray],
+    step: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    core: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rebuild (live -> rewound words) followed by one decoded step (rewound -> target
+    words): the change live -> target, merged by the native ``compose`` (one linear pass
+    over the two sorted lists, unchanged elements dropped)."""
+    pos, old, new = undo
+    if step is None:
+        keep = old != new
+        return pos[keep], old[keep], new[keep]
+    arrs = [np.ascontiguousarray(a) for a in (*undo, *step)]
+    cap = pos.size + step[0].size
+    rp = np.empty(cap, np.int64)
+    ro, rn = np.empty(cap, old.dtype), np.empty(cap, old.dtype)
+    n = core.compose(old.dtype.itemsize, *arrs, rp, ro, rn)
+    if n < 0:  # both read the same rebuilt words: cannot happen
+        raise BaseMismatchError("the decoded step does not start at the rebuilt words")
+    return rp[:n], ro[:n], rn[:n]
 
 
 def decode_in_place(
@@ -185,8 +207,9 @@ def decode_in_place(
     whose words the engine's records rebuild (:mod:`rollpatch.engines.rewind`). Each copy
     is first turned into that version's words (its state proven against the recorded one),
     every tensor changed since that version is staged too (a tensor the chain leaves alone
-    goes back to the rewound words), and the composed change is taken at the decoded and
-    rebuilt positions only (no full compare). The patch returned is ``held`` -> target,
+    goes back to the rewound words), and the composed change is the rebuild composed with the
+    decoded step (a native linear merge; a longer chain: the words compared at the decoded
+    and rebuilt positions only; no full compare). The patch returned is ``held`` -> target,
     each tensor from its live digest."""
     from .. import native
 
@@ -223,9 +246,11 @@ def decode_in_place(
         st = state(name)
         work = Tensor(live.kind, live.shape, scratch(live.data))
         found: list[np.ndarray] = []
+        undo = None
         if rewind is not None:
-            st, undone = _rewound(rewind, since, name, live, work, st, state)
-            found.append(undone)
+            st, undo = _rewound(rewind, since, name, live, work, st, state)
+            if undo is not None:
+                found.append(undo[0])
             if chain and chain[0].base != sum128_digest(live.dtype, live.shape, live.nbytes, st):
                 raise BaseMismatchError("the rewound tensor is not the patch's base", tensor=name)
         for e in chain:
@@ -245,8 +270,10 @@ def decode_in_place(
         base = chain[0].base if chain else None
         if rewind is not None:  # the change from the live words: only where words were written
             base = sum128_digest(live.dtype, live.shape, live.nbytes, state(name))
-            if name in since or len(chain) > 1:
+            if len(chain) > 1:
                 pos, old, new = _changed_at(live, work, merge_positions(found), core)
+            elif undo is not None:
+                pos, old, new = _compose(undo, (pos, old, new) if chain else None, core)
         elif len(chain) > 1:  # the composed change: where the copy now differs from the live words
             pos, old, new = _changed(live, work, core)
         tp = TensorPatch(name, live.kind, live.shape, base, target, DeltaOp(pos, old, new))

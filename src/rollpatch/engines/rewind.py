@@ -98,26 +98,36 @@ class Rewind:
     def digest(self, t: Tensor, name: str, live: Callable[[str], SumState]) -> str:
         return sum128_digest(t.dtype, t.shape, t.nbytes, self.state(name, live))
 
-    def prepare(self, name: str, work: Tensor, live_state: SumState) -> tuple[SumState, np.ndarray]:
-        """Turn ``work`` (a copy of the live words) into ``version``'s words: scatter each
-        record's old words, newest first. Returns the rebuilt words' state (the live state
-        plus the exact change of every scattered word, measured by the native core) and the
-        positions written (sorted, unique)."""
+    def prepare(
+        self, name: str, live: Tensor, work: Tensor, live_state: SumState
+    ) -> tuple[SumState, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Turn ``work`` (a copy of ``live``) into ``version``'s words: scatter each record's
+        old words, newest first. Returns the rebuilt words' state (the live state plus the
+        exact change of every scattered word, measured by the native core) and the rebuild as
+        a change: (positions written, sorted and unique; the live words there; the rebuilt
+        words there)."""
         from .. import native
 
         core = native.require()
         kt = native.kind_tuple(work.kind, work.n_elements)
+        mine = [r.undo[name] for r in self.records if name in r.undo]
         st = live_state
-        parts: list[np.ndarray] = []
-        for r in reversed(self.records):
-            if name not in r.undo:
-                continue
-            pos, old = r.undo[name]
+        if len(mine) == 1:  # one record: the live words are the ones it overwrites
+            pos, old = mine[0]
+            was = np.empty(pos.size, old.dtype)
+            core.gather(kt, live.data, pos, was)
+            st = sum_add(st, core.apply(kt, work.data, pos, was, old))
+            return st, (pos, was, old)
+        for pos, old in reversed(mine):
             cur = np.empty(pos.size, old.dtype)
             core.gather(kt, work.data, pos, cur)
             st = sum_add(st, core.apply(kt, work.data, pos, cur, old))
-            parts.append(pos)
-        return st, merge_positions(parts)
+        every = merge_positions([p for p, _ in mine])
+        was = np.empty(every.size, work.kind.elem_dtype)
+        now = np.empty(every.size, work.kind.elem_dtype)
+        core.gather(kt, live.data, every, was)
+        core.gather(kt, work.data, every, now)
+        return st, (every, was, now)
 
 
 class RewindLog:

@@ -288,9 +288,8 @@ class Follower:
                 )
             except RollpatchError as e:
                 if plan.rewinds:  # nothing was written: the engine still holds ``have``
-                    log.warning(
-                        "%s@%s: rewind plan refused (%s); planning without", self.run, have, e
-                    )
+                    log.warning("%s@%s: rewind refused (%s); planning without", self.run, have, e)
+                    del blobs
                     return self._run_plan(have, want, avoid, rewind=False)
                 if not isinstance(e, (*_WRONG_BITS, ManifestError)):
                     raise

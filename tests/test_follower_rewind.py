@@ -175,6 +175,13 @@ def test_no_records_no_rewind(run: Run, tiny_model: Path) -> None:
         eng.close()
 
 
+def test_rewind_max_bytes_is_checked(tiny_model: Path) -> None:
+    from rollpatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rewind_max_bytes"):
+        _engine(tiny_model, rewind_max_bytes=-1)
+
+
 def test_records_go_on_load_failed_commit_and_audit(run: Run, engine: Any) -> None:
     _boot(engine, run)
     f = Follower(run.board, RUN, engine, FAST)

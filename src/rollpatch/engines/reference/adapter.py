@@ -65,6 +65,16 @@ class ReferenceEngine(EngineAdapter):
             raise ConfigError(
                 f"unknown writes {writes!r}", field="writes", hint="in_place or double_buffer"
             )
+        if (
+            isinstance(rewind_max_bytes, bool)
+            or not isinstance(rewind_max_bytes, int)
+            or (rewind_max_bytes < 0)
+        ):
+            raise ConfigError(
+                "rewind_max_bytes must be an int >= 0 (0: keep no rewind records)",
+                field="rewind_max_bytes",
+                value=rewind_max_bytes,
+            )
         self.runtime, self.writes = runtime, writes
         self._server: ServerHandle | None = serve(runtime, host, port) if serve_http else None
         self._cursor = AuditCursor()

@@ -94,14 +94,15 @@ def _stage_fold(
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3", "nvfp4"])
 @pytest.mark.parametrize("threads", ["1", "4"])
+@pytest.mark.parametrize("held", [1, 2])  # one record (its words as they are), or two merged
 def test_rewound_fold_reaches_the_target(
-    fmt: str, threads: str, monkeypatch: pytest.MonkeyPatch
+    fmt: str, threads: str, held: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ROLLPATCH_THREADS", threads)
     views = _versions(fmt)
     log = RewindLog()
-    live = _follow(views, 2, log)
-    assert log.rewindable() == {0: views[0].digest(), 1: views[1].digest()}
+    live = _follow(views, held, log)
+    assert log.rewindable() == {v: views[v].digest() for v in range(held)}
     assert "c.bias" not in diff(views[0], views[3]).tensors or not (
         diff(views[0], views[3]).tensors["c.bias"].change.positions.size  # type: ignore[union-attr]
     )
@@ -109,8 +110,8 @@ def test_rewound_fold_reaches_the_target(
     # positions both commits changed: their oldest word (v0's) is the one rebuilt
     assert sum(np.count_nonzero((e[1][n] != e[0][n]) & (e[2][n] != e[1][n])) for n in e[0]) > 0
     staged = _stage_fold(live, views, log, frm=0, to=3)
-    assert staged.base == views[2].digest() and staged.target == views[3].digest()
-    want = diff(views[2], views[3])  # the writes are exactly the live words -> v3
+    assert staged.base == views[held].digest() and staged.target == views[3].digest()
+    want = diff(views[held], views[3])  # the writes are exactly the live words -> v3
     assert set(staged.tensors) == {n for n, t in want.tensors.items() if t.change.positions.size}  # type: ignore[union-attr]
     assert "c.bias" in staged.tensors  # changed since v0, not by the fold: back to v0's words
     for name, st in staged.tensors.items():
@@ -119,7 +120,7 @@ def test_rewound_fold_reaches_the_target(
         assert np.array_equal(st.positions, w.positions), name
         assert np.array_equal(st.old, w.old) and np.array_equal(st.new, w.new), name
         assert st.target_digest == views[3].tensor_digest(name)
-    assert live.digest() == views[2].digest()  # staging only read the live words
+    assert live.digest() == views[held].digest()  # staging only read the live words
     _commit(live, staged)
     for name, t in views[3].items():
         assert np.array_equal(live[name].data, t.data), name

@@ -1,5 +1,6 @@
 """bench/vllm.py's follower glue and the built-in engine's paths: staged commits in place and
-double-buffered, catch-ups (from an anchor: the folded patch; off the anchors: the chain),
+double-buffered, catch-ups (from an anchor: the folded patch; off the anchors: the chain, or
+after following from the anchor, the rewind + the folded patch),
 keyframe loads and the in-place floor (see that module)."""
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ CATCHUP = 5
 CATCHUP_REPS = 5
 #: The catch-up rows, timed in turn (so the ratios compare syncs at the same load): 1 behind
 #: (v(k-1) -> vk, the denominator), k behind from an anchor (v0 -> vk: the folded patch, one
-#: hop) and k behind off the anchors (v1 -> v(k+1): the chain of step patches).
-ONE, ANCHOR, OFF_ANCHOR = "one", "anchor", "chain"
+#: hop), k behind off the anchors booted at v1 (v1 -> v(k+1): no records, the chain of step
+#: patches) and k behind from v1 after following from v0 (the engine's records of v0 -> v1
+#: rebuild v0's words: the folded patch v0 -> v(k+1), one hop; built-in engine only).
+ONE, ANCHOR, OFF_ANCHOR, FOLLOWED = "one", "anchor", "chain", "followed"
 
 
 def cpu_s(pids: Sequence[int] = ()) -> float:
@@ -37,6 +40,14 @@ def catchup_starts(world: World, lag: int) -> dict[str, tuple[int, int]]:
     out = {ONE: (lag - 1, lag), ANCHOR: (0, lag)}
     if world.fold_every and len(world.digests) > lag + 1:
         out[OFF_ANCHOR] = (1, lag + 1)
+    return out
+
+
+def reference_starts(world: World, lag: int) -> dict[str, tuple[int, int]]:
+    """:func:`catchup_starts` plus, off the anchors, the replica that followed from v0."""
+    out = catchup_starts(world, lag)
+    if OFF_ANCHOR in out:
+        out[FOLLOWED] = out[OFF_ANCHOR]
     return out
 
 
@@ -94,13 +105,18 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
         f = follower(world, eng)
         double = [sync_to(f, world, v) for v in range(1, len(world.digests))]
         eng.writes = "in_place"
-        ends = catchup_starts(world, catchup)
+        ends = reference_starts(world, catchup)
         catch: dict[str, list[dict[str, Any]]] = {k: [] for k in ends}
         for _ in range(CATCHUP_REPS):  # the rows in turn
             for k, (start, end) in ends.items():
-                eng.load(load_view(world.checkpoint(start) / "model.safetensors"), start)
+                boot = 0 if k == FOLLOWED else start  # followed: booted at v0, synced to v1
+                eng.load(load_view(world.checkpoint(boot) / "model.safetensors"), boot)
                 f = follower(world, eng)
+                if boot != start:
+                    sync_to(f, world, start)  # untimed: the commit v0 -> v1 leaves its record
                 catch[k].append(sync_to(f, world, end))
+                if k == FOLLOWED and catch[k][-1]["hops"][0][0] != 0:
+                    raise BenchError(f"followed catch-up did not rewind: {catch[k][-1]['hops']}")
         loads = []
         for v in range(1, len(world.digests)):
             view = load_view(world.checkpoint(v) / "model.safetensors")
@@ -117,6 +133,7 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
         "reference_catchup": catch[ANCHOR],
         "reference_catchup_one": catch[ONE],
         "reference_catchup_chain": catch.get(OFF_ANCHOR, []),
+        "reference_catchup_followed": catch.get(FOLLOWED, []),
         "reference_loads": loads,
         "reference_floor": floor,
     }

@@ -130,7 +130,16 @@ def render_catchup(ctx: dict[str, Any]) -> str:
         ("vLLM", f"{k} behind from v1 (chain)", ctx.get("catchup_chain") or []),
         ("built-in", "1 behind", one_behind(ctx, "reference_")),
         ("built-in", anchor, ctx["reference_catchup"]),
-        ("built-in", f"{k} behind from v1 (chain)", ctx.get("reference_catchup_chain") or []),
+        (
+            "built-in",
+            f"{k} behind from v1 (booted at v1: chain)",
+            ctx.get("reference_catchup_chain") or [],
+        ),
+        (
+            "built-in",
+            f"{k} behind from v1 (followed: rewind + fold)",
+            ctx.get("reference_catchup_followed") or [],
+        ),
     ]
     rows, one = [], {}
     for eng, name, runs in paths:
@@ -282,6 +291,11 @@ def render(ctx: dict[str, Any]) -> str:
                 if (rchain := ctx.get("reference_catchup_chain"))
                 else []
             ),
+            *(
+                [row(f"built-in staged, {ctx['catchup_n']} behind, rewind", rfold, rl)]
+                if (rfold := ctx.get("reference_catchup_followed"))
+                else []
+            ),
             row("built-in full load (keyframe)", ctx["reference_loads"], rl),
         ],
         [False] + [True] * 5,
@@ -330,7 +344,14 @@ def render(ctx: dict[str, Any]) -> str:
             + (
                 f" from v0; from v1 (chain) vLLM "
                 f"{_med(ctx['catchup_chain'], 'visible_to_serving_s') / one:.2f}x, built-in "
-                f"{_med(ctx['reference_catchup_chain'], 'visible_to_serving_s') / rone:.2f}x; "
+                f"{_med(ctx['reference_catchup_chain'], 'visible_to_serving_s') / rone:.2f}x"
+                + (
+                    ", built-in followed from v0 (rewind + fold) "
+                    f"{_med(ctx['reference_catchup_followed'], 'visible_to_serving_s') / rone:.2f}x"
+                    if ctx.get("reference_catchup_followed")
+                    else ""
+                )
+                + "; "
                 if ctx.get("catchup_chain") and ctx.get("reference_catchup_chain")
                 else "; "
             )

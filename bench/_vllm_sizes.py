@@ -32,6 +32,7 @@ PATHS = [
     ("reference_double", "built-in staged, double-buffered", "reference_loads"),
     ("reference_catchup", "built-in staged, {n} behind", "reference_loads"),
     ("reference_catchup_chain", "built-in staged, {n} behind, chain", "reference_loads"),
+    ("reference_catchup_followed", "built-in staged, {n} behind, rewind", "reference_loads"),
     ("reference_loads", "built-in full load (keyframe)", "reference_loads"),
 ]
 

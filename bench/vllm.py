@@ -7,7 +7,7 @@ prints one table of all, ``--combine A.json ...`` prints it from kept runs (benc
 ``--json PATH`` keeps every sample (``pause_s`` of each under its path's
 name: ``staged``, ``double``, ``inline``, ``catchup``, ``catchup_chain``, ``reloads``,
 ``reference``, ``reference_double``, ``reference_catchup``, ``reference_catchup_chain``,
-``reference_loads``).
+``reference_catchup_followed``, ``reference_loads``).
 
 **Model and versions.** A random BF16 Llama from :func:`make_tiny_model` (``--hidden``,
 ``--layers``; the size is printed). FP32 masters start as its weights (v0, the boot checkpoint);
@@ -56,6 +56,10 @@ Paths, each over the same versions:
 - **reference**, **reference_double**, **reference_catchup**, **reference_loads**: the same
   follower paths (in place, double-buffered, catch-up) on the built-in engine (staged in this process while it could serve; pause = the gate's), and its
   full ``load`` of each version's keyframe (copy + verify) under the same gate.
+  ``reference_catchup_chain`` boots the engine at v1 (no records: the chain);
+  **reference_catchup_followed** boots it at v0 and syncs to v1 untimed (the commit leaves its
+  rewind record), then times the sync v1 -> v6: the records rebuild v0's words and the fold
+  v0 -> v6 is decoded against them, one hop (docs/engines.md, *What reaches it*).
 - **reference_floor**: the last in-place update written again as the commit writes it, as a
   plain numpy scatter (the floor of any in-place write) and one read pass of the model
   (bench/_vllm_floor.py).

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 from . import jsonsafe, objects
@@ -333,14 +334,22 @@ class Board:
     # -- planning ----------------------------------------------------------------------------
 
     def plan(
-        self, run: str, have: int | None, want: int, *, avoid: frozenset[str] = frozenset()
+        self,
+        run: str,
+        have: int | None,
+        want: int,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        sources: Mapping[int, str] | None = None,
     ) -> Plan:
         """Fewest bytes from ``have`` (None: nothing loaded) to ``want``.
 
         Reads only manifests that exist (listed), from the newest keyframe at or below
         ``want`` (or ``have``, if older) up to ``want``, and at most the newest
         ``max_plan_versions`` of those. No step uses an object whose key is in ``avoid``
-        (objects that failed verification).
+        (objects that failed verification). ``sources``: older versions the engine can
+        rebuild (version -> root digest), zero-cost starts checked against their manifests
+        (:func:`~rollpatch.planning.cheapest_plan`).
         """
         return plan_between(
             run,
@@ -351,6 +360,7 @@ class Board:
             manifest=lambda v: self.manifest(run, v),
             max_versions=self.max_plan_versions,
             avoid=avoid,
+            sources=sources,
         )
 
 

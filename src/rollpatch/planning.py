@@ -10,7 +10,7 @@ given.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError, NoPathError, VersionNotFoundError
@@ -54,6 +54,20 @@ class Plan:
     def n_objects(self) -> int:
         return sum(len(s.objects) for s in self.steps)
 
+    @property
+    def start(self) -> int | None:
+        """The version the first patch starts from: ``have``, or an older version the
+        engine rebuilds from its records (a rewind source); None when the plan boots from a
+        keyframe."""
+        if not self.steps:
+            return self.have
+        return self.steps[0].base
+
+    @property
+    def rewinds(self) -> bool:
+        """True when the plan starts at a rewind source, not at ``have``."""
+        return self.have is not None and self.start is not None and self.start != self.have
+
 
 def cheapest_plan(
     run: str,
@@ -62,14 +76,21 @@ def cheapest_plan(
     manifests: dict[int, Manifest],
     *,
     avoid: frozenset[str] = frozenset(),
+    sources: Mapping[int, str] | None = None,
 ) -> Plan:
     """The cheapest plan from ``have`` (None: nothing loaded) to ``want`` over ``manifests``
-    (NoPathError when none reaches it), using no object whose key is in ``avoid``."""
+    (NoPathError when none reaches it), using no object whose key is in ``avoid``.
+
+    ``sources``: older versions (version -> root digest) the engine holding ``have`` can
+    rebuild at no cost (:meth:`~rollpatch.engines.EngineAdapter.rewindable`); one is a
+    start only where its manifest is given and names that digest as its target."""
     # edges into v: patches from base b (all shards), or a keyframe of v from the source (-1)
     src = -1 if have is None else have
-    best: dict[int, tuple[int, int]] = {src: (0, 0)}
+    starts = {src} | _sources(have, want, manifests, sources)
+    best: dict[int, tuple[int, int]] = {s: (0, 0) for s in starts}
     prev: dict[int, PlanStep] = {}
-    heap = [(0, 0, src)]
+    heap = [(0, 0, s) for s in sorted(starts)]
+    heapq.heapify(heap)
     incoming: dict[int, list[PlanStep]] = {}
     for v, m in manifests.items():
         if m.is_keyframe:
@@ -103,11 +124,25 @@ def cheapest_plan(
         )
     steps = []
     v = want
-    while v != src:
+    while v not in starts:
         step = prev[v]
         steps.append(step)
         v = src if step.base is None else step.base
     return Plan(run, have, want, tuple(reversed(steps)))
+
+
+def _sources(
+    have: int | None, want: int, manifests: dict[int, Manifest], sources: Mapping[int, str] | None
+) -> set[int]:
+    """The rewind sources usable as starts: below ``have``, their manifest given and bound to
+    the digest the engine rebuilds."""
+    if have is None or not sources:
+        return set()
+    return {
+        v
+        for v, digest in sources.items()
+        if v < have and v in manifests and manifests[v].target == digest and v < want
+    }
 
 
 def plan_between(
@@ -120,6 +155,7 @@ def plan_between(
     manifest: Callable[[int], Manifest],
     max_versions: int,
     avoid: frozenset[str] = frozenset(),
+    sources: Mapping[int, str] | None = None,
 ) -> Plan:
     """Fewest bytes from ``have`` (None: nothing loaded) to ``want`` on a run whose versions
     and keyframe versions ``versions()`` and ``keyframes()`` list (ascending) and whose
@@ -130,6 +166,8 @@ def plan_between(
     (objects that failed verification), up to three older keyframes too when needed. Nothing
     is listed when ``have == want``, nor one version behind when ``want``'s manifest names
     ``have`` as its parent (the common catch-up: LATEST, one manifest, its patch).
+    ``sources`` (rewind sources, :func:`cheapest_plan`): the window reaches down to the
+    oldest of them too.
     """
     for name, v in (("have", have), ("want", want)):
         if v is not None and (
@@ -154,7 +192,7 @@ def plan_between(
     tries: list[int | None] = list(kfs[::-1][: 4 if avoid else 1]) or [None]
     manifests: dict[int, Manifest] = {}
     for i, kf in enumerate(tries):
-        lo = min(x for x in (kf, have) if x is not None)
+        lo = min(x for x in (kf, have, *(sources or {}).keys()) if x is not None)
         window = [v for v in listed if v >= lo][-max_versions:]
         for v in window:
             if v in manifests:
@@ -166,7 +204,7 @@ def plan_between(
         if want not in manifests:
             raise VersionNotFoundError("no such version on the board", run=run, version=want)
         try:
-            return cheapest_plan(run, have, want, manifests, avoid=avoid)
+            return cheapest_plan(run, have, want, manifests, avoid=avoid, sources=sources)
         except NoPathError:
             if i == len(tries) - 1:
                 raise

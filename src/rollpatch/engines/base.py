@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import EngineError
 from ..patch import Patch
@@ -54,8 +54,21 @@ class EngineAdapter(ABC):
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
         """Optional: stage a chain of wire-format steps that the engine decodes and composes
         against its own words (vLLM: inside its workers; nothing of the model crosses
-        processes). ``steps[0]`` starts at the held version. None: not supported."""
+        processes). ``steps[0]`` starts at the held version, or at one of
+        :meth:`rewindable`'s (the engine rebuilds that version's words from its records).
+        None: not supported."""
         return None
+
+    def rewindable(self) -> Mapping[int, str]:
+        """Older versions (version -> root digest) whose words the engine can rebuild from
+        records of its own verified commits (:mod:`rollpatch.engines.rewind`), so that
+        :meth:`stage_encoded` takes a chain starting there; the held version is not listed.
+        Default: none."""
+        return {}
+
+    def note_anchor(self, version: int) -> None:
+        """Anchor evidence (a folded patch's base seen in a manifest): no later fold starts
+        below ``version``, so records of older versions may go."""
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Write a staged update (called under the commit gate: writes only, then a read-back

@@ -46,6 +46,7 @@ from ..patch import DeltaOp, Patch, TensorPatch, inspect
 from ..patch.codec_v2 import CtxGolombV2
 from ..patch.header import DIGESTS
 from ..view import Tensor, WordSource, sum128_digest, sum_add
+from .rewind import Rewind, merge_positions
 
 SumState = tuple[int, int]
 
@@ -118,11 +119,76 @@ def _changed(live: Tensor, work: Tensor, core: Any) -> tuple[np.ndarray, ...]:
     return pos, live.data[pos], work.data[pos]
 
 
+def _changed_at(
+    live: Tensor, work: Tensor, pos: np.ndarray, core: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, old, new) where ``work`` differs from ``live`` among ``pos`` (sorted): the
+    only positions a rewind and the decode wrote."""
+    from .. import native
+
+    kt = native.kind_tuple(live.kind, live.n_elements)
+    old = np.empty(pos.size, live.kind.elem_dtype)
+    new = np.empty(pos.size, live.kind.elem_dtype)
+    core.gather(kt, live.data, pos, old)
+    core.gather(kt, work.data, pos, new)
+    keep = old != new
+    return pos[keep], old[keep], new[keep]
+
+
+def _rewound(
+    rewind: Rewind,
+    since: set[str],
+    name: str,
+    live: Tensor,
+    work: Tensor,
+    live_state: SumState,
+    state: Callable[[str], SumState],
+) -> tuple[SumState, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+    """``work`` (a copy of ``live``) turned into the rewound version's words, and proven so:
+    the state measured while rebuilding must be the one recorded. Returns it and the
+    rebuild as a change (positions written, live words, rewound words); None: untouched."""
+    if name not in since:
+        return live_state, None
+    st, undo = rewind.prepare(name, live, work, live_state)
+    if st != rewind.state(name, state):
+        raise BaseMismatchError(
+            "the rebuilt words are not the rewound version's (a record differs)",
+            tensor=name,
+            version=rewind.version,
+        )
+    return st, undo
+
+
+def _compose(
+    undo: tuple[np.ndarray, np.ndarray, np.ndarray],
+    step: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    core: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rebuild (live -> rewound words) followed by one decoded step (rewound -> target
+    words): the change live -> target, merged by the native ``compose`` (one linear pass
+    over the two sorted lists, unchanged elements dropped)."""
+    pos, old, new = undo
+    if step is None:
+        keep = old != new
+        return pos[keep], old[keep], new[keep]
+    arrs = [np.ascontiguousarray(a) for a in (*undo, *step)]
+    cap = pos.size + step[0].size
+    rp = np.empty(cap, np.int64)
+    ro, rn = np.empty(cap, old.dtype), np.empty(cap, old.dtype)
+    n = core.compose(old.dtype.itemsize, *arrs, rp, ro, rn)
+    if n < 0:  # both read the same rebuilt words: cannot happen
+        raise BaseMismatchError("the decoded step does not start at the rebuilt words")
+    return rp[:n], ro[:n], rn[:n]
+
+
 def decode_in_place(
     words: WordSource,
     steps: list[dict[str, Any]],
     blobs: list[list[bytes]],
     state: Callable[[str], SumState],
+    *,
+    rewind: Rewind | None = None,
+    held: str | None = None,
 ) -> tuple[Patch, dict[str, SumState]] | None:
     """The chain ``steps`` (each: ``base``, ``target``; ``blobs[k]``: its patch objects; one
     step or many) decoded against ``words`` into one patch, with each touched tensor's proven rp.sum128
@@ -135,7 +201,16 @@ def decode_in_place(
     the positions where the copy differs from the live words (one native compare, no
     per-step change lists kept; a tensor one step touches takes that step's changes from the
     decoder). The writes staged from it turn the live words into the copy, whose state is the
-    one proven."""
+    one proven.
+
+    ``rewind`` (with ``held``, the live root digest): the chain starts at an older version
+    whose words the engine's records rebuild (:mod:`rollpatch.engines.rewind`). Each copy
+    is first turned into that version's words (its state proven against the recorded one),
+    every tensor changed since that version is staged too (a tensor the chain leaves alone
+    goes back to the rewound words), and the composed change is the rebuild composed with the
+    decoded step (a native linear merge; a longer chain: the words compared at the decoded
+    and rebuilt positions only; no full compare). The patch returned is ``held`` -> target,
+    each tensor from its live digest."""
     from .. import native
 
     core = native.core
@@ -148,14 +223,15 @@ def decode_in_place(
     for e in entries:
         by_name.setdefault(e.name, []).append(e)
 
-    held = threading.local()  # one scratch buffer per thread, reused for every tensor
+    since = rewind.names() if rewind is not None else set()
+    held_bufs = threading.local()  # one scratch buffer per thread, reused for every tensor
 
     def scratch(data: np.ndarray) -> np.ndarray:
         """A copy of ``data`` in this thread's scratch buffer (fresh pages cost ≈0.25 ms/MB to
         fault in: a new array per tensor paid that for the whole model on every catch-up)."""
-        buf = getattr(held, "buf", None)
+        buf = getattr(held_bufs, "buf", None)
         if buf is None or buf.nbytes < data.nbytes:
-            buf = held.buf = np.empty(data.nbytes, np.uint8)
+            buf = held_bufs.buf = np.empty(data.nbytes, np.uint8)
         out = buf[: data.nbytes].view(data.dtype).reshape(data.shape)
         np.copyto(out, data)
         return out
@@ -164,11 +240,19 @@ def decode_in_place(
         if name not in words:
             raise BaseMismatchError("the engine lacks a tensor the patch changes", tensor=name)
         live = words[name]
-        chain = by_name[name]  # in step order
+        chain = by_name.get(name, [])  # in step order
         if any(KINDS[e.kind] != live.kind or e.shape != live.shape for e in chain):
             raise BaseMismatchError("base tensor layout differs from the patch", tensor=name)
         st = state(name)
         work = Tensor(live.kind, live.shape, scratch(live.data))
+        found: list[np.ndarray] = []
+        undo = None
+        if rewind is not None:
+            st, undo = _rewound(rewind, since, name, live, work, st, state)
+            if undo is not None:
+                found.append(undo[0])
+            if chain and chain[0].base != sum128_digest(live.dtype, live.shape, live.nbytes, st):
+                raise BaseMismatchError("the rewound tensor is not the patch's base", tensor=name)
         for e in chain:
             try:
                 pos, old, new, change = _V2.decode_into(e.payload, work, e.changed)
@@ -177,21 +261,27 @@ def decode_in_place(
                 err.context.setdefault("step", e.step)
                 raise
             st = sum_add(st, change)
-        if sum128_digest(live.dtype, live.shape, live.nbytes, st) != chain[-1].target:
+            found.append(pos)
+        target = sum128_digest(live.dtype, live.shape, live.nbytes, st)
+        if chain and target != chain[-1].target:
             raise TargetMismatchError(
                 "the decoded chain does not reach the tensor's target", tensor=name
             )
-        if len(chain) > 1:  # the composed change: where the copy now differs from the live words
+        base = chain[0].base if chain else None
+        if rewind is not None:  # the change from the live words: only where words were written
+            base = sum128_digest(live.dtype, live.shape, live.nbytes, state(name))
+            if len(chain) > 1:
+                pos, old, new = _changed_at(live, work, merge_positions(found), core)
+            elif undo is not None:
+                pos, old, new = _compose(undo, (pos, old, new) if chain else None, core)
+        elif len(chain) > 1:  # the composed change: where the copy now differs from the live words
             pos, old, new = _changed(live, work, core)
-        tp = TensorPatch(
-            name, live.kind, live.shape, chain[0].base, chain[-1].target, DeltaOp(pos, old, new)
-        )
+        tp = TensorPatch(name, live.kind, live.shape, base, target, DeltaOp(pos, old, new))
         return tp, st
 
-    names = sorted(by_name)
+    names = sorted(by_name.keys() | since)
     done = native.parallel_map(one, names)
     tensors = {n: tp for n, (tp, _) in zip(names, done, strict=True)}
     states = {n: st for n, (_, st) in zip(names, done, strict=True)}
-    return Patch(
-        str(steps[0]["base"]), str(steps[-1]["target"]), tensors, digest=DIGESTS[2]
-    ), states
+    base = str(steps[0]["base"]) if rewind is None else str(held)
+    return Patch(base, str(steps[-1]["target"]), tensors, digest=DIGESTS[2]), states

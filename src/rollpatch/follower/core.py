@@ -43,7 +43,7 @@ from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .record import PastWanted, Record
-from .stage import EarlyDecode, refused_hop, stage_plan
+from .stage import EarlyDecode, anchor_evidence, refused_hop, stage_plan
 from .watch import LatestHint, WakeEvent, Watcher
 
 __all__ = ["CommitCallback", "Follower"]
@@ -245,8 +245,12 @@ class Follower:
                 self._version = have
                 self._cond.notify_all()
 
-    def _run_plan(self, have: int | None, want: int, avoid: frozenset[str] = frozenset()) -> int:
-        plan = self._reader.plan(self.run, have, want, avoid=avoid)
+    def _run_plan(
+        self, have: int | None, want: int, avoid: frozenset[str] = frozenset(), rewind: bool = True
+    ) -> int:
+        # older versions the engine can rebuild from its own commits: zero-cost starts
+        sources = self.engine.rewindable() if rewind and have is not None else None
+        plan = self._reader.plan(self.run, have, want, avoid=avoid, sources=sources)
         self.last_plan = plan
         limit = self.config.max_stage_bytes
         if limit is not None and plan.bytes > limit:
@@ -282,7 +286,13 @@ class Follower:
                 write = stage_plan(
                     self.engine, plan, manifests, blobs, have, want, self._fetch_view, decoded
                 )
-            except (*_WRONG_BITS, ManifestError) as e:
+            except RollpatchError as e:
+                if plan.rewinds:  # nothing was written: the engine still holds ``have``
+                    log.warning("%s@%s: rewind refused (%s); planning without", self.run, have, e)
+                    del blobs
+                    return self._run_plan(have, want, avoid, rewind=False)
+                if not isinstance(e, (*_WRONG_BITS, ManifestError)):
+                    raise
                 bad = refused_hop(e, self.engine, plan, manifests, have)
                 if bad is not None:  # the object is wrong, not the engine: plan around it
                     raise bad from e
@@ -294,6 +304,9 @@ class Follower:
         del blobs
         self._rec.set(FollowerState.COMMITTING)
         self._commit(write, want, manifests[want])
+        anchor = anchor_evidence(manifests[want])
+        if anchor is not None:  # records older than a fold's base are no longer needed
+            self.engine.note_anchor(anchor)
         return want
 
     def _commit(self, write: Callable[[], None], want: int, m: Manifest) -> None:

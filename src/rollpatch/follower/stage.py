@@ -38,6 +38,7 @@ from ..view import View, WordSource
 __all__ = [
     "EarlyDecode",
     "Stage",
+    "anchor_evidence",
     "decode_step",
     "encoded_step",
     "keyframe_view",
@@ -113,12 +114,20 @@ def stage_plan(
     (``stage_encoded``: an engine that decodes in its own workers takes it); otherwise it is
     decoded here (:class:`Stage`) and staged as one patch, or booted as a view. The write
     holds no reference to ``blobs``, so the caller can free them before committing.
+
+    A plan that starts at a rewind source (:attr:`Plan.rewinds`) can only be staged by the
+    engine (``stage_encoded`` rebuilds that version's words): when it does not take it, a
+    :class:`NoPathError` says so (the caller plans again without rewind sources); nothing
+    is written either way.
     """
     staged: StagedUpdate | None = None
-    # sliced versions (manifest schema 2) are decoded here, against cuts of the engine's words
-    if have is not None and all(
+    encodable = have is not None and all(
         s.base is not None and not manifests[s.to].sliced for s in plan.steps
-    ):
+    )
+    if plan.rewinds and not encodable:
+        raise NoPathError("a rewind plan needs an engine that decodes it", run=plan.run)
+    # sliced versions (manifest schema 2) are decoded here, against cuts of the engine's words
+    if encodable:
         staged = engine.stage_encoded(
             [
                 EncodedStep(
@@ -132,6 +141,8 @@ def stage_plan(
             want,
         )
     stage = Stage(None)
+    if staged is None and plan.rewinds:
+        raise NoPathError("the engine did not stage the rewind plan", run=plan.run)
     if staged is None:
         stage = Stage(engine.words() if have is not None else None)
         for step in plan.steps:
@@ -152,6 +163,14 @@ def stage_plan(
             engine.apply(stage.patch, want)  # verifies base and target; all or nothing
 
     return write
+
+
+def anchor_evidence(m: Manifest) -> int | None:
+    """The oldest base of ``m``'s patches not from its parent (a fold's anchor, or a skip
+    patch's base, whichever is older), None if none: no later fold starts below it, so an
+    engine's rewind records of older versions may go (:meth:`EngineAdapter.note_anchor`)."""
+    bases = [p.base for p in m.patches if p.base != m.parent]
+    return min(bases) if bases else None
 
 
 def refused_hop(
@@ -203,8 +222,8 @@ class EarlyDecode:
     ) -> EarlyDecode | None:
         """One for a one-step patch plan of several shard objects that this process decodes
         (not an engine that decodes unsliced steps itself); else None."""
-        if have is None or len(plan.steps) != 1 or plan.steps[0].base is None:
-            return None
+        if have is None or len(plan.steps) != 1 or plan.steps[0].base != have:
+            return None  # (a rewind plan is decoded by the engine, against rebuilt words)
         m, base = manifests[plan.steps[0].to], plan.steps[0].base
         if len(m.patches_from(base)) < 2:
             return None

@@ -19,6 +19,7 @@ from ...patch.ops import gather, scatter
 from ...view import Tensor, View, WordSource, sum128, sum128_digest
 from ..base import EngineAdapter
 from ..catchup import decode_in_place
+from ..rewind import REWIND_MAX_BYTES, RewindLog
 from ..staged import (
     AuditCursor,
     AuditReport,
@@ -58,14 +59,28 @@ class ReferenceEngine(EngineAdapter):
         host: str = "127.0.0.1",
         port: int = 0,
         writes: WriteMode = "in_place",
+        rewind_max_bytes: int = REWIND_MAX_BYTES,
     ) -> None:
         if writes not in ("in_place", "double_buffer"):
             raise ConfigError(
                 f"unknown writes {writes!r}", field="writes", hint="in_place or double_buffer"
             )
+        if (
+            isinstance(rewind_max_bytes, bool)
+            or not isinstance(rewind_max_bytes, int)
+            or (rewind_max_bytes < 0)
+        ):
+            raise ConfigError(
+                "rewind_max_bytes must be an int >= 0 (0: keep no rewind records)",
+                field="rewind_max_bytes",
+                value=rewind_max_bytes,
+            )
         self.runtime, self.writes = runtime, writes
         self._server: ServerHandle | None = serve(runtime, host, port) if serve_http else None
         self._cursor = AuditCursor()
+        #: Records of this engine's commits, to catch up from an older anchor by one folded
+        #: patch (:mod:`rollpatch.engines.rewind`); ``rewind_max_bytes`` 0 keeps none.
+        self.rewind = RewindLog(max_bytes=rewind_max_bytes)
 
     @classmethod
     def from_dir(
@@ -78,10 +93,18 @@ class ReferenceEngine(EngineAdapter):
         host: str = "127.0.0.1",
         port: int = 0,
         writes: WriteMode = "in_place",
+        rewind_max_bytes: int = REWIND_MAX_BYTES,
     ) -> ReferenceEngine:
         """Load a Hugging Face causal LM directory and (by default) serve it."""
         runtime = ReferenceRuntime(model_dir, dtype=dtype, threads=threads)
-        return cls(runtime, serve_http=serve_http, host=host, port=port, writes=writes)
+        return cls(
+            runtime,
+            serve_http=serve_http,
+            host=host,
+            port=port,
+            writes=writes,
+            rewind_max_bytes=rewind_max_bytes,
+        )
 
     @property
     def version(self) -> int | None:
@@ -103,7 +126,14 @@ class ReferenceEngine(EngineAdapter):
         return self._server.url
 
     def load(self, view: View, version: int) -> None:
+        self.rewind.clear()
         self.runtime.load_view(view, version)
+
+    def rewindable(self) -> dict[int, str]:
+        return self.rewind.rewindable() if self.runtime.version is not None else {}
+
+    def note_anchor(self, version: int) -> None:
+        self.rewind.prune(version)
 
     def words(self) -> WordSource:
         return self.runtime.view
@@ -125,14 +155,26 @@ class ReferenceEngine(EngineAdapter):
         while generation runs (:mod:`rollpatch.engines.catchup`: the decoder's own rp.sum128
         changes prove the targets; a catch-up composes by one diff, not n decodes against
         overlays) and prove it. None when a step is not in the in-place codec (the follower
-        then decodes it through :meth:`words`)."""
+        then decodes it through :meth:`words`). The chain may start at a :meth:`rewindable`
+        version: the copies are rebuilt to it from the records first (proven), and the
+        update staged is still from the held words."""
         view = self.runtime.view
-        if not steps or steps[0].base != view.digest():
+        held = view.digest()
+        rewind = None
+        if steps and steps[0].base != held:  # an older version the records rebuild
+            rewind = self.rewind.rewind(steps[0].base, held)
+        if not steps or (steps[0].base != held and rewind is None):
             raise BaseMismatchError(
                 "the chain does not start at the held version", engine=self.name, version=version
             )
         spec = [{"base": s.base, "target": s.target} for s in steps]
-        out = decode_in_place(view, spec, [list(s.blobs) for s in steps], view.sum_state)
+        blobs = [list(s.blobs) for s in steps]
+        try:
+            out = decode_in_place(view, spec, blobs, view.sum_state, rewind=rewind, held=held)
+        except BaseMismatchError:
+            if rewind is not None:  # the records or the words they rebuilt are suspect
+                self.rewind.clear()
+            raise
         if out is None:
             return None
         patch, known = out
@@ -163,17 +205,28 @@ class ReferenceEngine(EngineAdapter):
         retired: dict[str, Any] = {}
         with self.runtime.commit(root=staged.target) as view:
             if self.runtime.held_digest != staged.base:
+                self.rewind.clear()
                 raise BaseMismatchError(
                     "the engine moved since the update was staged",
                     engine=self.name,
                     expected=staged.base[:16],
                 )
+            before = self.runtime.version
+            states = {n: view.cached_sum_state(n) for n in staged.tensors}
             buffers = staged.payload.get("buffers")
-            if isinstance(buffers, dict):
-                retired = self.runtime.exchange(buffers)  # O(1) per tensor; all or nothing
-                staged.payload.pop("buffers")
+            try:
+                if isinstance(buffers, dict):
+                    retired = self.runtime.exchange(buffers)  # O(1) per tensor; all or nothing
+                    staged.payload.pop("buffers")
+                else:
+                    self._write(view, staged)
+            except BaseException:
+                self.rewind.clear()
+                raise
+            if before is not None:  # references to the staged arrays: no copies
+                self.rewind.record(before, staged.base, staged.target, staged.tensors, states.get)
             else:
-                self._write(view, staged)
+                self.rewind.clear()
             for name, st in staged.tensors.items():
                 if st.target_state is not None:
                     view.update_sum_state(name, st.target_state)
@@ -225,6 +278,7 @@ class ReferenceEngine(EngineAdapter):
                 live = sum128_digest(t.dtype, t.shape, t.nbytes, sum128(t.data))
                 if live != view.tensor_digest(name):
                     bad.append(name)
+                    self.rewind.clear()
                     self.runtime.version = None  # unknown bits: out of rotation until re-synced
             nbytes += t.nbytes
         return AuditReport(len(names), nbytes, tuple(bad), wrapped)

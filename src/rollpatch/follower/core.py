@@ -27,7 +27,6 @@ from ..engines.staged import AuditReport
 from ..errors import (
     BaseMismatchError,
     ManifestError,
-    NoPathError,
     NotReadyError,
     RollpatchError,
     TargetMismatchError,
@@ -43,7 +42,7 @@ from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .record import PastWanted, Record
-from .stage import EarlyDecode, anchor_evidence, refused_hop, stage_plan
+from .stage import EarlyDecode, anchor_evidence, check_size, refused_hop, stage_plan
 from .watch import LatestHint, WakeEvent, Watcher
 
 __all__ = ["CommitCallback", "Follower"]
@@ -252,16 +251,7 @@ class Follower:
         sources = self.engine.rewindable() if rewind and have is not None else None
         plan = self._reader.plan(self.run, have, want, avoid=avoid, sources=sources)
         self.last_plan = plan
-        limit = self.config.max_stage_bytes
-        if limit is not None and plan.bytes > limit:
-            raise NoPathError(
-                "plan is larger than max_stage_bytes",
-                run=self.run,
-                have=have,
-                want=want,
-                plan_bytes=plan.bytes,
-                max_stage_bytes=limit,
-            )
+        check_size(plan, self.config.max_stage_bytes)
         manifests = {
             n: self._manifest(n) for s in plan.steps for n in (s.to, s.base) if n is not None
         }

@@ -39,6 +39,7 @@ __all__ = [
     "EarlyDecode",
     "Stage",
     "anchor_evidence",
+    "check_size",
     "decode_step",
     "encoded_step",
     "keyframe_view",
@@ -163,6 +164,19 @@ def stage_plan(
             engine.apply(stage.patch, want)  # verifies base and target; all or nothing
 
     return write
+
+
+def check_size(plan: Plan, limit: int | None) -> None:
+    """Refuse a plan that would fetch more than ``limit`` bytes (``max_stage_bytes``)."""
+    if limit is not None and plan.bytes > limit:
+        raise NoPathError(
+            "plan is larger than max_stage_bytes",
+            run=plan.run,
+            have=plan.have,
+            want=plan.want,
+            plan_bytes=plan.bytes,
+            max_stage_bytes=limit,
+        )
 
 
 def anchor_evidence(m: Manifest) -> int | None:

@@ -15,7 +15,7 @@ import pytest
 
 from rollpatch import native
 from rollpatch.engines.catchup import decode_in_place
-from rollpatch.engines.rewind import RewindLog, merge_positions
+from rollpatch.engines.rewind import UNSEEN_KEEP, RewindLog, merge_positions
 from rollpatch.engines.staged import StagedTensor, StagedUpdate, stage_patch
 from rollpatch.errors import BaseMismatchError
 from rollpatch.formats import cast_view
@@ -169,6 +169,7 @@ def _staged(n: int, size: int = 100) -> dict[str, StagedTensor]:
 def test_cap_pruning_and_continuity() -> None:
     one = 100 * (8 + 2)  # positions int64 + old words, one tensor
     log = RewindLog(max_bytes=3 * one)
+    log.prune(0)  # anchor evidence at v0 (none seen: only the last UNSEEN_KEEP are kept)
     for v in range(5):
         log.record(v, f"r{v}", f"r{v + 1}", _staged(1), lambda n: (1, 2))
     assert sorted(log.rewindable()) == [2, 3, 4] and log.nbytes == 3 * one  # oldest dropped
@@ -191,6 +192,24 @@ def test_cap_pruning_and_continuity() -> None:
     log.record(0, "r0", "r1", _staged(1), lambda n: (1, 2))
     log.clear()
     assert log.rewindable() == {} and len(log) == 0
+
+
+def test_without_anchor_evidence_only_the_last_records_are_kept() -> None:
+    """A board with neither folds nor skip patches never names an anchor: what could be
+    rebuilt would serve no plan, so only the commits a first fold's evidence needs are kept,
+    and evidence seen later keeps everything from its anchor on."""
+    log = RewindLog()
+    for v in range(6):
+        log.record(v, f"r{v}", f"r{v + 1}", _staged(1), lambda n: (1, 2))
+    assert sorted(log.rewindable()) == list(range(6 - UNSEEN_KEEP, 6))
+    log.prune(4)
+    for v in range(6, 9):
+        log.record(v, f"r{v}", f"r{v + 1}", _staged(1), lambda n: (1, 2))
+    assert sorted(log.rewindable()) == [4, 5, 6, 7, 8]
+    log.clear()  # a load may go back in the run: the evidence goes too
+    for v in range(4):
+        log.record(v, f"r{v}", f"r{v + 1}", _staged(1), lambda n: (1, 2))
+    assert len(log) == UNSEEN_KEEP
 
 
 def test_merge_positions() -> None:

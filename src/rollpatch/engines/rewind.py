@@ -19,8 +19,8 @@ anything is decoded from it). The decode then proves the target digests as from 
 version. Memory per record: 8 bytes (int64 position) + one element per changed word.
 
 Held by one engine (:class:`RewindLog`); records are oldest -> newest, dropped oldest first
-when over ``max_bytes`` (0: none kept), before the newest anchor evidence (:meth:`prune`),
-and all at once on a load, a failed commit or an audit mismatch (:meth:`clear`).
+when over ``max_bytes`` (0: none kept), before the newest anchor evidence (:meth:`prune`;
+with none seen yet, all but the last ``UNSEEN_KEEP``), and all at once on a load, a failed commit or an audit mismatch (:meth:`clear`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,16 @@ import numpy as np
 from ..view import Tensor, sum128_digest, sum_add
 from .staged import StagedTensor
 
-__all__ = ["REWIND_MAX_BYTES", "Record", "Rewind", "RewindLog", "merge_positions"]
+__all__ = ["REWIND_MAX_BYTES", "UNSEEN_KEEP", "Record", "Rewind", "RewindLog", "merge_positions"]
 
 SumState = tuple[int, int]
 
 #: Default cap on the bytes of retained records (positions + old words).
 REWIND_MAX_BYTES = 256 << 20
+#: Records kept before any anchor evidence: a fold from anchor ``a`` is first published with
+#: ``a + 2``, so the two commits since ``a`` are what its first evidence needs; a board with
+#: neither folds nor skip patches never gives any, and its records would serve no plan.
+UNSEEN_KEEP = 2
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,6 +187,8 @@ class RewindLog:
     def _trim(self) -> None:
         if self._floor is not None:
             self._records = [r for r in self._records if r.version >= self._floor]
+        else:  # no fold or skip patch seen (yet): a fold's first evidence comes 2 versions on
+            del self._records[:-UNSEEN_KEEP]
         total = sum(r.nbytes for r in self._records)
         while self._records and total > self.max_bytes:
             total -= self._records.pop(0).nbytes

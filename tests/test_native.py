@@ -433,16 +433,3 @@ def test_every_isa_level_encodes_the_same_bytes(isa_level: str, kind_name: str) 
             Tensor(kind, (b.size,), b.astype(kind.word_dtype)),
             reuse_reference=True,
         )
-
-
-def test_join_release_of_many_heap_parts_and_a_mapped_one() -> None:
-    """Past every eighth of the result (at least 256 KiB) of released heap parts the heap is
-    trimmed while joining; the bytes are the plain concatenation whatever the parts are."""
-    core = native.require()
-    rng = np.random.default_rng(3)
-    heap = [rng.integers(0, 256, 40_000, dtype=np.uint8).tobytes() for _ in range(40)]
-    mapped = core.join_release([rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes()], True)
-    want = b"".join([*heap[:20], bytes(memoryview(mapped)), *heap[20:]])
-    parts: list[object] = [*heap[:20], memoryview(mapped), *heap[20:]]
-    assert core.join_release(parts) == want
-    assert all(p is None for p in parts)

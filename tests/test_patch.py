@@ -267,13 +267,14 @@ def test_patch_much_smaller_than_xor_zstd_on_sparse_bf16() -> None:
 
 
 def test_header_json_is_one_dumps_of_the_whole_header() -> None:
-    """The container's header is written an entry at a time (``wire._header_json``): the same
-    bytes as one ``json.dumps`` of the whole header, escapes and empty lists included."""
+    """The container's header is written 32 entries at a time (``wire._header_json``): the same
+    bytes as one ``json.dumps`` of the whole header, escapes, empty lists and group edges included."""
     import json
 
     from rollpatch.patch.wire import _header_json
 
     head = {"format": "rollpatch.patch", "version": 2, "base": "a", "meta": {"k": 'v\u00e9"\n'}}
-    for entries in ([], [{"name": "w\u2603", "shape": [1, 2], "base": None}], [{"a": 1}] * 3):
+    many = [{"name": f"t{i}", "changed": i} for i in range(70)]  # groups of 32 and a rest
+    for entries in ([], [{"name": "w\u2603", "shape": [1, 2], "base": None}], many, many[:64]):
         want = json.dumps({**head, "tensors": entries}, separators=(",", ":")).encode()
         assert _header_json(head, entries) == want

@@ -2,10 +2,6 @@
  * decode_apply_view). */
 #include "module.h"
 
-#if defined(__GLIBC__)
-#include <malloc.h> /* malloc_trim */
-#endif
-
 /* table(kind, payload, n_elements) -> list of changed counts per chunk (validated params) */
 PyObject *py_table(PyObject *self, PyObject *args) {
     PyObject *kt, *res = NULL;
@@ -156,19 +152,6 @@ out:
 /* join_release(list) -> bytes: the list's buffers concatenated into one new bytes object;
  * each item is replaced by None once copied, so a large item's memory goes back while the
  * result fills (the result and the parts are never all resident at once). */
-/* The C heap's free pages go back to the system every TRIM_EVERY bytes (or an eighth of the
- * result, if more: at most ~8 trims of ~0.3 ms) of released items that lived on it (glibc's
- * malloc_trim(0) also returns free pages inside the heap): a payload under OBUF_MAP is a heap
- * block, and freeing it alone leaves its pages resident while the result fills new ones, so
- * the patch and its small payloads would be held whole at once. Items in their own mapping
- * (large payloads) give their pages back when freed, and are not counted. */
-#define TRIM_EVERY ((Py_ssize_t)256 << 10)
-
-static int mapped_item(PyObject *item) {
-    if (PyMemoryView_Check(item)) item = PyMemoryView_GET_BUFFER(item)->obj;
-    return item && Py_TYPE(item) == &BufType && ((BufObject *)item)->o.mapped;
-}
-
 PyObject *py_join_release(PyObject *self, PyObject *args) {
     PyObject *lst;
     int as_buf = 0; /* join_release(list, True) -> Buf (a native buffer) instead of bytes */
@@ -199,7 +182,7 @@ PyObject *py_join_release(PyObject *self, PyObject *args) {
         if (!out) return NULL;
         dst = PyBytes_AS_STRING(out);
     }
-    Py_ssize_t at = 0, freed = 0, trim_every = total / 8 > TRIM_EVERY ? total / 8 : TRIM_EVERY;
+    Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer b;
         if (PyObject_GetBuffer(PyList_GET_ITEM(lst, i), &b, PyBUF_SIMPLE)) { Py_DECREF(out); return NULL; }
@@ -211,14 +194,9 @@ PyObject *py_join_release(PyObject *self, PyObject *args) {
         }
         memcpy(dst + at, b.buf, (size_t)b.len);
         at += b.len;
-        Py_ssize_t heap_len = mapped_item(PyList_GET_ITEM(lst, i)) ? 0 : b.len;
         PyBuffer_Release(&b);
         Py_INCREF(Py_None);
         if (PyList_SetItem(lst, i, Py_None)) { Py_DECREF(out); return NULL; }
-#if defined(__GLIBC__)
-        freed += heap_len;
-        if (freed >= trim_every) { malloc_trim(0); freed = 0; }
-#endif
     }
     if (at != total) {
         Py_DECREF(out);

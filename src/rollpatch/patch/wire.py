@@ -323,14 +323,19 @@ def assemble(
     return b"".join(pieces)
 
 
+#: Entries per ``encode`` call of :func:`_header_json`.
+_HEADER_GROUP = 32
+_HEADER_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _header_json(head: dict[str, Any], entries: list[dict[str, Any]]) -> bytes:
-    """``json.dumps({**head, "tensors": entries})`` (compact separators), byte for byte, an
-    entry at a time: one ``dumps`` of the whole header holds a string per token until it
-    joins them (~0.4 MB for 160 tensors, more than the patch of a 100M model at lr 1e-6)."""
-    sep = (",", ":")
-    parts = [json.dumps(e, separators=sep) for e in entries]
-    out = f'{json.dumps(head, separators=sep)[:-1]},"tensors":[{",".join(parts)}]}}'.encode()
-    return out
+    """``json.dumps({**head, "tensors": entries})`` (compact separators), byte for byte, 32
+    entries at a time: one ``dumps`` of the whole header holds a string per token until it
+    joins them (~0.4 MB for 160 tensors, more than the patch of a 100M model at lr 1e-6);
+    groups of 32 cost ~0.05 ms more per patch than one call."""
+    enc, g = _HEADER_JSON, _HEADER_GROUP
+    parts = [enc.encode(entries[i : i + g])[1:-1] for i in range(0, len(entries), g)]
+    return f'{enc.encode(head)[:-1]},"tensors":[{",".join(parts)}]}}'.encode()
 
 
 def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str, bytes]:

@@ -196,6 +196,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def reference_engine(tiny_model: Path) -> Iterator[Any]:
+    """The built-in engine over :func:`tiny_model`: one thread, no HTTP server; torch's thread
+    count (which the engine sets) is put back after."""
+    import torch
+
+    from rollpatch.engines.reference import ReferenceEngine
+
+    threads = torch.get_num_threads()
+    eng = ReferenceEngine.from_dir(tiny_model, threads=1, serve_http=False)
+    yield eng
+    eng.close()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def memory_board() -> Iterator[Board]:
     """An empty board on a fresh memory:// store, dropped afterwards."""
     name = f"test-{uuid.uuid4().hex[:12]}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,16 +80,8 @@ def run(tiny_model: Path) -> Run:
 
 
 @pytest.fixture
-def engine(tiny_model: Path) -> Iterator[Any]:
-    import torch
-
-    from rollpatch.engines.reference import ReferenceEngine
-
-    threads = torch.get_num_threads()
-    eng = ReferenceEngine.from_dir(tiny_model, threads=1, serve_http=False)
-    yield eng
-    eng.close()
-    torch.set_num_threads(threads)
+def engine(reference_engine: Any) -> Any:
+    return reference_engine
 
 
 def _boot(eng: Any, run: Run, v: int) -> list[list[int]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +84,8 @@ def _engine(tiny_model: Path, **kw: Any) -> Any:
 
 
 @pytest.fixture
-def engine(tiny_model: Path) -> Iterator[Any]:
-    import torch
-
-    threads = torch.get_num_threads()
-    eng = _engine(tiny_model)
-    yield eng
-    eng.close()
-    torch.set_num_threads(threads)
+def engine(reference_engine: Any) -> Any:
+    return reference_engine
 
 
 def _boot(eng: Any, run: Run) -> tuple[list[list[int]], list[int]]:
@@ -164,6 +157,9 @@ def test_a_corrupted_record_is_refused_and_the_chain_taken(run: Run, engine: Any
 
 
 def test_no_records_no_rewind(run: Run, tiny_model: Path) -> None:
+    import torch
+
+    threads = torch.get_num_threads()  # the engine sets it
     eng = _engine(tiny_model, rewind_max_bytes=0)
     try:
         calls, _ = _boot(eng, run)
@@ -173,6 +169,7 @@ def test_no_records_no_rewind(run: Run, tiny_model: Path) -> None:
         _exact(eng, run.views[6])
     finally:
         eng.close()
+        torch.set_num_threads(threads)
 
 
 def test_rewind_max_bytes_is_checked(tiny_model: Path) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 from rollpatch.board import Board
+from rollpatch.follower import FollowerConfig
 from rollpatch.manifest import KeyframeObject, Manifest, PatchObject
 from rollpatch.store import MemoryStore
 from tests import live_servers
@@ -193,6 +194,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollpatch.engines.reference import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+#: A follower that polls, backs off and gives up quickly (tests on a memory board).
+FAST_FOLLOWER = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=30.0, retries=1)
 
 
 @pytest.fixture

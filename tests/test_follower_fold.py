@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from rollpatch import layout, native
 from rollpatch.board import Board
 from rollpatch.errors import RollpatchError
-from rollpatch.follower import Follower, FollowerConfig
+from rollpatch.follower import Follower
 from rollpatch.formats import cast_view
 from rollpatch.manifest import PatchObject
 from rollpatch.patch import Patch, apply, decode, diff, encode
@@ -31,11 +31,12 @@ from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
 from rollpatch.store import ObjectInfo, Store
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 from rollpatch.view import View
+from tests.conftest import FAST_FOLLOWER
 
 pytestmark = pytest.mark.skipif(native.core is None, reason="the native core is not built")
 
 RUN = "fold"
-FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=30.0, retries=1)
+FAST = FAST_FOLLOWER
 #: Anchors at multiples of 4 (keyframes only at v0): v2, v3 fold from 0; v6, v7 from 4.
 CFG = {"keyframe_every": 0, "skip_strides": (), "fold_every": 4}
 

@@ -23,16 +23,17 @@ pytest.importorskip("transformers")
 from rollpatch import native
 from rollpatch.board import Board
 from rollpatch.errors import RollpatchError
-from rollpatch.follower import Follower, FollowerConfig
+from rollpatch.follower import Follower
 from rollpatch.formats import cast_view
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.trust import Root, Signer, SigningKey, Trust, sign_root
 from rollpatch.view import View
+from tests.conftest import FAST_FOLLOWER
 
 pytestmark = pytest.mark.skipif(native.core is None, reason="the native core is not built")
 
 RUN = "rewind"
-FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=30.0, retries=1)
+FAST = FAST_FOLLOWER
 #: One anchor (v0): every version v >= 2 also gets the fold v0 -> v.
 CFG = {"keyframe_every": 0, "skip_strides": (), "fold_every": 8}
 #: Moves at v1 only and is back to v0's values from v2 on: the fold from v0 leaves it alone.

@@ -25,6 +25,7 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from _util import current_rss, peak_rss, reset_peak_rss
@@ -43,8 +44,15 @@ class ChainBoard(Board):
     keyframes): the baseline the folded path is compared with."""
 
     def plan(
-        self, run: str, have: int | None, want: int, *, avoid: frozenset[str] = frozenset()
+        self,
+        run: str,
+        have: int | None,
+        want: int,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        sources: Mapping[int, str] | None = None,
     ) -> Plan:
+        # the chain from ``have``: rewind sources (an engine's own records) are not taken
         if have is None:
             raise NoPathError("a chain of step patches needs a loaded engine", run=run)
         steps = []

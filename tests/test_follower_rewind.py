@@ -201,3 +201,26 @@ def test_records_go_on_load_failed_commit_and_audit(run: Run, engine: Any) -> No
     t.data.reshape(-1)[0] ^= 1  # a word changed behind the engine's back
     report = engine.audit(1 << 40)
     assert report.mismatched and engine.rewindable() == {}
+
+
+def test_a_reader_that_predates_sources_plans_as_before(run: Run, engine: Any) -> None:
+    """With no records to rewind to, the follower calls ``plan`` without ``sources``: a
+    reader whose ``plan`` predates them (bench/board.py's chain-only board did) still works."""
+    from rollpatch.engines.rewind import RewindLog
+
+    seen: list[dict[str, Any]] = []
+
+    class OldReader(Board):
+        def plan(self, run_: str, have: Any, want: int, **kw: Any) -> Any:
+            seen.append(kw)
+            if "sources" in kw:
+                raise TypeError("plan() got an unexpected keyword argument 'sources'")
+            return super().plan(run_, have, want, **kw)
+
+    engine.rewind = RewindLog(max_bytes=0)
+    _boot(engine, run)
+    f = Follower(run.board, RUN, engine, FAST)
+    f._reader = OldReader(run.board.store, trust=run.board.trust)  # the bench's seam
+    assert f.sync(1) == 1 and f.sync(4) == 4
+    assert seen and all("sources" not in kw for kw in seen)
+    _exact(engine, run.views[4])

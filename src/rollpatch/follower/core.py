@@ -247,9 +247,11 @@ class Follower:
     def _run_plan(
         self, have: int | None, want: int, avoid: frozenset[str] = frozenset(), rewind: bool = True
     ) -> int:
-        # older versions the engine can rebuild from its own commits: zero-cost starts
-        sources = self.engine.rewindable() if rewind and have is not None else None
-        plan = self._reader.plan(self.run, have, want, avoid=avoid, sources=sources)
+        # older versions the engine can rebuild from its own commits: zero-cost starts (passed
+        # only when there are any: a reader that predates them plans as before)
+        sources = self.engine.rewindable() if rewind and have is not None else {}
+        kw = {"sources": sources} if sources else {}
+        plan = self._reader.plan(self.run, have, want, avoid=avoid, **kw)
         self.last_plan = plan
         check_size(plan, self.config.max_stage_bytes)
         manifests = {

@@ -56,6 +56,29 @@ def memcpy(src: View, dst: dict[str, np.ndarray], pool: ThreadPoolExecutor) -> N
         pass
 
 
+def copy_buffers(src: View, threads: int) -> list[np.ndarray]:
+    """One buffer per thread of ``src``'s largest tensor's size, its pages faulted in (for
+    :func:`memcpy_reused`)."""
+    size = max((src[n].nbytes for n in src), default=0)
+    return [np.ones(size, np.uint8) for _ in range(max(1, threads))]
+
+
+def memcpy_reused(src: View, bufs: list[np.ndarray], pool: ThreadPoolExecutor) -> None:
+    """Copy every tensor of ``src``, largest first, on one thread per buffer of ``bufs``
+    (from :func:`copy_buffers`), each into its thread's buffer, reused for every tensor:
+    no third view, for views too large to hold beside the simulator."""
+    names = sorted(src, key=lambda n: -src[n].nbytes)
+
+    def part(i: int) -> None:
+        buf = bufs[i]
+        for n in names[i :: len(bufs)]:
+            d = src[n].data
+            np.copyto(buf[: d.nbytes].view(d.dtype).reshape(d.shape), d)
+
+    for _ in pool.map(part, range(len(bufs))):
+        pass
+
+
 def xor_undo(view: View, frames: dict[str, tuple[bytes, bytes]]) -> None:
     """XOR is its own inverse: put the base back after an in-place XOR apply."""
     for name, (frame, _) in frames.items():

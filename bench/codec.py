@@ -36,7 +36,7 @@ nothing changes. bench/moe.py breaks the MoE numbers down (experts vs dense, per
 
 T threads: baselines run tensors on a pool of T; rollpatch runs with ``ROLLPATCH_THREADS=T``
 (tensors and chunks of large tensors on T threads). Times are wall clock, best of
-``--repeats`` where a view is under 1 GB, one run above. Every decode+apply of every method is
+``--repeats`` where a view is under 1 GB, best of ``--big-repeats`` (default 1) above. Every decode+apply of every method is
 checked bit-exact against the target view; any mismatch aborts the run.
 
 **Memory.** ``enc mem`` is the peak RSS growth during one native encode (VmHWM reset before
@@ -62,7 +62,16 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
-from _baselines import RoundTripError, memcpy, restore, xor_apply, xor_encode, xor_undo
+from _baselines import (
+    RoundTripError,
+    copy_buffers,
+    memcpy,
+    memcpy_reused,
+    restore,
+    xor_apply,
+    xor_encode,
+    xor_undo,
+)
 from _codec_report import Row, render
 from _util import (
     best_of,
@@ -85,7 +94,7 @@ from rollpatch.sim import AdamSim, MoEConfig, SimConfig
 from rollpatch.view import Tensor, View
 
 DEFAULT_FORMATS = "bf16,fp8-e4m3-block128,nvfp4"
-ONE_RUN_ABOVE = 1 << 30  # views larger than this are timed once
+ONE_RUN_ABOVE = 1 << 30  # views larger than this are timed --big-repeats times
 
 
 # -- the i.i.d. bound (shared with `rollpatch analyze`: rollpatch.analysis.bounds) ----------
@@ -114,10 +123,12 @@ def _check_equal(got: View, want: View, what: str) -> None:
         raise RoundTripError(f"{what}: decode+apply is not bit-exact")
 
 
-def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: bool) -> None:
+def transition(
+    a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: bool, big_repeats: int = 1
+) -> None:
     """Measure a → b at every thread count; ``a`` and ``b`` are left unchanged."""
     big = a.nbytes > ONE_RUN_ABOVE
-    reps = 1 if big else repeats
+    reps = big_repeats if big else repeats
     a.digest()  # a publisher holds the base digests from the previous step
     # above 1 GB there is no room for a third view beside the simulator: measurements run in
     # place on the base and put it back (rollpatch with the inverse patch, XOR by itself)
@@ -128,13 +139,10 @@ def transition(a: View, b: View, rows: dict[int, Row], repeats: int, numpy_ref: 
     for threads, row in rows.items():
         os.environ["ROLLPATCH_THREADS"] = str(threads)
         with ThreadPoolExecutor(threads) as pool:
-            if scratch is None:  # one tensor-sized buffer at a time
-
-                def mc() -> None:
-                    for n in sorted(a):
-                        np.copyto(np.empty_like(a[n].data), a[n].data)
-
-                t_mc, _ = best_of(mc, reps)
+            if scratch is None:  # one buffer of the largest tensor's size per thread, reused
+                bufs = copy_buffers(a, threads)
+                t_mc, _ = best_of(lambda: memcpy_reused(a, bufs, pool), reps)  # noqa: B023
+                del bufs
             else:
                 t_mc, _ = best_of(lambda: memcpy(a, scratch, pool), reps)
 
@@ -268,6 +276,7 @@ def run_group(
     threads: Sequence[int],
     numpy_ref: bool,
     moe: MoEConfig | None = None,
+    big_repeats: int = 1,
 ) -> tuple[list[Row], dict[str, Any]]:
     """Fresh simulator at (size, lr); ``steps`` transitions for every format."""
 
@@ -297,7 +306,7 @@ def run_group(
         log(f"{size} lr={lr:g}: step {s + 1} in {info['step_s'][-1]:.1f}s")
         for f in formats:
             target = cast_view(sim.masters(), f, scales="bf16", policy=policy)
-            transition(base[f], target, rows[f], repeats, numpy_ref)
+            transition(base[f], target, rows[f], repeats, numpy_ref, big_repeats)
             base[f] = target
             r = rows[f][threads[0]]
             log(
@@ -343,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--steps", default="2,1", help="transitions per (size, lr): one int, or one per size"
     )
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats for views < 1 GB")
+    ap.add_argument(
+        "--big-repeats", type=int, default=1, help="timing repeats for views of 1 GB and more"
+    )
     ap.add_argument("--threads", default="1,2", help="thread counts to measure")
     ap.add_argument("--numpy-max", default="200M", help="time the numpy reference up to this size")
     ap.add_argument("--json", default=None, help="also write every measurement here")
@@ -376,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 threads,
                 n <= parse_size(args.numpy_max),
                 moe,
+                max(1, args.big_repeats),
             )
             rows += got
             sims.append(info)

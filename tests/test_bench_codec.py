@@ -39,3 +39,19 @@ def test_trim_heap_on_glibc() -> None:
     # Linux CI runs glibc: the trim is there, so the memory column is not silently untrimmed
     if sys.platform.startswith("linux"):
         assert trim_heap() is True
+
+
+def test_big_view_path_runs_in_place_with_repeats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the path for views too large for a third copy (in place, the inverse patch puts the base
+    # back; memcpy into reused per-thread buffers), here at 20M with --big-repeats 2
+    import codec
+
+    monkeypatch.setattr(codec, "ONE_RUN_ABOVE", 0)
+    out = tmp_path / "codec.json"
+    args = ["--sizes", "20M", "--lrs", "1e-5", "--steps", "1", "--big-repeats", "2"]
+    args += ["--threads", "2", "--formats", "bf16", "--numpy-max", "0", "--json", str(out)]
+    assert main(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["patch_bytes"] > 0 and row["threads"] == 2

@@ -107,8 +107,8 @@ typedef struct {
     unsigned char *done;  /* 1: in own[j]; 2: written in the arena */
     int64_t njobs, cursor, tchanged; /* cursor: the first job not in the arena (under mu) */
     int stop;              /* a job failed or the arena could not grow: commit no more */
-    int nspare;            /* committed buffers kept for the next early job (under mu): */
-    rp_obuf spare[RP_MAX_THREADS]; /* their pages are touched once per call, not per job */
+    int nspare, maxspare;  /* committed buffers kept for the next early job (under mu), as */
+    rp_obuf spare[RP_MAX_THREADS]; /* many as other workers: pages touched once, not per job */
     pthread_mutex_t mu;
 } arena_ctx;
 
@@ -129,7 +129,7 @@ static void commit_ready(arena_ctx *x) {
             if (o->len) memcpy(x->arena->b + x->arena->len, o->b, o->len);
             x->arena->len += o->len;
             o->len = 0;
-            if (x->nspare < RP_MAX_THREADS) x->spare[x->nspare++] = *o;
+            if (x->nspare < x->maxspare) x->spare[x->nspare++] = *o;
             else rp_obuf_free(o);
             memset(o, 0, sizeof *o);
         }
@@ -171,7 +171,7 @@ int rp_encode_jobs_arena(rp_enc_job *jobs, int64_t njobs, int nthreads, rp_obuf 
     rp_encws *ws[RP_MAX_THREADS] = {0};
     arena_ctx x = {.jobs = jobs, .ws = ws, .arena = arena, .at = at, .edge = edge,
                    .own = calloc(njobs + 1, sizeof(rp_obuf)), .done = calloc(njobs + 1, 1),
-                   .njobs = njobs, .mu = PTHREAD_MUTEX_INITIALIZER};
+                   .njobs = njobs, .maxspare = nt - 1, .mu = PTHREAD_MUTEX_INITIALIZER};
     int rc = RP_OK;
     *failed = -1;
     for (int i = 0; i < nt && x.own && x.done; i++)

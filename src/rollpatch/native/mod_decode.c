@@ -151,7 +151,8 @@ out:
 
 /* join_release(list) -> bytes: the list's buffers concatenated into one new bytes object;
  * each item is replaced by None once copied, so a large item's memory goes back while the
- * result fills (the result and the parts are never all resident at once). */
+ * result fills (the result and the parts are never all resident at once); a mapped Buf only
+ * the list holds (the encoder's arena) gives its pages back as it is copied (buf_drain). */
 PyObject *py_join_release(PyObject *self, PyObject *args) {
     PyObject *lst;
     int as_buf = 0; /* join_release(list, True) -> Buf (a native buffer) instead of bytes */

@@ -115,6 +115,10 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
 
     No decoded patch is built: memory beyond the two views is the patch plus one chunk's
     records per thread (and one XOR temporary for dense tensors, which may ship as XOR+zstd).
+    The payloads are coded into one native buffer in name order, which becomes the patch's
+    payload section (copied out whole, its pages given back as the patch fills), so the
+    payloads and the patch are not both held; a full tensor or an XOR+zstd payload makes the
+    patch be joined from separate payloads instead.
     """
     return _encode_views(a, b, meta, keep=False)[0]
 

@@ -44,8 +44,11 @@ it, no earlier patch alive, the C heap trimmed first so that memory an earlier c
 not reused unseen) over the two views already resident, in units of the patch size
 (target ≤ 2). What a process sets up once and keeps (the header's zstd context, the thread
 pool) is measured by a first encode of a small view before any row and printed in the
-footer. The container is joined while its payloads are released
-(``native.core.join_release``), so the payloads and the patch are not both held whole.
+footer. The payloads are coded into one native buffer in the container's order, which is
+copied out after the header while its pages are given back (``native.core.join_release``), so
+the payloads and the patch are not both held whole. A row's first encode also pays for the
+header's zstd context growing when its header is the largest the process has compressed
+(kept for the process afterwards; the footer's small view sets up a small one).
 """
 
 from __future__ import annotations

@@ -151,7 +151,8 @@ out:
 
 /* join_release(list) -> bytes: the list's buffers concatenated into one new bytes object;
  * each item is replaced by None once copied, so a large item's memory goes back while the
- * result fills (the result and the parts are never all resident at once). */
+ * result fills (the result and the parts are never all resident at once); a mapped Buf only
+ * the list holds (the encoder's arena) gives its pages back as it is copied (buf_drain). */
 PyObject *py_join_release(PyObject *self, PyObject *args) {
     PyObject *lst;
     int as_buf = 0; /* join_release(list, True) -> Buf (a native buffer) instead of bytes */
@@ -184,17 +185,24 @@ PyObject *py_join_release(PyObject *self, PyObject *args) {
     }
     Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer b;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(lst, i), &b, PyBUF_SIMPLE)) { Py_DECREF(out); return NULL; }
-        if (b.len > total - at) { /* an item grew in between: refuse */
+        PyObject *it = PyList_GET_ITEM(lst, i);
+        Py_ssize_t len;
+        if (Py_TYPE(it) == &BufType) {
+            len = (Py_ssize_t)((BufObject *)it)->o.len;
+        } else {
+            Py_buffer b;
+            if (PyObject_GetBuffer(it, &b, PyBUF_SIMPLE)) { Py_DECREF(out); return NULL; }
+            len = b.len;
             PyBuffer_Release(&b);
+        }
+        if (len > total - at) { /* an item grew in between: refuse */
             Py_DECREF(out);
             PyErr_SetString(PyExc_ValueError, "an item changed size while joining");
             return NULL;
         }
-        memcpy(dst + at, b.buf, (size_t)b.len);
-        at += b.len;
-        PyBuffer_Release(&b);
+        /* a native payload only the list holds gives its pages back as it is copied */
+        if (buf_drain(it, dst + at, (size_t)len) < 0) { Py_DECREF(out); return NULL; }
+        at += len;
         Py_INCREF(Py_None);
         if (PyList_SetItem(lst, i, Py_None)) { Py_DECREF(out); return NULL; }
     }

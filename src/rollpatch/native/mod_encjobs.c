@@ -189,3 +189,84 @@ out:
     free(bufs); free(kinds); free(nel); free(first); free(at); free(vj); free(jobs); free(outs);
     return res;
 }
+
+/* encode_view_arena(pairs, threads, per_thread) -> (Buf, [(offset, length, changed, sd0, sd1)]
+ * per pair): encode_view's results, every pair's payload at its offset in one buffer, in pair
+ * order (rp_encode_jobs_arena: the jobs run in that order, each tensor's ranges in chunk
+ * order), so a caller whose pairs are in the container's order ships the buffer whole. A pair
+ * with no change has an empty payload (it ships none), not its chunks' empty bodies. */
+PyObject *py_encode_view_arena(PyObject *self, PyObject *args) {
+    PyObject *pl, *res = NULL, *lst = NULL;
+    int nthreads, per;
+    if (!PyArg_ParseTuple(args, "O!ii", &PyList_Type, &pl, &nthreads, &per)) return NULL;
+    if (nthreads < 1 || per < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads and jobs per thread must be positive");
+        return NULL;
+    }
+    Py_ssize_t np_ = PyList_GET_SIZE(pl), nj = 0;
+    Py_buffer *bufs = calloc(2 * np_ + 1, sizeof *bufs);
+    rp_kind *kinds = calloc(np_ + 1, sizeof *kinds);
+    int64_t *nel = calloc(np_ + 1, sizeof *nel);
+    int64_t *first = calloc(np_ + 2, sizeof *first); /* pair i's jobs: [first[i], first[i+1]) */
+    rp_enc_job *jobs = NULL;
+    size_t *at = NULL;
+    unsigned char *edge = NULL;
+    BufObject *arena = buf_new();
+    if (!arena) goto out;
+    if (!bufs || !kinds || !nel || !first) { PyErr_NoMemory(); goto out; }
+    if (parse_pairs(pl, bufs, kinds, nel)) goto out;
+    for (Py_ssize_t i = 0; i < np_; i++) { /* chunk counts are bounded by the buffers' sizes */
+        int64_t nch = (nel[i] + RP_CHUNK - 1) / RP_CHUNK, st = job_step(nch, nthreads, per);
+        first[i] = nj;
+        nj += (nch + st - 1) / st;
+    }
+    first[np_] = nj;
+    jobs = calloc(nj + 1, sizeof *jobs);
+    at = calloc(nj + 1, sizeof *at);
+    edge = calloc(nj + 1, 1);
+    /* mapped from the start (rp_obuf: 64 KiB and up), so its pages can be given back in
+     * pieces as it is copied out (join_release) */
+    if (!jobs || !at || !edge || rp_obuf_reserve(&arena->o, (size_t)64 << 10)) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < np_; i++) {
+        int64_t nch = (nel[i] + RP_CHUNK - 1) / RP_CHUNK;
+        for (int64_t q = first[i], c0 = 0; q < first[i + 1]; q++) {
+            int64_t st = job_step(nch, nthreads, per), c1 = c0 + st < nch ? c0 + st : nch;
+            set_job(&jobs[q], &kinds[i], &bufs[2 * i], nel[i], c0, c1, arena);
+            edge[q] = (q == first[i] ? RP_JOB_FIRST : 0) | (q + 1 == first[i + 1] ? RP_JOB_LAST : 0);
+            c0 = c1;
+        }
+    }
+    int64_t failed = -1;
+    const char *err = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_encode_jobs_arena(jobs, nj, nthreads, &arena->o, edge, at, &failed, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) { raise_rc(rc, err); goto out; }
+    at[nj] = arena->o.len;
+    lst = PyList_New(np_);
+    for (Py_ssize_t i = 0; lst && i < np_; i++) {
+        int64_t changed = 0;
+        uint64_t sd[2] = {0, 0};
+        for (int64_t q = first[i]; q < first[i + 1]; q++) {
+            changed += jobs[q].changed;
+            sd[0] += jobs[q].sd[0];
+            sd[1] += jobs[q].sd[1];
+        }
+        size_t off = at[first[i]], end = at[first[i + 1]];
+        PyObject *t = Py_BuildValue("(nnLKK)", (Py_ssize_t)off, (Py_ssize_t)(end - off),
+                                    (long long)changed, (unsigned long long)sd[0],
+                                    (unsigned long long)sd[1]);
+        if (!t) { Py_CLEAR(lst); break; }
+        PyList_SET_ITEM(lst, i, t);
+    }
+    if (lst) res = Py_BuildValue("(ON)", (PyObject *)arena, lst);
+out:
+    for (Py_ssize_t i = 0; bufs && i < 2 * np_; i++) PyBuffer_Release(&bufs[i]);
+    Py_XDECREF(arena);
+    free(bufs); free(kinds); free(nel); free(first); free(jobs); free(at); free(edge);
+    return res;
+}

@@ -23,9 +23,15 @@ int elem_count(const rp_kind *k, Py_ssize_t nbytes, int64_t *n);
 typedef struct {
     PyObject_HEAD
     rp_obuf o;
+    Py_ssize_t exports; /* buffer views handed out and not released */
 } BufObject;
 extern PyTypeObject BufType;
 BufObject *buf_new(void);
+/* Copy `item`'s len bytes to dst; where it is a mapped Buf only its holder references (the
+ * caller's list: reference count 1, no view of it out), its pages are given back as they are
+ * copied. 1 if it was such a Buf (its bytes are gone: the caller drops it), 0 if copied, -1
+ * with an exception set if it could not be read or is not len bytes long. */
+int buf_drain(PyObject *item, char *dst, size_t len);
 extern PyTypeObject WsType; /* mod_encode.c */
 
 PyObject *py_encode_range_buf(PyObject *self, PyObject *args);
@@ -47,6 +53,7 @@ PyObject *py_set_errors(PyObject *self, PyObject *args);
 PyObject *py_isa(PyObject *self, PyObject *args);
 PyObject *py_encode_jobs(PyObject *self, PyObject *args); /* mod_encjobs.c */
 PyObject *py_encode_view(PyObject *self, PyObject *args);
+PyObject *py_encode_view_arena(PyObject *self, PyObject *args);
 PyObject *py_decode_apply_view(PyObject *self, PyObject *args);
 
 #endif

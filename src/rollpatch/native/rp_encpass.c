@@ -401,9 +401,9 @@ done:
     return rc;
 }
 
-int rp_encode_range(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
-                    int64_t n, int64_t c0, int64_t c1, rp_obuf *out, int64_t *changed,
-                    uint64_t sdelta[2], rp_encws *ws, const char **err) {
+int rp_encode_range_append(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                           size_t nbytes, int64_t n, int64_t c0, int64_t c1, rp_obuf *out,
+                           int64_t *changed, uint64_t sdelta[2], rp_encws *ws, const char **err) {
     int rc = RP_OK;
     rp_encws own = {0}, *w = ws ? ws : &own;
     *changed = 0;
@@ -415,8 +415,16 @@ int rp_encode_range(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, 
         *changed += w->kdone;
         if (rc == RP_OK && rp_ws_append(w, out)) FAIL(RP_ENOMEM, "out of memory");
     }
-    rp_obuf_fit(out);
 done:
     rp_ws_free(&own);
+    return rc;
+}
+
+int rp_encode_range(const rp_kind *kd, const uint8_t *old, const uint8_t *new_, size_t nbytes,
+                    int64_t n, int64_t c0, int64_t c1, rp_obuf *out, int64_t *changed,
+                    uint64_t sdelta[2], rp_encws *ws, const char **err) {
+    int rc = rp_encode_range_append(kd, old, new_, nbytes, n, c0, c1, out, changed, sdelta, ws,
+                                    err);
+    rp_obuf_fit(out);
     return rc;
 }

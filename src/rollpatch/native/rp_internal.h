@@ -172,6 +172,11 @@ RP_HIDDEN int rp_code_ws(const rp_kind *kd, int64_t n, const uint64_t *ncnt, rp_
  * its varint length. */
 RP_HIDDEN int rp_ws_body(const rp_encws *w, uint8_t **out, size_t *outlen);
 RP_HIDDEN int rp_ws_append(const rp_encws *w, rp_obuf *o);
+/* rp_encode_range without giving back the room beyond the length (an arena keeps growing). */
+RP_HIDDEN int rp_encode_range_append(const rp_kind *kd, const uint8_t *old, const uint8_t *new_,
+                                     size_t nbytes, int64_t n, int64_t c0, int64_t c1,
+                                     rp_obuf *out, int64_t *changed, uint64_t sdelta[2],
+                                     rp_encws *ws, const char **err);
 /* Code the records (position order) of one chunk whose context sizes are ncnt. */
 RP_HIDDEN int rp_code_chunk(const rp_kind *kd, int64_t n, const uint64_t *ncnt, const recs_t *r,
                             uint8_t **out, size_t *outlen, const char **err);

@@ -96,6 +96,107 @@ int rp_encode_jobs(rp_enc_job *jobs, int64_t njobs, int nthreads, int64_t *faile
     return RP_OK;
 }
 
+/* ------------------------------------------------------------------ encode into one arena */
+
+typedef struct {
+    rp_enc_job *jobs;
+    rp_encws **ws;
+    rp_obuf *arena, *own; /* own[j]: job j's bytes while jobs before it are not done */
+    size_t *at, tstart;   /* tstart, tchanged: the tensor being committed */
+    const unsigned char *edge;
+    unsigned char *done;  /* 1: in own[j]; 2: written in the arena */
+    int64_t njobs, cursor, tchanged; /* cursor: the first job not in the arena (under mu) */
+    int stop;              /* a job failed or the arena could not grow: commit no more */
+    int nspare, maxspare;  /* committed buffers kept for the next early job (under mu), as */
+    rp_obuf spare[RP_MAX_THREADS]; /* many as other workers: pages touched once, not per job */
+    pthread_mutex_t mu;
+} arena_ctx;
+
+/* Every finished job at the cursor into the arena, in order (mu held). */
+static void commit_ready(arena_ctx *x) {
+    while (!x->stop && x->cursor < x->njobs && x->done[x->cursor]) {
+        int64_t j = x->cursor;
+        rp_obuf *o = &x->own[j];
+        if (x->jobs[j].rc) { x->stop = 1; break; }
+        if (x->done[j] == 1) {
+            if (o->len && rp_obuf_reserve(x->arena, o->len)) {
+                x->jobs[j].rc = RP_ENOMEM;
+                x->jobs[j].err = "out of memory";
+                x->stop = 1;
+                break;
+            }
+            x->at[j] = x->arena->len;
+            if (o->len) memcpy(x->arena->b + x->arena->len, o->b, o->len);
+            x->arena->len += o->len;
+            o->len = 0;
+            if (x->nspare < x->maxspare) x->spare[x->nspare++] = *o;
+            else rp_obuf_free(o);
+            memset(o, 0, sizeof *o);
+        }
+        if (x->edge[j] & RP_JOB_FIRST) {
+            x->tstart = x->at[j];
+            x->tchanged = 0;
+        }
+        x->tchanged += x->jobs[j].changed;
+        if ((x->edge[j] & RP_JOB_LAST) && !x->tchanged) x->arena->len = x->tstart;
+        x->cursor++;
+    }
+}
+
+static void arena_one(void *c, int64_t j, int worker) {
+    arena_ctx *x = c;
+    rp_enc_job *b = &x->jobs[j];
+    pthread_mutex_lock(&x->mu);
+    /* the cursor stays at j until j is done: nothing else touches the arena meanwhile */
+    int direct = !x->stop && j == x->cursor;
+    if (direct) x->at[j] = x->arena->len;
+    else if (x->nspare) x->own[j] = x->spare[--x->nspare];
+    pthread_mutex_unlock(&x->mu);
+    b->changed = 0;
+    b->sd[0] = b->sd[1] = 0;
+    b->err = NULL;
+    b->out = direct ? x->arena : &x->own[j];
+    b->rc = rp_encode_range_append(b->k, b->old, b->new_, b->nbytes, b->n, b->c0, b->c1, b->out,
+                                   &b->changed, b->sd, x->ws[worker], &b->err);
+    pthread_mutex_lock(&x->mu);
+    x->done[j] = direct ? 2 : 1;
+    commit_ready(x);
+    pthread_mutex_unlock(&x->mu);
+}
+
+int rp_encode_jobs_arena(rp_enc_job *jobs, int64_t njobs, int nthreads, rp_obuf *arena,
+                         const unsigned char *edge, size_t *at, int64_t *failed,
+                         const char **err) {
+    int nt = nthreads < 1 ? 1 : nthreads > RP_MAX_THREADS ? RP_MAX_THREADS : nthreads;
+    rp_encws *ws[RP_MAX_THREADS] = {0};
+    arena_ctx x = {.jobs = jobs, .ws = ws, .arena = arena, .at = at, .edge = edge,
+                   .own = calloc(njobs + 1, sizeof(rp_obuf)), .done = calloc(njobs + 1, 1),
+                   .njobs = njobs, .maxspare = nt - 1, .mu = PTHREAD_MUTEX_INITIALIZER};
+    int rc = RP_OK;
+    *failed = -1;
+    for (int i = 0; i < nt && x.own && x.done; i++)
+        if (!(ws[i] = rp_ws_new())) break;
+    if (!x.own || !x.done || !ws[nt - 1]) {
+        *err = "out of memory";
+        rc = RP_ENOMEM;
+    } else {
+        rp_run(nt, njobs, arena_one, &x);
+        for (int64_t j = 0; j < njobs && rc == RP_OK; j++)
+            if (jobs[j].rc) {
+                *failed = j;
+                *err = jobs[j].err ? jobs[j].err : "native codec error";
+                rc = jobs[j].rc;
+            }
+    }
+    for (int i = 0; i < nt; i++) rp_ws_delete(ws[i]);
+    for (int64_t j = 0; x.own && j < njobs; j++) rp_obuf_free(&x.own[j]);
+    for (int i = 0; i < x.nspare; i++) rp_obuf_free(&x.spare[i]);
+    free(x.own);
+    free(x.done);
+    pthread_mutex_destroy(&x.mu);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ decode + apply */
 
 void rp_dec_jobs_undo(rp_dec_job *jobs, int64_t njobs) {

@@ -165,6 +165,19 @@ typedef struct {
 int rp_encode_jobs(rp_enc_job *jobs, int64_t njobs, int nthreads, int64_t *failed,
                    const char **err);
 
+/* rp_encode_jobs whose results are laid out in job order in one buffer, `arena` (the jobs'
+ * `out` is ignored): a job that starts when every job before it is in the arena writes there
+ * directly; one that finishes early waits in a buffer of its own and is copied in as soon as
+ * the jobs before it are, so the early results are all that is held besides the arena. at[j]:
+ * where job j's bytes start. A tensor's jobs are consecutive, edge[j] marks its first and last
+ * (RP_JOB_FIRST, RP_JOB_LAST); a tensor with no change leaves no bytes (its chunks' empty
+ * bodies are taken back out). Run the jobs in the order the arena wants (no largest first). */
+#define RP_JOB_FIRST 1
+#define RP_JOB_LAST 2
+int rp_encode_jobs_arena(rp_enc_job *jobs, int64_t njobs, int nthreads, rp_obuf *arena,
+                         const unsigned char *edge, size_t *at, int64_t *failed,
+                         const char **err);
+
 typedef struct {
     const rp_kind *k;                /* in: as rp_decode_apply_chunks */
     uint8_t *data;

@@ -146,6 +146,27 @@ class CtxGolombV2:
         )
         return [(memoryview(buf), k, (d0, d1)) for buf, k, d0, d1 in got]
 
+    def encode_dense_arena(
+        self, pairs: list[tuple[Tensor, Tensor]]
+    ) -> tuple[Any, list[tuple[memoryview, int, tuple[int, int]]]]:
+        """:meth:`encode_dense_many`, every payload a view into one native buffer (the
+        arena, returned first) that holds them in pair order and nothing else
+        (``core.encode_view_arena``: the jobs run in that order, results committed as the jobs
+        before them finish). Pairs in the container's order: the arena is the container's
+        payload section, copied out whole (:func:`rollpatch.patch.wire.assemble`). A core
+        without it: (None, :meth:`encode_dense_many`)."""
+        core = native.require()
+        fn = getattr(core, "encode_view_arena", None)
+        if fn is None:
+            return None, self.encode_dense_many(pairs)
+        arena, got = fn(
+            [(native.kind_tuple(t.kind, t.n_elements), t.data, u.data) for t, u in pairs],
+            threads(),
+            JOBS_PER_THREAD,
+        )
+        mv = memoryview(arena)
+        return arena, [(mv[o : o + n], k, (d0, d1)) for o, n, k, d0, d1 in got]
+
     def encode_dense_changes(
         self, base: Tensor, target: Tensor
     ) -> tuple[bytes, tuple[int, int], np.ndarray, np.ndarray, np.ndarray]:

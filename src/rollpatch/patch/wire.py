@@ -115,6 +115,10 @@ def encode_views(a: View, b: View, *, meta: dict[str, str] | None = None) -> byt
 
     No decoded patch is built: memory beyond the two views is the patch plus one chunk's
     records per thread (and one XOR temporary for dense tensors, which may ship as XOR+zstd).
+    The payloads are coded into one native buffer in name order, which becomes the patch's
+    payload section (copied out whole, its pages given back as the patch fills), so the
+    payloads and the patch are not both held; a full tensor or an XOR+zstd payload makes the
+    patch be joined from separate payloads instead.
     """
     return _encode_views(a, b, meta, keep=False)[0]
 
@@ -139,10 +143,13 @@ def _encode_views(
     native.require()
     codec = CtxGolombV2()
     names = sorted(set(a) | set(b))
-    same = [n for n in a if n in b and same_layout(a[n], b[n])]
+    same = sorted(n for n in a if n in b and same_layout(a[n], b[n]))
     dense = {}  # every tensor's chunk ranges at once, on the core's T threads
+    arena = None  # their payloads, in name order, in one native buffer (views of it in dense)
     if not keep:
-        dense = dict(zip(same, codec.encode_dense_many([(a[n], b[n]) for n in same])))
+        arena, coded = codec.encode_dense_arena([(a[n], b[n]) for n in same])
+        dense = dict(zip(same, coded))
+        del coded
     light = _light(a, b, dense, codec.codec_id)
 
     def one(name: str) -> tuple[dict[str, Any], bytes | memoryview, TensorPatch | None] | None:
@@ -209,13 +216,29 @@ def _encode_views(
     parts = [(e, p) for e, p, _ in done]
     tensors = {tp.name: tp for _, _, tp in done if tp is not None}
     del done  # parts holds the only references to the payloads: assemble releases each
-    blob = assemble(a.digest(), b.digest(), meta or {}, "rp.sum128.v1", parts, VERSION)
+    # the arena is the payload section when every payload shipped is its bytes, all of them
+    # (no full tensor, no XOR+zstd alternative taken): then it is copied out whole
+    whole = [arena] if arena is not None and _is_arena(parts, arena) else None
+    del arena
+    blob = assemble(a.digest(), b.digest(), meta or {}, "rp.sum128.v1", parts, VERSION, whole)
     if not keep:
         return blob, None
     return blob, Patch(a.digest(), b.digest(), tensors, meta=dict(meta or {}))
 
 
 _Part = tuple[dict[str, Any], bytes | memoryview, TensorPatch | None]
+
+
+def _is_arena(parts: list[tuple[dict[str, Any], bytes | memoryview]], arena: Any) -> bool:
+    """Whether the parts' payloads, in order, are exactly ``arena``'s bytes: each non-empty
+    one a view of it (the views partition it, in the parts' order) and together all of it."""
+    total = 0
+    for _, p in parts:
+        if len(p):
+            if not isinstance(p, memoryview) or p.obj is not arena:
+                return False
+            total += len(p)
+    return total == len(arena)
 
 
 def _light(
@@ -293,19 +316,17 @@ def assemble(
     digest: str,
     parts: list[tuple[dict[str, Any], bytes | memoryview]],
     version: int,
+    arena: list[Any] | None = None,
 ) -> bytes:
     """The container (§1-§2) around per-tensor (entry, payload) parts in name order.
 
     Consumes ``parts`` (cleared): the patch is built while the payloads are released, so
-    the payloads and the patch are never both held whole.
+    the payloads and the patch are never both held whole. ``arena``: a list holding one
+    native buffer whose bytes are exactly the payloads in order (the parts' payloads are views
+    of it: :func:`encode_views`); it is taken out of the list and, once the views are
+    released, copied out whole with its pages given back as they are copied.
     """
-    entries, offset = [], 0
-    for e, payload in parts:
-        e.update(
-            {"offset": offset, "length": len(payload), "b3": blake3.blake3(payload).hexdigest()}
-        )
-        entries.append(e)
-        offset += len(payload)
+    entries, offset = _entries(parts)
     header: dict[str, Any] = {"format": "rollpatch.patch", "version": version}
     if version >= 2:
         header["digest"] = digest
@@ -315,12 +336,31 @@ def assemble(
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
     packed = _header_compressor().compress(raw)
     prefix = _PREFIX.pack(MAGIC, version, FLAG_ZSTD_HEADER, len(packed)) + packed
-    pieces: list[Any] = [prefix, _b3(prefix), *(p for _, p in parts)]
-    parts.clear()  # the pieces list holds the only references to the payloads now
+    if arena:
+        parts.clear()  # the views of the arena released: the pieces list holds it alone
+        pieces: list[Any] = [prefix, _b3(prefix), arena.pop()]
+    else:
+        pieces = [prefix, _b3(prefix), *(p for _, p in parts)]
+        parts.clear()  # the pieces list holds the only references to the payloads now
     if native.core is not None:  # each payload freed as soon as it is copied
         out: bytes = native.core.join_release(pieces)
         return out
     return b"".join(pieces)
+
+
+def _entries(
+    parts: list[tuple[dict[str, Any], bytes | memoryview]],
+) -> tuple[list[dict[str, Any]], int]:
+    """The parts' entries completed with offset, length and checksum, and the payload bytes
+    (no payload is left referenced here)."""
+    entries, offset = [], 0
+    for e, payload in parts:
+        e.update(
+            {"offset": offset, "length": len(payload), "b3": blake3.blake3(payload).hexdigest()}
+        )
+        entries.append(e)
+        offset += len(payload)
+    return entries, offset
 
 
 #: Entries per ``encode`` call of :func:`_header_json`.

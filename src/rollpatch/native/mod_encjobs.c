@@ -98,29 +98,60 @@ static int64_t job_step(int64_t nch, int threads, int per) {
     return s > 2 ? s : 2;
 }
 
+/* The arguments shared by encode_view and encode_view_arena: (pairs, threads, per_thread)
+ * parsed and checked, and the per-pair arrays (first: n + 2 entries). On failure (-1, an
+ * exception set) and after use, pairs_close releases whatever was taken. */
+typedef struct {
+    Py_ssize_t n;
+    int nthreads, per;
+    Py_buffer *bufs;
+    rp_kind *kinds;
+    int64_t *nel, *first;
+} pairs_t;
+
+static int pairs_open(PyObject *args, pairs_t *p) {
+    PyObject *pl;
+    memset(p, 0, sizeof *p);
+    if (!PyArg_ParseTuple(args, "O!ii", &PyList_Type, &pl, &p->nthreads, &p->per)) return -1;
+    if (p->nthreads < 1 || p->per < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads and jobs per thread must be positive");
+        return -1;
+    }
+    p->n = PyList_GET_SIZE(pl);
+    p->bufs = calloc(2 * p->n + 1, sizeof *p->bufs);
+    p->kinds = calloc(p->n + 1, sizeof *p->kinds);
+    p->nel = calloc(p->n + 1, sizeof *p->nel);
+    p->first = calloc(p->n + 2, sizeof *p->first);
+    if (!p->bufs || !p->kinds || !p->nel || !p->first) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return parse_pairs(pl, p->bufs, p->kinds, p->nel) ? -1 : 0;
+}
+
+static void pairs_close(pairs_t *p) {
+    for (Py_ssize_t i = 0; p->bufs && i < 2 * p->n; i++) PyBuffer_Release(&p->bufs[i]);
+    free(p->bufs); free(p->kinds); free(p->nel); free(p->first);
+}
+
 /* encode_view(pairs, threads, per_thread) -> [(Buf, changed, sd0, sd1)] per pair: the jobs
  * codec_v2.encode_dense_many cut in Python (each tensor in ranges of job_step chunks, largest
  * job first) cut, run and each tensor's ranges joined in order into one payload here: the
  * same bytes and results, without ~5 us of Python per tensor and per job. */
 PyObject *py_encode_view(PyObject *self, PyObject *args) {
-    PyObject *pl, *res = NULL;
-    int nthreads, per;
-    if (!PyArg_ParseTuple(args, "O!ii", &PyList_Type, &pl, &nthreads, &per)) return NULL;
-    if (nthreads < 1 || per < 1) {
-        PyErr_SetString(PyExc_ValueError, "threads and jobs per thread must be positive");
-        return NULL;
-    }
-    Py_ssize_t np_ = PyList_GET_SIZE(pl), nj = 0;
-    Py_buffer *bufs = calloc(2 * np_ + 1, sizeof *bufs);
-    rp_kind *kinds = calloc(np_ + 1, sizeof *kinds);
-    int64_t *nel = calloc(np_ + 1, sizeof *nel);
-    int64_t *first = calloc(np_ + 1, sizeof *first); /* each pair's first job, in job order */
+    PyObject *res = NULL;
+    pairs_t pa;
+    Py_ssize_t nj = 0;
     view_job *vj = NULL;
     Py_ssize_t *at = NULL; /* job order -> sorted place */
     rp_enc_job *jobs = NULL;
     BufObject **outs = NULL;
-    if (!bufs || !kinds || !nel || !first) { PyErr_NoMemory(); goto out; }
-    if (parse_pairs(pl, bufs, kinds, nel)) goto out;
+    if (pairs_open(args, &pa)) goto out;
+    const Py_ssize_t np_ = pa.n;
+    const int nthreads = pa.nthreads, per = pa.per;
+    Py_buffer *const bufs = pa.bufs;
+    rp_kind *const kinds = pa.kinds;
+    int64_t *const nel = pa.nel, *const first = pa.first; /* each pair's first job, in job order */
     for (Py_ssize_t i = 0; i < np_; i++) { /* chunk counts are bounded by the buffers' sizes */
         int64_t nch = (nel[i] + RP_CHUNK - 1) / RP_CHUNK, st = job_step(nch, nthreads, per);
         nj += (nch + st - 1) / st;
@@ -184,9 +215,9 @@ PyObject *py_encode_view(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(res, i, t);
     }
 out:
-    for (Py_ssize_t i = 0; bufs && i < 2 * np_; i++) PyBuffer_Release(&bufs[i]);
     for (Py_ssize_t q = 0; outs && q < nj; q++) Py_XDECREF(outs[q]);
-    free(bufs); free(kinds); free(nel); free(first); free(at); free(vj); free(jobs); free(outs);
+    pairs_close(&pa);
+    free(at); free(vj); free(jobs); free(outs);
     return res;
 }
 
@@ -196,25 +227,20 @@ out:
  * order), so a caller whose pairs are in the container's order ships the buffer whole. A pair
  * with no change has an empty payload (it ships none), not its chunks' empty bodies. */
 PyObject *py_encode_view_arena(PyObject *self, PyObject *args) {
-    PyObject *pl, *res = NULL, *lst = NULL;
-    int nthreads, per;
-    if (!PyArg_ParseTuple(args, "O!ii", &PyList_Type, &pl, &nthreads, &per)) return NULL;
-    if (nthreads < 1 || per < 1) {
-        PyErr_SetString(PyExc_ValueError, "threads and jobs per thread must be positive");
-        return NULL;
-    }
-    Py_ssize_t np_ = PyList_GET_SIZE(pl), nj = 0;
-    Py_buffer *bufs = calloc(2 * np_ + 1, sizeof *bufs);
-    rp_kind *kinds = calloc(np_ + 1, sizeof *kinds);
-    int64_t *nel = calloc(np_ + 1, sizeof *nel);
-    int64_t *first = calloc(np_ + 2, sizeof *first); /* pair i's jobs: [first[i], first[i+1]) */
+    PyObject *res = NULL, *lst = NULL;
+    pairs_t pa;
+    Py_ssize_t nj = 0;
     rp_enc_job *jobs = NULL;
     size_t *at = NULL;
     unsigned char *edge = NULL;
-    BufObject *arena = buf_new();
-    if (!arena) goto out;
-    if (!bufs || !kinds || !nel || !first) { PyErr_NoMemory(); goto out; }
-    if (parse_pairs(pl, bufs, kinds, nel)) goto out;
+    BufObject *arena = NULL;
+    if (pairs_open(args, &pa)) goto out;
+    if (!(arena = buf_new())) goto out;
+    const Py_ssize_t np_ = pa.n;
+    const int nthreads = pa.nthreads, per = pa.per;
+    Py_buffer *const bufs = pa.bufs;
+    rp_kind *const kinds = pa.kinds;
+    int64_t *const nel = pa.nel, *const first = pa.first; /* pair i's jobs: [first[i], first[i+1]) */
     for (Py_ssize_t i = 0; i < np_; i++) { /* chunk counts are bounded by the buffers' sizes */
         int64_t nch = (nel[i] + RP_CHUNK - 1) / RP_CHUNK, st = job_step(nch, nthreads, per);
         first[i] = nj;
@@ -265,8 +291,8 @@ PyObject *py_encode_view_arena(PyObject *self, PyObject *args) {
     }
     if (lst) res = Py_BuildValue("(ON)", (PyObject *)arena, lst);
 out:
-    for (Py_ssize_t i = 0; bufs && i < 2 * np_; i++) PyBuffer_Release(&bufs[i]);
     Py_XDECREF(arena);
-    free(bufs); free(kinds); free(nel); free(first); free(jobs); free(at); free(edge);
+    pairs_close(&pa);
+    free(jobs); free(at); free(edge);
     return res;
 }

@@ -46,9 +46,9 @@ def test_big_view_path_runs_in_place_with_repeats(
 ) -> None:
     # the path for views too large for a third copy (in place, the inverse patch puts the base
     # back; memcpy into reused per-thread buffers), here at 20M with --big-repeats 2
-    import codec
+    import _codec_transition
 
-    monkeypatch.setattr(codec, "ONE_RUN_ABOVE", 0)
+    monkeypatch.setattr(_codec_transition, "ONE_RUN_ABOVE", 0)
     out = tmp_path / "codec.json"
     args = ["--sizes", "20M", "--lrs", "1e-5", "--steps", "1", "--big-repeats", "2"]
     args += ["--threads", "2", "--formats", "bf16", "--numpy-max", "0", "--json", str(out)]

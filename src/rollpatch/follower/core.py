@@ -193,9 +193,7 @@ class Follower:
                 have,
                 e,
             )
-            with self._cond:
-                self._version = None
-                self._rec.counts["reboots"] += 1
+            self._forget_version()
             return self._run_plan(None, want)
         except BaseException:
             self._confirm(have)  # the catch-up failed; the engine still holds ``have``
@@ -221,15 +219,19 @@ class Follower:
                 self.run,
                 v,
             )
-            with self._cond:
-                self._version = None
-                self._rec.counts["reboots"] += 1
+            self._forget_version()
             return None
         with self._cond:
             if self._version is not None:
                 self._version = v
                 self._cond.notify_all()
         return v
+
+    def _forget_version(self) -> None:
+        """The engine's bits are not what it claims: no version until a keyframe boots it."""
+        with self._cond:
+            self._version = None
+            self._rec.counts["reboots"] += 1
 
     def _confirm(self, have: int | None) -> None:
         """Report ``have`` as the version if the engine still verifiably holds it."""

@@ -6,8 +6,9 @@ The follower's version is only ever one the engine holds *and* that the follower
 against the board (engine digest == manifest target), so a failed fetch, decode or apply can
 never advance it: the next pass plans again from what the engine verifiably holds.
 
-Here: the state machine, verification of what the engine holds, the commit and one poll.
-Beside it: :mod:`.stage` (a plan's objects → one staged commit), :mod:`.record` (state,
+Here: the state machine, the commit and one poll. Beside it: :mod:`.held` (the verified
+version: what the engine holds, checked against the board),
+:mod:`.stage` (a plan's objects → one staged commit), :mod:`.record` (state,
 counters, timings), :mod:`.watch` (the background thread), :mod:`.fetch`, :mod:`.commit` (the
 gate), :mod:`.audit`; planning around corrupt objects is :mod:`rollpatch.avoid`'s.
 """
@@ -41,6 +42,7 @@ from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
+from .held import Held
 from .record import PastWanted, Record
 from .stage import EarlyDecode, anchor_evidence, check_size, refused_hop, stage_plan
 from .watch import LatestHint, WakeEvent, Watcher
@@ -88,11 +90,11 @@ class Follower:
         #: The plan of the most recent sync that planned (for reports such as ``pull``).
         self.last_plan: Plan | None = None
         self._rec = Record()
-        self._cond = self._rec.cond  # also guards _version
+        self._cond = self._rec.cond
         self._sync_lock = threading.Lock()
         self._abort = threading.Event()  # interrupts retry sleeps while stopping
         self._wake = WakeEvent()  # polls LATEST now (ends a long-poll in progress)
-        self._version: int | None = None
+        self._held = Held(engine, self._rec, self._manifest, self.run)
         self._retrier = Retrier(self.config, self._abort, self._on_retry)
         self._fetchers = FetchPool(self.config.fetch_workers)  # reused from sync to sync
         self._watcher = Watcher(
@@ -115,8 +117,7 @@ class Follower:
     @property
     def version(self) -> int | None:
         """The version the engine holds and the follower verified (None: unknown)."""
-        v = self._version
-        return v if v is not None and self.engine.version == v else None
+        return self._held.version
 
     def status(self) -> FollowerStatus:
         """A consistent snapshot of state, versions, counters and timings."""
@@ -129,15 +130,8 @@ class Follower:
         Wakes the background loop to poll LATEST at once; without it (no :meth:`start`),
         another thread must be calling :meth:`sync`.
         """
-        deadline = time.monotonic() + timeout
         self._wake.set()
-        with self._cond:
-            while (v := self.version) is None or v < version:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, 0.1))  # engine.version may change without us
-            return True
+        return self._held.wait_for(version, timeout)
 
     # -- synchronous catch-up ------------------------------------------------------------------
 
@@ -173,9 +167,9 @@ class Follower:
             want = self._read_latest()
             if want is None:
                 raise VersionNotFoundError("nothing is published on this run yet", run=self.run)
-        have = self._verified_have()
+        have = self._held.verified_have()
         if have is not None and have >= want:
-            self._confirm(have)
+            self._held.confirm(have)
             if have > want:
                 raise PastWanted(have, want, self.run)
             return want
@@ -193,58 +187,11 @@ class Follower:
                 have,
                 e,
             )
-            self._forget_version()
+            self._held.forget()
             return self._run_plan(None, want)
         except BaseException:
-            self._confirm(have)  # the catch-up failed; the engine still holds ``have``
+            self._held.confirm(have)  # the catch-up failed; the engine still holds ``have``
             raise
-
-    def _verified_have(self) -> int | None:
-        """The engine's version if its digest is that version's target on this board.
-
-        Not yet reported as the follower's version when nothing was (an engine that booted
-        from an older checkpoint, an elastic join): it becomes ready once caught up, or on
-        ``have`` if the catch-up fails (:meth:`_confirm`).
-        """
-        v, digest = self.engine.version, self.engine.digest
-        if v is None or digest is None:
-            return None
-        try:
-            m = self._manifest(v)
-        except VersionNotFoundError:
-            return None
-        if digest != m.target:
-            log.warning(
-                "%s: engine claims version %d but holds other bits; booting from a keyframe",
-                self.run,
-                v,
-            )
-            self._forget_version()
-            return None
-        with self._cond:
-            if self._version is not None:
-                self._version = v
-                self._cond.notify_all()
-        return v
-
-    def _forget_version(self) -> None:
-        """The engine's bits are not what it claims: no version until a keyframe boots it."""
-        with self._cond:
-            self._version = None
-            self._rec.counts["reboots"] += 1
-
-    def _confirm(self, have: int | None) -> None:
-        """Report ``have`` as the version if the engine still verifiably holds it."""
-        if have is None or self.engine.version != have:
-            return
-        try:
-            ok = self.engine.digest == self._manifest(have).target
-        except RollpatchError:
-            return
-        if ok:
-            with self._cond:
-                self._version = have
-                self._cond.notify_all()
 
     def _run_plan(
         self, have: int | None, want: int, avoid: frozenset[str] = frozenset(), rewind: bool = True
@@ -311,17 +258,14 @@ class Follower:
         def run() -> None:
             write()
             if self.engine.version != want or self.engine.digest != m.target:
-                with self._cond:
-                    self._version = before if self.engine.version == before else None
+                self._held.keep_if_held(before)
                 raise VerificationError(
                     "engine does not hold the target digest after the commit",
                     run=self.run,
                     version=want,
                     engine=self.engine.name,
                 )
-            with self._cond:
-                self._version = want
-                self._cond.notify_all()
+            self._held.set(want)
 
         self.gate.run(run)
         pause_s = self.gate.last_pause_s or 0.0
@@ -337,10 +281,7 @@ class Follower:
 
     def _on_audit_mismatch(self, report: AuditReport) -> None:
         """Live words differ from the held version: not ready, re-sync from a keyframe."""
-        with self._cond:
-            self._version = None
-            self._rec.counts["audits"] += 1
-            self._cond.notify_all()
+        self._held.drop("audits")
         self._wake.set()
 
     # -- board reads ---------------------------------------------------------------------------

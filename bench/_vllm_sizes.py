@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import log, table
-from _vllm_report import _med, _ms, one_behind
+from _vllm_catchup_table import _med, _ms, one_behind
 from _vllm_server import BenchError
 
 #: (path key in the JSON, label, its full-reload baseline key).

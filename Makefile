@@ -92,7 +92,7 @@ LIVE_TESTS := $(LIVE_VLLM_TESTS) $(LIVE_SGLANG_TESTS) $(LIVE_SGLANG_TP_TESTS)
 PROCS_TESTS := tests/test_demo.py tests/test_hardening_campaigns.py tests/test_fuzz_native.py \
 	tests/test_crash.py tests/test_store_concurrency.py tests/test_trust_sidecar.py
 SOAK_TESTS := $(sort $(wildcard tests/test_publisher_sharded*.py)) tests/test_sim.py \
-	tests/test_native.py tests/test_hardening_serving.py tests/test_soak.py
+	tests/test_native.py tests/test_native_isa.py tests/test_hardening_serving.py tests/test_soak.py
 
 test:
 	@echo "== set-up, then lint and the live tests (vLLM; SGLang; SGLang at TP 2), the process tests (demos, campaigns), the soak (with the longest modules) and the other tests, each as soon as what it needs is built (each reports when done)"

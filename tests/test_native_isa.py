@@ -97,3 +97,32 @@ def test_every_isa_level_encodes_the_same_bytes(isa_level: str, kind_name: str) 
             Tensor(kind, (b.size,), b.astype(kind.word_dtype)),
             reuse_reference=True,
         )
+
+
+@pytest.mark.parametrize("isa_level", LEVELS, indirect=True)
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str) -> None:
+    """``core.diff`` (rp_diff.c) at each level forced: numpy's positions of the elements that
+    differ, over whole tensors and sub-ranges that start and end anywhere (odd 4-bit codes, a
+    range shorter than one 64-byte step), at densities from none to every element, and past
+    the output's first guess (one pass, grown per 2^20 elements)."""
+    core = native.core
+    assert core is not None
+    kind = KINDS[kind_name]
+    rng = np.random.default_rng(len(kind_name) * 11 + len(isa_level))
+    for n, density in ((1, 1.0), (300, 0.0), (1001, 0.5), (70_001, 0.97), ((1 << 20) + 333, 0.06)):
+        words = max(n // 2 if kind.packed else n, 1)
+        a = _words(rng, kind_name, words)
+        b = _perturb(rng, kind_name, a, density).astype(kind.word_dtype)
+        t, u = Tensor(kind, (a.size,), a), Tensor(kind, (b.size,), b)
+        ea, eb = t.elements(), u.elements()
+        kt = native.kind_tuple(kind, t.n_elements)
+        m = t.n_elements
+        for start, count in ((0, m), (1, m - 1), (m // 3, m // 3 + 1), (m - 1, 1), (5, 0)):
+            if start + count > m or start < 0:
+                continue
+            got = np.frombuffer(core.diff(kt, t.data, u.data, start, count), np.int64)
+            want = start + np.flatnonzero(ea[start : start + count] != eb[start : start + count])
+            assert np.array_equal(got, want), (n, density, start, count)
+        with pytest.raises(ValueError):
+            core.diff(kt, t.data, u.data, 0, m + 1)

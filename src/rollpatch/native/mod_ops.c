@@ -176,20 +176,28 @@ PyObject *py_diff(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "bad diff range");
         goto out;
     }
+    /* one pass in ranges of 2^20 elements, straight into the bytes returned, grown before each
+     * range so that its positions fit (its worst case): no second pass when the first guess
+     * was short, no copy at the end (a resize in place) */
+    const int64_t range = (int64_t)1 << 20;
     int64_t cap = n / 32 + 1024, found = 0;
-    int64_t *pos = NULL;
-    for (;;) {
-        int64_t *np_ = realloc(pos, (size_t)cap * 8);
-        if (!np_) { free(pos); PyErr_NoMemory(); goto out; }
-        pos = np_;
+    res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap * 8);
+    if (!res) goto out;
+    for (int64_t s = start; s < start + n; s += range) {
+        int64_t len = start + n - s < range ? start + n - s : range, got = 0;
+        if (found + len > cap) {
+            int64_t want = cap * 2 > found + len ? cap * 2 : found + len;
+            want = want < n ? want : n;
+            if (_PyBytes_Resize(&res, (Py_ssize_t)want * 8)) goto out; /* res is NULL */
+            cap = want;
+        }
+        int64_t *pos = (int64_t *)PyBytes_AS_STRING(res) + found;
         Py_BEGIN_ALLOW_THREADS
-        rp_diff(&k, a.buf, b.buf, start, n, pos, cap, &found);
+        rp_diff(&k, a.buf, b.buf, s, len, pos, cap - found, &got);
         Py_END_ALLOW_THREADS
-        if (found <= cap) break;
-        cap = found;
+        found += got;
     }
-    res = PyBytes_FromStringAndSize((const char *)pos, (Py_ssize_t)found * 8);
-    free(pos);
+    if (found < cap) _PyBytes_Resize(&res, (Py_ssize_t)found * 8); /* NULL on failure */
 out:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);

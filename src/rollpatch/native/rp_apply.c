@@ -1,8 +1,8 @@
-/* rollpatch native core: gather, apply, diff and compose of sparse changes, and the
- * rp.sum128 digest (docs/patch-format.md §7). */
+/* rollpatch native core: gather, apply and compose of sparse changes (diff: rp_diff.c), and
+ * the rp.sum128 digest (docs/patch-format.md §7). */
 #include "rp_internal.h"
 
-/* ------------------------------------------------------------------ gather / apply / diff */
+/* ------------------------------------------------------------------ gather / apply */
 
 int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_t *pos,
               int64_t count, void *out, int ow, const char **err) {
@@ -178,31 +178,6 @@ int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos
     }
     delta[0] += d0;
     delta[1] += d1;
-    return RP_OK;
-}
-
-int rp_diff(const rp_kind *kd, const uint8_t *a, const uint8_t *b, int64_t start, int64_t n,
-            int64_t *pos, int64_t cap, int64_t *found) {
-    int64_t f = 0;
-    if (kd->bits == 4) {
-        for (int64_t i = start; i < start + n; i++)
-            if (elem_get(a, 4, i) != elem_get(b, 4, i)) { if (f < cap) pos[f] = i; f++; }
-        *found = f;
-        return RP_OK;
-    }
-    size_t w = (size_t)kd->bits / 8, lo = (size_t)start * w, hi = (size_t)(start + n) * w;
-    size_t o = lo;
-    for (; o + 32 <= hi; o += 32) { /* skip equal 32-byte blocks fast */
-        uint64_t x[4], y[4];
-        memcpy(x, a + o, 32);
-        memcpy(y, b + o, 32);
-        if (((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0) continue;
-        for (size_t e = o; e < o + 32; e += w)
-            if (memcmp(a + e, b + e, w)) { if (f < cap) pos[f] = (int64_t)(e / w); f++; }
-    }
-    for (size_t e = o; e < hi; e += w)
-        if (memcmp(a + e, b + e, w)) { if (f < cap) pos[f] = (int64_t)(e / w); f++; }
-    *found = f;
     return RP_OK;
 }
 

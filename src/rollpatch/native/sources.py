@@ -14,6 +14,7 @@ CORE = (
     "rp_group",
     "rp_isa",
     "rp_apply",
+    "rp_diff",
     "rp_cast",
     "rp_pool",
     "rp_view",

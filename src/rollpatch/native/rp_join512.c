@@ -7,24 +7,16 @@
  *    permute for 16-bit words) into an L1 buffer, and the counts of the window's 16 contexts
  *    (rp_join512.h: one-hot bytes, an 8x8 bit transpose per 8 elements by GF2P8AFFINEQB,
  *    byte popcounts, one byte transpose and VPSADBW: ~40 vector instructions per block for
- *    all 16), kept per block: no branch on the data, no wait on a block's changes.
- * 2. Where the step before found few changes (< 4 per block), which blocks hold a changed
- *    rank of which slot: a slot whose next rank lies in the step (one 16-lane compare) takes
- *    its ranks there 16 at a time, each one's block by a 4-step binary search (VPERMD) over
- *    the slot's counts at the blocks' ends; each (block, slot) is listed once, by a byte
- *    compress. The list is known before any block's positions are looked for, so no block
- *    waits on the one before (in the join of one block after the other, a block's hit test
- *    waited on the last hit's next rank: a load after a load, ~100 cycles per block with a
- *    change). Where the step before found many, block by block as that join did (a block's
- *    hit slots are then well predicted), from the counts of 1.
- * 3. A (block, slot)'s changes all at once, with no loop per changed rank: the slot's ranks
- *    are kept as a bitmap over its elements, and one PDEP per 64 elements deposits the
- *    bitmap's bits from the slot's count on into the slot's compare mask (a slot with at most
- *    64 elements in the block reads its bitmap's window once and shifts it by each 64's
- *    popcount).
- * 4. The step's changes in position order: each block's by a byte compress of its positions,
- *    then one loop over all of them; a change's context-order index is its context's running
- *    index.
+ *    all 16), each block's kept: no branch on the data, and the counts are off the chain of
+ *    2 (a block's test waits on the last hit's next rank, not on its own counts).
+ * 2. Block by block, the hit test: one unsigned compare of 16 lanes. A hit slot's changes in
+ *    the block are found all at once, with no loop per changed rank: its ranks are kept as a
+ *    bitmap over the slot's elements, and one PDEP per 64 elements deposits the bitmap's bits
+ *    from the slot's count on into the slot's compare mask (a slot with at most 64 elements
+ *    in the block reads its bitmap's window once and shifts it by each 64's popcount).
+ * 3. The step's changes in position order: each block with a change by a byte compress of its
+ *    positions, then one loop over them all; a change's context-order index is its context's
+ *    running index.
  * Slot r of the window is context lo + r (no slot table): contexts that are not listed never
  * reach their target (UINT32_MAX). */
 #include "rp_join512.h"
@@ -105,12 +97,8 @@ T512 static void join_outside(lane_t *l, const uint8_t *cb, __m512i lov, const u
     }
 }
 
-/* Blocks per step (rp_lane_group's 16); from DENSE changes per block in the step before, the
- * next one goes block by block (in-process A/B, BF16 100M: 2, 4 and 8 within noise). */
+/* Blocks per step (rp_lane_group's 16). */
 #define SB 16
-#ifndef DENSE
-#define DENSE 4
-#endif
 
 /* The AVX-512 join; returns -1 (nothing done) when out of memory: the caller joins another way. */
 RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, lane_t *l,
@@ -118,7 +106,6 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
     uint8_t cbuf[SB][JB] __attribute__((aligned(64)));
     uint32_t pc[SB + 1][WIN] __attribute__((aligned(64))); /* each slot's count before block i */
     uint8_t elist[SB * JB + 64], eblk[SB * JB + 64]; /* found positions: in block, block */
-    uint8_t pairs[SB * WIN + 16]; /* (block, slot) with a changed rank: block << 4 | slot */
     uint8_t listed[NCTX];
     uint32_t tgt[WIN] __attribute__((aligned(64)));
     uint32_t ctr[NCTX]; /* each context's next context-order index, in position order */
@@ -159,14 +146,10 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
         63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
         41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
         19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* lane r of the gather's index: pc[1 + i][0] + r for block i */
-    const __m512i col = _mm512_setr_epi32(16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192,
-                                          208, 224, 240, 256);
     __m512i cntv = _mm512_load_si512(pc[0]), tgtv = _mm512_load_si512(tgt);
     /* listed[] as four 64-byte tables, for the elements outside the window */
     __m512i lt[4];
     for (int t = 0; t < 4; t++) lt[t] = _mm512_loadu_si512(listed + 64 * t);
-    int nprev = 0; /* changes found in the step before */
     for (int64_t s0 = 0; s0 < n; s0 += SB * JB) {
         const int nb = n - s0 >= SB * JB ? SB : (int)((n - s0 + JB - 1) / JB);
         _mm512_store_si512(pc[0], cntv);
@@ -194,88 +177,28 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
             cntv = _mm512_add_epi32(cntv, slot_counts(rel));
             _mm512_store_si512(pc[i + 1], cntv);
         }
-        uint64_t bb[SB][JB / 64] __attribute__((aligned(64))); /* positions found */
-        memset(bb, 0, sizeof bb);
+        uint64_t bb[SB][JB / 64] __attribute__((aligned(64))); /* positions found (all set in 2) */
         uint32_t nz = 0; /* blocks with a change (maybe) */
-        if (nprev < DENSE * SB) {
-            /* 2: the slots whose next changed rank lies in these blocks; each one's ranks
-             * there (ascending, below its count at the end) to their blocks: the slot's
-             * counts at the blocks' ends as one vector, a binary search per 16 ranks; each
-             * (block, slot) with a change is listed once */
-            int np = 0;
-            uint32_t cand = _mm512_cmpgt_epu32_mask(cntv, tgtv);
-            const __mmask16 inb = (__mmask16)(nb == SB ? 0xFFFF : (1u << nb) - 1);
-            while (cand) {
-                const int r = __builtin_ctz(cand);
-                cand &= cand - 1;
-                const __m512i ends = _mm512_mask_i32gather_epi32(
-                    _mm512_set1_epi32(-1), inb, _mm512_add_epi32(col, _mm512_set1_epi32(r)), pc[0],
-                    4);
-                const __m512i ev = _mm512_set1_epi32((int)pc[nb][r]);
-                const __m512i rr = _mm512_set1_epi32(r);
-                const uint64_t er = endr[r];
-                uint64_t cu = cur[r];
-                __m512i prev = _mm512_set1_epi32(-1);
-                for (;;) { /* 16 ranks at a time: those below the count at the end are here */
-                    const uint64_t left = cu < er ? er - cu : 0;
-                    const __mmask16 ok = (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1);
-                    const __m512i gv = _mm512_maskz_loadu_epi32(ok, ranks + cu);
-                    const __mmask16 in = _mm512_mask_cmplt_epu32_mask(ok, gv, ev);
-                    __m512i bk = _mm512_setzero_si512(); /* its block: the ends <= it (< nb) */
-                    for (int st = 8; st; st >>= 1) {
-                        const __m512i at = _mm512_add_epi32(bk, _mm512_set1_epi32(st - 1));
-                        bk = _mm512_mask_add_epi32(
-                            bk, _mm512_cmple_epu32_mask(_mm512_permutexvar_epi32(at, ends), gv), bk,
-                            _mm512_set1_epi32(st));
-                    }
-                    /* each (block, slot) once: the blocks increase */
-                    const __mmask16 nw = _mm512_mask_cmpneq_epi32_mask(
-                        in, bk, _mm512_alignr_epi32(bk, prev, 15));
-                    const __m128i pb =
-                        _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_slli_epi32(bk, 4), rr));
-                    _mm_storeu_si128((__m128i *)(pairs + np), _mm_maskz_compress_epi8(nw, pb));
-                    np += __builtin_popcount(nw); /* SB * WIN at most (the ranks increase) */
-                    np = np < SB * WIN ? np : SB * WIN;          /* (never past pairs[]) */
-                    const unsigned k = (unsigned)__builtin_popcount(in);
-                    cu += k;
-                    prev = bk;
-                    if (k < 16) break;
-                }
+        /* 2: block by block, the slots whose next changed rank lies in the block (one 16-lane
+         * compare of the counts of 1), each one's changes at once, then its next rank */
+        for (int i = 0; i < nb; i++) {
+            uint32_t hit = _mm512_cmpgt_epu32_mask(_mm512_load_si512(pc[i + 1]), tgtv);
+            uint64_t bi[JB / 64] = {0};
+            while (hit) {
+                const int r = __builtin_ctz(hit);
+                hit &= hit - 1;
+                const uint32_t pre = pc[i][r];
+                const __m512i rv = _mm512_set1_epi8((char)(lo + r));
+                const uint64_t cu = cur[r] + slot_bits(cbuf[i], rv, sb.bm[r], sb.lim[r], pre,
+                                                       pc[i + 1][r] - pre, bi);
                 cur[r] = cu;
                 __builtin_prefetch(magc + (cu + 32) * mw);
-                const uint32_t g = cu < er ? ranks[cu] : UINT32_MAX;
+                const uint32_t g = cu < endr[r] ? ranks[cu] : UINT32_MAX;
                 tgt[r] = g;
                 tgtv = _mm512_mask_set1_epi32(tgtv, (__mmask16)(1u << r), (int)g);
             }
-            /* 3: each listed (block, slot)'s changes at once, into the blocks' position bits */
-            for (int q = 0; q < np; q++) {
-                const int i = pairs[q] >> 4, r = pairs[q] & 15;
-                const uint32_t pre = pc[i][r];
-                nz |= 1u << i;
-                slot_bits(cbuf[i], _mm512_set1_epi8((char)(lo + r)), sb.bm[r], sb.lim[r], pre,
-                          pc[i + 1][r] - pre, bb[i]);
-            }
-        } else { /* 2 and 3, many changes: block by block (its hit slots well predicted),
-                  * each hit slot's next rank after it */
-            for (int i = 0; i < nb; i++) {
-                uint32_t hit = _mm512_cmpgt_epu32_mask(_mm512_load_si512(pc[i + 1]), tgtv);
-                uint64_t bi[JB / 64] = {0};
-                while (hit) {
-                    const int r = __builtin_ctz(hit);
-                    hit &= hit - 1;
-                    const uint32_t pre = pc[i][r];
-                    const __m512i rv = _mm512_set1_epi8((char)(lo + r));
-                    const uint64_t cu = cur[r] + slot_bits(cbuf[i], rv, sb.bm[r], sb.lim[r], pre,
-                                                           pc[i + 1][r] - pre, bi);
-                    cur[r] = cu;
-                    __builtin_prefetch(magc + (cu + 32) * mw);
-                    const uint32_t g = cu < endr[r] ? ranks[cu] : UINT32_MAX;
-                    tgt[r] = g;
-                    tgtv = _mm512_mask_set1_epi32(tgtv, (__mmask16)(1u << r), (int)g);
-                }
-                for (int v = 0; v < JB / 64; v++) bb[i][v] = bi[v];
-                nz |= (uint32_t)((bi[0] | bi[1] | bi[2] | bi[3]) != 0) << i;
-            }
+            for (int v = 0; v < JB / 64; v++) bb[i][v] = bi[v];
+            nz |= (uint32_t)((bi[0] | bi[1] | bi[2] | bi[3]) != 0) << i;
         }
         if (__builtin_expect(outside, 0)) /* listed contexts outside the window */
             for (int i = 0; i < nb; i++) {
@@ -326,7 +249,6 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
                 }
             }
             l->emitted = em + ne;
-            nprev = ne;
         }
         if (nb == SB) rp_lane_group(kd, l, start, n - s0 < SB * JB ? n : s0 + SB * JB, 0);
     }

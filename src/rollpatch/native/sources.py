@@ -31,4 +31,5 @@ INTERNAL_HEADERS = (
     "rp_lane.h",
     "rp_unary.h",
     "rp_bseq.h",
+    "rp_join512.h",
 )  # static inline helpers

@@ -15,6 +15,7 @@
  * few changes take each change on its own, as the AVX2 pass does. The records, and so the
  * bytes, are those of the other passes (tests and the fuzz harness compare them). */
 #include "rp_internal.h"
+#include "rp_count512.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define T512                                                                                 \
@@ -277,14 +278,12 @@ pass512(const int bits, const rp_kind *kd, const uint8_t *old, const uint8_t *ne
                 }
                 bcs[t] = acc - cnt[t];
             }
-        } else {
-            for (int t = 0; t < nvc; t++) {
-                __m512i bc = _mm512_set1_epi8((char)vc[t]);
-                uint32_t acc = 0;
-                for (int v = 0; v < JB / 64; v++)
-                    acc += (uint32_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(_mm512_load_si512(cbz + v), bc));
-                bcs[t] = acc;
-            }
+        } else { /* the window's 16 counts at once (rp_count512.h), the hot slots' taken */
+            __m512i rel[JB / 64];
+            uint32_t c16[WIN] __attribute__((aligned(64)));
+            for (int v = 0; v < JB / 64; v++) rel[v] = _mm512_sub_epi8(_mm512_load_si512(cbz + v), lob);
+            _mm512_store_si512((void *)c16, slot_counts(rel));
+            for (int t = 0; t < nvc; t++) bcs[t] = c16[vc[t] - lo];
         }
         for (int v = 0; v < JB / 64; v++) { /* cold elements: ranks through the table */
             __m512i idx = _mm512_sub_epi8(_mm512_load_si512(cbz + v), lob);

@@ -29,6 +29,7 @@ INTERNAL_HEADERS = (
     "rp_internal.h",
     "rp_bits.h",
     "rp_lane.h",
+    "rp_count512.h",
     "rp_unary.h",
     "rp_bseq.h",
     "rp_join512.h",

@@ -81,9 +81,7 @@ class Held:
 
     def forget(self) -> None:
         """The engine's bits are not what it claims: no version until a keyframe boots it."""
-        with self._cond:
-            self._version = None
-            self._rec.counts["reboots"] += 1
+        self.drop("reboots")
 
     def confirm(self, have: int | None) -> None:
         """Report ``have`` as the version if the engine still verifiably holds it."""
@@ -108,7 +106,8 @@ class Held:
             self._version = before if self._engine.version == before else None
 
     def drop(self, counter: str) -> None:
-        """The live words differ from the held version (``counter`` counts why)."""
+        """No verified version (``counter`` counts why: "audits", the live words differ from the
+        held version; "reboots", the engine's bits are not what it claims)."""
         with self._cond:
             self._version = None
             self._rec.counts[counter] += 1

@@ -19,8 +19,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define T512                                                                                 \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,"                \
-                          "avx512vpopcntdq,avx2,bmi,bmi2,popcnt")))
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx512bitalg,"   \
+                          "avx512vpopcntdq,gfni,avx2,bmi,bmi2,popcnt"))) /* rp_isa's avx512 level */
 
 /* The rp.sum128 change of nw words from j0 (a multiple of 8), new less old. */
 T512 static inline void sumblk512(const uint8_t *a, const uint8_t *b, uint64_t j0, int nw,
@@ -264,6 +264,8 @@ pass512(const int bits, const rp_kind *kd, const uint8_t *old, const uint8_t *ne
             nch += __builtin_popcountll(dm[v]);
         }
         const __m512i *cbz = (const __m512i *)cbuf;
+        __m512i rel[JB / 64]; /* each element's place in the window (>= WIN: outside it) */
+        for (int v = 0; v < JB / 64; v++) rel[v] = _mm512_sub_epi8(_mm512_load_si512(cbz + v), lob);
         int masks = nch >= nvc;
         uint32_t bcs[WIN];
         if (masks) { /* the hot slots' masks and counts up to each word */
@@ -279,14 +281,12 @@ pass512(const int bits, const rp_kind *kd, const uint8_t *old, const uint8_t *ne
                 bcs[t] = acc - cnt[t];
             }
         } else { /* the window's 16 counts at once (rp_count512.h), the hot slots' taken */
-            __m512i rel[JB / 64];
             uint32_t c16[WIN] __attribute__((aligned(64)));
-            for (int v = 0; v < JB / 64; v++) rel[v] = _mm512_sub_epi8(_mm512_load_si512(cbz + v), lob);
             _mm512_store_si512((void *)c16, slot_counts(rel));
             for (int t = 0; t < nvc; t++) bcs[t] = c16[vc[t] - lo];
         }
         for (int v = 0; v < JB / 64; v++) { /* cold elements: ranks through the table */
-            __m512i idx = _mm512_sub_epi8(_mm512_load_si512(cbz + v), lob);
+            const __m512i idx = rel[v];
             __mmask64 inw = _mm512_cmplt_epu8_mask(idx, _mm512_set1_epi8(WIN));
             __mmask64 hotm = _mm512_mask_test_epi8_mask(inw, _mm512_permutexvar_epi8(idx, hotz), _mm512_set1_epi8(-1));
             uint64_t m = ~(uint64_t)hotm;

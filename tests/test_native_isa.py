@@ -126,3 +126,84 @@ def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str
             assert np.array_equal(got, want), (n, density, start, count)
         with pytest.raises(ValueError):
             core.diff(kt, t.data, u.data, 0, m + 1)
+
+
+def _merge_ref(
+    p: tuple[np.ndarray, np.ndarray, np.ndarray], q: tuple[np.ndarray, np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The composed change by numpy: every position of either list, the first's old word where
+    it has one and the second's new word where it has one, no-ops dropped."""
+    allp = np.union1d(p[0], q[0])
+    ip, iq = np.searchsorted(allp, p[0]), np.searchsorted(allp, q[0])
+    old, new = np.empty(allp.size, p[1].dtype), np.empty(allp.size, p[1].dtype)
+    new[ip], new[iq] = p[2], q[2]
+    old[iq], old[ip] = q[1], p[1]
+    keep = old != new
+    return allp[keep], old[keep], new[keep]
+
+
+@pytest.mark.parametrize("isa_level", LEVELS, indirect=True)
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_every_isa_level_composes_like_the_numpy_merge(isa_level: str, width: int) -> None:
+    """``core.compose`` (rp_compose.c) at each level forced: numpy's merge for lists of every
+    shape the run loop meets (one sparse and one dense list either way round, equal sizes,
+    shared positions, runs longer than eight, tails shorter than eight, empty lists, no-op
+    entries and changes undone), then a disagreement (-1) and positions out of order in
+    either list (ValueError, also when a disagreement comes first)."""
+    core = native.core
+    assert core is not None
+    dt = np.dtype(f"u{width}")
+    rng = np.random.default_rng(width * 31 + len(isa_level))
+    hi = 1 << min(8 * width, 16)
+
+    def lists(n: int, dp: float, dq: float) -> tuple[tuple[np.ndarray, ...], ...]:
+        base = rng.integers(0, hi, n).astype(dt)
+        mid = base.copy()
+        pp = np.flatnonzero(rng.random(n) < dp).astype(np.int64)
+        mid[pp] = rng.integers(0, hi, pp.size).astype(dt)  # some draws equal: no-op entries
+        end = mid.copy()
+        qp = np.flatnonzero(rng.random(n) < dq).astype(np.int64)
+        end[qp] = rng.integers(0, hi, qp.size).astype(dt)
+        undo = qp[rng.random(qp.size) < 0.1]
+        end[undo] = base[undo]  # changes undone: dropped from the composed change
+        return (pp, base[pp], mid[pp]), (qp, mid[qp], end[qp])
+
+    def run(p: tuple[np.ndarray, ...], q: tuple[np.ndarray, ...]) -> int:
+        cap = p[0].size + q[0].size
+        out = (np.empty(cap, np.int64), np.empty(cap, dt), np.empty(cap, dt))
+        n = core.compose(width, *p, *q, *out)
+        if n >= 0:
+            want = _merge_ref(p, q)  # type: ignore[arg-type]
+            for got, w in zip(out, want, strict=True):
+                assert np.array_equal(got[:n], w)
+        return int(n)
+
+    for n, dp, dq in (
+        (0, 0.0, 0.0),
+        (5, 0.5, 0.5),
+        (40, 1.0, 0.0),
+        (40, 0.0, 1.0),
+        (3_001, 0.15, 0.85),
+        (3_001, 0.85, 0.15),
+        (20_000, 0.02, 0.3),
+        (20_000, 0.3, 0.02),
+        (20_000, 0.5, 0.5),
+        (20_000, 1.0, 1.0),
+    ):
+        p, q = lists(n, dp, dq)
+        assert run(p, q) >= 0
+        assert run(q, p) >= 0 or np.intersect1d(p[0], q[0]).size  # reversed: may disagree
+    p, q = lists(5_000, 0.3, 0.3)
+    shared = np.intersect1d(p[0], q[0])
+    assert shared.size
+    k = int(np.searchsorted(q[0], shared[shared.size // 2]))
+    q[1][k] ^= 1  # the second list's old word is not the first's new word there
+    assert run(p, q) == -1
+    for which in (0, 1):
+        for at in (1, 9, 1_400):
+            bad = [list(p), list(q)]
+            pos = bad[which][0].copy()
+            pos[at], pos[at - 1] = pos[at - 1], pos[at]
+            bad[which][0] = pos
+            with pytest.raises(ValueError, match="not increasing"):
+                run(tuple(bad[0]), tuple(bad[1]))

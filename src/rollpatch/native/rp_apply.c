@@ -1,4 +1,4 @@
-/* rollpatch native core: gather, apply and compose of sparse changes (diff: rp_diff.c), and
+/* rollpatch native core: gather and apply of sparse changes (diff: rp_diff.c, compose: rp_compose.c), and
  * the rp.sum128 digest (docs/patch-format.md §7). */
 #include "rp_internal.h"
 
@@ -6,18 +6,30 @@
 
 int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_t *pos,
               int64_t count, void *out, int ow, const char **err) {
-    for (int64_t i = 0; i < count; i++)
-        if (pos[i] < 0 || pos[i] >= n_el) { *err = "position out of range"; return RP_EARG; }
-    if (kd->bits == 16 && ow == 2) {
+    /* 16 and 8 bits: one pass, each position checked as it is read (a position out of range
+     * reads element 0 instead and fails the call; `out` is the caller's scratch) */
+    uint64_t bad = 0, n = (uint64_t)n_el;
+    if (kd->bits == 16 && ow == 2 && n) {
         const uint16_t *d = (const uint16_t *)data;
         uint16_t *o = out;
-        for (int64_t i = 0; i < count; i++) o[i] = d[pos[i]];
-    } else if (kd->bits == 8 && ow == 1) {
+        for (int64_t i = 0; i < count; i++) {
+            uint64_t p = (uint64_t)pos[i];
+            bad |= (uint64_t)(p >= n);
+            o[i] = d[p < n ? p : 0];
+        }
+    } else if (kd->bits == 8 && ow == 1 && n) {
         uint8_t *o = out;
-        for (int64_t i = 0; i < count; i++) o[i] = data[pos[i]];
+        for (int64_t i = 0; i < count; i++) {
+            uint64_t p = (uint64_t)pos[i];
+            bad |= (uint64_t)(p >= n);
+            o[i] = data[p < n ? p : 0];
+        }
     } else {
+        for (int64_t i = 0; i < count; i++)
+            if (pos[i] < 0 || pos[i] >= n_el) { *err = "position out of range"; return RP_EARG; }
         for (int64_t i = 0; i < count; i++) arr_put(out, ow, i, elem_get(data, kd->bits, pos[i]));
     }
+    if (bad) { *err = "position out of range"; return RP_EARG; }
     return RP_OK;
 }
 
@@ -178,38 +190,5 @@ int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos
     }
     delta[0] += d0;
     delta[1] += d1;
-    return RP_OK;
-}
-
-/* ------------------------------------------------------------------ compose */
-
-int rp_compose(int w, const int64_t *pp, const void *po, const void *pn, int64_t np_,
-               const int64_t *qp, const void *qo, const void *qn, int64_t nq, int64_t *rp,
-               void *ro, void *rn, int64_t *nout, const char **err) {
-    int64_t i = 0, j = 0, o = 0;
-    *nout = 0;
-    for (int64_t a = 1; a < np_; a++)
-        if (pp[a] <= pp[a - 1]) { *err = "positions not increasing"; return RP_EARG; }
-    for (int64_t a = 1; a < nq; a++)
-        if (qp[a] <= qp[a - 1]) { *err = "positions not increasing"; return RP_EARG; }
-    while (i < np_ || j < nq) {
-        int64_t pos;
-        uint64_t old, nw;
-        if (j >= nq || (i < np_ && pp[i] < qp[j])) {
-            pos = pp[i]; old = arr_get(po, w, i); nw = arr_get(pn, w, i); i++;
-        } else if (i >= np_ || qp[j] < pp[i]) {
-            pos = qp[j]; old = arr_get(qo, w, j); nw = arr_get(qn, w, j); j++;
-        } else {
-            if (arr_get(pn, w, i) != arr_get(qo, w, j)) {
-                *err = "patches disagree on intermediate elements"; return RP_EBASE;
-            }
-            pos = pp[i]; old = arr_get(po, w, i); nw = arr_get(qn, w, j); i++; j++;
-        }
-        rp[o] = pos;
-        arr_put(ro, w, o, old);
-        arr_put(rn, w, o, nw);
-        o += old != nw;
-    }
-    *nout = o;
     return RP_OK;
 }

@@ -15,6 +15,7 @@ CORE = (
     "rp_isa",
     "rp_apply",
     "rp_diff",
+    "rp_compose",
     "rp_cast",
     "rp_pool",
     "rp_view",

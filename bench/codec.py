@@ -39,16 +39,18 @@ T threads: baselines run tensors on a pool of T; rollpatch runs with ``ROLLPATCH
 ``--repeats`` where a view is under 1 GB, best of ``--big-repeats`` (default 1) above. Every decode+apply of every method is
 checked bit-exact against the target view; any mismatch aborts the run.
 
-**Memory.** ``enc mem`` is the peak RSS growth during one native encode (VmHWM reset before
-it, no earlier patch alive, the C heap trimmed first so that memory an earlier call freed is
-not reused unseen) over the two views already resident, in units of the patch size
-(target ≤ 2). What a process sets up once and keeps (the header's zstd context, the thread
-pool) is measured by a first encode of a small view before any row and printed in the
-footer. The payloads are coded into one native buffer in the container's order, which is
-copied out after the header while its pages are given back (``native.core.join_release``), so
-the payloads and the patch are not both held whole. A row's first encode also pays for the
-header's zstd context growing when its header is the largest the process has compressed
-(kept for the process afterwards; the footer's small view sets up a small one).
+**Memory.** ``enc mem`` is the peak RSS growth during a native encode made after the row's
+timed encodes (what a publisher pays per version; VmHWM reset before it, no earlier patch
+alive, the C heap trimmed first so that memory an earlier call freed is not reused unseen)
+over the two views already resident, in units of the patch size (target ≤ 2). ``1st enc`` is
+the same for the row's first encode, before the timed ones: it adds what the process sets up
+for the row once — the header's zstd context grown when the row's header is the largest the
+process has compressed (kept for the process afterwards), the C heap's first use of T threads.
+What a process sets up once and keeps (the header's zstd context, the thread pool) is also
+measured by a first encode of a small view before any row and printed in the footer. The
+payloads are coded into one native buffer in the container's order, which is copied out after
+the header while its pages are given back (``native.core.join_release``), so the payloads and
+the patch are not both held whole.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@
  * with AVX-512 and scalar loops. The payload must
  * decode to exactly the diff; rp_apply must turn the base into the target with a consistent
  * rp.sum128 change, and refuse, writing nothing, a base that differs at one changed position;
- * rp_gather must read the new elements back; rp.sum128 must add up over any split of words. */
+ * rp_gather must read the new elements back; rp.sum128 must add up over any split of words;
+ * rp_compose of base -> mid -> target must give the base -> target change. */
 #include "fuzz_common.h"
 
 static uint64_t to_key(const rp_kind *k, uint64_t x) {
@@ -161,6 +162,65 @@ static void check_gather_refuse(fz_case *c, const uint8_t *t, const fz_out *o, u
     free(got); free(w); free(snap);
 }
 
+/* Changes a -> b as rp_diff's positions and the two sides' elements (width ow). */
+static int64_t diff_lists(const fz_case *c, const uint8_t *a, const uint8_t *b, int64_t **pos,
+                          uint8_t **ov, uint8_t **nv) {
+    int ow = fz_ow(&c->k);
+    int64_t n = c->n, found = 0;
+    const char *err = NULL;
+    *pos = malloc((size_t)n * 8 + 8);
+    *ov = malloc((size_t)n * ow + 8);
+    *nv = malloc((size_t)n * ow + 8);
+    if (!*pos || !*ov || !*nv) fz_fail("out of memory");
+    rp_diff(&c->k, a, b, 0, n, *pos, n, &found);
+    if (rp_gather(&c->k, a, n, *pos, found, *ov, ow, &err)
+        || rp_gather(&c->k, b, n, *pos, found, *nv, ow, &err))
+        fz_fail("rp_gather refused rp_diff's positions");
+    return found;
+}
+
+/* rp_compose of base -> mid with mid -> target must be exactly the decoded base -> target
+ * change (`o`): mid has about half of the changes (some to the target's word, some to another)
+ * and words changed that the target puts back (dropped as no-ops); then a second list whose old
+ * word disagrees with the first's new one at a shared position is refused (RP_EBASE). The
+ * vector loop (AVX-512) or the scalar one, as the input's level allows. */
+static void check_compose(const fz_case *c, const uint8_t *t, const fz_out *o) {
+    int ow = fz_ow(&c->k);
+    uint64_t m = fz_mask(c->k.bits);
+    uint8_t *mid = malloc(c->nbytes);
+    if (!mid) fz_fail("out of memory");
+    memcpy(mid, c->base, c->nbytes);
+    for (int64_t j = 0; j < o->total; j++) {
+        uint64_t z = fz_mix(c->seed ^ 0x9E3779B97F4A7C15ULL ^ (uint64_t)j * 0xBF58476D1CE4E5B9ULL);
+        if (z & 1) fz_put(mid, c->k.bits, o->pos[j], z & 2 ? fz_arr(o->newv, ow, j) : (z >> 8) & m);
+    }
+    for (int64_t e = 0; e < c->n && e < 4096; e += 1 + (int64_t)(c->seed % 61)) /* put back */
+        if (fz_get(t, c->k.bits, e) == fz_get(c->base, c->k.bits, e))
+            fz_put(mid, c->k.bits, e, fz_get(c->base, c->k.bits, e) ^ 1);
+    int64_t *pp, *qp, *rp = malloc((size_t)(2 * c->n) * 8 + 8);
+    uint8_t *po, *pn, *qo, *qn, *ro = malloc((size_t)(2 * c->n) * ow + 8), *rn = malloc((size_t)(2 * c->n) * ow + 8);
+    if (!rp || !ro || !rn) fz_fail("out of memory");
+    int64_t np_ = diff_lists(c, c->base, mid, &pp, &po, &pn), nq = diff_lists(c, mid, t, &qp, &qo, &qn);
+    int64_t nr = -1;
+    const char *err = NULL;
+    if (rp_compose(ow, pp, po, pn, np_, qp, qo, qn, nq, rp, ro, rn, &nr, &err))
+        fz_fail("rp_compose refused two lists of changes that follow each other");
+    if (nr != o->total || memcmp(rp, o->pos, (size_t)nr * 8) || memcmp(ro, o->oldv, (size_t)nr * ow)
+        || memcmp(rn, o->newv, (size_t)nr * ow))
+        fz_fail("rp_compose of base -> mid -> target differs from the decoded change");
+    for (int64_t i = 0, j = 0; i < np_ && j < nq;) { /* a shared position: disagree there */
+        if (pp[i] < qp[j]) i++;
+        else if (qp[j] < pp[i]) j++;
+        else {
+            qo[(size_t)j * ow] ^= 1;
+            if (rp_compose(ow, pp, po, pn, np_, qp, qo, qn, nq, rp, ro, rn, &nr, &err) != RP_EBASE)
+                fz_fail("rp_compose accepted lists that disagree on an intermediate element");
+            break;
+        }
+    }
+    free(pp); free(po); free(pn); free(qp); free(qo); free(qn); free(rp); free(ro); free(rn); free(mid);
+}
+
 static void check_sum_split(const uint8_t *d, size_t len, uint64_t w) {
     uint64_t nw = ((uint64_t)len + 7) / 8, all[2], lo[2], hi[2];
     w = nw ? w % (nw + 1) : 0;
@@ -248,6 +308,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (memcmp(applied, t, c.nbytes)) fz_fail("base + decoded patch != target");
     check_sum_split(t, c.nbytes, c.seed ^ (uint64_t)size);
     check_gather_refuse(&c, t, &o, c.seed + (uint64_t)size);
+    check_compose(&c, t, &o);
     free(applied);
     fz_out_free(&o);
     free(pl); free(pl2); free(t);

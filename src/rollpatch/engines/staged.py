@@ -215,6 +215,7 @@ def stage_patch(
     state: Callable[[str], SumState],
     *,
     known: Mapping[str, SumState] | None = None,
+    parallel: bool = False,
 ) -> StagedUpdate:
     """Prove ``patch`` against the engine's held words (module docstring, step 1).
 
@@ -222,9 +223,11 @@ def stage_patch(
     kinds); ``digests``: every held tensor's digest (cached by the engine); ``state(name)``:
     a held tensor's rp.sum128 state; ``known``: target states the caller already proved for
     exactly these writes (a decoder that wrote them into a copy of the held tensor and
-    measured the change), used instead of recomputing them. Raises
-    :class:`BaseMismatchError` / :class:`PatchError` / :class:`TargetMismatchError`; touches
-    nothing.
+    measured the change), used instead of recomputing them; ``parallel``: the tensors on
+    :func:`rollpatch.native.threads` threads (``held`` and ``state`` may then be called from
+    any of them; not where reading a tensor is a collective). Raises
+    :class:`BaseMismatchError` / :class:`PatchError` / :class:`TargetMismatchError` (the
+    first tensor's in name order); touches nothing.
     """
     if root_digest(digests, patch.digest) != patch.base:
         raise BaseMismatchError(
@@ -232,59 +235,83 @@ def stage_patch(
             expected=patch.base[:16],
             hint="the engine is on another version; plan a new path",
         )
+
+    def one(name: str) -> tuple[str, StagedTensor | None]:
+        return _prove(patch, name, held, digests, state, known)
+
+    names = sorted(patch.tensors)
+    if parallel:
+        from .. import native
+
+        proved = native.parallel_map(one, names)
+    else:
+        proved = [one(name) for name in names]
     after = dict(digests)
     out: dict[str, StagedTensor] = {}
-    for name in sorted(patch.tensors):
-        tp = patch.tensors[name]
-        if isinstance(tp.change, DropOp) or name not in digests:
-            raise BaseMismatchError(
-                "patch adds or drops a tensor; the model cannot change",
-                tensor=name,
-                op=tp.op,
-                hint="self-heal from a keyframe of this architecture",
-            )
-        t = held(name)
-        if tp.kind != t.kind or tp.shape != t.shape:
-            raise BaseMismatchError(
-                "tensor layout differs from the engine's",
-                tensor=name,
-                kind=tp.kind.name,
-                shape=tp.shape,
-            )
-        if tp.base_digest != digests[name]:
-            raise BaseMismatchError("tensor is not the patch's base", tensor=name)
-        pos, old, new = _as_delta(tp, t)
-        if (
-            pos.dtype != np.int64
-            or pos.ndim != 1
-            or old.dtype != t.kind.elem_dtype
-            or new.dtype != t.kind.elem_dtype
-            or old.shape != pos.shape
-            or new.shape != pos.shape
-        ):
-            raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
-        if pos.size and (
-            pos[0] < 0
-            or pos[-1] >= t.n_elements
-            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
-        ):
-            raise PatchError("positions out of range or not strictly increasing", tensor=name)
-        if not np.array_equal(gather(t, pos), old):
-            raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
-        st: SumState | None
-        if known is not None and name in known and patch.digest == "rp.sum128.v1":
-            st = known[name]
-            digest = sum128_digest(t.dtype, t.shape, t.nbytes, st)
-        else:
-            digest, st = _target(patch, t, name, pos, new, state)
-        if digest != tp.target_digest:
-            raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
+    for name, (digest, st) in zip(names, proved, strict=True):
         after[name] = digest
-        if pos.size:
-            out[name] = StagedTensor(name, pos, old, new, digest, st)
+        if st is not None:
+            out[name] = st
     if root_digest(after, patch.digest) != patch.target:
         raise TargetMismatchError("staged writes do not reach the target root")
     return StagedUpdate(patch.base, patch.target, out, {n: after[n] for n in patch.tensors})
+
+
+def _prove(
+    patch: Patch,
+    name: str,
+    held: Callable[[str], Tensor],
+    digests: Mapping[str, str],
+    state: Callable[[str], SumState],
+    known: Mapping[str, SumState] | None,
+) -> tuple[str, StagedTensor | None]:
+    """One tensor of :func:`stage_patch`: its target digest, and its staged writes (None when
+    it writes nothing)."""
+    tp = patch.tensors[name]
+    if isinstance(tp.change, DropOp) or name not in digests:
+        raise BaseMismatchError(
+            "patch adds or drops a tensor; the model cannot change",
+            tensor=name,
+            op=tp.op,
+            hint="self-heal from a keyframe of this architecture",
+        )
+    t = held(name)
+    if tp.kind != t.kind or tp.shape != t.shape:
+        raise BaseMismatchError(
+            "tensor layout differs from the engine's",
+            tensor=name,
+            kind=tp.kind.name,
+            shape=tp.shape,
+        )
+    if tp.base_digest != digests[name]:
+        raise BaseMismatchError("tensor is not the patch's base", tensor=name)
+    pos, old, new = _as_delta(tp, t)
+    if (
+        pos.dtype != np.int64
+        or pos.ndim != 1
+        or old.dtype != t.kind.elem_dtype
+        or new.dtype != t.kind.elem_dtype
+        or old.shape != pos.shape
+        or new.shape != pos.shape
+    ):
+        raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
+    if pos.size and (
+        pos[0] < 0
+        or pos[-1] >= t.n_elements
+        or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+    ):
+        raise PatchError("positions out of range or not strictly increasing", tensor=name)
+    if not np.array_equal(gather(t, pos), old):
+        raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
+    st: SumState | None
+    if known is not None and name in known and patch.digest == "rp.sum128.v1":
+        st = known[name]
+        digest = sum128_digest(t.dtype, t.shape, t.nbytes, st)
+    else:
+        digest, st = _target(patch, t, name, pos, new, state)
+    if digest != tp.target_digest:
+        raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
+    return digest, (StagedTensor(name, pos, old, new, digest, st) if pos.size else None)
 
 
 def _target(

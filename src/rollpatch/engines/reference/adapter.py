@@ -147,7 +147,9 @@ class ReferenceEngine(EngineAdapter):
         """Prove ``patch`` against the parameters while generation runs (reads only touched
         positions and cached digests; only commits write the parameters)."""
         view = self.runtime.view
-        staged = stage_patch(patch, view.__getitem__, view.tensor_digests(), view.sum_state)
+        staged = stage_patch(
+            patch, view.__getitem__, view.tensor_digests(), view.sum_state, parallel=True
+        )
         return self._buffered(staged)
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
@@ -179,7 +181,12 @@ class ReferenceEngine(EngineAdapter):
             return None
         patch, known = out
         staged = stage_patch(
-            patch, view.__getitem__, view.tensor_digests(), view.sum_state, known=known
+            patch,
+            view.__getitem__,
+            view.tensor_digests(),
+            view.sum_state,
+            known=known,
+            parallel=True,
         )
         return self._buffered(staged)
 

@@ -5,9 +5,11 @@ no imports: both load it by path (setup.py runs before the package is importable
 #: The core's C files (without ``.c``), in link order.
 CORE = (
     "rp_encode",
+    "rp_encsparse",
     "rp_encws",
     "rp_encpass",
     "rp_encpass512",
+    "rp_encrange",
     "rp_decode",
     "rp_join",
     "rp_join512",

@@ -254,14 +254,8 @@ class RuntimeWeights:
             )
         prepare = self.access.prepare or (lambda param, offsets: offsets)
         t0 = time.perf_counter()
-        staged = stage_patch(  # at TP > 1 reading a tensor is a collective: in one order
-            patch,
-            self.__getitem__,
-            self.digests(),
-            self.state_of,
-            known=known,
-            parallel=self.tp == 1,
-        )
+        held, state = self.__getitem__, self.state_of  # TP > 1: reads are collectives, in order
+        staged = stage_patch(patch, held, self.digests(), state, known=known, parallel=self.tp == 1)
         t1 = time.perf_counter()
         mark("prove")
         if consume and isinstance(patch.tensors, dict):

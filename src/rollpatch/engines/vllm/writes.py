@@ -60,6 +60,9 @@ def lay_out(
     empty = np.empty(0, np.int64)
     freed = 0
     for param, names in by_param.items():
+        # in storage order where the tensors are row blocks (q, k, v of qkv_proj; an expert's
+        # slot): the offsets concatenate increasing, and ``increasing`` need not sort them
+        names.sort(key=lambda n: (placement(n).slot, placement(n).dim, placement(n).dst_start))
         chunks = []
         for name in names:
             st, pl = staged.tensors[name], placement(name)

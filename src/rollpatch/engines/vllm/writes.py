@@ -40,8 +40,12 @@ __all__ = [
 ]
 
 
-#: Bytes laid out between two trims of the freed memory (:func:`lay_out`).
-_TRIM_EVERY = 8 << 20
+#: Bytes laid out between two trims of the freed memory (:func:`lay_out`). Each trim walks
+#: every malloc arena and hands free pages back, which later allocations fault in again: at
+#: 8 MiB a 5-step catch-up at 103M (88 MB laid out) trimmed ten times and its layout took
+#: 85-89 ms; with none, 49-60 ms, and the staging peak before the packed kernels did not rise
+#: (bench/vllm.py, 2026-12-04).
+_TRIM_EVERY = 64 << 20
 
 
 def lay_out(

@@ -105,7 +105,8 @@ def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str
     """``core.diff`` (rp_diff.c) at each level forced: numpy's positions of the elements that
     differ, over whole tensors and sub-ranges that start and end anywhere (odd 4-bit codes, a
     range shorter than one 64-byte step), at densities from none to every element, and past
-    the output's first guess (one pass, grown per 2^20 elements)."""
+    the output's first guess (as bytes, the worst case reserved once; as a mapping grown per
+    2^20 elements, forced with ``reserve=0``)."""
     core = native.core
     assert core is not None
     kind = KINDS[kind_name]
@@ -121,9 +122,13 @@ def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str
         for start, count in ((0, m), (1, m - 1), (m // 3, m // 3 + 1), (m - 1, 1), (5, 0)):
             if start + count > m or start < 0:
                 continue
-            got = np.frombuffer(core.diff(kt, t.data, u.data, start, count), np.int64)
             want = start + np.flatnonzero(ea[start : start + count] != eb[start : start + count])
-            assert np.array_equal(got, want), (n, density, start, count)
+            for reserve in (
+                (),
+                (0,),
+            ):  # the worst case reserved as bytes; a mapping grown by ranges
+                got = np.frombuffer(core.diff(kt, t.data, u.data, start, count, *reserve), np.int64)
+                assert np.array_equal(got, want), (n, density, start, count, reserve)
         with pytest.raises(ValueError):
             core.diff(kt, t.data, u.data, 0, m + 1)
 

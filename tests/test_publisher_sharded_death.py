@@ -44,7 +44,13 @@ def _rank_main(rank: int, port: int, board_dir: str, out_dir: str, hang: bool = 
     from rollpatch.publisher import Publisher, PublisherConfig
     from rollpatch.store import FileStore
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    except RuntimeError as e:  # DistNetworkError: the port was taken between pick and bind
+        if "EADDRINUSE" not in str(e):
+            raise
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"port_taken": True}))
+        os._exit(0)
     report: dict[str, Any] = {}
     dying = {"version": None}
 
@@ -88,24 +94,32 @@ def _rank_main(rank: int, port: int, board_dir: str, out_dir: str, hang: bool = 
 
 
 def _run_pair(tmp_path: Path, hang: bool) -> tuple[list[Any], Path, Path]:
-    board_dir, out_dir = tmp_path / "board", tmp_path / "out"
-    out_dir.mkdir()
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir), hang))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    procs[0].join(timeout=120)
-    rank0_stuck = procs[0].is_alive()
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(timeout=30)
-    assert not rank0_stuck, "rank 0 hung after its peer failed (no fail-fast)"
-    return procs, board_dir, out_dir
+    """Both ranks run; again on a new port (new board) when the rendezvous port was taken by
+    another process between picking it and binding it (tests run side by side)."""
+    for attempt in range(3):
+        board_dir, out_dir = tmp_path / f"board{attempt}", tmp_path / f"out{attempt}"
+        out_dir.mkdir()
+        ctx = multiprocessing.get_context("spawn")
+        port = free_port()
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, port, str(board_dir), str(out_dir), hang))
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        procs[0].join(timeout=120)
+        rank0_stuck = procs[0].is_alive()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+        assert not rank0_stuck, "rank 0 hung after its peer failed (no fail-fast)"
+        taken = [
+            json.loads(f.read_text()).get("port_taken", False) for f in out_dir.glob("rank*.json")
+        ]
+        if not any(taken):
+            return procs, board_dir, out_dir
+    raise AssertionError("the rendezvous port was taken three times in a row")
 
 
 def test_a_rank_dying_mid_publish(tmp_path: Path) -> None:

@@ -47,12 +47,17 @@ static int order_error(const int64_t *a, int64_t na, const int64_t *b, int64_t n
         i++; j++;                                                                           \
     } while (0)
 
-#define SCALAR_BODY(T)                                                                      \
+/* The merge's state: the lists' words typed, the three cursors, the last position taken from
+ * each list (the order check), any order error, a disagreement. */
+#define LOCALS(T)                                                                           \
     const T *po = po_, *pn = pn_, *qo = qo_, *qn = qn_;                                     \
     T *ro = ro_, *rn = rn_;                                                                 \
     int64_t i = 0, j = 0, o = 0, lp = INT64_MIN, lq = INT64_MIN;                            \
     uint64_t bad = 0;                                                                       \
-    int disagree = 0;                                                                       \
+    int disagree = 0;
+
+#define SCALAR_BODY(T)                                                                      \
+    LOCALS(T)                                                                               \
     while (i < np_ && j < nq) {                                                             \
         if (pp[i] < qp[j]) TAKE1(pp, po, pn, i, lp);                                        \
         else if (qp[j] < pp[i]) TAKE1(qp, qo, qn, j, lq);                                   \
@@ -146,11 +151,7 @@ T512 static inline __mmask8 words8_u64(const uint64_t *a, const uint64_t *b, uin
 
 #define DEFINE_VECTOR(NAME, T, W)                                                           \
     T512 static int NAME(ARGS) {                                                            \
-        const T *po = po_, *pn = pn_, *qo = qo_, *qn = qn_;                                 \
-        T *ro = ro_, *rn = rn_;                                                             \
-        int64_t i = 0, j = 0, o = 0, lp = INT64_MIN, lq = INT64_MIN;                        \
-        uint64_t bad = 0;                                                                   \
-        int disagree = 0;                                                                   \
+        LOCALS(T)                                                                           \
         while (i < np_ && j < nq) {                                                         \
             int64_t a = pp[i], b = qp[j];                                                   \
             if (a < b) RUN(pp, po, pn, i, np_, b, lp, W);                                   \

@@ -186,8 +186,8 @@ def transition(
         row.bound_bits += whole
 
 
-def _encode_rss(enc: Callable[[], bytes]) -> int:
-    """Peak RSS growth of one ``enc()`` on a trimmed heap (its result dropped)."""
+def _encode_rss(enc: Callable[[], object]) -> int:
+    """Peak RSS growth of ``enc()`` on a trimmed heap (its result dropped)."""
     trim_heap()
     reset_peak_rss()
     rss0 = current_rss()
@@ -204,12 +204,11 @@ def first_encode_rss(threads: Sequence[int]) -> int:
     a = View({"w": Tensor(KINDS["bf16"], (n,), rng.integers(0, 1 << 16, n, dtype=np.uint16))})
     b = a.copy()
     b["w"].data[::97] ^= 1
-    b.invalidate()
-    trim_heap()
-    reset_peak_rss()
-    rss0 = current_rss()
-    for t in threads:
-        os.environ["ROLLPATCH_THREADS"] = str(t)
-        b.invalidate()
-        encode_views(a, b)
-    return max(0, peak_rss() - rss0)
+
+    def encodes() -> None:
+        for t in threads:
+            os.environ["ROLLPATCH_THREADS"] = str(t)
+            b.invalidate()
+            encode_views(a, b)
+
+    return _encode_rss(encodes)

@@ -1,9 +1,5 @@
 /* CPython binding: word operations (sum128, the BF16 cast, apply, compose, gather, diff). */
 #include "module.h"
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #include "rp_cast.h"
 
 /* sum128(data, w0, nwords) -> (a, b) */
@@ -167,66 +163,22 @@ out:
     return res;
 }
 
-/* Huge pages where the kernel gives them on request (as numpy asks for its arrays of 4 MiB and
- * more): a fresh mapping's pages are faulted in as positions are written, 512 times fewer
- * faults. Advice only: refused or ignored, nothing changes. */
-static void map_advise(PyObject *m, Py_ssize_t bytes) {
-#if defined(__linux__)
-    if (bytes >= ((Py_ssize_t)4 << 20)) {
-        PyObject *r = PyObject_CallMethod(m, "madvise", "i", MADV_HUGEPAGE);
-        if (r) Py_DECREF(r);
-        else PyErr_Clear();
-    }
-#endif
-}
-
-/* The output of diff: an anonymous mmap.mmap (its pages faulted in only where positions are
- * written; grown and shrunk by mremap, never copied). */
-static PyObject *map_new(Py_ssize_t bytes) {
-    static PyObject *mmap_type, *kw; /* kw: flags=MAP_PRIVATE (a shared anonymous mapping is a
-                                        shmem file of its first size: grown, it faults SIGBUS) */
-    if (!mmap_type) {
-        PyObject *mod = PyImport_ImportModule("mmap");
-        if (!mod) return NULL;
-        PyObject *t = PyObject_GetAttrString(mod, "mmap"), *f = PyObject_GetAttrString(mod, "MAP_PRIVATE");
-        Py_DECREF(mod);
-        PyObject *d = (t && f) ? Py_BuildValue("{sO}", "flags", f) : NULL;
-        Py_XDECREF(f);
-        if (!d) { Py_XDECREF(t); return NULL; }
-        mmap_type = t;
-        kw = d;
-    }
-    PyObject *args = Py_BuildValue("(in)", -1, bytes);
-    if (!args) return NULL;
-    PyObject *m = PyObject_Call(mmap_type, args, kw);
-    Py_DECREF(args);
-    if (m) map_advise(m, bytes);
-    return m;
-}
-
-static int map_resize(PyObject *m, Py_ssize_t bytes, int grow) {
-    PyObject *r = PyObject_CallMethod(m, "resize", "n", bytes);
-    Py_XDECREF(r);
-    if (r && grow) map_advise(m, bytes);
-    return r ? 0 : -1;
-}
-
-/* diff(kind, a, b, start, n[, reserve]) -> the int64 positions in [start, start + n) where a
- * and b differ, as a buffer: bytes, or above `reserve` elements (default 2^28) an anonymous
- * mmap.mmap of exactly their bytes.
- * Up to `reserve`: the worst case (n positions) reserved once as bytes and shrunk once to what
- * was found (glibc shrinks in place or by mremap: nothing is copied; untouched pages are never
- * faulted in). Before, the bytes grew before each range of 2^20 elements to its worst case;
- * glibc serves a block under its mmap threshold (raised to the largest block freed, up to 32
- * MiB) from the heap, where a realloc that cannot grow in place copies the whole block, so by
- * the process's history a tensor cost up to ~1.25 x n x 8 bytes copied and faulted: the vLLM
- * worker's 5-step catch-up compare at 103M took 125 ms (29 in the bench's process, 17 now);
- * 4M BF16 words at 0.2% changed 3.9 ms, now 0.7. Above `reserve` (a virtual reservation of
- * n x 8 bytes could be refused): one pass in ranges of 2^20 elements into the mapping, grown
- * by mremap before each range so that its positions fit (never copied). */
+/* diff(kind, a, b, start, n[, reserve]) -> bytes of the int64 positions in [start, start + n)
+ * where a and b differ.
+ * Up to `reserve` elements (default 2^28): the worst case (n positions) reserved once as the
+ * bytes returned and shrunk once to what was found (glibc shrinks in place or by mremap:
+ * nothing is copied; untouched pages are never faulted in). Before, the bytes grew before
+ * each range of 2^20 elements to its worst case; glibc serves a block under its mmap threshold
+ * (raised to the largest block freed, up to 32 MiB) from the heap, where a realloc that cannot
+ * grow in place copies the whole block, so by the process's history a tensor cost up to
+ * ~1.25 x n x 8 bytes copied and faulted: the vLLM worker's 5-step catch-up compare at 103M
+ * took 125 ms (29 in the bench's process, 17 now); 4M BF16 words at 0.2% changed 3.9 ms, now
+ * 0.7. Above `reserve` (a virtual reservation of n x 8 bytes could be refused): one pass in
+ * ranges of 2^20 elements into an rp_obuf (its own mapping, grown by mremap before each range
+ * so that the range's positions fit: never copied), then copied out once (O(found)). */
 PyObject *py_diff(PyObject *self, PyObject *args) {
-    PyObject *kt, *m = NULL, *res = NULL;
-    Py_buffer a = {0}, b = {0}, o = {0};
+    PyObject *kt, *res = NULL;
+    Py_buffer a = {0}, b = {0};
     long long start, n, reserve = (long long)1 << 28;
     rp_kind k;
     int64_t total;
@@ -246,27 +198,27 @@ PyObject *py_diff(PyObject *self, PyObject *args) {
         _PyBytes_Resize(&res, (Py_ssize_t)found * 8); /* NULL on failure */
         goto out;
     }
-    if (!(m = map_new((Py_ssize_t)cap * 8))) goto out;
+    rp_obuf ob = {0};
     for (int64_t s = start; s < start + n; s += range) {
         int64_t len = start + n - s < range ? start + n - s : range, got = 0;
         if (found + len > cap) {
-            int64_t want = cap * 2 > found + len ? cap * 2 : found + len;
-            want = want < n ? want : n;
-            if (map_resize(m, (Py_ssize_t)want * 8, 1)) goto out;
-            cap = want;
+            cap = cap * 2 > found + len ? cap * 2 : found + len;
+            cap = cap < n ? cap : n;
         }
-        if (PyObject_GetBuffer(m, &o, PyBUF_WRITABLE)) goto out;
-        int64_t *pos = (int64_t *)o.buf + found;
+        if (rp_obuf_reserve(&ob, (size_t)cap * 8 - ob.len)) {
+            rp_obuf_free(&ob);
+            PyErr_NoMemory();
+            goto out;
+        }
         Py_BEGIN_ALLOW_THREADS
-        rp_diff(&k, a.buf, b.buf, s, len, pos, cap - found, &got);
+        rp_diff(&k, a.buf, b.buf, s, len, (int64_t *)ob.b + found, cap - found, &got);
         Py_END_ALLOW_THREADS
-        PyBuffer_Release(&o);
         found += got;
+        ob.len = (size_t)found * 8;
     }
-    if (!found) res = PyBytes_FromStringAndSize(NULL, 0);
-    else if (!map_resize(m, (Py_ssize_t)found * 8, 0)) res = Py_NewRef(m);
+    res = PyBytes_FromStringAndSize((const char *)ob.b, (Py_ssize_t)found * 8);
+    rp_obuf_free(&ob);
 out:
-    Py_XDECREF(m);
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
     return res;

@@ -56,14 +56,6 @@ static int order_error(const int64_t *a, int64_t na, const int64_t *b, int64_t n
     uint64_t bad = 0;                                                                       \
     int disagree = 0;
 
-#define SCALAR_BODY(T)                                                                      \
-    LOCALS(T)                                                                               \
-    while (i < np_ && j < nq) {                                                             \
-        if (pp[i] < qp[j]) TAKE1(pp, po, pn, i, lp);                                        \
-        else if (qp[j] < pp[i]) TAKE1(qp, qo, qn, j, lq);                                   \
-        else TAKE_BOTH();                                                                   \
-    }
-
 #define TAIL_AND_RETURN()                                                                   \
     while (i < np_) TAKE1(pp, po, pn, i, lp);                                               \
     while (j < nq) TAKE1(qp, qo, qn, j, lq);                                                \
@@ -78,15 +70,25 @@ static int order_error(const int64_t *a, int64_t na, const int64_t *b, int64_t n
         const void *qo_, const void *qn_, int64_t nq, int64_t *rp, void *ro_, void *rn_,    \
         int64_t *nout, const char **err
 
-#define DEFINE_SCALAR(NAME, T)                                                              \
-    static int NAME(ARGS) {                                                                 \
-        SCALAR_BODY(T)                                                                      \
+/* One merge, specialised by word type: TAKE_P / TAKE_Q take the head of the list that is below
+ * the other's (one entry, or with AVX-512 its run); equal heads are taken together. */
+#define DEFINE_COMPOSE(NAME, ATTR, T, TAKE_P, TAKE_Q)                                       \
+    ATTR static int NAME(ARGS) {                                                            \
+        LOCALS(T)                                                                           \
+        while (i < np_ && j < nq) {                                                         \
+            int64_t a = pp[i], b = qp[j];                                                   \
+            if (a < b) TAKE_P;                                                              \
+            else if (b < a) TAKE_Q;                                                         \
+            else TAKE_BOTH();                                                               \
+        }                                                                                   \
         TAIL_AND_RETURN()                                                                   \
     }
-DEFINE_SCALAR(compose_s8, uint8_t)
-DEFINE_SCALAR(compose_s16, uint16_t)
-DEFINE_SCALAR(compose_s32, uint32_t)
-DEFINE_SCALAR(compose_s64, uint64_t)
+#define SCALAR(NAME, T) \
+    DEFINE_COMPOSE(NAME, , T, TAKE1(pp, po, pn, i, lp), TAKE1(qp, qo, qn, j, lq))
+SCALAR(compose_s8, uint8_t)
+SCALAR(compose_s16, uint16_t)
+SCALAR(compose_s32, uint32_t)
+SCALAR(compose_s64, uint64_t)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,popcnt")))
@@ -149,21 +151,13 @@ T512 static inline __mmask8 words8_u64(const uint64_t *a, const uint64_t *b, uin
         }                                                                                   \
     } while (0)
 
-#define DEFINE_VECTOR(NAME, T, W)                                                           \
-    T512 static int NAME(ARGS) {                                                            \
-        LOCALS(T)                                                                           \
-        while (i < np_ && j < nq) {                                                         \
-            int64_t a = pp[i], b = qp[j];                                                   \
-            if (a < b) RUN(pp, po, pn, i, np_, b, lp, W);                                   \
-            else if (b < a) RUN(qp, qo, qn, j, nq, a, lq, W);                               \
-            else TAKE_BOTH();                                                               \
-        }                                                                                   \
-        TAIL_AND_RETURN()                                                                   \
-    }
-DEFINE_VECTOR(compose_v8, uint8_t, words8_u8)
-DEFINE_VECTOR(compose_v16, uint16_t, words8_u16)
-DEFINE_VECTOR(compose_v32, uint32_t, words8_u32)
-DEFINE_VECTOR(compose_v64, uint64_t, words8_u64)
+#define VECTOR(NAME, T, W)                                                                  \
+    DEFINE_COMPOSE(NAME, T512, T, RUN(pp, po, pn, i, np_, b, lp, W),                       \
+                   RUN(qp, qo, qn, j, nq, a, lq, W))
+VECTOR(compose_v8, uint8_t, words8_u8)
+VECTOR(compose_v16, uint16_t, words8_u16)
+VECTOR(compose_v32, uint32_t, words8_u32)
+VECTOR(compose_v64, uint64_t, words8_u64)
 #endif
 
 int rp_compose(int w, const int64_t *pp, const void *po, const void *pn, int64_t np_,

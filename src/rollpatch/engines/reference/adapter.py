@@ -7,7 +7,7 @@ under the runtime's forward lock, and serves generation over HTTP with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,11 +146,7 @@ class ReferenceEngine(EngineAdapter):
     def stage(self, patch: Patch, version: int) -> StagedUpdate:
         """Prove ``patch`` against the parameters while generation runs (reads only touched
         positions and cached digests; only commits write the parameters)."""
-        view = self.runtime.view
-        staged = stage_patch(
-            patch, view.__getitem__, view.tensor_digests(), view.sum_state, parallel=True
-        )
-        return self._buffered(staged)
+        return self._buffered(self._prove(patch))
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
         """Decode a chain of published steps (one or many) into one copy per touched tensor
@@ -180,7 +176,14 @@ class ReferenceEngine(EngineAdapter):
         if out is None:
             return None
         patch, known = out
-        staged = stage_patch(
+        return self._buffered(self._prove(patch, known))
+
+    def _prove(
+        self, patch: Patch, known: Mapping[str, tuple[int, int]] | None = None
+    ) -> StagedUpdate:
+        """``stage_patch`` against the held view, its tensors on the native threads."""
+        view = self.runtime.view
+        return stage_patch(
             patch,
             view.__getitem__,
             view.tensor_digests(),
@@ -188,7 +191,6 @@ class ReferenceEngine(EngineAdapter):
             known=known,
             parallel=True,
         )
-        return self._buffered(staged)
 
     def _buffered(self, staged: StagedUpdate) -> StagedUpdate:
         """``double_buffer``: each touched tensor's new storage, built now (a copy of the

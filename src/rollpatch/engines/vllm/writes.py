@@ -48,6 +48,10 @@ __all__ = [
 _TRIM_EVERY = 64 << 20
 
 
+def _storage_order(pl: Placement) -> tuple[int, int, int]:
+    return pl.slot, pl.dim, pl.dst_start
+
+
 def lay_out(
     staged: StagedUpdate,
     placement: Callable[[str], Placement],
@@ -66,7 +70,7 @@ def lay_out(
     for param, names in by_param.items():
         # in storage order where the tensors are row blocks (q, k, v of qkv_proj; an expert's
         # slot): the offsets concatenate increasing, and ``increasing`` need not sort them
-        names.sort(key=lambda n: (placement(n).slot, placement(n).dim, placement(n).dst_start))
+        names.sort(key=lambda n: _storage_order(placement(n)))
         chunks = []
         for name in names:
             st, pl = staged.tensors[name], placement(name)

@@ -1,7 +1,7 @@
 """What a commit leaves out of its pause (issue 10), offline: the vLLM worker's staging memory
 trace and its staging thread's cores, the kernels a commit replaces freed after the pause,
-the built-in engine's double-buffered storage made ready while staging, and the shared
-writer pool restoring every parameter when one write fails."""
+the built-in engine's double-buffered storage made ready while staging, the shared
+writer pool restoring every parameter when one write fails, and its check-and-write."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rollpatch.engines.vllm.layout import ParamSpec, Shard
 from rollpatch.engines.vllm.memtrace import MemTrace, rss_bytes, trim
 from rollpatch.engines.vllm.ops import widen_cores
 from rollpatch.engines.vllm.weights import RuntimeWeights
-from rollpatch.engines.writing import ParamWrites, numpy_access, write_params
+from rollpatch.engines.writing import ParamWrites, check_and_write, numpy_access, write_params
 from rollpatch.errors import BaseMismatchError
 from rollpatch.kinds import get_kind
 from rollpatch.patch import diff
@@ -145,3 +145,31 @@ def test_writer_pool_restores_every_parameter_when_one_fails() -> None:
     ok = {n: w for n, w in writes.items() if n != "p3"}
     assert write_params(numpy_access(params), ok, parallel=True) >= 1
     assert all(np.array_equal(params[n][w.prepared], w.new) for n, w in ok.items())
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.uint16, np.float32, np.int64])
+def test_check_and_write_is_all_or_nothing_on_every_path(dtype: Any) -> None:
+    """One pass where the core has the word size (the words as they are: a float16 parameter
+    takes uint16 words, never cast); positions out of order take the general path; a held
+    word that is not the update's old word raises, naming the parameter, with nothing
+    written."""
+    rng = np.random.default_rng(3)
+    w = np.dtype(dtype).itemsize
+    words = rng.integers(0, 256, 40_000 * w, dtype=np.uint8)
+    flat = words.view(dtype)
+    raw = flat.view(f"u{w}")
+    pos = np.sort(rng.choice(flat.size, 3_000, replace=False)).astype(np.int64)
+    old = raw[pos].copy()
+    new = (old ^ 1).astype(old.dtype)
+    before = flat.copy()
+    check_and_write(flat, pos, old, new, "p")
+    assert np.array_equal(raw[pos], new)
+    check_and_write(flat, pos[::-1].copy(), new[::-1].copy(), old[::-1].copy(), "p")
+    assert np.array_equal(flat.view(f"u{w}"), before.view(f"u{w}"))
+    bad = old.copy()
+    bad[1_500] ^= 2
+    for p, o, n in ((pos, bad, new), (pos[::-1].copy(), bad[::-1].copy(), new[::-1].copy())):
+        with pytest.raises(BaseMismatchError) as info:
+            check_and_write(flat, p, o, n, "layers.0.mlp")
+        assert info.value.context.get("param") == "layers.0.mlp"
+        assert np.array_equal(flat.view(f"u{w}"), before.view(f"u{w}")), "a refused write wrote"

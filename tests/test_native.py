@@ -197,6 +197,50 @@ def test_native_apply_checks_old_and_reports_the_digest_change() -> None:
         assert sum128(ta.data) == ((before[0] + da) & m, (before[1] + db) & m)
 
 
+@pytest.mark.parametrize("kind_name", ["u8", "bf16", "f32", "f64"])
+def test_native_apply_refuses_bad_positions_inside_a_word_and_past_the_tail(kind_name: str) -> None:
+    """apply reads each 64-bit word once and takes every change in it; a position that repeats,
+    goes back or passes the tensor's end inside that word (the tail word of an odd-sized
+    tensor) is refused like any other, with nothing written; sparse positions (prefetched
+    ahead) apply and gather like dense ones."""
+    core = native.require()
+    kind = KINDS[kind_name]
+    per = 64 // kind.bits
+    rng = np.random.default_rng(5)
+    n = 3 * per + 1  # the last word holds one element
+    a = _words(rng, kind_name, n)
+    kt = native.kind_tuple(kind, 0)
+    last = n - 1
+    bad_lists = [
+        [last, last + 1],  # past the end, in the tail word
+        [1, 1],  # repeats inside one word
+        [2, 1] if per > 2 else [per, 1],  # goes back (inside one word where it can)
+        [0, -1],
+        [last + per],
+    ]
+    for bad in bad_lists:
+        pos = np.array(bad, np.int64)
+        t = a.copy()
+        held = np.array([t[p] if 0 <= p < n else 0 for p in bad], t.dtype)
+        with pytest.raises(ValueError, match="out of range or not increasing"):
+            core.apply(kt, t, pos, held, held ^ np.array(1, t.dtype))
+        assert np.array_equal(t, a), f"a refused apply wrote something: {bad}"
+        with pytest.raises(ValueError, match="out of range"):
+            core.gather(kt, t, np.array([0, n], np.int64), np.empty(2, t.dtype))
+    big = _words(rng, kind_name, 200_000)
+    for count in (100, 50_000):  # sparse (prefetched) and dense
+        pos = np.sort(rng.choice(big.size, count, replace=False)).astype(np.int64)
+        new = _words(rng, kind_name, count)
+        t = big.copy()
+        got = np.empty(count, t.dtype)
+        core.gather(kt, t, pos, got)
+        assert np.array_equal(got, big[pos])
+        core.apply(kt, t, pos, got, new)
+        want = big.copy()
+        want[pos] = new
+        assert np.array_equal(t, want)
+
+
 def test_records_path_gives_the_same_bytes() -> None:
     """Records computed elsewhere (as a trainer's device would) code to the same payload."""
     from rollpatch.patch.codec_v2 import ChunkRecords

@@ -264,7 +264,9 @@ def decode_in_place(
                 found.append(undo[0])
             if chain and chain[0].base != sum128_digest(live.dtype, live.shape, live.nbytes, st):
                 raise BaseMismatchError("the rewound tensor is not the patch's base", tensor=name)
-        reuse = len(chain) > 1 and rewind is None  # only the compare's change is kept
+        # the steps' own changes are not kept where only the compare's change is (a chain),
+        # or the compose's (one step after a rebuild: the merge copies them out)
+        reuse = (len(chain) > 1 and rewind is None) or (len(chain) == 1 and undo is not None)
         for e in chain:
             out = outputs(e.changed, live.kind.elem_dtype) if reuse else None
             try:

@@ -140,23 +140,45 @@ def check_and_write(
     flat: np.ndarray, off: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
 ) -> None:
     """Check that the words of ``flat`` at ``off`` (increasing) are ``old`` and write ``new``;
-    all or nothing (every old word is compared before the first write).
+    all or nothing (a mismatch puts back what was written before it is raised).
 
-    The held words are gathered by the native core where it has the word size (no GIL), then
-    compared and the new ones scattered by numpy: 31 ms of CPU for 2.77M changes at 103M,
-    against 42 ms for the core's one-pass ``apply``, which also sums the rp.sum128 change of
-    every written word, a figure the staged commit has proven already and does not use."""
+    With the native core: its ``apply``, one pass (each word read once, compared, written;
+    the lines prefetched ahead), no GIL: 3.9 ms for 845k changes in a 130 MB BF16 tensor,
+    against 5 ms for a native gather, a compare and numpy's scatter (what this did while the
+    core's apply ran out of cache misses in flight: 22 ms). It also sums the rp.sum128
+    change of the words, which the staged commit has proven already and does not use.
+    Without it, or for positions out of order: gather, compare, then numpy's scatter."""
     from .. import native
+    from ..errors import BaseMismatchError, RollpatchError
 
     core = native.core
-    if core is not None and flat.itemsize in (2, 4):
+    w = flat.itemsize
+    if (
+        core is not None
+        and w in (1, 2, 4, 8)
+        and flat.flags.c_contiguous
+        and old.dtype.itemsize == new.dtype.itemsize == w  # words as they are, never cast
+    ):
+        arrays = (np.ascontiguousarray(off, np.int64), np.ascontiguousarray(old))
+        try:
+            core.apply((8 * w, 2, 0, 0), flat, *arrays, np.ascontiguousarray(new))
+            return
+        except RollpatchError as err:  # nothing written
+            raise BaseMismatchError(
+                "held words differ from the update's old words", param=name
+            ) from err
+        except ValueError:  # positions not increasing (nothing written): the general path
+            pass
+    if w in (1, 2, 4, 8) and old.dtype.itemsize == new.dtype.itemsize == w:
+        # compared and written as words: as floats, NaN != NaN and -0 == +0, and numpy
+        # would cast words of another type by value
+        flat, old, new = (a.view(f"u{w}") for a in (flat, old, new))
+    if core is not None and w in (2, 4) and flat.flags.c_contiguous:
         held = np.empty(off.size, flat.dtype)
-        core.gather((8 * flat.itemsize, 2, 0, 0), flat, off, held)  # GIL released
+        core.gather((8 * w, 2, 0, 0), flat, off, held)  # GIL released
     else:
         held = flat[off]
     if not np.array_equal(held, old):
-        from ..errors import BaseMismatchError
-
         raise BaseMismatchError("held words differ from the update's old words", param=name)
     flat[off] = new
 

@@ -2,6 +2,15 @@
  * the rp.sum128 digest (docs/patch-format.md §7). */
 #include "rp_internal.h"
 
+/* Prefetches APPLY_PF changes ahead: without them, apply's ~40 instructions per change left
+ * the core's window room for ~8 cache misses in flight (26 ns per change at 1.3% of a 130 MB
+ * tensor, against 2.5 for numpy's scatter; now 4.6), and gather's ~8 for more (5.2 -> 2.8 ns). */
+#define APPLY_PF 64
+/* A prefetch of base + off: integer arithmetic (a hostile position makes any address, and a
+ * prefetch never faults); rw 1 for a line about to be written. */
+#define prefetch_at(base, off, rw)                                                             \
+    __builtin_prefetch((const void *)((uintptr_t)(base) + (off)), (rw))
+
 /* ------------------------------------------------------------------ gather / apply */
 
 int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_t *pos,
@@ -12,7 +21,17 @@ int rp_gather(const rp_kind *kd, const uint8_t *data, int64_t n_el, const int64_
     if (kd->bits == 16 && ow == 2 && n) {
         const uint16_t *d = (const uint16_t *)data;
         uint16_t *o = out;
-        for (int64_t i = 0; i < count; i++) {
+        /* sparse (under one per 16 elements): lines mostly apart, prefetched; denser, the
+         * hardware's stream prefetch does better without them (30%: 11.5 ms against 9.8) */
+        const int64_t pf = (uint64_t)count * 16 < n ? count - APPLY_PF : 0;
+        int64_t i = 0;
+        for (; i < pf; i++) {
+            uint64_t p = (uint64_t)pos[i];
+            prefetch_at(d, (uint64_t)pos[i + APPLY_PF] << 1, 0);
+            bad |= (uint64_t)(p >= n);
+            o[i] = d[p < n ? p : 0];
+        }
+        for (; i < count; i++) {
             uint64_t p = (uint64_t)pos[i];
             bad |= (uint64_t)(p >= n);
             o[i] = d[p < n ? p : 0];
@@ -132,23 +151,41 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
     out[1] = acc[1];
 }
 
-/* Typed fast path: T elements, 8 / sizeof(T) per 64-bit word. */
+/* Typed fast path: T elements, 8 / sizeof(T) per 64-bit word. Each word is read once; its
+ * value after the writes is made in a register (lanes replaced), never read back from the
+ * element stores (a 64-bit load of bytes just stored by narrower stores cannot be forwarded
+ * and waits for them: that cost ~26 ns per change, 10x a plain scatter). A position is
+ * checked (in range, increasing) and its old element compared before its store. */
 #define APPLY_TYPED(T, LOG)                                                                 \
     do {                                                                                    \
         T *d = (T *)data;                                                                   \
         const T *o = (const T *)old, *nw = (const T *)new_;                                 \
-        int64_t i = 0, bad = -1;                                                            \
-        while (i < count && bad < 0) {                                                      \
-            uint64_t j = (uint64_t)pos[i] >> (3 - LOG);                                     \
-            uint64_t before = word_at(data, nbytes, j);                                     \
-            for (; i < count && ((uint64_t)pos[i] >> (3 - LOG)) == j; i++) {                \
-                if (pos[i] < 0 || pos[i] >= n_el || (i && pos[i] <= pos[i - 1])            \
-                    || d[pos[i]] != o[i]) { bad = i; break; }                               \
-                d[pos[i]] = nw[i];                                                          \
+        const unsigned BITS_ = 8u * (unsigned)sizeof(T), PER = 8u / (unsigned)sizeof(T);    \
+        const uint64_t MASK = BITS_ == 64 ? ~0ULL : (1ULL << (BITS_ & 63)) - 1;             \
+        int64_t i = 0, bad = -1, prev = -1;                                                 \
+        while (i < count) {                                                                 \
+            int64_t p = pos[i];                                                             \
+            if (p <= prev || p >= n_el) { bad = i; break; }                                 \
+            const uint64_t j = (uint64_t)p >> (3 - LOG);                                    \
+            if (i + APPLY_PF < count)                                                       \
+                prefetch_at(data, ((uint64_t)pos[i + APPLY_PF] >> (3 - LOG)) << 3, 1);      \
+            uint64_t before;                                                                \
+            if (j * 8 + 8 <= nbytes) memcpy(&before, data + j * 8, 8);                      \
+            else before = word_at(data, nbytes, j);                                         \
+            uint64_t after = before;                                                        \
+            for (;;) {                                                                      \
+                const unsigned sh = ((unsigned)p & (PER - 1)) * BITS_;                      \
+                if ((T)(before >> (sh & 63)) != o[i]) { bad = i; break; }                   \
+                after = (after & ~(MASK << (sh & 63))) | ((uint64_t)nw[i] << (sh & 63));    \
+                d[p] = nw[i];                                                               \
+                prev = p;                                                                   \
+                if (++i == count) break;                                                    \
+                p = pos[i];                                                                 \
+                if ((uint64_t)p >> (3 - LOG) != j || p <= prev || p >= n_el) break;         \
             }                                                                               \
-            uint64_t after = word_at(data, nbytes, j);                                      \
             d0 += sum_term(0, after, j) - sum_term(0, before, j);                           \
             d1 += sum_term(1, after, j) - sum_term(1, before, j);                           \
+            if (bad >= 0) break;                                                            \
         }                                                                                   \
         if (bad >= 0) { /* all or nothing: put back what this call wrote */                 \
             for (int64_t q = 0; q < bad; q++) d[pos[q]] = o[q];                             \

@@ -106,7 +106,8 @@ def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str
     differ, over whole tensors and sub-ranges that start and end anywhere (odd 4-bit codes, a
     range shorter than one 64-byte step), at densities from none to every element, and past
     the output's first guess (as bytes, the worst case reserved once; as a mapping grown per
-    2^20 elements, forced with ``reserve=0``)."""
+    2^20 elements, forced with ``reserve=0``; into a caller's buffer, refused when it has no
+    room for the worst case, is read-only or misaligned)."""
     core = native.core
     assert core is not None
     kind = KINDS[kind_name]
@@ -129,8 +130,18 @@ def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str
             ):  # the worst case reserved as bytes; a mapping grown by ranges
                 got = np.frombuffer(core.diff(kt, t.data, u.data, start, count, *reserve), np.int64)
                 assert np.array_equal(got, want), (n, density, start, count, reserve)
+            room = np.full(count + 1, -7, np.int64)  # a caller's buffer: the count returned
+            found = core.diff(kt, t.data, u.data, start, count, 0, room[:count])
+            assert np.array_equal(room[:found], want) and room[count] == -7  # none past it
         with pytest.raises(ValueError):
             core.diff(kt, t.data, u.data, 0, m + 1)
+        for bad in (np.empty(m - 1, np.int64), np.empty(m, np.int64)[:-1]):
+            with pytest.raises(ValueError):  # no room for the worst case: nothing written
+                core.diff(kt, t.data, u.data, 0, m, 0, bad)
+        with pytest.raises((ValueError, BufferError, TypeError)):  # read-only
+            core.diff(kt, t.data, u.data, 0, m, 0, bytes(8 * m))
+        with pytest.raises(ValueError):  # misaligned
+            core.diff(kt, t.data, u.data, 0, m, 0, np.zeros(8 * m + 1, np.uint8)[1:])
 
 
 def _merge_ref(

@@ -53,6 +53,7 @@ SumState = tuple[int, int]
 __all__ = ["decode_in_place"]
 
 _V2 = CtxGolombV2()
+_RESERVE = 1 << 28  # elements: above, a compare's worst case is not reserved up front
 
 
 @dataclass(frozen=True)
@@ -101,21 +102,6 @@ def _entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[_Ent
     return out
 
 
-def _changed(live: Tensor, work: Tensor, core: Any) -> tuple[np.ndarray, ...]:
-    """(positions, old, new) where ``work`` differs from ``live``: the native ``diff`` (a
-    64-byte compare per step, the differing lanes' positions compressed out; ~2.5x faster
-    than numpy's compare and its boolean mask at BF16 100M, 6% changed), then two gathers."""
-    from .. import native
-
-    kt = native.kind_tuple(live.kind, live.n_elements)
-    pos = np.frombuffer(core.diff(kt, live.data, work.data, 0, live.n_elements), np.int64)
-    old = np.empty(pos.size, live.kind.elem_dtype)
-    new = np.empty(pos.size, live.kind.elem_dtype)
-    core.gather(kt, live.data, pos, old)
-    core.gather(kt, work.data, pos, new)
-    return pos, old, new
-
-
 class _Arena:
     """A catch-up's kept change arrays, bump-allocated from blocks of at least 64 MiB (one
     arena per thread and catch-up; every array a view that keeps its block alive).
@@ -129,7 +115,7 @@ class _Arena:
 
     def __init__(self) -> None:
         self.block = np.empty(0, np.uint8)
-        self.off = 0
+        self.off = self.last = 0  # the next array's offset in the block, the last one's
 
     def empty(self, n: int, dtype: Any) -> np.ndarray:
         dt = np.dtype(dtype)
@@ -137,14 +123,45 @@ class _Arena:
         if self.off + need > self.block.size:
             self.block = np.empty(max(self.BLOCK, need + 64), np.uint8)
             self.off = -self.block.ctypes.data % 64  # every array on a cache line of its own
+        self.last = self.off
         out = self.block[self.off : self.off + need].view(dt)
         self.off += need + -(self.block.ctypes.data + self.off + need) % 64
         return out
+
+    def trim(self, arr: np.ndarray, n: int) -> np.ndarray:
+        """``arr[:n]``, the last array this arena gave, with the room past it given back (an
+        array reserved for the worst case: its untouched pages are never faulted in)."""
+        if not 0 <= n <= arr.size:
+            raise ValueError("trim: more than the array holds")
+        self.off = self.last
+        self.empty(n, arr.dtype)
+        return arr[:n]
 
     def keep(self, mask: np.ndarray, *arrs: np.ndarray) -> tuple[np.ndarray, ...]:
         """Each of ``arrs`` where ``mask`` holds, into arena arrays."""
         n = int(np.count_nonzero(mask))
         return tuple(np.compress(mask, a, out=self.empty(n, a.dtype)) for a in arrs)
+
+
+def _changed(live: Tensor, work: Tensor, core: Any, arena: _Arena) -> tuple[np.ndarray, ...]:
+    """(positions, old, new) where ``work`` differs from ``live``: the native ``diff`` (a
+    64-byte compare per step, the differing lanes' positions compressed out; ~2.5x faster
+    than numpy's compare and its boolean mask at BF16 100M, 6% changed), then two gathers,
+    all into the arena (the positions into the worst case reserved, the rest given back)."""
+    from .. import native
+
+    n = live.n_elements
+    kt = native.kind_tuple(live.kind, n)
+    if n <= _RESERVE:
+        room = arena.empty(n, np.int64)
+        pos = arena.trim(room, core.diff(kt, live.data, work.data, 0, n, n, room))
+    else:  # a reservation of n x 8 bytes could be refused: the core's own growing buffer
+        pos = np.frombuffer(core.diff(kt, live.data, work.data, 0, n), np.int64)
+    old = arena.empty(pos.size, live.kind.elem_dtype)
+    new = arena.empty(pos.size, live.kind.elem_dtype)
+    core.gather(kt, live.data, pos, old)
+    core.gather(kt, work.data, pos, new)
+    return pos, old, new
 
 
 def _changed_at(
@@ -330,7 +347,7 @@ def decode_in_place(
             elif undo is not None:
                 pos, old, new = _compose(undo, (pos, old, new) if chain else None, core, arena())
         elif len(chain) > 1:  # the composed change: where the copy now differs from the live words
-            pos, old, new = _changed(live, work, core)
+            pos, old, new = _changed(live, work, core, arena())
         tp = TensorPatch(name, live.kind, live.shape, base, target, DeltaOp(pos, old, new))
         return tp, st
 

@@ -163,8 +163,10 @@ out:
     return res;
 }
 
-/* diff(kind, a, b, start, n[, reserve]) -> bytes of the int64 positions in [start, start + n)
- * where a and b differ.
+/* diff(kind, a, b, start, n[, reserve[, out]]) -> bytes of the int64 positions in
+ * [start, start + n) where a and b differ; with `out` (a writable buffer of at least n int64
+ * positions: a caller's arena, whose untouched pages are never faulted in) the positions are
+ * written there and their count is returned.
  * Up to `reserve` elements (default 2^28): the worst case (n positions) reserved once as the
  * bytes returned and shrunk once to what was found (glibc shrinks in place or by mremap:
  * nothing is copied; untouched pages are never faulted in). Before, the bytes grew before
@@ -177,12 +179,13 @@ out:
  * ranges of 2^20 elements into an rp_obuf (its own mapping, grown by mremap before each range
  * so that the range's positions fit: never copied), then copied out once (O(found)). */
 PyObject *py_diff(PyObject *self, PyObject *args) {
-    PyObject *kt, *res = NULL;
-    Py_buffer a = {0}, b = {0};
+    PyObject *kt, *into = Py_None, *res = NULL;
+    Py_buffer a = {0}, b = {0}, o = {0};
     long long start, n, reserve = (long long)1 << 28;
     rp_kind k;
     int64_t total;
-    if (!PyArg_ParseTuple(args, "Oy*y*LL|L", &kt, &a, &b, &start, &n, &reserve)) return NULL;
+    if (!PyArg_ParseTuple(args, "Oy*y*LL|LO", &kt, &a, &b, &start, &n, &reserve, &into))
+        return NULL;
     if (kind_arg(kt, &k) || elem_count(&k, a.len, &total)) goto out;
     if (a.len != b.len || start < 0 || n < 0 || start + n > total) {
         PyErr_SetString(PyExc_ValueError, "bad diff range");
@@ -190,6 +193,18 @@ PyObject *py_diff(PyObject *self, PyObject *args) {
     }
     const int64_t range = (int64_t)1 << 20;
     int64_t cap = n / 32 + 1024, found = 0;
+    if (into != Py_None) {
+        if (PyObject_GetBuffer(into, &o, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
+        if (o.len / 8 < n || ((uintptr_t)o.buf & 7)) {
+            PyErr_SetString(PyExc_ValueError, "out: room for n aligned int64 positions");
+            goto out;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        rp_diff(&k, a.buf, b.buf, start, n, (int64_t *)o.buf, n, &found);
+        Py_END_ALLOW_THREADS
+        res = PyLong_FromLongLong(found);
+        goto out;
+    }
     if (n <= reserve) { /* the worst case reserved once, shrunk once: never copied */
         if (!(res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n ? n : 1) * 8))) goto out;
         Py_BEGIN_ALLOW_THREADS
@@ -221,5 +236,6 @@ PyObject *py_diff(PyObject *self, PyObject *args) {
 out:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
+    if (o.obj) PyBuffer_Release(&o);
     return res;
 }

@@ -87,8 +87,9 @@ def test_composed_change_equals_the_diff_of_the_ends(
 def test_arena_arrays_are_disjoint_aligned_and_outlive_their_block() -> None:
     """The kept change arrays come from shared blocks: each is its own aligned, writable
     region (writing one never shows in another), a request larger than a block gets a block
-    of its own, and an array stays valid after the arena has moved to a new block."""
-    from rollpatch.engines.catchup import _Arena
+    of its own, an array stays valid after the arena has moved to a new block, and a worst
+    case reserved is trimmed to what was used (the next array starts right after it)."""
+    from rollpatch.engines.catchup import _Arena, _Changes
 
     arena = _Arena()
     arena.BLOCK = 1 << 12
@@ -105,7 +106,16 @@ def test_arena_arrays_are_disjoint_aligned_and_outlive_their_block() -> None:
     assert used.tolist() == [9, 9, 9] and after.ctypes.data - used.ctypes.data == 64
     for k, a in enumerate(got):
         assert (a == k + 1).all()
+    changes = _Changes()  # one arena per array: a merge's worst case trimmed in each
+    got = changes.trim(changes.empty(50, np.uint16), 4)
+    again = changes.empty(3, np.uint16)
+    assert [a.size for a in got] == [4, 4, 4] and [a.dtype for a in again] == [
+        np.int64,
+        np.uint16,
+        np.uint16,
+    ]
+    assert [b.ctypes.data - a.ctypes.data for a, b in zip(got, again, strict=True)] == [64] * 3
     pos = np.arange(10, dtype=np.int64)
     mask = pos % 3 == 0
-    kp, kv = arena.keep(mask, pos, pos.astype(np.uint16))
-    assert kp.tolist() == [0, 3, 6, 9] and kv.dtype == np.uint16 and kv.tolist() == [0, 3, 6, 9]
+    kp, ko, kn = changes.keep(mask, pos, pos.astype(np.uint16), 2 * pos.astype(np.uint16))
+    assert kp.tolist() == [0, 3, 6, 9] and ko.dtype == np.uint16 and kn.tolist() == [0, 6, 12, 18]

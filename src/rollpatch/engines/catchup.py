@@ -103,8 +103,9 @@ def _entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[_Ent
 
 
 class _Arena:
-    """A catch-up's kept change arrays, bump-allocated from blocks of at least 64 MiB (one
-    arena per thread and catch-up; every array a view that keeps its block alive).
+    """Arrays bump-allocated from blocks of at least 64 MiB, for a catch-up's kept changes
+    (one arena per thread, array role and catch-up: :class:`_Changes`; every array a view
+    that keeps its block alive).
 
     Fresh arrays of a few MB fault in 4 KiB pages (≈0.35 ms per MB here) while numpy asks
     for huge pages only for arrays of 4 MiB and more: from a block they fault in 2 MiB pages
@@ -137,13 +138,34 @@ class _Arena:
         self.empty(n, arr.dtype)
         return arr[:n]
 
+
+class _Changes:
+    """The arenas of a thread's kept changes, one per array (positions, old words, new
+    words), so that each array takes exactly its length in its arena (a worst case reserved
+    for a compare or a merge is trimmed) and what a rewind record keeps alive, the positions
+    and old words (:mod:`rollpatch.engines.rewind`), is those arrays and no more."""
+
+    def __init__(self) -> None:
+        self.arenas = (_Arena(), _Arena(), _Arena())
+
+    def empty(self, n: int, dtype: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p, o, w = self.arenas
+        return p.empty(n, np.int64), o.empty(n, dtype), w.empty(n, dtype)
+
+    def trim(self, arrs: tuple[np.ndarray, ...], n: int) -> tuple[np.ndarray, ...]:
+        """The last arrays given, cut to ``n`` (:meth:`_Arena.trim`)."""
+        return tuple(a.trim(x, n) for a, x in zip(self.arenas, arrs, strict=True))
+
     def keep(self, mask: np.ndarray, *arrs: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Each of ``arrs`` where ``mask`` holds, into arena arrays."""
+        """Positions, old and new words where ``mask`` holds, into the arenas."""
         n = int(np.count_nonzero(mask))
-        return tuple(np.compress(mask, a, out=self.empty(n, a.dtype)) for a in arrs)
+        return tuple(
+            np.compress(mask, x, out=a.empty(n, x.dtype))
+            for a, x in zip(self.arenas, arrs, strict=True)
+        )
 
 
-def _changed(live: Tensor, work: Tensor, core: Any, arena: _Arena) -> tuple[np.ndarray, ...]:
+def _changed(live: Tensor, work: Tensor, core: Any, arena: _Changes) -> tuple[np.ndarray, ...]:
     """(positions, old, new) where ``work`` differs from ``live``: the native ``diff`` (a
     64-byte compare per step, the differing lanes' positions compressed out; ~2.5x faster
     than numpy's compare and its boolean mask at BF16 100M, 6% changed), then two gathers,
@@ -152,20 +174,20 @@ def _changed(live: Tensor, work: Tensor, core: Any, arena: _Arena) -> tuple[np.n
 
     n = live.n_elements
     kt = native.kind_tuple(live.kind, n)
+    at, dt = arena.arenas[0], live.kind.elem_dtype
     if n <= _RESERVE:
-        room = arena.empty(n, np.int64)
-        pos = arena.trim(room, core.diff(kt, live.data, work.data, 0, n, n, room))
+        room = at.empty(n, np.int64)
+        pos = at.trim(room, core.diff(kt, live.data, work.data, 0, n, n, room))
     else:  # a reservation of n x 8 bytes could be refused: the core's own growing buffer
         pos = np.frombuffer(core.diff(kt, live.data, work.data, 0, n), np.int64)
-    old = arena.empty(pos.size, live.kind.elem_dtype)
-    new = arena.empty(pos.size, live.kind.elem_dtype)
+    old, new = arena.arenas[1].empty(pos.size, dt), arena.arenas[2].empty(pos.size, dt)
     core.gather(kt, live.data, pos, old)
     core.gather(kt, work.data, pos, new)
     return pos, old, new
 
 
 def _changed_at(
-    live: Tensor, work: Tensor, pos: np.ndarray, core: Any, arena: _Arena
+    live: Tensor, work: Tensor, pos: np.ndarray, core: Any, arena: _Changes
 ) -> tuple[np.ndarray, ...]:
     """(positions, old, new) where ``work`` differs from ``live`` among ``pos`` (sorted): the
     only positions a rewind and the decode wrote."""
@@ -207,7 +229,7 @@ def _compose(
     undo: tuple[np.ndarray, np.ndarray, np.ndarray],
     step: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
     core: Any,
-    arena: _Arena,
+    arena: _Changes,
 ) -> tuple[np.ndarray, ...]:
     """The rebuild (live -> rewound words) followed by one decoded step (rewound -> target
     words): the change live -> target, merged by the native ``compose`` (one linear pass
@@ -217,12 +239,11 @@ def _compose(
         return arena.keep(old != new, pos, old, new)
     arrs = [np.ascontiguousarray(a) for a in (*undo, *step)]
     cap = pos.size + step[0].size
-    rp = arena.empty(cap, np.int64)
-    ro, rn = arena.empty(cap, old.dtype), arena.empty(cap, old.dtype)
-    n = core.compose(old.dtype.itemsize, *arrs, rp, ro, rn)
+    got = arena.empty(cap, old.dtype)
+    n = core.compose(old.dtype.itemsize, *arrs, *got)
     if n < 0:  # both read the same rebuilt words: cannot happen
         raise BaseMismatchError("the decoded step does not start at the rebuilt words")
-    return rp[:n], ro[:n], rn[:n]
+    return arena.trim(got, n)
 
 
 def decode_in_place(
@@ -280,10 +301,10 @@ def decode_in_place(
         np.copyto(out, data)
         return out
 
-    def arena() -> _Arena:
-        got: _Arena | None = getattr(held_bufs, "arena", None)
+    def arena() -> _Changes:
+        got: _Changes | None = getattr(held_bufs, "arena", None)
         if got is None:
-            got = held_bufs.arena = _Arena()
+            got = held_bufs.arena = _Changes()
         return got
 
     def outputs(n: int, dt: Any, reuse: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -293,8 +314,7 @@ def decode_in_place(
         step and tensor were fresh pages each time (11.3M changes, ~135 MB, for 5 steps at
         103M)."""
         if not reuse:
-            a = arena()
-            return a.empty(n, np.int64), a.empty(n, dt), a.empty(n, dt)
+            return arena().empty(n, dt)
         bufs: dict[Any, np.ndarray] = held_bufs.__dict__.setdefault("out", {})
         got = []
         for key, d in (("pos", np.dtype(np.int64)), (("old", dt), dt), (("new", dt), dt)):

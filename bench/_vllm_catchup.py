@@ -36,7 +36,7 @@ import numpy as np
 from _util import table
 
 from rollpatch import native
-from rollpatch.engines.catchup import _V2, _changed, _entries, decode_in_place
+from rollpatch.engines.catchup import _V2, _changed, _Changes, _entries, decode_in_place
 from rollpatch.engines.staged import stage_patch
 from rollpatch.io.safetensors import load_view
 from rollpatch.patch import diff, encode, inspect
@@ -91,6 +91,7 @@ def _parts(
     for _ in range(reps):
         c = m = 0.0
         per = [0.0] * len(chain)
+        arena = _Changes()  # the engine's: one per thread and catch-up
         for name, es in by_name.items():
             t = live[name]
             t0 = time.process_time()
@@ -104,7 +105,7 @@ def _parts(
                 per[e.step] += time.process_time() - t0
             if len(es) > 1:
                 t0 = time.process_time()
-                _changed(t, w, native.core)
+                _changed(t, w, native.core, arena)
                 m += time.process_time() - t0
         copy.append(c)
         compare.append(m)

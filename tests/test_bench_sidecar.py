@@ -17,7 +17,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from _sidecar_load import BenchError, bodies, run_load
-from _sidecar_proxy import TARGET_P50_ADDED_S, TARGET_RATIO, _row, chunk_order, pair_stats
+from _sidecar_proxy import (
+    TARGET_P50_ADDED_S,
+    TARGET_RATIO,
+    _check_texts,
+    _row,
+    chunk_order,
+    pair_stats,
+)
 from _sidecar_proxy_report import target_rows
 
 
@@ -47,6 +54,24 @@ def _chunk(target: str, rps: float, p50: float) -> dict[str, Any]:
         "lat": [p50] * n,
         "start": [i / rps for i in range(n)],
     }
+
+
+def test_check_texts_tells_a_proxy_that_changed_a_completion_from_engine_variance(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    same = {"0": {"4": {"direct once c=1", "sidecar once c=1"}}}
+    _check_texts("vllm", same)
+    changed = {"0": {"4": {"direct once c=1", "sidecar once c=1"}, "5": {"sidecar once c=16"}}}
+    with pytest.raises(BenchError, match="prompt 0: the sidecar changed a completion"):
+        _check_texts("vllm", changed)
+    variant = {
+        "0": {"4": {"direct once c=1", "sidecar once c=1"}, "5": {"direct once c=16"}},
+        "1": {"x": {"direct stream c=1", "sidecar stream c=1"}},
+    }
+    _check_texts("vllm", variant)
+    err = capsys.readouterr().err
+    assert "prompt 0 got 2 completions at temperature 0, 2 on the direct path" in err
+    assert "prompt 1" not in err
 
 
 def test_pair_stats_and_targets_table() -> None:

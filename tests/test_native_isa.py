@@ -107,7 +107,8 @@ def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str
     range shorter than one 64-byte step), at densities from none to every element, and past
     the output's first guess (as bytes, the worst case reserved once; as a mapping grown per
     2^20 elements, forced with ``reserve=0``; into a caller's buffer, refused when it has no
-    room for the worst case, is read-only or misaligned)."""
+    room for the worst case, is read-only or misaligned), and with the differing words of
+    both tensors into the caller's buffers too (kinds of 8 bits and more)."""
     core = native.core
     assert core is not None
     kind = KINDS[kind_name]
@@ -133,8 +134,25 @@ def test_every_isa_level_diffs_the_same_positions(isa_level: str, kind_name: str
             room = np.full(count + 1, -7, np.int64)  # a caller's buffer: the count returned
             found = core.diff(kt, t.data, u.data, start, count, 0, room[:count])
             assert np.array_equal(room[:found], want) and room[count] == -7  # none past it
+            if kind.packed:  # words out only for kinds of 8 bits and more
+                with pytest.raises(ValueError, match="8 bits"):
+                    core.diff(kt, t.data, u.data, start, count, 0, room[:count], a, b.copy())
+                continue
+            olds, news = (np.full(count + 1, 7, kind.word_dtype) for _ in "on")
+            room[:] = -7
+            found = core.diff(kt, t.data, u.data, start, count, 0, room[:count], olds, news)
+            assert np.array_equal(room[:found], want) and room[count] == -7
+            assert np.array_equal(olds[:found], a[want]) and np.array_equal(news[:found], b[want])
+            assert olds[count] == news[count] == 7  # none past the room for n words
         with pytest.raises(ValueError):
             core.diff(kt, t.data, u.data, 0, m + 1)
+        if not kind.packed:
+            pos, w = np.empty(m, np.int64), np.empty(m, kind.word_dtype)
+            for bad in ((w, None), (None, w), (w[:-1], w.copy()), (w, w.copy()[:-1])):
+                with pytest.raises(ValueError):  # both or neither, with room for n words each
+                    core.diff(kt, t.data, u.data, 0, m, 0, pos, *bad)
+            with pytest.raises(ValueError, match="with out only"):
+                core.diff(kt, t.data, u.data, 0, m, 0, None, w, w.copy())
         for bad in (np.empty(m - 1, np.int64), np.empty(m, np.int64)[:-1]):
             with pytest.raises(ValueError):  # no room for the worst case: nothing written
                 core.diff(kt, t.data, u.data, 0, m, 0, bad)

@@ -163,10 +163,12 @@ out:
     return res;
 }
 
-/* diff(kind, a, b, start, n[, reserve[, out]]) -> bytes of the int64 positions in
+/* diff(kind, a, b, start, n[, reserve[, out[, olds, news]]]) -> bytes of the int64 positions in
  * [start, start + n) where a and b differ; with `out` (a writable buffer of at least n int64
  * positions: a caller's arena, whose untouched pages are never faulted in) the positions are
- * written there and their count is returned.
+ * written there and their count is returned; with `olds` and `news` too (room for n words
+ * each; kinds of 8 bits and more) the differing words of a and of b are written there, taken
+ * in the compare's pass.
  * Up to `reserve` elements (default 2^28): the worst case (n positions) reserved once as the
  * bytes returned and shrunk once to what was found (glibc shrinks in place or by mremap:
  * nothing is copied; untouched pages are never faulted in). Before, the bytes grew before
@@ -179,12 +181,13 @@ out:
  * ranges of 2^20 elements into an rp_obuf (its own mapping, grown by mremap before each range
  * so that the range's positions fit: never copied), then copied out once (O(found)). */
 PyObject *py_diff(PyObject *self, PyObject *args) {
-    PyObject *kt, *into = Py_None, *res = NULL;
-    Py_buffer a = {0}, b = {0}, o = {0};
+    PyObject *kt, *into = Py_None, *olds = Py_None, *news = Py_None, *res = NULL;
+    Py_buffer a = {0}, b = {0}, o = {0}, ob_ = {0}, nb = {0};
     long long start, n, reserve = (long long)1 << 28;
     rp_kind k;
     int64_t total;
-    if (!PyArg_ParseTuple(args, "Oy*y*LL|LO", &kt, &a, &b, &start, &n, &reserve, &into))
+    if (!PyArg_ParseTuple(args, "Oy*y*LL|LOOO", &kt, &a, &b, &start, &n, &reserve, &into, &olds,
+                          &news))
         return NULL;
     if (kind_arg(kt, &k) || elem_count(&k, a.len, &total)) goto out;
     if (a.len != b.len || start < 0 || n < 0 || start + n > total) {
@@ -199,10 +202,30 @@ PyObject *py_diff(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "out: room for n aligned int64 positions");
             goto out;
         }
+        if ((olds == Py_None) != (news == Py_None)) {
+            PyErr_SetString(PyExc_ValueError, "olds and news: both or neither");
+            goto out;
+        }
+        if (olds != Py_None) {
+            if (k.bits < 8) {
+                PyErr_SetString(PyExc_ValueError, "olds/news: kinds of 8 bits and more");
+                goto out;
+            }
+            if (PyObject_GetBuffer(olds, &ob_, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
+            if (PyObject_GetBuffer(news, &nb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
+            if (ob_.len / (k.bits / 8) < n || nb.len / (k.bits / 8) < n) {
+                PyErr_SetString(PyExc_ValueError, "olds/news: room for n words each");
+                goto out;
+            }
+        }
         Py_BEGIN_ALLOW_THREADS
-        rp_diff(&k, a.buf, b.buf, start, n, (int64_t *)o.buf, n, &found);
+        rp_diff_words(&k, a.buf, b.buf, start, n, (int64_t *)o.buf, ob_.buf, nb.buf, n, &found);
         Py_END_ALLOW_THREADS
         res = PyLong_FromLongLong(found);
+        goto out;
+    }
+    if (olds != Py_None || news != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "olds/news: with out only");
         goto out;
     }
     if (n <= reserve) { /* the worst case reserved once, shrunk once: never copied */
@@ -237,5 +260,7 @@ out:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
     if (o.obj) PyBuffer_Release(&o);
+    if (ob_.obj) PyBuffer_Release(&ob_);
+    if (nb.obj) PyBuffer_Release(&nb);
     return res;
 }

@@ -135,6 +135,11 @@ int rp_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const int64_t *pos,
  * positions; returns the number found in *found (which may exceed cap: call again). */
 int rp_diff(const rp_kind *k, const uint8_t *a, const uint8_t *b, int64_t start, int64_t n,
             int64_t *pos, int64_t cap, int64_t *found);
+/* rp_diff, and the differing elements' words in a (olds) and in b (news), each with room for
+ * cap elements; kinds of 8 bits and more (RP_EARG for 4-bit codes). */
+int rp_diff_words(const rp_kind *k, const uint8_t *a, const uint8_t *b, int64_t start,
+                  int64_t n, int64_t *pos, uint8_t *olds, uint8_t *news, int64_t cap,
+                  int64_t *found);
 
 /* The changes of applying p then q (positions strictly increasing in each; elements `w`
  * bytes wide): positions in either, old from p where p has it, new from q where q has it;

@@ -13,6 +13,7 @@ from rollpatch.errors import BaseMismatchError, PatchError, TargetMismatchError
 from rollpatch.kinds import KINDS
 from rollpatch.patch import apply, apply_bytes, compose, decode, diff, encode, inspect
 from rollpatch.patch.groups import MIN_CONTEXT_ELEMENTS
+from rollpatch.patch.ops import changes
 from rollpatch.view import Tensor, View
 
 SPECIAL_BF16 = [
@@ -85,6 +86,27 @@ def test_roundtrip_every_kind(kind_name: str, n: int, density: float) -> None:
     a = _words(rng, kind_name, n)
     b = _perturb(rng, kind_name, a, density)
     _roundtrip(_view(kind_name, a), _view(kind_name, b))
+
+
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+@pytest.mark.parametrize("n", [0, 1, 33, 70_001])
+def test_changes_are_the_differing_elements_of_both(kind_name: str, n: int) -> None:
+    """``ops.changes`` (the words taken in the native compare's pass, or gathered after it for
+    4-bit codes) = numpy's positions and elements, words compared as words (NaN, -0)."""
+    rng = np.random.default_rng(n + len(kind_name))
+    kind = KINDS[kind_name]
+    words = max(n // 2, 1) if kind.packed else n
+    a = _words(rng, kind_name, words)
+    b = _perturb(rng, kind_name, a, 0.2)
+    if kind_name == "bf16" and n > 1:
+        a[:2], b[:2] = (0x7FC0, 0x8000), (0x7FC1, 0x0000)  # NaN to NaN, -0 to +0: changes
+    ta, tb = Tensor(kind, (a.size,), a), Tensor(kind, (b.size,), b)
+    ea, eb = ta.elements(), tb.elements()
+    want = np.flatnonzero(ea != eb)
+    pos, old, new = changes(ta, tb)
+    assert pos.dtype == np.int64 and np.array_equal(pos, want)
+    assert np.array_equal(old, ea[want]) and np.array_equal(new, eb[want])
+    assert old.dtype == new.dtype == kind.elem_dtype
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

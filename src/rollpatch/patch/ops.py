@@ -61,6 +61,9 @@ def scatter(
     return None
 
 
+_RESERVE = 1 << 28  # elements: above, words are gathered after the core's own growing diff
+
+
 def same_layout(a: Tensor, b: Tensor) -> bool:
     """Same kind and shape. Kinds come from one registry: identity first (the dataclass's
     compare builds two tuples, ~1 us, on every tensor of every encode and apply)."""
@@ -77,6 +80,23 @@ def changed_positions(a: Tensor, b: Tensor) -> np.ndarray:
         )
     ea, eb = (a.elements(), b.elements()) if a.kind.packed else (a.data, b.data)
     return np.flatnonzero(ea != eb).astype(np.int64)
+
+
+def changes(a: Tensor, b: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions where two same-layout tensors differ, and the elements there in ``a`` and
+    in ``b``. The native core takes whole words (kinds of 8 bits and more) in the compare's
+    pass, into the worst case reserved (pages it does not touch are never faulted in) and
+    copied out at their length: two gathers after the compare were each another pass over a
+    tensor (16.8M BF16 words at 8% changed, one thread: 18.4 -> 9.3 ms)."""
+    core, n = native.core, a.n_elements
+    if core is not None and not a.kind.packed and 0 < n <= _RESERVE:
+        dt = a.kind.elem_dtype
+        room = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
+        found = core.diff(native.kind_tuple(a.kind, n), a.data, b.data, 0, n, n, *room)
+        pos, old, new = (x[:found].copy() for x in room)
+        return pos, old, new
+    pos = changed_positions(a, b)
+    return pos, gather(a, pos), gather(b, pos)
 
 
 def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
@@ -97,7 +117,7 @@ def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
             )
             continue
         ta = a[name]
-        pos = changed_positions(ta, tb)
+        pos, old, new = changes(ta, tb)
         if pos.size == 0:
             continue
         tensors[name] = TensorPatch(
@@ -106,7 +126,7 @@ def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
             ta.shape,
             a.tensor_digest(name, digest),
             b.tensor_digest(name, digest),
-            DeltaOp(pos, gather(ta, pos), gather(tb, pos)),
+            DeltaOp(pos, old, new),
         )
     return Patch(a.digest(digest), b.digest(digest), tensors, digest=digest)
 

@@ -176,6 +176,17 @@ static int64_t diff_lists(const fz_case *c, const uint8_t *a, const uint8_t *b, 
     if (rp_gather(&c->k, a, n, *pos, found, *ov, ow, &err)
         || rp_gather(&c->k, b, n, *pos, found, *nv, ow, &err))
         fz_fail("rp_gather refused rp_diff's positions");
+    if (c->k.bits >= 8) { /* the words taken in the compare's pass = the gathers' */
+        int64_t *p2 = malloc((size_t)n * 8 + 8), f2 = -1;
+        uint8_t *o2 = malloc((size_t)n * ow + 8), *n2 = malloc((size_t)n * ow + 8);
+        if (!p2 || !o2 || !n2) fz_fail("out of memory");
+        if (rp_diff_words(&c->k, a, b, 0, n, p2, o2, n2, n, &f2) != RP_OK || f2 != found
+            || (found && (memcmp(p2, *pos, (size_t)found * 8)
+                          || memcmp(o2, *ov, (size_t)found * ow)
+                          || memcmp(n2, *nv, (size_t)found * ow))))
+            fz_fail("rp_diff_words differs from rp_diff and two gathers");
+        free(p2); free(o2); free(n2);
+    }
     return found;
 }
 

@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 from _util import table
 
-from rollpatch import native
-from rollpatch.engines.catchup import _V2, _changed, _Changes, _entries, decode_in_place
+from rollpatch.engines.catchup import _V2, _Changes, _entries, decode_in_place
 from rollpatch.engines.staged import stage_patch
 from rollpatch.io.safetensors import load_view
 from rollpatch.patch import diff, encode, inspect
+from rollpatch.patch.differ import changes
 from rollpatch.view import Tensor, View
 
 #: Share of the words the floor patch changes (few blocks of 256 words hold a change).
@@ -105,7 +105,7 @@ def _parts(
                 per[e.step] += time.process_time() - t0
             if len(es) > 1:
                 t0 = time.process_time()
-                _changed(t, w, native.core, arena)
+                changes(t, w, empty=arena.empty, trim=arena.trim)
                 m += time.process_time() - t0
         copy.append(c)
         compare.append(m)

@@ -18,7 +18,8 @@ from rollpatch.errors import BaseMismatchError, PatchDecodeError, RollpatchError
 from rollpatch.kinds import KINDS
 from rollpatch.patch.codec_v2 import CtxGolombV2
 from rollpatch.patch.ctxv2 import CHUNK
-from rollpatch.patch.ops import changed_positions, gather
+from rollpatch.patch.differ import changed_positions
+from rollpatch.patch.ops import gather
 from rollpatch.view import Tensor, _sum128_numpy, sum128
 from tests.test_patch import SPECIAL_BF16, _perturb, _words
 

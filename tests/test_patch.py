@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from rollpatch.errors import BaseMismatchError, PatchError, TargetMismatchError
 from rollpatch.kinds import KINDS
 from rollpatch.patch import apply, apply_bytes, compose, decode, diff, encode, inspect
+from rollpatch.patch.differ import changes
 from rollpatch.patch.groups import MIN_CONTEXT_ELEMENTS
-from rollpatch.patch.ops import changes
 from rollpatch.view import Tensor, View
 
 SPECIAL_BF16 = [
@@ -91,7 +91,7 @@ def test_roundtrip_every_kind(kind_name: str, n: int, density: float) -> None:
 @pytest.mark.parametrize("kind_name", sorted(KINDS))
 @pytest.mark.parametrize("n", [0, 1, 33, 70_001])
 def test_changes_are_the_differing_elements_of_both(kind_name: str, n: int) -> None:
-    """``ops.changes`` (the words taken in the native compare's pass, or gathered after it for
+    """``differ.changes`` (the words taken in the native compare's pass, or gathered after it for
     4-bit codes) = numpy's positions and elements, words compared as words (NaN, -0)."""
     rng = np.random.default_rng(n + len(kind_name))
     kind = KINDS[kind_name]

@@ -44,6 +44,7 @@ from ..errors import (
 from ..kinds import KINDS
 from ..patch import DeltaOp, Patch, TensorPatch, inspect
 from ..patch.codec_v2 import CtxGolombV2
+from ..patch.differ import changes
 from ..patch.header import DIGESTS
 from ..view import Tensor, WordSource, sum128_digest, sum_add
 from .rewind import Rewind, merge_positions
@@ -53,7 +54,6 @@ SumState = tuple[int, int]
 __all__ = ["decode_in_place"]
 
 _V2 = CtxGolombV2()
-_RESERVE = 1 << 28  # elements: above, a compare's worst case is not reserved up front
 
 
 @dataclass(frozen=True)
@@ -163,33 +163,6 @@ class _Changes:
             np.compress(mask, x, out=a.empty(n, x.dtype))
             for a, x in zip(self.arenas, arrs, strict=True)
         )
-
-
-def _changed(live: Tensor, work: Tensor, core: Any, arena: _Changes) -> tuple[np.ndarray, ...]:
-    """(positions, old, new) where ``work`` differs from ``live``: the native ``diff`` (a
-    64-byte compare per step, the differing lanes' positions compressed out; ~2.5x faster
-    than numpy's compare and its boolean mask at BF16 100M, 6% changed), into the arena (the
-    worst case reserved, the rest given back). Kinds of 8 bits and more take the differing
-    words in the compare's pass too; 4-bit codes (and tensors past ``_RESERVE``) by two
-    gathers after it, each a second pass over a tensor (16.8M BF16 words at 8% changed, one
-    thread: 18.4 ms with the gathers, 9.3 with the words in the pass)."""
-    from .. import native
-
-    n = live.n_elements
-    kt = native.kind_tuple(live.kind, n)
-    at, dt = arena.arenas[0], live.kind.elem_dtype
-    if n <= _RESERVE and not live.kind.packed:
-        rooms = arena.empty(n, dt)
-        return arena.trim(rooms, core.diff(kt, live.data, work.data, 0, n, n, *rooms))
-    if n <= _RESERVE:
-        room = at.empty(n, np.int64)
-        pos = at.trim(room, core.diff(kt, live.data, work.data, 0, n, n, room))
-    else:  # a reservation of n x 8 bytes could be refused: the core's own growing buffer
-        pos = np.frombuffer(core.diff(kt, live.data, work.data, 0, n), np.int64)
-    old, new = arena.arenas[1].empty(pos.size, dt), arena.arenas[2].empty(pos.size, dt)
-    core.gather(kt, live.data, pos, old)
-    core.gather(kt, work.data, pos, new)
-    return pos, old, new
 
 
 def _changed_at(
@@ -373,7 +346,8 @@ def decode_in_place(
             elif undo is not None:
                 pos, old, new = _compose(undo, (pos, old, new) if chain else None, core, arena())
         elif len(chain) > 1:  # the composed change: where the copy now differs from the live words
-            pos, old, new = _changed(live, work, core, arena())
+            a = arena()
+            pos, old, new = changes(live, work, empty=a.empty, trim=a.trim)
         tp = TensorPatch(name, live.kind, live.shape, base, target, DeltaOp(pos, old, new))
         return tp, st
 

@@ -5,9 +5,10 @@ docs/patch-format.md for the wire format.
 """
 
 from ..view import View
+from .differ import diff
 from .inplace import apply_encoded
 from .model import DeltaOp, DropOp, FullOp, Op, Patch, TensorPatch
-from .ops import apply, compose, diff
+from .ops import apply, compose
 from .unwire import decode
 from .wire import PatchHeader, encode, encode_views, encode_views_patch, inspect
 

@@ -1,4 +1,4 @@
-"""diff, apply and compose on decoded patches.
+"""apply and compose on decoded patches (diff: :mod:`.differ`).
 
 ``apply`` never leaves a view with unknown bits: it validates everything and checks the base
 digests before writing, verifies the target digests after, and undoes its writes on mismatch.
@@ -13,10 +13,10 @@ import numpy as np
 
 from .. import native
 from ..errors import BaseMismatchError, PatchError, TargetMismatchError
-from ..view import DEFAULT_DIGEST, DigestAlgo, Tensor, View, sum_add
+from ..view import DigestAlgo, Tensor, View, sum_add
 from .model import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 
-__all__ = ["InPlaceDelta", "apply", "compose", "diff", "gather", "scatter", "write_verified"]
+__all__ = ["InPlaceDelta", "apply", "compose", "gather", "scatter", "write_verified"]
 
 
 def gather(t: Tensor, positions: np.ndarray) -> np.ndarray:
@@ -61,74 +61,10 @@ def scatter(
     return None
 
 
-_RESERVE = 1 << 28  # elements: above, words are gathered after the core's own growing diff
-
-
 def same_layout(a: Tensor, b: Tensor) -> bool:
     """Same kind and shape. Kinds come from one registry: identity first (the dataclass's
     compare builds two tuples, ~1 us, on every tensor of every encode and apply)."""
     return (a.kind is b.kind or a.kind == b.kind) and a.shape == b.shape
-
-
-def changed_positions(a: Tensor, b: Tensor) -> np.ndarray:
-    """Sorted int64 positions of the elements where two same-layout tensors differ."""
-    core = native.core
-    if core is not None:
-        n = a.n_elements
-        return np.frombuffer(
-            core.diff(native.kind_tuple(a.kind, 0), a.data, b.data, 0, n), dtype=np.int64
-        )
-    ea, eb = (a.elements(), b.elements()) if a.kind.packed else (a.data, b.data)
-    return np.flatnonzero(ea != eb).astype(np.int64)
-
-
-def changes(a: Tensor, b: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Positions where two same-layout tensors differ, and the elements there in ``a`` and
-    in ``b``. The native core takes whole words (kinds of 8 bits and more) in the compare's
-    pass, into the worst case reserved (pages it does not touch are never faulted in) and
-    copied out at their length: two gathers after the compare were each another pass over a
-    tensor (16.8M BF16 words at 8% changed, one thread: 18.4 -> 9.3 ms)."""
-    core, n = native.core, a.n_elements
-    if core is not None and not a.kind.packed and 0 < n <= _RESERVE:
-        dt = a.kind.elem_dtype
-        room = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
-        found = core.diff(native.kind_tuple(a.kind, n), a.data, b.data, 0, n, n, *room)
-        pos, old, new = (x[:found].copy() for x in room)
-        return pos, old, new
-    pos = changed_positions(a, b)
-    return pos, gather(a, pos), gather(b, pos)
-
-
-def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:
-    """The patch that turns view ``a`` into view ``b``, bit for bit."""
-    tensors: dict[str, TensorPatch] = {}
-    for name in sorted(set(a) | set(b)):
-        if name not in b:
-            ta = a[name]
-            tensors[name] = TensorPatch(
-                name, ta.kind, ta.shape, a.tensor_digest(name, digest), None, DropOp()
-            )
-            continue
-        tb = b[name]
-        if name not in a or not same_layout(a[name], tb):
-            base = a.tensor_digest(name, digest) if name in a else None
-            tensors[name] = TensorPatch(
-                name, tb.kind, tb.shape, base, b.tensor_digest(name, digest), FullOp(tb.copy())
-            )
-            continue
-        ta = a[name]
-        pos, old, new = changes(ta, tb)
-        if pos.size == 0:
-            continue
-        tensors[name] = TensorPatch(
-            name,
-            ta.kind,
-            ta.shape,
-            a.tensor_digest(name, digest),
-            b.tensor_digest(name, digest),
-            DeltaOp(pos, old, new),
-        )
-    return Patch(a.digest(digest), b.digest(digest), tensors, digest=digest)
 
 
 def _check_applicable(view: View, patch: Patch, verify: bool) -> None:

@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 from _util import table
 
-from rollpatch.engines.catchup import _V2, _Changes, _entries, decode_in_place
+from rollpatch.engines.catchup import Changes, decode_in_place, step_entries
 from rollpatch.engines.staged import stage_patch
 from rollpatch.io.safetensors import load_view
 from rollpatch.patch import diff, encode, inspect
+from rollpatch.patch.codec_v2 import CtxGolombV2
 from rollpatch.patch.differ import changes
 from rollpatch.view import Tensor, View
 
@@ -80,18 +81,19 @@ def _parts(
     """``decode_in_place``'s work on ``live`` timed by part (CPU ms, min over ``reps`` each):
     the scratch copy of every touched tensor, each step's ``decode_into`` (with its change
     records), the compare of the copy with the live words (chains only)."""
-    entries = _entries(chain, [[b] for b in blobs])
+    entries = step_entries(chain, [[b] for b in blobs])
     if entries is None:
         raise RuntimeError("the catch-up path did not take the in-place decoder")
     by_name: dict[str, list[Any]] = {}
     for e in entries:
         by_name.setdefault(e.name, []).append(e)
     buf = np.empty(max(live[n].nbytes for n in by_name), np.uint8)
+    codec = CtxGolombV2()  # the in-place decoder's codec
     copy, compare, steps = [], [], []
     for _ in range(reps):
         c = m = 0.0
         per = [0.0] * len(chain)
-        arena = _Changes()  # the engine's: one per thread and catch-up
+        arena = Changes()  # the engine's: one per thread and catch-up
         for name, es in by_name.items():
             t = live[name]
             t0 = time.process_time()
@@ -101,7 +103,7 @@ def _parts(
             w = Tensor(t.kind, t.shape, work)
             for e in es:
                 t0 = time.process_time()
-                _V2.decode_into(e.payload, w, e.changed)
+                codec.decode_into(e.payload, w, e.changed)
                 per[e.step] += time.process_time() - t0
             if len(es) > 1:
                 t0 = time.process_time()

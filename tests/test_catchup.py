@@ -89,7 +89,7 @@ def test_arena_arrays_are_disjoint_aligned_and_outlive_their_block() -> None:
     region (writing one never shows in another), a request larger than a block gets a block
     of its own, an array stays valid after the arena has moved to a new block, and a worst
     case reserved is trimmed to what was used (the next array starts right after it)."""
-    from rollpatch.engines.catchup import _Arena, _Changes
+    from rollpatch.engines.catchup import Changes, _Arena
 
     arena = _Arena()
     arena.BLOCK = 1 << 12
@@ -106,7 +106,7 @@ def test_arena_arrays_are_disjoint_aligned_and_outlive_their_block() -> None:
     assert used.tolist() == [9, 9, 9] and after.ctypes.data - used.ctypes.data == 64
     for k, a in enumerate(got):
         assert (a == k + 1).all()
-    changes = _Changes()  # one arena per array: a merge's worst case trimmed in each
+    changes = Changes()  # one arena per array: a merge's worst case trimmed in each
     got = changes.trim(changes.empty(50, np.uint16), 4)
     again = changes.empty(3, np.uint16)
     assert [a.size for a in got] == [4, 4, 4] and [a.dtype for a in again] == [

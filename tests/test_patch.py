@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollpatch.engines.catchup import Changes
 from rollpatch.errors import BaseMismatchError, PatchError, TargetMismatchError
 from rollpatch.kinds import KINDS
 from rollpatch.patch import apply, apply_bytes, compose, decode, diff, encode, inspect
@@ -103,10 +104,12 @@ def test_changes_are_the_differing_elements_of_both(kind_name: str, n: int) -> N
     ta, tb = Tensor(kind, (a.size,), a), Tensor(kind, (b.size,), b)
     ea, eb = ta.elements(), tb.elements()
     want = np.flatnonzero(ea != eb)
-    pos, old, new = changes(ta, tb)
-    assert pos.dtype == np.int64 and np.array_equal(pos, want)
-    assert np.array_equal(old, ea[want]) and np.array_equal(new, eb[want])
-    assert old.dtype == new.dtype == kind.elem_dtype
+    arena = Changes()  # the catch-up's: rooms in arena blocks, trimmed in place
+    for got in (changes(ta, tb), changes(ta, tb, empty=arena.empty, trim=arena.trim)):
+        pos, old, new = got
+        assert pos.dtype == np.int64 and np.array_equal(pos, want)
+        assert np.array_equal(old, ea[want]) and np.array_equal(new, eb[want])
+        assert old.dtype == new.dtype == kind.elem_dtype
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -51,13 +51,15 @@ from .rewind import Rewind, merge_positions
 
 SumState = tuple[int, int]
 
-__all__ = ["decode_in_place"]
+__all__ = ["Changes", "StepEntry", "decode_in_place", "step_entries"]
 
 _V2 = CtxGolombV2()
 
 
 @dataclass(frozen=True)
-class _Entry:
+class StepEntry:
+    """One tensor's delta in step ``step`` of a chain (its payload a view of the object)."""
+
     step: int
     name: str
     kind: str
@@ -68,8 +70,11 @@ class _Entry:
     changed: int
 
 
-def _entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[_Entry] | None:
-    out: list[_Entry] = []
+def step_entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[StepEntry] | None:
+    """Every tensor entry of the chain's patch objects (``blobs[k]``: step ``k``'s), each
+    payload checked against its checksum; None when one is not an ``rp.ctxgolomb.v2`` delta
+    (the in-place decoder does not take it)."""
+    out: list[StepEntry] = []
     for k, (step, parts) in enumerate(zip(steps, blobs, strict=True)):
         seen: set[str] = set()
         for blob in parts:
@@ -88,7 +93,7 @@ def _entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[_Ent
                 if blake3.blake3(payload).hexdigest() != e["b3"]:
                     raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
                 out.append(
-                    _Entry(
+                    StepEntry(
                         k,
                         e["name"],
                         e["kind"],
@@ -104,7 +109,7 @@ def _entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[_Ent
 
 class _Arena:
     """Arrays bump-allocated from blocks of at least 64 MiB, for a catch-up's kept changes
-    (one arena per thread, array role and catch-up: :class:`_Changes`; every array a view
+    (one arena per thread, array role and catch-up: :class:`Changes`; every array a view
     that keeps its block alive).
 
     Fresh arrays of a few MB fault in 4 KiB pages (≈0.35 ms per MB here) while numpy asks
@@ -139,7 +144,7 @@ class _Arena:
         return arr[:n]
 
 
-class _Changes:
+class Changes:
     """The arenas of a thread's kept changes, one per array (positions, old words, new
     words), so that each array takes exactly its length in its arena (a worst case reserved
     for a compare or a merge is trimmed) and what a rewind record keeps alive, the positions
@@ -166,7 +171,7 @@ class _Changes:
 
 
 def _changed_at(
-    live: Tensor, work: Tensor, pos: np.ndarray, core: Any, arena: _Changes
+    live: Tensor, work: Tensor, pos: np.ndarray, core: Any, arena: Changes
 ) -> tuple[np.ndarray, ...]:
     """(positions, old, new) where ``work`` differs from ``live`` among ``pos`` (sorted): the
     only positions a rewind and the decode wrote."""
@@ -208,7 +213,7 @@ def _compose(
     undo: tuple[np.ndarray, np.ndarray, np.ndarray],
     step: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
     core: Any,
-    arena: _Changes,
+    arena: Changes,
 ) -> tuple[np.ndarray, ...]:
     """The rebuild (live -> rewound words) followed by one decoded step (rewound -> target
     words): the change live -> target, merged by the native ``compose`` (one linear pass
@@ -260,10 +265,10 @@ def decode_in_place(
     core = native.core
     if core is None or not steps:
         return None
-    entries = _entries(steps, blobs)
+    entries = step_entries(steps, blobs)
     if entries is None:
         return None
-    by_name: dict[str, list[_Entry]] = {}
+    by_name: dict[str, list[StepEntry]] = {}
     for e in entries:
         by_name.setdefault(e.name, []).append(e)
 
@@ -280,10 +285,10 @@ def decode_in_place(
         np.copyto(out, data)
         return out
 
-    def arena() -> _Changes:
-        got: _Changes | None = getattr(held_bufs, "arena", None)
+    def arena() -> Changes:
+        got: Changes | None = getattr(held_bufs, "arena", None)
         if got is None:
-            got = held_bufs.arena = _Changes()
+            got = held_bufs.arena = Changes()
         return got
 
     def outputs(n: int, dt: Any, reuse: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -180,9 +180,45 @@ out:
  * 0.7. Above `reserve` (a virtual reservation of n x 8 bytes could be refused): one pass in
  * ranges of 2^20 elements into an rp_obuf (its own mapping, grown by mremap before each range
  * so that the range's positions fit: never copied), then copied out once (O(found)). */
+/* diff's `out` form: the positions into `into`, and the words into `olds` and `news` when they
+ * are given (checked by the caller: both or neither); returns the count found. */
+static PyObject *diff_into(const rp_kind *k, const Py_buffer *a, const Py_buffer *b,
+                           long long start, long long n, PyObject *into, PyObject *olds,
+                           PyObject *news) {
+    Py_buffer o = {0}, ob = {0}, nb = {0};
+    PyObject *res = NULL;
+    int64_t found = 0;
+    if (PyObject_GetBuffer(into, &o, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) return NULL;
+    if (o.len / 8 < n || ((uintptr_t)o.buf & 7)) {
+        PyErr_SetString(PyExc_ValueError, "out: room for n aligned int64 positions");
+        goto out;
+    }
+    if (olds != Py_None) {
+        if (k->bits < 8) {
+            PyErr_SetString(PyExc_ValueError, "olds/news: kinds of 8 bits and more");
+            goto out;
+        }
+        if (PyObject_GetBuffer(olds, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
+        if (PyObject_GetBuffer(news, &nb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
+        if (ob.len / (k->bits / 8) < n || nb.len / (k->bits / 8) < n) {
+            PyErr_SetString(PyExc_ValueError, "olds/news: room for n words each");
+            goto out;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rp_diff_words(k, a->buf, b->buf, start, n, (int64_t *)o.buf, ob.buf, nb.buf, n, &found);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLongLong(found);
+out:
+    PyBuffer_Release(&o);
+    if (ob.obj) PyBuffer_Release(&ob);
+    if (nb.obj) PyBuffer_Release(&nb);
+    return res;
+}
+
 PyObject *py_diff(PyObject *self, PyObject *args) {
     PyObject *kt, *into = Py_None, *olds = Py_None, *news = Py_None, *res = NULL;
-    Py_buffer a = {0}, b = {0}, o = {0}, ob_ = {0}, nb = {0};
+    Py_buffer a = {0}, b = {0};
     long long start, n, reserve = (long long)1 << 28;
     rp_kind k;
     int64_t total;
@@ -194,40 +230,20 @@ PyObject *py_diff(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "bad diff range");
         goto out;
     }
-    const int64_t range = (int64_t)1 << 20;
-    int64_t cap = n / 32 + 1024, found = 0;
-    if (into != Py_None) {
-        if (PyObject_GetBuffer(into, &o, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
-        if (o.len / 8 < n || ((uintptr_t)o.buf & 7)) {
-            PyErr_SetString(PyExc_ValueError, "out: room for n aligned int64 positions");
-            goto out;
-        }
-        if ((olds == Py_None) != (news == Py_None)) {
-            PyErr_SetString(PyExc_ValueError, "olds and news: both or neither");
-            goto out;
-        }
-        if (olds != Py_None) {
-            if (k.bits < 8) {
-                PyErr_SetString(PyExc_ValueError, "olds/news: kinds of 8 bits and more");
-                goto out;
-            }
-            if (PyObject_GetBuffer(olds, &ob_, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
-            if (PyObject_GetBuffer(news, &nb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) goto out;
-            if (ob_.len / (k.bits / 8) < n || nb.len / (k.bits / 8) < n) {
-                PyErr_SetString(PyExc_ValueError, "olds/news: room for n words each");
-                goto out;
-            }
-        }
-        Py_BEGIN_ALLOW_THREADS
-        rp_diff_words(&k, a.buf, b.buf, start, n, (int64_t *)o.buf, ob_.buf, nb.buf, n, &found);
-        Py_END_ALLOW_THREADS
-        res = PyLong_FromLongLong(found);
+    if ((olds == Py_None) != (news == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "olds and news: both or neither");
         goto out;
     }
-    if (olds != Py_None || news != Py_None) {
+    if (olds != Py_None && into == Py_None) {
         PyErr_SetString(PyExc_ValueError, "olds/news: with out only");
         goto out;
     }
+    if (into != Py_None) {
+        res = diff_into(&k, &a, &b, start, n, into, olds, news);
+        goto out;
+    }
+    const int64_t range = (int64_t)1 << 20;
+    int64_t cap = n / 32 + 1024, found = 0;
     if (n <= reserve) { /* the worst case reserved once, shrunk once: never copied */
         if (!(res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n ? n : 1) * 8))) goto out;
         Py_BEGIN_ALLOW_THREADS
@@ -259,8 +275,5 @@ PyObject *py_diff(PyObject *self, PyObject *args) {
 out:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
-    if (o.obj) PyBuffer_Release(&o);
-    if (ob_.obj) PyBuffer_Release(&ob_);
-    if (nb.obj) PyBuffer_Release(&nb);
     return res;
 }

@@ -63,15 +63,16 @@ def changes(
         found = np.frombuffer(core.diff(kt, a.data, b.data, 0, n), np.int64)
         pos, old, new = empty(found.size, dt)
         pos[:] = found
-    elif a.kind.packed:
-        room = empty(n, dt)
-        pos, old, new = trim(room, core.diff(kt, a.data, b.data, 0, n, n, room[0]))
-    else:
-        room = empty(n, dt)
+        core.gather(kt, a.data, pos, old)
+        core.gather(kt, b.data, pos, new)
+        return pos, old, new
+    room = empty(n, dt)
+    if not a.kind.packed:
         return trim(room, core.diff(kt, a.data, b.data, 0, n, n, *room))
-    core.gather(kt, a.data, pos, old)
-    core.gather(kt, b.data, pos, new)
-    return pos, old, new
+    k = core.diff(kt, a.data, b.data, 0, n, n, room[0])
+    core.gather(kt, a.data, room[0][:k], room[1][:k])  # filled before the trim copies them
+    core.gather(kt, b.data, room[0][:k], room[2][:k])
+    return trim(room, k)
 
 
 def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:

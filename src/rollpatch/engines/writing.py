@@ -26,6 +26,7 @@ __all__ = [
     "Access",
     "ParamWrites",
     "check_and_write",
+    "copy_with_writes",
     "increasing",
     "numpy_access",
     "release",
@@ -181,6 +182,47 @@ def check_and_write(
     if not np.array_equal(held, old):
         raise BaseMismatchError("held words differ from the update's old words", param=name)
     flat[off] = new
+
+
+def copy_with_writes(
+    src: np.ndarray, dst: np.ndarray, off: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
+) -> None:
+    """Fill ``dst`` (flat, the shape and dtype of ``src``) with ``src``'s words, ``new``
+    written at ``off`` (increasing) where ``src`` holds ``old``, and read back: a second
+    buffer, or the copy a prebuilt kernel is packed from. With the native core one pass, block
+    by block in L1 (``copy_apply``: a 44 MiB BF16 tensor at 2.7% changed took 8-12 ms
+    against 18 for a copy, a checked scatter and a read-back; 10-14 against 27 at 7%); else
+    those three steps. Raises :class:`BaseMismatchError` (an old word differs) or
+    :class:`TargetMismatchError` (a read-back differs); ``dst`` is then scratch."""
+    from .. import native
+    from ..errors import BaseMismatchError, PatchDecodeError
+
+    core, w = native.core, src.itemsize
+    if src.shape != dst.shape or src.dtype != dst.dtype or src.ndim != 1:
+        raise ValueError("copy_with_writes: src and dst must be flat arrays of one layout")
+    if (
+        core is not None
+        and w in (1, 2, 4, 8)
+        and src.flags.c_contiguous
+        and dst.flags.c_contiguous
+        and old.dtype.itemsize == new.dtype.itemsize == w  # words as they are, never cast
+    ):
+        arrays = (np.ascontiguousarray(off, np.int64), np.ascontiguousarray(old))
+        try:
+            core.copy_apply(w, src, dst, *arrays, np.ascontiguousarray(new))
+            return
+        except ValueError:  # positions out of range or order: the general path says which
+            pass
+        except BaseMismatchError as err:
+            raise BaseMismatchError(
+                "held words differ from the update's old words", param=name, detail=str(err)
+            ) from err
+        except PatchDecodeError as err:  # the core's read-back
+            raise TargetMismatchError("read-back of written weights differs", param=name) from err
+    np.copyto(dst, src)
+    check_and_write(dst, off, old, new, name)
+    if not np.array_equal(dst[off], new if new.dtype == dst.dtype else new.view(dst.dtype)):
+        raise TargetMismatchError("read-back of written weights differs", param=name)
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}

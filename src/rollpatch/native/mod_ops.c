@@ -106,6 +106,42 @@ out:
     return res;
 }
 
+/* copy_apply(width, src, dst, pos:int64, old, new): dst = src with the words at pos checked
+ * against old, replaced by new and read back (rp_copy_apply); raises with the change at fault */
+PyObject *py_copy_apply(PyObject *self, PyObject *args) {
+    int w;
+    Py_buffer s = {0}, d = {0}, pos = {0}, ov = {0}, nv = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "iy*w*y*y*y*", &w, &s, &d, &pos, &ov, &nv)) return NULL;
+    Py_ssize_t cnt = pos.len / 8;
+    if ((w != 1 && w != 2 && w != 4 && w != 8) || s.len != d.len || s.len % w || pos.len % 8
+        || ov.len != cnt * w || nv.len != cnt * w || ((uintptr_t)pos.buf & 7)) {
+        PyErr_SetString(PyExc_ValueError, "copy_apply: width, buffer or array lengths");
+        goto out;
+    }
+    int64_t bad = -1;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_copy_apply(w, s.buf, d.buf, (size_t)s.len, pos.buf, ov.buf, nv.buf, cnt, &bad);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "%s at change %lld",
+                 rc == RP_EBASE ? "word differs from the update's old word"
+                 : rc == RP_ECORRUPT ? "read-back differs"
+                                     : "position out of range or order",
+                 (long long)bad);
+        raise_rc(rc, msg);
+        goto out;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+out:
+    PyBuffer_Release(&s); PyBuffer_Release(&d); PyBuffer_Release(&pos);
+    PyBuffer_Release(&ov); PyBuffer_Release(&nv);
+    return res;
+}
+
 /* compose(width, pp, po, pn, qp, qo, qn, rp, ro, rn) -> count, or -1 when the patches
  * disagree on an intermediate element (the caller raises its own error) */
 PyObject *py_compose(PyObject *self, PyObject *args) {

@@ -46,6 +46,7 @@ PyObject *py_sum128(PyObject *self, PyObject *args);
 PyObject *py_cast_bf16(PyObject *self, PyObject *args);
 PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args);
 PyObject *py_apply(PyObject *self, PyObject *args);
+PyObject *py_copy_apply(PyObject *self, PyObject *args);
 PyObject *py_compose(PyObject *self, PyObject *args);
 PyObject *py_gather(PyObject *self, PyObject *args);
 PyObject *py_diff(PyObject *self, PyObject *args);

@@ -131,6 +131,15 @@ int rp_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const int64_t *pos,
              const void *old, const void *new_, int64_t count, int iw, uint64_t delta[2],
              const char **err);
 
+/* dst = a copy of src (nbytes, whole words of `width` bytes: 1, 2, 4 or 8) with the words at
+ * `pos` (int64, increasing, in range) checked against `old` and replaced by `new_`, then read
+ * back (rp_copyapply.c: block by block, in L1). On failure *bad is the change at fault:
+ * RP_EARG (position out of range or order), RP_EBASE (a word differs from its old one),
+ * RP_ECORRUPT (a read-back differs); dst is then partly written (a caller's scratch). */
+int rp_copy_apply(int width, const uint8_t *src, uint8_t *dst, size_t nbytes,
+                  const int64_t *pos, const void *old, const void *new_, int64_t count,
+                  int64_t *bad);
+
 /* Positions where a and b differ, over elements [start, start + n): writes at most `cap`
  * positions; returns the number found in *found (which may exceed cap: call again). */
 int rp_diff(const rp_kind *k, const uint8_t *a, const uint8_t *b, int64_t start, int64_t n,

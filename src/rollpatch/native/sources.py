@@ -16,6 +16,7 @@ CORE = (
     "rp_group",
     "rp_isa",
     "rp_apply",
+    "rp_copyapply",
     "rp_diff",
     "rp_compose",
     "rp_cast",

@@ -28,7 +28,7 @@ from ..staged import (
     WriteMode,
     stage_patch,
 )
-from ..writing import ParamWrites, numpy_access, release_later, write_params
+from ..writing import ParamWrites, copy_with_writes, numpy_access, release_later, write_params
 from .runtime import ReferenceRuntime
 from .server import ServerHandle, serve
 
@@ -199,6 +199,13 @@ class ReferenceEngine(EngineAdapter):
             view, buffers = self.runtime.view, {}
             for name, st in staged.tensors.items():
                 t = view[name]
+                if not t.kind.packed and t.data.flags.c_contiguous:  # one native pass
+                    data = np.empty_like(t.data)
+                    copy_with_writes(
+                        t.data.reshape(-1), data.reshape(-1), st.positions, st.old, st.new, name
+                    )
+                    buffers[name] = data
+                    continue
                 buf = Tensor(t.kind, t.shape, t.data.copy())
                 scatter(buf, st.positions, st.new, st.old)
                 if not np.array_equal(gather(buf, st.positions), st.new):

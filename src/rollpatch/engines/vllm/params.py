@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import EngineError, TargetMismatchError
-from ..writing import check_and_write
+from ..writing import check_and_write, copy_with_writes
 from . import experts_cpu
 from .layout import storage_offsets
 from .writes import Access
@@ -190,9 +190,7 @@ class TorchParams:
                     if buffers is not None and key in buffers:
                         copy = buffers[key]
                     else:
-                        copy = p.detach().clone()  # same strides: storage offsets carry over
-                        if key in writes:
-                            check_write(_flat(self._numpy(copy))[0], *writes[key], key)
+                        copy = self._written_copy(p, key, writes.get(key))
                     setattr(shadow, attr, torch.nn.Parameter(copy, requires_grad=False))
                 mod._rollpatch_repack(shadow, remove_weight=False)
                 if hasattr(shadow, "cpu_linear"):  # else: re-packed inside the pause
@@ -230,11 +228,25 @@ class TorchParams:
 
     def buffer(self, name: str, prepared: np.ndarray, old: np.ndarray, new: np.ndarray) -> Any:
         """Before the pause: a copy of ``name`` (same strides) with the writes in, checked."""
-        p = self.params[name]
+        return self._written_copy(self.params[name], name, (prepared, old, new))
+
+    def _written_copy(
+        self, p: Any, name: str, writes: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    ) -> Any:
+        """A copy of ``p`` with the same strides (storage offsets carry over) and ``writes``
+        (storage offsets, old words, new words) in: old words checked, new ones read back. A
+        contiguous parameter is copied and written in one native pass (``copy_with_writes``)."""
+        if writes is None:
+            return p.detach().clone()
+        words = self._numpy(p)
+        if words.flags.c_contiguous:
+            copy = self._torch.empty_like(p, memory_format=self._torch.contiguous_format)
+            copy_with_writes(words.reshape(-1), self._numpy(copy).reshape(-1), *writes, name)
+            return copy
         copy = p.detach().clone()
         if tuple(copy.stride()) != tuple(p.stride()):
             raise EngineError("a parameter's copy has other strides", param=name)
-        check_write(_flat(self._numpy(copy).reshape(_shape2(p)))[0], prepared, old, new, name)
+        check_write(_flat(self._numpy(copy).reshape(_shape2(p)))[0], *writes, name)
         return copy
 
     def exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:

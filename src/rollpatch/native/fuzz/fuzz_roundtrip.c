@@ -185,6 +185,22 @@ static int64_t diff_lists(const fz_case *c, const uint8_t *a, const uint8_t *b, 
                           || memcmp(o2, *ov, (size_t)found * ow)
                           || memcmp(n2, *nv, (size_t)found * ow))))
             fz_fail("rp_diff_words differs from rp_diff and two gathers");
+        /* a copy of a with the change written in is b; an old word off by one bit is refused
+         * at its change */
+        uint8_t *cp = malloc(c->nbytes + 8);
+        int64_t bad = -2;
+        if (!cp) fz_fail("out of memory");
+        if (rp_copy_apply(ow, a, cp, c->nbytes, *pos, *ov, *nv, found, &bad) != RP_OK
+            || memcmp(cp, b, c->nbytes))
+            fz_fail("rp_copy_apply of a with the change is not b");
+        if (found) {
+            int64_t j = (int64_t)(c->seed % (uint64_t)found);
+            o2[(size_t)j * ow] ^= 1;
+            if (rp_copy_apply(ow, a, cp, c->nbytes, *pos, o2, *nv, found, &bad) != RP_EBASE
+                || bad != j)
+                fz_fail("rp_copy_apply took a wrong old word");
+        }
+        free(cp);
         free(p2); free(o2); free(n2);
     }
     return found;

@@ -76,6 +76,10 @@ def test_copy_apply_refuses_bad_updates() -> None:
         core.copy_apply(3, src, dst, pos, old, new)
     with pytest.raises((ValueError, BufferError, TypeError)):  # a read-only destination
         core.copy_apply(2, src, bytes(src.nbytes), pos, old, new)
+    both = src.copy()
+    for s_, d_ in ((both, both), (both[:-2], both[2:])):  # the same or overlapping words
+        with pytest.raises(ValueError, match="overlap"):
+            core.copy_apply(2, s_, d_, pos[:0], old[:0], new[:0])
 
 
 @pytest.mark.parametrize("with_core", [True, False])
@@ -107,6 +111,8 @@ def test_copy_with_writes_native_and_general_paths(
     assert got.value.context["param"] == "w"
     with pytest.raises(ValueError, match="one layout"):
         copy_with_writes(src, dst[:-1], pos, old, new, "w")
+    with pytest.raises(ValueError, match="overlap"):
+        copy_with_writes(dst, dst, pos, new, new, "w")
 
 
 def test_copy_with_writes_read_back_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

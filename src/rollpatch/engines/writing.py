@@ -200,6 +200,8 @@ def copy_with_writes(
     core, w = native.core, src.itemsize
     if src.shape != dst.shape or src.dtype != dst.dtype or src.ndim != 1:
         raise ValueError("copy_with_writes: src and dst must be flat arrays of one layout")
+    if np.may_share_memory(src, dst):
+        raise ValueError("copy_with_writes: src and dst overlap")
     if (
         core is not None
         and w in (1, 2, 4, 8)

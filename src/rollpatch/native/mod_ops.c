@@ -119,6 +119,11 @@ PyObject *py_copy_apply(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "copy_apply: width, buffer or array lengths");
         goto out;
     }
+    const char *sb = s.buf, *db = d.buf; /* a copy into its own source is not a copy */
+    if (s.len && sb < db + d.len && db < sb + s.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_apply: src and dst overlap");
+        goto out;
+    }
     int64_t bad = -1;
     int rc;
     Py_BEGIN_ALLOW_THREADS

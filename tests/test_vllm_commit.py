@@ -258,6 +258,49 @@ def test_kernel_only_words_are_written_after_the_pause() -> None:
     assert w.audit(1 << 20).tensors > 0  # the audit runs again once the writes are done
 
 
+def test_prebuilt_kernels_are_packed_from_one_reused_copy() -> None:
+    """Kernel-only modules' weight copies share one buffer, reused module by module (it grows
+    for a larger module): each kernel packs its own copy of the words, so every module still
+    serves exactly its target words after the swap, whatever was copied into the buffer after
+    its kernel was built."""
+    torch = pytest.importorskip("torch")
+    from rollpatch import native
+
+    if native.core is None:
+        pytest.fail("the native core is not built (pip install -e .)", pytrace=False)
+    torch.manual_seed(2)
+    model = _packed_model(torch)
+    for name, rows in (("up", 10), ("down", 3)):  # sorted after o and q: larger, then smaller
+        mod = torch.nn.Module()
+        mod.weight = torch.nn.Parameter(
+            torch.randn(rows, 4).to(torch.bfloat16), requires_grad=False
+        )
+        mod._rollpatch_repack = model.q._rollpatch_repack
+        mod._rollpatch_repack(mod, False)
+        mod._rollpatch_owns = mod._rollpatch_kernel_only = True
+        model.add_module(name, mod)
+    w = _weights(model, alias=True)
+    base = vllm_layouts.words_view(
+        {
+            n: p.detach().view(torch.int16).numpy().view(np.uint16).copy()
+            for n, p in model.named_parameters()
+        }
+    )
+    nxt = vllm_layouts.words_view({n: base[n].data.reshape(base[n].shape) for n in base})
+    for n in nxt:
+        nxt[n].data[1::2] ^= 0x0001  # low mantissa bits: exact through the identity matmul
+        nxt.invalidate(n)
+    w.commit_staged(w.stage(diff(base, nxt)))
+    x = torch.eye(4).to(torch.bfloat16)
+    for name in ("q", "o", "up", "down"):
+        got = getattr(model, name).cpu_linear(x, None, None).t().contiguous()
+        assert got.view(torch.int16).numpy().view(np.uint16).reshape(-1).tolist() == (
+            nxt[f"{name}.weight"].data.tolist()
+        )
+    w.settler.wait()
+    assert w.digests(fresh=True) == nxt.tensor_digests()
+
+
 def test_double_buffered_commit_exchanges_buffers_built_while_staging() -> None:
     """``double_buffer``: each touched parameter's second buffer is written, checked and read
     back while staging (the live words untouched), exchanged under the pause with the kernels

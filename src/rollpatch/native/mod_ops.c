@@ -119,8 +119,8 @@ PyObject *py_copy_apply(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "copy_apply: width, buffer or array lengths");
         goto out;
     }
-    const char *sb = s.buf, *db = d.buf; /* a copy into its own source is not a copy */
-    if (s.len && sb < db + d.len && db < sb + s.len) {
+    const uintptr_t sb = (uintptr_t)s.buf, db = (uintptr_t)d.buf; /* a copy into its own */
+    if (s.len && sb < db + (uintptr_t)d.len && db < sb + (uintptr_t)s.len) { /* source: none */
         PyErr_SetString(PyExc_ValueError, "copy_apply: src and dst overlap");
         goto out;
     }

@@ -27,6 +27,8 @@ through the real CLI) and :func:`hf_tiny_llama` (a trainer's transformers model 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -185,6 +187,23 @@ def hf_tiny_llama(vocab_size: int = 96, max_positions: int = 64, **token_ids: in
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
+
+
+def run_bench(script: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """``bench/<script>`` run as a user runs it (its own process, this python), its stdout;
+    a non-zero exit fails the test with the script's stderr."""
+    bench = Path(__file__).resolve().parent.parent / "bench" / script
+    got = subprocess.run(
+        [sys.executable, str(bench), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+    )
+    if got.returncode:
+        pytest.fail(f"bench/{script} exited {got.returncode}:\n{got.stderr[-4000:]}")
+    return got.stdout
 
 
 @pytest.fixture(scope="session")

@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rollpatch import native
-
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "copy_writes.py"
+from tests.conftest import run_bench
 
 
 @pytest.mark.skipif(native.core is None, reason="the native core is not built")
 def test_copy_writes_bench_prints_its_table(tmp_path: Path) -> None:
     out = tmp_path / "cw.json"
-    got = subprocess.run(
-        [sys.executable, str(BENCH), "--scale", "64", "--repeats", "1", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    lines = got.stdout.splitlines()
+    stdout = run_bench("copy_writes.py", "--scale", "64", "--repeats", "1", "--json", str(out))
+    lines = stdout.splitlines()
     assert lines[0].startswith("shape (BF16)") and "one pass / 3 steps" in lines[0]
     assert len([ln for ln in lines if ln.startswith(("qkv", "o ", "gate_up", "down"))]) == 8
     rows = json.loads(out.read_text())["rows"]

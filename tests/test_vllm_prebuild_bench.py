@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "vllm_prebuild.py"
+from tests.conftest import run_bench
 
 
 def test_vllm_prebuild_bench_prints_its_table(vllm_python: Path, tmp_path: Path) -> None:
     out = tmp_path / "prebuild.json"
     env = dict(os.environ, ROLLPATCH_VLLM_VENV=str(vllm_python.parent.parent))
-    got = subprocess.run(
-        [sys.executable, str(BENCH), "--scale", "64", "--rounds", "2", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-        env=env,
+    stdout = run_bench(
+        "vllm_prebuild.py", "--scale", "64", "--rounds", "2", "--json", str(out), env=env
     )
-    lines = [ln for ln in got.stdout.splitlines() if ln.strip()]
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
     assert lines[0].startswith("chg %") and "reused / 3 steps" in lines[0]
     assert [ln.split()[0] for ln in lines[2:4]] == ["2.7", "7.0"]
     data = json.loads(out.read_text())

@@ -26,6 +26,7 @@ __all__ = [
     "Access",
     "ParamWrites",
     "check_and_write",
+    "check_write",
     "copy_with_writes",
     "increasing",
     "numpy_access",
@@ -184,6 +185,15 @@ def check_and_write(
     flat[off] = new
 
 
+def check_write(
+    flat: np.ndarray, off: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
+) -> None:
+    """:func:`check_and_write`, then the written words read back (compared as words)."""
+    check_and_write(flat, off, old, new, name)
+    if not np.array_equal(flat[off], new if new.dtype == flat.dtype else new.view(flat.dtype)):
+        raise TargetMismatchError("read-back of written weights differs", param=name)
+
+
 def copy_with_writes(
     src: np.ndarray, dst: np.ndarray, off: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
 ) -> None:
@@ -222,9 +232,7 @@ def copy_with_writes(
         except PatchDecodeError as err:  # the core's read-back
             raise TargetMismatchError("read-back of written weights differs", param=name) from err
     np.copyto(dst, src)
-    check_and_write(dst, off, old, new, name)
-    if not np.array_equal(dst[off], new if new.dtype == dst.dtype else new.view(dst.dtype)):
-        raise TargetMismatchError("read-back of written weights differs", param=name)
+    check_write(dst, off, old, new, name)
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}

@@ -11,7 +11,9 @@
 #define CA_BLOCK 8192
 
 /* One width's loop (T: the word type). i: the next change; returns the first bad index or
- * -1. The positions are checked here (in range, increasing) before each block's writes. */
+ * -1. Each position is checked before its write: above the one before (the first above -1:
+ * not negative; each block takes the changes below its end, so none lies before its start),
+ * and one at or past the end is left over after the last block. */
 #define CA_LOOP(T)                                                                          \
     do {                                                                                    \
         const T *s = (const T *)src, *ov = (const T *)old;                                  \
@@ -25,7 +27,7 @@
             const int64_t i0 = i;                                                           \
             for (; i < count && pos[i] < b1; i++) {                                         \
                 const int64_t p = pos[i];                                                   \
-                if (p <= prev || p < b0) { *bad = i; return RP_EARG; }                      \
+                if (p <= prev) { *bad = i; return RP_EARG; } /* prev starts at -1 */          \
                 if (d[p] != ov[i]) { *bad = i; return RP_EBASE; }                           \
                 d[p] = nv[i];                                                               \
                 prev = p;                                                                   \
@@ -44,7 +46,6 @@ int rp_copy_apply(int width, const uint8_t *src, uint8_t *dst, size_t nbytes,
         count < 0)
         return RP_EARG;
     const int64_t n_el = (int64_t)(nbytes / (size_t)width);
-    if (count && (pos[0] < 0)) { *bad = 0; return RP_EARG; }
     switch (width) {
     case 1: CA_LOOP(uint8_t); break;
     case 2: CA_LOOP(uint16_t); break;

@@ -61,18 +61,23 @@ def changes(
     kt, dt = native.kind_tuple(a.kind, n), a.kind.elem_dtype
     if n > _RESERVE:
         found = np.frombuffer(core.diff(kt, a.data, b.data, 0, n), np.int64)
-        pos, old, new = empty(found.size, dt)
-        pos[:] = found
-        core.gather(kt, a.data, pos, old)
-        core.gather(kt, b.data, pos, new)
-        return pos, old, new
+        room = empty(found.size, dt)
+        room[0][:] = found
+        return _gathered(core, kt, a, b, room, found.size)
     room = empty(n, dt)
     if not a.kind.packed:
         return trim(room, core.diff(kt, a.data, b.data, 0, n, n, *room))
     k = core.diff(kt, a.data, b.data, 0, n, n, room[0])
-    core.gather(kt, a.data, room[0][:k], room[1][:k])  # filled before the trim copies them
-    core.gather(kt, b.data, room[0][:k], room[2][:k])
-    return trim(room, k)
+    return trim(_gathered(core, kt, a, b, room, k), k)  # filled before the trim copies them
+
+
+def _gathered(core: Any, kt: Any, a: Tensor, b: Tensor, room: Arrays, k: int) -> Arrays:
+    """``room``'s first ``k`` positions' elements of ``a`` and ``b`` gathered into its old
+    and new arrays; returns ``room``."""
+    pos = room[0][:k]
+    core.gather(kt, a.data, pos, room[1][:k])
+    core.gather(kt, b.data, pos, room[2][:k])
+    return room
 
 
 def diff(a: View, b: View, *, digest: DigestAlgo = DEFAULT_DIGEST) -> Patch:

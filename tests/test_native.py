@@ -198,6 +198,33 @@ def test_native_apply_checks_old_and_reports_the_digest_change() -> None:
         assert sum128(ta.data) == ((before[0] + da) & m, (before[1] + db) & m)
 
 
+@pytest.mark.parametrize("kind_name", ["bf16", "e2m1x2", "u8", "f32", "f64"])
+@pytest.mark.parametrize("n", [1, 7, 5000])
+def test_dry_apply_reports_the_change_and_writes_nothing(kind_name: str, n: int) -> None:
+    """``apply(..., dry=True)`` (what staging proves with: the live words are only read) gives
+    the same rp.sum128 change as the apply that writes, refuses the same bad old words, and
+    leaves the words as they were, from a read-only buffer too; a write needs a writable one."""
+    core = native.require()
+    kind, rng = KINDS[kind_name], np.random.default_rng(n)
+    a = _words(rng, kind_name, n)
+    b = _perturb(rng, kind_name, a, 0.3)
+    ta, tb = Tensor(kind, (a.size,), a.copy()), Tensor(kind, (b.size,), b)
+    pos = changed_positions(ta, tb)
+    old, new = gather(ta, pos), gather(tb, pos)
+    kt = native.kind_tuple(kind, 0)
+    frozen = ta.data.copy()
+    frozen.flags.writeable = False
+    dry = core.apply(kt, frozen, pos, old, new, True)
+    assert np.array_equal(frozen, a)
+    if pos.size:
+        with pytest.raises(BaseMismatchError):
+            core.apply(kt, frozen, pos, new, new, True)
+        with pytest.raises(ValueError, match="read-only"):
+            core.apply(kt, frozen, pos, old, new)
+    assert core.apply(kt, ta.data, pos, old, new) == dry
+    assert np.array_equal(ta.data, b)
+
+
 @pytest.mark.parametrize("kind_name", ["u8", "bf16", "f32", "f64"])
 def test_native_apply_refuses_bad_positions_inside_a_word_and_past_the_tail(kind_name: str) -> None:
     """apply reads each 64-bit word once and takes every change in it; a position that repeats,

@@ -132,9 +132,10 @@ class NumpyBuffers:
     def __init__(self, params: dict[str, np.ndarray], fail_on: str | None = None) -> None:
         self.params, self.fail_on, self.exchanges = params, fail_on, 0
 
-    def clone(self, param: str) -> tuple[np.ndarray, np.ndarray]:
-        copy = self.params[param].copy()
-        return copy, copy
+    def empty(self, param: str) -> tuple[np.ndarray, np.ndarray]:
+        fresh = np.empty_like(self.params[param])
+        fresh.fill(0x7FC1)  # not the words: staging must write every one of them
+        return fresh, fresh
 
     def exchange(self, buffers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         held: dict[str, np.ndarray] = {}

@@ -16,7 +16,9 @@ A commit has two halves (docs/engines.md, *Staging and the pause*):
 
 What this cannot see — a word that changed behind the engine's back at a position no patch
 touches — is the background audit's job (:class:`rollpatch.follower.audit.Auditor`).
-Non-packed kinds are staged in O(changed); packed kinds (nibbles) and patches whose digests
+Every kind is staged in O(changed) with the native core (its dry ``apply``: the old words
+checked and the change summed in one pass that writes nothing), non-packed kinds without it
+(:func:`sum_delta`, numpy); packed kinds (nibbles) without the core and patches whose digests
 are not rp.sum128 fall back to hashing a staged copy of each touched tensor (outside the
 pause, one tensor at a time).
 """
@@ -301,17 +303,42 @@ def _prove(
         or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
     ):
         raise PatchError("positions out of range or not strictly increasing", tensor=name)
-    if not np.array_equal(gather(t, pos), old):
+    st: SumState | None = None
+    sums = patch.digest == "rp.sum128.v1"
+    if sums and known is not None:
+        st = known.get(name)
+    # the old words checked and the change summed in one read-only pass, where it can
+    change = _checked_change(t, pos, old, new, name) if sums and st is None else None
+    if change is None and not np.array_equal(gather(t, pos), old):
         raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
-    st: SumState | None
-    if known is not None and name in known and patch.digest == "rp.sum128.v1":
-        st = known[name]
+    if change is not None:
+        s0, s1 = state(name)
+        st = ((s0 + change[0]) & _M64, (s1 + change[1]) & _M64)
+    if st is not None:
         digest = sum128_digest(t.dtype, t.shape, t.nbytes, st)
     else:
         digest, st = _target(patch, t, name, pos, new, state)
     if digest != tp.target_digest:
         raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
     return digest, (StagedTensor(name, pos, old, new, digest, st) if pos.size else None)
+
+
+def _checked_change(
+    t: Tensor, pos: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
+) -> SumState | None:
+    """The rp.sum128 change of writing ``new`` at ``pos``, the words there checked to be
+    ``old``, from one native pass that writes nothing (``apply``, dry: each 8-byte word a
+    position falls in read once; packed kinds too). None without the native core."""
+    from .. import native
+
+    core = native.core
+    if core is None or not t.data.flags.c_contiguous:
+        return None
+    try:
+        d0, d1 = core.apply(native.kind_tuple(t.kind, t.n_elements), t.data, pos, old, new, True)
+    except BaseMismatchError as err:
+        raise BaseMismatchError("old elements differ from the engine's words", tensor=name) from err
+    return int(d0), int(d1)
 
 
 def _target(

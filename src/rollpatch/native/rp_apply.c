@@ -155,7 +155,8 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
  * value after the writes is made in a register (lanes replaced), never read back from the
  * element stores (a 64-bit load of bytes just stored by narrower stores cannot be forwarded
  * and waits for them: that cost ~26 ns per change, 10x a plain scatter). A position is
- * checked (in range, increasing) and its old element compared before its store. */
+ * checked (in range, increasing) and its old element compared before its store. `dry`: no
+ * store at all (the checks and the sum change only: what the writes would change). */
 #define APPLY_TYPED(T, LOG)                                                                 \
     do {                                                                                    \
         T *d = (T *)data;                                                                   \
@@ -177,7 +178,7 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
                 const unsigned sh = ((unsigned)p & (PER - 1)) * BITS_;                      \
                 if ((T)(before >> (sh & 63)) != o[i]) { bad = i; break; }                   \
                 after = (after & ~(MASK << (sh & 63))) | ((uint64_t)nw[i] << (sh & 63));    \
-                d[p] = nw[i];                                                               \
+                if (!dry) d[p] = nw[i];                                                     \
                 prev = p;                                                                   \
                 if (++i == count) break;                                                    \
                 p = pos[i];                                                                 \
@@ -188,7 +189,7 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
             if (bad >= 0) break;                                                            \
         }                                                                                   \
         if (bad >= 0) { /* all or nothing: put back what this call wrote */                 \
-            for (int64_t q = 0; q < bad; q++) d[pos[q]] = o[q];                             \
+            for (int64_t q = 0; !dry && q < bad; q++) d[pos[q]] = o[q];                     \
             if (pos[bad] < 0 || pos[bad] >= n_el || (bad && pos[bad] <= pos[bad - 1])) {    \
                 *err = "positions out of range or not increasing"; return RP_EARG;          \
             }                                                                               \
@@ -197,8 +198,8 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
     } while (0)
 
 int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos,
-             const void *old, const void *new_, int64_t count, int iw, uint64_t delta[2],
-             const char **err) {
+             const void *old, const void *new_, int64_t count, int iw, int dry,
+             uint64_t delta[2], const char **err) {
     int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
     uint64_t d0 = 0, d1 = 0;
     if (kd->bits == 16 && iw == 2) APPLY_TYPED(uint16_t, 1);
@@ -217,10 +218,14 @@ int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos
         int64_t i = 0;
         while (i < count) {
             uint64_t j = (uint64_t)pos[i] / 16; /* 16 nibbles per word */
-            uint64_t before = word_at(data, nbytes, j);
-            for (; i < count && (uint64_t)pos[i] / 16 == j; i++)
-                elem_put(data, kd->bits, pos[i], arr_get(new_, iw, i));
-            uint64_t after = word_at(data, nbytes, j);
+            uint64_t before = word_at(data, nbytes, j), after;
+            uint8_t lanes[8]; /* the word's bytes, written in a local (dry) or in place */
+            memcpy(lanes, &before, 8);
+            for (; i < count && (uint64_t)pos[i] / 16 == j; i++) {
+                elem_put(lanes, kd->bits, pos[i] - (int64_t)(16 * j), arr_get(new_, iw, i));
+                if (!dry) elem_put(data, kd->bits, pos[i], arr_get(new_, iw, i));
+            }
+            memcpy(&after, lanes, 8);
             d0 += sum_term(0, after, j) - sum_term(0, before, j);
             d1 += sum_term(1, after, j) - sum_term(1, before, j);
         }

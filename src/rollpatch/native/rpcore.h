@@ -126,10 +126,11 @@ int rp_gather(const rp_kind *k, const uint8_t *data, int64_t n_elements, const i
               int64_t count, void *out, int ow, const char **err);
 
 /* Check that data holds `old` at `pos`, then write `new_` there; adds the rp.sum128 change
- * to delta[2] (mod 2^64). Nothing is written unless every old element matches. */
+ * to delta[2] (mod 2^64). Nothing is written unless every old element matches; nothing at
+ * all when `dry` (the checks and the change the writes would make: data is only read). */
 int rp_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const int64_t *pos,
-             const void *old, const void *new_, int64_t count, int iw, uint64_t delta[2],
-             const char **err);
+             const void *old, const void *new_, int64_t count, int iw, int dry,
+             uint64_t delta[2], const char **err);
 
 /* dst = a copy of src (nbytes, whole words of `width` bytes: 1, 2, 4 or 8) with the words at
  * `pos` (int64, increasing, in range) checked against `old` and replaced by `new_`, then read

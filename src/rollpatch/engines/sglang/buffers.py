@@ -1,16 +1,18 @@
 """SGLang's double-buffered commit: the glue's seam, its torch half, and the steps over it.
 
 :class:`Buffers` is what :class:`~.staged.HeldWeights` needs of the engine glue;
-:func:`clone`, :func:`write_copy`, :func:`check_copies` and :func:`exchange` are the
-double-buffered steps of its stage and commit (numpy only).
+:func:`second_buffers` and :func:`exchange` are the double-buffered steps of its stage and
+commit (numpy only).
 
 :class:`TorchBuffers` is the :class:`Buffers` the loader lends
-:class:`~.staged.HeldWeights`: a copy of a parameter's storage to write the staged words into
-while SGLang serves, and, under the pause, the exchange of a parameter's storage for that
-copy (``param.data = copy``: the ``Parameter`` object SGLang's modules hold stays the same, so
-the next forward pass reads the new storage; O(1) per parameter). On the CPU without Intel
-AMX (the only layouts :mod:`.describe` accepts) no derived copy of the weights exists, so
-nothing else has to be rebuilt.
+:class:`~.staged.HeldWeights`: fresh storage of a parameter's layout, which staging fills with
+the live words and the staged writes in one pass while SGLang serves
+(:func:`rollpatch.engines.writing.copy_with_writes`: block by block, the block copied, its old
+words checked, the new ones written and read back while in L1), and, under the pause, the
+exchange of a parameter's storage for that copy (``param.data = copy``: the ``Parameter``
+object SGLang's modules hold stays the same, so the next forward pass reads the new storage;
+O(1) per parameter). On the CPU without Intel AMX (the only layouts :mod:`.describe` accepts)
+no derived copy of the weights exists, so nothing else has to be rebuilt.
 """
 
 from __future__ import annotations
@@ -19,22 +21,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ...errors import EngineError, TargetMismatchError
-from ...patch import DeltaOp
-from ..vllm.layout import Placement, locate
-from ..writing import SLICE, check_and_write, numpy_access
+from ...errors import EngineError
+from ..writing import copy_with_writes
 from .describe import param_words
-from .update import Staged
+from .update import _Write
 
-__all__ = ["Buffers", "TorchBuffers", "check_copies", "clone", "exchange", "write_copy"]
+__all__ = ["Buffers", "TorchBuffers", "exchange", "second_buffers"]
 
 
 class Buffers(Protocol):
     """The engine glue's half of the double-buffered commit (torch, in SGLang's process)."""
 
-    def clone(self, param: str) -> tuple[Any, np.ndarray]:
-        """A copy of ``param``'s storage and its words (as :attr:`HeldWeights.params` holds
-        them: 2-D, C-contiguous, sharing the copy's memory)."""
+    def empty(self, param: str) -> tuple[Any, np.ndarray]:
+        """Fresh storage of ``param``'s layout (contents unset) and its words (as
+        :attr:`HeldWeights.params` holds them: 2-D, C-contiguous, sharing its memory)."""
         ...
 
     def exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
@@ -47,34 +47,22 @@ class Buffers(Protocol):
         ...
 
 
-def clone(
-    buffers: Buffers, params: dict[str, np.ndarray], names: set[str]
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """A second buffer of each of ``names`` (the glue's storage, and its words)."""
+def second_buffers(
+    buffers: Buffers, params: dict[str, np.ndarray], writes: dict[str, _Write]
+) -> dict[str, Any]:
+    """Per parameter of ``writes``, a second buffer holding its live words with the writes in
+    (old words checked, new ones read back), made in one pass by
+    :func:`~rollpatch.engines.writing.copy_with_writes`; the live words are only read.
+    Returns the glue's storage of each (the buffers a commit exchanges in)."""
     handles: dict[str, Any] = {}
-    words: dict[str, np.ndarray] = {}
-    for p in sorted(names):
-        handles[p], words[p] = buffers.clone(p)
-        if words[p].shape != params[p].shape or not words[p].flags.c_contiguous:
-            raise EngineError("a parameter's copy has another layout", param=p)
-    return handles, words
-
-
-def write_copy(words: dict[str, np.ndarray], pl: Placement, ch: DeltaOp) -> None:
-    """A tensor's changes written into its parameter's copy (the old words checked)."""
-    held, offsets = locate(pl, ch.positions)
-    check_and_write(words[pl.param].reshape(-1), offsets, ch.old[held], ch.new[held], pl.param)
-
-
-def check_copies(staged: Staged, words: dict[str, np.ndarray]) -> None:
-    """Every staged word read back from the copies, a slice at a time."""
-    acc = numpy_access(words)
-    assert acc.read_at is not None
-    for p, w in staged.writes.items():
-        for i in range(0, w.offsets.size, SLICE):
-            s = slice(i, i + SLICE)
-            if not np.array_equal(acc.read_at(p, w.offsets[s]), w.new[s]):
-                raise TargetMismatchError("read-back of a copy's words differs", param=p)
+    for p in sorted(writes):
+        handle, words = buffers.empty(p)
+        if words.shape != params[p].shape or not words.flags.c_contiguous:
+            raise EngineError("a parameter's second buffer has another layout", param=p)
+        w = writes[p]
+        copy_with_writes(params[p].reshape(-1), words.reshape(-1), w.offsets, w.old, w.new, p)
+        handles[p] = handle
+    return handles
 
 
 def exchange(
@@ -100,12 +88,14 @@ class TorchBuffers:
     def __init__(self, params: dict[str, Any]) -> None:
         self.params = params
 
-    def clone(self, param: str) -> tuple[Any, np.ndarray]:
+    def empty(self, param: str) -> tuple[Any, np.ndarray]:
+        import torch
+
         p = self.params[param]
-        copy = p.detach().clone()
-        if not copy.is_contiguous() or tuple(copy.stride()) != tuple(p.stride()):
-            raise EngineError("a parameter's copy has other strides", param=param)
-        return copy, param_words(copy)
+        fresh = torch.empty_like(p.detach(), memory_format=torch.contiguous_format)
+        if not fresh.is_contiguous() or tuple(fresh.stride()) != tuple(p.stride()):
+            raise EngineError("a parameter's second buffer has other strides", param=param)
+        return fresh, param_words(fresh)
 
     def exchange(self, buffers: dict[str, Any]) -> dict[str, Any]:
         held: dict[str, Any] = {}

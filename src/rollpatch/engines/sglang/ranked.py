@@ -37,8 +37,8 @@ from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
 from ..staged import WriteMode
 from ..vllm.layout import Placement, extract, locate
-from ..writing import ParamWrites, check_and_write, release, write_params
-from .buffers import check_copies, clone, exchange
+from ..writing import ParamWrites, release, write_params
+from .buffers import exchange, second_buffers
 from .slices import Block, partial_delta, partial_state
 from .staged import HeldWeights
 from .update import Staged, check_delta, merge_writes
@@ -198,8 +198,9 @@ class RankWeights(HeldWeights):
         t1 = time.perf_counter()
         staged.writes.update(merge_writes(per_param))
         t2 = time.perf_counter()
-        if mode == "double_buffer" and staged.writes:
-            staged.buffers = self._second_buffers(staged)
+        if mode == "double_buffer" and staged.writes:  # copies, written and read back
+            assert self._buffers is not None
+            staged.buffers = second_buffers(self._buffers, self.params, staged.writes)
         self.last_stage_ms = {
             "prove": (t1 - t0) * 1e3,
             "layout": (t2 - t1) * 1e3,
@@ -207,16 +208,6 @@ class RankWeights(HeldWeights):
         }
         self.staged = {staged.token: staged}
         return staged
-
-    def _second_buffers(self, staged: Staged) -> dict[str, Any]:
-        """Copies of the touched parameters with this rank's writes in (old words checked,
-        new ones read back); the live words are not written."""
-        assert self._buffers is not None
-        handles, words = clone(self._buffers, self.params, set(staged.writes))
-        for p, w in staged.writes.items():
-            check_and_write(words[p].reshape(-1), w.offsets, w.old, w.new, p)
-        check_copies(staged, words)
-        return handles
 
     # -- writing -----------------------------------------------------------------------------
 

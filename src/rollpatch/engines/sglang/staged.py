@@ -23,11 +23,12 @@ A commit is two phases:
    when every read-back matched.
 
 With ``mode="double_buffer"`` (:data:`~rollpatch.engines.staged.WriteMode`), staging also
-builds, for every touched runtime parameter, a second buffer (a copy of its storage, through
-the engine glue's :class:`~.buffers.Buffers`; the steps are :mod:`.buffers`') with the staged
-words written into it, the old words checked and the new ones read back; the commit then only
-exchanges storages (O(1) per parameter, undone on failure) and hands back the storage it
-replaced, to be released after the pause (:func:`rollpatch.engines.writing.release`).
+builds, for every touched runtime parameter, a second buffer (fresh storage from the engine
+glue's :class:`~.buffers.Buffers`, filled by :func:`~.buffers.second_buffers` in one pass: the
+live words copied, the old words checked, the staged words written and read back); the
+commit then only exchanges storages (O(1) per parameter, undone on failure) and hands back
+the storage it replaced, to be released after the pause
+(:func:`rollpatch.engines.writing.release`).
 
 Nothing writes the parameters but :meth:`commit` and :meth:`load`, so the cached digests stay
 true between commits; :meth:`audit` re-hashes everything (for a background check).
@@ -48,7 +49,7 @@ from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_di
 from ..staged import WriteMode, sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
 from ..writing import ParamWrites, numpy_access, write_params
-from .buffers import Buffers, check_copies, clone, exchange, write_copy
+from .buffers import Buffers, exchange, second_buffers
 from .update import Staged, as_delta, check_keyframe, merge_writes
 
 __all__ = ["HeldWeights", "Staged"]
@@ -229,21 +230,13 @@ class HeldWeights:
         states: dict[str, tuple[int, int]] = {}
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.staged = {}  # one staged update at a time (a dropped one frees its buffers)
-        copies = None
-        if mode != "in_place":
-            assert self._buffers is not None
-            copies = clone(self._buffers, self.params, {self._place[t.name].param for t in deltas})
         for tp in deltas:
             ch = tp.changes()
             if tp.base_digest != digests[tp.name]:
                 raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
             live = self[tp.name]
             if patch.digest == DEFAULT_DIGEST:  # the target state from the changed words alone
-                # double-buffered: written into the copy, the change of the sum measured there
-                written = self._sum_change(tp, None if copies is None else copies[1])
-                d0, d1 = written or sum_delta(live.data, ch.positions, ch.new)
-                if copies is not None and written is None:
-                    write_copy(copies[1], self._place[tp.name], ch)
+                d0, d1 = self._sum_change(tp) or sum_delta(live.data, ch.positions, ch.new)
                 s0, s1 = self._sums[tp.name]
                 state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
                 got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
@@ -280,9 +273,9 @@ class HeldWeights:
         )
         staged.writes.update(merge_writes(per_param))
         t2 = time.perf_counter()
-        if copies is not None:
-            check_copies(staged, copies[1])
-            staged.buffers = copies[0]
+        if mode == "double_buffer":
+            assert self._buffers is not None
+            staged.buffers = second_buffers(self._buffers, self.params, staged.writes)
         self.last_stage_ms = {
             "prove": (t1 - t0) * 1e3,
             "layout": (t2 - t1) * 1e3,
@@ -298,25 +291,21 @@ class HeldWeights:
             return None
         return pl.dst_start * pl.cols if pl.dim == 0 else 0
 
-    def _sum_change(
-        self, tp: TensorPatch, copies: dict[str, np.ndarray] | None
-    ) -> tuple[int, int] | None:
-        """The tensor's exact rp.sum128 change from one native check-and-write pass over its
-        words: in the parameter's second buffer (double-buffered: the writes stay there), else
-        in a scratch copy of the tensor (freed at once; the live words are never written).
-        None where the words are not one run of the parameter or the core is not built."""
+    def _sum_change(self, tp: TensorPatch) -> tuple[int, int] | None:
+        """The tensor's exact rp.sum128 change, its old words checked, from one native pass
+        over the words its positions fall in that writes nothing (``apply``, dry: the live
+        words are only read; no copy of the tensor). None where the words are not one run of
+        the parameter or the core is not built."""
         from ... import native
 
         pl, ch = self._place[tp.name], tp.changes()
         start = self._run(pl)
-        flat = (self.params if copies is None else copies)[pl.param].reshape(-1)
+        flat = self.params[pl.param].reshape(-1)
         if native.core is None or flat.itemsize not in (2, 4) or start is None:
             return None
         run = flat[start : start + pl.n_elements]
-        if copies is None:
-            run = run.copy()
         kind = native.kind_tuple(self._kind[tp.name], pl.n_elements)
-        d0, d1 = native.core.apply(kind, run, ch.positions, ch.old, ch.new)
+        d0, d1 = native.core.apply(kind, run, ch.positions, ch.old, ch.new, True)
         return int(d0), int(d1)
 
     # -- writing (under the pause) -----------------------------------------------------------

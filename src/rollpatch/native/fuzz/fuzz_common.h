@@ -299,15 +299,23 @@ static void fz_sum(const uint8_t *d, size_t len, uint64_t out[2]) {
 }
 
 /* rp_apply of decoded changes onto a copy of the base: accepted, and the rp.sum128 change
- * it reports is the difference of the two full digests. Returns the patched copy. */
+ * it reports is the difference of the two full digests; a dry apply first reports the same
+ * change and writes nothing. Returns the patched copy. */
 static uint8_t *fz_apply(fz_case *c, const fz_out *o) {
     uint8_t *t = malloc(c->nbytes);
-    uint64_t before[2], after[2], delta[2] = {0, 0};
+    uint64_t before[2], after[2], delta[2] = {0, 0}, dry[2] = {0, 0};
     const char *err = NULL;
     if (!t) fz_fail("out of memory for the target");
     memcpy(t, fz_base(c), c->nbytes);
-    if (rp_apply(&c->k, t, c->nbytes, o->pos, o->oldv, o->newv, o->total, fz_ow(&c->k), delta, &err))
+    if (rp_apply(&c->k, t, c->nbytes, o->pos, o->oldv, o->newv, o->total, fz_ow(&c->k), 1, dry,
+                 &err))
+        fz_fail("rp_apply (dry) refused a decoded patch");
+    if (memcmp(t, fz_base(c), c->nbytes)) fz_fail("rp_apply (dry) wrote the words");
+    if (rp_apply(&c->k, t, c->nbytes, o->pos, o->oldv, o->newv, o->total, fz_ow(&c->k), 0, delta,
+                 &err))
         fz_fail("rp_apply refused a decoded patch");
+    if (dry[0] != delta[0] || dry[1] != delta[1])
+        fz_fail("rp_apply's dry sum128 change differs from its change");
     fz_sum(c->base, c->nbytes, before);
     fz_sum(t, c->nbytes, after);
     if (after[0] != before[0] + delta[0] || after[1] != before[1] + delta[1])

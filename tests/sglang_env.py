@@ -59,9 +59,9 @@ def start_server(
     env = vllm_env.write_bytecode(server_env(venv_dir(), REPO / "src", shim_log))
     env.update(extra_env or {})
     env["TOKENIZERS_PARALLELISM"] = "false"
-    # --sleep-on-idle: idle, the scheduler waits on its sockets instead of spinning a core (it
-    # otherwise does, and a session's server idles through most of the suite: live_servers)
-    extra = ["--random-seed", "0", "--sleep-on-idle"]
+    # server_command passes --sleep-on-idle: idle, the scheduler waits on its sockets instead
+    # of spinning a core (a session's server idles through most of the suite: live_servers)
+    extra = ["--random-seed", "0"]
     if tp > 1:
         extra += ["--tp-size", str(tp)]
         cores = os.sched_getaffinity(0)

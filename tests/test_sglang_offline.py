@@ -81,6 +81,13 @@ def test_staged_commit_scatters_only_after_proof() -> None:
     assert all(np.array_equal(before[p], params[p]) for p in params)
 
 
+def _past_the_end(tp: Any) -> np.ndarray:
+    """The tensor patch's positions with the last one moved past the tensor's end."""
+    pos = tp.changes().positions.copy()
+    pos[-1] = int(np.prod(tp.shape))
+    return pos
+
+
 def test_refusals_leave_the_words_untouched() -> None:
     w, params, ck = _held()
     a = vllm_layouts.words_view(ck)
@@ -107,6 +114,7 @@ def test_refusals_leave_the_words_untouched() -> None:
             tampered(positions=good.tensors["gate_proj.weight"].changes().positions[::-1].copy()),
             PatchError,
         ),  # unsorted positions
+        (tampered(positions=_past_the_end(good.tensors["gate_proj.weight"])), PatchError),
         (diff(b, a), BaseMismatchError),  # another base
     ]
     for patch, err in cases:
@@ -213,6 +221,34 @@ def test_double_buffered_refusals_leave_the_storage() -> None:
         plain.stage(diff(a, b), "double_buffer")
     with pytest.raises(ValueError, match="mode"):
         plain.stage(diff(a, b), "twice")  # type: ignore[arg-type]
+
+
+def test_second_buffers_are_the_live_words_with_the_writes_checked() -> None:
+    """``second_buffers`` fills the glue's fresh storage in one pass: every word the live
+    parameter's except the writes; an old word that differs, or storage of another layout,
+    is refused, and the live words are only read."""
+    from rollpatch.engines.sglang.buffers import second_buffers
+    from rollpatch.engines.sglang.update import _Write
+
+    w, buf, ck = _held_buffered()
+    a = vllm_layouts.words_view(ck)
+    staged = w.stage(diff(a, vllm_layouts.words_view(vllm_layouts.random_step(ck, 2))))
+    snap = {p: v.copy() for p, v in buf.params.items()}
+    got = second_buffers(buf, buf.params, staged.writes)
+    for p, wr in staged.writes.items():
+        want = snap[p].reshape(-1).copy()
+        want[wr.offsets] = wr.new
+        assert np.array_equal(got[p].reshape(-1), want), p
+    p, wr = next(iter(staged.writes.items()))
+    bad = wr.old.copy()
+    bad[-1] ^= 1
+    with pytest.raises(BaseMismatchError, match="old words"):
+        second_buffers(buf, buf.params, {p: _Write(wr.offsets, bad, wr.new)})
+    wrong = NumpyBuffers(buf.params)
+    wrong.empty = lambda q: (np.empty(3, np.uint16),) * 2  # type: ignore[method-assign]
+    with pytest.raises(EngineError, match="layout"):
+        second_buffers(wrong, buf.params, staged.writes)
+    assert all(np.array_equal(snap[q], buf.params[q]) for q in snap)
 
 
 def test_merge_writes_joins_in_offset_order() -> None:

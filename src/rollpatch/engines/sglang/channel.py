@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import secrets
 import shutil
 import tempfile
@@ -19,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import EngineError
+from ...logs import event
 from ..pausing import NestedPause
 from .launch import LOADER
 from .wire import command_payload, http_json, request, result
+
+_LOG = logging.getLogger("rollpatch.engines.sglang")
 
 __all__ = ["SglangChannel"]
 
@@ -106,6 +110,17 @@ class SglangChannel(NestedPause):
                     engine="sglang",
                     url=self.base_url,
                     hint=f"add --custom-weight-loader {LOADER} (docs/sglang.md)",
+                )
+            if info.get("sleep_on_idle") is False:
+                # idle, SGLang's scheduler then polls its sockets in a loop that holds the
+                # GIL, which the control thread staging a patch needs (docs/sglang.md)
+                event(
+                    _LOG,
+                    "sglang_polls_when_idle",
+                    logging.WARNING,
+                    url=self.base_url,
+                    hint="launch SGLang with --sleep-on-idle: staging beside the polling "
+                    "loop took 10-20x as long (docs/sglang.md, Staging beside an idle scheduler)",
                 )
             self.tp = int(info.get("tp_size") or 1)
             starts = [{"op": "start", "socket": str(self.socket(r))} for r in range(self.tp)]

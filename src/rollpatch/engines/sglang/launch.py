@@ -48,6 +48,10 @@ def server_command(
         "512",
         "--custom-weight-loader",
         LOADER,
+        # idle, the scheduler waits on its sockets instead of polling them in a loop that
+        # holds the GIL, which the control thread needs to stage a patch: staging at 441M
+        # took 2-4x its CPU time beside the polling loop (docs/sglang.md)
+        "--sleep-on-idle",
         *extra,
     ]
 

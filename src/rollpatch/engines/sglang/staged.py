@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from ...errors import BaseMismatchError, EngineError, PatchError, TargetMismatchError
 from ...kinds import Kind
 from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
@@ -205,7 +205,9 @@ class HeldWeights:
                 hint="self-heal from a keyframe of this architecture",
             )
         pl = self._place[tp.name]
-        return as_delta(tp, self[tp.name].data, self._kind[tp.name], pl.shape, pl.n_elements)
+        live, kind = self[tp.name].data, self._kind[tp.name]
+        later = self._native_run(tp.name) is not None  # _sum_change checks them natively
+        return as_delta(tp, live, kind, pl.shape, pl.n_elements, checked_later=later)
 
     def stage(self, patch: Patch, mode: WriteMode = "in_place") -> Staged:
         """Validate and prove ``patch`` against the live words; nothing live is written
@@ -291,21 +293,41 @@ class HeldWeights:
             return None
         return pl.dst_start * pl.cols if pl.dim == 0 else 0
 
-    def _sum_change(self, tp: TensorPatch) -> tuple[int, int] | None:
-        """The tensor's exact rp.sum128 change, its old words checked, from one native pass
-        over the words its positions fall in that writes nothing (``apply``, dry: the live
-        words are only read; no copy of the tensor). None where the words are not one run of
-        the parameter or the core is not built."""
+    def _native_run(self, name: str) -> np.ndarray | None:
+        """The tensor's words as one run of its parameter, where the native core takes them
+        (2- or 4-byte words); else None."""
         from ... import native
 
-        pl, ch = self._place[tp.name], tp.changes()
+        pl = self._place[name]
         start = self._run(pl)
         flat = self.params[pl.param].reshape(-1)
         if native.core is None or flat.itemsize not in (2, 4) or start is None:
             return None
-        run = flat[start : start + pl.n_elements]
-        kind = native.kind_tuple(self._kind[tp.name], pl.n_elements)
-        d0, d1 = native.core.apply(kind, run, ch.positions, ch.old, ch.new, True)
+        return flat[start : start + pl.n_elements]
+
+    def _sum_change(self, tp: TensorPatch) -> tuple[int, int] | None:
+        """The tensor's exact rp.sum128 change from one native pass over the words its
+        positions fall in that writes nothing (``apply``, dry: the live words are only read,
+        no copy of the tensor), which also checks the positions (strictly increasing, in
+        range) and the old words (:meth:`_check` leaves both to it). None where the words are
+        not one run of the parameter or the core is not built."""
+        from ... import native
+
+        run = self._native_run(tp.name)
+        if run is None:
+            return None
+        ch = tp.changes()
+        kind = native.kind_tuple(self._kind[tp.name], run.size)
+        try:
+            d0, d1 = native.require().apply(kind, run, ch.positions, ch.old, ch.new, True)
+        except BaseMismatchError as err:
+            raise BaseMismatchError(
+                "old elements differ from the patch's base", tensor=tp.name
+            ) from err
+        except ValueError as err:  # the core's refusal of the positions
+            raise PatchError(
+                "positions out of range or not strictly increasing", tensor=tp.name
+            ) from err
         return int(d0), int(d1)
 
     # -- writing (under the pause) -----------------------------------------------------------

@@ -77,11 +77,19 @@ class Staged:
 
 
 def as_delta(
-    tp: TensorPatch, live: np.ndarray, kind: Kind, shape: tuple[int, ...], n_elements: int
+    tp: TensorPatch,
+    live: np.ndarray,
+    kind: Kind,
+    shape: tuple[int, ...],
+    n_elements: int,
+    *,
+    checked_later: bool = False,
 ) -> TensorPatch:
     """``tp`` as a validated delta against ``live`` (the tensor's words, of ``kind`` and
     ``shape``): a full tensor becomes the delta of its changed elements; a delta must have
-    strictly increasing in-range int64 positions and old elements equal to the live ones."""
+    strictly increasing in-range int64 positions and old elements equal to the live ones.
+    ``checked_later``: the caller checks those two in its own pass over the words (the native
+    core's dry ``apply``, which refuses either); only the arrays' types are checked here."""
     if tp.kind != kind or tp.shape != shape:
         raise BaseMismatchError(
             "tensor layout differs from the engine's",
@@ -104,17 +112,25 @@ def as_delta(
             pass
         case DropOp():
             raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
-    check_delta(tp.name, pos, old, new, kind, n_elements)
-    if not np.array_equal(live[pos], old):
+    check_delta(tp.name, pos, old, new, kind, n_elements, positions=not checked_later)
+    if not checked_later and not np.array_equal(live[pos], old):
         raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
     return tp
 
 
 def check_delta(
-    name: str, pos: np.ndarray, old: np.ndarray, new: np.ndarray, kind: Kind, n_elements: int
+    name: str,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    kind: Kind,
+    n_elements: int,
+    *,
+    positions: bool = True,
 ) -> None:
     """A delta's positions ``pos`` are int64, strictly increasing and in
-    ``range(n_elements)``; its ``old`` and ``new`` elements are ``kind``'s words, one each."""
+    ``range(n_elements)`` (unless not ``positions``); its ``old`` and ``new`` elements are
+    ``kind``'s words, one each."""
     if (
         pos.dtype != np.int64
         or pos.ndim != 1
@@ -124,8 +140,14 @@ def check_delta(
         or new.shape != pos.shape
     ):
         raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
-    if pos.size and (
-        pos[0] < 0 or pos[-1] >= n_elements or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+    if (
+        positions
+        and pos.size
+        and (
+            pos[0] < 0
+            or pos[-1] >= n_elements
+            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+        )
     ):
         raise PatchError("positions out of range or not strictly increasing", tensor=name)
 

@@ -121,7 +121,7 @@ def test_copy_with_writes_read_back_is_checked(monkeypatch: pytest.MonkeyPatch) 
     from rollpatch.engines import writing
 
     monkeypatch.setattr(native, "core", None)
-    monkeypatch.setattr(writing, "check_and_write", lambda *a, **k: None)
+    monkeypatch.setattr(writing, "_scatter", lambda flat, off, new: None)
     rng = np.random.default_rng(3)
     src = rng.integers(0, 1 << 16, 1000, dtype=np.uint16)
     pos, old, new = _update(rng, src, 0.05)

@@ -225,6 +225,27 @@ def test_dry_apply_reports_the_change_and_writes_nothing(kind_name: str, n: int)
     assert np.array_equal(ta.data, b)
 
 
+@pytest.mark.parametrize("count", [2, 300, 5000])  # inside one read-back batch, and across
+def test_apply_read_back_catches_a_write_that_changed_its_own_input(count: int) -> None:
+    """``apply(..., readback=True)`` reads the written elements back as it goes: the same
+    change as without it for a true update; where a later write changes what an earlier one
+    wrote (the new words a view of the words written: aliasing), a CorruptError
+    (:class:`PatchDecodeError`) with every element written put back."""
+    core = native.require()
+    kt = native.kind_tuple(KINDS["bf16"], 0)
+    orig = np.random.default_rng(count).integers(0, 1 << 16, 2 * count + 8, dtype=np.uint16)
+    orig[1::2] = orig[0::2] ^ 1  # neighbours always differ
+    pos = np.arange(count, dtype=np.int64)
+    old, new = orig[:count].copy(), orig[1 : count + 1].copy()
+    t, u = orig.copy(), orig.copy()
+    assert core.apply(kt, t, pos, old, new, False, True) == core.apply(kt, u, pos, old, new)
+    assert np.array_equal(t, u)
+    a = orig.copy()
+    with pytest.raises(PatchDecodeError, match="read-back"):
+        core.apply(kt, a, pos, old, a[1 : count + 1], False, True)
+    assert np.array_equal(a, orig)
+
+
 @pytest.mark.parametrize("kind_name", ["u8", "bf16", "f32", "f64"])
 def test_native_apply_refuses_bad_positions_inside_a_word_and_past_the_tail(kind_name: str) -> None:
     """apply reads each 64-bit word once and takes every change in it; a position that repeats,

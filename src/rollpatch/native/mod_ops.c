@@ -80,14 +80,16 @@ PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args) {
     return res;
 }
 
-/* apply(kind, data, pos:int64, old, new[, dry]) -> (da, db); old/new in element width; data
- * writable unless dry (checked, the change summed, nothing written) */
+/* apply(kind, data, pos:int64, old, new[, dry[, readback]]) -> (da, db); old/new in element
+ * width; data writable unless dry (checked, the change summed, nothing written); readback:
+ * the written elements read back as it goes (a difference: all put back, CorruptError) */
 PyObject *py_apply(PyObject *self, PyObject *args) {
     PyObject *kt, *obj, *res = NULL;
     Py_buffer d = {0}, pos = {0}, ov = {0}, nv = {0};
-    int dry = 0;
+    int dry = 0, readback = 0;
     rp_kind k;
-    if (!PyArg_ParseTuple(args, "OOy*y*y*|p", &kt, &obj, &pos, &ov, &nv, &dry)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOy*y*y*|pp", &kt, &obj, &pos, &ov, &nv, &dry, &readback))
+        return NULL;
     /* a dry call only reads the words: any C-contiguous buffer; else a writable one */
     if (PyObject_GetBuffer(obj, &d, dry ? PyBUF_SIMPLE : PyBUF_WRITABLE)) goto out;
     if (kind_arg(kt, &k)) goto out;
@@ -101,7 +103,8 @@ PyObject *py_apply(PyObject *self, PyObject *args) {
     const char *err = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = rp_apply(&k, d.buf, (size_t)d.len, pos.buf, ov.buf, nv.buf, cnt, iw, dry, delta, &err);
+    rc = rp_apply(&k, d.buf, (size_t)d.len, pos.buf, ov.buf, nv.buf, cnt, iw, dry, readback, delta,
+                  &err);
     Py_END_ALLOW_THREADS
     if (rc) { raise_rc(rc, err); goto out; }
     res = Py_BuildValue("(KK)", (unsigned long long)delta[0], (unsigned long long)delta[1]);

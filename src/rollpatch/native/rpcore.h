@@ -127,9 +127,11 @@ int rp_gather(const rp_kind *k, const uint8_t *data, int64_t n_elements, const i
 
 /* Check that data holds `old` at `pos`, then write `new_` there; adds the rp.sum128 change
  * to delta[2] (mod 2^64). Nothing is written unless every old element matches; nothing at
- * all when `dry` (the checks and the change the writes would make: data is only read). */
+ * all when `dry` (the checks and the change the writes would make: data is only read).
+ * `readback`: the written elements are read back and compared as the call goes (RP_ECORRUPT
+ * on a difference, every element written put back first). */
 int rp_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const int64_t *pos,
-             const void *old, const void *new_, int64_t count, int iw, int dry,
+             const void *old, const void *new_, int64_t count, int iw, int dry, int readback,
              uint64_t delta[2], const char **err);
 
 /* dst = a copy of src (nbytes, whole words of `width` bytes: 1, 2, 4 or 8) with the words at

@@ -125,8 +125,8 @@ class TorchParams:
         return got.view(_WORDS[p.element_size()][1])
 
     def swap(self, name: str, prepared: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
-        """CPU: check old and write new in one pass (all or nothing)."""
-        check_and_write(_flat(self.views[name])[0], prepared, old, new, name)
+        """CPU: check old, write new and read it back in one pass (all or nothing)."""
+        check_and_write(_flat(self.views[name])[0], prepared, old, new, name, readback=True)
 
     def write(self, name: str, offsets: np.ndarray, values: np.ndarray) -> None:
         self.scatter(name, self.prepare(name, offsets), values)
@@ -305,6 +305,7 @@ class TorchParams:
             prebuild=self.prebuild if cpu and one else None,
             install=self.install,
             swap=self.swap if cpu else None,
+            swap_reads_back=cpu,
             kernel_only=self.kernel_only if cpu and one else None,
             buffer=self.buffer if cpu and one else None,
             exchange=self.exchange if cpu and one else None,

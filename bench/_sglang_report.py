@@ -123,9 +123,46 @@ def render(ctx: dict[str, Any]) -> str:
         ],
         [False, *([True] * (len(PAUSE_PARTS) + 1))],
     )
-    return (
+    out = (
         f"{head}\n{t}\n(staged update held in SGLang: median {_mb(med(st, 'staged_bytes'))}"
         f", {int(med(st, 'changed'))} changed elements per version)\n{t2}\n{t3}\n"
         "(command: rollpatch's commit inside SGLang, for the reload SGLang's own; route: the "
         "rest of /update_weights_from_tensor)"
     )
+    ch = ctx.get("chain") or []
+    if not ch:
+        return out
+    one = med(st, "visible_s")
+    t4 = table(
+        [
+            "catch-up, in place",
+            "n",
+            "stage p50",
+            "decode p50",
+            "pause p50",
+            "visible->serving p50",
+            "/ 1 behind",
+        ],
+        [
+            [
+                "1 behind (the staged path above)",
+                str(len(st)),
+                _ms(med(st, "stage_s")),
+                f"{med(st, 'decode_ms'):.0f} ms",
+                _ms(med(st, "pause_s")),
+                _ms(one),
+                "1.00x",
+            ],
+            [
+                f"{len(st)} behind from v0 (chain, decoded in SGLang)",
+                str(len(ch)),
+                _ms(med(ch, "stage_s")),
+                f"{med(ch, 'decode_ms'):.0f} ms",
+                _ms(med(ch, "pause_s")),
+                _ms(med(ch, "visible_s")),
+                f"{med(ch, 'visible_s') / one:.2f}x",
+            ],
+        ],
+        [False, True, True, True, True, True, True],
+    )
+    return f"{out}\n{t4}"

@@ -76,6 +76,7 @@ from _vllm_world import World, model_dims
 from rollpatch.engines.sglang.launch import server_command, server_env
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
+CHAIN_REPS = 3  # catch-ups of --versions steps, each from a fresh load of v0
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -218,6 +219,44 @@ def phase_staged(
     return runs, served
 
 
+def phase_chain(world: World, engine: Any, n: int, reps: int) -> list[dict[str, float]]:
+    """The catch-up of a replica ``n`` behind: from v0, the ``n`` step patches in one
+    ``stage_encoded`` (decoded inside SGLang step after step), then one commit; ``reps``
+    times, each from a fresh load of v0. TP 1 only."""
+    from rollpatch.engines.staged import EncodedStep
+
+    runs = []
+    for _ in range(reps):
+        engine.load(_view(world, 0), 0)
+        steps = [
+            EncodedStep((world.patch_blob(v),), world.digests[v - 1], world.digests[v])
+            for v in range(1, n + 1)
+        ]
+        t0 = time.perf_counter()
+        staged = engine.stage_encoded(steps, n)
+        t1 = time.perf_counter()
+        if staged is None:
+            raise BenchError("SGLang did not take the chain (stage_encoded gave None)")
+        engine.pause()
+        try:
+            engine.commit_staged(staged, n)
+        finally:
+            engine.resume()
+        serving = engine.channel._frozen_at + engine.channel.held_s
+        if engine.digest != world.digests[n] or engine.held()[1] != world.digests[n]:
+            raise BenchError(f"chain to v{n}: the engine does not hold the published digest")
+        runs.append(
+            {
+                **{f"{k}_ms": float(x) for k, x in engine.last_stage_ms.items()},
+                "stage_s": t1 - t0,
+                "pause_s": engine.channel.held_s,
+                "visible_s": serving - t0,
+                "bytes": sum(len(s.blobs[0]) for s in steps),
+            }
+        )
+    return runs
+
+
 class TimedWords:
     """The engine's words (a WordSource), the time spent fetching them counted."""
 
@@ -332,6 +371,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             log("reloads: SGLang's update_weights_from_disk of each version")
             engine.load(_view(world, 0), 0)
             reloads = phase_reloads(world, engine, args.versions, served)
+            chain: list[dict[str, float]] = []
+            if args.tp == 1 and args.versions > 1:
+                log(f"chain: {args.versions} behind, the step patches decoded inside SGLang")
+                engine.close()
+                engine = SglangEngine(server.url)
+                engine.adopt(args.versions, world.digests[args.versions])
+                chain = phase_chain(world, engine, args.versions, CHAIN_REPS)
         finally:
             if engine is not None:
                 engine.close()
@@ -352,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "staged": staged,
             "double": double,
             "reloads": reloads,
+            "chain": chain,
         }
     if args.json:  # first: a table that fails to render loses no measurement
         Path(args.json).write_text(json.dumps(ctx, indent=1, default=str))

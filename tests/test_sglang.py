@@ -261,6 +261,41 @@ def test_double_buffered_commits_equal_in_place_ones(server: vllm_env.Server, wo
     assert len({str(o[0]) for o in served["in_place"]}) == N_VERSIONS - 1  # versions differ
 
 
+def test_a_catch_up_chain_is_decoded_inside_sglang(server: vllm_env.Server, world: World) -> None:
+    """``stage_encoded`` of the five published steps from version 0 (what a follower five
+    behind hands over): decoded inside SGLang's process step after step against its own
+    words (``stage_encoded`` answers: no fallback to the follower's decode against exported
+    words), committed to version 5, which SGLang then serves
+    exactly as it does after its own reload of version 5's checkpoint."""
+    from rollpatch.engines.sglang import SglangEngine
+    from rollpatch.engines.staged import EncodedStep
+
+    for writes in ("in_place", "double_buffer"):
+        engine = SglangEngine(server.url, writes=writes)
+        try:
+            engine.load(world.views[0], 0)
+            steps = [
+                EncodedStep((world.patch_object(v),), world.views[v - 1].digest(), d.digest())
+                for v, d in enumerate(world.views[1:], start=1)
+            ]
+            staged = engine.stage_encoded(steps, N_VERSIONS - 1)
+            assert staged is not None and staged.target == world.views[-1].digest()
+            assert "decode" in engine.last_stage_ms
+            engine.commit_staged(staged, N_VERSIONS - 1)
+            last = world.views[-1]
+            assert engine.held(fresh=True) == (last.tensor_digests(), last.digest())
+            chained = greedy(server)
+            assert chained[1] == {str(N_VERSIONS - 1)}
+            r = server.post(
+                "/update_weights_from_disk",
+                {"model_path": str(world.dirs[-1]), "weight_version": "disk"},
+            )
+            assert r["success"], r
+            assert greedy(server)[0] == chained[0]
+        finally:
+            engine.close()
+
+
 def test_an_engine_without_the_loader_is_refused_clearly(tmp_path: Path) -> None:
     """A plain OpenAI server is not mistaken for a patched SGLang (no traceback, a hint)."""
     from rollpatch.engines.sglang import SglangEngine

@@ -26,7 +26,7 @@ from rollpatch.errors import (
     ViewError,
 )
 from rollpatch.kinds import get_kind
-from rollpatch.patch import Patch, diff
+from rollpatch.patch import FullOp, Patch, diff
 from rollpatch.view import View
 from tests import vllm_layouts
 
@@ -283,3 +283,47 @@ def test_audit_finds_a_flipped_word() -> None:
     for _ in range(len(w.names())):
         seen += w.audit(1)["mismatched"]  # one tensor per slice
     assert seen == ["down_proj.weight"]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "double_buffer"])
+def test_a_chain_is_decoded_in_place_inside_the_engine(tmp_path: Any, mode: str) -> None:
+    """The control thread's ``stage_encoded`` takes a chain of published steps (each its
+    objects' files, base and target): every touched tensor decoded step after step in one
+    private copy, the composed change proven and staged; the commit reaches the last step's
+    version. One step decodes as before; a step in another codec, or a chain that does not
+    start at the held version, is refused with nothing written."""
+    from rollpatch.engines.sglang.loader import _stage_encoded
+    from rollpatch.patch.wire import encode, encode_views
+
+    w, buf, ck = _held_buffered()
+    views, cks = [vllm_layouts.words_view(ck)], [ck]
+    for seed in range(1, 5):
+        cks.append(vllm_layouts.random_step(cks[-1], seed))
+        views.append(vllm_layouts.words_view(cks[-1]))
+
+    def step(k: int, blob: bytes | None = None) -> dict[str, Any]:
+        path = tmp_path / f"s{k}.patch"
+        path.write_bytes(blob if blob is not None else encode_views(views[k - 1], views[k]))
+        return {"paths": [str(path)], "base": views[k - 1].digest(), "target": views[k].digest()}
+
+    snap = {p: v.copy() for p, v in buf.params.items()}
+    with pytest.raises(BaseMismatchError):
+        _stage_encoded(w, [step(2), step(3)], mode)  # the engine holds v0, not v1
+    full = diff(views[1], views[2])  # a step with one tensor shipped whole: another codec
+    name = min(full.tensors)
+    whole = FullOp(views[2][name].copy())
+    full.tensors[name] = dataclasses.replace(full.tensors[name], change=whole)
+    with pytest.raises(PatchError, match="in-place codec"):
+        _stage_encoded(w, [step(1), step(2, encode(full, views[1]))], mode)
+    assert all(np.array_equal(snap[p], buf.params[p]) for p in snap)
+    got = _stage_encoded(w, [step(k) for k in range(1, 5)], mode)
+    assert got["base"] == views[0].digest() and got["target"] == views[4].digest()
+    assert all(np.array_equal(snap[p], buf.params[p]) for p in snap)  # staged: nothing written
+    w.commit(str(got["token"]))
+    assert w.root() == views[4].digest() and w.digests(fresh=True) == views[4].tensor_digests()
+    back = tmp_path / "back.patch"
+    back.write_bytes(encode_views(views[4], views[3]))
+    spec = {"paths": [str(back)], "base": views[4].digest(), "target": views[3].digest()}
+    one = _stage_encoded(w, [spec], mode)
+    w.commit(str(one["token"]))
+    assert w.digests(fresh=True) == views[3].tensor_digests()

@@ -32,6 +32,7 @@ from typing import Literal
 import numpy as np
 
 from ..errors import BaseMismatchError, PatchError, TargetMismatchError
+from ..kinds import Kind
 from ..patch import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 from ..patch.ops import gather, scatter
 from ..view import Tensor, root_digest, sum128_digest, sum128_terms, tensor_digest
@@ -43,6 +44,7 @@ __all__ = [
     "StagedTensor",
     "StagedUpdate",
     "WriteMode",
+    "dry_change",
     "stage_patch",
     "sum_delta",
 ]
@@ -308,7 +310,7 @@ def _prove(
     if sums and known is not None:
         st = known.get(name)
     # the old words checked and the change summed in one read-only pass, where it can
-    change = _checked_change(t, pos, old, new, name) if sums and st is None else None
+    change = dry_change(t.kind, t.data, pos, old, new, name) if sums and st is None else None
     if change is None and not np.array_equal(gather(t, pos), old):
         raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
     if change is not None:
@@ -323,21 +325,26 @@ def _prove(
     return digest, (StagedTensor(name, pos, old, new, digest, st) if pos.size else None)
 
 
-def _checked_change(
-    t: Tensor, pos: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
+def dry_change(
+    kind: Kind, words: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
 ) -> SumState | None:
-    """The rp.sum128 change of writing ``new`` at ``pos``, the words there checked to be
-    ``old``, from one native pass that writes nothing (``apply``, dry: each 8-byte word a
-    position falls in read once; packed kinds too). None without the native core."""
+    """The rp.sum128 change of writing ``new`` at ``pos`` in ``words`` (a tensor's flat words
+    of ``kind``), checked in the same native pass that writes nothing (``apply``, dry: each
+    8-byte word a position falls in read once; packed kinds too): the positions strictly
+    increasing and in range (else :class:`PatchError`), the words there ``old`` (else
+    :class:`BaseMismatchError`). None without the native core or for words not contiguous."""
     from .. import native
 
     core = native.core
-    if core is None or not t.data.flags.c_contiguous:
+    if core is None or not words.flags.c_contiguous:
         return None
+    n = words.size * 2 if kind.packed else words.size
     try:
-        d0, d1 = core.apply(native.kind_tuple(t.kind, t.n_elements), t.data, pos, old, new, True)
+        d0, d1 = core.apply(native.kind_tuple(kind, n), words, pos, old, new, True)
     except BaseMismatchError as err:
         raise BaseMismatchError("old elements differ from the engine's words", tensor=name) from err
+    except ValueError as err:  # the core's refusal of the positions
+        raise PatchError("positions out of range or not strictly increasing", tensor=name) from err
     return int(d0), int(d1)
 
 

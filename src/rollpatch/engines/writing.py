@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TargetMismatchError
+from ..errors import EngineError, TargetMismatchError
 from ..native import threads
 
 __all__ = [
@@ -186,7 +186,7 @@ def check_and_write(
                 "held words differ from the update's old words", param=name
             ) from err
         except ValueError:  # positions not increasing (nothing written): the general path
-            pass
+            pass  # (a read-only buffer is a TypeError: raised as it is)
     if w in (1, 2, 4, 8) and old.dtype.itemsize == new.dtype.itemsize == w:
         # compared and written as words: as floats, NaN != NaN and -0 == +0, and numpy
         # would cast words of another type by value
@@ -302,7 +302,10 @@ def numpy_access(params: Mapping[str, np.ndarray]) -> Access:
     core = native.core
 
     def flat(p: str) -> np.ndarray:
-        return params[p].reshape(-1)
+        a = params[p]
+        if not a.flags.c_contiguous:  # reshape would copy: writes and read-backs would miss
+            raise EngineError("a parameter's words are not contiguous", param=p)
+        return a.reshape(-1)
 
     def scatter(p: str, off: np.ndarray, values: np.ndarray) -> None:
         flat(p)[off] = values

@@ -91,7 +91,11 @@ PyObject *py_apply(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOy*y*y*|pp", &kt, &obj, &pos, &ov, &nv, &dry, &readback))
         return NULL;
     /* a dry call only reads the words: any C-contiguous buffer; else a writable one */
-    if (PyObject_GetBuffer(obj, &d, dry ? PyBUF_SIMPLE : PyBUF_WRITABLE)) goto out;
+    if (PyObject_GetBuffer(obj, &d, PyBUF_SIMPLE)) goto out;
+    if (!dry && d.readonly) {
+        PyErr_SetString(PyExc_TypeError, "apply: the words are read-only (a writing apply)");
+        goto out;
+    }
     if (kind_arg(kt, &k)) goto out;
     Py_ssize_t cnt = pos.len / 8;
     int iw = k.bits == 4 ? 1 : k.bits / 8;

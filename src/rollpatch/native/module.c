@@ -157,7 +157,8 @@ static PyMethodDef methods[] = {
      "cast_bf16, and the words that differ from prev; (differences, NaN count)."},
     {"join_release", py_join_release, METH_VARARGS, "Concatenate a list of buffers into bytes (or a Buf), releasing each."},
     {"apply", py_apply, METH_VARARGS,
-     "Check old, write new (dry: write nothing); returns the sum128 change."},
+     "Check old, write new (dry: write nothing; readback: read the writes back); returns the "
+     "sum128 change."},
     {"copy_apply", py_copy_apply, METH_VARARGS,
      "Copy a buffer with checked writes at positions, read back."},
     {"gather", py_gather, METH_VARARGS, "Gather elements at positions."},

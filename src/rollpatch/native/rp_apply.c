@@ -243,10 +243,9 @@ int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos
             d0 += sum_term(0, after, j) - sum_term(0, before, j);
             d1 += sum_term(1, after, j) - sum_term(1, before, j);
         }
-        for (i = 0; readback && !dry && i < count; i++)
-            if (elem_get(data, kd->bits, pos[i]) != arr_get(new_, iw, i)) {
-                for (int64_t q = 0; q < count; q++)
-                    elem_put(data, kd->bits, pos[q], arr_get(old, iw, q));
+        for (i = 0; readback && !dry && i < count; i++) /* nibbles: what elem_put stored */
+            if (elem_get(data, kd->bits, pos[i]) != (arr_get(new_, iw, i) & 15)) {
+                put_back(data, kd->bits, pos, old, iw, count);
                 *err = "read-back of a written element differs"; return RP_ECORRUPT;
             }
     }

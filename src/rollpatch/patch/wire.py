@@ -332,7 +332,7 @@ def assemble(
         header["digest"] = digest
     header.update({"base": base, "target": target, "payload_bytes": offset, "meta": dict(meta)})
     raw = _header_json(header, entries)
-    del entries, header  # the parts' entries are not needed past the header's bytes
+    del entries, header  # the list (the entries themselves go with parts, cleared below)
     if len(raw) > MAX_HEADER_BYTES:
         raise CodecError("patch header exceeds the format's limit", size=len(raw))
     packed = _header_compressor().compress(raw)
@@ -372,12 +372,10 @@ _HEADER_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 def _header_json(head: dict[str, Any], entries: list[dict[str, Any]]) -> bytearray:
-    """``json.dumps({**head, "tensors": entries})`` (compact separators, ASCII), byte for
-    byte, 32 entries at a time appended to one buffer: one ``dumps`` of the whole header
-    holds a string per token until it joins them (~0.4 MB for 160 tensors, more than the
-    patch of a 100M model at lr 1e-6), and the groups joined as strings, then encoded, held
-    the header three times (~0.19 MB for those 160); groups of 32 cost ~0.05 ms more per
-    patch than one call."""
+    """``json.dumps({**head, "tensors": entries})`` (compact, ASCII), byte for byte, 32
+    entries at a time appended to one buffer: one ``dumps`` holds a string per token (~0.4 MB
+    for 160 tensors, more than a 100M model's patch at lr 1e-6), groups joined as strings held
+    the header three times (~0.19 MB); groups cost ~0.05 ms more per patch than one call."""
     enc, g = _HEADER_JSON, _HEADER_GROUP
     out = bytearray(enc.encode(head)[:-1].encode("ascii"))
     out += b',"tensors":['

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
 from ...io.safetensors import save_view
 from ...patch import Patch, inspect
+from ...patch.codec_v2 import CtxGolombV2
 from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..staged import WriteMode
@@ -42,6 +43,9 @@ from . import tp as tp_ops
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
 from .words import RemoteWords
+
+#: The codec a chain's steps must be in to be decoded inside SGLang (``catchup``'s).
+_IN_PLACE = CtxGolombV2.codec_id
 
 if TYPE_CHECKING:
     from ..staged import AuditReport, EncodedStep, StagedUpdate
@@ -191,25 +195,36 @@ class SglangEngine(EngineAdapter):
                 path.unlink(missing_ok=True)
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
-        """Decode one step's patch objects inside SGLang against its own words and prove
-        them (nothing of the model crosses processes). Chains of several steps: None (the
-        follower decodes them against :meth:`words` and calls :meth:`stage`)."""
-        if len(steps) != 1 or not steps[0].blobs or self.tp > 1:
+        """Decode a chain of published steps (one or many: every shard's object per step)
+        inside SGLang against its own words and prove it (a chain: each touched tensor decoded
+        step after step in a private copy, :func:`rollpatch.engines.catchup.decode_in_place`):
+        nothing of the model crosses processes. None at TP > 1, or for a chain with a step
+        outside the in-place codec (the follower then decodes against :meth:`words`)."""
+        if not steps or any(not s.blobs for s in steps) or self.tp > 1:
             return None  # TP > 1: decoded against the gathered words()
-        step = steps[0]
         targets: dict[str, str | None] = {}
-        for blob in step.blobs:
-            targets.update({e["name"]: e["target"] for e in inspect(blob).tensors})
+        for blob in (b for s in steps for b in s.blobs):
+            entries = inspect(blob).tensors
+            if len(steps) > 1 and any(
+                e["op"] != "delta" or e["codec"] != _IN_PLACE for e in entries
+            ):
+                return None
+            targets.update({e["name"]: e["target"] for e in entries})
         with self._lock:
             self._require_loaded()
-            paths = [self._scratch("blob") for _ in step.blobs]
+            spec: list[dict[str, Any]] = []
             try:
-                for path, blob in zip(paths, step.blobs):
-                    path.write_bytes(blob)
-                return self._stage("stage_encoded", paths, targets, step.base, step.target)
+                for step in steps:
+                    where = [self._scratch("blob") for _ in step.blobs]
+                    spec.append(
+                        {"paths": [str(p) for p in where], "base": step.base, "target": step.target}
+                    )
+                    for path, blob in zip(where, step.blobs, strict=True):
+                        path.write_bytes(blob)
+                return self._stage("stage_encoded", spec, targets, steps[0].base, steps[-1].target)
             finally:
-                for path in paths:
-                    path.unlink(missing_ok=True)
+                for name in (x for s in spec for x in s["paths"]):
+                    Path(name).unlink(missing_ok=True)
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Under the pause: scatter the staged writes inside SGLang, read them back."""
@@ -265,16 +280,20 @@ class SglangEngine(EngineAdapter):
     def _stage(
         self,
         op: str,
-        path: Path | list[Path],
+        path: Path | list[dict[str, Any]],
         targets: Mapping[str, str | None],
         base: str,
         target: str,
     ) -> StagedUpdate:
+        """``op`` on the control thread: ``stage_decoded`` of the file at ``path``, or
+        ``stage_encoded`` of the steps ``path`` lists (their files, base and target)."""
         from ..staged import StagedUpdate
 
         t0 = time.perf_counter()
-        paths = [str(p) for p in (path if isinstance(path, list) else [path])]
-        r = self._control(op, paths=paths, base=base, target=target, mode=self.writes)
+        if isinstance(path, list):
+            r = self._control(op, steps=path, mode=self.writes)
+        else:
+            r = self._control(op, paths=[str(path)], base=base, target=target, mode=self.writes)
         if (
             r["base"] != base
             or r["target"] != target

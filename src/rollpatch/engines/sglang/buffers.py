@@ -96,7 +96,7 @@ class TorchBuffers:
         import torch
 
         p = self.params[param]
-        raw = np.empty(tuple(p.shape), np.dtype(f"u{p.element_size()}"))
+        raw = np.empty(tuple(p.shape), np.dtype(f"i{p.element_size()}"))  # torch has int16
         fresh = torch.from_numpy(raw).view(p.dtype)
         if not fresh.is_contiguous() or tuple(fresh.stride()) != tuple(p.stride()):
             raise EngineError("a parameter's second buffer has other strides", param=param)

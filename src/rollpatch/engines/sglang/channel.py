@@ -120,7 +120,8 @@ class SglangChannel(NestedPause):
                     logging.WARNING,
                     url=self.base_url,
                     hint="launch SGLang with --sleep-on-idle: staging beside the polling "
-                    "loop took 10-20x as long (docs/sglang.md, Staging beside an idle scheduler)",
+                    "loop took about 13x as long (docs/sglang.md, Staging beside an idle "
+                    "scheduler)",
                 )
             self.tp = int(info.get("tp_size") or 1)
             starts = [{"op": "start", "socket": str(self.socket(r))} for r in range(self.tp)]

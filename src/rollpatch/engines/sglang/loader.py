@@ -43,6 +43,7 @@ from ...errors import BaseMismatchError, EngineError, PatchError, RollpatchError
 from ...io.safetensors import load_view, save_view
 from ...patch import Patch, TensorPatch, decode, inspect
 from ...view import Tensor, View
+from ..catchup import decode_in_place
 from ..staged import WriteMode
 from ..vllm.layout import locate
 from ..vllm.transfer import read_decoded
@@ -107,16 +108,20 @@ def _timed(w: HeldWeights, stage: Callable[[], dict[str, Any]], first: str) -> d
     return {**out, "phases": {first: round(before, 3), **{k: round(v, 3) for k, v in own.items()}}}
 
 
-def _stage_encoded(
-    w: HeldWeights, paths: list[str], base: str, target: str, mode: WriteMode
-) -> dict[str, Any]:
-    """Decode one step's patch objects (its shards) against the live words, prove them."""
+def _stage_encoded(w: HeldWeights, steps: list[dict[str, Any]], mode: WriteMode) -> dict[str, Any]:
+    """Decode a chain of published steps (``steps[k]``: its ``paths``, the step's shards, and
+    its ``base`` and ``target``) against the live words and prove it. One step: decoded as
+    it is; several: every touched tensor decoded step after step in one private copy per
+    thread (:func:`rollpatch.engines.catchup.decode_in_place`: the decoder's own rp.sum128
+    changes prove each tensor's target), the composed change staged. Nothing of the model
+    leaves SGLang's process."""
     if isinstance(w, RankWeights):
         raise EngineError(
             "at TP > 1 no rank holds every tensor whole to decode against",
             tp=w.tp,
             hint="the adapter stages decoded patches (stage_decoded)",
         )
+    base, target = str(steps[0]["base"]), str(steps[-1]["target"])
     if w.root() != base:  # decoding against another base would read wrong contexts
         raise BaseMismatchError(
             "engine root digest is not the step's base",
@@ -124,11 +129,13 @@ def _stage_encoded(
             actual=w.root()[:16],
             hint="the engine is on another version; plan a new path",
         )
+    blobs = [[Path(str(p)).read_bytes() for p in step["paths"]] for step in steps]
+    if len(steps) > 1:
+        return _timed(w, lambda: w.stage(_chain(w, steps, blobs), mode).summary(), "decode")
     tensors: dict[str, TensorPatch] = {}
 
     def decoded() -> Patch:
-        for path in paths:
-            blob = Path(path).read_bytes()
+        for blob in blobs[0]:
             header = inspect(blob)  # the container and header, validated; no payload yet
             names = sorted(e["name"] for e in header.tensors if e["name"] in w)
             part = decode(blob, w.view(names), check_base=False)
@@ -138,6 +145,22 @@ def _stage_encoded(
         return Patch(base, target, tensors, {})
 
     return _timed(w, lambda: w.stage(decoded(), mode).summary(), "decode")
+
+
+def _chain(w: HeldWeights, steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> Patch:
+    """The chain decoded in place into one patch from the live words (its composed change)."""
+    names = sorted({e["name"] for parts in blobs for b in parts for e in inspect(b).tensors})
+    missing = [n for n in names if n not in w]
+    if missing:
+        raise BaseMismatchError("the engine lacks a tensor the patch changes", tensor=missing[0])
+    spec = [{"base": str(s["base"]), "target": str(s["target"])} for s in steps]
+    out = decode_in_place(w.view(names), spec, blobs, w.state_of)
+    if out is None:
+        raise PatchError(
+            "a step of the chain is not in the in-place codec",
+            hint="the adapter stages such chains through the follower (decoded outside)",
+        )
+    return out[0]
 
 
 def _export(w: HeldWeights, name: str, path: str, into: bool) -> dict[str, Any]:
@@ -188,9 +211,7 @@ def _info(w: HeldWeights) -> dict[str, Any]:
 _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "info": lambda w, r: _info(w),
     "digest": lambda w, r: _digest(w, bool(r.get("fresh"))),
-    "stage_encoded": lambda w, r: _stage_encoded(
-        w, [str(p) for p in r["paths"]], str(r["base"]), str(r["target"]), _mode(r)
-    ),
+    "stage_encoded": lambda w, r: _stage_encoded(w, list(r["steps"]), _mode(r)),
     "stage_decoded": lambda w, r: _timed(
         w, lambda: w.stage(read_decoded(str(r["paths"][0])), _mode(r)).summary(), "read"
     ),

@@ -42,11 +42,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, PatchError, TargetMismatchError
+from ...errors import BaseMismatchError, EngineError, TargetMismatchError
 from ...kinds import Kind
 from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
-from ..staged import WriteMode, sum_delta
+from ..staged import WriteMode, dry_change, sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
 from ..writing import ParamWrites, numpy_access, write_params
 from .buffers import Buffers, exchange, second_buffers
@@ -166,6 +166,11 @@ class HeldWeights:
             self._digests[name] = sum128_digest(t.dtype, t.shape, t.nbytes, self._sums[name])
         return self._digests[name]
 
+    def state_of(self, name: str) -> tuple[int, int]:
+        """The tensor's verified rp.sum128 state (behind :meth:`digest_of`)."""
+        self.digest_of(name)
+        return self._sums[name]
+
     def digests(self, *, fresh: bool = False) -> dict[str, str]:
         return {n: self.digest_of(n, fresh=fresh) for n in self.names()}
 
@@ -195,8 +200,12 @@ class HeldWeights:
 
     # -- staging (reads only) ----------------------------------------------------------------
 
-    def _check(self, tp: TensorPatch) -> TensorPatch:
-        """The tensor patch as a validated delta against the live words."""
+    def _check(self, tp: TensorPatch) -> tuple[TensorPatch, tuple[int, int] | None]:
+        """The tensor patch as a validated delta against the live words, and its exact
+        rp.sum128 change where the native core takes the tensor (one run of its parameter):
+        then the positions and old words are checked in that pass over the words the
+        positions fall in, which writes nothing (:func:`~rollpatch.engines.staged.dry_change`),
+        and not again in numpy; else (None) in numpy here, the change summed by the caller."""
         if isinstance(tp.change, DropOp) or tp.name not in self._place:
             raise BaseMismatchError(
                 "patch adds or drops a tensor; the model cannot change",
@@ -204,10 +213,14 @@ class HeldWeights:
                 op=tp.op,
                 hint="self-heal from a keyframe of this architecture",
             )
-        pl = self._place[tp.name]
-        live, kind = self[tp.name].data, self._kind[tp.name]
-        later = self._native_run(tp.name) is not None  # _sum_change checks them natively
-        return as_delta(tp, live, kind, pl.shape, pl.n_elements, checked_later=later)
+        pl, kind = self._place[tp.name], self._kind[tp.name]
+        run = self._native_run(tp.name)
+        live = self[tp.name].data if run is None else run
+        tp = as_delta(tp, live, kind, pl.shape, pl.n_elements, checked_later=run is not None)
+        if run is None:
+            return tp, None
+        ch = tp.changes()
+        return tp, dry_change(kind, run, ch.positions, ch.old, ch.new, tp.name)
 
     def stage(self, patch: Patch, mode: WriteMode = "in_place") -> Staged:
         """Validate and prove ``patch`` against the live words; nothing live is written
@@ -227,28 +240,28 @@ class HeldWeights:
                 actual=self.root()[:16],
                 hint="the engine is on another version; plan a new path",
             )
-        deltas = [self._check(patch.tensors[n]) for n in sorted(patch.tensors)]
+        if patch.digest != DEFAULT_DIGEST:  # target states come from the changed words alone
+            raise BaseMismatchError(
+                "the patch's digests are not rp.sum128",
+                digest=patch.digest,
+                hint="a patch-format 1 board: load a keyframe (docs/patch-format.md)",
+            )
+        checked = [self._check(patch.tensors[n]) for n in sorted(patch.tensors)]
+        deltas = [tp for tp, _ in checked]
         digests = dict(self.digests())
         states: dict[str, tuple[int, int]] = {}
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.staged = {}  # one staged update at a time (a dropped one frees its buffers)
-        for tp in deltas:
+        for tp, change in checked:
             ch = tp.changes()
             if tp.base_digest != digests[tp.name]:
                 raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
             live = self[tp.name]
-            if patch.digest == DEFAULT_DIGEST:  # the target state from the changed words alone
-                d0, d1 = self._sum_change(tp) or sum_delta(live.data, ch.positions, ch.new)
-                s0, s1 = self._sums[tp.name]
-                state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
-                got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
-                states[tp.name] = state
-            else:
-                raise BaseMismatchError(
-                    "the patch's digests are not rp.sum128",
-                    digest=patch.digest,
-                    hint="a patch-format 1 board: load a keyframe (docs/patch-format.md)",
-                )
+            d0, d1 = change or sum_delta(live.data, ch.positions, ch.new)
+            s0, s1 = self._sums[tp.name]
+            state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
+            got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
+            states[tp.name] = state
             if got != tp.target_digest:
                 raise TargetMismatchError(
                     "the staged update does not give the target tensor", tensor=tp.name
@@ -304,31 +317,6 @@ class HeldWeights:
         if native.core is None or flat.itemsize not in (2, 4) or start is None:
             return None
         return flat[start : start + pl.n_elements]
-
-    def _sum_change(self, tp: TensorPatch) -> tuple[int, int] | None:
-        """The tensor's exact rp.sum128 change from one native pass over the words its
-        positions fall in that writes nothing (``apply``, dry: the live words are only read,
-        no copy of the tensor), which also checks the positions (strictly increasing, in
-        range) and the old words (:meth:`_check` leaves both to it). None where the words are
-        not one run of the parameter or the core is not built."""
-        from ... import native
-
-        run = self._native_run(tp.name)
-        if run is None:
-            return None
-        ch = tp.changes()
-        kind = native.kind_tuple(self._kind[tp.name], run.size)
-        try:
-            d0, d1 = native.require().apply(kind, run, ch.positions, ch.old, ch.new, True)
-        except BaseMismatchError as err:
-            raise BaseMismatchError(
-                "old elements differ from the patch's base", tensor=tp.name
-            ) from err
-        except ValueError as err:  # the core's refusal of the positions
-            raise PatchError(
-                "positions out of range or not strictly increasing", tensor=tp.name
-            ) from err
-        return int(d0), int(d1)
 
     # -- writing (under the pause) -----------------------------------------------------------
 

@@ -228,7 +228,7 @@ def test_second_buffers_are_the_live_words_with_the_writes_checked() -> None:
     parameter's except the writes; an old word that differs, or storage of another layout,
     is refused, and the live words are only read."""
     from rollpatch.engines.sglang.buffers import second_buffers
-    from rollpatch.engines.sglang.update import _Write
+    from rollpatch.engines.writing import ParamWrites
 
     w, buf, ck = _held_buffered()
     a = vllm_layouts.words_view(ck)
@@ -237,13 +237,13 @@ def test_second_buffers_are_the_live_words_with_the_writes_checked() -> None:
     got = second_buffers(buf, buf.params, staged.writes)
     for p, wr in staged.writes.items():
         want = snap[p].reshape(-1).copy()
-        want[wr.offsets] = wr.new
+        want[wr.prepared] = wr.new
         assert np.array_equal(got[p].reshape(-1), want), p
     p, wr = next(iter(staged.writes.items()))
     bad = wr.old.copy()
     bad[-1] ^= 1
     with pytest.raises(BaseMismatchError, match="old words"):
-        second_buffers(buf, buf.params, {p: _Write(wr.offsets, bad, wr.new)})
+        second_buffers(buf, buf.params, {p: ParamWrites(wr.prepared, bad, wr.new)})
     wrong = NumpyBuffers(buf.params)
     wrong.empty = lambda q: (np.empty(3, np.uint16),) * 2  # type: ignore[method-assign]
     with pytest.raises(EngineError, match="layout"):
@@ -269,9 +269,9 @@ def test_merge_writes_joins_in_offset_order() -> None:
         (w,) = merge_writes({"p": parts}).values()
         want = np.concatenate([q[0] for q in parts])
         order = np.argsort(want, kind="stable")
-        assert np.array_equal(w.offsets, want[order])
-        assert np.array_equal(w.old, (w.offsets % 65536).astype(np.uint16))
-        assert np.array_equal(w.new, ((w.offsets + 1) % 65536).astype(np.uint16))
+        assert np.array_equal(w.prepared, want[order])
+        assert np.array_equal(w.old, (w.prepared % 65536).astype(np.uint16))
+        assert np.array_equal(w.new, ((w.prepared + 1) % 65536).astype(np.uint16))
 
 
 def test_audit_finds_a_flipped_word() -> None:

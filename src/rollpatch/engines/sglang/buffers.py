@@ -22,9 +22,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ...errors import EngineError
-from ..writing import copy_with_writes
+from ..writing import ParamWrites, copy_with_writes
 from .describe import param_words
-from .update import _Write
 
 __all__ = ["Buffers", "TorchBuffers", "exchange", "second_buffers"]
 
@@ -48,7 +47,7 @@ class Buffers(Protocol):
 
 
 def second_buffers(
-    buffers: Buffers, params: dict[str, np.ndarray], writes: dict[str, _Write]
+    buffers: Buffers, params: dict[str, np.ndarray], writes: dict[str, ParamWrites]
 ) -> dict[str, Any]:
     """Per parameter of ``writes``, a second buffer holding its live words with the writes in
     (old words checked, new ones read back), made in one pass by
@@ -60,7 +59,7 @@ def second_buffers(
         if words.shape != params[p].shape or not words.flags.c_contiguous:
             raise EngineError("a parameter's second buffer has another layout", param=p)
         w = writes[p]
-        copy_with_writes(params[p].reshape(-1), words.reshape(-1), w.offsets, w.old, w.new, p)
+        copy_with_writes(params[p].reshape(-1), words.reshape(-1), w.prepared, w.old, w.new, p)
         handles[p] = handle
     return handles
 

@@ -238,7 +238,7 @@ class RankWeights(HeldWeights):
             staged.retired = {}
             _release(undone)
         else:
-            writes = {p: ParamWrites(w.offsets, w.new, w.old) for p, w in staged.writes.items()}
+            writes = {p: ParamWrites(w.prepared, w.new, w.old) for p, w in staged.writes.items()}
             write_params(self._access, writes, parallel=True)
         self._blocks.update(staged.prev_blocks)
         self._generation += 1

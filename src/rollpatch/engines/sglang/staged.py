@@ -48,7 +48,7 @@ from ...patch import DropOp, Patch, TensorPatch
 from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
 from ..staged import WriteMode, dry_change, sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
-from ..writing import ParamWrites, numpy_access, write_params
+from ..writing import numpy_access, write_params
 from .buffers import Buffers, exchange, second_buffers
 from .update import Staged, as_delta, check_keyframe, merge_writes
 
@@ -355,17 +355,18 @@ class HeldWeights:
         self._sums.clear()
 
     def _scatter(self, staged: Staged, repack: Callable[[set[str]], None]) -> None:
-        writes = {p: ParamWrites(w.offsets, w.old, w.new) for p, w in staged.writes.items()}
         try:  # old words checked as overwritten, slice by slice, read back; on every core
-            write_params(self._access, writes, parallel=True)
+            write_params(self._access, staged.writes, parallel=True)
             repack(set(staged.writes))
         except BaseException:
             flat = {p: self.params[p].reshape(-1) for p in staged.writes}
             for p, w in staged.writes.items():
-                flat[p][w.offsets] = w.old
+                flat[p][w.prepared] = w.old
             repack(set(staged.writes))
             lost = [
-                p for p, w in staged.writes.items() if not np.array_equal(flat[p][w.offsets], w.old)
+                p
+                for p, w in staged.writes.items()
+                if not np.array_equal(flat[p][w.prepared], w.old)
             ]
             if lost:
                 self._forget()

@@ -20,17 +20,9 @@ from ...errors import BaseMismatchError, PatchError, ViewError
 from ...kinds import Kind
 from ...patch import DeltaOp, DropOp, FullOp, TensorPatch
 from ...view import View
+from ..writing import ParamWrites
 
 __all__ = ["Staged", "as_delta", "check_delta", "check_keyframe", "merge_writes"]
-
-
-@dataclass
-class _Write:
-    """One runtime parameter's part of a staged update (flat row-major offsets)."""
-
-    offsets: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
 
 
 @dataclass
@@ -46,7 +38,7 @@ class Staged:
     target: str
     digests: dict[str, str]
     states: dict[str, tuple[int, int]]
-    writes: dict[str, _Write] = field(default_factory=dict)
+    writes: dict[str, ParamWrites] = field(default_factory=dict)
     buffers: dict[str, Any] | None = None
     retired: dict[str, Any] = field(default_factory=dict)
     #: TP > 1 (:class:`~.ranked.RankWeights`): this rank's blocks of the touched tensors
@@ -58,7 +50,7 @@ class Staged:
 
     @property
     def changed(self) -> int:
-        return sum(int(w.offsets.size) for w in self.writes.values())
+        return sum(int(w.prepared.size) for w in self.writes.values())
 
     def summary(self) -> dict[str, object]:
         return {
@@ -68,7 +60,7 @@ class Staged:
             "changed": self.changed,
             "params": len(self.writes),
             "nbytes": sum(
-                w.offsets.nbytes + w.old.nbytes + w.new.nbytes for w in self.writes.values()
+                w.prepared.nbytes + w.old.nbytes + w.new.nbytes for w in self.writes.values()
             ),
             "digests": dict(self.digests),
             "buffers": len(self.buffers or {}),
@@ -180,24 +172,26 @@ def check_keyframe(view: View, layout: Mapping[str, tuple[Kind, tuple[int, ...]]
 
 def merge_writes(
     per_param: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]],
-) -> dict[str, _Write]:
+) -> dict[str, ParamWrites]:
     """Per runtime parameter, its tensors' (offsets, old, new) joined in offset order (each
     part's offsets increasing; parts that follow one another, as the row blocks of a fused
     parameter do, are joined without a sort)."""
-    writes: dict[str, _Write] = {}
+    writes: dict[str, ParamWrites] = {}
     for param, given in per_param.items():
         parts = sorted((p for p in given if p[0].size), key=lambda p: int(p[0][0]))
         if not parts:
             continue
         if all(int(a[0][-1]) < int(b[0][0]) for a, b in pairwise(parts)):
             if len(parts) == 1:
-                writes[param] = _Write(*parts[0])
+                writes[param] = ParamWrites(*parts[0])
             else:
-                writes[param] = _Write(*(np.concatenate([p[i] for p in parts]) for i in range(3)))
+                writes[param] = ParamWrites(
+                    *(np.concatenate([p[i] for p in parts]) for i in range(3))
+                )
             continue
         offs = np.concatenate([p[0] for p in parts])
         order = np.argsort(offs, kind="stable")
-        writes[param] = _Write(
+        writes[param] = ParamWrites(
             np.ascontiguousarray(offs[order]),
             np.concatenate([p[1] for p in parts])[order],
             np.concatenate([p[2] for p in parts])[order],

@@ -76,7 +76,7 @@ from _vllm_world import World, model_dims
 from rollpatch.engines.sglang.launch import server_command, server_env
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
-CHAIN_REPS = 3  # catch-ups of --versions steps, each from a fresh load of v0
+CHAIN_REPS = 3  # catch-ups of --versions steps each way, each from a fresh load of v0
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -219,42 +219,60 @@ def phase_staged(
     return runs, served
 
 
-def phase_chain(world: World, engine: Any, n: int, reps: int) -> list[dict[str, float]]:
-    """The catch-up of a replica ``n`` behind: from v0, the ``n`` step patches in one
-    ``stage_encoded`` (decoded inside SGLang step after step), then one commit; ``reps``
-    times, each from a fresh load of v0. TP 1 only."""
+def phase_chain(world: World, engine: Any, n: int, reps: int) -> dict[str, list[dict[str, float]]]:
+    """The catch-up of a replica ``n`` behind, from v0 to v``n``, two ways alternated
+    ``reps`` times, each from a fresh load of v0 (TP 1): ``inside`` — the ``n`` step patches
+    in one ``stage_encoded``, decoded inside SGLang step after step; ``follower`` — what the
+    follower did before SGLang took chains: each step decoded here against the engine's words
+    (exported from SGLang tensor by tensor through files) under an overlay of the steps
+    before it, composed, and staged as one decoded patch (``stage``)."""
     from rollpatch.engines.staged import EncodedStep
+    from rollpatch.patch import compose, decode
+    from rollpatch.patch.overlay import Overlay
 
-    runs = []
-    for _ in range(reps):
-        engine.load(_view(world, 0), 0)
+    def inside() -> Any:
         steps = [
             EncodedStep((world.patch_blob(v),), world.digests[v - 1], world.digests[v])
             for v in range(1, n + 1)
         ]
-        t0 = time.perf_counter()
         staged = engine.stage_encoded(steps, n)
-        t1 = time.perf_counter()
         if staged is None:
             raise BenchError("SGLang did not take the chain (stage_encoded gave None)")
-        engine.pause()
-        try:
-            engine.commit_staged(staged, n)
-        finally:
-            engine.resume()
-        serving = engine.channel._frozen_at + engine.channel.held_s
-        if engine.digest != world.digests[n] or engine.held()[1] != world.digests[n]:
-            raise BenchError(f"chain to v{n}: the engine does not hold the published digest")
-        runs.append(
-            {
-                **{f"{k}_ms": float(x) for k, x in engine.last_stage_ms.items()},
-                "stage_s": t1 - t0,
-                "pause_s": engine.channel.held_s,
-                "visible_s": serving - t0,
-                "bytes": sum(len(s.blobs[0]) for s in steps),
-            }
-        )
-    return runs
+        return staged
+
+    def follower() -> Any:
+        words = engine.words()
+        patch = decode(world.patch_blob(1), words, check_base=False)
+        for v in range(2, n + 1):
+            patch = compose(
+                patch, decode(world.patch_blob(v), Overlay(words, patch), check_base=False)
+            )
+        return engine.stage(patch, n)
+
+    out: dict[str, list[dict[str, float]]] = {"inside": [], "follower": []}
+    for r in range(reps):
+        for name, fn in (("inside", inside), ("follower", follower))[:: 1 if r % 2 == 0 else -1]:
+            engine.load(_view(world, 0), 0)
+            t0 = time.perf_counter()
+            staged = fn()
+            t1 = time.perf_counter()
+            engine.pause()
+            try:
+                engine.commit_staged(staged, n)
+            finally:
+                engine.resume()
+            serving = engine.channel._frozen_at + engine.channel.held_s
+            if engine.digest != world.digests[n] or engine.held()[1] != world.digests[n]:
+                raise BenchError(f"{name} chain to v{n}: the engine does not hold the digest")
+            out[name].append(
+                {
+                    **{f"{k}_ms": float(x) for k, x in engine.last_stage_ms.items()},
+                    "stage_s": t1 - t0,
+                    "pause_s": engine.channel.held_s,
+                    "visible_s": serving - t0,
+                }
+            )
+    return out
 
 
 class TimedWords:
@@ -371,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log("reloads: SGLang's update_weights_from_disk of each version")
             engine.load(_view(world, 0), 0)
             reloads = phase_reloads(world, engine, args.versions, served)
-            chain: list[dict[str, float]] = []
+            chain: dict[str, list[dict[str, float]]] = {}
             if args.tp == 1 and args.versions > 1:
                 log(f"chain: {args.versions} behind, the step patches decoded inside SGLang")
                 engine.close()

@@ -68,6 +68,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _sglang_chain import phase_chain, view_of
 from _sglang_report import SGLANG_VERSION, pause_parts, render
 from _util import log, machine
 from _vllm_server import BenchError
@@ -219,62 +220,6 @@ def phase_staged(
     return runs, served
 
 
-def phase_chain(world: World, engine: Any, n: int, reps: int) -> dict[str, list[dict[str, float]]]:
-    """The catch-up of a replica ``n`` behind, from v0 to v``n``, two ways alternated
-    ``reps`` times, each from a fresh load of v0 (TP 1): ``inside`` — the ``n`` step patches
-    in one ``stage_encoded``, decoded inside SGLang step after step; ``follower`` — what the
-    follower did before SGLang took chains: each step decoded here against the engine's words
-    (exported from SGLang tensor by tensor through files) under an overlay of the steps
-    before it, composed, and staged as one decoded patch (``stage``)."""
-    from rollpatch.engines.staged import EncodedStep
-    from rollpatch.patch import compose, decode
-    from rollpatch.patch.overlay import Overlay
-
-    def inside() -> Any:
-        steps = [
-            EncodedStep((world.patch_blob(v),), world.digests[v - 1], world.digests[v])
-            for v in range(1, n + 1)
-        ]
-        staged = engine.stage_encoded(steps, n)
-        if staged is None:
-            raise BenchError("SGLang did not take the chain (stage_encoded gave None)")
-        return staged
-
-    def follower() -> Any:
-        words = engine.words()
-        patch = decode(world.patch_blob(1), words, check_base=False)
-        for v in range(2, n + 1):
-            patch = compose(
-                patch, decode(world.patch_blob(v), Overlay(words, patch), check_base=False)
-            )
-        return engine.stage(patch, n)
-
-    out: dict[str, list[dict[str, float]]] = {"inside": [], "follower": []}
-    for r in range(reps):
-        for name, fn in (("inside", inside), ("follower", follower))[:: 1 if r % 2 == 0 else -1]:
-            engine.load(_view(world, 0), 0)
-            t0 = time.perf_counter()
-            staged = fn()
-            t1 = time.perf_counter()
-            engine.pause()
-            try:
-                engine.commit_staged(staged, n)
-            finally:
-                engine.resume()
-            serving = engine.channel._frozen_at + engine.channel.held_s
-            if engine.digest != world.digests[n] or engine.held()[1] != world.digests[n]:
-                raise BenchError(f"{name} chain to v{n}: the engine does not hold the digest")
-            out[name].append(
-                {
-                    **{f"{k}_ms": float(x) for k, x in engine.last_stage_ms.items()},
-                    "stage_s": t1 - t0,
-                    "pause_s": engine.channel.held_s,
-                    "visible_s": serving - t0,
-                }
-            )
-    return out
-
-
 class TimedWords:
     """The engine's words (a WordSource), the time spent fetching them counted."""
 
@@ -381,13 +326,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             log("staged: stage_encoded while serving, commit_staged under the pause")
             staged, served = phase_staged(world, engine, args.versions)
             log("double: second buffers built while serving, exchanged under the pause")
-            engine.load(_view(world, 0), 0)
+            engine.load(view_of(world, 0), 0)
             engine.close()
             engine = SglangEngine(server.url, writes="double_buffer")
             engine.adopt(0, world.digests[0])
             double, _ = phase_staged(world, engine, args.versions, expect=served)
             log("reloads: SGLang's update_weights_from_disk of each version")
-            engine.load(_view(world, 0), 0)
+            engine.load(view_of(world, 0), 0)
             reloads = phase_reloads(world, engine, args.versions, served)
             chain: dict[str, list[dict[str, float]]] = {}
             if args.tp == 1 and args.versions > 1:
@@ -422,12 +367,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(ctx, indent=1, default=str))
     print(render(ctx))
     return 0
-
-
-def _view(world: World, v: int) -> Any:
-    from rollpatch.io.safetensors import load_view
-
-    return load_view(world.checkpoint(v) / "model.safetensors")
 
 
 if __name__ == "__main__":

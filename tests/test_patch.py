@@ -292,11 +292,11 @@ def test_patch_much_smaller_than_xor_zstd_on_sparse_bf16() -> None:
 
 
 def test_header_json_is_one_dumps_of_the_whole_header() -> None:
-    """The container's header is written 32 entries at a time (``wire._header_json``): the same
+    """The container's header is written 32 entries at a time (``header._header_json``): the same
     bytes as one ``json.dumps`` of the whole header, escapes, empty lists and group edges included."""
     import json
 
-    from rollpatch.patch.wire import _header_json
+    from rollpatch.patch.header import _header_json
 
     head = {"format": "rollpatch.patch", "version": 2, "base": "a", "meta": {"k": 'v\u00e9"\n'}}
     many = [{"name": f"t{i}", "changed": i} for i in range(70)]  # groups of 32 and a rest

@@ -44,6 +44,8 @@ __all__ = [
     "StagedTensor",
     "StagedUpdate",
     "WriteMode",
+    "check_delta",
+    "checked_writes",
     "dry_change",
     "stage_patch",
     "sum_delta",
@@ -197,19 +199,77 @@ class StagedUpdate:
         )
 
 
-def _as_delta(tp: TensorPatch, held: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def checked_writes(
+    tp: TensorPatch, held: Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, SumState | None]:
+    """``tp``'s writes into ``held`` (the engine's words of that tensor), checked before any
+    is made: the layout (:class:`BaseMismatchError`), a full tensor turned into its changed
+    elements, the delta's arrays (int64 positions strictly increasing and in range, the
+    kind's words: :class:`PatchError`) and the held words at the positions
+    (:class:`BaseMismatchError`). Returns (positions, old, new, change): the rp.sum128 change
+    the writes make, from one native pass that writes nothing (:func:`dry_change`), or None
+    without the core (then positions and old words were checked in numpy)."""
+    if tp.kind != held.kind or tp.shape != held.shape:
+        raise BaseMismatchError(
+            "tensor layout differs from the engine's",
+            tensor=tp.name,
+            kind=tp.kind.name,
+            shape=tp.shape,
+        )
     match tp.change:
-        case DeltaOp(positions, old, new):
-            return positions, old, new
-        case FullOp(tensor):
+        case DeltaOp(pos, old, new):
             pass
+        case FullOp(tensor):
+            if tensor.kind != held.kind or tensor.shape != held.shape:
+                raise BaseMismatchError(
+                    "full tensor's layout differs from the engine's", tensor=tp.name
+                )
+            cur, full = held.elements(), tensor.elements()
+            pos = np.flatnonzero(cur != full).astype(np.int64)
+            old, new = cur[pos].copy(), full[pos].copy()
         case DropOp():
             raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
-    if tensor.kind != held.kind or tensor.shape != held.shape:
-        raise BaseMismatchError("full tensor's layout differs from the engine's", tensor=tp.name)
-    cur, new = held.elements(), tensor.elements()
-    pos = np.flatnonzero(cur != new).astype(np.int64)
-    return pos, cur[pos].copy(), new[pos].copy()
+    check_delta(tp.name, pos, old, new, held.kind, held.n_elements, positions=False)
+    change = dry_change(held.kind, held.data, pos, old, new, tp.name)
+    if change is None:
+        check_delta(tp.name, pos, old, new, held.kind, held.n_elements)
+        if not np.array_equal(gather(held, pos), old):
+            raise BaseMismatchError("old elements differ from the engine's words", tensor=tp.name)
+    return pos, old, new, change
+
+
+def check_delta(
+    name: str,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    kind: Kind,
+    n_elements: int,
+    *,
+    positions: bool = True,
+) -> None:
+    """A delta's positions ``pos`` are int64, strictly increasing and in
+    ``range(n_elements)`` (unless not ``positions``); its ``old`` and ``new`` elements are
+    ``kind``'s words, one each."""
+    if (
+        pos.dtype != np.int64
+        or pos.ndim != 1
+        or old.dtype != kind.elem_dtype
+        or new.dtype != kind.elem_dtype
+        or old.shape != pos.shape
+        or new.shape != pos.shape
+    ):
+        raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
+    if (
+        positions
+        and pos.size
+        and (
+            pos[0] < 0
+            or pos[-1] >= n_elements
+            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
+        )
+    ):
+        raise PatchError("positions out of range or not strictly increasing", tensor=name)
 
 
 def stage_patch(
@@ -279,41 +339,13 @@ def _prove(
             op=tp.op,
             hint="self-heal from a keyframe of this architecture",
         )
-    t = held(name)
-    if tp.kind != t.kind or tp.shape != t.shape:
-        raise BaseMismatchError(
-            "tensor layout differs from the engine's",
-            tensor=name,
-            kind=tp.kind.name,
-            shape=tp.shape,
-        )
     if tp.base_digest != digests[name]:
         raise BaseMismatchError("tensor is not the patch's base", tensor=name)
-    pos, old, new = _as_delta(tp, t)
-    if (
-        pos.dtype != np.int64
-        or pos.ndim != 1
-        or old.dtype != t.kind.elem_dtype
-        or new.dtype != t.kind.elem_dtype
-        or old.shape != pos.shape
-        or new.shape != pos.shape
-    ):
-        raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
-    if pos.size and (
-        pos[0] < 0
-        or pos[-1] >= t.n_elements
-        or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
-    ):
-        raise PatchError("positions out of range or not strictly increasing", tensor=name)
-    st: SumState | None = None
+    t = held(name)
+    pos, old, new, change = checked_writes(tp, t)
     sums = patch.digest == "rp.sum128.v1"
-    if sums and known is not None:
-        st = known.get(name)
-    # the old words checked and the change summed in one read-only pass, where it can
-    change = dry_change(t.kind, t.data, pos, old, new, name) if sums and st is None else None
-    if change is None and not np.array_equal(gather(t, pos), old):
-        raise BaseMismatchError("old elements differ from the engine's words", tensor=name)
-    if change is not None:
+    st = known.get(name) if sums and known is not None else None
+    if sums and st is None and change is not None:
         s0, s1 = state(name)
         st = ((s0 + change[0]) & _M64, (s1 + change[1]) & _M64)
     if st is not None:

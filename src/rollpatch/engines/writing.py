@@ -70,13 +70,11 @@ class Access:
     prebuild: Callable[..., Any] | None = None
     install: Callable[[Any], set[str]] | None = None
     #: Optional: ``swap(param, prepared, old, new)`` checks that the words at ``prepared``
-    #: (increasing storage offsets) are ``old`` and writes ``new``, in one pass, all or
-    #: nothing (raises :class:`BaseMismatchError`); else the commit scatters blindly.
+    #: (increasing storage offsets) are ``old``, writes ``new`` and reads it back, in one
+    #: pass, all or nothing (raises :class:`BaseMismatchError` / :class:`TargetMismatchError`:
+    #: :func:`check_and_write` with ``readback``); else the commit scatters blindly and
+    #: :func:`write_params` reads back.
     swap: Callable[[str, np.ndarray, np.ndarray, np.ndarray], None] | None = None
-    #: True when ``swap`` also reads the written words back as it goes (raising
-    #: :class:`TargetMismatchError`, nothing left written): :func:`write_params` then makes
-    #: no read-back pass of its own.
-    swap_reads_back: bool = False
     #: Optional (CPU): ``kernel_only(param)`` is True when the engine reads ``param`` only
     #: through its module's packed kernel, which holds its own copy of the words. Once a
     #: prebuilt kernel is installed, such a parameter's own words are written after the
@@ -114,7 +112,7 @@ def write_params(acc: Access, writes: dict[str, ParamWrites], *, parallel: bool)
     scatter = acc.scatter or (lambda param, off, values: acc.write(param, off, values))
     read_at = acc.read_at or (lambda param, off: acc.read(param).reshape(-1)[off])
     write = acc.swap or (lambda param, off, old, new: scatter(param, off, new))
-    reads_back = acc.swap is not None and acc.swap_reads_back
+    reads_back = acc.swap is not None  # a swap reads its own writes back
     started: list[str] = []
 
     def one(param: str) -> None:
@@ -332,5 +330,4 @@ def numpy_access(params: Mapping[str, np.ndarray]) -> Access:
         scatter=scatter,
         read_at=read_at,
         swap=swap,
-        swap_reads_back=True,
     )

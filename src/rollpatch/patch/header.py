@@ -13,12 +13,14 @@ import json
 import math
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import blake3
+import zstandard
 
-from ..errors import PatchDecodeError
+from ..errors import CodecError, PatchDecodeError
 from ..kinds import KINDS
 from ..view import DigestAlgo
 from .codecs import bounded_decompress
@@ -33,6 +35,7 @@ __all__ = [
     "VERSIONS",
     "PatchHeader",
     "inspect",
+    "pack_header",
 ]
 
 MAGIC = b"\x89RPATCH\n"
@@ -274,3 +277,49 @@ def _utf8_len(name: str) -> int:
         return len(name.encode())
     except UnicodeEncodeError:
         return MAX_NAME_BYTES + 1
+
+
+_LOCAL = threading.local()
+
+
+def _header_compressor() -> zstandard.ZstdCompressor:
+    """One level-9 compressor per thread (its context costs more to set up than a header
+    costs to compress; compressors are not thread-safe)."""
+    c = getattr(_LOCAL, "cctx", None)
+    if c is None:
+        c = _LOCAL.cctx = zstandard.ZstdCompressor(level=9)
+    return c
+
+
+#: Entries per ``encode`` call of :func:`_header_json`.
+_HEADER_GROUP = 32
+_HEADER_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
+def _header_json(head: dict[str, Any], entries: list[dict[str, Any]]) -> bytearray:
+    """``json.dumps({**head, "tensors": entries})`` (compact, ASCII), byte for byte, 32
+    entries at a time appended to one buffer: one ``dumps`` holds a string per token (~0.4 MB
+    for 160 tensors, more than a 100M model's patch at lr 1e-6), groups joined as strings held
+    the header three times (~0.19 MB); groups cost ~0.05 ms more per patch than one call."""
+    enc, g = _HEADER_JSON, _HEADER_GROUP
+    out = bytearray(enc.encode(head)[:-1].encode("ascii"))
+    out += b',"tensors":['
+    for i in range(0, len(entries), g):
+        if i:
+            out += b","
+        out += enc.encode(entries[i : i + g])[1:-1].encode("ascii")
+    out += b"]}"
+    return out
+
+
+def pack_header(head: dict[str, Any], entries: list[dict[str, Any]], version: int) -> bytes:
+    """The container's prefix and header (§1–§2): magic, version, flags, the header's length,
+    then the header JSON (``head`` with ``tensors``: ``entries``), zstd level 9; refused
+    (:class:`CodecError`) past :data:`MAX_HEADER_BYTES`. The raw header and zstd's output
+    (which keeps its compress bound allocated) are dropped before returning."""
+    raw = _header_json(head, entries)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CodecError("patch header exceeds the format's limit", size=len(raw))
+    packed = _header_compressor().compress(raw)
+    del raw
+    return _PREFIX.pack(MAGIC, version, FLAG_ZSTD_HEADER, len(packed)) + packed

@@ -8,15 +8,12 @@ verified before it is decoded. Hostile input raises :class:`PatchDecodeError` (o
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import blake3
 import numpy as np
-import zstandard
 
 from .. import native
 from ..errors import CodecError
@@ -24,9 +21,7 @@ from ..view import View, WordSource, sum_add
 from .codecs import DELTA_CODECS, encode_full
 from .header import (
     _DELTA_BY_VERSION,
-    _PREFIX,
     DIGESTS,
-    FLAG_ZSTD_HEADER,
     MAGIC,
     MAX_HEADER_BYTES,
     MIN_FULL_BOUND,
@@ -35,6 +30,7 @@ from .header import (
     PatchHeader,
     _b3,
     inspect,
+    pack_header,
 )
 from .model import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 from .ops import same_layout
@@ -297,18 +293,6 @@ def entry(
     }
 
 
-_LOCAL = threading.local()
-
-
-def _header_compressor() -> zstandard.ZstdCompressor:
-    """One level-9 compressor per thread (its context costs more to set up than a header
-    costs to compress; compressors are not thread-safe)."""
-    c = getattr(_LOCAL, "cctx", None)
-    if c is None:
-        c = _LOCAL.cctx = zstandard.ZstdCompressor(level=9)
-    return c
-
-
 def assemble(
     base: str,
     target: str,
@@ -331,14 +315,8 @@ def assemble(
     if version >= 2:
         header["digest"] = digest
     header.update({"base": base, "target": target, "payload_bytes": offset, "meta": dict(meta)})
-    raw = _header_json(header, entries)
+    prefix = pack_header(header, entries, version)
     del entries, header  # the list (the entries themselves go with parts, cleared below)
-    if len(raw) > MAX_HEADER_BYTES:
-        raise CodecError("patch header exceeds the format's limit", size=len(raw))
-    packed = _header_compressor().compress(raw)
-    del raw
-    prefix = _PREFIX.pack(MAGIC, version, FLAG_ZSTD_HEADER, len(packed)) + packed
-    del packed  # zstd's result holds its compress bound (the raw header's size), not its length
     if arena:
         parts.clear()  # the views of the arena released: the pieces list holds it alone
         pieces: list[Any] = [prefix, _b3(prefix), arena.pop()]
@@ -364,27 +342,6 @@ def _entries(
         entries.append(e)
         offset += len(payload)
     return entries, offset
-
-
-#: Entries per ``encode`` call of :func:`_header_json`.
-_HEADER_GROUP = 32
-_HEADER_JSON = json.JSONEncoder(separators=(",", ":"))
-
-
-def _header_json(head: dict[str, Any], entries: list[dict[str, Any]]) -> bytearray:
-    """``json.dumps({**head, "tensors": entries})`` (compact, ASCII), byte for byte, 32
-    entries at a time appended to one buffer: one ``dumps`` holds a string per token (~0.4 MB
-    for 160 tensors, more than a 100M model's patch at lr 1e-6), groups joined as strings held
-    the header three times (~0.19 MB); groups cost ~0.05 ms more per patch than one call."""
-    enc, g = _HEADER_JSON, _HEADER_GROUP
-    out = bytearray(enc.encode(head)[:-1].encode("ascii"))
-    out += b',"tensors":['
-    for i in range(0, len(entries), g):
-        if i:
-            out += b","
-        out += enc.encode(entries[i : i + g])[1:-1].encode("ascii")
-    out += b"]}"
-    return out
 
 
 def _encode_tensor(tp: TensorPatch, base: WordSource, version: int) -> tuple[str, bytes]:

@@ -153,19 +153,15 @@ class SglangEngine(EngineAdapter):
 
     def load(self, view: View, version: int) -> None:
         """Write a keyframe in place (validated whole first), verified by a full re-hash."""
-        with self._lock:
-            path = self._scratch("keyframe")
-            try:
-                save_view(view, path)
-                target = view.digest()
-                self._write(
-                    {"op": "load", "path": str(path)},
-                    version,
-                    lambda res: (res["root"] if self.tp == 1 else self.held()[1]) == target,
-                    target,
-                )
-            finally:
-                path.unlink(missing_ok=True)
+        with self._lock, self.channel.scratch_files("keyframe") as (path,):
+            save_view(view, path)
+            target = view.digest()
+            self._write(
+                {"op": "load", "path": str(path)},
+                version,
+                lambda res: (res["root"] if self.tp == 1 else self.held()[1]) == target,
+                target,
+            )
 
     def words(self) -> WordSource:
         return RemoteWords(self)
@@ -179,20 +175,16 @@ class SglangEngine(EngineAdapter):
         """Prove a decoded patch inside SGLang (while it serves); :meth:`commit_staged`
         writes it. The decoded patch crosses processes as a file (12 bytes per BF16 change)."""
         targets = {n: tp.target_digest for n, tp in patch.tensors.items()}
-        with self._lock:
+        with self._lock, self.channel.scratch_files("patch") as (path,):
             self._require_loaded()
-            path = self._scratch("patch")
-            try:
-                write_decoded(patch, path)
-                if self.tp > 1:  # every rank stages its part; their sum is proven here
-                    t0 = time.perf_counter()
-                    args = (self.channel, patch, path, self._digest, self.tensors(), self.writes)
-                    staged, r = tp_ops.stage_update(*args)
-                    self._timed(t0, r)
-                    return staged
-                return self._stage("stage_decoded", path, targets, patch.base, patch.target)
-            finally:
-                path.unlink(missing_ok=True)
+            write_decoded(patch, path)
+            if self.tp > 1:  # every rank stages its part; their sum is proven here
+                t0 = time.perf_counter()
+                args = (self.channel, patch, path, self._digest, self.tensors(), self.writes)
+                staged, r = tp_ops.stage_update(*args)
+                self._timed(t0, r)
+                return staged
+            return self._stage("stage_decoded", path, targets, patch.base, patch.target)
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
         """Decode a chain of published steps (one or many: every shard's object per step)
@@ -210,21 +202,18 @@ class SglangEngine(EngineAdapter):
             ):
                 return None
             targets.update({e["name"]: e["target"] for e in entries})
-        with self._lock:
+        n = sum(len(s.blobs) for s in steps)
+        with self._lock, self.channel.scratch_files("blob", n) as paths:
             self._require_loaded()
-            spec: list[dict[str, Any]] = []
-            try:
-                for step in steps:
-                    where = [self._scratch("blob") for _ in step.blobs]
-                    spec.append(
-                        {"paths": [str(p) for p in where], "base": step.base, "target": step.target}
-                    )
-                    for path, blob in zip(where, step.blobs, strict=True):
-                        path.write_bytes(blob)
-                return self._stage("stage_encoded", spec, targets, steps[0].base, steps[-1].target)
-            finally:
-                for name in (x for s in spec for x in s["paths"]):
-                    Path(name).unlink(missing_ok=True)
+            spec, files = [], iter(paths)
+            for step in steps:
+                where = [next(files) for _ in step.blobs]
+                for path, blob in zip(where, step.blobs, strict=True):
+                    path.write_bytes(blob)
+                spec.append(
+                    {"paths": [str(p) for p in where], "base": step.base, "target": step.target}
+                )
+            return self._stage("stage_encoded", spec, targets, steps[0].base, steps[-1].target)
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Under the pause: scatter the staged writes inside SGLang, read them back."""
@@ -386,9 +375,6 @@ class SglangEngine(EngineAdapter):
                 engine=self.name,
                 hint="load a keyframe (or adopt a booted checkpoint) first",
             )
-
-    def _scratch(self, what: str) -> Path:
-        return self.channel.scratch(what)
 
     def _tag(self, tag: str) -> None:
         self.channel.tag(tag)

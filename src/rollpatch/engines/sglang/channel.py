@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,17 @@ class SglangChannel(NestedPause):
     def scratch(self, what: str) -> Path:
         """A fresh file name in the shared directory (bulk data crosses as files)."""
         return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+
+    @contextlib.contextmanager
+    def scratch_files(self, what: str, n: int = 1) -> Iterator[list[Path]]:
+        """``n`` fresh file names in the shared directory (:meth:`scratch`), removed after
+        the block."""
+        paths = [self.scratch(what) for _ in range(n)]
+        try:
+            yield paths
+        finally:
+            for path in paths:
+                path.unlink(missing_ok=True)
 
     def shm(self, what: str) -> Path:
         """A fresh file name in shared memory (a private directory under ``/dev/shm``, else

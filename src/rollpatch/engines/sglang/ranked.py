@@ -35,13 +35,13 @@ from ...errors import BaseMismatchError, EngineError
 from ...kinds import Kind
 from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
-from ..staged import WriteMode
+from ..staged import WriteMode, check_delta
 from ..vllm.layout import Placement, extract, locate
 from ..writing import ParamWrites, release, write_params
 from .buffers import exchange, second_buffers
 from .slices import Block, partial_delta, partial_state
 from .staged import HeldWeights
-from .update import Staged, check_delta, merge_writes
+from .update import Staged, merge_writes
 
 __all__ = ["RankWeights"]
 

@@ -44,13 +44,22 @@ import numpy as np
 
 from ...errors import BaseMismatchError, EngineError, TargetMismatchError
 from ...kinds import Kind
-from ...patch import DropOp, Patch, TensorPatch
-from ...view import DEFAULT_DIGEST, Tensor, View, root_digest, sum128, sum128_digest, tensor_digest
-from ..staged import WriteMode, dry_change, sum_delta
+from ...patch import DeltaOp, DropOp, Patch, TensorPatch
+from ...view import (
+    DEFAULT_DIGEST,
+    Tensor,
+    View,
+    root_digest,
+    sum128,
+    sum128_digest,
+    sum_add,
+    tensor_digest,
+)
+from ..staged import WriteMode, checked_writes, sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
 from ..writing import numpy_access, write_params
 from .buffers import Buffers, exchange, second_buffers
-from .update import Staged, as_delta, check_keyframe, merge_writes
+from .update import Staged, check_keyframe, merge_writes
 
 __all__ = ["HeldWeights", "Staged"]
 
@@ -200,12 +209,10 @@ class HeldWeights:
 
     # -- staging (reads only) ----------------------------------------------------------------
 
-    def _check(self, tp: TensorPatch) -> tuple[TensorPatch, tuple[int, int] | None]:
-        """The tensor patch as a validated delta against the live words, and its exact
-        rp.sum128 change where the native core takes the tensor (one run of its parameter):
-        then the positions and old words are checked in that pass over the words the
-        positions fall in, which writes nothing (:func:`~rollpatch.engines.staged.dry_change`),
-        and not again in numpy; else (None) in numpy here, the change summed by the caller."""
+    def _check(self, tp: TensorPatch) -> tuple[TensorPatch, tuple[int, int], str]:
+        """The tensor patch as a delta checked against the live words
+        (:func:`~rollpatch.engines.staged.checked_writes`: the native core checks it and sums
+        its rp.sum128 change in one pass that writes nothing), its target state and digest."""
         if isinstance(tp.change, DropOp) or tp.name not in self._place:
             raise BaseMismatchError(
                 "patch adds or drops a tensor; the model cannot change",
@@ -213,14 +220,13 @@ class HeldWeights:
                 op=tp.op,
                 hint="self-heal from a keyframe of this architecture",
             )
-        pl, kind = self._place[tp.name], self._kind[tp.name]
-        run = self._native_run(tp.name)
-        live = self[tp.name].data if run is None else run
-        tp = as_delta(tp, live, kind, pl.shape, pl.n_elements, checked_later=run is not None)
-        if run is None:
-            return tp, None
-        ch = tp.changes()
-        return tp, dry_change(kind, run, ch.positions, ch.old, ch.new, tp.name)
+        live = self[tp.name]
+        pos, old, new, change = checked_writes(tp, live)
+        state = sum_add(self.state_of(tp.name), change or sum_delta(live.data, pos, new))
+        delta = TensorPatch(
+            tp.name, live.kind, live.shape, tp.base_digest, tp.target_digest, DeltaOp(pos, old, new)
+        )
+        return delta, state, sum128_digest(live.dtype, live.shape, live.nbytes, state)
 
     def stage(self, patch: Patch, mode: WriteMode = "in_place") -> Staged:
         """Validate and prove ``patch`` against the live words; nothing live is written
@@ -247,20 +253,14 @@ class HeldWeights:
                 hint="a patch-format 1 board: load a keyframe (docs/patch-format.md)",
             )
         checked = [self._check(patch.tensors[n]) for n in sorted(patch.tensors)]
-        deltas = [tp for tp, _ in checked]
+        deltas = [tp for tp, _, _ in checked]
         digests = dict(self.digests())
         states: dict[str, tuple[int, int]] = {}
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.staged = {}  # one staged update at a time (a dropped one frees its buffers)
-        for tp, change in checked:
-            ch = tp.changes()
+        for tp, state, got in checked:
             if tp.base_digest != digests[tp.name]:
                 raise BaseMismatchError("tensor is not the patch's base", tensor=tp.name)
-            live = self[tp.name]
-            d0, d1 = change or sum_delta(live.data, ch.positions, ch.new)
-            s0, s1 = self._sums[tp.name]
-            state = ((s0 + d0) & _M64, (s1 + d1) & _M64)
-            got = sum128_digest(live.dtype, live.shape, live.nbytes, state)
             states[tp.name] = state
             if got != tp.target_digest:
                 raise TargetMismatchError(
@@ -305,18 +305,6 @@ class HeldWeights:
         if pl.sub is not None or not pl.whole or pl.param_shape[1] != pl.cols:
             return None
         return pl.dst_start * pl.cols if pl.dim == 0 else 0
-
-    def _native_run(self, name: str) -> np.ndarray | None:
-        """The tensor's words as one run of its parameter, where the native core takes them
-        (2- or 4-byte words); else None."""
-        from ... import native
-
-        pl = self._place[name]
-        start = self._run(pl)
-        flat = self.params[pl.param].reshape(-1)
-        if native.core is None or flat.itemsize not in (2, 4) or start is None:
-            return None
-        return flat[start : start + pl.n_elements]
 
     # -- writing (under the pause) -----------------------------------------------------------
 

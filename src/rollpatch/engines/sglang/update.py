@@ -1,8 +1,7 @@
 """A staged SGLang update and the pure checks that build it (numpy only).
 
-:func:`as_delta` turns one tensor patch into a validated delta against the live words of a
-tensor (layout, positions — :func:`check_delta`, old elements); :func:`check_keyframe` checks
-a keyframe's names and layouts; :func:`merge_writes` joins the checkpoint tensors'
+:func:`check_keyframe` checks a keyframe's names and layouts (a patch's tensors are checked
+against the live words by :func:`rollpatch.engines.staged.checked_writes`); :func:`merge_writes` joins the checkpoint tensors'
 runtime offsets into one sorted scatter per runtime parameter; :class:`Staged` is the proven,
 ready-to-scatter result that :class:`~.staged.HeldWeights` keeps between stage and commit.
 """
@@ -16,13 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, PatchError, ViewError
+from ...errors import ViewError
 from ...kinds import Kind
-from ...patch import DeltaOp, DropOp, FullOp, TensorPatch
 from ...view import View
 from ..writing import ParamWrites
 
-__all__ = ["Staged", "as_delta", "check_delta", "check_keyframe", "merge_writes"]
+__all__ = ["Staged", "check_keyframe", "merge_writes"]
 
 
 @dataclass
@@ -66,82 +64,6 @@ class Staged:
             "buffers": len(self.buffers or {}),
             "blocks": dict(self.blocks),
         }
-
-
-def as_delta(
-    tp: TensorPatch,
-    live: np.ndarray,
-    kind: Kind,
-    shape: tuple[int, ...],
-    n_elements: int,
-    *,
-    checked_later: bool = False,
-) -> TensorPatch:
-    """``tp`` as a validated delta against ``live`` (the tensor's words, of ``kind`` and
-    ``shape``): a full tensor becomes the delta of its changed elements; a delta must have
-    strictly increasing in-range int64 positions and old elements equal to the live ones.
-    ``checked_later``: the caller checks those two in its own pass over the words (the native
-    core's dry ``apply``, which refuses either); only the arrays' types are checked here."""
-    if tp.kind != kind or tp.shape != shape:
-        raise BaseMismatchError(
-            "tensor layout differs from the engine's",
-            tensor=tp.name,
-            kind=tp.kind.name,
-            shape=tp.shape,
-            engine_kind=kind.name,
-            engine_shape=shape,
-        )
-    match tp.change:
-        case FullOp(tensor):
-            if tensor.kind != kind or tensor.data.shape != live.shape:
-                raise BaseMismatchError(
-                    "full tensor's layout differs from the engine's", tensor=tp.name
-                )
-            changed = np.flatnonzero(live != tensor.data).astype(np.int64)
-            whole = DeltaOp(changed, live[changed].copy(), tensor.data[changed].copy())
-            return TensorPatch(tp.name, kind, tp.shape, tp.base_digest, tp.target_digest, whole)
-        case DeltaOp(pos, old, new):
-            pass
-        case DropOp():
-            raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
-    check_delta(tp.name, pos, old, new, kind, n_elements, positions=not checked_later)
-    if not checked_later and not np.array_equal(live[pos], old):
-        raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
-    return tp
-
-
-def check_delta(
-    name: str,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-    kind: Kind,
-    n_elements: int,
-    *,
-    positions: bool = True,
-) -> None:
-    """A delta's positions ``pos`` are int64, strictly increasing and in
-    ``range(n_elements)`` (unless not ``positions``); its ``old`` and ``new`` elements are
-    ``kind``'s words, one each."""
-    if (
-        pos.dtype != np.int64
-        or pos.ndim != 1
-        or old.dtype != kind.elem_dtype
-        or new.dtype != kind.elem_dtype
-        or old.shape != pos.shape
-        or new.shape != pos.shape
-    ):
-        raise PatchError("positions must be int64 and elements the kind's words", tensor=name)
-    if (
-        positions
-        and pos.size
-        and (
-            pos[0] < 0
-            or pos[-1] >= n_elements
-            or (pos.size > 1 and not bool((np.diff(pos) > 0).all()))
-        )
-    ):
-        raise PatchError("positions out of range or not strictly increasing", tensor=name)
 
 
 def check_keyframe(view: View, layout: Mapping[str, tuple[Kind, tuple[int, ...]]]) -> None:

@@ -28,14 +28,11 @@ class RemoteWords:
     def __getitem__(self, name: str) -> Tensor:
         if name not in self:
             raise KeyError(name)
-        path = self.engine._scratch("words")
+        channel = self.engine.channel
         if self.engine.tp > 1:  # every rank's block through a file (measured faster here
             # than one shared-memory buffer per tensor: docs/sglang.md, Measured)
-            return tp_ops.export(
-                self.engine.channel, name, self.engine.tensors()[name], path, shared=False
-            )
-        try:
+            path = channel.scratch("words")
+            return tp_ops.export(channel, name, self.engine.tensors()[name], path, shared=False)
+        with channel.scratch_files("words") as (path,):
             self.engine._control("export", name=name, path=str(path))
             return load_view(path)[name]
-        finally:
-            path.unlink(missing_ok=True)

@@ -305,7 +305,6 @@ class TorchParams:
             prebuild=self.prebuild if cpu and one else None,
             install=self.install,
             swap=self.swap if cpu else None,
-            swap_reads_back=cpu,
             kernel_only=self.kernel_only if cpu and one else None,
             buffer=self.buffer if cpu and one else None,
             exchange=self.exchange if cpu and one else None,

@@ -9,7 +9,9 @@ and reports its own CPU per request (``client_cpu_per_req``).
 Run as ``python bench/_sidecar_load.py JOB`` (JSON): ``url``, ``c`` in flight, ``n`` requests
 (None: until stdin closes), optionally ``duration_s`` (no request starts after that many
 seconds of the measured phase; those in flight finish), ``warmup``, ``bodies``, ``stream`` (SSE; the last data chunk
-carries the labels, ``stream_options.include_usage`` the token count). Prints the result.
+carries the labels, ``stream_options.include_usage`` the token count), ``token_times`` (keep,
+per streamed request, the ``time.monotonic()`` at which each chunk with text arrived: the
+system-wide clock, so another process can lay its own events over them). Prints the result.
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ class BenchError(SystemExit):
     """A response, a commit or a replica is not what it must be."""
 
 
-async def _streamed(pool: Upstream, req: bytes) -> tuple[int, Any]:
-    """One SSE completion, reassembled: text of every chunk, labels and usage of the last."""
+async def _streamed(
+    pool: Upstream, req: bytes, times: list[float] | None = None
+) -> tuple[int, Any]:
+    """One SSE completion, reassembled: text of every chunk, labels and usage of the last;
+    ``times``: gets the arrival time of each chunk with text (every event of one read shares
+    the read's time, as a client sees them)."""
     text, last = [], None
     resp = await pool.request("POST", "/v1/completions", req, _JSON)
     try:
@@ -51,13 +57,17 @@ async def _streamed(pool: Upstream, req: bytes) -> tuple[int, Any]:
             return resp.status, (await resp.read()).decode(errors="replace")
         rest = b""
         while piece := await resp.piece():
+            now = time.monotonic()
             lines = (rest + piece).split(b"\n")
             rest = lines.pop()  # an incomplete line waits for the next piece
             for line in lines:
                 if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                     continue
                 last = json.loads(line[5:])
-                text += [c.get("text", "") for c in last.get("choices") or []]
+                got = [c.get("text", "") for c in last.get("choices") or []]
+                text += got
+                if times is not None and any(got):
+                    times.append(now)
     finally:
         resp.close()
     body = dict(last or {})
@@ -85,6 +95,7 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
         "texts": {},
         "labels": {},
         "bad_tokens": 0,
+        "token_times": [],  # per recorded streamed request (job["token_times"])
     }
     began = [time.perf_counter()]
     pool = Upstream(job["url"], connect_s=30.0, max_connections=c, keepalive_expiry_s=60.0)
@@ -92,10 +103,13 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
     async def one(i: int, record: bool) -> None:
         t0 = time.perf_counter()
         req = bodies[i % len(bodies)]
+        times: list[float] | None = [] if job.get("token_times") else None
         try:
             async with asyncio.timeout(TIMEOUT_S):
-                got = _streamed if req.get("stream") else _once
-                status, body = await got(pool, payloads[i % len(bodies)])
+                if req.get("stream"):
+                    status, body = await _streamed(pool, payloads[i % len(bodies)], times)
+                else:
+                    status, body = await _once(pool, payloads[i % len(bodies)])
         except (UpstreamError, TimeoutError, ValueError) as e:  # counted; the parent decides
             out["errors"].append(f"{type(e).__name__} after {time.perf_counter() - t0:.3f} s: {e}")
             return
@@ -111,7 +125,9 @@ async def _drive(job: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
         rp = body.get("rollpatch") or {}
         key = f"{rp.get('version_start')}-{rp.get('version_end')}"
         out["labels"][key] = out["labels"].get(key, 0) + 1
-        out["bad_tokens"] += body["usage"]["completion_tokens"] != MAX_TOKENS
+        out["bad_tokens"] += body["usage"]["completion_tokens"] != req["max_tokens"]
+        if times is not None:
+            out["token_times"].append(times)
 
     async def worker(
         counter: list[int], total: int | None, record: bool, until: float | None = None
@@ -169,7 +185,9 @@ def load_worker_main(job_json: str) -> int:
     return 0
 
 
-def bodies(model: str = "model", stream: bool = False) -> list[dict[str, Any]]:
+def bodies(
+    model: str = "model", stream: bool = False, max_tokens: int = MAX_TOKENS
+) -> list[dict[str, Any]]:
     extra: dict[str, Any] = (
         {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     )
@@ -177,7 +195,7 @@ def bodies(model: str = "model", stream: bool = False) -> list[dict[str, Any]]:
         {
             "model": model,
             "prompt": p,
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             **extra,
@@ -197,8 +215,8 @@ def check_errors(what: str, out: dict[str, Any]) -> None:
         raise BenchError(f"{what}: no request completed: {out['errors'][:3]}")
     if out["bad_tokens"] or n_err > 0.01 * (n_err + len(out["lat"])):
         raise BenchError(
-            f"{what}: {n_err} failed requests, {out['bad_tokens']} with != "
-            f"{MAX_TOKENS} tokens: {out['errors'][:3]}"
+            f"{what}: {n_err} failed requests, {out['bad_tokens']} with another number of "
+            f"tokens than max_tokens: {out['errors'][:3]}"
         )
     if n_err:
         log(f"{what}: {n_err} failed request(s): {out['errors'][:3]}")
@@ -228,11 +246,20 @@ def run_load(
 
 
 class BackgroundLoad:
-    """``c`` requests kept in flight against ``url`` until :meth:`stop`."""
+    """``c`` requests kept in flight against ``url`` until :meth:`stop` (``body``: the
+    request bodies, default :func:`bodies`; ``token_times``: see the module docstring)."""
 
-    def __init__(self, url: str, c: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        c: int,
+        body: list[dict[str, Any]] | None = None,
+        *,
+        token_times: bool = False,
+    ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="rp-load-")
-        self.job = {"url": url, "c": c, "n": None, "warmup": 0, "bodies": bodies()}
+        self.job = {"url": url, "c": c, "n": None, "warmup": 0, "bodies": body or bodies()}
+        self.job["token_times"] = token_times
         self.job["out"] = str(Path(self._tmp.name) / "result.json")
         self.proc = subprocess.Popen(
             _worker_cmd(self.job),

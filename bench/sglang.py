@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,82 +68,14 @@ from pathlib import Path
 from typing import Any
 
 from _sglang_chain import phase_chain, view_of
-from _sglang_report import SGLANG_VERSION, pause_parts, render
+from _sglang_report import pause_parts, render
+from _sglang_server import Server
 from _util import log, machine
 from _vllm_server import BenchError
 from _vllm_world import World, model_dims
 
-from rollpatch.engines.sglang.launch import server_command, server_env
-
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 CHAIN_REPS = 3  # catch-ups of --versions steps each way, each from a fresh load of v0
-REPO = Path(__file__).resolve().parents[1]
-
-
-def venv() -> Path:
-    env = os.environ.get("ROLLPATCH_SGLANG_VENV")
-    return (
-        Path(env) if env else Path.home() / ".cache" / "rollpatch" / f"sglang-venv-{SGLANG_VERSION}"
-    )
-
-
-class Server:
-    """SGLang's CPU server on 127.0.0.1 (our child, its own process group)."""
-
-    def __init__(self, model: Path, log_path: Path, port: int = 31977, tp: int = 1) -> None:
-        python = venv() / "bin" / "python"
-        if not (venv() / ".stamp-sglang").exists():
-            raise BenchError(f"no SGLang venv at {venv()}: run scripts/sglang-env")
-        self.shim_log = log_path.with_suffix(".shim")
-        env = server_env(venv(), REPO / "src", self.shim_log)
-        extra: list[str] = []
-        if tp > 1:  # one core per rank (SGLang's CPU engine wants them named)
-            cores = sorted(os.sched_getaffinity(0))
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
-                str(cores[r % len(cores)]) for r in range(tp)
-            )
-            extra = ["--tp-size", str(tp)]
-        cmd = server_command(python, model, port, mem_fraction=0.3 / tp, extra=extra)
-        with open(log_path, "wb") as out:
-            # cwd: not bench/, whose sglang.py would shadow the sglang package
-            self.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=log_path.parent,
-            )
-        self.url, self.log_path, self.t0 = f"http://127.0.0.1:{port}", log_path, time.monotonic()
-
-    def wait_ready(self, timeout: float = 600.0) -> float:
-        import urllib.request
-
-        while time.monotonic() - self.t0 < timeout:
-            if self.proc.poll() is not None:
-                raise BenchError(f"SGLang exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - self.t0
-            except OSError:
-                time.sleep(0.5)
-        raise BenchError("SGLang did not become healthy")
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        calls = self.shim_log.read_text() if self.shim_log.exists() else ""
-        if calls:
-            raise BenchError(f"SGLang called the sgl_kernel import shim:\n{calls}")
 
 
 def greedy(engine: Any) -> tuple[list[int], list[float]]:

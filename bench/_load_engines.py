@@ -1,0 +1,139 @@
+"""bench/serving_load.py's engines: a server on v0, the rollpatch engine in front of it, the
+engine's own reload of a version under its pause, and the way back to v0 (untimed)."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Literal
+
+from _vllm_phases import back_to, reload, settle
+from _vllm_server import BenchError
+from _vllm_world import World
+
+EngineName = Literal["vllm", "sglang"]
+
+
+class Side(ABC):
+    """One engine under test; :meth:`close` stops its server."""
+
+    engine: Any
+    url: str
+    model: str
+
+    def __init__(self, world: World, root: Path) -> None:
+        self.world = world
+
+    @abstractmethod
+    def reload(self, v: int) -> tuple[float, float]:
+        """The engine's own reload of version ``v`` (the version it holds) under its pause:
+        the window (``time.monotonic()`` at the pause and at the resume); the engine is then
+        told it holds ``v`` again."""
+
+    @abstractmethod
+    def back_to_v0(self) -> None:
+        """Untimed: the engine on v0 again."""
+
+    def settle(self) -> None:
+        """Wait for what a commit writes after its pause (vLLM's kernel-only words)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the server."""
+
+
+class VllmSide(Side):
+    def __init__(self, world: World, root: Path) -> None:
+        super().__init__(world, root)
+        from _vllm_server import Server, vllm_python
+
+        from rollpatch.engines.vllm import VllmEngine
+
+        self.server = Server(vllm_python(), world.checkpoint(0), root / "vllm.log")
+        try:
+            self.server.wait_ready()
+            self.engine = VllmEngine(self.server.url)
+            self.engine.adopt(0, world.digests[0])
+            self.engine.apply_encoded(world.patch_blob(1), 1)  # warm-up (imports, arenas)
+            back_to(world, self.engine)
+        except BaseException:
+            self.close()
+            raise
+        self.url, self.model = self.server.url, str(self.server.model)
+
+    def reload(self, v: int) -> tuple[float, float]:
+        http = self.engine.http
+        t0 = time.monotonic()
+        http.post("/pause?mode=keep")
+        reload(http, self.world.checkpoint(v))
+        http.post("/update_weight_version", {"new_version": str(v)})
+        http.post("/reset_prefix_cache")
+        http.post("/resume")
+        t1 = time.monotonic()
+        self.engine.adopt(v, self.world.digests[v])
+        return t0, t1
+
+    def back_to_v0(self) -> None:
+        back_to(self.world, self.engine)
+
+    def settle(self) -> None:
+        settle(self.engine)
+
+    def close(self) -> None:
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        self.server.stop()
+
+
+class SglangSide(Side):
+    def __init__(self, world: World, root: Path) -> None:
+        super().__init__(world, root)
+        from _sglang_chain import view_of
+        from _sglang_server import Server
+
+        from rollpatch.engines.sglang import SglangEngine
+
+        self._view_of = view_of
+        self.server = Server(world.checkpoint(0), root / "sglang.log")
+        try:
+            self.server.wait_ready()
+            self.engine = SglangEngine(self.server.url)
+            self.engine.adopt(0, world.digests[0])
+        except BaseException:
+            self.close()
+            raise
+        self.url, self.model = self.server.url, str(world.checkpoint(0))
+
+    def reload(self, v: int) -> tuple[float, float]:
+        ckpt = self.world.checkpoint(v)
+        for f in ckpt.iterdir():
+            f.read_bytes()  # page cache warm, as bench/sglang.py's reloads
+        t0 = time.monotonic()
+        self.engine.pause()
+        try:
+            r = self.engine._http(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": str(ckpt), "weight_version": str(v)},
+                check=False,
+            )
+        finally:
+            self.engine.resume()
+        t1 = time.monotonic()
+        if not r.get("success"):
+            raise BenchError(f"SGLang's reload of v{v} failed: {r}")
+        self.engine.adopt(v, self.world.digests[v])  # untimed: a full re-hash in SGLang
+        return t0, t1
+
+    def back_to_v0(self) -> None:
+        self.engine.load(self._view_of(self.world, 0), 0)
+
+    def close(self) -> None:
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        self.server.stop()
+
+
+def start(name: EngineName, world: World, root: Path) -> Side:
+    return {"vllm": VllmSide, "sglang": SglangSide}[name](world, root)

@@ -1,0 +1,240 @@
+"""Staging while the engine serves: what streaming clients feel while versions are committed.
+
+Run: ``python bench/serving_load.py`` (vLLM, 103M parameters by default, a few minutes on the
+2-core development machine; needs the vLLM venv from ``scripts/vllm-env``); ``--engine
+sglang`` (the SGLang venv from ``scripts/sglang-env``); ``--hidden H --layers L``,
+``--versions N``, ``-c`` streams in flight, ``--max-tokens`` per request, ``--json PATH``.
+
+bench/vllm.py and bench/sglang.py time each path with the engine idle between commits. Here
+the same follower
+path runs under a closed-loop streaming load (``-c`` completions in flight, temperature 0,
+``ignore_eos``, from its own process: bench/_sidecar_load.py, which keeps each chunk's
+arrival time), and the bench lays its own events over the arrivals (bench/_load_windows.py):
+per version, ``--idle-s`` of load alone, then ``Follower.sync(v)`` (its *stage* up to the
+commit, then the *commit*: the gate's pause, writes, reset and resume; odd versions in place,
+even ones double-buffered), then the engine's own reload of the same version under its pause
+(the full-reload alternative, same load: vLLM's ``reload_weights`` under
+``/pause?mode=keep``, SGLang's ``/update_weights_from_disk`` under its pause), then
+``--idle-s`` unrecorded (the reload's aftermath stays out of the next idle window). Before
+the loaded run the same syncs run with no load, so the table also shows what the load costs
+the staging. ``--max-tokens``: keep requests longer than the longest window (a stream must
+run through a window for *added* to see it).
+
+Printed: per window kind, tokens per second against the idle windows, the streams' gaps
+between tokens (p50 / p99 / max), the median stall a mid-stream client sees and the time a
+window adds to a stream that runs through it, with its null control (bench/_load_windows.py
+says how each is computed); then stage
+and visible→serving times with and without the load, the commit gate's pause (the figure
+every report uses: from its call to its return) and, where the engine measures it (vLLM's
+engine-core hook), the time the engine core itself held generation (*held*): under load the
+pause also waits for the forward step in progress, whose tokens still arrive. Every sync must leave the engine on
+the published digest, and every request must succeed with ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from _load_engines import Side, start
+from _load_windows import Window, summarize
+from _sidecar_load import BackgroundLoad, bodies, check_errors
+from _util import log, machine, machine_line, table
+from _vllm_reference import follower, sync_to
+from _vllm_world import World, model_dims
+
+MODES = ("in_place", "double_buffer")
+
+
+def _mode(v: int) -> str:
+    return MODES[(v + 1) % 2]  # odd versions in place, even ones double-buffered
+
+
+def _syncs(
+    world: World, side: Side, windows: list[Window] | None, idle_s: float = 0.0
+) -> list[dict[str, Any]]:
+    """``Follower.sync(v)`` for v = 1..N from v0, each with its version's write mode; with
+    ``windows``: ``idle_s`` of load alone first, each sync's stage and commit windows, and
+    after it the engine's own reload of the same version under its pause (its window)."""
+    engine = side.engine
+    f = follower(world, engine)
+    marks: list[tuple[float, float]] = []
+    inner = f.gate.run
+
+    def run(write: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return inner(write)
+        finally:
+            marks.append((t0, time.monotonic()))
+
+    f.gate.run = run
+    out = []
+    for v in range(1, len(world.digests)):
+        mode = _mode(v)
+        engine.writes = mode
+        if windows is not None:
+            t = time.monotonic()
+            time.sleep(idle_s)
+            windows.append(Window("idle", t, time.monotonic()))
+        t0 = time.monotonic()
+        rec = sync_to(f, world, v)
+        c0, c1 = marks[-1]
+        rec.update(mode=mode, loaded=windows is not None, commit_window_s=c1 - c0)
+        side.settle()
+        if windows is not None:
+            windows += [Window("stage", t0, c0, mode), Window("commit", c0, c1, mode)]
+            r0, r1 = side.reload(v)
+            windows.append(Window("reload", r0, r1))
+            rec["reload_s"] = r1 - r0
+            time.sleep(idle_s)  # the reload's recompute out of the next idle window
+        out.append(rec)
+        log(
+            f"  v{v} {mode}{' loaded' if windows is not None else ''}: stage "
+            f"{rec['stage_s'] * 1e3:.0f} ms, pause {rec['pause_s'] * 1e3:.1f} ms"
+            + (f", reload {rec['reload_s'] * 1e3:.0f} ms" if windows is not None else "")
+        )
+    engine.writes = "in_place"
+    return out
+
+
+def _stage_rows(syncs: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for mode in MODES:
+        for loaded in (False, True):
+            got = [s for s in syncs if s["mode"] == mode and s["loaded"] == loaded]
+            if not got:
+                continue
+            med = {
+                k: median(s[k] for s in got) * 1e3
+                for k in ("stage_s", "pause_s", "visible_to_serving_s")
+            }
+            holds = [s["phases_ms"]["core_ms"] for s in got if "core_ms" in s["phases_ms"]]
+            rows.append(
+                [
+                    mode,
+                    f"{'under load' if loaded else 'no load'}",
+                    str(len(got)),
+                    f"{med['stage_s']:.0f}",
+                    f"{med['pause_s']:.1f}",
+                    f"{median(holds):.1f}" if holds else "-",
+                    f"{med['visible_to_serving_s']:.0f}",
+                ]
+            )
+    return rows
+
+
+def _ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0f}"  # not measured: the idle row, or no stream spanned
+
+
+def report(res: dict[str, Any]) -> str:
+    w = res["world"]
+    head = (
+        f"{res['args']['engine']}, {w['params'] / 1e6:.0f}M params, {len(w['digests']) - 1} versions, "
+        f"{res['args']['c']} streams x {res['args']['max_tokens']} tokens, load "
+        f"{res['load'][0]:.1f} -> {res['load'][1]:.1f}\n{machine_line(res['machine'])}\n"
+    )
+    rows = [
+        [
+            r["window"],
+            str(r["n"]),
+            f"{r['mean_ms']:.0f}",
+            f"{r['tok_s']:.1f}",
+            f"{r['tok_s_vs_idle']:.2f}",
+            f"{r['gap_p50_ms']:.1f}",
+            f"{r['gap_p99_ms']:.1f}",
+            f"{r['gap_max_ms']:.0f}",
+            f"{r['stall_ms']:.0f}",
+            _ms(r["added_ms"]),
+            _ms(r["null_ms"]),
+        ]
+        for r in res["windows"]
+    ]
+    t1 = table(
+        [
+            "window",
+            "n",
+            "mean ms",
+            "tok/s",
+            "/ idle",
+            "gap p50",
+            "gap p99",
+            "gap max",
+            "stall",
+            "added",
+            "null",
+        ],
+        rows,
+    )
+    t2 = table(
+        ["writes", "load", "n", "stage ms", "pause ms", "held ms", "visible->serving ms"],
+        _stage_rows(res["syncs"]),
+    )
+    return head + t1 + "\n\n" + t2
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    ap.add_argument("--versions", type=int, default=6, help="versions after v0 (default 6)")
+    ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
+    ap.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")
+    ap.add_argument("--layers", type=int, default=8, help="model depth (default 8)")
+    ap.add_argument("-c", type=int, default=4, help="streams in flight (default 4)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
+    ap.add_argument("--idle-s", type=float, default=3.0, help="load alone before each sync")
+    ap.add_argument("--json", default=None, help="also write every measurement here")
+    args = ap.parse_args(argv)
+    if args.versions < 2 or args.c < 1 or args.max_tokens < 2:
+        ap.error("--versions >= 2, -c >= 1, --max-tokens >= 2")
+    mach, load0 = machine(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="rp-bench-load-") as tmp:
+        root = Path(tmp)
+        log(f"building the model and publishing v0..v{args.versions}")
+        world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers), 8)
+        log(f"starting {args.engine} on v0's checkpoint")
+        side = start(args.engine, world, root)
+        try:
+            log("no load: Follower.sync v1..vN")
+            syncs = _syncs(world, side, None)
+            side.back_to_v0()
+            body = bodies(side.model, stream=True, max_tokens=args.max_tokens)
+            log(f"under load ({args.c} streams): idle, sync, reload per version")
+            load = BackgroundLoad(side.url, args.c, body, token_times=True)
+            windows: list[Window] = []
+            try:
+                time.sleep(2.0)  # the streams under way
+                syncs += _syncs(world, side, windows, args.idle_s)
+                time.sleep(1.0)
+            finally:
+                got = load.stop()
+            check_errors(f"load on {side.url}", got)
+        finally:
+            side.close()
+    res = {
+        "args": vars(args),
+        "machine": mach,
+        "load": (load0, os.getloadavg()[0]),
+        "world": {"params": world.params, "digests": world.digests, "changed": world.changed},
+        "syncs": syncs,
+        "windows": summarize(got["token_times"], windows),
+        "window_spans": [[w.kind, w.mode, w.t0, w.t1] for w in windows],
+        "token_times": got["token_times"],
+    }
+    print(report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -153,7 +153,7 @@ class SglangEngine(EngineAdapter):
 
     def load(self, view: View, version: int) -> None:
         """Write a keyframe in place (validated whole first), verified by a full re-hash."""
-        with self._lock, self.channel.scratch_files("keyframe") as (path,):
+        with self._lock, self.channel.scratch.files("keyframe") as (path,):
             save_view(view, path)
             target = view.digest()
             self._write(
@@ -175,7 +175,7 @@ class SglangEngine(EngineAdapter):
         """Prove a decoded patch inside SGLang (while it serves); :meth:`commit_staged`
         writes it. The decoded patch crosses processes as a file (12 bytes per BF16 change)."""
         targets = {n: tp.target_digest for n, tp in patch.tensors.items()}
-        with self._lock, self.channel.scratch_files("patch") as (path,):
+        with self._lock, self.channel.scratch.files("patch") as (path,):
             self._require_loaded()
             write_decoded(patch, path)
             if self.tp > 1:  # every rank stages its part; their sum is proven here
@@ -203,7 +203,7 @@ class SglangEngine(EngineAdapter):
                 return None
             targets.update({e["name"]: e["target"] for e in entries})
         n = sum(len(s.blobs) for s in steps)
-        with self._lock, self.channel.scratch_files("blob", n) as paths:
+        with self._lock, self.channel.scratch.files("blob", n) as paths:
             self._require_loaded()
             spec, files = [], iter(paths)
             for step in steps:

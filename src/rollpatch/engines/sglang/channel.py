@@ -1,5 +1,6 @@
 """The adapter's channels to one SGLang server (stdlib only): its HTTP routes, rollpatch's
-commands through the weight-update route, the control socket, scratch files and the pause.
+commands through the weight-update route, the control socket, scratch files
+(:class:`~rollpatch.engines.shared_dir.SharedDir`) and the pause.
 
 :class:`SglangChannel` is the transport half of :class:`~.adapter.SglangEngine`: the adapter
 decides what to stage, commit and verify; the channel only carries it (wire formats in
@@ -16,13 +17,13 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ...errors import EngineError
 from ...logs import event
 from ..pausing import NestedPause
+from ..shared_dir import SharedDir
 from .launch import LOADER
 from .wire import command_payload, http_json, request, result
 
@@ -50,8 +51,8 @@ class SglangChannel(NestedPause):
     ) -> None:
         self.base_url = url.rstrip("/")
         self.timeout = timeout
-        self._own_dir = shared_dir is None
-        self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-sglang-"))
+        self.scratch = SharedDir(shared_dir, prefix="rollpatch-sglang-")
+        self.shared_dir = self.scratch.path
         self._tag_id = secrets.token_hex(4)
         self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
@@ -69,21 +70,6 @@ class SglangChannel(NestedPause):
     def socket(self, rank: int = 0) -> Path:
         """Rank ``rank``'s control socket (each TP rank runs its own control thread)."""
         return self.shared_dir / f"control-{self._tag_id}-r{rank}.sock"
-
-    def scratch(self, what: str) -> Path:
-        """A fresh file name in the shared directory (bulk data crosses as files)."""
-        return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
-
-    @contextlib.contextmanager
-    def scratch_files(self, what: str, n: int = 1) -> Iterator[list[Path]]:
-        """``n`` fresh file names in the shared directory (:meth:`scratch`), removed after
-        the block."""
-        paths = [self.scratch(what) for _ in range(n)]
-        try:
-            yield paths
-        finally:
-            for path in paths:
-                path.unlink(missing_ok=True)
 
     def shm(self, what: str) -> Path:
         """A fresh file name in shared memory (a private directory under ``/dev/shm``, else
@@ -155,7 +141,12 @@ class SglangChannel(NestedPause):
     def commands(self, cmds: list[dict[str, Any]], *, flush: bool) -> list[dict[str, Any]]:
         """One command per rank (rank ``r`` runs ``cmds[r]``) in one weight-update call;
         every rank's raw answer (``ok`` or ``error``: not raised here)."""
-        replies = [self.scratch(f"reply-r{r}") for r in range(len(cmds))]
+        with self.scratch.files("reply", len(cmds)) as replies:
+            return self._commands(cmds, replies, flush=flush)
+
+    def _commands(
+        self, cmds: list[dict[str, Any]], replies: list[Path], *, flush: bool
+    ) -> list[dict[str, Any]]:
         body = {
             "serialized_named_tensors": [
                 command_payload({**cmd, "reply": str(path)}) for cmd, path in zip(cmds, replies)
@@ -174,8 +165,6 @@ class SglangChannel(NestedPause):
             try:
                 raw = path.read_bytes()
             except OSError:
-                for p in replies:
-                    p.unlink(missing_ok=True)
                 raise EngineError(
                     "SGLang did not run rollpatch's command",
                     engine="sglang",
@@ -183,7 +172,6 @@ class SglangChannel(NestedPause):
                     detail=str(reply.get("message"))[:500],
                     hint=f"launch SGLang with --custom-weight-loader {LOADER}",
                 ) from None
-            path.unlink(missing_ok=True)
             try:
                 answer = json.loads(raw)
             except json.JSONDecodeError:
@@ -243,8 +231,7 @@ class SglangChannel(NestedPause):
             self._session_open = False
             with contextlib.suppress(EngineError):
                 self._session("/end_weight_update")
-        if self._own_dir:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        self.scratch.close()
         if self._shm_dir is not None and self._shm_dir != self.shared_dir:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
         self._shm_dir = None

@@ -31,8 +31,8 @@ class RemoteWords:
         channel = self.engine.channel
         if self.engine.tp > 1:  # every rank's block through a file (measured faster here
             # than one shared-memory buffer per tensor: docs/sglang.md, Measured)
-            path = channel.scratch("words")
+            path = channel.scratch.name("words")
             return tp_ops.export(channel, name, self.engine.tensors()[name], path, shared=False)
-        with channel.scratch_files("words") as (path,):
+        with channel.scratch.files("words") as (path,):
             self.engine._control("export", name=name, path=str(path))
             return load_view(path)[name]

@@ -136,14 +136,10 @@ class VllmEngine(WorkerCalls, EngineAdapter):
     # -- commits -----------------------------------------------------------------------------
 
     def load(self, view: View, version: int) -> None:
-        path = self._scratch("keyframe")
-        with self.paused():
-            try:
-                save_view(view, path)
-                target = view.digest()
-                self._commit("load", path, version, lambda res: res["root"] == target)
-            finally:
-                path.unlink(missing_ok=True)
+        with self.scratch.files("keyframe") as (path,), self.paused():
+            save_view(view, path)
+            target = view.digest()
+            self._commit("load", path, version, lambda res: res["root"] == target)
 
     def words(self) -> WordSource:
         return RemoteWords(self)
@@ -151,20 +147,12 @@ class VllmEngine(WorkerCalls, EngineAdapter):
     def apply(self, patch: Patch, version: int) -> None:
         """Commit a decoded patch (shipped as :mod:`.transfer`'s file), verified."""
         self._require_loaded()
-        path = self._scratch("patch")
         targets = {n: tp.target_digest for n, tp in patch.tensors.items()}
-        with self.paused():
-            try:
-                write_decoded(patch, path)
-                self._commit(
-                    "apply",
-                    path,
-                    version,
-                    lambda res: self._matches(res, targets, patch.target),
-                    patch,
-                )
-            finally:
-                path.unlink(missing_ok=True)
+        with self.scratch.files("patch") as (path,), self.paused():
+            write_decoded(patch, path)
+            self._commit(
+                "apply", path, version, lambda res: self._matches(res, targets, patch.target), patch
+            )
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate:
         """Stage a chain of published steps inside the workers while vLLM serves: the blobs go
@@ -176,27 +164,24 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                 "the chain does not start at the held version", engine=self.name, version=version
             )
         token = secrets.token_hex(8)
-        files: list[Path] = []
-        spec: list[dict[str, Any]] = []
-        try:
+        n = sum(len(step.blobs) for step in steps)
+        with self.scratch.files("step", n) as blobs, self.scratch.files("stage") as (stage,):
+            spec: list[dict[str, Any]] = []
+            at = iter(blobs)
             for step in steps:
                 paths = []
                 for blob in step.blobs:
-                    files.append(self._scratch("step"))
-                    files[-1].write_bytes(blob)
-                    paths.append(str(files[-1]))
+                    path = next(at)
+                    path.write_bytes(blob)
+                    paths.append(str(path))
                 spec.append({"base": step.base, "target": step.target, "paths": paths})
-            files.append(self._scratch("stage"))
-            files[-1].write_text(
+            stage.write_text(
                 json.dumps(
                     {"token": token, "steps": spec, "prepack": self.prepack, "writes": self.writes}
                 )
             )
-            self._call("stage", str(files[-1]))
+            self._call("stage", str(stage))
             res = self._wait_staged(token)
-        finally:
-            for f in files:
-                f.unlink(missing_ok=True)
         if res["base"] != steps[0].base or res["target"] != steps[-1].target:
             self._call("discard", token)
             raise TargetMismatchError("the workers staged another transition", engine=self.name)
@@ -301,18 +286,14 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         self._require_loaded()
         header = inspect(blob)
         targets = {e["name"]: e["target"] for e in header.tensors}
-        path = self._scratch("blob")
-        with self.paused():
-            try:
-                path.write_bytes(blob)
-                self._commit(
-                    "apply_encoded",
-                    path,
-                    version,
-                    lambda res: self._matches(res, targets, header.target),
-                )
-            finally:
-                path.unlink(missing_ok=True)
+        with self.scratch.files("blob") as (path,), self.paused():
+            path.write_bytes(blob)
+            self._commit(
+                "apply_encoded",
+                path,
+                version,
+                lambda res: self._matches(res, targets, header.target),
+            )
 
     @staticmethod
     def _matches(res: Mapping[str, Any], targets: Mapping[str, str | None], root: str) -> bool:
@@ -375,14 +356,12 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         """The workers verified but the adapter disagrees: undo with the inverse patch."""
         if patch is None or before[1] is None:
             return
-        path = self._scratch("inverse")
-        try:
-            write_decoded(patch.inverse(), path)
-            self._call("apply", str(path))
-        except RollpatchError:
-            pass  # _reconcile decides: previous version or not ready
-        finally:
-            path.unlink(missing_ok=True)
+        with self.scratch.files("inverse") as (path,):
+            try:
+                write_decoded(patch.inverse(), path)
+                self._call("apply", str(path))
+            except RollpatchError:
+                pass  # _reconcile decides: previous version or not ready
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -10,8 +10,6 @@ each call (``last_timings``: the pause breakdown that bench/vllm.py prints).
 from __future__ import annotations
 
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -22,6 +20,7 @@ from ...errors import EngineError, RollpatchError, engine_error
 from ...io.safetensors import load_view
 from ...view import Tensor
 from ..pausing import NestedPause
+from ..shared_dir import SharedDir
 from .client import Http
 
 __all__ = ["NOT_READY", "RemoteWords", "WorkerCalls", "worker_error"]
@@ -39,13 +38,13 @@ class WorkerCalls(NestedPause):
 
     def __init__(self, url: str, shared_dir: str | Path | None, timeout: float) -> None:
         self.http = Http(url, timeout)
-        self._own_dir = shared_dir is None
-        self.shared_dir = Path(shared_dir or tempfile.mkdtemp(prefix="rollpatch-vllm-"))
+        self.scratch = SharedDir(shared_dir, prefix="rollpatch-vllm-")
         super().__init__(threading.RLock())
         self.last_timings: dict[str, float] = {}
 
-    def _scratch(self, what: str) -> Path:
-        return self.shared_dir / f"{what}-{secrets.token_hex(8)}.bin"
+    @property
+    def shared_dir(self) -> Path:
+        return self.scratch.path
 
     def _rpc(self, method: str, *args: str) -> list[Any]:
         body = {"method": method, "args": list(args), "timeout": self.http.timeout}
@@ -106,8 +105,7 @@ class WorkerCalls(NestedPause):
 
     def close(self) -> None:
         """Forget the scratch directory (the server is not ours to stop)."""
-        if self._own_dir:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        self.scratch.close()
 
     def _run(self, op: str, path: Path | str, official: bool) -> dict[str, Any]:
         if not official:
@@ -139,12 +137,9 @@ class RemoteWords:
     def __getitem__(self, name: str) -> Tensor:
         if name not in self:
             raise KeyError(name)
-        path = self.engine._scratch("words")
-        try:
+        with self.engine.scratch.files("words") as (path,):
             self.engine._call("export", name, str(path))
             return load_view(path)[name]
-        finally:
-            path.unlink(missing_ok=True)
 
 
 def worker_error(e: Mapping[str, Any]) -> RollpatchError:

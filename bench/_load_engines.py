@@ -12,7 +12,7 @@ from _vllm_phases import back_to, reload, settle
 from _vllm_server import BenchError
 from _vllm_world import World
 
-EngineName = Literal["vllm", "sglang"]
+EngineName = Literal["vllm", "sglang", "builtin"]
 
 
 class Side(ABC):
@@ -135,5 +135,49 @@ class SglangSide(Side):
         self.server.stop()
 
 
+class BuiltinSide(Side):
+    """rollpatch's built-in engine serving HTTP in this process, as inside the sidecar: its
+    forward passes, the load's HTTP handling and the follower's staging share one process
+    (and its GIL). Its "reload" is a keyframe load of the version (copy + full verify) under
+    its pause, the built-in engine's full-reload path (bench/vllm.py's *reference_loads*)."""
+
+    def __init__(self, world: World, root: Path) -> None:
+        super().__init__(world, root)
+        from rollpatch.engines.reference import ReferenceEngine
+
+        self.engine = ReferenceEngine.from_dir(world.checkpoint(0), serve_http=True)
+        try:
+            self.back_to_v0()
+        except BaseException:
+            self.close()
+            raise
+        self.url, self.model = self.engine.url, self.engine.runtime.model_name
+
+    def _view(self, v: int) -> Any:
+        from rollpatch.io.safetensors import load_view
+
+        return load_view(self.world.checkpoint(v) / "model.safetensors")
+
+    def reload(self, v: int) -> tuple[float, float]:
+        view = self._view(v)  # read before the pause, as a reload's page cache is warm
+        t0 = time.monotonic()
+        self.engine.pause()
+        try:
+            self.engine.load(view, v)
+        finally:
+            self.engine.resume()
+        t1 = time.monotonic()
+        if self.engine.digest != self.world.digests[v]:
+            raise BenchError(f"v{v}: the built-in engine's keyframe load missed")
+        return t0, t1
+
+    def back_to_v0(self) -> None:
+        self.engine.load(self._view(0), 0)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def start(name: EngineName, world: World, root: Path) -> Side:
-    return {"vllm": VllmSide, "sglang": SglangSide}[name](world, root)
+    sides: dict[str, type[Side]] = {"vllm": VllmSide, "sglang": SglangSide, "builtin": BuiltinSide}
+    return sides[name](world, root)

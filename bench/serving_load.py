@@ -2,7 +2,9 @@
 
 Run: ``python bench/serving_load.py`` (vLLM, 103M parameters by default, a few minutes on the
 2-core development machine; needs the vLLM venv from ``scripts/vllm-env``); ``--engine
-sglang`` (the SGLang venv from ``scripts/sglang-env``); ``--hidden H --layers L``,
+sglang`` (the SGLang venv from ``scripts/sglang-env``); ``--engine builtin`` (rollpatch's
+built-in engine serving in the bench's process, as inside the sidecar: generation and staging
+share one process); ``--hidden H --layers L``,
 ``--versions N``, ``-c`` streams in flight, ``--max-tokens`` per request, ``--json PATH``.
 
 bench/vllm.py and bench/sglang.py time each path with the engine idle between commits. Here
@@ -14,7 +16,8 @@ per version, ``--idle-s`` of load alone, then ``Follower.sync(v)`` (its *stage* 
 commit, then the *commit*: the gate's pause, writes, reset and resume; odd versions in place,
 even ones double-buffered), then the engine's own reload of the same version under its pause
 (the full-reload alternative, same load: vLLM's ``reload_weights`` under
-``/pause?mode=keep``, SGLang's ``/update_weights_from_disk`` under its pause), then
+``/pause?mode=keep``, SGLang's ``/update_weights_from_disk`` under its pause, the built-in
+engine's keyframe load under its pause), then
 ``--idle-s`` unrecorded (the reload's aftermath stays out of the next idle window). Before
 the loaded run the same syncs run with no load, so the table also shows what the load costs
 the staging. ``--max-tokens``: keep requests longer than the longest window (a stream must
@@ -184,7 +187,7 @@ def report(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    ap.add_argument("--engine", choices=("vllm", "sglang", "builtin"), default="vllm")
     ap.add_argument("--versions", type=int, default=6, help="versions after v0 (default 6)")
     ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
     ap.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")

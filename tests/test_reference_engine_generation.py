@@ -96,6 +96,87 @@ def test_pause_drains_and_resume_continues(engine: Any) -> None:
     assert len(out) == 300
 
 
+class _CountingLock:
+    """The runtime's forward lock, counting the threads waiting to take it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.waiting, self.cond = inner, 0, threading.Condition()
+
+    def acquire(self) -> bool:
+        with self.cond:
+            self.waiting += 1
+            self.cond.notify_all()
+        try:
+            return bool(self.inner.acquire())
+        finally:
+            with self.cond:
+                self.waiting -= 1
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_a_pause_waits_for_the_pass_running_not_for_the_queued_ones(engine: Any) -> None:
+    """Streams interleave one forward pass at a time. A pause must wait for the pass that
+    holds the forward lock only: the passes queued behind it go back to the gate (before,
+    each counted as in flight and ran first, so a pause under 4 streams took 4 passes)."""
+    rt = engine.runtime
+    model, lock = rt.model, _CountingLock(rt._step_lock)
+    in_pass, release, calls = threading.Event(), threading.Event(), [0]
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:  # the first pass holds the lock until the test lets it go
+            in_pass.set()
+            release.wait(30)
+        return model(*args, **kwargs)
+
+    ids = rt.tokenizer.encode(PROMPT)
+    outs: list[list[Any]] = [[] for _ in range(3)]
+    workers = [
+        threading.Thread(
+            target=lambda o=o: o.extend(
+                rt.generate(ids, max_tokens=2, temperature=0, ignore_eos=True)
+            )
+        )
+        for o in outs
+    ]
+    rt.model, rt._step_lock = slow, lock
+    paused: list[bool] = []
+    pauser = threading.Thread(target=lambda: paused.append(rt.pause(timeout=30)))
+    try:
+        before = rt.tokens_generated
+        workers[0].start()
+        assert in_pass.wait(30)
+        for w in workers[1:]:
+            w.start()
+        with lock.cond:  # both queued behind the pass in progress
+            assert lock.cond.wait_for(lambda: lock.waiting == 2, 30)
+        pauser.start()
+        time.sleep(0.2)
+        assert not paused  # the pass in progress is still running
+        release.set()
+        pauser.join(30)
+        assert paused == [True]
+        assert rt.tokens_generated - before == 1  # the queued passes did not run
+        time.sleep(0.2)
+        assert rt.tokens_generated - before == 1 and rt.state()["forwards_in_flight"] == 0
+    finally:
+        release.set()
+        rt.resume()
+        for w in workers:
+            if w.is_alive() or w.ident is not None:
+                w.join(60)
+        rt.model, rt._step_lock = model, lock.inner
+    assert [len(o) for o in outs] == [2, 2, 2]
+
+
 # ---- the logits of the next token (the demo's label check) ----------------------------
 
 

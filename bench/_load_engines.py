@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Literal
 
-from _vllm_phases import back_to, reload, settle
+from _vllm_phases import back_to, reload_paused, settle
 from _vllm_server import BenchError
 from _vllm_world import World
 
@@ -63,13 +63,8 @@ class VllmSide(Side):
         self.url, self.model = self.server.url, str(self.server.model)
 
     def reload(self, v: int) -> tuple[float, float]:
-        http = self.engine.http
         t0 = time.monotonic()
-        http.post("/pause?mode=keep")
-        reload(http, self.world.checkpoint(v))
-        http.post("/update_weight_version", {"new_version": str(v)})
-        http.post("/reset_prefix_cache")
-        http.post("/resume")
+        reload_paused(self.engine.http, self.world.checkpoint(v), v)
         t1 = time.monotonic()
         self.engine.adopt(v, self.world.digests[v])
         return t0, t1
@@ -108,21 +103,12 @@ class SglangSide(Side):
     def reload(self, v: int) -> tuple[float, float]:
         ckpt = self.world.checkpoint(v)
         for f in ckpt.iterdir():
-            f.read_bytes()  # page cache warm, as bench/sglang.py's reloads
+            f.read_bytes()  # page cache warm (before the clock starts)
+        from _sglang_server import reload_paused as sglang_reload
+
         t0 = time.monotonic()
-        self.engine.pause()
-        try:
-            r = self.engine._http(
-                "POST",
-                "/update_weights_from_disk",
-                {"model_path": str(ckpt), "weight_version": str(v)},
-                check=False,
-            )
-        finally:
-            self.engine.resume()
+        sglang_reload(self.engine, ckpt, str(v))
         t1 = time.monotonic()
-        if not r.get("success"):
-            raise BenchError(f"SGLang's reload of v{v} failed: {r}")
         self.engine.adopt(v, self.world.digests[v])  # untimed: a full re-hash in SGLang
         return t0, t1
 

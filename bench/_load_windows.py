@@ -3,39 +3,49 @@
 A *window* is a span of ``time.monotonic()`` (system-wide, so the load generator's arrival
 times and the bench's events share one clock) with a kind: ``idle`` (the load alone),
 ``stage`` (a follower sync up to its commit: fetch, stage in the worker while it serves),
-``commit`` (the commit gate's run: pause, writes, reset, resume), ``reload`` (vLLM's own
-``reload_weights`` under ``/pause?mode=keep``). For each kind, over all its windows:
+``commit`` (the commit gate's run: pause, writes, reset, resume), ``sync`` (the two
+together: what a whole sync costs, measured over its whole span, since a gap that straddles
+the stage's end and the commit's start would count in both), ``reload`` (the engine's own
+reload under its pause). For each kind, over all its windows:
 
 - *tok/s*: token arrivals inside the windows per second of window;
 - *gaps*: for every stream, each interval between two consecutive arrivals that overlaps a
   window (a stall that spans a commit counts once, whole); p50, p99 and the largest;
-- *stall*: per window, the largest gap overlapping it, then the median over the windows (what
-  one commit costs a client that is mid-stream);
+- *stall*: per window, the largest gap overlapping it (the normal gap included), then the
+  median over the windows;
 - *added*: what a window costs a stream that runs through it, in time: for every stream with
   arrivals before and after the window, the span from its last arrival before the window to
   its first after, less that many gaps at the idle windows' median gap; the median over all
   (window, stream) pairs. Short windows hold a token or two per stream, so *tok/s* there is
-  coarse; *added* is not. Its null control (*null*): the same measure over slices of the idle
-  windows as long as the row's windows (0 ms when the load alone is steady).
+  coarse; *added* is not. Only streams already under way are measured (a request that starts
+  inside a window has no arrival before it). Gaps are right-skewed, so a long window's
+  *added* carries a bias even under the load alone; its null control (*null*) is the same
+  measure over slices of the idle windows as long as the row's windows, and *net* = added −
+  null is the row's cost beyond it.
+
+NaN where a measure has nothing to measure (no idle window, no gap, no stream through).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from statistics import median
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-KINDS = ("idle", "stage", "commit", "reload")
+Kind = Literal["idle", "stage", "commit", "sync", "reload"]
+Mode = Literal["", "in_place", "double_buffer"]
+KINDS: tuple[Kind, ...] = ("idle", "stage", "commit", "sync", "reload")
+NAN = float("nan")
 
 
 @dataclass(frozen=True)
 class Window:
-    kind: str
+    kind: Kind
     t0: float
     t1: float
-    mode: str = ""  # the commit's writes ("in_place", "double_buffer"); "" otherwise
+    mode: Mode = ""  # the commit's writes; "" for the windows of no commit
 
     @property
     def label(self) -> str:
@@ -61,7 +71,7 @@ def _added(streams: list[np.ndarray], spans: list[tuple[float, float]], gap: flo
             j = int(np.searchsorted(s, t0, "right")) - 1  # the last arrival at or before t0
             i = int(np.searchsorted(s, t1, "left"))  # the first at or after t1
             got.append((s[i] - s[j]) - (i - j) * gap)
-    return 1e3 * median(got) if got else float("nan")
+    return 1e3 * median(got) if got else NAN
 
 
 def _slices(windows: list[Window], length: float) -> list[tuple[float, float]]:
@@ -74,6 +84,42 @@ def _slices(windows: list[Window], length: float) -> list[tuple[float, float]]:
     return out
 
 
+def _row(
+    mine: list[Window],
+    windows: list[Window],
+    arrays: list[np.ndarray],
+    arrivals: np.ndarray,
+    gaps: tuple[np.ndarray, np.ndarray],
+    idle_gap: float,
+) -> dict[str, Any]:
+    g0, g1 = gaps
+    span = sum(w.t1 - w.t0 for w in mine)
+    toks = sum(int(np.searchsorted(arrivals, w.t1) - np.searchsorted(arrivals, w.t0)) for w in mine)
+    over = np.zeros(g0.size, bool)
+    stalls = []
+    for w in mine:
+        hit = (g1 > w.t0) & (g0 < w.t1)
+        over |= hit
+        stalls.append(float((g1[hit] - g0[hit]).max()) if hit.any() else NAN)
+    got = g1[over] - g0[over]
+    idle = mine[0].kind == "idle"  # the load alone: its null control is the measure itself
+    added = NAN if idle else _added(arrays, [(w.t0, w.t1) for w in mine], idle_gap)
+    null = NAN if idle else _added(arrays, _slices(windows, span / len(mine)), idle_gap)
+    return {
+        "window": mine[0].label,
+        "n": len(mine),
+        "mean_ms": 1e3 * span / len(mine),
+        "tok_s": toks / span if span > 0 else NAN,
+        "gap_p50_ms": 1e3 * float(np.percentile(got, 50)) if got.size else NAN,
+        "gap_p99_ms": 1e3 * float(np.percentile(got, 99)) if got.size else NAN,
+        "gap_max_ms": 1e3 * float(got.max()) if got.size else NAN,
+        "stall_ms": 1e3 * median(stalls),
+        "added_ms": added,
+        "null_ms": null,
+        "net_ms": added - null,
+    }
+
+
 def summarize(streams: list[list[float]], windows: list[Window]) -> list[dict[str, Any]]:
     """One row per window label (in :data:`KINDS` order, then by mode): see the module
     docstring. ``tok_s_vs_idle``: the row's tok/s over the idle windows'."""
@@ -84,44 +130,22 @@ def summarize(streams: list[list[float]], windows: list[Window]) -> list[dict[st
     for w in windows:
         if w.kind == "idle":
             idle_hit |= (g1 > w.t0) & (g0 < w.t1)
-    idle_gap = float(np.median(g1[idle_hit] - g0[idle_hit])) if idle_hit.any() else 0.0
+    idle_gap = float(np.median(g1[idle_hit] - g0[idle_hit])) if idle_hit.any() else NAN
     labels = sorted(
         {w.label: w for w in windows}.values(), key=lambda w: (KINDS.index(w.kind), w.mode)
     )
-    rows: list[dict[str, Any]] = []
-    for lab in (w.label for w in labels):
-        mine = [w for w in windows if w.label == lab]
-        span = sum(w.t1 - w.t0 for w in mine)
-        toks = sum(
-            int(np.searchsorted(arrivals, w.t1) - np.searchsorted(arrivals, w.t0)) for w in mine
+    rows = [
+        _row(
+            [w for w in windows if w.label == lab.label],
+            windows,
+            arrays,
+            arrivals,
+            (g0, g1),
+            idle_gap,
         )
-        over = np.zeros(g0.size, bool)
-        stalls = []
-        for w in mine:
-            hit = (g1 > w.t0) & (g0 < w.t1)
-            over |= hit
-            stalls.append(float((g1[hit] - g0[hit]).max()) if hit.any() else 0.0)
-        gaps = g1[over] - g0[over]
-        rows.append(
-            {
-                "window": lab,
-                "n": len(mine),
-                "mean_ms": 1e3 * span / len(mine),
-                "tok_s": toks / span if span > 0 else 0.0,
-                "gap_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps.size else 0.0,
-                "gap_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps.size else 0.0,
-                "gap_max_ms": 1e3 * float(gaps.max()) if gaps.size else 0.0,
-                "stall_ms": 1e3 * median(stalls),
-                # the load alone has no "added": its null control is the measure itself
-                "added_ms": float("nan")
-                if lab == "idle"
-                else _added(arrays, [(w.t0, w.t1) for w in mine], idle_gap),
-                "null_ms": float("nan")
-                if lab == "idle"
-                else _added(arrays, _slices(windows, span / len(mine)), idle_gap),
-            }
-        )
-    idle = next((r["tok_s"] for r in rows if r["window"] == "idle"), 0.0)
+        for lab in labels
+    ]
+    idle = next((r["tok_s"] for r in rows if r["window"] == "idle"), NAN)
     for r in rows:
-        r["tok_s_vs_idle"] = r["tok_s"] / idle if idle else 0.0
+        r["tok_s_vs_idle"] = r["tok_s"] / idle if idle > 0 else NAN  # NaN > 0 is False
     return rows

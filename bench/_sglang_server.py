@@ -6,6 +6,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from _sglang_report import SGLANG_VERSION
 from _vllm_server import BenchError
@@ -79,3 +80,21 @@ class Server:
         calls = self.shim_log.read_text() if self.shim_log.exists() else ""
         if calls:
             raise BenchError(f"SGLang called the sgl_kernel import shim:\n{calls}")
+
+
+def reload_paused(engine: Any, ckpt: Path, tag: str) -> None:
+    """SGLang's own full update: its pause, ``/update_weights_from_disk`` of the checkpoint
+    directory ``ckpt`` tagged ``tag``, continue (the callers read ``ckpt`` first, untimed:
+    page cache warm)."""
+    engine.pause()
+    try:
+        r = engine._http(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": str(ckpt), "weight_version": tag},
+            check=False,
+        )
+    finally:
+        engine.resume()
+    if not r.get("success"):
+        raise BenchError(f"SGLang's reload of {ckpt.name} failed: {r}")

@@ -95,6 +95,16 @@ def reload(http: Any, path: Path) -> None:
     )
 
 
+def reload_paused(http: Any, path: Path, v: int) -> None:
+    """vLLM's own full update of version ``v``: ``/pause?mode=keep``, ``reload_weights`` of
+    its checkpoint directory, the version tag, the prefix-cache reset, ``/resume``."""
+    http.post("/pause?mode=keep")
+    reload(http, path)
+    http.post("/update_weight_version", {"new_version": str(v)})
+    http.post("/reset_prefix_cache")
+    http.post("/resume")
+
+
 def settle(engine: Any) -> dict[str, Any]:
     """Wait for the words a staged commit writes after its pause (kernel-only parameters,
     :class:`Settler`): vLLM's own ``reload_weights`` must not run under them (the settler
@@ -118,11 +128,7 @@ def phase_reloads(
     for v in range(1, len(world.digests)):
         settle(engine)  # untimed: nothing of the previous commit is still being written
         t0 = time.perf_counter()
-        http.post("/pause?mode=keep")
-        reload(http, world.checkpoint(v))
-        http.post("/update_weight_version", {"new_version": str(v)})
-        http.post("/reset_prefix_cache")
-        http.post("/resume")
+        reload_paused(http, world.checkpoint(v), v)
         pause = time.perf_counter() - t0
         if engine.held(fresh=True)[1] != world.digests[v]:  # untimed: re-hash in the workers
             raise BenchError(f"v{v}: after reload_weights the engine holds other bits")

@@ -24,14 +24,15 @@ the staging. ``--max-tokens``: keep requests longer than the longest window (a s
 run through a window for *added* to see it).
 
 Printed: per window kind, tokens per second against the idle windows, the streams' gaps
-between tokens (p50 / p99 / max), the median stall a mid-stream client sees and the time a
-window adds to a stream that runs through it, with its null control (bench/_load_windows.py
-says how each is computed); then stage
-and visible→serving times with and without the load, the commit gate's pause (the figure
-every report uses: from its call to its return) and, where the engine measures it (vLLM's
-engine-core hook), the time the engine core itself held generation (*held*): under load the
-pause also waits for the forward step in progress, whose tokens still arrive. Every sync must leave the engine on
-the published digest, and every request must succeed with ``max_tokens`` tokens.
+between tokens (p50 / p99 / max), the median of each window's largest gap (*stall*), and the
+time a window adds to a stream that runs through it with its null control and the two's
+difference (*added*, *null*, *net*: bench/_load_windows.py says how each is computed); then
+stage and visible→serving times with and without the load, the commit gate's pause (the
+figure every report uses: from its call to its return) and, where the engine measures it
+(vLLM's engine-core hook), the time the engine core itself held generation (*held*): under
+load the pause also waits for the forward step in progress, whose tokens still arrive.
+Every sync must leave the engine on the published digest, and every request must succeed
+with ``max_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from _load_windows import Window, summarize
 from _sidecar_load import BackgroundLoad, bodies, check_errors
 from _util import log, machine, machine_line, table
 from _vllm_reference import follower, sync_to
+from _vllm_server import BenchError
 from _vllm_world import World, model_dims
 
 MODES = ("in_place", "double_buffer")
@@ -90,11 +92,18 @@ def _syncs(
             windows.append(Window("idle", t, time.monotonic()))
         t0 = time.monotonic()
         rec = sync_to(f, world, v)
+        if len(marks) != v:
+            raise BenchError(f"v{v}: the sync ran {len(marks) - v + 1} commits, not one")
         c0, c1 = marks[-1]
         rec.update(mode=mode, loaded=windows is not None, commit_window_s=c1 - c0)
-        side.settle()
+        side.settle()  # vLLM: the kernel-only words written after the pause, in the sync
+        t2 = time.monotonic()
         if windows is not None:
-            windows += [Window("stage", t0, c0, mode), Window("commit", c0, c1, mode)]
+            windows += [
+                Window("stage", t0, c0, mode),
+                Window("commit", c0, c1, mode),
+                Window("sync", t0, max(c1, t2), mode),
+            ]
             r0, r1 = side.reload(v)
             windows.append(Window("reload", r0, r1))
             rec["reload_s"] = r1 - r0
@@ -135,14 +144,26 @@ def _stage_rows(syncs: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def _ms(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.0f}"  # not measured: the idle row, or no stream spanned
+def _no_nan(x: Any) -> Any:
+    """``x`` with every NaN as None (JSON has no NaN)."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_no_nan(v) for v in x]
+    return x
+
+
+def _ms(x: float, digits: int = 0) -> str:
+    return "-" if math.isnan(x) else f"{x:.{digits}f}"  # "-": nothing to measure (NaN)
 
 
 def report(res: dict[str, Any]) -> str:
     w = res["world"]
     head = (
-        f"{res['args']['engine']}, {w['params'] / 1e6:.0f}M params, {len(w['digests']) - 1} versions, "
+        f"{res['args']['engine']}, {w['params'] / 1e6:.0f}M params, "
+        f"{len(w['digests']) - 1} versions, "
         f"{res['args']['c']} streams x {res['args']['max_tokens']} tokens, load "
         f"{res['load'][0]:.1f} -> {res['load'][1]:.1f}\n{machine_line(res['machine'])}\n"
     )
@@ -150,15 +171,16 @@ def report(res: dict[str, Any]) -> str:
         [
             r["window"],
             str(r["n"]),
-            f"{r['mean_ms']:.0f}",
-            f"{r['tok_s']:.1f}",
-            f"{r['tok_s_vs_idle']:.2f}",
-            f"{r['gap_p50_ms']:.1f}",
-            f"{r['gap_p99_ms']:.1f}",
-            f"{r['gap_max_ms']:.0f}",
-            f"{r['stall_ms']:.0f}",
+            _ms(r["mean_ms"]),
+            _ms(r["tok_s"], 1),
+            _ms(r["tok_s_vs_idle"], 2),
+            _ms(r["gap_p50_ms"], 1),
+            _ms(r["gap_p99_ms"], 1),
+            _ms(r["gap_max_ms"]),
+            _ms(r["stall_ms"]),
             _ms(r["added_ms"]),
             _ms(r["null_ms"]),
+            _ms(r["net_ms"]),
         ]
         for r in res["windows"]
     ]
@@ -175,6 +197,7 @@ def report(res: dict[str, Any]) -> str:
             "stall",
             "added",
             "null",
+            "net",
         ],
         rows,
     )
@@ -197,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-s", type=float, default=3.0, help="load alone before each sync")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
-    if args.versions < 2 or args.c < 1 or args.max_tokens < 2:
-        ap.error("--versions >= 2, -c >= 1, --max-tokens >= 2")
+    if args.versions < 2 or args.c < 1 or args.max_tokens < 2 or args.idle_s <= 0:
+        ap.error("--versions >= 2, -c >= 1, --max-tokens >= 2, --idle-s > 0")
     mach, load0 = machine(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="rp-bench-load-") as tmp:
         root = Path(tmp)
@@ -235,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(report(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res))
+        Path(args.json).write_text(json.dumps(_no_nan(res)))
     return 0
 
 

@@ -69,7 +69,7 @@ from typing import Any
 
 from _sglang_chain import phase_chain, view_of
 from _sglang_report import pause_parts, render
-from _sglang_server import Server
+from _sglang_server import Server, reload_paused
 from _util import log, machine
 from _vllm_server import BenchError
 from _vllm_world import World, model_dims
@@ -197,22 +197,11 @@ def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[
     for v in range(1, n + 1):
         ckpt = world.checkpoint(v)
         for f in ckpt.iterdir():
-            f.read_bytes()  # page cache warm
+            f.read_bytes()  # page cache warm (before the clock starts)
         t0 = time.perf_counter()
         engine.channel.route_ms.clear()
-        engine.pause()
-        try:
-            r = engine._http(
-                "POST",
-                "/update_weights_from_disk",
-                {"model_path": str(ckpt), "weight_version": f"reload-{v}"},
-                check=False,
-            )
-        finally:
-            engine.resume()
+        reload_paused(engine, ckpt, f"reload-{v}")
         t1 = time.perf_counter()
-        if not r.get("success"):
-            raise BenchError(f"SGLang's reload of v{v} failed: {r}")
         if greedy(engine) != served[v - 1]:
             raise BenchError(f"v{v}: outputs after the patch differ from the reload's")
         if engine.held(fresh=True)[1] != world.digests[v]:

@@ -46,6 +46,17 @@ def test_steady_load_adds_nothing() -> None:
     assert stage["added_ms"] == pytest.approx(0, abs=0.01)
     assert stage["null_ms"] == pytest.approx(0, abs=0.01)
     assert math.isnan(idle["added_ms"]) and math.isnan(idle["null_ms"])
+    assert stage["net_ms"] == pytest.approx(0, abs=0.01)
+
+
+def test_no_idle_window_gives_nan_not_zero() -> None:
+    streams = [_stream(0.0, 10.0, (5.0, 0.2))]
+    (row,) = summarize(streams, [Window("commit", 5.0, 5.05, "in_place")])
+    assert math.isnan(row["tok_s_vs_idle"]) and math.isnan(row["added_ms"])
+    assert math.isnan(row["null_ms"]) and math.isnan(row["net_ms"])
+    assert row["gap_max_ms"] == pytest.approx(210, abs=0.5)  # what needs no idle still counts
+    (empty,) = summarize([], [Window("reload", 1.0, 2.0)])
+    assert math.isnan(empty["gap_p50_ms"]) and math.isnan(empty["stall_ms"])
 
 
 def test_a_stall_over_the_commit_is_its_added_time() -> None:
@@ -57,6 +68,7 @@ def test_a_stall_over_the_commit_is_its_added_time() -> None:
     assert commit["stall_ms"] == pytest.approx(210, abs=0.5)  # one gap: 10 ms + the stall
     assert commit["gap_max_ms"] == pytest.approx(210, abs=0.5)
     assert commit["null_ms"] == pytest.approx(0, abs=0.01)  # the idle windows are steady
+    assert commit["net_ms"] == pytest.approx(200, abs=0.5)
     assert commit["n"] == 1 and commit["mean_ms"] == pytest.approx(50)
 
 

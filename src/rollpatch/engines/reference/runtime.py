@@ -251,10 +251,14 @@ class ReferenceRuntime:
             with self._cond:
                 self._cond.wait_for(lambda: not self._paused)
             self._step_lock.acquire()
-            with self._cond:
-                if not self._paused:
-                    self._forwards += 1
-                    return
+            try:
+                with self._cond:
+                    if not self._paused:
+                        self._forwards += 1
+                        return
+            except BaseException:  # e.g. an interrupt while taking the condition: no leak
+                self._step_lock.release()
+                raise
             self._step_lock.release()
 
     def _step(

@@ -52,7 +52,6 @@ class SglangChannel(NestedPause):
         self.base_url = url.rstrip("/")
         self.timeout = timeout
         self.scratch = SharedDir(shared_dir, prefix="rollpatch-sglang-")
-        self.shared_dir = self.scratch.path
         self._tag_id = secrets.token_hex(4)
         self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
@@ -66,6 +65,11 @@ class SglangChannel(NestedPause):
         self.held_s = 0.0
         self._frozen_at = 0.0
         super().__init__(lock)
+
+    @property
+    def shared_dir(self) -> Path:
+        """The directory shared with SGLang (:attr:`scratch`'s)."""
+        return self.scratch.path
 
     def socket(self, rank: int = 0) -> Path:
         """Rank ``rank``'s control socket (each TP rank runs its own control thread)."""

@@ -44,6 +44,7 @@ class WorkerCalls(NestedPause):
 
     @property
     def shared_dir(self) -> Path:
+        """The directory shared with the server (:attr:`scratch`'s)."""
         return self.scratch.path
 
     def _rpc(self, method: str, *args: str) -> list[Any]:

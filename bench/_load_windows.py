@@ -100,7 +100,8 @@ def _row(
     for w in mine:
         hit = (g1 > w.t0) & (g0 < w.t1)
         over |= hit
-        stalls.append(float((g1[hit] - g0[hit]).max()) if hit.any() else NAN)
+        if hit.any():  # a window no gap overlaps has no stall (not a stall of 0)
+            stalls.append(float((g1[hit] - g0[hit]).max()))
     got = g1[over] - g0[over]
     idle = mine[0].kind == "idle"  # the load alone: its null control is the measure itself
     added = NAN if idle else _added(arrays, [(w.t0, w.t1) for w in mine], idle_gap)
@@ -113,7 +114,7 @@ def _row(
         "gap_p50_ms": 1e3 * float(np.percentile(got, 50)) if got.size else NAN,
         "gap_p99_ms": 1e3 * float(np.percentile(got, 99)) if got.size else NAN,
         "gap_max_ms": 1e3 * float(got.max()) if got.size else NAN,
-        "stall_ms": 1e3 * median(stalls),
+        "stall_ms": 1e3 * median(stalls) if stalls else NAN,
         "added_ms": added,
         "null_ms": null,
         "net_ms": added - null,

@@ -136,10 +136,11 @@ class VllmEngine(WorkerCalls, EngineAdapter):
     # -- commits -----------------------------------------------------------------------------
 
     def load(self, view: View, version: int) -> None:
-        with self.scratch.files("keyframe") as (path,), self.paused():
-            save_view(view, path)
+        with self.scratch.files("keyframe") as (path,):
+            save_view(view, path)  # before the pause: it holds only the workers' writes
             target = view.digest()
-            self._commit("load", path, version, lambda res: res["root"] == target)
+            with self.paused():
+                self._commit("load", path, version, lambda res: res["root"] == target)
 
     def words(self) -> WordSource:
         return RemoteWords(self)
@@ -148,11 +149,16 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         """Commit a decoded patch (shipped as :mod:`.transfer`'s file), verified."""
         self._require_loaded()
         targets = {n: tp.target_digest for n, tp in patch.tensors.items()}
-        with self.scratch.files("patch") as (path,), self.paused():
+        with self.scratch.files("patch") as (path,):
             write_decoded(patch, path)
-            self._commit(
-                "apply", path, version, lambda res: self._matches(res, targets, patch.target), patch
-            )
+            with self.paused():
+                self._commit(
+                    "apply",
+                    path,
+                    version,
+                    lambda res: self._matches(res, targets, patch.target),
+                    patch,
+                )
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate:
         """Stage a chain of published steps inside the workers while vLLM serves: the blobs go
@@ -286,14 +292,15 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         self._require_loaded()
         header = inspect(blob)
         targets = {e["name"]: e["target"] for e in header.tensors}
-        with self.scratch.files("blob") as (path,), self.paused():
+        with self.scratch.files("blob") as (path,):
             path.write_bytes(blob)
-            self._commit(
-                "apply_encoded",
-                path,
-                version,
-                lambda res: self._matches(res, targets, header.target),
-            )
+            with self.paused():
+                self._commit(
+                    "apply_encoded",
+                    path,
+                    version,
+                    lambda res: self._matches(res, targets, header.target),
+                )
 
     @staticmethod
     def _matches(res: Mapping[str, Any], targets: Mapping[str, str | None], root: str) -> bool:

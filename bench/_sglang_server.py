@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
+from _server_proc import ServerProc
 from _sglang_report import SGLANG_VERSION
 from _vllm_server import BenchError
 
@@ -40,43 +39,16 @@ class Server:
             )
             extra = ["--tp-size", str(tp)]
         cmd = server_command(python, model, port, mem_fraction=0.3 / tp, extra=extra)
-        with open(log_path, "wb") as out:
-            # cwd: not bench/, whose sglang.py would shadow the sglang package
-            self.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=log_path.parent,
-            )
-        self.url, self.log_path, self.t0 = f"http://127.0.0.1:{port}", log_path, time.monotonic()
+        # cwd: not bench/, whose sglang.py would shadow the sglang package
+        url = f"http://127.0.0.1:{port}"
+        self.server = ServerProc(cmd, env, log_path, url, "SGLang", cwd=log_path.parent)
+        self.url, self.log_path, self.proc = url, log_path, self.server.proc
 
     def wait_ready(self, timeout: float = 600.0) -> float:
-        import urllib.request
-
-        while time.monotonic() - self.t0 < timeout:
-            if self.proc.poll() is not None:
-                raise BenchError(f"SGLang exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - self.t0
-            except OSError:
-                time.sleep(0.5)
-        raise BenchError("SGLang did not become healthy")
+        return self.server.wait_ready(timeout)
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        self.server.stop()
         calls = self.shim_log.read_text() if self.shim_log.exists() else ""
         if calls:
             raise BenchError(f"SGLang called the sgl_kernel import shim:\n{calls}")

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from _server_proc import ServerProc
 
 VLLM_VERSION = "0.32.0"
 MAX_TOKENS = 8
@@ -43,48 +40,19 @@ class Server:
         from rollpatch.engines.vllm.launch import server_command, server_env
 
         repo = Path(__file__).resolve().parents[1]
-        env = server_env(repo / "src")
         cmd = server_command(python, model, port, extra=extra)
-        self.log_path = log_path
-        with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.url = f"http://127.0.0.1:{port}"
-        self.model = model
+        self.url, self.model, self.log_path = f"http://127.0.0.1:{port}", model, log_path
+        self.server = ServerProc(cmd, server_env(repo / "src"), log_path, self.url, "vLLM")
+        self.proc = self.server.proc
 
     def wait_ready(self, timeout: float = 400.0) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise BenchError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise BenchError(f"vLLM not healthy after {timeout:.0f} s:\n{self.tail()}")
+        return self.server.wait_ready(timeout)
 
     def tail(self, n: int = 30) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return self.server.tail(n)
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        self.server.stop()
 
     def worker_pid(self) -> int:
         """The process holding the weights: vLLM 0.32 on CPU runs its worker in a child of

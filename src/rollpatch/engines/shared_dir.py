@@ -18,12 +18,17 @@ __all__ = ["SharedDir"]
 
 
 class SharedDir:
-    """``path``: a directory the server can read and write; None: a fresh private one under
-    the system's temporary directory (named ``prefix``…), removed by :meth:`close`."""
+    """``path``: a directory the server can read and write; None: a fresh private one (named
+    ``prefix``…) under ``under`` (default: the system's temporary directory; ``/dev/shm`` for
+    files both sides map and no disk should see), removed by :meth:`close`."""
 
-    def __init__(self, path: str | Path | None, *, prefix: str) -> None:
+    def __init__(
+        self, path: str | Path | None, *, prefix: str, under: str | Path | None = None
+    ) -> None:
         self.own = path is None
-        self.path = Path(path) if path is not None else Path(tempfile.mkdtemp(prefix=prefix))
+        self.path = (
+            Path(path) if path is not None else Path(tempfile.mkdtemp(prefix=prefix, dir=under))
+        )
 
     def name(self, what: str) -> Path:
         """A fresh file name in the directory (nothing created); the caller removes it."""

@@ -13,8 +13,6 @@ import contextlib
 import json
 import logging
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,7 +54,7 @@ class SglangChannel(NestedPause):
         self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
         self._session_open = False
-        self._shm_dir: Path | None = None
+        self._shm: SharedDir | None = None  # made at the first shm(): /dev/shm, else scratch
         #: Milliseconds spent in each HTTP route since the owner last cleared it (a commit's
         #: profile: the pause's round trips).
         self.route_ms: dict[str, float] = {}
@@ -79,11 +77,14 @@ class SglangChannel(NestedPause):
         """A fresh file name in shared memory (a private directory under ``/dev/shm``, else
         the shared directory): tensors gathered from the ranks are mapped there by both
         sides, never written to a disk."""
-        if self._shm_dir is None:
+        if self._shm is None:
             base = Path("/dev/shm")
-            made = tempfile.mkdtemp(prefix="rollpatch-sglang-", dir=base) if base.is_dir() else None
-            self._shm_dir = Path(made) if made else self.shared_dir
-        return self._shm_dir / f"{what}-{secrets.token_hex(8)}.bin"
+            self._shm = (
+                SharedDir(None, prefix="rollpatch-sglang-", under=base)
+                if base.is_dir()
+                else self.scratch
+            )
+        return self._shm.name(what)
 
     def http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
         """One JSON call to SGLang's HTTP server (:func:`.wire.http_json`); its time is
@@ -236,6 +237,6 @@ class SglangChannel(NestedPause):
             with contextlib.suppress(EngineError):
                 self._session("/end_weight_update")
         self.scratch.close()
-        if self._shm_dir is not None and self._shm_dir != self.shared_dir:
-            shutil.rmtree(self._shm_dir, ignore_errors=True)
-        self._shm_dir = None
+        if self._shm is not None and self._shm is not self.scratch:
+            self._shm.close()
+        self._shm = None

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+class BenchError(SystemExit):
+    """A commit, a reload or the server is not what it must be."""
+
+
 class ServerProc:
     """``cmd`` with ``env``, its output in ``log_path`` (``cwd``: where it runs); ``url``:
     where it answers; ``name``: for errors."""
@@ -42,8 +46,6 @@ class ServerProc:
 
     def wait_ready(self, timeout: float) -> float:
         """Seconds from the start until ``/health`` answered 200."""
-        from _vllm_server import BenchError
-
         while time.monotonic() - self.t0 < timeout:
             if self.proc.poll() is not None:
                 raise BenchError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")

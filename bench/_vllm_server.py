@@ -8,14 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _server_proc import ServerProc
+from _server_proc import BenchError, ServerProc
 
 VLLM_VERSION = "0.32.0"
 MAX_TOKENS = 8
-
-
-class BenchError(SystemExit):
-    """A commit, a reload or the server is not what it must be."""
 
 
 def vllm_python() -> Path:

@@ -27,7 +27,7 @@ the caller uses the overlay.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ from .rewind import Rewind, merge_positions
 
 SumState = tuple[int, int]
 
-__all__ = ["Changes", "StepEntry", "decode_in_place", "step_entries"]
+__all__ = ["Changes", "StepEntry", "decode_in_place", "decodes_in_place", "step_entries"]
 
 _V2 = CtxGolombV2()
 
@@ -70,6 +70,12 @@ class StepEntry:
     changed: int
 
 
+def decodes_in_place(entry: Mapping[str, Any]) -> bool:
+    """Whether a patch header's tensor entry takes the in-place decoder: an
+    ``rp.ctxgolomb.v2`` delta (a chain with any other entry goes through the overlay)."""
+    return entry["op"] == "delta" and entry["codec"] == _V2.codec_id
+
+
 def step_entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[StepEntry] | None:
     """Every tensor entry of the chain's patch objects (``blobs[k]``: step ``k``'s), each
     payload checked against its checksum; None when one is not an ``rp.ctxgolomb.v2`` delta
@@ -83,7 +89,7 @@ def step_entries(steps: list[dict[str, Any]], blobs: list[list[bytes]]) -> list[
                 raise ManifestError("patch object binds other digests than its step")
             mv = memoryview(blob)
             for e in header.tensors:
-                if e["op"] != "delta" or e["codec"] != _V2.codec_id:
+                if not decodes_in_place(e):
                     return None
                 if e["name"] in seen:
                     raise ManifestError("patch shards overlap")

@@ -34,18 +34,15 @@ from typing import TYPE_CHECKING, Any
 from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
 from ...io.safetensors import save_view
 from ...patch import Patch, inspect
-from ...patch.codec_v2 import CtxGolombV2
 from ...view import View, WordSource
 from ..base import EngineAdapter
+from ..catchup import decodes_in_place
 from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
 from . import tp as tp_ops
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
 from .words import RemoteWords
-
-#: The codec a chain's steps must be in to be decoded inside SGLang (``catchup``'s).
-_IN_PLACE = CtxGolombV2.codec_id
 
 if TYPE_CHECKING:
     from ..staged import AuditReport, EncodedStep, StagedUpdate
@@ -184,7 +181,8 @@ class SglangEngine(EngineAdapter):
                 staged, r = tp_ops.stage_update(*args)
                 self._timed(t0, r)
                 return staged
-            return self._stage("stage_decoded", path, targets, patch.base, patch.target)
+            call = {"paths": [str(path)], "base": patch.base, "target": patch.target}
+            return self._stage("stage_decoded", call, targets, patch.base, patch.target)
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
         """Decode a chain of published steps (one or many: every shard's object per step)
@@ -197,9 +195,7 @@ class SglangEngine(EngineAdapter):
         targets: dict[str, str | None] = {}
         for blob in (b for s in steps for b in s.blobs):
             entries = inspect(blob).tensors
-            if len(steps) > 1 and any(
-                e["op"] != "delta" or e["codec"] != _IN_PLACE for e in entries
-            ):
+            if len(steps) > 1 and not all(decodes_in_place(e) for e in entries):
                 return None
             targets.update({e["name"]: e["target"] for e in entries})
         n = sum(len(s.blobs) for s in steps)
@@ -213,7 +209,8 @@ class SglangEngine(EngineAdapter):
                 spec.append(
                     {"paths": [str(p) for p in where], "base": step.base, "target": step.target}
                 )
-            return self._stage("stage_encoded", spec, targets, steps[0].base, steps[-1].target)
+            base, target = steps[0].base, steps[-1].target
+            return self._stage("stage_encoded", {"steps": spec}, targets, base, target)
 
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Under the pause: scatter the staged writes inside SGLang, read them back."""
@@ -269,20 +266,18 @@ class SglangEngine(EngineAdapter):
     def _stage(
         self,
         op: str,
-        path: Path | list[dict[str, Any]],
+        args: dict[str, Any],
         targets: Mapping[str, str | None],
         base: str,
         target: str,
     ) -> StagedUpdate:
-        """``op`` on the control thread: ``stage_decoded`` of the file at ``path``, or
-        ``stage_encoded`` of the steps ``path`` lists (their files, base and target)."""
+        """``op`` on the control thread with ``args`` (``stage_decoded``: the decoded patch's
+        ``paths``, ``base`` and ``target``; ``stage_encoded``: the ``steps``), checked to stage
+        ``base`` -> ``target`` with the ``targets`` digests."""
         from ..staged import StagedUpdate
 
         t0 = time.perf_counter()
-        if isinstance(path, list):
-            r = self._control(op, steps=path, mode=self.writes)
-        else:
-            r = self._control(op, paths=[str(path)], base=base, target=target, mode=self.writes)
+        r = self._control(op, **args, mode=self.writes)
         if (
             r["base"] != base
             or r["target"] != target

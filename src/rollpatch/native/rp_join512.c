@@ -16,7 +16,9 @@
  *    in the block reads its bitmap's window once and shifts it by each 64's popcount).
  * 3. The step's changes in position order: each block with a change by a byte compress of its
  *    positions, then one loop over them all; a change's context-order index is its context's
- *    running index.
+ *    running index, four changes at a time (their counters loaded before any is stored, each
+ *    raised by the earlier ones of its context among the four: one store-to-load wait per
+ *    four changes where a context repeats, not one per change).
  * Slot r of the window is context lo + r (no slot table): contexts that are not listed never
  * reach their target (UINT32_MAX). */
 #include "rp_join512.h"
@@ -55,9 +57,18 @@ static uint64_t *slot_bitmaps(lane_t *l, int lo, slotbm_t *sb) {
             sb->lim[c - lo] = (uint32_t)words;
             continue;
         }
+        /* phase A decodes the ranks increasing (a rank past nc is refused in phase C): each
+         * 64-bit word built in a register and stored, never re-read (no load waiting on the
+         * last store); every store stays inside the slot's words whatever the ranks */
         const uint32_t *rk = l->ranks + l->ofs[i];
-        for (uint64_t j = 0; j < l->pp.kc[i]; j++)
-            if (rk[j] < nc) p[rk[j] >> 6] |= 1ULL << (rk[j] & 63); /* else: refused in phase C */
+        uint64_t acc = 0, wprev = 0;
+        for (uint64_t j = 0; j < l->pp.kc[i]; j++) {
+            const uint64_t v = rk[j], wv = v >> 6;
+            if (v >= nc) continue;
+            acc = (wv == wprev ? acc : 0) | 1ULL << (v & 63);
+            wprev = wv;
+            p[wv] = acc;
+        }
         sb->bm[c - lo] = p;
         sb->lim[c - lo] = (uint32_t)words;
         p += words + 2;
@@ -224,30 +235,51 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
             uint32_t *const rpos = l->rpos + em, *const rci = l->rci + em;
             uint64_t *const rold = l->rold + em;
             const uint8_t *const cf = cbuf[0];
+            /* four changes at a time: their four counters loaded before any is stored, and a
+             * change's index raised by the earlier ones of its context among the four, so the
+             * counters' chain through memory (store, then load) is one per four changes */
+#define RP_EMIT4(OLD)                                                                           \
+    do {                                                                                        \
+        int q = 0;                                                                              \
+        for (; q + 4 <= ne; q += 4) {                                                           \
+            unsigned e0 = (unsigned)eblk[q] << 8 | elist[q];                                    \
+            unsigned e1 = (unsigned)eblk[q + 1] << 8 | elist[q + 1];                            \
+            unsigned e2 = (unsigned)eblk[q + 2] << 8 | elist[q + 2];                            \
+            unsigned e3 = (unsigned)eblk[q + 3] << 8 | elist[q + 3];                            \
+            const unsigned c0 = cf[e0], c1 = cf[e1], c2 = cf[e2], c3 = cf[e3];                  \
+            uint32_t x0 = ctr[c0], x1 = ctr[c1], x2 = ctr[c2], x3 = ctr[c3];                    \
+            x1 += c1 == c0;                                                                     \
+            x2 += (uint32_t)(c2 == c0) + (c2 == c1);                                            \
+            x3 += (uint32_t)(c3 == c0) + (c3 == c1) + (c3 == c2);                               \
+            ctr[c0] = x0 + 1; ctr[c1] = x1 + 1; ctr[c2] = x2 + 1; ctr[c3] = x3 + 1;             \
+            rci[q] = x0; rci[q + 1] = x1; rci[q + 2] = x2; rci[q + 3] = x3;                     \
+            rpos[q] = (uint32_t)(s0 + e0); rpos[q + 1] = (uint32_t)(s0 + e1);                   \
+            rpos[q + 2] = (uint32_t)(s0 + e2); rpos[q + 3] = (uint32_t)(s0 + e3);               \
+            rold[q] = OLD(e0); rold[q + 1] = OLD(e1); rold[q + 2] = OLD(e2); rold[q + 3] = OLD(e3); \
+        }                                                                                       \
+        for (; q < ne; q++) {                                                                   \
+            unsigned e = (unsigned)eblk[q] << 8 | elist[q];                                     \
+            rpos[q] = (uint32_t)(s0 + e);                                                       \
+            rold[q] = OLD(e);                                                                   \
+            rci[q] = ctr[cf[e]]++;                                                              \
+        }                                                                                       \
+    } while (0)
             if (bits == 16) {
                 const uint16_t *const bw = (const uint16_t *)base + start + s0;
-                for (int q = 0; q < ne; q++) {
-                    unsigned e = (unsigned)eblk[q] << 8 | elist[q];
-                    rpos[q] = (uint32_t)(s0 + e);
-                    rold[q] = bw[e];
-                    rci[q] = ctr[cf[e]]++;
-                }
+#define RP_OLD(e) bw[e]
+                RP_EMIT4(RP_OLD);
+#undef RP_OLD
             } else if (bits == 8) {
                 const uint8_t *const bw = base + start + s0;
-                for (int q = 0; q < ne; q++) {
-                    unsigned e = (unsigned)eblk[q] << 8 | elist[q];
-                    rpos[q] = (uint32_t)(s0 + e);
-                    rold[q] = bw[e];
-                    rci[q] = ctr[cf[e]]++;
-                }
+#define RP_OLD(e) bw[e]
+                RP_EMIT4(RP_OLD);
+#undef RP_OLD
             } else {
-                for (int q = 0; q < ne; q++) {
-                    unsigned e = (unsigned)eblk[q] << 8 | elist[q];
-                    rpos[q] = (uint32_t)(s0 + e);
-                    rold[q] = elem_get(base, bits, start + s0 + e);
-                    rci[q] = ctr[cf[e]]++;
-                }
+#define RP_OLD(e) elem_get(base, bits, start + s0 + (e))
+                RP_EMIT4(RP_OLD);
+#undef RP_OLD
             }
+#undef RP_EMIT4
             l->emitted = em + ne;
         }
         if (nb == SB) rp_lane_group(kd, l, start, n - s0 < SB * JB ? n : s0 + SB * JB, 0);

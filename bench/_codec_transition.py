@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,12 +76,6 @@ def transition(
     for threads, row in rows.items():
         os.environ["ROLLPATCH_THREADS"] = str(threads)
         with ThreadPoolExecutor(threads) as pool:
-            if scratch is None:  # one buffer of the largest tensor's size per thread, reused
-                bufs = copy_buffers(a, threads)
-                t_mc, _ = best_of(lambda: memcpy_reused(a, bufs, pool), reps)  # noqa: B023
-                del bufs
-            else:
-                t_mc, _ = best_of(lambda: memcpy(a, scratch, pool), reps)
 
             def enc() -> bytes:
                 b.invalidate()
@@ -89,63 +84,28 @@ def transition(
             # memory: the row's first encode (with what this process sets up for the row once:
             # the header's zstd context grown to its size, the C heap's first use of this
             # thread count), then one after the timed encodes (what a publisher pays per
-            # version); each with no earlier result alive (best_of keeps the last one), on a
-            # trimmed heap (every page it touches counts, whatever ran before)
+            # version); each with no earlier result alive, on a trimmed heap (every page it
+            # touches counts, whatever ran before)
             blob = b""
             first = _encode_rss(enc)
-            t_enc, blob = best_of(enc, reps)
-            blob = b""
-            extra = _encode_rss(enc)
             blob = enc()
-            t_dec = t_inc = math.inf
-            for _ in range(reps):
-                for inc in (False, True):
-                    restore(work, a)
-                    t, _ = best_of(lambda: apply_encoded(work, blob, incremental=inc), 1)  # noqa: B023
-                    if inc:
-                        t_inc = min(t_inc, t)
-                    else:
-                        t_dec = min(t_dec, t)
-                    _check_equal(work, b, "rollpatch native")
-                    if work.digest() != b.digest():
-                        raise RoundTripError("rollpatch: root digest differs after apply")
-                    if big:
-                        apply_encoded(work, inverse)
+            frames = {level: xor_encode(a, b, pool, level) for level in (1, 3)}
+            t = _rounds(_methods(a, b, work, scratch, pool, blob, inverse, frames), reps)
+            if scratch is None:  # one buffer of the largest tensor's size per thread, reused
+                bufs = copy_buffers(a, threads)
+                t["memcpy"], _ = best_of(lambda: memcpy_reused(a, bufs, pool), reps)  # noqa: B023
+                del bufs
             t_nenc = t_ndec = math.nan
             if numpy_ref:
-                core, native.core = native.core, None
-                try:
-
-                    def nenc() -> bytes:
-                        b.invalidate()
-                        return encode(diff(a, b), a)
-
-                    t_nenc, nblob = best_of(nenc, reps)
-                    if nblob != blob:
-                        raise RoundTripError("numpy reference and native bytes differ")
-                    restore(work, a)
-                    t_ndec, _ = best_of(lambda: apply(work, decode(blob, work)), 1)  # noqa: B023
-                    _check_equal(work, b, "rollpatch numpy")
-                    if big:
-                        apply(work, decode(inverse, work))
-                finally:
-                    native.core = core
-            xs: dict[int, tuple[float, float, int]] = {}
-            for level in (1, 3):
-                t_xe, frames = best_of(lambda: xor_encode(a, b, pool, level), reps)  # noqa: B023
-                t_xd = math.inf
-                for _ in range(reps):
-                    restore(work, a)
-                    t, _ = best_of(lambda: xor_apply(work, frames, pool), 1)  # noqa: B023
-                    t_xd = min(t_xd, t)
-                    _check_equal(work, b, f"XOR+zstd-{level}")
-                    if big:
-                        xor_undo(work, frames)
-                        work.invalidate()
-                xs[level] = (t_xe, t_xd, sum(len(f) for f, _ in frames.values()))
+                t_nenc, t_ndec = _numpy_reference(a, b, work, blob, inverse, reps)
+            xs = {lv: (t[f"xor{lv} enc"], t[f"xor{lv}"], _frame_bytes(frames[lv])) for lv in (1, 3)}
+            patch_len, blob = len(blob), b""
+            del frames
+            extra = _encode_rss(enc)
+            t_enc, t_dec, t_inc, t_mc = t["rp enc"], t["rp"], t["rp inc"], t["memcpy"]
         row.transitions += 1
         row.view_bytes += a.nbytes
-        row.patch_bytes += len(blob)
+        row.patch_bytes += patch_len
         row.xor1_bytes += xs[1][2]
         row.xor3_bytes += xs[3][2]
         for m, e, d in (
@@ -163,7 +123,7 @@ def transition(
         row.per_step.append(
             {
                 "view_bytes": a.nbytes,
-                "patch_bytes": len(blob),
+                "patch_bytes": patch_len,
                 "xor1_bytes": xs[1][2],
                 "xor3_bytes": xs[3][2],
                 "enc_s": {"native": t_enc, "numpy": t_nenc, "xor1": xs[1][0], "xor3": xs[3][0]},
@@ -184,6 +144,111 @@ def transition(
         row.elements += n
         row.changed += k
         row.bound_bits += whole
+
+
+def _frame_bytes(frames: dict[str, tuple[bytes, bytes]]) -> int:
+    return sum(len(f) for f, _ in frames.values())
+
+
+def _rounds(methods: dict[str, Callable[[], float]], reps: int) -> dict[str, float]:
+    """Each method's best time over ``reps`` rounds. Every round runs every method once, in an
+    order rotated each round, so that a slow spell of this shared machine hits the methods
+    alike (timing each method's repeats back to back let a spell land on one method only:
+    single ratios swung by 0.2-0.4 between runs)."""
+    names = list(methods)
+    best = dict.fromkeys(names, math.inf)
+    for r in range(max(1, reps)):
+        k = r % len(names)
+        for m in names[k:] + names[:k]:
+            best[m] = min(best[m], methods[m]())
+    return best
+
+
+def _methods(
+    a: View,
+    b: View,
+    work: View,
+    scratch: dict[str, np.ndarray] | None,
+    pool: ThreadPoolExecutor,
+    blob: bytes,
+    inverse: bytes,
+    frames: dict[int, dict[str, tuple[bytes, bytes]]],
+) -> dict[str, Callable[[], float]]:
+    """One timed run of each method (seconds), with its check; ``work`` holds ``a``'s words
+    before and after each (in place above 1 GB: each run puts the base back itself). memcpy
+    with ``scratch`` (below 1 GB; above it, no buffers are held through the rounds)."""
+    big = work is a
+
+    def timed(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def rp_enc() -> float:
+        b.invalidate()
+        t0 = time.perf_counter()
+        got = encode_views(a, b)
+        t = time.perf_counter() - t0
+        if got != blob:
+            raise RoundTripError("rollpatch: two encodes of one transition differ")
+        return t
+
+    def rp_dec(inc: bool) -> float:
+        restore(work, a)
+        t = timed(lambda: apply_encoded(work, blob, incremental=inc))
+        _check_equal(work, b, "rollpatch native")
+        if work.digest() != b.digest():
+            raise RoundTripError("rollpatch: root digest differs after apply")
+        if big:
+            apply_encoded(work, inverse)
+        return t
+
+    def xor_dec(level: int) -> float:
+        restore(work, a)
+        t = timed(lambda: xor_apply(work, frames[level], pool))
+        _check_equal(work, b, f"XOR+zstd-{level}")
+        if big:
+            xor_undo(work, frames[level])
+            work.invalidate()
+        return t
+
+    methods: dict[str, Callable[[], float]] = {
+        "rp enc": rp_enc,
+        "xor1 enc": lambda: timed(lambda: xor_encode(a, b, pool, 1)),
+        "xor3 enc": lambda: timed(lambda: xor_encode(a, b, pool, 3)),
+        "rp": lambda: rp_dec(False),
+        "rp inc": lambda: rp_dec(True),
+        "xor1": lambda: xor_dec(1),
+        "xor3": lambda: xor_dec(3),
+    }
+    if scratch is not None:  # above 1 GB: timed on its own (bench/_codec_transition.transition)
+        sc = scratch
+        methods["memcpy"] = lambda: timed(lambda: memcpy(a, sc, pool))
+    return methods
+
+
+def _numpy_reference(
+    a: View, b: View, work: View, blob: bytes, inverse: bytes, reps: int
+) -> tuple[float, float]:
+    """The numpy codec's encode (its bytes must equal the native ones) and decode+apply."""
+    core, native.core = native.core, None
+    try:
+
+        def nenc() -> bytes:
+            b.invalidate()
+            return encode(diff(a, b), a)
+
+        t_nenc, nblob = best_of(nenc, reps)
+        if nblob != blob:
+            raise RoundTripError("numpy reference and native bytes differ")
+        restore(work, a)
+        t_ndec, _ = best_of(lambda: apply(work, decode(blob, work)), 1)
+        _check_equal(work, b, "rollpatch numpy")
+        if work is a:
+            apply(work, decode(inverse, work))
+        return t_nenc, t_ndec
+    finally:
+        native.core = core
 
 
 def _encode_rss(enc: Callable[[], object]) -> int:

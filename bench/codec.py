@@ -36,8 +36,12 @@ nothing changes. bench/moe.py breaks the MoE numbers down (experts vs dense, per
 
 T threads: baselines run tensors on a pool of T; rollpatch runs with ``ROLLPATCH_THREADS=T``
 (tensors and chunks of large tensors on T threads). Times are wall clock, best of
-``--repeats`` where a view is under 1 GB, best of ``--big-repeats`` (default 1) above. Every decode+apply of every method is
-checked bit-exact against the target view; any mismatch aborts the run.
+``--repeats`` rounds (default 5) where a view is under 1 GB, of ``--big-repeats`` (default 1)
+above. A round times every method once (rollpatch's encode, decode+apply and rp inc, XOR+zstd-1
+and -3 both ways, memcpy), in an order rotated each round, so a slow spell of a shared machine
+falls on the methods alike rather than on one method's repeats run back to back. Every
+decode+apply of every method is checked bit-exact against the target view, and every encode
+against the first one's bytes; any mismatch aborts the run.
 
 **Memory.** ``enc mem`` is the peak RSS growth during a native encode made after the row's
 timed encodes (what a publisher pays per version; VmHWM reset before it, no earlier patch
@@ -160,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--steps", default="2,1", help="transitions per (size, lr): one int, or one per size"
     )
-    ap.add_argument("--repeats", type=int, default=3, help="timing repeats for views < 1 GB")
+    ap.add_argument("--repeats", type=int, default=5, help="timing rounds for views < 1 GB")
     ap.add_argument(
         "--big-repeats", type=int, default=1, help="timing repeats for views of 1 GB and more"
     )

@@ -5,7 +5,8 @@ Run: ``python bench/serving_load.py`` (vLLM, 103M parameters by default, a few m
 sglang`` (the SGLang venv from ``scripts/sglang-env``); ``--engine builtin`` (rollpatch's
 built-in engine serving in the bench's process, as inside the sidecar: generation and staging
 share one process); ``--hidden H --layers L``,
-``--versions N``, ``-c`` streams in flight, ``--max-tokens`` per request, ``--json PATH``.
+``--versions N``, ``-c`` streams in flight, ``--max-tokens`` per request, ``--kv-on-commit
+recompute|keep`` (vLLM: what a commit does to the KV of the streams in flight), ``--json PATH``.
 
 bench/vllm.py and bench/sglang.py time each path with the engine idle between commits. Here
 the same follower
@@ -160,9 +161,11 @@ def _ms(x: float, digits: int = 0) -> str:
 
 
 def report(res: dict[str, Any]) -> str:
-    w = res["world"]
+    w, a = res["world"], res["args"]
     head = (
-        f"{res['args']['engine']}, {w['params'] / 1e6:.0f}M params, "
+        f"{res['args']['engine']}"
+        + (f" (kv on commit: {a.get('kv_on_commit')})" if a.get("engine") == "vllm" else "")
+        + f", {w['params'] / 1e6:.0f}M params, "
         f"{len(w['digests']) - 1} versions, "
         f"{res['args']['c']} streams x {res['args']['max_tokens']} tokens, load "
         f"{res['load'][0]:.1f} -> {res['load'][1]:.1f}\n{machine_line(res['machine'])}\n"
@@ -218,10 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", type=int, default=4, help="streams in flight (default 4)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     ap.add_argument("--idle-s", type=float, default=3.0, help="load alone before each sync")
+    ap.add_argument(
+        "--kv-on-commit",
+        choices=("recompute", "keep"),
+        default="recompute",
+        help="vllm: what a commit does to the KV of the streams in flight (docs/vllm.md)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 2 or args.c < 1 or args.max_tokens < 2 or args.idle_s <= 0:
         ap.error("--versions >= 2, -c >= 1, --max-tokens >= 2, --idle-s > 0")
+    if args.kv_on_commit != "recompute" and args.engine != "vllm":
+        ap.error("--kv-on-commit is vLLM's (the built-in engine keeps, SGLang recomputes)")
     mach, load0 = machine(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="rp-bench-load-") as tmp:
         root = Path(tmp)
@@ -229,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers), 8)
         log(f"starting {args.engine} on v0's checkpoint")
         side = start(args.engine, world, root)
+        if args.engine == "vllm":
+            side.engine.kv_on_commit = args.kv_on_commit  # type: ignore[attr-defined]
         try:
             log("no load: Follower.sync v1..vN")
             syncs = _syncs(world, side, None)

@@ -2,7 +2,8 @@
 
 - the engine-core hook (:mod:`rollpatch.engines.vllm.core`) against a stand-in EngineCore:
   the workers' commit, the version tag only when every rank verified, the prefix cache reset
-  with running requests preempted on every way out;
+  with running requests preempted on every way out; with ``kv_on_commit="keep"``, running
+  requests kept and every block computed before the commit out of reach of later ones;
 - the adapter with that hook: a commit is one ``/collective_rpc`` call, the commit gate does
   not pause around it, and a wrong result leaves the engine not ready;
 - the worker's writes under the pause (real torch parameters, the CPU path): old words
@@ -75,6 +76,102 @@ def test_engine_core_commits_tags_and_resets_in_one_call() -> None:
     assert core.version == "0" and core.resets == [True]
 
 
+class _Pool:
+    """vLLM's BlockPool as the keep path uses it: refuses a reset while blocks are in use."""
+
+    def __init__(self) -> None:
+        self.num_gpu_blocks, self.hashes = 10, {b"h1": 1, b"h2": 2}
+
+    def get_num_free_blocks(self) -> int:
+        return 3  # 6 blocks held by running requests
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
+            return False
+        self.hashes.clear()
+        return True
+
+
+class _Request:
+    def __init__(self, computed: int, kcu: Any) -> None:
+        self.num_computed_tokens, self.kcu = computed, kcu
+        self.block_hashes = [b"old"]
+
+    def update_block_hashes(self) -> None:
+        self.block_hashes.append(b"from:" + self.kcu.NONE_HASH)
+
+
+def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+    import types
+
+    kcu = types.ModuleType("vllm.v1.core.kv_cache_utils")
+    kcu.NONE_HASH, kcu.BlockHash = b"root0", bytes  # type: ignore[attr-defined]
+    pkg = types.ModuleType("vllm.v1.core")
+    pkg.kv_cache_utils = kcu  # type: ignore[attr-defined]
+    for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm.v1", types.ModuleType("vllm.v1"))):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setitem(sys.modules, "vllm.v1.core", pkg)
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", kcu)
+    pool = _Pool()
+    waiting, started = _Request(0, kcu), _Request(5, kcu)
+    core = _Core([{"ok": True, "root": "r1"}])
+    core.request_block_hasher = object()  # type: ignore[attr-defined]  # prefix caching on
+    managers = (types.SimpleNamespace(block_pool=pool), types.SimpleNamespace(block_pool=pool))
+    core.scheduler = types.SimpleNamespace(  # type: ignore[attr-defined]
+        kv_cache_manager=types.SimpleNamespace(
+            coordinator=types.SimpleNamespace(single_type_managers=managers)
+        ),
+        waiting=[waiting, started],
+    )
+    out = _commit_atomic(core, 5.0, ("tok", "7", "r1", "keep"))
+    assert core.version == "7" and core.resets == []  # nothing preempted
+    assert out[0]["reset"] is True and pool.hashes == {}  # no block reachable by its hash
+    assert pool.get_num_free_blocks() == 3  # vLLM's own accounting untouched afterwards
+    root = kcu.NONE_HASH  # type: ignore[attr-defined]
+    assert root != b"root0" and len(root) == 32
+    assert waiting.block_hashes == [b"from:" + root]  # hashed again from the new root
+    assert started.block_hashes == [b"old"]  # tokens computed: its blocks are its own
+    _commit_atomic(core, 5.0, ("tok", "8", "r1", "keep"))
+    assert kcu.NONE_HASH not in (root, b"root0")  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="unknown kv_on_commit"):
+        _commit_atomic(core, 5.0, ("tok", "9", "r1", "drop"))
+    # hashed (in EngineCore's input thread) before a keep commit, added after it: hashed again
+    from rollpatch.engines.vllm import core as hook
+
+    late, fresh = _Request(0, kcu), _Request(0, kcu)
+    late._rollpatch_epoch = hook._EPOCH[0] - 1  # type: ignore[attr-defined]
+    fresh._rollpatch_epoch = hook._EPOCH[0]  # type: ignore[attr-defined]
+    hook._rehash_if_stale(late)
+    hook._rehash_if_stale(fresh)
+    assert late.block_hashes == [b"from:" + kcu.NONE_HASH]  # type: ignore[attr-defined]
+    assert fresh.block_hashes == [b"old"]
+    # no prefix caching (vLLM leaves NONE_HASH unset): nothing to cut off, the commit goes on
+    del kcu.NONE_HASH  # type: ignore[attr-defined]
+    core = _Core([{"ok": True, "root": "r1"}])
+    out = _commit_atomic(core, 5.0, ("tok", "10", "r1", "keep"))
+    assert core.version == "10" and out[0]["reset"] is True and core.resets == []
+
+
+def test_keep_mode_needs_the_engine_core_hook() -> None:
+    from rollpatch.errors import ConfigError
+    from rollpatch.sidecar.server import make_engine
+
+    v0 = vllm_layouts.words_view(vllm_layouts.checkpoint())
+    fake = vllm_env.FakeVllm(v0.digest())
+    eng = VllmEngine("http://127.0.0.1:9", transport="rpc", kv_on_commit="keep")
+    eng.http = fake  # type: ignore[assignment]
+    eng._atomic = False  # a server started without --scheduler-cls
+    with pytest.raises(ConfigError, match="engine-core hook"):
+        eng.commit_staged(_staged(v0.digest(), v0.digest(), {}), 1)
+    with pytest.raises(ConfigError, match="kv_on_commit"):
+        VllmEngine("http://127.0.0.1:9", kv_on_commit="drop")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="for --engine vllm"):
+        make_engine("sglang", engine_url="http://127.0.0.1:9", kv_on_commit="keep")
+
+
 class _AtomicVllm(vllm_env.FakeVllm):
     """A scripted server whose EngineCore runs the hook."""
 
@@ -106,7 +203,8 @@ def test_adapter_commits_in_one_call_and_the_gate_does_not_pause() -> None:
     fake.script(True, v1.tensor_digests(), v1.digest())
     fake.calls.clear()
     gate.run(lambda: eng.commit_staged(_staged(v0.digest(), v1.digest(), {}), 1))
-    assert fake.calls == [(ATOMIC, ["t0k", "1", v1.digest()])]  # no /pause, /resume, /reset
+    # no /pause, /resume, /reset; the KV of requests in flight recomputed (the default)
+    assert fake.calls == [(ATOMIC, ["t0k", "1", v1.digest(), "recompute"])]
     assert (eng.version, eng.digest) == (1, v1.digest())
     assert eng.last_timings["core_ms"] == 1.5 and gate.last is not None and gate.last.ok
     # the workers report another root: not the target, and the engine no longer holds v1

@@ -61,6 +61,15 @@ def register(sub: Any) -> None:
         "scatters the changed words) or double_buffer (new storage built while serving, exchanged in "
         "the pause: shortest pause, + the touched parameters in memory); docs/engines.md",
     )
+    p.add_argument(
+        "--kv-on-commit",
+        choices=("recompute", "keep"),
+        default="recompute",
+        help="vllm: what a commit does to the KV cache of requests in flight: recompute it with "
+        "the new weights (their later tokens are the new version's for the whole prefix) or keep "
+        "it (no recompute; later tokens from the new weights over the old KV, as the reference "
+        "engine does; labels span both versions either way); docs/vllm.md",
+    )
     # the flags of the sidecar's and its follower's configs (defaults: the configs' own)
     add_config_flags(p, SidecarConfig, skip=SIDECAR_SET_OTHERWISE)
     add_config_flags(
@@ -120,6 +129,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         engine_url=args.engine_url,
         threads=args.threads,
         writes=args.writes,
+        kv_on_commit=args.kv_on_commit,
     )
     running = start_sidecar(
         board,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..board import Board
 from ..engines.base import EngineAdapter
@@ -11,6 +11,9 @@ from ..engines.staged import WriteMode
 from ..errors import ConfigError
 from ..serving import ServerHandle, serve_app
 from .service import Sidecar, SidecarConfig
+
+if TYPE_CHECKING:
+    from ..engines.vllm.core import KvOnCommit
 
 __all__ = ["ENGINES", "RunningSidecar", "make_engine", "start_sidecar"]
 
@@ -24,9 +27,18 @@ def make_engine(
     engine_url: str | None = None,
     threads: int | None = None,
     writes: WriteMode = "in_place",
+    kv_on_commit: str = "recompute",
 ) -> tuple[EngineAdapter, str]:
     """Build an engine adapter and the URL its OpenAI routes are served at (``writes``: the
-    engine's :data:`~rollpatch.engines.staged.WriteMode`)."""
+    engine's :data:`~rollpatch.engines.staged.WriteMode`; ``kv_on_commit``: vLLM's
+    :data:`~rollpatch.engines.vllm.core.KvOnCommit`: the reference engine always keeps the
+    KV of requests in flight, SGLang always recomputes it)."""
+    if kv_on_commit != "recompute" and kind != "vllm":
+        raise ConfigError(
+            f"--kv-on-commit {kv_on_commit} is for --engine vllm",
+            hint="the reference engine always keeps the KV of requests in flight across a "
+            "commit; SGLang always recomputes it",
+        )
     if kind == "reference":
         if model is None:
             raise ConfigError("--engine reference needs --model DIR")
@@ -39,7 +51,8 @@ def make_engine(
             raise ConfigError("--engine vllm needs --engine-url http://HOST:PORT")
         from ..engines.vllm import VllmEngine
 
-        return VllmEngine(engine_url, writes=writes), engine_url
+        kv = cast("KvOnCommit", kv_on_commit)
+        return VllmEngine(engine_url, writes=writes, kv_on_commit=kv), engine_url
     if kind == "sglang":
         if engine_url is None:
             raise ConfigError("--engine sglang needs --engine-url http://HOST:PORT")

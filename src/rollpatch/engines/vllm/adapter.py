@@ -23,7 +23,7 @@ from ...patch import Patch, inspect
 from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..staged import AuditReport, EncodedStep, StagedUpdate
-from .core import ATOMIC
+from .core import ATOMIC, KV_ON_COMMIT, KvOnCommit
 from .rpc import NOT_READY, RemoteWords, WorkerCalls, worker_error
 from .transfer import write_decoded
 from .writes import WriteMode
@@ -53,6 +53,10 @@ class VllmEngine(WorkerCalls, EngineAdapter):
     can read (default: a private temporary directory, so the server must run on this host).
     ``transport``: one of :data:`TRANSPORTS`. ``timeout``: seconds per HTTP call.
     ``prepack``: see :data:`Prepack`. ``writes``: see :data:`~.writes.WriteMode`.
+    ``kv_on_commit``: what a staged commit does to the KV of requests in flight
+    (:data:`~.core.KvOnCommit`: ``recompute`` them with the new weights, or ``keep`` them and
+    go on with the new weights over it; needs the engine-core hook). Keyframe loads and
+    unstaged patches always recompute.
     """
 
     name = "vllm"
@@ -66,11 +70,13 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         timeout: float = 600.0,
         prepack: Prepack = "stage",
         writes: WriteMode = "in_place",
+        kv_on_commit: KvOnCommit = "recompute",
     ) -> None:
         _choice("transport", transport, TRANSPORTS, "the official routes or collective_rpc")
         _choice("prepack", prepack, ("stage", "pause"), "pack kernels while staging or after")
         _choice("writes", writes, ("in_place", "double_buffer"), "see docs/vllm.md")
-        self.prepack, self.writes = prepack, writes
+        _choice("kv_on_commit", kv_on_commit, KV_ON_COMMIT, "see docs/vllm.md")
+        self.prepack, self.writes, self.kv_on_commit = prepack, writes, kv_on_commit
         super().__init__(url, shared_dir, timeout)
         self._transport = transport
         self._version: int | None = None
@@ -228,6 +234,13 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         if self.pauses_itself:
             self._commit_atomic(token, staged, version)
             return
+        if self.kv_on_commit == "keep":
+            raise errors.ConfigError(
+                "kv_on_commit 'keep' needs vLLM's engine-core hook",
+                engine=self.name,
+                hint="start vLLM with --scheduler-cls rollpatch.engines.vllm.core.Scheduler "
+                "(rollpatch.engines.vllm.launch does)",
+            )
         with self.paused():
             self._commit(
                 "commit",
@@ -251,7 +264,9 @@ class VllmEngine(WorkerCalls, EngineAdapter):
             self.last_timings = {}
             t0 = time.perf_counter()
             try:
-                res = self._gather(self._rpc(ATOMIC, token, str(version), staged.target))
+                res = self._gather(
+                    self._rpc(ATOMIC, token, str(version), staged.target, self.kv_on_commit)
+                )
                 self.last_timings["rpc_ms"] = (time.perf_counter() - t0) * 1e3
                 if not self._matches(res, staged.digests, staged.target):
                     raise TargetMismatchError(

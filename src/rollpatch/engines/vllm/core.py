@@ -3,18 +3,25 @@
 Start vLLM with ``--scheduler-cls rollpatch.engines.vllm.core.Scheduler`` (what
 :mod:`.launch` does). vLLM resolves that name inside its EngineCore process; resolving it
 installs one wrapper around ``EngineCore.collective_rpc`` (and, with ``ROLLPATCH_VLLM_POLL_MS``
-set, the engine core's polling shm reader: :mod:`.spin`) and hands back vLLM's own scheduler,
-unchanged. The wrapper answers the method :data:`ATOMIC` (``args``: the staging token, the
-version tag, the expected root digest) and passes every other call through:
+set, the engine core's polling shm reader: :mod:`.spin`) and hands back vLLM's own scheduler
+with one addition for ``keep`` commits (:func:`_scheduler`). The wrapper answers the method
+:data:`ATOMIC` (``args``: the staging token, the version tag, the expected root digest, and
+``kv``) and passes every other call through:
 
 1. the workers run ``rollpatch_commit(token)``: one scatter per runtime parameter, the
    touched modules' derived buffers, the read-back (:mod:`.weights`);
 2. when every rank verified and reports the expected root, the engine's ``weight_version``
    becomes the tag;
-3. the prefix cache is reset with running requests preempted (vLLM's own
-   ``reset_prefix_cache(reset_running_requests=True)``, what ``/pause`` does): no KV computed
-   with the old weights is used again; in-flight requests keep their tokens and recompute
-   their KV with the new weights.
+3. what the KV computed with the old weights becomes (``kv``, :data:`KvOnCommit`):
+   ``recompute`` (default): the prefix cache is reset with running requests preempted (vLLM's
+   own ``reset_prefix_cache(reset_running_requests=True)``, what ``/pause`` does): no KV
+   computed with the old weights is used again; in-flight requests keep their tokens and
+   recompute their KV with the new weights. ``keep`` (:func:`_keep_running`): requests in
+   flight keep their KV and go on with the new weights over it (the built-in engine's
+   semantics; their labels span both versions), and no request admitted after the commit
+   can reach a block computed before it: every cached block's hash is dropped, block hashes
+   chain from a new root from now on, and requests still waiting with nothing computed are
+   hashed again from it.
 
 EngineCore runs utility calls in its busy loop between engine steps, and the CPU backend
 never overlaps a step with it (no async scheduling, one batch in flight), so generation is
@@ -27,25 +34,104 @@ the hook is installed (docs/vllm.md).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import time
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ATOMIC", "install"]
+__all__ = ["ATOMIC", "KV_ON_COMMIT", "KvOnCommit", "install"]
 
 #: The collective_rpc method name the engine-core wrapper answers itself.
 ATOMIC = "rollpatch_commit_atomic"
+#: What a staged commit does to the KV of the requests in flight (module docstring, step 3).
+KvOnCommit = Literal["recompute", "keep"]
+KV_ON_COMMIT: tuple[KvOnCommit, ...] = ("recompute", "keep")
+
+
+#: Bumped at every ``keep`` commit (after the new root is set): the root epoch a request's
+#: block hashes started from is kept on it (``_rollpatch_epoch``, by :func:`_tag_requests`).
+_EPOCH = [0]
+
+
+def _keep_running(core: Any, tag: str) -> bool:
+    """``keep``: running requests keep their blocks; nothing admitted later reaches a block
+    computed before now. Returns True (the cache can no longer serve old-weight KV)."""
+    if getattr(core, "request_block_hasher", None) is None:
+        return True  # no prefix caching: no block is ever found by its hash
+    sched = core.scheduler
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    # a new root: every block hashed from now on chains from it, so it equals no earlier hash
+    # (vLLM reads the module's NONE_HASH at each first block of a request); then the epoch,
+    # so a request tagged with the new one was hashed from the new root
+    kcu.NONE_HASH = kcu.BlockHash(
+        hashlib.sha256(bytes(kcu.NONE_HASH) + b"rollpatch:" + tag.encode()).digest()
+    )
+    _EPOCH[0] += 1
+    # every block's hash dropped (vLLM's own reset, less its refusal while blocks are in use:
+    # blocks held by running requests stay theirs, only unreachable by a prefix lookup)
+    kvm = sched.kv_cache_manager
+    for pool in dict.fromkeys(m.block_pool for m in kvm.coordinator.single_type_managers):
+        pool.get_num_free_blocks = lambda pool=pool: pool.num_gpu_blocks - 1
+        try:
+            pool.reset_prefix_cache()
+        finally:
+            del pool.get_num_free_blocks
+    if getattr(kvm, "prefix_cache_stats", None) is not None:
+        kvm.prefix_cache_stats.reset = True  # as KVCacheManager.reset_prefix_cache says it
+    # requests waiting with nothing computed were hashed from the old root: hash them again
+    # (one hash per full block of each; requests hashed but not yet added: _rehash_if_stale)
+    for req in list(sched.waiting):
+        _rehash(req)
+    return True
+
+
+def _rehash(req: Any) -> None:
+    if req.num_computed_tokens == 0:
+        req.block_hashes.clear()
+        req.update_block_hashes()
+
+
+def _rehash_if_stale(req: Any) -> None:
+    """A request hashed (in EngineCore's input thread) before a ``keep`` commit and added to
+    the scheduler after it: hashed again from the new root."""
+    if getattr(req, "_rollpatch_epoch", _EPOCH[0]) != _EPOCH[0]:
+        _rehash(req)
+
+
+def _tag_requests() -> None:
+    """Each request records the root epoch its block hashes start from (once per process)."""
+    from vllm.v1.request import Request
+
+    original = Request.update_block_hashes
+    if getattr(original, "_rollpatch", False):
+        return
+
+    def update_block_hashes(self: Any) -> None:
+        if not self.block_hashes:
+            self._rollpatch_epoch = _EPOCH[0]
+        original(self)
+
+    update_block_hashes._rollpatch = True  # type: ignore[attr-defined]
+    Request.update_block_hashes = update_block_hashes
 
 
 def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> list[Any]:
     t0 = time.perf_counter()
-    token, tag, root = (str(a) for a in args)
+    token, tag, root = (str(a) for a in args[:3])
+    kv = str(args[3]) if len(args) > 3 else "recompute"
+    if kv not in KV_ON_COMMIT:
+        raise ValueError(f"unknown kv_on_commit {kv!r}")
     reset = False
     try:
         results = core.model_executor.collective_rpc("rollpatch_commit", timeout, (token,), None)
         if all(isinstance(r, dict) and r.get("ok") and r.get("root") == root for r in results):
             core.set_weight_version(tag)
     finally:  # whatever the workers did, no KV of the weights before it is used again
-        reset = bool(core.reset_prefix_cache(reset_running_requests=True))
+        if kv == "keep":
+            reset = _keep_running(core, tag)
+        else:
+            reset = bool(core.reset_prefix_cache(reset_running_requests=True))
     ms = round((time.perf_counter() - t0) * 1e3, 3)
     return [dict(r, core_ms=ms, reset=reset) if isinstance(r, dict) else r for r in results]
 
@@ -77,13 +163,27 @@ def install() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """``Scheduler``: install the wrapper (and :mod:`.spin`), then vLLM's own scheduler class."""
+    """``Scheduler``: install the wrapper (and :mod:`.spin`), then vLLM's scheduler class with
+    one addition (:func:`_scheduler`)."""
     if name != "Scheduler":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     install()
+    _tag_requests()
     from .spin import install as poll_instead_of_spin
 
     poll_instead_of_spin()
-    from vllm.v1.core.sched.scheduler import Scheduler
+    return _scheduler()
+
+
+@functools.cache
+def _scheduler() -> Any:
+    """vLLM's scheduler, with one addition: a request hashed before a ``keep`` commit and
+    added after it is hashed again first (:func:`_rehash_if_stale`)."""
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+    class Scheduler(VllmScheduler):
+        def add_request(self, request: Any) -> Any:
+            _rehash_if_stale(request)
+            return super().add_request(request)
 
     return Scheduler

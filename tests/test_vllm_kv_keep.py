@@ -1,0 +1,125 @@
+"""vLLM's ``kv_on_commit="keep"`` (live; the session's vLLM server, with the engine-core hook).
+
+A commit keeps the KV of the requests in flight: a streamed generation that a commit lands in
+finishes with every token, is labelled with both versions, and vLLM preempted nothing (its
+own ``vllm:num_preemptions`` counter; the same commit with the default ``recompute``
+preempts it, so the counter can tell). No request admitted after the commit reaches a block
+computed before it: a prompt whose blocks were cached at the old version finds no cached
+block (``vllm:prefix_cache_hits`` does not move, while asking it twice at one version does),
+and its answer equals, field for field, what the version answers with nothing cached (the
+same server set to it by a keyframe load).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tests import vllm_env
+from tests.sidecarworld import RUN, World, server, world
+from tests.test_vllm_sidecar import LONG, _client, _long_stream, _strip
+
+_FIXTURES = (server, world)  # used by name
+
+#: A prompt of several full KV blocks (vLLM caches whole blocks only).
+BLOCKS_PROMPT = " ".join(f"item {i} is {i * 7 % 13}." for i in range(24))
+MAX_ROUNDS = 12  # until a commit lands mid-generation (a race: tests/test_vllm_sidecar.py)
+
+
+def _counter(server: vllm_env.Server, name: str) -> float:
+    """The sum of a vLLM Prometheus counter's samples (``name`` without ``_total``)."""
+    import httpx
+
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{name}_total{{", f"{name}_total "))
+    )
+
+
+def _ask(client: Any, world: World) -> dict[str, Any]:
+    raw = client.completions.with_raw_response.create(
+        model=str(world.model),
+        prompt=BLOCKS_PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    return dict(raw.http_response.json())
+
+
+def _spanning_commit(sc: Any, world: World) -> tuple[int, dict[str, Any], int]:
+    """Publish a version and commit it while a long generation streams; returns the version,
+    the generation's label and its token count."""
+    follower = sc.sidecar.follower
+    follower.stop()  # the next version waits until a generation is in flight
+    v = world.publish()
+    chunks: list[dict[str, Any]] = []
+    first, out = threading.Event(), dict[str, Any]()
+    t = threading.Thread(target=_long_stream, args=(sc.url, world, chunks, first, out))
+    t.start()
+    assert first.wait(60) and "error" not in out, out.get("error")
+    assert follower.sync() == v
+    follower.start()
+    t.join(120)
+    assert out["status"] == 200 and "error" not in out, out.get("error")
+    tokens = [tok for c in chunks for tok in c["choices"][0]["logprobs"]["tokens"]]
+    return v, chunks[-1]["rollpatch"], len(tokens)
+
+
+def test_keep_mode_keeps_running_requests_and_no_old_block(
+    server: vllm_env.Server, world: World
+) -> None:
+    from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import make_engine, start_sidecar
+    from tests.sidecarworld import FAST
+
+    answers: dict[int, dict[str, Any]] = {}
+    for kv in ("recompute", "keep"):
+        engine, url = make_engine("vllm", engine_url=server.url, kv_on_commit=kv)
+        have = world.latest
+        engine.load(world.views[have], have)
+        sc = start_sidecar(
+            world.board, RUN, engine, url, config=SidecarConfig(commit_mode="pause", follower=FAST)
+        )
+        try:
+            client = _client(sc.url)
+            _ask(client, world)
+            hits = _counter(server, "vllm:prefix_cache_hits")
+            _ask(client, world)  # its blocks are cached at this version: found
+            assert _counter(server, "vllm:prefix_cache_hits") > hits, "no prefix cache to test"
+            spanned = rounds = 0
+            while spanned == 0 and rounds < MAX_ROUNDS:
+                rounds += 1
+                preempted = _counter(server, "vllm:num_preemptions")
+                v, label, n = _spanning_commit(sc, world)
+                assert n == LONG  # kept, not aborted, in both modes
+                assert label["version_start"] == v - 1 and label["version_end"] in (v - 1, v)
+                if label["version_end"] != v:
+                    continue  # it finished before the commit: no request was in flight
+                spanned += 1
+                more = _counter(server, "vllm:num_preemptions") - preempted
+                assert more == 0 if kv == "keep" else more >= 1, (kv, more)
+                if kv == "keep":  # a prompt cached at v - 1 finds nothing at v
+                    hits = _counter(server, "vllm:prefix_cache_hits")
+                    answers[v] = _ask(client, world)
+                    assert answers[v]["rollpatch"] == {"version_start": v, "version_end": v}
+                    assert _counter(server, "vllm:prefix_cache_hits") == hits
+            assert spanned == 1, f"no commit landed mid-generation in {rounds} rounds ({kv})"
+        finally:
+            sc.stop()
+    engine = VllmEngine(server.url)
+    client = _client(server.url)
+    try:
+        for v, body in answers.items():
+            fresh = {}
+            for w in (v - 1, v):  # a keyframe load empties the cache
+                engine.load(world.views[w], w)
+                fresh[w] = _strip(_ask(client, world))
+            assert _strip(body, "rollpatch") == fresh[v], f"version {v} answered otherwise"
+            assert fresh[v - 1] != fresh[v], "two versions answer alike: the check cannot tell"
+    finally:
+        engine.close()

@@ -12,12 +12,11 @@ same server set to it by a keyframe load).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from tests import vllm_env
 from tests.sidecarworld import RUN, World, server, world
-from tests.test_vllm_sidecar import LONG, _client, _long_stream, _strip
+from tests.test_vllm_sidecar import LONG, _client, _strip, start_long_stream
 
 _FIXTURES = (server, world)  # used by name
 
@@ -56,11 +55,7 @@ def _spanning_commit(sc: Any, world: World) -> tuple[int, dict[str, Any], int]:
     follower = sc.sidecar.follower
     follower.stop()  # the next version waits until a generation is in flight
     v = world.publish()
-    chunks: list[dict[str, Any]] = []
-    first, out = threading.Event(), dict[str, Any]()
-    t = threading.Thread(target=_long_stream, args=(sc.url, world, chunks, first, out))
-    t.start()
-    assert first.wait(60) and "error" not in out, out.get("error")
+    t, chunks, out = start_long_stream(sc.url, world)
     assert follower.sync() == v
     follower.start()
     t.join(120)

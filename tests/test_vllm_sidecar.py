@@ -214,6 +214,19 @@ def _long_stream(
         first.set()
 
 
+def start_long_stream(
+    url: str, world: World
+) -> tuple[threading.Thread, list[dict[str, Any]], dict[str, Any]]:
+    """:func:`_long_stream` in a thread, returned once its first chunk came: the thread, the
+    chunks (growing) and the outcome (``status``, ``headers``, ``error``)."""
+    chunks: list[dict[str, Any]] = []
+    first, out = threading.Event(), dict[str, Any]()
+    t = threading.Thread(target=_long_stream, args=(url, world, chunks, first, out))
+    t.start()
+    assert first.wait(60) and "error" not in out, out.get("error")
+    return t, chunks, out
+
+
 def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None:
     """Pause mode (vLLM's /pause?mode=keep through the adapter): a generation that has
     streamed tokens survives a commit, finishes, and is labelled with both versions; short
@@ -237,11 +250,7 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
             rounds += 1
             follower.stop()  # the next version waits until a generation is in flight
             v = world.publish()
-            chunks: list[dict[str, Any]] = []
-            first, out = threading.Event(), dict[str, Any]()
-            t = threading.Thread(target=_long_stream, args=(sc.url, world, chunks, first, out))
-            t.start()
-            assert first.wait(60) and "error" not in out, out.get("error")
+            t, chunks, out = start_long_stream(sc.url, world)
             engine.pause()  # hold it mid-generation (nested: the commit's own pause is inside)
             try:
                 before = len(chunks)

@@ -127,7 +127,7 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
         waiting=[waiting, started],
     )
     out = _commit_atomic(core, 5.0, ("tok", "7", "r1", "keep"))
-    assert core.version == "7" and core.resets == []  # nothing preempted
+    assert core.version == "7" and core.resets == [] and out[0]["kv"] == "keep"  # none preempted
     assert out[0]["reset"] is True and pool.hashes == {}  # no block reachable by its hash
     assert pool.get_num_free_blocks() == 3  # vLLM's own accounting untouched afterwards
     root = kcu.NONE_HASH  # type: ignore[attr-defined]
@@ -148,6 +148,10 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
     hook._rehash_if_stale(fresh)
     assert late.block_hashes == [b"from:" + kcu.NONE_HASH]  # type: ignore[attr-defined]
     assert fresh.block_hashes == [b"old"]
+    # a KV connector holds KV that keep mode does not reach: recompute instead, and say so
+    core.scheduler.connector = object()  # type: ignore[attr-defined]
+    out = _commit_atomic(core, 5.0, ("tok", "11", "r1", "keep"))
+    assert core.resets == [True] and out[0]["kv"] == "recompute"
     # no prefix caching (vLLM leaves NONE_HASH unset): nothing to cut off, the commit goes on
     del kcu.NONE_HASH  # type: ignore[attr-defined]
     core = _Core([{"ok": True, "root": "r1"}])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,8 @@ from .transfer import write_decoded
 from .writes import WriteMode
 
 __all__ = ["TRANSPORTS", "RemoteWords", "VllmEngine"]
+
+log = logging.getLogger("rollpatch.engines.vllm")
 
 #: ``weight-transfer``: the official routes (needs ``--weight-transfer-config
 #: '{"backend": "rollpatch"}'``); ``rpc``: ``/collective_rpc`` only; ``auto``: the first when
@@ -83,6 +86,9 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         self._digest: str | None = None
         self._tensors: dict[str, Any] | None = None
         self._atomic: bool | None = None
+        #: what the last staged commit did to the KV of requests in flight (the hook's report)
+        self.last_kv: str | None = None
+        self._kv_warned = False
 
     # -- state -------------------------------------------------------------------------------
 
@@ -276,6 +282,14 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                     )
                 if not res.get("reset"):
                     raise EngineError("vLLM did not reset its prefix cache", engine=self.name)
+                self.last_kv = str(res.get("kv", "recompute"))
+                if self.last_kv != self.kv_on_commit and not self._kv_warned:
+                    self._kv_warned = True
+                    log.warning(
+                        "vLLM commit recomputed the KV of requests in flight instead of keeping "
+                        "it: the server runs a KV connector, whose cache keep mode does not "
+                        "reach (docs/vllm.md)"
+                    )
                 self._set(version, res["root"])
             except BaseException:
                 self._set(None, None)

@@ -128,12 +128,22 @@ def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> l
         if all(isinstance(r, dict) and r.get("ok") and r.get("root") == root for r in results):
             core.set_weight_version(tag)
     finally:  # whatever the workers did, no KV of the weights before it is used again
+        if kv == "keep" and _kv_connected(core):
+            kv = "recompute"  # keep resets no connector's cache: what recompute's reset does
         if kv == "keep":
             reset = _keep_running(core, tag)
         else:
             reset = bool(core.reset_prefix_cache(reset_running_requests=True))
     ms = round((time.perf_counter() - t0) * 1e3, 3)
-    return [dict(r, core_ms=ms, reset=reset) if isinstance(r, dict) else r for r in results]
+    out = {"core_ms": ms, "reset": reset, "kv": kv}
+    return [dict(r, **out) if isinstance(r, dict) else r for r in results]
+
+
+def _kv_connected(core: Any) -> bool:
+    """A KV connector (offloading, transfer) or an aux-output connector holds KV outside the
+    block pool, which keep mode does not reach."""
+    sched = getattr(core, "scheduler", None)
+    return any(getattr(sched, a, None) is not None for a in ("connector", "aux_output_connector"))
 
 
 def install() -> None:

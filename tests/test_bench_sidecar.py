@@ -157,7 +157,10 @@ def test_run_load_time_bounded(server: str) -> None:
     assert out["lat"] and len(out["start"]) == len(out["lat"])
     assert max(out["start"]) < duration  # no request starts after the chunk's time
     assert out["wall"] >= duration
-    assert out["wall"] < duration + 1.0  # those in flight (10 ms each) finish, nothing more
+    # those in flight finish, nothing more: the run ends with its last request (a bound on
+    # the requests' own ends, not on the clock, which a loaded CI box stretches: 2.2 s once)
+    last_end = max(s + lat for s, lat in zip(out["start"], out["lat"], strict=True))
+    assert out["wall"] - last_end < 0.5
     n = run_load(server, 2, 6, 0, bodies())
     assert len(n["lat"]) == 6  # a count-bounded chunk is unchanged
 

@@ -180,7 +180,8 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
         assert None in polls and set(polls) <= {None, BOOT_LATEST}, (
             f"ready (or serving) before it had caught up: {polls}"
         )
-        assert httpx.get(f"{sc.url}/version").json()["served"] == BOOT_LATEST
+        v = httpx.get(f"{sc.url}/version").json()
+        assert v["served"] == BOOT_LATEST and v["kv_across_commit"] == "recompute"  # retract
         plan = sc.sidecar.follower.last_plan
         assert plan is not None and plan.have == 0 and len(plan.steps) == BOOT_LATEST
         assert not any(s.is_keyframe for s in plan.steps)  # through patches, no keyframe

@@ -35,6 +35,7 @@ _FIXTURES = (world, sidecar)  # used by name
 def test_ready_version_metrics(sidecar: RunningSidecar, world: World) -> None:
     v = httpx.get(f"{sidecar.url}/version").json()
     assert v["served"] == max(world.expected) and v["state"] in ("IDLE", "FETCHING")
+    assert v["kv_across_commit"] == "keep"  # the reference engine keeps generations' caches
     assert "rollpatch_served_version" in httpx.get(f"{sidecar.url}/metrics").text
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
 from tests import vllm_env
 from tests.sidecarworld import RUN, World, server, world
 from tests.test_vllm_sidecar import LONG, _client, _strip, start_long_stream
@@ -27,8 +29,6 @@ MAX_ROUNDS = 12  # until a commit lands mid-generation (a race: tests/test_vllm_
 
 def _counter(server: vllm_env.Server, name: str) -> float:
     """The sum of a vLLM Prometheus counter's samples (``name`` without ``_total``)."""
-    import httpx
-
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -97,6 +97,7 @@ def test_keep_mode_keeps_running_requests_and_no_old_block(
                     continue  # it finished before the commit: no request was in flight
                 spanned += 1
                 assert engine.last_kv == kv  # type: ignore[attr-defined]  # the hook's report
+                assert httpx.get(f"{sc.url}/version").json()["kv_across_commit"] == kv
                 more = _counter(server, "vllm:num_preemptions") - preempted
                 assert more == 0 if kv == "keep" else more >= 1, (kv, more)
                 if kv == "keep":  # a prompt cached at v - 1 finds nothing at v

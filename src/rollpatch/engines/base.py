@@ -89,6 +89,14 @@ class EngineAdapter(ABC):
         call between two forward passes); the commit gate then does not pause around it."""
         return False
 
+    @property
+    def kv_across_commit(self) -> str:
+        """What a staged commit does to the KV cache of generations in flight: ``keep`` (they
+        go on with the new weights over it; their labels span both versions) or
+        ``recompute`` (recomputed with the new weights). Reported by the sidecar's
+        ``/version``."""
+        return "recompute"
+
     def pause(self) -> None:
         """Stop generation for a commit (engines that generate override this)."""
 

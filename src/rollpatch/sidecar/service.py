@@ -220,6 +220,7 @@ class Sidecar:
             "latest": self.latest(),
             "lag": s.lag,
             "commit_mode": self.gate.mode,
+            "kv_across_commit": self.engine.kv_across_commit,
             "inflight": self.gate.inflight,
             "last_error": s.last_error,
             "bytes_fetched": s.bytes_fetched,

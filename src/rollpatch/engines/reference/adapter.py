@@ -107,6 +107,12 @@ class ReferenceEngine(EngineAdapter):
         )
 
     @property
+    def kv_across_commit(self) -> str:
+        """``keep``: a generation held at the gate keeps its KV cache (docs/engines.md, *Pause
+        semantics*)."""
+        return "keep"
+
+    @property
     def version(self) -> int | None:
         return self.runtime.version
 

@@ -256,6 +256,12 @@ class VllmEngine(WorkerCalls, EngineAdapter):
             )
 
     @property
+    def kv_across_commit(self) -> str:
+        """``kv_on_commit``, as the last staged commit applied it (a server with a KV connector
+        recomputes; :mod:`.core`)."""
+        return self.last_kv or self.kv_on_commit
+
+    @property
     def pauses_itself(self) -> bool:
         """True when the server runs the engine-core hook (:mod:`.core`): a staged commit
         then holds generation by itself, for one engine-core call, and every other weight

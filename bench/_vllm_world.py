@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import shutil
 from pathlib import Path
@@ -17,6 +18,16 @@ from rollpatch.publisher import Publisher, PublisherConfig
 
 RUN = "bench"
 VOCAB = 4096
+
+
+def add_world_args(ap: argparse.ArgumentParser, *, versions: int, hidden: int, layers: int) -> None:
+    """The engine benches' model and versions: ``--versions --lr --hidden --layers``."""
+    ap.add_argument(
+        "--versions", type=int, default=versions, help=f"versions after v0 (default {versions})"
+    )
+    ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
+    ap.add_argument("--hidden", type=int, default=hidden, help=f"model width (default {hidden})")
+    ap.add_argument("--layers", type=int, default=layers, help=f"model depth (default {layers})")
 
 
 def model_dims(hidden: int, layers: int) -> dict[str, int]:

@@ -55,7 +55,9 @@ from _sidecar_load import BackgroundLoad, bodies, check_errors
 from _util import log, machine, machine_line, table
 from _vllm_reference import follower, sync_to
 from _vllm_server import BenchError
-from _vllm_world import World, model_dims
+from _vllm_world import World, add_world_args, model_dims
+
+from rollpatch.engines.vllm.kvmode import KvMode
 
 MODES = ("in_place", "double_buffer")
 
@@ -214,10 +216,7 @@ def report(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", choices=("vllm", "sglang", "builtin"), default="vllm")
-    ap.add_argument("--versions", type=int, default=6, help="versions after v0 (default 6)")
-    ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
-    ap.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")
-    ap.add_argument("--layers", type=int, default=8, help="model depth (default 8)")
+    add_world_args(ap, versions=6, hidden=1024, layers=8)
     ap.add_argument("-c", type=int, default=4, help="streams in flight (default 4)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     ap.add_argument("--idle-s", type=float, default=3.0, help="load alone before each sync")
@@ -241,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"starting {args.engine} on v0's checkpoint")
         side = start(args.engine, world, root)
         if args.engine == "vllm":
-            side.engine.kv_on_commit = args.kv_on_commit  # type: ignore[attr-defined]
+            side.engine.kv = KvMode(args.kv_on_commit)  # type: ignore[attr-defined]
         try:
             log("no load: Follower.sync v1..vN")
             syncs = _syncs(world, side, None)

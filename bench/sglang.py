@@ -72,7 +72,7 @@ from _sglang_report import pause_parts, render
 from _sglang_server import Server, reload_paused
 from _util import log, machine
 from _vllm_server import BenchError
-from _vllm_world import World, model_dims
+from _vllm_world import World, add_world_args, model_dims
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 CHAIN_REPS = 3  # catch-ups of --versions steps each way, each from a fresh load of v0
@@ -219,10 +219,7 @@ def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--versions", type=int, default=5, help="versions after v0 (default 5)")
-    ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
-    ap.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
-    ap.add_argument("--layers", type=int, default=4, help="model depth (default 4)")
+    add_world_args(ap, versions=5, hidden=512, layers=4)
     ap.add_argument("--tp", type=int, default=1, help="SGLang's --tp-size (default 1)")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)

@@ -116,7 +116,7 @@ from _vllm_server import (
     vllm_python,
 )
 from _vllm_sizes import combine, parse_sizes, run_sizes, size_json
-from _vllm_world import World, model_dims
+from _vllm_world import World, add_world_args, model_dims
 
 
 def _run_sizes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
@@ -138,10 +138,7 @@ def _run_sizes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--versions", type=int, default=8, help="versions after v0 (default 8)")
-    ap.add_argument("--lr", type=float, default=5e-6, help="AdamW learning rate")
-    ap.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
-    ap.add_argument("--layers", type=int, default=4, help="model depth (default 4)")
+    add_world_args(ap, versions=8, hidden=512, layers=4)
     ap.add_argument(
         "--prepack",
         choices=("stage", "pause"),

@@ -96,7 +96,7 @@ def test_keep_mode_keeps_running_requests_and_no_old_block(
                 if label["version_end"] != v:
                     continue  # it finished before the commit: no request was in flight
                 spanned += 1
-                assert engine.last_kv == kv  # type: ignore[attr-defined]  # the hook's report
+                assert engine.kv.applied == kv  # type: ignore[attr-defined]  # the hook's report
                 assert httpx.get(f"{sc.url}/version").json()["kv_across_commit"] == kv
                 more = _counter(server, "vllm:num_preemptions") - preempted
                 assert more == 0 if kv == "keep" else more >= 1, (kv, more)

@@ -10,28 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import secrets
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from ... import errors
 from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
 from ...io.safetensors import save_view
 from ...patch import Patch, inspect
+from ...validate import check_choice
 from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..staged import AuditReport, EncodedStep, StagedUpdate
-from .core import ATOMIC, KV_ON_COMMIT, KvOnCommit
+from .core import ATOMIC, KvOnCommit
+from .kvmode import KvMode
 from .rpc import NOT_READY, RemoteWords, WorkerCalls, worker_error
 from .transfer import write_decoded
 from .writes import WriteMode
 
 __all__ = ["TRANSPORTS", "RemoteWords", "VllmEngine"]
-
-log = logging.getLogger("rollpatch.engines.vllm")
 
 #: ``weight-transfer``: the official routes (needs ``--weight-transfer-config
 #: '{"backend": "rollpatch"}'``); ``rpc``: ``/collective_rpc`` only; ``auto``: the first when
@@ -40,13 +38,6 @@ TRANSPORTS = ("auto", "weight-transfer", "rpc")
 #: CPU packed weights of the touched modules: built while staging and swapped in under the
 #: pause (``stage``), or re-packed inside the pause (``pause``: less memory, longer pause).
 Prepack = Literal["stage", "pause"]
-
-
-def _choice(field: str, value: str, allowed: tuple[str, ...], what: str) -> None:
-    if value not in allowed:
-        raise errors.ConfigError(
-            f"unknown {field} {value!r}", field=field, hint=f"one of {', '.join(allowed)}: {what}"
-        )
 
 
 class VllmEngine(WorkerCalls, EngineAdapter):
@@ -75,20 +66,16 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         writes: WriteMode = "in_place",
         kv_on_commit: KvOnCommit = "recompute",
     ) -> None:
-        _choice("transport", transport, TRANSPORTS, "the official routes or collective_rpc")
-        _choice("prepack", prepack, ("stage", "pause"), "pack kernels while staging or after")
-        _choice("writes", writes, ("in_place", "double_buffer"), "see docs/vllm.md")
-        _choice("kv_on_commit", kv_on_commit, KV_ON_COMMIT, "see docs/vllm.md")
-        self.prepack, self.writes, self.kv_on_commit = prepack, writes, kv_on_commit
+        check_choice("VllmEngine", "transport", transport, TRANSPORTS)
+        check_choice("VllmEngine", "prepack", prepack, ("stage", "pause"))
+        check_choice("VllmEngine", "writes", writes, ("in_place", "double_buffer"))
+        self.prepack, self.writes, self.kv = prepack, writes, KvMode(kv_on_commit)
         super().__init__(url, shared_dir, timeout)
         self._transport = transport
         self._version: int | None = None
         self._digest: str | None = None
         self._tensors: dict[str, Any] | None = None
         self._atomic: bool | None = None
-        #: what the last staged commit did to the KV of requests in flight (the hook's report)
-        self.last_kv: str | None = None
-        self._kv_warned = False
 
     # -- state -------------------------------------------------------------------------------
 
@@ -240,13 +227,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         if self.pauses_itself:
             self._commit_atomic(token, staged, version)
             return
-        if self.kv_on_commit == "keep":
-            raise errors.ConfigError(
-                "kv_on_commit 'keep' needs vLLM's engine-core hook",
-                engine=self.name,
-                hint="start vLLM with --scheduler-cls rollpatch.engines.vllm.core.Scheduler "
-                "(rollpatch.engines.vllm.launch does)",
-            )
+        self.kv.require_hook(self.name)
         with self.paused():
             self._commit(
                 "commit",
@@ -257,9 +238,8 @@ class VllmEngine(WorkerCalls, EngineAdapter):
 
     @property
     def kv_across_commit(self) -> str:
-        """``kv_on_commit``, as the last staged commit applied it (a server with a KV connector
-        recomputes; :mod:`.core`)."""
-        return self.last_kv or self.kv_on_commit
+        """``kv_on_commit``, as the last staged commit applied it (:class:`.kvmode.KvMode`)."""
+        return self.kv.current
 
     @property
     def pauses_itself(self) -> bool:
@@ -277,7 +257,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
             t0 = time.perf_counter()
             try:
                 res = self._gather(
-                    self._rpc(ATOMIC, token, str(version), staged.target, self.kv_on_commit)
+                    self._rpc(ATOMIC, token, str(version), staged.target, self.kv.requested)
                 )
                 self.last_timings["rpc_ms"] = (time.perf_counter() - t0) * 1e3
                 if not self._matches(res, staged.digests, staged.target):
@@ -288,14 +268,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                     )
                 if not res.get("reset"):
                     raise EngineError("vLLM did not reset its prefix cache", engine=self.name)
-                self.last_kv = str(res.get("kv", "recompute"))
-                if self.last_kv != self.kv_on_commit and not self._kv_warned:
-                    self._kv_warned = True
-                    log.warning(
-                        "vLLM commit recomputed the KV of requests in flight instead of keeping "
-                        "it: the server runs a KV connector, whose cache keep mode does not "
-                        "reach (docs/vllm.md)"
-                    )
+                self.kv.note(res)
                 self._set(version, res["root"])
             except BaseException:
                 self._set(None, None)

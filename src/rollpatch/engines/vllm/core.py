@@ -88,6 +88,7 @@ def _keep_running(core: Any, tag: str) -> bool:
 
 def _rehash(req: Any) -> None:
     if req.num_computed_tokens == 0:
+        req._rollpatch_epoch = _EPOCH[0]
         req.block_hashes.clear()
         req.update_block_hashes()
 
@@ -100,20 +101,20 @@ def _rehash_if_stale(req: Any) -> None:
 
 
 def _tag_requests() -> None:
-    """Each request records the root epoch its block hashes start from (once per process)."""
+    """Each request records the root epoch its block hashes start from, as it is made (its
+    first hashes are computed in its constructor; once per request, not per token)."""
     from vllm.v1.request import Request
 
-    original = Request.update_block_hashes
+    original = Request.__init__
     if getattr(original, "_rollpatch", False):
         return
 
-    def update_block_hashes(self: Any) -> None:
-        if not self.block_hashes:
-            self._rollpatch_epoch = _EPOCH[0]
-        original(self)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        self._rollpatch_epoch = _EPOCH[0]
+        original(self, *args, **kwargs)
 
-    update_block_hashes._rollpatch = True  # type: ignore[attr-defined]
-    Request.update_block_hashes = update_block_hashes
+    __init__._rollpatch = True  # type: ignore[attr-defined]
+    Request.__init__ = __init__
 
 
 def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> list[Any]:

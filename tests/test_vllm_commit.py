@@ -116,7 +116,11 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
     monkeypatch.setitem(sys.modules, "vllm.v1.core", pkg)
     monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", kcu)
     pool = _Pool()
+    from rollpatch.engines.vllm import core as hook
+
     waiting, started = _Request(0, kcu), _Request(5, kcu)
+    for r in (waiting, started):
+        r._rollpatch_epoch = hook._EPOCH[0]  # type: ignore[attr-defined]  # as made
     core = _Core([{"ok": True, "root": "r1"}])
     core.request_block_hasher = object()  # type: ignore[attr-defined]  # prefix caching on
     managers = (types.SimpleNamespace(block_pool=pool), types.SimpleNamespace(block_pool=pool))
@@ -132,22 +136,29 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
     assert pool.get_num_free_blocks() == 3  # vLLM's own accounting untouched afterwards
     root = kcu.NONE_HASH  # type: ignore[attr-defined]
     assert root != b"root0" and len(root) == 32
-    assert waiting.block_hashes == [b"from:" + root]  # hashed again from the new root
-    assert started.block_hashes == [b"old"]  # tokens computed: its blocks are its own
+    # nothing is hashed inside the hold: the waiting request is, at its prefix lookup
+    assert waiting.block_hashes == [b"old"] and started.block_hashes == [b"old"]
+    kvm = types.SimpleNamespace(get_computed_blocks=lambda req: list(req.block_hashes))
+    hook._rehash_on_lookup(kvm)
+    assert kvm.get_computed_blocks(waiting) == [b"from:" + root]  # looked up from the new root
+    assert kvm.get_computed_blocks(waiting) == [b"from:" + root]  # once: it is current now
+    assert kvm.get_computed_blocks(started) == [b"old"]  # tokens computed: its blocks are its own
     _commit_atomic(core, 5.0, ("tok", "8", "r1", "keep"))
     assert kcu.NONE_HASH not in (root, b"root0")  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="unknown kv_on_commit"):
         _commit_atomic(core, 5.0, ("tok", "9", "r1", "drop"))
-    # hashed (in EngineCore's input thread) before a keep commit, added after it: hashed again
-    from rollpatch.engines.vllm import core as hook
-
+    # hashed (in EngineCore's input thread) before a keep commit, added after it: the same
     late, fresh = _Request(0, kcu), _Request(0, kcu)
     late._rollpatch_epoch = hook._EPOCH[0] - 1  # type: ignore[attr-defined]
     fresh._rollpatch_epoch = hook._EPOCH[0]  # type: ignore[attr-defined]
-    hook._rehash_if_stale(late)
-    hook._rehash_if_stale(fresh)
-    assert late.block_hashes == [b"from:" + kcu.NONE_HASH]  # type: ignore[attr-defined]
-    assert fresh.block_hashes == [b"old"]
+    assert kvm.get_computed_blocks(late) == [b"from:" + kcu.NONE_HASH]  # type: ignore[attr-defined]
+    assert kvm.get_computed_blocks(fresh) == [b"old"]
+    # rollpatch_info reports the scheduler's counts and the lookups that hashed again
+    core.scheduler.get_request_counts = lambda: (2, 5)  # type: ignore[attr-defined]
+    state = hook._scheduler_state(core)
+    assert state == {"running": 2, "waiting": 5, "rehashed": hook._REHASHED[0]}
+    assert hook._REHASHED[0] >= 2  # waiting and late
+    assert hook._scheduler_state(object())["waiting"] == -1  # no scheduler to ask
     # a KV connector holds KV that keep mode does not reach: recompute instead, and say so
     core.scheduler.connector = object()  # type: ignore[attr-defined]
     out = _commit_atomic(core, 5.0, ("tok", "11", "r1", "keep"))

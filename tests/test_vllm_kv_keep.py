@@ -12,6 +12,7 @@ same server set to it by a keyframe load).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -120,3 +121,67 @@ def test_keep_mode_keeps_running_requests_and_no_old_block(
             assert fresh[v - 1] != fresh[v], "two versions answer alike: the check cannot tell"
     finally:
         engine.close()
+
+
+def test_keep_mode_hashes_a_request_that_waited_across_the_commit_again(
+    server: vllm_env.Server, world: World
+) -> None:
+    """A request that arrives before a keep commit and is scheduled after it (held in vLLM's
+    waiting queue by vLLM's own ``/pause?mode=keep``) is hashed again from the new root at
+    its prefix lookup, outside the commit's hold: the blocks it computes at the new version
+    are cached under the new root, so a request made after it finds them (without the new
+    hashes it would not: checked by removing them). Its answer is the new version's."""
+    import threading
+
+    from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import make_engine, start_sidecar
+    from tests.sidecarworld import FAST
+
+    engine, url = make_engine("vllm", engine_url=server.url, kv_on_commit="keep")
+    have = world.latest
+    engine.load(world.views[have], have)
+    sc = start_sidecar(
+        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="pause", follower=FAST)
+    )
+    direct = _client(server.url)
+    waited: dict[str, Any] = {}
+    try:
+        follower = sc.sidecar.follower
+        follower.stop()
+        v = world.publish()
+        httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        try:
+            t = threading.Thread(target=lambda: waited.update(_ask(direct, world)), daemon=True)
+            t.start()
+            deadline = time.monotonic() + 60
+            while (before := _scheduler(server))["waiting"] < 1:  # hashed, in the queue
+                assert time.monotonic() < deadline, "the request never reached vLLM's queue"
+                time.sleep(0.05)
+            assert follower.sync() == v  # a keep commit while it waits
+            assert engine.kv.applied == "keep"  # type: ignore[attr-defined]
+        finally:
+            httpx.post(f"{server.url}/resume", timeout=60).raise_for_status()
+        t.join(120)
+        assert waited.get("choices"), waited
+        assert _scheduler(server)["rehashed"] == before["rehashed"] + 1  # at its lookup
+        hits = _counter(server, "vllm:prefix_cache_hits")
+        after = _ask(direct, world)  # made after the commit: hashed from the new root
+        assert _counter(server, "vllm:prefix_cache_hits") > hits, "its blocks were not found"
+        assert _strip(after) == _strip(waited)
+    finally:
+        sc.stop()
+    engine = VllmEngine(server.url)
+    try:
+        engine.load(world.views[v], v)  # a keyframe load empties the cache
+        assert _strip(_ask(direct, world)) == _strip(waited), "it answered another version"
+    finally:
+        engine.close()
+
+
+def _scheduler(server: vllm_env.Server) -> dict[str, int]:
+    """The engine core's request counts and lookup re-hashes (the hook's ``rollpatch_info``:
+    exact while vLLM is paused, when its gauges are not updated)."""
+    r = httpx.post(f"{server.url}/collective_rpc", json={"method": "rollpatch_info"}, timeout=60)
+    r.raise_for_status()
+    return dict(r.json()["results"][0]["scheduler"])

@@ -20,8 +20,9 @@ with one addition for ``keep`` commits (:func:`_scheduler`). The wrapper answers
    flight keep their KV and go on with the new weights over it (the built-in engine's
    semantics; their labels span both versions), and no request admitted after the commit
    can reach a block computed before it: every cached block's hash is dropped, block hashes
-   chain from a new root from now on, and requests still waiting with nothing computed are
-   hashed again from it.
+   chain from a new root from now on, and a request hashed from an older root is hashed
+   again from the new one when the scheduler looks up its prefix (:func:`_rehash_on_lookup`:
+   outside the hold, so a commit's hold does not grow with the waiting queue).
 
 EngineCore runs utility calls in its busy loop between engine steps, and the CPU backend
 never overlaps a step with it (no async scheduling, one batch in flight), so generation is
@@ -29,7 +30,7 @@ held for exactly this call: no ``/pause``, ``/resume``, ``/reset_prefix_cache`` 
 ``/update_weight_version`` round trip is needed around it. Each worker result gains
 ``core_ms`` (the hold, measured in the core) and ``reset`` (the cache reset succeeded).
 ``rollpatch_info`` results gain ``atomic_commit: true``, which is how the adapter learns that
-the hook is installed (docs/vllm.md).
+the hook is installed (docs/vllm.md), and ``scheduler``: :func:`_scheduler_state`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ KV_ON_COMMIT: tuple[KvOnCommit, ...] = ("recompute", "keep")
 #: Bumped at every ``keep`` commit (after the new root is set): the root epoch a request's
 #: block hashes started from is kept on it (``_rollpatch_epoch``, by :func:`_tag_requests`).
 _EPOCH = [0]
+#: Requests hashed again at their prefix lookup (:func:`_rehash_if_stale`), since start.
+_REHASHED = [0]
 
 
 def _keep_running(core: Any, tag: str) -> bool:
@@ -79,25 +82,37 @@ def _keep_running(core: Any, tag: str) -> bool:
             del pool.get_num_free_blocks
     if getattr(kvm, "prefix_cache_stats", None) is not None:
         kvm.prefix_cache_stats.reset = True  # as KVCacheManager.reset_prefix_cache says it
-    # requests waiting with nothing computed were hashed from the old root: hash them again
-    # (one hash per full block of each; requests hashed but not yet added: _rehash_if_stale)
-    for req in list(sched.waiting):
-        _rehash(req)
+    # requests still waiting were hashed from the old root: each is hashed again when the
+    # scheduler looks up its prefix (_rehash_on_lookup), not here: a queue of 800 prompts of
+    # 448 tokens added 18 ms to this hold (bench/vllm_queue.py)
     return True
 
 
-def _rehash(req: Any) -> None:
-    if req.num_computed_tokens == 0:
+def _rehash_if_stale(req: Any) -> None:
+    """A request hashed from a root older than the last ``keep`` commit's, with nothing
+    computed (waiting across the commit, or hashed in EngineCore's input thread before it and
+    added after): hashed again from the new root. A request with KV computed keeps its
+    hashes: its blocks are its own, and chain from blocks no lookup finds any more."""
+    if getattr(req, "_rollpatch_epoch", _EPOCH[0]) != _EPOCH[0] and req.num_computed_tokens == 0:
         req._rollpatch_epoch = _EPOCH[0]
         req.block_hashes.clear()
         req.update_block_hashes()
+        _REHASHED[0] += 1
 
 
-def _rehash_if_stale(req: Any) -> None:
-    """A request hashed (in EngineCore's input thread) before a ``keep`` commit and added to
-    the scheduler after it: hashed again from the new root."""
-    if getattr(req, "_rollpatch_epoch", _EPOCH[0]) != _EPOCH[0]:
-        _rehash(req)
+def _rehash_on_lookup(kvm: Any) -> None:
+    """Wrap ``kvm.get_computed_blocks`` (vLLM's ``KVCacheManager``; every prefix lookup of a
+    request being scheduled goes through it, also the connector's reconciling one) so that
+    a stale request (:func:`_rehash_if_stale`) is hashed again first. vLLM reads a waiting
+    request's block hashes nowhere before that lookup, and caches its blocks under them only
+    after it."""
+    lookup = kvm.get_computed_blocks
+
+    def get_computed_blocks(request: Any) -> Any:
+        _rehash_if_stale(request)
+        return lookup(request)
+
+    kvm.get_computed_blocks = get_computed_blocks
 
 
 def _tag_requests() -> None:
@@ -147,6 +162,15 @@ def _kv_connected(core: Any) -> bool:
     return any(getattr(sched, a, None) is not None for a in ("connector", "aux_output_connector"))
 
 
+def _scheduler_state(core: Any) -> dict[str, int]:
+    """The engine core's requests now (running, waiting: vLLM's own counts, exact where its
+    gauges are updated only by engine steps) and the requests hashed again at their lookup
+    after a ``keep`` commit since start (``rehashed``)."""
+    counts = getattr(getattr(core, "scheduler", None), "get_request_counts", None)
+    running, waiting = counts() if callable(counts) else (-1, -1)
+    return {"running": running, "waiting": waiting, "rehashed": _REHASHED[0]}
+
+
 def install() -> None:
     """Wrap ``EngineCore.collective_rpc`` (once per process)."""
     from vllm.v1.engine.core import EngineCore
@@ -166,7 +190,8 @@ def install() -> None:
             return _commit_atomic(self, timeout, tuple(args))
         out = original(self, method, timeout, args, kwargs)
         if method == "rollpatch_info" and isinstance(out, list):
-            out = [dict(r, atomic_commit=True) if isinstance(r, dict) else r for r in out]
+            extra = {"atomic_commit": True, "scheduler": _scheduler_state(self)}
+            out = [dict(r, **extra) if isinstance(r, dict) else r for r in out]
         return out
 
     collective_rpc._rollpatch = True  # type: ignore[attr-defined]
@@ -188,13 +213,13 @@ def __getattr__(name: str) -> Any:
 
 @functools.cache
 def _scheduler() -> Any:
-    """vLLM's scheduler, with one addition: a request hashed before a ``keep`` commit and
-    added after it is hashed again first (:func:`_rehash_if_stale`)."""
+    """vLLM's scheduler, with one addition: a request hashed from a root older than the last
+    ``keep`` commit's is hashed again before its prefix is looked up (:func:`_rehash_on_lookup`)."""
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
     class Scheduler(VllmScheduler):
-        def add_request(self, request: Any) -> Any:
-            _rehash_if_stale(request)
-            return super().add_request(request)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            _rehash_on_lookup(self.kv_cache_manager)
 
     return Scheduler

@@ -38,7 +38,10 @@ class Server:
         repo = Path(__file__).resolve().parents[1]
         cmd = server_command(python, model, port, extra=extra)
         self.url, self.model, self.log_path = f"http://127.0.0.1:{port}", model, log_path
-        self.server = ServerProc(cmd, server_env(repo / "src"), log_path, self.url, "vLLM")
+        # cwd: not bench/, whose vllm.py would shadow the vllm package
+        self.server = ServerProc(
+            cmd, server_env(repo / "src"), log_path, self.url, "vLLM", cwd=log_path.parent
+        )
         self.proc = self.server.proc
 
     def wait_ready(self, timeout: float = 400.0) -> float:

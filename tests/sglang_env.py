@@ -9,7 +9,6 @@ rollpatch's custom weight loader, bound to 127.0.0.1.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -74,15 +73,4 @@ def start_server(
     # "Loaded weights leave no GPU memory for the KV cache" (seen at 0.05 in a CI run beside
     # benches). --max-total-tokens caps the pool, so a larger fraction allocates no more.
     cmd = server_command(python, model, port, mem_fraction=0.3 / tp, extra=extra)
-    out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        cwd=log.parent,
-    )
-    out.close()
-    return vllm_env.Server(proc, f"http://127.0.0.1:{port}", log)
+    return vllm_env.Server(cmd, env, log, f"http://127.0.0.1:{port}", "SGLang", cwd=log.parent)

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rollpatch.engines.process import EngineProcess
 from rollpatch.view import View
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,35 +88,9 @@ def write_bytecode(env: dict[str, str]) -> dict[str, str]:
 Outputs = list[tuple[list[int], list[float]]]
 
 
-@dataclass
-class Server:
-    """A running vLLM OpenAI server (our child process, in its own process group)."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-    started: float = field(default_factory=time.monotonic)
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def wait_ready(self, timeout: float = 240.0) -> float:
-        """Wait for /health; returns seconds since start. Raises with the log tail."""
-        deadline = self.started + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - self.started
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM not healthy after {timeout:.0f} s:\n{self.tail()}")
+class Server(EngineProcess):
+    """A running vLLM (or SGLang) OpenAI server: rollpatch's
+    :class:`~rollpatch.engines.process.EngineProcess`, with the tests' requests."""
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
         req = urllib.request.Request(
@@ -159,18 +130,6 @@ class Server:
             )
         return out
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM our process group (vLLM's engine core is a child), SIGKILL if it lingers."""
-        if self.proc.poll() is not None:
-            return
-        pgid = self.proc.pid  # start_new_session: the group id is our child's pid
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait(10)
-
 
 def start_server(
     python: Path,
@@ -187,18 +146,8 @@ def start_server(
 
     port = port or free_port()
     cmd = server_command(python, model_dir, port, weight_transfer=False, extra=extra or ())
-    out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
-    proc = subprocess.Popen(
-        cmd,
-        env={**server_env(), **(env or {})},
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        cwd=log.parent,
-    )
-    out.close()
-    return Server(proc, f"http://127.0.0.1:{port}", log)
+    env = {**server_env(), **(env or {})}
+    return Server(cmd, env, log, f"http://127.0.0.1:{port}", "vLLM", cwd=log.parent)
 
 
 class FakeVllm:

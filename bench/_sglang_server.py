@@ -41,7 +41,9 @@ class Server:
         cmd = server_command(python, model, port, mem_fraction=0.3 / tp, extra=extra)
         # cwd: not bench/, whose sglang.py would shadow the sglang package
         url = f"http://127.0.0.1:{port}"
-        self.server = ServerProc(cmd, env, log_path, url, "SGLang", cwd=log_path.parent)
+        self.server = ServerProc(
+            cmd, env=env, log=log_path, url=url, name="SGLang", cwd=log_path.parent
+        )
         self.url, self.log_path, self.proc = url, log_path, self.server.proc
 
     def wait_ready(self, timeout: float = 600.0) -> float:

@@ -40,7 +40,12 @@ class Server:
         self.url, self.model, self.log_path = f"http://127.0.0.1:{port}", model, log_path
         # cwd: not bench/, whose vllm.py would shadow the vllm package
         self.server = ServerProc(
-            cmd, server_env(repo / "src"), log_path, self.url, "vLLM", cwd=log_path.parent
+            cmd,
+            env=server_env(repo / "src"),
+            log=log_path,
+            url=self.url,
+            name="vLLM",
+            cwd=log_path.parent,
         )
         self.proc = self.server.proc
 

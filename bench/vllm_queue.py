@@ -111,8 +111,13 @@ class Flood:
         async with self.client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise BenchError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-            async for _ in r.aiter_lines():
-                pass
+            events = 0
+            last = ""
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    events, last = events + 1, line
+            if events < self.gen_tokens:  # vLLM ended it early: say how
+                raise BenchError(f"a stream ended after {events} tokens: {last[:300]}")
 
     async def _start(self, prompts: list[list[int]]) -> None:
         limits = httpx.Limits(max_connections=len(prompts) + 8)
@@ -188,7 +193,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # the queue also drains while it fills (the running requests end): 90%
                     g = wait_for(server.url, q * 9 // 10, RUNNING, flood)
                     rec = sync_to(f, world, v)
-                    after = gauges(server.url)
                     flood.stop()
                     wait_for(server.url, 0, 0)
                     if engine.kv.applied != "keep":  # type: ignore[attr-defined]
@@ -198,7 +202,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         {
                             "queue": q,
                             "waiting": g["waiting"],
-                            "waiting_after": after["waiting"],
                             "hold_ms": hold,
                             "pause_s": rec["pause_s"],
                             "load": rec["load"],

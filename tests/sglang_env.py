@@ -73,4 +73,6 @@ def start_server(
     # "Loaded weights leave no GPU memory for the KV cache" (seen at 0.05 in a CI run beside
     # benches). --max-total-tokens caps the pool, so a larger fraction allocates no more.
     cmd = server_command(python, model, port, mem_fraction=0.3 / tp, extra=extra)
-    return vllm_env.Server(cmd, env, log, f"http://127.0.0.1:{port}", "SGLang", cwd=log.parent)
+    return vllm_env.Server(
+        cmd, env=env, log=log, url=f"http://127.0.0.1:{port}", name="SGLang", cwd=log.parent
+    )

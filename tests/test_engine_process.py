@@ -45,7 +45,9 @@ def _alive(pid: int) -> bool:
 def test_ready_on_health_and_stopped_with_its_children(tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-c", SERVER, str(port), "0.6"]
-    p = EngineProcess(cmd, os.environ, tmp_path / "s.log", f"http://127.0.0.1:{port}", "stand-in")
+    p = EngineProcess(
+        cmd, env=os.environ, log=tmp_path / "s.log", url=f"http://127.0.0.1:{port}", name="stand-in"
+    )
     try:
         took = p.wait_ready(30)
         assert took >= 0.6  # 503 before its delay: not ready
@@ -63,11 +65,15 @@ def test_ready_on_health_and_stopped_with_its_children(tmp_path: Path) -> None:
 
 def test_a_server_that_exits_or_never_answers_is_an_engine_error(tmp_path: Path) -> None:
     cmd = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
-    p = EngineProcess(cmd, os.environ, tmp_path / "x.log", "http://127.0.0.1:9", "stand-in")
+    p = EngineProcess(
+        cmd, env=os.environ, log=tmp_path / "x.log", url="http://127.0.0.1:9", name="stand-in"
+    )
     with pytest.raises(EngineError, match=r"(?s)stand-in exited with 3:.*no model here"):
         p.wait_ready(30)
     cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
-    p = EngineProcess(cmd, os.environ, tmp_path / "y.log", "http://127.0.0.1:9", "stand-in")
+    p = EngineProcess(
+        cmd, env=os.environ, log=tmp_path / "y.log", url="http://127.0.0.1:9", name="stand-in"
+    )
     try:
         with pytest.raises(EngineError, match="not healthy after 1 s"):
             p.wait_ready(1.0)
@@ -76,3 +82,27 @@ def test_a_server_that_exits_or_never_answers_is_an_engine_error(tmp_path: Path)
     assert p.tail(3) == ""  # an empty log
     (tmp_path / "y.log").unlink()
     assert p.tail() == "(no log)"
+
+
+def test_stop_ends_the_children_of_a_server_that_exited(tmp_path: Path) -> None:
+    """A server that died and left its engine core running: stop() still ends the group."""
+    orphan = (
+        "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(600)']); print('child', c.pid, flush=True); sys.exit(1)"
+    )
+    p = EngineProcess(
+        [sys.executable, "-c", orphan],
+        env=os.environ,
+        log=tmp_path / "o.log",
+        url="http://127.0.0.1:9",
+        name="stand-in",
+    )
+    with pytest.raises(EngineError, match="exited with 1"):
+        p.wait_ready(30)
+    child = int(p.tail().split()[1])
+    assert _alive(child)
+    p.stop(timeout=5)
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "the exited server's child outlived stop()"
+        time.sleep(0.05)

@@ -118,9 +118,11 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
     pool = _Pool()
     from rollpatch.engines.vllm import core as hook
 
+    monkeypatch.setattr(hook, "_EPOCH", [0])
+    monkeypatch.setattr(hook, "_REHASHED", [0])
     waiting, started = _Request(0, kcu), _Request(5, kcu)
     for r in (waiting, started):
-        r._rollpatch_epoch = hook._EPOCH[0]  # type: ignore[attr-defined]  # as made
+        r._rollpatch_epoch = 0  # type: ignore[attr-defined]  # as made
     core = _Core([{"ok": True, "root": "r1"}])
     core.request_block_hasher = object()  # type: ignore[attr-defined]  # prefix caching on
     managers = (types.SimpleNamespace(block_pool=pool), types.SimpleNamespace(block_pool=pool))
@@ -135,7 +137,7 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
     assert out[0]["reset"] is True and pool.hashes == {}  # no block reachable by its hash
     assert pool.get_num_free_blocks() == 3  # vLLM's own accounting untouched afterwards
     root = kcu.NONE_HASH  # type: ignore[attr-defined]
-    assert root != b"root0" and len(root) == 32
+    assert root != b"root0" and len(root) == 32 and hook._EPOCH == [1]
     # nothing is hashed inside the hold: the waiting request is, at its prefix lookup
     assert waiting.block_hashes == [b"old"] and started.block_hashes == [b"old"]
     kvm = types.SimpleNamespace(get_computed_blocks=lambda req: list(req.block_hashes))
@@ -147,17 +149,20 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
     assert kcu.NONE_HASH not in (root, b"root0")  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="unknown kv_on_commit"):
         _commit_atomic(core, 5.0, ("tok", "9", "r1", "drop"))
-    # hashed (in EngineCore's input thread) before a keep commit, added after it: the same
-    late, fresh = _Request(0, kcu), _Request(0, kcu)
-    late._rollpatch_epoch = hook._EPOCH[0] - 1  # type: ignore[attr-defined]
-    fresh._rollpatch_epoch = hook._EPOCH[0]  # type: ignore[attr-defined]
-    assert kvm.get_computed_blocks(late) == [b"from:" + kcu.NONE_HASH]  # type: ignore[attr-defined]
+    assert hook._REHASHED == [1]
+    # hashed (in EngineCore's input thread) before a keep commit, added after it; preempted
+    # after running across it (computed tokens back to 0); no tag at all: hashed again
+    late, fresh, untagged = _Request(0, kcu), _Request(0, kcu), _Request(0, kcu)
+    late._rollpatch_epoch = 1  # type: ignore[attr-defined]
+    fresh._rollpatch_epoch = 2  # type: ignore[attr-defined]
+    started.num_computed_tokens = 0
+    new = [b"from:" + kcu.NONE_HASH]  # type: ignore[attr-defined]
+    assert kvm.get_computed_blocks(late) == new and kvm.get_computed_blocks(started) == new
+    assert kvm.get_computed_blocks(untagged) == new
     assert kvm.get_computed_blocks(fresh) == [b"old"]
     # rollpatch_info reports the scheduler's counts and the lookups that hashed again
     core.scheduler.get_request_counts = lambda: (2, 5)  # type: ignore[attr-defined]
-    state = hook._scheduler_state(core)
-    assert state == {"running": 2, "waiting": 5, "rehashed": hook._REHASHED[0]}
-    assert hook._REHASHED[0] >= 2  # waiting and late
+    assert hook._scheduler_state(core) == {"running": 2, "waiting": 5, "rehashed": 4}
     assert hook._scheduler_state(object())["waiting"] == -1  # no scheduler to ask
     # a KV connector holds KV that keep mode does not reach: recompute instead, and say so
     core.scheduler.connector = object()  # type: ignore[attr-defined]
@@ -168,6 +173,60 @@ def test_keep_mode_keeps_running_requests_and_cuts_off_old_blocks(
     core = _Core([{"ok": True, "root": "r1"}])
     out = _commit_atomic(core, 5.0, ("tok", "10", "r1", "keep"))
     assert core.version == "10" and out[0]["reset"] is True and core.resets == []
+
+
+def test_the_hook_tags_requests_and_its_scheduler_wraps_the_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What vLLM loads (with stand-in vLLM modules): each request is tagged with the epoch
+    before vLLM's constructor hashes it, and the scheduler's KV-cache manager looks a stale
+    request up only after hashing it again."""
+    import sys
+    import types
+
+    from rollpatch.engines.vllm import core as hook
+
+    monkeypatch.setattr(hook, "_EPOCH", [3])
+    monkeypatch.setattr(hook, "_REHASHED", [0])
+    seen: list[int] = []
+
+    class Request:
+        def __init__(self, tokens: int) -> None:
+            seen.append(self._rollpatch_epoch)  # type: ignore[attr-defined]  # tagged first
+            self.num_computed_tokens, self.block_hashes = 0, [f"h{hook._EPOCH[0]}"]
+
+        def update_block_hashes(self) -> None:
+            self.block_hashes.append(f"h{hook._EPOCH[0]}")
+
+    class Manager:
+        def get_computed_blocks(self, request: Request) -> list[str]:
+            return list(request.block_hashes)
+
+    class VllmScheduler:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.kv_cache_manager = Manager()
+
+    req_mod = types.ModuleType("vllm.v1.request")
+    req_mod.Request = Request  # type: ignore[attr-defined]
+    sched_mod = types.ModuleType("vllm.v1.core.sched.scheduler")
+    sched_mod.Scheduler = VllmScheduler  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.request", req_mod)
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", sched_mod)
+    hook._scheduler.cache_clear()
+    try:
+        hook._tag_requests()
+        hook._tag_requests()  # once: not wrapped twice
+        sched = hook._scheduler()(object(), flag=True)
+    finally:
+        hook._scheduler.cache_clear()
+    req = Request(8)
+    assert seen == [3] and req._rollpatch_epoch == 3  # type: ignore[attr-defined]
+    assert sched.kv_cache_manager.get_computed_blocks(req) == ["h3"]  # current: as it was
+    hook._EPOCH[0] = 4  # a keep commit
+    assert sched.kv_cache_manager.get_computed_blocks(req) == ["h4"]  # hashed again first
+    assert hook._REHASHED == [1] and req._rollpatch_epoch == 4  # type: ignore[attr-defined]
 
 
 def test_keep_mode_needs_the_engine_core_hook() -> None:

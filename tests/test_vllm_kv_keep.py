@@ -7,7 +7,9 @@ preempts it, so the counter can tell). No request admitted after the commit reac
 computed before it: a prompt whose blocks were cached at the old version finds no cached
 block (``vllm:prefix_cache_hits`` does not move, while asking it twice at one version does),
 and its answer equals, field for field, what the version answers with nothing cached (the
-same server set to it by a keyframe load).
+same server set to it by a keyframe load). A request that waits in vLLM's queue across a keep
+commit is hashed again from the new root at its prefix lookup: a later request finds the
+blocks it computed, and it answers the new version.
 """
 
 from __future__ import annotations
@@ -173,8 +175,12 @@ def test_keep_mode_hashes_a_request_that_waited_across_the_commit_again(
         sc.stop()
     engine = VllmEngine(server.url)
     try:
-        engine.load(world.views[v], v)  # a keyframe load empties the cache
-        assert _strip(_ask(direct, world)) == _strip(waited), "it answered another version"
+        fresh = {}
+        for w in (v - 1, v):  # a keyframe load empties the cache
+            engine.load(world.views[w], w)
+            fresh[w] = _strip(_ask(direct, world))
+        assert _strip(waited) == fresh[v], "it answered another version"
+        assert fresh[v - 1] != fresh[v], "two versions answer alike: the check cannot tell"
     finally:
         engine.close()
 

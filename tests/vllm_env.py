@@ -147,7 +147,9 @@ def start_server(
     port = port or free_port()
     cmd = server_command(python, model_dir, port, weight_transfer=False, extra=extra or ())
     env = {**server_env(), **(env or {})}
-    return Server(cmd, env, log, f"http://127.0.0.1:{port}", "vLLM", cwd=log.parent)
+    return Server(
+        cmd, env=env, log=log, url=f"http://127.0.0.1:{port}", name="vLLM", cwd=log.parent
+    )
 
 
 class FakeVllm:

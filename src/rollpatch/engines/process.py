@@ -20,7 +20,10 @@ from pathlib import Path
 
 from ..errors import EngineError
 
-__all__ = ["EngineProcess"]
+__all__ = ["GRACE", "EngineProcess"]
+
+#: Seconds the rest of a server's process group has to exit after the server did.
+GRACE = 2.0
 
 
 class EngineProcess:
@@ -31,11 +34,11 @@ class EngineProcess:
     def __init__(
         self,
         cmd: Sequence[str],
+        *,
         env: Mapping[str, str],
         log: Path,
         url: str,
         name: str,
-        *,
         cwd: Path | None = None,
     ) -> None:
         self.url, self.log, self.name = url, log, name
@@ -75,13 +78,27 @@ class EngineProcess:
         raise EngineError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.tail()}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group, SIGKILL if it is still there after ``timeout`` s."""
-        if self.proc.poll() is not None:
-            return
+        """SIGTERM the process group; after the server exits (at most ``timeout`` s), up to
+        :data:`GRACE` s more for the rest of the group (an engine core, a scheduler: also
+        when the server had exited before), then SIGKILL to whatever is left."""
         pgid = self.proc.pid  # start_new_session: the group's id is our child's pid
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
+        if not _signal(pgid, signal.SIGTERM):
             self.proc.wait(10)
+            return  # nothing of the group is left
+        t0 = time.monotonic()
+        while self.proc.poll() is None and time.monotonic() - t0 < timeout:
+            time.sleep(0.05)
+        t1 = time.monotonic()  # a zombie left by a PID 1 that reaps none still answers 0
+        while _signal(pgid, 0) and time.monotonic() - t1 < GRACE:
+            time.sleep(0.05)
+        _signal(pgid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def _signal(pgid: int, sig: int) -> bool:
+    """``sig`` to the process group ``pgid`` (0: a check only); False if it has no process."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True

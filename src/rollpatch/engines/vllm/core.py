@@ -90,10 +90,12 @@ def _keep_running(core: Any, tag: str) -> bool:
 
 def _rehash_if_stale(req: Any) -> None:
     """A request hashed from a root older than the last ``keep`` commit's, with nothing
-    computed (waiting across the commit, or hashed in EngineCore's input thread before it and
-    added after): hashed again from the new root. A request with KV computed keeps its
-    hashes: its blocks are its own, and chain from blocks no lookup finds any more."""
-    if getattr(req, "_rollpatch_epoch", _EPOCH[0]) != _EPOCH[0] and req.num_computed_tokens == 0:
+    computed: hashed again from the new root. That is a request waiting across the commit,
+    one hashed in EngineCore's input thread before it and added after, or one that ran across
+    it and was preempted later (vLLM sets its computed tokens back to 0). A request with KV
+    computed keeps its hashes: its blocks are its own, and chain from blocks no lookup finds
+    any more. A request with no tag (the constructor hook missing) is hashed again once."""
+    if getattr(req, "_rollpatch_epoch", -1) != _EPOCH[0] and req.num_computed_tokens == 0:
         req._rollpatch_epoch = _EPOCH[0]
         req.block_hashes.clear()
         req.update_block_hashes()
@@ -102,10 +104,11 @@ def _rehash_if_stale(req: Any) -> None:
 
 def _rehash_on_lookup(kvm: Any) -> None:
     """Wrap ``kvm.get_computed_blocks`` (vLLM's ``KVCacheManager``; every prefix lookup of a
-    request being scheduled goes through it, also the connector's reconciling one) so that
-    a stale request (:func:`_rehash_if_stale`) is hashed again first. vLLM reads a waiting
-    request's block hashes nowhere before that lookup, and caches its blocks under them only
-    after it."""
+    request being scheduled goes through it) so that a stale request (:func:`_rehash_if_stale`)
+    is hashed again first. vLLM reads a waiting request's block hashes nowhere before that
+    lookup, and caches its blocks under them only after it. A KV connector reads them on
+    other paths too (``get_computed_blocks_for_connector``, remote KV loads), but with a
+    connector keep mode recomputes instead (:func:`_kv_connected`): the epoch never moves."""
     lookup = kvm.get_computed_blocks
 
     def get_computed_blocks(request: Any) -> Any:
@@ -125,6 +128,8 @@ def _tag_requests() -> None:
         return
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        # read before vLLM's constructor hashes: a commit between the two leaves the tag
+        # older than the root, which costs one needless re-hash, never a missed one
         self._rollpatch_epoch = _EPOCH[0]
         original(self, *args, **kwargs)
 

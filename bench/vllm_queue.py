@@ -10,8 +10,8 @@ hundreds of tokens each. This bench measures what that queue costs the commit's 
 
 How: vLLM (the engine-core hook, ``--max-num-seqs 2``) serves a small model; before each
 commit the bench streams ``q + 2`` requests of ``--prompt-tokens`` random token ids each (two
-run, ``q`` wait: vLLM's own ``vllm:num_requests_waiting`` gauge is read before the commit, and
-must reach 90% of ``q``, since the running ones finish while the queue fills), then the follower
+run, ``q`` wait: the engine core's own counts are read before the commit, and must reach 90%
+of ``q``, since the running ones finish while the queue fills), then the follower
 syncs one version (staged in the worker, committed in keep mode), then the requests are
 cancelled (vLLM aborts them) and the queue drains before the next commit. Queue lengths are
 taken in a rotated order each round, so a slow spell of the shared machine falls on all.
@@ -46,27 +46,26 @@ from _vllm_world import VOCAB, World, model_dims
 RUNNING = 2
 
 
-def gauges(url: str) -> dict[str, float]:
-    """vLLM's ``num_requests_waiting`` and ``num_requests_running`` gauges, now."""
-    return parse_gauges(httpx.get(f"{url}/metrics", timeout=30).text)
-
-
-def parse_gauges(text: str) -> dict[str, float]:
-    """The two gauges of a Prometheus text page, each summed over its label sets (vLLM has
-    one per engine); ``num_requests_waiting_by_reason`` is another metric, not counted."""
-    out = {"waiting": 0.0, "running": 0.0}
-    for line in text.splitlines():
-        for k in out:
-            if line.startswith((f"vllm:num_requests_{k}{{", f"vllm:num_requests_{k} ")):
-                out[k] += float(line.rsplit(" ", 1)[1])
-    return out
+def counts(url: str) -> dict[str, float]:
+    """The engine core's running and waiting requests now, as the hook's ``rollpatch_info``
+    reads them in the core (vLLM's ``/metrics`` gauges are updated on their own cadence: a
+    poll of them missed two requests that ran for seconds)."""
+    body = {"method": "rollpatch_info", "timeout": 60}
+    r = httpx.post(f"{url}/collective_rpc", json=body, timeout=60)
+    r.raise_for_status()
+    state = r.json()["results"][0].get("scheduler")
+    if not isinstance(state, dict):
+        raise BenchError("the server reports no scheduler counts: start it with the hook")
+    return {"waiting": float(state["waiting"]), "running": float(state["running"])}
 
 
 def wait_for(
-    url: str, waiting: int, running: int, flood: Flood | None = None, timeout: float = 180.0
+    url: str, total: int, flood: Flood | None = None, timeout: float = 180.0
 ) -> dict[str, float]:
-    """Poll the gauges until at least ``waiting`` wait and ``running`` run (or, with both 0,
-    none of either); a request of ``flood`` failing ends the wait."""
+    """Poll :func:`counts` until ``total`` requests are in the engine core, one of them
+    running (the next step admits the rest up to ``--max-num-seqs``; a poll goes through the
+    engine core between steps and takes up to seconds while it generates), or with ``total``
+    0 until none is; a request of ``flood`` failing or ending first ends the wait."""
     t0 = time.monotonic()
     while True:
         bad = flood.failures() if flood is not None else []
@@ -74,17 +73,13 @@ def wait_for(
             raise BenchError(f"{len(bad)} queued requests failed, e.g. {bad[0]}")
         if flood is not None and flood.tasks and all(t.done() for t in flood.tasks):
             raise BenchError(f"all {len(flood.tasks)} requests ended before the queue was seen")
-        g = gauges(url)
-        drained = waiting == 0 and running == 0
-        if (
-            (g["waiting"] == 0 and g["running"] == 0)
-            if drained
-            else (g["waiting"] >= waiting and g["running"] >= running)
-        ):
+        g = counts(url)
+        inside = g["waiting"] + g["running"]
+        if (inside == 0) if total == 0 else (g["running"] >= 1 and inside >= total):
             return g
         if time.monotonic() - t0 > timeout:
-            raise BenchError(f"vLLM's queue did not reach {waiting}/{running} in {timeout} s: {g}")
-        time.sleep(0.05)
+            raise BenchError(f"vLLM did not hold {total} requests in {timeout} s: {g}")
+        time.sleep(0.1)
 
 
 class Flood:
@@ -191,24 +186,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     prompts = rng.integers(16, VOCAB - 16, size=(n, args.prompt_tokens)).tolist()
                     flood.start(prompts)
                     # the queue also drains while it fills (the running requests end): 90%
-                    g = wait_for(server.url, q * 9 // 10, RUNNING, flood)
+                    g = wait_for(server.url, q * 9 // 10 + RUNNING, flood)
+                    waiting = max(0.0, g["waiting"] + g["running"] - RUNNING)
                     rec = sync_to(f, world, v)
                     flood.stop()
-                    wait_for(server.url, 0, 0)
+                    wait_for(server.url, 0)
                     if engine.kv.applied != "keep":  # type: ignore[attr-defined]
                         raise BenchError(f"v{v}: the commit did not keep the KV")
                     hold = float(rec["phases_ms"].get("core_ms", float("nan")))
                     samples.append(
                         {
                             "queue": q,
-                            "waiting": g["waiting"],
+                            "waiting": waiting,
                             "hold_ms": hold,
                             "pause_s": rec["pause_s"],
                             "load": rec["load"],
                         }
                     )
                     log(
-                        f"  v{v}: {g['waiting']:.0f} waiting, hold {hold:.1f} ms, "
+                        f"  v{v}: {waiting:.0f} waiting, hold {hold:.1f} ms, "
                         f"pause {rec['pause_s'] * 1e3:.1f} ms"
                     )
         except Exception:
@@ -251,8 +247,9 @@ def report(out: dict[str, Any], mach: dict[str, Any]) -> str:
         + "\n"
         + table(cols, rows)
         + (
-            "\nwaiting: vLLM's gauge just before the commit; hold: the engine core's commit call "
-            "(generation held), ms; pause: the commit gate's, ms"
+            "\nwaiting: requests in the engine core beyond the running slots just before the "
+            "commit; hold: the engine core's commit call (generation held), ms; pause: the "
+            "commit gate's, ms"
         )
     )
 

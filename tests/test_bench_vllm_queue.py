@@ -1,5 +1,4 @@
-"""bench/vllm_queue.py's parts that need no vLLM: the gauges read from a metrics page, and the
-table computed from samples."""
+"""bench/vllm_queue.py's part that needs no vLLM: the table computed from samples."""
 
 from __future__ import annotations
 
@@ -9,21 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from _util import machine
-from vllm_queue import parse_gauges, report
-
-PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 2.0
-vllm:num_requests_running{engine="1",model_name="m"} 1.0
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 797.0
-vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 797.0
-"""
-
-
-def test_gauges_sum_each_engine_and_skip_other_metrics() -> None:
-    assert parse_gauges(PAGE) == {"waiting": 797.0, "running": 3.0}
-    assert parse_gauges("") == {"waiting": 0.0, "running": 0.0}
+from vllm_queue import report
 
 
 def test_report_one_row_per_queue_length() -> None:

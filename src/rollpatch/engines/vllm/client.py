@@ -2,8 +2,12 @@
 
 Connections are kept alive per thread: a commit is several calls inside the engine's pause,
 and a fresh TCP connection for each would add its setup to the pause. A connection idle for
-longer than :data:`_IDLE_S` is replaced before use (uvicorn closes idle ones after 5 s), so a
-request is never sent on a connection the server may be closing.
+longer than :data:`_IDLE_S` is replaced before use (uvicorn closes idle ones after 5 s). A
+server also closes kept-alive connections on its own, e.g. with hundreds of streams connected
+(``bench/vllm_queue.py`` hit it: ``Broken pipe`` on a connection idle for under 2 s): a
+request that fails on a reused connection before any answer came back (the send fails, or
+the server closed without answering) was not read by a server that closes only idle
+connections (uvicorn), and is sent once more on a fresh connection. A failure on a fresh connection, or after part of an answer, is not retried.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ __all__ = ["Http"]
 
 _MAX_BODY = 64 * 1024 * 1024  # a digest list of a very large model stays far below this
 _IDLE_S = 2.0
+_JSON = {"Content-Type": "application/json"}
 
 
 class Http:
@@ -53,23 +58,39 @@ class Http:
             conn.sock.settimeout(timeout)
         return conn
 
+    def _exchange(
+        self, method: str, path: str, data: bytes | None, timeout: float
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send and take the answer's head; once more on a fresh connection when a reused one
+        had been closed by the server (module docstring)."""
+        conn = self._connection(timeout)
+        if conn.sock is not None:  # kept alive from an earlier request
+            try:
+                return conn, self._send(conn, method, path, data)
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                conn.close()
+                self._local.conn = None
+                conn = self._connection(timeout)
+        return conn, self._send(conn, method, path, data)
+
+    def _send(
+        self, conn: http.client.HTTPConnection, method: str, path: str, data: bytes | None
+    ) -> http.client.HTTPResponse:
+        conn.request(method, self._url.path + path, body=data, headers=_JSON)
+        return conn.getresponse()
+
     def request(
         self, method: str, path: str, body: Any = None, *, timeout: float | None = None
     ) -> Any:
         """Send one request; returns the decoded JSON body (None when empty)."""
         data = None if body is None else json.dumps(body).encode()
-        conn = self._connection(timeout or self.timeout)
         try:
-            conn.request(
-                method,
-                self._url.path + path,
-                body=data,
-                headers={"Content-Type": "application/json"},
-            )
-            resp = conn.getresponse()
+            conn, resp = self._exchange(method, path, data, timeout or self.timeout)
             raw = resp.read(_MAX_BODY + 1)
         except (http.client.HTTPException, OSError) as err:
-            conn.close()
+            broken = getattr(self._local, "conn", None)
+            if broken is not None:
+                broken.close()
             self._local.conn = None
             raise EngineError(
                 f"vLLM is not reachable: {err}",

@@ -168,9 +168,9 @@ def _kv_connected(core: Any) -> bool:
 
 
 def _scheduler_state(core: Any) -> dict[str, int]:
-    """The engine core's requests now (running, waiting: vLLM's own counts, exact where its
-    gauges are updated only by engine steps) and the requests hashed again at their lookup
-    after a ``keep`` commit since start (``rehashed``)."""
+    """The engine core's requests now (running, waiting: the scheduler's own counts, exact
+    where vLLM's ``/metrics`` gauges lag or, while paused, stand still) and the requests
+    hashed again at their lookup after a ``keep`` commit since start (``rehashed``)."""
     counts = getattr(getattr(core, "scheduler", None), "get_request_counts", None)
     running, waiting = counts() if callable(counts) else (-1, -1)
     return {"running": running, "waiting": waiting, "rehashed": _REHASHED[0]}

@@ -18,8 +18,9 @@ commit, then the *commit*: the gate's pause, writes, reset and resume; odd versi
 even ones double-buffered), then the engine's own reload of the same version under its pause
 (the full-reload alternative, same load: vLLM's ``reload_weights`` under
 ``/pause?mode=keep``, SGLang's ``/update_weights_from_disk`` under its pause, the built-in
-engine's keyframe load under its pause), then
-``--idle-s`` unrecorded (the reload's aftermath stays out of the next idle window). Before
+engine's keyframe load under its pause), with ``--idle-s`` unrecorded before it (the
+commit's aftermath and the reload's stall stay out of each other's windows) and after it (the
+reload's aftermath stays out of the next idle window). Before
 the loaded run the same syncs run with no load, so the table also shows what the load costs
 the staging. ``--max-tokens``: keep requests longer than the longest window (a stream must
 run through a window for *added* to see it).
@@ -107,6 +108,10 @@ def _syncs(
                 Window("commit", c0, c1, mode),
                 Window("sync", t0, max(c1, t2), mode),
             ]
+            # unrecorded: the commit's aftermath out of the reload's window, and the reload's
+            # stall out of the commit's (a gap that starts in the commit and ends after a
+            # reload begun 0.14 s later showed as the commit's gap max: 1.6 s at 441M)
+            time.sleep(idle_s)
             r0, r1 = side.reload(v)
             windows.append(Window("reload", r0, r1))
             rec["reload_s"] = r1 - r0

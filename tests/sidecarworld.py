@@ -75,8 +75,12 @@ def server(vllm_python: Path, live_vllm: live_servers.SharedServer) -> Iterator[
 
 @pytest.fixture(scope="module")
 def world(
+    request: pytest.FixtureRequest,
     server: vllm_env.Server,
     live_vllm: live_servers.SharedServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> World:
-    return World(tmp_path_factory.mktemp("vllm-sidecar"), live_vllm.model)
+    """The module's world: ``WORLD_VERSIONS`` versions where the test module sets it (one
+    that publishes a race-dependent number of them), else :data:`N_VERSIONS`."""
+    versions = int(getattr(request.module, "WORLD_VERSIONS", N_VERSIONS))
+    return World(tmp_path_factory.mktemp("vllm-sidecar"), live_vllm.model, versions=versions)

@@ -18,30 +18,20 @@ import time
 from typing import Any
 
 import httpx
-import pytest
 
-from tests import live_servers, vllm_env
-from tests.sidecarworld import BOOT_LATEST, RUN, World, server
+from tests import vllm_env
+from tests.sidecarworld import BOOT_LATEST, RUN, World, server, world
 from tests.test_vllm_sidecar import LONG, _client, _strip, start_long_stream
 
-_FIXTURES = (server,)  # used by name
+_FIXTURES = (server, world)  # used by name
 
 #: A prompt of several full KV blocks (vLLM caches whole blocks only).
 BLOCKS_PROMPT = " ".join(f"item {i} is {i * 7 % 13}." for i in range(24))
 MAX_ROUNDS = 12  # until a commit lands mid-generation (a race: tests/test_vllm_sidecar.py)
-
-
-@pytest.fixture(scope="module")
-def world(
-    server: vllm_env.Server,
-    live_vllm: live_servers.SharedServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> World:
-    """The sidecar tests' world with versions for the worst case here: a version published
-    in every round of both modes, then one for the waiting request (the module's default
-    ran out in one CI run, when the first test took many rounds)."""
-    versions = BOOT_LATEST + 1 + 2 * MAX_ROUNDS + 1
-    return World(tmp_path_factory.mktemp("vllm-kv-keep"), live_vllm.model, versions=versions)
+#: The world's versions (sidecarworld's ``world``), for the worst case here: a version
+#: published in every round of both modes, then one for the waiting request (the default 20
+#: ran out in one CI run, when the first test took many rounds).
+WORLD_VERSIONS = BOOT_LATEST + 1 + 2 * MAX_ROUNDS + 1
 
 
 def _counter(server: vllm_env.Server, name: str) -> float:

@@ -42,19 +42,21 @@ from _vllm_reference import follower, sync_to
 from _vllm_server import BenchError, Server, vllm_python
 from _vllm_world import VOCAB, World, model_dims
 
+from rollpatch.engines.vllm.core import SCHEDULER
+
 #: Requests running beside the queue (vLLM's ``--max-num-seqs``).
 RUNNING = 2
 
 
 def counts(url: str) -> dict[str, float]:
-    """The engine core's running and waiting requests now, as the hook's ``rollpatch_info``
-    reads them in the core (vLLM's ``/metrics`` gauges are updated on their own cadence: a
-    poll of them missed two requests that ran for seconds)."""
-    body = {"method": "rollpatch_info", "timeout": 60}
+    """The engine core's running and waiting requests now, as the hook reads them in the core
+    (``rollpatch_scheduler``, no worker call; vLLM's ``/metrics`` gauges are updated on their
+    own cadence: a poll of them missed two requests that ran for seconds)."""
+    body = {"method": SCHEDULER, "timeout": 60}
     r = httpx.post(f"{url}/collective_rpc", json=body, timeout=60)
     r.raise_for_status()
-    state = r.json()["results"][0].get("scheduler")
-    if not isinstance(state, dict):
+    state = r.json()["results"][0]
+    if not isinstance(state, dict) or "waiting" not in state:
         raise BenchError("the server reports no scheduler counts: start it with the hook")
     return {"waiting": float(state["waiting"]), "running": float(state["running"])}
 

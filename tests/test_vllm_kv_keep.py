@@ -190,8 +190,10 @@ def test_keep_mode_hashes_a_request_that_waited_across_the_commit_again(
 
 
 def _scheduler(server: vllm_env.Server) -> dict[str, int]:
-    """The engine core's request counts and lookup re-hashes (the hook's ``rollpatch_info``:
-    exact while vLLM is paused, when its gauges are not updated)."""
-    r = httpx.post(f"{server.url}/collective_rpc", json={"method": "rollpatch_info"}, timeout=60)
+    """The engine core's request counts and lookup re-hashes (the hook's
+    ``rollpatch_scheduler``: exact while vLLM is paused, when its gauges are not updated)."""
+    from rollpatch.engines.vllm.core import SCHEDULER
+
+    r = httpx.post(f"{server.url}/collective_rpc", json={"method": SCHEDULER}, timeout=60)
     r.raise_for_status()
-    return dict(r.json()["results"][0]["scheduler"])
+    return dict(r.json()["results"][0])

@@ -30,7 +30,8 @@ held for exactly this call: no ``/pause``, ``/resume``, ``/reset_prefix_cache`` 
 ``/update_weight_version`` round trip is needed around it. Each worker result gains
 ``core_ms`` (the hold, measured in the core) and ``reset`` (the cache reset succeeded).
 ``rollpatch_info`` results gain ``atomic_commit: true``, which is how the adapter learns that
-the hook is installed (docs/vllm.md), and ``scheduler``: :func:`_scheduler_state`.
+the hook is installed (docs/vllm.md). The method :data:`SCHEDULER` is answered by the wrapper
+alone, with no worker call: :func:`_scheduler_state`.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ import hashlib
 import time
 from typing import Any, Literal
 
-__all__ = ["ATOMIC", "KV_ON_COMMIT", "KvOnCommit", "install"]
+__all__ = ["ATOMIC", "KV_ON_COMMIT", "SCHEDULER", "KvOnCommit", "install"]
 
 #: The collective_rpc method name the engine-core wrapper answers itself.
 ATOMIC = "rollpatch_commit_atomic"
+#: The collective_rpc method the wrapper answers with the scheduler's counts (no worker call).
+SCHEDULER = "rollpatch_scheduler"
 #: What a staged commit does to the KV of the requests in flight (module docstring, step 3).
 KvOnCommit = Literal["recompute", "keep"]
 KV_ON_COMMIT: tuple[KvOnCommit, ...] = ("recompute", "keep")
@@ -56,12 +59,11 @@ _EPOCH = [0]
 _REHASHED = [0]
 
 
-def _keep_running(core: Any, tag: str) -> bool:
+def _keep_running(core: Any, tag: str) -> None:
     """``keep``: running requests keep their blocks; nothing admitted later reaches a block
-    computed before now. Returns True (the cache can no longer serve old-weight KV)."""
+    computed before now."""
     if getattr(core, "request_block_hasher", None) is None:
-        return True  # no prefix caching: no block is ever found by its hash
-    sched = core.scheduler
+        return  # no prefix caching: no block is ever found by its hash
     from vllm.v1.core import kv_cache_utils as kcu
 
     # a new root: every block hashed from now on chains from it, so it equals no earlier hash
@@ -73,7 +75,7 @@ def _keep_running(core: Any, tag: str) -> bool:
     _EPOCH[0] += 1
     # every block's hash dropped (vLLM's own reset, less its refusal while blocks are in use:
     # blocks held by running requests stay theirs, only unreachable by a prefix lookup)
-    kvm = sched.kv_cache_manager
+    kvm = core.scheduler.kv_cache_manager
     for pool in dict.fromkeys(m.block_pool for m in kvm.coordinator.single_type_managers):
         pool.get_num_free_blocks = lambda pool=pool: pool.num_gpu_blocks - 1
         try:
@@ -85,7 +87,6 @@ def _keep_running(core: Any, tag: str) -> bool:
     # requests still waiting were hashed from the old root: each is hashed again when the
     # scheduler looks up its prefix (_rehash_on_lookup), not here: a queue of 800 prompts of
     # 448 tokens added 18 ms to this hold (bench/vllm_queue.py)
-    return True
 
 
 def _rehash_if_stale(req: Any) -> None:
@@ -152,7 +153,8 @@ def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> l
         if kv == "keep" and _kv_connected(core):
             kv = "recompute"  # keep resets no connector's cache: what recompute's reset does
         if kv == "keep":
-            reset = _keep_running(core, tag)
+            _keep_running(core, tag)
+            reset = True  # the cache can no longer serve old-weight KV
         else:
             reset = bool(core.reset_prefix_cache(reset_running_requests=True))
     ms = round((time.perf_counter() - t0) * 1e3, 3)
@@ -193,10 +195,11 @@ def install() -> None:
     ) -> Any:
         if method == ATOMIC:
             return _commit_atomic(self, timeout, tuple(args))
+        if method == SCHEDULER:
+            return [_scheduler_state(self)]
         out = original(self, method, timeout, args, kwargs)
         if method == "rollpatch_info" and isinstance(out, list):
-            extra = {"atomic_commit": True, "scheduler": _scheduler_state(self)}
-            out = [dict(r, **extra) if isinstance(r, dict) else r for r in out]
+            out = [dict(r, atomic_commit=True) if isinstance(r, dict) else r for r in out]
         return out
 
     collective_rpc._rollpatch = True  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ adapter's commit protocol against a stand-in server. The live tests: tests/test_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from rollpatch.engines.vllm import VllmEngine, layout
 from rollpatch.engines.vllm.layout import ParamSpec, Shard
 from rollpatch.engines.vllm.transfer import read_decoded, write_decoded
 from rollpatch.engines.vllm.weights import RuntimeWeights
+from rollpatch.engines.writing import check_and_write
 from rollpatch.errors import (
     BaseMismatchError,
     EngineError,
@@ -155,6 +157,65 @@ def test_failed_commit_restores_every_rank() -> None:
     )  # type: ignore
     out = ranks.run(lambda w: w.commit(oob))
     assert all(isinstance(e, PatchError) for e in out) and ranks.repacked == []
+
+
+def test_undo_after_another_rank_failed_restores_every_rank() -> None:
+    """Rank 1's commit fails its old-word check (a word changed behind its digests after
+    staging) while rank 0 wrote: ``undo_last`` on every rank puts rank 0's old words and
+    digests back (rank 1 restored itself), and both failed and undone writes re-pack."""
+    ck0 = vllm_layouts.checkpoint()
+    v0, v1 = vllm_layouts.words_view(ck0), vllm_layouts.words_view(vllm_layouts.random_step(ck0, 3))
+    ranks = vllm_layouts.SimulatedRanks(ck0, 2)
+    for w, ps in zip(ranks.weights, ranks.params, strict=True):  # old words checked (as vLLM's)
+        w.access = dataclasses.replace(
+            w.access,
+            swap=lambda p, off, old, new, ps=ps: check_and_write(
+                ps[p].reshape(-1), off, old, new, p, readback=True
+            ),
+        )
+    patch = diff(v0, v1)
+    staged = ranks.run(lambda w: w.stage(patch))
+    w1 = ranks.weights[1]
+    pl = w1.placement("o_proj.weight")
+    _, off = layout.locate(pl, patch.tensors["o_proj.weight"].changes().positions)
+    flat = ranks.params[1][pl.param].reshape(-1)  # C order: storage offsets are flat ones
+    flat[off[0]] ^= 1
+    ranks.repacked.clear()
+    out = ranks.run(lambda w: w.commit_staged(staged[w.rank]))
+    assert isinstance(out[0], dict) and isinstance(out[1], BaseMismatchError), out
+    assert len(ranks.repacked) == 2  # rank 0's commit; rank 1's failure (words put back)
+    assert ranks.run(lambda w: w.root()) == [v1.digest(), v0.digest()]
+    assert ranks.run(lambda w: w.undo_last()) == [True, False]
+    assert ranks.run(lambda w: w.root()) == [v0.digest()] * 2
+    assert ranks.run(lambda w: w.digests(fresh=True)) == [v0.tensor_digests()] * 2
+    for r in range(2):
+        for spec in vllm_layouts.layer_specs(2):
+            want = vllm_layouts.vllm_load(ck0, 2, r)[spec.param].reshape(
+                layout.param_shape(spec, 2)
+            )
+            assert np.array_equal(ranks.params[r][spec.param], want), (r, spec.param)
+    assert ranks.run(lambda w: w.undo_last()) == [False, False]  # once only
+    assert all(isinstance(g, dict) for g in ranks.run(lambda w: w.commit(patch)))
+    assert ranks.run(lambda w: w.root()) == [v1.digest()] * 2
+    assert ranks.run(lambda w: w.load(v0)) == [v0.digest()] * 2
+    assert ranks.run(lambda w: w.undo_last()) == [False, False]  # a load ends what undo holds
+
+
+def test_cpu_binding_splits_the_cores_between_ranks() -> None:
+    """vLLM's ``auto`` binding wants a NUMA node per rank; ``server_env(tp=...)`` names cores."""
+    from rollpatch.engines.vllm.launch import cpu_binding, server_env
+
+    assert cpu_binding(1, [1, 0]) == "0,1"
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(2, [4, 0, 1, 2, 3]) == "0,1,2|3,4"
+    assert cpu_binding(3, [0, 1]) == "0|1|0"  # more ranks than cores: shared round-robin
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            cpu_binding(bad, [0])
+    with pytest.raises(ValueError):
+        cpu_binding(2, [])
+    assert server_env("/src", {})["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    assert server_env("/src", {}, tp=2)["VLLM_CPU_OMP_THREADS_BIND"] == cpu_binding(2)
 
 
 def test_decoded_file_roundtrip_and_hostile(tmp_path: pytest.TempPathFactory) -> None:

@@ -55,12 +55,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_env() -> dict[str, str]:
-    """The environment vLLM's CPU build needs (docs/vllm.md), bytecode written
-    (:func:`write_bytecode`), the shm readers polling instead of spinning (:func:`poll_not_spin`)."""
+def server_env(tp: int = 1) -> dict[str, str]:
+    """The environment vLLM's CPU build needs (docs/vllm.md; ``tp`` ranks bound to this
+    process's cores), bytecode written (:func:`write_bytecode`), the shm readers polling
+    instead of spinning (:func:`poll_not_spin`)."""
     from rollpatch.engines.vllm.launch import server_env as launch_env
 
-    return poll_not_spin(write_bytecode(launch_env(REPO / "src")))
+    return poll_not_spin(write_bytecode(launch_env(REPO / "src", tp=tp)))
 
 
 def poll_not_spin(env: dict[str, str]) -> dict[str, str]:
@@ -139,14 +140,17 @@ def start_server(
     extra: list[str] | None = None,
     port: int | None = None,
     env: dict[str, str] | None = None,
+    tp: int = 1,
 ) -> Server:
     """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the extension
-    (``env``: variables set for the server on top of :func:`server_env`)."""
+    (``env``: variables set for the server on top of :func:`server_env`; ``tp`` > 1:
+    ``--tensor-parallel-size``, the ranks bound to this process's cores)."""
     from rollpatch.engines.vllm.launch import server_command
 
     port = port or free_port()
-    cmd = server_command(python, model_dir, port, weight_transfer=False, extra=extra or ())
-    env = {**server_env(), **(env or {})}
+    extra = [*(extra or ()), *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
+    cmd = server_command(python, model_dir, port, weight_transfer=False, extra=extra)
+    env = {**server_env(tp), **(env or {})}
     return Server(
         cmd, env=env, log=log, url=f"http://127.0.0.1:{port}", name="vLLM", cwd=log.parent
     )

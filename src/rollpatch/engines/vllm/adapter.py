@@ -347,6 +347,8 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                 done = True
             except BaseException:
                 self._set(None, None)
+                if op in ("commit", "apply_encoded", "apply"):
+                    self._undo(str(path))
                 self._reconcile(before)
                 raise
             finally:
@@ -359,6 +361,13 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                     )
             self._timed("reset_ms", "/reset_prefix_cache")
             return res
+
+    def _undo(self, key: str) -> None:
+        """After a failed commit at TP > 1 (still paused): every rank that wrote puts its old
+        words back (``rollpatch_undo``; a no-op on a rank with nothing to undo, and at TP 1).
+        The engine-core hook does the same for its atomic commits (:mod:`.core`)."""
+        with contextlib.suppress(RollpatchError):
+            self._rpc("rollpatch_undo", key)
 
     def _reconcile(self, before: tuple[int | None, str | None]) -> None:
         """After a failed commit: the previous version if the engine still holds its bits,

@@ -149,6 +149,8 @@ def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> l
         results = core.model_executor.collective_rpc("rollpatch_commit", timeout, (token,), None)
         if all(isinstance(r, dict) and r.get("ok") and r.get("root") == root for r in results):
             core.set_weight_version(tag)
+        elif len(results) > 1:
+            results = _undo_ranks(core, timeout, token, results)
     finally:  # whatever the workers did, no KV of the weights before it is used again
         if kv == "keep" and _kv_connected(core):
             kv = "recompute"  # keep resets no connector's cache: what recompute's reset does
@@ -160,6 +162,26 @@ def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> l
     ms = round((time.perf_counter() - t0) * 1e3, 3)
     out = {"core_ms": ms, "reset": reset, "kv": kv}
     return [dict(r, **out) if isinstance(r, dict) else r for r in results]
+
+
+def _undo_ranks(core: Any, timeout: float | None, token: str, results: list[Any]) -> list[Any]:
+    """TP > 1, a commit not verified on every rank (one failed its check after the others
+    wrote, or the ranks reached other digests): every rank that wrote puts its old words back
+    (``rollpatch_undo``), inside the same hold, so no token is generated over words of two
+    versions. The failed ranks' errors name their rank and the ranks undone; a rank whose undo
+    failed stays on the new words (the adapter then finds the ranks disagree: not ready)."""
+    undo = core.model_executor.collective_rpc("rollpatch_undo", timeout, (token,), None)
+    undone = [i for i, u in enumerate(undo) if isinstance(u, dict) and u.get("undone")]
+    stuck = [i for i, u in enumerate(undo) if not (isinstance(u, dict) and u.get("ok"))]
+    out = []
+    for i, r in enumerate(results):
+        if isinstance(r, dict) and not r.get("ok") and isinstance(r.get("error"), dict):
+            ctx = dict(r["error"].get("context") or {}, rank=i, undone_ranks=str(undone))
+            if stuck:
+                ctx["undo_failed_ranks"] = str(stuck)
+            r = dict(r, error=dict(r["error"], context=ctx))
+        out.append(r)
+    return out
 
 
 def _kv_connected(core: Any) -> bool:

@@ -283,12 +283,24 @@ class TorchParams:
     # -- tensor parallelism ----------------------------------------------------------------
 
     def gather(self, name: str, local: np.ndarray) -> list[np.ndarray]:
+        """Every rank's ``local`` (same shape on each), in rank order: a collective that every
+        rank of the TP group calls for the same tensor.
+
+        The words travel as bytes: neither vLLM's CPU shared-memory all-gather
+        (``shm_all_gather``: floating types only) nor NCCL takes int16, and a byte copy keeps
+        every bit (NaN payloads included) whatever the element type. On the CPU the gather
+        runs on the group's gloo ``cpu_group``, not vLLM's shared-memory path."""
+        import torch.distributed as dist
         from vllm.distributed import get_tp_group
 
-        torch, p = self._torch, self.params[name]
-        t = torch.from_numpy(np.ascontiguousarray(local).view(_WORDS[p.element_size()][0]))
-        out = get_tp_group().all_gather(t.reshape(-1).to(p.device), dim=0)
-        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in out.chunk(self.tp)]
+        torch, p, group = self._torch, self.params[name], get_tp_group()
+        raw = torch.from_numpy(np.ascontiguousarray(local).reshape(-1).view(np.uint8))
+        if self.cpu:
+            parts = [torch.empty_like(raw) for _ in range(self.tp)]
+            dist.all_gather(parts, raw, group=group.cpu_group)
+        else:
+            parts = list(group.all_gather(raw.to(p.device), dim=0).chunk(self.tp))
+        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
 
     def access(self) -> Access:
         cpu, one = self.cpu, self.tp == 1

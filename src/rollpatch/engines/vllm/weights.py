@@ -107,6 +107,12 @@ class RuntimeWeights:
         self.tainted: str | None = None
         #: Staging jobs by token (the worker glue's; see :mod:`.worker`).
         self.jobs: dict[str, Any] = {}
+        #: The token of the last staged commit :meth:`undo_last` can undo (set by the glue).
+        self.undo_token: str | None = None
+        #: At TP > 1, the last in-place commit's writes and the digests before it, until the
+        #: next change of the words: :meth:`undo_last` puts them back when another rank's
+        #: commit failed (the engine-core hook asks every rank, :mod:`.core`).
+        self._undo: tuple[dict[str, ParamWrites], dict[str, Any]] | None = None
         #: Kernel-only parameters' words written after a commit's pause (:mod:`.writes`).
         self.settler = Settler()
 
@@ -200,6 +206,7 @@ class RuntimeWeights:
                     engine_shape=e.mine.shape,
                 )
         self.settler.wait()
+        self._undo = None
         self._digests.clear()
         self._states.clear()
         self.tainted = None
@@ -299,6 +306,7 @@ class RuntimeWeights:
         kernel from the swap on; their own words are written after the pause
         (:class:`.writes.Settler`). On any failure the old words are written back."""
         self.settler.wait()
+        self._undo = None
         if self.root() != staged.base:
             raise BaseMismatchError(
                 "the engine moved since the update was staged",
@@ -328,7 +336,13 @@ class RuntimeWeights:
         }
         now = {p: w for p, w in writes.items() if p not in later}
         t0 = time.perf_counter()
-        n = write_params(acc, now, parallel=True)
+        try:
+            n = write_params(acc, now, parallel=True)
+        except BaseException:
+            # the failed write put the old words back wherever it started, also over a word
+            # that was not the old one (why it failed): the kernels must hold what the words do
+            acc.repack(set(now))
+            raise
         t1 = time.perf_counter()
         try:
             installed = (
@@ -350,11 +364,37 @@ class RuntimeWeights:
             "threads": float(n),
             "written_after": float(len(later)),
         }
+        if self.tp > 1:  # `later` is empty: nothing is kernel-only at TP > 1
+            before = {n: (self._digests.get(n), self._states.get(n)) for n in staged.digests}
+            self._undo = (dict(now), before)
         self._record(staged)
         retired = {p: staged.payload.pop(p) for p in writes}  # freed after the pause
         retired.update(_kernels(staged))
         self.settler.start(acc, later, self._settle_failed, retired)
         return dict(staged.digests)
+
+    def undo_last(self) -> bool:
+        """Put back the words and digests of the last in-place commit at TP > 1 (its new words
+        checked, the old ones written and read back, the touched modules re-packed); False
+        when there is none to undo (this rank's own commit failed and restored itself, or
+        the words changed since). The engine-core hook calls it on every rank when some rank's
+        commit failed, so that all ranks hold the previous version again."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return False
+        writes, before = undo
+        back = {p: ParamWrites(w.prepared, w.new, w.old) for p, w in writes.items()}
+        try:
+            write_params(self.access, back, parallel=True)
+        finally:
+            self.access.repack(set(writes))
+        for name, (digest, state) in before.items():
+            self._forget(name)
+            if digest is not None:
+                self._digests[name] = digest
+            if state is not None:
+                self._states[name] = state
+        return True
 
     def _record(self, staged: StagedUpdate) -> None:
         """The proven digests (and rp.sum128 states) of a committed update."""

@@ -219,6 +219,11 @@ class WorkerExtension:
         """Write the staged update ``token`` (under the caller's pause): writes and read-back."""
         return run_op(self.get_model(), "commit", token)  # type: ignore[attr-defined]
 
+    def rollpatch_undo(self, token: str) -> dict[str, Any]:
+        """TP > 1: write back the old words of the commit of ``token`` if it was this rank's
+        last (another rank's commit failed); ``undone``: whether there was one to undo."""
+        return run_op(self.get_model(), "undo", token)  # type: ignore[attr-defined]
+
     def rollpatch_settled(self) -> dict[str, Any]:
         """Wait until the words written after the last commit's pause are in place (blocks
         this worker: for tests and benches); the batch's size, time and failure."""

@@ -44,13 +44,13 @@ class Side(ABC):
 
 
 class VllmSide(Side):
-    def __init__(self, world: World, root: Path) -> None:
+    def __init__(self, world: World, root: Path, tp: int = 1) -> None:
         super().__init__(world, root)
         from _vllm_server import Server, vllm_python
 
         from rollpatch.engines.vllm import VllmEngine
 
-        self.server = Server(vllm_python(), world.checkpoint(0), root / "vllm.log")
+        self.server = Server(vllm_python(), world.checkpoint(0), root / "vllm.log", tp=tp)
         try:
             self.server.wait_ready()
             self.engine = VllmEngine(self.server.url)
@@ -164,6 +164,9 @@ class BuiltinSide(Side):
         self.engine.close()
 
 
-def start(name: EngineName, world: World, root: Path) -> Side:
-    sides: dict[str, type[Side]] = {"vllm": VllmSide, "sglang": SglangSide, "builtin": BuiltinSide}
+def start(name: EngineName, world: World, root: Path, tp: int = 1) -> Side:
+    """The engine ``name`` serving v0 (``tp``: vLLM's tensor-parallel ranks)."""
+    if name == "vllm":
+        return VllmSide(world, root, tp)
+    sides: dict[str, type[Side]] = {"sglang": SglangSide, "builtin": BuiltinSide}
     return sides[name](world, root)

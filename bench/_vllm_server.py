@@ -28,7 +28,13 @@ class Server:
     """One vLLM OpenAI server with rollpatch's extension, in its own process group."""
 
     def __init__(
-        self, python: Path, model: Path, log_path: Path, *, extra: Sequence[str] = ()
+        self,
+        python: Path,
+        model: Path,
+        log_path: Path,
+        *,
+        extra: Sequence[str] = (),
+        tp: int = 1,
     ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -36,12 +42,13 @@ class Server:
         from rollpatch.engines.vllm.launch import server_command, server_env
 
         repo = Path(__file__).resolve().parents[1]
-        cmd = server_command(python, model, port, extra=extra)
+        tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        cmd = server_command(python, model, port, extra=[*extra, *tp_args])
         self.url, self.model, self.log_path = f"http://127.0.0.1:{port}", model, log_path
         # cwd: not bench/, whose vllm.py would shadow the vllm package
         self.server = ServerProc(
             cmd,
-            env=server_env(repo / "src"),
+            env=server_env(repo / "src", tp=tp),
             log=log_path,
             url=self.url,
             name="vLLM",

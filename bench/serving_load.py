@@ -6,7 +6,9 @@ sglang`` (the SGLang venv from ``scripts/sglang-env``); ``--engine builtin`` (ro
 built-in engine serving in the bench's process, as inside the sidecar: generation and staging
 share one process); ``--hidden H --layers L``,
 ``--versions N``, ``-c`` streams in flight, ``--max-tokens`` per request, ``--kv-on-commit
-recompute|keep`` (vLLM: what a commit does to the KV of the streams in flight), ``--json PATH``.
+recompute|keep`` (vLLM: what a commit does to the KV of the streams in flight), ``--tp N``
+(vLLM: tensor-parallel ranks, the cores split between them; every sync in place: the
+double-buffered commit is TP 1's), ``--json PATH``.
 
 bench/vllm.py and bench/sglang.py time each path with the engine idle between commits. Here
 the same follower
@@ -63,12 +65,13 @@ from rollpatch.engines.vllm.kvmode import KvMode
 MODES = ("in_place", "double_buffer")
 
 
-def _mode(v: int) -> str:
-    return MODES[(v + 1) % 2]  # odd versions in place, even ones double-buffered
+def _mode(v: int, tp: int = 1) -> str:
+    """Odd versions in place, even ones double-buffered (at TP > 1 all in place)."""
+    return MODES[(v + 1) % 2] if tp == 1 else "in_place"
 
 
 def _syncs(
-    world: World, side: Side, windows: list[Window] | None, idle_s: float = 0.0
+    world: World, side: Side, windows: list[Window] | None, idle_s: float = 0.0, tp: int = 1
 ) -> list[dict[str, Any]]:
     """``Follower.sync(v)`` for v = 1..N from v0, each with its version's write mode; with
     ``windows``: ``idle_s`` of load alone first, each sync's stage and commit windows, and
@@ -88,7 +91,7 @@ def _syncs(
     f.gate.run = run
     out = []
     for v in range(1, len(world.digests)):
-        mode = _mode(v)
+        mode = _mode(v, tp)
         engine.writes = mode
         if windows is not None:
             t = time.monotonic()
@@ -172,6 +175,7 @@ def report(res: dict[str, Any]) -> str:
     head = (
         f"{res['args']['engine']}"
         + (f" (kv on commit: {a.get('kv_on_commit')})" if a.get("engine") == "vllm" else "")
+        + (f", TP {a['tp']}" if a.get("tp", 1) > 1 else "")
         + f", {w['params'] / 1e6:.0f}M params, "
         f"{len(w['digests']) - 1} versions, "
         f"{res['args']['c']} streams x {res['args']['max_tokens']} tokens, load "
@@ -231,10 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         default="recompute",
         help="vllm: what a commit does to the KV of the streams in flight (docs/vllm.md)",
     )
+    ap.add_argument("--tp", type=int, default=1, help="vllm: tensor-parallel ranks (default 1)")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 2 or args.c < 1 or args.max_tokens < 2 or args.idle_s <= 0:
         ap.error("--versions >= 2, -c >= 1, --max-tokens >= 2, --idle-s > 0")
+    if args.tp < 1 or (args.tp > 1 and args.engine != "vllm"):
+        ap.error("--tp >= 1, and above 1 for --engine vllm only")
     if args.kv_on_commit != "recompute" and args.engine != "vllm":
         ap.error("--kv-on-commit is vLLM's (the built-in engine keeps, SGLang recomputes)")
     mach, load0 = machine(), os.getloadavg()[0]
@@ -243,12 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"building the model and publishing v0..v{args.versions}")
         world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers), 8)
         log(f"starting {args.engine} on v0's checkpoint")
-        side = start(args.engine, world, root)
+        side = start(args.engine, world, root, args.tp)
         if args.engine == "vllm":
             side.engine.kv = KvMode(args.kv_on_commit)  # type: ignore[attr-defined]
         try:
             log("no load: Follower.sync v1..vN")
-            syncs = _syncs(world, side, None)
+            syncs = _syncs(world, side, None, tp=args.tp)
             side.back_to_v0()
             body = bodies(side.model, stream=True, max_tokens=args.max_tokens)
             log(f"under load ({args.c} streams): idle, sync, reload per version")
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             windows: list[Window] = []
             try:
                 time.sleep(2.0)  # the streams under way
-                syncs += _syncs(world, side, windows, args.idle_s)
+                syncs += _syncs(world, side, windows, args.idle_s, args.tp)
                 time.sleep(1.0)
             finally:
                 got = load.stop()

@@ -144,6 +144,7 @@ def test_live_tp2_versions_forward_back_and_refusals(
     srv, model = tp_server
     info = engine.info()
     assert info["tp"] == 2 and info["atomic_commit"]
+    assert info["background_staging"]  # its gathers on a group of its own (tpgather)
     assert sorted(info["tensors"]) == sorted(versions[0])
     assert engine.held(fresh=True) == (versions[0].tensor_digests(), versions[0].digest())
     outs0 = srv.greedy(model, PROMPTS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,10 @@ class Access:
     #: storage under the pause (O(1) each) and returns the buffers it replaced.
     buffer: Callable[[str, np.ndarray, np.ndarray, np.ndarray], Any] | None = None
     exchange: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    #: Optional (TP > 1): ``own_collectives()``, a context in which the calling thread's
+    #: ``gather`` calls go through a group of their own, so staging can run in a thread
+    #: beside the engine loop's collectives; None: staging at TP > 1 runs on the engine loop.
+    own_collectives: Callable[[], AbstractContextManager[None]] | None = None
 
 
 @dataclass

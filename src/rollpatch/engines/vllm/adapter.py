@@ -206,13 +206,22 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         )
 
     def _wait_staged(self, token: str) -> dict[str, Any]:
+        """Poll every rank until all are ready (then they must agree: rank 0's answer), or
+        one failed (its error; the other ranks' jobs are discarded)."""
         delay = 0.002
         while True:
-            res = self._call("staged", token)
-            if res["state"] == "ready":
-                return res
-            if res["state"] == "failed":
-                raise worker_error(res.get("failure") or {})
+            results = self._rpc("rollpatch_staged", token)
+            states = [r.get("state") if isinstance(r, dict) else None for r in results]
+            if all(st == "ready" for st in states):
+                return self._gather(results)
+            failed = [r for r, st in zip(results, states, strict=True) if st == "failed"]
+            if failed or any(st is None for st in states):
+                if failed:
+                    with contextlib.suppress(RollpatchError):
+                        self._call("discard", token)
+                    raise worker_error(failed[0].get("failure") or {})
+                self._gather(results)  # a worker's error (raised) or an unexpected answer
+                raise EngineError("unexpected staging state", engine=self.name, states=str(states))
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +122,15 @@ class _Job:
         self.done = threading.Event()
         self._w, self._steps, self._prebuild, self._mode = w, steps, prebuild, mode
 
-    def run(self) -> None:
+    def run(self, beside: bool = False) -> None:
+        """Stage; ``beside``: in a thread beside the engine loop (at TP > 1 its gathers then
+        go through a group of their own: ``Access.own_collectives``)."""
+        own = self._w.access.own_collectives
         if self._w.tp == 1:
             self.cores = widen_cores()
-        res = run_op_on(self._w, lambda w: self._stage(w))
+        scope = own() if beside and self._w.tp > 1 and own is not None else nullcontext()
+        with scope:
+            res = run_op_on(self._w, lambda w: self._stage(w))
         self.ms = res["ms"]
         if not res["ok"]:
             self.error = res["error"]
@@ -178,11 +184,14 @@ def _stage(w: RuntimeWeights, path: str) -> dict[str, Any]:
     while len(w.jobs) >= _MAX_JOBS:
         w.jobs.pop(next(iter(w.jobs)))
     job = w.jobs[token] = _Job(w, steps, prebuild, mode)
-    if w.tp > 1:
-        job.run()
+    # TP > 1: reading a tensor is a collective; in a thread only where its gathers have a
+    # group of their own (.tpgather), else on the engine loop
+    background = w.tp == 1 or w.access.own_collectives is not None
+    if background:
+        threading.Thread(target=job.run, args=(True,), daemon=True, name="rollpatch-stage").start()
     else:
-        threading.Thread(target=job.run, daemon=True, name="rollpatch-stage").start()
-    return {"token": token, "background": w.tp == 1}
+        job.run()
+    return {"token": token, "background": background}
 
 
 def _job(w: RuntimeWeights, token: str) -> _Job:
@@ -321,6 +330,8 @@ OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
         "rank": w.rank,
         "tp": w.tp,
         "aliases": w.access.aliases,
+        # staging in a thread while the engine serves (at TP > 1: where .tpgather allows)
+        "background_staging": w.tp == 1 or w.access.own_collectives is not None,
         "tensors": {n: [w.kind_of(n).name, list(w.placement(n).shape)] for n in w.names()},
     },
 }

@@ -23,6 +23,7 @@ from ...errors import EngineError
 from ..writing import check_and_write, check_write, copy_with_writes
 from . import experts_cpu
 from .layout import storage_offsets
+from .tpgather import TpGather
 from .writes import Access
 
 __all__ = ["TorchParams", "check_write"]
@@ -64,6 +65,9 @@ class TorchParams:
         if self.cpu:
             for name in self.params:
                 self._alias(name)
+        # TP > 1: built on every rank at once (the worker's state is built in one
+        # collective_rpc): it may make a process group, a collective
+        self._tp = TpGather(tp, cpu=self.cpu) if tp > 1 else None
 
     # -- words -----------------------------------------------------------------------------
 
@@ -283,24 +287,9 @@ class TorchParams:
     # -- tensor parallelism ----------------------------------------------------------------
 
     def gather(self, name: str, local: np.ndarray) -> list[np.ndarray]:
-        """Every rank's ``local`` (same shape on each), in rank order: a collective that every
-        rank of the TP group calls for the same tensor.
-
-        The words travel as bytes: neither vLLM's CPU shared-memory all-gather
-        (``shm_all_gather``: floating types only) nor NCCL takes int16, and a byte copy keeps
-        every bit (NaN payloads included) whatever the element type. On the CPU the gather
-        runs on the group's gloo ``cpu_group``, not vLLM's shared-memory path."""
-        import torch.distributed as dist
-        from vllm.distributed import get_tp_group
-
-        torch, p, group = self._torch, self.params[name], get_tp_group()
-        raw = torch.from_numpy(np.ascontiguousarray(local).reshape(-1).view(np.uint8))
-        if self.cpu:
-            parts = [torch.empty_like(raw) for _ in range(self.tp)]
-            dist.all_gather(parts, raw, group=group.cpu_group)
-        else:
-            parts = list(group.all_gather(raw.to(p.device), dim=0).chunk(self.tp))
-        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
+        """Every rank's ``local`` block of ``name``, in rank order (:mod:`.tpgather`)."""
+        assert self._tp is not None
+        return self._tp.gather(local, self.params[name].device)
 
     def access(self) -> Access:
         cpu, one = self.cpu, self.tp == 1
@@ -320,4 +309,5 @@ class TorchParams:
             kernel_only=self.kernel_only if cpu and one else None,
             buffer=self.buffer if cpu and one else None,
             exchange=self.exchange if cpu and one else None,
+            own_collectives=self._tp.own if self._tp is not None and self._tp.background else None,
         )

@@ -1,0 +1,83 @@
+"""Reading a checkpoint tensor at TP > 1: an all-gather of every rank's block, as bytes.
+
+Every rank of a vLLM TP group holds a block of each split tensor; the worker's digests, checks
+and decoder need the whole tensor, so every rank gathers it (the same tensors in the same
+order on every rank: a collective). :class:`TpGather` owns how:
+
+- **as bytes** (``uint8``): vLLM's CPU shared-memory all-gather (``shm_all_gather``) takes
+  floating types only and NCCL has no int16, so an int16 gather fails on both; a byte copy
+  keeps every bit (NaN payloads included) whatever the element type;
+- **on the engine loop** (the worker's operations, called by ``collective_rpc`` on every rank
+  in one order): through the TP group's gloo ``cpu_group`` on the CPU (not vLLM's
+  shared-memory path), through the TP group itself elsewhere (NCCL on GPUs, untested);
+- **from the staging thread** (:meth:`TpGather.own`): through a gloo group of rollpatch's own
+  over the same ranks, so staging at TP > 1 can run beside the engine loop (each rank's
+  staging thread gathers the same tensors in the same order) without its collectives
+  interleaving with the engine loop's on one group. The group is made when the worker's
+  state is built (every rank builds it in the same ``collective_rpc``), and only when the
+  torch.distributed world is this TP group (no pipeline or data parallelism in it: making a
+  group is a collective over the whole world, whose other ranks would not join); elsewhere
+  :attr:`TpGather.background` is False and staging runs inline on the engine loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TpGather"]
+
+
+class TpGather:
+    """The TP group's all-gather of words (module docstring); ``cpu``: the parameters live in
+    host memory."""
+
+    def __init__(self, tp: int, *, cpu: bool) -> None:
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        self.tp, self.cpu, self._own = tp, cpu, threading.local()
+        self._group = get_tp_group()
+        self._staging: Any = None
+        if dist.get_world_size() == tp and list(self._group.ranks) == list(range(tp)):
+            self._staging = dist.new_group(list(range(tp)), backend="gloo")
+
+    @property
+    def background(self) -> bool:
+        """Whether a thread may gather beside the engine loop (:meth:`own`)."""
+        return self._staging is not None
+
+    @contextlib.contextmanager
+    def own(self) -> Iterator[None]:
+        """The calling thread's gathers go through rollpatch's own group (the staging thread;
+        only where :attr:`background`)."""
+        if self._staging is None:
+            raise RuntimeError("no group of rollpatch's own: staging runs on the engine loop")
+        self._own.on = True
+        try:
+            yield
+        finally:
+            self._own.on = False
+
+    def gather(self, local: np.ndarray, device: Any) -> list[np.ndarray]:
+        """Every rank's ``local`` (the same shape on each), in rank order."""
+        import torch
+        import torch.distributed as dist
+
+        raw = torch.from_numpy(np.ascontiguousarray(local).reshape(-1).view(np.uint8))
+        if getattr(self._own, "on", False):
+            group = self._staging
+        elif self.cpu:
+            group = self._group.cpu_group
+        else:
+            group = None
+        if group is not None:
+            parts = [torch.empty_like(raw) for _ in range(self.tp)]
+            dist.all_gather(parts, raw, group=group)
+        else:
+            parts = list(self._group.all_gather(raw.to(device), dim=0).chunk(self.tp))
+        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]

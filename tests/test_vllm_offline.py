@@ -334,3 +334,37 @@ def test_adapter_commit_protocol_offline() -> None:
         eng.apply(diff(v1, v0), 0)
     assert (eng.version, eng.digest) == (None, None)
     assert ("/update_weight_version", {"new_version": "rollpatch:not-ready"}) in fake.calls
+
+
+def test_staging_waits_for_every_rank() -> None:
+    """At TP > 1 ranks stage in their own threads: the adapter waits until every rank is
+    ready (a ready rank 0 beside a rank still staging is not ready), then requires them to
+    agree; a rank that failed raises its error and the other ranks' jobs are discarded."""
+    eng = VllmEngine("http://127.0.0.1:9")
+    ready = {"ok": True, "state": "ready", "digests": {"a": "d"}, "base": "b", "target": "t"}
+    staging = {"ok": True, "state": "staging"}
+    failed = {
+        "ok": True,
+        "state": "failed",
+        "failure": {"type": "BaseMismatchError", "message": "held words differ"},
+    }
+    calls: list[str] = []
+    answers: list[list[dict[str, Any]]] = []
+
+    def rpc(method: str, *args: str) -> list[dict[str, Any]]:
+        calls.append(method)
+        return answers.pop(0)
+
+    eng._rpc = rpc  # type: ignore[method-assign]
+    answers += [[ready, staging], [staging, staging], [ready, ready]]
+    assert eng._wait_staged("tok")["digests"] == {"a": "d"}
+    assert calls == ["rollpatch_staged"] * 3
+    calls.clear()
+    answers += [[staging, failed], [{"ok": True, "discarded": True}] * 2]
+    with pytest.raises(BaseMismatchError, match="held words differ"):
+        eng._wait_staged("tok")
+    assert calls == ["rollpatch_staged", "rollpatch_discard"]
+    answers += [[ready, dict(ready, digests={"a": "other"})]]
+    with pytest.raises(EngineError, match="disagree"):
+        eng._wait_staged("tok")
+    eng.close()

@@ -178,6 +178,10 @@ def test_live_tp2_versions_forward_back_and_refusals(
         engine.apply_encoded(bytes(blob), 6)
     assert engine.held(fresh=True)[1] == versions[5].digest()
     assert srv.greedy(model, PROMPTS) == outs[5]
+    # the staged commit's kernels (built while staging, swapped in under the hold) compute
+    # what kernels packed from a keyframe of the same version compute, bit for bit
+    engine.load(versions[5], 5)
+    assert srv.greedy(model, PROMPTS) == outs[5]
 
     engine.load(versions[2], 2)  # a keyframe in place serves what the chain served
     assert engine.held(fresh=True)[1] == versions[2].digest()

@@ -303,7 +303,7 @@ class TorchParams:
             prepare=self.prepare,
             scatter=self.scatter,
             read_at=self.read_at,
-            prebuild=self.prebuild if cpu and one else None,
+            prebuild=self.prebuild if cpu else None,
             install=self.install,
             swap=self.swap if cpu else None,
             kernel_only=self.kernel_only if cpu and one else None,

@@ -3,6 +3,7 @@ time (visible->serving) and CPU time, medians; and the sample helpers the report
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -79,11 +80,19 @@ def render_catchup(ctx: dict[str, Any]) -> str:
 
 
 def _ms(s: float) -> str:
+    if math.isnan(s):
+        return "-"  # a path this run did not take (double-buffered at TP > 1)
     return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
 
 
 def _med(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(float(r[key]) for r in runs)
+    """The median of ``key`` over ``runs``; NaN when there are none."""
+    return statistics.median(float(r[key]) for r in runs) if runs else math.nan
+
+
+def _pct(part: float, whole: float) -> str:
+    """``part`` as a percentage of ``whole``; "-" for a path not taken (NaN)."""
+    return "-" if math.isnan(part) else f"{100 * part / whole:.1f}%"
 
 
 def one_behind(ctx: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:

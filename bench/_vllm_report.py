@@ -7,7 +7,7 @@ from typing import Any
 
 from _util import machine_line, table
 from _vllm_catchup import render_plans
-from _vllm_catchup_table import _med, _ms, one_behind, render_catchup
+from _vllm_catchup_table import _med, _ms, _pct, one_behind, render_catchup
 from _vllm_floor import render_floor
 from _vllm_fold import render_fold
 from _vllm_server import VLLM_VERSION
@@ -55,6 +55,8 @@ def render_memory(paths: list[tuple[str, list[dict[str, Any]]]]) -> str:
     kernels' phase (what decode, compose, proof and layout take)."""
     rows = []
     for name, runs in paths:
+        if not runs:
+            continue  # a path this run did not take
         mems = [r.get("stage_memory_mib") or {} for r in runs]
         cells = [name, _mb(statistics.median(r["staged_bytes"] for r in runs))]
         for key, _ in MEMORY_PHASES:
@@ -84,6 +86,8 @@ def _breakdown(
     """One row per path: the median of ``total`` (seconds) and of each part (ms) it has."""
     rows = []
     for name, runs in paths:
+        if not runs:
+            continue  # a path this run did not take
         cells = [name, _ms(_med(runs, total))]
         for key, _ in phases:
             vals = [r[parts][key] for r in runs if key in r.get(parts, {})]
@@ -166,7 +170,12 @@ def render(ctx: dict[str, Any]) -> str:
     )
     per_version = table(headers, rows, [False] + [True] * (len(headers) - 1))
 
+    def taken(rows: list[list[str]]) -> list[list[str]]:
+        return [r for r in rows if r]  # a path this run did not take has no row
+
     def row(name: str, runs: list[dict[str, float]], base: float) -> list[str]:
+        if not runs:
+            return []
         p = [r["pause_s"] for r in runs]
         vis = [r.get("visible_to_serving_s") for r in runs]
         return [
@@ -188,32 +197,34 @@ def render(ctx: dict[str, Any]) -> str:
             "visible->serving p50",
             "pause / full reload",
         ],
-        [
-            row("vLLM staged, 1 behind", st, rv),
-            row("vLLM staged, double-buffered", ctx["double"], rv),
-            row("vLLM inline (decode in pause)", il, rv),
-            row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
-            *(
-                [row(f"vLLM staged, {ctx['catchup_n']} behind, chain", chain, rv)]
-                if (chain := ctx.get("catchup_chain"))
-                else []
-            ),
-            row("vLLM reload_weights", re_, rv),
-            row("built-in staged, 1 behind", ctx["reference"], rl),
-            row("built-in staged, double-buffered", ctx["reference_double"], rl),
-            row(f"built-in staged, {ctx['catchup_n']} behind", ctx["reference_catchup"], rl),
-            *(
-                [row(f"built-in staged, {ctx['catchup_n']} behind, chain", rchain, rl)]
-                if (rchain := ctx.get("reference_catchup_chain"))
-                else []
-            ),
-            *(
-                [row(f"built-in staged, {ctx['catchup_n']} behind, rewind", rfold, rl)]
-                if (rfold := ctx.get("reference_catchup_followed"))
-                else []
-            ),
-            row("built-in full load (keyframe)", ctx["reference_loads"], rl),
-        ],
+        taken(
+            [
+                row("vLLM staged, 1 behind", st, rv),
+                row("vLLM staged, double-buffered", ctx["double"], rv),
+                row("vLLM inline (decode in pause)", il, rv),
+                row(f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"], rv),
+                *(
+                    [row(f"vLLM staged, {ctx['catchup_n']} behind, chain", chain, rv)]
+                    if (chain := ctx.get("catchup_chain"))
+                    else []
+                ),
+                row("vLLM reload_weights", re_, rv),
+                row("built-in staged, 1 behind", ctx["reference"], rl),
+                row("built-in staged, double-buffered", ctx["reference_double"], rl),
+                row(f"built-in staged, {ctx['catchup_n']} behind", ctx["reference_catchup"], rl),
+                *(
+                    [row(f"built-in staged, {ctx['catchup_n']} behind, chain", rchain, rl)]
+                    if (rchain := ctx.get("reference_catchup_chain"))
+                    else []
+                ),
+                *(
+                    [row(f"built-in staged, {ctx['catchup_n']} behind, rewind", rfold, rl)]
+                    if (rfold := ctx.get("reference_catchup_followed"))
+                    else []
+                ),
+                row("built-in full load (keyframe)", ctx["reference_loads"], rl),
+            ]
+        ),
         [False] + [True] * 5,
     )
     catchup = render_catchup(ctx)
@@ -252,7 +263,7 @@ def render(ctx: dict[str, Any]) -> str:
         "",
         (
             f"targets: vLLM pause 1 behind / reload pause = {100 * _med(st, 'pause_s') / rv:.1f}%"
-            f" in place, {100 * _med(ctx['double'], 'pause_s') / rv:.1f}% double-buffered;"
+            f" in place, {_pct(_med(ctx['double'], 'pause_s'), rv)} double-buffered;"
             f" built-in / full load {100 * _med(ctx['reference'], 'pause_s') / rl:.1f}% in place,"
             f" {100 * _med(ctx['reference_double'], 'pause_s') / rl:.1f}% double-buffered"
             f" (<= 5% wanted at >= 100M); catch-up {ctx['catchup_n']} behind / 1 behind, "
@@ -272,7 +283,12 @@ def render(ctx: dict[str, Any]) -> str:
                 else "; "
             )
             + f"worker peak over the staged phase +{_mb(m['peak_kb'] * 1024)} in place, "
-            f"+{_mb(m['double_peak_kb'] * 1024)} double-buffered, vs 2 x largest "
+            + (
+                f"+{_mb(m['double_peak_kb'] * 1024)} double-buffered, "
+                if ctx["double"]
+                else "(no double-buffered commits at TP > 1), "
+            )
+            + "vs 2 x largest "
             f"staged update {_mb(2 * biggest)} (<= wanted)"
         ),
         (
@@ -284,7 +300,8 @@ def render(ctx: dict[str, Any]) -> str:
             f"model: make_tiny_model hidden {d['hidden_size']}, {d['layers']} layers, "
             f"{d['heads']}/{d['kv_heads']} heads, ff {d['intermediate']}, vocab {d['vocab_size']}"
             f" = {w['params'] / 1e6:.1f}M params, {w['ckpt_bytes'][0] / 1e6:.1f} MB bf16; vLLM "
-            f"{VLLM_VERSION} CPU, TP 1, --enforce-eager; AdamW lr {ctx['args']['lr']:g}; "
+            f"{VLLM_VERSION} CPU, TP {ctx['args'].get('tp', 1)}, --enforce-eager; "
+            f"AdamW lr {ctx['args']['lr']:g}; "
             f"packed weights built "
             f"{'while staging' if ctx['args']['prepack'] == 'stage' else 'in the pause'}; ms"
         ),

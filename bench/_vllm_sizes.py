@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import log, table
-from _vllm_catchup_table import _med, _ms, one_behind
+from _vllm_catchup_table import _med, _ms, _pct, one_behind
 from _vllm_server import BenchError
 
 #: (path key in the JSON, label, its full-reload baseline key).
@@ -153,7 +153,7 @@ def render_sizes(ctxs: list[dict[str, Any]]) -> str:
             [
                 _model(ctx),
                 f"{100 * _med(ctx['staged'], 'pause_s') / rv:.1f}%",
-                f"{100 * _med(ctx['double'], 'pause_s') / rv:.1f}%",
+                _pct(_med(ctx["double"], "pause_s"), rv),
                 f"{100 * _med(ctx['reference'], 'pause_s') / rl:.1f}%",
                 f"{100 * _med(ctx['reference_double'], 'pause_s') / rl:.1f}%",
                 f"{five / one:.2f}x",
@@ -163,7 +163,7 @@ def render_sizes(ctxs: list[dict[str, Any]]) -> str:
                 _mib(m["start_kb"]),
                 _mib(weights / 1024),
                 f"+{_mib(m['peak_kb'])}",
-                f"+{_mib(m['double_peak_kb'])}",
+                f"+{_mib(m['double_peak_kb'])}" if ctx["double"] else "-",
                 _stage_mib(ctx["staged"], ("decode_mib", "prove_mib", "layout_mib")),
                 _stage_mib(ctx["staged"], ("prebuild_mib",)),
                 _mib(2 * staged / 1024),

@@ -13,8 +13,9 @@ name: ``staged``, ``double``, ``inline``, ``catchup``, ``catchup_chain``, ``relo
 ``--layers``; the size is printed). FP32 masters start as its weights (v0, the boot checkpoint);
 each next version is one AdamW step (warm Adam state, ``--lr`` 5e-6), published as ``bf16`` by
 a synchronous :class:`Publisher` to a ``file://`` board (keyframe at v0, step patches) and
-written as a checkpoint directory — all before any timing. One vLLM 0.32 CPU server (TP 1,
-``--enforce-eager``) with rollpatch's worker extension; one built-in engine in this process.
+written as a checkpoint directory — all before any timing. One vLLM 0.32 CPU server (TP 1, or
+``--tp N`` ranks with the cores split between them; ``--enforce-eager``) with rollpatch's
+worker extension; one built-in engine in this process.
 
 Paths, each over the same versions:
 
@@ -27,7 +28,8 @@ Paths, each over the same versions:
   is on the board when it starts; the engine serves it when it returns).
 - **double** (double-buffered, ``VllmEngine(writes="double_buffer")``): the same syncs from
   v0, each touched parameter's new storage built while staging and exchanged under the pause;
-  its greedy outputs must equal the in-place path's. Memory: VmHWM over this phase.
+  its greedy outputs must equal the in-place path's. Memory: VmHWM over this phase. Not at
+  ``--tp`` > 1 (the double-buffered commit is TP 1's: its rows print "-").
 - **inline** (the previous commit path, for comparison): ``VllmEngine.apply_encoded`` — the
   worker decodes and verifies *inside* the pause.
 - **catchup**: back at v0 (untimed reload), one ``sync`` to v5 (``min(5, N)``): v0 is an anchor
@@ -86,6 +88,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from _util import log, machine
 from _vllm_catchup import catchup_plans
@@ -125,7 +128,7 @@ def _run_sizes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     except ValueError as err:
         ap.error(str(err))
     passed = ["--versions", str(args.versions), "--lr", str(args.lr), "--prepack", args.prepack]
-    passed += ["--fold-every", str(args.fold_every)]
+    passed += ["--fold-every", str(args.fold_every), "--tp", str(args.tp)]
     with tempfile.TemporaryDirectory(prefix="rp-bench-vllm-sizes-") as tmp:
         out = [size_json(args.json, h, n, Path(tmp)) for h, n in sizes]
         run_sizes(Path(__file__), sizes, passed, out)
@@ -152,6 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="PublisherConfig.fold_every of the run (default 8: the catch-up from v0 is one "
         "folded patch, from v1 the chain; 0: step patches only)",
     )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="vLLM's tensor-parallel ranks (default 1; above 1 no double-buffered commits)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     ap.add_argument(
         "--sizes",
@@ -163,8 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--combine", nargs="+", default=None, help="print the table of these runs' JSONs"
     )
     args = ap.parse_args(argv)
-    if args.versions < 1:
-        ap.error("--versions must be >= 1")
+    if args.versions < 1 or args.tp < 1:
+        ap.error("--versions and --tp must be >= 1")
     if args.combine:
         print(combine(args.combine))
         return 0
@@ -190,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("publisher: what folded patches cost per version (CPU, encode, bytes)")
         folds = fold_costs(world.checkpoint, args.versions)
         log("starting vLLM on v0's checkpoint")
-        server = Server(python, world.checkpoint(0), root / "vllm.log")
+        server = Server(python, world.checkpoint(0), root / "vllm.log", tp=args.tp)
         engine = None
         try:
             start_s = server.wait_ready()
@@ -219,18 +228,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 world, engine, server, prompt_ids, sizes, phases, mems, pid
             )
             mem1 = memory(pid)
-            log("double-buffered: the same, each touched parameter's new buffer exchanged")
-            back_to(world, engine)
-            engine.writes = "double_buffer"
-            reset_peak(pid)
-            mem2 = memory(pid)
-            double, served2 = phase_staged(
-                world, engine, server, prompt_ids, sizes, phases, mems, pid
-            )
-            mem3 = memory(pid)
-            engine.writes = "in_place"
-            if served2 != served:
-                raise BenchError("double-buffered commits answer differently from in-place")
+            double: list[dict[str, Any]] = []
+            mem2 = mem3 = mem1
+            if args.tp == 1:  # the double-buffered commit is TP 1's
+                log("double-buffered: the same, each touched parameter's new buffer exchanged")
+                back_to(world, engine)
+                engine.writes = "double_buffer"
+                reset_peak(pid)
+                mem2 = memory(pid)
+                double, served2 = phase_staged(
+                    world, engine, server, prompt_ids, sizes, phases, mems, pid
+                )
+                mem3 = memory(pid)
+                engine.writes = "in_place"
+                if served2 != served:
+                    raise BenchError("double-buffered commits answer differently from in-place")
             catchups = phase_catchups(world, engine, catch_n, sizes, phases, mems, pid)
             catchup = catchups[ANCHOR]
             del engine.stage_encoded

@@ -19,8 +19,6 @@ from rollpatch.errors import (
     PatchError,
     TargetMismatchError,
 )
-from rollpatch.formats import cast_view
-from rollpatch.io.safetensors import load_view
 from rollpatch.patch import DeltaOp, Patch, TensorPatch, decode, diff, encode
 from rollpatch.view import View
 from tests import live_servers, vllm_env
@@ -53,17 +51,8 @@ def model_dir(server: vllm_env.Server, live_vllm: live_servers.SharedServer) -> 
 
 @pytest.fixture(scope="module")
 def versions(model_dir: Path) -> list[View]:
-    """v0 is the checkpoint; each next version a small random step of FP32 masters (dense
-    noise, mostly absorbed by BF16 rounding, as in RL), cast to BF16 with cast_view."""
-    v0 = load_view(model_dir / "model.safetensors")
-    masters = {n: t.to_array().astype(np.float32) for n, t in v0.items()}
-    rng = np.random.default_rng(11)
-    out = [v0]
-    for _ in range(N_VERSIONS):
-        for m in masters.values():
-            m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
-        out.append(cast_view(masters, "bf16"))
-    return out
+    """v0 is the checkpoint; each next version a small random step (vllm_env.random_versions)."""
+    return vllm_env.random_versions(model_dir, N_VERSIONS, seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,11 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from rollpatch.engines.staged import EncodedStep
 from rollpatch.engines.vllm import VllmEngine
 from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError, RollpatchError
-from rollpatch.formats import cast_view
-from rollpatch.io.safetensors import load_view
 from rollpatch.patch import diff, encode
 from rollpatch.view import View
 from tests import vllm_env
@@ -91,17 +88,8 @@ def tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def versions(tp_server: Served) -> list[View]:
-    """v0 is the checkpoint; each next version a small random step of FP32 masters, cast to
-    BF16 (tests/test_vllm.py's)."""
-    v0 = load_view(tp_server[1] / "model.safetensors")
-    masters = {n: t.to_array().astype(np.float32) for n, t in v0.items()}
-    rng = np.random.default_rng(23)
-    out = [v0]
-    for _ in range(N_VERSIONS):
-        for m in masters.values():
-            m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
-        out.append(cast_view(masters, "bf16"))
-    return out
+    """v0 is the checkpoint; each next version a small random step (vllm_env.random_versions)."""
+    return vllm_env.random_versions(tp_server[1], N_VERSIONS, seed=23)
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,23 @@ def write_bytecode(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def random_versions(model_dir: Path, n: int, seed: int) -> list[View]:
+    """The checkpoint in ``model_dir`` (v0), then ``n`` versions: each a small random step of
+    FP32 masters (dense noise, mostly absorbed by BF16 rounding, as in RL), cast to BF16."""
+    from rollpatch.formats import cast_view
+    from rollpatch.io.safetensors import load_view
+
+    v0 = load_view(model_dir / "model.safetensors")
+    masters = {k: t.to_array().astype(np.float32) for k, t in v0.items()}
+    rng = np.random.default_rng(seed)
+    out = [v0]
+    for _ in range(n):
+        for m in masters.values():
+            m += (3e-3 * float(m.std())) * rng.standard_normal(m.shape).astype(np.float32)
+        out.append(cast_view(masters, "bf16"))
+    return out
+
+
 #: Per prompt: greedy token ids and their logprobs.
 Outputs = list[tuple[list[int], list[float]]]
 

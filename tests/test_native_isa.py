@@ -241,3 +241,54 @@ def test_every_isa_level_composes_like_the_numpy_merge(isa_level: str, width: in
             bad[which][0] = pos
             with pytest.raises(ValueError, match="not increasing"):
                 run(tuple(bad[0]), tuple(bad[1]))
+
+
+@pytest.mark.parametrize("isa_level", LEVELS, indirect=True)
+def test_every_isa_level_sums_words_held_apart_like_numpy(isa_level: str) -> None:
+    """``sum128_at`` (a tensor-parallel rank's block, summed at the words' indices in the
+    tensor) at each level forced: numpy's terms for every row width the vector loops split
+    (below, at and past 4 and 16 words), one row or many, empty data; the blocks of a row
+    split and of a column split add up to the whole tensor's rp.sum128; refused when the data
+    are not whole rows of whole words."""
+    from rollpatch.view import sum128, sum128_at, sum128_terms
+
+    core = native.core
+    assert core is not None
+    rng = np.random.default_rng(len(isa_level))
+    for width in (1, 3, 4, 5, 15, 16, 17, 33, 64):
+        for rows in (1, 3):
+            words = rng.integers(0, 1 << 63, rows * width, dtype=np.uint64)
+            j0, stride = int(rng.integers(0, 1 << 40)), width + int(rng.integers(0, 9))
+            index = (
+                np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(stride)
+                + np.uint64(j0)
+                + np.arange(width, dtype=np.uint64)[None, :]
+            ).reshape(-1)
+            want = sum128_terms(words, index)
+            assert tuple(core.sum128_at(words.view(np.uint8), j0, width, stride)) == want
+            if rows == 1:
+                assert tuple(core.sum128_at(words.view(np.uint8), j0, 0, 0)) == want
+    assert tuple(core.sum128_at(b"", 5, 0, 0)) == (0, 0)
+    tensor = rng.integers(0, 1 << 16, (8, 48), dtype=np.uint16)  # 12 words per row
+    whole = sum128(tensor)
+    top, bottom = tensor[:3], tensor[3:]  # a row split: contiguous runs
+    parts = [sum128_at(top, 0), sum128_at(bottom, 3 * 12)]
+    assert tuple(sum(p[i] for p in parts) % (1 << 64) for i in (0, 1)) == whole
+    left, right = tensor[:, :16], tensor[:, 16:]  # a column split: a run per row
+    parts = [sum128_at(left, 0, 4, 12), sum128_at(right, 4, 8, 12)]
+    assert tuple(sum(p[i] for p in parts) % (1 << 64) for i in (0, 1)) == whole
+    for bad in ((b"\0" * 12, 0, 0, 0), (b"\0" * 24, 0, 2, 2)):
+        with pytest.raises(ValueError):
+            core.sum128_at(*bad)
+    with pytest.raises(ValueError):
+        sum128_at(np.zeros(3, np.uint16), 0)
+
+
+def test_sum128_at_without_the_core_is_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollpatch.view.sum128_at`` without the native core (numpy's terms) sums as the core."""
+    from rollpatch.view import sum128_at
+
+    words = np.random.default_rng(3).integers(0, 1 << 63, 3 * 17, dtype=np.uint64)
+    native_sums = [sum128_at(words, 7, 17, 40), sum128_at(words, 7)]
+    monkeypatch.setattr(native, "core", None)
+    assert [sum128_at(words, 7, 17, 40), sum128_at(words, 7)] == native_sums

@@ -368,3 +368,32 @@ def test_staging_waits_for_every_rank() -> None:
     with pytest.raises(EngineError, match="disagree"):
         eng._wait_staged("tok")
     eng.close()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ranks_hash_their_own_blocks(tp: int) -> None:
+    """At TP > 1 a fresh digest or an audit moves no words between ranks: each rank sums its
+    block at the words' indices in the tensor and the ranks exchange five integers per
+    tensor (replicated blocks counted once); the digests equal the published view's, and a
+    word flipped on one rank only is found by every rank's audit."""
+    ck0 = vllm_layouts.checkpoint()
+    v0 = vllm_layouts.words_view(ck0)
+    ranks = vllm_layouts.SimulatedRanks(ck0, tp)
+    sizes: list[int] = []
+    for w in ranks.weights:
+        gather = w.access.gather
+        assert gather is not None
+
+        def sized(p: str, local: np.ndarray, gather: Any = gather) -> list[np.ndarray]:
+            sizes.append(local.size)
+            return gather(p, local)
+
+        w.access = dataclasses.replace(w.access, gather=sized)
+    assert ranks.run(lambda w: w.digests(fresh=True)) == [v0.tensor_digests()] * tp
+    assert set(sizes) == {5}  # [dim, start, length, s0, s1] per rank and tensor
+    clean = ranks.run(lambda w: w.audit(1 << 30))
+    assert all(not r.mismatched and r.wrapped for r in clean), clean
+    last = ranks.params[tp - 1]["down_proj.weight"]
+    last.reshape(-1)[7] ^= 1  # behind every digest, on the last rank only
+    found = ranks.run(lambda w: w.audit(1 << 30))
+    assert [r.mismatched for r in found] == [("down_proj.weight",)] * tp

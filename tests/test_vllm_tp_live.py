@@ -21,7 +21,9 @@ shared-memory all-gather and NCCL take no int16).
   overwrites, changed behind the digests on rank 1 only) after rank 0 wrote: the commit is
   refused, and the adapter never names a version over the mixed words;
 - **keep and double-buffered commits**: ``kv_on_commit="keep"`` commits at TP 2; a
-  double-buffered commit (TP 1 only) is refused before anything is written.
+  double-buffered commit (TP 1 only) is refused before anything is written;
+- **the sidecar** (``rollpatch sidecar --engine vllm``, its own process) joins a run through
+  patches and follows it; every labelled response is what that version's keyframe answers.
 
 Without the venv the module is SKIPPED, loudly.
 """
@@ -31,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -280,4 +284,61 @@ def test_live_tp2_keep_and_double_buffered_commits(
         assert (double.version, double.held(fresh=True)[1]) == (1, versions[1].digest())
     finally:
         double.close()
+    engine.load(versions[0], 0)
+
+
+def test_live_tp2_sidecar_follows_and_labels_every_response(
+    tp_server: Served, engine: VllmEngine, versions: list[View], tmp_path: Path
+) -> None:
+    """``rollpatch sidecar --engine vllm`` (its own process, the follower staging in both
+    workers while vLLM serves, its auditor gathering beside the staging) in front of vLLM at
+    TP 2 booted on v0: it joins a run at version 5 through patches and follows three more;
+    every response is labelled, and each labelled body equals, field for field, what the same
+    server answers with that version's keyframe loaded (tests/test_vllm_sidecar.py's check)."""
+    import httpx
+
+    from tests.conftest import free_port, until
+    from tests.sidecarworld import BOOT_LATEST, RUN, World
+    from tests.test_vllm_sidecar import PROMPTS as ASK
+    from tests.test_vllm_sidecar import Labelled, _client, _complete, check_labels
+
+    srv, model = tp_server
+    engine.load(versions[0], 0)
+    world = World(tmp_path / "world", model, seed=29, versions=BOOT_LATEST + 5)
+    port, log = free_port(), tmp_path / "sidecar.log"
+    cmd = [sys.executable, "-m", "rollpatch", "sidecar", "--board", world.board, "--run", RUN]
+    cmd += ["--engine", "vllm", "--engine-url", srv.url, "--port", str(port), "--poll", "0.05"]
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url, labelled = f"http://127.0.0.1:{port}", Labelled()
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            try:
+                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(ready, "the sidecar to join the run", timeout=300)
+        assert httpx.get(f"{url}/version", timeout=5).json()["served"] == BOOT_LATEST
+        client = _client(url)
+        for p in range(len(ASK)):
+            labelled.add(p, *_complete(client, world, p))
+        for _ in range(3):
+            v = world.publish()
+            for p in range(len(ASK)):
+                labelled.add(p, *_complete(client, world, p, min_version=v, wait_s=120))
+                assert labelled.spans[-1] == (v, v)
+        assert srv.get("/weight_info") == {"weight_version": str(world.latest)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert sorted(labelled.by_version) == list(range(BOOT_LATEST, world.latest + 1))
+    check_labels(srv.url, world, labelled)
     engine.load(versions[0], 0)

@@ -19,6 +19,7 @@ __all__ = [
     "DigestAlgo",
     "root_digest",
     "sum128",
+    "sum128_at",
     "sum128_digest",
     "sum128_terms",
     "sum_add",
@@ -82,6 +83,28 @@ def sum128(data: np.ndarray) -> tuple[int, int]:
         list(range(0, words, _SUM_SPLIT)),
     )
     return sum(a for a, _ in parts) & _M64, sum(b for _, b in parts) & _M64
+
+
+def sum128_at(words: np.ndarray, j0: int, row_words: int = 0, j_stride: int = 0) -> tuple[int, int]:
+    """The rp.sum128 terms of words held apart from their tensor (a tensor-parallel rank's
+    block): ``words`` (C-contiguous, whole 8-byte words) as rows of ``row_words`` words (0:
+    one row of all), row r being the tensor's words ``j0 + r * j_stride`` on. Natively at
+    memory speed; numpy's :func:`sum128_terms` (the reference) without the core."""
+    raw = np.ascontiguousarray(words).reshape(-1).view(np.uint8)
+    if raw.size % 8 or (row_words and (raw.size // 8) % row_words):
+        raise ValueError("not whole rows of whole 8-byte words")
+    core = native.core
+    if core is not None:
+        return tuple(core.sum128_at(raw, j0, row_words, j_stride))
+    n = raw.size // 8
+    width = row_words or n
+    rows = n // width if width else 0
+    index = (
+        np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(j_stride)
+        + np.uint64(j0)
+        + np.arange(width, dtype=np.uint64)[None, :]
+    )
+    return sum128_terms(raw.view("<u8"), index.reshape(-1))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -27,6 +27,7 @@ from .digests import (  # re-exported: the view's digests, named from here acros
     _sum128_numpy,  # noqa: F401 - re-exported for the tests' reference sums
     root_digest,
     sum128,
+    sum128_at,
     sum128_digest,
     sum128_terms,
     sum_add,
@@ -43,6 +44,7 @@ __all__ = [
     "WordSource",
     "root_digest",
     "sum128",
+    "sum128_at",
     "sum128_digest",
     "sum128_terms",
     "sum_add",

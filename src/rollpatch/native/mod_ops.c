@@ -21,6 +21,28 @@ PyObject *py_sum128(PyObject *self, PyObject *args) {
     return Py_BuildValue("(KK)", (unsigned long long)out[0], (unsigned long long)out[1]);
 }
 
+/* sum128_at(data, j0, row_words, j_stride) -> (a, b): data's whole words as rows of
+ * row_words words (0: one row of all), row r at the tensor's word j0 + r * j_stride. */
+PyObject *py_sum128_at(PyObject *self, PyObject *args) {
+    Py_buffer d = {0};
+    unsigned long long j0, row_words, stride;
+    if (!PyArg_ParseTuple(args, "y*KKK", &d, &j0, &row_words, &stride)) return NULL;
+    uint64_t words = (uint64_t)d.len / 8, rows;
+    if ((uint64_t)d.len % 8 || (row_words && words % row_words)) {
+        PyBuffer_Release(&d);
+        PyErr_SetString(PyExc_ValueError, "data is not whole rows of whole words");
+        return NULL;
+    }
+    if (!row_words) row_words = words, rows = words ? 1 : 0;
+    else rows = words / row_words;
+    uint64_t out[2];
+    Py_BEGIN_ALLOW_THREADS
+    rp_sum128_at(d.buf, rows, row_words, j0, stride, out);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    return Py_BuildValue("(KK)", (unsigned long long)out[0], (unsigned long long)out[1]);
+}
+
 static int overlaps(const Py_buffer *x, const Py_buffer *y) {
     const uint8_t *a = x->buf, *b = y->buf;
     return x->len && y->len && a < b + y->len && b < a + x->len;

@@ -152,6 +152,8 @@ static PyMethodDef methods[] = {
     {"table", py_table, METH_VARARGS, "Changed count per chunk of a delta payload."},
     {"decode_range", py_decode_range, METH_VARARGS, "Decode chunks [first, last)."},
     {"sum128", py_sum128, METH_VARARGS, "rp.sum128 state of a word range."},
+    {"sum128_at", py_sum128_at, METH_VARARGS,
+     "rp.sum128 terms of words held apart from their tensor, at their tensor indices."},
     {"cast_bf16", py_cast_bf16, METH_VARARGS, "Float32 bits to BF16 words; NaN count."},
     {"cast_bf16_diff", py_cast_bf16_diff, METH_VARARGS,
      "cast_bf16, and the words that differ from prev; (differences, NaN count)."},

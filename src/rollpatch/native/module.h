@@ -43,6 +43,7 @@ PyObject *py_table(PyObject *self, PyObject *args);
 PyObject *py_decode_range(PyObject *self, PyObject *args);
 PyObject *py_join_release(PyObject *self, PyObject *args);
 PyObject *py_sum128(PyObject *self, PyObject *args);
+PyObject *py_sum128_at(PyObject *self, PyObject *args);
 PyObject *py_cast_bf16(PyObject *self, PyObject *args);
 PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args);
 PyObject *py_apply(PyObject *self, PyObject *args);

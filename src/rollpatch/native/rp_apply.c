@@ -153,6 +153,35 @@ void rp_sum128(const uint8_t *d, size_t len, uint64_t w0, uint64_t nw, uint64_t 
     out[1] = acc[1];
 }
 
+void rp_sum128_at(const uint8_t *d, uint64_t rows, uint64_t row_words, uint64_t j0,
+                  uint64_t j_stride, uint64_t out[2]) {
+    uint64_t acc[2] = {0, 0};
+    for (uint64_t r = 0; r < rows; r++) {
+        const uint8_t *p = d + 8 * r * row_words;
+        uint64_t j = j0 + r * j_stride, i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (row_words >= 16 && sum_avx512_ok()) {
+            uint64_t cnt = row_words & ~15ULL;
+            sum_avx512(p, j, cnt, acc);
+            i = cnt;
+        }
+        if (row_words - i >= 4 && rp_isa() >= RP_ISA_AVX2) {
+            uint64_t cnt = (row_words - i) & ~3ULL;
+            sum_avx2(p + 8 * i, j + i, cnt, acc);
+            i += cnt;
+        }
+#endif
+        for (; i < row_words; i++) {
+            uint64_t w;
+            memcpy(&w, p + 8 * i, 8);
+            acc[0] += sum_term(0, w, j + i);
+            acc[1] += sum_term(1, w, j + i);
+        }
+    }
+    out[0] = acc[0];
+    out[1] = acc[1];
+}
+
 /* Typed fast path: T elements, 8 / sizeof(T) per 64-bit word. Each word is read once; its
  * value after the writes is made in a register (lanes replaced), never read back from the
  * element stores (a 64-bit load of bytes just stored by narrower stores cannot be forwarded

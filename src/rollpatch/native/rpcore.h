@@ -121,6 +121,12 @@ int rp_decode_apply_chunks(const rp_kind *k, uint8_t *data, size_t nbytes, int m
  * (whose total length is `len` bytes; the last word is zero-padded). */
 void rp_sum128(const uint8_t *data, size_t len, uint64_t w0, uint64_t nwords, uint64_t out[2]);
 
+/* rp.sum128 terms of words held apart from their tensor (a tensor-parallel rank's block):
+ * `rows` runs of `row_words` whole words, packed in `data` one after another; run r's words
+ * are the tensor's words j0 + r * j_stride, j0 + r * j_stride + 1, ... */
+void rp_sum128_at(const uint8_t *data, uint64_t rows, uint64_t row_words, uint64_t j0,
+                  uint64_t j_stride, uint64_t out[2]);
+
 /* Gather elements at positions (must be < n_elements, checked) into `out` (width ow). */
 int rp_gather(const rp_kind *k, const uint8_t *data, int64_t n_elements, const int64_t *pos,
               int64_t count, void *out, int ow, const char **err);

@@ -16,16 +16,24 @@ width divisible by 4 for BF16); others are refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ...errors import EngineError
 from ...kinds import get_kind
-from ...view import root_digest, sum128_digest, sum128_terms
+from ...view import root_digest, sum128_at, sum128_digest, sum128_terms
 from ..vllm.layout import Placement, extract, locate
 
-__all__ = ["Block", "combine", "partial_delta", "partial_state"]
+__all__ = [
+    "Block",
+    "aligned",
+    "combine",
+    "combine_state",
+    "partial_delta",
+    "partial_state",
+    "ranks_state",
+]
 
 _M64 = (1 << 64) - 1
 #: One rank's report for one tensor: ``[dim, src_start, length, s0, s1]``.
@@ -64,16 +72,29 @@ def _word_index(pl: Placement, per: int) -> np.ndarray:
     return (rows + cols).reshape(-1)
 
 
+def aligned(pl: Placement, itemsize: int) -> bool:
+    """Whether the block starts and ends on 8-byte words (:func:`partial_state` can sum it)."""
+    try:
+        _per(pl, itemsize)
+    except EngineError:
+        return False
+    return True
+
+
 def partial_state(pl: Placement, param: np.ndarray) -> Block:
     """This rank's block of ``pl``'s tensor as ``[dim, start, length, s0, s1]``: the
-    rp.sum128 terms of the words it holds, at their indices in the whole tensor."""
+    rp.sum128 terms of the words it holds, at their indices in the whole tensor (natively:
+    :func:`rollpatch.view.sum128_at`, one row per block row of a column split)."""
     block = extract(pl, param)
     per = _per(pl, block.itemsize)
     raw = np.ascontiguousarray(block).reshape(-1)
     pad = (-raw.size) % per
     if pad:
         raw = np.concatenate([raw, np.zeros(pad, raw.dtype)])
-    s0, s1 = sum128_terms(raw.view("<u8"), _word_index(pl, per))
+    if pl.whole or pl.dim == 0:
+        s0, s1 = sum128_at(raw, 0 if pl.whole else pl.src_start * pl.cols // per)
+    else:
+        s0, s1 = sum128_at(raw, pl.src_start // per, pl.length // per, pl.cols // per)
     return [pl.dim, pl.src_start, pl.length, s0, s1]
 
 
@@ -106,40 +127,72 @@ def partial_delta(
     return (a0 - b0) & _M64, (a1 - b1) & _M64
 
 
+def ranks_state(
+    name: str,
+    ranks: Sequence[Placement],
+    mine: Placement,
+    param: np.ndarray,
+    gather: Callable[[np.ndarray], list[np.ndarray]],
+) -> tuple[int, int] | None:
+    """One tensor's rp.sum128 state at TP > 1 from every rank's block sum, inside a
+    collective (vLLM's worker: ``gather`` is the TP all-gather, every rank calls this for the
+    same tensor): this rank sums the words of its block (``mine`` of ``param``) at their
+    indices in the tensor, the ranks exchange the five integers of each block, and the
+    distinct blocks must tile the tensor (:func:`combine_state`). None, with no collective
+    on any rank, where some rank's block (``ranks``: every rank's placement, known to all
+    alike) is an expert's or does not start and end on 8-byte words: gather the words."""
+    size = param.itemsize
+    if not all(pl.sub is None and aligned(pl, size) for pl in ranks):
+        return None
+    got = gather(np.array(partial_state(mine, param), dtype=np.uint64))
+    return combine_state(name, [g.tolist() for g in got], mine.shape)
+
+
 def combine(
     reports: Iterable[Mapping[str, Sequence[int]]], tensors: Mapping[str, Sequence[object]]
 ) -> tuple[dict[str, str], str]:
     """Every rank's blocks → per-tensor rp.sum128 digests and the root. ``tensors``: name →
     ``[kind, shape]`` (the engine's ``info``). Each distinct block counts once; the blocks
     of a tensor must tile it exactly (else :class:`EngineError`)."""
-    blocks: dict[str, dict[tuple[int, int, int], tuple[int, int]]] = {n: {} for n in tensors}
+    blocks: dict[str, list[Sequence[int]]] = {n: [] for n in tensors}
     for report in reports:
         for name, b in report.items():
             if name not in blocks:
                 raise EngineError("a rank reports a tensor the engine does not hold", tensor=name)
-            key, state = (int(b[0]), int(b[1]), int(b[2])), (int(b[3]), int(b[4]))
-            if blocks[name].setdefault(key, state) != state:
-                raise EngineError("two ranks hold one block with different words", tensor=name)
+            blocks[name].append(b)
     digests: dict[str, str] = {}
     for name, (kind_name, shape) in tensors.items():
         kind = get_kind(str(kind_name))
         dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
-        rows = dims[0] if dims else 1
-        cols = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        got = sorted(blocks[name].items())
-        if len({k[0] for k, _ in got}) != 1:
-            raise EngineError("ranks split a tensor along different axes", tensor=name)
-        extent, at = (rows if got[0][0][0] == 0 else cols), 0
-        for (_, start, length), _ in got:
-            if length == 0:
-                continue
-            if start != at:
-                raise EngineError("the ranks' blocks do not tile the tensor", tensor=name, at=at)
-            at += length
-        if at != extent:
-            raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)
-        s0 = sum(s[0] for _, s in got) & _M64
-        s1 = sum(s[1] for _, s in got) & _M64
-        nbytes = rows * cols * kind.word_dtype.itemsize
-        digests[name] = sum128_digest(kind.dtype, dims, nbytes, (s0, s1))
+        state = combine_state(name, blocks[name], dims)
+        nbytes = int(np.prod(dims, dtype=np.int64)) * kind.word_dtype.itemsize
+        digests[name] = sum128_digest(kind.dtype, dims, nbytes, state)
     return digests, root_digest(digests)
+
+
+def combine_state(
+    name: str, blocks: Iterable[Sequence[int]], dims: tuple[int, ...]
+) -> tuple[int, int]:
+    """One tensor's rp.sum128 state from the ranks' blocks (``[dim, start, length, s0,
+    s1]`` each, :func:`partial_state`): each distinct block once (a replica must carry the
+    same sums), the blocks tiling the tensor exactly (else :class:`EngineError`)."""
+    distinct: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for b in blocks:
+        key, state = (int(b[0]), int(b[1]), int(b[2])), (int(b[3]), int(b[4]))
+        if distinct.setdefault(key, state) != state:
+            raise EngineError("two ranks hold one block with different words", tensor=name)
+    rows = dims[0] if dims else 1
+    cols = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+    got = sorted(distinct.items())
+    if len({k[0] for k, _ in got}) != 1:
+        raise EngineError("ranks split a tensor along different axes", tensor=name)
+    extent, at = (rows if got[0][0][0] == 0 else cols), 0
+    for (_, start, length), _ in got:
+        if length == 0:
+            continue
+        if start != at:
+            raise EngineError("the ranks' blocks do not tile the tensor", tensor=name, at=at)
+        at += length
+    if at != extent:
+        raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)
+    return sum(s[0] for _, s in got) & _M64, sum(s[1] for _, s in got) & _M64

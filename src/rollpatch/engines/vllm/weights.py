@@ -35,6 +35,7 @@ from ...errors import BaseMismatchError, EngineError, ViewError
 from ...kinds import Kind
 from ...patch import Patch
 from ...view import Tensor, View, root_digest, sum128, sum128_digest
+from ..sglang.slices import ranks_state
 from ..staged import AuditCursor, AuditReport, StagedUpdate, stage_patch
 from .layout import (
     ParamSpec,
@@ -51,6 +52,7 @@ from .writes import (
     WriteMode,
     exchange_buffers,
     lay_out,
+    undo_writes,
     write_params,
 )
 
@@ -161,11 +163,32 @@ class RuntimeWeights:
 
     def digest_of(self, name: str, *, fresh: bool = False) -> str:
         if fresh or name not in self._digests:
-            t = self[name]
-            st = sum128(t.data)
+            st = self._live_state(name)
             self._states[name] = st
-            self._digests[name] = sum128_digest(t.dtype, t.shape, t.nbytes, st)
+            self._digests[name] = self._digest(name, st)
         return self._digests[name]
+
+    def _nbytes(self, name: str) -> int:
+        e = self._entry(name)
+        words = e.mine.n_elements // 2 if e.kind.packed else e.mine.n_elements
+        return words * e.kind.word_dtype.itemsize
+
+    def _digest(self, name: str, state: tuple[int, int]) -> str:
+        e = self._entry(name)
+        return sum128_digest(e.kind.dtype, e.mine.shape, self._nbytes(name), state)
+
+    def _live_state(self, name: str) -> tuple[int, int]:
+        """The tensor's rp.sum128 state from the live words; at TP > 1 from the ranks' block
+        sums where it can (:func:`ranks_state`: no words cross between ranks), else gathered."""
+        e = self._entry(name)
+        if self.tp > 1:
+            assert self.access.gather is not None
+            self.settler.wait()
+            local, gather = self.access.read(e.mine.param), self.access.gather
+            st = ranks_state(name, e.ranks, e.mine, local, lambda a: gather(e.mine.param, a))
+            if st is not None:
+                return st
+        return sum128(self[name].data)
 
     def digests(self, *, fresh: bool = False) -> dict[str, str]:
         return {n: self.digest_of(n, fresh=fresh) for n in self.names()}
@@ -383,11 +406,7 @@ class RuntimeWeights:
         if undo is None:
             return False
         writes, before = undo
-        back = {p: ParamWrites(w.prepared, w.new, w.old) for p, w in writes.items()}
-        try:
-            write_params(self.access, back, parallel=True)
-        finally:
-            self.access.repack(set(writes))
+        undo_writes(self.access, writes)
         for name, (digest, state) in before.items():
             self._forget(name)
             if digest is not None:
@@ -425,9 +444,8 @@ class RuntimeWeights:
         )
         bad, nbytes = [], 0
         for name in names:
-            t = self[name]
-            nbytes += t.nbytes
-            live = sum128_digest(t.dtype, t.shape, t.nbytes, sum128(t.data))
+            nbytes += self._nbytes(name)
+            live = self._digest(name, self._live_state(name))
             if name in self._digests and live != self._digests[name]:
                 bad.append(name)
         if bad and self.tainted is None:

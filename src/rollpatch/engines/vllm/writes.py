@@ -36,6 +36,7 @@ __all__ = [
     "exchange_buffers",
     "increasing",
     "lay_out",
+    "undo_writes",
     "write_params",
 ]
 
@@ -174,3 +175,14 @@ class Settler:
 
         self._thread = threading.Thread(target=run, daemon=True, name="rollpatch-settle")
         self._thread.start()
+
+
+def undo_writes(acc: Access, writes: dict[str, ParamWrites]) -> None:
+    """Put back the old words of committed in-place ``writes`` (the new words checked, the old
+    ones written and read back: :func:`write_params` with the two swapped), then re-pack the
+    touched modules' kernels from the words, whatever the writes did."""
+    back = {p: ParamWrites(w.prepared, w.new, w.old) for p, w in writes.items()}
+    try:
+        write_params(acc, back, parallel=True)
+    finally:
+        acc.repack(set(writes))

@@ -397,3 +397,7 @@ def test_ranks_hash_their_own_blocks(tp: int) -> None:
     last.reshape(-1)[7] ^= 1  # behind every digest, on the last rank only
     found = ranks.run(lambda w: w.audit(1 << 30))
     assert [r.mismatched for r in found] == [("down_proj.weight",)] * tp
+    ranks.run(lambda w: w.load(v0))
+    ranks.params[tp - 1]["norm.weight"].reshape(-1)[3] ^= 1  # one replica of a whole tensor
+    found = ranks.run(lambda w: w.audit(1 << 30))
+    assert [r.mismatched for r in found] == [("norm.weight",)] * tp

@@ -1,10 +1,15 @@
 """The live sidecar tests' world (tests/test_vllm_sidecar*.py, tests/test_sglang_sidecar.py):
 the tiny model's versions (FP32 masters plus small noise, as an RL step) and a board they are
-published on; for vLLM also the session's server and the module's fixtures.
+published on; for vLLM also the session's server and the module's fixtures; ``rollpatch
+sidecar`` as a process of its own (:func:`sidecar_process`, the TP 2 modules).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,3 +89,42 @@ def world(
     that publishes a race-dependent number of them), else :data:`N_VERSIONS`."""
     versions = int(getattr(request.module, "WORLD_VERSIONS", N_VERSIONS))
     return World(tmp_path_factory.mktemp("vllm-sidecar"), live_vllm.model, versions=versions)
+
+
+@contextlib.contextmanager
+def sidecar_process(
+    board: str, engine: str, engine_url: str, tmp: Path, *extra: str
+) -> Iterator[str]:
+    """``rollpatch sidecar --engine ENGINE`` (``extra``: more options) as its own process in
+    front of ``engine_url``, following :data:`RUN` on ``board`` (state and log under ``tmp``):
+    yields its URL once ``/ready`` (300 s), stops it after."""
+    import httpx
+
+    from tests.conftest import free_port, until
+
+    port, log = free_port(), tmp / "sidecar.log"
+    cmd = [sys.executable, "-m", "rollpatch", "sidecar", "--board", board, "--run", RUN]
+    cmd += ["--engine", engine, "--engine-url", engine_url, "--port", str(port)]
+    cmd += ["--poll", "0.05", *extra]
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp / "state"))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            try:
+                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(ready, "the sidecar to join the run", timeout=300)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -215,34 +213,6 @@ def _double_buffered_partial_failure(server: vllm_env.Server, world: World, have
         engine.close()
 
 
-def _sidecar(board: str, engine_url: str, port: int, log: Path, state: Path) -> Any:
-    cmd = [
-        sys.executable,
-        "-m",
-        "rollpatch",
-        "sidecar",
-        "--board",
-        board,
-        "--run",
-        "rl",
-        "--engine",
-        "sglang",
-        "--engine-url",
-        engine_url,
-        "--port",
-        str(port),
-        "--poll",
-        "0.05",
-        "--writes",
-        "double_buffer",
-    ]
-    env = dict(os.environ, XDG_STATE_HOME=str(state))
-    out = open(log, "wb")  # noqa: SIM115 - the child writes it until stopped
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    out.close()
-    return proc
-
-
 def _complete(
     client: Any, model: Path, prompt: int, **rollpatch: Any
 ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -264,27 +234,15 @@ def test_live_tp2_sidecar_labels_every_response(tp_server: Served, tmp_path: Pat
     import openai
 
     from rollpatch.engines.sglang import SglangEngine
-    from tests.conftest import free_port, until
     from tests.sidecarworld import World as SidecarWorld
+    from tests.sidecarworld import sidecar_process
     from tests.test_sglang_sidecar import Labelled
 
     server, root = tp_server
     world = SidecarWorld(tmp_path / "world", root / "model", seed=29, versions=9)
-    port = free_port()
-    log = tmp_path / "sidecar.log"
-    proc = _sidecar(world.board, server.url, port, log, tmp_path / "state")
-    url = f"http://127.0.0.1:{port}"
     labelled = Labelled()
-    try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            try:
-                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        until(ready, "the sidecar to join the run", timeout=300)
+    extra = ("--writes", "double_buffer")
+    with sidecar_process(world.board, "sglang", server.url, tmp_path, *extra) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120)
         for p in range(len(PROMPTS)):
             labelled.add(p, *_complete(client, world.model, p, min_version=world.latest, wait_s=60))
@@ -294,13 +252,6 @@ def test_live_tp2_sidecar_labels_every_response(tp_server: Served, tmp_path: Pat
                 labelled.add(p, *_complete(client, world.model, p, min_version=v, wait_s=120))
                 assert labelled.spans[-1] == (v, v)
         assert httpx.get(f"{url}/version", timeout=5).json()["served"] == world.latest
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     assert sorted(labelled.by_version) == list(range(world.latest - 3, world.latest + 1))
     engine = SglangEngine(server.url)  # the sidecar's gone: its control sockets may be taken
     try:

@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -297,31 +295,15 @@ def test_live_tp2_sidecar_follows_and_labels_every_response(
     server answers with that version's keyframe loaded (tests/test_vllm_sidecar.py's check)."""
     import httpx
 
-    from tests.conftest import free_port, until
-    from tests.sidecarworld import BOOT_LATEST, RUN, World
+    from tests.sidecarworld import BOOT_LATEST, World, sidecar_process
     from tests.test_vllm_sidecar import PROMPTS as ASK
     from tests.test_vllm_sidecar import Labelled, _client, _complete, check_labels
 
     srv, model = tp_server
     engine.load(versions[0], 0)
     world = World(tmp_path / "world", model, seed=29, versions=BOOT_LATEST + 5)
-    port, log = free_port(), tmp_path / "sidecar.log"
-    cmd = [sys.executable, "-m", "rollpatch", "sidecar", "--board", world.board, "--run", RUN]
-    cmd += ["--engine", "vllm", "--engine-url", srv.url, "--port", str(port), "--poll", "0.05"]
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url, labelled = f"http://127.0.0.1:{port}", Labelled()
-    try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            try:
-                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        until(ready, "the sidecar to join the run", timeout=300)
+    labelled = Labelled()
+    with sidecar_process(world.board, "vllm", srv.url, tmp_path) as url:
         assert httpx.get(f"{url}/version", timeout=5).json()["served"] == BOOT_LATEST
         client = _client(url)
         for p in range(len(ASK)):
@@ -332,13 +314,6 @@ def test_live_tp2_sidecar_follows_and_labels_every_response(
                 labelled.add(p, *_complete(client, world, p, min_version=v, wait_s=120))
                 assert labelled.spans[-1] == (v, v)
         assert srv.get("/weight_info") == {"weight_version": str(world.latest)}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     assert sorted(labelled.by_version) == list(range(BOOT_LATEST, world.latest + 1))
     check_labels(srv.url, world, labelled)
     engine.load(versions[0], 0)

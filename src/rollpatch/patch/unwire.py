@@ -25,6 +25,7 @@ def decode(
     *,
     check_base: bool = True,
     max_full_bytes: int | None = None,
+    parallel: bool = True,
 ) -> Patch:
     """Parse and decode a patch against its ``base`` view (or any word source).
 
@@ -32,6 +33,9 @@ def decode(
     digests make this cheap), so a wrong base fails fast with :class:`BaseMismatchError`.
     ``max_full_bytes`` bounds each ``full`` tensor before it is decompressed (default: the
     larger of the base view's size and 256 MiB; any other word source: 256 MiB).
+    ``parallel=False``: one tensor after another, in the header's order, each base tensor
+    read just before it is decoded (a word source that reads a tensor by a collective, or
+    holds one tensor's words at a time).
     """
     header = inspect(blob)
     if check_base and isinstance(base, View) and base.digest(header.digest) != header.base:
@@ -52,7 +56,7 @@ def decode(
             raise PatchDecodeError("payload checksum mismatch", tensor=e["name"])
         return decode_entry(e, payload, base, limit)
 
-    decoded = _map(one, header.tensors)
+    decoded = _map(one, header.tensors) if parallel else [one(e) for e in header.tensors]
     return Patch(
         header.base, header.target, {t.name: t for t in decoded}, header.meta, header.digest
     )

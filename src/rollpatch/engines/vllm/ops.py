@@ -23,6 +23,7 @@ import numpy as np
 from ...errors import BaseMismatchError, EngineError, ManifestError, RollpatchError
 from ...io.safetensors import load_view, save_view
 from ...patch import Patch, compose, decode, inspect
+from ...patch.header import MIN_FULL_BOUND
 from ...patch.overlay import Overlay
 from ...view import View
 from ..catchup import decode_in_place
@@ -58,14 +59,16 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[
             return composed
     patch: Patch | None = None
     for step, parts in zip(steps, blobs, strict=True):
-        names = sorted({e["name"] for blob in parts for e in inspect(blob).tensors})
         base: Any = w if patch is None else Overlay(w, patch)
-        if w.tp > 1:  # reading a tensor is a collective: read them in one order on every rank
-            base = View({n: base[n] for n in names if n in base})
         tensors: dict[str, Any] = {}
         digest = None
         for blob in parts:
-            part = decode(blob, base, check_base=False)
+            # TP > 1: reading a tensor is a collective, so tensors are read one after another
+            # in the header's order (the same on every rank), each just before it is decoded:
+            # one gathered tensor in memory at a time, not every touched tensor at once
+            serial = w.tp > 1
+            limit = max(MIN_FULL_BOUND, w.nbytes) if serial else None
+            part = decode(blob, base, check_base=False, parallel=not serial, max_full_bytes=limit)
             if len(parts) == 1 and (part.base, part.target) != (step["base"], step["target"]):
                 raise ManifestError("patch object binds other digests than its step")
             if tensors.keys() & part.tensors.keys():

@@ -168,6 +168,11 @@ class RuntimeWeights:
             self._digests[name] = self._digest(name, st)
         return self._digests[name]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every checkpoint tensor's words, as a view of them holds."""
+        return sum(self._nbytes(n) for n in self.names())
+
     def _nbytes(self, name: str) -> int:
         e = self._entry(name)
         words = e.mine.n_elements // 2 if e.kind.packed else e.mine.n_elements

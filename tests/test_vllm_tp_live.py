@@ -40,17 +40,20 @@ import pytest
 
 from rollpatch.engines.staged import EncodedStep
 from rollpatch.engines.vllm import VllmEngine
-from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError, RollpatchError
+from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError
 from rollpatch.patch import diff, encode
 from rollpatch.view import View
 from tests import vllm_env
 
 N_VERSIONS = 6
 PROMPTS = [[1, 5, 9, 200, 31, 7], [1, 77, 300, 12], [1, 1500, 3, 3, 90]]
-#: A position of ``gate_proj`` held by rank 1 (rows 256-511 of 512: the second half of the
-#: column-parallel ``gate_up_proj``'s gate block).
+#: Rank 1's rows of ``gate_proj`` (256-511 of 512: the second half of the column-parallel
+#: ``gate_up_proj``'s gate block; its kernel holds its own words: written after the pause).
 GATE = "model.layers.1.mlp.gate_proj.weight"
 RANK1_ROWS = (256, 512)
+#: Rank 1's rows of the embedding (1024-2047 of the vocabulary: written in the pause).
+EMBED = "model.embed_tokens.weight"
+RANK1_VOCAB = (1024, 2048)
 
 Served = tuple[vllm_env.Server, Path]
 
@@ -112,12 +115,14 @@ def _step(vs: list[View], a: int, b: int) -> EncodedStep:
     return EncodedStep((encode(diff(vs[a], vs[b]), vs[a]),), vs[a].digest(), vs[b].digest())
 
 
-def _rank1_change(vs: list[View], a: int, b: int) -> int:
-    """A position of :data:`GATE` that the patch ``a -> b`` changes, held by rank 1."""
-    pos = diff(vs[a], vs[b]).tensors[GATE].changes().positions
-    cols = vs[a][GATE].shape[1]
-    mine = pos[(pos >= RANK1_ROWS[0] * cols) & (pos < RANK1_ROWS[1] * cols)]
-    assert mine.size, "the patch changes nothing of rank 1's gate rows"
+def _rank1_change(
+    vs: list[View], a: int, b: int, name: str = GATE, rows: tuple[int, int] = RANK1_ROWS
+) -> int:
+    """A position of ``name`` that the patch ``a -> b`` changes, in rank 1's ``rows``."""
+    pos = diff(vs[a], vs[b]).tensors[name].changes().positions
+    cols = vs[a][name].shape[1]
+    mine = pos[(pos >= rows[0] * cols) & (pos < rows[1] * cols)]
+    assert mine.size, f"the patch changes nothing of rank 1's rows of {name}"
     return int(mine[mine.size // 2])
 
 
@@ -211,28 +216,28 @@ def test_live_tp2_audit_finds_a_bit_flipped_on_rank_1(
 def test_live_tp2_partial_rank_failure_is_undone_on_every_rank(
     tp_server: Served, engine: VllmEngine, versions: list[View]
 ) -> None:
-    """Rank 1's old-word check fails mid-commit (a word the update overwrites, changed behind
-    the digests on rank 1 only) after rank 0 wrote: the commit is refused and rank 0 puts its
-    old words back, so both ranks hold the previous version and the adapter still names it.
-    Once in the engine-core hook's atomic commit (inside its hold), once under ``/pause`` as
-    without the hook (the adapter asks the ranks, still paused)."""
+    """Rank 1's old-word check fails mid-commit (a word the update overwrites in the pause,
+    changed behind the digests on rank 1 only) after rank 0 wrote: the commit is refused and
+    rank 0 puts its old words back, so both ranks hold the previous version and the adapter
+    still names it. Once in the engine-core hook's atomic commit (inside its hold), once under
+    ``/pause`` as without the hook (the adapter asks the ranks, still paused). A weight served
+    only by its packed kernel is written after the pause: there the kernel (built from the
+    checked words while staging) serves the version, and the failed write taints the engine
+    until a keyframe."""
     srv, model = tp_server
     engine.load(versions[0], 0)
     before = srv.greedy(model, PROMPTS)
-    position = _rank1_change(versions, 0, 1)
-
-    def refused(err: pytest.ExceptionInfo[RollpatchError]) -> None:
-        assert err.value.context["rank"] == 1 and err.value.context["undone_ranks"] == "[0]"
-        assert (engine.version, engine.digest) == (0, versions[0].digest())
-        assert srv.get("/weight_info") == {"weight_version": "0"}
+    position = _rank1_change(versions, 0, 1, EMBED, RANK1_VOCAB)
 
     staged = engine.stage_encoded([_step(versions, 0, 1)], 1)
-    assert _flip(srv, GATE, position) == [0, 1]  # behind rank 1's digests only
+    assert _flip(srv, EMBED, position) == [0, 1]  # behind rank 1's digests only
     with pytest.raises(BaseMismatchError) as err:
         engine.commit_staged(staged, 1)
-    refused(err)
+    assert err.value.context["rank"] == 1 and err.value.context["undone_ranks"] == "[0]"
+    assert (engine.version, engine.digest) == (0, versions[0].digest())
+    assert srv.get("/weight_info") == {"weight_version": "0"}
     # rank 1's failed write put every word it started back to the update's old words (the
-    # flipped one too): both ranks hold v0 exactly
+    # flipped one too) and re-packed: both ranks hold v0 exactly
     assert engine.held(fresh=True) == (versions[0].tensor_digests(), versions[0].digest())
     assert srv.greedy(model, PROMPTS) == before
 
@@ -241,7 +246,7 @@ def test_live_tp2_partial_rank_failure_is_undone_on_every_rank(
     try:
         paused.adopt(0, versions[0].digest())
         staged = paused.stage_encoded([_step(versions, 0, 1)], 1)
-        assert _flip(srv, GATE, position) == [0, 1]
+        assert _flip(srv, EMBED, position) == [0, 1]
         with pytest.raises(BaseMismatchError):
             paused.commit_staged(staged, 1)
         assert (paused.version, paused.digest) == (0, versions[0].digest())
@@ -252,8 +257,19 @@ def test_live_tp2_partial_rank_failure_is_undone_on_every_rank(
     assert srv.greedy(model, PROMPTS) == before
 
     engine.commit_staged(engine.stage_encoded([_step(versions, 0, 1)], 1), 1)  # now it commits
-    assert engine.held(fresh=True)[1] == versions[1].digest()
+    served = srv.greedy(model, PROMPTS)
     engine.load(versions[0], 0)
+    staged = engine.stage_encoded([_step(versions, 0, 1)], 1)
+    assert _flip(srv, GATE, _rank1_change(versions, 0, 1)) == [0, 1]  # a kernel-only weight
+    engine.commit_staged(staged, 1)  # its kernel was built from the checked words
+    assert srv.greedy(model, PROMPTS) == served
+    settled = srv.post("/collective_rpc", {"method": "rollpatch_settled", "args": []})
+    assert [bool(r["tainted"]) for r in settled["results"]] == [False, True]
+    assert engine.held(fresh=True)[1] != versions[1].digest()  # rank 1's words: not v1
+    assert engine.audit(1 << 30).mismatched and engine.version is None  # out of rotation
+    engine.load(versions[0], 0)
+    assert engine.held(fresh=True)[1] == versions[0].digest()
+    assert srv.greedy(model, PROMPTS) == before
 
 
 def test_live_tp2_keep_and_double_buffered_commits(

@@ -306,7 +306,7 @@ class TorchParams:
             prebuild=self.prebuild if cpu else None,
             install=self.install,
             swap=self.swap if cpu else None,
-            kernel_only=self.kernel_only if cpu and one else None,
+            kernel_only=self.kernel_only if cpu else None,
             buffer=self.buffer if cpu and one else None,
             exchange=self.exchange if cpu and one else None,
             own_collectives=self._tp.own if self._tp is not None and self._tp.background else None,

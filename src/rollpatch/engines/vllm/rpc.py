@@ -84,7 +84,11 @@ class WorkerCalls(NestedPause):
         ]
         for key in phases[0]:
             self.last_timings[key] = max(float(p.get(key, 0.0)) for p in phases)
-        return dict(results[0])
+        out = dict(results[0])
+        tainted = next((r["tainted"] for r in results if r.get("tainted")), None)
+        if tainted:  # TP > 1: one rank's failed write after a pause taints the engine
+            out["tainted"] = tainted
+        return out
 
     def pause(self) -> None:
         """Freeze generation (requests in flight keep their place: ``mode=keep``)."""

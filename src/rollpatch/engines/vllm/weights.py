@@ -392,9 +392,9 @@ class RuntimeWeights:
             "threads": float(n),
             "written_after": float(len(later)),
         }
-        if self.tp > 1:  # `later` is empty: nothing is kernel-only at TP > 1
+        if self.tp > 1:  # undoable (undo_last): every write, those after the pause too
             before = {n: (self._digests.get(n), self._states.get(n)) for n in staged.digests}
-            self._undo = (dict(now), before)
+            self._undo = (dict(writes), before)
         self._record(staged)
         retired = {p: staged.payload.pop(p) for p in writes}  # freed after the pause
         retired.update(_kernels(staged))
@@ -410,6 +410,7 @@ class RuntimeWeights:
         undo, self._undo = self._undo, None
         if undo is None:
             return False
+        self.settler.wait()  # the kernel-only words written after the pause are in place
         writes, before = undo
         undo_writes(self.access, writes)
         for name, (digest, state) in before.items():
@@ -438,10 +439,13 @@ class RuntimeWeights:
     def audit(self, budget: int) -> AuditReport:
         """Re-hash up to ``budget`` bytes of live tensors, round-robin, against the held
         digests; a mismatch marks the engine :attr:`tainted` (a collective at TP > 1).
-        Nothing is hashed while words are still being written after a pause (the audit runs
-        between generation steps and must not wait for them)."""
+        Nothing is hashed while words are still being written after a pause: at TP 1 this
+        slice is skipped (the audit runs between generation steps and must not wait for
+        them); at TP > 1 it waits for them (every rank must take part alike)."""
         if self.settler.busy:
-            return AuditReport(0, 0, (), False)
+            if self.tp == 1:
+                return AuditReport(0, 0, (), False)
+            self.settler.wait()  # TP > 1, a collective: every rank must audit alike
         names, wrapped = self._cursor.take(
             self.names(),
             lambda n: self._entry(n).mine.n_elements * self._entry(n).kind.elem_dtype.itemsize,

@@ -8,7 +8,8 @@ share one process); ``--hidden H --layers L``,
 ``--versions N``, ``-c`` streams in flight, ``--max-tokens`` per request, ``--kv-on-commit
 recompute|keep`` (vLLM: what a commit does to the KV of the streams in flight), ``--tp N``
 (vLLM: tensor-parallel ranks, the cores split between them; every sync in place: the
-double-buffered commit is TP 1's), ``--json PATH``.
+double-buffered commit is TP 1's), ``--staging inline`` (vLLM: stage on the engine loop, not
+in a thread), ``--json PATH``.
 
 bench/vllm.py and bench/sglang.py time each path with the engine idle between commits. Here
 the same follower
@@ -176,6 +177,7 @@ def report(res: dict[str, Any]) -> str:
         f"{res['args']['engine']}"
         + (f" (kv on commit: {a.get('kv_on_commit')})" if a.get("engine") == "vllm" else "")
         + (f", TP {a['tp']}" if a.get("tp", 1) > 1 else "")
+        + (f", staging {a['staging']}" if a.get("staging", "thread") != "thread" else "")
         + f", {w['params'] / 1e6:.0f}M params, "
         f"{len(w['digests']) - 1} versions, "
         f"{res['args']['c']} streams x {res['args']['max_tokens']} tokens, load "
@@ -236,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         help="vllm: what a commit does to the KV of the streams in flight (docs/vllm.md)",
     )
     ap.add_argument("--tp", type=int, default=1, help="vllm: tensor-parallel ranks (default 1)")
+    ap.add_argument(
+        "--staging",
+        choices=("thread", "inline"),
+        default="thread",
+        help="vllm: stage in a thread while serving, or inline on the engine loop",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 2 or args.c < 1 or args.max_tokens < 2 or args.idle_s <= 0:
         ap.error("--versions >= 2, -c >= 1, --max-tokens >= 2, --idle-s > 0")
-    if args.tp < 1 or (args.tp > 1 and args.engine != "vllm"):
-        ap.error("--tp >= 1, and above 1 for --engine vllm only")
+    if args.tp < 1 or (args.engine != "vllm" and (args.tp > 1 or args.staging != "thread")):
+        ap.error("--tp >= 1; --tp above 1 and --staging inline for --engine vllm only")
     if args.kv_on_commit != "recompute" and args.engine != "vllm":
         ap.error("--kv-on-commit is vLLM's (the built-in engine keeps, SGLang recomputes)")
     mach, load0 = machine(), os.getloadavg()[0]
@@ -253,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         side = start(args.engine, world, root, args.tp)
         if args.engine == "vllm":
             side.engine.kv = KvMode(args.kv_on_commit)  # type: ignore[attr-defined]
+            side.engine.staging = args.staging  # type: ignore[attr-defined]
         try:
             log("no load: Follower.sync v1..vN")
             syncs = _syncs(world, side, None, tp=args.tp)

@@ -7,6 +7,7 @@ adapter's commit protocol against a stand-in server. The live tests: tests/test_
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -401,3 +402,39 @@ def test_ranks_hash_their_own_blocks(tp: int) -> None:
     ranks.params[tp - 1]["norm.weight"].reshape(-1)[3] ^= 1  # one replica of a whole tensor
     found = ranks.run(lambda w: w.audit(1 << 30))
     assert [r.mismatched for r in found] == [("norm.weight",)] * tp
+
+
+def test_staging_in_a_thread_or_inline(tmp_path: Path) -> None:
+    """``VllmEngine(staging=...)`` reaches the workers in the staging request: ``thread``
+    stages beside the engine loop, ``inline`` on it (done when the call returns); any other
+    value is refused, by the adapter, the sidecar's ``make_engine`` (vLLM only) and the
+    worker's request check."""
+    import json
+
+    from rollpatch.engines.vllm.ops import OPS
+    from rollpatch.errors import ConfigError
+    from rollpatch.patch import encode
+    from rollpatch.sidecar.server import make_engine
+
+    ck0 = vllm_layouts.checkpoint()
+    v0, v1 = vllm_layouts.words_view(ck0), vllm_layouts.words_view(vllm_layouts.random_step(ck0, 5))
+    w = vllm_layouts.SimulatedRanks(ck0, 1).weights[0]
+    (tmp_path / "step").write_bytes(encode(diff(v0, v1), v0))
+    step = {"base": v0.digest(), "target": v1.digest(), "paths": [str(tmp_path / "step")]}
+    spec = tmp_path / "spec.json"
+    for where, background in (("inline", False), ("thread", True)):
+        spec.write_text(json.dumps({"token": where, "steps": [step], "staging": where}))
+        assert OPS["stage"](w, str(spec), "") == {"token": where, "background": background}
+        assert w.jobs[where].done.is_set() or background
+        assert w.jobs[where].done.wait(60)
+        assert OPS["staged"](w, where, "")["target"] == v1.digest()
+    spec.write_text(json.dumps({"token": "x", "steps": [step], "staging": "elsewhere"}))
+    with pytest.raises(EngineError, match="invalid staging request"):
+        OPS["stage"](w, str(spec), "")
+    eng = VllmEngine("http://127.0.0.1:9", staging="inline")
+    assert eng.staging == "inline"
+    eng.close()
+    with pytest.raises(ConfigError, match="staging"):
+        VllmEngine("http://127.0.0.1:9", staging="elsewhere")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="for --engine vllm"):
+        make_engine("sglang", engine_url="http://127.0.0.1:9", staging="inline")

@@ -275,8 +275,9 @@ def test_live_tp2_partial_rank_failure_is_undone_on_every_rank(
 def test_live_tp2_keep_and_double_buffered_commits(
     tp_server: Served, engine: VllmEngine, versions: list[View]
 ) -> None:
-    """A ``keep`` commit at TP 2 serves what a ``recompute`` commit of the same version
-    serves; a double-buffered commit (TP 1 only) is refused before anything is staged."""
+    """A ``keep`` commit at TP 2, and one staged inline on the engine loop, serve what a
+    ``recompute`` commit staged in a thread serves; a double-buffered commit (TP 1 only) is
+    refused before anything is staged."""
     srv, model = tp_server
     engine.load(versions[0], 0)
     engine.commit_staged(engine.stage_encoded([_step(versions, 0, 1)], 1), 1)
@@ -290,6 +291,14 @@ def test_live_tp2_keep_and_double_buffered_commits(
         assert srv.greedy(model, PROMPTS) == recomputed
     finally:
         keep.close()
+    inline = VllmEngine(srv.url, staging="inline")  # staged on the engine loop
+    try:
+        inline.load(versions[0], 0)
+        inline.commit_staged(inline.stage_encoded([_step(versions, 0, 1)], 1), 1)
+        assert inline.held(fresh=True)[1] == versions[1].digest()
+        assert srv.greedy(model, PROMPTS) == recomputed
+    finally:
+        inline.close()
     double = VllmEngine(srv.url, transport="rpc", writes="double_buffer")
     try:
         double.adopt(1, versions[1].digest())

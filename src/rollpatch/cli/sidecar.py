@@ -70,6 +70,14 @@ def register(sub: Any) -> None:
         "it (no recompute; later tokens from the new weights over the old KV, as the reference "
         "engine does; labels span both versions either way); docs/vllm.md",
     )
+    p.add_argument(
+        "--staging",
+        choices=("thread", "inline"),
+        default="thread",
+        help="vllm: where the workers stage a version: in a thread while vLLM serves, or inline "
+        "on its engine loop (generation held for the staging, which gets every core: on a host "
+        "whose cores the forward passes keep busy, the shorter total cost); docs/vllm.md",
+    )
     # the flags of the sidecar's and its follower's configs (defaults: the configs' own)
     add_config_flags(p, SidecarConfig, skip=SIDECAR_SET_OTHERWISE)
     add_config_flags(
@@ -130,6 +138,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         threads=args.threads,
         writes=args.writes,
         kv_on_commit=args.kv_on_commit,
+        staging=args.staging,
     )
     running = start_sidecar(
         board,

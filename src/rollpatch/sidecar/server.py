@@ -13,6 +13,7 @@ from ..serving import ServerHandle, serve_app
 from .service import Sidecar, SidecarConfig
 
 if TYPE_CHECKING:
+    from ..engines.vllm.adapter import Staging
     from ..engines.vllm.core import KvOnCommit
 
 __all__ = ["ENGINES", "RunningSidecar", "make_engine", "start_sidecar"]
@@ -28,16 +29,23 @@ def make_engine(
     threads: int | None = None,
     writes: WriteMode = "in_place",
     kv_on_commit: str = "recompute",
+    staging: str = "thread",
 ) -> tuple[EngineAdapter, str]:
     """Build an engine adapter and the URL its OpenAI routes are served at (``writes``: the
     engine's :data:`~rollpatch.engines.staged.WriteMode`; ``kv_on_commit``: vLLM's
     :data:`~rollpatch.engines.vllm.core.KvOnCommit`: the reference engine always keeps the
-    KV of requests in flight, SGLang always recomputes it)."""
+    KV of requests in flight, SGLang always recomputes it; ``staging``: vLLM's
+    :data:`~rollpatch.engines.vllm.adapter.Staging`)."""
     if kv_on_commit != "recompute" and kind != "vllm":
         raise ConfigError(
             f"--kv-on-commit {kv_on_commit} is for --engine vllm",
             hint="the reference engine always keeps the KV of requests in flight across a "
             "commit; SGLang always recomputes it",
+        )
+    if staging != "thread" and kind != "vllm":
+        raise ConfigError(
+            f"--staging {staging} is for --engine vllm",
+            hint="the reference engine and SGLang stage in a thread while they serve",
         )
     if kind == "reference":
         if model is None:
@@ -52,7 +60,8 @@ def make_engine(
         from ..engines.vllm import VllmEngine
 
         kv = cast("KvOnCommit", kv_on_commit)
-        return VllmEngine(engine_url, writes=writes, kv_on_commit=kv), engine_url
+        where = cast("Staging", staging)
+        return VllmEngine(engine_url, writes=writes, kv_on_commit=kv, staging=where), engine_url
     if kind == "sglang":
         if engine_url is None:
             raise ConfigError("--engine sglang needs --engine-url http://HOST:PORT")

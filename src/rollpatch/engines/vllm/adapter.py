@@ -38,6 +38,11 @@ TRANSPORTS = ("auto", "weight-transfer", "rpc")
 #: CPU packed weights of the touched modules: built while staging and swapped in under the
 #: pause (``stage``), or re-packed inside the pause (``pause``: less memory, longer pause).
 Prepack = Literal["stage", "pause"]
+#: Where the workers stage: in a thread while vLLM serves (the default; at TP > 1 where the
+#: staging gathers can have a group of their own), or inline on vLLM's engine loop, which
+#: holds generation for the whole staging but gives it every core (on a host whose cores
+#: the forward passes keep busy, the shorter total cost: docs/vllm.md, *Tensor parallelism*).
+Staging = Literal["thread", "inline"]
 
 
 class VllmEngine(WorkerCalls, EngineAdapter):
@@ -50,7 +55,7 @@ class VllmEngine(WorkerCalls, EngineAdapter):
     ``kv_on_commit``: what a staged commit does to the KV of requests in flight
     (:data:`~.core.KvOnCommit`: ``recompute`` them with the new weights, or ``keep`` them and
     go on with the new weights over it; needs the engine-core hook). Keyframe loads and
-    unstaged patches always recompute.
+    unstaged patches always recompute. ``staging``: see :data:`Staging`.
     """
 
     name = "vllm"
@@ -65,11 +70,14 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         prepack: Prepack = "stage",
         writes: WriteMode = "in_place",
         kv_on_commit: KvOnCommit = "recompute",
+        staging: Staging = "thread",
     ) -> None:
         check_choice("VllmEngine", "transport", transport, TRANSPORTS)
         check_choice("VllmEngine", "prepack", prepack, ("stage", "pause"))
         check_choice("VllmEngine", "writes", writes, ("in_place", "double_buffer"))
+        check_choice("VllmEngine", "staging", staging, ("thread", "inline"))
         self.prepack, self.writes, self.kv = prepack, writes, KvMode(kv_on_commit)
+        self.staging = staging
         super().__init__(url, shared_dir, timeout)
         self._transport = transport
         self._version: int | None = None
@@ -182,7 +190,13 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                 spec.append({"base": step.base, "target": step.target, "paths": paths})
             stage.write_text(
                 json.dumps(
-                    {"token": token, "steps": spec, "prepack": self.prepack, "writes": self.writes}
+                    {
+                        "token": token,
+                        "steps": spec,
+                        "prepack": self.prepack,
+                        "writes": self.writes,
+                        "staging": self.staging,
+                    }
                 )
             )
             self._call("stage", str(stage))

@@ -81,14 +81,16 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[
     return patch, {}
 
 
-def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool, WriteMode]:
+def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool, WriteMode, bool]:
+    """The staging request: token, steps, prebuild kernels, write mode, in a thread."""
     try:
         spec = json.loads(Path(path).read_text())
         token, steps, prepack = spec["token"], spec["steps"], spec.get("prepack", "stage")
-        mode = spec.get("writes", "in_place")
+        mode, where = spec.get("writes", "in_place"), spec.get("staging", "thread")
         ok = (
             prepack in ("stage", "pause")
             and mode in ("in_place", "double_buffer")
+            and where in ("thread", "inline")
             and isinstance(token, str)
             and 0 < len(token) <= 64
             and isinstance(steps, list)
@@ -107,7 +109,7 @@ def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool, WriteMode]:
         ok = False
     if not ok:
         raise EngineError("invalid staging request", path=path)
-    return token, steps, prepack == "stage", mode
+    return token, steps, prepack == "stage", mode, where == "thread"
 
 
 class _Job:
@@ -129,7 +131,7 @@ class _Job:
         """Stage; ``beside``: in a thread beside the engine loop (at TP > 1 its gathers then
         go through a group of their own: ``Access.own_collectives``)."""
         own = self._w.access.own_collectives
-        if self._w.tp == 1:
+        if self._w.tp == 1 and beside:  # never the engine loop's own thread: vLLM binds it
             self.cores = widen_cores()
         scope = own() if beside and self._w.tp > 1 and own is not None else nullcontext()
         with scope:
@@ -183,13 +185,13 @@ def widen_cores() -> int:
 
 
 def _stage(w: RuntimeWeights, path: str) -> dict[str, Any]:
-    token, steps, prebuild, mode = _read_spec(path)
+    token, steps, prebuild, mode, thread = _read_spec(path)
     while len(w.jobs) >= _MAX_JOBS:
         w.jobs.pop(next(iter(w.jobs)))
     job = w.jobs[token] = _Job(w, steps, prebuild, mode)
     # TP > 1: reading a tensor is a collective; in a thread only where its gathers have a
-    # group of their own (.tpgather), else on the engine loop
-    background = w.tp == 1 or w.access.own_collectives is not None
+    # group of their own (.tpgather), else on the engine loop (as when asked: "inline")
+    background = thread and (w.tp == 1 or w.access.own_collectives is not None)
     if background:
         threading.Thread(target=job.run, args=(True,), daemon=True, name="rollpatch-stage").start()
     else:

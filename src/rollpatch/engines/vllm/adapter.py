@@ -25,7 +25,7 @@ from ..base import EngineAdapter
 from ..staged import AuditReport, EncodedStep, StagedUpdate
 from .core import ATOMIC, KvOnCommit
 from .kvmode import KvMode
-from .rpc import NOT_READY, RemoteWords, WorkerCalls, worker_error
+from .rpc import NOT_READY, RemoteWords, WorkerCalls
 from .transfer import write_decoded
 from .writes import WriteMode
 
@@ -219,26 +219,6 @@ class VllmEngine(WorkerCalls, EngineAdapter):
             },
         )
 
-    def _wait_staged(self, token: str) -> dict[str, Any]:
-        """Poll every rank until all are ready (then they must agree: rank 0's answer), or
-        one failed (its error; the other ranks' jobs are discarded)."""
-        delay = 0.002
-        while True:
-            results = self._rpc("rollpatch_staged", token)
-            states = [r.get("state") if isinstance(r, dict) else None for r in results]
-            if all(st == "ready" for st in states):
-                return self._gather(results)
-            failed = [r for r, st in zip(results, states, strict=True) if st == "failed"]
-            if failed or any(st is None for st in states):
-                if failed:
-                    with contextlib.suppress(RollpatchError):
-                        self._call("discard", token)
-                    raise worker_error(failed[0].get("failure") or {})
-                self._gather(results)  # a worker's error (raised) or an unexpected answer
-                raise EngineError("unexpected staging state", engine=self.name, states=str(states))
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
     def commit_staged(self, staged: StagedUpdate, version: int) -> None:
         """Write a staged update. With the engine-core hook (:mod:`.core`): one engine-core
         call that writes, tags and resets the prefix cache between two forward passes (no
@@ -384,13 +364,6 @@ class VllmEngine(WorkerCalls, EngineAdapter):
                     )
             self._timed("reset_ms", "/reset_prefix_cache")
             return res
-
-    def _undo(self, key: str) -> None:
-        """After a failed commit at TP > 1 (still paused): every rank that wrote puts its old
-        words back (``rollpatch_undo``; a no-op on a rank with nothing to undo, and at TP 1).
-        The engine-core hook does the same for its atomic commits (:mod:`.core`)."""
-        with contextlib.suppress(RollpatchError):
-            self._rpc("rollpatch_undo", key)
 
     def _reconcile(self, before: tuple[int | None, str | None]) -> None:
         """After a failed commit: the previous version if the engine still holds its bits,

@@ -233,27 +233,9 @@ def _commit(w: RuntimeWeights, token: str) -> dict[str, Any]:
     if not job.done.is_set() or job.staged is None:
         raise EngineError("the update is not staged", token=token)
     w.jobs.pop(token, None)
-    staged = job.staged
-    digests = _undoable(w, token, lambda: w.commit_staged(staged))
+    # undoable at TP > 1 under the token (the same on every rank): RuntimeWeights.undo_last
+    digests = w.commit_staged(job.staged, undo_key=token)
     return {"digests": digests, "root": w.root(), "phases": w.last_phases}
-
-
-def _undoable(w: RuntimeWeights, key: str, commit: Callable[[], dict[str, str]]) -> dict[str, str]:
-    """Run an in-place ``commit``; at TP > 1 it stays undoable under ``key`` (the same
-    argument on every rank: the token or the patch's path) until the words change again."""
-    w.undo_token = None
-    out = commit()
-    w.undo_token = key if w.tp > 1 else None
-    return out
-
-
-def _undo(w: RuntimeWeights, token: str) -> dict[str, Any]:
-    """TP > 1: put back the words of the commit of ``token`` if it was this rank's last
-    (:meth:`RuntimeWeights.undo_last`); ``undone`` False when there is nothing to undo."""
-    if not token or w.undo_token != token:
-        return {"undone": False}
-    w.undo_token = None
-    return {"undone": w.undo_last()}
 
 
 def _settled(w: RuntimeWeights) -> dict[str, Any]:
@@ -300,7 +282,7 @@ def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
     header = inspect(Path(path).read_bytes())
     patch, known = _chain(w, [{"base": header.base, "target": header.target, "paths": [path]}])
     staged = w.stage(patch, known=known, consume=True)
-    return {"digests": _undoable(w, path, lambda: w.commit_staged(staged)), "root": w.root()}
+    return {"digests": w.commit_staged(staged, undo_key=path), "root": w.root()}
 
 
 def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:
@@ -316,12 +298,12 @@ OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
     "staged": lambda w, token, _: _staged(w, token),
     "commit": lambda w, token, _: _commit(w, token),
     "discard": lambda w, token, _: {"discarded": w.jobs.pop(token, None) is not None},
-    "undo": lambda w, token, _: _undo(w, token),
+    "undo": lambda w, key, _: {"undone": bool(key) and w.undo_last(key)},
     "settled": lambda w, _a, _b: _settled(w),
     "audit": lambda w, budget, _: _audit(w, budget),
     "flip": lambda w, name, position: _flip(w, name, int(position)),
     "apply": lambda w, path, _: {
-        "digests": _undoable(w, path, lambda: w.commit(read_decoded(path))),
+        "digests": w.commit(read_decoded(path), undo_key=path),
         "root": w.root(),
     },
     "load": lambda w, path, _: {"root": w.load(load_view(path, mmap=True))},

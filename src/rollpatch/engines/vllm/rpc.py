@@ -9,6 +9,7 @@ each call (``last_timings``: the pause breakdown that bench/vllm.py prints).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -89,6 +90,33 @@ class WorkerCalls(NestedPause):
         if tainted:  # TP > 1: one rank's failed write after a pause taints the engine
             out["tainted"] = tainted
         return out
+
+    def _wait_staged(self, token: str) -> dict[str, Any]:
+        """Poll every rank until all are ready (then they must agree: rank 0's answer), or
+        one failed (its error; the other ranks' jobs are discarded)."""
+        delay = 0.002
+        while True:
+            results = self._rpc("rollpatch_staged", token)
+            states = [r.get("state") if isinstance(r, dict) else None for r in results]
+            if all(st == "ready" for st in states):
+                return self._gather(results)
+            failed = [r for r, st in zip(results, states, strict=True) if st == "failed"]
+            if failed or any(st is None for st in states):
+                if failed:
+                    with contextlib.suppress(RollpatchError):
+                        self._call("discard", token)
+                    raise worker_error(failed[0].get("failure") or {})
+                self._gather(results)  # a worker's error (raised) or an unexpected answer
+                raise EngineError("unexpected staging state", engine=self.name, states=str(states))
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _undo(self, key: str) -> None:
+        """After a failed commit at TP > 1 (still paused): every rank that wrote puts its old
+        words back (``rollpatch_undo``; a no-op on a rank with nothing to undo, and at TP 1).
+        The engine-core hook does the same for its atomic commits (:mod:`.core`)."""
+        with contextlib.suppress(RollpatchError):
+            self._rpc("rollpatch_undo", key)
 
     def pause(self) -> None:
         """Freeze generation (requests in flight keep their place: ``mode=keep``)."""

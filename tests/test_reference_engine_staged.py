@@ -201,11 +201,11 @@ def test_stage_refuses_a_patch_that_would_miss_its_target(
 def test_sum_delta_matches_a_full_hash(monkeypatch: pytest.MonkeyPatch, slice_: int) -> None:
     """The O(changed) sum change equals a full re-hash, also when it is summed in slices
     (3 positions: slices end between 8-byte words, never inside one)."""
-    from rollpatch.engines import staged
-    from rollpatch.engines.staged import sum_delta
+    from rollpatch.engines import sumchange
+    from rollpatch.engines.sumchange import sum_delta
     from rollpatch.view import sum128
 
-    monkeypatch.setattr(staged, "_SUM_SLICE", slice_)
+    monkeypatch.setattr(sumchange, "_SUM_SLICE", slice_)
     rng = np.random.default_rng(3)
     m = (1 << 64) - 1
     for dtype, n in (

@@ -566,9 +566,9 @@ def test_catch_up_decodes_each_step_into_one_copy(tmp_path: Any) -> None:
     assert overlay is not None and got.equals(overlay)
     assert got.equals(diff(views[0], views[-1]))
     assert states == {n: sum128(views[-1][n].data) for n in got.tensors}  # proven states
-    chained, known = ops._chain(w, steps)  # the worker takes this path at TP 1
-    assert chained.equals(got) and known == states
-    one, one_known = ops._chain(w, steps[:1])  # one step: decoded against the live words
+    chained, known, vouched = ops._chain(w, steps)  # the worker takes this path at TP 1
+    assert chained.equals(got) and known == states and vouched == {}
+    one, one_known, _ = ops._chain(w, steps[:1])  # one step: decoded against the live words
     assert one.equals(diff(views[0], views[1]))
     assert one_known == {n: sum128(views[1][n].data) for n in one.tensors}
     before = {n: w[n].data.copy() for n in w.names()}

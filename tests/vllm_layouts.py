@@ -119,10 +119,17 @@ class Ranks:
     :class:`RuntimeWeights`; ``gather`` is a real collective (a barrier per call), so ranks
     must run in lockstep (:meth:`run` runs one function on every rank, in threads)."""
 
-    def __init__(self, specs: list[ParamSpec], params: list[dict[str, np.ndarray]]) -> None:
+    def __init__(
+        self, specs: list[ParamSpec], params: list[dict[str, np.ndarray]], split: bool = True
+    ) -> None:
         self.tp = len(params)
         self.params = params
+        self.split = split  # each tensor decoded by one rank (gather_to, share)
         self.slots: list[np.ndarray | None] = [None] * self.tp
+        self.shared: bytes | None = None
+        self.gathers = [0] * self.tp  # all-gathers (gather) per rank
+        self.gathered_to = [0] * self.tp  # gather_to calls per rank
+        self.owned = [0] * self.tp  # of them, tensors gathered to the rank
         self.barrier = threading.Barrier(self.tp)
         self.repacked: list[set[str]] = []
         kinds = {s.param: get_kind("bf16") for s in specs}
@@ -144,9 +151,29 @@ class Ranks:
             ps[p][idx] = b
 
         def gather(p: str, local: np.ndarray) -> list[np.ndarray]:
+            self.gathers[r] += 1
+            return allgather(local)
+
+        def allgather(local: np.ndarray) -> list[np.ndarray]:
             self.slots[r] = local.copy()
             self.barrier.wait()
             out = [s.copy() for s in self.slots]  # type: ignore[union-attr]
+            self.barrier.wait()
+            return out
+
+        def gather_to(p: str, local: np.ndarray, dst: int) -> list[np.ndarray] | None:
+            self.gathered_to[r] += 1
+            got = allgather(local)
+            if r == dst:
+                self.owned[r] += 1
+                return got
+            return None
+
+        def share(data: bytes | None, src: int) -> memoryview:
+            if r == src:
+                self.shared = data
+            self.barrier.wait()
+            out = memoryview(bytes(self.shared or b""))
             self.barrier.wait()
             return out
 
@@ -157,6 +184,8 @@ class Ranks:
             self.repacked.append,
             gather if self.tp > 1 else None,
             aliases=True,
+            gather_to=gather_to if self.tp > 1 and self.split else None,
+            share=share if self.tp > 1 and self.split else None,
         )
 
     def run(self, fn: Callable[[RuntimeWeights], Any]) -> list[Any]:
@@ -179,7 +208,9 @@ class Ranks:
 class SimulatedRanks(Ranks):
     """``tp`` ranks holding :func:`vllm_load` parameters (Fortran order when ``strided``)."""
 
-    def __init__(self, ck: dict[str, np.ndarray], tp: int, strided: bool = False) -> None:
+    def __init__(
+        self, ck: dict[str, np.ndarray], tp: int, strided: bool = False, split: bool = True
+    ) -> None:
         params = []
         for r in range(tp):
             ps = {}
@@ -187,7 +218,7 @@ class SimulatedRanks(Ranks):
                 a = vllm_load(ck, tp, r)[spec.param].reshape(param_shape(spec, tp))
                 ps[spec.param] = np.asfortranarray(a) if strided else a.copy()
             params.append(ps)
-        super().__init__(layer_specs(tp), params)
+        super().__init__(layer_specs(tp), params, split)
 
 
 def words_view(ck: dict[str, np.ndarray]) -> View:

@@ -6,7 +6,7 @@ A commit has two halves (docs/engines.md, *Staging and the pause*):
    :func:`stage_patch` checks the patch's base against the digests the engine holds, turns
    ``full`` ops into deltas against the held words, checks every old element against the held
    words, and computes each touched tensor's target rp.sum128 state **from the changed words
-   alone** (:func:`sum_delta`, O(changed)), then compares the target digests and the target
+   alone** (:func:`.sumchange.sum_delta`, O(changed)), then compares the target digests and the target
    root with the patch's. The result, a :class:`StagedUpdate`, is a set of sparse writes
    (positions, old and new words per tensor) that provably turn the held words into the
    target.
@@ -18,7 +18,7 @@ What this cannot see — a word that changed behind the engine's back at a posit
 touches — is the background audit's job (:class:`rollpatch.follower.audit.Auditor`).
 Every kind is staged in O(changed) with the native core (its dry ``apply``: the old words
 checked and the change summed in one pass that writes nothing), non-packed kinds without it
-(:func:`sum_delta`, numpy); packed kinds (nibbles) without the core and patches whose digests
+(:func:`.sumchange.sum_delta`, numpy); packed kinds (nibbles) without the core and patches whose digests
 are not rp.sum128 fall back to hashing a staged copy of each touched tensor (outside the
 pause, one tensor at a time).
 """
@@ -35,7 +35,8 @@ from ..errors import BaseMismatchError, PatchError, TargetMismatchError
 from ..kinds import Kind
 from ..patch import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 from ..patch.ops import gather, scatter
-from ..view import Tensor, root_digest, sum128_digest, sum128_terms, tensor_digest
+from ..view import Tensor, root_digest, sum128_digest, sum_add, tensor_digest
+from .sumchange import SumState, dry_change, sum_delta
 
 __all__ = [
     "AuditCursor",
@@ -46,13 +47,8 @@ __all__ = [
     "WriteMode",
     "check_delta",
     "checked_writes",
-    "dry_change",
     "stage_patch",
-    "sum_delta",
 ]
-
-_M64 = (1 << 64) - 1
-SumState = tuple[int, int]
 
 
 #: How a staged update reaches the weights: ``in_place`` (scattered under the pause; memory:
@@ -105,47 +101,6 @@ class AuditCursor:
             self._next = (self._next + 1) % len(names)
             wrapped = wrapped or self._next == 0
         return out, wrapped
-
-
-#: Positions summed at a time by :func:`sum_delta` (bounds its temporaries, ~100 B each).
-_SUM_SLICE = 1 << 16
-
-
-def sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray) -> SumState:
-    """How the rp.sum128 state of ``data`` (flat, contiguous words) changes when the words at
-    ``positions`` (sorted int64) become ``new``: reads only the 8-byte words they fall in, a
-    slice of positions at a time (slices end between 8-byte words: the sum is additive over
-    words, so the slices' changes add up)."""
-    if positions.size == 0:
-        return 0, 0
-    per = 8 // data.itemsize
-    s0 = s1 = 0
-    start = 0
-    while start < positions.size:
-        end = min(start + _SUM_SLICE, positions.size)
-        while end < positions.size and positions[end] // per == positions[end - 1] // per:
-            end += 1  # keep every position of an 8-byte word in one slice
-        d0, d1 = _sum_delta(data, positions[start:end], new[start:end], per)
-        s0, s1 = (s0 + d0) & _M64, (s1 + d1) & _M64
-        start = end
-    return s0, s1
-
-
-def _sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray, per: int) -> SumState:
-    widx = positions // per
-    first = np.r_[True, widx[1:] != widx[:-1]]
-    u = widx[first]
-    row = np.cumsum(first) - 1
-    idx = u[:, None] * per + np.arange(per)
-    ok = idx < data.size
-    old_buf = np.zeros((u.size, per), dtype=data.dtype)
-    old_buf[ok] = data[idx[ok]]
-    new_buf = old_buf.copy()
-    new_buf[row, positions % per] = new
-    j = u.astype(np.uint64)
-    ow, nw = old_buf.view("<u8").reshape(-1), new_buf.view("<u8").reshape(-1)
-    (a0, a1), (b0, b1) = sum128_terms(nw, j), sum128_terms(ow, j)
-    return (a0 - b0) & _M64, (a1 - b1) & _M64
 
 
 @dataclass(frozen=True, eq=False)
@@ -279,6 +234,7 @@ def stage_patch(
     state: Callable[[str], SumState],
     *,
     known: Mapping[str, SumState] | None = None,
+    vouched: Mapping[str, SumState] | None = None,
     parallel: bool = False,
 ) -> StagedUpdate:
     """Prove ``patch`` against the engine's held words (module docstring, step 1).
@@ -287,7 +243,10 @@ def stage_patch(
     kinds); ``digests``: every held tensor's digest (cached by the engine); ``state(name)``:
     a held tensor's rp.sum128 state; ``known``: target states the caller already proved for
     exactly these writes (a decoder that wrote them into a copy of the held tensor and
-    measured the change), used instead of recomputing them; ``parallel``: the tensors on
+    measured the change), used instead of recomputing them; ``vouched``: for deltas whose
+    old words the caller compared with the held words itself, the rp.sum128 change of their
+    writes (a TP rank that decoded the tensor over the gathered words, ``.vllm.tpdecode``):
+    those tensors are not read (``held`` not called); ``parallel``: the tensors on
     :func:`rollpatch.native.threads` threads (``held`` and ``state`` may then be called from
     any of them; not where reading a tensor is a collective). Raises
     :class:`BaseMismatchError` / :class:`PatchError` / :class:`TargetMismatchError` (the
@@ -301,6 +260,8 @@ def stage_patch(
         )
 
     def one(name: str) -> tuple[str, StagedTensor | None]:
+        if vouched is not None and name in vouched and patch.digest == "rp.sum128.v1":
+            return _vouched(patch, name, digests, state, vouched[name])
         return _prove(patch, name, held, digests, state, known)
 
     names = sorted(patch.tensors)
@@ -346,8 +307,7 @@ def _prove(
     sums = patch.digest == "rp.sum128.v1"
     st = known.get(name) if sums and known is not None else None
     if sums and st is None and change is not None:
-        s0, s1 = state(name)
-        st = ((s0 + change[0]) & _M64, (s1 + change[1]) & _M64)
+        st = sum_add(state(name), change)
     if st is not None:
         digest = sum128_digest(t.dtype, t.shape, t.nbytes, st)
     else:
@@ -357,27 +317,25 @@ def _prove(
     return digest, (StagedTensor(name, pos, old, new, digest, st) if pos.size else None)
 
 
-def dry_change(
-    kind: Kind, words: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
-) -> SumState | None:
-    """The rp.sum128 change of writing ``new`` at ``pos`` in ``words`` (a tensor's flat words
-    of ``kind``), checked in the same native pass that writes nothing (``apply``, dry: each
-    8-byte word a position falls in read once; packed kinds too): the positions strictly
-    increasing and in range (else :class:`PatchError`), the words there ``old`` (else
-    :class:`BaseMismatchError`). None without the native core or for words not contiguous."""
-    from .. import native
-
-    core = native.core
-    if core is None or not words.flags.c_contiguous:
-        return None
-    n = words.size * 2 if kind.packed else words.size
-    try:
-        d0, d1 = core.apply(native.kind_tuple(kind, n), words, pos, old, new, True)
-    except BaseMismatchError as err:
-        raise BaseMismatchError("old elements differ from the engine's words", tensor=name) from err
-    except ValueError as err:  # the core's refusal of the positions
-        raise PatchError("positions out of range or not strictly increasing", tensor=name) from err
-    return int(d0), int(d1)
+def _vouched(
+    patch: Patch,
+    name: str,
+    digests: Mapping[str, str],
+    state: Callable[[str], SumState],
+    change: SumState,
+) -> tuple[str, StagedTensor | None]:
+    """One tensor of :func:`stage_patch` whose old words the caller checked (``vouched``)."""
+    tp = patch.tensors[name]
+    if tp.base_digest != digests.get(name):
+        raise BaseMismatchError("tensor is not the patch's base", tensor=name)
+    pos, old, new = tp.changes()
+    check_delta(name, pos, old, new, tp.kind, tp.n_elements)
+    st = sum_add(state(name), change)
+    nbytes = int(np.prod(tp.shape, dtype=np.int64)) * tp.kind.word_dtype.itemsize
+    digest = sum128_digest(tp.kind.dtype, tp.shape, nbytes, st)
+    if digest != tp.target_digest:
+        raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
+    return digest, (StagedTensor(name, pos, old, new, digest, st) if pos.size else None)
 
 
 def _target(
@@ -389,9 +347,7 @@ def _target(
     state: Callable[[str], SumState],
 ) -> tuple[str, SumState | None]:
     if patch.digest == "rp.sum128.v1" and not t.kind.packed:
-        d0, d1 = sum_delta(t.data, pos, new)
-        s0, s1 = state(name)
-        st = ((s0 + d0) & _M64, (s1 + d1) & _M64)
+        st = sum_add(state(name), sum_delta(t.data, pos, new))
         return sum128_digest(t.dtype, t.shape, t.nbytes, st), st
     copy = t.copy()  # fallback: one staged copy of this tensor, hashed outside the pause
     scatter(copy, pos, new)

@@ -91,6 +91,13 @@ class Access:
     #: ``gather`` calls go through a group of their own, so staging can run in a thread
     #: beside the engine loop's collectives; None: staging at TP > 1 runs on the engine loop.
     own_collectives: Callable[[], AbstractContextManager[None]] | None = None
+    #: Optional (TP > 1): a tensor decoded by one rank and its result shared
+    #: (:mod:`rollpatch.engines.vllm.tpdecode`). ``gather_to(param, local, dst)``: every
+    #: rank's ``local`` in rank order on rank ``dst``, None on the others;
+    #: ``share(data, src)``: rank ``src``'s bytes on every rank (the others pass None).
+    #: Collectives, as ``gather``, through the same group.
+    gather_to: Callable[[str, np.ndarray, int], list[np.ndarray] | None] | None = None
+    share: Callable[[bytes | None, int], memoryview] | None = None
 
 
 @dataclass

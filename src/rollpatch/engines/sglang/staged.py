@@ -13,7 +13,7 @@ A commit is two phases:
    positions, the kind's words), check the base digests, check the old elements against the
    live words, turn checkpoint positions into runtime offsets, and *prove* the update: each
    touched tensor's rp.sum128 state after the write follows from the changed words alone
-   (:func:`rollpatch.engines.staged.sum_delta`, O(changed)) and must give the patch's target
+   (:func:`rollpatch.engines.sumchange.sum_delta`, O(changed)) and must give the patch's target
    digest; the target root is checked too. The result, a :class:`~.update.Staged`
    update, holds per runtime parameter the offsets, old and new words, ready to scatter
    (the per-tensor checks and the merge of writes are :mod:`.update`'s).
@@ -55,7 +55,8 @@ from ...view import (
     sum_add,
     tensor_digest,
 )
-from ..staged import WriteMode, checked_writes, sum_delta
+from ..staged import WriteMode, checked_writes
+from ..sumchange import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
 from ..writing import numpy_access, write_params
 from .buffers import Buffers, exchange, second_buffers

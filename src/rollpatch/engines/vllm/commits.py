@@ -62,6 +62,7 @@ class StagedCommits:
         *,
         prebuild: bool = True,
         known: Mapping[str, tuple[int, int]] | None = None,
+        vouched: Mapping[str, tuple[int, int]] | None = None,
         mode: WriteMode = "in_place",
         consume: bool = False,
         mark: Callable[[str], None] = lambda phase: None,
@@ -73,7 +74,9 @@ class StagedCommits:
         now, to be swapped in under the pause (memory: + their packed size until the commit);
         False: they are re-packed inside the pause. ``known``: target rp.sum128 states the
         caller proved for exactly these writes (:mod:`rollpatch.engines.catchup`), not
-        recomputed. ``mode``: :data:`.writes.WriteMode` (``double_buffer``: also build each
+        recomputed. ``vouched``: rp.sum128 changes of deltas whose old words a rank checked
+        when it decoded them (TP > 1, :mod:`.tpdecode`): those tensors are not gathered again.
+        ``mode``: :data:`.writes.WriteMode` (``double_buffer``: also build each
         touched parameter's second buffer now; the CPU at TP = 1 only). ``consume``: the caller
         gives ``patch`` up (its tensors are cleared): its arrays are released as they are laid
         out, so staging holds about one staged update instead of two. ``mark(phase)`` is
@@ -93,7 +96,15 @@ class StagedCommits:
         prepare = self.access.prepare or (lambda param, offsets: offsets)
         t0 = time.perf_counter()
         held, state = self.__getitem__, self.state_of  # TP > 1: reads are collectives, in order
-        staged = stage_patch(patch, held, self.digests(), state, known=known, parallel=self.tp == 1)
+        staged = stage_patch(
+            patch,
+            held,
+            self.digests(),
+            state,
+            known=known,
+            vouched=vouched,
+            parallel=self.tp == 1,
+        )
         t1 = time.perf_counter()
         mark("prove")
         if consume and isinstance(patch.tensors, dict):

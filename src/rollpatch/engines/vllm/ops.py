@@ -25,11 +25,12 @@ from ...io.safetensors import load_view, save_view
 from ...patch import Patch, compose, decode, inspect
 from ...patch.header import MIN_FULL_BOUND
 from ...patch.overlay import Overlay
-from ...view import View
+from ...view import View, sum_add
 from ..catchup import decode_in_place
 from ..staged import StagedUpdate
 from .layout import locate
 from .memtrace import MemTrace, trim
+from .tpdecode import decode_split
 from .transfer import read_decoded
 from .weights import RuntimeWeights
 from .writes import WriteMode
@@ -40,11 +41,15 @@ _MAX_STEPS = 4096
 _MAX_JOBS = 8
 
 
-def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[str, Any]]:
+def _chain(
+    w: RuntimeWeights, steps: list[dict[str, Any]]
+) -> tuple[Patch, dict[str, Any], dict[str, Any]]:
     """Decode a chain of steps against the held words and compose it: in place in one copy
     per touched tensor (:mod:`rollpatch.engines.catchup`), else step *k* against an :class:`Overlay` of the
     words and steps 1..k-1 (a tensor copy at a time, per step). Also returns the target
-    rp.sum128 states the in-place decoder proved (empty from the overlay path)."""
+    rp.sum128 states the in-place decoder proved (empty from the overlay path), and at TP > 1
+    the rp.sum128 changes the ranks that decoded each tensor measured over the words they
+    read (:mod:`.tpdecode`; ``stage_patch(vouched=)``), summed over the steps."""
     if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts
         raise BaseMismatchError(
             "engine root digest is not the patch's base",
@@ -56,19 +61,32 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[
     if w.tp == 1:  # each touched tensor copied once, every step decoded into the copy
         composed = decode_in_place(w, steps, blobs, w.state_of)
         if composed is not None:
-            return composed
+            return (*composed, {})
     patch: Patch | None = None
+    vouched: dict[str, Any] = {}
+    unvouched: set[str] = set()  # touched by a step whose change no rank measured
     for step, parts in zip(steps, blobs, strict=True):
         base: Any = w if patch is None else Overlay(w, patch)
         tensors: dict[str, Any] = {}
         digest = None
         for blob in parts:
             # TP > 1: reading a tensor is a collective, so tensors are read one after another
-            # in the header's order (the same on every rank), each just before it is decoded:
-            # one gathered tensor in memory at a time, not every touched tensor at once
-            serial = w.tp > 1
-            limit = max(MIN_FULL_BOUND, w.nbytes) if serial else None
-            part = decode(blob, base, check_base=False, parallel=not serial, max_full_bytes=limit)
+            # in an order every rank knows, each just before it is decoded: one gathered
+            # tensor in memory at a time, not every touched tensor at once; each decoded by
+            # one rank and shared where the ranks can (.tpdecode), else by every rank
+            if w.splits_decoding:
+                part, changes = decode_split(w, blob, patch, max(MIN_FULL_BOUND, w.nbytes))
+                for name in part.tensors:
+                    if name in changes:
+                        vouched[name] = sum_add(vouched.get(name, (0, 0)), changes[name])
+                    else:
+                        unvouched.add(name)
+            else:
+                serial = w.tp > 1
+                limit = max(MIN_FULL_BOUND, w.nbytes) if serial else None
+                part = decode(
+                    blob, base, check_base=False, parallel=not serial, max_full_bytes=limit
+                )
             if len(parts) == 1 and (part.base, part.target) != (step["base"], step["target"]):
                 raise ManifestError("patch object binds other digests than its step")
             if tensors.keys() & part.tensors.keys():
@@ -78,7 +96,7 @@ def _chain(w: RuntimeWeights, steps: list[dict[str, Any]]) -> tuple[Patch, dict[
         one = Patch(step["base"], step["target"], tensors, digest=digest or "rp.sum128.v1")
         patch = one if patch is None else compose(patch, one)
     assert patch is not None
-    return patch, {}
+    return patch, {}, {n: c for n, c in vouched.items() if n not in unvouched}
 
 
 def _read_spec(path: str) -> tuple[str, list[dict[str, Any]], bool, WriteMode, bool]:
@@ -145,7 +163,7 @@ class _Job:
         w.settler.wait()  # the last commit's words and frees first (staging reads the words)
         with MemTrace() as mem:
             t0 = time.perf_counter()
-            patch, known = _chain(w, self._steps)
+            patch, known, vouched = _chain(w, self._steps)
             decode_ms = (time.perf_counter() - t0) * 1e3
             mem.mark("decode")
             trim()  # the decoder threads' scratch and per-step arrays, freed in their arenas
@@ -153,11 +171,12 @@ class _Job:
                 patch,
                 prebuild=self._prebuild,
                 known=known,
+                vouched=vouched,
                 mode=self._mode,
                 consume=True,
                 mark=mem.mark,
             )
-            del patch, known
+            del patch, known, vouched
         self.phases = {"decode_ms": decode_ms, **w.last_stage_phases}
         if self.cores:
             self.phases["cores"] = float(self.cores)
@@ -280,8 +299,10 @@ def _flip(w: RuntimeWeights, name: str, position: int) -> dict[str, Any]:
 
 def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
     header = inspect(Path(path).read_bytes())
-    patch, known = _chain(w, [{"base": header.base, "target": header.target, "paths": [path]}])
-    staged = w.stage(patch, known=known, consume=True)
+    patch, known, vouched = _chain(
+        w, [{"base": header.base, "target": header.target, "paths": [path]}]
+    )
+    staged = w.stage(patch, known=known, vouched=vouched, consume=True)
     return {"digests": w.commit_staged(staged, undo_key=path), "root": w.root()}
 
 

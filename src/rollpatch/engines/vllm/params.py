@@ -291,6 +291,16 @@ class TorchParams:
         assert self._tp is not None
         return self._tp.gather(local, self.params[name].device)
 
+    def gather_to(self, name: str, local: np.ndarray, dst: int) -> list[np.ndarray] | None:
+        """Every rank's ``local`` block of ``name`` on rank ``dst`` (:mod:`.tpgather`)."""
+        assert self._tp is not None
+        return self._tp.gather_to(local, self.params[name].device, dst)
+
+    def share(self, data: bytes | None, src: int) -> memoryview:
+        """Rank ``src``'s ``data`` on every rank (:mod:`.tpgather`)."""
+        assert self._tp is not None
+        return self._tp.share(data, next(iter(self.params.values())).device, src)
+
     def access(self) -> Access:
         cpu, one = self.cpu, self.tp == 1
         return Access(
@@ -310,4 +320,6 @@ class TorchParams:
             buffer=self.buffer if cpu and one else None,
             exchange=self.exchange if cpu and one else None,
             own_collectives=self._tp.own if self._tp is not None and self._tp.background else None,
+            gather_to=self.gather_to if self.tp > 1 else None,
+            share=self.share if self.tp > 1 else None,
         )

@@ -63,21 +63,69 @@ class TpGather:
         finally:
             self._own.on = False
 
+    def _gloo(self) -> Any:
+        """The calling thread's gloo group (None: the TP group's device communicator)."""
+        if getattr(self._own, "on", False):
+            return self._staging
+        return self._group.cpu_group if self.cpu else None
+
     def gather(self, local: np.ndarray, device: Any) -> list[np.ndarray]:
         """Every rank's ``local`` (the same shape on each), in rank order."""
         import torch
         import torch.distributed as dist
 
         raw = torch.from_numpy(np.ascontiguousarray(local).reshape(-1).view(np.uint8))
-        if getattr(self._own, "on", False):
-            group = self._staging
-        elif self.cpu:
-            group = self._group.cpu_group
-        else:
-            group = None
+        group = self._gloo()
         if group is not None:
             parts = [torch.empty_like(raw) for _ in range(self.tp)]
             dist.all_gather(parts, raw, group=group)
         else:
             parts = list(self._group.all_gather(raw.to(device), dim=0).chunk(self.tp))
         return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
+
+    def gather_to(self, local: np.ndarray, device: Any, dst: int) -> list[np.ndarray] | None:
+        """Every rank's ``local`` (the same shape on each), in rank order, on TP rank ``dst``
+        only (None on the others): a tensor decoded by one rank (:mod:`.tpdecode`)."""
+        import torch
+        import torch.distributed as dist
+
+        raw = torch.from_numpy(np.ascontiguousarray(local).reshape(-1).view(np.uint8))
+        group = self._gloo()
+        mine = self._group.rank_in_group == dst
+        if group is not None:
+            parts = [torch.empty_like(raw) for _ in range(self.tp)] if mine else None
+            dist.gather(raw, parts, dst=dist.get_global_rank(group, dst), group=group)
+        else:
+            got = self._group.gather(raw.to(device), dst=dst, dim=0)
+            parts = list(got.chunk(self.tp)) if mine and got is not None else None
+        if parts is None:
+            return None
+        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
+
+    def share(self, data: bytes | None, device: Any, src: int) -> memoryview:
+        """TP rank ``src``'s ``data`` on every rank (the others pass None): a length, then
+        the bytes, as two broadcasts."""
+        import torch
+
+        group = self._gloo()
+        mine = self._group.rank_in_group == src
+        on = torch.device("cpu") if group is not None else device
+        n = torch.tensor([len(data) if mine and data is not None else 0], dtype=torch.int64)
+        n = self._broadcast(n.to(on), src, group)
+        size = int(n.cpu()[0])
+        if size == 0:
+            return memoryview(b"")
+        if mine and data is not None:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(on)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=on)
+        buf = self._broadcast(buf, src, group)
+        return memoryview(buf.cpu().numpy()).cast("B")
+
+    def _broadcast(self, t: Any, src: int, group: Any) -> Any:
+        import torch.distributed as dist
+
+        if group is None:
+            return self._group.broadcast(t, src=src)
+        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+        return t

@@ -143,6 +143,28 @@ class RuntimeWeights(StagedCommits):
             flat = assemble(e.ranks, self.access.gather(e.mine.param, local))
         return Tensor(e.kind, e.mine.shape, flat.reshape(-1))
 
+    @property
+    def splits_decoding(self) -> bool:
+        """At TP > 1, whether each touched tensor can be decoded by one rank and shared
+        (:meth:`gather_to`, :meth:`share`; :mod:`.tpdecode`)."""
+        return self.tp > 1 and self.access.gather_to is not None and self.access.share is not None
+
+    def gather_to(self, name: str, dst: int) -> Tensor | None:
+        """The tensor's words in checkpoint coordinates on rank ``dst`` only (None on the
+        others): a collective, as :meth:`__getitem__` at TP > 1."""
+        e = self._entry(name)
+        assert self.access.gather_to is not None
+        self.settler.wait()
+        parts = self.access.gather_to(e.mine.param, self.access.read(e.mine.param), dst)
+        if parts is None:
+            return None
+        return Tensor(e.kind, e.mine.shape, assemble(e.ranks, parts))
+
+    def share(self, data: bytes | None, src: int) -> memoryview:
+        """Rank ``src``'s ``data`` on every rank (a collective)."""
+        assert self.access.share is not None
+        return self.access.share(data, src)
+
     def state_of(self, name: str) -> tuple[int, int]:
         """The held tensor's rp.sum128 state (cached; updated in O(changed) by commits)."""
         if name not in self._states:

@@ -1,0 +1,219 @@
+"""Decoding at TP > 1 split between the ranks (rollpatch.engines.vllm.tpdecode), offline:
+ranks simulated with threads and a barrier (tests/vllm_layouts.py). Each touched tensor is
+gathered to one rank, decoded there and shared; every rank ends with the patch a decode of
+its own gives, and an owner's failure is raised on every rank."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollpatch.engines.vllm import layout
+from rollpatch.engines.vllm.ops import OPS, _chain
+from rollpatch.engines.vllm.tpdecode import decode_split, owners, pack, pack_error, unpack
+from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError
+from rollpatch.kinds import get_kind
+from rollpatch.patch import DeltaOp, TensorPatch, decode, diff, encode, inspect
+from rollpatch.patch.header import MIN_FULL_BOUND
+from rollpatch.view import sum128
+from tests import vllm_layouts
+
+
+def _versions(n: int, share: float = 0.05) -> list[Any]:
+    cks = [vllm_layouts.checkpoint()]
+    for i in range(n):
+        cks.append(vllm_layouts.random_step(cks[-1], 10 + i, share))
+    return cks
+
+
+def _change(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
+    (a0, a1), (b0, b1) = sum128(a), sum128(b)
+    return (b0 - a0) & ((1 << 64) - 1), (b1 - a1) & ((1 << 64) - 1)
+
+
+def _steps(tmp: Path, views: list[Any]) -> list[dict[str, Any]]:
+    steps = []
+    for i, (a, b) in enumerate(itertools.pairwise(views)):
+        path = tmp / f"step{i}"
+        path.write_bytes(encode(diff(a, b), a))
+        steps.append({"base": a.digest(), "target": b.digest(), "paths": [str(path)]})
+    return steps
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_decode_equals_a_whole_decode_and_commits(tp: int, tmp_path: Path) -> None:
+    """One step and a chain of two: each rank's decoded (composed) patch equals the decode
+    against the whole view; each delta tensor is gathered once, to one rank; the ranks'
+    shares are balanced; staging and committing through the worker ops reach the target."""
+    cks = _versions(2)
+    views = [vllm_layouts.words_view(c) for c in cks]
+    steps = _steps(tmp_path, views)
+    ranks = vllm_layouts.SimulatedRanks(cks[0], tp)
+    assert ranks.weights[0].splits_decoding
+    got = ranks.run(lambda w: _chain(w, steps[:1]))
+    want = decode(Path(steps[0]["paths"][0]).read_bytes(), views[0])
+    n_delta = sum(1 for t in want.tensors.values() if t.op == "delta")
+    sums = {n: _change(views[0][n].data, views[1][n].data) for n in want.tensors}
+    for p, known, vouched in got:
+        assert p.tensors.keys() == want.tensors.keys() and known == {}
+        assert all(p.tensors[n].equals(want.tensors[n]) for n in want.tensors)
+        assert vouched == sums  # each owner's measured change, exact
+    assert ranks.gathered_to == [n_delta] * tp  # every rank joins every tensor's gather
+    deltas = [e for e in inspect(Path(steps[0]["paths"][0]).read_bytes()).tensors]
+    plan = owners(deltas, tp)
+    assert ranks.owned == [len(p) for p in plan] and sum(ranks.owned) == n_delta
+    cost = [int(np.prod(e["shape"])) + 16 * e["changed"] for e in deltas]
+    loads = [sum(cost[i] for i in p) for p in plan]
+    assert max(loads) - min(loads) <= max(cost)  # balanced by cost
+    chained = ranks.run(lambda w: _chain(w, steps))
+    both = diff(views[0], views[2])
+    sums = {n: _change(views[0][n].data, views[2][n].data) for n in both.tensors}
+    for p, _, vouched in chained:
+        assert vouched == sums  # the steps' changes add up to the chain's
+        assert p.base == views[0].digest() and p.target == views[2].digest()
+        for name, t in both.tensors.items():
+            assert np.array_equal(p.tensors[name].changes().positions, t.changes().positions)
+            assert np.array_equal(p.tensors[name].changes().new, t.changes().new)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"token": "t", "steps": steps, "staging": "inline"}))
+    gathers = list(ranks.gathers)  # the held digests are known: staging gathers no whole tensor
+    assert ranks.run(lambda w: OPS["stage"](w, str(spec), "")["background"]) == [False] * tp
+    assert [s["target"] for s in ranks.run(lambda w: OPS["staged"](w, "t", ""))] == [
+        views[2].digest()
+    ] * tp
+    assert ranks.gathers == gathers
+    done = ranks.run(lambda w: OPS["commit"](w, "t", ""))
+    assert [d["root"] for d in done] == [views[2].digest()] * tp, done
+    assert ranks.run(lambda w: w.root()) == [views[2].digest()] * tp
+    for r in range(tp):
+        for spec_ in vllm_layouts.layer_specs(tp):
+            load = vllm_layouts.vllm_load(cks[2], tp, r)[spec_.param]
+            want_p = load.reshape(layout.param_shape(spec_, tp))
+            assert np.array_equal(ranks.params[r][spec_.param], want_p), (r, spec_.param)
+
+
+def test_split_decode_equals_every_rank_decoding(tmp_path: Path) -> None:
+    """The same chain staged with and without the split gives the same patch."""
+    cks = _versions(2, share=0.2)
+    steps = _steps(tmp_path, [vllm_layouts.words_view(c) for c in cks])
+    split = vllm_layouts.SimulatedRanks(cks[0], 2).run(lambda w: _chain(w, steps)[0])
+    every = vllm_layouts.SimulatedRanks(cks[0], 2, split=False)
+    assert not every.weights[0].splits_decoding
+    whole = every.run(lambda w: _chain(w, steps)[0])
+    assert every.owned == [0, 0] and min(every.gathers) > 0
+    for a, b in zip(split, whole, strict=True):
+        assert all(a.tensors[n].equals(b.tensors[n]) for n in b.tensors)
+
+
+def test_an_owners_failure_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """A corrupt payload is seen by its owner only (the others do not read it); every rank
+    raises the owner's error, with the owner's rank, and nothing is left waiting. A rank
+    whose replicas disagree fails the same way, on every rank."""
+    cks = _versions(1)
+    views = [vllm_layouts.words_view(c) for c in cks]
+    steps = _steps(tmp_path, views)
+    blob = bytearray(Path(steps[0]["paths"][0]).read_bytes())
+    h = inspect(bytes(blob))
+    e = next(e for e in h.tensors if e["name"] == "down_proj.weight")
+    blob[h.payload_start + e["offset"] + e["length"] // 2] ^= 0x10
+    Path(steps[0]["paths"][0]).write_bytes(bytes(blob))
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    out = ranks.run(lambda w: _chain(w, steps))
+    assert all(isinstance(o, PatchDecodeError) for o in out), out
+    assert {o.context["tensor"] for o in out} == {"down_proj.weight"}
+    assert len({o.context["rank"] for o in out}) == 1  # the owner's
+    assert all("checksum" in str(o) for o in out)
+    steps = _steps(tmp_path, views)  # intact again
+    assert "norm.weight" in {
+        e["name"] for e in inspect(Path(steps[0]["paths"][0]).read_bytes()).tensors
+    }
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    ranks.params[1]["norm.weight"].reshape(-1)[0] ^= 1  # a replicated tensor's rank-1 copy
+    for w in ranks.weights:  # digests held from before: the root check passes
+        w._digests = dict(views[0].tensor_digests())
+    out = ranks.run(lambda w: _chain(w, steps))
+    assert all(isinstance(o, EngineError) for o in out), out
+    assert all("disagree" in str(o) and o.context["tensor"] == "norm.weight" for o in out)
+
+
+def test_layout_mismatch_is_refused_before_any_gather() -> None:
+    """A patch whose tensor has another shape than the engine's is refused on every rank
+    before any collective (none left waiting)."""
+    cks = _versions(1)
+    flip = {n: (a.T.copy() if n == "down_proj.weight" else a) for n, a in cks[0].items()}
+    flip1 = {n: (a.T.copy() if n == "down_proj.weight" else a) for n, a in cks[1].items()}
+    a, b = vllm_layouts.words_view(flip), vllm_layouts.words_view(flip1)
+    blob = encode(diff(a, b), a)
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    out = ranks.run(lambda w: decode_split(w, blob, None, MIN_FULL_BOUND))
+    assert all(isinstance(o, BaseMismatchError) for o in out), out
+    assert all("layout differs" in str(o) for o in out)
+    assert ranks.gathered_to == [0, 0]
+
+
+def test_owners_plan() -> None:
+    """Costliest first to the least loaded rank; the same plan from the same header."""
+    ents = [
+        {"shape": [10, 10], "changed": 0},
+        {"shape": [1000], "changed": 10},
+        {"shape": [50], "changed": 50},
+        {"shape": [10], "changed": 1},
+    ]
+    assert owners(ents, 2) == [[1], [2, 0, 3]]
+    assert owners(ents, 4) == [[1], [2], [0], [3]]
+    assert owners([], 3) == [[], [], []]
+    assert owners(ents, 2) == owners(ents, 2)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "e4m3", "e2m1x2", "f32"])
+def test_pack_unpack(kind: str) -> None:
+    k = get_kind(kind)
+    n = 1000
+    rng = np.random.default_rng(0)
+    pos = np.sort(rng.choice(n, 30, replace=False)).astype(np.int64)
+    top = (1 << k.bits) - 1
+    old = rng.integers(0, top, 30).astype(k.elem_dtype)
+    new = (old ^ 1).astype(k.elem_dtype)
+    shape = (n // 2,) if k.packed else (n,)
+    e = {"name": "t", "kind": k.name, "shape": list(shape), "base": "a" * 64, "target": "b" * 64}
+    tp = TensorPatch("t", k, shape, "a" * 64, "b" * 64, DeltaOp(pos, old, new))
+    got, change = unpack(e, pack(tp, (5, (1 << 64) - 1)))
+    assert got.equals(tp) and change == (5, (1 << 64) - 1)
+    got, change = unpack(e, pack(tp, None))
+    assert got.equals(tp) and change is None
+    data = pack(tp, (1, 2))
+    assert len(data) == 32 + 30 * (4 + 2 * k.elem_dtype.itemsize)  # 4-byte positions
+    for bad in (
+        data[:10],
+        data[:-1],
+        data + b"\0",
+        b"\x07" + data[1:],
+        data[:2] + b"\x02" + data[3:],
+    ):
+        with pytest.raises(EngineError, match="truncated|malformed"):
+            unpack(e, bad)
+    err = pack_error(BaseMismatchError("nope", tensor="t", hint="h"), 3)
+    with pytest.raises(BaseMismatchError, match="nope") as got:
+        unpack(e, err)
+    assert got.value.context["rank"] == 3 and got.value.hint == "h"
+    with pytest.raises(EngineError, match="MemoryError"):
+        unpack(e, pack_error(MemoryError("big"), 1))
+    with pytest.raises(EngineError, match="failed to decode"):
+        unpack(e, err[:32] + b"{not json")
+
+
+def test_wide_positions() -> None:
+    k = get_kind("bf16")
+    shape = (1 << 33,)
+    pos = np.array([5, (1 << 32) + 7], dtype=np.int64)
+    w = np.array([1, 2], dtype=k.elem_dtype)
+    tp = TensorPatch("t", k, shape, "a" * 64, "b" * 64, DeltaOp(pos, w, w + 1))
+    e = {"name": "t", "kind": k.name, "shape": list(shape), "base": "a" * 64, "target": "b" * 64}
+    data = pack(tp, None)
+    assert len(data) == 32 + 2 * (8 + 4)
+    assert unpack(e, data)[0].equals(tp)

@@ -31,6 +31,9 @@ PHASES = [
 #: Where the staging (while vLLM serves) goes, in the worker (ms, medians).
 STAGE_PHASES = [
     ("decode_ms", "decode (+compose)"),
+    ("gather_ms", "of it (TP > 1): gather to owners"),
+    ("own_decode_ms", "own decodes"),
+    ("share_ms", "share"),
     ("prove_ms", "prove"),
     ("layout_ms", "layout"),
     ("buffers_ms", "second buffers"),

@@ -58,6 +58,7 @@ def _chain(
             hint="the engine is on another version; plan a new path",
         )
     blobs = [[Path(p).read_bytes() for p in step["paths"]] for step in steps]
+    w.split_ms = {}
     if w.tp == 1:  # each touched tensor copied once, every step decoded into the copy
         composed = decode_in_place(w, steps, blobs, w.state_of)
         if composed is not None:
@@ -177,7 +178,7 @@ class _Job:
                 mark=mem.mark,
             )
             del patch, known, vouched
-        self.phases = {"decode_ms": decode_ms, **w.last_stage_phases}
+        self.phases = {"decode_ms": decode_ms, **w.split_ms, **w.last_stage_phases}
         if self.cores:
             self.phases["cores"] = float(self.cores)
         self.memory = mem.report()

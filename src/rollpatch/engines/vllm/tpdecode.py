@@ -15,13 +15,17 @@ one owner instead:
    its owner (:meth:`.weights.RuntimeWeights.gather_to`; the others send their block), the
    owners decode theirs at the same time, then each owner shares its result
    (:meth:`.weights.RuntimeWeights.share`): the positions, old and new words, O(changed),
-   or the error it met, which every rank then raises at the same point (no rank is left
-   waiting in a collective).
+   with the rp.sum128 change of the writes, measured over the words it decoded against in
+   one native pass that also checks their old words (:func:`.sumchange.dry_change`); or the
+   error it met, which every rank then raises at the same point (no rank is left waiting
+   in a collective).
 
 So each rank holds at most one gathered tensor at a time and decodes about 1/TP of the
 patch; what crosses between ranks is the model once (to the owners) plus the change. Every
 rank ends with the same decoded patch as a decode of its own would give, and stages it as
-before (its own writes, the digests proven from the change). ``full`` and ``drop`` entries,
+before (its own writes), the target digests proven from the owners' changes
+(``stage_patch(vouched=)``) without gathering the tensors again: the proof used to read
+every touched tensor through a second all-gather. ``full`` and ``drop`` entries,
 and deltas over a tensor the chain itself made, need no gather: every rank decodes them.
 Results travel between the ranks of one engine only, in the layout :func:`pack` writes.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +53,7 @@ from ...view import Tensor, View
 from ..sumchange import SumState, dry_change
 from .weights import RuntimeWeights
 
-__all__ = ["decode_split", "owners", "pack", "unpack"]
+__all__ = ["decode_split", "owners", "pack", "pack_error", "unpack"]
 
 #: A change record's decode cost in words' worth (fit: 27.8 ns per record, 1.68 per word).
 CHANGE_COST = 16
@@ -194,14 +199,20 @@ def decode_split(
         return lambda: _decode_owned(e, t, payload, prior, limit, w.rank, sums)
 
     plan = owners(split, w.tp)
+    ms = w.split_ms
     for k in range(max(map(len, plan), default=0)):
         mine: Callable[[], bytes] | None = None
+        t0 = time.perf_counter()
         for r, items in enumerate(plan):
             if k < len(items):
                 got = gather(split[items[k]], r)
                 if r == w.rank:
                     mine = got
+        t1 = time.perf_counter()
         data = mine() if mine is not None else None  # the owners decode at the same time
+        t2 = time.perf_counter()
+        ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0) * 1e3
+        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (t2 - t1) * 1e3
         for r, items in enumerate(plan):
             if k < len(items):
                 e = split[items[k]]
@@ -209,6 +220,7 @@ def decode_split(
                 out[e["name"]] = tp
                 if change is not None:
                     vouched[e["name"]] = change
+        ms["share_ms"] = ms.get("share_ms", 0.0) + (time.perf_counter() - t2) * 1e3
     tensors = {e["name"]: out[e["name"]] for e in header.tensors}
     return Patch(header.base, header.target, tensors, header.meta, header.digest), vouched
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,15 @@ import pytest
 
 from rollpatch.engines.vllm import layout
 from rollpatch.engines.vllm.ops import OPS, _chain
-from rollpatch.engines.vllm.tpdecode import decode_split, owners, pack, pack_error, unpack
+from rollpatch.engines.vllm.tpdecode import (
+    ERROR_ROOM,
+    decode_split,
+    owners,
+    pack,
+    pack_error,
+    result_size,
+    unpack,
+)
 from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError
 from rollpatch.kinds import get_kind
 from rollpatch.patch import DeltaOp, TensorPatch, decode, diff, encode, inspect
@@ -172,6 +181,9 @@ def test_owners_plan() -> None:
 
 @pytest.mark.parametrize("kind", ["bf16", "e4m3", "e2m1x2", "f32"])
 def test_pack_unpack(kind: str) -> None:
+    """A result round-trips (padding after it ignored); its size is the one every rank
+    expects; truncated or inconsistent bytes are refused; an owner's error comes back as
+    its class with its message, hint and rank, cut to its room when long."""
     k = get_kind(kind)
     n = 1000
     rng = np.random.default_rng(0)
@@ -180,31 +192,42 @@ def test_pack_unpack(kind: str) -> None:
     old = rng.integers(0, top, 30).astype(k.elem_dtype)
     new = (old ^ 1).astype(k.elem_dtype)
     shape = (n // 2,) if k.packed else (n,)
-    e = {"name": "t", "kind": k.name, "shape": list(shape), "base": "a" * 64, "target": "b" * 64}
+    e = {
+        "name": "t",
+        "kind": k.name,
+        "shape": list(shape),
+        "base": "a" * 64,
+        "target": "b" * 64,
+        "changed": 30,
+    }
     tp = TensorPatch("t", k, shape, "a" * 64, "b" * 64, DeltaOp(pos, old, new))
     got, change = unpack(e, pack(tp, (5, (1 << 64) - 1)))
     assert got.equals(tp) and change == (5, (1 << 64) - 1)
-    got, change = unpack(e, pack(tp, None))
-    assert got.equals(tp) and change is None
-    data = pack(tp, (1, 2))
+    data = pack(tp, None)
     assert len(data) == 32 + 30 * (4 + 2 * k.elem_dtype.itemsize)  # 4-byte positions
-    for bad in (
-        data[:10],
-        data[:-1],
-        data + b"\0",
-        b"\x07" + data[1:],
-        data[:2] + b"\x02" + data[3:],
-    ):
+    assert result_size(e) == max(len(data), 32 + ERROR_ROOM)
+    got, change = unpack(e, data + bytes(result_size(e) - len(data)))
+    assert got.equals(tp) and change is None
+    for bad in (data[:10], data[:-1], b"\x07" + data[1:], data[:2] + b"\x02" + data[3:]):
         with pytest.raises(EngineError, match="truncated|malformed"):
             unpack(e, bad)
+    with pytest.raises(EngineError, match="malformed"):
+        unpack({**e, "changed": 29}, data)  # not the header's count
     err = pack_error(BaseMismatchError("nope", tensor="t", hint="h"), 3)
-    with pytest.raises(BaseMismatchError, match="nope") as got:
-        unpack(e, err)
-    assert got.value.context["rank"] == 3 and got.value.hint == "h"
+    with pytest.raises(BaseMismatchError, match="nope") as caught:
+        unpack(e, err + bytes(100))
+    assert caught.value.context["rank"] == 3 and caught.value.hint == "h"
     with pytest.raises(EngineError, match="MemoryError"):
         unpack(e, pack_error(MemoryError("big"), 1))
     with pytest.raises(EngineError, match="failed to decode"):
-        unpack(e, err[:32] + b"{not json")
+        unpack(e, struct.pack("<BBB5xQQQ", 1, 0, 0, 9, 0, 0) + b"{not json")
+    with pytest.raises(EngineError, match="malformed"):
+        unpack(e, err[:40])  # its length runs past the bytes
+    long = pack_error(PatchDecodeError("x" * 5000, tensor="y" * 5000), 1)
+    assert len(long) <= 32 + ERROR_ROOM
+    with pytest.raises(PatchDecodeError, match="x{500}") as caught:
+        unpack(e, long)
+    assert caught.value.context == {"rank": 1, "tensor": "t"}
 
 
 def test_wide_positions() -> None:
@@ -213,7 +236,14 @@ def test_wide_positions() -> None:
     pos = np.array([5, (1 << 32) + 7], dtype=np.int64)
     w = np.array([1, 2], dtype=k.elem_dtype)
     tp = TensorPatch("t", k, shape, "a" * 64, "b" * 64, DeltaOp(pos, w, w + 1))
-    e = {"name": "t", "kind": k.name, "shape": list(shape), "base": "a" * 64, "target": "b" * 64}
+    e = {
+        "name": "t",
+        "kind": k.name,
+        "shape": list(shape),
+        "base": "a" * 64,
+        "target": "b" * 64,
+        "changed": 2,
+    }
     data = pack(tp, None)
     assert len(data) == 32 + 2 * (8 + 4)
     assert unpack(e, data)[0].equals(tp)

@@ -169,9 +169,9 @@ class Ranks:
                 return got
             return None
 
-        def share(data: bytes | None, src: int) -> memoryview:
+        def share(data: bytes | None, src: int, size: int) -> memoryview:
             if r == src:
-                self.shared = data
+                self.shared = (data or b"")[:size].ljust(size, b"\0")
             self.barrier.wait()
             out = memoryview(bytes(self.shared or b""))
             self.barrier.wait()

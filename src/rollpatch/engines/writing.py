@@ -94,10 +94,11 @@ class Access:
     #: Optional (TP > 1): a tensor decoded by one rank and its result shared
     #: (:mod:`rollpatch.engines.vllm.tpdecode`). ``gather_to(param, local, dst)``: every
     #: rank's ``local`` in rank order on rank ``dst``, None on the others;
-    #: ``share(data, src)``: rank ``src``'s bytes on every rank (the others pass None).
-    #: Collectives, as ``gather``, through the same group.
+    #: ``share(data, src, size)``: rank ``src``'s bytes on every rank (the others pass
+    #: None) as ``size`` bytes, a size every rank knows. Collectives, as ``gather``, through
+    #: the same group.
     gather_to: Callable[[str, np.ndarray, int], list[np.ndarray] | None] | None = None
-    share: Callable[[bytes | None, int], memoryview] | None = None
+    share: Callable[[bytes | None, int, int], memoryview] | None = None
 
 
 @dataclass

@@ -296,10 +296,10 @@ class TorchParams:
         assert self._tp is not None
         return self._tp.gather_to(local, self.params[name].device, dst)
 
-    def share(self, data: bytes | None, src: int) -> memoryview:
-        """Rank ``src``'s ``data`` on every rank (:mod:`.tpgather`)."""
+    def share(self, data: bytes | None, src: int, size: int) -> memoryview:
+        """Rank ``src``'s ``data`` on every rank, as ``size`` bytes (:mod:`.tpgather`)."""
         assert self._tp is not None
-        return self._tp.share(data, next(iter(self.params.values())).device, src)
+        return self._tp.share(data, next(iter(self.params.values())).device, src, size)
 
     def access(self) -> Access:
         cpu, one = self.cpu, self.tp == 1

@@ -53,10 +53,12 @@ from ...view import Tensor, View
 from ..sumchange import SumState, dry_change
 from .weights import RuntimeWeights
 
-__all__ = ["decode_split", "owners", "pack", "pack_error", "unpack"]
+__all__ = ["decode_split", "owners", "pack", "pack_error", "result_size", "unpack"]
 
 #: A change record's decode cost in words' worth (fit: 27.8 ns per record, 1.68 per word).
 CHANGE_COST = 16
+#: Bytes an owner may use to share an error (result_size).
+ERROR_ROOM = 2048
 #: status (0 decoded, 1 error), position width, whether the rp.sum128 change is measured,
 #: changes, the change (two lanes)
 _HEAD = struct.Struct("<BBB5xQQQ")
@@ -88,20 +90,38 @@ def owners(entries: list[dict[str, Any]], tp: int) -> list[list[int]]:
     return plan
 
 
+def _width(n_elements: int) -> int:
+    """Bytes per shared position: 4 where every position of the tensor fits."""
+    return 8 if n_elements > 1 << 32 else 4
+
+
+def _elements(e: dict[str, Any]) -> int:
+    return int(np.prod(e["shape"], dtype=np.int64)) * (2 if KINDS[e["kind"]].packed else 1)
+
+
+def result_size(e: dict[str, Any]) -> int:
+    """The bytes an owner shares for header entry ``e``, known to every rank beforehand (one
+    broadcast): its ``changed`` positions, old and new words, or room for an error."""
+    ok = _HEAD.size + e["changed"] * (
+        _width(_elements(e)) + 2 * KINDS[e["kind"]].elem_dtype.itemsize
+    )
+    return max(ok, _HEAD.size + ERROR_ROOM)
+
+
 def pack(tp: TensorPatch, change: SumState | None) -> bytes:
     """A decoded delta and the rp.sum128 change of its writes (None: not measured) as the
-    bytes its owner shares: head, positions (4 bytes each where they fit), old words, new
-    words."""
+    bytes its owner shares: head, positions (4 bytes each where the tensor's fit), old
+    words, new words."""
     pos, old, new = tp.changes()
-    wide = pos.size > 0 and int(pos[-1]) >= 1 << 32
-    p = pos.astype(np.int64 if wide else np.uint32, copy=False)
+    p = pos.astype(np.int64 if _width(tp.n_elements) == 8 else np.uint32, copy=False)
     d0, d1 = change if change is not None else (0, 0)
     head = _HEAD.pack(0, p.itemsize, change is not None, pos.size, d0, d1)
     return b"".join((head, p.tobytes(), old.tobytes(), new.tobytes()))
 
 
 def pack_error(err: BaseException, rank: int) -> bytes:
-    """An owner's failure as the bytes it shares instead of a result."""
+    """An owner's failure as the bytes it shares instead of a result (at most
+    ``ERROR_ROOM`` bytes of JSON after the head: class, message, hint, context)."""
     body: dict[str, Any]
     if isinstance(err, RollpatchError):
         body = {"type": type(err).__name__, "message": err.message, "hint": err.hint}
@@ -109,26 +129,30 @@ def pack_error(err: BaseException, rank: int) -> bytes:
     else:
         body = {"type": "EngineError", "message": f"decoding failed: {type(err).__name__}: {err}"}
         body["context"] = {"rank": rank}
-    return _HEAD.pack(1, 0, 0, 0, 0, 0) + json.dumps(body, default=str).encode()
+    text = json.dumps(body, default=str).encode()
+    if len(text) > ERROR_ROOM:  # the message cut, the context reduced to the rank
+        body = {**body, "message": str(body["message"])[:500], "hint": None}
+        body["context"] = {"rank": rank}
+        text = json.dumps(body, default=str).encode()[:ERROR_ROOM]
+    return _HEAD.pack(1, 0, 0, len(text), 0, 0) + text
 
 
 def unpack(e: dict[str, Any], data: memoryview | bytes) -> tuple[TensorPatch, SumState | None]:
     """The delta of header entry ``e`` and its rp.sum128 change (None: not measured) from its
-    owner's bytes; the owner's error raised."""
+    owner's bytes (any padding after them ignored); the owner's error raised."""
     name, kind, shape = e["name"], KINDS[e["kind"]], tuple(e["shape"])
     if len(data) < _HEAD.size:
         raise EngineError("a rank shared a truncated result", tensor=name)
     status, width, has, k, d0, d1 = _HEAD.unpack_from(data)
-    if status == 1:
-        raise _error(bytes(data[_HEAD.size :]), name)
+    if status == 1 and k <= len(data) - _HEAD.size:
+        raise _error(bytes(data[_HEAD.size : _HEAD.size + k]), name)
     size = kind.elem_dtype.itemsize
-    n = int(np.prod(shape, dtype=np.int64)) * (2 if kind.packed else 1)
     if (
         status != 0
-        or width not in (4, 8)
+        or width != _width(_elements(e))
         or has > 1
-        or k > n
-        or len(data) != _HEAD.size + k * (width + 2 * size)
+        or k != e["changed"]
+        or len(data) < _HEAD.size + k * (width + 2 * size)
     ):
         raise EngineError("a rank shared a malformed result", tensor=name)
     at = _HEAD.size
@@ -216,7 +240,8 @@ def decode_split(
         for r, items in enumerate(plan):
             if k < len(items):
                 e = split[items[k]]
-                tp, change = unpack(e, w.share(data if r == w.rank else None, r))
+                shared = w.share(data if r == w.rank else None, r, result_size(e))
+                tp, change = unpack(e, shared)
                 out[e["name"]] = tp
                 if change is not None:
                     vouched[e["name"]] = change
@@ -244,6 +269,8 @@ def _decode_owned(
             t = Overlay(View({name: t}), prior)[name]
         tp = decode_entry(e, payload(e), View({name: t}), limit)
         pos, old, new = tp.changes()
+        if pos.size != e["changed"]:  # the size every rank expects (result_size)
+            raise PatchDecodeError("decoded changes differ from the header", tensor=name)
         change = dry_change(t.kind, t.data, pos, old, new, name) if sums else None
         return pack(tp, change)
     except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it

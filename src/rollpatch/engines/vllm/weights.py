@@ -163,10 +163,10 @@ class RuntimeWeights(StagedCommits):
             return None
         return Tensor(e.kind, e.mine.shape, assemble(e.ranks, parts))
 
-    def share(self, data: bytes | None, src: int) -> memoryview:
-        """Rank ``src``'s ``data`` on every rank (a collective)."""
+    def share(self, data: bytes | None, src: int, size: int) -> memoryview:
+        """Rank ``src``'s ``data`` on every rank as ``size`` bytes (a collective)."""
         assert self.access.share is not None
-        return self.access.share(data, src)
+        return self.access.share(data, src, size)
 
     def state_of(self, name: str) -> tuple[int, int]:
         """The held tensor's rp.sum128 state (cached; updated in O(changed) by commits)."""

@@ -13,12 +13,14 @@ one owner instead:
    computes the same plan from the header alone;
 2. in rounds (each rank's *k*-th tensor in round *k*): every tensor of the round gathered to
    its owner (:meth:`.weights.RuntimeWeights.gather_to`; the others send their block), the
-   owners decode theirs at the same time, then each owner shares its result
-   (:meth:`.weights.RuntimeWeights.share`): the positions, old and new words, O(changed),
-   with the rp.sum128 change of the writes, measured over the words it decoded against in
-   one native pass that also checks their old words (:func:`.sumchange.dry_change`); or the
-   error it met, which every rank then raises at the same point (no rank is left waiting
-   in a collective).
+   owners decode theirs at the same time and keep the result;
+3. each owner shares all its results at once (:meth:`.weights.RuntimeWeights.share`, one
+   broadcast of a size every rank knows from the header): per tensor the positions, old
+   and new words, O(changed), with the rp.sum128 change of the writes, measured over the
+   words it decoded against in one native pass that also checks their old words
+   (:func:`.sumchange.dry_change`); or the error it met, which every rank then raises at
+   the same point (an owner that failed still joins every collective: none is left
+   waiting).
 
 So each rank holds at most one gathered tensor at a time and decodes about 1/TP of the
 patch; what crosses between ranks is the model once (to the owners) plus the change. Every
@@ -224,28 +226,37 @@ def decode_split(
 
     plan = owners(split, w.tp)
     ms = w.split_ms
+    results: list[bytes] = []  # this rank's, in its plan's order
     for k in range(max(map(len, plan), default=0)):
-        mine: Callable[[], bytes] | None = None
+        run: Callable[[], bytes] | None = None
         t0 = time.perf_counter()
         for r, items in enumerate(plan):
             if k < len(items):
                 got = gather(split[items[k]], r)
                 if r == w.rank:
-                    mine = got
+                    run = got
         t1 = time.perf_counter()
-        data = mine() if mine is not None else None  # the owners decode at the same time
-        t2 = time.perf_counter()
+        if run is not None:  # the owners decode at the same time
+            results.append(run())
         ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0) * 1e3
-        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (t2 - t1) * 1e3
-        for r, items in enumerate(plan):
-            if k < len(items):
-                e = split[items[k]]
-                shared = w.share(data if r == w.rank else None, r, result_size(e))
-                tp, change = unpack(e, shared)
-                out[e["name"]] = tp
-                if change is not None:
-                    vouched[e["name"]] = change
-        ms["share_ms"] = ms.get("share_ms", 0.0) + (time.perf_counter() - t2) * 1e3
+        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (time.perf_counter() - t1) * 1e3
+    t2 = time.perf_counter()
+    for r, items in enumerate(plan):  # each owner's results at once: one broadcast
+        sizes = [result_size(split[i]) for i in items]
+        data = None
+        if r == w.rank:
+            data = b"".join(x.ljust(n, b"\0") for x, n in zip(results, sizes, strict=True))
+        shared = w.share(data, r, sum(sizes)) if items else memoryview(b"")
+        at = 0
+        for i, n in zip(items, sizes, strict=True):
+            e = split[i]
+            tp, change = unpack(e, shared[at : at + n])  # an owner's error raised here
+            at += n
+            out[e["name"]] = tp
+            if change is not None:
+                vouched[e["name"]] = change
+        del shared, data
+    ms["share_ms"] = ms.get("share_ms", 0.0) + (time.perf_counter() - t2) * 1e3
     tensors = {e["name"]: out[e["name"]] for e in header.tensors}
     return Patch(header.base, header.target, tensors, header.meta, header.digest), vouched
 

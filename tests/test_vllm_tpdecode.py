@@ -247,3 +247,27 @@ def test_wide_positions() -> None:
     data = pack(tp, None)
     assert len(data) == 32 + 2 * (8 + 4)
     assert unpack(e, data)[0].equals(tp)
+
+
+def test_assemble_checks_replicas_and_coverage() -> None:
+    """The whole tensor from every rank's range: replicated ranges must agree, every index
+    must be covered (rows or columns)."""
+    a = np.arange(8 * 6, dtype=np.uint16).reshape(8, 6)
+
+    def pl(dim: int, lo: int, n: int) -> layout.Placement:
+        ps = (n, 6) if dim == 0 else (8, n)
+        return layout.Placement("t", "t", (8, 6), ps, dim, lo, 0, n)
+
+    for dim, cuts in ((0, [(0, 4), (4, 4)]), (1, [(0, 3), (3, 3)]), (0, [(0, 5), (3, 5)])):
+        pls = [pl(dim, lo, n) for lo, n in cuts]
+        parts = [a[lo : lo + n] if dim == 0 else a[:, lo : lo + n].copy() for lo, n in cuts]
+        assert np.array_equal(layout.assemble(pls, parts), a.reshape(-1))
+    pls = [pl(0, 0, 5), pl(0, 3, 5)]
+    bad = a[3:8].copy()
+    bad[0, 0] ^= 1  # row 3, held by both ranks
+    with pytest.raises(EngineError, match="disagree"):
+        layout.assemble(pls, [a[0:5], bad])
+    with pytest.raises(EngineError, match="cover"):
+        layout.assemble([pl(0, 0, 3), pl(0, 4, 4)], [a[0:3], a[4:8]])
+    with pytest.raises(EngineError, match="dimensions"):
+        layout.assemble([pl(0, 0, 8), pl(1, 0, 6)], [a, a])

@@ -161,13 +161,13 @@ class Ranks:
             self.barrier.wait()
             return out
 
-        def gather_to(p: str, local: np.ndarray, dst: int) -> list[np.ndarray] | None:
-            self.gathered_to[r] += 1
+        def gather_to(p: str, local: np.ndarray, dst: int) -> Callable[[], list[np.ndarray] | None]:
+            self.gathered_to[r] += 1  # done at once here (vLLM's: started, finished later)
             got = allgather(local)
             if r == dst:
                 self.owned[r] += 1
-                return got
-            return None
+                return lambda: got
+            return lambda: None
 
         def share(data: bytes | None, src: int, size: int) -> memoryview:
             if r == src:

@@ -93,11 +93,12 @@ class Access:
     own_collectives: Callable[[], AbstractContextManager[None]] | None = None
     #: Optional (TP > 1): a tensor decoded by one rank and its result shared
     #: (:mod:`rollpatch.engines.vllm.tpdecode`). ``gather_to(param, local, dst)``: every
-    #: rank's ``local`` in rank order on rank ``dst``, None on the others;
+    #: rank's ``local`` in rank order on rank ``dst``, None on the others, started at the
+    #: call and finished by calling what it returns (transfers finish in the order started);
     #: ``share(data, src, size)``: rank ``src``'s bytes on every rank (the others pass
     #: None) as ``size`` bytes, a size every rank knows. Collectives, as ``gather``, through
     #: the same group.
-    gather_to: Callable[[str, np.ndarray, int], list[np.ndarray] | None] | None = None
+    gather_to: Callable[[str, np.ndarray, int], Callable[[], list[np.ndarray] | None]] | None = None
     share: Callable[[bytes | None, int, int], memoryview] | None = None
 
 

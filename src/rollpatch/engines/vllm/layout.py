@@ -337,20 +337,31 @@ def assemble(per_rank: Sequence[Placement], params: Sequence[np.ndarray]) -> np.
     """The whole checkpoint tensor (flat) from every rank's placement and parameter.
 
     Ranks that hold the same elements (replicas) must agree; a disagreement means the engine
-    holds inconsistent bits, which raises.
+    holds inconsistent bits, which raises. Each rank's block is a range along one dimension,
+    so overlaps and coverage are found on the ranges (no mask over the elements).
     """
     first = per_rank[0]
     out = np.empty((first.rows, first.cols), dtype=params[0].dtype)
-    seen = np.zeros((first.rows, first.cols), dtype=bool)
+    if any(pl.dim != first.dim for pl in per_rank):
+        raise EngineError("ranks split the tensor along different dimensions", tensor=first.name)
+    along = out if first.dim == 0 else out.T  # the split dimension first
+    done: list[tuple[int, int]] = []
     for pl, arr in zip(per_rank, params):
-        ck, _ = blocks(pl)
+        lo, hi = pl.src_start, pl.src_start + pl.length
         block = extract(pl, arr)
-        dup = seen[ck]
-        if dup.any() and not np.array_equal(out[ck][dup], block[dup]):
-            raise EngineError("ranks disagree on a replicated block", tensor=pl.name)
-        out[ck] = block
-        seen[ck] = True
-    if not seen.all():
+        blk = block if first.dim == 0 else block.T
+        for a, b in done:  # replicated ranges: the copies must agree
+            s, t = max(lo, a), min(hi, b)
+            if s < t and not np.array_equal(along[s:t], blk[s - lo : t - lo]):
+                raise EngineError("ranks disagree on a replicated block", tensor=pl.name)
+        along[lo:hi] = blk
+        done.append((lo, hi))
+    reach = 0
+    for a, b in sorted(done):
+        if a > reach:
+            break
+        reach = max(reach, b)
+    if reach < along.shape[0]:
         raise EngineError("ranks do not cover the tensor", tensor=first.name)
     return out.reshape(-1)
 

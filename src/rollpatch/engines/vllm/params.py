@@ -15,6 +15,7 @@ parameter's new words staged in a second buffer and exchanged for the live one u
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -291,8 +292,11 @@ class TorchParams:
         assert self._tp is not None
         return self._tp.gather(local, self.params[name].device)
 
-    def gather_to(self, name: str, local: np.ndarray, dst: int) -> list[np.ndarray] | None:
-        """Every rank's ``local`` block of ``name`` on rank ``dst`` (:mod:`.tpgather`)."""
+    def gather_to(
+        self, name: str, local: np.ndarray, dst: int
+    ) -> Callable[[], list[np.ndarray] | None]:
+        """Every rank's ``local`` block of ``name`` on rank ``dst``, started now, finished by
+        calling what it returns (:mod:`.tpgather`)."""
         assert self._tp is not None
         return self._tp.gather_to(local, self.params[name].device, dst)
 

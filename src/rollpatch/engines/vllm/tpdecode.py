@@ -13,7 +13,8 @@ one owner instead:
    computes the same plan from the header alone;
 2. in rounds (each rank's *k*-th tensor in round *k*): every tensor of the round gathered to
    its owner (:meth:`.weights.RuntimeWeights.gather_to`; the others send their block), the
-   owners decode theirs at the same time and keep the result;
+   owners decode theirs at the same time and keep the result, while the next round's
+   tensors travel (each rank holds at most two gathered tensors at a time);
 3. each owner shares all its results at once (:meth:`.weights.RuntimeWeights.share`, one
    broadcast of a size every rank knows from the header): per tensor the positions, old
    and new words, O(changed), with the rp.sum128 change of the writes, measured over the
@@ -22,7 +23,7 @@ one owner instead:
    the same point (an owner that failed still joins every collective: none is left
    waiting).
 
-So each rank holds at most one gathered tensor at a time and decodes about 1/TP of the
+So each rank decodes about 1/TP of the
 patch; what crosses between ranks is the model once (to the owners) plus the change. Every
 rank ends with the same decoded patch as a decode of its own would give, and stages it as
 before (its own writes), the target digests proven from the owners' changes
@@ -34,6 +35,7 @@ Results travel between the ranks of one engine only, in the layout :func:`pack` 
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import time
@@ -210,31 +212,46 @@ def decode_split(
         _check_layout(w, e, source)  # on every rank alike, before any collective
         split.append(e)
 
-    def gather(e: dict[str, Any], r: int) -> Callable[[], bytes] | None:
-        """Rank ``r``'s tensor of the round gathered to it; on ``r``, its decode (to run)."""
-        try:
-            t = w.gather_to(e["name"], r)
-        except RollpatchError as err:  # the owner's assembly (e.g. replicas disagree)
-            if r != w.rank:
-                raise
-            failed = pack_error(err, w.rank)
-            return lambda: failed
-        if t is None:
-            return None
-        sums = header.digest == "rp.sum128.v1"
-        return lambda: _decode_owned(e, t, payload, prior, limit, w.rank, sums)
+    sums = header.digest == "rp.sum128.v1"
+
+    def start(k: int) -> Callable[[], Callable[[], bytes] | None]:
+        """Round ``k``'s gathers, started on every rank; finishing them gives this rank's
+        decode of its tensor of the round (None: it owns none)."""
+        done = [
+            (split[items[k]], r, w.gather_to(split[items[k]]["name"], r))
+            for r, items in enumerate(plan)
+            if k < len(items)
+        ]
+
+        def finish() -> Callable[[], bytes] | None:
+            run: Callable[[], bytes] | None = None
+            for e, r, fin in done:
+                try:
+                    t = fin()
+                except RollpatchError as err:  # the owner's assembly (e.g. replicas disagree)
+                    if r != w.rank:
+                        raise
+                    run = functools.partial(bytes, pack_error(err, w.rank))
+                    continue
+                if t is not None:
+                    run = functools.partial(
+                        _decode_owned, e, t, payload, prior, limit, w.rank, sums
+                    )
+            return run
+
+        return finish
 
     plan = owners(split, w.tp)
+    rounds = max(map(len, plan), default=0)
     ms = w.split_ms
     results: list[bytes] = []  # this rank's, in its plan's order
-    for k in range(max(map(len, plan), default=0)):
-        run: Callable[[], bytes] | None = None
+    pending = start(0) if rounds else None
+    for k in range(rounds):
         t0 = time.perf_counter()
-        for r, items in enumerate(plan):
-            if k < len(items):
-                got = gather(split[items[k]], r)
-                if r == w.rank:
-                    run = got
+        assert pending is not None
+        run = pending()
+        # the next round travels while this one is decoded (sends in flight, receives posted)
+        pending = start(k + 1) if k + 1 < rounds else None
         t1 = time.perf_counter()
         if run is not None:  # the owners decode at the same time
             results.append(run())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -86,35 +86,52 @@ class TpGather:
             parts = list(self._group.all_gather(raw.to(device), dim=0).chunk(self.tp))
         return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
 
-    def gather_to(self, local: np.ndarray, device: Any, dst: int) -> list[np.ndarray] | None:
+    def gather_to(
+        self, local: np.ndarray, device: Any, dst: int
+    ) -> Callable[[], list[np.ndarray] | None]:
         """Every rank's ``local`` (the same shape on each), in rank order, on TP rank ``dst``
-        only (None on the others): a tensor decoded by one rank (:mod:`.tpdecode`). On gloo,
-        sends to ``dst`` (its receives posted at once): gloo's gather ran at a sixth of a
-        send's rate here."""
+        only (None on the others): a tensor decoded by one rank (:mod:`.tpdecode`). Started
+        now, finished by calling what it returns (before the next collective of another
+        kind; transfers started in one order on every rank complete in that order), so the
+        next tensor can travel while this one is decoded. On gloo, sends to ``dst`` and its
+        receives: gloo's own gather ran at a sixth of a send's rate on this host; ``local``
+        must then stay unchanged until the call (staging: nothing writes the parameters)."""
         import torch
         import torch.distributed as dist
 
         raw = torch.from_numpy(np.ascontiguousarray(local).reshape(-1).view(np.uint8))
         group = self._gloo()
         me = self._group.rank_in_group
-        if group is not None:
-            if me != dst:
-                dist.send(raw, dst=dist.get_global_rank(group, dst), group=group)
-                return None
-            parts = [raw if r == me else torch.empty_like(raw) for r in range(self.tp)]
-            waits = [
-                dist.irecv(parts[r], src=dist.get_global_rank(group, r), group=group)
-                for r in range(self.tp)
-                if r != me
-            ]
+        if group is None:  # the device communicator's gather, done now
+            got = self._group.gather(raw.to(device), dst=dst, dim=0)
+            parts = list(got.chunk(self.tp)) if me == dst and got is not None else None
+            return lambda: None if parts is None else self._words(parts, local)
+        if me != dst:
+            sent = dist.isend(raw, dst=dist.get_global_rank(group, dst), group=group)
+
+            def sent_done(keep: Any = raw) -> None:  # the buffer lives until the send is done
+                if sent is not None:
+                    sent.wait()
+                del keep
+
+            return sent_done
+        bufs = [raw if r == me else torch.empty_like(raw) for r in range(self.tp)]
+        waits = [
+            dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group)
+            for r in range(self.tp)
+            if r != me
+        ]
+
+        def received() -> list[np.ndarray]:
             for w in waits:
                 if w is not None:
                     w.wait()
-        else:
-            got = self._group.gather(raw.to(device), dst=dst, dim=0)
-            if me != dst or got is None:
-                return None
-            parts = list(got.chunk(self.tp))
+            return self._words(bufs, local)
+
+        return received
+
+    @staticmethod
+    def _words(parts: list[Any], local: np.ndarray) -> list[np.ndarray]:
         return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
 
     def share(self, data: bytes | None, device: Any, src: int, size: int) -> memoryview:

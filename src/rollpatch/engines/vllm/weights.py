@@ -25,7 +25,7 @@ tensor is then a collective (``Access.gather``), so tensors are always read in s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,16 +152,22 @@ class RuntimeWeights(StagedCommits):
         (:meth:`gather_to`, :meth:`share`; :mod:`.tpdecode`)."""
         return self.tp > 1 and self.access.gather_to is not None and self.access.share is not None
 
-    def gather_to(self, name: str, dst: int) -> Tensor | None:
+    def gather_to(self, name: str, dst: int) -> Callable[[], Tensor | None]:
         """The tensor's words in checkpoint coordinates on rank ``dst`` only (None on the
-        others): a collective, as :meth:`__getitem__` at TP > 1."""
+        others): a collective, as :meth:`__getitem__` at TP > 1, started now and finished
+        by calling what it returns (so the next can travel while one is decoded)."""
         e = self._entry(name)
         assert self.access.gather_to is not None
         self.settler.wait()
-        parts = self.access.gather_to(e.mine.param, self.access.read(e.mine.param), dst)
-        if parts is None:
-            return None
-        return Tensor(e.kind, e.mine.shape, assemble(e.ranks, parts))
+        done = self.access.gather_to(e.mine.param, self.access.read(e.mine.param), dst)
+
+        def tensor() -> Tensor | None:
+            parts = done()
+            if parts is None:
+                return None
+            return Tensor(e.kind, e.mine.shape, assemble(e.ranks, parts))
+
+        return tensor
 
     def share(self, data: bytes | None, src: int, size: int) -> memoryview:
         """Rank ``src``'s ``data`` on every rank as ``size`` bytes (a collective)."""

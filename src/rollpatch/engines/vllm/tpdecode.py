@@ -13,8 +13,8 @@ one owner instead:
    computes the same plan from the header alone;
 2. in rounds (each rank's *k*-th tensor in round *k*): every tensor of the round gathered to
    its owner (:meth:`.weights.RuntimeWeights.gather_to`; the others send their block), the
-   owners decode theirs at the same time and keep the result, while the next round's
-   tensors travel (each rank holds at most two gathered tensors at a time);
+   owners decode theirs at the same time and keep the result (each rank holds at most one
+   gathered tensor at a time);
 3. each owner shares all its results at once (:meth:`.weights.RuntimeWeights.share`, one
    broadcast of a size every rank knows from the header): per tensor the positions, old
    and new words, O(changed), with the rp.sum128 change of the writes, measured over the
@@ -250,13 +250,15 @@ def decode_split(
         t0 = time.perf_counter()
         assert pending is not None
         run = pending()
-        # the next round travels while this one is decoded (sends in flight, receives posted)
-        pending = start(k + 1) if k + 1 < rounds else None
         t1 = time.perf_counter()
         if run is not None:  # the owners decode at the same time
             results.append(run())
-        ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0) * 1e3
-        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (time.perf_counter() - t1) * 1e3
+        t2 = time.perf_counter()
+        # the next round after this one's decode: started before it, its transfers competed
+        # with the decodes for the ranks' cores and gained nothing on this host (docs/vllm.md)
+        pending = start(k + 1) if k + 1 < rounds else None
+        ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0 + time.perf_counter() - t2) * 1e3
+        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (t2 - t1) * 1e3
     t2 = time.perf_counter()
     for r, items in enumerate(plan):  # each owner's results at once: one broadcast
         sizes = [result_size(split[i]) for i in items]

@@ -16,16 +16,9 @@ import pytest
 
 from rollpatch.engines.vllm import layout
 from rollpatch.engines.vllm.ops import OPS, _chain
-from rollpatch.engines.vllm.tpdecode import (
-    ERROR_ROOM,
-    decode_split,
-    owners,
-    pack,
-    pack_error,
-    result_size,
-    unpack,
-)
-from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError
+from rollpatch.engines.vllm.tpdecode import decode_split, owners
+from rollpatch.engines.vllm.tpshare import ERROR_ROOM, bound, pack, pack_error, unpack
+from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError, RollpatchError
 from rollpatch.kinds import get_kind
 from rollpatch.patch import DeltaOp, TensorPatch, decode, diff, encode, inspect
 from rollpatch.patch.header import MIN_FULL_BOUND
@@ -74,16 +67,22 @@ def test_split_decode_equals_a_whole_decode_and_commits(tp: int, tmp_path: Path)
         assert vouched == sums  # each owner's measured change, exact
     assert ranks.gathered_to == [n_delta] * tp  # every rank joins every tensor's gather
     deltas = [e for e in inspect(Path(steps[0]["paths"][0]).read_bytes()).tensors]
-    plan = owners(deltas, tp)
-    assert ranks.owned == [len(p) for p in plan] and sum(ranks.owned) == n_delta
     cost = [int(np.prod(e["shape"])) + 16 * e["changed"] for e in deltas]
+    plan = owners(cost, tp)
+    assert ranks.owned == [len(p) for p in plan] and sum(ranks.owned) == n_delta
     loads = [sum(cost[i] for i in p) for p in plan]
     assert max(loads) - min(loads) <= max(cost)  # balanced by cost
+    before = list(ranks.gathered_to)
     chained = ranks.run(lambda w: _chain(w, steps))
     both = diff(views[0], views[2])
+    touched = set(want.tensors) | {
+        e["name"] for e in inspect(Path(steps[1]["paths"][0]).read_bytes()).tensors
+    }
+    # the chain: each touched tensor gathered once (to its owner), all steps decoded there
+    assert [g - b for g, b in zip(ranks.gathered_to, before, strict=True)] == [len(touched)] * tp
     sums = {n: _change(views[0][n].data, views[2][n].data) for n in both.tensors}
     for p, _, vouched in chained:
-        assert vouched == sums  # the steps' changes add up to the chain's
+        assert vouched == sums  # the decoder's measured change of the chain
         assert p.base == views[0].digest() and p.target == views[2].digest()
         for name, t in both.tensors.items():
             assert np.array_equal(p.tensors[name].changes().positions, t.changes().positions)
@@ -166,17 +165,12 @@ def test_layout_mismatch_is_refused_before_any_gather() -> None:
 
 
 def test_owners_plan() -> None:
-    """Costliest first to the least loaded rank; the same plan from the same header."""
-    ents = [
-        {"shape": [10, 10], "changed": 0},
-        {"shape": [1000], "changed": 10},
-        {"shape": [50], "changed": 50},
-        {"shape": [10], "changed": 1},
-    ]
-    assert owners(ents, 2) == [[1], [2, 0, 3]]
-    assert owners(ents, 4) == [[1], [2], [0], [3]]
+    """Costliest first to the least loaded rank; the same plan from the same costs."""
+    costs = [100, 1160, 850, 26]
+    assert owners(costs, 2) == [[1], [2, 0, 3]]
+    assert owners(costs, 4) == [[1], [2], [0], [3]]
     assert owners([], 3) == [[], [], []]
-    assert owners(ents, 2) == owners(ents, 2)
+    assert owners([5, 5, 5], 2) == [[0, 2], [1]]
 
 
 @pytest.mark.parametrize("kind", ["bf16", "e4m3", "e2m1x2", "f32"])
@@ -205,9 +199,12 @@ def test_pack_unpack(kind: str) -> None:
     assert got.equals(tp) and change == (5, (1 << 64) - 1)
     data = pack(tp, None)
     assert len(data) == 32 + 30 * (4 + 2 * k.elem_dtype.itemsize)  # 4-byte positions
-    assert result_size(e) == max(len(data), 32 + ERROR_ROOM)
-    got, change = unpack(e, data + bytes(result_size(e) - len(data)))
+    assert len(data) <= bound(e) and 32 + ERROR_ROOM <= bound(e)
+    got, change = unpack(e, data + bytes(100))
     assert got.equals(tp) and change is None
+    assert unpack({**e, "changed": None}, data)[0].equals(tp)  # a chain's: no count known
+    with pytest.raises(EngineError, match="malformed"):
+        unpack({**e, "changed": None, "shape": [1]}, data)  # more changes than elements
     for bad in (data[:10], data[:-1], b"\x07" + data[1:], data[:2] + b"\x02" + data[3:]):
         with pytest.raises(EngineError, match="truncated|malformed"):
             unpack(e, bad)
@@ -271,3 +268,31 @@ def test_assemble_checks_replicas_and_coverage() -> None:
         layout.assemble([pl(0, 0, 3), pl(0, 4, 4)], [a[0:3], a[4:8]])
     with pytest.raises(EngineError, match="dimensions"):
         layout.assemble([pl(0, 0, 8), pl(1, 0, 6)], [a, a])
+
+
+def test_a_chain_refuses_a_corrupt_step_on_every_rank(tmp_path: Path) -> None:
+    """A chain's payloads are checked on every rank before any collective (a corrupt second
+    step: every rank raises, none gathered); an owner's failure inside the chain (a step
+    decoded against other words than its base: the summed state misses the target) reaches
+    every rank."""
+    cks = _versions(3)
+    views = [vllm_layouts.words_view(c) for c in cks]
+    steps = _steps(tmp_path, views)
+    path = Path(steps[1]["paths"][0])
+    blob = bytearray(path.read_bytes())
+    h = inspect(bytes(blob))
+    e = h.tensors[0]
+    blob[h.payload_start + e["offset"]] ^= 0x01
+    path.write_bytes(bytes(blob))
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    out = ranks.run(lambda w: _chain(w, steps))
+    assert all(isinstance(o, PatchDecodeError) and "checksum" in str(o) for o in out), out
+    assert ranks.gathered_to == [0, 0]
+    other = vllm_layouts.words_view(vllm_layouts.random_step(cks[0], 99))  # not v1
+    (tmp_path / "b").mkdir()
+    steps = _steps(tmp_path, views)[:1] + _steps(tmp_path / "b", [other, views[2]])
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    out = ranks.run(lambda w: _chain(w, steps))
+    assert all(isinstance(o, RollpatchError) for o in out), out
+    assert len({type(o) for o in out}) == 1 and len({str(o) for o in out}) == 1
+    assert ranks.gathered_to[0] > 0 and "rank" in out[0].context, out  # an owner's, shared

@@ -244,6 +244,7 @@ def decode_in_place(
     *,
     rewind: Rewind | None = None,
     held: str | None = None,
+    entries: list[StepEntry] | None = None,
 ) -> tuple[Patch, dict[str, SumState]] | None:
     """The chain ``steps`` (each: ``base``, ``target``; ``blobs[k]``: its patch objects; one
     step or many) decoded against ``words`` into one patch, with each touched tensor's proven rp.sum128
@@ -265,13 +266,18 @@ def decode_in_place(
     goes back to the rewound words), and the composed change is the rebuild composed with the
     decoded step (a native linear merge; a longer chain: the words compared at the decoded
     and rebuilt positions only; no full compare). The patch returned is ``held`` -> target,
-    each tensor from its live digest."""
+    each tensor from its live digest.
+
+    ``entries``: the chain's entries to decode, as :func:`step_entries` gave them (checked
+    by the caller; e.g. one tensor's, decoded by the TP rank that owns it,
+    :mod:`.vllm.tpdecode`); default: every entry of ``blobs``."""
     from .. import native
 
     core = native.core
     if core is None or not steps:
         return None
-    entries = step_entries(steps, blobs)
+    if entries is None:
+        entries = step_entries(steps, blobs)
     if entries is None:
         return None
     by_name: dict[str, list[StepEntry]] = {}

@@ -30,7 +30,7 @@ from ..catchup import decode_in_place
 from ..staged import StagedUpdate
 from .layout import locate
 from .memtrace import MemTrace, trim
-from .tpdecode import decode_split
+from .tpdecode import decode_chain_split, decode_split
 from .transfer import read_decoded
 from .weights import RuntimeWeights
 from .writes import WriteMode
@@ -63,6 +63,10 @@ def _chain(
         composed = decode_in_place(w, steps, blobs, w.state_of)
         if composed is not None:
             return (*composed, {})
+    elif w.splits_decoding and len(steps) > 1:  # the same per tensor, on the rank owning it
+        chained = decode_chain_split(w, steps, blobs)
+        if chained is not None:
+            return chained[0], {}, chained[1]
     patch: Patch | None = None
     vouched: dict[str, Any] = {}
     unvouched: set[str] = set()  # touched by a step whose change no rank measured

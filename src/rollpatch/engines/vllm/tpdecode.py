@@ -30,14 +30,16 @@ before (its own writes), the target digests proven from the owners' changes
 (``stage_patch(vouched=)``) without gathering the tensors again: the proof used to read
 every touched tensor through a second all-gather. ``full`` and ``drop`` entries,
 and deltas over a tensor the chain itself made, need no gather: every rank decodes them.
-Results travel between the ranks of one engine only, in the layout :func:`pack` writes.
+A chain of steps whose entries all take the in-place decoder (:func:`decode_chain_split`) is
+planned per tensor instead: its owner gathers it once and decodes every step that touches
+it into one copy (:func:`rollpatch.engines.catchup.decode_in_place` on that tensor), so the
+chain costs one gather per touched tensor, not one per step. Results travel between the ranks
+of one engine only, in the layout of :mod:`.tpshare`.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,138 +47,117 @@ from typing import Any
 import blake3
 import numpy as np
 
-from ... import errors
 from ...errors import BaseMismatchError, EngineError, PatchDecodeError, RollpatchError
-from ...kinds import KINDS
 from ...patch import Patch, TensorPatch
-from ...patch.header import inspect
-from ...patch.model import DeltaOp, FullOp
+from ...patch.header import DIGESTS, inspect
+from ...patch.model import FullOp
 from ...patch.overlay import Overlay
 from ...patch.unwire import decode_entry
 from ...view import Tensor, View
+from ..catchup import StepEntry, decode_in_place, step_entries
 from ..sumchange import SumState, dry_change
+from .tpshare import bound, pack, pack_error, unpack
 from .weights import RuntimeWeights
 
-__all__ = ["decode_split", "owners", "pack", "pack_error", "result_size", "unpack"]
+__all__ = ["decode_chain_split", "decode_split", "owners"]
 
 #: A change record's decode cost in words' worth (fit: 27.8 ns per record, 1.68 per word).
 CHANGE_COST = 16
-#: Bytes an owner may use to share an error (result_size).
-ERROR_ROOM = 2048
-#: status (0 decoded, 1 error), position width, whether the rp.sum128 change is measured,
-#: changes, the change (two lanes)
-_HEAD = struct.Struct("<BBB5xQQQ")
-_ERRORS: dict[str, type[RollpatchError]] = {
-    c.__name__: c
-    for c in (
-        errors.PatchError,
-        errors.PatchDecodeError,
-        errors.CodecError,
-        errors.BaseMismatchError,
-        errors.TargetMismatchError,
-        errors.ManifestError,
-        errors.LimitError,
-        errors.ViewError,
-        errors.EngineError,
-    )
-}
+_M64 = (1 << 64) - 1
+
+#: The owner's work on one gathered tensor: the bytes it shares (never raises).
+Owned = Callable[[dict[str, Any], Tensor], bytes]
 
 
-def owners(entries: list[dict[str, Any]], tp: int) -> list[list[int]]:
-    """Each rank's entries (indices into ``entries``), in the order it decodes them: the
-    costliest first, each to the least loaded rank (ties: the lower rank)."""
-    cost = [int(np.prod(e["shape"], dtype=np.int64)) + CHANGE_COST * e["changed"] for e in entries]
+def owners(costs: list[int], tp: int) -> list[list[int]]:
+    """Each rank's jobs (indices into ``costs``), in the order it does them: the costliest
+    first, each to the least loaded rank (ties: the lower rank)."""
     load, plan = [0] * tp, [[] for _ in range(tp)]  # type: list[int], list[list[int]]
-    for i in sorted(range(len(entries)), key=lambda i: (-cost[i], i)):
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(tp), key=lambda r: (load[r], r))
         plan[r].append(i)
-        load[r] += cost[i]
+        load[r] += costs[i]
     return plan
 
 
-def _width(n_elements: int) -> int:
-    """Bytes per shared position: 4 where every position of the tensor fits."""
-    return 8 if n_elements > 1 << 32 else 4
+def _cost(e: dict[str, Any], changed: int) -> int:
+    return int(np.prod(e["shape"], dtype=np.int64)) + CHANGE_COST * changed
 
 
-def _elements(e: dict[str, Any]) -> int:
-    return int(np.prod(e["shape"], dtype=np.int64)) * (2 if KINDS[e["kind"]].packed else 1)
+def _rounds(
+    w: RuntimeWeights, jobs: list[dict[str, Any]], costs: list[int], owned: Owned
+) -> tuple[dict[str, TensorPatch], dict[str, SumState]]:
+    """Every job's tensor gathered to its owner and done there (``owned``), round by round;
+    then each owner's results shared with every rank (a table of lengths, then the bytes:
+    two broadcasts per owner). Returns the decoded tensors and the measured changes."""
+    plan = owners(costs, w.tp)
+    rounds = max(map(len, plan), default=0)
+    ms = w.split_ms
 
+    def start(k: int) -> Callable[[], Callable[[], bytes] | None]:
+        """Round ``k``'s gathers, started on every rank; finishing them gives this rank's
+        work on its tensor of the round (None: it owns none)."""
+        done = [
+            (jobs[items[k]], r, w.gather_to(jobs[items[k]]["name"], r))
+            for r, items in enumerate(plan)
+            if k < len(items)
+        ]
 
-def result_size(e: dict[str, Any]) -> int:
-    """The bytes an owner shares for header entry ``e``, known to every rank beforehand (one
-    broadcast): its ``changed`` positions, old and new words, or room for an error."""
-    ok = _HEAD.size + e["changed"] * (
-        _width(_elements(e)) + 2 * KINDS[e["kind"]].elem_dtype.itemsize
-    )
-    return max(ok, _HEAD.size + ERROR_ROOM)
+        def finish() -> Callable[[], bytes] | None:
+            run: Callable[[], bytes] | None = None
+            for job, r, fin in done:
+                try:
+                    t = fin()
+                except RollpatchError as err:  # the owner's assembly (e.g. replicas disagree)
+                    if r != w.rank:
+                        raise
+                    run = functools.partial(bytes, pack_error(err, w.rank))
+                    continue
+                if t is not None:
+                    run = functools.partial(owned, job, t)
+            return run
 
+        return finish
 
-def pack(tp: TensorPatch, change: SumState | None) -> bytes:
-    """A decoded delta and the rp.sum128 change of its writes (None: not measured) as the
-    bytes its owner shares: head, positions (4 bytes each where the tensor's fit), old
-    words, new words."""
-    pos, old, new = tp.changes()
-    p = pos.astype(np.int64 if _width(tp.n_elements) == 8 else np.uint32, copy=False)
-    d0, d1 = change if change is not None else (0, 0)
-    head = _HEAD.pack(0, p.itemsize, change is not None, pos.size, d0, d1)
-    return b"".join((head, p.tobytes(), old.tobytes(), new.tobytes()))
-
-
-def pack_error(err: BaseException, rank: int) -> bytes:
-    """An owner's failure as the bytes it shares instead of a result (at most
-    ``ERROR_ROOM`` bytes of JSON after the head: class, message, hint, context)."""
-    body: dict[str, Any]
-    if isinstance(err, RollpatchError):
-        body = {"type": type(err).__name__, "message": err.message, "hint": err.hint}
-        body["context"] = {**err.context, "rank": rank}
-    else:
-        body = {"type": "EngineError", "message": f"decoding failed: {type(err).__name__}: {err}"}
-        body["context"] = {"rank": rank}
-    text = json.dumps(body, default=str).encode()
-    if len(text) > ERROR_ROOM:  # the message cut, the context reduced to the rank
-        body = {**body, "message": str(body["message"])[:500], "hint": None}
-        body["context"] = {"rank": rank}
-        text = json.dumps(body, default=str).encode()[:ERROR_ROOM]
-    return _HEAD.pack(1, 0, 0, len(text), 0, 0) + text
-
-
-def unpack(e: dict[str, Any], data: memoryview | bytes) -> tuple[TensorPatch, SumState | None]:
-    """The delta of header entry ``e`` and its rp.sum128 change (None: not measured) from its
-    owner's bytes (any padding after them ignored); the owner's error raised."""
-    name, kind, shape = e["name"], KINDS[e["kind"]], tuple(e["shape"])
-    if len(data) < _HEAD.size:
-        raise EngineError("a rank shared a truncated result", tensor=name)
-    status, width, has, k, d0, d1 = _HEAD.unpack_from(data)
-    if status == 1 and k <= len(data) - _HEAD.size:
-        raise _error(bytes(data[_HEAD.size : _HEAD.size + k]), name)
-    size = kind.elem_dtype.itemsize
-    if (
-        status != 0
-        or width != _width(_elements(e))
-        or has > 1
-        or k != e["changed"]
-        or len(data) < _HEAD.size + k * (width + 2 * size)
-    ):
-        raise EngineError("a rank shared a malformed result", tensor=name)
-    at = _HEAD.size
-    pos = np.frombuffer(data, np.uint32 if width == 4 else np.int64, k, at).astype(np.int64)
-    at += k * width
-    old = np.frombuffer(data, kind.elem_dtype, k, at).copy()
-    new = np.frombuffer(data, kind.elem_dtype, k, at + k * size).copy()
-    tp = TensorPatch(name, kind, shape, e["base"], e["target"], DeltaOp(pos, old, new))
-    return tp, ((d0, d1) if has else None)
-
-
-def _error(body: bytes, name: str) -> RollpatchError:
-    try:
-        d = json.loads(body)
-        cls = _ERRORS.get(d["type"], EngineError)
-        ctx = {str(k): v for k, v in dict(d.get("context") or {}).items()}
-        ctx.setdefault("tensor", name)
-        return cls(str(d["message"]), hint=d.get("hint"), **ctx)
-    except (ValueError, KeyError, TypeError):
-        return EngineError("a rank failed to decode a tensor", tensor=name)
+    results: list[bytes] = []  # this rank's, in its plan's order
+    pending = start(0) if rounds else None
+    for k in range(rounds):
+        t0 = time.perf_counter()
+        assert pending is not None
+        run = pending()
+        t1 = time.perf_counter()
+        if run is not None:  # the owners work at the same time
+            results.append(run())
+        t2 = time.perf_counter()
+        # the next round after this one's decode: started before it, its transfers competed
+        # with the decodes for the ranks' cores and gained nothing on this host (docs/vllm.md)
+        pending = start(k + 1) if k + 1 < rounds else None
+        ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0 + time.perf_counter() - t2) * 1e3
+        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (t2 - t1) * 1e3
+    t3 = time.perf_counter()
+    out: dict[str, TensorPatch] = {}
+    changes: dict[str, SumState] = {}
+    for r, items in enumerate(plan):  # each owner's results at once
+        if not items:
+            continue
+        mine = r == w.rank
+        table = np.array([len(x) for x in results] if mine else [], np.int64)
+        got = w.share(table.tobytes() if mine else None, r, 8 * len(items))
+        sizes = np.frombuffer(got, np.int64, len(items)).tolist()
+        for i, n in zip(items, sizes, strict=True):
+            if not 0 <= n <= bound(jobs[i]):
+                raise EngineError("a rank shared a malformed result", tensor=jobs[i]["name"])
+        shared = w.share(b"".join(results) if mine else None, r, sum(sizes))
+        at = 0
+        for i, n in zip(items, sizes, strict=True):
+            tp, change = unpack(jobs[i], shared[at : at + n])  # an owner's error raised here
+            at += n
+            out[tp.name] = tp
+            if change is not None:
+                changes[tp.name] = change
+        del shared
+    ms["share_ms"] = ms.get("share_ms", 0.0) + (time.perf_counter() - t3) * 1e3
+    return out, changes
 
 
 def decode_split(
@@ -192,7 +173,6 @@ def decode_split(
     mv = memoryview(blob)
     source: Any = w if prior is None else Overlay(w, prior)
     out: dict[str, TensorPatch] = {}
-    vouched: dict[str, SumState] = {}
 
     def payload(e: dict[str, Any]) -> memoryview:
         start = header.payload_start + e["offset"]
@@ -209,110 +189,80 @@ def decode_split(
         if e["op"] != "delta" or made:  # no base words to gather: every rank decodes it
             out[e["name"]] = decode_entry(e, payload(e), source, limit)
             continue
-        _check_layout(w, e, source)  # on every rank alike, before any collective
+        _check_layout(w, e["name"], e["kind"], e["shape"], source)  # on every rank alike
         split.append(e)
-
     sums = header.digest == "rp.sum128.v1"
 
-    def start(k: int) -> Callable[[], Callable[[], bytes] | None]:
-        """Round ``k``'s gathers, started on every rank; finishing them gives this rank's
-        decode of its tensor of the round (None: it owns none)."""
-        done = [
-            (split[items[k]], r, w.gather_to(split[items[k]]["name"], r))
-            for r, items in enumerate(plan)
-            if k < len(items)
-        ]
+    def owned(e: dict[str, Any], t: Tensor) -> bytes:
+        """The owner's decode of ``e`` over its gathered tensor (with ``prior``'s change of
+        it applied) and, for rp.sum128 digests, the change of its writes over those words
+        (the old words checked in the same native pass: :func:`.sumchange.dry_change`)."""
+        try:
+            name = e["name"]
+            if prior is not None and name in prior.tensors:
+                t = Overlay(View({name: t}), prior)[name]
+            tp = decode_entry(e, payload(e), View({name: t}), limit)
+            pos, old, new = tp.changes()
+            change = dry_change(t.kind, t.data, pos, old, new, name) if sums else None
+            return pack(tp, change)
+        except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it
+            return pack_error(err, w.rank)
 
-        def finish() -> Callable[[], bytes] | None:
-            run: Callable[[], bytes] | None = None
-            for e, r, fin in done:
-                try:
-                    t = fin()
-                except RollpatchError as err:  # the owner's assembly (e.g. replicas disagree)
-                    if r != w.rank:
-                        raise
-                    run = functools.partial(bytes, pack_error(err, w.rank))
-                    continue
-                if t is not None:
-                    run = functools.partial(
-                        _decode_owned, e, t, payload, prior, limit, w.rank, sums
-                    )
-            return run
-
-        return finish
-
-    plan = owners(split, w.tp)
-    rounds = max(map(len, plan), default=0)
-    ms = w.split_ms
-    results: list[bytes] = []  # this rank's, in its plan's order
-    pending = start(0) if rounds else None
-    for k in range(rounds):
-        t0 = time.perf_counter()
-        assert pending is not None
-        run = pending()
-        t1 = time.perf_counter()
-        if run is not None:  # the owners decode at the same time
-            results.append(run())
-        t2 = time.perf_counter()
-        # the next round after this one's decode: started before it, its transfers competed
-        # with the decodes for the ranks' cores and gained nothing on this host (docs/vllm.md)
-        pending = start(k + 1) if k + 1 < rounds else None
-        ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0 + time.perf_counter() - t2) * 1e3
-        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (t2 - t1) * 1e3
-    t2 = time.perf_counter()
-    for r, items in enumerate(plan):  # each owner's results at once: one broadcast
-        sizes = [result_size(split[i]) for i in items]
-        data = None
-        if r == w.rank:
-            data = b"".join(x.ljust(n, b"\0") for x, n in zip(results, sizes, strict=True))
-        shared = w.share(data, r, sum(sizes)) if items else memoryview(b"")
-        at = 0
-        for i, n in zip(items, sizes, strict=True):
-            e = split[i]
-            tp, change = unpack(e, shared[at : at + n])  # an owner's error raised here
-            at += n
-            out[e["name"]] = tp
-            if change is not None:
-                vouched[e["name"]] = change
-        del shared, data
-    ms["share_ms"] = ms.get("share_ms", 0.0) + (time.perf_counter() - t2) * 1e3
+    got, vouched = _rounds(w, split, [_cost(e, e["changed"]) for e in split], owned)
+    out.update(got)
     tensors = {e["name"]: out[e["name"]] for e in header.tensors}
     return Patch(header.base, header.target, tensors, header.meta, header.digest), vouched
 
 
-def _decode_owned(
-    e: dict[str, Any],
-    t: Tensor,
-    payload: Callable[[dict[str, Any]], memoryview],
-    prior: Patch | None,
-    limit: int,
-    rank: int,
-    sums: bool,
-) -> bytes:
-    """The owner's decode of entry ``e`` over its gathered tensor ``t`` (with ``prior``'s
-    change of it applied) and, for rp.sum128 digests, the change of its writes over those
-    words (the old words checked in the same native pass: :func:`.sumchange.dry_change`), as
-    the bytes it shares; or any error it met (never raised here: the others wait for it)."""
-    try:
-        name = e["name"]
-        if prior is not None and name in prior.tensors:
-            t = Overlay(View({name: t}), prior)[name]
-        tp = decode_entry(e, payload(e), View({name: t}), limit)
-        pos, old, new = tp.changes()
-        if pos.size != e["changed"]:  # the size every rank expects (result_size)
-            raise PatchDecodeError("decoded changes differ from the header", tensor=name)
-        change = dry_change(t.kind, t.data, pos, old, new, name) if sums else None
-        return pack(tp, change)
-    except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it
-        return pack_error(err, rank)
+def decode_chain_split(
+    w: RuntimeWeights, steps: list[dict[str, Any]], blobs: list[list[bytes]]
+) -> tuple[Patch, dict[str, SumState]] | None:
+    """A chain of several steps (each: ``base``, ``target``; ``blobs[k]``: its patch
+    objects) decoded against ``w``'s words into one patch, per tensor by one rank: its owner
+    gathers it once and decodes every step touching it into one copy (the in-place decoder),
+    checks the summed state against the tensor's last target digest, and shares the composed
+    change and its rp.sum128 change. None when an entry does not take the in-place decoder
+    (then step by step, :func:`decode_split`). A collective, as :func:`decode_split`."""
+    entries = step_entries(steps, blobs)  # every payload's checksum, on every rank
+    if entries is None:
+        return None
+    chains: dict[str, list[StepEntry]] = {}
+    for se in entries:
+        chains.setdefault(se.name, []).append(se)
+    names = sorted(chains)
+    jobs: list[dict[str, Any]] = []
+    for name in names:
+        first, last = chains[name][0], chains[name][-1]
+        _check_layout(w, name, first.kind, first.shape, w)  # on every rank alike
+        job = {"name": name, "kind": first.kind, "shape": list(first.shape)}
+        jobs.append({**job, "base": first.base, "target": last.target, "changed": None})
+    held = {n: w.state_of(n) for n in names}  # a collective where not cached: every rank
+
+    def owned(job: dict[str, Any], t: Tensor) -> bytes:
+        try:
+            name = job["name"]
+            got = decode_in_place(
+                View({name: t}), steps, blobs, lambda n: held[n], entries=chains[name]
+            )
+            assert got is not None  # every entry was checked to take the decoder
+            patch, states = got
+            s0, s1 = held[name]
+            change = ((states[name][0] - s0) & _M64, (states[name][1] - s1) & _M64)
+            return pack(patch.tensors[name], change)
+        except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it
+            return pack_error(err, w.rank)
+
+    costs = [_cost(j, sum(se.changed for se in chains[j["name"]])) for j in jobs]
+    out, vouched = _rounds(w, jobs, costs, owned)
+    tensors = {n: out[n] for n in names}
+    return Patch(steps[0]["base"], steps[-1]["target"], tensors, digest=DIGESTS[2]), vouched
 
 
-def _check_layout(w: RuntimeWeights, e: dict[str, Any], source: Any) -> None:
-    name = e["name"]
+def _check_layout(w: RuntimeWeights, name: str, kind: str, shape: Any, source: Any) -> None:
     if name not in source:
         raise BaseMismatchError("the base lacks a tensor the patch changes", tensor=name)
-    kind, shape = w.kind_of(name), w.placement(name).shape
-    if kind.name != e["kind"] or tuple(shape) != tuple(e["shape"]):
+    held, at = w.kind_of(name), w.placement(name).shape
+    if held.name != kind or tuple(at) != tuple(shape):
         raise BaseMismatchError(
-            "base tensor layout differs from the patch", tensor=name, kind=kind.name, shape=shape
+            "base tensor layout differs from the patch", tensor=name, kind=held.name, shape=at
         )

@@ -1,0 +1,132 @@
+"""What a TP rank shares after decoding a tensor for the others (:mod:`.tpdecode`): the
+decoded delta and the rp.sum128 change of its writes, or the error it met, as bytes.
+
+Layout (little-endian): a 32-byte head ``status u8`` (0 a result, 1 an error), ``width u8``
+(bytes per position: 4 where every position of the tensor fits, else 8), ``has u8`` (1: the
+change follows), 5 zero bytes, ``k u64`` (changes; for an error the JSON's length), the change
+as two ``u64`` lanes; then the positions, the old words and the new words (the kind's element
+dtype), or the error as JSON (class, message, hint, context; at most ``ERROR_ROOM`` bytes).
+The bytes travel between the ranks of one engine only; :func:`unpack` still checks every
+length against the tensor before it reads, and raises the owner's error as its own class.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from ... import errors
+from ...errors import EngineError, RollpatchError
+from ...kinds import KINDS
+from ...patch import TensorPatch
+from ...patch.model import DeltaOp
+from ..sumchange import SumState
+
+__all__ = ["ERROR_ROOM", "bound", "pack", "pack_error", "unpack"]
+
+#: Bytes of JSON an owner may use to share an error.
+ERROR_ROOM = 2048
+_HEAD = struct.Struct("<BBB5xQQQ")
+_ERRORS: dict[str, type[RollpatchError]] = {
+    c.__name__: c
+    for c in (
+        errors.PatchError,
+        errors.PatchDecodeError,
+        errors.CodecError,
+        errors.BaseMismatchError,
+        errors.TargetMismatchError,
+        errors.ManifestError,
+        errors.LimitError,
+        errors.ViewError,
+        errors.EngineError,
+    )
+}
+
+
+def _width(n_elements: int) -> int:
+    """Bytes per shared position: 4 where every position of the tensor fits."""
+    return 8 if n_elements > 1 << 32 else 4
+
+
+def _elements(e: dict[str, Any]) -> int:
+    return int(np.prod(e["shape"], dtype=np.int64)) * (2 if KINDS[e["kind"]].packed else 1)
+
+
+def pack(tp: TensorPatch, change: SumState | None) -> bytes:
+    """A decoded delta and the rp.sum128 change of its writes (None: not measured) as the
+    bytes its owner shares: head, positions (4 bytes each where the tensor's fit), old
+    words, new words."""
+    pos, old, new = tp.changes()
+    p = pos.astype(np.int64 if _width(tp.n_elements) == 8 else np.uint32, copy=False)
+    d0, d1 = change if change is not None else (0, 0)
+    head = _HEAD.pack(0, p.itemsize, change is not None, pos.size, d0, d1)
+    return b"".join((head, p.tobytes(), old.tobytes(), new.tobytes()))
+
+
+def pack_error(err: BaseException, rank: int) -> bytes:
+    """An owner's failure as the bytes it shares instead of a result (at most
+    ``ERROR_ROOM`` bytes of JSON after the head: class, message, hint, context)."""
+    body: dict[str, Any]
+    if isinstance(err, RollpatchError):
+        body = {"type": type(err).__name__, "message": err.message, "hint": err.hint}
+        body["context"] = {**err.context, "rank": rank}
+    else:
+        body = {"type": "EngineError", "message": f"decoding failed: {type(err).__name__}: {err}"}
+        body["context"] = {"rank": rank}
+    text = json.dumps(body, default=str).encode()
+    if len(text) > ERROR_ROOM:  # the message cut, the context reduced to the rank
+        body = {**body, "message": str(body["message"])[:500], "hint": None}
+        body["context"] = {"rank": rank}
+        text = json.dumps(body, default=str).encode()[:ERROR_ROOM]
+    return _HEAD.pack(1, 0, 0, len(text), 0, 0) + text
+
+
+def unpack(e: dict[str, Any], data: memoryview | bytes) -> tuple[TensorPatch, SumState | None]:
+    """The delta of ``e`` (a header entry, or a chain's tensor: ``name``, ``kind``,
+    ``shape``, ``base``, ``target``, ``changed``: the count a single step's header gives, None
+    for a chain's) and its rp.sum128 change (None: not measured) from its owner's bytes (any
+    bytes after them ignored); the owner's error raised."""
+    name, kind, shape = e["name"], KINDS[e["kind"]], tuple(e["shape"])
+    if len(data) < _HEAD.size:
+        raise EngineError("a rank shared a truncated result", tensor=name)
+    status, width, has, k, d0, d1 = _HEAD.unpack_from(data)
+    if status == 1 and k <= len(data) - _HEAD.size:
+        raise _error(bytes(data[_HEAD.size : _HEAD.size + k]), name)
+    size = kind.elem_dtype.itemsize
+    if (
+        status != 0
+        or width != _width(_elements(e))
+        or has > 1
+        or (e["changed"] is not None and k != e["changed"])
+        or k > _elements(e)
+        or len(data) < _HEAD.size + k * (width + 2 * size)
+    ):
+        raise EngineError("a rank shared a malformed result", tensor=name)
+    at = _HEAD.size
+    pos = np.frombuffer(data, np.uint32 if width == 4 else np.int64, k, at).astype(np.int64)
+    at += k * width
+    old = np.frombuffer(data, kind.elem_dtype, k, at).copy()
+    new = np.frombuffer(data, kind.elem_dtype, k, at + k * size).copy()
+    tp = TensorPatch(name, kind, shape, e["base"], e["target"], DeltaOp(pos, old, new))
+    return tp, ((d0, d1) if has else None)
+
+
+def _error(body: bytes, name: str) -> RollpatchError:
+    try:
+        d = json.loads(body)
+        cls = _ERRORS.get(d["type"], EngineError)
+        ctx = {str(k): v for k, v in dict(d.get("context") or {}).items()}
+        ctx.setdefault("tensor", name)
+        return cls(str(d["message"]), hint=d.get("hint"), **ctx)
+    except (ValueError, KeyError, TypeError):
+        return EngineError("a rank failed to decode a tensor", tensor=name)
+
+
+def bound(e: dict[str, Any]) -> int:
+    """The most bytes an owner may share for ``e`` (a length from another rank is checked
+    against it before anything is allocated)."""
+    n = _elements(e)
+    return _HEAD.size + max(n * (_width(n) + 2 * KINDS[e["kind"]].elem_dtype.itemsize), ERROR_ROOM)

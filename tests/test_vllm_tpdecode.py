@@ -164,6 +164,18 @@ def test_layout_mismatch_is_refused_before_any_gather() -> None:
     assert ranks.gathered_to == [0, 0]
 
 
+def _entry(kind: str, shape: tuple[int, ...], changed: int) -> dict[str, Any]:
+    """A header entry of tensor ``t`` as the result wire reads it."""
+    return {
+        "name": "t",
+        "kind": kind,
+        "shape": list(shape),
+        "base": "a" * 64,
+        "target": "b" * 64,
+        "changed": changed,
+    }
+
+
 def test_owners_plan() -> None:
     """Costliest first to the least loaded rank; the same plan from the same costs."""
     costs = [100, 1160, 850, 26]
@@ -186,14 +198,7 @@ def test_pack_unpack(kind: str) -> None:
     old = rng.integers(0, top, 30).astype(k.elem_dtype)
     new = (old ^ 1).astype(k.elem_dtype)
     shape = (n // 2,) if k.packed else (n,)
-    e = {
-        "name": "t",
-        "kind": k.name,
-        "shape": list(shape),
-        "base": "a" * 64,
-        "target": "b" * 64,
-        "changed": 30,
-    }
+    e = _entry(k.name, shape, 30)
     tp = TensorPatch("t", k, shape, "a" * 64, "b" * 64, DeltaOp(pos, old, new))
     got, change = unpack(e, pack(tp, (5, (1 << 64) - 1)))
     assert got.equals(tp) and change == (5, (1 << 64) - 1)
@@ -233,14 +238,7 @@ def test_wide_positions() -> None:
     pos = np.array([5, (1 << 32) + 7], dtype=np.int64)
     w = np.array([1, 2], dtype=k.elem_dtype)
     tp = TensorPatch("t", k, shape, "a" * 64, "b" * 64, DeltaOp(pos, w, w + 1))
-    e = {
-        "name": "t",
-        "kind": k.name,
-        "shape": list(shape),
-        "base": "a" * 64,
-        "target": "b" * 64,
-        "changed": 2,
-    }
+    e = _entry(k.name, shape, 2)
     data = pack(tp, None)
     assert len(data) == 32 + 2 * (8 + 4)
     assert unpack(e, data)[0].equals(tp)
@@ -296,3 +294,25 @@ def test_a_chain_refuses_a_corrupt_step_on_every_rank(tmp_path: Path) -> None:
     assert all(isinstance(o, RollpatchError) for o in out), out
     assert len({type(o) for o in out}) == 1 and len({str(o) for o in out}) == 1
     assert ranks.gathered_to[0] > 0 and "rank" in out[0].context, out  # an owner's, shared
+
+
+def test_without_the_native_core_a_chain_goes_step_by_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No native core: the chain is decoded step by step (the numpy reference), each tensor
+    still by one rank; no change is measured, so staging proves by reading the words."""
+    from rollpatch import native
+
+    cks = _versions(2)
+    views = [vllm_layouts.words_view(c) for c in cks]
+    steps = _steps(tmp_path, views)
+    monkeypatch.setattr(native, "core", None)
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    both = diff(views[0], views[2])
+    for p, known, vouched in ranks.run(lambda w: _chain(w, steps)):
+        assert known == {} and vouched == {}
+        assert all(
+            p.tensors[n].changes().new.tolist() == t.changes().new.tolist()
+            for n, t in both.tensors.items()
+        )
+    assert sum(ranks.owned) > 0

@@ -222,7 +222,11 @@ def decode_chain_split(
     gathers it once and decodes every step touching it into one copy (the in-place decoder),
     checks the summed state against the tensor's last target digest, and shares the composed
     change and its rp.sum128 change. None when an entry does not take the in-place decoder
-    (then step by step, :func:`decode_split`). A collective, as :func:`decode_split`."""
+    or the native core is missing (then step by step, :func:`decode_split`). A collective, as :func:`decode_split`."""
+    from ... import native
+
+    if native.core is None:  # the in-place decoder is native
+        return None
     entries = step_entries(steps, blobs)  # every payload's checksum, on every rank
     if entries is None:
         return None

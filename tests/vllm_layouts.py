@@ -171,7 +171,8 @@ class Ranks:
 
         def share(data: bytes | None, src: int, size: int) -> memoryview:
             if r == src:
-                self.shared = (data or b"")[:size].ljust(size, b"\0")
+                assert data is not None and len(data) == size
+                self.shared = data
             self.barrier.wait()
             out = memoryview(bytes(self.shared or b""))
             self.barrier.wait()

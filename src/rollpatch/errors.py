@@ -61,6 +61,7 @@ __all__ = [
     "VersionNotFoundError",
     "ViewError",
     "engine_error",
+    "error_report",
 ]
 
 
@@ -207,10 +208,30 @@ _ENGINE_PASS_THROUGH = {
 }
 
 
-def engine_error(report: Mapping[str, Any], *, engine: str, what: str) -> RollpatchError:
-    """The error an engine's process reported (``{"type", "message", "hint", "context"}``)
-    as a rollpatch exception: a class of :data:`_ENGINE_PASS_THROUGH` keeps its class, any
-    other becomes an :class:`EngineError` naming it (``what``: who failed, for the message)."""
+def error_report(err: BaseException) -> dict[str, Any]:
+    """``err`` as an engine's process reports it to rollpatch (:func:`engine_error` turns it
+    back into an exception): ``{"type", "message", "hint", "context"}`` for a
+    :class:`RollpatchError` (context values made JSON-able), ``{"type": "InternalError",
+    "message"}`` for any other."""
+    if isinstance(err, RollpatchError):
+        ctx = {
+            k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+            for k, v in err.context.items()
+        }
+        return {
+            "type": type(err).__name__,
+            "message": err.message,
+            "hint": err.hint,
+            "context": ctx,
+        }
+    return {"type": "InternalError", "message": f"{type(err).__name__}: {err}"}
+
+
+def engine_error(report: Mapping[str, Any], *, engine: str | None, what: str) -> RollpatchError:
+    """The error an engine's process reported (``{"type", "message", "hint", "context"}``,
+    :func:`error_report`) as a rollpatch exception: a class of :data:`_ENGINE_PASS_THROUGH`
+    keeps its class, any other becomes an :class:`EngineError` naming it (``what``: who
+    failed, for the message; ``engine``: named in the context unless None)."""
     name = str(report.get("type", "EngineError"))
     ctx = dict(report.get("context") or {})
     ctx.setdefault("engine", engine)

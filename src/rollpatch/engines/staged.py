@@ -260,9 +260,7 @@ def stage_patch(
         )
 
     def one(name: str) -> tuple[str, StagedTensor | None]:
-        if vouched is not None and name in vouched and patch.digest == "rp.sum128.v1":
-            return _vouched(patch, name, digests, state, vouched[name])
-        return _prove(patch, name, held, digests, state, known)
+        return _prove(patch, name, held, digests, state, known, vouched)
 
     names = sorted(patch.tensors)
     if parallel:
@@ -289,6 +287,7 @@ def _prove(
     digests: Mapping[str, str],
     state: Callable[[str], SumState],
     known: Mapping[str, SumState] | None,
+    vouched: Mapping[str, SumState] | None,
 ) -> tuple[str, StagedTensor | None]:
     """One tensor of :func:`stage_patch`: its target digest, and its staged writes (None when
     it writes nothing)."""
@@ -302,9 +301,16 @@ def _prove(
         )
     if tp.base_digest != digests[name]:
         raise BaseMismatchError("tensor is not the patch's base", tensor=name)
+    sums = patch.digest == "rp.sum128.v1"
+    vouch = vouched.get(name) if sums and vouched is not None else None
+    if vouch is not None and isinstance(tp.change, DeltaOp):  # old words checked by the caller
+        pos, old, new = tp.changes()
+        check_delta(name, pos, old, new, tp.kind, tp.n_elements)
+        to = sum_add(state(name), vouch)
+        nbytes = int(np.prod(tp.shape, dtype=np.int64)) * tp.kind.word_dtype.itemsize
+        return _proven(tp, sum128_digest(tp.kind.dtype, tp.shape, nbytes, to), pos, old, new, to)
     t = held(name)
     pos, old, new, change = checked_writes(tp, t)
-    sums = patch.digest == "rp.sum128.v1"
     st = known.get(name) if sums and known is not None else None
     if sums and st is None and change is not None:
         st = sum_add(state(name), change)
@@ -312,30 +318,21 @@ def _prove(
         digest = sum128_digest(t.dtype, t.shape, t.nbytes, st)
     else:
         digest, st = _target(patch, t, name, pos, new, state)
-    if digest != tp.target_digest:
-        raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
-    return digest, (StagedTensor(name, pos, old, new, digest, st) if pos.size else None)
+    return _proven(tp, digest, pos, old, new, st)
 
 
-def _vouched(
-    patch: Patch,
-    name: str,
-    digests: Mapping[str, str],
-    state: Callable[[str], SumState],
-    change: SumState,
+def _proven(
+    tp: TensorPatch,
+    digest: str,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    st: SumState | None,
 ) -> tuple[str, StagedTensor | None]:
-    """One tensor of :func:`stage_patch` whose old words the caller checked (``vouched``)."""
-    tp = patch.tensors[name]
-    if tp.base_digest != digests.get(name):
-        raise BaseMismatchError("tensor is not the patch's base", tensor=name)
-    pos, old, new = tp.changes()
-    check_delta(name, pos, old, new, tp.kind, tp.n_elements)
-    st = sum_add(state(name), change)
-    nbytes = int(np.prod(tp.shape, dtype=np.int64)) * tp.kind.word_dtype.itemsize
-    digest = sum128_digest(tp.kind.dtype, tp.shape, nbytes, st)
+    """The tensor's staged writes once its digest after them is the patch's target."""
     if digest != tp.target_digest:
-        raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=name)
-    return digest, (StagedTensor(name, pos, old, new, digest, st) if pos.size else None)
+        raise TargetMismatchError("staged writes do not reach the tensor's target", tensor=tp.name)
+    return digest, (StagedTensor(tp.name, pos, old, new, digest, st) if pos.size else None)
 
 
 def _target(

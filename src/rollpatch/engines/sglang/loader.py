@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, PatchError, RollpatchError
+from ...errors import BaseMismatchError, EngineError, PatchError, RollpatchError, error_report
 from ...io.safetensors import load_view, save_view
 from ...patch import Patch, TensorPatch, decode, inspect
 from ...view import Tensor, View
@@ -228,30 +228,10 @@ def run_op(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         with _STATE.lock:
             out = {"ok": True, **fn()}
-    except RollpatchError as err:
-        out = {
-            "ok": False,
-            "error": {
-                "type": type(err).__name__,
-                "message": err.message,
-                "hint": err.hint,
-                "context": _jsonable(err.context),
-            },
-        }
-    except Exception as err:  # noqa: BLE001 - reported to the adapter, which raises EngineError
-        out = {
-            "ok": False,
-            "error": {"type": "InternalError", "message": f"{type(err).__name__}: {err}"},
-        }
+    except Exception as err:  # noqa: BLE001 - reported to the adapter (errors.engine_error)
+        out = {"ok": False, "error": error_report(err)}
     out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     return out
-
-
-def _jsonable(ctx: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
-        for k, v in ctx.items()
-    }
 
 
 class _Handler(socketserver.StreamRequestHandler):

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, ManifestError, RollpatchError
+from ...errors import BaseMismatchError, EngineError, ManifestError, error_report
 from ...io.safetensors import load_view, save_view
 from ...patch import Patch, compose, decode, inspect
 from ...patch.header import MIN_FULL_BOUND
@@ -71,7 +71,6 @@ def _chain(
     vouched: dict[str, Any] = {}
     unvouched: set[str] = set()  # touched by a step whose change no rank measured
     for step, parts in zip(steps, blobs, strict=True):
-        base: Any = w if patch is None else Overlay(w, patch)
         tensors: dict[str, Any] = {}
         digest = None
         for blob in parts:
@@ -87,6 +86,7 @@ def _chain(
                     else:
                         unvouched.add(name)
             else:
+                base: Any = w if patch is None else Overlay(w, patch)
                 serial = w.tp > 1
                 limit = max(MIN_FULL_BOUND, w.nbytes) if serial else None
                 part = decode(
@@ -355,27 +355,7 @@ def run_op_on(w: Any, fn: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         out = {"ok": True, **fn(w)}
-    except RollpatchError as err:
-        out = {
-            "ok": False,
-            "error": {
-                "type": type(err).__name__,
-                "message": err.message,
-                "hint": err.hint,
-                "context": _jsonable(err.context),
-            },
-        }
-    except Exception as err:  # noqa: BLE001 - reported to the adapter, which raises EngineError
-        out = {
-            "ok": False,
-            "error": {"type": "InternalError", "message": f"{type(err).__name__}: {err}"},
-        }
+    except Exception as err:  # noqa: BLE001 - reported to the adapter (errors.engine_error)
+        out = {"ok": False, "error": error_report(err)}
     out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     return out
-
-
-def _jsonable(ctx: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
-        for k, v in ctx.items()
-    }

@@ -94,46 +94,33 @@ def _rounds(
     rounds = max(map(len, plan), default=0)
     ms = w.split_ms
 
-    def start(k: int) -> Callable[[], Callable[[], bytes] | None]:
-        """Round ``k``'s gathers, started on every rank; finishing them gives this rank's
-        work on its tensor of the round (None: it owns none)."""
-        done = [
+    results: list[bytes] = []  # this rank's, in its plan's order
+    for k in range(rounds):
+        t0 = time.perf_counter()
+        # the round's transfers all started (sends, receives), then finished; started before
+        # the previous round's decode instead, they competed with it for the ranks' cores
+        # and gained nothing on this host (docs/vllm.md)
+        started = [
             (jobs[items[k]], r, w.gather_to(jobs[items[k]]["name"], r))
             for r, items in enumerate(plan)
             if k < len(items)
         ]
-
-        def finish() -> Callable[[], bytes] | None:
-            run: Callable[[], bytes] | None = None
-            for job, r, fin in done:
-                try:
-                    t = fin()
-                except RollpatchError as err:  # the owner's assembly (e.g. replicas disagree)
-                    if r != w.rank:
-                        raise
-                    run = functools.partial(bytes, pack_error(err, w.rank))
-                    continue
-                if t is not None:
-                    run = functools.partial(owned, job, t)
-            return run
-
-        return finish
-
-    results: list[bytes] = []  # this rank's, in its plan's order
-    pending = start(0) if rounds else None
-    for k in range(rounds):
-        t0 = time.perf_counter()
-        assert pending is not None
-        run = pending()
+        run: Callable[[], bytes] | None = None  # this rank's work of the round
+        for job, r, fin in started:
+            try:
+                t = fin()
+            except RollpatchError as err:  # the owner's assembly (e.g. replicas disagree)
+                if r != w.rank:
+                    raise
+                run = functools.partial(bytes, pack_error(err, w.rank))
+                continue
+            if t is not None:
+                run = functools.partial(owned, job, t)
         t1 = time.perf_counter()
         if run is not None:  # the owners work at the same time
             results.append(run())
-        t2 = time.perf_counter()
-        # the next round after this one's decode: started before it, its transfers competed
-        # with the decodes for the ranks' cores and gained nothing on this host (docs/vllm.md)
-        pending = start(k + 1) if k + 1 < rounds else None
-        ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0 + time.perf_counter() - t2) * 1e3
-        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (t2 - t1) * 1e3
+        ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0) * 1e3
+        ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (time.perf_counter() - t1) * 1e3
     t3 = time.perf_counter()
     out: dict[str, TensorPatch] = {}
     changes: dict[str, SumState] = {}

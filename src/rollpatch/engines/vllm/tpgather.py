@@ -84,7 +84,7 @@ class TpGather:
                 self._broadcast(part, r, group)
         else:
             parts = list(self._group.all_gather(raw.to(device), dim=0).chunk(self.tp))
-        return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
+        return self._words(parts, local)
 
     def gather_to(
         self, local: np.ndarray, device: Any, dst: int
@@ -135,19 +135,23 @@ class TpGather:
         return [c.cpu().numpy().view(local.dtype).reshape(local.shape) for c in parts]
 
     def share(self, data: bytes | None, device: Any, src: int, size: int) -> memoryview:
-        """TP rank ``src``'s ``data`` (the others pass None) on every rank, as ``size`` bytes
-        (every rank knows the size: one broadcast; ``data`` zero-padded or cut to it)."""
+        """TP rank ``src``'s ``data`` (``size`` bytes; the others pass None) on every rank:
+        one broadcast, every rank knowing the size."""
         import torch
 
         group = self._gloo()
-        on = torch.device("cpu") if group is not None else device
         if self._group.rank_in_group == src and data is not None:
-            buf = torch.zeros(size, dtype=torch.uint8)
-            n = min(size, len(data))
-            buf[:n] = torch.frombuffer(bytearray(data[:n]), dtype=torch.uint8) if n else buf[:0]
-            buf = buf.to(on)
+            if len(data) != size:
+                raise ValueError("share: the data is not of the size given")
+            buf = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if size
+                else torch.empty(0, dtype=torch.uint8)
+            )
         else:
-            buf = torch.empty(size, dtype=torch.uint8, device=on)
+            buf = torch.empty(size, dtype=torch.uint8)
+        if group is None:
+            buf = buf.to(device)
         buf = self._broadcast(buf, src, group)
         return memoryview(buf.cpu().numpy()).cast("B")
 

@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import errors
-from ...errors import EngineError, RollpatchError
+from ...errors import EngineError, RollpatchError, engine_error, error_report
 from ...kinds import KINDS
 from ...patch import TensorPatch
 from ...patch.model import DeltaOp
@@ -30,20 +29,6 @@ __all__ = ["ERROR_ROOM", "bound", "pack", "pack_error", "unpack"]
 #: Bytes of JSON an owner may use to share an error.
 ERROR_ROOM = 2048
 _HEAD = struct.Struct("<BBB5xQQQ")
-_ERRORS: dict[str, type[RollpatchError]] = {
-    c.__name__: c
-    for c in (
-        errors.PatchError,
-        errors.PatchDecodeError,
-        errors.CodecError,
-        errors.BaseMismatchError,
-        errors.TargetMismatchError,
-        errors.ManifestError,
-        errors.LimitError,
-        errors.ViewError,
-        errors.EngineError,
-    )
-}
 
 
 def _width(n_elements: int) -> int:
@@ -67,20 +52,16 @@ def pack(tp: TensorPatch, change: SumState | None) -> bytes:
 
 
 def pack_error(err: BaseException, rank: int) -> bytes:
-    """An owner's failure as the bytes it shares instead of a result (at most
-    ``ERROR_ROOM`` bytes of JSON after the head: class, message, hint, context)."""
-    body: dict[str, Any]
-    if isinstance(err, RollpatchError):
-        body = {"type": type(err).__name__, "message": err.message, "hint": err.hint}
-        body["context"] = {**err.context, "rank": rank}
-    else:
-        body = {"type": "EngineError", "message": f"decoding failed: {type(err).__name__}: {err}"}
-        body["context"] = {"rank": rank}
-    text = json.dumps(body, default=str).encode()
+    """An owner's failure as the bytes it shares instead of a result: its
+    :func:`~rollpatch.errors.error_report` with the owner's rank, as at most ``ERROR_ROOM``
+    bytes of JSON after the head."""
+    body = error_report(err)
+    body["context"] = {**body.get("context", {}), "rank": rank}
+    text = json.dumps(body).encode()
     if len(text) > ERROR_ROOM:  # the message cut, the context reduced to the rank
         body = {**body, "message": str(body["message"])[:500], "hint": None}
         body["context"] = {"rank": rank}
-        text = json.dumps(body, default=str).encode()[:ERROR_ROOM]
+        text = json.dumps(body).encode()[:ERROR_ROOM]
     return _HEAD.pack(1, 0, 0, len(text), 0, 0) + text
 
 
@@ -115,13 +96,14 @@ def unpack(e: dict[str, Any], data: memoryview | bytes) -> tuple[TensorPatch, Su
 
 
 def _error(body: bytes, name: str) -> RollpatchError:
+    """The owner's error (:func:`pack_error`) as its own class (:func:`engine_error`)."""
     try:
-        d = json.loads(body)
-        cls = _ERRORS.get(d["type"], EngineError)
-        ctx = {str(k): v for k, v in dict(d.get("context") or {}).items()}
-        ctx.setdefault("tensor", name)
-        return cls(str(d["message"]), hint=d.get("hint"), **ctx)
-    except (ValueError, KeyError, TypeError):
+        report = json.loads(body)
+        if not isinstance(report, dict):
+            raise TypeError("not an object")
+        report["context"] = {"tensor": name, **dict(report.get("context") or {})}
+        return engine_error(report, engine=None, what=f"rank {report['context'].get('rank')}")
+    except (ValueError, TypeError):
         return EngineError("a rank failed to decode a tensor", tensor=name)
 
 

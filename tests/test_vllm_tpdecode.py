@@ -187,9 +187,9 @@ def test_owners_plan() -> None:
 
 @pytest.mark.parametrize("kind", ["bf16", "e4m3", "e2m1x2", "f32"])
 def test_pack_unpack(kind: str) -> None:
-    """A result round-trips (padding after it ignored); its size is the one every rank
-    expects; truncated or inconsistent bytes are refused; an owner's error comes back as
-    its class with its message, hint and rank, cut to its room when long."""
+    """A result round-trips; its size is the one every rank expects; truncated, over-long
+    or inconsistent bytes are refused; an owner's error comes back as its class with its
+    message, hint and rank, cut to its room when long."""
     k = get_kind(kind)
     n = 1000
     rng = np.random.default_rng(0)
@@ -205,26 +205,33 @@ def test_pack_unpack(kind: str) -> None:
     data = pack(tp, None)
     assert len(data) == 32 + 30 * (4 + 2 * k.elem_dtype.itemsize)  # 4-byte positions
     assert len(data) <= bound(e) and 32 + ERROR_ROOM <= bound(e)
-    got, change = unpack(e, data + bytes(100))
+    got, change = unpack(e, data)
     assert got.equals(tp) and change is None
     assert unpack({**e, "changed": None}, data)[0].equals(tp)  # a chain's: no count known
     with pytest.raises(EngineError, match="malformed"):
         unpack({**e, "changed": None, "shape": [1]}, data)  # more changes than elements
-    for bad in (data[:10], data[:-1], b"\x07" + data[1:], data[:2] + b"\x02" + data[3:]):
+    for bad in (
+        data[:10],
+        data[:-1],
+        data + b"\x00",  # a byte past the result
+        b"\x07" + data[1:],
+        data[:2] + b"\x02" + data[3:],
+    ):
         with pytest.raises(EngineError, match="truncated|malformed"):
             unpack(e, bad)
     with pytest.raises(EngineError, match="malformed"):
         unpack({**e, "changed": 29}, data)  # not the header's count
     err = pack_error(BaseMismatchError("nope", tensor="t", hint="h"), 3)
     with pytest.raises(BaseMismatchError, match="nope") as caught:
-        unpack(e, err + bytes(100))
+        unpack(e, err)
     assert caught.value.context["rank"] == 3 and caught.value.hint == "h"
     with pytest.raises(EngineError, match="MemoryError"):
         unpack(e, pack_error(MemoryError("big"), 1))
     with pytest.raises(EngineError, match="failed to decode"):
         unpack(e, struct.pack("<BBB5xQQQ", 1, 0, 0, 9, 0, 0) + b"{not json")
-    with pytest.raises(EngineError, match="malformed"):
-        unpack(e, err[:40])  # its length runs past the bytes
+    for bad in (err[:40], err + b" "):  # its length runs past the bytes, or stops short
+        with pytest.raises(EngineError, match="malformed"):
+            unpack(e, bad)
     long = pack_error(PatchDecodeError("x" * 5000, tensor="y" * 5000), 1)
     assert len(long) <= 32 + ERROR_ROOM
     with pytest.raises(PatchDecodeError, match="x{500}") as caught:

@@ -68,13 +68,14 @@ def pack_error(err: BaseException, rank: int) -> bytes:
 def unpack(e: dict[str, Any], data: memoryview | bytes) -> tuple[TensorPatch, SumState | None]:
     """The delta of ``e`` (a header entry, or a chain's tensor: ``name``, ``kind``,
     ``shape``, ``base``, ``target``, ``changed``: the count a single step's header gives, None
-    for a chain's) and its rp.sum128 change (None: not measured) from its owner's bytes (any
-    bytes after them ignored); the owner's error raised."""
+    for a chain's) and its rp.sum128 change (None: not measured) from its owner's bytes, which
+    must be exactly one result or one error (the shares are cut at the lengths the owners
+    announced: a byte more or less is a malformed share); the owner's error raised."""
     name, kind, shape = e["name"], KINDS[e["kind"]], tuple(e["shape"])
     if len(data) < _HEAD.size:
         raise EngineError("a rank shared a truncated result", tensor=name)
     status, width, has, k, d0, d1 = _HEAD.unpack_from(data)
-    if status == 1 and k <= len(data) - _HEAD.size:
+    if status == 1 and k == len(data) - _HEAD.size:
         raise _error(bytes(data[_HEAD.size : _HEAD.size + k]), name)
     size = kind.elem_dtype.itemsize
     if (
@@ -83,7 +84,7 @@ def unpack(e: dict[str, Any], data: memoryview | bytes) -> tuple[TensorPatch, Su
         or has > 1
         or (e["changed"] is not None and k != e["changed"])
         or k > _elements(e)
-        or len(data) < _HEAD.size + k * (width + 2 * size)
+        or len(data) != _HEAD.size + k * (width + 2 * size)
     ):
         raise EngineError("a rank shared a malformed result", tensor=name)
     at = _HEAD.size

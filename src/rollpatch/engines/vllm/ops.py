@@ -42,14 +42,15 @@ _MAX_JOBS = 8
 
 
 def _chain(
-    w: RuntimeWeights, steps: list[dict[str, Any]]
+    w: RuntimeWeights, steps: list[dict[str, Any]], *, timings: dict[str, float] | None = None
 ) -> tuple[Patch, dict[str, Any], dict[str, Any]]:
     """Decode a chain of steps against the held words and compose it: in place in one copy
     per touched tensor (:mod:`rollpatch.engines.catchup`), else step *k* against an :class:`Overlay` of the
     words and steps 1..k-1 (a tensor copy at a time, per step). Also returns the target
     rp.sum128 states the in-place decoder proved (empty from the overlay path), and at TP > 1
     the rp.sum128 changes the ranks that decoded each tensor measured over the words they
-    read (:mod:`.tpdecode`; ``stage_patch(vouched=)``), summed over the steps."""
+    read (:mod:`.tpdecode`; ``stage_patch(vouched=)``), summed over the steps. ``timings``:
+    where a split decode adds its phases, ms (``gather_ms``, ``own_decode_ms``, ``share_ms``)."""
     if w.root() != steps[0]["base"]:  # decoding against another base would read wrong contexts
         raise BaseMismatchError(
             "engine root digest is not the patch's base",
@@ -58,13 +59,12 @@ def _chain(
             hint="the engine is on another version; plan a new path",
         )
     blobs = [[Path(p).read_bytes() for p in step["paths"]] for step in steps]
-    w.split_ms = {}
     if w.tp == 1:  # each touched tensor copied once, every step decoded into the copy
         composed = decode_in_place(w, steps, blobs, w.state_of)
         if composed is not None:
             return (*composed, {})
     elif w.splits_decoding and len(steps) > 1:  # the same per tensor, on the rank owning it
-        chained = decode_chain_split(w, steps, blobs)
+        chained = decode_chain_split(w, steps, blobs, timings=timings)
         if chained is not None:
             return chained[0], {}, chained[1]
     patch: Patch | None = None
@@ -79,7 +79,8 @@ def _chain(
             # tensor in memory at a time, not every touched tensor at once; each decoded by
             # one rank and shared where the ranks can (.tpdecode), else by every rank
             if w.splits_decoding:
-                part, changes = decode_split(w, blob, patch, max(MIN_FULL_BOUND, w.nbytes))
+                bound = max(MIN_FULL_BOUND, w.nbytes)
+                part, changes = decode_split(w, blob, patch, bound, timings=timings)
                 for name in part.tensors:
                     if name in changes:
                         vouched[name] = sum_add(vouched.get(name, (0, 0)), changes[name])
@@ -168,7 +169,8 @@ class _Job:
         w.settler.wait()  # the last commit's words and frees first (staging reads the words)
         with MemTrace() as mem:
             t0 = time.perf_counter()
-            patch, known, vouched = _chain(w, self._steps)
+            split: dict[str, float] = {}  # TP > 1: the decode's split between the ranks
+            patch, known, vouched = _chain(w, self._steps, timings=split)
             decode_ms = (time.perf_counter() - t0) * 1e3
             mem.mark("decode")
             trim()  # the decoder threads' scratch and per-step arrays, freed in their arenas
@@ -182,7 +184,7 @@ class _Job:
                 mark=mem.mark,
             )
             del patch, known, vouched
-        self.phases = {"decode_ms": decode_ms, **w.split_ms, **w.last_stage_phases}
+        self.phases = {"decode_ms": decode_ms, **split, **w.last_stage_phases}
         if self.cores:
             self.phases["cores"] = float(self.cores)
         self.memory = mem.report()

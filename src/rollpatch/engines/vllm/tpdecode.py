@@ -85,14 +85,19 @@ def _cost(e: dict[str, Any], changed: int) -> int:
 
 
 def _rounds(
-    w: RuntimeWeights, jobs: list[dict[str, Any]], costs: list[int], owned: Owned
+    w: RuntimeWeights,
+    jobs: list[dict[str, Any]],
+    costs: list[int],
+    owned: Owned,
+    timings: dict[str, float] | None,
 ) -> tuple[dict[str, TensorPatch], dict[str, SumState]]:
     """Every job's tensor gathered to its owner and done there (``owned``), round by round;
     then each owner's results shared with every rank (a table of lengths, then the bytes:
-    two broadcasts per owner). Returns the decoded tensors and the measured changes."""
+    two broadcasts per owner). Returns the decoded tensors and the measured changes; adds
+    its phases' ms to ``timings`` (``gather_ms``, ``own_decode_ms``, ``share_ms``)."""
     plan = owners(costs, w.tp)
     rounds = max(map(len, plan), default=0)
-    ms = w.split_ms
+    ms = timings if timings is not None else {}
 
     results: list[bytes] = []  # this rank's, in its plan's order
     for k in range(rounds):
@@ -148,14 +153,20 @@ def _rounds(
 
 
 def decode_split(
-    w: RuntimeWeights, blob: bytes | memoryview, prior: Patch | None, limit: int
+    w: RuntimeWeights,
+    blob: bytes | memoryview,
+    prior: Patch | None,
+    limit: int,
+    *,
+    timings: dict[str, float] | None = None,
 ) -> tuple[Patch, dict[str, SumState]]:
     """``blob`` decoded against ``w``'s words with ``prior`` (the chain's steps before it, or
     None) applied, each gathered tensor decoded by one rank (the module docstring). Also
     returns, per tensor decoded by an owner, the rp.sum128 change of its writes, measured by
     the owner over the words it decoded against (their old words checked there: the staging
     need not read them again, ``stage_patch(vouched=)``). A collective: every rank of ``w``'s
-    group calls it with the same arguments."""
+    group calls it with the same arguments. ``timings``: where the split's phases are added
+    (ms: ``gather_ms``, ``own_decode_ms``, ``share_ms``)."""
     header = inspect(blob)
     mv = memoryview(blob)
     source: Any = w if prior is None else Overlay(w, prior)
@@ -195,21 +206,27 @@ def decode_split(
         except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it
             return pack_error(err, w.rank)
 
-    got, vouched = _rounds(w, split, [_cost(e, e["changed"]) for e in split], owned)
+    costs = [_cost(e, e["changed"]) for e in split]
+    got, vouched = _rounds(w, split, costs, owned, timings)
     out.update(got)
     tensors = {e["name"]: out[e["name"]] for e in header.tensors}
     return Patch(header.base, header.target, tensors, header.meta, header.digest), vouched
 
 
 def decode_chain_split(
-    w: RuntimeWeights, steps: list[dict[str, Any]], blobs: list[list[bytes]]
+    w: RuntimeWeights,
+    steps: list[dict[str, Any]],
+    blobs: list[list[bytes]],
+    *,
+    timings: dict[str, float] | None = None,
 ) -> tuple[Patch, dict[str, SumState]] | None:
     """A chain of several steps (each: ``base``, ``target``; ``blobs[k]``: its patch
     objects) decoded against ``w``'s words into one patch, per tensor by one rank: its owner
     gathers it once and decodes every step touching it into one copy (the in-place decoder),
     checks the summed state against the tensor's last target digest, and shares the composed
     change and its rp.sum128 change. None when an entry does not take the in-place decoder
-    or the native core is missing (then step by step, :func:`decode_split`). A collective, as :func:`decode_split`."""
+    or the native core is missing (then step by step, :func:`decode_split`). A collective, as
+    :func:`decode_split`; ``timings`` as there."""
     from ... import native
 
     if native.core is None:  # the in-place decoder is native
@@ -244,7 +261,7 @@ def decode_chain_split(
             return pack_error(err, w.rank)
 
     costs = [_cost(j, sum(se.changed for se in chains[j["name"]])) for j in jobs]
-    out, vouched = _rounds(w, jobs, costs, owned)
+    out, vouched = _rounds(w, jobs, costs, owned, timings)
     tensors = {n: out[n] for n in names}
     return Patch(steps[0]["base"], steps[-1]["target"], tensors, digest=DIGESTS[2]), vouched
 

@@ -94,9 +94,6 @@ class RuntimeWeights(StagedCommits):
         self.last_phases: dict[str, float] = {}
         #: The last :meth:`stage`'s phases in ms (``prove``, ``layout``, ``prebuild``).
         self.last_stage_phases: dict[str, float] = {}
-        #: TP > 1: the last staging's decode split between the ranks, ms (:mod:`.tpdecode`:
-        #: ``gather_ms`` to the owners, ``own_decode_ms`` this rank's, ``share_ms``).
-        self.split_ms: dict[str, float] = {}
         #: Set when an audit found live words that differ from the held digests: the engine
         #: holds unknown bits until a keyframe is loaded (patches are refused meanwhile).
         self.tainted: str | None = None

@@ -11,12 +11,13 @@ each rank sums the terms of the words it holds, at their global indices
 (:func:`partial_delta`, O(changed)), and the adapter adds the ranks' sums, each distinct block
 once (KV heads replicated over ranks are held twice), after checking that the blocks tile the
 tensor (:func:`combine`). A block must start and end on 8-byte words (true of every layer
-width divisible by 4 for BF16); others are refused.
+width divisible by 4 for BF16); others are refused. vLLM's TP ranks use the same block sums
+(:func:`rollpatch.engines.vllm.weights.ranks_state`, exchanged in a collective).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -32,7 +33,6 @@ __all__ = [
     "combine_state",
     "partial_delta",
     "partial_state",
-    "ranks_state",
 ]
 
 _M64 = (1 << 64) - 1
@@ -125,27 +125,6 @@ def partial_delta(
     (a0, a1) = sum128_terms(new_buf.view("<u8").reshape(-1), j)
     (b0, b1) = sum128_terms(old_buf.view("<u8").reshape(-1), j)
     return (a0 - b0) & _M64, (a1 - b1) & _M64
-
-
-def ranks_state(
-    name: str,
-    ranks: Sequence[Placement],
-    mine: Placement,
-    param: np.ndarray,
-    gather: Callable[[np.ndarray], list[np.ndarray]],
-) -> tuple[int, int] | None:
-    """One tensor's rp.sum128 state at TP > 1 from every rank's block sum, inside a
-    collective (vLLM's worker: ``gather`` is the TP all-gather, every rank calls this for the
-    same tensor): this rank sums the words of its block (``mine`` of ``param``) at their
-    indices in the tensor, the ranks exchange the five integers of each block, and the
-    distinct blocks must tile the tensor (:func:`combine_state`). None, with no collective
-    on any rank, where some rank's block (``ranks``: every rank's placement, known to all
-    alike) is an expert's or does not start and end on 8-byte words: gather the words."""
-    size = param.itemsize
-    if not all(pl.sub is None and aligned(pl, size) for pl in ranks):
-        return None
-    got = gather(np.array(partial_state(mine, param), dtype=np.uint64))
-    return combine_state(name, [g.tolist() for g in got], mine.shape)
 
 
 def combine(

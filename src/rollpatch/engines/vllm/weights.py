@@ -35,7 +35,7 @@ from ...errors import EngineError, ViewError
 from ...kinds import Kind
 from ...patch import Patch
 from ...view import Tensor, View, root_digest, sum128, sum128_digest
-from ..sglang.slices import ranks_state
+from ..sglang.slices import aligned, combine_state, partial_state
 from ..staged import AuditCursor, AuditReport
 from .commits import StagedCommits
 from .layout import (
@@ -52,7 +52,7 @@ from .writes import (
     Settler,
 )
 
-__all__ = ["Access", "RuntimeWeights"]
+__all__ = ["Access", "RuntimeWeights", "ranks_state"]
 
 
 @dataclass
@@ -294,3 +294,24 @@ class RuntimeWeights(StagedCommits):
         if bad and self.tainted is None:
             self.tainted = bad[0]
         return AuditReport(len(names), nbytes, tuple(bad), wrapped)
+
+
+def ranks_state(
+    name: str,
+    ranks: Sequence[Placement],
+    mine: Placement,
+    param: np.ndarray,
+    gather: Callable[[np.ndarray], list[np.ndarray]],
+) -> tuple[int, int] | None:
+    """One tensor's rp.sum128 state at TP > 1 from every rank's block sum, inside a
+    collective (vLLM's worker: ``gather`` is the TP all-gather, every rank calls this for the
+    same tensor): this rank sums the words of its block (``mine`` of ``param``) at their
+    indices in the tensor, the ranks exchange the five integers of each block, and the
+    distinct blocks must tile the tensor (:func:`combine_state`). None, with no collective
+    on any rank, where some rank's block (``ranks``: every rank's placement, known to all
+    alike) is an expert's or does not start and end on 8-byte words: gather the words."""
+    size = param.itemsize
+    if not all(pl.sub is None and aligned(pl, size) for pl in ranks):
+        return None
+    got = gather(np.array(partial_state(mine, param), dtype=np.uint64))
+    return combine_state(name, [g.tolist() for g in got], mine.shape)

@@ -1,7 +1,8 @@
 """Decoding at TP > 1 split between the ranks (rollpatch.engines.vllm.tpdecode), offline:
 ranks simulated with threads and a barrier (tests/vllm_layouts.py). Each touched tensor is
 gathered to one rank, decoded there and shared; every rank ends with the patch a decode of
-its own gives, and an owner's failure is raised on every rank."""
+its own gives (sent point to point: its blocks' part of it), and an owner's failure is
+raised on every rank."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ import pytest
 from rollpatch.engines.vllm import layout
 from rollpatch.engines.vllm.ops import OPS, _chain
 from rollpatch.engines.vllm.tpdecode import decode_split, owners
-from rollpatch.engines.vllm.tpshare import ERROR_ROOM, bound, pack, pack_error, unpack
+from rollpatch.engines.vllm.tpshare import (
+    ERROR_ROOM,
+    bound,
+    pack,
+    pack_error,
+    restrict,
+    unpack,
+    within,
+)
 from rollpatch.errors import BaseMismatchError, EngineError, PatchDecodeError, RollpatchError
 from rollpatch.kinds import get_kind
 from rollpatch.patch import DeltaOp, TensorPatch, decode, diff, encode, inspect
@@ -38,6 +47,11 @@ def _change(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
     return (b0 - a0) & ((1 << 64) - 1), (b1 - a1) & ((1 << 64) - 1)
 
 
+def _mine(w: Any, tp: TensorPatch) -> TensorPatch:
+    """``tp``'s changes in the block rank ``w`` holds (what the owner sends it)."""
+    return restrict(tp, w.rank_placements(tp.name)[w.rank])
+
+
 def _steps(tmp: Path, views: list[Any]) -> list[dict[str, Any]]:
     steps = []
     for i, (a, b) in enumerate(itertools.pairwise(views)):
@@ -50,8 +64,9 @@ def _steps(tmp: Path, views: list[Any]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_split_decode_equals_a_whole_decode_and_commits(tp: int, tmp_path: Path) -> None:
     """One step and a chain of two: each rank's decoded (composed) patch equals the decode
-    against the whole view; each delta tensor is gathered once, to one rank; the ranks'
-    shares are balanced; staging and committing through the worker ops reach the target."""
+    against the whole view in the blocks the rank holds; each delta tensor is gathered once,
+    to one rank; the ranks' shares are balanced; staging and committing through the worker
+    ops reach the target."""
     cks = _versions(2)
     views = [vllm_layouts.words_view(c) for c in cks]
     steps = _steps(tmp_path, views)
@@ -64,10 +79,10 @@ def test_split_decode_equals_a_whole_decode_and_commits(tp: int, tmp_path: Path)
     want = decode(Path(steps[0]["paths"][0]).read_bytes(), views[0])
     n_delta = sum(1 for t in want.tensors.values() if t.op == "delta")
     sums = {n: _change(views[0][n].data, views[1][n].data) for n in want.tensors}
-    for p, known, vouched in got:
+    for w, (p, known, vouched) in zip(ranks.weights, got, strict=True):
         assert p.tensors.keys() == want.tensors.keys() and known == {}
-        assert all(p.tensors[n].equals(want.tensors[n]) for n in want.tensors)
-        assert vouched == sums  # each owner's measured change, exact
+        assert all(p.tensors[n].equals(_mine(w, want.tensors[n])) for n in want.tensors)
+        assert vouched == sums  # each owner's measured change of the whole tensor, exact
     assert ranks.gathered_to == [n_delta] * tp  # every rank joins every tensor's gather
     deltas = [e for e in inspect(Path(steps[0]["paths"][0]).read_bytes()).tensors]
     cost = [int(np.prod(e["shape"])) + 16 * e["changed"] for e in deltas]
@@ -84,12 +99,11 @@ def test_split_decode_equals_a_whole_decode_and_commits(tp: int, tmp_path: Path)
     # the chain: each touched tensor gathered once (to its owner), all steps decoded there
     assert [g - b for g, b in zip(ranks.gathered_to, before, strict=True)] == [len(touched)] * tp
     sums = {n: _change(views[0][n].data, views[2][n].data) for n in both.tensors}
-    for p, _, vouched in chained:
+    for w, (p, _, vouched) in zip(ranks.weights, chained, strict=True):
         assert vouched == sums  # the decoder's measured change of the chain
         assert p.base == views[0].digest() and p.target == views[2].digest()
         for name, t in both.tensors.items():
-            assert np.array_equal(p.tensors[name].changes().positions, t.changes().positions)
-            assert np.array_equal(p.tensors[name].changes().new, t.changes().new)
+            assert p.tensors[name].equals(_mine(w, t))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"token": "t", "steps": steps, "staging": "inline"}))
     gathers = list(ranks.gathers)  # the held digests are known: staging gathers no whole tensor
@@ -108,17 +122,34 @@ def test_split_decode_equals_a_whole_decode_and_commits(tp: int, tmp_path: Path)
             assert np.array_equal(ranks.params[r][spec_.param], want_p), (r, spec_.param)
 
 
-def test_split_decode_equals_every_rank_decoding(tmp_path: Path) -> None:
-    """The same chain staged with and without the split gives the same patch."""
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_decode_equals_every_rank_decoding(tp: int, tmp_path: Path) -> None:
+    """The same chain and step staged with and without the split gives the same patch: whole
+    where the owners broadcast their results, each rank's blocks' part of it where they send
+    it point to point; then what reaches a rank is the change once, not once per rank (the
+    bytes received fall by about the TP degree); staged, both reach the same words."""
     cks = _versions(2, share=0.2)
     steps = _steps(tmp_path, [vllm_layouts.words_view(c) for c in cks])
-    split = vllm_layouts.SimulatedRanks(cks[0], 2).run(lambda w: _chain(w, steps)[0])
-    every = vllm_layouts.SimulatedRanks(cks[0], 2, split=False)
+    every = vllm_layouts.SimulatedRanks(cks[0], tp, split=False)
     assert not every.weights[0].splits_decoding
-    whole = every.run(lambda w: _chain(w, steps)[0])
-    assert every.owned == [0, 0] and min(every.gathers) > 0
-    for a, b in zip(split, whole, strict=True):
-        assert all(a.tensors[n].equals(b.tensors[n]) for n in b.tensors)
+    for chain in (steps, steps[:1]):
+        p2p = vllm_layouts.SimulatedRanks(cks[0], tp)
+        split = p2p.run(lambda w, c=chain: _chain(w, c)[0])
+        cast = vllm_layouts.SimulatedRanks(cks[0], tp, p2p=False)
+        broadcast = cast.run(lambda w, c=chain: _chain(w, c)[0])
+        whole = every.run(lambda w, c=chain: _chain(w, c)[0])
+        for w, a, b, c in zip(p2p.weights, split, broadcast, whole, strict=True):
+            assert all(b.tensors[n].equals(c.tensors[n]) for n in c.tensors)
+            assert all(a.tensors[n].equals(_mine(w, c.tensors[n])) for n in c.tensors)
+        assert sum(p2p.received) * (tp - 1) < sum(cast.received), (p2p.received, cast.received)
+    assert every.owned == [0] * tp and min(every.gathers) > 0
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"token": "t", "steps": steps[:1], "staging": "inline"}))
+    for ranks in (p2p, cast):  # the single step staged and committed: the same words
+        ranks.run(lambda w: OPS["stage"](w, str(spec), ""))
+        done = ranks.run(lambda w: OPS["commit"](w, "t", ""))
+        assert [d["root"] for d in done] == [steps[0]["target"]] * tp, done
+    assert all(np.array_equal(a[p], b[p]) for a, b in zip(p2p.params, cast.params) for p in a)
 
 
 def test_an_owners_failure_is_raised_on_every_rank(tmp_path: Path) -> None:
@@ -224,6 +255,15 @@ def test_pack_unpack(kind: str) -> None:
             unpack(e, bad)
     with pytest.raises(EngineError, match="malformed"):
         unpack({**e, "changed": 29}, data)  # not the header's count
+    if not k.packed:  # a row block's part (positions 0..499) and a column block's
+        rows = layout.Placement("t", "p", (10, 100), (5, 100), 0, 0, 0, 5)
+        cols = layout.Placement("t", "p", (10, 100), (10, 50), 1, 50, 0, 50)
+        shaped = TensorPatch("t", k, (10, 100), "a" * 64, "b" * 64, DeltaOp(pos, old, new))
+        for pl, keep in ((rows, pos < 500), (cols, pos % 100 >= 50)):
+            part = restrict(shaped, pl)
+            assert np.array_equal(part.changes().positions, pos[keep])
+            assert np.array_equal(part.changes().new, new[keep]) and within(part, pl)
+            assert not within(shaped, pl)  # a change outside the block
     err = pack_error(BaseMismatchError("nope", tensor="t", hint="h"), 3)
     with pytest.raises(BaseMismatchError, match="nope") as caught:
         unpack(e, err)

@@ -120,11 +120,18 @@ class Ranks:
     must run in lockstep (:meth:`run` runs one function on every rank, in threads)."""
 
     def __init__(
-        self, specs: list[ParamSpec], params: list[dict[str, np.ndarray]], split: bool = True
+        self,
+        specs: list[ParamSpec],
+        params: list[dict[str, np.ndarray]],
+        split: bool = True,
+        p2p: bool = True,
     ) -> None:
         self.tp = len(params)
         self.params = params
         self.split = split  # each tensor decoded by one rank (gather_to, share)
+        self.p2p = p2p  # results sent point to point, each rank its block's (deliver)
+        self.mail: list[list[bytes]] = [[b""] * self.tp for _ in range(self.tp)]
+        self.received = [0] * self.tp  # bytes of results received from other ranks
         self.slots: list[np.ndarray | None] = [None] * self.tp
         self.shared: bytes | None = None
         self.gathers = [0] * self.tp  # all-gathers (gather) per rank
@@ -176,6 +183,19 @@ class Ranks:
             self.barrier.wait()
             out = memoryview(bytes(self.shared or b""))
             self.barrier.wait()
+            if r != src:
+                self.received[r] += len(out)
+            return out
+
+        def deliver(parts: list[bytes], sizes: list[int]) -> list[memoryview]:
+            self.mail[r] = list(parts)
+            self.barrier.wait()
+            out = [memoryview(b"" if q == r else bytes(self.mail[q][r])) for q in range(self.tp)]
+            self.barrier.wait()
+            assert [len(o) for q, o in enumerate(out) if q != r] == [
+                s for q, s in enumerate(sizes) if q != r
+            ]
+            self.received[r] += sum(len(o) for o in out)
             return out
 
         return Access(
@@ -187,6 +207,8 @@ class Ranks:
             aliases=True,
             gather_to=gather_to if self.tp > 1 and self.split else None,
             share=share if self.tp > 1 and self.split else None,
+            deliver=deliver if self.tp > 1 and self.split and self.p2p else None,
+            delivers=(lambda: True) if self.tp > 1 and self.split and self.p2p else None,
         )
 
     def run(self, fn: Callable[[RuntimeWeights], Any]) -> list[Any]:
@@ -210,7 +232,12 @@ class SimulatedRanks(Ranks):
     """``tp`` ranks holding :func:`vllm_load` parameters (Fortran order when ``strided``)."""
 
     def __init__(
-        self, ck: dict[str, np.ndarray], tp: int, strided: bool = False, split: bool = True
+        self,
+        ck: dict[str, np.ndarray],
+        tp: int,
+        strided: bool = False,
+        split: bool = True,
+        p2p: bool = True,
     ) -> None:
         params = []
         for r in range(tp):
@@ -219,7 +246,7 @@ class SimulatedRanks(Ranks):
                 a = vllm_load(ck, tp, r)[spec.param].reshape(param_shape(spec, tp))
                 ps[spec.param] = np.asfortranarray(a) if strided else a.copy()
             params.append(ps)
-        super().__init__(layer_specs(tp), params, split)
+        super().__init__(layer_specs(tp), params, split, p2p)
 
 
 def words_view(ck: dict[str, np.ndarray]) -> View:

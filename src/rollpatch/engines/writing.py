@@ -100,6 +100,13 @@ class Access:
     #: the same group.
     gather_to: Callable[[str, np.ndarray, int], Callable[[], list[np.ndarray] | None]] | None = None
     share: Callable[[bytes | None, int, int], memoryview] | None = None
+    #: Optional (TP > 1): ``deliver(parts, sizes)``, point to point between every pair of
+    #: ranks: ``parts[q]`` to rank ``q``, and from each rank ``q`` the ``sizes[q]`` bytes it
+    #: sends this one; returns them in rank order (this rank's own entry empty). A
+    #: collective, as ``share``; ``delivers()`` says whether it can run for the calling
+    #: thread. A tensor's decoded change then goes to each rank for its block only.
+    deliver: Callable[[list[bytes], list[int]], list[memoryview]] | None = None
+    delivers: Callable[[], bool] | None = None
 
 
 @dataclass

@@ -80,7 +80,8 @@ def _chain(
             # one rank and shared where the ranks can (.tpdecode), else by every rank
             if w.splits_decoding:
                 bound = max(MIN_FULL_BOUND, w.nbytes)
-                part, changes = decode_split(w, blob, patch, bound, timings=timings)
+                alone = len(steps) == 1  # no later step decodes against it: blocks only
+                part, changes = decode_split(w, blob, patch, bound, timings=timings, blocks=alone)
                 for name in part.tensors:
                     if name in changes:
                         vouched[name] = sum_add(vouched.get(name, (0, 0)), changes[name])

@@ -305,6 +305,14 @@ class TorchParams:
         assert self._tp is not None
         return self._tp.share(data, next(iter(self.params.values())).device, src, size)
 
+    def deliver(self, parts: list[bytes], sizes: list[int]) -> list[memoryview]:
+        """Each rank's part to each rank, point to point (:mod:`.tpgather`)."""
+        assert self._tp is not None
+        return self._tp.deliver(parts, sizes)
+
+    def delivers(self) -> bool:
+        return self._tp is not None and self._tp.delivers
+
     def access(self) -> Access:
         cpu, one = self.cpu, self.tp == 1
         return Access(
@@ -326,4 +334,6 @@ class TorchParams:
             own_collectives=self._tp.own if self._tp is not None and self._tp.background else None,
             gather_to=self.gather_to if self.tp > 1 else None,
             share=self.share if self.tp > 1 else None,
+            deliver=self.deliver if self.tp > 1 else None,
+            delivers=self.delivers if self.tp > 1 else None,
         )

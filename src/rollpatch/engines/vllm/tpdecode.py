@@ -15,18 +15,24 @@ one owner instead:
    its owner (:meth:`.weights.RuntimeWeights.gather_to`; the others send their block), the
    owners decode theirs at the same time and keep the result (each rank holds at most one
    gathered tensor at a time);
-3. each owner shares all its results at once (:meth:`.weights.RuntimeWeights.share`, one
-   broadcast of a size every rank knows from the header): per tensor the positions, old
-   and new words, O(changed), with the rp.sum128 change of the writes, measured over the
-   words it decoded against in one native pass that also checks their old words
+3. each owner shares all its results at once: per tensor the positions, old and new words,
+   O(changed), with the rp.sum128 change of the writes, measured over the words it decoded
+   against in one native pass that also checks their old words
    (:func:`.sumchange.dry_change`); or the error it met, which every rank then raises at
    the same point (an owner that failed still joins every collective: none is left
-   waiting).
+   waiting). Where the ranks can send to each other (gloo:
+   :meth:`.weights.RuntimeWeights.deliver`) and no later step decodes against the result
+   (one step, or a chain composed per tensor), each rank is sent the changes in *its own
+   block* of the tensor only (:func:`.tpshare.restrict`: a slice of the sorted positions
+   for a row block), with the change of the whole tensor's writes for the proof, point to
+   point: the change crosses once, not once per rank, and no rank lays out changes it does
+   not hold. Else one broadcast per owner (:meth:`.weights.RuntimeWeights.share`) gives
+   every rank the whole change.
 
 So each rank decodes about 1/TP of the
 patch; what crosses between ranks is the model once (to the owners) plus the change. Every
-rank ends with the same decoded patch as a decode of its own would give, and stages it as
-before (its own writes), the target digests proven from the owners' changes
+rank ends with the decoded patch a decode of its own would give (in its blocks), and stages
+it as before (its own writes), the target digests proven from the owners' changes
 (``stage_patch(vouched=)``) without gathering the tensors again: the proof used to read
 every touched tensor through a second all-gather. ``full`` and ``drop`` entries,
 and deltas over a tensor the chain itself made, need no gather: every rank decodes them.
@@ -56,7 +62,7 @@ from ...patch.unwire import decode_entry
 from ...view import Tensor, View
 from ..catchup import StepEntry, decode_in_place, step_entries
 from ..sumchange import SumState, dry_change
-from .tpshare import bound, pack, pack_error, unpack
+from .tpshare import bound, pack, pack_error, restrict, unpack, within
 from .weights import RuntimeWeights
 
 __all__ = ["decode_chain_split", "decode_split", "owners"]
@@ -65,8 +71,11 @@ __all__ = ["decode_chain_split", "decode_split", "owners"]
 CHANGE_COST = 16
 _M64 = (1 << 64) - 1
 
-#: The owner's work on one gathered tensor: the bytes it shares (never raises).
-Owned = Callable[[dict[str, Any], Tensor], bytes]
+#: The owner's work on one gathered tensor: its decoded delta and the rp.sum128 change of its
+#: writes (None: not measured); what it raises is shared with every rank, which raises it.
+Owned = Callable[[dict[str, Any], Tensor], tuple[TensorPatch, SumState | None]]
+#: An owner's outcome for one tensor: its result, or its error as the bytes it shares.
+Outcome = tuple[TensorPatch, SumState | None] | bytes
 
 
 def owners(costs: list[int], tp: int) -> list[list[int]]:
@@ -90,16 +99,20 @@ def _rounds(
     costs: list[int],
     owned: Owned,
     timings: dict[str, float] | None,
+    blocks: bool,
 ) -> tuple[dict[str, TensorPatch], dict[str, SumState]]:
     """Every job's tensor gathered to its owner and done there (``owned``), round by round;
-    then each owner's results shared with every rank (a table of lengths, then the bytes:
-    two broadcasts per owner). Returns the decoded tensors and the measured changes; adds
-    its phases' ms to ``timings`` (``gather_ms``, ``own_decode_ms``, ``share_ms``)."""
+    then each owner's results shared: with ``blocks`` and where the ranks can send to each
+    other (:attr:`.weights.RuntimeWeights.delivers`), each rank gets the changes in its own
+    block only (:func:`_deliver`); else every rank gets every change (:func:`_broadcast`).
+    Returns the decoded tensors (this rank's part of them with ``blocks``) and the measured
+    changes (of the whole tensors); adds its phases' ms to ``timings`` (``gather_ms``,
+    ``own_decode_ms``, ``share_ms``)."""
     plan = owners(costs, w.tp)
     rounds = max(map(len, plan), default=0)
     ms = timings if timings is not None else {}
 
-    results: list[bytes] = []  # this rank's, in its plan's order
+    results: list[Outcome] = []  # this rank's, in its plan's order
     for k in range(rounds):
         t0 = time.perf_counter()
         # the round's transfers all started (sends, receives), then finished; started before
@@ -110,7 +123,7 @@ def _rounds(
             for r, items in enumerate(plan)
             if k < len(items)
         ]
-        run: Callable[[], bytes] | None = None  # this rank's work of the round
+        run: Callable[[], Outcome] | None = None  # this rank's work of the round
         for job, r, fin in started:
             try:
                 t = fin()
@@ -120,26 +133,49 @@ def _rounds(
                 run = functools.partial(bytes, pack_error(err, w.rank))
                 continue
             if t is not None:
-                run = functools.partial(owned, job, t)
+                run = functools.partial(_own, owned, job, t, w.rank)
         t1 = time.perf_counter()
         if run is not None:  # the owners work at the same time
             results.append(run())
         ms["gather_ms"] = ms.get("gather_ms", 0.0) + (t1 - t0) * 1e3
         ms["own_decode_ms"] = ms.get("own_decode_ms", 0.0) + (time.perf_counter() - t1) * 1e3
     t3 = time.perf_counter()
+    share = _deliver if blocks and w.delivers else _broadcast
+    out, changes = share(w, jobs, plan, results)
+    ms["share_ms"] = ms.get("share_ms", 0.0) + (time.perf_counter() - t3) * 1e3
+    return out, changes
+
+
+def _own(owned: Owned, job: dict[str, Any], t: Tensor, rank: int) -> Outcome:
+    try:
+        return owned(job, t)
+    except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it
+        return pack_error(err, rank)
+
+
+def _packed(outcome: Outcome) -> bytes:
+    return outcome if isinstance(outcome, bytes) else pack(*outcome)
+
+
+def _broadcast(
+    w: RuntimeWeights, jobs: list[dict[str, Any]], plan: list[list[int]], results: list[Outcome]
+) -> tuple[dict[str, TensorPatch], dict[str, SumState]]:
+    """Each owner's results on every rank, whole: per owner a table of lengths, then the
+    bytes (two broadcasts); an owner's error raised on every rank at the same point."""
     out: dict[str, TensorPatch] = {}
     changes: dict[str, SumState] = {}
+    packed = [_packed(x) for x in results]
     for r, items in enumerate(plan):  # each owner's results at once
         if not items:
             continue
         mine = r == w.rank
-        table = np.array([len(x) for x in results] if mine else [], np.int64)
+        table = np.array([len(x) for x in packed] if mine else [], np.int64)
         got = w.share(table.tobytes() if mine else None, r, 8 * len(items))
         sizes = np.frombuffer(got, np.int64, len(items)).tolist()
         for i, n in zip(items, sizes, strict=True):
             if not 0 <= n <= bound(jobs[i]):
                 raise EngineError("a rank shared a malformed result", tensor=jobs[i]["name"])
-        shared = w.share(b"".join(results) if mine else None, r, sum(sizes))
+        shared = w.share(b"".join(packed) if mine else None, r, sum(sizes))
         at = 0
         for i, n in zip(items, sizes, strict=True):
             tp, change = unpack(jobs[i], shared[at : at + n])  # an owner's error raised here
@@ -148,8 +184,68 @@ def _rounds(
             if change is not None:
                 changes[tp.name] = change
         del shared
-    ms["share_ms"] = ms.get("share_ms", 0.0) + (time.perf_counter() - t3) * 1e3
     return out, changes
+
+
+def _deliver(
+    w: RuntimeWeights, jobs: list[dict[str, Any]], plan: list[list[int]], results: list[Outcome]
+) -> tuple[dict[str, TensorPatch], dict[str, SumState]]:
+    """Each owner's results to each rank, the changes in that rank's block only (with the
+    change of the whole tensor's writes, for the proof): point to point, a table of lengths
+    then the bytes, so what crosses is the change once, not once per rank. Every rank then
+    reads the owners' outcomes in one order (owner, then its plan), so an owner's error is
+    raised on every rank at the same point, after every transfer."""
+    me, tp = w.rank, w.tp
+    tables: list[bytes] = []
+    parts: list[bytes] = []
+    for q in range(tp):
+        packs = (
+            [
+                x if isinstance(x, bytes) else pack(restrict(x[0], _placed(w, jobs[i], q)), x[1])
+                for i, x in zip(plan[me], results, strict=True)
+            ]
+            if q != me
+            else []
+        )
+        tables.append(np.array([len(p) for p in packs], np.int64).tobytes())
+        parts.append(b"".join(packs))
+    got = w.deliver(tables, [0 if q == me else 8 * len(plan[q]) for q in range(tp)])
+    sizes: list[list[int]] = []
+    for q in range(tp):
+        n = [] if q == me else np.frombuffer(got[q], np.int64, len(plan[q])).tolist()
+        for i, s in zip(plan[q] if q != me else [], n, strict=True):
+            if not 0 <= s <= bound(jobs[i]):
+                raise EngineError("a rank shared a malformed result", tensor=jobs[i]["name"])
+        sizes.append(n)
+    data = w.deliver(parts, [sum(n) for n in sizes])
+    out: dict[str, TensorPatch] = {}
+    changes: dict[str, SumState] = {}
+    for q in range(tp):
+        at = 0
+        for k, i in enumerate(plan[q]):
+            job = jobs[i]
+            if q == me:
+                x = results[k]
+                if isinstance(x, bytes):
+                    unpack(job, x)  # this rank's own error, raised as the others raise it
+                    raise EngineError("an owner's error did not raise", tensor=job["name"])
+                t, change = restrict(x[0], _placed(w, job, me)), x[1]
+            else:
+                n = sizes[q][k]
+                t, change = unpack({**job, "changed": None}, data[q][at : at + n])
+                at += n
+                if not within(t, _placed(w, job, me)):
+                    raise EngineError(
+                        "a rank shared changes outside this rank's block", tensor=job["name"]
+                    )
+            out[t.name] = t
+            if change is not None:
+                changes[t.name] = change
+    return out, changes
+
+
+def _placed(w: RuntimeWeights, job: dict[str, Any], rank: int) -> Any:
+    return w.rank_placements(job["name"])[rank]
 
 
 def decode_split(
@@ -159,6 +255,7 @@ def decode_split(
     limit: int,
     *,
     timings: dict[str, float] | None = None,
+    blocks: bool = False,
 ) -> tuple[Patch, dict[str, SumState]]:
     """``blob`` decoded against ``w``'s words with ``prior`` (the chain's steps before it, or
     None) applied, each gathered tensor decoded by one rank (the module docstring). Also
@@ -166,7 +263,10 @@ def decode_split(
     the owner over the words it decoded against (their old words checked there: the staging
     need not read them again, ``stage_patch(vouched=)``). A collective: every rank of ``w``'s
     group calls it with the same arguments. ``timings``: where the split's phases are added
-    (ms: ``gather_ms``, ``own_decode_ms``, ``share_ms``)."""
+    (ms: ``gather_ms``, ``own_decode_ms``, ``share_ms``). ``blocks``: each rank's patch
+    holds, of each tensor an owner decoded, the changes in its own block only (where the
+    ranks can send to each other: :func:`_deliver`); not for a step whose result later steps
+    decode against (an owner there needs the whole change)."""
     header = inspect(blob)
     mv = memoryview(blob)
     source: Any = w if prior is None else Overlay(w, prior)
@@ -191,23 +291,19 @@ def decode_split(
         split.append(e)
     sums = header.digest == "rp.sum128.v1"
 
-    def owned(e: dict[str, Any], t: Tensor) -> bytes:
+    def owned(e: dict[str, Any], t: Tensor) -> tuple[TensorPatch, SumState | None]:
         """The owner's decode of ``e`` over its gathered tensor (with ``prior``'s change of
         it applied) and, for rp.sum128 digests, the change of its writes over those words
         (the old words checked in the same native pass: :func:`.sumchange.dry_change`)."""
-        try:
-            name = e["name"]
-            if prior is not None and name in prior.tensors:
-                t = Overlay(View({name: t}), prior)[name]
-            tp = decode_entry(e, payload(e), View({name: t}), limit)
-            pos, old, new = tp.changes()
-            change = dry_change(t.kind, t.data, pos, old, new, name) if sums else None
-            return pack(tp, change)
-        except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it
-            return pack_error(err, w.rank)
+        name = e["name"]
+        if prior is not None and name in prior.tensors:
+            t = Overlay(View({name: t}), prior)[name]
+        tp = decode_entry(e, payload(e), View({name: t}), limit)
+        pos, old, new = tp.changes()
+        return tp, (dry_change(t.kind, t.data, pos, old, new, name) if sums else None)
 
     costs = [_cost(e, e["changed"]) for e in split]
-    got, vouched = _rounds(w, split, costs, owned, timings)
+    got, vouched = _rounds(w, split, costs, owned, timings, blocks)
     out.update(got)
     tensors = {e["name"]: out[e["name"]] for e in header.tensors}
     return Patch(header.base, header.target, tensors, header.meta, header.digest), vouched
@@ -226,7 +322,8 @@ def decode_chain_split(
     checks the summed state against the tensor's last target digest, and shares the composed
     change and its rp.sum128 change. None when an entry does not take the in-place decoder
     or the native core is missing (then step by step, :func:`decode_split`). A collective, as
-    :func:`decode_split`; ``timings`` as there."""
+    :func:`decode_split`; ``timings`` as there; each rank's patch holds the changes in its own
+    blocks (``blocks=True`` there)."""
     from ... import native
 
     if native.core is None:  # the in-place decoder is native
@@ -246,22 +343,18 @@ def decode_chain_split(
         jobs.append({**job, "base": first.base, "target": last.target, "changed": None})
     held = {n: w.state_of(n) for n in names}  # a collective where not cached: every rank
 
-    def owned(job: dict[str, Any], t: Tensor) -> bytes:
-        try:
-            name = job["name"]
-            got = decode_in_place(
-                View({name: t}), steps, blobs, lambda n: held[n], entries=chains[name]
-            )
-            assert got is not None  # every entry was checked to take the decoder
-            patch, states = got
-            s0, s1 = held[name]
-            change = ((states[name][0] - s0) & _M64, (states[name][1] - s1) & _M64)
-            return pack(patch.tensors[name], change)
-        except Exception as err:  # noqa: BLE001 - shared with every rank, which raises it
-            return pack_error(err, w.rank)
+    def owned(job: dict[str, Any], t: Tensor) -> tuple[TensorPatch, SumState | None]:
+        name = job["name"]
+        got = decode_in_place(
+            View({name: t}), steps, blobs, lambda n: held[n], entries=chains[name]
+        )
+        assert got is not None  # every entry was checked to take the decoder
+        patch, states = got
+        s0, s1 = held[name]
+        return patch.tensors[name], ((states[name][0] - s0) & _M64, (states[name][1] - s1) & _M64)
 
     costs = [_cost(j, sum(se.changed for se in chains[j["name"]])) for j in jobs]
-    out, vouched = _rounds(w, jobs, costs, owned, timings)
+    out, vouched = _rounds(w, jobs, costs, owned, timings, True)
     tensors = {n: out[n] for n in names}
     return Patch(steps[0]["base"], steps[-1]["target"], tensors, digest=DIGESTS[2]), vouched
 

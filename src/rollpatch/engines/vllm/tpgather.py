@@ -155,6 +155,44 @@ class TpGather:
         buf = self._broadcast(buf, src, group)
         return memoryview(buf.cpu().numpy()).cast("B")
 
+    @property
+    def delivers(self) -> bool:
+        """Whether :meth:`deliver` can run for the calling thread (a gloo group: sends and
+        receives between pairs of ranks; the device communicator path has none here)."""
+        return self._gloo() is not None
+
+    def deliver(self, parts: list[bytes], sizes: list[int]) -> list[memoryview]:
+        """Point to point, every pair at once: ``parts[q]`` to each other TP rank ``q``, and
+        from each other rank ``q`` the ``sizes[q]`` bytes it sends this one (sizes every
+        receiver knows); returns what each rank sent (this rank's own entry empty). A
+        collective, through the calling thread's gloo group (:attr:`delivers`)."""
+        import torch
+        import torch.distributed as dist
+
+        group = self._gloo()
+        if group is None:
+            raise RuntimeError("deliver: no gloo group for this thread")
+        me = self._group.rank_in_group
+        keep, waits = [], []
+        got = [torch.empty(0, dtype=torch.uint8) for _ in range(self.tp)]
+        for q in range(self.tp):
+            if q == me:
+                continue
+            peer = dist.get_global_rank(group, q)
+            data = parts[q]
+            out = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+            if out is not None:  # a send of nothing is no send: the peer expects 0 bytes
+                keep.append(out)
+                waits.append(dist.isend(out, dst=peer, group=group))
+            if sizes[q]:
+                got[q] = torch.empty(sizes[q], dtype=torch.uint8)
+                waits.append(dist.irecv(got[q], src=peer, group=group))
+        for w in waits:
+            if w is not None:
+                w.wait()
+        del keep
+        return [memoryview(g.numpy().data).cast("B") for g in got]
+
     def _broadcast(self, t: Any, src: int, group: Any) -> Any:
         import torch.distributed as dist
 

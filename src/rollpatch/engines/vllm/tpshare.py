@@ -8,6 +8,10 @@ as two ``u64`` lanes; then the positions, the old words and the new words (the k
 dtype), or the error as JSON (class, message, hint, context; at most ``ERROR_ROOM`` bytes).
 The bytes travel between the ranks of one engine only; :func:`unpack` still checks every
 length against the tensor before it reads, and raises the owner's error as its own class.
+
+Sent point to point (:func:`restrict`), a result holds the changes in the receiving rank's
+block only, with the change of the whole tensor's writes; :func:`within` checks a received
+one against the receiver's block.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from ...kinds import KINDS
 from ...patch import TensorPatch
 from ...patch.model import DeltaOp
 from ..sumchange import SumState
+from .layout import Placement, locate
 
-__all__ = ["ERROR_ROOM", "bound", "pack", "pack_error", "unpack"]
+__all__ = ["ERROR_ROOM", "bound", "pack", "pack_error", "restrict", "unpack", "within"]
 
 #: Bytes of JSON an owner may use to share an error.
 ERROR_ROOM = 2048
@@ -49,6 +54,33 @@ def pack(tp: TensorPatch, change: SumState | None) -> bytes:
     d0, d1 = change if change is not None else (0, 0)
     head = _HEAD.pack(0, p.itemsize, change is not None, pos.size, d0, d1)
     return b"".join((head, p.tobytes(), old.tobytes(), new.tobytes()))
+
+
+def restrict(tp: TensorPatch, pl: Placement) -> TensorPatch:
+    """``tp``'s changes at the checkpoint positions a rank holds (``pl``: its placement): a
+    row block's are one slice of the sorted positions (no copy), a column block's a mask.
+    ``tp`` itself where the rank holds the tensor whole, an expert's slot, or a packed kind."""
+    if pl.whole or pl.sub is not None or tp.kind.packed:
+        return tp
+    pos, old, new = tp.changes()
+    if pl.dim == 0:
+        lo, hi = np.searchsorted(
+            pos, [pl.src_start * pl.cols, (pl.src_start + pl.length) * pl.cols]
+        )
+        keep: Any = slice(int(lo), int(hi))
+    else:
+        keep = locate(pl, pos)[0]
+    op = DeltaOp(pos[keep], old[keep], new[keep])
+    return TensorPatch(tp.name, tp.kind, tp.shape, tp.base_digest, tp.target_digest, op)
+
+
+def within(tp: TensorPatch, pl: Placement) -> bool:
+    """Whether every change of ``tp`` lies in the block ``pl`` holds (a result received
+    point to point; its order and bounds are checked when it is staged)."""
+    pos = tp.changes().positions
+    if pl.whole or pl.sub is not None or tp.kind.packed or not pos.size:
+        return True  # what restrict() sends whole
+    return bool(locate(pl, pos)[0].all())
 
 
 def pack_error(err: BaseException, rank: int) -> bytes:

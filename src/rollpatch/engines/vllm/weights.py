@@ -171,6 +171,22 @@ class RuntimeWeights(StagedCommits):
         assert self.access.share is not None
         return self.access.share(data, src, size)
 
+    @property
+    def delivers(self) -> bool:
+        """At TP > 1, whether :meth:`deliver` can run for the calling thread."""
+        d = self.access.delivers
+        return self.tp > 1 and self.access.deliver is not None and d is not None and d()
+
+    def deliver(self, parts: list[bytes], sizes: list[int]) -> list[memoryview]:
+        """``parts[q]`` to each rank ``q``, point to point; what each rank sent this one
+        (``sizes[q]`` bytes from rank ``q``), in rank order (a collective)."""
+        assert self.access.deliver is not None
+        return self.access.deliver(parts, sizes)
+
+    def rank_placements(self, name: str) -> list[Placement]:
+        """Where every rank holds checkpoint tensor ``name`` (rank order; known to all)."""
+        return list(self._entry(name).ranks)
+
     def state_of(self, name: str) -> tuple[int, int]:
         """The held tensor's rp.sum128 state (cached; updated in O(changed) by commits)."""
         if name not in self._states:

@@ -187,6 +187,9 @@ class RanksChannel:
         w.staged.clear()
         return {"ok": True}
 
+    def controls(self, op: str, **args: object) -> list[dict[str, object]]:
+        return [self.control(op, rank=r, **args) for r in range(self.tp)]
+
     def commands(self, cmds: list[dict[str, str]], *, flush: bool) -> list[dict[str, object]]:
         self.calls.append([c["op"] for c in cmds])
         out: list[dict[str, object]] = []
@@ -256,3 +259,43 @@ def test_export_gathers_every_tensor_from_the_ranks(tp: int, tmp_path: Path) -> 
             assert got.kind == t.kind and got.shape == t.shape
             assert np.array_equal(got.data, t.data), (name, shared)
             assert not path.exists()  # unlinked (a shared buffer stays mapped until dropped)
+
+
+def test_controls_reach_every_rank_at_once_and_raise_the_first_failure() -> None:
+    """SglangChannel.controls: every rank's control call runs at the same time (each waits
+    for all the others at a barrier, which one rank after another would never pass), answers
+    in rank order; a failing rank's error is raised once every rank has answered."""
+    import threading
+
+    from rollpatch.engines.sglang.channel import SglangChannel
+
+    class Probe(SglangChannel):
+        def __init__(self, tp: int, fail: int = -1) -> None:
+            super().__init__("http://x", shared_dir=None, timeout=5.0, lock=threading.RLock())
+            self.tp, self.fail, self.done = tp, fail, []
+            self.barrier = threading.Barrier(tp, timeout=10)
+
+        def start(self) -> None:
+            pass
+
+        def control(self, op: str, *, rank: int = 0, **args: object) -> dict[str, object]:
+            self.barrier.wait()  # passed only when every rank's call runs at once
+            if rank == self.fail:
+                raise EngineError("rank failed", rank=rank)
+            self.done.append(rank)
+            return {"op": op, "rank": rank, **args}
+
+    for tp in (2, 4):
+        ch = Probe(tp)
+        try:
+            got = ch.controls("digest", fresh=True)
+        finally:
+            ch.close()
+        assert got == [{"op": "digest", "rank": r, "fresh": True} for r in range(tp)]
+    ch = Probe(4, fail=1)
+    try:
+        with pytest.raises(EngineError, match="rank failed"):
+            ch.controls("drop")
+        assert sorted(ch.done) == [0, 2, 3]  # the others answered first
+    finally:
+        ch.close()

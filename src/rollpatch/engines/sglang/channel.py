@@ -15,6 +15,7 @@ import logging
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,19 @@ class SglangChannel(NestedPause):
         """A read-only operation on rank ``rank``'s control thread (generation goes on)."""
         self.start()
         return result(request(self.socket(rank), {"op": op, **args}, self.timeout))
+
+    def controls(self, op: str, **args: Any) -> list[dict[str, Any]]:
+        """:meth:`control` on every rank at once (each rank's control thread works on its own
+        block: a digest, a staging, a copy into a shared buffer), answers in rank order; after
+        every rank answered, the first failure in rank order is raised. One rank after another
+        took the sum of the ranks' times instead of the longest."""
+        self.start()
+        if self.tp == 1:
+            return [self.control(op, rank=0, **args)]
+        with ThreadPoolExecutor(self.tp, thread_name_prefix="rollpatch-sglang-rank") as pool:
+            futures = [pool.submit(self.control, op, rank=r, **args) for r in range(self.tp)]
+            wait(futures)
+        return [f.result() for f in futures]
 
     def command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
         """``cmd`` on every rank through SGLang's weight-update route (between forward

@@ -43,7 +43,7 @@ def held(
     ch: SglangChannel, tensors: Mapping[str, Any], *, fresh: bool
 ) -> tuple[dict[str, str], str]:
     """Per-tensor digests and root of what the ranks hold (``fresh``: every rank re-hashes)."""
-    reports = [ch.control("digest", rank=r, fresh=fresh)["blocks"] for r in range(ch.tp)]
+    reports = [a["blocks"] for a in ch.controls("digest", fresh=fresh)]
     return combine(reports, tensors)
 
 
@@ -69,8 +69,15 @@ def export(
     else:
         out = np.zeros((rows, cols), kind.word_dtype)
     try:
+        # shared: every rank copies its block into the one buffer at once; else each rank's
+        # block goes through the one file ``scratch``, in turn
+        infos = ch.controls("export", name=name, path=str(scratch), into=True) if shared else None
         for r in range(ch.tp):
-            info = ch.control("export", rank=r, name=name, path=str(scratch), into=shared)
+            info = (
+                infos[r]
+                if infos is not None
+                else ch.control("export", rank=r, name=name, path=str(scratch), into=False)
+            )
             dim, start, length = int(info["dim"]), int(info["start"]), int(info["length"])
             if dim not in (0, 1):
                 raise EngineError("a rank placed its block on no known axis", tensor=name)
@@ -104,10 +111,8 @@ def stage(
     for name, tp in patch.tensors.items():
         if digests.get(name) != tp.base_digest:
             raise BaseMismatchError("tensor is not the patch's base", tensor=name, engine="sglang")
-    answers: list[dict[str, Any]] = []
     try:
-        for r in range(ch.tp):
-            answers.append(ch.control("stage_decoded", rank=r, paths=[str(path)], mode=mode))
+        answers = ch.controls("stage_decoded", paths=[str(path)], mode=mode)  # ranks at once
         touched = {n: tensors[n] for n in patch.tensors}
         got, _ = combine([a["blocks"] for a in answers], touched)
         bad = sorted(n for n, tp in patch.tensors.items() if got[n] != tp.target_digest)
@@ -118,8 +123,7 @@ def stage(
         if root_digest({**digests, **got}) != patch.target:
             raise TargetMismatchError("the staged update does not give the target root")
     except BaseException:
-        for r in range(ch.tp):
-            ch.control("drop", rank=r)
+        ch.controls("drop")
         raise
     summary = {
         "changed": sum(int(a["changed"]) for a in answers),
@@ -160,8 +164,7 @@ def stage_update(
 def release(ch: SglangChannel) -> None:
     """After a commit every rank made: the storage its double-buffered commit replaced is
     freed on every rank (the commit can no longer be undone)."""
-    for r in range(ch.tp):
-        ch.control("release", rank=r)
+    ch.controls("release")
 
 
 def commit(ch: SglangChannel, tokens: list[str]) -> dict[str, Any]:

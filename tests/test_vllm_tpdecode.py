@@ -366,3 +366,34 @@ def test_without_the_native_core_a_chain_goes_step_by_step(
             for n, t in both.tensors.items()
         )
     assert sum(ranks.owned) > 0
+
+
+def test_a_rank_that_refuses_its_part_takes_every_rank_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sent point to point, the ranks receive different bytes: rank 0 (made faulty here)
+    sends rank 1 whole tensors instead of its blocks' part; rank 1 refuses them, and rank 0,
+    which received valid parts, raises too (told by rank 1) instead of going on alone."""
+    import threading
+
+    from rollpatch.engines.vllm import tpdecode
+
+    cks = _versions(1)
+    steps = _steps(tmp_path, [vllm_layouts.words_view(c) for c in cks])
+    local = threading.local()
+    real = tpdecode.restrict
+
+    def faulty(tp: TensorPatch, pl: Any) -> TensorPatch:
+        return tp if getattr(local, "rank", None) == 0 else real(tp, pl)
+
+    monkeypatch.setattr(tpdecode, "restrict", faulty)
+
+    def run(w: Any) -> Any:
+        local.rank = w.rank
+        return _chain(w, steps)
+
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    out = ranks.run(run)
+    assert isinstance(out[1], EngineError) and "outside this rank's block" in str(out[1]), out
+    assert isinstance(out[0], EngineError) and "refused" in str(out[0]), out
+    assert out[0].context["rank"] == 1

@@ -194,7 +194,9 @@ def _deliver(
     change of the whole tensor's writes, for the proof): point to point, a table of lengths
     then the bytes, so what crosses is the change once, not once per rank. Every rank then
     reads the owners' outcomes in one order (owner, then its plan), so an owner's error is
-    raised on every rank at the same point, after every transfer."""
+    raised on every rank at the same point, after every transfer. Ranks receive different
+    bytes here, so a rank that refuses what it was sent tells the others (one byte to each)
+    before it raises, and they raise too: no rank goes on to a collective the others left."""
     me, tp = w.rank, w.tp
     tables: list[bytes] = []
     parts: list[bytes] = []
@@ -210,37 +212,52 @@ def _deliver(
         tables.append(np.array([len(p) for p in packs], np.int64).tobytes())
         parts.append(b"".join(packs))
     got = w.deliver(tables, [0 if q == me else 8 * len(plan[q]) for q in range(tp)])
-    sizes: list[list[int]] = []
+    sizes: list[list[int]] = [[] for _ in range(tp)]
     for q in range(tp):
-        n = [] if q == me else np.frombuffer(got[q], np.int64, len(plan[q])).tolist()
-        for i, s in zip(plan[q] if q != me else [], n, strict=True):
-            if not 0 <= s <= bound(jobs[i]):
-                raise EngineError("a rank shared a malformed result", tensor=jobs[i]["name"])
-        sizes.append(n)
+        if q != me:
+            sizes[q] = np.frombuffer(got[q], np.int64, len(plan[q])).tolist()
+            room = sum(bound(jobs[i]) for i in plan[q])
+            if not 0 <= sum(sizes[q]) <= room:  # not even received: the peer's send would wait
+                raise EngineError("a rank shared a malformed result table", rank=q)
     data = w.deliver(parts, [sum(n) for n in sizes])
     out: dict[str, TensorPatch] = {}
     changes: dict[str, SumState] = {}
-    for q in range(tp):
-        at = 0
-        for k, i in enumerate(plan[q]):
-            job = jobs[i]
-            if q == me:
-                x = results[k]
-                if isinstance(x, bytes):
-                    unpack(job, x)  # this rank's own error, raised as the others raise it
-                    raise EngineError("an owner's error did not raise", tensor=job["name"])
-                t, change = restrict(x[0], _placed(w, job, me)), x[1]
-            else:
-                n = sizes[q][k]
-                t, change = unpack({**job, "changed": None}, data[q][at : at + n])
-                at += n
-                if not within(t, _placed(w, job, me)):
-                    raise EngineError(
-                        "a rank shared changes outside this rank's block", tensor=job["name"]
-                    )
-            out[t.name] = t
-            if change is not None:
-                changes[t.name] = change
+    failure: RollpatchError | None = None
+    try:
+        for q in range(tp):
+            at = 0
+            for k, i in enumerate(plan[q]):
+                job = jobs[i]
+                if q == me:
+                    x = results[k]
+                    if isinstance(x, bytes):
+                        unpack(job, x)  # this rank's own error, raised as the others raise it
+                        raise EngineError("an owner's error did not raise", tensor=job["name"])
+                    t, change = restrict(x[0], _placed(w, job, me)), x[1]
+                else:
+                    n = sizes[q][k]
+                    if not 0 <= n <= bound(job):
+                        raise EngineError("a rank shared a malformed result", tensor=job["name"])
+                    t, change = unpack({**job, "changed": None}, data[q][at : at + n])
+                    at += n
+                    if not within(t, _placed(w, job, me)):
+                        raise EngineError(
+                            "a rank shared changes outside this rank's block", tensor=job["name"]
+                        )
+                out[t.name] = t
+                if change is not None:
+                    changes[t.name] = change
+    except RollpatchError as err:
+        failure = err
+    flag = b"\x01" if failure is not None else b"\x00"
+    told = w.deliver(
+        [b"" if q == me else flag for q in range(tp)], [int(q != me) for q in range(tp)]
+    )
+    if failure is not None:
+        raise failure
+    refused = [q for q in range(tp) if q != me and bytes(told[q]) != b"\x00"]
+    if refused:
+        raise EngineError("a rank refused the results it was sent", rank=refused[0])
     return out, changes
 
 

@@ -48,6 +48,11 @@ def test_layout_matches_vllm_loaders(tp: int, kv_heads: int) -> None:
                 pos = np.unique(rng.integers(0, src.size, 500))
                 held, off = layout.locate(pl, pos)
                 assert np.array_equal(arr.reshape(-1)[off], src[pos[held]])
+                rows = layout.locate_rows(pl, pos.astype(np.int64))
+                if rows is not None:  # the fast path for row blocks: the same, by slices
+                    assert pl.dim == 0 and pl.sub is None, pl
+                    keep, off2 = rows
+                    assert np.array_equal(pos[keep], pos[held]) and np.array_equal(off2, off)
         for i, sh in enumerate(spec.shards):
             per_rank = [layout.placements(spec, r, tp)[i] for r in range(tp)]
             params = [loaded[r][spec.param].reshape(shape) for r in range(tp)]

@@ -48,7 +48,7 @@ __all__ = [
     "check_coverage",
     "extract",
     "locate",
-    "locate_whole",
+    "locate_rows",
     "param_shape",
     "placements",
     "storage_offsets",
@@ -256,20 +256,23 @@ def locate(pl: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return held, offsets
 
 
-def locate_whole(pl: Placement, positions: np.ndarray) -> np.ndarray | None:
-    """:func:`locate`'s offsets without its temporaries when this rank holds every row of the
-    tensor at full width (``positions`` itself when the rows start the parameter); None for
-    any other placement."""
-    whole = (
-        pl.dim == 0
-        and pl.sub is None
-        and pl.src_start == 0
-        and pl.length == pl.rows
-        and pl.param_shape[1] == pl.cols
-    )
-    if not whole or positions.dtype != np.int64:
+def locate_rows(pl: Placement, positions: np.ndarray) -> tuple[slice, np.ndarray] | None:
+    """:func:`locate` without its temporaries (no division, no mask) where this rank holds a
+    block of whole rows at the parameter's full width (a column-parallel layer's block, a
+    replicated tensor): for increasing int64 ``positions``, the slice of them the rank holds
+    (one binary search at each end) and their parameter offsets, one shift of them
+    (``positions`` itself when nothing moves); None for any other placement.
+    """
+    rows = pl.dim == 0 and pl.sub is None and pl.param_shape[1] == pl.cols
+    if not rows or positions.dtype != np.int64:
         return None
-    return positions if pl.dst_start == 0 else positions + pl.dst_start * pl.cols
+    lo, hi = np.searchsorted(
+        positions, [pl.src_start * pl.cols, (pl.src_start + pl.length) * pl.cols]
+    )
+    keep = slice(int(lo), int(hi))
+    shift = (pl.dst_start - pl.src_start) * pl.cols
+    held = positions[keep]
+    return keep, (held if shift == 0 else held + shift)
 
 
 def storage_offsets(flat: np.ndarray, shape: Sequence[int], strides: Sequence[int]) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..staged import StagedUpdate, WriteMode
 from ..writing import SLICE, Access, ParamWrites, increasing, release, write_params
-from .layout import Placement, locate, locate_whole
+from .layout import Placement, locate, locate_rows
 from .memtrace import trim
 
 __all__ = [
@@ -75,9 +75,11 @@ def lay_out(
         chunks = []
         for name in names:
             st, pl = staged.tensors[name], placement(name)
-            offsets = locate_whole(pl, st.positions)
-            if offsets is not None:
-                chunks.append((offsets, st.old, st.new))
+            rows = locate_rows(pl, st.positions)
+            if rows is not None:
+                keep, offsets = rows
+                if offsets.size:
+                    chunks.append((offsets, st.old[keep], st.new[keep]))
             else:
                 held, offsets = locate(pl, st.positions)
                 if offsets.size:

@@ -51,6 +51,7 @@ __all__ = [
     "locate_rows",
     "param_shape",
     "placements",
+    "row_span",
     "storage_offsets",
     "write_blocks",
 ]
@@ -256,6 +257,18 @@ def locate(pl: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return held, offsets
 
 
+def row_span(pl: Placement, positions: np.ndarray) -> slice | None:
+    """Where this rank holds a block of whole rows (``dim`` 0, no expert slot): the slice of
+    the increasing ``positions`` that fall in it, one binary search at each end; None for
+    any other placement (use :func:`locate`)."""
+    if pl.dim != 0 or pl.sub is not None:
+        return None
+    lo, hi = np.searchsorted(
+        positions, [pl.src_start * pl.cols, (pl.src_start + pl.length) * pl.cols]
+    )
+    return slice(int(lo), int(hi))
+
+
 def locate_rows(pl: Placement, positions: np.ndarray) -> tuple[slice, np.ndarray] | None:
     """:func:`locate` without its temporaries (no division, no mask) where this rank holds a
     block of whole rows at the parameter's full width (a column-parallel layer's block, a
@@ -263,13 +276,9 @@ def locate_rows(pl: Placement, positions: np.ndarray) -> tuple[slice, np.ndarray
     (one binary search at each end) and their parameter offsets, one shift of them
     (``positions`` itself when nothing moves); None for any other placement.
     """
-    rows = pl.dim == 0 and pl.sub is None and pl.param_shape[1] == pl.cols
-    if not rows or positions.dtype != np.int64:
+    keep = row_span(pl, positions) if pl.param_shape[1] == pl.cols else None
+    if keep is None or positions.dtype != np.int64:
         return None
-    lo, hi = np.searchsorted(
-        positions, [pl.src_start * pl.cols, (pl.src_start + pl.length) * pl.cols]
-    )
-    keep = slice(int(lo), int(hi))
     shift = (pl.dst_start - pl.src_start) * pl.cols
     held = positions[keep]
     return keep, (held if shift == 0 else held + shift)

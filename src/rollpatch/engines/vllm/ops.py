@@ -70,6 +70,9 @@ def _chain(
     patch: Patch | None = None
     vouched: dict[str, Any] = {}
     unvouched: set[str] = set()  # touched by a step whose change no rank measured
+    serial = w.tp > 1  # TP > 1: one gathered tensor at a time, with the full ops bounded
+    limit = max(MIN_FULL_BOUND, w.nbytes) if serial else None
+    alone = len(steps) == 1  # no later step decodes against it: each rank its blocks only
     for step, parts in zip(steps, blobs, strict=True):
         tensors: dict[str, Any] = {}
         digest = None
@@ -79,9 +82,8 @@ def _chain(
             # tensor in memory at a time, not every touched tensor at once; each decoded by
             # one rank and shared where the ranks can (.tpdecode), else by every rank
             if w.splits_decoding:
-                bound = max(MIN_FULL_BOUND, w.nbytes)
-                alone = len(steps) == 1  # no later step decodes against it: blocks only
-                part, changes = decode_split(w, blob, patch, bound, timings=timings, blocks=alone)
+                assert limit is not None
+                part, changes = decode_split(w, blob, patch, limit, timings=timings, blocks=alone)
                 for name in part.tensors:
                     if name in changes:
                         vouched[name] = sum_add(vouched.get(name, (0, 0)), changes[name])
@@ -89,8 +91,6 @@ def _chain(
                         unvouched.add(name)
             else:
                 base: Any = w if patch is None else Overlay(w, patch)
-                serial = w.tp > 1
-                limit = max(MIN_FULL_BOUND, w.nbytes) if serial else None
                 part = decode(
                     blob, base, check_base=False, parallel=not serial, max_full_bytes=limit
                 )

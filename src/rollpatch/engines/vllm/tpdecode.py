@@ -62,6 +62,7 @@ from ...patch.unwire import decode_entry
 from ...view import Tensor, View
 from ..catchup import StepEntry, decode_in_place, step_entries
 from ..sumchange import SumState, dry_change
+from .layout import Placement
 from .tpshare import bound, pack, pack_error, restrict, unpack, within
 from .weights import RuntimeWeights
 
@@ -261,7 +262,7 @@ def _deliver(
     return out, changes
 
 
-def _placed(w: RuntimeWeights, job: dict[str, Any], rank: int) -> Any:
+def _placed(w: RuntimeWeights, job: dict[str, Any], rank: int) -> Placement:
     return w.rank_placements(job["name"])[rank]
 
 

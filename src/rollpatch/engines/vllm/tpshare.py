@@ -27,7 +27,7 @@ from ...kinds import KINDS
 from ...patch import TensorPatch
 from ...patch.model import DeltaOp
 from ..sumchange import SumState
-from .layout import Placement, locate
+from .layout import Placement, locate, row_span
 
 __all__ = ["ERROR_ROOM", "bound", "pack", "pack_error", "restrict", "unpack", "within"]
 
@@ -63,13 +63,8 @@ def restrict(tp: TensorPatch, pl: Placement) -> TensorPatch:
     if pl.whole or pl.sub is not None or tp.kind.packed:
         return tp
     pos, old, new = tp.changes()
-    if pl.dim == 0:
-        lo, hi = np.searchsorted(
-            pos, [pl.src_start * pl.cols, (pl.src_start + pl.length) * pl.cols]
-        )
-        keep: Any = slice(int(lo), int(hi))
-    else:
-        keep = locate(pl, pos)[0]
+    span = row_span(pl, pos)
+    keep: Any = span if span is not None else locate(pl, pos)[0]
     op = DeltaOp(pos[keep], old[keep], new[keep])
     return TensorPatch(tp.name, tp.kind, tp.shape, tp.base_digest, tp.target_digest, op)
 

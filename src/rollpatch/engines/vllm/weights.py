@@ -183,9 +183,9 @@ class RuntimeWeights(StagedCommits):
         assert self.access.deliver is not None
         return self.access.deliver(parts, sizes)
 
-    def rank_placements(self, name: str) -> list[Placement]:
+    def rank_placements(self, name: str) -> Sequence[Placement]:
         """Where every rank holds checkpoint tensor ``name`` (rank order; known to all)."""
-        return list(self._entry(name).ranks)
+        return self._entry(name).ranks
 
     def state_of(self, name: str) -> tuple[int, int]:
         """The held tensor's rp.sum128 state (cached; updated in O(changed) by commits)."""

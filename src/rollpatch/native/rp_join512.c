@@ -76,9 +76,9 @@ static uint64_t *slot_bitmaps(lane_t *l, int lo, slotbm_t *sb) {
     return buf;
 }
 
-/* The listed contexts outside the window in one block (rare): their elements found by a table
- * lookup per 64 (lt: listed[] as four 64-byte tables), then counted one by one; a change's
- * position bit into bb. */
+/* The listed contexts outside the window in one block (rare; only a block phase 1 found an
+ * element outside the window in): their elements found by a table lookup per 64 (lt: listed[]
+ * as four 64-byte tables), then counted one by one; a change's position bit into bb. */
 T512 static void join_outside(lane_t *l, const uint8_t *cb, __m512i lov, const uint8_t *listed,
                               const __m512i lt[4], uint64_t bb[JB / 64], int len) {
     __mmask64 om[JB / 64], any = 0;
@@ -164,6 +164,7 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
     for (int64_t s0 = 0; s0 < n; s0 += SB * JB) {
         const int nb = n - s0 >= SB * JB ? SB : (int)((n - s0 + JB - 1) / JB);
         _mm512_store_si512(pc[0], cntv);
+        uint32_t ob = 0; /* blocks with an element outside the window */
         /* 1: every block's contexts and slot counts, no branch on the data */
         for (int i = 0; i < nb; i++) {
             const int64_t b0 = s0 + (int64_t)i * JB;
@@ -187,6 +188,13 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
             }
             cntv = _mm512_add_epi32(cntv, slot_counts(rel));
             _mm512_store_si512(pc[i + 1], cntv);
+            if (outside) { /* only such a block is looked at again for the listed ones */
+                const __m512i w = _mm512_set1_epi8(WIN);
+                const __mmask64 o =
+                    _mm512_cmpge_epu8_mask(rel[0], w) | _mm512_cmpge_epu8_mask(rel[1], w)
+                    | _mm512_cmpge_epu8_mask(rel[2], w) | _mm512_cmpge_epu8_mask(rel[3], w);
+                ob |= (uint32_t)(o != 0) << i;
+            }
         }
         uint64_t bb[SB][JB / 64] __attribute__((aligned(64))); /* positions found (all set in 2) */
         uint32_t nz = 0; /* blocks with a change (maybe) */
@@ -212,7 +220,8 @@ RP_HIDDEN T512 int rp_join_lane_avx512(const rp_kind *kd, const uint8_t *base, l
             nz |= (uint32_t)((bi[0] | bi[1] | bi[2] | bi[3]) != 0) << i;
         }
         if (__builtin_expect(outside, 0)) /* listed contexts outside the window */
-            for (int i = 0; i < nb; i++) {
+            for (; ob; ob &= ob - 1) { /* the blocks with an element outside the window */
+                const int i = __builtin_ctz(ob);
                 join_outside(l, cbuf[i], lov, listed, lt, bb[i],
                              n - s0 - i * JB < JB ? (int)(n - s0 - i * JB) : JB);
                 nz |= (uint32_t)((bb[i][0] | bb[i][1] | bb[i][2] | bb[i][3]) != 0) << i;

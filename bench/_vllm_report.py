@@ -32,6 +32,8 @@ PHASES = [
 STAGE_PHASES = [
     ("decode_ms", "decode (+compose)"),
     ("gather_ms", "of it (TP > 1): gather to owners"),
+    ("gather_wait_ms", "gather: wait"),
+    ("assemble_ms", "gather: assemble"),
     ("own_decode_ms", "own decodes"),
     ("share_ms", "share"),
     ("prove_ms", "prove"),

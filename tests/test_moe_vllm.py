@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rollpatch.engines.vllm import experts_cpu
-from rollpatch.engines.vllm.layout import param_shape
+from rollpatch.engines.vllm.layout import block_shape, extract, param_shape, placements
 from rollpatch.engines.vllm.moe import expert_spec
 from rollpatch.errors import BaseMismatchError, EngineError, TargetMismatchError
 from tests.moefix import HID, INTER, E, names
@@ -36,6 +36,29 @@ def test_bad_expert_layouts_are_refused() -> None:
         expert_spec("w13", gate_up[:-1] + [gate_up[0][:1]], (INTER, HID), every, expert_tp=2, dim=0)
     spec = expert_spec("w13", gate_up, (INTER, HID), half, expert_tp=1, dim=0)
     assert param_shape(spec, 2) == (4, 2 * INTER * HID)
+
+
+@pytest.mark.parametrize(("ep", "dim"), [(False, 0), (False, 1), (True, 0)])
+def test_expert_blocks_have_the_shape_every_rank_computes(ep: bool, dim: int) -> None:
+    """``block_shape`` (what a rank receiving a gathered block allocates) is the shape of
+    ``extract``'s block on the rank that holds it, for every expert placement: TP-split slots
+    by rows and by columns, and EP (slots on one rank only, none on the other)."""
+    if dim == 0:  # gate and up rows
+        tensors, shape = [[names(e)["w1"], names(e)["w3"]] for e in range(E)], (INTER, HID)
+    else:  # down columns
+        tensors, shape = [[names(e)["w2"]] for e in range(E)], (HID, INTER)
+    if ep:
+        slots = [[e if e < E // 2 else -1 for e in range(E)], [-1] * (E // 2) + list(range(E // 2))]
+    else:
+        slots = [list(range(E))] * 2
+    spec = expert_spec("w", tensors, shape, slots, expert_tp=1 if ep else 2, dim=dim)
+    seen = 0
+    for r in range(2):
+        param = np.arange(np.prod(param_shape(spec, 2))).reshape(param_shape(spec, 2))
+        for pl in placements(spec, r, 2):
+            assert block_shape(pl) == extract(pl, param).shape, pl
+            seen += 1
+    assert seen == 2 * len(tensors[0]) * E
 
 
 # -- the CPU kernel's packed experts (experts_cpu), offline: a stand-in prepack --------------

@@ -345,22 +345,33 @@ def write_blocks(pl: Placement, data: np.ndarray) -> list[tuple[tuple[slice, sli
     ]
 
 
+def block_shape(pl: Placement) -> tuple[int, int]:
+    """The shape of :func:`extract`'s block, known to every rank."""
+    length = 0 if pl.sub is not None and pl.slot < 0 else pl.length
+    return (length, pl.cols) if pl.dim == 0 else (pl.rows, length)
+
+
 def assemble(per_rank: Sequence[Placement], params: Sequence[np.ndarray]) -> np.ndarray:
-    """The whole checkpoint tensor (flat) from every rank's placement and parameter.
+    """The whole checkpoint tensor (flat) from every rank's placement and parameter."""
+    return assemble_blocks(per_rank, [extract(pl, arr) for pl, arr in zip(per_rank, params)])
+
+
+def assemble_blocks(per_rank: Sequence[Placement], held: Sequence[np.ndarray]) -> np.ndarray:
+    """The whole checkpoint tensor (flat) from every rank's placement and block (what
+    :func:`extract` gives).
 
     Ranks that hold the same elements (replicas) must agree; a disagreement means the engine
     holds inconsistent bits, which raises. Each rank's block is a range along one dimension,
     so overlaps and coverage are found on the ranges (no mask over the elements).
     """
     first = per_rank[0]
-    out = np.empty((first.rows, first.cols), dtype=params[0].dtype)
+    out = np.empty((first.rows, first.cols), dtype=held[0].dtype)
     if any(pl.dim != first.dim for pl in per_rank):
         raise EngineError("ranks split the tensor along different dimensions", tensor=first.name)
     along = out if first.dim == 0 else out.T  # the split dimension first
     done: list[tuple[int, int]] = []
-    for pl, arr in zip(per_rank, params):
+    for pl, block in zip(per_rank, held):
         lo, hi = pl.src_start, pl.src_start + pl.length
-        block = extract(pl, arr)
         blk = block if first.dim == 0 else block.T
         for a, b in done:  # replicated ranges: the copies must agree
             s, t = max(lo, a), min(hi, b)

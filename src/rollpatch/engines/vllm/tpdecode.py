@@ -120,7 +120,7 @@ def _rounds(
         # the previous round's decode instead, they competed with it for the ranks' cores
         # and gained nothing on this host (docs/vllm.md)
         started = [
-            (jobs[items[k]], r, w.gather_to(jobs[items[k]]["name"], r))
+            (jobs[items[k]], r, w.gather_to(jobs[items[k]]["name"], r, ms))
             for r, items in enumerate(plan)
             if k < len(items)
         ]

@@ -25,6 +25,7 @@ tensor is then a collective (``Access.gather``), so tensors are always read in s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,8 @@ from .layout import (
     ParamSpec,
     Placement,
     assemble,
+    assemble_blocks,
+    block_shape,
     extract,
     placements,
     write_blocks,
@@ -140,8 +143,20 @@ class RuntimeWeights(StagedCommits):
             flat = data.reshape(-1) if data.flags.c_contiguous else np.ascontiguousarray(data)
         else:
             assert self.access.gather is not None
-            flat = assemble(e.ranks, self.access.gather(e.mine.param, local))
+            sent, block = self._sent(e, local)
+            parts = self.access.gather(e.mine.param, sent)
+            flat = assemble_blocks(e.ranks, parts) if block else assemble(e.ranks, parts)
         return Tensor(e.kind, e.mine.shape, flat.reshape(-1))
+
+    @staticmethod
+    def _sent(e: _Entry, param: np.ndarray) -> tuple[np.ndarray, bool]:
+        """What this rank sends of ``e``'s tensor in a gather: its block (contiguous) where
+        every rank's block has one shape (the transports move one shape from every rank),
+        else its whole parameter; and which of the two. A parameter that fuses several
+        checkpoint tensors (qkv, gate_up) is then not sent once per tensor it holds."""
+        if len({block_shape(pl) for pl in e.ranks}) == 1:
+            return np.ascontiguousarray(extract(e.mine, param)), True
+        return param, False
 
     @property
     def splits_decoding(self) -> bool:
@@ -149,20 +164,31 @@ class RuntimeWeights(StagedCommits):
         (:meth:`gather_to`, :meth:`share`; :mod:`.tpdecode`)."""
         return self.tp > 1 and self.access.gather_to is not None and self.access.share is not None
 
-    def gather_to(self, name: str, dst: int) -> Callable[[], Tensor | None]:
+    def gather_to(
+        self, name: str, dst: int, timings: dict[str, float] | None = None
+    ) -> Callable[[], Tensor | None]:
         """The tensor's words in checkpoint coordinates on rank ``dst`` only (None on the
         others): a collective, as :meth:`__getitem__` at TP > 1, started now and finished
-        by calling what it returns (so the next can travel while one is decoded)."""
+        by calling what it returns (so the next can travel while one is decoded). Adds the
+        finish's ms to ``timings``: ``gather_wait_ms`` (the transfers' end), ``assemble_ms``."""
         e = self._entry(name)
         assert self.access.gather_to is not None
         self.settler.wait()
-        done = self.access.gather_to(e.mine.param, self.access.read(e.mine.param), dst)
+        sent, block = self._sent(e, self.access.read(e.mine.param))
+        done = self.access.gather_to(e.mine.param, sent, dst)
+        ms = timings if timings is not None else {}
 
         def tensor() -> Tensor | None:
+            t0 = time.perf_counter()
             parts = done()
+            t1 = time.perf_counter()
+            ms["gather_wait_ms"] = ms.get("gather_wait_ms", 0.0) + (t1 - t0) * 1e3
             if parts is None:
                 return None
-            return Tensor(e.kind, e.mine.shape, assemble(e.ranks, parts))
+            flat = assemble_blocks(e.ranks, parts) if block else assemble(e.ranks, parts)
+            out = Tensor(e.kind, e.mine.shape, flat)
+            ms["assemble_ms"] = ms.get("assemble_ms", 0.0) + (time.perf_counter() - t1) * 1e3
+            return out
 
         return tensor
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from rollpatch.engines.vllm import experts_cpu
-from rollpatch.engines.vllm.layout import block_shape, extract, param_shape, placements
+from rollpatch.engines.vllm.layout import param_shape, placements
 from rollpatch.engines.vllm.moe import expert_spec
+from rollpatch.engines.vllm.tensorblocks import block_shape, extract
 from rollpatch.errors import BaseMismatchError, EngineError, TargetMismatchError
 from tests.moefix import HID, INTER, E, names
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollpatch.engines.vllm import VllmEngine, layout
+from rollpatch.engines.vllm import VllmEngine, layout, tensorblocks
 from rollpatch.engines.vllm.layout import ParamSpec, Shard
 from rollpatch.engines.vllm.transfer import read_decoded, write_decoded
 from rollpatch.engines.vllm.weights import RuntimeWeights
@@ -48,7 +48,7 @@ def test_layout_matches_vllm_loaders(tp: int, kv_heads: int) -> None:
                 pos = np.unique(rng.integers(0, src.size, 500))
                 held, off = layout.locate(pl, pos)
                 assert np.array_equal(arr.reshape(-1)[off], src[pos[held]])
-                assert layout.block_shape(pl) == layout.extract(pl, arr).shape, pl
+                assert tensorblocks.block_shape(pl) == tensorblocks.extract(pl, arr).shape, pl
                 rows = layout.locate_rows(pl, pos.astype(np.int64))
                 if rows is not None:  # the fast path for row blocks: the same, by slices
                     assert pl.dim == 0 and pl.sub is None, pl
@@ -57,9 +57,13 @@ def test_layout_matches_vllm_loaders(tp: int, kv_heads: int) -> None:
         for i, sh in enumerate(spec.shards):
             per_rank = [layout.placements(spec, r, tp)[i] for r in range(tp)]
             params = [loaded[r][spec.param].reshape(shape) for r in range(tp)]
-            assert np.array_equal(layout.assemble(per_rank, params), ck[sh.name].reshape(-1))
-            held = [np.ascontiguousarray(layout.extract(pl, p)) for pl, p in zip(per_rank, params)]
-            assert np.array_equal(layout.assemble_blocks(per_rank, held), ck[sh.name].reshape(-1))
+            assert np.array_equal(tensorblocks.assemble(per_rank, params), ck[sh.name].reshape(-1))
+            held = [
+                np.ascontiguousarray(tensorblocks.extract(pl, p)) for pl, p in zip(per_rank, params)
+            ]
+            assert np.array_equal(
+                tensorblocks.assemble_blocks(per_rank, held), ck[sh.name].reshape(-1)
+            )
             everything = np.arange(ck[sh.name].size)  # held by 1 rank, or by each replica
             owners = sum(layout.locate(pl, everything)[0].astype(int) for pl in per_rank)
             want = tp if spec.kind == "replicated" else sh.replicas

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollpatch.engines.vllm import layout
+from rollpatch.engines.vllm import layout, tensorblocks
 from rollpatch.engines.vllm.ops import OPS, _chain
 from rollpatch.engines.vllm.tpdecode import decode_split, owners
 from rollpatch.engines.vllm.tpshare import (
@@ -311,16 +311,16 @@ def test_assemble_checks_replicas_and_coverage() -> None:
     for dim, cuts in ((0, [(0, 4), (4, 4)]), (1, [(0, 3), (3, 3)]), (0, [(0, 5), (3, 5)])):
         pls = [pl(dim, lo, n) for lo, n in cuts]
         parts = [a[lo : lo + n] if dim == 0 else a[:, lo : lo + n].copy() for lo, n in cuts]
-        assert np.array_equal(layout.assemble(pls, parts), a.reshape(-1))
+        assert np.array_equal(tensorblocks.assemble(pls, parts), a.reshape(-1))
     pls = [pl(0, 0, 5), pl(0, 3, 5)]
     bad = a[3:8].copy()
     bad[0, 0] ^= 1  # row 3, held by both ranks
     with pytest.raises(EngineError, match="disagree"):
-        layout.assemble(pls, [a[0:5], bad])
+        tensorblocks.assemble(pls, [a[0:5], bad])
     with pytest.raises(EngineError, match="cover"):
-        layout.assemble([pl(0, 0, 3), pl(0, 4, 4)], [a[0:3], a[4:8]])
+        tensorblocks.assemble([pl(0, 0, 3), pl(0, 4, 4)], [a[0:3], a[4:8]])
     with pytest.raises(EngineError, match="dimensions"):
-        layout.assemble([pl(0, 0, 8), pl(1, 0, 6)], [a, a])
+        tensorblocks.assemble([pl(0, 0, 8), pl(1, 0, 6)], [a, a])
 
 
 def test_a_chain_refuses_a_corrupt_step_on_every_rank(tmp_path: Path) -> None:

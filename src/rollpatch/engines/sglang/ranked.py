@@ -36,7 +36,8 @@ from ...kinds import Kind
 from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
 from ..staged import WriteMode, check_delta
-from ..vllm.layout import Placement, extract, locate
+from ..vllm.layout import Placement, locate
+from ..vllm.tensorblocks import extract
 from ..writing import ParamWrites, release, write_params
 from .buffers import exchange, second_buffers
 from .slices import Block, partial_delta, partial_state

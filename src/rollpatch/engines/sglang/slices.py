@@ -24,7 +24,8 @@ import numpy as np
 from ...errors import EngineError
 from ...kinds import get_kind
 from ...view import root_digest, sum128_at, sum128_digest, sum128_terms
-from ..vllm.layout import Placement, extract, locate
+from ..vllm.layout import Placement, locate
+from ..vllm.tensorblocks import extract
 
 __all__ = [
     "Block",

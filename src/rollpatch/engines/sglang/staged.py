@@ -57,7 +57,8 @@ from ...view import (
 )
 from ..staged import WriteMode, checked_writes
 from ..sumchange import sum_delta
-from ..vllm.layout import ParamSpec, Placement, blocks, extract, locate, placements
+from ..vllm.layout import ParamSpec, Placement, blocks, locate, placements
+from ..vllm.tensorblocks import extract
 from ..writing import numpy_access, write_params
 from .buffers import Buffers, exchange, second_buffers
 from .update import Staged, check_keyframe, merge_writes

@@ -39,16 +39,8 @@ from ...view import Tensor, View, root_digest, sum128, sum128_digest
 from ..sglang.slices import aligned, combine_state, partial_state
 from ..staged import AuditCursor, AuditReport
 from .commits import StagedCommits
-from .layout import (
-    ParamSpec,
-    Placement,
-    assemble,
-    assemble_blocks,
-    block_shape,
-    extract,
-    placements,
-    write_blocks,
-)
+from .layout import ParamSpec, Placement, placements
+from .tensorblocks import assemble, assemble_blocks, block_shape, extract, write_blocks
 from .writes import (
     Access,
     ParamWrites,

@@ -402,3 +402,32 @@ def test_a_rank_that_refuses_its_part_takes_every_rank_with_it(
     assert isinstance(out[1], EngineError) and "outside this rank's block" in str(out[1]), out
     assert isinstance(out[0], EngineError) and "refused" in str(out[0]), out
     assert out[0].context["rank"] == 1
+
+
+def test_a_malformed_result_table_is_refused_by_every_rank_before_any_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table of lengths whose total is out of bounds is not received: the rank that got it
+    (rank 1, told here that no result may have a byte) refuses it, and every rank hears so
+    before the results are sent, so rank 0 raises too instead of waiting on its sends."""
+    import threading
+
+    from rollpatch.engines.vllm import tpdecode
+
+    cks = _versions(1)
+    steps = _steps(tmp_path, [vllm_layouts.words_view(c) for c in cks])
+    local = threading.local()
+    real = tpdecode.bound
+    monkeypatch.setattr(
+        tpdecode, "bound", lambda job: 0 if getattr(local, "rank", None) == 1 else real(job)
+    )
+
+    def run(w: Any) -> Any:
+        local.rank = w.rank
+        return _chain(w, steps)
+
+    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
+    out = ranks.run(run)
+    assert isinstance(out[1], EngineError) and "malformed result table" in str(out[1]), out
+    assert isinstance(out[0], EngineError) and "refused the result table" in str(out[0]), out
+    assert out[0].context["rank"] == 1

@@ -137,7 +137,7 @@ class Ranks:
         self.gathers = [0] * self.tp  # all-gathers (gather) per rank
         self.gathered_to = [0] * self.tp  # gather_to calls per rank
         self.owned = [0] * self.tp  # of them, tensors gathered to the rank
-        self.barrier = threading.Barrier(self.tp)
+        self.barrier = threading.Barrier(self.tp, timeout=120)  # a rank left alone: fails, no hang
         self.repacked: list[set[str]] = []
         kinds = {s.param: get_kind("bf16") for s in specs}
         self.weights = [

@@ -197,7 +197,8 @@ def _deliver(
     reads the owners' outcomes in one order (owner, then its plan), so an owner's error is
     raised on every rank at the same point, after every transfer. Ranks receive different
     bytes here, so a rank that refuses what it was sent tells the others (one byte to each)
-    before it raises, and they raise too: no rank goes on to a collective the others left."""
+    before it raises, and they raise too: no rank goes on to a collective the others left. A
+    table of lengths out of bounds is refused the same way, before any bytes are sent."""
     me, tp = w.rank, w.tp
     tables: list[bytes] = []
     parts: list[bytes] = []
@@ -214,12 +215,16 @@ def _deliver(
         parts.append(b"".join(packs))
     got = w.deliver(tables, [0 if q == me else 8 * len(plan[q]) for q in range(tp)])
     sizes: list[list[int]] = [[] for _ in range(tp)]
+    bad: EngineError | None = None
     for q in range(tp):
         if q != me:
             sizes[q] = np.frombuffer(got[q], np.int64, len(plan[q])).tolist()
             room = sum(bound(jobs[i]) for i in plan[q])
-            if not 0 <= sum(sizes[q]) <= room:  # not even received: the peer's send would wait
-                raise EngineError("a rank shared a malformed result table", rank=q)
+            if bad is None and not 0 <= sum(sizes[q]) <= room:  # not to be received at all
+                bad = EngineError("a rank shared a malformed result table", rank=q)
+    # every rank learns whether another refused its table before any bytes move: a rank that
+    # raised here alone would leave its peers waiting on their sends
+    _agree(w, bad, "a rank refused the result table it was sent")
     data = w.deliver(parts, [sum(n) for n in sizes])
     out: dict[str, TensorPatch] = {}
     changes: dict[str, SumState] = {}
@@ -250,16 +255,24 @@ def _deliver(
                     changes[t.name] = change
     except RollpatchError as err:
         failure = err
+    _agree(w, failure, "a rank refused the results it was sent")
+    return out, changes
+
+
+def _agree(w: RuntimeWeights, failure: RollpatchError | None, refused: str) -> None:
+    """Every rank tells every other one (one byte each) whether it failed; a rank that failed
+    raises its ``failure``, the others raise ``refused`` naming the first that failed. So
+    every rank raises, or none does, at the same point."""
+    me, tp = w.rank, w.tp
     flag = b"\x01" if failure is not None else b"\x00"
     told = w.deliver(
         [b"" if q == me else flag for q in range(tp)], [int(q != me) for q in range(tp)]
     )
     if failure is not None:
         raise failure
-    refused = [q for q in range(tp) if q != me and bytes(told[q]) != b"\x00"]
-    if refused:
-        raise EngineError("a rank refused the results it was sent", rank=refused[0])
-    return out, changes
+    others = [q for q in range(tp) if q != me and bytes(told[q]) != b"\x00"]
+    if others:
+        raise EngineError(refused, rank=others[0])
 
 
 def _placed(w: RuntimeWeights, job: dict[str, Any], rank: int) -> Placement:

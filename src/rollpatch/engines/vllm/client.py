@@ -12,6 +12,7 @@ connections (uvicorn), and is sent once more on a fresh connection. A failure on
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
@@ -20,6 +21,7 @@ import urllib.parse
 from typing import Any
 
 from ...errors import EngineError
+from .nudge import Nudger
 
 __all__ = ["Http"]
 
@@ -31,7 +33,11 @@ _JSON = {"Content-Type": "application/json"}
 class Http:
     """POST/GET JSON against one base URL; every failure is an :class:`EngineError`."""
 
-    def __init__(self, base_url: str, timeout: float) -> None:
+    def __init__(
+        self, base_url: str, timeout: float, *, nudge: str | None = None, nudge_s: float = 0.05
+    ) -> None:
+        """``nudge``: a cheap GET path sent every ``nudge_s`` while a request is in flight
+        longer than that (:mod:`.nudge`: vLLM's API server misses wake-ups)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         url = urllib.parse.urlsplit(self.base_url)
@@ -39,6 +45,10 @@ class Http:
             raise EngineError("the engine URL must be http(s)://host:port", url=base_url)
         self._url = url
         self._local = threading.local()
+        self.nudger: Nudger | None = None
+        if nudge is not None:
+            side = Http(base_url, min(timeout, 5.0))  # its own connection, in its own thread
+            self.nudger = Nudger(lambda: side.get(nudge), period_s=nudge_s)
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         conn, used = getattr(self._local, "conn", None), getattr(self._local, "used", 0.0)
@@ -84,9 +94,11 @@ class Http:
     ) -> Any:
         """Send one request; returns the decoded JSON body (None when empty)."""
         data = None if body is None else json.dumps(body).encode()
+        watch = self.nudger.watch() if self.nudger is not None else contextlib.nullcontext()
         try:
-            conn, resp = self._exchange(method, path, data, timeout or self.timeout)
-            raw = resp.read(_MAX_BODY + 1)
+            with watch:
+                conn, resp = self._exchange(method, path, data, timeout or self.timeout)
+                raw = resp.read(_MAX_BODY + 1)
         except (http.client.HTTPException, OSError) as err:
             broken = getattr(self._local, "conn", None)
             if broken is not None:

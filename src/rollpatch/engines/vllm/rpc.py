@@ -22,6 +22,7 @@ from ...io.safetensors import load_view
 from ...view import Tensor
 from ..pausing import NestedPause
 from ..shared_dir import SharedDir
+from . import nudge
 from .client import Http
 
 __all__ = ["NOT_READY", "RemoteWords", "WorkerCalls", "worker_error"]
@@ -38,7 +39,10 @@ class WorkerCalls(NestedPause):
     name = "vllm"
 
     def __init__(self, url: str, shared_dir: str | Path | None, timeout: float) -> None:
-        self.http = Http(url, timeout)
+        every = nudge.period_s()  # ROLLPATCH_VLLM_NUDGE_MS (None: off)
+        self.http = (
+            Http(url, timeout, nudge=nudge.PATH, nudge_s=every) if every else Http(url, timeout)
+        )
         self.scratch = SharedDir(shared_dir, prefix="rollpatch-vllm-")
         super().__init__(threading.RLock())
         self.last_timings: dict[str, float] = {}
@@ -138,6 +142,8 @@ class WorkerCalls(NestedPause):
 
     def close(self) -> None:
         """Forget the scratch directory (the server is not ours to stop)."""
+        if self.http.nudger is not None:
+            self.http.nudger.close()
         self.scratch.close()
 
     def _run(self, op: str, path: Path | str, official: bool) -> dict[str, Any]:

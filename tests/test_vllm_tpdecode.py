@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -373,12 +374,11 @@ def test_without_the_native_core_a_chain_goes_step_by_step(
     assert sum(ranks.owned) > 0
 
 
-def test_a_rank_that_refuses_its_part_takes_every_rank_with_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Sent point to point, the ranks receive different bytes: rank 0 (made faulty here)
-    sends rank 1 whole tensors instead of its blocks' part; rank 1 refuses them, and rank 0,
-    which received valid parts, raises too (told by rank 1) instead of going on alone."""
+def _with_fault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, fault: Callable[[Any, Any], Any]
+) -> list[Any]:
+    """Both ranks' outcomes of a one-step chain at TP 2 with ``tpdecode.<name>`` replaced on
+    each rank by ``fault(rank, real)``."""
     import threading
 
     from rollpatch.engines.vllm import tpdecode
@@ -386,19 +386,25 @@ def test_a_rank_that_refuses_its_part_takes_every_rank_with_it(
     cks = _versions(1)
     steps = _steps(tmp_path, [vllm_layouts.words_view(c) for c in cks])
     local = threading.local()
-    real = tpdecode.restrict
-
-    def faulty(tp: TensorPatch, pl: Any) -> TensorPatch:
-        return tp if getattr(local, "rank", None) == 0 else real(tp, pl)
-
-    monkeypatch.setattr(tpdecode, "restrict", faulty)
+    real = getattr(tpdecode, name)
+    monkeypatch.setattr(tpdecode, name, lambda *a: fault(getattr(local, "rank", None), real)(*a))
 
     def run(w: Any) -> Any:
         local.rank = w.rank
         return _chain(w, steps)
 
-    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
-    out = ranks.run(run)
+    return vllm_layouts.SimulatedRanks(cks[0], 2).run(run)
+
+
+def test_a_rank_that_refuses_its_part_takes_every_rank_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sent point to point, the ranks receive different bytes: rank 0 (made faulty here)
+    sends rank 1 whole tensors instead of its blocks' part; rank 1 refuses them, and rank 0,
+    which received valid parts, raises too (told by rank 1) instead of going on alone."""
+    out = _with_fault(
+        tmp_path, monkeypatch, "restrict", lambda r, real: (lambda tp, pl: tp) if r == 0 else real
+    )
     assert isinstance(out[1], EngineError) and "outside this rank's block" in str(out[1]), out
     assert isinstance(out[0], EngineError) and "refused" in str(out[0]), out
     assert out[0].context["rank"] == 1
@@ -410,24 +416,9 @@ def test_a_malformed_result_table_is_refused_by_every_rank_before_any_bytes(
     """A table of lengths whose total is out of bounds is not received: the rank that got it
     (rank 1, told here that no result may have a byte) refuses it, and every rank hears so
     before the results are sent, so rank 0 raises too instead of waiting on its sends."""
-    import threading
-
-    from rollpatch.engines.vllm import tpdecode
-
-    cks = _versions(1)
-    steps = _steps(tmp_path, [vllm_layouts.words_view(c) for c in cks])
-    local = threading.local()
-    real = tpdecode.bound
-    monkeypatch.setattr(
-        tpdecode, "bound", lambda job: 0 if getattr(local, "rank", None) == 1 else real(job)
+    out = _with_fault(
+        tmp_path, monkeypatch, "bound", lambda r, real: (lambda job: 0) if r == 1 else real
     )
-
-    def run(w: Any) -> Any:
-        local.rank = w.rank
-        return _chain(w, steps)
-
-    ranks = vllm_layouts.SimulatedRanks(cks[0], 2)
-    out = ranks.run(run)
     assert isinstance(out[1], EngineError) and "malformed result table" in str(out[1]), out
     assert isinstance(out[0], EngineError) and "refused the result table" in str(out[0]), out
     assert out[0].context["rank"] == 1

@@ -18,8 +18,9 @@ trip through the engine core (``GET /is_sleeping``, read-only) every ``period_s`
 that completes within ``period_s`` (nearly all of them) costs nothing; a long one (a commit,
 a reload) one small request per period. Measured over four benchmark runs each (103M, TP 2):
 pauses over 0.5 s 3 → 1 (the largest 1,002 → 517 ms), staging polls over 0.3 s 4 → 1, and
-samples with a stage over 0.9 s or a pause over 0.5 s 15 → 4 of 92. It shortens the stalls; it does not remove every one. Failures of
-a nudge are ignored: it is a hint, not part of any call's outcome.
+samples with a stage over 0.9 s or a pause over 0.5 s 15 → 4 of 92. It shortens the stalls;
+it does not remove every one. Failures of a nudge are ignored: it is a hint, not part of any
+call's outcome.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def extract(pl: Placement, param: np.ndarray) -> np.ndarray:
     if pl.sub is None:
         return whole[blocks(pl)[1]]
     if pl.slot < 0:
-        return whole[:0, :0].reshape((0, pl.cols) if pl.dim == 0 else (pl.rows, 0))
+        return whole[:0, :0].reshape(block_shape(pl))
     return whole[pl.slot].reshape(pl.sub)[blocks(pl)[1]]
 
 

@@ -136,8 +136,7 @@ class RuntimeWeights(StagedCommits):
         else:
             assert self.access.gather is not None
             sent, block = self._sent(e, local)
-            parts = self.access.gather(e.mine.param, sent)
-            flat = assemble_blocks(e.ranks, parts) if block else assemble(e.ranks, parts)
+            flat = self._joined(e, self.access.gather(e.mine.param, sent), block)
         return Tensor(e.kind, e.mine.shape, flat.reshape(-1))
 
     @staticmethod
@@ -149,6 +148,11 @@ class RuntimeWeights(StagedCommits):
         if len({block_shape(pl) for pl in e.ranks}) == 1:
             return np.ascontiguousarray(extract(e.mine, param)), True
         return param, False
+
+    @staticmethod
+    def _joined(e: _Entry, parts: list[np.ndarray], block: bool) -> np.ndarray:
+        """The checkpoint tensor (flat) from every rank's part as :meth:`_sent` sent it."""
+        return assemble_blocks(e.ranks, parts) if block else assemble(e.ranks, parts)
 
     @property
     def splits_decoding(self) -> bool:
@@ -177,8 +181,7 @@ class RuntimeWeights(StagedCommits):
             ms["gather_wait_ms"] = ms.get("gather_wait_ms", 0.0) + (t1 - t0) * 1e3
             if parts is None:
                 return None
-            flat = assemble_blocks(e.ranks, parts) if block else assemble(e.ranks, parts)
-            out = Tensor(e.kind, e.mine.shape, flat)
+            out = Tensor(e.kind, e.mine.shape, self._joined(e, parts, block))
             ms["assemble_ms"] = ms.get("assemble_ms", 0.0) + (time.perf_counter() - t1) * 1e3
             return out
 

@@ -15,19 +15,27 @@ from rollpatch.engines.vllm.nudge import Nudger
 
 
 def test_a_short_call_is_not_nudged_and_a_long_one_is_from_another_thread() -> None:
+    """No nudge for a call that ends within the period (a long period here, so a loaded host
+    cannot make the call outlast it); several, from the nudger's thread, for a call that lasts
+    many periods, and none once it has ended."""
+    quiet = Nudger(lambda: None, period_s=5.0)
+    try:
+        with quiet.watch():
+            pass
+        time.sleep(0.1)
+        assert quiet.sent == 0
+    finally:
+        quiet.close()
     seen: list[str] = []
     n = Nudger(lambda: seen.append(threading.current_thread().name), period_s=0.05)
     try:
         with n.watch():
-            pass  # done well within one period
-        time.sleep(0.15)
-        assert n.sent == 0 and not seen
-        with n.watch():
             time.sleep(0.6)  # about 11 periods: the first after one period, then one per period
+        time.sleep(0.5)  # a nudge under way when the call ended has finished
         sent = n.sent
         assert 3 <= sent <= 13, sent
         assert set(seen) == {"rollpatch-vllm-nudge"}
-        time.sleep(0.2)
+        time.sleep(0.3)
         assert n.sent == sent, "nudges went on after the call ended"
     finally:
         n.close()
@@ -43,8 +51,8 @@ def test_failing_nudges_are_ignored_and_close_stops_the_thread() -> None:
     n = Nudger(boom, period_s=0.02)
     with n.watch():
         time.sleep(0.2)
+    n.close()  # joins the thread: the counts are final
     assert len(calls) >= 2 and n.sent == len(calls)
-    n.close()
     with n.watch():  # after close: no thread, no nudge
         time.sleep(0.1)
     assert n.sent == len(calls)
@@ -90,20 +98,27 @@ def server() -> Iterator[_Server]:
 
 
 def test_http_nudges_its_server_while_a_request_is_slow(server: _Server) -> None:
-    """A request answered at once sends no nudge; one answered after 0.5 s sends several,
-    on their own connection, and its own answer is unchanged."""
-    h = Http(f"http://127.0.0.1:{server.server_address[1]}", 10.0, nudge="/nudge", nudge_s=0.05)
+    """A request answered within the period sends no nudge (a long period here, so a loaded
+    host cannot make it outlast it); one answered after 0.5 s sends several every 50 ms, on
+    their own connection, and its own answer is unchanged."""
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    quick = Http(url, 10.0, nudge="/nudge", nudge_s=5.0)
+    assert quick.nudger is not None
+    try:
+        assert quick.post("/fast") == {"ok": True}
+        time.sleep(0.1)
+        assert server.hits.get("/nudge", 0) == 0
+    finally:
+        quick.nudger.close()
+    h = Http(url, 10.0, nudge="/nudge", nudge_s=0.05)
     assert h.nudger is not None
     try:
-        assert h.post("/fast") == {"ok": True}
-        time.sleep(0.15)
-        assert server.hits.get("/nudge", 0) == 0
         assert h.post("/slow") == {"ok": True}
         assert server.hits["/slow"] == 1
         assert 3 <= server.hits.get("/nudge", 0) <= 11, server.hits
     finally:
         h.nudger.close()
-    plain = Http(f"http://127.0.0.1:{server.server_address[1]}", 10.0)
+    plain = Http(url, 10.0)
     assert plain.nudger is None and plain.get("/fast") == {"ok": True}
 
 

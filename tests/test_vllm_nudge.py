@@ -29,11 +29,13 @@ def test_a_short_call_is_not_nudged_and_a_long_one_is_from_another_thread() -> N
     seen: list[str] = []
     n = Nudger(lambda: seen.append(threading.current_thread().name), period_s=0.05)
     try:
+        t0 = time.monotonic()
         with n.watch():
             time.sleep(0.6)  # about 11 periods: the first after one period, then one per period
+        lasted = time.monotonic() - t0  # a loaded host oversleeps
         time.sleep(0.5)  # a nudge under way when the call ended has finished
         sent = n.sent
-        assert 3 <= sent <= 13, sent
+        assert 3 <= sent <= lasted / 0.05 + 2, (sent, lasted)
         assert set(seen) == {"rollpatch-vllm-nudge"}
         time.sleep(0.3)
         assert n.sent == sent, "nudges went on after the call ended"
@@ -113,9 +115,11 @@ def test_http_nudges_its_server_while_a_request_is_slow(server: _Server) -> None
     h = Http(url, 10.0, nudge="/nudge", nudge_s=0.05)
     assert h.nudger is not None
     try:
+        t0 = time.monotonic()
         assert h.post("/slow") == {"ok": True}
+        lasted = time.monotonic() - t0
         assert server.hits["/slow"] == 1
-        assert 3 <= server.hits.get("/nudge", 0) <= 11, server.hits
+        assert 3 <= server.hits.get("/nudge", 0) <= lasted / 0.05 + 2, (server.hits, lasted)
     finally:
         h.nudger.close()
     plain = Http(url, 10.0)

@@ -101,8 +101,8 @@ def server() -> Iterator[_Server]:
 
 def test_http_nudges_its_server_while_a_request_is_slow(server: _Server) -> None:
     """A request answered within the period sends no nudge (a long period here, so a loaded
-    host cannot make it outlast it); one answered after 0.5 s sends several every 50 ms, on
-    their own connection, and its own answer is unchanged."""
+    host cannot make it outlast it); one answered after 0.5 s is nudged (every 50 ms at most),
+    on the nudges' own connection, and its own answer is unchanged."""
     url = f"http://127.0.0.1:{server.server_address[1]}"
     quick = Http(url, 10.0, nudge="/nudge", nudge_s=5.0)
     assert quick.nudger is not None
@@ -118,10 +118,12 @@ def test_http_nudges_its_server_while_a_request_is_slow(server: _Server) -> None
         t0 = time.monotonic()
         assert h.post("/slow") == {"ok": True}
         lasted = time.monotonic() - t0
-        assert server.hits["/slow"] == 1
-        assert 3 <= server.hits.get("/nudge", 0) <= lasted / 0.05 + 2, (server.hits, lasted)
     finally:
-        h.nudger.close()
+        h.nudger.close()  # joins the thread: a nudge under way has reached the server
+    assert server.hits["/slow"] == 1
+    # at least one nudge (each waits for its own answer, which a loaded host can slow), at
+    # most one per period of the request's measured length
+    assert 1 <= server.hits.get("/nudge", 0) <= lasted / 0.05 + 2, (server.hits, lasted)
     plain = Http(url, 10.0)
     assert plain.nudger is None and plain.get("/fast") == {"ok": True}
 

@@ -20,6 +20,12 @@ The guards, the same on both (tests/test_serving_guards.py runs each on each):
   to the parser while a head is open);
 - **early answer**: an answer sent before the request's body was read in full (a refusal)
   closes the connection, so a body still trickling in cannot hold it;
+- **lingering close** after a 408, a 400 or an early answer: the answer and a FIN go out, what the
+  client still sends is read and dropped until it closes its side or for at most
+  :data:`LINGER_S`, then the socket closes. Closing at once with bytes unread makes the kernel
+  answer with a reset, and the client loses the answer it had not read yet (an oversized
+  upload saw ``Connection reset by peer``, not its 413); RFC 9112 §9.6, nginx's
+  ``lingering_close``;
 - ``TCP_NODELAY`` on every TCP connection.
 
 Idle keep-alive (``timeout_keep_alive``), the connection bound (``limit_concurrency``: 503)
@@ -42,6 +48,8 @@ TIMEOUT_408 = (
     b"content-length: 32\r\nconnection: close\r\n\r\nrequest head not received in time"
 )
 _HEAD_TOO_LARGE = "request head is over the limit"
+#: Longest a connection lingers after its last answer (see the module docstring).
+LINGER_S = 3.0
 
 
 def http_name(kind: HttpKind) -> Literal["h11", "httptools"]:
@@ -76,7 +84,10 @@ class _HeadDeadline:
 
     _head_timeout_s = 10.0
     _head_timer: Any = None
+    _linger_timer: Any = None  # set while lingering: what arrives is dropped
     loop: Any
+    transport: Any
+    _unset_keepalive_if_required: Any  # uvicorn's, on both protocols
 
     def _arm(self) -> None:
         if self._head_timer is None:
@@ -90,6 +101,33 @@ class _HeadDeadline:
     def _head_late(self) -> None:
         raise NotImplementedError
 
+    def _close_lingering(self) -> None:
+        """Close after the last answer has been written: FIN now, the socket at the client's
+        EOF (asyncio closes the transport when ``eof_received`` returns None, as uvicorn's
+        does) or after :data:`LINGER_S`."""
+        transport = self.transport
+        if transport.is_closing() or self._linger_timer is not None:
+            return
+        self._disarm()
+        self._unset_keepalive_if_required()  # the linger is the bound now, not keep-alive
+        if not transport.can_write_eof():  # TLS: its close_notify ends the stream
+            transport.close()
+            return
+        transport.write_eof()
+        transport.resume_reading()  # a refused body may have paused reading
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a head it cannot parse (or one over the bound), then a
+        lingering close instead of uvicorn's immediate one (the client may still be sending
+        the rest of that head)."""
+        body = msg.encode("ascii", "replace")
+        self.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        self._close_lingering()
+
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         no_delay(transport)
@@ -97,6 +135,8 @@ class _HeadDeadline:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)  # type: ignore[misc]
 
 
@@ -109,6 +149,8 @@ def _guarded_h11(header_timeout_s: float) -> type:
         _head_timeout_s = header_timeout_s
 
         def data_received(self, data: bytes) -> None:
+            if self._linger_timer is not None:
+                return
             if self.conn.their_state is h11.IDLE:
                 self._arm()
             super().data_received(data)
@@ -121,15 +163,17 @@ def _guarded_h11(header_timeout_s: float) -> type:
             super().on_response_complete()
             # answered before the body was read (a refusal): a body still trickling in would
             # hold the connection, so it is closed instead of being drained
-            if reading_body and not self.transport.is_closing():
-                self.transport.close()
+            if reading_body:
+                self._close_lingering()
 
         def _head_late(self) -> None:
             self._head_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 if self.cycle is None or self.cycle.response_complete:
                     self.transport.write(TIMEOUT_408)
-                self.transport.close()
+                    self._close_lingering()
+                else:  # an answer is still being written: cut it
+                    self.transport.close()
 
     return GuardedH11
 
@@ -146,6 +190,8 @@ def _guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type:
         _head_bytes = 0  # received since the last message ended
 
         def data_received(self, data: bytes) -> None:
+            if self._linger_timer is not None:
+                return
             if not self._head_open:
                 super().data_received(data)
                 return
@@ -183,19 +229,16 @@ def _guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type:
             super().on_response_complete()
             # answered before its body was read (a refusal): see GuardedH11. An older answer
             # of pipelined requests completing does not count: its body had been read
-            if (
-                cycle is not None
-                and cycle.response_complete
-                and cycle.more_body
-                and not self.transport.is_closing()
-            ):
-                self.transport.close()
+            if cycle is not None and cycle.response_complete and cycle.more_body:
+                self._close_lingering()
 
         def _head_late(self) -> None:
             self._head_timer = None
             if self._head_open and not self.transport.is_closing():
                 if self.cycle is None or self.cycle.response_complete:
                     self.transport.write(TIMEOUT_408)
-                self.transport.close()
+                    self._close_lingering()
+                else:  # an answer is still being written: cut it
+                    self.transport.close()
 
     return GuardedHttpTools

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from rollpatch.errors import ConfigError
-from rollpatch.sidecar.protocol import annotate_body, annotate_sse_line, decide, parse_constraint
+from rollpatch.sidecar.protocol import (
+    annotate_body,
+    annotate_sse_line,
+    decide,
+    label_body,
+    parse_constraint,
+)
 from rollpatch.types import Constraint
 
 
@@ -81,6 +88,46 @@ def test_annotate_trusts_engine_within_bounds() -> None:
     assert annotate_sse_line(b"data: [DONE]", 1, 1) == b"data: [DONE]"
     line = annotate_sse_line(b'data: {"x": 1}', 2, 3)
     assert json.loads(line[6:])["rollpatch"]["version_end"] == 3
+
+
+def _sglang(meta: dict[str, Any], choices: int = 1) -> bytes:
+    return json.dumps({"choices": [{"text": "t"}] * choices, "metadata": meta}).encode()
+
+
+@pytest.mark.parametrize(
+    ("meta", "choices", "versions"),
+    [
+        ({"weight_version": "5"}, 1, (5, 5)),  # no commit during it: all under 5
+        ({"weight_version": "5", "weight_versions": [["4", 0, 9], ["5", 9, 20]]}, 1, (4, 5)),
+        (
+            {"weight_version": "6", "weight_versions": [{"version": "5", "start": 0, "end": 3}]},
+            1,
+            (5, 6),
+        ),
+        ({"weight_version": "5"}, 2, (4, 6)),  # SGLang's metadata is the first choice's
+        ({"weight_version": "7"}, 1, (4, 6)),  # outside the sidecar's bounds
+        ({"weight_version": "3"}, 1, (4, 6)),
+        ({"weight_version": "rollpatch:not-ready"}, 1, (4, 6)),
+        ({"weight_version": "5", "weight_versions": [["6", 0, 1]]}, 1, (4, 6)),  # backwards
+        ({"weight_version": "5", "weight_versions": [[]]}, 1, (4, 6)),
+        ({"weight_version": "5", "weight_versions": "4"}, 1, (4, 6)),
+        ({"weight_version": 5}, 1, (4, 6)),  # SGLang's tags are strings
+        ({"weight_version": "٥"}, 1, (4, 6)),  # decimal, not ASCII: int() would take it
+    ],
+)
+def test_sglangs_own_versions_narrow_the_label(
+    meta: dict[str, Any], choices: int, versions: tuple[int, int]
+) -> None:
+    """SGLang's metadata says which versions produced an answer: within the sidecar's bounds
+    it narrows the label (a commit after the last token is not in it), and the versions
+    returned for the headers are the body's."""
+    out, start, end = label_body(_sglang(meta, choices), 4, 6)
+    want = {"version_start": versions[0], "version_end": versions[1]}
+    assert json.loads(out)["rollpatch"] == want and (start, end) == versions
+    # a stream's start is already in its headers: only the end is narrowed
+    line = annotate_sse_line(b"data: " + _sglang(meta, choices), 4, 6)
+    label = json.loads(line[6:])["rollpatch"]
+    assert label["version_start"] == 4 and label["version_end"] == versions[1]
 
 
 def test_annotate_keeps_the_engines_bytes() -> None:

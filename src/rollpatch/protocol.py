@@ -7,9 +7,18 @@ Request: body field ``"rollpatch": {"min_version", "exact_version", "max_lag", "
 headers ``X-Rollpatch-Min-Version``, ``-Exact-Version``, ``-Max-Lag``, ``-Wait-S`` (the body
 wins field by field). The field is stripped before the request reaches the engine.
 Response: body field ``"rollpatch": {"version_start", "version_end"}`` (the final chunk of a
-stream) and headers ``X-Rollpatch-Version-Start`` / ``-End``; an MoE engine's ``spans`` (the
-version of each run of ``routed_experts`` rows) are kept when its versions are trusted, and
-``routed_experts`` itself passes through unaltered.
+stream) and headers ``X-Rollpatch-Version-Start`` / ``-End``, which say the same; an MoE
+engine's ``spans`` (the version of each run of ``routed_experts`` rows) are kept when its
+versions are trusted, and ``routed_experts`` itself passes through unaltered.
+
+The sidecar's own bounds are the version served when the request was admitted and the one
+served when its answer was complete. What an engine says of the versions that produced an
+answer narrows them when it lies within them: the built-in engine's ``rollpatch`` field, or
+SGLang's ``metadata`` (``weight_version`` when the answer finished, per-token
+``weight_versions`` spans when a commit landed during it; SGLang builds it from the first
+choice, so only an answer of one choice is narrowed). A commit landing after an answer's last
+token but before the sidecar saw the answer complete is then not in its label. A stream's
+start is in its headers before its last chunk: there only the end is narrowed.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ __all__ = [
     "annotate_body",
     "annotate_sse_line",
     "decide",
+    "label_body",
     "parse_constraint",
 ]
 
@@ -90,10 +100,18 @@ def _versions(start: int | None, end: int | None) -> dict[str, int | None]:
 
 
 def annotate_body(raw: bytes, start: int | None, end: int | None) -> bytes:
-    """Add/keep the ``rollpatch`` versions in a JSON response body.
+    """:func:`label_body`'s body."""
+    return label_body(raw, start, end)[0]
 
-    An engine that reports its own versions (the built-in one does) is trusted when they
-    agree with the sidecar's bounds; otherwise the sidecar's view is written. The engine's
+
+def label_body(
+    raw: bytes, start: int | None, end: int | None, *, fixed_start: bool = False
+) -> tuple[bytes, int | None, int | None]:
+    """Add/keep the ``rollpatch`` versions in a JSON response body; return it with the
+    versions written (for the headers).
+
+    ``start``/``end``: the sidecar's bounds, narrowed by what the engine says (module
+    docstring); ``fixed_start``: ``start`` was already sent (a stream's headers). The engine's
     bytes are kept as they came (parsed to check them, never re-encoded): the versions are
     spliced in before the object's closing brace, or the body is left alone when the engine's
     own versions stand; only an engine ``rollpatch`` field the sidecar overrides re-encodes.
@@ -101,13 +119,14 @@ def annotate_body(raw: bytes, start: int | None, end: int | None) -> bytes:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return raw
+        return raw, start, end
     if not isinstance(body, dict):
-        return raw
-    merged = _merge(body.get("rollpatch"), start, end)
+        return raw, start, end
+    merged = _merge(body, start, end, fixed_start)
+    s, e = merged["version_start"], merged["version_end"]
     if "rollpatch" in body:
         if body["rollpatch"] == merged:
-            return raw
+            return raw, s, e
     else:
         head = raw.rstrip()
         # UTF-8 (the only encoding spliced: json.loads also reads UTF-16/32, whose bytes
@@ -115,30 +134,65 @@ def annotate_body(raw: bytes, start: int | None, end: int | None) -> bytes:
         if head.lstrip()[:1] == b"{" and head[-1:] == b"}":
             sep = b"," if body else b""
             tail = raw[len(head) :]
-            return head[:-1] + sep + b'"rollpatch":' + json.dumps(merged).encode() + b"}" + tail
+            spliced = head[:-1] + sep + b'"rollpatch":' + json.dumps(merged).encode() + b"}"
+            return spliced + tail, s, e
     body["rollpatch"] = merged
-    return json.dumps(body).encode()
+    return json.dumps(body).encode(), s, e
 
 
-def _merge(engine: Any, start: int | None, end: int | None) -> dict[str, Any]:
+def _merge(body: dict[str, Any], start: int | None, end: int | None, fixed: bool) -> dict[str, Any]:
+    engine = body.get("rollpatch")
+    said = _own_versions(engine) if "rollpatch" in body else _sglang_versions(body)
+    if said is None or start is None or end is None:
+        return _versions(start, end)
+    s, e = said
+    if fixed:
+        s = start
+    if not start <= s <= e <= end:
+        return _versions(start, end)
+    out: dict[str, Any] = _versions(s, e)
+    spans = engine.get("spans") if isinstance(engine, dict) else None
+    # which version routed which routed_experts rows
+    if isinstance(spans, list) and all(
+        isinstance(x, dict) and _is_int(x.get("version")) and s <= x["version"] <= e for x in spans
+    ):
+        out["spans"] = spans
+    return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _own_versions(engine: Any) -> tuple[int, int] | None:
+    """The built-in engine's ``rollpatch`` field."""
     if isinstance(engine, dict):
         s, e = engine.get("version_start"), engine.get("version_end")
-        if (
-            isinstance(s, int)
-            and isinstance(e, int)
-            and start is not None
-            and end is not None
-            and start <= s <= e <= end
-        ):
-            out: dict[str, Any] = _versions(s, e)
-            spans = engine.get("spans")  # which version routed which routed_experts rows
-            if isinstance(spans, list) and all(
-                isinstance(x, dict) and isinstance(x.get("version"), int) and s <= x["version"] <= e
-                for x in spans
-            ):
-                out["spans"] = spans
-            return out
-    return _versions(start, end)
+        if isinstance(s, int) and isinstance(e, int) and _is_int(s) and _is_int(e):
+            return s, e
+    return None
+
+
+def _sglang_versions(body: dict[str, Any]) -> tuple[int, int] | None:
+    """SGLang's ``metadata`` of an answer of one choice: the first span's version (the
+    finishing one without spans) and the finishing one, when every tag is a version."""
+    meta, choices = body.get("metadata"), body.get("choices")
+    if not isinstance(meta, dict) or not isinstance(choices, list) or len(choices) != 1:
+        return None
+    spans = meta.get("weight_versions") or []
+    if not isinstance(spans, list):
+        return None
+    tags = [
+        x.get("version") if isinstance(x, dict) else x[0] if isinstance(x, list) and x else None
+        for x in spans
+    ]
+    tags.append(meta.get("weight_version"))
+    if not all(isinstance(t, str) and t.isascii() and t.isdecimal() and len(t) < 20 for t in tags):
+        return None
+    versions = [int(str(t)) for t in tags]
+    if versions != sorted(versions):
+        return None
+    return versions[0], versions[-1]
 
 
 def annotate_sse_line(line: bytes, start: int | None, end: int | None) -> bytes:
@@ -148,7 +202,7 @@ def annotate_sse_line(line: bytes, start: int | None, end: int | None) -> bytes:
     payload = line[5:].strip()
     if payload == b"[DONE]":
         return line
-    return b"data: " + annotate_body(payload, start, end)
+    return b"data: " + label_body(payload, start, end, fixed_start=True)[0]
 
 
 @dataclass(frozen=True)

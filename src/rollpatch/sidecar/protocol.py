@@ -13,6 +13,7 @@ from ..protocol import (
     annotate_body,
     annotate_sse_line,
     decide,
+    label_body,
     parse_constraint,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "annotate_body",
     "annotate_sse_line",
     "decide",
+    "label_body",
     "parse_constraint",
 ]

@@ -19,7 +19,7 @@ def view_of(world: World, v: int) -> Any:
 
 def phase_chain(world: World, engine: Any, n: int, reps: int) -> dict[str, list[dict[str, float]]]:
     """The catch-up of a replica ``n`` behind, from v0 to v``n``, two ways alternated
-    ``reps`` times, each from a fresh load of v0 (TP 1): ``inside`` — the ``n`` step patches
+    ``reps`` times, each from a fresh load of v0: ``inside`` — the ``n`` step patches
     in one ``stage_encoded``, decoded inside SGLang step after step; ``follower`` — what the
     follower did before SGLang took chains: each step decoded here against the engine's words
     (exported from SGLang tensor by tensor through files) under an overlay of the steps

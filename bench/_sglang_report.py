@@ -95,21 +95,17 @@ def render(ctx: dict[str, Any]) -> str:
         [False, True, True, True, True, True, True],
     )
     phases = ["gather", "decode", "prove", "layout", "buffers", "transfer"]
-    # TP > 1: the same tensors gathered through shared memory instead of files, timed after
-    # the stage and not part of it
-    files = ["shm"] if ctx["args"].get("tp", 1) > 1 else []
     t2 = table(
-        ["stage breakdown, ms p50", *phases, "stage", *(f"gather via {f}" for f in files)],
+        ["stage breakdown, ms p50", *phases, "stage"],
         [
             [
                 name,
                 *(f"{med(runs, f'{k}_ms'):.0f}" for k in phases),
                 f"{med(runs, 'stage_s') * 1e3:.0f}",
-                *(f"{med(runs, f'{k}_ms'):.0f}" for k in files),
             ]
             for name, runs in (("in place", st), ("double-buffered", db))
         ],
-        [False, *([True] * (len(phases) + 1 + len(files)))],
+        [False, *([True] * (len(phases) + 1))],
     )
     t3 = table(
         ["pause breakdown, ms p50", *PAUSE_PARTS, "pause"],
@@ -135,36 +131,40 @@ def render(ctx: dict[str, Any]) -> str:
     one = med(st, "visible_s")
 
     def row(name: str, runs: list[dict[str, float]]) -> list[str]:
-        decode = f"{med(runs, 'decode_ms'):.0f} ms" if "decode_ms" in runs[0] else "-"
+        def part(k: str) -> str:
+            return f"{med(runs, k):.0f} ms" if k in runs[0] else "-"
+
         return [
             name,
             str(len(runs)),
             _ms(med(runs, "stage_s")),
-            decode,
+            part("gather_ms"),
+            part("decode_ms"),
             _ms(med(runs, "pause_s")),
             _ms(med(runs, "visible_s")),
             f"{med(runs, 'visible_s') / one:.2f}x",
         ]
 
-    n = len(st)
+    rows = [row("1 behind (the staged path above)", st)]
+    for n in sorted({int(k[len("inside") :]) for k in ch if k.startswith("inside")}):
+        what = "one step" if n == 1 else "chain"
+        rows.append(row(f"{n} behind from v0: {what} decoded in SGLang", ch[f"inside{n}"]))
+        rows.append(row(f"{n} behind from v0: follower, exported words", ch[f"follower{n}"]))
     t4 = table(
         [
             "catch-up, in place",
             "n",
             "stage p50",
+            "gather p50",
             "decode p50",
             "pause p50",
             "visible->serving p50",
             "/ 1 behind",
         ],
-        [
-            row("1 behind (the staged path above)", st),
-            row(f"{n} behind from v0: chain decoded in SGLang", ch["inside"]),
-            row(f"{n} behind from v0: follower, exported words", ch["follower"]),
-        ],
-        [False, True, True, True, True, True, True],
+        rows,
+        [False, True, True, True, True, True, True, True],
     )
     return (
-        f"{out}\n{t4}\n(decode: inside SGLang; the follower's decode and the words' export "
-        "happen in the bench's process, in its stage time)"
+        f"{out}\n{t4}\n(gather, decode: inside SGLang; the follower's decode and the words' "
+        "export happen in the bench's process, in its stage time)"
     )

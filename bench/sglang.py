@@ -2,8 +2,9 @@
 
 Run: ``python bench/sglang.py`` (16M parameters; needs the SGLang venv from
 ``scripts/sglang-env``); ``--hidden 1024 --layers 8`` for a 103M model; ``--versions N``;
-``--tp 2`` for SGLang at ``--tp-size 2`` (one core per rank; patches decoded in the bench's
-process against the words gathered from both ranks, the follower's path: *gather*);
+``--tp 2`` for SGLang at ``--tp-size 2`` (one core per rank; each touched tensor decoded
+inside SGLang by the rank that owns it, after the ranks copied their blocks of it into
+shared memory: *gather*);
 ``--json PATH`` keeps every sample (``pause_s`` of each under its path's name: ``staged``,
 ``double``, ``reloads``).
 
@@ -37,16 +38,18 @@ those after SGLang's reload of the same version, and those after each double-buf
 equal the in-place ones; after each reload the live words, re-hashed in SGLang, are the
 published version's.
 
-**Stage breakdown** (medians, ms): *gather* (TP > 1: the touched tensors gathered from the
-ranks, each rank's block through a file; summed over the decoder's threads, so it may exceed
-*decode*, which at TP > 1 is the decode's wall time including it; beside the stage, *gather via shm*: the same tensors
-gathered through one shared-memory buffer per tensor, each rank copying its block into it,
-timed after the stage and not part of it),
-*decode* (the patch object decoded against the live words: the codec's own pass; inside
-SGLang at TP 1, here at TP > 1), *prove* (validation, old words, O(changed) digests),
-*layout* (runtime offsets merged per parameter), *buffers* (double-buffered copies written
-and read back), *transfer* (the rest of the adapter's call: the patch written to a file, the
-control socket, the answer).
+**Stage breakdown** (medians, ms): *gather* (TP > 1: the touched tensors' blocks copied by
+every rank into shared memory for their owners), *decode* (the patch object decoded against
+the live words: the codec's own pass; inside SGLang, by the owner ranks at TP > 1),
+*prove* (validation, old words, O(changed) digests), *layout* (runtime offsets merged per
+parameter), *buffers* (double-buffered copies written and read back), *transfer* (the rest of
+the adapter's call: the patch written to a file, the control socket, the answer).
+
+**Catch-up** (``CHAIN_REPS`` times each way, alternated, each from a fresh load of v0):
+1 behind and ``--versions`` behind, ``stage_encoded`` (decoded inside SGLang) against what the
+follower does when SGLang does not take a plan: each step decoded in the bench's process
+against the words exported from SGLang tensor by tensor (gathered from every rank at
+TP > 1), composed, staged as one decoded patch.
 
 **Pause breakdown** (medians, ms): the pause by route (``pause_parts``): SGLang's pause and
 continue, its weight-update session (opened once and left open: 0 under a commit's pause),
@@ -101,13 +104,11 @@ def phase_staged(
     for v in range(1, n + 1):
         blob = world.patch_blob(v)
         t0 = time.perf_counter()
-        here: dict[str, float] = {}
-        if engine.tp > 1:  # decoded here against the words gathered from every rank
-            staged = stage_gathered(engine, blob, v, here)
-        else:
-            staged = engine.stage_encoded(
-                [EncodedStep((blob,), world.digests[v - 1], world.digests[v])], v
-            )
+        staged = engine.stage_encoded(
+            [EncodedStep((blob,), world.digests[v - 1], world.digests[v])], v
+        )
+        if staged is None:
+            raise BenchError(f"v{v}: SGLang did not take the patch (stage_encoded gave None)")
         t1 = time.perf_counter()
         engine.channel.route_ms.clear()
         engine.pause()
@@ -121,22 +122,15 @@ def phase_staged(
         serving = engine.channel._frozen_at + held  # /continue_generation answered
         if engine.digest != world.digests[v] or engine.held()[1] != world.digests[v]:
             raise BenchError(f"v{v}: the engine does not hold the published digest")
-        inside = dict(engine.last_stage_ms)
-        inside.setdefault("decode", here.get("decode_ms", 0.0))
+        inside = {"gather": 0.0, **engine.last_stage_ms}
         runs.append(
             {
                 **{f"{k}_ms": float(x) for k, x in inside.items()},
-                "gather_ms": here.get("gather_ms", 0.0),
-                "shm_ms": here.get("shm_ms", 0.0),
-                "stage_s": t1 - t0 - here.get("shm_ms", 0.0) / 1e3,
-                "transfer_ms": (t1 - t0) * 1e3
-                - inside["inside"]
-                - here.get("decode_ms", 0.0)
-                - here.get("shm_ms", 0.0)
-                + inside.get("read", 0.0),
+                "stage_s": t1 - t0,
+                "transfer_ms": (t1 - t0) * 1e3 - inside["inside"] + inside.get("read", 0.0),
                 "pause_s": held,
                 "commit_s": t2 - t1,
-                "visible_s": serving - t0 - here.get("shm_ms", 0.0) / 1e3,
+                "visible_s": serving - t0,
                 "bytes": len(blob),
                 "changed": staged.changed,
                 "staged_bytes": staged.nbytes,
@@ -149,47 +143,6 @@ def phase_staged(
     if expect is not None and engine.held(fresh=True)[1] != world.digests[n]:
         raise BenchError(f"v{n}: the live words, re-hashed, are not the published ones")
     return runs, served
-
-
-class TimedWords:
-    """The engine's words (a WordSource), the time spent fetching them counted."""
-
-    def __init__(self, words: Any) -> None:
-        self.words, self.s, self.names = words, 0.0, list[str]()
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.words
-
-    def __getitem__(self, name: str) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.words[name]
-        finally:
-            self.s += time.perf_counter() - t0
-            self.names.append(name)
-
-
-def stage_gathered(engine: Any, blob: bytes, v: int, here: dict[str, float]) -> Any:
-    """TP > 1: the patch object decoded against the words gathered from every rank (the
-    follower's path), then staged on every rank; ``here``: gather and decode time (ms)."""
-    from rollpatch.engines.sglang import tp as tp_ops
-    from rollpatch.patch import decode
-
-    t0 = time.perf_counter()
-    words = TimedWords(engine.words())
-    patch = decode(blob, words)
-    # gather: the per-tensor fetches summed (the decoder's threads overlap them, so it can
-    # exceed the decode's wall time, which includes it)
-    here["gather_ms"] = words.s * 1e3
-    here["decode_ms"] = (time.perf_counter() - t0) * 1e3
-    t1 = time.perf_counter()  # the same tensors gathered the other way: shared memory
-    for name in words.names:
-        path = engine.channel.shm("words")
-        tp_ops.export(engine.channel, name, engine.tensors()[name], path, shared=True)
-    shm_ms = (time.perf_counter() - t1) * 1e3
-    staged = engine.stage(patch, v)
-    here["shm_ms"] = shm_ms  # reported beside the stage, not part of it
-    return staged
 
 
 def phase_reloads(world: World, engine: Any, n: int, served: list[Any]) -> list[dict[str, float]]:
@@ -252,12 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine.load(view_of(world, 0), 0)
             reloads = phase_reloads(world, engine, args.versions, served)
             chain: dict[str, list[dict[str, float]]] = {}
-            if args.tp == 1 and args.versions > 1:
-                log(f"chain: {args.versions} behind, the step patches decoded inside SGLang")
-                engine.close()
-                engine = SglangEngine(server.url)
-                engine.adopt(args.versions, world.digests[args.versions])
-                chain = phase_chain(world, engine, args.versions, CHAIN_REPS)
+            engine.close()
+            engine = SglangEngine(server.url)
+            engine.adopt(args.versions, world.digests[args.versions])
+            for n in sorted({1, args.versions}):
+                log(f"catch-up: {n} behind from v0, decoded inside SGLang and by the follower")
+                got = phase_chain(world, engine, n, CHAIN_REPS)
+                chain.update({f"{k}{n}": runs for k, runs in got.items()})
         finally:
             if engine is not None:
                 engine.close()

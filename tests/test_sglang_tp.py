@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -170,15 +171,20 @@ class RanksChannel:
         self.calls: list[list[str]] = []
 
     def control(self, op: str, *, rank: int = 0, **args: object) -> dict[str, object]:
-        from rollpatch.engines.vllm.transfer import read_decoded
-
         w = self.ranks[rank]
         if op == "digest":
             return {"blocks": w.blocks(fresh=bool(args.get("fresh")))}
         if op == "stage_decoded":
+            from rollpatch.engines.sglang.owned import read_decoded_all
+
             paths = args["paths"]
             assert isinstance(paths, list)
-            return {**w.stage(read_decoded(str(paths[0]))).summary(), "ms": 1.0}
+            mode = str(args.get("mode", "in_place"))
+            return {**w.stage(read_decoded_all(paths), mode).summary(), "ms": 1.0}  # type: ignore[arg-type]
+        if op in ("export_blocks", "decode_owned"):  # the loader's own, in this process
+            from rollpatch.engines.sglang.loader import _CONTROL
+
+            return _CONTROL[op](w, {"op": op, **args})
         if op == "export":  # the loader's own export, in this process
             from rollpatch.engines.sglang.loader import _export
 
@@ -241,6 +247,108 @@ def test_adapter_proves_the_ranks_sum_and_undoes_a_partial_commit(tmp_path: Path
     tokens, _ = tp_ops.stage(ch, patch, path, a.tensor_digests(), tensors)  # type: ignore[arg-type]
     tp_ops.commit(ch, tokens)  # type: ignore[arg-type]
     assert tp_ops.held(ch, tensors, fresh=True) == (b.tensor_digests(), b.digest())  # type: ignore[arg-type]
+
+
+def _chain(n: int) -> tuple[list[View], list[Any]]:
+    """Views v0..vn of random steps and each step's published wire-format patch."""
+    from rollpatch.engines.staged import EncodedStep
+    from rollpatch.patch.wire import encode_views
+
+    cks = [vllm_layouts.checkpoint(3)]
+    for seed in range(1, n + 1):
+        cks.append(vllm_layouts.random_step(cks[-1], seed))
+    views = [vllm_layouts.words_view(ck) for ck in cks]
+    steps = [
+        EncodedStep(
+            (encode_views(views[k - 1], views[k]),), views[k - 1].digest(), views[k].digest()
+        )
+        for k in range(1, n + 1)
+    ]
+    return views, steps
+
+
+@pytest.mark.parametrize(("tp", "batch"), [(2, 1 << 28), (4, 1 << 28), (2, 1)])
+def test_owner_ranks_decode_a_chain_that_every_rank_stages(
+    tp: int, batch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At TP > 1 the adapter stages a chain without gathering the model: each touched
+    tensor's owner rank decodes it whole (from the ranks' blocks in shared memory, a batch
+    at a time: ``batch`` 1 puts each tensor in its own), every rank stages its part of the
+    owners' files, the sums are proven before any rank writes, and the commit reaches the
+    last step's digests; one step the same way; no file is left behind."""
+    from rollpatch.engines.sglang import tp as tp_ops
+    from rollpatch.engines.sglang import tpencoded
+
+    monkeypatch.setattr(tpencoded, "BATCH_BYTES", batch)
+    views, steps = _chain(4)
+    ranks = _ranks(tp, vllm_layouts.checkpoint(3))
+    ch = RanksChannel(ranks)
+    tensors = _tensors(views[0])
+    count = iter(range(1 << 20))
+
+    def fresh(what: str) -> Path:
+        return tmp_path / f"{what}-{next(count)}"
+
+    snap = [{p: v.copy() for p, v in r.params.items()} for r in ranks]
+    got = tpencoded.stage_encoded(ch, steps, views[0].digest(), tensors, "in_place", fresh)  # type: ignore[arg-type]
+    assert got is not None
+    staged, summary = got
+    assert (staged.base, staged.target) == (views[0].digest(), views[4].digest())
+    assert summary["phases"]["gather"] > 0 and summary["phases"]["decode"] > 0
+    assert list(tmp_path.iterdir()) == []  # the wholes, blobs and parts unlinked
+    for r, before in zip(ranks, snap):  # staged: nothing written
+        assert all(np.array_equal(before[p], r.params[p]) for p in r.params)
+    tp_ops.commit(ch, staged.payload["sglang_tokens"])  # type: ignore[arg-type]
+    assert tp_ops.held(ch, tensors, fresh=True) == (views[4].tensor_digests(), views[4].digest())  # type: ignore[arg-type]
+    back = _chain(5)[1][4]  # one step, v4 -> v5
+    got = tpencoded.stage_encoded(ch, [back], views[4].digest(), tensors, "in_place", fresh)  # type: ignore[arg-type]
+    assert got is not None
+    tp_ops.commit(ch, got[0].payload["sglang_tokens"])  # type: ignore[arg-type]
+    assert tp_ops.held(ch, tensors, fresh=True)[1] == back.target  # type: ignore[arg-type]
+
+
+def test_owned_decoding_refuses_before_any_rank_stages(tmp_path: Path) -> None:
+    """Another base, a tampered payload, a layout the engine does not hold: refused with no
+    rank staged and nothing written; a step in another codec is left to the follower (None)."""
+    import dataclasses as dc
+
+    from rollpatch.engines.sglang import tpencoded
+    from rollpatch.errors import PatchDecodeError
+    from rollpatch.patch import FullOp
+    from rollpatch.patch.wire import encode
+
+    views, steps = _chain(2)
+    ranks = _ranks(2, vllm_layouts.checkpoint(3))
+    ch, tensors = RanksChannel(ranks), _tensors(views[0])
+    snap = [{p: v.copy() for p, v in r.params.items()} for r in ranks]
+
+    count = iter(range(1 << 20))
+
+    def stage(steps: list[Any], root: str = views[0].digest(), t: Any = tensors) -> Any:
+        def fresh(what: str) -> Path:
+            return tmp_path / f"{what}-{next(count)}"
+
+        return tpencoded.stage_encoded(ch, steps, root, t, "in_place", fresh)  # type: ignore[arg-type]
+
+    with pytest.raises(BaseMismatchError, match="root"):
+        stage(steps, root=views[1].digest())
+    with pytest.raises(BaseMismatchError, match="tensor is not the patch's base"):
+        stage(steps[1:], root=steps[1].base)  # the ranks hold v0
+    blob = bytearray(steps[0].blobs[0])
+    blob[-1] ^= 1  # the last payload byte: its checksum no longer holds
+    with pytest.raises(PatchDecodeError, match="checksum"):
+        stage([dc.replace(steps[0], blobs=(bytes(blob),)), steps[1]])
+    odd = {**tensors, "o_proj.weight": ["bf16", [1, 1]]}
+    with pytest.raises(BaseMismatchError, match="layout"):
+        stage(steps, t=odd)
+    full = diff(views[0], views[1])
+    name = min(full.tensors)
+    full.tensors[name] = dc.replace(full.tensors[name], change=FullOp(views[1][name].copy()))
+    assert stage([dc.replace(steps[0], blobs=(encode(full, views[0]),))]) is None
+    assert all(not r.staged for r in ranks)
+    for r, before in zip(ranks, snap):
+        assert all(np.array_equal(before[p], r.params[p]) for p in r.params)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("tp", [2, 4])

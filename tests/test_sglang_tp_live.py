@@ -4,12 +4,14 @@ One SGLang server for the module (the venv from ``scripts/sglang-env``; two rank
 each; started with ``ROLLPATCH_FAULT_INJECTION=1`` for the partial-rank failure), booted from
 version 0 of the tiny Llama of tests/test_sglang.py:
 
-- **versions**: the adapter verifies the booted weights from the ranks' sums; each version's
-  published patch object is decoded against the words gathered from both ranks and staged on
-  both, committed under SGLang's pause; after each commit the re-hashed weights give the
+- **versions**: the adapter verifies the booted weights from the ranks' sums; version 1's
+  published patch object is decoded against the words gathered from both ranks, versions 2
+  and 3's inside SGLang (each touched tensor by the rank that owns it, ``stage_encoded``), each
+  staged on both ranks and committed under SGLang's pause; after each commit the re-hashed weights give the
   published digest and ``weight_version`` names the version; SGLang's own full reload of a
   version at TP 2 serves bit-identically; a reverse transition restores the outputs; a
-  tampered patch is refused with SGLang serving its last good version;
+  tampered patch is refused with SGLang serving its last good version; a chain of two reverse
+  steps, staged by the owner ranks at once, brings it back to version 1;
 - **a partial-rank failure**: a word the staged update overwrites is changed behind the
   digests on rank 1 only; the commit is refused (rank 1's check fails while rank 0 has
   written), rank 0's writes are undone, both ranks re-hash to the held version, SGLang serves
@@ -86,8 +88,10 @@ def world(tp_server: Served) -> World:
 
 def test_live_tp2_versions_forward_back_and_refusals(tp_server: Served, world: World) -> None:
     from rollpatch.engines.sglang import SglangEngine
+    from rollpatch.engines.staged import EncodedStep
     from rollpatch.errors import TargetMismatchError
     from rollpatch.patch import decode
+    from rollpatch.patch.wire import encode_views
 
     server, _ = tp_server
     engine = SglangEngine(server.url)
@@ -98,9 +102,16 @@ def test_live_tp2_versions_forward_back_and_refusals(tp_server: Served, world: W
         last = 3
         for v in range(1, last + 1):
             b = world.views[v]
-            assert engine.stage_encoded([], v) is None  # decoded here, against gathered words
-            patch = decode(world.patch_object(v), engine.words())
-            engine.apply(patch, v)
+            assert engine.stage_encoded([], v) is None
+            if v == 1:  # decoded here, against the words gathered from both ranks
+                engine.apply(decode(world.patch_object(v), engine.words()), v)
+            else:  # decoded inside SGLang, each touched tensor by the rank that owns it
+                step = EncodedStep(
+                    (world.patch_object(v),), world.views[v - 1].digest(), b.digest()
+                )
+                staged = engine.stage_encoded([step], v)
+                assert staged is not None and {"gather", "decode"} <= set(engine.last_stage_ms)
+                engine.commit_staged(staged, v)
             assert engine.version == v and engine.digest == b.digest()
             assert engine.held(fresh=True) == (b.tensor_digests(), b.digest())
             out, tags = greedy(server)
@@ -127,6 +138,19 @@ def test_live_tp2_versions_forward_back_and_refusals(tp_server: Served, world: W
         assert r["success"], r
         assert greedy(server) == (seen[last], {f"disk-{last}"})
         engine.adopt(last, world.views[last].digest())
+        back = [  # a chain of two reverse steps, v3 -> v1, staged by the owner ranks at once
+            EncodedStep(
+                (encode_views(world.views[v], world.views[v - 1]),),
+                world.views[v].digest(),
+                world.views[v - 1].digest(),
+            )
+            for v in (last, last - 1)
+        ]
+        staged = engine.stage_encoded(back, last - 2)
+        assert staged is not None
+        engine.commit_staged(staged, last - 2)
+        assert engine.held(fresh=True) == (world.views[1].tensor_digests(), world.views[1].digest())
+        assert greedy(server) == (seen[last - 2], {str(last - 2)})
         audit = engine.audit(1 << 30)
         assert audit is not None and audit.mismatched == () and audit.wrapped
     finally:

@@ -40,6 +40,7 @@ from ..catchup import decodes_in_place
 from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
 from . import tp as tp_ops
+from . import tpencoded
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
 from .words import RemoteWords
@@ -188,10 +189,20 @@ class SglangEngine(EngineAdapter):
         """Decode a chain of published steps (one or many: every shard's object per step)
         inside SGLang against its own words and prove it (a chain: each touched tensor decoded
         step after step in a private copy, :func:`rollpatch.engines.catchup.decode_in_place`):
-        nothing of the model crosses processes. None at TP > 1, or for a chain with a step
-        outside the in-place codec (the follower then decodes against :meth:`words`)."""
-        if not steps or any(not s.blobs for s in steps) or self.tp > 1:
-            return None  # TP > 1: decoded against the gathered words()
+        nothing of the model crosses processes. At TP > 1 each touched tensor is decoded by
+        the rank that owns it (:mod:`.tpencoded`). None for a chain with a step outside the
+        in-place codec (the follower then decodes against :meth:`words`)."""
+        if not steps or any(not s.blobs for s in steps):
+            return None
+        if self.tp > 1:
+            with self._lock:
+                self._require_loaded()
+                t0 = time.perf_counter()
+                args = (self._digest, self.tensors(), self.writes, self.channel.shm)
+                got = tpencoded.stage_encoded(self.channel, steps, *args)
+                if got is not None:
+                    self._timed(t0, got[1])
+                return None if got is None else got[0]
         targets: dict[str, str | None] = {}
         for blob in (b for s in steps for b in s.blobs):
             entries = inspect(blob).tensors

@@ -15,8 +15,10 @@ there, between two forward passes, with the command the adapter sent (:mod:`.wir
 
 The control thread serves, *while SGLang generates*, what only reads: ``info``, ``digest``,
 ``stage_encoded`` (decode a wire-format patch against the live words and prove it),
-``stage_decoded`` (a decoded-patch file, :mod:`rollpatch.engines.vllm.transfer`), ``export``
-(one tensor to a file; at TP > 1 a rank's block, or copied into the adapter's shared buffer),
+``stage_decoded`` (decoded-patch files, :mod:`rollpatch.engines.vllm.transfer`: one, or the
+parts the owner ranks decoded), ``export`` (one tensor to a file; at TP > 1 a rank's block,
+or copied into the adapter's shared buffer), at TP > 1 ``export_blocks`` and
+``decode_owned`` (a chain decoded by the rank that owns each tensor, :mod:`.owned`),
 ``audit`` (re-hash a slice of the weights), ``drop`` (a staged
 update), ``release`` (TP > 1: the storage a double-buffered commit replaced, once every rank
 committed).
@@ -46,8 +48,8 @@ from ...view import Tensor, View
 from ..catchup import decode_in_place
 from ..staged import WriteMode
 from ..vllm.layout import locate
-from ..vllm.transfer import read_decoded
 from ..writing import release
+from .owned import decode_owned, export_blocks, read_decoded_all
 from .ranked import RankWeights
 from .staged import HeldWeights
 from .wire import read_line
@@ -213,8 +215,10 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "digest": lambda w, r: _digest(w, bool(r.get("fresh"))),
     "stage_encoded": lambda w, r: _stage_encoded(w, list(r["steps"]), _mode(r)),
     "stage_decoded": lambda w, r: _timed(
-        w, lambda: w.stage(read_decoded(str(r["paths"][0])), _mode(r)).summary(), "read"
+        w, lambda: w.stage(read_decoded_all(list(r["paths"])), _mode(r)).summary(), "read"
     ),
+    "export_blocks": lambda w, r: export_blocks(w, list(r["items"])),
+    "decode_owned": lambda w, r: decode_owned(w, r),
     "export": lambda w, r: _export(w, str(r["name"]), str(r["path"]), bool(r.get("into"))),
     "audit": lambda w, r: w.audit(int(r["budget"])),
     "drop": lambda w, r: _drop(w),

@@ -18,7 +18,7 @@ Each TP rank runs rollpatch's control thread and holds blocks of the split tenso
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from .wire import result
 if TYPE_CHECKING:
     from ..staged import StagedUpdate, WriteMode
 
-__all__ = ["commit", "export", "held", "release", "stage", "stage_update"]
+__all__ = ["commit", "export", "held", "release", "stage", "stage_parts", "stage_update"]
 
 
 def held(
@@ -104,23 +104,39 @@ def stage(
     tensors: Mapping[str, Any],
     mode: WriteMode = "in_place",
 ) -> tuple[list[str], dict[str, Any]]:
-    """Stage the decoded patch written at ``path`` on every rank and prove it: the ranks' moved
-    sums must give each tensor's target digest, and with the digests ``digests`` held now, the
-    patch's target root (``double_buffer``: every rank also builds its second buffers).
-    Returns every rank's token and rank 0's summary."""
-    for name, tp in patch.tensors.items():
-        if digests.get(name) != tp.base_digest:
+    """Stage the decoded patch written at ``path`` on every rank and prove it
+    (:func:`stage_parts`)."""
+    expect = {n: (tp.base_digest, tp.target_digest) for n, tp in patch.tensors.items()}
+    return stage_parts(ch, expect, patch.target, [str(path)], digests, tensors, mode)
+
+
+def stage_parts(
+    ch: SglangChannel,
+    expect: Mapping[str, tuple[str | None, str | None]],
+    target: str,
+    paths: Sequence[str | Path],
+    digests: Mapping[str, str],
+    tensors: Mapping[str, Any],
+    mode: WriteMode = "in_place",
+) -> tuple[list[str], dict[str, Any]]:
+    """Stage the decoded patch in the files ``paths`` (its parts, disjoint tensors) on every
+    rank and prove it: each tensor ``expect`` names must be held at its base digest now, the
+    ranks' moved sums must give its target digest, and with the digests ``digests`` held now,
+    the target root ``target`` (``double_buffer``: every rank also builds its second
+    buffers). Returns every rank's token and rank 0's summary."""
+    for name, (base, _) in expect.items():
+        if digests.get(name) != base:
             raise BaseMismatchError("tensor is not the patch's base", tensor=name, engine="sglang")
     try:
-        answers = ch.controls("stage_decoded", paths=[str(path)], mode=mode)  # ranks at once
-        touched = {n: tensors[n] for n in patch.tensors}
+        answers = ch.controls("stage_decoded", paths=[str(p) for p in paths], mode=mode)
+        touched = {n: tensors[n] for n in expect}
         got, _ = combine([a["blocks"] for a in answers], touched)
-        bad = sorted(n for n, tp in patch.tensors.items() if got[n] != tp.target_digest)
+        bad = sorted(n for n, (_, t) in expect.items() if got[n] != t)
         if bad:
             raise TargetMismatchError(
                 "the staged update does not give the target tensor", tensor=bad[0], n=len(bad)
             )
-        if root_digest({**digests, **got}) != patch.target:
+        if root_digest({**digests, **got}) != target:
             raise TargetMismatchError("the staged update does not give the target root")
     except BaseException:
         ch.controls("drop")

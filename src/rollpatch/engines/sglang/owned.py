@@ -1,0 +1,125 @@
+"""Inside SGLang at TP > 1: a rank's part of decoding a chain of published steps (numpy and
+the native core; the adapter's half is :mod:`.tpencoded`).
+
+The decoder reads every base word of a tensor (its contexts) and a rank holds only its
+blocks, so each touched tensor gets one *owner* rank that decodes it whole:
+
+- ``export_blocks``: every rank copies its blocks of a batch of tensors into their places in
+  the whole tensors the adapter mapped in shared memory (one copy per word, no
+  serialization);
+- ``decode_owned``: each owner maps the whole tensors it owns, decodes every step touching
+  each into a private copy (:func:`rollpatch.engines.catchup.decode_in_place`: the
+  decoder's own rp.sum128 change, added to the tensor's held state the adapter combined from
+  the ranks' block sums, must give the step's target digest) and writes the composed change
+  as a decoded-patch file (:mod:`rollpatch.engines.vllm.transfer`, 12 bytes per BF16 change);
+- every rank then stages its part of all the owners' files (``stage_decoded``, several
+  paths: :func:`read_decoded_all`), proving its moved sums from its *live* words: a wrong
+  copy in shared memory cannot make a wrong update pass, it makes a mismatch.
+
+Nothing of the model reaches the sidecar's process; the model crosses between SGLang's ranks
+once per catch-up (to the owners, through shared memory), the change once more (the files).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import BaseMismatchError, EngineError, PatchError
+from ...patch import Patch, TensorPatch
+from ...view import Tensor, View
+from ..catchup import decode_in_place, step_entries
+from ..vllm.transfer import read_decoded, write_decoded
+from .ranked import RankWeights
+from .staged import HeldWeights
+
+__all__ = ["decode_owned", "export_blocks", "read_decoded_all"]
+
+_M64 = (1 << 64) - 1
+
+
+def _rank(w: HeldWeights) -> RankWeights:
+    if not isinstance(w, RankWeights):
+        raise EngineError("owned decoding is for TP > 1", hint="stage_encoded at TP = 1")
+    return w
+
+
+def export_blocks(w: HeldWeights, items: list[list[str]]) -> dict[str, Any]:
+    """Copy this rank's block of each ``[name, path]`` into the whole tensor the adapter
+    mapped at ``path`` (rows x cols words); per name, where the block went."""
+    rank = _rank(w)
+    placed: dict[str, dict[str, int]] = {}
+    nbytes = 0
+    for name, path in items:
+        block, pl = rank.block(str(name))
+        placed[str(name)] = {"dim": pl.dim, "start": pl.src_start, "length": pl.length}
+        if pl.rows * pl.cols == 0:
+            continue  # nothing to map
+        whole = np.memmap(str(path), block.dtype, "r+", shape=(pl.rows, pl.cols))
+        span = slice(pl.src_start, pl.src_start + pl.length)
+        if pl.dim == 0:
+            whole[span] = block
+        else:
+            whole[:, span] = block
+        del whole
+        nbytes += block.nbytes
+    return {"placed": placed, "bytes": nbytes}
+
+
+def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:
+    """Decode the chain ``req["steps"]`` (each: ``paths``, ``base``, ``target``) for the
+    tensors ``req["owners"]`` gives this rank, against the whole tensors at
+    ``req["wholes"][name]``, from the held states ``req["states"][name]`` (``[s0, s1]``);
+    the composed change goes to ``req["out"][rank]`` (no file when this rank owns none)."""
+    rank = _rank(w)
+    mine = sorted(str(n) for n, r in dict(req["owners"]).items() if int(r) == rank.rank)
+    if not mine:
+        return {"path": None, "changed": 0, "tensors": 0}
+    steps = list(req["steps"])
+    spec = [{"base": str(s["base"]), "target": str(s["target"])} for s in steps]
+    blobs = [[Path(str(p)).read_bytes() for p in s["paths"]] for s in steps]
+    entries = step_entries(spec, blobs)  # every payload's checksum
+    if entries is None:
+        raise PatchError("a step of the chain is not in the in-place codec")
+    wholes, states = dict(req["wholes"]), dict(req["states"])
+    tensors: dict[str, Tensor] = {}
+    for name in mine:
+        if name not in rank:
+            raise BaseMismatchError("the engine lacks a tensor the patch changes", tensor=name)
+        kind, shape = rank.kind_of(name), tuple(rank.shape_of(name))
+        n = int(np.prod(shape, dtype=np.int64))
+        data = np.memmap(str(wholes[name]), kind.word_dtype, "r", shape=(n,)) if n else None
+        tensors[name] = Tensor(kind, shape, np.zeros(0, kind.word_dtype) if data is None else data)
+
+    def held(name: str) -> tuple[int, int]:
+        s0, s1 = states[name]
+        return int(s0) & _M64, int(s1) & _M64
+
+    got = decode_in_place(
+        View(tensors), spec, blobs, held, entries=[e for e in entries if e.name in tensors]
+    )
+    if got is None:
+        raise PatchError("the native core is missing", hint="build rollpatch's native core")
+    patch = got[0]
+    out = str(dict(req["out"])[str(rank.rank)])
+    write_decoded(patch, out)
+    changed = sum(tp.n_changed for tp in patch.tensors.values())
+    return {"path": out, "changed": changed, "tensors": len(patch.tensors)}
+
+
+def read_decoded_all(paths: list[str]) -> Patch:
+    """Several decoded-patch files of one update (the owners' parts) as one patch; they must
+    bind the same digests and touch disjoint tensors."""
+    if not paths:
+        raise PatchError("no decoded patch to stage")
+    parts = [read_decoded(str(p)) for p in paths]
+    tensors: dict[str, TensorPatch] = {}
+    for part in parts:
+        if (part.base, part.target) != (parts[0].base, parts[0].target):
+            raise PatchError("the decoded parts bind different digests")
+        if set(part.tensors) & set(tensors):
+            raise PatchError("two decoded parts touch the same tensor")
+        tensors.update(part.tensors)
+    return Patch(parts[0].base, parts[0].target, tensors, dict(parts[0].meta))

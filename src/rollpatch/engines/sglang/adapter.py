@@ -187,11 +187,10 @@ class SglangEngine(EngineAdapter):
 
     def stage_encoded(self, steps: Sequence[EncodedStep], version: int) -> StagedUpdate | None:
         """Decode a chain of published steps (one or many: every shard's object per step)
-        inside SGLang against its own words and prove it (a chain: each touched tensor decoded
-        step after step in a private copy, :func:`rollpatch.engines.catchup.decode_in_place`):
-        nothing of the model crosses processes. At TP > 1 each touched tensor is decoded by
-        the rank that owns it (:mod:`.tpencoded`). None for a chain with a step outside the
-        in-place codec (the follower then decodes against :meth:`words`)."""
+        inside SGLang against its own words and prove it (each touched tensor step after step
+        in a private copy, :func:`rollpatch.engines.catchup.decode_in_place`; at TP > 1 by the
+        rank that owns it, :mod:`.tpencoded`): nothing of the model enters this process. None for
+        a chain (TP > 1: any plan) with a step in another codec (the follower's :meth:`words`)."""
         if not steps or any(not s.blobs for s in steps):
             return None
         if self.tp > 1:

@@ -4,12 +4,13 @@ Each TP rank runs rollpatch's control thread and holds blocks of the split tenso
 (:mod:`.ranked`). Here, in the sidecar's process:
 
 - :func:`held` adds every rank's block sums into the tensors' digests (:func:`.slices.combine`);
-- :func:`export` gathers one tensor's blocks into the whole tensor, through shared memory (the
-  follower's :meth:`~.adapter.SglangEngine.words`: patches are decoded here, against the
-  gathered words);
+- :func:`export` gathers one tensor's blocks into the whole tensor, through shared memory or
+  a file (the follower's :meth:`~.adapter.SglangEngine.words`, for a patch SGLang's ranks do
+  not decode themselves: :mod:`.tpencoded`);
 - :func:`stage_update` checks the engine's root against the patch's base, then :func:`stage`
-  sends a decoded patch to every rank, adds the ranks' moved sums and checks them against
-  the patch's target digests and root *before any rank writes*;
+  (:func:`stage_parts`: a decoded patch in one file or in the owner ranks' parts) sends it to
+  every rank, adds the ranks' moved sums and checks them against the patch's target digests
+  and root *before any rank writes*;
 - :func:`commit` writes on every rank in one weight-update call (between two forward passes):
   scattered, or double-buffered (each rank exchanges its second buffers, O(1) per parameter);
   if a rank fails, the ranks that wrote undo their writes, so every rank is back on the base;

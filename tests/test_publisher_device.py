@@ -302,6 +302,24 @@ def test_device_path_resumes_with_frozen_scales() -> None:
     assert len(boards[0][1]) == 5 and boards[0] == boards[1]
 
 
+def test_device_path_resumes_across_a_dropped_tensor() -> None:
+    """A publisher restarted right before the trainer drops a tensor: the resumed view moved
+    to the device keeps every tensor of the base, so the step drops it, as on the host path
+    (byte-identical boards), and the last version rebuilds."""
+    versions = _versions(6)  # "extra.norm.weight" is in versions 1-3, gone from 4 on
+    boards = []
+    for diff_on in ("host", "device"):
+        uri = f"memory://resume-drop-{diff_on}-{uuid.uuid4().hex[:8]}"
+        cfg = PublisherConfig(diff_on=diff_on, skip_strides=(2,), publisher_id="test")
+        _publish(uri, cfg, versions[:4], diff_on == "device").close()
+        pub = _publish(uri, cfg, versions[4:], diff_on == "device")
+        assert pub.stats.versions[0].tensors_dropped == 1
+        assert reconstruct(pub.board, RUN).digest() == pub.board.manifest(RUN, 5).target
+        boards.append(_board_bytes(pub.board))
+        pub.close()
+    assert boards[0] == boards[1]
+
+
 def test_device_path_keeps_no_host_copy_of_the_view() -> None:
     """What the publisher keeps between versions: the served words on the device only."""
     versions = _versions(3)

@@ -127,6 +127,60 @@ def test_resume_after_close(board: Board) -> None:
         Publisher(board, RUN, PublisherConfig(format="fp16"))
 
 
+def test_a_resumed_publisher_drops_and_renames_tensors_soundly(board: Board) -> None:
+    """After a restart the trainer's state dict may lack a tensor, or name every tensor
+    otherwise (a DDP ``module.`` prefix). The resumed publisher's base is the whole previous
+    view, so the step drops what is gone and ships the new names whole: versions every
+    follower rebuilds. (It used to leave the missing names out of its base: the patch bound
+    other digests than its manifest, LATEST named it anyway, and every pull and publish on
+    the run failed after it.)"""
+    masters = random_masters(3, n=1)
+    expected = {}
+    with Publisher(board, RUN, PublisherConfig(), asynchronous=False) as pub:
+        expected[pub.publish(masters)] = copy_masters(masters)
+    gone = min(masters)
+    fewer = {k: v for k, v in copy_masters(masters).items() if k != gone}
+    renamed = {f"module.{k}": v for k, v in copy_masters(masters).items()}
+    for sd in (fewer, renamed):
+        with Publisher(board, RUN, PublisherConfig(), asynchronous=False) as pub:
+            n = pub.publish(sd)
+            expected[n] = copy_masters(sd)
+            stats = pub.stats.versions[-1]
+        assert stats.tensors_dropped == (1 if sd is fewer else len(fewer))
+        assert stats.tensors_whole == (0 if sd is fewer else len(renamed))
+    assert board.versions(RUN) == [0, 1, 2]
+    check_all(board, expected)
+    with Publisher(board, RUN, PublisherConfig(), asynchronous=False) as pub:
+        expected[pub.publish(renamed)] = copy_masters(renamed)  # and the run goes on
+    check_all(board, expected)
+
+
+def test_a_patch_that_binds_other_roots_is_never_published() -> None:
+    """Rank 0 checks that an unsharded version's patch objects bind the manifest's roots
+    (what followers require) before the manifest is written: a publisher bug that wrote
+    another is refused, and LATEST stays on the last good version."""
+    from rollpatch.errors import BoardError
+    from rollpatch.publisher.assemble import assemble_manifest
+
+    good = {"key": "runs/r/objects/x.rpatch", "size": 1, "b3": "0" * 64, "base": 0}
+    msg = {"ok": True, "nbytes": 8, "digests": {"a": "1" * 64}, "keyframe": None}
+    kw: dict[str, Any] = {
+        "run": RUN,
+        "version": 1,
+        "parent": 0,
+        "keyframe": False,
+        "root_digests": {0: "b" * 64},
+        "config": PublisherConfig(),
+        "meta": {},
+    }
+    m = assemble_manifest(messages=[{**msg, "patches": [good]}], **kw)
+    right = {**good, "binds": ["b" * 64, m.target]}
+    assert assemble_manifest(messages=[{**msg, "patches": [right]}], **kw).target == m.target
+    for binds in (["c" * 64, m.target], ["b" * 64, "d" * 64]):
+        with pytest.raises(BoardError, match="does not bind"):
+            assemble_manifest(messages=[{**msg, "patches": [{**good, "binds": binds}]}], **kw)
+
+
 def test_resume_rolls_forward_a_manifest_without_pointer(board: Board) -> None:
     masters = random_masters(8)
     with Publisher(board, RUN, asynchronous=False) as pub:

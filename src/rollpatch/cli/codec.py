@@ -103,6 +103,17 @@ def cmd_cast(args: argparse.Namespace) -> int:
     return 0
 
 
+def whole_note(dropped: int, whole: int) -> str:
+    """What a patch does besides changing elements: tensors dropped, or shipped whole ("" for
+    neither)."""
+    parts = [
+        f"{n} tensor{'s' * (n != 1)} {what}"
+        for n, what in ((dropped, "dropped"), (whole, "shipped whole: added, reshaped or retyped"))
+        if n
+    ]
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     from ..patch import diff, encode
 
@@ -115,10 +126,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     blob = encode(patch, old)
     _write_atomic(Path(args.output), blob)
     n = sum(t.n_elements for t in old.values())
+    ops = [t.op for t in patch.tensors.values()]
     print(
         f"{args.output}: {patch.n_changed:,} of {n:,} elements changed "
-        f"({100 * patch.n_changed / max(n, 1):.3f}%), {len(blob):,} bytes "
-        f"({100 * len(blob) / max(old.nbytes, 1):.3f}% of the view)"
+        f"({100 * patch.n_changed / max(n, 1):.3f}%)"
+        + whole_note(ops.count("drop"), ops.count("full"))
+        + f", {len(blob):,} bytes ({100 * len(blob) / max(old.nbytes, 1):.3f}% of the view)"
     )
     return 0
 
@@ -170,8 +183,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    ops = [e["op"] for e in info.tensors]
     print(
-        f"{len(rows)} tensors, {info.n_changed:,} changed elements; bytes by codec: "
+        f"{len(rows)} tensors, {info.n_changed:,} changed elements"
+        + whole_note(ops.count("drop"), ops.count("full"))
+        + "; bytes by codec: "
         + ", ".join(f"{c} {b:,}" for c, b in sorted(by_codec.items()))
     )
     return 0

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, VersionNotFoundError
-from .codec import policy_args, policy_from_args
+from .codec import policy_args, policy_from_args, whole_note
 from .trust import load_signer, signing_args
 
 __all__ = ["PUBLISH_SET_OTHERWISE", "register"]
@@ -95,6 +95,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
                 "bytes": s.bytes,
                 "patch_bytes": s.patch_bytes,
                 "changed": s.changed,
+                "tensors_dropped": s.tensors_dropped,
+                "tensors_whole": s.tensors_whole,
                 "timings": {k: getattr(s, k) for k in _TIMINGS},
             },
             sys.stdout,
@@ -106,7 +108,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     print(
         f"{args.run}@{n}: parent {parent}, {'keyframe, ' if s.keyframe else ''}"
         f"{s.bytes:,} bytes uploaded (step patch {s.patch_bytes:,} bytes, "
-        f"{s.changed:,} elements changed)"
+        f"{s.changed:,} elements changed{whole_note(s.tensors_dropped, s.tensors_whole)})"
     )
     print("timings: " + ", ".join(f"{k[:-2]} {1000 * getattr(s, k):.1f} ms" for k in _TIMINGS))
     return 0

@@ -65,6 +65,8 @@ def assemble_manifest(
     keyframes: list[KeyframeObject] = []
     if keyframe and all(m["keyframe"] is not None for m in messages):
         keyframes = [KeyframeObject(_ref(m["keyframe"]), s) for s, m in enumerate(messages)]
+    if len(messages) == 1:  # unsharded: the object must bind exactly the manifest's roots
+        _check_binds(messages[0]["patches"], root_digests, root_digest(digests), version)
     if parent is not None and parent not in bases:
         raise BoardError(
             "a shard has no step patch from the parent", version=version, parent=parent
@@ -104,6 +106,24 @@ def _check_layout(
             hint="keep the ranks' slices fixed (same world size and sharding), or publish "
             "under a new run",
         )
+
+
+def _check_binds(
+    patches: list[dict[str, Any]], roots: Mapping[int, str], target: str, version: int
+) -> None:
+    """Every patch object of an unsharded version binds its base version's root and the new
+    root, as followers require (``replay``): a publisher that wrote another is refused here,
+    before the manifest and LATEST name a version nobody can rebuild."""
+    for p in patches:
+        base, binds = int(p["base"]), p.get("binds")
+        if base in roots and binds is not None and tuple(binds) != (roots[base], target):
+            raise BoardError(
+                "the patch object does not bind the version's root digests (internal error): "
+                "nothing published",
+                version=version,
+                base=base,
+                hint="report it; publish under a new run meanwhile",
+            )
 
 
 def _ref(d: Mapping[str, Any]) -> ObjectRef:

@@ -187,6 +187,10 @@ class VersionStats:
     host_bytes: int = 0
     """``diff_on="device"``: bytes of change records (and new tensors) copied from the device
     to the host for the step patch; 0 on the host path."""
+    tensors_dropped: int = 0
+    """Tensors of the parent version the step drops (the trainer no longer has them)."""
+    tensors_whole: int = 0
+    """Tensors the step ships whole: added, or reshaped or retyped since the parent."""
 
 
 @dataclass(frozen=True)

@@ -187,10 +187,12 @@ class DeviceShardPipeline(ShardPipeline):
             return self.prev
         host: View = self.prev
         moved = {}
-        for name in (n for n in view if n in host):
-            t = host[name]
+        # a shard's base is cut to its names; an unsharded one keeps all (drops: DropOp)
+        anywhere = next((view[n].words.device for n in view), "cpu")  # for a dropped tensor
+        for name in (n for n in view if n in host) if self._whole_prev else host:
+            t, dev = host[name], view[name].words.device if name in view else anywhere
             moved[name] = DeviceTensor(
-                t.kind, t.shape, from_host(t.data, view[name].words.device), host.sum_state(name)
+                t.kind, t.shape, from_host(t.data, dev), host.sum_state(name)
             )
         return DeviceView(moved, host.metadata)
 

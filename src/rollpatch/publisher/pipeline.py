@@ -56,9 +56,12 @@ class ShardPipeline:
         #: Where this rank's sliced tensors lie (fixed for a run; the writer sets it).
         self.slices: Mapping[str, SliceSpec] = {}
 
-    def resume(self, version: int, whole_view: View) -> None:
-        """Continue after ``version``, whose whole (all shards) view is ``whole_view``."""
-        self.prev, self.prev_version, self._whole_prev = whole_view, version, True
+    def resume(self, version: int, whole_view: View, *, sharded: bool) -> None:
+        """Continue after ``version``, whose whole (all shards) view is ``whole_view``;
+        ``sharded``: this rank publishes a shard of it, so the view is cut to the shard's names
+        (an unsharded publisher's base is all of it: a tensor the trainer no longer has is a
+        drop, as within one publisher's life, not a name left out of the base)."""
+        self.prev, self.prev_version, self._whole_prev = whole_view, version, sharded
         self._acc = {s: (version, None) for s in self.config.skip_strides if version % s == 0}
         self._later = None
         self._anchor = None
@@ -67,7 +70,7 @@ class ShardPipeline:
             if self.FOLD_BY_ACCUMULATOR:
                 self._acc[FOLD] = (version, None)
             else:
-                self._anchor = (version, whole_view, True)
+                self._anchor = (version, whole_view, sharded)
 
     def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
         """Cast, diff, encode and upload this shard's objects for ``version``; the masters
@@ -161,6 +164,12 @@ class ShardPipeline:
         """Put the version's objects (patches by base; base None: the keyframe)."""
         t = time.perf_counter()
         for base, suffix, data in blobs:
+            if base is not None:  # the digests it binds, for rank 0's check of the manifest
+                head = inspect(data)
+                res.binds[base] = (head.base, head.target)
+                if base == self.prev_version:  # the step patch: what it does not patch
+                    ops = [e["op"] for e in head.tensors]
+                    res.dropped, res.whole = ops.count("drop"), ops.count("full")
             ref = self.board.put_object(self.run, data, suffix)
             res.bytes += len(data)
             if base is None:

@@ -36,6 +36,11 @@ class ShardResult:
     version: int
     view: ServedView
     patches: list[tuple[int, ObjectRef]] = field(default_factory=list)
+    #: Base version → the (base, target) root digests its patch object binds.
+    binds: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: The step patch's tensors dropped, and shipped whole (added, reshaped or retyped).
+    dropped: int = 0
+    whole: int = 0
     keyframe: ObjectRef | None = None
     accumulators: Accumulators = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -61,6 +66,8 @@ class ShardResult:
                 k: d for k, d in self.view.tensor_digests().items() if k not in self.slices
             },
             "slices": self.slices,
-            "patches": [dict(ref(r), base=b) for b, r in self.patches],
+            "patches": [
+                dict(ref(r), base=b, binds=list(self.binds.get(b, ()))) for b, r in self.patches
+            ],
             "keyframe": None if self.keyframe is None else ref(self.keyframe),
         }

@@ -216,7 +216,7 @@ class VersionWriter:
                 if base is None:  # no sound path to it: this version is a fresh keyframe
                     parent, keyframe = None, True
                 else:
-                    self.pipe.resume(self.resume_from, base)
+                    self.pipe.resume(self.resume_from, base, sharded=self._x.size > 1)
             if snap.error is not None:
                 raise snap.error
             self.pipe.slices = snap.slices
@@ -350,6 +350,8 @@ class VersionWriter:
             bytes=res.bytes,
             patch_bytes=res.patch_bytes,
             changed=res.changed,
+            tensors_dropped=res.dropped,
+            tensors_whole=res.whole,
             host_bytes=res.host_bytes,
             **{k: res.timings.get(k, 0.0) for k in ("cast_s", "diff_s", "encode_s", "upload_s")},
         )

@@ -181,6 +181,33 @@ def test_a_patch_that_binds_other_roots_is_never_published() -> None:
             assemble_manifest(messages=[{**msg, "patches": [{**good, "binds": binds}]}], **kw)
 
 
+def test_a_sharded_resume_that_loses_a_tensor_is_refused() -> None:
+    """Sharded ranks resumed on the whole view cut it to their new names, so a tensor no rank
+    publishes any more would vanish with no drop in any patch; rank 0 refuses that version
+    (each such rank reports the names it resumed on) instead of writing it."""
+    from rollpatch.errors import BoardError
+    from rollpatch.publisher.assemble import assemble_manifest
+
+    def msg(name: str, resumed: list[str] | None) -> dict[str, Any]:
+        ref = {"key": f"runs/r/objects/{name}.rpatch", "size": 1, "b3": "0" * 64, "base": 0}
+        out = {"ok": True, "nbytes": 8, "digests": {name: "1" * 64}, "keyframe": None}
+        return {**out, "patches": [ref], **({"resumed": resumed} if resumed else {})}
+
+    kw: dict[str, Any] = {
+        "run": RUN,
+        "version": 1,
+        "parent": 0,
+        "keyframe": False,
+        "root_digests": {0: "b" * 64},
+        "config": PublisherConfig(),
+        "meta": {},
+    }
+    assert assemble_manifest(messages=[msg("a", ["a", "b"]), msg("b", None)], **kw).shards == 2
+    with pytest.raises(BoardError, match="in no rank's shard") as err:
+        assemble_manifest(messages=[msg("a", None), msg("b", ["a", "b", "c"])], **kw)
+    assert err.value.context["tensor"] == "c"
+
+
 def test_resume_rolls_forward_a_manifest_without_pointer(board: Board) -> None:
     masters = random_masters(8)
     with Publisher(board, RUN, asynchronous=False) as pub:

@@ -54,6 +54,18 @@ def assemble_manifest(
             digests[name] = d
     digests.update({t.name: t.digest for t in sliced})
     _check_layout(sliced, layout, version)
+    for msg in messages:  # a sharded rank resumed on the whole view: every name has a rank
+        lost = sorted(set(msg.get("resumed") or ()) - digests.keys())
+        if lost:
+            raise BoardError(
+                "a tensor of the resumed version is in no rank's shard: a sharded publisher "
+                "cannot drop or rename tensors across a restart; nothing published",
+                version=version,
+                tensor=lost[0],
+                n=len(lost),
+                hint="publish the same tensors, or start a new run (or an unsharded "
+                "publisher, which drops them) for the new set",
+            )
     bases = set.intersection(*({p["base"] for p in m["patches"]} for m in messages))
     patches = []
     for base in sorted(bases):

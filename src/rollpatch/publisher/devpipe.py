@@ -116,6 +116,7 @@ class DeviceShardPipeline(ShardPipeline):
         t = time.perf_counter()
         view = self._cast(masters)
         res = ShardResult(version, view)
+        res.resumed = self.resumed_names()
         res.timings["cast_s"] = _lap(t)
         t = time.perf_counter()
         prev = self._base_device(view)

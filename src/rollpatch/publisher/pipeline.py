@@ -87,6 +87,7 @@ class ShardPipeline:
             )
         )
         res = ShardResult(version, view)
+        res.resumed = self.resumed_names()
         if self.slices:
             check_sliceable(view, self.slices, cfg.format)
             res.slices = {k: slice_part(view[k], s) for k, s in self.slices.items()}
@@ -239,6 +240,11 @@ class ShardPipeline:
         if native.core is not None:
             return a, encode_views(base, view, meta=meta)
         return a, encode(self._with_meta(diff(base, view), a, version), base)
+
+    def resumed_names(self) -> list[str] | None:
+        """The names of the whole view a sharded rank resumed on, until its first version
+        after the resume is committed (None otherwise)."""
+        return sorted(self.prev) if self._whole_prev and self.prev is not None else None
 
     def _base_view(self, view: View) -> View | None:
         """The previous view of this shard (a resumed whole view cut to this shard's names,

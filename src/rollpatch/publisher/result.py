@@ -41,6 +41,9 @@ class ShardResult:
     #: The step patch's tensors dropped, and shipped whole (added, reshaped or retyped).
     dropped: int = 0
     whole: int = 0
+    #: A sharded rank's first version after resuming on the whole view: that view's names
+    #: (rank 0 refuses the version when one is in no rank's shard: it would vanish unpatched).
+    resumed: list[str] | None = None
     keyframe: ObjectRef | None = None
     accumulators: Accumulators = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -70,4 +73,5 @@ class ShardResult:
                 dict(ref(r), base=b, binds=list(self.binds.get(b, ()))) for b, r in self.patches
             ],
             "keyframe": None if self.keyframe is None else ref(self.keyframe),
+            **({} if self.resumed is None else {"resumed": self.resumed}),
         }

@@ -183,7 +183,8 @@ def test_routes_by_served_version(
             _complete(client, exact_version=old - 1)
         refusal = e.value.response
         assert "older" in refusal.json()["reason"] and refusal.json()["latest"] == new
-        assert refusal.headers["retry-after"] and refusal.headers["x-rollpatch-island"]
+        assert refusal.headers["x-should-retry"] == "false"  # final: versions move forward
+        assert "retry-after" not in refusal.headers and refusal.headers["x-rollpatch-island"]
         assert _sample(gateway, "rollpatch_gateway_conflicts_total") >= 1
     finally:
         follower.start()

@@ -90,6 +90,9 @@ def test_conflicts(sidecar: RunningSidecar, world: World) -> None:
     with pytest.raises(openai.ConflictError) as e:
         _complete(client, exact_version=0)
     assert "older" in e.value.response.json()["reason"]
+    # no retry can change that (versions only move forward): the openai client is told not to
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert "retry-after" not in e.value.response.headers
     follower = sidecar.sidecar.follower
     follower.stop()  # hold the replica behind, deterministically
     try:

@@ -212,6 +212,8 @@ class Decision:
     action: Action
     need: int | None = None
     reason: str = ""
+    #: A refusal no retry can change (versions only move forward).
+    final: bool = False
 
 
 def decide(c: Constraint, served: int | None, latest: int | None) -> Decision:
@@ -227,6 +229,7 @@ def decide(c: Constraint, served: int | None, latest: int | None) -> Decision:
                 "conflict",
                 reason=f"exact version {c.exact_version} is older than "
                 f"the served version {served}; versions only move forward",
+                final=True,
             )
     elif served >= need:
         return Decision("proxy")

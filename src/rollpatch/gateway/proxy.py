@@ -37,7 +37,13 @@ RETRYABLE = frozenset({409, 502, 503})
 log = logging.getLogger("rollpatch.gateway")
 #: Completion answers nest a few levels (choices → logprobs → top tokens); far deeper is hostile.
 _MAX_ANSWER_DEPTH = 64
-_KEPT_HEADERS = ("content-type", "retry-after", HEADER_START.lower(), HEADER_END.lower())
+_KEPT_HEADERS = (
+    "content-type",
+    "retry-after",
+    "x-should-retry",
+    HEADER_START.lower(),
+    HEADER_END.lower(),
+)
 
 
 @dataclass

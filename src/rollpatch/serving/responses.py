@@ -4,7 +4,10 @@
 status, ``type`` a short machine-readable kind, ``extra`` fields beside ``error`` (``served``,
 ``latest``, ``hint``, the relay's ``code``/``key`` of a corrupt object). :func:`error_body`
 builds it (stdlib only); :func:`error_response` sends it with ``Retry-After: 1`` on ``409``
-and ``503`` (an OpenAI client may retry: another version, another island, a moment later).
+and ``503`` (an OpenAI client may retry: another version, another island, a moment later),
+and a refusal no retry can change (``retryable=False``: an exact version older than every
+island serves) with ``x-should-retry: false`` instead, which the ``openai`` client obeys (it
+retries every 409 otherwise).
 """
 
 from __future__ import annotations
@@ -33,11 +36,18 @@ def error_message(doc: object) -> str | None:
     return error if isinstance(error, str) else None
 
 
-def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
-    """An OpenAI-style error (``kind`` is its ``type``); Retry-After on 409/503."""
+def error_response(
+    status: int, message: str, kind: str, *, retryable: bool = True, **extra: Any
+) -> JSONResponse:
+    """An OpenAI-style error (``kind`` is its ``type``); Retry-After on 409/503, or
+    ``x-should-retry: false`` when not ``retryable``."""
     from fastapi.responses import JSONResponse
 
-    headers = {"Retry-After": "1"} if status in (409, 503) else None
+    headers: dict[str, str] | None = None
+    if not retryable:
+        headers = {"x-should-retry": "false"}
+    elif status in (409, 503):
+        headers = {"Retry-After": "1"}
     return JSONResponse(
         error_body(status, message, kind, **extra), status_code=status, headers=headers
     )

@@ -123,7 +123,7 @@ class ProxyFront:
                 d = decide(constraint, slot.start, latest)
             if d.action != "proxy":  # moved on while we were admitted (exact_version raced)
                 sc.metrics.request("conflict")
-                await conflict(sc, slot.start, d.reason)(scope, receive, send)
+                await conflict(sc, slot.start, d.reason, final=d.final)(scope, receive, send)
                 return
             if typed.stream:
                 await self._stream(receive, send, path, payload, slot)

@@ -100,7 +100,7 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
         sc.metrics.request("conflict")
         return conflict(sc, served, reason)
     sc.metrics.request("conflict")
-    return conflict(sc, served, d.reason)
+    return conflict(sc, served, d.reason, final=d.final)
 
 
 def plain_proxy(c: Constraint, served: int | None) -> Decision | None:
@@ -112,8 +112,15 @@ def plain_proxy(c: Constraint, served: int | None) -> Decision | None:
     return d if d.action == "proxy" else None
 
 
-def conflict(sc: Sidecar, served: int | None, reason: str) -> Response:
+def conflict(sc: Sidecar, served: int | None, reason: str, *, final: bool = False) -> Response:
+    """409; ``final``: no retry can meet the constraint here (``x-should-retry: false``)."""
     event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
     return error_response(
-        409, reason, "version_conflict", served=served, latest=sc.latest_seen(), reason=reason
+        409,
+        reason,
+        "version_conflict",
+        retryable=not final,
+        served=served,
+        latest=sc.latest_seen(),
+        reason=reason,
     )

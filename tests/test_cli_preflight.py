@@ -71,9 +71,26 @@ def test_status_of_a_typo_board_creates_nothing_and_fails(
     for cmd in (
         ("pull", "--board", str(typo), "--run", "r", "-o", str(tmp_path / "v")),
         ("gc", "--board", str(typo), "--run", "r", "--keep-last", "2"),
+        ("relay", "--board", typo.as_uri(), "--cache", str(tmp_path / "c"), "--port", "0"),
     ):
         assert "no board at" in _refused(capsys, *cmd)
     assert not typo.exists()
+
+
+def test_a_memory_board_is_refused_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A memory:// board lives in the command's process: a publish there was lost when it
+    exited (exit 0), and a reader found nothing."""
+    ckpt = tmp_path / "a.safetensors"
+    ckpt.write_bytes(b"not read: the board is refused first")
+    for cmd in (
+        ("publish", "--board", "memory://x", "--run", "r", str(ckpt)),
+        ("status", "--board", "memory://x"),
+        ("pull", "--board", "memory://x", "--run", "r", "-o", str(tmp_path / "v")),
+        ("relay", "--board", "memory://x", "--cache", str(tmp_path / "c"), "--port", "0"),
+    ):
+        assert "memory:// board lives in this process only" in _refused(capsys, *cmd)
 
 
 def test_unknown_board_scheme_is_named(board_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -313,12 +313,14 @@ def test_cli_bad_trust_root_exits_2_with_one_line(
     bad.write_text('{"payload": "", "payloadType": "x", "signatures": []}')
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")  # past the CLI's model preflight
+    (tmp_path / "board").mkdir()  # past the board preflight (an empty board)
+    board = str(tmp_path / "board")
     args = {
-        "pull": ["pull", "--board", "memory://x", "--run", "r", "-o", str(tmp_path / "o")],
+        "pull": ["pull", "--board", board, "--run", "r", "-o", str(tmp_path / "o")],
         "sidecar": [
             "sidecar",
             "--board",
-            "memory://x",
+            board,
             "--run",
             "r",
             "--port",
@@ -326,7 +328,7 @@ def test_cli_bad_trust_root_exits_2_with_one_line(
             "--model",
             str(tmp_path / "model"),
         ],
-        "relay": ["relay", "--board", "memory://x", "--cache", str(tmp_path / "c"), "--port", "0"],
+        "relay": ["relay", "--board", board, "--cache", str(tmp_path / "c"), "--port", "0"],
     }[cmd]
     assert main([*args, "--trust", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

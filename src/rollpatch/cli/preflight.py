@@ -6,8 +6,9 @@ the fix. Nothing here imports torch, transformers, the web stack or a cloud clie
 extras are found with :func:`importlib.util.find_spec`, which imports nothing.
 
 - :func:`require_extra`: the optional packages a command needs, or one line naming the extra;
-- :func:`board_uri`: a known scheme with its parts, and (``existing=True``, for commands that
-  only read) a local board directory that exists: ``status --board typo`` must not create one;
+- :func:`board_uri`: a known scheme with its parts (``memory://``, which a command's exit
+  empties, refused), and (``existing=True``, for commands that only read) a local board
+  directory that exists: ``status --board typo`` must not create one;
 - :func:`port_free`: the listening port can be bound (names it when it cannot);
 - :func:`model_dir`: a local model directory with a ``config.json``;
 - :func:`offline`: the Hugging Face libraries never contact the model hub.
@@ -64,6 +65,13 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
             f"{option}: unknown board scheme '{scheme}://'",
             value=uri,
             hint="use a path, file://, s3://BUCKET/PREFIX, http(s)://RELAY",
+        )
+    if scheme == "memory":
+        raise ConfigError(
+            f"{option}: a memory:// board lives in this process only: what a command "
+            "publishes there is gone when it exits, and a reader finds nothing",
+            value=uri,
+            hint="use a directory path, file://, s3://BUCKET/PREFIX or http(s)://RELAY",
         )
     if scheme == "s3" and not parts.netloc:
         raise ConfigError(

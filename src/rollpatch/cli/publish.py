@@ -69,6 +69,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from ..io.checkpoint import load_masters
     from ..publisher import Publisher, PublisherConfig
     from .flags import config_kwargs
+    from .preflight import board_uri
+
+    board_uri(args.board)  # before the checkpoint loads (a publish may create the board)
 
     policy = policy_from_args(args)
     config = PublisherConfig(

@@ -55,7 +55,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from . import preflight
 
     preflight.require_extra("web", "rollpatch relay")
-    preflight.board_uri(args.board)
+    preflight.board_uri(args.board, existing=True)  # a relay only reads: no board created
     preflight.port_free(args.host, args.port)
     from ..logs import configure
 

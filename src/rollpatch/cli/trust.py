@@ -142,6 +142,10 @@ def cmd_root(args: argparse.Namespace) -> int:
 
     if args.board is None and args.output is None:
         raise ConfigError("say where the root goes: --board URI and/or -o FILE")
+    if args.board is not None:
+        from .preflight import board_uri
+
+        board_uri(args.board)
     keys = [read_public_key(p) for p in args.key]
     signers = [read_signing_key(p) for p in args.sign]
     if args.expires_days < 0:

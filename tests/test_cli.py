@@ -137,7 +137,7 @@ def test_console_script_subprocess(tmp_path: Path) -> None:
         text=True,
         check=False,
     )
-    assert res.returncode == 2 and "No such file" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "patch not found" in res.stderr and "Traceback" not in res.stderr
 
 
 # -- hostile input (issue 11) -------------------------------------------------------------------

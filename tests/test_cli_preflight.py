@@ -93,6 +93,60 @@ def test_a_memory_board_is_refused_on_the_command_line(
         assert "memory:// board lives in this process only" in _refused(capsys, *cmd)
 
 
+def test_files_are_named_in_every_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing, misplaced or corrupt file is refused in one line that names it (and which
+    option), before any work: not errno text about a temporary file, nor a header error that
+    does not say which of two inputs was corrupt."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    good = tmp_path / "a.safetensors"
+    save_file({"w": np.ones((4, 4), np.float32)}, str(good))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(range(256)) * 4)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\x80\x05junk" * 10)
+    out = str(tmp_path / "o.safetensors")
+    cases = {
+        f"checkpoint {tmp_path} is a directory": ("cast", str(tmp_path), "-o", out),
+        f"checkpoint not found: {tmp_path / 'nope.pt'}": (
+            "cast",
+            str(tmp_path / "nope.pt"),
+            "-o",
+            out,
+        ),
+        f"{bad}: safetensors header": ("diff", str(good), str(bad), "-o", out),
+        f"cannot read torch checkpoint {junk}: not a torch.save file of tensors": (
+            "cast",
+            str(junk),
+            "-o",
+            out,
+        ),
+        f"-o: the directory {tmp_path / 'no' / 'dir'} does not exist": (
+            "cast",
+            str(good),
+            "-o",
+            str(tmp_path / "no" / "dir" / "x"),
+        ),
+        f"-o: {tmp_path} is a directory": ("cast", str(good), "-o", str(tmp_path)),
+        f"patch not found: {tmp_path / 'nope.rpatch'}": ("inspect", str(tmp_path / "nope.rpatch")),
+        f"--cache: {good} is not a directory": (
+            "relay",
+            "--board",
+            str(tmp_path),
+            "--cache",
+            str(good),
+            "--port",
+            "0",
+        ),
+    }
+    for said, cmd in cases.items():
+        assert said in _refused(capsys, *cmd), cmd
+    assert not (tmp_path / "no").exists()
+
+
 def test_unknown_board_scheme_is_named(board_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for cmd in (
         ("status", "--board", "fle:///data/board"),

@@ -92,7 +92,19 @@ def _cast(path: str, args: argparse.Namespace, previous: View | None) -> View:
     )
 
 
+def _files(args: argparse.Namespace, **inputs: str) -> None:
+    """The command's input files (attribute → what it is) and its -o, checked first."""
+    from .preflight import input_file, output_file
+
+    for attr, what in inputs.items():
+        if getattr(args, attr, None):
+            input_file(getattr(args, attr), what)
+    if getattr(args, "output", None):
+        output_file(args.output)
+
+
 def cmd_cast(args: argparse.Namespace) -> int:
+    _files(args, ckpt="checkpoint", previous="previous view")
     previous = load_view(args.previous) if args.previous else None
     view = _cast(args.ckpt, args, previous)
     save_view(view, args.output)
@@ -117,6 +129,8 @@ def whole_note(dropped: int, whole: int) -> str:
 def cmd_diff(args: argparse.Namespace) -> int:
     from ..patch import diff, encode
 
+    what = "view" if args.views else "checkpoint"
+    _files(args, old=f"old {what}", new=f"new {what}")
     if args.views:
         old, new = load_view(args.old), load_view(args.new)
     else:
@@ -139,6 +153,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from ..patch import apply, decode
 
+    _files(args, view="view", patch="patch")
     view = load_view(args.view)
     blob = Path(args.patch).read_bytes()
     apply(view, decode(blob, view), verify=args.verify)
@@ -150,6 +165,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..patch import inspect
 
+    _files(args, patch="patch")
     blob = Path(args.patch).read_bytes()
     info = inspect(blob)
     if args.json:

@@ -9,6 +9,8 @@ extras are found with :func:`importlib.util.find_spec`, which imports nothing.
 - :func:`board_uri`: a known scheme with its parts (``memory://``, which a command's exit
   empties, refused), and (``existing=True``, for commands that only read) a local board
   directory that exists: ``status --board typo`` must not create one;
+- :func:`input_file`, :func:`output_file`: a file to read exists and is not a directory; a
+  file to write is not a directory and its directory exists (before any work is done);
 - :func:`port_free`: the listening port can be bound (names it when it cannot);
 - :func:`model_dir`: a local model directory with a ``config.json``;
 - :func:`offline`: the Hugging Face libraries never contact the model hub.
@@ -25,7 +27,16 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError
 
-__all__ = ["EXTRAS", "board_uri", "model_dir", "offline", "port_free", "require_extra"]
+__all__ = [
+    "EXTRAS",
+    "board_uri",
+    "input_file",
+    "model_dir",
+    "offline",
+    "output_file",
+    "port_free",
+    "require_extra",
+]
 
 #: The modules behind each extra of ``pyproject.toml`` that commands import.
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -93,6 +104,26 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
             )
         if not path.is_dir():
             raise ConfigError(f"{option}: {path} is not a directory", value=uri)
+
+
+def input_file(path: str, what: str) -> None:
+    """``path`` (``what`` names it: "checkpoint", "patch") is a file that exists."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{what} {p} is a directory, not a file")
+    if not p.exists():
+        raise ConfigError(f"{what} not found: {p}")
+
+
+def output_file(path: str, *, option: str = "-o") -> None:
+    """``path`` can be written: not a directory, in a directory that exists."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{option}: {p} is a directory", hint="name the file to write")
+    if not p.parent.is_dir():
+        raise ConfigError(
+            f"{option}: the directory {p.parent} does not exist", hint="create it first"
+        )
 
 
 def port_free(host: str, port: int, *, option: str = "--port") -> None:

@@ -69,9 +69,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from ..io.checkpoint import load_masters
     from ..publisher import Publisher, PublisherConfig
     from .flags import config_kwargs
-    from .preflight import board_uri
+    from .preflight import board_uri, input_file
 
     board_uri(args.board)  # before the checkpoint loads (a publish may create the board)
+    input_file(args.ckpt, "checkpoint")
 
     policy = policy_from_args(args)
     config = PublisherConfig(

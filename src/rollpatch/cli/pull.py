@@ -50,9 +50,10 @@ def register(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from .preflight import board_uri
+    from .preflight import board_uri, output_file
 
     board_uri(args.board, existing=True)
+    output_file(args.output)
     logger = logging.getLogger("rollpatch.follower")
     propagate = logger.propagate
     _logging(args.verbose)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import parse_size
+from ..errors import ConfigError
 from ..logs import add_log_args
 
 __all__ = ["RELAY_SET_OTHERWISE", "parse_size", "register"]
@@ -57,6 +58,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     preflight.require_extra("web", "rollpatch relay")
     preflight.board_uri(args.board, existing=True)  # a relay only reads: no board created
     preflight.port_free(args.host, args.port)
+    if Path(args.cache).exists() and not Path(args.cache).is_dir():
+        raise ConfigError(f"--cache: {args.cache} is not a directory", hint="a directory to fill")
     from ..logs import configure
 
     configure(args.log_level, args.log_format)

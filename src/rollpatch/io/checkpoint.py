@@ -9,6 +9,7 @@ rollpatch itself never unpickles anything.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,33 @@ def to_numpy(value: Any) -> np.ndarray:
 def load_masters(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Load a master checkpoint (safetensors, or a torch state dict with the torch extra)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"checkpoint {p} is a directory, not a file")
     if not p.is_file():
         raise ConfigError(f"checkpoint not found: {p}")
     if p.suffix in _TORCH_SUFFIXES:
         return _load_torch(p)
     view = load_view(p, mmap=True)
     return {name: t.to_array() for name, t in view.items()}
+
+
+def _torch_reason(e: BaseException) -> str:
+    """What torch's error says was wrong with the file (its weights-only error leads with
+    advice to unpickle the file whole, which rollpatch never does)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        lines = [ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the doc"))]
+    detail = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+    return f"not a torch.save file of tensors ({detail})"
+
+
+def _torch_load(torch: Any, p: Path) -> Any:
+    """``torch.load`` weights-only, mapped; unmapped for a file not in the zip format (an
+    older ``torch.save``)."""
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - mapping needs the zip format: try it unmapped
+        return torch.load(p, map_location="cpu", weights_only=True)
 
 
 def _load_torch(p: Path) -> dict[str, np.ndarray]:
@@ -62,9 +84,15 @@ def _load_torch(p: Path) -> dict[str, np.ndarray]:
             "reading torch files needs torch", hint="pip install 'rollpatch[torch]'"
         ) from None
     try:
-        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():  # torch's warnings about odd pickles: not one line
+            warnings.simplefilter("ignore")
+            obj = _torch_load(torch, p)
     except Exception as e:  # noqa: BLE001 - torch raises many types for malformed files
-        raise ViewError(f"cannot read torch checkpoint {p}: {e}") from None
+        raise ViewError(
+            f"cannot read torch checkpoint {p}: {_torch_reason(e)}",
+            hint="a torch.save state dict of tensors (.pt/.bin; read weights-only, never "
+            "unpickled whole) or a .safetensors file",
+        ) from None
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping):

@@ -251,6 +251,15 @@ def _destination(
 def load_view(path: str | os.PathLike[str], *, mmap: bool = False) -> View:
     """Load a safetensors file as a view. ``mmap=True`` maps it copy-on-write."""
     path = Path(path)
+    try:
+        return _load(path, mmap)
+    except ViewError as e:  # which file it was: a user passes several
+        if "path" in e.context:
+            raise
+        raise type(e)(f"{path}: {e.message}", hint=e.hint, **e.context) from None
+
+
+def _load(path: Path, mmap: bool) -> View:
     size = path.stat().st_size
     with open(path, "rb") as f:
         header, start = read_header(f, size)

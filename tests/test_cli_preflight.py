@@ -269,6 +269,17 @@ def test_netem_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--upstream must be HOST:PORT" in _refused(capsys, "netem", "--upstream", "nowhere")
 
 
+def test_an_unknown_flag_is_named_by_its_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    """``rollpatch cast x --bogus`` points to ``rollpatch cast --help``, not the top level."""
+    with pytest.raises(SystemExit) as e:
+        main(["cast", "x.safetensors", "--bogus", "-o", "y"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == EXIT_REFUSED
+    assert err == (
+        "rollpatch cast: error: unrecognized arguments: --bogus (see rollpatch cast --help)"
+    )
+
+
 # -- structured logs ---------------------------------------------------------------------------
 
 

@@ -4,12 +4,25 @@ there is no way to the version or LATEST is bad. The published board: tests/foll
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from rollpatch.board import Board
 from rollpatch.cli import main
 from rollpatch.io import load_view
-from tests.followfix import LAST, RUN, Published, board, published, set_latest
+from tests.followfix import LAST, RUN, Published, published, set_latest
 
-_FIXTURES = (board, published)  # used by name
+_FIXTURES = (published,)  # used by name
+
+
+@pytest.fixture
+def board(published: Published, tmp_path: Path) -> Board:
+    """A private copy of the published board in a directory (the CLI refuses memory://)."""
+    dst = Board(f"file://{tmp_path / 'board'}")
+    for k in published.store.list(""):
+        dst.store.put(k, published.store.get(k))
+    return dst
 
 
 def test_cli_pull_round_trip(board: Board, published: Published, tmp_path, capsys) -> None:

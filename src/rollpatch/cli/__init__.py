@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parser_of(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The subcommand's parser (``parser`` itself when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def _version() -> str:
     from .. import __version__
 
@@ -65,7 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand they were given to, pointing to its --help
+        _parser_of(parser, getattr(args, "command", None)).error(
+            f"unrecognized arguments: {' '.join(extra)}"
+        )
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe must surface here, not at interpreter exit

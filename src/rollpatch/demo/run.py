@@ -142,7 +142,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             check = "all" if cfg.verify_samples == 0 else f"{cfg.verify_samples} of the"
             view.say(
                 f"verifying: re-generating {check} {n} rollouts, each under the version "
-                "it was labelled with, on one CPU thread (a minute or so) ..."
+                "it was labelled with, on one CPU thread ..."
             )
         _pump_until(procs, monitor, view, lambda: monitor.verified is not None)
         timings["verify_s"] = (

@@ -280,6 +280,50 @@ def test_an_unknown_flag_is_named_by_its_subcommand(capsys: pytest.CaptureFixtur
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["pull", "--board", "b", "--run", "r", "-o", "o", "--version", "-1"], "--version: must"),
+        (["pull", "--board", "b", "--run", "r", "-o", "o", "--version", "9" * 23], "0 to"),
+        (["gc", "--board", "b", "--run", "r", "--keep-last", "-3"], "--keep-last: must"),
+        (["gc", "--board", "b", "--run", "r", "--pin", "-2"], "--pin: must"),
+        (["publish", "--board", "b", "--run", "r", "x", "--step", "-5"], "--step: must"),
+        (["pull", "--board", "b", "--run", "r", "-o", "o", "--workers", "0"], "--workers: must"),
+    ],
+)
+def test_bad_numbers_are_refused_by_their_flag(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A number out of its flag's range is refused while parsing, naming the flag (not an
+    internal field such as ``FollowerConfig.fetch_workers`` or ``want``)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == EXIT_REFUSED and len(err.splitlines()) == 1
+    assert f"rollpatch {argv[0]}: error: argument " in err and said in err, err
+
+
+def test_gc_says_what_a_pin_and_the_cutoff_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pin of a version the run does not have pins nothing (said so on stderr); a cutoff
+    held back to the keyframe the kept versions need says so."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    ckpt, board = tmp_path / "a.safetensors", str(tmp_path / "board")
+    (tmp_path / "board").mkdir()
+    for i in range(4):
+        save_file({"w": np.full((4, 4), i, np.float32)}, str(ckpt))
+        assert main(["publish", "--board", board, "--run", "r", str(ckpt)]) == 0
+    capsys.readouterr()
+    argv = ["gc", "--board", board, "--run", "r", "--keep-last", "1", "--pin", "99", "--dry-run"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "--pin 99: no such version; it pins nothing" in err
+    assert "keeping versions >= 0 (v0: the keyframe the kept versions are rebuilt from)" in out
+
+
 # -- structured logs ---------------------------------------------------------------------------
 
 

@@ -236,6 +236,24 @@ def flag_name(d: Declared) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _checked(parse: Callable[[str], Any], d: Declared) -> Callable[[str], Any]:
+    """``parse`` then the field's own check, so that a bad value is refused by its flag's
+    name (``argument --workers: must be an integer in [1, 256]``), not the config field's."""
+
+    def parse_checked(text: str) -> Any:
+        value = parse(text)
+        try:
+            check_value("", d.name, value, d)
+        except ConfigError as e:
+            said = e.message
+            at = said.find(" must ")
+            raise argparse.ArgumentTypeError(said[at + 1 :] if at >= 0 else said) from None
+        return value
+
+    parse_checked.__name__ = getattr(parse, "__name__", "value")
+    return parse_checked
+
+
 def _none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     def parse_optional(text: str) -> Any:
         return None if text.strip().lower() == "none" else parse(text)
@@ -323,7 +341,7 @@ def add_config_flags(
         elif get_origin(tp) is tuple and get_args(tp)[-1:] == (...,) and s.parse is None:
             kwargs["action"] = _Append
         else:
-            parse = s.parse or (tp if tp in (int, float, str) else str)
+            parse = _checked(s.parse or (tp if tp in (int, float, str) else str), d)
             kwargs["type"] = _none_or(parse) if d.optional else parse
         if s.metavar or "type" in kwargs:
             kwargs["metavar"] = s.metavar or _metavar(d)

@@ -6,6 +6,29 @@ builds its flags the same way.
 
 from __future__ import annotations
 
-from ..config import add_config_flags, config_kwargs, flag_name
+import argparse
 
-__all__ = ["add_config_flags", "config_kwargs", "flag_name"]
+from ..config import add_config_flags, config_kwargs, flag_name
+from ..types import MAX_VERSION
+
+__all__ = ["add_config_flags", "config_kwargs", "count", "flag_name", "version_number"]
+
+
+def _int(text: str, lo: int, hi: int, what: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"must be {what} (got {value})")
+    return value
+
+
+def version_number(text: str) -> int:
+    """An argparse type: a version number (0 to 2**53 - 1, what manifests can hold)."""
+    return _int(text, 0, MAX_VERSION, f"a version number, 0 to {MAX_VERSION}")
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0 (a count, a trainer step)."""
+    return _int(text, 0, MAX_VERSION, "an integer >= 0")

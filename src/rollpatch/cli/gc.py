@@ -12,6 +12,8 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
+    from .flags import count, version_number
+
     p = sub.add_parser(
         "gc",
         help="delete old versions and orphaned objects (plans stay valid)",
@@ -20,10 +22,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--board", required=True, help="store URI")
     p.add_argument("--run", required=True)
-    p.add_argument("--keep-last", type=int, default=32, metavar="N")
+    p.add_argument(
+        "--keep-last",
+        type=count,
+        default=32,
+        metavar="N",
+        help="keep the last N versions (default 32)",
+    )
     p.add_argument(
         "--pin",
-        type=int,
+        type=version_number,
         action="append",
         default=[],
         metavar="V",
@@ -34,7 +42,7 @@ def register(sub: Any) -> None:
         type=float,
         default=3600.0,
         metavar="SECONDS",
-        help="only delete unreferenced objects older than this",
+        help="only delete unreferenced objects older than this (default 3600)",
     )
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument("--json", action="store_true")
@@ -47,8 +55,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .preflight import board_uri
 
     board_uri(args.board, existing=True)
+    board = Board(args.board)
+    versions = board.versions(args.run)
+    for v in sorted(set(args.pin) - set(versions)):
+        print(f"{args.run}: --pin {v}: no such version; it pins nothing", file=sys.stderr)
     report = collect(
-        Board(args.board),
+        board,
         args.run,
         keep_last=args.keep_last,
         pinned=args.pin,
@@ -60,8 +72,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print()
         return 0
     verb = "would delete" if args.dry_run else "deleted"
+    line = max(versions, default=0) - args.keep_last
+    why = ""
+    if report.cutoff < min([line, *args.pin]) and versions:  # held back to a keyframe
+        why = f" (v{report.cutoff}: the keyframe the kept versions are rebuilt from)"
     print(
-        f"{args.run}: keeping versions >= {report.cutoff}; {verb} "
+        f"{args.run}: keeping versions >= {report.cutoff}{why}; {verb} "
         f"{len(report.versions_deleted)} versions, {len(report.objects_deleted)} objects, "
         f"{len(report.orphans_deleted)} orphans ({report.bytes_freed:,} bytes)"
     )

@@ -25,7 +25,7 @@ PUBLISH_SET_OTHERWISE = {
 
 def register(sub: Any) -> None:
     from ..publisher.config import PublisherConfig
-    from .flags import add_config_flags
+    from .flags import add_config_flags, count, version_number
 
     p = sub.add_parser(
         "publish",
@@ -40,12 +40,12 @@ def register(sub: Any) -> None:
     policy_args(p)
     p.add_argument(
         "--version",
-        type=int,
+        type=version_number,
         dest="number",
         metavar="N",
         help="version number (default: LATEST + 1)",
     )
-    p.add_argument("--step", type=int, help="trainer step recorded in the manifest")
+    p.add_argument("--step", type=count, help="trainer step recorded in the manifest")
     p.add_argument("--keyframe", action="store_true", help="also write a keyframe")
     signing_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -20,6 +20,8 @@ PULL_UNUSED = {
 
 
 def register(sub: Any) -> None:
+    from .flags import version_number
+
     p = sub.add_parser(
         "pull",
         help="reconstruct a version's view from a board (verified); "
@@ -33,7 +35,7 @@ def register(sub: Any) -> None:
     p.add_argument("--run", required=True, help="run name")
     p.add_argument(
         "--version",
-        type=int,
+        type=version_number,
         default=None,
         dest="want",
         metavar="N",

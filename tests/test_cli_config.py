@@ -229,6 +229,11 @@ def test_a_flag_sets_its_field() -> None:
         (["demo", "--model", "moe", "--top-k", "9"], "DemoConfig.top_k must be at most experts"),
         (["demo", "--hidden", "8"], "argument --hidden: must be an integer in [16, 4096]"),
         (["demo", "--codec-only", "--formats", "bf16,nope"], "CodecWalk.formats must name"),
+        (
+            ["demo", "--engine-urls", "http://a", "--steps", "1"],
+            "--engine-urls needs --engine vllm",
+        ),
+        (["demo", "--codec-only", "--regime", "real"], "--codec-only does not use --regime"),
         (["netem", "--upstream", "h:1", "--loss", "0.9"], "argument --loss: must be"),
     ],
 )

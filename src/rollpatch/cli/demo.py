@@ -76,6 +76,7 @@ def _codec_defaults() -> list[str]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.codec_only:
+        _only_codec_flags(args)
         return cmd_codec(args)
     from . import preflight
 
@@ -93,6 +94,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("\nrollpatch demo: interrupted; every process it started has been stopped")
         return 130
     return 0
+
+
+def _only_codec_flags(args: argparse.Namespace) -> None:
+    """``--codec-only`` with a flag only the full demo reads: refused, not ignored."""
+    from ..config import flag_name, settings
+
+    given = config_kwargs(args, DemoConfig)
+    ignored = [
+        flag_name(d)
+        for name, d in settings(DemoConfig).items()
+        if name not in CODEC_SHARED and name in given and given[name] != d.default
+    ]
+    if ignored:
+        raise ConfigError(
+            f"--codec-only does not use {', '.join(ignored)}",
+            hint="drop them, or run the full demo without --codec-only",
+        )
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -114,11 +114,23 @@ def cmd_publish(args: argparse.Namespace) -> int:
         f"{s.bytes:,} bytes uploaded (step patch {s.patch_bytes:,} bytes, "
         f"{s.changed:,} elements changed{whole_note(s.tensors_dropped, s.tensors_whole)})"
     )
-    print("timings: " + ", ".join(f"{k[:-2]} {1000 * getattr(s, k):.1f} ms" for k in _TIMINGS))
+    # a phase the run did not have (no resume), or did inside another (the cast inside the
+    # snapshot, the compare inside the fused encode) is left out rather than shown as 0.0 ms
+    shown = [k for k in _TIMINGS if k == "total_s" or getattr(s, k) >= 5e-5]
+    print("timings: " + ", ".join(f"{k[:-2]} {1000 * getattr(s, k):.1f} ms" for k in shown))
     return 0
 
 
-_TIMINGS = ("resume_s", "cast_s", "diff_s", "encode_s", "upload_s", "commit_s", "total_s")
+_TIMINGS = (
+    "resume_s",
+    "snapshot_s",
+    "cast_s",
+    "diff_s",
+    "encode_s",
+    "upload_s",
+    "commit_s",
+    "total_s",
+)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -176,6 +176,12 @@ class DemoConfig:
             )
         if self.lr is None:  # the regime's rate (a JSON copy carries the number)
             object.__setattr__(self, "lr", REGIME_LR[self.regime])
+        if self.engine == "reference" and self.engine_urls:
+            raise ConfigError(
+                "--engine-urls needs --engine vllm (the built-in engine runs in the demo's "
+                "own islands)",
+                field="engine_urls",
+            )
         if self.engine == "vllm" and len(self.engine_urls) != len(ISLANDS):
             raise ConfigError(
                 f"--engine vllm needs {len(ISLANDS)} engine URLs (one per island: local, eu, us)",

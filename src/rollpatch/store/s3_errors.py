@@ -84,8 +84,9 @@ def translate(
     if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
         return ConfigError(
             f"no usable S3 credentials: {e}",
-            hint="set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, a profile, or pass access_key_id=...",
+            hint="set ROLLPATCH_S3_ACCESS_KEY_ID and ROLLPATCH_S3_SECRET_ACCESS_KEY (or "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or an AWS profile); in Python, "
+            "open_store(uri, access_key_id=..., secret_access_key=...); docs/store.md",
             **ctx,
         )
     if isinstance(e, _NETWORK_ERRORS):

@@ -175,11 +175,11 @@ class RanksChannel:
         if op == "digest":
             return {"blocks": w.blocks(fresh=bool(args.get("fresh")))}
         if op == "stage_decoded":
+            from rollpatch.engines.sglang.loader import _paths
             from rollpatch.engines.sglang.owned import read_decoded_all
 
-            paths = args["paths"]
-            assert isinstance(paths, list)
             mode = str(args.get("mode", "in_place"))
+            paths = _paths(w, dict(args))
             return {**w.stage(read_decoded_all(paths), mode).summary(), "ms": 1.0}  # type: ignore[arg-type]
         if op in ("export_blocks", "decode_owned"):  # the loader's own, in this process
             from rollpatch.engines.sglang.loader import _CONTROL

@@ -200,6 +200,13 @@ def _drop(w: HeldWeights) -> dict[str, Any]:
     return {"dropped": n}
 
 
+def _paths(w: HeldWeights, r: dict[str, Any]) -> list[str]:
+    """A staging's decoded-patch files: ``paths`` (every rank reads them), or this rank's
+    own (``by_rank``: the owners' parts holding the changes in its blocks)."""
+    by_rank = r.get("by_rank")
+    return list(by_rank[str(w.rank)] if isinstance(by_rank, dict) else r["paths"])
+
+
 def _info(w: HeldWeights) -> dict[str, Any]:
     return {
         "rank": w.rank,
@@ -215,7 +222,7 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "digest": lambda w, r: _digest(w, bool(r.get("fresh"))),
     "stage_encoded": lambda w, r: _stage_encoded(w, list(r["steps"]), _mode(r)),
     "stage_decoded": lambda w, r: _timed(
-        w, lambda: w.stage(read_decoded_all(list(r["paths"])), _mode(r)).summary(), "read"
+        w, lambda: w.stage(read_decoded_all(_paths(w, r)), _mode(r)).summary(), "read"
     ),
     "export_blocks": lambda w, r: export_blocks(w, list(r["items"])),
     "decode_owned": lambda w, r: decode_owned(w, r),

@@ -11,10 +11,14 @@ blocks, so each touched tensor gets one *owner* rank that decodes it whole:
   each into a private copy (:func:`rollpatch.engines.catchup.decode_in_place`: the
   decoder's own rp.sum128 change, added to the tensor's held state the adapter combined from
   the ranks' block sums, must give the step's target digest) and writes the composed change
-  as a decoded-patch file (:mod:`rollpatch.engines.vllm.transfer`, 12 bytes per BF16 change);
-- every rank then stages its part of all the owners' files (``stage_decoded``, several
-  paths: :func:`read_decoded_all`), proving its moved sums from its *live* words: a wrong
-  copy in shared memory cannot make a wrong update pass, it makes a mismatch.
+  as one decoded-patch file per rank (:mod:`rollpatch.engines.vllm.transfer`, 12 bytes per
+  BF16 change), each with the changes in that rank's blocks only
+  (:func:`rollpatch.engines.vllm.tpshare.restrict`: a slice of the sorted positions for a
+  row block, a mask for a column block; replicas get the same);
+- every rank then stages its parts of the owners' files (``stage_decoded``, its own paths:
+  :func:`read_decoded_all`), proving its moved sums from its *live* words: a wrong copy in
+  shared memory, or a change left out of a part, cannot make a wrong update pass, it makes
+  a mismatch.
 
 Nothing of the model reaches the sidecar's process; the model crosses between SGLang's ranks
 once per catch-up (to the owners, through shared memory), the change once more (the files).
@@ -31,6 +35,7 @@ from ...errors import BaseMismatchError, EngineError, PatchError
 from ...patch import Patch, TensorPatch
 from ...view import Tensor, View
 from ..catchup import decode_in_place, step_entries
+from ..vllm.tpshare import restrict
 from ..vllm.transfer import read_decoded, write_decoded
 from .ranked import RankWeights
 from .staged import HeldWeights
@@ -76,7 +81,7 @@ def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:
     rank = _rank(w)
     mine = sorted(str(n) for n, r in dict(req["owners"]).items() if int(r) == rank.rank)
     if not mine:
-        return {"path": None, "changed": 0, "tensors": 0}
+        return {"paths": [], "changed": 0, "tensors": 0}
     steps = list(req["steps"])
     spec = [{"base": str(s["base"]), "target": str(s["target"])} for s in steps]
     blobs = [[Path(str(p)).read_bytes() for p in s["paths"]] for s in steps]
@@ -103,10 +108,12 @@ def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:
     if got is None:
         raise PatchError("the native core is missing", hint="build rollpatch's native core")
     patch = got[0]
-    out = str(dict(req["out"])[str(rank.rank)])
-    write_decoded(patch, out)
+    outs = [str(p) for p in dict(req["out"])[str(rank.rank)]]  # one file per rank
+    for r, out in enumerate(outs):  # each rank gets the changes in its own blocks only
+        part = {n: restrict(tp, rank.placement_on(n, r)) for n, tp in patch.tensors.items()}
+        write_decoded(Patch(patch.base, patch.target, part, dict(patch.meta)), out)
     changed = sum(tp.n_changed for tp in patch.tensors.values())
-    return {"path": out, "changed": changed, "tensors": len(patch.tensors)}
+    return {"paths": outs, "changed": changed, "tensors": len(patch.tensors)}
 
 
 def read_decoded_all(paths: list[str]) -> Patch:

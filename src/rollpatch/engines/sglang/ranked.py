@@ -36,7 +36,7 @@ from ...kinds import Kind
 from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
 from ..staged import WriteMode, check_delta
-from ..vllm.layout import Placement, locate
+from ..vllm.layout import Placement, locate, placements
 from ..vllm.tensorblocks import extract
 from ..writing import ParamWrites, release, write_params
 from .buffers import exchange, second_buffers
@@ -61,6 +61,9 @@ class RankWeights(HeldWeights):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._spec_of = {
+            pl.name: spec for spec in self.specs for pl in placements(spec, 0, self.tp)
+        }
         self._blocks: dict[str, Block] = {}
         self._generation = 0
         self._undo: Staged | None = None
@@ -77,6 +80,16 @@ class RankWeights(HeldWeights):
                 hint="gather every rank's block (the adapter's words())",
             )
         return super().__getitem__(name)
+
+    def placement_on(self, name: str, rank: int) -> Placement:
+        """Where rank ``rank`` holds checkpoint tensor ``name`` (every rank derives every
+        rank's layout from the same metadata)."""
+        if rank == self.rank:
+            return self._pl(name)
+        spec = self._spec_of.get(name)
+        if spec is None:
+            raise EngineError("the engine holds no such checkpoint tensor", tensor=name)
+        return next(pl for pl in placements(spec, rank, self.tp) if pl.name == name)
 
     def block(self, name: str) -> tuple[np.ndarray, Placement]:
         """This rank's block of ``name`` (2-D, a view of the parameter) and its placement."""

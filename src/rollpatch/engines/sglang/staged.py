@@ -93,6 +93,7 @@ class HeldWeights:
         buffers: Buffers | None = None,
     ) -> None:
         self.params, self.rank, self.tp = dict(params), rank, tp
+        self.specs = tuple(specs)
         self._buffers = buffers
         self._place: dict[str, Placement] = {}
         self._kind: dict[str, Kind] = {}

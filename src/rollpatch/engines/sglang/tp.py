@@ -115,13 +115,13 @@ def stage_parts(
     ch: SglangChannel,
     expect: Mapping[str, tuple[str | None, str | None]],
     target: str,
-    paths: Sequence[str | Path],
+    paths: Sequence[str | Path] | Mapping[int, Sequence[str | Path]],
     digests: Mapping[str, str],
     tensors: Mapping[str, Any],
     mode: WriteMode = "in_place",
 ) -> tuple[list[str], dict[str, Any]]:
-    """Stage the decoded patch in the files ``paths`` (its parts, disjoint tensors) on every
-    rank and prove it: each tensor ``expect`` names must be held at its base digest now, the
+    """Stage the decoded patch in the files ``paths`` (its parts, disjoint tensors; a mapping:
+    each rank's own files, the changes in its blocks) on every rank and prove it: each tensor ``expect`` names must be held at its base digest now, the
     ranks' moved sums must give its target digest, and with the digests ``digests`` held now,
     the target root ``target`` (``double_buffer``: every rank also builds its second
     buffers). Returns every rank's token and rank 0's summary."""
@@ -129,7 +129,11 @@ def stage_parts(
         if digests.get(name) != base:
             raise BaseMismatchError("tensor is not the patch's base", tensor=name, engine="sglang")
     try:
-        answers = ch.controls("stage_decoded", paths=[str(p) for p in paths], mode=mode)
+        if isinstance(paths, Mapping):
+            by_rank = {str(r): [str(p) for p in ps] for r, ps in paths.items()}
+            answers = ch.controls("stage_decoded", paths=[], by_rank=by_rank, mode=mode)
+        else:
+            answers = ch.controls("stage_decoded", paths=[str(p) for p in paths], mode=mode)
         touched = {n: tensors[n] for n in expect}
         got, _ = combine([a["blocks"] for a in answers], touched)
         bad = sorted(n for n, (_, t) in expect.items() if got[n] != t)

@@ -11,9 +11,9 @@ entering the sidecar's process.
 2. in batches of at most :data:`BATCH_BYTES` of whole tensors (at least one tensor):
    every rank copies its blocks into the batch's tensors in shared memory (``export_blocks``;
    the blocks must tile each tensor), then every owner decodes its tensors of the batch at
-   the same time (``decode_owned``) into a decoded-patch file; the batch's tensors are
-   unlinked;
-3. every rank stages its part of all the owners' files and the adapter proves the ranks'
+   the same time (``decode_owned``) into one decoded-patch file per rank, each holding the
+   changes in that rank's blocks; the batch's tensors are unlinked;
+3. every rank stages its own parts of the owners' files and the adapter proves the ranks'
    moved sums against each tensor's last target digest and the chain's target root before
    any rank writes (:func:`.tp.stage_parts`), as for a patch the follower decoded.
 """
@@ -122,7 +122,7 @@ def stage_encoded(
             spec.append(
                 {"paths": [str(p) for p in where], "base": step.base, "target": step.target}
             )
-        parts: list[str] = []
+        parts: dict[int, list[str]] = {r: [] for r in range(ch.tp)}
         gather_ms = decode_ms = 0.0
         for batch in _batches(first, size, tensors):
             wholes = {n: new("whole") for n in batch}
@@ -134,7 +134,7 @@ def stage_encoded(
             for n in batch:
                 _covered(n, tensors[n][1], [a["placed"][n] for a in placed])
             t2 = time.perf_counter()
-            outs = {str(r): str(new("decoded")) for r in range(ch.tp)}
+            outs = {str(o): [str(new("decoded")) for _ in range(ch.tp)] for o in range(ch.tp)}
             answers = ch.controls(
                 "decode_owned",
                 steps=spec,
@@ -143,7 +143,9 @@ def stage_encoded(
                 states={n: states[n] for n in batch},
                 out=outs,
             )
-            parts += [str(a["path"]) for a in answers if a.get("path")]
+            for a in answers:  # each owner's part for rank r: the changes in r's blocks
+                for rank, path in enumerate(a.get("paths") or ()):
+                    parts[rank].append(str(path))
             for p in wholes.values():
                 p.unlink(missing_ok=True)
             gather_ms += (t2 - t1) * 1e3

@@ -127,6 +127,29 @@ def test_not_ready_is_503(world: World) -> None:
         sc.stop()
 
 
+def test_ready_says_why_no_version_loads(world: World) -> None:
+    """A sidecar whose model can never hold the run (other tensor names) stays not ready,
+    and /ready says why (the last sync's error), not only that nothing is loaded."""
+    import numpy as np
+
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    with Publisher(world.board, "alien", PublisherConfig(), asynchronous=False) as pub:
+        pub.publish({"x.weight": np.ones((8, 8), np.float32)})
+    sc = _start(world, run="alien")
+    try:
+        deadline, said = time.monotonic() + 60, ""
+        while "the last sync failed" not in said:
+            assert time.monotonic() < deadline, said
+            r = httpx.get(f"{sc.url}/ready")
+            assert r.status_code == 503
+            said = r.json()["error"]["message"]
+            time.sleep(0.05)
+        assert "tensor names differ" in said, said
+    finally:
+        sc.stop()
+
+
 def test_concurrent_load_while_versions_advance(sidecar: RunningSidecar, world: World) -> None:
     client = _client(sidecar)
     errors: list[BaseException] = []

@@ -196,8 +196,11 @@ class Sidecar:
         The engine probe is the HTTP app's part (``/ready``).
         """
         if self.follower.version is None:
-            if self.follower.status().audits and self.engine.version is None:
+            status = self.follower.status()
+            if status.audits and self.engine.version is None:
                 return "the audit found live weights that differ from the version; re-syncing"
+            if status.last_error is not None:  # why, without reading the sidecar's log
+                return f"no verified version loaded yet; the last sync failed: {status.last_error}"
             return "no verified version loaded yet"
         stuck = self.gate.busy_for()
         if stuck > self.config.admit_timeout_s:

@@ -155,6 +155,19 @@ def test_a_resumed_publisher_drops_and_renames_tensors_soundly(board: Board) -> 
     check_all(board, expected)
 
 
+def _assembly() -> dict[str, Any]:
+    """assemble_manifest's arguments for version 1 on top of version 0, but the messages."""
+    return {
+        "run": RUN,
+        "version": 1,
+        "parent": 0,
+        "keyframe": False,
+        "root_digests": {0: "b" * 64},
+        "config": PublisherConfig(),
+        "meta": {},
+    }
+
+
 def test_a_patch_that_binds_other_roots_is_never_published() -> None:
     """Rank 0 checks that an unsharded version's patch objects bind the manifest's roots
     (what followers require) before the manifest is written: a publisher bug that wrote
@@ -164,15 +177,7 @@ def test_a_patch_that_binds_other_roots_is_never_published() -> None:
 
     good = {"key": "runs/r/objects/x.rpatch", "size": 1, "b3": "0" * 64, "base": 0}
     msg = {"ok": True, "nbytes": 8, "digests": {"a": "1" * 64}, "keyframe": None}
-    kw: dict[str, Any] = {
-        "run": RUN,
-        "version": 1,
-        "parent": 0,
-        "keyframe": False,
-        "root_digests": {0: "b" * 64},
-        "config": PublisherConfig(),
-        "meta": {},
-    }
+    kw = _assembly()
     m = assemble_manifest(messages=[{**msg, "patches": [good]}], **kw)
     right = {**good, "binds": ["b" * 64, m.target]}
     assert assemble_manifest(messages=[{**msg, "patches": [right]}], **kw).target == m.target
@@ -193,15 +198,7 @@ def test_a_sharded_resume_that_loses_a_tensor_is_refused() -> None:
         out = {"ok": True, "nbytes": 8, "digests": {name: "1" * 64}, "keyframe": None}
         return {**out, "patches": [ref], **({"resumed": resumed} if resumed else {})}
 
-    kw: dict[str, Any] = {
-        "run": RUN,
-        "version": 1,
-        "parent": 0,
-        "keyframe": False,
-        "root_digests": {0: "b" * 64},
-        "config": PublisherConfig(),
-        "meta": {},
-    }
+    kw = _assembly()
     assert assemble_manifest(messages=[msg("a", ["a", "b"]), msg("b", None)], **kw).shards == 2
     with pytest.raises(BoardError, match="in no rank's shard") as err:
         assemble_manifest(messages=[msg("a", None), msg("b", ["a", "b", "c"])], **kw)

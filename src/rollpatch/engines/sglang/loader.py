@@ -49,7 +49,7 @@ from ..catchup import decode_in_place
 from ..staged import WriteMode
 from ..vllm.layout import locate
 from ..writing import release
-from .owned import decode_owned, export_blocks, read_decoded_all
+from .owned import decode_owned, export_blocks, place_block, read_decoded_all
 from .ranked import RankWeights
 from .staged import HeldWeights
 from .wire import read_line
@@ -169,17 +169,11 @@ def _export(w: HeldWeights, name: str, path: str, into: bool) -> dict[str, Any]:
     """One tensor to ``path``: a safetensors file; at TP > 1 this rank's block, either as a
     file or (``into``) copied into its place in the whole tensor the adapter mapped there."""
     if isinstance(w, RankWeights):  # this rank's block, placed by the adapter
+        if into:  # the adapter's shared buffer of the whole tensor (rows x cols words)
+            where, nbytes = place_block(w, name, path)
+            return {"bytes": nbytes, **where}
         block, pl = w.block(name)
         where = {"dim": pl.dim, "start": pl.src_start, "length": pl.length}
-        if into:  # the adapter's shared buffer of the whole tensor (rows x cols words)
-            whole = np.memmap(path, block.dtype, "r+", shape=(pl.rows, pl.cols))
-            span = slice(pl.src_start, pl.src_start + pl.length)
-            if pl.dim == 0:
-                whole[span] = block
-            else:
-                whole[:, span] = block
-            del whole
-            return {"bytes": block.nbytes, **where}
         flat = np.ascontiguousarray(block).reshape(-1)
         save_view(View({name: Tensor(w.kind_of(name), block.shape, flat)}), path)
         return {"bytes": flat.nbytes, **where}

@@ -40,7 +40,7 @@ from ..vllm.transfer import read_decoded, write_decoded
 from .ranked import RankWeights
 from .staged import HeldWeights
 
-__all__ = ["decode_owned", "export_blocks", "read_decoded_all"]
+__all__ = ["decode_owned", "export_blocks", "place_block", "read_decoded_all"]
 
 _M64 = (1 << 64) - 1
 
@@ -58,19 +58,26 @@ def export_blocks(w: HeldWeights, items: list[list[str]]) -> dict[str, Any]:
     placed: dict[str, dict[str, int]] = {}
     nbytes = 0
     for name, path in items:
-        block, pl = rank.block(str(name))
-        placed[str(name)] = {"dim": pl.dim, "start": pl.src_start, "length": pl.length}
-        if pl.rows * pl.cols == 0:
-            continue  # nothing to map
-        whole = np.memmap(str(path), block.dtype, "r+", shape=(pl.rows, pl.cols))
-        span = slice(pl.src_start, pl.src_start + pl.length)
-        if pl.dim == 0:
-            whole[span] = block
-        else:
-            whole[:, span] = block
-        del whole
-        nbytes += block.nbytes
+        placed[str(name)], n = place_block(rank, str(name), str(path))
+        nbytes += n
     return {"placed": placed, "bytes": nbytes}
+
+
+def place_block(rank: RankWeights, name: str, path: str) -> tuple[dict[str, int], int]:
+    """Copy ``rank``'s block of ``name`` into its place in the whole tensor (rows x cols
+    words) mapped at ``path``; where it went (``dim``, ``start``, ``length``) and its bytes."""
+    block, pl = rank.block(name)
+    where = {"dim": pl.dim, "start": pl.src_start, "length": pl.length}
+    if pl.rows * pl.cols == 0:
+        return where, 0  # nothing to map
+    whole = np.memmap(path, block.dtype, "r+", shape=(pl.rows, pl.cols))
+    span = slice(pl.src_start, pl.src_start + pl.length)
+    if pl.dim == 0:
+        whole[span] = block
+    else:
+        whole[:, span] = block
+    del whole
+    return where, block.nbytes
 
 
 def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:

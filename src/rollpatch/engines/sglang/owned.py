@@ -91,10 +91,7 @@ def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:
         return {"paths": [], "changed": 0, "tensors": 0}
     steps = list(req["steps"])
     spec = [{"base": str(s["base"]), "target": str(s["target"])} for s in steps]
-    blobs = [[Path(str(p)).read_bytes() for p in s["paths"]] for s in steps]
-    entries = step_entries(spec, blobs)  # every payload's checksum
-    if entries is None:
-        raise PatchError("a step of the chain is not in the in-place codec")
+    blobs, entries = _chain(steps, spec)
     wholes, states = dict(req["wholes"]), dict(req["states"])
     tensors: dict[str, Tensor] = {}
     for name in mine:
@@ -121,6 +118,25 @@ def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:
         write_decoded(Patch(patch.base, patch.target, part, dict(patch.meta)), out)
     changed = sum(tp.n_changed for tp in patch.tensors.values())
     return {"paths": outs, "changed": changed, "tensors": len(patch.tensors)}
+
+
+#: The last chain read (its files' paths, its objects, their entries): a staging decodes
+#: it in several batches, each of which would otherwise read and check every payload again.
+_LAST: list[Any] = []
+
+
+def _chain(steps: list[dict[str, Any]], spec: list[dict[str, str]]) -> tuple[Any, Any]:
+    """The chain's objects and entries, every payload checked against its checksum once
+    per staging (the adapter names fresh files for each)."""
+    key = [[str(p) for p in s["paths"]] for s in steps], spec
+    if _LAST and _LAST[0] == key:
+        return _LAST[1], _LAST[2]
+    blobs = [[Path(p).read_bytes() for p in paths] for paths in key[0]]
+    entries = step_entries(spec, blobs)  # every payload's checksum
+    if entries is None:
+        raise PatchError("a step of the chain is not in the in-place codec")
+    _LAST[:] = [key, blobs, entries]
+    return blobs, entries
 
 
 def read_decoded_all(paths: list[str]) -> Patch:

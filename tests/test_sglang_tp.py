@@ -267,9 +267,17 @@ def _chain(n: int) -> tuple[list[View], list[Any]]:
     return views, steps
 
 
-@pytest.mark.parametrize(("tp", "batch"), [(2, 1 << 28), (4, 1 << 28), (2, 1)])
+@pytest.mark.parametrize(
+    ("tp", "batch", "mode"),
+    [
+        (2, 1 << 28, "in_place"),
+        (4, 1 << 28, "in_place"),
+        (2, 1, "in_place"),
+        (4, 1, "double_buffer"),
+    ],
+)
 def test_owner_ranks_decode_a_chain_that_every_rank_stages(
-    tp: int, batch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tp: int, batch: int, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At TP > 1 the adapter stages a chain without gathering the model: each touched
     tensor's owner rank decodes it whole (from the ranks' blocks in shared memory, a batch
@@ -281,7 +289,7 @@ def test_owner_ranks_decode_a_chain_that_every_rank_stages(
 
     monkeypatch.setattr(tpencoded, "BATCH_BYTES", batch)
     views, steps = _chain(4)
-    ranks = _ranks(tp, vllm_layouts.checkpoint(3))
+    ranks = _ranks(tp, vllm_layouts.checkpoint(3), buffered=mode == "double_buffer")
     ch = RanksChannel(ranks)
     tensors = _tensors(views[0])
     count = iter(range(1 << 20))
@@ -290,7 +298,7 @@ def test_owner_ranks_decode_a_chain_that_every_rank_stages(
         return tmp_path / f"{what}-{next(count)}"
 
     snap = [{p: v.copy() for p, v in r.params.items()} for r in ranks]
-    got = tpencoded.stage_encoded(ch, steps, views[0].digest(), tensors, "in_place", fresh)  # type: ignore[arg-type]
+    got = tpencoded.stage_encoded(ch, steps, views[0].digest(), tensors, mode, fresh)  # type: ignore[arg-type]
     assert got is not None
     staged, summary = got
     assert (staged.base, staged.target) == (views[0].digest(), views[4].digest())
@@ -301,7 +309,7 @@ def test_owner_ranks_decode_a_chain_that_every_rank_stages(
     tp_ops.commit(ch, staged.payload["sglang_tokens"])  # type: ignore[arg-type]
     assert tp_ops.held(ch, tensors, fresh=True) == (views[4].tensor_digests(), views[4].digest())  # type: ignore[arg-type]
     back = _chain(5)[1][4]  # one step, v4 -> v5
-    got = tpencoded.stage_encoded(ch, [back], views[4].digest(), tensors, "in_place", fresh)  # type: ignore[arg-type]
+    got = tpencoded.stage_encoded(ch, [back], views[4].digest(), tensors, mode, fresh)  # type: ignore[arg-type]
     assert got is not None
     tp_ops.commit(ch, got[0].payload["sglang_tokens"])  # type: ignore[arg-type]
     assert tp_ops.held(ch, tensors, fresh=True)[1] == back.target  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -125,6 +126,39 @@ def test_resume_after_close(board: Board) -> None:
         Publisher(board, RUN, cfg, asynchronous=False).publish(masters, version=8)
     with pytest.raises(ConfigError, match="another format"):
         Publisher(board, RUN, PublisherConfig(format="fp16"))
+
+
+def test_versions_pending_at_interpreter_exit_are_published(tmp_path: Path) -> None:
+    """A trainer that ends without close(): the exit hook publishes what is pending. As a
+    plain atexit hook it ran after Python's thread pools had stopped taking work, and every
+    pending version was lost ("cannot schedule new futures after interpreter shutdown")."""
+    import subprocess
+    import sys
+
+    board = tmp_path / "board"
+    script = (
+        "import numpy as np\n"
+        "from rollpatch.publisher import Publisher, PublisherConfig\n"
+        "w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)\n"
+        f"pub = Publisher({board.as_uri()!r}, 'x', PublisherConfig(max_pending=8))\n"
+        "pub.publish({'w': w}); pub.flush()\n"
+        "for i in range(1, 4):\n"
+        "    pub.publish({'w': w + i * 1e-2})\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "failed" not in r.stderr, r.stderr
+    b = Board(board.as_uri())
+    assert b.versions("x") == [0, 1, 2, 3] and b.latest("x").version == 3
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    check_all_run(b, "x", {3: {"w": w + 3 * 1e-2}})
+
+
+def check_all_run(board: Board, run: str, expected: dict[int, dict[str, np.ndarray]]) -> None:
+    for n, masters in expected.items():
+        view = reconstruct(board, run, n)
+        assert view.digest() == cast_view(masters, "bf16").digest() == board.manifest(run, n).target
 
 
 def test_a_resumed_publisher_drops_and_renames_tensors_soundly(board: Board) -> None:

@@ -115,6 +115,7 @@ class Publisher:
             )
             self._worker.start()
             _LIVE.add(self)
+            _hook_exit()
 
     # -- public API --------------------------------------------------------------------------
 
@@ -388,7 +389,28 @@ class Publisher:
         snap.masters = {}  # free the host copy early
 
 
-@atexit.register
+def _hook_exit() -> None:
+    """Have :func:`_close_all` run at interpreter exit *before* Python's thread pools stop
+    taking work. ``concurrent.futures`` refuses new work from a ``threading`` exit callback
+    it registers on import, and those callbacks run before ``atexit``'s, newest first: one
+    registered after it (here, when a publisher starts) runs before it. As a plain
+    ``atexit`` hook, every version still pending at exit failed ("cannot schedule new
+    futures after interpreter shutdown") and was lost."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    import concurrent.futures.thread  # noqa: F401 (its exit callback first: ours runs before)
+
+    try:
+        threading._register_atexit(_close_all)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # another Python, or already shutting down
+        atexit.register(_close_all)
+    _HOOKED = True
+
+
+_HOOKED = False
+
+
 def _close_all() -> None:
     """Publish what is pending at interpreter exit; report, never hide, errors."""
     for pub in list(_LIVE):

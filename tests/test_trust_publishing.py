@@ -79,6 +79,49 @@ def test_a_squatted_version_and_a_forged_latest_do_not_stop_the_publisher(tmp_pa
     assert f.sync() == 2 and f.engine.digest == honest.target
 
 
+def test_a_restarted_signing_publisher_resumes_past_a_squat_and_a_forged_latest(
+    tmp_path: Path,
+) -> None:
+    """The same attack on a publisher that restarts (as `rollpatch publish` does on every
+    call): it resumes from the newest version one of its keys signed, publishes the next one
+    over the squatted number and replaces LATEST. It used to refuse to start (TrustError on
+    the squatted manifest; BoardError on a LATEST past the manifests), so the run was stuck."""
+    import dataclasses
+
+    from rollpatch.formats import cast_view
+    from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
+
+    pub, run = Pub(0), "signed"
+    rng = np.random.default_rng(1)
+    masters = [{"w": rng.standard_normal((32, 64)).astype(np.float32)} for _ in range(3)]
+    cfg = PublisherConfig(signer=pub.signer)
+    with Publisher(pub.board, run, cfg, asynchronous=False) as p:
+        assert [p.publish(m) for m in masters[:2]] == [0, 1]
+    mallory = Board(pub.store, signer=Signer(keys=(SigningKey.generate(),)))
+    squat = dataclasses.replace(pub.board.manifest(run, 1), version=2, parent=1)
+    mallory.put_manifest(squat)
+    far = Pointer(run, 10**9, version_key(run, 10**9), "f" * 64)
+    put_raw(pub, pointer_key(run), encode_latest(far, mallory.signer, time.time()))
+    with Publisher(pub.board, run, cfg, asynchronous=False) as p:
+        assert p.publish(masters[2]) == 2
+    assert pub.board.signer is not None
+    assert pub.board.signer.signed(pub.store.get(version_key(run, 2)), MANIFEST_TYPE)
+    trusted = Board(pub.store, trust=pub.trust(tmp_path))
+    latest = trusted.latest(run)
+    assert latest is not None and latest.version == 2
+    assert reconstruct(trusted, run, 2).digest() == cast_view(masters[2], "bf16").digest()
+    # an unsigned publisher cannot tell a forged LATEST from its own: it says what to do
+    plain = Board(f"file://{tmp_path / 'plain'}")
+    with Publisher(plain, run, PublisherConfig(), asynchronous=False) as p:
+        p.publish(masters[0])
+    plain.store.put(pointer_key(run), encode_latest(far, None, time.time()), if_absent=False)
+    from rollpatch.errors import BoardError
+
+    with pytest.raises(BoardError, match="without a manifest") as err:
+        Publisher(plain, run, PublisherConfig(), asynchronous=False).publish(masters[1])
+    assert "restore the run's LATEST" in str(err.value)
+
+
 def test_publisher_warns_when_what_it_publishes_will_not_verify(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

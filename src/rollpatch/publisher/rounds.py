@@ -8,16 +8,20 @@ oldest one they all hold; older ones are dropped everywhere. With one rank this 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..board import Board
-from ..errors import BoardError, ConfigError
+from ..errors import BoardError, ConfigError, TrustError
+from ..manifest import Manifest
 from ..types import MAX_VERSION
 from .config import PublisherConfig
 from .sharded import Exchange
 
 __all__ = ["Decision", "Snapshot", "agree", "next_version", "resume_point"]
+
+log = logging.getLogger("rollpatch.publisher")
 
 
 @dataclass(eq=False)
@@ -118,14 +122,26 @@ def _reader(board: Board, config: PublisherConfig) -> Board:
 def _resume_point(board: Board, run: str, config: PublisherConfig) -> dict[str, Any]:
     pointer = board.latest(run)
     versions = board.versions(run)
-    top = max(versions, default=None)
+    top, m = _own_top(board, run, config, versions)
     if pointer is not None and (top is None or pointer.version > top):
-        raise BoardError(
-            "LATEST names a version without a manifest", run=run, version=pointer.version
+        if config.signer is None:
+            raise BoardError(
+                "LATEST names a version without a manifest",
+                run=run,
+                version=pointer.version,
+                hint="someone moved LATEST past the manifests; a signing publisher replaces "
+                "such a pointer (PublisherConfig.signer), an unsigned one cannot tell it "
+                "from its own: restore the run's LATEST, or publish under a new run",
+            )
+        log.warning(
+            "%s: LATEST names version %d, past every manifest this publisher signed: "
+            "it is replaced",
+            run,
+            pointer.version,
         )
-    if top is None:
+        pointer = None
+    if top is None or m is None:
         return {"top": None, "target": ""}
-    m = _reader(board, config).manifest(run, top)
     if m.format != config.format:
         raise ConfigError(
             "the run is published in another format",
@@ -138,6 +154,44 @@ def _resume_point(board: Board, run: str, config: PublisherConfig) -> dict[str, 
         board.put_manifest(m)
         board.advance(run, top)
     return {"top": top, "target": m.target}
+
+
+def _own_top(
+    board: Board, run: str, config: PublisherConfig, versions: list[int]
+) -> tuple[int | None, Manifest | None]:
+    """The newest version to build on and its manifest. A signing publisher skips manifests
+    none of its keys signed above the newest one they did sign (a squatted version number):
+    it replaces them as it publishes (:meth:`~rollpatch.board.Board.put_manifest`), so they
+    must not stop it from resuming. A run none of whose manifests it signed is someone
+    else's (or unsigned): refused, never overwritten."""
+    reader = _reader(board, config)
+    skipped: list[tuple[int, TrustError]] = []
+    for v in sorted(versions, reverse=True):
+        try:
+            m = reader.manifest(run, v)
+        except TrustError as err:
+            if config.signer is None:
+                raise
+            skipped.append((v, err))
+            continue
+        for s, why in skipped:
+            log.warning(
+                "%s@%d: a manifest none of this publisher's keys signed (%s): it is replaced",
+                run,
+                s,
+                why.reason,
+            )
+        return v, m
+    if skipped:  # not one version of the run is this publisher's
+        last, why = skipped[-1]
+        raise TrustError(
+            f"no manifest of the run is signed by this publisher's keys ({why.message})",
+            reason=why.reason,
+            run=run,
+            version=last,
+            hint="sign with the key the run was published with, or publish under a new run",
+        ) from None
+    return None, None
 
 
 def next_version(last: int | None, version: int | None, run: str) -> int:

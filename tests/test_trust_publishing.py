@@ -156,3 +156,16 @@ def test_retention_on_a_signed_board_keeps_it_verifiable(tmp_path: Path) -> None
     f = follower(pub, pub.trust(tmp_path))
     assert f.sync() == 5 and f.engine.digest == pub.views[5].digest()
     assert pub.board.roots() == [1]  # the root of trust is never collected
+
+
+def test_a_trust_state_path_may_be_a_string(tmp_path: Path) -> None:
+    """Trust(..., state_path="...") as a str, as from a config file: the state is saved at
+    the first verified LATEST (a str failed there, mid-sync, with AttributeError)."""
+    from rollpatch.trust import Trust
+
+    pub = Pub(2)
+    state = tmp_path / "state.json"
+    f = Follower(
+        Board(pub.store), RUN, ViewEngine(), FAST, trust=Trust(pub.root, state_path=str(state))
+    )
+    assert f.sync() == 1 and state.is_file()

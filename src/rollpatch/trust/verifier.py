@@ -75,7 +75,7 @@ class Trust:
         self,
         root: bytes,
         *,
-        state_path: Path | None = None,
+        state_path: str | Path | None = None,
         root_check_s: float = 30.0,
         follow_rotation: bool = True,
         clock: Callable[[], float] = time.time,
@@ -84,7 +84,9 @@ class Trust:
         self._clock = clock
         self.root_check_s = root_check_s
         self.follow_rotation = follow_rotation
-        self.state_path = state_path
+        # a str is a path too (it failed mid-sync, when the state was first saved)
+        self.state_path = None if state_path is None else Path(state_path)
+        state_path = self.state_path
         initial = verify_initial_root(root)
         self._anchor = initial
         self._root, self._root_raw = initial, root
@@ -99,7 +101,7 @@ class Trust:
         cls,
         path: str | Path,
         *,
-        state_path: Path | None = None,
+        state_path: str | Path | None = None,
         board: str | None = None,
         root_check_s: float = 30.0,
     ) -> Trust:

@@ -42,6 +42,29 @@ def test_worker_error_surfaces_on_flush_and_publish(board: Board) -> None:
     assert board.latest(RUN) is None
 
 
+def test_masters_no_path_can_publish_are_refused_at_once(board: Board) -> None:
+    """What no snapshot path can take is a ConfigError from publish() itself, naming the
+    tensor, before anything is queued: not a torch error from inside a copy."""
+    torch = pytest.importorskip("torch")
+    pub = Publisher(board, RUN, PublisherConfig(), asynchronous=False)
+    bad = {
+        "meta device": {"w": torch.empty(4, 4, device="meta")},
+        "sparse_coo, not dense": {"w": torch.ones(4, 4).to_sparse()},
+        "float8_e4m3fn": {"w": torch.ones(4, 4).to(torch.float8_e4m3fn)},
+        "int64": {"w": torch.ones(3, dtype=torch.int64)},
+        "float64": {"w": np.ones(4)},
+        "state dict is empty": {},
+    }
+    for said, sd in bad.items():
+        with pytest.raises(ConfigError, match=said):
+            pub.publish(sd)
+    with pytest.raises(ConfigError, match="step must be a non-negative int"):
+        pub.publish({"w": torch.ones(4, 4)}, step="abc")  # type: ignore[arg-type]
+    assert board.latest(RUN) is None
+    assert pub.publish({"w": torch.ones(4, 4)}) == 0  # the publisher is still usable
+    pub.close()
+
+
 def test_store_error_surfaces_on_close() -> None:
     name = f"fail-{uuid.uuid4().hex[:12]}"
     gate = threading.Event()  # no put fails before every publish() returned

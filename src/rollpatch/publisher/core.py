@@ -28,7 +28,7 @@ from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
 from .wordpool import WordPool
-from .writer import VersionWriter, snapshot_state
+from .writer import VersionWriter, check_masters, snapshot_state
 
 __all__ = ["Publisher", "snapshot_state"]
 
@@ -166,7 +166,10 @@ class Publisher:
         """
         t0 = time.perf_counter()
         self._check_usable()
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ConfigError("step must be a non-negative int (the trainer's step)", value=step)
         local, slices = split_slices(state_dict)
+        check_masters(local, sharded=self._x.size > 1 or bool(slices))
         cast_error: FormatError | None = None
         try:
             masters = self._snapshot(local, slices)

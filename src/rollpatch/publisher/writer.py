@@ -34,7 +34,7 @@ from .rounds import Snapshot
 from .sharded import Exchange
 from .wordpool import WordPool
 
-__all__ = ["VersionWriter", "snapshot_served", "snapshot_state"]
+__all__ = ["VersionWriter", "check_masters", "snapshot_served", "snapshot_state"]
 
 log = logging.getLogger("rollpatch.publisher")
 
@@ -43,6 +43,41 @@ _MASTER_DTYPES = ("float32", "bfloat16", "float16")
 #: Master elements from which the served snapshot casts on several threads (below it, a
 #: pool's start costs about what the threads would save).
 _THREADED_CAST_MIN = 1 << 20
+
+
+def check_masters(state_dict: Mapping[str, Any], *, sharded: bool = False) -> None:
+    """What every snapshot path needs of the masters, checked before any is taken, from
+    their attributes only (no copy): names, then for torch tensors the device (a meta tensor
+    has no values), the layout (dense) and the dtype; numpy arrays by their dtype. An empty
+    state dict is refused unless ``sharded`` (a rank may hold no tensor of its own)."""
+    if not state_dict and not sharded:
+        raise ConfigError(
+            "the state dict is empty: nothing to publish",
+            hint="pass the model's parameters (e.g. model.state_dict())",
+        )
+    for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise ConfigError("state dict keys must be tensor names (str)", key=repr(name))
+        dtype = getattr(value, "dtype", None)
+        if type(value).__module__.startswith("torch"):
+            device = getattr(value, "device", None)
+            if device is not None and device.type == "meta":
+                raise ConfigError(
+                    f"tensor {name!r} is on the meta device: it has no values",
+                    hint="materialise the model's weights before publishing",
+                )
+            layout = str(getattr(value, "layout", "torch.strided")).removeprefix("torch.")
+            if layout != "strided":
+                raise ConfigError(
+                    f"tensor {name!r} is {layout}, not dense", hint="publish dense tensors"
+                )
+        name_of = str(dtype).removeprefix("torch.") if dtype is not None else None
+        if name_of is not None and getattr(dtype, "name", name_of) not in _MASTER_DTYPES:
+            raise ConfigError(
+                f"cannot publish {name_of} tensor {name!r}",
+                hint="publish float32/bfloat16/float16 parameters only; leave "
+                "buffers and integer tensors out of the state dict",
+            )
 
 
 def snapshot_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:

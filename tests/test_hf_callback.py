@@ -86,6 +86,22 @@ def test_trainer_publishes_one_version_per_optimizer_step(tmp_path: Path) -> Non
         pub.publish(float_state_dict(model))
 
 
+def test_the_final_weights_are_published_when_the_last_step_is_not_due(tmp_path: Path) -> None:
+    """every=2 over 5 steps: versions at steps 2 and 4, and the final weights (step 5) at the
+    end of training; they were left unpublished."""
+    board = f"file://{tmp_path / 'board'}"
+    pub = Publisher(board, RUN, PublisherConfig(format="bf16"), asynchronous=False)
+    cb = RollpatchCallback(pub, every=2)
+    model = hf_tiny_llama()
+    trainer = transformers.Trainer(
+        model=model, args=_args(tmp_path / "out", 5), train_dataset=_Tokens(16), callbacks=[cb]
+    )
+    trainer.train()
+    b = Board(board)
+    assert [b.manifest(RUN, n).meta["step"] for n in b.versions(RUN)] == ["2", "4", "5"]
+    assert reconstruct(board, RUN).digest() == _served(model)
+
+
 def test_only_the_main_process_publishes_with_an_unsharded_publisher(tmp_path: Path) -> None:
     pub = Publisher(f"file://{tmp_path / 'board'}", RUN, asynchronous=False)
     cb = RollpatchCallback(pub, every=2)

@@ -39,7 +39,8 @@ def float_state_dict(model: Any) -> dict[str, Any]:
 
 
 class RollpatchCallback(TrainerCallback):
-    """Publishes the model after every ``every``-th optimizer step; closes the publisher at
+    """Publishes the model after every ``every``-th optimizer step, and the final weights at
+    the end of training when the last step was not one of those; closes the publisher at
     the end of training.
 
     ``publisher``: an open :class:`~rollpatch.publisher.Publisher`. Each publish goes to
@@ -98,6 +99,7 @@ class RollpatchCallback(TrainerCallback):
         """The version this callback published last (None: none yet)."""
         self.n_published = 0
         """How many versions this callback published."""
+        self._last_step: int | None = None  # the trainer's step of the last version
 
     def _publishes(self, state: Any) -> bool:
         if self.publisher is None:
@@ -114,6 +116,7 @@ class RollpatchCallback(TrainerCallback):
         version = self.publisher.publish(self.state_dict_fn(model), step=state.global_step)
         self.last_version = version
         self.n_published += 1
+        self._last_step = state.global_step
         if self.flush_every_step:
             self.publisher.flush()
 
@@ -129,6 +132,11 @@ class RollpatchCallback(TrainerCallback):
         if self._publishes(state) and state.global_step % self.every == 0:
             self._publish(state, model)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        # the final weights, when the last step was not a multiple of ``every``
+        if self._publishes(state) and model is not None and self._last_step != state.global_step:
+            self._publish(state, model)
         if self.close_on_end and self.publisher is not None:
             self.publisher.close()

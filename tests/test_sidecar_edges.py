@@ -122,7 +122,9 @@ def test_not_ready_is_503(world: World) -> None:
     try:
         r = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and r.headers["retry-after"]
-        assert httpx.get(f"{sc.url}/ready").status_code == 503
+        ready = httpx.get(f"{sc.url}/ready")
+        assert ready.status_code == 503
+        assert "run 'nothing-published' has no LATEST" in ready.json()["error"]["message"]
     finally:
         sc.stop()
 

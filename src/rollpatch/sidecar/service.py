@@ -201,6 +201,11 @@ class Sidecar:
                 return "the audit found live weights that differ from the version; re-syncing"
             if status.last_error is not None:  # why, without reading the sidecar's log
                 return f"no verified version loaded yet; the last sync failed: {status.last_error}"
+            if status.latest is None:
+                return (
+                    f"no verified version loaded yet: run {self.run!r} has no LATEST on the "
+                    "board so far (nothing published yet, or another run name)"
+                )
             return "no verified version loaded yet"
         stuck = self.gate.busy_for()
         if stuck > self.config.admit_timeout_s:

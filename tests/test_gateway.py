@@ -216,12 +216,15 @@ def test_streaming_through_gateway(gateway: RunningGateway, world: World) -> Non
 
 
 def test_bad_requests(gateway: RunningGateway) -> None:
+    before = _sample(gateway, "rollpatch_gateway_responses_total", code="400")
     r = httpx.post(f"{gateway.url}/v1/completions", content=b"{nope")
     assert r.status_code == 400
     r = httpx.post(
         f"{gateway.url}/v1/completions", json={"prompt": "x", "rollpatch": {"min_version": "soon"}}
     )
     assert r.status_code == 400 and "min_version" in r.json()["error"]["message"]
+    # refused by the gateway itself: counted among its responses all the same
+    assert _sample(gateway, "rollpatch_gateway_responses_total", code="400") == before + 2
 
 
 def test_hostile_bodies_are_refused_and_islands_keep_serving(

@@ -37,12 +37,17 @@ _FIXTURES = (world, sidecar)  # used by name
 
 
 def test_bad_requests(sidecar: RunningSidecar) -> None:
+    registry = sidecar.sidecar.metrics.registry
+    labels = {"outcome": "client_error"}
+    before = registry.get_sample_value("rollpatch_requests_total", labels) or 0.0
     r = httpx.post(f"{sidecar.url}/v1/completions", content=b"{nope")
     assert r.status_code == 400
     r = httpx.post(
         f"{sidecar.url}/v1/completions", json={"prompt": "x", "rollpatch": {"min_version": "soon"}}
     )
     assert r.status_code == 400 and "min_version" in r.json()["error"]["message"]
+    # refused before the engine: counted all the same
+    assert registry.get_sample_value("rollpatch_requests_total", labels) == before + 2
 
 
 def test_hostile_bodies_never_wedge_the_island(sidecar: RunningSidecar, world: World) -> None:

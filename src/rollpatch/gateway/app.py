@@ -9,14 +9,16 @@ from the gateway when no island could be reached; ``400`` for a malformed reques
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from ..errors import ConfigError
 from ..protocol import parse_constraint
-from ..serving.app import closing, install_error_handlers, upstream_client
+from ..serving.app import closing, config_refusal, install_error_handlers, upstream_client
 from ..serving.body import read_json_object
 from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
 from ..serving.schema import openapi_body, validate_body
@@ -81,10 +83,16 @@ def create_app(gw: Gateway) -> FastAPI:
 def _make_route(gw: Gateway, client: httpx.AsyncClient, path: str) -> Any:
     async def route(request: Request) -> Response:
         # strict and bounded: a body no island would accept is refused here, not 3 times there
-        raw, body = await read_json_object(request, gw.config.body)
-        typed = validate_body(path, body)
-        # parse a copy: the sidecar needs the rollpatch field (and headers) as sent
-        constraint = parse_constraint(dict(body), request.headers)
+        t0 = time.perf_counter()
+        try:
+            raw, body = await read_json_object(request, gw.config.body)
+            typed = validate_body(path, body)
+            # parse a copy: the sidecar needs the rollpatch field (and headers) as sent
+            constraint = parse_constraint(dict(body), request.headers)
+        except ConfigError as e:  # counted among the answers, as the islands' are
+            refused = config_refusal(e)
+            gw.metrics.answer(refused.status_code, time.perf_counter() - t0)
+            return refused
         headers = {
             k: v
             for k, v in request.headers.items()

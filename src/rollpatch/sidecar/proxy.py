@@ -96,8 +96,9 @@ class ProxyFront:
         except Exception as e:  # mapped like the app's exception handlers
             if sent.started:
                 raise  # mid-response: nothing better than closing the connection
-            if isinstance(e, ConfigError):
+            if isinstance(e, ConfigError):  # the request's own fault: counted, as the rest are
                 resp = config_refusal(e)
+                self.sc.metrics.request("client_error")
             elif isinstance(e, RollpatchError):
                 resp = rollpatch_refusal(e)
             else:

@@ -62,3 +62,12 @@ def test_cli_pull_bad_latest_exits_2_with_one_line(board: Board, tmp_path, capsy
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and not out.exists()
         assert len(err) == 1 and err[0].startswith("rollpatch: error:"), err
+        if isinstance(raw, int):  # it says LATEST is the problem, not just "no such version"
+            assert f"LATEST names version {raw}, which has no manifest" in err[0], err
+
+
+def test_status_warns_when_latest_names_no_manifest(board: Board, capsys) -> None:
+    set_latest(board, 10**6)
+    assert main(["status", "--board", board.store.uri, "--run", RUN]) == 0
+    out, err = capsys.readouterr()
+    assert "LATEST 1000000" in out and "LATEST names version 1000000, which has no manifest" in err

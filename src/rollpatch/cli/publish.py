@@ -172,6 +172,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         if r["n_versions"] > len(r["versions"]):
             print(f"  ... {r['n_versions'] - len(r['versions'])} older versions not shown")
+        newest = r["versions"][-1]["version"] if r["versions"] else None
+        if r["latest"] is not None and (newest is None or r["latest"] > newest):
+            print(
+                f"  warning: LATEST names version {r['latest']}, which has no manifest "
+                "(moved past the manifests: followers cannot sync until it is restored or a "
+                "signing publisher replaces it)",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -163,10 +163,25 @@ class Follower:
         confirmed = self.version
         if want is not None and confirmed is not None and want < confirmed:
             raise PastWanted(confirmed, want, self.run)
+        from_latest = want is None
         if want is None:
             want = self._read_latest()
             if want is None:
                 raise VersionNotFoundError("nothing is published on this run yet", run=self.run)
+        try:
+            return self._sync_to(want)
+        except VersionNotFoundError as e:
+            if not from_latest or e.context.get("version") != want:
+                raise
+            raise VersionNotFoundError(
+                f"LATEST names version {want}, which has no manifest on the board",
+                run=self.run,
+                version=want,
+                hint="LATEST was moved past the manifests (by hand, or by someone who can "
+                "write to the store); a signing publisher replaces it, and --trust refuses it",
+            ) from None
+
+    def _sync_to(self, want: int) -> int:
         have = self._held.verified_have()
         if have is not None and have >= want:
             self._held.confirm(have)

@@ -26,6 +26,17 @@ def test_parse_body_and_headers() -> None:
     assert parse_constraint({}, {}) == Constraint()
 
 
+def test_a_bad_value_is_named_where_the_caller_sent_it() -> None:
+    """A header's bad value names the header; a body field's, the field; a header the body
+    overrides is not read at all."""
+    with pytest.raises(ConfigError, match="X-Rollpatch-Min-Version must be a number"):
+        parse_constraint({}, {"x-rollpatch-min-version": "abc"})
+    with pytest.raises(ConfigError, match="rollpatch.max_lag must be an integer"):
+        parse_constraint({"rollpatch": {"max_lag": 1.5}}, {})
+    body = {"rollpatch": {"min_version": 1}}
+    assert parse_constraint(body, {"X-Rollpatch-Min-Version": "abc"}).min_version == 1
+
+
 @pytest.mark.parametrize(
     "bad",
     [

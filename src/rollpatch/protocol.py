@@ -59,21 +59,25 @@ _HEADERS = {
     "max_lag": "x-rollpatch-max-lag",
     "wait_s": "x-rollpatch-wait-s",
 }
+_HEADER_NAMES = {h: "-".join(p.capitalize() for p in h.split("-")) for h in _HEADERS.values()}
 
 
-def _number(field: str, value: Any) -> int | float | None:
+def _number(field: str, value: Any, where: str | None = None) -> int | float | None:
+    """``value`` of constraint ``field``; ``where`` names its source in errors (default: the
+    body's ``rollpatch.FIELD``; a header's name when it came from one)."""
     if value is None:
         return None
+    where = where or f"rollpatch.{field}"
     if isinstance(value, str):
         try:
             value = float(value) if field == "wait_s" else int(value)
         except ValueError:
-            raise ConfigError(f"rollpatch.{field} must be a number", value=value) from None
+            raise ConfigError(f"{where} must be a number", value=value) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"rollpatch.{field} must be a number", value=value)
+        raise ConfigError(f"{where} must be a number", value=value)
     if field != "wait_s":
         if isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"rollpatch.{field} must be an integer", value=value)
+            raise ConfigError(f"{where} must be an integer", value=value)
         return int(value)
     return float(value)
 
@@ -90,8 +94,10 @@ def parse_constraint(body: dict[str, Any], headers: Mapping[str, str]) -> Constr
     lower = {k.lower(): v for k, v in headers.items()}
     values = {}
     for field, header in _HEADERS.items():
-        v = raw.get(field, lower.get(header))
-        values[field] = _number(field, v)
+        if field in raw:
+            values[field] = _number(field, raw[field])
+        else:  # a bad header is named as the header the caller sent
+            values[field] = _number(field, lower.get(header), _HEADER_NAMES[header])
     return Constraint(**values)  # type: ignore[arg-type]
 
 

@@ -71,3 +71,30 @@ def test_status_warns_when_latest_names_no_manifest(board: Board, capsys) -> Non
     assert main(["status", "--board", board.store.uri, "--run", RUN]) == 0
     out, err = capsys.readouterr()
     assert "LATEST 1000000" in out and "LATEST names version 1000000, which has no manifest" in err
+
+
+def test_pull_of_a_version_not_on_the_board_says_what_the_run_has(
+    board: Board, tmp_path, capsys
+) -> None:
+    """A version gc removed, or one not published yet: the error lists what the run has."""
+    from rollpatch.board import version_key
+
+    board.store.delete(version_key(RUN, 1))  # as retention would
+    out = tmp_path / "v.safetensors"
+    for want, why in ((1, "removed by retention"), (LAST + 5, "not published yet")):
+        code = main(
+            [
+                "pull",
+                "--board",
+                board.store.uri,
+                "--run",
+                RUN,
+                "--version",
+                str(want),
+                "-o",
+                str(out),
+            ]
+        )
+        err = capsys.readouterr().err
+        assert code == 2 and f"version {want} is not on the board" in err and why in err, err
+        assert f"the run has versions 0..{LAST}" in err, err

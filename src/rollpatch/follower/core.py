@@ -171,8 +171,22 @@ class Follower:
         try:
             return self._sync_to(want)
         except VersionNotFoundError as e:
-            if not from_latest or e.context.get("version") != want:
+            if e.context.get("version") != want:
                 raise
+            if not from_latest:  # asked for by number: say what the run has
+                held = self._reader.versions(self.run)
+                has = f"versions {held[0]}..{held[-1]} ({len(held)})" if held else "no versions"
+                why = (
+                    "it is not published yet"
+                    if not held or want > held[-1]
+                    else "older ones may have been removed by retention (gc)"
+                )
+                raise VersionNotFoundError(
+                    f"version {want} is not on the board",
+                    run=self.run,
+                    version=want,
+                    hint=f"the run has {has}; {why}",
+                ) from None
             raise VersionNotFoundError(
                 f"LATEST names version {want}, which has no manifest on the board",
                 run=self.run,

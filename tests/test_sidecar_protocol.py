@@ -374,3 +374,23 @@ def test_body_limits_config_is_validated() -> None:
     for bad in ({"max_bytes": 0}, {"max_depth": 0}, {"timeout_s": float("nan")}):
         with pytest.raises(ConfigError):
             BodyLimits(**bad)
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ({"prompt": "x", "stop": ["a"] * 1000}, "stop: List should have at most 64 items"),
+        ({"prompt": [-5]}, "prompt.0: Input should be greater than or equal to 0"),
+        ({"prompt": "x", "stop": "a" * 5000}, "stop: String should have at most 4096 characters"),
+        ({"prompt": "x", "max_tokens": -1, "n": 0}, "max_tokens: Input should be greater"),
+    ],
+)
+def test_a_refused_body_names_the_bound_it_broke(body: dict[str, Any], said: str) -> None:
+    """A field of several forms (a string or a list) fails once per form: the message is the
+    form the value has and the bound it broke, not "stop.constrained-str: Input should be a
+    valid string (and 1 more)"."""
+    from rollpatch.serving.schema import validate_body
+
+    with pytest.raises(ConfigError) as err:
+        validate_body("/v1/completions", body)
+    assert said in err.value.message and "constrained" not in err.value.message, err.value

@@ -92,7 +92,14 @@ Route = Literal["/v1/completions", "/v1/chat/completions"]
 
 
 def _where(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(p) for p in loc) or "body"
+    """A field's path, without the tags pydantic gives the forms of a union (``str``,
+    ``list[int]``, ``constrained-str``)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not _is_form(str(p))]
+    return ".".join(parts) or "body"
+
+
+def _is_form(part: str) -> bool:
+    return "[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict")
 
 
 def validate_body(route: str, body: dict[str, Any]) -> _Sampling:
@@ -101,12 +108,14 @@ def validate_body(route: str, body: dict[str, Any]) -> _Sampling:
     try:
         return ROUTES[route].model_validate(body)
     except ValidationError as e:
-        first = e.errors(include_url=False, include_input=False)[0]
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ConfigError(
-            f"request body: {_where(first['loc'])}: {first['msg']}{more}",
-            field=_where(first["loc"]),
-        ) from None
+        errors = e.errors(include_url=False, include_input=False)
+        # a field of several forms fails once per form: the error of the form the value has
+        # (a bound it broke) says more than "should be a valid string" of the others
+        first = next((x for x in errors if not str(x["type"]).endswith("_type")), errors[0])
+        where = _where(first["loc"])
+        fields = {_where(x["loc"]).split(".")[0] for x in errors}
+        more = f" (and {len(fields) - 1} more fields)" if len(fields) > 1 else ""
+        raise ConfigError(f"request body: {where}: {first['msg']}{more}", field=where) from None
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:

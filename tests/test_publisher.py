@@ -307,14 +307,14 @@ def test_served_snapshot_on_threads_is_the_cast(fmt: str, monkeypatch: pytest.Mo
     still refused by name."""
     import ml_dtypes
 
-    from rollpatch.publisher import writer
-    from rollpatch.publisher.writer import snapshot_served
+    from rollpatch.publisher import snapshot
+    from rollpatch.publisher.snapshot import snapshot_served
 
     masters = random_masters(5, n=6)
     masters["emb"] = masters.pop("model.norm.weight").astype(ml_dtypes.bfloat16)  # a no-op cast
     cfg = PublisherConfig(format=fmt)
     expected = cast_view(masters, fmt)
-    monkeypatch.setattr(writer, "_THREADED_CAST_MIN", 0)  # small masters, threaded anyway
+    monkeypatch.setattr(snapshot, "_THREADED_CAST_MIN", 0)  # small masters, threaded anyway
     for threads in ("1", "3"):
         monkeypatch.setenv("ROLLPATCH_THREADS", threads)
         view = snapshot_served(masters, cfg)

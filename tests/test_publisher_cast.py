@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from rollpatch.errors import FormatError
 from rollpatch.formats import cast_view
 from rollpatch.formats.floats import BF16_NAN, f32_to_bf16_bits
-from rollpatch.publisher import Publisher, PublisherConfig, writer
+from rollpatch.publisher import Publisher, PublisherConfig, snapshot
 from rollpatch.publisher.cast import CAST_CHUNK, bf16_words, castable, host_words
 from rollpatch.store import MemoryStore
 from tests.pubfix import RUN, random_masters
@@ -95,15 +95,15 @@ def test_snapshot_with_torch_is_formats_cast(fmt: str, monkeypatch: pytest.Monke
     cfg = PublisherConfig(format=fmt)
     expected = cast_view(masters, fmt)
     calls: list[int] = []
-    cast = writer._torch_cast()
+    cast = snapshot._torch_cast()
     assert cast is not None
     monkeypatch.setattr(
         cast, "host_words", lambda a, out=None: calls.append(a.size) or host_words(a, out)
     )
     for torch_on in (True, False):
         if not torch_on:
-            monkeypatch.setattr(writer, "_torch_cast", lambda: None)
-        view = writer.snapshot_served(masters, cfg)
+            monkeypatch.setattr(snapshot, "_torch_cast", lambda: None)
+        view = snapshot.snapshot_served(masters, cfg)
         assert list(view) == list(expected) and view.metadata == expected.metadata
         for name, t in view.items():
             assert t.kind == expected[name].kind and t.shape == expected[name].shape, name

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from rollpatch.board import Board
 from rollpatch.formats import cast_view
-from rollpatch.publisher import Publisher, PublisherConfig, writer
+from rollpatch.publisher import Publisher, PublisherConfig, snapshot
 from rollpatch.publisher.cast import host_words
 from rollpatch.publisher.wordpool import WordPool
 from rollpatch.store import MemoryStore
@@ -85,11 +85,11 @@ def test_snapshots_through_the_pool_are_the_cast_and_never_overwrite_a_held_view
     pool = WordPool()
     cfg = PublisherConfig(format="bf16")
     masters = random_masters(5, n=2)
-    held = writer.snapshot_served(masters, cfg, pool)
+    held = snapshot.snapshot_served(masters, cfg, pool)
     first = {k: t.data.copy() for k, t in held.items()}
     for seed in range(3):
         nudge(masters, seed)
-        view = writer.snapshot_served(masters, cfg, pool)
+        view = snapshot.snapshot_served(masters, cfg, pool)
         expected = cast_view(masters, "bf16")
         for name, t in view.items():
             assert np.array_equal(t.data, expected[name].data), name

@@ -35,6 +35,9 @@ class GcReport:
     objects_deleted: list[str] = field(default_factory=list)
     orphans_deleted: list[str] = field(default_factory=list)
     bytes_freed: int = 0
+    #: The cutoff's keyframe when the kept versions' own line lay above it (they are rebuilt
+    #: from it); None when the line itself is the cutoff.
+    keyframe_floor: int | None = None
     #: Versions below the cutoff whose manifest could not be read: ``(version, reason)``.
     #: Their objects were not deleted with them; unreferenced, they go as orphans later.
     unreadable: list[tuple[int, str]] = field(default_factory=list)
@@ -62,6 +65,7 @@ def collect(
         kfs = [k for k in board.keyframes(run) if k <= min(line, latest.version)]
         cutoff = min(line, kfs[-1]) if kfs else min(versions, default=0)
         report.cutoff = cutoff
+        report.keyframe_floor = cutoff if cutoff < line else None
         keep = [v for v in versions if v >= cutoff]
         referenced = _referenced(board, run, keep)
         deleted: set[str] = set()

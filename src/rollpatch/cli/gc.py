@@ -72,10 +72,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print()
         return 0
     verb = "would delete" if args.dry_run else "deleted"
-    line = max(versions, default=0) - args.keep_last
     why = ""
-    if report.cutoff < min([line, *args.pin]) and versions:  # held back to a keyframe
-        why = f" (v{report.cutoff}: the keyframe the kept versions are rebuilt from)"
+    if report.keyframe_floor is not None:
+        why = f" (v{report.keyframe_floor}: the keyframe the kept versions are rebuilt from)"
     print(
         f"{args.run}: keeping versions >= {report.cutoff}{why}; {verb} "
         f"{len(report.versions_deleted)} versions, {len(report.objects_deleted)} objects, "

@@ -16,7 +16,7 @@ from .config import PublisherConfig, PublisherStats, VersionStats
 from .core import Publisher
 from .reconstruct import apply_step, load_keyframe, merge_shard_patches, reconstruct
 from .sharded_slices import TensorSlice
-from .writer import snapshot_state
+from .snapshot import snapshot_state
 
 __all__ = [
     "Publisher",

@@ -274,7 +274,7 @@ def has_step(view: View, prev: View) -> bool:
 class HostSnapshots:
     """One publisher's host snapshots of the served view: the words in ``pool`` (reused once
     free), cast by :func:`snapshot_native` (compared with the last snapshot when ``compare``)
-    or else by ``writer.snapshot_served``; one snapshot at a time."""
+    or else by ``snapshot.snapshot_served``; one snapshot at a time."""
 
     def __init__(self, pool: WordPool) -> None:
         self.pool = pool
@@ -284,7 +284,7 @@ class HostSnapshots:
     def take(
         self, state_dict: Mapping[str, Any], config: PublisherConfig, *, compare: bool
     ) -> View:
-        from .writer import snapshot_served  # the writer imports the pipeline, which imports us
+        from .snapshot import snapshot_served  # it imports us: imported when first used
 
         with self._lock:
             last = self._last if compare else None

@@ -9,11 +9,8 @@ publishing it (docs/publisher.md, "Sharding protocol").
 
 from __future__ import annotations
 
-import atexit
-import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -23,16 +20,17 @@ from ..errors import ConfigError, FormatError
 from ..types import check_run
 from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
+from .exiting import close_at_exit
 from .rounds import Snapshot, agree, next_version, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
+from .snapshot import check_masters, snapshot_state
 from .wordpool import WordPool
-from .writer import VersionWriter, check_masters, snapshot_state
+from .writer import VersionWriter
 
 __all__ = ["Publisher", "snapshot_state"]
 
-_LIVE: weakref.WeakSet[Publisher] = weakref.WeakSet()
 
 #: Seconds after LATEST names a version until the worker composes its step into the skip
 #: accumulators (or the next build does, if sooner): work for later skip patches, kept out of
@@ -114,8 +112,7 @@ class Publisher:
                 target=self._work, daemon=True, name=f"rollpatch-publisher-{self.run}"
             )
             self._worker.start()
-            _LIVE.add(self)
-            _hook_exit()
+            close_at_exit(self)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -390,34 +387,3 @@ class Publisher:
         if isinstance(snap.masters, CastView):
             snap.masters.step = None  # the cast's changes, if the pipeline did not take them
         snap.masters = {}  # free the host copy early
-
-
-def _hook_exit() -> None:
-    """Have :func:`_close_all` run at interpreter exit *before* Python's thread pools stop
-    taking work. ``concurrent.futures`` refuses new work from a ``threading`` exit callback
-    it registers on import, and those callbacks run before ``atexit``'s, newest first: one
-    registered after it (here, when a publisher starts) runs before it. As a plain
-    ``atexit`` hook, every version still pending at exit failed ("cannot schedule new
-    futures after interpreter shutdown") and was lost."""
-    global _HOOKED
-    if _HOOKED:
-        return
-    import concurrent.futures.thread  # noqa: F401 (its exit callback first: ours runs before)
-
-    try:
-        threading._register_atexit(_close_all)  # type: ignore[attr-defined]
-    except (AttributeError, RuntimeError):  # another Python, or already shutting down
-        atexit.register(_close_all)
-    _HOOKED = True
-
-
-_HOOKED = False
-
-
-def _close_all() -> None:
-    """Publish what is pending at interpreter exit; report, never hide, errors."""
-    for pub in list(_LIVE):
-        try:
-            pub.close()
-        except Exception as e:  # noqa: BLE001 (at exit no caller is left to raise to)
-            print(f"rollpatch: publisher for run {pub.run!r} failed: {e}", file=sys.stderr)

@@ -40,10 +40,9 @@ from .device import (
 )
 from .pipeline import ShardPipeline, _lap
 from .result import ShardResult
+from .snapshot import check_dtype
 
 __all__ = ["DeviceShardPipeline", "DeviceView", "snapshot_device"]
-
-_MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class DeviceView(Mapping[str, DeviceTensor]):
@@ -91,12 +90,7 @@ def snapshot_device(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
                 t = torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
             else:
                 t = torch.from_numpy(np.array(arr, copy=True, order="C"))
-        if t.dtype not in _MASTER_DTYPES:
-            raise ConfigError(
-                f"cannot publish {t.dtype} tensor {name!r}",
-                hint="publish float32/bfloat16/float16 parameters only; leave "
-                "buffers and integer tensors out of the state dict",
-            )
+        check_dtype(name, str(t.dtype).removeprefix("torch."))
         out[name] = t
     return out
 

@@ -43,6 +43,7 @@ from . import tp as tp_ops
 from . import tpencoded
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
+from .wire import step_files
 from .words import RemoteWords
 
 if TYPE_CHECKING:
@@ -177,11 +178,7 @@ class SglangEngine(EngineAdapter):
             self._require_loaded()
             write_decoded(patch, path)
             if self.tp > 1:  # every rank stages its part; their sum is proven here
-                t0 = time.perf_counter()
-                args = (self.channel, patch, path, self._digest, self.tensors(), self.writes)
-                staged, r = tp_ops.stage_update(*args)
-                self._timed(t0, r)
-                return staged
+                return self._on_ranks(tp_ops.stage_update, patch, path)
             call = {"paths": [str(path)], "base": patch.base, "target": patch.target}
             return self._stage("stage_decoded", call, targets, patch.base, patch.target)
 
@@ -196,12 +193,7 @@ class SglangEngine(EngineAdapter):
         if self.tp > 1:
             with self._lock:
                 self._require_loaded()
-                t0 = time.perf_counter()
-                args = (self._digest, self.tensors(), self.writes, self.channel.shm)
-                got = tpencoded.stage_encoded(self.channel, steps, *args)
-                if got is not None:
-                    self._timed(t0, got[1])
-                return None if got is None else got[0]
+                return self._on_ranks(tpencoded.stage_encoded, steps, fresh=self.channel.shm)
         targets: dict[str, str | None] = {}
         for blob in (b for s in steps for b in s.blobs):
             entries = inspect(blob).tensors
@@ -211,14 +203,7 @@ class SglangEngine(EngineAdapter):
         n = sum(len(s.blobs) for s in steps)
         with self._lock, self.channel.scratch.files("blob", n) as paths:
             self._require_loaded()
-            spec, files = [], iter(paths)
-            for step in steps:
-                where = [next(files) for _ in step.blobs]
-                for path, blob in zip(where, step.blobs, strict=True):
-                    path.write_bytes(blob)
-                spec.append(
-                    {"paths": [str(p) for p in where], "base": step.base, "target": step.target}
-                )
+            spec = step_files(steps, iter(paths))
             base, target = steps[0].base, steps[-1].target
             return self._stage("stage_encoded", {"steps": spec}, targets, base, target)
 
@@ -308,6 +293,16 @@ class SglangEngine(EngineAdapter):
                 "buffers": int(r.get("buffers", 0)),
             },
         )
+
+    def _on_ranks(self, stage: Any, what: Any, *args: Any, **kw: Any) -> StagedUpdate | None:
+        """TP > 1: ``stage(channel, what, *args, root, tensors, mode, **kw)`` on every rank,
+        timed (None: the ranks do not take ``what``)."""
+        t0 = time.perf_counter()
+        got = stage(self.channel, what, *args, self._digest, self.tensors(), self.writes, **kw)
+        if got is None:
+            return None
+        self._timed(t0, got[1])
+        return got[0]
 
     def _timed(self, t0: float, r: Mapping[str, Any]) -> None:
         """A staging's timings: here (``stage_s``) and inside SGLang (:attr:`last_stage_ms`)."""

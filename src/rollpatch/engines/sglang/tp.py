@@ -37,7 +37,16 @@ from .wire import result
 if TYPE_CHECKING:
     from ..staged import StagedUpdate, WriteMode
 
-__all__ = ["commit", "export", "held", "release", "stage", "stage_parts", "stage_update"]
+__all__ = [
+    "commit",
+    "covered",
+    "export",
+    "held",
+    "release",
+    "stage",
+    "stage_parts",
+    "stage_update",
+]
 
 
 def held(
@@ -60,7 +69,7 @@ def export(
     kind, shape = get_kind(str(kind_shape[0])), tuple(int(d) for d in kind_shape[1])
     rows = shape[0] if shape else 1
     cols = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-    covered = np.zeros(rows, dtype=bool), np.zeros(cols, dtype=bool)
+    placed: list[Mapping[str, Any]] = []
     out: np.ndarray
     shared = shared and rows * cols > 0  # nothing to map
     if shared:
@@ -80,8 +89,7 @@ def export(
                 else ch.control("export", rank=r, name=name, path=str(scratch), into=False)
             )
             dim, start, length = int(info["dim"]), int(info["start"]), int(info["length"])
-            if dim not in (0, 1):
-                raise EngineError("a rank placed its block on no known axis", tensor=name)
+            placed.append(info)
             if not shared:
                 block = load_view(scratch)[name].data
                 scratch.unlink()
@@ -89,12 +97,25 @@ def export(
                     out[start : start + length] = block.reshape(length, cols)
                 else:
                     out[:, start : start + length] = block.reshape(rows, length)
-            covered[dim][start : start + length] = True
     finally:
         scratch.unlink(missing_ok=True)  # a shared buffer stays mapped here until dropped
-    if not (covered[0].all() or covered[1].all()):
-        raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)
+    covered(name, shape, placed)
     return Tensor(kind, shape, out.reshape(-1))
+
+
+def covered(name: str, shape: Sequence[int], placed: Sequence[Mapping[str, Any]]) -> None:
+    """The ranks' blocks of ``name`` (``dim``, ``start``, ``length`` each) tile one axis of it
+    (replicas may overlap); EngineError otherwise."""
+    rows = int(shape[0]) if len(shape) else 1
+    cols = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    cover = np.zeros(rows, dtype=bool), np.zeros(cols, dtype=bool)
+    for p in placed:
+        dim, start, length = int(p["dim"]), int(p["start"]), int(p["length"])
+        if dim not in (0, 1):
+            raise EngineError("a rank placed its block on no known axis", tensor=name)
+        cover[dim][start : start + length] = True
+    if not (cover[0].all() or cover[1].all()):
+        raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)
 
 
 def stage(

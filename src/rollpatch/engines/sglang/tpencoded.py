@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError
+from ...errors import BaseMismatchError
 from ...kinds import get_kind
 from ...patch import inspect
 from ..catchup import decodes_in_place
 from . import tp as tp_ops
 from .channel import SglangChannel
 from .slices import combine, combine_state
+from .wire import step_files
 
 if TYPE_CHECKING:
     from ..staged import EncodedStep, StagedUpdate, WriteMode
@@ -114,14 +115,7 @@ def stage_encoded(
         return made[-1]
 
     try:
-        spec = []
-        for step in steps:
-            where = [new("blob") for _ in step.blobs]
-            for path, blob in zip(where, step.blobs, strict=True):
-                path.write_bytes(blob)
-            spec.append(
-                {"paths": [str(p) for p in where], "base": step.base, "target": step.target}
-            )
+        spec = step_files(steps, iter(lambda: new("blob"), None))
         parts: dict[int, list[str]] = {r: [] for r in range(ch.tp)}
         gather_ms = decode_ms = 0.0
         for batch in _batches(first, size, tensors):
@@ -132,7 +126,7 @@ def stage_encoded(
             t1 = time.perf_counter()
             placed = ch.controls("export_blocks", items=[[n, str(p)] for n, p in wholes.items()])
             for n in batch:
-                _covered(n, tensors[n][1], [a["placed"][n] for a in placed])
+                tp_ops.covered(n, tensors[n][1], [a["placed"][n] for a in placed])
             t2 = time.perf_counter()
             outs = {str(o): [str(new("decoded")) for _ in range(ch.tp)] for o in range(ch.tp)}
             answers = ch.controls(
@@ -176,17 +170,3 @@ def _batches(
         out[-1].append(n)
         held += nbytes
     return out
-
-
-def _covered(name: str, shape: Sequence[int], placed: list[Mapping[str, Any]]) -> None:
-    """The ranks' blocks of ``name`` tile one axis of it (replicas may overlap)."""
-    rows = int(shape[0]) if len(shape) else 1
-    cols = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-    covered = np.zeros(rows, dtype=bool), np.zeros(cols, dtype=bool)
-    for p in placed:
-        dim, start, length = int(p["dim"]), int(p["start"]), int(p["length"])
-        if dim not in (0, 1):
-            raise EngineError("a rank placed its block on no known axis", tensor=name)
-        covered[dim][start : start + length] = True
-    if not (covered[0].all() or covered[1].all()):
-        raise EngineError("the ranks' blocks do not cover the tensor", tensor=name)

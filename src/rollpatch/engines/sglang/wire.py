@@ -32,7 +32,15 @@ from typing import Any
 
 from ...errors import EngineError, engine_error
 
-__all__ = ["MAX_LINE", "command_payload", "http_json", "read_line", "request", "result"]
+__all__ = [
+    "MAX_LINE",
+    "command_payload",
+    "http_json",
+    "read_line",
+    "request",
+    "result",
+    "step_files",
+]
 
 _MAX_BODY = 64 * 1024 * 1024
 
@@ -140,3 +148,16 @@ def result(r: Mapping[str, Any]) -> dict[str, Any]:
         e = r.get("error") or {}
         raise engine_error(e, engine="sglang", what="SGLang extension")
     return dict(r)
+
+
+def step_files(steps: Any, paths: Any) -> list[dict[str, Any]]:
+    """The steps of a chain (``blobs``, ``base``, ``target`` each) written to files, one per
+    object, in order from the iterator ``paths``: what a ``stage_encoded`` or
+    ``decode_owned`` command names (each step's ``paths``, ``base``, ``target``)."""
+    spec = []
+    for step in steps:
+        where = [next(paths) for _ in step.blobs]
+        for path, blob in zip(where, step.blobs, strict=True):
+            Path(path).write_bytes(blob)
+        spec.append({"paths": [str(p) for p in where], "base": step.base, "target": step.target})
+    return spec

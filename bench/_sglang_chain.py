@@ -18,12 +18,14 @@ def view_of(world: World, v: int) -> Any:
 
 
 def phase_chain(world: World, engine: Any, n: int, reps: int) -> dict[str, list[dict[str, float]]]:
-    """The catch-up of a replica ``n`` behind, from v0 to v``n``, two ways alternated
+    """The catch-up of a replica ``n`` behind, from v0 to v``n``, the ways alternated
     ``reps`` times, each from a fresh load of v0: ``inside`` — the ``n`` step patches
-    in one ``stage_encoded``, decoded inside SGLang step after step; ``follower`` — what the
-    follower did before SGLang took chains: each step decoded here against the engine's words
-    (exported from SGLang tensor by tensor through files) under an overlay of the steps
-    before it, composed, and staged as one decoded patch (``stage``)."""
+    in one ``stage_encoded``, decoded inside SGLang step after step; ``folded`` (``n >= 2``
+    with ``world.fold_every``: v0 is the anchor) — the one folded patch v0 → v``n`` the
+    run published, in one ``stage_encoded``, what the follower's plan takes; ``follower`` —
+    what the follower did before SGLang took chains: each step decoded here against the
+    engine's words (exported from SGLang tensor by tensor through files) under an overlay of
+    the steps before it, composed, and staged as one decoded patch (``stage``)."""
     from rollpatch.engines.staged import EncodedStep
     from rollpatch.patch import compose, decode
     from rollpatch.patch.overlay import Overlay
@@ -38,6 +40,13 @@ def phase_chain(world: World, engine: Any, n: int, reps: int) -> dict[str, list[
             raise BenchError("SGLang did not take the chain (stage_encoded gave None)")
         return staged
 
+    def folded() -> Any:
+        step = EncodedStep((world.patch_blob(n, base=0),), world.digests[0], world.digests[n])
+        staged = engine.stage_encoded([step], n)
+        if staged is None:
+            raise BenchError("SGLang did not take the folded patch (stage_encoded gave None)")
+        return staged
+
     def follower() -> Any:
         words = engine.words()
         patch = decode(world.patch_blob(1), words, check_base=False)
@@ -47,9 +56,12 @@ def phase_chain(world: World, engine: Any, n: int, reps: int) -> dict[str, list[
             )
         return engine.stage(patch, n)
 
-    out: dict[str, list[dict[str, float]]] = {"inside": [], "follower": []}
+    ways = [("inside", inside), ("follower", follower)]
+    if n >= 2 and world.fold_every:
+        ways.insert(1, ("folded", folded))
+    out: dict[str, list[dict[str, float]]] = {name: [] for name, _ in ways}
     for r in range(reps):
-        for name, fn in (("inside", inside), ("follower", follower))[:: 1 if r % 2 == 0 else -1]:
+        for name, fn in ways[r % len(ways) :] + ways[: r % len(ways)]:
             engine.load(view_of(world, 0), 0)
             t0 = time.perf_counter()
             staged = fn()

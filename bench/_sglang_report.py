@@ -149,6 +149,8 @@ def render(ctx: dict[str, Any]) -> str:
     for n in sorted({int(k[len("inside") :]) for k in ch if k.startswith("inside")}):
         what = "one step" if n == 1 else "chain"
         rows.append(row(f"{n} behind from v0: {what} decoded in SGLang", ch[f"inside{n}"]))
+        if f"folded{n}" in ch:
+            rows.append(row(f"{n} behind from v0 (anchor): folded patch", ch[f"folded{n}"]))
         rows.append(row(f"{n} behind from v0: follower, exported words", ch[f"follower{n}"]))
     t4 = table(
         [

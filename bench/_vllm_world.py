@@ -118,7 +118,9 @@ class World:
     def checkpoint(self, v: int) -> Path:
         return self.root / f"ckpt-{v:04d}"
 
-    def patch_blob(self, v: int) -> bytes:
+    def patch_blob(self, v: int, base: int | None = None) -> bytes:
+        """Version ``v``'s patch object from ``base`` (default: its parent; a folded patch
+        from its anchor with ``fold_every``)."""
         board = Board(self.board)
-        (po,) = board.manifest(RUN, v).patches_from(v - 1)
+        (po,) = board.manifest(RUN, v).patches_from(v - 1 if base is None else base)
         return board.fetch(po.ref)

@@ -45,11 +45,14 @@ the live words: the codec's own pass; inside SGLang, by the owner ranks at TP > 
 parameter), *buffers* (double-buffered copies written and read back), *transfer* (the rest of
 the adapter's call: the patch written to a file, the control socket, the answer).
 
-**Catch-up** (``CHAIN_REPS`` times each way, alternated, each from a fresh load of v0):
-1 behind and ``--versions`` behind, ``stage_encoded`` (decoded inside SGLang) against what the
-follower does when SGLang does not take a plan: each step decoded in the bench's process
-against the words exported from SGLang tensor by tensor (gathered from every rank at
-TP > 1), composed, staged as one decoded patch.
+**Catch-up** (``CHAIN_REPS`` times each way, rotated, each from a fresh load of v0):
+1 behind and ``--versions`` behind, ``stage_encoded`` (decoded inside SGLang) of the step
+patches' chain and (``--fold-every``, default 8: v0 is the anchor) of the one folded patch
+v0 → vN the run published, which is what the follower's plan takes from an anchor (a
+keyframe boot, a replica that stopped at a multiple of 8), against what the follower does
+when SGLang does not take a plan: each step decoded in the bench's process against the
+words exported from SGLang tensor by tensor (gathered from every rank at TP > 1),
+composed, staged as one decoded patch.
 
 **Pause breakdown** (medians, ms): the pause by route (``pause_parts``): SGLang's pause and
 continue, its weight-update session (opened once and left open: 0 under a commit's pause),
@@ -174,17 +177,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_world_args(ap, versions=5, hidden=512, layers=4)
     ap.add_argument("--tp", type=int, default=1, help="SGLang's --tp-size (default 1)")
+    ap.add_argument(
+        "--fold-every",
+        type=int,
+        default=8,
+        help="PublisherConfig.fold_every of the run (default 8: the catch-up from v0 is also "
+        "timed as the one folded patch the follower's plan takes; 0: step patches only)",
+    )
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     if args.versions < 1:
         ap.error("--versions must be >= 1")
+    if args.fold_every < 0:
+        ap.error("--fold-every must be >= 0")
     from rollpatch.engines.sglang import SglangEngine
 
     mach, load0, t_start = machine(), os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rp-bench-sglang-") as tmp:
         root = Path(tmp)
         log(f"building the model and publishing v0..v{args.versions}")
-        world = World(root, args.lr, args.versions, model_dims(args.hidden, args.layers))
+        world = World(
+            root, args.lr, args.versions, model_dims(args.hidden, args.layers), args.fold_every
+        )
         log("starting SGLang on v0's checkpoint")
         server = Server(world.checkpoint(0), root / "sglang.log", tp=args.tp)
         engine = None
@@ -224,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "wall_s": time.perf_counter() - t_start,
             "world": {
                 "dims": world.dims,
+                "fold_every": world.fold_every,
                 "changed": world.changed,
                 "params": world.params,
                 "patch_bytes": world.patch_bytes,

@@ -89,17 +89,29 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
     assert [outcome(s) for s in (200, 409, 503, None, 502, 404, 500)] == list(OUTCOMES)
 
     sc = SidecarMetrics()
-    status = type("S", (), {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1})
+    fields = {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1}
+    status = type("S", (), {**fields, "failures": 2, "last_error": None})
     sc.update(status)
-    status.version, status.latest, status.lag = None, None, None
-    sc.update(status)  # unknown: the last known values stay
     sc.request("proxied", 0.01)
     text = sc.render().decode()
     for line in (
         "rollpatch_served_version 3.0",
         "rollpatch_latest_version 5.0",
         "rollpatch_lag_versions 2.0",
+        "rollpatch_sync_failures 2.0",
+        "rollpatch_sync_failing 0.0",
         'rollpatch_requests_total{outcome="proxied"} 1.0',
+    ):
+        assert line in text.splitlines()
+    status.version, status.latest, status.lag = None, None, None
+    status.last_error = "EngineError: x"
+    sc.update(status)  # none verified: -1, as the gateway says it; an unknown lag stays
+    text = sc.render().decode()
+    for line in (
+        "rollpatch_served_version -1.0",
+        "rollpatch_latest_version -1.0",
+        "rollpatch_lag_versions 2.0",
+        "rollpatch_sync_failing 1.0",
     ):
         assert line in text.splitlines()
 

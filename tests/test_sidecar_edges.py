@@ -152,7 +152,16 @@ def test_ready_says_why_no_version_loads(world: World) -> None:
             assert r.status_code == 503
             said = r.json()["error"]["message"]
             time.sleep(0.05)
-        assert "tensor names differ" in said, said
+        # refused from the keyframe's header: the run's tensor is named, nothing fetched
+        assert "IncompatibleModelError" in said and "'x.weight'" in said, said
+        assert "start the engine with the model this run trains" in said
+        r = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and "IncompatibleModelError" in r.json()["error"]["message"]
+        version = httpx.get(f"{sc.url}/version").json()
+        assert version["served"] is None and version["bytes_fetched"] == 0
+        metrics = httpx.get(f"{sc.url}/metrics").text
+        assert "rollpatch_served_version -1.0" in metrics  # none, not version 0
+        assert "rollpatch_sync_failing 1.0" in metrics
     finally:
         sc.stop()
 

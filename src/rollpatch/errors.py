@@ -27,6 +27,7 @@ them to HTTP statuses; the CLI to exit codes)::
     │   ├── VersionNotFoundError    no such version on the board
     │   └── NoPathError             no plan reaches the wanted version
     ├── EngineError                 an engine adapter failed (load, apply, digest)
+    │   └── IncompatibleModelError  the engine's model cannot hold the run's tensors
     └── NotReadyError               a component is not ready to serve (maps to 503)
 """
 
@@ -44,6 +45,7 @@ __all__ = [
     "ConflictError",
     "EngineError",
     "FormatError",
+    "IncompatibleModelError",
     "LimitError",
     "ManifestError",
     "NoPathError",
@@ -190,6 +192,12 @@ class EngineError(RollpatchError):
     """An engine adapter failed to load, apply or digest."""
 
 
+class IncompatibleModelError(EngineError):
+    """The engine's model cannot hold the run's versions: a tensor name, dtype or shape of
+    the run's keyframe differs from the model the engine was started with. No retry changes
+    it (until the run publishes another layout); the follower remembers it per keyframe."""
+
+
 class NotReadyError(RollpatchError):
     """A component is not ready to serve yet (loading, recovering)."""
 
@@ -205,6 +213,7 @@ _ENGINE_PASS_THROUGH = {
     "ViewError",
     "VerificationError",
     "EngineError",
+    "IncompatibleModelError",
 }
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 
 import numpy as np
 
+from .engines.fit import FitCheck
 from .errors import BaseMismatchError, ManifestError, VerificationError
 from .io import view_from_bytes
 from .manifest import Manifest, PatchObject, SlicedTensor, SliceEntry
@@ -38,26 +39,38 @@ from .view import Tensor, View, WordSource, tensor_digest
 __all__ = ["decode_object", "decode_step", "encoded_step", "keyframe_view"]
 
 
-def keyframe_view(m: Manifest, source: MutableMapping[str, bytes] | Callable[..., View]) -> View:
+def keyframe_view(
+    m: Manifest,
+    source: MutableMapping[str, bytes] | Callable[..., View],
+    check: FitCheck | None = None,
+) -> View:
     """Merge the keyframe shards of ``m`` into one view whose root digest is ``m.target``.
 
     ``source``: fetched blobs (each released once parsed), or a function that reads one shard
-    as a verified view (``Board.fetch_view``: tensor by tensor, the view plus one chunk; for
-    sliced tensors it takes ``into=`` and reads each slice straight into its whole tensor).
+    as a verified view (``Board.fetch_view``: tensor by tensor, the view plus one chunk; it
+    takes ``into=`` and reads each slice of a sliced tensor straight into its whole tensor).
+    ``check``: the engine's tensors, checked against each shard's header before its tensors
+    are read (and against the sliced tensors' manifest entries first), and the name sets
+    once every shard is read (:class:`IncompatibleModelError`).
     """
     tensors: dict[str, Tensor] = {}
     meta: dict[str, str] = {}
     wholes = {t.name: t for t in m.sliced}
     raw: dict[str, np.ndarray] = {}  # the sliced tensors' bytes, read into in place
+    if check is not None:
+        for w in m.sliced:
+            check.tensor(w.name, w.dtype, tuple(w.shape))
     for k in sorted(m.keyframes, key=lambda k: k.shard):
+        slices = m.slices_of(k.shard)
         if not callable(source):
             part = view_from_bytes(source.pop(k.ref.key))
-        elif m.sliced:
-            part = source(k.ref, into=_into(wholes, m.slices_of(k.shard), raw))
+            for name, t in part.items():
+                if check is not None and name not in slices:
+                    check.tensor(name, t.dtype, tuple(t.shape))
         else:
-            part = source(k.ref)
+            into = _checked(_into(wholes, slices, raw) if m.sliced else None, slices, check)
+            part = source(k.ref) if into is None else source(k.ref, into=into)
         meta.update(part.metadata)
-        slices = m.slices_of(k.shard)
         for name, entry in slices.items():  # in the whole tensor (read there, or copied)
             _place(m, tensors, wholes[name], entry, part.get(name), raw.get(name))
             del part[name]
@@ -67,6 +80,8 @@ def keyframe_view(m: Manifest, source: MutableMapping[str, bytes] | Callable[...
                 "keyframe shards overlap", run=m.run, version=m.version, tensor=min(overlap)
             )
         tensors.update(part.items())
+    if check is not None:
+        check.names(tensors)
     view = View(tensors, meta)
     if view.digest() != m.target:
         raise VerificationError(
@@ -77,6 +92,24 @@ def keyframe_view(m: Manifest, source: MutableMapping[str, bytes] | Callable[...
             actual=view.digest()[:16],
         )
     return view
+
+
+def _checked(
+    inner: Callable[[str, str, tuple[int, ...], int], np.ndarray | None] | None,
+    slices: Mapping[str, SliceEntry],
+    check: FitCheck | None,
+) -> Callable[[str, str, tuple[int, ...], int], np.ndarray | None] | None:
+    """``inner`` (where slices are read to), with each other tensor of the shard's header
+    checked against the engine's first (None: nothing to check, nothing to place)."""
+    if check is None:
+        return inner
+
+    def into(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> np.ndarray | None:
+        if name not in slices:  # a slice's shape is its own: its whole tensor is checked
+            check.tensor(name, dtype, tuple(shape))
+        return None if inner is None else inner(name, dtype, shape, nbytes)
+
+    return into
 
 
 def _into(

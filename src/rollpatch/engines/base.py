@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from ..errors import EngineError
 from ..patch import Patch
 from ..view import View, WordSource
+from .fit import ModelTensors
 from .staged import AuditReport, EncodedStep, StagedUpdate
 
 __all__ = ["EngineAdapter"]
@@ -40,6 +41,12 @@ class EngineAdapter(ABC):
     @abstractmethod
     def words(self) -> WordSource:
         """Read-only access to the held tensors by name (the patch decoder's context)."""
+
+    def model_tensors(self) -> ModelTensors | None:
+        """Optional: every tensor the engine's model holds, name -> (safetensors dtype,
+        shape), so the follower refuses a keyframe of another model from its header, before
+        fetching it (:mod:`rollpatch.engines.fit`). None: not known (checked at load)."""
+        return None
 
     @abstractmethod
     def apply(self, patch: Patch, version: int) -> None:

@@ -96,7 +96,8 @@ class FollowerStatus:
     failure and are cleared by the next successful sync. Counters are cumulative; the
     ``*_s`` timings are of the most recent sync that got that far (``last_commit_s`` is the
     engine pause as the commit gate measured it: the one pause figure; ``last_stage_s`` the
-    staging done while the engine served). ``audits`` counts audit mismatches.
+    staging done while the engine served). ``audits`` counts audit mismatches, ``failures``
+    failed syncs (each retry of the background loop that failed counts).
     """
 
     state: FollowerState
@@ -114,3 +115,4 @@ class FollowerStatus:
     last_fetch_s: float | None
     last_stage_s: float | None
     audits: int = 0
+    failures: int = 0

@@ -27,6 +27,7 @@ from ..engines import EngineAdapter
 from ..engines.staged import AuditReport
 from ..errors import (
     BaseMismatchError,
+    IncompatibleModelError,
     ManifestError,
     NotReadyError,
     RollpatchError,
@@ -41,6 +42,7 @@ from ..view import View
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
+from .failures import FailureLog, Unfit
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .held import Held
 from .record import PastWanted, Record
@@ -109,6 +111,8 @@ class Follower:
             seen=lambda: self._rec.latest,
         )
         self._bad = BadObjects()  # corrupt objects: plans go around them
+        self._failures = FailureLog(log, self.run)  # one log line per failure, not per retry
+        self._unfit = Unfit()  # keyframes the engine's model cannot hold
         # LATEST, manifests and plans are read through a board whose store retries each read
         self._reader = Board(RetryingStore(self.board.store, self._retrier), trust=self.board.trust)
 
@@ -157,6 +161,7 @@ class Follower:
                 self._fail(e)
                 raise
             self._rec.set(FollowerState.IDLE, error=None)
+            self._failures.cleared()
             return v
 
     def _sync(self, want: int | None) -> int:
@@ -235,6 +240,29 @@ class Follower:
         manifests = {
             n: self._manifest(n) for s in plan.steps for n in (s.to, s.base) if n is not None
         }
+        boot = manifests[plan.steps[0].to] if plan.steps and plan.steps[0].is_keyframe else None
+        if boot is not None:  # found unfit for the engine's model before: not fetched again
+            self._unfit.check(boot)
+        try:
+            self._stage_commit(plan, manifests, have, want, avoid)
+        except IncompatibleModelError as e:
+            if boot is not None:
+                self._unfit.note(boot, e)
+            raise
+        anchor = anchor_evidence(manifests[want])
+        if anchor is not None:  # records older than a fold's base are no longer needed
+            self.engine.note_anchor(anchor)
+        return want
+
+    def _stage_commit(
+        self,
+        plan: Plan,
+        manifests: dict[int, Manifest],
+        have: int | None,
+        want: int,
+        avoid: frozenset[str],
+    ) -> None:
+        """Fetch, stage and commit ``plan`` (the rewind retried as a chain when refused)."""
         self._rec.set(FollowerState.FETCHING)
         t0 = time.monotonic()
         early = EarlyDecode.for_plan(self.engine, plan, manifests, have)
@@ -260,7 +288,8 @@ class Follower:
                 if plan.rewinds:  # nothing was written: the engine still holds ``have``
                     log.warning("%s@%s: rewind refused (%s); planning without", self.run, have, e)
                     del blobs
-                    return self._run_plan(have, want, avoid, rewind=False)
+                    self._run_plan(have, want, avoid, rewind=False)
+                    return
                 if not isinstance(e, (*_WRONG_BITS, ManifestError)):
                     raise
                 bad = refused_hop(e, self.engine, plan, manifests, have)
@@ -274,10 +303,6 @@ class Follower:
         del blobs
         self._rec.set(FollowerState.COMMITTING)
         self._commit(write, want, manifests[want])
-        anchor = anchor_evidence(manifests[want])
-        if anchor is not None:  # records older than a fold's base are no longer needed
-            self.engine.note_anchor(anchor)
-        return want
 
     def _commit(self, write: Callable[[], None], want: int, m: Manifest) -> None:
         """Run ``write`` through the commit gate (the one owner of the pause), check that the
@@ -349,6 +374,7 @@ class Follower:
             self.sync(latest)
         elif latest is not None and self._rec.state is FollowerState.ERROR:
             self._rec.set(FollowerState.IDLE, error=None)  # caught up again: healthy
+            self._failures.cleared()
 
     def _poll_failed(self, e: Exception) -> None:
         if self._rec.error is not e:  # sync has recorded its own failure already
@@ -357,7 +383,9 @@ class Follower:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _fail(self, e: BaseException) -> None:
-        log.warning("%s: sync failed: %s: %s", self.run, type(e).__name__, e)
+        self._failures.failed(e)
+        with self._cond:
+            self._rec.counts["failures"] += 1
         self._rec.set(FollowerState.ERROR, error=e)
 
     def _fetch_view(self, ref: ObjectRef, into: Any = None) -> View:

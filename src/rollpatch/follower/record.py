@@ -43,6 +43,7 @@ class Record:
             "reboots": 0,
             "retries": 0,
             "audits": 0,
+            "failures": 0,
         }
         self.timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
 
@@ -79,4 +80,5 @@ class Record:
                 last_fetch_s=t["fetch"],
                 last_stage_s=t["stage"],
                 audits=c["audits"],
+                failures=c["failures"],
             )

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..engines import EngineAdapter
+from ..engines.fit import FitCheck
 from ..engines.staged import EncodedStep, StagedUpdate
 from ..errors import NoPathError, ObjectIntegrityError
 from ..manifest import Manifest
@@ -63,11 +64,14 @@ class Stage:
         self.copied_bytes = 0
 
     def keyframe(
-        self, m: Manifest, source: MutableMapping[str, bytes] | Callable[[ObjectRef], View]
+        self,
+        m: Manifest,
+        source: MutableMapping[str, bytes] | Callable[..., View],
+        check: FitCheck | None = None,
     ) -> None:
-        """Boot from the keyframe of ``m`` (``source``: see :func:`keyframe_view`); earlier
-        staged steps are discarded."""
-        self.view = keyframe_view(m, source)
+        """Boot from the keyframe of ``m`` (``source``, ``check``: see :func:`keyframe_view`);
+        earlier staged steps are discarded."""
+        self.view = keyframe_view(m, source, check)
         self.patch = None
 
     def step(
@@ -105,7 +109,7 @@ def stage_plan(
     blobs: MutableMapping[str, bytes],
     have: int | None,
     want: int,
-    fetch_view: Callable[[ObjectRef], View],
+    fetch_view: Callable[..., View],
     early: Mapping[str, Patch] | None = None,
 ) -> Callable[[], None]:
     """Stage every step of ``plan`` (fetched ``blobs``; keyframe shards read through
@@ -147,8 +151,14 @@ def stage_plan(
     if staged is None:
         stage = Stage(engine.words() if have is not None else None)
         for step in plan.steps:
-            if step.base is None:
-                stage.keyframe(manifests[step.to], fetch_view)
+            if step.base is None:  # the engine's tensors checked from the keyframe's headers
+                held = engine.model_tensors()
+                fit = (
+                    None
+                    if held is None
+                    else FitCheck(held, engine=engine.name, run=plan.run, version=step.to)
+                )
+                stage.keyframe(manifests[step.to], fetch_view, fit)
             else:
                 stage.step(manifests[step.to], manifests[step.base], blobs, early)
         if stage.patch is not None:

@@ -11,7 +11,7 @@ __all__ = ["SidecarMetrics"]
 
 
 class SidecarMetrics:
-    """Versions, lag, bytes fetched, apply/pause durations, requests by outcome."""
+    """Versions (-1: none), lag, bytes fetched, apply/pause durations, requests by outcome."""
 
     def __init__(self) -> None:
         self._reg = r = Registry()
@@ -23,6 +23,13 @@ class SidecarMetrics:
             "rollpatch_bytes_fetched", "bytes fetched from the board (cumulative)"
         )
         self.commits = r.gauge("rollpatch_commits", "verified commits (cumulative)")
+        self.failures = r.gauge(
+            "rollpatch_sync_failures", "failed syncs, every retry counted (cumulative)"
+        )
+        self.failing = r.gauge(
+            "rollpatch_sync_failing",
+            "1 while the last sync failed (why: /ready and /version's last_error), else 0",
+        )
         self.pause = r.histogram(
             "rollpatch_commit_pause_seconds",
             "engine pause per commit",
@@ -56,9 +63,11 @@ class SidecarMetrics:
 
     def update(self, status: Any) -> None:
         """Refresh gauges from a FollowerStatus."""
-        self.versions.set(status.version, status.latest, status.lag)
+        self.versions.set(status.version, status.latest, status.lag, unknown=-1)
         self.bytes_fetched.set(status.bytes_fetched)
         self.commits.set(status.commits)
+        self.failures.set(status.failures)
+        self.failing.set(0 if status.last_error is None else 1)
 
     def render(self) -> bytes:
         return self._reg.render()

@@ -83,10 +83,11 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
         d = decide(c, served, latest)
     if d.action == "proxy":
         return None
-    if d.action == "unavailable":
+    if d.action == "unavailable":  # with why, as /ready says it (the last sync's failure)
+        reason = sc.not_ready_reason() or d.reason
         sc.metrics.request("unavailable")
-        event(log, "refused", status=503, reason=d.reason, served=None, latest=latest)
-        return error_response(503, d.reason, "not_ready", served=None, latest=latest)
+        event(log, "refused", status=503, reason=reason, served=None, latest=latest)
+        return error_response(503, reason, "not_ready", served=None, latest=latest)
     if d.action == "wait":
         wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
         assert d.need is not None

@@ -231,6 +231,7 @@ class Sidecar:
             "kv_across_commit": self.engine.kv_across_commit,
             "inflight": self.gate.inflight,
             "last_error": s.last_error,
+            "sync_failures": s.failures,
             "bytes_fetched": s.bytes_fetched,
             "commits": s.commits,
             "last_pause_s": self.gate.last_pause_s,

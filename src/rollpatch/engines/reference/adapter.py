@@ -19,6 +19,7 @@ from ...patch.ops import gather, scatter
 from ...view import Tensor, View, WordSource, sum128, sum128_digest
 from ..base import EngineAdapter
 from ..catchup import decode_in_place
+from ..fit import ModelTensors, tensors_of_view
 from ..rewind import REWIND_MAX_BYTES, RewindLog
 from ..staged import (
     AuditCursor,
@@ -143,6 +144,9 @@ class ReferenceEngine(EngineAdapter):
 
     def words(self) -> WordSource:
         return self.runtime.view
+
+    def model_tensors(self) -> ModelTensors:
+        return tensors_of_view(self.runtime.view)
 
     def apply(self, patch: Patch, version: int) -> None:
         """Stage and write under the forward lock (the contract's one-call commit)."""

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import ConfigError, EngineError
+from ...errors import ConfigError, EngineError, IncompatibleModelError
 from ...view import View
 from .binding import Storage, bind_params, bind_view, rebind, storage_for
 from .generation import GREEDY_BELOW, MAX_LOGPROBS, Generation, Progress, Step, pick_token
@@ -175,7 +175,7 @@ class ReferenceRuntime:
         mine = self.view
         if set(view) != set(mine):
             extra, missing = sorted(set(view) - set(mine)), sorted(set(mine) - set(view))
-            raise EngineError(
+            raise IncompatibleModelError(
                 "keyframe tensor names differ from the model's",
                 extra=extra[:5],
                 missing=missing[:5],
@@ -183,7 +183,7 @@ class ReferenceRuntime:
         for name, t in view.items():
             m = mine[name]
             if t.dtype != m.dtype or t.shape != m.shape:
-                raise EngineError(
+                raise IncompatibleModelError(
                     "keyframe tensor layout differs from the model's",
                     tensor=name,
                     dtype=t.dtype,

@@ -37,6 +37,7 @@ from ...patch import Patch, inspect
 from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..catchup import decodes_in_place
+from ..fit import ModelTensors, tensors_of_kinds
 from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
 from . import tp as tp_ops
@@ -116,6 +117,9 @@ class SglangEngine(EngineAdapter):
         if self._tensors is None:
             self._tensors = dict(self.info()["tensors"])
         return self._tensors
+
+    def model_tensors(self) -> ModelTensors:
+        return tensors_of_kinds(self.tensors())
 
     @property
     def tp(self) -> int:

@@ -22,6 +22,7 @@ from ...patch import Patch, inspect
 from ...validate import check_choice
 from ...view import View, WordSource
 from ..base import EngineAdapter
+from ..fit import ModelTensors, tensors_of_kinds
 from ..staged import AuditReport, EncodedStep, StagedUpdate
 from .core import ATOMIC, KvOnCommit
 from .kvmode import KvMode
@@ -122,6 +123,9 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         if self._tensors is None:
             self._tensors = dict(self.info()["tensors"])
         return self._tensors
+
+    def model_tensors(self) -> ModelTensors:
+        return tensors_of_kinds(self.tensors())
 
     def held(self, *, fresh: bool = False) -> tuple[dict[str, str], str]:
         """Per-tensor digests and root the workers compute now (``fresh``: re-hash all)."""

@@ -1,0 +1,92 @@
+"""Whether an engine's model can hold a run's versions: every tensor's name, dtype and shape.
+
+An engine started with another model than the run trains (another size, another
+architecture, a checkpoint with a tied head where the run publishes an untied one) can never
+load a version. The follower checks a keyframe against the engine's tensors
+(:meth:`rollpatch.engines.EngineAdapter.model_tensors`) tensor by tensor as each keyframe
+shard's header is read, before any of the shard's tensors is fetched, and the name sets once
+every shard is read: a difference is an :class:`~rollpatch.errors.IncompatibleModelError`
+naming the first tensor that differs. The follower remembers it per keyframe, so no retry
+fetches that keyframe again (docs/follower.md, *An engine that cannot hold the run*).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from ..errors import IncompatibleModelError
+from ..kinds import get_kind
+
+__all__ = ["FitCheck", "ModelTensors", "tensors_of_kinds", "tensors_of_view"]
+
+#: Tensor name -> (safetensors dtype, shape).
+ModelTensors = Mapping[str, tuple[str, tuple[int, ...]]]
+
+_HINT = "start the engine with the model this run trains (same architecture and size)"
+
+
+def tensors_of_view(view: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors of a view (name -> tensor with ``dtype`` and ``shape``)."""
+    return {n: (t.dtype, tuple(int(d) for d in t.shape)) for n, t in view.items()}
+
+
+def tensors_of_kinds(tensors: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors from an engine's ``name -> [kind, shape]`` listing (the vLLM and SGLang
+    extensions' ``info``)."""
+    return {
+        n: (get_kind(str(kind)).dtype, tuple(int(d) for d in shape))
+        for n, (kind, shape) in tensors.items()
+    }
+
+
+class FitCheck:
+    """Checks one version's keyframe against an engine's tensors (``engine``: its name, for
+    the messages). Raises :class:`IncompatibleModelError` naming the first difference."""
+
+    def __init__(self, tensors: ModelTensors, *, engine: str, run: str, version: int) -> None:
+        self.tensors = tensors
+        self._where = {"engine": engine, "run": run, "version": version}
+
+    def tensor(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        """One keyframe tensor (from a shard's header, or a sliced tensor's manifest entry)."""
+        have = self.tensors.get(name)
+        if have is None:
+            raise IncompatibleModelError(
+                "the run has a tensor the engine's model does not",
+                tensor=name,
+                dtype=dtype,
+                shape=tuple(shape),
+                hint=_HINT,
+                **self._where,
+            )
+        if have != (dtype, tuple(shape)):
+            raise IncompatibleModelError(
+                "a tensor of the run differs from the engine's model",
+                tensor=name,
+                run_dtype=dtype,
+                run_shape=tuple(shape),
+                engine_dtype=have[0],
+                engine_shape=have[1],
+                hint=_HINT,
+                **self._where,
+            )
+
+    def names(self, names: Collection[str]) -> None:
+        """The keyframe's whole name set (every shard's): the same tensors as the engine's."""
+        extra = sorted(set(names) - set(self.tensors))
+        if extra:
+            raise IncompatibleModelError(
+                f"the run has {len(extra)} tensor(s) the engine's model does not",
+                tensor=extra[0],
+                hint=_HINT,
+                **self._where,
+            )
+        missing = sorted(set(self.tensors) - set(names))
+        if missing:
+            raise IncompatibleModelError(
+                f"the engine's model has {len(missing)} tensor(s) the run does not publish",
+                tensor=missing[0],
+                hint=_HINT,
+                **self._where,
+            )

@@ -1,0 +1,84 @@
+"""What the follower keeps of its failed syncs: its log lines, and the keyframes the engine's
+model cannot hold.
+
+- **One line per failure, not per retry.** The background loop retries a failed sync every
+  ≤ 30 s for as long as it fails; a failure repeated with the same message is logged again
+  at most every :data:`REPEAT_LOG_S`, with how many times it repeated meanwhile (every
+  repeat still reaches the status, ``/version`` and ``/ready``). A different failure, or one
+  after a successful sync, is logged at once. A model the engine cannot hold
+  (:class:`~rollpatch.errors.IncompatibleModelError`) is logged as an ERROR: no retry fixes
+  it.
+- **No keyframe fetched twice for nothing.** An :class:`IncompatibleModelError` is
+  remembered by the target digest of the keyframe's version (:class:`Unfit`, the last
+  :data:`UNFIT_KEEP`): a retry that would boot from the same keyframe raises it again before
+  fetching anything (most mismatches are found from the first shard's header; a tensor the
+  engine has that the run does not publish only once every shard is read, which is what
+  this saves on every retry after the first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+from ..errors import IncompatibleModelError
+from ..manifest import Manifest
+
+__all__ = ["REPEAT_LOG_S", "UNFIT_KEEP", "FailureLog", "Unfit"]
+
+#: Seconds before a failure repeated with the same message is logged again.
+REPEAT_LOG_S = 300.0
+#: Keyframes remembered as unfit for the engine's model.
+UNFIT_KEEP = 8
+
+
+class FailureLog:
+    """Logs ``run``'s failed syncs to ``log``, each message once per :data:`REPEAT_LOG_S`."""
+
+    def __init__(self, log: logging.Logger, run: str) -> None:
+        self._log, self._run = log, run
+        self._last: str | None = None
+        self._at = 0.0  # time.monotonic() of the last line
+        self._since = 0.0  # time.time() of the last line, for the message
+        self._repeats = 0
+
+    def failed(self, e: BaseException) -> None:
+        text = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        if text == self._last and now - self._at < REPEAT_LOG_S:
+            self._repeats += 1
+            self._log.debug("%s: sync failed again: %s", self._run, text)
+            return
+        level = logging.ERROR if isinstance(e, IncompatibleModelError) else logging.WARNING
+        again = (
+            f" (failed the same way {self._repeats} more time(s) since "
+            f"{time.strftime('%H:%M:%S', time.localtime(self._since))})"
+            if text == self._last and self._repeats
+            else ""
+        )
+        self._log.log(level, "%s: sync failed: %s%s", self._run, text, again)
+        self._last, self._at, self._since, self._repeats = text, now, time.time(), 0
+
+    def cleared(self) -> None:
+        """A sync succeeded: the next failure is logged at once."""
+        self._last, self._repeats = None, 0
+
+
+class Unfit:
+    """Keyframes (by their version's target digest) the engine's model cannot hold."""
+
+    def __init__(self) -> None:
+        self._by_target: OrderedDict[str, IncompatibleModelError] = OrderedDict()
+
+    def check(self, m: Manifest) -> None:
+        """Raise the remembered error (a new instance) if ``m``'s keyframe was found unfit."""
+        e = self._by_target.get(m.target)
+        if e is not None:
+            raise IncompatibleModelError(e.message, hint=e.hint, **e.context)
+
+    def note(self, m: Manifest, e: IncompatibleModelError) -> None:
+        self._by_target[m.target] = e
+        self._by_target.move_to_end(m.target)
+        while len(self._by_target) > UNFIT_KEEP:
+            self._by_target.popitem(last=False)

@@ -158,7 +158,8 @@ def test_ready_says_why_no_version_loads(world: World) -> None:
         r = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and "IncompatibleModelError" in r.json()["error"]["message"]
         version = httpx.get(f"{sc.url}/version").json()
-        assert version["served"] is None and version["bytes_fetched"] == 0
+        assert version["served"] is None and version["digest"] is None
+        assert version["bytes_fetched"] == 0 and version["sync_failures"] >= 1
         metrics = httpx.get(f"{sc.url}/metrics").text
         assert "rollpatch_served_version -1.0" in metrics  # none, not version 0
         assert "rollpatch_sync_failing 1.0" in metrics

@@ -60,13 +60,25 @@ def _sum_delta(data: np.ndarray, positions: np.ndarray, new: np.ndarray, per: in
 
 
 def dry_change(
-    kind: Kind, words: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, name: str
+    kind: Kind,
+    words: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    name: str,
+    *,
+    jmap: tuple[int, int, int] | None = None,
 ) -> SumState | None:
     """The rp.sum128 change of writing ``new`` at ``pos`` in ``words`` (a tensor's flat words
     of ``kind``), checked in the same native pass that writes nothing (``apply``, dry: each
     8-byte word a position falls in read once; packed kinds too): the positions strictly
     increasing and in range (else :class:`PatchError`), the words there ``old`` (else
-    :class:`BaseMismatchError`). None without the native core or for words not contiguous."""
+    :class:`BaseMismatchError`). None without the native core or for words not contiguous.
+
+    ``jmap`` ``(j0, row_words, j_skip)``: ``words`` hold a block of the tensor the change is
+    of (a tensor-parallel rank's rows or columns), whose 8-byte word ``j`` is the tensor's word
+    ``j + j0 + (j // row_words) * j_skip`` mod 2^64 (``row_words`` 0: no rows), so the change
+    is of the whole tensor's sum (:func:`rollpatch.engines.sglang.slices.word_map`)."""
     from .. import native
 
     core = native.core
@@ -74,7 +86,8 @@ def dry_change(
         return None
     n = words.size * 2 if kind.packed else words.size
     try:
-        d0, d1 = core.apply(native.kind_tuple(kind, n), words, pos, old, new, True)
+        at = () if jmap is None else (False, *(j % (1 << 64) for j in jmap))
+        d0, d1 = core.apply(native.kind_tuple(kind, n), words, pos, old, new, True, *at)
     except BaseMismatchError as err:
         raise BaseMismatchError("old elements differ from the engine's words", tensor=name) from err
     except ValueError as err:  # the core's refusal of the positions

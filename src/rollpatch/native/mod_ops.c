@@ -102,16 +102,21 @@ PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args) {
     return res;
 }
 
-/* apply(kind, data, pos:int64, old, new[, dry[, readback]]) -> (da, db); old/new in element
- * width; data writable unless dry (checked, the change summed, nothing written); readback:
- * the written elements read back as it goes (a difference: all put back, CorruptError) */
+/* apply(kind, data, pos:int64, old, new[, dry[, readback[, j0, row_words, j_skip]]]) ->
+ * (da, db); old/new in element width; data writable unless dry (checked, the change summed,
+ * nothing written); readback: the written elements read back as it goes (a difference: all
+ * put back, CorruptError); j0, row_words, j_skip: where data's words sit in the tensor the
+ * change is summed for (rp_jmap; all 0: the same words) */
 PyObject *py_apply(PyObject *self, PyObject *args) {
     PyObject *kt, *obj, *res = NULL;
     Py_buffer d = {0}, pos = {0}, ov = {0}, nv = {0};
     int dry = 0, readback = 0;
+    unsigned long long j0 = 0, row_words = 0, j_skip = 0;
     rp_kind k;
-    if (!PyArg_ParseTuple(args, "OOy*y*y*|pp", &kt, &obj, &pos, &ov, &nv, &dry, &readback))
+    if (!PyArg_ParseTuple(args, "OOy*y*y*|ppKKK", &kt, &obj, &pos, &ov, &nv, &dry, &readback,
+                          &j0, &row_words, &j_skip))
         return NULL;
+    const rp_jmap jm = {j0, row_words, j_skip};
     /* a dry call only reads the words: any C-contiguous buffer; else a writable one */
     if (PyObject_GetBuffer(obj, &d, PyBUF_SIMPLE)) goto out;
     if (!dry && d.readonly) {
@@ -129,8 +134,8 @@ PyObject *py_apply(PyObject *self, PyObject *args) {
     const char *err = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = rp_apply(&k, d.buf, (size_t)d.len, pos.buf, ov.buf, nv.buf, cnt, iw, dry, readback, delta,
-                  &err);
+    rc = rp_apply(&k, d.buf, (size_t)d.len, pos.buf, ov.buf, nv.buf, cnt, iw, dry, readback,
+                  j0 || row_words || j_skip ? &jm : NULL, delta, &err);
     Py_END_ALLOW_THREADS
     if (rc) { raise_rc(rc, err); goto out; }
     res = Py_BuildValue("(KK)", (unsigned long long)delta[0], (unsigned long long)delta[1]);

@@ -218,8 +218,9 @@ void rp_sum128_at(const uint8_t *d, uint64_t rows, uint64_t row_words, uint64_t 
                 p = pos[i];                                                                 \
                 if ((uint64_t)p >> (3 - LOG) != j || p <= prev || p >= n_el) break;         \
             }                                                                               \
-            d0 += sum_term(0, after, j) - sum_term(0, before, j);                           \
-            d1 += sum_term(1, after, j) - sum_term(1, before, j);                           \
+            const uint64_t jt = word_in_tensor(jm, j);                                      \
+            d0 += sum_term(0, after, jt) - sum_term(0, before, jt);                         \
+            d1 += sum_term(1, after, jt) - sum_term(1, before, jt);                         \
             if (bad >= 0) break;                                                            \
             if (readback && !dry && (i - rb >= APPLY_RB || i == count)) {                   \
                 for (; rb < i; rb++)                                                        \
@@ -240,9 +241,15 @@ void rp_sum128_at(const uint8_t *d, uint64_t rows, uint64_t row_words, uint64_t 
         }                                                                                   \
     } while (0)
 
+/* Word j of the data as a word of the tensor (rp_jmap, rpcore.h). */
+static inline uint64_t word_in_tensor(const rp_jmap *jm, uint64_t j) {
+    if (!jm) return j;
+    return j + jm->j0 + (jm->row_words ? (j / jm->row_words) * jm->j_skip : 0);
+}
+
 int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos,
              const void *old, const void *new_, int64_t count, int iw, int dry, int readback,
-             uint64_t delta[2], const char **err) {
+             const rp_jmap *jm, uint64_t delta[2], const char **err) {
     int64_t n_el = kd->bits == 4 ? (int64_t)nbytes * 2 : (int64_t)(nbytes / (size_t)(kd->bits / 8));
     uint64_t d0 = 0, d1 = 0;
     if (kd->bits == 16 && iw == 2) APPLY_TYPED(uint16_t, 1);
@@ -269,8 +276,9 @@ int rp_apply(const rp_kind *kd, uint8_t *data, size_t nbytes, const int64_t *pos
                 if (!dry) elem_put(data, kd->bits, pos[i], arr_get(new_, iw, i));
             }
             memcpy(&after, lanes, 8);
-            d0 += sum_term(0, after, j) - sum_term(0, before, j);
-            d1 += sum_term(1, after, j) - sum_term(1, before, j);
+            const uint64_t jt = word_in_tensor(jm, j);
+            d0 += sum_term(0, after, jt) - sum_term(0, before, jt);
+            d1 += sum_term(1, after, jt) - sum_term(1, before, jt);
         }
         for (i = 0; readback && !dry && i < count; i++) /* nibbles: what elem_put stored */
             if (elem_get(data, kd->bits, pos[i]) != (arr_get(new_, iw, i) & 15)) {

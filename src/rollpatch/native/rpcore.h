@@ -131,14 +131,23 @@ void rp_sum128_at(const uint8_t *data, uint64_t rows, uint64_t row_words, uint64
 int rp_gather(const rp_kind *k, const uint8_t *data, int64_t n_elements, const int64_t *pos,
               int64_t count, void *out, int ow, const char **err);
 
+/* Where `data`'s 8-byte words sit in the tensor whose rp.sum128 state the change is of, for
+ * data that holds a block of it (a tensor-parallel rank's rows or columns): word j of data is
+ * the tensor's word j + j0 + (row_words ? (j / row_words) * j_skip : 0) (mod 2^64). NULL: the
+ * same words (j itself). */
+typedef struct {
+    uint64_t j0, row_words, j_skip;
+} rp_jmap;
+
 /* Check that data holds `old` at `pos`, then write `new_` there; adds the rp.sum128 change
- * to delta[2] (mod 2^64). Nothing is written unless every old element matches; nothing at
- * all when `dry` (the checks and the change the writes would make: data is only read).
- * `readback`: the written elements are read back and compared as the call goes (RP_ECORRUPT
- * on a difference, every element written put back first). */
+ * to delta[2] (mod 2^64), each word's terms at its index in the tensor (`jm`, NULL: in data).
+ * Nothing is written unless every old element matches; nothing at all when `dry` (the checks
+ * and the change the writes would make: data is only read). `readback`: the written elements
+ * are read back and compared as the call goes (RP_ECORRUPT on a difference, every element
+ * written put back first). */
 int rp_apply(const rp_kind *k, uint8_t *data, size_t nbytes, const int64_t *pos,
              const void *old, const void *new_, int64_t count, int iw, int dry, int readback,
-             uint64_t delta[2], const char **err);
+             const rp_jmap *jm, uint64_t delta[2], const char **err);
 
 /* dst = a copy of src (nbytes, whole words of `width` bytes: 1, 2, 4 or 8) with the words at
  * `pos` (int64, increasing, in range) checked against `old` and replaced by `new_`, then read

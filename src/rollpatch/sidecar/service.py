@@ -223,7 +223,7 @@ class Sidecar:
         return {
             "run": self.run,
             "served": s.version,
-            "digest": self.engine.digest,
+            "digest": None if s.version is None else self.engine.digest,  # of what is served
             "state": s.state.name,
             "latest": self.latest(),
             "lag": s.lag,

@@ -36,11 +36,12 @@ from ...kinds import Kind
 from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
 from ..staged import WriteMode, check_delta
-from ..vllm.layout import Placement, locate, placements
+from ..sumchange import SumState, dry_change
+from ..vllm.layout import Placement, locate, locate_rows, placements
 from ..vllm.tensorblocks import extract
 from ..writing import ParamWrites, release, write_params
 from .buffers import exchange, second_buffers
-from .slices import Block, partial_delta, partial_state
+from .slices import Block, partial_delta, partial_state, word_map
 from .staged import HeldWeights
 from .update import Staged, merge_writes
 
@@ -134,9 +135,11 @@ class RankWeights(HeldWeights):
 
     def _held_change(
         self, tp: TensorPatch, pl: Placement, kind: Kind
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The patch's changes that fall in this rank's block: checkpoint positions (validated
-        over the whole tensor), old and new elements (old checked against the live words)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, SumState]:
+        """The patch's changes that fall in this rank's block: their parameter offsets, old
+        and new elements (positions validated over the whole tensor, old elements checked
+        against the live words), and the change of the block's sum (:func:`partial_delta`;
+        for a delta of whole words, the native check's own sum, :func:`word_map`)."""
         if tp.kind != kind or tp.shape != pl.shape:
             raise BaseMismatchError(
                 "tensor layout differs from the engine's",
@@ -144,11 +147,13 @@ class RankWeights(HeldWeights):
                 shape=tp.shape,
                 engine_shape=pl.shape,
             )
-        block, flat = self.block(tp.name)[0], self.params[pl.param].reshape(-1)
+        param = self.params[pl.param]
+        flat = param.reshape(-1)
         match tp.change:
             case FullOp(tensor):
                 if tensor.kind != kind or tensor.data.size != pl.n_elements:
                     raise BaseMismatchError("full tensor's layout differs", tensor=tp.name)
+                block = self.block(tp.name)[0]
                 full = tensor.data.reshape(pl.rows, pl.cols)
                 mine = (
                     full[pl.src_start : pl.src_start + pl.length]
@@ -162,23 +167,29 @@ class RankWeights(HeldWeights):
                     if pl.dim == 0
                     else r * pl.cols + c + pl.src_start
                 ).astype(np.int64)
-                return (
-                    pos,
-                    block.reshape(-1)[idx]
-                    if block.flags.c_contiguous
-                    else (np.ascontiguousarray(block).reshape(-1)[idx]),
-                    mine.reshape(-1)[idx]
-                    if mine.flags.c_contiguous
-                    else (np.ascontiguousarray(mine).reshape(-1)[idx]),
-                )
+                old = np.ascontiguousarray(block).reshape(-1)[idx]
+                new = np.ascontiguousarray(mine).reshape(-1)[idx]
             case DeltaOp(pos, old, new):
                 check_delta(tp.name, pos, old, new, kind, pl.n_elements)
             case _:
                 raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
-        held, offsets = locate(pl, pos)
-        if not np.array_equal(flat[offsets], old[held]):
-            raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
-        return pos[held], old[held], new[held]
+        rows = locate_rows(pl, pos)  # a block of whole rows: two binary searches
+        if rows is not None:
+            keep, offsets = rows
+        else:
+            keep, offsets = locate(pl, pos)
+        pos, old, new = pos[keep], old[keep], new[keep]
+        jmap = word_map(pl, flat.itemsize)
+        change = (
+            None
+            if jmap is None or kind.packed or not pos.size
+            else dry_change(kind, flat, offsets, old, new, tp.name, jmap=jmap)
+        )  # the old words checked and the block's sum change summed in one native pass
+        if change is None:
+            if not np.array_equal(flat[offsets], old):
+                raise BaseMismatchError("old elements differ from the patch's base", tensor=tp.name)
+            change = partial_delta(pl, param, pos, new)
+        return offsets, old, new, change
 
     def stage(self, patch: Patch, mode: WriteMode = "in_place") -> Staged:
         """This rank's part of a decoded patch, validated and its block sums moved; nothing
@@ -201,13 +212,13 @@ class RankWeights(HeldWeights):
             if name not in self._place:
                 raise BaseMismatchError("patch adds a tensor; the model cannot change", tensor=name)
             pl = self._place[name]
-            pos, old, new = self._held_change(patch.tensors[name], pl, self._kind[name])
-            d0, d1 = partial_delta(pl, self.params[pl.param], pos, new)
+            offsets, old, new, (d0, d1) = self._held_change(
+                patch.tensors[name], pl, self._kind[name]
+            )
             dim, start, length, s0, s1 = current[name]
             staged.prev_blocks[name] = current[name]
             staged.blocks[name] = [dim, start, length, (s0 + d0) & _M64, (s1 + d1) & _M64]
-            if pos.size:
-                _, offsets = locate(pl, pos)
+            if offsets.size:
                 per_param.setdefault(pl.param, []).append((offsets, old, new))
         t1 = time.perf_counter()
         staged.writes.update(merge_writes(per_param))

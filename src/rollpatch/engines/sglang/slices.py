@@ -34,6 +34,7 @@ __all__ = [
     "combine_state",
     "partial_delta",
     "partial_state",
+    "word_map",
 ]
 
 _M64 = (1 << 64) - 1
@@ -97,6 +98,28 @@ def partial_state(pl: Placement, param: np.ndarray) -> Block:
     else:
         s0, s1 = sum128_at(raw, pl.src_start // per, pl.length // per, pl.cols // per)
     return [pl.dim, pl.src_start, pl.length, s0, s1]
+
+
+def word_map(pl: Placement, itemsize: int) -> tuple[int, int, int] | None:
+    """Where the 8-byte words of this rank's parameter that hold ``pl``'s block sit among the
+    whole tensor's words, as :func:`rollpatch.engines.sumchange.dry_change` takes it
+    (``(j0, row_words, j_skip)``, word ``j`` of the parameter being the tensor's word
+    ``j + j0 + (j // row_words) * j_skip``), or None where the block's words are not whole
+    words of the tensor alone (a block edge inside a word, a tensor ending inside a word,
+    whose last word the digest pads with zeros: :func:`partial_delta` sums those)."""
+    per = 8 // itemsize
+    width = pl.param_shape[1]
+    if pl.sub is not None or per < 1 or pl.n_elements % per:
+        return None
+    if pl.dim == 0:
+        shift = (pl.dst_start - pl.src_start) * pl.cols
+        ends = (pl.src_start * pl.cols, (pl.src_start + pl.length) * pl.cols, shift)
+        if width != pl.cols or any(e % per for e in ends):
+            return None
+        return -shift // per, 0, 0
+    if any(x % per for x in (width, pl.cols, pl.src_start, pl.dst_start, pl.length)):
+        return None
+    return (pl.src_start - pl.dst_start) // per, width // per, (pl.cols - width) // per
 
 
 def partial_delta(

@@ -307,12 +307,12 @@ static uint8_t *fz_apply(fz_case *c, const fz_out *o) {
     const char *err = NULL;
     if (!t) fz_fail("out of memory for the target");
     memcpy(t, fz_base(c), c->nbytes);
-    if (rp_apply(&c->k, t, c->nbytes, o->pos, o->oldv, o->newv, o->total, fz_ow(&c->k), 1, 0, dry,
-                 &err))
+    if (rp_apply(&c->k, t, c->nbytes, o->pos, o->oldv, o->newv, o->total, fz_ow(&c->k), 1, 0,
+                 NULL, dry, &err))
         fz_fail("rp_apply (dry) refused a decoded patch");
     if (memcmp(t, fz_base(c), c->nbytes)) fz_fail("rp_apply (dry) wrote the words");
-    if (rp_apply(&c->k, t, c->nbytes, o->pos, o->oldv, o->newv, o->total, fz_ow(&c->k), 0, 1, delta,
-                 &err))
+    if (rp_apply(&c->k, t, c->nbytes, o->pos, o->oldv, o->newv, o->total, fz_ow(&c->k), 0, 1,
+                 NULL, delta, &err))
         fz_fail("rp_apply refused a decoded patch");
     if (dry[0] != delta[0] || dry[1] != delta[1])
         fz_fail("rp_apply's dry sum128 change differs from its change");

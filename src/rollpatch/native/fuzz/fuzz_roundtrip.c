@@ -153,8 +153,8 @@ static void check_gather_refuse(fz_case *c, const uint8_t *t, const fz_out *o, u
         memcpy(w, c->base, c->nbytes);
         fz_put(w, c->k.bits, o->pos[j], fz_get(w, c->k.bits, o->pos[j]) ^ 1);
         memcpy(snap, w, c->nbytes);
-        if (rp_apply(&c->k, w, c->nbytes, o->pos, o->oldv, o->newv, o->total, ow, 0, 0, delta, &err)
-            != RP_EBASE)
+        if (rp_apply(&c->k, w, c->nbytes, o->pos, o->oldv, o->newv, o->total, ow, 0, 0, NULL,
+                     delta, &err) != RP_EBASE)
             fz_fail("rp_apply accepted a base that differs at a changed position");
         if (memcmp(w, snap, c->nbytes) || delta[0] || delta[1])
             fz_fail("rp_apply changed a base it refused");

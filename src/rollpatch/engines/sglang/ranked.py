@@ -174,10 +174,8 @@ class RankWeights(HeldWeights):
             case _:
                 raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
         rows = locate_rows(pl, pos)  # a block of whole rows: two binary searches
-        if rows is not None:
-            keep, offsets = rows
-        else:
-            keep, offsets = locate(pl, pos)
+        keep: slice | np.ndarray
+        keep, offsets = rows if rows is not None else locate(pl, pos)
         pos, old, new = pos[keep], old[keep], new[keep]
         jmap = word_map(pl, flat.itemsize)
         change = (

@@ -17,6 +17,7 @@ import pytest
 
 from rollpatch.board import Board
 from rollpatch.engines import ViewEngine
+from rollpatch.errors import RollpatchError
 from rollpatch.follower import FollowerConfig
 from rollpatch.io import view_to_bytes
 from rollpatch.kinds import KINDS
@@ -175,9 +176,13 @@ def step_objects(board: Board, have: int | None, want: int, step: int) -> list[s
 def set_latest(board: Board, raw: bytes | int) -> None:
     from rollpatch.board import pointer_key, version_key
 
-    if isinstance(raw, int):
+    if isinstance(raw, int):  # the version's own target (followers check it), if it has one
+        try:
+            target = board.manifest(RUN, raw).target
+        except RollpatchError:
+            target = "a" * 64
         raw = (
             f'{{"run": "{RUN}", "version": {raw}, "manifest": "{version_key(RUN, raw)}", '
-            f'"target": "{"a" * 64}"}}'
+            f'"target": "{target}"}}'
         ).encode()
     board.store.put(pointer_key(RUN), raw, if_absent=False)

@@ -214,3 +214,39 @@ def test_sliced_keyframes_are_checked_whole_before_any_fetch(tmp_path: Path) -> 
     good = Follower(board, SLICED, ShapedEngine(want))
     assert good.sync(4) == 4
     assert good.engine.words().digest() == board.manifest(SLICED, 4).target
+
+
+@pytest.mark.parametrize("change", ["added", "reshaped"])
+def test_a_version_the_model_cannot_hold_keeps_the_engine_serving(
+    reference_engine: object, tmp_path: Path, change: str
+) -> None:
+    """A version that adds or reshapes a tensor cannot be staged by an engine whose model is
+    fixed: the engine keeps its verified version (no reboot from a keyframe that cannot load
+    either), the sync fails with IncompatibleModelError naming the tensor."""
+    import numpy as np
+
+    from rollpatch.engines.reference import ReferenceEngine
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    assert isinstance(reference_engine, ReferenceEngine)
+    board = Board(tmp_path.as_uri())
+    masters = {n: t.to_array().astype(np.float32) for n, t in reference_engine.runtime.view.items()}
+    cfg = PublisherConfig(format="bf16")
+    with Publisher(board, "r", cfg, asynchronous=False) as pub:
+        pub.publish(masters)
+        f = Follower(board, "r", reference_engine, FAST)
+        assert f.sync() == 0
+        nxt = dict(masters)
+        if change == "added":
+            nxt["extra.weight"] = np.ones((8, 8), np.float32)
+            name = "extra.weight"
+        else:
+            name = "model.norm.weight"
+            nxt[name] = np.ones(nxt[name].size + 4, np.float32)
+        pub.publish(nxt)
+    with pytest.raises(IncompatibleModelError) as e:
+        f.sync()
+    assert e.value.context["tensor"] == name
+    st = f.status()
+    assert (f.version, reference_engine.version, st.version, st.reboots) == (0, 0, 0, 0)
+    assert st.error_type == "IncompatibleModelError"

@@ -284,3 +284,28 @@ def test_bad_latest_is_refused_and_a_repaired_one_honoured(
     finally:
         follower.stop()
     assert follower.engine.digest == published.views[LAST].digest()
+
+
+def test_latest_naming_another_target_than_its_manifest_is_refused(
+    board: Board, published: Published
+) -> None:
+    """A manifest that is not the one LATEST points at (a relay caching an earlier run of the
+    same name, a board edited by hand) is refused before anything is fetched: the engine
+    keeps its version."""
+    from rollpatch.board import pointer_key, version_key
+
+    engine = engine_at(published, 19)
+    follower = Follower(board, RUN, engine, FAST)
+    other = published.views[LAST - 1].digest()
+    raw = (
+        f'{{"run": "{RUN}", "version": {LAST}, "manifest": "{version_key(RUN, LAST)}", '
+        f'"target": "{other}"}}'
+    ).encode()
+    board.store.put(pointer_key(RUN), raw, if_absent=False)
+    with pytest.raises(ManifestError, match="different target digests") as e:
+        follower.sync()
+    assert "clear the relay's cache" in str(e.value)
+    st = follower.status()
+    assert (engine.version, st.version, st.bytes_fetched) == (19, 19, 0)
+    set_latest(board, LAST)  # repaired
+    assert follower.sync() == LAST

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from rollpatch.board import Board
+from rollpatch.engines.fit import tensors_of_view
 from rollpatch.errors import (
     BaseMismatchError,
     EngineError,
@@ -150,6 +151,8 @@ def test_versions_forward_and_back(server: vllm_env.Server, world: World) -> Non
     try:
         engine.adopt(0, world.views[0].digest())  # booted from version 0's view: verified
         assert engine.weight_version() == "0"
+        # what a keyframe's headers are checked against (rollpatch.engines.fit)
+        assert engine.model_tensors() == tensors_of_view(world.views[0])
         seen = [greedy(server)]
         assert seen[0][1] == {"0"}
         exact = check(world.views[0], PROMPTS, seen[0][0])

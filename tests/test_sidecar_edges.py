@@ -231,3 +231,56 @@ def test_pause_mode_reports_spanning_versions(world: World) -> None:
         assert any(s < e for s, e in spans), f"no commit landed mid-generation: {spans}"
     finally:
         sc.stop()
+
+
+def test_a_stalled_board_holds_no_request_and_not_version(world: World) -> None:
+    """A board (a relay) that accepts and never answers: ``/version`` answers from the
+    sidecar's state at once, a ``max_lag`` request and a ``min_version`` one past the known
+    LATEST get 503 naming the board once ``latest_max_age_s`` passed (not "not published",
+    not a hang), and plain requests are served by the version in place."""
+    from rollpatch.board import Board
+    from tests.relayfix import Counting
+
+    class Stalling(Counting):
+        def __init__(self, inner: Any) -> None:
+            super().__init__(inner)
+            self.stall, self.release = threading.Event(), threading.Event()
+
+        def count(self, op: str, key: str) -> None:
+            super().count(op, key)
+            if self.stall.is_set() and key.endswith("LATEST"):
+                self.release.wait(60)
+
+    store = Stalling(Board(world.board).store)
+    engine = ReferenceEngine.from_dir(world.model, threads=1)
+    cfg = SidecarConfig(
+        latest_ttl_s=0.0, latest_max_age_s=1.0, follower=FollowerConfig(poll_s=0.05)
+    )
+    sc = start_sidecar(Board(store), "r1", engine, engine.url, config=cfg)
+    try:
+        _wait_ready(sc)
+        served = httpx.get(f"{sc.url}/version").json()["served"]
+        store.stall.set()
+        time.sleep(1.5)  # the follower's loop and every request's read now hang
+        t0 = time.monotonic()
+        v = httpx.get(f"{sc.url}/version", timeout=10).json()
+        assert time.monotonic() - t0 < 2 and v["served"] == served
+        assert v["latest_age_s"] is not None and v["latest_age_s"] > 1.0
+        for rp, said in (
+            ({"max_lag": 0, "wait_s": 0}, "max_lag cannot be checked"),
+            ({"min_version": served + 1, "wait_s": 0}, f"whether version {served + 1}"),
+        ):
+            t0 = time.monotonic()
+            r = httpx.post(
+                f"{sc.url}/v1/completions",
+                json={"prompt": "x", "max_tokens": 1, "rollpatch": rp},
+                timeout=30,
+            )
+            assert time.monotonic() - t0 < 5, rp
+            assert r.status_code == 503 and said in r.json()["error"]["message"], r.text
+            assert "the board is unreachable" in r.json()["error"]["message"]
+        r = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["rollpatch"]["version_end"] == served
+    finally:
+        store.release.set()
+        sc.stop()

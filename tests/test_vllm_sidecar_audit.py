@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from rollpatch.engines.fit import tensors_of_view
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.view import View
 from tests import vllm_env
@@ -44,6 +45,8 @@ def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: Wo
 
     engine = _count_words(VllmEngine(server.url))
     engine.load(world.views[world.latest], world.latest)  # the label checks moved the server
+    # what a keyframe's headers are checked against (rollpatch.engines.fit)
+    assert engine.model_tensors() == tensors_of_view(world.views[world.latest])
     f = Follower(world.board, RUN, engine, FAST)
     posted: list[str] = []
     post = engine.http.post

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import (
     BaseMismatchError,
+    IncompatibleModelError,
     ManifestError,
     PatchDecodeError,
     RollpatchError,
@@ -47,6 +48,7 @@ from ..patch.codec_v2 import CtxGolombV2
 from ..patch.differ import changes
 from ..patch.header import DIGESTS
 from ..view import Tensor, WordSource, sum128_digest, sum_add
+from .fit import FIXED_MODEL
 from .rewind import Rewind, merge_positions
 
 SumState = tuple[int, int]
@@ -322,7 +324,9 @@ def decode_in_place(
 
     def one(name: str) -> tuple[TensorPatch, SumState]:
         if name not in words:
-            raise BaseMismatchError("the engine lacks a tensor the patch changes", tensor=name)
+            raise IncompatibleModelError(
+                "the engine lacks a tensor the patch changes", tensor=name, hint=FIXED_MODEL
+            )
         live = words[name]
         chain = by_name.get(name, [])  # in step order
         if any(KINDS[e.kind] != live.kind or e.shape != live.shape for e in chain):

@@ -18,12 +18,17 @@ from typing import Any
 from ..errors import IncompatibleModelError
 from ..kinds import get_kind
 
-__all__ = ["FitCheck", "ModelTensors", "tensors_of_kinds", "tensors_of_view"]
+__all__ = ["FIXED_MODEL", "FitCheck", "ModelTensors", "tensors_of_kinds", "tensors_of_view"]
 
 #: Tensor name -> (safetensors dtype, shape).
 ModelTensors = Mapping[str, tuple[str, tuple[int, ...]]]
 
 _HINT = "start the engine with the model this run trains (same architecture and size)"
+#: A version whose tensors differ from the engine's model (added, dropped, reshaped).
+FIXED_MODEL = (
+    "the engine's model has a fixed set of tensors: the engines keep serving their last version; "
+    "start them with the run's new model (a keyframe of it), or publish without the change"
+)
 
 
 def tensors_of_view(view: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:

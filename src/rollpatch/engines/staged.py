@@ -31,11 +31,12 @@ from typing import Literal
 
 import numpy as np
 
-from ..errors import BaseMismatchError, PatchError, TargetMismatchError
+from ..errors import BaseMismatchError, IncompatibleModelError, PatchError, TargetMismatchError
 from ..kinds import Kind
 from ..patch import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 from ..patch.ops import gather, scatter
 from ..view import Tensor, root_digest, sum128_digest, sum_add, tensor_digest
+from .fit import FIXED_MODEL
 from .sumchange import SumState, dry_change, sum_delta
 
 __all__ = [
@@ -165,7 +166,7 @@ def checked_writes(
     the writes make, from one native pass that writes nothing (:func:`dry_change`), or None
     without the core (then positions and old words were checked in numpy)."""
     if tp.kind != held.kind or tp.shape != held.shape:
-        raise BaseMismatchError(
+        raise (IncompatibleModelError if isinstance(tp.change, FullOp) else BaseMismatchError)(
             "tensor layout differs from the engine's",
             tensor=tp.name,
             kind=tp.kind.name,
@@ -176,14 +177,20 @@ def checked_writes(
             pass
         case FullOp(tensor):
             if tensor.kind != held.kind or tensor.shape != held.shape:
-                raise BaseMismatchError(
-                    "full tensor's layout differs from the engine's", tensor=tp.name
+                raise IncompatibleModelError(
+                    "full tensor's layout differs from the engine's",
+                    tensor=tp.name,
+                    hint=FIXED_MODEL,
                 )
             cur, full = held.elements(), tensor.elements()
             pos = np.flatnonzero(cur != full).astype(np.int64)
             old, new = cur[pos].copy(), full[pos].copy()
         case DropOp():
-            raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
+            raise IncompatibleModelError(
+                "the version drops a tensor the engine's model has",
+                tensor=tp.name,
+                hint=FIXED_MODEL,
+            )
     check_delta(tp.name, pos, old, new, held.kind, held.n_elements, positions=False)
     change = dry_change(held.kind, held.data, pos, old, new, tp.name)
     if change is None:
@@ -293,11 +300,11 @@ def _prove(
     it writes nothing)."""
     tp = patch.tensors[name]
     if isinstance(tp.change, DropOp) or name not in digests:
-        raise BaseMismatchError(
-            "patch adds or drops a tensor; the model cannot change",
+        raise IncompatibleModelError(
+            "the version adds or drops a tensor; the engine's model cannot change",
             tensor=name,
             op=tp.op,
-            hint="self-heal from a keyframe of this architecture",
+            hint=FIXED_MODEL,
         )
     if tp.base_digest != digests[name]:
         raise BaseMismatchError("tensor is not the patch's base", tensor=name)

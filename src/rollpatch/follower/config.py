@@ -116,3 +116,5 @@ class FollowerStatus:
     last_stage_s: float | None
     audits: int = 0
     failures: int = 0
+    #: Seconds since the follower last read LATEST from the board (None: never).
+    latest_age_s: float | None = None

@@ -42,7 +42,7 @@ from ..view import View
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
-from .failures import FailureLog, Unfit
+from .failures import FailureLog, Unfit, check_latest_target
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .held import Held
 from .record import PastWanted, Record
@@ -113,6 +113,7 @@ class Follower:
         self._bad = BadObjects()  # corrupt objects: plans go around them
         self._failures = FailureLog(log, self.run)  # one log line per failure, not per retry
         self._unfit = Unfit()  # keyframes the engine's model cannot hold
+        self._latest_target: tuple[int, str] | None = None  # LATEST's (version, target) read
         # LATEST, manifests and plans are read through a board whose store retries each read
         self._reader = Board(RetryingStore(self.board.store, self._retrier), trust=self.board.trust)
 
@@ -240,6 +241,7 @@ class Follower:
         manifests = {
             n: self._manifest(n) for s in plan.steps for n in (s.to, s.base) if n is not None
         }
+        check_latest_target(self._latest_target, manifests[want])
         boot = manifests[plan.steps[0].to] if plan.steps and plan.steps[0].is_keyframe else None
         if boot is not None:  # found unfit for the engine's model before: not fetched again
             self._unfit.check(boot)
@@ -346,6 +348,8 @@ class Follower:
         p = self._reader.latest(self.run)
         with self._cond:
             self._rec.latest = None if p is None else p.version
+            self._rec.latest_at = time.monotonic()
+            self._latest_target = None if p is None else (p.version, p.target)
         return None if p is None else p.version
 
     def _manifest(self, n: int) -> Manifest:

@@ -36,6 +36,8 @@ class Record:
         self.error: BaseException | None = None
         #: The version LATEST named when last read (None: never read, or nothing published).
         self.latest: int | None = None
+        #: When LATEST was last read (time.monotonic(); None: never).
+        self.latest_at: float | None = None
         self.counts = {
             "bytes": 0,
             "objects": 0,
@@ -81,4 +83,5 @@ class Record:
                 last_stage_s=t["stage"],
                 audits=c["audits"],
                 failures=c["failures"],
+                latest_age_s=None if self.latest_at is None else time.monotonic() - self.latest_at,
             )

@@ -75,6 +75,7 @@ def create_app(sc: Sidecar) -> Any:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
+        sc.refresh_metrics()  # the follower's state now (no board read)
         return PlainTextResponse(sc.metrics.render(), media_type=METRICS_TYPE)
 
     @app.post("/admin/sync")

@@ -35,14 +35,25 @@ class LatestReader:
 
     async def __call__(self, refresh: bool = False, needed: bool = True) -> int | None:
         if refresh:
-            return await asyncio.to_thread(self.sc.latest, True)
+            return await self._bounded(
+                asyncio.ensure_future(asyncio.to_thread(self.sc.latest, True))
+            )
         fresh, value = self.sc.cached_latest()
         if fresh or not needed:
             return value
         if self._reading is None:
             self._reading = reading = asyncio.ensure_future(asyncio.to_thread(self.sc.latest))
             reading.add_done_callback(self._read)
-        return await asyncio.shield(self._reading)
+        return await self._bounded(self._reading)
+
+    async def _bounded(self, reading: asyncio.Future[int | None]) -> int | None:
+        """The read's answer, waited for at most ``latest_max_age_s`` (a board that accepts
+        and never answers holds no request); then the newest known, stale: the caller's age
+        check says so."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(reading), self.sc.config.latest_max_age_s)
+        except asyncio.TimeoutError:
+            return self.sc.latest_seen()
 
     def _read(self, _: object) -> None:
         self._reading = None
@@ -83,6 +94,18 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
         d = decide(c, served, latest)
     if d.action == "proxy":
         return None
+    age = sc.latest_age()
+    if d.action == "conflict" and d.need is not None and age > sc.config.latest_max_age_s:
+        # "not published yet" is only known from a LATEST read recently
+        sc.metrics.request("unavailable")
+        return error_response(
+            503,
+            f"LATEST has not been read for {age:.0f} s (the board is unreachable): whether "
+            f"version {d.need} is published cannot be checked",
+            "not_ready",
+            served=served,
+            latest=latest,
+        )
     if d.action == "unavailable":  # with why, as /ready says it (the last sync's failure)
         reason = sc.not_ready_reason() or d.reason
         sc.metrics.request("unavailable")

@@ -13,7 +13,7 @@ from ..board import Board
 from ..config import check_fields, setting
 from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
-from ..follower import Follower, FollowerConfig
+from ..follower import Follower, FollowerConfig, FollowerStatus
 from ..logs import event
 from ..serving.body import BodyLimits
 from .gate import CommitGate, CommitMode
@@ -154,10 +154,13 @@ class Sidecar:
         return value
 
     def latest_age(self) -> float:
-        """Seconds since LATEST was last read from the board (inf: never)."""
+        """Seconds since LATEST was last read from the board, by a request or by the
+        follower's loop (inf: never)."""
         with self._lock:
             read_at = self._latest_read_at
-        return math.inf if read_at is None else time.monotonic() - read_at
+        mine = math.inf if read_at is None else time.monotonic() - read_at
+        theirs = self.follower.status().latest_age_s
+        return mine if theirs is None else min(mine, theirs)
 
     def latest_seen(self) -> int | None:
         """The most recent LATEST known, without reading the board (safe on the event loop)."""
@@ -185,7 +188,7 @@ class Sidecar:
         if last is not None:
             self.metrics.drain.observe(last.drain_s)
         self.metrics.drain_timeouts.set(self.gate.drain_timeouts)
-        self.metrics.update(self.follower.status())
+        self.refresh_metrics()
 
     def not_ready_reason(self) -> str | None:
         """Why the island cannot serve now (None: it can, as far as the sidecar knows).
@@ -216,17 +219,29 @@ class Sidecar:
             )
         return None
 
-    def describe(self) -> dict[str, Any]:
-        """What ``/version`` reports."""
+    def refresh_metrics(self) -> tuple[FollowerStatus, int | None, int | None]:
+        """The gauges from the follower's status now, with the newest LATEST known and the
+        lag from it (what ``/version`` says); returns (status, latest, lag). No board read."""
         s = self.follower.status()
-        self.metrics.update(s)
+        latest = self.latest_seen()
+        lag = None if s.version is None or latest is None else max(0, latest - s.version)
+        self.metrics.update(s, latest=latest, lag=lag)
+        return s, latest, lag
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/version`` reports: the sidecar's own state, never a board read (a stalled
+        board must not hold it); ``latest`` is the newest LATEST known, read ``latest_age_s``
+        ago, and ``lag`` is from it (as the metrics say it)."""
+        s, latest, lag = self.refresh_metrics()
+        age = self.latest_age()
         return {
             "run": self.run,
             "served": s.version,
             "digest": None if s.version is None else self.engine.digest,  # of what is served
             "state": s.state.name,
-            "latest": self.latest(),
-            "lag": s.lag,
+            "latest": latest,
+            "latest_age_s": None if math.isinf(age) else round(age, 3),
+            "lag": lag,
             "commit_mode": self.gate.mode,
             "kv_across_commit": self.engine.kv_across_commit,
             "inflight": self.gate.inflight,

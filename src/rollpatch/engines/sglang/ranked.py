@@ -31,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError
+from ...errors import BaseMismatchError, EngineError, IncompatibleModelError
 from ...kinds import Kind
 from ...patch import DeltaOp, FullOp, Patch, TensorPatch
 from ...view import Tensor, View
+from ..fit import FIXED_MODEL
 from ..staged import WriteMode, check_delta
 from ..sumchange import SumState, dry_change
 from ..vllm.layout import Placement, locate, locate_rows, placements
@@ -141,7 +142,7 @@ class RankWeights(HeldWeights):
         against the live words), and the change of the block's sum (:func:`partial_delta`;
         for a delta of whole words, the native check's own sum, :func:`word_map`)."""
         if tp.kind != kind or tp.shape != pl.shape:
-            raise BaseMismatchError(
+            raise (IncompatibleModelError if isinstance(tp.change, FullOp) else BaseMismatchError)(
                 "tensor layout differs from the engine's",
                 tensor=tp.name,
                 shape=tp.shape,
@@ -152,7 +153,9 @@ class RankWeights(HeldWeights):
         match tp.change:
             case FullOp(tensor):
                 if tensor.kind != kind or tensor.data.size != pl.n_elements:
-                    raise BaseMismatchError("full tensor's layout differs", tensor=tp.name)
+                    raise IncompatibleModelError(
+                        "full tensor's layout differs", tensor=tp.name, hint=FIXED_MODEL
+                    )
                 block = self.block(tp.name)[0]
                 full = tensor.data.reshape(pl.rows, pl.cols)
                 mine = (
@@ -172,7 +175,11 @@ class RankWeights(HeldWeights):
             case DeltaOp(pos, old, new):
                 check_delta(tp.name, pos, old, new, kind, pl.n_elements)
             case _:
-                raise BaseMismatchError("the model cannot drop a tensor", tensor=tp.name)
+                raise IncompatibleModelError(
+                    "the version drops a tensor the engine's model has",
+                    tensor=tp.name,
+                    hint=FIXED_MODEL,
+                )
         rows = locate_rows(pl, pos)  # a block of whole rows: two binary searches
         keep: slice | np.ndarray
         keep, offsets = rows if rows is not None else locate(pl, pos)
@@ -208,7 +215,11 @@ class RankWeights(HeldWeights):
         per_param: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for name in sorted(patch.tensors):
             if name not in self._place:
-                raise BaseMismatchError("patch adds a tensor; the model cannot change", tensor=name)
+                raise IncompatibleModelError(
+                    "the version adds a tensor; the engine's model cannot change",
+                    tensor=name,
+                    hint=FIXED_MODEL,
+                )
             pl = self._place[name]
             offsets, old, new, (d0, d1) = self._held_change(
                 patch.tensors[name], pl, self._kind[name]

@@ -42,7 +42,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...errors import BaseMismatchError, EngineError, TargetMismatchError
+from ...errors import (
+    BaseMismatchError,
+    EngineError,
+    IncompatibleModelError,
+    TargetMismatchError,
+)
 from ...kinds import Kind
 from ...patch import DeltaOp, DropOp, Patch, TensorPatch
 from ...view import (
@@ -55,6 +60,7 @@ from ...view import (
     sum_add,
     tensor_digest,
 )
+from ..fit import FIXED_MODEL
 from ..staged import WriteMode, checked_writes
 from ..sumchange import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, locate, placements
@@ -217,11 +223,11 @@ class HeldWeights:
         (:func:`~rollpatch.engines.staged.checked_writes`: the native core checks it and sums
         its rp.sum128 change in one pass that writes nothing), its target state and digest."""
         if isinstance(tp.change, DropOp) or tp.name not in self._place:
-            raise BaseMismatchError(
-                "patch adds or drops a tensor; the model cannot change",
+            raise IncompatibleModelError(
+                "the version adds or drops a tensor; the engine's model cannot change",
                 tensor=tp.name,
                 op=tp.op,
-                hint="self-heal from a keyframe of this architecture",
+                hint=FIXED_MODEL,
             )
         live = self[tp.name]
         pos, old, new, change = checked_writes(tp, live)

@@ -9,6 +9,7 @@ hostile island: test_gateway_routing.py.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -318,3 +319,68 @@ def test_concurrent_requests_spread(gateway: RunningGateway, world: World) -> No
         t.join(120)
     assert not errors, errors[0]
     assert set(used) == {"a", "b", "c"} and len(used) == 18
+
+
+def test_an_island_that_stops_answering_is_given_up_and_the_request_sent_elsewhere(
+    islands: dict[str, RunningSidecar], world: World
+) -> None:
+    """An island that accepts connections and never answers (a stopped process): a request
+    already sent there is given up once its ``/version`` poll fails, and another island
+    answers it; nothing waits for as long as the caller would."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    frozen, release = threading.Event(), threading.Event()
+    served = islands["a"].sidecar.follower.version
+
+    class Island(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _hold(self) -> bool:
+            if frozen.is_set():
+                release.wait(60)
+                return True
+            return False
+
+        def do_GET(self) -> None:
+            if self._hold():
+                return
+            body = json.dumps(
+                {"run": "r1", "served": served, "latest": served, "state": "IDLE", "lag": 0}
+            ).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            frozen.set()  # the request reached it, then it froze
+            self._hold()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Island)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    gw = start_gateway(
+        [f"frozen={url}", f"a={islands['a'].url}"],
+        config=GatewayConfig(poll_s=0.1, poll_timeout_s=0.5, retry_backoff_s=0.05),
+    )
+    try:
+        t0 = time.monotonic()
+        got = []
+        for _ in range(4):  # rotation: some go to the frozen island first
+            r = httpx.post(
+                f"{gw.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30
+            )
+            got.append((r.status_code, r.headers.get("x-rollpatch-island")))
+        assert got == [(200, "a")] * 4, got
+        assert frozen.is_set() and time.monotonic() - t0 < 15
+        assert (
+            _sample(gw, "rollpatch_gateway_requests_total", island="frozen", outcome="unreachable")
+            >= 1
+        )
+    finally:
+        release.set()
+        gw.stop()
+        srv.shutdown()

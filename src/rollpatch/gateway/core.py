@@ -37,6 +37,8 @@ class _Record:
     run: str | None = None
     last_error: str | None = None
     polled_at: float | None = None
+    #: When it was last found unreachable (time.monotonic(); None since it answered).
+    failed_at: float | None = None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -151,6 +153,7 @@ class Gateway:
                 body.get("last_error") if isinstance(body.get("last_error"), str) else None
             )
             rec.polled_at = time.time()
+            rec.failed_at = None
 
     def observe_response(
         self, name: str, status: int, *, served: int | None = None, latest: int | None = None
@@ -173,8 +176,18 @@ class Gateway:
         """The island could not be reached (poll or request)."""
         with self._lock:
             rec = self._records[name]
-            rec.view = replace(rec.view, reachable=False)
+            # what it said before is not what it is now: no state, no lag until it answers
+            rec.view = replace(rec.view, reachable=False, state="UNREACHABLE")
+            rec.lag = None
             rec.last_error = error
+            rec.failed_at = time.monotonic()
+
+    def failed_since(self, name: str, t: float) -> bool:
+        """Whether ``name`` was found unreachable (a poll or a request failed) after ``t``
+        (time.monotonic()) and has not answered since."""
+        with self._lock:
+            at = self._records[name].failed_at
+        return at is not None and at > t
 
     def admit(self, name: str) -> Slot:
         """Count a request in flight at ``name`` until the returned slot is released (on

@@ -190,11 +190,14 @@ async def _attempt(
     with gw.admit(island) as slot:
         req = client.build_request(method, url, content=content, headers=headers)
         try:
-            r = await client.send(req, stream=stream)
+            r = await _send_watched(gw, client, req, island, stream)
         except httpx.HTTPError as e:
             gw.observe_failure(island, f"{type(e).__name__}: {e}")
             gw.metrics.attempt(island, None)
             return _Refusal(island, 0, error=f"{island}: {type(e).__name__}: {e}")
+        except _Abandoned as e:
+            gw.metrics.attempt(island, None)
+            return _Refusal(island, 0, error=f"{island}: {e}")
         gw.metrics.attempt(island, r.status_code)
         if stream and r.status_code == 200:
             return _stream(gw, island, r, annotate, slot.hand_off())
@@ -206,6 +209,36 @@ async def _attempt(
         if annotate and r.status_code == 200:
             body = add_island(body, island)
         return Response(body, status_code=r.status_code, headers=_kept(r.headers, island))
+
+
+class _Abandoned(Exception):
+    """The island stopped answering while a request waited for its answer's head."""
+
+
+async def _send_watched(
+    gw: Gateway, client: httpx.AsyncClient, req: httpx.Request, island: str, stream: bool
+) -> httpx.Response:
+    """``client.send``, given up (:class:`_Abandoned`; the request is then tried on another
+    island) when the island is found unreachable — its ``/version`` poll failed — after the
+    request was sent and before its answer's head came: a process that accepts connections
+    and never answers (stopped, wedged) would otherwise hold the request for as long as the
+    caller waits. A generation that takes long is not given up while the island answers
+    its polls (a non-streamed answer's head comes only with its whole body)."""
+    sent = time.monotonic()
+    task = asyncio.ensure_future(client.send(req, stream=stream))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=gw.config.poll_s)
+            if done:
+                return task.result()
+            if gw.failed_since(island, sent):
+                raise _Abandoned(
+                    "stopped answering (its /version poll failed) while the request waited "
+                    "for an answer; tried elsewhere"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def _stream(gw: Gateway, island: str, r: httpx.Response, annotate: bool, slot: Slot) -> OwnedStream:

@@ -42,8 +42,9 @@ def test_corrupt_upstream_is_refused_never_cached(
     assert c.get(ref.key) == good and ref.key in relay.relay.cache
     bad_manifest = version_key(RUN, 99)
     board.store.put(bad_manifest, b'{"schema": "nope"}')
-    with pytest.raises(TransientStoreError):  # 502: clients retry 5xx, then give up
-        c.get(bad_manifest)
+    with pytest.raises(StoreError, match="relay refused: upstream manifest refused") as err:
+        c.get(bad_manifest)  # 502 with the relay's reason: final, not retried as a 5xx
+    assert not isinstance(err.value, TransientStoreError)
     assert bad_manifest not in relay.relay.cache
 
 

@@ -228,3 +228,52 @@ def test_file_store_refuses_links_and_special_files(tmp_path: Path) -> None:
     assert store.list("") == store.list("runs/") == ["runs/r1/ok"]
     assert store.list("runs/r1/dirlink/") == [] and store.list("runs/r1/l") == []
     assert store.get("runs/r1/ok") == b"fine" and store.head("runs/r1/ok") is not None
+
+
+@pytest.mark.parametrize(
+    "body,transient",
+    [
+        (  # the relay's own refusal: its message and hint, not retried
+            (
+                b'{"error": {"message": "the bucket does not exist", "type": "upstream_error",'
+                b' "code": 502}, "hint": "create it, or fix the URI"}'
+            ),
+            False,
+        ),
+        (b"<html>502 Bad Gateway</html>", True),  # a proxy in front of a restarting relay
+    ],
+)
+def test_a_relay_refusal_says_what_the_relay_said(body: bytes, transient: bool) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits: list[str] = []
+
+    class Relay(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(502)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        store = HttpStore(
+            f"http://127.0.0.1:{srv.server_address[1]}", HttpConfig(retries=2, backoff=0)
+        )
+        with pytest.raises(StoreError) as err:
+            store.get("runs/r1/LATEST")
+        if transient:
+            assert isinstance(err.value, TransientStoreError) and len(hits) == 3
+            assert "HTTP 502" in str(err.value)
+        else:
+            assert not isinstance(err.value, TransientStoreError) and len(hits) == 1
+            assert "relay refused: the bucket does not exist" in str(err.value)
+            assert err.value.hint == "create it, or fix the URI"
+    finally:
+        srv.shutdown()

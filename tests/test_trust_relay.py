@@ -20,7 +20,7 @@ import pytest
 from rollpatch.board import Board, pointer_key, root_key, version_key
 from rollpatch.cli import main
 from rollpatch.engines import ViewEngine
-from rollpatch.errors import ManifestError, TransientStoreError
+from rollpatch.errors import ManifestError, StoreError
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.relay.verify import StalePointer
@@ -68,7 +68,7 @@ def test_relay_refuses_forged_manifests_and_latest_before_caching(serve, tmp_pat
     assert c.get(version_key(RUN, 1)) == pub.store.get(version_key(RUN, 1))
     _forge(pub, 2)
     for key in (version_key(RUN, 2), pointer_key(RUN)):
-        with pytest.raises(TransientStoreError):  # 502: refused bytes
+        with pytest.raises(StoreError, match="relay refused: upstream"):  # 502, with why
             c.get(key)
         with httpx.Client() as h:
             r = h.get(f"{relay.url}/v1/objects/{key}")
@@ -116,14 +116,15 @@ def test_relay_refuses_rollback_and_expired_latest(serve, tmp_path: Path) -> Non
     c = client(relay)
     c.get(pointer_key(RUN))
     pub.store.put(pointer_key(RUN), old, if_absent=False)  # pointed back to version 1
-    with pytest.raises(TransientStoreError):
+    with pytest.raises(StoreError, match="rollback"):
         c.get(pointer_key(RUN))
     assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_rollback") == 1
     pub.board.advance(RUN, 2, refresh=True)
     c.get(pointer_key(RUN))
     now[0] += 3600  # nobody re-signs: frozen
-    with pytest.raises(TransientStoreError):
+    with pytest.raises(StoreError, match="LATEST has expired") as err:
         c.get(pointer_key(RUN))
+    assert err.value.hint is not None and "re-signs LATEST" in err.value.hint
     assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_expired") == 1
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["latest"] == {RUN: 2}
@@ -200,7 +201,7 @@ def test_relay_serves_only_roots_that_chain(serve, tmp_path: Path) -> None:
     assert c.get(root_key(2)) == good and root_key(2) in relay.relay.cache
     mallory = SigningKey.generate()
     pub.store.put(root_key(3), sign_root(Root.new([mallory.public], version=3), [mallory]))
-    with pytest.raises(TransientStoreError):
+    with pytest.raises(StoreError, match="root 3 is not signed"):
         c.get(root_key(3))
     assert root_key(3) not in relay.relay.cache
 
@@ -380,10 +381,10 @@ def test_cli_relay_process_with_trust_refuses_a_forgery(tmp_path: Path) -> None:
         pub.store = files.store  # type: ignore[assignment]
         pub.board = Board(files.store, signer=pub.signer)
         pub.publish(2, board=mallory)
-        with pytest.raises(TransientStoreError):  # the relay answers 502 (refused bytes)
+        with pytest.raises(StoreError, match="valid signature"):  # the relay's 502, with why
             f.sync(2)
         assert f.version == 1
-        with pytest.raises(TransientStoreError):
+        with pytest.raises(StoreError, match="relay refused"):
             c.get(version_key(RUN, 2))
     finally:
         proc.terminate()

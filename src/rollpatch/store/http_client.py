@@ -34,22 +34,17 @@ from .. import jsonsafe
 from ..errors import (
     ConfigError,
     NotFoundError,
-    ObjectIntegrityError,
     StoreError,
     TransientStoreError,
 )
-from ..serving.responses import error_message
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
-from .http_pool import MAX_ERROR_BYTES, Held, HttpStatusError, Pool, Response
+from .http_errors import CORRUPT_CODE, CORRUPT_STATUS, raise_if_corrupt, relay_said
+from .http_pool import Held, HttpStatusError, Pool, Response
 from .push import MAX_HAVE, PUSH_HEADER, PushedBytes, split_push
 
 __all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HELD_HEADER", "HttpStore"]
 
-#: The relay's answer for an object whose origin copy is corrupt (docs/store.md, "Errors"):
-#: this status with a JSON body whose ``code`` is :data:`CORRUPT_CODE` and ``key`` the key.
-CORRUPT_STATUS = 409
-CORRUPT_CODE = "object_corrupt"
 #: The header a relay sets on its answer to a long-poll of LATEST (``?after=N&wait=S``).
 HELD_HEADER = "X-Rollpatch-Held"
 
@@ -123,10 +118,20 @@ class HttpStore(Store):
         try:
             return self._pool.request(method, target, {**self.config.headers, **(headers or {})})
         except HttpStatusError as e:
+            said = relay_said(e)
+            if e.code == 502 and said is not None and said[2] == "upstream_error":
+                # the relay's own refusal (its upstream misconfigured, bytes refused under its
+                # trust root): no retry changes it; its message and hint say what happened
+                raise StoreError(
+                    f"relay refused: {said[0]}",
+                    key=key,
+                    store=self.uri,
+                    hint=said[1] or "see the relay's log",
+                ) from None
             if e.code == 429 or e.code >= 500:
-                raise _Transient(f"HTTP {e.code}") from None
+                raise _Transient(f"HTTP {e.code}" + (f": {said[0]}" if said else "")) from None
             if e.code == CORRUPT_STATUS and key is not None and method == "GET":
-                _raise_if_corrupt(e, key, self.uri)
+                raise_if_corrupt(e, key, self.uri)
             raise
         except _NETWORK_ERRORS as e:
             raise _Transient(str(e) or type(e).__name__) from None
@@ -324,36 +329,6 @@ class HttpStore(Store):
 
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
         self._require_writable("cas", key)
-
-
-def _raise_if_corrupt(e: HttpStatusError, key: str, uri: str) -> None:
-    """Raise :class:`ObjectIntegrityError` when a 409's body says the object is corrupt at
-    the origin; return for any other 409 (the caller maps it like other statuses)."""
-    body = e.body
-    if len(body) > MAX_ERROR_BYTES:
-        return
-    try:
-        doc = jsonsafe.loads(
-            body, what="relay error body", error=StoreError, max_bytes=len(body), max_depth=2
-        )
-    except StoreError:
-        return
-    if not isinstance(doc, dict) or doc.get("code") != CORRUPT_CODE:
-        return
-    if doc.get("key") != key:
-        raise StoreError(
-            "relay reported another object corrupt than the one asked for",
-            key=key,
-            store=uri,
-        )
-    error = error_message(doc)  # the edge kit's {"error": {"message"}} or a bare string
-    raise ObjectIntegrityError(
-        "relay found the origin's copy of the object corrupt",
-        key=key,
-        store=uri,
-        relay_error=error[:200] if error is not None else None,  # repr'd: no raw text
-        hint="the stored copy must be republished; a follower plans around it meanwhile",
-    )
 
 
 def _content_length(r: Response, key: str) -> int:

@@ -1,0 +1,73 @@
+"""The relay's error answers, read by the relay client (:mod:`.http_client`): a corrupt origin
+copy (:data:`CORRUPT_STATUS` with :data:`CORRUPT_CODE`), and the message, hint and type of
+any other refusal, so that what the relay knows reaches the follower's error instead of a
+bare "HTTP 502" (docs/store.md, "Errors")."""
+
+from __future__ import annotations
+
+from .. import jsonsafe
+from ..errors import ObjectIntegrityError, StoreError
+from ..serving.responses import error_message
+from .http_pool import MAX_ERROR_BYTES, HttpStatusError
+
+__all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "raise_if_corrupt", "relay_said"]
+
+#: The relay's answer for an object whose origin copy is corrupt (docs/store.md, "Errors"):
+#: this status with a JSON body whose ``code`` is :data:`CORRUPT_CODE` and ``key`` the key.
+CORRUPT_STATUS = 409
+CORRUPT_CODE = "object_corrupt"
+
+
+def relay_said(e: HttpStatusError) -> tuple[str, str | None, str | None] | None:
+    """A relay error body's (message, hint, type) — its edge kit's ``{"error": {"message",
+    "type"}, "hint"}`` — bounded, for the messages of errors raised here; None for any other
+    body (a proxy in front of the relay, say)."""
+    body = e.body
+    if not body or len(body) > MAX_ERROR_BYTES:
+        return None
+    try:
+        doc = jsonsafe.loads(
+            body, what="relay error body", error=StoreError, max_bytes=len(body), max_depth=3
+        )
+    except StoreError:
+        return None
+    message = error_message(doc)
+    if message is None or not isinstance(doc, dict):
+        return None
+    err, hint = doc.get("error"), doc.get("hint")
+    kind = err.get("type") if isinstance(err, dict) else None
+    return (
+        message[:300],
+        hint[:300] if isinstance(hint, str) else None,
+        kind if isinstance(kind, str) else None,
+    )
+
+
+def raise_if_corrupt(e: HttpStatusError, key: str, uri: str) -> None:
+    """Raise :class:`ObjectIntegrityError` when a 409's body says the object is corrupt at
+    the origin; return for any other 409 (the caller maps it like other statuses)."""
+    body = e.body
+    if len(body) > MAX_ERROR_BYTES:
+        return
+    try:
+        doc = jsonsafe.loads(
+            body, what="relay error body", error=StoreError, max_bytes=len(body), max_depth=2
+        )
+    except StoreError:
+        return
+    if not isinstance(doc, dict) or doc.get("code") != CORRUPT_CODE:
+        return
+    if doc.get("key") != key:
+        raise StoreError(
+            "relay reported another object corrupt than the one asked for",
+            key=key,
+            store=uri,
+        )
+    error = error_message(doc)  # the edge kit's {"error": {"message"}} or a bare string
+    raise ObjectIntegrityError(
+        "relay found the origin's copy of the object corrupt",
+        key=key,
+        store=uri,
+        relay_error=error[:200] if error is not None else None,  # repr'd: no raw text
+        hint="the stored copy must be republished; a follower plans around it meanwhile",
+    )

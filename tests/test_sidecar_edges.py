@@ -284,3 +284,23 @@ def test_a_stalled_board_holds_no_request_and_not_version(world: World) -> None:
     finally:
         store.release.set()
         sc.stop()
+
+
+def test_exact_version_catches_up_to_it_not_past_it(world: World) -> None:
+    """An island behind (it polls rarely) asked for ``exact_version`` N with N+1 published:
+    it syncs to N and serves the request there (before: it synced to LATEST, then refused
+    the request as final, "older than the served version")."""
+    engine = ReferenceEngine.from_dir(world.model, threads=1)
+    cfg = SidecarConfig(follower=FollowerConfig(poll_s=3600.0))
+    sc = start_sidecar(world.board, "r1", engine, engine.url, config=cfg)
+    try:
+        _wait_ready(sc)
+        have = sc.sidecar.follower.version
+        assert have is not None
+        want, newer = world.publish(), world.publish()
+        body, headers = _complete(_client(sc), exact_version=want, wait_s=60)
+        assert body["rollpatch"]["version_start"] == body["rollpatch"]["version_end"] == want
+        world.check(body["choices"][0], want)
+        assert sc.sidecar.follower.version in (want, newer)  # then it goes on to LATEST
+    finally:
+        sc.stop()

@@ -15,6 +15,7 @@ gate), :mod:`.audit`; planning around corrupt objects is :mod:`rollpatch.avoid`'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -42,11 +43,12 @@ from ..view import View
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
-from .failures import FailureLog, Unfit, check_latest_target
+from .failures import FailureLog, Unfit, check_latest_target, missing_version
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .held import Held
 from .record import PastWanted, Record
 from .stage import EarlyDecode, anchor_evidence, check_size, refused_hop, stage_plan
+from .targets import Targets
 from .watch import LatestHint, WakeEvent, Watcher
 
 __all__ = ["CommitCallback", "Follower"]
@@ -113,7 +115,7 @@ class Follower:
         self._bad = BadObjects()  # corrupt objects: plans go around them
         self._failures = FailureLog(log, self.run)  # one log line per failure, not per retry
         self._unfit = Unfit()  # keyframes the engine's model cannot hold
-        self._latest_target: tuple[int, str] | None = None  # LATEST's (version, target) read
+        self._targets = Targets(self._cond)  # exact versions waited for; LATEST's target
         # LATEST, manifests and plans are read through a board whose store retries each read
         self._reader = Board(RetryingStore(self.board.store, self._retrier), trust=self.board.trust)
 
@@ -129,14 +131,17 @@ class Follower:
         with self._cond:
             return self._rec.status(self.version)
 
-    def wait_for(self, version: int, timeout: float) -> bool:
+    def wait_for(self, version: int, timeout: float, *, exact: bool = False) -> bool:
         """Block until the verified version is at least ``version``; False on timeout.
 
         Wakes the background loop to poll LATEST at once; without it (no :meth:`start`),
-        another thread must be calling :meth:`sync`.
+        another thread must be calling :meth:`sync`. ``exact``: the caller wants ``version``
+        itself (a request's ``exact_version``): while it waits, the loop syncs to it, not
+        past it to LATEST.
         """
-        self._wake.set()
-        return self._held.wait_for(version, timeout)
+        with self._targets.wanted(version) if exact else contextlib.nullcontext():
+            self._wake.set()
+            return self._held.wait_for(version, timeout)
 
     # -- synchronous catch-up ------------------------------------------------------------------
 
@@ -179,27 +184,8 @@ class Follower:
         except VersionNotFoundError as e:
             if e.context.get("version") != want:
                 raise
-            if not from_latest:  # asked for by number: say what the run has
-                held = self._reader.versions(self.run)
-                has = f"versions {held[0]}..{held[-1]} ({len(held)})" if held else "no versions"
-                why = (
-                    "it is not published yet"
-                    if not held or want > held[-1]
-                    else "older ones may have been removed by retention (gc)"
-                )
-                raise VersionNotFoundError(
-                    f"version {want} is not on the board",
-                    run=self.run,
-                    version=want,
-                    hint=f"the run has {has}; {why}",
-                ) from None
-            raise VersionNotFoundError(
-                f"LATEST names version {want}, which has no manifest on the board",
-                run=self.run,
-                version=want,
-                hint="LATEST was moved past the manifests (by hand, or by someone who can "
-                "write to the store); a signing publisher replaces it, and --trust refuses it",
-            ) from None
+            held = None if from_latest else self._reader.versions(self.run)
+            raise missing_version(self.run, want, held) from None
 
     def _sync_to(self, want: int) -> int:
         have = self._held.verified_have()
@@ -241,7 +227,7 @@ class Follower:
         manifests = {
             n: self._manifest(n) for s in plan.steps for n in (s.to, s.base) if n is not None
         }
-        check_latest_target(self._latest_target, manifests[want])
+        check_latest_target(self._targets.latest, manifests[want])
         boot = manifests[plan.steps[0].to] if plan.steps and plan.steps[0].is_keyframe else None
         if boot is not None:  # found unfit for the engine's model before: not fetched again
             self._unfit.check(boot)
@@ -349,7 +335,7 @@ class Follower:
         with self._cond:
             self._rec.latest = None if p is None else p.version
             self._rec.latest_at = time.monotonic()
-            self._latest_target = None if p is None else (p.version, p.target)
+            self._targets.read(p)
         return None if p is None else p.version
 
     def _manifest(self, n: int) -> Manifest:
@@ -375,7 +361,7 @@ class Follower:
         latest = self._read_latest()
         current = self.version
         if latest is not None and (current is None or latest > current):
-            self.sync(latest)
+            self.sync(self._targets.next(latest, current))  # an exact version waited for first
         elif latest is not None and self._rec.state is FollowerState.ERROR:
             self._rec.set(FollowerState.IDLE, error=None)  # caught up again: healthy
             self._failures.cleared()

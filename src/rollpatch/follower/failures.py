@@ -22,10 +22,17 @@ import logging
 import time
 from collections import OrderedDict
 
-from ..errors import IncompatibleModelError, ManifestError
+from ..errors import IncompatibleModelError, ManifestError, VersionNotFoundError
 from ..manifest import Manifest
 
-__all__ = ["REPEAT_LOG_S", "UNFIT_KEEP", "FailureLog", "Unfit", "check_latest_target"]
+__all__ = [
+    "REPEAT_LOG_S",
+    "UNFIT_KEEP",
+    "FailureLog",
+    "Unfit",
+    "check_latest_target",
+    "missing_version",
+]
 
 #: Seconds before a failure repeated with the same message is logged again.
 REPEAT_LOG_S = 300.0
@@ -99,4 +106,30 @@ def check_latest_target(latest: tuple[int, str] | None, m: Manifest) -> None:
         manifest_target=m.target[:16],
         hint="a relay cache may hold a manifest of an earlier run of this name (a run deleted "
         "and published again): clear the relay's cache, or publish under a new run name",
+    )
+
+
+def missing_version(run: str, want: int, held: list[int] | None) -> VersionNotFoundError:
+    """The error for a wanted version with no manifest: asked for by number (``held``: the
+    run's versions), say what the run has and why it may be missing; named by LATEST
+    (``held`` None), say that LATEST was moved past the manifests."""
+    if held is not None:
+        has = f"versions {held[0]}..{held[-1]} ({len(held)})" if held else "no versions"
+        why = (
+            "it is not published yet"
+            if not held or want > held[-1]
+            else "older ones may have been removed by retention (gc)"
+        )
+        return VersionNotFoundError(
+            f"version {want} is not on the board",
+            run=run,
+            version=want,
+            hint=f"the run has {has}; {why}",
+        )
+    return VersionNotFoundError(
+        f"LATEST names version {want}, which has no manifest on the board",
+        run=run,
+        version=want,
+        hint="LATEST was moved past the manifests (by hand, or by someone who can "
+        "write to the store); a signing publisher replaces it, and --trust refuses it",
     )

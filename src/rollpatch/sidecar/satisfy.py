@@ -5,6 +5,7 @@ or refuses (409/503) by the constraint (docs/sidecar.md)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from starlette.responses import Response
@@ -116,7 +117,10 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
         assert d.need is not None
         if wait_s > 0:
             event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
-        if wait_s > 0 and await asyncio.to_thread(sc.follower.wait_for, d.need, wait_s):
+        exact = c.exact_version is not None  # catch up to it, not past it
+        if wait_s > 0 and await asyncio.to_thread(
+            functools.partial(sc.follower.wait_for, d.need, wait_s, exact=exact)
+        ):
             return None
         reason = d.reason + (
             " (caller asked not to wait)" if wait_s == 0 else f" did not finish within {wait_s:g}s"

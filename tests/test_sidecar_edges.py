@@ -298,9 +298,28 @@ def test_exact_version_catches_up_to_it_not_past_it(world: World) -> None:
         have = sc.sidecar.follower.version
         assert have is not None
         want, newer = world.publish(), world.publish()
-        body, headers = _complete(_client(sc), exact_version=want, wait_s=60)
+        body, _ = _complete(_client(sc), exact_version=want, wait_s=60)
         assert body["rollpatch"]["version_start"] == body["rollpatch"]["version_end"] == want
         world.check(body["choices"][0], want)
         assert sc.sidecar.follower.version in (want, newer)  # then it goes on to LATEST
     finally:
         sc.stop()
+
+
+def test_a_stale_latest_says_why_when_the_follower_knows() -> None:
+    """An expired (or refused) LATEST is not an unreachable board: the 503 says what the
+    follower's last read met."""
+    from types import SimpleNamespace
+
+    from rollpatch.sidecar.satisfy import _stale
+
+    def sidecar(err: str | None) -> Any:
+        status = SimpleNamespace(last_error=err)
+        return SimpleNamespace(follower=SimpleNamespace(status=lambda: status))
+
+    said = _stale(sidecar("TrustError: LATEST has expired"), 8.2, "max_lag cannot be checked")
+    assert said == (
+        "LATEST has not been read for 8 s (the last read failed: TrustError: LATEST has "
+        "expired): max_lag cannot be checked"
+    )
+    assert "(the board is unreachable)" in _stale(sidecar(None), 8.0, "x")

@@ -83,8 +83,7 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
         sc.metrics.request("unavailable")
         return error_response(
             503,
-            f"LATEST has not been read for {age:.0f} s (the board is "
-            "unreachable): max_lag cannot be checked",
+            _stale(sc, age, "max_lag cannot be checked"),
             "not_ready",
             served=served,
             latest=latest,
@@ -101,8 +100,7 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
         sc.metrics.request("unavailable")
         return error_response(
             503,
-            f"LATEST has not been read for {age:.0f} s (the board is unreachable): whether "
-            f"version {d.need} is published cannot be checked",
+            _stale(sc, age, f"whether version {d.need} is published cannot be checked"),
             "not_ready",
             served=served,
             latest=latest,
@@ -129,6 +127,14 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
         return conflict(sc, served, reason)
     sc.metrics.request("conflict")
     return conflict(sc, served, d.reason, final=d.final)
+
+
+def _stale(sc: Sidecar, age: float, what: str) -> str:
+    """The 503 for a LATEST not read for ``age`` s, with the follower's last error when it
+    has one (an expired or refused LATEST is not an unreachable board)."""
+    err = sc.follower.status().last_error
+    why = f"the last read failed: {err}" if err else "the board is unreachable"
+    return f"LATEST has not been read for {age:.0f} s ({why}): {what}"
 
 
 def plain_proxy(c: Constraint, served: int | None) -> Decision | None:

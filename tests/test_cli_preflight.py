@@ -322,6 +322,10 @@ def test_gc_says_what_a_pin_and_the_cutoff_are(
     out, err = capsys.readouterr()
     assert "--pin 99: no such version; it pins nothing" in err
     assert "keeping versions >= 0 (v0: the keyframe the kept versions are rebuilt from)" in out
+    # a run the board does not have (a typo) is refused, naming the runs it has
+    assert main(["gc", "--board", board, "--run", "nope", "--dry-run"]) == EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert "run 'nope' has nothing on the board" in err and "runs on it: r" in err
 
 
 # -- structured logs ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def register(sub: Any) -> None:
         type=count,
         default=32,
         metavar="N",
-        help="keep the last N versions (default 32)",
+        help="keep LATEST and the N versions before it (default 32)",
     )
     p.add_argument(
         "--pin",
@@ -51,12 +51,19 @@ def register(sub: Any) -> None:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from ..board import Board
+    from ..errors import ConfigError
     from ..retention import collect
     from .preflight import board_uri
 
     board_uri(args.board, existing=True)
     board = Board(args.board)
     versions = board.versions(args.run)
+    if not versions and board.latest(args.run) is None:  # a typo'd run is not a success
+        runs = board.runs()
+        raise ConfigError(
+            f"run {args.run!r} has nothing on the board",
+            hint=f"runs on it: {', '.join(runs[:10])}" if runs else "the board has no runs",
+        )
     for v in sorted(set(args.pin) - set(versions)):
         print(f"{args.run}: --pin {v}: no such version; it pins nothing", file=sys.stderr)
     report = collect(

@@ -145,6 +145,17 @@ def test_publisher_warns_when_what_it_publishes_will_not_verify(
     ):
         p.publish(masters)
     assert not caplog.records
+    # the board's newest root expired: everything it publishes will be refused
+    from rollpatch.board import root_key
+    from rollpatch.trust import Root, sign_root
+
+    key = pub.keys[0]
+    old = Root.new([key.public], version=2, expires=time.time() - 1)
+    pub.store.put(root_key(2), sign_root(old, [key]))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rollpatch.publisher"):
+        Publisher(pub.board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False).close()
+    assert any("has expired" in r.getMessage() for r in caplog.records), caplog.records
 
 
 def test_retention_on_a_signed_board_keeps_it_verifiable(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from ..board import Board
@@ -48,6 +49,12 @@ def check_signing(board: Board, signer: Signer | None) -> None:
             root.version,
         )
         return
+    if root.expired(time.time()):
+        log.warning(
+            "the board's root of trust (version %d) has expired: followers with --trust "
+            "refuse everything until a new root is published (`rollpatch root`)",
+            root.version,
+        )
     mine = {k.keyid for k in signer.keys} & set(root.keys)
     if len(mine) < root.threshold:
         log.warning(

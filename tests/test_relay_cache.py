@@ -6,13 +6,14 @@ The relays: tests/relayfix.py.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import httpx
 import pytest
 
-from rollpatch.board import Board, version_key
+from rollpatch.board import Board, pointer_key, version_key
 from rollpatch.errors import ObjectIntegrityError, StoreError, TransientStoreError
 from rollpatch.types import ObjectRef
 from tests.relayfix import RUN, Counting, board, client, objects, publish, serve
@@ -199,3 +200,38 @@ def test_corrupt_cache_files_do_not_stop_the_relay(
     for ref in objects:
         assert c.get(ref.key) == board.store.get(ref.key)
     assert len({k for (op, k), n in upstream.reads.items() if op == "get"}) == 3
+
+
+def test_upstream_failures_are_logged_once_per_kind(
+    board: Board, serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relay whose upstream fails says so in its log (once per status and message, not per
+    request); before, it answered 503/502 and logged nothing."""
+    upstream = Counting(board.store)
+    relay = serve(upstream)
+    upstream.offline = True
+    with caplog.at_level(logging.WARNING, logger="rollpatch.relay"), httpx.Client() as h:
+        for _ in range(3):
+            assert h.get(f"{relay.url}/v1/objects/{pointer_key(RUN)}").status_code == 503
+    said = [r.getMessage() for r in caplog.records if "answered 503" in r.getMessage()]
+    assert len(said) == 1 and "offline" in said[0], said
+
+
+def test_a_cache_file_rotted_on_disk_is_said_counted_and_fetched_again(
+    board: Board, objects: list[ObjectRef], serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = serve(board.store, cache="c")
+    ref = objects[0]
+    client(first).get(ref.key)
+    path = first.relay.cache.peek(ref.key).path
+    first.stop()
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1  # one bit of the object's bytes, the header intact
+    path.write_bytes(bytes(raw))
+    upstream = Counting(board.store)
+    second = serve(upstream, cache="c")
+    with caplog.at_level(logging.WARNING, logger="rollpatch.relay"):
+        assert client(second).get(ref.key) == board.store.get(ref.key)
+    assert any("does not match its BLAKE3" in r.getMessage() for r in caplog.records)
+    assert second.relay.metrics.value("rollpatch_relay_cache_discarded_total") == 1
+    assert upstream.gets(ref.key) == 1

@@ -182,8 +182,15 @@ class DiskCache:
         with self._lock:
             if self._index.get(key) is not entry:
                 return None
-            if not ok:
+            if not ok:  # disk rot, or a file edited under the relay: said, counted, refetched
                 self._drop(key)
+                log.warning(
+                    "relay cache: %s does not match its BLAKE3 on disk; dropped, fetching "
+                    "%s again from upstream",
+                    entry.path,
+                    key,
+                )
+                self.metrics.inc("rollpatch_relay_cache_discarded_total")
                 return None
             entry = replace(entry, verified=True)
             self._index[key] = entry

@@ -50,7 +50,10 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "rollpatch_relay_evictions_total": ("counter", "Cache files evicted to stay in bounds."),
     "rollpatch_relay_cache_discarded_total": (
         "counter",
-        "Unusable files found in the cache directory at start-up and removed.",
+        (
+            "Unusable cache files removed: found at start-up, or whose bytes failed their "
+            "BLAKE3 when first read (logged; the object is fetched again)."
+        ),
     ),
     "rollpatch_relay_cache_bytes": ("gauge", "Bytes of cache files on disk."),
     "rollpatch_relay_cache_entries": ("gauge", "Objects in the disk cache."),

@@ -21,16 +21,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..errors import (
     ConfigError,
     NotFoundError,
-    ObjectIntegrityError,
     RollpatchError,
     TransientStoreError,
 )
 from ..serving import ServeOptions, ServerHandle, serve_app
-from ..serving.responses import error_body
 from ..store import Store, open_store, validate_key, validate_prefix
-from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS, HELD_HEADER
+from ..store.http_client import HELD_HEADER
 from ..store.push import MAX_HAVE, PUSH_HEADER, parse_have
 from ..trust import Trust
+from .answers import RefusalLog, error_answer, status_of
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
 from .core import Blob, Relay
@@ -48,35 +47,6 @@ _IMMUTABLE = "public, max-age=31536000, immutable"
 _OPEN_ATTEMPTS = 3
 
 
-def _status(exc: BaseException) -> int:
-    if isinstance(exc, NotFoundError):
-        return 404
-    if isinstance(exc, ObjectIntegrityError):  # corrupt at the origin: retrying cannot help
-        return CORRUPT_STATUS
-    if isinstance(exc, (TransientStoreError, OSError)):  # upstream flaky, or our cache disk
-        return 503
-    return 502  # refused bytes, upstream misconfigured: requests are validated before this
-
-
-#: The ``type`` of the relay's error bodies, by status.
-_KINDS = {400: "invalid_request_error", 404: "not_found", 502: "upstream_error", 503: "unavailable"}
-
-
-def _error(status: int, exc: BaseException) -> JSONResponse:
-    """The edge kit's error body (:func:`~rollpatch.serving.responses.error_body`) with the
-    exception's ``hint``; a corrupt object adds the ``code`` and ``key`` clients act on."""
-    hint = exc.hint if isinstance(exc, RollpatchError) else None
-    message = exc.message if isinstance(exc, RollpatchError) else f"{type(exc).__name__}: {exc}"
-    key = exc.context.get("key") if isinstance(exc, ObjectIntegrityError) else None
-    if isinstance(key, str):
-        body = error_body(
-            CORRUPT_STATUS, message, CORRUPT_CODE, hint=hint, code=CORRUPT_CODE, key=key
-        )
-        return JSONResponse(body, status_code=CORRUPT_STATUS)
-    body = error_body(status, message, _KINDS.get(status, "error"), hint=hint)
-    return JSONResponse(body, status_code=status)
-
-
 async def _wait(future: Future[T]) -> T:
     return await asyncio.wrap_future(future)
 
@@ -87,8 +57,12 @@ def create_app(relay: Relay) -> FastAPI:
     app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None)  # /openapi.json
     app.add_middleware(CountRequests, metrics=relay.metrics)
 
+    refusals = RefusalLog()
+
     async def on_error(request: Request, exc: Exception) -> Response:
-        return _error(_status(exc), exc)
+        status = status_of(exc)
+        refusals.said(request.url.path, status, exc)  # 5xx: the operator hears of it
+        return error_answer(status, exc)
 
     app.add_exception_handler(RollpatchError, on_error)
     app.add_exception_handler(OSError, on_error)
@@ -98,7 +72,7 @@ def create_app(relay: Relay) -> FastAPI:
         try:
             kind = classify(validate_key(key))
         except ConfigError as e:
-            return _error(400, e)
+            return error_answer(400, e)
         if (
             request.method == "GET"
             and kind is KeyKind.POINTER
@@ -132,7 +106,7 @@ def create_app(relay: Relay) -> FastAPI:
         try:
             validate_prefix(prefix)
         except ConfigError as e:
-            return _error(400, e)
+            return error_answer(400, e)
         keys = await _wait(relay.list(prefix))
         return JSONResponse(_page(keys, start_after, relay.config.list_page))
 
@@ -165,7 +139,7 @@ async def _held(relay: Relay, key: str, request: Request) -> Response:
         if not 0 <= wait < float("inf"):
             raise ValueError(wait_s)
     except ValueError:
-        return _error(
+        return error_answer(
             400,
             ConfigError(
                 "a long-poll of LATEST takes ?after=N (an integer >= -1), &wait=S seconds "

@@ -277,3 +277,40 @@ def test_a_relay_refusal_says_what_the_relay_said(body: bytes, transient: bool) 
             assert err.value.hint == "create it, or fix the URI"
     finally:
         srv.shutdown()
+
+
+def test_an_endpoint_that_is_not_s3_is_named_not_taken_for_an_empty_board() -> None:
+    """Any HTTP server answering 404 (a wrong port, another service) as the S3 endpoint: a
+    read and a listing say the endpoint does not look like S3, not "no such object"."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    pytest.importorskip("boto3")
+
+    class NotS3(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = b"<html>Not Found</html>"
+            self.send_response(404)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        s3 = open_store(
+            f"s3://{BUCKET}/p",
+            endpoint_url=f"http://127.0.0.1:{srv.server_address[1]}",
+            access_key_id="a",
+            secret_access_key="b",
+            max_attempts=1,
+        )
+        for call in (lambda: s3.get("k"), lambda: s3.list("runs/")):
+            with pytest.raises(StoreError, match="does not look like an S3 API") as err:
+                call()
+            assert not isinstance(err.value, NotFoundError)
+    finally:
+        srv.shutdown()

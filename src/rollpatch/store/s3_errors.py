@@ -96,6 +96,14 @@ def translate(
     status, code = status_of(e), code_of(e)
     if code == "NoSuchBucket":
         return StoreError("the bucket does not exist", hint="create it, or fix the URI", **ctx)
+    if status == 404 and op in ("get", "list") and code not in ("NoSuchKey", "NotFound"):
+        # S3 answers a missing key with NoSuchKey and lists an empty prefix with 200: a bare
+        # 404 here is another HTTP server (a wrong endpoint URL or port), not an absent key
+        return StoreError(
+            f"the endpoint answered a bare 404 to an S3 {op}: it does not look like an S3 API",
+            hint="check the endpoint URL and port (ROLLPATCH_S3_ENDPOINT_URL / endpoint_url)",
+            **ctx,
+        )
     if status == 404 or code in ("NoSuchKey", "NotFound"):
         return NotFoundError("no such object", **ctx)
     if status == 412 or code == "PreconditionFailed":

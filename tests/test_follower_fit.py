@@ -84,6 +84,8 @@ def test_a_model_of_other_shapes_is_refused_from_the_header(
     with pytest.raises(IncompatibleModelError) as e:
         f.sync()
     assert e.value.context["tensor"] == "layers.2.w"
+    m = board.manifest(RUN, e.value.context["version"])
+    assert e.value.context.get("run_format") == m.format  # a quantised run says so
     assert e.value.context["run_shape"] == (32, 128)
     assert e.value.context["engine_shape"] == (64, 64)
     assert "start the engine with the model this run trains" in str(e.value)

@@ -49,9 +49,19 @@ class FitCheck:
     """Checks one version's keyframe against an engine's tensors (``engine``: its name, for
     the messages). Raises :class:`IncompatibleModelError` naming the first difference."""
 
-    def __init__(self, tensors: ModelTensors, *, engine: str, run: str, version: int) -> None:
+    def __init__(
+        self,
+        tensors: ModelTensors,
+        *,
+        engine: str,
+        run: str,
+        version: int,
+        fmt: str | None = None,
+    ) -> None:
         self.tensors = tensors
-        self._where = {"engine": engine, "run": run, "version": version}
+        #: ``fmt``: the version's served format (a quantised run holds scale tensors, and
+        #: other dtypes, than a bf16 model: named in every message)
+        self._where = {"engine": engine, "run": run, "version": version, "run_format": fmt}
 
     def tensor(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         """One keyframe tensor (from a shard's header, or a sliced tensor's manifest entry)."""

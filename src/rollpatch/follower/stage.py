@@ -152,13 +152,13 @@ def stage_plan(
         stage = Stage(engine.words() if have is not None else None)
         for step in plan.steps:
             if step.base is None:  # the engine's tensors checked from the keyframe's headers
-                held = engine.model_tensors()
-                fit = (
-                    None
-                    if held is None
-                    else FitCheck(held, engine=engine.name, run=plan.run, version=step.to)
-                )
-                stage.keyframe(manifests[step.to], fetch_view, fit)
+                held, m = engine.model_tensors(), manifests[step.to]
+                fit = None
+                if held is not None:
+                    fit = FitCheck(
+                        held, engine=engine.name, run=plan.run, version=step.to, fmt=m.format
+                    )
+                stage.keyframe(m, fetch_view, fit)
             else:
                 stage.step(manifests[step.to], manifests[step.base], blobs, early)
         if stage.patch is not None:

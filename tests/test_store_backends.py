@@ -6,8 +6,10 @@ special files refused).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +232,33 @@ def test_file_store_refuses_links_and_special_files(tmp_path: Path) -> None:
     assert store.get("runs/r1/ok") == b"fine" and store.head("runs/r1/ok") is not None
 
 
+@contextlib.contextmanager
+def _answering(status: int, body: bytes) -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server answering every GET with ``status`` and ``body``: its URL, and the
+    paths it was asked for."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits: list[str] = []
+
+    class Answer(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", hits
+    finally:
+        srv.shutdown()
+
+
 @pytest.mark.parametrize(
     "body,transient",
     [
@@ -244,66 +273,27 @@ def test_file_store_refuses_links_and_special_files(tmp_path: Path) -> None:
     ],
 )
 def test_a_relay_refusal_says_what_the_relay_said(body: bytes, transient: bool) -> None:
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    hits: list[str] = []
-
-    class Relay(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            hits.append(self.path)
-            self.send_response(502)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Relay)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        store = HttpStore(
-            f"http://127.0.0.1:{srv.server_address[1]}", HttpConfig(retries=2, backoff=0)
-        )
+    with _answering(502, body) as (url, hits):
+        store = HttpStore(url, HttpConfig(retries=2, backoff=0))
         with pytest.raises(StoreError) as err:
             store.get("runs/r1/LATEST")
-        if transient:
-            assert isinstance(err.value, TransientStoreError) and len(hits) == 3
-            assert "HTTP 502" in str(err.value)
-        else:
-            assert not isinstance(err.value, TransientStoreError) and len(hits) == 1
-            assert "relay refused: the bucket does not exist" in str(err.value)
-            assert err.value.hint == "create it, or fix the URI"
-    finally:
-        srv.shutdown()
+    if transient:
+        assert isinstance(err.value, TransientStoreError) and len(hits) == 3
+        assert "HTTP 502" in str(err.value)
+    else:
+        assert not isinstance(err.value, TransientStoreError) and len(hits) == 1
+        assert "relay refused: the bucket does not exist" in str(err.value)
+        assert err.value.hint == "create it, or fix the URI"
 
 
 def test_an_endpoint_that_is_not_s3_is_named_not_taken_for_an_empty_board() -> None:
     """Any HTTP server answering 404 (a wrong port, another service) as the S3 endpoint: a
     read and a listing say the endpoint does not look like S3, not "no such object"."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     pytest.importorskip("boto3")
-
-    class NotS3(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            body = b"<html>Not Found</html>"
-            self.send_response(404)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with _answering(404, b"<html>Not Found</html>") as (url, _):
         s3 = open_store(
             f"s3://{BUCKET}/p",
-            endpoint_url=f"http://127.0.0.1:{srv.server_address[1]}",
+            endpoint_url=url,
             access_key_id="a",
             secret_access_key="b",
             max_attempts=1,
@@ -312,5 +302,3 @@ def test_an_endpoint_that_is_not_s3_is_named_not_taken_for_an_empty_board() -> N
             with pytest.raises(StoreError, match="does not look like an S3 API") as err:
                 call()
             assert not isinstance(err.value, NotFoundError)
-    finally:
-        srv.shutdown()

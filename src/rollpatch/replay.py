@@ -24,11 +24,11 @@ the manifests; the engine's apply verifies them as for any patch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
+from typing import Protocol
 
 import numpy as np
 
-from .engines.fit import FitCheck
 from .errors import BaseMismatchError, ManifestError, VerificationError
 from .io import view_from_bytes
 from .manifest import Manifest, PatchObject, SlicedTensor, SliceEntry
@@ -36,13 +36,25 @@ from .patch import Patch, decode, inspect
 from .patch.model import DeltaOp, TensorPatch
 from .view import Tensor, View, WordSource, tensor_digest
 
-__all__ = ["decode_object", "decode_step", "encoded_step", "keyframe_view"]
+__all__ = ["KeyframeCheck", "decode_object", "decode_step", "encoded_step", "keyframe_view"]
+
+
+class KeyframeCheck(Protocol):
+    """Checks a keyframe against what will load it (an engine's tensors:
+    :class:`rollpatch.engines.fit.FitCheck`), raising to refuse it."""
+
+    def tensor(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        """One tensor, from a shard's header (before its bytes are read) or a sliced
+        tensor's manifest entry."""
+
+    def names(self, names: Collection[str]) -> None:
+        """The keyframe's whole name set, once every shard is read."""
 
 
 def keyframe_view(
     m: Manifest,
     source: MutableMapping[str, bytes] | Callable[..., View],
-    check: FitCheck | None = None,
+    check: KeyframeCheck | None = None,
 ) -> View:
     """Merge the keyframe shards of ``m`` into one view whose root digest is ``m.target``.
 
@@ -97,7 +109,7 @@ def keyframe_view(
 def _checked(
     inner: Callable[[str, str, tuple[int, ...], int], np.ndarray | None] | None,
     slices: Mapping[str, SliceEntry],
-    check: FitCheck | None,
+    check: KeyframeCheck | None,
 ) -> Callable[[str, str, tuple[int, ...], int], np.ndarray | None] | None:
     """``inner`` (where slices are read to), with each other tensor of the shard's header
     checked against the engine's first (None: nothing to check, nothing to place)."""

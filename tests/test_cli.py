@@ -244,3 +244,31 @@ def test_bad_safetensors_input_exits_2_with_one_line(
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("rollpatch: error:"), (argv, err)
+
+
+def test_resign_keeps_a_cli_published_latest_alive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rollpatch publish` exits, so nothing re-signs LATEST: once it expired, followers with
+    --trust refuse the board; `rollpatch resign` re-signs it for the version it names."""
+    import time
+
+    from rollpatch.board import Board
+    from rollpatch.errors import TrustError
+    from rollpatch.trust import Trust
+
+    world = signing_world(tmp_path, "pub")
+    sign = ["--signing-key", str(world.key)]
+    publish = ["publish", str(world.ckpt), "--board", world.board, "--run", "r1"]
+    assert main([*publish, *sign, "--latest-ttl", "1"]) == 0
+    time.sleep(1.5)
+    trust = Trust.from_file(world.root, state_path=tmp_path / "s.json", board=world.board)
+    with pytest.raises(TrustError, match="expired"):
+        Board(world.board, trust=trust).latest("r1")
+    capsys.readouterr()
+    assert main(["resign", "--board", world.board, "--run", "r1", *sign]) == 0
+    assert "r1@0: LATEST re-signed, valid until" in capsys.readouterr().out
+    assert Board(world.board, trust=trust).latest("r1").version == 0
+    assert main(["resign", "--board", world.board, "--run", "nope", *sign]) == 2
+    assert "has no LATEST to re-sign" in capsys.readouterr().err
+    assert main(["resign", "--board", world.board, "--run", "r1"]) == 2  # no key

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 __all__ = ["load_signer", "load_trust", "register", "signing_args", "trust_args"]
 
+#: The shortest --every (a re-sign is a few store round trips).
+MIN_EVERY_S = 1.0
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -70,6 +73,26 @@ def register(sub: Any) -> None:
     )
     p.add_argument("-o", "--output", help="also write the signed root to this file")
     p.set_defaults(func=cmd_root)
+
+    p = sub.add_parser(
+        "resign",
+        help="re-sign a run's LATEST for the version it names (a publisher's heartbeat)",
+        description="A signed LATEST expires (--latest-ttl, default 3600 s) unless its "
+        "publisher re-signs it; the Publisher object does while it runs, `rollpatch "
+        "publish` exits. Run this from a timer (or with --every) between CLI publishes, "
+        "with the key the run is published with (docs/trust.md).",
+    )
+    p.add_argument("--board", required=True, help="store URI")
+    p.add_argument("--run", required=True)
+    signing_args(p)
+    p.add_argument(
+        "--every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="keep re-signing this often until interrupted (default: once)",
+    )
+    p.set_defaults(func=cmd_resign)
 
 
 def trust_args(p: argparse.ArgumentParser, *, default_state: str) -> None:
@@ -183,3 +206,28 @@ def cmd_root(args: argparse.Namespace) -> int:
         f"signed by {len(signers)}{out}"
     )
     return 0
+
+
+def cmd_resign(args: argparse.Namespace) -> int:
+    from ..board import Board
+    from .preflight import board_uri
+
+    board_uri(args.board, existing=True)
+    signer = load_signer(args)
+    if signer is None:
+        raise ConfigError("resign needs --signing-key (the key the run is published with)")
+    if args.every is not None and not args.every >= MIN_EVERY_S:
+        raise ConfigError(f"--every must be at least {MIN_EVERY_S:g} s", value=args.every)
+    board = Board(args.board, signer=signer)
+    while True:
+        current = Board(args.board).latest(args.run)  # as stored, whoever signed it
+        if current is None:
+            raise ConfigError(
+                f"run {args.run!r} has no LATEST to re-sign", hint="publish a version first"
+            )
+        p = board.advance(args.run, current.version, refresh=True)
+        until = time.strftime("%H:%M:%S", time.gmtime(time.time() + signer.latest_ttl_s))
+        print(f"{args.run}@{p.version}: LATEST re-signed, valid until {until} UTC", flush=True)
+        if args.every is None:
+            return 0
+        time.sleep(args.every)

@@ -21,6 +21,7 @@ from rollpatch.engines.reference import ReferenceEngine
 from rollpatch.follower import FollowerConfig
 from rollpatch.sidecar import SidecarConfig
 from rollpatch.sidecar.server import RunningSidecar, start_sidecar
+from tests.conftest import until
 from tests.sidecarfix import (
     MODEL,
     PROMPT,
@@ -323,3 +324,31 @@ def test_a_stale_latest_says_why_when_the_follower_knows() -> None:
         "expired): max_lag cannot be checked"
     )
     assert "(the board is unreachable)" in _stale(sidecar(None), 8.0, "x")
+
+
+def test_shutdown_drains_streams_in_flight_and_refuses_new_requests(world: World) -> None:
+    """What `rollpatch sidecar` does on SIGTERM (--shutdown-grace): new requests get 503 (a
+    gateway sends them elsewhere) and /ready says why, while a stream in flight runs to its
+    end; the drain returns once none is left."""
+    sc = _start(world)
+    try:
+        _wait_ready(sc)
+        body = {"prompt": PROMPT, "max_tokens": 64, "stream": True, "ignore_eos": True}
+        done: list[bool] = []
+        with httpx.stream("POST", f"{sc.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert first.startswith("data: {")
+            drainer = threading.Thread(target=lambda: done.append(sc.sidecar.drain(30.0)))
+            drainer.start()
+            until(lambda: sc.sidecar.draining, "draining")
+            refused = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert refused.status_code == 503 and "shutting down" in refused.text
+            ready = httpx.get(f"{sc.url}/ready")
+            assert ready.status_code == 503 and "shutting down" in ready.text
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and len(rest) > 2  # the stream ran to its end
+        drainer.join(30)
+        assert done == [True]
+    finally:
+        sc.stop()

@@ -11,7 +11,14 @@ import argparse
 from ..config import add_config_flags, config_kwargs, flag_name
 from ..types import MAX_VERSION
 
-__all__ = ["add_config_flags", "config_kwargs", "count", "flag_name", "version_number"]
+__all__ = [
+    "add_config_flags",
+    "config_kwargs",
+    "count",
+    "flag_name",
+    "seconds",
+    "version_number",
+]
 
 
 def _int(text: str, lo: int, hi: int, what: str) -> int:
@@ -32,3 +39,14 @@ def version_number(text: str) -> int:
 def count(text: str) -> int:
     """An argparse type: an integer >= 0 (a count, a trainer step)."""
     return _int(text, 0, MAX_VERSION, "an integer >= 0")
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (at most a day)."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.0 <= value <= 86400.0:
+        raise argparse.ArgumentTypeError(f"must be 0 to 86400 seconds (got {text.strip()})")
+    return value

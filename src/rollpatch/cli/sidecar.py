@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from ..logs import add_log_args
+from .flags import seconds
 from .trust import load_trust, trust_args
 
 __all__ = ["FOLLOWER_FLAGS", "FOLLOWER_SET_OTHERWISE", "SIDECAR_SET_OTHERWISE", "register"]
@@ -91,6 +92,15 @@ def register(sub: Any) -> None:
         metavar="FILE",
         help="bearer token to send to a relay board that requires one",
     )
+    p.add_argument(
+        "--shutdown-grace",
+        type=seconds,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, refuse new requests (503: a gateway sends them elsewhere) and "
+        "let those in flight, streams included, finish for up to S seconds; a second signal "
+        "stops at once (default 30; 0: stop at once)",
+    )
     add_serving_args(p)
     add_log_args(p)
     trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
@@ -156,9 +166,19 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         f"{args.run} on {args.board} ({args.commit_mode} commits)",
         flush=True,
     )
-    done = threading.Event()
+    done, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:  # the first drains; a second cuts the drain short
+        (hurry if done.is_set() else done).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_signal)
     done.wait()
+    if args.shutdown_grace > 0:
+        n = running.sidecar.gate.inflight
+        print(f"rollpatch sidecar: draining {n} request(s) in flight", flush=True)
+        if not running.sidecar.drain(args.shutdown_grace, hurry):
+            left = running.sidecar.gate.inflight
+            print(f"rollpatch sidecar: stopping with {left} request(s) in flight", flush=True)
     running.stop()
     return 0

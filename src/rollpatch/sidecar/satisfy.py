@@ -62,6 +62,15 @@ class LatestReader:
 
 async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Response | None:
     """Wait for catch-up when the constraint allows it; a response when it must refuse."""
+    if sc.draining:  # shutting down: another island takes it (the gateway retries a 503)
+        sc.metrics.request("unavailable")
+        return error_response(
+            503,
+            "the sidecar is shutting down; send the request to another island",
+            "not_ready",
+            served=sc.follower.version,
+            latest=sc.latest_seen(),
+        )
     served = sc.follower.version
     if served is None and sc.gate.busy:  # mid-commit an engine may report no version
         await asyncio.to_thread(sc.gate.wait_commit, sc.config.admit_timeout_s)

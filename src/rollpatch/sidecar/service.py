@@ -118,6 +118,8 @@ class Sidecar:
         self._latest: tuple[float, int | None] = (0.0, None)
         self._latest_read_at: float | None = None  # the last successful read of LATEST
         self._lock = threading.Lock()
+        #: Shutting down (:meth:`drain`): new requests are refused, in-flight ones finish.
+        self.draining = False
 
     def start(self) -> None:
         """Start following LATEST in the background (the engine becomes ready after boot)."""
@@ -125,6 +127,18 @@ class Sidecar:
 
     def stop(self) -> None:
         self.follower.stop()
+
+    def drain(self, grace_s: float, stop: threading.Event | None = None) -> bool:
+        """Stop taking requests (each is answered 503, ``/ready`` says so, so a gateway
+        sends them elsewhere) and wait up to ``grace_s`` for those in flight, streams
+        included, to finish; ``stop`` set cuts the wait short. True when none is left."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.gate.inflight and time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                break
+            time.sleep(0.05)
+        return self.gate.inflight == 0
 
     def cached_latest(self) -> tuple[bool, int | None]:
         """``(fresh, value)``: LATEST as :meth:`latest` knows it without reading the board;
@@ -198,6 +212,8 @@ class Sidecar:
         slot that is never given back shows up here instead of hanging every caller).
         The engine probe is the HTTP app's part (``/ready``).
         """
+        if self.draining:
+            return f"the sidecar is shutting down ({self.gate.inflight} request(s) finishing)"
         if self.follower.version is None:
             status = self.follower.status()
             if status.audits and self.engine.version is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -235,3 +236,34 @@ def test_a_cache_file_rotted_on_disk_is_said_counted_and_fetched_again(
     assert any("does not match its BLAKE3" in r.getMessage() for r in caplog.records)
     assert second.relay.metrics.value("rollpatch_relay_cache_discarded_total") == 1
     assert upstream.gets(ref.key) == 1
+
+
+def test_a_run_published_again_under_its_name_is_not_served_from_stale_manifests(
+    board: Board, serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run deleted upstream and published again under the same name: the relay's cached
+    manifest of the earlier run names another target than the new LATEST, so it is dropped
+    and fetched again (followers would refuse it: docs/follower.md)."""
+    from rollpatch.manifest import KeyframeObject
+    from rollpatch.types import Pointer
+    from tests.conftest import make_manifest
+
+    def version0(target: str) -> None:  # a publisher process of its own each time
+        b = Board(board.store)
+        kf = KeyframeObject(b.put_object(RUN, os.urandom(64), "safetensors"))
+        b.put_manifest(make_manifest(RUN, 0, target=target, keyframes=(kf,)))
+        b.advance(RUN, 0)
+
+    version0("a" * 64)
+    relay = serve(board.store)
+    c = Board(client(relay))
+    assert c.manifest(RUN, 0).target == "a" * 64  # cached by the relay
+    for key in board.store.list(f"runs/{RUN}/"):  # deleted, and published again
+        board.store.delete(key)
+    version0("b" * 64)
+    time.sleep(relay.relay.config.pointer_ttl + 0.1)
+    with caplog.at_level(logging.WARNING, logger="rollpatch.relay"):
+        p = c.latest(RUN)
+    assert isinstance(p, Pointer) and p.target == "b" * 64
+    assert any("published again under its name" in r.getMessage() for r in caplog.records)
+    assert Board(client(relay)).manifest(RUN, 0).target == "b" * 64  # fetched again

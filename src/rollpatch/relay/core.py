@@ -269,15 +269,41 @@ class Relay:
                 )
             if kind is KeyKind.POINTER:
                 try:
-                    self.verifier.check_pointer(key, data, started=started)
+                    p = self.verifier.check_pointer(key, data, started=started)
                 except StalePointer:
                     if last:
                         raise
                     continue
+                if p is not None:
+                    self._drop_stale_manifest(p.manifest, p.target)
             blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
             self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
             return blob
         raise AssertionError("unreachable")  # the second pass returns or raises
+
+    def _drop_stale_manifest(self, key: str, target: str) -> None:
+        """Drop the cached manifest ``key`` when it names another target than LATEST does: a
+        run deleted upstream and published again under its name left the earlier run's
+        manifest here (immutable keys, reused); followers would refuse it (docs/follower.md),
+        and it is fetched again instead."""
+        entry = self.cache.verify(key) if self.cache.peek(key) is not None else None
+        if entry is None:
+            return
+        try:
+            cached = self.verifier.manifest_target(key, self.read(Blob.cached(entry)))
+        except StoreError:  # evicted meanwhile: nothing to drop
+            return
+        if cached is None or cached == target:
+            return
+        self.cache.discard(key)
+        self.verifier.targets.forget(key)
+        log.warning(
+            "relay cache: %s names target %s but LATEST names %s (the run was published "
+            "again under its name?); dropped, fetched again",
+            key,
+            cached[:16],
+            target[:16],
+        )
 
     def remember_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
         """LATEST bytes the long-poll watch read upstream and already checked

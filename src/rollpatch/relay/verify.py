@@ -22,6 +22,7 @@ from ..layout import root_key, version_key
 from ..logs import event
 from ..manifest import open_manifest
 from ..trust import Trust, verify_initial_root
+from ..types import Pointer
 from .config import KeyKind, manifest_version, object_hash, pointer_run, root_version
 from .metrics import Metrics
 
@@ -36,6 +37,32 @@ class StalePointer(ManifestError):
     had no newer version when it asked. Never served or cached; counted in
     ``rollpatch_relay_stale_pointers_total``. A LATEST older than one verified before the read
     started is a rollback and refused (``trust_rollback``)."""
+
+
+class _Targets:
+    """Manifest key -> target digest, for the manifests this relay checked (at most
+    :data:`_MAX_TARGETS`; forgotten all at once past it: they are read again when needed)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            return self._by_key.get(key)
+
+    def note(self, key: str, target: str) -> None:
+        with self._lock:
+            if len(self._by_key) >= _MAX_TARGETS:
+                self._by_key.clear()
+            self._by_key[key] = target
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._by_key.pop(key, None)
+
+
+_MAX_TARGETS = 65536
 
 
 class Verifier:
@@ -54,6 +81,8 @@ class Verifier:
         #: move together, so a crossing read that the trust root already calls a rollback
         #: always finds the newer version's time here (and is stale, not refused).
         self._pointer_lock = threading.Lock()
+        #: Manifest key -> the target digest it names (checked manifests, bounded).
+        self.targets = _Targets()
 
     def check(self, key: str, kind: KeyKind, data: bytes) -> str:
         """Verify upstream bytes of ``key`` before they are cached; return their BLAKE3 (hex).
@@ -71,7 +100,8 @@ class Verifier:
         named = manifest_version(key)
         if kind is KeyKind.MANIFEST and named is not None:
             try:
-                open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
+                m = open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
+                self.targets.note(key, m.target)
             except ManifestError as e:
                 self.refuse("invalid_manifest", key=key, error=e)
                 raise ManifestError(
@@ -87,6 +117,19 @@ class Verifier:
                     f"upstream root refused: {e.message}", key=key, hint=e.hint
                 ) from None
         return b3
+
+    def manifest_target(self, key: str, raw: bytes) -> str | None:
+        """The target digest the manifest bytes ``raw`` (cached under ``key``) name, parsed
+        once and remembered; None when they do not parse (they were checked when cached)."""
+        got = self.targets.get(key)
+        named = manifest_version(key)
+        if got is None and named is not None:
+            try:
+                got = open_manifest(raw, named[0], named[1], None).target
+            except ManifestError:
+                return None
+            self.targets.note(key, got)
+        return got
 
     def refuse(
         self, reason: str, *, key: str, error: ManifestError | None = None, **info: Any
@@ -125,17 +168,20 @@ class Verifier:
                 version=n,
             )
 
-    def check_pointer(self, key: str, data: bytes, *, started: float | None = None) -> None:
+    def check_pointer(
+        self, key: str, data: bytes, *, started: float | None = None
+    ) -> Pointer | None:
         """Refuse (``ManifestError``) LATEST bytes that fail its checks under the trust root;
         :class:`StalePointer` when they are older than a version verified after ``started``
-        (monotonic: when the read that returned them was sent)."""
+        (monotonic: when the read that returned them was sent). The pointer, when ``key`` is
+        a run's LATEST."""
         run = pointer_run(key)
         if run is None:
-            return
+            return None
         with self._pointer_lock:
-            self._check_pointer(key, run, data, started)
+            return self._check_pointer(key, run, data, started)
 
-    def _check_pointer(self, key: str, run: str, data: bytes, started: float | None) -> None:
+    def _check_pointer(self, key: str, run: str, data: bytes, started: float | None) -> Pointer:
         try:
             if self.trust is not None and self.trust.roots_due():
                 self._refresh_root()
@@ -149,6 +195,7 @@ class Verifier:
             seen = self._verified_at.get(run)
             if seen is None or p.version > seen[0]:
                 self._verified_at[run] = (p.version, time.monotonic())
+            return p
         except TrustError as e:
             seen = self._verified_at.get(run)
             if e.reason == "rollback" and started is not None and seen and seen[1] > started:

@@ -384,3 +384,67 @@ def test_an_island_that_stops_answering_is_given_up_and_the_request_sent_elsewhe
         release.set()
         gw.stop()
         srv.shutdown()
+
+
+def test_a_stream_whose_island_stops_answering_ends_with_an_error(
+    islands: dict[str, RunningSidecar],
+) -> None:
+    """A stream from an island that stops answering mid-way (a wedged process): once the
+    island's poll fails, the stream ends with the gateway's mid-stream error event instead
+    of stalling for as long as the caller waits."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    frozen, release = threading.Event(), threading.Event()
+    served = islands["a"].sidecar.follower.version
+
+    class Island(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if frozen.is_set():
+                release.wait(60)
+                return
+            body = json.dumps(
+                {"run": "r1", "served": served, "latest": served, "state": "IDLE", "lag": 0}
+            ).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("X-Rollpatch-Version-Start", str(served))
+            self.end_headers()
+            chunk = {"choices": [{"index": 0, "text": "a"}]}
+            for _ in range(2):
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            frozen.set()  # then it wedges, and its polls with it
+            release.wait(60)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Island)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    gw = start_gateway(
+        [f"wedged=http://127.0.0.1:{srv.server_address[1]}"],
+        config=GatewayConfig(poll_s=0.1, poll_timeout_s=0.5, retry_backoff_s=0.05),
+    )
+    try:
+        t0 = time.monotonic()
+        body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=30) as r:
+            data = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert time.monotonic() - t0 < 15
+        assert len(data) == 3 and "failed mid-stream" in data[-1], data
+        assert "stopped answering mid-stream" in data[-1]
+    finally:
+        release.set()
+        gw.stop()
+        srv.shutdown()

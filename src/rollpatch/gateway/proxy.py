@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -258,8 +259,35 @@ def _stream(gw: Gateway, island: str, r: httpx.Response, annotate: bool, slot: S
         await r.aclose()
         slot.release()
 
-    events = relay_sse(r.aiter_lines(), last_event, failures=(httpx.HTTPError,), on_failure=failed)
+    lines = _watched_lines(gw, island, r.aiter_lines())
+    events = relay_sse(lines, last_event, failures=(httpx.HTTPError,), on_failure=failed)
     return OwnedStream(events, close, headers=_kept(r.headers, island))
+
+
+async def _watched_lines(gw: Gateway, island: str, lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``lines`` of an island's stream, ended (``httpx.ReadTimeout``: the caller gets the
+    mid-stream error event) when the island is found unreachable — its ``/version`` poll
+    failed — while the stream waits for its next line: a wedged island would otherwise
+    stall the stream for as long as the caller waits. A slow line from an island that
+    answers its polls is waited for."""
+    it = lines.__aiter__()
+    while True:
+        waiting = time.monotonic()
+        task = asyncio.ensure_future(it.__anext__())
+        try:
+            while not (await asyncio.wait({task}, timeout=gw.config.poll_s))[0]:
+                if gw.failed_since(island, waiting):
+                    raise httpx.ReadTimeout(
+                        "stopped answering mid-stream (its /version poll failed)"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+        try:
+            line = task.result()
+        except StopAsyncIteration:
+            return
+        yield line
 
 
 def _last_event(line: bytes, island: str, annotate: bool) -> bytes:

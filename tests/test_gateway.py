@@ -321,30 +321,24 @@ def test_concurrent_requests_spread(gateway: RunningGateway, world: World) -> No
     assert set(used) == {"a", "b", "c"} and len(used) == 18
 
 
-def test_an_island_that_stops_answering_is_given_up_and_the_request_sent_elsewhere(
-    islands: dict[str, RunningSidecar], world: World
-) -> None:
-    """An island that accepts connections and never answers (a stopped process): a request
-    already sent there is given up once its ``/version`` poll fails, and another island
-    answers it; nothing waits for as long as the caller would."""
+def _wedging_island(
+    served: int | None, frozen: threading.Event, release: threading.Event, post: Any
+) -> tuple[Any, str]:
+    """A fake island that answers ``/version`` (serving ``served``) until ``frozen``, then
+    holds every request until ``release``; ``post(handler)`` answers a POST. Returns the
+    server (``shutdown()`` it) and its URL."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    frozen, release = threading.Event(), threading.Event()
-    served = islands["a"].sidecar.follower.version
-
     class Island(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def log_message(self, *args: Any) -> None:
             pass
 
-        def _hold(self) -> bool:
+        def do_GET(self) -> None:
             if frozen.is_set():
                 release.wait(60)
-                return True
-            return False
-
-        def do_GET(self) -> None:
-            if self._hold():
                 return
             body = json.dumps(
                 {"run": "r1", "served": served, "latest": served, "state": "IDLE", "lag": 0}
@@ -356,12 +350,27 @@ def test_an_island_that_stops_answering_is_given_up_and_the_request_sent_elsewhe
             self.wfile.write(body)
 
         def do_POST(self) -> None:
-            frozen.set()  # the request reached it, then it froze
-            self._hold()
+            self.rfile.read(int(self.headers["content-length"]))
+            post(self)
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Island)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_an_island_that_stops_answering_is_given_up_and_the_request_sent_elsewhere(
+    islands: dict[str, RunningSidecar], world: World
+) -> None:
+    """An island that accepts connections and never answers (a stopped process): a request
+    already sent there is given up once its ``/version`` poll fails, and another island
+    answers it; nothing waits for as long as the caller would."""
+    frozen, release = threading.Event(), threading.Event()
+
+    def post(_: Any) -> None:  # the request reached it, then it froze
+        frozen.set()
+        release.wait(60)
+
+    srv, url = _wedging_island(islands["a"].sidecar.follower.version, frozen, release, post)
     gw = start_gateway(
         [f"frozen={url}", f"a={islands['a'].url}"],
         config=GatewayConfig(poll_s=0.1, poll_timeout_s=0.5, retry_backoff_s=0.05),
@@ -393,47 +402,24 @@ def test_a_stream_whose_island_stops_answering_ends_with_an_error(
     island's poll fails, the stream ends with the gateway's mid-stream error event instead
     of stalling for as long as the caller waits."""
     import json
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     frozen, release = threading.Event(), threading.Event()
     served = islands["a"].sidecar.follower.version
 
-    class Island(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def post(h: Any) -> None:  # two chunks, then it wedges, and its polls with it
+        h.send_response(200)
+        h.send_header("content-type", "text/event-stream")
+        h.send_header("X-Rollpatch-Version-Start", str(served))
+        h.end_headers()
+        for _ in range(2):
+            h.wfile.write(b"data: " + json.dumps({"choices": [{"text": "a"}]}).encode() + b"\n\n")
+            h.wfile.flush()
+        frozen.set()
+        release.wait(60)
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            if frozen.is_set():
-                release.wait(60)
-                return
-            body = json.dumps(
-                {"run": "r1", "served": served, "latest": served, "state": "IDLE", "lag": 0}
-            ).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["content-length"]))
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream")
-            self.send_header("X-Rollpatch-Version-Start", str(served))
-            self.end_headers()
-            chunk = {"choices": [{"index": 0, "text": "a"}]}
-            for _ in range(2):
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                self.wfile.flush()
-            frozen.set()  # then it wedges, and its polls with it
-            release.wait(60)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Island)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv, url = _wedging_island(served, frozen, release, post)
     gw = start_gateway(
-        [f"wedged=http://127.0.0.1:{srv.server_address[1]}"],
+        [f"wedged={url}"],
         config=GatewayConfig(poll_s=0.1, poll_timeout_s=0.5, retry_backoff_s=0.05),
     )
     try:

@@ -275,13 +275,13 @@ class Relay:
                         raise
                     continue
                 if p is not None:
-                    self._drop_stale_manifest(p.manifest, p.target)
+                    self.drop_stale_manifest(p.manifest, p.target)
             blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
             self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
             return blob
         raise AssertionError("unreachable")  # the second pass returns or raises
 
-    def _drop_stale_manifest(self, key: str, target: str) -> None:
+    def drop_stale_manifest(self, key: str, target: str) -> None:
         """Drop the cached manifest ``key`` when it names another target than LATEST does: a
         run deleted upstream and published again under its name left the earlier run's
         manifest here (immutable keys, reused); followers would refuse it (docs/follower.md),

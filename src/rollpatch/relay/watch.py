@@ -293,8 +293,10 @@ class PointerWatch:
         if run is None:
             return False
         # refused before anything it names (stale: overtaken by a LATEST verified meanwhile)
-        self.relay.verifier.check_pointer(key, data, started=started)
+        p = self.relay.verifier.check_pointer(key, data, started=started)
         version = read_latest(data, run, None)[0].version
+        if p is not None:  # a run published again under its name: its manifest, not ours
+            self.relay.drop_stale_manifest(p.manifest, p.target)
         with self._lock:
             newer = version > st.version
         hint = ""

@@ -434,3 +434,28 @@ def test_a_stream_whose_island_stops_answering_ends_with_an_error(
         release.set()
         gw.stop()
         srv.shutdown()
+
+
+def test_shutdown_drains_streams_in_flight_and_refuses_new_requests(
+    islands: dict[str, RunningSidecar],
+) -> None:
+    """What `rollpatch gateway` does on SIGTERM (--shutdown-grace): new requests get 503 (a
+    client or load balancer goes to another gateway), a stream in flight runs to its end."""
+    gw = start_gateway([f"a={islands['a'].url}"], config=FAST)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 64, "stream": True, "ignore_eos": True}
+        done: list[bool] = []
+        with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:")).startswith("data: {")
+            drainer = threading.Thread(target=lambda: done.append(gw.gateway.drain(30.0)))
+            drainer.start()
+            until(lambda: gw.gateway.draining, "draining")
+            refused = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert refused.status_code == 503 and "gateway is shutting down" in refused.text
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and len(rest) > 2
+        drainer.join(30)
+        assert done == [True]
+    finally:
+        gw.stop()

@@ -184,7 +184,9 @@ def check_all_run(board: Board, run: str, expected: dict[int, dict[str, np.ndarr
         assert view.digest() == cast_view(masters, "bf16").digest() == board.manifest(run, n).target
 
 
-def test_a_resumed_publisher_drops_and_renames_tensors_soundly(board: Board) -> None:
+def test_a_resumed_publisher_drops_and_renames_tensors_soundly(
+    board: Board, caplog: pytest.LogCaptureFixture
+) -> None:
     """After a restart the trainer's state dict may lack a tensor, or name every tensor
     otherwise (a DDP ``module.`` prefix). The resumed publisher's base is the whole previous
     view, so the step drops what is gone and ships the new names whole: versions every
@@ -199,12 +201,19 @@ def test_a_resumed_publisher_drops_and_renames_tensors_soundly(board: Board) -> 
     fewer = {k: v for k, v in copy_masters(masters).items() if k != gone}
     renamed = {f"module.{k}": v for k, v in copy_masters(masters).items()}
     for sd in (fewer, renamed):
-        with Publisher(board, RUN, PublisherConfig(), asynchronous=False) as pub:
+        caplog.clear()
+        with (
+            caplog.at_level("WARNING", logger="rollpatch.publisher"),
+            Publisher(board, RUN, PublisherConfig(), asynchronous=False) as pub,
+        ):
             n = pub.publish(sd)
             expected[n] = copy_masters(sd)
             stats = pub.stats.versions[-1]
         assert stats.tensors_dropped == (1 if sd is fewer else len(fewer))
         assert stats.tensors_whole == (0 if sd is fewer else len(renamed))
+        # engines started with the previous model cannot load it: said as a warning
+        said = [r.getMessage() for r in caplog.records if "cannot load it" in r.getMessage()]
+        assert len(said) == 1 and f"{RUN}@{n}: {stats.tensors_whole} tensor(s)" in said[0]
     assert board.versions(RUN) == [0, 1, 2]
     check_all(board, expected)
     with Publisher(board, RUN, PublisherConfig(), asynchronous=False) as pub:

@@ -20,7 +20,7 @@ GATEWAY_SET_OTHERWISE = {
 
 def register(sub: Any) -> None:
     from ..gateway.config import GatewayConfig
-    from .flags import add_config_flags
+    from .flags import add_config_flags, seconds
     from .serving import add_serving_args
 
     p = sub.add_parser(
@@ -51,6 +51,15 @@ def register(sub: Any) -> None:
         "--island-token-file",
         metavar="FILE",
         help="bearer token the islands' sidecars require on inference routes",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=seconds,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight, streams "
+        "included, finish for up to S seconds; a second signal stops at once (default 30; "
+        "0: stop at once)",
     )
     add_serving_args(p)
     add_log_args(p, default_level=None)
@@ -88,12 +97,20 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     )
     names = ", ".join(f"{i.name}={i.url}" for i in islands)
     print(f"rollpatch gateway: {running.url} -> {len(islands)} island(s): {names}", flush=True)
-    done = threading.Event()
-    previous = {
-        sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    done, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:  # the first drains; a second cuts the drain short
+        (hurry if done.is_set() else done).set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         done.wait()
+        if args.shutdown_grace > 0:
+            n = running.gateway.inflight()
+            print(f"rollpatch gateway: draining {n} request(s) in flight", flush=True)
+            if not running.gateway.drain(args.shutdown_grace, hurry):
+                left = running.gateway.inflight()
+                print(f"rollpatch gateway: stopping with {left} request(s) in flight", flush=True)
     finally:
         running.stop()
         for sig, handler in previous.items():

@@ -74,6 +74,8 @@ class Gateway:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rotation = itertools.count()
+        #: Shutting down (:meth:`drain`): new requests are refused, in-flight ones finish.
+        self.draining = False
 
     # lifecycle -----------------------------------------------------------------------------
 
@@ -206,6 +208,23 @@ class Gateway:
         with self._lock:
             rec = self._records[name]
             rec.view = replace(rec.view, inflight=max(rec.view.inflight - 1, 0))
+
+    def inflight(self) -> int:
+        """Requests in flight at all islands (a stream counts until it ends)."""
+        with self._lock:
+            return sum(r.view.inflight for r in self._records.values())
+
+    def drain(self, grace_s: float, stop: threading.Event | None = None) -> bool:
+        """Refuse new requests (503: a client or load balancer goes to another gateway) and
+        wait up to ``grace_s`` for those in flight, streams included, to finish; ``stop``
+        set cuts the wait short. True when none is left."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.inflight() and time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                break
+            time.sleep(0.05)
+        return self.inflight() == 0
 
     def views(self) -> list[IslandView]:
         """Snapshots of every island, in configuration order."""

@@ -122,6 +122,16 @@ async def forward(
 ) -> Response:
     """Send a request to the best island, retrying elsewhere on refusal or failure."""
     t0 = time.perf_counter()
+    if gw.draining:  # shutting down: the caller goes to another gateway
+        refused = error_response(
+            503,
+            "the gateway is shutting down; send the request to another gateway",
+            "not_ready",
+            served=None,
+            latest=gw.latest(),
+        )
+        gw.metrics.answer(refused.status_code, time.perf_counter() - t0)
+        return refused
     tried: list[str] = []
     last: _Refusal | None = None
     rotate = gw.rotation()

@@ -206,6 +206,17 @@ class VersionWriter:
         horizon = n - self.config.window  # the oldest base a skip or folded patch may need
         for v in [v for v in self.roots if v < horizon]:
             del self.roots[v]
+        if parent is not None and (res.dropped or res.whole):
+            log.warning(
+                "%s@%d: %d tensor(s) added, reshaped or retyped and %d dropped since version "
+                "%d: engines started with the previous model cannot load it (they keep "
+                "serving their version; docs/follower.md)",
+                self.run,
+                n,
+                res.whole,
+                res.dropped,
+                parent,
+            )
         return VersionStats(
             version=n,
             parent=parent,

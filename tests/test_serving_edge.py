@@ -91,7 +91,7 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
     sc = SidecarMetrics()
     fields = {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1}
     status = type("S", (), {**fields, "failures": 2, "last_error": None})
-    sc.update(status)
+    sc.update(status, status.latest, status.lag)
     sc.request("proxied", 0.01)
     text = sc.render().decode()
     for line in (
@@ -105,7 +105,9 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
         assert line in text.splitlines()
     status.version, status.latest, status.lag = None, None, None
     status.last_error = "EngineError: x"
-    sc.update(status)  # none verified: -1, as the gateway says it; an unknown lag stays
+    sc.update(
+        status, status.latest, status.lag
+    )  # none verified: -1, as the gateway says it; an unknown lag stays
     text = sc.render().decode()
     for line in (
         "rollpatch_served_version -1.0",

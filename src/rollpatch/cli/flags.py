@@ -7,6 +7,7 @@ builds its flags the same way.
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..config import add_config_flags, config_kwargs, flag_name
 from ..types import MAX_VERSION
@@ -17,6 +18,7 @@ __all__ = [
     "count",
     "flag_name",
     "seconds",
+    "timeout_seconds",
     "version_number",
 ]
 
@@ -41,12 +43,22 @@ def count(text: str) -> int:
     return _int(text, 0, MAX_VERSION, "an integer >= 0")
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds >= 0 (at most a day)."""
+def _float(text: str, lo: float, hi: float, *, lo_open: bool) -> float:
     try:
         value = float(text.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0.0 <= value <= 86400.0:
-        raise argparse.ArgumentTypeError(f"must be 0 to 86400 seconds (got {text.strip()})")
+    low = "(" if lo_open else "["
+    if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or value > hi:
+        raise argparse.ArgumentTypeError(f"must be in {low}{lo:g}, {hi:g}] seconds: {text!r}")
     return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: seconds in [0, 86400] (0 may mean "at once": a grace period)."""
+    return _float(text, 0.0, 86400.0, lo_open=False)
+
+
+def timeout_seconds(text: str) -> float:
+    """An argparse type: a timeout in (0, 3600] seconds."""
+    return _float(text, 0.0, 3600.0, lo_open=True)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 from typing import Any
 
 from ..logs import add_log_args
@@ -20,7 +18,7 @@ GATEWAY_SET_OTHERWISE = {
 
 def register(sub: Any) -> None:
     from ..gateway.config import GatewayConfig
-    from .flags import add_config_flags, seconds
+    from .flags import add_config_flags
     from .serving import add_serving_args
 
     p = sub.add_parser(
@@ -52,16 +50,7 @@ def register(sub: Any) -> None:
         metavar="FILE",
         help="bearer token the islands' sidecars require on inference routes",
     )
-    p.add_argument(
-        "--shutdown-grace",
-        type=seconds,
-        default=30.0,
-        metavar="S",
-        help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight, streams "
-        "included, finish for up to S seconds; a second signal stops at once (default 30; "
-        "0: stop at once)",
-    )
-    add_serving_args(p)
+    add_serving_args(p, drain=True)
     add_log_args(p, default_level=None)
     p.set_defaults(func=cmd_gateway)
 
@@ -78,7 +67,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from ..gateway.server import start_gateway
     from .flags import config_kwargs
     from .secrets import read_token
-    from .serving import body_limits, serve_options
+    from .serving import body_limits, serve_options, serve_until_signalled
 
     islands = [parse_island(s) for s in args.sidecar]
     island_token = (
@@ -97,22 +86,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     )
     names = ", ".join(f"{i.name}={i.url}" for i in islands)
     print(f"rollpatch gateway: {running.url} -> {len(islands)} island(s): {names}", flush=True)
-    done, hurry = threading.Event(), threading.Event()
-
-    def on_signal(*_: object) -> None:  # the first drains; a second cuts the drain short
-        (hurry if done.is_set() else done).set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        done.wait()
-        if args.shutdown_grace > 0:
-            n = running.gateway.inflight()
-            print(f"rollpatch gateway: draining {n} request(s) in flight", flush=True)
-            if not running.gateway.drain(args.shutdown_grace, hurry):
-                left = running.gateway.inflight()
-                print(f"rollpatch gateway: stopping with {left} request(s) in flight", flush=True)
+        gw = running.gateway
+        serve_until_signalled("gateway", gw.inflight, gw.drain, args.shutdown_grace)
     finally:
         running.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return 0

@@ -9,32 +9,34 @@ it is a relay that requires one.
 from __future__ import annotations
 
 import argparse
-import math
+import signal
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .flags import seconds, timeout_seconds
 from .secrets import read_token
 
 if TYPE_CHECKING:
     from ..serving import BodyLimits, ServeOptions
     from ..store import Store
 
-__all__ = ["add_serving_args", "body_limits", "serve_options", "upstream_store"]
+__all__ = [
+    "add_serving_args",
+    "body_limits",
+    "serve_options",
+    "serve_until_signalled",
+    "upstream_store",
+]
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds: {text!r}")
-    return value
-
-
-def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None:
+def add_serving_args(
+    p: argparse.ArgumentParser, *, bodies: bool = True, drain: bool = False
+) -> None:
     """``--tls-cert/--tls-key``, ``--token-file``, ``--header-timeout`` (and
-    ``--body-timeout``, ``--max-body-bytes`` for services that read request bodies)."""
+    ``--body-timeout``, ``--max-body-bytes`` for services that read request bodies;
+    ``--shutdown-grace`` for those that drain on a signal: :func:`serve_until_signalled`)."""
     g = p.add_argument_group("serving (TLS, access, slow clients)")
     g.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
@@ -49,7 +51,7 @@ def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None
     head = ServeOptions().header_timeout_s  # the flags' defaults are the configs' own
     g.add_argument(
         "--header-timeout",
-        type=_seconds,
+        type=timeout_seconds,
         default=head,
         metavar="S",
         help=f"seconds a client may take to send a request head (default {head:g})",
@@ -60,7 +62,7 @@ def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None
         defaults = BodyLimits()  # the flags' defaults are the config's own
         g.add_argument(
             "--body-timeout",
-            type=_seconds,
+            type=timeout_seconds,
             default=defaults.timeout_s,
             metavar="S",
             help=f"seconds a client may take to send a request body (default {defaults.timeout_s:g})",
@@ -72,6 +74,45 @@ def add_serving_args(p: argparse.ArgumentParser, *, bodies: bool = True) -> None
             metavar="N",
             help="largest request body accepted (413 above it)",
         )
+    if drain:
+        g.add_argument(
+            "--shutdown-grace",
+            type=seconds,
+            default=30.0,
+            metavar="S",
+            help="on SIGTERM/SIGINT, refuse new requests (503: they go elsewhere) and let "
+            "those in flight, streams included, finish for up to S seconds; a second signal "
+            "stops at once (default 30; 0: stop at once)",
+        )
+
+
+def serve_until_signalled(
+    name: str,
+    inflight: Callable[[], int],
+    drain: Callable[[float, threading.Event], bool],
+    grace_s: float,
+) -> None:
+    """Block until SIGTERM or SIGINT, then ``drain(grace_s, hurry)`` (refuse new requests,
+    wait for those in flight) unless ``grace_s`` is 0; a second signal sets ``hurry``. The
+    signal handlers are put back on the way out; the caller stops the service."""
+    done, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:  # the first drains; a second cuts the drain short
+        (hurry if done.is_set() else done).set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        done.wait()
+        if grace_s > 0:
+            print(f"rollpatch {name}: draining {inflight()} request(s) in flight", flush=True)
+            if not drain(grace_s, hurry):
+                print(
+                    f"rollpatch {name}: stopping with {inflight()} request(s) in flight",
+                    flush=True,
+                )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def body_limits(args: argparse.Namespace) -> BodyLimits:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 from typing import Any
 
 from ..logs import add_log_args
-from .flags import seconds
 from .trust import load_trust, trust_args
 
 __all__ = ["FOLLOWER_FLAGS", "FOLLOWER_SET_OTHERWISE", "SIDECAR_SET_OTHERWISE", "register"]
@@ -92,16 +89,7 @@ def register(sub: Any) -> None:
         metavar="FILE",
         help="bearer token to send to a relay board that requires one",
     )
-    p.add_argument(
-        "--shutdown-grace",
-        type=seconds,
-        default=30.0,
-        metavar="S",
-        help="on SIGTERM/SIGINT, refuse new requests (503: a gateway sends them elsewhere) and "
-        "let those in flight, streams included, finish for up to S seconds; a second signal "
-        "stops at once (default 30; 0: stop at once)",
-    )
-    add_serving_args(p)
+    add_serving_args(p, drain=True)
     add_log_args(p)
     trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
     p.set_defaults(func=cmd_sidecar)
@@ -129,7 +117,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from ..sidecar.server import make_engine, start_sidecar
     from .flags import config_kwargs
     from .secrets import read_token
-    from .serving import body_limits, serve_options, upstream_store
+    from .serving import body_limits, serve_options, serve_until_signalled, upstream_store
 
     token = read_token(args.admin_token_file) if args.admin_token_file else None
     trust = load_trust(args, args.board)
@@ -166,19 +154,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         f"{args.run} on {args.board} ({args.commit_mode} commits)",
         flush=True,
     )
-    done, hurry = threading.Event(), threading.Event()
-
-    def on_signal(*_: object) -> None:  # the first drains; a second cuts the drain short
-        (hurry if done.is_set() else done).set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    done.wait()
-    if args.shutdown_grace > 0:
-        n = running.sidecar.gate.inflight
-        print(f"rollpatch sidecar: draining {n} request(s) in flight", flush=True)
-        if not running.sidecar.drain(args.shutdown_grace, hurry):
-            left = running.sidecar.gate.inflight
-            print(f"rollpatch sidecar: stopping with {left} request(s) in flight", flush=True)
+    sc = running.sidecar
+    serve_until_signalled("sidecar", lambda: sc.gate.inflight, sc.drain, args.shutdown_grace)
     running.stop()
     return 0

@@ -18,7 +18,15 @@ from typing import Any
 from ..errors import IncompatibleModelError
 from ..kinds import get_kind
 
-__all__ = ["FIXED_MODEL", "FitCheck", "ModelTensors", "tensors_of_kinds", "tensors_of_view"]
+__all__ = [
+    "FIXED_MODEL",
+    "FitCheck",
+    "ListedTensors",
+    "ModelTensors",
+    "changed_tensor_set",
+    "tensors_of_kinds",
+    "tensors_of_view",
+]
 
 #: Tensor name -> (safetensors dtype, shape).
 ModelTensors = Mapping[str, tuple[str, tuple[int, ...]]]
@@ -43,6 +51,37 @@ def tensors_of_kinds(tensors: Mapping[str, Any]) -> dict[str, tuple[str, tuple[i
         n: (get_kind(str(kind)).dtype, tuple(int(d) for d in shape))
         for n, (kind, shape) in tensors.items()
     }
+
+
+def changed_tensor_set(name: str, op: str) -> IncompatibleModelError:
+    """The refusal of a version that adds or drops tensor ``name`` (``op``: the patch's op)
+    for an engine whose model's tensors are fixed."""
+    return IncompatibleModelError(
+        "the version adds or drops a tensor; the engine's model cannot change",
+        tensor=name,
+        op=op,
+        hint=FIXED_MODEL,
+    )
+
+
+class ListedTensors:
+    """For an adapter whose engine lists its tensors in ``info()["tensors"]`` (name ->
+    ``[kind, shape]``: the vLLM and SGLang extensions): :meth:`tensors`, read once, and
+    :meth:`model_tensors` from it."""
+
+    _tensors: dict[str, Any] | None = None
+
+    def info(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, Any]:
+        """Checkpoint name -> [kind, shape] of every tensor the engine holds (cached)."""
+        if self._tensors is None:
+            self._tensors = dict(self.info()["tensors"])
+        return self._tensors
+
+    def model_tensors(self) -> ModelTensors:
+        return tensors_of_kinds(self.tensors())
 
 
 class FitCheck:

@@ -36,7 +36,7 @@ from ..kinds import Kind
 from ..patch import DeltaOp, DropOp, FullOp, Patch, TensorPatch
 from ..patch.ops import gather, scatter
 from ..view import Tensor, root_digest, sum128_digest, sum_add, tensor_digest
-from .fit import FIXED_MODEL
+from .fit import FIXED_MODEL, changed_tensor_set
 from .sumchange import SumState, dry_change, sum_delta
 
 __all__ = [
@@ -300,12 +300,7 @@ def _prove(
     it writes nothing)."""
     tp = patch.tensors[name]
     if isinstance(tp.change, DropOp) or name not in digests:
-        raise IncompatibleModelError(
-            "the version adds or drops a tensor; the engine's model cannot change",
-            tensor=name,
-            op=tp.op,
-            hint=FIXED_MODEL,
-        )
+        raise changed_tensor_set(name, tp.op)
     if tp.base_digest != digests[name]:
         raise BaseMismatchError("tensor is not the patch's base", tensor=name)
     sums = patch.digest == "rp.sum128.v1"

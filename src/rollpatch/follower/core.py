@@ -43,7 +43,7 @@ from ..view import View
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
-from .failures import FailureLog, Unfit, check_latest_target, missing_version
+from .failures import FailureLog, Unfit, missing_version
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .held import Held
 from .record import PastWanted, Record
@@ -227,7 +227,7 @@ class Follower:
         manifests = {
             n: self._manifest(n) for s in plan.steps for n in (s.to, s.base) if n is not None
         }
-        check_latest_target(self._targets.latest, manifests[want])
+        self._targets.check(manifests[want])
         boot = manifests[plan.steps[0].to] if plan.steps and plan.steps[0].is_keyframe else None
         if boot is not None:  # found unfit for the engine's model before: not fetched again
             self._unfit.check(boot)

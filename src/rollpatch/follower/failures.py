@@ -22,7 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from ..errors import IncompatibleModelError, ManifestError, VersionNotFoundError
+from ..errors import IncompatibleModelError, VersionNotFoundError
 from ..manifest import Manifest
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "UNFIT_KEEP",
     "FailureLog",
     "Unfit",
-    "check_latest_target",
     "missing_version",
 ]
 
@@ -89,24 +88,6 @@ class Unfit:
         self._by_target.move_to_end(m.target)
         while len(self._by_target) > UNFIT_KEEP:
             self._by_target.popitem(last=False)
-
-
-def check_latest_target(latest: tuple[int, str] | None, m: Manifest) -> None:
-    """Refuse to build ``m``'s version when LATEST, read for that version, names another
-    target digest (:class:`ManifestError`): the manifest is not the one LATEST points at — a
-    relay cache holding a manifest of an earlier run under the same name (deleted and
-    published again), or a board edited by hand. Nothing is fetched or written."""
-    if latest is None or latest[0] != m.version or latest[1] == m.target:
-        return
-    raise ManifestError(
-        "LATEST and the version's manifest name different target digests",
-        run=m.run,
-        version=m.version,
-        latest_target=latest[1][:16],
-        manifest_target=m.target[:16],
-        hint="a relay cache may hold a manifest of an earlier run of this name (a run deleted "
-        "and published again): clear the relay's cache, or publish under a new run name",
-    )
 
 
 def missing_version(run: str, want: int, held: list[int] | None) -> VersionNotFoundError:

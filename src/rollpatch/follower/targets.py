@@ -6,8 +6,7 @@
   LATEST, so the request is served by the version it asked for (before, the loop synced past
   it to LATEST and the request was refused as "older than the served version").
 - **LATEST and its manifest agree.** The ``target`` digest LATEST named when read is kept;
-  a sync to that version requires its manifest to name the same target
-  (:func:`rollpatch.follower.failures.check_latest_target`).
+  a sync to that version requires its manifest to name the same target (:meth:`Targets.check`).
 
 Guarded by the follower record's condition (the caller holds it).
 """
@@ -18,7 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from threading import Condition
 
+from ..errors import ManifestError
 from ..latest import Pointer
+from ..manifest import Manifest
 
 __all__ = ["Targets"]
 
@@ -46,6 +47,25 @@ class Targets:
         finally:
             with self._cond:
                 self._wanted.remove(version)
+
+    def check(self, m: Manifest) -> None:
+        """Refuse to build ``m``'s version when LATEST, read for that version, names another
+        target digest (:class:`ManifestError`): the manifest is not the one LATEST points
+        at — a relay cache holding a manifest of an earlier run under the same name (deleted
+        and published again), or a board edited by hand. Nothing is fetched or written."""
+        latest = self.latest
+        if latest is None or latest[0] != m.version or latest[1] == m.target:
+            return
+        raise ManifestError(
+            "LATEST and the version's manifest name different target digests",
+            run=m.run,
+            version=m.version,
+            latest_target=latest[1][:16],
+            manifest_target=m.target[:16],
+            hint="a relay cache may hold a manifest of an earlier run of this name (a run "
+            "deleted and published again): clear the relay's cache, or publish under a new "
+            "run name",
+        )
 
     def next(self, latest: int, current: int | None) -> int:
         """The version to sync to: the lowest one waited for exactly above ``current``, if

@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import jsonsafe
 from ..errors import ConfigError
-from ..serving.admission import Slot
+from ..serving.admission import Slot, wait_drained
 from ..types import Constraint
 from .config import GatewayConfig, IslandSpec, parse_island
 from .metrics import GatewayMetrics
@@ -219,12 +219,7 @@ class Gateway:
         wait up to ``grace_s`` for those in flight, streams included, to finish; ``stop``
         set cuts the wait short. True when none is left."""
         self.draining = True
-        deadline = time.monotonic() + grace_s
-        while self.inflight() and time.monotonic() < deadline:
-            if stop is not None and stop.is_set():
-                break
-            time.sleep(0.05)
-        return self.inflight() == 0
+        return wait_drained(self.inflight, grace_s, stop)
 
     def views(self) -> list[IslandView]:
         """Snapshots of every island, in configuration order."""

@@ -286,13 +286,17 @@ class Relay:
         run deleted upstream and published again under its name left the earlier run's
         manifest here (immutable keys, reused); followers would refuse it (docs/follower.md),
         and it is fetched again instead."""
-        entry = self.cache.verify(key) if self.cache.peek(key) is not None else None
-        if entry is None:
+        if self.cache.peek(key) is None:
             return
-        try:
-            cached = self.verifier.manifest_target(key, self.read(Blob.cached(entry)))
-        except StoreError:  # evicted meanwhile: nothing to drop
-            return
+        cached = self.verifier.targets.get(key)  # known since it was checked: no file read
+        if cached is None:  # cached by an earlier process: read and parsed once
+            entry = self.cache.verify(key)
+            if entry is None:
+                return
+            try:
+                cached = self.verifier.manifest_target(key, self.read(Blob.cached(entry)))
+            except StoreError:  # evicted meanwhile: nothing to drop
+                return
         if cached is None or cached == target:
             return
         self.cache.discard(key)

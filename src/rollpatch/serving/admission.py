@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; only the checker reads it
 
-__all__ = ["Releasable", "Slot", "admit_async"]
+__all__ = ["Releasable", "Slot", "admit_async", "wait_drained"]
 
 
 class Releasable(Protocol):
@@ -93,3 +94,17 @@ async def admit_async(admit: Callable[[], _R]) -> _R:
 def _release_late(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is None:
         fut.result().release()
+
+
+def wait_drained(
+    inflight: Callable[[], int], grace_s: float, stop: threading.Event | None = None
+) -> bool:
+    """Wait up to ``grace_s`` for ``inflight()`` to reach 0 (a shutting-down service's
+    requests and streams finishing); ``stop`` set cuts the wait short. True when none is
+    left."""
+    deadline = time.monotonic() + grace_s
+    while inflight() and time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            break
+        time.sleep(0.05)
+    return inflight() == 0

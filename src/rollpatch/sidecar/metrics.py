@@ -61,11 +61,9 @@ class SidecarMetrics:
         if seconds is not None:
             self.latency.observe(seconds)
 
-    def update(self, status: Any, *, latest: int | None = None, lag: int | None = None) -> None:
-        """Refresh gauges from a FollowerStatus (``latest``/``lag``: the sidecar's, which also
-        count the LATEST reads of requests; default the follower's)."""
-        if latest is None:
-            latest, lag = status.latest, status.lag
+    def update(self, status: Any, latest: int | None, lag: int | None) -> None:
+        """Refresh gauges from a FollowerStatus and the sidecar's ``latest`` and ``lag`` (they
+        also count the LATEST reads of requests: ``Sidecar.refresh_metrics``)."""
         self.versions.set(status.version, latest, lag, unknown=-1)
         self.bytes_fetched.set(status.bytes_fetched)
         self.commits.set(status.commits)

@@ -5,7 +5,6 @@ or refuses (409/503) by the constraint (docs/sidecar.md)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 
 from starlette.responses import Response
@@ -126,7 +125,7 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
             event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
         exact = c.exact_version is not None  # catch up to it, not past it
         if wait_s > 0 and await asyncio.to_thread(
-            functools.partial(sc.follower.wait_for, d.need, wait_s, exact=exact)
+            sc.follower.wait_for, d.need, wait_s, exact=exact
         ):
             return None
         reason = d.reason + (

@@ -15,6 +15,7 @@ from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
 from ..follower import Follower, FollowerConfig, FollowerStatus
 from ..logs import event
+from ..serving.admission import wait_drained
 from ..serving.body import BodyLimits
 from .gate import CommitGate, CommitMode
 from .metrics import SidecarMetrics
@@ -133,12 +134,7 @@ class Sidecar:
         sends them elsewhere) and wait up to ``grace_s`` for those in flight, streams
         included, to finish; ``stop`` set cuts the wait short. True when none is left."""
         self.draining = True
-        deadline = time.monotonic() + grace_s
-        while self.gate.inflight and time.monotonic() < deadline:
-            if stop is not None and stop.is_set():
-                break
-            time.sleep(0.05)
-        return self.gate.inflight == 0
+        return wait_drained(lambda: self.gate.inflight, grace_s, stop)
 
     def cached_latest(self) -> tuple[bool, int | None]:
         """``(fresh, value)``: LATEST as :meth:`latest` knows it without reading the board;
@@ -241,7 +237,7 @@ class Sidecar:
         s = self.follower.status()
         latest = self.latest_seen()
         lag = None if s.version is None or latest is None else max(0, latest - s.version)
-        self.metrics.update(s, latest=latest, lag=lag)
+        self.metrics.update(s, latest, lag)
         return s, latest, lag
 
     def describe(self) -> dict[str, Any]:

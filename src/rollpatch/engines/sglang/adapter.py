@@ -37,7 +37,7 @@ from ...patch import Patch, inspect
 from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..catchup import decodes_in_place
-from ..fit import ModelTensors, tensors_of_kinds
+from ..fit import ListedTensors
 from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
 from . import tp as tp_ops
@@ -56,7 +56,7 @@ __all__ = ["LOADER", "NOT_READY", "SglangEngine"]
 NOT_READY = "rollpatch:not-ready"
 
 
-class SglangEngine(EngineAdapter):
+class SglangEngine(ListedTensors, EngineAdapter):
     """:class:`EngineAdapter` over an SGLang server launched with rollpatch's loader.
 
     ``url``: the server (``http://127.0.0.1:30000``, same host: files and a UNIX socket are
@@ -88,7 +88,6 @@ class SglangEngine(EngineAdapter):
         self.channel = SglangChannel(url, shared_dir=shared_dir, timeout=timeout, lock=self._lock)
         self._version: int | None = None
         self._digest: str | None = None
-        self._tensors: dict[str, Any] | None = None
         self.last_timings: dict[str, float] = {}
         #: The last staging's phases inside SGLang (ms): ``decode`` (or ``read``), ``prove``,
         #: ``layout``, ``buffers`` and ``inside`` (the whole control call there).
@@ -112,14 +111,6 @@ class SglangEngine(EngineAdapter):
     def info(self) -> dict[str, Any]:
         """``rank``, ``tp``, ``pid`` of SGLang's scheduler, ``tensors`` (name → [kind, shape])."""
         return self._control("info")
-
-    def tensors(self) -> dict[str, Any]:
-        if self._tensors is None:
-            self._tensors = dict(self.info()["tensors"])
-        return self._tensors
-
-    def model_tensors(self) -> ModelTensors:
-        return tensors_of_kinds(self.tensors())
 
     @property
     def tp(self) -> int:

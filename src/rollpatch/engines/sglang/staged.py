@@ -45,7 +45,6 @@ import numpy as np
 from ...errors import (
     BaseMismatchError,
     EngineError,
-    IncompatibleModelError,
     TargetMismatchError,
 )
 from ...kinds import Kind
@@ -60,7 +59,7 @@ from ...view import (
     sum_add,
     tensor_digest,
 )
-from ..fit import FIXED_MODEL
+from ..fit import changed_tensor_set
 from ..staged import WriteMode, checked_writes
 from ..sumchange import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, locate, placements
@@ -223,12 +222,7 @@ class HeldWeights:
         (:func:`~rollpatch.engines.staged.checked_writes`: the native core checks it and sums
         its rp.sum128 change in one pass that writes nothing), its target state and digest."""
         if isinstance(tp.change, DropOp) or tp.name not in self._place:
-            raise IncompatibleModelError(
-                "the version adds or drops a tensor; the engine's model cannot change",
-                tensor=tp.name,
-                op=tp.op,
-                hint=FIXED_MODEL,
-            )
+            raise changed_tensor_set(tp.name, tp.op)
         live = self[tp.name]
         pos, old, new, change = checked_writes(tp, live)
         state = sum_add(self.state_of(tp.name), change or sum_delta(live.data, pos, new))

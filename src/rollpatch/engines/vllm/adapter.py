@@ -22,7 +22,7 @@ from ...patch import Patch, inspect
 from ...validate import check_choice
 from ...view import View, WordSource
 from ..base import EngineAdapter
-from ..fit import ModelTensors, tensors_of_kinds
+from ..fit import ListedTensors
 from ..staged import AuditReport, EncodedStep, StagedUpdate
 from .core import ATOMIC, KvOnCommit
 from .kvmode import KvMode
@@ -46,7 +46,7 @@ Prepack = Literal["stage", "pause"]
 Staging = Literal["thread", "inline"]
 
 
-class VllmEngine(WorkerCalls, EngineAdapter):
+class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
     """:class:`EngineAdapter` over a vLLM server started with rollpatch's worker extension.
 
     ``url``: the server (``http://127.0.0.1:8000``). ``shared_dir``: a directory the server
@@ -83,7 +83,6 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         self._transport = transport
         self._version: int | None = None
         self._digest: str | None = None
-        self._tensors: dict[str, Any] | None = None
         self._atomic: bool | None = None
 
     # -- state -------------------------------------------------------------------------------
@@ -117,15 +116,6 @@ class VllmEngine(WorkerCalls, EngineAdapter):
         served only through that copy: their plain words are written after a commit's
         pause)."""
         return self._call("info")
-
-    def tensors(self) -> dict[str, Any]:
-        """Checkpoint name → [kind, shape] of every tensor the engine holds (cached)."""
-        if self._tensors is None:
-            self._tensors = dict(self.info()["tensors"])
-        return self._tensors
-
-    def model_tensors(self) -> ModelTensors:
-        return tensors_of_kinds(self.tensors())
 
     def held(self, *, fresh: bool = False) -> tuple[dict[str, str], str]:
         """Per-tensor digests and root the workers compute now (``fresh``: re-hash all)."""

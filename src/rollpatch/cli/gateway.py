@@ -67,7 +67,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from ..gateway.server import start_gateway
     from .flags import config_kwargs
     from .secrets import read_token
-    from .serving import body_limits, serve_options, serve_until_signalled
+    from .serving import ShutdownSignals, body_limits, serve_options
 
     islands = [parse_island(s) for s in args.sidecar]
     island_token = (
@@ -76,19 +76,20 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         **config_kwargs(args, GatewayConfig), island_token=island_token, body=body_limits(args)
     )
-    running = start_gateway(
-        islands,
-        host=args.host,
-        port=args.port,
-        config=config,
-        log_level=args.log_level,
-        options=serve_options(args),
-    )
-    names = ", ".join(f"{i.name}={i.url}" for i in islands)
-    print(f"rollpatch gateway: {running.url} -> {len(islands)} island(s): {names}", flush=True)
-    try:
-        gw = running.gateway
-        serve_until_signalled("gateway", gw.inflight, gw.drain, args.shutdown_grace)
-    finally:
-        running.stop()
+    with ShutdownSignals() as signals:  # caught while it starts, too
+        running = start_gateway(
+            islands,
+            host=args.host,
+            port=args.port,
+            config=config,
+            log_level=args.log_level,
+            options=serve_options(args),
+        )
+        names = ", ".join(f"{i.name}={i.url}" for i in islands)
+        print(f"rollpatch gateway: {running.url} -> {len(islands)} island(s): {names}", flush=True)
+        try:
+            gw = running.gateway
+            signals.serve("gateway", gw.inflight, gw.drain, args.shutdown_grace)
+        finally:
+            running.stop()
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ def register(sub: Any) -> None:
         metavar="FILE",
         help="bearer token to send to an upstream relay that requires one",
     )
-    add_serving_args(p, bodies=False)
+    add_serving_args(p, bodies=False, drain=True)
     add_log_args(p, default_level=None)
     p.set_defaults(func=cmd_relay)
 
@@ -65,7 +64,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     configure(args.log_level, args.log_format)
     from ..relay import RelayConfig, RelayServer
     from .flags import config_kwargs
-    from .serving import serve_options, upstream_store
+    from .serving import ShutdownSignals, serve_options, upstream_store
     from .trust import load_trust
 
     trust = load_trust(args, args.board, state=Path(args.cache) / "trust-state.json")
@@ -80,21 +79,15 @@ def cmd_relay(args: argparse.Namespace) -> int:
         access_log=args.log_level == "debug",
         trust=trust,
     )
-    url = server.start()
-    print(
-        f"rollpatch relay: serving {args.board} at {url} (cache {args.cache}, "
-        f"{config.cache_bytes:,} bytes)",
-        flush=True,
-    )
-
-    def stop(*_: object) -> None:
-        server.request_stop()
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.wait()
-    finally:
-        server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with ShutdownSignals() as signals:  # caught while it starts, too
+        url = server.start()
+        print(
+            f"rollpatch relay: serving {args.board} at {url} (cache {args.cache}, "
+            f"{config.cache_bytes:,} bytes)",
+            flush=True,
+        )
+        try:
+            signals.serve("relay", server.inflight, server.drain, args.shutdown_grace, server.alive)
+        finally:
+            server.stop()
     return 0

@@ -12,7 +12,7 @@ import argparse
 import signal
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, final
 
 from ..errors import ConfigError
 from .flags import seconds, timeout_seconds
@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     from ..store import Store
 
 __all__ = [
+    "ShutdownSignals",
     "add_serving_args",
     "body_limits",
     "serve_options",
-    "serve_until_signalled",
     "upstream_store",
 ]
 
@@ -36,7 +36,7 @@ def add_serving_args(
 ) -> None:
     """``--tls-cert/--tls-key``, ``--token-file``, ``--header-timeout`` (and
     ``--body-timeout``, ``--max-body-bytes`` for services that read request bodies;
-    ``--shutdown-grace`` for those that drain on a signal: :func:`serve_until_signalled`)."""
+    ``--shutdown-grace`` for those that drain on a signal: :class:`ShutdownSignals`)."""
     g = p.add_argument_group("serving (TLS, access, slow clients)")
     g.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
@@ -86,33 +86,50 @@ def add_serving_args(
         )
 
 
-def serve_until_signalled(
-    name: str,
-    inflight: Callable[[], int],
-    drain: Callable[[float, threading.Event], bool],
-    grace_s: float,
-) -> None:
-    """Block until SIGTERM or SIGINT, then ``drain(grace_s, hurry)`` (refuse new requests,
-    wait for those in flight) unless ``grace_s`` is 0; a second signal sets ``hurry``. The
-    signal handlers are put back on the way out; the caller stops the service."""
-    done, hurry = threading.Event(), threading.Event()
+@final
+class ShutdownSignals:
+    """SIGTERM and SIGINT caught from ``__enter__`` on (before the service starts: a signal
+    that arrives while it starts still gets a clean stop), the previous handlers put back on
+    ``__exit__``; :meth:`serve` blocks until the first signal, then drains."""
 
-    def on_signal(*_: object) -> None:  # the first drains; a second cuts the drain short
-        (hurry if done.is_set() else done).set()
+    def __init__(self) -> None:
+        self.done, self.hurry = threading.Event(), threading.Event()
+        self._previous: dict[int, Any] = {}
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        done.wait()
+    def _on_signal(self, *_: object) -> None:  # the first drains; a second cuts it short
+        (self.hurry if self.done.is_set() else self.done).set()
+
+    def __enter__(self) -> ShutdownSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def serve(
+        self,
+        name: str,
+        inflight: Callable[[], int],
+        drain: Callable[[float, threading.Event], bool],
+        grace_s: float,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        """Block until SIGTERM or SIGINT, then ``drain(grace_s, hurry)`` (refuse new requests,
+        wait for those in flight) unless ``grace_s`` is 0; a second signal sets ``hurry``.
+        Also returns, without a drain, once ``alive()`` is False (the server stopped by
+        itself). The caller stops the service."""
+        while not self.done.wait(0.5):
+            if alive is not None and not alive():
+                return
         if grace_s > 0:
             print(f"rollpatch {name}: draining {inflight()} request(s) in flight", flush=True)
-            if not drain(grace_s, hurry):
+            if not drain(grace_s, self.hurry):
                 print(
                     f"rollpatch {name}: stopping with {inflight()} request(s) in flight",
                     flush=True,
                 )
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def body_limits(args: argparse.Namespace) -> BodyLimits:

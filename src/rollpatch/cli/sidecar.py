@@ -117,7 +117,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from ..sidecar.server import make_engine, start_sidecar
     from .flags import config_kwargs
     from .secrets import read_token
-    from .serving import body_limits, serve_options, serve_until_signalled, upstream_store
+    from .serving import ShutdownSignals, body_limits, serve_options, upstream_store
 
     token = read_token(args.admin_token_file) if args.admin_token_file else None
     trust = load_trust(args, args.board)
@@ -138,23 +138,26 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         kv_on_commit=args.kv_on_commit,
         staging=args.staging,
     )
-    running = start_sidecar(
-        board,
-        args.run,
-        engine,
-        url,
-        host=args.host,
-        port=args.port,
-        config=config,
-        log_level="warning",
-        options=options,
-    )
-    print(
-        f"rollpatch sidecar: {running.url} -> {args.engine} engine at {url}; following "
-        f"{args.run} on {args.board} ({args.commit_mode} commits)",
-        flush=True,
-    )
-    sc = running.sidecar
-    serve_until_signalled("sidecar", lambda: sc.gate.inflight, sc.drain, args.shutdown_grace)
-    running.stop()
+    with ShutdownSignals() as signals:  # caught while it starts, too
+        running = start_sidecar(
+            board,
+            args.run,
+            engine,
+            url,
+            host=args.host,
+            port=args.port,
+            config=config,
+            log_level="warning",
+            options=options,
+        )
+        print(
+            f"rollpatch sidecar: {running.url} -> {args.engine} engine at {url}; following "
+            f"{args.run} on {args.board} ({args.commit_mode} commits)",
+            flush=True,
+        )
+        sc = running.sidecar
+        try:
+            signals.serve("sidecar", lambda: sc.gate.inflight, sc.drain, args.shutdown_grace)
+        finally:
+            running.stop()
     return 0

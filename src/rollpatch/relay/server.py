@@ -33,6 +33,7 @@ from .answers import RefusalLog, error_answer, status_of
 from .cache import CacheEntry
 from .config import KeyKind, RelayConfig, classify
 from .core import Blob, Relay
+from .drain import DrainGate, Draining
 from .metrics import CONTENT_TYPE, CountRequests
 from .ranges import RangeNotSatisfiable, parse_range
 from .watch import PREFETCH_HEADER
@@ -51,10 +52,11 @@ async def _wait(future: Future[T]) -> T:
     return await asyncio.wrap_future(future)
 
 
-def create_app(relay: Relay) -> FastAPI:
+def create_app(relay: Relay, draining: Draining | None = None) -> FastAPI:
     """The ASGI app serving ``relay``: ``/v1/objects/{key}``, ``/v1/list``, ``/metrics``,
-    ``/health``."""
+    ``/health``; ``draining``: its reads in flight, and its refusals once it drains."""
     app = FastAPI(title="rollpatch relay", docs_url=None, redoc_url=None)  # /openapi.json
+    app.add_middleware(DrainGate, state=draining or Draining())  # inside the count: 503s counted
     app.add_middleware(CountRequests, metrics=relay.metrics)
 
     refusals = RefusalLog()
@@ -300,6 +302,8 @@ class RelayServer:
         self.options = options or ServeOptions()
         self._log = (log_level, access_log)
         self._handle: ServerHandle | None = None
+        #: Board reads in flight, and the refusal of new ones once :meth:`drain` is called.
+        self.draining = Draining()
 
     @property
     def url(self) -> str:
@@ -315,7 +319,7 @@ class RelayServer:
             raise ConfigError("relay server already started", url=self.url)
         try:
             self._handle = serve_app(
-                create_app(self.relay),
+                create_app(self.relay, self.draining),
                 self.host,
                 self.port,
                 name="relay",
@@ -347,6 +351,23 @@ class RelayServer:
         """Block until the server stops (its thread ends)."""
         if self._handle is not None:
             self._handle.wait()
+
+    def alive(self) -> bool:
+        """Whether the server runs (started, and its thread not ended)."""
+        return self._handle is not None and self._handle.alive()
+
+    def inflight(self) -> int:
+        """Board reads being answered now (bodies until their last byte)."""
+        return self.draining.inflight()
+
+    def drain(self, grace_s: float, stop: threading.Event | None = None) -> bool:
+        """Shutting down: new reads get 503 (their clients retry), held long-polls answer now,
+        and the reads in flight get up to ``grace_s`` to end (``stop`` set cuts it short);
+        True when none is left. :meth:`stop` afterwards."""
+        self.draining.start()
+        if "watch" in self.relay.__dict__:
+            self.relay.watch.close()
+        return self.draining.wait(grace_s, stop)
 
     def request_stop(self) -> None:
         """Ask the server to stop (safe from a signal handler)."""

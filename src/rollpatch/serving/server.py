@@ -194,6 +194,10 @@ class ServerHandle:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    def alive(self) -> bool:
+        """Whether the server's thread still runs."""
+        return self._thread.is_alive()
+
     def request_stop(self) -> None:
         """Ask uvicorn to exit (safe from a signal handler)."""
         self._server.should_exit = True

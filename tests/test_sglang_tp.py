@@ -315,6 +315,55 @@ def test_owner_ranks_decode_a_chain_that_every_rank_stages(
     assert tp_ops.held(ch, tensors, fresh=True)[1] == back.target  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("batch", [1, 1 << 30])
+def test_a_kept_arena_is_reused_and_what_it_held_is_never_read(
+    batch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter's arena (sglang/arena.py) stays from one staging to the next, the ranks
+    keep their mapping of it, and garbage left in it (a staging's leftovers, or anything)
+    cannot reach a staged update: each rank's blocks tile every tensor again. It grows by a
+    new file when a batch needs more; closing it unlinks it and the ranks let go."""
+    from rollpatch.engines.sglang import owned, tpencoded
+    from rollpatch.engines.sglang import tp as tp_ops
+    from rollpatch.engines.sglang.arena import Arena
+
+    monkeypatch.setattr(tpencoded, "BATCH_BYTES", batch)
+    views, steps = _chain(3)
+    ranks = _ranks(2, vllm_layouts.checkpoint(3))
+    ch, tensors = RanksChannel(ranks), _tensors(views[0])
+    count = iter(range(1 << 20))
+    arena = Arena(lambda what: tmp_path / f"{what}-{next(count)}")
+    paths = []
+    for k, step in enumerate(steps):
+        if arena.path is not None:  # garbage where the tensors go
+            with open(arena.path, "r+b") as f:
+                f.write(np.random.default_rng(k).bytes(arena.nbytes))
+        root = views[k].digest()
+        got = tpencoded.stage_encoded(
+            ch, [step], root, tensors, "in_place", ch_fresh(tmp_path), arena
+        )  # type: ignore[arg-type]
+        assert got is not None
+        tp_ops.commit(ch, got[0].payload["sglang_tokens"])  # type: ignore[arg-type]
+        assert tp_ops.held(ch, tensors, fresh=True)[1] == views[k + 1].digest()  # type: ignore[arg-type]
+        paths.append(arena.path)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [arena.path.name]  # type: ignore[union-attr]
+    assert len(set(paths)) == 1 and owned._ARENA[0] == str(paths[0])  # mapped once, kept
+    if batch == 1:  # one tensor per batch: the arena spans the largest
+        big = max(t.nbytes for t in views[0].values())
+        assert big <= arena.nbytes < big + Arena.ALIGN
+    first = arena.path
+    arena.fit(arena.nbytes + 1)  # a batch needing more: a new file, the old one gone
+    assert arena.path != first and not first.exists()  # type: ignore[union-attr]
+    owned.unmap_arena()
+    arena.close()
+    assert not owned._ARENA and [p for p in tmp_path.iterdir() if p.is_file()] == []
+
+
+def ch_fresh(tmp_path: Path) -> Any:
+    count = iter(range(1 << 20))
+    return lambda what: tmp_path / f"f-{what}-{next(count)}"
+
+
 def test_owned_decoding_refuses_before_any_rank_stages(tmp_path: Path) -> None:
     """Another base, a tampered payload, a layout the engine does not hold: refused with no
     rank staged and nothing written; a step in another codec is left to the follower (None)."""

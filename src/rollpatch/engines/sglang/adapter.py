@@ -188,7 +188,9 @@ class SglangEngine(ListedTensors, EngineAdapter):
         if self.tp > 1:
             with self._lock:
                 self._require_loaded()
-                return self._on_ranks(tpencoded.stage_encoded, steps, fresh=self.channel.shm)
+                return self._on_ranks(
+                    tpencoded.stage_encoded, steps, fresh=self.channel.shm, arena=self.channel.arena
+                )
         targets: dict[str, str | None] = {}
         for blob in (b for s in steps for b in s.blobs):
             entries = inspect(blob).tensors

@@ -23,6 +23,7 @@ from ...errors import EngineError
 from ...logs import event
 from ..pausing import NestedPause
 from ..shared_dir import SharedDir
+from .arena import Arena
 from .launch import LOADER
 from .wire import command_payload, http_json, request, result
 
@@ -56,6 +57,8 @@ class SglangChannel(NestedPause):
         self._started = False
         self._session_open = False
         self._shm: SharedDir | None = None  # made at the first shm(): /dev/shm, else scratch
+        #: TP > 1: the whole tensors the ranks gather for their owners (:mod:`.arena`).
+        self.arena = Arena(self.shm)
         #: Milliseconds spent in each HTTP route since the owner last cleared it (a commit's
         #: profile: the pause's round trips).
         self.route_ms: dict[str, float] = {}
@@ -250,6 +253,10 @@ class SglangChannel(NestedPause):
             self._session_open = False
             with contextlib.suppress(EngineError):
                 self._session("/end_weight_update")
+        if self.arena.path is not None:  # the ranks let go of its pages
+            with contextlib.suppress(EngineError, OSError):
+                self.controls("unmap_arena")
+            self.arena.close()
         self.scratch.close()
         if self._shm is not None and self._shm is not self.scratch:
             self._shm.close()

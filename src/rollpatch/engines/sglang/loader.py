@@ -49,7 +49,7 @@ from ..catchup import decode_in_place
 from ..staged import WriteMode
 from ..vllm.layout import locate
 from ..writing import release
-from .owned import decode_owned, export_blocks, place_block, read_decoded_all
+from .owned import decode_owned, export_blocks, place_block, read_decoded_all, unmap_arena
 from .ranked import RankWeights
 from .staged import HeldWeights
 from .wire import read_line
@@ -220,6 +220,7 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     ),
     "export_blocks": lambda w, r: export_blocks(w, list(r["items"])),
     "decode_owned": lambda w, r: decode_owned(w, r),
+    "unmap_arena": lambda w, r: unmap_arena(),
     "export": lambda w, r: _export(w, str(r["name"]), str(r["path"]), bool(r.get("into"))),
     "audit": lambda w, r: w.audit(int(r["budget"])),
     "drop": lambda w, r: _drop(w),

@@ -40,7 +40,14 @@ from ..vllm.transfer import read_decoded, write_decoded
 from .ranked import RankWeights
 from .staged import HeldWeights
 
-__all__ = ["decode_owned", "export_blocks", "place_block", "read_decoded_all"]
+__all__ = [
+    "arena_words",
+    "decode_owned",
+    "export_blocks",
+    "place_block",
+    "read_decoded_all",
+    "unmap_arena",
+]
 
 _M64 = (1 << 64) - 1
 
@@ -51,26 +58,35 @@ def _rank(w: HeldWeights) -> RankWeights:
     return w
 
 
-def export_blocks(w: HeldWeights, items: list[list[str]]) -> dict[str, Any]:
-    """Copy this rank's block of each ``[name, path]`` into the whole tensor the adapter
-    mapped at ``path`` (rows x cols words); per name, where the block went."""
+def export_blocks(w: HeldWeights, items: list[list[Any]]) -> dict[str, Any]:
+    """Copy this rank's block of each ``[name, path]`` (or ``[name, path, offset]``: in the
+    adapter's arena) into the whole tensor the adapter mapped there (rows x cols words); per
+    name, where the block went."""
     rank = _rank(w)
     placed: dict[str, dict[str, int]] = {}
     nbytes = 0
-    for name, path in items:
-        placed[str(name)], n = place_block(rank, str(name), str(path))
+    for name, path, *at in items:  # [name, path] or [name, arena path, offset]
+        offset = int(at[0]) if at else None
+        placed[str(name)], n = place_block(rank, str(name), str(path), offset)
         nbytes += n
     return {"placed": placed, "bytes": nbytes}
 
 
-def place_block(rank: RankWeights, name: str, path: str) -> tuple[dict[str, int], int]:
+def place_block(
+    rank: RankWeights, name: str, path: str, offset: int | None = None
+) -> tuple[dict[str, int], int]:
     """Copy ``rank``'s block of ``name`` into its place in the whole tensor (rows x cols
-    words) mapped at ``path``; where it went (``dim``, ``start``, ``length``) and its bytes."""
+    words) mapped at ``path`` (from byte ``offset`` of the adapter's arena, mapped once:
+    :func:`arena_words`); where it went (``dim``, ``start``, ``length``) and its bytes."""
     block, pl = rank.block(name)
     where = {"dim": pl.dim, "start": pl.src_start, "length": pl.length}
     if pl.rows * pl.cols == 0:
         return where, 0  # nothing to map
-    whole = np.memmap(path, block.dtype, "r+", shape=(pl.rows, pl.cols))
+    whole: np.ndarray
+    if offset is None:
+        whole = np.memmap(path, block.dtype, "r+", shape=(pl.rows, pl.cols))
+    else:
+        whole = arena_words(path, offset, block.dtype, pl.rows * pl.cols).reshape(pl.rows, -1)
     span = slice(pl.src_start, pl.src_start + pl.length)
     if pl.dim == 0:
         whole[span] = block
@@ -99,7 +115,13 @@ def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:
             raise BaseMismatchError("the engine lacks a tensor the patch changes", tensor=name)
         kind, shape = rank.kind_of(name), tuple(rank.shape_of(name))
         n = int(np.prod(shape, dtype=np.int64))
-        data = np.memmap(str(wholes[name]), kind.word_dtype, "r", shape=(n,)) if n else None
+        where = wholes[name]  # a path, or [arena path, offset]
+        if not n:
+            data = None
+        elif isinstance(where, list):
+            data = arena_words(str(where[0]), int(where[1]), kind.word_dtype, n)
+        else:
+            data = np.memmap(str(where), kind.word_dtype, "r", shape=(n,))
         tensors[name] = Tensor(kind, shape, np.zeros(0, kind.word_dtype) if data is None else data)
 
     def held(name: str) -> tuple[int, int]:
@@ -118,6 +140,31 @@ def decode_owned(w: HeldWeights, req: dict[str, Any]) -> dict[str, Any]:
         write_decoded(Patch(patch.base, patch.target, part, dict(patch.meta)), out)
     changed = sum(tp.n_changed for tp in patch.tensors.values())
     return {"paths": outs, "changed": changed, "tensors": len(patch.tensors)}
+
+
+#: The adapter's arena as this process mapped it (path, mapping): mapped once, so the pages of
+#: shared memory are neither allocated nor faulted in again at each staging.
+_ARENA: list[Any] = []
+
+
+def arena_words(path: str, offset: int, dtype: Any, count: int) -> np.ndarray:
+    """``count`` words of ``dtype`` from byte ``offset`` of the arena file at ``path``; a new
+    path (the adapter grew or replaced its arena) drops the old mapping first."""
+    if not _ARENA or _ARENA[0] != path:
+        _ARENA.clear()
+        _ARENA[:] = [path, np.memmap(path, np.uint8, "r+")]
+    mm = _ARENA[1]
+    nbytes = count * np.dtype(dtype).itemsize
+    if offset < 0 or offset % np.dtype(dtype).itemsize or offset + nbytes > mm.size:
+        raise EngineError("a tensor's place lies outside the arena", path=path, offset=offset)
+    return mm[offset : offset + nbytes].view(dtype)
+
+
+def unmap_arena() -> dict[str, Any]:
+    """Drop the arena's mapping (the adapter closes: its file is unlinked)."""
+    held = bool(_ARENA)
+    _ARENA.clear()
+    return {"unmapped": held}
 
 
 #: The last chain read (its files' paths, its objects, their entries): a staging decodes

@@ -12,7 +12,11 @@ entering the sidecar's process.
    every rank copies its blocks into the batch's tensors in shared memory (``export_blocks``;
    the blocks must tile each tensor), then every owner decodes its tensors of the batch at
    the same time (``decode_owned``) into one decoded-patch file per rank, each holding the
-   changes in that rank's blocks; the batch's tensors are unlinked;
+   changes in that rank's blocks. The batch's tensors lie in an :class:`.arena.Arena`, one
+   shared-memory file the adapter keeps from one staging to the next and the ranks map
+   once: fresh pages of shared memory (allocated, zeroed and faulted in by every rank at
+   every staging) took 1.3 GB/s of the gather; what a staging leaves in the arena is never
+   read by the next, whose blocks tile every tensor again;
 3. every rank stages its own parts of the owners' files and the adapter proves the ranks'
    moved sums against each tensor's last target digest and the chain's target root before
    any rank writes (:func:`.tp.stage_parts`), as for a patch the follower decoded.
@@ -32,6 +36,7 @@ from ...kinds import get_kind
 from ...patch import inspect
 from ..catchup import decodes_in_place
 from . import tp as tp_ops
+from .arena import Arena
 from .channel import SglangChannel
 from .slices import combine, combine_state
 from .wire import step_files
@@ -65,10 +70,12 @@ def stage_encoded(
     tensors: Mapping[str, Any],
     mode: WriteMode,
     fresh: Callable[[str], Path],
+    arena: Arena | None = None,
 ) -> tuple[StagedUpdate, dict[str, Any]] | None:
     """Stage the chain ``steps`` on SGLang's ranks (module docstring); ``root``: the engine's
     verified root; ``tensors``: name → ``[kind, shape]``; ``fresh(what)``: a new file name in
-    a directory both sides map (shared memory). None when an entry is not an in-place delta."""
+    a directory both sides map (shared memory); ``arena``: the adapter's, kept after (None:
+    one for this staging only). None when an entry is not an in-place delta."""
     from ..staged import StagedUpdate
 
     entries = [e for s in steps for b in s.blobs for e in inspect(b).tensors]
@@ -114,17 +121,18 @@ def stage_encoded(
         made.append(fresh(what))
         return made[-1]
 
+    own = arena is None
+    held = arena if arena is not None else Arena(fresh)
     try:
         spec = step_files(steps, iter(lambda: new("blob"), None))
         parts: dict[int, list[str]] = {r: [] for r in range(ch.tp)}
         gather_ms = decode_ms = 0.0
-        for batch in _batches(first, size, tensors):
-            wholes = {n: new("whole") for n in batch}
-            for n, path in wholes.items():
-                with open(path, "xb") as f:  # the ranks map it: sized first
-                    f.truncate(size[n] * get_kind(str(tensors[n][0])).word_dtype.itemsize)
+        batches = [_places(b, size, tensors) for b in _batches(first, size, tensors)]
+        path = str(held.fit(max(end for _, end in batches)))
+        for places, _ in batches:
+            batch = list(places)
             t1 = time.perf_counter()
-            placed = ch.controls("export_blocks", items=[[n, str(p)] for n, p in wholes.items()])
+            placed = ch.controls("export_blocks", items=[[n, path, at] for n, at in places.items()])
             for n in batch:
                 tp_ops.covered(n, tensors[n][1], [a["placed"][n] for a in placed])
             t2 = time.perf_counter()
@@ -133,15 +141,13 @@ def stage_encoded(
                 "decode_owned",
                 steps=spec,
                 owners={n: plan[n] for n in batch},
-                wholes={n: str(p) for n, p in wholes.items()},
+                wholes={n: [path, at] for n, at in places.items()},
                 states={n: states[n] for n in batch},
                 out=outs,
             )
             for a in answers:  # each owner's part for rank r: the changes in r's blocks
-                for rank, path in enumerate(a.get("paths") or ()):
-                    parts[rank].append(str(path))
-            for p in wholes.values():
-                p.unlink(missing_ok=True)
+                for rank, p in enumerate(a.get("paths") or ()):
+                    parts[rank].append(str(p))
             gather_ms += (t2 - t1) * 1e3
             decode_ms += (time.perf_counter() - t2) * 1e3
         expect = {n: (str(first[n]["base"]), str(last[n]["target"])) for n in first}
@@ -150,10 +156,24 @@ def stage_encoded(
     finally:
         for p in made:
             p.unlink(missing_ok=True)
+        if own:
+            held.close()
     r["phases"] = {"gather": round(gather_ms, 3), "decode": round(decode_ms, 3), **r["phases"]}
     r["ms"] = (time.perf_counter() - t0) * 1e3
     payload = {"sglang_tokens": tokens, "changed": r["changed"], "nbytes": r["nbytes"]}
     return StagedUpdate(steps[0].base, target, {}, dict(r["digests"]), payload), r
+
+
+def _places(
+    batch: list[str], size: Mapping[str, int], tensors: Mapping[str, Any]
+) -> tuple[dict[str, int], int]:
+    """Each tensor's byte offset in the arena (aligned), and the bytes the batch spans."""
+    places, end = {}, 0
+    for n in batch:
+        places[n] = end
+        nbytes = size[n] * get_kind(str(tensors[n][0])).word_dtype.itemsize
+        end += -(-nbytes // Arena.ALIGN) * Arena.ALIGN
+    return places, max(end, Arena.ALIGN)
 
 
 def _batches(

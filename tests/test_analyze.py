@@ -25,7 +25,7 @@ from rollpatch.analysis import (
 )
 from rollpatch.analysis.progress import Progress
 from rollpatch.cli import main
-from rollpatch.errors import ConfigError
+from rollpatch.errors import ConfigError, ViewError
 from rollpatch.formats import cast_view
 from rollpatch.io import save_view
 from rollpatch.io.checkpoint import load_masters
@@ -171,6 +171,11 @@ def test_torch_checkpoints_give_the_same_numbers(
         assert a.formats["bf16"].patch_bytes == b.formats["bf16"].patch_bytes
         assert a.formats["bf16"].changed == b.formats["bf16"].changed
     assert "left out (not served): rotary.position_ids" in render(got)
+    nested = tmp_path / "ckpt.pt"  # a training checkpoint: the weights one level down
+    torch.save({"model": state, "optimizer": {"lr": 1e-6}, "step": 3}, nested)
+    with pytest.raises(ViewError, match="map names to tensors") as e:
+        analyze_run([nested, nested], progress=False)
+    assert "torch.save(ckpt['model'], path)" in (e.value.hint or "")
 
 
 def test_sharded_folders_give_the_same_numbers(
@@ -272,6 +277,16 @@ def test_plot_without_matplotlib_is_a_clear_error(
     assert not png.exists()
 
 
+def test_a_plot_suffix_matplotlib_cannot_write_is_refused_first(
+    run: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    txt = tmp_path / "x.txt"
+    assert main(["analyze", *map(str, run[:2]), "--plot", str(txt), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write a txt file" in err and "png" in err and "Traceback" not in err
+
+
 def test_errors(run: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", str(run[0])]) == 2
     assert "at least two checkpoints" in capsys.readouterr().err
@@ -289,6 +304,11 @@ def test_errors(run: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[s
     with pytest.raises(ConfigError, match="different tensor sets") as e:
         analyze_run([run[0], tmp_path / "fewer.safetensors"], progress=False)
     assert dropped in str(e.value)
+    wide = dict(masters)
+    wide[dropped] = masters[dropped].astype(np.float64)
+    _save(tmp_path / "wide.safetensors", wide)
+    with pytest.raises(ConfigError, match=f"'{dropped}' is float64") as e:  # not "missing"
+        analyze_run([run[0], tmp_path / "wide.safetensors"], progress=False)
     reshaped = dict(masters)
     name = "model.norm.weight"
     reshaped[name] = np.concatenate([masters[name], masters[name]])

@@ -93,6 +93,14 @@ def test_a_memory_board_is_refused_on_the_command_line(
         assert "memory:// board lives in this process only" in _refused(capsys, *cmd)
 
 
+def test_a_file_uri_with_two_slashes_is_refused_not_read_as_another_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``file://tmp/board`` put 'tmp' in the host part: the command looked in /board."""
+    said = _refused(capsys, "status", "--board", "file://tmp/p36/board")
+    assert "needs three slashes" in said and "file:///tmp/p36/board" in said
+
+
 def test_files_are_named_in_every_refusal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

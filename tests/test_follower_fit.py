@@ -233,7 +233,7 @@ def test_a_version_the_model_cannot_hold_keeps_the_engine_serving(
     assert isinstance(reference_engine, ReferenceEngine)
     board = Board(tmp_path.as_uri())
     masters = {n: t.to_array().astype(np.float32) for n, t in reference_engine.runtime.view.items()}
-    cfg = PublisherConfig(format="bf16")
+    cfg = PublisherConfig(format="bf16", model_changes="allow")  # the publisher lets it through
     with Publisher(board, "r", cfg, asynchronous=False) as pub:
         pub.publish(masters)
         f = Follower(board, "r", reference_engine, FAST)

@@ -112,7 +112,9 @@ def test_keyframe_cadence_and_publish_keyframe(board: Board) -> None:
 # -- coalescing --------------------------------------------------------------------------------
 
 
-def test_coalescing_under_slow_store_never_half_publishes() -> None:
+def test_coalescing_under_slow_store_never_half_publishes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     name = f"slow-{uuid.uuid4().hex[:12]}"
     board = Board(SlowStore(name, delay=0.01))
     seen: list[int] = []
@@ -131,7 +133,10 @@ def test_coalescing_under_slow_store_never_half_publishes() -> None:
     masters = random_masters(2)
     expected = {}
     try:
-        with Publisher(board, RUN, PublisherConfig(keyframe_every=0, max_pending=1)) as pub:
+        with (
+            caplog.at_level("INFO", logger="rollpatch.publisher"),
+            Publisher(board, RUN, PublisherConfig(keyframe_every=0, max_pending=1)) as pub,
+        ):
             for i in range(12):
                 n = pub.publish(masters)
                 expected[n] = copy_masters(masters)
@@ -147,6 +152,10 @@ def test_coalescing_under_slow_store_never_half_publishes() -> None:
     assert stats.n_dropped > 0, "the slow store should have forced coalescing"
     assert sorted(set(stats.dropped) | set(published)) == list(range(12))
     assert not set(stats.dropped) & set(published)
+    said = [
+        r.getMessage() for r in caplog.records if "a newer version was waiting" in r.getMessage()
+    ]
+    assert len(said) == 1 and said[0].startswith(f"{RUN}@{stats.dropped[0]}: not published")
     assert [s.version for s in stats.versions] == published
     assert seen == sorted(seen)
     for prev, n in itertools.pairwise(published):
@@ -177,7 +186,7 @@ def test_torch_state_dict_snapshot_survives_mutation() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 16))
     model[1].to(torch.bfloat16)
     expected = {}
-    with Publisher(board, RUN, PublisherConfig(max_pending=8)) as pub:
+    with Publisher(board, RUN, PublisherConfig(max_pending=8, model_changes="allow")) as pub:
         for i in range(3):
             sd = model.state_dict()
             n = pub.publish(sd)

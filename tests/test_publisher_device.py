@@ -204,6 +204,11 @@ def test_container_matches_wire_encode() -> None:
     assert assemble_patch(p, coded) == encode(p, View({"w": ta}))
 
 
+#: _versions adds a tensor, puts NaNs in one and drops it again: what the guards refuse by
+#: default (tests/test_publisher_guards.py), let through here to compare the two paths' bytes.
+_CHANGES: dict[str, Any] = {"model_changes": "allow", "nonfinite": "allow"}
+
+
 def _versions(steps: int) -> list[dict[str, np.ndarray]]:
     sim = AdamSim(SimConfig(n_params=1_500_000, seed=1, lr=1e-5, vocab=1000, threads=1))
     out = []
@@ -256,6 +261,7 @@ def test_device_path_publishes_the_same_bytes(fmt: str) -> None:
         "keyframe_every": 4,
         "skip_strides": (2, 4),
         "publisher_id": "test",
+        **_CHANGES,
     }
     tag = uuid.uuid4().hex[:8]
     host = _publish(f"memory://host-{tag}", PublisherConfig(**common), versions, False)
@@ -289,6 +295,7 @@ def test_device_path_resumes_with_frozen_scales() -> None:
         "keyframe_every": 100,
         "skip_strides": (4,),
         "publisher_id": "test",
+        **_CHANGES,
     }
     tag = uuid.uuid4().hex[:8]
     boards = []
@@ -310,7 +317,7 @@ def test_device_path_resumes_across_a_dropped_tensor() -> None:
     boards = []
     for diff_on in ("host", "device"):
         uri = f"memory://resume-drop-{diff_on}-{uuid.uuid4().hex[:8]}"
-        cfg = PublisherConfig(diff_on=diff_on, skip_strides=(2,), publisher_id="test")
+        cfg = PublisherConfig(diff_on=diff_on, skip_strides=(2,), publisher_id="test", **_CHANGES)
         _publish(uri, cfg, versions[:4], diff_on == "device").close()
         pub = _publish(uri, cfg, versions[4:], diff_on == "device")
         assert pub.stats.versions[0].tensors_dropped == 1
@@ -323,7 +330,7 @@ def test_device_path_resumes_across_a_dropped_tensor() -> None:
 def test_device_path_keeps_no_host_copy_of_the_view() -> None:
     """What the publisher keeps between versions: the served words on the device only."""
     versions = _versions(3)
-    cfg = PublisherConfig(diff_on="device", skip_strides=(2,), publisher_id="t")
+    cfg = PublisherConfig(diff_on="device", skip_strides=(2,), publisher_id="t", **_CHANGES)
     pub = _publish(f"memory://keep-{uuid.uuid4().hex[:8]}", cfg, versions, True)
     prev = pub._writer.pipe.prev
     assert isinstance(prev, DeviceView)

@@ -7,6 +7,7 @@ the Agg canvas, so no GUI backend and no global pyplot state is touched.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -15,8 +16,9 @@ from .results import Analysis
 __all__ = ["require_matplotlib", "write_plot"]
 
 
-def require_matplotlib() -> Any:
-    """The matplotlib.figure module, or ConfigError saying how to install it."""
+def require_matplotlib(path: str | os.PathLike[str] | None = None) -> Any:
+    """The matplotlib.figure module, or ConfigError saying how to install it; with ``path``,
+    also a ConfigError when matplotlib cannot write its suffix's format."""
     try:
         from matplotlib import figure
     except ImportError:
@@ -24,6 +26,17 @@ def require_matplotlib() -> Any:
             "--plot needs matplotlib, which is not installed",
             hint="pip install 'rollpatch[plot]' (or pip install matplotlib), or drop --plot",
         ) from None
+    if path is not None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kinds = FigureCanvasAgg(figure.Figure()).get_supported_filetypes()
+        suffix = Path(path).suffix.lower().lstrip(".")
+        if suffix not in kinds:
+            raise ConfigError(
+                f"--plot: cannot write a {suffix or 'suffix-less'} file",
+                path=str(path),
+                hint="end the name with one of: " + ", ".join(sorted(kinds)),
+            )
     return figure
 
 

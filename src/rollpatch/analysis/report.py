@@ -296,7 +296,7 @@ def _summary(a: Analysis, fmt: str) -> str:
         f"({_pct(t['mean_patch_frac_of_view'])}% of the {human_bytes(t['view_bytes'])} "
         f"view, {_num(t['patch_to_bound'])}x the i.i.d. bound); XOR+zstd-3 would ship "
         f"{human_bytes(t['mean_xor_zstd3_bytes'])} "
-        f"({_num(ratio(1, t['patch_to_xor'] or 0), '.2f')}x). A follower {lag.k} versions "
-        f"behind needs {human_bytes(lag.patch_bytes)} as one patch, "
+        f"({_num(ratio(1, t['patch_to_xor'] or 0), '.2f')}x). A follower {lag.k} "
+        f"version{'s' if lag.k != 1 else ''} behind needs {human_bytes(lag.patch_bytes)} as one patch, "
         f"{human_bytes(lag.steps_patch_bytes)} as a chain."
     )

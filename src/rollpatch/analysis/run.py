@@ -139,8 +139,8 @@ class _Walk:
     def transition(self, i: int, out: Analysis, bar: Progress, pool: ThreadPoolExecutor) -> None:
         """Measure checkpoint i-1 → i (and the lag point 0 → i when i is one)."""
         bar.stage(f"{i - 1}→{i}: load {os.path.basename(self.paths[i])}, update/gap")
-        cur_m, _ = _floats(load_checkpoint(self.paths[i]))
-        _check_layout(self.layout, cur_m, self.paths[0], self.paths[i])
+        cur_m, left_out = _floats(load_checkpoint(self.paths[i]))
+        _check_layout(self.layout, cur_m, self.paths[0], self.paths[i], left_out)
         gaps = _gaps(self.prev_m, cur_m, self.grids)
         bar.update()
         steps: dict[str, FormatStep] = {}
@@ -206,10 +206,25 @@ def _floats(masters: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict
 
 
 def _check_layout(
-    layout: Mapping[str, tuple[int, ...]], masters: Mapping[str, np.ndarray], first: str, path: str
+    layout: Mapping[str, tuple[int, ...]],
+    masters: Mapping[str, np.ndarray],
+    first: str,
+    path: str,
+    left_out: Mapping[str, str] | None = None,
 ) -> None:
     missing = sorted(set(layout) - set(masters))
     extra = sorted(set(masters) - set(layout))
+    left_out = left_out or {}
+    retyped = [n for n in missing if n in left_out]
+    if retyped:  # there, but of a dtype left out (float64, ints): say so, not "missing"
+        n = retyped[0]
+        raise ConfigError(
+            f"tensor {n!r} is {left_out[n]} in {path} but a served float in {first}",
+            path=path,
+            first=first,
+            tensors=_few(retyped),
+            hint="pass checkpoints of one run, saved in the same dtypes",
+        )
     if missing or extra:
         raise ConfigError(
             "checkpoints hold different tensor sets",

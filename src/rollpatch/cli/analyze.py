@@ -63,7 +63,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             hint="pass consecutive checkpoints of one run, oldest first",
         )
     if args.plot:
-        require_matplotlib()  # fail before the long part, not after it
+        require_matplotlib(args.plot)  # fail before the long part, not after it
         parent = Path(args.plot).resolve().parent
         if not parent.is_dir():
             raise ConfigError("--plot: the output folder does not exist", path=str(parent))

@@ -84,6 +84,13 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
             value=uri,
             hint="use a directory path, file://, s3://BUCKET/PREFIX or http(s)://RELAY",
         )
+    if scheme == "file" and parts.netloc not in ("", "localhost"):
+        raise ConfigError(
+            f"{option}: a file:// board URI needs three slashes: {parts.netloc!r} would be "
+            "read as a host name and dropped from the path",
+            value=uri,
+            hint=f"file:///{parts.netloc}{parts.path} (or the plain path)",
+        )
     if scheme == "s3" and not parts.netloc:
         raise ConfigError(
             f"{option}: an s3:// board needs a bucket", value=uri, hint="s3://BUCKET/PREFIX"

@@ -25,7 +25,8 @@ def check_invariants(m: Monitor) -> dict[str, dict[str, Any]]:
         checked, bad = int(ver.get("checked", 0)), int(ver.get("mismatches", -1))
         out["labels_match_weights"] = {
             "ok": checked > 0 and bad == 0,
-            "detail": f"{checked} of {ver.get('of', '?')} rollouts regenerated under their "
+            "detail": f"{checked} of {ver.get('of', '?')} rollouts served (used in training "
+            f"or not: some were still in flight at the end) regenerated under their "
             f"labelled version: {bad} differ (token id or logprob); control: "
             f"{ver.get('control_detected', 0)}/{ver.get('control_rollouts', 0)} "
             "differ under the previous version",

@@ -20,6 +20,7 @@ from ..kinds import get_kind
 
 __all__ = [
     "FIXED_MODEL",
+    "WRAPPER_PREFIXES",
     "FitCheck",
     "ListedTensors",
     "ModelTensors",
@@ -30,6 +31,10 @@ __all__ = [
 
 #: Tensor name -> (safetensors dtype, shape).
 ModelTensors = Mapping[str, tuple[str, tuple[int, ...]]]
+
+#: Prefixes a wrapper puts before every name of the module it wraps (``torch.compile``'s,
+#: DDP's): the publisher takes them off (``PublisherConfig.names``), engines never have them.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 _HINT = "start the engine with the model this run trains (same architecture and size)"
 #: A version whose tensors differ from the engine's model (added, dropped, reshaped).
@@ -111,7 +116,7 @@ class FitCheck:
                 tensor=name,
                 dtype=dtype,
                 shape=tuple(shape),
-                hint=_HINT,
+                hint=self._hint(name),
                 **self._where,
             )
         if have != (dtype, tuple(shape)):
@@ -126,6 +131,24 @@ class FitCheck:
                 **self._where,
             )
 
+    def _hint(self, name: str) -> str:
+        """What to do about a run tensor the engine lacks: a wrapper's prefix (the run was
+        published under a wrapped module's names), a tied alias (a head the engine holds
+        tied to its embedding), else the model itself."""
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix) and name[len(prefix) :] in self.tensors:
+                return (
+                    f"the run's names carry a wrapper's prefix {prefix!r}: publish the unwrapped "
+                    "module's names (PublisherConfig(names='unwrap'), the default) to a new run"
+                )
+        if name.endswith("lm_head.weight"):
+            return (
+                "the engine's model may tie its head to the embedding: publish each tied "
+                "tensor once (PublisherConfig(names='unwrap'), the default) to a new run, or "
+                + _HINT
+            )
+        return _HINT
+
     def names(self, names: Collection[str]) -> None:
         """The keyframe's whole name set (every shard's): the same tensors as the engine's."""
         extra = sorted(set(names) - set(self.tensors))
@@ -133,7 +156,7 @@ class FitCheck:
             raise IncompatibleModelError(
                 f"the run has {len(extra)} tensor(s) the engine's model does not",
                 tensor=extra[0],
-                hint=_HINT,
+                hint=self._hint(extra[0]),
                 **self._where,
             )
         missing = sorted(set(self.tensors) - set(names))

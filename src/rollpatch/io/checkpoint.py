@@ -100,6 +100,18 @@ def _load_torch(p: Path) -> dict[str, np.ndarray]:
     out = {}
     for name, value in obj.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise ViewError("state dict entries must map names to tensors", path=str(p))
+            nested = sorted(str(k) for k, v in obj.items() if isinstance(v, Mapping))[:5]
+            raise ViewError(
+                "state dict entries must map names to tensors",
+                path=str(p),
+                entry=str(name)[:80],
+                hint=(
+                    f"it looks like a training checkpoint (entries {', '.join(nested)} hold "
+                    "dicts): save the model's state dict alone, e.g. "
+                    "torch.save(ckpt['model'], path)"
+                )
+                if nested
+                else "save model.state_dict() (names to tensors)",
+            )
         out[name] = to_numpy(value)
     return out

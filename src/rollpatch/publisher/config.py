@@ -13,12 +13,24 @@ from ..formats import FORMAT_NAMES, QuantPolicy
 from ..formats.base import SCALE_MODES
 from ..trust import Signer
 
-__all__ = ["DiffOn", "PublisherConfig", "PublisherStats", "VersionStats", "default_publisher_id"]
+__all__ = [
+    "DiffOn",
+    "Guard",
+    "NamesMode",
+    "PublisherConfig",
+    "PublisherStats",
+    "VersionStats",
+    "default_publisher_id",
+]
 
 #: Where a publisher's O(N) work runs (see ``PublisherConfig.diff_on``).
 DiffOn = Literal["host", "device", "auto"]
 #: What ``publish()`` copies on the host path (see ``PublisherConfig.snapshot``).
 SnapshotMode = Literal["served", "masters"]
+#: Whether a guard (docs/publisher.md, *Guards*) fails the version or lets it through.
+Guard = Literal["refuse", "allow"]
+#: The names a state dict is published under (see ``PublisherConfig.names``).
+NamesMode = Literal["unwrap", "as_given"]
 
 #: Per-version statistics kept in memory (the oldest are forgotten first).
 MAX_STATS = 10_000
@@ -110,6 +122,27 @@ class PublisherConfig:
     beyond the previous one. ``masters``: it copies the masters as they are (FP32: twice a
     BF16 view) and the worker casts them (``publish()`` returns sooner). ``scales="frozen"``
     always copies the masters (its cast reads the previous view)."""
+    names: NamesMode = setting(
+        "unwrap", help="unwrap: drop a wrapper prefix on every name and tied aliases; as_given"
+    )
+    """``unwrap``: the names an engine loads. A prefix every name shares that a wrapper puts
+    there (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``) is taken off, and a tensor
+    that shares its memory with an earlier one (a tied ``lm_head.weight``) is published once,
+    under the first name, as engines hold it; the first ``publish()`` logs what it did.
+    ``as_given``: every name as the state dict has it (docs/publisher.md, *Guards*)."""
+    nonfinite: Guard = setting(
+        "refuse", help="refuse: a served NaN or +-inf fails the version (a diverged step); allow"
+    )
+    """``refuse``: a version whose served tensors hold a NaN or ±inf fails (the publisher
+    then raises it, as any failed version; the board and LATEST are untouched). Quantised
+    formats refuse NaN in any case. ``allow``: BF16/FP16/FP32 keep them."""
+    model_changes: Guard = setting(
+        "refuse", help="refuse: a version adding, dropping or reshaping tensors fails; allow"
+    )
+    """``refuse``: a version that adds, drops, reshapes or retypes a tensor of the version
+    before it (a resumed run included) fails before anything is written: engines started
+    with the run's model cannot load it, and LATEST never moves back. ``allow``: published
+    (with a WARNING); engines keep serving the version they hold (docs/follower.md)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -9,6 +9,7 @@ publishing it (docs/publisher.md, "Sharding protocol").
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -21,6 +22,7 @@ from ..types import check_run
 from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .exiting import close_at_exit
+from .guards import engine_names, note_names
 from .rounds import Snapshot, agree, next_version, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
@@ -30,6 +32,11 @@ from .wordpool import WordPool
 from .writer import VersionWriter
 
 __all__ = ["Publisher", "snapshot_state"]
+
+log = logging.getLogger("rollpatch.publisher")
+
+#: Seconds between two log lines about versions dropped by coalescing (the first at once).
+DROP_LOG_S = 60.0
 
 
 #: Seconds after LATEST names a version until the worker composes its step into the skip
@@ -89,6 +96,8 @@ class Publisher:
         self._stats: deque[VersionStats] = deque(maxlen=MAX_STATS)
         self._dropped: deque[int] = deque(maxlen=MAX_STATS)
         self._n_dropped = self._published = self._bytes = 0
+        self._names_noted = False
+        self._drop_said: tuple[float, int] | None = None  # when, and n_dropped then
         top, target = resume_point(self.board, self.run, self.config, self._x)
         self._last_assigned = self._last_durable = top
         self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
@@ -165,6 +174,11 @@ class Publisher:
         self._check_usable()
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ConfigError("step must be a non-negative int (the trainer's step)", value=step)
+        if self.config.names == "unwrap":
+            state_dict, taken, aliases = engine_names(state_dict)
+            if not self._names_noted:
+                self._names_noted = True
+                note_names(self.run, taken, aliases)
         local, slices = split_slices(state_dict)
         check_masters(local, sharded=self._x.size > 1 or bool(slices))
         cast_error: FormatError | None = None
@@ -289,6 +303,20 @@ class Publisher:
     def _drop(self, version: int) -> None:
         self._dropped.append(version)
         self._n_dropped += 1
+        now = time.monotonic()
+        if self._drop_said is None or now - self._drop_said[0] >= DROP_LOG_S:
+            since = self._n_dropped - (0 if self._drop_said is None else self._drop_said[1])
+            self._drop_said = (now, self._n_dropped)
+            log.info(
+                "%s@%d: not published: a newer version was waiting (coalesced: %d version(s) "
+                "since the last such line, %d in all; the uplink is slower than the trainer; "
+                "stats.dropped lists them, max_pending=%d)",
+                self.run,
+                version,
+                since,
+                self._n_dropped,
+                self.config.max_pending,
+            )
 
     def _fail(self, e: BaseException) -> None:
         with self._cond:

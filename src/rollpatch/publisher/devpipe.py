@@ -38,6 +38,7 @@ from .device import (
     sum128_state,
     sum128_update,
 )
+from .guards import check_finite, check_same_model
 from .pipeline import ShardPipeline, _lap
 from .result import ShardResult
 from .snapshot import check_dtype
@@ -109,6 +110,10 @@ class DeviceShardPipeline(ShardPipeline):
     def build(self, version: int, masters: Mapping[str, Any], *, keyframe: bool) -> ShardResult:
         t = time.perf_counter()
         view = self._cast(masters)
+        if self.config.nonfinite == "refuse":
+            check_finite(view, run=self.run, version=version)
+        if self.config.model_changes == "refuse":
+            check_same_model(self.prev, view, run=self.run, version=version, whole=self._whole_prev)
         res = ShardResult(version, view)
         res.resumed = self.resumed_names()
         res.timings["cast_s"] = _lap(t)

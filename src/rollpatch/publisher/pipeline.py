@@ -23,6 +23,7 @@ from ..patch import Patch, compose, diff, encode, encode_views, encode_views_pat
 from ..view import View
 from .cast import has_step, step_patch
 from .config import PublisherConfig
+from .guards import check_finite, check_same_model
 from .result import FOLD, Accumulators, ShardResult
 from .sharded_slices import SliceSpec, check_sliceable, cut, slice_part
 from .skipbase import RewoundBase, rebuild_ahead, rewind, same_layout
@@ -86,6 +87,11 @@ class ShardPipeline:
                 masters, cfg.format, policy=cfg.policy, scales=cfg.scales, previous=self.prev
             )
         )
+        if cfg.nonfinite == "refuse":
+            check_finite(view, run=self.run, version=version)
+        if cfg.model_changes == "refuse":
+            base = self._base_view(view)
+            check_same_model(base, view, run=self.run, version=version, whole=self._whole_prev)
         res = ShardResult(version, view)
         res.resumed = self.resumed_names()
         if self.slices:

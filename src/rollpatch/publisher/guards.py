@@ -1,0 +1,181 @@
+"""What the publisher refuses or fixes before a version reaches the board (docs/publisher.md,
+*Guards*): a fleet follows whatever LATEST names, and LATEST never moves back.
+
+- :func:`engine_names`: the state dict under the names an engine loads
+  (``PublisherConfig.names="unwrap"``): a wrapper's prefix on every name (``torch.compile``'s
+  ``_orig_mod.``, DDP's ``module.``) is taken off, and a tied alias (a tensor sharing its
+  storage with an earlier one, e.g. ``lm_head.weight`` tied to ``model.embed_tokens.weight``)
+  is published once, under its first name, as engines hold it; before, both reached the
+  board and every engine refused the run.
+- :func:`check_finite`: a served tensor with a NaN or ±inf (a diverged step) fails the
+  version (``PublisherConfig.nonfinite="refuse"``); before, BF16 kept them and every engine
+  served garbage under a verified label.
+- :func:`check_same_model`: a version that adds, drops, reshapes or retypes a tensor fails
+  (``PublisherConfig.model_changes="refuse"``): engines started with the run's model cannot
+  load it, and a checkpoint of another model published by mistake moved LATEST past every
+  engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..engines.fit import WRAPPER_PREFIXES
+from ..errors import ConfigError, FormatError
+
+__all__ = ["check_finite", "check_same_model", "engine_names", "nonfinite", "note_names"]
+
+log = logging.getLogger("rollpatch.publisher")
+
+
+#: Served kinds with IEEE exponents: (word dtype, every bit but the exponent's). A word is
+#: NaN or ±inf when its exponent bits are all ones: ``word | mask`` is then all ones.
+_IEEE: dict[str, tuple[np.dtype, int]] = {
+    "bf16": (np.dtype(np.uint16), 0x807F),
+    "f16": (np.dtype(np.uint16), 0x83FF),
+    "f32": (np.dtype(np.uint32), 0x807FFFFF),
+}
+_CHUNK = 1 << 18  # words per pass of the check (in cache)
+
+
+def engine_names(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
+    """``state_dict`` without a wrapper's prefix shared by every name, and without tied
+    aliases (module docstring); also the prefix taken off ("" if none) and the aliases
+    dropped."""
+    out = dict(state_dict)
+    taken = ""
+    while out and (p := next((w for w in WRAPPER_PREFIXES if all(_has(n, w) for n in out)), "")):
+        out = {n[len(p) :]: v for n, v in out.items()}
+        taken += p
+    seen: dict[tuple[Any, ...], str] = {}
+    dropped: list[str] = []
+    for name in list(out):
+        key = _storage_key(out[name])
+        if key is None:
+            continue
+        if key in seen:
+            dropped.append(name)
+            del out[name]
+        else:
+            seen[key] = name
+    return out, taken, dropped
+
+
+def _has(name: object, prefix: str) -> bool:
+    return isinstance(name, str) and name.startswith(prefix) and len(name) > len(prefix)
+
+
+def _storage_key(value: Any) -> tuple[Any, ...] | None:
+    """Equal for two tensors that are the same elements of the same memory (a tied alias);
+    None for what is not a plain torch tensor or numpy array, or holds no element."""
+    if isinstance(value, np.ndarray):
+        if value.size == 0:
+            return None
+        ai = value.__array_interface__
+        return ("np", ai["data"][0], value.shape, value.strides, value.dtype.str)
+    if not type(value).__module__.startswith("torch") or not hasattr(value, "untyped_storage"):
+        return None
+    try:
+        if value.numel() == 0 or value.device.type == "meta":
+            return None
+        return (
+            "torch",
+            str(value.device),
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            tuple(value.stride()),
+            str(value.dtype),
+        )
+    except (RuntimeError, AttributeError, NotImplementedError):  # subclasses without storage
+        return None
+
+
+def nonfinite(kind: str, words: Any) -> bool:
+    """Whether a tensor of ``kind`` whose words are ``words`` (a flat numpy array, or a torch
+    tensor on any device) holds a NaN or ±inf; False for kinds without an IEEE exponent."""
+    spec = _IEEE.get(kind)
+    if spec is None:
+        return False
+    dtype, mask = spec
+    if not isinstance(words, np.ndarray):  # torch
+        if words.numel() == 0:
+            return False
+        if dtype.itemsize != 2 or words.element_size() != 2:  # no uint32 in torch
+            return nonfinite(kind, words.detach().cpu().numpy())
+        return bool(((words.view(-1) | (mask - (1 << 16))) == -1).any())  # int16 words
+    if words.size == 0:
+        return False
+    flat = words.reshape(-1).view(dtype)
+    tmp = np.empty(min(_CHUNK, flat.size), dtype)
+    full = (1 << (8 * dtype.itemsize)) - 1
+    for s in range(0, flat.size, _CHUNK):
+        part = flat[s : s + _CHUNK]
+        t = tmp[: part.size]
+        np.bitwise_or(part, mask, out=t)
+        if t.max() == full:
+            return True
+    return False
+
+
+def check_finite(view: Mapping[str, Any], *, run: str, version: int) -> None:
+    """Raise :class:`FormatError` naming the first served tensor of ``view`` (kind ``.kind``,
+    words ``.data`` or ``.words``) that holds a NaN or ±inf."""
+    for name in sorted(view):
+        t = view[name]
+        words = getattr(t, "words", None)
+        if words is None:
+            words = t.data
+        if nonfinite(t.kind.name, words):
+            raise FormatError(
+                f"{run}@{version}: tensor {name!r} holds NaN or infinite values "
+                "(a diverged step?); not published",
+                tensor=name,
+                hint="check the loss and the optimizer; PublisherConfig(nonfinite='allow') "
+                "publishes them anyway (engines then serve them)",
+            )
+
+
+def check_same_model(
+    prev: Mapping[str, Any] | None, view: Mapping[str, Any], *, run: str, version: int, whole: bool
+) -> None:
+    """Raise :class:`ConfigError` when ``view`` adds, reshapes or retypes a tensor of
+    ``prev`` (the previous version's view of this shard), or drops one (unless ``whole``:
+    ``prev`` is a resumed view of every shard, whose other tensors are other ranks')."""
+    if prev is None:
+        return
+    changed = sorted(n for n in view if n not in prev or _layout(prev[n]) != _layout(view[n]))
+    dropped = [] if whole else sorted(n for n in prev if n not in view)
+    if not changed and not dropped:
+        return
+    raise ConfigError(
+        f"{run}@{version}: the model changed: {len(changed)} tensor(s) added, reshaped or "
+        f"retyped and {len(dropped)} dropped since the last version; engines started with the "
+        "run's model cannot load it (and LATEST never moves back)",
+        changed=changed[:5],
+        dropped=dropped[:5],
+        hint="publish the run's model (the same names and shapes; a wrapped module's "
+        "state_dict under its wrapper's names?), a new run for a new model, or "
+        "PublisherConfig(model_changes='allow') (CLI --model-changes allow)",
+    )
+
+
+def _layout(t: Any) -> tuple[str, tuple[int, ...]]:
+    return t.kind.name, tuple(t.shape)
+
+
+def note_names(run: str, taken: str, dropped: list[str]) -> None:
+    """Log once what :func:`engine_names` did (the caller logs on the first publish only)."""
+    if taken:
+        log.info("%s: publishing the names without the wrapper prefix %r", run, taken)
+    if dropped:
+        log.info(
+            "%s: %d tied alias(es) published once, under the first name: %s",
+            run,
+            len(dropped),
+            ", ".join(dropped[:5]),
+        )

@@ -233,8 +233,9 @@ def test_other_errors_are_json(engine: Any, client: Any) -> None:
     assert r.status_code == 400
     r = httpx.get(url + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and "error" in r.json()
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="This engine serves `") as e:
         client.completions.create(model="other", prompt="hi", max_tokens=1)
+    assert "GET /v1/models" in str(e.value)  # what to send instead
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
             model=engine.runtime.model_name,

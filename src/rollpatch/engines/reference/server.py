@@ -106,7 +106,11 @@ class _Job:
 
 def _check_model(runtime: ReferenceRuntime, name: str | None) -> None:
     if name is not None and name != runtime.model_name:
-        raise _UnknownModel(f"The model `{name}` does not exist.", served=runtime.model_name)
+        raise _UnknownModel(
+            f"The model `{name}` does not exist. This engine serves `{runtime.model_name}` "
+            "(its model directory's name; GET /v1/models).",
+            served=runtime.model_name,
+        )
 
 
 def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _Job:

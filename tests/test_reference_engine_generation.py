@@ -206,6 +206,21 @@ def test_next_logits_are_what_generate_samples_from(
     assert not torch.equal(before, logits)  # the committed weights made the second
 
 
+def test_non_finite_logits_are_an_engine_error_not_a_token() -> None:
+    """Weights holding NaN (a version published with nonfinite='allow') gave token 0 greedy
+    and a sampler RuntimeError (a bare 500) otherwise; now an EngineError saying why. A -inf
+    logit alone is a token that cannot be drawn."""
+    from rollpatch.engines.reference.generation import pick_token
+    from rollpatch.errors import EngineError
+
+    ok = torch.tensor([0.0, -float("inf"), 1.0])
+    assert pick_token(ok, 0.0, 1.0, None, 1).token_id == 2
+    for bad in ([0.0, float("nan"), 1.0], [0.0, float("inf")], [-float("inf")] * 3):
+        for gen in (None, torch.Generator()):
+            with pytest.raises(EngineError, match="logits hold NaN or infinite values"):
+                pick_token(torch.tensor(bad), 1.0, 1.0, gen, 1)
+
+
 def test_next_logits_waits_at_the_pause_gate(
     engine: Any, base: View, target: View, restore: None
 ) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...errors import EngineError
+
 __all__ = ["GREEDY_BELOW", "MAX_LOGPROBS", "Generation", "Progress", "Step", "pick_token"]
 
 MAX_LOGPROBS = 20
@@ -107,7 +109,19 @@ def pick_token(
     gen: torch.Generator | None,
     k: int | None,
 ) -> Step:
-    """Choose the next token; logprobs are of the raw (unscaled, unfiltered) distribution."""
+    """Choose the next token; logprobs are of the raw (unscaled, unfiltered) distribution.
+    Logits with a NaN or +inf, or only -inf (weights that hold such values: a version
+    published with ``PublisherConfig(nonfinite="allow")``) are an :class:`EngineError`
+    saying so, not a token 0 or a sampler's RuntimeError (a -inf logit alone is a token
+    that cannot be drawn)."""
+    if bool(
+        torch.isnan(logits).any() | torch.isposinf(logits).any() | torch.isneginf(logits).all()
+    ):
+        raise EngineError(
+            "the model's logits hold NaN or infinite values: its weights do",
+            hint="publish finite weights (the publisher refuses NaN and inf by default: "
+            "PublisherConfig(nonfinite='refuse'))",
+        )
     if gen is None:
         token = int(torch.argmax(logits))
     else:

@@ -77,21 +77,25 @@ def _storage_key(value: Any) -> tuple[Any, ...] | None:
             return None
         ai = value.__array_interface__
         return ("np", ai["data"][0], value.shape, value.strides, value.dtype.str)
-    if not type(value).__module__.startswith("torch") or not hasattr(value, "untyped_storage"):
-        return None
+    kind = type(value)
+    if not kind.__module__.startswith("torch") or kind.__name__ not in ("Tensor", "Parameter"):
+        return None  # a DTensor, a wrapper subclass: its memory is not its own to compare
     try:
         if value.numel() == 0 or value.device.type == "meta":
+            return None
+        ptr = value.untyped_storage().data_ptr()
+        if not ptr:
             return None
         return (
             "torch",
             str(value.device),
-            value.untyped_storage().data_ptr(),
+            ptr,
             value.storage_offset(),
             tuple(value.shape),
             tuple(value.stride()),
             str(value.dtype),
         )
-    except (RuntimeError, AttributeError, NotImplementedError):  # subclasses without storage
+    except (RuntimeError, AttributeError, NotImplementedError):  # no storage of its own
         return None
 
 

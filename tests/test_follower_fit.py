@@ -130,6 +130,23 @@ def test_a_model_tensor_the_run_lacks_is_found_once_then_remembered(
     assert f.status().failures == 4 and engine.version is None
 
 
+def test_an_engine_restarted_with_the_right_model_is_checked_again(
+    board: Board, published: Published
+) -> None:
+    """The memory of an unfit keyframe is for the model it was found unfit for: an engine
+    restarted with the run's model (its tensors now fit) syncs at the next retry, without a
+    sidecar restart or a new keyframe."""
+    wrong = dict(tensors_of_view(published.views[0]))
+    wrong["lm_head.weight"] = ("BF16", (32, 128))
+    f, engine, _ = _world(board, wrong)
+    for _ in range(2):
+        with pytest.raises(IncompatibleModelError):
+            f.sync()
+    engine._tensors = tensors_of_view(published.views[0])  # restarted with the right model
+    assert f.sync() == LAST
+    assert_holds(engine, published.views[LAST])
+
+
 def test_a_fitting_model_syncs(board: Board, published: Published) -> None:
     f, engine, _ = _world(board, tensors_of_view(published.views[0]))
     assert f.sync() == LAST

@@ -153,3 +153,55 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
         assert server.get("/weight_info") == {"weight_version": str(world.latest)}
     finally:
         sc.stop()
+
+
+def test_a_vllm_restarted_under_the_sidecar_is_taken_out_and_re_synced(
+    server: vllm_env.Server, world: World
+) -> None:
+    """A vLLM restarted under a running sidecar boots its checkpoint and has no rollpatch
+    state: before, the sidecar went on labelling its answers with the version it had
+    committed (140 s in a newcomer's repro, until the next publish). The workers' state
+    now carries a boot identity the adapter checks at every audit: the restart (here the
+    state dropped by fault injection, as a restart leaves it) takes the island out of
+    rotation and the follower re-syncs it from a keyframe by itself."""
+    import httpx
+
+    from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    engine = VllmEngine(server.url)
+    engine.load(world.views[world.latest], world.latest)
+    cfg = FollowerConfig(
+        poll_s=0.05, backoff_s=0.01, timeout_s=60.0, audit_bytes_per_s=2**20, audit_period_s=0.05
+    )
+    sc = start_sidecar(world.board, RUN, engine, server.url, config=SidecarConfig(follower=cfg))
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{sc.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.02)
+        seen, loaded, load = threading.Event(), [], engine.load
+
+        def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
+            seen.wait(30)
+            loaded.append(version)
+            load(view, version)
+
+        engine.load = held_load  # type: ignore[method-assign]
+        out = server.post("/collective_rpc", {"method": "rollpatch_forget", "args": []})
+        assert out["results"][0]["ok"] and out["results"][0]["forgot"]
+        while httpx.get(f"{sc.url}/ready").status_code != 503:
+            assert time.monotonic() < deadline + 60, "the restart was never noticed"
+            time.sleep(0.01)
+        seen.set()
+        while not (
+            httpx.get(f"{sc.url}/ready").status_code == 200
+            and sc.sidecar.follower.version == world.latest
+        ):
+            assert time.monotonic() < deadline + 120, "never came back on a verified version"
+            time.sleep(0.02)
+        assert loaded == [world.latest] and sc.sidecar.follower.status().audits == 1
+        assert engine.held(fresh=True)[1] == world.views[world.latest].digest()
+    finally:
+        sc.stop()

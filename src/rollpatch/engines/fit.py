@@ -71,8 +71,8 @@ def changed_tensor_set(name: str, op: str) -> IncompatibleModelError:
 
 class ListedTensors:
     """For an adapter whose engine lists its tensors in ``info()["tensors"]`` (name ->
-    ``[kind, shape]``: the vLLM and SGLang extensions): :meth:`tensors`, read once, and
-    :meth:`model_tensors` from it."""
+    ``[kind, shape]``: the vLLM and SGLang extensions): :meth:`tensors`, read once (and again by
+    :meth:`model_tensors`), and :meth:`model_tensors`."""
 
     _tensors: dict[str, Any] | None = None
 
@@ -86,7 +86,10 @@ class ListedTensors:
         return self._tensors
 
     def model_tensors(self) -> ModelTensors:
-        return tensors_of_kinds(self.tensors())
+        """Read from the engine each time (a keyframe boot, a retry after a refusal: it may
+        have been restarted with another model), refreshing :meth:`tensors`' copy."""
+        self._tensors = dict(self.info()["tensors"])
+        return tensors_of_kinds(self._tensors)
 
 
 class FitCheck:

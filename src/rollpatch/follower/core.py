@@ -229,13 +229,14 @@ class Follower:
         }
         self._targets.check(manifests[want])
         boot = manifests[plan.steps[0].to] if plan.steps and plan.steps[0].is_keyframe else None
-        if boot is not None:  # found unfit for the engine's model before: not fetched again
-            self._unfit.check(boot)
+        model = self.engine.model_tensors() if boot is not None else None  # read now
+        if boot is not None:  # found unfit for this model before: not fetched again
+            self._unfit.check(boot, model)
         try:
             self._stage_commit(plan, manifests, have, want, avoid)
         except IncompatibleModelError as e:
             if boot is not None:
-                self._unfit.note(boot, e)
+                self._unfit.note(boot, e, model)
             raise
         anchor = anchor_evidence(manifests[want])
         if anchor is not None:  # records older than a fold's base are no longer needed

@@ -22,6 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 
+from ..engines.fit import ModelTensors
 from ..errors import IncompatibleModelError, VersionNotFoundError
 from ..manifest import Manifest
 
@@ -72,22 +73,30 @@ class FailureLog:
 
 
 class Unfit:
-    """Keyframes (by their version's target digest) the engine's model cannot hold."""
+    """Keyframes (by their version's target digest) the engine's model cannot hold, each with
+    the model it was found unfit for: an engine restarted with another model (the right one)
+    is checked again, not refused from memory until a new keyframe."""
 
     def __init__(self) -> None:
-        self._by_target: OrderedDict[str, IncompatibleModelError] = OrderedDict()
+        self._by_target: OrderedDict[str, tuple[IncompatibleModelError, int | None]] = OrderedDict()
 
-    def check(self, m: Manifest) -> None:
-        """Raise the remembered error (a new instance) if ``m``'s keyframe was found unfit."""
-        e = self._by_target.get(m.target)
-        if e is not None:
+    def check(self, m: Manifest, model: ModelTensors | None) -> None:
+        """Raise the remembered error (a new instance) if ``m``'s keyframe was found unfit
+        for this ``model`` (the engine's tensors now)."""
+        got = self._by_target.get(m.target)
+        if got is not None and got[1] == _fingerprint(model):
+            e = got[0]
             raise IncompatibleModelError(e.message, hint=e.hint, **e.context)
 
-    def note(self, m: Manifest, e: IncompatibleModelError) -> None:
-        self._by_target[m.target] = e
+    def note(self, m: Manifest, e: IncompatibleModelError, model: ModelTensors | None) -> None:
+        self._by_target[m.target] = (e, _fingerprint(model))
         self._by_target.move_to_end(m.target)
         while len(self._by_target) > UNFIT_KEEP:
             self._by_target.popitem(last=False)
+
+
+def _fingerprint(model: ModelTensors | None) -> int | None:
+    return None if model is None else hash(tuple(sorted(model.items())))
 
 
 def missing_version(run: str, want: int, held: list[int] | None) -> VersionNotFoundError:

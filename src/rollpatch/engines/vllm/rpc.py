@@ -46,6 +46,8 @@ class WorkerCalls(NestedPause):
         self.scratch = SharedDir(shared_dir, prefix="rollpatch-vllm-")
         super().__init__(threading.RLock())
         self.last_timings: dict[str, float] = {}
+        #: Rank 0's worker state identity (``RuntimeWeights.boot``) in the last answer.
+        self.last_boot: str | None = None
 
     @property
     def shared_dir(self) -> Path:
@@ -83,6 +85,7 @@ class WorkerCalls(NestedPause):
         ):
             raise EngineError("tensor-parallel ranks disagree on digests", engine=self.name)
         self.last_timings["worker_ms"] = max(float(r.get("ms", 0.0)) for r in results)
+        self.last_boot = results[0].get("boot")
         phases = [
             dict(r.get("phases") or {}, **({"core_ms": r["core_ms"]} if "core_ms" in r else {}))
             for r in results

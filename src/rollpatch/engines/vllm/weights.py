@@ -25,6 +25,7 @@ tensor is then a collective (``Access.gather``), so tensors are always read in s
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,10 @@ class RuntimeWeights(StagedCommits):
         tp: int = 1,
     ) -> None:
         self.access, self.rank, self.tp = access, rank, tp
+        #: This state's identity, new in every worker process: the adapter compares it at each
+        #: audit, so an engine restarted under a sidecar (its boot checkpoint's words, not the
+        #: version the sidecar labels) is found out, not served under the old label.
+        self.boot = secrets.token_hex(8)
         if tp > 1 and access.gather is None:
             raise EngineError("tensor parallelism needs a gather", tp=tp)
         self._entries: dict[str, _Entry] = {}

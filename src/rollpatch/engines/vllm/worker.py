@@ -131,7 +131,12 @@ def run_op(model: Any, op: str, arg: str = "", arg2: str = "") -> dict[str, Any]
     fn = OPS.get(op)
     if fn is None:
         return run_op_on(None, lambda _: _unknown(op))
-    return run_op_on(None, lambda _: fn(weights_of(model), arg, arg2))
+
+    def call(_: Any) -> dict[str, Any]:
+        w = weights_of(model)
+        return {**fn(w, arg, arg2), "boot": w.boot}
+
+    return run_op_on(None, call)
 
 
 def audit(model: Any, budget: int) -> dict[str, Any]:
@@ -152,6 +157,7 @@ def audit(model: Any, budget: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     out = OPS["audit"](w, str(max(budget - share, 1)), "")
     out["hash_ms"] = (time.perf_counter() - t0) * 1e3
+    out["boot"] = w.boot
     if share:
         r = audit_packed(state, share)
         if r.mismatched and w.tainted is None:
@@ -237,6 +243,21 @@ class WorkerExtension:
         """Re-hash up to ``budget`` bytes of live weights against the held digests, and
         re-pack and compare a slice of the CPU-packed experts (:func:`audit`)."""
         return run_op_on(self.get_model(), lambda m: audit(m, int(budget)))  # type: ignore[attr-defined]
+
+    def rollpatch_forget(self) -> dict[str, Any]:
+        """Fault injection for drills and tests: drop this worker's rollpatch state, as an
+        engine restarted under its sidecar has none (a new ``boot`` identity at the next
+        call; the words stay). Refused unless ``ROLLPATCH_FAULT_INJECTION=1``."""
+
+        def forget(model: Any) -> dict[str, Any]:
+            require_fault_injection()
+            state = model.__dict__.get(_STATE)
+            if state is not None:
+                state.settler.wait()
+                del model.__dict__[_STATE]
+            return {"forgot": state is not None}
+
+        return run_op_on(self.get_model(), forget)  # type: ignore[attr-defined]
 
     def rollpatch_flip(self, name: str, position: str, target: str = "plain") -> dict[str, Any]:
         """Fault injection for drills and tests: flip the lowest bit of one element of a

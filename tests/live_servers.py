@@ -93,7 +93,14 @@ class SharedServer:
                     env={"ROLLPATCH_FAULT_INJECTION": "1"},
                 )
             else:
-                self.server = sglang_env.start_server(python, self.model, log, self.shim_log)
+                self.server = sglang_env.start_server(
+                    python,
+                    self.model,
+                    log,
+                    self.shim_log,
+                    # the loader's forget, for test_sglang_sidecar's restart test
+                    extra_env={"ROLLPATCH_FAULT_INJECTION": "1"},
+                )
         except Exception as e:  # noqa: BLE001 - raised again, in context, by acquire()
             self.error = e
             return

@@ -298,3 +298,55 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
         v: [(p, b) for p, b in seen if p == 0] for v, seen in labelled.by_version.items()
     }
     check_labels(server.url, world, labelled)
+
+
+def test_an_sglang_restarted_under_the_sidecar_is_taken_out_and_re_synced(
+    server: vllm_env.Server, world: World
+) -> None:
+    """An SGLang restarted under a running sidecar boots its checkpoint, with no control
+    thread and no rollpatch state: before, the audit's failed calls were only logged and
+    the sidecar went on labelling answers with the version it had committed. Now a failed
+    control call starts the control threads again, the loaders' new identities take the
+    island out of rotation at that audit, and the follower re-syncs it from a keyframe. (The
+    restart here: the loader's state dropped by fault injection, as a restart leaves it.)"""
+    import httpx
+
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import make_engine, start_sidecar
+
+    engine, url = make_engine("sglang", engine_url=server.url)
+    have = world.latest
+    engine.load(world.views[have], have)
+    cfg = FollowerConfig(
+        poll_s=0.05, backoff_s=0.01, timeout_s=120.0, audit_bytes_per_s=2**20, audit_period_s=0.05
+    )
+    sc = start_sidecar(world.board, RUN, engine, url, config=SidecarConfig(follower=cfg))
+    try:
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{sc.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+        seen, loaded, load = threading.Event(), [], engine.load
+
+        def held_load(view: Any, version: int) -> None:  # hold the re-sync until /ready 503
+            seen.wait(60)
+            loaded.append(version)
+            load(view, version)
+
+        engine.load = held_load  # type: ignore[method-assign]
+        with engine._lock:  # not between an audit's calls
+            (out,) = engine.channel.commands([{"op": "forget"}], flush=False)
+        assert out.get("ok") and out.get("forgot"), out
+        while httpx.get(f"{sc.url}/ready").status_code != 503:
+            assert time.monotonic() < deadline + 60, "the restart was never noticed"
+            time.sleep(0.02)
+        seen.set()
+        while not (
+            httpx.get(f"{sc.url}/ready").status_code == 200 and sc.sidecar.follower.version == have
+        ):
+            assert time.monotonic() < deadline + 180, "never came back on a verified version"
+            time.sleep(0.05)
+        assert loaded == [have] and sc.sidecar.follower.status().audits == 1
+        assert engine.held(fresh=True)[1] == world.views[have].digest()
+    finally:
+        sc.stop()

@@ -25,6 +25,7 @@ SGLang's ``weight_version`` reads ``rollpatch:not-ready``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -88,6 +89,8 @@ class SglangEngine(ListedTensors, EngineAdapter):
         self.channel = SglangChannel(url, shared_dir=shared_dir, timeout=timeout, lock=self._lock)
         self._version: int | None = None
         self._digest: str | None = None
+        #: The loaders' identities when the held version was set (None: learnt at the audit).
+        self._boots: tuple[str | None, ...] | None = None
         self.last_timings: dict[str, float] = {}
         #: The last staging's phases inside SGLang (ms): ``decode`` (or ``read``), ``prove``,
         #: ``layout``, ``buffers`` and ``inside`` (the whole control call there).
@@ -241,17 +244,39 @@ class SglangEngine(ListedTensors, EngineAdapter):
 
     def audit(self, budget_bytes: int) -> AuditReport | None:
         """Re-hash up to ``budget_bytes`` of live weights inside SGLang (round-robin) while
-        it serves, against the verified digests of the version held."""
+        it serves, against the verified digests of the version held; an SGLang restarted
+        under the sidecar (new loader identities) is out of rotation until re-synced."""
         from ..staged import AuditReport
 
         with self._lock:
             if self._version is None:
                 return None
-            rs = [self._control("audit", rank=r, budget=int(budget_bytes)) for r in range(self.tp)]
+            try:
+                rs = [
+                    self._control("audit", rank=r, budget=int(budget_bytes)) for r in range(self.tp)
+                ]
+            except EngineError:
+                self.channel.restart()  # the next call starts the control threads again
+                raise
+            boots = tuple(r.get("boot") for r in rs)
+            if self._boots is None:
+                self._boots = boots
+            restarted = boots != self._boots
+            if restarted:
+                logging.getLogger("rollpatch.engines.sglang").warning(
+                    "SGLang at %s restarted under the sidecar: it holds its boot checkpoint's "
+                    "words, not version %s; out of rotation until re-synced",
+                    self.url,
+                    self._version,
+                )
+                self._set(None, None)
+                with contextlib.suppress(RollpatchError):
+                    self._tag(NOT_READY)
+        bad = tuple(sorted({n for r in rs for n in r["mismatched"]}))
         return AuditReport(
             sum(int(r["tensors"]) for r in rs),
             sum(int(r["nbytes"]) for r in rs),
-            tuple(sorted({n for r in rs for n in r["mismatched"]})),
+            ("(the engine restarted: its boot checkpoint's words)", *bad) if restarted else bad,
             all(bool(r["wrapped"]) for r in rs),
         )
 
@@ -363,7 +388,9 @@ class SglangEngine(ListedTensors, EngineAdapter):
     # -- plumbing ----------------------------------------------------------------------------
 
     def _set(self, version: int | None, digest: str | None) -> None:
+        """The held version, with the loaders' identities it was set under."""
         self._version, self._digest = version, digest
+        self._boots = (self.channel.boots or None) if version is not None else None
 
     def _require_loaded(self) -> None:
         if self._version is None:

@@ -55,6 +55,8 @@ class SglangChannel(NestedPause):
         self._tag_id = secrets.token_hex(4)
         self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
+        #: Each rank's loader identity, from the last start (a restarted SGLang: new ones).
+        self.boots: tuple[str | None, ...] = ()
         self._session_open = False
         self._shm: SharedDir | None = None  # made at the first shm(): /dev/shm, else scratch
         #: TP > 1: the whole tensors the ranks gather for their owners (:mod:`.arena`).
@@ -132,9 +134,16 @@ class SglangChannel(NestedPause):
                 )
             self.tp = int(info.get("tp_size") or 1)
             starts = [{"op": "start", "socket": str(self.socket(r))} for r in range(self.tp)]
-            for answer in self.commands(starts, flush=False):
-                result(answer)
+            self.boots = tuple(
+                result(answer).get("boot") for answer in self.commands(starts, flush=False)
+            )
             self._started = True
+
+    def restart(self) -> None:
+        """Start the control threads again at the next call (a control call failed: a
+        restarted SGLang has none; starting them again where they run is a no-op)."""
+        self._started = False
+        self._session_open = False
 
     def control(self, op: str, *, rank: int = 0, **args: Any) -> dict[str, Any]:
         """A read-only operation on rank ``rank``'s control thread (generation goes on)."""

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import os
+import secrets
 import socketserver
 import threading
 import time
@@ -64,6 +65,9 @@ class _State:
         self.lock = threading.Lock()
         self.weights: HeldWeights | None = None
         self.server: socketserver.UnixStreamServer | None = None
+        #: This process's identity: an SGLang restarted under its sidecar has a new one (the
+        #: adapter compares it at each audit: its words are the boot checkpoint's).
+        self.boot = secrets.token_hex(8)
 
 
 _STATE = _State()
@@ -233,7 +237,7 @@ def run_op(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         with _STATE.lock:
-            out = {"ok": True, **fn()}
+            out = {"ok": True, **fn(), "boot": _STATE.boot}
     except Exception as err:  # noqa: BLE001 - reported to the adapter (errors.engine_error)
         out = {"ok": False, "error": error_report(err)}
     out["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
@@ -268,7 +272,7 @@ def _start(model: Any, sock: str) -> dict[str, Any]:
         os.chmod(sock, 0o600)
         threading.Thread(target=server.serve_forever, name="rollpatch-control", daemon=True).start()
         _STATE.server = server
-    return {"socket": sock, "pid": os.getpid()}
+    return {"socket": sock, "pid": os.getpid(), "boot": _STATE.boot}
 
 
 def _flip(w: HeldWeights, name: str, position: int) -> dict[str, Any]:
@@ -285,6 +289,22 @@ def _flip(w: HeldWeights, name: str, position: int) -> dict[str, Any]:
     _, offsets = locate(pl, np.array([position], np.int64))
     w.params[pl.param].reshape(-1)[offsets] ^= 1
     return {"flipped": int(offsets.size)}
+
+
+def _forget() -> dict[str, Any]:
+    """Fault injection: this process as an SGLang restarted under its sidecar leaves it: no
+    rollpatch state, no control thread, a new identity (the words stay)."""
+    if os.environ.get("ROLLPATCH_FAULT_INJECTION") != "1":
+        raise EngineError(
+            "fault injection is off",
+            hint="start SGLang with ROLLPATCH_FAULT_INJECTION=1 (drills and tests only)",
+        )
+    if _STATE.server is not None:
+        _STATE.server.shutdown()
+        _STATE.server.server_close()
+        Path(str(_STATE.server.server_address)).unlink(missing_ok=True)
+    _STATE.server, _STATE.weights, _STATE.boot = None, None, secrets.token_hex(8)
+    return {"forgot": True}
 
 
 def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -314,6 +334,8 @@ def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         return w.undo(str(cmd["token"]))
     if op == "flip":
         return _flip(w, str(cmd["name"]), int(cmd["position"]))
+    if op == "forget":
+        return _forget()
     if op == "load":
         root = w.load(load_view(str(cmd["path"]), mmap=True))
         if isinstance(w, RankWeights):

@@ -111,6 +111,8 @@ def test_ready_is_503_when_the_engine_is_unreachable(world: World) -> None:
             time.sleep(0.05)
         r = httpx.get(f"{sc.url}/ready")
         assert r.status_code == 503 and "engine unreachable" in r.json()["error"]["message"]
+        r = httpx.get(f"{sc.url}/v1/models")  # was a 500 "internal error" and a traceback
+        assert r.status_code == 502 and "engine unreachable" in r.json()["error"]["message"]
     finally:
         sc.stop()
 

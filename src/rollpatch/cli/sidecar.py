@@ -46,7 +46,10 @@ def register(sub: Any) -> None:
     p.add_argument("--run", required=True)
     p.add_argument("--engine", choices=ENGINES, default="reference")
     p.add_argument("--model", help="model directory (reference engine)")
-    p.add_argument("--engine-url", help="engine's OpenAI base URL (vllm)")
+    p.add_argument(
+        "--engine-url",
+        help="the engine server's URL, http://HOST:PORT (vllm, sglang; a trailing /v1 is dropped)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--admin-token-file", help="require this bearer token on admin routes")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from ..engines.base import EngineAdapter
@@ -21,6 +22,9 @@ from ..errors import RollpatchError
 from .config import FollowerConfig
 
 __all__ = ["Auditor"]
+
+#: Seconds before the same audit failure is logged again.
+AUDIT_LOG_S = 60.0
 
 log = logging.getLogger("rollpatch.follower")
 
@@ -113,8 +117,13 @@ class Auditor:
             self._thread = None
 
     def _loop(self) -> None:
+        said: tuple[str, float] | None = None  # the last failure logged, and when
         while not self._stop.wait(self.period_s):
             try:
                 self.step()
+                said = None
             except RollpatchError as e:  # the engine is unreachable or busy: try next period
-                log.info("audit: %s: %s", type(e).__name__, e)
+                what, now = f"{type(e).__name__}: {e}", time.monotonic()
+                if said is None or said[0] != what or now - said[1] >= AUDIT_LOG_S:
+                    said = (what, now)  # the same failure once a minute, not every period
+                    log.info("audit: %s (said again after %g s while it lasts)", what, AUDIT_LOG_S)

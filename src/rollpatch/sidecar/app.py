@@ -88,7 +88,10 @@ def create_app(sc: Sidecar) -> Any:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        r = await client.get("/v1/models")
+        try:
+            r = await client.get("/v1/models")
+        except httpx.HTTPError as e:  # as the proxied routes answer it: no traceback
+            return error_response(502, f"engine unreachable: {e}", "engine_error")
         return Response(
             r.content, status_code=r.status_code, media_type=r.headers.get("content-type")
         )

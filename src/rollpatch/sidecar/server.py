@@ -54,6 +54,8 @@ def make_engine(
 
         ref = ReferenceEngine.from_dir(model, threads=threads, writes=writes)
         return ref, ref.url
+    if engine_url is not None:  # the server's root: an OpenAI base URL's /v1 is dropped
+        engine_url = engine_url.rstrip("/").removesuffix("/v1")
     if kind == "vllm":
         if engine_url is None:
             raise ConfigError("--engine vllm needs --engine-url http://HOST:PORT")

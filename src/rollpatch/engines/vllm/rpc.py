@@ -56,7 +56,18 @@ class WorkerCalls(NestedPause):
 
     def _rpc(self, method: str, *args: str) -> list[Any]:
         body = {"method": method, "args": list(args), "timeout": self.http.timeout}
-        out = self.http.post("/collective_rpc", body)
+        try:
+            out = self.http.post("/collective_rpc", body)
+        except EngineError as e:
+            if f"has no attribute '{method}'" not in e.message:
+                raise
+            raise EngineError(  # vLLM runs without rollpatch's methods in its workers
+                "vLLM's workers lack rollpatch's extension",
+                engine=self.name,
+                method=method,
+                hint="start vLLM with --worker-extension-cls "
+                "rollpatch.engines.vllm.WorkerExtension (docs/vllm.md)",
+            ) from None
         results = out.get("results") if isinstance(out, dict) else None
         if not isinstance(results, list) or not results:
             raise EngineError(

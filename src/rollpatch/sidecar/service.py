@@ -191,7 +191,7 @@ class Sidecar:
             pause_s=round(pause_s, 6),
             fetch_s=st.last_fetch_s,
             stage_s=st.last_stage_s,
-            bytes_fetched=st.bytes_fetched,
+            bytes_fetched_total=st.bytes_fetched,  # since the sidecar started
         )
         self.metrics.pause.observe(pause_s)
         last = self.gate.last

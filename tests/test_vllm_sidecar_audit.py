@@ -38,6 +38,25 @@ def _count_words(engine: Any) -> Any:
     return engine
 
 
+def _ready_with_held_loads(url: str, engine: Any, deadline: float) -> tuple[threading.Event, list]:
+    """Wait for the sidecar at ``url`` to be ready, then hold the engine's next loads (the
+    re-sync) until the event is set, recording their versions."""
+    import httpx
+
+    while httpx.get(f"{url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.02)
+    seen, loaded, load = threading.Event(), [], engine.load
+
+    def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
+        seen.wait(30)
+        loaded.append(version)
+        load(view, version)
+
+    engine.load = held_load
+    return seen, loaded
+
+
 def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: World) -> None:
     """The follower gives vLLM every step undecoded: the workers decode, compose and prove a
     catch-up of any length while serving (nothing but the patches crosses processes)."""
@@ -107,17 +126,7 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
     )
     try:
         deadline = time.monotonic() + 60
-        while httpx.get(f"{sc.url}/ready").status_code != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.02)
-        seen, loaded, load = threading.Event(), [], engine.load
-
-        def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
-            seen.wait(30)
-            loaded.append(version)
-            load(view, version)
-
-        engine.load = held_load  # type: ignore[method-assign]
+        seen, loaded = _ready_with_held_loads(sc.url, engine, deadline)
         auditor = sc.sidecar.follower.auditor
         assert auditor is not None
         before = auditor.bytes
@@ -178,17 +187,7 @@ def test_a_vllm_restarted_under_the_sidecar_is_taken_out_and_re_synced(
     sc = start_sidecar(world.board, RUN, engine, server.url, config=SidecarConfig(follower=cfg))
     try:
         deadline = time.monotonic() + 60
-        while httpx.get(f"{sc.url}/ready").status_code != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.02)
-        seen, loaded, load = threading.Event(), [], engine.load
-
-        def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
-            seen.wait(30)
-            loaded.append(version)
-            load(view, version)
-
-        engine.load = held_load  # type: ignore[method-assign]
+        seen, loaded = _ready_with_held_loads(sc.url, engine, deadline)
         out = server.post("/collective_rpc", {"method": "rollpatch_forget", "args": []})
         assert out["results"][0]["ok"] and out["results"][0]["forgot"]
         while httpx.get(f"{sc.url}/ready").status_code != 503:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from ..engines.base import EngineAdapter
 from ..engines.staged import AuditReport
 from ..errors import RollpatchError
 from .config import FollowerConfig
+from .failures import FailureLog
 
 __all__ = ["Auditor"]
 
@@ -117,13 +117,10 @@ class Auditor:
             self._thread = None
 
     def _loop(self) -> None:
-        said: tuple[str, float] | None = None  # the last failure logged, and when
+        failures = FailureLog(log, "audit", what="audit", level=logging.INFO, repeat_s=AUDIT_LOG_S)
         while not self._stop.wait(self.period_s):
             try:
                 self.step()
-                said = None
+                failures.cleared()
             except RollpatchError as e:  # the engine is unreachable or busy: try next period
-                what, now = f"{type(e).__name__}: {e}", time.monotonic()
-                if said is None or said[0] != what or now - said[1] >= AUDIT_LOG_S:
-                    said = (what, now)  # the same failure once a minute, not every period
-                    log.info("audit: %s (said again after %g s while it lasts)", what, AUDIT_LOG_S)
+                failures.failed(e)  # the same failure once a minute, not every period

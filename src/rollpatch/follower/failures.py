@@ -41,10 +41,21 @@ UNFIT_KEEP = 8
 
 
 class FailureLog:
-    """Logs ``run``'s failed syncs to ``log``, each message once per :data:`REPEAT_LOG_S`."""
+    """Logs ``run``'s failures of ``what`` (a sync, the audit) to ``log``, each message once
+    per ``repeat_s`` (default :data:`REPEAT_LOG_S`); ``level``: every line's (default: ERROR
+    for an incompatible model, else WARNING)."""
 
-    def __init__(self, log: logging.Logger, run: str) -> None:
-        self._log, self._run = log, run
+    def __init__(
+        self,
+        log: logging.Logger,
+        run: str,
+        *,
+        what: str = "sync",
+        level: int | None = None,
+        repeat_s: float = REPEAT_LOG_S,
+    ) -> None:
+        self._log, self._run, self._what = log, run, what
+        self._level, self._repeat_s = level, repeat_s
         self._last: str | None = None
         self._at = 0.0  # time.monotonic() of the last line
         self._since = 0.0  # time.time() of the last line, for the message
@@ -53,18 +64,20 @@ class FailureLog:
     def failed(self, e: BaseException) -> None:
         text = f"{type(e).__name__}: {e}"
         now = time.monotonic()
-        if text == self._last and now - self._at < REPEAT_LOG_S:
+        if text == self._last and now - self._at < self._repeat_s:
             self._repeats += 1
-            self._log.debug("%s: sync failed again: %s", self._run, text)
+            self._log.debug("%s: %s failed again: %s", self._run, self._what, text)
             return
-        level = logging.ERROR if isinstance(e, IncompatibleModelError) else logging.WARNING
+        level = self._level
+        if level is None:
+            level = logging.ERROR if isinstance(e, IncompatibleModelError) else logging.WARNING
         again = (
             f" (failed the same way {self._repeats} more time(s) since "
             f"{time.strftime('%H:%M:%S', time.localtime(self._since))})"
             if text == self._last and self._repeats
             else ""
         )
-        self._log.log(level, "%s: sync failed: %s%s", self._run, text, again)
+        self._log.log(level, "%s: %s failed: %s%s", self._run, self._what, text, again)
         self._last, self._at, self._since, self._repeats = text, now, time.time(), 0
 
     def cleared(self) -> None:

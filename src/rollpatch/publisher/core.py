@@ -9,7 +9,6 @@ publishing it (docs/publisher.md, "Sharding protocol").
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -23,7 +22,7 @@ from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .exiting import close_at_exit
 from .guards import engine_names, note_names
-from .rounds import Snapshot, agree, next_version, resume_point
+from .rounds import DropLog, Snapshot, agree, next_version, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
 from .signing import LatestHeartbeat, check_signing
@@ -32,11 +31,6 @@ from .wordpool import WordPool
 from .writer import VersionWriter
 
 __all__ = ["Publisher", "snapshot_state"]
-
-log = logging.getLogger("rollpatch.publisher")
-
-#: Seconds between two log lines about versions dropped by coalescing (the first at once).
-DROP_LOG_S = 60.0
 
 
 #: Seconds after LATEST names a version until the worker composes its step into the skip
@@ -97,7 +91,7 @@ class Publisher:
         self._dropped: deque[int] = deque(maxlen=MAX_STATS)
         self._n_dropped = self._published = self._bytes = 0
         self._names_noted = False
-        self._drop_said: tuple[float, int] | None = None  # when, and n_dropped then
+        self._drop_log = DropLog(self.run, self.config.max_pending)
         top, target = resume_point(self.board, self.run, self.config, self._x)
         self._last_assigned = self._last_durable = top
         self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
@@ -303,20 +297,7 @@ class Publisher:
     def _drop(self, version: int) -> None:
         self._dropped.append(version)
         self._n_dropped += 1
-        now = time.monotonic()
-        if self._drop_said is None or now - self._drop_said[0] >= DROP_LOG_S:
-            since = self._n_dropped - (0 if self._drop_said is None else self._drop_said[1])
-            self._drop_said = (now, self._n_dropped)
-            log.info(
-                "%s@%d: not published: a newer version was waiting (coalesced: %d version(s) "
-                "since the last such line, %d in all; the uplink is slower than the trainer; "
-                "stats.dropped lists them, max_pending=%d)",
-                self.run,
-                version,
-                since,
-                self._n_dropped,
-                self.config.max_pending,
-            )
+        self._drop_log.dropped(version, self._n_dropped)
 
     def _fail(self, e: BaseException) -> None:
         with self._cond:

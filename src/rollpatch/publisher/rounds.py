@@ -9,6 +9,7 @@ oldest one they all hold; older ones are dropped everywhere. With one rank this 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +20,38 @@ from ..types import MAX_VERSION
 from .config import PublisherConfig
 from .sharded import Exchange
 
-__all__ = ["Decision", "Snapshot", "agree", "next_version", "resume_point"]
+__all__ = ["DROP_LOG_S", "Decision", "DropLog", "Snapshot", "agree", "next_version", "resume_point"]
 
 log = logging.getLogger("rollpatch.publisher")
+
+#: Seconds between two log lines about versions dropped by coalescing (the first at once).
+DROP_LOG_S = 60.0
+
+
+class DropLog:
+    """Says that versions were dropped by coalescing (a newer one was waiting: the uplink is
+    slower than the trainer): the first at once, then one line per :data:`DROP_LOG_S`."""
+
+    def __init__(self, run: str, max_pending: int) -> None:
+        self.run, self.max_pending = run, max_pending
+        self._said: tuple[float, int] | None = None  # when, and the drops counted then
+
+    def dropped(self, version: int, n_dropped: int) -> None:
+        now = time.monotonic()
+        if self._said is not None and now - self._said[0] < DROP_LOG_S:
+            return
+        since = n_dropped - (0 if self._said is None else self._said[1])
+        self._said = (now, n_dropped)
+        log.info(
+            "%s@%d: not published: a newer version was waiting (coalesced: %d version(s) "
+            "since the last such line, %d in all; the uplink is slower than the trainer; "
+            "stats.dropped lists them, max_pending=%d)",
+            self.run,
+            version,
+            since,
+            n_dropped,
+            self.max_pending,
+        )
 
 
 @dataclass(eq=False)

@@ -105,12 +105,9 @@ class _Job:
 
 
 def _check_model(runtime: ReferenceRuntime, name: str | None) -> None:
-    if name is not None and name != runtime.model_name:
-        raise _UnknownModel(
-            f"The model `{name}` does not exist. This engine serves `{runtime.model_name}` "
-            "(its model directory's name; GET /v1/models).",
-            served=runtime.model_name,
-        )
+    if name is not None and name != (served := runtime.model_name):
+        why = f"This engine serves `{served}` (its model directory's name; GET /v1/models)."
+        raise _UnknownModel(f"The model `{name}` does not exist. {why}", served=served)
 
 
 def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _Job:

@@ -25,7 +25,6 @@ SGLang's ``weight_version`` reads ``rollpatch:not-ready``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..catchup import decodes_in_place
 from ..fit import ListedTensors
+from ..restarts import RESTARTED, BootWatch
 from ..staged import WriteMode
 from ..vllm.transfer import write_decoded
 from . import tp as tp_ops
@@ -89,8 +89,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
         self.channel = SglangChannel(url, shared_dir=shared_dir, timeout=timeout, lock=self._lock)
         self._version: int | None = None
         self._digest: str | None = None
-        #: The loaders' identities when the held version was set (None: learnt at the audit).
-        self._boots: tuple[str | None, ...] | None = None
+        self._boots = BootWatch("SGLang")  # the loaders' identities the version was set under
         self.last_timings: dict[str, float] = {}
         #: The last staging's phases inside SGLang (ms): ``decode`` (or ``read``), ``prove``,
         #: ``layout``, ``buffers`` and ``inside`` (the whole control call there).
@@ -259,16 +258,8 @@ class SglangEngine(ListedTensors, EngineAdapter):
                 self.channel.restart()  # the next call starts the control threads again
                 raise
             boots = tuple(r.get("boot") for r in rs)
-            if self._boots is None:
-                self._boots = boots
-            restarted = boots != self._boots
+            restarted = self._boots.restarted(boots, self.url, self._version)
             if restarted:
-                logging.getLogger("rollpatch.engines.sglang").warning(
-                    "SGLang at %s restarted under the sidecar: it holds its boot checkpoint's "
-                    "words, not version %s; out of rotation until re-synced",
-                    self.url,
-                    self._version,
-                )
                 self._set(None, None)
                 with contextlib.suppress(RollpatchError):
                     self._tag(NOT_READY)
@@ -276,7 +267,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
         return AuditReport(
             sum(int(r["tensors"]) for r in rs),
             sum(int(r["nbytes"]) for r in rs),
-            ("(the engine restarted: its boot checkpoint's words)", *bad) if restarted else bad,
+            (RESTARTED, *bad) if restarted else bad,
             all(bool(r["wrapped"]) for r in rs),
         )
 
@@ -390,7 +381,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
     def _set(self, version: int | None, digest: str | None) -> None:
         """The held version, with the loaders' identities it was set under."""
         self._version, self._digest = version, digest
-        self._boots = (self.channel.boots or None) if version is not None else None
+        self._boots.set(self.channel.boots or None, version)
 
     def _require_loaded(self) -> None:
         if self._version is None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,7 @@ from ...validate import check_choice
 from ...view import View, WordSource
 from ..base import EngineAdapter
 from ..fit import ListedTensors
+from ..restarts import RESTARTED, BootWatch
 from ..staged import AuditReport, EncodedStep, StagedUpdate
 from .core import ATOMIC, KvOnCommit
 from .kvmode import KvMode
@@ -32,8 +32,6 @@ from .transfer import write_decoded
 from .writes import WriteMode
 
 __all__ = ["TRANSPORTS", "RemoteWords", "VllmEngine"]
-
-log = logging.getLogger("rollpatch.engines.vllm")
 
 #: ``weight-transfer``: the official routes (needs ``--weight-transfer-config
 #: '{"backend": "rollpatch"}'``); ``rpc``: ``/collective_rpc`` only; ``auto``: the first when
@@ -87,8 +85,7 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         self._version: int | None = None
         self._digest: str | None = None
         self._atomic: bool | None = None
-        #: The workers' state identity when the held version was set (None: not known yet).
-        self._boot: str | None = None
+        self._boot = BootWatch("vLLM")  # the workers' identity the version was set under
 
     # -- state -------------------------------------------------------------------------------
 
@@ -286,25 +283,18 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         ready (``version`` None) until a keyframe is loaded."""
         with self._lock:
             res = self._call("audit", str(int(budget_bytes)))
-            boot = res.get("boot")
-            if self._boot is None and self._version is not None:
-                self._boot = boot  # first seen since the version was set: the reference
-            restarted = boot is not None and self._boot is not None and boot != self._boot
+            restarted = self._boot.restarted(res.get("boot"), self.url, self._version)
             if res["mismatched"] or res.get("tainted") or restarted:
-                if restarted:
-                    log.warning(
-                        "vLLM at %s restarted under the sidecar: it holds its boot "
-                        "checkpoint's words, not version %s; out of rotation until re-synced",
-                        self.url,
-                        self._version,
-                    )
                 self._set(None, None)
                 with contextlib.suppress(RollpatchError):
                     self.http.post("/update_weight_version", {"new_version": NOT_READY})
         bad = tuple(res["mismatched"]) or ((str(res["tainted"]),) if res.get("tainted") else ())
-        if restarted:
-            bad = ("(the engine restarted: its boot checkpoint's words)", *bad)
-        return AuditReport(int(res["tensors"]), int(res["bytes"]), bad, bool(res["wrapped"]))
+        return AuditReport(
+            int(res["tensors"]),
+            int(res["bytes"]),
+            (RESTARTED, *bad) if restarted else bad,
+            bool(res["wrapped"]),
+        )
 
     def apply_encoded(self, blob: bytes | memoryview, version: int) -> None:
         """Commit a wire-format patch, decoded inside the workers against their own words."""
@@ -397,7 +387,7 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         """The held version; the workers' identity with it (the last answer's: the call that
         made these words the version's, or None when it did not say)."""
         self._version, self._digest = version, digest
-        self._boot = self.last_boot if version is not None else None
+        self._boot.set(self.last_boot, version)
 
     def _require_loaded(self) -> None:
         if self._version is None:

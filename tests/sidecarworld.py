@@ -24,6 +24,8 @@ from tests import live_servers, vllm_env
 
 RUN = "rl"
 FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
+#: FAST, and an engine with no version adopts the published version its words hash to.
+ADOPT = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0, boot="adopt")
 BOOT_LATEST = 5  # published before the joining replica starts (it boots on version 0)
 N_VERSIONS = 20  # views prepared; the tests publish more as they go
 
@@ -92,35 +94,18 @@ def world(
 
 
 @contextlib.contextmanager
-def sidecar_process(
-    board: str, engine: str, engine_url: str, tmp: Path, *extra: str
-) -> Iterator[str]:
-    """``rollpatch sidecar --engine ENGINE`` (``extra``: more options) as its own process in
-    front of ``engine_url``, following :data:`RUN` on ``board`` (state and log under ``tmp``):
-    yields its URL once ``/ready`` (300 s), stops it after."""
-    import httpx
-
-    from tests.conftest import free_port, until
-
-    port, log = free_port(), tmp / "sidecar.log"
-    cmd = [sys.executable, "-m", "rollpatch", "sidecar", "--board", board, "--run", RUN]
-    cmd += ["--engine", engine, "--engine-url", engine_url, "--port", str(port)]
-    cmd += ["--poll", "0.05", *extra]
+def spawn(
+    board: str, run: str, tmp: Path, args: list[str]
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``rollpatch sidecar --board BOARD --run RUN ARGS`` as its own process (state under
+    ``tmp``): yields it and its log file (stdout and stderr), stops it after."""
+    log = tmp / "sidecar.log"
+    cmd = [sys.executable, "-m", "rollpatch", "sidecar", "--board", board, "--run", run, *args]
     env = dict(os.environ, XDG_STATE_HOME=str(tmp / "state"))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
     try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            try:
-                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        until(ready, "the sidecar to join the run", timeout=300)
-        yield url
+        yield proc, log
     finally:
         proc.terminate()
         try:
@@ -128,3 +113,36 @@ def sidecar_process(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def wait_ready(proc: subprocess.Popen[bytes], log: Path, url: str, timeout: float) -> None:
+    """Until the sidecar at ``url`` answers ``/ready`` 200 (its log's tail if it exits)."""
+    import httpx
+
+    from tests.conftest import until
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        try:
+            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    until(ready, "the sidecar to be ready", timeout=timeout)
+
+
+@contextlib.contextmanager
+def sidecar_process(
+    board: str, engine: str, engine_url: str, tmp: Path, *extra: str
+) -> Iterator[str]:
+    """``rollpatch sidecar --engine ENGINE`` (``extra``: more options) as its own process in
+    front of ``engine_url``, following :data:`RUN` on ``board`` (state and log under ``tmp``):
+    yields its URL once ``/ready`` (300 s), stops it after."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    args = ["--engine", engine, "--engine-url", engine_url, "--port", str(port)]
+    with spawn(board, RUN, tmp, [*args, "--poll", "0.05", *extra]) as (proc, log):
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, log, url, 300)
+        yield url

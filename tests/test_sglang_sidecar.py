@@ -28,6 +28,7 @@ from tests.sidecarworld import World
 
 RUN = "rl"
 FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
+ADOPT = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0, boot="adopt")
 PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po"]
 MAX_TOKENS = 8
 #: Rounds at most until a commit lands mid-generation: whether the test's pause reaches the
@@ -156,7 +157,7 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
     from rollpatch.sidecar.server import make_engine, start_sidecar
 
     engine, url = make_engine("sglang", engine_url=server.url)
-    engine.adopt(0, world.views[0].digest())  # type: ignore[attr-defined]
+    # booted from version 0's view: the sidecar adopts it (no keyframe), then patches
     assert Board(world.board).latest(RUN).version == BOOT_LATEST  # type: ignore[union-attr]
     seen, commit = threading.Event(), engine.commit_staged
 
@@ -166,7 +167,7 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
 
     engine.commit_staged = held_commit  # type: ignore[method-assign]
     sc = start_sidecar(
-        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="drain", follower=FAST)
+        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="drain", follower=ADOPT)
     )
     try:
         polls = []
@@ -185,6 +186,10 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
         plan = sc.sidecar.follower.last_plan
         assert plan is not None and plan.have == 0 and len(plan.steps) == BOOT_LATEST
         assert not any(s.is_keyframe for s in plan.steps)  # through patches, no keyframe
+        st = sc.sidecar.follower.status()
+        assert st.adoptions == 1 and st.bytes_fetched == sum(
+            r.size for s in plan.steps for r in s.objects
+        )
         assert engine.digest == world.views[BOOT_LATEST].digest()
         assert engine.weight_version() == str(BOOT_LATEST)  # type: ignore[attr-defined]
 

@@ -21,6 +21,7 @@ from typing import Any
 from rollpatch.board import Board
 from tests import vllm_env
 from tests.sidecarworld import (
+    ADOPT,
     BOOT_LATEST,
     FAST,
     RUN,
@@ -123,7 +124,7 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
     from rollpatch.sidecar.server import make_engine, start_sidecar
 
     engine, url = make_engine("vllm", engine_url=server.url)
-    engine.adopt(0, world.views[0].digest())  # type: ignore[attr-defined]
+    # booted from version 0's view: the sidecar adopts it (no keyframe), then patches
     assert Board(world.board).latest(RUN).version == BOOT_LATEST  # type: ignore[union-attr]
     seen, commit = threading.Event(), engine.commit_staged
 
@@ -133,7 +134,7 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
 
     engine.commit_staged = held_commit  # type: ignore[method-assign]
     sc = start_sidecar(
-        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="drain", follower=FAST)
+        world.board, RUN, engine, url, config=SidecarConfig(commit_mode="drain", follower=ADOPT)
     )
     try:
         polls = []
@@ -152,6 +153,10 @@ def test_elastic_join_then_drain_mode(server: vllm_env.Server, world: World) -> 
         plan = sc.sidecar.follower.last_plan
         assert plan is not None and plan.have == 0 and len(plan.steps) == BOOT_LATEST
         assert not any(s.is_keyframe for s in plan.steps)  # through patches, no keyframe
+        st = sc.sidecar.follower.status()
+        assert st.adoptions == 1 and st.bytes_fetched == sum(
+            r.size for s in plan.steps for r in s.objects
+        )
         st = sc.sidecar.follower.status()
         assert (st.commits, st.reboots) == (1, 0)
         assert engine.digest == world.views[BOOT_LATEST].digest()

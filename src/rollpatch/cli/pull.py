@@ -16,6 +16,8 @@ PULL_UNUSED = {
     "poll_s": "one sync, no polling",
     "audit_bytes_per_s": "nothing is served to audit",
     "audit_period_s": "nothing is served to audit",
+    "boot": "a pull starts from nothing: there is no engine to adopt",
+    "adopt_scan": "a pull starts from nothing: there is no engine to adopt",
 }
 
 

@@ -48,6 +48,19 @@ class EngineAdapter(ABC):
         fetching it (:mod:`rollpatch.engines.fit`). None: not known (checked at load)."""
         return None
 
+    def boot_digest(self) -> str | None:
+        """Optional: the root digest of every word the engine holds now, hashed fresh (an
+        engine with no version yet holds the checkpoint it booted from), so the follower can
+        adopt a published version whose target it equals instead of fetching a keyframe
+        (``FollowerConfig.boot="adopt"``). None: the engine cannot tell."""
+        return None
+
+    def adopt(self, version: int, digest: str) -> None:
+        """Take the words the engine holds as ``version``, after hashing them fresh and
+        finding ``digest`` (:class:`~rollpatch.errors.BaseMismatchError` otherwise; nothing
+        changes then). Engines that cannot hash their words refuse."""
+        raise EngineError("this engine cannot adopt the words it booted with", engine=self.name)
+
     @abstractmethod
     def apply(self, patch: Patch, version: int) -> None:
         """Apply a decoded patch in place (verified, rolled back on failure) → ``version``."""

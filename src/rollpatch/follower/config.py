@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 from ..config import check_fields, setting
 
-__all__ = ["FollowerConfig", "FollowerState", "FollowerStatus"]
+__all__ = ["BootMode", "FollowerConfig", "FollowerState", "FollowerStatus"]
+
+#: How an engine with no verified version starts (docs/follower.md, *Adopting a booted
+#: engine*): ``keyframe`` fetches the run's keyframe; ``adopt`` first looks for a published
+#: version whose target is the digest of the words the engine booted with.
+BootMode = Literal["keyframe", "adopt"]
 
 
 class FollowerState(enum.Enum):
@@ -81,6 +87,20 @@ class FollowerConfig:
         help="seconds between two audit slices (a slice hashes rate x period bytes)",
     )
 
+    boot: BootMode = setting(
+        "keyframe",
+        help="how an engine with no version starts: keyframe (fetch one), or adopt (take the "
+        "published version its words hash to, if any, then catch up by patches; a checksum "
+        "match: only for checkpoints you trust)",
+    )
+    adopt_scan: int = setting(
+        32,
+        lo=1,
+        hi=4096,
+        help="with --boot adopt: the newest versions checked (then the keyframes and the "
+        "first version)",
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)
 
@@ -116,5 +136,7 @@ class FollowerStatus:
     last_stage_s: float | None
     audits: int = 0
     failures: int = 0
+    #: Versions taken over from the words the engine booted with (``boot="adopt"``).
+    adoptions: int = 0
     #: Seconds since the follower last read LATEST from the board (None: never).
     latest_age_s: float | None = None

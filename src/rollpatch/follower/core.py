@@ -25,6 +25,7 @@ from typing import Any
 from ..avoid import BadObjects, plan_around
 from ..board import Board, Plan
 from ..engines import EngineAdapter
+from ..engines.fit import ModelTensors
 from ..engines.staged import AuditReport
 from ..errors import (
     BaseMismatchError,
@@ -40,6 +41,7 @@ from ..manifest import Manifest
 from ..trust import Trust
 from ..types import ObjectRef, check_run
 from ..view import View
+from .adopt import Adopter
 from .audit import Auditor
 from .commit import CommitGate
 from .config import FollowerConfig, FollowerState, FollowerStatus
@@ -118,6 +120,9 @@ class Follower:
         self._targets = Targets(self._cond)  # exact versions waited for; LATEST's target
         # LATEST, manifests and plans are read through a board whose store retries each read
         self._reader = Board(RetryingStore(self.board.store, self._retrier), trust=self.board.trust)
+        self._adopter = Adopter.configured(
+            engine, self._reader, self.run, self._manifest, self._rec, self.config
+        )
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -168,6 +173,8 @@ class Follower:
                 raise
             self._rec.set(FollowerState.IDLE, error=None)
             self._failures.cleared()
+            if self._adopter is not None:
+                self._adopter.reset()
             return v
 
     def _sync(self, want: int | None) -> int:
@@ -189,6 +196,8 @@ class Follower:
 
     def _sync_to(self, want: int) -> int:
         have = self._held.verified_have()
+        if have is None and self._adopter is not None and self._adopter.attempt() is not None:
+            have = self._held.verified_have()  # the adopted version, checked as any other
         if have is not None and have >= want:
             self._held.confirm(have)
             if have > want:
@@ -233,7 +242,7 @@ class Follower:
         if boot is not None:  # found unfit for this model before: not fetched again
             self._unfit.check(boot, model)
         try:
-            self._stage_commit(plan, manifests, have, want, avoid)
+            self._stage_commit(plan, manifests, have, want, avoid, model)
         except IncompatibleModelError as e:
             if boot is not None:
                 self._unfit.note(boot, e, model)
@@ -250,8 +259,10 @@ class Follower:
         have: int | None,
         want: int,
         avoid: frozenset[str],
+        model: ModelTensors | None,
     ) -> None:
-        """Fetch, stage and commit ``plan`` (the rewind retried as a chain when refused)."""
+        """Fetch, stage and commit ``plan`` (the rewind retried as a chain when refused;
+        ``model``: the engine's tensors, read before the fetch when booting)."""
         self._rec.set(FollowerState.FETCHING)
         t0 = time.monotonic()
         early = EarlyDecode.for_plan(self.engine, plan, manifests, have)
@@ -261,17 +272,17 @@ class Follower:
                 self.board,
                 (r for s in plan.steps if not s.is_keyframe for r in s.objects),
                 self._retrier,
-                self._on_fetched,
+                self._rec.fetched,
                 None if early is None else early.arrived,  # shard objects decode on arrival
                 workers=self._fetchers,
             )
             self._rec.timing("fetch", t0)
             self._rec.set(FollowerState.STAGING)
             t0 = time.monotonic()
-            decoded = None if early is None else early.results()
+            pre = None if early is None else early.results()  # decoded on arrival
             try:
                 write = stage_plan(
-                    self.engine, plan, manifests, blobs, have, want, self._fetch_view, decoded
+                    self.engine, plan, manifests, blobs, have, want, self._fetch_view, pre, model
                 )
             except RollpatchError as e:
                 if plan.rewinds:  # nothing was written: the engine still holds ``have``
@@ -313,9 +324,8 @@ class Follower:
         self.gate.run(run)
         pause_s = self.gate.last_pause_s or 0.0
         with self._cond:
-            self._rec.counts["commits"] += 1
             self._rec.timings["commit"] = pause_s
-            self._cond.notify_all()
+        self._rec.count(commits=1)
         for callback in list(self.on_commit):
             try:
                 callback(want, pause_s)
@@ -375,22 +385,15 @@ class Follower:
 
     def _fail(self, e: BaseException) -> None:
         self._failures.failed(e)
-        with self._cond:
-            self._rec.counts["failures"] += 1
+        self._rec.count(failures=1)
         self._rec.set(FollowerState.ERROR, error=e)
 
     def _fetch_view(self, ref: ObjectRef, into: Any = None) -> View:
         """A keyframe shard read tensor by tensor (each ranged read retried), verified."""
         view = self._reader.fetch_view(ref, into=into)
-        self._on_fetched(ref)
+        self._rec.fetched(ref)
         return view
-
-    def _on_fetched(self, ref: ObjectRef) -> None:
-        with self._cond:
-            self._rec.counts["bytes"] += ref.size
-            self._rec.counts["objects"] += 1
 
     def _on_retry(self, e: BaseException) -> None:
         log.info("%s: retrying after %s: %s", self.run, type(e).__name__, e)
-        with self._cond:
-            self._rec.counts["retries"] += 1
+        self._rec.count(retries=1)

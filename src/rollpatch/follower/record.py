@@ -10,6 +10,7 @@ import threading
 import time
 
 from ..errors import NoPathError
+from ..types import ObjectRef
 from .config import FollowerState, FollowerStatus
 
 __all__ = ["PastWanted", "Record"]
@@ -46,6 +47,7 @@ class Record:
             "retries": 0,
             "audits": 0,
             "failures": 0,
+            "adoptions": 0,
         }
         self.timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
 
@@ -56,6 +58,17 @@ class Record:
             if "error" in kw:
                 self.error = kw["error"]
             self.cond.notify_all()
+
+    def count(self, **by: int) -> None:
+        """Add to counters (``bytes=``, ``objects=``, ``commits=``, ...), waking waiters."""
+        with self.cond:
+            for name, n in by.items():
+                self.counts[name] += n
+            self.cond.notify_all()
+
+    def fetched(self, ref: ObjectRef) -> None:
+        """An object (or a keyframe shard read whole) arrived, verified."""
+        self.count(bytes=ref.size, objects=1)
 
     def timing(self, what: str, t0: float) -> None:
         """Record the seconds since ``t0`` (``time.monotonic``) as the last ``what``."""
@@ -83,5 +96,6 @@ class Record:
                 last_stage_s=t["stage"],
                 audits=c["audits"],
                 failures=c["failures"],
+                adoptions=c["adoptions"],
                 latest_age_s=None if self.latest_at is None else time.monotonic() - self.latest_at,
             )

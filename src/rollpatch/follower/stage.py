@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..engines import EngineAdapter
-from ..engines.fit import FitCheck
+from ..engines.fit import FitCheck, ModelTensors
 from ..engines.staged import EncodedStep, StagedUpdate
 from ..errors import NoPathError, ObjectIntegrityError
 from ..manifest import Manifest
@@ -111,9 +111,12 @@ def stage_plan(
     want: int,
     fetch_view: Callable[..., View],
     early: Mapping[str, Patch] | None = None,
+    model: ModelTensors | None = None,
 ) -> Callable[[], None]:
     """Stage every step of ``plan`` (fetched ``blobs``; keyframe shards read through
-    ``fetch_view``) and return the write that commits ``want`` into ``engine``.
+    ``fetch_view`` and checked against ``model``, the engine's tensors as the caller read
+    them before fetching, else read here) and return the write that commits ``want`` into
+    ``engine``.
 
     A chain of patches over a loaded engine is handed to the engine encoded first
     (``stage_encoded``: an engine that decodes in its own workers takes it); otherwise it is
@@ -152,7 +155,8 @@ def stage_plan(
         stage = Stage(engine.words() if have is not None else None)
         for step in plan.steps:
             if step.base is None:  # the engine's tensors checked from the keyframe's headers
-                held, m = engine.model_tensors(), manifests[step.to]
+                held = model if model is not None else engine.model_tensors()
+                m = manifests[step.to]
                 fit = None
                 if held is not None:
                     fit = FitCheck(

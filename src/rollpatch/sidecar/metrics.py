@@ -23,6 +23,11 @@ class SidecarMetrics:
             "rollpatch_bytes_fetched", "bytes fetched from the board (cumulative)"
         )
         self.commits = r.gauge("rollpatch_commits", "verified commits (cumulative)")
+        self.adoptions = r.gauge(
+            "rollpatch_adoptions",
+            "versions taken from the words the engine booted with, no keyframe fetched "
+            "(--boot adopt; cumulative)",
+        )
         self.failures = r.gauge(
             "rollpatch_sync_failures", "failed syncs, every retry counted (cumulative)"
         )
@@ -67,6 +72,7 @@ class SidecarMetrics:
         self.versions.set(status.version, latest, lag, unknown=-1)
         self.bytes_fetched.set(status.bytes_fetched)
         self.commits.set(status.commits)
+        self.adoptions.set(status.adoptions)
         self.failures.set(status.failures)
         self.failing.set(0 if status.last_error is None else 1)
 

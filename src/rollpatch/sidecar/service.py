@@ -261,6 +261,7 @@ class Sidecar:
             "sync_failures": s.failures,
             "bytes_fetched": s.bytes_fetched,
             "commits": s.commits,
+            "adoptions": s.adoptions,
             "last_pause_s": self.gate.last_pause_s,
             "last_drain_s": None if self.gate.last is None else self.gate.last.drain_s,
             "drain_timeouts": self.gate.drain_timeouts,

@@ -136,6 +136,28 @@ class ReferenceEngine(EngineAdapter):
         self.rewind.clear()
         self.runtime.load_view(view, version)
 
+    def boot_digest(self) -> str:
+        """The root over every parameter, hashed now (cached digests dropped first)."""
+        with self.runtime.commit() as view:
+            view.invalidate()
+            return view.digest()
+
+    def adopt(self, version: int, digest: str) -> None:
+        """Take the parameters the runtime loaded (its model directory) as ``version`` if
+        they hash to ``digest`` now; nothing changes otherwise."""
+        with self.runtime.commit() as view:
+            view.invalidate()
+            root = view.digest()
+            if root != digest:
+                raise BaseMismatchError(
+                    "the engine does not hold the expected view",
+                    engine=self.name,
+                    expected=digest[:16],
+                    actual=root[:16],
+                )
+            self.rewind.clear()
+            self.runtime.version = version
+
     def rewindable(self) -> dict[int, str]:
         return self.rewind.rewindable() if self.runtime.version is not None else {}
 

@@ -45,6 +45,7 @@ from . import tp as tp_ops
 from . import tpencoded
 from .channel import SglangChannel
 from .launch import LOADER  # what --custom-weight-loader must name; every command's load_format
+from .single import stage_one
 from .wire import step_files
 from .words import RemoteWords
 
@@ -130,6 +131,11 @@ class SglangEngine(ListedTensors, EngineAdapter):
     def weight_version(self) -> str | None:
         """SGLang's own ``weight_version`` tag (``GET /model_info``)."""
         return self._http("GET", "/model_info").get("weight_version")
+
+    def boot_digest(self) -> str:
+        """The root over every rank's words, hashed now (the follower's adoption)."""
+        with self._lock:
+            return self.held(fresh=True)[1]
 
     def adopt(self, version: int, digest: str) -> None:
         """Take over a server that booted from a checkpoint: verified against ``digest``."""
@@ -279,33 +285,13 @@ class SglangEngine(ListedTensors, EngineAdapter):
         base: str,
         target: str,
     ) -> StagedUpdate:
-        """``op`` on the control thread with ``args`` (``stage_decoded``: the decoded patch's
-        ``paths``, ``base`` and ``target``; ``stage_encoded``: the ``steps``), checked to stage
-        ``base`` -> ``target`` with the ``targets`` digests."""
-        from ..staged import StagedUpdate
-
+        """TP 1: :func:`.single.stage_one`, timed."""
         t0 = time.perf_counter()
-        r = self._control(op, **args, mode=self.writes)
-        if (
-            r["base"] != base
-            or r["target"] != target
-            or any(r["digests"].get(n) != d for n, d in targets.items())
-        ):
-            self._control("drop")
-            raise TargetMismatchError("the staged update is not the patch's", engine=self.name)
-        self._timed(t0, r)
-        return StagedUpdate(
-            base,
-            target,
-            {},
-            dict(r["digests"]),
-            {
-                "sglang_token": r["token"],
-                "changed": int(r["changed"]),
-                "nbytes": int(r["nbytes"]),
-                "buffers": int(r.get("buffers", 0)),
-            },
+        staged, r = stage_one(
+            self.channel, op, args, targets=targets, base=base, target=target, mode=self.writes
         )
+        self._timed(t0, r)
+        return staged
 
     def _on_ranks(self, stage: Any, what: Any, *args: Any, **kw: Any) -> StagedUpdate | None:
         """TP > 1: ``stage(channel, what, *args, root, tensors, mode, **kw)`` on every rank,

@@ -124,6 +124,10 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         r = self._call("digest", "1" if fresh else "0")
         return r["digests"], r["root"]
 
+    def boot_digest(self) -> str:
+        """The workers' root over all their words, hashed now (the follower's adoption)."""
+        return self.held(fresh=True)[1]
+
     def adopt(self, version: int, digest: str) -> None:
         """Take over a server that booted from a checkpoint: verified against ``digest``."""
         _, root = self.held(fresh=True)

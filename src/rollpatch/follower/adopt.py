@@ -1,0 +1,143 @@
+"""Adopting the version an engine booted with, instead of fetching a keyframe.
+
+An engine started from a checkpoint of a published version (a vLLM or SGLang server, or the
+built-in engine, booted from ``rollpatch pull``'s output or the run's base model) already
+holds that version's words. With ``FollowerConfig.boot="adopt"``, a follower whose engine
+has no version hashes the engine's words once (:meth:`EngineAdapter.boot_digest`, fresh, at
+memory speed inside the engine), looks for a published version whose target root is that
+digest — the newest ``adopt_scan`` versions, then the run's keyframes and its first version,
+newest first — and, if one matches, has the engine adopt it (:meth:`EngineAdapter.adopt`
+hashes again and takes it only if the words still match). It then catches up by patches
+from there. No match, an engine that cannot hash its words, or any failure: the usual boot
+from a keyframe.
+
+One attempt per stretch without a verified version (:meth:`Adopter.reset` after every
+sync that ends on one): an engine whose words are no published version is hashed once, not
+on every retry. The match is by root digest — with format 2 the ``rp.sum128`` checksum
+(docs/patch-format.md §7.1), which catches faults, not forgery: adopt only checkpoints you
+trust (docs/follower.md, *Adopting a booted engine*).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from ..board import Board
+from ..engines import EngineAdapter
+from ..errors import RollpatchError
+from ..manifest import Manifest
+from .config import FollowerConfig
+from .record import Record
+
+__all__ = ["Adopter", "candidates"]
+
+log = logging.getLogger("rollpatch.follower")
+
+
+def candidates(versions: Sequence[int], keyframes: Sequence[int], scan: int) -> list[int]:
+    """The versions an adoption checks, in order: the newest ``scan`` published, then the
+    keyframes (newest first) and the first version, each once; at most ``2 * scan + 1``."""
+    listed = set(versions)
+    newest = sorted(listed, reverse=True)[:scan]
+    seen = set(newest)
+    out = list(newest)
+    extra = [k for k in sorted(keyframes, reverse=True) if k in listed][:scan]
+    if listed:
+        extra.append(min(listed))
+    for n in extra:
+        if n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+class Adopter:
+    """Adopts the published version an engine with no version holds (see the module)."""
+
+    def __init__(
+        self,
+        engine: EngineAdapter,
+        reader: Board,
+        run: str,
+        manifest: Callable[[int], Manifest],
+        rec: Record,
+        *,
+        scan: int,
+    ) -> None:
+        self._engine, self._reader, self._run = engine, reader, run
+        self._manifest, self._rec, self._scan = manifest, rec, scan
+        self._tried = False
+
+    @classmethod
+    def configured(
+        cls,
+        engine: EngineAdapter,
+        reader: Board,
+        run: str,
+        manifest: Callable[[int], Manifest],
+        rec: Record,
+        config: FollowerConfig,
+    ) -> Adopter | None:
+        """The adopter ``config`` asks for (``boot="adopt"``), else None."""
+        if config.boot != "adopt":
+            return None
+        return cls(engine, reader, run, manifest, rec, scan=config.adopt_scan)
+
+    def reset(self) -> None:
+        """The engine holds a verified version: the next loss of it gets one attempt."""
+        self._tried = False
+
+    def attempt(self) -> int | None:
+        """The version the engine now holds by adoption, or None (boot from a keyframe)."""
+        if self._tried:
+            return None
+        self._tried = True
+        t0 = time.monotonic()
+        try:
+            digest = self._engine.boot_digest()
+        except RollpatchError as e:
+            log.warning("%s: could not hash the engine's words to adopt them: %s", self._run, e)
+            return None
+        if digest is None:
+            log.info(
+                "%s: engine %s cannot hash its words; no adoption", self._run, self._engine.name
+            )
+            return None
+        hashed_s = time.monotonic() - t0
+        order = candidates(
+            self._reader.versions(self._run), self._reader.keyframes(self._run), self._scan
+        )
+        for n in order:
+            try:
+                target = self._manifest(n).target
+            except RollpatchError as e:  # gone meanwhile, or refused: not this one
+                log.debug("%s@%d: manifest not usable for adoption: %s", self._run, n, e)
+                continue
+            if target != digest:
+                continue
+            try:
+                self._engine.adopt(n, digest)
+            except RollpatchError as e:
+                log.warning("%s@%d: adoption refused: %s", self._run, n, e)
+                return None
+            self._rec.count(adoptions=1)
+            log.info(
+                "%s@%d: adopted the engine's words (root %s…, hashed in %.3f s; %.3f s in all): "
+                "no keyframe fetched",
+                self._run,
+                n,
+                digest[:16],
+                hashed_s,
+                time.monotonic() - t0,
+            )
+            return n
+        log.info(
+            "%s: the engine's words (root %s…) are none of the %d versions checked; booting "
+            "from a keyframe",
+            self._run,
+            digest[:16],
+            len(order),
+        )
+        return None

@@ -187,19 +187,25 @@ def test_sharded_folders_give_the_same_numbers(
         names = sorted(masters)
         folder = tmp_path / f"step{i}"
         folder.mkdir()
-        (folder / "model.safetensors.index.json").write_text("{}")  # ignored
-        _save(folder / "model-00001-of-00002.safetensors", {k: masters[k] for k in names[::2]})
-        _save(folder / "model-00002-of-00002.safetensors", {k: masters[k] for k in names[1::2]})
+        shards = {"model-00001-of-00002.safetensors": names[::2]}
+        shards["model-00002-of-00002.safetensors"] = names[1::2]
+        for file, held in shards.items():
+            _save(folder / file, {k: masters[k] for k in held})
+        index = {"weight_map": {k: f for f, held in shards.items() for k in held}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
         folders.append(folder)
     got = analyze_run(folders, formats=("bf16",), progress=False)
     assert got.params == result.params and got.tensors == result.tensors
     assert got.pairs[0].formats["bf16"].patch_bytes == result.pairs[0].formats["bf16"].patch_bytes
     assert got.pairs[0].gaps == result.pairs[0].gaps
+    # a shard the index does not name is not read; without the index every shard is
     _save(folders[1] / "model-00003-of-00002.safetensors", {names[0]: masters[names[0]]})
-    with pytest.raises(ConfigError, match="two shards"):
+    assert analyze_run(folders, formats=("bf16",), progress=False).params == result.params
+    (folders[1] / "model.safetensors.index.json").unlink()
+    with pytest.raises(ViewError, match="two shards"):
         analyze_run(folders, progress=False)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="no .safetensors"):
+    with pytest.raises(ConfigError, match="holds no weights"):
         analyze_run([folders[0], tmp_path / "empty"], progress=False)
 
 

@@ -117,8 +117,10 @@ def test_files_are_named_in_every_refusal(
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"\x80\x05junk" * 10)
     out = str(tmp_path / "o.safetensors")
+    empty = tmp_path / "empty"
+    empty.mkdir()
     cases = {
-        f"checkpoint {tmp_path} is a directory": ("cast", str(tmp_path), "-o", out),
+        f"checkpoint folder {empty} holds no weights": ("cast", str(empty), "-o", out),
         f"checkpoint not found: {tmp_path / 'nope.pt'}": (
             "cast",
             str(tmp_path / "nope.pt"),

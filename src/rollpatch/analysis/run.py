@@ -11,7 +11,6 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
@@ -31,7 +30,6 @@ from .results import Analysis, FormatStep, GroupStep, LagPoint, PairResult
 __all__ = ["analyze_run", "lag_points", "load_checkpoint", "measure"]
 
 _MASTER_DTYPES = ("float32", "bfloat16", "float16")
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def lag_points(transitions: int) -> list[int]:
@@ -173,23 +171,9 @@ def _caster(
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Masters of one checkpoint: a file, or a folder of shards (``*.safetensors``, else torch
-    files ``*.pt *.pth *.bin *.ckpt``), as Hugging Face ``save_pretrained`` writes them."""
-    p = Path(path)
-    if not p.is_dir():
-        return load_masters(p)
-    shards = sorted(p.glob("*.safetensors"))
-    if not shards:
-        shards = sorted(f for f in p.iterdir() if f.suffix in _TORCH_SUFFIXES and f.is_file())
-    if not shards:
-        raise ConfigError("the folder holds no .safetensors or torch checkpoint files", path=str(p))
-    out: dict[str, np.ndarray] = {}
-    for shard in shards:
-        for name, a in load_masters(shard).items():
-            if name in out:
-                raise ConfigError("a tensor appears in two shards", tensor=name, path=str(shard))
-            out[name] = a
-    return out
+    """Masters of one checkpoint: a file, or a folder (a Hugging Face model directory, its
+    shards as its index names them): :func:`rollpatch.io.checkpoint.load_masters`."""
+    return load_masters(path)
 
 
 def _floats(masters: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -19,15 +19,19 @@ __all__ = ["format_args", "policy_args", "policy_from_args", "quant_args", "regi
 
 def register(sub: Any) -> None:
     p = sub.add_parser("cast", help="cast a master checkpoint to a served view (safetensors)")
-    p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
+    p.add_argument(
+        "ckpt",
+        help="master checkpoint: .safetensors, a torch state dict file, or a Hugging Face "
+        "model folder",
+    )
     format_args(p)
     p.add_argument("--previous", help="previous view whose scales --scales frozen reuses")
     p.add_argument("-o", "--output", required=True, help="output view (.safetensors)")
     p.set_defaults(func=cmd_cast)
 
     p = sub.add_parser("diff", help="make a patch between two checkpoints (or views)")
-    p.add_argument("old")
-    p.add_argument("new")
+    p.add_argument("old", help="old checkpoint (file or model folder), or view with --views")
+    p.add_argument("new", help="new checkpoint (file or model folder), or view with --views")
     format_args(p)
     p.add_argument(
         "--views", action="store_true", help="OLD and NEW are served views already (no casting)"
@@ -98,7 +102,7 @@ def _files(args: argparse.Namespace, **inputs: str) -> None:
 
     for attr, what in inputs.items():
         if getattr(args, attr, None):
-            input_file(getattr(args, attr), what)
+            input_file(getattr(args, attr), what, folder=what.endswith("checkpoint"))
     if getattr(args, "output", None):
         output_file(args.output)
 

@@ -113,9 +113,12 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
             raise ConfigError(f"{option}: {path} is not a directory", value=uri)
 
 
-def input_file(path: str, what: str) -> None:
-    """``path`` (``what`` names it: "checkpoint", "patch") is a file that exists."""
+def input_file(path: str, what: str, *, folder: bool = False) -> None:
+    """``path`` (``what`` names it: "checkpoint", "patch") is a file that exists (or, with
+    ``folder``, a directory: a checkpoint folder, read by ``load_masters``)."""
     p = Path(path).expanduser()
+    if folder and p.is_dir():
+        return
     if p.is_dir():
         raise ConfigError(f"{what} {p} is a directory, not a file")
     if not p.exists():

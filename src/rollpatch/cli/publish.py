@@ -33,7 +33,11 @@ def register(sub: Any) -> None:
         description="Publish one version from a checkpoint: resumes the run "
         "from the board, writes objects, manifest, then LATEST.",
     )
-    p.add_argument("ckpt", help="master checkpoint: .safetensors, or a torch state dict file")
+    p.add_argument(
+        "ckpt",
+        help="master checkpoint: .safetensors, a torch state dict file, or a "
+        "Hugging Face model folder (its shards as its index names them)",
+    )
     p.add_argument("--board", required=True, help="store URI (file:///dir, s3://bucket/prefix)")
     p.add_argument("--run", required=True, help="run name")
     add_config_flags(p, PublisherConfig, skip=PUBLISH_SET_OTHERWISE)
@@ -72,7 +76,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from .preflight import board_uri, input_file
 
     board_uri(args.board)  # before the checkpoint loads (a publish may create the board)
-    input_file(args.ckpt, "checkpoint")
+    input_file(args.ckpt, "checkpoint", folder=True)
 
     policy = policy_from_args(args)
     config = PublisherConfig(

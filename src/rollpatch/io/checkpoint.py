@@ -1,13 +1,22 @@
-"""Master checkpoints: safetensors or torch state-dict files → name → numpy array.
+"""Master checkpoints: safetensors or torch state-dict files, or a folder of them (a Hugging
+Face model directory) → name → numpy array.
 
 Safetensors floats come back as numpy float32/float16/bfloat16 (ml_dtypes) arrays without
 torch. Torch files (``.pt``/``.pth``/``.bin``) need the ``torch`` extra and are read with
 ``torch.load(weights_only=True)``, torch's restricted unpickler that refuses arbitrary code —
 rollpatch itself never unpickles anything.
+
+A folder's files (:func:`checkpoint_files`): those its index names
+(``model.safetensors.index.json``, else ``pytorch_model.bin.index.json``; every tensor must
+be in the shard the index maps it to, and every shard's tensors in the index), else every
+``*.safetensors`` file, else its torch files less a trainer's own state (``optimizer*``,
+``scheduler*``, ``rng_state*``, ``training_args*``, ``trainer_state*``). A tensor in two
+shards is refused.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Mapping
@@ -19,9 +28,15 @@ import numpy as np
 from ..errors import ConfigError, ViewError
 from .safetensors import load_view
 
-__all__ = ["load_masters", "to_numpy"]
+__all__ = ["checkpoint_files", "load_masters", "to_numpy"]
 
 _TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt"}
+#: A folder's index files, in the order they are looked for.
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+#: Torch files of a trainer's checkpoint folder that are not the model's weights.
+_TRAINER_STATE = ("optimizer", "scheduler", "rng_state", "training_args", "trainer_state")
+#: Bytes an index file may have (a 1T-parameter model's index is a few MB).
+MAX_INDEX_BYTES = 64 * 2**20
 
 
 def to_numpy(value: Any) -> np.ndarray:
@@ -46,16 +61,90 @@ def to_numpy(value: Any) -> np.ndarray:
 
 
 def load_masters(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Load a master checkpoint (safetensors, or a torch state dict with the torch extra)."""
+    """Load a master checkpoint: a safetensors file, a torch state dict (the torch extra), or
+    a folder of either (see the module)."""
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"checkpoint {p} is a directory, not a file")
+        files, index = checkpoint_files(p)
+        out: dict[str, np.ndarray] = {}
+        for f in files:
+            for name, a in _load_file(f).items():
+                if name in out:
+                    raise ViewError("a tensor is in two shards", tensor=name, path=str(f))
+                if index is not None and index.get(name) != f.name:
+                    raise ViewError(
+                        "the folder's index does not map this tensor to the shard holding it",
+                        tensor=name,
+                        path=str(f),
+                        index=index.get(name),
+                    )
+                out[name] = a
+        missing = sorted(set(index or ()) - set(out))
+        if missing:
+            raise ViewError(
+                f"the folder's index names {len(missing)} tensors its shards do not hold",
+                tensor=missing[0],
+                path=str(p),
+            )
+        return out
     if not p.is_file():
         raise ConfigError(f"checkpoint not found: {p}")
+    return _load_file(p)
+
+
+def _load_file(p: Path) -> dict[str, np.ndarray]:
     if p.suffix in _TORCH_SUFFIXES:
         return _load_torch(p)
     view = load_view(p, mmap=True)
     return {name: t.to_array() for name, t in view.items()}
+
+
+def checkpoint_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """A checkpoint folder's weight files, sorted, and its index's tensor → file map (None
+    without an index); see the module. :class:`ConfigError` when it holds none."""
+    for name in INDEX_FILES:
+        if (folder / name).is_file():
+            index = _read_index(folder / name)
+            return [folder / f for f in sorted(set(index.values()))], index
+    files = sorted(f for f in folder.glob("*.safetensors") if f.is_file())
+    if not files:
+        files = sorted(
+            f
+            for f in folder.iterdir()
+            if f.suffix in _TORCH_SUFFIXES and f.is_file() and not f.name.startswith(_TRAINER_STATE)
+        )
+    if not files:
+        raise ConfigError(
+            f"checkpoint folder {folder} holds no weights",
+            hint="a Hugging Face model folder: model.safetensors, or shards with "
+            "model.safetensors.index.json (or pytorch_model*.bin), or a checkpoint file",
+        )
+    return files, None
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    """An index's ``weight_map``, checked: names of files beside it, each present."""
+    size = path.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise ViewError("checkpoint index too large", path=str(path), bytes=size)
+    try:
+        doc = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise ViewError(f"checkpoint index is not JSON: {e}", path=str(path)) from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise ViewError("checkpoint index has no weight_map", path=str(path))
+    for tensor, file in wm.items():
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise ViewError(
+                "checkpoint index maps a tensor to something other than a file beside it",
+                path=str(path),
+                tensor=str(tensor)[:80],
+                file=str(file)[:80],
+            )
+        if not (path.parent / file).is_file():
+            raise ViewError("a shard the index names is missing", path=str(path), file=file)
+    return wm
 
 
 def _torch_reason(e: BaseException) -> str:

@@ -272,3 +272,37 @@ def test_resign_keeps_a_cli_published_latest_alive(
     assert main(["resign", "--board", world.board, "--run", "nope", *sign]) == 2
     assert "has no LATEST to re-sign" in capsys.readouterr().err
     assert main(["resign", "--board", world.board, "--run", "r1"]) == 2  # no key
+
+
+def test_status_with_a_trust_root_verifies_and_marks_what_it_refuses(
+    tmp_path: Path, capsys
+) -> None:
+    """``rollpatch status --trust ROOT``: every manifest verified; a forged one is a row marked
+    refused (the others still listed) and exit 2 with one line on stderr."""
+    from rollpatch.board import Board
+    from rollpatch.layout import version_key
+
+    world = signing_world(tmp_path, "pub")
+    sign = ["--signing-key", str(world.key)]
+    publish = ["publish", str(world.ckpt), "--board", world.board, "--run", "r1", *sign]
+    for _ in range(3):
+        assert main(publish) == 0
+    trusted = ["--trust", str(world.root), "--trust-state", str(tmp_path / "s.json")]
+    status = ["status", "--board", world.board, "--run", "r1"]
+    capsys.readouterr()
+    assert main([*status, *trusted]) == 0
+    out = capsys.readouterr().out
+    assert "verified under the trust root" in out and "refused" not in out
+    board = Board(world.board)
+    raw = json.loads(board.store.get(version_key("r1", 1)))
+    raw["target"] = "0" * 64  # forged: the signature no longer covers it
+    board.store.put(version_key("r1", 1), json.dumps(raw).encode(), if_absent=False)
+    assert main([*status, *trusted]) == 2
+    got = capsys.readouterr()
+    assert got.err.strip().splitlines()[-1].startswith("rollpatch: error: 1 manifest refused")
+    rows = [ln.split() for ln in got.out.splitlines() if ln.startswith("  ")]
+    assert [r[0] for r in rows[1:]] == ["0", "1", "2"] and rows[2][1] == "refused:"
+    assert main([*status, *trusted, "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] and doc["runs"][0]["n_refused"] == 1
+    assert "TrustError" in doc["runs"][0]["versions"][1]["refused"]

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from ..errors import ConfigError, VersionNotFoundError
+from ..errors import ConfigError, ManifestError, VersionNotFoundError
 from .codec import policy_args, policy_from_args, whole_note
 from .trust import load_signer, signing_args
 
@@ -66,6 +66,9 @@ def register(sub: Any) -> None:
         help="show the newest N versions per run (0: all)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    from .trust import trust_args
+
+    trust_args(p, default_state="~/.local/state/rollpatch/trust-<root,board>.json")
     p.set_defaults(func=cmd_status)
 
 
@@ -145,13 +148,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .preflight import board_uri
 
     board_uri(args.board, existing=True)  # reading must not create a board directory
-    board = Board(args.board)
+    from .trust import load_trust
+
+    trust = load_trust(args, args.board)
+    board = Board(args.board, trust=trust)
     runs = [args.run] if args.run else board.runs()
     report = [_run_status(board, run, args.limit) for run in runs]
+    refused = sum(r["n_refused"] for r in report)
+    code = 0 if refused == 0 else 2
+    if refused:
+        print(
+            f"rollpatch: error: {refused} manifest{'s' * (refused != 1)} refused"
+            + (" under the trust root" if trust is not None else "")
+            + " (rows marked refused); followers plan around them or cannot reach them",
+            file=sys.stderr,
+        )
     if args.json:
-        json.dump({"board": args.board, "runs": report}, sys.stdout, indent=1)
+        doc = {"board": args.board, "verified": trust is not None, "runs": report}
+        json.dump(doc, sys.stdout, indent=1)
         print()
-        return 0
+        return code
+    if trust is not None:
+        print(f"{args.board}: LATEST and manifests verified under the trust root {args.trust}")
     if not report:
         print(f"{args.board}: no runs")
     for r in report:
@@ -166,6 +184,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{'skips from':>12}  target"
             )
         for v in r["versions"]:
+            if "refused" in v:
+                print(f"  {v['version']:>8} refused: {v['refused']}")
+                continue
             kf = f"{v['keyframe_bytes']:,}" if v["keyframe"] else "-"
             parent = "-" if v["parent"] is None else v["parent"]
             skips = ",".join(str(b) for b in v["bases"] if b != v["parent"]) or "-"
@@ -184,7 +205,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "signing publisher replaces it)",
                 file=sys.stderr,
             )
-    return 0
+    return code
 
 
 def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
@@ -194,7 +215,11 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
         raise VersionNotFoundError("the board has no such run", run=run)
     rows, seen, total = [], set(), 0
     for n in versions:
-        m = board.manifest(run, n)
+        try:
+            m = board.manifest(run, n)
+        except ManifestError as e:  # unsigned, forged, malformed: shown, not fatal to the rest
+            rows.append({"version": n, "refused": f"{type(e).__name__}: {e}"})
+            continue
         for ref in m.objects():
             if ref.key not in seen:
                 seen.add(ref.key)
@@ -221,7 +246,8 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
         "latest": None if pointer is None else pointer.version,
         "latest_target": None if pointer is None else pointer.target,
         "n_versions": len(rows),
-        "n_keyframes": sum(r["keyframe"] for r in rows),
+        "n_keyframes": sum(bool(r.get("keyframe")) for r in rows),
+        "n_refused": sum("refused" in r for r in rows),
         "total_bytes": total,
         "versions": shown,
     }

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import ml_dtypes
+import numpy as np
 import pytest
 
 from rollpatch.cli import main
@@ -306,3 +307,21 @@ def test_status_with_a_trust_root_verifies_and_marks_what_it_refuses(
     doc = json.loads(capsys.readouterr().out)
     assert doc["verified"] and doc["runs"][0]["n_refused"] == 1
     assert "TrustError" in doc["runs"][0]["versions"][1]["refused"]
+
+
+def test_diff_across_shapes_counts_what_is_shipped_whole(tmp_path: Path, capsys) -> None:
+    """A reshaped tensor is not '0% changed': the line names it and its elements."""
+    from safetensors.numpy import save_file
+
+    save_file(
+        {"a": np.ones((4, 8), np.float32), "b": np.ones(8, np.float32)}, str(tmp_path / "x.st")
+    )
+    save_file(
+        {"a": np.full((8, 8), 1.5, np.float32), "b": np.ones(8, np.float32)}, str(tmp_path / "y.st")
+    )
+    out = tmp_path / "p.rpatch"
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "x.st"), str(tmp_path / "y.st"), "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "0 of 40 elements changed in place (0.000%)" in said
+    assert "1 tensor shipped whole (64 elements): added, reshaped or retyped" in said

@@ -185,3 +185,26 @@ def test_an_engine_names_the_cause_of_a_wrapped_or_tied_run() -> None:
     with pytest.raises(IncompatibleModelError) as e:
         check.tensor("other.weight", "BF16", (4,))
     assert (e.value.hint or "").startswith("start the engine with the model")
+
+
+def test_a_step_that_changes_most_values_is_warned_about(
+    board: Board, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another model of the same shape published into a run (or a learning rate far above
+    RL's): published (exact), with one warning naming the share; an RL-sized step: none."""
+    masters = random_masters(0)
+    with (
+        caplog.at_level(logging.WARNING, logger="rollpatch.publisher"),
+        Publisher(board, RUN, asynchronous=False) as pub,
+    ):
+        pub.publish(masters)
+        small = copy_masters(masters)
+        nudge(small, 1, lr=1e-5)
+        pub.publish(small)
+        assert not [r for r in caplog.records if "of the served view" in r.getMessage()]
+        other = random_masters(7)  # same names and shapes, other weights
+        pub.publish(other)
+    said = [r.getMessage() for r in caplog.records if "of the served view" in r.getMessage()]
+    assert len(said) == 1 and f"{RUN}@2: the step patch from version 1 is" in said[0]
+    assert "another model of the same shape" in said[0]
+    check_all(board, {0: masters, 1: small, 2: other})

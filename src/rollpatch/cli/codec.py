@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -119,12 +120,16 @@ def cmd_cast(args: argparse.Namespace) -> int:
     return 0
 
 
-def whole_note(dropped: int, whole: int) -> str:
-    """What a patch does besides changing elements: tensors dropped, or shipped whole ("" for
-    neither)."""
+def whole_note(dropped: int, whole: int, whole_elements: int | None = None) -> str:
+    """What a patch does besides changing elements: tensors dropped, or shipped whole (with
+    ``whole_elements``, how many elements those hold; "" for neither)."""
+    held = "" if whole_elements is None else f" ({whole_elements:,} elements)"
     parts = [
         f"{n} tensor{'s' * (n != 1)} {what}"
-        for n, what in ((dropped, "dropped"), (whole, "shipped whole: added, reshaped or retyped"))
+        for n, what in (
+            (dropped, "dropped"),
+            (whole, f"shipped whole{held}: added, reshaped or retyped"),
+        )
         if n
     ]
     return "; " + ", ".join(parts) if parts else ""
@@ -145,10 +150,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     _write_atomic(Path(args.output), blob)
     n = sum(t.n_elements for t in old.values())
     ops = [t.op for t in patch.tensors.values()]
+    whole = [t for t in patch.tensors.values() if t.op == "full"]
     print(
-        f"{args.output}: {patch.n_changed:,} of {n:,} elements changed "
-        f"({100 * patch.n_changed / max(n, 1):.3f}%)"
-        + whole_note(ops.count("drop"), ops.count("full"))
+        f"{args.output}: {patch.n_changed:,} of {n:,} elements changed"
+        + (" in place" if whole else "")
+        + f" ({100 * patch.n_changed / max(n, 1):.3f}%)"
+        + whole_note(ops.count("drop"), len(whole), sum(math.prod(t.shape) for t in whole))
         + f", {len(blob):,} bytes ({100 * len(blob) / max(old.nbytes, 1):.3f}% of the view)"
     )
     return 0

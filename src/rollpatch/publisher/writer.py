@@ -29,6 +29,11 @@ __all__ = ["VersionWriter"]
 
 log = logging.getLogger("rollpatch.publisher")
 
+#: A step patch above this share of the served view is warned about: RL steps give 0.1-3 %
+#: of the view; a patch this large means most served values changed (another model of the
+#: same shape published into the run, or a learning rate far above RL's).
+LARGE_STEP = 0.25
+
 
 class VersionWriter:
     """This rank's side of publishing versions: its shard pipeline (host or device), the
@@ -216,6 +221,17 @@ class VersionWriter:
                 res.whole,
                 res.dropped,
                 parent,
+            )
+        if parent is not None and res.patch_bytes > LARGE_STEP * max(res.view.nbytes, 1):
+            log.warning(
+                "%s@%d: the step patch from version %d is %.0f%% of the served view (%d values "
+                "changed; RL steps give 0.1-3%%): another model of the same shape, or a "
+                "learning rate far above RL's? It is exact either way, only large",
+                self.run,
+                n,
+                parent,
+                100 * res.patch_bytes / max(res.view.nbytes, 1),
+                res.changed,
             )
         return VersionStats(
             version=n,

@@ -6,6 +6,7 @@ the sidecar reports it. The built-in engine here; vLLM and SGLang in their live 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -89,6 +90,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@contextlib.contextmanager
 def _engine(model: Path) -> Iterator[Any]:
     from rollpatch.engines.reference import ReferenceEngine
 
@@ -128,7 +130,7 @@ def test_an_engine_booted_from_a_published_version_is_adopted(
     """Booted from version ``booted``'s view: the follower hashes the engine's words once,
     adopts that version and catches up by patches alone (no keyframe byte fetched)."""
     model = tiny_model if booted == 0 else _booted_from(tiny_model, tmp_path, run.views[booted])
-    for eng in _engine(model):
+    with _engine(model) as eng:
         f = Follower(run.board, RUN, eng, ADOPT)
         assert f.sync() == LAST
         st = f.status()
@@ -145,7 +147,7 @@ def test_an_engine_booted_from_the_latest_version_fetches_nothing(
     run: Run, tiny_model: Path, tmp_path: Path
 ) -> None:
     model = _booted_from(tiny_model, tmp_path, run.views[LAST])
-    for eng in _engine(model):
+    with _engine(model) as eng:
         f = Follower(run.board, RUN, eng, ADOPT)
         assert f.sync() == LAST and f.version == LAST
         st = f.status()
@@ -162,7 +164,7 @@ def test_words_that_are_no_version_boot_from_a_keyframe_hashed_once(
     odd = run.views[1].copy()
     name = min(odd)
     odd[name].data.view(np.uint8)[0] ^= 1
-    for eng in _engine(_booted_from(tiny_model, tmp_path, odd)):
+    with _engine(_booted_from(tiny_model, tmp_path, odd)) as eng:
         f = Follower(run.board, RUN, eng, ADOPT)
         assert f.sync(3) == 3
         st = f.status()
@@ -178,7 +180,7 @@ def test_words_that_are_no_version_boot_from_a_keyframe_hashed_once(
 
 
 def test_boot_keyframe_never_hashes(run: Run, tiny_model: Path, counted: list[int]) -> None:
-    for eng in _engine(tiny_model):
+    with _engine(tiny_model) as eng:
         f = Follower(run.board, RUN, eng, FAST_FOLLOWER)  # boot="keyframe", the default
         assert f.sync() == LAST
         assert not counted and f.status().adoptions == 0
@@ -197,7 +199,7 @@ def test_an_engine_that_cannot_hash_boots_from_a_keyframe(run: Run) -> None:
 
 
 def test_adopt_refuses_other_words_and_changes_nothing(run: Run, tiny_model: Path) -> None:
-    for eng in _engine(tiny_model):
+    with _engine(tiny_model) as eng:
         with pytest.raises(BaseMismatchError, match="expected view"):
             eng.adopt(1, run.views[1].digest())
         assert eng.version is None
@@ -225,3 +227,31 @@ def test_the_sidecar_cli_adopts_and_reports_it(run: Run, tiny_model: Path, tmp_p
         assert "rollpatch_adoptions 1.0" in metrics
     text = log.read_text(errors="replace")
     assert f"{RUN}@3: adopted the engine's words" in text and "no keyframe fetched" in text
+
+
+def test_an_engine_not_up_yet_is_asked_again(run: Run, tiny_model: Path) -> None:
+    """boot_digest failing (the engine not reachable yet) is no answer: the next sync asks
+    again and adopts, instead of booting from a keyframe for good."""
+    with _engine(tiny_model) as eng:
+        real, calls = eng.boot_digest, []
+
+        def flaky() -> str:
+            calls.append(1)
+            if len(calls) == 1:
+                raise EngineError("connection refused", engine="reference")
+            return real()
+
+        eng.boot_digest = flaky
+        load = eng.load
+
+        def down(view: View, version: int) -> None:  # the keyframe boot fails too, once
+            eng.load = load
+            raise EngineError("connection refused", engine="reference")
+
+        eng.load = down
+        f = Follower(run.board, RUN, eng, ADOPT)
+        with pytest.raises(EngineError, match="connection refused"):
+            f.sync()
+        assert f.sync() == LAST and len(calls) == 2
+        st = f.status()
+        assert st.adoptions == 1 and f.last_plan is not None and f.last_plan.have == 0

@@ -13,7 +13,7 @@ from a keyframe.
 
 One attempt per stretch without a verified version (:meth:`Adopter.reset` after every
 sync that ends on one): an engine whose words are no published version is hashed once, not
-on every retry. The match is by root digest — with format 2 the ``rp.sum128`` checksum
+on every retry; an engine that could not hash (not up yet) is asked again at the next sync. The match is by root digest — with format 2 the ``rp.sum128`` checksum
 (docs/patch-format.md §7.1), which catches faults, not forgery: adopt only checkpoints you
 trust (docs/follower.md, *Adopting a booted engine*).
 """
@@ -93,13 +93,13 @@ class Adopter:
         """The version the engine now holds by adoption, or None (boot from a keyframe)."""
         if self._tried:
             return None
-        self._tried = True
         t0 = time.monotonic()
         try:
             digest = self._engine.boot_digest()
-        except RollpatchError as e:
+        except RollpatchError as e:  # not an answer (an engine not up yet): asked again next sync
             log.warning("%s: could not hash the engine's words to adopt them: %s", self._run, e)
             return None
+        self._tried = True
         if digest is None:
             log.info(
                 "%s: engine %s cannot hash its words; no adoption", self._run, self._engine.name

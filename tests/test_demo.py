@@ -91,6 +91,11 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     for png in ("reward", "versions", "bytes"):
         assert (out / f"{png}.png").stat().st_size > 0
     assert "EMULATED" in proc.stdout
+    # a step line is printed as the step publishes: the islands are on an earlier version,
+    # each shown with the time that version took to reach it
+    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 4 and all("just published" in ln for ln in steps), steps
+    assert "(in " in steps[-1], steps
     assert not _children_of(str(out)), "a demo process outlived the demo"
     # signed by default: every manifest is an envelope, and it verifies under the run's root
     from rollpatch.board import Board

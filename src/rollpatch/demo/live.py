@@ -125,15 +125,23 @@ def status_block(m: Monitor) -> list[str]:
 
 
 def step_line(m: Monitor, step: dict[str, Any]) -> str:
-    """One plain log line for a finished step."""
+    """One plain log line for a finished step. The step has just published LATEST, so the
+    islands are still on an earlier version, on its way to them: each is shown with the
+    version it serves and how long that version took to reach it (time-to-version)."""
     parts = [
         f"step {step['step']:>3}/{m.cfg.steps}",
         f"reward {float(step['reward']):.3f}",
         density(m),
-        f"LATEST v{step['version']}",
+        f"LATEST v{step['version']} just published",
     ]
+    ttv = m.time_to_version()
     for isl in m.islands.values():
-        parts.append(f"{isl.name} v{isl.served if isl.served is not None else '-'}")
+        if isl.served is None:
+            parts.append(f"{isl.name} -")
+            continue
+        hit = ttv.get(isl.served, {}).get(isl.name) if isl.served >= 1 else None
+        took = f" (in {hit['seconds']:.2f} s)" if hit is not None else ""
+        parts.append(f"{isl.name} v{isl.served}{took}")
     return "  ".join(parts)
 
 

@@ -325,3 +325,30 @@ def test_diff_across_shapes_counts_what_is_shipped_whole(tmp_path: Path, capsys)
     said = capsys.readouterr().out
     assert "0 of 40 elements changed in place (0.000%)" in said
     assert "1 tensor shipped whole (64 elements): added, reshaped or retyped" in said
+
+
+def test_resign_with_a_key_that_did_not_publish_the_run_changes_nothing(
+    tmp_path: Path, capsys
+) -> None:
+    """A cron job with the wrong key must not replace the publisher's LATEST (followers
+    under the trust root would refuse the new one): refused, exit 2, LATEST byte for byte."""
+    from rollpatch.board import Board
+    from rollpatch.layout import pointer_key
+
+    world = signing_world(tmp_path, "pub")
+    assert main(["keygen", "-o", str(tmp_path / "other")]) == 0
+    publish = ["publish", str(world.ckpt), "--board", world.board, "--run", "r1"]
+    assert main([*publish, "--signing-key", str(world.key)]) == 0
+    board = Board(world.board)
+    before = board.store.get(pointer_key("r1"))
+    capsys.readouterr()
+    other = ["--signing-key", str(tmp_path / "other.key")]
+    assert main(["resign", "--board", world.board, "--run", "r1", *other]) == 2
+    err = capsys.readouterr().err
+    assert "LATEST names r1@0, whose manifest none of these keys signed" in err
+    assert "nothing re-signed" in err and "resign with the key the run is published with" in err
+    assert board.store.get(pointer_key("r1")) == before
+    assert (
+        main(["resign", "--board", world.board, "--run", "r1", "--signing-key", str(world.key)])
+        == 0
+    )

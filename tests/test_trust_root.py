@@ -114,3 +114,45 @@ def test_seal_needs_a_key_and_signer_hides_secrets() -> None:
         Signer(keys=(k,), latest_ttl_s=0)
     with pytest.raises(ConfigError, match="twice"):
         Signer(keys=(k, k))
+
+
+@pytest.mark.parametrize("dual_keyframe", [False, True])
+def test_a_planned_rotation_keeps_the_run_going(
+    tmp_path: Path, dual_keyframe: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/trust.md's planned rotation through the CLI: a version signed with both keys,
+    the root rotated to the new key, then publishes with the new key alone. With the
+    dual-signed version a keyframe (the recipe), the next version is a patch on it; with a
+    dual-signed patch version, the old key's keyframe is unreadable to the new key, and the
+    next version starts a new lineage as a keyframe with no parent (it used to be refused,
+    which stopped the run). Either way a fresh follower under the original root.json,
+    following the rotation, pulls LATEST."""
+    from rollpatch.cli import main
+    from tests.conftest import masters, save_masters, signing_world
+
+    world = signing_world(tmp_path, "old")
+    assert main(["keygen", "-o", str(tmp_path / "new")]) == 0
+    old, new = ["--signing-key", str(world.key)], ["--signing-key", str(tmp_path / "new.key")]
+    ckpts = []
+    for i in range(5):
+        ckpts.append(tmp_path / f"ck{i}.safetensors")
+        save_masters(ckpts[i], masters(1, step=1e-4 * i))
+    publish = ["publish", "--board", world.board, "--run", RUN]
+    for i in range(2):
+        assert main([*publish, str(ckpts[i]), *old]) == 0
+    extra = ["--keyframe"] if dual_keyframe else []
+    assert main([*publish, str(ckpts[2]), *old, *new, *extra]) == 0  # v2, both keys
+    rotate = ["root", "--board", world.board, "--key", str(tmp_path / "new.pub")]
+    assert main([*rotate, "--sign", str(world.key), "--sign", str(tmp_path / "new.key")]) == 0
+    caplog.clear()
+    assert main([*publish, str(ckpts[3]), *new]) == 0  # v3, the new key alone
+    board = Board(world.board)
+    m3 = board.manifest(RUN, 3)
+    assert (m3.parent, m3.is_keyframe) == ((2, False) if dual_keyframe else (None, True))
+    if not dual_keyframe:
+        assert "published as a keyframe with no parent" in caplog.text
+    assert main([*publish, str(ckpts[4]), *new]) == 0
+    assert board.manifest(RUN, 4).parent == 3
+    out = tmp_path / "v.safetensors"
+    trusted = ["--trust", str(world.root), "--trust-state", str(tmp_path / "fresh.json")]
+    assert main(["pull", "--board", world.board, "--run", RUN, "-o", str(out), *trusted]) == 0

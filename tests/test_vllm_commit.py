@@ -600,3 +600,49 @@ def test_sidecar_engines_take_the_write_mode() -> None:
         assert engine.writes == "double_buffer"  # type: ignore[attr-defined]
     with pytest.raises(ConfigError):
         VllmEngine("http://127.0.0.1:9", writes="both")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("alias", [True, False])
+def test_a_tied_heads_own_kernel_follows_the_embedding(alias: bool) -> None:
+    """A tied LM head holds the embedding's parameter under another name (vLLM:
+    ``lm_head.weight`` is ``model.embed_tokens.weight``, listed once) and its CPU kernel its
+    own packed copy: a commit that writes the embedding rebuilds the head's kernel from the
+    new words (prebuilt while staging on the CPU path), and the embedding's words, which its
+    lookup reads, are written in the pause (not deferred as kernel-only)."""
+    torch = pytest.importorskip("torch")
+    from rollpatch.engines.vllm.params import TorchParams
+
+    torch.manual_seed(2)
+
+    def repack(mod: Any, remove_weight: bool) -> None:
+        packed = mod.weight.detach().clone()
+        mod.cpu_linear = lambda x, weight, bias: x @ packed.t()
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Module()
+    model.embed.weight = torch.nn.Parameter(
+        torch.randn(8, 4).to(torch.bfloat16), requires_grad=False
+    )
+    model.head = torch.nn.Module()
+    model.head.weight = model.embed.weight  # tied
+    repack(model.head, False)
+    model.head._rollpatch_repack = repack
+    model.head._rollpatch_owns = model.head._rollpatch_kernel_only = True
+    assert [n for n, _ in model.named_parameters()] == ["embed.weight"]
+    params = TorchParams(model, 1, alias=alias)
+    assert params.alias_of == {"head.weight": "embed.weight"}
+    assert not params.kernel_only("embed.weight")  # the embedding's lookup reads the words
+    w = _weights(model, alias=alias)
+
+    def words() -> np.ndarray:
+        return model.embed.weight.detach().view(torch.int16).numpy().view(np.uint16).copy()
+
+    v0 = vllm_layouts.words_view({"embed.weight": words()})
+    v1 = vllm_layouts.words_view({"embed.weight": words()})
+    v1["embed.weight"].data[::3] ^= 0x0101
+    v1.invalidate("embed.weight")
+    w.commit(diff(v0, v1))
+    assert np.array_equal(words().reshape(-1), v1["embed.weight"].data)
+    x = torch.eye(4).to(torch.bfloat16)
+    logits = model.head.cpu_linear(x, model.head.weight, None)
+    assert torch.equal(logits, x @ model.embed.weight.t())  # the head serves the new words

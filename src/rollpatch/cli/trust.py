@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TrustError
 
 if TYPE_CHECKING:
     from ..trust import Signer, Trust
@@ -219,12 +219,25 @@ def cmd_resign(args: argparse.Namespace) -> int:
     if args.every is not None and not args.every >= MIN_EVERY_S:
         raise ConfigError(f"--every must be at least {MIN_EVERY_S:g} s", value=args.every)
     board = Board(args.board, signer=signer)
+    mine = Board(args.board, trust=signer.self_trust())  # what these keys signed
     while True:
         current = Board(args.board).latest(args.run)  # as stored, whoever signed it
         if current is None:
             raise ConfigError(
                 f"run {args.run!r} has no LATEST to re-sign", hint="publish a version first"
             )
+        try:  # a LATEST is re-signed only for a version these keys published
+            mine.manifest(args.run, current.version)
+        except TrustError as e:
+            raise TrustError(
+                f"LATEST names {args.run}@{current.version}, whose manifest none of these keys "
+                f"signed ({e.message}): nothing re-signed",
+                reason=e.reason,
+                run=args.run,
+                version=current.version,
+                hint="resign with the key the run is published with (a LATEST signed with "
+                "another key would replace the publisher's, and followers would refuse it)",
+            ) from None
         p = board.advance(args.run, current.version, refresh=True)
         until = time.strftime("%H:%M:%S", time.gmtime(time.time() + signer.latest_ttl_s))
         print(f"{args.run}@{p.version}: LATEST re-signed, valid until {until} UTC", flush=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ def ensure_model(cfg: DemoConfig, model_dir: Path) -> Path:
         return model_dir
     if model_dir.exists():  # another shape or architecture: no stale file may survive
         shutil.rmtree(model_dir)
-    make = make_tiny_moe_model if cfg.model == "moe" else make_tiny_model
+    make: Callable[..., Path] = make_tiny_moe_model if cfg.model == "moe" else make_tiny_model
     make(model_dir, **shape)
     stamp.write_text(json.dumps({"model": cfg.model, **shape}))
     return model_dir

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..board import Board
-from ..errors import BoardError, ConfigError, NoPathError, ObjectIntegrityError
+from ..errors import BoardError, ConfigError, NoPathError, ObjectIntegrityError, TrustError
 from ..view import View
 from .assemble import assemble_manifest
 from .config import PublisherConfig, VersionStats
@@ -125,8 +125,9 @@ class VersionWriter:
 
         None when an unsharded publisher finds no sound path to it (objects corrupt on the
         store, with no way around: an attacker or a bad disk can do that, and a publisher
-        that could not resume would never publish again); the version then starts a new
-        lineage from a keyframe (``parent`` None). Ranks of a sharded publisher must agree
+        that could not resume would never publish again; or, for a signing publisher, a way
+        through a manifest none of its keys signed, as after a key rotation); the version
+        then starts a new lineage from a keyframe (``parent`` None). Ranks of a sharded publisher must agree
         on that, which they have no round for: they raise instead."""
         assert self.resume_from is not None
         signer = self.config.signer
@@ -145,12 +146,14 @@ class VersionWriter:
         self.resume_scope = "whole"
         try:
             return reconstruct(self.board, self.run, self.resume_from, trust=trust)
-        except (ObjectIntegrityError, NoPathError) as e:
+        except (ObjectIntegrityError, NoPathError, TrustError) as e:
+            # TrustError: the way to it passes a manifest none of this publisher's keys
+            # signed (a keyframe signed only by a key a rotation retired)
             if self._x.size > 1:
                 raise
             log.warning(
-                "%s: cannot rebuild version %d from sound objects (%s: %s); version %d "
-                "is published as a keyframe with no parent",
+                "%s: cannot rebuild version %d from sound objects signed by this publisher's "
+                "keys (%s: %s); version %d is published as a keyframe with no parent",
                 self.run,
                 self.resume_from,
                 type(e).__name__,

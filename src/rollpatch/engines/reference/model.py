@@ -148,9 +148,11 @@ def _save_model(
     *,
     vocab_size: int,
     seed: int,
+    tied: bool = False,
 ) -> Path:
     """Train the tokenizer, build the model (``build``) from ``config`` plus what every tiny
-    model shares (special token ids, BF16, untied lm_head) under ``seed``; save both."""
+    model shares (special token ids, BF16; lm_head untied unless ``tied``) under ``seed``;
+    save both."""
     import torch
     from transformers import AutoTokenizer
 
@@ -161,7 +163,7 @@ def _save_model(
     kwargs = {
         **config,
         "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied,
         "dtype": "bfloat16",
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
@@ -186,8 +188,11 @@ def make_tiny_model(
     kv_heads: int = 2,
     intermediate: int = 256,
     seed: int = 0,
+    tied: bool = False,
 ) -> Path:
-    """Save a random BF16 ``LlamaForCausalLM`` (untied lm_head) and its tokenizer to ``path``.
+    """Save a random BF16 ``LlamaForCausalLM`` and its tokenizer to ``path``; ``tied``: the
+    lm_head is the embedding (``tie_word_embeddings``, as Llama-3.2-1B/3B and the small
+    Qwen2.5 models; the checkpoint then holds no ``lm_head.weight``), else its own tensor.
 
     Deterministic by ``seed``: the same arguments give the same bits. Returns ``path``.
     """
@@ -207,6 +212,7 @@ def make_tiny_model(
         lambda kw: LlamaForCausalLM(LlamaConfig(**kw)),
         vocab_size=vocab_size,
         seed=seed,
+        tied=tied,
     )
 
 

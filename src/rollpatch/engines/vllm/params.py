@@ -44,6 +44,19 @@ def _flat(a: np.ndarray) -> tuple[np.ndarray, list[int]]:
     return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,)), elem
 
 
+def _aliases(model: Any) -> dict[str, str]:
+    """Each module parameter's name → the name ``named_parameters`` lists the same tensor
+    under, where they differ (tied weights: listed once, under the first name)."""
+    listed = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for leaf, p in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{leaf}" if mod_name else leaf
+            if listed.get(id(p), full) != full:
+                out[full] = listed[id(p)]
+    return out
+
+
 class TorchParams:
     """One worker's parameters (see the module docstring); ``alias``: numpy views of the
     parameters' memory (the default on the CPU); False: host copies and torch writes (the
@@ -59,6 +72,10 @@ class TorchParams:
             plain = experts_cpu.plain_of(self._module(mod), leaf)
             if plain is not None:
                 self.params[name] = plain
+        #: A module parameter's name → the name the same tensor is listed under, where they
+        #: differ (a tied LM head's ``lm_head.weight`` → ``model.embed_tokens.weight``): that
+        #: module's kernel is rebuilt after writes to the tensor too.
+        self.alias_of = _aliases(model)
         self.cpu = (
             all(p.device.type == "cpu" for p in self.params.values()) if alias is None else alias
         )
@@ -149,9 +166,16 @@ class TorchParams:
     def _module(self, name: str) -> Any:
         return self.model.get_submodule(name) if name else self.model
 
+    def _holders(self, name: str) -> list[str]:
+        """The modules holding parameter ``name``: its own, and those holding it under another
+        name (:attr:`alias_of`)."""
+        return [name.rpartition(".")[0]] + [
+            a.rpartition(".")[0] for a, c in self.alias_of.items() if c == name
+        ]
+
     def _owning(self, params: set[str] | dict[str, Any]) -> list[str]:
-        """The modules of ``params`` whose kernel holds its own copy of the words."""
-        mods = sorted({p.rpartition(".")[0] for p in params})
+        """The modules holding ``params`` whose kernel holds its own copy of the words."""
+        mods = sorted({m for p in params for m in self._holders(p)})
         return [m for m in mods if self._module(m).__dict__.get("_rollpatch_owns")]
 
     def repack(self, names: set[str]) -> None:
@@ -188,6 +212,7 @@ class TorchParams:
                 for attr in ("weight", "bias"):
                     p = getattr(mod, attr, None)
                     key = f"{m}.{attr}" if m else attr
+                    key = self.alias_of.get(key, key)  # a tied head: the embedding's writes
                     if p is None:
                         setattr(shadow, attr, None)
                         continue
@@ -224,11 +249,16 @@ class TorchParams:
         return set(prebuilt)
 
     def kernel_only(self, name: str) -> bool:
-        mod_name, _, attr = name.rpartition(".")
-        mod = self._module(mod_name)
-        return (attr == "weight" or experts_cpu.is_packed_experts(mod)) and bool(
-            mod.__dict__.get("_rollpatch_kernel_only")
-        )
+        """Only kernels that keep their own copy read parameter ``name`` (every module holding
+        it: a tied embedding's lookup reads it, even where the LM head's kernel does not)."""
+        attr = name.rpartition(".")[2]
+        for mod_name in self._holders(name):
+            mod = self._module(mod_name)
+            if not (attr == "weight" or experts_cpu.is_packed_experts(mod)) or not bool(
+                mod.__dict__.get("_rollpatch_kernel_only")
+            ):
+                return False
+        return True
 
     # -- the double-buffered commit ---------------------------------------------------------
 

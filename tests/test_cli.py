@@ -352,3 +352,26 @@ def test_resign_with_a_key_that_did_not_publish_the_run_changes_nothing(
         main(["resign", "--board", world.board, "--run", "r1", "--signing-key", str(world.key)])
         == 0
     )
+
+
+def test_status_with_a_trust_root_lists_a_run_whose_latest_expired(tmp_path: Path, capsys) -> None:
+    """An expired LATEST is marked refused on its run's line (with the version it names);
+    that run's manifests and the other runs are still listed; exit 2."""
+    import time
+
+    world = signing_world(tmp_path, "pub")
+    sign = ["--signing-key", str(world.key)]
+    base = ["publish", str(world.ckpt), "--board", world.board]
+    assert main([*base, "--run", "stale", *sign, "--latest-ttl", "1"]) == 0
+    assert main([*base, "--run", "ok", *sign]) == 0
+    time.sleep(1.5)
+    capsys.readouterr()
+    trusted = ["--trust", str(world.root), "--trust-state", str(tmp_path / "s.json")]
+    assert main(["status", "--board", world.board, *trusted]) == 2
+    got = capsys.readouterr()
+    assert "the LATEST of 1 run refused under the trust root" in got.err
+    lines = got.out.splitlines()
+    stale = next(ln for ln in lines if ln.startswith("run stale:"))
+    assert "LATEST 0 (refused: TrustError: LATEST has expired" in stale
+    assert any(ln.startswith("run ok: LATEST 0,") for ln in lines)
+    assert sum("<- LATEST" in ln for ln in lines) == 2

@@ -155,12 +155,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     runs = [args.run] if args.run else board.runs()
     report = [_run_status(board, run, args.limit) for run in runs]
     refused = sum(r["n_refused"] for r in report)
+    pointers = sum(r["latest_refused"] is not None for r in report)
+    manifests = refused - pointers
     code = 0 if refused == 0 else 2
     if refused:
+        what = [f"{manifests} manifest{'s' * (manifests != 1)}"] if manifests else []
+        what += [f"the LATEST of {pointers} run{'s' * (pointers != 1)}"] if pointers else []
         print(
-            f"rollpatch: error: {refused} manifest{'s' * (refused != 1)} refused"
+            f"rollpatch: error: {' and '.join(what)} refused"
             + (" under the trust root" if trust is not None else "")
-            + " (rows marked refused); followers plan around them or cannot reach them",
+            + " (marked refused); followers plan around them or cannot reach them",
             file=sys.stderr,
         )
     if args.json:
@@ -169,11 +173,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         print()
         return code
     if trust is not None:
-        print(f"{args.board}: LATEST and manifests verified under the trust root {args.trust}")
+        print(
+            f"{args.board}: LATEST and manifests verified under the trust root {args.trust}"
+            + (" (what did not verify is marked refused)" if refused else "")
+        )
     if not report:
         print(f"{args.board}: no runs")
     for r in report:
         latest = "none" if r["latest"] is None else str(r["latest"])
+        if r["latest_refused"] is not None:
+            latest += f" (refused: {r['latest_refused']})"
         print(
             f"run {r['run']}: LATEST {latest}, {r['n_versions']} versions, "
             f"{r['n_keyframes']} keyframes, {r['total_bytes']:,} bytes in objects"
@@ -209,9 +218,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
-    pointer = board.latest(run)
+    from ..board import Board
+
+    latest_refused = None
+    try:
+        pointer = board.latest(run)
+    except ManifestError as e:  # expired, forged, unsigned: said, the run still listed
+        latest_refused = f"{type(e).__name__}: {e}"
+        try:  # which version it names, unverified (for the row it marks)
+            pointer = Board(board.store).latest(run)
+        except ManifestError:
+            pointer = None
     versions = board.versions(run)
-    if pointer is None and not versions:
+    if pointer is None and not versions and latest_refused is None:
         raise VersionNotFoundError("the board has no such run", run=run)
     rows, seen, total = [], set(), 0
     for n in versions:
@@ -247,7 +266,8 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
         "latest_target": None if pointer is None else pointer.target,
         "n_versions": len(rows),
         "n_keyframes": sum(bool(r.get("keyframe")) for r in rows),
-        "n_refused": sum("refused" in r for r in rows),
+        "n_refused": sum("refused" in r for r in rows) + (latest_refused is not None),
+        "latest_refused": latest_refused,
         "total_bytes": total,
         "versions": shown,
     }

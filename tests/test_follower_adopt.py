@@ -121,6 +121,7 @@ def test_candidates_newest_then_keyframes_then_the_first() -> None:
     assert candidates([], [], 4) == []
     # a keyframe marker without a manifest (gc'd) is not read; at most 2 * scan + 1
     assert candidates(range(100), [1, 2, 3, 50, 101], 2) == [99, 98, 50, 3, 0]
+    assert candidates(range(10), [0, 8], 3, upto=6) == [6, 5, 4, 0]  # nothing above LATEST
 
 
 @pytest.mark.parametrize("booted", [0, 2])
@@ -255,3 +256,27 @@ def test_an_engine_not_up_yet_is_asked_again(run: Run, tiny_model: Path) -> None
         assert f.sync() == LAST and len(calls) == 2
         st = f.status()
         assert st.adoptions == 1 and f.last_plan is not None and f.last_plan.have == 0
+
+
+def test_a_version_above_latest_is_not_adopted(run: Run, tiny_model: Path, tmp_path: Path) -> None:
+    """LATEST at 3 while the manifests of 4 and 5 are on the board (a publisher that died
+    between its manifest and LATEST): an engine holding 5's words is not adopted as 5, a
+    version the run does not name yet; it boots from a keyframe to LATEST."""
+    import shutil as sh
+
+    from rollpatch.layout import pointer_key
+
+    src = Board(run.board)
+    copy = tmp_path / "board"
+    sh.copytree(run.board.removeprefix("file://"), copy)
+    board = Board(f"file://{copy}")
+    src_pointer = src.store.get(pointer_key(RUN))
+    board.store.delete(pointer_key(RUN))
+    board.advance(RUN, 3)
+    assert board.latest(RUN).version == 3  # type: ignore[union-attr]
+    with _engine(_booted_from(tiny_model, tmp_path, run.views[LAST])) as eng:
+        f = Follower(board.store.uri, RUN, eng, ADOPT)
+        assert f.sync() == 3
+        assert f.status().adoptions == 0 and f.status().failures == 0
+        _exact(eng, run.views[3])
+    assert src.store.get(pointer_key(RUN)) == src_pointer

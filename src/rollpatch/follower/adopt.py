@@ -5,8 +5,8 @@ built-in engine, booted from ``rollpatch pull``'s output or the run's base model
 holds that version's words. With ``FollowerConfig.boot="adopt"``, a follower whose engine
 has no version hashes the engine's words once (:meth:`EngineAdapter.boot_digest`, fresh, at
 memory speed inside the engine), looks for a published version whose target root is that
-digest — the newest ``adopt_scan`` versions, then the run's keyframes and its first version,
-newest first — and, if one matches, has the engine adopt it (:meth:`EngineAdapter.adopt`
+digest — the newest ``adopt_scan`` versions up to LATEST, then the run's keyframes and its
+first version, newest first — and, if one matches, has the engine adopt it (:meth:`EngineAdapter.adopt`
 hashes again and takes it only if the words still match). It then catches up by patches
 from there. No match, an engine that cannot hash its words, or any failure: the usual boot
 from a keyframe.
@@ -36,10 +36,13 @@ __all__ = ["Adopter", "candidates"]
 log = logging.getLogger("rollpatch.follower")
 
 
-def candidates(versions: Sequence[int], keyframes: Sequence[int], scan: int) -> list[int]:
-    """The versions an adoption checks, in order: the newest ``scan`` published, then the
+def candidates(
+    versions: Sequence[int], keyframes: Sequence[int], scan: int, upto: int | None = None
+) -> list[int]:
+    """The versions an adoption checks, in order: the newest ``scan`` published up to
+    ``upto`` (LATEST: a manifest above it is not yet a version the run names), then the
     keyframes (newest first) and the first version, each once; at most ``2 * scan + 1``."""
-    listed = set(versions)
+    listed = {v for v in versions if upto is None or v <= upto}
     newest = sorted(listed, reverse=True)[:scan]
     seen = set(newest)
     out = list(newest)
@@ -89,8 +92,14 @@ class Adopter:
         """The engine holds a verified version: the next loss of it gets one attempt."""
         self._tried = False
 
-    def attempt(self) -> int | None:
-        """The version the engine now holds by adoption, or None (boot from a keyframe)."""
+    def attempt(self, want: int, latest: int | None) -> bool:
+        """Whether the engine now holds a version by adoption (at most LATEST, or ``want``
+        if higher: a manifest above both is not yet a version the run names); False: boot
+        from a keyframe."""
+        upto = want if latest is None else max(want, latest)
+        return self._adopt(upto) is not None
+
+    def _adopt(self, upto: int) -> int | None:
         if self._tried:
             return None
         t0 = time.monotonic()
@@ -107,7 +116,7 @@ class Adopter:
             return None
         hashed_s = time.monotonic() - t0
         order = candidates(
-            self._reader.versions(self._run), self._reader.keyframes(self._run), self._scan
+            self._reader.versions(self._run), self._reader.keyframes(self._run), self._scan, upto
         )
         for n in order:
             try:

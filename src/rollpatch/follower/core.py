@@ -196,7 +196,8 @@ class Follower:
 
     def _sync_to(self, want: int) -> int:
         have = self._held.verified_have()
-        if have is None and self._adopter is not None and self._adopter.attempt() is not None:
+        adopter = self._adopter
+        if have is None and adopter is not None and adopter.attempt(want, self._rec.latest):
             have = self._held.verified_have()  # the adopted version, checked as any other
         if have is not None and have >= want:
             self._held.confirm(have)

@@ -198,9 +198,11 @@ def test_sharded_folders_give_the_same_numbers(
     assert got.params == result.params and got.tensors == result.tensors
     assert got.pairs[0].formats["bf16"].patch_bytes == result.pairs[0].formats["bf16"].patch_bytes
     assert got.pairs[0].gaps == result.pairs[0].gaps
-    # a shard the index does not name is not read; without the index every shard is
+    # a shard of the index's series that the index does not name is refused (a tensor
+    # left out of the index would be dropped unseen); without the index every shard is read
     _save(folders[1] / "model-00003-of-00002.safetensors", {names[0]: masters[names[0]]})
-    assert analyze_run(folders, formats=("bf16",), progress=False).params == result.params
+    with pytest.raises(ViewError, match="does not name"):
+        analyze_run(folders, progress=False)
     (folders[1] / "model.safetensors.index.json").unlink()
     with pytest.raises(ViewError, match="two shards"):
         analyze_run(folders, progress=False)

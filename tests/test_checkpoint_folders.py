@@ -94,7 +94,7 @@ def test_torch_folders_leave_a_trainers_state_alone(tmp_path: Path) -> None:
     "break_it, match",
     [
         ("wrong_shard", "does not map this tensor to the shard holding it"),
-        ("missing_tensor", "names 1 tensors its shards do not hold"),
+        ("missing_tensor", "names 1 tensor its shards do not hold"),
         ("outside", "other than a file beside it"),
         ("missing_shard", "a shard the index names is missing"),
         ("no_map", "has no weight_map"),
@@ -160,3 +160,50 @@ def test_publish_and_cast_take_a_model_folder(
         boards.append(Board(board).manifest("r1", 0).target)
     assert boards[0] == boards[1]
     capsys.readouterr()
+
+
+def test_a_shard_left_out_of_the_index_is_refused(tmp_path: Path) -> None:
+    """A tensor deleted from the index whose shard held only it: that shard is not named,
+    and would be skipped with the tensor; refused instead."""
+    d = tmp_path / "m"
+    masters = _masters()
+    wm = _sharded(d, masters, parts=3)
+    held = {f: [k for k, v in wm.items() if v == f] for f in set(wm.values())}
+    lone = max(held)
+    for k in held[lone]:
+        del wm[k]
+    (d / INDEX).write_text(json.dumps({"weight_map": wm}))
+    with pytest.raises(ViewError, match="holds a shard its index does not name") as e:
+        load_masters(d)
+    assert lone in str(e.value)
+
+
+def test_a_model_file_beside_an_adapter_or_a_trainers_state(tmp_path: Path) -> None:
+    """model.safetensors alone is the model: a PEFT adapter beside it is not merged in; a
+    torch trainer folder's scaler.pt (fp16 AMP) is a trainer's state, not read."""
+    masters = _masters()
+    d = tmp_path / "peft"
+    d.mkdir()
+    save_file(masters, str(d / "model.safetensors"))
+    save_file({"lora_A": np.zeros((2, 8), np.float32)}, str(d / "adapter_model.safetensors"))
+    _same(load_masters(d), masters)
+    shards = tmp_path / "shards"
+    _sharded(shards, masters)
+    (shards / INDEX).unlink()
+    save_file({"lora_A": np.zeros((2, 8), np.float32)}, str(shards / "adapter_model.safetensors"))
+    _same(load_masters(shards), masters)
+    torch = pytest.importorskip("torch")
+    t = tmp_path / "trainer"
+    t.mkdir()
+    half = dict(sorted(masters.items())[:3])
+    torch.save({k: torch.from_numpy(v) for k, v in half.items()}, t / "model.pt")
+    (t / "scaler.pt").write_bytes(b"\x80\x05not read")
+    _same(load_masters(t), half)
+
+
+def test_a_trainers_output_folder_names_its_checkpoints(tmp_path: Path) -> None:
+    for step in (10, 20):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    with pytest.raises(ConfigError, match="holds no weights") as e:
+        load_masters(tmp_path)
+    assert "checkpoint-10, checkpoint-20" in (e.value.hint or "")

@@ -8,16 +8,18 @@ rollpatch itself never unpickles anything.
 
 A folder's files (:func:`checkpoint_files`): those its index names
 (``model.safetensors.index.json``, else ``pytorch_model.bin.index.json``; every tensor must
-be in the shard the index maps it to, and every shard's tensors in the index), else every
-``*.safetensors`` file, else its torch files less a trainer's own state (``optimizer*``,
-``scheduler*``, ``rng_state*``, ``training_args*``, ``trainer_state*``). A tensor in two
-shards is refused.
+be in the shard the index maps it to, every shard's tensors in the index, and no shard of the
+index's series left unnamed), else ``model.safetensors`` or ``pytorch_model.bin`` alone, else
+every ``*.safetensors`` file, else its torch files; never a PEFT adapter's
+(``adapter_model*``) or a trainer's own state (``optimizer*``, ``scheduler*``, ``scaler*``,
+``rng_state*``, ``training_args*``, ``trainer_state*``). A tensor in two shards is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +36,18 @@ _TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt"}
 #: A folder's index files, in the order they are looked for.
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 #: Torch files of a trainer's checkpoint folder that are not the model's weights.
-_TRAINER_STATE = ("optimizer", "scheduler", "rng_state", "training_args", "trainer_state")
+_TRAINER_STATE = (
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "rng_state",
+    "training_args",
+    "trainer_state",
+)
+#: Files beside a model's weights that are a PEFT adapter's, not the model's.
+_ADAPTER = ("adapter_model",)
+#: A shard of a series: prefix, number, count, extension.
+_SHARD = re.compile(r"(.+)-(\d+)-of-(\d+)\.(safetensors|bin)")
 #: Bytes an index file may have (a 1T-parameter model's index is a few MB).
 MAX_INDEX_BYTES = 64 * 2**20
 
@@ -82,7 +95,8 @@ def load_masters(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         missing = sorted(set(index or ()) - set(out))
         if missing:
             raise ViewError(
-                f"the folder's index names {len(missing)} tensors its shards do not hold",
+                f"the folder's index names {len(missing)} tensor{'s' * (len(missing) != 1)} "
+                "its shards do not hold",
                 tensor=missing[0],
                 path=str(p),
             )
@@ -105,21 +119,51 @@ def checkpoint_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     for name in INDEX_FILES:
         if (folder / name).is_file():
             index = _read_index(folder / name)
-            return [folder / f for f in sorted(set(index.values()))], index
-    files = sorted(f for f in folder.glob("*.safetensors") if f.is_file())
+            named = sorted(set(index.values()))
+            _no_unnamed_shards(folder, named)
+            return [folder / f for f in named], index
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():  # beside it a PEFT adapter, a trainer's state: not read
+            return [folder / single], None
+    files = sorted(
+        f for f in folder.glob("*.safetensors") if f.is_file() and not f.name.startswith(_ADAPTER)
+    )
     if not files:
         files = sorted(
             f
             for f in folder.iterdir()
-            if f.suffix in _TORCH_SUFFIXES and f.is_file() and not f.name.startswith(_TRAINER_STATE)
+            if f.suffix in _TORCH_SUFFIXES
+            and f.is_file()
+            and not f.name.startswith((*_TRAINER_STATE, *_ADAPTER))
         )
     if not files:
+        subs = sorted(d.name for d in folder.glob("checkpoint-*") if d.is_dir())
         raise ConfigError(
             f"checkpoint folder {folder} holds no weights",
-            hint="a Hugging Face model folder: model.safetensors, or shards with "
-            "model.safetensors.index.json (or pytorch_model*.bin), or a checkpoint file",
+            hint=(
+                f"a trainer's output folder: name one of its checkpoints ({', '.join(subs[-3:])})"
+                if subs
+                else "a Hugging Face model folder: model.safetensors, or shards with "
+                "model.safetensors.index.json (or pytorch_model*.bin), or a checkpoint file "
+                "(a PEFT adapter folder: merge the adapter into the model first)"
+            ),
         )
     return files, None
+
+
+def _no_unnamed_shards(folder: Path, named: list[str]) -> None:
+    """Refuse a folder holding a shard of the index's series (``model-00002-of-00003``) that
+    the index does not name: a tensor left out of the index would be dropped unseen."""
+    series = {m.group(1, 3, 4) for f in named if (m := _SHARD.fullmatch(f))}
+    for f in sorted(p.name for p in folder.iterdir()):
+        m = _SHARD.fullmatch(f)
+        if m is not None and m.group(1, 3, 4) in series and f not in named:
+            raise ViewError(
+                "the folder holds a shard its index does not name (a tensor left out of "
+                "the index?)",
+                path=str(folder / f),
+                hint="regenerate the index (save_pretrained), or remove the stray shard",
+            )
 
 
 def _read_index(path: Path) -> dict[str, str]:

@@ -269,3 +269,31 @@ def test_a_version_the_model_cannot_hold_keeps_the_engine_serving(
     st = f.status()
     assert (f.version, reference_engine.version, st.version, st.reboots) == (0, 0, 0, 0)
     assert st.error_type == "IncompatibleModelError"
+
+
+def test_a_failure_whose_context_measures_time_is_still_the_same_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An expired LATEST is refused with how long ago it expired, a number that grows on
+    every retry: still one line, not one per retry; a different version is another failure."""
+    from rollpatch.errors import TrustError
+
+    log = logging.getLogger("rollpatch.test.failures2")
+    flog = FailureLog(log, "r1")
+    with caplog.at_level(logging.DEBUG, logger=log.name):
+        for ago in (0.4, 1.4, 3.4, 7.4):
+            flog.failed(
+                TrustError("LATEST has expired", reason="expired", version=5, expired_s_ago=ago)
+            )
+        flog.failed(
+            TrustError("LATEST has expired", reason="expired", version=6, expired_s_ago=9.0)
+        )
+    lines = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG]
+    assert len(lines) == 2 and "expired_s_ago=0.4" in lines[0] and "version=6" in lines[1]
+
+
+def test_an_error_shows_at_most_a_bounded_piece_of_each_context_value() -> None:
+    from rollpatch.errors import MAX_CONTEXT_CHARS, ViewError
+
+    text = str(ViewError("bad tensor name", tensor="x" * 100_000))
+    assert len(text) < MAX_CONTEXT_CHARS + 100 and "(100,002 characters)" in text

@@ -67,6 +67,18 @@ __all__ = [
 ]
 
 
+#: Characters of one context value an error's text shows (a hostile 100 KB tensor name
+#: must not make a 100 KB log line).
+MAX_CONTEXT_CHARS = 200
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    if len(text) <= MAX_CONTEXT_CHARS:
+        return text
+    return f"{text[:MAX_CONTEXT_CHARS]}... ({len(text):,} characters)"
+
+
 class RollpatchError(Exception):
     """Base of every error rollpatch raises on purpose.
 
@@ -83,7 +95,7 @@ class RollpatchError(Exception):
     def _render(self) -> str:
         text = self.message
         if self.context:
-            text += " [" + ", ".join(f"{k}={v!r}" for k, v in self.context.items()) + "]"
+            text += " [" + ", ".join(f"{k}={_short(v)}" for k, v in self.context.items()) + "]"
         if self.hint:
             text += f" (hint: {self.hint})"
         return text

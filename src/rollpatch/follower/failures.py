@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 
 from ..engines.fit import ModelTensors
-from ..errors import IncompatibleModelError, VersionNotFoundError
+from ..errors import IncompatibleModelError, RollpatchError, VersionNotFoundError
 from ..manifest import Manifest
 
 __all__ = [
@@ -63,8 +63,9 @@ class FailureLog:
 
     def failed(self, e: BaseException) -> None:
         text = f"{type(e).__name__}: {e}"
+        same = _same_as(e)  # what makes two failures the same: not a clock in its context
         now = time.monotonic()
-        if text == self._last and now - self._at < self._repeat_s:
+        if same == self._last and now - self._at < self._repeat_s:
             self._repeats += 1
             self._log.debug("%s: %s failed again: %s", self._run, self._what, text)
             return
@@ -74,15 +75,25 @@ class FailureLog:
         again = (
             f" (failed the same way {self._repeats} more time(s) since "
             f"{time.strftime('%H:%M:%S', time.localtime(self._since))})"
-            if text == self._last and self._repeats
+            if same == self._last and self._repeats
             else ""
         )
         self._log.log(level, "%s: %s failed: %s%s", self._run, self._what, text, again)
-        self._last, self._at, self._since, self._repeats = text, now, time.time(), 0
+        self._last, self._at, self._since, self._repeats = same, now, time.time(), 0
 
     def cleared(self) -> None:
         """A sync succeeded: the next failure is logged at once."""
         self._last, self._repeats = None, 0
+
+
+def _same_as(e: BaseException) -> str:
+    """A failure's identity for the repeat check: its type, message and context less the
+    values that are measurements (floats: an expired LATEST's ``expired_s_ago`` grows on
+    every retry)."""
+    if not isinstance(e, RollpatchError):
+        return f"{type(e).__name__}: {e}"
+    kept = {k: v for k, v in e.context.items() if not isinstance(v, float)}
+    return f"{type(e).__name__}: {e.message} {sorted(kept.items(), key=lambda kv: kv[0])!r}"
 
 
 class Unfit:

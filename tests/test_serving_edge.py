@@ -90,7 +90,7 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
 
     sc = SidecarMetrics()
     fields = {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1}
-    status = type("S", (), {**fields, "failures": 2, "last_error": None})
+    status = type("S", (), {**fields, "failures": 2, "adoptions": 1, "last_error": None})
     sc.update(status, status.latest, status.lag)
     sc.request("proxied", 0.01)
     text = sc.render().decode()
@@ -100,6 +100,7 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
         "rollpatch_lag_versions 2.0",
         "rollpatch_sync_failures 2.0",
         "rollpatch_sync_failing 0.0",
+        "rollpatch_adoptions 1.0",
         'rollpatch_requests_total{outcome="proxied"} 1.0',
     ):
         assert line in text.splitlines()

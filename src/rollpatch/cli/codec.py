@@ -137,6 +137,7 @@ def whole_note(dropped: int, whole: int, whole_elements: int | None = None) -> s
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from ..patch import diff, encode
+    from ..patch.model import FullOp
 
     what = "view" if args.views else "checkpoint"
     _files(args, old=f"old {what}", new=f"new {what}")
@@ -150,7 +151,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     _write_atomic(Path(args.output), blob)
     n = sum(t.n_elements for t in old.values())
     ops = [t.op for t in patch.tensors.values()]
-    whole = [t for t in patch.tensors.values() if t.op == "full"]
+    whole = [t for t in patch.tensors.values() if isinstance(t.change, FullOp)]
     print(
         f"{args.output}: {patch.n_changed:,} of {n:,} elements changed"
         + (" in place" if whole else "")

@@ -156,3 +156,16 @@ def test_a_planned_rotation_keeps_the_run_going(
     out = tmp_path / "v.safetensors"
     trusted = ["--trust", str(world.root), "--trust-state", str(tmp_path / "fresh.json")]
     assert main(["pull", "--board", world.board, "--run", RUN, "-o", str(out), *trusted]) == 0
+
+
+def test_a_root_version_past_the_next_says_which_is_next(tmp_path: Path, capsys) -> None:
+    from rollpatch.cli import main
+    from tests.conftest import signing_world
+
+    world = signing_world(tmp_path, "k")
+    argv = ["root", "--board", world.board, "--key", str(world.pub), "--sign", str(world.key)]
+    capsys.readouterr()
+    assert main([*argv, "--version", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "root 5 rotates from root 4, which the board does not have (its newest: 1)" in err
+    assert "the next is 2" in err

@@ -187,7 +187,12 @@ def cmd_root(args: argparse.Namespace) -> int:
     if board is not None and version > 1:
         raw_prev = board.root_raw(version - 1)
         if raw_prev is None:
-            raise ConfigError("the board has no root to rotate from", version=version - 1)
+            have = max(board.roots(), default=0)
+            raise ConfigError(
+                f"root {version} rotates from root {version - 1}, which the board does not "
+                f"have (its newest: {have or 'none'})",
+                hint=f"leave --version out (the next is {have + 1}); roots go one at a time",
+            )
         previous = verify_initial_root(raw_prev)
     root = Root.new(keys, threshold=args.threshold, version=version, expires=expires)
     raw = sign_root(root, signers)

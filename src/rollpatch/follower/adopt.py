@@ -133,7 +133,7 @@ class Adopter:
                 return None
             self._rec.count(adoptions=1)
             log.info(
-                "%s@%d: adopted the engine's words (root %s…, hashed in %.3f s; %.3f s in all): "
+                "%s@%d: adopted the engine's words (root %s, hashed in %.3f s; %.3f s in all): "
                 "no keyframe fetched",
                 self._run,
                 n,
@@ -143,7 +143,7 @@ class Adopter:
             )
             return n
         log.info(
-            "%s: the engine's words (root %s…) are none of the %d versions checked; booting "
+            "%s: the engine's words (root %s) are none of the %d versions checked; booting "
             "from a keyframe",
             self._run,
             digest[:16],

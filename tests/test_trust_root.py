@@ -169,3 +169,35 @@ def test_a_root_version_past_the_next_says_which_is_next(tmp_path: Path, capsys)
     err = capsys.readouterr().err
     assert "root 5 rotates from root 4, which the board does not have (its newest: 1)" in err
     assert "the next is 2" in err
+
+
+def test_signing_with_both_keys_after_the_rotation_starts_a_lineage_fresh_followers_reach(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rotation done first, then a publish with both keys: the version before is signed
+    only by the retired key, so a patch on it would reach only followers already there. The
+    publisher starts a new lineage (a keyframe with no parent) instead, and a fresh follower
+    under the original root.json pulls it."""
+    from rollpatch.cli import main
+    from tests.conftest import masters, save_masters, signing_world
+
+    world = signing_world(tmp_path, "old")
+    assert main(["keygen", "-o", str(tmp_path / "new")]) == 0
+    old, new = ["--signing-key", str(world.key)], ["--signing-key", str(tmp_path / "new.key")]
+    publish = ["publish", "--board", world.board, "--run", RUN]
+    for i in range(3):
+        ck = tmp_path / f"ck{i}.safetensors"
+        save_masters(ck, masters(1, step=1e-4 * i))
+        if i == 2:
+            rotate = ["root", "--board", world.board, "--key", str(tmp_path / "new.pub")]
+            assert (
+                main([*rotate, "--sign", str(world.key), "--sign", str(tmp_path / "new.key")]) == 0
+            )
+            caplog.clear()
+        assert main([*publish, str(ck), *old, *(new if i == 2 else [])]) == 0
+    m2 = Board(world.board).manifest(RUN, 2)
+    assert (m2.parent, m2.is_keyframe) == (None, True)
+    assert "the board's trust root no longer accepts" in caplog.text
+    trusted = ["--trust", str(world.root), "--trust-state", str(tmp_path / "fresh.json")]
+    out = tmp_path / "v.safetensors"
+    assert main(["pull", "--board", world.board, "--run", RUN, "-o", str(out), *trusted]) == 0

@@ -15,12 +15,39 @@ import time
 from collections.abc import Callable
 
 from ..board import Board
-from ..errors import RollpatchError
-from ..trust import Signer, verify_initial_root
+from ..errors import RollpatchError, TrustError
+from ..trust import Signer, Trust, verify_initial_root
 
-__all__ = ["LatestHeartbeat", "check_signing"]
+__all__ = ["LatestHeartbeat", "check_signing", "fleet_refuses"]
 
 log = logging.getLogger("rollpatch.publisher")
+
+
+def fleet_refuses(board: Board, run: str, version: int) -> TrustError | None:
+    """On a board with a root of trust: why a follower under the board's newest root could
+    not reach ``version`` (the first manifest on the way to it that root does not accept: one
+    signed only by a key a rotation retired), else None. None too when it cannot tell (no
+    root, a root chain that does not verify): the board is untrusted, so this only decides
+    whether a resuming publisher starts a new lineage, never whether it publishes."""
+    try:
+        first = board.root_raw(1)
+        if first is None:
+            return None
+        trust = Trust(first, follow_rotation=True)
+        trust.update_root(board.root_raw)
+        fleet = Board(board.store, trust=trust)
+        plan = Board(board.store).plan(run, None, version)
+    except RollpatchError as e:
+        log.debug("%s: cannot tell what followers accept of the run: %s", run, e)
+        return None
+    for step in plan.steps:
+        try:
+            fleet.manifest(run, step.to)
+        except TrustError as e:
+            return e
+        except RollpatchError:
+            return None
+    return None
 
 
 def check_signing(board: Board, signer: Signer | None) -> None:

@@ -24,6 +24,7 @@ from .reconstruct import reconstruct
 from .result import ShardResult
 from .rounds import Snapshot
 from .sharded import Exchange
+from .signing import fleet_refuses
 
 __all__ = ["VersionWriter"]
 
@@ -143,6 +144,20 @@ class VersionWriter:
             ):
                 self.resume_scope = "shard"
                 return part
+        if signer is not None and self._x.size == 1:
+            why = fleet_refuses(self.board, self.run, self.resume_from)
+            if why is not None:  # built on, the version would reach only followers already there
+                log.warning(
+                    "%s: the way to version %d passes a manifest the board's trust root no "
+                    "longer accepts (%s); version %d is published as a keyframe with no "
+                    "parent, which followers under that root can boot from",
+                    self.run,
+                    self.resume_from,
+                    why.message,
+                    snap.version,
+                )
+                self.resume_scope = "keyframe"
+                return None
         self.resume_scope = "whole"
         try:
             return reconstruct(self.board, self.run, self.resume_from, trust=trust)

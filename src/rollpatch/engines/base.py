@@ -5,13 +5,25 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
-from ..errors import EngineError
+from ..errors import BaseMismatchError, EngineError
 from ..patch import Patch
 from ..view import View, WordSource
 from .fit import ModelTensors
 from .staged import AuditReport, EncodedStep, StagedUpdate
 
-__all__ = ["EngineAdapter"]
+__all__ = ["EngineAdapter", "require_adoptable"]
+
+
+def require_adoptable(engine: str, digest: str, root: str) -> None:
+    """An adoption's check: the root just hashed from the engine's words is ``digest``
+    (:class:`BaseMismatchError` otherwise, before anything changes)."""
+    if root != digest:
+        raise BaseMismatchError(
+            "the engine does not hold the expected view",
+            engine=engine,
+            expected=digest[:16],
+            actual=root[:16],
+        )
 
 
 class EngineAdapter(ABC):

@@ -17,7 +17,7 @@ from ...errors import BaseMismatchError, ConfigError, EngineError, TargetMismatc
 from ...patch import Patch
 from ...patch.ops import gather, scatter
 from ...view import Tensor, View, WordSource, sum128, sum128_digest
-from ..base import EngineAdapter
+from ..base import EngineAdapter, require_adoptable
 from ..catchup import decode_in_place
 from ..fit import ModelTensors, tensors_of_view
 from ..rewind import REWIND_MAX_BYTES, RewindLog
@@ -148,13 +148,7 @@ class ReferenceEngine(EngineAdapter):
         with self.runtime.commit() as view:
             view.invalidate()
             root = view.digest()
-            if root != digest:
-                raise BaseMismatchError(
-                    "the engine does not hold the expected view",
-                    engine=self.name,
-                    expected=digest[:16],
-                    actual=root[:16],
-                )
+            require_adoptable(self.name, digest, root)
             self.rewind.clear()
             self.runtime.version = version
 

@@ -31,11 +31,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...errors import BaseMismatchError, EngineError, RollpatchError, TargetMismatchError
+from ...errors import EngineError, RollpatchError, TargetMismatchError
 from ...io.safetensors import save_view
 from ...patch import Patch, inspect
 from ...view import View, WordSource
-from ..base import EngineAdapter
+from ..base import EngineAdapter, require_adoptable
 from ..catchup import decodes_in_place
 from ..fit import ListedTensors
 from ..restarts import RESTARTED, BootWatch
@@ -141,13 +141,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
         """Take over a server that booted from a checkpoint: verified against ``digest``."""
         with self._lock:
             _, root = self.held(fresh=True)
-            if root != digest:
-                raise BaseMismatchError(
-                    "the server does not hold the expected view",
-                    engine=self.name,
-                    expected=digest[:16],
-                    actual=root[:16],
-                )
+            require_adoptable(self.name, digest, root)
             self._set(version, root)
             self._tag(str(version))
 

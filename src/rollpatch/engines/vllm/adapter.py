@@ -21,7 +21,7 @@ from ...io.safetensors import save_view
 from ...patch import Patch, inspect
 from ...validate import check_choice
 from ...view import View, WordSource
-from ..base import EngineAdapter
+from ..base import EngineAdapter, require_adoptable
 from ..fit import ListedTensors
 from ..restarts import RESTARTED, BootWatch
 from ..staged import AuditReport, EncodedStep, StagedUpdate
@@ -131,13 +131,7 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
     def adopt(self, version: int, digest: str) -> None:
         """Take over a server that booted from a checkpoint: verified against ``digest``."""
         _, root = self.held(fresh=True)
-        if root != digest:
-            raise BaseMismatchError(
-                "the server does not hold the expected view",
-                engine=self.name,
-                expected=digest[:16],
-                actual=root[:16],
-            )
+        require_adoptable(self.name, digest, root)
         self._set(version, root)
 
     # -- commits -----------------------------------------------------------------------------

@@ -348,10 +348,11 @@ def test_resign_with_a_key_that_did_not_publish_the_run_changes_nothing(
     assert "LATEST names r1@0, whose manifest none of these keys signed" in err
     assert "nothing re-signed" in err and "resign with the key the run is published with" in err
     assert board.store.get(pointer_key("r1")) == before
-    assert (
-        main(["resign", "--board", world.board, "--run", "r1", "--signing-key", str(world.key)])
-        == 0
-    )
+    resign = ["resign", "--board", world.board, "--run", "r1", "--signing-key", str(world.key)]
+    assert main(resign) == 0
+    capsys.readouterr()
+    assert main([*resign, "--every", "600", "--latest-ttl", "10"]) == 2  # expired between
+    assert "--every must be shorter than --latest-ttl" in capsys.readouterr().err
 
 
 def test_status_with_a_trust_root_lists_a_run_whose_latest_expired(tmp_path: Path, capsys) -> None:

@@ -223,6 +223,13 @@ def cmd_resign(args: argparse.Namespace) -> int:
         raise ConfigError("resign needs --signing-key (the key the run is published with)")
     if args.every is not None and not args.every >= MIN_EVERY_S:
         raise ConfigError(f"--every must be at least {MIN_EVERY_S:g} s", value=args.every)
+    if args.every is not None and args.every >= signer.latest_ttl_s:
+        raise ConfigError(
+            "--every must be shorter than --latest-ttl: LATEST would expire between re-signs",
+            every=args.every,
+            latest_ttl=signer.latest_ttl_s,
+            hint="re-sign at a quarter of the TTL, as a publisher does",
+        )
     board = Board(args.board, signer=signer)
     mine = Board(args.board, trust=signer.self_trust())  # what these keys signed
     while True:

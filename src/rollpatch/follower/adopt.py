@@ -108,16 +108,17 @@ class Adopter:
         except RollpatchError as e:  # not an answer (an engine not up yet): asked again next sync
             log.warning("%s: could not hash the engine's words to adopt them: %s", self._run, e)
             return None
-        self._tried = True
         if digest is None:
+            self._tried = True
             log.info(
                 "%s: engine %s cannot hash its words; no adoption", self._run, self._engine.name
             )
             return None
         hashed_s = time.monotonic() - t0
-        order = candidates(
+        order = candidates(  # a store failure here fails the sync; the next one tries again
             self._reader.versions(self._run), self._reader.keyframes(self._run), self._scan, upto
         )
+        self._tried = True
         for n in order:
             try:
                 target = self._manifest(n).target

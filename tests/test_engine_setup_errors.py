@@ -29,15 +29,28 @@ def test_vllm_without_the_worker_extension_says_which_flag(monkeypatch: Any) -> 
 
     engine = VllmEngine("http://127.0.0.1:9")
 
-    def post(path: str, body: Any = None, **kw: Any) -> Any:  # vLLM's answer, as seen live
-        raise EngineError("vLLM answered 500: 'CPUWorker' object has no attribute 'rollpatch_info'")
-
-    monkeypatch.setattr(engine.http, "post", post)
+    answers = [  # the worker's AttributeError: in the message, or (vLLM 0.32, as seen live)
+        # in the 500's detail, quotes escaped
+        EngineError("vLLM answered 500: 'CPUWorker' object has no attribute 'rollpatch_info'"),
+        EngineError(
+            "vLLM answered 500 to POST /collective_rpc",
+            engine="vllm",
+            detail='{"error":{"message":"Call to collective_rpc method failed: Worker failed '
+            "with error \\'\\'CPUWorker\\' object has no attribute \\'rollpatch_info\\'\\', "
+            'please check the stack trace above for the root cause"}}',
+        ),
+    ]
     try:
-        with pytest.raises(EngineError, match="lack rollpatch's extension") as e:
-            engine.info()
-        assert "--worker-extension-cls rollpatch.engines.vllm.WorkerExtension" in (
-            e.value.hint or ""
-        )
+        for answer in answers:
+
+            def post(path: str, body: Any = None, answer: Any = answer, **kw: Any) -> Any:
+                raise answer
+
+            monkeypatch.setattr(engine.http, "post", post)
+            with pytest.raises(EngineError, match="lack rollpatch's extension") as e:
+                engine.info()
+            assert "--worker-extension-cls rollpatch.engines.vllm.WorkerExtension" in (
+                e.value.hint or ""
+            )
     finally:
         engine.close()

@@ -27,6 +27,7 @@ them to HTTP statuses; the CLI to exit codes)::
     │   ├── VersionNotFoundError    no such version on the board
     │   └── NoPathError             no plan reaches the wanted version
     ├── EngineError                 an engine adapter failed (load, apply, digest)
+    │   ├── EngineUnreachableError  no answer: no connection, or it broke
     │   └── IncompatibleModelError  the engine's model cannot hold the run's tensors
     └── NotReadyError               a component is not ready to serve (maps to 503)
 """
@@ -44,6 +45,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "EngineError",
+    "EngineUnreachableError",
     "FormatError",
     "IncompatibleModelError",
     "LimitError",
@@ -204,6 +206,11 @@ class EngineError(RollpatchError):
     """An engine adapter failed to load, apply or digest."""
 
 
+class EngineUnreachableError(EngineError):
+    """The engine did not answer: no connection, or the connection broke. A remote engine
+    that was unreachable may have restarted from its boot checkpoint meanwhile."""
+
+
 class IncompatibleModelError(EngineError):
     """The engine's model cannot hold the run's versions: a tensor name, dtype or shape of
     the run's keyframe differs from the model the engine was started with. No retry changes
@@ -225,6 +232,7 @@ _ENGINE_PASS_THROUGH = {
     "ViewError",
     "VerificationError",
     "EngineError",
+    "EngineUnreachableError",
     "IncompatibleModelError",
 }
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...errors import EngineError, engine_error
+from ...errors import EngineError, EngineUnreachableError, engine_error
 
 __all__ = [
     "MAX_LINE",
@@ -91,7 +91,7 @@ def request(path: str | Path, body: dict[str, Any], timeout: float) -> dict[str,
             s.sendall(json.dumps(body, separators=(",", ":")).encode() + b"\n")
             raw = read_line(s)
     except OSError as err:
-        raise EngineError(
+        raise EngineUnreachableError(
             f"the SGLang control socket is not reachable: {err}",
             path=str(path),
             op=body.get("op"),
@@ -127,7 +127,7 @@ def http_json(
                 detail=raw[:500].decode(errors="replace"),
             ) from None
     except (urllib.error.URLError, OSError) as err:
-        raise EngineError(
+        raise EngineUnreachableError(
             f"SGLang is not reachable: {err}",
             engine="sglang",
             url=base_url,

@@ -20,7 +20,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from ...errors import EngineError
+from ...errors import EngineError, EngineUnreachableError
 from .nudge import Nudger
 
 __all__ = ["Http"]
@@ -104,7 +104,7 @@ class Http:
             if broken is not None:
                 broken.close()
             self._local.conn = None
-            raise EngineError(
+            raise EngineUnreachableError(
                 f"vLLM is not reachable: {err}",
                 engine="vllm",
                 url=self.base_url,

@@ -59,7 +59,9 @@ class WorkerCalls(NestedPause):
         try:
             out = self.http.post("/collective_rpc", body)
         except EngineError as e:
-            if f"has no attribute '{method}'" not in e.message:
+            # vLLM's 500 carries the worker's AttributeError in its detail (quotes escaped)
+            text = " ".join([e.message, *map(str, e.context.values())])
+            if "has no attribute" not in text or method not in text:
                 raise
             raise EngineError(  # vLLM runs without rollpatch's methods in its workers
                 "vLLM's workers lack rollpatch's extension",

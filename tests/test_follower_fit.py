@@ -95,6 +95,11 @@ def test_a_model_of_other_shapes_is_refused_from_the_header(
     kf = _keyframes(board)
     read = _read(store, kf)
     assert 0 < read < min(kf.values()) // 4  # a header, never the tensors
+    plan = f.last_plan
+    assert plan is not None and any(not s.is_keyframe for s in plan.steps)
+    patches = [r.key for s in plan.steps if not s.is_keyframe for r in s.objects]
+    assert sum(store.nbytes[k] for k in patches) == 0  # nor the patches after the keyframe
+    assert st.bytes_fetched == 0
 
 
 def test_a_run_tensor_the_model_lacks_is_refused_from_the_header(

@@ -117,6 +117,40 @@ def test_ready_is_503_when_the_engine_is_unreachable(world: World) -> None:
         sc.stop()
 
 
+def test_a_request_the_engine_does_not_answer_suspends_the_served_version(
+    world: World,
+) -> None:
+    """The engine may have restarted from its checkpoint while unreachable: after a 502 the
+    sidecar proxies nothing and labels nothing (503, /ready says why) until the audit has
+    re-checked the engine; then it serves again."""
+    engine = ReferenceEngine.from_dir(world.model, threads=1)
+    engine.remote = True  # as vLLM's and SGLang's adapters are: another process
+    cfg = SidecarConfig(  # the audit's own period is long: the test runs its re-check
+        follower=FollowerConfig(poll_s=0.05, audit_period_s=3600.0), ready_probe_s=0.05
+    )
+    sc = start_sidecar(world.board, "r1", engine, "http://127.0.0.1:9", config=cfg)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    try:
+        deadline = time.monotonic() + 60
+        while sc.sidecar.follower.version is None:
+            assert time.monotonic() < deadline, "never loaded a version"
+            time.sleep(0.05)
+        served = sc.sidecar.follower.version
+        r = httpx.post(f"{sc.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 502 and "engine unreachable" in r.text
+        r = httpx.post(f"{sc.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "contact with the engine was lost" in r.text
+        assert httpx.get(f"{sc.url}/version").json()["served"] is None
+        r = httpx.get(f"{sc.url}/ready")
+        assert r.status_code == 503 and "re-checking" in r.json()["error"]["message"]
+        auditor = sc.sidecar.follower.auditor
+        assert auditor is not None and auditor.step() is not None  # the re-check
+        assert sc.sidecar.gate.suspect is None and sc.sidecar.follower.version == served
+        assert httpx.get(f"{sc.url}/version").json()["served"] == served
+    finally:
+        sc.stop()
+
+
 def test_admin_token(sidecar: RunningSidecar) -> None:
     assert httpx.post(f"{sidecar.url}/admin/sync").status_code == 401
     r = httpx.post(

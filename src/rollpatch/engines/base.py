@@ -35,6 +35,10 @@ class EngineAdapter(ABC):
     """
 
     name: str = "engine"
+    #: The engine runs in another process that can stop and restart on its own (vLLM,
+    #: SGLang): when it does not answer, the words behind its version may be its boot
+    #: checkpoint's by the time it answers again (:meth:`Follower.engine_unreachable`).
+    remote: bool = False
 
     @property
     @abstractmethod

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from ..engines.base import EngineAdapter
 from ..engines.staged import AuditReport
-from ..errors import RollpatchError
+from ..errors import EngineUnreachableError, RollpatchError
+from .commit import CommitGate
 from .config import FollowerConfig
 from .failures import FailureLog
 
@@ -46,8 +47,12 @@ class Auditor:
         period_s: float,
         on_mismatch: Callable[[AuditReport], None],
         busy: Callable[[], bool] = lambda: False,
+        on_contact: Callable[[bool], None] = lambda answered: None,
     ) -> None:
         self.engine = engine
+        #: Called with True when the engine answered a slice (its identity checked: a remote
+        #: engine that restarted is found so), False when it could not be reached.
+        self.on_contact = on_contact
         self.budget = max(1, int(rate_bytes_per_s * period_s))
         self.period_s = period_s
         self.on_mismatch = on_mismatch
@@ -65,11 +70,13 @@ class Auditor:
         cls,
         engine: EngineAdapter,
         config: FollowerConfig,
+        gate: CommitGate,
         *,
         on_mismatch: Callable[[AuditReport], None],
-        busy: Callable[[], bool],
     ) -> Auditor | None:
-        """The auditor ``config`` asks for (None: ``audit_bytes_per_s`` unset, no audit)."""
+        """The auditor ``config`` asks for (None: ``audit_bytes_per_s`` unset, no audit),
+        skipping slices while ``gate`` runs a weight change and telling it whether the engine
+        answered (:meth:`CommitGate.contact`)."""
         rate = config.audit_bytes_per_s
         if rate is None:
             return None
@@ -78,7 +85,8 @@ class Auditor:
             rate_bytes_per_s=rate,
             period_s=config.audit_period_s,
             on_mismatch=on_mismatch,
-            busy=busy,
+            busy=lambda: gate.busy,  # a weight change runs: not now
+            on_contact=gate.contact,
         )
 
     def step(self) -> AuditReport | None:
@@ -88,6 +96,7 @@ class Auditor:
         report = self.engine.audit(self.budget)
         if report is None:
             return None
+        self.on_contact(True)
         self.last = report
         self.bytes += report.nbytes
         self.passes += report.wrapped
@@ -123,4 +132,6 @@ class Auditor:
                 self.step()
                 failures.cleared()
             except RollpatchError as e:  # the engine is unreachable or busy: try next period
+                if isinstance(e, EngineUnreachableError):
+                    self.on_contact(False)
                 failures.failed(e)  # the same failure once a minute, not every period

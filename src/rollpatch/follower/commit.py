@@ -25,6 +25,7 @@ was closed before that.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from ..errors import ConfigError, NotReadyError
 from ..serving.admission import Slot
 
 __all__ = ["COMMIT_MODES", "Admission", "CommitGate", "CommitMode", "CommitRecord"]
+
+log = logging.getLogger("rollpatch.follower")
 
 CommitMode = Literal["drain", "pause"]
 COMMIT_MODES: tuple[str, ...] = get_args(CommitMode)
@@ -109,6 +112,39 @@ class CommitGate:
         self.last: CommitRecord | None = None
         self.pauses: list[float] = []
         self.drain_timeouts = 0
+        #: Why the served version is not vouched for now (None: it is): contact with a remote
+        #: engine was lost, and it may have restarted from its boot checkpoint since.
+        self.suspect: str | None = None
+
+    # -- contact with the engine -------------------------------------------------------------
+
+    def suspend(self, why: str) -> None:
+        """Serve no version (no request is labelled with one) until :meth:`confirm`: the
+        engine was unreachable, so the words behind its version may be another's by now."""
+        with self._cond:
+            if self.suspect is None:
+                log.warning(
+                    "engine %s: %s; serving nothing until it is re-checked", self.engine.name, why
+                )
+            self.suspect = why
+            self._cond.notify_all()
+
+    def contact(self, answered: bool) -> None:
+        """The audit's word on the engine: it answered (:meth:`confirm`), or not (suspend)."""
+        if answered:
+            self.confirm()
+        else:
+            self.suspend("the audit could not reach it")
+
+    def confirm(self) -> None:
+        """The engine answered an identity check (the audit), or took a verified commit."""
+        with self._cond:
+            if self.suspect is not None:
+                log.info(
+                    "engine %s: re-checked; serving its verified version again", self.engine.name
+                )
+            self.suspect = None
+            self._cond.notify_all()
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -155,6 +191,8 @@ class CommitGate:
             return self._served()
 
     def _served(self) -> int | None:
+        if self.suspect is not None:
+            return None
         v = self.engine.version
         return self._held if v is None and self._busy else v
 
@@ -210,6 +248,8 @@ class CommitGate:
             try:
                 out = write()
                 ok = True
+                with self._cond:  # a verified commit: the engine answered, and holds it
+                    self.suspect = None
                 return out
             finally:
                 if pause:

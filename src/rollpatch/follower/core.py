@@ -6,11 +6,9 @@ The follower's version is only ever one the engine holds *and* that the follower
 against the board (engine digest == manifest target), so a failed fetch, decode or apply can
 never advance it: the next pass plans again from what the engine verifiably holds.
 
-Here: the state machine, the commit and one poll. Beside it: :mod:`.held` (the verified
-version: what the engine holds, checked against the board),
-:mod:`.stage` (a plan's objects → one staged commit), :mod:`.record` (state,
-counters, timings), :mod:`.watch` (the background thread), :mod:`.fetch`, :mod:`.commit` (the
-gate), :mod:`.audit`; planning around corrupt objects is :mod:`rollpatch.avoid`'s.
+Here: the state machine, the commit and one poll. Beside it: :mod:`.held`, :mod:`.stage`,
+:mod:`.record`, :mod:`.watch`, :mod:`.fetch`, :mod:`.commit` (the gate), :mod:`.audit`,
+:mod:`.adopt`; planning around corrupt objects is :mod:`rollpatch.avoid`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from ..errors import (
     NotReadyError,
     RollpatchError,
     TargetMismatchError,
-    VerificationError,
     VersionNotFoundError,
 )
 from ..manifest import Manifest
@@ -49,7 +46,14 @@ from .failures import FailureLog, Unfit, missing_version
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .held import Held
 from .record import PastWanted, Record
-from .stage import EarlyDecode, anchor_evidence, check_size, refused_hop, stage_plan
+from .stage import (
+    EarlyDecode,
+    anchor_evidence,
+    check_keyframe_fit,
+    check_size,
+    refused_hop,
+    stage_plan,
+)
 from .targets import Targets
 from .watch import LatestHint, WakeEvent, Watcher
 
@@ -90,7 +94,7 @@ class Follower:
         #: otherwise); the sidecar passes the gate it admits requests through.
         self.gate = gate if gate is not None else CommitGate(engine, "pause")
         self.auditor = Auditor.configured(
-            engine, self.config, on_mismatch=self._on_audit_mismatch, busy=lambda: self.gate.busy
+            engine, self.config, self.gate, on_mismatch=self._on_audit_mismatch
         )
         self.on_commit: list[CommitCallback] = []
         #: The plan of the most recent sync that planned (for reports such as ``pull``).
@@ -128,8 +132,14 @@ class Follower:
 
     @property
     def version(self) -> int | None:
-        """The version the engine holds and the follower verified (None: unknown)."""
-        return self._held.version
+        """The verified version the engine holds (None: unknown, or being re-checked)."""
+        return None if self.gate.suspect is not None else self._held.version
+
+    def engine_unreachable(self, why: str) -> None:
+        """A request could not reach a remote engine (it may restart with its checkpoint's
+        words): no version is served until the audit re-checks it (without one: ignored)."""
+        if self.engine.remote and self.auditor is not None:
+            self.gate.suspend(why)
 
     def status(self) -> FollowerStatus:
         """A consistent snapshot of state, versions, counters and timings."""
@@ -263,7 +273,10 @@ class Follower:
         model: ModelTensors | None,
     ) -> None:
         """Fetch, stage and commit ``plan`` (the rewind retried as a chain when refused;
-        ``model``: the engine's tensors, read before the fetch when booting)."""
+        ``model``: the engine's tensors when booting, checked against the keyframe's headers
+        before anything is fetched)."""
+        if model is not None:
+            check_keyframe_fit(self._reader, self.engine, manifests[plan.steps[0].to], model)
         self._rec.set(FollowerState.FETCHING)
         t0 = time.monotonic()
         early = EarlyDecode.for_plan(self.engine, plan, manifests, have)
@@ -309,24 +322,9 @@ class Follower:
         """Run ``write`` through the commit gate (the one owner of the pause), check that the
         engine holds ``m``'s target, and record the version before the gate lets go."""
         before = self.version
-
-        def run() -> None:
-            write()
-            if self.engine.version != want or self.engine.digest != m.target:
-                self._held.keep_if_held(before)
-                raise VerificationError(
-                    "engine does not hold the target digest after the commit",
-                    run=self.run,
-                    version=want,
-                    engine=self.engine.name,
-                )
-            self._held.set(want)
-
-        self.gate.run(run)
+        self.gate.run(lambda: self._held.commit(write, want, m.target, before))
         pause_s = self.gate.last_pause_s or 0.0
-        with self._cond:
-            self._rec.timings["commit"] = pause_s
-        self._rec.count(commits=1)
+        self._rec.committed(pause_s)
         for callback in list(self.on_commit):
             try:
                 callback(want, pause_s)

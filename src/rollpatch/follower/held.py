@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from ..engines import EngineAdapter
-from ..errors import RollpatchError, VersionNotFoundError
+from ..errors import RollpatchError, VerificationError, VersionNotFoundError
 from ..manifest import Manifest
 from .record import Record
 
@@ -93,6 +93,21 @@ class Held:
             return
         if ok:
             self.set(have)
+
+    def commit(self, write: Callable[[], None], want: int, target: str, before: int | None) -> None:
+        """``write`` (a commit, under the gate), then ``want`` is the version if the engine
+        holds ``target``; else :class:`VerificationError`, and ``before`` stays only if the
+        engine still says so."""
+        write()
+        if self._engine.version != want or self._engine.digest != target:
+            self.keep_if_held(before)
+            raise VerificationError(
+                "engine does not hold the target digest after the commit",
+                run=self._run,
+                version=want,
+                engine=self._engine.name,
+            )
+        self.set(want)
 
     def set(self, version: int) -> None:
         """``version`` is verified (a commit checked the engine's digest against it)."""

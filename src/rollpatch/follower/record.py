@@ -66,6 +66,13 @@ class Record:
                 self.counts[name] += n
             self.cond.notify_all()
 
+    def committed(self, pause_s: float) -> None:
+        """A verified commit that paused the engine ``pause_s``."""
+        with self.cond:
+            self.timings["commit"] = pause_s
+            self.counts["commits"] += 1
+            self.cond.notify_all()
+
     def fetched(self, ref: ObjectRef) -> None:
         """An object (or a keyframe shard read whole) arrived, verified."""
         self.count(bytes=ref.size, objects=1)

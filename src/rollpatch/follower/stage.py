@@ -21,13 +21,16 @@ engine's apply then verifies the whole base before writing and the whole target 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..board import Board
 from ..engines import EngineAdapter
 from ..engines.fit import FitCheck, ModelTensors
 from ..engines.staged import EncodedStep, StagedUpdate
-from ..errors import NoPathError, ObjectIntegrityError
+from ..errors import NoPathError, ObjectIntegrityError, RollpatchError
+from ..io.safetensors import read_entries_ranges
 from ..manifest import Manifest
 from ..patch import Patch, apply, compose
 from ..patch.overlay import Overlay
@@ -178,6 +181,31 @@ def stage_plan(
             engine.apply(stage.patch, want)  # verifies base and target; all or nothing
 
     return write
+
+
+def check_keyframe_fit(
+    board: Board, engine: EngineAdapter, m: Manifest, model: ModelTensors | None
+) -> None:
+    """Before a keyframe boot fetches anything else (the patches after the keyframe): the
+    keyframe's tensors against the engine's ``model``, from the sliced entries of the signed
+    manifest and each shard's header (two ranged reads a shard).
+    :class:`IncompatibleModelError` names the first difference; the keyframe read checks the
+    same again (and the name sets) as it streams."""
+    if model is None:
+        return
+    fit = FitCheck(model, engine=engine.name, run=m.run, version=m.version, fmt=m.format)
+    for w in m.sliced:
+        fit.tensor(w.name, w.dtype, tuple(w.shape))
+    for k in sorted(m.keyframes, key=lambda k: k.shard):
+        sliced = m.slices_of(k.shard)
+        read = functools.partial(board.store.get_range, k.ref.key)
+        try:
+            entries = read_entries_ranges(read, k.ref.size)
+        except RollpatchError:  # unreadable here: the verified read says what it is
+            return
+        for name, dtype, shape in entries:
+            if name not in sliced:
+                fit.tensor(name, dtype, shape)
 
 
 def check_size(plan: Plan, limit: int | None) -> None:

@@ -166,6 +166,23 @@ def _build(
     return View(tensors, view_meta)
 
 
+def read_entries_ranges(
+    read: Callable[[int, int], bytes], size: int
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The ``(name, dtype, shape)`` of every tensor a safetensors object of ``size`` bytes
+    holds, from its header alone (two ranged reads; validated as :func:`read_view_ranges`
+    validates it, not hashed: what the caller decides from it must not need the object's
+    BLAKE3)."""
+    n = _header_len(read(0, 8) if size >= 8 else b"", size)
+    raw = read(8, 8 + n)
+    if len(raw) != n:
+        raise ViewError("short read of a safetensors header", expected=n, got=len(raw))
+    return [
+        (name, dtype, shape)
+        for name, dtype, shape, _, _ in _entries(_parse_json(raw), size - 8 - n)
+    ]
+
+
 def read_view_ranges(
     read: Callable[[int, int], bytes],
     size: int,

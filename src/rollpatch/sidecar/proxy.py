@@ -141,10 +141,7 @@ class ProxyFront:
             finally:
                 resp.close()
         except UpstreamError as e:
-            sc.metrics.request("engine_error")
-            await _send_response(
-                send, error_response(502, f"engine unreachable: {e}", "engine_error")
-            )
+            await _unreachable(sc, send, e)
             return
         end = slot.release()
         sc.metrics.request("proxied", time.perf_counter() - t0)
@@ -162,10 +159,7 @@ class ProxyFront:
         try:
             resp = await self.upstream.request("POST", path, payload, _JSON)
         except UpstreamError as e:
-            sc.metrics.request("engine_error")
-            await _send_response(
-                send, error_response(502, f"engine unreachable: {e}", "engine_error")
-            )
+            await _unreachable(sc, send, e)
             return
         try:
             if resp.status != 200:
@@ -230,6 +224,7 @@ class ProxyFront:
         except UpstreamError as e:
             if not gone.done():
                 event(log, "stream_failed", error=str(e))
+                self.sc.follower.engine_unreachable(f"a stream from it broke: {e}")
                 await send(
                     {"type": "http.response.body", "body": relay.abandon(), "more_body": True}
                 )
@@ -259,6 +254,14 @@ async def _disconnect(receive: Receive) -> None:
     server hands out late, are not a disconnect)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unreachable(sc: Sidecar, send: Send, e: UpstreamError) -> None:
+    """502 for a request the engine did not answer; until the audit re-checks the engine
+    (a restarted one holds its boot checkpoint's words), no version is served."""
+    sc.metrics.request("engine_error")
+    sc.follower.engine_unreachable(f"a request could not reach it: {e}")
+    await _send_response(send, error_response(502, f"engine unreachable: {e}", "engine_error"))
 
 
 async def _admit(sc: Sidecar) -> Admission:

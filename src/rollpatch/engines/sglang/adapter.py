@@ -74,6 +74,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
     """
 
     name = "sglang"
+    remote = True
 
     def __init__(
         self,

@@ -61,6 +61,7 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
     """
 
     name = "vllm"
+    remote = True
 
     def __init__(
         self,

@@ -1,0 +1,145 @@
+"""Contact with a remote engine (a newcomer's audit, session 37): a vLLM killed and restarted
+under the sidecar came back holding its boot checkpoint's words, and until the next audit
+noticed, the sidecar labelled its answers with the version it had verified before. Now a
+request the engine does not answer (or an audit that cannot reach it) suspends the served
+version: nothing is labelled, no request is proxied (503 with the reason), until the audit
+re-checks the engine (its identity: a restarted one is found so and re-synced) or a verified
+commit lands."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from rollpatch.engines import ViewEngine
+from rollpatch.engines.restarts import RESTARTED
+from rollpatch.engines.staged import AuditReport
+from rollpatch.errors import EngineError, EngineUnreachableError
+from rollpatch.follower import Follower, FollowerConfig
+from rollpatch.follower.commit import CommitGate
+from rollpatch.publisher import Publisher
+from tests.conftest import masters
+
+
+class Remote(ViewEngine):
+    """A stand-in remote engine: ``down`` makes every call unreachable; ``restarted`` makes
+    the next audit find another boot identity (the adapter then holds no version)."""
+
+    name = "remote"
+    remote = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.restarted = False
+
+    def audit(self, budget_bytes: int) -> AuditReport:
+        if self.down:
+            raise EngineUnreachableError("remote is not reachable: connection refused")
+        if self.restarted:
+            self._version = None  # what the vLLM/SGLang adapters do on a new boot identity
+            return AuditReport(1, 8, (RESTARTED,), False)
+        return AuditReport(1, 8, (), False)
+
+
+@pytest.fixture
+def follower(tmp_path: Any) -> Follower:
+    board = f"file://{tmp_path / 'board'}"
+    with Publisher(board, "r", asynchronous=False) as pub:
+        pub.publish(masters(1))
+        pub.publish(masters(1, step=1e-3))
+    eng = Remote()
+    f = Follower(board, "r", eng, FollowerConfig(audit_bytes_per_s=1e6, audit_period_s=60.0))
+    assert f.sync() == 1 and f.version == 1
+    return f
+
+
+def test_an_unanswered_request_suspends_the_version_until_the_audit_answers(
+    follower: Follower, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate, auditor, eng = follower.gate, follower.auditor, follower.engine
+    assert auditor is not None and isinstance(eng, Remote)
+    with caplog.at_level(logging.INFO, logger="rollpatch.follower"):
+        follower.engine_unreachable("a request could not reach it: connection refused")
+        assert follower.version is None and gate.served() is None
+        with gate.admit(1.0) as slot:  # a request admitted now is labelled with nothing
+            assert slot.start is None
+        eng.down = True
+        with pytest.raises(EngineUnreachableError):
+            auditor.step()
+        gate.contact(False)  # what the audit loop says then
+        assert gate.suspect is not None and follower.version is None
+        eng.down = False
+        assert auditor.step() is not None  # answered: the same engine, its words checked
+        assert gate.suspect is None and follower.version == 1 and gate.served() == 1
+    said = caplog.text
+    assert "serving nothing until it is re-checked" in said and "re-checked; serving" in said
+
+
+def test_a_restarted_engine_found_by_the_recheck_is_re_synced(follower: Follower) -> None:
+    eng = follower.engine
+    assert isinstance(eng, Remote) and follower.auditor is not None
+    follower.engine_unreachable("a request could not reach it")
+    eng.restarted = True
+    follower.auditor.step()  # the identity check finds the restart: no version at all
+    assert eng.version is None and follower.version is None
+    eng.restarted = False
+    assert follower.sync() == 1 and follower.version == 1  # re-synced, verified
+    assert follower.gate.suspect is None
+
+
+def test_a_verified_commit_ends_the_suspicion_and_no_audit_means_no_suspicion(
+    tmp_path: Any,
+) -> None:
+    gate = CommitGate(Remote(), "pause")
+    gate.suspend("a request could not reach it")
+    gate.run(lambda: None)
+    assert gate.suspect is None
+    board = f"file://{tmp_path / 'b'}"
+    with Publisher(board, "r", asynchronous=False) as pub:
+        pub.publish(masters(1))
+    f = Follower(board, "r", Remote(), FollowerConfig(audit_bytes_per_s=None))
+    assert f.sync() == 0
+    f.engine_unreachable("x")  # nothing could re-check it: not suspended for good
+    assert f.version == 0 and f.gate.suspect is None
+    g = Follower(board, "r", ViewEngine())  # in this process: it cannot restart on its own
+    assert g.sync() == 0 and g.auditor is not None
+    g.engine_unreachable("x")
+    assert g.version == 0 and g.gate.suspect is None
+
+
+def test_the_audit_loop_suspends_on_an_unreachable_engine_only() -> None:
+    from rollpatch.follower.audit import Auditor
+
+    said: list[bool] = []
+    eng = Remote()
+    eng._version, eng._digest = 1, "d"  # type: ignore[attr-defined]
+    auditor = Auditor(
+        eng, rate_bytes_per_s=8, period_s=0.01, on_mismatch=lambda r: None, on_contact=said.append
+    )
+    eng.down = True
+    auditor.start()
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        while False not in said:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        auditor.stop()
+    said.clear()
+
+    def busy(budget: int) -> AuditReport:
+        raise EngineError("remote is busy")
+
+    eng.down = False
+    eng.audit = busy  # type: ignore[method-assign]
+    auditor.start()
+    try:
+        time.sleep(0.2)
+    finally:
+        auditor.stop()
+    assert said == []  # another failure is not lost contact

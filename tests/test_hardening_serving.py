@@ -107,6 +107,38 @@ def test_slow_body_gets_408_and_frees_the_connection() -> None:
         gw.stop()
 
 
+def test_a_body_longer_than_its_content_length_logs_no_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The bytes past Content-Length parse as a broken second head: 400 and a lingering
+    close. The first request, still being answered (its cut body is not JSON: 400), used to
+    write after the FIN: ``RuntimeError: Cannot call write() after write_eof()`` and an
+    ERROR traceback in the log, at any client's will."""
+    import logging
+
+    sc = sidecar(tmp_path)  # the sidecar's httptools protocol parses pipelined heads at once
+    try:
+        with caplog.at_level(logging.INFO):
+            s = socket.create_connection(("127.0.0.1", _port(sc.url)))
+            try:
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 10\r\n\r\n"
+                    b'{"model":"m","prompt":"hi"}'
+                )
+                said = _closed_by_server(s)
+            finally:
+                s.close()
+            time.sleep(0.3)  # the first request's handler finishes
+        assert b" 400 " in said.split(b"\r\n", 1)[0], said[:200]
+        logged = caplog.text + capfd.readouterr().err  # uvicorn's loggers may not propagate
+        assert "Traceback" not in logged and "Exception in ASGI" not in logged, logged[-2000:]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert httpx.get(f"{sc.url}/health", timeout=10).status_code == 200
+    finally:
+        sc.stop()
+
+
 def test_oversized_request_head_is_refused(relay: RelayServer) -> None:
     s = socket.create_connection(("127.0.0.1", _port(relay.url)))
     try:

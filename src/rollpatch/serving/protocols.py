@@ -110,6 +110,14 @@ class _HeadDeadline:
             return
         self._disarm()
         self._unset_keepalive_if_required()  # the linger is the bound now, not keep-alive
+        # a request still being answered on this connection (a head that broke after its
+        # body, e.g. a Content-Length shorter than the body sent) can write nothing more: its
+        # cycle is told the client is gone, as uvicorn's immediate close would tell it,
+        # instead of failing in write() after the FIN with a traceback in the log
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
         if not transport.can_write_eof():  # TLS: its close_notify ends the stream
             transport.close()
             return

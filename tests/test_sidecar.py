@@ -99,7 +99,11 @@ def test_conflicts(sidecar: RunningSidecar, world: World) -> None:
         v = world.publish()
         with pytest.raises(openai.ConflictError) as e:  # behind, and the caller will not wait
             _complete(client, exact_version=v, wait_s=0)
-        assert "not to wait" in e.value.response.json()["reason"]
+        reason = e.value.response.json()["reason"]
+        assert (
+            "not to wait" in reason and f"behind: serving {v - 1}, the request needs {v}" in reason
+        )
+        assert "catching up" not in reason  # nothing was started for it
     finally:
         follower.start()
     body, _ = _complete(client, exact_version=v, wait_s=30)

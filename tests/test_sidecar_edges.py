@@ -167,6 +167,8 @@ def test_not_ready_is_503(world: World) -> None:
         ready = httpx.get(f"{sc.url}/ready")
         assert ready.status_code == 503
         assert "run 'nothing-published' has no LATEST" in ready.json()["error"]["message"]
+        r = httpx.post(f"{sc.url}/admin/sync", timeout=30)  # no token configured here
+        assert r.status_code == 404 and "nothing is published" in r.json()["error"]["message"]
     finally:
         sc.stop()
 

@@ -178,7 +178,8 @@ def note_names(run: str, taken: str, dropped: list[str]) -> None:
         log.info("%s: publishing the names without the wrapper prefix %r", run, taken)
     if dropped:
         log.info(
-            "%s: %d tied alias(es) published once, under the first name: %s",
+            "%s: %d tied alias(es) not published (each shares its memory with a tensor "
+            "published under its first name, as engines hold it): %s",
             run,
             len(dropped),
             ", ".join(dropped[:5]),

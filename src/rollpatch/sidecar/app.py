@@ -18,7 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..errors import RollpatchError
+from ..errors import RollpatchError, VersionNotFoundError
 from ..serving.app import closing, install_error_handlers, upstream_client
 from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
 from ..serving.responses import error_response
@@ -83,7 +83,10 @@ def create_app(sc: Sidecar) -> Any:
         denied = _check_token(sc, request)
         if denied is not None:
             return denied
-        v = await asyncio.to_thread(sc.follower.sync)
+        try:
+            v = await asyncio.to_thread(sc.follower.sync)
+        except VersionNotFoundError as e:  # nothing to sync to: not the engine's failure (502)
+            return error_response(404, str(e), "not_found")
         return JSONResponse({"version": v})
 
     @app.get("/v1/models")

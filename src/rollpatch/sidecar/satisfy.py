@@ -128,8 +128,11 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
             sc.follower.wait_for, d.need, wait_s, exact=exact
         ):
             return None
-        reason = d.reason + (
-            " (caller asked not to wait)" if wait_s == 0 else f" did not finish within {wait_s:g}s"
+        reason = (
+            f"behind: serving {served}, the request needs {d.need} (the caller asked not to "
+            "wait; the island catches up as LATEST moves)"
+            if wait_s == 0
+            else d.reason + f" did not finish within {wait_s:g}s"
         )
         sc.metrics.request("conflict")
         return conflict(sc, served, reason)

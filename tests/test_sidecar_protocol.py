@@ -29,10 +29,17 @@ def test_parse_body_and_headers() -> None:
 def test_a_bad_value_is_named_where_the_caller_sent_it() -> None:
     """A header's bad value names the header; a body field's, the field; a header the body
     overrides is not read at all."""
-    with pytest.raises(ConfigError, match="X-Rollpatch-Min-Version must be a number"):
+    with pytest.raises(ConfigError, match="X-Rollpatch-Min-Version must be a whole number"):
         parse_constraint({}, {"x-rollpatch-min-version": "abc"})
-    with pytest.raises(ConfigError, match="rollpatch.max_lag must be an integer"):
+    with pytest.raises(ConfigError, match="X-Rollpatch-Max-Lag must be a whole number"):
+        parse_constraint({}, {"x-rollpatch-max-lag": "1.5"})
+    with pytest.raises(ConfigError, match="rollpatch.max_lag must be a whole number"):
         parse_constraint({"rollpatch": {"max_lag": 1.5}}, {})
+    # a header is bounded as the body is (int64 versions, an hour's wait)
+    with pytest.raises(ConfigError, match="X-Rollpatch-Min-Version must be between 0 and"):
+        parse_constraint({}, {"x-rollpatch-min-version": "1" + "0" * 30})
+    with pytest.raises(ConfigError, match="X-Rollpatch-Wait-S must be between 0 and 3600"):
+        parse_constraint({}, {"x-rollpatch-wait-s": "99999"})
     body = {"rollpatch": {"min_version": 1}}
     assert parse_constraint(body, {"X-Rollpatch-Min-Version": "abc"}).min_version == 1
 

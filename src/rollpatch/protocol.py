@@ -53,6 +53,8 @@ HEADER_START = "X-Rollpatch-Version-Start"
 HEADER_END = "X-Rollpatch-Version-End"
 #: How long a request may wait for catch-up when it names no ``wait_s``.
 DEFAULT_WAIT_S = 30.0
+#: The largest version a constraint may name (int64), and the longest wait (seconds).
+_MAX_VERSION, _MAX_WAIT_S = (1 << 63) - 1, 3600.0
 _HEADERS = {
     "min_version": "x-rollpatch-min-version",
     "exact_version": "x-rollpatch-exact-version",
@@ -68,16 +70,21 @@ def _number(field: str, value: Any, where: str | None = None) -> int | float | N
     if value is None:
         return None
     where = where or f"rollpatch.{field}"
+    what = "a number of seconds" if field == "wait_s" else "a whole number"
     if isinstance(value, str):
         try:
             value = float(value) if field == "wait_s" else int(value)
         except ValueError:
-            raise ConfigError(f"{where} must be a number", value=value) from None
+            raise ConfigError(f"{where} must be {what}", value=value[:40]) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where} must be a number", value=value)
+        raise ConfigError(f"{where} must be {what}", value=value)
+    # the same bounds in a header as in the body (serving/schema.py)
+    hi = _MAX_WAIT_S if field == "wait_s" else _MAX_VERSION
+    if not 0 <= value <= hi:
+        raise ConfigError(f"{where} must be between 0 and {hi}", value=value)
     if field != "wait_s":
         if isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"{where} must be an integer", value=value)
+            raise ConfigError(f"{where} must be {what}", value=value)
         return int(value)
     return float(value)
 

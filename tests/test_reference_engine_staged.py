@@ -297,6 +297,9 @@ def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path, tmp_
         assert loaded == [latest] and sc.sidecar.follower.status().audits == 1
         fresh = View({n: t for n, t in eng.runtime.view.items()})
         assert fresh.digest() == sc.sidecar.board.manifest("r1", latest).target
-        assert httpx.get(sc.url + "/version").json()["audit_mismatches"] == 1
+        v = httpx.get(sc.url + "/version").json()
+        assert v["audit_mismatches"] == 1
+        # pause mode: a pause figure, no drain figure (no admission was closed to drain)
+        assert v["last_pause_s"] is not None and v["last_drain_s"] is None
     finally:
         sc.stop()

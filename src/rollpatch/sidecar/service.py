@@ -195,7 +195,7 @@ class Sidecar:
         )
         self.metrics.pause.observe(pause_s)
         last = self.gate.last
-        if last is not None:
+        if last is not None and self.gate.mode == "drain":
             self.metrics.drain.observe(last.drain_s)
         self.metrics.drain_timeouts.set(self.gate.drain_timeouts)
         self.refresh_metrics()
@@ -269,7 +269,10 @@ class Sidecar:
             "commits": s.commits,
             "adoptions": s.adoptions,
             "last_pause_s": self.gate.last_pause_s,
-            "last_drain_s": None if self.gate.last is None else self.gate.last.drain_s,
+            # a drain is a drain-mode figure (pause mode closes no admission to drain)
+            "last_drain_s": None
+            if self.gate.last is None or self.gate.mode != "drain"
+            else self.gate.last.drain_s,
             "drain_timeouts": self.gate.drain_timeouts,
             "audit_mismatches": s.audits,
             "last_stage_s": s.last_stage_s,

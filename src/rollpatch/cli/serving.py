@@ -72,7 +72,8 @@ def add_serving_args(
             type=int,
             default=defaults.max_bytes,
             metavar="N",
-            help="largest request body accepted (413 above it)",
+            help=f"largest request body accepted, in bytes (413 above it; default "
+            f"{defaults.max_bytes:,}: {defaults.max_bytes / 2**20:g} MiB)",
         )
     if drain:
         g.add_argument(

@@ -21,23 +21,58 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
+import threading
 import time
 from typing import IO, Any, Literal, get_args
 
-__all__ = ["LEVELS", "LogFormat", "add_log_args", "configure", "event"]
+__all__ = ["LEVELS", "LogFormat", "Throttle", "add_log_args", "configure", "event"]
 
 LogFormat = Literal["text", "json"]
 LEVELS = ("critical", "error", "warning", "info", "debug")
 _EVENT = "rp_event"
 _FIELDS = "rp_fields"
 _HANDLER = "rollpatch-structured"
+_NUMBERS = re.compile(r"\d+(\.\d+)?")
 
 
 def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log event ``name`` with ``fields`` (JSON-serialisable scalars)."""
     if logger.isEnabledFor(level):
         logger.log(level, name, extra={_EVENT: name, _FIELDS: fields})
+
+
+class Throttle:
+    """Per-request events (a refusal, a wait to catch up) at most once per ``every_s`` per
+    kind (the event's name and a key: a reason with its numbers taken out); those held back
+    are counted and said on the next line of their kind (``repeated=N``). A re-sync under
+    hundreds of requests a second otherwise logged one line per request."""
+
+    #: Kinds remembered at most (a reason with unusual text cannot grow it without bound).
+    MAX_KINDS = 256
+
+    def __init__(
+        self, logger: logging.Logger, every_s: float = 10.0, clock: Any = time.monotonic
+    ) -> None:
+        self.logger, self.every_s, self._clock = logger, every_s, clock
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def event(self, name: str, key: str, level: int = logging.INFO, **fields: Any) -> None:
+        kind = (name, _NUMBERS.sub("N", key)[:200])
+        now = self._clock()
+        with self._lock:
+            last, held = self._seen.get(kind, (None, 0))
+            if last is not None and now - last < self.every_s:
+                self._seen[kind] = (last, held + 1)
+                return
+            if len(self._seen) >= self.MAX_KINDS:
+                self._seen.clear()
+            self._seen[kind] = (now, 0)
+        if held:
+            fields["repeated"] = held  # held back since the last line of this kind
+        event(self.logger, name, level, **fields)
 
 
 class _Formatter(logging.Formatter):

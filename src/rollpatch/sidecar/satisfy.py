@@ -5,19 +5,15 @@ or refuses (409/503) by the constraint (docs/sidecar.md)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from starlette.responses import Response
 
-from ..logs import event
 from ..serving.responses import error_response
 from ..types import Constraint
 from .protocol import DEFAULT_WAIT_S, Decision, decide
 from .service import Sidecar
 
 __all__ = ["LatestReader", "conflict", "plain_proxy", "satisfy"]
-
-log = logging.getLogger("rollpatch.sidecar")
 
 
 class LatestReader:
@@ -116,13 +112,15 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
     if d.action == "unavailable":  # with why, as /ready says it (the last sync's failure)
         reason = sc.not_ready_reason() or d.reason
         sc.metrics.request("unavailable")
-        event(log, "refused", status=503, reason=reason, served=None, latest=latest)
+        sc.said.event(
+            "refused", f"503 {reason}", status=503, reason=reason, served=None, latest=latest
+        )
         return error_response(503, reason, "not_ready", served=None, latest=latest)
     if d.action == "wait":
         wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
         assert d.need is not None
         if wait_s > 0:
-            event(log, "catch_up", served=served, need=d.need, latest=latest, wait_s=wait_s)
+            sc.said.event("catch_up", "", served=served, need=d.need, latest=latest, wait_s=wait_s)
         exact = c.exact_version is not None  # catch up to it, not past it
         if wait_s > 0 and await asyncio.to_thread(
             sc.follower.wait_for, d.need, wait_s, exact=exact
@@ -159,7 +157,14 @@ def plain_proxy(c: Constraint, served: int | None) -> Decision | None:
 
 def conflict(sc: Sidecar, served: int | None, reason: str, *, final: bool = False) -> Response:
     """409; ``final``: no retry can meet the constraint here (``x-should-retry: false``)."""
-    event(log, "refused", status=409, reason=reason, served=served, latest=sc.latest_seen())
+    sc.said.event(
+        "refused",
+        f"409 {reason}",
+        status=409,
+        reason=reason,
+        served=served,
+        latest=sc.latest_seen(),
+    )
     return error_response(
         409,
         reason,

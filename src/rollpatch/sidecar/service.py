@@ -14,7 +14,7 @@ from ..config import check_fields, setting
 from ..engines.base import EngineAdapter
 from ..errors import ConfigError, RollpatchError
 from ..follower import Follower, FollowerConfig, FollowerStatus
-from ..logs import event
+from ..logs import Throttle, event
 from ..serving.admission import wait_drained
 from ..serving.body import BodyLimits
 from .gate import CommitGate, CommitMode
@@ -115,6 +115,8 @@ class Sidecar:
         )
         self.follower = Follower(self.board, run, engine, self.config.follower, gate=self.gate)
         self.metrics = SidecarMetrics()
+        #: Per-request log events (refusals, waits), at most one line per kind per 10 s.
+        self.said = Throttle(log)
         self.follower.on_commit.append(self._on_commit)
         self._latest: tuple[float, int | None] = (0.0, None)
         self._latest_read_at: float | None = None  # the last successful read of LATEST

@@ -1,0 +1,38 @@
+"""Per-request log events held to one line per kind per period (rollpatch.logs.Throttle): a
+re-sync under hundreds of requests a second logged one refusal line per request (a newcomer's
+audit, session 37)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rollpatch.logs import Throttle
+
+
+def test_one_line_per_kind_per_period_and_the_count_held_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = [100.0]
+    log = logging.getLogger("rollpatch.test.throttle")
+    said = Throttle(log, every_s=10.0, clock=lambda: clock[0])
+    with caplog.at_level(logging.INFO, logger=log.name):
+        for served in range(5):  # the same refusal, its numbers changing: one kind
+            said.event("refused", f"409 behind: serving {served}, needs 9", status=409)
+            clock[0] += 1
+        said.event("refused", "503 no verified version loaded yet", status=503)  # another kind
+        clock[0] += 10
+        said.event("refused", "409 behind: serving 7, needs 9", status=409)
+    lines = [r for r in caplog.records if r.name == log.name]
+    assert [r.getMessage() for r in lines] == ["refused"] * 3
+    fields = [r.rp_fields for r in lines]  # type: ignore[attr-defined]
+    assert [f["status"] for f in fields] == [409, 503, 409]
+    assert "repeated" not in fields[0] and fields[2]["repeated"] == 4
+
+
+def test_kinds_are_bounded() -> None:
+    said = Throttle(logging.getLogger("rollpatch.test.throttle2"), clock=lambda: 0.0)
+    for i in range(Throttle.MAX_KINDS * 3):
+        said.event("refused", f"reason {'x' * (i % 50)}-{chr(65 + i % 26)}")
+    assert len(said._seen) <= Throttle.MAX_KINDS

@@ -11,8 +11,10 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -91,6 +93,39 @@ def world(
     that publishes a race-dependent number of them), else :data:`N_VERSIONS`."""
     versions = int(getattr(request.module, "WORLD_VERSIONS", N_VERSIONS))
     return World(tmp_path_factory.mktemp("vllm-sidecar"), live_vllm.model, versions=versions)
+
+
+def ready_then_hold_loads(
+    url: str, engine: Any, deadline: float, *, hold_s: float = 30.0
+) -> tuple[threading.Event, list[int]]:
+    """Wait for the sidecar at ``url`` to be ready, then hold the engine's next loads (the
+    re-sync) until the event is set (at most ``hold_s``), recording their versions: a test
+    sees ``/ready`` answer 503 before the engine is back."""
+    import httpx
+
+    while httpx.get(f"{url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.02)
+    seen, loaded, load = threading.Event(), [], engine.load
+
+    def held_load(view: Any, version: int) -> None:  # hold the re-sync until /ready 503
+        seen.wait(hold_s)
+        loaded.append(version)
+        load(view, version)
+
+    engine.load = held_load
+    return seen, loaded
+
+
+def until_back_on(sc: Any, version: int, deadline: float) -> None:
+    """Until the sidecar ``sc`` is ready again on the verified ``version``."""
+    import httpx
+
+    while not (
+        httpx.get(f"{sc.url}/ready").status_code == 200 and sc.sidecar.follower.version == version
+    ):
+        assert time.monotonic() < deadline, "never came back on a verified version"
+        time.sleep(0.02)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from rollpatch.board import Board
 from rollpatch.follower import FollowerConfig
 from tests import live_servers, vllm_env
 from tests.sglang_env import sglang_python, venv_dir
-from tests.sidecarworld import World
+from tests.sidecarworld import World, ready_then_hold_loads, until_back_on
 
 RUN = "rl"
 FAST = FollowerConfig(poll_s=0.05, backoff_s=0.01, timeout_s=60.0)
@@ -328,17 +328,7 @@ def test_an_sglang_restarted_under_the_sidecar_is_taken_out_and_re_synced(
     sc = start_sidecar(world.board, RUN, engine, url, config=SidecarConfig(follower=cfg))
     try:
         deadline = time.monotonic() + 120
-        while httpx.get(f"{sc.url}/ready").status_code != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.05)
-        seen, loaded, load = threading.Event(), [], engine.load
-
-        def held_load(view: Any, version: int) -> None:  # hold the re-sync until /ready 503
-            seen.wait(60)
-            loaded.append(version)
-            load(view, version)
-
-        engine.load = held_load  # type: ignore[method-assign]
+        seen, loaded = ready_then_hold_loads(sc.url, engine, deadline, hold_s=60)
         with engine._lock:  # not between an audit's calls
             (out,) = engine.channel.commands([{"op": "forget"}], flush=False)
         assert out.get("ok") and out.get("forgot"), out
@@ -346,11 +336,7 @@ def test_an_sglang_restarted_under_the_sidecar_is_taken_out_and_re_synced(
             assert time.monotonic() < deadline + 60, "the restart was never noticed"
             time.sleep(0.02)
         seen.set()
-        while not (
-            httpx.get(f"{sc.url}/ready").status_code == 200 and sc.sidecar.follower.version == have
-        ):
-            assert time.monotonic() < deadline + 180, "never came back on a verified version"
-            time.sleep(0.05)
+        until_back_on(sc, have, deadline + 180)
         assert loaded == [have] and sc.sidecar.follower.status().audits == 1
         assert engine.held(fresh=True)[1] == world.views[have].digest()
     finally:

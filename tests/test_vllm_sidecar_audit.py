@@ -6,19 +6,19 @@ rotation and re-syncs it (the world: tests/sidecarworld.py).
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 from rollpatch.engines.fit import tensors_of_view
 from rollpatch.follower import Follower, FollowerConfig
-from rollpatch.view import View
 from tests import vllm_env
 from tests.sidecarworld import (
     FAST,
     RUN,
     World,
+    ready_then_hold_loads,
     server,
+    until_back_on,
     world,
 )
 
@@ -36,25 +36,6 @@ def _count_words(engine: Any) -> Any:
 
     engine.words = counted
     return engine
-
-
-def _ready_with_held_loads(url: str, engine: Any, deadline: float) -> tuple[threading.Event, list]:
-    """Wait for the sidecar at ``url`` to be ready, then hold the engine's next loads (the
-    re-sync) until the event is set, recording their versions."""
-    import httpx
-
-    while httpx.get(f"{url}/ready").status_code != 200:
-        assert time.monotonic() < deadline, "never ready"
-        time.sleep(0.02)
-    seen, loaded, load = threading.Event(), [], engine.load
-
-    def held_load(view: View, version: int) -> None:  # hold the re-sync until /ready 503
-        seen.wait(30)
-        loaded.append(version)
-        load(view, version)
-
-    engine.load = held_load
-    return seen, loaded
 
 
 def test_follower_hands_vllm_the_encoded_step(server: vllm_env.Server, world: World) -> None:
@@ -126,7 +107,7 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
     )
     try:
         deadline = time.monotonic() + 60
-        seen, loaded = _ready_with_held_loads(sc.url, engine, deadline)
+        seen, loaded = ready_then_hold_loads(sc.url, engine, deadline)
         auditor = sc.sidecar.follower.auditor
         assert auditor is not None
         before = auditor.bytes
@@ -146,12 +127,7 @@ def test_audit_finds_a_flipped_bit_in_vllm(server: vllm_env.Server, world: World
         # while the auditor goes on with other engines' work)
         hashed = auditor.bytes_at_first_mismatch - before
         seen.set()
-        while not (
-            httpx.get(f"{sc.url}/ready").status_code == 200
-            and sc.sidecar.follower.version == world.latest
-        ):
-            assert time.monotonic() < deadline + 120, "never came back on a verified version"
-            time.sleep(0.02)
+        until_back_on(sc, world.latest, deadline + 120)
         model_bytes = world.views[world.latest].nbytes
         # found within one pass over the model, counted from before the flip: the slice in
         # flight then (which may have read that tensor just before it) adds one more budget,
@@ -187,19 +163,14 @@ def test_a_vllm_restarted_under_the_sidecar_is_taken_out_and_re_synced(
     sc = start_sidecar(world.board, RUN, engine, server.url, config=SidecarConfig(follower=cfg))
     try:
         deadline = time.monotonic() + 60
-        seen, loaded = _ready_with_held_loads(sc.url, engine, deadline)
+        seen, loaded = ready_then_hold_loads(sc.url, engine, deadline)
         out = server.post("/collective_rpc", {"method": "rollpatch_forget", "args": []})
         assert out["results"][0]["ok"] and out["results"][0]["forgot"]
         while httpx.get(f"{sc.url}/ready").status_code != 503:
             assert time.monotonic() < deadline + 60, "the restart was never noticed"
             time.sleep(0.01)
         seen.set()
-        while not (
-            httpx.get(f"{sc.url}/ready").status_code == 200
-            and sc.sidecar.follower.version == world.latest
-        ):
-            assert time.monotonic() < deadline + 120, "never came back on a verified version"
-            time.sleep(0.02)
+        until_back_on(sc, world.latest, deadline + 120)
         assert loaded == [world.latest] and sc.sidecar.follower.status().audits == 1
         assert engine.held(fresh=True)[1] == world.views[world.latest].digest()
     finally:

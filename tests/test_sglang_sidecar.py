@@ -23,6 +23,7 @@ import pytest
 from rollpatch.board import Board
 from rollpatch.follower import FollowerConfig
 from tests import live_servers, vllm_env
+from tests.conftest import until
 from tests.sglang_env import sglang_python, venv_dir
 from tests.sidecarworld import World, ready_then_hold_loads, until_back_on
 
@@ -271,6 +272,9 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
             out: dict[str, Any] = {}
             t = threading.Thread(target=_long, args=(sc.url, world, out))
             t.start()
+            # admitted before the commit is timed (on a loaded host the request's thread may
+            # start late: then it was admitted after the commit, and labelled v alone)
+            until(lambda: sc.sidecar.gate.inflight > 0, "the long generation to be admitted", 60)
             time.sleep(gen_s * COMMIT_AT[(rounds - 1) % len(COMMIT_AT)])
             assert follower.sync() == v  # staged while generating, scattered under the pause
             follower.start()

@@ -152,7 +152,22 @@ def test_gap_stats_edge_cases() -> None:
     out = s.summary()
     assert out["elements"] == 3 and out["nonfinite_skipped"] == 1 and out["zero_updates"] == 1
     assert out["max"] == 1.0 and out["frac_gt_half"] == pytest.approx(2 / 3)
+    assert out["from_zero"] == 1  # 0 -> the smallest subnormal: r = 1, not in max
     assert GapStats("fp16").summary()["frac_gt_half"] is None
+
+
+def test_updates_from_zero_are_counted_apart_not_as_the_max() -> None:
+    # a zero-initialised bias moving by 1e-6: r ~ 1e34 against the smallest subnormal
+    s = GapStats("bf16")
+    s.add(
+        np.array([0.0, -0.0, 1.0, 0.0], np.float32),
+        np.array([1e-6, 0.0, 1.0 + 2**-8, 0.0], np.float32),
+    )
+    out = s.summary()
+    assert out["from_zero"] == 1 and out["zero_updates"] == 2
+    assert out["max"] == 0.5  # 2^-8 against 1.0's gap 2^-7
+    assert out["frac_gt_half"] == pytest.approx(1 / 4)  # the update from 0 still counts
+    assert out["quantiles"]["p99.9"] >= 2.0**23  # the histogram's top bin (it clips at 2^24)
 
 
 def test_torch_checkpoints_give_the_same_numbers(

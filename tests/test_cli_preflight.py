@@ -228,6 +228,19 @@ def test_model_must_be_a_local_directory(
     assert "has no config.json" in line
 
 
+def test_adopt_scan_without_boot_adopt_is_refused_not_ignored(
+    board_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ("sidecar", "--board", str(board_dir), "--run", "r", "--port", "0")
+    line = _refused(capsys, *base, "--adopt-scan", "8")
+    assert "--adopt-scan only applies with --boot adopt" in line
+    line = _refused(capsys, *base, "--boot", "keyframe", "--adopt-scan", "8")
+    assert "--boot adopt" in line
+    # with --boot adopt the flag passes this check (the next one is the missing --model)
+    line = _refused(capsys, *base, "--boot", "adopt", "--adopt-scan", "8")
+    assert "--model is required" in line
+
+
 @pytest.mark.parametrize(
     ("hidden", "cmd", "extra"),
     [

@@ -4,6 +4,11 @@ For each element, ``r = |master_new − master_old| / ulp(old)`` where ``ulp(old
 spacing of the served grid (BF16, or FP16) at the served old value: ``2^(e − bias − m)`` for
 exponent field ``e`` (``e = 1`` for subnormals and zero), ``m`` mantissa bits. The difference
 is taken in float64, so it is exact. Non-finite old values or updates are counted apart.
+An update from a served old value of exactly ±0 (zero-initialised biases, norms, LoRA B)
+has the grid's smallest subnormal as its gap, so its r is astronomically large (1e-6 from 0
+is r ~ 1e34 on BF16): true, and it changes the served value, but it says nothing about the
+update's size. These are counted apart too (``from_zero``), in every share and quantile as
+they are, but not in ``max``, the largest r of an update from a nonzero value.
 
 Why it matters: a master that sits uniformly inside its rounding cell crosses a cell boundary
 — and changes the served value — with probability ``min(r, 1)``. So ``mean(min(r, 1))`` is
@@ -48,6 +53,7 @@ class GapStats:
     elements: int = 0
     zero: int = 0
     nonfinite: int = 0
+    from_zero: int = 0
     over_half: int = 0
     over_one: int = 0
     p_change: float = 0.0
@@ -68,9 +74,10 @@ class GapStats:
                 self.nonfinite += int(ok.size - np.count_nonzero(ok))
                 d, e = d[ok], e[ok]
             r = np.ldexp(d, offset - np.maximum(e, 1).astype(np.int32))
-            self._count(r)
+            zero_old = (oc[ok] if not ok.all() else oc) == 0
+            self._count(r, zero_old)
 
-    def _count(self, r: np.ndarray) -> None:
+    def _count(self, r: np.ndarray, zero_old: np.ndarray) -> None:
         self.elements += r.size
         pos = r[r > 0]
         self.zero += r.size - pos.size
@@ -79,7 +86,11 @@ class GapStats:
         self.over_half += int(np.count_nonzero(pos > 0.5))
         self.over_one += int(np.count_nonzero(pos > 1.0))
         self.p_change += float(np.minimum(pos, 1.0).sum())
-        self.max = max(self.max, float(pos.max()))
+        from0 = zero_old & (r > 0)
+        self.from_zero += int(np.count_nonzero(from0))
+        rest = r[~from0 & (r > 0)]
+        if rest.size:
+            self.max = max(self.max, float(rest.max()))
         b = np.floor((np.log2(pos) - _LO) * _PER_BINADE)
         self.counts += np.bincount(np.clip(b, 0, _NBINS - 1).astype(np.int64), minlength=_NBINS)
 
@@ -87,6 +98,7 @@ class GapStats:
         self.elements += other.elements
         self.zero += other.zero
         self.nonfinite += other.nonfinite
+        self.from_zero += other.from_zero
         self.over_half += other.over_half
         self.over_one += other.over_one
         self.p_change += other.p_change
@@ -104,7 +116,8 @@ class GapStats:
         b = int(np.searchsorted(cum, rank - self.zero))
         below = int(cum[b - 1]) if b else 0
         frac = (rank - self.zero - below) / max(int(self.counts[b]), 1)
-        return min(self.max, 2.0 ** (_LO + (b + frac) / _PER_BINADE))
+        q_r = 2.0 ** (_LO + (b + frac) / _PER_BINADE)
+        return q_r if self.from_zero else min(self.max, q_r)
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready numbers (fractions in [0, 1]; None where no element was counted)."""
@@ -118,6 +131,7 @@ class GapStats:
             "elements": n,
             "zero_updates": self.zero,
             "nonfinite_skipped": self.nonfinite,
+            "from_zero": self.from_zero,
             "quantiles": {f"p{100 * q:g}": self.quantile(q) for q in QUANTILES},
             "max": self.max,
             "frac_gt_half": frac(self.over_half),

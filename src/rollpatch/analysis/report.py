@@ -251,6 +251,7 @@ def _gaps(a: Analysis) -> list[str]:
                 + [_num(g["quantiles"][q], ".3g") for q in qs]
                 + [
                     _num(g["max"], ".3g"),
+                    str(g.get("from_zero", 0)),
                     _pct(g["frac_gt_half"], 2),
                     _pct(g["frac_gt_one"], 2),
                     _pct(g["expected_changed"]),
@@ -258,14 +259,18 @@ def _gaps(a: Analysis) -> list[str]:
                 ]
             )
     out = _table(
-        ["step", "grid", *qs, "max", "r>0.5 %", "r>1 %", "model chg %", "measured %"], rows, left=2
+        ["step", "grid", *qs, "max", "from 0", "r>0.5 %", "r>1 %", "model chg %", "measured %"],
+        rows,
+        left=2,
     )
     out += [
         "r < 1 for most values: the update is smaller than the gap, so the served value",
         "moves only if the master sits within r of a rounding boundary: probability min(r, 1)",
         "when it sits uniformly in its cell. model chg % = mean(min(r, 1)); measured % = changed",
         "% of the format of that grid (- if not analysed). r > 0.5: updates that move even a",
-        "value sitting exactly on the grid. Quantiles ±2% (histogram); max exact.",
+        "value sitting exactly on the grid. Quantiles ±2% (histogram); max exact, over updates",
+        "from a nonzero value: from 0 counts updates from a served ±0, whose gap is the smallest",
+        "subnormal (r ~ 1e34 for 1e-6; counted in the shares and quantiles, not in max).",
     ]
     return out
 

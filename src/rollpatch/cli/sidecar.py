@@ -86,6 +86,7 @@ def register(sub: Any) -> None:
         FollowerConfig,
         skip=FOLLOWER_SET_OTHERWISE,
         rename=FOLLOWER_FLAGS,
+        unset=("adopt_scan",),  # given without --boot adopt: refused, not ignored
     )
     p.add_argument(
         "--board-token-file",
@@ -107,6 +108,13 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         f"rollpatch sidecar --engine {args.engine}",
     )
     preflight.board_uri(args.board, existing=True)
+    if args.adopt_scan is not None and args.boot != "adopt":
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            "--adopt-scan only applies with --boot adopt",
+            hint="add --boot adopt, or leave --adopt-scan out",
+        )
     preflight.port_free(args.host, args.port)
     if args.engine == "reference":
         preflight.model_dir(args.model)

@@ -228,6 +228,14 @@ def test_bad_requests(gateway: RunningGateway) -> None:
     assert _sample(gateway, "rollpatch_gateway_responses_total", code="400") == before + 2
 
 
+def test_an_unknown_route_names_the_routes_served(gateway: RunningGateway) -> None:
+    r = httpx.post(f"{gateway.url}/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    msg = r.json()["error"]["message"]
+    assert "no route POST /v1/embeddings: the gateway serves" in msg
+    assert "POST /v1/completions" in msg
+
+
 def test_hostile_bodies_are_refused_and_islands_keep_serving(
     gateway: RunningGateway, islands: dict[str, RunningSidecar], world: World
 ) -> None:

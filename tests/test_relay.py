@@ -74,6 +74,11 @@ def test_raw_protocol_answers(board: Board, objects: list[ObjectRef], serve) -> 
         assert "immutable" in r.headers["cache-control"]
         assert h.get(f"{relay.url}/v1/list", params={"prefix": "/abs"}).status_code == 400
         assert h.get(f"{relay.url}/health").json()["status"] == "ok"
+        # a board URL without the relay's /v1/objects (a path of the store's own): named
+        r = h.get(f"{relay.url}/runs/r/LATEST")
+        assert r.status_code == 404 and "GET /v1/objects/{key}" in r.json()["error"]["message"]
+        r = h.post(f"{relay.url}/v1/list")
+        assert r.status_code == 405 and "does not take POST" in r.json()["error"]["message"]
     conn = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=10)
     for path in ("/v1/objects/runs//x", "/v1/objects/runs/../x", "/v1/objects/"):
         conn.request("GET", path)

@@ -39,6 +39,23 @@ def test_ready_version_metrics(sidecar: RunningSidecar, world: World) -> None:
     assert "rollpatch_served_version" in httpx.get(f"{sidecar.url}/metrics").text
 
 
+def test_an_unknown_route_or_method_names_the_routes_served(sidecar: RunningSidecar) -> None:
+    """An OpenAI route the sidecar does not proxy (embeddings), or GET on a POST route, gets an
+    OpenAI-style error naming what it serves, not Starlette's {"detail": "Not Found"}."""
+    r = httpx.post(f"{sidecar.url}/v1/embeddings", json={"input": "x", "model": MODEL})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["type"] == "not_found_error"
+    assert "no route POST /v1/embeddings" in err["message"]
+    assert "POST /v1/completions" in err["message"] and "GET /version" in err["message"]
+    assert r.headers.get("x-should-retry") == "false"  # the openai client must not retry it
+    r = httpx.get(f"{sidecar.url}/v1/chat/completions")
+    assert r.status_code == 405 and "does not take GET" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="no route POST /v1/embeddings"):
+        openai.OpenAI(base_url=f"{sidecar.url}/v1", api_key="x", max_retries=0).embeddings.create(
+            input="x", model=MODEL
+        )
+
+
 def _connections_opened(sc: RunningSidecar) -> float:
     text = httpx.get(f"{sc.url}/metrics").text
     return float(text.split("\nrollpatch_engine_connections_opened ", 1)[1].split()[0])

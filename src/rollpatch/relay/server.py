@@ -13,10 +13,11 @@ import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, cast
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..errors import (
     ConfigError,
@@ -25,6 +26,7 @@ from ..errors import (
     TransientStoreError,
 )
 from ..serving import ServeOptions, ServerHandle, serve_app
+from ..serving.app import route_error
 from ..store import Store, open_store, validate_key, validate_prefix
 from ..store.http_client import HELD_HEADER
 from ..store.push import MAX_HAVE, PUSH_HEADER, parse_have
@@ -68,6 +70,10 @@ def create_app(relay: Relay, draining: Draining | None = None) -> FastAPI:
 
     app.add_exception_handler(RollpatchError, on_error)
     app.add_exception_handler(OSError, on_error)
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, exc: HTTPException) -> Response:
+        return cast(Response, route_error(app, "relay", request.method, request.url.path, exc))
 
     @app.api_route("/v1/objects/{key:path}", methods=["GET", "HEAD"])
     async def objects(key: str, request: Request) -> Response:

@@ -87,15 +87,50 @@ def internal_error(log: logging.Logger, service: str, e: BaseException) -> Any:
     return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
 
+def route_error(app: FastAPI, service: str, method: str, path: str, e: Any) -> Any:
+    """The answer to a path the app has no route for (404), or a method its route does not
+    take (405): an OpenAI-style error that names the routes this service does serve, not
+    Starlette's bare ``{"detail": "Not Found"}``. Other HTTP errors keep their status and
+    detail in the same body."""
+    from starlette.routing import Route
+
+    status = int(e.status_code)
+    if status not in (404, 405):
+        return error_response(status, str(e.detail), "invalid_request_error", retryable=False)
+    served = sorted(
+        f"{m} {r.path_format}"
+        for r in app.routes
+        if isinstance(r, Route) and r.include_in_schema
+        for m in sorted(r.methods or ())
+        if m != "HEAD"
+    )
+    what = (
+        f"no route {method} {path[:200]}"
+        if status == 404
+        else (f"{path[:200]} does not take {method}")
+    )
+    return error_response(
+        status,
+        f"{what}: the {service} serves {', '.join(served)}",
+        "not_found_error" if status == 404 else "invalid_request_error",
+        retryable=False,
+    )
+
+
 def install_error_handlers(app: FastAPI, log: logging.Logger, service: str) -> None:
     """ConfigError → its refusal status; any other exception → a logged 500 body (the
     handlers are :func:`config_refusal` and :func:`internal_error`, which an ASGI handler
     outside the app uses too)."""
     from fastapi import Request
+    from starlette.exceptions import HTTPException
 
     @app.exception_handler(ConfigError)
     async def _config_error(_: Request, e: ConfigError) -> Any:
         return config_refusal(e)
+
+    @app.exception_handler(HTTPException)
+    async def _no_route(request: Request, e: HTTPException) -> Any:
+        return route_error(app, service, request.method, request.url.path, e)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> Any:

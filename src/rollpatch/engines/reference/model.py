@@ -10,17 +10,27 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ...errors import ConfigError
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "DENSE_ARCHS",
     "SPECIAL_TOKENS",
+    "DenseArch",
     "make_tiny_model",
     "make_tiny_moe_model",
     "make_tokenizer",
 ]
+
+#: The dense architectures :func:`make_tiny_model` makes: (model class, config class).
+DenseArch = Literal["llama", "qwen2", "qwen3"]
+DENSE_ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+}
 
 #: Special tokens of the tiny tokenizer; ``<|eos|>`` also ends each chat turn.
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -189,16 +199,25 @@ def make_tiny_model(
     intermediate: int = 256,
     seed: int = 0,
     tied: bool = False,
+    arch: DenseArch = "llama",
 ) -> Path:
-    """Save a random BF16 ``LlamaForCausalLM`` and its tokenizer to ``path``; ``tied``: the
+    """Save a random BF16 dense causal LM and its tokenizer to ``path``; ``tied``: the
     lm_head is the embedding (``tie_word_embeddings``, as Llama-3.2-1B/3B and the small
     Qwen2.5 models; the checkpoint then holds no ``lm_head.weight``), else its own tensor.
 
-    Deterministic by ``seed``: the same arguments give the same bits. Returns ``path``.
+    ``arch``: ``llama`` (``LlamaForCausalLM``), ``qwen2`` (``Qwen2ForCausalLM``: biases on
+    q, k and v, as the Qwen2.5 family the RL recipes start from) or ``qwen3``
+    (``Qwen3ForCausalLM``: RMS norms on q and k per head). Deterministic by ``seed``: the same
+    arguments give the same bits. Returns ``path``.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    if arch not in DENSE_ARCHS:
+        raise ConfigError(f"unknown arch {arch!r}", hint=f"one of {', '.join(DENSE_ARCHS)}")
+    cls_name, config_name = DENSE_ARCHS[arch]
+    model_cls, config_cls = getattr(transformers, cls_name), getattr(transformers, config_name)
     _check_heads(hidden_size, heads, kv_heads)
+    extra = {"head_dim": hidden_size // heads} if arch == "qwen3" else {}
     return _save_model(
         path,
         {
@@ -208,8 +227,9 @@ def make_tiny_model(
             "num_hidden_layers": layers,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
+            **extra,
         },
-        lambda kw: LlamaForCausalLM(LlamaConfig(**kw)),
+        lambda kw: model_cls(config_cls(**kw)),
         vocab_size=vocab_size,
         seed=seed,
         tied=tied,

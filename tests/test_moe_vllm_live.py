@@ -23,7 +23,6 @@ bit-identical to what vLLM's loader writes.
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,7 +89,7 @@ def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         root / "vllm.log",
         extra=["--worker-extension-cls", moefix.EXTENSION],  # the last one given wins
         env={
-            "PYTHONPATH": os.pathsep.join([str(vllm_env.REPO / "src"), str(vllm_env.REPO)]),
+            **vllm_env.REPO_ON_PATH,
             "ROLLPATCH_FAULT_INJECTION": "1",  # the packed-expert audit test flips a bit
         },
     )

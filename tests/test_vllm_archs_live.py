@@ -8,13 +8,18 @@ Per architecture, one vLLM server booted from version 0's checkpoint; a follower
 ``boot="adopt"`` takes it over and patches it to the last version, in which every tensor moved
 (the biases and the q/k norms included) far enough that a parameter left behind changes the
 logits. Checked: the names the run publishes are the names vLLM holds, the workers' full
-re-hash is the published digest, and vLLM's greedy tokens and logprobs agree with Hugging Face
-transformers on the last version's weights (teacher-forced) and not on version 0's.
+re-hash is the published digest (vLLM's fused ``qkv_proj.bias`` and its q/k norms included),
+and vLLM's greedy tokens and logprobs agree with Hugging Face transformers on the last
+version's weights (teacher-forced) and not on version 0's.
+
+What the logprobs do not show: a tiny random model's near-uniform output hardly feels its q/k/v
+biases. With only the biases left at version 0's, HF's logprobs of vLLM's tokens moved by 0.03
+where vLLM and HF already differed by 0.016 (biases moved by 2.5), so that check could not tell;
+the biases are covered by the workers' re-hash of vLLM's own parameters.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,6 @@ import pytest
 from rollpatch.engines.vllm import VllmEngine
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.publisher import Publisher, reconstruct
-from rollpatch.view import View
 from tests import vllm_env
 
 PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po qua rix tem bal dor"]
@@ -61,9 +65,11 @@ def world(
         assert pub.publish(hf.state_dict()) == 0
         for v in (1, 2):
             for _, p in hf.named_parameters():  # a tied head once, through the embedding
-                # zero-initialised biases have no spread of their own: move them absolutely
+                # constant-initialised tensors (zero biases, unit q/k norms) have no spread
+                # of their own: they move by 0.25 at v2
                 scale = 0.5 if v == 2 else 3e-3
-                step = scale * max(float(p.std()), 0.02) if p.numel() > 1 else scale
+                std = float(p.std()) if p.numel() > 1 else 0.0
+                step = scale * (std if std > 1e-6 else 0.5)
                 p.add_(step * torch.randn(p.shape, generator=gen))
             assert pub.publish(hf.state_dict()) == v
     views = [reconstruct(board, arch, v) for v in range(3)]
@@ -77,31 +83,13 @@ def world(
         vllm_python,
         model_dir,
         root / "vllm.log",
-        env={"PYTHONPATH": os.pathsep.join([str(vllm_env.REPO / "src"), str(vllm_env.REPO)])},
+        env=vllm_env.REPO_ON_PATH,
     )
     try:
         srv.wait_ready(300)
         yield {"arch": arch, "server": srv, "model": model_dir, "board": board, "views": views}
     finally:
         srv.stop()
-
-
-def _hf_logprobs(model_dir: Path, view: View, ids: list[int], toks: list[int]) -> np.ndarray:
-    """Hugging Face's teacher-forced logprobs of ``toks`` after ``ids`` on ``view``'s weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    sd = {
-        n: torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
-        for n, t in view.items()
-    }
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + toks])).logits[0].float()
-    logp = torch.log_softmax(logits[len(ids) - 1 : -1], -1)
-    return logp[torch.arange(len(toks)), torch.tensor(toks)].numpy()
 
 
 def test_a_qwen_family_model_is_adopted_patched_and_served_right(world: dict[str, Any]) -> None:
@@ -121,9 +109,9 @@ def test_a_qwen_family_model_is_adopted_patched_and_served_right(world: dict[str
         prompt_ids = [tok(p).input_ids for p in PROMPTS]
         outs = server.greedy(model_dir, prompt_ids)
         for ids, (toks, lps) in zip(prompt_ids, outs):
-            now = _hf_logprobs(model_dir, views[2], ids, toks)
+            now = vllm_env.hf_logprobs(model_dir, views[2], ids, toks)
             assert np.allclose(now, lps, atol=0.03), (arch, now, lps)
-            before = _hf_logprobs(model_dir, views[0], ids, toks)
+            before = vllm_env.hf_logprobs(model_dir, views[0], ids, toks)
             assert not np.allclose(before, lps, atol=0.03), arch
     finally:
         engine.close()

@@ -14,7 +14,6 @@ and not on version 0's.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from rollpatch.engines.vllm import VllmEngine
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.io.safetensors import load_view
 from rollpatch.publisher import Publisher, reconstruct
-from rollpatch.view import View
 from tests import vllm_env
 
 RUN = "tied"
@@ -64,33 +62,13 @@ def world(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         vllm_python,
         model_dir,
         root / "vllm.log",
-        env={"PYTHONPATH": os.pathsep.join([str(vllm_env.REPO / "src"), str(vllm_env.REPO)])},
+        env=vllm_env.REPO_ON_PATH,
     )
     try:
         srv.wait_ready(300)
         yield {"server": srv, "model": model_dir, "board": board, "views": views}
     finally:
         srv.stop()
-
-
-def _hf_logprobs(model_dir: Path, view: View, ids: list[int], toks: list[int]) -> np.ndarray:
-    """Hugging Face's teacher-forced logprobs of ``toks`` after ``ids`` on ``view``'s weights
-    (the tied head is the embedding: loaded once, under its name)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    sd = {
-        n: torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
-        for n, t in view.items()
-    }
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + toks])).logits[0].float()
-    logp = torch.log_softmax(logits[len(ids) - 1 : -1], -1)
-    return logp[torch.arange(len(toks)), torch.tensor(toks)].numpy()
 
 
 def test_a_tied_model_is_adopted_patched_and_served_right(world: dict[str, Any]) -> None:
@@ -112,9 +90,9 @@ def test_a_tied_model_is_adopted_patched_and_served_right(world: dict[str, Any])
         prompt_ids = [tok(p).input_ids for p in PROMPTS]
         outs = server.greedy(model_dir, prompt_ids)
         for ids, (toks, lps) in zip(prompt_ids, outs):
-            now = _hf_logprobs(model_dir, views[2], ids, toks)
+            now = vllm_env.hf_logprobs(model_dir, views[2], ids, toks)
             assert np.allclose(now, lps, atol=0.03), (now, lps)
-            before = _hf_logprobs(model_dir, views[0], ids, toks)  # a stale head's logits
+            before = vllm_env.hf_logprobs(model_dir, views[0], ids, toks)  # a stale head's logits
             assert not np.allclose(before, lps, atol=0.03)
     finally:
         engine.close()

@@ -24,6 +24,9 @@ from rollpatch.engines.process import EngineProcess
 from rollpatch.view import View
 
 REPO = Path(__file__).resolve().parents[1]
+#: For a server whose worker extension imports this checkout's tests too (the live tests'
+#: hooks): ``start_server(..., env=REPO_ON_PATH)``.
+REPO_ON_PATH = {"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
 VLLM_VERSION = "0.32.0"
 BUILD_HINT = (
     "build it with `scripts/vllm-env` (≈2 min, ≈2.5 GB; cached), or set "
@@ -242,3 +245,25 @@ def hf_checker(model_dir: Path) -> Callable[[View, list[list[int]], Outputs], in
         return exact
 
     return check
+
+
+def hf_logprobs(model_dir: Path, view: View, ids: list[int], toks: list[int]) -> np.ndarray:
+    """Hugging Face's teacher-forced logprobs of ``toks`` after ``ids`` on ``view``'s weights
+    (a tied head is the embedding, published once under its name: only ``lm_head.weight`` may
+    be missing from the view)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    sd = {
+        n: torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
+        for n, t in view.items()
+    }
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if missing:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + toks])).logits[0].float()
+    logp = torch.log_softmax(logits[len(ids) - 1 : -1], -1)
+    return logp[torch.arange(len(toks)), torch.tensor(toks)].numpy()

@@ -27,7 +27,6 @@ the biases are covered by the workers' re-hash of vLLM's own parameters.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,73 +35,22 @@ import pytest
 
 from rollpatch.engines.vllm import VllmEngine
 from rollpatch.follower import Follower, FollowerConfig
-from rollpatch.io.safetensors import load_view
-from rollpatch.publisher import Publisher, reconstruct
-from tests import vllm_env
-
-EMBED = "model.embed_tokens.weight"
-PROMPTS = ["What is 12 + 7? The answer is", "ka lo mi ne ru sa ti vo ze po qua rix tem bal dor"]
-
-
-@dataclass(frozen=True)
-class Family:
-    arch: str
-    tied: bool
-    seed: int
-    #: layer 0's tensors (of self_attn) only this family has, checked to have moved
-    own: tuple[str, ...] = ()
-    #: the one tensor that moves far at the last version (None: every tensor does)
-    far: str | None = None
-
-
-FAMILIES = {
-    "llama-tied": Family("llama", tied=True, seed=3, far=EMBED),
-    "qwen2": Family("qwen2", tied=True, seed=5, own=("q_proj.bias", "k_proj.bias", "v_proj.bias")),
-    "qwen3": Family("qwen3", tied=False, seed=5, own=("q_norm.weight", "k_norm.weight")),
-}
+from tests import modelfams, vllm_env
+from tests.modelfams import FAMILIES, PROMPTS
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def world(
     request: pytest.FixtureRequest, vllm_python: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    """Versions 0..2 of a tiny model of the family published from its state dict, and one
-    vLLM server booted from version 0's checkpoint."""
-    torch = pytest.importorskip("torch")
+    """Versions 0..2 of a tiny model of the family published from its state dict
+    (tests/modelfams.py), and one vLLM server booted from version 0's checkpoint."""
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-
-    from rollpatch.engines.reference import make_tiny_model
-
     run: str = request.param
-    fam = FAMILIES[run]
     root = tmp_path_factory.mktemp(f"{run}-live")
-    model_dir = make_tiny_model(
-        root / "v0", arch=fam.arch, tied=fam.tied, seed=fam.seed, hidden_size=256, intermediate=512
-    )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if fam.tied:
-        assert "lm_head.weight" not in load_view(model_dir / "model.safetensors")
-        sd = hf.state_dict()
-        assert sd["lm_head.weight"].data_ptr() == sd[EMBED].data_ptr()
-    board = f"file://{root / 'board'}"
-    gen = torch.Generator().manual_seed(1)
-    with Publisher(board, run, asynchronous=False) as pub, torch.no_grad():
-        assert pub.publish(hf.state_dict()) == 0
-        for v in (1, 2):
-            for name, p in hf.named_parameters():  # a tied head once, through the embedding
-                far = v == 2 and fam.far in (None, name)
-                # constant-initialised tensors (zero biases, unit q/k norms) have no spread
-                # of their own: they move by 0.25 when far
-                std = float(p.std()) if p.numel() > 1 else 0.0
-                step = (0.5 if far else 3e-3) * (std if std > 1e-6 else 0.5)
-                p.add_(step * torch.randn(p.shape, generator=gen))
-            assert pub.publish(hf.state_dict()) == v
-    views = [reconstruct(board, run, v) for v in range(3)]
-    if fam.tied:
-        assert "lm_head.weight" not in views[0]  # published once, under the embedding's name
-    for name in (f"model.layers.0.self_attn.{t}" for t in fam.own):
-        assert not np.array_equal(views[0][name].data, views[2][name].data), name
+    pub = modelfams.publish(run, root)
+    model_dir, board, views = pub.model, pub.board, pub.views
     srv = vllm_env.start_server(
         vllm_python, model_dir, root / "vllm.log", env=vllm_env.REPO_ON_PATH
     )

@@ -23,7 +23,12 @@ from rollpatch.cli.gateway import GATEWAY_SET_OTHERWISE
 from rollpatch.cli.publish import PUBLISH_SET_OTHERWISE
 from rollpatch.cli.pull import PULL_UNUSED
 from rollpatch.cli.relay import RELAY_SET_OTHERWISE
-from rollpatch.cli.sidecar import FOLLOWER_FLAGS, FOLLOWER_SET_OTHERWISE, SIDECAR_SET_OTHERWISE
+from rollpatch.cli.sidecar import (
+    FOLLOWER_FLAGS,
+    FOLLOWER_SET_OTHERWISE,
+    FOLLOWER_UNSET,
+    SIDECAR_SET_OTHERWISE,
+)
 from rollpatch.config import settings
 from rollpatch.demo.config import DemoConfig
 from rollpatch.follower import FollowerConfig
@@ -61,6 +66,7 @@ RENAMED: dict[tuple[str, type], dict[str, str]] = {("sidecar", FollowerConfig): 
 UNSET: dict[tuple[str, type], tuple[str, ...]] = {
     ("demo", DemoConfig): DEMO_MODE_DEFAULTS,
     ("demo", CodecWalk): CODEC_SHARED,
+    ("sidecar", FollowerConfig): FOLLOWER_UNSET,
 }
 #: Arguments a config requires that no flag of the command gives.
 REQUIRED: dict[type, dict[str, Any]] = {

@@ -8,7 +8,13 @@ from typing import Any
 from ..logs import add_log_args
 from .trust import load_trust, trust_args
 
-__all__ = ["FOLLOWER_FLAGS", "FOLLOWER_SET_OTHERWISE", "SIDECAR_SET_OTHERWISE", "register"]
+__all__ = [
+    "FOLLOWER_FLAGS",
+    "FOLLOWER_SET_OTHERWISE",
+    "FOLLOWER_UNSET",
+    "SIDECAR_SET_OTHERWISE",
+    "register",
+]
 
 #: SidecarConfig fields set by other flags: the token from a file, the serving flags, the
 #: follower's own flags.
@@ -27,6 +33,9 @@ FOLLOWER_FLAGS = {
     "backoff_s": "--fetch-backoff",
     "timeout_s": "--fetch-timeout",
 }
+#: The follower's flags that default to none (the config's default applies): given without
+#: ``--boot adopt``, ``--adopt-scan`` is refused instead of ignored.
+FOLLOWER_UNSET = ("adopt_scan",)
 
 
 def register(sub: Any) -> None:
@@ -86,7 +95,7 @@ def register(sub: Any) -> None:
         FollowerConfig,
         skip=FOLLOWER_SET_OTHERWISE,
         rename=FOLLOWER_FLAGS,
-        unset=("adopt_scan",),  # given without --boot adopt: refused, not ignored
+        unset=FOLLOWER_UNSET,
     )
     p.add_argument(
         "--board-token-file",

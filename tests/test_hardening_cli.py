@@ -68,7 +68,7 @@ def test_bad_service_options_exit_2_with_one_line(
         (gateway + ["--body-timeout", "0"], "body-timeout"),
         (gateway + ["--token-file", files["missing"]], "cannot read"),
         (gateway + ["--island-token-file", files["empty"]], "empty"),
-        (["gateway", "--sidecar", "ftp://nowhere"], "http(s)"),
+        (["gateway", "--sidecar", "ftp://nowhere", "--port", "0"], "http(s)"),
         (gateway + ["--max-body-bytes", "0"], "max_bytes"),
         (sidecar + ["--tls-cert", files["junk.pem"], "--tls-key", files["junk.pem"]], "TLS"),
         (sidecar + ["--token-file", files["empty"]], "empty"),

@@ -79,3 +79,60 @@ def test_bad_service_options_exit_2_with_one_line(
     for argv, expected in cases:
         line = _one_line_refusal(argv, capsys)
         assert expected in line, (argv, line)
+
+
+_FINISH = """
+import sys, threading, time
+from rollpatch.cli.serving import ShutdownSignals
+s = ShutdownSignals()
+mode = sys.argv[1]
+if mode == "hurried":
+    s.done.set(); s.hurry.set()  # a second signal came
+if mode == "fails":
+    def stop():
+        raise RuntimeError("boom")
+elif mode == "quick":
+    def stop():
+        print("stopped", flush=True)
+else:
+    def stop():
+        time.sleep(600)  # an engine that never answers its close calls
+t0 = time.monotonic()
+try:
+    s.finish("sidecar", stop, 1.0 if mode == "hung" else 600.0)
+except RuntimeError as e:
+    print("raised", e, flush=True)
+print(f"returned after {time.monotonic() - t0:.1f}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "rc", "said"),
+    [
+        ("hung", 1, "stopped without waiting for the engine"),
+        ("hurried", 1, "stopped without waiting for the engine"),
+        ("quick", 0, "stopped\nreturned after"),
+        ("fails", 0, "raised boom"),
+    ],
+)
+def test_stopping_is_bounded_when_the_engine_does_not_answer(mode: str, rc: int, said: str) -> None:
+    """A sidecar whose engine hangs: its stop (the adapter's close calls, 600 s timeouts)
+    kept it alive through any number of signals (an audit's MEDIUM finding). Now the stop gets
+    the grace (here 1 s), or 2 s after a second signal, then the process exits with code 1."""
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", _FINISH, mode],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    took = time.monotonic() - t0
+    assert out.returncode == rc and said in out.stdout, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    if rc:
+        assert "returned after" not in out.stdout and took < 30  # liveness, not speed

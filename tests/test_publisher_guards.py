@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from rollpatch.board import Board
 from rollpatch.errors import ConfigError, FormatError
 from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
 from rollpatch.publisher.guards import engine_names, nonfinite
+from rollpatch.store import MemoryStore
 from tests.pubfix import RUN, board, check_all, copy_masters, nudge, random_masters
 
 _FIXTURES = (board,)  # used by name
@@ -208,3 +211,45 @@ def test_a_step_that_changes_most_values_is_warned_about(
     assert len(said) == 1 and f"{RUN}@2: the step patch from version 1 is" in said[0]
     assert "another model of the same shape" in said[0]
     check_all(board, {0: masters, 1: small, 2: other})
+
+
+class _GatedStore(MemoryStore):
+    """A memory store whose puts wait for ``gate`` (the worker busy with a version)."""
+
+    def __init__(self, name: str, gate: threading.Event) -> None:
+        super().__init__(name)
+        self.gate, self.entered = gate, threading.Event()
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        self.entered.set()
+        assert self.gate.wait(60), "the gate was never opened"
+        super()._put(key, data, if_absent=if_absent)
+
+
+@pytest.mark.parametrize("snapshot", ["served", "masters"])
+def test_a_diverged_step_does_not_push_the_last_good_one_out(snapshot: str) -> None:
+    """The queue holds one waiting version (``max_pending=1``); a newer one used to push it
+    out, even one that then failed the NaN guard: the good version never reached the board
+    (an audit's LOW finding). A served snapshot is checked when it would push one out; a
+    masters snapshot (cast later) is not, and the old behaviour stays there."""
+    gate = threading.Event()
+    store = _GatedStore(f"gated-{uuid.uuid4().hex[:12]}", gate)
+    board = Board(store)
+    masters = random_masters(1)
+    cfg = PublisherConfig(max_pending=1, snapshot=snapshot)  # type: ignore[arg-type]
+    pub = Publisher(board, RUN, cfg)
+    assert pub.publish(masters) == 0
+    assert store.entered.wait(60)  # the worker took it, and waits on the store
+    nudge(masters, 0)
+    assert pub.publish(masters) == 1  # good, waiting
+    bad = copy_masters(masters)
+    bad["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    assert pub.publish(bad) == 2  # diverged
+    gate.set()
+    with pytest.raises(FormatError, match="holds NaN or infinite"):
+        pub.close()
+    if snapshot == "served":
+        assert board.versions(RUN) == [0, 1] and pub.stats.dropped == ()
+        assert board.latest(RUN).version == 1  # type: ignore[union-attr]
+    else:
+        assert board.versions(RUN) == [0] and pub.stats.dropped == (1,)

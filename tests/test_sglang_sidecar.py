@@ -345,3 +345,81 @@ def test_an_sglang_restarted_under_the_sidecar_is_taken_out_and_re_synced(
         assert engine.held(fresh=True)[1] == world.views[have].digest()
     finally:
         sc.stop()
+
+
+def _driven(server: vllm_env.Server, world: World) -> tuple[Any, Any]:
+    """A sidecar driving the session's SGLang on the newest version, its audit fast."""
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import make_engine, start_sidecar
+
+    engine, url = make_engine("sglang", engine_url=server.url)
+    engine.load(world.views[world.latest], world.latest)
+    cfg = FollowerConfig(
+        poll_s=0.05, backoff_s=0.01, timeout_s=120.0, audit_bytes_per_s=2**22, audit_period_s=0.05
+    )
+    return engine, start_sidecar(world.board, RUN, engine, url, config=SidecarConfig(follower=cfg))
+
+
+def test_weights_written_behind_the_sidecar_take_it_out_and_are_re_synced(
+    server: vllm_env.Server, world: World
+) -> None:
+    """Another writer of SGLang's weights (its own /update_weights_from_disk): before session
+    38 the audit logged the mismatch every period while the sidecar went on serving and
+    labelling the other weights with its version (an audit's HIGH finding). Now the audit's
+    mismatch makes the adapter hold no version: /ready 503, and the follower re-syncs it from
+    a keyframe."""
+    import httpx
+
+    have = world.latest
+    engine, sc = _driven(server, world)
+    try:
+        deadline = time.monotonic() + 120
+        seen, loaded = ready_then_hold_loads(sc.url, engine, deadline, hold_s=60)
+        r = server.post("/update_weights_from_disk", {"model_path": str(world.model)})
+        assert r["success"], r  # version 0's checkpoint, behind the sidecar's back
+        while httpx.get(f"{sc.url}/ready").status_code != 503:
+            assert time.monotonic() < deadline, "the weights written behind it were never noticed"
+            time.sleep(0.02)
+        body = {"model": str(world.model), "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{sc.url}/v1/completions", json=body, timeout=30).status_code == 503
+        seen.set()
+        until_back_on(sc, have, deadline + 180)
+        assert loaded == [have] and sc.sidecar.follower.status().audits >= 1
+        assert engine.held(fresh=True)[1] == world.views[have].digest()
+    finally:
+        sc.stop()
+
+
+def test_a_second_adapter_is_refused_while_a_sidecar_drives_sglang(
+    server: vllm_env.Server, world: World
+) -> None:
+    """Two sidecars on one SGLang: before session 38 the second's load replaced the loader's
+    weights and digests, the first's audit then passed against them, and the first labelled
+    the second run's words with its own version (an audit's HIGH finding: 337 of 803
+    responses). Now the loader has one owner: the second adapter is refused, naming why, and
+    the first goes on serving its verified version; once it closed, another starts at once."""
+    import httpx
+
+    from rollpatch.engines.sglang import SglangEngine
+    from rollpatch.errors import EngineError
+
+    have = world.latest
+    engine, sc = _driven(server, world)
+    other = SglangEngine(server.url)
+    try:
+        until(lambda: httpx.get(f"{sc.url}/ready").status_code == 200, "the sidecar ready", 120)
+        with pytest.raises(EngineError, match="driven by another rollpatch adapter"):
+            other.load(world.views[0], 0)
+        with pytest.raises(EngineError, match="driven by another rollpatch adapter"):
+            other.boot_digest()
+        time.sleep(0.3)  # audits run meanwhile: nothing changed under the sidecar
+        assert httpx.get(f"{sc.url}/ready").status_code == 200
+        assert sc.sidecar.follower.version == have and sc.sidecar.follower.status().audits == 0
+        assert engine.held(fresh=True)[1] == world.views[have].digest()
+    finally:
+        sc.stop()  # closes its adapter: the loader is free at once
+    try:
+        other.channel.restart()
+        assert other.boot_digest() == world.views[have].digest()
+    finally:
+        other.close()

@@ -9,8 +9,11 @@ it is a relay that requires one.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, final
 
@@ -131,6 +134,38 @@ class ShutdownSignals:
                     f"rollpatch {name}: stopping with {inflight()} request(s) in flight",
                     flush=True,
                 )
+
+    def finish(self, name: str, stop: Callable[[], None], bound_s: float) -> None:
+        """Run ``stop`` (the service's own: its threads, its engine's close), bounded: an
+        engine that does not answer must not keep the process alive. It gets ``bound_s``
+        seconds, and 2 s more once a second signal came (a signal while it runs counts);
+        past them the process exits at once with code 1, saying so."""
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                stop()
+            except BaseException as e:  # noqa: BLE001 - raised again on this thread
+                failed.append(e)
+
+        t = threading.Thread(target=run, name=f"rollpatch-{name}-stop", daemon=True)
+        t.start()
+        deadline, hurried = time.monotonic() + bound_s, None
+        while t.is_alive():
+            t.join(0.1)
+            now = time.monotonic()
+            if hurried is None and self.hurry.is_set():
+                hurried = now
+            if t.is_alive() and (now > deadline or (hurried is not None and now > hurried + 2)):
+                print(
+                    f"rollpatch {name}: stopped without waiting for the engine (its calls did "
+                    f"not finish within {now - deadline + bound_s:.0f} s)",
+                    flush=True,
+                )
+                logging.shutdown()
+                os._exit(1)
+        if failed:
+            raise failed[0]
 
 
 def body_limits(args: argparse.Namespace) -> BodyLimits:

@@ -178,6 +178,6 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         sc = running.sidecar
         try:
             signals.serve("sidecar", lambda: sc.gate.inflight, sc.drain, args.shutdown_grace)
-        finally:
-            running.stop()
+        finally:  # bounded: a hung engine's calls must not keep the sidecar alive
+            signals.finish("sidecar", running.stop, max(args.shutdown_grace, 5.0))
     return 0

@@ -96,7 +96,8 @@ class Auditor:
         report = self.engine.audit(self.budget)
         if report is None:
             return None
-        self.on_contact(True)
+        if not report.mismatched:  # it answered, with the words it should hold
+            self.on_contact(True)
         self.last = report
         self.bytes += report.nbytes
         self.passes += report.wrapped

@@ -120,7 +120,8 @@ class CommitGate:
 
     def suspend(self, why: str) -> None:
         """Serve no version (no request is labelled with one) until :meth:`confirm`: the
-        engine was unreachable, so the words behind its version may be another's by now."""
+        engine was unreachable, so the words behind its version may be another's by now
+        (``why``: what put them in doubt, said in the refusals and /ready)."""
         with self._cond:
             if self.suspect is None:
                 log.warning(
@@ -134,7 +135,7 @@ class CommitGate:
         if answered:
             self.confirm()
         else:
-            self.suspend("the audit could not reach it")
+            self.suspend("contact with the engine was lost (the audit could not reach it)")
 
     def confirm(self) -> None:
         """The engine answered an identity check (the audit), or took a verified commit."""

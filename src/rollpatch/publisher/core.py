@@ -21,7 +21,7 @@ from ..types import check_run
 from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .exiting import close_at_exit
-from .guards import engine_names, note_names
+from .guards import diverged, engine_names, note_names
 from .rounds import DropLog, Snapshot, agree, next_version, resume_point
 from .sharded import open_exchange
 from .sharded_slices import SliceSpec, split_slices
@@ -181,6 +181,11 @@ class Publisher:
         except FormatError as e:  # e.g. NaN in a quantised tensor: fails this version
             masters, cast_error = {}, e
         snap_s = time.perf_counter() - t0
+        # a step that fails anyway (NaN) must not push the last good one out of the queue
+        refuse = self.config.nonfinite == "refuse"
+        keep = len(self._pending) >= self.config.max_pending and diverged(
+            masters, cast_error, refuse=refuse
+        )
         with self._cond:
             self._check_usable()
             n = self._assign(version)
@@ -191,7 +196,8 @@ class Publisher:
             else:
                 snap.call_return_s = time.perf_counter() - t0
                 self._pending.append(snap)
-                self._trim(self._pending)
+                if not keep:
+                    self._trim(self._pending)
                 self._cond.notify_all()
         if self._worker is None:
             try:

@@ -27,7 +27,14 @@ import numpy as np
 from ..engines.fit import WRAPPER_PREFIXES
 from ..errors import ConfigError, FormatError
 
-__all__ = ["check_finite", "check_same_model", "engine_names", "nonfinite", "note_names"]
+__all__ = [
+    "check_finite",
+    "check_same_model",
+    "diverged",
+    "engine_names",
+    "nonfinite",
+    "note_names",
+]
 
 log = logging.getLogger("rollpatch.publisher")
 
@@ -123,6 +130,28 @@ def nonfinite(kind: str, words: Any) -> bool:
         np.bitwise_or(part, mask, out=t)
         if t.max() == full:
             return True
+    return False
+
+
+def diverged(masters: Any, error: BaseException | None, *, refuse: bool) -> bool:
+    """Whether a snapshot will fail its version: its cast failed (``error``), or it is a
+    served view (cast when snapshotted) holding a NaN or ±inf (:func:`check_finite`, when
+    ``refuse``: ``PublisherConfig.nonfinite="refuse"``). The
+    publisher then does not let it push an older snapshot, the last good version, out of its
+    queue (found by an audit, session 38: a good version dropped for a diverged one that then
+    failed left the board a version behind). Masters cast later are not checked here."""
+    if error is not None:
+        return True
+    if (
+        not refuse
+        or not isinstance(masters, Mapping)
+        or not all(hasattr(t, "kind") for t in masters.values())
+    ):
+        return False
+    try:
+        check_finite(masters, run="", version=0)
+    except FormatError:
+        return True
     return False
 
 

@@ -214,9 +214,8 @@ class Sidecar:
             return f"the sidecar is shutting down ({self.gate.inflight} request(s) finishing)"
         if self.gate.suspect is not None:
             return (
-                f"contact with the engine was lost ({self.gate.suspect}); re-checking that it "
-                "still holds its verified version (a restarted engine holds its checkpoint's "
-                "words) before serving again"
+                f"{self.gate.suspect}; re-checking that it still holds its verified version (a "
+                "restarted engine holds its checkpoint's words) before serving again"
             )
         if self.follower.version is None:
             status = self.follower.status()

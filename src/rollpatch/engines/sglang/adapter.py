@@ -106,7 +106,8 @@ class SglangEngine(ListedTensors, EngineAdapter):
 
     @property
     def version(self) -> int | None:
-        return self._version
+        # another adapter took SGLang over: its loads replaced what this one verified
+        return None if self.channel.displaced else self._version
 
     @property
     def digest(self) -> str | None:
@@ -257,14 +258,16 @@ class SglangEngine(ListedTensors, EngineAdapter):
                 ]
             except EngineError:
                 self.channel.restart()  # the next call starts the control threads again
+                if self.channel.displaced:  # SGLang's tag is the other adapter's now
+                    self._set(None, None)
                 raise
             boots = tuple(r.get("boot") for r in rs)
             restarted = self._boots.restarted(boots, self.url, self._version)
-            if restarted:
+            bad = tuple(sorted({n for r in rs for n in r["mismatched"]}))
+            if restarted or bad:  # unknown words: out of rotation until re-synced
                 self._set(None, None)
                 with contextlib.suppress(RollpatchError):
                     self._tag(NOT_READY)
-        bad = tuple(sorted({n for r in rs for n in r["mismatched"]}))
         return AuditReport(
             sum(int(r["tensors"]) for r in rs),
             sum(int(r["nbytes"]) for r in rs),
@@ -363,6 +366,8 @@ class SglangEngine(ListedTensors, EngineAdapter):
         """The held version, with the loaders' identities it was set under."""
         self._version, self._digest = version, digest
         self._boots.set(self.channel.boots or None, version)
+        if version is not None:  # verified through this adapter's own calls
+            self.channel.displaced = False
 
     def _require_loaded(self) -> None:
         if self._version is None:

@@ -53,6 +53,12 @@ class SglangChannel(NestedPause):
         self.timeout = timeout
         self.scratch = SharedDir(shared_dir, prefix="rollpatch-sglang-")
         self._tag_id = secrets.token_hex(4)
+        #: This adapter's token in every call to the loader, which refuses another adapter's
+        #: calls while one drives it (one sidecar per engine).
+        self.owner = secrets.token_hex(8)
+        #: Another adapter took SGLang over (the loader refused a call of this one): what
+        #: this one verified is void until it sets a version again.
+        self.displaced = False
         self.tp = 1  # SGLang's --tp-size, read at start
         self._started = False
         #: Each rank's loader identity, from the last start (a restarted SGLang: new ones).
@@ -135,9 +141,18 @@ class SglangChannel(NestedPause):
             self.tp = int(info.get("tp_size") or 1)
             starts = [{"op": "start", "socket": str(self.socket(r))} for r in range(self.tp)]
             self.boots = tuple(
-                result(answer).get("boot") for answer in self.commands(starts, flush=False)
+                self._result(answer).get("boot") for answer in self.commands(starts, flush=False)
             )
             self._started = True
+
+    def _result(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """:func:`.wire.result`, noting a refusal because another adapter drives SGLang."""
+        try:
+            return result(answer)
+        except EngineError as e:
+            if e.context.get("taken_over") or "other_called_s_ago" in e.context:
+                self.displaced = True
+            raise
 
     def restart(self) -> None:
         """Start the control threads again at the next call (a control call failed: a
@@ -148,7 +163,8 @@ class SglangChannel(NestedPause):
     def control(self, op: str, *, rank: int = 0, **args: Any) -> dict[str, Any]:
         """A read-only operation on rank ``rank``'s control thread (generation goes on)."""
         self.start()
-        return result(request(self.socket(rank), {"op": op, **args}, self.timeout))
+        req = {"op": op, **args, "owner": self.owner}
+        return self._result(request(self.socket(rank), req, self.timeout))
 
     def controls(self, op: str, **args: Any) -> list[dict[str, Any]]:
         """:meth:`control` on every rank at once (each rank's control thread works on its own
@@ -166,7 +182,7 @@ class SglangChannel(NestedPause):
     def command(self, cmd: dict[str, Any], *, flush: bool) -> dict[str, Any]:
         """``cmd`` on every rank through SGLang's weight-update route (between forward
         passes); rank 0's answer (any rank's error is raised)."""
-        answers = [result(a) for a in self.commands([cmd] * self.tp, flush=flush)]
+        answers = [self._result(a) for a in self.commands([cmd] * self.tp, flush=flush)]
         return answers[0]
 
     def commands(self, cmds: list[dict[str, Any]], *, flush: bool) -> list[dict[str, Any]]:
@@ -180,7 +196,8 @@ class SglangChannel(NestedPause):
     ) -> list[dict[str, Any]]:
         body = {
             "serialized_named_tensors": [
-                command_payload({**cmd, "reply": str(path)}) for cmd, path in zip(cmds, replies)
+                command_payload({**cmd, "reply": str(path), "owner": self.owner})
+                for cmd, path in zip(cmds, replies)
             ],
             "load_format": LOADER,
             "flush_cache": flush,
@@ -266,6 +283,11 @@ class SglangChannel(NestedPause):
             with contextlib.suppress(EngineError, OSError):
                 self.controls("unmap_arena")
             self.arena.close()
+        if self._started:  # the next adapter may start at once (not after the loader's lease)
+            for r in range(self.tp):
+                with contextlib.suppress(EngineError, OSError):
+                    self.control("disown", rank=r)
+            self._started = False
         self.scratch.close()
         if self._shm is not None and self._shm is not self.scratch:
             self._shm.close()

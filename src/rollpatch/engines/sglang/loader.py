@@ -51,6 +51,7 @@ from ..staged import WriteMode
 from ..vllm.layout import locate
 from ..writing import release
 from .owned import decode_owned, export_blocks, place_block, read_decoded_all, unmap_arena
+from .owner import Ownership
 from .ranked import RankWeights
 from .staged import HeldWeights
 from .wire import read_line
@@ -66,8 +67,11 @@ class _State:
         self.weights: HeldWeights | None = None
         self.server: socketserver.UnixStreamServer | None = None
         #: This process's identity: an SGLang restarted under its sidecar has a new one (the
-        #: adapter compares it at each audit: its words are the boot checkpoint's).
+        #: adapter compares it at each audit: its words are the boot checkpoint's); so does
+        #: another adapter taking over (:mod:`.owner`).
         self.boot = secrets.token_hex(8)
+        #: The adapter driving this SGLang (:mod:`.owner`: one sidecar per engine).
+        self.owner = Ownership()
 
 
 _STATE = _State()
@@ -229,7 +233,13 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
     "audit": lambda w, r: w.audit(int(r["budget"])),
     "drop": lambda w, r: _drop(w),
     "release": lambda w, r: w.release() if isinstance(w, RankWeights) else {"released": 0},
+    "disown": lambda w, r: _STATE.owner.disown(),
 }
+
+
+def _control(op: str, req: dict[str, Any]) -> dict[str, Any]:
+    _STATE.owner.check(req)
+    return _CONTROL[op](_weights(), req)
 
 
 def run_op(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -252,7 +262,7 @@ class _Handler(socketserver.StreamRequestHandler):
         except (RollpatchError, json.JSONDecodeError, OSError):
             return
         if op in _CONTROL:
-            out = run_op(lambda: _CONTROL[op](_weights(), req))
+            out = run_op(functools.partial(_control, op, req))
         else:
             out = {
                 "ok": False,
@@ -261,7 +271,9 @@ class _Handler(socketserver.StreamRequestHandler):
         self.request.sendall(json.dumps(out, separators=(",", ":")).encode() + b"\n")
 
 
-def _start(model: Any, sock: str) -> dict[str, Any]:
+def _start(model: Any, sock: str, owner: Any) -> dict[str, Any]:
+    if _STATE.owner.claim(owner):  # what the adapter before verified is void
+        _STATE.boot = secrets.token_hex(8)
     if _STATE.weights is None:
         _STATE.weights = _build(model)
     if _STATE.server is None or _STATE.server.server_address != sock:
@@ -304,13 +316,15 @@ def _forget() -> dict[str, Any]:
         _STATE.server.server_close()
         Path(str(_STATE.server.server_address)).unlink(missing_ok=True)
     _STATE.server, _STATE.weights, _STATE.boot = None, None, secrets.token_hex(8)
+    _STATE.owner.disown()
     return {"forgot": True}
 
 
 def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     op = cmd.get("op")
     if op == "start":
-        return _start(model, str(cmd["socket"]))
+        return _start(model, str(cmd["socket"]), cmd.get("owner"))
+    _STATE.owner.check(cmd)
     w = _weights()
     if op == "commit":
         staged = w.commit(str(cmd["token"]))

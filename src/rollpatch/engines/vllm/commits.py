@@ -42,6 +42,7 @@ class StagedCommits:
     tp: int
     settler: Settler
     tainted: str | None
+    writes: int
     last_phases: dict[str, float]
     last_stage_phases: dict[str, float]
     _digests: dict[str, str]
@@ -147,6 +148,7 @@ class StagedCommits:
         unchanged weight. Kernel-only parameters whose kernel was prebuilt are served by that
         kernel from the swap on; their own words are written after the pause
         (:class:`.writes.Settler`). On any failure the old words are written back."""
+        self.writes += 1  # whoever commits: this state's identity changes (RuntimeWeights)
         self.settler.wait()
         self._undo = None
         if self.root() != staged.base:
@@ -224,6 +226,7 @@ class StagedCommits:
         the previous version again."""
         if self._undo is None or self._undo[0] != undo_key:
             return False
+        self.writes += 1
         _, writes, before = self._undo
         self._undo = None
         self.settler.wait()  # the kernel-only words written after the pause are in place

@@ -77,6 +77,9 @@ class RuntimeWeights(StagedCommits):
         #: audit, so an engine restarted under a sidecar (its boot checkpoint's words, not the
         #: version the sidecar labels) is found out, not served under the old label.
         self.boot = secrets.token_hex(8)
+        #: Commits, loads and undos made on this state (by any adapter): part of
+        #: :attr:`identity`, so that an adapter's audit finds words another adapter wrote.
+        self.writes = 0
         if tp > 1 and access.gather is None:
             raise EngineError("tensor parallelism needs a gather", tp=tp)
         self._entries: dict[str, _Entry] = {}
@@ -253,6 +256,14 @@ class RuntimeWeights(StagedCommits):
                 return st
         return sum128(self[name].data)
 
+    @property
+    def identity(self) -> str:
+        """What the adapter's audit compares with the identity its version was set under: the
+        process's (a restart) and its writes (a second adapter's commits and loads, whose
+        digests would otherwise pass the first one's audit; a bit flip behind every digest
+        is the audit's hashes' to find)."""
+        return f"{self.boot}.{self.writes}"
+
     def digests(self, *, fresh: bool = False) -> dict[str, str]:
         return {n: self.digest_of(n, fresh=fresh) for n in self.names()}
 
@@ -291,6 +302,7 @@ class RuntimeWeights(StagedCommits):
                     engine_kind=e.kind.name,
                     engine_shape=e.mine.shape,
                 )
+        self.writes += 1
         self.settler.wait()
         self._undo = None
         self._digests.clear()

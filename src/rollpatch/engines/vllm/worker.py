@@ -134,7 +134,7 @@ def run_op(model: Any, op: str, arg: str = "", arg2: str = "") -> dict[str, Any]
 
     def call(_: Any) -> dict[str, Any]:
         w = weights_of(model)
-        return {**fn(w, arg, arg2), "boot": w.boot}
+        return {**fn(w, arg, arg2), "boot": w.identity}
 
     return run_op_on(None, call)
 
@@ -157,7 +157,7 @@ def audit(model: Any, budget: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     out = OPS["audit"](w, str(max(budget - share, 1)), "")
     out["hash_ms"] = (time.perf_counter() - t0) * 1e3
-    out["boot"] = w.boot
+    out["boot"] = w.identity
     if share:
         r = audit_packed(state, share)
         if r.mismatched and w.tainted is None:

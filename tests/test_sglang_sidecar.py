@@ -380,8 +380,11 @@ def test_weights_written_behind_the_sidecar_take_it_out_and_are_re_synced(
         while httpx.get(f"{sc.url}/ready").status_code != 503:
             assert time.monotonic() < deadline, "the weights written behind it were never noticed"
             time.sleep(0.02)
+        # a caller that will not wait for the re-sync: refused, not served other words
         body = {"model": str(world.model), "prompt": "hi", "max_tokens": 2}
-        assert httpx.post(f"{sc.url}/v1/completions", json=body, timeout=30).status_code == 503
+        body["rollpatch"] = {"wait_s": 0}
+        r = httpx.post(f"{sc.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "audit found" in r.json()["error"]["message"], r.text
         seen.set()
         until_back_on(sc, have, deadline + 180)
         assert loaded == [have] and sc.sidecar.follower.status().audits >= 1

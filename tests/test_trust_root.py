@@ -118,7 +118,10 @@ def test_seal_needs_a_key_and_signer_hides_secrets() -> None:
 
 @pytest.mark.parametrize("dual_keyframe", [False, True])
 def test_a_planned_rotation_keeps_the_run_going(
-    tmp_path: Path, dual_keyframe: bool, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    dual_keyframe: bool,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """docs/trust.md's planned rotation through the CLI: a version signed with both keys,
     the root rotated to the new key, then publishes with the new key alone. With the
@@ -134,7 +137,7 @@ def test_a_planned_rotation_keeps_the_run_going(
     assert main(["keygen", "-o", str(tmp_path / "new")]) == 0
     old, new = ["--signing-key", str(world.key)], ["--signing-key", str(tmp_path / "new.key")]
     ckpts = []
-    for i in range(5):
+    for i in range(6):
         ckpts.append(tmp_path / f"ck{i}.safetensors")
         save_masters(ckpts[i], masters(1, step=1e-4 * i))
     publish = ["publish", "--board", world.board, "--run", RUN]
@@ -153,6 +156,13 @@ def test_a_planned_rotation_keeps_the_run_going(
         assert "published as a keyframe with no parent" in caplog.text
     assert main([*publish, str(ckpts[4]), *new]) == 0
     assert board.manifest(RUN, 4).parent == 3
+    # a host still publishing with the retired key: refused before it writes anything (it
+    # used to replace version 4, signed by the new key, as a squatted manifest, and the next
+    # honest publish then numbered other weights 4: found by an audit, session 38)
+    before = {k: board.store.get(k) for k in board.store.list(f"runs/{RUN}/")}
+    assert main([*publish, str(ckpts[5]), *old]) == 2
+    assert "does not list this publisher's signing keys" in capsys.readouterr().err
+    assert {k: board.store.get(k) for k in board.store.list(f"runs/{RUN}/")} == before
     out = tmp_path / "v.safetensors"
     trusted = ["--trust", str(world.root), "--trust-state", str(tmp_path / "fresh.json")]
     assert main(["pull", "--board", world.board, "--run", RUN, "-o", str(out), *trusted]) == 0

@@ -80,6 +80,8 @@ class Publisher:
                 collective_timeout_s=collective_timeout_s,
             )
         self._x = open_exchange(group, sharded, collective_timeout_s)
+        if self._x.rank == 0:  # before the resume, which may replace what it cannot verify
+            check_signing(self.board, self.config.signer)
         self._cond = threading.Condition()
         self._pending: deque[Snapshot] = deque()
         self._busy = False
@@ -101,8 +103,6 @@ class Publisher:
         self._snaps = HostSnapshots(self._words)
         self._heartbeat: LatestHeartbeat | None = None
         signer = self.config.signer
-        if self._x.rank == 0:
-            check_signing(self.board, signer)
         if signer is not None and self._x.rank == 0:
             self._heartbeat = LatestHeartbeat(
                 self.board, self.run, lambda: self.last_durable, signer.latest_ttl_s / 4

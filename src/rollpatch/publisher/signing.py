@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 
 from ..board import Board
-from ..errors import RollpatchError, TrustError
+from ..errors import ConfigError, RollpatchError, TrustError
 from ..trust import Signer, Trust, verify_initial_root
 
-__all__ = ["LatestHeartbeat", "check_signing", "fleet_refuses"]
+__all__ = ["LatestHeartbeat", "check_signing", "fleet_refuses", "retired_by"]
 
 log = logging.getLogger("rollpatch.publisher")
 
@@ -50,11 +50,40 @@ def fleet_refuses(board: Board, run: str, version: int) -> TrustError | None:
     return None
 
 
+def retired_by(board: Board, signer: Signer) -> int | None:
+    """The version of the board's newest root when it lists fewer of this publisher's keys
+    than its threshold and chains from the board's first root (each root signed by its
+    predecessor's keys: a rotation the key holders made, which retired these keys or never
+    took them in). None when not so, or when it cannot tell (no root, or a chain that does
+    not verify). A writer of the board who replaced even the first root could stop the
+    publisher this way; it could delete the board too: refusing is the safe side."""
+    try:
+        first = board.root_raw(1)
+        if first is None:
+            return None
+        newest = Trust(first, follow_rotation=True).update_root(board.root_raw)
+    except RollpatchError as e:
+        log.debug("cannot tell whether the board's root lists this publisher's keys: %s", e)
+        return None
+    mine = {k.keyid for k in signer.keys} & set(newest.keys)
+    return None if len(mine) >= newest.threshold else newest.version
+
+
 def check_signing(board: Board, signer: Signer | None) -> None:
-    """Warn (once, at start) when what is about to be published will not verify: an unsigned
-    publisher on a board that has a root of trust, or keys the board's newest root does not
-    list in threshold. Only a warning: the board is untrusted, so it must not stop publishing.
+    """At start: refuse keys that the board's verified newest root does not list in
+    threshold (:func:`retired_by`: their manifests would be refused, and the publisher would
+    replace the run's valid ones as if squatted; found by an audit, session 38); else warn
+    when what is about to be published will not verify: an unsigned publisher on a board
+    that has a root of trust, or a newest root that does not chain from the first one.
     """
+    if signer is not None and (gone := retired_by(board, signer)) is not None:
+        raise ConfigError(
+            f"the board's root of trust (version {gone}) does not list this publisher's "
+            "signing keys in threshold (retired by a rotation?): followers would refuse what "
+            "it publishes, and it would replace the run's valid versions; not publishing",
+            hint="sign with the keys the newest root lists (`rollpatch status --trust` names "
+            "them); docs/trust.md, Rotating keys",
+        )
     try:
         roots = board.roots()
         raw = board.root_raw(roots[-1]) if roots else None

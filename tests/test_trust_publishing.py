@@ -130,14 +130,14 @@ def test_publisher_warns_when_what_it_publishes_will_not_verify(
     pub = Pub(0)
     masters = {"w": np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)}
     other = Signer(keys=(SigningKey.generate(),))
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="rollpatch.publisher"):
-        Publisher(Board(pub.store), RUN, PublisherConfig(), asynchronous=False).close()
-    assert any("UNSIGNED" in r.getMessage() for r in caplog.records), caplog.records
-    # keys the board's verified root does not list: refused, not warned (their manifests
-    # would be refused, and the publisher would replace the run's valid ones)
+    # unsigned, or keys the board's verified root does not list: refused, not warned (every
+    # version would be refused, and a signing publisher would replace the run's valid ones)
+    before = {k: pub.store.get(k) for k in pub.store.list("")}
+    with pytest.raises(ConfigError, match="UNSIGNED to a board with a root of trust"):
+        Publisher(Board(pub.store), RUN, PublisherConfig(), asynchronous=False)
     with pytest.raises(ConfigError, match="does not list this publisher's signing keys"):
         Publisher(Board(pub.store), RUN, PublisherConfig(signer=other), asynchronous=False)
+    assert {k: pub.store.get(k) for k in pub.store.list("")} == before
     caplog.clear()
     with (
         caplog.at_level("WARNING", logger="rollpatch.publisher"),

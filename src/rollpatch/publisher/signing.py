@@ -50,7 +50,7 @@ def fleet_refuses(board: Board, run: str, version: int) -> TrustError | None:
     return None
 
 
-def retired_by(board: Board, signer: Signer) -> int | None:
+def retired_by(board: Board, signer: Signer | None) -> int | None:
     """The version of the board's newest root when it lists fewer of this publisher's keys
     than its threshold and chains from the board's first root (each root signed by its
     predecessor's keys: a rotation the key holders made, which retired these keys or never
@@ -65,18 +65,25 @@ def retired_by(board: Board, signer: Signer) -> int | None:
     except RollpatchError as e:
         log.debug("cannot tell whether the board's root lists this publisher's keys: %s", e)
         return None
-    mine = {k.keyid for k in signer.keys} & set(newest.keys)
+    mine = set() if signer is None else {k.keyid for k in signer.keys} & set(newest.keys)
     return None if len(mine) >= newest.threshold else newest.version
 
 
 def check_signing(board: Board, signer: Signer | None) -> None:
-    """At start: refuse keys that the board's verified newest root does not list in
-    threshold (:func:`retired_by`: their manifests would be refused, and the publisher would
-    replace the run's valid ones as if squatted; found by an audit, session 38); else warn
-    when what is about to be published will not verify: an unsigned publisher on a board
-    that has a root of trust, or a newest root that does not chain from the first one.
+    """At start: refuse keys (or no keys) that the board's verified newest root does not list
+    in threshold (:func:`retired_by`: followers would refuse every version, and a signing
+    publisher would replace the run's valid ones as if squatted; found by an audit, session
+    38); else warn when what is about to be published will not verify (a newest root that
+    does not chain from the first one, an expired root, no root while signing).
     """
-    if signer is not None and (gone := retired_by(board, signer)) is not None:
+    if (gone := retired_by(board, signer)) is not None:
+        if signer is None:
+            raise ConfigError(
+                f"publishing UNSIGNED to a board with a root of trust (version {gone}): "
+                "followers with --trust would refuse every version; not publishing",
+                hint="pass --signing-key (PublisherConfig(signer=...)) with a key the root "
+                "lists; docs/trust.md",
+            )
         raise ConfigError(
             f"the board's root of trust (version {gone}) does not list this publisher's "
             "signing keys in threshold (retired by a rotation?): followers would refuse what "

@@ -133,3 +133,26 @@ def test_choose_never_repeats_and_stops_after_conflict() -> None:
     solo.observe_version("s:1", {"served": 3, "latest": 3})
     assert solo.choose(Constraint(), ["s:1"], 503) is not None  # the only island: again
     assert solo.choose(Constraint(), ["s:1"], 409) is None
+
+
+def test_a_served_version_goes_back_only_after_a_failure_or_another_run() -> None:
+    """Answers may arrive out of order, so a lower served version from an island that keeps
+    answering is not believed; but an island that was unreachable, or now answers for another
+    run, may really serve less (before session 38 the gateway kept its old number for good:
+    monitoring said lag 0 for an island serving 5 while it showed 10)."""
+    gw = Gateway(["a=http://a:1"])
+
+    def served() -> int | None:
+        return next(v.served for v in gw.views() if v.name == "a")
+
+    gw.observe_version("a", {"served": 10, "latest": 10, "run": "r1"})
+    gw.observe_version("a", {"served": 9, "latest": 10, "run": "r1"})  # an older answer
+    assert served() == 10
+    gw.observe_failure("a", "connection refused")  # restarted ...
+    assert served() is None
+    gw.observe_version("a", {"served": 5, "latest": 5, "run": "r1"})  # ... on an older version
+    assert served() == 5
+    gw.observe_version("a", {"served": 12, "latest": 12, "run": "r1"})
+    gw.observe_version("a", {"served": 2, "latest": 2, "run": "r3"})  # another run
+    assert served() == 2
+    assert gw.describe()[0]["served"] == 2

@@ -91,7 +91,7 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
     sc = SidecarMetrics()
     fields = {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1}
     status = type("S", (), {**fields, "failures": 2, "adoptions": 1, "last_error": None})
-    sc.update(status, status.latest, status.lag)
+    sc.update(status, status.latest, status.lag, 1.25)
     sc.request("proxied", 0.01)
     text = sc.render().decode()
     for line in (
@@ -101,20 +101,21 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
         "rollpatch_sync_failures 2.0",
         "rollpatch_sync_failing 0.0",
         "rollpatch_adoptions 1.0",
+        "rollpatch_latest_age_seconds 1.25",
         'rollpatch_requests_total{outcome="proxied"} 1.0',
     ):
         assert line in text.splitlines()
     status.version, status.latest, status.lag = None, None, None
     status.last_error = "EngineError: x"
-    sc.update(
-        status, status.latest, status.lag
-    )  # none verified: -1, as the gateway says it; an unknown lag stays
+    # none verified: -1, as the gateway says it; an unknown lag stays; LATEST never read: -1
+    sc.update(status, status.latest, status.lag, float("inf"))
     text = sc.render().decode()
     for line in (
         "rollpatch_served_version -1.0",
         "rollpatch_latest_version -1.0",
         "rollpatch_lag_versions 2.0",
         "rollpatch_sync_failing 1.0",
+        "rollpatch_latest_age_seconds -1.0",
     ):
         assert line in text.splitlines()
 

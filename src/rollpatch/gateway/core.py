@@ -135,13 +135,17 @@ class Gateway:
 
     def observe_version(self, name: str, body: dict[str, Any]) -> None:
         """Fold in a ``/version`` answer: authoritative, except that a served version never
-        goes back. The island's LATEST is taken as reported (not the maximum ever seen): a bad
+        goes back while the island keeps answering for one run (a failure, or another run,
+        forgets it: a restarted island may serve less). The island's LATEST is taken as reported (not the maximum ever seen): a bad
         LATEST it read once, then repaired, must not stick (routing never trusts one island's
         LATEST for the fleet anyway, see :func:`~rollpatch.gateway.routing.fleet_latest`)."""
         served = _int_or_none(body.get("served"))
+        run = body.get("run") if isinstance(body.get("run"), str) else None
         with self._lock:
             rec = self._records[name]
             v = rec.view
+            if rec.run is not None and run != rec.run:  # another run: its versions are others
+                v = replace(v, served=None)
             rec.view = replace(
                 v,
                 served=None if served is None else _newer(v.served, served),
@@ -150,7 +154,7 @@ class Gateway:
                 reachable=True,
             )
             rec.lag = _int_or_none(body.get("lag"))
-            rec.run = body.get("run") if isinstance(body.get("run"), str) else None
+            rec.run = run
             rec.last_error = (
                 body.get("last_error") if isinstance(body.get("last_error"), str) else None
             )
@@ -178,8 +182,9 @@ class Gateway:
         """The island could not be reached (poll or request)."""
         with self._lock:
             rec = self._records[name]
-            # what it said before is not what it is now: no state, no lag until it answers
-            rec.view = replace(rec.view, reachable=False, state="UNREACHABLE")
+            # what it said before is not what it is now: no state, no lag, no served version
+            # until it answers (a restarted island may serve less, or another run)
+            rec.view = replace(rec.view, served=None, reachable=False, state="UNREACHABLE")
             rec.lag = None
             rec.last_error = error
             rec.failed_at = time.monotonic()

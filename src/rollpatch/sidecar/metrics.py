@@ -35,6 +35,11 @@ class SidecarMetrics:
             "rollpatch_sync_failing",
             "1 while the last sync failed (why: /ready and /version's last_error), else 0",
         )
+        self.latest_age = r.gauge(
+            "rollpatch_latest_age_seconds",
+            "seconds since LATEST was last read from the board (-1: never); grows while the "
+            "board or relay hangs, when nothing else moves: alert on it",
+        )
         self.pause = r.histogram(
             "rollpatch_commit_pause_seconds",
             "engine pause per commit",
@@ -66,15 +71,17 @@ class SidecarMetrics:
         if seconds is not None:
             self.latency.observe(seconds)
 
-    def update(self, status: Any, latest: int | None, lag: int | None) -> None:
-        """Refresh gauges from a FollowerStatus and the sidecar's ``latest`` and ``lag`` (they
-        also count the LATEST reads of requests: ``Sidecar.refresh_metrics``)."""
+    def update(self, status: Any, latest: int | None, lag: int | None, latest_age_s: float) -> None:
+        """Refresh gauges from a FollowerStatus and the sidecar's ``latest``, ``lag`` and
+        LATEST's age (they also count the LATEST reads of requests:
+        ``Sidecar.refresh_metrics``)."""
         self.versions.set(status.version, latest, lag, unknown=-1)
         self.bytes_fetched.set(status.bytes_fetched)
         self.commits.set(status.commits)
         self.adoptions.set(status.adoptions)
         self.failures.set(status.failures)
         self.failing.set(0 if status.last_error is None else 1)
+        self.latest_age.set(-1 if latest_age_s == float("inf") else round(latest_age_s, 3))
 
     def render(self) -> bytes:
         return self._reg.render()

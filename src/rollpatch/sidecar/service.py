@@ -244,7 +244,7 @@ class Sidecar:
         s = self.follower.status()
         latest = self.latest_seen()
         lag = None if s.version is None or latest is None else max(0, latest - s.version)
-        self.metrics.update(s, latest, lag)
+        self.metrics.update(s, latest, lag, self.latest_age())
         return s, latest, lag
 
     def describe(self) -> dict[str, Any]:

@@ -445,3 +445,16 @@ def test_relay_logs_fetches_as_json(tmp_path: Path) -> None:
     fetched = [e for e in events if e["event"] == "fetched" and e["key"] == ref.key]
     assert len(fetched) == 1 and fetched[0]["bytes"] == ref.size
     assert fetched[0]["logger"] == "rollpatch.relay" and fetched[0]["kind"] == "object"
+
+
+def test_a_relay_cache_it_cannot_write_is_refused_at_start(
+    board_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read-only or full cache used to start, say /health ok, and answer 503 to every
+    uncached read (an audit's MEDIUM finding). Root writes through a 0555 mode, so the
+    unwritable directory here is one below a regular file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    base = ("relay", "--board", str(board_dir), "--port", "0")
+    line = _refused(capsys, *base, "--cache", str(blocker / "cache"))
+    assert "--cache: cannot write to" in line and "writable directory" in line

@@ -59,6 +59,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     preflight.port_free(args.host, args.port)
     if Path(args.cache).exists() and not Path(args.cache).is_dir():
         raise ConfigError(f"--cache: {args.cache} is not a directory", hint="a directory to fill")
+    _check_cache_dir(Path(args.cache), args.cache_bytes)
     from ..logs import configure
 
     configure(args.log_level, args.log_format)
@@ -91,3 +92,31 @@ def cmd_relay(args: argparse.Namespace) -> int:
         finally:
             server.stop()
     return 0
+
+
+def _check_cache_dir(cache: Path, cache_bytes: int) -> None:
+    """The cache directory can be written (a read-only or full one made every uncached read
+    a 503 while /health said ok: found by an audit, session 38); a ``--cache-bytes`` larger
+    than its filesystem is said once (the relay then evicts later than it should)."""
+    import os
+    import shutil
+    import tempfile
+
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache, prefix=".write-check-") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ConfigError(
+            f"--cache: cannot write to {cache}: {e.strerror or e}",
+            hint="a writable directory with room for the cache (--cache-bytes)",
+        ) from None
+    total = shutil.disk_usage(cache).total
+    if cache_bytes > total:
+        print(
+            f"rollpatch relay: warning: --cache-bytes {cache_bytes:,} exceeds the size of the "
+            f"cache's filesystem ({total:,} bytes): the disk fills before the cache evicts",
+            flush=True,
+        )

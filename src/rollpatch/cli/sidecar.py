@@ -98,6 +98,12 @@ def register(sub: Any) -> None:
         unset=FOLLOWER_UNSET,
     )
     p.add_argument(
+        "--engine-token-file",
+        metavar="FILE",
+        help="vllm, sglang: the bearer token the engine server was started with (its "
+        "--api-key): sent on the sidecar's calls and on the requests it proxies",
+    )
+    p.add_argument(
         "--board-token-file",
         metavar="FILE",
         help="bearer token to send to a relay board that requires one",
@@ -157,6 +163,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         writes=args.writes,
         kv_on_commit=args.kv_on_commit,
         staging=args.staging,
+        engine_token=read_token(args.engine_token_file) if args.engine_token_file else None,
     )
     with ShutdownSignals() as signals:  # caught while it starts, too
         running = start_sidecar(

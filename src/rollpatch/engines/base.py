@@ -39,6 +39,9 @@ class EngineAdapter(ABC):
     #: SGLang): when it does not answer, the words behind its version may be its boot
     #: checkpoint's by the time it answers again (:meth:`Follower.engine_unreachable`).
     remote: bool = False
+    #: The bearer token the engine's server wants (vLLM's or SGLang's ``--api-key``): sent
+    #: by the adapter on its own calls, and by the sidecar on what it proxies.
+    engine_token: str | None = None
 
     @property
     @abstractmethod

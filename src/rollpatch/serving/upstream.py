@@ -43,6 +43,7 @@ class Upstream:
         connect_s: float,
         max_connections: int,
         keepalive_expiry_s: float = 5.0,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -60,6 +61,8 @@ class Upstream:
         self._slots: asyncio.Semaphore | None = None
         self._closed = False
         self.opened = 0  #: connections opened (the sidecar's engine_connections_opened)
+        #: Sent with every request (the engine's ``Authorization``).
+        self.headers = list(headers)
 
     async def request(
         self,
@@ -95,7 +98,7 @@ class Upstream:
             b"host: " + self._host_header,
             b"content-length: " + str(length).encode(),
         ]
-        lines += [k + b": " + v for k, v in headers]
+        lines += [k + b": " + v for k, v in (*self.headers, *headers)]
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
     def _pooled(self) -> _Conn | None:

@@ -38,10 +38,21 @@ def create_app(sc: Sidecar) -> Any:
     # keep-alive shorter than uvicorn's 5 s so the engine never closes a connection we reuse;
     # the proxied routes' client also sends once more on a new connection when the engine
     # closed a pooled one before any answer byte, so it may keep them longer
+    token = sc.engine.engine_token  # the engine server's --api-key, if it has one
     client = upstream_client(  # admin routes: /ready's probe, /v1/models
-        base_url=sc.engine_url, connect_s=5, max_connections=100, keepalive_expiry_s=2.0
+        base_url=sc.engine_url,
+        connect_s=5,
+        max_connections=100,
+        keepalive_expiry_s=2.0,
+        headers={"Authorization": f"Bearer {token}"} if token else None,
     )
-    upstream = Upstream(sc.engine_url, connect_s=5, max_connections=100, keepalive_expiry_s=4.0)
+    upstream = Upstream(
+        sc.engine_url,
+        connect_s=5,
+        max_connections=100,
+        keepalive_expiry_s=4.0,
+        headers=[(b"authorization", f"Bearer {token}".encode())] if token else (),
+    )
     sc.metrics.engine_connections.set_function(lambda: upstream.opened)
     app = FastAPI(
         title="rollpatch sidecar",

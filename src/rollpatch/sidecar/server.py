@@ -30,12 +30,14 @@ def make_engine(
     writes: WriteMode = "in_place",
     kv_on_commit: str = "recompute",
     staging: str = "thread",
+    engine_token: str | None = None,
 ) -> tuple[EngineAdapter, str]:
     """Build an engine adapter and the URL its OpenAI routes are served at (``writes``: the
     engine's :data:`~rollpatch.engines.staged.WriteMode`; ``kv_on_commit``: vLLM's
     :data:`~rollpatch.engines.vllm.core.KvOnCommit`: the reference engine always keeps the
     KV of requests in flight, SGLang always recomputes it; ``staging``: vLLM's
-    :data:`~rollpatch.engines.vllm.adapter.Staging`)."""
+    :data:`~rollpatch.engines.vllm.adapter.Staging`; ``engine_token``: the vLLM or SGLang
+    server's ``--api-key``)."""
     if kv_on_commit != "recompute" and kind != "vllm":
         raise ConfigError(
             f"--kv-on-commit {kv_on_commit} is for --engine vllm",
@@ -47,6 +49,8 @@ def make_engine(
             f"--staging {staging} is for --engine vllm",
             hint="the reference engine and SGLang stage in a thread while they serve",
         )
+    if kind == "reference" and engine_token is not None:
+        raise ConfigError("--engine-token-file is for --engine vllm or sglang")
     if kind == "reference":
         if model is None:
             raise ConfigError("--engine reference needs --model DIR")
@@ -63,13 +67,16 @@ def make_engine(
 
         kv = cast("KvOnCommit", kv_on_commit)
         where = cast("Staging", staging)
-        return VllmEngine(engine_url, writes=writes, kv_on_commit=kv, staging=where), engine_url
+        vllm = VllmEngine(
+            engine_url, writes=writes, kv_on_commit=kv, staging=where, token=engine_token
+        )
+        return vllm, engine_url
     if kind == "sglang":
         if engine_url is None:
             raise ConfigError("--engine sglang needs --engine-url http://HOST:PORT")
         from ..engines.sglang import SglangEngine
 
-        return SglangEngine(engine_url, writes=writes), engine_url
+        return SglangEngine(engine_url, writes=writes, token=engine_token), engine_url
     raise ConfigError(f"unknown engine {kind!r}", hint=f"one of {', '.join(ENGINES)}")
 
 

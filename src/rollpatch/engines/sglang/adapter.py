@@ -83,12 +83,16 @@ class SglangEngine(ListedTensors, EngineAdapter):
         shared_dir: str | Path | None = None,
         timeout: float = 600.0,
         writes: WriteMode = "in_place",
+        token: str | None = None,
     ) -> None:
         if writes not in ("in_place", "double_buffer"):
             raise ValueError(f"writes must be 'in_place' or 'double_buffer', not {writes!r}")
         self.writes: WriteMode = writes
         self._lock = threading.RLock()
-        self.channel = SglangChannel(url, shared_dir=shared_dir, timeout=timeout, lock=self._lock)
+        self.engine_token = token  # SGLang's --api-key
+        self.channel = SglangChannel(
+            url, shared_dir=shared_dir, timeout=timeout, lock=self._lock, token=token
+        )
         self._version: int | None = None
         self._digest: str | None = None
         self._boots = BootWatch("SGLang")  # the loaders' identities the version was set under

@@ -48,9 +48,11 @@ class SglangChannel(NestedPause):
         shared_dir: str | Path | None,
         timeout: float,
         lock: threading.RLock,
+        token: str | None = None,
     ) -> None:
         self.base_url = url.rstrip("/")
         self.timeout = timeout
+        self.token = token  # SGLang's --api-key
         self.scratch = SharedDir(shared_dir, prefix="rollpatch-sglang-")
         self._tag_id = secrets.token_hex(4)
         #: This adapter's token in every call to the loader, which refuses another adapter's
@@ -103,7 +105,15 @@ class SglangChannel(NestedPause):
         added to :attr:`route_ms` under ``path``."""
         t0 = time.perf_counter()
         try:
-            return http_json(self.base_url, method, path, body, timeout=self.timeout, check=check)
+            return http_json(
+                self.base_url,
+                method,
+                path,
+                body,
+                timeout=self.timeout,
+                check=check,
+                token=self.token,
+            )
         finally:
             ms = (time.perf_counter() - t0) * 1e3
             self.route_ms[path] = self.route_ms.get(path, 0.0) + ms

@@ -107,14 +107,23 @@ def request(path: str | Path, body: dict[str, Any], timeout: float) -> dict[str,
 
 
 def http_json(
-    base_url: str, method: str, path: str, body: Any = None, *, timeout: float, check: bool = True
+    base_url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    timeout: float,
+    check: bool = True,
+    token: str | None = None,
 ) -> Any:
     """One JSON call to SGLang's HTTP server; with ``check=False`` a 400 answer (SGLang's
-    "did not succeed") is returned like a 200 one. Every other failure is an EngineError."""
+    "did not succeed") is returned like a 200 one. Every other failure is an EngineError.
+    ``token``: sent as ``Authorization: Bearer`` (SGLang's ``--api-key``)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(base_url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read(_MAX_BODY + 1)

@@ -74,6 +74,7 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         writes: WriteMode = "in_place",
         kv_on_commit: KvOnCommit = "recompute",
         staging: Staging = "thread",
+        token: str | None = None,
     ) -> None:
         check_choice("VllmEngine", "transport", transport, TRANSPORTS)
         check_choice("VllmEngine", "prepack", prepack, ("stage", "pause"))
@@ -81,7 +82,8 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         check_choice("VllmEngine", "staging", staging, ("thread", "inline"))
         self.prepack, self.writes, self.kv = prepack, writes, KvMode(kv_on_commit)
         self.staging = staging
-        super().__init__(url, shared_dir, timeout)
+        super().__init__(url, shared_dir, timeout, token)
+        self.engine_token = token
         self._transport = transport
         self._version: int | None = None
         self._digest: str | None = None

@@ -34,12 +34,20 @@ class Http:
     """POST/GET JSON against one base URL; every failure is an :class:`EngineError`."""
 
     def __init__(
-        self, base_url: str, timeout: float, *, nudge: str | None = None, nudge_s: float = 0.05
+        self,
+        base_url: str,
+        timeout: float,
+        *,
+        nudge: str | None = None,
+        nudge_s: float = 0.05,
+        token: str | None = None,
     ) -> None:
         """``nudge``: a cheap GET path sent every ``nudge_s`` while a request is in flight
-        longer than that (:mod:`.nudge`: vLLM's API server misses wake-ups)."""
+        longer than that (:mod:`.nudge`: vLLM's API server misses wake-ups); ``token``: sent
+        as ``Authorization: Bearer`` (vLLM's ``--api-key``)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self._headers = dict(_JSON, **({"Authorization": f"Bearer {token}"} if token else {}))
         url = urllib.parse.urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise EngineError("the engine URL must be http(s)://host:port", url=base_url)
@@ -47,7 +55,7 @@ class Http:
         self._local = threading.local()
         self.nudger: Nudger | None = None
         if nudge is not None:
-            side = Http(base_url, min(timeout, 5.0))  # its own connection, in its own thread
+            side = Http(base_url, min(timeout, 5.0), token=token)  # its own connection, thread
             self.nudger = Nudger(lambda: side.get(nudge), period_s=nudge_s)
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
@@ -86,7 +94,7 @@ class Http:
     def _send(
         self, conn: http.client.HTTPConnection, method: str, path: str, data: bytes | None
     ) -> http.client.HTTPResponse:
-        conn.request(method, self._url.path + path, body=data, headers=_JSON)
+        conn.request(method, self._url.path + path, body=data, headers=self._headers)
         return conn.getresponse()
 
     def request(

@@ -38,10 +38,14 @@ class WorkerCalls(NestedPause):
 
     name = "vllm"
 
-    def __init__(self, url: str, shared_dir: str | Path | None, timeout: float) -> None:
+    def __init__(
+        self, url: str, shared_dir: str | Path | None, timeout: float, token: str | None = None
+    ) -> None:
         every = nudge.period_s()  # ROLLPATCH_VLLM_NUDGE_MS (None: off)
         self.http = (
-            Http(url, timeout, nudge=nudge.PATH, nudge_s=every) if every else Http(url, timeout)
+            Http(url, timeout, nudge=nudge.PATH, nudge_s=every, token=token)
+            if every
+            else Http(url, timeout, token=token)
         )
         self.scratch = SharedDir(shared_dir, prefix="rollpatch-vllm-")
         super().__init__(threading.RLock())

@@ -267,3 +267,30 @@ def test_a_run_published_again_under_its_name_is_not_served_from_stale_manifests
     assert isinstance(p, Pointer) and p.target == "b" * 64
     assert any("published again under its name" in r.getMessage() for r in caplog.records)
     assert Board(client(relay)).manifest(RUN, 0).target == "b" * 64  # fetched again
+
+
+def test_a_cache_file_that_rots_under_a_running_relay_is_found_and_fetched_again(
+    board: Board, objects: list[ObjectRef], serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached object is re-hashed before it is served once its last check is ``recheck_s``
+    old: before session 38 only a restart re-hashed, and a file that rotted under a running
+    relay was served on every read (an audit's MEDIUM finding: an island refused it each time
+    and never booted), with nothing logged or counted."""
+    upstream = Counting(board.store)
+    relay = serve(upstream, cache="rot", recheck_s=600.0)
+    c = client(relay)
+    ref = objects[0]
+    assert c.get(ref.key) == board.store.get(ref.key)
+    (path,) = [e.path for e in [relay.relay.cache.peek(ref.key)] if e is not None]
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0xFF  # one byte of the object, behind the relay's back
+    path.write_bytes(bytes(raw))
+    assert c.get(ref.key) != board.store.get(ref.key)  # within recheck_s: served as cached
+    import rollpatch.relay.cache as cache_mod
+
+    now = time.monotonic()
+    monkeypatch.setattr(cache_mod, "_now", lambda: now + 601.0)  # recheck_s later
+    assert c.get(ref.key) == board.store.get(ref.key)  # re-hashed, dropped, fetched again
+    assert relay.relay.metrics.value("rollpatch_relay_cache_discarded_total") == 1
+    assert upstream.reads[("get", ref.key)] == 2
+    assert c.get(ref.key) == board.store.get(ref.key)  # the new copy, checked afresh

@@ -25,8 +25,9 @@ import stat
 import struct
 import tempfile
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -37,6 +38,8 @@ from ..errors import ConfigError, RollpatchError
 from ..store import validate_key
 from .config import object_hash
 from .metrics import Metrics
+
+_now = time.monotonic  # the clock of the entries' checks (a test moves it)
 
 __all__ = ["CacheEntry", "DiskCache"]
 
@@ -60,6 +63,9 @@ class CacheEntry:
     b3: str
     #: False for entries found on disk at start-up until their bytes are re-hashed.
     verified: bool = True
+    #: When its bytes were last hashed (time.monotonic()): re-hashed before serving once
+    #: that is ``DiskCache.recheck_s`` ago (a file that rots under a running relay).
+    checked_at: float = field(default_factory=lambda: _now())
 
     @property
     def file_bytes(self) -> int:
@@ -76,11 +82,19 @@ class DiskCache:
     that is being served unlinks it, and the bytes stay readable until the reader closes it.
     """
 
-    def __init__(self, root: Path, max_bytes: int, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        max_bytes: int,
+        metrics: Metrics | None = None,
+        *,
+        recheck_s: float = 600.0,
+    ) -> None:
         if max_bytes < 1:
             raise ConfigError("cache max_bytes must be >= 1", max_bytes=max_bytes)
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.recheck_s = recheck_s
         self.metrics = metrics or Metrics()
         self._lock = threading.Lock()
         self._index: OrderedDict[str, CacheEntry] = OrderedDict()
@@ -107,9 +121,13 @@ class DiskCache:
             return self._index.get(key)
 
     def lookup(self, key: str) -> CacheEntry | None:
-        """The entry for ``key`` if it is verified (ready to serve)."""
+        """The entry for ``key`` if it is verified (ready to serve), and not so long ago that
+        it is due for another check (:meth:`verify` then)."""
         entry = self.peek(key)
-        return entry if entry is not None and entry.verified else None
+        return entry if entry is not None and self._fresh(entry) else None
+
+    def _fresh(self, entry: CacheEntry) -> bool:
+        return entry.verified and _now() - entry.checked_at < self.recheck_s
 
     def open(self, key: str) -> tuple[BinaryIO, CacheEntry] | None:
         """Open a verified entry for reading and mark it most recently used; None if absent."""
@@ -158,9 +176,10 @@ class DiskCache:
         return entry
 
     def verify(self, key: str) -> CacheEntry | None:
-        """Re-hash an entry found on disk; the verified entry, or None (and it is dropped)."""
+        """Re-hash an entry found on disk, or checked ``recheck_s`` ago; the verified entry,
+        or None (and it is dropped)."""
         entry = self.peek(key)
-        if entry is None or entry.verified:
+        if entry is None or self._fresh(entry):
             return entry
         ok = False
         try:
@@ -192,7 +211,7 @@ class DiskCache:
                 )
                 self.metrics.inc("rollpatch_relay_cache_discarded_total")
                 return None
-            entry = replace(entry, verified=True)
+            entry = replace(entry, verified=True, checked_at=_now())
             self._index[key] = entry
             return entry
 

@@ -82,6 +82,14 @@ class RelayConfig:
         metavar="SIZE",
         help="disk cache bound in bytes of cache files, e.g. 200G",
     )
+    recheck_s: float = setting(
+        600.0,
+        lo=0.0,
+        lo_open=True,
+        hi=1e7,
+        help="seconds after which a cached object is re-hashed before it is served again "
+        "(disk rot under a running relay is found within it)",
+    )
     #: Any key outside the board layout too.
     pointer_ttl: float = setting(0.5, lo=0.0, help="seconds LATEST may be reused (0: never)")
     #: Manifests and keyframe markers are found by listing.

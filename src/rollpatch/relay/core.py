@@ -88,7 +88,9 @@ class Relay:
         self.metrics = metrics or Metrics()
         #: Checks upstream answers before they are cached or served; owns the trust root.
         self.verifier = Verifier(self._get, trust, self.metrics)
-        self.cache = DiskCache(config.cache_dir, config.cache_bytes, self.metrics)
+        self.cache = DiskCache(
+            config.cache_dir, config.cache_bytes, self.metrics, recheck_s=config.recheck_s
+        )
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
         self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
         self._flights = Flights(self.metrics)

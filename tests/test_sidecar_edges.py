@@ -317,7 +317,7 @@ def test_a_stalled_board_holds_no_request_and_not_version(world: World) -> None:
             )
             assert time.monotonic() - t0 < 5, rp
             assert r.status_code == 503 and said in r.json()["error"]["message"], r.text
-            assert "the board is unreachable" in r.json()["error"]["message"]
+            assert "the board or relay did not answer it" in r.json()["error"]["message"]
         r = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 200 and r.json()["rollpatch"]["version_end"] == served
     finally:
@@ -361,7 +361,13 @@ def test_a_stale_latest_says_why_when_the_follower_knows() -> None:
         "LATEST has not been read for 8 s (the last read failed: TrustError: LATEST has "
         "expired): max_lag cannot be checked"
     )
-    assert "(the board is unreachable)" in _stale(sidecar(None), 8.0, "x")
+    assert "(the board or relay did not answer it)" in _stale(sidecar(None), 8.0, "x")
+    # a catch-up that timed out says why the follower did not get there (a corrupt object)
+    from rollpatch.sidecar.satisfy import _last_failure
+
+    err = "ObjectIntegrityError: object does not match its manifest entry"
+    assert _last_failure(sidecar(err)) == f"; the last sync failed: {err}"
+    assert _last_failure(sidecar(None)) == ""
 
 
 def test_shutdown_drains_streams_in_flight_and_refuses_new_requests(world: World) -> None:

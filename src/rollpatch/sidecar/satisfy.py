@@ -130,7 +130,7 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
             f"behind: serving {served}, the request needs {d.need} (the caller asked not to "
             "wait; the island catches up as LATEST moves)"
             if wait_s == 0
-            else d.reason + f" did not finish within {wait_s:g}s"
+            else d.reason + f" did not finish within {wait_s:g}s" + _last_failure(sc)
         )
         sc.metrics.request("conflict")
         return conflict(sc, served, reason)
@@ -138,11 +138,18 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
     return conflict(sc, served, d.reason, final=d.final)
 
 
+def _last_failure(sc: Sidecar) -> str:
+    """``; the last sync failed: ...`` while the follower's last sync failed (a corrupt
+    object, an unreachable board), else nothing."""
+    err = sc.follower.status().last_error
+    return f"; the last sync failed: {err}" if err else ""
+
+
 def _stale(sc: Sidecar, age: float, what: str) -> str:
     """The 503 for a LATEST not read for ``age`` s, with the follower's last error when it
     has one (an expired or refused LATEST is not an unreachable board)."""
     err = sc.follower.status().last_error
-    why = f"the last read failed: {err}" if err else "the board is unreachable"
+    why = f"the last read failed: {err}" if err else "the board or relay did not answer it"
     return f"LATEST has not been read for {age:.0f} s ({why}): {what}"
 
 

@@ -175,3 +175,28 @@ def test_a_vllm_restarted_under_the_sidecar_is_taken_out_and_re_synced(
         assert engine.held(fresh=True)[1] == world.views[world.latest].digest()
     finally:
         sc.stop()
+
+
+def test_a_second_adapters_load_voids_the_first_ones_version(
+    server: vllm_env.Server, world: World
+) -> None:
+    """Two adapters on one vLLM (two sidecars): the second's load writes the workers' words
+    and digests, so the first one's audit would pass against them and it would go on
+    labelling the other words with its own version (the SGLang form of this was an audit's
+    HIGH finding, session 38). The workers' identity now counts their writes: the first
+    adapter's next audit sees an identity its version was not set under, reports it like a
+    restart and holds no version; its own commits move its identity with them."""
+    from rollpatch.engines.restarts import RESTARTED
+    from rollpatch.engines.vllm import VllmEngine
+
+    first, second = VllmEngine(server.url), VllmEngine(server.url)
+    try:
+        first.load(world.views[world.latest], world.latest)
+        report = first.audit(2**30)
+        assert report.mismatched == () and first.version == world.latest  # its own load
+        second.load(world.views[0], 0)  # behind the first one's back
+        report = first.audit(2**30)
+        assert report.mismatched[:1] == (RESTARTED,) and first.version is None
+    finally:
+        first.close()
+        second.close()

@@ -7,6 +7,7 @@ The published board: tests/followfix.py.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -309,3 +310,35 @@ def test_latest_naming_another_target_than_its_manifest_is_refused(
     assert (engine.version, st.version, st.bytes_fetched) == (19, 19, 0)
     set_latest(board, LAST)  # repaired
     assert follower.sync() == LAST
+
+
+def test_with_nothing_held_an_unreachable_newest_version_falls_back_to_an_older_one(
+    board: Board, published: Published
+) -> None:
+    """Every object of the newest version corrupt (a relay serving a rotten copy): an engine
+    that holds nothing used to stay at none, every request refused, though the versions
+    before were whole (an audit's MEDIUM finding). It now serves the newest one it reaches,
+    labelled as what it is, and moves on once the object is whole again. An engine that
+    holds a version keeps it (the test above)."""
+    engine = engine_at(published, None)
+    f = Follower(board, RUN, engine, FAST)
+    keys = [o.key for o in board.manifest(RUN, LAST).objects()]
+    good = {k: board.store.get(k) for k in keys}
+    for k in keys:
+        bad = bytearray(good[k])
+        bad[len(bad) // 2] ^= 0x40
+        board.store.put(k, bytes(bad), if_absent=False)
+    assert f.sync() == LAST - 1
+    assert (engine.version, f.version) == (LAST - 1, LAST - 1)
+    assert_holds(engine, published.views[LAST - 1])
+    for k in keys:
+        board.store.put(k, good[k], if_absent=False)  # repaired
+    deadline = time.monotonic() + 30  # the remembered objects are re-checked on a backoff
+    while True:
+        try:
+            assert f.sync() == LAST
+            break
+        except ObjectIntegrityError:
+            assert time.monotonic() < deadline, "the repaired objects were never re-checked"
+            time.sleep(0.2)
+    assert_holds(engine, published.views[LAST])

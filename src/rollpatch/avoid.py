@@ -23,9 +23,11 @@ from typing import TypeVar
 
 from .errors import NoPathError, ObjectIntegrityError
 
-__all__ = ["BadObjects", "plan_around"]
+__all__ = ["FALLBACK_TRIES", "BadObjects", "newest_reachable", "plan_around"]
 
 T = TypeVar("T")
+#: Earlier versions a follower with nothing verified tries when the newest is unreachable.
+FALLBACK_TRIES = 4
 
 
 class BadObjects:
@@ -130,3 +132,37 @@ def plan_around(
         raise corrupt
     assert no_path is not None
     raise no_path
+
+
+def newest_reachable(
+    bad: BadObjects,
+    run: str,
+    below: list[int],
+    run_plan: Callable[[int, frozenset[str]], T],
+    *,
+    log: logging.Logger,
+    tries: int = FALLBACK_TRIES,
+) -> T | None:
+    """For an engine that holds nothing verified and cannot reach the version it wants (every
+    path uses a corrupt object): ``run_plan(version, avoid)`` for the newest of ``below``
+    (earlier versions, ascending) that it reaches, trying at most ``tries`` of them; None when
+    none is reached. A version behind serves every request that allows it, labelled as
+    what it is; nothing served refused them all (found by an audit, session 38: a booting
+    island behind a relay that served one rotten object stayed at none)."""
+    for version in reversed(below[-tries:]):
+
+        def to(avoid: frozenset[str], v: int = version) -> T:
+            return run_plan(v, avoid)
+
+        try:
+            out = plan_around(bad, run, to, log=log)
+        except (ObjectIntegrityError, NoPathError):
+            continue
+        log.warning(
+            "%s: no sound path to the newest version (a corrupt object); serving version %d "
+            "meanwhile",
+            run,
+            version,
+        )
+        return out
+    return None

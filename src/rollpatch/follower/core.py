@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..avoid import BadObjects, plan_around
+from ..avoid import BadObjects, newest_reachable, plan_around
 from ..board import Board, Plan
 from ..engines import EngineAdapter
 from ..engines.fit import ModelTensors
@@ -30,6 +30,7 @@ from ..errors import (
     IncompatibleModelError,
     ManifestError,
     NotReadyError,
+    ObjectIntegrityError,
     RollpatchError,
     TargetMismatchError,
     VersionNotFoundError,
@@ -230,6 +231,15 @@ class Follower:
             )
             self._held.forget()
             return self._run_plan(None, want)
+        except ObjectIntegrityError:  # nothing held: the newest version it reaches, if any
+            below = [v for v in self._reader.versions(self.run) if v < want] if have is None else []
+            older = newest_reachable(
+                self._bad, self.run, below, lambda v, a: self._run_plan(None, v, a), log=log
+            )
+            if older is None:
+                self._held.confirm(have)
+                raise
+            return older
         except BaseException:
             self._held.confirm(have)  # the catch-up failed; the engine still holds ``have``
             raise

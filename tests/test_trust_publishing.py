@@ -180,3 +180,44 @@ def test_a_trust_state_path_may_be_a_string(tmp_path: Path) -> None:
         Board(pub.store), RUN, ViewEngine(), FAST, trust=Trust(pub.root, state_path=str(state))
     )
     assert f.sync() == 1 and state.is_file()
+
+
+@pytest.mark.parametrize(
+    ("store_ahead_s", "said"), [(7200.0, "behind"), (-7200.0, "ahead of"), (0.0, None)]
+)
+def test_a_publisher_says_when_its_clock_differs_from_the_stores(
+    caplog: pytest.LogCaptureFixture, store_ahead_s: float, said: str | None
+) -> None:
+    """A signed LATEST carries this host's times: a clock 2 h behind the store's published
+    LATESTs every follower refused as expired, with a hint about a dead publisher (an audit's
+    LOW finding). The first signed version now compares the store's write time of its
+    manifest with this host's clock and says so."""
+    import dataclasses
+    import uuid
+
+    from rollpatch.publisher import Publisher, PublisherConfig
+    from rollpatch.store import MemoryStore, ObjectInfo
+
+    class SkewedStore(MemoryStore):  # the store's clock: store_ahead_s ahead of this host's
+        def _head(self, key: str) -> ObjectInfo | None:
+            info = super()._head(key)
+            if info is None or info.modified is None:
+                return info
+            return dataclasses.replace(info, modified=info.modified + store_ahead_s)
+
+    pub = Pub(0)
+    store = SkewedStore(f"skew-{uuid.uuid4().hex}")
+    board = Board(store)
+    board.put_root(pub.root)
+    masters = {"w": np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)}
+    with (
+        caplog.at_level("WARNING", logger="rollpatch.publisher"),
+        Publisher(board, RUN, PublisherConfig(signer=pub.signer), asynchronous=False) as p,
+    ):
+        p.publish(masters)
+        p.publish(masters)
+    warned = [r.getMessage() for r in caplog.records if "clock" in r.getMessage()]
+    if said is None:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and f"7200 s {said} the store's" in warned[0], warned

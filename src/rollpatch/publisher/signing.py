@@ -18,7 +18,10 @@ from ..board import Board
 from ..errors import ConfigError, RollpatchError, TrustError
 from ..trust import Signer, Trust, verify_initial_root
 
-__all__ = ["LatestHeartbeat", "check_signing", "fleet_refuses", "retired_by"]
+__all__ = ["LatestHeartbeat", "check_clock", "check_signing", "fleet_refuses", "retired_by"]
+
+#: Seconds this host's clock may differ from the store's before a publisher says so.
+CLOCK_SKEW_S = 60.0
 
 log = logging.getLogger("rollpatch.publisher")
 
@@ -161,3 +164,32 @@ class LatestHeartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10.0)
+
+
+def check_clock(board: Board, key: str, wrote_at: float, ttl_s: float) -> float | None:
+    """The store's clock against this host's: the object ``key`` was written at ``wrote_at``
+    (``time.time()`` here); its ``modified`` time is the store's. A difference beyond
+    :data:`CLOCK_SKEW_S` is warned of: a signed LATEST's ``issued``/``expires`` are this
+    host's times, so followers refuse it as expired early (a clock behind) or keep a frozen
+    one alive late (ahead); before session 38 a clock 2 h behind published LATESTs the whole
+    fleet refused with a hint about a dead publisher. Returns the difference (None: the
+    store keeps no write times). Stores of this host's own files agree by construction."""
+    try:
+        info = board.store.head(key)
+    except RollpatchError:
+        return None
+    if info is None or info.modified is None:
+        return None
+    skew = wrote_at - info.modified
+    if abs(skew) > CLOCK_SKEW_S:
+        log.warning(
+            "this host's clock is %.0f s %s the store's: a signed LATEST (valid %.0f s) "
+            "%s; fix the clock (NTP)",
+            abs(skew),
+            "behind" if skew < 0 else "ahead of",
+            ttl_s,
+            "is refused as expired early by followers"
+            if skew < 0
+            else "stays valid late when the publisher stops",
+        )
+    return skew

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..board import Board
+from ..board import Board, version_key
 from ..errors import BoardError, ConfigError, NoPathError, ObjectIntegrityError, TrustError
 from ..view import View
 from .assemble import assemble_manifest
@@ -24,7 +24,7 @@ from .reconstruct import reconstruct
 from .result import ShardResult
 from .rounds import Snapshot
 from .sharded import Exchange
-from .signing import fleet_refuses
+from .signing import check_clock, fleet_refuses
 
 __all__ = ["VersionWriter"]
 
@@ -62,6 +62,7 @@ class VersionWriter:
         self.resume_scope: str | None = None
         #: Rank 0: the sliced layout of the last version (None: read from the parent).
         self._layout: dict[str, tuple[object, ...]] | None = None
+        self._clock_checked = False  # rank 0, signing: this host's clock against the store's
 
     def decide_device(self, state_dict: Mapping[str, Any]) -> bool:
         """Where the diff runs; ``diff_on="auto"``: the first state dict decides."""
@@ -200,9 +201,14 @@ class VersionWriter:
                 meta=meta,
                 layout=self._layout,
             )
+            wrote_at = time.time()
             self.board.put_manifest(m)
             self.board.advance(self.run, snap.version)
             self._layout = {t.name: t.layout() for t in m.sliced}
+            if self.config.signer is not None and not self._clock_checked:  # once, signed
+                self._clock_checked = True
+                ttl = self.config.signer.latest_ttl_s
+                check_clock(self.board, version_key(self.run, snap.version), wrote_at, ttl)
         except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
             return {"ok": False, "error": f"rank 0: {type(e).__name__}: {e}"}, e
         skip_bases = sorted({p.base for p in m.patches} - {parent})

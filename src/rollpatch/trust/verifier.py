@@ -218,7 +218,8 @@ class Trust:
                 run=run,
                 version=version,
                 expired_s_ago=round(now - expires, 1),
-                hint="the publisher re-signs LATEST while it runs; is it alive?",
+                hint="the publisher re-signs LATEST while it runs; is it alive, and is its clock "
+                "right (it says so when it differs from the store's)?",
             )
         with self._lock:
             seen = self._state.latest.get(run)

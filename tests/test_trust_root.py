@@ -66,6 +66,22 @@ def test_rotation_is_followed_and_a_revoked_key_refused(tmp_path: Path) -> None:
         again.sync(3)
 
 
+def test_a_trust_file_for_another_board_is_named_as_such(tmp_path: Path) -> None:
+    """A --trust file made for another key, on a board that rotated its root: the error said
+    "root 2 is not signed by the previous root's keys", as if the board's rotation were
+    broken (an audit's LOW finding); it now says the trusted root is not this board's."""
+    pub = Pub(1)
+    new = SigningKey.generate()
+    _rotate(pub, [new], [pub.keys[0], new])
+    wrong = SigningKey.generate()
+    f = follower(pub, Trust(sign_root(Root.new([wrong.public]), [wrong]), root_check_s=0.0))
+    err = refused(f, "root")
+    assert "is not this board's root 1: their keys differ" in err.message, err
+    # the board's own root file: root 2 is followed (the error was the file's)
+    own = pub.trust(tmp_path, root_check_s=0.0)
+    assert Board(pub.store, trust=own).refresh_root() == own.root and own.root.version == 2
+
+
 def test_a_root_not_signed_by_the_previous_keys_is_refused(tmp_path: Path) -> None:
     pub = Pub(2)
     f = follower(pub, pub.trust(tmp_path, root_check_s=0.0))

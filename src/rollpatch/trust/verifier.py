@@ -23,7 +23,7 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import ConfigError, TrustError
+from ..errors import ConfigError, RollpatchError, TrustError
 from .envelope import Envelope, verify_threshold
 from .root import MAX_ROOT_BYTES, Root, verify_initial_root, verify_next_root
 from .state import TrustState
@@ -174,7 +174,10 @@ class Trust:
             nxt = fetch(root.version + 1)
             if nxt is None:
                 break
-            root, raw = verify_next_root(root, nxt), nxt
+            try:
+                root, raw = verify_next_root(root, nxt), nxt
+            except TrustError as e:  # the board's rotation, or the operator's trust file?
+                raise _other_board(root, fetch) or e from None
             changed = True
             with self._lock:
                 self._verified[root.version] = blake3.blake3(raw).hexdigest()
@@ -243,3 +246,24 @@ class Trust:
     def _save(self) -> None:
         if self.state_path is not None:
             self._state.save(self.state_path)
+
+
+def _other_board(root: Root, fetch: Callable[[int], bytes | None]) -> TrustError | None:
+    """When the board's root of the trusted root's version names other keys than the trusted
+    one: the trust file is another board's (or another key's), which said "root N+1 is not
+    signed by the previous root's keys", as if the board's rotation were broken (found by an
+    audit, session 38). None when the board's root agrees, or cannot be read."""
+    try:
+        same = fetch(root.version)
+        theirs = None if same is None else verify_initial_root(same)
+    except RollpatchError:
+        return None
+    if theirs is None or set(theirs.keys) == set(root.keys):
+        return None
+    return TrustError(
+        f"the trusted root (version {root.version}) is not this board's root "
+        f"{root.version}: their keys differ (a --trust file made for another board or key?)",
+        reason="root",
+        hint="trust this board's own first root: `rollpatch status --board URI --trust FILE` "
+        "names what the board holds; docs/trust.md",
+    )

@@ -76,3 +76,29 @@ def start_server(
     return vllm_env.Server(
         cmd, env=env, log=log, url=f"http://127.0.0.1:{port}", name="SGLang", cwd=log.parent
     )
+
+
+def greedy(
+    srv: vllm_env.Server, prompt_ids: list[list[int]], max_tokens: int
+) -> tuple[list[tuple[list[int], list[float]]], set[str]]:
+    """Greedy tokens and logprobs per prompt (SGLang's native route), and the weight versions
+    SGLang tagged them with."""
+    outs, tags = [], set()
+    for ids in prompt_ids:
+        r = srv.post(
+            "/generate",
+            {
+                "input_ids": ids,
+                "return_logprob": True,
+                "sampling_params": {
+                    "max_new_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            },
+        )
+        outs.append(
+            (list(r["output_ids"]), [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]])
+        )
+        tags.add(str(r["meta_info"]["weight_version"]))
+    return outs, tags

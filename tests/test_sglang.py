@@ -35,7 +35,7 @@ from rollpatch.errors import (
 )
 from rollpatch.patch import diff, encode
 from rollpatch.view import View
-from tests import live_servers, vllm_env
+from tests import live_servers, sglang_env, vllm_env
 from tests.sglang_env import BUILD_HINT, sglang_python, venv_dir
 
 # -- live: a real SGLang ----------------------------------------------------------------------
@@ -122,25 +122,7 @@ def world(
 
 def greedy(srv: vllm_env.Server) -> tuple[list[tuple[list[int], list[float]]], set[str]]:
     """Greedy tokens and logprobs per prompt (SGLang's native route) and the weight versions."""
-    outs, tags = [], set()
-    for ids in PROMPTS:
-        r = srv.post(
-            "/generate",
-            {
-                "input_ids": ids,
-                "return_logprob": True,
-                "sampling_params": {
-                    "max_new_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            },
-        )
-        outs.append(
-            (list(r["output_ids"]), [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]])
-        )
-        tags.add(str(r["meta_info"]["weight_version"]))
-    return outs, tags
+    return sglang_env.greedy(srv, PROMPTS, MAX_TOKENS)
 
 
 def test_versions_forward_and_back(server: vllm_env.Server, world: World) -> None:

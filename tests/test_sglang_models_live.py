@@ -56,28 +56,6 @@ def world(
         srv.stop()
 
 
-def _greedy(srv: vllm_env.Server, prompt_ids: list[list[int]]) -> tuple[list[Any], set[str]]:
-    """Greedy tokens and logprobs per prompt (SGLang's native route), and weight versions."""
-    outs, tags = [], set()
-    for ids in prompt_ids:
-        r = srv.post(
-            "/generate",
-            {
-                "input_ids": ids,
-                "return_logprob": True,
-                "sampling_params": {
-                    "max_new_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            },
-        )
-        lps = [float(x[0]) for x in r["meta_info"]["output_token_logprobs"]]
-        outs.append((list(r["output_ids"]), lps))
-        tags.add(str(r["meta_info"]["weight_version"]))
-    return outs, tags
-
-
 def test_a_qwen_model_is_adopted_patched_and_served_right(world: dict[str, Any]) -> None:
     from transformers import AutoTokenizer
 
@@ -96,7 +74,7 @@ def test_a_qwen_model_is_adopted_patched_and_served_right(world: dict[str, Any])
         assert engine.held(fresh=True) == (views[2].tensor_digests(), views[2].digest())
         tok = AutoTokenizer.from_pretrained(pub.model)
         prompt_ids = [tok(p).input_ids for p in PROMPTS]
-        outs, tags = _greedy(server, prompt_ids)
+        outs, tags = sglang_env.greedy(server, prompt_ids, MAX_TOKENS)
         assert tags == {"2"}
         for ids, (toks, lps) in zip(prompt_ids, outs):
             now = vllm_env.hf_logprobs(pub.model, views[2], ids, toks)

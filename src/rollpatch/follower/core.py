@@ -148,13 +148,10 @@ class Follower:
             return self._rec.status(self.version)
 
     def wait_for(self, version: int, timeout: float, *, exact: bool = False) -> bool:
-        """Block until the verified version is at least ``version``; False on timeout.
-
-        Wakes the background loop to poll LATEST at once; without it (no :meth:`start`),
-        another thread must be calling :meth:`sync`. ``exact``: the caller wants ``version``
-        itself (a request's ``exact_version``): while it waits, the loop syncs to it, not
-        past it to LATEST.
-        """
+        """Block until the verified version is at least ``version``; False on timeout. Wakes
+        the background loop to poll LATEST at once (without :meth:`start`, another thread must
+        call :meth:`sync`). ``exact``: the caller wants ``version`` itself (a request's
+        ``exact_version``): meanwhile the loop syncs to it, not past it to LATEST."""
         with self._targets.wanted(version) if exact else contextlib.nullcontext():
             self._wake.set()
             return self._held.wait_for(version, timeout)
@@ -162,12 +159,9 @@ class Follower:
     # -- synchronous catch-up ------------------------------------------------------------------
 
     def sync(self, want: int | None = None) -> int:
-        """Bring the engine to ``want`` (default: LATEST); returns its verified version.
-
-        Raises (after recording ERROR with the reason) when the version cannot be reached
-        verified; the engine then stays on its last good version. A ``want`` below the
-        engine's verified version raises :class:`NoPathError` (no ERROR: nothing failed).
-        """
+        """Bring the engine to ``want`` (default: LATEST); returns its verified version. Raises
+        (ERROR recorded, with the reason) when it cannot be reached verified: the engine stays
+        on its last good version. A ``want`` below it raises :class:`NoPathError` (no ERROR)."""
         with self._sync_lock:
             try:
                 v = self._sync(want)
@@ -223,12 +217,8 @@ class Follower:
             plan = self.last_plan
             if have is None or plan is None or not plan.steps or plan.steps[0].is_keyframe:
                 raise
-            log.warning(
-                "%s@%d: engine bits are not the plan's base (%s); rebooting from a keyframe",
-                self.run,
-                have,
-                e,
-            )
+            msg = "%s@%d: engine bits are not the plan's base (%s); rebooting from a keyframe"
+            log.warning(msg, self.run, have, e)
             self._held.forget()
             return self._run_plan(None, want)
         except ObjectIntegrityError:  # nothing held: the newest version it reaches, if any
@@ -342,9 +332,8 @@ class Follower:
                 log.exception("on_commit callback failed for %s@%d", self.run, want)
 
     def _on_audit_mismatch(self, report: AuditReport) -> None:
-        """Live words differ from the held version: not ready, re-sync from a keyframe (an
-        adapter that still claims its version, against its contract, serves nothing either:
-        the gate is suspended until a verified commit or a clean audit)."""
+        """Live words differ from the held version: not ready, re-sync (an adapter that keeps
+        its version against its contract: the gate suspended until a commit or clean audit)."""
         self._held.drop("audits")
         if self.engine.version is not None:
             log.error("engine %s kept its version after a mismatch (a bug)", self.engine.name)

@@ -86,7 +86,7 @@ lint: setup
 # only fill the cores while the engines' venvs build and servers boot. Each prints its report
 # when it ends (.ci/run adds the CPU per module). Measured times: README.
 LIVE_VLLM_TESTS := $(sort $(wildcard tests/test_vllm*.py tests/test_moe_vllm*.py))
-LIVE_SGLANG_TESTS := tests/test_sglang.py tests/test_sglang_sidecar.py
+LIVE_SGLANG_TESTS := tests/test_sglang.py tests/test_sglang_sidecar.py tests/test_sglang_models_live.py
 LIVE_SGLANG_TP_TESTS := tests/test_sglang_tp_live.py
 LIVE_TESTS := $(LIVE_VLLM_TESTS) $(LIVE_SGLANG_TESTS) $(LIVE_SGLANG_TP_TESTS)
 PROCS_TESTS := tests/test_demo.py tests/test_hardening_campaigns.py tests/test_fuzz_native.py \

@@ -274,7 +274,11 @@ def test_pause_mode_spans_commits(server: vllm_env.Server, world: World) -> None
             t.start()
             # admitted before the commit is timed (on a loaded host the request's thread may
             # start late: then it was admitted after the commit, and labelled v alone)
-            until(lambda: sc.sidecar.gate.inflight > 0, "the long generation to be admitted", 60)
+            deadline = time.monotonic() + 60
+            while sc.sidecar.gate.inflight == 0:  # on failure: the island's reason, the request's
+                why = (sc.sidecar.not_ready_reason(), follower.status().last_error, out)
+                assert time.monotonic() < deadline, f"the long generation never admitted: {why}"
+                time.sleep(0.02)
             time.sleep(gen_s * COMMIT_AT[(rounds - 1) % len(COMMIT_AT)])
             assert follower.sync() == v  # staged while generating, scattered under the pause
             follower.start()

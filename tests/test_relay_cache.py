@@ -294,3 +294,23 @@ def test_a_cache_file_that_rots_under_a_running_relay_is_found_and_fetched_again
     assert relay.relay.metrics.value("rollpatch_relay_cache_discarded_total") == 1
     assert upstream.reads[("get", ref.key)] == 2
     assert c.get(ref.key) == board.store.get(ref.key)  # the new copy, checked afresh
+
+
+def test_a_cache_disk_that_cannot_take_an_object_does_not_fail_the_read(
+    board: Board, objects: list[ObjectRef], serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full (or read-only) cache disk made every uncached object a 503 (an audit's MEDIUM
+    finding): the verified bytes are now served from memory, uncached, counted and logged."""
+    import errno
+
+    relay = serve(board.store, cache="full")
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(relay.relay.cache, "insert", full)
+    c = client(relay)
+    for ref in objects[:2]:
+        assert c.get(ref.key) == board.store.get(ref.key)
+        assert relay.relay.cache.peek(ref.key) is None  # not cached
+    assert relay.relay.metrics.value("rollpatch_relay_cache_write_errors_total") == 2

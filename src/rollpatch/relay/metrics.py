@@ -52,8 +52,13 @@ _FAMILIES: dict[str, tuple[str, str]] = {
         "counter",
         (
             "Unusable cache files removed: found at start-up, or whose bytes failed their "
-            "BLAKE3 when first read (logged; the object is fetched again)."
+            "BLAKE3 when read again (at start, or --recheck after the last check; logged; "
+            "the object is fetched again)."
         ),
+    ),
+    "rollpatch_relay_cache_write_errors_total": (
+        "counter",
+        "Verified objects the cache disk could not take (full, read only): served uncached.",
     ),
     "rollpatch_relay_cache_bytes": ("gauge", "Bytes of cache files on disk."),
     "rollpatch_relay_cache_entries": ("gauge", "Objects in the disk cache."),

@@ -135,7 +135,19 @@ class CommitGate:
         if answered:
             self.confirm()
         else:
-            self.suspend("contact with the engine was lost (the audit could not reach it)")
+            self.lost("the audit could not reach it")
+
+    def lost(self, why: str) -> None:
+        """A remote engine did not answer (``why``): it may restart with its checkpoint's words."""
+        self.suspend(f"contact with the engine was lost ({why})")
+
+    def mismatched(self) -> None:
+        """An audit found live words that differ from the version: an adapter must then hold
+        none; one that keeps it (against its contract) serves nothing all the same, until a
+        verified commit or a clean audit."""
+        if self.engine.version is not None:
+            log.error("engine %s kept its version after a mismatch (a bug)", self.engine.name)
+            self.suspend("the audit found live words that differ from its version")
 
     def confirm(self) -> None:
         """The engine answered an identity check (the audit), or took a verified commit."""

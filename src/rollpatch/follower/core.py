@@ -140,7 +140,7 @@ class Follower:
         """A request could not reach a remote engine (it may restart with its checkpoint's
         words): no version is served until the audit re-checks it (without one: ignored)."""
         if self.engine.remote and self.auditor is not None:
-            self.gate.suspend(f"contact with the engine was lost ({why})")
+            self.gate.lost(why)
 
     def status(self) -> FollowerStatus:
         """A consistent snapshot of state, versions, counters and timings."""
@@ -332,12 +332,9 @@ class Follower:
                 log.exception("on_commit callback failed for %s@%d", self.run, want)
 
     def _on_audit_mismatch(self, report: AuditReport) -> None:
-        """Live words differ from the held version: not ready, re-sync (an adapter that keeps
-        its version against its contract: the gate suspended until a commit or clean audit)."""
+        """Live words differ from the held version: not ready, re-sync from a keyframe."""
         self._held.drop("audits")
-        if self.engine.version is not None:
-            log.error("engine %s kept its version after a mismatch (a bug)", self.engine.name)
-            self.gate.suspend("the audit found live words that differ from its version")
+        self.gate.mismatched()
         self._wake.set()
 
     # -- board reads ---------------------------------------------------------------------------

@@ -173,14 +173,35 @@ def read_entries_ranges(
     holds, from its header alone (two ranged reads; validated as :func:`read_view_ranges`
     validates it, not hashed: what the caller decides from it must not need the object's
     BLAKE3)."""
-    n = _header_len(read(0, 8) if size >= 8 else b"", size)
-    raw = read(8, 8 + n)
-    if len(raw) != n:
-        raise ViewError("short read of a safetensors header", expected=n, got=len(raw))
-    return [
-        (name, dtype, shape)
-        for name, dtype, shape, _, _ in _entries(_parse_json(raw), size - 8 - n)
-    ]
+    header, n = _ranged_header(_checked(read, None), size)
+    return [(name, dtype, shape) for name, dtype, shape, _, _ in _entries(header, size - 8 - n)]
+
+
+def _checked(
+    read: Callable[[int, int], bytes], feed: Callable[[bytes], object] | None
+) -> Callable[[int, int], bytes]:
+    """``read`` that refuses a short read and passes every byte to ``feed``."""
+
+    def take(start: int, end: int) -> bytes:
+        got = read(start, end)
+        if len(got) != end - start:
+            raise ViewError(
+                "short read while streaming a safetensors object",
+                start=start,
+                end=end,
+                got=len(got),
+            )
+        if feed is not None:
+            feed(got)
+        return got
+
+    return take
+
+
+def _ranged_header(take: Callable[[int, int], bytes], size: int) -> tuple[dict[str, Any], int]:
+    """The parsed header of a safetensors object of ``size`` bytes and its length."""
+    n = _header_len(take(0, 8) if size >= 8 else b"", size)
+    return _parse_json(take(8, 8 + n)), n
 
 
 def read_view_ranges(
@@ -204,23 +225,9 @@ def read_view_ranges(
     of the object, in order, is passed to ``on_bytes`` (e.g. a running hash that the caller
     checks before using the view).
     """
-    feed = on_bytes or (lambda _b: None)
     chunk_bytes = max(int(chunk_bytes), 1)
-
-    def take(start: int, end: int) -> bytes:
-        got = read(start, end)
-        if len(got) != end - start:
-            raise ViewError(
-                "short read while streaming a safetensors object",
-                start=start,
-                end=end,
-                got=len(got),
-            )
-        feed(got)
-        return got
-
-    n = _header_len(take(0, 8) if size >= 8 else b"", size)
-    header = _parse_json(take(8, 8 + n))
+    take = _checked(read, on_bytes)
+    header, n = _ranged_header(take, size)
     start, data_len = 8 + n, size - 8 - n
     view_meta, kinds = _metadata(header)
     entries = _entries(header, data_len)

@@ -24,9 +24,9 @@ from .exiting import close_at_exit
 from .guards import diverged, engine_names, note_names
 from .rounds import DropLog, Snapshot, agree, next_version, resume_point
 from .sharded import open_exchange
-from .sharded_slices import SliceSpec, split_slices
+from .sharded_slices import split_slices
 from .signing import LatestHeartbeat, check_signing
-from .snapshot import check_masters, snapshot_state
+from .snapshot import check_masters, snapshot_state, take_snapshot
 from .wordpool import WordPool
 from .writer import VersionWriter
 
@@ -177,7 +177,10 @@ class Publisher:
         check_masters(local, sharded=self._x.size > 1 or bool(slices))
         cast_error: FormatError | None = None
         try:
-            masters = self._snapshot(local, slices)
+            with self._cond:
+                on_device = self._writer.decide_device(local)
+            sharded = self._x.size > 1
+            masters = take_snapshot(local, slices, self.config, self._snaps, on_device, sharded)
         except FormatError as e:  # e.g. NaN in a quantised tensor: fails this version
             masters, cast_error = {}, e
         snap_s = time.perf_counter() - t0
@@ -268,29 +271,6 @@ class Publisher:
         if self._error is not None:
             self._error_reported = True
             raise self._error
-
-    def _snapshot(
-        self, state_dict: Mapping[str, Any], slices: Mapping[str, SliceSpec]
-    ) -> dict[str, Any]:
-        """Host copies (host path) or copies on the masters' devices (device path)."""
-        with self._cond:
-            on_device = self._writer.decide_device(state_dict)
-        if on_device and slices:
-            raise ConfigError(
-                "sliced tensors (DTensor shards, TensorSlice) are published on the host path",
-                tensor=min(slices),
-                hint="PublisherConfig(diff_on='host')",
-            )
-        if on_device:
-            from .devpipe import snapshot_device
-
-            return snapshot_device(state_dict)
-        if self.config.snapshot == "served" and self.config.scales != "frozen":
-            # the cast lists the step's changes when skip patches need them (unsharded: a
-            # sharded rank's base may be another rank's resume)
-            compare = bool(self.config.skip_strides) and self._x.size == 1 and not slices
-            return self._snaps.take(state_dict, self.config, compare=compare)  # type: ignore[return-value]
-        return snapshot_state(state_dict)
 
     def _assign(self, version: int | None) -> int:
         self._last_assigned = next_version(self._last_assigned, version, self.run)

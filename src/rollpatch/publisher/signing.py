@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from ..board import Board
 from ..errors import ConfigError, RollpatchError, TrustError
-from ..trust import Signer, Trust, verify_initial_root
+from ..trust import Root, Signer, Trust, verify_initial_root
 
-__all__ = ["LatestHeartbeat", "check_clock", "check_signing", "fleet_refuses", "retired_by"]
+__all__ = ["LatestHeartbeat", "chained_trust", "check_clock", "check_signing", "fleet_refuses"]
 
 #: Seconds this host's clock may differ from the store's before a publisher says so.
 CLOCK_SKEW_S = 60.0
@@ -33,11 +33,9 @@ def fleet_refuses(board: Board, run: str, version: int) -> TrustError | None:
     root, a root chain that does not verify): the board is untrusted, so this only decides
     whether a resuming publisher starts a new lineage, never whether it publishes."""
     try:
-        first = board.root_raw(1)
-        if first is None:
+        trust = chained_trust(board)
+        if trust is None:
             return None
-        trust = Trust(first, follow_rotation=True)
-        trust.update_root(board.root_raw)
         fleet = Board(board.store, trust=trust)
         plan = Board(board.store).plan(run, None, version)
     except RollpatchError as e:
@@ -53,53 +51,34 @@ def fleet_refuses(board: Board, run: str, version: int) -> TrustError | None:
     return None
 
 
-def retired_by(board: Board, signer: Signer | None) -> int | None:
-    """The version of the board's newest root when it lists fewer of this publisher's keys
-    than its threshold and chains from the board's first root (each root signed by its
-    predecessor's keys: a rotation the key holders made, which retired these keys or never
-    took them in). None when not so, or when it cannot tell (no root, or a chain that does
-    not verify). A writer of the board who replaced even the first root could stop the
-    publisher this way; it could delete the board too: refusing is the safe side."""
-    try:
-        first = board.root_raw(1)
-        if first is None:
-            return None
-        newest = Trust(first, follow_rotation=True).update_root(board.root_raw)
-    except RollpatchError as e:
-        log.debug("cannot tell whether the board's root lists this publisher's keys: %s", e)
+def chained_trust(board: Board) -> Trust | None:
+    """The board's roots walked from its first one (each verified by the one before), as a
+    :class:`Trust` on the newest; None when the board has no root. Raises the chain's
+    :class:`RollpatchError` when a root does not verify."""
+    first = board.root_raw(1)
+    if first is None:
         return None
-    mine = set() if signer is None else {k.keyid for k in signer.keys} & set(newest.keys)
-    return None if len(mine) >= newest.threshold else newest.version
+    trust = Trust(first, follow_rotation=True)
+    trust.update_root(board.root_raw)
+    return trust
 
 
 def check_signing(board: Board, signer: Signer | None) -> None:
     """At start: refuse keys (or no keys) that the board's verified newest root does not list
-    in threshold (:func:`retired_by`: followers would refuse every version, and a signing
+    in threshold (followers would refuse every version, and a signing
     publisher would replace the run's valid ones as if squatted; found by an audit, session
     38); else warn when what is about to be published will not verify (a newest root that
     does not chain from the first one, an expired root, no root while signing).
     """
-    if (gone := retired_by(board, signer)) is not None:
-        if signer is None:
-            raise ConfigError(
-                f"publishing UNSIGNED to a board with a root of trust (version {gone}): "
-                "followers with --trust would refuse every version; not publishing",
-                hint="pass --signing-key (PublisherConfig(signer=...)) with a key the root "
-                "lists; docs/trust.md",
-            )
-        raise ConfigError(
-            f"the board's root of trust (version {gone}) does not list this publisher's "
-            "signing keys in threshold (retired by a rotation?): followers would refuse what "
-            "it publishes, and it would replace the run's valid versions; not publishing",
-            hint="sign with the keys the newest root lists (`rollpatch status --trust` names "
-            "them); docs/trust.md, Rotating keys",
-        )
-    try:
-        roots = board.roots()
-        raw = board.root_raw(roots[-1]) if roots else None
-        root = None if raw is None else verify_initial_root(raw)
-    except RollpatchError as e:
-        log.warning("cannot read the board's root of trust: %s", e)
+    try:  # the chained newest root: one a rotation by the key holders made
+        trust = chained_trust(board)
+        root = None if trust is None else trust.root
+    except RollpatchError as e:  # not chained: what any writer of the board could put there
+        log.debug("the board's roots do not chain from its first: %s", e)
+        root = _newest_root(board)
+        if root is None:
+            return
+        _warn_unlisted(root, signer)
         return
     if root is None:
         if signer is not None:
@@ -108,24 +87,51 @@ def check_signing(board: Board, signer: Signer | None) -> None:
                 "(`rollpatch root`) to verify"
             )
         return
-    if signer is None:
-        log.warning(
-            "publishing UNSIGNED to a board with a root of trust (version %d): "
-            "followers with --trust will refuse it; pass a signer",
-            root.version,
+    mine = set() if signer is None else {k.keyid for k in signer.keys} & set(root.keys)
+    if len(mine) < root.threshold:
+        if signer is None:
+            raise ConfigError(
+                f"publishing UNSIGNED to a board with a root of trust (version {root.version}):"
+                " followers with --trust would refuse every version; not publishing",
+                hint="pass --signing-key (PublisherConfig(signer=...)) with a key the root "
+                "lists; docs/trust.md",
+            )
+        raise ConfigError(
+            f"the board's root of trust (version {root.version}) does not list this "
+            "publisher's signing keys in threshold (retired by a rotation?): followers would "
+            "refuse what it publishes, and it would replace the run's valid versions; not "
+            "publishing",
+            hint="sign with the keys the newest root lists (`rollpatch status --trust` names "
+            "them); docs/trust.md, Rotating keys",
         )
-        return
     if root.expired(time.time()):
         log.warning(
             "the board's root of trust (version %d) has expired: followers with --trust "
             "refuse everything until a new root is published (`rollpatch root`)",
             root.version,
         )
-    mine = {k.keyid for k in signer.keys} & set(root.keys)
+
+
+def _newest_root(board: Board) -> Root | None:
+    """The board's newest root, verified by its own keys only (None: none, or unreadable)."""
+    try:
+        roots = board.roots()
+        raw = board.root_raw(roots[-1]) if roots else None
+        return None if raw is None else verify_initial_root(raw)
+    except RollpatchError as e:
+        log.warning("cannot read the board's root of trust: %s", e)
+        return None
+
+
+def _warn_unlisted(root: Root, signer: Signer | None) -> None:
+    """Warn that followers under ``root`` will refuse what this publisher signs (a root that
+    does not chain from the first one: only a warning, it may be anyone's)."""
+    mine = set() if signer is None else {k.keyid for k in signer.keys} & set(root.keys)
     if len(mine) < root.threshold:
         log.warning(
-            "the board's root of trust (version %d) lists %d of this publisher's "
-            "keys, %d are needed: followers will refuse what it publishes",
+            "the board's newest root of trust (version %d, not chained from its first) lists "
+            "%d of this publisher's keys, %d are needed: followers under it refuse what it "
+            "publishes",
             root.version,
             len(mine),
             root.threshold,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,12 +14,16 @@ from .. import native
 from ..errors import ConfigError, FormatError
 from ..formats import cast_view, get_format
 from ..io.checkpoint import to_numpy
+
+if TYPE_CHECKING:
+    from .cast import HostSnapshots
+    from .config import PublisherConfig
 from ..kinds import KINDS
 from ..view import Tensor, View
 from .config import PublisherConfig
 from .wordpool import WordPool
 
-__all__ = ["check_dtype", "check_masters", "snapshot_served", "snapshot_state"]
+__all__ = ["check_dtype", "check_masters", "snapshot_served", "snapshot_state", "take_snapshot"]
 
 #: The dtypes a master may have (the served formats cast from these).
 MASTER_DTYPES = ("float32", "bfloat16", "float16")
@@ -172,3 +176,32 @@ def _host_master(name: str, value: Any) -> np.ndarray:
     arr = to_numpy(value)
     check_dtype(name, arr.dtype.name)
     return arr
+
+
+def take_snapshot(
+    state_dict: Mapping[str, Any],
+    slices: Mapping[str, Any],
+    config: PublisherConfig,
+    snaps: HostSnapshots,
+    on_device: bool,
+    sharded: bool,
+) -> dict[str, Any]:
+    """What ``publish()`` keeps of ``state_dict``: copies on the masters' devices
+    (``on_device``: the writer's choice), or on the host the served view cast tensor by tensor
+    (``snapshot="served"``) or a copy of the masters."""
+    if on_device and slices:
+        raise ConfigError(
+            "sliced tensors (DTensor shards, TensorSlice) are published on the host path",
+            tensor=min(slices),
+            hint="PublisherConfig(diff_on='host')",
+        )
+    if on_device:
+        from .devpipe import snapshot_device
+
+        return snapshot_device(state_dict)
+    if config.snapshot == "served" and config.scales != "frozen":
+        # the cast lists the step's changes when skip patches need them (unsharded: a sharded
+        # rank's base may be another rank's resume)
+        compare = bool(config.skip_strides) and not sharded and not slices
+        return snaps.take(state_dict, config, compare=compare)  # type: ignore[return-value]
+    return snapshot_state(state_dict)

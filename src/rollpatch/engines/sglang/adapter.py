@@ -136,7 +136,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
 
     def weight_version(self) -> str | None:
         """SGLang's own ``weight_version`` tag (``GET /model_info``)."""
-        return self._http("GET", "/model_info").get("weight_version")
+        return self.channel.http("GET", "/model_info").get("weight_version")
 
     def boot_digest(self) -> str:
         """The root over every rank's words, hashed now (the follower's adoption)."""
@@ -149,7 +149,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
             _, root = self.held(fresh=True)
             require_adoptable(self.name, digest, root)
             self._set(version, root)
-            self._tag(str(version))
+            self.channel.tag(str(version))
 
     # -- commits -----------------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
             if restarted or bad:  # unknown words: out of rotation until re-synced
                 self._set(None, None)
                 with contextlib.suppress(RollpatchError):
-                    self._tag(NOT_READY)
+                    self.channel.tag(NOT_READY)
         return AuditReport(
             sum(int(r["tensors"]) for r in rs),
             sum(int(r["nbytes"]) for r in rs),
@@ -344,7 +344,7 @@ class SglangEngine(ListedTensors, EngineAdapter):
                         actual=str(res["root"])[:16],
                     )
                 self._set(version, target)
-                self._tag(str(version))  # named only now: after the read-back checked out
+                self.channel.tag(str(version))  # named only now: after the read-back checked out
             except BaseException:
                 self._reconcile(before)
                 raise
@@ -358,11 +358,11 @@ class SglangEngine(ListedTensors, EngineAdapter):
         with contextlib.suppress(RollpatchError):
             if before[1] is not None and self.held()[1] == before[1]:
                 self._set(*before)
-                self._tag(str(before[0]))
+                self.channel.tag(str(before[0]))
                 return
         self._set(None, None)
         with contextlib.suppress(RollpatchError):
-            self._tag(NOT_READY)
+            self.channel.tag(NOT_READY)
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -381,14 +381,8 @@ class SglangEngine(ListedTensors, EngineAdapter):
                 hint="load a keyframe (or adopt a booted checkpoint) first",
             )
 
-    def _tag(self, tag: str) -> None:
-        self.channel.tag(tag)
-
     def _control(self, op: str, **args: Any) -> dict[str, Any]:
         return self.channel.control(op, **args)
-
-    def _http(self, method: str, path: str, body: Any = None, *, check: bool = True) -> Any:
-        return self.channel.http(method, path, body, check=check)
 
     def pause(self) -> None:
         """Stop SGLang generating (``retract``, see the class docstring; nested calls count)."""

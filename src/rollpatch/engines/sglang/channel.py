@@ -160,7 +160,7 @@ class SglangChannel(NestedPause):
         try:
             return result(answer)
         except EngineError as e:
-            if e.context.get("taken_over") or "other_called_s_ago" in e.context:
+            if e.context.get("other_adapter"):
                 self.displaced = True
             raise
 

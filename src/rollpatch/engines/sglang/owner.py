@@ -12,7 +12,8 @@ words against the second's digests, pass, and go on labelling answers with its o
   (``disown``), the other takes over, and the process's identity changes, so that an audit
   of the adapter before (were it still alive) finds its verified words gone;
 - every other operation of an adapter that is not the owner is refused (``taken_over`` in
-  the error's context): that adapter's version is void until it sets one again.
+  the error's context): that adapter's version is void until it sets one again. Both
+  refusals carry ``other_adapter`` (what the adapter's channel looks for).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Ownership:
             raise EngineError(
                 "this SGLang is driven by another rollpatch adapter (a second sidecar on one "
                 "engine?)",
+                other_adapter=True,
                 other_called_s_ago=round(now - self.seen, 1),
                 hint=f"one sidecar per engine: stop the other (it lets go {LEASE_S:g} s after "
                 "its last call)",
@@ -56,6 +58,7 @@ class Ownership:
         if req.get("owner") != self.owner:
             raise EngineError(
                 "another rollpatch adapter took this SGLang over (two sidecars on one engine?)",
+                other_adapter=True,
                 taken_over=True,
                 hint="one sidecar per engine: this one's version is void until it re-syncs",
             )

@@ -136,9 +136,10 @@ class Gateway:
     def observe_version(self, name: str, body: dict[str, Any]) -> None:
         """Fold in a ``/version`` answer: authoritative, except that a served version never
         goes back while the island keeps answering for one run (a failure, or another run,
-        forgets it: a restarted island may serve less). The island's LATEST is taken as reported (not the maximum ever seen): a bad
-        LATEST it read once, then repaired, must not stick (routing never trusts one island's
-        LATEST for the fleet anyway, see :func:`~rollpatch.gateway.routing.fleet_latest`)."""
+        forgets it: a restarted island may serve less). The island's LATEST is taken as
+        reported (not the maximum ever seen): a bad LATEST it read once, then repaired, must
+        not stick (routing never trusts one island's LATEST for the fleet anyway, see
+        :func:`~rollpatch.gateway.routing.fleet_latest`)."""
         served = _int_or_none(body.get("served"))
         run = body.get("run") if isinstance(body.get("run"), str) else None
         with self._lock:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, BinaryIO, Generic, TypeVar
 import blake3
 
 from ..errors import ManifestError, ObjectIntegrityError, StoreError
-from ..logs import event
+from ..logs import Throttle, event
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
 from ..trust import Trust, warn_unverified
@@ -100,7 +100,7 @@ class Relay:
         self._volatile: dict[str, _Timed[Blob]] = {}
         self._lists: dict[str, _Timed[Keys]] = {}
         self._corrupt: dict[str, _Timed[str]] = {}  # key -> upstream ETag of the bad copy
-        self._write_error_said = -60.0  # when a cache write failure was last logged
+        self._said = Throttle(log, every_s=60.0)  # cache writes the disk refused
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -219,7 +219,10 @@ class Relay:
         try:
             blob = Blob.cached(self.cache.insert(key, data, b3))
         except OSError as e:  # a full or read-only cache disk: the verified bytes, uncached
-            self._cache_write_failed(key, e)
+            self.metrics.inc("rollpatch_relay_cache_write_errors_total")
+            self._said.event(  # the same failure once a minute, with how many were held back
+                "cache_write_failed", str(e.errno), logging.WARNING, object=key, error=str(e)
+            )
             blob = Blob(key, kind, len(data), f'"{b3}"', data=data)
         event(
             log,
@@ -230,15 +233,6 @@ class Relay:
             seconds=round(time.monotonic() - started, 4),
         )
         return blob
-
-    def _cache_write_failed(self, key: str, e: OSError) -> None:
-        """Counted, said once a minute: a full or read-only disk must not fail the read."""
-        self.metrics.inc("rollpatch_relay_cache_write_errors_total")
-        now = time.monotonic()
-        if now - self._write_error_said >= 60.0:
-            self._write_error_said = now
-            msg = "relay cache: cannot write %s (%s); serving it uncached (free the cache's disk)"
-            log.warning(msg, key, e.strerror or e)
 
     def _refuse_known_corrupt(self, key: str) -> None:
         """Raise without a GET if ``key`` was found corrupt and upstream still holds that copy

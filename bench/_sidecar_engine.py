@@ -66,6 +66,7 @@ def engine_process(world: Any, kind: str) -> tuple[Any, Any, str, int, Any]:
             timeout=600,
         )
         eng.adopt(0, world.digests[0])
+        eng.release()  # the sidecar's own adapter drives it (one at a time: engines/ownership)
         return eng, str(world.model), srv.url, srv.worker_pid(), srv.stop
     here = Path(__file__).resolve().parent
     proc = subprocess.Popen(

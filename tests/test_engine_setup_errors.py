@@ -44,7 +44,15 @@ def test_vllm_without_the_worker_extension_says_which_flag(monkeypatch: Any) -> 
         for answer in answers:
 
             def post(path: str, body: Any = None, answer: Any = answer, **kw: Any) -> Any:
-                raise answer
+                # the first call is the adapter's claim (engines/ownership.py): named as sent
+                method = body["method"]
+                raise EngineError(
+                    answer.message.replace("rollpatch_info", method),
+                    **{
+                        k: str(v).replace("rollpatch_info", method)
+                        for k, v in answer.context.items()
+                    },
+                )
 
             monkeypatch.setattr(engine.http, "post", post)
             with pytest.raises(EngineError, match="lack rollpatch's extension") as e:

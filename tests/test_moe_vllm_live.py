@@ -260,6 +260,7 @@ def test_moe_experts_patched_live_in_vllm_cpu(world: dict[str, Any]) -> None:
         # the other commit modes: double-buffered (the plain words exchanged, the touched
         # experts' slices built from the buffer) and prepack="pause" (whole layers re-packed
         # inside the pause)
+        eng.release()  # one adapter drives the engine at a time (engines/ownership.py)
         for kw, (a, b) in (({"writes": "double_buffer"}, (3, 2)), ({"prepack": "pause"}, (2, 3))):
             other = VllmEngine(srv.url, transport="rpc", **kw)
             try:

@@ -111,12 +111,16 @@ def test_vllm_sequence_of_versions(
         outs.append(server.greedy(model_dir, prompt_ids))
         assert hf_check(versions[k], prompt_ids, outs[k]) >= n_tokens - 2
     assert outs[-1] != outs[0]  # the writes reach what vLLM computes (packed weights rebuilt)
+    engine.release()  # one adapter drives the engine at a time (engines/ownership.py)
     back = VllmEngine(server.url, transport="rpc")
-    back.adopt(N_VERSIONS, versions[-1].digest())
-    for k in range(N_VERSIONS, 0, -1):
-        back.apply(patches[k - 1].inverse(), k - 1)
-        assert back.digest == versions[k - 1].digest()
-        assert server.greedy(model_dir, prompt_ids) == outs[k - 1]  # bit for bit
+    try:
+        back.adopt(N_VERSIONS, versions[-1].digest())
+        for k in range(N_VERSIONS, 0, -1):
+            back.apply(patches[k - 1].inverse(), k - 1)
+            assert back.digest == versions[k - 1].digest()
+            assert server.greedy(model_dir, prompt_ids) == outs[k - 1]  # bit for bit
+    finally:
+        back.close()
     engine.adopt(0, versions[0].digest())
 
 
@@ -145,6 +149,7 @@ def test_vllm_double_buffered_commits(
     double = VllmEngine(server.url, transport="rpc", writes="double_buffer")
     try:
         engine.load(versions[0], 0)
+        engine.release()  # one adapter drives the engine at a time (engines/ownership.py)
         double.adopt(0, versions[0].digest())
         double.commit_staged(double.stage_encoded([step(0, 1)], 1), 1)
         assert double.held(fresh=True) == (versions[1].tensor_digests(), versions[1].digest())

@@ -33,7 +33,7 @@ class _Executor:
         self.calls: list[tuple[Any, ...]] = []
 
     def collective_rpc(self, method: str, timeout: Any, args: tuple[Any, ...], kw: Any) -> Any:
-        self.calls.append((method, args))
+        self.calls.append((method, args, kw) if kw else (method, args))
         if isinstance(self.results, Exception):
             raise self.results
         return self.results
@@ -59,10 +59,12 @@ class _Core:
 def test_engine_core_commits_tags_and_resets_in_one_call() -> None:
     ok = [{"ok": True, "root": "r1", "digests": {}}] * 2
     core = _Core(ok)
-    out = _commit_atomic(core, 5.0, ("tok", "7", "r1"))
-    assert core.model_executor.calls == [("rollpatch_commit", ("tok",))]
+    out = _commit_atomic(core, 5.0, ("tok", "7", "r1"), {"owner": "a"})
+    # the adapter's owner token reaches the workers' commit (engines/ownership.py)
+    assert core.model_executor.calls == [("rollpatch_commit", ("tok",), {"owner": "a"})]
     assert core.version == "7" and core.resets == [True]  # running requests preempted
     assert all(r["reset"] is True and r["core_ms"] >= 0 for r in out)
+    assert all(r["running"] == -1 for r in out)  # this stand-in has no scheduler to count
     # one rank disagrees on the root: no tag, but the cache is still reset
     core = _Core([ok[0], {"ok": True, "root": "other"}])
     _commit_atomic(core, 5.0, ("tok", "8", "r1"))

@@ -450,3 +450,38 @@ def test_staging_in_a_thread_or_inline(tmp_path: Path) -> None:
         VllmEngine("http://127.0.0.1:9", staging="elsewhere")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="for --engine vllm"):
         make_engine("sglang", engine_url="http://127.0.0.1:9", staging="inline")
+
+
+def test_one_adapter_drives_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' side of one sidecar per vLLM (rollpatch.engines.ownership): a claim makes
+    an adapter the owner; another adapter's claim is refused while the owner calls, and its
+    other calls too (``taken_over``); calls without a token (tools and drills through
+    ``/collective_rpc``) are not checked; a takeover after the lease gives the state a new
+    identity and drops its staged updates (what the adapter before verified is void); on a
+    state no adapter holds (its owner disowned it, or a restarted engine's) the caller's
+    first call makes it the owner."""
+    from rollpatch.engines import ownership
+    from rollpatch.engines.vllm.ops import OPS, check_owner
+
+    clock = [100.0]
+    monkeypatch.setattr(ownership, "_clock", lambda: clock[0])
+    w = vllm_layouts.SimulatedRanks(vllm_layouts.checkpoint(), 1).weights[0]
+    assert OPS["claim"](w, "a", "") == {"owner": "a"}
+    check_owner(w, "a")
+    check_owner(w, "")  # a tool's call
+    with pytest.raises(EngineError, match="vLLM is driven by another rollpatch adapter"):
+        OPS["claim"](w, "b", "")
+    with pytest.raises(EngineError, match="took this vLLM over") as other:
+        check_owner(w, "b")
+    assert other.value.context["taken_over"] is True
+    with pytest.raises(EngineError, match="owner token"):
+        OPS["claim"](w, "", "")
+    identity, w.jobs["t"] = w.identity, object()
+    clock[0] += ownership.LEASE_S + 0.1  # a's last call was the lease ago: b takes over
+    OPS["claim"](w, "b", "")
+    assert w.identity != identity and not w.jobs
+    with pytest.raises(EngineError, match="took this vLLM over"):
+        check_owner(w, "a")
+    assert OPS["disown"](w, "", "") == {"disowned": True}
+    check_owner(w, "c")  # nobody holds it: c's call makes c the owner
+    assert w.ownership.owner == "c"

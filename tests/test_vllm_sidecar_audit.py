@@ -177,26 +177,34 @@ def test_a_vllm_restarted_under_the_sidecar_is_taken_out_and_re_synced(
         sc.stop()
 
 
-def test_a_second_adapters_load_voids_the_first_ones_version(
-    server: vllm_env.Server, world: World
-) -> None:
-    """Two adapters on one vLLM (two sidecars): the second's load writes the workers' words
-    and digests, so the first one's audit would pass against them and it would go on
-    labelling the other words with its own version (the SGLang form of this was an audit's
-    HIGH finding, session 38). The workers' identity now counts their writes: the first
-    adapter's next audit sees an identity its version was not set under, reports it like a
-    restart and holds no version; its own commits move its identity with them."""
-    from rollpatch.engines.restarts import RESTARTED
+def test_one_adapter_drives_a_vllm_at_a_time(server: vllm_env.Server, world: World) -> None:
+    """Two adapters on one vLLM (two sidecars): before, the second's load wrote the workers'
+    words and digests, and the first went on labelling them with its own version until its
+    next audit. Now the workers take one adapter's calls (:mod:`rollpatch.engines.ownership`):
+    the second's load is refused before it pauses or writes anything, the first keeps its
+    version and a clean audit; once the first closes, the second loads, and the first's calls
+    are refused from then on, its version void (the engine's tag is the second one's)."""
+    import pytest
+
     from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.errors import EngineError
 
     first, second = VllmEngine(server.url), VllmEngine(server.url)
     try:
         first.load(world.views[world.latest], world.latest)
-        report = first.audit(2**30)
-        assert report.mismatched == () and first.version == world.latest  # its own load
-        second.load(world.views[0], 0)  # behind the first one's back
-        report = first.audit(2**30)
-        assert report.mismatched[:1] == (RESTARTED,) and first.version is None
+        assert first.audit(2**30).mismatched == () and first.version == world.latest
+        with pytest.raises(EngineError, match="driven by another rollpatch adapter") as refused:
+            second.load(world.views[0], 0)
+        assert refused.value.context["other_adapter"] is True and second.version is None
+        assert first.audit(2**30).mismatched == () and first.version == world.latest
+        assert server.get("/weight_info") == {"weight_version": str(world.latest)}
+        first.close()  # lets go at once
+        second.load(world.views[0], 0)
+        assert second.held(fresh=True)[1] == world.views[0].digest() and second.version == 0
+        with pytest.raises(EngineError, match="driven by another rollpatch adapter"):
+            first.audit(2**30)
+        assert first.version is None and first.displaced
+        assert server.get("/weight_info") == {"weight_version": "0"}  # untouched by the first
     finally:
         first.close()
         second.close()

@@ -182,11 +182,15 @@ def test_live_tp2_versions_forward_back_and_refusals(
     assert engine.held(fresh=True)[1] == versions[2].digest()
     assert srv.greedy(model, PROMPTS) == outs[2]
 
+    engine.release()  # one adapter drives the engine at a time (engines/ownership.py)
     back = VllmEngine(srv.url, transport="rpc")
-    back.adopt(2, versions[2].digest())
-    for k in (2, 1):
-        back.apply(diff(versions[k - 1], versions[k]).inverse(), k - 1)
-        assert back.held(fresh=True)[1] == versions[k - 1].digest()
+    try:
+        back.adopt(2, versions[2].digest())
+        for k in (2, 1):
+            back.apply(diff(versions[k - 1], versions[k]).inverse(), k - 1)
+            assert back.held(fresh=True)[1] == versions[k - 1].digest()
+    finally:
+        back.close()
     assert srv.greedy(model, PROMPTS) == outs[0]  # bit for bit what the fresh server served
     engine.adopt(0, versions[0].digest())
 
@@ -241,6 +245,7 @@ def test_live_tp2_partial_rank_failure_is_undone_on_every_rank(
     assert engine.held(fresh=True) == (versions[0].tensor_digests(), versions[0].digest())
     assert srv.greedy(model, PROMPTS) == before
 
+    engine.release()  # one adapter drives the engine at a time (engines/ownership.py)
     paused = VllmEngine(srv.url, transport="rpc")
     paused._atomic = False  # as a server started without --scheduler-cls: under /pause
     try:
@@ -282,6 +287,7 @@ def test_live_tp2_keep_and_double_buffered_commits(
     engine.load(versions[0], 0)
     engine.commit_staged(engine.stage_encoded([_step(versions, 0, 1)], 1), 1)
     recomputed = srv.greedy(model, PROMPTS)
+    engine.release()  # one adapter drives the engine at a time (engines/ownership.py)
     keep = VllmEngine(srv.url, kv_on_commit="keep")
     try:
         keep.load(versions[0], 0)

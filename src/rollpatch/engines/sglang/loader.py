@@ -47,11 +47,11 @@ from ...io.safetensors import load_view, save_view
 from ...patch import Patch, TensorPatch, decode, inspect
 from ...view import Tensor, View
 from ..catchup import decode_in_place
+from ..ownership import Ownership
 from ..staged import WriteMode
 from ..vllm.layout import locate
 from ..writing import release
 from .owned import decode_owned, export_blocks, place_block, read_decoded_all, unmap_arena
-from .owner import Ownership
 from .ranked import RankWeights
 from .staged import HeldWeights
 from .wire import read_line
@@ -68,9 +68,9 @@ class _State:
         self.server: socketserver.UnixStreamServer | None = None
         #: This process's identity: an SGLang restarted under its sidecar has a new one (the
         #: adapter compares it at each audit: its words are the boot checkpoint's); so does
-        #: another adapter taking over (:mod:`.owner`).
+        #: another adapter taking over (:mod:`..ownership`).
         self.boot = secrets.token_hex(8)
-        #: The adapter driving this SGLang (:mod:`.owner`: one sidecar per engine).
+        #: The adapter driving this SGLang (:mod:`..ownership`: one sidecar per engine).
         self.owner = Ownership()
 
 
@@ -238,7 +238,7 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
 
 
 def _control(op: str, req: dict[str, Any]) -> dict[str, Any]:
-    _STATE.owner.check(req)
+    _STATE.owner.check(req.get("owner"))
     return _CONTROL[op](_weights(), req)
 
 
@@ -324,7 +324,7 @@ def _command(model: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     op = cmd.get("op")
     if op == "start":
         return _start(model, str(cmd["socket"]), cmd.get("owner"))
-    _STATE.owner.check(cmd)
+    _STATE.owner.check(cmd.get("owner"))
     w = _weights()
     if op == "commit":
         staged = w.commit(str(cmd["token"]))

@@ -9,7 +9,6 @@ then tags the server's ``weight_version`` and flushes the prefix cache. See docs
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -99,7 +98,8 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
 
     @property
     def version(self) -> int | None:
-        return self._version
+        # another adapter took the engine over: its loads replaced what this one verified
+        return None if self.displaced else self._version
 
     @property
     def digest(self) -> str | None:
@@ -174,30 +174,8 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
                 "the chain does not start at the held version", engine=self.name, version=version
             )
         token = secrets.token_hex(8)
-        n = sum(len(step.blobs) for step in steps)
-        with self.scratch.files("step", n) as blobs, self.scratch.files("stage") as (stage,):
-            spec: list[dict[str, Any]] = []
-            at = iter(blobs)
-            for step in steps:
-                paths = []
-                for blob in step.blobs:
-                    path = next(at)
-                    path.write_bytes(blob)
-                    paths.append(str(path))
-                spec.append({"base": step.base, "target": step.target, "paths": paths})
-            stage.write_text(
-                json.dumps(
-                    {
-                        "token": token,
-                        "steps": spec,
-                        "prepack": self.prepack,
-                        "writes": self.writes,
-                        "staging": self.staging,
-                    }
-                )
-            )
-            self._call("stage", str(stage))
-            res = self._wait_staged(token)
+        options = {"prepack": self.prepack, "writes": self.writes, "staging": self.staging}
+        res = self._stage_steps(token, steps, options)
         if res["base"] != steps[0].base or res["target"] != steps[-1].target:
             self._call("discard", token)
             raise TargetMismatchError("the workers staged another transition", engine=self.name)
@@ -274,6 +252,8 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
                 self._set(None, None)
                 self._reconcile(before)
                 with contextlib.suppress(RollpatchError):
+                    if self.displaced:  # the engine's tag is the other adapter's
+                        raise
                     tag = str(self._version) if self._version is not None else None
                     self.http.post("/update_weight_version", {"new_version": tag or NOT_READY})
                 raise
@@ -283,7 +263,12 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         loop: a stall of about budget / memory bandwidth); a mismatch makes the adapter not
         ready (``version`` None) until a keyframe is loaded."""
         with self._lock:
-            res = self._call("audit", str(int(budget_bytes)))
+            try:
+                res = self._call("audit", str(int(budget_bytes)))
+            except RollpatchError:
+                if self.displaced:  # the engine's tag is the other adapter's now
+                    self._set(None, None)
+                raise
             restarted = self._boot.restarted(res.get("boot"), self.url, self._version)
             if res["mismatched"] or res.get("tainted") or restarted:
                 self._set(None, None)
@@ -357,7 +342,8 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
                 tag = str(version) if done else None
                 if started:  # names the version only once the workers' digests checked out
                     self.http.post("/finish_weight_update", {"weight_version": tag})
-                if (tag is not None and not started) or self._version is None:
+                untagged = (tag is not None and not started) or self._version is None
+                if untagged and not self.displaced:
                     self._timed(
                         "tag_ms", "/update_weight_version", {"new_version": tag or NOT_READY}
                     )
@@ -389,6 +375,8 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         made these words the version's, or None when it did not say)."""
         self._version, self._digest = version, digest
         self._boot.set(self.last_boot, version)
+        if version is not None:  # verified through this adapter's own calls
+            self.displaced = False
 
     def _require_loaded(self) -> None:
         if self._version is None:

@@ -6,7 +6,8 @@ Registered (by module path) when :mod:`.worker` is imported inside vLLM; enabled
     POST /start_weight_update
     POST /update_weights   {"update_info": {"op": "apply_encoded" | "apply" | "load",
                                             "path": "<file the adapter wrote>",
-                                            "token": "<nonce>"}}
+                                            "token": "<nonce>",
+                                            "owner": "<the adapter's token>"}}
     POST /finish_weight_update {"weight_version": "<version>"}
 
 ``update_weights`` cannot return anything over HTTP, so each worker keeps its result dict
@@ -43,11 +44,13 @@ class RollpatchInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RollpatchUpdateInfo(WeightTransferUpdateInfo):
-    """One update: which operation, the file it reads, and the token its result is kept under."""
+    """One update: which operation, the file it reads, the token its result is kept under,
+    and the adapter's owner token (:mod:`rollpatch.engines.ownership`)."""
 
     op: str
     path: str
     token: str
+    owner: str = ""
 
 
 class RollpatchTransferEngine(WeightTransferEngine[RollpatchInitInfo, RollpatchUpdateInfo]):
@@ -72,7 +75,7 @@ class RollpatchTransferEngine(WeightTransferEngine[RollpatchInitInfo, RollpatchU
 
     def receive_weights(self, update_info: RollpatchUpdateInfo) -> None:
         if update_info.op in _OPS:
-            result = run_op(self.model, update_info.op, update_info.path)
+            result = run_op(self.model, update_info.op, update_info.path, owner=update_info.owner)
         else:
             result = {
                 "ok": False,

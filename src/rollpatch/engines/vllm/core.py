@@ -138,19 +138,26 @@ def _tag_requests() -> None:
     Request.__init__ = __init__
 
 
-def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> list[Any]:
+def _commit_atomic(
+    core: Any,
+    timeout: float | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+) -> list[Any]:
     t0 = time.perf_counter()
     token, tag, root = (str(a) for a in args[:3])
     kv = str(args[3]) if len(args) > 3 else "recompute"
     if kv not in KV_ON_COMMIT:
         raise ValueError(f"unknown kv_on_commit {kv!r}")
     reset = False
+    running = _scheduler_state(core)["running"]  # requests whose KV the mode applies to
     try:
-        results = core.model_executor.collective_rpc("rollpatch_commit", timeout, (token,), None)
+        # kwargs: the adapter's owner token (:mod:`rollpatch.engines.ownership`), checked there
+        results = core.model_executor.collective_rpc("rollpatch_commit", timeout, (token,), kwargs)
         if all(isinstance(r, dict) and r.get("ok") and r.get("root") == root for r in results):
             core.set_weight_version(tag)
         elif len(results) > 1:
-            results = _undo_ranks(core, timeout, token, results)
+            results = _undo_ranks(core, timeout, token, results, kwargs)
     finally:  # whatever the workers did, no KV of the weights before it is used again
         if kv == "keep" and _kv_connected(core):
             kv = "recompute"  # keep resets no connector's cache: what recompute's reset does
@@ -160,17 +167,23 @@ def _commit_atomic(core: Any, timeout: float | None, args: tuple[Any, ...]) -> l
         else:
             reset = bool(core.reset_prefix_cache(reset_running_requests=True))
     ms = round((time.perf_counter() - t0) * 1e3, 3)
-    out = {"core_ms": ms, "reset": reset, "kv": kv}
+    out = {"core_ms": ms, "reset": reset, "kv": kv, "running": running}
     return [dict(r, **out) if isinstance(r, dict) else r for r in results]
 
 
-def _undo_ranks(core: Any, timeout: float | None, token: str, results: list[Any]) -> list[Any]:
+def _undo_ranks(
+    core: Any,
+    timeout: float | None,
+    token: str,
+    results: list[Any],
+    kwargs: dict[str, Any] | None = None,
+) -> list[Any]:
     """TP > 1, a commit not verified on every rank (one failed its check after the others
     wrote, or the ranks reached other digests): every rank that wrote puts its old words back
     (``rollpatch_undo``), inside the same hold, so no token is generated over words of two
     versions. The failed ranks' errors name their rank and the ranks undone; a rank whose undo
     failed stays on the new words (the adapter then finds the ranks disagree: not ready)."""
-    undo = core.model_executor.collective_rpc("rollpatch_undo", timeout, (token,), None)
+    undo = core.model_executor.collective_rpc("rollpatch_undo", timeout, (token,), kwargs)
     undone = [i for i, u in enumerate(undo) if isinstance(u, dict) and u.get("undone")]
     stuck = [i for i, u in enumerate(undo) if not (isinstance(u, dict) and u.get("ok"))]
     out = []
@@ -216,7 +229,7 @@ def install() -> None:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if method == ATOMIC:
-            return _commit_atomic(self, timeout, tuple(args))
+            return _commit_atomic(self, timeout, tuple(args), kwargs)
         if method == SCHEDULER:
             return [_scheduler_state(self)]
         out = original(self, method, timeout, args, kwargs)

@@ -17,12 +17,15 @@ log = logging.getLogger("rollpatch.engines.vllm")
 
 class KvMode:
     """``requested``: what staged commits ask the hook for; ``applied``: what the last one
-    did (``None`` before any)."""
+    did (``None`` before any); ``running``: how many requests it applied it to."""
 
     def __init__(self, requested: KvOnCommit) -> None:
         check_choice("VllmEngine", "kv_on_commit", requested, KV_ON_COMMIT)
         self.requested: KvOnCommit = requested
         self.applied: str | None = None
+        #: The requests running when the last staged commit wrote (the hook's count; -1
+        #: where vLLM's scheduler does not say): those it kept or recomputed.
+        self.running: int | None = None
         self._warned = False
 
     @property
@@ -44,6 +47,7 @@ class KvMode:
         """Record the hook's report (``kv``); warn once when it did not keep as asked (a server
         with a KV connector, whose cache keep mode does not reach: :mod:`.core`)."""
         self.applied = str(result.get("kv", "recompute"))
+        self.running = int(result.get("running", -1))
         if self.applied != self.requested and not self._warned:
             self._warned = True
             log.warning(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from .transfer import read_decoded
 from .weights import RuntimeWeights
 from .writes import WriteMode
 
-__all__ = ["OPS", "require_fault_injection", "run_op_on"]
+__all__ = ["OPS", "check_owner", "require_fault_injection", "run_op_on"]
 
 _MAX_STEPS = 4096
 _MAX_JOBS = 8
@@ -314,6 +315,31 @@ def _apply_encoded(w: RuntimeWeights, path: str) -> dict[str, Any]:
     return {"digests": w.commit_staged(staged, undo_key=path), "root": w.root()}
 
 
+def _claim(w: RuntimeWeights, owner: str) -> dict[str, Any]:
+    """An adapter's first call: it becomes the owner (refused while another one calls,
+    :mod:`rollpatch.engines.ownership`). Taking over from one that fell silent gives the state
+    a new identity and drops its staged updates: what that adapter verified is void."""
+    if not owner:
+        raise EngineError("a claim needs the adapter's owner token")
+    if w.ownership.claim(owner):
+        w.boot = secrets.token_hex(8)
+        w.jobs.clear()
+    return {"owner": owner}
+
+
+def check_owner(w: RuntimeWeights, owner: str) -> None:
+    """An adapter's call (``owner``: its token) is refused unless it is the owner's. A state
+    no adapter holds (a restarted engine's, or one whose owner closed) becomes the caller's:
+    its audit then finds the identity changed. Calls without a token (tools, tests, drills
+    through ``/collective_rpc``) are not checked."""
+    if not owner:
+        return
+    if w.ownership.owner is None:
+        w.ownership.claim(owner)
+    else:
+        w.ownership.check(owner)
+
+
 def _export(w: RuntimeWeights, name: str, path: str) -> dict[str, Any]:
     t = w[name]
     if w.rank == 0:
@@ -342,6 +368,8 @@ OPS: dict[str, Callable[[RuntimeWeights, str, str], dict[str, Any]]] = {
         "tainted": w.tainted,
     },
     "export": lambda w, name, path: _export(w, name, path),
+    "claim": lambda w, owner, _: _claim(w, owner),
+    "disown": lambda w, _a, _b: w.ownership.disown(),
     "info": lambda w, _a, _b: {
         "rank": w.rank,
         "tp": w.tp,

@@ -10,10 +10,11 @@ each call (``last_timings``: the pause breakdown that bench/vllm.py prints).
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from ...io.safetensors import load_view
 from ...view import Tensor
 from ..pausing import NestedPause
 from ..shared_dir import SharedDir
+from ..staged import EncodedStep
 from . import nudge
 from .client import Http
 
@@ -52,6 +54,13 @@ class WorkerCalls(NestedPause):
         self.last_timings: dict[str, float] = {}
         #: Rank 0's worker state identity (``RuntimeWeights.boot``) in the last answer.
         self.last_boot: str | None = None
+        #: This adapter's token in every worker call: one sidecar per engine
+        #: (:mod:`rollpatch.engines.ownership`); claimed at the first call, and again at the
+        #: first after another adapter took the engine over (``displaced``: then what this
+        #: one verified is void, and the engine's tag is the other one's).
+        self.owner = secrets.token_hex(8)
+        self._claimed = False
+        self.displaced = False
 
     @property
     def shared_dir(self) -> Path:
@@ -59,7 +68,17 @@ class WorkerCalls(NestedPause):
         return self.scratch.path
 
     def _rpc(self, method: str, *args: str) -> list[Any]:
-        body = {"method": method, "args": list(args), "timeout": self.http.timeout}
+        if not self._claimed:
+            self._claim()
+        return self._post_rpc(method, list(args), {"owner": self.owner})
+
+    def _claim(self) -> None:
+        """Make this adapter the engine's owner (refused while another one calls it)."""
+        self._gather(self._post_rpc("rollpatch_claim", [self.owner], {}))
+        self._claimed = True
+
+    def _post_rpc(self, method: str, args: list[str], kwargs: dict[str, str]) -> list[Any]:
+        body = {"method": method, "args": args, "kwargs": kwargs, "timeout": self.http.timeout}
         try:
             out = self.http.post("/collective_rpc", body)
         except EngineError as e:
@@ -94,7 +113,10 @@ class WorkerCalls(NestedPause):
             if not isinstance(r, dict):
                 raise EngineError("unexpected worker result", engine=self.name, result=str(r))
             if not r.get("ok"):
-                raise worker_error(r.get("error") or {})
+                err = worker_error(r.get("error") or {})
+                if err.context.get("other_adapter"):  # refused: another adapter drives it
+                    self.displaced, self._claimed = True, False
+                raise err
         keys = ("root", "digests")
         if any(
             tuple(r.get(k) for k in keys) != tuple(results[0].get(k) for k in keys)
@@ -114,6 +136,26 @@ class WorkerCalls(NestedPause):
         if tainted:  # TP > 1: one rank's failed write after a pause taints the engine
             out["tainted"] = tainted
         return out
+
+    def _stage_steps(
+        self, token: str, steps: Sequence[EncodedStep], options: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """Stage ``steps`` in the workers under ``token``: the blobs and the spec go through
+        the shared directory; returns the workers' staged result (:meth:`_wait_staged`)."""
+        n = sum(len(step.blobs) for step in steps)
+        with self.scratch.files("step", n) as blobs, self.scratch.files("stage") as (stage,):
+            spec: list[dict[str, Any]] = []
+            at = iter(blobs)
+            for step in steps:
+                paths = []
+                for blob in step.blobs:
+                    path = next(at)
+                    path.write_bytes(blob)
+                    paths.append(str(path))
+                spec.append({"base": step.base, "target": step.target, "paths": paths})
+            stage.write_text(json.dumps({"token": token, "steps": spec, **options}))
+            self._call("stage", str(stage))
+            return self._wait_staged(token)
 
     def _wait_staged(self, token: str) -> dict[str, Any]:
         """Poll every rank until all are ready (then they must agree: rank 0's answer), or
@@ -147,6 +189,8 @@ class WorkerCalls(NestedPause):
         super().pause()
 
     def _freeze(self) -> None:
+        if not self._claimed:  # a displaced adapter pauses no other adapter's engine
+            self._claim()
         self.last_timings = {}
         self._timed("pause_call_ms", "/pause?mode=keep")
 
@@ -160,8 +204,18 @@ class WorkerCalls(NestedPause):
         finally:
             self.last_timings[key] = (time.perf_counter() - t0) * 1e3
 
+    def release(self) -> None:
+        """Stop driving the engine: another adapter may claim it at once. This one claims it
+        again at its next call (refused while the other one calls)."""
+        if self._claimed:
+            self._claimed = False
+            with contextlib.suppress(RollpatchError):
+                self._gather(self._post_rpc("rollpatch_disown", [], {"owner": self.owner}))
+
     def close(self) -> None:
-        """Forget the scratch directory (the server is not ours to stop)."""
+        """:meth:`release`, and forget the scratch directory (the server is not ours to
+        stop)."""
+        self.release()
         if self.http.nudger is not None:
             self.http.nudger.close()
         self.scratch.close()
@@ -172,7 +226,8 @@ class WorkerCalls(NestedPause):
         token = secrets.token_hex(8)
         try:
             self.http.post(
-                "/update_weights", {"update_info": {"op": op, "path": str(path), "token": token}}
+                "/update_weights",
+                {"update_info": {"op": op, "path": str(path), "token": token, "owner": self.owner}},
             )
         finally:  # the workers keep the result (and any error) under the token
             res = self._rpc("rollpatch_result", token)

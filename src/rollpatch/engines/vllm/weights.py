@@ -37,6 +37,7 @@ from ...errors import EngineError, ViewError
 from ...kinds import Kind
 from ...patch import Patch
 from ...view import Tensor, View, root_digest, sum128, sum128_digest
+from ..ownership import Ownership
 from ..sglang.slices import aligned, combine_state, partial_state
 from ..staged import AuditCursor, AuditReport
 from .commits import StagedCommits
@@ -80,6 +81,9 @@ class RuntimeWeights(StagedCommits):
         #: Commits, loads and undos made on this state (by any adapter): part of
         #: :attr:`identity`, so that an adapter's audit finds words another adapter wrote.
         self.writes = 0
+        #: The adapter driving this state (:mod:`rollpatch.engines.ownership`: one sidecar
+        #: per engine; checked by :func:`.ops.check_owner`).
+        self.ownership = Ownership("vLLM")
         if tp > 1 and access.gather is None:
             raise EngineError("tensor parallelism needs a gather", tp=tp)
         self._entries: dict[str, _Entry] = {}

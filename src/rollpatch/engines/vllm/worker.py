@@ -28,7 +28,7 @@ import numpy as np
 
 from ...errors import EngineError
 from .experts_cpu import PackedAudit, audit_packed, check_packed, flip_packed, keep_plain_experts
-from .ops import OPS, require_fault_injection, run_op_on
+from .ops import OPS, check_owner, require_fault_injection, run_op_on
 from .params import TorchParams
 from .spin import install as _poll_instead_of_spin
 from .weights import RuntimeWeights
@@ -126,26 +126,30 @@ def weights_of(model: Any) -> RuntimeWeights:
     return state
 
 
-def run_op(model: Any, op: str, arg: str = "", arg2: str = "") -> dict[str, Any]:
-    """Run one extension operation; never raises (errors become ``{"ok": False, ...}``)."""
+def run_op(model: Any, op: str, arg: str = "", arg2: str = "", owner: str = "") -> dict[str, Any]:
+    """Run one extension operation for the adapter ``owner`` (:func:`.ops.check_owner`; a
+    ``claim`` names it in ``arg``); never raises (errors become ``{"ok": False, ...}``)."""
     fn = OPS.get(op)
     if fn is None:
         return run_op_on(None, lambda _: _unknown(op))
 
     def call(_: Any) -> dict[str, Any]:
         w = weights_of(model)
+        if op != "claim":
+            check_owner(w, owner)
         return {**fn(w, arg, arg2), "boot": w.identity}
 
     return run_op_on(None, call)
 
 
-def audit(model: Any, budget: int) -> dict[str, Any]:
+def audit(model: Any, budget: int, owner: str = "") -> dict[str, Any]:
     """One audit pass within ``budget`` bytes: the view's live words re-hashed (the ``audit``
     op) and, on the CPU at TP = 1, a rotating slice of vLLM's packed experts re-packed from
     their plain words and compared (:func:`.experts_cpu.audit_packed`; its share of the budget
     in proportion to its cost). Either mismatch marks the engine tainted. Neither runs while
     words are still being written after a pause."""
     w = weights_of(model)
+    check_owner(w, owner)
     state = model.__dict__.get(_PACKED_AUDIT)
     if state is None:
         state = PackedAudit.of(model) if w.tp == 1 else PackedAudit([])
@@ -186,10 +190,20 @@ class WorkerExtension:
     (see :func:`run_op`). ``self`` is vLLM's worker.
     """
 
-    def rollpatch_info(self) -> dict[str, Any]:
+    def rollpatch_claim(self, owner: str) -> dict[str, Any]:
+        """Make the adapter ``owner`` this engine's (refused while another one calls: one
+        sidecar per engine, :mod:`rollpatch.engines.ownership`). Every later call of the
+        adapter carries its token (``owner=``); another adapter's is refused."""
+        return run_op(self.get_model(), "claim", owner)  # type: ignore[attr-defined]
+
+    def rollpatch_disown(self, owner: str = "") -> dict[str, Any]:
+        """The owner closes: another adapter may claim this engine at once."""
+        return run_op(self.get_model(), "disown", owner=owner)  # type: ignore[attr-defined]
+
+    def rollpatch_info(self, owner: str = "") -> dict[str, Any]:
         """Rank, TP size, every checkpoint tensor's kind and shape, the transfer backend."""
         model = self.get_model()  # type: ignore[attr-defined]
-        out = run_op(model, "info")
+        out = run_op(model, "info", owner=owner)
         engine = getattr(self, "weight_transfer_engine", None)
         official = type(engine).__name__ == "RollpatchTransferEngine"
         out["weight_transfer"] = BACKEND if official else None
@@ -204,53 +218,54 @@ class WorkerExtension:
         )
         return out
 
-    def rollpatch_digest(self, fresh: str = "0") -> dict[str, Any]:
+    def rollpatch_digest(self, fresh: str = "0", owner: str = "") -> dict[str, Any]:
         """Every checkpoint tensor's digest and the root (``fresh="1"``: re-hash all)."""
-        return run_op(self.get_model(), "digest", fresh)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "digest", fresh, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_apply_encoded(self, path: str) -> dict[str, Any]:
+    def rollpatch_apply_encoded(self, path: str, owner: str = "") -> dict[str, Any]:
         """Decode the wire-format patch at ``path`` against the held words, commit it."""
-        return run_op(self.get_model(), "apply_encoded", path)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "apply_encoded", path, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_stage(self, path: str) -> dict[str, Any]:
+    def rollpatch_stage(self, path: str, owner: str = "") -> dict[str, Any]:
         """Start staging the steps named by the JSON spec at ``path`` (decode, compose, prove,
         lay out per runtime parameter) in a background thread; poll :meth:`rollpatch_staged`."""
-        return run_op(self.get_model(), "stage", path)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "stage", path, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_staged(self, token: str) -> dict[str, Any]:
+    def rollpatch_staged(self, token: str, owner: str = "") -> dict[str, Any]:
         """``state``: ``staging``, ``ready`` (with the proven target digests) or ``failed``."""
-        return run_op(self.get_model(), "staged", token)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "staged", token, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_commit(self, token: str) -> dict[str, Any]:
+    def rollpatch_commit(self, token: str, owner: str = "") -> dict[str, Any]:
         """Write the staged update ``token`` (under the caller's pause): writes and read-back."""
-        return run_op(self.get_model(), "commit", token)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "commit", token, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_undo(self, token: str) -> dict[str, Any]:
+    def rollpatch_undo(self, token: str, owner: str = "") -> dict[str, Any]:
         """TP > 1: write back the old words of the commit of ``token`` if it was this rank's
         last (another rank's commit failed); ``undone``: whether there was one to undo."""
-        return run_op(self.get_model(), "undo", token)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "undo", token, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_settled(self) -> dict[str, Any]:
+    def rollpatch_settled(self, owner: str = "") -> dict[str, Any]:
         """Wait until the words written after the last commit's pause are in place (blocks
         this worker: for tests and benches); the batch's size, time and failure."""
-        return run_op(self.get_model(), "settled")  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "settled", owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_discard(self, token: str) -> dict[str, Any]:
+    def rollpatch_discard(self, token: str, owner: str = "") -> dict[str, Any]:
         """Forget a staged update."""
-        return run_op(self.get_model(), "discard", token)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "discard", token, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_audit(self, budget: str) -> dict[str, Any]:
+    def rollpatch_audit(self, budget: str, owner: str = "") -> dict[str, Any]:
         """Re-hash up to ``budget`` bytes of live weights against the held digests, and
         re-pack and compare a slice of the CPU-packed experts (:func:`audit`)."""
-        return run_op_on(self.get_model(), lambda m: audit(m, int(budget)))  # type: ignore[attr-defined]
+        return run_op_on(self.get_model(), lambda m: audit(m, int(budget), owner))  # type: ignore[attr-defined]
 
-    def rollpatch_forget(self) -> dict[str, Any]:
+    def rollpatch_forget(self, owner: str = "") -> dict[str, Any]:
         """Fault injection for drills and tests: drop this worker's rollpatch state, as an
         engine restarted under its sidecar has none (a new ``boot`` identity at the next
         call; the words stay). Refused unless ``ROLLPATCH_FAULT_INJECTION=1``."""
 
         def forget(model: Any) -> dict[str, Any]:
             require_fault_injection()
+            check_owner(weights_of(model), owner)
             state = model.__dict__.get(_STATE)
             if state is not None:
                 state.settler.wait()
@@ -259,47 +274,51 @@ class WorkerExtension:
 
         return run_op_on(self.get_model(), forget)  # type: ignore[attr-defined]
 
-    def rollpatch_flip(self, name: str, position: str, target: str = "plain") -> dict[str, Any]:
+    def rollpatch_flip(
+        self, name: str, position: str, target: str = "plain", owner: str = ""
+    ) -> dict[str, Any]:
         """Fault injection for drills and tests: flip the lowest bit of one element of a
         checkpoint tensor in place, behind every digest (``target="packed"``: of the word at
         flat ``position`` of a CPU-packed expert parameter ``name``, behind its plain words).
         Refused unless the server was started with ``ROLLPATCH_FAULT_INJECTION=1``."""
         if target == "plain":
-            return run_op(self.get_model(), "flip", name, position)  # type: ignore[attr-defined]
+            return run_op(self.get_model(), "flip", name, position, owner=owner)  # type: ignore[attr-defined]
 
         def packed(model: Any) -> dict[str, Any]:
             require_fault_injection()
             if target != "packed":
                 raise EngineError("unknown flip target", target=target, known="plain,packed")
+            check_owner(weights_of(model), owner)
             weights_of(model).settler.wait()
             return {"flipped": flip_packed(model, name, int(position))}
 
         return run_op_on(self.get_model(), packed)  # type: ignore[attr-defined]
 
-    def rollpatch_apply(self, path: str) -> dict[str, Any]:
+    def rollpatch_apply(self, path: str, owner: str = "") -> dict[str, Any]:
         """Commit the decoded patch at ``path`` (:mod:`.transfer` format)."""
-        return run_op(self.get_model(), "apply", path)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "apply", path, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_load(self, path: str) -> dict[str, Any]:
+    def rollpatch_load(self, path: str, owner: str = "") -> dict[str, Any]:
         """Overwrite every tensor with the keyframe (safetensors view) at ``path``."""
-        return run_op(self.get_model(), "load", path)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "load", path, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_export(self, name: str, path: str) -> dict[str, Any]:
+    def rollpatch_export(self, name: str, path: str, owner: str = "") -> dict[str, Any]:
         """Write one checkpoint tensor's words to ``path`` (safetensors; rank 0 writes)."""
-        return run_op(self.get_model(), "export", name, path)  # type: ignore[attr-defined]
+        return run_op(self.get_model(), "export", name, path, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_packed(self) -> dict[str, Any]:
+    def rollpatch_packed(self, owner: str = "") -> dict[str, Any]:
         """Re-pack every CPU-packed expert layer's plain words with vLLM's own prepack (whole
         and per expert) and compare with the live packed parameters (tests and drills), once
         the plain words written after the last pause are in place."""
 
         def check(model: Any) -> dict[str, Any]:
+            check_owner(weights_of(model), owner)
             weights_of(model).settler.wait()
             return check_packed(model)
 
         return run_op_on(self.get_model(), check)  # type: ignore[attr-defined]
 
-    def rollpatch_result(self, token: str) -> dict[str, Any]:
+    def rollpatch_result(self, token: str, owner: str = "") -> dict[str, Any]:
         """The result of the weight-transfer update tagged ``token`` (popped)."""
         results = getattr(self.get_model(), "_rollpatch_results", {})  # type: ignore[attr-defined]
         return results.pop(

@@ -147,3 +147,29 @@ def test_proxies_from_the_environment(scheme: str, monkeypatch: pytest.MonkeyPat
         assert _client(f"{scheme}://relay.example:8443")._pool.proxy is None
     finally:
         listener.close()
+
+
+def test_a_hung_relay_is_said_at_its_first_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    """A relay that accepts and never answers costs ``timeout`` per attempt, and the error
+    comes only after every retry: each retried failure is logged when it happens (once a
+    minute per kind), not minutes later with the final error."""
+    import logging
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        store = open_store(
+            f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=0.2, retries=2, backoff=0.01
+        )
+        with caplog.at_level(logging.WARNING, "rollpatch.store"):
+            with pytest.raises(TransientStoreError) as failed:
+                store.get("runs/r/LATEST")
+        assert failed.value.context["attempts"] == 3
+        said = [r for r in caplog.records if r.getMessage() == "relay_retry"]
+        assert len(said) == 1  # the second retry is held back: once a minute per kind
+        fields = said[0].rp_fields  # type: ignore[attr-defined]  # rollpatch.logs.event's
+        assert (fields["attempt"], fields["attempts"], fields["object"]) == (1, 3, "runs/r/LATEST")
+        assert "timed out" in fields["error"]
+    finally:
+        listener.close()

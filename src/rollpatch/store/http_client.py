@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import logging
 import re
 import socket
 import time
@@ -37,6 +38,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
+from ..logs import Throttle
 from .base import ObjectInfo, Store, check_bounds, validate_key
 from .config import HttpConfig
 from .http_errors import CORRUPT_CODE, CORRUPT_STATUS, raise_if_corrupt, relay_said
@@ -49,6 +51,7 @@ __all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "HELD_HEADER", "HttpStore"]
 HELD_HEADER = "X-Rollpatch-Held"
 
 T = TypeVar("T")
+log = logging.getLogger("rollpatch.store")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _UNSATISFIED_RANGE = re.compile(r"bytes \*/(\d+)")
 _NETWORK_ERRORS = (
@@ -82,6 +85,9 @@ class HttpStore(Store):
         self._pool = Pool(self.base, self.config.timeout)
         #: Bytes a long-poll answer pushed (:meth:`hold_pushed`), each served to one read.
         self._pushed = PushedBytes()
+        #: Retried failures, said once a minute per kind: a hung relay costs ``timeout`` per
+        #: attempt, and the final error comes only after every retry.
+        self._said = Throttle(log, every_s=60.0)
 
     # -- transport ----------------------------------------------------------------------------
 
@@ -103,6 +109,17 @@ class HttpStore(Store):
                     raise TransientStoreError(
                         f"relay request failed: {e}", key=key, store=self.uri, attempts=attempt + 1
                     ) from None
+                self._said.event(
+                    "relay_retry",
+                    f"{self.uri} {e}",
+                    logging.WARNING,
+                    store=self.uri,
+                    object=key,
+                    error=str(e),
+                    attempt=attempt + 1,
+                    attempts=self.config.retries + 1,
+                    retry_in_s=round(delay, 3),
+                )
             time.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")

@@ -123,6 +123,45 @@ def test_latest_pointed_back_is_a_rollback_also_after_a_restart(tmp_path: Path) 
     assert state["latest"] == {RUN: 3}
 
 
+def test_a_disk_that_refuses_the_state_stops_no_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state file's disk is full (or read only): before, saving it raised OSError out of
+    the LATEST check, so each new version failed its first sync (with no clear error). Now
+    the version is taken, the failure is a WARNING, and this process still refuses a
+    rollback (the state is kept in memory); the next save that works writes it all."""
+    import errno
+    import logging
+
+    from rollpatch.trust.state import TrustState
+
+    pub = Pub(2)
+    old = pub.store.get(pointer_key(RUN))
+    pub.publish(2)
+    trust = pub.trust(tmp_path)
+    f = follower(pub, trust)
+    assert f.sync() == 2
+    save = TrustState.save
+
+    def full(self: TrustState, path: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(TrustState, "save", full)
+    pub.publish(3)
+    with caplog.at_level(logging.WARNING, "rollpatch.trust"):
+        assert f.sync() == 3  # taken, though the state could not be saved
+    assert trust.save_errors == 1
+    said = [r for r in caplog.records if r.getMessage() == "trust_state_unsaved"]
+    assert len(said) == 1 and "No space left" in said[0].rp_fields["error"]  # type: ignore[attr-defined]
+    assert json.loads((tmp_path / "state.json").read_text())["latest"] == {RUN: 2}
+    put_raw(pub, pointer_key(RUN), old)
+    refused(f, "rollback")  # refused from memory
+    monkeypatch.setattr(TrustState, "save", save)
+    pub.publish(4)
+    assert f.sync() == 4
+    assert json.loads((tmp_path / "state.json").read_text())["latest"] == {RUN: 4}
+
+
 def test_frozen_latest_expires(tmp_path: Path) -> None:
     """Nothing detected a frozen LATEST: a signed pointer replayed past its expiry."""
     pub = Pub(2, ttl=60.0)

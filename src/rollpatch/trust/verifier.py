@@ -24,6 +24,7 @@ from pathlib import Path
 import blake3
 
 from ..errors import ConfigError, RollpatchError, TrustError
+from ..logs import Throttle
 from .envelope import Envelope, verify_threshold
 from .root import MAX_ROOT_BYTES, Root, verify_initial_root, verify_next_root
 from .state import TrustState
@@ -92,6 +93,9 @@ class Trust:
         self._root, self._root_raw = initial, root
         self._verified: dict[int, str] = {initial.version: blake3.blake3(root).hexdigest()}
         self._state = TrustState() if state_path is None else TrustState.load(state_path)
+        #: Saves of the state the disk refused (:meth:`_save`).
+        self.save_errors = 0
+        self._said = Throttle(log, every_s=60.0)
         if self._state.root is not None:
             self._adopt_stored_root(self._state.root)
         self._next_check = 0.0
@@ -244,8 +248,24 @@ class Trust:
             return self._state.latest.get(run)
 
     def _save(self) -> None:
-        if self.state_path is not None:
+        """Persist the state. A disk that refuses it (full, read only) does not stop the
+        verifier: what was verified is kept in memory, so this process still refuses every
+        rollback; only a restart would fall back to the state last saved. Said as a WARNING
+        once a minute (``save_errors`` counts them); saved again at the next change."""
+        if self.state_path is None:
+            return
+        try:
             self._state.save(self.state_path)
+        except OSError as e:
+            self.save_errors += 1
+            self._said.event(
+                "trust_state_unsaved",
+                str(self.state_path),
+                logging.WARNING,
+                path=str(self.state_path),
+                error=e.strerror or str(e),
+                effect="rollback protection across a restart stays at the state last saved",
+            )
 
 
 def _other_board(root: Root, fetch: Callable[[int], bytes | None]) -> TrustError | None:

@@ -314,3 +314,35 @@ def test_a_cache_disk_that_cannot_take_an_object_does_not_fail_the_read(
         assert c.get(ref.key) == board.store.get(ref.key)
         assert relay.relay.cache.peek(ref.key) is None  # not cached
     assert relay.relay.metrics.value("rollpatch_relay_cache_write_errors_total") == 2
+
+
+def test_a_disk_that_fills_below_the_bound_is_made_room_on(
+    board: Board, objects: list[ObjectRef], serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache's disk fills up before ``cache_bytes`` (a smaller disk, or one shared):
+    before, every object after that was served uncached for good. Now the least recently
+    used entries are dropped to make room and the object is cached (the disk here: a quota
+    of about two objects, enforced where the cache writes a file)."""
+    import errno
+
+    relay = serve(board.store, cache="quota")
+    cache = relay.relay.cache
+    sizes = {ref.key: len(board.store.get(ref.key)) for ref in objects[:4]}
+    quota = sum(sorted(sizes.values())[-2:]) + 2 * 1024  # two of the largest, and headers
+    write = cache._insert
+
+    def on_a_small_disk(key: str, data: bytes, b3: str) -> object:
+        used = sum(e.file_bytes for e in cache._index.values())
+        if used + len(data) + 1024 > quota:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(key, data, b3)
+
+    monkeypatch.setattr(cache, "_insert", on_a_small_disk)
+    c = client(relay)
+    for ref in objects[:4]:
+        assert c.get(ref.key) == board.store.get(ref.key)
+        assert cache.peek(ref.key) is not None  # cached, room made for it
+    assert relay.relay.metrics.value("rollpatch_relay_cache_write_errors_total") == 0
+    assert relay.relay.metrics.value("rollpatch_relay_evictions_total") >= 2
+    assert cache.peek(objects[0].key) is None  # the least recently used went first
+    assert sum(e.file_bytes for e in cache._index.values()) <= quota

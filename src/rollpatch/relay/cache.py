@@ -48,6 +48,7 @@ _PREFIX = struct.Struct("<8sI")
 _MAX_HEADER = 16 * 1024
 _HASH_CHUNK = 8 << 20
 _TMP = ".tmp-"
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write the disk has no room for
 
 log = logging.getLogger("rollpatch.relay")
 
@@ -150,7 +151,42 @@ class DiskCache:
     # -- updates ------------------------------------------------------------------------------
 
     def insert(self, key: str, data: bytes | memoryview, b3: str) -> CacheEntry:
-        """Write ``data`` (already verified against ``b3``) and index it; evicts LRU entries."""
+        """Write ``data`` (already verified against ``b3``) and index it; evicts LRU entries.
+        A disk that fills up before ``cache_bytes`` (a smaller disk, or one shared) is made
+        room on: the least recently used entries are dropped until the object's size is
+        freed, and it is written once more; the ``OSError`` when that fails too (the caller
+        serves the object uncached)."""
+        try:
+            return self._insert(key, data, b3)
+        except OSError as e:
+            if e.errno not in _FULL or not self._make_room(key, len(data) + _MAX_HEADER):
+                raise
+        return self._insert(key, data, b3)
+
+    def _make_room(self, key: str, need: int) -> bool:
+        """Drop least recently used entries (not ``key``'s) until ``need`` bytes are freed;
+        whether any was."""
+        freed = dropped = 0
+        with self._lock:
+            for old in list(self._index):
+                if freed >= need:
+                    break
+                if old == key:
+                    continue
+                freed += self._index[old].file_bytes
+                dropped += 1
+                self._drop(old)
+                self.metrics.inc("rollpatch_relay_evictions_total")
+        if dropped:
+            log.warning(
+                "relay cache: the disk is full below --cache-bytes; dropped the %d least "
+                "recently used entries (%d bytes) to make room",
+                dropped,
+                freed,
+            )
+        return dropped > 0
+
+    def _insert(self, key: str, data: bytes | memoryview, b3: str) -> CacheEntry:
         header = json.dumps({"key": key, "size": len(data), "b3": b3}).encode()
         path = self._path(key)
         fd, tmp = tempfile.mkstemp(prefix=_TMP, dir=self.root)

@@ -257,6 +257,8 @@ def test_live_tp2_partial_rank_failure_is_undone_on_every_rank(
         assert (paused.version, paused.digest) == (0, versions[0].digest())
     finally:
         paused.close()
+    assert engine.version is None  # released: what it verified is void until set again
+    engine.adopt(0, versions[0].digest())
     assert engine.held(fresh=True) == (versions[0].tensor_digests(), versions[0].digest())
     assert srv.get("/weight_info") == {"weight_version": "0"}
     assert srv.greedy(model, PROMPTS) == before

@@ -56,8 +56,9 @@ class WorkerCalls(NestedPause):
         self.last_boot: str | None = None
         #: This adapter's token in every worker call: one sidecar per engine
         #: (:mod:`rollpatch.engines.ownership`); claimed at the first call, and again at the
-        #: first after another adapter took the engine over (``displaced``: then what this
-        #: one verified is void, and the engine's tag is the other one's).
+        #: first after another adapter took the engine over (``displaced``, also after
+        #: :meth:`release`: then what this one verified is void, and the engine's tag is the
+        #: other one's).
         self.owner = secrets.token_hex(8)
         self._claimed = False
         self.displaced = False
@@ -205,10 +206,12 @@ class WorkerCalls(NestedPause):
             self.last_timings[key] = (time.perf_counter() - t0) * 1e3
 
     def release(self) -> None:
-        """Stop driving the engine: another adapter may claim it at once. This one claims it
-        again at its next call (refused while the other one calls)."""
+        """Stop driving the engine: another adapter may claim it at once, so what this one
+        verified is void (``displaced``) until it sets a version again (a load or an
+        adoption). It claims the engine again at its next call (refused while the other one
+        calls)."""
         if self._claimed:
-            self._claimed = False
+            self._claimed, self.displaced = False, True
             with contextlib.suppress(RollpatchError):
                 self._gather(self._post_rpc("rollpatch_disown", [], {"owner": self.owner}))
 

@@ -162,9 +162,11 @@ def test_a_hung_relay_is_said_at_its_first_timeout(caplog: pytest.LogCaptureFixt
         store = open_store(
             f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=0.2, retries=2, backoff=0.01
         )
-        with caplog.at_level(logging.WARNING, "rollpatch.store"):
-            with pytest.raises(TransientStoreError) as failed:
-                store.get("runs/r/LATEST")
+        with (
+            caplog.at_level(logging.WARNING, "rollpatch.store"),
+            pytest.raises(TransientStoreError) as failed,
+        ):
+            store.get("runs/r/LATEST")
         assert failed.value.context["attempts"] == 3
         said = [r for r in caplog.records if r.getMessage() == "relay_retry"]
         assert len(said) == 1  # the second retry is held back: once a minute per kind

@@ -376,3 +376,31 @@ def test_status_with_a_trust_root_lists_a_run_whose_latest_expired(tmp_path: Pat
     assert "LATEST 0 (refused: TrustError: LATEST has expired" in stale
     assert any(ln.startswith("run ok: LATEST 0,") for ln in lines)
     assert sum("<- LATEST" in ln for ln in lines) == 2
+
+
+def test_pull_writes_the_version_asked_for_or_nothing(tmp_path: Path, capsys) -> None:
+    """An object on the way to the version asked for is corrupt: `pull` wrote the newest
+    earlier version it could reach (the fallback a booting island takes), said "(verified)"
+    and exited 0 (an audit's HIGH finding: `pull ... && deploy` shipped stale weights). Now
+    it exits 2 and writes nothing, for `--version N` and for LATEST alike."""
+    from rollpatch.board import Board
+
+    board = f"file://{tmp_path / 'board'}"
+    for v in range(3):
+        ckpt = tmp_path / f"m{v}.safetensors"
+        save_masters(ckpt, masters(1 + v))
+        assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    b = Board(board)
+    for ref in b.manifest("r1", 2).objects():
+        raw = bytearray(b.store.get(ref.key))
+        raw[len(raw) // 2] ^= 0x40
+        b.store.put(ref.key, bytes(raw), if_absent=False)
+    out = tmp_path / "out.safetensors"
+    capsys.readouterr()
+    for want in (["--version", "2"], []):
+        assert main(["pull", "--board", board, "--run", "r1", *want, "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("rollpatch: error:") and "Traceback" not in err, err
+        assert not out.exists()
+    assert main(["pull", "--board", board, "--run", "r1", "--version", "1", "-o", str(out)]) == 0
+    assert load_view(out).digest() == b.manifest("r1", 1).target

@@ -18,6 +18,7 @@ PULL_UNUSED = {
     "audit_period_s": "nothing is served to audit",
     "boot": "a pull starts from nothing: there is no engine to adopt",
     "adopt_scan": "a pull starts from nothing: there is no engine to adopt",
+    "fallback_older": "a pull writes the version asked for (LATEST by default) or nothing",
 }
 
 
@@ -75,7 +76,7 @@ def _pull(args: argparse.Namespace) -> int:
     from .flags import config_kwargs
 
     trust = load_trust(args, args.board)
-    config = FollowerConfig(**config_kwargs(args, FollowerConfig))
+    config = FollowerConfig(**config_kwargs(args, FollowerConfig), fallback_older=False)
     engine = ViewEngine()
     follower = Follower(args.board, args.run, engine, config, trust=trust)
     t0 = time.monotonic()

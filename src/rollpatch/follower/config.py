@@ -100,6 +100,13 @@ class FollowerConfig:
         help="with --boot adopt: the newest versions checked (then the keyframes and the "
         "first version)",
     )
+    #: An island that holds nothing serves an older version rather than none (a corrupt
+    #: object on the way to the one it wants); a one-shot pull wants exactly that one.
+    fallback_older: bool = setting(
+        True,
+        help="with nothing held and the wanted version unreachable (a corrupt object on the "
+        "way), take the newest of the 4 earlier versions that can be reached",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -222,7 +222,8 @@ class Follower:
             self._held.forget()
             return self._run_plan(None, want)
         except ObjectIntegrityError:  # nothing held: the newest version it reaches, if any
-            below = [v for v in self._reader.versions(self.run) if v < want] if have is None else []
+            fall_back = have is None and self.config.fallback_older
+            below = [v for v in self._reader.versions(self.run) if v < want] if fall_back else []
             older = newest_reachable(
                 self._bad, self.run, below, lambda v, a: self._run_plan(None, v, a), log=log
             )

@@ -331,7 +331,8 @@ def test_resign_with_a_key_that_did_not_publish_the_run_changes_nothing(
     tmp_path: Path, capsys
 ) -> None:
     """A cron job with the wrong key must not replace the publisher's LATEST (followers
-    under the trust root would refuse the new one): refused, exit 2, LATEST byte for byte."""
+    under the trust root would refuse the new one): refused, exit 2, LATEST byte for byte,
+    whether the root does not list the key or lists it but it did not publish the run."""
     from rollpatch.board import Board
     from rollpatch.layout import pointer_key
 
@@ -343,6 +344,12 @@ def test_resign_with_a_key_that_did_not_publish_the_run_changes_nothing(
     before = board.store.get(pointer_key("r1"))
     capsys.readouterr()
     other = ["--signing-key", str(tmp_path / "other.key")]
+    assert main(["resign", "--board", world.board, "--run", "r1", *other]) == 2
+    assert "root of trust (version 1) does not list these keys" in capsys.readouterr().err
+    # listed by the root (a second publisher's key), but not what published the run
+    keys = ["--key", str(world.pub), "--key", str(tmp_path / "other.pub")]
+    assert main(["root", "--board", world.board, *keys, "--sign", str(world.key)]) == 0
+    capsys.readouterr()
     assert main(["resign", "--board", world.board, "--run", "r1", *other]) == 2
     err = capsys.readouterr().err
     assert "LATEST names r1@0, whose manifest none of these keys signed" in err
@@ -404,3 +411,30 @@ def test_pull_writes_the_version_asked_for_or_nothing(tmp_path: Path, capsys) ->
         assert not out.exists()
     assert main(["pull", "--board", board, "--run", "r1", "--version", "1", "-o", str(out)]) == 0
     assert load_view(out).digest() == b.manifest("r1", 1).target
+
+
+def test_resign_with_a_key_a_rotation_retired_changes_nothing(tmp_path: Path, capsys) -> None:
+    """The planned rotation of docs/trust.md, then a resign timer left with the old key: its
+    keys signed the dual-signed manifest LATEST names, so it re-signed LATEST, and every
+    follower with --trust refused the board (an audit's HIGH finding). Now it is refused
+    against the board's newest root, exit 2, LATEST byte for byte; the new key re-signs."""
+    from rollpatch.board import Board
+    from rollpatch.layout import pointer_key
+
+    world = signing_world(tmp_path, "old")
+    assert main(["keygen", "-o", str(tmp_path / "new")]) == 0
+    old, new = ["--signing-key", str(world.key)], ["--signing-key", str(tmp_path / "new.key")]
+    publish = ["publish", str(world.ckpt), "--board", world.board, "--run", "r1"]
+    assert main([*publish, *old]) == 0
+    save_masters(world.ckpt, masters(2))
+    assert main([*publish, *old, *new, "--keyframe"]) == 0
+    rotate = ["root", "--board", world.board, "--key", str(tmp_path / "new.pub")]
+    assert main([*rotate, "--sign", str(world.key), "--sign", str(tmp_path / "new.key")]) == 0
+    board = Board(world.board)
+    before = board.store.get(pointer_key("r1"))
+    capsys.readouterr()
+    assert main(["resign", "--board", world.board, "--run", "r1", *old]) == 2
+    err = capsys.readouterr().err
+    assert "root of trust (version 2) does not list these keys" in err, err
+    assert board.store.get(pointer_key("r1")) == before
+    assert main(["resign", "--board", world.board, "--run", "r1", *new]) == 0

@@ -213,6 +213,28 @@ def cmd_root(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_listed(board: Any, signer: Any) -> None:
+    """Refuse keys the board's newest root (chained from its first) does not list in
+    threshold: a LATEST they sign would replace the publisher's, and every follower with
+    --trust would refuse it (found by an audit, session 39: a resign timer left with a key a
+    rotation retired)."""
+    from ..errors import RollpatchError
+    from ..publisher.signing import chained_trust, keys_short
+
+    try:
+        trust = chained_trust(board)
+    except RollpatchError:  # roots that do not chain: followers refuse them anyway
+        return
+    if trust is not None and keys_short(trust.root, signer):
+        raise ConfigError(
+            f"the board's root of trust (version {trust.root.version}) does not list these "
+            "keys in threshold (retired by a rotation?): every follower with --trust would "
+            "refuse a LATEST they sign; nothing re-signed",
+            hint="re-sign with the keys the newest root lists (`rollpatch status --trust` "
+            "names them); docs/trust.md, Rotating keys",
+        )
+
+
 def cmd_resign(args: argparse.Namespace) -> int:
     from ..board import Board
     from .preflight import board_uri
@@ -233,6 +255,7 @@ def cmd_resign(args: argparse.Namespace) -> int:
     board = Board(args.board, signer=signer)
     mine = Board(args.board, trust=signer.self_trust())  # what these keys signed
     while True:
+        _require_listed(board, signer)  # each time: a rotation may retire the keys meanwhile
         current = Board(args.board).latest(args.run)  # as stored, whoever signed it
         if current is None:
             raise ConfigError(

@@ -18,7 +18,14 @@ from ..board import Board
 from ..errors import ConfigError, RollpatchError, TrustError
 from ..trust import Root, Signer, Trust, verify_initial_root
 
-__all__ = ["LatestHeartbeat", "chained_trust", "check_clock", "check_signing", "fleet_refuses"]
+__all__ = [
+    "LatestHeartbeat",
+    "chained_trust",
+    "check_clock",
+    "check_signing",
+    "fleet_refuses",
+    "keys_short",
+]
 
 #: Seconds this host's clock may differ from the store's before a publisher says so.
 CLOCK_SKEW_S = 60.0
@@ -63,6 +70,13 @@ def chained_trust(board: Board) -> Trust | None:
     return trust
 
 
+def keys_short(root: Root, signer: Signer | None) -> bool:
+    """Whether ``signer``'s keys (None: no keys) fall short of ``root``'s threshold of the keys
+    it lists (a root's followers would refuse what they sign)."""
+    mine = set() if signer is None else {k.keyid for k in signer.keys} & set(root.keys)
+    return len(mine) < root.threshold
+
+
 def check_signing(board: Board, signer: Signer | None) -> None:
     """At start: refuse keys (or no keys) that the board's verified newest root does not list
     in threshold (followers would refuse every version, and a signing
@@ -87,8 +101,7 @@ def check_signing(board: Board, signer: Signer | None) -> None:
                 "(`rollpatch root`) to verify"
             )
         return
-    mine = set() if signer is None else {k.keyid for k in signer.keys} & set(root.keys)
-    if len(mine) < root.threshold:
+    if keys_short(root, signer):
         if signer is None:
             raise ConfigError(
                 f"publishing UNSIGNED to a board with a root of trust (version {root.version}):"

@@ -280,3 +280,30 @@ def test_a_version_above_latest_is_not_adopted(run: Run, tiny_model: Path, tmp_p
         assert f.status().adoptions == 0 and f.status().failures == 0
         _exact(eng, run.views[3])
     assert src.store.get(pointer_key(RUN)) == src_pointer
+
+
+def test_words_an_audit_found_are_re_synced_from_a_keyframe_not_adopted(
+    run: Run, tiny_model: Path, tmp_path: Path
+) -> None:
+    """An audit finds live words that differ from the adopted version: the island used to
+    adopt again at once, and where what the adoption hashes is not all the kernels serve
+    (vLLM's CPU-packed experts, found by an audit, session 39) it flapped 503/200 over
+    corrupt weights. Now such an island is re-synced from a keyframe; it adopts again only
+    after that (a later restart). Here the flipped word is put back before the re-sync: the
+    words hash to the version again, as the packed case's plain words do."""
+    model = _booted_from(tiny_model, tmp_path, run.views[LAST])
+    with _engine(model) as eng:
+        f = Follower(run.board, RUN, eng, dataclasses.replace(ADOPT, audit_bytes_per_s=1e9))
+        assert f.sync() == LAST and f.status().adoptions == 1
+        name = next(iter(run.views[LAST]))
+        words = eng.runtime.view[name].data.reshape(-1)
+        words[0] ^= 1  # behind every digest
+        assert f.auditor is not None
+        while f.auditor.mismatches == 0:
+            assert f.auditor.step() is not None
+        assert f.version is None
+        words[0] ^= 1  # the plain words are the version's again
+        assert f.sync() == LAST
+        plan = f.last_plan  # a keyframe, not a second adoption
+        assert f.status().adoptions == 1 and plan is not None and plan.steps[0].is_keyframe
+        _exact(eng, run.views[LAST])

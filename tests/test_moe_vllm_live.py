@@ -34,7 +34,7 @@ import pytest
 from rollpatch.engines.staged import AuditReport, EncodedStep
 from rollpatch.engines.vllm import VllmEngine
 from rollpatch.engines.vllm.layout import check_coverage
-from rollpatch.errors import PatchDecodeError, TargetMismatchError
+from rollpatch.errors import EngineError, PatchDecodeError, TargetMismatchError
 from rollpatch.follower.audit import Auditor
 from rollpatch.formats import cast_view
 from rollpatch.io.safetensors import load_view, save_view
@@ -332,6 +332,11 @@ def test_audit_finds_a_flipped_packed_expert_word(world: dict[str, Any]) -> None
         assert res["ok"] and res["flipped"] == 1, res
         assert eng.held(fresh=True)[1] == versions[3].digest()  # every digest blind to it
         assert _packed(srv)["mismatched"] == [W2.format(l=1)]
+        # an adoption hashes the plain words (the version's), so it re-packs and compares too
+        # (before session 39 a sidecar with --boot adopt adopted such an engine, again and
+        # again after each audit found it)
+        with pytest.raises(EngineError, match="not adoptable"):
+            eng.adopt(3, versions[3].digest())
         # the follower's auditor, stepped by hand (its thread would call step() every period)
         found: list[AuditReport] = []
         auditor = Auditor(eng, rate_bytes_per_s=budget, period_s=1.0, on_mismatch=found.append)
@@ -345,6 +350,8 @@ def test_audit_finds_a_flipped_packed_expert_word(world: dict[str, Any]) -> None
         assert auditor.step() is None  # no version held: nothing to audit until re-synced
         out = _audit(srv, budget)  # tainted until a keyframe is loaded
         assert out["tainted"] == f"{W2.format(l=1)}[5]", out
+        with pytest.raises(EngineError, match="not adoptable"):  # tainted: not adopted either
+            eng.adopt(3, versions[3].digest())
 
         # re-sync from a keyframe: packed = prepack(plain) again, audits clean, same outputs
         eng.load(versions[3], 3)

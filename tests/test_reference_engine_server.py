@@ -20,6 +20,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from tests.conftest import until
 from tests.refenginefix import PROMPT, client, engine, greedy, model_dir
 
 _FIXTURES = (client, engine, model_dir)  # used by name
@@ -128,6 +129,13 @@ def test_concurrency_disconnects_and_sse_format(engine: Any) -> None:
     while rt.state()["in_flight"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rt.state()["in_flight"] == 0  # the abandoned generation stopped
+    # and one not streamed: it ran to its end before (an audit's MEDIUM finding, session 39)
+    body = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    made = rt.state()["tokens_generated"]
+    with pytest.raises(httpx.ReadTimeout):  # ~9 s of generation here; it hangs up at 1 s
+        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+    until(lambda: rt.state()["in_flight"] == 0, "the abandoned generation to end")
+    assert rt.state()["tokens_generated"] - made < 4000  # cut short, not run to its end
     body = {"prompt": PROMPT, "max_tokens": 3, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:  # SSE format
         assert r.headers["content-type"].startswith("text/event-stream")

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 from ..board import Board
 from ..engines import EngineAdapter
+from ..engines.restarts import RESTARTED
+from ..engines.staged import AuditReport
 from ..errors import RollpatchError
 from ..manifest import Manifest
 from .config import FollowerConfig
@@ -91,6 +93,16 @@ class Adopter:
     def reset(self) -> None:
         """The engine holds a verified version: the next loss of it gets one attempt."""
         self._tried = False
+
+    def audit_found(self, report: AuditReport) -> None:
+        """An audit found live words that differ from the held version: no attempt until the
+        engine holds a verified version again (it is re-synced from a keyframe), unless the
+        engine restarted (its boot checkpoint's words, which it may adopt). Words an audit
+        found are no checkpoint's, and what an adoption hashes may not be all the kernels
+        serve: a CPU-packed expert copy, found only by the audit, was adopted over and over
+        (found by an audit, session 39)."""
+        if set(report.mismatched) - {RESTARTED}:
+            self._tried = True
 
     def attempt(self, want: int, latest: int | None) -> bool:
         """Whether the engine now holds a version by adoption (at most LATEST, or ``want``

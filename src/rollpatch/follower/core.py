@@ -4,11 +4,10 @@
 (ERROR on failure); ``start`` runs it in a background thread whenever LATEST moves.
 The follower's version is only ever one the engine holds *and* that the follower checked
 against the board (engine digest == manifest target), so a failed fetch, decode or apply can
-never advance it: the next pass plans again from what the engine verifiably holds.
-
-Here: the state machine, the commit and one poll. Beside it: :mod:`.held`, :mod:`.stage`,
-:mod:`.record`, :mod:`.watch`, :mod:`.fetch`, :mod:`.commit` (the gate), :mod:`.audit`,
-:mod:`.adopt`; planning around corrupt objects is :mod:`rollpatch.avoid`'s.
+never advance it: the next pass plans again from what the engine verifiably holds. Here: the
+state machine, the commit and one poll. Beside it: :mod:`.held`, :mod:`.stage`, :mod:`.record`,
+:mod:`.watch`, :mod:`.fetch`, :mod:`.commit` (the gate), :mod:`.audit`, :mod:`.adopt`;
+planning around corrupt objects is :mod:`rollpatch.avoid`'s.
 """
 
 from __future__ import annotations
@@ -333,7 +332,10 @@ class Follower:
                 log.exception("on_commit callback failed for %s@%d", self.run, want)
 
     def _on_audit_mismatch(self, report: AuditReport) -> None:
-        """Live words differ from the held version: not ready, re-sync from a keyframe."""
+        """Live words differ from the held version: not ready, re-sync (from a keyframe, not
+        by adoption, unless the engine restarted: :meth:`.adopt.Adopter.audit_found`)."""
+        if self._adopter is not None:
+            self._adopter.audit_found(report)
         self._held.drop("audits")
         self.gate.mismatched()
         self._wake.set()

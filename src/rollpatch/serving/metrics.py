@@ -28,10 +28,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4"
 
 #: What became of one request or attempt: ``proxied`` (the sidecar passed it to its engine),
 #: ``ok`` (< 400), ``conflict`` (409), ``unavailable`` (503), ``engine_error`` (502),
-#: ``unreachable`` (no answer), ``client_error`` (other 4xx), ``error`` (other 5xx).
+#: ``unreachable`` (no answer), ``client_error`` (other 4xx), ``error`` (other 5xx);
+#: ``client_gone``: the client hung up before its answer (the engine's request ended too).
 Outcome = Literal[
     "ok",
     "proxied",
+    "client_gone",
     "conflict",
     "unavailable",
     "unreachable",

@@ -19,6 +19,7 @@ routes and documents these two in its OpenAPI schema).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -129,17 +130,37 @@ class ProxyFront:
             if typed.stream:
                 await self._stream(receive, send, path, payload, slot)
             else:
-                await self._once(send, path, payload, slot)
+                await self._once(receive, send, path, payload, slot)
 
-    async def _once(self, send: Send, path: str, payload: bytes, slot: Admission) -> None:
-        """One non-streaming answer; the caller's ``with`` releases ``slot`` on every path."""
+    async def _once(
+        self, receive: Receive, send: Send, path: str, payload: bytes, slot: Admission
+    ) -> None:
+        """One non-streaming answer; the caller's ``with`` releases ``slot`` on every path.
+        A client that hangs up ends the engine's request (its connection is closed, as for a
+        stream), so an abandoned generation holds no drain, commit or slot."""
         sc, start, t0 = self.sc, slot.start, time.perf_counter()
-        try:
+
+        async def answer() -> tuple[UpstreamResponse, bytes]:
             resp = await self.upstream.request("POST", path, payload, _JSON)
             try:
-                content = await resp.read()
+                return resp, await resp.read()
             finally:
                 resp.close()
+
+        call = asyncio.ensure_future(answer())
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            await asyncio.wait((call, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not call.done():  # the client left first: the engine's request goes too
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+                await call
+            sc.metrics.request("client_gone", time.perf_counter() - t0)
+            return
+        try:
+            resp, content = call.result()
         except UpstreamError as e:
             await _unreachable(sc, send, e)
             return

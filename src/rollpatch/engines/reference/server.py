@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -19,14 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...errors import ConfigError, EngineError, NotReadyError, RollpatchError
+from ...errors import ConfigError, EngineError, RollpatchError
 from ...serving import ServerHandle, serve_app
+from .http_errors import UnknownModel, install_errors
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -41,10 +41,6 @@ from .runtime import Generation, ReferenceRuntime, Step
 __all__ = ["ServerHandle", "create_app", "serve"]
 
 log = logging.getLogger(__name__)
-
-
-class _UnknownModel(RollpatchError):
-    """The request names a model this server does not serve (404)."""
 
 
 @dataclass
@@ -107,7 +103,7 @@ class _Job:
 def _check_model(runtime: ReferenceRuntime, name: str | None) -> None:
     if name is not None and name != (served := runtime.model_name):
         why = f"This engine serves `{served}` (its model directory's name; GET /v1/models)."
-        raise _UnknownModel(f"The model `{name}` does not exist. {why}", served=served)
+        raise UnknownModel(f"The model `{name}` does not exist. {why}", served=served)
 
 
 def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _Job:
@@ -159,10 +155,27 @@ def _start(runtime: ReferenceRuntime, req: CompletionRequest | ChatRequest) -> _
     )
 
 
-def _complete(job: _Job, tok: Any) -> dict[str, Any]:
-    """Run to the end and build the non-streaming response."""
-    for _ in job.run():
-        pass
+async def _answered(request: Request, job: _Job, tok: Any) -> dict[str, Any]:
+    """:func:`_complete` in a worker thread; a client that hangs up ends the generation at
+    its next step (its slot and KV freed), as a stream's does."""
+    gone = threading.Event()
+    work = asyncio.ensure_future(run_in_threadpool(_complete, job, tok, gone))
+    while not (await asyncio.wait({work}, timeout=0.1))[0]:
+        if await request.is_disconnected():
+            gone.set()
+    return work.result()
+
+
+def _complete(job: _Job, tok: Any, gone: threading.Event | None = None) -> dict[str, Any]:
+    """Run to the end (or until the client is ``gone``) and build the non-streaming
+    response."""
+    steps = job.run()
+    try:
+        for _ in steps:
+            if gone is not None and gone.is_set():
+                break
+    finally:
+        steps.close()  # type: ignore[attr-defined]
     ids = [s.token_id for s in job.steps]
     choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason}
     if job.chat:
@@ -266,54 +279,11 @@ def _stream(job: _Job, tok: Any) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, status), status_code=status)
-
-
-def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        return _error(
-            400,
-            f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
-            "invalid_request_error",
-            loc,
-        )
-
-    @app.exception_handler(ConfigError)
-    async def _config(_: Request, exc: ConfigError) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error", exc.context.get("field"))
-
-    @app.exception_handler(_UnknownModel)
-    async def _model(_: Request, exc: _UnknownModel) -> JSONResponse:
-        return _error(404, exc.message, "not_found_error", "model")
-
-    @app.exception_handler(NotReadyError)
-    async def _not_ready(_: Request, exc: NotReadyError) -> JSONResponse:
-        return _error(503, str(exc), "not_ready")
-
-    @app.exception_handler(RollpatchError)
-    async def _engine(_: Request, exc: RollpatchError) -> JSONResponse:
-        return _error(500, str(exc), "engine_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error in the reference engine")  # a bug: keep the trace
-        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
-
-
 def create_app(runtime: ReferenceRuntime) -> FastAPI:
-    """The FastAPI app serving ``runtime``. Handlers are sync: FastAPI runs them in threads."""
+    """The FastAPI app serving ``runtime``. Generation runs in worker threads (FastAPI runs
+    the sync handlers there; the generation routes hand it to one themselves)."""
     app = FastAPI(title="rollpatch reference engine")
-    _install_errors(app)
+    install_errors(app)
     tok = runtime.tokenizer
 
     @app.get("/health")
@@ -336,18 +306,20 @@ def create_app(runtime: ReferenceRuntime) -> FastAPI:
         }
 
     @app.post("/v1/completions", response_model=None)
-    def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
-        job = _start(runtime, req)
+    async def completions(
+        req: CompletionRequest, request: Request
+    ) -> dict[str, Any] | StreamingResponse:
+        job = await run_in_threadpool(_start, runtime, req)
         if req.stream:
             return StreamingResponse(_body(_stream(job, tok)), media_type="text/event-stream")
-        return _complete(job, tok)
+        return await _answered(request, job, tok)
 
     @app.post("/v1/chat/completions", response_model=None)
-    def chat(req: ChatRequest) -> dict[str, Any] | StreamingResponse:
-        job = _start(runtime, req)
+    async def chat(req: ChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+        job = await run_in_threadpool(_start, runtime, req)
         if req.stream:
             return StreamingResponse(_body(_stream(job, tok)), media_type="text/event-stream")
-        return _complete(job, tok)
+        return await _answered(request, job, tok)
 
     # Admin routes are async and never block a worker thread: requests held at the gate may
     # occupy every thread of the pool, and resume must still get through.

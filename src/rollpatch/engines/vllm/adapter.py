@@ -132,10 +132,22 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         return self.held(fresh=True)[1]
 
     def adopt(self, version: int, digest: str) -> None:
-        """Take over a server that booted from a checkpoint: verified against ``digest``."""
-        _, root = self.held(fresh=True)
-        require_adoptable(self.name, digest, root)
-        self._set(version, root)
+        """Take over a server that booted from a checkpoint: verified against ``digest``, and
+        refused where what the kernels serve may differ from those words: an audit found
+        such words (``tainted``), or the CPU-packed experts differ from their plain words
+        (re-packed and compared: O(experts), once). A keyframe load re-packs every layer."""
+        r = self._call("digest", "1")
+        require_adoptable(self.name, digest, r["root"])
+        bad = [str(r["tainted"])] if r.get("tainted") else self._call("packed", "1")["mismatched"]
+        if bad:
+            raise EngineError(
+                "the engine serves other words than it holds (an audit found them, or its "
+                "CPU-packed experts differ from their plain words): not adoptable",
+                engine=self.name,
+                tensors=", ".join(bad[:3]),
+                hint="boot it from a keyframe (its load re-packs every layer)",
+            )
+        self._set(version, r["root"])
 
     # -- commits -----------------------------------------------------------------------------
 

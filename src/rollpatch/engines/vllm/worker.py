@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 
 from ...errors import EngineError
-from .experts_cpu import PackedAudit, audit_packed, check_packed, flip_packed, keep_plain_experts
+from .experts_cpu import (
+    PackedAudit,
+    audit_packed,
+    check_packed,
+    flip_packed,
+    is_packed_experts,
+    keep_plain_experts,
+)
 from .ops import OPS, check_owner, require_fault_injection, run_op_on
 from .params import TorchParams
 from .spin import install as _poll_instead_of_spin
@@ -306,14 +313,17 @@ class WorkerExtension:
         """Write one checkpoint tensor's words to ``path`` (safetensors; rank 0 writes)."""
         return run_op(self.get_model(), "export", name, path, owner=owner)  # type: ignore[attr-defined]
 
-    def rollpatch_packed(self, owner: str = "") -> dict[str, Any]:
+    def rollpatch_packed(self, none_ok: str = "0", owner: str = "") -> dict[str, Any]:
         """Re-pack every CPU-packed expert layer's plain words with vLLM's own prepack (whole
-        and per expert) and compare with the live packed parameters (tests and drills), once
-        the plain words written after the last pause are in place."""
+        and per expert) and compare with the live packed parameters (an adoption, tests and
+        drills), once the plain words written after the last pause are in place. A model with
+        no such layer is an error, unless ``none_ok="1"`` (then nothing mismatched)."""
 
         def check(model: Any) -> dict[str, Any]:
             check_owner(weights_of(model), owner)
             weights_of(model).settler.wait()
+            if none_ok == "1" and not any(is_packed_experts(m) for m in model.modules()):
+                return {"layers": 0, "experts": 0, "mismatched": [], "relaid": 0}
             return check_packed(model)
 
         return run_op_on(self.get_model(), check)  # type: ignore[attr-defined]

@@ -104,3 +104,35 @@ def test_the_token_reaches_the_adapters_and_only_remote_engines_take_one(engine_
             engine.close()
     with pytest.raises(ConfigError, match="--engine-token-file is for --engine vllm or sglang"):
         make_engine("reference", model="m", engine_token=TOKEN)
+
+
+def test_an_engine_that_refuses_the_token_is_said_at_start_and_by_ready(
+    engine_url: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's --api-key covers its OpenAI routes only: with a wrong or missing token
+    the sidecar's weight calls and health probe worked, /ready said 200, and every request
+    it proxied got 401 (an audit's MEDIUM finding, session 39). Now the CLI refuses to start
+    (exit 2, one line naming the flag) and /ready's engine probe (``/v1/models``) says why."""
+    from rollpatch.cli import main
+    from rollpatch.sidecar.app import _probe_engine
+
+    board = f"file://{tmp_path / 'board'}"
+    (tmp_path / "board").mkdir()
+    wrong = tmp_path / "wrong.token"
+    wrong.write_text("nope\n")
+    base = ["sidecar", "--board", board, "--run", "r", "--engine", "vllm"]
+    for token in ([], ["--engine-token-file", str(wrong)]):
+        assert main([*base, "--engine-url", engine_url, "--port", "0", *token]) == 2
+        err = capsys.readouterr().err
+        assert "the engine refuses the sidecar's requests (HTTP 401 on /v1/models)" in err, err
+        assert "--engine-token-file" in err and "Traceback" not in err
+
+    async def probe(token: str) -> str | None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=engine_url, headers=headers) as client:
+            return await _probe_engine(client, 5.0)
+
+    assert "HTTP 401 on /v1/models" in (asyncio.run(probe("nope")) or "")
+    assert asyncio.run(probe(TOKEN)) is None

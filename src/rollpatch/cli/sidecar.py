@@ -155,6 +155,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         follower=FollowerConfig(**config_kwargs(args, FollowerConfig)),
     )
     options = serve_options(args)
+    engine_token = read_token(args.engine_token_file) if args.engine_token_file else None
     engine, url = make_engine(
         args.engine,
         model=args.model,
@@ -163,8 +164,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         writes=args.writes,
         kv_on_commit=args.kv_on_commit,
         staging=args.staging,
-        engine_token=read_token(args.engine_token_file) if args.engine_token_file else None,
+        engine_token=engine_token,
     )
+    _check_engine_token(url, engine_token)
     with ShutdownSignals() as signals:  # caught while it starts, too
         running = start_sidecar(
             board,
@@ -188,3 +190,21 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         finally:  # bounded: a hung engine's calls must not keep the sidecar alive
             signals.finish("sidecar", running.stop, max(args.shutdown_grace, 5.0))
     return 0
+
+
+def _check_engine_token(url: str, token: str | None) -> None:
+    """Refuse to start when the engine refuses the sidecar's token (or its absence) on its
+    OpenAI routes; an engine not answering yet is waited for as before."""
+    import httpx
+
+    from ..errors import ConfigError
+    from ..sidecar.app import engine_refusal
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        status = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0).status_code
+    except httpx.HTTPError:
+        return
+    why = engine_refusal(status)
+    if why is not None:
+        raise ConfigError(why, engine_url=url, hint="pass --engine-token-file FILE holding the key")

@@ -27,7 +27,7 @@ from ..serving.upstream import Upstream
 from .proxy import PROXIED, ProxyFront, rollpatch_refusal
 from .service import Sidecar
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "engine_refusal"]
 
 log = logging.getLogger("rollpatch.sidecar")
 
@@ -117,6 +117,17 @@ def create_app(sc: Sidecar) -> Any:
     return front
 
 
+def engine_refusal(status: int) -> str | None:
+    """Why an engine that answers ``status`` to the sidecar's ``GET /v1/models`` cannot be
+    served through it (None: it can)."""
+    if status not in (401, 403):
+        return None
+    return (
+        f"the engine refuses the sidecar's requests (HTTP {status} on /v1/models): a wrong or "
+        "missing --engine-token-file (the engine's --api-key)"
+    )
+
+
 def _check_token(sc: Sidecar, request: Request) -> JSONResponse | None:
     if sc.config.admin_token is None:
         return None
@@ -127,12 +138,15 @@ def _check_token(sc: Sidecar, request: Request) -> JSONResponse | None:
 
 
 async def _probe_engine(client: httpx.AsyncClient, timeout: float) -> str | None:
-    """None when the engine answers HTTP at all (any status), else why not."""
+    """None when the engine answers HTTP (any status but a refusal of the sidecar's engine
+    token), else why not. ``/v1/models``: an engine's ``--api-key`` covers its OpenAI
+    routes only, so its health and weight routes work with a wrong token while every
+    request the sidecar proxies gets 401 (found by an audit, session 39)."""
     try:
-        await client.get("/health", timeout=timeout)
+        r = await client.get("/v1/models", timeout=timeout)
     except httpx.HTTPError as e:
         return f"engine unreachable: {type(e).__name__}: {e}"
-    return None
+    return engine_refusal(r.status_code)
 
 
 def _delegate(front: ProxyFront) -> Any:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rollpatch.board import Board
+from rollpatch.board import Board, pointer_key
 from rollpatch.engines import ViewEngine
 from rollpatch.errors import (
     ManifestError,
@@ -342,3 +343,34 @@ def test_with_nothing_held_an_unreachable_newest_version_falls_back_to_an_older_
             assert time.monotonic() < deadline, "the repaired objects were never re-checked"
             time.sleep(0.2)
     assert_holds(engine, published.views[LAST])
+
+
+def test_a_file_board_that_goes_away_is_an_outage_not_an_empty_board(
+    published: Published, tmp_path: Path
+) -> None:
+    """A file:// board moved away (an unmounted NFS path): its reads answered "no such
+    object", so the follower read "nothing published", forgot LATEST and counted no failure;
+    a sidecar then served ``max_lag`` unchecked (an audit's MEDIUM finding, session 39). Now
+    the missing store directory is a transient store error: the sync fails, LATEST stays the
+    last one read (its age grows: max_lag is refused past --latest-max-age), and the follower
+    moves on once the board is back."""
+    from rollpatch.errors import TransientStoreError
+    from rollpatch.store import FileStore
+
+    root = tmp_path / "board"
+    store = FileStore(root, fsync=False)
+    for k in published.store.list(""):
+        store.put(k, published.store.get(k))
+    engine = engine_at(published, None)
+    f = Follower(Board(store), RUN, engine, FAST)
+    assert f.sync() == LAST
+    root.rename(tmp_path / "away")
+    with pytest.raises(TransientStoreError, match="store directory is gone"):
+        store.get(pointer_key(RUN))
+    with pytest.raises(TransientStoreError):
+        f.sync()
+    st = f.status()
+    assert (st.latest, st.version, st.error_type) == (LAST, LAST, "TransientStoreError")
+    assert st.failures >= 1
+    (tmp_path / "away").rename(root)
+    assert f.sync() == LAST and f.status().last_error is None

@@ -31,7 +31,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import AlreadyExistsError, ConflictError, NotFoundError, StoreError
+from ..errors import (
+    AlreadyExistsError,
+    ConflictError,
+    NotFoundError,
+    StoreError,
+    TransientStoreError,
+)
 from .base import RESERVED_SEGMENT_PREFIX, ObjectInfo, Store, check_bounds, validate_key
 from .notify import KeyWatch
 from .posix import (
@@ -84,8 +90,18 @@ class FileStore(Store):
         return self.root.joinpath(*key.split("/"))
 
     def _open_dir(self, parts: list[str]) -> int:
-        """A descriptor of the folder ``root/parts...``, no link followed below the root."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        """A descriptor of the folder ``root/parts...``, no link followed below the root. The
+        root itself missing is an outage, not an empty board: it existed when the store was
+        opened (an unmounted or moved board read as "nothing published", so an island
+        forgot LATEST and served ``max_lag`` unchecked: found by an audit, session 39)."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            if e.errno not in ABSENT:
+                raise
+            raise TransientStoreError(
+                "the store directory is gone (unmounted, moved or deleted?)", root=str(self.root)
+            ) from None
         try:
             for segment in parts:
                 nxt = os.open(segment, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)

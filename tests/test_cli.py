@@ -438,3 +438,49 @@ def test_resign_with_a_key_a_rotation_retired_changes_nothing(tmp_path: Path, ca
     assert "root of trust (version 2) does not list these keys" in err, err
     assert board.store.get(pointer_key("r1")) == before
     assert main(["resign", "--board", world.board, "--run", "r1", *new]) == 0
+
+
+def test_sigterm_leaves_no_half_written_file(tmp_path: Path) -> None:
+    """`timeout`, systemd and Kubernetes stop a command with SIGTERM: it had no handler, so a
+    pull (cast, apply) killed mid-write left its hidden multi-hundred-MB temp file behind (an
+    audit's MEDIUM finding, session 39). Now SIGTERM unwinds the command: the temp file is
+    removed, OUT is not written, exit 143. (The write is slowed down here so that the signal
+    lands in it.)"""
+    import signal
+    import time
+
+    src = tmp_path / "m.safetensors"
+    save_masters(src, masters(1))
+    out = tmp_path / "out.safetensors"
+    slow_cast = (
+        "import sys, time\n"
+        "import rollpatch.io.safetensors as st\n"
+        "chunks = st.view_chunks\n"
+        "def slow(view, metadata=None):\n"
+        "    size, pieces = chunks(view, metadata)\n"
+        "    def gen():\n"
+        "        for p in pieces():\n"
+        "            yield p\n"
+        "            time.sleep(60)\n"
+        "    return size, gen\n"
+        "st.view_chunks = slow\n"
+        "from rollpatch.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", slow_cast, "cast", str(src), "--format", "bf16", "-o", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".out.safetensors.tmp-*")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "rollpatch: terminated" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".out.safetensors.tmp-*"))

@@ -205,6 +205,8 @@ class FakeVllm:
         self.calls.append((method, body["args"]))
         if method == "rollpatch_digest":
             return {"results": [{"ok": True, "digests": {}, "root": self.root}]}
+        if method == "rollpatch_packed":  # an adoption's check: no CPU-packed experts here
+            return {"results": [{"ok": True, "layers": 0, "mismatched": []}]}
         if method == "rollpatch_result":
             if self.next_root is not None:
                 self.root = self.next_root

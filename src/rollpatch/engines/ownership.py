@@ -27,8 +27,9 @@ from ..errors import EngineError
 
 __all__ = ["LEASE_S", "Ownership"]
 
-#: Seconds an adapter keeps the engine after its last call.
-LEASE_S = 15.0
+#: Seconds an adapter keeps the engine after its last call: several of its audit calls
+#: (every second by default), and what a sidecar restarted after ``kill -9`` waits out.
+LEASE_S = 5.0
 _clock = time.monotonic  # the lease's clock (tests set their own here)
 
 

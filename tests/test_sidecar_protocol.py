@@ -401,3 +401,23 @@ def test_a_refused_body_names_the_bound_it_broke(body: dict[str, Any], said: str
     with pytest.raises(ConfigError) as err:
         validate_body("/v1/completions", body)
     assert said in err.value.message and "constrained" not in err.value.message, err.value
+
+
+def test_constraint_fields_are_typed_not_coerced() -> None:
+    """``"min_version": "1"``, ``1.0`` and ``true`` in the body, and headers such as ``1_0``
+    (Python's ``int()`` reads 10), ``+0`` or `` 1`` were taken (an audit's LOW finding,
+    session 39): a version is a JSON integer in the body and plain digits in a header."""
+    for bad in ("1", 1.0, True, [1]):
+        with pytest.raises(ConfigError, match="rollpatch.min_version must be a whole number"):
+            parse_constraint({"rollpatch": {"min_version": bad}}, {})
+    for bad in ("1_0", "+0", " 1", "1 ", "0x1", "1e3", ""):
+        with pytest.raises(ConfigError, match="X-Rollpatch-Min-Version must be a whole number"):
+            parse_constraint({}, {"x-rollpatch-min-version": bad})
+    for bad in ("1_0", "+1", "1e3", "nan", ".5"):
+        with pytest.raises(ConfigError, match="X-Rollpatch-Wait-S must be a number of seconds"):
+            parse_constraint({}, {"x-rollpatch-wait-s": bad})
+    c = parse_constraint(
+        {"rollpatch": {"min_version": 3, "wait_s": 1.5}}, {"x-rollpatch-max-lag": "2"}
+    )
+    assert (c.min_version, c.max_lag, c.wait_s) == (3, 2, 1.5)
+    assert parse_constraint({}, {"x-rollpatch-wait-s": "0.25"}).wait_s == 0.25

@@ -24,6 +24,7 @@ start is in its headers before its last chunk: there only the end is narrowed.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -62,21 +63,27 @@ _HEADERS = {
     "wait_s": "x-rollpatch-wait-s",
 }
 _HEADER_NAMES = {h: "-".join(p.capitalize() for p in h.split("-")) for h in _HEADERS.values()}
+_DIGITS = re.compile(r"[0-9]{1,40}")  # a header's version: plain decimal digits
+_SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?")  # a header's wait_s
 
 
 def _number(field: str, value: Any, where: str | None = None) -> int | float | None:
     """``value`` of constraint ``field``; ``where`` names its source in errors (default: the
-    body's ``rollpatch.FIELD``; a header's name when it came from one)."""
+    body's ``rollpatch.FIELD``; a header's name when it came from one). Typed, not coerced:
+    in the body a version is a JSON integer (``"1"``, ``1.0`` and ``true`` are refused); a
+    header holds plain decimal digits (``1_0``, ``+0``, `` 1`` are refused, where ``int()``
+    would read 10, 0 and 1: found by an audit, session 39)."""
     if value is None:
         return None
     where = where or f"rollpatch.{field}"
     what = "a number of seconds" if field == "wait_s" else "a whole number"
     if isinstance(value, str):
-        try:
-            value = float(value) if field == "wait_s" else int(value)
-        except ValueError:
-            raise ConfigError(f"{where} must be {what}", value=value[:40]) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        pattern = _SECONDS if field == "wait_s" else _DIGITS
+        if where.startswith("rollpatch.") or not pattern.fullmatch(value):
+            raise ConfigError(f"{where} must be {what}", value=value[:40])
+        value = float(value) if field == "wait_s" else int(value)
+    floats_ok = field == "wait_s"
+    if isinstance(value, bool) or not isinstance(value, (int, float) if floats_ok else int):
         raise ConfigError(f"{where} must be {what}", value=value)
     # the same bounds in a header as in the body (serving/schema.py)
     hi = _MAX_WAIT_S if field == "wait_s" else _MAX_VERSION

@@ -61,11 +61,13 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/islands")
     async def islands() -> dict[str, Any]:
-        return {"latest": gw.latest(), "islands": gw.describe()}
+        return {"latest": gw.latest(), "run": gw.fleet_run(), "islands": gw.describe()}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(gw.metrics.render(gw.views()), media_type=METRICS_TYPE)
+        return PlainTextResponse(
+            gw.metrics.render(gw.views(), gw.excluded()), media_type=METRICS_TYPE
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -100,7 +102,15 @@ def _make_route(gw: Gateway, client: httpx.AsyncClient, path: str) -> Any:
         }
         headers["content-type"] = "application/json"
         return await forward(
-            gw, client, "POST", path, raw, headers, constraint, stream=bool(typed.stream)
+            gw,
+            client,
+            "POST",
+            path,
+            raw,
+            headers,
+            constraint,
+            stream=bool(typed.stream),
+            gone=request.is_disconnected,
         )
 
     return route

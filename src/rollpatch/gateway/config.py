@@ -54,7 +54,8 @@ class GatewayConfig:
         lo=0.0,
         lo_open=True,
         hi=60.0,
-        help="timeout of one /version poll; an island that does not answer is unreachable",
+        help="deadline of one whole /version poll (connection, head and body); an island "
+        "that does not answer within it is unreachable",
     )
     #: Reads are unbounded: the sidecar may legitimately wait for catch-up, and generations
     #: may be long.
@@ -74,6 +75,31 @@ class GatewayConfig:
         hi=10.0,
         help="pause before re-sending to the same island (only when it is the only one)",
     )
+    max_answer_bytes: int = setting(
+        64 << 20,
+        lo=1024,
+        hi=1 << 34,
+        help="largest non-streamed answer read from an island (larger: 502, tried elsewhere)",
+    )
+    #: An SSE line holds one event; vLLM's routed_experts of a long generation come in one.
+    max_event_bytes: int = setting(
+        16 << 20,
+        lo=1024,
+        hi=1 << 32,
+        help="longest line of an island's stream (longer: the stream ends with an error event)",
+    )
+    bad_answer_penalty_s: float = setting(
+        30.0,
+        lo=0.0,
+        hi=3600.0,
+        help="seconds an island that gave a bad answer (labels outside the constraint, none, "
+        "not JSON, too large) is tried only when no other island can be",
+    )
+    run: str | None = setting(
+        None,
+        help="the run every island must follow (default: the run most islands follow); "
+        "islands of another run get no requests",
+    )
     body: BodyLimits = setting(
         factory=BodyLimits,
         help="bounds on request bodies: size (413), JSON nesting depth (400), receive time (408)",
@@ -85,6 +111,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.run is not None and (not self.run.strip() or not self.run.isprintable()):
+            raise ConfigError("GatewayConfig.run must be a run name", field="run", value=self.run)
         if self.island_token is not None and (
             not self.island_token.isascii()
             or not self.island_token.isprintable()

@@ -7,25 +7,28 @@ The web app (``app``) forwards requests with it.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .. import jsonsafe
 from ..errors import ConfigError
+from ..logs import event
 from ..serving.admission import Slot, wait_drained
 from ..types import Constraint
 from .config import GatewayConfig, IslandSpec, parse_island
 from .metrics import GatewayMetrics
+from .poll import poll_loop
 from .routing import RETRY_AFTER_CONFLICT, RETRY_AFTER_FAILURE, IslandView, Tier, fleet_latest, rank
 
 __all__ = ["Gateway"]
 
-#: A ``/version`` answer is a few hundred bytes.
-_MAX_VERSION_BYTES = 1 << 20
+log = logging.getLogger("rollpatch.gateway")
 
 
 @dataclass
@@ -39,6 +42,10 @@ class _Record:
     polled_at: float | None = None
     #: When it was last found unreachable (time.monotonic(); None since it answered).
     failed_at: float | None = None
+    #: Until when it is tried last, after a bad answer (time.monotonic()).
+    penalized_until: float = 0.0
+    #: Why (the bad answer), while penalized.
+    penalty: str | None = None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -74,6 +81,10 @@ class Gateway:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rotation = itertools.count()
+        #: Runs in the order islands first reported them (ties of the fleet's run).
+        self._runs_seen: dict[str, None] = {}
+        self._fleet_run: str | None = self.config.run
+        self._excluded: frozenset[str] = frozenset()
         #: Shutting down (:meth:`drain`): new requests are refused, in-flight ones finish.
         self.draining = False
 
@@ -107,29 +118,14 @@ class Gateway:
         self._threads.clear()
 
     def _poll_loop(self, spec: IslandSpec, first: threading.Event) -> None:
-        import httpx
+        asyncio.run(poll_loop(self, spec, first))
 
-        with httpx.Client(timeout=self.config.poll_timeout_s) as client:
-            while not self._stop.is_set():
-                try:
-                    r = client.get(f"{spec.url}/version")
-                    r.raise_for_status()
-                    # islands run on hosts we do not control: bounded, strict JSON only
-                    body = jsonsafe.loads(
-                        r.content,
-                        what="/version answer",
-                        max_bytes=_MAX_VERSION_BYTES,
-                        max_depth=8,
-                        island=spec.name,
-                    )
-                    if not isinstance(body, dict):
-                        raise TypeError("/version did not answer a JSON object")
-                except (httpx.HTTPError, ValueError, TypeError) as e:
-                    self.observe_failure(spec.name, f"poll: {e}")
-                else:
-                    self.observe_version(spec.name, body)
-                first.set()
-                self._stop.wait(self.config.poll_s)
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wait_stop(self, seconds: float) -> bool:
+        """Sleep ``seconds``, or until :meth:`stop`; True when stopping."""
+        return self._stop.wait(seconds)
 
     # knowledge ---------------------------------------------------------------------------
 
@@ -161,6 +157,11 @@ class Gateway:
             )
             rec.polled_at = time.time()
             rec.failed_at = None
+            if run is not None:
+                self._runs_seen.setdefault(run, None)
+            self._check_runs()
+        if v.reachable is not True:
+            event(log, "island_up", island=name, run=run, served=served, was=v.state)
 
     def observe_response(
         self, name: str, status: int, *, served: int | None = None, latest: int | None = None
@@ -183,12 +184,70 @@ class Gateway:
         """The island could not be reached (poll or request)."""
         with self._lock:
             rec = self._records[name]
+            was = rec.view.reachable
             # what it said before is not what it is now: no state, no lag, no served version
             # until it answers (a restarted island may serve less, or another run)
             rec.view = replace(rec.view, served=None, reachable=False, state="UNREACHABLE")
             rec.lag = None
             rec.last_error = error
             rec.failed_at = time.monotonic()
+        if was is not False:  # a change of state: once, not on every failed poll
+            event(log, "island_unreachable", logging.WARNING, island=name, error=error)
+
+    def penalize(self, name: str, error: str) -> None:
+        """The island gave an answer the gateway refused (:class:`~.answers.BadAnswer`): it is
+        tried only when no other island can be, for ``bad_answer_penalty_s``."""
+        with self._lock:
+            rec = self._records[name]
+            rec.penalty = error
+            rec.penalized_until = time.monotonic() + self.config.bad_answer_penalty_s
+            rec.view = replace(rec.view, penalized=True)
+
+    def _check_runs(self) -> None:
+        """Settle the fleet's run (pinned by ``config.run``; else the one most islands report,
+        then the one most serve a version of — a loading island of a run with nothing
+        published does not outvote a serving one —, ties to the first reported) and which islands
+        follow another (they get no requests). An island that goes down keeps its run here, so
+        the fleet's run does not flip while its islands are down. Called with the lock held."""
+        runs = {n: r.run for n, r in self._records.items() if r.run is not None}
+        # only runs some island still reports: a hostile one cannot grow this
+        self._runs_seen = {r: None for r in self._runs_seen if r in runs.values()}
+        fleet = self.config.run
+        if fleet is None and runs:
+            counts = Counter(runs.values())
+            serving = Counter(
+                r.run
+                for r in self._records.values()
+                if r.run is not None and r.view.served is not None
+            )
+            order = list(self._runs_seen)
+            fleet = min(counts, key=lambda r: (-counts[r], -serving[r], order.index(r)))
+        excluded = frozenset(n for n, r in runs.items() if r != fleet)
+        if fleet != self._fleet_run and self._fleet_run is not None:
+            event(log, "fleet_run", logging.WARNING, run=fleet, was=self._fleet_run)
+        for n in sorted(excluded - self._excluded):
+            event(
+                log,
+                "island_other_run",
+                logging.WARNING,
+                island=n,
+                run=runs[n],
+                fleet_run=fleet,
+                action="no requests are routed to it",
+            )
+        for n in sorted(self._excluded - excluded):
+            event(log, "island_run_ok", island=n, run=runs.get(n), fleet_run=fleet)
+        self._fleet_run, self._excluded = fleet, excluded
+
+    def fleet_run(self) -> str | None:
+        """The run the fleet follows (pinned, or most islands'); None before any report."""
+        with self._lock:
+            return self._fleet_run
+
+    def excluded(self) -> frozenset[str]:
+        """Islands that follow another run than the fleet's: never routed to."""
+        with self._lock:
+            return self._excluded
 
     def failed_since(self, name: str, t: float) -> bool:
         """Whether ``name`` was found unreachable (a poll or a request failed) after ``t``
@@ -228,19 +287,29 @@ class Gateway:
         return wait_drained(self.inflight, grace_s, stop)
 
     def views(self) -> list[IslandView]:
-        """Snapshots of every island, in configuration order."""
+        """Snapshots of every island, in configuration order (a penalty that ran out is
+        lifted here)."""
+        now = time.monotonic()
         with self._lock:
+            for rec in self._records.values():
+                if rec.view.penalized and now >= rec.penalized_until:
+                    rec.view = replace(rec.view, penalized=False)
             return [self._records[s.name].view for s in self.specs]
+
+    def routable(self) -> list[IslandView]:
+        """:meth:`views` of the islands that follow the fleet's run."""
+        excluded = self.excluded()
+        return [v for v in self.views() if v.name not in excluded]
 
     def latest(self) -> int | None:
         """The fleet's LATEST (:func:`~rollpatch.gateway.routing.fleet_latest`: no single island
-        can inflate it)."""
-        return fleet_latest(self.views())
+        can inflate it; islands of another run do not count)."""
+        return fleet_latest(self.routable())
 
     def describe(self) -> list[dict[str, Any]]:
         """What ``/islands`` reports: each island's last known ``/version`` and our view of it."""
+        newest = self.latest()
         with self._lock:
-            newest = fleet_latest([r.view for r in self._records.values()])
             out = []
             for s in self.specs:
                 rec = self._records[s.name]
@@ -264,6 +333,12 @@ class Gateway:
                         "reachable": v.reachable,
                         "inflight": v.inflight,
                         "run": rec.run,
+                        "excluded": (
+                            f"follows run {rec.run!r}, the fleet follows {self._fleet_run!r}"
+                            if s.name in self._excluded
+                            else None
+                        ),
+                        "penalized": rec.penalty if v.penalized else None,
                         "last_error": rec.last_error,
                         "polled_age_s": age,
                     }
@@ -285,7 +360,7 @@ class Gateway:
         connect). An island is never tried twice for one request, unless it is the only one
         and it failed (503, 502, unreachable) rather than refused.
         """
-        views = self.views()
+        views = self.routable()
         latest = fleet_latest(views)
         allowed: frozenset[Tier] | None = None
         if last_status == 409:

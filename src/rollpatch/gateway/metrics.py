@@ -3,12 +3,18 @@ sidecar in :mod:`rollpatch.serving.metrics`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..serving.metrics import OUTCOMES, Registry, VersionGauges, outcome
 from .routing import IslandView, fleet_latest
 
-__all__ = ["OUTCOMES", "GatewayMetrics", "outcome"]
+__all__ = ["GATEWAY_OUTCOMES", "OUTCOMES", "GatewayMetrics", "outcome"]
+
+#: Attempts the gateway itself ends, beyond the sidecar's outcomes: ``bad_label`` (a 200
+#: whose version labels break the constraint, are missing or unreadable, or whose body is not
+#: JSON), ``too_large`` (over ``max_answer_bytes`` / ``max_event_bytes``), ``client_gone``
+#: (the caller hung up before the answer's head came).
+GATEWAY_OUTCOMES = ("bad_label", "too_large", "client_gone")
 
 
 class GatewayMetrics:
@@ -50,10 +56,19 @@ class GatewayMetrics:
         self.inflight = r.gauge(
             "rollpatch_gateway_island_inflight", "requests in flight there", ["island"]
         )
+        self.other_run = r.gauge(
+            "rollpatch_gateway_island_other_run",
+            "1 when the island follows another run than the fleet's (it gets no requests)",
+            ["island"],
+        )
 
     def attempt(self, island: str, status: int | None) -> None:
         """Count one attempt (``status`` None: the island could not be reached)."""
         self.attempts.labels(island=island, outcome=outcome(status)).inc()
+
+    def refused(self, island: str, kind: str) -> None:
+        """Count one attempt the gateway ended (``kind``: one of :data:`GATEWAY_OUTCOMES`)."""
+        self.attempts.labels(island=island, outcome=kind).inc()
 
     def answer(self, status: int, seconds: float) -> None:
         self.answers.labels(code=str(status)).inc()
@@ -61,12 +76,14 @@ class GatewayMetrics:
         if status == 409:
             self.conflicts.inc()
 
-    def render(self, islands: Sequence[IslandView]) -> bytes:
-        """Prometheus text, island gauges refreshed from ``islands``."""
-        newest = fleet_latest(islands)
+    def render(self, islands: Sequence[IslandView], other_run: Collection[str] = ()) -> bytes:
+        """Prometheus text, island gauges refreshed from ``islands`` (``other_run``: those
+        that follow another run, left out of the fleet's LATEST)."""
+        newest = fleet_latest([i for i in islands if i.name not in other_run])
         for i in islands:
             lag = None if i.served is None or newest is None else max(newest - i.served, 0)
             self.versions.set(i.served, i.latest, lag, unknown=-1, island=i.name)
             self.reachable.labels(island=i.name).set(1 if i.reachable else 0)
             self.inflight.labels(island=i.name).set(i.inflight)
+            self.other_run.labels(island=i.name).set(1 if i.name in other_run else 0)
         return self._reg.render()

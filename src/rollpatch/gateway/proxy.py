@@ -5,7 +5,8 @@ A request goes to the island :meth:`Gateway.choose` names. ``409`` (cannot satis
 island, up to ``max_attempts``; anything else is the answer. When no island can, the last
 sidecar refusal is returned as it came (or a gateway ``503`` when none could be reached).
 Successful answers say which island served them: header ``X-Rollpatch-Island`` and body field
-``rollpatch.island`` (the final chunk of a stream); the sidecar's versions pass through.
+``rollpatch.island`` (the final chunk of a stream); the sidecar's versions pass through, once
+checked against the constraint (:mod:`.answers`: a bad answer is a ``502``, tried elsewhere).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -22,13 +22,23 @@ from fastapi.responses import Response
 
 from .. import jsonsafe
 from ..errors import ConfigError
-from ..logs import event
+from ..logs import Throttle, event
 from ..protocol import HEADER_END, HEADER_START
 from ..serving.admission import Slot
-from ..serving.responses import error_response
+from ..serving.responses import error_body, error_response
 from ..serving.streaming import OwnedStream, relay_sse, sse_data
 from ..types import Constraint
+from .answers import (
+    MAX_ANSWER_DEPTH,
+    BadAnswer,
+    StreamLabels,
+    check_answer,
+    read_bounded,
+    stream_lines,
+)
 from .core import Gateway
+from .routing import IslandView
+from .watch import Abandoned, ClientGone, Gone, watched, watched_lines
 
 __all__ = ["HEADER_ISLAND", "RETRYABLE", "add_island", "forward"]
 
@@ -36,8 +46,8 @@ HEADER_ISLAND = "X-Rollpatch-Island"
 #: Sidecar statuses that another island may answer better.
 RETRYABLE = frozenset({409, 502, 503})
 log = logging.getLogger("rollpatch.gateway")
-#: Completion answers nest a few levels (choices → logprobs → top tokens); far deeper is hostile.
-_MAX_ANSWER_DEPTH = 64
+#: Per-request events (a bad answer, a broken stream): one line per kind every 10 s.
+_throttle = Throttle(log)
 _KEPT_HEADERS = (
     "content-type",
     "retry-after",
@@ -62,7 +72,7 @@ def add_island(raw: bytes, island: str) -> bytes:
     """Add ``rollpatch.island`` to a JSON object body (other bodies pass unchanged)."""
     # engines legitimately answer -Infinity logprobs, so not jsonsafe's strict parse; but the
     # depth is bounded first, so a hostile island cannot make the gateway recurse
-    if jsonsafe.nesting_depth(raw) > _MAX_ANSWER_DEPTH:
+    if jsonsafe.nesting_depth(raw) > MAX_ANSWER_DEPTH:
         return raw
     try:
         body = json.loads(raw)
@@ -97,7 +107,7 @@ def _learn(gw: Gateway, island: str, r: httpx.Response, content: bytes) -> None:
     if r.status_code in (409, 503):
         try:
             body = jsonsafe.loads(
-                content, what="island refusal", max_bytes=1 << 20, max_depth=_MAX_ANSWER_DEPTH
+                content, what="island refusal", max_bytes=1 << 20, max_depth=MAX_ANSWER_DEPTH
             )
         except ConfigError:
             body = None
@@ -119,8 +129,13 @@ async def forward(
     *,
     stream: bool = False,
     annotate: bool = True,
+    gone: Gone | None = None,
 ) -> Response:
-    """Send a request to the best island, retrying elsewhere on refusal or failure."""
+    """Send a request to the best island, retrying elsewhere on refusal or failure.
+
+    ``annotate``: an inference route, whose answers are labelled (checked, and given
+    ``rollpatch.island``); ``gone``: asks whether the caller hung up, while an island is
+    waited for (the request is then given up, and its in-flight count with it)."""
     t0 = time.perf_counter()
     if gw.draining:  # shutting down: the caller goes to another gateway
         refused = error_response(
@@ -144,17 +159,29 @@ async def forward(
             if view.name in tried:  # the only island: give it a moment
                 await asyncio.sleep(gw.config.retry_backoff_s)
         tried.append(view.name)
-        result = await _attempt(
-            gw,
-            client,
-            view.name,
-            method,
-            f"{view.url}{path}",
-            content,
-            headers,
-            stream=stream,
-            annotate=annotate,
-        )
+        fleet = gw.latest()
+        # the island's LATEST only moves forward: an honest one never answers below
+        # latest - max_lag with the lower of what it and the fleet reported (a max_lag check)
+        latest = None if view.latest is None or fleet is None else min(view.latest, fleet)
+        try:
+            result = await _attempt(
+                gw,
+                client,
+                view,
+                method,
+                f"{view.url}{path}",
+                content,
+                headers,
+                c,
+                latest,
+                stream=stream,
+                annotate=annotate,
+                gone=gone,
+            )
+        except ClientGone:
+            gw.metrics.refused(view.name, "client_gone")
+            gw.metrics.answer(499, time.perf_counter() - t0)
+            return Response(status_code=499)  # nobody reads it
         if isinstance(result, Response):
             gw.metrics.answer(result.status_code, time.perf_counter() - t0)
             return result
@@ -186,136 +213,135 @@ def _give_up(gw: Gateway, last: _Refusal | None, tried: list[str]) -> Response:
     )
 
 
+def _bad_answer(gw: Gateway, island: str, e: BadAnswer) -> _Refusal:
+    """An answer the gateway does not pass on: counted, logged, the island penalized, and a
+    ``502`` ready for the caller should no other island answer."""
+    gw.metrics.refused(island, e.kind)
+    gw.penalize(island, f"bad answer ({e.kind}): {e}")
+    _throttle.event(
+        "bad_answer",
+        f"{island} {e.kind}",
+        logging.WARNING,
+        island=island,
+        outcome=e.kind,
+        error=str(e),
+    )
+    message = f"island {island} gave an answer the gateway refused: {e}"
+    body = json.dumps(error_body(502, message, "island_error", reason=e.kind)).encode()
+    headers = {"content-type": "application/json", HEADER_ISLAND: island}
+    return _Refusal(island, 502, body, headers, error=f"{island}: {e}")
+
+
+def _unreachable(gw: Gateway, island: str, e: Exception) -> _Refusal:
+    if isinstance(e, httpx.HTTPError):
+        gw.observe_failure(island, f"{type(e).__name__}: {e}")
+        error = f"{island}: {type(e).__name__}: {e}"
+    else:
+        error = f"{island}: {e}"
+    gw.metrics.attempt(island, None)
+    return _Refusal(island, 0, error=error)
+
+
 async def _attempt(
     gw: Gateway,
     client: httpx.AsyncClient,
-    island: str,
+    view: IslandView,
     method: str,
     url: str,
     content: bytes | None,
     headers: dict[str, str],
+    c: Constraint,
+    latest: int | None,
     *,
     stream: bool,
     annotate: bool,
+    gone: Gone | None,
 ) -> Response | _Refusal:
+    island = view.name
     with gw.admit(island) as slot:
         req = client.build_request(method, url, content=content, headers=headers)
         try:
-            r = await _send_watched(gw, client, req, island, stream)
-        except httpx.HTTPError as e:
-            gw.observe_failure(island, f"{type(e).__name__}: {e}")
-            gw.metrics.attempt(island, None)
-            return _Refusal(island, 0, error=f"{island}: {type(e).__name__}: {e}")
-        except _Abandoned as e:
-            gw.metrics.attempt(island, None)
-            return _Refusal(island, 0, error=f"{island}: {e}")
+            r = await watched(gw, island, client.send(req, stream=True), gone)
+        except (httpx.HTTPError, Abandoned) as e:
+            return _unreachable(gw, island, e)
+        kept = False
+        try:
+            if stream and r.status_code == 200:
+                labels = StreamLabels(c, latest) if annotate else None
+                if labels is not None:
+                    labels.head(r.headers)  # before the caller sees a byte: still retryable
+                gw.metrics.attempt(island, 200)
+                kept = True
+                return _stream(gw, island, r, labels, annotate, slot.hand_off())
+            read = read_bounded(r, gw.config.max_answer_bytes, "answer")
+            body = await watched(gw, island, read, gone)
+            if annotate and r.status_code == 200:
+                body = _labelled(check_answer(r.headers, body, c, latest), island)
+        except BadAnswer as e:
+            return _bad_answer(gw, island, e)
+        except (httpx.HTTPError, Abandoned) as e:
+            return _unreachable(gw, island, e)
+        finally:
+            if not kept:
+                await r.aclose()
         gw.metrics.attempt(island, r.status_code)
-        if stream and r.status_code == 200:
-            return _stream(gw, island, r, annotate, slot.hand_off())
-        body = await r.aread()
-        await r.aclose()
         _learn(gw, island, r, body)
         if r.status_code in RETRYABLE:
             return _Refusal(island, r.status_code, body, _kept(r.headers, island))
-        if annotate and r.status_code == 200:
-            body = add_island(body, island)
         return Response(body, status_code=r.status_code, headers=_kept(r.headers, island))
 
 
-class _Abandoned(Exception):
-    """The island stopped answering while a request waited for its answer's head."""
+def _labelled(body: dict[str, object], island: str) -> bytes:
+    """A checked answer (its ``rollpatch`` field a dict) with ``rollpatch.island`` added."""
+    rp = body["rollpatch"]
+    assert isinstance(rp, dict)
+    body["rollpatch"] = {**rp, "island": island}
+    return json.dumps(body).encode()
 
 
-async def _send_watched(
-    gw: Gateway, client: httpx.AsyncClient, req: httpx.Request, island: str, stream: bool
-) -> httpx.Response:
-    """``client.send``, given up (:class:`_Abandoned`; the request is then tried on another
-    island) when the island is found unreachable — its ``/version`` poll failed — after the
-    request was sent and before its answer's head came: a process that accepts connections
-    and never answers (stopped, wedged) would otherwise hold the request for as long as the
-    caller waits. A generation that takes long is not given up while the island answers
-    its polls (a non-streamed answer's head comes only with its whole body)."""
-    sent = time.monotonic()
-    task = asyncio.ensure_future(client.send(req, stream=stream))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=gw.config.poll_s)
-            if done:
-                return task.result()
-            if gw.failed_since(island, sent):
-                raise _Abandoned(
-                    "stopped answering (its /version poll failed) while the request waited "
-                    "for an answer; tried elsewhere"
-                )
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-def _stream(gw: Gateway, island: str, r: httpx.Response, annotate: bool, slot: Slot) -> OwnedStream:
+def _stream(
+    gw: Gateway,
+    island: str,
+    r: httpx.Response,
+    labels: StreamLabels | None,
+    annotate: bool,
+    slot: Slot,
+) -> OwnedStream:
     """Pass a sidecar's SSE stream through; the last data event gets ``rollpatch.island``.
-    The stream owns ``slot`` (the island's in-flight count) and ``r`` until it ends."""
+    The stream owns ``slot`` (the island's in-flight count) and ``r`` until it ends. Lines are
+    bounded (``max_event_bytes``) and labelled events checked (``labels``): a bad one ends the
+    stream with an error event, never ``[DONE]``."""
     _learn(gw, island, r, b"")
 
     def last_event(line: bytes, done: bool) -> bytes:
         return _last_event(line, island, annotate)
 
-    def failed(e: Exception) -> bytes:  # the island went away mid-stream: too late to retry
-        gw.observe_failure(island, f"stream: {type(e).__name__}: {e}")
-        message = f"island {island} failed mid-stream: {e}"
+    def failed(e: Exception) -> bytes:  # too late to retry: part of the answer was sent
+        if isinstance(e, BadAnswer):
+            gw.metrics.refused(island, e.kind)
+            gw.penalize(island, f"bad answer ({e.kind}) mid-stream: {e}")
+            message = f"island {island} gave a stream the gateway refused: {e}"
+        else:  # the island went away mid-stream
+            gw.observe_failure(island, f"stream: {type(e).__name__}: {e}")
+            message = f"island {island} failed mid-stream: {e}"
+        _throttle.event(
+            "stream_failed",
+            f"{island} {type(e).__name__}",
+            logging.WARNING,
+            island=island,
+            error=f"{type(e).__name__}: {e}",
+        )
         return sse_data({"error": {"message": message, "type": "island_error", "code": 502}})
 
     async def close() -> None:
         await r.aclose()
         slot.release()
 
-    lines = _watched_lines(gw, island, r.aiter_lines())
-    events = relay_sse(lines, last_event, failures=(httpx.HTTPError,), on_failure=failed)
+    lines = watched_lines(gw, island, stream_lines(r.aiter_bytes(), gw.config.max_event_bytes))
+    if labels is not None:
+        lines = labels.lines(lines)
+    events = relay_sse(lines, last_event, failures=(httpx.HTTPError, BadAnswer), on_failure=failed)
     return OwnedStream(events, close, headers=_kept(r.headers, island))
-
-
-async def _watched_lines(gw: Gateway, island: str, lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """``lines`` of an island's stream, ended (``httpx.ReadTimeout``: the caller gets the
-    mid-stream error event) when the island is found unreachable — its ``/version`` poll
-    failed — while the stream waits for its next line: a wedged island would otherwise
-    stall the stream for as long as the caller waits. A slow line from an island that
-    answers its polls is waited for. One watcher per stream, waking every ``poll_s``; a line
-    costs two assignments (a task per line cost ~15 us of the event loop per chunk)."""
-    reader = asyncio.current_task()
-    waiting: list[float | None] = [None]  # since when the reader awaits a line; None: not
-    gave_up = asyncio.Event()
-
-    async def watch() -> None:
-        while reader is not None:
-            await asyncio.sleep(gw.config.poll_s)
-            since = waiting[0]  # the reader is suspended inside its read when this is set
-            if since is not None and gw.failed_since(island, since):
-                gave_up.set()
-                reader.cancel()
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    it = lines.__aiter__()
-    try:
-        while True:
-            waiting[0] = time.monotonic()
-            try:
-                line = await it.__anext__()
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if not gave_up.is_set():
-                    raise
-                if reader is not None and hasattr(reader, "uncancel"):  # 3.11+
-                    reader.uncancel()
-                raise httpx.ReadTimeout(
-                    "stopped answering mid-stream (its /version poll failed)"
-                ) from None
-            finally:
-                waiting[0] = None
-            yield line
-    finally:
-        watcher.cancel()
 
 
 def _last_event(line: bytes, island: str, annotate: bool) -> bytes:

@@ -32,7 +32,7 @@ class Tier(IntEnum):
     CATCH_UP = 1  #: behind, but what it needs is published: its sidecar catches up, then serves
     FUTURE = 2  #: the version is not published as far as we know; the sidecar re-reads LATEST
     UNKNOWN = 3  #: not polled yet, or loading (its sidecar answers 503 until ready)
-    DOWN = 4  #: its last poll or request failed; it may be back
+    DOWN = 4  #: its last poll or request failed, or it gave a bad answer lately; it may be back
     HOPELESS = 5  #: serves a version newer than ``exact_version``; versions only move forward
 
 
@@ -58,6 +58,9 @@ class IslandView:
     reachable: bool | None = None
     #: requests this gateway has in flight there
     inflight: int = 0
+    #: it gave a bad answer lately (labels outside the constraint, none, too large): tried
+    #: only when no other island can be, as if down
+    penalized: bool = False
 
 
 def fleet_latest(islands: Sequence[IslandView]) -> int | None:
@@ -97,7 +100,7 @@ def tier_of(island: IslandView, c: Constraint, latest: int | None) -> Tier:
     """
     if island.reachable is None:
         return Tier.UNKNOWN
-    if not island.reachable:
+    if not island.reachable or island.penalized:
         return Tier.DOWN
     d = decide(c, island.served, latest)
     fleet = _tier(d.action, d.need)

@@ -39,11 +39,16 @@ def start_gateway(
     **serve_kw: Any,
 ) -> RunningGateway:
     """Poll ``islands`` (``NAME=URL``, URLs or specs) and serve the gateway; returns once
-    listening and every island answered (or failed) its first poll."""
+    listening and every island answered (or failed) its first poll (on uvloop and httptools
+    when installed, as the sidecar: the same head limits)."""
     from .app import create_app
 
     gw = Gateway(islands, config)
     gw.start()
+    # the sidecar's edge: httptools enforces the 64 KiB head bound on every read, and refuses
+    # Content-Length with Transfer-Encoding (serving.protocols); uvloop when installed
+    serve_kw.setdefault("loop", "fast")
+    serve_kw.setdefault("http", "fast")
     try:
         server = serve_app(create_app(gw), host, port, name="gateway", **serve_kw)
     except BaseException:

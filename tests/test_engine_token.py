@@ -136,3 +136,20 @@ def test_an_engine_that_refuses_the_token_is_said_at_start_and_by_ready(
 
     assert "HTTP 401 on /v1/models" in (asyncio.run(probe("nope")) or "")
     assert asyncio.run(probe(TOKEN)) is None
+
+
+def test_a_bad_token_file_is_named_by_its_flag(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Four services take token files: an error said only "the token file ..." and the path
+    (an audit's LOW finding, session 39); it now names the flag."""
+    from rollpatch.cli import main
+
+    (tmp_path / "board").mkdir()
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    base = ["sidecar", "--board", f"file://{tmp_path / 'board'}", "--run", "r", "--port", "0"]
+    for flag in ("--engine-token-file", "--admin-token-file", "--token-file"):
+        argv = [*base, "--engine", "vllm", "--engine-url", "http://127.0.0.1:9", flag, str(empty)]
+        assert main(argv) == 2
+        assert f"the {flag} file is empty" in capsys.readouterr().err

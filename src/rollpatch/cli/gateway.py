@@ -71,7 +71,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     islands = [parse_island(s) for s in args.sidecar]
     island_token = (
-        read_token(args.island_token_file, "island token file") if args.island_token_file else None
+        read_token(args.island_token_file, "--island-token-file file")
+        if args.island_token_file
+        else None
     )
     config = GatewayConfig(
         **config_kwargs(args, GatewayConfig), island_token=island_token, body=body_limits(args)

@@ -180,7 +180,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The validated :class:`ServeOptions` the arguments describe."""
     from ..serving import ServeOptions, tls_context
 
-    token = read_token(args.token_file) if args.token_file else None
+    token = read_token(args.token_file, "--token-file file") if args.token_file else None
     options = ServeOptions(
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -199,6 +199,6 @@ def upstream_store(board: str, token_file: str | None) -> Store | str:
 
     if not board.startswith(("http://", "https://")):
         raise ConfigError("a board token is for a relay (http:// or https:// board)", value=board)
-    token = read_token(token_file, "board token file")
+    token = read_token(token_file, "--board-token-file file")
     options: dict[str, Any] = {"headers": {"Authorization": f"Bearer {token}"}}
     return open_store(board, **options)

@@ -145,7 +145,11 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from .secrets import read_token
     from .serving import ShutdownSignals, body_limits, serve_options, upstream_store
 
-    token = read_token(args.admin_token_file) if args.admin_token_file else None
+    token = (
+        read_token(args.admin_token_file, "--admin-token-file file")
+        if args.admin_token_file
+        else None
+    )
     trust = load_trust(args, args.board)
     board = Board(upstream_store(args.board, args.board_token_file), trust=trust)
     config = SidecarConfig(
@@ -155,7 +159,11 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         follower=FollowerConfig(**config_kwargs(args, FollowerConfig)),
     )
     options = serve_options(args)
-    engine_token = read_token(args.engine_token_file) if args.engine_token_file else None
+    engine_token = (
+        read_token(args.engine_token_file, "--engine-token-file file")
+        if args.engine_token_file
+        else None
+    )
     engine, url = make_engine(
         args.engine,
         model=args.model,

@@ -484,3 +484,33 @@ def test_sigterm_leaves_no_half_written_file(tmp_path: Path) -> None:
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "rollpatch: terminated" in err and "Traceback" not in err
     assert not out.exists() and not list(tmp_path.glob(".out.safetensors.tmp-*"))
+
+
+def test_newcomer_polish(tmp_path: Path, capsys) -> None:
+    """Small things a first-hour audit tripped over (session 39): an empty checkpoint is not
+    cast (publish already refused it); a diff against an empty view prints no "% of the view"
+    (it printed 128006700.000%); gc refuses a NaN grace (no orphan was ever old enough) and
+    names its flags; a gateway --sidecar given as an OpenAI base URL (/v1) is the sidecar."""
+    import torch
+
+    from rollpatch.gateway.config import parse_island
+
+    empty = tmp_path / "empty.pt"
+    torch.save({}, empty)
+    assert main(["cast", str(empty), "--format", "bf16", "-o", str(tmp_path / "e.st")]) == 2
+    assert "holds no tensors: nothing to cast" in capsys.readouterr().err
+    assert not (tmp_path / "e.st").exists()
+    save_view(View({}), tmp_path / "nothing.safetensors")
+    ckpt = tmp_path / "m.safetensors"
+    save_masters(ckpt, masters(1))
+    argv = ["diff", str(tmp_path / "nothing.safetensors"), str(ckpt), "-o", str(tmp_path / "p")]
+    assert main([*argv, "--format", "bf16"]) == 0
+    assert "% of the view" not in capsys.readouterr().out
+    board = f"file://{tmp_path / 'board'}"
+    assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    capsys.readouterr()
+    for bad in ("nan", "-1"):
+        assert main(["gc", "--board", board, "--run", "r1", "--orphan-grace", bad]) == 2
+        assert "--orphan-grace" in capsys.readouterr().err
+    assert parse_island("a=http://h:8101/v1/").url == "http://h:8101"
+    assert parse_island("http://h:8101/v1").url == "http://h:8101"

@@ -14,6 +14,7 @@ reported in :attr:`GcReport.unreadable` with the reason: nothing is skipped sile
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -54,8 +55,13 @@ def collect(
     now: float | None = None,
 ) -> GcReport:
     """Delete what no retained version needs. See the module docstring for the rule."""
-    if keep_last < 0 or orphan_grace_s < 0:
-        raise ConfigError("keep_last and orphan_grace_s must be non-negative")
+    if keep_last < 0 or not orphan_grace_s >= 0 or math.isinf(orphan_grace_s):
+        raise ConfigError(
+            "keep_last (--keep-last) and orphan_grace_s (--orphan-grace) must be finite and "
+            "non-negative",
+            keep_last=keep_last,
+            orphan_grace_s=orphan_grace_s,
+        )
     now = time.time() if now is None else now
     latest = board.latest(run)
     versions = board.versions(run)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from ..io import load_view, save_view
 from ..io.checkpoint import load_masters
 from ..view import View
@@ -112,6 +113,8 @@ def cmd_cast(args: argparse.Namespace) -> int:
     _files(args, ckpt="checkpoint", previous="previous view")
     previous = load_view(args.previous) if args.previous else None
     view = _cast(args.ckpt, args, previous)
+    if not len(view):  # as publish refuses it: a view of nothing serves no engine
+        raise ConfigError("the checkpoint holds no tensors: nothing to cast", path=args.ckpt)
     save_view(view, args.output)
     print(
         f"{args.output}: {len(view)} tensors, {view.nbytes:,} bytes, {args.format}, "
@@ -157,7 +160,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         + (" in place" if whole else "")
         + f" ({100 * patch.n_changed / max(n, 1):.3f}%)"
         + whole_note(ops.count("drop"), len(whole), sum(math.prod(t.shape) for t in whole))
-        + f", {len(blob):,} bytes ({100 * len(blob) / max(old.nbytes, 1):.3f}% of the view)"
+        + f", {len(blob):,} bytes"
+        + (f" ({100 * len(blob) / old.nbytes:.3f}% of the view)" if old.nbytes else "")
     )
     return 0
 

@@ -32,12 +32,14 @@ class IslandSpec:
 
 
 def parse_island(text: str) -> IslandSpec:
-    """``NAME=URL`` or a plain ``URL`` (the name is then ``host:port``)."""
+    """``NAME=URL`` or a plain ``URL`` (the name is then ``host:port``). The sidecar's root:
+    an OpenAI base URL's ``/v1`` is dropped (as the sidecar's ``--engine-url`` drops it; kept,
+    every request went to ``/v1/v1/...``)."""
     text = text.strip()
     name, sep, url = text.partition("=")
     if sep and "://" not in name:
-        return IslandSpec(name.strip(), url.strip().rstrip("/"))
-    url = text.rstrip("/")
+        return IslandSpec(name.strip(), url.strip().rstrip("/").removesuffix("/v1"))
+    url = text.rstrip("/").removesuffix("/v1")
     netloc = urlsplit(url).netloc
     return IslandSpec(netloc or url, url)
 

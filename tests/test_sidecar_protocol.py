@@ -421,3 +421,15 @@ def test_constraint_fields_are_typed_not_coerced() -> None:
     )
     assert (c.min_version, c.max_lag, c.wait_s) == (3, 2, 1.5)
     assert parse_constraint({}, {"x-rollpatch-wait-s": "0.25"}).wait_s == 0.25
+
+
+def test_a_chat_of_too_many_messages_is_refused_before_the_engine() -> None:
+    """200,000 one-letter messages (6.8 MB, under the body limit) cost the built-in engine
+    ~24 s of CPU in its chat template before its context-length 400 (an audit's LOW finding,
+    session 39): more than MAX_MESSAGES is a 400 at the service's edge."""
+    from rollpatch.serving.schema import MAX_MESSAGES, validate_body
+
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    with pytest.raises(ConfigError, match=f"messages: List should have at most {MAX_MESSAGES}"):
+        validate_body("/v1/chat/completions", {"messages": many})
+    validate_body("/v1/chat/completions", {"messages": many[:MAX_MESSAGES]})

@@ -24,7 +24,16 @@ from rollpatch.gateway import Gateway, GatewayConfig
 from rollpatch.gateway.server import RunningGateway
 from rollpatch.types import Constraint
 from tests.conftest import until
-from tests.test_gateway_hostile import Fake, Handler, client, complete, gateway, labelled, sample
+from tests.test_gateway_hostile import (
+    Fake,
+    Handler,
+    client,
+    complete,
+    gateway,
+    labelled,
+    pour,
+    sample,
+)
 
 POLL = GatewayConfig(poll_s=0.05, poll_timeout_s=0.5, retry_backoff_s=0.01)
 
@@ -84,14 +93,7 @@ def test_an_endless_version_answer_is_cut_at_1_mib(fakes: list[Fake]) -> None:
 
     def version(h: Handler) -> None:
         _version_head(h, None)
-        n = 0
-        try:
-            while n < 256 << 20:
-                h.wfile.write(b" " * 65536)
-                n += 65536
-        except OSError:
-            pass
-        sent.append(n)
+        sent.append(pour(h, b" ", 256 << 20))
 
     fakes.append(Fake(labelled(1), version_get=version))
     gw = gateway({"endless": fakes[-1]}, POLL)
@@ -187,8 +189,10 @@ def test_islands_of_another_run_get_no_requests(
         text = httpx.get(f"{gw.url}/metrics").text
         assert 'rollpatch_gateway_island_other_run{island="other"} 1.0' in text
         warned = [r for r in caplog.records if r.getMessage() == "island_other_run"]
-        assert warned and warned[0].levelno == logging.WARNING
-        assert warned[0].rp_fields["island"] == "other"  # type: ignore[attr-defined]
+        # before every island answered its first poll the fleet's run may be another (one
+        # island of each: a tie), and an island of g may be named first
+        named = [r.rp_fields["island"] for r in warned]  # type: ignore[attr-defined]
+        assert "other" in named and all(r.levelno == logging.WARNING for r in warned)
     finally:
         gw.stop()
 

@@ -321,14 +321,7 @@ def _huge(h: Handler, body: dict[str, Any], *, length: bool) -> None:
         "content-length" if length else "connection", str(64 << 20) if length else "close"
     )
     h.end_headers()
-    sent = 0
-    try:
-        while sent < 64 << 20:
-            h.wfile.write(b"a" * 65536)
-            sent += 65536
-    except OSError:
-        pass
-    h.fake_sent = sent  # type: ignore[attr-defined]
+    h.fake_sent = pour(h, b"a", 64 << 20)  # type: ignore[attr-defined]
     h.close_connection = True
 
 
@@ -384,3 +377,16 @@ def test_an_answer_whose_end_the_sidecar_cannot_vouch_for_passes(fakes: list[Fak
         assert sample(gw, "solo", "bad_label") == 0
     finally:
         gw.stop()
+
+
+def pour(h: Handler, byte: bytes, total: int) -> int:
+    """Write ``total`` bytes of ``byte`` to the client 64 KiB at a time, until it hangs up;
+    how many were written."""
+    sent = 0
+    try:
+        while sent < total:
+            h.wfile.write(byte * 65536)
+            sent += 65536
+    except OSError:
+        pass
+    return sent

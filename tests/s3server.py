@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 __all__ = ["S3Server", "free_port", "moto_available", "run_moto_server"]
@@ -54,10 +56,33 @@ def moto_available() -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server another process
+    binds. Picked below the kernel's ephemeral range: a port from ``bind(0)`` lies in that
+    range, from which any process's outgoing connection may take it before the server binds
+    it (a CI run's torch rendezvous failed with EADDRINUSE so, session 39, with five test jobs
+    opening connections beside it)."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded host: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; else its default)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 @contextlib.contextmanager

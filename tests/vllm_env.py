@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import numpy as np
 
 from rollpatch.engines.process import EngineProcess
 from rollpatch.view import View
+from tests.s3server import free_port  # one picker of ports for servers
 
 REPO = Path(__file__).resolve().parents[1]
 #: For a server whose worker extension imports this checkout's tests too (the live tests'
@@ -50,12 +50,6 @@ def vllm_python() -> Path | None:
     if not python.exists() or not stamp.exists() or VLLM_VERSION not in stamp.read_text():
         return None
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_env(tp: int = 1) -> dict[str, str]:

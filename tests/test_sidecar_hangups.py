@@ -42,3 +42,43 @@ def test_a_hung_up_plain_request_ends_its_generation_and_frees_the_drain(world: 
         until(lambda: sc.sidecar.follower.version == v, "the next version to be served")
     finally:
         sc.stop()
+
+
+def test_an_engine_that_stops_answering_its_audit_is_not_ready(world: World) -> None:
+    """A wedged engine (audit D, session 39: one tensor-parallel rank killed, the collective
+    hung) answered no audit call while /ready stayed 200 and requests hung. An audit slice
+    unanswered for ``engine_stall_s`` now makes the island not ready, with the reason; the
+    answer coming back makes it ready again. (The wedge here: the adapter's audit blocked.)"""
+    import threading
+
+    from rollpatch.engines.reference import ReferenceEngine
+    from rollpatch.follower import FollowerConfig
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    engine = ReferenceEngine.from_dir(world.model, threads=1)
+    wedged, audit = threading.Event(), engine.audit
+
+    def hanging(budget: int) -> object:
+        while wedged.is_set():
+            threading.Event().wait(0.01)
+        return audit(budget)
+
+    engine.audit = hanging  # type: ignore[method-assign]
+    follower = FollowerConfig(poll_s=0.05, audit_bytes_per_s=1e6, audit_period_s=0.05)
+    config = SidecarConfig(engine_stall_s=0.5, follower=follower)
+    sc = start_sidecar(world.board, "r1", engine, engine.url, config=config)
+    try:
+        _wait_ready(sc)
+        wedged.set()
+        until(
+            lambda: httpx.get(f"{sc.url}/ready").status_code == 503,
+            "the wedged engine to be taken out",
+        )
+        said = httpx.get(f"{sc.url}/ready").json()["error"]["message"]
+        assert "has not answered an audit call for" in said, said
+        wedged.clear()
+        _wait_ready(sc)
+    finally:
+        wedged.clear()
+        sc.stop()

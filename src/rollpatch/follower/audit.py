@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from ..engines.base import EngineAdapter
@@ -62,6 +63,7 @@ class Auditor:
         self.mismatches = 0
         self.bytes_at_first_mismatch: int | None = None
         self.last: AuditReport | None = None
+        self._since: float | None = None  # when the slice in progress was asked for
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -93,7 +95,11 @@ class Auditor:
         """One slice now (None: the engine cannot audit, or holds no version to audit)."""
         if self.engine.version is None or self.busy():
             return None
-        report = self.engine.audit(self.budget)
+        self._since = time.monotonic()
+        try:
+            report = self.engine.audit(self.budget)
+        finally:
+            self._since = None
         if report is None:
             return None
         if not report.mismatched:  # it answered, with the words it should hold
@@ -112,6 +118,11 @@ class Auditor:
             )
             self.on_mismatch(report)
         return report
+
+    def waiting_s(self) -> float:
+        """Seconds the slice in progress has waited for the engine's answer (0: none)."""
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
 
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():

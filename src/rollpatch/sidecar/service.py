@@ -80,6 +80,16 @@ class SidecarConfig:
         hi=60.0,
         help="timeout of the engine probe behind /ready (no answer: not ready)",
     )
+    #: A wedged engine (a dead tensor-parallel rank, a collective that never returns) answered
+    #: no audit call while /ready stayed 200 and its requests hung (found by an audit,
+    #: session 39); the audit's slices are small, so an unanswered one is a symptom.
+    engine_stall_s: float = setting(
+        10.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="seconds an audit call may go unanswered before the island is not ready",
+    )
     follower: FollowerConfig | None = setting(
         None, help="how the sidecar's follower polls and fetches (None: the defaults)"
     )
@@ -229,6 +239,13 @@ class Sidecar:
                     "board so far (nothing published yet, or another run name)"
                 )
             return "no verified version loaded yet"
+        auditor = self.follower.auditor
+        waited = 0.0 if auditor is None else auditor.waiting_s()
+        if waited > self.config.engine_stall_s:
+            return (
+                f"the engine has not answered an audit call for {waited:.0f} s (wedged: a dead "
+                "tensor-parallel rank, a collective that never returns?)"
+            )
         stuck = self.gate.busy_for()
         if stuck > self.config.admit_timeout_s:
             what = "admission closed" if not self.gate.admitting else "engine paused"

@@ -98,7 +98,8 @@ def test_a_file_uri_with_two_slashes_is_refused_not_read_as_another_path(
 ) -> None:
     """``file://tmp/board`` put 'tmp' in the host part: the command looked in /board."""
     said = _refused(capsys, "status", "--board", "file://tmp/p36/board")
-    assert "needs three slashes" in said and "file:///tmp/p36/board" in said
+    assert "needs three slashes" in said and "file:///tmp/p36/board (absolute)" in said
+    assert "the plain path tmp/p36/board (relative" in said  # what a relative path meant
 
 
 def test_files_are_named_in_every_refusal(

@@ -89,7 +89,8 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
             f"{option}: a file:// board URI needs three slashes: {parts.netloc!r} would be "
             "read as a host name and dropped from the path",
             value=uri,
-            hint=f"file:///{parts.netloc}{parts.path} (or the plain path)",
+            hint=f"file:///{parts.netloc}{parts.path} (absolute), or the plain path "
+            f"{parts.netloc}{parts.path} (relative to the current directory)",
         )
     if scheme == "s3" and not parts.netloc:
         raise ConfigError(

@@ -82,3 +82,47 @@ def test_an_engine_that_stops_answering_its_audit_is_not_ready(world: World) -> 
     finally:
         wedged.clear()
         sc.stop()
+
+
+def test_a_vllm_paused_behind_the_sidecar_is_not_ready() -> None:
+    """vLLM paused by someone else (its ``/pause``) while no commit of the sidecar runs: every
+    request waits until it is resumed, and /ready said 200 (audit D, session 39). The probe
+    behind /ready now asks vLLM's ``GET /is_paused``; an engine without it says nothing."""
+    import asyncio
+    import http.server
+    import json
+    import threading
+
+    answers = {"/is_paused": (200, {"is_paused": True})}
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = answers.get(self.path, (404, {"detail": "Not Found"}))
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    from rollpatch.sidecar.app import _paused_behind
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def probe() -> str | None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            return await _paused_behind(client, 5.0)
+
+    try:
+        assert "vLLM is paused, and not by this sidecar" in (asyncio.run(probe()) or "")
+        answers["/is_paused"] = (200, {"is_paused": False})
+        assert asyncio.run(probe()) is None
+        del answers["/is_paused"]  # an older vLLM, or another engine
+        assert asyncio.run(probe()) is None
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -208,3 +208,31 @@ def test_one_adapter_drives_a_vllm_at_a_time(server: vllm_env.Server, world: Wor
     finally:
         first.close()
         second.close()
+
+
+def test_a_vllm_paused_behind_the_sidecar_is_not_ready(
+    server: vllm_env.Server, world: World
+) -> None:
+    """vLLM paused through its own ``/pause`` while no commit of the sidecar runs: its
+    requests wait until someone resumes it, and /ready said 200 (audit D, session 39). Now
+    /ready is 503 with the reason while it is paused, and 200 once it is resumed."""
+    import httpx
+
+    from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    engine = VllmEngine(server.url)
+    engine.load(world.views[world.latest], world.latest)
+    sc = start_sidecar(world.board, RUN, engine, server.url, config=SidecarConfig(follower=FAST))
+    try:
+        until_back_on(sc, world.latest, time.monotonic() + 60)
+        server.post("/pause?mode=keep", {})
+        try:
+            r = httpx.get(f"{sc.url}/ready")
+            assert r.status_code == 503 and "not by this sidecar" in r.json()["error"]["message"]
+        finally:
+            server.post("/resume", {})
+        until_back_on(sc, world.latest, time.monotonic() + 60)
+    finally:
+        sc.stop()

@@ -236,3 +236,58 @@ def test_a_vllm_paused_behind_the_sidecar_is_not_ready(
         until_back_on(sc, world.latest, time.monotonic() + 60)
     finally:
         sc.stop()
+
+
+def test_a_hung_up_plain_request_ends_in_vllm_too(server: vllm_env.Server, world: World) -> None:
+    """A client that hangs up on a request that is not streamed: the sidecar closes its
+    connection to vLLM, and vLLM aborts the request (its handlers watch for a disconnect),
+    so nothing runs on for a client that is gone (audit C, session 39; the built-in engine:
+    tests/test_sidecar_hangups.py)."""
+    import httpx
+
+    from rollpatch.engines.vllm import VllmEngine
+    from rollpatch.engines.vllm.core import SCHEDULER
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    def generated() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vllm:generation_tokens_total{", "vllm:generation_tokens_total "))
+        )
+
+    def running() -> int:
+        r = httpx.post(f"{server.url}/collective_rpc", json={"method": SCHEDULER}, timeout=60)
+        return int(r.json()["results"][0]["running"])
+
+    engine = VllmEngine(server.url)
+    engine.load(world.views[world.latest], world.latest)
+    sc = start_sidecar(world.board, RUN, engine, server.url, config=SidecarConfig(follower=FAST))
+    try:
+        until_back_on(sc, world.latest, time.monotonic() + 60)
+        body = {
+            "model": str(world.model),
+            "prompt": "a",
+            "max_tokens": 480,  # the server's 512-token context, nearly all of it
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        before = generated()
+        t0 = time.monotonic()
+        full = httpx.post(f"{sc.url}/v1/completions", json=body, timeout=120)  # its cost here
+        took = time.monotonic() - t0
+        assert full.status_code == 200 and generated() - before >= 480
+        before = generated()
+        try:  # hangs up a fifth of the way in
+            httpx.post(f"{sc.url}/v1/completions", json=body, timeout=took / 5)
+        except httpx.TimeoutException:
+            pass
+        deadline = time.monotonic() + 60
+        while running() or sc.sidecar.gate.inflight:
+            assert time.monotonic() < deadline, "the abandoned request ran on"
+            time.sleep(0.05)
+        assert generated() - before < 480, "vLLM ran the abandoned request to its end"
+    finally:
+        sc.stop()

@@ -10,7 +10,6 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,21 +28,16 @@ from tests.test_gateway_hostile import (
     Handler,
     client,
     complete,
+    fakes,
     gateway,
     labelled,
     pour,
     sample,
 )
 
+_FIXTURES = (fakes,)  # used by name
+
 POLL = GatewayConfig(poll_s=0.05, poll_timeout_s=0.5, retry_backoff_s=0.01)
-
-
-@pytest.fixture
-def fakes() -> Iterator[list[Fake]]:
-    made: list[Fake] = []
-    yield made
-    for f in made:
-        f.stop()
 
 
 def _island(gw: RunningGateway, name: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ rotation and re-syncs it (the world: tests/sidecarworld.py).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -242,7 +243,10 @@ def test_a_hung_up_plain_request_ends_in_vllm_too(server: vllm_env.Server, world
     """A client that hangs up on a request that is not streamed: the sidecar closes its
     connection to vLLM, and vLLM aborts the request (its handlers watch for a disconnect),
     so nothing runs on for a client that is gone (audit C, session 39; the built-in engine:
-    tests/test_sidecar_hangups.py)."""
+    tests/test_sidecar_hangups.py). vLLM is held paused while the client hangs up, so the
+    generation cannot end first however fast this host is."""
+    import socket
+
     import httpx
 
     from rollpatch.engines.vllm import VllmEngine
@@ -267,25 +271,36 @@ def test_a_hung_up_plain_request_ends_in_vllm_too(server: vllm_env.Server, world
     sc = start_sidecar(world.board, RUN, engine, server.url, config=SidecarConfig(follower=FAST))
     try:
         until_back_on(sc, world.latest, time.monotonic() + 60)
-        body = {
-            "model": str(world.model),
-            "prompt": "a",
-            "max_tokens": 480,  # the server's 512-token context, nearly all of it
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+        body = json.dumps(
+            {
+                "model": str(world.model),
+                "prompt": "a",
+                "max_tokens": 480,  # the server's 512-token context, nearly all of it
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        ).encode()
+        host, port = sc.url.removeprefix("http://").split(":")
         before = generated()
-        t0 = time.monotonic()
-        full = httpx.post(f"{sc.url}/v1/completions", json=body, timeout=120)  # its cost here
-        took = time.monotonic() - t0
-        assert full.status_code == 200 and generated() - before >= 480
-        before = generated()
-        try:  # hangs up a fifth of the way in
-            httpx.post(f"{sc.url}/v1/completions", json=body, timeout=took / 5)
-        except httpx.TimeoutException:
-            pass
+        client = socket.create_connection((host, int(port)))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         deadline = time.monotonic() + 60
-        while running() or sc.sidecar.gate.inflight:
+        while not running():  # generating: then held where it is
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.01)
+        server.post("/pause?mode=keep", {})
+        try:
+            client.close()  # the client hangs up mid-generation
+            while sc.sidecar.gate.inflight:
+                assert time.monotonic() < deadline, "the sidecar held the hung-up request"
+                time.sleep(0.02)
+        finally:
+            server.post("/resume", {})
+        while running():
             assert time.monotonic() < deadline, "the abandoned request ran on"
             time.sleep(0.05)
         assert generated() - before < 480, "vLLM ran the abandoned request to its end"

@@ -243,8 +243,8 @@ def test_a_hung_up_plain_request_ends_in_vllm_too(server: vllm_env.Server, world
     """A client that hangs up on a request that is not streamed: the sidecar closes its
     connection to vLLM, and vLLM aborts the request (its handlers watch for a disconnect),
     so nothing runs on for a client that is gone (audit C, session 39; the built-in engine:
-    tests/test_sidecar_hangups.py). vLLM is held paused while the client hangs up, so the
-    generation cannot end first however fast this host is."""
+    tests/test_sidecar_hangups.py). vLLM is held paused while the request reaches it and the
+    client hangs up, so the generation cannot end first however fast this host is."""
     import socket
 
     import httpx
@@ -262,9 +262,11 @@ def test_a_hung_up_plain_request_ends_in_vllm_too(server: vllm_env.Server, world
             if line.startswith(("vllm:generation_tokens_total{", "vllm:generation_tokens_total "))
         )
 
-    def running() -> int:
+    def queued() -> int:
+        """vLLM's requests, running or waiting (the engine-core hook's exact counts)."""
         r = httpx.post(f"{server.url}/collective_rpc", json={"method": SCHEDULER}, timeout=60)
-        return int(r.json()["results"][0]["running"])
+        counts = r.json()["results"][0]
+        return int(counts["running"]) + int(counts["waiting"])
 
     engine = VllmEngine(server.url)
     engine.load(world.views[world.latest], world.latest)
@@ -282,25 +284,31 @@ def test_a_hung_up_plain_request_ends_in_vllm_too(server: vllm_env.Server, world
         ).encode()
         host, port = sc.url.removeprefix("http://").split(":")
         before = generated()
-        client = socket.create_connection((host, int(port)))
-        client.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        deadline = time.monotonic() + 60
-        while not running():  # generating: then held where it is
-            assert time.monotonic() < deadline, "the request never ran"
-            time.sleep(0.01)
-        server.post("/pause?mode=keep", {})
+        server.post("/pause?mode=keep", {})  # it waits in vLLM's queue, whatever this host's speed
         try:
-            client.close()  # the client hangs up mid-generation
+            client = socket.create_connection((host, int(port)))
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                + f"content-length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            deadline = time.monotonic() + 60
+            while not queued():
+                if time.monotonic() > deadline:  # say what the sidecar answered, if anything
+                    client.settimeout(1.0)
+                    try:
+                        got = client.recv(65536)
+                    except OSError as e:
+                        got = repr(e).encode()
+                    raise AssertionError(f"the request never reached vLLM: {got[:500]!r}")
+                time.sleep(0.02)
+            client.close()  # the client hangs up
             while sc.sidecar.gate.inflight:
                 assert time.monotonic() < deadline, "the sidecar held the hung-up request"
                 time.sleep(0.02)
         finally:
             server.post("/resume", {})
-        while running():
+        while queued():
             assert time.monotonic() < deadline, "the abandoned request ran on"
             time.sleep(0.05)
         assert generated() - before < 480, "vLLM ran the abandoned request to its end"

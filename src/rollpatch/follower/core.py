@@ -1,13 +1,11 @@
 """The follower: keeps one engine on the board's versions of a run (docs/follower.md).
 
-``sync`` is one pass of the state machine IDLE → FETCHING → STAGING → COMMITTING → IDLE
-(ERROR on failure); ``start`` runs it in a background thread whenever LATEST moves.
-The follower's version is only ever one the engine holds *and* that the follower checked
-against the board (engine digest == manifest target), so a failed fetch, decode or apply can
-never advance it: the next pass plans again from what the engine verifiably holds. Here: the
-state machine, the commit and one poll. Beside it: :mod:`.held`, :mod:`.stage`, :mod:`.record`,
-:mod:`.watch`, :mod:`.fetch`, :mod:`.commit` (the gate), :mod:`.audit`, :mod:`.adopt`;
-planning around corrupt objects is :mod:`rollpatch.avoid`'s.
+``sync`` is one pass of the state machine IDLE → FETCHING → STAGING → COMMITTING → IDLE (ERROR
+on failure); ``start`` runs it whenever LATEST moves. The follower's version is only ever one
+the engine holds *and* the follower checked against the board (engine digest == manifest
+target): a failed fetch, decode or apply never advances it. Here: the state machine, the commit
+and one poll; beside it :mod:`.held`, :mod:`.stage`, :mod:`.record`, :mod:`.watch`, :mod:`.fetch`,
+:mod:`.commit` (the gate), :mod:`.audit`, :mod:`.adopt`, and :mod:`rollpatch.avoid` (detours).
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..avoid import BadObjects, newest_reachable, plan_around
@@ -221,11 +220,10 @@ class Follower:
             self._held.forget()
             return self._run_plan(None, want)
         except ObjectIntegrityError:  # nothing held: the newest version it reaches, if any
-            fall_back = have is None and self.config.fallback_older
-            below = [v for v in self._reader.versions(self.run) if v < want] if fall_back else []
-            older = newest_reachable(
-                self._bad, self.run, below, lambda v, a: self._run_plan(None, v, a), log=log
-            )
+            can = have is None and self.config.fallback_older  # else no board read
+            below = [v for v in self._reader.versions(self.run) if v < want] if can else []
+            reach = partial(self._run_plan, None)  # (version, avoid)
+            older = newest_reachable(self._bad, self.run, below, reach, log=log)
             if older is None:
                 self._held.confirm(have)
                 raise

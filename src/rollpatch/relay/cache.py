@@ -159,24 +159,17 @@ class DiskCache:
         try:
             return self._insert(key, data, b3)
         except OSError as e:
-            if e.errno not in _FULL or not self._make_room(key, len(data) + _MAX_HEADER):
+            if e.errno not in _FULL or not self._make_room(len(data) + _MAX_HEADER):
                 raise
         return self._insert(key, data, b3)
 
-    def _make_room(self, key: str, need: int) -> bool:
-        """Drop least recently used entries (not ``key``'s) until ``need`` bytes are freed;
-        whether any was."""
-        freed = dropped = 0
+    def _make_room(self, need: int) -> bool:
+        """Drop least recently used entries until ``need`` bytes are freed (:meth:`_evict`
+        under a lower bound); whether any was."""
         with self._lock:
-            for old in list(self._index):
-                if freed >= need:
-                    break
-                if old == key:
-                    continue
-                freed += self._index[old].file_bytes
-                dropped += 1
-                self._drop(old)
-                self.metrics.inc("rollpatch_relay_evictions_total")
+            before = self._bytes
+            dropped = self._evict(max(0, before - need), keep=0)
+            freed = before - self._bytes
         if dropped:
             log.warning(
                 "relay cache: the disk is full below --cache-bytes; dropped the %d least "
@@ -273,11 +266,17 @@ class DiskCache:
             except FileNotFoundError:
                 pass
 
-    def _evict(self) -> None:
-        # the newest entry stays even when it alone exceeds the bound
-        while self._bytes > self.max_bytes and len(self._index) > 1:
+    def _evict(self, bound: int | None = None, keep: int = 1) -> int:
+        """Drop least recently used entries until the files take at most ``bound`` bytes
+        (default ``max_bytes``) or ``keep`` entries are left; how many were dropped. After an
+        insertion the newest entry stays even when it alone exceeds the bound."""
+        bound = self.max_bytes if bound is None else bound
+        dropped = 0
+        while self._bytes > bound and len(self._index) > keep:
             self._drop(next(iter(self._index)))
             self.metrics.inc("rollpatch_relay_evictions_total")
+            dropped += 1
+        return dropped
 
     def _load(self) -> None:
         """Index the files a previous run left (unverified), discard anything else."""

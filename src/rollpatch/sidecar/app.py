@@ -76,7 +76,7 @@ def create_app(sc: Sidecar) -> Any:
         reason = sc.not_ready_reason()
         if reason is None:
             reason = await _probe_engine(client, sc.config.ready_probe_s)
-        if reason is None and sc.engine.name == "vllm" and not sc.gate.busy:
+        if reason is None and not sc.gate.busy:  # an engine without /is_paused says nothing
             reason = await _paused_behind(client, sc.config.ready_probe_s)
             if sc.gate.busy:  # a commit of its own began meanwhile: its pause, not another's
                 reason = None
@@ -154,10 +154,10 @@ async def _probe_engine(client: httpx.AsyncClient, timeout: float) -> str | None
 
 
 async def _paused_behind(client: httpx.AsyncClient, timeout: float) -> str | None:
-    """vLLM paused while no commit of the sidecar runs: someone paused it behind the
+    """An engine paused while no commit of the sidecar runs: someone paused it behind the
     sidecar's back, and every request waits until it is resumed (found by an audit, session
-    39: /ready said 200 meanwhile). ``GET /is_paused`` (vLLM's RL routes); an answer without
-    it says nothing."""
+    39: /ready said 200 meanwhile). ``GET /is_paused`` (vLLM's RL routes); an engine without
+    the route (404, or no such answer) says nothing."""
     try:
         r = await client.get("/is_paused", timeout=timeout)
         paused = r.status_code == 200 and r.json().get("is_paused") is True
@@ -165,7 +165,10 @@ async def _paused_behind(client: httpx.AsyncClient, timeout: float) -> str | Non
         return None
     if not paused:
         return None
-    return "vLLM is paused, and not by this sidecar (no commit runs): requests wait until it is resumed"
+    return (  # the route is vLLM's
+        "vLLM is paused, and not by this sidecar (no commit runs): requests wait until it is "
+        "resumed"
+    )
 
 
 def _delegate(front: ProxyFront) -> Any:

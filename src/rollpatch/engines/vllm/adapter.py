@@ -263,11 +263,10 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
             except BaseException:
                 self._set(None, None)
                 self._reconcile(before)
-                with contextlib.suppress(RollpatchError):
-                    if self.displaced:  # the engine's tag is the other adapter's
-                        raise
-                    tag = str(self._version) if self._version is not None else None
-                    self.http.post("/update_weight_version", {"new_version": tag or NOT_READY})
+                if not self.displaced:  # else the engine's tag is the other adapter's
+                    with contextlib.suppress(RollpatchError):
+                        tag = str(self._version) if self._version is not None else None
+                        self.http.post("/update_weight_version", {"new_version": tag or NOT_READY})
                 raise
 
     def audit(self, budget_bytes: int) -> AuditReport:
@@ -275,12 +274,7 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
         loop: a stall of about budget / memory bandwidth); a mismatch makes the adapter not
         ready (``version`` None) until a keyframe is loaded."""
         with self._lock:
-            try:
-                res = self._call("audit", str(int(budget_bytes)))
-            except RollpatchError:
-                if self.displaced:  # the engine's tag is the other adapter's now
-                    self._set(None, None)
-                raise
+            res = self._call("audit", str(int(budget_bytes)))  # displaced: refused, version void
             restarted = self._boot.restarted(res.get("boot"), self.url, self._version)
             if res["mismatched"] or res.get("tainted") or restarted:
                 self._set(None, None)
@@ -391,7 +385,7 @@ class VllmEngine(ListedTensors, WorkerCalls, EngineAdapter):
             self.displaced = False
 
     def _require_loaded(self) -> None:
-        if self._version is None:
+        if self.version is None:
             raise EngineError(
                 "the engine holds no verified version",
                 engine=self.name,

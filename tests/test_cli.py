@@ -514,3 +514,47 @@ def test_newcomer_polish(tmp_path: Path, capsys) -> None:
         assert "--orphan-grace" in capsys.readouterr().err
     assert parse_island("a=http://h:8101/v1/").url == "http://h:8101"
     assert parse_island("http://h:8101/v1").url == "http://h:8101"
+
+
+def test_an_output_that_cannot_be_written_is_said_before_the_work(tmp_path: Path, capsys) -> None:
+    """A directory that takes no new file (here /sys/kernel, which refuses even root) is said
+    at start, naming the option and the directory, for pull, cast and analyze --plot (an
+    audit saw `[Errno 30] Read-only file system: 'ro/.x.safetensors.tmp-6887'` after a whole
+    pull); a failed write names the file asked for, never the temp file, which is removed.
+    `root -o` keeps an existing file (the followers' anchor) unless --force, and checks it
+    before it puts anything on the board."""
+    from rollpatch.board import Board
+    from rollpatch.cli.codec import write_atomic
+
+    unwritable = Path("/sys/kernel")
+    assert unwritable.is_dir()
+    board = f"file://{tmp_path / 'board'}"
+    ckpt = tmp_path / "m.safetensors"
+    save_masters(ckpt, masters(1))
+    assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    capsys.readouterr()
+    out = str(unwritable / "x.safetensors")
+    for argv in (
+        ["pull", "--board", board, "--run", "r1", "-o", out],
+        ["cast", str(ckpt), "--format", "bf16", "-o", out],
+        ["analyze", str(ckpt), str(ckpt), "--plot", str(unwritable / "x.png")],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "cannot write in /sys/kernel" in err, err
+        assert ("--plot" if "--plot" in argv else "-o:") in err and "Traceback" not in err
+    with pytest.raises(OSError) as info:
+        write_atomic(unwritable / "r.json", b"{}")
+    assert info.value.filename == str(unwritable / "r.json")
+    assert main(["keygen", "-o", str(tmp_path / "k")]) == 0
+    keys = ["--key", str(tmp_path / "k.pub"), "--sign", str(tmp_path / "k.key")]
+    anchor = tmp_path / "root.json"
+    anchor.write_text("the anchor handed to followers\n")
+    capsys.readouterr()
+    assert main(["root", "--board", board, *keys, "-o", str(anchor)]) == 2
+    assert "root.json exists" in capsys.readouterr().err
+    assert anchor.read_text() == "the anchor handed to followers\n"
+    assert Board(board).roots() == []
+    assert main(["root", "--board", board, *keys, "-o", str(anchor), "--force"]) == 0
+    assert Board(board).roots() == [1] and anchor.read_bytes() == Board(board).root_raw(1) + b"\n"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import socket
 import threading
 import time
@@ -36,6 +37,15 @@ def _event(i: int, pad: int = 0) -> bytes:
 
 _HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 _END = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 class Engine:
@@ -203,9 +213,13 @@ def test_streams_are_relayed_by_the_tap_and_reuse_the_engine_connection(
 
 
 def test_an_engine_failing_mid_stream_ends_the_answer_and_frees_the_slot(
-    live: tuple[Engine, RunningSidecar], taps: list[int]
+    live: tuple[Engine, RunningSidecar], taps: list[int], request: pytest.FixtureRequest
 ) -> None:
     engine, sc = live
+    errors = _Records()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(errors)
+    request.addfinalizer(lambda: uvicorn_log.removeHandler(errors))
     for breakage in (b"", b"zz\r\nnot a chunk\r\n"):
 
         def script(n: int, t: Any, breakage: bytes = breakage) -> None:
@@ -236,6 +250,9 @@ def test_an_engine_failing_mid_stream_ends_the_answer_and_frees_the_slot(
             time.sleep(0.01)
         assert sc.sidecar.gate.inflight == 0
     assert taps[0] == 2
+    # the sidecar logs the broken stream (stream_failed); the server adds no ERROR of its own
+    # per broken stream ("ASGI callable returned without completing response")
+    assert [r.getMessage() for r in errors.records if r.levelno >= logging.WARNING] == []
 
 
 def test_a_client_leaving_closes_the_engine_connection(

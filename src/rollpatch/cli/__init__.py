@@ -98,7 +98,8 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"rollpatch: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as e:  # missing or unreadable files: one clear line, not a traceback
-        print(f"rollpatch: error: {e}", file=sys.stderr)
+        said = f"{e.strerror} [path={e.filename}]" if e.strerror and e.filename else e
+        print(f"rollpatch: error: {said}", file=sys.stderr)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -63,10 +62,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             hint="pass consecutive checkpoints of one run, oldest first",
         )
     if args.plot:
+        from .preflight import output_file
+
         require_matplotlib(args.plot)  # fail before the long part, not after it
-        parent = Path(args.plot).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError("--plot: the output folder does not exist", path=str(parent))
+        output_file(args.plot, option="--plot")
     policy = policy_from_args(args)
     result = analyze_run(
         args.ckpts,

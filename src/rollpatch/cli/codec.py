@@ -16,7 +16,14 @@ from ..io.checkpoint import load_masters
 from ..view import View
 from .flags import add_config_flags, config_kwargs
 
-__all__ = ["format_args", "policy_args", "policy_from_args", "quant_args", "register"]
+__all__ = [
+    "format_args",
+    "policy_args",
+    "policy_from_args",
+    "quant_args",
+    "register",
+    "write_atomic",
+]
 
 
 def register(sub: Any) -> None:
@@ -151,7 +158,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         new = _cast(args.new, args, old if args.scales == "frozen" else None)
     patch = diff(old, new)
     blob = encode(patch, old)
-    _write_atomic(Path(args.output), blob)
+    write_atomic(Path(args.output), blob)
     n = sum(t.n_elements for t in old.values())
     ops = [t.op for t in patch.tensors.values()]
     whole = [t for t in patch.tensors.values() if isinstance(t.change, FullOp)]
@@ -237,10 +244,17 @@ def _shown(value: object) -> str:
     )
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (temp file, fsync, rename); a failure names ``path``,
+    not the temp file, which is removed."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        tmp.unlink(missing_ok=True)

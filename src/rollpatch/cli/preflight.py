@@ -22,6 +22,7 @@ import errno
 import importlib.util
 import os
 import socket
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -126,8 +127,10 @@ def input_file(path: str, what: str, *, folder: bool = False) -> None:
         raise ConfigError(f"{what} not found: {p}")
 
 
-def output_file(path: str, *, option: str = "-o") -> None:
-    """``path`` can be written: not a directory, in a directory that exists."""
+def output_file(path: str, *, option: str = "-o", replace: bool = True) -> None:
+    """``path`` can be written: not a directory, in a directory that exists and takes a new
+    file (a probe file is made and removed: a read-only mount or a full disk is said before
+    the work, not after it); with ``replace=False``, no file is there yet."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise ConfigError(f"{option}: {p} is a directory", hint="name the file to write")
@@ -135,6 +138,17 @@ def output_file(path: str, *, option: str = "-o") -> None:
         raise ConfigError(
             f"{option}: the directory {p.parent} does not exist", hint="create it first"
         )
+    if not replace and (p.exists() or p.is_symlink()):
+        raise ConfigError(f"{option}: {p} exists", hint="remove it first, or pass --force")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rollpatch-probe-", dir=p.parent)
+    except OSError as e:
+        raise ConfigError(
+            f"{option}: cannot write in {p.parent}: {e.strerror or e}",
+            hint="pick a writable directory",
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def port_free(host: str, port: int, *, option: str = "--port") -> None:

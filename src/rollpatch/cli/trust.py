@@ -72,6 +72,9 @@ def register(sub: Any) -> None:
         help="root version (default: the board's newest + 1, or 1)",
     )
     p.add_argument("-o", "--output", help="also write the signed root to this file")
+    p.add_argument(
+        "--force", action="store_true", help="replace an existing -o file (followers' anchor)"
+    )
     p.set_defaults(func=cmd_root)
 
     p = sub.add_parser(
@@ -169,6 +172,10 @@ def cmd_root(args: argparse.Namespace) -> int:
         from .preflight import board_uri
 
         board_uri(args.board)
+    if args.output is not None:  # before anything is put on the board
+        from .preflight import output_file
+
+        output_file(args.output, replace=args.force)
     keys = [read_public_key(p) for p in args.key]
     signers = [read_signing_key(p) for p in args.sign]
     if args.expires_days < 0:
@@ -203,7 +210,9 @@ def cmd_root(args: argparse.Namespace) -> int:
     if board is not None:
         board.put_root(raw)
     if args.output:
-        Path(args.output).write_bytes(raw + b"\n")
+        from .codec import write_atomic
+
+        write_atomic(Path(args.output), raw + b"\n")
     where = f" on {args.board}" if board is not None else ""
     out = f", written to {args.output}" if args.output else ""
     print(

@@ -360,6 +360,8 @@ def save_view(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # named by the file asked for, not the temp file (removed below)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -46,7 +46,7 @@ from .protocol import (
     label_body,
     parse_constraint,
 )
-from .relay import StreamTap, client_of, tappable
+from .relay import StreamTap, client_of, hang_up, tappable
 from .satisfy import LatestReader, conflict, plain_proxy, satisfy
 from .service import Sidecar
 
@@ -249,7 +249,8 @@ class ProxyFront:
                 await send(
                     {"type": "http.response.body", "body": relay.abandon(), "more_body": True}
                 )
-            return  # the response stays incomplete: the server closes the connection
+                hang_up(send)
+            return  # the response stays incomplete: its connection is closed
         finally:
             gone.remove_done_callback(abort)
             gone.cancel()

@@ -31,7 +31,7 @@ from typing import Any
 from ..serving.streaming import SseRelay, _plain_events
 from ..serving.upstream import MAX_LINE, UpstreamError, UpstreamResponse
 
-__all__ = ["StreamTap", "client_of", "tappable"]
+__all__ = ["StreamTap", "client_of", "hang_up", "tappable"]
 
 _HEX = b"0123456789abcdefABCDEF"
 
@@ -47,6 +47,18 @@ def client_of(send: Any) -> Any | None:
     if cycle.response_complete or cycle.disconnected or not cycle.chunked_encoding:
         return None
     return cycle
+
+
+def hang_up(send: Any) -> None:
+    """Close the client's connection with its streamed answer incomplete (the engine broke it):
+    what was written still goes out, then the client sees a cut stream, never a clean end.
+    uvicorn is told the client is gone, so it does not log the answer's end as an error of the
+    app's own (one ERROR line per broken stream); under another server the connection is closed
+    by the server when the app returns, as before."""
+    cycle = client_of(send)
+    if cycle is not None:
+        cycle.disconnected = True
+        cycle.transport.close()
 
 
 def tappable(resp: UpstreamResponse) -> bool:

@@ -7,6 +7,8 @@ rotation and re-syncs it (the world: tests/sidecarworld.py).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -206,6 +208,30 @@ def test_one_adapter_drives_a_vllm_at_a_time(server: vllm_env.Server, world: Wor
             first.audit(2**30)
         assert first.version is None and first.displaced
         assert server.get("/weight_info") == {"weight_version": "0"}  # untouched by the first
+        second.close()
+        # an adapter in a process killed -9 (a sidecar with no chance to let go), which
+        # called the workers every 0.1 s to its end: the next one takes over at once (its
+        # process is gone in /proc), not after the 5 s lease
+        script = (
+            "import sys, time\nfrom rollpatch.engines.vllm import VllmEngine\n"
+            f"e = VllmEngine({server.url!r})\nwhile True:\n"
+            "    e.held()\n    print('called', flush=True)\n    time.sleep(0.1)\n"
+        )
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "called"
+            third = VllmEngine(server.url)
+            with pytest.raises(EngineError, match="driven by another rollpatch adapter"):
+                third.held()  # it runs: refused
+            child.kill()
+            child.wait(30)
+            third.load(world.views[world.latest], world.latest)
+            assert third.version == world.latest
+            third.close()
+        finally:
+            child.kill()
+            child.wait(30)
     finally:
         first.close()
         second.close()

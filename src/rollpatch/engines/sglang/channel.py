@@ -21,6 +21,7 @@ from typing import Any
 
 from ...errors import EngineError
 from ...logs import event
+from ..ownership import owner_token
 from ..pausing import NestedPause
 from ..shared_dir import SharedDir
 from .arena import Arena
@@ -57,7 +58,7 @@ class SglangChannel(NestedPause):
         self._tag_id = secrets.token_hex(4)
         #: This adapter's token in every call to the loader, which refuses another adapter's
         #: calls while one drives it (one sidecar per engine).
-        self.owner = secrets.token_hex(8)
+        self.owner = owner_token()
         #: Another adapter took SGLang over (the loader refused a call of this one): what
         #: this one verified is void until it sets a version again.
         self.displaced = False

@@ -21,6 +21,7 @@ from typing import Any
 from ...errors import EngineError, RollpatchError, engine_error
 from ...io.safetensors import load_view
 from ...view import Tensor
+from ..ownership import owner_token
 from ..pausing import NestedPause
 from ..shared_dir import SharedDir
 from ..staged import EncodedStep
@@ -59,7 +60,7 @@ class WorkerCalls(NestedPause):
         #: first after another adapter took the engine over (``displaced``, also after
         #: :meth:`release`: then what this one verified is void, and the engine's tag is the
         #: other one's).
-        self.owner = secrets.token_hex(8)
+        self.owner = owner_token()
         self._claimed = False
         self.displaced = False
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -230,6 +231,48 @@ def test_file_store_refuses_links_and_special_files(tmp_path: Path) -> None:
     assert store.list("") == store.list("runs/") == ["runs/r1/ok"]
     assert store.list("runs/r1/dirlink/") == [] and store.list("runs/r1/l") == []
     assert store.get("runs/r1/ok") == b"fine" and store.head("runs/r1/ok") is not None
+
+
+def test_file_store_writes_never_follow_a_link_planted_in_the_board(tmp_path: Path) -> None:
+    """Someone who can write to a file:// board (a shared folder) plants links: a folder link
+    out of the board, a link as an object's name, a link for the lock folder. Before, the
+    writer followed them (its objects, pointers and deletions landed outside the board: a
+    file written, or removed, anywhere the trainer may write). Now every write works on
+    folders reached without following links: a folder link is refused, a name that is a link
+    is an existing name (put-if-absent) or is replaced itself, and nothing outside changes."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"precious")
+    root = tmp_path / "board"
+    store = FileStore(root, fsync=False)
+    store.put("runs/r1/ok", b"fine")
+    os.symlink(outside, root / "runs" / "r2")  # a folder of the board, pointing out of it
+    os.symlink(outside / "keep", root / "runs" / "r1" / "obj")  # an object's name
+    for write in (
+        lambda: store.put("runs/r2/new", b"x"),
+        lambda: store.put("runs/r2/deeper/new", b"x", if_absent=False),
+        lambda: store.cas("runs/r2/LATEST", b"x", expected=None),
+    ):
+        with pytest.raises(StoreError, match="symbolic link where the board needs a folder"):
+            write()
+    with pytest.raises(AlreadyExistsError):
+        store.put("runs/r1/obj", b"forged")  # the link is a name that exists
+    store.delete("runs/r2/keep")  # through the folder link: nothing of the board's
+    assert sorted(p.name for p in outside.iterdir()) == ["keep"]
+    assert (outside / "keep").read_bytes() == b"precious"
+    store.put("runs/r1/obj", b"mine", if_absent=False)  # the link itself is replaced
+    assert store.get("runs/r1/obj") == b"mine" and not (root / "runs/r1/obj").is_symlink()
+    os.symlink(outside / "keep", root / "runs" / "r1" / "obj2")
+    store.delete("runs/r1/obj2")  # the link goes, not what it pointed to
+    assert not os.path.lexists(root / "runs/r1/obj2")
+    lock = root / ".rp-locks"
+    if lock.exists():
+        shutil.rmtree(lock)
+    os.symlink(outside, lock)
+    with pytest.raises(StoreError, match="symbolic link"):
+        store.cas("runs/r1/LATEST", b"1", expected=None)
+    assert sorted(p.name for p in outside.iterdir()) == ["keep"]
+    assert (outside / "keep").read_bytes() == b"precious"
 
 
 @contextlib.contextmanager

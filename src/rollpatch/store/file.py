@@ -17,6 +17,10 @@ How each guarantee is kept:
   folder's descriptor), and never open a FIFO, socket or device; such names read as absent and
   are not listed. So a link planted in the board cannot serve ``/etc/passwd``, and a FIFO
   cannot hang a reader. (The root itself may be a link: the operator chose it.)
+- writes (``put``, ``cas``, ``delete``, the lock files) work the same way, on folder
+  descriptors reached from the root without following links, and create, link, rename and
+  unlink names relative to them: a link planted in the board cannot send the writer's objects,
+  pointers or deletions outside it; a link where a folder must be is refused.
 """
 
 from __future__ import annotations
@@ -43,11 +47,13 @@ from .notify import KeyWatch
 from .posix import (
     ABSENT,
     clash,
+    is_dir_at,
+    is_link_at,
     is_regular,
     not_object,
     os_errors,
     pread_exact,
-    unlink_quietly,
+    unlink_at,
 )
 
 __all__ = ["FileStore"]
@@ -214,6 +220,9 @@ class FileStore(Store):
         return sorted(keys)
 
     # -- writes -------------------------------------------------------------------------------
+    # Every write works on folder descriptors reached from the root without following links
+    # (:meth:`_write_dir`): a link planted in the board by someone who can write to it cannot
+    # send the writer's objects, pointers or deletions outside the board.
 
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
         self._put_stream(key, iter((data,)), size=len(data), if_absent=if_absent)
@@ -221,83 +230,130 @@ class FileStore(Store):
     def _put_stream(
         self, key: str, chunks: Iterator[memoryview], *, size: int, if_absent: bool
     ) -> None:
-        with os_errors("put", key, self.uri):
-            final = self._path(key)
-            tmp = self._write_temp(key, chunks)
+        with os_errors("put", key, self.uri), self._write_dir(key) as (fd, name):
+            tmp = self._write_temp(fd, chunks)
             try:
                 if if_absent:
-                    self._link_into_place(key, tmp, final, AlreadyExistsError)
+                    self._link_into_place(key, fd, tmp, name, AlreadyExistsError)
                 else:
                     with self._key_lock(key):
-                        self._replace_into_place(key, tmp, final)
+                        self._replace_into_place(key, fd, tmp, name)
             finally:
-                unlink_quietly(tmp)
-            self._sync_dir(final.parent)
+                unlink_at(fd, tmp)
+            self._sync_fd(fd)
 
     def _delete(self, key: str) -> None:
+        *folders, name = key.split("/")
         with os_errors("delete", key, self.uri):
-            path = self._path(key)
             try:
-                os.unlink(path)
-            except (FileNotFoundError, NotADirectoryError):
-                return
-            except (IsADirectoryError, PermissionError):
-                if path.is_dir():  # a folder of other keys, not an object
-                    return
+                fd = self._open_dir(folders)
+            except OSError as e:
+                if e.errno in ABSENT or e.errno == errno.ELOOP:
+                    return  # nothing of the board's there (a link is not followed)
                 raise
-            self._sync_dir(path.parent)
+            try:
+                try:
+                    if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        return  # a folder of other keys, not an object
+                    os.unlink(name, dir_fd=fd)  # a link itself, never what it points to
+                except (FileNotFoundError, NotADirectoryError):
+                    return
+                self._sync_fd(fd)
+            finally:
+                os.close(fd)
 
     def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
-        with os_errors("cas", key, self.uri):
-            final = self._path(key)
-            with self._key_lock(key):
-                try:
-                    current: bytes | None = self._get(key)
-                except NotFoundError:
-                    current = None
-                if current != expected:
-                    raise ConflictError(
-                        "compare-and-swap lost: the content is not the expected one",
-                        key=key,
-                        store=self.uri,
-                        absent=current is None,
-                        hint="re-read the pointer and retry",
-                    )
-                tmp = self._write_temp(key, iter((memoryview(data),)))
+        with os_errors("cas", key, self.uri), self._key_lock(key):
+            try:
+                current: bytes | None = self._get(key)
+            except NotFoundError:
+                current = None
+            if current != expected:
+                raise ConflictError(
+                    "compare-and-swap lost: the content is not the expected one",
+                    key=key,
+                    store=self.uri,
+                    absent=current is None,
+                    hint="re-read the pointer and retry",
+                )
+            with self._write_dir(key) as (fd, name):
+                tmp = self._write_temp(fd, iter((memoryview(data),)))
                 try:
                     if expected is None:
-                        self._link_into_place(key, tmp, final, ConflictError)
+                        self._link_into_place(key, fd, tmp, name, ConflictError)
                     else:
-                        self._replace_into_place(key, tmp, final)
+                        self._replace_into_place(key, fd, tmp, name)
                 finally:
-                    unlink_quietly(tmp)
-                self._sync_dir(final.parent)
+                    unlink_at(fd, tmp)
+                self._sync_fd(fd)
 
-    def _write_temp(self, key: str, chunks: Iterator[memoryview]) -> Path:
-        folder = self._path(key).parent
-        self._make_dirs(key, folder)
-        tmp = folder / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    @contextlib.contextmanager
+    def _write_dir(self, key: str) -> Iterator[tuple[int, str]]:
+        """The key's folder (made where missing, each new folder's parent fsynced) as a
+        descriptor reached from the root without following links, and the key's file name.
+        A link, or a file, where a folder must be is refused (:func:`clash`, or a link)."""
+        *folders, name = key.split("/")
+        fd = self._open_dir([])
+        try:
+            for segment in folders:
+                fd = self._enter(key, fd, segment)
+            yield fd, name
+        finally:
+            os.close(fd)
+
+    def _enter(self, key: str, fd: int, segment: str) -> int:
+        """The folder ``segment`` of the folder ``fd`` (``fd`` is closed), made if missing."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        for _ in range(3):  # another process may make (or remove) it meanwhile
+            try:
+                nxt = os.open(segment, flags, dir_fd=fd)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(segment, dir_fd=fd)
+                except FileExistsError:
+                    continue
+                self._sync_fd(fd)
+                continue
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and is_link_at(fd, segment):
+                    raise StoreError(
+                        "a symbolic link where the board needs a folder: not followed",
+                        key=key,
+                        store=self.uri,
+                        folder=segment,
+                        hint="the board's folders must be real folders (something wrote a "
+                        "link into the board)",
+                    ) from None
+                if e.errno == errno.ENOTDIR:
+                    raise clash(key, self.uri) from None
+                raise
+            os.close(fd)
+            return nxt
+        raise StoreError("a folder of the key keeps changing", key=key, store=self.uri)
+
+    def _write_temp(self, fd: int, chunks: Iterator[memoryview]) -> str:
+        tmp = f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
         try:
             for view in chunks:
                 while view:
-                    view = view[os.write(fd, view) :]
+                    view = view[os.write(out, view) :]
             if self.fsync:
-                os.fsync(fd)
+                os.fsync(out)
         except BaseException:
-            os.close(fd)
-            unlink_quietly(tmp)
+            os.close(out)
+            unlink_at(fd, tmp)
             raise
-        os.close(fd)
+        os.close(out)
         return tmp
 
     def _link_into_place(
-        self, key: str, tmp: Path, final: Path, exists_error: type[StoreError]
+        self, key: str, fd: int, tmp: str, name: str, exists_error: type[StoreError]
     ) -> None:
-        try:
-            os.link(tmp, final)
+        try:  # linkat never follows the target's name: a link there is an existing name
+            os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
         except FileExistsError:
-            if final.is_dir():
+            if is_dir_at(fd, name):
                 raise clash(key, self.uri) from None
             raise exists_error(
                 "object exists and published objects are immutable", key=key, store=self.uri
@@ -312,52 +368,21 @@ class FileStore(Store):
                 ) from e
             raise
 
-    def _replace_into_place(self, key: str, tmp: Path, final: Path) -> None:
-        if final.is_dir():
+    def _replace_into_place(self, key: str, fd: int, tmp: str, name: str) -> None:
+        if is_dir_at(fd, name):
             raise clash(key, self.uri)
-        os.replace(tmp, final)
+        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)  # a link there is replaced itself
 
-    def _make_dirs(self, key: str, folder: Path) -> None:
-        """Create missing folders one by one, fsyncing each new folder's parent."""
-        missing: list[Path] = []
-        probe = folder
-        while True:  # one stat per level: another process may create folders meanwhile
-            try:
-                if not stat.S_ISDIR(os.stat(probe).st_mode):
-                    raise clash(key, self.uri)
-                break
-            except FileNotFoundError:
-                missing.append(probe)
-                probe = probe.parent
-            except NotADirectoryError:
-                raise clash(key, self.uri) from None
-        for path in reversed(missing):
-            try:
-                os.mkdir(path)
-            except FileExistsError:
-                if not path.is_dir():
-                    raise clash(key, self.uri) from None
-                continue
-            except NotADirectoryError:
-                raise clash(key, self.uri) from None
-            self._sync_dir(path.parent)
-
-    def _sync_dir(self, folder: Path) -> None:
-        if not self.fsync:
-            return
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
+    def _sync_fd(self, fd: int) -> None:
+        if self.fsync:
             os.fsync(fd)
-        finally:
-            os.close(fd)
 
     @contextlib.contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
         """Hold an exclusive flock on this key's lock file (kept: unlinking would race)."""
-        folder = self.root / _LOCK_DIR
-        folder.mkdir(exist_ok=True)
         name = hashlib.sha256(key.encode("utf-8")).hexdigest()[:40]
-        fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
+        with self._write_dir(f"{_LOCK_DIR}/{name}") as (folder, _):
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

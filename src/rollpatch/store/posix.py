@@ -8,18 +8,19 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 
 from ..errors import NotFoundError, StoreError
 
 __all__ = [
     "ABSENT",
     "clash",
+    "is_dir_at",
+    "is_link_at",
     "is_regular",
     "not_object",
     "os_errors",
     "pread_exact",
-    "unlink_quietly",
+    "unlink_at",
 ]
 
 
@@ -91,7 +92,23 @@ def pread_exact(fd: int, offset: int, size: int, key: str) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def unlink_quietly(path: Path) -> None:
-    """Remove ``path`` if it is there."""
+def is_dir_at(fd: int, name: str) -> bool:
+    """Whether ``name`` in the folder ``fd`` is a folder (a link is not followed)."""
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def is_link_at(fd: int, name: str) -> bool:
+    """Whether ``name`` in the folder ``fd`` is a symbolic link."""
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def unlink_at(fd: int, name: str) -> None:
+    """Remove ``name`` from the folder ``fd`` if it is there."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(name, dir_fd=fd)

@@ -274,9 +274,9 @@ class _CountingGets:
         self.gets = 0
         inner = board.store.get
 
-        def get(key: str) -> bytes:
+        def get(key: str, **bounds: int) -> bytes:
             self.gets += 1
-            return inner(key)
+            return inner(key, **bounds)
 
         board.store.get = get  # type: ignore[method-assign]
 

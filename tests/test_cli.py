@@ -406,11 +406,50 @@ def test_pull_writes_the_version_asked_for_or_nothing(tmp_path: Path, capsys) ->
     capsys.readouterr()
     for want in (["--version", "2"], []):
         assert main(["pull", "--board", board, "--run", "r1", *want, "-o", str(out)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("rollpatch: error:") and "Traceback" not in err, err
+        err = capsys.readouterr().err  # (a log line may come first: another test's handler)
+        assert err.splitlines()[-1].startswith("rollpatch: error:"), err
+        assert "Traceback" not in err
         assert not out.exists()
     assert main(["pull", "--board", board, "--run", "r1", "--version", "1", "-o", str(out)]) == 0
     assert load_view(out).digest() == b.manifest("r1", 1).target
+
+
+def test_pull_refuses_an_object_larger_than_its_manifest_entry_unread(
+    tmp_path: Path, capsys
+) -> None:
+    """Anyone who can write to the store (no key needed: the manifest stays genuine) makes a
+    patch object a sparse 64 GiB file: the follower read objects whole before it compared
+    their size with the manifest's entry (an audit, session 40: a 4 GB one took 38 s and
+    8.4 GB). Now it is refused unread, at once; so are a LATEST and a manifest over their
+    documents' bounds."""
+    import os
+
+    from rollpatch.board import Board
+    from rollpatch.errors import ManifestError
+    from rollpatch.layout import pointer_key, version_key
+
+    board = f"file://{tmp_path / 'board'}"
+    for v in range(2):
+        ckpt = tmp_path / f"m{v}.safetensors"
+        save_masters(ckpt, masters(1 + v))
+        assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    b = Board(board)
+    root = tmp_path / "board"
+    for ref in b.manifest("r1", 1).objects():
+        os.truncate(root / ref.key, 64 << 30)
+    out = tmp_path / "out.safetensors"
+    capsys.readouterr()
+    assert main(["pull", "--board", board, "--run", "r1", "-o", str(out), "--retries", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "larger than it names; not read" in err and "got_bytes=68719476736" in err, err
+    assert not out.exists()
+    os.truncate(root / pointer_key("r1"), 1 << 30)
+    os.truncate(root / version_key("r1", 0), 1 << 30)
+    fresh = Board(board)
+    with pytest.raises(ManifestError, match="larger than a LATEST pointer may be"):
+        fresh.latest("r1")
+    with pytest.raises(ManifestError, match="larger than a manifest may be"):
+        fresh.manifest("r1", 0)
 
 
 def test_resign_with_a_key_a_rotation_retired_changes_nothing(tmp_path: Path, capsys) -> None:

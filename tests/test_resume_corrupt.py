@@ -136,9 +136,9 @@ def test_followers_that_met_the_corruption_reach_the_new_lineage(
     gets: list[str] = []
     real_get = memory_board.store.get
 
-    def counting_get(key: str) -> bytes:
+    def counting_get(key: str, **bounds: int) -> bytes:
         gets.append(key)
-        return real_get(key)
+        return real_get(key, **bounds)
 
     monkeypatch.setattr(memory_board.store, "get", counting_get)
     monkeypatch.setattr(avoid, "time", SimpleNamespace(monotonic=lambda: 1000.0))  # frozen

@@ -13,7 +13,13 @@ import os
 
 import pytest
 
-from rollpatch.errors import AlreadyExistsError, ConfigError, ConflictError, NotFoundError
+from rollpatch.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    TooLargeError,
+)
 from rollpatch.store import Store
 from tests.conftest_s3 import MiB, pair, relay, store
 
@@ -30,6 +36,28 @@ def test_put_get_roundtrip(pair: tuple[Store, Store], data: bytes) -> None:
     assert reader.get("a/b/obj") == data
     info = reader.head("a/b/obj")
     assert info is not None and info.size == len(data) and info.key == "a/b/obj"
+
+
+def test_a_bounded_get_refuses_a_larger_object(pair: tuple[Store, Store]) -> None:
+    """``get(key, max_bytes=)``: what a reader expects at most (a manifest entry's size); a
+    larger object is refused (every backend here before its body is read: the file's size,
+    S3's first part, the relay's Content-Length), so a store writer cannot pick what a
+    reader allocates (an audit, session 40: a 4 GB object took 8.4 GB of a follower)."""
+    writer, reader = pair
+    writer.put("a/big", b"x" * (3 * MiB))
+    writer.put("a/small", b"y" * 10)
+    writer.put("a/empty", b"")
+    assert reader.get("a/small", max_bytes=10) == reader.get("a/small", max_bytes=11) == b"y" * 10
+    assert reader.get("a/empty", max_bytes=0) == b""
+    for key, bound in (("a/big", 1024), ("a/small", 9)):
+        with pytest.raises(TooLargeError) as refused:
+            reader.get(key, max_bytes=bound)
+        assert refused.value.context["max_bytes"] == bound
+        assert refused.value.context["size"] == len(writer.get(key)), refused.value.context
+    with pytest.raises(NotFoundError):
+        reader.get("a/none", max_bytes=1)
+    with pytest.raises(ConfigError):
+        reader.get("a/small", max_bytes=-1)
 
 
 def test_put_accepts_bytes_like(store: Store) -> None:

@@ -29,6 +29,8 @@ from .errors import (
     ConflictError,
     ManifestError,
     NotFoundError,
+    TooLargeError,
+    TrustError,
     VersionNotFoundError,
 )
 from .latest import MAX_POINTER_BYTES, encode_latest, read_latest
@@ -56,6 +58,7 @@ from .trust import (
     looks_like_envelope,
     verify_initial_root,
 )
+from .trust.root import MAX_ROOT_BYTES
 from .types import ObjectRef, Pointer, pointer_may_advance
 from .view import View
 
@@ -150,6 +153,21 @@ class Board:
 
     # -- the root of trust --------------------------------------------------------------------
 
+    def _doc(
+        self, key: str, bound: int, what: str, error: type[ManifestError], **ctx: Any
+    ) -> bytes:
+        """A document's bytes (a manifest, LATEST, a root), refused unread when over its
+        parser's bound (a store writer would otherwise pick what every reader allocates)."""
+        try:
+            return self.store.get(key, max_bytes=bound)
+        except TooLargeError as e:
+            raise error(
+                f"the {what} is larger than a {what} may be ({bound} bytes): not read",
+                key=key,
+                size=e.context.get("size"),
+                **ctx,
+            ) from None
+
     def roots(self) -> list[int]:
         """Root-of-trust versions on the board (ascending)."""
         return numbered(self.store.list(ROOT_PREFIX), ROOT_PREFIX, ".json")
@@ -157,7 +175,7 @@ class Board:
     def root_raw(self, n: int) -> bytes | None:
         """The envelope bytes of root ``n``, or None when there is none."""
         try:
-            return self.store.get(root_key(n))
+            return self._doc(root_key(n), MAX_ROOT_BYTES, "root", TrustError, reason="malformed")
         except NotFoundError:
             return None
 
@@ -170,7 +188,7 @@ class Board:
         try:
             self.store.put(root_key(root.version), raw)
         except AlreadyExistsError:
-            if self.store.get(root_key(root.version)) != raw:
+            if self.store.get(root_key(root.version), max_bytes=MAX_ROOT_BYTES) != raw:
                 raise AlreadyExistsError(
                     "another root has this version",
                     version=root.version,
@@ -190,7 +208,7 @@ class Board:
                 self._cache.move_to_end((run, n))
                 return m
         try:
-            raw = self.store.get(version_key(run, n))
+            raw = self._doc(version_key(run, n), MAX_ENVELOPE_BYTES, "manifest", ManifestError)
         except NotFoundError:
             raise VersionNotFoundError("no such version on the board", run=run, version=n) from None
         m = open_manifest(raw, run, n, self.trust, self.refresh_root)
@@ -203,7 +221,7 @@ class Board:
     def signed(self, run: str, n: int) -> bool:
         """Whether version ``n``'s manifest is stored as a signed envelope (not verified)."""
         try:
-            raw = self.store.get(version_key(run, n))
+            raw = self._doc(version_key(run, n), MAX_ENVELOPE_BYTES, "manifest", ManifestError)
         except NotFoundError:
             raise VersionNotFoundError("no such version on the board", run=run, version=n) from None
         return raw[:1] == b"{" and looks_like_envelope(
@@ -259,7 +277,7 @@ class Board:
         try:
             self.store.put(version_key(m.run, m.version), raw)
         except AlreadyExistsError:
-            there = self.store.get(version_key(m.run, m.version))
+            there = self.store.get(version_key(m.run, m.version), max_bytes=MAX_ENVELOPE_BYTES)
             if (
                 there != raw
                 and self.signer is not None
@@ -327,7 +345,7 @@ class Board:
 
     def _pointer_raw(self, run: str) -> bytes | None:
         try:
-            return self.store.get(pointer_key(run))
+            return self._doc(pointer_key(run), MAX_POINTER_BYTES, "LATEST pointer", ManifestError)
         except NotFoundError:
             return None
 

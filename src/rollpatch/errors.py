@@ -59,6 +59,7 @@ __all__ = [
     "RollpatchError",
     "StoreError",
     "TargetMismatchError",
+    "TooLargeError",
     "TransientStoreError",
     "TrustError",
     "VerificationError",
@@ -152,6 +153,11 @@ class NotFoundError(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self._render()
+
+
+class TooLargeError(StoreError):
+    """An object larger than its reader accepts, refused before its body was read (a reader
+    that knows what to expect bounds what a store writer can make it allocate)."""
 
 
 class AlreadyExistsError(StoreError):

@@ -13,7 +13,13 @@ from typing import Any
 
 import blake3
 
-from .errors import AlreadyExistsError, NotFoundError, ObjectIntegrityError, ViewError
+from .errors import (
+    AlreadyExistsError,
+    NotFoundError,
+    ObjectIntegrityError,
+    TooLargeError,
+    ViewError,
+)
 from .layout import object_key
 from .store import Store
 from .types import ObjectRef
@@ -24,7 +30,15 @@ __all__ = ["fetch", "fetch_view", "put_object", "put_view_object"]
 
 def fetch(store: Store, ref: ObjectRef) -> bytes:
     """Get an object and verify its size and BLAKE3 hash (ObjectIntegrityError if corrupt)."""
-    data = store.get(ref.key)
+    try:  # a larger object is refused before it is read (a store writer picks its size)
+        data = store.get(ref.key, max_bytes=ref.size)
+    except TooLargeError as e:
+        raise ObjectIntegrityError(
+            "object does not match its manifest entry (larger than it names; not read)",
+            key=ref.key,
+            expected_bytes=ref.size,
+            got_bytes=e.context.get("size"),
+        ) from None
     if len(data) != ref.size or blake3.blake3(data).hexdigest() != ref.b3:
         raise ObjectIntegrityError(
             "object does not match its manifest entry (corrupt or truncated)",

@@ -103,6 +103,9 @@ class RetryingStore(Store):
     def _get(self, key: str) -> bytes:
         return self.retrier.call(lambda: self.inner.get(key), RETRY_READ)
 
+    def _get_bounded(self, key: str, max_bytes: int) -> bytes:
+        return self.retrier.call(lambda: self.inner.get(key, max_bytes=max_bytes), RETRY_READ)
+
     def _get_range(self, key: str, start: int, end: int) -> bytes:
         return self.retrier.call(lambda: self.inner.get_range(key, start, end), RETRY_READ)
 

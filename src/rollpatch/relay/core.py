@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, BinaryIO, Generic, TypeVar
 
 import blake3
 
-from ..errors import ManifestError, ObjectIntegrityError, StoreError
+from ..errors import ManifestError, ObjectIntegrityError, StoreError, TooLargeError
+from ..latest import MAX_POINTER_BYTES
 from ..logs import Throttle, event
+from ..manifest import MAX_ENVELOPE_BYTES
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
 from ..trust import Trust, warn_unverified
+from ..trust.root import MAX_ROOT_BYTES
 from .cache import CacheEntry, DiskCache
 from .config import KeyKind, RelayConfig, classify
 from .flights import Flights
@@ -44,6 +47,13 @@ __all__ = ["Blob", "Relay"]
 T = TypeVar("T")
 log = logging.getLogger("rollpatch.relay")
 _MAX_TTL_ENTRIES = 4096
+#: What a document of each kind may be (its parser's bound), checked before it is read.
+_BOUNDS = {
+    KeyKind.MANIFEST: MAX_ENVELOPE_BYTES,
+    KeyKind.ROOT: MAX_ROOT_BYTES,
+    KeyKind.POINTER: MAX_POINTER_BYTES,
+    KeyKind.MARKER: 1024,  # empty on the board (docs/board.md)
+}
 
 
 @dataclass(frozen=True)
@@ -268,15 +278,16 @@ class Relay:
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
         for last in (False, True):  # a LATEST overtaken while read is asked for once more
             started = time.monotonic()
-            data = self._get(key)
-            if len(data) > self.config.max_volatile_bytes:
-                self.verifier.refuse("too_large", key=key, size=len(data))
+            try:  # refused before its body is read
+                data = self._get(key, self.config.max_volatile_bytes)
+            except TooLargeError as e:
+                self.verifier.refuse("too_large", key=key, size=e.context.get("size"))
                 raise StoreError(
                     "upstream object is mutable (not in the board layout) and too large to relay",
                     key=key,
-                    size=len(data),
+                    size=e.context.get("size"),
                     hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
-                )
+                ) from None
             if kind is KeyKind.POINTER:
                 try:
                     p = self.verifier.check_pointer(key, data, started=started)
@@ -348,8 +359,14 @@ class Relay:
         self._remember(self._lists, prefix, keys, started + self.config.list_ttl)
         return keys
 
-    def _get(self, key: str) -> bytes:
-        data = self._call("get", self.upstream.get, key)
+    def _get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """Upstream's bytes of ``key``; a manifest, root or marker over its document's bound
+        (``max_bytes`` too) is refused before its body is read. Objects are not bounded: the
+        relay does not know their size before a manifest names them."""
+        bound = _BOUNDS.get(classify(key))
+        if max_bytes is not None:
+            bound = max_bytes if bound is None else min(bound, max_bytes)
+        data = self._call("get", lambda k: self.upstream.get(k, max_bytes=bound), key)
         self.metrics.inc("rollpatch_relay_upstream_bytes_total", len(data))
         return data
 

@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..errors import RollpatchError
-from ..latest import read_latest
+from ..latest import MAX_POINTER_BYTES, read_latest
 from ..layout import manifest_version, object_hash, objects_prefix, pointer_run, version_key
 from ..logs import event
 from ..manifest import open_manifest
@@ -271,7 +271,7 @@ class PointerWatch:
             return None, 0.0, "", pushed
         read_at = time.monotonic()
         self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="get")
-        return upstream.get(key), read_at, "", pushed
+        return upstream.get(key, max_bytes=MAX_POINTER_BYTES), read_at, "", pushed
 
     def _learned(
         self,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
 
-from ..errors import ConfigError, StoreError
+from ..errors import ConfigError, StoreError, TooLargeError
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -24,6 +24,7 @@ __all__ = [
     "ObjectInfo",
     "Store",
     "check_bounds",
+    "too_large",
     "validate_key",
     "validate_prefix",
 ]
@@ -137,6 +138,17 @@ def check_bounds(key: str, start: int, end: int, size: int) -> None:
         )
 
 
+def too_large(key: str, uri: str, size: int, max_bytes: int) -> TooLargeError:
+    """The refusal of an object of ``size`` bytes where the reader takes ``max_bytes``."""
+    return TooLargeError(
+        "object is larger than its reader accepts: refused before reading it",
+        key=key,
+        store=uri,
+        size=size,
+        max_bytes=max_bytes,
+    )
+
+
 def _check_range_args(key: str, start: int, end: int) -> None:
     for name, value in (("start", start), ("end", end)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -167,9 +179,21 @@ class Store(ABC):
 
     # -- public API: validates, then delegates -------------------------------------------------
 
-    def get(self, key: str) -> bytes:
-        """Return the whole object; :class:`NotFoundError` when absent."""
-        return self._get(validate_key(key))
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Return the whole object; :class:`NotFoundError` when absent. ``max_bytes``: what
+        the reader expects at most (a manifest entry's size, a document's bound); a larger
+        object is refused with :class:`TooLargeError`, by the backends of this package
+        before its body is read, so whoever can write to the store cannot make a reader
+        allocate what it likes."""
+        validate_key(key)
+        if max_bytes is None:
+            return self._get(key)
+        if max_bytes < 0:
+            raise ConfigError("max_bytes must be >= 0", key=key, max_bytes=max_bytes)
+        data = self._get_bounded(key, max_bytes)
+        if len(data) > max_bytes:  # a backend that could only tell once it had read it
+            raise too_large(key, self.uri, len(data), max_bytes)
+        return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Return bytes ``[start, end)``; :class:`ConfigError` when the range is out of bounds."""
@@ -259,6 +283,11 @@ class Store(ABC):
 
     @abstractmethod
     def _get_range(self, key: str, start: int, end: int) -> bytes: ...
+
+    def _get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """The object, refused (:func:`too_large`) when over ``max_bytes`` before its body is
+        read where the backend can tell; this default reads it whole (``get`` checks)."""
+        return self._get(key)
 
     @abstractmethod
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None: ...

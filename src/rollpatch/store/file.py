@@ -42,7 +42,14 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .base import RESERVED_SEGMENT_PREFIX, ObjectInfo, Store, check_bounds, validate_key
+from .base import (
+    RESERVED_SEGMENT_PREFIX,
+    ObjectInfo,
+    Store,
+    check_bounds,
+    too_large,
+    validate_key,
+)
 from .notify import KeyWatch
 from .posix import (
     ABSENT,
@@ -159,10 +166,16 @@ class FileStore(Store):
         return fd
 
     def _get(self, key: str) -> bytes:
+        return self._get_bounded(key, None)
+
+    def _get_bounded(self, key: str, max_bytes: int | None) -> bytes:
         with os_errors("get", key, self.uri):
             fd = self._open_read(key)
             try:
-                return pread_exact(fd, 0, os.fstat(fd).st_size, key)
+                size = os.fstat(fd).st_size
+                if max_bytes is not None and size > max_bytes:
+                    raise too_large(key, self.uri, size, max_bytes)
+                return pread_exact(fd, 0, size, key)
             finally:
                 os.close(fd)
 

@@ -39,7 +39,7 @@ from ..errors import (
     TransientStoreError,
 )
 from ..logs import Throttle
-from .base import ObjectInfo, Store, check_bounds, validate_key
+from .base import ObjectInfo, Store, check_bounds, too_large, validate_key
 from .config import HttpConfig
 from .http_errors import CORRUPT_CODE, CORRUPT_STATUS, raise_if_corrupt, relay_said
 from .http_pool import Held, HttpStatusError, Pool, Response
@@ -171,13 +171,20 @@ class HttpStore(Store):
         self._pushed.hold({latest_key: latest, **dict(pushed)})
 
     def _get(self, key: str) -> bytes:
+        return self._get_bounded(key, None)
+
+    def _get_bounded(self, key: str, max_bytes: int | None) -> bytes:
+        """The answer's ``Content-Length`` over ``max_bytes``: refused before its body."""
         held = self._pushed.take(key)
         if held is not None:
-            return held
+            return held  # bounded by the long-poll answer that carried it; get() checks
 
         def attempt() -> bytes:
             with self._request(key) as r:
-                return self._read_body(r, _content_length(r, key), key)
+                size = _content_length(r, key)
+                if max_bytes is not None and size > max_bytes:
+                    raise too_large(key, self.uri, size, max_bytes)
+                return self._read_body(r, size, key)
 
         return self._attempts(attempt, key)
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import AlreadyExistsError, ConflictError, NotFoundError
-from .base import ObjectInfo, Store, check_bounds
+from .base import ObjectInfo, Store, check_bounds, too_large
 
 __all__ = ["MemoryStore"]
 
@@ -58,6 +58,13 @@ class MemoryStore(Store):
     def _get(self, key: str) -> bytes:
         with self._ns.lock:
             return self._lookup(key)
+
+    def _get_bounded(self, key: str, max_bytes: int) -> bytes:
+        with self._ns.lock:
+            size = len(self._lookup(key))
+        if size > max_bytes:
+            raise too_large(key, self.uri, size, max_bytes)
+        return self._get(key)  # (a subclass's own reads, as for any get)
 
     def _get_range(self, key: str, start: int, end: int) -> bytes:
         with self._ns.lock:

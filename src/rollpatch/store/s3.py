@@ -36,7 +36,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .base import ObjectInfo, Store, check_bounds, validate_key
+from .base import ObjectInfo, Store, check_bounds, too_large, validate_key
 from .config import S3Config
 from .s3_errors import code_of, status_of, translate, was_retried
 from .s3_multipart import put_multipart, put_stream
@@ -152,6 +152,10 @@ class S3Store(Store):
         return list(self._executor().map(lambda b: self._fetch(key, b[0], b[1], etag)[0], bounds))
 
     def _get(self, key: str) -> bytes:
+        return self._get_bounded(key, None)
+
+    def _get_bounded(self, key: str, max_bytes: int | None) -> bytes:
+        """The first part tells the object's size: over ``max_bytes``, nothing more is read."""
         try:
             first, total, etag = self._fetch(key, 0, self.config.part_size)
         except ConfigError:  # 416: S3 answers a ranged GET of an empty object this way
@@ -161,6 +165,8 @@ class S3Store(Store):
                         "Body"
                     ].read()
                 )
+        if max_bytes is not None and total > max_bytes:
+            raise too_large(key, self.uri, total, max_bytes)
         if total <= len(first):
             return first
         return b"".join([first, *self._fetch_rest(key, len(first), total, etag)])

@@ -198,6 +198,9 @@ class ThrottledStore(Store):
     def _get(self, key: str) -> bytes:
         return self._through(lambda: self.inner.get(key), len)
 
+    def _get_bounded(self, key: str, max_bytes: int) -> bytes:
+        return self._through(lambda: self.inner.get(key, max_bytes=max_bytes), len)
+
     def _get_range(self, key: str, start: int, end: int) -> bytes:
         return self._through(lambda: self.inner.get_range(key, start, end), len)
 

@@ -90,9 +90,13 @@ def test_a_restarted_engine_found_by_the_recheck_is_re_synced(follower: Follower
     assert follower.gate.suspect is None
 
 
-def test_a_verified_commit_ends_the_suspicion_and_no_audit_means_no_suspicion(
+def test_a_verified_commit_ends_the_suspicion_and_audits_off_the_heartbeat_does(
     tmp_path: Any,
 ) -> None:
+    """With audits off, the follower still calls the engine every period (a heartbeat that
+    hashes nothing: the test below), so a lost contact is re-checked by it, its identity
+    included (before session 40 nothing could re-check it, and the version was not
+    suspended at all)."""
     gate = CommitGate(Remote(), "pause")
     gate.suspend("a request could not reach it")
     gate.run(lambda: None)
@@ -102,7 +106,9 @@ def test_a_verified_commit_ends_the_suspicion_and_no_audit_means_no_suspicion(
         pub.publish(masters(1))
     f = Follower(board, "r", Remote(), FollowerConfig(audit_bytes_per_s=None))
     assert f.sync() == 0
-    f.engine_unreachable("x")  # nothing could re-check it: not suspended for good
+    f.engine_unreachable("x")
+    assert f.version is None and f.gate.suspect is not None
+    assert f.auditor.budget == 0 and f.auditor.step() is not None  # the heartbeat answers
     assert f.version == 0 and f.gate.suspect is None
     g = Follower(board, "r", ViewEngine())  # in this process: it cannot restart on its own
     assert g.sync() == 0 and g.auditor is not None
@@ -143,3 +149,53 @@ def test_the_audit_loop_suspends_on_an_unreachable_engine_only() -> None:
     finally:
         auditor.stop()
     assert said == []  # another failure is not lost contact
+
+
+class Recording(Remote):
+    """Records each audit's budget; ``taken`` makes the next call find another adapter
+    holding the engine (what the vLLM/SGLang adapters then do: no version)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budgets: list[int] = []
+        self.taken = False
+
+    def audit(self, budget_bytes: int) -> AuditReport:
+        self.budgets.append(budget_bytes)
+        if self.taken:
+            self._version = None
+            raise EngineError("another rollpatch adapter took this engine over", taken_over=True)
+        return AuditReport(0, 0, (), False)
+
+
+def test_with_audits_off_the_follower_still_calls_the_engine_every_period(tmp_path: Any) -> None:
+    """Audits off (`--audit-bytes-per-s none`): an idle adapter made no call between commits,
+    so a second sidecar took the engine over once the ownership lease ran out, and the first
+    went on labelling the other's weights (an audit, session 40, on SGLang). Now the follower
+    calls the engine every period with a budget of 0 (nothing hashed): the call renews the
+    adapter's hold, and a takeover found by it voids the version."""
+    import time
+
+    from rollpatch.engines.staged import AuditCursor as Cursor
+
+    assert Cursor().take(["a", "b"], lambda n: 8, 0) == ([], False)  # nothing hashed at 0
+    assert Cursor().take(["a", "b"], lambda n: 8, 1) == (["a"], False)  # one at least, else
+    board = f"file://{tmp_path / 'board'}"
+    with Publisher(board, "r", asynchronous=False) as pub:
+        pub.publish(masters(1))
+    eng = Recording()
+    f = Follower(board, "r", eng, FollowerConfig(audit_bytes_per_s=None, audit_period_s=0.02))
+    assert f.sync() == 0 and f.version == 0
+    f.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(eng.budgets) < 3:
+            assert time.monotonic() < deadline, "no heartbeat"
+            time.sleep(0.01)
+        assert set(eng.budgets) == {0}
+        eng.taken = True
+        while f.version is not None:
+            assert time.monotonic() < deadline, "the takeover was never noticed"
+            time.sleep(0.01)
+    finally:
+        f.stop()

@@ -94,8 +94,8 @@ class AuditCursor:
         out: list[str] = []
         spent, wrapped = 0, False
         while len(out) < len(names) and (
-            not out or spent + size(names[self._next % len(names)]) <= budget
-        ):
+            (budget > 0 and not out) or spent + size(names[self._next % len(names)]) <= budget
+        ):  # at least one tensor per slice, none at budget 0 (a heartbeat: ownership only)
             name = names[self._next % len(names)]
             out.append(name)
             spent += size(name)

@@ -54,7 +54,9 @@ class Auditor:
         #: Called with True when the engine answered a slice (its identity checked: a remote
         #: engine that restarted is found so), False when it could not be reached.
         self.on_contact = on_contact
-        self.budget = max(1, int(rate_bytes_per_s * period_s))
+        #: 0 (rate 0): a heartbeat, nothing hashed; the call still renews the adapter's hold
+        #: on the engine and checks its identity (:mod:`rollpatch.engines.ownership`).
+        self.budget = 0 if rate_bytes_per_s <= 0 else max(1, int(rate_bytes_per_s * period_s))
         self.period_s = period_s
         self.on_mismatch = on_mismatch
         self.busy = busy
@@ -75,16 +77,17 @@ class Auditor:
         gate: CommitGate,
         *,
         on_mismatch: Callable[[AuditReport], None],
-    ) -> Auditor | None:
-        """The auditor ``config`` asks for (None: ``audit_bytes_per_s`` unset, no audit),
-        skipping slices while ``gate`` runs a weight change and telling it whether the engine
-        answered (:meth:`CommitGate.contact`)."""
+    ) -> Auditor:
+        """The auditor ``config`` asks for, skipping slices while ``gate`` runs a weight
+        change and telling it whether the engine answered (:meth:`CommitGate.contact`).
+        With ``audit_bytes_per_s`` unset it hashes nothing but still calls every period (a
+        heartbeat): an idle adapter with no audit made no call between commits, so another
+        sidecar took its engine over after the ownership lease and it went on labelling the
+        other one's weights (an audit, session 40); the call also finds a restarted engine."""
         rate = config.audit_bytes_per_s
-        if rate is None:
-            return None
         return cls(
             engine,
-            rate_bytes_per_s=rate,
+            rate_bytes_per_s=0.0 if rate is None else rate,
             period_s=config.audit_period_s,
             on_mismatch=on_mismatch,
             busy=lambda: gate.busy,  # a weight change runs: not now

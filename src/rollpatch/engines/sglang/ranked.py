@@ -118,7 +118,7 @@ class RankWeights(HeldWeights):
         while len(out) < len(names):
             n = names[self._cursor]
             size = self.block(n)[0].nbytes
-            if out and spent + size > budget:
+            if (out or budget <= 0) and spent + size > budget:  # none at 0: a heartbeat
                 break
             out.append(n)
             spent += size

@@ -201,8 +201,8 @@ class HeldWeights:
         out: list[str] = []
         spent, wrapped = 0, False
         while len(out) < len(names) and (
-            not out or spent + self[names[self._cursor]].nbytes <= budget
-        ):
+            (budget > 0 and not out) or spent + self[names[self._cursor]].nbytes <= budget
+        ):  # none at budget 0: a heartbeat
             out.append(names[self._cursor])
             spent += self[out[-1]].nbytes
             self._cursor = (self._cursor + 1) % len(names)

@@ -166,7 +166,8 @@ def audit(model: Any, budget: int, owner: str = "") -> dict[str, Any]:
         object.__setattr__(model, _PACKED_AUDIT, state)
     share = 0 if w.settler.busy or budget <= 0 else state.share(budget)
     t0 = time.perf_counter()
-    out = OPS["audit"](w, str(max(budget - share, 1)), "")
+    plain = max(budget - share, 1) if budget > 0 else 0  # 0: a heartbeat, nothing hashed
+    out = OPS["audit"](w, str(plain), "")
     out["hash_ms"] = (time.perf_counter() - t0) * 1e3
     out["boot"] = w.identity
     if share:

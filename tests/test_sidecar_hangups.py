@@ -84,7 +84,7 @@ def test_an_engine_that_stops_answering_its_audit_is_not_ready(world: World) -> 
         sc.stop()
 
 
-def test_a_vllm_paused_behind_the_sidecar_is_not_ready() -> None:
+def test_an_engine_paused_behind_the_sidecar_is_not_ready_and_resumed_at_start() -> None:
     """vLLM paused by someone else (its ``/pause``) while no commit of the sidecar runs: every
     request waits until it is resumed, and /ready said 200 (audit D, session 39). The probe
     behind /ready now asks vLLM's ``GET /is_paused``; an engine without it says nothing."""
@@ -107,7 +107,8 @@ def test_a_vllm_paused_behind_the_sidecar_is_not_ready() -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    from rollpatch.sidecar.app import _paused_behind
+    from rollpatch.engines import ViewEngine
+    from rollpatch.sidecar.paused import paused_behind, resume_left_paused
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -115,7 +116,7 @@ def test_a_vllm_paused_behind_the_sidecar_is_not_ready() -> None:
 
     async def probe() -> str | None:
         async with httpx.AsyncClient(base_url=url) as client:
-            return await _paused_behind(client, 5.0)
+            return await paused_behind(client, 5.0)
 
     try:
         assert "vLLM is paused, and not by this sidecar" in (asyncio.run(probe()) or "")
@@ -123,6 +124,28 @@ def test_a_vllm_paused_behind_the_sidecar_is_not_ready() -> None:
         assert asyncio.run(probe()) is None
         del answers["/is_paused"]  # an older vLLM, or another engine
         assert asyncio.run(probe()) is None
+        # SGLang: no /is_paused; its own /ready is 503 while paused, /ping 200 while healthy
+        # (a killed sidecar left it paused: audit E, session 40)
+        answers["/ready"], answers["/ping"] = (503, {}), (200, {})
+        assert "the engine is paused, and not by this sidecar" in (asyncio.run(probe()) or "")
+        answers["/ping"] = (503, {})  # not healthy: the engine probe says so, not this one
+        assert asyncio.run(probe()) is None
+        answers["/ping"] = (200, {})
+        calls: list[str] = []
+
+        class Adapter(ViewEngine):  # an adapter whose pause and resume use the routes
+            def pause(self) -> None:
+                calls.append("pause")
+
+            def resume(self) -> None:
+                calls.append("resume")
+                answers["/ready"] = (200, {})
+
+        adapter = Adapter()
+        assert resume_left_paused(adapter, url, None, 5.0) is True
+        assert calls == ["pause", "resume"] and asyncio.run(probe()) is None
+        assert resume_left_paused(adapter, url, None, 5.0) is False  # not paused: untouched
+        assert calls == ["pause", "resume"]
     finally:
         server.shutdown()
         server.server_close()

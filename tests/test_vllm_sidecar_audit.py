@@ -263,6 +263,24 @@ def test_a_vllm_paused_behind_the_sidecar_is_not_ready(
         until_back_on(sc, world.latest, time.monotonic() + 60)
     finally:
         sc.stop()
+    # a sidecar that starts on a paused vLLM (one before it died inside a pause-mode commit:
+    # audit E, session 40, on SGLang) resumes it: no request waits for the next commit
+    server.post("/pause?mode=keep", {})
+    try:
+        sc = start_sidecar(
+            world.board,
+            RUN,
+            VllmEngine(server.url),
+            server.url,
+            config=SidecarConfig(follower=FAST),
+        )
+        try:
+            assert server.get("/is_paused") == {"is_paused": False}
+            until_back_on(sc, world.latest, time.monotonic() + 60)
+        finally:
+            sc.stop()
+    finally:
+        server.post("/resume", {})
 
 
 def test_a_hung_up_plain_request_ends_in_vllm_too(server: vllm_env.Server, world: World) -> None:

@@ -24,6 +24,7 @@ from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
 from ..serving.responses import error_response
 from ..serving.schema import openapi_body
 from ..serving.upstream import Upstream
+from .paused import paused_behind
 from .proxy import PROXIED, ProxyFront, rollpatch_refusal
 from .service import Sidecar
 
@@ -76,8 +77,8 @@ def create_app(sc: Sidecar) -> Any:
         reason = sc.not_ready_reason()
         if reason is None:
             reason = await _probe_engine(client, sc.config.ready_probe_s)
-        if reason is None and not sc.gate.busy:  # an engine without /is_paused says nothing
-            reason = await _paused_behind(client, sc.config.ready_probe_s)
+        if reason is None and not sc.gate.busy:  # an engine with neither route says nothing
+            reason = await paused_behind(client, sc.config.ready_probe_s)
             if sc.gate.busy:  # a commit of its own began meanwhile: its pause, not another's
                 reason = None
         if reason is not None:
@@ -151,24 +152,6 @@ async def _probe_engine(client: httpx.AsyncClient, timeout: float) -> str | None
     except httpx.HTTPError as e:
         return f"engine unreachable: {type(e).__name__}: {e}"
     return engine_refusal(r.status_code)
-
-
-async def _paused_behind(client: httpx.AsyncClient, timeout: float) -> str | None:
-    """An engine paused while no commit of the sidecar runs: someone paused it behind the
-    sidecar's back, and every request waits until it is resumed (found by an audit, session
-    39: /ready said 200 meanwhile). ``GET /is_paused`` (vLLM's RL routes); an engine without
-    the route (404, or no such answer) says nothing."""
-    try:
-        r = await client.get("/is_paused", timeout=timeout)
-        paused = r.status_code == 200 and r.json().get("is_paused") is True
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    if not paused:
-        return None
-    return (  # the route is vLLM's
-        "vLLM is paused, and not by this sidecar (no commit runs): requests wait until it is "
-        "resumed"
-    )
 
 
 def _delegate(front: ProxyFront) -> Any:

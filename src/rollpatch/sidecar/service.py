@@ -135,7 +135,20 @@ class Sidecar:
         self.draining = False
 
     def start(self) -> None:
-        """Start following LATEST in the background (the engine becomes ready after boot)."""
+        """Start following LATEST in the background (the engine becomes ready after boot);
+        an engine found paused is resumed first (:func:`.paused.resume_left_paused`)."""
+        if self.engine.remote:
+            from .paused import resume_left_paused
+
+            try:
+                resume_left_paused(
+                    self.engine,
+                    self.engine_url,
+                    self.engine.engine_token,
+                    self.config.ready_probe_s,
+                )
+            except RollpatchError as e:  # not up yet, say: /ready's probe says it later
+                log.warning("could not resume the engine found paused: %s", e)
         self.follower.start()
 
     def stop(self) -> None:

@@ -216,6 +216,7 @@ def test_an_engine_failing_mid_stream_ends_the_answer_and_frees_the_slot(
     live: tuple[Engine, RunningSidecar], taps: list[int], request: pytest.FixtureRequest
 ) -> None:
     engine, sc = live
+    before = _outcomes(sc)
     errors = _Records()
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addHandler(errors)
@@ -243,13 +244,17 @@ def test_an_engine_failing_mid_stream_ends_the_answer_and_frees_the_slot(
             body = {"model": "m", "prompt": "p", "stream": True}
             with client.stream("POST", f"{sc.url}/v1/completions", json=body) as r:
                 seen.extend(line for line in r.iter_lines() if line)
-        # the events before the failure came through as they were (the held one too)
-        assert [json.loads(x[5:])["choices"][0]["text"] for x in seen] == [" t0", " t1"]
+        # the events before the failure came through as they were (the held one too), then
+        # an error event with the reason (an audit, session 40: only a cut connection)
+        assert [json.loads(x[5:])["choices"][0]["text"] for x in seen[:-1]] == [" t0", " t1"]
+        error = json.loads(seen[-1][5:])["error"]
+        assert error["type"] == "engine_error" and "failed mid-stream" in error["message"]
         deadline = time.monotonic() + 10
         while sc.sidecar.gate.inflight and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sc.sidecar.gate.inflight == 0
     assert taps[0] == 2
+    assert _outcomes(sc, before) == {"engine_error": 2}  # not "proxied" (audit E, session 40)
     # the sidecar logs the broken stream (stream_failed); the server adds no ERROR of its own
     # per broken stream ("ASGI callable returned without completing response")
     assert [r.getMessage() for r in errors.records if r.levelno >= logging.WARNING] == []
@@ -271,7 +276,7 @@ def test_a_client_leaving_closes_the_engine_connection(
         tick()
 
     engine.script = script
-    lost = engine.lost
+    lost, before = engine.lost, _outcomes(sc)
     with httpx.Client(timeout=10) as client:
         body = {"model": "m", "prompt": "p", "stream": True}
         with client.stream("POST", f"{sc.url}/v1/completions", json=body) as r:
@@ -286,6 +291,21 @@ def test_a_client_leaving_closes_the_engine_connection(
         time.sleep(0.01)
     assert sc.sidecar.gate.inflight == 0
     assert taps[0] == 1
+    deadline = time.monotonic() + 10
+    while not _outcomes(sc, before) and time.monotonic() < deadline:  # counted at its end
+        time.sleep(0.01)
+    assert _outcomes(sc, before) == {"client_gone": 1}  # not "proxied" (audit E, session 40)
+
+
+def _outcomes(sc: RunningSidecar, since: dict[str, int] | None = None) -> dict[str, int]:
+    """The sidecar's ``rollpatch_requests_total`` by outcome, less ``since`` (those above 0)."""
+    out: dict[str, int] = {}
+    for metric in sc.sidecar.metrics.requests.collect():
+        for s in metric.samples:
+            n = int(s.value) - (since or {}).get(s.labels.get("outcome", ""), 0)
+            if s.name.endswith("_total") and n:
+                out[s.labels["outcome"]] = n
+    return out
 
 
 def test_a_slow_client_holds_the_engine_not_the_sidecars_memory(

@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Literal
 
 from starlette.responses import Response
 
@@ -35,7 +35,7 @@ from ..serving.app import config_refusal, internal_error
 from ..serving.body import read_asgi_json
 from ..serving.responses import error_response
 from ..serving.schema import validate_body
-from ..serving.streaming import SseRelay
+from ..serving.streaming import SseRelay, sse_data
 from ..serving.upstream import Upstream, UpstreamError, UpstreamResponse
 from .gate import Admission
 from .protocol import (
@@ -197,14 +197,16 @@ class ProxyFront:
                 ctype = resp.header(b"content-type") or b"application/json"
                 await _send_raw(send, resp.status, _headers(ctype, start, end), content)
                 return
-            await self._relay(receive, send, resp, slot)
-            sc.metrics.request("proxied", time.perf_counter() - t0)
+            outcome = await self._relay(receive, send, resp, slot)
+            sc.metrics.request(outcome, time.perf_counter() - t0 if outcome == "proxied" else None)
         finally:
             resp.close()
 
     async def _relay(
         self, receive: Receive, sent: _Sent, resp: UpstreamResponse, slot: Admission
-    ) -> None:
+    ) -> Literal["proxied", "client_gone", "engine_error"]:
+        """Relay the stream; how it ended: whole, the client gone, or broken by the engine
+        (an error event, then the connection cut: never a clean end)."""
         start = slot.start
 
         def last_event(line: bytes, done: bool) -> bytes:
@@ -242,19 +244,31 @@ class ProxyFront:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             out = relay.finish()
+            left = gone.done()  # (before the cancel below)
         except UpstreamError as e:
-            if not gone.done():
-                event(log, "stream_failed", error=str(e))
-                self.sc.follower.engine_unreachable(f"a stream from it broke: {e}")
-                await send(
-                    {"type": "http.response.body", "body": relay.abandon(), "more_body": True}
-                )
-                hang_up(send)
-            return  # the response stays incomplete: its connection is closed
+            if gone.done():
+                return "client_gone"
+            event(log, "stream_failed", error=str(e))
+            self.sc.follower.engine_unreachable(f"a stream from it broke: {e}")
+            failed = sse_data(
+                {
+                    "error": {
+                        "message": f"the engine failed mid-stream: {e}",
+                        "type": "engine_error",
+                        "code": 502,
+                    }
+                }
+            )
+            await send(
+                {"type": "http.response.body", "body": relay.abandon() + failed, "more_body": True}
+            )
+            hang_up(send)
+            return "engine_error"  # the response stays incomplete: its connection is closed
         finally:
             gone.remove_done_callback(abort)
             gone.cancel()
         await send({"type": "http.response.body", "body": out, "more_body": False})
+        return "client_gone" if left else "proxied"
 
 
 class _Sent:

@@ -597,3 +597,38 @@ def test_an_output_that_cannot_be_written_is_said_before_the_work(tmp_path: Path
     assert main(["root", "--board", board, *keys, "-o", str(anchor), "--force"]) == 0
     assert Board(board).roots() == [1] and anchor.read_bytes() == Board(board).root_raw(1) + b"\n"
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_forged_root_on_the_board_is_named_with_the_fix(tmp_path: Path, capsys) -> None:
+    """Anyone who can write to the store puts a self-signed root 2 there (an audit, session
+    40): every `--trust` reader stopped with "root 2 is not signed by the previous root's
+    keys", and the publisher's honest rotation failed the same way, neither saying that root
+    2 is forged nor what to do. Both now name it and the fix; removing it restores both."""
+    import os
+
+    from rollpatch.board import Board
+    from rollpatch.layout import root_key
+    from rollpatch.trust import Root, read_public_key, read_signing_key, sign_root
+
+    world = signing_world(tmp_path)
+    publish = ["publish", str(world.ckpt), "--board", world.board, "--run", "r1"]
+    assert main([*publish, "--signing-key", str(world.key)]) == 0
+    assert main(["keygen", "-o", str(tmp_path / "evil")]) == 0
+    evil = Root.new([read_public_key(tmp_path / "evil.pub")], threshold=1, version=2)
+    Board(world.board).put_root(sign_root(evil, [read_signing_key(tmp_path / "evil.key")]))
+    capsys.readouterr()
+    out = str(tmp_path / "out.safetensors")
+    pull = ["pull", "--board", world.board, "--run", "r1", "--trust", str(world.root), "-o", out]
+    assert main([*pull, "--trust-state", str(tmp_path / "state.json")]) == 2
+    said = capsys.readouterr().err
+    assert "root 2 on the board does not chain from the trusted root 1" in said, said
+    assert "remove root/000000000002.json" in said
+    assert main(["keygen", "-o", str(tmp_path / "next")]) == 0
+    rotate = ["root", "--board", world.board, "--key", str(tmp_path / "next.pub")]
+    rotate += ["--sign", str(world.key), "--sign", str(tmp_path / "next.key")]
+    capsys.readouterr()
+    assert main(rotate) == 2
+    assert "remove root/000000000002.json" in capsys.readouterr().err
+    os.remove(tmp_path / "board" / root_key(2))  # the operator's fix
+    assert main([*pull, "--trust-state", str(tmp_path / "state2.json")]) == 0
+    assert main(rotate) == 0

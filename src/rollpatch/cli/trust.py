@@ -192,6 +192,10 @@ def cmd_root(args: argparse.Namespace) -> int:
     else:
         version = 1
     if board is not None and version > 1:
+        if board.root_raw(1) is not None:  # a root that does not chain is named, with the fix
+            from ..publisher.signing import chained_trust
+
+            chained_trust(board)
         raw_prev = board.root_raw(version - 1)
         if raw_prev is None:
             have = max(board.roots(), default=0)

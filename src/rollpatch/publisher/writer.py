@@ -168,10 +168,11 @@ class VersionWriter:
             if self._x.size > 1:
                 raise
             log.warning(
-                "%s: cannot rebuild version %d from sound objects signed by this publisher's "
-                "keys (%s: %s); version %d is published as a keyframe with no parent",
+                "%s: cannot rebuild version %d from sound objects%s (%s: %s); version %d is "
+                "published as a keyframe with no parent",
                 self.run,
                 self.resume_from,
+                "" if signer is None else " signed by this publisher's keys",
                 type(e).__name__,
                 e,
                 snap.version,

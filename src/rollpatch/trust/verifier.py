@@ -181,7 +181,7 @@ class Trust:
             try:
                 root, raw = verify_next_root(root, nxt), nxt
             except TrustError as e:  # the board's rotation, or the operator's trust file?
-                raise _other_board(root, fetch) or e from None
+                raise _other_board(root, fetch) or _unchained(root, e) from None
             changed = True
             with self._lock:
                 self._verified[root.version] = blake3.blake3(raw).hexdigest()
@@ -266,6 +266,22 @@ class Trust:
                 error=e.strerror or str(e),
                 effect="rollback protection across a restart stays at the state last saved",
             )
+
+
+def _unchained(root: Root, e: TrustError) -> TrustError:
+    """Root ``root.version + 1`` on the board does not verify against the trusted root: what
+    anyone who can write to the store could put there (found by an audit, session 40: one
+    forged root stopped every follower and the publisher's next rotation, and nothing said
+    what to do)."""
+    n = root.version + 1
+    return TrustError(
+        f"root {n} on the board does not chain from the trusted root {root.version} "
+        f"({e.message}): forged or broken, so nothing is accepted past it",
+        reason="root",
+        hint=f"if the publisher did not make it, keep a copy and remove root/{n:012d}.json from "
+        f"the board; a real rotation is signed by root {root.version}'s threshold and its own "
+        "(docs/trust.md)",
+    )
 
 
 def _other_board(root: Root, fetch: Callable[[int], bytes | None]) -> TrustError | None:

@@ -309,3 +309,25 @@ def test_resume_restores_a_missing_keyframe_marker(board: Board) -> None:
         assert pub.publish(masters) == 1
     assert board.keyframes(RUN) == [0]
     assert reconstruct(board, RUN).digest() == cast_view(masters, "bf16").digest()
+
+
+def test_a_second_publisher_on_the_run_is_named_by_the_first(board: Board) -> None:
+    """Two trainers publishing one run by mistake (an audit, session 40): the one that lost a
+    version's race died with "version already published with other content ... publish a new
+    one", which named neither the other writer nor the cause. Now it names both publishers."""
+    from rollpatch.errors import AlreadyExistsError
+
+    masters = random_masters(seed=1)
+    first = Publisher(board, RUN, PublisherConfig(publisher_id="trainer-a"), asynchronous=False)
+    first.publish(copy_masters(masters))
+    second = Publisher(board, RUN, PublisherConfig(publisher_id="trainer-b"), asynchronous=False)
+    nudge(masters, seed=2)
+    second.publish(copy_masters(masters))  # resumes at 0: its version 1
+    nudge(masters, seed=3)
+    with pytest.raises(AlreadyExistsError) as lost:
+        first.publish(masters)  # its own version 1
+    said = str(lost.value)
+    assert "by 'trainer-b' (this publisher is trainer-a)" in said, said
+    assert "another publisher writing this run" in said and "one publisher per run" in said
+    second.close()
+    first.close()  # synchronous: the error was raised by publish() itself

@@ -292,11 +292,14 @@ class Board:
                 with self._lock:
                     self._cache.pop((m.run, m.version), None)
             elif there != raw and _payload(there, m) != m.to_bytes():
+                other = _publisher(there, m)
                 raise AlreadyExistsError(
-                    "version already published with other content",
+                    f"version already published with other content, by {other} (this "
+                    f"publisher is {m.publisher}): is another publisher writing this run?",
                     run=m.run,
                     version=m.version,
-                    hint="versions are immutable; publish a new one",
+                    hint="one publisher per run: stop the other one (versions are immutable), "
+                    "or publish under another run name",
                 )
         if m.is_keyframe:
             try:
@@ -380,6 +383,14 @@ class Board:
             avoid=avoid,
             sources=sources,
         )
+
+
+def _publisher(raw: bytes, m: Manifest) -> str:
+    """Who the stored manifest says published it (unverified), for the message only."""
+    try:
+        return repr(open_manifest(raw, m.run, m.version, None).publisher)
+    except ManifestError:
+        return "an unreadable manifest"
 
 
 def _payload(raw: bytes, m: Manifest) -> bytes | None:

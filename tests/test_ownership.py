@@ -89,3 +89,47 @@ def test_a_token_that_cannot_be_checked_here_keeps_the_lease(where: str) -> None
         return
     with pytest.raises(EngineError, match="driven by another rollpatch adapter"):
         o.claim(own.owner_token())
+
+
+def test_a_second_sglang_adapter_is_refused_on_the_control_socket(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second sidecar on a driven SGLang was refused only by the loader's claim, which it
+    reached through SGLang's weight-update routes: they take SGLang's model-update writer
+    lock, so the first sidecar's requests waited 6-28 s at each of its retries (an audit,
+    session 40). Now the driving adapter notes its control socket (per server URL) and
+    another asks the loader there first (``claimable``: the check alone), never touching
+    SGLang's routes while it is refused. A real loader control server on a real socket."""
+    import socketserver
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from rollpatch.engines.sglang import loader, rendezvous
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(loader._STATE, "owner", own.Ownership())
+    sock = Path(str(tmp_path)) / "control.sock"
+    server = socketserver.UnixStreamServer(str(sock), loader._Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url, first, second = "http://localhost:30000", own.owner_token(), own.owner_token()
+    try:
+        rendezvous.ask(url, second, 5.0)  # nothing noted yet: nothing to say
+        loader._STATE.owner.claim(first)
+        rendezvous.note(url, sock)
+        with pytest.raises(EngineError, match="driven by another rollpatch adapter") as refused:
+            rendezvous.ask("http://127.0.0.1:30000/", second, 5.0)  # the same server
+        assert refused.value.context["other_adapter"] is True
+        assert loader._STATE.owner.owner == first  # asking changed nothing
+        rendezvous.ask(url, first, 5.0)  # its own start again: fine
+        rendezvous.ask("http://127.0.0.1:30001", second, 5.0)  # another server: nothing noted
+        loader._STATE.owner.disown()  # the first let go: a start may go on
+        rendezvous.ask(url, second, 5.0)
+        rendezvous.forget(url, sock)
+        assert not list(Path(str(tmp_path)).glob("rollpatch-*/sglang-*.json"))
+        rendezvous.note(url, sock)
+    finally:
+        server.shutdown()
+        server.server_close()
+    sock.unlink()
+    rendezvous.ask(url, second, 5.0)  # a dead socket says nothing

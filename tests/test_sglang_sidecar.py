@@ -419,6 +419,24 @@ def test_a_second_adapter_is_refused_while_a_sidecar_drives_sglang(
             other.load(world.views[0], 0)
         with pytest.raises(EngineError, match="driven by another rollpatch adapter"):
             other.boot_digest()
+        # refused on the first one's control socket, before SGLang's weight-update routes,
+        # which take its model-update writer lock (they stalled the first one's requests at
+        # each try: an audit, session 40)
+        locking = {"/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor"}
+        assert not locking & set(other.channel.route_ms), other.channel.route_ms
+        # SGLang paused (by hand here; a commit of the first one's in life): a second sidecar
+        # that starts now is refused, and must not resume the owner's pause (a re-check,
+        # session 40: its start-up resume ran before any ownership check)
+        from rollpatch.sidecar import SidecarConfig
+        from rollpatch.sidecar.server import make_engine, start_sidecar
+
+        server.post("/pause_generation", {"mode": "retract"})
+        try:
+            eng2, url2 = make_engine("sglang", engine_url=server.url)
+            start_sidecar(world.board, RUN, eng2, url2, config=SidecarConfig()).stop()
+            assert httpx.get(f"{server.url}/ready").status_code == 503  # still paused
+        finally:
+            server.post("/continue_generation", {})
         time.sleep(0.3)  # audits run meanwhile: nothing changed under the sidecar
         assert httpx.get(f"{sc.url}/ready").status_code == 200
         assert sc.sidecar.follower.version == have and sc.sidecar.follower.status().audits == 0

@@ -258,6 +258,13 @@ def test_a_vllm_paused_behind_the_sidecar_is_not_ready(
         try:
             r = httpx.get(f"{sc.url}/ready")
             assert r.status_code == 503 and "not by this sidecar" in r.json()["error"]["message"]
+            # a second sidecar starting now is refused the engine: it must not resume the
+            # owner's pause (found by a re-check, session 40)
+            other = start_sidecar(
+                world.board, RUN, VllmEngine(server.url), server.url, config=SidecarConfig()
+            )
+            other.stop()
+            assert server.get("/is_paused") == {"is_paused": True}
         finally:
             server.post("/resume", {})
         until_back_on(sc, world.latest, time.monotonic() + 60)

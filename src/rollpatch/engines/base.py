@@ -74,6 +74,10 @@ class EngineAdapter(ABC):
         (``FollowerConfig.boot="adopt"``). None: the engine cannot tell."""
         return None
 
+    def claim(self) -> None:
+        """Make this adapter the one that drives the engine (one sidecar per engine: refused
+        with ``other_adapter`` while another holds it). Engines without the rule accept."""
+
     def adopt(self, version: int, digest: str) -> None:
         """Take the words the engine holds as ``version``, after hashing them fresh and
         finding ``digest`` (:class:`~rollpatch.errors.BaseMismatchError` otherwise; nothing

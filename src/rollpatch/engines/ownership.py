@@ -107,6 +107,13 @@ class Ownership:
     def claim(self, owner: Any) -> bool:
         """``owner``'s start: True when it takes over from another adapter (whose verified
         state is then void); refused while the other is still calling."""
+        other = self.claimable(owner)
+        self.owner, self.seen = str(owner), _clock()
+        return other
+
+    def claimable(self, owner: Any) -> bool:
+        """:meth:`claim`'s check alone (nothing changes): True when ``owner`` would take over
+        from another adapter; refused (the same error) while the other is still calling."""
         now = _clock()
         other = self.owner not in (None, str(owner))
         if other and now - self.seen < LEASE_S and not _gone(str(self.owner)):
@@ -118,7 +125,6 @@ class Ownership:
                 hint=f"one sidecar per engine: stop the other (it lets go {LEASE_S:g} s after "
                 "its last call)",
             )
-        self.owner, self.seen = str(owner), now
         return other
 
     def check(self, owner: Any) -> None:

@@ -135,20 +135,23 @@ class Sidecar:
         self.draining = False
 
     def start(self) -> None:
-        """Start following LATEST in the background (the engine becomes ready after boot);
-        an engine found paused is resumed first (:func:`.paused.resume_left_paused`)."""
+        """Start following LATEST in the background (the engine becomes ready after boot).
+        An engine found paused is resumed first (:func:`.paused.resume_left_paused`), once
+        this adapter holds it: a second sidecar, refused, must not resume the owner's pause
+        (found by a re-check, session 40)."""
         if self.engine.remote:
             from .paused import resume_left_paused
 
             try:
+                self.engine.claim()
                 resume_left_paused(
                     self.engine,
                     self.engine_url,
                     self.engine.engine_token,
                     self.config.ready_probe_s,
                 )
-            except RollpatchError as e:  # not up yet, say: /ready's probe says it later
-                log.warning("could not resume the engine found paused: %s", e)
+            except RollpatchError as e:  # another drives it, or it is not up: syncs say so
+                log.info("the engine was not claimed or resumed at start: %s", e)
         self.follower.start()
 
     def stop(self) -> None:

@@ -391,6 +391,10 @@ class SglangEngine(ListedTensors, EngineAdapter):
     def resume(self) -> None:
         self.channel.resume()
 
+    def claim(self) -> None:
+        with self._lock:
+            self.channel.start()  # the loader's claim (asked first on the owner's socket)
+
     def close(self) -> None:
         """Forget the scratch directory (the server is not ours to stop)."""
         self.channel.close()

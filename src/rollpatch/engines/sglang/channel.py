@@ -24,6 +24,7 @@ from ...logs import event
 from ..ownership import owner_token
 from ..pausing import NestedPause
 from ..shared_dir import SharedDir
+from . import rendezvous
 from .arena import Arena
 from .launch import LOADER
 from .wire import command_payload, http_json, request, result
@@ -150,11 +151,13 @@ class SglangChannel(NestedPause):
                     "scheduler)",
                 )
             self.tp = int(info.get("tp_size") or 1)
+            rendezvous.ask(self.base_url, self.owner, self.timeout)  # before SGLang's locks
             starts = [{"op": "start", "socket": str(self.socket(r))} for r in range(self.tp)]
             self.boots = tuple(
                 self._result(answer).get("boot") for answer in self.commands(starts, flush=False)
             )
             self._started = True
+            rendezvous.note(self.base_url, self.socket(0))
 
     def _result(self, answer: dict[str, Any]) -> dict[str, Any]:
         """:func:`.wire.result`, noting a refusal because another adapter drives SGLang."""
@@ -298,6 +301,7 @@ class SglangChannel(NestedPause):
             for r in range(self.tp):
                 with contextlib.suppress(EngineError, OSError):
                     self.control("disown", rank=r)
+            rendezvous.forget(self.base_url, self.socket(0))
             self._started = False
         self.scratch.close()
         if self._shm is not None and self._shm is not self.scratch:

@@ -238,6 +238,8 @@ _CONTROL: dict[str, Callable[[HeldWeights, dict[str, Any]], dict[str, Any]]] = {
 
 
 def _control(op: str, req: dict[str, Any]) -> dict[str, Any]:
+    if op == "claimable":  # another adapter asks before it touches SGLang's update routes
+        return {"claimable": True, "takes_over": _STATE.owner.claimable(req.get("owner"))}
     _STATE.owner.check(req.get("owner"))
     return _CONTROL[op](_weights(), req)
 
@@ -261,7 +263,7 @@ class _Handler(socketserver.StreamRequestHandler):
             op = req.get("op") if isinstance(req, dict) else None
         except (RollpatchError, json.JSONDecodeError, OSError):
             return
-        if op in _CONTROL:
+        if op in _CONTROL or op == "claimable":
             out = run_op(functools.partial(_control, op, req))
         else:
             out = {

@@ -74,6 +74,11 @@ class WorkerCalls(NestedPause):
             self._claim()
         return self._post_rpc(method, list(args), {"owner": self.owner})
 
+    def claim(self) -> None:
+        """:meth:`EngineAdapter.claim`: the workers' claim, once."""
+        if not self._claimed:
+            self._claim()
+
     def _claim(self) -> None:
         """Make this adapter the engine's owner (refused while another one calls it)."""
         self._gather(self._post_rpc("rollpatch_claim", [self.owner], {}))

@@ -401,3 +401,18 @@ def test_progress_fallback_bar(monkeypatch: pytest.MonkeyPatch) -> None:
     with Progress(4, "analyze", stream=quiet) as bar:  # not a terminal: silent
         bar.update()
     assert quiet.getvalue() == ""
+
+
+def test_nan_masters_are_said_in_the_text_report(run: list[Path], tmp_path: Path) -> None:
+    """Checkpoints with NaN masters: the count was only in the JSON (an audit, session 40),
+    while the publisher would refuse such a version; the text report now says so."""
+    masters = [load_masters(p) for p in run[:2]]
+    name = min(masters[1])
+    bad = masters[1][name].copy()
+    bad.reshape(-1)[:128] = np.nan
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    _save(paths[0], masters[0])
+    _save(paths[1], {**masters[1], name: bad})
+    text = render(analyze_run(paths, formats=("bf16",), progress=False))
+    assert "NaN/inf: 128 non-finite master values in transition 0→1" in text, text[-800:]
+    assert "NaN/inf" not in render(analyze_run(run[:2], formats=("bf16",), progress=False))

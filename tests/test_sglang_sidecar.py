@@ -424,6 +424,7 @@ def test_a_second_adapter_is_refused_while_a_sidecar_drives_sglang(
         # each try: an audit, session 40)
         locking = {"/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor"}
         assert not locking & set(other.channel.route_ms), other.channel.route_ms
+        assert other.channel.displaced and other.version is None  # as a loader refusal does
         # SGLang paused (by hand here; a commit of the first one's in life): a second sidecar
         # that starts now is refused, and must not resume the owner's pause (a re-check,
         # session 40: its start-up resume ran before any ownership check)

@@ -272,6 +272,15 @@ def _gaps(a: Analysis) -> list[str]:
         "from a nonzero value: from 0 counts updates from a served ±0, whose gap is the smallest",
         "subnormal (r ~ 1e34 for 1e-6; counted in the shares and quantiles, not in max).",
     ]
+    bad = [
+        (p.index, max(int(g.get("nonfinite_skipped", 0)) for g in p.gaps.values())) for p in a.pairs
+    ]
+    for i, n in bad:  # only in the JSON before (an audit, session 40)
+        if n:
+            out.append(
+                f"NaN/inf: {n:,} non-finite master values in transition {i}→{i + 1} (left out "
+                'of r; the publisher refuses such a version unless nonfinite="allow")'
+            )
     return out
 
 

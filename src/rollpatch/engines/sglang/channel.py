@@ -151,7 +151,11 @@ class SglangChannel(NestedPause):
                     "scheduler)",
                 )
             self.tp = int(info.get("tp_size") or 1)
-            rendezvous.ask(self.base_url, self.owner, self.timeout)  # before SGLang's locks
+            try:  # asked on the owner's control socket, before SGLang's locks
+                rendezvous.ask(self.base_url, self.owner, self.timeout)
+            except EngineError:  # another adapter holds it: what this one verified is void
+                self.displaced = True
+                raise
             starts = [{"op": "start", "socket": str(self.socket(r))} for r in range(self.tp)]
             self.boots = tuple(
                 self._result(answer).get("boot") for answer in self.commands(starts, flush=False)

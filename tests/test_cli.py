@@ -385,6 +385,16 @@ def test_status_with_a_trust_root_lists_a_run_whose_latest_expired(tmp_path: Pat
     assert sum("<- LATEST" in ln for ln in lines) == 2
 
 
+def _published(tmp_path: Path, n: int) -> str:
+    """A file:// board under ``tmp_path`` with ``n`` versions of run r1, published by the CLI."""
+    board = f"file://{tmp_path / 'board'}"
+    for v in range(n):
+        ckpt = tmp_path / f"m{v}.safetensors"
+        save_masters(ckpt, masters(1 + v))
+        assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    return board
+
+
 def test_pull_writes_the_version_asked_for_or_nothing(tmp_path: Path, capsys) -> None:
     """An object on the way to the version asked for is corrupt: `pull` wrote the newest
     earlier version it could reach (the fallback a booting island takes), said "(verified)"
@@ -392,11 +402,7 @@ def test_pull_writes_the_version_asked_for_or_nothing(tmp_path: Path, capsys) ->
     it exits 2 and writes nothing, for `--version N` and for LATEST alike."""
     from rollpatch.board import Board
 
-    board = f"file://{tmp_path / 'board'}"
-    for v in range(3):
-        ckpt = tmp_path / f"m{v}.safetensors"
-        save_masters(ckpt, masters(1 + v))
-        assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    board = _published(tmp_path, 3)
     b = Board(board)
     for ref in b.manifest("r1", 2).objects():
         raw = bytearray(b.store.get(ref.key))
@@ -428,11 +434,7 @@ def test_pull_refuses_an_object_larger_than_its_manifest_entry_unread(
     from rollpatch.errors import ManifestError
     from rollpatch.layout import pointer_key, version_key
 
-    board = f"file://{tmp_path / 'board'}"
-    for v in range(2):
-        ckpt = tmp_path / f"m{v}.safetensors"
-        save_masters(ckpt, masters(1 + v))
-        assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    board = _published(tmp_path, 2)
     b = Board(board)
     root = tmp_path / "board"
     for ref in b.manifest("r1", 1).objects():

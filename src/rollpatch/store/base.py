@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
 
-from ..errors import ConfigError, StoreError, TooLargeError
+from ..errors import ConfigError, ConflictError, StoreError, TooLargeError
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -23,6 +23,7 @@ __all__ = [
     "Keys",
     "ObjectInfo",
     "Store",
+    "cas_lost",
     "check_bounds",
     "too_large",
     "validate_key",
@@ -136,6 +137,18 @@ def check_bounds(key: str, start: int, end: int, size: int) -> None:
             size=size,
             hint="ranges are [start, end) with end <= size; see head()",
         )
+
+
+def cas_lost(key: str, uri: str, current: bytes | None) -> ConflictError:
+    """The refusal of a compare-and-swap that found ``current`` (None: absent), not what it
+    expected."""
+    return ConflictError(
+        "compare-and-swap lost: the content is not the expected one",
+        key=key,
+        store=uri,
+        absent=current is None,
+        hint="re-read the pointer and retry",
+    )
 
 
 def too_large(key: str, uri: str, size: int, max_bytes: int) -> TooLargeError:

@@ -46,6 +46,7 @@ from .base import (
     RESERVED_SEGMENT_PREFIX,
     ObjectInfo,
     Store,
+    cas_lost,
     check_bounds,
     too_large,
     validate_key,
@@ -282,13 +283,7 @@ class FileStore(Store):
             except NotFoundError:
                 current = None
             if current != expected:
-                raise ConflictError(
-                    "compare-and-swap lost: the content is not the expected one",
-                    key=key,
-                    store=self.uri,
-                    absent=current is None,
-                    hint="re-read the pointer and retry",
-                )
+                raise cas_lost(key, self.uri, current)
             with self._write_dir(key) as (fd, name):
                 tmp = self._write_temp(fd, iter((memoryview(data),)))
                 try:

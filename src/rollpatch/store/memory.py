@@ -10,8 +10,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..errors import AlreadyExistsError, ConflictError, NotFoundError
-from .base import ObjectInfo, Store, check_bounds, too_large
+from ..errors import AlreadyExistsError, NotFoundError
+from .base import ObjectInfo, Store, cas_lost, check_bounds, too_large
 
 __all__ = ["MemoryStore"]
 
@@ -101,11 +101,5 @@ class MemoryStore(Store):
             item = self._ns.objects.get(key)
             current = None if item is None else item[0]
             if current != expected:
-                raise ConflictError(
-                    "compare-and-swap lost: the content is not the expected one",
-                    key=key,
-                    store=self.uri,
-                    absent=current is None,
-                    hint="re-read the pointer and retry",
-                )
+                raise cas_lost(key, self.uri, current)
             self._store(key, data)

@@ -36,7 +36,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .base import ObjectInfo, Store, check_bounds, too_large, validate_key
+from .base import ObjectInfo, Store, cas_lost, check_bounds, too_large, validate_key
 from .config import S3Config
 from .s3_errors import code_of, status_of, translate, was_retried
 from .s3_multipart import put_multipart, put_stream
@@ -307,12 +307,7 @@ class S3Store(Store):
                     raise
                 current = r["Body"].read()
             if current != expected:
-                raise ConflictError(
-                    "compare-and-swap lost: the content is not the expected one",
-                    key=key,
-                    store=self.uri,
-                    hint="re-read the pointer and retry",
-                )
+                raise cas_lost(key, self.uri, current)
             condition = {"IfMatch": r["ETag"]}
         try:
             self._put_single(key, data, condition, on_fail=ConflictError)

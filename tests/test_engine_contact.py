@@ -164,7 +164,11 @@ class Recording(Remote):
         self.budgets.append(budget_bytes)
         if self.taken:
             self._version = None
-            raise EngineError("another rollpatch adapter took this engine over", taken_over=True)
+            raise EngineError(
+                "another rollpatch adapter took this engine over",
+                taken_over=True,
+                other_adapter=True,
+            )
         return AuditReport(0, 0, (), False)
 
 
@@ -197,5 +201,28 @@ def test_with_audits_off_the_follower_still_calls_the_engine_every_period(tmp_pa
         while f.version is not None:
             assert time.monotonic() < deadline, "the takeover was never noticed"
             time.sleep(0.01)
+    finally:
+        f.stop()
+
+
+def test_an_engine_another_adapter_took_over_is_said_so(tmp_path: Any) -> None:
+    """A sidecar whose engine another sidecar took over said "contact with the engine was
+    lost" (a re-check, session 40): the audit's refusal names the takeover now."""
+    import time
+
+    board = f"file://{tmp_path / 'board'}"
+    with Publisher(board, "r", asynchronous=False) as pub:
+        pub.publish(masters(1))
+    eng = Recording()
+    f = Follower(board, "r", eng, FollowerConfig(audit_bytes_per_s=None, audit_period_s=0.02))
+    assert f.sync() == 0
+    eng.taken = True
+    f.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "another rollpatch adapter" not in (f.gate.suspect or ""):
+            assert time.monotonic() < deadline, f.gate.suspect
+            time.sleep(0.01)
+        assert f.version is None
     finally:
         f.stop()

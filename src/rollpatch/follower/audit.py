@@ -49,11 +49,14 @@ class Auditor:
         on_mismatch: Callable[[AuditReport], None],
         busy: Callable[[], bool] = lambda: False,
         on_contact: Callable[[bool], None] = lambda answered: None,
+        on_taken: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine
         #: Called with True when the engine answered a slice (its identity checked: a remote
         #: engine that restarted is found so), False when it could not be reached.
         self.on_contact = on_contact
+        #: Called when the engine refused a slice because another adapter drives it.
+        self.on_taken = on_taken
         #: 0 (rate 0): a heartbeat, nothing hashed; the call still renews the adapter's hold
         #: on the engine and checks its identity (:mod:`rollpatch.engines.ownership`).
         self.budget = 0 if rate_bytes_per_s <= 0 else max(1, int(rate_bytes_per_s * period_s))
@@ -92,6 +95,7 @@ class Auditor:
             on_mismatch=on_mismatch,
             busy=lambda: gate.busy,  # a weight change runs: not now
             on_contact=gate.contact,
+            on_taken=gate.taken,
         )
 
     def step(self) -> AuditReport | None:
@@ -149,4 +153,6 @@ class Auditor:
             except RollpatchError as e:  # the engine is unreachable or busy: try next period
                 if isinstance(e, EngineUnreachableError):
                     self.on_contact(False)
+                elif e.context.get("other_adapter"):
+                    self.on_taken()
                 failures.failed(e)  # the same failure once a minute, not every period

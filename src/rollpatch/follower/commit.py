@@ -137,6 +137,14 @@ class CommitGate:
         else:
             self.lost("the audit could not reach it")
 
+    def taken(self) -> None:
+        """Another adapter drives the engine now (one sidecar per engine): said as such, not as
+        a lost contact (found by a re-check, session 40)."""
+        self.suspend(
+            "another rollpatch adapter (a second sidecar?) drives the engine now; this one "
+            "serves nothing until it holds it again"
+        )
+
     def lost(self, why: str) -> None:
         """A remote engine did not answer (``why``): it may restart with its checkpoint's words."""
         self.suspend(f"contact with the engine was lost ({why})")

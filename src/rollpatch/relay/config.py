@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import check_fields, parse_size, setting
+from ..latest import MAX_POINTER_BYTES
 from ..layout import is_keyframe_marker, manifest_version, object_hash, pointer_run, root_version
+from ..manifest import MAX_ENVELOPE_BYTES
+from ..trust.root import MAX_ROOT_BYTES
 
 __all__ = [
     "GiB",
@@ -48,6 +51,17 @@ class KeyKind(enum.Enum):
     @property
     def immutable(self) -> bool:
         return self in (KeyKind.OBJECT, KeyKind.MANIFEST, KeyKind.MARKER, KeyKind.ROOT)
+
+    @property
+    def max_bytes(self) -> int | None:
+        """What a document of this kind may be (its parser's bound; a marker is empty on the
+        board), read no further; None: objects (their size is a manifest's) and others."""
+        return {
+            KeyKind.MANIFEST: MAX_ENVELOPE_BYTES,
+            KeyKind.ROOT: MAX_ROOT_BYTES,
+            KeyKind.POINTER: MAX_POINTER_BYTES,
+            KeyKind.MARKER: 1024,
+        }.get(self)
 
 
 def classify(key: str) -> KeyKind:

@@ -26,13 +26,10 @@ from typing import TYPE_CHECKING, BinaryIO, Generic, TypeVar
 import blake3
 
 from ..errors import ManifestError, ObjectIntegrityError, StoreError, TooLargeError
-from ..latest import MAX_POINTER_BYTES
 from ..logs import Throttle, event
-from ..manifest import MAX_ENVELOPE_BYTES
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
 from ..trust import Trust, warn_unverified
-from ..trust.root import MAX_ROOT_BYTES
 from .cache import CacheEntry, DiskCache
 from .config import KeyKind, RelayConfig, classify
 from .flights import Flights
@@ -47,13 +44,6 @@ __all__ = ["Blob", "Relay"]
 T = TypeVar("T")
 log = logging.getLogger("rollpatch.relay")
 _MAX_TTL_ENTRIES = 4096
-#: What a document of each kind may be (its parser's bound), checked before it is read.
-_BOUNDS = {
-    KeyKind.MANIFEST: MAX_ENVELOPE_BYTES,
-    KeyKind.ROOT: MAX_ROOT_BYTES,
-    KeyKind.POINTER: MAX_POINTER_BYTES,
-    KeyKind.MARKER: 1024,  # empty on the board (docs/board.md)
-}
 
 
 @dataclass(frozen=True)
@@ -363,7 +353,7 @@ class Relay:
         """Upstream's bytes of ``key``; a manifest, root or marker over its document's bound
         (``max_bytes`` too) is refused before its body is read. Objects are not bounded: the
         relay does not know their size before a manifest names them."""
-        bound = _BOUNDS.get(classify(key))
+        bound = classify(key).max_bytes
         if max_bytes is not None:
             bound = max_bytes if bound is None else min(bound, max_bytes)
         data = self._call("get", lambda k: self.upstream.get(k, max_bytes=bound), key)

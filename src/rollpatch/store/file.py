@@ -55,8 +55,8 @@ from .notify import KeyWatch
 from .posix import (
     ABSENT,
     clash,
+    enter_dir,
     is_dir_at,
-    is_link_at,
     is_regular,
     not_object,
     os_errors,
@@ -233,10 +233,7 @@ class FileStore(Store):
                 os.close(fd)
         return sorted(keys)
 
-    # -- writes -------------------------------------------------------------------------------
-    # Every write works on folder descriptors reached from the root without following links
-    # (:meth:`_write_dir`): a link planted in the board by someone who can write to it cannot
-    # send the writer's objects, pointers or deletions outside the board.
+    # -- writes (module docstring: on folder descriptors, no link followed) -------------------
 
     def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
         self._put_stream(key, iter((data,)), size=len(data), if_absent=if_absent)
@@ -304,40 +301,10 @@ class FileStore(Store):
         fd = self._open_dir([])
         try:
             for segment in folders:
-                fd = self._enter(key, fd, segment)
+                fd = enter_dir(fd, segment, key, self.uri, self._sync_fd)
             yield fd, name
         finally:
             os.close(fd)
-
-    def _enter(self, key: str, fd: int, segment: str) -> int:
-        """The folder ``segment`` of the folder ``fd`` (``fd`` is closed), made if missing."""
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-        for _ in range(3):  # another process may make (or remove) it meanwhile
-            try:
-                nxt = os.open(segment, flags, dir_fd=fd)
-            except FileNotFoundError:
-                try:
-                    os.mkdir(segment, dir_fd=fd)
-                except FileExistsError:
-                    continue
-                self._sync_fd(fd)
-                continue
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR) and is_link_at(fd, segment):
-                    raise StoreError(
-                        "a symbolic link where the board needs a folder: not followed",
-                        key=key,
-                        store=self.uri,
-                        folder=segment,
-                        hint="the board's folders must be real folders (something wrote a "
-                        "link into the board)",
-                    ) from None
-                if e.errno == errno.ENOTDIR:
-                    raise clash(key, self.uri) from None
-                raise
-            os.close(fd)
-            return nxt
-        raise StoreError("a folder of the key keeps changing", key=key, store=self.uri)
 
     def _write_temp(self, fd: int, chunks: Iterator[memoryview]) -> str:
         tmp = f"{_TMP_PREFIX}{uuid.uuid4().hex}"

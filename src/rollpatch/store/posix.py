@@ -7,13 +7,14 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import NotFoundError, StoreError
 
 __all__ = [
     "ABSENT",
     "clash",
+    "enter_dir",
     "is_dir_at",
     "is_link_at",
     "is_regular",
@@ -112,3 +113,36 @@ def unlink_at(fd: int, name: str) -> None:
     """Remove ``name`` from the folder ``fd`` if it is there."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=fd)
+
+
+def enter_dir(fd: int, segment: str, key: str, uri: str, made: Callable[[int], None]) -> int:
+    """The folder ``segment`` of the folder ``fd`` (``fd`` is closed), made if missing (then
+    ``made(fd)``: the parent's fsync), never through a link: a link, or a file, where a folder
+    must be is refused (``key`` and ``uri`` name it)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    for _ in range(3):  # another process may make (or remove) it meanwhile
+        try:
+            nxt = os.open(segment, flags, dir_fd=fd)
+        except FileNotFoundError:
+            try:
+                os.mkdir(segment, dir_fd=fd)
+            except FileExistsError:
+                continue
+            made(fd)
+            continue
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR) and is_link_at(fd, segment):
+                raise StoreError(
+                    "a symbolic link where the board needs a folder: not followed",
+                    key=key,
+                    store=uri,
+                    folder=segment,
+                    hint="the board's folders must be real folders (something wrote a link "
+                    "into the board)",
+                ) from None
+            if e.errno == errno.ENOTDIR:
+                raise clash(key, uri) from None
+            raise
+        os.close(fd)
+        return nxt
+    raise StoreError("a folder of the key keeps changing", key=key, store=uri)

@@ -331,3 +331,34 @@ def test_a_second_publisher_on_the_run_is_named_by_the_first(board: Board) -> No
     assert "another publisher writing this run" in said and "one publisher per run" in said
     second.close()
     first.close()  # synchronous: the error was raised by publish() itself
+
+
+def test_a_version_that_does_not_become_durable_is_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frozen store: the async publisher accepted (and coalesced) versions for minutes with
+    no line at WARNING (an audit, session 40). Now a version in progress longer than STALL_S
+    is said, once per STALL_S, while publish() goes on accepting."""
+    import logging
+    import time
+
+    from rollpatch.publisher import rounds
+    from tests.pubfix import SlowStore
+
+    monkeypatch.setattr(rounds, "STALL_S", 0.2)
+    slow = Board(SlowStore(f"stall-{uuid.uuid4().hex}", delay=0.5))  # each put: 0.5 s
+    masters = random_masters(seed=4)
+    said: list[str] = []
+    with (
+        caplog.at_level(logging.WARNING, logger="rollpatch.publisher"),
+        Publisher(slow, RUN) as pub,
+    ):
+        t0 = time.monotonic()
+        while not said and time.monotonic() - t0 < 20:  # publish() is where it is said
+            nudge(masters, seed=len(said) + 5)
+            pub.publish(copy_masters(masters))
+            time.sleep(0.1)
+            said = [r.getMessage() for r in caplog.records if "not durable after" in r.getMessage()]
+        elapsed = time.monotonic() - t0
+    assert said and "version(s) wait" in said[0], said
+    assert len(said) <= elapsed / 0.2 + 1  # at most one line per STALL_S

@@ -22,7 +22,7 @@ from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .exiting import close_at_exit
 from .guards import diverged, engine_names, note_names
-from .rounds import DropLog, Snapshot, agree, next_version, resume_point
+from .rounds import DropLog, Snapshot, StallLog, agree, next_version, resume_point
 from .sharded import open_exchange
 from .sharded_slices import split_slices
 from .signing import LatestHeartbeat, check_signing
@@ -94,6 +94,8 @@ class Publisher:
         self._n_dropped = self._published = self._bytes = 0
         self._names_noted = False
         self._drop_log = DropLog(self.run, self.config.max_pending)
+        self._stall_log = StallLog(self.run)
+        self._busy_since: float | None = None  # the worker's round in progress, since when
         top, target = resume_point(self.board, self.run, self.config, self._x)
         self._last_assigned = self._last_durable = top
         self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
@@ -201,6 +203,7 @@ class Publisher:
                 self._pending.append(snap)
                 if not keep:
                     self._trim(self._pending)
+                self._stall_log.check(self._busy_since, len(self._pending), self._n_dropped)
                 self._cond.notify_all()
         if self._worker is None:
             try:
@@ -323,7 +326,7 @@ class Publisher:
                 else:
                     hand = list(self._pending)
                     self._pending.clear()
-                self._busy = True
+                self._busy, self._busy_since = True, time.monotonic() if hand else None
                 closing = self._closing
             try:
                 done, waiting_for = self._round(hand, closing=closing, sync=False)
@@ -334,7 +337,7 @@ class Publisher:
                 with self._cond:
                     if self._writer.pipe.unsettled and self._settle_at is None:
                         self._settle_at = time.monotonic() + SETTLE_AFTER_S
-                    self._busy = False
+                    self._busy, self._busy_since = False, None
                     self._cond.notify_all()
 
     def _round(self, hand: list[Snapshot], *, closing: bool, sync: bool) -> tuple[bool, int | None]:

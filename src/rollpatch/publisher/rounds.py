@@ -20,12 +20,24 @@ from ..types import MAX_VERSION
 from .config import PublisherConfig
 from .sharded import Exchange
 
-__all__ = ["DROP_LOG_S", "Decision", "DropLog", "Snapshot", "agree", "next_version", "resume_point"]
+__all__ = [
+    "DROP_LOG_S",
+    "STALL_S",
+    "Decision",
+    "DropLog",
+    "Snapshot",
+    "StallLog",
+    "agree",
+    "next_version",
+    "resume_point",
+]
 
 log = logging.getLogger("rollpatch.publisher")
 
 #: Seconds between two log lines about versions dropped by coalescing (the first at once).
 DROP_LOG_S = 60.0
+#: Seconds a version may be in progress before a WARNING says so (then one per STALL_S).
+STALL_S = 30.0
 
 
 class DropLog:
@@ -51,6 +63,31 @@ class DropLog:
             since,
             n_dropped,
             self.max_pending,
+        )
+
+
+class StallLog:
+    """Says that the version being published has not become durable for :data:`STALL_S`:
+    the store is slow or unreachable, while ``publish()`` goes on accepting (and coalescing)
+    versions. Before, a frozen store showed nothing for minutes (an audit, session 40)."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._said = 0.0
+
+    def check(self, since: float | None, pending: int, dropped: int) -> None:
+        """``since``: when the version in progress was taken up (None: none is)."""
+        now = time.monotonic()
+        if since is None or now - since < STALL_S or now - self._said < STALL_S:
+            return
+        self._said = now
+        log.warning(
+            "%s: the version in progress is not durable after %.0f s (is the store slow or "
+            "unreachable?); %d version(s) wait, %d coalesced in all",
+            self.run,
+            now - since,
+            pending,
+            dropped,
         )
 
 

@@ -634,3 +634,28 @@ def test_a_forged_root_on_the_board_is_named_with_the_fix(tmp_path: Path, capsys
     os.remove(tmp_path / "board" / root_key(2))  # the operator's fix
     assert main([*pull, "--trust-state", str(tmp_path / "state2.json")]) == 0
     assert main(rotate) == 0
+
+
+def test_cast_gives_the_view_publish_serves_for_a_tied_checkpoint(tmp_path: Path) -> None:
+    """A torch checkpoint whose head is tied to the embedding (one storage, two names):
+    `publish` drops the alias (as engines hold it), `cast` kept it, so the same checkpoint
+    had two digests (an audit, session 40). Now `cast` names tensors as `publish` does."""
+    import torch
+
+    from rollpatch.board import Board
+
+    embed = torch.randn(64, 16)
+    state = {
+        "model.embed_tokens.weight": embed,
+        "lm_head.weight": embed,
+        "norm.weight": torch.ones(16),
+    }
+    ckpt = tmp_path / "tied.pt"
+    torch.save(state, ckpt)
+    board = f"file://{tmp_path / 'board'}"
+    assert main(["publish", str(ckpt), "--board", board, "--run", "r1"]) == 0
+    out = tmp_path / "cast.safetensors"
+    assert main(["cast", str(ckpt), "--format", "bf16", "-o", str(out)]) == 0
+    view = load_view(out)
+    assert "lm_head.weight" not in view
+    assert view.digest() == Board(board).manifest("r1", 0).target

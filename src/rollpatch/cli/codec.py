@@ -94,10 +94,15 @@ def policy_from_args(args: argparse.Namespace) -> Any:
 
 
 def _cast(path: str, args: argparse.Namespace, previous: View | None) -> View:
+    """The view ``publish`` serves of the checkpoint: its names as the publisher takes them
+    (a wrapper's prefix off, tied aliases dropped: ``publisher.guards.engine_names``), so a
+    cast's digest is the published version's (before session 40 a tied ``lm_head`` stayed
+    and the two differed: an audit)."""
     from ..formats import cast_view
+    from ..publisher.guards import engine_names
 
     return cast_view(
-        load_masters(path),
+        engine_names(load_masters(path))[0],
         args.format,
         policy=policy_from_args(args),
         scales=args.scales,

@@ -659,3 +659,15 @@ def test_cast_gives_the_view_publish_serves_for_a_tied_checkpoint(tmp_path: Path
     view = load_view(out)
     assert "lm_head.weight" not in view
     assert view.digest() == Board(board).manifest("r1", 0).target
+
+
+def test_a_short_orphan_grace_is_warned_about(tmp_path: Path, capsys) -> None:
+    """`gc --orphan-grace 0` beside a running publisher deletes objects it uploaded but has
+    not yet named, and the publisher then stops with "upload objects before the manifest"
+    (an audit, session 40): gc now warns below 60 s, and the publisher's hint names gc."""
+    board = _published(tmp_path, 1)
+    capsys.readouterr()
+    assert main(["gc", "--board", board, "--run", "r1", "--orphan-grace", "0"]) == 0
+    assert "warning: --orphan-grace 0 s" in capsys.readouterr().err
+    assert main(["gc", "--board", board, "--run", "r1", "--orphan-grace", "60"]) == 0
+    assert "warning" not in capsys.readouterr().err

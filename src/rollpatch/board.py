@@ -271,7 +271,8 @@ class Board:
                 raise ManifestError(
                     "manifest names an object that is not durable",
                     key=ref.key,
-                    hint="upload objects before the manifest",
+                    hint="upload objects before the manifest; or something deleted them since "
+                    "(a gc with an --orphan-grace shorter than a publish takes?)",
                 )
         raw = m.stored_bytes(self.signer)
         try:

@@ -49,6 +49,10 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_gc)
 
 
+#: Below this, an --orphan-grace may take a running publisher's objects (it warns).
+_SHORT_GRACE_S = 60.0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from ..board import Board
     from ..errors import ConfigError
@@ -63,6 +67,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"run {args.run!r} has nothing on the board",
             hint=f"runs on it: {', '.join(runs[:10])}" if runs else "the board has no runs",
+        )
+    if args.orphan_grace < _SHORT_GRACE_S and not args.dry_run:  # an audit, session 40
+        print(
+            f"{args.run}: warning: --orphan-grace {args.orphan_grace:g} s: an object a running "
+            "publisher has uploaded but not yet named in a manifest counts as an orphan, and "
+            "that publisher then stops ('manifest names an object that is not durable')",
+            file=sys.stderr,
         )
     for v in sorted(set(args.pin) - set(versions)):
         print(f"{args.run}: --pin {v}: no such version; it pins nothing", file=sys.stderr)

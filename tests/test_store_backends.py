@@ -345,3 +345,38 @@ def test_an_endpoint_that_is_not_s3_is_named_not_taken_for_an_empty_board() -> N
             with pytest.raises(StoreError, match="does not look like an S3 API") as err:
                 call()
             assert not isinstance(err.value, NotFoundError)
+
+
+def test_a_latest_that_is_not_a_file_is_said_not_taken_for_nothing(tmp_path: Path) -> None:
+    """LATEST made a link or a FIFO in a file:// board (an audit, session 40): followers said
+    "nothing is published on this run yet" (seven manifests there) and a resuming publisher
+    "LATEST kept moving; gave up". Both now say what is there; nothing is followed."""
+    import numpy as np
+
+    from rollpatch.board import Board
+    from rollpatch.errors import ManifestError, RollpatchError
+    from rollpatch.layout import pointer_key
+    from rollpatch.publisher import Publisher
+
+    root = tmp_path / "board"
+    masters = {"w": np.ones((4, 4), np.float32)}
+    with Publisher(f"file://{root}", "r1", asynchronous=False) as pub:
+        pub.publish(masters)
+    latest = root / pointer_key("r1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(latest.read_bytes())
+    for plant in ("link", "fifo"):
+        latest.unlink()
+        if plant == "link":
+            os.symlink(elsewhere, latest)
+        else:
+            os.mkfifo(latest)
+        with pytest.raises(ManifestError, match="LATEST is unreadable: no such object"):
+            Board(f"file://{root}").latest("r1")
+        with (
+            pytest.raises(RollpatchError) as stopped,
+            Publisher(f"file://{root}", "r1", asynchronous=False) as pub,
+        ):
+            pub.publish({"w": np.full((4, 4), 2.0, np.float32)})
+        assert "kept moving" not in str(stopped.value), stopped.value
+        assert "has that name" in str(stopped.value), stopped.value

@@ -28,6 +28,7 @@ from .errors import (
     ConfigError,
     ConflictError,
     ManifestError,
+    NotAnObjectError,
     NotFoundError,
     TooLargeError,
     TrustError,
@@ -350,6 +351,8 @@ class Board:
     def _pointer_raw(self, run: str) -> bytes | None:
         try:
             return self._doc(pointer_key(run), MAX_POINTER_BYTES, "LATEST pointer", ManifestError)
+        except NotAnObjectError as e:  # not "nothing published yet" (an audit, session 40)
+            raise ManifestError(f"LATEST is unreadable: {e.message}", run=run) from None
         except NotFoundError:
             return None
 

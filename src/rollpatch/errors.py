@@ -51,6 +51,7 @@ __all__ = [
     "LimitError",
     "ManifestError",
     "NoPathError",
+    "NotAnObjectError",
     "NotFoundError",
     "NotReadyError",
     "ObjectIntegrityError",
@@ -153,6 +154,11 @@ class NotFoundError(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self._render()
+
+
+class NotAnObjectError(NotFoundError):
+    """Something that is not a regular file has the key's name in a ``file://`` store (a
+    link, a FIFO, a folder): no object there, and a reader that must have one says so."""
 
 
 class TooLargeError(StoreError):

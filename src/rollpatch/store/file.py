@@ -38,6 +38,7 @@ from pathlib import Path
 from ..errors import (
     AlreadyExistsError,
     ConflictError,
+    NotAnObjectError,
     NotFoundError,
     StoreError,
     TransientStoreError,
@@ -277,6 +278,10 @@ class FileStore(Store):
         with os_errors("cas", key, self.uri), self._key_lock(key):
             try:
                 current: bytes | None = self._get(key)
+            except NotAnObjectError as e:  # never replaced: say what is there
+                raise StoreError(
+                    f"cannot compare-and-swap: {e.message}", key=key, store=self.uri
+                ) from None
             except NotFoundError:
                 current = None
             if current != expected:

@@ -9,7 +9,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 
-from ..errors import NotFoundError, StoreError
+from ..errors import NotAnObjectError, StoreError
 
 __all__ = [
     "ABSENT",
@@ -45,7 +45,7 @@ def os_errors(op: str, key: str, uri: str) -> Iterator[None]:
 ABSENT = (errno.ENOENT, errno.ENOTDIR)
 
 
-def not_object(key: str, uri: str, mode: int) -> NotFoundError:
+def not_object(key: str, uri: str, mode: int) -> NotAnObjectError:
     """Absent, saying what else has the name (only regular files are objects)."""
     kind = (
         "a symbolic link"
@@ -60,7 +60,7 @@ def not_object(key: str, uri: str, mode: int) -> NotFoundError:
         if stat.S_ISSOCK(mode)
         else "not a file"
     )
-    return NotFoundError(
+    return NotAnObjectError(
         f"no such object ({kind} has that name; only regular files are objects)", key=key, store=uri
     )
 

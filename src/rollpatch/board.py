@@ -293,8 +293,10 @@ class Board:
                 self.store.put(version_key(m.run, m.version), raw, if_absent=False)
                 with self._lock:
                     self._cache.pop((m.run, m.version), None)
-            elif there != raw and _payload(there, m) != m.to_bytes():
-                other = _publisher(there, m)
+            elif there != raw and (
+                (stored := _stored(there, m)) is None or stored.to_bytes() != m.to_bytes()
+            ):
+                other = "an unreadable manifest" if stored is None else repr(stored.publisher)
                 raise AlreadyExistsError(
                     f"version already published with other content, by {other} (this "
                     f"publisher is {m.publisher}): is another publisher writing this run?",
@@ -389,17 +391,9 @@ class Board:
         )
 
 
-def _publisher(raw: bytes, m: Manifest) -> str:
-    """Who the stored manifest says published it (unverified), for the message only."""
+def _stored(raw: bytes, m: Manifest) -> Manifest | None:
+    """The manifest in stored bytes (signed or bare), unverified; None if unreadable."""
     try:
-        return repr(open_manifest(raw, m.run, m.version, None).publisher)
-    except ManifestError:
-        return "an unreadable manifest"
-
-
-def _payload(raw: bytes, m: Manifest) -> bytes | None:
-    """The manifest payload of stored bytes (signed or bare), unverified; None if unreadable."""
-    try:
-        return open_manifest(raw, m.run, m.version, None).to_bytes()
+        return open_manifest(raw, m.run, m.version, None)
     except ManifestError:
         return None

@@ -209,6 +209,35 @@ def test_relay_answers_409_object_corrupt_and_passes_it_down_a_chain(board: Boar
     assert key in near.relay.cache and key in far.relay.cache
 
 
+def test_an_object_larger_than_its_manifest_names_is_refused_unread(board: Board, relay) -> None:
+    """A store writer swaps a patch object for a much larger one: the relay read objects
+    whole before it hashed them (a follower's reads are bounded since session 40; the relay
+    did not know an object's size). It now reads no more than the size a manifest it checked
+    names: refused as corrupt before the body crosses (nothing of it counted upstream), and
+    its followers plan around it as around any corrupt object."""
+    from rollpatch.layout import version_key
+
+    key = step_objects(board, 19, LAST, 0)[0]
+    near = relay(board.store, "near")
+    man = next(
+        version_key(RUN, v)
+        for v in board.versions(RUN)
+        if key in {o.key for o in board.manifest(RUN, v).objects()}
+    )
+    assert httpx.get(f"{near.url}/v1/objects/{man}").status_code == 200  # checked: size noted
+    good = board.store.get(key)
+    board.store.put(key, good + bytes(8 << 20), if_absent=False)
+    before = near.relay.metrics.value("rollpatch_relay_upstream_bytes_total")
+    r = httpx.get(f"{near.url}/v1/objects/{key}")
+    assert r.status_code == CORRUPT_STATUS and r.json()["code"] == CORRUPT_CODE, r.text
+    assert "larger than its manifest names" in r.json()["error"]["message"]
+    metric = near.relay.metrics.value
+    assert metric("rollpatch_relay_refused_total", reason="too_large") == 1
+    assert metric("rollpatch_relay_upstream_bytes_total") == before  # nothing of it came
+    board.store.put(key, good, if_absent=False)
+    assert open_store(near.url, retries=0).get(key) == good  # repaired: served
+
+
 def test_a_remembered_refusal_can_be_turned_off(board: Board, tmp_path: Path) -> None:
     key = step_objects(board, 19, LAST, 0)[0]
     _corrupt(board, key)

@@ -210,7 +210,7 @@ class Relay:
                 return Blob.cached(entry)
         self._refuse_known_corrupt(key)
         started = time.monotonic()
-        data = self._get(key)
+        data = self._get(key)  # one over its manifest's size: refused, not read (no memory)
         try:
             b3 = self.verifier.check(key, kind, data)
         except ObjectIntegrityError:
@@ -350,13 +350,15 @@ class Relay:
         return keys
 
     def _get(self, key: str, max_bytes: int | None = None) -> bytes:
-        """Upstream's bytes of ``key``; a manifest, root or marker over its document's bound
-        (``max_bytes`` too) is refused before its body is read. Objects are not bounded: the
-        relay does not know their size before a manifest names them."""
-        bound = classify(key).max_bytes
+        """Upstream's bytes of ``key``, refused before their body is read when over
+        :meth:`Verifier.bound` (``max_bytes`` too); an object over it is corrupt."""
+        bound = self.verifier.bound(key)
         if max_bytes is not None:
             bound = max_bytes if bound is None else min(bound, max_bytes)
-        data = self._call("get", lambda k: self.upstream.get(k, max_bytes=bound), key)
+        try:
+            data = self._call("get", lambda k: self.upstream.get(k, max_bytes=bound), key)
+        except TooLargeError as e:
+            raise self.verifier.oversized(key, e) from None
         self.metrics.inc("rollpatch_relay_upstream_bytes_total", len(data))
         return data
 

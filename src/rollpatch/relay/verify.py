@@ -12,18 +12,32 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import blake3
 
-from ..errors import ManifestError, NotFoundError, ObjectIntegrityError, TrustError
+from ..errors import (
+    ManifestError,
+    NotFoundError,
+    ObjectIntegrityError,
+    RollpatchError,
+    TooLargeError,
+    TrustError,
+)
 from ..latest import read_latest
 from ..layout import root_key, version_key
 from ..logs import event
 from ..manifest import open_manifest
 from ..trust import Trust, verify_initial_root
 from ..types import Pointer
-from .config import KeyKind, manifest_version, object_hash, pointer_run, root_version
+from .config import (
+    KeyKind,
+    classify,
+    manifest_version,
+    object_hash,
+    pointer_run,
+    root_version,
+)
 from .metrics import Metrics
 
 __all__ = ["StalePointer", "Verifier"]
@@ -39,19 +53,23 @@ class StalePointer(ManifestError):
     started is a rollback and refused (``trust_rollback``)."""
 
 
-class _Targets:
-    """Manifest key -> target digest, for the manifests this relay checked (at most
-    :data:`_MAX_TARGETS`; forgotten all at once past it: they are read again when needed)."""
+V = TypeVar("V")
+
+
+class _Noted(Generic[V]):
+    """Key -> what a checked manifest said of it: a manifest's target digest, an object's
+    size (at most :data:`_MAX_TARGETS`; forgotten all at once past it: read again when
+    needed)."""
 
     def __init__(self) -> None:
-        self._by_key: dict[str, str] = {}
+        self._by_key: dict[str, V] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> str | None:
+    def get(self, key: str) -> V | None:
         with self._lock:
             return self._by_key.get(key)
 
-    def note(self, key: str, target: str) -> None:
+    def note(self, key: str, target: V) -> None:
         with self._lock:
             if len(self._by_key) >= _MAX_TARGETS:
                 self._by_key.clear()
@@ -82,7 +100,29 @@ class Verifier:
         #: always finds the newer version's time here (and is stale, not refused).
         self._pointer_lock = threading.Lock()
         #: Manifest key -> the target digest it names (checked manifests, bounded).
-        self.targets = _Targets()
+        self.targets: _Noted[str] = _Noted()
+        #: Object key -> its size, as a checked manifest names it: the relay reads no more
+        #: of it upstream (a store writer's giant object is refused unread; session 40).
+        self.sizes: _Noted[int] = _Noted()
+
+    def bound(self, key: str) -> int | None:
+        """How much of ``key`` the relay reads upstream: a document's bound, an object's size
+        as a checked manifest names it (None: not named yet, unbounded)."""
+        kind = classify(key)
+        return self.sizes.get(key) if kind is KeyKind.OBJECT else kind.max_bytes
+
+    def oversized(self, key: str, e: TooLargeError) -> RollpatchError:
+        """What upstream's ``key`` over :meth:`bound` is: an object, corrupt (counted
+        ``too_large``); anything else, the store's refusal as it is."""
+        if classify(key) is not KeyKind.OBJECT:
+            return e
+        self.refuse("too_large", key=key, size=e.context.get("size"))
+        return ObjectIntegrityError(
+            "upstream object is larger than its manifest names; refused unread",
+            key=key,
+            size=e.context.get("size"),
+            expected=e.context.get("max_bytes"),
+        )
 
     def check(self, key: str, kind: KeyKind, data: bytes) -> str:
         """Verify upstream bytes of ``key`` before they are cached; return their BLAKE3 (hex).
@@ -102,6 +142,8 @@ class Verifier:
             try:
                 m = open_manifest(data, named[0], named[1], self.trust, self._refresh_root)
                 self.targets.note(key, m.target)
+                for ref in m.objects():
+                    self.sizes.note(ref.key, ref.size)
             except ManifestError as e:
                 self.refuse("invalid_manifest", key=key, error=e)
                 raise ManifestError(

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Generic, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import blake3
 
@@ -34,6 +33,7 @@ from .cache import CacheEntry, DiskCache
 from .config import KeyKind, RelayConfig, classify
 from .flights import Flights
 from .metrics import Metrics
+from .ttl import TtlTable
 from .verify import StalePointer, Verifier
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ __all__ = ["Blob", "Relay"]
 
 T = TypeVar("T")
 log = logging.getLogger("rollpatch.relay")
-_MAX_TTL_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -60,12 +59,6 @@ class Blob:
     @classmethod
     def cached(cls, entry: CacheEntry) -> Blob:
         return cls(entry.key, classify(entry.key), entry.size, entry.etag, entry=entry)
-
-
-@dataclass(frozen=True)
-class _Timed(Generic[T]):
-    value: T
-    expires: float
 
 
 class Relay:
@@ -96,10 +89,9 @@ class Relay:
         self._flights = Flights(self.metrics)
         self._bulk = ThreadPoolExecutor(config.upstream_workers, "relay-bulk")
         self._meta = ThreadPoolExecutor(config.meta_workers, "relay-meta")
-        self._lock = threading.Lock()
-        self._volatile: dict[str, _Timed[Blob]] = {}
-        self._lists: dict[str, _Timed[Keys]] = {}
-        self._corrupt: dict[str, _Timed[str]] = {}  # key -> upstream ETag of the bad copy
+        self._volatile: TtlTable[Blob] = TtlTable()
+        self._lists: TtlTable[Keys] = TtlTable()
+        self._corrupt: TtlTable[str] = TtlTable()  # key -> upstream ETag of the bad copy
         self._said = Throttle(log, every_s=60.0)  # cache writes the disk refused
 
     # -- reads --------------------------------------------------------------------------------
@@ -124,7 +116,7 @@ class Relay:
         return self._flights.join(
             ("get", key),
             kind.value,
-            lambda: self._fresh(self._volatile, key),
+            lambda: self._volatile.get(key),
             lambda: self._fetch_volatile(key, kind),
             self._meta,
         )
@@ -174,7 +166,7 @@ class Relay:
         return self._flights.join(
             ("list", prefix),
             "list",
-            lambda: self._fresh(self._lists, prefix),
+            lambda: self._lists.get(prefix),
             lambda: self._fetch_list(prefix),
             self._meta,
         )
@@ -238,7 +230,7 @@ class Relay:
         """Raise without a GET if ``key`` was found corrupt and upstream still holds that copy
         (same ETag, by a HEAD): N followers asking for a corrupt multi-GB keyframe cost one
         transfer per ``corrupt_ttl``, not N."""
-        etag = self._fresh(self._corrupt, key)
+        etag = self._corrupt.get(key)
         if etag is None:
             return
         info = self._call("head", self.upstream.head, key)
@@ -263,7 +255,7 @@ class Relay:
             return  # not remembered: the next request fetches again
         if info is not None and info.etag:
             expires = time.monotonic() + self.config.corrupt_ttl
-            self._remember(self._corrupt, key, info.etag, expires)
+            self._corrupt.put(key, info.etag, expires)
 
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
         for last in (False, True):  # a LATEST overtaken while read is asked for once more
@@ -288,7 +280,7 @@ class Relay:
                 if p is not None:
                     self.drop_stale_manifest(p.manifest, p.target)
             blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
-            self._remember(self._volatile, key, blob, started + self.config.pointer_ttl)
+            self._volatile.put(key, blob, started + self.config.pointer_ttl)
             return blob
         raise AssertionError("unreachable")  # the second pass returns or raises
 
@@ -327,7 +319,7 @@ class Relay:
         blob = Blob(
             key, KeyKind.POINTER, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data
         )
-        self._remember(self._volatile, key, blob, read_at + self.config.pointer_ttl)
+        self._volatile.put(key, blob, read_at + self.config.pointer_ttl)
         return blob
 
     def read(self, blob: Blob) -> bytes:
@@ -346,7 +338,7 @@ class Relay:
     def _fetch_list(self, prefix: str) -> Keys:
         started = time.monotonic()
         keys = sorted(self._call("list", self.upstream.list, prefix))
-        self._remember(self._lists, prefix, keys, started + self.config.list_ttl)
+        self._lists.put(prefix, keys, started + self.config.list_ttl)
         return keys
 
     def _get(self, key: str, max_bytes: int | None = None) -> bytes:
@@ -385,19 +377,3 @@ class Relay:
             self.cache.discard(entry.key)
             return False
         return True
-
-    # -- TTL caches ---------------------------------------------------------------------------
-
-    def _fresh(self, table: dict[str, _Timed[T]], name: str) -> T | None:
-        with self._lock:
-            item = table.get(name)
-        return item.value if item is not None and time.monotonic() < item.expires else None
-
-    def _remember(self, table: dict[str, _Timed[T]], name: str, value: T, expires: float) -> None:
-        with self._lock:
-            table[name] = _Timed(value, expires)
-            now = time.monotonic()  # expired values go at once: a blob may be 16 MiB
-            for stale in [k for k, v in table.items() if v.expires <= now]:
-                del table[stale]
-            while len(table) > _MAX_TTL_ENTRIES:  # all fresh: drop the oldest insertions
-                del table[next(iter(table))]

@@ -112,18 +112,10 @@ class RankWeights(HeldWeights):
     def audit(self, budget: int) -> dict[str, object]:
         """Re-hash up to ``budget`` bytes of held blocks (round-robin) against the verified
         sums; the names that differ are ``mismatched``."""
-        names = self.names()
-        out: list[str] = []
-        spent, wrapped = 0, False
-        while len(out) < len(names):
-            n = names[self._cursor]
-            size = self.block(n)[0].nbytes
-            if (out or budget <= 0) and spent + size > budget:  # none at 0: a heartbeat
-                break
-            out.append(n)
-            spent += size
-            self._cursor = (self._cursor + 1) % len(names)
-            wrapped = wrapped or self._cursor == 0
+        out, wrapped = self._audit_cursor.take(
+            self.names(), lambda n: self.block(n)[0].nbytes, budget
+        )
+        spent = sum(self.block(n)[0].nbytes for n in out)
         bad = [
             n
             for n in out

@@ -60,7 +60,7 @@ from ...view import (
     tensor_digest,
 )
 from ..fit import changed_tensor_set
-from ..staged import WriteMode, checked_writes
+from ..staged import AuditCursor, WriteMode, checked_writes
 from ..sumchange import sum_delta
 from ..vllm.layout import ParamSpec, Placement, blocks, locate, placements
 from ..vllm.tensorblocks import extract
@@ -124,7 +124,7 @@ class HeldWeights:
                 self._kind[pl.name] = kinds[spec.param]
         self._digests: dict[str, str] = {}
         self._sums: dict[str, tuple[int, int]] = {}  # rp.sum128 states behind _digests
-        self._cursor = 0
+        self._audit_cursor = AuditCursor()
         self.staged: dict[str, Staged] = {}
         self._access = numpy_access(self.params)
         #: The last staging's phases (ms): ``prove`` (checks and digests), ``layout``
@@ -195,18 +195,10 @@ class HeldWeights:
         return root_digest(self.digests())
 
     def audit(self, budget: int) -> dict[str, object]:
-        """Re-hash up to ``budget`` bytes of live words (at least one tensor, round-robin)
+        """Re-hash up to ``budget`` bytes of live words (:class:`AuditCursor`: round-robin)
         and compare with the verified digests; the names that differ are ``mismatched``."""
-        names = self.names()
-        out: list[str] = []
-        spent, wrapped = 0, False
-        while len(out) < len(names) and (
-            (budget > 0 and not out) or spent + self[names[self._cursor]].nbytes <= budget
-        ):  # none at budget 0: a heartbeat
-            out.append(names[self._cursor])
-            spent += self[out[-1]].nbytes
-            self._cursor = (self._cursor + 1) % len(names)
-            wrapped = wrapped or self._cursor == 0
+        out, wrapped = self._audit_cursor.take(self.names(), lambda n: self[n].nbytes, budget)
+        spent = sum(self[n].nbytes for n in out)
         bad = [
             n
             for n in out

@@ -136,8 +136,8 @@ class Follower:
 
     def engine_unreachable(self, why: str) -> None:
         """A request could not reach a remote engine (it may restart with its checkpoint's
-        words): no version is served until the audit re-checks it (without one: ignored)."""
-        if self.engine.remote and self.auditor is not None:
+        words): no version is served until the audit (or its heartbeat) re-checks it."""
+        if self.engine.remote:
             self.gate.lost(why)
 
     def status(self) -> FollowerStatus:
@@ -358,13 +358,11 @@ class Follower:
     def start(self) -> None:
         """Watch LATEST every ``poll_s`` in a daemon thread and sync when it moves."""
         self._watcher.start()
-        if self.auditor is not None:
-            self.auditor.start()
+        self.auditor.start()
 
     def stop(self) -> None:
         """Stop the background threads (a commit in progress completes first)."""
-        if self.auditor is not None:
-            self.auditor.stop()
+        self.auditor.stop()
         self._watcher.stop()
         self._fetchers.discard_idle(self._sync_lock)  # made again by the next sync
 

@@ -255,8 +255,7 @@ class Sidecar:
                     "board so far (nothing published yet, or another run name)"
                 )
             return "no verified version loaded yet"
-        auditor = self.follower.auditor
-        waited = 0.0 if auditor is None else auditor.waiting_s()
+        waited = self.follower.auditor.waiting_s()
         if waited > self.config.engine_stall_s:
             return (
                 f"the engine has not answered an audit call for {waited:.0f} s (wedged: a dead "

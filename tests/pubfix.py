@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from rollpatch.errors import TransientStoreError
 from rollpatch.formats import cast_view
 from rollpatch.publisher import reconstruct
 from rollpatch.store import MemoryStore
+from rollpatch.store.base import ObjectInfo
 
 RUN = "r1"
 
@@ -71,6 +73,43 @@ class FailingStore(MemoryStore):
             raise TransientStoreError("injected upload failure", key=key)
         self.ok -= 1
         super()._put(key, data, if_absent=if_absent)
+
+
+class OutageStore(MemoryStore):
+    """A memory store that is down while ``down`` is set: every call on a key ``only`` accepts
+    (default: every key) raises :class:`TransientStoreError`, as a store client does once its
+    own retries are spent; ``failures`` counts them."""
+
+    def __init__(self, name: str, only: Callable[[str], bool] | None = None) -> None:
+        super().__init__(name)
+        self.down = threading.Event()
+        self.only = only
+        self.failures = 0
+
+    def _check(self, key: str) -> None:
+        if self.down.is_set() and (self.only is None or self.only(key)):
+            self.failures += 1
+            raise TransientStoreError("injected outage: connection refused", key=key)
+
+    def _lookup(self, key: str) -> bytes:
+        self._check(key)
+        return super()._lookup(key)
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        self._check(key)
+        super()._put(key, data, if_absent=if_absent)
+
+    def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
+        self._check(key)
+        super()._cas(key, data, expected=expected)
+
+    def _list(self, prefix: str) -> list[str]:
+        self._check(prefix)
+        return super()._list(prefix)
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        self._check(key)
+        return super()._head(key)
 
 
 @pytest.fixture

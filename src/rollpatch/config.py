@@ -74,6 +74,8 @@ class Setting:
     parse: Callable[[str], Any] | None = None
     #: Writes a value as the flag's text, for the help's default (the inverse of ``parse``).
     show: Callable[[Any], str] | None = None
+    #: What ``none`` means for an optional field with another default (the help says it).
+    none: str = "off"
 
 
 def setting(
@@ -90,10 +92,13 @@ def setting(
     parse: Callable[[str], Any] | None = None,
     show: Callable[[Any], str] | None = None,
     factory: Callable[[], Any] | None = None,
+    none: str = "off",
 ) -> Any:
     """A dataclass field with its help text and bounds (``factory``: a default computed per
     instance, like ``dataclasses.field(default_factory=...)``)."""
-    meta = {_KEY: Setting(help, lo, hi, lo_open, hi_open, choices, flag, metavar, parse, show)}
+    meta = {
+        _KEY: Setting(help, lo, hi, lo_open, hi_open, choices, flag, metavar, parse, show, none)
+    }
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -348,7 +353,7 @@ def add_config_flags(
         computed = d.field.default_factory is not MISSING  # its help says what it is
         shown = "" if default is MISSING or computed else f" (default {_default_text(default, d)})"
         if d.optional and default is not None and default is not MISSING:
-            shown = shown[:-1] + "; none: off)"
+            shown = shown[:-1] + f"; none: {s.none})"
         kwargs["help"] = (s.help + shown).replace("%", "%%")
         flag = renamed.get(name, flag_name(d))
         action = p.add_argument(flag, **kwargs)

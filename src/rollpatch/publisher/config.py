@@ -93,6 +93,19 @@ class PublisherConfig:
     )
     """When a new snapshot arrives and the queue is full, the oldest waiting one is dropped (its
     version is never published)."""
+    outage_s: float | None = setting(
+        3600.0,
+        lo=0,
+        metavar="S",
+        none="never stop",
+        help="ride out a store outage this long before stopping (0: stop at the first failure)",
+    )
+    """A store that stops answering (after its client's own retries) does not stop an
+    unsharded publisher: it keeps the version, retries (0.5 s doubling to 30 s) and resumes
+    from the board's LATEST once the store answers, while ``publish()`` goes on accepting
+    (and coalescing) versions; only after ``outage_s`` seconds of failures does it stop with
+    the store's error (None: never). Sharded publishers stop at once (docs/publisher.md,
+    *Errors*)."""
     publisher_id: str = setting(
         factory=default_publisher_id,
         hi=256,
@@ -241,3 +254,8 @@ class PublisherStats:
     """How many versions were dropped in all."""
     published: int
     """How many versions this publisher made durable."""
+    outages: int = 0
+    """Store outages ridden out (``outage_s``): the store failed, then answered again and a
+    version became durable."""
+    outage_since_s: float | None = None
+    """Seconds since the current store outage began (None: the store answers)."""

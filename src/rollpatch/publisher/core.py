@@ -16,17 +16,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..board import Board
-from ..errors import ConfigError, FormatError
+from ..errors import ConfigError
 from ..types import check_run
 from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .exiting import close_at_exit
 from .guards import diverged, engine_names, note_names
+from .outage import Outage, is_outage
 from .rounds import DropLog, Snapshot, StallLog, agree, next_version, resume_point
 from .sharded import open_exchange
-from .sharded_slices import split_slices
 from .signing import LatestHeartbeat, check_signing
-from .snapshot import check_masters, snapshot_state, take_snapshot
+from .snapshot import snapshot_masters, snapshot_state
 from .wordpool import WordPool
 from .writer import VersionWriter
 
@@ -43,16 +43,13 @@ class Publisher:
     """Publishes a run's versions to a board, in the background by default.
 
     ``board``: a :class:`Board` or a store URI. ``asynchronous=False`` publishes inside
-    ``publish()``. Sharding (one shard per rank: disjoint tensor names, or disjoint element
-    ranges of a tensor — FSDP2 ``DTensor`` shards along dim 0 or declared
-    :class:`~rollpatch.publisher.TensorSlice` values, published without a gather) is on when
-    ``group`` is given or torch.distributed is initialised with more than one rank, unless
-    ``sharded=False``; every rank must then construct the publisher and publish the same
-    version numbers in the same order. A rank whose process dies makes the others raise
-    :class:`BoardError` at once; ``collective_timeout_s`` bounds how long a rank waits for a
-    hung one (None: gloo's 30 minutes; it must exceed the longest gap between two publishes,
-    since ranks wait in the exchange for their peers' trainers). On a run that already has versions, the publisher
-    resumes after the newest one (see :func:`~rollpatch.publisher.reconstruct`).
+    ``publish()``. Sharding (one shard per rank: disjoint tensor names or element ranges,
+    FSDP2 ``DTensor`` shards along dim 0 or :class:`~rollpatch.publisher.TensorSlice` values)
+    is on when ``group`` is given or torch.distributed runs more than one rank, unless
+    ``sharded=False``; every rank then constructs the publisher and publishes the same
+    versions in the same order, and ``collective_timeout_s`` bounds the wait for a hung rank
+    (None: gloo's 30 minutes; more than the longest gap between two publishes). On a run
+    with versions it resumes after the newest one (docs/publisher.md).
     """
 
     def __init__(
@@ -95,6 +92,7 @@ class Publisher:
         self._names_noted = False
         self._drop_log = DropLog(self.run, self.config.max_pending)
         self._stall_log = StallLog(self.run)
+        self._outage = Outage(self.run, self.config.outage_s, self._cond, lambda: self._closing)
         self._busy_since: float | None = None  # the worker's round in progress, since when
         top, target = resume_point(self.board, self.run, self.config, self._x)
         self._last_assigned = self._last_durable = top
@@ -155,6 +153,8 @@ class Publisher:
                 tuple(sorted(self._dropped)),
                 self._n_dropped,
                 self._published,
+                self._outage.ridden,
+                self._outage.elapsed(),
             )
 
     def publish(
@@ -175,16 +175,9 @@ class Publisher:
             if not self._names_noted:
                 self._names_noted = True
                 note_names(self.run, taken, aliases)
-        local, slices = split_slices(state_dict)
-        check_masters(local, sharded=self._x.size > 1 or bool(slices))
-        cast_error: FormatError | None = None
-        try:
-            with self._cond:
-                on_device = self._writer.decide_device(local)
-            sharded = self._x.size > 1
-            masters = take_snapshot(local, slices, self.config, self._snaps, on_device, sharded)
-        except FormatError as e:  # e.g. NaN in a quantised tensor: fails this version
-            masters, cast_error = {}, e
+        masters, slices, cast_error = snapshot_masters(
+            state_dict, self.config, self._snaps, self._decide_device, sharded=self._x.size > 1
+        )
         snap_s = time.perf_counter() - t0
         # a step that fails anyway (NaN) must not push the last good one out of the queue
         refuse = self.config.nonfinite == "refuse"
@@ -365,11 +358,40 @@ class Publisher:
                     self._drop(s.version)
             self._pending.extendleft(reversed([s for s in hand if s.version > target]))
             self._trim(self._pending)
-        self._publish(snap, decision.keyframe)
+        try:
+            self._publish(snap, decision.keyframe)
+        except BaseException as e:  # noqa: BLE001 (a store outage is ridden out)
+            return self._ride_out(e, snap, sync=sync)
         if decision.keyframe:
             with self._cond:
                 self._kf_consumed = max(self._kf_consumed, kf_seq)
         return False, None
+
+    def _ride_out(
+        self, error: BaseException, snap: Snapshot, *, sync: bool
+    ) -> tuple[bool, int | None]:
+        """After ``error`` failed ``snap``: re-raise it, or, for a store outage within
+        ``outage_s`` (unsharded), wait until the board answers, resume from its LATEST
+        (:mod:`.outage`) and publish ``snap`` again (``sync``) or queue it again, where a
+        newer snapshot may replace it (unless the resumed version is it or newer)."""
+        if not is_outage(error) or self._x.size > 1:
+            raise error
+        top, writer = self._outage.ride(error, snap.version, self._writer.restarted)
+        with self._cond:
+            self._writer, self._last_durable = writer, top
+            if top is not None and (self._last_assigned is None or top > self._last_assigned):
+                self._last_assigned = top
+            if top is not None and snap.version <= top:
+                return False, None
+            if not sync:
+                self._pending.appendleft(snap)
+                self._trim(self._pending)
+                return False, None
+        return self._round([snap], closing=False, sync=True)
+
+    def _decide_device(self, local: Mapping[str, Any]) -> bool:
+        with self._cond:
+            return self._writer.decide_device(local)
 
     def _publish(self, snap: Snapshot, forced_keyframe: bool) -> None:
         self._writer.pipe.settle_later = self._worker is not None  # see SETTLE_AFTER_S
@@ -381,6 +403,7 @@ class Publisher:
             self._published += 1
             self._bytes += stats.bytes
             self._stats.append(stats)
+            self._outage.ended()
             self._cond.notify_all()
         if isinstance(snap.masters, CastView):
             snap.masters.step = None  # the cast's changes, if the pipeline did not take them

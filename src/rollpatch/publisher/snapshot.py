@@ -4,7 +4,7 @@ any copy) and the host copies or served views it keeps until the worker publishe
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +21,17 @@ if TYPE_CHECKING:
 from ..kinds import KINDS
 from ..view import Tensor, View
 from .config import PublisherConfig
+from .sharded_slices import split_slices
 from .wordpool import WordPool
 
-__all__ = ["check_dtype", "check_masters", "snapshot_served", "snapshot_state", "take_snapshot"]
+__all__ = [
+    "check_dtype",
+    "check_masters",
+    "snapshot_masters",
+    "snapshot_served",
+    "snapshot_state",
+    "take_snapshot",
+]
 
 #: The dtypes a master may have (the served formats cast from these).
 MASTER_DTYPES = ("float32", "bfloat16", "float16")
@@ -205,3 +213,23 @@ def take_snapshot(
         compare = bool(config.skip_strides) and not sharded and not slices
         return snaps.take(state_dict, config, compare=compare)  # type: ignore[return-value]
     return snapshot_state(state_dict)
+
+
+def snapshot_masters(
+    state_dict: Mapping[str, Any],
+    config: PublisherConfig,
+    snaps: HostSnapshots,
+    decide_device: Callable[[Mapping[str, Any]], bool],
+    *,
+    sharded: bool,
+) -> tuple[dict[str, Any], dict[str, Any], FormatError | None]:
+    """One accepted state dict (names as the engine loads them): its snapshot, its sliced
+    masters' specs, and the cast's error (e.g. NaN in a quantised tensor), which fails only
+    this version when it is built."""
+    local, slices = split_slices(state_dict)
+    check_masters(local, sharded=sharded or bool(slices))
+    try:
+        on_device = decide_device(local)
+        return take_snapshot(local, slices, config, snaps, on_device, sharded), slices, None
+    except FormatError as e:
+        return {}, slices, e

@@ -22,7 +22,7 @@ from .keyframe import reconstruct_shard, shard_matches
 from .pipeline import ShardPipeline
 from .reconstruct import reconstruct
 from .result import ShardResult
-from .rounds import Snapshot
+from .rounds import Snapshot, resume_point
 from .sharded import Exchange
 from .signing import check_clock, fleet_refuses
 
@@ -63,6 +63,19 @@ class VersionWriter:
         #: Rank 0: the sliced layout of the last version (None: read from the parent).
         self._layout: dict[str, tuple[object, ...]] | None = None
         self._clock_checked = False  # rank 0, signing: this host's clock against the store's
+
+    def restarted(self) -> tuple[int | None, VersionWriter]:
+        """A writer resuming from the board's newest version (after a store outage:
+        ``publisher/outage.py``), with this one's choice of device and clock check, and
+        that version."""
+        top, target = resume_point(self.board, self.run, self.config, self._x)
+        w = VersionWriter(self.board, self.run, self.config, self._x, top, target)
+        if self.on_device is not None and w.on_device is None:  # diff_on="auto", decided
+            w.on_device = self.on_device
+            if self.on_device:
+                w.pipe = _device_pipeline(self.board, self.run, self.config, self._x.rank)
+        w._clock_checked = self._clock_checked
+        return top, w
 
     def decide_device(self, state_dict: Mapping[str, Any]) -> bool:
         """Where the diff runs; ``diff_on="auto"``: the first state dict decides."""

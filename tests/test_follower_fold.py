@@ -248,8 +248,9 @@ def test_a_publisher_restarting_inside_a_fold_window(tmp_path: Path) -> None:
     crashed = Publisher(board, RUN, PublisherConfig(**CFG), asynchronous=False)
     for v in range(6):
         publish(crashed, v)
-    # the crash: the process is gone; a new publisher resumes from the board
-    with Publisher(board, RUN, PublisherConfig(**CFG), asynchronous=False) as pub:
+    # the crash: the process is gone (its lease is taken at once on its host: here the
+    # object lives on, so the restart takes the run over); a new publisher resumes
+    with Publisher(board, RUN, PublisherConfig(**CFG, takeover=True), asynchronous=False) as pub:
         assert pub.last_durable == 5
         for v in range(6, 9):
             publish(pub, v)

@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "layout": 1,
     "protocol": 1,
     "config": 1,
+    "liveness": 1,
     # 2 bits: formats, the patch codec, files, trust, simulated training
     "formats": 2,
     "patch": 2,

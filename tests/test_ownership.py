@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from rollpatch import liveness
 from rollpatch.engines import ownership as own
 from rollpatch.errors import EngineError
 
@@ -57,7 +58,7 @@ def test_a_killed_owner_not_yet_reaped_is_gone_too() -> None:
         os.kill(child.pid, signal.SIGKILL)
         # not waited for: a zombie until reaped ('Z' in /proc/PID/stat)
         for _ in range(1000):
-            stat = own._stat(str(child.pid))
+            stat = liveness._stat(str(child.pid))
             if stat is None or stat[0] in "ZX":
                 break
             os.sched_yield()

@@ -146,8 +146,10 @@ def test_resume_after_close(board: Board) -> None:
     assert [board.manifest(RUN, n).parent for n in (3, 6)] == [2, 5]
     assert {p.base for p in board.manifest(RUN, 4).patches} == {2, 3}  # skip right after resume
     check_all(board, expected)
+    stray = Publisher(board, RUN, cfg, asynchronous=False)
     with pytest.raises(ConfigError, match="increase"):
-        Publisher(board, RUN, cfg, asynchronous=False).publish(masters, version=8)
+        stray.publish(masters, version=8)
+    stray.close()  # one publisher per run: the next one starts only once it let go
     with pytest.raises(ConfigError, match="another format"):
         Publisher(board, RUN, PublisherConfig(format="fp16"))
 
@@ -311,26 +313,34 @@ def test_resume_restores_a_missing_keyframe_marker(board: Board) -> None:
     assert reconstruct(board, RUN).digest() == cast_view(masters, "bf16").digest()
 
 
-def test_a_second_publisher_on_the_run_is_named_by_the_first(board: Board) -> None:
-    """Two trainers publishing one run by mistake (an audit, session 40): the one that lost a
-    version's race died with "version already published with other content ... publish a new
-    one", which named neither the other writer nor the cause. Now it names both publishers."""
-    from rollpatch.errors import AlreadyExistsError
+def test_a_second_publisher_on_the_run_is_refused_at_its_start(board: Board) -> None:
+    """Two trainers publishing one run by mistake (an audit, session 40): the second resumed
+    and raced the first for each version, and the loser found out only at a manifest. Now the
+    run's lease (publisher/lease.py) refuses the second at its start, naming the first; a
+    takeover stops the first before its next manifest, naming the second."""
+    from rollpatch.errors import ConflictError
 
     masters = random_masters(seed=1)
     first = Publisher(board, RUN, PublisherConfig(publisher_id="trainer-a"), asynchronous=False)
     first.publish(copy_masters(masters))
-    second = Publisher(board, RUN, PublisherConfig(publisher_id="trainer-b"), asynchronous=False)
+    with pytest.raises(ConfigError, match="being published by 'trainer-a'") as refused:
+        Publisher(board, RUN, PublisherConfig(publisher_id="trainer-b"), asynchronous=False)
+    assert "takeover=True" in str(refused.value)
+    cfg = PublisherConfig(publisher_id="trainer-b", takeover=True)
+    second = Publisher(board, RUN, cfg, asynchronous=False)
     nudge(masters, seed=2)
-    second.publish(copy_masters(masters))  # resumes at 0: its version 1
+    assert second.publish(copy_masters(masters)) == 1
     nudge(masters, seed=3)
-    with pytest.raises(AlreadyExistsError) as lost:
-        first.publish(masters)  # its own version 1
-    said = str(lost.value)
-    assert "by 'trainer-b' (this publisher is trainer-a)" in said, said
-    assert "another publisher writing this run" in said and "one publisher per run" in said
-    second.close()
+    with pytest.raises(ConflictError, match="taken over by publisher 'trainer-b'") as lost:
+        first.publish(masters)  # its own version 1: stopped before the manifest
+    assert "this publisher is trainer-a" in str(lost.value)
+    assert board.versions(RUN) == [0, 1]
+    assert board.manifest(RUN, 1).publisher == "trainer-b"
     first.close()  # synchronous: the error was raised by publish() itself
+    second.close()
+    third = Publisher(board, RUN, PublisherConfig(publisher_id="trainer-c"), asynchronous=False)
+    assert third.last_durable == 1  # a closed publisher lets go at once
+    third.close()
 
 
 def test_a_version_that_does_not_become_durable_is_said(

@@ -3,6 +3,7 @@
 ::
 
     runs/{run}/LATEST                      pointer JSON (compare-and-swap, never backwards)
+    runs/{run}/PUBLISHER                   the publisher's lease JSON (compare-and-swap)
     runs/{run}/versions/{n:012d}.json      manifest (put-if-absent: immutable)
     runs/{run}/keyframes/{n:012d}          marker: version n has a keyframe (cheap listing)
     runs/{run}/objects/{b3}.{rpatch|safetensors}   content-addressed objects
@@ -34,6 +35,7 @@ __all__ = [
     "objects_prefix",
     "pointer_key",
     "pointer_run",
+    "publisher_lease_key",
     "root_key",
     "root_version",
     "run_prefix",
@@ -65,6 +67,11 @@ def run_prefix(run: str) -> str:
 def pointer_key(run: str) -> str:
     """The LATEST pointer of ``run``."""
     return f"{run_prefix(run)}{_POINTER_NAME}"
+
+
+def publisher_lease_key(run: str) -> str:
+    """The lease of the publisher writing ``run`` (one publisher per run)."""
+    return f"{run_prefix(run)}PUBLISHER"
 
 
 def versions_prefix(run: str) -> str:

@@ -17,8 +17,8 @@ extension, :mod:`.vllm.worker`):
   the error's context): that adapter's version is void until it sets one again. Both
   refusals carry ``other_adapter`` (what the adapters look for).
 
-An owner whose process is gone lets go at once. The token (:func:`owner_token`) says where its
-adapter runs: the kernel's boot id, its PID namespace, its pid and the process's start time.
+An owner whose process is gone lets go at once (:mod:`rollpatch.liveness`). The token
+(:func:`owner_token`) says where its adapter runs: the kernel's boot id, its PID namespace, its pid and the process's start time.
 An engine on the same kernel and in the same PID namespace reads ``/proc``; when that process
 no longer exists (or is a zombie, or the pid is another process's), the owner was killed with
 no chance to let go (``kill -9``), and the next adapter takes over without waiting the lease
@@ -29,13 +29,11 @@ pid, and the lease holds.
 
 from __future__ import annotations
 
-import os
-import secrets
 import time
-from pathlib import Path
 from typing import Any
 
 from ..errors import EngineError
+from ..liveness import process_token, token_gone
 
 __all__ = ["LEASE_S", "Ownership", "owner_token"]
 
@@ -46,53 +44,8 @@ _clock = time.monotonic  # the lease's clock (tests set their own here)
 
 
 def owner_token() -> str:
-    """A new adapter's token: random, then (where ``/proc`` tells them) the boot id, the PID
-    namespace, the pid and the start time of the process it runs in."""
-    token = secrets.token_hex(8)
-    here = _where()
-    return token if here is None else f"{token}.{here[0]}.{here[1]}.{os.getpid()}.{here[2]}"
-
-
-def _where() -> tuple[str, str, str] | None:
-    """This process's boot id, PID namespace and start time (clock ticks since boot)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")
-        ns = os.readlink("/proc/self/ns/pid")
-        start = _stat(str(os.getpid()))
-    except (OSError, ValueError):
-        return None
-    ns = "".join(c for c in ns if c.isdigit())
-    if not (boot.isalnum() and ns and start is not None):
-        return None
-    return boot, ns, start[1]
-
-
-def _stat(pid: str) -> tuple[str, str] | None:
-    """Process ``pid``'s state letter and start time from ``/proc/PID/stat``; None: no such
-    process. The name (field 2) may hold spaces and parentheses: fields after the last ')'."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    rest = raw[raw.rindex(")") + 2 :].split()
-    return rest[0], rest[19]
-
-
-def _gone(owner: str) -> bool:
-    """Whether ``owner``'s token names a process of this kernel and PID namespace that no
-    longer runs (False whenever that cannot be told)."""
-    parts = owner.split(".")
-    here = _where()
-    if len(parts) != 5 or here is None or tuple(parts[1:3]) != here[:2]:
-        return False
-    pid, start = parts[3], parts[4]
-    if not (pid.isdigit() and start.isdigit()):
-        return False
-    try:
-        now = _stat(pid)
-    except (OSError, ValueError, IndexError):
-        return False
-    return now is None or now[0] in ("Z", "X") or now[1] != start
+    """A new adapter's token (:func:`rollpatch.liveness.process_token`)."""
+    return process_token()
 
 
 class Ownership:
@@ -116,7 +69,7 @@ class Ownership:
         from another adapter; refused (the same error) while the other is still calling."""
         now = _clock()
         other = self.owner not in (None, str(owner))
-        if other and now - self.seen < LEASE_S and not _gone(str(self.owner)):
+        if other and now - self.seen < LEASE_S and not token_gone(str(self.owner)):
             raise EngineError(
                 f"this {self.engine} is driven by another rollpatch adapter (a second sidecar "
                 "on one engine?)",

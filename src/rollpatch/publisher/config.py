@@ -106,6 +106,12 @@ class PublisherConfig:
     (and coalescing) versions; only after ``outage_s`` seconds of failures does it stop with
     the store's error (None: never). Sharded publishers stop at once (docs/publisher.md,
     *Errors*)."""
+    takeover: bool = setting(
+        False,
+        help="take the run from the publisher holding it (that one stops before its next version)",
+    )
+    """One publisher per run (docs/publisher.md, *One publisher per run*): a publisher starting
+    on a run another live publisher holds is refused (``ConfigError``), unless ``takeover``."""
     publisher_id: str = setting(
         factory=default_publisher_id,
         hi=256,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +24,7 @@ from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .exiting import close_at_exit
 from .guards import diverged, engine_names, note_names
 from .outage import Outage, is_outage
-from .rounds import DropLog, Snapshot, StallLog, agree, next_version, resume_point
+from .rounds import DropLog, Snapshot, StallLog, agree, next_version
 from .sharded import open_exchange
 from .signing import LatestHeartbeat, check_signing
 from .snapshot import snapshot_masters, snapshot_state
@@ -94,9 +95,10 @@ class Publisher:
         self._stall_log = StallLog(self.run)
         self._outage = Outage(self.run, self.config.outage_s, self._cond, lambda: self._closing)
         self._busy_since: float | None = None  # the worker's round in progress, since when
-        top, target = resume_point(self.board, self.run, self.config, self._x)
-        self._last_assigned = self._last_durable = top
-        self._writer = VersionWriter(self.board, self.run, self.config, self._x, top, target)
+        self._writer = VersionWriter.open(self.board, self.run, self.config, self._x)
+        if self._writer.lease is not None:  # a publisher dropped without close() lets go too
+            weakref.finalize(self, self._writer.lease.release)
+        self._last_assigned = self._last_durable = self._writer.resume_from
         # the host snapshot's words, reused once free (paged in): the base and the next
         # snapshot, and the anchor's view the host path folds from
         self._words = WordPool(per_name=2 + (self.config.fold_every > 0))
@@ -243,6 +245,8 @@ class Publisher:
             self._worker.join()
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self._writer.lease is not None:
+            self._writer.lease.release()
         with self._cond:
             self._closed = True
             if self._error is not None and not self._error_reported:

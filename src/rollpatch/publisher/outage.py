@@ -116,13 +116,17 @@ class Outage:
         return w
 
     def over_limit(self, error: BaseException) -> BaseException:
-        """The error the publisher stops with once ``limit_s`` is spent."""
+        """The error the publisher stops with: over ``limit_s``, or closed during an outage."""
         if self.since is None or not self.limit_s or not isinstance(error, TransientStoreError):
             return error
+        elapsed = self._clock() - self.since
+        why = (
+            f"more than outage_s={self.limit_s:g}: the publisher stopped"
+            if elapsed >= self.limit_s
+            else "when the publisher closed"
+        )
         return TransientStoreError(
-            f"{error.message} (the store was unreachable for "
-            f"{self._clock() - self.since:.0f} s, more than outage_s={self.limit_s:g}: the "
-            "publisher stopped)",
+            f"{error.message} (the store was unreachable for {elapsed:.0f} s, {why})",
             hint="a new Publisher on the run resumes from the board's LATEST",
             **error.context,
         )

@@ -18,6 +18,7 @@ from ..errors import BoardError, ConfigError, TrustError
 from ..manifest import Manifest
 from ..types import MAX_VERSION
 from .config import PublisherConfig
+from .lease import Lease
 from .sharded import Exchange
 
 __all__ = [
@@ -155,9 +156,11 @@ def agree(
 
 
 def resume_point(
-    board: Board, run: str, config: PublisherConfig, x: Exchange
+    board: Board, run: str, config: PublisherConfig, x: Exchange, lease: Lease | None = None
 ) -> tuple[int | None, str]:
     """Where publishing continues: the newest version on the board and its target digest.
+
+    Rank 0 first takes (or keeps) the run's publisher ``lease`` (:mod:`.lease`).
 
     Rank 0 reads the board; a manifest newer than LATEST (a publisher died between writing
     it and advancing the pointer) is complete, so it re-puts it (restoring its keyframe marker)
@@ -167,6 +170,8 @@ def resume_point(
     local: BaseException | None = None
     if x.rank == 0:
         try:
+            if lease is not None:
+                lease.acquire()
             message = _resume_point(board, run, config)
         except Exception as e:  # noqa: BLE001 (told to the other ranks, then re-raised)
             local, message = e, {"error": f"{type(e).__name__}: {e}"}

@@ -19,6 +19,7 @@ from ..view import View
 from .assemble import assemble_manifest
 from .config import PublisherConfig, VersionStats
 from .keyframe import reconstruct_shard, shard_matches
+from .lease import Lease
 from .pipeline import ShardPipeline
 from .reconstruct import reconstruct
 from .result import ShardResult
@@ -48,8 +49,10 @@ class VersionWriter:
         x: Exchange,
         resume_from: int | None,
         resume_target: str,
+        lease: Lease | None = None,
     ) -> None:
         self.board, self.run, self.config, self._x = board, run, config, x
+        self.lease = lease  # rank 0's hold on the run (checked before each manifest)
         self.resume_from = resume_from
         self.roots: dict[int, str] = {} if resume_from is None else {resume_from: resume_target}
         self.pipe = ShardPipeline(board, run, config, x.rank)
@@ -64,12 +67,29 @@ class VersionWriter:
         self._layout: dict[str, tuple[object, ...]] | None = None
         self._clock_checked = False  # rank 0, signing: this host's clock against the store's
 
+    @classmethod
+    def open(cls, board: Board, run: str, config: PublisherConfig, x: Exchange) -> VersionWriter:
+        """A new publisher's writer: rank 0 takes the run's lease (renewed from now on until
+        released), and every rank resumes from the board's newest version."""
+        lease = None
+        if x.rank == 0:
+            lease = Lease(board.store, run, config.publisher_id, takeover=config.takeover)
+        try:
+            top, target = resume_point(board, run, config, x, lease)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        if lease is not None:
+            lease.start()
+        return cls(board, run, config, x, top, target, lease)
+
     def restarted(self) -> tuple[int | None, VersionWriter]:
         """A writer resuming from the board's newest version (after a store outage:
-        ``publisher/outage.py``), with this one's choice of device and clock check, and
-        that version."""
-        top, target = resume_point(self.board, self.run, self.config, self._x)
-        w = VersionWriter(self.board, self.run, self.config, self._x, top, target)
+        ``publisher/outage.py``), with this one's lease, choice of device and clock check,
+        and that version."""
+        top, target = resume_point(self.board, self.run, self.config, self._x, self.lease)
+        w = VersionWriter(self.board, self.run, self.config, self._x, top, target, self.lease)
         if self.on_device is not None and w.on_device is None:  # diff_on="auto", decided
             w.on_device = self.on_device
             if self.on_device:
@@ -200,6 +220,8 @@ class VersionWriter:
         if bad:
             return {"ok": False, "error": f"rank {bad[0][0]}: {bad[0][1].get('error')}"}, None
         try:
+            if self.lease is not None:
+                self.lease.check()
             meta = {"step": str(snap.step), "scales": self.config.scales}
             if self._layout is None and parent is not None:
                 pm = self.board.manifest(self.run, parent)

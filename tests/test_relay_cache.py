@@ -346,3 +346,46 @@ def test_a_disk_that_fills_below_the_bound_is_made_room_on(
     assert relay.relay.metrics.value("rollpatch_relay_evictions_total") >= 2
     assert cache.peek(objects[0].key) is None  # the least recently used went first
     assert sum(e.file_bytes for e in cache._index.values()) <= quota
+
+
+@pytest.mark.parametrize("new_versions", [6, 9])
+def test_a_run_published_again_drops_every_cached_manifest_of_the_earlier_run(
+    board: Board, serve, caplog: pytest.LogCaptureFixture, new_versions: int
+) -> None:
+    """An audit (session 41): after a run name was reused, `pull --version 3` through the
+    relay rebuilt the earlier run's weights, verified against its cached manifest; only the
+    manifest LATEST names was dropped. Now the whole run's cached manifests go, found either
+    by LATEST (6 new versions: v5 was cached) or by a new manifest whose patch starts at
+    another digest than the cached manifest of its base (9: v6 onwards were never cached)."""
+    import numpy as np
+
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    def publish_run(seed: int, n: int) -> dict[int, str]:
+        rng = np.random.default_rng(seed)
+        w = {"a.weight": rng.standard_normal((64, 64)).astype(np.float32)}
+        pub_board = Board(board.store)  # a publisher process of its own each time
+        with Publisher(pub_board, RUN, PublisherConfig(skip_strides=()), asynchronous=False) as p:
+            for _ in range(n):
+                w["a.weight"] += (rng.standard_normal((64, 64)) * 1e-3).astype(np.float32)
+                p.publish(w)
+        fresh = Board(board.store)  # a board caches the manifests it read
+        return {v: fresh.manifest(RUN, v).target for v in range(n)}
+
+    first = publish_run(1, 6)
+    relay = serve(board.store)
+    c = Board(client(relay))
+    assert [c.manifest(RUN, v).target for v in range(6)] == [first[v] for v in range(6)]
+    for key in board.store.list(f"runs/{RUN}/"):  # deleted, and published again
+        board.store.delete(key)
+    second = publish_run(2, new_versions)
+    assert second[3] != first[3]
+    time.sleep(relay.relay.config.pointer_ttl + 0.1)
+    c = Board(client(relay))  # a new reader (a board caches the manifests it read)
+    with caplog.at_level(logging.WARNING, logger="rollpatch.relay"):
+        assert c.latest(RUN).target == second[new_versions - 1]
+        for v in range(new_versions - 1, -1, -1):  # a follower walking back from LATEST
+            assert c.manifest(RUN, v).target == second[v], v
+    said = [r.getMessage() for r in caplog.records if "published again" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
+    assert "manifest(s) and marker(s) are dropped" in said[0]

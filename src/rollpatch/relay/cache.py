@@ -249,6 +249,14 @@ class DiskCache:
         with self._lock:
             self._drop(key)
 
+    def discard_prefixes(self, *prefixes: str) -> list[str]:
+        """Forget every key under one of ``prefixes`` and delete its file; the keys."""
+        with self._lock:
+            keys = [k for k in self._index if k.startswith(prefixes)]
+            for k in keys:
+                self._drop(k)
+        return keys
+
     # -- internals ----------------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 import blake3
 
 from ..errors import ManifestError, ObjectIntegrityError, StoreError, TooLargeError
+from ..layout import keyframes_prefix, manifest_version, versions_prefix
 from ..logs import Throttle, event
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
@@ -81,6 +82,7 @@ class Relay:
         self.metrics = metrics or Metrics()
         #: Checks upstream answers before they are cached or served; owns the trust root.
         self.verifier = Verifier(self._get, trust, self.metrics)
+        self.verifier.on_lineage = self.forget_run
         self.cache = DiskCache(
             config.cache_dir, config.cache_bytes, self.metrics, recheck_s=config.recheck_s
         )
@@ -302,14 +304,25 @@ class Relay:
                 return
         if cached is None or cached == target:
             return
-        self.cache.discard(key)
-        self.verifier.targets.forget(key)
+        run = manifest_version(key)
+        if run is not None:
+            self.forget_run(run[0], f"{key} names {cached[:16]}, LATEST names {target[:16]}")
+
+    def forget_run(self, run: str, why: str) -> None:
+        """The run was published again under its name (``why`` says how it showed): every
+        cached manifest and keyframe marker of it is dropped and fetched again when asked
+        for (its objects are named by their BLAKE3 and stay). Before session 41 only the
+        manifest LATEST names was dropped, and an older version was served from the earlier
+        run, verified against its own manifest (an audit)."""
+        keys = self.cache.discard_prefixes(versions_prefix(run), keyframes_prefix(run))
+        for k in keys:
+            self.verifier.targets.forget(k)
         log.warning(
-            "relay cache: %s names target %s but LATEST names %s (the run was published "
-            "again under its name?); dropped, fetched again",
-            key,
-            cached[:16],
-            target[:16],
+            "relay cache: run %s was published again under its name (%s): its %d cached "
+            "manifest(s) and marker(s) are dropped, fetched again",
+            run,
+            why,
+            len(keys),
         )
 
     def remember_pointer(self, key: str, data: bytes, read_at: float) -> Blob:

@@ -104,6 +104,10 @@ class Verifier:
         #: Object key -> its size, as a checked manifest names it: the relay reads no more
         #: of it upstream (a store writer's giant object is refused unread; session 40).
         self.sizes: _Noted[int] = _Noted()
+        #: Called with (run, why) when a checked manifest's patch names another digest for
+        #: its base version than the manifest this relay checked for it: the run was
+        #: published again under its name (set by the relay: its cached manifests go).
+        self.on_lineage: Callable[[str, str], None] | None = None
 
     def bound(self, key: str) -> int | None:
         """How much of ``key`` the relay reads upstream: a document's bound, an object's size
@@ -144,6 +148,16 @@ class Verifier:
                 self.targets.note(key, m.target)
                 for ref in m.objects():
                     self.sizes.note(ref.key, ref.size)
+                for p in m.patches:
+                    known = self.targets.get(version_key(named[0], p.base))
+                    if known is not None and known != p.base_digest and self.on_lineage:
+                        self.on_lineage(
+                            named[0],
+                            f"version {named[1]}'s patch from {p.base} starts at "
+                            f"{p.base_digest[:16]}, the cached version {p.base} ends at "
+                            f"{known[:16]}",
+                        )
+                        break
             except ManifestError as e:
                 self.refuse("invalid_manifest", key=key, error=e)
                 raise ManifestError(

@@ -213,6 +213,27 @@ def test_a_step_that_changes_most_values_is_warned_about(
     check_all(board, {0: masters, 1: small, 2: other})
 
 
+def test_large_steps_are_warned_about_once_a_minute(
+    board: Board, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose every step is large (an lr far too high) logged one warning per version,
+    for ever (an audit, session 41): now one per LARGE_STEP_LOG_S, counting those between."""
+    from rollpatch.publisher import writer
+
+    with (
+        caplog.at_level(logging.WARNING, logger="rollpatch.publisher"),
+        Publisher(board, RUN, asynchronous=False) as pub,
+    ):
+        for seed in range(5):
+            pub.publish(random_masters(seed))
+        monkeypatch.setattr(writer, "LARGE_STEP_LOG_S", 0.0)
+        pub.publish(random_masters(5))
+    said = [r.getMessage() for r in caplog.records if "of the served view" in r.getMessage()]
+    assert len(said) == 2, said
+    assert f"{RUN}@1:" in said[0] and f"{RUN}@5:" in said[1]
+    assert "(3 more such version(s) since the last line)" in said[1]
+
+
 class _GatedStore(MemoryStore):
     """A memory store whose puts wait for ``gate`` (the worker busy with a version)."""
 

@@ -35,6 +35,8 @@ log = logging.getLogger("rollpatch.publisher")
 #: of the view; a patch this large means most served values changed (another model of the
 #: same shape published into the run, or a learning rate far above RL's).
 LARGE_STEP = 0.25
+#: Seconds between two such warnings (the ones between are counted on the next).
+LARGE_STEP_LOG_S = 60.0
 
 
 class VersionWriter:
@@ -66,6 +68,7 @@ class VersionWriter:
         #: Rank 0: the sliced layout of the last version (None: read from the parent).
         self._layout: dict[str, tuple[object, ...]] | None = None
         self._clock_checked = False  # rank 0, signing: this host's clock against the store's
+        self._large: tuple[float, int] | None = None  # last large-step warning, held since
 
     @classmethod
     def open(cls, board: Board, run: str, config: PublisherConfig, x: Exchange) -> VersionWriter:
@@ -282,17 +285,24 @@ class VersionWriter:
                 res.dropped,
                 parent,
             )
-        if parent is not None and res.patch_bytes > LARGE_STEP * max(res.view.nbytes, 1):
+        large = parent is not None and res.patch_bytes > LARGE_STEP * max(res.view.nbytes, 1)
+        now = time.monotonic()
+        if large and (self._large is None or now - self._large[0] >= LARGE_STEP_LOG_S):
+            held = 0 if self._large is None else self._large[1]
             log.warning(
                 "%s@%d: the step patch from version %d is %.0f%% of the served view (%d values "
                 "changed; RL steps give 0.1-3%%): another model of the same shape, or a "
-                "learning rate far above RL's? It is exact either way, only large",
+                "learning rate far above RL's? It is exact either way, only large%s",
                 self.run,
                 n,
                 parent,
                 100 * res.patch_bytes / max(res.view.nbytes, 1),
                 res.changed,
+                f" ({held} more such version(s) since the last line)" if held else "",
             )
+            self._large = (now, 0)
+        elif large and self._large is not None:  # said once per LARGE_STEP_LOG_S (an audit)
+            self._large = (self._large[0], self._large[1] + 1)
         return VersionStats(
             version=n,
             parent=parent,

@@ -225,7 +225,7 @@ def test_the_sidecar_cli_adopts_and_reports_it(run: Run, tiny_model: Path, tmp_p
         assert (v["served"], v["adoptions"], v["commits"]) == (LAST, 1, 1)
         assert v["bytes_fetched"] == _patch_bytes(Board(run.board), 3, LAST)
         metrics = httpx.get(f"{url}/metrics").text
-        assert "rollpatch_adoptions 1.0" in metrics
+        assert "rollpatch_adoptions_total 1.0" in metrics
     text = log.read_text(errors="replace")
     assert f"{RUN}@3: adopted the engine's words" in text and "no keyframe fetched" in text
 

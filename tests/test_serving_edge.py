@@ -79,8 +79,10 @@ def test_error_bodies_are_openai_style(status: int, retry: str | None) -> None:
 
 
 def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
-    """One owner of the served/latest/lag triple and the outcome labels: the sidecar leaves an
-    unknown version as it was, the gateway writes -1; both render their own registry only."""
+    """One owner of the served/latest/lag triple and the outcome labels: an unknown version
+    is -1 on both; the sidecar's lag is never left at an old value (latest + 1 with nothing
+    served, NaN with LATEST unknown: audit G-F3); cumulative values are counters, and no
+    ``*_created`` series is rendered (audit G-F6); both render their own registry only."""
     from rollpatch.gateway.metrics import GatewayMetrics
     from rollpatch.gateway.routing import IslandView
     from rollpatch.serving.metrics import OUTCOMES, outcome
@@ -91,29 +93,41 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
     sc = SidecarMetrics()
     fields = {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1}
     status = type("S", (), {**fields, "failures": 2, "adoptions": 1, "last_error": None})
-    sc.update(status, status.latest, status.lag, 1.25)
+    sc.update(status, status.latest, 1.25)
     sc.request("proxied", 0.01)
     text = sc.render().decode()
     for line in (
         "rollpatch_served_version 3.0",
         "rollpatch_latest_version 5.0",
         "rollpatch_lag_versions 2.0",
-        "rollpatch_sync_failures 2.0",
+        "rollpatch_sync_failures_total 2.0",
         "rollpatch_sync_failing 0.0",
-        "rollpatch_adoptions 1.0",
+        "rollpatch_adoptions_total 1.0",
+        "rollpatch_commits_total 1.0",
+        "rollpatch_bytes_fetched_total 7.0",
+        "# TYPE rollpatch_commits_total counter",
+        "# TYPE rollpatch_drain_timeouts_total counter",
+        "# TYPE rollpatch_engine_connections_opened_total counter",
         "rollpatch_latest_age_seconds 1.25",
         'rollpatch_requests_total{outcome="proxied"} 1.0',
+        "rollpatch_proxy_seconds_count 1.0",
     ):
         assert line in text.splitlines()
-    status.version, status.latest, status.lag = None, None, None
+    assert "_created" not in text
+    # the version lost, LATEST still known: every version is missing (a lag alert fires)
+    status.version, status.lag = None, None
+    sc.update(status, status.latest, 1.25)
+    lines = sc.render().decode().splitlines()
+    assert "rollpatch_served_version -1.0" in lines and "rollpatch_lag_versions 6.0" in lines
+    status.latest = None
     status.last_error = "EngineError: x"
-    # none verified: -1, as the gateway says it; an unknown lag stays; LATEST never read: -1
-    sc.update(status, status.latest, status.lag, float("inf"))
+    # none verified: -1, as the gateway says it; LATEST never read: -1, and the lag unknown
+    sc.update(status, status.latest, float("inf"))
     text = sc.render().decode()
     for line in (
         "rollpatch_served_version -1.0",
         "rollpatch_latest_version -1.0",
-        "rollpatch_lag_versions 2.0",
+        "rollpatch_lag_versions NaN",
         "rollpatch_sync_failing 1.0",
         "rollpatch_latest_age_seconds -1.0",
     ):
@@ -135,6 +149,7 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
     ):
         assert line in text.splitlines()
     assert 'rollpatch_gateway_island_lag_versions{island="b"}' not in text
+    assert "_created" not in text
     assert "rollpatch_served_version" not in text  # registries stay apart
 
 

@@ -58,12 +58,12 @@ def test_an_unknown_route_or_method_names_the_routes_served(sidecar: RunningSide
 
 def _connections_opened(sc: RunningSidecar) -> float:
     text = httpx.get(f"{sc.url}/metrics").text
-    return float(text.split("\nrollpatch_engine_connections_opened ", 1)[1].split()[0])
+    return float(text.split("\nrollpatch_engine_connections_opened_total ", 1)[1].split()[0])
 
 
 def test_engine_connections_are_reused(sidecar: RunningSidecar) -> None:
     """Proxied requests, one after another and 4 at once, reuse keep-alive connections to the
-    engine: the sidecar's rollpatch_engine_connections_opened grows by at most the peak
+    engine: the sidecar's rollpatch_engine_connections_opened_total grows by at most the peak
     concurrency, not with the requests."""
     before = _connections_opened(sidecar)
     client = _client(sidecar)

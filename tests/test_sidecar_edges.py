@@ -164,6 +164,12 @@ def test_not_ready_is_503(world: World) -> None:
     try:
         r = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and r.headers["retry-after"]
+        # "has no LATEST" once a read of the board has completed (before: the first read is
+        # in progress, audit G-F4)
+        deadline = time.monotonic() + 30
+        while sc.sidecar.follower.status().latest_age_s is None:
+            assert time.monotonic() < deadline, "LATEST was never read"
+            time.sleep(0.01)
         ready = httpx.get(f"{sc.url}/ready")
         assert ready.status_code == 503
         assert "run 'nothing-published' has no LATEST" in ready.json()["error"]["message"]

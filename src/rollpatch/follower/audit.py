@@ -35,7 +35,8 @@ class Auditor:
     """Runs :meth:`EngineAdapter.audit` every ``period_s`` with ``rate × period_s`` bytes.
 
     ``on_mismatch(report)`` is called (on the auditor's thread) when live words differ.
-    Counters: ``passes`` (full rounds), ``bytes`` (hashed), ``mismatches``;
+    Counters: ``slices`` (answered), ``passes`` (full rounds), ``bytes`` (hashed),
+    ``mismatches``;
     ``bytes_at_first_mismatch``: ``bytes`` when the first mismatch was found (how much was
     hashed before finding it, however late someone looks).
     """
@@ -63,6 +64,7 @@ class Auditor:
         self.period_s = period_s
         self.on_mismatch = on_mismatch
         self.busy = busy
+        self.slices = 0
         self.passes = 0
         self.bytes = 0
         self.mismatches = 0
@@ -112,6 +114,7 @@ class Auditor:
         if not report.mismatched:  # it answered, with the words it should hold
             self.on_contact(True)
         self.last = report
+        self.slices += 1
         self.bytes += report.nbytes
         self.passes += report.wrapped
         if report.mismatched:

@@ -147,3 +147,6 @@ class FollowerStatus:
     adoptions: int = 0
     #: Seconds since the follower last read LATEST from the board (None: never).
     latest_age_s: float | None = None
+    #: The failure of the last board read that was retried (``"ClassName: message"``;
+    #: cleared by a successful sync): why a first read of LATEST is still in progress.
+    last_retry_error: str | None = None

@@ -395,4 +395,4 @@ class Follower:
 
     def _on_retry(self, e: BaseException) -> None:
         log.info("%s: retrying after %s: %s", self.run, type(e).__name__, e)
-        self._rec.count(retries=1)
+        self._rec.retried(e)

@@ -39,6 +39,8 @@ class Record:
         self.latest: int | None = None
         #: When LATEST was last read (time.monotonic(); None: never).
         self.latest_at: float | None = None
+        #: The failure of the last read that was retried (cleared when a sync succeeds).
+        self.retry_error: BaseException | None = None
         self.counts = {
             "bytes": 0,
             "objects": 0,
@@ -57,6 +59,8 @@ class Record:
             self.state = state
             if "error" in kw:
                 self.error = kw["error"]
+                if self.error is None:
+                    self.retry_error = None
             self.cond.notify_all()
 
     def count(self, **by: int) -> None:
@@ -64,6 +68,13 @@ class Record:
         with self.cond:
             for name, n in by.items():
                 self.counts[name] += n
+            self.cond.notify_all()
+
+    def retried(self, e: BaseException) -> None:
+        """A read failed with ``e`` and is tried again."""
+        with self.cond:
+            self.counts["retries"] += 1
+            self.retry_error = e
             self.cond.notify_all()
 
     def committed(self, pause_s: float) -> None:
@@ -86,6 +97,7 @@ class Record:
         """A consistent snapshot, with ``version`` as the verified version."""
         with self.cond:
             latest, err, c, t = self.latest, self.error, self.counts, self.timings
+            retry = self.retry_error
             return FollowerStatus(
                 state=self.state,
                 version=version,
@@ -105,4 +117,5 @@ class Record:
                 failures=c["failures"],
                 adoptions=c["adoptions"],
                 latest_age_s=None if self.latest_at is None else time.monotonic() - self.latest_at,
+                last_retry_error=None if retry is None else f"{type(retry).__name__}: {retry}",
             )

@@ -5,8 +5,12 @@ One owner for what both export the same way:
 - :class:`Registry`: a private ``prometheus_client`` registry per service object (several
   sidecars or gateways in one process, as in tests and the demo, stay apart), with typed
   builders and :meth:`Registry.render`; :data:`CONTENT_TYPE` is what ``/metrics`` answers.
+  It renders no ``*_created`` series (prometheus_client's default doubles every counter's
+  and histogram's series with one; its switch is process-wide, so the registry drops them).
+- :class:`Total`: a cumulative value kept elsewhere (a follower's counters) and read whole,
+  exported as a counter (``{name}_total``).
 - :class:`VersionGauges`: the ``served_version`` / ``latest_version`` / ``lag_versions``
-  triple (one series per island on the gateway, one on a sidecar).
+  triple (one series per island on the gateway, one on a sidecar); :func:`lag_value`.
 - :data:`Outcome` and :func:`outcome`: the labels of a request's outcome, from its status.
 
 ``prometheus_client`` (the ``web`` extra) is imported when a :class:`Registry` is built.
@@ -14,14 +18,25 @@ One owner for what both export the same way:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
+    from prometheus_client.metrics_core import Metric
 
-__all__ = ["CONTENT_TYPE", "OUTCOMES", "Outcome", "Registry", "VersionGauges", "outcome"]
+__all__ = [
+    "CONTENT_TYPE",
+    "OUTCOMES",
+    "Outcome",
+    "Registry",
+    "Total",
+    "VersionGauges",
+    "lag_value",
+    "outcome",
+]
 
 #: The ``Content-Type`` of a ``/metrics`` answer (Prometheus text exposition 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4"
@@ -75,6 +90,7 @@ class Registry:
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry()
+        self._totals: _Totals | None = None
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         from prometheus_client import Counter
@@ -93,11 +109,83 @@ class Registry:
             return Histogram(name, doc, registry=self.registry)
         return Histogram(name, doc, buckets=tuple(buckets), registry=self.registry)
 
+    def total(self, name: str, doc: str) -> Total:
+        """A counter ``{name}_total`` whose value is set whole (:class:`Total`)."""
+        if self._totals is None:
+            self._totals = _Totals()
+            self.registry.register(self._totals)
+        return self._totals.add(Total(name, doc))
+
     def render(self) -> bytes:
-        """Everything in the registry as Prometheus text (:data:`CONTENT_TYPE`)."""
+        """Everything in the registry as Prometheus text (:data:`CONTENT_TYPE`), without
+        ``*_created`` series."""
         from prometheus_client import generate_latest
 
-        return generate_latest(self.registry)
+        return generate_latest(_Uncreated(self.registry))
+
+
+class Total:
+    """A cumulative value owned elsewhere (a follower's counters, a connection pool's count),
+    exported as a Prometheus counter: :meth:`set` the value (never lower while the process
+    lives) or :meth:`set_function` to read it at each scrape. ``prometheus_client.Counter``
+    only adds, so these were gauges before (audit G-F6)."""
+
+    __slots__ = ("_fn", "_value", "doc", "name")
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc = name, doc
+        self._value = 0.0
+        self._fn: Callable[[], float] | None = None
+
+    def set(self, value: float) -> None:
+        self._value = float(value)
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        self._fn = fn
+
+    def get(self) -> float:
+        return float(self._fn()) if self._fn is not None else self._value
+
+
+class _Totals:
+    """The collector of a registry's :class:`Total` values (read at each scrape)."""
+
+    def __init__(self) -> None:
+        self._totals: list[Total] = []
+
+    def add(self, total: Total) -> Total:
+        self._totals.append(total)
+        return total
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        for t in self._totals:
+            yield CounterMetricFamily(t.name, t.doc, value=t.get())
+
+
+class _Uncreated:
+    """A registry seen without its ``*_created`` samples (what ``render`` writes)."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
+
+
+def lag_value(served: int | None, latest: int | None) -> float:
+    """What ``lag_versions`` says: ``latest - served`` (never below 0); with nothing served
+    and LATEST known, ``latest + 1`` (every version is missing: a lag alert fires); with
+    LATEST unknown, NaN (no alert can say how far behind it is)."""
+    if latest is None:
+        return math.nan
+    if served is None:
+        return float(latest + 1)
+    return float(max(0, latest - served))
 
 
 @dataclass(frozen=True)
@@ -123,13 +211,14 @@ class VersionGauges:
         self,
         served: int | None,
         latest: int | None,
-        lag: int | None,
+        lag: float | None,
         *,
         unknown: int | None = None,
         **labels: str,
     ) -> None:
         """Set the series (of ``labels``). An unknown served or latest version is written as
-        ``unknown`` (None: left as it was); an unknown lag is always left as it was."""
+        ``unknown`` (None: left as it was); a lag of None is left as it was (the sidecar
+        always passes one: :func:`lag_value`)."""
         for gauge, value in ((self.served, served), (self.latest, latest)):
             if value is None:
                 value = unknown

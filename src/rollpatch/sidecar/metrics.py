@@ -1,17 +1,23 @@
 """Prometheus metrics of one sidecar (a private registry per sidecar; shapes shared with the
-gateway in :mod:`rollpatch.serving.metrics`)."""
+gateway in :mod:`rollpatch.serving.metrics`).
+
+Cumulative values kept by the follower, the gate, the auditor and the engine pool are
+counters (``*_total``) read whole at each scrape (:class:`~rollpatch.serving.metrics.Total`);
+none has a ``*_created`` series.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..serving.metrics import Outcome, Registry, VersionGauges
+from ..serving.metrics import Outcome, Registry, VersionGauges, lag_value
 
 __all__ = ["SidecarMetrics"]
 
 
 class SidecarMetrics:
-    """Versions (-1: none), lag, bytes fetched, apply/pause durations, requests by outcome."""
+    """Versions (-1: none), lag, bytes fetched, apply/pause durations, requests by outcome,
+    the live-weights audit."""
 
     def __init__(self) -> None:
         self._reg = r = Registry()
@@ -19,18 +25,14 @@ class SidecarMetrics:
         self.versions = VersionGauges.build(
             r, "rollpatch_", ("verified version the engine serves", "LATEST seen on the board")
         )
-        self.bytes_fetched = r.gauge(
-            "rollpatch_bytes_fetched", "bytes fetched from the board (cumulative)"
-        )
-        self.commits = r.gauge("rollpatch_commits", "verified commits (cumulative)")
-        self.adoptions = r.gauge(
+        self.bytes_fetched = r.total("rollpatch_bytes_fetched", "bytes fetched from the board")
+        self.commits = r.total("rollpatch_commits", "verified commits")
+        self.adoptions = r.total(
             "rollpatch_adoptions",
             "versions taken from the words the engine booted with, no keyframe fetched "
-            "(--boot adopt; cumulative)",
+            "(--boot adopt)",
         )
-        self.failures = r.gauge(
-            "rollpatch_sync_failures", "failed syncs, every retry counted (cumulative)"
-        )
+        self.failures = r.total("rollpatch_sync_failures", "failed syncs, every retry counted")
         self.failing = r.gauge(
             "rollpatch_sync_failing",
             "1 while the last sync failed (why: /ready and /version's last_error), else 0",
@@ -50,16 +52,28 @@ class SidecarMetrics:
             "admission closed before a drain-mode commit's write",
             (0.001, 0.01, 0.1, 1, 5, 30, 120),
         )
-        self.drain_timeouts = r.gauge(
+        self.drain_timeouts = r.total(
             "rollpatch_drain_timeouts",
-            "drain commits that hit the drain deadline and paused instead (cumulative)",
+            "drain commits that hit the drain deadline and paused instead",
         )
         self.requests = r.counter("rollpatch_requests", "requests by outcome", ["outcome"])
         self.latency = r.histogram("rollpatch_proxy_seconds", "proxied request duration")
-        self.engine_connections = r.gauge(
+        self.engine_connections = r.total(
             "rollpatch_engine_connections_opened",
-            "connections opened to the engine by the proxied routes (cumulative; keep-alive "
-            "reuse keeps it near the peak of concurrent requests)",
+            "connections opened to the engine by the proxied routes (keep-alive reuse keeps "
+            "it near the peak of concurrent requests)",
+        )
+        self.audit_slices = r.total(
+            "rollpatch_audit_slices", "audit slices the engine re-hashed (live weights)"
+        )
+        self.audit_bytes = r.total("rollpatch_audit_bytes", "bytes of live weights re-hashed")
+        self.audit_passes = r.total(
+            "rollpatch_audit_passes", "full rounds of the audit over the model's weights"
+        )
+        self.audit_mismatches = r.total(
+            "rollpatch_audit_mismatches",
+            "audits that found live weights other than the served version's (alert on any "
+            "increase: the island left rotation and re-synced)",
         )
         self._by_outcome: dict[str, Any] = {}  # the labelled children, looked up once each
 
@@ -71,17 +85,26 @@ class SidecarMetrics:
         if seconds is not None:
             self.latency.observe(seconds)
 
-    def update(self, status: Any, latest: int | None, lag: int | None, latest_age_s: float) -> None:
-        """Refresh gauges from a FollowerStatus and the sidecar's ``latest``, ``lag`` and
-        LATEST's age (they also count the LATEST reads of requests:
-        ``Sidecar.refresh_metrics``)."""
-        self.versions.set(status.version, latest, lag, unknown=-1)
+    def update(self, status: Any, latest: int | None, latest_age_s: float) -> None:
+        """Refresh gauges from a FollowerStatus, the sidecar's newest known LATEST and its
+        age (they also count the LATEST reads of requests: ``Sidecar.refresh_metrics``).
+        The lag is :func:`~rollpatch.serving.metrics.lag_value`: ``latest + 1`` while nothing
+        is served, NaN while LATEST is unknown, never left at an old value."""
+        self.versions.set(status.version, latest, lag_value(status.version, latest), unknown=-1)
         self.bytes_fetched.set(status.bytes_fetched)
         self.commits.set(status.commits)
         self.adoptions.set(status.adoptions)
         self.failures.set(status.failures)
         self.failing.set(0 if status.last_error is None else 1)
         self.latest_age.set(-1 if latest_age_s == float("inf") else round(latest_age_s, 3))
+
+    def audited(self, auditor: Any, mismatches: int) -> None:
+        """The audit's counters from the follower's ``Auditor`` (slices, bytes, passes) and
+        the mismatches ``/version`` reports (``audit_mismatches``)."""
+        self.audit_slices.set(auditor.slices)
+        self.audit_bytes.set(auditor.bytes)
+        self.audit_passes.set(auditor.passes)
+        self.audit_mismatches.set(mismatches)
 
     def render(self) -> bytes:
         return self._reg.render()

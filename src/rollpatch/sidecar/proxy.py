@@ -46,7 +46,7 @@ from .protocol import (
     label_body,
     parse_constraint,
 )
-from .relay import StreamTap, client_of, hang_up, tappable
+from .relay import Ending, StreamTap, client_of, hang_up, tappable
 from .satisfy import LatestReader, conflict, plain_proxy, satisfy
 from .service import Sidecar
 
@@ -206,7 +206,9 @@ class ProxyFront:
         self, receive: Receive, sent: _Sent, resp: UpstreamResponse, slot: Admission
     ) -> Literal["proxied", "client_gone", "engine_error"]:
         """Relay the stream; how it ended: whole, the client gone, or broken by the engine
-        (an error event, then the connection cut: never a clean end)."""
+        (an error event, then the connection cut: never a clean end). Whole is what reached
+        the client before it left (:class:`Ending`): an OpenAI client hangs up right after
+        ``[DONE]``, often before the engine's own end is read."""
         start = slot.start
 
         def last_event(line: bytes, done: bool) -> bytes:
@@ -214,7 +216,11 @@ class ProxyFront:
                 return line + b"\n\n"
             return annotate_sse_line(line, start, slot.release()) + b"\n\n"
 
-        relay = SseRelay(last_event, on_done=slot.release)
+        def on_done() -> None:
+            ending.reached()
+            slot.release()
+
+        relay = SseRelay(last_event, on_done=on_done)
         # in drain mode without a drain deadline no commit can land while the stream is
         # admitted (end == start is known); past a deadline the commit pauses instead, so it may
         gate = self.sc.gate
@@ -227,10 +233,15 @@ class ProxyFront:
             }
         )
         send = sent.send  # started: the events go straight to the server
-        cycle = client_of(send) if self.tap_streams else None
-        tap = StreamTap(resp, relay, cycle) if cycle is not None and tappable(resp) else None
+        cycle = client_of(send)
+        tap = (
+            StreamTap(resp, relay, cycle)
+            if self.tap_streams and cycle is not None and tappable(resp)
+            else None
+        )
         # the client going away ends the engine's generation too (its connection closes)
         gone = asyncio.ensure_future(_disconnect(receive))
+        ending = Ending(gone, cycle, tapped=tap is not None)
 
         def abort(_: object) -> None:
             resp.abort()
@@ -243,11 +254,12 @@ class ProxyFront:
                 out = relay.feed(piece)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                    ending.sent()
             out = relay.finish()
-            left = gone.done()  # (before the cancel below)
+            left = ending.left()  # no [DONE]: the whole body is the end (before the cancel)
         except UpstreamError as e:
-            if gone.done():
-                return "client_gone"
+            if gone.done():  # the client left, so the engine's connection was closed
+                return "proxied" if ending.whole else "client_gone"
             event(log, "stream_failed", error=str(e))
             self.sc.follower.engine_unreachable(f"a stream from it broke: {e}")
             failed = sse_data(
@@ -268,7 +280,7 @@ class ProxyFront:
             gone.remove_done_callback(abort)
             gone.cancel()
         await send({"type": "http.response.body", "body": out, "more_body": False})
-        return "client_gone" if left else "proxied"
+        return "proxied" if ending.whole or not left else "client_gone"
 
 
 class _Sent:

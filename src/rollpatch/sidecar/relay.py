@@ -31,7 +31,7 @@ from typing import Any
 from ..serving.streaming import SseRelay, _plain_events
 from ..serving.upstream import MAX_LINE, UpstreamError, UpstreamResponse
 
-__all__ = ["StreamTap", "client_of", "hang_up", "tappable"]
+__all__ = ["Ending", "StreamTap", "client_of", "hang_up", "tappable"]
 
 _HEX = b"0123456789abcdefABCDEF"
 
@@ -65,6 +65,41 @@ def tappable(resp: UpstreamResponse) -> bool:
     """A ``chunked`` answer (as the response parsed its head: not after a 204 or 304) whose
     connection is still open for the tap to take over."""
     return resp._chunked and resp._conn.transport is not None
+
+
+class Ending:
+    """Whether a stream's end reached its client before the client left (audit G-F1: an
+    OpenAI client closes its connection right after ``[DONE]``, before the sidecar reads the
+    engine's own end; counted as gone, those whole answers were left out of the latency
+    histogram). :attr:`whole`: ``[DONE]`` was written to a client still connected."""
+
+    __slots__ = ("cycle", "gone", "pending", "tapped", "whole")
+
+    def __init__(self, gone: asyncio.Future[None], cycle: Any, *, tapped: bool) -> None:
+        self.gone, self.cycle, self.tapped = gone, cycle, tapped
+        self.whole = False
+        self.pending = False  # the task's next send carries [DONE]
+
+    def left(self) -> bool:
+        """The client has gone (uvicorn's cycle knows at once; the watch a loop turn later;
+        a watch cancelled by the proxy itself is no disconnect)."""
+        cycle, gone = self.cycle, self.gone
+        if cycle is not None and (cycle.disconnected or cycle.transport.is_closing()):
+            return True
+        return gone.done() and not gone.cancelled()
+
+    def reached(self) -> None:
+        """``[DONE]`` came from the engine; its event is written next: by the tap in this
+        same call (which drops it for a client that left), else by the task's next send
+        (checked after it: :meth:`sent`)."""
+        self.whole = not self.left()
+        self.pending = not self.tapped
+
+    def sent(self) -> None:
+        """The task's send returned: a ``[DONE]`` it carried reached a connected client."""
+        if self.pending:
+            self.pending = False
+            self.whole = self.whole and not self.left()
 
 
 class StreamTap(asyncio.Protocol):

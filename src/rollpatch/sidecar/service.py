@@ -133,6 +133,7 @@ class Sidecar:
         self._lock = threading.Lock()
         #: Shutting down (:meth:`drain`): new requests are refused, in-flight ones finish.
         self.draining = False
+        self._started_at: float | None = None  # time.monotonic() at start()
 
     def start(self) -> None:
         """Start following LATEST in the background (the engine becomes ready after boot).
@@ -152,6 +153,7 @@ class Sidecar:
                 )
             except RollpatchError as e:  # another drives it, or it is not up: syncs say so
                 log.info("the engine was not claimed or resumed at start: %s", e)
+        self._started_at = time.monotonic()
         self.follower.start()
 
     def stop(self) -> None:
@@ -249,7 +251,9 @@ class Sidecar:
                 return "the audit found live weights that differ from the version; re-syncing"
             if status.last_error is not None:  # why, without reading the sidecar's log
                 return f"no verified version loaded yet; the last sync failed: {status.last_error}"
-            if status.latest is None:
+            if status.latest is None and math.isinf(self.latest_age()):
+                return self._first_read(status)
+            if status.latest is None:  # a read completed and found none
                 return (
                     f"no verified version loaded yet: run {self.run!r} has no LATEST on the "
                     "board so far (nothing published yet, or another run name)"
@@ -270,13 +274,29 @@ class Sidecar:
             )
         return None
 
+    def _first_read(self, status: FollowerStatus) -> str:
+        """Not ready because no read of LATEST has completed yet: the board or relay may be
+        slow or unreachable (its retries take seconds), which is not "nothing published"
+        (audit G-F4)."""
+        since = (
+            "" if self._started_at is None else f" ({time.monotonic() - self._started_at:.0f} s)"
+        )
+        why = (
+            "" if status.last_retry_error is None else f"; last attempt: {status.last_retry_error}"
+        )
+        return (
+            "no verified version loaded yet: the first read of the board is in progress"
+            f"{since}{why}"
+        )
+
     def refresh_metrics(self) -> tuple[FollowerStatus, int | None, int | None]:
         """The gauges from the follower's status now, with the newest LATEST known and the
         lag from it (what ``/version`` says); returns (status, latest, lag). No board read."""
         s = self.follower.status()
         latest = self.latest_seen()
         lag = None if s.version is None or latest is None else max(0, latest - s.version)
-        self.metrics.update(s, latest, lag, self.latest_age())
+        self.metrics.update(s, latest, self.latest_age())
+        self.metrics.audited(self.follower.auditor, s.audits)
         return s, latest, lag
 
     def describe(self) -> dict[str, Any]:
@@ -308,5 +328,8 @@ class Sidecar:
             else self.gate.last.drain_s,
             "drain_timeouts": self.gate.drain_timeouts,
             "audit_mismatches": s.audits,
+            # the audit's progress, as rollpatch_audit_* (a slice: one audit call answered)
+            "audit_slices": self.follower.auditor.slices,
+            "audit_bytes": self.follower.auditor.bytes,
             "last_stage_s": s.last_stage_s,
         }

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rollpatch.board import Board
-from rollpatch.errors import ConfigError, ManifestError
+from rollpatch.errors import ConfigError, ManifestError, ViewError
 from rollpatch.formats import cast_view
 from rollpatch.io import read_view_ranges, view_chunks, view_from_bytes, view_to_bytes
 from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
@@ -72,22 +72,31 @@ def test_chunks_and_ranges_round_trip(fmt: str, chunk: int) -> None:
     }
 
 
-def test_gaps_between_tensors_are_read_and_hashed() -> None:
-    """Another writer's file may leave gaps; the reader covers every byte."""
+def test_gaps_between_tensors_are_refused_and_every_byte_is_hashed() -> None:
+    """The safetensors format forbids holes (bytes no tensor covers: an audit, session 41,
+    found them accepted): refused between tensors and after the last; a file without them
+    is read whole, every byte passed to the hash."""
     import json
 
     a, b = np.arange(6, dtype=np.uint16), np.arange(4, dtype=np.uint16)
-    header = {
-        "a": {"dtype": "BF16", "shape": [6], "data_offsets": [0, 12]},
-        "b": {"dtype": "BF16", "shape": [4], "data_offsets": [20, 28]},
-    }
-    raw = json.dumps(header).encode()
-    blob = (
-        len(raw).to_bytes(8, "little") + raw + a.tobytes() + b"\xee" * 8 + b.tobytes() + b"\xff" * 3
-    )
+
+    def blob(b_at: int, gap: bytes, tail: bytes) -> bytes:
+        header = {
+            "a": {"dtype": "BF16", "shape": [6], "data_offsets": [0, 12]},
+            "b": {"dtype": "BF16", "shape": [4], "data_offsets": [b_at, b_at + 8]},
+        }
+        raw = json.dumps(header).encode()
+        return len(raw).to_bytes(8, "little") + raw + a.tobytes() + gap + b.tobytes() + tail
+
+    for bad in (blob(20, b"\xee" * 8, b""), blob(12, b"", b"\xff" * 3)):
+        with pytest.raises(ViewError, match="hole"):
+            read_view_ranges(lambda s, e, x=bad: x[s:e], len(bad), chunk_bytes=5)
+        with pytest.raises(ViewError, match="hole"):
+            view_from_bytes(bad)
+    good = blob(12, b"", b"")
     seen = bytearray()
-    v = read_view_ranges(lambda s, e: blob[s:e], len(blob), on_bytes=seen.extend, chunk_bytes=5)
-    assert bytes(seen) == blob
+    v = read_view_ranges(lambda s, e: good[s:e], len(good), on_bytes=seen.extend, chunk_bytes=5)
+    assert bytes(seen) == good
     assert np.array_equal(v["a"].data, a) and np.array_equal(v["b"].data, b)
 
 

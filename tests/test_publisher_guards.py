@@ -68,7 +68,7 @@ def test_engine_names_leaves_what_is_not_a_shared_prefix_or_an_alias() -> None:
     out, taken, dropped = engine_names(sd)
     assert (list(out), taken, dropped) == (["a", "b", "c", "d"], "module.", [])  # no alias
     out, taken, dropped = engine_names({"module.a": w, "b": w})  # not every name: kept
-    assert (list(out), taken, dropped) == (["module.a"], "", ["b"])
+    assert (list(out), taken, dropped) == (["b"], "", ["module.a"])  # the smallest name
     out, taken, _ = engine_names({"module._orig_mod.a": w, "module._orig_mod.b": w[:2]})
     assert (list(out), taken) == (["a", "b"], "module._orig_mod.")
     assert engine_names({"module.": w})[1] == ""  # a name that is only the prefix

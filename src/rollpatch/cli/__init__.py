@@ -83,7 +83,7 @@ def _run(argv: Sequence[str] | None) -> int:
         )
     previous = _terminate_by_exception()
     try:
-        code = int(args.func(args) or 0)
+        code = _call(args)
         sys.stdout.flush()  # a closed pipe must surface here, not at interpreter exit
         return code
     except _Terminated:  # what was half-written (a pull's temp file) is removed on the way
@@ -106,6 +106,17 @@ def _run(argv: Sequence[str] | None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _call(args: argparse.Namespace) -> int:
+    """Run the subcommand; a one-shot command's log records reach stderr with their fields
+    (``console``); a service (``--log-format``) configures its own structured logs."""
+    if hasattr(args, "log_format"):
+        return int(args.func(args) or 0)
+    from .console import console_logging
+
+    with console_logging():
+        return int(args.func(args) or 0)
 
 
 class _Terminated(BaseException):

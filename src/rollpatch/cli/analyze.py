@@ -81,6 +81,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         print()
     else:
         print(render(result))
+        if result.skipped:  # what cast, diff and publish do with them (docs/analyze.md)
+            print(
+                "note: tensors left out are not served: cast, diff and publish refuse a "
+                "checkpoint holding them (save it without its buffers, in float32 or bfloat16)"
+            )
         if args.plot:
             print(f"figure: {args.plot}")
     return 0

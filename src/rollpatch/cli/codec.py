@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -12,8 +13,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..io import load_view, save_view
-from ..io.checkpoint import load_masters
 from ..view import View
+from .casting import cast, masters_of, quantised_note
 from .flags import add_config_flags, config_kwargs
 
 __all__ = [
@@ -38,7 +39,14 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--output", required=True, help="output view (.safetensors)")
     p.set_defaults(func=cmd_cast)
 
-    p = sub.add_parser("diff", help="make a patch between two checkpoints (or views)")
+    p = sub.add_parser(
+        "diff",
+        help="make a patch between two checkpoints (or views)",
+        epilog="--scales frozen needs the run's views: a frozen run's view of OLD holds the "
+        "scales of its first version, which OLD alone does not give. Cast them in order "
+        "(rollpatch cast CKPT --scales frozen --previous PREV.safetensors -o VIEW) and diff "
+        "the views (rollpatch diff --views OLD_VIEW NEW_VIEW).",
+    )
     p.add_argument("old", help="old checkpoint (file or model folder), or view with --views")
     p.add_argument("new", help="new checkpoint (file or model folder), or view with --views")
     format_args(p)
@@ -93,43 +101,29 @@ def policy_from_args(args: argparse.Namespace) -> Any:
     return QuantPolicy(**config_kwargs(args, QuantPolicy))
 
 
-def _cast(path: str, args: argparse.Namespace, previous: View | None) -> View:
-    """The view ``publish`` serves of the checkpoint: its names as the publisher takes them
-    (a wrapper's prefix off, tied aliases dropped: ``publisher.guards.engine_names``), so a
-    cast's digest is the published version's (before session 40 a tied ``lm_head`` stayed
-    and the two differed: an audit)."""
-    from ..formats import cast_view
-    from ..publisher.guards import engine_names
-
-    return cast_view(
-        engine_names(load_masters(path))[0],
-        args.format,
-        policy=policy_from_args(args),
-        scales=args.scales,
-        previous=previous,
-    )
-
-
 def _files(args: argparse.Namespace, **inputs: str) -> None:
     """The command's input files (attribute → what it is) and its -o, checked first."""
     from .preflight import input_file, output_file
 
+    given = [getattr(args, attr) for attr in inputs if getattr(args, attr, None)]
     for attr, what in inputs.items():
         if getattr(args, attr, None):
             input_file(getattr(args, attr), what, folder=what.endswith("checkpoint"))
     if getattr(args, "output", None):
-        output_file(args.output)
+        output_file(args.output, inputs=given)
 
 
 def cmd_cast(args: argparse.Namespace) -> int:
     _files(args, ckpt="checkpoint", previous="previous view")
     previous = load_view(args.previous) if args.previous else None
-    view = _cast(args.ckpt, args, previous)
+    masters, policy = masters_of(args.ckpt), policy_from_args(args)
+    view = cast(masters, args, policy, previous)
     if not len(view):  # as publish refuses it: a view of nothing serves no engine
         raise ConfigError("the checkpoint holds no tensors: nothing to cast", path=args.ckpt)
+    note = quantised_note(masters, args.format, policy)
     save_view(view, args.output)
     print(
-        f"{args.output}: {len(view)} tensors, {view.nbytes:,} bytes, {args.format}, "
+        f"{args.output}: {len(view)} tensors, {view.nbytes:,} bytes, {args.format}{note}, "
         f"digest {view.digest()[:16]}"
     )
     return 0
@@ -155,13 +149,33 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from ..patch.model import FullOp
 
     what = "view" if args.views else "checkpoint"
+    note = ""
+    if not args.views and args.scales == "frozen":  # before any file is read
+        raise ConfigError(
+            "diff --scales frozen of checkpoints: OLD would be cast with fresh scales, which "
+            "is no view of a frozen run (its scales are its first version's), and the patch "
+            "would apply to none",
+            hint="cast each checkpoint with --scales frozen --previous PREV.safetensors, "
+            "then diff --views OLD_VIEW NEW_VIEW",
+        )
     _files(args, old=f"old {what}", new=f"new {what}")
     if args.views:
+        from ..io.names import check_names
+
         old, new = load_view(args.old), load_view(args.new)
+        check_names(old)  # as a patch header takes them (cast and diff check theirs)
+        check_names(new)
     else:
-        old = _cast(args.old, args, None)
-        new = _cast(args.new, args, old if args.scales == "frozen" else None)
+        policy = policy_from_args(args)
+        old = cast(masters_of(args.old), args, policy, None)
+        masters = masters_of(args.new)
+        new = cast(masters, args, policy, None)
+        note = quantised_note(masters, args.format, policy)
     patch = diff(old, new)
+    # the target's format labels travel with the patch: apply writes them (a cross-format
+    # patch applied under the base's label was an audit's finding, session 41)
+    labels = {k: new.metadata[k] for k in _LABELS if k in new.metadata}
+    patch = dataclasses.replace(patch, meta={**patch.meta, **labels})
     blob = encode(patch, old)
     write_atomic(Path(args.output), blob)
     n = sum(t.n_elements for t in old.values())
@@ -174,6 +188,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         + whole_note(ops.count("drop"), len(whole), sum(math.prod(t.shape) for t in whole))
         + f", {len(blob):,} bytes"
         + (f" ({100 * len(blob) / old.nbytes:.3f}% of the view)" if old.nbytes else "")
+        + note
     )
     return 0
 
@@ -184,10 +199,37 @@ def cmd_apply(args: argparse.Namespace) -> int:
     _files(args, view="view", patch="patch")
     view = load_view(args.view)
     blob = Path(args.patch).read_bytes()
-    apply(view, decode(blob, view), verify=args.verify)
+    patch = decode(blob, view)
+    apply(view, patch, verify=args.verify)
+    note = _relabel(view, patch)
     save_view(view, args.output)
-    print(f"{args.output}: verified, digest {view.digest()[:16]}")
+    # the digest the patch's target names (inspect shows it), with its algorithm's name: a
+    # format-1 patch's is rp.blake3.v1, not the default rp.sum128.v1 (an audit, session 41)
+    digest = view.digest(patch.digest)
+    print(f"{args.output}: verified, digest {patch.digest} {digest[:16]}{note}")
     return 0
+
+
+#: The view metadata that says what format a view is in (``formats.cast_view``).
+_LABELS = ("rollpatch.format", "rollpatch.scales")
+
+
+def _relabel(view: View, patch: Any) -> str:
+    """Give the applied ``view`` the format labels of the patch's target: those the patch
+    carries (``rollpatch diff`` writes them), else the base's when the patch changes no
+    tensor's kind or name; else none (unknown), said in the returned note."""
+    from ..patch.model import DeltaOp
+
+    carried = {k: patch.meta[k] for k in _LABELS if k in patch.meta}
+    if carried:
+        view.metadata.update(carried)
+        return ""
+    if all(isinstance(t.change, DeltaOp) for t in patch.tensors.values()):
+        return ""  # the same tensors, kinds and shapes: the base's format
+    dropped = [k for k in _LABELS if view.metadata.pop(k, None) is not None]
+    if not dropped:
+        return ""
+    return "; the patch adds, drops or retypes tensors and names no format: label left out"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -202,9 +244,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(
         f"patch {_shown(args.patch)}: {len(blob):,} bytes (header {info.header_bytes:,}, "
-        f"payload {info.payload_bytes:,})"
+        f"payload {info.payload_bytes:,}), patch format {info.version}"
     )
-    print(f"base   {_shown(info.base)}\ntarget {_shown(info.target)}")
+    algo = _shown(info.digest)
+    print(f"base   {algo} {_shown(info.base)}\ntarget {algo} {_shown(info.target)}")
     for k, v in sorted(info.meta.items()):
         print(f"meta   {_shown(k)} = {_shown(v)}")
     by_codec: dict[str, int] = {}

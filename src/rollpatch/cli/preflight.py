@@ -10,7 +10,8 @@ extras are found with :func:`importlib.util.find_spec`, which imports nothing.
   empties, refused), and (``existing=True``, for commands that only read) a local board
   directory that exists: ``status --board typo`` must not create one;
 - :func:`input_file`, :func:`output_file`: a file to read exists and is not a directory; a
-  file to write is not a directory and its directory exists (before any work is done);
+  file to write is not a directory, a symlink, a device, FIFO or socket, nor one of the
+  command's inputs, and its directory exists (before any work is done);
 - :func:`port_free`: the listening port can be bound (names it when it cannot);
 - :func:`model_dir`: a local model directory with a ``config.json``;
 - :func:`offline`: the Hugging Face libraries never contact the model hub.
@@ -22,16 +23,19 @@ import errno
 import importlib.util
 import os
 import socket
+import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RollpatchError
 
 __all__ = [
     "EXTRAS",
     "board_uri",
     "input_file",
+    "local_board",
     "model_dir",
     "offline",
     "output_file",
@@ -103,8 +107,8 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
         )
     if scheme == "s3":
         require_extra("s3", "an s3:// board")
-    if existing and scheme in ("", "file"):
-        path = Path(parts.path if scheme == "file" else uri).expanduser()
+    path = local_board(uri)
+    if existing and path is not None:
         if not path.exists():
             raise ConfigError(
                 f"{option}: no board at {path} (the directory does not exist)",
@@ -113,6 +117,14 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
             )
         if not path.is_dir():
             raise ConfigError(f"{option}: {path} is not a directory", value=uri)
+
+
+def local_board(uri: str) -> Path | None:
+    """The directory of a local board URI (a path or ``file://``); None for other schemes."""
+    scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
+    if scheme not in ("", "file"):
+        return None
+    return Path(urlsplit(uri).path if scheme == "file" else uri).expanduser()
 
 
 def input_file(path: str, what: str, *, folder: bool = False) -> None:
@@ -127,19 +139,41 @@ def input_file(path: str, what: str, *, folder: bool = False) -> None:
         raise ConfigError(f"{what} not found: {p}")
 
 
-def output_file(path: str, *, option: str = "-o", replace: bool = True) -> None:
+def output_file(
+    path: str,
+    *,
+    option: str = "-o",
+    replace: bool = True,
+    inputs: Sequence[str] = (),
+    inside: Sequence[str] = (),
+) -> None:
     """``path`` can be written: not a directory, in a directory that exists and takes a new
     file (a probe file is made and removed: a read-only mount or a full disk is said before
-    the work, not after it); with ``replace=False``, no file is there yet."""
+    the work, not after it); with ``replace=False``, no file is there yet.
+
+    What is there may be replaced only when it is a regular file that is none of the
+    command's ``inputs`` (files, or checkpoint folders: the files they are read from, index
+    included) and lies under none of ``inside`` (a local board's directory). A symbolic
+    link, a device node, a FIFO or a socket is refused: the write is a rename onto the path,
+    which would replace the link or the node itself (an audit, session 41: ``-o /dev/full``
+    as root replaced the device, ``cast X -o X`` the master checkpoint)."""
     p = Path(path).expanduser()
+    if p.is_symlink():
+        raise ConfigError(
+            f"{option}: {p} is a symbolic link (writing replaces the link, not its target)",
+            value=os.path.realpath(p),
+            hint="give the link's target instead",
+        )
     if p.is_dir():
         raise ConfigError(f"{option}: {p} is a directory", hint="name the file to write")
     if not p.parent.is_dir():
         raise ConfigError(
             f"{option}: the directory {p.parent} does not exist", hint="create it first"
         )
-    if not replace and (p.exists() or p.is_symlink()):
+    if not replace and p.exists():
         raise ConfigError(f"{option}: {p} exists", hint="remove it first, or pass --force")
+    _not_special(p, option)
+    _not_an_input(p, option, inputs, inside)
     try:
         fd, probe = tempfile.mkstemp(prefix=".rollpatch-probe-", dir=p.parent)
     except OSError as e:
@@ -149,6 +183,74 @@ def output_file(path: str, *, option: str = "-o", replace: bool = True) -> None:
         ) from None
     os.close(fd)
     os.unlink(probe)
+
+
+_SPECIAL = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _not_special(p: Path, option: str) -> None:
+    """Refuse an existing path that is not a regular file (a device node, FIFO, socket)."""
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot stat {p}: {e.strerror or e}") from None
+    if stat.S_ISREG(mode):
+        return
+    what = next((w for test, w in _SPECIAL if test(mode)), "not a regular file")
+    raise ConfigError(
+        f"{option}: {p} is {what}, not a regular file: it would be replaced by the output",
+        hint="name a regular file (a new one, or one to replace)",
+    )
+
+
+def _not_an_input(p: Path, option: str, inputs: Sequence[str], inside: Sequence[str]) -> None:
+    """Refuse ``p`` when it is one of the files ``inputs`` are read from, or lies under one
+    of the directories ``inside`` (compared by inode where it exists, else by real path)."""
+    real = os.path.realpath(p)
+    for d in inside:
+        top = os.path.realpath(Path(d).expanduser())
+        if os.path.isdir(top) and os.path.commonpath([top, real]) == top:
+            raise ConfigError(
+                f"{option}: {p} is inside the board {d}: a board holds its own objects only",
+                hint="write the output outside the board's directory",
+            )
+    for given in inputs:
+        for f in _read_from(Path(given).expanduser()):
+            if _same(p, f, real):
+                said = "" if f == Path(given).expanduser() else f" (read from {given})"
+                raise ConfigError(
+                    f"{option}: {p} is an input of this command: {f}{said}; writing it would "
+                    "replace the input",
+                    hint="name another output file",
+                )
+
+
+def _read_from(given: Path) -> list[Path]:
+    """The files an input is read from: itself, or a checkpoint folder's weight files and
+    index files."""
+    if not given.is_dir():
+        return [given]
+    from ..io.checkpoint import INDEX_FILES, checkpoint_files
+
+    try:
+        files, _ = checkpoint_files(given)
+    except (RollpatchError, OSError):  # the command's own load says what is wrong with it
+        files = []
+    return [*files, *(given / n for n in INDEX_FILES if (given / n).exists())]
+
+
+def _same(p: Path, f: Path, real: str) -> bool:
+    try:
+        return os.path.samefile(p, f)
+    except OSError:  # one of them does not exist (yet)
+        return real == os.path.realpath(f)
 
 
 def port_free(host: str, port: int, *, option: str = "--port") -> None:

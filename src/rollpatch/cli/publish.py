@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, ManifestError, VersionNotFoundError
+from .casting import quantised_note, served_dtypes
 from .codec import policy_args, policy_from_args, whole_note
 from .trust import load_signer, signing_args
 
@@ -91,6 +92,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
         signer=load_signer(args),
     )
     masters = load_masters(args.ckpt)
+    served_dtypes(masters, args.ckpt)
+    named = masters
+    if config.names == "unwrap":  # the names the policy's patterns see
+        from ..publisher.guards import engine_names
+
+        named = engine_names(masters)[0]
+    note = quantised_note(named, config.format, policy)
     with Publisher(args.board, args.run, config, asynchronous=False, sharded=False) as pub:
         if args.keyframe:
             pub.publish_keyframe()
@@ -119,7 +127,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     print(
         f"{args.run}@{n}: parent {parent}, {'keyframe, ' if s.keyframe else ''}"
         f"{s.bytes:,} bytes uploaded (step patch {s.patch_bytes:,} bytes, "
-        f"{s.changed:,} elements changed{whole_note(s.tensors_dropped, s.tensors_whole)})"
+        f"{s.changed:,} elements changed{whole_note(s.tensors_dropped, s.tensors_whole)})" + note
     )
     # a phase the run did not have (no resume), or did inside another (the cast inside the
     # snapshot, the compare inside the fused encode) is left out rather than shown as 0.0 ms
@@ -184,8 +192,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if r["latest_refused"] is not None:
             latest += f" (refused: {r['latest_refused']})"
         print(
-            f"run {r['run']}: LATEST {latest}, {r['n_versions']} versions, "
-            f"{r['n_keyframes']} keyframes, {r['total_bytes']:,} bytes in objects"
+            f"run {r['run']}: LATEST {latest}, {r['n_versions']} versions"
+            + (f" ({r['n_retired']} signed by retired keys)" if r["n_retired"] else "")
+            + f", {r['n_keyframes']} keyframes, {r['total_bytes']:,} bytes in objects"
         )
         if r["versions"]:
             print(
@@ -195,6 +204,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         for v in r["versions"]:
             if "refused" in v:
                 print(f"  {v['version']:>8} refused: {v['refused']}")
+                continue
+            if "retired" in v:
+                print(
+                    f"  {v['version']:>8} retired: signed only by keys of root {v['retired']}, "
+                    "which a rotation retired (unreadable under the current root; gc can remove it)"
+                )
                 continue
             kf = f"{v['keyframe_bytes']:,}" if v["keyframe"] else "-"
             parent = "-" if v["parent"] is None else v["parent"]
@@ -219,6 +234,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
     from ..board import Board
+    from .retired import retired_root
 
     latest_refused = None
     try:
@@ -237,7 +253,11 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
         try:
             m = board.manifest(run, n)
         except ManifestError as e:  # unsigned, forged, malformed: shown, not fatal to the rest
-            rows.append({"version": n, "refused": f"{type(e).__name__}: {e}"})
+            by = retired_root(board, run, n, e)
+            if by is None:
+                rows.append({"version": n, "refused": f"{type(e).__name__}: {e}"})
+            else:
+                rows.append({"version": n, "retired": by})
             continue
         for ref in m.objects():
             if ref.key not in seen:
@@ -260,13 +280,19 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
             }
         )
     shown = rows if limit == 0 else rows[-limit:]
+    # LATEST must verify, and so must every version from it on
+    latest = -1 if pointer is None or latest_refused is not None else pointer.version
     return {
         "run": run,
         "latest": None if pointer is None else pointer.version,
         "latest_target": None if pointer is None else pointer.target,
         "n_versions": len(rows),
         "n_keyframes": sum(bool(r.get("keyframe")) for r in rows),
-        "n_refused": sum("refused" in r for r in rows) + (latest_refused is not None),
+        "n_refused": sum("refused" in r for r in rows)
+        + sum("retired" in r for r in rows if r["version"] >= latest)
+        + (latest_refused is not None),
+        # below LATEST, signed only by keys a rotation retired (docs/trust.md): not a failure
+        "n_retired": sum("retired" in r for r in rows if r["version"] < latest),
         "latest_refused": latest_refused,
         "total_bytes": total,
         "versions": shown,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .trust import load_trust, trust_args
@@ -55,20 +57,16 @@ def register(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from .preflight import board_uri, output_file
+    from .preflight import board_uri, local_board, output_file
 
     board_uri(args.board, existing=True)
-    output_file(args.output)
-    logger = logging.getLogger("rollpatch.follower")
-    propagate = logger.propagate
-    _logging(args.verbose)
-    try:
-        return _pull(args)
-    finally:
-        logger.propagate = propagate  # a process that calls main() twice (tests) gets it back
+    board = local_board(args.board)
+    output_file(args.output, inside=[str(board)] if board is not None else [])
+    with _logging(args.verbose) as corrupt:
+        return _pull(args, corrupt)
 
 
-def _pull(args: argparse.Namespace) -> int:
+def _pull(args: argparse.Namespace, corrupt: list[str]) -> int:
     from ..engines import ViewEngine
     from ..errors import VerificationError
     from ..follower import Follower, FollowerConfig
@@ -84,9 +82,15 @@ def _pull(args: argparse.Namespace) -> int:
     plan = follower.last_plan
     if plan is not None:
         start = "nothing" if plan.have is None else plan.have
+        again = (
+            f" (re-planned around {len(corrupt)} corrupt object{'s' * (len(corrupt) != 1)}; "
+            "what the plans before it fetched is counted below)"
+            if corrupt
+            else ""
+        )
         print(
             f"plan {args.run}: {start} -> {plan.want}: {len(plan.steps)} steps, "
-            f"{plan.n_objects} objects, {plan.bytes:,} bytes"
+            f"{plan.n_objects} objects, {plan.bytes:,} bytes{again}"
         )
         for s in plan.steps:
             hop = f"keyframe {s.to}" if s.base is None else f"patch {s.base} -> {s.to}"
@@ -118,11 +122,31 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _logging(verbose: bool) -> None:
-    logger = logging.getLogger("rollpatch.follower")
+@contextlib.contextmanager
+def _logging(verbose: bool) -> Iterator[list[str]]:
+    """The follower's log lines on stderr (``rollpatch.cli.console``): with ``-v`` all of
+    them, INFO included; without, only a corrupt object it plans around (one WARNING line
+    each: the pull then succeeds by another way, which the user should hear of, an audit,
+    session 41), not its retries nor its failure (``main`` says that, in one line). Yields
+    the keys of the corrupt objects planned around."""
+    from . import console
+
+    top, follower = logging.getLogger("rollpatch"), logging.getLogger("rollpatch.follower")
+    level = top.level
+    corrupt: list[str] = []
+
+    def said(record: logging.LogRecord) -> bool:
+        planned_around = record.module == "avoid" and record.levelno >= logging.WARNING
+        if planned_around and "planning around it" in str(record.msg) and record.args:
+            corrupt.append(str(record.args[1]))  # type: ignore[index]
+        return verbose or planned_around
+
+    follower.addFilter(said)
     if verbose:
-        logging.basicConfig(level=logging.INFO, format="rollpatch: %(levelname)s %(message)s")
-    else:  # errors surface as one line from main(), whatever else configured logging
-        if not logger.handlers:
-            logger.addHandler(logging.NullHandler())
-        logger.propagate = False
+        top.setLevel(logging.INFO)
+        console.verbose()
+    try:
+        yield corrupt
+    finally:
+        follower.removeFilter(said)
+        top.setLevel(level)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, ViewError
+from .names import check_names
 from .safetensors import load_view
 
 __all__ = ["checkpoint_files", "load_masters", "to_numpy"]
@@ -75,8 +76,16 @@ def to_numpy(value: Any) -> np.ndarray:
 
 def load_masters(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Load a master checkpoint: a safetensors file, a torch state dict (the torch extra), or
-    a folder of either (see the module)."""
-    p = Path(path)
+    a folder of either (see the module). Every name obeys :func:`~.names.check_names`."""
+    out = _load_masters(Path(path))
+    try:
+        check_names(out)
+    except ViewError as e:  # which checkpoint it was: a user passes several
+        raise ViewError(e.message, hint=e.hint, path=str(path), **e.context) from None
+    return out
+
+
+def _load_masters(p: Path) -> dict[str, np.ndarray]:
     if p.is_dir():
         files, index = checkpoint_files(p)
         out: dict[str, np.ndarray] = {}

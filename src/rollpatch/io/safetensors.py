@@ -3,7 +3,8 @@
 Format (huggingface/safetensors): 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
 then the data section. Reading validates everything before allocating: header size cap,
-known dtypes, offsets inside the file, non-overlapping, ``prod(shape) * itemsize == end - begin``.
+known dtypes, offsets inside the file, non-overlapping and without holes (every data byte in
+one tensor), ``prod(shape) * itemsize == end - begin``.
 
 rollpatch records each tensor's element kind in ``__metadata__["rollpatch.kinds"]`` (a JSON
 object, only for kinds that differ from the dtype's default, e.g. packed E2M1 codes in U8).
@@ -24,6 +25,7 @@ from .. import jsonsafe
 from ..errors import ViewError
 from ..kinds import DTYPE_BYTES, get_kind, kind_for_dtype
 from ..view import Tensor, View
+from .names import check_names
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -112,11 +114,34 @@ def _entries(
         if count * DTYPE_BYTES[dtype] != offs[1] - offs[0]:
             raise ViewError("shape and dtype do not match the byte span", tensor=name)
         out.append((name, dtype, tuple(shape), offs[0], offs[1]))
-    out.sort(key=lambda t: t[3])
+    out.sort(key=lambda t: (t[3], t[4]))
     for a, b in itertools.pairwise(out):
         if b[3] < a[4]:
             raise ViewError("overlapping tensors in safetensors file", tensor=b[0])
+    _no_holes(out, data_len)
     return out
+
+
+def _no_holes(entries: list[tuple[str, str, tuple[int, ...], int, int]], data_len: int) -> None:
+    """The format's rule: the data section is entirely indexed, without holes (bytes no
+    tensor covers, before, between or after the tensors; an audit, session 41)."""
+    end = 0
+    for name, _, _, begin, stop in entries:
+        if begin != end:
+            raise ViewError(
+                "safetensors file has a hole: data bytes no tensor covers (the format "
+                "forbids them)",
+                tensor=name,
+                begin=begin,
+                hole_from=end,
+            )
+        end = stop
+    if end != data_len:
+        raise ViewError(
+            "safetensors file has bytes after its last tensor (the format forbids holes)",
+            data_end=end,
+            data_len=data_len,
+        )
 
 
 def _kinds_from_metadata(meta: dict[str, Any]) -> dict[str, str]:
@@ -306,6 +331,7 @@ def view_from_bytes(raw: bytes | memoryview) -> View:
 
 
 def _header_bytes(view: View, metadata: dict[str, str] | None) -> bytes:
+    check_names(view, reserved_only=True)  # a tensor there would replace the metadata
     header: dict[str, Any] = {}
     meta = dict(view.metadata)
     meta.update(metadata or {})

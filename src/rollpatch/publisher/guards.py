@@ -4,9 +4,12 @@
 - :func:`engine_names`: the state dict under the names an engine loads
   (``PublisherConfig.names="unwrap"``): a wrapper's prefix on every name (``torch.compile``'s
   ``_orig_mod.``, DDP's ``module.``) is taken off, and a tied alias (a tensor sharing its
-  storage with an earlier one, e.g. ``lm_head.weight`` tied to ``model.embed_tokens.weight``)
-  is published once, under its first name, as engines hold it; before, both reached the
-  board and every engine refused the run.
+  storage with another, e.g. ``lm_head.weight`` tied to ``model.embed_tokens.weight``)
+  is published once, as engines hold it: under the input embedding's name when the aliases
+  are an embedding and an output head (:data:`TIED_HEADS`), else under the smallest name,
+  whatever the dict's order; before, both reached the board and every engine refused the
+  run. Every name then obeys :func:`rollpatch.io.names.check_names` (1-1024 bytes of UTF-8,
+  not ``__metadata__``).
 - :func:`check_finite`: a served tensor with a NaN or ±inf (a diverged step) fails the
   version (``PublisherConfig.nonfinite="refuse"``); before, BF16 kept them and every engine
   served garbage under a verified label.
@@ -26,8 +29,10 @@ import numpy as np
 
 from ..engines.fit import WRAPPER_PREFIXES
 from ..errors import ConfigError, FormatError
+from ..io.names import check_names
 
 __all__ = [
+    "TIED_HEADS",
     "check_finite",
     "check_same_model",
     "diverged",
@@ -51,25 +56,58 @@ _CHUNK = 1 << 18  # words per pass of the check (in cache)
 
 def engine_names(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
     """``state_dict`` without a wrapper's prefix shared by every name, and without tied
-    aliases (module docstring); also the prefix taken off ("" if none) and the aliases
-    dropped."""
+    aliases (module docstring; the name kept: :func:`_published_first`); also the prefix
+    taken off ("" if none) and the aliases dropped. :class:`ViewError` for a name that
+    breaks the name rule (:func:`rollpatch.io.names.check_names`)."""
     out = dict(state_dict)
     taken = ""
     while out and (p := next((w for w in WRAPPER_PREFIXES if all(_has(n, w) for n in out)), "")):
         out = {n[len(p) :]: v for n, v in out.items()}
         taken += p
-    seen: dict[tuple[Any, ...], str] = {}
-    dropped: list[str] = []
-    for name in list(out):
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name in out:
         key = _storage_key(out[name])
-        if key is None:
-            continue
-        if key in seen:
-            dropped.append(name)
-            del out[name]
-        else:
-            seen[key] = name
+        if key is not None:
+            groups.setdefault(key, []).append(name)
+    dropped: list[str] = []
+    for names in groups.values():
+        keep = min(names, key=_published_first)
+        dropped += [n for n in names if n != keep]
+    for name in dropped:
+        del out[name]
+    check_names(out)
     return out, taken, dropped
+
+
+#: Modules that are an output head, by their name's components (transformers'
+#: ``_tied_weights_keys`` ties these to the input embedding, which is the name its
+#: ``save_pretrained`` keeps and engines load: ``lm_head.weight`` (most models),
+#: ``embed_out.weight`` (GPT-NeoX), ``output.weight`` (GIT, Meta's own checkpoints),
+#: ``proj_out.weight`` (Whisper), ``output_projection.weight`` (BioGPT), ...).
+TIED_HEADS = frozenset(
+    {
+        "lm_head",
+        "embed_out",
+        "output",
+        "proj_out",
+        "output_projection",
+        "vocab_projector",
+        "lm_loss",
+        "generator_lm_head",
+        "head",
+    }
+)
+
+
+def _published_first(name: str) -> tuple[bool, str]:
+    """Which alias of one storage is published: not an output head (:data:`TIED_HEADS`:
+    the input embedding of a tied head), then the smallest name; never the dict's order
+    (an audit, session 41: a state dict with its keys sorted published ``lm_head.weight``,
+    and the same model's folder was then refused as another model)."""
+    parts = name.split(".")
+    if parts[-1] in ("weight", "bias"):
+        parts = parts[:-1]
+    return any(p in TIED_HEADS for p in parts), name
 
 
 def _has(name: object, prefix: str) -> bool:
@@ -176,9 +214,12 @@ def check_finite(view: Mapping[str, Any], *, run: str, version: int) -> None:
 def check_same_model(
     prev: Mapping[str, Any] | None, view: Mapping[str, Any], *, run: str, version: int, whole: bool
 ) -> None:
-    """Raise :class:`ConfigError` when ``view`` adds, reshapes or retypes a tensor of
+    """Raise :class:`ViewError` for a served name a patch cannot carry
+    (:func:`rollpatch.io.names.check_names`: a quantised format's suffixes make names
+    longer), and :class:`ConfigError` when ``view`` adds, reshapes or retypes a tensor of
     ``prev`` (the previous version's view of this shard), or drops one (unless ``whole``:
     ``prev`` is a resumed view of every shard, whose other tensors are other ranks')."""
+    check_names(view)  # the served names (a quantised format adds suffixes): a patch carries them
     if prev is None:
         return
     changed = sorted(n for n in view if n not in prev or _layout(prev[n]) != _layout(view[n]))
@@ -208,7 +249,7 @@ def note_names(run: str, taken: str, dropped: list[str]) -> None:
     if dropped:
         log.info(
             "%s: %d tied alias(es) not published (each shares its memory with a tensor "
-            "published under its first name, as engines hold it): %s",
+            "published under the embedding's or the smallest name, as engines hold it): %s",
             run,
             len(dropped),
             ", ".join(dropped[:5]),

@@ -85,10 +85,12 @@ class OutageStore(MemoryStore):
         self.down = threading.Event()
         self.only = only
         self.failures = 0
+        self.failed: list[str] = []  # the keys, in order
 
     def _check(self, key: str) -> None:
         if self.down.is_set() and (self.only is None or self.only(key)):
             self.failures += 1
+            self.failed.append(key)
             raise TransientStoreError("injected outage: connection refused", key=key)
 
     def _lookup(self, key: str) -> bytes:

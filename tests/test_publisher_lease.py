@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rollpatch.board import Board
-from rollpatch.errors import ConfigError, ConflictError
+from rollpatch.errors import ConfigError, ConflictError, TransientStoreError
 from rollpatch.layout import publisher_lease_key
 from rollpatch.liveness import process_token
 from rollpatch.publisher import Publisher, PublisherConfig
@@ -175,3 +175,21 @@ def test_cli_publishes_one_after_another_and_is_refused_beside_a_live_publisher(
         err = capsys.readouterr().err
         assert "being published by 'trainer'" in err and "--takeover" in err
     assert Board(uri).versions(RUN) == [0, 1]
+
+
+def test_a_failed_publisher_lets_go_of_the_run_without_close() -> None:
+    """The soak's trainer drops a publisher that failed and starts another, without close():
+    a failed publisher never writes again, so it releases the run at once."""
+    store = OutageStore(f"lease-{uuid.uuid4().hex[:12]}")
+    board = Board(store)
+    masters = random_masters(seed=86)
+    first = Publisher(board, RUN, PublisherConfig(outage_s=0), asynchronous=False)
+    first.publish(copy_masters(masters))
+    store.down.set()
+    nudge(masters, seed=87)
+    with pytest.raises(TransientStoreError):
+        first.publish(copy_masters(masters))
+    store.down.clear()
+    second = Publisher(board, RUN, asynchronous=False)  # the first is neither closed nor gone
+    assert second.publish(copy_masters(masters)) == 1
+    second.close()

@@ -93,7 +93,7 @@ class Publisher:
         self._names_noted = False
         self._drop_log = DropLog(self.run, self.config.max_pending)
         self._stall_log = StallLog(self.run)
-        self._outage = Outage(self.run, self.config.outage_s, self._cond, lambda: self._closing)
+        self._outage = Outage(self.run, self.config.outage_s, self._cond)
         self._busy_since: float | None = None  # the worker's round in progress, since when
         self._writer = VersionWriter.open(self.board, self.run, self.config, self._x)
         if self._writer.lease is not None:  # a publisher dropped without close() lets go too
@@ -291,6 +291,11 @@ class Publisher:
                 self._error = e
             self._pending.clear()
             self._cond.notify_all()
+        # a failed publisher never writes a version again: the run is free for a new one at
+        # once (a trainer that drops it and starts another need not close it first; its
+        # heartbeat, if signing, goes on re-signing LATEST until close)
+        if self._writer.lease is not None:
+            self._writer.lease.release()
 
     def _work(self) -> None:
         waiting_for: int | None = None
@@ -380,7 +385,9 @@ class Publisher:
         newer snapshot may replace it (unless the resumed version is it or newer)."""
         if not is_outage(error) or self._x.size > 1:
             raise error
-        top, writer = self._outage.ride(error, snap.version, self._writer.restarted)
+        top, writer = self._outage.ride(
+            error, snap.version, self._writer.restarted, closing=lambda: self._closing
+        )
         with self._cond:
             self._writer, self._last_durable = writer, top
             if top is not None and (self._last_assigned is None or top > self._last_assigned):

@@ -48,6 +48,9 @@ RENEW_S = 15.0
 #: A lease is a few hundred bytes; more is not one.
 MAX_LEASE_BYTES = 4096
 _clock = time.time  # wall clock: other hosts read the times (tests set their own here)
+#: Tokens of this process's leases that were let go (a store outage may have kept the release
+#: from being written): a publisher this process starts next takes them at once.
+_let_go: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,9 @@ class Lease:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        if len(_let_go) > 10_000:
+            _let_go.clear()
+        _let_go.add(self.token)
         with self._lock:
             if self._mine is None or self.lost_to is not None:
                 return
@@ -208,6 +214,8 @@ class Lease:
             return f"publisher {cur.publisher!r}'s lease ran out {now - cur.expires:.0f} s ago"
         if token_gone(cur.token):
             return f"publisher {cur.publisher!r} no longer runs (its process is gone)"
+        if cur.token in _let_go:
+            return f"publisher {cur.publisher!r} of this process stopped"
         return None
 
     def _held_by(self, cur: Holder) -> ConfigError:

@@ -50,11 +50,10 @@ class Outage:
         run: str,
         limit_s: float | None,
         cond: threading.Condition,
-        closing: Callable[[], bool],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``cond``: notified when ``closing()`` turns true (a wait ends then)."""
-        self.run, self._clock, self._cond, self._closing = run, clock, cond, closing
+        """``cond``: notified when the publisher closes (a wait ends then)."""
+        self.run, self._clock, self._cond = run, clock, cond
         self.limit_s = math.inf if limit_s is None else limit_s
         self.since: float | None = None  # the current outage's first failure
         self._tries = 0
@@ -67,16 +66,18 @@ class Outage:
         error: BaseException,
         version: int | None,
         attempt: Callable[[], tuple[int | None, T]],
+        *,
+        closing: Callable[[], bool],
     ) -> tuple[int | None, T]:
         """After ``error`` (an outage) failed ``version``: wait the backoff and ``attempt`` the
-        resume until it succeeds; raises the last error once over the limit or when the
-        publisher closes, or any other error the attempt raises."""
+        resume until it succeeds; raises the last error once over the limit or when
+        ``closing()``, or any other error the attempt raises."""
         while True:
             wait = self.wait(error, version)
             with self._cond:
-                if wait is not None and not self._closing():
+                if wait is not None and not closing():
                     self._cond.wait(wait)  # close() notifies
-                if wait is None or self._closing():
+                if wait is None or closing():
                     raise self.over_limit(error)
             try:
                 out = attempt()

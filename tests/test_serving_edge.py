@@ -146,9 +146,13 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
         'rollpatch_gateway_island_served_version{island="b"} -1.0',
         'rollpatch_gateway_island_latest_version{island="b"} -1.0',
         'rollpatch_gateway_requests_total{island="a",outcome="conflict"} 1.0',
+        # an island with no version lags by every version of the fleet (6 + 1): an alert
+        # on the lag fires for it (before session 41 it had no lag series at all)
+        'rollpatch_gateway_island_lag_versions{island="b"} 7.0',
     ):
         assert line in text.splitlines()
-    assert 'rollpatch_gateway_island_lag_versions{island="b"}' not in text
+    text = gw.render(islands, other_run={"b"}).decode()  # b follows another run: no lag here
+    assert 'rollpatch_gateway_island_lag_versions{island="b"} NaN' in text.splitlines()
     assert "_created" not in text
     assert "rollpatch_served_version" not in text  # registries stay apart
 

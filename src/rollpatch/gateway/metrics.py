@@ -3,9 +3,10 @@ sidecar in :mod:`rollpatch.serving.metrics`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
-from ..serving.metrics import OUTCOMES, Registry, VersionGauges, outcome
+from ..serving.metrics import OUTCOMES, Registry, VersionGauges, lag_value, outcome
 from .routing import IslandView, fleet_latest
 
 __all__ = ["GATEWAY_OUTCOMES", "OUTCOMES", "GatewayMetrics", "outcome"]
@@ -81,7 +82,10 @@ class GatewayMetrics:
         that follow another run, left out of the fleet's LATEST)."""
         newest = fleet_latest([i for i in islands if i.name not in other_run])
         for i in islands:
-            lag = None if i.served is None or newest is None else max(newest - i.served, 0)
+            # another run's island: no lag against this fleet's LATEST (NaN); one that holds
+            # no version lags by every version (serving.metrics.lag_value; before session 41
+            # its series kept its old value, or was never written)
+            lag = math.nan if i.name in other_run else lag_value(i.served, newest)
             self.versions.set(i.served, i.latest, lag, unknown=-1, island=i.name)
             self.reachable.labels(island=i.name).set(1 if i.reachable else 0)
             self.inflight.labels(island=i.name).set(i.inflight)

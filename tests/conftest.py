@@ -234,6 +234,22 @@ def reference_engine(tiny_model: Path) -> Iterator[Any]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _rollpatch_logger_restored() -> Iterator[None]:
+    """The ``rollpatch`` logger as each test found it: a service started in-process
+    (``logs.configure``: its own handler, level, no propagation) must not change how a later
+    test's records are printed or captured (a CLI test saw structured lines instead of its
+    one-shot ones, depending on the order the suite ran in)."""
+    import logging
+
+    logger = logging.getLogger("rollpatch")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
 @pytest.fixture
 def memory_board() -> Iterator[Board]:
     """An empty board on a fresh memory:// store, dropped afterwards."""

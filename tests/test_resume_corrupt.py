@@ -42,11 +42,12 @@ def _served(v: int) -> View:
     return cast_view(_masters(v), "bf16")
 
 
-def _publish(board: Board, versions: range, config: PublisherConfig) -> Publisher:
-    pub = Publisher(board, RUN, config, asynchronous=False)
-    for v in versions:
-        pub.publish(_masters(v), version=v)
-    return pub
+def _publish(board: Board, versions: range, config: PublisherConfig) -> None:
+    """A publisher that publishes ``versions`` and stops (the next one resumes: one publisher
+    per run, publisher/lease.py)."""
+    with Publisher(board, RUN, config, asynchronous=False) as pub:
+        for v in versions:
+            pub.publish(_masters(v), version=v)
 
 
 def _corrupt(board: Board, version: int, *, keyframe: bool, patches: bool) -> list[str]:

@@ -26,7 +26,7 @@ from .guards import diverged, engine_names, note_names
 from .outage import Outage, is_outage
 from .rounds import DropLog, Snapshot, StallLog, agree, next_version
 from .sharded import open_exchange
-from .signing import LatestHeartbeat, check_signing
+from .signing import LatestHeartbeat, check_signing, signing_board
 from .snapshot import snapshot_masters, snapshot_state
 from .wordpool import WordPool
 from .writer import VersionWriter
@@ -67,16 +67,8 @@ class Publisher:
         self.config = config if config is not None else PublisherConfig()
         if not isinstance(self.config, PublisherConfig):
             raise ConfigError("config must be a PublisherConfig")
-        self.board = board if isinstance(board, Board) else Board(board)
-        if self.config.signer is not None and self.board.signer is not self.config.signer:
-            # the publisher signs through its own view of the store; ``board`` is not changed
-            self.board = Board(self.board.store, signer=self.config.signer)
+        self.board = signing_board(board, self.config.signer)
         self.run = check_run(run)
-        if collective_timeout_s is not None and not collective_timeout_s > 0:
-            raise ConfigError(
-                "collective_timeout_s must be > 0 seconds",
-                collective_timeout_s=collective_timeout_s,
-            )
         self._x = open_exchange(group, sharded, collective_timeout_s)
         if self._x.rank == 0:  # before the resume, which may replace what it cannot verify
             check_signing(self.board, self.config.signer)

@@ -146,6 +146,10 @@ def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = No
     (e.g. rank 0 publishes a state dict gathered from every rank). ``group`` may also be an
     :class:`Exchange` itself (any transport between the ranks, e.g. threads in one process).
     """
+    if timeout_s is not None and not timeout_s > 0:
+        raise ConfigError(
+            "collective_timeout_s must be > 0 seconds", collective_timeout_s=timeout_s
+        )
     if _is_exchange(group):
         if sharded is False:
             raise ConfigError("an Exchange was given as group= but sharded=False")

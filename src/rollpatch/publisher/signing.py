@@ -25,6 +25,7 @@ __all__ = [
     "check_signing",
     "fleet_refuses",
     "keys_short",
+    "signing_board",
 ]
 
 #: Seconds this host's clock may differ from the store's before a publisher says so.
@@ -183,6 +184,15 @@ class LatestHeartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10.0)
+
+
+def signing_board(board: Board | str, signer: Signer | None) -> Board:
+    """The board a publisher writes through: ``board`` (or a store URI), seen through its own
+    signer's view of the store when it signs (the caller's ``board`` is not changed)."""
+    b = board if isinstance(board, Board) else Board(board)
+    if signer is not None and b.signer is not signer:
+        b = Board(b.store, signer=signer)
+    return b
 
 
 def check_clock(board: Board, key: str, wrote_at: float, ttl_s: float) -> float | None:

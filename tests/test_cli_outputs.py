@@ -129,3 +129,26 @@ def test_pull_output_inside_the_board_or_through_a_link_is_refused(
     link.symlink_to(tmp_path / "somewhere.safetensors")
     _refused(capsys, [*pull, str(link)], "symbolic link")
     assert main([*pull, str(tmp_path / "v.safetensors")]) == 0
+
+
+def test_pull_and_root_never_write_over_their_trust_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A re-check (session 41): `pull --trust root.json -o root.json` replaced the trust root
+    with the pulled view, and `--trust-state S -o S` the rollback state (the next pull's hint
+    then said to delete it); `root ... -o KEY.pub --force` its own public key."""
+    from tests.conftest import signing_world
+
+    world = signing_world(tmp_path, "pub")
+    publish = ["publish", str(world.ckpt), "--board", world.board, "--run", "r1"]
+    assert main([*publish, "--signing-key", str(world.key)]) == 0
+    state = tmp_path / "state.json"
+    pull = ["pull", "--board", world.board, "--run", "r1", "--trust", str(world.root)]
+    assert main([*pull, "--trust-state", str(state), "-o", str(tmp_path / "v.st")]) == 0
+    capsys.readouterr()
+    kept = {p: p.read_bytes() for p in (world.root, state, world.pub)}
+    _refused(capsys, [*pull, "--trust-state", str(state), "-o", str(world.root)], "input")
+    _refused(capsys, [*pull, "--trust-state", str(state), "-o", str(state)], "input")
+    root = ["root", "--key", str(world.pub), "--sign", str(world.key), "--force", "-o"]
+    _refused(capsys, [*root, str(world.pub)], "input")
+    assert {p: p.read_bytes() for p in kept} == kept

@@ -24,3 +24,6 @@ def test_vllm_prebuild_bench_prints_its_table(vllm_python: Path, tmp_path: Path)
     for r in data["rows"]:
         assert set(r["ms"]) == {"3 steps", "one pass", "reused"}
         assert all(len(v) == 2 for v in r["samples"].values())
+    if data["onednn_unavailable"]:  # this CPU: vLLM builds no handler, and the table says so
+        assert any("none built: vLLM's oneDNN BF16 matmul is not available" in ln for ln in lines)
+        assert all(r["ms"][w]["handlers"] < 1 for r in data["rows"] for w in r["ms"])

@@ -61,7 +61,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     board_uri(args.board, existing=True)
     board = local_board(args.board)
-    output_file(args.output, inside=[str(board)] if board is not None else [])
+    trust_files = [p for p in (args.trust, args.trust_state) if p]  # never written over
+    output_file(args.output, inputs=trust_files, inside=[str(board)] if board is not None else [])
     with _logging(args.verbose) as corrupt:
         return _pull(args, corrupt)
 

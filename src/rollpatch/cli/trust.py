@@ -175,7 +175,7 @@ def cmd_root(args: argparse.Namespace) -> int:
     if args.output is not None:  # before anything is put on the board
         from .preflight import output_file
 
-        output_file(args.output, replace=args.force)
+        output_file(args.output, replace=args.force, inputs=[*args.key, *args.sign])
     keys = [read_public_key(p) for p in args.key]
     signers = [read_signing_key(p) for p in args.sign]
     if args.expires_days < 0:

@@ -251,6 +251,15 @@ def _rollpatch_logger_restored() -> Iterator[None]:
 
 
 @pytest.fixture
+def ckpts(tmp_path: Path) -> tuple[Path, Path]:
+    """Two master checkpoints (safetensors) a small step apart: (old, new)."""
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_masters(old, masters(1))
+    save_masters(new, masters(2, step=1e-3))
+    return old, new
+
+
+@pytest.fixture
 def memory_board() -> Iterator[Board]:
     """An empty board on a fresh memory:// store, dropped afterwards."""
     name = f"test-{uuid.uuid4().hex[:12]}"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,6 +114,24 @@ class OutageStore(MemoryStore):
     def _head(self, key: str) -> ObjectInfo | None:
         self._check(key)
         return super()._head(key)
+
+
+def into_outage(
+    seed: int, config: Any, *, asynchronous: bool = True
+) -> tuple[OutageStore, Board, Any, dict[str, np.ndarray]]:
+    """A publisher (``config``) on a fresh :class:`OutageStore` that made version 0 durable,
+    then the store goes down and the masters take a step: (store, board, publisher, masters)."""
+    from rollpatch.publisher import Publisher
+
+    store = OutageStore(f"outage-{uuid.uuid4().hex[:12]}")
+    board = Board(store)
+    masters = random_masters(seed=seed)
+    pub = Publisher(board, RUN, config, asynchronous=asynchronous)
+    pub.publish(copy_masters(masters))
+    pub.flush(timeout=30)
+    store.down.set()
+    nudge(masters, seed=seed + 1000)
+    return store, board, pub, masters
 
 
 @pytest.fixture

@@ -91,3 +91,29 @@ def greedy(runtime: Any, n: int = 24) -> list[tuple[int, float | None, Any]]:
     ids = runtime.tokenizer.encode(PROMPT)
     gen = runtime.generate(ids, max_tokens=n, temperature=0, logprobs=3, ignore_eos=True)
     return [(s.token_id, s.logprob, s.top_logprobs) for s in gen]
+
+
+def audited_sidecar(board: str, eng: Any) -> tuple[Any, int]:
+    """Three versions of ``eng``'s own weights (each step 1 % larger) published on ``board``,
+    and a sidecar over ``eng`` in pause mode that audits every 0.05 s at 64 MiB a period:
+    (the started sidecar, the newest version). The caller stops the sidecar."""
+    from rollpatch.follower import FollowerConfig
+    from rollpatch.publisher import Publisher, PublisherConfig
+    from rollpatch.sidecar import SidecarConfig
+    from rollpatch.sidecar.server import start_sidecar
+
+    masters = {n: t.to_array().astype(np.float32) for n, t in eng.runtime.view.items()}
+    with Publisher(board, "r1", PublisherConfig(keyframe_every=4), asynchronous=False) as pub:
+        for step in range(3):
+            if step:
+                for m in masters.values():
+                    m *= np.float32(1.01)
+            latest = pub.publish(masters)
+    period = 0.05
+    cfg = SidecarConfig(
+        commit_mode="pause",
+        follower=FollowerConfig(
+            poll_s=0.05, audit_bytes_per_s=64 * 2**20 / period, audit_period_s=period
+        ),
+    )
+    return start_sidecar(board, "r1", eng, eng.url, config=cfg), latest

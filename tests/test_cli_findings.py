@@ -30,14 +30,6 @@ def _run(capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 0) -> 
     return out, err
 
 
-@pytest.fixture
-def ckpts(tmp_path: Path) -> tuple[Path, Path]:
-    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
-    save_masters(old, masters(1))
-    save_masters(new, masters(2, step=1e-3))
-    return old, new
-
-
 def test_diff_of_checkpoints_refuses_frozen_scales(
     tmp_path: Path, ckpts: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,7 +14,7 @@ import pytest
 from rollpatch.cli import EXIT_REFUSED, main
 from rollpatch.io import load_view, save_view
 from rollpatch.view import Tensor, View
-from tests.conftest import masters, save_masters
+from tests.conftest import masters
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *said: str) -> str:
@@ -24,14 +24,6 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *said: str) ->
     for s in said:
         assert s in lines[0], lines[0]
     return lines[0]
-
-
-@pytest.fixture
-def ckpts(tmp_path: Path) -> tuple[Path, Path]:
-    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
-    save_masters(old, masters(1))
-    save_masters(new, masters(2, step=1e-3))
-    return old, new
 
 
 def test_output_that_is_an_input_is_refused(

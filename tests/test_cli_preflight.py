@@ -352,22 +352,9 @@ def test_gc_says_what_a_pin_and_the_cutoff_are(
     assert "run 'nope' has nothing on the board" in err and "runs on it: r" in err
 
 
-# -- structured logs ---------------------------------------------------------------------------
+# -- structured logs (tests/conftest.py puts the rollpatch logger back after each test) ---------
 
 
-@pytest.fixture
-def rollpatch_logger() -> Iterator[None]:
-    """configure() changes the process-wide ``rollpatch`` logger: put it back afterwards
-    (other tests capture its records through the root logger)."""
-    root = logging.getLogger("rollpatch")
-    saved = (list(root.handlers), root.level, root.propagate)
-    yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
-    root.propagate = saved[2]
-
-
-@pytest.mark.usefixtures("rollpatch_logger")
 def test_events_as_json_lines_and_text() -> None:
     out = io.StringIO()
     configure("info", "json", stream=out)

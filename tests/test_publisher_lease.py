@@ -23,7 +23,15 @@ from rollpatch.liveness import process_token
 from rollpatch.publisher import Publisher, PublisherConfig
 from rollpatch.publisher import lease as lease_mod
 from rollpatch.store import MemoryStore
-from tests.pubfix import RUN, OutageStore, board, copy_masters, nudge, random_masters
+from tests.pubfix import (
+    RUN,
+    OutageStore,
+    board,
+    copy_masters,
+    into_outage,
+    nudge,
+    random_masters,
+)
 
 _FIXTURES = (board,)  # used by name
 KEY = publisher_lease_key(RUN)
@@ -180,13 +188,7 @@ def test_cli_publishes_one_after_another_and_is_refused_beside_a_live_publisher(
 def test_a_failed_publisher_lets_go_of_the_run_without_close() -> None:
     """The soak's trainer drops a publisher that failed and starts another, without close():
     a failed publisher never writes again, so it releases the run at once."""
-    store = OutageStore(f"lease-{uuid.uuid4().hex[:12]}")
-    board = Board(store)
-    masters = random_masters(seed=86)
-    first = Publisher(board, RUN, PublisherConfig(outage_s=0), asynchronous=False)
-    first.publish(copy_masters(masters))
-    store.down.set()
-    nudge(masters, seed=87)
+    store, board, first, masters = into_outage(86, PublisherConfig(outage_s=0), asynchronous=False)
     with pytest.raises(TransientStoreError):
         first.publish(copy_masters(masters))
     store.down.clear()

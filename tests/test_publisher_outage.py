@@ -16,7 +16,15 @@ import pytest
 from rollpatch.board import Board
 from rollpatch.errors import TransientStoreError
 from rollpatch.publisher import Publisher, PublisherConfig
-from tests.pubfix import RUN, OutageStore, check_all, copy_masters, nudge, random_masters
+from tests.pubfix import (
+    RUN,
+    OutageStore,
+    check_all,
+    copy_masters,
+    into_outage,
+    nudge,
+    random_masters,
+)
 
 
 def _store(only: object = None) -> OutageStore:
@@ -93,14 +101,7 @@ def test_a_manifest_written_before_latest_failed_is_rolled_forward_not_published
 
 
 def test_an_outage_longer_than_outage_s_stops_the_publisher() -> None:
-    store = _store()
-    board = Board(store)
-    masters = random_masters(seed=13)
-    pub = Publisher(board, RUN, PublisherConfig(outage_s=1.0))
-    pub.publish(copy_masters(masters))
-    pub.flush(timeout=30)
-    store.down.set()
-    nudge(masters, seed=40)
+    store, board, pub, masters = into_outage(13, PublisherConfig(outage_s=1.0))
     pub.publish(copy_masters(masters))
     with pytest.raises(TransientStoreError, match=r"more than outage_s=1") as stopped:
         pub.flush(timeout=30)
@@ -113,13 +114,7 @@ def test_an_outage_longer_than_outage_s_stops_the_publisher() -> None:
 
 
 def test_outage_s_zero_stops_at_the_first_failure() -> None:
-    store = _store()
-    board = Board(store)
-    masters = random_masters(seed=14)
-    pub = Publisher(board, RUN, PublisherConfig(outage_s=0), asynchronous=False)
-    pub.publish(copy_masters(masters))
-    store.down.set()
-    nudge(masters, seed=50)
+    store, _, pub, masters = into_outage(14, PublisherConfig(outage_s=0), asynchronous=False)
     with pytest.raises(TransientStoreError, match="injected outage") as stopped:
         pub.publish(copy_masters(masters))
     assert "outage_s" not in str(stopped.value)  # the store's own error, as before
@@ -128,14 +123,7 @@ def test_outage_s_zero_stops_at_the_first_failure() -> None:
 
 
 def test_close_during_an_outage_stops_waiting_at_once() -> None:
-    store = _store()
-    board = Board(store)
-    masters = random_masters(seed=15)
-    pub = Publisher(board, RUN, PublisherConfig(outage_s=3600))
-    pub.publish(copy_masters(masters))
-    pub.flush(timeout=30)
-    store.down.set()
-    nudge(masters, seed=60)
+    store, board, pub, masters = into_outage(15, PublisherConfig(outage_s=3600))
     pub.publish(copy_masters(masters))
     _wait_failures(store)
     t0 = time.monotonic()

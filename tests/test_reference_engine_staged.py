@@ -25,7 +25,16 @@ httpx = pytest.importorskip("httpx")
 from rollpatch.errors import BaseMismatchError, ConfigError, EngineError, TargetMismatchError
 from rollpatch.patch import Patch, diff
 from rollpatch.view import View
-from tests.refenginefix import PROMPT, base, engine, greedy, model_dir, restore, target
+from tests.refenginefix import (
+    PROMPT,
+    audited_sidecar,
+    base,
+    engine,
+    greedy,
+    model_dir,
+    restore,
+    target,
+)
 
 _FIXTURES = (base, engine, model_dir, restore, target)  # used by name
 
@@ -230,29 +239,10 @@ def test_audit_finds_a_flipped_bit_and_the_sidecar_resyncs(model_dir: Path, tmp_
     period, /ready answers 503 (out of rotation), and the follower re-syncs from a keyframe
     by itself, back on a verified version whose full re-hash is the published digest."""
     from rollpatch.engines.reference import ReferenceEngine
-    from rollpatch.follower import FollowerConfig
-    from rollpatch.publisher import Publisher, PublisherConfig
-    from rollpatch.sidecar import SidecarConfig
-    from rollpatch.sidecar.server import start_sidecar
 
     board = f"file://{tmp_path / 'board'}"
     eng = ReferenceEngine.from_dir(model_dir, threads=1)
-    masters = {n: t.to_array().astype(np.float32) for n, t in eng.runtime.view.items()}
-    pub = Publisher(board, "r1", PublisherConfig(keyframe_every=4), asynchronous=False)
-    for step in range(3):
-        if step:
-            for m in masters.values():
-                m *= np.float32(1.01)
-        latest = pub.publish(masters)
-    pub.flush()
-    period = 0.05
-    cfg = SidecarConfig(
-        commit_mode="pause",
-        follower=FollowerConfig(
-            poll_s=0.05, audit_bytes_per_s=64 * 2**20 / period, audit_period_s=period
-        ),
-    )
-    sc = start_sidecar(board, "r1", eng, eng.url, config=cfg)
+    sc, latest = audited_sidecar(board, eng)
     try:
         deadline = time.monotonic() + 60
         while sc.sidecar.follower.version != latest:

@@ -31,6 +31,7 @@ from rollpatch.sidecar import SidecarConfig
 from rollpatch.sidecar.server import RunningSidecar, start_sidecar
 from rollpatch.view import View
 from tests.conftest import dead_url, until
+from tests.refenginefix import audited_sidecar
 
 
 def _metrics(sc: RunningSidecar) -> dict[str, float]:
@@ -58,22 +59,7 @@ def test_an_audit_mismatch_shows_in_metrics_and_the_lost_version_in_the_lag(
     version, its lag is every version (``latest + 1``), not the 0 it had."""
     board = f"file://{tmp_path / 'board'}"
     eng = _engine(tiny_model)
-    masters = {n: t.to_array().astype(np.float32) for n, t in eng.runtime.view.items()}
-    pub = Publisher(board, "r1", PublisherConfig(keyframe_every=4), asynchronous=False)
-    for step in range(3):
-        if step:
-            for m in masters.values():
-                m *= np.float32(1.01)
-        latest = pub.publish(masters)
-    pub.flush()
-    period = 0.05
-    cfg = SidecarConfig(
-        commit_mode="pause",
-        follower=FollowerConfig(
-            poll_s=0.05, audit_bytes_per_s=64 * 2**20 / period, audit_period_s=period
-        ),
-    )
-    sc = start_sidecar(board, "r1", eng, eng.url, config=cfg)
+    sc, latest = audited_sidecar(board, eng)
     released = threading.Event()
     try:
         until(lambda: sc.sidecar.follower.version == latest, "the first catch-up", 60)

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai", reason="the dev extra installs openai")
 from rollpatch.sidecar.proxy import ProxyFront
 from rollpatch.sidecar.server import RunningSidecar
 from tests.sidecarfix import MODEL, sidecar, world
-from tests.test_sidecar_tap_live import _HEAD, Engine, _outcomes, live, taps
+from tests.test_sidecar_tap_live import _HEAD, Engine, _outcomes, endless, live, taps
 
 _FIXTURES = (live, taps, sidecar, world)  # used by name
 
@@ -120,17 +120,7 @@ def test_an_openai_client_leaving_mid_stream_is_client_gone(
     if not tapped:
         monkeypatch.setattr(ProxyFront, "tap_streams", False)
 
-    def script(n: int, t: Any) -> None:
-        t.write(_HEAD)
-
-        def tick(i: int = 0) -> None:
-            if not t.is_closing():
-                t.write(_event(i))
-                engine.later(0.005, lambda: tick(i + 1))
-
-        tick()
-
-    engine.script = script
+    endless(engine, _event)
     before, timed = _outcomes(sc), _timed(sc)
     client = _client(sc)
     try:

@@ -260,22 +260,29 @@ def test_an_engine_failing_mid_stream_ends_the_answer_and_frees_the_slot(
     assert [r.getMessage() for r in errors.records if r.levelno >= logging.WARNING] == []
 
 
-def test_a_client_leaving_closes_the_engine_connection(
-    live: tuple[Engine, RunningSidecar], taps: list[int]
-) -> None:
-    engine, sc = live
+def endless(engine: Engine, event: Callable[[int], bytes] = _event) -> None:
+    """The stand-in engine answers every request with a stream of ``event`` (numbered), one
+    every 5 ms, until the connection closes."""
 
     def script(n: int, t: Any) -> None:
         t.write(_HEAD)
 
         def tick(i: int = 0) -> None:
             if not t.is_closing():
-                t.write(_event(i))
+                t.write(event(i))
                 engine.later(0.005, lambda: tick(i + 1))
 
         tick()
 
     engine.script = script
+
+
+def test_a_client_leaving_closes_the_engine_connection(
+    live: tuple[Engine, RunningSidecar], taps: list[int]
+) -> None:
+    engine, sc = live
+
+    endless(engine)
     lost, before = engine.lost, _outcomes(sc)
     with httpx.Client(timeout=10) as client:
         body = {"model": "m", "prompt": "p", "stream": True}

@@ -24,7 +24,7 @@ from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
 from .exiting import close_at_exit
 from .guards import diverged, engine_names, note_names
 from .outage import Outage, is_outage
-from .rounds import DropLog, Snapshot, StallLog, agree, next_version
+from .rounds import Pending, Snapshot, StallLog, agree, next_version
 from .sharded import open_exchange
 from .signing import LatestHeartbeat, check_signing, signing_board
 from .snapshot import snapshot_masters, snapshot_state
@@ -73,17 +73,15 @@ class Publisher:
         if self._x.rank == 0:  # before the resume, which may replace what it cannot verify
             check_signing(self.board, self.config.signer)
         self._cond = threading.Condition()
-        self._pending: deque[Snapshot] = deque()
+        self._pending = Pending(self.run, self.config.max_pending)
         self._busy = False
         self._closing = self._closed = False
         self._error: BaseException | None = None
         self._error_reported = False
         self._kf_requested = self._kf_consumed = 0
         self._stats: deque[VersionStats] = deque(maxlen=MAX_STATS)
-        self._dropped: deque[int] = deque(maxlen=MAX_STATS)
-        self._n_dropped = self._published = self._bytes = 0
+        self._published = self._bytes = 0
         self._names_noted = False
-        self._drop_log = DropLog(self.run, self.config.max_pending)
         self._stall_log = StallLog(self.run)
         self._outage = Outage(self.run, self.config.outage_s, self._cond)
         self._busy_since: float | None = None  # the worker's round in progress, since when
@@ -144,8 +142,8 @@ class Publisher:
             return PublisherStats(
                 tuple(self._stats),
                 self._bytes,
-                tuple(sorted(self._dropped)),
-                self._n_dropped,
+                tuple(sorted(self._pending.dropped)),
+                self._pending.n_dropped,
                 self._published,
                 self._outage.ridden,
                 self._outage.elapsed(),
@@ -189,8 +187,8 @@ class Publisher:
                 snap.call_return_s = time.perf_counter() - t0
                 self._pending.append(snap)
                 if not keep:
-                    self._trim(self._pending)
-                self._stall_log.check(self._busy_since, len(self._pending), self._n_dropped)
+                    self._pending.trim()
+                self._stall_log.check(self._busy_since, len(self._pending), self._pending.n_dropped)
                 self._cond.notify_all()
         if self._worker is None:
             try:
@@ -268,15 +266,6 @@ class Publisher:
         self._last_assigned = next_version(self._last_assigned, version, self.run)
         return self._last_assigned
 
-    def _trim(self, queue: deque[Snapshot]) -> None:
-        while len(queue) > self.config.max_pending:
-            self._drop(queue.popleft().version)
-
-    def _drop(self, version: int) -> None:
-        self._dropped.append(version)
-        self._n_dropped += 1
-        self._drop_log.dropped(version, self._n_dropped)
-
     def _fail(self, e: BaseException) -> None:
         with self._cond:
             if self._error is None:
@@ -347,8 +336,7 @@ class Publisher:
             return True, None
         if decision.action == "wait":
             with self._cond:
-                self._pending.extendleft(reversed(hand))
-                self._trim(self._pending)
+                self._pending.put_back(hand)
             return False, decision.version
         target = decision.version
         assert target is not None
@@ -356,9 +344,8 @@ class Publisher:
         with self._cond:
             for s in hand:
                 if s.version < target:
-                    self._drop(s.version)
-            self._pending.extendleft(reversed([s for s in hand if s.version > target]))
-            self._trim(self._pending)
+                    self._pending.drop(s.version)
+            self._pending.put_back([s for s in hand if s.version > target])
         try:
             self._publish(snap, decision.keyframe)
         except BaseException as e:  # noqa: BLE001 (a store outage is ridden out)
@@ -380,15 +367,12 @@ class Publisher:
         top, writer = self._outage.ride(
             error, snap.version, self._writer.restarted, closing=lambda: self._closing
         )
-        with self._cond:
+        with self._cond:  # (the lease: nobody else published past what this one assigned)
             self._writer, self._last_durable = writer, top
-            if top is not None and (self._last_assigned is None or top > self._last_assigned):
-                self._last_assigned = top
             if top is not None and snap.version <= top:
                 return False, None
             if not sync:
-                self._pending.appendleft(snap)
-                self._trim(self._pending)
+                self._pending.put_back([snap])
                 return False, None
         return self._round([snap], closing=False, sync=True)
 

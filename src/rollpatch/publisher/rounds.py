@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..board import Board
 from ..errors import BoardError, ConfigError, TrustError
 from ..manifest import Manifest
 from ..types import MAX_VERSION
-from .config import PublisherConfig
+from .config import MAX_STATS, PublisherConfig
 from .lease import Lease
 from .sharded import Exchange
 
@@ -26,6 +27,7 @@ __all__ = [
     "STALL_S",
     "Decision",
     "DropLog",
+    "Pending",
     "Snapshot",
     "StallLog",
     "agree",
@@ -108,6 +110,34 @@ class Snapshot:
     #: A cast that failed in ``publish()`` (served snapshot): raised when the version is
     #: built, so every rank learns of it in the same round as before.
     error: BaseException | None = None
+
+
+class Pending(deque[Snapshot]):
+    """The snapshots waiting to be published, oldest first, at most ``max_pending`` once
+    trimmed (a new one pushes the oldest out: coalescing), and the versions dropped that way
+    (the most recent :data:`MAX_STATS`, and how many in all; :class:`DropLog` says so).
+    Used under the publisher's lock."""
+
+    def __init__(self, run: str, max_pending: int) -> None:
+        super().__init__()
+        self.max_pending = max_pending
+        self.dropped: deque[int] = deque(maxlen=MAX_STATS)
+        self.n_dropped = 0
+        self._log = DropLog(run, max_pending)
+
+    def put_back(self, snaps: list[Snapshot]) -> None:
+        """``snaps`` (in version order) go back in front of the newer ones; then trimmed."""
+        self.extendleft(reversed(snaps))
+        self.trim()
+
+    def trim(self) -> None:
+        while len(self) > self.max_pending:
+            self.drop(self.popleft().version)
+
+    def drop(self, version: int) -> None:
+        self.dropped.append(version)
+        self.n_dropped += 1
+        self._log.dropped(version, self.n_dropped)
 
 
 @dataclass(frozen=True)

@@ -120,11 +120,12 @@ def board_uri(uri: str, *, option: str = "--board", existing: bool = False) -> N
 
 
 def local_board(uri: str) -> Path | None:
-    """The directory of a local board URI (a path or ``file://``); None for other schemes."""
-    scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
-    if scheme not in ("", "file"):
-        return None
-    return Path(urlsplit(uri).path if scheme == "file" else uri).expanduser()
+    """The directory of a local board URI (a path or ``file://``, as the store opens it:
+    :func:`rollpatch.store.uri.file_path`); None for other schemes."""
+    from ..store.uri import file_path
+
+    path = file_path(uri)
+    return None if path is None else Path(path).expanduser()
 
 
 def input_file(path: str, what: str, *, folder: bool = False) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Store, validate_key
 
-__all__ = ["SCHEMES", "open_store"]
+__all__ = ["SCHEMES", "file_path", "open_store"]
 
 #: The URI schemes ``open_store`` understands (a plain path means ``file``).
 SCHEMES = ("file", "s3", "http", "https", "memory")
@@ -42,7 +42,7 @@ def open_store(uri: str, **options: Any) -> Store:
         parts = urllib.parse.urlsplit(uri)
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise ConfigError("file URI must be file:///absolute/path", uri=uri)
-        return _open_file(urllib.parse.unquote(parts.path), options)
+        return _open_file(file_path(uri) or "", options)
     if scheme == "memory":
         return _open_memory(uri, options)
     if scheme == "s3":
@@ -57,6 +57,17 @@ def open_store(uri: str, **options: Any) -> Store:
         uri=uri,
         hint=f"use one of {', '.join(s + '://' for s in SCHEMES)} or a path",
     )
+
+
+def file_path(uri: str) -> str | None:
+    """The directory a plain path or ``file://`` URI names, as :func:`open_store` opens it
+    (percent-escapes decoded); None for another scheme."""
+    scheme, sep, _ = uri.partition("://")
+    if not sep:
+        return uri
+    if scheme.lower() != "file":
+        return None
+    return urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
 
 
 def _open_file(path: str, options: dict[str, Any]) -> Store:

@@ -74,6 +74,12 @@ def test_a_quantised_format_that_quantises_nothing_is_warned_of(
         capsys, ["publish", "--board", board, "--run", "q", "--format", "mxfp4", *typo, str(old)]
     )
     assert "0 of 3 tensors quantised" in out and "quantises none" in err
+    # analyze: the count in its report and JSON, the same warning (N-4, session 41: none)
+    argv = ["analyze", str(old), str(new), "--format", "nvfp4", "--no-progress"]
+    out, err = _run(capsys, [*argv, *typo])
+    assert "nvfp4: 0 of 3 tensors quantised" in out and "quantises none" in err
+    out, err = _run(capsys, [*argv, "--format", "bf16", "--json"])
+    assert json.loads(out)["model"]["quantised"] == {"nvfp4": 1} and not err
     out, err = _run(capsys, ["cast", str(old), "-o", str(tmp_path / "c")])  # bf16: no count
     assert "tensors quantised" not in out and not err
 

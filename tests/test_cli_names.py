@@ -1,7 +1,7 @@
 """Tensor names as they enter rollpatch (an audit, session 41): a name the safetensors format
 reserves (``__metadata__``, H-F2) or one no patch can carry (0 or more than 1024 bytes of
-UTF-8, H-F4) is refused up front by cast, diff, publish and analyze, naming the tensor and
-the rule; and the name a tied head is published under does not depend on the state dict's
+UTF-8, H-F4; the served names in analyze too, N-3) is refused up front by cast, diff,
+publish and analyze, naming the tensor and the rule; and the name a tied head is published under does not depend on the state dict's
 key order (H-F3)."""
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def test_names_no_patch_can_carry_are_refused_up_front(
     board = tmp_path / "board"
     _refused(capsys, ["publish", "--board", str(board), "--run", "l", str(a)], rule)
     assert not (tmp_path / "p").exists() and not (board / "runs" / "l" / "LATEST").exists()
+    _refused(capsys, ["analyze", str(a), str(b), "--no-progress"], rule)  # N-3, session 41
 
 
 def test_a_name_the_format_makes_too_long_is_refused(
@@ -100,6 +101,11 @@ def test_a_name_the_format_makes_too_long_is_refused(
     _refused(capsys, argv, "bytes of UTF-8", "_packed")
     board = str(tmp_path / "board")
     _refused(capsys, ["publish", "--board", board, "--run", "q", "--format", "nvfp4", str(ckpt)])
+    # analyze too: it measures the served view (N-3, session 41: it measured this one)
+    m[long] = m[long] + 1e-2
+    save_masters(tmp_path / "m2.safetensors", m)
+    argv = ["analyze", str(ckpt), str(tmp_path / "m2.safetensors"), "--format", "nvfp4"]
+    _refused(capsys, [*argv, "--no-progress"], "bytes of UTF-8", "_packed")
 
 
 def test_the_name_rule_is_the_patch_formats() -> None:

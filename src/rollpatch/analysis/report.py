@@ -103,6 +103,7 @@ def _head(a: Analysis) -> list[str]:
     out.append(
         "served view: " + ", ".join(f"{f} {human_bytes(a.view_bytes[f])}" for f in a.formats)
     )
+    out += [f"{f}: {n} of {a.tensors} tensors quantised" for f, n in a.quantised.items()]
     if a.skipped:
         names = sorted(a.skipped)
         shown = ", ".join(f"{n} ({a.skipped[n]})" for n in names[:5])

@@ -138,6 +138,8 @@ class Analysis:
     group_params: dict[str, int]
     skipped: dict[str, str] = field(default_factory=dict)  # name → why it was left out
     view_bytes: dict[str, int] = field(default_factory=dict)  # format → served view bytes
+    #: quantised format → tensors it quantises (of ``tensors``); plain formats are absent
+    quantised: dict[str, int] = field(default_factory=dict)
     pairs: list[PairResult] = field(default_factory=list)
     lags: dict[str, list[LagPoint]] = field(default_factory=dict)  # format → k = 1, 2, 4...
     seconds: float = 0.0
@@ -172,6 +174,7 @@ class Analysis:
                 "params": self.params,
                 "group_params": self.group_params,
                 "skipped": self.skipped,
+                "quantised": self.quantised,
             },
             "view_bytes": self.view_bytes,
             "pairs": [p.to_json() for p in self.pairs],

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..formats import QuantPolicy, cast_view, get_format
 from ..formats.base import SCALE_MODES
 from ..io.checkpoint import load_masters
+from ..io.names import check_names
 from ..patch import diff, encode, inspect
 from ..view import View
 from .bounds import iid_bound_bits, xor_zstd
@@ -98,7 +99,7 @@ class _Walk:
     def __init__(
         self, paths: list[str], fmts: list[str], scales: str, policy: QuantPolicy | None
     ) -> None:
-        self.paths, self.fmts, self.scales = paths, fmts, scales
+        self.paths, self.fmts, self.scales, self.policy = paths, fmts, scales, policy
         self.cast = {f: _caster(f, scales, policy) for f in fmts}
         self.lags = [k for k in lag_points(len(paths) - 1) if k > 1]
         self.grids = ["bf16"] + (["fp16"] if "fp16" in fmts else [])
@@ -120,6 +121,8 @@ class _Walk:
         for n, a in self.prev_m.items():
             group_params[tensor_group(n)] += int(a.size)
         self.first = {f: self.cast[f](self.prev_m, None) for f in self.fmts}
+        for v in self.first.values():  # the served names (a quantised format adds suffixes):
+            check_names(v)  # what cast, diff and publish refuse (before, analyze passed them)
         self.prev_v = dict(self.first)
         bar.update()
         return Analysis(
@@ -131,6 +134,13 @@ class _Walk:
             group_params=group_params,
             skipped=skipped,
             view_bytes={f: v.nbytes for f, v in self.first.items()},
+            quantised={
+                f: sum(
+                    get_format(f).quantises(n, a.shape, self.policy) for n, a in self.prev_m.items()
+                )
+                for f in self.fmts
+                if get_format(f).scale_suffixes
+            },
             lags={f: [] for f in self.fmts},
         )
 

@@ -74,6 +74,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         policy=policy,
         progress=False if args.no_progress else None,
     )
+    from .casting import warn_quantised
+
+    for fmt, n in result.quantised.items():
+        warn_quantised(fmt, n, result.tensors)
     if args.plot:
         write_plot(result, args.plot)
     if args.json:

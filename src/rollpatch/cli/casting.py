@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..io.checkpoint import load_masters
 from ..view import View
 
-__all__ = ["cast", "masters_of", "quantised_note", "served_dtypes"]
+__all__ = ["cast", "masters_of", "quantised_note", "served_dtypes", "warn_quantised"]
 
 
 def masters_of(path: str) -> dict[str, Any]:
@@ -87,11 +87,21 @@ def quantised_note(masters: Mapping[str, Any], fmt: str, policy: Any) -> str:
     if not f.scale_suffixes:
         return ""
     n = sum(f.quantises(name, tuple(a.shape), policy) for name, a in masters.items())
-    if n == 0 and masters:
-        print(
-            f"rollpatch: warning: {fmt} quantises none of the {len(masters)} tensors: the "
-            f"view is plain {f.plain_kind.upper()} (check --include/--exclude, and the shapes "
-            "the format can block: docs/formats.md §2)",
-            file=sys.stderr,
-        )
+    warn_quantised(fmt, n, len(masters))
     return f", {n} of {len(masters)} tensors quantised"
+
+
+def warn_quantised(fmt: str, quantised: int, tensors: int) -> None:
+    """One warning line on stderr when quantised format ``fmt`` quantises none of the
+    ``tensors`` (cast, diff, publish and analyze: the last one did not say, an audit)."""
+    from ..formats import get_format
+
+    if quantised or not tensors:
+        return
+    plain = get_format(fmt).plain_kind.upper()
+    print(
+        f"rollpatch: warning: {fmt} quantises none of the {tensors} tensors: the view is "
+        f"plain {plain} (check --include/--exclude, and the shapes the format can block: "
+        "docs/formats.md §2)",
+        file=sys.stderr,
+    )

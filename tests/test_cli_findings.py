@@ -241,3 +241,41 @@ def test_cast_view_api_matches_the_cli_after_the_refactor(
     _run(capsys, ["cast", str(old), "--format", "fp8-e4m3-block128", "-o", str(tmp_path / "v")])
     want = cast_view(masters(1), "fp8-e4m3-block128").digest()
     assert load_view(tmp_path / "v").digest() == want
+
+
+def test_pull_retries_bound_every_attempt_through_a_relay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pull --retries N`` is N + 1 attempts per read through a relay: the relay client's own
+    retries are off for it (N-6, session 41: each of the follower's attempts was 4 requests)."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        board = f"http://127.0.0.1:{server.server_address[1]}"
+        for retries in (0, 2):
+            hits.clear()
+            argv = ["pull", "--board", board, "--run", "r", "-o", str(tmp_path / "v")]
+            _, err = _run(
+                capsys, [*argv, "--retries", str(retries), "--backoff", "0.01"], EXIT_REFUSED
+            )
+            assert len(hits) == retries + 1 and len(set(hits)) == 1, hits
+            said = err.strip().splitlines()[-1]
+            assert said.startswith("rollpatch: error: ") and f"attempts={retries + 1}" in said
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -77,7 +77,7 @@ def _pull(args: argparse.Namespace, corrupt: list[str]) -> int:
     trust = load_trust(args, args.board)
     config = FollowerConfig(**config_kwargs(args, FollowerConfig), fallback_older=False)
     engine = ViewEngine()
-    follower = Follower(args.board, args.run, engine, config, trust=trust)
+    follower = Follower(_board(args.board), args.run, engine, config, trust=trust)
     t0 = time.monotonic()
     version = follower.sync(args.want)
     plan = follower.last_plan
@@ -121,6 +121,22 @@ def _pull(args: argparse.Namespace, corrupt: list[str]) -> int:
         f"digest {digest[:16]} (verified)"
     )
     return 0
+
+
+def _board(uri: str) -> Any:
+    """The board at ``uri`` with the store's own retries off for a relay or S3 (the
+    follower's ``--retries`` are then all there are: ``--retries N`` is N + 1 attempts per
+    read, not (N + 1) x the relay client's 4, as before: an audit, session 41); a directory
+    board as it is."""
+    from ..board import Board
+    from ..store import open_store
+
+    scheme = uri.partition("://")[0].lower() if "://" in uri else ""
+    if scheme in ("http", "https"):
+        return Board(open_store(uri, retries=0))
+    if scheme == "s3":
+        return Board(open_store(uri, max_attempts=1))
+    return uri
 
 
 @contextlib.contextmanager

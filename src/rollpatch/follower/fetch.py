@@ -15,7 +15,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from ..board import Board
-from ..errors import ManifestError, NotFoundError, NotReadyError, TransientStoreError
+from ..errors import (
+    ManifestError,
+    NotFoundError,
+    NotReadyError,
+    RollpatchError,
+    TransientStoreError,
+)
 from ..store import ObjectInfo, Store
 from ..trust import Trust, warn_unverified
 from ..types import ObjectRef
@@ -79,6 +85,9 @@ class Retrier:
                 if attempt >= self.config.retries or (
                     deadline is not None and time.monotonic() + delay >= deadline
                 ):
+                    if attempt and isinstance(e, RollpatchError):  # all of them, not the last's
+                        e.context["attempts"] = attempt + 1
+                        e.args = (e._render(),)
                     raise
                 self.on_retry(e)
                 if self.abort.wait(delay):

@@ -279,3 +279,17 @@ def test_pull_retries_bound_every_attempt_through_a_relay(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_publish_says_when_it_created_the_board_directory(
+    tmp_path: Path, ckpts: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped ``--board`` or an absent mount made a new board at version 0 and said
+    nothing about it (session 41's list): the note says the directory was created."""
+    old, new = ckpts
+    board = str(tmp_path / "mnt" / "board")
+    argv = ["publish", "--board", board, "--run", "r"]
+    _, err = _run(capsys, [*argv, str(old)])
+    assert err.startswith("rollpatch: note: the board directory file://") and "version 0" in err
+    out, err = _run(capsys, [*argv, str(new), "--json"])
+    assert "did not exist" not in err and json.loads(out)["board_created"] is False

@@ -104,11 +104,19 @@ def cmd_publish(args: argparse.Namespace) -> int:
             pub.publish_keyframe()
         n = pub.publish(masters, args.number, step=args.step)
         s = pub.stats.versions[-1]
+        created = bool(getattr(pub.board.store, "created", False))
+    if created:  # a new board, or a typo or an absent mount: the user must be able to tell
+        print(
+            f"rollpatch: note: the board directory {pub.board.store.uri} did not exist: "
+            f"created it (run {args.run!r} starts there at version {n})",
+            file=sys.stderr,
+        )
     if args.json:
         json.dump(
             {
                 "run": args.run,
                 "version": n,
+                "board_created": created,
                 "parent": s.parent,
                 "keyframe": s.keyframe,
                 "bytes": s.bytes,

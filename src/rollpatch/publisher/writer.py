@@ -85,6 +85,10 @@ class VersionWriter:
             raise
         if lease is not None:
             lease.start()
+            if getattr(board.store, "created", False):  # a new board, a typo, a missing mount
+                log.info(
+                    "board %s did not exist: created it; run %r starts there", board.store.uri, run
+                )
         return cls(board, run, config, x, top, target, lease)
 
     def restarted(self) -> tuple[int | None, VersionWriter]:

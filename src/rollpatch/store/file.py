@@ -84,6 +84,9 @@ class FileStore(Store):
             path = Path.cwd() / path
         self.root = Path(os.path.normpath(path))
         self.fsync = fsync
+        #: Whether this open made the root directory (a new board; or a mistyped path, or a
+        #: mount that is not there: ``rollpatch publish`` says so).
+        self.created = not self.root.exists()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -160,3 +160,35 @@ def test_a_tied_head_is_published_under_the_embeddings_name_in_any_order(
     ):
         for sd in ({head: e, embed: e}, {embed: e, head: e}):
             assert list(engine_names(sd)[0]) == [embed]
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        # T5 v1.0: shared, both embed_tokens and the head are one storage
+        [
+            "shared.weight",
+            "encoder.embed_tokens.weight",
+            "decoder.embed_tokens.weight",
+            "lm_head.weight",
+        ],
+        # BART, mBART, Pegasus
+        [
+            "model.shared.weight",
+            "model.encoder.embed_tokens.weight",
+            "model.decoder.embed_tokens.weight",
+            "lm_head.weight",
+        ],
+    ],
+)
+def test_an_embedding_tied_three_or_four_ways_is_published_as_the_shared_one(
+    names: list[str],
+) -> None:
+    """The name ``save_pretrained`` keeps for an encoder-decoder's shared embedding (N-5,
+    session 41: the smallest name, ``decoder.embed_tokens.weight``, was published)."""
+    e = torch.zeros(8, 4)
+    for order in (names, sorted(names), list(reversed(names))):
+        sd = {n: e for n in order} | {"final_layer_norm.weight": torch.ones(4)}
+        out, _, dropped = engine_names(sd)
+        assert sorted(out) == sorted([names[0], "final_layer_norm.weight"])
+        assert sorted(dropped) == sorted(names[1:])

@@ -6,7 +6,8 @@
   ``_orig_mod.``, DDP's ``module.``) is taken off, and a tied alias (a tensor sharing its
   storage with another, e.g. ``lm_head.weight`` tied to ``model.embed_tokens.weight``)
   is published once, as engines hold it: under the input embedding's name when the aliases
-  are an embedding and an output head (:data:`TIED_HEADS`), else under the smallest name,
+  are an embedding and an output head (:data:`TIED_HEADS`), a ``shared`` embedding's name
+  where an encoder-decoder ties one 3 or 4 ways, else under the smallest name,
   whatever the dict's order; before, both reached the board and every engine refused the
   run. Every name then obeys :func:`rollpatch.io.names.check_names` (1-1024 bytes of UTF-8,
   not ``__metadata__``).
@@ -99,15 +100,18 @@ TIED_HEADS = frozenset(
 )
 
 
-def _published_first(name: str) -> tuple[bool, str]:
+def _published_first(name: str) -> tuple[bool, bool, str]:
     """Which alias of one storage is published: not an output head (:data:`TIED_HEADS`:
-    the input embedding of a tied head), then the smallest name; never the dict's order
-    (an audit, session 41: a state dict with its keys sorted published ``lm_head.weight``,
-    and the same model's folder was then refused as another model)."""
+    the input embedding of a tied head), then a ``shared`` module (the embedding that
+    encoder-decoders tie 3 or 4 ways: T5's ``shared.weight``, BART's ``model.shared.weight``,
+    the name ``save_pretrained`` keeps; before session 42 the smallest name won there,
+    ``decoder.embed_tokens.weight``), then the smallest name; never the dict's order (an
+    audit, session 41: a state dict with its keys sorted published ``lm_head.weight``, and
+    the same model's folder was then refused as another model)."""
     parts = name.split(".")
     if parts[-1] in ("weight", "bias"):
         parts = parts[:-1]
-    return any(p in TIED_HEADS for p in parts), name
+    return any(p in TIED_HEADS for p in parts), parts[-1:] != ["shared"], name
 
 
 def _has(name: object, prefix: str) -> bool:

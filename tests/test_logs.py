@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from rollpatch.logs import Throttle
+from rollpatch.logs import Every, Throttle
 
 
 def test_one_line_per_kind_per_period_and_the_count_held_back(
@@ -36,3 +36,16 @@ def test_kinds_are_bounded() -> None:
     for i in range(Throttle.MAX_KINDS * 3):
         said.event("refused", f"reason {'x' * (i % 50)}-{chr(65 + i % 26)}")
     assert len(said._seen) <= Throttle.MAX_KINDS
+
+
+def test_every_paces_a_line_and_counts_what_it_held_back() -> None:
+    now = [100.0]
+    pace = Every(60.0, clock=lambda: now[0])
+    assert pace.due() and pace.said_held == 0  # the first at once
+    assert not pace.due() and not pace.due() and pace.held == 2
+    now[0] += 59.9
+    assert not pace.due()
+    now[0] += 0.1
+    assert pace.due() and pace.said_held == 3 and pace.held == 0
+    pace.reset()  # a new episode: at once again
+    assert pace.due() and pace.said_held == 0

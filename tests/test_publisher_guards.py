@@ -214,19 +214,17 @@ def test_a_step_that_changes_most_values_is_warned_about(
 
 
 def test_large_steps_are_warned_about_once_a_minute(
-    board: Board, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    board: Board, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A run whose every step is large (an lr far too high) logged one warning per version,
     for ever (an audit, session 41): now one per LARGE_STEP_LOG_S, counting those between."""
-    from rollpatch.publisher import writer
-
     with (
         caplog.at_level(logging.WARNING, logger="rollpatch.publisher"),
         Publisher(board, RUN, asynchronous=False) as pub,
     ):
         for seed in range(5):
             pub.publish(random_masters(seed))
-        monkeypatch.setattr(writer, "LARGE_STEP_LOG_S", 0.0)
+        pub._writer._large.every_s = 0.0  # the minute has passed
         pub.publish(random_masters(5))
     said = [r.getMessage() for r in caplog.records if "of the served view" in r.getMessage()]
     assert len(said) == 2, said

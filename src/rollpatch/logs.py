@@ -27,7 +27,7 @@ import threading
 import time
 from typing import IO, Any, Literal, get_args
 
-__all__ = ["LEVELS", "LogFormat", "Throttle", "add_log_args", "configure", "event"]
+__all__ = ["LEVELS", "Every", "LogFormat", "Throttle", "add_log_args", "configure", "event"]
 
 LogFormat = Literal["text", "json"]
 LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -41,6 +41,35 @@ def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields
     """Log event ``name`` with ``fields`` (JSON-serialisable scalars)."""
     if logger.isEnabledFor(level):
         logger.log(level, name, extra={_EVENT: name, _FIELDS: fields})
+
+
+class Every:
+    """One log line's pace: :meth:`due` is true at once, then at most once per ``every_s``,
+    and counts the calls held back meanwhile (:attr:`held`: the line may say "N more since").
+    The one pacer of the publisher's repeated warnings (coalesced versions, a stalled
+    version, an outage, an unrenewed lease, a large step); :class:`Throttle` paces events
+    by kind. Not locked: one owner calls it (under its own lock where several threads do)."""
+
+    def __init__(self, every_s: float, clock: Any = time.monotonic) -> None:
+        self.every_s, self._clock = every_s, clock
+        self._last: float | None = None
+        #: Calls held back since the last line :meth:`due` allowed.
+        self.held = 0
+        #: What the last line said of :attr:`held` (read right after a true :meth:`due`).
+        self.said_held = 0
+
+    def due(self) -> bool:
+        """Whether a line may be said now (then it is counted as said)."""
+        now = self._clock()
+        if self._last is not None and now - self._last < self.every_s:
+            self.held += 1
+            return False
+        self._last, self.said_held, self.held = now, self.held, 0
+        return True
+
+    def reset(self) -> None:
+        """The next :meth:`due` is true (a new episode: an outage that begins again)."""
+        self._last, self.held = None, 0
 
 
 class Throttle:

@@ -33,6 +33,7 @@ from .. import jsonsafe
 from ..errors import BoardError, ConfigError, ConflictError, NotFoundError, StoreError
 from ..layout import publisher_lease_key
 from ..liveness import process_token, token_gone
+from ..logs import Every
 from ..store import Store
 
 __all__ = ["LEASE_S", "RENEW_S", "Holder", "Lease"]
@@ -108,7 +109,7 @@ class Lease:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._said = 0.0
+        self._unrenewed = Every(60.0)  # the line that says a renewal failed
 
     def acquire(self) -> None:
         """Take the lease (or renew it, when this publisher holds it: after a store outage).
@@ -254,7 +255,5 @@ class Lease:
             except ConflictError:
                 self._lost()
             except StoreError as e:  # an outage: the next renewal (or the resume) tries again
-                now = time.monotonic()
-                if now - self._said >= 60.0:
-                    self._said = now
+                if self._unrenewed.due():
                     log.warning("%s: the publisher lease was not renewed (%s)", self.run, e)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..errors import TransientStoreError
+from ..logs import Every
 
 __all__ = ["OUTAGE_LOG_S", "Outage", "is_outage"]
 
@@ -57,7 +58,7 @@ class Outage:
         self.limit_s = math.inf if limit_s is None else limit_s
         self.since: float | None = None  # the current outage's first failure
         self._tries = 0
-        self._said = 0.0
+        self._pace = Every(OUTAGE_LOG_S, clock)
         #: Outages ridden out (the store answered again before ``limit_s``).
         self.ridden = 0
 
@@ -94,15 +95,15 @@ class Outage:
         Logs a WARNING when an outage begins, then at most one per :data:`OUTAGE_LOG_S`."""
         now = self._clock()
         if self.since is None:
-            self.since, self._tries, self._said = now, 0, now - OUTAGE_LOG_S
+            self.since, self._tries = now, 0
+            self._pace.reset()  # the first line of an outage at once
         elapsed = now - self.since
         if elapsed >= self.limit_s:
             return None
         w = min(_MAX_WAIT_S, _FIRST_WAIT_S * 2**self._tries)
         self._tries += 1
         w = min(w, self.limit_s - elapsed)
-        if now - self._said >= OUTAGE_LOG_S:
-            self._said = now
+        if self._pace.due():
             limit = "for good" if self.limit_s == math.inf else f"until {self.limit_s:g} s"
             log.warning(
                 "%s: the store is unreachable (%s: %s); %s not published yet, retrying %s "

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..board import Board
 from ..errors import BoardError, ConfigError, TrustError
+from ..logs import Every
 from ..manifest import Manifest
 from ..types import MAX_VERSION
 from .config import MAX_STATS, PublisherConfig
@@ -49,14 +50,13 @@ class DropLog:
 
     def __init__(self, run: str, max_pending: int) -> None:
         self.run, self.max_pending = run, max_pending
-        self._said: tuple[float, int] | None = None  # when, and the drops counted then
+        self._pace = Every(DROP_LOG_S)
+        self._n_said = 0  # the drops counted at the last line
 
     def dropped(self, version: int, n_dropped: int) -> None:
-        now = time.monotonic()
-        if self._said is not None and now - self._said[0] < DROP_LOG_S:
+        if not self._pace.due():
             return
-        since = n_dropped - (0 if self._said is None else self._said[1])
-        self._said = (now, n_dropped)
+        since, self._n_said = n_dropped - self._n_said, n_dropped
         log.info(
             "%s@%d: not published: a newer version was waiting (coalesced: %d version(s) "
             "since the last such line, %d in all; the uplink is slower than the trainer; "
@@ -76,14 +76,13 @@ class StallLog:
 
     def __init__(self, run: str) -> None:
         self.run = run
-        self._said = 0.0
+        self._pace = Every(STALL_S)
 
     def check(self, since: float | None, pending: int, dropped: int) -> None:
         """``since``: when the version in progress was taken up (None: none is)."""
         now = time.monotonic()
-        if since is None or now - since < STALL_S or now - self._said < STALL_S:
+        if since is None or now - since < STALL_S or not self._pace.due():
             return
-        self._said = now
         log.warning(
             "%s: the version in progress is not durable after %.0f s (is the store slow or "
             "unreachable?); %d version(s) wait, %d coalesced in all",

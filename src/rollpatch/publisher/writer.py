@@ -15,6 +15,7 @@ from typing import Any
 
 from ..board import Board, version_key
 from ..errors import BoardError, ConfigError, NoPathError, ObjectIntegrityError, TrustError
+from ..logs import Every
 from ..view import View
 from .assemble import assemble_manifest
 from .config import PublisherConfig, VersionStats
@@ -68,7 +69,7 @@ class VersionWriter:
         #: Rank 0: the sliced layout of the last version (None: read from the parent).
         self._layout: dict[str, tuple[object, ...]] | None = None
         self._clock_checked = False  # rank 0, signing: this host's clock against the store's
-        self._large: tuple[float, int] | None = None  # last large-step warning, held since
+        self._large = Every(LARGE_STEP_LOG_S)  # the large-step warning (an audit)
 
     @classmethod
     def open(cls, board: Board, run: str, config: PublisherConfig, x: Exchange) -> VersionWriter:
@@ -291,8 +292,8 @@ class VersionWriter:
             )
         large = parent is not None and res.patch_bytes > LARGE_STEP * max(res.view.nbytes, 1)
         now = time.monotonic()
-        if large and (self._large is None or now - self._large[0] >= LARGE_STEP_LOG_S):
-            held = 0 if self._large is None else self._large[1]
+        if large and self._large.due():
+            held = self._large.said_held
             log.warning(
                 "%s@%d: the step patch from version %d is %.0f%% of the served view (%d values "
                 "changed; RL steps give 0.1-3%%): another model of the same shape, or a "
@@ -304,9 +305,6 @@ class VersionWriter:
                 res.changed,
                 f" ({held} more such version(s) since the last line)" if held else "",
             )
-            self._large = (now, 0)
-        elif large and self._large is not None:  # said once per LARGE_STEP_LOG_S (an audit)
-            self._large = (self._large[0], self._large[1] + 1)
         return VersionStats(
             version=n,
             parent=parent,

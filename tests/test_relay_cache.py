@@ -389,3 +389,47 @@ def test_a_run_published_again_drops_every_cached_manifest_of_the_earlier_run(
     said = [r.getMessage() for r in caplog.records if "published again" in r.getMessage()]
     assert said, [r.getMessage() for r in caplog.records]
     assert "manifest(s) and marker(s) are dropped" in said[0]
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_fixed_version_asked_first_after_a_run_was_published_again_is_the_new_runs(
+    board: Board, serve, restart: bool
+) -> None:
+    """G-F5's rest (session 41): a version asked for before anything read LATEST, right after
+    the run name was reused (or after the relay restarted on its cache), was served from the
+    earlier run. Now a cached manifest of a run whose LATEST the relay has not read lately is
+    served after one read of it (relay/lineage.py)."""
+    import numpy as np
+
+    from rollpatch.publisher import Publisher, PublisherConfig
+    from rollpatch.relay import lineage
+
+    def publish_run(seed: int, n: int) -> dict[int, str]:
+        rng = np.random.default_rng(seed)
+        w = {"a.weight": rng.standard_normal((64, 64)).astype(np.float32)}
+        with Publisher(
+            Board(board.store), RUN, PublisherConfig(skip_strides=()), asynchronous=False
+        ) as p:
+            for _ in range(n):
+                w["a.weight"] += (rng.standard_normal((64, 64)) * 1e-3).astype(np.float32)
+                p.publish(w)
+        fresh = Board(board.store)
+        return {v: fresh.manifest(RUN, v).target for v in range(n)}
+
+    first = publish_run(1, 6)
+    relay = serve(board.store)
+    c = Board(client(relay))
+    assert [c.manifest(RUN, v).target for v in range(6)] == [first[v] for v in range(6)]
+    for key in board.store.list(f"runs/{RUN}/"):
+        board.store.delete(key)
+    second = publish_run(2, 4)
+    if restart:  # a new relay process on the same cache directory
+        relay.stop()
+        relay = serve(board.store)
+    else:  # the relay read the run's LATEST more than LINEAGE_S ago
+        relay.relay.lineage.every_s = 0.2
+        time.sleep(0.3)
+    assert lineage.LINEAGE_S >= relay.relay.config.pointer_ttl
+    c = Board(client(relay))  # pull --version 3: no LATEST read by the reader
+    assert c.manifest(RUN, 3).target == second[3] != first[3]
+    assert c.manifest(RUN, 1).target == second[1]

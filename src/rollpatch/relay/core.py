@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 import blake3
 
 from ..errors import ManifestError, ObjectIntegrityError, StoreError, TooLargeError
-from ..layout import keyframes_prefix, manifest_version, versions_prefix
+from ..layout import manifest_version, pointer_key
 from ..logs import Throttle, event
 from ..store import ObjectInfo, Store
 from ..store.base import Keys
@@ -33,6 +33,7 @@ from ..trust import Trust, warn_unverified
 from .cache import CacheEntry, DiskCache
 from .config import KeyKind, RelayConfig, classify
 from .flights import Flights
+from .lineage import Lineage
 from .metrics import Metrics
 from .ttl import TtlTable
 from .verify import StalePointer, Verifier
@@ -82,10 +83,17 @@ class Relay:
         self.metrics = metrics or Metrics()
         #: Checks upstream answers before they are cached or served; owns the trust root.
         self.verifier = Verifier(self._get, trust, self.metrics)
-        self.verifier.on_lineage = self.forget_run
         self.cache = DiskCache(
             config.cache_dir, config.cache_bytes, self.metrics, recheck_s=config.recheck_s
         )
+        #: Whether the cached manifests of a run are still its own (:mod:`.lineage`).
+        self.lineage = Lineage(
+            self.cache,
+            self.verifier,
+            read_latest=lambda run: self._fetch_volatile(pointer_key(run), KeyKind.POINTER),
+            read_cached=lambda entry: self.read(Blob.cached(entry)),
+        )
+        self.verifier.on_lineage = self.lineage.forget
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
         self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
         self._flights = Flights(self.metrics)
@@ -108,6 +116,8 @@ class Relay:
         if kind.immutable:
 
             def lookup() -> Blob | None:
+                if kind is KeyKind.MANIFEST and not self._lineage_fresh(key):
+                    return None  # fetched after a read of the run's LATEST (.lineage)
                 entry = self.cache.lookup(key)
                 return None if entry is None else Blob.cached(entry)
 
@@ -197,7 +207,13 @@ class Relay:
 
     # -- fetches (run in the pools) -----------------------------------------------------------
 
+    def _lineage_fresh(self, key: str) -> bool:
+        mv = manifest_version(key)
+        return mv is None or self.lineage.fresh(mv[0])
+
     def _fetch_immutable(self, key: str, kind: KeyKind) -> Blob:
+        if kind is KeyKind.MANIFEST and (mv := manifest_version(key)) is not None:
+            self.lineage.check(mv[0])  # a reused run's cached manifests dropped first
         if self.cache.peek(key) is not None:  # left by a previous run: re-hash before serving
             entry = self.cache.verify(key)
             if entry is not None and self._still_valid(entry, kind):
@@ -280,50 +296,11 @@ class Relay:
                         raise
                     continue
                 if p is not None:
-                    self.drop_stale_manifest(p.manifest, p.target)
+                    self.lineage.pointer(p.manifest, p.target)
             blob = Blob(key, kind, len(data), f'"{blake3.blake3(data).hexdigest()}"', data=data)
             self._volatile.put(key, blob, started + self.config.pointer_ttl)
             return blob
         raise AssertionError("unreachable")  # the second pass returns or raises
-
-    def drop_stale_manifest(self, key: str, target: str) -> None:
-        """Drop the cached manifest ``key`` when it names another target than LATEST does: a
-        run deleted upstream and published again under its name left the earlier run's
-        manifest here (immutable keys, reused); followers would refuse it (docs/follower.md),
-        and it is fetched again instead."""
-        if self.cache.peek(key) is None:
-            return
-        cached = self.verifier.targets.get(key)  # known since it was checked: no file read
-        if cached is None:  # cached by an earlier process: read and parsed once
-            entry = self.cache.verify(key)
-            if entry is None:
-                return
-            try:
-                cached = self.verifier.manifest_target(key, self.read(Blob.cached(entry)))
-            except StoreError:  # evicted meanwhile: nothing to drop
-                return
-        if cached is None or cached == target:
-            return
-        run = manifest_version(key)
-        if run is not None:
-            self.forget_run(run[0], f"{key} names {cached[:16]}, LATEST names {target[:16]}")
-
-    def forget_run(self, run: str, why: str) -> None:
-        """The run was published again under its name (``why`` says how it showed): every
-        cached manifest and keyframe marker of it is dropped and fetched again when asked
-        for (its objects are named by their BLAKE3 and stay). Before session 41 only the
-        manifest LATEST names was dropped, and an older version was served from the earlier
-        run, verified against its own manifest (an audit)."""
-        keys = self.cache.discard_prefixes(versions_prefix(run), keyframes_prefix(run))
-        for k in keys:
-            self.verifier.targets.forget(k)
-        log.warning(
-            "relay cache: run %s was published again under its name (%s): its %d cached "
-            "manifest(s) and marker(s) are dropped, fetched again",
-            run,
-            why,
-            len(keys),
-        )
 
     def remember_pointer(self, key: str, data: bytes, read_at: float) -> Blob:
         """LATEST bytes the long-poll watch read upstream and already checked

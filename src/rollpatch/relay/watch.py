@@ -296,7 +296,7 @@ class PointerWatch:
         p = self.relay.verifier.check_pointer(key, data, started=started)
         version = read_latest(data, run, None)[0].version
         if p is not None:  # a run published again under its name: its manifest, not ours
-            self.relay.drop_stale_manifest(p.manifest, p.target)
+            self.relay.lineage.pointer(p.manifest, p.target)
         with self._lock:
             newer = version > st.version
         hint = ""

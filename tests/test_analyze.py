@@ -136,7 +136,7 @@ def test_update_over_gap_matches_direct_computation(run: list[Path], result: Ana
         assert g["max"] == r.max()
         assert g["expected_changed"] == pytest.approx(np.minimum(r, 1).mean(), rel=1e-9)
         for q in (0.5, 0.9, 0.99):
-            assert g["quantiles"][f"p{100 * q:g}"] == pytest.approx(np.quantile(r, q), rel=0.05)
+            assert g["quantiles"][f"p{100 * q:g}"] == pytest.approx(np.quantile(r, q), rel=0.0055)
         # rounding arithmetic predicts the measured share of changed BF16 values
         assert g["expected_changed"] == pytest.approx(p.formats["bf16"].changed_frac, rel=0.1)
         assert set(g["groups"]) <= set(GROUPS)
@@ -416,3 +416,17 @@ def test_nan_masters_are_said_in_the_text_report(run: list[Path], tmp_path: Path
     text = render(analyze_run(paths, formats=("bf16",), progress=False))
     assert "NaN/inf: 128 non-finite master values in transition 0→1" in text, text[-800:]
     assert "NaN/inf" not in render(analyze_run(run[:2], formats=("bf16",), progress=False))
+
+
+def test_gap_quantiles_are_within_a_bin_of_the_exact_ones() -> None:
+    """H-F14 (session 41): quantiles of r came from 16 bins per binade, off by up to 3.3% on
+    a real run (the docs said ±2%); now 128, within 2^(1/128) - 1 = 0.55%. Skewed values
+    inside the bins are the worst case of the interpolation."""
+    from rollpatch.analysis.gaps import QUANTILES, GapStats
+
+    rng = np.random.default_rng(3)
+    r = 2.0 ** (np.floor(rng.uniform(-12, 2, 200_000)) + rng.uniform(0, 1, 200_000) ** 6)
+    g = GapStats("bf16")
+    g._count(r, np.zeros(r.size, dtype=bool))
+    for q in QUANTILES:
+        assert g.quantile(q) == pytest.approx(np.quantile(r, q), rel=0.0055), q

@@ -35,7 +35,7 @@ GRIDS: dict[str, tuple[int, int, int]] = {"bf16": (7, 0xFF, 127 + 7), "fp16": (1
 #: Reported quantiles of r.
 QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99, 0.999)
 
-_PER_BINADE = 16
+_PER_BINADE = 128  # bins 2^(1/128) wide: a quantile within 0.55% (16 gave up to 4.4%)
 _LO, _HI = -48, 24  # log2(r) range of the histogram; outside is clipped
 _NBINS = (_HI - _LO) * _PER_BINADE
 _CHUNK = 1 << 20

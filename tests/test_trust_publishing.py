@@ -221,3 +221,63 @@ def test_a_publisher_says_when_its_clock_differs_from_the_stores(
         assert warned == []
     else:
         assert len(warned) == 1 and f"7200 s {said} the store's" in warned[0], warned
+
+
+def test_copies_of_the_publishers_own_signed_documents_do_not_block_it(tmp_path: Path) -> None:
+    """Audit I, H2 (session 42): anyone who can write to the store copied one of the
+    publisher's own signed manifests (another version's, another run's) into the next
+    version's slot, and another run's LATEST over this run's: the running publisher failed
+    ("already published ... by an unreadable manifest") and a restarted one refused to start
+    ("LATEST pointer names another run"). Sound signatures, wrong names: replaced."""
+    from rollpatch.formats import cast_view
+    from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
+
+    pub, run = Pub(0), "signed"
+    rng = np.random.default_rng(2)
+    masters = [{"w": rng.standard_normal((32, 64)).astype(np.float32)} for _ in range(5)]
+    cfg = PublisherConfig(signer=pub.signer)
+    with Publisher(pub.board, "other", cfg, asynchronous=False) as p:
+        for m in masters[:3]:
+            p.publish(m)
+    with Publisher(pub.board, run, cfg, asynchronous=False) as p:
+        assert [p.publish(m) for m in masters[:2]] == [0, 1]
+        put_raw(pub, version_key(run, 2), pub.store.get(version_key(run, 0)))  # its own v0
+        assert p.publish(masters[2]) == 2
+        put_raw(pub, version_key(run, 3), pub.store.get(version_key("other", 2)))
+        put_raw(pub, pointer_key(run), pub.store.get(pointer_key("other")))
+    with Publisher(pub.board, run, cfg, asynchronous=False) as p:  # restarted
+        assert p.publish(masters[3]) == 3
+    trusted = Board(pub.store, trust=pub.trust(tmp_path))
+    latest = trusted.latest(run)
+    assert latest is not None and latest.version == 3
+    assert reconstruct(trusted, run, 3).digest() == cast_view(masters[3], "bf16").digest()
+
+
+def test_a_latest_ahead_of_the_publisher_signed_with_its_key_stops_it_loudly(
+    tmp_path: Path,
+) -> None:
+    """Audit I, H1 (session 42): a run copied in from another board signed with the same key
+    moved LATEST ahead; the publisher's next publish() returned its version while LATEST
+    stayed on the copy, and nothing said so. Now it fails, naming the cause (one signing key
+    per board: docs/trust.md)."""
+    from rollpatch.errors import BoardError
+    from rollpatch.publisher import Publisher, PublisherConfig
+
+    pub = Pub(0)
+    rng = np.random.default_rng(3)
+    masters = [{"w": rng.standard_normal((32, 64)).astype(np.float32)} for _ in range(12)]
+    cfg = PublisherConfig(signer=pub.signer)
+    elsewhere = Board(f"file://{tmp_path / 'staging'}", signer=pub.signer)  # same key
+    with Publisher(elsewhere, "r", cfg, asynchronous=False) as p:
+        for m in masters[:8]:
+            p.publish(m)
+    with Publisher(pub.board, "r", cfg, asynchronous=False) as p:
+        for m in masters[:3]:
+            p.publish(m)
+        for key in elsewhere.store.list("runs/r/"):  # v4..v7 copied in, and LATEST (v7)
+            if not key.endswith("/PUBLISHER") and not any(
+                key.endswith((f"{v:012d}", f"{v:012d}.json")) for v in range(4)
+            ):
+                put_raw(pub, key, elsewhere.store.get(key))
+        with pytest.raises(BoardError, match="LATEST names version 7, ahead of this publisher's 3"):
+            p.publish(masters[10])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..board import Board
-from ..errors import BoardError, ConfigError, TrustError
+from ..errors import BoardError, ConfigError, ManifestError, TrustError
 from ..logs import Every
 from ..manifest import Manifest
 from ..types import MAX_VERSION
@@ -221,7 +221,13 @@ def _reader(board: Board, config: PublisherConfig) -> Board:
 
 
 def _resume_point(board: Board, run: str, config: PublisherConfig) -> dict[str, Any]:
-    pointer = board.latest(run)
+    try:
+        pointer = board.latest(run)
+    except ManifestError as e:  # not this run's LATEST (another run's copied in, garbage)
+        if config.signer is None:
+            raise
+        log.warning("%s: LATEST is not this run's pointer (%s): it is replaced", run, e)
+        pointer = None
     versions = board.versions(run)
     top, m = _own_top(board, run, config, versions)
     if pointer is not None and (top is None or pointer.version > top):
@@ -274,6 +280,11 @@ def _own_top(
             if config.signer is None:
                 raise
             skipped.append((v, err))
+            continue
+        except ManifestError as err:  # its own signature, another run's or version's names
+            if config.signer is None or skipped:  # (copied in: audit I, session 42)
+                raise
+            log.warning("%s@%d: not this version's manifest (%s): it is replaced", run, v, err)
             continue
         for s, why in skipped:
             log.warning(

@@ -247,7 +247,18 @@ class VersionWriter:
             )
             wrote_at = time.time()
             self.board.put_manifest(m)
-            self.board.advance(self.run, snap.version)
+            now_at = self.board.advance(self.run, snap.version)
+            if now_at.version > snap.version:  # not ours: this publisher holds the run
+                raise BoardError(
+                    f"LATEST names version {now_at.version}, ahead of this publisher's "
+                    f"{snap.version}, and signed as this publisher signs: another publisher "
+                    "on the run, or manifests copied in from another board or run signed "
+                    "with the same key (followers took it)",
+                    run=self.run,
+                    version=snap.version,
+                    hint="one signing key per board (docs/trust.md); remove what was copied "
+                    "in and restart the publisher, or publish under a new run name",
+                )
             self._layout = {t.name: t.layout() for t in m.sliced}
             if self.config.signer is not None and not self._clock_checked:  # once, signed
                 self._clock_checked = True

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
 import pytest
 
-from rollpatch.board import Board, pointer_key, version_key
+from rollpatch.board import Board, keyframe_marker_key, pointer_key, version_key
 from rollpatch.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -304,7 +305,9 @@ def test_plan_to_a_huge_latest_reads_nothing_it_does_not_list(board: Board) -> N
         board.plan("r1", None, 10**12)
     with pytest.raises(VersionNotFoundError):
         board.plan("r1", 2, 10**12)
-    assert counter.gets == 0  # refused from one listing, no per-version reads
+    # refused from one listing and one read of the version itself by key (a listing may lag
+    # the LATEST that named it: session 42), no walk over the versions between
+    assert counter.gets == 2
     with pytest.raises(ConfigError):
         board.plan("r1", None, 2**60)
     assert board.plan("r1", None, 3).want == 3
@@ -396,3 +399,23 @@ def test_one_behind_plans_from_the_manifest_alone(board: Board, kf_size: int) ->
     other = board.plan("r1", 3, 4, avoid=bad)
     assert other.steps and other.steps[0].is_keyframe != fast.steps[0].is_keyframe
     assert board.plan("r1", 2, 4).steps and listed  # two behind: planned from the listing
+
+
+def test_a_keyframe_marker_of_a_version_with_no_keyframe_is_passed_over(
+    board: Board, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Audit I, H3 (session 42): markers are unsigned hints; an empty object at
+    ``keyframes/{n}`` of a version with no keyframe (or no manifest) made every plan from
+    nothing fail with NoPathError until the next real keyframe. Now the newest *real*
+    keyframe is used, and the bogus markers are logged."""
+    for n in range(6):
+        _publish(board, "r1", n, keyframe=n == 0)
+    board.store.put(keyframe_marker_key("r1", 4), b"")
+    board.store.put(keyframe_marker_key("r1", 5000), b"")  # past the run: never read
+    with caplog.at_level(logging.WARNING, logger="rollpatch.board"):
+        plan = Board(board.store).plan("r1", None, 5)
+    assert [s.base for s in plan.steps] == [None, 0, 1, 2, 3, 4] and plan.steps[0].to == 0
+    assert any("are ignored: 4" in r.getMessage() for r in caplog.records)
+    board.store.put(keyframe_marker_key("r1", 3), b"")
+    board.store.put(keyframe_marker_key("r1", 1), b"")
+    assert Board(board.store).plan("r1", None, 5).steps[0].to == 0

@@ -433,3 +433,30 @@ def test_a_fixed_version_asked_first_after_a_run_was_published_again_is_the_new_
     c = Board(client(relay))  # pull --version 3: no LATEST read by the reader
     assert c.manifest(RUN, 3).target == second[3] != first[3]
     assert c.manifest(RUN, 1).target == second[1]
+
+
+def test_a_plan_behind_a_relay_whose_listing_lags_its_latest_reads_the_versions_by_key(
+    board: Board, serve
+) -> None:
+    """Audit I, M1 (session 42): a relay keeps LATEST for ``pointer_ttl`` and listings for
+    ``list_ttl`` (longer by default; one more of each per relay in a chain), so a follower
+    more than one version behind planned from a listing without LATEST's version and failed:
+    "version N is not on the board ... not published yet". The versions past the listing are
+    now read by key."""
+    for n in range(3):
+        publish(board, n, keyframe=n == 0)
+    relay = serve(board.store, pointer_ttl=0.0, list_ttl=3600.0)
+    c = Board(client(relay))
+    assert c.plan(RUN, None, 2).want == 2  # the listing (v0..v2) is cached now
+    for n in range(3, 6):
+        publish(board, n, keyframe=n == 4)
+    c = Board(client(relay))
+    latest = c.latest(RUN)
+    assert latest is not None and latest.version == 5
+    assert c.versions(RUN)[-1] == 2  # the relay's listing lags
+    plan = c.plan(RUN, 1, 5)
+    assert [(s.base, s.to) for s in plan.steps] in (
+        [(1, 2), (2, 3), (3, 4), (4, 5)],
+        [(None, 4), (4, 5)],
+    )
+    assert [s.to for s in c.plan(RUN, None, 5).steps] == [4, 5]  # the keyframe past it too

@@ -10,12 +10,15 @@ given.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError, NoPathError, VersionNotFoundError
 from .manifest import Manifest
 from .types import MAX_VERSION, ObjectRef
+
+log = logging.getLogger("rollpatch.board")
 
 __all__ = ["Plan", "PlanStep", "cheapest_plan", "plan_between"]
 
@@ -183,14 +186,26 @@ def plan_between(
         if step is not None:
             return step
     listed = [v for v in versions() if v <= want]
-    if not listed or listed[-1] != want:
-        raise VersionNotFoundError("no such version on the board", run=run, version=want)
-    kfs = [k for k in keyframes() if k <= want]
+    found: dict[int, Manifest] = {}
+    if not listed or listed[-1] != want:  # a listing older than the LATEST that named want
+        found = _past_listing(want, listed[-1] if listed else -1, manifest, max_versions)
+        if want not in found:
+            raise VersionNotFoundError("no such version on the board", run=run, version=want)
+        listed += sorted(found)
+    kfs = sorted(
+        {k for k in keyframes() if k <= want} | {v for v, m in found.items() if m.is_keyframe}
+    )
     if not kfs and have is None:
         raise NoPathError("no keyframe to boot from", run=run, want=want)
+    manifests: dict[int, Manifest] = dict(found)
     # from the newest keyframe; with objects to avoid, older keyframes too if needed
-    tries: list[int | None] = list(kfs[::-1][: 4 if avoid else 1]) or [None]
-    manifests: dict[int, Manifest] = {}
+    floor = listed[-max_versions] if len(listed) >= max_versions else -1  # what a plan reads
+    tries: list[int | None] = list(
+        _keyframes(kfs, manifest, manifests, 4 if avoid else 1, floor=floor)
+    )
+    tries = tries or ([None] if have is not None else [])
+    if not tries:
+        raise NoPathError("no keyframe to boot from", run=run, want=want)
     for i, kf in enumerate(tries):
         lo = min(x for x in (kf, have, *(sources or {}).keys()) if x is not None)
         window = [v for v in listed if v >= lo][-max_versions:]
@@ -209,6 +224,69 @@ def plan_between(
             if i == len(tries) - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+#: Keyframe markers skipped at most in one plan (markers are unsigned hints).
+MAX_BAD_MARKERS = 8
+
+
+def _keyframes(
+    kfs: list[int],
+    manifest: Callable[[int], Manifest],
+    manifests: dict[int, Manifest],
+    n: int,
+    *,
+    floor: int,
+) -> list[int]:
+    """The newest ``n`` of the marked versions ``kfs`` whose manifest is a keyframe's (read
+    into ``manifests``; one below ``floor``, outside what a plan may read, as marked). A marker is an unsigned hint anyone who can write to the store can
+    leave: before session 42 the newest one alone was tried, so an empty object at
+    ``keyframes/{n}`` of a version with no keyframe made every new follower and every pull
+    fail until the next real keyframe (audit I). Those skipped are logged."""
+    out: list[int] = []
+    bad: list[int] = []
+    for kf in reversed(kfs):
+        if len(out) >= n or len(bad) >= MAX_BAD_MARKERS:
+            break
+        if kf < floor:
+            out.append(kf)
+            continue
+        try:
+            m = manifests[kf] if kf in manifests else manifest(kf)
+        except VersionNotFoundError:
+            bad.append(kf)
+            continue
+        manifests[kf] = m
+        (out if m.is_keyframe else bad).append(kf)
+    if bad:
+        log.warning(
+            "keyframe markers of versions with no keyframe (or no manifest) are ignored: %s",
+            ", ".join(map(str, bad)),
+        )
+    return out
+
+
+#: Versions past a stale listing read by key at most (a relay's listing lags its LATEST).
+PAST_LISTING = 64
+
+
+def _past_listing(
+    want: int, top: int, manifest: Callable[[int], Manifest], max_versions: int
+) -> dict[int, Manifest]:
+    """The manifests of the versions after ``top`` (the listing's newest) up to ``want``, read
+    by key, newest first, at most :data:`PAST_LISTING` and ``max_versions``: a listing may lag
+    the LATEST that named ``want`` (through relays, listings are cached for ``list_ttl``,
+    LATEST for ``pointer_ttl``; before session 42 a follower more than one version behind
+    failed with "version N is not on the board" there: audit I). Empty when ``want`` itself
+    is not there."""
+    out: dict[int, Manifest] = {}
+    for v in range(want, max(top, want - min(PAST_LISTING, max_versions)), -1):
+        try:
+            out[v] = manifest(v)
+        except VersionNotFoundError:
+            if v == want:
+                return {}
+    return out
 
 
 def _from_parent(

@@ -219,6 +219,13 @@ class Board:
                 self._cache.popitem(last=False)
         return m
 
+    def forget(self, run: str) -> dict[int, Manifest]:
+        """Drop the run's cached manifests (the board's changed under them: the run published
+        again under its name, or versions replaced after a key rotation); what was cached."""
+        with self._lock:
+            gone = {n: self._cache.pop((r, n)) for r, n in list(self._cache) if r == run}
+        return gone
+
     def signed(self, run: str, n: int) -> bool:
         """Whether version ``n``'s manifest is stored as a signed envelope (not verified)."""
         try:

@@ -44,6 +44,7 @@ from .config import FollowerConfig, FollowerState, FollowerStatus
 from .failures import FailureLog, Unfit, missing_version
 from .fetch import FetchPool, Retrier, RetryingStore, fetch_objects, trusted_board
 from .held import Held
+from .lineage import cache_was_stale
 from .record import PastWanted, Record
 from .stage import (
     EarlyDecode,
@@ -228,7 +229,9 @@ class Follower:
                 self._held.confirm(have)
                 raise
             return older
-        except BaseException:
+        except BaseException as e:
+            if cache_was_stale(self._reader, self.run, have, e, log):  # then: the engine's
+                return self._sync_to(want)  # version against the fresh manifest, once
             self._held.confirm(have)  # the catch-up failed; the engine still holds ``have``
             raise
 

@@ -94,6 +94,27 @@ def test_a_root_not_signed_by_the_previous_keys_is_refused(tmp_path: Path) -> No
     assert f.engine.digest == pub.views[1].digest()
 
 
+def test_a_root_that_does_not_chain_stops_readers_until_it_is_gone(tmp_path: Path) -> None:
+    """Audit I, M3 (session 42): with a forged or unsigned root 2 on the board, the sync that
+    walked to it was refused, and the next ones (the walk not due for ``root_check_s``)
+    took versions signed by root 1's key: followers flapped between ERROR and IDLE and kept
+    taking what a stolen old key signed. Now nothing is accepted past it until a walk finds
+    it gone (or a sound root)."""
+    pub = Pub(2)
+    f = follower(pub, pub.trust(tmp_path, root_check_s=3600.0))
+    assert f.sync() == 1
+    put_raw(pub, root_key(2), b'{"not": "a root"}')
+    f.board.trust._next_check = 0.0  # type: ignore[union-attr]  # the walk is due
+    pub.publish(2)  # signed by root 1's (perhaps stolen) key
+    refused(f, "root")
+    for _ in range(3):  # the walk is not due again for an hour: still refused
+        refused(f, "root")
+    assert f.engine.digest == pub.views[1].digest()
+    pub.store.delete(root_key(2))
+    f.board.trust._next_check = 0.0  # type: ignore[union-attr]
+    assert f.sync() == 2 and f.engine.digest == pub.views[2].digest()
+
+
 def test_expired_root_refuses_everything(tmp_path: Path) -> None:
     pub = Pub(1)
     raw = sign_root(Root.new([pub.keys[0].public], expires=time.time() - 1), pub.keys)

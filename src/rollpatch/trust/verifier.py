@@ -99,6 +99,9 @@ class Trust:
         if self._state.root is not None:
             self._adopt_stored_root(self._state.root)
         self._next_check = 0.0
+        #: The last walk met a next root that does not chain (None: it did not): every
+        #: document is refused with it until a walk finds none or a sound one.
+        self._blocked: TrustError | None = None
 
     @classmethod
     def from_file(
@@ -181,7 +184,10 @@ class Trust:
             try:
                 root, raw = verify_next_root(root, nxt), nxt
             except TrustError as e:  # the board's rotation, or the operator's trust file?
-                raise _other_board(root, fetch) or _unchained(root, e) from None
+                err = _other_board(root, fetch) or _unchained(root, e)
+                with self._lock:  # nothing is accepted past it, not only until the next sync
+                    self._blocked = err  # (before session 42 the next document passed: audit I)
+                raise err from None
             changed = True
             with self._lock:
                 self._verified[root.version] = blake3.blake3(raw).hexdigest()
@@ -191,6 +197,8 @@ class Trust:
                 len(root.keys),
                 root.threshold,
             )
+        with self._lock:
+            self._blocked = None
         if changed:
             with self._lock:
                 if root.version > self._root.version:
@@ -204,6 +212,9 @@ class Trust:
     def verify(self, env: Envelope, **context: object) -> None:
         """TrustError unless ``env`` carries ``threshold`` valid signatures of the current
         root's keys and that root has not expired."""
+        blocked = self._blocked
+        if blocked is not None:  # a next root that does not chain: as if updates were withheld
+            raise TrustError(blocked.message, hint=blocked.hint, **blocked.context)
         root = self._root
         if root.expired(self._clock()):
             raise TrustError(

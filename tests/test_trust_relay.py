@@ -20,7 +20,7 @@ import pytest
 from rollpatch.board import Board, pointer_key, root_key, version_key
 from rollpatch.cli import main
 from rollpatch.engines import ViewEngine
-from rollpatch.errors import ManifestError, StoreError
+from rollpatch.errors import ManifestError, TrustError
 from rollpatch.follower import Follower, FollowerConfig
 from rollpatch.relay import RelayConfig, RelayServer
 from rollpatch.relay.verify import StalePointer
@@ -68,8 +68,9 @@ def test_relay_refuses_forged_manifests_and_latest_before_caching(serve, tmp_pat
     assert c.get(version_key(RUN, 1)) == pub.store.get(version_key(RUN, 1))
     _forge(pub, 2)
     for key in (version_key(RUN, 2), pointer_key(RUN)):
-        with pytest.raises(StoreError, match="relay refused: upstream"):  # 502, with why
-            c.get(key)
+        with pytest.raises(TrustError, match="upstream") as refusal:  # 502, with why and
+            c.get(key)  # the reason (before session 42 a StoreError with none: audit I)
+        assert refusal.value.reason == "bad_signature"
         with httpx.Client() as h:
             r = h.get(f"{relay.url}/v1/objects/{key}")
             assert r.status_code == 502 and "valid signature" in r.json()["error"]["message"]
@@ -116,13 +117,13 @@ def test_relay_refuses_rollback_and_expired_latest(serve, tmp_path: Path) -> Non
     c = client(relay)
     c.get(pointer_key(RUN))
     pub.store.put(pointer_key(RUN), old, if_absent=False)  # pointed back to version 1
-    with pytest.raises(StoreError, match="rollback"):
+    with pytest.raises(TrustError, match="rollback"):
         c.get(pointer_key(RUN))
     assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_rollback") == 1
     pub.board.advance(RUN, 2, refresh=True)
     c.get(pointer_key(RUN))
     now[0] += 3600  # nobody re-signs: frozen
-    with pytest.raises(StoreError, match="LATEST has expired") as err:
+    with pytest.raises(TrustError, match="LATEST has expired") as err:
         c.get(pointer_key(RUN))
     assert err.value.hint is not None and "re-signs LATEST" in err.value.hint
     assert relay.relay.metrics.value("rollpatch_relay_refused_total", reason="trust_expired") == 1
@@ -201,7 +202,7 @@ def test_relay_serves_only_roots_that_chain(serve, tmp_path: Path) -> None:
     assert c.get(root_key(2)) == good and root_key(2) in relay.relay.cache
     mallory = SigningKey.generate()
     pub.store.put(root_key(3), sign_root(Root.new([mallory.public], version=3), [mallory]))
-    with pytest.raises(StoreError, match="root 3 is not signed"):
+    with pytest.raises(TrustError, match="root 3 is not signed"):
         c.get(root_key(3))
     assert root_key(3) not in relay.relay.cache
 
@@ -381,12 +382,36 @@ def test_cli_relay_process_with_trust_refuses_a_forgery(tmp_path: Path) -> None:
         pub.store = files.store  # type: ignore[assignment]
         pub.board = Board(files.store, signer=pub.signer)
         pub.publish(2, board=mallory)
-        with pytest.raises(StoreError, match="valid signature"):  # the relay's 502, with why
+        with pytest.raises(TrustError, match="valid signature"):  # the relay's 502, with why
             f.sync(2)
         assert f.version == 1
-        with pytest.raises(StoreError, match="relay refused"):
+        with pytest.raises(TrustError, match="upstream manifest refused") as refusal:
             c.get(version_key(RUN, 2))
+        assert refusal.value.reason == "bad_signature"
     finally:
         proc.terminate()
         proc.wait(timeout=20)
     assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+
+
+def test_a_refusal_keeps_its_reason_through_a_chain_of_relays(serve, tmp_path: Path) -> None:
+    """Audit I, M4 (session 42): behind relay B reading relay A, A's trust refusals reached
+    followers as ``StoreError: relay refused: relay refused: ...`` with no reason, and B's
+    ``refused_total`` stayed 0. Now a TrustError with its reason, counted by both relays."""
+    pub = Pub(2)
+    a = serve(pub.store, trust=pub.trust(tmp_path / "a"))
+    b = serve(client(a), cache="cache-b", trust=pub.trust(tmp_path / "b"))
+    f = Follower(Board(client(b)), RUN, ViewEngine(), FAST, trust=pub.trust(tmp_path / "f"))
+    assert f.sync() == 1
+    _forge(pub, 2)
+    with pytest.raises(TrustError) as refusal:
+        f.sync()
+    assert refusal.value.reason == "bad_signature"
+    assert "relay refused" not in refusal.value.message
+    st = f.status()
+    assert st.error_type == "TrustError" and f.version == 1
+    for relay in (a, b):
+        counted = relay.relay.metrics.value(
+            "rollpatch_relay_refused_total", reason="trust_bad_signature"
+        )
+        assert counted >= 1, relay.url

@@ -10,7 +10,13 @@ import time
 
 from fastapi.responses import JSONResponse
 
-from ..errors import NotFoundError, ObjectIntegrityError, RollpatchError, TransientStoreError
+from ..errors import (
+    NotFoundError,
+    ObjectIntegrityError,
+    RollpatchError,
+    TransientStoreError,
+    TrustError,
+)
 from ..serving.responses import error_body
 from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS
 
@@ -47,7 +53,8 @@ def error_answer(status: int, exc: BaseException) -> JSONResponse:
             CORRUPT_STATUS, message, CORRUPT_CODE, hint=hint, code=CORRUPT_CODE, key=key
         )
         return JSONResponse(body, status_code=CORRUPT_STATUS)
-    body = error_body(status, message, _KINDS.get(status, "error"), hint=hint)
+    extra = {"trust_reason": exc.reason} if isinstance(exc, TrustError) else {}
+    body = error_body(status, message, _KINDS.get(status, "error"), hint=hint, **extra)
     return JSONResponse(body, status_code=status)
 
 

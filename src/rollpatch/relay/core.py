@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import blake3
 
-from ..errors import ManifestError, ObjectIntegrityError, StoreError, TooLargeError
+from ..errors import ManifestError, ObjectIntegrityError, StoreError, TooLargeError, TrustError
 from ..layout import manifest_version, pointer_key
 from ..logs import Throttle, event
 from ..store import ObjectInfo, Store
@@ -341,6 +341,9 @@ class Relay:
             data = self._call("get", lambda k: self.upstream.get(k, max_bytes=bound), key)
         except TooLargeError as e:
             raise self.verifier.oversized(key, e) from None
+        except TrustError as e:  # refused by a verifying relay upstream: counted here too
+            self.verifier.refuse("trust", key=key, error=e)
+            raise
         self.metrics.inc("rollpatch_relay_upstream_bytes_total", len(data))
         return data
 

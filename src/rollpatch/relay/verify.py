@@ -160,18 +160,14 @@ class Verifier:
                         break
             except ManifestError as e:
                 self.refuse("invalid_manifest", key=key, error=e)
-                raise ManifestError(
-                    f"upstream manifest refused: {e.message}", key=key, hint=e.hint
-                ) from None
+                raise _refused("manifest", e, key) from None
         n = root_version(key)
         if kind is KeyKind.ROOT and n is not None:
             try:
                 self._check_root(n, data, b3)
             except ManifestError as e:
                 self.refuse("invalid_root", key=key, error=e)
-                raise ManifestError(
-                    f"upstream root refused: {e.message}", key=key, hint=e.hint
-                ) from None
+                raise _refused("root", e, key) from None
         return b3
 
     def manifest_target(self, key: str, raw: bytes) -> str | None:
@@ -263,11 +259,18 @@ class Verifier:
                     verified=seen[0],
                 ) from None
             self.refuse("invalid_pointer", key=key, error=e)
-            raise ManifestError(
-                f"upstream LATEST refused: {e.message}", key=key, hint=e.hint
-            ) from None
+            raise _refused("LATEST", e, key) from None
         except ManifestError as e:
             self.refuse("invalid_pointer", key=key, error=e)
-            raise ManifestError(
-                f"upstream LATEST refused: {e.message}", key=key, hint=e.hint
-            ) from None
+            raise _refused("LATEST", e, key) from None
+
+
+def _refused(what: str, e: ManifestError, key: str) -> ManifestError:
+    """What the relay answers for ``what`` (manifest, root, LATEST) it refused: a trust
+    refusal stays a :class:`TrustError` with its reason, which reaches the relay's clients
+    (``trust_reason`` in its 502) and the relays after it in a chain (audit I, session 42:
+    followers behind a relay saw a StoreError with no reason)."""
+    message = f"upstream {what} refused: {e.message}"
+    if isinstance(e, TrustError):
+        return TrustError(message, reason=e.reason, key=key, hint=e.hint)
+    return ManifestError(message, key=key, hint=e.hint)

@@ -37,6 +37,7 @@ from ..errors import (
     NotFoundError,
     StoreError,
     TransientStoreError,
+    TrustError,
 )
 from ..logs import Throttle
 from .base import ObjectInfo, Store, check_bounds, too_large, validate_key
@@ -136,14 +137,24 @@ class HttpStore(Store):
             return self._pool.request(method, target, {**self.config.headers, **(headers or {})})
         except HttpStatusError as e:
             said = relay_said(e)
-            if e.code == 502 and said is not None and said[2] == "upstream_error":
+            if e.code == 502 and said is not None and said.kind == "upstream_error":
                 # the relay's own refusal (its upstream misconfigured, bytes refused under its
                 # trust root): no retry changes it; its message and hint say what happened
-                raise StoreError(
-                    f"relay refused: {said[0]}",
+                if said.trust_reason is not None:  # as the relay's verifier raised it
+                    raise TrustError(
+                        said.message,
+                        reason=said.trust_reason,
+                        key=key,
+                        store=self.uri,
+                        hint=said.hint or f"see the log of the relay at {self.uri}",
+                    ) from None
+                raise StoreError(  # once, through a chain of relays
+                    said.message
+                    if said.message.startswith("relay refused: ")
+                    else f"relay refused: {said.message}",
                     key=key,
                     store=self.uri,
-                    hint=said[1] or "see the relay's log",
+                    hint=said.hint or f"see the log of the relay at {self.uri}",
                 ) from None
             if e.code == 429 or e.code >= 500:
                 raise _Transient(f"HTTP {e.code}" + (f": {said[0]}" if said else "")) from None

@@ -5,12 +5,21 @@ bare "HTTP 502" (docs/store.md, "Errors")."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .. import jsonsafe
 from ..errors import ObjectIntegrityError, StoreError
 from ..serving.responses import error_message
 from .http_pool import MAX_ERROR_BYTES, HttpStatusError
 
-__all__ = ["CORRUPT_CODE", "CORRUPT_STATUS", "raise_if_corrupt", "relay_said"]
+__all__ = [
+    "CORRUPT_CODE",
+    "CORRUPT_STATUS",
+    "TRUST_REASONS",
+    "RelaySaid",
+    "raise_if_corrupt",
+    "relay_said",
+]
 
 #: The relay's answer for an object whose origin copy is corrupt (docs/store.md, "Errors"):
 #: this status with a JSON body whose ``code`` is :data:`CORRUPT_CODE` and ``key`` the key.
@@ -18,10 +27,24 @@ CORRUPT_STATUS = 409
 CORRUPT_CODE = "object_corrupt"
 
 
-def relay_said(e: HttpStatusError) -> tuple[str, str | None, str | None] | None:
-    """A relay error body's (message, hint, type) — its edge kit's ``{"error": {"message",
-    "type"}, "hint"}`` — bounded, for the messages of errors raised here; None for any other
-    body (a proxy in front of the relay, say)."""
+class RelaySaid(NamedTuple):
+    """What a relay's error body says (bounded)."""
+
+    message: str
+    hint: str | None
+    kind: str | None
+    #: A trust refusal's ``TrustError.reason`` (the relay's ``trust_reason``), else None.
+    trust_reason: str | None = None
+
+
+#: ``TrustError.reason`` values a relay may pass on (docs/trust.md).
+TRUST_REASONS = frozenset({"unsigned", "bad_signature", "expired", "rollback", "root", "malformed"})
+
+
+def relay_said(e: HttpStatusError) -> RelaySaid | None:
+    """A relay error body's message, hint, type and trust reason — its edge kit's
+    ``{"error": {"message", "type"}, "hint", "trust_reason"}`` — bounded, for the messages of
+    errors raised here; None for any other body (a proxy in front of the relay, say)."""
     body = e.body
     if not body or len(body) > MAX_ERROR_BYTES:
         return None
@@ -34,12 +57,13 @@ def relay_said(e: HttpStatusError) -> tuple[str, str | None, str | None] | None:
     message = error_message(doc)
     if message is None or not isinstance(doc, dict):
         return None
-    err, hint = doc.get("error"), doc.get("hint")
+    err, hint, reason = doc.get("error"), doc.get("hint"), doc.get("trust_reason")
     kind = err.get("type") if isinstance(err, dict) else None
-    return (
+    return RelaySaid(
         message[:300],
         hint[:300] if isinstance(hint, str) else None,
         kind if isinstance(kind, str) else None,
+        reason if reason in TRUST_REASONS else None,
     )
 
 

@@ -92,6 +92,11 @@ def test_manifest_moved_to_another_versions_key_is_refused(tmp_path: Path) -> No
     with pytest.raises(ManifestError, match="names another version"):
         f.sync(2)
     assert f.version == 1
+    from rollpatch.board import Board
+
+    put_raw(pub, version_key("other", 1), pub.store.get(version_key(RUN, 1)))
+    with pytest.raises(ManifestError, match="names another run"):  # it said "version"
+        Board(pub.store).manifest("other", 1)  # (an audit, session 42)
 
 
 def test_envelope_of_another_type_is_refused(tmp_path: Path) -> None:

@@ -113,8 +113,12 @@ def open_manifest(
     else:
         m = manifest_from_json(doc)
     if (m.run, m.version) != (run, version):
+        other = "run" if m.run != run else "version"  # (it said "version" for both: an audit)
         raise ManifestError(
-            "manifest names another version", run=run, version=version, names=f"{m.run}@{m.version}"
+            f"manifest names another {other}",
+            run=run,
+            version=version,
+            names=f"{m.run}@{m.version}",
         )
     return m
 

@@ -282,6 +282,13 @@ class Relay:
                 data = self._get(key, self.config.max_volatile_bytes)
             except TooLargeError as e:
                 self.verifier.refuse("too_large", key=key, size=e.context.get("size"))
+                if kind is KeyKind.POINTER:  # a few hundred bytes when it is one (an audit)
+                    raise ManifestError(
+                        "upstream LATEST is too large to be a LATEST pointer: refused",
+                        key=key,
+                        size=e.context.get("size"),
+                        hint="not written by a publisher: remove it, or publish again",
+                    ) from None
                 raise StoreError(
                     "upstream object is mutable (not in the board layout) and too large to relay",
                     key=key,

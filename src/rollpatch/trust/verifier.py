@@ -248,6 +248,10 @@ class Trust:
                     run=run,
                     version=version,
                     verified=seen,
+                    hint="an old LATEST replayed, or the run deleted and published again under "
+                    "its name (not allowed: publish under a new run name); once the cause is "
+                    "known, a reader's rollback state is its --trust-state file"
+                    + (f" ({self.state_path})" if self.state_path is not None else ""),
                 )
             if seen is None or version > seen:
                 self._state.latest[run] = version

@@ -194,6 +194,24 @@ class PublisherConfig:
         a = (version - 1) // f * f
         return max(a, (version - 1) // k * k) if k > 0 else a
 
+    def shared_settings(self) -> dict[str, object]:
+        """The settings every rank of a sharded publisher must share, as JSON values: they
+        decide the served bytes, the keyframes and the patch set rank 0 lists in one manifest.
+        Per-rank ones (``publisher_id``, ``diff_on``, ``snapshot``, ``max_pending``,
+        ``outage_s``, ``takeover``: rank 0's lease, ``signer``: rank 0 signs) are not here."""
+        policy = self.policy if self.policy is not None else QuantPolicy()
+        return {
+            "format": self.format,
+            "scales": self.scales,
+            "policy": repr(policy),
+            "keyframe_every": self.keyframe_every,
+            "skip_strides": list(self.skip_strides),
+            "fold_every": self.fold_every,
+            "names": self.names,
+            "nonfinite": self.nonfinite,
+            "model_changes": self.model_changes,
+        }
+
     @property
     def window(self) -> int:
         """How far back any patch's base lies from its version (skip strides, folds)."""

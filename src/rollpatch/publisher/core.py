@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..types import check_run
 from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
-from .exiting import close_at_exit
+from .exiting import Ending, close_at_exit
 from .guards import diverged, engine_names, note_names
 from .outage import Outage, is_outage
 from .rounds import Pending, Snapshot, StallLog, agree, next_version
@@ -40,7 +40,7 @@ __all__ = ["Publisher", "snapshot_state"]
 SETTLE_AFTER_S = 0.5
 
 
-class Publisher:
+class Publisher(Ending):
     """Publishes a run's versions to a board, in the background by default.
 
     ``board``: a :class:`Board` or a store URI. ``asynchronous=False`` publishes inside
@@ -75,7 +75,7 @@ class Publisher:
         self._cond = threading.Condition()
         self._pending = Pending(self.run, self.config.max_pending)
         self._busy = False
-        self._closing = self._closed = False
+        self._closing = self._closed = self._aborted = False
         self._error: BaseException | None = None
         self._error_reported = False
         self._kf_requested = self._kf_consumed = 0
@@ -224,30 +224,10 @@ class Publisher:
                 self._cond.wait(left)
             self._raise_error()
 
-    def close(self) -> None:
-        """Publish what is pending, stop the worker; raises an error not raised before."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closing = True
-            self._cond.notify_all()
-        if self._worker is not None:
-            self._worker.join()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        if self._writer.lease is not None:
-            self._writer.lease.release()
-        with self._cond:
-            self._closed = True
-            if self._error is not None and not self._error_reported:
-                self._error_reported = True
-                raise self._error
+    # close(), abort(), __exit__: .exiting.Ending
 
     def __enter__(self) -> Publisher:  # noqa: PYI034 (typing.Self needs 3.11)
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -296,6 +276,8 @@ class Publisher:
                         settle, self._settle_at = True, None
                         break
                     self._cond.wait(left)
+                if self._aborted:  # no round: the other ranks may never join it
+                    return
             if settle:  # SETTLE_AFTER_S passed with no new version: compose the last step
                 try:
                     self._writer.pipe.settle()
@@ -382,9 +364,15 @@ class Publisher:
 
     def _publish(self, snap: Snapshot, forced_keyframe: bool) -> None:
         self._writer.pipe.settle_later = self._worker is not None  # see SETTLE_AFTER_S
-        stats = self._writer.publish(
-            snap, self._last_durable, forced_keyframe, started=time.perf_counter()
-        )
+        try:
+            stats = self._writer.publish(
+                snap, self._last_durable, forced_keyframe, started=time.perf_counter()
+            )
+        except BaseException:
+            if self._writer.durable == snap.version:  # rank 0: LATEST names it anyway
+                with self._cond:
+                    self._last_durable = snap.version
+            raise
         with self._cond:
             self._last_durable = snap.version
             self._published += 1

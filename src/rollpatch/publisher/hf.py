@@ -3,7 +3,11 @@
     from rollpatch.publisher import Publisher, PublisherConfig
     from rollpatch.publisher.hf import RollpatchCallback
 
-    pub = Publisher("s3://bucket/rollpatch", "grpo-run-7", PublisherConfig(format="bf16"))
+    # one process (DDP/accelerate: the main process only; sharded=False, or with
+    # torch.distributed running the publisher would shard across every rank)
+    pub = Publisher(
+        "s3://bucket/rollpatch", "grpo-run-7", PublisherConfig(format="bf16"), sharded=False
+    )
     trainer = GRPOTrainer(..., callbacks=[RollpatchCallback(pub)])
     trainer.train()     # one version per optimizer step; the publisher is closed at the end
 
@@ -50,7 +54,10 @@ class RollpatchCallback(TrainerCallback):
 
     Which processes publish: with an unsharded publisher (``publisher.shards == 1``) only the
     main process (``state.is_world_process_zero``), so DDP ranks holding the same weights do
-    not publish them N times; construct the publisher there only and pass ``None`` elsewhere.
+    not publish them N times; construct the publisher there only, with ``sharded=False``
+    (with torch.distributed initialised a publisher shards across every rank by default, and
+    one constructed on the main process alone fails after ``sharded.HANDSHAKE_S``), and pass
+    ``None`` elsewhere.
     With a sharded publisher every rank publishes its own shard, and ``state_dict_fn`` must
     return that rank's disjoint tensors under their full names (e.g. gathered per FSDP unit).
 

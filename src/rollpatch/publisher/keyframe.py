@@ -9,10 +9,11 @@ with full verification (``apply_encoded``: base digest before, target digest aft
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 
 from ..board import Board
-from ..errors import ObjectIntegrityError
+from ..errors import ObjectIntegrityError, PatchError
 from ..formats import get_format
 from ..patch import apply_encoded
 from ..trust import Trust
@@ -20,17 +21,32 @@ from ..view import View
 
 __all__ = ["reconstruct_shard", "shard_matches"]
 
+log = logging.getLogger("rollpatch.publisher")
+
 
 def reconstruct_shard(
     board: Board, run: str, version: int, shard: int, shards: int, *, trust: Trust | None = None
 ) -> View | None:
     """Shard ``shard`` of ``version``'s view, or None when the board does not allow it (a
     manifest on the path was published by another number of ranks, or lacks this shard's
-    keyframe or patch, or an object on the path is corrupt): the caller then falls back to
+    keyframe or patch, or an object on the path is corrupt, or shard ``shard`` held other
+    tensors on part of the path: a patch then does not bind the view built so far,
+    ``BaseMismatchError``, as the same world size with another assignment of tensors to
+    ranks across sessions gives): the caller then falls back to
     the whole view (``reconstruct``, which plans around corrupt objects)."""
     try:
         return _shard_view(board, run, version, shard, shards, trust)
     except ObjectIntegrityError:
+        return None
+    except PatchError as e:  # shard i held other tensors on part of the path
+        log.info(
+            "%s@%d: shard %d cannot be rebuilt from its own objects (the ranks' tensors "
+            "changed between sessions on the way to it: %s); rebuilding the whole view",
+            run,
+            version,
+            shard,
+            type(e).__name__,
+        )
         return None
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "Snapshot",
     "StallLog",
     "agree",
+    "check_same_config",
     "next_version",
     "resume_point",
 ]
@@ -158,12 +159,19 @@ def agree(
     rank alike) when the ranks' version sequences cannot be reconciled.
     """
     msgs = x.allgather(
-        {"pending": [s.version for s in hand], "closing": closing, "keyframe": keyframe}
+        {
+            "pending": [s.version for s in hand],
+            "steps": [s.step for s in hand],
+            "closing": closing,
+            "keyframe": keyframe,
+        }
     )
     sets = [set(m["pending"]) for m in msgs]
     common = set.intersection(*sets)
     if common:
-        return Decision("publish", min(common), any(m["keyframe"] for m in msgs))
+        target = min(common)
+        _check_steps(msgs, target)
+        return Decision("publish", target, any(m["keyframe"] for m in msgs))
     union = set.union(*sets)
     if not union and all(m["closing"] for m in msgs):
         return Decision("exit")
@@ -184,17 +192,63 @@ def agree(
     return Decision("wait", newest)
 
 
+def _check_steps(msgs: list[dict[str, Any]], version: int) -> None:
+    """Refuse (on every rank alike, before anything of ``version`` is written) a version
+    whose shards the ranks took at different training steps: one rank skipped a
+    ``publish()``, or ranks rebuilt their publishers after failures at different steps."""
+    steps = {
+        r: dict(zip(m["pending"], m["steps"]))[version]
+        for r, m in enumerate(msgs)
+        if isinstance(m.get("steps"), list) and len(m["steps"]) == len(m["pending"])
+    }
+    if len(set(steps.values())) > 1:
+        raise BoardError(
+            "publisher ranks hold different training steps for the same version: its "
+            "shards would mix weights from different steps",
+            version=version,
+            steps=steps,
+            hint="call publish() once per step on every rank, with the same version= and "
+            "step=; after a failure, rebuild every rank's publisher at the same step",
+        )
+
+
+def check_same_config(x: Exchange, config: PublisherConfig, run: str) -> None:
+    """Refuse ranks given different settings that must be equal on every rank
+    (:meth:`PublisherConfig.shared_settings`), on every rank alike, before anything is read
+    or written: rank 0 writes its own format, scales and keyframe list for every shard."""
+    if x.size == 1:
+        return
+    mine = config.shared_settings()
+    theirs: list[dict[str, Any]] = x.allgather(mine)
+    differ = {
+        k: {r: t.get(k) for r, t in enumerate(theirs)}
+        for k in mine
+        if any(t.get(k) != theirs[0].get(k) for t in theirs)
+    }
+    if differ:
+        raise ConfigError(
+            "publisher ranks were given different PublisherConfig settings: "
+            + ", ".join(sorted(differ)),
+            run=run,
+            settings=differ,
+            hint="give every rank the same PublisherConfig (only publisher_id, diff_on, "
+            "snapshot, max_pending, outage_s, takeover and signer may differ)",
+        )
+
+
 def resume_point(
     board: Board, run: str, config: PublisherConfig, x: Exchange, lease: Lease | None = None
 ) -> tuple[int | None, str]:
     """Where publishing continues: the newest version on the board and its target digest.
 
-    Rank 0 first takes (or keeps) the run's publisher ``lease`` (:mod:`.lease`).
+    The ranks first compare their shared settings (:func:`check_same_config`); then rank 0
+    takes (or keeps) the run's publisher ``lease`` (:mod:`.lease`).
 
     Rank 0 reads the board; a manifest newer than LATEST (a publisher died between writing
     it and advancing the pointer) is complete, so it re-puts it (restoring its keyframe marker)
     and rolls LATEST forward to it. Every rank gets the same answer.
     """
+    check_same_config(x, config, run)
     message: dict[str, Any] = {}
     local: BaseException | None = None
     if x.rank == 0:

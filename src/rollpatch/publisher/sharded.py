@@ -10,6 +10,7 @@ sharding is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any, Protocol
@@ -20,6 +21,10 @@ __all__ = ["Exchange", "GlooExchange", "LocalExchange", "ThreadGroup", "open_exc
 
 #: Largest message one rank may send in one exchange (per-tensor digests of huge models fit).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: Seconds the ranks of an auto-sharded publisher (no ``group``, no ``sharded``) wait for each
+#: other to construct it before a ``ConfigError`` (``sharded=True`` waits as long as
+#: ``collective_timeout_s``, or gloo's 30 minutes).
+HANDSHAKE_S = 120.0
 
 
 class Exchange(Protocol):
@@ -51,24 +56,50 @@ class ThreadGroup:
     def __init__(self, size: int, timeout_s: float = 60.0) -> None:
         import threading
 
-        self.size = size
+        self.size, self.timeout_s = size, timeout_s
+        self._cv = threading.Condition()
         self._box: list[Any] = [None] * size
-        self._barrier = threading.Barrier(size, timeout=timeout_s)
+        self._arrived, self._round = 0, 0
+        self._out: list[Any] = []  # the last complete round's messages
+        self._broken = False  # a rank timed out: every rank fails from now on
+        self._aborted: int | None = None  # the rank that aborted (Publisher.abort)
 
     def member(self, rank: int) -> Exchange:
         return _ThreadExchange(self, rank)
 
     def _allgather(self, rank: int, message: Any) -> list[Any]:
-        import threading
+        with self._cv:
+            self._check(rank)
+            self._box[rank] = json.loads(json.dumps(message))
+            mine, self._arrived = self._round, self._arrived + 1
+            if self._arrived == self.size:  # the last to arrive completes the round
+                self._out, self._arrived, self._round = list(self._box), 0, mine + 1
+                self._cv.notify_all()
+                return self._out
+            done = self._cv.wait_for(
+                lambda: self._round != mine or self._broken or self._aborted is not None,
+                self.timeout_s,
+            )
+            if self._round != mine:  # (no next round completes before this rank joins it)
+                return self._out
+            self._broken = self._broken or not done
+            self._cv.notify_all()
+            raise self._failure(rank)
 
-        self._box[rank] = json.loads(json.dumps(message))
-        try:
-            self._barrier.wait()
-            out = list(self._box)
-            self._barrier.wait()
-        except threading.BrokenBarrierError as e:
-            raise BoardError("a publisher rank (thread) stopped answering", rank=rank) from e
-        return out
+    def _check(self, rank: int) -> None:
+        if self._aborted is not None or self._broken:
+            raise self._failure(rank)
+
+    def _failure(self, rank: int) -> BoardError:
+        if self._aborted is not None:
+            return BoardError(aborted_text(self._aborted), rank=rank)
+        return BoardError("a publisher rank (thread) stopped answering", rank=rank)
+
+    def _abort(self, rank: int) -> None:
+        with self._cv:
+            if self._aborted is None:
+                self._aborted = rank
+            self._cv.notify_all()
 
 
 class _ThreadExchange:
@@ -78,6 +109,16 @@ class _ThreadExchange:
     def allgather(self, message: Any) -> list[Any]:
         return self._g._allgather(self.rank, message)
 
+    def abort(self) -> None:
+        self._g._abort(self.rank)
+
+
+def aborted_text(rank: int) -> str:
+    return (
+        f"publisher rank {rank} aborted (an exception in its trainer, or interpreter exit, "
+        "ended its publisher): nothing of this version is pointed at"
+    )
+
 
 class GlooExchange:
     """All-gather over a dedicated gloo group made from ``group`` (None: the whole world).
@@ -86,7 +127,9 @@ class GlooExchange:
     relative to the other groups they create.
     """
 
-    def __init__(self, group: Any = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, group: Any = None, timeout_s: float | None = None, *, auto: bool = False
+    ) -> None:
         import datetime
 
         import torch.distributed as dist
@@ -94,7 +137,9 @@ class GlooExchange:
         extra: dict[str, Any] = {}
         if timeout_s is not None:
             extra["timeout"] = datetime.timedelta(seconds=timeout_s)
-        if group is None:
+        if group is None and auto and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+            self._group = _auto_group(dist, timeout_s)
+        elif group is None:
             self._group = dist.new_group(backend="gloo", **extra)
         else:
             ranks = dist.get_process_group_ranks(group)
@@ -103,6 +148,21 @@ class GlooExchange:
             )
         self.rank = dist.get_rank(self._group)
         self.size = dist.get_world_size(self._group)
+        self._abort_key = f"rollpatch/publisher-aborted/{self._group.group_name}"
+
+    def abort(self) -> None:
+        """This rank's publisher aborted: say so in the default store, so the other ranks'
+        errors can name it when their next exchange fails (their gloo sees this process
+        exit, or ``collective_timeout_s`` pass). Best effort: only a message depends on it."""
+        with contextlib.suppress(Exception):  # no store, another torch: the generic message
+            _default_store().set(self._abort_key, str(self.rank))
+
+    def _who_aborted(self) -> int | None:
+        try:
+            store = _default_store()
+            return int(store.get(self._abort_key)) if store.check([self._abort_key]) else None
+        except Exception:  # noqa: BLE001 (the store went with rank 0: the generic message)
+            return None
 
     def allgather(self, message: Any) -> list[Any]:
         raw = json.dumps(message, separators=(",", ":")).encode()
@@ -111,8 +171,11 @@ class GlooExchange:
         try:
             return self._allgather(raw)
         except RuntimeError as e:  # gloo: a peer's connection closed (it died) or timed out
+            who = self._who_aborted()
             raise BoardError(
-                "a publisher rank stopped answering (its process died, or it "
+                aborted_text(who)
+                if who is not None
+                else "a publisher rank stopped answering (its process died, or it "
                 "timed out): nothing of this version is pointed at",
                 rank=self.rank,
                 shards=self.size,
@@ -136,13 +199,48 @@ class GlooExchange:
         return [json.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
+def _auto_group(dist: Any, timeout_s: float | None) -> Any:
+    """The whole world's gloo group for a publisher that shards because torch.distributed
+    runs more than one rank (neither ``group`` nor ``sharded`` given): created with a
+    :data:`HANDSHAKE_S` timeout, so a publisher constructed on one rank only (as for a
+    gathered state dict) fails with a ``ConfigError`` instead of waiting 30 minutes in
+    ``dist.new_group`` (audit J, H6); then given the collectives' own timeout."""
+    import datetime
+
+    wait = HANDSHAKE_S if timeout_s is None else min(HANDSHAKE_S, timeout_s)
+    try:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait))
+    except RuntimeError as e:  # gloo or the store's barrier: the others never came
+        raise ConfigError(
+            f"torch.distributed runs {dist.get_world_size()} ranks, so the publisher shards "
+            f"across all of them, but the other ranks did not construct one within {wait:.0f} s",
+            rank=dist.get_rank(),
+            cause=str(e).splitlines()[0][:200] if str(e) else type(e).__name__,
+            hint="publishing from one process (a gathered state dict, a transformers "
+            "Trainer's main process)? pass sharded=False; sharding? construct the publisher "
+            "on every rank, or pass sharded=True to wait for them (collective_timeout_s)",
+        ) from None
+    long = dist.distributed_c10d.default_pg_timeout
+    if timeout_s is not None:
+        long = datetime.timedelta(seconds=timeout_s)
+    dist.distributed_c10d._set_pg_timeout(long, group)
+    return group
+
+
+def _default_store() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
 def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = None) -> Exchange:
     """The exchange a publisher uses: gloo over ``group`` when sharding, else local.
     ``timeout_s``: how long a rank waits in one exchange for the others (None: gloo's
     default, 30 minutes); a rank whose process dies is noticed at once either way.
 
     ``sharded=None`` shards when ``group`` is given or torch.distributed is initialised with
-    more than one rank (torch is never imported just to find out); ``False`` never shards
+    more than one rank (torch is never imported just to find out; the ranks must then all
+    construct the publisher within :data:`HANDSHAKE_S`, else ``ConfigError``); ``False`` never shards
     (e.g. rank 0 publishes a state dict gathered from every rank). ``group`` may also be an
     :class:`Exchange` itself (any transport between the ranks, e.g. threads in one process).
     """
@@ -167,7 +265,7 @@ def open_exchange(group: Any, sharded: bool | None, timeout_s: float | None = No
             return LocalExchange()
         if dist.get_world_size() == 1 and not sharded:
             return LocalExchange()
-    return GlooExchange(group, timeout_s)
+    return GlooExchange(group, timeout_s, auto=group is None and sharded is None)
 
 
 def _is_exchange(group: Any) -> bool:

@@ -70,6 +70,9 @@ class VersionWriter:
         self._layout: dict[str, tuple[object, ...]] | None = None
         self._clock_checked = False  # rank 0, signing: this host's clock against the store's
         self._large = Every(LARGE_STEP_LOG_S)  # the large-step warning (an audit)
+        #: Rank 0: the last version whose manifest it wrote and LATEST names (known durable
+        #: even when the outcome exchange after it fails).
+        self.durable: int | None = None
 
     @classmethod
     def open(cls, board: Board, run: str, config: PublisherConfig, x: Exchange) -> VersionWriter:
@@ -148,7 +151,19 @@ class VersionWriter:
         if self._x.rank == 0:
             outcome, err = self._write_manifest(snap, parent, keyframe, messages)
             local = local or err
-        outcome = self._x.allgather(outcome)[0]
+            if outcome.get("ok"):
+                self.durable = n
+        try:
+            outcome = self._x.allgather(outcome)[0]
+        except BoardError as e:
+            if self.durable != n:
+                raise
+            raise BoardError(
+                f"a publisher rank stopped answering once version {n} was written: its "
+                "manifest is durable and LATEST names it (the other ranks may not know)",
+                hint="restart every rank; the publisher resumes after this version",
+                **{**e.context, "run": self.run, "version": n},
+            ) from e
         if local is not None:
             raise local
         if not outcome.get("ok"):
@@ -301,18 +316,20 @@ class VersionWriter:
                 res.dropped,
                 parent,
             )
+        sharded = self._x.size > 1  # (an empty shard's patch header is all of it)
         large = parent is not None and res.patch_bytes > LARGE_STEP * max(res.view.nbytes, 1)
         now = time.monotonic()
-        if large and self._large.due():
+        if large and not (sharded and res.view.nbytes == 0) and self._large.due():
             held = self._large.said_held
             log.warning(
-                "%s@%d: the step patch from version %d is %.0f%% of the served view (%d values "
+                "%s@%d: the step patch from version %d is %.0f%% of %s (%d values "
                 "changed; RL steps give 0.1-3%%): another model of the same shape, or a "
                 "learning rate far above RL's? It is exact either way, only large%s",
                 self.run,
                 n,
                 parent,
                 100 * res.patch_bytes / max(res.view.nbytes, 1),
+                "this rank's shard" if sharded else "the served view",
                 res.changed,
                 f" ({held} more such version(s) since the last line)" if held else "",
             )

@@ -405,3 +405,60 @@ def test_a_sharded_publisher_open_at_a_normal_exit_publishes_what_is_pending(
 
     assert run_ranks(body, timeout_s=20) == [2, 2]
     assert board.versions(RUN) == [0, 1]
+
+
+# -- M1: a tied embedding and head under FSDP2 ------------------------------------------------
+
+
+def _fsdp_tied_rank(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rollpatch.publisher.guards import engine_names
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    report: dict[str, Any] = {}
+    try:
+        class Tied(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed_tokens = torch.nn.Embedding(40, 16)
+                self.lm_head = torch.nn.Linear(16, 40, bias=False)
+                self.lm_head.weight = self.embed_tokens.weight  # as transformers ties them
+
+            def forward(self, x: Any) -> Any:
+                return self.lm_head(self.embed_tokens(x))
+
+        model = Tied()
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        sd = model.state_dict()
+        report["kinds"] = sorted({type(v).__name__ for v in sd.values()})
+        kept, _, dropped = engine_names(sd)
+        report["kept"], report["dropped"] = sorted(kept), dropped
+    except BaseException:  # noqa: BLE001 (written to the report the test reads)
+        report["crash"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def test_a_tied_head_under_fsdp2_is_published_once(tmp_path: Path) -> None:
+    """Audit J, M1 (session 42): DTensors were never compared, so under FSDP2 a tied
+    ``lm_head.weight`` was published beside the embedding and engines refused the run."""
+    pytest.importorskip("torch")
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_fsdp_tied_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+        if p.is_alive():
+            p.kill()
+    for r in range(2):
+        rep = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "crash" not in rep, rep.get("crash")
+        assert rep["kinds"] == ["DTensor"]
+        assert rep["kept"] == ["embed_tokens.weight"] and rep["dropped"] == ["lm_head.weight"]

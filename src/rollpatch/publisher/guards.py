@@ -127,8 +127,16 @@ def _storage_key(value: Any) -> tuple[Any, ...] | None:
         ai = value.__array_interface__
         return ("np", ai["data"][0], value.shape, value.strides, value.dtype.str)
     kind = type(value)
-    if not kind.__module__.startswith("torch") or kind.__name__ not in ("Tensor", "Parameter"):
-        return None  # a DTensor, a wrapper subclass: its memory is not its own to compare
+    if not kind.__module__.startswith("torch"):
+        return None
+    if kind.__name__ == "DTensor":  # FSDP2: tied if this rank's shards are one memory and
+        try:  # the global tensors alike (before session 42 never: audit J, a tied head
+            local = _storage_key(value.to_local())  # published twice under FSDP2)
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+        return None if local is None else ("dtensor", tuple(value.shape), local)
+    if kind.__name__ not in ("Tensor", "Parameter"):
+        return None  # a wrapper subclass: its memory is not its own to compare
     try:
         if value.numel() == 0 or value.device.type == "meta":
             return None

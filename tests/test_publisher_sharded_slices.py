@@ -328,3 +328,19 @@ def test_native_sum_at_a_global_offset_equals_the_reference(
         monkeypatch.undo()
         monkeypatch.setattr(sharded_slices, "_CHUNK_WORDS", 1000)
         assert fast == ref, first
+
+
+def test_slices_that_name_different_global_shapes_are_refused_as_such(tmp_path: Path) -> None:
+    """Audit J, L2 (session 42): slices of (10, 7) against (7, 10) were refused as a gap or
+    an overlap at ``offset=35, expected_offset=35``, naming no shape."""
+    board = Board(tmp_path.as_uri())
+
+    def body(rank: int, x: Exchange) -> Any:
+        shape = (10, 7) if rank == 0 else (7, 10)
+        part = np.ones(35, dtype=np.float32)  # 35 elements each: no gap, no overlap
+        with Publisher(board, RUN, CFG, group=x, asynchronous=False) as pub:
+            pub.publish({"w.t": TensorSlice(part, 35 * rank, shape)}, 0)
+
+    results = run_ranks(2, body)
+    _expect_failure(results, BoardError, "different global shapes")
+    assert any("(7, 10)" in str(r) and "(10, 7)" in str(r) for r in results), results

@@ -240,9 +240,21 @@ def combine(name: str, parts: list[tuple[int, dict[str, Any]]]) -> SlicedTensor:
     shared: dict[int, bytearray] = {}
     for shard, p in parts:
         e = SliceEntry(shard, int(p["offset"]), tuple(p["local_shape"]))
-        if p["dtype"] != dtype or tuple(p["shape"]) != shape or e.offset != at:
+        if p["dtype"] != dtype or tuple(p["shape"]) != shape:  # named as such (an audit)
             raise BoardError(
-                "the ranks' slices of a tensor disagree, overlap or leave a gap",
+                "the ranks' slices of a tensor name different global shapes or dtypes",
+                tensor=name,
+                shard=shard,
+                shape=tuple(p["shape"]),
+                dtype=p["dtype"],
+                first_shard_shape=shape,
+                first_shard_dtype=dtype,
+                hint="every rank's TensorSlice of one tensor must give the same global shape "
+                "and dtype",
+            )
+        if e.offset != at:
+            raise BoardError(
+                "the ranks' slices of a tensor overlap or leave a gap",
                 tensor=name,
                 shard=shard,
                 offset=e.offset,

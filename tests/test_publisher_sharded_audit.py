@@ -422,6 +422,7 @@ def _fsdp_tied_rank(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     report: dict[str, Any] = {}
     try:
+
         class Tied(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()

@@ -147,3 +147,40 @@ def check_all(board: Board, expected: dict[int, dict[str, np.ndarray]], fmt: str
         assert view.digest() == want.digest() == board.manifest(RUN, n).target, n
         for name, t in want.items():
             assert np.array_equal(view[name].data, t.data), (n, name)
+
+
+def run_ranks(body: Callable[[int, Any], Any], size: int = 2, timeout_s: float = 60) -> list:
+    """``body(rank, exchange)`` on ``size`` threads of one ``ThreadGroup``; each rank's
+    result or exception."""
+    from rollpatch.publisher.sharded import ThreadGroup
+
+    g = ThreadGroup(size, timeout_s=timeout_s)
+    out: list[Any] = [None] * size
+
+    def one(r: int) -> None:
+        try:
+            out[r] = body(r, g.member(r))
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+class ScriptedPeer:
+    """Rank 0 of two; rank 1's message is scripted."""
+
+    rank, size = 0, 2
+
+    def __init__(self, other: dict[str, Any]) -> None:
+        self.other = other
+
+    def allgather(self, message: Any) -> list[Any]:
+        import json
+
+        return [json.loads(json.dumps(message)), self.other]

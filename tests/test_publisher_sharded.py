@@ -26,6 +26,7 @@ from rollpatch.formats import cast_view
 from rollpatch.publisher import reconstruct
 from rollpatch.publisher.rounds import Snapshot, agree
 from tests.conftest import free_port
+from tests.pubfix import ScriptedPeer
 
 RUN = "sharded"
 FORMAT = "fp8-e4m3"
@@ -185,18 +186,6 @@ def test_two_gloo_ranks_publish_shards(tmp_path: Path) -> None:
 
 
 # -- the agreement rule, against a scripted peer ---------------------------------------------
-
-
-class ScriptedPeer:
-    """Rank 0 of two; rank 1's message is scripted."""
-
-    rank, size = 0, 2
-
-    def __init__(self, other: dict[str, Any]) -> None:
-        self.other = other
-
-    def allgather(self, message: Any) -> list[Any]:
-        return [json.loads(json.dumps(message)), self.other]
 
 
 def _hand(*versions: int) -> list[Snapshot]:

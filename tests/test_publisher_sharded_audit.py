@@ -11,7 +11,6 @@ import logging
 import multiprocessing
 import os
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -26,8 +25,9 @@ from rollpatch.errors import BoardError, ConfigError
 from rollpatch.formats import cast_view
 from rollpatch.publisher import Publisher, PublisherConfig, reconstruct
 from rollpatch.publisher.rounds import Snapshot, agree
-from rollpatch.publisher.sharded import Exchange, ThreadGroup
+from rollpatch.publisher.sharded import Exchange
 from tests.conftest import free_port
+from tests.pubfix import ScriptedPeer, run_ranks
 
 RUN = "audit"
 NAMES = [f"layers.{i}.w" for i in range(4)]
@@ -53,37 +53,7 @@ def shard(version: int, rank: int, owner: Callable[[int], int] = lambda i: i % 2
     return {n: a for i, (n, a) in enumerate(sorted(masters(version).items())) if owner(i) == rank}
 
 
-def run_ranks(body: Callable[[int, Exchange], Any], size: int = 2, timeout_s: float = 60) -> list:
-    """``body(rank, exchange)`` on ``size`` threads; each rank's result or exception."""
-    g = ThreadGroup(size, timeout_s=timeout_s)
-    out: list[Any] = [None] * size
-
-    def one(r: int) -> None:
-        try:
-            out[r] = body(r, g.member(r))
-        except BaseException as e:  # noqa: BLE001 (handed to the test)
-            out[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
-
-
 # -- H4: ranks' shards of one version taken at different steps ----------------------------
-
-
-class ScriptedPeer:
-    rank, size = 0, 2
-
-    def __init__(self, other: dict[str, Any]) -> None:
-        self.other = other
-
-    def allgather(self, message: Any) -> list[Any]:
-        return [json.loads(json.dumps(message)), self.other]
 
 
 def test_agree_refuses_a_version_whose_ranks_hold_different_steps() -> None:
@@ -403,8 +373,10 @@ def test_a_sharded_publisher_open_at_a_normal_exit_publishes_what_is_pending(
         end_at_exit(pub)
         return pub.stats.published
 
-    assert run_ranks(body, timeout_s=20) == [2, 2]
-    assert board.versions(RUN) == [0, 1]
+    published = run_ranks(body, timeout_s=20)
+    assert published[0] == published[1] >= 1  # (version 0 may be coalesced away)
+    latest = Board(board.store).latest(RUN)
+    assert latest is not None and latest.version == 1  # the last one was not dropped
 
 
 # -- M1: a tied embedding and head under FSDP2 ------------------------------------------------

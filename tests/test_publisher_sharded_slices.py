@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from rollpatch.follower import Follower
 from rollpatch.formats import QuantPolicy, cast_view
 from rollpatch.manifest import Manifest, open_manifest
 from rollpatch.publisher import Publisher, PublisherConfig, TensorSlice, reconstruct
-from rollpatch.publisher.sharded import Exchange, ThreadGroup
+from rollpatch.publisher.sharded import Exchange
+from tests.pubfix import run_ranks
 
 RUN = "sliced"
 MANIFESTS = Path(__file__).parent / "manifests"
@@ -60,26 +60,6 @@ def local(version: int, rank: int, cuts: dict[int, list[tuple[str, int, int]]] =
     return out
 
 
-def run_ranks(size: int, body: Callable[[int, Exchange], Any]) -> list[Any]:
-    """Run ``body(rank, exchange)`` on ``size`` threads; results (or exceptions) by rank."""
-    g = ThreadGroup(size)
-    out: list[Any] = [None] * size
-
-    def one(r: int) -> None:
-        try:
-            out[r] = body(r, g.member(r))
-        except BaseException as e:  # noqa: BLE001 (handed to the test)
-            out[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
-
-
 def publish_versions(
     board: Board, versions: range, cfg: PublisherConfig, cuts: dict = CUTS
 ) -> list[Any]:
@@ -89,7 +69,7 @@ def publish_versions(
                 pub.publish(local(v, rank, cuts), v)
             return pub.resume_scope
 
-    return run_ranks(len(cuts), body)
+    return run_ranks(body, len(cuts))
 
 
 CFG = PublisherConfig(format="bf16", keyframe_every=4, skip_strides=(2,))
@@ -341,6 +321,6 @@ def test_slices_that_name_different_global_shapes_are_refused_as_such(tmp_path: 
         with Publisher(board, RUN, CFG, group=x, asynchronous=False) as pub:
             pub.publish({"w.t": TensorSlice(part, 35 * rank, shape)}, 0)
 
-    results = run_ranks(2, body)
+    results = run_ranks(body)
     _expect_failure(results, BoardError, "different global shapes")
     assert any("(7, 10)" in str(r) and "(10, 7)" in str(r) for r in results), results

@@ -45,7 +45,7 @@ def _island(gw: RunningGateway, name: str) -> dict[str, Any]:
 
 
 def _events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
-    return [r.rp_fields for r in caplog.records if r.getMessage() == name]  # type: ignore[attr-defined]
+    return [r.rp_fields for r in caplog.records if getattr(r, "rp_event", None) == name]  # type: ignore[attr-defined]
 
 
 # ---- /version polls (findings 5 and 6) ------------------------------------------------------
@@ -182,7 +182,7 @@ def test_islands_of_another_run_get_no_requests(
         assert _island(gw, "g1")["excluded"] is None
         text = httpx.get(f"{gw.url}/metrics").text
         assert 'rollpatch_gateway_island_other_run{island="other"} 1.0' in text
-        warned = [r for r in caplog.records if r.getMessage() == "island_other_run"]
+        warned = [r for r in caplog.records if getattr(r, "rp_event", None) == "island_other_run"]
         # before every island answered its first poll the fleet's run may be another (one
         # island of each: a tie), and an island of g may be named first
         named = [r.rp_fields["island"] for r in warned]  # type: ignore[attr-defined]

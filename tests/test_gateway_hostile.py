@@ -190,7 +190,8 @@ def test_a_mislabelled_answer_is_refused_and_retried_on_an_honest_island(
         liar = next(i for i in httpx.get(f"{gw.url}/islands").json()["islands"])
         assert "bad answer (bad_label)" in liar["penalized"], liar
         assert any(
-            r.getMessage() == "bad_answer" and r.levelno == logging.WARNING for r in caplog.records
+            getattr(r, "rp_event", None) == "bad_answer" and r.levelno == logging.WARNING
+            for r in caplog.records
         )
     finally:
         gw.stop()

@@ -168,7 +168,7 @@ def test_a_hung_relay_is_said_at_its_first_timeout(caplog: pytest.LogCaptureFixt
         ):
             store.get("runs/r/LATEST")
         assert failed.value.context["attempts"] == 3
-        said = [r for r in caplog.records if r.getMessage() == "relay_retry"]
+        said = [r for r in caplog.records if getattr(r, "rp_event", None) == "relay_retry"]
         assert len(said) == 1  # the second retry is held back: once a minute per kind
         fields = said[0].rp_fields  # type: ignore[attr-defined]  # rollpatch.logs.event's
         assert (fields["attempt"], fields["attempts"], fields["object"]) == (1, 3, "runs/r/LATEST")

@@ -25,7 +25,7 @@ def test_one_line_per_kind_per_period_and_the_count_held_back(
         clock[0] += 10
         said.event("refused", "409 behind: serving 7, needs 9", status=409)
     lines = [r for r in caplog.records if r.name == log.name]
-    assert [r.getMessage() for r in lines] == ["refused"] * 3
+    assert [r.rp_event for r in lines] == ["refused"] * 3  # type: ignore[attr-defined]
     fields = [r.rp_fields for r in lines]  # type: ignore[attr-defined]
     assert [f["status"] for f in fields] == [409, 503, 409]
     assert "repeated" not in fields[0] and fields[2]["repeated"] == 4
@@ -49,3 +49,17 @@ def test_every_paces_a_line_and_counts_what_it_held_back() -> None:
     assert pace.due() and pace.said_held == 3 and pace.held == 0
     pace.reset()  # a new episode: at once again
     assert pace.due() and pace.said_held == 0
+
+
+def test_an_event_says_its_fields_to_any_logging_handler(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Audit I, L3 (session 42): a library user's own handler printed ``relay_retry`` alone."""
+    from rollpatch.logs import event
+
+    log = logging.getLogger("rollpatch.test_events")
+    with caplog.at_level(logging.WARNING, logger="rollpatch.test_events"):
+        event(log, "relay_retry", logging.WARNING, store="http://x", attempt=1, error="HTTP 503")
+    (r,) = caplog.records
+    assert r.getMessage() == 'relay_retry store=http://x attempt=1 error="HTTP 503"'
+    assert r.rp_event == "relay_retry" and r.rp_fields["attempt"] == 1  # type: ignore[attr-defined]

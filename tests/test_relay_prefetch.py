@@ -130,7 +130,7 @@ def test_a_version_whose_patch_is_corrupt_is_not_announced(
     rendered = world.origin.relay.metrics.render()
     assert f'{metric}{{reason="ObjectIntegrityError"}}' in rendered
     assert 'rollpatch_relay_refused_total{reason="hash_mismatch"}' in rendered
-    warned = [r for r in caplog.records if r.getMessage() == "unannounced"]
+    warned = [r for r in caplog.records if getattr(r, "rp_event", None) == "unannounced"]
     assert warned and warned[0].levelno == logging.WARNING
     assert sum(r.levelno == logging.WARNING for r in warned) == 1  # retries log at DEBUG
     # the next sound version is announced; its own step patch (from v1) is sound

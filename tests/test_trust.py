@@ -156,7 +156,7 @@ def test_a_disk_that_refuses_the_state_stops_no_version(
     with caplog.at_level(logging.WARNING, "rollpatch.trust"):
         assert f.sync() == 3  # taken, though the state could not be saved
     assert trust.save_errors == 1
-    said = [r for r in caplog.records if r.getMessage() == "trust_state_unsaved"]
+    said = [r for r in caplog.records if getattr(r, "rp_event", None) == "trust_state_unsaved"]
     assert len(said) == 1 and "No space left" in said[0].rp_fields["error"]  # type: ignore[attr-defined]
     assert json.loads((tmp_path / "state.json").read_text())["latest"] == {RUN: 2}
     put_raw(pub, pointer_key(RUN), old)

@@ -38,9 +38,14 @@ _NUMBERS = re.compile(r"\d+(\.\d+)?")
 
 
 def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Log event ``name`` with ``fields`` (JSON-serialisable scalars)."""
+    """Log event ``name`` with ``fields`` (JSON-serialisable scalars). The record's message
+    is ``name k=v ...`` (what any ``logging`` handler prints: before session 42 a library
+    user's own handler printed the bare name, ``relay_retry``, an audit); the name and the
+    fields ride on the record too (``rp_event``, ``rp_fields``), for :func:`configure`'s
+    formats and the CLI's console."""
     if logger.isEnabledFor(level):
-        logger.log(level, name, extra={_EVENT: name, _FIELDS: fields})
+        text = " ".join([name, *(f"{k}={_text(v)}" for k, v in fields.items())])
+        logger.log(level, "%s", text, extra={_EVENT: name, _FIELDS: fields})
 
 
 class Every:

@@ -26,8 +26,8 @@ _installed: list[logging.Handler] = []
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, Any] = dict(getattr(record, "rp_fields", None) or {})
-        text = record.getMessage()
-        if fields:
+        text = getattr(record, "rp_event", None) or record.getMessage()  # (an event's
+        if fields:  # message holds its fields too: logs.event)
             text += " " + " ".join(f"{k}={_text(v)}" for k, v in fields.items())
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]

@@ -15,10 +15,9 @@ given a :class:`~rollpatch.trust.Signer` writes signed manifests and LATEST (doc
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +47,7 @@ from .layout import (
     versions_prefix,
 )
 from .manifest import MAX_ENVELOPE_BYTES, MAX_MANIFEST_DEPTH, Manifest, open_manifest
+from .manifest.cache import ManifestCache
 from .planning import Plan, PlanStep, plan_between
 from .store import Store, open_store
 from .trust import (
@@ -107,14 +107,12 @@ class Board:
                 value=max_plan_versions,
             )
         self.store = open_store(store) if isinstance(store, str) else store
-        self._cache: OrderedDict[tuple[str, int], Manifest] = OrderedDict()
-        self._cache_size = cache_manifests
+        self._cache = ManifestCache(cache_manifests)
         self.max_plan_versions = max_plan_versions
         #: Verifies what is read (None: verification off, unsigned boards readable).
         self.trust = trust
         #: Signs what is written (None: bare manifests and LATEST).
         self.signer = signer
-        self._lock = threading.Lock()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -203,28 +201,20 @@ class Board:
 
     def manifest(self, run: str, n: int) -> Manifest:
         """The manifest of version ``n`` (validated; cached)."""
-        with self._lock:
-            m = self._cache.get((run, n))
-            if m is not None:
-                self._cache.move_to_end((run, n))
-                return m
+        m = self._cache.get(run, n)
+        if m is not None:
+            return m
         try:
             raw = self._doc(version_key(run, n), MAX_ENVELOPE_BYTES, "manifest", ManifestError)
         except NotFoundError:
             raise VersionNotFoundError("no such version on the board", run=run, version=n) from None
         m = open_manifest(raw, run, n, self.trust, self.refresh_root)
-        with self._lock:
-            self._cache[(run, n)] = m
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._cache.put(m, run, n)
         return m
 
     def forget(self, run: str) -> dict[int, Manifest]:
-        """Drop the run's cached manifests (the board's changed under them: the run published
-        again under its name, or versions replaced after a key rotation); what was cached."""
-        with self._lock:
-            gone = {n: self._cache.pop((r, n)) for r, n in list(self._cache) if r == run}
-        return gone
+        """Drop the run's cached manifests (they changed under the cache); what was cached."""
+        return self._cache.forget(run)
 
     def signed(self, run: str, n: int) -> bool:
         """Whether version ``n``'s manifest is stored as a signed envelope (not verified)."""
@@ -270,9 +260,8 @@ class Board:
     def put_manifest(self, m: Manifest) -> None:
         """Publish a manifest (immutable). Idempotent for the identical manifest.
 
-        A signing board replaces what none of its keys signed at that key (an attacker who
-        can write to the store squatted the version number; verifying readers never cached
-        it), and logs that it did."""
+        A signing board replaces what is not its own manifest of this version at that key
+        (:meth:`_foreign`), and logs that it did."""
         for ref in m.objects():
             info = self.store.head(ref.key)
             if info is None or info.size != ref.size:
@@ -288,31 +277,11 @@ class Board:
         except AlreadyExistsError:
             there = self.store.get(version_key(m.run, m.version), max_bytes=MAX_ENVELOPE_BYTES)
             stored = _stored(there, m)
-            if there != raw and self.signer is not None and stored is None:
-                # not a manifest of this version: garbage, or one of this publisher's own
-                # copied from another run or version (its signature is sound, its names are
-                # not: no reader takes it; before session 42 it blocked the publisher)
-                log.warning(
-                    "%s@%d: replacing what is not this version's manifest at its key",
-                    m.run,
-                    m.version,
-                )
+            foreign = None if there == raw else self._foreign(there, stored)
+            if foreign is not None:  # replaced (verifying readers never took it), and said
+                log.warning("%s@%d: replacing %s at its key", m.run, m.version, foreign)
                 self.store.put(version_key(m.run, m.version), raw, if_absent=False)
-                with self._lock:
-                    self._cache.pop((m.run, m.version), None)
-            elif (
-                there != raw
-                and self.signer is not None
-                and not self.signer.signed(there, MANIFEST_TYPE)
-            ):
-                log.warning(
-                    "%s@%d: replacing a manifest none of the publisher's keys signed",
-                    m.run,
-                    m.version,
-                )
-                self.store.put(version_key(m.run, m.version), raw, if_absent=False)
-                with self._lock:
-                    self._cache.pop((m.run, m.version), None)
+                self._cache.drop(m.run, m.version)
             elif there != raw and (stored is None or stored.to_bytes() != m.to_bytes()):
                 other = "an unreadable manifest" if stored is None else repr(stored.publisher)
                 raise AlreadyExistsError(
@@ -323,11 +292,25 @@ class Board:
                     hint="one publisher per run: stop the other one (versions are immutable), "
                     "or publish under another run name",
                 )
+        self._mark_keyframe(m)
+
+    def _foreign(self, there: bytes, stored: Manifest | None) -> str | None:
+        """What a signing board replaces at a manifest's key (None: nothing): not this
+        version's manifest (garbage, or one of its own copied from another run or version:
+        sound signature, wrong names; before session 42 it blocked the publisher), or one
+        none of its keys signed (the number squatted)."""
+        if self.signer is None:
+            return None
+        if stored is None:
+            return "what is not this version's manifest"
+        if not self.signer.signed(there, MANIFEST_TYPE):
+            return "a manifest none of the publisher's keys signed"
+        return None
+
+    def _mark_keyframe(self, m: Manifest) -> None:
         if m.is_keyframe:
-            try:
+            with contextlib.suppress(AlreadyExistsError):
                 self.store.put(keyframe_marker_key(m.run, m.version), b"")
-            except AlreadyExistsError:
-                pass
 
     def advance(self, run: str, n: int, *, refresh: bool = False) -> Pointer:
         """Move LATEST to version ``n`` if that is forward; returns the pointer now in force.

@@ -52,8 +52,8 @@ class Every:
     """One log line's pace: :meth:`due` is true at once, then at most once per ``every_s``,
     and counts the calls held back meanwhile (:attr:`held`: the line may say "N more since").
     The one pacer of the publisher's repeated warnings (coalesced versions, a stalled
-    version, an outage, an unrenewed lease, a large step); :class:`Throttle` paces events
-    by kind. Not locked: one owner calls it (under its own lock where several threads do)."""
+    version, an outage, an unrenewed lease, a large step), and of each kind of
+    :class:`Throttle`'s events. Not locked: one owner calls it (under its own lock where several threads do)."""
 
     def __init__(self, every_s: float, clock: Any = time.monotonic) -> None:
         self.every_s, self._clock = every_s, clock
@@ -91,19 +91,19 @@ class Throttle:
     ) -> None:
         self.logger, self.every_s, self._clock = logger, every_s, clock
         self._lock = threading.Lock()
-        self._seen: dict[tuple[str, str], tuple[float, int]] = {}
+        self._seen: dict[tuple[str, str], Every] = {}  # one pace per kind
 
     def event(self, name: str, key: str, level: int = logging.INFO, **fields: Any) -> None:
         kind = (name, _NUMBERS.sub("N", key)[:200])
-        now = self._clock()
         with self._lock:
-            last, held = self._seen.get(kind, (None, 0))
-            if last is not None and now - last < self.every_s:
-                self._seen[kind] = (last, held + 1)
+            pace = self._seen.get(kind)
+            if pace is None:
+                if len(self._seen) >= self.MAX_KINDS:
+                    self._seen.clear()
+                pace = self._seen[kind] = Every(self.every_s, self._clock)
+            if not pace.due():
                 return
-            if len(self._seen) >= self.MAX_KINDS:
-                self._seen.clear()
-            self._seen[kind] = (now, 0)
+            held = pace.said_held
         if held:
             fields["repeated"] = held  # held back since the last line of this kind
         event(self.logger, name, level, **fields)

@@ -348,10 +348,9 @@ class Follower:
         # (a pointer far ahead of any manifest) must not stay the follower's target
         p = self._reader.latest(self.run)
         with self._cond:
-            self._rec.latest = None if p is None else p.version
+            version = self._rec.latest = self._targets.read(p)
             self._rec.latest_at = time.monotonic()
-            self._targets.read(p)
-        return None if p is None else p.version
+        return version
 
     def _manifest(self, n: int) -> Manifest:
         return self._reader.manifest(self.run, n)

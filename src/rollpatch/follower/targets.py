@@ -33,9 +33,10 @@ class Targets:
         #: LATEST's ``(version, target)`` as last read (None: not read, or nothing published).
         self.latest: tuple[int, str] | None = None
 
-    def read(self, p: Pointer | None) -> None:
-        """LATEST as just read (the caller holds the condition)."""
+    def read(self, p: Pointer | None) -> int | None:
+        """LATEST as just read (the caller holds the condition); its version."""
         self.latest = None if p is None else (p.version, p.target)
+        return None if p is None else p.version
 
     @contextmanager
     def wanted(self, version: int) -> Iterator[None]:

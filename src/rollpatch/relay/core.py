@@ -281,20 +281,18 @@ class Relay:
             try:  # refused before its body is read
                 data = self._get(key, self.config.max_volatile_bytes)
             except TooLargeError as e:
-                self.verifier.refuse("too_large", key=key, size=e.context.get("size"))
+                size = e.context.get("size")
+                self.verifier.refuse("too_large", key=key, size=size)
                 if kind is KeyKind.POINTER:  # a few hundred bytes when it is one (an audit)
                     raise ManifestError(
                         "upstream LATEST is too large to be a LATEST pointer: refused",
                         key=key,
-                        size=e.context.get("size"),
+                        size=size,
                         hint="not written by a publisher: remove it, or publish again",
                     ) from None
-                raise StoreError(
-                    "upstream object is mutable (not in the board layout) and too large to relay",
-                    key=key,
-                    size=e.context.get("size"),
-                    hint="raise RelayConfig.max_volatile_bytes, or read the board directly",
-                ) from None
+                what = "upstream object is mutable (not in the board layout) and too large"
+                hint = "raise RelayConfig.max_volatile_bytes, or read the board directly"
+                raise StoreError(f"{what} to relay", key=key, size=size, hint=hint) from None
             if kind is KeyKind.POINTER:
                 try:
                     p = self.verifier.check_pointer(key, data, started=started)

@@ -37,12 +37,17 @@ from ..errors import (
     NotFoundError,
     StoreError,
     TransientStoreError,
-    TrustError,
 )
 from ..logs import Throttle
 from .base import ObjectInfo, Store, check_bounds, too_large, validate_key
 from .config import HttpConfig
-from .http_errors import CORRUPT_CODE, CORRUPT_STATUS, raise_if_corrupt, relay_said
+from .http_errors import (
+    CORRUPT_CODE,
+    CORRUPT_STATUS,
+    raise_if_corrupt,
+    relay_refusal,
+    relay_said,
+)
 from .http_pool import Held, HttpStatusError, Pool, Response
 from .push import MAX_HAVE, PUSH_HEADER, PushedBytes, split_push
 
@@ -138,24 +143,7 @@ class HttpStore(Store):
         except HttpStatusError as e:
             said = relay_said(e)
             if e.code == 502 and said is not None and said.kind == "upstream_error":
-                # the relay's own refusal (its upstream misconfigured, bytes refused under its
-                # trust root): no retry changes it; its message and hint say what happened
-                if said.trust_reason is not None:  # as the relay's verifier raised it
-                    raise TrustError(
-                        said.message,
-                        reason=said.trust_reason,
-                        key=key,
-                        store=self.uri,
-                        hint=said.hint or f"see the log of the relay at {self.uri}",
-                    ) from None
-                raise StoreError(  # once, through a chain of relays
-                    said.message
-                    if said.message.startswith("relay refused: ")
-                    else f"relay refused: {said.message}",
-                    key=key,
-                    store=self.uri,
-                    hint=said.hint or f"see the log of the relay at {self.uri}",
-                ) from None
+                raise relay_refusal(said, key, self.uri) from None  # no retry changes it
             if e.code == 429 or e.code >= 500:
                 raise _Transient(f"HTTP {e.code}" + (f": {said[0]}" if said else "")) from None
             if e.code == CORRUPT_STATUS and key is not None and method == "GET":

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .. import jsonsafe
-from ..errors import ObjectIntegrityError, StoreError
+from ..errors import ObjectIntegrityError, StoreError, TrustError
 from ..serving.responses import error_message
 from .http_pool import MAX_ERROR_BYTES, HttpStatusError
 
@@ -18,6 +18,7 @@ __all__ = [
     "TRUST_REASONS",
     "RelaySaid",
     "raise_if_corrupt",
+    "relay_refusal",
     "relay_said",
 ]
 
@@ -65,6 +66,17 @@ def relay_said(e: HttpStatusError) -> RelaySaid | None:
         kind if isinstance(kind, str) else None,
         reason if reason in TRUST_REASONS else None,
     )
+
+
+def relay_refusal(said: RelaySaid, key: str | None, uri: str) -> StoreError | TrustError:
+    """The error for a relay's own refusal (its upstream misconfigured, bytes refused under
+    its trust root): a trust refusal as the relay's verifier raised it, with its reason;
+    else a StoreError, its message prefixed once through a chain of relays."""
+    hint = said.hint or f"see the log of the relay at {uri}"
+    if said.trust_reason is not None:
+        return TrustError(said.message, reason=said.trust_reason, key=key, store=uri, hint=hint)
+    prefix = "" if said.message.startswith("relay refused: ") else "relay refused: "
+    return StoreError(prefix + said.message, key=key, store=uri, hint=hint)
 
 
 def raise_if_corrupt(e: HttpStatusError, key: str, uri: str) -> None:

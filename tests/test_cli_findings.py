@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -243,11 +244,9 @@ def test_cast_view_api_matches_the_cli_after_the_refactor(
     assert load_view(tmp_path / "v").digest() == want
 
 
-def test_pull_retries_bound_every_attempt_through_a_relay(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """``pull --retries N`` is N + 1 attempts per read through a relay: the relay client's own
-    retries are off for it (N-6, session 41: each of the follower's attempts was 4 requests)."""
+@pytest.fixture
+def busy_relay() -> Iterator[tuple[str, list[str]]]:
+    """A stand-in relay that answers every GET 503; yields its URL and the paths asked."""
     import http.server
     import threading
 
@@ -266,19 +265,55 @@ def test_pull_retries_bound_every_attempt_through_a_relay(
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        board = f"http://127.0.0.1:{server.server_address[1]}"
-        for retries in (0, 2):
-            hits.clear()
-            argv = ["pull", "--board", board, "--run", "r", "-o", str(tmp_path / "v")]
-            _, err = _run(
-                capsys, [*argv, "--retries", str(retries), "--backoff", "0.01"], EXIT_REFUSED
-            )
-            assert len(hits) == retries + 1 and len(set(hits)) == 1, hits
-            said = err.strip().splitlines()[-1]
-            assert said.startswith("rollpatch: error: ") and f"attempts={retries + 1}" in said
+        yield f"http://127.0.0.1:{server.server_address[1]}", hits
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_pull_retries_bound_every_attempt_through_a_relay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], busy_relay: tuple[str, list[str]]
+) -> None:
+    """``pull --retries N`` is N + 1 attempts per read through a relay: the relay client's own
+    retries are off for it (N-6, session 41: each of the follower's attempts was 4 requests)."""
+    board, hits = busy_relay
+    for retries in (0, 2):
+        hits.clear()
+        argv = ["pull", "--board", board, "--run", "r", "-o", str(tmp_path / "v")]
+        _, err = _run(capsys, [*argv, "--retries", str(retries), "--backoff", "0.01"], EXIT_REFUSED)
+        assert len(hits) == retries + 1 and len(set(hits)) == 1, hits
+        said = err.strip().splitlines()[-1]
+        assert said.startswith("rollpatch: error: ") and f"attempts={retries + 1}" in said
+
+
+@pytest.mark.parametrize("opened_by", ["follower", "sidecar", "sidecar-cli"])
+def test_a_follower_that_opens_its_relay_owns_the_retries(
+    busy_relay: tuple[str, list[str]], opened_by: str
+) -> None:
+    """A follower or sidecar given a relay's URL (or the ``sidecar`` command's board) makes
+    ``retries + 1`` requests per read: the relay client's own 3 retries are off, so an outage
+    is not (retries + 1) x 4 requests and two nested backoffs (session 42's list)."""
+    from rollpatch.cli.serving import upstream_store
+    from rollpatch.engines import ViewEngine
+    from rollpatch.errors import RollpatchError
+    from rollpatch.follower import Follower, FollowerConfig
+    from rollpatch.sidecar import Sidecar, SidecarConfig
+
+    url, hits = busy_relay
+    config = FollowerConfig(retries=2, backoff_s=0.01)
+    if opened_by == "follower":
+        follower = Follower(url, "r", ViewEngine(), config)
+    else:
+        board = (
+            url if opened_by == "sidecar" else Board(upstream_store(url, None, retried_by="reader"))
+        )
+        sidecar = Sidecar(
+            board, "r", ViewEngine(), "http://127.0.0.1:9", SidecarConfig(follower=config)
+        )
+        follower = sidecar.follower
+    with pytest.raises(RollpatchError, match="attempts=3"):
+        follower.sync()
+    assert len(hits) == 3 and len(set(hits)) == 1, hits
 
 
 def test_publish_says_when_it_created_the_board_directory(

@@ -124,19 +124,13 @@ def _pull(args: argparse.Namespace, corrupt: list[str]) -> int:
 
 
 def _board(uri: str) -> Any:
-    """The board at ``uri`` with the store's own retries off for a relay or S3 (the
-    follower's ``--retries`` are then all there are: ``--retries N`` is N + 1 attempts per
-    read, not (N + 1) x the relay client's 4, as before: an audit, session 41); a directory
-    board as it is."""
+    """The board at ``uri`` with a relay's or S3's own retries off (the follower's
+    ``--retries`` are then all there are: ``--retries N`` is N + 1 attempts per read, not
+    (N + 1) x the relay client's 4, as before: an audit, session 41)."""
     from ..board import Board
-    from ..store import open_store
+    from ..store import open_reader_store
 
-    scheme = uri.partition("://")[0].lower() if "://" in uri else ""
-    if scheme in ("http", "https"):
-        return Board(open_store(uri, retries=0))
-    if scheme == "s3":
-        return Board(open_store(uri, max_attempts=1))
-    return uri
+    return Board(open_reader_store(uri))
 
 
 @contextlib.contextmanager

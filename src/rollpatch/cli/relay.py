@@ -71,7 +71,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     trust = load_trust(args, args.board, state=Path(args.cache) / "trust-state.json")
     config = RelayConfig(**config_kwargs(args, RelayConfig))
     server = RelayServer(
-        upstream_store(args.board, args.board_token_file),
+        upstream_store(args.board, args.board_token_file, retried_by="client"),
         config,
         options=serve_options(args),
         host=args.host,

@@ -2,7 +2,7 @@
 
 ``add_serving_args(p)`` registers them; ``serve_options(args)`` turns them into a validated
 :class:`~rollpatch.serving.ServeOptions` (a bad file or value is a :class:`ConfigError`: one
-line, exit 2). ``upstream_store(board, token_file)`` opens a board, sending a bearer token when
+line, exit 2). ``upstream_store(board, token_file, retried_by=)`` opens a board, sending a bearer token when
 it is a relay that requires one.
 """
 
@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Literal, final
 
 from ..errors import ConfigError
 from .flags import seconds, timeout_seconds
@@ -191,14 +191,23 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     return options
 
 
-def upstream_store(board: str, token_file: str | None) -> Store | str:
-    """``board`` itself, or a relay client that sends the bearer token in ``token_file``."""
-    if token_file is None:
-        return board
-    from ..store import open_store
+def upstream_store(
+    board: str, token_file: str | None, *, retried_by: Literal["client", "reader"]
+) -> Store | str:
+    """The board's store, sending the bearer token in ``token_file`` to a relay. A relay
+    (``"client"``) keeps its relay or S3 client's own retries (``board`` itself when there is
+    no token); a sidecar (``"reader"``) retries through its follower, so the client's are off
+    (:func:`~rollpatch.store.open_reader_store`)."""
+    from ..store import open_reader_store, open_store
 
-    if not board.startswith(("http://", "https://")):
-        raise ConfigError("a board token is for a relay (http:// or https:// board)", value=board)
-    token = read_token(token_file, "--board-token-file file")
-    options: dict[str, Any] = {"headers": {"Authorization": f"Bearer {token}"}}
-    return open_store(board, **options)
+    options: dict[str, Any] = {}
+    if token_file is not None:
+        if not board.startswith(("http://", "https://")):
+            raise ConfigError(
+                "a board token is for a relay (http:// or https:// board)", value=board
+            )
+        token = read_token(token_file, "--board-token-file file")
+        options["headers"] = {"Authorization": f"Bearer {token}"}
+    if retried_by == "reader":
+        return open_reader_store(board, **options)
+    return board if not options else open_store(board, **options)

@@ -151,7 +151,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         else None
     )
     trust = load_trust(args, args.board)
-    board = Board(upstream_store(args.board, args.board_token_file), trust=trust)
+    board = Board(
+        upstream_store(args.board, args.board_token_file, retried_by="reader"), trust=trust
+    )
     config = SidecarConfig(
         **config_kwargs(args, SidecarConfig),
         admin_token=token,

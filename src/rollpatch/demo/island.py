@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..sidecar import Sidecar, SidecarConfig
     from ..sidecar.app import create_app
     from ..sidecar.server import RunningSidecar
+    from ..store import open_reader_store
 
     p = argparse.ArgumentParser(prog="python -m rollpatch.demo.island")
     p.add_argument("--name", required=True)
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.trust, state_path=None if args.trust_state is None else Path(args.trust_state)
         )
     )
-    sc = Sidecar(Board(args.board, trust=trust), args.run, engine, url, config)
+    sc = Sidecar(Board(open_reader_store(args.board), trust=trust), args.run, engine, url, config)
 
     def on_commit(version: int, pause_s: float) -> None:
         emit(

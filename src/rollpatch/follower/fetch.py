@@ -22,7 +22,7 @@ from ..errors import (
     RollpatchError,
     TransientStoreError,
 )
-from ..store import ObjectInfo, Store
+from ..store import ObjectInfo, Store, open_reader_store
 from ..trust import Trust, warn_unverified
 from ..types import ObjectRef
 from .config import FollowerConfig
@@ -263,7 +263,7 @@ def trusted_board(board: str | Board, trust: Trust | None, who: str) -> Board:
     """The board a reader uses: ``trust`` verifies what is read (default: the board's own, if
     any; without one, unsigned boards are accepted and one warning line names ``who``;
     docs/trust.md)."""
-    out = Board(board, trust=trust) if isinstance(board, str) else board
+    out = Board(open_reader_store(board), trust=trust) if isinstance(board, str) else board
     if trust is not None and out.trust is not trust:
         out = Board(out.store, trust=trust)
     if out.trust is None:

@@ -17,6 +17,7 @@ from ..follower import Follower, FollowerConfig, FollowerStatus
 from ..logs import Throttle, event
 from ..serving.admission import wait_drained
 from ..serving.body import BodyLimits
+from ..store import open_reader_store
 from .gate import CommitGate, CommitMode
 from .metrics import SidecarMetrics
 
@@ -116,7 +117,7 @@ class Sidecar:
         config: SidecarConfig | None = None,
     ) -> None:
         self.config = config or SidecarConfig()
-        self.board = Board(board) if isinstance(board, str) else board
+        self.board = Board(open_reader_store(board)) if isinstance(board, str) else board
         self.run = run
         self.engine = engine
         self.engine_url = engine_url

@@ -21,7 +21,7 @@ from .file import FileStore
 from .http_client import HttpStore
 from .memory import MemoryStore
 from .throttle import ThrottledStore
-from .uri import open_store
+from .uri import open_reader_store, open_store
 
 if TYPE_CHECKING:
     from .s3 import S3Store
@@ -37,6 +37,7 @@ __all__ = [
     "S3Store",
     "Store",
     "ThrottledStore",
+    "open_reader_store",
     "open_store",
     "validate_key",
     "validate_prefix",

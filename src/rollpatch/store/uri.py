@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Store, validate_key
 
-__all__ = ["SCHEMES", "file_path", "open_store"]
+__all__ = ["SCHEMES", "file_path", "open_reader_store", "open_store"]
 
 #: The URI schemes ``open_store`` understands (a plain path means ``file``).
 SCHEMES = ("file", "s3", "http", "https", "memory")
@@ -57,6 +57,20 @@ def open_store(uri: str, **options: Any) -> Store:
         uri=uri,
         hint=f"use one of {', '.join(s + '://' for s in SCHEMES)} or a path",
     )
+
+
+def open_reader_store(uri: str, **options: Any) -> Store:
+    """:func:`open_store` for a reader that retries on its own (a follower, ``pull``, a
+    sidecar: their ``retries`` and ``backoff_s``): a relay's or S3's client makes one attempt
+    per request unless ``options`` say otherwise, so a follower's ``retries=N`` is N + 1
+    requests per read, not (N + 1) x the client's 4 (and its backoff the only one).
+    Directory and memory stores have no retries of their own."""
+    scheme = uri.partition("://")[0].lower() if isinstance(uri, str) and "://" in uri else ""
+    if scheme in ("http", "https"):
+        options.setdefault("retries", 0)
+    elif scheme == "s3":
+        options.setdefault("max_attempts", 1)
+    return open_store(uri, **options)
 
 
 def file_path(uri: str) -> str | None:

@@ -189,13 +189,10 @@ def test_the_reference_engine_lists_its_tensors(reference_engine: object) -> Non
     assert held == tensors_of_view(view) and len(held) == len(view)
 
 
-def test_a_repeated_failure_is_logged_once(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_repeated_failure_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     log = logging.getLogger("rollpatch.test.failures")
     clock = [1000.0]
-    monkeypatch.setattr("rollpatch.follower.failures.time.monotonic", lambda: clock[0])
-    flog = FailureLog(log, "r1")
+    flog = FailureLog(log, "r1", clock=lambda: clock[0])
     unfit = IncompatibleModelError("a tensor differs", tensor="w")
     with caplog.at_level(logging.DEBUG, logger=log.name):
         for _ in range(5):

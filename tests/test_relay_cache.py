@@ -214,8 +214,10 @@ def test_upstream_failures_are_logged_once_per_kind(
     with caplog.at_level(logging.WARNING, logger="rollpatch.relay"), httpx.Client() as h:
         for _ in range(3):
             assert h.get(f"{relay.url}/v1/objects/{pointer_key(RUN)}").status_code == 503
-    said = [r.getMessage() for r in caplog.records if "answered 503" in r.getMessage()]
-    assert len(said) == 1 and "offline" in said[0], said
+    said = [r for r in caplog.records if getattr(r, "rp_event", None) == "relay_error_answer"]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    fields = said[0].rp_fields  # type: ignore[attr-defined]
+    assert fields["status"] == 503 and "offline" in fields["error"], fields
 
 
 def test_a_cache_file_rotted_on_disk_is_said_counted_and_fetched_again(

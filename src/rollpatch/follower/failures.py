@@ -21,9 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ..engines.fit import ModelTensors
 from ..errors import IncompatibleModelError, RollpatchError, VersionNotFoundError
+from ..logs import Every
 from ..manifest import Manifest
 
 __all__ = [
@@ -42,8 +44,9 @@ UNFIT_KEEP = 8
 
 class FailureLog:
     """Logs ``run``'s failures of ``what`` (a sync, the audit) to ``log``, each message once
-    per ``repeat_s`` (default :data:`REPEAT_LOG_S`); ``level``: every line's (default: ERROR
-    for an incompatible model, else WARNING)."""
+    per ``repeat_s`` (default :data:`REPEAT_LOG_S`, paced by :class:`~rollpatch.logs.Every` on
+    ``clock``); ``level``: every line's (default: ERROR for an incompatible model, else
+    WARNING)."""
 
     def __init__(
         self,
@@ -53,37 +56,38 @@ class FailureLog:
         what: str = "sync",
         level: int | None = None,
         repeat_s: float = REPEAT_LOG_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._log, self._run, self._what = log, run, what
-        self._level, self._repeat_s = level, repeat_s
+        self._log, self._run, self._what, self._level = log, run, what, level
         self._last: str | None = None
-        self._at = 0.0  # time.monotonic() of the last line
+        self._pace = Every(repeat_s, clock)  # of the same failure's lines
         self._since = 0.0  # time.time() of the last line, for the message
-        self._repeats = 0
 
     def failed(self, e: BaseException) -> None:
         text = f"{type(e).__name__}: {e}"
         same = _same_as(e)  # what makes two failures the same: not a clock in its context
-        now = time.monotonic()
-        if same == self._last and now - self._at < self._repeat_s:
-            self._repeats += 1
+        if same != self._last:
+            self._pace.reset()  # a different failure is said at once
+        self._last = same
+        if not self._pace.due():
             self._log.debug("%s: %s failed again: %s", self._run, self._what, text)
             return
         level = self._level
         if level is None:
             level = logging.ERROR if isinstance(e, IncompatibleModelError) else logging.WARNING
+        held = self._pace.said_held
         again = (
-            f" (failed the same way {self._repeats} more time(s) since "
+            f" (failed the same way {held} more time(s) since "
             f"{time.strftime('%H:%M:%S', time.localtime(self._since))})"
-            if same == self._last and self._repeats
+            if held
             else ""
         )
         self._log.log(level, "%s: %s failed: %s%s", self._run, self._what, text, again)
-        self._last, self._at, self._since, self._repeats = same, now, time.time(), 0
+        self._since = time.time()
 
     def cleared(self) -> None:
         """A sync succeeded: the next failure is logged at once."""
-        self._last, self._repeats = None, 0
+        self._last = None
 
 
 def _same_as(e: BaseException) -> str:

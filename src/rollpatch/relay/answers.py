@@ -6,7 +6,6 @@ type, docs/store.md "Errors"), and one log line per kind of upstream failure
 from __future__ import annotations
 
 import logging
-import time
 
 from fastapi.responses import JSONResponse
 
@@ -17,6 +16,7 @@ from ..errors import (
     TransientStoreError,
     TrustError,
 )
+from ..logs import Throttle
 from ..serving.responses import error_body
 from ..store.http_client import CORRUPT_CODE, CORRUPT_STATUS
 
@@ -60,26 +60,23 @@ def error_answer(status: int, exc: BaseException) -> JSONResponse:
 
 class RefusalLog:
     """Logs each 5xx the relay answers (its upstream failed, or it refused what it read) as a
-    WARNING, the same status and message at most once per :data:`UPSTREAM_LOG_S`: before,
-    a relay in front of a missing bucket answered 502 to every read and logged nothing."""
+    WARNING event ``relay_error_answer`` (path, status, error), the same status and message
+    at most once per :data:`UPSTREAM_LOG_S` (a :class:`~rollpatch.logs.Throttle`; the next
+    line says how many it held back, ``repeated=N``): before, a relay in front of a missing
+    bucket answered 502 to every read and logged nothing."""
 
     def __init__(self) -> None:
-        self._at: dict[tuple[int, str], float] = {}
+        self._said = Throttle(log, UPSTREAM_LOG_S)
 
     def said(self, path: str, status: int, exc: BaseException) -> None:
         if status < 500:
             return
         message = exc.message if isinstance(exc, RollpatchError) else f"{exc}"
-        now, seen = time.monotonic(), self._at.get((status, message))
-        if seen is not None and now - seen <= UPSTREAM_LOG_S:
-            return
-        if len(self._at) > 256:
-            self._at.clear()
-        self._at[(status, message)] = now
-        log.warning(
-            "relay: %s answered %d: %s (the same failure is logged again after %g s)",
-            path,
-            status,
-            message,
-            UPSTREAM_LOG_S,
+        self._said.event(
+            "relay_error_answer",
+            f"{status} {message}",
+            logging.WARNING,
+            path=path,
+            status=status,
+            error=message,
         )

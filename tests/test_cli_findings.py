@@ -208,6 +208,27 @@ def test_status_after_a_planned_rotation_lists_retired_versions_and_exits_0(
     doc = json.loads(_run(capsys, ["status", "--board", world.board, *trusted, "--json"])[0])
     run = doc["runs"][0]
     assert run["n_refused"] == 0 and run["n_retired"] == 2
+    # through a relay that trusts the same root, which refuses those manifests to everyone,
+    # its refusal says the root they were signed under (audit I M2: exit 2, "refused")
+    from rollpatch.relay import RelayConfig, RelayServer
+    from rollpatch.trust import Trust
+
+    relay_trust = Trust.from_file(world.root, state_path=tmp_path / "relay-st.json")
+    config = RelayConfig(cache_dir=str(tmp_path / "cache"))
+    relay = RelayServer(world.board, config, trust=relay_trust)
+    url = relay.start()
+    try:
+        via = ["status", "--board", url, *trusted]
+        out, err = _run(capsys, via)
+        assert "2 signed by retired keys" in out and "refused" not in out, out
+        assert "rollpatch: error" not in err and "WARNING refused" not in err, err
+        rows = [ln for ln in out.splitlines() if "retired:" in ln]
+        assert len(rows) == 2 and all("as the relay checked it" in r for r in rows), rows
+        run = json.loads(_run(capsys, [*via, "--json"])[0])["runs"][0]
+        assert run["n_refused"] == 0 and run["n_retired"] == 2
+        assert {v.get("retired_checked_by") for v in run["versions"][:2]} == {"relay"}
+    finally:
+        relay.stop()
     # a forged manifest is still a refusal
     b = Board(world.board)
     raw = b.store.get("runs/r/versions/000000000001.json")

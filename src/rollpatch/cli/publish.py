@@ -216,7 +216,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             if "retired" in v:
                 print(
                     f"  {v['version']:>8} retired: signed only by keys of root {v['retired']}, "
-                    "which a rotation retired (unreadable under the current root; gc can remove it)"
+                    "which a rotation retired (unreadable under the current root; gc can remove it"
+                    + ("; as the relay checked it" if v["retired_checked_by"] == "relay" else "")
+                    + ")"
                 )
                 continue
             kf = f"{v['keyframe_bytes']:,}" if v["keyframe"] else "-"
@@ -265,7 +267,7 @@ def _run_status(board: Any, run: str, limit: int) -> dict[str, Any]:
             if by is None:
                 rows.append({"version": n, "refused": f"{type(e).__name__}: {e}"})
             else:
-                rows.append({"version": n, "retired": by})
+                rows.append({"version": n, "retired": by[0], "retired_checked_by": by[1]})
             continue
         for ref in m.objects():
             if ref.key not in seen:

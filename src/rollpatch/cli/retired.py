@@ -1,55 +1,39 @@
 """``status --trust`` after a planned rotation (docs/trust.md): versions signed only by keys
-the rotation retired are listed as such, not as refusals.
-
-Such a manifest no longer verifies under the current root (readers cannot use it: that is
-what a rotation does), but it is no forgery: the keys of an earlier root in the chain the
-reader verified signed it. Before, ``status --trust`` exited 2 on every run until gc removed
-those versions, although followers were fine (an audit, session 41).
+the rotation retired are listed as such, not as refusals (the check:
+:func:`rollpatch.manifest.retired.retired_by`). Before, ``status --trust`` exited 2 on every
+run until gc removed those versions, although followers were fine (an audit, session 41).
+Through a trusting relay, which refuses those manifests, the relay's own check says it
+(``retired_root`` in its refusal; audit I M2, session 43).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import blake3
-
 from ..errors import ManifestError, TrustError
 
 __all__ = ["retired_root"]
 
 
-def retired_root(board: Any, run: str, n: int, error: ManifestError) -> int | None:
-    """The version of the earlier root whose keys signed ``run``@``n`` when ``error`` is the
-    current root refusing its signatures; None when that is not so (a forgery, an unsigned
-    or malformed manifest, a root this reader did not verify)."""
-    trust = board.trust
-    if trust is None or not isinstance(error, TrustError):
-        return None
-    if error.reason != "bad_signature":
-        return None
+def retired_root(board: Any, run: str, n: int, error: ManifestError) -> tuple[int, str] | None:
+    """``(root version, who checked)`` when ``error`` is the current root refusing the
+    signatures of ``run``@``n`` and keys of that earlier root in the reader's verified chain
+    signed it: checked here when the bytes can be read (``"reader"``), else as the trusting
+    relay that refused them checked it (``"relay"``); None when that is not so (a forgery, an
+    unsigned or malformed manifest, a root this reader did not verify)."""
     from ..layout import version_key
-    from ..manifest import MAX_ENVELOPE_BYTES, open_manifest
-    from ..trust import MANIFEST_TYPE
-    from ..trust.envelope import load_envelope, verify_threshold
-    from ..trust.root import verify_initial_root
+    from ..manifest.retired import retired_by
 
+    if board.trust is None or not isinstance(error, TrustError) or error.reason != "bad_signature":
+        return None
     try:
         raw = board.store.get(version_key(run, n))
-        if len(raw) > MAX_ENVELOPE_BYTES:
+    except ManifestError as e:  # a trusting relay refused the bytes themselves
+        said = e.context.get("retired_root")
+        if isinstance(said, bool) or not isinstance(said, int):
             return None
-        env = load_envelope(raw, expect=MANIFEST_TYPE, max_bytes=MAX_ENVELOPE_BYTES)
-        open_manifest(raw, run, n, None)  # well formed, naming this run and version
-        for v in range(trust.root.version - 1, 0, -1):
-            root_raw = board.root_raw(v)
-            # only a root this reader verified (its trust file, or a step of the walk)
-            if root_raw is None or blake3.blake3(root_raw).hexdigest() != trust.verified_root(v):
-                continue
-            root = verify_initial_root(root_raw)
-            try:
-                verify_threshold(env, root.keys, root.threshold)
-            except TrustError:
-                continue
-            return v
-    except (ManifestError, OSError):  # unreadable now: it stays refused
+        return (said, "relay") if 0 < said < board.trust.root.version else None
+    except OSError:
         return None
-    return None
+    by = retired_by(raw, run, n, board.trust, error, board.root_raw)
+    return None if by is None else (by, "reader")

@@ -53,7 +53,12 @@ def error_answer(status: int, exc: BaseException) -> JSONResponse:
             CORRUPT_STATUS, message, CORRUPT_CODE, hint=hint, code=CORRUPT_CODE, key=key
         )
         return JSONResponse(body, status_code=CORRUPT_STATUS)
-    extra = {"trust_reason": exc.reason} if isinstance(exc, TrustError) else {}
+    extra: dict[str, object] = {}
+    if isinstance(exc, TrustError):  # its reason, and the retired root of a rotated manifest
+        extra["trust_reason"] = exc.reason
+        retired = exc.context.get("retired_root")
+        if isinstance(retired, int) and not isinstance(retired, bool):
+            extra["retired_root"] = retired
     body = error_body(status, message, _KINDS.get(status, "error"), hint=hint, **extra)
     return JSONResponse(body, status_code=status)
 
@@ -72,10 +77,11 @@ class RefusalLog:
         if status < 500:
             return
         message = exc.message if isinstance(exc, RollpatchError) else f"{exc}"
+        retired = isinstance(exc, TrustError) and "retired_root" in exc.context
         self._said.event(
             "relay_error_answer",
             f"{status} {message}",
-            logging.WARNING,
+            logging.INFO if retired else logging.WARNING,  # a rotation's, not an attack
             path=path,
             status=status,
             error=message,

@@ -28,6 +28,7 @@ from ..latest import read_latest
 from ..layout import root_key, version_key
 from ..logs import event
 from ..manifest import open_manifest
+from ..manifest.retired import retired_by
 from ..trust import Trust, verify_initial_root
 from ..types import Pointer
 from .config import (
@@ -159,8 +160,9 @@ class Verifier:
                         )
                         break
             except ManifestError as e:
-                self.refuse("invalid_manifest", key=key, error=e)
-                raise _refused("manifest", e, key) from None
+                by = self._retired(data, named, e)
+                self.refuse("invalid_manifest" if by is None else "trust_retired", key=key, error=e)
+                raise _refused("manifest", e, key, retired_root=by) from None
         n = root_version(key)
         if kind is KeyKind.ROOT and n is not None:
             try:
@@ -183,17 +185,28 @@ class Verifier:
             self.targets.note(key, got)
         return got
 
+    def _retired(self, data: bytes, named: tuple[str, int], e: ManifestError) -> int | None:
+        """The earlier root of this relay's verified chain whose keys signed the manifest it
+        refuses (a planned rotation retired them), else None (docs/trust.md)."""
+        try:
+            return retired_by(data, named[0], named[1], self.trust, e, self._upstream_root)
+        except RollpatchError:  # a root unreadable upstream now: a plain refusal
+            return None
+
     def refuse(
         self, reason: str, *, key: str, error: ManifestError | None = None, **info: Any
     ) -> None:
         """Every refusal of an upstream answer: counted by reason and logged with its reason,
-        key and error, so that a refusal in the counters can be named from the log."""
-        if isinstance(error, TrustError):
+        key and error, so that a refusal in the counters can be named from the log (a trust
+        refusal by its reason, ``trust_retired`` for a manifest a rotation retired)."""
+        if isinstance(error, TrustError) and not reason.startswith("trust_"):
             reason = f"trust_{error.reason}"
         self._metrics.inc("rollpatch_relay_refused_total", reason=reason)
         if error is not None:
             info["error"] = error.message
-        event(log, "refused", logging.WARNING, reason=reason, key=key, **info)
+        # a manifest a planned rotation retired is no attack: counted, said at INFO
+        level = logging.INFO if reason == "trust_retired" else logging.WARNING
+        event(log, "refused", level, reason=reason, key=key, **info)
 
     def _upstream_root(self, n: int) -> bytes | None:
         try:
@@ -265,12 +278,16 @@ class Verifier:
             raise _refused("LATEST", e, key) from None
 
 
-def _refused(what: str, e: ManifestError, key: str) -> ManifestError:
+def _refused(
+    what: str, e: ManifestError, key: str, *, retired_root: int | None = None
+) -> ManifestError:
     """What the relay answers for ``what`` (manifest, root, LATEST) it refused: a trust
     refusal stays a :class:`TrustError` with its reason, which reaches the relay's clients
     (``trust_reason`` in its 502) and the relays after it in a chain (audit I, session 42:
-    followers behind a relay saw a StoreError with no reason)."""
+    followers behind a relay saw a StoreError with no reason); with ``retired_root`` for a
+    manifest signed only by keys of that earlier root (``status --trust`` lists it retired)."""
     message = f"upstream {what} refused: {e.message}"
     if isinstance(e, TrustError):
-        return TrustError(message, reason=e.reason, key=key, hint=e.hint)
+        extra = {} if retired_root is None else {"retired_root": retired_root}
+        return TrustError(message, reason=e.reason, key=key, hint=e.hint, **extra)
     return ManifestError(message, key=key, hint=e.hint)

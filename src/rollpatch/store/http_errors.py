@@ -36,6 +36,9 @@ class RelaySaid(NamedTuple):
     kind: str | None
     #: A trust refusal's ``TrustError.reason`` (the relay's ``trust_reason``), else None.
     trust_reason: str | None = None
+    #: The earlier root whose keys signed a manifest the relay refused as retired by a
+    #: rotation (its ``retired_root``), else None.
+    retired_root: int | None = None
 
 
 #: ``TrustError.reason`` values a relay may pass on (docs/trust.md).
@@ -44,7 +47,7 @@ TRUST_REASONS = frozenset({"unsigned", "bad_signature", "expired", "rollback", "
 
 def relay_said(e: HttpStatusError) -> RelaySaid | None:
     """A relay error body's message, hint, type and trust reason — its edge kit's
-    ``{"error": {"message", "type"}, "hint", "trust_reason"}`` — bounded, for the messages of
+    ``{"error": {"message", "type"}, "hint", "trust_reason", "retired_root"}`` — bounded, for the messages of
     errors raised here; None for any other body (a proxy in front of the relay, say)."""
     body = e.body
     if not body or len(body) > MAX_ERROR_BYTES:
@@ -60,11 +63,14 @@ def relay_said(e: HttpStatusError) -> RelaySaid | None:
         return None
     err, hint, reason = doc.get("error"), doc.get("hint"), doc.get("trust_reason")
     kind = err.get("type") if isinstance(err, dict) else None
+    retired = doc.get("retired_root")
+    ok = isinstance(retired, int) and not isinstance(retired, bool) and 0 < retired < 2**31
     return RelaySaid(
         message[:300],
         hint[:300] if isinstance(hint, str) else None,
         kind if isinstance(kind, str) else None,
         reason if reason in TRUST_REASONS else None,
+        retired if ok and reason == "bad_signature" else None,
     )
 
 
@@ -74,7 +80,10 @@ def relay_refusal(said: RelaySaid, key: str | None, uri: str) -> StoreError | Tr
     else a StoreError, its message prefixed once through a chain of relays."""
     hint = said.hint or f"see the log of the relay at {uri}"
     if said.trust_reason is not None:
-        return TrustError(said.message, reason=said.trust_reason, key=key, store=uri, hint=hint)
+        extra = {} if said.retired_root is None else {"retired_root": said.retired_root}
+        return TrustError(
+            said.message, reason=said.trust_reason, key=key, store=uri, hint=hint, **extra
+        )
     prefix = "" if said.message.startswith("relay refused: ") else "relay refused: "
     return StoreError(prefix + said.message, key=key, store=uri, hint=hint)
 

@@ -229,6 +229,15 @@ def _gloo_phases(rank: int, uri: str, report: dict[str, Any]) -> None:
         report["exit_s"] = time.monotonic() - t0
         dist.all_reduce(grads)  # the trainer handles its error, then syncs
     dist.barrier()
+    # L3: publishers built again and again on one job (the rebuild recipe), closed or aborted,
+    # leave no gloo group behind (before: one group, its threads and sockets, per rebuild)
+    groups = dist.distributed_c10d._world.pg_map
+    before = len(groups)
+    for i in range(3):
+        with Publisher(uri, "l3", CFG) as pub:
+            pub.publish(shard(i, rank))
+    Publisher(uri, "l3", CFG).abort()
+    report["l3"] = [before, len(groups)]
     if rank == 0:  # H6: a publisher on the main process only, as for a gathered state dict
         t0 = time.monotonic()
         try:
@@ -268,6 +277,10 @@ def test_gloo_ranks_abort_on_an_exception_and_refuse_a_one_rank_publisher(
     assert reports[0]["h6_v"] == 0
     board = Board(tmp_path.joinpath("board").as_uri())
     assert board.versions("h2") == [0] and board.versions("h6") == [0]
+    for rep in reports:  # L3: every rebuilt publisher's group was destroyed
+        before, after = rep["l3"]
+        assert after <= before, rep["l3"]  # (H2's aborted group may go meanwhile)
+    assert board.versions("l3") == [0, 1, 2]
 
 
 # -- H1: the ranks' tensors change across sessions, at the same world size -------------------

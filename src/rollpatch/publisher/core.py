@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..types import check_run
 from .cast import CastView, HostSnapshots
 from .config import MAX_STATS, PublisherConfig, PublisherStats, VersionStats
-from .exiting import Ending, close_at_exit
+from .exiting import Ending, close_at_exit, close_exchange
 from .guards import diverged, engine_names, note_names
 from .outage import Outage, is_outage
 from .rounds import Pending, Snapshot, StallLog, agree, next_version
@@ -259,6 +259,13 @@ class Publisher(Ending):
             self._writer.lease.release()
 
     def _work(self) -> None:
+        try:
+            self._rounds()
+        finally:
+            if self._aborted:  # abort() left the exchange to this thread: no round runs now
+                close_exchange(self._x)
+
+    def _rounds(self) -> None:
         waiting_for: int | None = None
         done = False
         while not done:

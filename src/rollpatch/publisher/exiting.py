@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .signing import LatestHeartbeat
     from .writer import VersionWriter
 
-__all__ = ["Ending", "close_at_exit"]
+__all__ = ["Ending", "close_at_exit", "close_exchange"]
 
 _LIVE: weakref.WeakSet[Publisher] = weakref.WeakSet()
 
@@ -54,6 +54,7 @@ class Ending:
         if self._worker is not None:
             self._worker.join()
         self._let_go()
+        close_exchange(self._x)  # no round can run on it any more
         with self._cond:
             self._closed = True
             if self._error is not None and not self._error_reported:
@@ -76,6 +77,8 @@ class Ending:
         if callable(closer):  # an Exchange of the caller's may have none
             closer()
         self._let_go()
+        if self._worker is None or not self._worker.is_alive():  # else the worker does,
+            close_exchange(self._x)  # when the round it may be in has ended
 
     def _let_go(self) -> None:
         if self._heartbeat is not None:
@@ -88,6 +91,14 @@ class Ending:
             self.abort()
         else:
             self.close()
+
+
+def close_exchange(x: Exchange) -> None:
+    """Free the gloo group the publisher made for its exchange, if it made one."""
+    from .sharded import GlooExchange
+
+    if isinstance(x, GlooExchange):  # the one this publisher made (not a caller's Exchange)
+        x.close()
 
 
 def close_at_exit(pub: Publisher) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import threading
 from typing import Any, Protocol
 
 from ..errors import BoardError, ConfigError
@@ -54,7 +55,6 @@ class ThreadGroup:
     thread. Messages take the same JSON round trip as over gloo."""
 
     def __init__(self, size: int, timeout_s: float = 60.0) -> None:
-        import threading
 
         self.size, self.timeout_s = size, timeout_s
         self._cv = threading.Condition()
@@ -149,6 +149,23 @@ class GlooExchange:
         self.rank = dist.get_rank(self._group)
         self.size = dist.get_world_size(self._group)
         self._abort_key = f"rollpatch/publisher-aborted/{self._group.group_name}"
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Destroy this rank's gloo group (local, not a collective), once no round can run
+        on it: a publisher closed and built again after an error, as docs/publisher.md's
+        recipe does, left one group (its threads and sockets) behind per rebuild (audit J
+        L3). Later rounds raise ``BoardError``."""
+        with self._close_lock:  # the worker's exit and abort() may both call it
+            if self._closed:
+                return
+            self._closed = True
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):  # torch already torn down: nothing to free
+            if dist.is_initialized():
+                dist.destroy_process_group(self._group)
 
     def abort(self) -> None:
         """This rank's publisher aborted: say so in the default store, so the other ranks'
@@ -165,6 +182,8 @@ class GlooExchange:
             return None
 
     def allgather(self, message: Any) -> list[Any]:
+        if self._closed:
+            raise BoardError("this publisher's exchange between ranks is closed", rank=self.rank)
         raw = json.dumps(message, separators=(",", ":")).encode()
         if len(raw) > MAX_MESSAGE_BYTES:
             raise ConfigError("publisher message between ranks is too large", size=len(raw))

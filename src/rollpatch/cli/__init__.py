@@ -29,6 +29,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_REFUSED, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _Version(argparse.Action):
+    """``--version``, said only when asked (it loads the codec core to name it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> NoReturn:
+        print(_version())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..netem import cli as netem
     from . import analyze, codec, demo, gateway, gc, publish, pull, relay, sidecar, trust
@@ -37,7 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rollpatch",
         description="Lossless patches over engine-visible weights for RL rollout fleets.",
     )
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        nargs=0,
+        help="show the version, the codec core in use (native and its instruction set, or "
+        "the numpy reference) and the Python, and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (codec, analyze, publish, pull, gc, sidecar, gateway, relay, netem, demo, trust):
         module.register(sub)
@@ -53,9 +67,20 @@ def _parser_of(parser: argparse.ArgumentParser, command: str | None) -> argparse
 
 
 def _version() -> str:
+    import platform
+
     from .. import __version__
 
-    return f"rollpatch {__version__}"
+    return f"rollpatch {__version__} ({_native()}; Python {platform.python_version()})"
+
+
+def _native() -> str:
+    """The codec core in use (``native.describe``), or why none is."""
+    try:
+        from ..native import describe
+    except ImportError as e:  # numpy itself missing: nothing runs anyway
+        return f"codec unavailable: {e}"
+    return describe()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,8 +9,10 @@ and unreachable ones are retried on another island. See docs/gateway.md::
     gw = start_gateway(["a=http://10.0.0.5:8100", "http://10.0.0.6:8100"])
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused")
 
-:class:`Gateway` (``core``) and the ranking (``routing``) need no web stack;
-:func:`create_app` and :func:`start_gateway` need the ``web`` extra, imported on use.
+The config (``config``) and the ranking (``routing``) need no web stack; :class:`Gateway`
+(``core``: it polls islands with httpx), :func:`create_app` and :func:`start_gateway` need the
+``web`` extra, imported on use (a core install's ``rollpatch`` command registers ``gateway``
+from the config alone: before session 43 it died on ``import httpx``, every command with it).
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import GatewayConfig, IslandSpec, parse_island
-from .core import Gateway
 from .routing import IslandView, Tier, fleet_latest, rank, tier_of
 
 if TYPE_CHECKING:
     from .app import create_app
+    from .core import Gateway
     from .server import RunningGateway, start_gateway
 
 __all__ = [
@@ -42,6 +44,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Gateway":  # httpx is an optional extra
+        from .core import Gateway
+
+        return Gateway
     if name == "create_app":  # fastapi is an optional extra
         from .app import create_app
 

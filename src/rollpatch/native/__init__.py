@@ -2,7 +2,9 @@
 
 ``rollpatch.native.core`` is the extension module, or ``None`` when it is not built (or when
 ``ROLLPATCH_NATIVE=0``): callers then use the numpy reference implementation, which produces
-the same bytes. ``require()`` raises a clear error where the native core is mandatory.
+the same bytes. A core that is there but does not load (another glibc or Python) is one
+WARNING at import, kept in ``load_error``; ``rollpatch --version`` says which runs
+(:func:`describe`). ``require()`` raises a clear error where the native core is mandatory.
 Why C and the CPython API: no build dependency beyond setuptools and the system compiler,
 plain buffers in (numpy arrays, bytes, torch CPU tensors via ``.numpy()``), the GIL released
 around every loop, and one pure-C core that a libFuzzer harness links directly
@@ -11,6 +13,7 @@ around every loop, and one pure-C core that a libFuzzer harness links directly
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +23,18 @@ from typing import Any
 from ..errors import BaseMismatchError, ConfigError, PatchDecodeError
 from ..kinds import Kind, single_context
 
-__all__ = ["CHUNK", "ISAS", "core", "isa", "kind_tuple", "parallel_map", "require", "threads"]
+__all__ = [
+    "CHUNK",
+    "ISAS",
+    "core",
+    "describe",
+    "isa",
+    "kind_tuple",
+    "load_error",
+    "parallel_map",
+    "require",
+    "threads",
+]
 
 #: Elements per independently coded chunk of ``rp.ctxgolomb.v2`` (fixed by the format).
 CHUNK = 1 << 20
@@ -28,20 +42,35 @@ CHUNK = 1 << 20
 _ORDERS = {"signmag": 0, "twos": 1, "unsigned": 2}
 
 
-def _load() -> ModuleType | None:
+def _load() -> tuple[ModuleType | None, str | None]:
+    """(the core, why it is not loaded: None when it is, or when ``ROLLPATCH_NATIVE=0``)."""
     if os.environ.get("ROLLPATCH_NATIVE", "1") == "0":
-        return None
+        return None, None
     try:
         from . import _rpcore  # type: ignore[attr-defined]
-    except ImportError:
-        return None
+    except ImportError as e:  # not built, or built for another glibc or Python
+        why = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        logging.getLogger("rollpatch.native").warning(
+            "the native codec core did not load (%s): the numpy reference runs instead, "
+            "same bytes, several times slower; %s",
+            why,
+            _BUILD_HINT,
+        )
+        return None, why
     _rpcore.set_errors(PatchDecodeError, BaseMismatchError)
     if _rpcore.CHUNK != CHUNK:
         raise ImportError("rollpatch native core was built for another chunk size")
-    return _rpcore
+    return _rpcore, None
 
 
-core: ModuleType | None = _load()
+#: How to get the core built (a checkout, or an installed package).
+_BUILD_HINT = (
+    "build it: `pip install -e .` in a checkout, or `pip install --force-reinstall "
+    "--no-binary rollpatch rollpatch` (both need a C compiler); ROLLPATCH_NATIVE=0 runs the "
+    "reference without this warning"
+)
+
+core, load_error = _load()
 
 #: The core's instruction-set levels, lowest first (``ROLLPATCH_ISA`` takes these names).
 ISAS = ("scalar", "avx2", "avx512")
@@ -66,12 +95,26 @@ def isa(level: str | None = None) -> tuple[str, str]:
 def require() -> ModuleType:
     """The native core, or a ConfigError that says how to build it."""
     if core is None:
+        off = load_error is None  # ROLLPATCH_NATIVE=0
         raise ConfigError(
-            "the native codec core is not built",
-            hint="reinstall with `pip install -e .` (needs a C compiler), "
-            "or unset ROLLPATCH_NATIVE=0",
+            "the native codec core is " + ("turned off" if off else "not loaded"),
+            reason="ROLLPATCH_NATIVE=0" if off else load_error,
+            hint="unset ROLLPATCH_NATIVE" if off else _BUILD_HINT,
         )
     return core
+
+
+def describe() -> str:
+    """What ``rollpatch --version`` says of the core: its instruction-set level, or why the
+    numpy reference runs instead."""
+    if core is None:
+        return (
+            "native core off (ROLLPATCH_NATIVE=0)"
+            if load_error is None
+            else (f"native core NOT LOADED ({load_error}): numpy reference")
+        )
+    used, best = isa()
+    return f"native core {used}" + ("" if used == best else f" (CPU runs {best})")
 
 
 def kind_tuple(kind: Kind, n_elements: int) -> tuple[int, int, int, int]:

@@ -392,7 +392,8 @@ def test_events_as_json_lines_and_text() -> None:
 
 
 def test_relay_logs_fetches_as_json(tmp_path: Path) -> None:
-    """A real relay process with ``--log-format json``: each upstream fetch is one event."""
+    """A real relay process with ``--log-format json``: each upstream fetch is one event, and
+    every line is JSON, the HTTP server's own (start, a malformed request: once) included."""
     board_uri = (tmp_path / "board").as_uri()
     rng = np.random.default_rng(0)
     masters = {"w": rng.standard_normal((64, 64)).astype(np.float32)}
@@ -426,10 +427,19 @@ def test_relay_logs_fetches_as_json(tmp_path: Path) -> None:
         board = Board(open_store(url))
         ref = board.manifest("r", 0).keyframes[0].ref
         assert len(board.fetch(ref)) == ref.size
+        host, port = url.removeprefix("http://").split(":")
+        for _ in range(5):  # a scanner's garbage: the server's warning, paced, in JSON too
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(b"NONSENSE\x00\r\n\r\n")
+                s.recv(1024)
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
-    events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+    lines = err.splitlines()  # every line JSON: the HTTP server's own ones too (L5)
+    events = [json.loads(x) for x in lines]
+    invalid = [e for e in events if "Invalid HTTP request" in e.get("message", "")]
+    assert len(invalid) == 1 and invalid[0]["level"] == "warning", lines
+    assert any("Started server process" in e.get("message", "") for e in events)
     fetched = [e for e in events if e["event"] == "fetched" and e["key"] == ref.key]
     assert len(fetched) == 1 and fetched[0]["bytes"] == ref.size
     assert fetched[0]["logger"] == "rollpatch.relay" and fetched[0]["kind"] == "object"

@@ -204,16 +204,24 @@ def test_a_repeated_failure_is_logged_once(caplog: pytest.LogCaptureFixture) -> 
         flog.failed(EngineError("another"))  # after the quiet period, with the count
         flog.cleared()
         flog.failed(EngineError("another"))  # after a success: at once
-    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.levelno > logging.DEBUG]
-    assert [lvl for lvl, _ in lines] == [
-        logging.ERROR,
-        logging.WARNING,
-        logging.WARNING,
-        logging.WARNING,
+    lines = [
+        (r.levelno, r.rp_event, r.rp_fields)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.levelno > logging.DEBUG
     ]
-    assert "IncompatibleModelError: a tensor differs" in lines[0][1]
-    assert "failed the same way 1 more time(s) since" in lines[2][1]
-    assert "more time" not in lines[3][1]
+    assert [(lvl, name) for lvl, name, _ in lines] == [
+        (logging.ERROR, "sync_failed"),
+        (logging.WARNING, "sync_failed"),
+        (logging.WARNING, "sync_failed"),
+        (logging.INFO, "sync_recovered"),  # the success that ended 8 failures says so
+        (logging.WARNING, "sync_failed"),
+    ]
+    first = lines[0][2]
+    assert first["run"] == "r1" and first["error_type"] == "IncompatibleModelError"
+    assert first["error"].startswith("a tensor differs")
+    assert lines[2][2]["repeated"] == 1 and "since" in lines[2][2]  # the count, after the quiet
+    assert lines[3][2]["failures"] == 8 and lines[3][2]["failed_for_s"] > REPEAT_LOG_S
+    assert "repeated" not in lines[4][2]
 
 
 def test_sliced_keyframes_are_checked_whole_before_any_fetch(tmp_path: Path) -> None:

@@ -92,8 +92,12 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
 
     sc = SidecarMetrics()
     fields = {"version": 3, "latest": 5, "lag": 2, "bytes_fetched": 7, "commits": 1}
-    status = type("S", (), {**fields, "failures": 2, "adoptions": 1, "last_error": None})
-    sc.update(status, status.latest, 1.25)
+    status = type(
+        "S",
+        (),
+        {**fields, "failures": 2, "adoptions": 1, "last_error": None, "served_created": 7.5},
+    )
+    sc.update(status, status.latest, 1.25, ready=True)
     sc.request("proxied", 0.01)
     text = sc.render().decode()
     for line in (
@@ -102,6 +106,8 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
         "rollpatch_lag_versions 2.0",
         "rollpatch_sync_failures_total 2.0",
         "rollpatch_sync_failing 0.0",
+        "rollpatch_ready 1.0",
+        "rollpatch_served_published_timestamp_seconds 7.5",
         "rollpatch_adoptions_total 1.0",
         "rollpatch_commits_total 1.0",
         "rollpatch_bytes_fetched_total 7.0",
@@ -116,13 +122,13 @@ def test_metric_shapes_are_shared_by_sidecar_and_gateway() -> None:
     assert "_created" not in text
     # the version lost, LATEST still known: every version is missing (a lag alert fires)
     status.version, status.lag = None, None
-    sc.update(status, status.latest, 1.25)
+    sc.update(status, status.latest, 1.25, ready=False)
     lines = sc.render().decode().splitlines()
     assert "rollpatch_served_version -1.0" in lines and "rollpatch_lag_versions 6.0" in lines
     status.latest = None
     status.last_error = "EngineError: x"
     # none verified: -1, as the gateway says it; LATEST never read: -1, and the lag unknown
-    sc.update(status, status.latest, float("inf"))
+    sc.update(status, status.latest, float("inf"), ready=False)
     text = sc.render().decode()
     for line in (
         "rollpatch_served_version -1.0",

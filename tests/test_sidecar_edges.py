@@ -6,6 +6,7 @@ tests/test_sidecar.py.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -278,7 +279,9 @@ def test_pause_mode_reports_spanning_versions(world: World) -> None:
         sc.stop()
 
 
-def test_a_stalled_board_holds_no_request_and_not_version(world: World) -> None:
+def test_a_stalled_board_holds_no_request_and_not_version(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
     """A board (a relay) that accepts and never answers: ``/version`` answers from the
     sidecar's state at once, a ``max_lag`` request and a ``min_version`` one past the known
     LATEST get 503 naming the board once ``latest_max_age_s`` passed (not "not published",
@@ -296,6 +299,7 @@ def test_a_stalled_board_holds_no_request_and_not_version(world: World) -> None:
             if self.stall.is_set() and key.endswith("LATEST"):
                 self.release.wait(60)
 
+    caplog.set_level(logging.INFO, logger="rollpatch")
     store = Stalling(Board(world.board).store)
     engine = ReferenceEngine.from_dir(world.model, threads=1)
     cfg = SidecarConfig(
@@ -326,6 +330,20 @@ def test_a_stalled_board_holds_no_request_and_not_version(world: World) -> None:
             assert "the board or relay did not answer it" in r.json()["error"]["message"]
         r = httpx.post(f"{sc.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 200 and r.json()["rollpatch"]["version_end"] == served
+        # each of those 503s is said, at WARNING: the operator hears the board is unread (L3)
+        said = [
+            rec.rp_fields["reason"]  # type: ignore[attr-defined]
+            for rec in caplog.records
+            if getattr(rec, "rp_event", None) == "refused" and rec.levelno == logging.WARNING
+        ]
+        assert any("max_lag cannot be checked" in x for x in said), said
+        assert any(f"whether version {served + 1}" in x for x in said), said
+        # and with no request at all, the board watch says LATEST went unread (L2)
+        until(
+            lambda: any(getattr(r, "rp_event", None) == "latest_stale" for r in caplog.records),
+            "the latest_stale line",
+            10,
+        )
     finally:
         store.release.set()
         sc.stop()

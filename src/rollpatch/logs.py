@@ -176,7 +176,53 @@ def configure(
     root.addHandler(handler)
     root.setLevel(level.upper())
     root.propagate = False
+    # the HTTP server's own lines (start, stop, a malformed request) in the same format, not
+    # its plain text beside JSON lines; one kind of warning at most once a minute (a scanner
+    # sending garbage made one line per request: an audit, session 43, L5)
+    web = logging.getLogger("uvicorn")
+    for h in list(web.handlers):
+        if h.get_name() == _HANDLER:
+            web.removeHandler(h)
+    web.addHandler(handler)
+    web.propagate = False
+    for name in ("uvicorn.error", "uvicorn.access"):
+        sub = logging.getLogger(name)
+        sub.handlers = [h for h in sub.handlers if h.get_name() == _HANDLER]
+        sub.propagate = True
+        if not any(isinstance(f, _Paced) for f in sub.filters):
+            sub.addFilter(_Paced())
     return root
+
+
+class _Paced(logging.Filter):
+    """A library's WARNING lines (the HTTP server's "Invalid HTTP request received.", one per
+    bad request) each said at most once a minute by their text, the next one with how many
+    were held back."""
+
+    MAX_KINDS = 64
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._paces: dict[str, Every] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or getattr(record, _EVENT, None) is not None:
+            return True
+        key = str(record.msg)[:200]
+        with self._lock:
+            pace = self._paces.get(key)
+            if pace is None:
+                if len(self._paces) >= self.MAX_KINDS:
+                    self._paces.clear()
+                pace = self._paces[key] = Every(self.every_s)
+            if not pace.due():
+                return False
+            held = pace.said_held
+        if held:
+            record.msg = f"{record.msg} ({held} more since the last such line)"
+        return True
 
 
 def add_log_args(p: argparse.ArgumentParser, *, default_level: str | None = "info") -> None:

@@ -150,3 +150,6 @@ class FollowerStatus:
     #: The failure of the last board read that was retried (``"ClassName: message"``;
     #: cleared by a successful sync): why a first read of LATEST is still in progress.
     last_retry_error: str | None = None
+    #: The ``created`` time (Unix seconds, the publisher's clock) of the manifest of the last
+    #: version committed (None: none committed since start): how old the served policy is.
+    served_created: float | None = None

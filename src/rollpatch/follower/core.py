@@ -325,7 +325,7 @@ class Follower:
         before = self.version
         self.gate.run(lambda: self._held.commit(write, want, m.target, before))
         pause_s = self.gate.last_pause_s or 0.0
-        self._rec.committed(pause_s)
+        self._rec.committed(pause_s, m.created)
         for callback in list(self.on_commit):
             try:
                 callback(want, pause_s)

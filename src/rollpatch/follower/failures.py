@@ -5,7 +5,8 @@ model cannot hold.
   ≤ 30 s for as long as it fails; a failure repeated with the same message is logged again
   at most every :data:`REPEAT_LOG_S`, with how many times it repeated meanwhile (every
   repeat still reaches the status, ``/version`` and ``/ready``). A different failure, or one
-  after a successful sync, is logged at once. A model the engine cannot hold
+  after a successful sync, is logged at once; the sync that ends a run of failures says so
+  (``sync_recovered``). A model the engine cannot hold
   (:class:`~rollpatch.errors.IncompatibleModelError`) is logged as an ERROR: no retry fixes
   it.
 - **No keyframe fetched twice for nothing.** An :class:`IncompatibleModelError` is
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from ..engines.fit import ModelTensors
 from ..errors import IncompatibleModelError, RollpatchError, VersionNotFoundError
-from ..logs import Every
+from ..logs import Every, event
 from ..manifest import Manifest
 
 __all__ = [
@@ -43,10 +44,13 @@ UNFIT_KEEP = 8
 
 
 class FailureLog:
-    """Logs ``run``'s failures of ``what`` (a sync, the audit) to ``log``, each message once
-    per ``repeat_s`` (default :data:`REPEAT_LOG_S`, paced by :class:`~rollpatch.logs.Every` on
-    ``clock``); ``level``: every line's (default: ERROR for an incompatible model, else
-    WARNING)."""
+    """Logs ``run``'s failures of ``what`` (a sync, the audit) to ``log`` as the event
+    ``{what}_failed`` (run, error_type, error; ``repeated`` and ``since`` for a repeat), each
+    message once per ``repeat_s`` (default :data:`REPEAT_LOG_S`, paced by
+    :class:`~rollpatch.logs.Every` on ``clock``); ``level``: every line's (default: ERROR for
+    an incompatible model, else WARNING). The success that ends a run of failures is the
+    event ``{what}_recovered`` (INFO: how long it failed, how many times). Before session 43
+    the lines were free text, which alerts had to match by regex (an audit, L6)."""
 
     def __init__(
         self,
@@ -59,35 +63,60 @@ class FailureLog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log, self._run, self._what, self._level = log, run, what, level
+        self._clock = clock
         self._last: str | None = None
         self._pace = Every(repeat_s, clock)  # of the same failure's lines
         self._since = 0.0  # time.time() of the last line, for the message
+        self._first: float | None = None  # clock() of this run of failures' first
+        self._count = 0  # failures in this run
 
     def failed(self, e: BaseException) -> None:
-        text = f"{type(e).__name__}: {e}"
         same = _same_as(e)  # what makes two failures the same: not a clock in its context
+        if self._first is None:
+            self._first = self._clock()
+        self._count += 1
         if same != self._last:
             self._pace.reset()  # a different failure is said at once
         self._last = same
         if not self._pace.due():
-            self._log.debug("%s: %s failed again: %s", self._run, self._what, text)
+            self._log.debug(
+                "%s: %s failed again: %s: %s", self._run, self._what, type(e).__name__, e
+            )
             return
         level = self._level
         if level is None:
             level = logging.ERROR if isinstance(e, IncompatibleModelError) else logging.WARNING
         held = self._pace.said_held
         again = (
-            f" (failed the same way {held} more time(s) since "
-            f"{time.strftime('%H:%M:%S', time.localtime(self._since))})"
-            if held
-            else ""
+            {}
+            if not held
+            else {
+                "repeated": held,  # the same way, since the line before
+                "since": time.strftime("%H:%M:%S", time.localtime(self._since)),
+            }
         )
-        self._log.log(level, "%s: %s failed: %s%s", self._run, self._what, text, again)
+        event(
+            self._log,
+            f"{self._what}_failed",
+            level,
+            run=self._run,
+            error_type=type(e).__name__,
+            error=str(e),
+            **again,
+        )
         self._since = time.time()
 
     def cleared(self) -> None:
-        """A sync succeeded: the next failure is logged at once."""
-        self._last = None
+        """A sync succeeded: said when it ends failures; the next failure is logged at once."""
+        if self._first is not None:
+            event(
+                self._log,
+                f"{self._what}_recovered",
+                run=self._run,
+                failed_for_s=round(self._clock() - self._first, 3),
+                failures=self._count,
+            )
+        self._last, self._first, self._count = None, None, 0
 
 
 def _same_as(e: BaseException) -> str:

@@ -52,6 +52,8 @@ class Record:
             "adoptions": 0,
         }
         self.timings: dict[str, float | None] = {"commit": None, "fetch": None, "stage": None}
+        #: The committed version's manifest ``created`` (None: no commit yet).
+        self.served_created: float | None = None
 
     def set(self, state: FollowerState, **kw: BaseException | None) -> None:
         """Enter ``state``; ``error=`` replaces the last error (None clears it)."""
@@ -77,10 +79,12 @@ class Record:
             self.retry_error = e
             self.cond.notify_all()
 
-    def committed(self, pause_s: float) -> None:
-        """A verified commit that paused the engine ``pause_s``."""
+    def committed(self, pause_s: float, created: float) -> None:
+        """A verified commit that paused the engine ``pause_s``, of a version whose manifest
+        was ``created`` (Unix seconds)."""
         with self.cond:
             self.timings["commit"] = pause_s
+            self.served_created = created
             self.counts["commits"] += 1
             self.cond.notify_all()
 
@@ -118,4 +122,5 @@ class Record:
                 adoptions=c["adoptions"],
                 latest_age_s=None if self.latest_at is None else time.monotonic() - self.latest_at,
                 last_retry_error=None if retry is None else f"{type(retry).__name__}: {retry}",
+                served_created=None if version is None else self.served_created,
             )

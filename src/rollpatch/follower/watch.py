@@ -190,6 +190,9 @@ class Watcher:
                 failures = 0
             # the thread must outlive any failure; on_failure records and logs it
             except Exception as e:  # noqa: BLE001
+                if stop.is_set():  # stop() abandoned the poll: no failure to report
+                    log.debug("%s: poll abandoned at stop: %s", self.name, e)
+                    break
                 self._on_failure(e)
                 failures += 1
             poll = self.poll_s  # back off while failing, up to 30 s (or poll_s)

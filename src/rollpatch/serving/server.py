@@ -266,6 +266,9 @@ def serve_app(
     )
     config = uvicorn.Config(
         app,
+        # no handlers of its own: its lines go through rollpatch.logs.configure's (the
+        # service's --log-format), or Python's last resort in a library process
+        log_config=None,
         log_level=log_level,
         lifespan=lifespan,
         access_log=access_log,

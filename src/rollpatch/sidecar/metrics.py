@@ -37,6 +37,22 @@ class SidecarMetrics:
             "rollpatch_sync_failing",
             "1 while the last sync failed (why: /ready and /version's last_error), else 0",
         )
+        self.ready = r.gauge(
+            "rollpatch_ready",
+            "1 while the sidecar can serve (its part of /ready: a verified version loaded, no "
+            "commit stuck, not shutting down; the engine's own probe aside), else 0",
+        )
+        self.served_created = r.gauge(
+            "rollpatch_served_published_timestamp_seconds",
+            "creation time (Unix s, the publisher's clock) of the served version's manifest; "
+            "NaN while none: time() minus it is how old the served policy is",
+        )
+        self.commit_age = r.histogram(
+            "rollpatch_commit_age_seconds",
+            "from a version's creation on the board to its commit here (publish -> serving; "
+            "two hosts' clocks)",
+            (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
         self.latest_age = r.gauge(
             "rollpatch_latest_age_seconds",
             "seconds since LATEST was last read from the board (-1: never); grows while the "
@@ -57,7 +73,11 @@ class SidecarMetrics:
             "drain commits that hit the drain deadline and paused instead",
         )
         self.requests = r.counter("rollpatch_requests", "requests by outcome", ["outcome"])
-        self.latency = r.histogram("rollpatch_proxy_seconds", "proxied request duration")
+        self.latency = r.histogram(
+            "rollpatch_proxy_seconds",
+            "proxied request duration (a long generation takes minutes)",
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
         self.engine_connections = r.total(
             "rollpatch_engine_connections_opened",
             "connections opened to the engine by the proxied routes (keep-alive reuse keeps "
@@ -85,7 +105,7 @@ class SidecarMetrics:
         if seconds is not None:
             self.latency.observe(seconds)
 
-    def update(self, status: Any, latest: int | None, latest_age_s: float) -> None:
+    def update(self, status: Any, latest: int | None, latest_age_s: float, *, ready: bool) -> None:
         """Refresh gauges from a FollowerStatus, the sidecar's newest known LATEST and its
         age (they also count the LATEST reads of requests: ``Sidecar.refresh_metrics``).
         The lag is :func:`~rollpatch.serving.metrics.lag_value`: ``latest + 1`` while nothing
@@ -97,6 +117,9 @@ class SidecarMetrics:
         self.failures.set(status.failures)
         self.failing.set(0 if status.last_error is None else 1)
         self.latest_age.set(-1 if latest_age_s == float("inf") else round(latest_age_s, 3))
+        self.ready.set(1 if ready else 0)
+        created = status.served_created
+        self.served_created.set(float("nan") if created is None else created)
 
     def audited(self, auditor: Any, mismatches: int) -> None:
         """The audit's counters from the follower's ``Auditor`` (slices, bytes, passes) and

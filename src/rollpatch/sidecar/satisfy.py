@@ -5,6 +5,7 @@ or refuses (409/503) by the constraint (docs/sidecar.md)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from starlette.responses import Response
 
@@ -13,7 +14,7 @@ from ..types import Constraint
 from .protocol import DEFAULT_WAIT_S, Decision, decide
 from .service import Sidecar
 
-__all__ = ["LatestReader", "conflict", "plain_proxy", "satisfy"]
+__all__ = ["LatestReader", "conflict", "plain_proxy", "satisfy", "unavailable"]
 
 
 class LatestReader:
@@ -58,13 +59,11 @@ class LatestReader:
 async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Response | None:
     """Wait for catch-up when the constraint allows it; a response when it must refuse."""
     if sc.draining:  # shutting down: another island takes it (the gateway retries a 503)
-        sc.metrics.request("unavailable")
-        return error_response(
-            503,
+        return unavailable(
+            sc,
             "the sidecar is shutting down; send the request to another island",
-            "not_ready",
-            served=sc.follower.version,
-            latest=sc.latest_seen(),
+            sc.follower.version,
+            sc.latest_seen(),
         )
     served = sc.follower.version
     if served is None and sc.gate.busy:  # mid-commit an engine may report no version
@@ -84,14 +83,8 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
     age = sc.latest_age()
     if c.max_lag is not None and served is not None and age > sc.config.latest_max_age_s:
         # the board is unreachable: how far behind this island is cannot be known
-        sc.metrics.request("unavailable")
-        return error_response(
-            503,
-            _stale(sc, age, "max_lag cannot be checked"),
-            "not_ready",
-            served=served,
-            latest=latest,
-        )
+        reason = _stale(sc, age, "max_lag cannot be checked")
+        return unavailable(sc, reason, served, latest, level=logging.WARNING)
     d = decide(c, served, latest)
     if d.action == "conflict" and d.need is not None:
         latest = await latest_of(True)
@@ -101,21 +94,10 @@ async def satisfy(sc: Sidecar, latest_of: LatestReader, c: Constraint) -> Respon
     age = sc.latest_age()
     if d.action == "conflict" and d.need is not None and age > sc.config.latest_max_age_s:
         # "not published yet" is only known from a LATEST read recently
-        sc.metrics.request("unavailable")
-        return error_response(
-            503,
-            _stale(sc, age, f"whether version {d.need} is published cannot be checked"),
-            "not_ready",
-            served=served,
-            latest=latest,
-        )
+        reason = _stale(sc, age, f"whether version {d.need} is published cannot be checked")
+        return unavailable(sc, reason, served, latest, level=logging.WARNING)
     if d.action == "unavailable":  # with why, as /ready says it (the last sync's failure)
-        reason = sc.not_ready_reason() or d.reason
-        sc.metrics.request("unavailable")
-        sc.said.event(
-            "refused", f"503 {reason}", status=503, reason=reason, served=None, latest=latest
-        )
-        return error_response(503, reason, "not_ready", served=None, latest=latest)
+        return unavailable(sc, sc.not_ready_reason() or d.reason, None, latest)
     if d.action == "wait":
         wait_s = DEFAULT_WAIT_S if c.wait_s is None else c.wait_s
         assert d.need is not None
@@ -160,6 +142,24 @@ def plain_proxy(c: Constraint, served: int | None) -> Decision | None:
         return None
     d = decide(c, served, None)
     return d if d.action == "proxy" else None
+
+
+def unavailable(
+    sc: Sidecar,
+    reason: str,
+    served: int | None,
+    latest: int | None,
+    *,
+    level: int = logging.INFO,
+) -> Response:
+    """503 ``not_ready``, counted and logged (throttled per reason: ``refused``; WARNING when
+    the board cannot be read, which an operator must hear of). Before session 43 the draining
+    and stale-LATEST 503s were counted but never logged (an audit, L3)."""
+    sc.metrics.request("unavailable")
+    sc.said.event(
+        "refused", f"503 {reason}", level, status=503, reason=reason, served=served, latest=latest
+    )
+    return error_response(503, reason, "not_ready", served=served, latest=latest)
 
 
 def conflict(sc: Sidecar, served: int | None, reason: str, *, final: bool = False) -> Response:

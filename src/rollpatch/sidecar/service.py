@@ -18,6 +18,7 @@ from ..logs import Throttle, event
 from ..serving.admission import wait_drained
 from ..serving.body import BodyLimits
 from ..store import open_reader_store
+from .boardwatch import BoardWatch
 from .gate import CommitGate, CommitMode
 from .metrics import SidecarMetrics
 
@@ -135,6 +136,8 @@ class Sidecar:
         #: Shutting down (:meth:`drain`): new requests are refused, in-flight ones finish.
         self.draining = False
         self._started_at: float | None = None  # time.monotonic() at start()
+        #: Says in the log when LATEST goes unread or the run has none (no request needed).
+        self._watch = BoardWatch(self)
 
     def start(self) -> None:
         """Start following LATEST in the background (the engine becomes ready after boot).
@@ -156,9 +159,16 @@ class Sidecar:
                 log.info("the engine was not claimed or resumed at start: %s", e)
         self._started_at = time.monotonic()
         self.follower.start()
+        self._watch.start()
 
     def stop(self) -> None:
+        self._watch.stop()
         self.follower.stop()
+
+    @property
+    def started_at(self) -> float | None:
+        """``time.monotonic()`` when :meth:`start` ran (None: not started)."""
+        return self._started_at
 
     def drain(self, grace_s: float, stop: threading.Event | None = None) -> bool:
         """Stop taking requests (each is answered 503, ``/ready`` says so, so a gateway
@@ -225,6 +235,8 @@ class Sidecar:
             bytes_fetched_total=st.bytes_fetched,  # since the sidecar started
         )
         self.metrics.pause.observe(pause_s)
+        if st.served_created is not None:  # publish -> serving, across two hosts' clocks
+            self.metrics.commit_age.observe(max(0.0, time.time() - st.served_created))
         last = self.gate.last
         if last is not None and self.gate.mode == "drain":
             self.metrics.drain.observe(last.drain_s)
@@ -296,7 +308,7 @@ class Sidecar:
         s = self.follower.status()
         latest = self.latest_seen()
         lag = None if s.version is None or latest is None else max(0, latest - s.version)
-        self.metrics.update(s, latest, self.latest_age())
+        self.metrics.update(s, latest, self.latest_age(), ready=self.not_ready_reason() is None)
         self.metrics.audited(self.follower.auditor, s.audits)
         return s, latest, lag
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import GatewayConfig, IslandSpec, parse_island
-from .routing import IslandView, Tier, fleet_latest, rank, tier_of
+from .routing import IslandView, Tier, fleet_latest, fleet_newest, rank, tier_of
 
 if TYPE_CHECKING:
     from .app import create_app
@@ -36,6 +36,7 @@ __all__ = [
     "Tier",
     "create_app",
     "fleet_latest",
+    "fleet_newest",
     "parse_island",
     "rank",
     "start_gateway",

@@ -1,7 +1,7 @@
 """The gateway's HTTP app: OpenAI routes forwarded to islands, plus status routes.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming passed through),
-``GET /v1/models``, ``/health``, ``/islands``, ``/metrics``. Statuses: whatever the chosen
+``GET /v1/models``, ``/health``, ``/ready``, ``/islands``, ``/metrics``. Statuses: whatever the chosen
 sidecar answered; ``409``/``503`` from the last island tried when none could serve; ``503``
 from the gateway when no island could be reached; ``400`` for a malformed request.
 """
@@ -14,16 +14,18 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..errors import ConfigError
 from ..protocol import parse_constraint
 from ..serving.app import closing, config_refusal, install_error_handlers, upstream_client
 from ..serving.body import read_json_object
 from ..serving.metrics import CONTENT_TYPE as METRICS_TYPE
+from ..serving.responses import error_response
 from ..serving.schema import openapi_body, validate_body
 from ..types import Constraint
 from .core import Gateway
+from .health import fresh_count, not_ready_reason, ready_islands
 from .proxy import forward
 
 __all__ = ["create_app"]
@@ -56,8 +58,22 @@ def create_app(gw: Gateway) -> FastAPI:
             "islands": len(views),
             "reachable": sum(1 for v in views if v.reachable),
             "serving": sum(1 for v in views if v.reachable and v.served is not None),
+            "fresh": fresh_count(gw.routable(), gw.config.latest_max_age_s, time.monotonic()),
             "latest": gw.latest(),
         }
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        islands, latest = gw.routable(), gw.latest()
+        reason = (
+            "the gateway is shutting down"
+            if gw.draining
+            else not_ready_reason(islands, latest, gw.fleet_run())
+        )
+        if reason is not None:
+            return error_response(503, reason, "not_ready", reason=reason)
+        ready = [v.name for v in ready_islands(islands, latest)]
+        return JSONResponse({"ready": True, "islands": ready, "latest": latest})
 
     @app.get("/islands")
     async def islands() -> dict[str, Any]:

@@ -97,6 +97,16 @@ class GatewayConfig:
         help="seconds an island that gave a bad answer (labels outside the constraint, none, "
         "not JSON, too large) is tried only when no other island can be",
     )
+    #: Sidecars do not report their own bound in ``/version``, only ``latest_age_s``.
+    latest_max_age_s: float = setting(
+        5.0,
+        lo=0.0,
+        lo_open=True,
+        hi=3600.0,
+        help="/health counts an island fresh while its sidecar read LATEST less than this "
+        "many seconds ago (set it to the islands' --latest-max-age: past it, they refuse "
+        "max_lag requests)",
+    )
     run: str | None = setting(
         None,
         help="the run every island must follow (default: the run most islands follow); "

@@ -18,13 +18,22 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
-from ..logs import event
+from ..logs import Throttle, event
 from ..serving.admission import Slot, wait_drained
 from ..types import Constraint
 from .config import GatewayConfig, IslandSpec, parse_island
+from .health import read_at
 from .metrics import GatewayMetrics
 from .poll import poll_loop
-from .routing import RETRY_AFTER_CONFLICT, RETRY_AFTER_FAILURE, IslandView, Tier, fleet_latest, rank
+from .routing import (
+    RETRY_AFTER_CONFLICT,
+    RETRY_AFTER_FAILURE,
+    IslandView,
+    Tier,
+    fleet_latest,
+    fleet_newest,
+    rank,
+)
 
 __all__ = ["Gateway"]
 
@@ -76,6 +85,9 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.specs = specs
         self.metrics = GatewayMetrics()
+        #: Per-request events (a refusal, a bad answer, a broken stream): one line per kind
+        #: every 10 s, ``repeated=N`` after.
+        self.said = Throttle(log)
         self._records = {s.name: _Record(IslandView(s.name, s.url)) for s in specs}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -149,6 +161,7 @@ class Gateway:
                 latest=_int_or_none(body.get("latest")),
                 state=str(body.get("state")) if body.get("state") else None,
                 reachable=True,
+                latest_read_at=read_at(body.get("latest_age_s")),
             )
             rec.lag = _int_or_none(body.get("lag"))
             rec.run = run
@@ -306,16 +319,22 @@ class Gateway:
         can inflate it; islands of another run do not count)."""
         return fleet_latest(self.routable())
 
+    def newest(self) -> int | None:
+        """The newest version the fleet is known to have, what lags are measured from
+        (:func:`~rollpatch.gateway.routing.fleet_newest`: a stuck island cannot hide its lag
+        behind the median)."""
+        return fleet_newest(self.routable())
+
     def describe(self) -> list[dict[str, Any]]:
         """What ``/islands`` reports: each island's last known ``/version`` and our view of it."""
-        newest = self.latest()
+        newest = self.newest()
         with self._lock:
             out = []
             for s in self.specs:
                 rec = self._records[s.name]
                 v = rec.view
-                # behind the fleet's LATEST: a sidecar's own lag comes from
-                # its follower, stale while that follower is stopped or slow to poll
+                # behind the fleet's newest version: a sidecar's own lag comes from its
+                # follower, stale while that follower is stopped, slow to poll or stuck
                 lag = (
                     max(newest - v.served, 0)
                     if newest is not None and v.served is not None

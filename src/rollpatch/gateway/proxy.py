@@ -22,10 +22,9 @@ from fastapi.responses import Response
 
 from .. import jsonsafe
 from ..errors import ConfigError
-from ..logs import Throttle, event
 from ..protocol import HEADER_END, HEADER_START
 from ..serving.admission import Slot
-from ..serving.responses import error_body, error_response
+from ..serving.responses import error_body, error_message, error_response
 from ..serving.streaming import OwnedStream, relay_sse, sse_data
 from ..types import Constraint
 from .answers import (
@@ -45,9 +44,8 @@ __all__ = ["HEADER_ISLAND", "RETRYABLE", "add_island", "forward"]
 HEADER_ISLAND = "X-Rollpatch-Island"
 #: Sidecar statuses that another island may answer better.
 RETRYABLE = frozenset({409, 502, 503})
-log = logging.getLogger("rollpatch.gateway")
-#: Per-request events (a bad answer, a broken stream): one line per kind every 10 s.
-_throttle = Throttle(log)
+#: Longest island reason said in a ``refused`` line (a sidecar's reason is a sentence).
+MAX_REASON_CHARS = 300
 _KEPT_HEADERS = (
     "content-type",
     "retry-after",
@@ -187,16 +185,37 @@ async def forward(
             return result
         last = result
     answer = _give_up(gw, last, tried)
-    event(
-        log,
+    reason = _reason(last)
+    # one line per status and reason every 10 s: a re-sync refuses hundreds a second
+    gw.said.event(
         "refused",
+        f"{answer.status_code} {reason}",
+        logging.WARNING if answer.status_code >= 500 else logging.INFO,
         status=answer.status_code,
+        reason=reason,
         path=path,
         tried=",".join(tried),
-        error=None if last is None else last.error,
     )
     gw.metrics.answer(answer.status_code, time.perf_counter() - t0)
     return answer
+
+
+def _reason(last: _Refusal | None) -> str:
+    """Why the last island refused, from its answer's body (its error message, else its
+    ``reason``), else how the attempt failed; at most :data:`MAX_REASON_CHARS`."""
+    if last is None:
+        return "no island to try"
+    body = None
+    if last.content:
+        try:
+            body = jsonsafe.loads(
+                last.content, what="refusal", max_bytes=1 << 20, max_depth=MAX_ANSWER_DEPTH
+            )
+        except ConfigError:
+            body = None
+    said = error_message(body) or (body.get("reason") if isinstance(body, dict) else None)
+    reason = said if isinstance(said, str) and said else last.error or f"HTTP {last.status}"
+    return reason[:MAX_REASON_CHARS]
 
 
 def _give_up(gw: Gateway, last: _Refusal | None, tried: list[str]) -> Response:
@@ -218,7 +237,7 @@ def _bad_answer(gw: Gateway, island: str, e: BadAnswer) -> _Refusal:
     ``502`` ready for the caller should no other island answer."""
     gw.metrics.refused(island, e.kind)
     gw.penalize(island, f"bad answer ({e.kind}): {e}")
-    _throttle.event(
+    gw.said.event(
         "bad_answer",
         f"{island} {e.kind}",
         logging.WARNING,
@@ -324,7 +343,7 @@ def _stream(
         else:  # the island went away mid-stream
             gw.observe_failure(island, f"stream: {type(e).__name__}: {e}")
             message = f"island {island} failed mid-stream: {e}"
-        _throttle.event(
+        gw.said.event(
             "stream_failed",
             f"{island} {type(e).__name__}",
             logging.WARNING,

@@ -20,6 +20,7 @@ __all__ = [
     "IslandView",
     "Tier",
     "fleet_latest",
+    "fleet_newest",
     "rank",
     "tier_of",
 ]
@@ -61,6 +62,9 @@ class IslandView:
     #: it gave a bad answer lately (labels outside the constraint, none, too large): tried
     #: only when no other island can be, as if down
     penalized: bool = False
+    #: when its sidecar last read LATEST (time.monotonic(), from ``/version``'s
+    #: ``latest_age_s`` at the poll; None: never, or not reported)
+    latest_read_at: float | None = None
 
 
 def fleet_latest(islands: Sequence[IslandView]) -> int | None:
@@ -79,6 +83,25 @@ def fleet_latest(islands: Sequence[IslandView]) -> int | None:
         if i.latest is not None or i.served is not None
     )
     return seen[(len(seen) - 1) // 2] if seen else None
+
+
+def fleet_newest(islands: Sequence[IslandView]) -> int | None:
+    """The newest version the fleet is known to have, what an island's lag is measured from:
+    the highest version a reachable island serves, or :func:`fleet_latest` when that is higher.
+
+    Not the median: with two islands, one whose sidecar is stuck (its relay hung, its LATEST
+    old) won the median, and its lag read 0 while it was 156 versions behind the other. Not
+    the highest LATEST either: a LATEST one island alone reports (a tampered board's 10^12)
+    would put every honest island 10^12 behind. A served version was verified and loaded, so
+    it exists. An underestimate by the newest island's own lag (it is catching up) remains.
+    """
+    up = [i for i in islands if i.reachable] or list(islands)
+    served = [i.served for i in up if i.served is not None]
+    median = fleet_latest(islands)
+    top = max(served, default=None)
+    if top is None or median is None:
+        return median if top is None else top
+    return max(top, median)
 
 
 def _tier(d_action: Action, need: int | None) -> Tier:

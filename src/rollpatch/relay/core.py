@@ -36,6 +36,7 @@ from .flights import Flights
 from .lineage import Lineage
 from .metrics import Metrics
 from .ttl import TtlTable
+from .upstream import Op, UpstreamCalls
 from .verify import StalePointer, Verifier
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class Relay:
         if trust is None:
             warn_unverified("relay")
         self.metrics = metrics or Metrics()
+        #: Every call to ``upstream`` goes through it: counted, and an outage logged once.
+        self.calls = UpstreamCalls(upstream.uri, self.metrics)
         #: Checks upstream answers before they are cached or served; owns the trust root.
         self.verifier = Verifier(self._get, trust, self.metrics)
         self.cache = DiskCache(
@@ -96,6 +99,7 @@ class Relay:
         self.verifier.on_lineage = self.lineage.forget
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
         self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
+        self.metrics.gauge("rollpatch_relay_upstream_latest_age_seconds", self._latest_age)
         self._flights = Flights(self.metrics)
         self._bulk = ThreadPoolExecutor(config.upstream_workers, "relay-bulk")
         self._meta = ThreadPoolExecutor(config.meta_workers, "relay-meta")
@@ -352,9 +356,12 @@ class Relay:
         self.metrics.inc("rollpatch_relay_upstream_bytes_total", len(data))
         return data
 
-    def _call(self, op: str, fn: Callable[[str], T], arg: str) -> T:
-        self.metrics.inc("rollpatch_relay_upstream_requests_total", op=op)
-        return fn(arg)
+    def _call(self, op: Op, fn: Callable[[str], T], arg: str) -> T:
+        return self.calls.call(op, fn, arg)
+
+    def _latest_age(self) -> float:
+        """The watch's :meth:`~.watch.PointerWatch.latest_age` (0 before any long-poll)."""
+        return self.watch.latest_age() if "watch" in self.__dict__ else 0.0
 
     def _still_valid(self, entry: CacheEntry, kind: KeyKind) -> bool:
         """Whether a manifest or root found in the cache at start-up passes today's checks

@@ -10,12 +10,17 @@ import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["CONTENT_TYPE", "CountRequests", "Metrics"]
+__all__ = ["CONTENT_TYPE", "METHODS", "CountRequests", "Metrics"]
 
 #: The ``Content-Type`` of :meth:`Metrics.render`.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _Labels = tuple[tuple[str, str], ...]
+
+#: The methods the relay serves, each its own ``method`` label; any other method a client
+#: sends is counted as ``other`` (a label taken from the request grew a series per made-up
+#: method: an audit).
+METHODS = frozenset({"GET", "HEAD"})
 
 #: name → (type, help). Every series the relay exports is declared here.
 _FAMILIES: dict[str, tuple[str, str]] = {
@@ -27,6 +32,16 @@ _FAMILIES: dict[str, tuple[str, str]] = {
         "Reads that waited on another request's upstream fetch instead of fetching.",
     ),
     "rollpatch_relay_upstream_requests_total": ("counter", "Calls made to the upstream store."),
+    "rollpatch_relay_upstream_errors_total": (
+        "counter",
+        "Calls to the upstream store that failed, by op and reason (transient, refused, "
+        + "too_large, other).",
+    ),
+    "rollpatch_relay_upstream_latest_age_seconds": (
+        "gauge",
+        "Seconds since the watch last heard from upstream about LATEST, the oldest over the "
+        + "runs watched for long-polls (0: none watched).",
+    ),
     "rollpatch_relay_upstream_bytes_total": ("counter", "Object bytes read from upstream."),
     "rollpatch_relay_served_bytes_total": ("counter", "Object bytes sent to clients."),
     "rollpatch_relay_refused_total": (
@@ -40,7 +55,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     ),
     "rollpatch_relay_unannounced_total": (
         "counter",
-        "New versions held back from long-polls: manifest or step patch failed prefetch.",
+        "New versions held back from long-polls: manifest or step patch failed prefetch "
+        + "(corrupt, refused, missing, timeout, transient, other).",
     ),
     "rollpatch_relay_pushed_total": (
         "counter",
@@ -140,6 +156,10 @@ def _route(path: str) -> str:
     return "other"
 
 
+def _method(method: str) -> str:
+    return method if method in METHODS else "other"
+
+
 class CountRequests:
     """ASGI middleware: ``rollpatch_relay_requests_total{route,method,status}``."""
 
@@ -157,7 +177,7 @@ class CountRequests:
             self.metrics.inc(
                 "rollpatch_relay_requests_total",
                 route=_route(scope["path"]),
-                method=scope["method"],
+                method=_method(scope["method"]),
                 status=str(status),
             )
 

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..errors import RollpatchError
@@ -46,6 +47,7 @@ from ..store.push import MAX_PUSHED, frame_push, have_token
 from .core import Blob, Relay
 from .learned import Learned
 from .notice import Notice
+from .unannounced import held_back
 from .verify import StalePointer
 
 __all__ = ["MAX_PUSH_BYTES", "PREFETCH_HEADER", "PointerWatch"]
@@ -69,10 +71,6 @@ MAX_HINTED = 16
 MAX_PUSH_BYTES = 256 << 20
 
 
-class Unannounced(RollpatchError):
-    """A version's manifest or step patch objects failed prefetch: it is not announced."""
-
-
 @dataclass
 class _Run:
     version: int = -1  # newest version seen (-1: none yet)
@@ -83,6 +81,7 @@ class _Run:
     refused: int = -1  # newest version left unannounced (logged once at WARNING)
     hint: str = ""  # PREFETCH_HEADER of the announced version
     parts: list[tuple[str, bytes]] | None = None  # its objects, once read for a push
+    heard: float = field(default_factory=time.monotonic)  # last upstream answer on LATEST
 
 
 class PointerWatch:
@@ -166,6 +165,14 @@ class PointerWatch:
         self.relay.metrics.inc("rollpatch_relay_pushed_total", len(sending), outcome="sent")
         return frame_push(blob.data, sending)
 
+    def latest_age(self) -> float:
+        """Seconds since the watch last heard from upstream about LATEST (an answer, or a
+        long-poll that ended without news), the oldest over the runs watched; 0: none."""
+        now = time.monotonic()
+        with self._lock:
+            heard = [st.heard for st in self._runs.values() if st.thread is not None]
+        return max((now - h for h in heard), default=0.0)
+
     def announced(self, key: str) -> Blob | None:
         """The newest LATEST the watch of ``key`` announced (None: no watch, or none yet):
         what a long-poll that timed out answers, so it never names a version whose
@@ -221,6 +228,7 @@ class PointerWatch:
                 try:
                     started = time.monotonic()
                     data, read_at, hinted, pushed = self._read(key, after, held, first, notice)
+                    st.heard = time.monotonic()
                     try:
                         newer = data is not None and self._learned(
                             key, st, data, read_at, hinted, pushed, started=started
@@ -234,7 +242,7 @@ class PointerWatch:
                 except NotImplementedError:
                     held = None  # the upstream relay predates long-polls: read every watch_s
                     continue
-                except (RollpatchError, OSError) as e:
+                except (RollpatchError, OSError) as e:  # upstream_down said by relay.calls
                     failures += 1
                     delay = min(self.relay.config.watch_s * 2**failures, MAX_BACKOFF_S)
                     log.debug("relay watch of %s: %s: %s", key, type(e).__name__, e)
@@ -258,20 +266,25 @@ class PointerWatch:
         pushed: list[tuple[str, bytes]] = []
         if held is not None and isinstance(upstream, HttpStore):
             wait_s = max(self.relay.config.hold_s, 1.0)
-            self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="wait")
             headers: dict[str, str] = {}
             push = self.relay.config.push_bytes if self.relay.config.prefetch else 0
             have = self._record.have(key, self.relay.cache) if push else []
-            data = upstream.wait_newer(
-                key, after, wait_s, held, headers, push_bytes=push, pushed_out=pushed, have=have
+            data = self.relay.calls.call(
+                "wait",
+                lambda k: upstream.wait_newer(
+                    k, after, wait_s, held, headers, push_bytes=push, pushed_out=pushed, have=have
+                ),
+                key,
             )
             hint = next((v for k, v in headers.items() if k.lower() == PREFETCH_HEADER.lower()), "")
             return data, time.monotonic(), hint, pushed
         if not first and notice.wait(self.relay.config.watch_s):
             return None, 0.0, "", pushed
         read_at = time.monotonic()
-        self.relay.metrics.inc("rollpatch_relay_upstream_requests_total", op="get")
-        return upstream.get(key, max_bytes=MAX_POINTER_BYTES), read_at, "", pushed
+        data = self.relay.calls.call(
+            "get", lambda k: upstream.get(k, max_bytes=MAX_POINTER_BYTES), key
+        )
+        return data, read_at, "", pushed
 
     def _learned(
         self,
@@ -287,7 +300,7 @@ class PointerWatch:
         """Serve ``data`` (checked) as the run's LATEST; whether it names a newer version.
 
         A newer version is prefetched first (``prefetch``): what the upstream pushed is
-        checked and cached, the rest fetched; :class:`Unannounced` when that fails, and
+        checked and cached, the rest fetched; :class:`~.unannounced.Unannounced` when that fails, and
         nothing changes (waiters stay held, the TTL cache keeps the old LATEST)."""
         run = pointer_run(key)
         if run is None:
@@ -335,7 +348,7 @@ class PointerWatch:
 
     def _prefetch(self, run: str, version: int, st: _Run) -> list[str]:
         """Fetch, verify and cache ``version``'s manifest, then its step patch objects (at
-        once); their keys. Raise :class:`Unannounced` if any is refused, missing or too
+        once); their keys. Raise :class:`~.unannounced.Unannounced` if any is refused, missing or too
         slow."""
         relay = self.relay
         started = time.monotonic()
@@ -347,25 +360,10 @@ class PointerWatch:
             pending = [relay.resolve(p.ref.key) for p in steps]
             for f in pending:
                 f.result(PREFETCH_TIMEOUT_S)
-        except (RollpatchError, OSError, ValueError) as e:  # TimeoutError is an OSError
-            relay.metrics.inc("rollpatch_relay_unannounced_total", reason=type(e).__name__)
+        except (RollpatchError, OSError, ValueError, FutureTimeout) as e:
             first = st.refused < version
             st.refused = max(st.refused, version)
-            event(
-                log,
-                "unannounced",
-                logging.WARNING if first else logging.DEBUG,
-                run=run,
-                version=version,
-                reason=type(e).__name__,
-                error=str(e),
-            )
-            raise Unannounced(
-                "version not announced: its manifest or step patch failed prefetch",
-                run=run,
-                version=version,
-                reason=type(e).__name__,
-            ) from e
+            raise held_back(relay.metrics, run, version, e, first=first) from e
         event(
             log,
             "prefetched",

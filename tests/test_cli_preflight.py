@@ -440,6 +440,7 @@ def test_relay_logs_fetches_as_json(tmp_path: Path) -> None:
     invalid = [e for e in events if "Invalid HTTP request" in e.get("message", "")]
     assert len(invalid) == 1 and invalid[0]["level"] == "warning", lines
     assert any("Started server process" in e.get("message", "") for e in events)
+    assert {(e["service"], e["pid"]) for e in events} == {("relay", proc.pid)}  # L15
     fetched = [e for e in events if e["event"] == "fetched" and e["key"] == ref.key]
     assert len(fetched) == 1 and fetched[0]["bytes"] == ref.size
     assert fetched[0]["logger"] == "rollpatch.relay" and fetched[0]["kind"] == "object"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -110,9 +111,11 @@ class Throttle:
 
 
 class _Formatter(logging.Formatter):
-    def __init__(self, fmt: LogFormat, debug: bool) -> None:
+    def __init__(self, fmt: LogFormat, debug: bool, service: str | None = None) -> None:
         super().__init__()
         self.fmt, self.debug = fmt, debug
+        #: Which process said it, in every JSON line (merged logs of many services).
+        self.origin = {} if service is None else {"service": service, "pid": os.getpid()}
 
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -129,7 +132,14 @@ class _Formatter(logging.Formatter):
         level = record.levelname.lower()
         if self.fmt == "json":
             return json.dumps(
-                {"ts": ts, "level": level, "logger": record.name, "event": name, **fields},
+                {
+                    "ts": ts,
+                    "level": level,
+                    "logger": record.name,
+                    "event": name,
+                    **self.origin,
+                    **fields,
+                },
                 default=str,
             )
         text = " ".join(f"{k}={_text(v)}" for k, v in fields.items())
@@ -156,9 +166,14 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def configure(
-    level: str = "info", fmt: LogFormat = "text", stream: IO[str] | None = None
+    level: str = "info",
+    fmt: LogFormat = "text",
+    stream: IO[str] | None = None,
+    *,
+    service: str | None = None,
 ) -> logging.Logger:
-    """Send the ``rollpatch`` loggers to ``stream`` (stderr) at ``level`` in ``fmt``.
+    """Send the ``rollpatch`` loggers to ``stream`` (stderr) at ``level`` in ``fmt``; every
+    JSON line names ``service`` (``sidecar``, ``relay``, ``gateway``) and the process id.
 
     Idempotent: calling it again replaces the handler it installed before.
     """
@@ -172,7 +187,7 @@ def configure(
             root.removeHandler(h)
     handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.set_name(_HANDLER)
-    handler.setFormatter(_Formatter(fmt, level == "debug"))
+    handler.setFormatter(_Formatter(fmt, level == "debug", service))
     root.addHandler(handler)
     root.setLevel(level.upper())
     root.propagate = False

@@ -62,7 +62,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     preflight.port_free(args.host, args.port)
     from ..logs import configure
 
-    configure(args.log_level, args.log_format)
+    configure(args.log_level, args.log_format, service="gateway")
     from ..gateway import GatewayConfig, parse_island
     from ..gateway.server import start_gateway
     from .flags import config_kwargs

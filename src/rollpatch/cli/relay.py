@@ -62,7 +62,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     _check_cache_dir(Path(args.cache), args.cache_bytes)
     from ..logs import configure
 
-    configure(args.log_level, args.log_format)
+    configure(args.log_level, args.log_format, service="relay")
     from ..relay import RelayConfig, RelayServer
     from .flags import config_kwargs
     from .serving import ShutdownSignals, serve_options, upstream_store

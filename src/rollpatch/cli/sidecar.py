@@ -136,7 +136,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     preflight.offline()
     from ..logs import configure
 
-    configure(args.log_level, args.log_format)
+    configure(args.log_level, args.log_format, service="sidecar")
     from ..board import Board
     from ..follower import FollowerConfig
     from ..sidecar import SidecarConfig

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
@@ -34,7 +35,7 @@ from typing import BinaryIO
 import blake3
 
 from .. import jsonsafe
-from ..errors import ConfigError, RollpatchError
+from ..errors import ConfigError, ObjectIntegrityError, RollpatchError
 from ..store import validate_key
 from .config import object_hash
 from .metrics import Metrics
@@ -49,6 +50,7 @@ _MAX_HEADER = 16 * 1024
 _HASH_CHUNK = 8 << 20
 _TMP = ".tmp-"
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # a write the disk has no room for
+Chunks = Callable[[], Iterator[bytes | memoryview]]  # an object's bytes, piece by piece
 
 log = logging.getLogger("rollpatch.relay")
 
@@ -152,16 +154,23 @@ class DiskCache:
 
     def insert(self, key: str, data: bytes | memoryview, b3: str) -> CacheEntry:
         """Write ``data`` (already verified against ``b3``) and index it; evicts LRU entries.
-        A disk that fills up before ``cache_bytes`` (a smaller disk, or one shared) is made
-        room on: the least recently used entries are dropped until the object's size is
-        freed, and it is written once more; the ``OSError`` when that fails too (the caller
-        serves the object uncached)."""
+        A disk full before ``cache_bytes`` is made room on (LRU entries dropped) and written
+        once more; the ``OSError`` when that fails too (the caller serves it uncached)."""
+        return self.insert_chunks(key, len(data), b3, lambda: iter((data,)), check=False)
+
+    def insert_chunks(
+        self, key: str, size: int, b3: str, chunks: Chunks, *, check: bool = True
+    ) -> CacheEntry:
+        """:meth:`insert` of what ``chunks()`` yields, never whole in memory (a multi-GB
+        keyframe streamed from upstream); with ``check``, indexed only when it is exactly
+        ``size`` bytes whose BLAKE3 is ``b3``, else ``ObjectIntegrityError``, nothing kept.
+        ``chunks`` is called again for the write after making room."""
         try:
-            return self._insert(key, data, b3)
+            return self._insert(key, size, b3, chunks(), check)
         except OSError as e:
-            if e.errno not in _FULL or not self._make_room(len(data) + _MAX_HEADER):
+            if e.errno not in _FULL or not self._make_room(size + _MAX_HEADER):
                 raise
-        return self._insert(key, data, b3)
+        return self._insert(key, size, b3, chunks(), check)
 
     def _make_room(self, need: int) -> bool:
         """Drop least recently used entries until ``need`` bytes are freed (:meth:`_evict`
@@ -179,16 +188,34 @@ class DiskCache:
             )
         return dropped > 0
 
-    def _insert(self, key: str, data: bytes | memoryview, b3: str) -> CacheEntry:
-        header = json.dumps({"key": key, "size": len(data), "b3": b3}).encode()
+    def _insert(
+        self, key: str, size: int, b3: str, chunks: Iterator[bytes | memoryview], check: bool
+    ) -> CacheEntry:
+        header = json.dumps({"key": key, "size": size, "b3": b3}).encode()
         path = self._path(key)
         fd, tmp = tempfile.mkstemp(prefix=_TMP, dir=self.root)
         try:
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO) if check else None
+            written = 0
             with os.fdopen(fd, "wb") as f:
                 f.write(_PREFIX.pack(_MAGIC, len(header)))
                 f.write(header)
-                f.write(data)
-            entry = CacheEntry(key, path, _PREFIX.size + len(header), len(data), b3)
+                for chunk in chunks:
+                    written += len(chunk)
+                    if written > size:
+                        break
+                    if hasher is not None:
+                        hasher.update(chunk)
+                    f.write(chunk)
+            if hasher is not None and (written != size or hasher.hexdigest() != b3):
+                raise ObjectIntegrityError(
+                    "upstream object does not match the BLAKE3 in its key; refused, not cached",
+                    key=key,
+                    size=written,
+                    expected=size,
+                    hint="the upstream copy is corrupt or truncated: republish it",
+                )
+            entry = CacheEntry(key, path, _PREFIX.size + len(header), size, b3)
             with self._lock:
                 path.parent.mkdir(exist_ok=True)
                 os.replace(tmp, path)

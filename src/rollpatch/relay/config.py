@@ -167,6 +167,14 @@ class RelayConfig:
         metavar="SIZE",
         help="largest volatile object (LATEST, unknown keys) kept in memory; larger: refused",
     )
+    stream_chunk_bytes: int = setting(
+        32 * MiB,
+        lo=1,
+        parse=parse_size,
+        metavar="SIZE",
+        help="an upstream object larger than this is fetched in ranges of this size straight "
+        "to the cache file, hashed as it arrives (memory per fetch: one range, not the object)",
+    )
     chunk_bytes: int = setting(
         1 * MiB,
         lo=1,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
@@ -31,10 +31,12 @@ from ..store import ObjectInfo, Store
 from ..store.base import Keys
 from ..trust import Trust, warn_unverified
 from .cache import CacheEntry, DiskCache
-from .config import KeyKind, RelayConfig, classify
+from .config import KeyKind, RelayConfig, classify, object_hash
+from .corrupt import CorruptCopies
 from .flights import Flights
 from .lineage import Lineage
 from .metrics import Metrics
+from .stream import upstream_ranges
 from .ttl import TtlTable
 from .upstream import Op, UpstreamCalls
 from .verify import StalePointer, Verifier
@@ -86,6 +88,10 @@ class Relay:
         self.calls = UpstreamCalls(upstream.uri, self.metrics)
         #: Checks upstream answers before they are cached or served; owns the trust root.
         self.verifier = Verifier(self._get, trust, self.metrics)
+        #: Copies found corrupt upstream, refused by ETag without fetching them again.
+        self.corrupt = CorruptCopies(
+            lambda k: self._call("head", self.upstream.head, k), self.verifier, config.corrupt_ttl
+        )
         self.cache = DiskCache(
             config.cache_dir, config.cache_bytes, self.metrics, recheck_s=config.recheck_s
         )
@@ -105,7 +111,6 @@ class Relay:
         self._meta = ThreadPoolExecutor(config.meta_workers, "relay-meta")
         self._volatile: TtlTable[Blob] = TtlTable()
         self._lists: TtlTable[Keys] = TtlTable()
-        self._corrupt: TtlTable[str] = TtlTable()  # key -> upstream ETag of the bad copy
         self._said = Throttle(log, every_s=60.0)  # cache writes the disk refused
 
     # -- reads --------------------------------------------------------------------------------
@@ -222,62 +227,61 @@ class Relay:
             entry = self.cache.verify(key)
             if entry is not None and self._still_valid(entry, kind):
                 return Blob.cached(entry)
-        self._refuse_known_corrupt(key)
+        self.corrupt.refuse_known(key)
         started = time.monotonic()
-        data = self._get(key)  # one over its manifest's size: refused, not read (no memory)
+        size, bound = None, None
+        if kind is KeyKind.OBJECT:  # a size a checked manifest names, else as stored (HEAD)
+            size = self.verifier.sizes.get(key)
+            if size is None and (info := self._call("head", self.upstream.head, key)):
+                size, bound = info.size, self.config.stream_chunk_bytes
+        entry = None
+        if size is not None and size > self.config.stream_chunk_bytes:
+            entry = self._streamed(key, size)  # in ranges, to disk; None: the disk refused
+            bound = None  # then read whole (served from memory), as any object then
+        blob = Blob.cached(entry) if entry is not None else self._fetch_whole(key, kind, bound)
+        seconds = round(time.monotonic() - started, 4)
+        event(log, "fetched", key=key, kind=kind.value, bytes=blob.size, seconds=seconds)
+        return blob
+
+    def _fetch_whole(self, key: str, kind: KeyKind, bound: int | None) -> Blob:
+        data = self._get(key, bound)  # over its manifest's size: refused, not read (no memory)
         try:
             b3 = self.verifier.check(key, kind, data)
         except ObjectIntegrityError:
-            self._remember_corrupt(key)
+            self.corrupt.remember(key)
             raise
         try:
-            blob = Blob.cached(self.cache.insert(key, data, b3))
+            return Blob.cached(self.cache.insert(key, data, b3))
         except OSError as e:  # a full or read-only cache disk: the verified bytes, uncached
             self.metrics.inc("rollpatch_relay_cache_write_errors_total")
             self._said.event(  # the same failure once a minute, with how many were held back
                 "cache_write_failed", str(e.errno), logging.WARNING, object=key, error=str(e)
             )
-            blob = Blob(key, kind, len(data), f'"{b3}"', data=data)
-        event(
-            log,
-            "fetched",
-            key=key,
-            kind=kind.value,
-            bytes=len(data),
-            seconds=round(time.monotonic() - started, 4),
-        )
-        return blob
+            return Blob(key, kind, len(data), f'"{b3}"', data=data)
 
-    def _refuse_known_corrupt(self, key: str) -> None:
-        """Raise without a GET if ``key`` was found corrupt and upstream still holds that copy
-        (same ETag, by a HEAD): N followers asking for a corrupt multi-GB keyframe cost one
-        transfer per ``corrupt_ttl``, not N."""
-        etag = self._corrupt.get(key)
-        if etag is None:
-            return
-        info = self._call("head", self.upstream.head, key)
-        if info is None or info.etag != etag:  # gone or replaced: fetch and check again
-            return
-        self.verifier.refuse("known_corrupt", key=key, etag=etag)
-        raise ObjectIntegrityError(
-            "upstream object does not match the BLAKE3 in its key (found before, and not "
-            "replaced since); refused, not cached",
-            key=key,
-            hint="the upstream copy is corrupt or truncated: republish it",
-        )
+    def _streamed(self, key: str, size: int) -> CacheEntry | None:
+        """``key``, named by a checked manifest as ``size`` bytes, fetched in ranges into the
+        cache (:mod:`.stream`); None when the cache disk cannot take it (read whole, served
+        from memory, as for any object then)."""
 
-    def _remember_corrupt(self, key: str) -> None:
-        """Remember the ETag of the corrupt copy ``key`` holds upstream (a HEAD right after
-        the GET: a repair in between is refused for at most ``corrupt_ttl``)."""
-        if self.config.corrupt_ttl <= 0:
-            return
+        def read(start: int, end: int) -> bytes:
+            return self._call("get", lambda k: self.upstream.get_range(k, start, end), key)
+
+        def chunks() -> Iterator[bytes]:
+            bump = functools.partial(self.metrics.inc, "rollpatch_relay_upstream_bytes_total")
+            return upstream_ranges(read, key, size, self.config.stream_chunk_bytes, bump)
+
+        b3 = object_hash(key)
+        if b3 is None:  # not an object key: read whole, as any other
+            return None
         try:
-            info = self._call("head", self.upstream.head, key)
-        except StoreError:
-            return  # not remembered: the next request fetches again
-        if info is not None and info.etag:
-            expires = time.monotonic() + self.config.corrupt_ttl
-            self._corrupt.put(key, info.etag, expires)
+            return self.cache.insert_chunks(key, size, b3, chunks)
+        except ObjectIntegrityError:
+            self.verifier.refuse("hash_mismatch", key=key, size=size)
+            self.corrupt.remember(key)
+            raise
+        except OSError:
+            return None
 
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
         for last in (False, True):  # a LATEST overtaken while read is asked for once more

@@ -1,0 +1,129 @@
+"""Upstream objects larger than ``stream_chunk_bytes`` reach the relay's cache in ranges,
+hashed as they arrive, never whole in memory (session 43: each miss was one ``Store.get`` of
+the whole object, a multi-GB keyframe held in memory per fetch); a copy that is different,
+short or long upstream is refused as corrupt and nothing of it is kept."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from rollpatch.board import Board
+from rollpatch.errors import ObjectIntegrityError
+from rollpatch.manifest import KeyframeObject
+from rollpatch.store import ObjectInfo, Store
+from tests.conftest import make_manifest
+from tests.relayfix import RUN, client, serve
+
+_FIXTURES = (serve,)  # used by name
+
+CHUNK = 4096
+SIZE = 10 * CHUNK + 123  # 11 ranges
+
+
+class Ranged(Store):
+    """Delegates to ``inner``; records whole reads and ranges of each key."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner, self.uri = inner, f"ranged+{inner.uri}"
+        self.whole: list[str] = []
+        self.ranges: list[tuple[str, int, int]] = []
+
+    def _get(self, key: str) -> bytes:
+        self.whole.append(key)
+        return self.inner.get(key)
+
+    def _get_bounded(self, key: str, max_bytes: int) -> bytes:
+        self.whole.append(key)
+        return self.inner.get(key, max_bytes=max_bytes)
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        self.ranges.append((key, start, end))
+        return self.inner.get_range(key, start, end)
+
+    def _list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        return self.inner.head(key)
+
+    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def _delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
+        self.inner.cas(key, data, expected=expected)
+
+
+def _published(board: Board) -> tuple[str, bytes]:
+    """A version whose keyframe object is SIZE bytes; its key and bytes."""
+    data = os.urandom(SIZE)
+    ref = board.put_object(RUN, data, "safetensors")
+    board.put_manifest(make_manifest(RUN, 0, view_bytes=SIZE, keyframes=(KeyframeObject(ref),)))
+    board.advance(RUN, 0)
+    return ref.key, data
+
+
+def _cache_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.name != "trust-state.json"]
+
+
+def test_a_large_object_reaches_the_cache_in_ranges(
+    memory_board: Board, serve, tmp_path: Path
+) -> None:
+    key, data = _published(memory_board)
+    upstream = Ranged(memory_board.store)
+    relay = serve(upstream, stream_chunk_bytes=CHUNK)
+    c = client(relay)
+    c.get(f"runs/{RUN}/versions/000000000000.json")  # its manifest names the object's size
+    assert c.get(key) == data
+    assert key not in upstream.whole  # never read whole
+    got = [(s, e) for k, s, e in upstream.ranges if k == key]
+    assert len(got) == math.ceil(SIZE / CHUNK) and got[-1][1] == SIZE
+    assert all(e - s <= CHUNK for s, e in got)
+    assert c.get_range(key, 5, 9) == data[5:9]  # served from the cache: no new upstream read
+    assert len([k for k, _, _ in upstream.ranges if k == key]) == len(got)
+
+
+@pytest.mark.parametrize("damage", ["different", "short", "long"])
+def test_a_damaged_large_object_is_refused_and_nothing_of_it_kept(
+    memory_board: Board, serve, tmp_path: Path, damage: str
+) -> None:
+    key, data = _published(memory_board)
+    bad = {
+        "different": data[:-1] + bytes([data[-1] ^ 1]),
+        "short": data[: SIZE - 100],
+        "long": data + b"tail",  # the named size is read: the object as named is sound
+    }[damage]
+    memory_board.store.put(key, bad, if_absent=False)
+    relay = serve(memory_board.store, stream_chunk_bytes=CHUNK)
+    c = client(relay)
+    c.get(f"runs/{RUN}/versions/000000000000.json")
+    files = _cache_files(tmp_path / "cache")
+    if damage == "long":
+        assert c.get(key) == data
+        return
+    with pytest.raises(ObjectIntegrityError):
+        c.get(key)
+    assert _cache_files(tmp_path / "cache") == files  # no entry, no temp file left
+    refused = relay.relay.metrics.value("rollpatch_relay_refused_total", reason="hash_mismatch")
+    assert refused == 1
+
+
+def test_an_object_no_manifest_named_yet_is_streamed_by_its_stored_size(
+    memory_board: Board, serve
+) -> None:
+    """A follower asking for an object before this relay read its manifest: the size comes
+    from a HEAD, and the object is streamed and checked against its key's BLAKE3 as well
+    (before, such a read was unbounded: whoever can write to the store chose the memory)."""
+    key, data = _published(memory_board)
+    upstream = Ranged(memory_board.store)
+    relay = serve(upstream, stream_chunk_bytes=CHUNK)
+    assert client(relay).get(key) == data
+    assert key not in upstream.whole
+    assert len([k for k, _, _ in upstream.ranges if k == key]) == math.ceil(SIZE / CHUNK)

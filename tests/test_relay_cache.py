@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -333,11 +334,11 @@ def test_a_disk_that_fills_below_the_bound_is_made_room_on(
     quota = sum(sorted(sizes.values())[-2:]) + 2 * 1024  # two of the largest, and headers
     write = cache._insert
 
-    def on_a_small_disk(key: str, data: bytes, b3: str) -> object:
+    def on_a_small_disk(key: str, size: int, b3: str, chunks: Any, check: bool) -> object:
         used = sum(e.file_bytes for e in cache._index.values())
-        if used + len(data) + 1024 > quota:
+        if used + size + 1024 > quota:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return write(key, data, b3)
+        return write(key, size, b3, chunks, check)
 
     monkeypatch.setattr(cache, "_insert", on_a_small_disk)
     c = client(relay)

@@ -14,7 +14,7 @@ import pytest
 from rollpatch.board import Board
 from rollpatch.errors import ObjectIntegrityError
 from rollpatch.manifest import KeyframeObject
-from rollpatch.store import ObjectInfo, Store
+from rollpatch.store import ObjectInfo, Store, open_store
 from tests.conftest import make_manifest
 from tests.relayfix import RUN, client, serve
 
@@ -73,11 +73,10 @@ def _cache_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and p.name != "trust-state.json"]
 
 
-def test_a_large_object_reaches_the_cache_in_ranges(
-    memory_board: Board, serve, tmp_path: Path
-) -> None:
-    key, data = _published(memory_board)
-    upstream = Ranged(memory_board.store)
+def test_a_large_object_reaches_the_cache_in_ranges(any_board: Board, serve) -> None:
+    """On every backend a board is kept on (S3: ranged GETs of a real server process)."""
+    key, data = _published(any_board)
+    upstream = Ranged(any_board.store)
     relay = serve(upstream, stream_chunk_bytes=CHUNK)
     c = client(relay)
     c.get(f"runs/{RUN}/versions/000000000000.json")  # its manifest names the object's size
@@ -127,3 +126,14 @@ def test_an_object_no_manifest_named_yet_is_streamed_by_its_stored_size(
     assert client(relay).get(key) == data
     assert key not in upstream.whole
     assert len([k for k, _, _ in upstream.ranges if k == key]) == math.ceil(SIZE / CHUNK)
+
+
+def test_a_relay_streams_from_a_relay_upstream(memory_board: Board, serve) -> None:
+    """A region relay behind an origin relay: its ranges are Range requests to the origin."""
+    key, data = _published(memory_board)
+    origin = serve(memory_board.store, cache="origin")
+    region = serve(open_store(origin.url, retries=0), cache="region", stream_chunk_bytes=CHUNK)
+    c = client(region)
+    c.get(f"runs/{RUN}/versions/000000000000.json")
+    assert c.get(key) == data
+    assert region.relay.cache.peek(key) is not None and origin.relay.cache.peek(key) is not None

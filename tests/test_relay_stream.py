@@ -14,9 +14,9 @@ import pytest
 from rollpatch.board import Board
 from rollpatch.errors import ObjectIntegrityError
 from rollpatch.manifest import KeyframeObject
-from rollpatch.store import ObjectInfo, Store, open_store
+from rollpatch.store import Store, open_store
 from tests.conftest import make_manifest
-from tests.relayfix import RUN, client, serve
+from tests.relayfix import RUN, Counting, client, serve
 
 _FIXTURES = (serve,)  # used by name
 
@@ -24,40 +24,21 @@ CHUNK = 4096
 SIZE = 10 * CHUNK + 123  # 11 ranges
 
 
-class Ranged(Store):
-    """Delegates to ``inner``; records whole reads and ranges of each key."""
+class Ranged(Counting):
+    """Records whole reads and ranges of each key (then reads as :class:`Counting`)."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner, self.uri = inner, f"ranged+{inner.uri}"
+        super().__init__(inner)
         self.whole: list[str] = []
         self.ranges: list[tuple[str, int, int]] = []
 
     def _get(self, key: str) -> bytes:
         self.whole.append(key)
-        return self.inner.get(key)
-
-    def _get_bounded(self, key: str, max_bytes: int) -> bytes:
-        self.whole.append(key)
-        return self.inner.get(key, max_bytes=max_bytes)
+        return super()._get(key)
 
     def _get_range(self, key: str, start: int, end: int) -> bytes:
         self.ranges.append((key, start, end))
-        return self.inner.get_range(key, start, end)
-
-    def _list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
-
-    def _head(self, key: str) -> ObjectInfo | None:
-        return self.inner.head(key)
-
-    def _put(self, key: str, data: memoryview, *, if_absent: bool) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
-
-    def _delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def _cas(self, key: str, data: bytes, *, expected: bytes | None) -> None:
-        self.inner.cas(key, data, expected=expected)
+        return super()._get_range(key, start, end)
 
 
 def _published(board: Board) -> tuple[str, bytes]:

@@ -10,6 +10,7 @@ chunk only.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import subprocess
@@ -94,7 +95,8 @@ def test_cli_drains_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "rollpatch", "relay", "--board", f"file://{root}"]
     cmd += ["--port", str(port), "--cache", str(tmp_path / "cache"), "--cache-bytes", "128M"]
-    cmd += ["--chunk-bytes", str(CHUNK), "--log-level", "warning", "--shutdown-grace", "60"]
+    cmd += ["--chunk-bytes", str(CHUNK), "--shutdown-grace", "60"]
+    cmd += ["--log-level", "info", "--log-format", "json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -116,6 +118,10 @@ def test_cli_drains_on_sigterm(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert "rollpatch relay: draining 1 request(s) in flight" in out, out
     assert "stopping with" not in out, out
+    events = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    said = [(e["event"], e.get("inflight")) for e in events if e["service"] == "relay"]
+    assert ("draining", 1) in said and ("stopping", None) in said, said  # in the log too
+    assert not any(e["event"] == "drain_cut_short" for e in events)
 
 
 def _up(url: str, proc: subprocess.Popen[str]) -> bool:

@@ -127,13 +127,19 @@ class ShutdownSignals:
         while not self.done.wait(0.5):
             if alive is not None and not alive():
                 return
+        from ..logs import event
+
+        log = logging.getLogger(f"rollpatch.{name}")  # the log's lines beside stdout's
         if grace_s > 0:
             print(f"rollpatch {name}: draining {inflight()} request(s) in flight", flush=True)
+            event(log, "draining", inflight=inflight(), grace_s=grace_s)
             if not drain(grace_s, self.hurry):
                 print(
                     f"rollpatch {name}: stopping with {inflight()} request(s) in flight",
                     flush=True,
                 )
+                event(log, "drain_cut_short", logging.WARNING, inflight=inflight())
+        event(log, "stopping")
 
     def finish(self, name: str, stop: Callable[[], None], bound_s: float) -> None:
         """Run ``stop`` (the service's own: its threads, its engine's close), bounded: an

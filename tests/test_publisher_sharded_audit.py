@@ -236,7 +236,10 @@ def _gloo_phases(rank: int, uri: str, report: dict[str, Any]) -> None:
     for i in range(3):
         with Publisher(uri, "l3", CFG) as pub:
             pub.publish(shard(i, rank))
-    Publisher(uri, "l3", CFG).abort()
+    Publisher(uri, "l3", CFG).abort()  # its worker frees the group on its way out
+    deadline = time.monotonic() + 20
+    while len(groups) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
     report["l3"] = [before, len(groups)]
     if rank == 0:  # H6: a publisher on the main process only, as for a gathered state dict
         t0 = time.monotonic()

@@ -73,8 +73,9 @@ from _codec_transition import first_encode_rss, transition
 from _util import log, machine, parse_size, peak_rss
 
 from rollpatch import native
+from rollpatch.errors import RollpatchError
 from rollpatch.formats import QuantPolicy, cast_view
-from rollpatch.sim import AdamSim, MoEConfig, SimConfig
+from rollpatch.sim import AdamSim, MoEConfig, SimConfig, llama_dims, moe_dims
 
 DEFAULT_FORMATS = "bf16,fp8-e4m3-block128,nvfp4"
 
@@ -187,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     if native.core is None:
         raise SystemExit("the native core is not built: pip install -e .")
+    for size in sizes:  # a size the simulator cannot lay out: refused before anything runs
+        try:
+            cfg = SimConfig(n_params=parse_size(size), lr=lrs[0], seed=0, moe=moe)
+            moe_dims(cfg.n_params, cfg.vocab, moe) if moe else llama_dims(cfg.n_params, cfg.vocab)
+        except (ValueError, RollpatchError) as e:
+            ap.error(f"--sizes {size}: {e} (the smallest the simulator lays out is about 10M)")
     mach["first_encode_rss"] = first_encode_rss(threads)
     for size, n_steps in zip(sizes, steps):
         for lr in lrs:

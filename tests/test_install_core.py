@@ -133,3 +133,19 @@ def test_a_native_core_that_does_not_load_is_said_not_silently_replaced() -> Non
     )
     assert ok.stdout.startswith("rollpatch ") and "native core " in ok.stdout
     assert "NOT LOADED" not in ok.stdout and not ok.stderr
+
+
+def test_an_unknown_isa_level_is_said_not_ignored_silently() -> None:
+    import os
+
+    env = {**os.environ, "ROLLPATCH_ISA": "avx-512"}  # a typo of avx512
+    done = subprocess.run(
+        [sys.executable, "-m", "rollpatch", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0 and "native core " in done.stdout
+    assert "ROLLPATCH_ISA=avx-512 is not one of scalar, avx2, avx512: ignored" in done.stderr

@@ -41,6 +41,9 @@ CHUNK = 1 << 20
 
 _ORDERS = {"signmag": 0, "twos": 1, "unsigned": 2}
 
+#: The core's instruction-set levels, lowest first (``ROLLPATCH_ISA`` takes these names).
+ISAS = ("scalar", "avx2", "avx512")
+
 
 def _load() -> tuple[ModuleType | None, str | None]:
     """(the core, why it is not loaded: None when it is, or when ``ROLLPATCH_NATIVE=0``)."""
@@ -60,6 +63,13 @@ def _load() -> tuple[ModuleType | None, str | None]:
     _rpcore.set_errors(PatchDecodeError, BaseMismatchError)
     if _rpcore.CHUNK != CHUNK:
         raise ImportError("rollpatch native core was built for another chunk size")
+    asked = os.environ.get("ROLLPATCH_ISA")
+    if asked and asked not in ISAS:  # the core ignores it: say so, not run the best silently
+        logging.getLogger("rollpatch.native").warning(
+            "ROLLPATCH_ISA=%s is not one of %s: ignored (the best level this CPU runs is used)",
+            asked,
+            ", ".join(ISAS),
+        )
     return _rpcore, None
 
 
@@ -71,9 +81,6 @@ _BUILD_HINT = (
 )
 
 core, load_error = _load()
-
-#: The core's instruction-set levels, lowest first (``ROLLPATCH_ISA`` takes these names).
-ISAS = ("scalar", "avx2", "avx512")
 
 
 def isa(level: str | None = None) -> tuple[str, str]:

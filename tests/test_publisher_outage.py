@@ -67,9 +67,9 @@ def test_an_async_publisher_rides_out_an_outage_and_publishes_the_newest(
     assert 4 in board.versions(RUN)  # the newest snapshot taken during the outage
     check_all(board, expected)
     assert pub.stats.outages == 1 and pub.stats.outage_since_s is None
-    said = [r.getMessage() for r in caplog.records]
-    assert any("the store is unreachable" in m and "injected outage" in m for m in said), said
-    assert any("the store answers again after" in m for m in said), said
+    said = {getattr(r, "rp_event", None): getattr(r, "rp_fields", {}) for r in caplog.records}
+    assert "injected outage" in said["store_unreachable"]["error"], said  # structured events
+    assert said["store_unreachable"]["run"] == RUN and said["store_back"]["resumed_from"] >= 0
 
 
 def test_a_manifest_written_before_latest_failed_is_rolled_forward_not_published_twice() -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..errors import TransientStoreError
-from ..logs import Every
+from ..logs import Every, event
 
 __all__ = ["OUTAGE_LOG_S", "Outage", "is_outage"]
 
@@ -104,16 +104,16 @@ class Outage:
         self._tries += 1
         w = min(w, self.limit_s - elapsed)
         if self._pace.due():
-            limit = "for good" if self.limit_s == math.inf else f"until {self.limit_s:g} s"
-            log.warning(
-                "%s: the store is unreachable (%s: %s); %s not published yet, retrying %s "
-                "(outage_s), every 30 s at most; publish() goes on accepting versions "
-                "(the newest waits)",
-                self.run,
-                type(error).__name__,
-                error,
-                "the version" if version is None else f"version {version}",
-                limit,
+            event(
+                log,
+                "store_unreachable",
+                logging.WARNING,
+                run=self.run,
+                error_type=type(error).__name__,
+                error=str(error),
+                version=version,  # not published yet; publish() goes on accepting versions
+                retrying_for_s=None if self.limit_s == math.inf else self.limit_s,  # outage_s
+                elapsed_s=round(elapsed, 1),
             )
         return w
 
@@ -137,11 +137,13 @@ class Outage:
         """The store answered again: the publisher resumed from ``top``."""
         if self.since is None:
             return
-        log.warning(
-            "%s: the store answers again after %.1f s; resumed from version %s",
-            self.run,
-            self._clock() - self.since,
-            top,
+        event(
+            log,
+            "store_back",
+            logging.WARNING,
+            run=self.run,
+            outage_s=round(self._clock() - self.since, 1),
+            resumed_from=top,
         )
 
     def elapsed(self) -> float | None:

@@ -124,28 +124,26 @@ def test_a_native_core_that_does_not_load_is_said_not_silently_replaced() -> Non
     assert "native core NOT LOADED (" in done.stdout and "numpy reference" in done.stdout
     warned = [ln for ln in done.stderr.splitlines() if "native codec core did not load" in ln]
     assert len(warned) == 1 and "C compiler" in warned[0], done.stderr
-    ok = subprocess.run(
-        [sys.executable, "-m", "rollpatch", "--version"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    ok = _version()
     assert ok.stdout.startswith("rollpatch ") and "native core " in ok.stdout
     assert "NOT LOADED" not in ok.stdout and not ok.stderr
 
 
-def test_an_unknown_isa_level_is_said_not_ignored_silently() -> None:
+def _version(**env: str) -> subprocess.CompletedProcess[str]:
+    """``rollpatch --version`` in a fresh interpreter, with ``env`` added to the environment."""
     import os
 
-    env = {**os.environ, "ROLLPATCH_ISA": "avx-512"}  # a typo of avx512
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "rollpatch", "--version"],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
-        env=env,
+        env={**os.environ, **env},
     )
+
+
+def test_an_unknown_isa_level_is_said_not_ignored_silently() -> None:
+    done = _version(ROLLPATCH_ISA="avx-512")  # a typo of avx512
     assert done.returncode == 0 and "native core " in done.stdout
     assert "ROLLPATCH_ISA=avx-512 is not one of scalar, avx2, avx512: ignored" in done.stderr

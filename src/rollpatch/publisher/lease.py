@@ -33,7 +33,7 @@ from .. import jsonsafe
 from ..errors import BoardError, ConfigError, ConflictError, NotFoundError, StoreError
 from ..layout import publisher_lease_key
 from ..liveness import process_token, token_gone
-from ..logs import Every
+from ..logs import Every, event
 from ..store import Store
 
 __all__ = ["LEASE_S", "RENEW_S", "Holder", "Lease"]
@@ -135,7 +135,7 @@ class Lease:
                 except ConflictError:
                     continue
                 if why:
-                    log.warning("%s: this publisher takes the run's lease: %s", self.run, why)
+                    event(log, "lease_taken", logging.WARNING, run=self.run, why=why)
                 return
         raise ConflictError("the run's publisher lease kept moving", run=self.run, key=self.key)
 
@@ -177,7 +177,7 @@ class Lease:
                     expected=self._mine,
                 )
             except StoreError as e:  # it runs out by itself
-                log.info("%s: the publisher lease was not released (%s)", self.run, e)
+                event(log, "lease_not_released", run=self.run, error=str(e))
             self._mine = None
 
     def taken_over(self) -> ConflictError:
@@ -239,7 +239,7 @@ class Lease:
             raw = None
         cur = None if raw is None else parse_holder(raw)
         self.lost_to = cur or Holder("(unreadable lease)", "", 0.0, 0.0)
-        log.error("%s: %s", self.run, self.taken_over())
+        event(log, "lease_lost", logging.ERROR, run=self.run, error=str(self.taken_over()))
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(RENEW_S):
@@ -256,4 +256,4 @@ class Lease:
                 self._lost()
             except StoreError as e:  # an outage: the next renewal (or the resume) tries again
                 if self._unrenewed.due():
-                    log.warning("%s: the publisher lease was not renewed (%s)", self.run, e)
+                    event(log, "lease_not_renewed", logging.WARNING, run=self.run, error=str(e))

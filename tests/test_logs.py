@@ -35,7 +35,7 @@ def test_kinds_are_bounded() -> None:
     said = Throttle(logging.getLogger("rollpatch.test.throttle2"), clock=lambda: 0.0)
     for i in range(Throttle.MAX_KINDS * 3):
         said.event("refused", f"reason {'x' * (i % 50)}-{chr(65 + i % 26)}")
-    assert len(said._seen) <= Throttle.MAX_KINDS
+    assert len(said._paces._by_kind) <= Throttle.MAX_KINDS
 
 
 def test_every_paces_a_line_and_counts_what_it_held_back() -> None:

@@ -28,7 +28,16 @@ import threading
 import time
 from typing import IO, Any, Literal, get_args
 
-__all__ = ["LEVELS", "Every", "LogFormat", "Throttle", "add_log_args", "configure", "event"]
+__all__ = [
+    "LEVELS",
+    "Every",
+    "LogFormat",
+    "Paces",
+    "Throttle",
+    "add_log_args",
+    "configure",
+    "event",
+]
 
 LogFormat = Literal["text", "json"]
 LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -78,6 +87,28 @@ class Every:
         self._last, self.held = None, 0
 
 
+class Paces:
+    """One :class:`Every` per kind (at most ``max_kinds``, forgotten all at once past it: a
+    kind made of unusual text cannot grow it without bound). Thread-safe: the one per-kind
+    pacer of :class:`Throttle` and of the library lines :func:`configure` paces."""
+
+    def __init__(self, every_s: float, clock: Any = time.monotonic, max_kinds: int = 256) -> None:
+        self.every_s, self._clock, self.max_kinds = every_s, clock, max_kinds
+        self._lock = threading.Lock()
+        self._by_kind: dict[Any, Every] = {}
+
+    def due(self, kind: Any) -> int | None:
+        """None when a line of ``kind`` is held back now; else how many were held back since
+        the last one (the line is counted as said)."""
+        with self._lock:
+            pace = self._by_kind.get(kind)
+            if pace is None:
+                if len(self._by_kind) >= self.max_kinds:
+                    self._by_kind.clear()
+                pace = self._by_kind[kind] = Every(self.every_s, self._clock)
+            return pace.said_held if pace.due() else None
+
+
 class Throttle:
     """Per-request events (a refusal, a wait to catch up) at most once per ``every_s`` per
     kind (the event's name and a key: a reason with its numbers taken out); those held back
@@ -90,21 +121,13 @@ class Throttle:
     def __init__(
         self, logger: logging.Logger, every_s: float = 10.0, clock: Any = time.monotonic
     ) -> None:
-        self.logger, self.every_s, self._clock = logger, every_s, clock
-        self._lock = threading.Lock()
-        self._seen: dict[tuple[str, str], Every] = {}  # one pace per kind
+        self.logger, self.every_s = logger, every_s
+        self._paces = Paces(every_s, clock, self.MAX_KINDS)
 
     def event(self, name: str, key: str, level: int = logging.INFO, **fields: Any) -> None:
-        kind = (name, _NUMBERS.sub("N", key)[:200])
-        with self._lock:
-            pace = self._seen.get(kind)
-            if pace is None:
-                if len(self._seen) >= self.MAX_KINDS:
-                    self._seen.clear()
-                pace = self._seen[kind] = Every(self.every_s, self._clock)
-            if not pace.due():
-                return
-            held = pace.said_held
+        held = self._paces.due((name, _NUMBERS.sub("N", key)[:200]))
+        if held is None:
+            return
         if held:
             fields["repeated"] = held  # held back since the last line of this kind
         event(self.logger, name, level, **fields)
@@ -206,6 +229,8 @@ def configure(
         sub.propagate = True
         if not any(isinstance(f, _Paced) for f in sub.filters):
             sub.addFilter(_Paced())
+    if fmt == "json" or not sys.stderr.isatty():  # nor a library's progress bars (the
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # engine's weights load)
     return root
 
 
@@ -214,30 +239,17 @@ class _Paced(logging.Filter):
     bad request) each said at most once a minute by their text, the next one with how many
     were held back."""
 
-    MAX_KINDS = 64
-
     def __init__(self, every_s: float = 60.0) -> None:
         super().__init__()
-        self.every_s = every_s
-        self._lock = threading.Lock()
-        self._paces: dict[str, Every] = {}
+        self._paces = Paces(every_s, max_kinds=64)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or getattr(record, _EVENT, None) is not None:
             return True
-        key = str(record.msg)[:200]
-        with self._lock:
-            pace = self._paces.get(key)
-            if pace is None:
-                if len(self._paces) >= self.MAX_KINDS:
-                    self._paces.clear()
-                pace = self._paces[key] = Every(self.every_s)
-            if not pace.due():
-                return False
-            held = pace.said_held
+        held = self._paces.due(str(record.msg)[:200])
         if held:
             record.msg = f"{record.msg} ({held} more since the last such line)"
-        return True
+        return held is not None
 
 
 def add_log_args(p: argparse.ArgumentParser, *, default_level: str | None = "info") -> None:

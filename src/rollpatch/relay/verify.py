@@ -109,6 +109,8 @@ class Verifier:
         #: its base version than the manifest this relay checked for it: the run was
         #: published again under its name (set by the relay: its cached manifests go).
         self.on_lineage: Callable[[str, str], None] | None = None
+        #: Roots of the verified chain by version, as read upstream (immutable once verified).
+        self._roots: dict[int, bytes] = {}
 
     def bound(self, key: str) -> int | None:
         """How much of ``key`` the relay reads upstream: a document's bound, an object's size
@@ -189,7 +191,7 @@ class Verifier:
         """The earlier root of this relay's verified chain whose keys signed the manifest it
         refuses (a planned rotation retired them), else None (docs/trust.md)."""
         try:
-            return retired_by(data, named[0], named[1], self.trust, e, self._upstream_root)
+            return retired_by(data, named[0], named[1], self.trust, e, self._chain_root)
         except RollpatchError:  # a root unreadable upstream now: a plain refusal
             return None
 
@@ -207,6 +209,18 @@ class Verifier:
         # a manifest a planned rotation retired is no attack: counted, said at INFO
         level = logging.INFO if reason == "trust_retired" else logging.WARNING
         event(log, "refused", level, reason=reason, key=key, **info)
+
+    def _chain_root(self, n: int) -> bytes | None:
+        """Root ``n``'s bytes, read upstream once: kept when they are the root this relay's
+        chain verified as ``n`` (each refusal of a retired manifest read every earlier root
+        upstream again)."""
+        kept = self._roots.get(n)
+        if kept is None:
+            kept = self._upstream_root(n)
+            trust = self.trust
+            if kept and trust and blake3.blake3(kept).hexdigest() == trust.verified_root(n):
+                self._roots[n] = kept
+        return kept
 
     def _upstream_root(self, n: int) -> bytes | None:
         try:

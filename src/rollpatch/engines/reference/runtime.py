@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import secrets
-import sys
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -62,10 +61,6 @@ class ReferenceRuntime:
         kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype]}
         if "disable_mmap" in inspect.signature(AutoModelForCausalLM.from_pretrained).parameters:
             kwargs["disable_mmap"] = True  # own the memory: never alias the file on disk
-        if not sys.stderr.isatty():  # a service's log: no progress bar between its lines
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
         self.model.eval()
         self.model.requires_grad_(False)

@@ -160,6 +160,9 @@ def train(cfg: DemoConfig, layout: Layout, commands: queue.Queue[dict[str, Any]]
             version = published.publish(served_state(model))
             rewards = [r.reward for g in groups for r in g]
             islands = Counter(r.island for g in groups for r in g)
+            # a version already durable is announced before its step: an island may commit it
+            # within milliseconds, and the step line shows how long that took (its t_latest)
+            published.report()
             emit(
                 "step",
                 step=step,

@@ -72,6 +72,32 @@ def test_versions_reconstruct_bit_exact(tmp_path: Path, asynchronous: bool, uri:
     assert [(s.base, s.to) for s in board.plan(RUN, None, 6).steps] == [(None, 4), (4, 6)]
 
 
+def test_every_published_version_is_one_event_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer's log says each version once, when LATEST names it, with what it cost."""
+    sim = AdamSim(SimConfig(n_params=100_000, lr=1e-5, seed=2, vocab=256))
+    cfg = PublisherConfig(keyframe_every=4, skip_strides=(2,))
+    with (
+        caplog.at_level("INFO", logger="rollpatch.publisher"),
+        Publisher(f"memory://pub-{uuid.uuid4().hex[:12]}", RUN, cfg, asynchronous=False) as pub,
+    ):
+        for _ in range(3):
+            pub.publish(sim.masters())
+            sim.step()
+        stats = pub.stats
+    said = [
+        getattr(r, "rp_fields", {})
+        for r in caplog.records
+        if getattr(r, "rp_event", None) == "version_published"
+    ]
+    assert [f["version"] for f in said] == [0, 1, 2]
+    assert [f["parent"] for f in said] == [None, 0, 1]
+    assert [f["keyframe"] for f in said] == [True, False, False]
+    assert [f["skip_bases"] for f in said] == [None, None, "0"]
+    for f, s in zip(said, stats.versions, strict=True):
+        assert (f["patch_bytes"], f["bytes"], f["changed"]) == (s.patch_bytes, s.bytes, s.changed)
+        assert f["total_s"] == round(s.total_s, 3) and f["run"] == RUN
+
+
 def test_quantised_format_and_meta(board: Board) -> None:
     masters = random_masters(0)
     cfg = PublisherConfig(format="fp8-e4m3", scales="bf16", keyframe_every=0)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..board import Board, version_key
 from ..errors import BoardError, ConfigError, NoPathError, ObjectIntegrityError, TrustError
-from ..logs import Every
+from ..logs import Every, event
 from ..view import View
 from .assemble import assemble_manifest
 from .config import PublisherConfig, VersionStats
@@ -175,6 +175,21 @@ class VersionWriter:
         assert res is not None
         stats = self._record(snap, res, parent, started, resume_s, t_commit, outcome)
         self.pipe.commit(res)  # after the stats: total_s ends when LATEST names the version
+        if self._x.rank == 0:  # one line per version LATEST names (rank 0's share if sharded)
+            event(
+                log,
+                "version_published",
+                run=self.run,
+                version=n,
+                parent=parent,
+                keyframe=stats.keyframe,
+                skip_bases=",".join(map(str, stats.skip_bases)) or None,
+                patch_bytes=stats.patch_bytes,
+                bytes=stats.bytes,
+                changed=stats.changed,
+                encode_s=round(stats.encode_s, 3),
+                total_s=round(stats.total_s, 3),
+            )
         return stats
 
     def _resumed_view(self, snap: Snapshot) -> View | None:

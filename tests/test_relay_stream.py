@@ -5,6 +5,8 @@ short or long upstream is refused as corrupt and nothing of it is kept."""
 
 from __future__ import annotations
 
+import errno
+import gc
 import math
 import os
 from pathlib import Path
@@ -12,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from rollpatch.board import Board
-from rollpatch.errors import ObjectIntegrityError
+from rollpatch.errors import ObjectIntegrityError, TransientStoreError
 from rollpatch.manifest import KeyframeObject
+from rollpatch.relay.uncached import MemoryBudget
 from rollpatch.store import Store, open_store
 from tests.conftest import make_manifest
 from tests.relayfix import RUN, Counting, client, serve
@@ -118,3 +121,56 @@ def test_a_relay_streams_from_a_relay_upstream(memory_board: Board, serve) -> No
     c.get(f"runs/{RUN}/versions/000000000000.json")
     assert c.get(key) == data
     assert region.relay.cache.peek(key) is not None and origin.relay.cache.peek(key) is not None
+
+
+def _disk_full(*_: object, **__: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_large_object_the_cache_disk_refuses_is_served_from_bounded_memory(
+    memory_board: Board, serve, monkeypatch: pytest.MonkeyPatch, fits: bool
+) -> None:
+    """A full cache disk: a large object is served from memory while the relay's budget for
+    such objects holds it, else refused with a 503 before it is read (before session 44 each
+    was read whole, up to ``upstream_workers`` multi-GB keyframes in memory at once)."""
+    key, data = _published(memory_board)
+    upstream = Ranged(memory_board.store)
+    budget = SIZE if fits else SIZE - 1
+    relay = serve(upstream, stream_chunk_bytes=CHUNK, uncached_bytes=budget, prefetch=False)
+    c = client(relay)
+    c.get(f"runs/{RUN}/versions/000000000000.json")  # cached; then the disk fills up
+    monkeypatch.setattr(relay.relay.cache, "insert_chunks", _disk_full)
+    if fits:
+        assert c.get(key) == data
+        assert c.get_range(key, 5, 9) == data[5:9]  # not cached: read again, within bounds
+        gc.collect()
+        assert relay.relay.uncached.held == 0  # given back once the answers were sent
+        assert relay.relay.metrics.value("rollpatch_relay_cache_write_errors_total") == 2
+        return
+    with pytest.raises(TransientStoreError, match="does not fit in its memory"):
+        c.get(key)
+    assert key not in upstream.whole  # refused before it was read whole
+    assert relay.relay.uncached.held == 0
+    assert relay.relay.metrics.value("rollpatch_relay_cache_write_errors_total") == 1
+
+
+def test_the_memory_budget_holds_bytes_while_what_holds_them_lives() -> None:
+    class Held:
+        pass
+
+    budget = MemoryBudget(100)
+    one = budget.held_while("k1", 60, Held)
+    assert budget.held == 60
+    with pytest.raises(TransientStoreError, match="60 of 100 bytes held"):
+        budget.held_while("k2", 41, Held)
+    with pytest.raises(ZeroDivisionError):  # a failed fetch gives its bytes back
+        budget.held_while("k3", 40, lambda: 1 // 0)
+    two = budget.held_while("k4", 40, Held)
+    assert budget.held == 100
+    del one
+    gc.collect()
+    assert budget.held == 40
+    del two
+    gc.collect()
+    assert budget.held == 0

@@ -175,6 +175,16 @@ class RelayConfig:
         help="an upstream object larger than this is fetched in ranges of this size straight "
         "to the cache file, hashed as it arrives (memory per fetch: one range, not the object)",
     )
+    #: docs/relay.md, "Cache": an object the cache disk refuses is served from memory.
+    uncached_bytes: int = setting(
+        1 * GiB,
+        lo=0,
+        parse=lambda text: 0 if text.strip() == "0" else parse_size(text),
+        metavar="SIZE",
+        help="memory for objects over --stream-chunk-bytes that the cache disk refuses (full, "
+        "read only), served from memory while any answer sends them; one that does not fit: "
+        "503 (its clients retry)",
+    )
     chunk_bytes: int = setting(
         1 * MiB,
         lo=1,

@@ -38,6 +38,7 @@ from .lineage import Lineage
 from .metrics import Metrics
 from .stream import upstream_ranges
 from .ttl import TtlTable
+from .uncached import MemoryBudget
 from .upstream import Op, UpstreamCalls
 from .verify import StalePointer, Verifier
 
@@ -105,6 +106,9 @@ class Relay:
         self.verifier.on_lineage = self.lineage.forget
         self.metrics.gauge("rollpatch_relay_cache_bytes", lambda: self.cache.total_bytes)
         self.metrics.gauge("rollpatch_relay_cache_entries", lambda: len(self.cache))
+        #: Large objects the cache disk refused, served from memory (:mod:`.uncached`).
+        self.uncached = MemoryBudget(config.uncached_bytes)
+        self.metrics.gauge("rollpatch_relay_uncached_bytes", lambda: self.uncached.held)
         self.metrics.gauge("rollpatch_relay_upstream_latest_age_seconds", self._latest_age)
         self._flights = Flights(self.metrics)
         self._bulk = ThreadPoolExecutor(config.upstream_workers, "relay-bulk")
@@ -234,35 +238,42 @@ class Relay:
             size = self.verifier.sizes.get(key)
             if size is None and (info := self._call("head", self.upstream.head, key)):
                 size, bound = info.size, self.config.stream_chunk_bytes
-        entry = None
         if size is not None and size > self.config.stream_chunk_bytes:
-            entry = self._streamed(key, size)  # in ranges, to disk; None: the disk refused
-            bound = None  # then read whole (served from memory), as any object then
-        blob = Blob.cached(entry) if entry is not None else self._fetch_whole(key, kind, bound)
+            try:  # in ranges, to disk; the disk refused: from memory, within uncached_bytes
+                blob = self._streamed(key, size)
+            except OSError as e:
+                self._cache_refused(key, e)
+                fetch = functools.partial(self._fetch_whole, key, kind, size, cache=False)
+                blob = self.uncached.held_while(key, size, fetch)  # over the bound: a 503
+        else:
+            blob = self._fetch_whole(key, kind, bound)
         seconds = round(time.monotonic() - started, 4)
         event(log, "fetched", key=key, kind=kind.value, bytes=blob.size, seconds=seconds)
         return blob
 
-    def _fetch_whole(self, key: str, kind: KeyKind, bound: int | None) -> Blob:
+    def _fetch_whole(self, key: str, kind: KeyKind, bound: int | None, cache: bool = True) -> Blob:
         data = self._get(key, bound)  # over its manifest's size: refused, not read (no memory)
         try:
             b3 = self.verifier.check(key, kind, data)
         except ObjectIntegrityError:
             self.corrupt.remember(key)
             raise
-        try:
-            return Blob.cached(self.cache.insert(key, data, b3))
-        except OSError as e:  # a full or read-only cache disk: the verified bytes, uncached
-            self.metrics.inc("rollpatch_relay_cache_write_errors_total")
-            self._said.event(  # the same failure once a minute, with how many were held back
-                "cache_write_failed", str(e.errno), logging.WARNING, object=key, error=str(e)
-            )
-            return Blob(key, kind, len(data), f'"{b3}"', data=data)
+        if cache:
+            try:
+                return Blob.cached(self.cache.insert(key, data, b3))
+            except OSError as e:  # a full or read-only cache disk: the verified bytes, uncached
+                self._cache_refused(key, e)
+        return Blob(key, kind, len(data), f'"{b3}"', data=data)
 
-    def _streamed(self, key: str, size: int) -> CacheEntry | None:
+    def _cache_refused(self, key: str, e: OSError) -> None:
+        self.metrics.inc("rollpatch_relay_cache_write_errors_total")
+        self._said.event(  # the same failure once a minute, with how many were held back
+            "cache_write_failed", str(e.errno), logging.WARNING, object=key, error=str(e)
+        )
+
+    def _streamed(self, key: str, size: int) -> Blob:
         """``key``, named by a checked manifest as ``size`` bytes, fetched in ranges into the
-        cache (:mod:`.stream`); None when the cache disk cannot take it (read whole, served
-        from memory, as for any object then)."""
+        cache (:mod:`.stream`); ``OSError`` when the cache disk cannot take it."""
 
         def read(start: int, end: int) -> bytes:
             return self._call("get", lambda k: self.upstream.get_range(k, start, end), key)
@@ -272,16 +283,13 @@ class Relay:
             return upstream_ranges(read, key, size, self.config.stream_chunk_bytes, bump)
 
         b3 = object_hash(key)
-        if b3 is None:  # not an object key: read whole, as any other
-            return None
+        assert b3 is not None  # an object key (its size is known)
         try:
-            return self.cache.insert_chunks(key, size, b3, chunks)
+            return Blob.cached(self.cache.insert_chunks(key, size, b3, chunks))
         except ObjectIntegrityError:
             self.verifier.refuse("hash_mismatch", key=key, size=size)
             self.corrupt.remember(key)
             raise
-        except OSError:
-            return None
 
     def _fetch_volatile(self, key: str, kind: KeyKind) -> Blob:
         for last in (False, True):  # a LATEST overtaken while read is asked for once more

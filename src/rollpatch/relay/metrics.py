@@ -76,6 +76,11 @@ _FAMILIES: dict[str, tuple[str, str]] = {
         "counter",
         "Verified objects the cache disk could not take (full, read only): served uncached.",
     ),
+    "rollpatch_relay_uncached_bytes": (
+        "gauge",
+        "Bytes of objects over --stream-chunk-bytes that the cache disk refused, held in "
+        + "memory while answers send them (bounded by --uncached-bytes).",
+    ),
     "rollpatch_relay_cache_bytes": ("gauge", "Bytes of cache files on disk."),
     "rollpatch_relay_cache_entries": ("gauge", "Objects in the disk cache."),
 }

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from ..errors import (
@@ -247,7 +248,9 @@ def _serve(
     if isinstance(source, bytes):
         body = source[first : last + 1]
         relay.metrics.inc("rollpatch_relay_served_bytes_total", len(body))
-        return Response(body, status_code=status, headers=headers)
+        # an object the cache disk refused holds its memory (.uncached) until it is sent
+        kept = BackgroundTask(_sent, blob) if blob.kind.immutable else None
+        return Response(body, status_code=status, headers=headers, background=kept)
     f, entry = source
     length = last - first + 1
     if length <= relay.config.chunk_bytes:
@@ -260,6 +263,10 @@ def _serve(
         return Response(body, status_code=status, headers=headers)
     f.seek(entry.offset + first)
     return StreamingResponse(_stream(relay, f, length), status_code=status, headers=headers)
+
+
+async def _sent(blob: Blob) -> None:
+    """Nothing: the answer's background task holds ``blob`` until the answer is sent."""
 
 
 def _stream(relay: Relay, f: BinaryIO, length: int) -> Iterator[bytes]:

@@ -2,10 +2,15 @@
 
 XOR+zstd (the Stitch encoder's method, modal-projects/miles ``disk_delta.py``: numpy XOR of
 old and new words, zstd, xxh3-128 of the new tensor) and memcpy (the physical yardstick).
+The baseline is written as a competent user would run it in a loop: per thread one scratch
+buffer of the largest tensor's size and one zstd context per level, reused; XOR and
+decompression go into the scratch, so neither side of the comparison pays fresh pages or
+context setup per tensor (rollpatch keeps its own work arrays: rollpatch.patch.spare).
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,28 +24,59 @@ class RoundTripError(SystemExit):
     """A decode+apply did not reproduce the target bit for bit."""
 
 
+_tls = threading.local()
+
+
+def _state(
+    size: int,
+) -> tuple[np.ndarray, dict[int, zstandard.ZstdCompressor], zstandard.ZstdDecompressor]:
+    """This thread's scratch buffer (at least ``size`` bytes, its pages faulted in once) and its
+    zstd contexts, kept for every tensor and every call, as a competent user keeps them: no
+    tensor-sized allocation (fresh pages) and no context creation per tensor."""
+    st = getattr(_tls, "st", None)
+    if st is None or st[0].nbytes < size:
+        st = _tls.st = (np.ones(size, np.uint8), {}, zstandard.ZstdDecompressor())
+    return st
+
+
+def _largest(view: View) -> int:
+    return max((view[n].nbytes for n in view), default=0)
+
+
 def xor_encode(
     a: View, b: View, pool: ThreadPoolExecutor, level: int
 ) -> dict[str, tuple[bytes, bytes]]:
-    """Per tensor: (zstd frame of old XOR new words, xxh3-128 of the new words)."""
+    """Per tensor: (zstd frame of old XOR new words, xxh3-128 of the new words); the XOR goes
+    into the thread's scratch buffer, compressed by the thread's reused compressor."""
+    size = _largest(b)
 
     def one(name: str) -> tuple[bytes, bytes]:
+        buf, cctxs, _ = _state(size)
+        cctx = cctxs.get(level) or cctxs.setdefault(level, zstandard.ZstdCompressor(level=level))
         new = b[name].data
-        frame = zstandard.ZstdCompressor(level=level).compress(np.bitwise_xor(a[name].data, new))
-        return frame, xxhash.xxh3_128_digest(new)
+        x = buf[: new.nbytes]
+        np.bitwise_xor(a[name].data, new, out=x.view(new.dtype).reshape(new.shape))
+        return cctx.compress(memoryview(x)), xxhash.xxh3_128_digest(new)
 
     names = sorted(b)
     return dict(zip(names, pool.map(one, names)))
 
 
 def xor_apply(view: View, frames: dict[str, tuple[bytes, bytes]], pool: ThreadPoolExecutor) -> None:
-    """Decompress and XOR into ``view`` in place, then check each xxh3-128."""
+    """Decompress into the thread's scratch buffer (reused decompressor), XOR into ``view`` in
+    place, then check each xxh3-128."""
+    size = _largest(view)
 
     def one(name: str) -> None:
+        buf, _, dctx = _state(size)
         frame, digest = frames[name]
         data = view[name].data
-        x = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=data.dtype)
-        np.bitwise_xor(data, x, out=data)
+        x = buf[: data.nbytes]
+        with dctx.stream_reader(frame, read_across_frames=False, closefd=False) as r:
+            got = r.readinto(memoryview(x))
+        if got != data.nbytes:
+            raise RoundTripError(f"XOR+zstd frame of {name}: {got} bytes, not {data.nbytes}")
+        np.bitwise_xor(data, x.view(data.dtype).reshape(data.shape), out=data)
         if xxhash.xxh3_128_digest(data) != digest:
             raise RoundTripError(f"XOR+zstd checksum mismatch on {name}")
 

@@ -38,6 +38,8 @@ class Row:
     enc_extra: int = 0
     enc_first: int = 0
     peak_rss: int = 0
+    #: rp/xor1 time ratio of every round (paired: the same round), "enc" and "dec"
+    round_ratios: dict[str, list[float]] = field(default_factory=lambda: {"enc": [], "dec": []})
     per_step: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -47,6 +49,10 @@ def _ms(seconds: float, n: int) -> str:
 
 def _x(a: float, b: float) -> str:
     return "-" if math.isnan(a) or math.isnan(b) or b <= 0 else f"{a / b:.2f}"
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-"
 
 
 def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, float]) -> str:
@@ -65,12 +71,14 @@ def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, fl
         "xor1",
         "xor3",
         "rp/xor1",
+        "rounds",
         "dec+ap ms: rp",
         "rp inc",
         "numpy",
         "xor1",
         "xor3",
         "rp/xor1",
+        "rounds",
         "inc/xor1",
         "memcpy ms",
         "enc mem",
@@ -96,12 +104,14 @@ def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, fl
                 _ms(e["xor1"], n),
                 _ms(e["xor3"], n),
                 _x(e["native"], e["xor1"]),
+                _spread(r.round_ratios["enc"]),
                 _ms(d["native"], n),
                 _ms(d["inc"], n),
                 _ms(d["numpy"], n),
                 _ms(d["xor1"], n),
                 _ms(d["xor3"], n),
                 _x(d["native"], d["xor1"]),
+                _spread(r.round_ratios["dec"]),
                 _x(d["inc"], d["xor1"]),
                 _ms(e["memcpy"], n),
                 f"{r.enc_extra / (r.patch_bytes / n):.1f}x",
@@ -130,7 +140,9 @@ def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, fl
         ),
         (
             "         xor1/xor3 = XOR + zstd-1/-3 + xxh3-128 of the new tensor (Stitch's "
-            "method); rp/xor1 = the ratio"
+            "method; per thread one scratch buffer and zstd context reused, decompressed into "
+            "it: since session 44, before which each tensor's XOR and frame were fresh arrays); "
+            "rp/xor1 = the ratio"
         ),
         (
             "dec+ap   decode + apply with every check (rollpatch: apply_encoded, one pass per chunk; "
@@ -140,6 +152,10 @@ def render(rows: Sequence[Row], mach: dict, wall_s: float, load: tuple[float, fl
             "rp inc   the same with O(change) digests: sum128(new) = sum128(old) + the change of "
             "the written words (exact for what the patch wrote; blind to bits flipped behind the "
             "view's back, which the engines' background audit catches: docs/engines.md)"
+        ),
+        (
+            "rounds   min-max over the timing rounds of the same round's rp/xor1 time ratio "
+            "(a best-of ratio outside it, or a range wider than a claimed margin, is noise)"
         ),
         "memcpy   copying the view with T threads (the physical yardstick)",
         (

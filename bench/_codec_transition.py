@@ -90,7 +90,11 @@ def transition(
             first = _encode_rss(enc)
             blob = enc()
             frames = {level: xor_encode(a, b, pool, level) for level in (1, 3)}
-            t = _rounds(_methods(a, b, work, scratch, pool, blob, inverse, frames), reps)
+            t, per_round = _rounds(_methods(a, b, work, scratch, pool, blob, inverse, frames), reps)
+            # the same round's rollpatch and XOR+zstd-1 times, paired: their ratio's spread
+            # over the rounds says how far one row's best-of ratio can be trusted
+            for key, rp_m, x_m in (("enc", "rp enc", "xor1 enc"), ("dec", "rp", "xor1")):
+                row.round_ratios[key] += [r[rp_m] / r[x_m] for r in per_round]
             if scratch is None:  # one buffer of the largest tensor's size per thread, reused
                 bufs = copy_buffers(a, threads)
                 t["memcpy"], _ = best_of(lambda: memcpy_reused(a, bufs, pool), reps)  # noqa: B023
@@ -150,18 +154,24 @@ def _frame_bytes(frames: dict[str, tuple[bytes, bytes]]) -> int:
     return sum(len(f) for f, _ in frames.values())
 
 
-def _rounds(methods: dict[str, Callable[[], float]], reps: int) -> dict[str, float]:
+def _rounds(
+    methods: dict[str, Callable[[], float]], reps: int
+) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Each method's best time over ``reps`` rounds. Every round runs every method once, in an
     order rotated each round, so that a slow spell of this shared machine hits the methods
     alike (timing each method's repeats back to back let a spell land on one method only:
-    single ratios swung by 0.2-0.4 between runs)."""
+    single ratios swung by 0.2-0.4 between runs). Also every round's times, for paired ratios."""
     names = list(methods)
     best = dict.fromkeys(names, math.inf)
+    rounds: list[dict[str, float]] = []
     for r in range(max(1, reps)):
         k = r % len(names)
+        got = {}
         for m in names[k:] + names[:k]:
-            best[m] = min(best[m], methods[m]())
-    return best
+            got[m] = methods[m]()
+            best[m] = min(best[m], got[m])
+        rounds.append(got)
+    return best, rounds
 
 
 def _methods(

@@ -138,7 +138,12 @@ def run_group(
 # -- report -----------------------------------------------------------------------------------
 
 
-def _steps_for(text: str, n_sizes: int) -> list[int]:
+def _steps_for(text: str | None, sizes: Sequence[str]) -> list[int]:
+    """``--steps`` per size; without it, 2 transitions below 1B parameters and 1 from 1B on
+    (the old default "2,1" was refused for any --sizes but two)."""
+    n_sizes = len(sizes)
+    if text is None:
+        return [2 if parse_size(s) < 10**9 else 1 for s in sizes]
     steps = [int(s) for s in text.split(",")]
     if len(steps) == 1:
         steps *= n_sizes
@@ -163,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="AdamW learning rates")
     ap.add_argument("--formats", default=DEFAULT_FORMATS, help="served formats")
     ap.add_argument(
-        "--steps", default="2,1", help="transitions per (size, lr): one int, or one per size"
+        "--steps",
+        default=None,
+        help="transitions per (size, lr): one int, or one per size (default: 2 below 1B, 1 above)",
     )
     ap.add_argument("--repeats", type=int, default=5, help="timing rounds for views < 1 GB")
     ap.add_argument(
@@ -179,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     lrs = [float(x) for x in args.lrs.split(",")]
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    steps = _steps_for(args.steps, len(sizes))
+    steps = _steps_for(args.steps, sizes)
     mach = machine()
     load0 = mach["loadavg_1m"] or 0.0
     t_start = time.perf_counter()

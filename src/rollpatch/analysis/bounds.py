@@ -7,8 +7,9 @@ Shared by ``rollpatch analyze`` and ``bench/codec.py`` so both report the same n
   nibbles), ``H`` the empirical entropy. It is what a coder that treats positions as i.i.d.
   coin flips and deltas as i.i.d. symbols needs at best; rollpatch's context model can beat it
   because the chance of a change depends on the old value's exponent.
-- **XOR+zstd-3** (what Stitch and slime ship): per tensor, the stored bytes of old XOR new,
-  compressed by zstd level 3.
+- **XOR+zstd-3**: per tensor, the stored bytes of old XOR new, compressed by zstd level 3
+  (rollpatch's dense fallback's level). Stitch's encoder and slime's disk deltas use level 1,
+  whose frames are a few percent larger: ``bench/codec.py`` reports both.
 """
 
 from __future__ import annotations

@@ -187,7 +187,9 @@ def island_xor(job: dict[str, Any]) -> None:
     tracer = TracingStore(open_store(job["board"]))
     board = Board(tracer)
     have, fetched = 0, 0
-    pool = ThreadPoolExecutor(2)
+    from rollpatch.native import threads
+
+    pool = ThreadPoolExecutor(threads())  # what rollpatch's islands decode with
     # the same notice as rollpatch's followers: the new version's manifest and step patch
     # come in the long-poll's answer (FollowerConfig's push_bytes)
     hint = LatestHint(tracer, job["run"], push_bytes=FollowerConfig().push_bytes)

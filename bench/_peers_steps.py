@@ -15,6 +15,12 @@ from _peers_trace import phases, run_delay
 from _peers_versions import load_masters
 from _util import log
 
+from rollpatch.publisher.core import SETTLE_AFTER_S
+
+#: Seconds after SETTLE_AFTER_S within which rollpatch's deferred settle finishes (~50-160
+#: CPU-ms at 100M parameters, docs/publisher.md) before a version's CPU is read.
+CPU_TAIL_S = 0.5
+
 
 def steps(
     args: argparse.Namespace,
@@ -59,11 +65,17 @@ def steps(
             time.sleep(0.01)
         lat = [isl.serving[v] - t0 for isl in islands]
         trainer_delay = run_delay() - delay0  # the trainer's threads (publisher included)
+        time.sleep(args.settle_s)  # trailing polls of this version count towards it
+        pub = durable(v)
+        # work a method defers past its islands' serving moment belongs to this version too:
+        # rollpatch's publisher composes the step into its skip accumulators (and rebuilds a
+        # skip patch's base) SETTLE_AFTER_S after LATEST moved, which the next version's
+        # window (opened after load_masters) never sees. Wait for it, every method alike.
+        settled = t0 + pub["total_s"] + SETTLE_AFTER_S + CPU_TAIL_S
+        time.sleep(max(0.0, settled - time.time()))
         cpu = cpu_seconds(pids) - cpu0
         parts = {k: x - parts0[k] for k, x in cpu_parts(groups).items()}
-        time.sleep(args.settle_s)  # trailing polls of this version count towards it
         now = wan()
-        pub = durable(v)
         last = max(islands, key=lambda isl: isl.serving[v])
         rows.append(
             {

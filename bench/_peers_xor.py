@@ -79,9 +79,13 @@ def apply_blob(view: View, blob: bytes, pool: ThreadPoolExecutor) -> None:
 class XorPublisher:
     """Publishes versions as XOR+zstd-1 objects on a rollpatch board (see the module doc)."""
 
-    def __init__(self, board: Board, run: str, *, threads: int = 2) -> None:
+    def __init__(self, board: Board, run: str, *, threads: int | None = None) -> None:
+        from rollpatch.native import threads as native_threads
+
         self.board, self.run = board, run
-        self._pool = ThreadPoolExecutor(threads)
+        # as many threads as rollpatch's native core takes in the same process (the cores
+        # this process may run on, or ROLLPATCH_THREADS): the same parallelism on any machine
+        self._pool = ThreadPoolExecutor(threads or native_threads())
         self._queue: queue.Queue[tuple[int, dict[str, np.ndarray], float, float] | None] = (
             queue.Queue()
         )

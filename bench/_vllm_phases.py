@@ -95,14 +95,24 @@ def reload(http: Any, path: Path) -> None:
     )
 
 
-def reload_paused(http: Any, path: Path, v: int) -> None:
+def reload_paused(http: Any, path: Path, v: int) -> dict[str, float]:
     """vLLM's own full update of version ``v``: ``/pause?mode=keep``, ``reload_weights`` of
-    its checkpoint directory, the version tag, the prefix-cache reset, ``/resume``."""
-    http.post("/pause?mode=keep")
-    reload(http, path)
-    http.post("/update_weight_version", {"new_version": str(v)})
-    http.post("/reset_prefix_cache")
-    http.post("/resume")
+    its checkpoint directory, the version tag, the prefix-cache reset, ``/resume``; returns
+    each call's ms under the pause breakdown's names (``rpc_ms``: ``reload_weights`` alone,
+    beside the four control round trips a staged commit with the engine-core hook skips)."""
+    ms: dict[str, float] = {}
+
+    def timed(name: str, call: Any) -> None:
+        t0 = time.perf_counter()
+        call()
+        ms[name] = (time.perf_counter() - t0) * 1e3
+
+    timed("pause_call_ms", lambda: http.post("/pause?mode=keep"))
+    timed("rpc_ms", lambda: reload(http, path))
+    timed("tag_ms", lambda: http.post("/update_weight_version", {"new_version": str(v)}))
+    timed("reset_ms", lambda: http.post("/reset_prefix_cache"))
+    timed("resume_call_ms", lambda: http.post("/resume"))
+    return ms
 
 
 def settle(engine: Any) -> dict[str, Any]:
@@ -127,14 +137,16 @@ def phase_reloads(
     http, out = engine.http, []
     for v in range(1, len(world.digests)):
         settle(engine)  # untimed: nothing of the previous commit is still being written
+        for f in world.checkpoint(v).iterdir():
+            f.read_bytes()  # page cache warm (before the clock starts), as bench/sglang.py
         t0 = time.perf_counter()
-        reload_paused(http, world.checkpoint(v), v)
+        parts = reload_paused(http, world.checkpoint(v), v)
         pause = time.perf_counter() - t0
         if engine.held(fresh=True)[1] != world.digests[v]:  # untimed: re-hash in the workers
             raise BenchError(f"v{v}: after reload_weights the engine holds other bits")
         if greedy(http, server.model, prompt_ids) != served[v]:
             raise BenchError(f"v{v}: the reloaded engine answers differently from the patched")
-        out.append({"pause_s": pause})
+        out.append({"pause_s": pause, "phases_ms": parts})
         log(f"  reload v{v}: pause {pause * 1e3:.0f} ms")
     return out
 

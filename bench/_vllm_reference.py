@@ -120,6 +120,11 @@ def phase_reference(world: World, catchup: int) -> dict[str, Any]:
         loads = []
         for v in range(1, len(world.digests)):
             view = load_view(world.checkpoint(v) / "model.safetensors")
+            # the keyframe's own digest is known before a reload (its manifest names it, and
+            # a follower proves it while fetching): hash it here, untimed, as the staged
+            # paths prove their targets before the pause; what the gate times is then the
+            # copy and the re-hash of the live words, as in bench/sidecar.py's RAM reload
+            view.digest()
             t0 = time.perf_counter()
             f.gate.run(lambda view=view, v=v: eng.load(view, v))
             loads.append({"pause_s": f.gate.last.pause_s, "call_s": time.perf_counter() - t0})

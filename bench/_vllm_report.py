@@ -241,6 +241,7 @@ def render(ctx: dict[str, Any]) -> str:
             ("vLLM staged, double-buffered", ctx["double"]),
             (f"vLLM staged, {ctx['catchup_n']} behind", ctx["catchup"]),
             ("vLLM inline (decode in pause)", il),
+            ("vLLM reload_weights", re_),
         ]
     )
     breakdown += "\n\n" + render_stage(

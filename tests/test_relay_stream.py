@@ -174,3 +174,28 @@ def test_the_memory_budget_holds_bytes_while_what_holds_them_lives() -> None:
     del two
     gc.collect()
     assert budget.held == 0
+
+
+def test_an_upstream_socket_error_mid_stream_is_not_taken_for_a_full_disk(
+    memory_board: Board, serve
+) -> None:
+    """A reset connection while a large object streams in is the upstream's failure (a 503
+    the client retries), not the cache disk refusing it: nothing is read whole into memory
+    and no cache write error is counted."""
+    key, _ = _published(memory_board)
+
+    class Resets(Ranged):
+        def _get_range(self, key: str, start: int, end: int) -> bytes:
+            if start > 0:
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return super()._get_range(key, start, end)
+
+    upstream = Resets(memory_board.store)
+    relay = serve(upstream, stream_chunk_bytes=CHUNK, prefetch=False)
+    c = client(relay)
+    c.get(f"runs/{RUN}/versions/000000000000.json")
+    with pytest.raises(TransientStoreError, match="upstream read failed"):
+        c.get(key)
+    assert key not in upstream.whole
+    assert relay.relay.metrics.value("rollpatch_relay_cache_write_errors_total") == 0
+    assert relay.relay.uncached.held == 0

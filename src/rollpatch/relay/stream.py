@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from ..errors import ConfigError, ObjectIntegrityError
+from ..errors import ConfigError, ObjectIntegrityError, TransientStoreError
 
 __all__ = ["upstream_ranges"]
 
@@ -24,7 +24,9 @@ def upstream_ranges(
 ) -> Iterator[bytes]:
     """``key``'s ``size`` bytes as ``read(start, end)`` returns them, ``chunk_bytes`` at a
     time (``on_bytes`` told each chunk's length). An upstream object shorter than ``size``
-    is corrupt (``ObjectIntegrityError``): its manifest names more than is stored."""
+    is corrupt (``ObjectIntegrityError``): its manifest names more than is stored. An
+    ``OSError`` of ``read`` is raised as ``TransientStoreError``: the caller takes an
+    ``OSError`` for its cache disk refusing the object (``Relay._fetch_immutable``)."""
     for start in range(0, size, chunk_bytes):
         end = min(size, start + chunk_bytes)
         try:
@@ -37,6 +39,8 @@ def upstream_ranges(
                 cause=e.message,
                 hint="the upstream copy is truncated: republish it",
             ) from None
+        except OSError as e:  # the upstream's (a reset socket): not the cache disk refusing
+            raise TransientStoreError(f"upstream read failed: {e}", key=key) from e
         on_bytes(len(data))
         if len(data) != end - start:
             raise ObjectIntegrityError(

@@ -137,10 +137,9 @@ def phase_reloads(
     http, out = engine.http, []
     for v in range(1, len(world.digests)):
         settle(engine)  # untimed: nothing of the previous commit is still being written
-        for f in world.checkpoint(v).iterdir():
-            f.read_bytes()  # page cache warm (before the clock starts), as bench/sglang.py
+        ckpt = world.warm(v)  # page cache warm before the clock starts
         t0 = time.perf_counter()
-        parts = reload_paused(http, world.checkpoint(v), v)
+        parts = reload_paused(http, ckpt, v)
         pause = time.perf_counter() - t0
         if engine.held(fresh=True)[1] != world.digests[v]:  # untimed: re-hash in the workers
             raise BenchError(f"v{v}: after reload_weights the engine holds other bits")

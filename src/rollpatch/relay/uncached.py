@@ -37,25 +37,20 @@ class MemoryBudget:
         with self._lock:
             return self._held
 
-    def take(self, n: int) -> bool:
-        """Take ``n`` bytes if they fit under :attr:`limit`; whether they were taken."""
-        with self._lock:
-            if self._held + n > self.limit:
-                return False
-            self._held += n
-            return True
-
     def claim(self, key: str, n: int) -> None:
-        """:meth:`take` ``n`` bytes for object ``key``, or raise :class:`TransientStoreError`
-        (the relay answers 503) when they do not fit."""
-        if not self.take(n):
-            raise TransientStoreError(
-                f"the relay's cache disk refuses writes and this {n:,}-byte object does not "
-                f"fit in its memory for uncached objects ({self.held:,} of {self.limit:,} "
-                "bytes held)",
-                hint="free or fix the relay's cache disk (--cache), or raise --uncached-bytes",
-                key=key,
-            )
+        """Take ``n`` bytes for object ``key`` if they fit under :attr:`limit`, else raise
+        :class:`TransientStoreError` (the relay answers 503)."""
+        with self._lock:
+            held = self._held
+            if held + n <= self.limit:
+                self._held = held + n
+                return
+        raise TransientStoreError(
+            f"the relay's cache disk refuses writes and this {n:,}-byte object does not fit "
+            f"in its memory for uncached objects ({held:,} of {self.limit:,} bytes held)",
+            hint="free or fix the relay's cache disk (--cache), or raise --uncached-bytes",
+            key=key,
+        )
 
     def give(self, n: int) -> None:
         """Give back ``n`` bytes taken before."""
